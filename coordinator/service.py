@@ -1,0 +1,240 @@
+"""The Coordinator: create tasks, delegate, update todos, query and wait.
+
+The one service every interface (Python API, CLI, HTTP) goes through. Every
+operation validates all of its input first and raises the project's own error
+naming the field; only then does it commit, in one atomic step, and only after
+the commit does it publish work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pydantic
+import redis
+from celery import Celery
+
+from coordinator import dispatch, ids
+from coordinator import todos as todo_lists
+from coordinator.celery_app import make_app
+from coordinator.errors import ConfigError, StateError, ValidationError, WaitTimeout
+from coordinator.keys import Keys
+from coordinator.models import (
+    Batch,
+    DelegationMode,
+    SubtaskSpec,
+    TaskRecord,
+    TaskStatus,
+    TodoItem,
+)
+from coordinator.settings import Settings, load_settings
+from coordinator.store import Store
+
+__all__ = ["Coordinator"]
+
+# How long one blocking read of the tree's event stream lasts inside wait();
+# short enough to notice a deadline, long enough not to spin.
+WAIT_SLICE_MS = 1000
+MAX_PROMPT_CHARS = 200_000
+
+
+class Coordinator:
+    """subq's control plane for one deployment (one Redis, one key prefix)."""
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        client: redis.Redis | None = None,
+        app: Celery | None = None,
+    ) -> None:
+        self.settings = settings or load_settings()
+        if client is None:
+            if not self.settings.redis_url:
+                raise ConfigError(
+                    "Invalid setting SUBQ_REDIS_URL: not set (use `subq demo` or `subq up` for an embedded Redis)",
+                    field="SUBQ_REDIS_URL",
+                )
+            client = redis.Redis.from_url(self.settings.redis_url, decode_responses=True)
+        self.client = client
+        self.store = Store(client, Keys(self.settings.key_prefix), self.settings.result_retention_s)
+        self._app = app
+
+    @property
+    def app(self) -> Celery:
+        """The Celery app used to publish work, built on first use."""
+        if self._app is None:
+            self._app = make_app(self.settings)
+        return self._app
+
+    # -- tasks -------------------------------------------------------------------------
+
+    def create_task(
+        self,
+        prompt: str,
+        todos: str | Sequence[object] | None = None,
+        profile: str | None = None,
+    ) -> TaskRecord:
+        """Create a root task owned by the caller (it delegates through this API)."""
+        prompt = _text(prompt, "prompt", MAX_PROMPT_CHARS)
+        profile_name = profile or self.settings.default_profile
+        self.settings.profile(profile_name)
+        items = todo_lists.parse_update(todos) if todos is not None else []
+        now = time.time()
+        root_id = ids.new_root_id()
+        record = TaskRecord(
+            id=root_id,
+            root_id=root_id,
+            status=TaskStatus.ACTIVE,
+            prompt=prompt,
+            profile=profile_name,
+            created_at=now,
+            updated_at=now,
+        )
+        self.store.create_root(record, items, runner="caller")
+        return record
+
+    def get_task(self, task_id: str) -> TaskRecord:
+        return self.store.get_task(task_id)
+
+    def get_todos(self, task_id: str) -> list[TodoItem]:
+        return self.store.get_todos(task_id)
+
+    def get_children(self, task_id: str) -> list[TaskRecord]:
+        return self.store.get_children(task_id)
+
+    def get_batch(self, batch_id: str) -> Batch:
+        return self.store.get_batch(batch_id)
+
+    def messages(self, task_id: str) -> list[dict[str, Any]]:
+        """The task's UI messages, oldest first."""
+        return self.store.ui_messages(task_id)
+
+    def update_todos(self, task_id: str, update: str | Sequence[object]) -> list[TodoItem]:
+        """Replace the task's todo list; links and figures of existing items survive."""
+        parsed = todo_lists.parse_update(update)  # a bad update is refused before any read
+        return self.store.update_todos(task_id, lambda _record, old: todo_lists.merge(old, parsed))
+
+    # -- delegation --------------------------------------------------------------------
+
+    def delegate(
+        self,
+        parent_id: str,
+        specs: Sequence[SubtaskSpec | dict[str, Any]],
+        mode: DelegationMode | str = "parallel",
+    ) -> Batch:
+        """Delegate subtasks to children: all validated, committed atomically, then published."""
+        if mode not in ("parallel", "sequential"):
+            raise ValidationError(f"mode must be 'parallel' or 'sequential', not {mode!r}", field="mode")
+        checked = self._check_specs(specs)
+        root_id = ids.root_of(parent_id)
+        child_ids = [ids.new_child_id(root_id) for _ in checked]
+        batch_id = ids.new_batch_id(root_id)
+
+        def plan(parent: TaskRecord, items: list[TodoItem]) -> tuple[Batch, list[TaskRecord], list[TodoItem]]:
+            if parent.status != TaskStatus.ACTIVE:
+                raise StateError(
+                    f"Task {parent.id} is {parent.status.value}, not active: it cannot delegate now",
+                    field="parent_id",
+                )
+            if parent.depth >= self.settings.max_depth:
+                raise StateError(
+                    f"Task {parent.id} is at depth {parent.depth}; SUBQ_MAX_DEPTH={self.settings.max_depth} "
+                    "allows no deeper subtasks",
+                    field="parent_id",
+                )
+            new_items, links = todo_lists.link_children(
+                items, [(cid, spec.todo_id, spec.description) for cid, spec in zip(child_ids, checked, strict=True)]
+            )
+            now = time.time()
+            children = [
+                TaskRecord(
+                    id=cid,
+                    parent_id=parent.id,
+                    root_id=parent.root_id,
+                    depth=parent.depth + 1,
+                    status=TaskStatus.ACTIVE,
+                    prompt=spec.message,
+                    description=spec.description,
+                    profile=spec.profile or parent.profile,
+                    todo_id=todo_id,
+                    batch_id=batch_id,
+                    created_at=now,
+                    updated_at=now,
+                )
+                for cid, spec, todo_id in zip(child_ids, checked, links, strict=True)
+            ]
+            batch = Batch(
+                id=batch_id,
+                parent_id=parent.id,
+                root_id=parent.root_id,
+                mode=mode,  # type: ignore[arg-type]
+                child_ids=child_ids,
+                created_at=now,
+            )
+            return batch, children, new_items
+
+        batch, children = self.store.commit_delegation(parent_id, plan)
+        dispatch.publish_batch(self.app, batch, children)
+        return batch
+
+    def _check_specs(self, specs: Sequence[SubtaskSpec | dict[str, Any]]) -> list[SubtaskSpec]:
+        if isinstance(specs, (str, bytes)) or not isinstance(specs, Sequence):
+            raise ValidationError("specs must be a list of subtask specs", field="specs")
+        if not specs:
+            raise ValidationError("specs is empty: a delegation needs at least one subtask", field="specs")
+        if len(specs) > self.settings.max_fanout:
+            raise ValidationError(
+                f"{len(specs)} subtasks exceed SUBQ_MAX_FANOUT={self.settings.max_fanout}", field="specs"
+            )
+        checked: list[SubtaskSpec] = []
+        for index, spec in enumerate(specs):
+            try:
+                parsed = spec if isinstance(spec, SubtaskSpec) else SubtaskSpec.model_validate(spec)
+            except pydantic.ValidationError as exc:
+                err = exc.errors()[0]
+                path = ".".join(str(p) for p in ("specs", index, *err["loc"]))
+                raise ValidationError(f"{path}: {err['msg']}", field=path) from None
+            if parsed.profile is not None:
+                try:
+                    self.settings.profile(parsed.profile)
+                except ValidationError as exc:
+                    raise type(exc)(exc.message, field=f"specs.{index}.profile") from None
+            checked.append(parsed)
+        return checked
+
+    # -- waiting -----------------------------------------------------------------------
+
+    def wait(self, task_id: str, timeout_s: float) -> TaskRecord:
+        """Block until the task is no longer `delegated` (or is terminal); return its record."""
+        if timeout_s < 0:
+            raise ValidationError("timeout_s must not be negative", field="timeout_s")
+        deadline = time.monotonic() + timeout_s
+        root_id = ids.root_of(task_id)
+        while True:
+            # Read the stream position before the status, so an event between the
+            # two wakes the blocking read below instead of being missed.
+            last_id = self.store.last_event_id(root_id)
+            record = self.store.get_task(task_id)
+            if record.status != TaskStatus.DELEGATED:
+                return record
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                raise WaitTimeout(
+                    f"Task {task_id} is still {record.status.value} after {timeout_s:g}s "
+                    f"({len(record.awaiting_ids)} of {len(record.child_ids)} children outstanding)"
+                )
+            self.store.wait_for_event(root_id, last_id, min(WAIT_SLICE_MS, remaining_ms))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _text(value: object, field: str, max_chars: int) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValidationError(f"{field} must be a non-empty string", field=field)
+    if len(value) > max_chars:
+        raise ValidationError(f"{field} is {len(value)} characters; the limit is {max_chars}", field=field)
+    return value

@@ -1,0 +1,169 @@
+"""Settings from the environment (`SUBQ_` prefix), and model profiles.
+
+One `Settings` class; nothing else in subq reads the environment. Every
+default is a named constant with the reason for its value. `load_settings()`
+turns a validation failure into one `ConfigError` line naming the variable.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Self
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from coordinator.errors import ConfigError, ProfileError
+
+__all__ = ["DEFAULT_PRICED_AS", "OFFLINE_PROFILE", "Price", "Profile", "Settings", "load_settings"]
+
+# A week: long enough to inspect yesterday's runs, short enough that Redis memory stays bounded.
+DEFAULT_RETENTION_S = 7 * 24 * 3600
+# Subagents wait on model APIs, not on the CPU: threads let one process run many at once.
+DEFAULT_POOL = "threads"
+DEFAULT_CONCURRENCY = 32
+# Half an hour: a long agent run with tool calls; longer work should be split into subtasks.
+DEFAULT_TASK_TIME_LIMIT_S = 1800
+# Redis redelivers an unacked task after this; it must exceed the longest task or a
+# slow task would be run twice (kombu's visibility_timeout semantics).
+DEFAULT_VISIBILITY_TIMEOUT_S = 3600
+# DESIGN.md / issue 2 defaults.
+DEFAULT_MAX_FANOUT = 256
+DEFAULT_MAX_DEPTH = 3
+# A task lost with its worker is delivered again at most this many times in all.
+DEFAULT_MAX_DELIVERIES = 3
+# The offline model is priced as a named real model so demo figures are realistic.
+DEFAULT_PRICED_AS = "anthropic:claude-sonnet-4-5"
+OFFLINE_PROFILE = "offline"
+# Bounds one agent run so a looping model cannot spend without end.
+DEFAULT_MAX_REQUESTS = 25
+
+
+class Price(BaseModel):
+    """An explicit per-profile price in USD per million tokens (overrides the price library)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    input_per_mtok: float = Field(ge=0)
+    output_per_mtok: float = Field(ge=0)
+    cache_read_per_mtok: float | None = Field(default=None, ge=0)
+    cache_write_per_mtok: float | None = Field(default=None, ge=0)
+
+
+class Profile(BaseModel):
+    """A model configuration a task runs with.
+
+    `model` is `offline`, `openai:<model>` (any OpenAI-compatible endpoint with
+    `base_url`) or `anthropic:<model>`. `priced_as` names the `provider:model`
+    whose price applies when the provider reports no cost (for `offline` it is
+    the real model the offline model is priced as).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = OFFLINE_PROFILE
+    base_url: str | None = None
+    api_key: SecretStr | None = None
+    priced_as: str | None = None
+    price: Price | None = None
+    system_prompt: str = "You are a focused subagent. Do the task you are given and report the result briefly."
+    max_requests: int = Field(default=DEFAULT_MAX_REQUESTS, ge=1)
+
+    @model_validator(mode="after")
+    def _known_provider(self) -> Self:
+        if self.model != OFFLINE_PROFILE:
+            provider, _, name = self.model.partition(":")
+            if provider not in ("openai", "anthropic") or not name:
+                raise ValueError(
+                    f"model must be 'offline', 'openai:<model>' or 'anthropic:<model>', not {self.model!r}"
+                )
+        return self
+
+    @property
+    def price_ref(self) -> tuple[str, str]:
+        """(provider_id, model_ref) for the price library."""
+        ref = self.priced_as or (DEFAULT_PRICED_AS if self.model == OFFLINE_PROFILE else self.model)
+        provider, _, model = ref.partition(":")
+        return provider, model
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SUBQ_", extra="ignore", frozen=True)
+
+    redis_url: str | None = Field(default=None, description="Redis URL; unset means an embedded local Redis (demo, up)")
+    key_prefix: str = Field(default="subq", pattern=r"^[A-Za-z0-9_.-]+$")
+    queue: str = Field(default="subq", pattern=r"^[A-Za-z0-9_.-]+$")
+    result_retention_s: int = Field(default=DEFAULT_RETENTION_S, ge=60)
+    worker_pool: str = Field(default=DEFAULT_POOL, pattern=r"^(threads|prefork|solo|gevent|eventlet)$")
+    worker_concurrency: int = Field(default=DEFAULT_CONCURRENCY, ge=1, le=1024)
+    task_time_limit_s: int = Field(default=DEFAULT_TASK_TIME_LIMIT_S, ge=1)
+    visibility_timeout_s: int = Field(default=DEFAULT_VISIBILITY_TIMEOUT_S, ge=1)
+    max_fanout: int = Field(default=DEFAULT_MAX_FANOUT, ge=1, le=10_000)
+    max_depth: int = Field(default=DEFAULT_MAX_DEPTH, ge=0, le=32)
+    max_deliveries: int = Field(default=DEFAULT_MAX_DELIVERIES, ge=1, le=100)
+    default_profile: str = OFFLINE_PROFILE
+    profiles: dict[str, Profile] = Field(default_factory=dict)
+    profiles_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.visibility_timeout_s <= self.task_time_limit_s:
+            raise ValueError(
+                f"SUBQ_VISIBILITY_TIMEOUT_S: {self.visibility_timeout_s} must be above "
+                f"SUBQ_TASK_TIME_LIMIT_S ({self.task_time_limit_s}), or a running task is delivered twice"
+            )
+        if self.profiles_file is not None:
+            try:
+                from_file = _read_profiles_file(self.profiles_file)
+            except pydantic.ValidationError as exc:
+                err = exc.errors()[0]
+                where = ".".join(str(p) for p in err["loc"])
+                raise ValueError(f"SUBQ_PROFILES_FILE: {self.profiles_file}: {where}: {err['msg']}") from None
+            except (ValueError, tomllib.TOMLDecodeError) as exc:
+                raise ValueError(f"SUBQ_PROFILES_FILE: {self.profiles_file}: {exc}") from None
+            object.__setattr__(self, "profiles", {**from_file, **self.profiles})
+        if self.default_profile not in self.all_profiles():
+            raise ValueError(f"SUBQ_DEFAULT_PROFILE: {self.default_profile!r} is not a defined profile")
+        return self
+
+    def all_profiles(self) -> dict[str, Profile]:
+        """Configured profiles plus the built-in `offline` (which a configured one may replace)."""
+        return {OFFLINE_PROFILE: Profile(), **self.profiles}
+
+    def profile(self, name: str | None) -> Profile:
+        name = name or self.default_profile
+        try:
+            return self.all_profiles()[name]
+        except KeyError:
+            raise ProfileError(f"Invalid profile: {name}", field="profile") from None
+
+
+def _read_profiles_file(path: Path) -> dict[str, Profile]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read it: {exc.strerror}") from None
+    data: Any = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    raw = data.get("profiles", data) if isinstance(data, dict) else data
+    if not isinstance(raw, dict):
+        raise ValueError("it must hold a table of profiles")
+    return {name: Profile.model_validate(body) for name, body in raw.items()}
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from the environment (and overrides), or one clear `ConfigError`."""
+    try:
+        return Settings(**overrides)
+    except pydantic.ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err["loc"]]
+        msg = err["msg"].removeprefix("Value error, ")
+        if loc:
+            name = f"SUBQ_{loc[0].upper()}"
+        else:  # a check across fields names its variable first: "SUBQ_X: why"
+            name, _, msg = msg.partition(": ")
+        where = f" ({'.'.join(loc[1:])})" if len(loc) > 1 else ""
+        raise ConfigError(f"Invalid setting {name}{where}: {msg}", field=name) from None

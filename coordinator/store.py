@@ -1,0 +1,373 @@
+"""The Redis store: every read and write of subq state, and the Lua scripts.
+
+Each read-modify-write of shared state is atomic: the delegation commit and
+todo updates are WATCH/MULTI transactions (validation runs on the watched
+state, so a concurrent change retries it); usage roll-up, the write-back of a
+child, and status transitions are Lua scripts from `coordinator/lua/`, loaded
+once and registered once per client. Redis errors are translated here into
+`StoreError`, in one place.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Callable, Sequence
+from importlib import resources
+from typing import Any, ParamSpec, TypeVar
+
+import redis
+from redis.client import Pipeline
+
+from coordinator import todos as todo_lists
+from coordinator.errors import ConflictError, NotFoundError, StoreError
+from coordinator.ids import root_of
+from coordinator.keys import Keys
+from coordinator.models import Batch, SubtaskResult, TaskRecord, TodoItem, Usage
+
+__all__ = ["EVENTS_MAXLEN", "Store", "translate_redis_errors"]
+
+# Enough history for a live view to catch up after a short disconnect, small
+# enough that a busy tree's stream stays a few MB (XADD MAXLEN ~).
+EVENTS_MAXLEN = 10_000
+# A transaction whose watched keys keep changing is retried this often before
+# the caller is told; each retry re-validates on fresh state.
+MAX_TRANSACTION_ATTEMPTS = 50
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+_INT_FIELDS = (
+    "depth", "tokens_in", "tokens_out", "cache_reads", "cache_writes", "cost_micros",
+    "requests", "total_tokens", "total_cost_micros",
+)  # fmt: skip
+_OPTIONAL_FIELDS = ("parent_id", "todo_id", "batch_id", "finished_at")
+
+
+def translate_redis_errors(fn: Callable[P, R]) -> Callable[P, R]:
+    """Turn redis-py exceptions into StoreError with a message a user can act on."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise StoreError(f"Redis is unreachable: {exc}") from exc
+        except redis.ResponseError as exc:
+            raise StoreError(f"Redis refused a subq command: {exc}") from exc
+
+    return wrapper
+
+
+def _load_script(name: str) -> str:
+    return resources.files("coordinator").joinpath("lua", name).read_text(encoding="utf-8")
+
+
+def _encode_record(fields: dict[str, Any]) -> dict[str, str | int | float]:
+    """A task record as hash fields: None becomes '' and lists become JSON."""
+    out: dict[str, str | int | float] = {}
+    for name, value in fields.items():
+        if value is None:
+            out[name] = ""
+        elif isinstance(value, (list, dict)):
+            out[name] = json.dumps(value)
+        elif isinstance(value, bool):
+            out[name] = int(value)
+        else:
+            out[name] = value
+    return out
+
+
+class Store:
+    """subq state in Redis, for one key prefix."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, retention_s: int) -> None:
+        self.client = client
+        self.keys = keys
+        self.retention_s = retention_s
+        self._record_usage = client.register_script(_load_script("record_usage.lua"))
+        self._finish_task = client.register_script(_load_script("finish_task.lua"))
+        self._apply_child = client.register_script(_load_script("apply_child.lua"))
+        self._finish_batch = client.register_script(_load_script("finish_batch.lua"))
+
+    # -- reads -------------------------------------------------------------------------
+
+    @translate_redis_errors
+    def task_fields(self, task_id: str) -> dict[str, str]:
+        """The raw hash of a task; NotFoundError when there is none."""
+        raw: dict[str, str] = self.client.hgetall(self.keys.task(root_of(task_id), task_id))
+        if not raw:
+            raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
+        return raw
+
+    @translate_redis_errors
+    def get_task(self, task_id: str) -> TaskRecord:
+        raw = self.task_fields(task_id)
+        root = root_of(task_id)
+        child_ids = self.client.lrange(self.keys.children(root, task_id), 0, -1)
+        awaiting = self.client.smembers(self.keys.awaiting(root, task_id))
+        return _decode_record(raw, child_ids, [c for c in child_ids if c in awaiting])
+
+    def ancestors(self, task_id: str) -> list[str]:
+        """The task's ancestors, root first."""
+        return list(json.loads(self.task_fields(task_id).get("ancestors") or "[]"))
+
+    @translate_redis_errors
+    def get_todos(self, task_id: str) -> list[TodoItem]:
+        self.task_fields(task_id)
+        raw = self.client.get(self.keys.todos(root_of(task_id), task_id))
+        return todo_lists.from_json(raw) if raw else []
+
+    @translate_redis_errors
+    def get_children(self, task_id: str) -> list[TaskRecord]:
+        root = root_of(task_id)
+        self.task_fields(task_id)
+        return [self.get_task(c) for c in self.client.lrange(self.keys.children(root, task_id), 0, -1)]
+
+    @translate_redis_errors
+    def get_batch(self, batch_id: str) -> Batch:
+        raw = self.client.hgetall(self.keys.batch(root_of(batch_id), batch_id))
+        if not raw:
+            raise NotFoundError(f"Unknown batch: {batch_id}", field="batch_id")
+        return Batch.model_validate(
+            {**raw, "child_ids": json.loads(raw["child_ids"]), "finished_at": raw.get("finished_at") or None}
+        )
+
+    @translate_redis_errors
+    def ui_messages(self, task_id: str) -> list[dict[str, Any]]:
+        self.task_fields(task_id)
+        entries = self.client.lrange(self.keys.ui_messages(root_of(task_id), task_id), 0, -1)
+        messages = []
+        for index, entry in enumerate(entries):
+            try:
+                messages.append(json.loads(entry))
+            except json.JSONDecodeError:
+                raise StoreError(f"UI message {index} of task {task_id} is corrupt") from None
+        return messages
+
+    @translate_redis_errors
+    def last_event_id(self, root_id: str) -> str:
+        newest = self.client.xrevrange(self.keys.events(root_id), count=1)
+        return str(newest[0][0]) if newest else "0-0"
+
+    @translate_redis_errors
+    def wait_for_event(self, root_id: str, after_id: str, block_ms: int) -> str:
+        """Block until the tree's stream has an entry after `after_id`; returns the newest id seen."""
+        reply = self.client.xread({self.keys.events(root_id): after_id}, block=block_ms)
+        if not reply:
+            return after_id
+        return str(reply[0][1][-1][0])
+
+    @translate_redis_errors
+    def snapshot(self) -> dict[str, bytes | None]:
+        """Every key of this prefix with its DUMP (tests: 'nothing changed')."""
+        return {k: self.client.dump(k) for k in self.client.scan_iter(self.keys.all_pattern(), count=1000)}
+
+    # -- writes ------------------------------------------------------------------------
+
+    @translate_redis_errors
+    def create_root(self, record: TaskRecord, todos: Sequence[TodoItem], runner: str) -> None:
+        root = record.root_id
+        task_key, todos_key = self.keys.task(root, record.id), self.keys.todos(root, record.id)
+        fields = _encode_record(
+            {**record.model_dump(exclude={"child_ids", "awaiting_ids"}), "ancestors": [], "runner": runner}
+        )
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.hset(task_key, mapping={**fields, "todos_version": 0})
+            pipe.expire(task_key, self.retention_s)
+            pipe.set(todos_key, todo_lists.to_json(todos), ex=self.retention_s)
+            pipe.zadd(self.keys.roots(), {root: record.created_at})
+            pipe.execute()
+
+    @translate_redis_errors
+    def update_todos(
+        self, task_id: str, change: Callable[[TaskRecord, list[TodoItem]], list[TodoItem]]
+    ) -> list[TodoItem]:
+        """Replace a task's todo list with `change(record, old)`, atomically.
+
+        `change` may raise to refuse; then nothing is written.
+        """
+        root = root_of(task_id)
+        task_key, todos_key = self.keys.task(root, task_id), self.keys.todos(root, task_id)
+
+        def body(pipe: Pipeline) -> list[TodoItem]:
+            record, old = self._read_watched(pipe, task_id)
+            new = change(record, old)
+            pipe.multi()
+            pipe.set(todos_key, todo_lists.to_json(new), ex=self.retention_s)
+            pipe.hincrby(task_key, "todos_version", 1)
+            pipe.hset(task_key, "updated_at", time.time())
+            pipe.execute()
+            return new
+
+        return self._transaction([task_key, todos_key], body)
+
+    @translate_redis_errors
+    def commit_delegation(
+        self,
+        parent_id: str,
+        plan: Callable[[TaskRecord, list[TodoItem]], tuple[Batch, list[TaskRecord], list[TodoItem]]],
+    ) -> tuple[Batch, list[TaskRecord]]:
+        """Commit a delegation in one transaction, or write nothing.
+
+        `plan(parent, todos)` validates against the watched state and returns the
+        batch, the child records and the parent's new todo list; it raises to refuse.
+        """
+        root = root_of(parent_id)
+        k = self.keys
+        parent_key, todos_key = k.task(root, parent_id), k.todos(root, parent_id)
+
+        def body(pipe: Pipeline) -> tuple[Batch, list[TaskRecord]]:
+            parent, old_todos = self._read_watched(pipe, parent_id)
+            batch, children, new_todos = plan(parent, old_todos)
+            ancestors = [*json.loads(pipe.hget(parent_key, "ancestors") or "[]"), parent_id]
+            now = time.time()
+            pipe.multi()
+            for child in children:
+                child_key = k.task(root, child.id)
+                fields = child.model_dump(exclude={"child_ids", "awaiting_ids"})
+                pipe.hset(child_key, mapping=_encode_record({**fields, "ancestors": ancestors, "runner": "agent"}))
+                pipe.expire(child_key, self.retention_s)
+            ids = [c.id for c in children]
+            pipe.rpush(k.children(root, parent_id), *ids)
+            pipe.expire(k.children(root, parent_id), self.retention_s)
+            pipe.sadd(k.awaiting(root, parent_id), *ids)
+            pipe.expire(k.awaiting(root, parent_id), self.retention_s)
+            batch_fields = _encode_record(batch.model_dump())
+            pipe.hset(k.batch(root, batch.id), mapping=batch_fields)
+            pipe.expire(k.batch(root, batch.id), self.retention_s)
+            pipe.hset(parent_key, mapping={"status": "delegated", "batch_id": batch.id, "updated_at": now})
+            pipe.hincrby(parent_key, "todos_version", 1)
+            pipe.set(todos_key, todo_lists.to_json(new_todos), ex=self.retention_s)
+            pipe.xadd(
+                k.events(root),
+                {"type": "delegated", "task_id": parent_id, "batch_id": batch.id, "children": len(ids)},
+                maxlen=EVENTS_MAXLEN,
+                approximate=True,
+            )
+            pipe.expire(k.events(root), self.retention_s)
+            pipe.execute()
+            return batch, children
+
+        return self._transaction([parent_key, todos_key], body)
+
+    @translate_redis_errors
+    def count_delivery(self, task_id: str) -> int:
+        """Count one more delivery of the task's run; returns the count so far."""
+        return int(self.client.hincrby(self.keys.task(root_of(task_id), task_id), "deliveries", 1))
+
+    @translate_redis_errors
+    def record_usage(
+        self, task_id: str, request_key: str, usage: Usage, cost_micros: int, cost_source: str
+    ) -> bool:
+        """Record one request's usage on the task and roll it up the ancestors, once per key."""
+        root = root_of(task_id)
+        ancestors = self.ancestors(task_id)
+        keys = [self.keys.task(root, task_id), self.keys.usage_applied(root, task_id)]
+        keys += [self.keys.task(root, a) for a in reversed(ancestors)]
+        args = [
+            request_key, usage.tokens_in, usage.tokens_out, usage.cache_reads, usage.cache_writes,
+            cost_micros, cost_source, time.time(), self.retention_s,
+        ]  # fmt: skip
+        return bool(self._record_usage(keys=keys, args=args))
+
+    @translate_redis_errors
+    def finish_task(
+        self, task_id: str, status: str, summary: str = "", error: str = "", error_class: str = ""
+    ) -> str:
+        """Make a task terminal once; returns its status after the call."""
+        root = root_of(task_id)
+        keys = [self.keys.task(root, task_id), self.keys.events(root)]
+        args = [status, summary, error, error_class, time.time(), self.retention_s, EVENTS_MAXLEN]
+        result = self._finish_task(keys=keys, args=args)
+        if result is None:
+            raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
+        return str(result)
+
+    @translate_redis_errors
+    def apply_child(self, batch: Batch, result: SubtaskResult) -> bool:
+        """Write one child's figures onto the parent's todo item, exactly once per batch."""
+        root, k = batch.root_id, self.keys
+        keys = [
+            k.task(root, batch.parent_id), k.todos(root, batch.parent_id), k.batch_applied(root, batch.id),
+            k.awaiting(root, batch.parent_id), k.task(root, result.child_id), k.events(root),
+        ]  # fmt: skip
+        args = [
+            result.child_id, result.status, result.summary, result.error or "", result.error_class or "",
+            time.time(), self.retention_s, EVENTS_MAXLEN,
+        ]  # fmt: skip
+        return bool(self._apply_child(keys=keys, args=args))
+
+    @translate_redis_errors
+    def finish_batch(self, batch: Batch, combined: str, ui_message: dict[str, Any]) -> bool:
+        """Close a batch once and set its parent active; True when this call closed it."""
+        root, k = batch.root_id, self.keys
+        keys = [
+            k.batch(root, batch.id), k.task(root, batch.parent_id), k.ui_messages(root, batch.parent_id),
+            k.awaiting(root, batch.parent_id), k.events(root),
+        ]  # fmt: skip
+        args = [combined, json.dumps(ui_message), time.time(), self.retention_s, EVENTS_MAXLEN]
+        return bool(self._finish_batch(keys=keys, args=args))
+
+    @translate_redis_errors
+    def append_ui_message(self, task_id: str, message: dict[str, Any]) -> None:
+        key = self.keys.ui_messages(root_of(task_id), task_id)
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.rpush(key, json.dumps(message))
+            pipe.expire(key, self.retention_s)
+            pipe.execute()
+
+    @translate_redis_errors
+    def save_conversation(self, task_id: str, conversation_json: bytes) -> None:
+        key = self.keys.conversation(root_of(task_id), task_id)
+        self.client.set(key, conversation_json, ex=self.retention_s)
+
+    @translate_redis_errors
+    def load_conversation(self, task_id: str) -> bytes | None:
+        value = self.client.get(self.keys.conversation(root_of(task_id), task_id))
+        return value.encode() if isinstance(value, str) else value
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _transaction(self, watched: Sequence[str], body: Callable[[Pipeline], T]) -> T:
+        """Run `body` on a pipeline watching `watched`, again while another client changes them.
+
+        `body` reads (immediate mode), validates, then calls `pipe.multi()` and
+        queues its writes; redis-py raises WatchError at `execute()` when a watched
+        key changed, and the body then runs again on fresh state.
+        """
+        for _ in range(MAX_TRANSACTION_ATTEMPTS):
+            with self.client.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(*watched)
+                    return body(pipe)
+                except redis.WatchError:
+                    continue
+        raise ConflictError("The task kept changing while subq tried to update it; try again")
+
+    def _read_watched(self, pipe: Pipeline, task_id: str) -> tuple[TaskRecord, list[TodoItem]]:
+        root = root_of(task_id)
+        raw = pipe.hgetall(self.keys.task(root, task_id))
+        if not raw:
+            raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
+        child_ids = pipe.lrange(self.keys.children(root, task_id), 0, -1)
+        awaiting = pipe.smembers(self.keys.awaiting(root, task_id))
+        todos_raw = pipe.get(self.keys.todos(root, task_id))
+        record = _decode_record(raw, child_ids, [c for c in child_ids if c in awaiting])
+        return record, todo_lists.from_json(todos_raw) if todos_raw else []
+
+
+def _decode_record(raw: dict[str, str], child_ids: list[str], awaiting_ids: list[str]) -> TaskRecord:
+    data: dict[str, Any] = {name: raw.get(name) for name in TaskRecord.model_fields if name in raw}
+    for name in _OPTIONAL_FIELDS:
+        if not data.get(name):
+            data[name] = None
+    for name in _INT_FIELDS:
+        data[name] = int(data.get(name) or 0)
+    data["child_ids"], data["awaiting_ids"] = child_ids, awaiting_ids
+    try:
+        return TaskRecord.model_validate(data)
+    except ValueError as exc:
+        raise StoreError(f"Task record {raw.get('id', '?')} is corrupt: {exc}") from None

@@ -1,0 +1,21 @@
+"""The worker's Celery app: `celery -A workers.app worker` starts a subq worker.
+
+It reads the same `SUBQ_` settings as everything else; an invalid setting stops
+the worker at start with one line naming the variable.
+"""
+
+from __future__ import annotations
+
+from coordinator.celery_app import make_app
+from coordinator.errors import ConfigError
+from coordinator.settings import load_settings
+
+__all__ = ["app", "settings"]
+
+try:
+    settings = load_settings()
+    app = make_app(settings)
+except ConfigError as exc:
+    raise SystemExit(f"subq worker: {exc}") from None
+
+from workers import tasks  # noqa: E402,F401  (registers the subq.* tasks on the app)

@@ -1,0 +1,50 @@
+"""What a worker process needs to run subq tasks: settings, the store, the Celery app.
+
+Built once per process on first use (after any fork), shared by the pool's
+threads: redis-py clients are thread-safe through their connection pool.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import redis
+from celery import Celery
+
+from coordinator.keys import Keys
+from coordinator.settings import Settings
+from coordinator.store import Store
+
+__all__ = ["Runtime", "get_runtime", "set_runtime"]
+
+
+@dataclass(frozen=True)
+class Runtime:
+    settings: Settings
+    store: Store
+    app: Celery
+
+
+_lock = threading.Lock()
+_runtime: Runtime | None = None
+
+
+def build_runtime(settings: Settings, app: Celery) -> Runtime:
+    assert settings.redis_url, "make_app() refuses settings without SUBQ_REDIS_URL"
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    return Runtime(settings, Store(client, Keys(settings.key_prefix), settings.result_retention_s), app)
+
+
+def set_runtime(runtime: Runtime | None) -> None:
+    global _runtime
+    with _lock:
+        _runtime = runtime
+
+
+def get_runtime(settings: Settings, app: Celery) -> Runtime:
+    global _runtime
+    with _lock:
+        if _runtime is None:
+            _runtime = build_runtime(settings, app)
+        return _runtime
