@@ -4,13 +4,16 @@
     ├── ConfigError                a setting is invalid (names the SUBQ_ variable)
     ├── ValidationError            input is malformed (names the field path)
     │   ├── TodoError              a todo update parses to nothing or has a bad item
-    │   └── ProfileError           an unknown or unusable model profile
+    │   ├── ProfileError           an unknown or unusable model profile
+    │   └── ScriptError            an offline-model script is malformed
     ├── NotFoundError              an id names no task or batch
     ├── StateError                 the task is not in a state that allows this
     ├── ConflictError              shared state kept changing under a transaction
     ├── WaitTimeout                wait() gave up before the task settled
     ├── StoreError                 Redis is unreachable or a stored entry is corrupt
-    └── ScriptError                an offline-model script is malformed
+    └── FleetError                 local worker processes did not start
+
+ScriptError (an offline-model script is malformed) is a ValidationError too.
 
 Redis and Celery exceptions are translated into these in one place each
 (`store.translate_redis_errors`), so a caller never sees a raw traceback for a
@@ -22,6 +25,7 @@ from __future__ import annotations
 __all__ = [
     "ConfigError",
     "ConflictError",
+    "FleetError",
     "NotFoundError",
     "ProfileError",
     "ScriptError",
@@ -90,3 +94,7 @@ class StoreError(SubqError):
 
 class ScriptError(ValidationError):
     code = "invalid_script"
+
+
+class FleetError(SubqError):
+    code = "fleet_error"

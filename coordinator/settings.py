@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Self
 
@@ -47,10 +48,11 @@ class Price(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    input_per_mtok: float = Field(ge=0)
-    output_per_mtok: float = Field(ge=0)
-    cache_read_per_mtok: float | None = Field(default=None, ge=0)
-    cache_write_per_mtok: float | None = Field(default=None, ge=0)
+    # Decimal, not float: money is exact from the setting to the micro-USD.
+    input_per_mtok: Decimal = Field(ge=0)
+    output_per_mtok: Decimal = Field(ge=0)
+    cache_read_per_mtok: Decimal | None = Field(default=None, ge=0)
+    cache_write_per_mtok: Decimal | None = Field(default=None, ge=0)
 
 
 class Profile(BaseModel):
@@ -74,6 +76,10 @@ class Profile(BaseModel):
 
     @model_validator(mode="after")
     def _known_provider(self) -> Self:
+        if self.priced_as is not None:
+            provider, _, model = self.priced_as.partition(":")
+            if not provider or not model:
+                raise ValueError(f"priced_as must be '<provider>:<model>', not {self.priced_as!r}")
         if self.model != OFFLINE_PROFILE:
             provider, _, name = self.model.partition(":")
             if provider not in ("openai", "anthropic") or not name:
@@ -141,6 +147,9 @@ class Settings(BaseSettings):
             raise ProfileError(f"Invalid profile: {name}", field="profile") from None
 
 
+_PROFILES = pydantic.TypeAdapter(dict[str, Profile])
+
+
 def _read_profiles_file(path: Path) -> dict[str, Profile]:
     try:
         text = path.read_text(encoding="utf-8")
@@ -150,7 +159,7 @@ def _read_profiles_file(path: Path) -> dict[str, Profile]:
     raw = data.get("profiles", data) if isinstance(data, dict) else data
     if not isinstance(raw, dict):
         raise ValueError("it must hold a table of profiles")
-    return {name: Profile.model_validate(body) for name, body in raw.items()}
+    return _PROFILES.validate_python(raw)
 
 
 def load_settings(**overrides: Any) -> Settings:

@@ -161,9 +161,24 @@ class Store:
         return str(reply[0][1][-1][0])
 
     @translate_redis_errors
-    def snapshot(self) -> dict[str, bytes | None]:
-        """Every key of this prefix with its DUMP (tests: 'nothing changed')."""
-        return {k: self.client.dump(k) for k in self.client.scan_iter(self.keys.all_pattern(), count=1000)}
+    def snapshot(self) -> dict[str, object]:
+        """Every key of this prefix with its value, compared by content (tests: 'nothing changed').
+
+        Not DUMP: a set's serialised order can change on rehashing without any write.
+        """
+        read: dict[str, Callable[[str], object]] = {
+            "string": self.client.get,
+            "hash": self.client.hgetall,
+            "list": lambda key: self.client.lrange(key, 0, -1),
+            "set": lambda key: sorted(self.client.smembers(key)),
+            "zset": lambda key: self.client.zrange(key, 0, -1, withscores=True),
+            "stream": lambda key: self.client.xrange(key),
+        }
+        return {
+            key: (kind, read[kind](key))
+            for key in self.client.scan_iter(self.keys.all_pattern(), count=1000)
+            if (kind := self.client.type(key)) in read
+        }
 
     # -- writes ------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ def usage_step(
     }
 
 
-def state(coord: Coordinator) -> tuple[dict[str, bytes | None], int]:
+def state(coord: Coordinator) -> tuple[dict[str, object], int]:
     """Every subq key with its value, and the length of the coordinator's Celery queue."""
     client: redis.Redis = coord.client
     return coord.store.snapshot(), int(client.llen(coord.settings.queue))

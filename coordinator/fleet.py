@@ -1,0 +1,105 @@
+"""Starting local `celery worker` processes: for `subq demo`, `subq up` and the tests.
+
+Each worker is a real `celery -A workers.app worker` process in its own process
+group, reading the same `SUBQ_` settings, so stopping the group leaves nothing
+behind. (A subprocess names `workers.app` by string; the coordinator still
+never imports the execution plane.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from coordinator.errors import FleetError
+from coordinator.settings import Settings
+
+__all__ = ["WorkerFleet", "settings_env"]
+
+# A cold worker imports Celery and pydantic-ai in a few seconds; a loaded CI machine may take longer.
+DEFAULT_START_TIMEOUT_S = 90.0
+# A warm shutdown finishes the tasks in hand; past this the group is killed.
+STOP_TIMEOUT_S = 20.0
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The environment that gives a child process exactly these settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUBQ_")}
+    for name, value in settings.model_dump(exclude_none=True, exclude={"profiles"}).items():
+        env[f"SUBQ_{name.upper()}"] = str(value)
+    if settings.profiles:
+        env["SUBQ_PROFILES"] = _profiles_json(settings)
+    return env
+
+
+def _profiles_json(settings: Settings) -> str:
+    import json
+
+    return json.dumps(
+        {
+            name: {
+                **profile.model_dump(mode="json", exclude_none=True, exclude={"api_key"}),
+                **({"api_key": profile.api_key.get_secret_value()} if profile.api_key else {}),
+            }
+            for name, profile in settings.profiles.items()
+        }
+    )
+
+
+class WorkerFleet:
+    """N worker processes with logs in `log_dir`; `stop()` ends them and their children."""
+
+    def __init__(self, settings: Settings, processes: int, log_dir: Path) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs: list[Path] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+        env = settings_env(settings)
+        for index in range(processes):
+            log = log_dir / f"worker{index}.log"
+            self.logs.append(log)
+            with log.open("wb") as out:
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "-n", f"w{index}@%h",
+                         "--loglevel", "INFO", "--without-mingle", "--without-gossip"],
+                        env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    )  # fmt: skip
+                )
+
+    def wait_ready(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
+        """Return once every worker has logged `ready.` (an INFO line, hence INFO logs); raise with its log if one exits."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for proc, log in zip(self.procs, self.logs, strict=True):
+                if proc.poll() is not None:
+                    raise FleetError(f"a worker exited at start (code {proc.returncode}):\n{_tail(log)}")
+            if all(b"ready." in log.read_bytes() for log in self.logs):
+                return
+            time.sleep(0.1)
+        raise FleetError("workers did not become ready in time:\n" + "\n".join(_tail(log) for log in self.logs))
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def __enter__(self) -> WorkerFleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _tail(log: Path, chars: int = 3000) -> str:
+    return log.read_text(errors="replace")[-chars:] if log.exists() else "(no log)"

@@ -1,0 +1,331 @@
+"""The todo-list grammar: parse, render, give stable ids, merge and link to children.
+
+A task's plan is a list of `TodoItem`s. Agents write it as markdown checkboxes
+(`[ ] pending`, `[-] in progress`, `[x] done`) or as a JSON list of
+`{"content", "status"?}` objects; the store keeps it as a JSON array (`to_json`
+/ `from_json`). Every rewrite goes through `merge`, so the figures of the child
+that carried an item out (`subtask_id`, `tokens`, `cost_micros`) are never lost
+when the agent edits, reorders or re-marks its plan. `link_children` ties each
+child of a delegation to one item. The rules are in DESIGN.md ("Todo lists").
+
+Every function here is pure: it returns new lists and validates everything
+before returning, so a rejected update leaves the caller's list as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable, Sequence
+
+import pydantic
+
+from coordinator.errors import StoreError, TodoError
+from coordinator.models import TodoItem, TodoStatus
+
+__all__ = [
+    "from_json",
+    "link_children",
+    "merge",
+    "normalise",
+    "parse_json_items",
+    "parse_markdown",
+    "parse_update",
+    "render_markdown",
+    "to_json",
+    "todo_id",
+]
+
+TODO_ID_HEX_CHARS = 12  # 48 bits: unique within any plan a person could read
+LINE_RE = re.compile(r"^(?:-\s*)?\[\s*([ xX\-~])\s*\]\s+(.+)$")
+_MARK_OF_STATUS = {TodoStatus.PENDING: " ", TodoStatus.IN_PROGRESS: "-", TodoStatus.COMPLETED: "x"}
+# Agents also write "[X]" and "[~]"; they are read but never written back.
+_STATUS_OF_MARK = {mark: status for status, mark in _MARK_OF_STATUS.items()}
+_STATUS_OF_MARK |= {"X": TodoStatus.COMPLETED, "~": TodoStatus.IN_PROGRESS}
+_JSON_KEYS = ("content", "status")
+_STATUS_VALUES = frozenset(status.value for status in TodoStatus)
+_LINE_BREAK_RE = re.compile(r"\s*[\r\n]+\s*")
+_EMPTY_HINT = (
+    "write one item per line as '[ ] task', '[-] task' or '[x] task', or send a"
+    ' JSON list of {"content": ..., "status": ...}; the list was left unchanged'
+)
+
+
+def normalise(content: str) -> str:
+    """Content as ids see it: whitespace runs collapsed to one space, trimmed, case kept."""
+    return " ".join(content.split())
+
+
+def todo_id(content: str, occurrence: int) -> str:
+    """The id of the `occurrence`-th (from 0) item whose normalised content is `content`'s."""
+    digest = hashlib.sha256(f"{normalise(content)}\x00{occurrence}".encode())
+    return digest.hexdigest()[:TODO_ID_HEX_CHARS]
+
+
+def parse_markdown(text: str) -> list[TodoItem]:
+    """Items of markdown checkbox lines; other lines are ignored. No item is a TodoError."""
+    parsed: list[tuple[str, TodoStatus]] = []
+    # Split on "\n" only and trim each line (which drops a CRLF's "\r"):
+    # str.splitlines would also break on \x1c, \x85 or \u2028 inside content,
+    # so a rendered item would not read back as one item.
+    for line in text.split("\n"):
+        match = LINE_RE.match(line.strip())
+        if match and (content := _clean(match.group(2))):
+            parsed.append((content, _STATUS_OF_MARK[match.group(1)]))
+    if not parsed:
+        raise TodoError(f"The todo update has no items: {_EMPTY_HINT}", field="todos")
+    return _with_ids(parsed)
+
+
+def parse_json_items(items: object) -> list[TodoItem]:
+    """Items of a list of `{"content": str, "status"?: str}` objects, or of its JSON text."""
+    if isinstance(items, str):
+        try:
+            items = json.loads(items)
+        except ValueError as exc:
+            raise TodoError(f"The todo update is not valid JSON: {exc}", field="todos") from exc
+    if not isinstance(items, list):
+        raise TodoError(
+            f"The todo update must be a list of items, got {_json_kind(items)}", field="todos"
+        )
+    parsed = [_json_item(index, entry) for index, entry in enumerate(items)]
+    if not parsed:
+        raise TodoError(f"The todo update has no items: {_EMPTY_HINT}", field="todos")
+    return _with_ids(parsed)
+
+
+def parse_update(update: str | Sequence[object]) -> list[TodoItem]:
+    """Items of an agent's update: markdown text, a JSON list, or the JSON text of one.
+
+    Text whose stripped form starts with "[" and decodes as a JSON list is the
+    JSON form; any other text is markdown. A list (or tuple) is the JSON form.
+    """
+    if isinstance(update, str):
+        if update.strip().startswith("["):
+            try:
+                decoded = json.loads(update)
+            except ValueError:
+                decoded = None  # "[ ] task" starts with "[" too: it is markdown
+            if isinstance(decoded, list):
+                return parse_json_items(decoded)
+        return parse_markdown(update)
+    # Sequence, not just list: list[object] is invariant, so a caller's
+    # list[dict[str, str]] would not type-check against it. Bytes are excluded:
+    # they are a sequence of ints, not of items.
+    if isinstance(update, Sequence) and not isinstance(update, bytes | bytearray | memoryview):
+        return parse_json_items(list(update))
+    raise TodoError(
+        f"The todo update must be markdown text or a list of items, got {_json_kind(update)}",
+        field="todos",
+    )
+
+
+def render_markdown(items: Sequence[TodoItem]) -> str:
+    """One `[ ]`/`[-]`/`[x]` line per item, in order; `parse_markdown` reads it back."""
+    return "\n".join(f"[{_MARK_OF_STATUS[item.status]}] {item.content}" for item in items)
+
+
+def merge(old: Sequence[TodoItem], new: Sequence[TodoItem]) -> list[TodoItem]:
+    """`new`, with ids recomputed and each item's child figures carried over from `old`.
+
+    An item keeps its own content and status. The figures (`subtask_id`,
+    `tokens`, `cost_micros`) of an old item go to at most one new item, found by
+    the first rule that applies: the same `subtask_id` (when the new item has
+    one), the same id, the same normalised content (duplicates in order), or,
+    for a linked old item that matched nothing, the unmatched unlinked new item
+    at its index (the agent reworded the line it was working on).
+    """
+    fresh = _with_ids([(item.content, item.status) for item in new])
+    fresh = [f.model_copy(update=_figures(n)) for f, n in zip(fresh, new, strict=True)]
+    given: set[int] = set()  # indexes in `old` whose figures went to a new item
+    source: list[int | None] = [None] * len(fresh)
+    for j, item in enumerate(fresh):
+        if item.subtask_id is not None:
+            source[j] = _take(old, given, lambda o: o.subtask_id, item.subtask_id)
+    # A new item that names its own child is matched by that alone: carrying
+    # another child's figures onto it would mix two children's costs.
+    unlinked = [j for j, item in enumerate(fresh) if item.subtask_id is None]
+    for j in unlinked:
+        source[j] = _take(old, given, lambda o: o.id, fresh[j].id)
+    for j in unlinked:
+        if source[j] is None:
+            wanted = normalise(fresh[j].content)
+            source[j] = _take(old, given, lambda o: normalise(o.content), wanted)
+    for i, item in enumerate(old):
+        vanished = i not in given and item.subtask_id is not None
+        if vanished and i < len(fresh) and fresh[i].subtask_id is None and source[i] is None:
+            source[i] = i
+            given.add(i)
+    return [
+        item if i is None else item.model_copy(update=_figures(old[i]))
+        for item, i in zip(fresh, source, strict=True)
+    ]
+
+
+def link_children(
+    items: Sequence[TodoItem], children: Sequence[tuple[str, str | None, str]]
+) -> tuple[list[TodoItem], list[str]]:
+    """Link each `(child_id, todo_id or None, description)` to one item, in order.
+
+    An explicit `todo_id` wins; otherwise the first unlinked in-progress item,
+    then the first unlinked pending one; with none left, `[-] <description>`
+    is appended. Returns the new list and, per child, the id of its item.
+    """
+    result = list(items)
+    index_of: dict[str, int] = {}
+    for position, item in enumerate(result):
+        index_of.setdefault(item.id, position)
+    # Explicit ids are claimed first, so an automatic pick for an earlier spec
+    # never takes the item a later spec names (which would then be rejected).
+    claimed: set[int] = set()
+    explicit: dict[int, int] = {}
+    for n, (_child_id, wanted, _description) in enumerate(children):
+        if wanted is None:
+            continue
+        index = index_of.get(wanted)
+        if index is None:
+            raise TodoError(f"Unknown todo_id {wanted!r}", field=f"specs.{n}.todo_id")
+        if index in claimed:
+            raise TodoError(
+                f"todo_id {wanted!r} is used by two subtasks", field=f"specs.{n}.todo_id"
+            )
+        claimed.add(index)
+        explicit[n] = index
+    linked: list[str] = []
+    for n, (child_id, _wanted, description) in enumerate(children):
+        index = explicit.get(n)
+        if index is None:
+            index = _auto_pick(result, claimed)
+        if index is None:
+            content = _clean(description)
+            if not content:
+                raise TodoError(
+                    f"Subtask {n} has no description to add as a todo item",
+                    field=f"specs.{n}.description",
+                )
+            key = normalise(content)
+            occurrence = sum(1 for item in result if normalise(item.content) == key)
+            new_id = todo_id(content, occurrence)
+            result.append(TodoItem(id=new_id, content=content, status=TodoStatus.IN_PROGRESS))
+            index = len(result) - 1
+        claimed.add(index)
+        # The figures restart with the new child's; a completed item named again
+        # is being redone, so it goes back to in progress like any linked item.
+        restart = {
+            "subtask_id": child_id, "tokens": 0, "cost_micros": 0, "status": TodoStatus.IN_PROGRESS
+        }
+        result[index] = result[index].model_copy(update=restart)
+        linked.append(result[index].id)
+    return result, linked
+
+
+def to_json(items: Sequence[TodoItem]) -> str:
+    """The stored form: a JSON array of item objects."""
+    return json.dumps([item.model_dump(mode="json") for item in items], separators=(",", ":"))
+
+
+def from_json(text: str | bytes) -> list[TodoItem]:
+    """Items of the stored form; anything undecodable is a StoreError, never an empty list.
+
+    Bytes are accepted as Redis returns them without `decode_responses`.
+    """
+    try:
+        data = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise StoreError(f"The stored todo list is not valid JSON: {exc}", field="todos") from exc
+    if data == {}:
+        return []  # Lua cjson encodes an empty table as an object
+    if not isinstance(data, list):
+        kind = _json_kind(data)
+        raise StoreError(f"The stored todo list is {kind}, not an array", field="todos")
+    items: list[TodoItem] = []
+    for index, raw in enumerate(data):
+        try:
+            items.append(TodoItem.model_validate(raw))
+        except pydantic.ValidationError as exc:
+            error = exc.errors()[0]
+            path = ".".join(["todos", str(index), *(str(part) for part in error["loc"])])
+            message = f"The stored todo item {index} is corrupt: {path}: {error['msg']}"
+            raise StoreError(message, field=path) from exc
+    return items
+
+
+def _clean(content: str) -> str:
+    """Content fit to render as one line and to store: trimmed, line breaks made spaces.
+
+    Lone surrogates (which json.loads lets through from "\\ud800") become "?":
+    they cannot be encoded as UTF-8 for Redis, nor decoded by Lua cjson.
+    """
+    content = content.encode("utf-8", "replace").decode("utf-8")
+    return _LINE_BREAK_RE.sub(" ", content).strip()
+
+
+def _with_ids(parsed: Sequence[tuple[str, TodoStatus]]) -> list[TodoItem]:
+    """Items with ids numbered by occurrence among equal normalised contents."""
+    seen: dict[str, int] = {}
+    items: list[TodoItem] = []
+    for content, status in parsed:
+        key = normalise(content)
+        occurrence = seen.get(key, 0)
+        seen[key] = occurrence + 1
+        items.append(TodoItem(id=todo_id(content, occurrence), content=content, status=status))
+    return items
+
+
+def _json_item(index: int, entry: object) -> tuple[str, TodoStatus]:
+    """The content and status of one JSON-form item, or a TodoError naming its index."""
+
+    def bad(problem: str, key: str | None = None) -> TodoError:
+        field = f"todos.{index}" if key is None else f"todos.{index}.{key}"
+        return TodoError(f"Todo item {index} {problem}", field=field)
+
+    if not isinstance(entry, dict):
+        kind = _json_kind(entry)
+        raise bad(f"must be an object with 'content' and an optional 'status', got {kind}")
+    unknown = [str(key) for key in entry if key not in _JSON_KEYS]
+    if unknown:
+        names = ", ".join(repr(key) for key in unknown)
+        raise bad(f"has unknown key(s) {names} (expected content, status)", unknown[0])
+    content = entry.get("content")
+    if content is not None and not isinstance(content, str):
+        raise bad(f"content must be text, got {_json_kind(content)}", "content")
+    if content is None or not (content := _clean(content)):
+        raise bad("has no content", "content")
+    status = entry.get("status", TodoStatus.PENDING.value)
+    if not isinstance(status, str) or status not in _STATUS_VALUES:
+        expected = "expected pending, in_progress or completed"
+        raise bad(f"has an invalid status {status!r} ({expected})", "status")
+    return content, TodoStatus(status)
+
+
+def _figures(item: TodoItem) -> dict[str, object]:
+    """What a child wrote onto an item, which every rewrite of the list must keep."""
+    return {"subtask_id": item.subtask_id, "tokens": item.tokens, "cost_micros": item.cost_micros}
+
+
+def _take(
+    old: Sequence[TodoItem], given: set[int], key: Callable[[TodoItem], object], wanted: object
+) -> int | None:
+    """The index of the first old item not yet given whose `key` is `wanted`; marks it given."""
+    for index, item in enumerate(old):
+        if index not in given and key(item) == wanted:
+            given.add(index)
+            return index
+    return None
+
+
+def _auto_pick(items: Sequence[TodoItem], claimed: set[int]) -> int | None:
+    """The first free unlinked in-progress item, else the first free unlinked pending one."""
+    for status in (TodoStatus.IN_PROGRESS, TodoStatus.PENDING):
+        for index, item in enumerate(items):
+            if index not in claimed and item.subtask_id is None and item.status == status:
+                return index
+    return None
+
+
+def _json_kind(value: object) -> str:
+    """How a decoded JSON value is named in an error message."""
+    kinds = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
+    kinds |= {int: "a number", float: "a number", type(None): "null"}
+    return kinds.get(type(value), f"a {type(value).__name__}")

@@ -1,0 +1,286 @@
+"""Bad input gets a clear error naming the field, and changes nothing.
+
+Every case checks the error text and field, that no subq key changed in
+Redis, and that no Celery message was published (the coordinator publishes
+to a queue no worker consumes, so its length is exact).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator import (
+    ConfigError,
+    Coordinator,
+    NotFoundError,
+    ProfileError,
+    Settings,
+    StateError,
+    SubqError,
+    TodoError,
+    ValidationError,
+    load_settings,
+)
+from tests.helpers import script, state, usage_step
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _ok(n: int = 0, **extra: Any) -> dict[str, Any]:
+    return {"description": f"child {n}", "message": script(usage_step()), **extra}
+
+
+def _assert_refused(
+    coord: Coordinator,
+    call: Callable[[], object],
+    error: type[SubqError],
+    message: str,
+    field: str | None,
+) -> None:
+    before = state(coord)
+    with pytest.raises(error) as caught:
+        call()
+    assert message in str(caught.value)
+    assert caught.value.field == field
+    assert state(coord) == before, "a refused call changed Redis or published a message"
+
+
+@pytest.fixture
+def parent(idle_coordinator: Coordinator) -> Any:
+    return idle_coordinator.create_task("A parent", todos="[ ] one\n[ ] two")
+
+
+def test_unknown_parent(idle_coordinator: Coordinator) -> None:
+    _assert_refused(
+        idle_coordinator,
+        lambda: idle_coordinator.delegate("0123456789abcdef", [_ok()]),
+        NotFoundError,
+        "Unknown task: 0123456789abcdef",
+        "task_id",
+    )
+    _assert_refused(
+        idle_coordinator,
+        lambda: idle_coordinator.delegate("not-an-id", [_ok()]),
+        NotFoundError,
+        "'not-an-id' is not a subq task or batch id",
+        "id",
+    )
+
+
+def test_parent_not_active(idle_coordinator: Coordinator, parent: Any) -> None:
+    idle_coordinator.delegate(parent.id, [_ok()])  # now delegated, its child never runs
+    _assert_refused(
+        idle_coordinator,
+        lambda: idle_coordinator.delegate(parent.id, [_ok(1)]),
+        StateError,
+        f"Task {parent.id} is delegated, not active",
+        "parent_id",
+    )
+
+
+def test_unknown_todo_id(idle_coordinator: Coordinator, parent: Any) -> None:
+    _assert_refused(
+        idle_coordinator,
+        lambda: idle_coordinator.delegate(parent.id, [_ok(0), _ok(1, todo_id="nope")]),
+        TodoError,
+        "Unknown todo_id 'nope'",
+        "specs.1.todo_id",
+    )
+
+
+def test_same_todo_id_twice(idle_coordinator: Coordinator, parent: Any) -> None:
+    todo = idle_coordinator.get_todos(parent.id)[0].id
+    _assert_refused(
+        idle_coordinator,
+        lambda: idle_coordinator.delegate(parent.id, [_ok(0, todo_id=todo), _ok(1, todo_id=todo)]),
+        TodoError,
+        f"todo_id '{todo}' is used by two subtasks",
+        "specs.1.todo_id",
+    )
+
+
+def test_empty_spec_list(idle_coordinator: Coordinator, parent: Any) -> None:
+    _assert_refused(
+        idle_coordinator, lambda: idle_coordinator.delegate(parent.id, []), ValidationError, "specs is empty", "specs"
+    )
+
+
+def test_width_over_the_limit(idle_coordinator: Coordinator, parent: Any) -> None:
+    limit = idle_coordinator.settings.max_fanout
+    _assert_refused(
+        idle_coordinator,
+        lambda: idle_coordinator.delegate(parent.id, [_ok(n) for n in range(limit + 1)]),
+        ValidationError,
+        f"{limit + 1} subtasks exceed SUBQ_MAX_FANOUT={limit}",
+        "specs",
+    )
+
+
+@pytest.mark.parametrize("message", ["", "   \n"])
+def test_empty_message(idle_coordinator: Coordinator, parent: Any, message: str) -> None:
+    _assert_refused(
+        idle_coordinator,
+        lambda: idle_coordinator.delegate(parent.id, [_ok(0), {"description": "x", "message": message}]),
+        ValidationError,
+        "specs.1.message: String should have at least 1 character",
+        "specs.1.message",
+    )
+
+
+def test_unknown_field_and_missing_description(idle_coordinator: Coordinator, parent: Any) -> None:
+    _assert_refused(
+        idle_coordinator,
+        lambda: idle_coordinator.delegate(parent.id, [_ok(0, colour="red")]),
+        ValidationError,
+        "specs.0.colour: Extra inputs are not permitted",
+        "specs.0.colour",
+    )
+    _assert_refused(
+        idle_coordinator,
+        lambda: idle_coordinator.delegate(parent.id, [{"message": "hi"}]),
+        ValidationError,
+        "specs.0.description: Field required",
+        "specs.0.description",
+    )
+
+
+def test_unknown_profile(idle_coordinator: Coordinator, parent: Any) -> None:
+    _assert_refused(
+        idle_coordinator,
+        lambda: idle_coordinator.delegate(parent.id, [_ok(0, profile="gpt-9")]),
+        ProfileError,
+        "Invalid profile: gpt-9",
+        "specs.0.profile",
+    )
+    before = state(idle_coordinator)
+    with pytest.raises(ProfileError, match="Invalid profile: gpt-9"):
+        idle_coordinator.create_task("x", profile="gpt-9")
+    assert state(idle_coordinator) == before
+
+
+def test_bad_mode(idle_coordinator: Coordinator, parent: Any) -> None:
+    _assert_refused(
+        idle_coordinator,
+        lambda: idle_coordinator.delegate(parent.id, [_ok()], mode="sideways"),
+        ValidationError,
+        "mode must be 'parallel' or 'sequential', not 'sideways'",
+        "mode",
+    )
+
+
+def test_depth_limit(idle_coordinator: Coordinator) -> None:
+    shallow = Coordinator(idle_coordinator.settings.model_copy(update={"max_depth": 0}))
+    root = shallow.create_task("No subtasks allowed")
+    _assert_refused(
+        shallow,
+        lambda: shallow.delegate(root.id, [_ok()]),
+        StateError,
+        "SUBQ_MAX_DEPTH=0 allows no deeper subtasks",
+        "parent_id",
+    )
+
+
+@pytest.mark.parametrize(
+    ("update", "message", "field"),
+    [
+        ("just prose, no items\n", "The todo update has no items", "todos"),
+        ("", "The todo update has no items", "todos"),
+        ([{"content": "ok"}, {"content": "  "}], "Todo item 1 has no content", "todos.1.content"),
+        ([{"content": "ok", "status": "done"}], "Todo item 0 has an invalid status 'done'", "todos.0.status"),
+    ],
+)
+def test_bad_todo_update_keeps_the_list(
+    idle_coordinator: Coordinator, parent: Any, update: Any, message: str, field: str
+) -> None:
+    old = idle_coordinator.get_todos(parent.id)
+    _assert_refused(idle_coordinator, lambda: idle_coordinator.update_todos(parent.id, update), TodoError, message, field)
+    assert idle_coordinator.get_todos(parent.id) == old
+
+
+def test_bad_create_task(idle_coordinator: Coordinator) -> None:
+    _assert_refused(
+        idle_coordinator,
+        lambda: idle_coordinator.create_task("   "),
+        ValidationError,
+        "prompt must be a non-empty string",
+        "prompt",
+    )
+    _assert_refused(
+        idle_coordinator,
+        lambda: idle_coordinator.create_task("ok", todos="nothing that parses"),
+        TodoError,
+        "The todo update has no items",
+        "todos",
+    )
+
+
+def test_a_malformed_task_message_changes_nothing(coordinator: Coordinator) -> None:
+    """A producer that sends `subq.run_task` with a bad argument gets a failed result, no state."""
+    before = coordinator.store.snapshot()
+    for bad in (123, "not-an-id", "0123456789abcdef"):
+        result = coordinator.app.send_task("subq.run_task", args=[bad]).get(timeout=30)
+        assert result["status"] == "failed"
+        assert result["error_class"] in ("ValidationError", "NotFoundError")
+    assert coordinator.store.snapshot() == before
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"SUBQ_MAX_FANOUT": "lots"}, "Invalid setting SUBQ_MAX_FANOUT: Input should be a valid integer"),
+        ({"SUBQ_MAX_DEPTH": "-1"}, "Invalid setting SUBQ_MAX_DEPTH: Input should be greater than or equal to 0"),
+        ({"SUBQ_WORKER_POOL": "fibers"}, "Invalid setting SUBQ_WORKER_POOL: String should match pattern"),
+        (
+            {"SUBQ_VISIBILITY_TIMEOUT_S": "10", "SUBQ_TASK_TIME_LIMIT_S": "60"},
+            "Invalid setting SUBQ_VISIBILITY_TIMEOUT_S: 10 must be above SUBQ_TASK_TIME_LIMIT_S (60)",
+        ),
+        ({"SUBQ_DEFAULT_PROFILE": "nope"}, "Invalid setting SUBQ_DEFAULT_PROFILE: 'nope' is not a defined profile"),
+        ({"SUBQ_PROFILES": '{"x": {"model": "bogus"}}'}, "Invalid setting SUBQ_PROFILES (x): model must be"),
+    ],
+)
+def test_invalid_settings_name_the_variable(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as caught:
+        load_settings()
+    assert str(caught.value).startswith(message)
+    assert "\n" not in str(caught.value)
+
+
+def test_profiles_file_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = tmp_path / "profiles.toml"
+    bad.write_text('[profiles.fast]\nmodel = "openai:gpt-4o-mini"\nmax_requests = 0\n')
+    monkeypatch.setenv("SUBQ_PROFILES_FILE", str(bad))
+    with pytest.raises(ConfigError, match=r"SUBQ_PROFILES_FILE: .*profiles.toml: fast.max_requests: Input should be"):
+        load_settings()
+    good = tmp_path / "good.toml"
+    good.write_text('[profiles.fast]\nmodel = "openai:gpt-4o-mini"\nbase_url = "http://127.0.0.1:1/v1"\n')
+    monkeypatch.setenv("SUBQ_PROFILES_FILE", str(good))
+    assert load_settings().profile("fast").model == "openai:gpt-4o-mini"
+    monkeypatch.setenv("SUBQ_PROFILES_FILE", str(tmp_path / "missing.toml"))
+    with pytest.raises(ConfigError, match="SUBQ_PROFILES_FILE: .*missing.toml: cannot read it"):
+        load_settings()
+
+
+def test_worker_with_an_invalid_setting_stops_with_one_line(settings: Settings) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUBQ_")}
+    env |= {"SUBQ_REDIS_URL": settings.redis_url or "", "SUBQ_MAX_FANOUT": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "workers.app", "worker"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "subq worker: Invalid setting SUBQ_MAX_FANOUT: Input should be greater than or equal to 1" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_no_redis_url_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="Invalid setting SUBQ_REDIS_URL: not set"):
+        Coordinator(Settings())

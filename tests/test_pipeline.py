@@ -1,0 +1,191 @@
+"""The delegation pipeline end to end: real Redis, real `celery worker` processes.
+
+Figures: one offline request of input 1000, output 500, cache_write 2000,
+cache_read 10000, priced as anthropic claude-sonnet-4-5, is 13500 tokens
+(tokens_in counts cache tokens) and 21000 micro-USD:
+1000*3 + 500*15 + 2000*3.75 + 10000*0.30 per million = 0.021 USD.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator import Coordinator, TaskStatus, TodoStatus
+from coordinator.celery_app import make_app
+from tests.helpers import script, usage_step
+from workers import delegation
+from workers.runtime.context import build_runtime
+
+ONE_STEP_TOKENS = 13_500
+ONE_STEP_COST_MICROS = 21_000
+WAIT_S = 60
+
+
+def _spec(n: int, todo_id: str | None = None, step: dict[str, object] | None = None) -> dict[str, object]:
+    return {
+        "description": f"child {n}",
+        "message": script(step or usage_step(f"child {n} done")),
+        "todo_id": todo_id,
+    }
+
+
+def test_three_parallel_children_write_back_onto_their_todos(coordinator: Coordinator) -> None:
+    parent = coordinator.create_task("Plan and delegate", todos="[ ] T1\n[ ] T2\n[ ] T3\n[ ] T4")
+    items = coordinator.get_todos(parent.id)
+    batch = coordinator.delegate(parent.id, [_spec(n, items[n].id) for n in range(3)])
+
+    done = coordinator.wait(parent.id, WAIT_S)
+
+    assert done.status == TaskStatus.ACTIVE
+    todos = coordinator.get_todos(parent.id)
+    for n in range(3):
+        assert todos[n].subtask_id == batch.child_ids[n]
+        assert todos[n].tokens == ONE_STEP_TOKENS
+        assert todos[n].cost_micros == ONE_STEP_COST_MICROS
+        assert todos[n].status == TodoStatus.COMPLETED
+    assert todos[3].subtask_id is None and todos[3].status == TodoStatus.PENDING
+    assert done.total_cost_micros == done.cost_micros + 3 * ONE_STEP_COST_MICROS
+    assert done.total_tokens == done.tokens + 3 * ONE_STEP_TOKENS
+    results = [m for m in coordinator.messages(parent.id) if m.get("say") == "subtask_result"]
+    assert len(results) == 1
+    text = results[0]["text"]
+    positions = [text.index(f"(task {cid}") for cid in batch.child_ids]
+    assert positions == sorted(positions), "combined result is in dispatch order"
+    assert coordinator.get_batch(batch.id).status == "done"
+    for child in coordinator.get_children(parent.id):
+        assert child.status == TaskStatus.COMPLETED
+        assert (child.tokens_in, child.tokens_out) == (13_000, 500)
+        assert (child.cache_writes, child.cache_reads) == (2000, 10_000)
+        assert child.cost_micros == child.total_cost_micros == ONE_STEP_COST_MICROS
+        assert "genai-prices" in child.cost_source
+
+
+def test_a_failed_child_keeps_its_link_and_spend_and_the_parent_hears_why(coordinator: Coordinator) -> None:
+    parent = coordinator.create_task("Delegate three", todos="[ ] A\n[ ] B\n[ ] C")
+    specs = [
+        _spec(0),
+        _spec(1, step={"fail": "the provider rejected the request: context too long"}),
+        _spec(2),
+    ]
+    batch = coordinator.delegate(parent.id, specs)
+    done = coordinator.wait(parent.id, WAIT_S)
+
+    assert done.status == TaskStatus.ACTIVE
+    todos = coordinator.get_todos(parent.id)
+    assert [t.subtask_id for t in todos] == batch.child_ids
+    assert todos[0].status == todos[2].status == TodoStatus.COMPLETED
+    assert todos[1].status == TodoStatus.IN_PROGRESS, "a failed child's item is not completed"
+    assert todos[0].cost_micros == todos[2].cost_micros == ONE_STEP_COST_MICROS
+    failed = coordinator.get_task(batch.child_ids[1])
+    assert failed.status == TaskStatus.FAILED
+    assert "context too long" in failed.error
+    assert todos[1].cost_micros == failed.total_cost_micros  # whatever it spent (a failed request: nothing)
+    text = coordinator.messages(parent.id)[-1]["text"]
+    failed_lines = [line for line in text.splitlines() if "[failed]" in line]
+    assert len(failed_lines) == 1
+    assert "child 1" in failed_lines[0] and "context too long" in failed_lines[0]
+    assert "Traceback" not in text
+    assert done.total_cost_micros == 2 * ONE_STEP_COST_MICROS
+
+
+def test_a_failed_child_that_spent_first_keeps_that_spend(coordinator: Coordinator) -> None:
+    parent = coordinator.create_task("Delegate one", todos="[ ] only")
+    spend = usage_step("thinking")
+    step_then_fail = {"tool_calls": [{"name": "no_such_tool", "args": {}}], "usage": spend["usage"]}
+    batch = coordinator.delegate(parent.id, [_spec(0, step=None) | {"message": script(step_then_fail, {"fail": "boom"})}])
+    done = coordinator.wait(parent.id, WAIT_S)
+    child = coordinator.get_task(batch.child_ids[0])
+    assert child.status == TaskStatus.FAILED
+    assert child.cost_micros == ONE_STEP_COST_MICROS
+    item = coordinator.get_todos(parent.id)[0]
+    assert item.subtask_id == child.id and item.status != TodoStatus.COMPLETED
+    assert item.cost_micros == ONE_STEP_COST_MICROS
+    assert done.total_cost_micros == ONE_STEP_COST_MICROS
+
+
+def test_fifty_children_at_once_nothing_lost_nothing_doubled(coordinator: Coordinator) -> None:
+    width = 50
+    parent = coordinator.create_task("Fan out", todos="\n".join(f"[ ] item {n}" for n in range(width)))
+    batch = coordinator.delegate(parent.id, [_spec(n) for n in range(width)])
+    done = coordinator.wait(parent.id, WAIT_S * 2)
+
+    todos = coordinator.get_todos(parent.id)
+    assert [t.subtask_id for t in todos] == batch.child_ids
+    assert all(t.tokens == ONE_STEP_TOKENS and t.cost_micros == ONE_STEP_COST_MICROS for t in todos)
+    assert all(t.status == TodoStatus.COMPLETED for t in todos)
+    assert done.total_cost_micros == width * ONE_STEP_COST_MICROS
+    assert done.total_tokens == width * ONE_STEP_TOKENS
+    hosts = {coordinator.client.hget(coordinator.store.keys.task(parent.root_id, c), "deliveries") for c in batch.child_ids}
+    assert hosts == {"1"}, "each child ran exactly once"
+
+    # A duplicated chord callback (the same function the worker runs) changes nothing.
+    before = coordinator.store.snapshot()
+    rt = build_runtime(coordinator.settings, make_app(coordinator.settings))
+    results = [{"child_id": c, "status": "completed", "summary": "again"} for c in batch.child_ids]
+    assert delegation.gather(rt, batch.id, results) is False
+    assert coordinator.store.snapshot() == before
+
+
+def test_sequential_chain_stops_at_a_failed_step(coordinator: Coordinator) -> None:
+    parent = coordinator.create_task("Step by step", todos="[ ] one\n[ ] two\n[ ] three")
+    specs = [_spec(0), _spec(1, step={"fail": "step two broke"}), _spec(2)]
+    batch = coordinator.delegate(parent.id, specs, mode="sequential")
+    done = coordinator.wait(parent.id, WAIT_S)
+
+    assert done.status == TaskStatus.ACTIVE
+    first, second, third = (coordinator.get_task(c) for c in batch.child_ids)
+    assert (first.status, second.status, third.status) == (
+        TaskStatus.COMPLETED,
+        TaskStatus.FAILED,
+        TaskStatus.CANCELLED,
+    )
+    assert "step 2" in third.error and third.requests == 0
+    todos = coordinator.get_todos(parent.id)
+    assert [t.subtask_id for t in todos] == batch.child_ids
+    assert [t.status for t in todos] == [TodoStatus.COMPLETED, TodoStatus.IN_PROGRESS, TodoStatus.IN_PROGRESS]
+    assert todos[0].cost_micros == ONE_STEP_COST_MICROS and todos[2].cost_micros == 0
+    text = coordinator.messages(parent.id)[-1]["text"]
+    assert "[cancelled] child 2" in text and "step two broke" in text
+
+
+def test_sequential_children_write_back_one_by_one(coordinator: Coordinator) -> None:
+    parent = coordinator.create_task("Two steps", todos="[-] first\n[ ] second")
+    batch = coordinator.delegate(parent.id, [_spec(0), _spec(1)], mode="sequential")
+    done = coordinator.wait(parent.id, WAIT_S)
+    todos = coordinator.get_todos(parent.id)
+    assert [t.subtask_id for t in todos] == batch.child_ids  # in_progress first, then pending
+    assert all(t.cost_micros == ONE_STEP_COST_MICROS and t.status == TodoStatus.COMPLETED for t in todos)
+    assert done.total_cost_micros == 2 * ONE_STEP_COST_MICROS
+    first, second = (coordinator.get_task(c) for c in batch.child_ids)
+    assert first.finished_at is not None and second.finished_at is not None
+    assert first.finished_at <= second.created_at + 60 and first.finished_at <= second.finished_at
+
+
+def test_a_child_without_a_todo_candidate_gets_a_new_item(coordinator: Coordinator) -> None:
+    parent = coordinator.create_task("No plan yet")
+    batch = coordinator.delegate(parent.id, [_spec(0)])
+    coordinator.wait(parent.id, WAIT_S)
+    (item,) = coordinator.get_todos(parent.id)
+    assert item.content == "child 0" and item.subtask_id == batch.child_ids[0]
+    assert item.status == TodoStatus.COMPLETED and item.cost_micros == ONE_STEP_COST_MICROS
+
+
+def test_a_parent_can_delegate_again_after_resuming(coordinator: Coordinator) -> None:
+    parent = coordinator.create_task("Twice", todos="[ ] a\n[ ] b")
+    coordinator.delegate(parent.id, [_spec(0)])
+    coordinator.wait(parent.id, WAIT_S)
+    coordinator.delegate(parent.id, [_spec(1)], mode="sequential")
+    done = coordinator.wait(parent.id, WAIT_S)
+    assert [t.status for t in coordinator.get_todos(parent.id)] == [TodoStatus.COMPLETED] * 2
+    assert done.total_cost_micros == 2 * ONE_STEP_COST_MICROS
+    assert len([m for m in coordinator.messages(parent.id) if m["say"] == "subtask_result"]) == 2
+
+
+@pytest.mark.parametrize("mode", ["parallel", "sequential"])
+def test_wait_times_out_with_a_clear_error(idle_coordinator: Coordinator, mode: str) -> None:
+    from coordinator import WaitTimeout
+
+    parent = idle_coordinator.create_task("Nobody will run this")
+    idle_coordinator.delegate(parent.id, [_spec(0)], mode=mode)
+    with pytest.raises(WaitTimeout, match=r"still delegated after 0.2s \(1 of 1 children outstanding\)"):
+        idle_coordinator.wait(parent.id, 0.2)
