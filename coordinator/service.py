@@ -170,7 +170,7 @@ class Coordinator:
                 id=batch_id,
                 parent_id=parent.id,
                 root_id=parent.root_id,
-                mode=mode,  # type: ignore[arg-type]
+                mode=mode,
                 child_ids=child_ids,
                 created_at=now,
             )

@@ -15,10 +15,11 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from importlib import resources
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 import redis
 from redis.client import Pipeline
+from redis.typing import EncodableT, FieldT
 
 from coordinator import todos as todo_lists
 from coordinator.errors import ConflictError, NotFoundError, StoreError
@@ -61,13 +62,27 @@ def translate_redis_errors(fn: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
+# The client is built with decode_responses=True, so Redis replies are str; redis-py
+# types them as bytes | str, and these casts say so once, at the boundary.
+def _strs(reply: Any) -> list[str]:
+    return cast(list[str], reply)
+
+
+def _str_map(reply: Any) -> dict[str, str]:
+    return cast(dict[str, str], reply)
+
+
 def _load_script(name: str) -> str:
     return resources.files("coordinator").joinpath("lua", name).read_text(encoding="utf-8")
 
 
-def _encode_record(fields: dict[str, Any]) -> dict[str, str | int | float]:
+HashFields = dict[FieldT, EncodableT]
+ScriptArg = str | int | float
+
+
+def _encode_record(fields: dict[str, Any]) -> HashFields:
     """A task record as hash fields: None becomes '' and lists become JSON."""
-    out: dict[str, str | int | float] = {}
+    out: HashFields = {}
     for name, value in fields.items():
         if value is None:
             out[name] = ""
@@ -97,7 +112,7 @@ class Store:
     @translate_redis_errors
     def task_fields(self, task_id: str) -> dict[str, str]:
         """The raw hash of a task; NotFoundError when there is none."""
-        raw: dict[str, str] = self.client.hgetall(self.keys.task(root_of(task_id), task_id))
+        raw = _str_map(self.client.hgetall(self.keys.task(root_of(task_id), task_id)))
         if not raw:
             raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
         return raw
@@ -106,8 +121,8 @@ class Store:
     def get_task(self, task_id: str) -> TaskRecord:
         raw = self.task_fields(task_id)
         root = root_of(task_id)
-        child_ids = self.client.lrange(self.keys.children(root, task_id), 0, -1)
-        awaiting = self.client.smembers(self.keys.awaiting(root, task_id))
+        child_ids = _strs(self.client.lrange(self.keys.children(root, task_id), 0, -1))
+        awaiting = set(_strs(self.client.smembers(self.keys.awaiting(root, task_id))))
         return _decode_record(raw, child_ids, [c for c in child_ids if c in awaiting])
 
     def ancestors(self, task_id: str) -> list[str]:
@@ -124,11 +139,11 @@ class Store:
     def get_children(self, task_id: str) -> list[TaskRecord]:
         root = root_of(task_id)
         self.task_fields(task_id)
-        return [self.get_task(c) for c in self.client.lrange(self.keys.children(root, task_id), 0, -1)]
+        return [self.get_task(c) for c in _strs(self.client.lrange(self.keys.children(root, task_id), 0, -1))]
 
     @translate_redis_errors
     def get_batch(self, batch_id: str) -> Batch:
-        raw = self.client.hgetall(self.keys.batch(root_of(batch_id), batch_id))
+        raw = _str_map(self.client.hgetall(self.keys.batch(root_of(batch_id), batch_id)))
         if not raw:
             raise NotFoundError(f"Unknown batch: {batch_id}", field="batch_id")
         return Batch.model_validate(
@@ -149,13 +164,13 @@ class Store:
 
     @translate_redis_errors
     def last_event_id(self, root_id: str) -> str:
-        newest = self.client.xrevrange(self.keys.events(root_id), count=1)
+        newest: Any = self.client.xrevrange(self.keys.events(root_id), count=1)
         return str(newest[0][0]) if newest else "0-0"
 
     @translate_redis_errors
     def wait_for_event(self, root_id: str, after_id: str, block_ms: int) -> str:
         """Block until the tree's stream has an entry after `after_id`; returns the newest id seen."""
-        reply = self.client.xread({self.keys.events(root_id): after_id}, block=block_ms)
+        reply: Any = self.client.xread({self.keys.events(root_id): after_id}, block=block_ms)
         if not reply:
             return after_id
         return str(reply[0][1][-1][0])
@@ -170,14 +185,14 @@ class Store:
             "string": self.client.get,
             "hash": self.client.hgetall,
             "list": lambda key: self.client.lrange(key, 0, -1),
-            "set": lambda key: sorted(self.client.smembers(key)),
+            "set": lambda key: sorted(_strs(self.client.smembers(key))),
             "zset": lambda key: self.client.zrange(key, 0, -1, withscores=True),
             "stream": lambda key: self.client.xrange(key),
         }
         return {
             key: (kind, read[kind](key))
             for key in self.client.scan_iter(self.keys.all_pattern(), count=1000)
-            if (kind := self.client.type(key)) in read
+            if (kind := str(self.client.type(key))) in read
         }
 
     # -- writes ------------------------------------------------------------------------
@@ -237,7 +252,7 @@ class Store:
         def body(pipe: Pipeline) -> tuple[Batch, list[TaskRecord]]:
             parent, old_todos = self._read_watched(pipe, parent_id)
             batch, children, new_todos = plan(parent, old_todos)
-            ancestors = [*json.loads(pipe.hget(parent_key, "ancestors") or "[]"), parent_id]
+            ancestors = [*json.loads(cast(str | None, pipe.hget(parent_key, "ancestors")) or "[]"), parent_id]
             now = time.time()
             pipe.multi()
             for child in children:
@@ -282,7 +297,7 @@ class Store:
         ancestors = self.ancestors(task_id)
         keys = [self.keys.task(root, task_id), self.keys.usage_applied(root, task_id)]
         keys += [self.keys.task(root, a) for a in reversed(ancestors)]
-        args = [
+        args: list[ScriptArg] = [
             request_key, usage.tokens_in, usage.tokens_out, usage.cache_reads, usage.cache_writes,
             cost_micros, cost_source, time.time(), self.retention_s,
         ]  # fmt: skip
@@ -295,7 +310,7 @@ class Store:
         """Make a task terminal once; returns its status after the call."""
         root = root_of(task_id)
         keys = [self.keys.task(root, task_id), self.keys.events(root)]
-        args = [status, summary, error, error_class, time.time(), self.retention_s, EVENTS_MAXLEN]
+        args: list[ScriptArg] = [status, summary, error, error_class, time.time(), self.retention_s, EVENTS_MAXLEN]
         result = self._finish_task(keys=keys, args=args)
         if result is None:
             raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
@@ -309,7 +324,7 @@ class Store:
             k.task(root, batch.parent_id), k.todos(root, batch.parent_id), k.batch_applied(root, batch.id),
             k.awaiting(root, batch.parent_id), k.task(root, result.child_id), k.events(root),
         ]  # fmt: skip
-        args = [
+        args: list[ScriptArg] = [
             result.child_id, result.status, result.summary, result.error or "", result.error_class or "",
             time.time(), self.retention_s, EVENTS_MAXLEN,
         ]  # fmt: skip
@@ -323,7 +338,7 @@ class Store:
             k.batch(root, batch.id), k.task(root, batch.parent_id), k.ui_messages(root, batch.parent_id),
             k.awaiting(root, batch.parent_id), k.events(root),
         ]  # fmt: skip
-        args = [combined, json.dumps(ui_message), time.time(), self.retention_s, EVENTS_MAXLEN]
+        args: list[ScriptArg] = [combined, json.dumps(ui_message), time.time(), self.retention_s, EVENTS_MAXLEN]
         return bool(self._finish_batch(keys=keys, args=args))
 
     @translate_redis_errors
@@ -356,7 +371,7 @@ class Store:
         for _ in range(MAX_TRANSACTION_ATTEMPTS):
             with self.client.pipeline(transaction=True) as pipe:
                 try:
-                    pipe.watch(*watched)
+                    pipe.watch(*watched)  # type: ignore[no-untyped-call]
                     return body(pipe)
                 except redis.WatchError:
                     continue
@@ -364,12 +379,13 @@ class Store:
 
     def _read_watched(self, pipe: Pipeline, task_id: str) -> tuple[TaskRecord, list[TodoItem]]:
         root = root_of(task_id)
-        raw = pipe.hgetall(self.keys.task(root, task_id))
+        # A watching pipeline runs commands immediately, so these are replies.
+        raw = _str_map(pipe.hgetall(self.keys.task(root, task_id)))
         if not raw:
             raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
-        child_ids = pipe.lrange(self.keys.children(root, task_id), 0, -1)
-        awaiting = pipe.smembers(self.keys.awaiting(root, task_id))
-        todos_raw = pipe.get(self.keys.todos(root, task_id))
+        child_ids = _strs(pipe.lrange(self.keys.children(root, task_id), 0, -1))
+        awaiting = set(_strs(pipe.smembers(self.keys.awaiting(root, task_id))))
+        todos_raw = cast(str | None, pipe.get(self.keys.todos(root, task_id)))
         record = _decode_record(raw, child_ids, [c for c in child_ids if c in awaiting])
         return record, todo_lists.from_json(todos_raw) if todos_raw else []
 

@@ -56,9 +56,16 @@ def run_child(rt: Runtime, task_id: str) -> SubtaskResult:
         )
         return result_of(store.get_task(task_id))
 
+    limit_s = rt.settings.task_time_limit_s
     try:
-        summary = asyncio.run(_run_agent(rt, record, rt.settings.profile(record.profile), deliveries))
+        # The threads pool does not enforce Celery's task_time_limit, so the runner does:
+        # a run must end before the visibility timeout, or Redis would deliver it again
+        # while it still runs (Settings checks visibility_timeout_s > task_time_limit_s).
+        run = _run_agent(rt, record, rt.settings.profile(record.profile), deliveries)
+        summary = asyncio.run(asyncio.wait_for(run, timeout=limit_s))
         status, error, error_class = "completed", "", ""
+    except TimeoutError:
+        status, summary, error, error_class = "failed", "", f"ran over SUBQ_TASK_TIME_LIMIT_S={limit_s}", "TimeLimit"
     except Exception as exc:  # an agent-level failure is a result, never a crash of the chord
         log.info("task %s failed: %s: %s", task_id, type(exc).__name__, exc)
         status, summary, error, error_class = "failed", "", one_line(str(exc)), type(exc).__name__

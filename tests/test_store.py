@@ -1,0 +1,161 @@
+"""The Redis store on a real Redis: atomic roll-up, idempotent write-back, no lost update.
+
+These tests drive the store directly (the same functions the workers call)
+from many threads at once, so a read-modify-write that is not atomic loses
+updates here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from coordinator import Coordinator, NotFoundError, Settings, StoreError, SubtaskResult, TodoStatus, Usage
+from coordinator.models import TaskRecord
+from tests.helpers import script, usage_step
+
+THREADS = 8
+
+
+def _run_threads(count: int, work: Callable[[int], None]) -> None:
+    errors: list[BaseException] = []
+
+    def guarded(n: int) -> None:
+        try:
+            work(n)
+        except BaseException as exc:  # surfaced below: a thread's failure must fail the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(n,)) for n in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+
+
+def _tree(coord: Coordinator) -> tuple[TaskRecord, TaskRecord, TaskRecord]:
+    """root -> child -> grandchild, with nothing run (the queue has no worker)."""
+    root = coord.create_task("root", todos="[ ] a")
+    (child_id,) = coord.delegate(root.id, [{"description": "child", "message": "work"}]).child_ids
+    (grandchild_id,) = coord.delegate(child_id, [{"description": "grandchild", "message": "work"}]).child_ids
+    return coord.get_task(root.id), coord.get_task(child_id), coord.get_task(grandchild_id)
+
+
+def test_usage_rolls_up_every_ancestor_exactly_under_concurrency(idle_coordinator: Coordinator) -> None:
+    root, child, grandchild = _tree(idle_coordinator)
+    store = idle_coordinator.store
+    per_thread = 50
+    usage = Usage(tokens_in=130, tokens_out=5, cache_reads=100, cache_writes=20)
+
+    def record(n: int) -> None:
+        for i in range(per_thread):
+            task = grandchild if i % 2 else child
+            assert store.record_usage(task.id, f"t{n}:{i}", usage, 210, "test")
+
+    _run_threads(THREADS, record)
+    # Every request key again: nothing is counted twice.
+    for n in range(THREADS):
+        for i in range(per_thread):
+            task = grandchild if i % 2 else child
+            assert not store.record_usage(task.id, f"t{n}:{i}", usage, 210, "test")
+
+    half = THREADS * per_thread // 2
+    g, c, r = (idle_coordinator.get_task(t.id) for t in (grandchild, child, root))
+    assert (g.requests, g.cost_micros, g.total_cost_micros) == (half, half * 210, half * 210)
+    assert (g.tokens_in, g.tokens_out, g.cache_reads, g.cache_writes) == (half * 130, half * 5, half * 100, half * 20)
+    assert (c.cost_micros, c.total_cost_micros) == (half * 210, 2 * half * 210)
+    assert (r.cost_micros, r.total_cost_micros, r.total_tokens) == (0, 2 * half * 210, 2 * half * 135)
+
+
+def test_write_back_and_todo_rewrites_at_once_lose_nothing(idle_coordinator: Coordinator) -> None:
+    width = 24
+    coord, store = idle_coordinator, idle_coordinator.store
+    parent = coord.create_task("p", todos="\n".join(f"[ ] item {n}" for n in range(width)))
+    batch = coord.delegate(parent.id, [{"description": f"c{n}", "message": "m"} for n in range(width)])
+    for n, child_id in enumerate(batch.child_ids):
+        store.record_usage(child_id, "1:1", Usage(tokens_in=n + 1, tokens_out=1), 1000 + n, "test")
+        store.finish_task(child_id, "completed", summary=f"done {n}")
+
+    def work(n: int) -> None:
+        if n % 2:
+            for child_id in batch.child_ids[n::THREADS]:
+                store.apply_child(batch, SubtaskResult(child_id=child_id, status="completed"))
+        else:
+            for round_ in range(10):  # the parent's agent rewrites its plan meanwhile
+                mark = "[-]" if round_ % 2 else "[ ]"
+                coord.update_todos(parent.id, "\n".join(f"{mark} item {k}" for k in range(width)))
+
+    _run_threads(THREADS, work)
+    for child_id in batch.child_ids:  # children no odd thread covered
+        store.apply_child(batch, SubtaskResult(child_id=child_id, status="completed"))
+    todos = coord.get_todos(parent.id)
+    assert [t.subtask_id for t in todos] == batch.child_ids
+    assert [t.cost_micros for t in todos] == [1000 + n for n in range(width)]
+    assert [t.tokens for t in todos] == [n + 2 for n in range(width)]
+    assert coord.get_task(parent.id).awaiting_ids == []
+
+
+def test_write_back_is_idempotent_and_terminal_status_is_first_wins(idle_coordinator: Coordinator) -> None:
+    coord, store = idle_coordinator, idle_coordinator.store
+    parent = coord.create_task("p", todos="[ ] a")
+    batch = coord.delegate(parent.id, [{"description": "c", "message": "m"}])
+    (child_id,) = batch.child_ids
+    store.record_usage(child_id, "1:1", Usage(tokens_in=10, tokens_out=2), 77, "test")
+    assert store.finish_task(child_id, "failed", error="first", error_class="X") == "failed"
+    assert store.finish_task(child_id, "completed", summary="second") == "failed"
+
+    assert store.apply_child(batch, SubtaskResult(child_id=child_id, status="failed", error="first"))
+    after_first = store.snapshot()
+    assert not store.apply_child(batch, SubtaskResult(child_id=child_id, status="completed"))
+    assert store.snapshot() == after_first
+    (item,) = coord.get_todos(parent.id)
+    assert (item.subtask_id, item.tokens, item.cost_micros) == (child_id, 12, 77)
+    assert item.status == TodoStatus.IN_PROGRESS
+
+
+def test_corrupt_entries_read_as_clear_errors(idle_coordinator: Coordinator) -> None:
+    coord = idle_coordinator
+    task = coord.create_task("p", todos="[ ] a")
+    keys = coord.store.keys
+    coord.client.set(keys.todos(task.root_id, task.id), "{not json")
+    with pytest.raises(StoreError, match="todo"):
+        coord.get_todos(task.id)
+    coord.client.rpush(keys.ui_messages(task.root_id, task.id), "{broken")
+    with pytest.raises(StoreError, match=f"UI message 0 of task {task.id} is corrupt"):
+        coord.messages(task.id)
+    coord.client.hset(keys.task(task.root_id, task.id), "status", "weird")
+    with pytest.raises(StoreError, match=f"Task record {task.id} is corrupt"):
+        coord.get_task(task.id)
+
+
+def test_unknown_ids_and_unreachable_redis(idle_coordinator: Coordinator, settings: Settings) -> None:
+    with pytest.raises(NotFoundError, match="Unknown task: 0123456789abcdef"):
+        idle_coordinator.get_task("0123456789abcdef")
+    with pytest.raises(NotFoundError, match="Unknown batch"):
+        idle_coordinator.get_batch("0123456789abcdef-b0123456789ab")
+    nowhere = Coordinator(settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"}))
+    with pytest.raises(StoreError, match="Redis is unreachable"):
+        nowhere.get_task("0123456789abcdef")
+
+
+def test_keys_live_under_one_hash_tag_per_tree(idle_coordinator: Coordinator) -> None:
+    root, _, _ = _tree(idle_coordinator)
+    tree_keys = [k for k in idle_coordinator.store.snapshot() if root.root_id in k]
+    assert tree_keys and all(k.startswith(f"subqtest:{{{root.root_id}}}:") for k in tree_keys)
+    ttls = [idle_coordinator.client.ttl(k) for k in tree_keys]
+    assert all(0 < ttl <= idle_coordinator.settings.result_retention_s for ttl in ttls), "every tree key expires"
+
+
+def test_a_script_with_bad_json_fails_the_child_with_a_clear_error(coordinator: Coordinator) -> None:
+    parent = coordinator.create_task("p", todos="[ ] a")
+    bad = "Do it.\n\n```subq-script\n{\"steps\": [\n```\n"
+    batch = coordinator.delegate(parent.id, [{"description": "bad script", "message": bad}, {
+        "description": "good", "message": script(usage_step())}])  # fmt: skip
+    coordinator.wait(parent.id, 60)
+    broken = coordinator.get_task(batch.child_ids[0])
+    assert broken.status.value == "failed" and broken.error_class == "ScriptError"
+    assert "subq-script block is not valid JSON" in broken.error
+    assert coordinator.get_task(batch.child_ids[1]).status.value == "completed"
