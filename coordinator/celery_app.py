@@ -14,7 +14,6 @@ from typing import Any
 from celery import Celery
 from celery.backends.redis import RedisBackend
 
-from coordinator.errors import ConfigError
 from coordinator.settings import Settings
 
 __all__ = ["PublishOnlyRedisBackend", "make_app"]
@@ -41,13 +40,9 @@ class PublishOnlyRedisBackend(RedisBackend):  # type: ignore[misc]
 
 
 def make_app(settings: Settings) -> Celery:
-    if not settings.redis_url:
-        raise ConfigError(
-            "Invalid setting SUBQ_REDIS_URL: not set (use `subq demo` or `subq up` for an embedded Redis)",
-            field="SUBQ_REDIS_URL",
-        )
-    backend = f"{__name__}:{PublishOnlyRedisBackend.__name__}+{settings.redis_url}"
-    app = Celery("subq", broker=settings.redis_url, backend=backend, set_as_current=False)
+    redis_url = settings.require_redis_url()
+    backend = f"{__name__}:{PublishOnlyRedisBackend.__name__}+{redis_url}"
+    app = Celery("subq", broker=redis_url, backend=backend, set_as_current=False)
     transport = {"visibility_timeout": settings.visibility_timeout_s}
     app.conf.update(
         task_serializer="json",

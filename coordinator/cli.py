@@ -51,9 +51,7 @@ def worker(
     loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
 ) -> None:
     """Run a worker on this machine (the same as `celery -A workers.app worker`)."""
-    settings = load_settings()
-    if not settings.redis_url:
-        raise SubqError("Invalid setting SUBQ_REDIS_URL: not set; a worker needs the Redis of the deployment")
+    load_settings().require_redis_url()
     argv = [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "--loglevel", loglevel]
     if concurrency:
         argv += ["--concurrency", str(concurrency)]

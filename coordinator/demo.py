@@ -57,8 +57,8 @@ def _message(text: str, reply: str, usage: tuple[int, int, int, int]) -> str:
 def _local_stack(settings: Settings, workers: int, say: Callable[[str], None]) -> Iterator[Settings]:
     with ExitStack() as stack:
         if not settings.redis_url:
-            say("Starting an embedded Redis (no SUBQ_REDIS_URL set) ...")
             url = stack.enter_context(local_redis())
+            say(f"Started an embedded Redis at {url} (no SUBQ_REDIS_URL set).")
             settings = settings.model_copy(update={"redis_url": url})
         say(f"Starting {workers} worker processes (celery -A workers.app worker) ...")
         log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="subq-demo-")))

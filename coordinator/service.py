@@ -19,7 +19,7 @@ from celery import Celery
 from coordinator import dispatch, ids
 from coordinator import todos as todo_lists
 from coordinator.celery_app import make_app
-from coordinator.errors import ConfigError, StateError, ValidationError, WaitTimeout
+from coordinator.errors import StateError, ValidationError, WaitTimeout
 from coordinator.keys import Keys
 from coordinator.models import (
     Batch,
@@ -52,12 +52,7 @@ class Coordinator:
     ) -> None:
         self.settings = settings or load_settings()
         if client is None:
-            if not self.settings.redis_url:
-                raise ConfigError(
-                    "Invalid setting SUBQ_REDIS_URL: not set (use `subq demo` or `subq up` for an embedded Redis)",
-                    field="SUBQ_REDIS_URL",
-                )
-            client = redis.Redis.from_url(self.settings.redis_url, decode_responses=True)
+            client = redis.Redis.from_url(self.settings.require_redis_url(), decode_responses=True)
         self.client = client
         self.store = Store(client, Keys(self.settings.key_prefix), self.settings.result_retention_s)
         self._app = app

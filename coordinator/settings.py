@@ -135,6 +135,16 @@ class Settings(BaseSettings):
             raise ValueError(f"SUBQ_DEFAULT_PROFILE: {self.default_profile!r} is not a defined profile")
         return self
 
+    def require_redis_url(self) -> str:
+        """The Redis URL, or a ConfigError saying how to give one."""
+        if not self.redis_url:
+            raise ConfigError(
+                "Invalid setting SUBQ_REDIS_URL: not set (point it at your Redis, e.g. redis://localhost:6379/0; "
+                "`subq demo` starts an embedded one)",
+                field="SUBQ_REDIS_URL",
+            )
+        return self.redis_url
+
     def all_profiles(self) -> dict[str, Profile]:
         """Configured profiles plus the built-in `offline` (which a configured one may replace)."""
         return {OFFLINE_PROFILE: Profile(), **self.profiles}

@@ -31,8 +31,7 @@ _runtime: Runtime | None = None
 
 
 def build_runtime(settings: Settings, app: Celery) -> Runtime:
-    assert settings.redis_url, "make_app() refuses settings without SUBQ_REDIS_URL"
-    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    client = redis.Redis.from_url(settings.require_redis_url(), decode_responses=True)
     return Runtime(settings, Store(client, Keys(settings.key_prefix), settings.result_retention_s), app)
 
 
