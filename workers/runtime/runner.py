@@ -16,7 +16,7 @@ from pydantic_ai import Agent
 from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ModelResponse
 from pydantic_ai.usage import UsageLimits
 
-from coordinator.errors import NotFoundError
+from coordinator.errors import NotFoundError, StoreError
 from coordinator.models import SubtaskResult, TaskRecord, TaskStatus, Usage
 from coordinator.settings import Profile
 from workers.runtime.context import Runtime
@@ -66,6 +66,8 @@ def run_child(rt: Runtime, task_id: str) -> SubtaskResult:
         status, error, error_class = "completed", "", ""
     except TimeoutError:
         status, summary, error, error_class = "failed", "", f"ran over SUBQ_TASK_TIME_LIMIT_S={limit_s}", "TimeLimit"
+    except StoreError:
+        raise  # Redis, not the agent, failed: the task is retried (workers.tasks)
     except Exception as exc:  # an agent-level failure is a result, never a crash of the chord
         log.info("task %s failed: %s: %s", task_id, type(exc).__name__, exc)
         status, summary, error, error_class = "failed", "", one_line(str(exc)), type(exc).__name__
