@@ -44,6 +44,12 @@ def make_app(settings: Settings) -> Celery:
     backend = f"{__name__}:{PublishOnlyRedisBackend.__name__}+{redis_url}"
     app = Celery("subq", broker=redis_url, backend=backend, set_as_current=False)
     transport = {"visibility_timeout": settings.visibility_timeout_s}
+    broker_transport = {
+        **transport,
+        # Sweep for lost tasks every restore_interval_s (throttle 1: each sweep scans).
+        "unacked_restore_interval": settings.restore_interval_s,
+        "unacked_restore_throttle": 1,
+    }
     app.conf.update(
         task_serializer="json",
         result_serializer="json",
@@ -53,7 +59,7 @@ def make_app(settings: Settings) -> Celery:
         # A task whose worker process died is delivered again (bounded: runner counts deliveries).
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
-        broker_transport_options=transport,
+        broker_transport_options=broker_transport,
         result_backend_transport_options=transport,
         task_time_limit=settings.task_time_limit_s,
         task_default_queue=settings.queue,

@@ -1,10 +1,15 @@
 """Publishing work by task name: the coordinator never imports `workers`.
 
 A parallel delegation is a chord of `subq.run_task` headers with `subq.gather`
-as its callback; a sequential one is a chain of `subq.run_task` steps each
-followed by `subq.advance`, its own write-back. The Celery task id of a
-child's run is the child's id, so a publish retried after a failure names the
-same tasks, and the runner's idempotence makes the second delivery a no-op.
+as its callback. A sequential one is a chain built a step at a time: each step
+is `subq.run_task` followed by `subq.advance`, its own write-back, which
+publishes the next step once this one's child has ended. (A child that itself
+delegates releases its worker and ends later, so the next step cannot be
+queued up front; see docs/architecture.md.)
+
+The Celery task id of a task's first run is the task id, and of its n-th
+resume `<task id>-r<n>`, so a publish retried after a failure names the same
+Celery tasks, and the runner's lease makes a second delivery a no-op.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from celery.canvas import Signature
 
 from coordinator.models import Batch, TaskRecord
 
-__all__ = ["RUN_TASK", "GATHER", "ADVANCE", "publish_batch", "run_signature"]
+__all__ = ["ADVANCE", "GATHER", "RUN_TASK", "publish_batch", "publish_run", "publish_step", "run_signature"]
 
 RUN_TASK = "subq.run_task"
 GATHER = "subq.gather"
@@ -23,27 +28,32 @@ ADVANCE = "subq.advance"
 DESCRIPTION_REPR_CHARS = 60
 
 
-def run_signature(app: Celery, task: TaskRecord) -> Signature:
+def run_signature(app: Celery, task: TaskRecord, run_no: int = 0) -> Signature:
     argsrepr = (
         f"task={task.id} parent={task.parent_id or '-'} todo={task.todo_id or '-'} "
-        f"desc={task.description[:DESCRIPTION_REPR_CHARS]!r}"
+        f"desc={(task.description or task.prompt)[:DESCRIPTION_REPR_CHARS]!r}"
+        + (f" resume={run_no}" if run_no else "")
     )
-    return app.signature(RUN_TASK, args=(task.id,), task_id=task.id, immutable=True, argsrepr=argsrepr)
+    celery_id = task.id if run_no == 0 else f"{task.id}-r{run_no}"
+    return app.signature(RUN_TASK, args=(task.id,), task_id=celery_id, immutable=True, argsrepr=argsrepr)
+
+
+def publish_run(app: Celery, task: TaskRecord, run_no: int = 0) -> None:
+    """Start (run_no 0) or resume (run_no n) an agent task on the fleet."""
+    run_signature(app, task, run_no).apply_async()
 
 
 def publish_batch(app: Celery, batch: Batch, children: list[TaskRecord]) -> None:
-    runs = [run_signature(app, child) for child in children]
-    note = f"batch={batch.id} parent={batch.parent_id} children={len(children)}"
     if batch.mode == "parallel":
+        note = f"batch={batch.id} parent={batch.parent_id} children={len(children)}"
         callback = app.signature(GATHER, kwargs={"batch_id": batch.id}, task_id=f"{batch.id}-gather", kwargsrepr=note)
-        chord(runs, callback).apply_async()
+        chord([run_signature(app, child) for child in children], callback).apply_async()
     else:
-        steps: list[Signature] = []
-        for index, run in enumerate(runs):
-            steps.append(run)
-            steps.append(
-                app.signature(
-                    ADVANCE, kwargs={"batch_id": batch.id}, task_id=f"{batch.id}-step{index}", kwargsrepr=note
-                )
-            )
-        chain(*steps).apply_async()
+        publish_step(app, batch, children[0], 0)
+
+
+def publish_step(app: Celery, batch: Batch, child: TaskRecord, index: int) -> None:
+    """One step of a sequential batch: the child's run, then its write-back."""
+    note = f"batch={batch.id} step={index + 1}/{len(batch.child_ids)} parent={batch.parent_id}"
+    write_back = app.signature(ADVANCE, kwargs={"batch_id": batch.id}, task_id=f"{batch.id}-step{index}", kwargsrepr=note)
+    chain(run_signature(app, child), write_back).apply_async()

@@ -12,12 +12,16 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:{root}:awaiting:<id>`            | set    | children the task still waits on (in flight)       | deleted when empty |
 | `<p>:{root}:todos:<id>`               | string | the todo list as a JSON array of items             | retention |
 | `<p>:{root}:ui:<id>`                  | list   | UI messages, one JSON object each                  | retention |
-| `<p>:{root}:conversation:<id>`        | string | the model conversation (agent library's JSON)      | retention |
+| `<p>:{root}:conversation:<id>`        | list   | the model conversation, one message JSON an entry  | retention |
 | `<p>:{root}:usage-applied:<id>`       | set    | request keys whose usage is already recorded       | retention |
+| `<p>:{root}:lease:<id>`               | string | the token of the run now executing the task        | the task time limit |
+| `<p>:{root}:tasks`                    | zset   | every task id of the tree, scored by creation time | retention |
 | `<p>:{root}:batch:<batch_id>`         | hash   | one delegation: parent, mode, children, result     | retention |
 | `<p>:{root}:batch-applied:<batch_id>` | set    | children already written back (idempotent gather)  | retention |
 | `<p>:{root}:events`                   | stream | the tree's events (status changes, batch done)     | capped length, retention |
 | `<p>:roots`                           | zset   | root ids scored by creation time (history index)   | pruned to retention |
+| `<p>:tasks`                           | zset   | every task id scored by creation time (history)    | pruned to retention |
+| `<p>:task-number`                     | string | the last task number given (history numbering)     | permanent |
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ class Keys:
     def usage_applied(self, root_id: str, task_id: str) -> str:
         return f"{self._tree(root_id)}:usage-applied:{task_id}"
 
+    def lease(self, root_id: str, task_id: str) -> str:
+        return f"{self._tree(root_id)}:lease:{task_id}"
+
+    def tree_tasks(self, root_id: str) -> str:
+        return f"{self._tree(root_id)}:tasks"
+
     def batch(self, root_id: str, batch_id: str) -> str:
         return f"{self._tree(root_id)}:batch:{batch_id}"
 
@@ -68,6 +78,12 @@ class Keys:
 
     def roots(self) -> str:
         return f"{self.prefix}:roots"
+
+    def all_tasks(self) -> str:
+        return f"{self.prefix}:tasks"
+
+    def task_number(self) -> str:
+        return f"{self.prefix}:task-number"
 
     def all_pattern(self) -> str:
         """A SCAN pattern matching every key of this prefix (tests, cleanup)."""

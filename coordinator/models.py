@@ -16,12 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 __all__ = [
     "Batch",
     "DelegationMode",
+    "HistoryItem",
     "SubtaskResult",
     "SubtaskSpec",
     "TaskRecord",
     "TaskStatus",
     "TodoItem",
     "TodoStatus",
+    "UiMessage",
     "Usage",
     "format_usd",
 ]
@@ -117,7 +119,9 @@ class TaskRecord(BaseModel):
     description: str = ""
     profile: str
     todo_id: str | None = None
+    # The batch this task belongs to (as a child), and the one it now waits on (as a parent).
     batch_id: str | None = None
+    waiting_batch_id: str | None = None
     child_ids: list[str] = Field(default_factory=list)
     awaiting_ids: list[str] = Field(default_factory=list)
     tokens_in: int = 0
@@ -132,6 +136,9 @@ class TaskRecord(BaseModel):
     error: str = ""
     error_class: str = ""
     cost_source: str = ""
+    runner: Literal["caller", "agent"] = "caller"
+    number: int = 0
+    completed_by_child_id: str | None = None
     created_at: float
     updated_at: float
     finished_at: float | None = None
@@ -142,17 +149,87 @@ class TaskRecord(BaseModel):
 
 
 class SubtaskResult(BaseModel):
-    """What `subq.run_task` returns: small, JSON, never a traceback."""
+    """What `subq.run_task` returns: small, JSON, never a traceback.
+
+    `delegated` means the task released its worker to wait for its own children;
+    its final outcome reaches its parent when it ends (see workers/delegation.py).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     child_id: str
-    status: Literal["completed", "failed", "cancelled"]
+    status: Literal["completed", "failed", "cancelled", "delegated"]
     summary: str = ""
     usage: Usage = Field(default_factory=Usage)
     cost_micros: int = Field(default=0, ge=0)
     error: str | None = None
     error_class: str | None = None
+
+
+class UiMessage(BaseModel):
+    """One entry of a task's UI messages, as AI coding tools show a task's progress."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ts: float
+    type: Literal["say", "ask"] = "say"
+    say: str | None = None
+    ask: str | None = None
+    text: str = ""
+
+
+class HistoryItem(BaseModel):
+    """A task's summary line in the history, in the layout AI coding tools export."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    number: int
+    ts: float
+    task: str
+    tokens_in: int
+    tokens_out: int
+    cache_writes: int
+    cache_reads: int
+    total_cost: float
+    total_cost_micros: int
+    total_tokens: int
+    subtree_cost: float
+    status: TaskStatus
+    parent_id: str | None
+    root_id: str
+    depth: int
+    todo_id: str | None
+    child_ids: list[str]
+    awaiting_ids: list[str]
+    completed_by_child_id: str | None
+    completion_result_summary: str
+
+    @classmethod
+    def of(cls, record: TaskRecord) -> HistoryItem:
+        return cls(
+            id=record.id,
+            number=record.number,
+            ts=record.created_at,
+            task=record.prompt,
+            tokens_in=record.tokens_in,
+            tokens_out=record.tokens_out,
+            cache_writes=record.cache_writes,
+            cache_reads=record.cache_reads,
+            total_cost=record.cost_micros / MICROS_PER_USD,
+            total_cost_micros=record.cost_micros,
+            total_tokens=record.total_tokens,
+            subtree_cost=record.total_cost_micros / MICROS_PER_USD,
+            status=record.status,
+            parent_id=record.parent_id,
+            root_id=record.root_id,
+            depth=record.depth,
+            todo_id=record.todo_id,
+            child_ids=record.child_ids,
+            awaiting_ids=record.awaiting_ids,
+            completed_by_child_id=record.completed_by_child_id,
+            completion_result_summary=record.summary,
+        )
 
 
 class Batch(BaseModel):
@@ -167,6 +244,8 @@ class Batch(BaseModel):
     child_ids: list[str]
     status: Literal["running", "done"] = "running"
     result: str = ""
+    # The delegation tool call of an agent parent, answered with `result` on resume.
+    tool_call_id: str = ""
     created_at: float
     finished_at: float | None = None
 

@@ -8,8 +8,10 @@ the commit does it publish work.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pydantic
@@ -19,11 +21,13 @@ from celery import Celery
 from coordinator import dispatch, ids
 from coordinator import todos as todo_lists
 from coordinator.celery_app import make_app
-from coordinator.errors import StateError, ValidationError, WaitTimeout
+from coordinator.export import export_tree
+from coordinator.errors import NotFoundError, StateError, StoreError, ValidationError, WaitTimeout
 from coordinator.keys import Keys
 from coordinator.models import (
     Batch,
     DelegationMode,
+    HistoryItem,
     SubtaskSpec,
     TaskRecord,
     TaskStatus,
@@ -38,6 +42,9 @@ __all__ = ["Coordinator"]
 # short enough to notice a deadline, long enough not to spin.
 WAIT_SLICE_MS = 1000
 MAX_PROMPT_CHARS = 200_000
+# History pages: enough for a screen, bounded so one call stays cheap.
+DEFAULT_PAGE = 50
+MAX_PAGE = 500
 
 
 class Coordinator:
@@ -71,9 +78,17 @@ class Coordinator:
         prompt: str,
         todos: str | Sequence[object] | None = None,
         profile: str | None = None,
+        run: bool = False,
     ) -> TaskRecord:
-        """Create a root task owned by the caller (it delegates through this API)."""
+        """Create a root task.
+
+        With `run=False` the caller owns it and delegates through this API; with
+        `run=True` it starts as an agent on the fleet (its model plans, delegates
+        and completes), and `wait()` returns when it has ended.
+        """
         prompt = _text(prompt, "prompt", MAX_PROMPT_CHARS)
+        if not isinstance(run, bool):
+            raise ValidationError("run must be true or false", field="run")
         profile_name = profile or self.settings.default_profile
         self.settings.profile(profile_name)
         items = todo_lists.parse_update(todos) if todos is not None else []
@@ -85,10 +100,14 @@ class Coordinator:
             status=TaskStatus.ACTIVE,
             prompt=prompt,
             profile=profile_name,
+            runner="agent" if run else "caller",
+            number=self.store.next_numbers(1),
             created_at=now,
             updated_at=now,
         )
-        self.store.create_root(record, items, runner="caller")
+        self.store.create_root(record, items)
+        if run:
+            dispatch.publish_run(self.app, record)
         return record
 
     def get_task(self, task_id: str) -> TaskRecord:
@@ -103,9 +122,57 @@ class Coordinator:
     def get_batch(self, batch_id: str) -> Batch:
         return self.store.get_batch(batch_id)
 
-    def messages(self, task_id: str) -> list[dict[str, Any]]:
-        """The task's UI messages, oldest first."""
-        return self.store.ui_messages(task_id)
+    def messages(self, task_id: str, kind: str = "ui") -> list[dict[str, Any]]:
+        """The task's messages, oldest first: `ui` (UI messages) or `api` (the model conversation)."""
+        if kind == "ui":
+            return self.store.ui_messages(task_id)
+        if kind == "api":
+            self.store.task_fields(task_id)
+            return [_decode_entry(entry, task_id, n) for n, entry in enumerate(self.store.conversation(task_id))]
+        raise ValidationError(f"kind must be 'ui' or 'api', not {kind!r}", field="kind")
+
+    def export_tree(self, task_id: str, directory: Path | str) -> list[Path]:
+        """Write the task's subtree as folders (see coordinator/export.py); returns the files."""
+        return export_tree(self, task_id, Path(directory))
+
+    def history_item(self, task_id: str) -> HistoryItem:
+        return HistoryItem.of(self.store.get_task(task_id))
+
+    def list_tasks(
+        self,
+        *,
+        status: str | None = None,
+        root_id: str | None = None,
+        limit: int = DEFAULT_PAGE,
+        cursor: int = 0,
+    ) -> tuple[list[HistoryItem], int | None]:
+        """Tasks by recency (newest first) with their figures; returns (page, next cursor or None)."""
+        if status is not None and status not in {s.value for s in TaskStatus}:
+            allowed = ", ".join(s.value for s in TaskStatus)
+            raise ValidationError(f"status must be one of {allowed}, not {status!r}", field="status")
+        if not 1 <= limit <= MAX_PAGE:
+            raise ValidationError(f"limit must be between 1 and {MAX_PAGE}", field="limit")
+        if cursor < 0:
+            raise ValidationError("cursor must not be negative", field="cursor")
+        if root_id is not None:
+            ids.root_of(root_id)
+        items: list[HistoryItem] = []
+        offset = cursor
+        while len(items) < limit:
+            page = self.store.recent_task_ids(root_id=root_id, offset=offset, count=MAX_PAGE)
+            if not page:
+                return items, None
+            for n, task_id in enumerate(page, start=offset):
+                try:
+                    record = self.store.get_task(task_id)
+                except NotFoundError:  # expired since it was indexed
+                    continue
+                if status is None or record.status.value == status:
+                    items.append(HistoryItem.of(record))
+                    if len(items) == limit:
+                        return items, n + 1
+            offset += len(page)
+        return items, offset
 
     def update_todos(self, task_id: str, update: str | Sequence[object]) -> list[TodoItem]:
         """Replace the task's todo list; links and figures of existing items survive."""
@@ -121,6 +188,29 @@ class Coordinator:
         mode: DelegationMode | str = "parallel",
     ) -> Batch:
         """Delegate subtasks to children: all validated, committed atomically, then published."""
+        batch, children = self.commit_delegation(parent_id, specs, mode)
+        self.publish(batch, children)
+        return batch
+
+    def publish(self, batch: Batch, children: list[TaskRecord]) -> None:
+        """Publish a committed batch's work, once (a second call finds it published)."""
+        if self.store.claim_batch(batch.id, "published"):
+            if batch.mode == "sequential":
+                self.store.claim(children[0].id, "published")  # later steps are claimed as they start
+            dispatch.publish_batch(self.app, batch, children)
+
+    def commit_delegation(
+        self,
+        parent_id: str,
+        specs: Sequence[SubtaskSpec | dict[str, Any]],
+        mode: DelegationMode | str = "parallel",
+        tool_call_id: str = "",
+    ) -> tuple[Batch, list[TaskRecord]]:
+        """Validate and commit a delegation in one atomic step, without publishing it.
+
+        An agent parent commits from its delegation tool, persists its conversation,
+        and only then publishes, so no child can finish before the parent's state is saved.
+        """
         if mode not in ("parallel", "sequential"):
             raise ValidationError(f"mode must be 'parallel' or 'sequential', not {mode!r}", field="mode")
         checked = self._check_specs(specs)
@@ -156,6 +246,7 @@ class Coordinator:
                     profile=spec.profile or parent.profile,
                     todo_id=todo_id,
                     batch_id=batch_id,
+                    runner="agent",
                     created_at=now,
                     updated_at=now,
                 )
@@ -165,15 +256,17 @@ class Coordinator:
                 id=batch_id,
                 parent_id=parent.id,
                 root_id=parent.root_id,
-                mode=mode,
+                mode="parallel" if mode == "parallel" else "sequential",
                 child_ids=child_ids,
+                tool_call_id=tool_call_id,
                 created_at=now,
             )
             return batch, children, new_items
 
         batch, children = self.store.commit_delegation(parent_id, plan)
-        dispatch.publish_batch(self.app, batch, children)
-        return batch
+        first = self.store.next_numbers(len(children))
+        self.store.set_numbers({c.id: first + n for n, c in enumerate(children)})
+        return batch, [c.model_copy(update={"number": first + n}) for n, c in enumerate(children)]
 
     def _check_specs(self, specs: Sequence[SubtaskSpec | dict[str, Any]]) -> list[SubtaskSpec]:
         if isinstance(specs, (str, bytes)) or not isinstance(specs, Sequence):
@@ -203,7 +296,12 @@ class Coordinator:
     # -- waiting -----------------------------------------------------------------------
 
     def wait(self, task_id: str, timeout_s: float) -> TaskRecord:
-        """Block until the task is no longer `delegated` (or is terminal); return its record."""
+        """Block until the task has settled; return its record.
+
+        An agent task (started with `run=True`, or any child) settles when it is
+        completed, failed or cancelled; a caller-owned task when it is no longer
+        `delegated` (its children have reported back).
+        """
         if timeout_s < 0:
             raise ValidationError("timeout_s must not be negative", field="timeout_s")
         deadline = time.monotonic() + timeout_s
@@ -213,7 +311,7 @@ class Coordinator:
             # two wakes the blocking read below instead of being missed.
             last_id = self.store.last_event_id(root_id)
             record = self.store.get_task(task_id)
-            if record.status != TaskStatus.DELEGATED:
+            if record.status.terminal or (record.runner == "caller" and record.status != TaskStatus.DELEGATED):
                 return record
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
@@ -225,6 +323,16 @@ class Coordinator:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _decode_entry(entry: str, task_id: str, index: int) -> dict[str, Any]:
+    try:
+        value = json.loads(entry)
+    except json.JSONDecodeError:
+        raise StoreError(f"Conversation message {index} of task {task_id} is corrupt") from None
+    if not isinstance(value, dict):
+        raise StoreError(f"Conversation message {index} of task {task_id} is corrupt")
+    return value
 
 
 def _text(value: object, field: str, max_chars: int) -> str:

@@ -31,6 +31,9 @@ DEFAULT_TASK_TIME_LIMIT_S = 1800
 # Redis redelivers an unacked task after this; it must exceed the longest task or a
 # slow task would be run twice (kombu's visibility_timeout semantics).
 DEFAULT_VISIBILITY_TIMEOUT_S = 3600
+# How often a worker looks for tasks lost with another worker (older than the
+# visibility timeout) and queues them again; kombu's own default is ~100 s.
+DEFAULT_RESTORE_INTERVAL_S = 10
 # DESIGN.md / issue 2 defaults.
 DEFAULT_MAX_FANOUT = 256
 DEFAULT_MAX_DEPTH = 3
@@ -107,6 +110,7 @@ class Settings(BaseSettings):
     worker_concurrency: int = Field(default=DEFAULT_CONCURRENCY, ge=1, le=1024)
     task_time_limit_s: int = Field(default=DEFAULT_TASK_TIME_LIMIT_S, ge=1)
     visibility_timeout_s: int = Field(default=DEFAULT_VISIBILITY_TIMEOUT_S, ge=1)
+    restore_interval_s: int = Field(default=DEFAULT_RESTORE_INTERVAL_S, ge=1)
     max_fanout: int = Field(default=DEFAULT_MAX_FANOUT, ge=1, le=10_000)
     max_depth: int = Field(default=DEFAULT_MAX_DEPTH, ge=0, le=32)
     max_deliveries: int = Field(default=DEFAULT_MAX_DELIVERIES, ge=1, le=100)

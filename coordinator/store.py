@@ -42,9 +42,9 @@ T = TypeVar("T")
 
 _INT_FIELDS = (
     "depth", "tokens_in", "tokens_out", "cache_reads", "cache_writes", "cost_micros",
-    "requests", "total_tokens", "total_cost_micros",
+    "requests", "total_tokens", "total_cost_micros", "number",
 )  # fmt: skip
-_OPTIONAL_FIELDS = ("parent_id", "todo_id", "batch_id", "finished_at")
+_OPTIONAL_FIELDS = ("parent_id", "todo_id", "batch_id", "waiting_batch_id", "finished_at", "completed_by_child_id")
 
 
 def translate_redis_errors(fn: Callable[P, R]) -> Callable[P, R]:
@@ -136,6 +136,20 @@ class Store:
         return todo_lists.from_json(raw) if raw else []
 
     @translate_redis_errors
+    def get_records(self, task_ids: Sequence[str]) -> list[TaskRecord]:
+        """Several task records in one round trip, without their child lists (write-back, summaries)."""
+        with self.client.pipeline(transaction=False) as pipe:
+            for task_id in task_ids:
+                pipe.hgetall(self.keys.task(root_of(task_id), task_id))
+            replies = pipe.execute()
+        records = []
+        for task_id, raw in zip(task_ids, replies, strict=True):
+            if not raw:
+                raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
+            records.append(_decode_record(_str_map(raw), [], []))
+        return records
+
+    @translate_redis_errors
     def get_children(self, task_id: str) -> list[TaskRecord]:
         root = root_of(task_id)
         self.task_fields(task_id)
@@ -198,17 +212,40 @@ class Store:
     # -- writes ------------------------------------------------------------------------
 
     @translate_redis_errors
-    def create_root(self, record: TaskRecord, todos: Sequence[TodoItem], runner: str) -> None:
+    def next_numbers(self, count: int) -> int:
+        """Reserve `count` history numbers; returns the first."""
+        return int(self.client.incrby(self.keys.task_number(), count)) - count + 1
+
+    @translate_redis_errors
+    def set_numbers(self, numbers: dict[str, int]) -> None:
+        with self.client.pipeline(transaction=False) as pipe:
+            for task_id, number in numbers.items():
+                pipe.hset(self.keys.task(root_of(task_id), task_id), "number", number)
+            pipe.execute()
+
+    @translate_redis_errors
+    def create_root(self, record: TaskRecord, todos: Sequence[TodoItem]) -> None:
         root = record.root_id
         task_key, todos_key = self.keys.task(root, record.id), self.keys.todos(root, record.id)
-        fields = _encode_record(
-            {**record.model_dump(exclude={"child_ids", "awaiting_ids"}), "ancestors": [], "runner": runner}
-        )
+        fields = _encode_record({**record.model_dump(exclude={"child_ids", "awaiting_ids"}), "ancestors": []})
         with self.client.pipeline(transaction=True) as pipe:
             pipe.hset(task_key, mapping={**fields, "todos_version": 0})
             pipe.expire(task_key, self.retention_s)
             pipe.set(todos_key, todo_lists.to_json(todos), ex=self.retention_s)
-            pipe.zadd(self.keys.roots(), {root: record.created_at})
+            pipe.zadd(self.keys.tree_tasks(root), {record.id: record.created_at})
+            pipe.expire(self.keys.tree_tasks(root), self.retention_s)
+            pipe.execute()
+        self._index([record], root=True)
+
+    def _index(self, records: Sequence[TaskRecord], *, root: bool = False) -> None:
+        """The history indexes, outside any tree's slot, so written apart from the tree's commit."""
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.zadd(self.keys.all_tasks(), {r.id: r.created_at for r in records})
+            if root:
+                pipe.zadd(self.keys.roots(), {r.id: r.created_at for r in records})
+            cutoff = time.time() - self.retention_s
+            pipe.zremrangebyscore(self.keys.all_tasks(), "-inf", cutoff)
+            pipe.zremrangebyscore(self.keys.roots(), "-inf", cutoff)
             pipe.execute()
 
     @translate_redis_errors
@@ -258,9 +295,11 @@ class Store:
             for child in children:
                 child_key = k.task(root, child.id)
                 fields = child.model_dump(exclude={"child_ids", "awaiting_ids"})
-                pipe.hset(child_key, mapping=_encode_record({**fields, "ancestors": ancestors, "runner": "agent"}))
+                pipe.hset(child_key, mapping=_encode_record({**fields, "ancestors": ancestors}))
                 pipe.expire(child_key, self.retention_s)
             ids = [c.id for c in children]
+            pipe.zadd(k.tree_tasks(root), {c.id: c.created_at for c in children})
+            pipe.expire(k.tree_tasks(root), self.retention_s)
             pipe.rpush(k.children(root, parent_id), *ids)
             pipe.expire(k.children(root, parent_id), self.retention_s)
             pipe.sadd(k.awaiting(root, parent_id), *ids)
@@ -268,7 +307,7 @@ class Store:
             batch_fields = _encode_record(batch.model_dump())
             pipe.hset(k.batch(root, batch.id), mapping=batch_fields)
             pipe.expire(k.batch(root, batch.id), self.retention_s)
-            pipe.hset(parent_key, mapping={"status": "delegated", "batch_id": batch.id, "updated_at": now})
+            pipe.hset(parent_key, mapping={"status": "delegated", "waiting_batch_id": batch.id, "updated_at": now})
             pipe.hincrby(parent_key, "todos_version", 1)
             pipe.set(todos_key, todo_lists.to_json(new_todos), ex=self.retention_s)
             pipe.xadd(
@@ -281,12 +320,52 @@ class Store:
             pipe.execute()
             return batch, children
 
-        return self._transaction([parent_key, todos_key], body)
+        batch, children = self._transaction([parent_key, todos_key], body)
+        self._index(children)
+        return batch, children
 
     @translate_redis_errors
-    def count_delivery(self, task_id: str) -> int:
-        """Count one more delivery of the task's run; returns the count so far."""
-        return int(self.client.hincrby(self.keys.task(root_of(task_id), task_id), "deliveries", 1))
+    def start_run(self, task_id: str) -> tuple[int, int]:
+        """Count a run starting: (deliveries of this run so far, runs of the task ever).
+
+        Deliveries reset when the task is resumed, so SUBQ_MAX_DELIVERIES bounds the
+        redeliveries of one run; the run sequence keeps request keys unique forever.
+        """
+        key = self.keys.task(root_of(task_id), task_id)
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.hincrby(key, "deliveries", 1)
+            pipe.hincrby(key, "run_seq", 1)
+            deliveries, run_seq = pipe.execute()
+        return int(deliveries), int(run_seq)
+
+    @translate_redis_errors
+    def task_field(self, task_id: str, name: str) -> str | None:
+        return cast(str | None, self.client.hget(self.keys.task(root_of(task_id), task_id), name))
+
+    @translate_redis_errors
+    def acquire_lease(self, task_id: str, token: str, ttl_s: int) -> bool:
+        """Take the task's run lease: no two deliveries run one task at once."""
+        return bool(self.client.set(self.keys.lease(root_of(task_id), task_id), token, nx=True, ex=ttl_s))
+
+    @translate_redis_errors
+    def release_lease(self, task_id: str, token: str) -> None:
+        key = self.keys.lease(root_of(task_id), task_id)
+        with self.client.pipeline(transaction=True) as pipe:
+            # Release only our own lease (compare-and-delete under WATCH).
+            pipe.watch(key)  # type: ignore[no-untyped-call]
+            if pipe.get(key) == token:
+                pipe.multi()
+                pipe.delete(key)
+                pipe.execute()
+
+    @translate_redis_errors
+    def claim(self, task_id: str, flag: str) -> bool:
+        """Set a once-only flag on a task (e.g. `published`); True for the first caller."""
+        return bool(self.client.hsetnx(self.keys.task(root_of(task_id), task_id), flag, 1))
+
+    @translate_redis_errors
+    def claim_batch(self, batch_id: str, flag: str) -> bool:
+        return bool(self.client.hsetnx(self.keys.batch(root_of(batch_id), batch_id), flag, 1))
 
     @translate_redis_errors
     def record_usage(
@@ -331,15 +410,20 @@ class Store:
         return bool(self._apply_child(keys=keys, args=args))
 
     @translate_redis_errors
-    def finish_batch(self, batch: Batch, combined: str, ui_message: dict[str, Any]) -> bool:
-        """Close a batch once and set its parent active; True when this call closed it."""
+    def finish_batch(self, batch: Batch, combined: str, ui_message: dict[str, Any]) -> int:
+        """Close a batch once and set its parent active.
+
+        Returns the parent's resume count when this call closed it (>= 1), else 0.
+        """
         root, k = batch.root_id, self.keys
         keys = [
             k.batch(root, batch.id), k.task(root, batch.parent_id), k.ui_messages(root, batch.parent_id),
             k.awaiting(root, batch.parent_id), k.events(root),
         ]  # fmt: skip
-        args: list[ScriptArg] = [combined, json.dumps(ui_message), time.time(), self.retention_s, EVENTS_MAXLEN]
-        return bool(self._finish_batch(keys=keys, args=args))
+        args: list[ScriptArg] = [
+            combined, json.dumps(ui_message), time.time(), self.retention_s, EVENTS_MAXLEN, batch.child_ids[-1],
+        ]  # fmt: skip
+        return int(self._finish_batch(keys=keys, args=args))
 
     @translate_redis_errors
     def append_ui_message(self, task_id: str, message: dict[str, Any]) -> None:
@@ -350,14 +434,30 @@ class Store:
             pipe.execute()
 
     @translate_redis_errors
-    def save_conversation(self, task_id: str, conversation_json: bytes) -> None:
+    def append_conversation(self, task_id: str, entries: Sequence[str]) -> None:
+        """Append model messages (one JSON entry each) to the task's conversation, atomically."""
+        if not entries:
+            return
         key = self.keys.conversation(root_of(task_id), task_id)
-        self.client.set(key, conversation_json, ex=self.retention_s)
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.rpush(key, *entries)
+            pipe.expire(key, self.retention_s)
+            pipe.execute()
 
     @translate_redis_errors
-    def load_conversation(self, task_id: str) -> bytes | None:
-        value = self.client.get(self.keys.conversation(root_of(task_id), task_id))
-        return value.encode() if isinstance(value, str) else value
+    def conversation(self, task_id: str) -> list[str]:
+        """The task's model conversation, one JSON entry per message."""
+        return _strs(self.client.lrange(self.keys.conversation(root_of(task_id), task_id), 0, -1))
+
+    @translate_redis_errors
+    def tree_task_ids(self, root_id: str) -> list[str]:
+        return _strs(self.client.zrange(self.keys.tree_tasks(root_id), 0, -1))
+
+    @translate_redis_errors
+    def recent_task_ids(self, *, root_id: str | None, offset: int, count: int) -> list[str]:
+        """Task ids, newest first (all tasks, or one tree's)."""
+        key = self.keys.tree_tasks(root_id) if root_id else self.keys.all_tasks()
+        return _strs(self.client.zrevrange(key, offset, offset + count - 1))
 
     # -- helpers -----------------------------------------------------------------------
 

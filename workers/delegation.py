@@ -1,92 +1,101 @@
-"""Closing delegations: the chord callback and the chain's per-step write-back.
+"""Settling delegations: applying finished children to their parent and closing the batch.
 
-`gather` applies every child of a parallel batch and closes it; `advance`
-applies one step of a sequential batch, stops the chain on a failed step
-(the remaining children are recorded `cancelled` with the reason) and closes
-it after the last. Each write-back is one idempotent Lua step and closing is
-another, so a redelivered or duplicated callback changes nothing.
+One function, `settle`, does the write-back of a batch from the state in Redis:
+- parallel: every child that has ended is applied (`apply_child.lua`, once per
+  child); when all have ended the batch is closed;
+- sequential: children are applied in order; the first that has not ended is
+  started if it never was (the chain grows a step at a time); a step that did
+  not complete stops the chain, and the rest are recorded `cancelled`.
+Closing (`finish_batch.lua`) happens once; the call that closes it resumes an
+agent parent under a numbered Celery task id.
+
+The chord callback (`subq.gather`) and the chain step (`subq.advance`) call it;
+so does the last run of a child that had delegated, since that child's chord
+header ended long before the child did. Every step is idempotent, so a
+redelivered or duplicated call changes nothing.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Iterable
 
-import pydantic
-
-from coordinator.models import Batch, SubtaskResult, TaskRecord, format_usd
+from coordinator import dispatch
+from coordinator.models import Batch, SubtaskResult, TaskRecord, TaskStatus, Usage, format_usd
 from workers.runtime.context import Runtime
 
-__all__ = ["advance", "combined_result", "gather"]
-
-log = logging.getLogger(__name__)
+__all__ = ["combined_result", "result_of", "settle"]
 
 
-def gather(rt: Runtime, batch_id: str, raw_results: Iterable[object]) -> bool:
-    """Apply every child of a parallel batch, then close it; True if this call closed it."""
-    batch = rt.store.get_batch(batch_id)
-    results = _parse_results(raw_results)
-    for child_id in batch.child_ids:
-        result = results.get(child_id) or SubtaskResult(
-            child_id=child_id, status="failed", error="no result reached the callback", error_class="MissingResult"
-        )
-        rt.store.apply_child(batch, result)
+def settle(rt: Runtime, batch_id: str) -> bool:
+    """Write back what has ended in the batch; True when this call closed it."""
+    store = rt.store
+    batch = store.get_batch(batch_id)
+    if batch.status == "done":
+        return False
+    children = store.get_records(batch.child_ids)
+    if batch.mode == "parallel":
+        for child in children:
+            if child.status.terminal:
+                store.apply_child(batch, result_of(child))
+        return all(c.status.terminal for c in children) and close_batch(rt, batch)
+    for index, child in enumerate(children):
+        if not child.status.terminal:
+            if store.claim(child.id, "published"):
+                dispatch.publish_step(rt.app, batch, child, index)
+            return False
+        store.apply_child(batch, result_of(child))
+        if child.status != TaskStatus.COMPLETED:
+            reason = f"not run: step {index + 1} of the chain ended {child.status.value}"
+            for rest in children[index + 1 :]:
+                store.finish_task(rest.id, "cancelled", error=reason, error_class="ChainStopped")
+            for rest in store.get_records([c.id for c in children[index + 1 :]]):
+                store.apply_child(batch, result_of(rest))
+            return close_batch(rt, batch)
     return close_batch(rt, batch)
 
 
-def advance(rt: Runtime, batch_id: str, raw_result: object) -> bool:
-    """Apply one finished step of a sequential batch; True when the chain must stop here."""
-    batch = rt.store.get_batch(batch_id)
-    result = next(iter(_parse_results([raw_result]).values()), None)
-    if result is None or result.child_id not in batch.child_ids:
-        log.error("subq.advance for batch %s got a result of no child of it: %r", batch_id, raw_result)
-        return False
-    rt.store.apply_child(batch, result)
-    index = batch.child_ids.index(result.child_id)
-    rest = batch.child_ids[index + 1 :]
-    if result.status != "completed" and rest:
-        reason = f"not run: step {index + 1} of the chain ended {result.status}"
-        for child_id in rest:
-            rt.store.finish_task(child_id, "cancelled", error=reason, error_class="ChainStopped")
-            cancelled = SubtaskResult(child_id=child_id, status="cancelled", error=reason, error_class="ChainStopped")
-            rt.store.apply_child(batch, cancelled)
-        close_batch(rt, batch)
-        return True
-    if not rest:
-        close_batch(rt, batch)
-    return False
-
-
 def close_batch(rt: Runtime, batch: Batch) -> bool:
-    children = [rt.store.get_task(child_id) for child_id in batch.child_ids]
+    children = rt.store.get_records(batch.child_ids)
     combined = combined_result(batch, children)
     ui_message = {"ts": time.time(), "type": "say", "say": "subtask_result", "text": combined}
-    return rt.store.finish_batch(batch, combined, ui_message)
+    resumes = rt.store.finish_batch(batch, combined, ui_message)
+    if not resumes:
+        return False
+    parent = rt.store.get_task(batch.parent_id)
+    if parent.runner == "agent" and parent.status == TaskStatus.ACTIVE:
+        dispatch.publish_run(rt.app, parent, resumes)
+    return True
 
 
 def combined_result(batch: Batch, children: list[TaskRecord]) -> str:
     """One block for the parent, children in dispatch order, one line each."""
-    done = sum(1 for c in children if c.status.value == "completed")
+    done = sum(1 for c in children if c.status == TaskStatus.COMPLETED)
     lines = [f"Subtask results ({batch.mode}, {done} of {len(children)} completed):"]
     for number, child in enumerate(children, 1):
         figures = f"{child.total_tokens} tokens, {format_usd(child.total_cost_micros)}"
         head = f"{number}. [{child.status.value}] {child.description} (task {child.id}"
         head += f", todo {child.todo_id})" if child.todo_id else ")"
-        if child.status.value == "completed":
+        if child.status == TaskStatus.COMPLETED:
             lines.append(f"{head}: {' '.join(child.summary.split())} ({figures})")
         else:
             lines.append(f"{head}: {child.error_class or 'Error'}: {child.error or 'no detail'} ({figures})")
     return "\n".join(lines)
 
 
-def _parse_results(raw_results: Iterable[object]) -> dict[str, SubtaskResult]:
-    results: dict[str, SubtaskResult] = {}
-    for raw in raw_results:
-        try:
-            result = SubtaskResult.model_validate(raw)
-        except pydantic.ValidationError as exc:
-            log.error("ignoring a malformed subtask result %r: %s", raw, exc.errors()[0]["msg"])
-            continue
-        results[result.child_id] = result
-    return results
+def result_of(record: TaskRecord) -> SubtaskResult:
+    """The result message of a task, from its record (the system of record)."""
+    status = record.status.value if record.status.terminal else "delegated"
+    return SubtaskResult(
+        child_id=record.id,
+        status=status,  # type: ignore[arg-type]
+        summary=record.summary,
+        usage=Usage(
+            tokens_in=record.tokens_in,
+            tokens_out=record.tokens_out,
+            cache_reads=record.cache_reads,
+            cache_writes=record.cache_writes,
+        ),
+        cost_micros=record.cost_micros,
+        error=record.error or None,
+        error_class=record.error_class or None,
+    )

@@ -13,29 +13,30 @@ from celery import Task
 
 from coordinator.dispatch import ADVANCE, GATHER, RUN_TASK
 from coordinator.errors import StoreError
-from coordinator.ids import is_task_id
+from coordinator.ids import BATCH_ID_RE, is_task_id
 from coordinator.models import SubtaskResult
 from workers import delegation
 from workers.app import app, settings
 from workers.runtime.context import get_runtime
-from workers.runtime.runner import run_child
+from workers.runtime.runner import RunInProgress, run_child
 
 __all__ = ["advance", "gather", "run_task"]
 
 log = logging.getLogger(__name__)
 
 # A Redis blip must not lose a callback (the parent would wait forever) nor fail a
-# chord header: store errors are retried with backoff. Every step is idempotent, so
-# running one again is safe. Ten tries with backoff capped at a minute span ~6 minutes.
-RETRY_STORE_ERRORS: dict[str, Any] = {
-    "autoretry_for": (StoreError,),
-    "retry_backoff": True,
+# chord header, and a second delivery of a running task waits for the first: both
+# are retried with backoff. Every step is idempotent, so running one again is safe.
+# Twenty tries with backoff capped at a minute span about a quarter of an hour.
+RETRIED: dict[str, Any] = {
+    "autoretry_for": (StoreError, RunInProgress),
+    "retry_backoff": 2,
     "retry_backoff_max": 60,
-    "max_retries": 10,
+    "max_retries": 20,
 }
 
 
-@app.task(name=RUN_TASK, bind=True, **RETRY_STORE_ERRORS)
+@app.task(name=RUN_TASK, bind=True, **RETRIED)
 def run_task(self: Task, task_id: Any) -> dict[str, Any]:
     if not isinstance(task_id, str) or not is_task_id(task_id):
         log.error("subq.run_task: task_id must be a subq task id, got %r", task_id)
@@ -46,16 +47,22 @@ def run_task(self: Task, task_id: Any) -> dict[str, Any]:
     return run_child(get_runtime(settings, app), task_id).model_dump(mode="json")
 
 
-@app.task(name=GATHER, bind=True, ignore_result=True, **RETRY_STORE_ERRORS)
-def gather(self: Task, results: Any, batch_id: str) -> None:
-    if not isinstance(results, list):
-        log.error("subq.gather(%s): results must be a list, got %r", batch_id, type(results).__name__)
-        results = []
-    delegation.gather(get_runtime(settings, app), batch_id, results)
+@app.task(name=GATHER, bind=True, ignore_result=True, **RETRIED)
+def gather(self: Task, results: Any, batch_id: Any) -> None:
+    """The chord callback; `results` are informational, the write-back reads Redis."""
+    if _batch_id_ok(batch_id):
+        delegation.settle(get_runtime(settings, app), batch_id)
 
 
-@app.task(name=ADVANCE, bind=True, ignore_result=True, **RETRY_STORE_ERRORS)
-def advance(self: Task, result: Any, batch_id: str) -> None:
-    if delegation.advance(get_runtime(settings, app), batch_id, result):
-        # Stop the rest of the chain (celery/celery#3550: the supported way since 4.0).
-        self.request.chain = None
+@app.task(name=ADVANCE, bind=True, ignore_result=True, **RETRIED)
+def advance(self: Task, result: Any, batch_id: Any) -> None:
+    """One step of a sequential batch has returned: write it back, start the next."""
+    if _batch_id_ok(batch_id):
+        delegation.settle(get_runtime(settings, app), batch_id)
+
+
+def _batch_id_ok(batch_id: Any) -> bool:
+    if isinstance(batch_id, str) and BATCH_ID_RE.match(batch_id):
+        return True
+    log.error("subq write-back: batch_id must be a subq batch id, got %r", batch_id)
+    return False

@@ -1,4 +1,4 @@
-"""What a worker process needs to run subq tasks: settings, the store, the Celery app.
+"""What a worker process needs to run subq tasks: settings, the Coordinator, the Celery app.
 
 Built once per process on first use (after any fork), shared by the pool's
 threads: redis-py clients are thread-safe through their connection pool.
@@ -12,18 +12,25 @@ from dataclasses import dataclass
 import redis
 from celery import Celery
 
-from coordinator.keys import Keys
+from coordinator.service import Coordinator
 from coordinator.settings import Settings
 from coordinator.store import Store
 
-__all__ = ["Runtime", "get_runtime", "set_runtime"]
+__all__ = ["Runtime", "build_runtime", "get_runtime"]
 
 
 @dataclass(frozen=True)
 class Runtime:
     settings: Settings
-    store: Store
-    app: Celery
+    coordinator: Coordinator
+
+    @property
+    def store(self) -> Store:
+        return self.coordinator.store
+
+    @property
+    def app(self) -> Celery:
+        return self.coordinator.app
 
 
 _lock = threading.Lock()
@@ -32,13 +39,7 @@ _runtime: Runtime | None = None
 
 def build_runtime(settings: Settings, app: Celery) -> Runtime:
     client = redis.Redis.from_url(settings.require_redis_url(), decode_responses=True)
-    return Runtime(settings, Store(client, Keys(settings.key_prefix), settings.result_retention_s), app)
-
-
-def set_runtime(runtime: Runtime | None) -> None:
-    global _runtime
-    with _lock:
-        _runtime = runtime
+    return Runtime(settings, Coordinator(settings, client=client, app=app))
 
 
 def get_runtime(settings: Settings, app: Celery) -> Runtime:

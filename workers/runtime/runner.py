@@ -1,41 +1,74 @@
-"""Running one task: the agent loop of a child, with usage and cost recorded per request.
+"""Running one task: its agent loop, resumable, with usage and cost recorded per request.
 
 `run_child` is the plain function behind `subq.run_task`; tests call it
-directly and the worker runs the same function. It never raises for an
-agent-level failure: every outcome becomes a small `SubtaskResult`, so the
-chord callback always runs.
+directly and the worker runs the same function. A run:
+1. returns the stored outcome if the task has ended (a redelivered message);
+   publishes its committed delegation if it is `delegated` (the run that
+   committed it died before publishing; publishing is once-only);
+2. takes the task's run lease, so two deliveries never run one task at once;
+3. loads the persisted conversation and goes on from it: a pending delegation
+   call is answered with the batch's combined result, any other call left
+   without a result with `INTERRUPTED`;
+4. runs the agent (pydantic-ai), recording each request's usage atomically and
+   appending every new message to the conversation as it goes;
+5. ends in one of three ways: completed (text or `attempt_completion`), failed
+   (any agent-level error, as a result, never a raise), or delegated (the run
+   persisted its state and the children are published; the worker is free).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from pydantic_ai import Agent
-from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ModelResponse
+import pydantic
+from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults, ToolOutput
+from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.usage import UsageLimits
 
 from coordinator.errors import NotFoundError, StoreError
 from coordinator.models import SubtaskResult, TaskRecord, TaskStatus, Usage
 from coordinator.settings import Profile
+from workers.delegation import result_of, settle
 from workers.runtime.context import Runtime
 from workers.runtime.metering import MeteredModel
 from workers.runtime.pricing import cost_of, reported_cost_usd
 from workers.runtime.providers import build_model
+from workers.runtime.tools import ORCHESTRATION_PROMPT, RunState, attempt_completion, describe_call, orchestration_tools
 
-__all__ = ["result_of", "run_child"]
+__all__ = ["INTERRUPTED", "RunInProgress", "run_child"]
 
 log = logging.getLogger(__name__)
 
+INTERRUPTED = "Task was interrupted before this tool call could be completed."
 # A summary is what the parent reads back; the full text stays in the conversation.
 MAX_SUMMARY_CHARS = 4000
 # One line of an error is enough for a parent to act on; no traceback crosses over.
 MAX_ERROR_CHARS = 300
+MESSAGE = pydantic.TypeAdapter(ModelMessage)
+
+
+class RunInProgress(Exception):
+    """Another delivery of this task is running it now; this one is retried later."""
+
+
+@dataclass(frozen=True)
+class Ended:
+    status: str
+    summary: str = ""
+    error: str = ""
+    error_class: str = ""
+
+
+class Delegated:
+    """The run ended on a delegation call; the children are published after the state is saved."""
 
 
 def run_child(rt: Runtime, task_id: str) -> SubtaskResult:
-    """Run the task's agent to its end and make the task terminal; return its result."""
+    """Run (or resume) the task's agent; return its result, never raise for an agent failure."""
     store = rt.store
     try:
         record = store.get_task(task_id)
@@ -43,50 +76,72 @@ def run_child(rt: Runtime, task_id: str) -> SubtaskResult:
         log.error("subq.run_task for an unknown task %r: %s", task_id, exc)
         return SubtaskResult(child_id=task_id, status="failed", error=str(exc), error_class="NotFoundError")
     if record.status.terminal:
-        # A redelivered or duplicated message: the first run's outcome stands.
+        return result_of(record)  # a redelivered or duplicated message: the outcome stands
+    if record.status == TaskStatus.DELEGATED:
+        _publish_delegation(rt, record)
         return result_of(record)
 
-    deliveries = store.count_delivery(task_id)
-    if deliveries > rt.settings.max_deliveries:
-        store.finish_task(
-            task_id,
-            "failed",
-            error=f"lost with its worker {deliveries - 1} times (SUBQ_MAX_DELIVERIES={rt.settings.max_deliveries})",
-            error_class="WorkerLost",
-        )
-        return result_of(store.get_task(task_id))
-
-    limit_s = rt.settings.task_time_limit_s
+    token = secrets.token_hex(8)
+    if not store.acquire_lease(task_id, token, rt.settings.task_time_limit_s):
+        raise RunInProgress(f"task {task_id} is being run by another delivery")
     try:
-        # The threads pool does not enforce Celery's task_time_limit, so the runner does:
-        # a run must end before the visibility timeout, or Redis would deliver it again
-        # while it still runs (Settings checks visibility_timeout_s > task_time_limit_s).
-        run = _run_agent(rt, record, rt.settings.profile(record.profile), deliveries)
-        summary = asyncio.run(asyncio.wait_for(run, timeout=limit_s))
-        status, error, error_class = "completed", "", ""
-    except TimeoutError:
-        status, summary, error, error_class = "failed", "", f"ran over SUBQ_TASK_TIME_LIMIT_S={limit_s}", "TimeLimit"
-    except StoreError:
-        raise  # Redis, not the agent, failed: the task is retried (workers.tasks)
-    except Exception as exc:  # an agent-level failure is a result, never a crash of the chord
-        log.info("task %s failed: %s: %s", task_id, type(exc).__name__, exc)
-        status, summary, error, error_class = "failed", "", one_line(str(exc)), type(exc).__name__
-    store.finish_task(task_id, status, summary[:MAX_SUMMARY_CHARS], error, error_class)
+        outcome = _run(rt, record)
+    finally:
+        store.release_lease(task_id, token)
+
+    if isinstance(outcome, Delegated):
+        _publish_delegation(rt, store.get_task(task_id))
+        return result_of(store.get_task(task_id))
+    store.finish_task(task_id, outcome.status, outcome.summary[:MAX_SUMMARY_CHARS], outcome.error, outcome.error_class)
     final = store.get_task(task_id)
-    store.append_ui_message(
-        task_id,
-        {
-            "ts": time.time(),
-            "type": "say",
-            "say": "completion_result" if final.status == TaskStatus.COMPLETED else "error",
-            "text": final.summary if final.status == TaskStatus.COMPLETED else f"{final.error_class}: {final.error}",
-        },
+    ended_ok = final.status == TaskStatus.COMPLETED
+    RunState(rt, final, rt.settings.profile(final.profile)).say(
+        "completion_result" if ended_ok else "error",
+        final.summary if ended_ok else f"{final.error_class}: {final.error}",
     )
+    if final.batch_id and store.task_field(task_id, "resumes"):
+        # This child delegated, so its chord header (or chain step) reported it long
+        # ago as still running: its end is written back to its parent from here.
+        settle(rt, final.batch_id)
     return result_of(final)
 
 
-async def _run_agent(rt: Runtime, record: TaskRecord, profile: Profile, delivery: int) -> str:
+def _publish_delegation(rt: Runtime, record: TaskRecord) -> None:
+    if record.waiting_batch_id:
+        batch = rt.store.get_batch(record.waiting_batch_id)
+        rt.coordinator.publish(batch, rt.store.get_records(batch.child_ids))
+
+
+def _run(rt: Runtime, record: TaskRecord) -> Ended | Delegated:
+    deliveries, run_seq = rt.store.start_run(record.id)
+    if deliveries > rt.settings.max_deliveries:
+        error = f"lost with its worker {deliveries - 1} times (SUBQ_MAX_DELIVERIES={rt.settings.max_deliveries})"
+        return Ended("failed", error=error, error_class="WorkerLost")
+    limit_s = rt.settings.task_time_limit_s
+    try:
+        profile = rt.settings.profile(record.profile)
+        # The threads pool does not enforce Celery's task_time_limit, so the runner does:
+        # a run must end before the visibility timeout, or Redis would deliver it again
+        # while it still runs (Settings checks visibility_timeout_s > task_time_limit_s).
+        return asyncio.run(asyncio.wait_for(_run_agent(rt, record, profile, run_seq), timeout=limit_s))
+    except TimeoutError:
+        return Ended("failed", error=f"ran over SUBQ_TASK_TIME_LIMIT_S={limit_s}", error_class="TimeLimit")
+    except StoreError:
+        raise  # Redis, not the agent, failed: the task is retried (workers.tasks)
+    except Exception as exc:  # an agent-level failure is a result, never a crash of the chord
+        log.info("task %s failed: %s: %s", record.id, type(exc).__name__, exc)
+        return Ended("failed", error=one_line(str(exc)), error_class=type(exc).__name__)
+
+
+async def _run_agent(rt: Runtime, record: TaskRecord, profile: Profile, run_seq: int) -> Ended | Delegated:
     store = rt.store
+    state = RunState(rt, record, profile)
+    history = _load_history(rt, record.id)
+    if not history:
+        state.say("task", record.prompt)
+    elif isinstance(history[-1], ModelResponse) and not _calls_without_result(history):
+        return Ended("completed", summary=_text_of(history[-1]))  # it had ended; only the status was lost
+    saved = len(history)
     request_no = 0
 
     def on_response(messages: list[ModelMessage], response: ModelResponse) -> None:
@@ -96,7 +151,7 @@ async def _run_agent(rt: Runtime, record: TaskRecord, profile: Profile, delivery
         cost_micros, source = cost_of(usage, profile, reported_cost_usd(response))
         store.record_usage(
             record.id,
-            f"{delivery}:{request_no}",
+            f"{run_seq}:{request_no}",
             Usage(
                 tokens_in=usage.input_tokens,
                 tokens_out=usage.output_tokens,
@@ -106,32 +161,87 @@ async def _run_agent(rt: Runtime, record: TaskRecord, profile: Profile, delivery
             cost_micros,
             source,
         )
-        store.save_conversation(record.id, ModelMessagesTypeAdapter.dump_json([*messages, response]))
+        for part in response.parts:
+            if isinstance(part, TextPart) and part.content.strip():
+                state.say("text", part.content)
+            elif isinstance(part, ToolCallPart):
+                state.say("tool", describe_call(part))
 
-    agent = Agent(MeteredModel(build_model(profile), on_response), system_prompt=profile.system_prompt)
-    result = await agent.run(record.prompt, usage_limits=UsageLimits(request_limit=profile.max_requests))
-    return str(result.output)
-
-
-def result_of(record: TaskRecord) -> SubtaskResult:
-    """The result message of a terminal task, from its record (the system of record)."""
-    status = record.status.value if record.status.terminal else "failed"
-    return SubtaskResult(
-        child_id=record.id,
-        status=status,  # type: ignore[arg-type]
-        summary=record.summary[:MAX_SUMMARY_CHARS],
-        usage=Usage(
-            tokens_in=record.tokens_in,
-            tokens_out=record.tokens_out,
-            cache_reads=record.cache_reads,
-            cache_writes=record.cache_writes,
-        ),
-        cost_micros=record.cost_micros,
-        error=record.error or None,
-        error_class=record.error_class or None,
+    agent = Agent(
+        MeteredModel(build_model(profile), on_response),
+        deps_type=RunState,
+        output_type=[str, ToolOutput(attempt_completion, name="attempt_completion"), DeferredToolRequests],
+        system_prompt=f"{profile.system_prompt}\n\n{ORCHESTRATION_PROMPT}",
+        toolsets=[orchestration_tools],
     )
+    pending = _calls_without_result(history)
+    results = DeferredToolResults(calls=_answers(rt, record.id, pending)) if pending else None
+    async with agent.iter(
+        None if history else record.prompt,
+        message_history=history or None,
+        deferred_tool_results=results,
+        deps=state,
+        usage_limits=UsageLimits(request_limit=profile.max_requests),
+    ) as run:
+        async for _node in run:
+            saved = _save_new(rt, record.id, run.all_messages(), saved)
+        _save_new(rt, record.id, run.all_messages(), saved)
+        assert run.result is not None
+        output = run.result.output
+    if isinstance(output, DeferredToolRequests):
+        if state.delegation is None:
+            return Ended("failed", error="the run deferred a call that is not a delegation", error_class="Deferred")
+        return Delegated()
+    return Ended("completed", summary=str(output))
+
+
+def _answers(rt: Runtime, task_id: str, pending: Sequence[ToolCallPart]) -> dict[str, object]:
+    """Results for the calls of the last response that have none: the batch's, or INTERRUPTED."""
+    answers: dict[str, object] = {call.tool_call_id: INTERRUPTED for call in pending}
+    resume_batch = rt.store.task_field(task_id, "resume_batch_id")
+    if resume_batch:
+        batch = rt.store.get_batch(resume_batch)
+        if batch.tool_call_id in answers:
+            answers[batch.tool_call_id] = batch.result
+    return answers
+
+
+def _calls_without_result(history: Sequence[ModelMessage]) -> list[ToolCallPart]:
+    last_response = max((i for i, m in enumerate(history) if isinstance(m, ModelResponse)), default=None)
+    if last_response is None:
+        return []
+    calls = [p for p in history[last_response].parts if isinstance(p, ToolCallPart)]
+    answered = {
+        part.tool_call_id
+        for message in history[last_response + 1 :]
+        if isinstance(message, ModelRequest)
+        for part in message.parts
+        if hasattr(part, "tool_call_id")
+    }
+    return [c for c in calls if c.tool_call_id not in answered and c.tool_name != "attempt_completion"]
+
+
+def _load_history(rt: Runtime, task_id: str) -> list[ModelMessage]:
+    messages = []
+    for index, entry in enumerate(rt.store.conversation(task_id)):
+        try:
+            messages.append(MESSAGE.validate_json(entry))
+        except pydantic.ValidationError:
+            raise StoreError(f"Conversation message {index} of task {task_id} is corrupt") from None
+    return messages
+
+
+def _save_new(rt: Runtime, task_id: str, messages: Sequence[ModelMessage], saved: int) -> int:
+    """Append the messages not yet persisted; returns how many are persisted now."""
+    rt.store.append_conversation(task_id, [MESSAGE.dump_json(m).decode() for m in messages[saved:]])
+    return max(saved, len(messages))
+
+
+def _text_of(response: ModelResponse) -> str:
+    return "\n".join(p.content for p in response.parts if isinstance(p, TextPart))
 
 
 def one_line(text: str) -> str:
     line = " ".join(text.split())
     return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 1] + "…"
+

@@ -1,0 +1,159 @@
+"""The orchestration tools every agent has: plan, delegate, complete.
+
+- `update_todo_list(todos)`: replace the plan (markdown or JSON items); a
+  rejected update returns its error and leaves the list as it was.
+- `new_task(message, description, todo_id?, profile?)`: one sequential child;
+  it must be the last tool call of its response: calls after it get an error
+  result and are not executed.
+- `run_subagents(tasks)`: a parallel fan-out (one chord).
+- `attempt_completion(result)`: ends the task with its result (an output tool).
+
+A delegation tool validates and commits through the Coordinator, then defers
+(pydantic-ai's `CallDeferred`): the run ends, the runner persists the
+conversation and only then publishes the children, and the parent's worker
+slot is free while they run. When the batch closes, the parent is resumed and
+the deferred call is answered with the combined results.
+
+Every refusal (a bad todo update, the depth limit, an unknown profile or
+todo id) is returned to the model as the tool's result and changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+from pydantic_ai import CallDeferred, RunContext
+from pydantic_ai.messages import ModelResponse, ToolCallPart
+from pydantic_ai.toolsets import FunctionToolset
+
+from coordinator import todos as todo_lists
+from coordinator.errors import SubqError
+from coordinator.models import Batch, SubtaskSpec, TaskRecord
+from coordinator.settings import Profile
+from workers.runtime.context import Runtime
+
+__all__ = ["NEW_TASK_NOT_LAST", "ORCHESTRATION_PROMPT", "RunState", "orchestration_tools"]
+
+ORCHESTRATION_PROMPT = """
+You plan with a todo list (update_todo_list) and may delegate work to subagents:
+run_subagents for independent subtasks in parallel, new_task for one subtask whose
+result you need before going on (it must be the last tool call of your response).
+Each subtask is carried out against one item of your todo list. When you are done,
+call attempt_completion with your result.
+""".strip()
+NEW_TASK_NOT_LAST = (
+    "Error: not executed: new_task must be the last tool call of a response "
+    "(it hands control to a subtask); call this again after the subtask's result arrives."
+)
+
+
+@dataclass
+class RunState:
+    """The deps of one agent run: where it runs and what its tools decided."""
+
+    rt: Runtime
+    task: TaskRecord
+    profile: Profile
+    delegation: tuple[Batch, list[TaskRecord]] | None = None
+    ui: list[dict[str, Any]] = field(default_factory=list)
+
+    def say(self, kind: str, text: str) -> None:
+        message = {"ts": time.time(), "type": "say", "say": kind, "text": text}
+        self.rt.store.append_ui_message(self.task.id, message)
+
+
+class TodoInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    content: str
+    status: Literal["pending", "in_progress", "completed"] = "pending"
+
+
+class SubtaskInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    description: str
+    message: str
+    todo_id: str | None = None
+    profile: str | None = None
+
+
+def _after_new_task(ctx: RunContext[RunState]) -> bool:
+    """True when an earlier tool call of this same response is new_task."""
+    for message in reversed(ctx.messages):
+        if isinstance(message, ModelResponse):
+            calls = [p for p in message.parts if isinstance(p, ToolCallPart)]
+            ids = [c.tool_call_id for c in calls]
+            if ctx.tool_call_id in ids:
+                earlier = calls[: ids.index(ctx.tool_call_id)]
+                return any(c.tool_name == "new_task" for c in earlier)
+    return False
+
+
+def _delegate(ctx: RunContext[RunState], specs: list[SubtaskInput], mode: str) -> str:
+    state = ctx.deps
+    try:
+        checked = [SubtaskSpec.model_validate(s.model_dump()) for s in specs] if specs else []
+        batch, children = state.rt.coordinator.commit_delegation(
+            state.task.id, checked, mode, tool_call_id=ctx.tool_call_id or ""
+        )
+    except SubqError as exc:
+        return f"Error: {exc} (no subtask was created)"
+    except ValueError as exc:  # a spec pydantic refused (e.g. an empty message)
+        return f"Error: {exc} (no subtask was created)"
+    state.delegation = (batch, children)
+    state.say("subtasks", f"Delegated {len(children)} {mode} subtask(s): " + ", ".join(c.id for c in children))
+    raise CallDeferred(metadata={"batch_id": batch.id})
+
+
+orchestration_tools: FunctionToolset[RunState] = FunctionToolset()
+
+
+@orchestration_tools.tool
+def update_todo_list(ctx: RunContext[RunState], todos: str | list[TodoInput]) -> str:
+    """Replace your todo list. Markdown, one item a line: `[ ] pending`, `[-] in progress`, `[x] done`;
+    or a JSON list of {content, status}. Items keep their subtask links and figures."""
+    if _after_new_task(ctx):
+        return NEW_TASK_NOT_LAST
+    state = ctx.deps
+    update: str | list[object] = todos if isinstance(todos, str) else [t.model_dump() for t in todos]
+    try:
+        items = state.rt.coordinator.update_todos(state.task.id, update)
+    except SubqError as exc:
+        return f"Error: {exc}"
+    rendered = todo_lists.render_markdown(items)
+    state.say("todo_update", rendered)
+    return f"Todo list updated:\n{rendered}"
+
+
+@orchestration_tools.tool
+def new_task(
+    ctx: RunContext[RunState], message: str, description: str, todo_id: str | None = None, profile: str | None = None
+) -> str:
+    """Delegate one subtask and wait for its result before going on. Must be your last tool call."""
+    if _after_new_task(ctx):
+        return NEW_TASK_NOT_LAST
+    spec = SubtaskInput(description=description, message=message, todo_id=todo_id, profile=profile)
+    return _delegate(ctx, [spec], "sequential")
+
+
+@orchestration_tools.tool
+def run_subagents(ctx: RunContext[RunState], tasks: list[SubtaskInput]) -> str:
+    """Delegate independent subtasks to run in parallel; you get all their results together."""
+    if _after_new_task(ctx):
+        return NEW_TASK_NOT_LAST
+    return _delegate(ctx, tasks, "parallel")
+
+
+def attempt_completion(result: str) -> str:
+    """Finish your task with its result."""
+    return result
+
+
+def describe_call(part: ToolCallPart) -> str:
+    args = part.args if isinstance(part.args, str) else json.dumps(part.args)
+    return f"{part.tool_name}({args[:500]})"
