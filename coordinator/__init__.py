@@ -9,6 +9,7 @@ Services that trigger work need only this package (or only Celery, sending
 from coordinator.errors import (
     ConfigError,
     ConflictError,
+    CorruptError,
     NotFoundError,
     ProfileError,
     ScriptError,
@@ -27,6 +28,7 @@ __all__ = [
     "Batch",
     "ConfigError",
     "ConflictError",
+    "CorruptError",
     "Coordinator",
     "NotFoundError",
     "Profile",

@@ -10,7 +10,8 @@
     ├── StateError                 the task is not in a state that allows this
     ├── ConflictError              shared state kept changing under a transaction
     ├── WaitTimeout                wait() gave up before the task settled
-    ├── StoreError                 Redis is unreachable or a stored entry is corrupt
+    ├── StoreError                 Redis is unreachable or refused a command (retried)
+    │   └── CorruptError           a stored entry cannot be read (not retried)
     └── FleetError                 local worker processes did not start
 
 ScriptError (an offline-model script is malformed) is a ValidationError too.
@@ -25,6 +26,7 @@ from __future__ import annotations
 __all__ = [
     "ConfigError",
     "ConflictError",
+    "CorruptError",
     "FleetError",
     "NotFoundError",
     "ProfileError",
@@ -90,6 +92,10 @@ class WaitTimeout(SubqError):
 
 class StoreError(SubqError):
     code = "store_error"
+
+
+class CorruptError(StoreError):
+    code = "corrupt_entry"
 
 
 class ScriptError(ValidationError):

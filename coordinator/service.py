@@ -22,7 +22,7 @@ from coordinator import dispatch, ids
 from coordinator import todos as todo_lists
 from coordinator.celery_app import make_app
 from coordinator.export import export_tree
-from coordinator.errors import NotFoundError, StateError, StoreError, ValidationError, WaitTimeout
+from coordinator.errors import CorruptError, NotFoundError, StateError, ValidationError, WaitTimeout
 from coordinator.keys import Keys
 from coordinator.models import (
     Batch,
@@ -329,9 +329,9 @@ def _decode_entry(entry: str, task_id: str, index: int) -> dict[str, Any]:
     try:
         value = json.loads(entry)
     except json.JSONDecodeError:
-        raise StoreError(f"Conversation message {index} of task {task_id} is corrupt") from None
+        raise CorruptError(f"Conversation message {index} of task {task_id} is corrupt") from None
     if not isinstance(value, dict):
-        raise StoreError(f"Conversation message {index} of task {task_id} is corrupt")
+        raise CorruptError(f"Conversation message {index} of task {task_id} is corrupt")
     return value
 
 

@@ -22,7 +22,7 @@ from redis.client import Pipeline
 from redis.typing import EncodableT, FieldT
 
 from coordinator import todos as todo_lists
-from coordinator.errors import ConflictError, NotFoundError, StoreError
+from coordinator.errors import ConflictError, CorruptError, NotFoundError, StoreError
 from coordinator.ids import root_of
 from coordinator.keys import Keys
 from coordinator.models import Batch, SubtaskResult, TaskRecord, TodoItem, Usage
@@ -173,7 +173,7 @@ class Store:
             try:
                 messages.append(json.loads(entry))
             except json.JSONDecodeError:
-                raise StoreError(f"UI message {index} of task {task_id} is corrupt") from None
+                raise CorruptError(f"UI message {index} of task {task_id} is corrupt") from None
         return messages
 
     @translate_redis_errors
@@ -501,4 +501,4 @@ def _decode_record(raw: dict[str, str], child_ids: list[str], awaiting_ids: list
     try:
         return TaskRecord.model_validate(data)
     except ValueError as exc:
-        raise StoreError(f"Task record {raw.get('id', '?')} is corrupt: {exc}") from None
+        raise CorruptError(f"Task record {raw.get('id', '?')} is corrupt: {exc}") from None

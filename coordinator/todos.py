@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import pydantic
 
-from coordinator.errors import StoreError, TodoError
+from coordinator.errors import CorruptError, TodoError
 from coordinator.models import TodoItem, TodoStatus
 
 __all__ = [
@@ -226,19 +226,19 @@ def to_json(items: Sequence[TodoItem]) -> str:
 
 
 def from_json(text: str | bytes) -> list[TodoItem]:
-    """Items of the stored form; anything undecodable is a StoreError, never an empty list.
+    """Items of the stored form; anything undecodable is a CorruptError, never an empty list.
 
     Bytes are accepted as Redis returns them without `decode_responses`.
     """
     try:
         data = json.loads(text)
     except (TypeError, ValueError) as exc:
-        raise StoreError(f"The stored todo list is not valid JSON: {exc}", field="todos") from exc
+        raise CorruptError(f"The stored todo list is not valid JSON: {exc}", field="todos") from exc
     if data == {}:
         return []  # Lua cjson encodes an empty table as an object
     if not isinstance(data, list):
         kind = _json_kind(data)
-        raise StoreError(f"The stored todo list is {kind}, not an array", field="todos")
+        raise CorruptError(f"The stored todo list is {kind}, not an array", field="todos")
     items: list[TodoItem] = []
     for index, raw in enumerate(data):
         try:
@@ -247,7 +247,7 @@ def from_json(text: str | bytes) -> list[TodoItem]:
             error = exc.errors()[0]
             path = ".".join(["todos", str(index), *(str(part) for part in error["loc"])])
             message = f"The stored todo item {index} is corrupt: {path}: {error['msg']}"
-            raise StoreError(message, field=path) from exc
+            raise CorruptError(message, field=path) from exc
     return items
 
 

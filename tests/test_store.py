@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from coordinator import Coordinator, NotFoundError, Settings, StoreError, SubtaskResult, TodoStatus, Usage
+from coordinator import Coordinator, CorruptError, NotFoundError, Settings, StoreError, SubtaskResult, TodoStatus, Usage
 from coordinator.models import TaskRecord
 from tests.helpers import script, usage_step
 
@@ -121,13 +121,13 @@ def test_corrupt_entries_read_as_clear_errors(idle_coordinator: Coordinator) -> 
     task = coord.create_task("p", todos="[ ] a")
     keys = coord.store.keys
     coord.client.set(keys.todos(task.root_id, task.id), "{not json")
-    with pytest.raises(StoreError, match="todo"):
+    with pytest.raises(CorruptError, match="todo"):
         coord.get_todos(task.id)
     coord.client.rpush(keys.ui_messages(task.root_id, task.id), "{broken")
-    with pytest.raises(StoreError, match=f"UI message 0 of task {task.id} is corrupt"):
+    with pytest.raises(CorruptError, match=f"UI message 0 of task {task.id} is corrupt"):
         coord.messages(task.id)
     coord.client.hset(keys.task(task.root_id, task.id), "status", "weird")
-    with pytest.raises(StoreError, match=f"Task record {task.id} is corrupt"):
+    with pytest.raises(CorruptError, match=f"Task record {task.id} is corrupt"):
         coord.get_task(task.id)
 
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from coordinator.errors import StoreError, TodoError
+from coordinator.errors import CorruptError, TodoError
 from coordinator.models import TodoItem, TodoStatus
 from coordinator.todos import (
     from_json,
@@ -632,7 +632,7 @@ def test_from_json_empty_forms(text: str) -> None:
     ],
 )
 def test_from_json_corrupt_is_a_store_error(text: str | bytes, message: str, field: str) -> None:
-    with pytest.raises(StoreError) as caught:
+    with pytest.raises(CorruptError) as caught:
         from_json(text)
     assert caught.value.message.startswith(message)
     assert caught.value.field == field

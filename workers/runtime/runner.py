@@ -29,7 +29,7 @@ from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults, ToolOu
 from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.usage import UsageLimits
 
-from coordinator.errors import NotFoundError, StoreError
+from coordinator.errors import CorruptError, NotFoundError, StoreError
 from coordinator.models import SubtaskResult, TaskRecord, TaskStatus, Usage
 from coordinator.settings import Profile
 from workers.delegation import result_of, settle
@@ -126,6 +126,9 @@ def _run(rt: Runtime, record: TaskRecord) -> Ended | Delegated:
         return asyncio.run(asyncio.wait_for(_run_agent(rt, record, profile, run_seq), timeout=limit_s))
     except TimeoutError:
         return Ended("failed", error=f"ran over SUBQ_TASK_TIME_LIMIT_S={limit_s}", error_class="TimeLimit")
+    except CorruptError as exc:
+        # Its history cannot be read: end it visibly rather than retry or guess an empty one.
+        return Ended("failed", error=str(exc), error_class="CorruptError")
     except StoreError:
         raise  # Redis, not the agent, failed: the task is retried (workers.tasks)
     except Exception as exc:  # an agent-level failure is a result, never a crash of the chord
@@ -227,7 +230,7 @@ def _load_history(rt: Runtime, task_id: str) -> list[ModelMessage]:
         try:
             messages.append(MESSAGE.validate_json(entry))
         except pydantic.ValidationError:
-            raise StoreError(f"Conversation message {index} of task {task_id} is corrupt") from None
+            raise CorruptError(f"Conversation message {index} of task {task_id} is corrupt") from None
     return messages
 
 
