@@ -114,6 +114,8 @@ class TaskRecord(BaseModel):
     parent_id: str | None = None
     root_id: str
     depth: int = 0
+    # Root first, parent last; the usage roll-up adds each request to all of them.
+    ancestors: list[str] = Field(default_factory=list)
     status: TaskStatus
     prompt: str
     description: str = ""

@@ -310,11 +310,12 @@ class Coordinator:
             # Read the stream position before the status, so an event between the
             # two wakes the blocking read below instead of being missed.
             last_id = self.store.last_event_id(root_id)
-            record = self.store.get_task(task_id)
-            if record.status.terminal or (record.runner == "caller" and record.status != TaskStatus.DELEGATED):
-                return record
+            status, runner = self.store.status_of(task_id)
+            if TaskStatus(status).terminal or (runner == "caller" and status != TaskStatus.DELEGATED):
+                return self.store.get_task(task_id)
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
+                record = self.store.get_task(task_id)
                 raise WaitTimeout(
                     f"Task {task_id} is still {record.status.value} after {timeout_s:g}s "
                     f"({len(record.awaiting_ids)} of {len(record.child_ids)} children outstanding)"

@@ -104,7 +104,7 @@ class Store:
         self.retention_s = retention_s
         self._record_usage = client.register_script(_load_script("record_usage.lua"))
         self._finish_task = client.register_script(_load_script("finish_task.lua"))
-        self._apply_child = client.register_script(_load_script("apply_child.lua"))
+        self._apply_children = client.register_script(_load_script("apply_children.lua"))
         self._finish_batch = client.register_script(_load_script("finish_batch.lua"))
 
     # -- reads -------------------------------------------------------------------------
@@ -127,7 +127,15 @@ class Store:
 
     def ancestors(self, task_id: str) -> list[str]:
         """The task's ancestors, root first."""
-        return list(json.loads(self.task_fields(task_id).get("ancestors") or "[]"))
+        return list(json.loads(self.task_field(task_id, "ancestors") or "[]"))
+
+    @translate_redis_errors
+    def status_of(self, task_id: str) -> tuple[str, str]:
+        """(status, runner) of a task in one small read; NotFoundError when there is none."""
+        status, runner = self.client.hmget(self.keys.task(root_of(task_id), task_id), ["status", "runner"])
+        if status is None:
+            raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
+        return str(status), str(runner or "caller")
 
     @translate_redis_errors
     def get_todos(self, task_id: str) -> list[TodoItem]:
@@ -369,11 +377,21 @@ class Store:
 
     @translate_redis_errors
     def record_usage(
-        self, task_id: str, request_key: str, usage: Usage, cost_micros: int, cost_source: str
+        self,
+        task_id: str,
+        request_key: str,
+        usage: Usage,
+        cost_micros: int,
+        cost_source: str,
+        ancestors: Sequence[str] | None = None,
     ) -> bool:
-        """Record one request's usage on the task and roll it up the ancestors, once per key."""
+        """Record one request's usage on the task and roll it up the ancestors, once per key.
+
+        `ancestors` (root first) may be passed by a caller that has the record, to save a read.
+        """
         root = root_of(task_id)
-        ancestors = self.ancestors(task_id)
+        if ancestors is None:
+            ancestors = self.ancestors(task_id)
         keys = [self.keys.task(root, task_id), self.keys.usage_applied(root, task_id)]
         keys += [self.keys.task(root, a) for a in reversed(ancestors)]
         args: list[ScriptArg] = [
@@ -396,18 +414,21 @@ class Store:
         return str(result)
 
     @translate_redis_errors
-    def apply_child(self, batch: Batch, result: SubtaskResult) -> bool:
-        """Write one child's figures onto the parent's todo item, exactly once per batch."""
+    def apply_children(self, batch: Batch, child_ids: Sequence[str]) -> int:
+        """Write ended children's figures onto the parent's todo items, each once per batch.
+
+        One script call for all of them: the parent's todo list is decoded once.
+        Children that have not ended are skipped. Returns how many were applied now.
+        """
+        if not child_ids:
+            return 0
         root, k = batch.root_id, self.keys
         keys = [
             k.task(root, batch.parent_id), k.todos(root, batch.parent_id), k.batch_applied(root, batch.id),
-            k.awaiting(root, batch.parent_id), k.task(root, result.child_id), k.events(root),
+            k.awaiting(root, batch.parent_id), k.events(root), *(k.task(root, c) for c in child_ids),
         ]  # fmt: skip
-        args: list[ScriptArg] = [
-            result.child_id, result.status, result.summary, result.error or "", result.error_class or "",
-            time.time(), self.retention_s, EVENTS_MAXLEN,
-        ]  # fmt: skip
-        return bool(self._apply_child(keys=keys, args=args))
+        args: list[ScriptArg] = [time.time(), self.retention_s, EVENTS_MAXLEN, *child_ids]
+        return int(self._apply_children(keys=keys, args=args))
 
     @translate_redis_errors
     def finish_batch(self, batch: Batch, combined: str, ui_message: dict[str, Any]) -> int:
@@ -498,6 +519,7 @@ def _decode_record(raw: dict[str, str], child_ids: list[str], awaiting_ids: list
     for name in _INT_FIELDS:
         data[name] = int(data.get(name) or 0)
     data["child_ids"], data["awaiting_ids"] = child_ids, awaiting_ids
+    data["ancestors"] = json.loads(raw.get("ancestors") or "[]")
     try:
         return TaskRecord.model_validate(data)
     except ValueError as exc:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from coordinator import Coordinator, CorruptError, NotFoundError, Settings, StoreError, SubtaskResult, TodoStatus, Usage
+from coordinator import Coordinator, CorruptError, NotFoundError, Settings, StoreError, TodoStatus, Usage
 from coordinator.models import TaskRecord
 from tests.helpers import script, usage_step
 
@@ -82,15 +82,14 @@ def test_write_back_and_todo_rewrites_at_once_lose_nothing(idle_coordinator: Coo
     def work(n: int) -> None:
         if n % 2:
             for child_id in batch.child_ids[n::THREADS]:
-                store.apply_child(batch, SubtaskResult(child_id=child_id, status="completed"))
+                store.apply_children(batch, [child_id])
         else:
             for round_ in range(10):  # the parent's agent rewrites its plan meanwhile
                 mark = "[-]" if round_ % 2 else "[ ]"
                 coord.update_todos(parent.id, "\n".join(f"{mark} item {k}" for k in range(width)))
 
     _run_threads(THREADS, work)
-    for child_id in batch.child_ids:  # children no odd thread covered
-        store.apply_child(batch, SubtaskResult(child_id=child_id, status="completed"))
+    store.apply_children(batch, batch.child_ids)  # children no odd thread covered
     todos = coord.get_todos(parent.id)
     assert [t.subtask_id for t in todos] == batch.child_ids
     assert [t.cost_micros for t in todos] == [1000 + n for n in range(width)]
@@ -103,13 +102,14 @@ def test_write_back_is_idempotent_and_terminal_status_is_first_wins(idle_coordin
     parent = coord.create_task("p", todos="[ ] a")
     batch = coord.delegate(parent.id, [{"description": "c", "message": "m"}])
     (child_id,) = batch.child_ids
+    assert store.apply_children(batch, [child_id]) == 0, "a child that has not ended is not written back"
     store.record_usage(child_id, "1:1", Usage(tokens_in=10, tokens_out=2), 77, "test")
     assert store.finish_task(child_id, "failed", error="first", error_class="X") == "failed"
     assert store.finish_task(child_id, "completed", summary="second") == "failed"
 
-    assert store.apply_child(batch, SubtaskResult(child_id=child_id, status="failed", error="first"))
+    assert store.apply_children(batch, [child_id]) == 1
     after_first = store.snapshot()
-    assert not store.apply_child(batch, SubtaskResult(child_id=child_id, status="completed"))
+    assert store.apply_children(batch, [child_id]) == 0
     assert store.snapshot() == after_first
     (item,) = coord.get_todos(parent.id)
     assert (item.subtask_id, item.tokens, item.cost_micros) == (child_id, 12, 77)

@@ -1,8 +1,8 @@
 """Settling delegations: applying finished children to their parent and closing the batch.
 
 One function, `settle`, does the write-back of a batch from the state in Redis:
-- parallel: every child that has ended is applied (`apply_child.lua`, once per
-  child); when all have ended the batch is closed;
+- parallel: every child that has ended is applied (`apply_children.lua`, once
+  per child, all in one call); when all have ended the batch is closed;
 - sequential: children are applied in order; the first that has not ended is
   started if it never was (the chain grows a step at a time); a step that did
   not complete stops the chain, and the rest are recorded `cancelled`.
@@ -33,24 +33,22 @@ def settle(rt: Runtime, batch_id: str) -> bool:
     if batch.status == "done":
         return False
     children = store.get_records(batch.child_ids)
+    ended = [c.id for c in children if c.status.terminal]
     if batch.mode == "parallel":
-        for child in children:
-            if child.status.terminal:
-                store.apply_child(batch, result_of(child))
-        return all(c.status.terminal for c in children) and close_batch(rt, batch)
+        store.apply_children(batch, ended)
+        return len(ended) == len(children) and close_batch(rt, batch)
     for index, child in enumerate(children):
         if not child.status.terminal:
+            store.apply_children(batch, [c.id for c in children[:index]])
             if store.claim(child.id, "published"):
                 dispatch.publish_step(rt.app, batch, child, index)
             return False
-        store.apply_child(batch, result_of(child))
         if child.status != TaskStatus.COMPLETED:
             reason = f"not run: step {index + 1} of the chain ended {child.status.value}"
             for rest in children[index + 1 :]:
                 store.finish_task(rest.id, "cancelled", error=reason, error_class="ChainStopped")
-            for rest in store.get_records([c.id for c in children[index + 1 :]]):
-                store.apply_child(batch, result_of(rest))
-            return close_batch(rt, batch)
+            break
+    store.apply_children(batch, batch.child_ids)
     return close_batch(rt, batch)
 
 

@@ -163,6 +163,7 @@ async def _run_agent(rt: Runtime, record: TaskRecord, profile: Profile, run_seq:
             ),
             cost_micros,
             source,
+            ancestors=record.ancestors,
         )
         for part in response.parts:
             if isinstance(part, TextPart) and part.content.strip():

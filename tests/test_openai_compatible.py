@@ -1,0 +1,120 @@
+"""A real provider over real HTTP: a local OpenAI-compatible chat-completions server.
+
+The server (started by the test, on loopback) answers the first request with a
+tool call and usage, the second with the final text; the run goes through
+pydantic-ai's OpenAI model, the orchestration tools, and subq's usage and cost
+recording, exactly as against a hosted endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from coordinator import Coordinator, Settings, TaskStatus
+from coordinator.celery_app import make_app
+from coordinator.settings import Price, Profile
+from workers.runtime.context import build_runtime
+from workers.runtime.runner import run_child
+
+REPLIES: list[dict[str, Any]] = [
+    {
+        "message": {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "update_todo_list", "arguments": json.dumps({"todos": "[-] read the data"})},
+                }
+            ],
+        },
+        "finish_reason": "tool_calls",
+        "usage": {"prompt_tokens": 1200, "completion_tokens": 80, "prompt_tokens_details": {"cached_tokens": 200}},
+    },
+    {
+        "message": {"role": "assistant", "content": "The data says 42."},
+        "finish_reason": "stop",
+        "usage": {"prompt_tokens": 1500, "completion_tokens": 40},
+    },
+]
+# USD per million tokens: uncached input 2, cached input 0.5, output 8.
+PRICE = Price(input_per_mtok=2, output_per_mtok=8, cache_read_per_mtok="0.5")  # type: ignore[arg-type]
+# (1000 * 2 + 200 * 0.5 + 80 * 8) + (1500 * 2 + 40 * 8) micro-USD
+EXPECTED_COST_MICROS = 2740 + 3320
+
+
+class ChatServer(ThreadingHTTPServer):
+    requests_seen: list[dict[str, Any]]
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: ChatServer
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path != "/v1/chat/completions" or self.headers.get("Authorization") != "Bearer local-test-key":
+            self.send_error(404)
+            return
+        self.server.requests_seen.append(body)
+        reply = REPLIES[len(self.server.requests_seen) - 1]
+        usage = {**reply["usage"], "total_tokens": reply["usage"]["prompt_tokens"] + reply["usage"]["completion_tokens"]}
+        payload = json.dumps({
+            "id": f"chatcmpl-{len(self.server.requests_seen)}", "object": "chat.completion", "created": 0,
+            "model": body["model"], "usage": usage,
+            "choices": [{"index": 0, "message": reply["message"], "finish_reason": reply["finish_reason"]}],
+        }).encode()  # fmt: skip
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args: object) -> None:
+        return None
+
+
+@pytest.fixture
+def chat_server() -> Iterator[ChatServer]:
+    server = ChatServer(("127.0.0.1", 0), Handler)
+    server.requests_seen = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_tool_calling_agent_against_an_openai_compatible_endpoint(
+    settings: Settings, chat_server: ChatServer
+) -> None:
+    host, port = chat_server.server_address[:2]
+    profile = Profile(
+        model="openai:local-model", base_url=f"http://{host!s}:{port}/v1", api_key="local-test-key", price=PRICE
+    )  # type: ignore[arg-type]
+    local = settings.model_copy(update={"queue": "subq-nobody", "profiles": {"local": profile}})
+    coord = Coordinator(local)
+    task = coord.create_task("Read the data and report.", profile="local", run=True)
+
+    result = run_child(build_runtime(local, make_app(local)), task.id)
+
+    assert result.status == "completed" and result.summary == "The data says 42."
+    record = coord.get_task(task.id)
+    assert (record.requests, record.tokens_in, record.tokens_out, record.cache_reads) == (2, 2700, 120, 200)
+    assert record.cost_micros == record.total_cost_micros == EXPECTED_COST_MICROS
+    assert record.cost_source == "profile price"
+    assert [t.content for t in coord.get_todos(task.id)] == ["read the data"]
+    assert len(chat_server.requests_seen) == 2
+    second = chat_server.requests_seen[1]["messages"]
+    tool_reply = next(m for m in second if m["role"] == "tool")
+    assert tool_reply["tool_call_id"] == "call_1" and "Todo list updated" in tool_reply["content"]
+    tools = {t["function"]["name"] for t in chat_server.requests_seen[0]["tools"]}
+    assert {"update_todo_list", "new_task", "run_subagents", "attempt_completion"} <= tools
+    assert record.status == TaskStatus.COMPLETED
+    coord.close()
