@@ -22,6 +22,7 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:roots`                           | zset   | root ids scored by creation time (history index)   | pruned to retention |
 | `<p>:tasks`                           | zset   | every task id scored by creation time (history)    | pruned to retention |
 | `<p>:task-number`                     | string | the last task number given (history numbering)     | permanent |
+| `<p>:metrics:model-latency`           | hash   | model request latency histogram (buckets, count)   | permanent |
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ class Keys:
 
     def all_tasks(self) -> str:
         return f"{self.prefix}:tasks"
+
+    def latency_histogram(self) -> str:
+        return f"{self.prefix}:metrics:model-latency"
 
     def task_number(self) -> str:
         return f"{self.prefix}:task-number"

@@ -34,6 +34,9 @@ DEFAULT_VISIBILITY_TIMEOUT_S = 3600
 # How often a worker looks for tasks lost with another worker (older than the
 # visibility timeout) and queues them again; kombu's own default is ~100 s.
 DEFAULT_RESTORE_INTERVAL_S = 10
+# A request body over this is refused with 413 before it is parsed (1 MiB holds
+# a fan-out of 256 long messages).
+DEFAULT_API_MAX_BODY_BYTES = 1024 * 1024
 # DESIGN.md / issue 2 defaults.
 DEFAULT_MAX_FANOUT = 256
 DEFAULT_MAX_DEPTH = 3
@@ -114,6 +117,9 @@ class Settings(BaseSettings):
     max_fanout: int = Field(default=DEFAULT_MAX_FANOUT, ge=1, le=10_000)
     max_depth: int = Field(default=DEFAULT_MAX_DEPTH, ge=0, le=32)
     max_deliveries: int = Field(default=DEFAULT_MAX_DELIVERIES, ge=1, le=100)
+    api_token: SecretStr | None = None
+    api_auth_disabled: bool = False
+    api_max_body_bytes: int = Field(default=DEFAULT_API_MAX_BODY_BYTES, ge=1024)
     default_profile: str = OFFLINE_PROFILE
     profiles: dict[str, Profile] = Field(default_factory=dict)
     profiles_file: Path | None = None

@@ -35,6 +35,9 @@ EVENTS_MAXLEN = 10_000
 # A transaction whose watched keys keep changing is retried this often before
 # the caller is told; each retry re-validates on fresh state.
 MAX_TRANSACTION_ATTEMPTS = 50
+# Model request latency buckets (ms), Prometheus-style cumulative: from a cached
+# reply to a long reasoning call.
+LATENCY_BUCKETS_MS = (100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -196,6 +199,33 @@ class Store:
         if not reply:
             return after_id
         return str(reply[0][1][-1][0])
+
+    @translate_redis_errors
+    def read_events(
+        self, root_id: str, after_id: str = "0-0", *, block_ms: int | None = None, count: int = 500
+    ) -> list[tuple[str, dict[str, str]]]:
+        """Entries of the tree's event stream after `after_id` (blocking up to block_ms if none)."""
+        reply: Any = self.client.xread({self.keys.events(root_id): after_id}, count=count, block=block_ms)
+        if not reply:
+            return []
+        return [(str(entry_id), _str_map(fields)) for entry_id, fields in reply[0][1]]
+
+    @translate_redis_errors
+    def observe_latency(self, latency_ms: float) -> None:
+        """Count one model request's latency in the fleet-wide histogram (Prometheus buckets)."""
+        key = self.keys.latency_histogram()
+        with self.client.pipeline(transaction=False) as pipe:
+            for bound in LATENCY_BUCKETS_MS:
+                if latency_ms <= bound:
+                    pipe.hincrby(key, f"le_{bound}", 1)
+            pipe.hincrby(key, "count", 1)
+            pipe.hincrbyfloat(key, "sum_ms", latency_ms)
+            pipe.execute()
+
+    @translate_redis_errors
+    def latency_histogram(self) -> dict[str, float]:
+        """{'le_<ms>': cumulative count, 'count': n, 'sum_ms': total} of model request latency."""
+        return {k: float(v) for k, v in _str_map(self.client.hgetall(self.keys.latency_histogram())).items()}
 
     @translate_redis_errors
     def snapshot(self) -> dict[str, object]:

@@ -7,6 +7,7 @@ request in flight, and spend is never counted twice (each request has a key).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from pydantic_ai.messages import ModelMessage, ModelResponse
@@ -16,7 +17,8 @@ from pydantic_ai.settings import ModelSettings
 
 __all__ = ["MeteredModel", "ResponseHook"]
 
-ResponseHook = Callable[[list[ModelMessage], ModelResponse], None]
+# (messages sent, the response, the request's latency in ms)
+ResponseHook = Callable[[list[ModelMessage], ModelResponse, float], None]
 
 
 class MeteredModel(WrapperModel):
@@ -30,6 +32,7 @@ class MeteredModel(WrapperModel):
         model_settings: ModelSettings | None,
         model_request_parameters: ModelRequestParameters,
     ) -> ModelResponse:
+        started = time.perf_counter()
         response = await super().request(messages, model_settings, model_request_parameters)
-        self._on_response(messages, response)
+        self._on_response(messages, response, (time.perf_counter() - started) * 1000)
         return response

@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pydantic
 from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults, ToolOutput
@@ -51,6 +52,9 @@ MAX_ERROR_CHARS = 300
 MESSAGE = pydantic.TypeAdapter(ModelMessage)
 
 
+Progress = Callable[[dict[str, Any]], None]
+
+
 class RunInProgress(Exception):
     """Another delivery of this task is running it now; this one is retried later."""
 
@@ -67,8 +71,13 @@ class Delegated:
     """The run ended on a delegation call; the children are published after the state is saved."""
 
 
-def run_child(rt: Runtime, task_id: str) -> SubtaskResult:
-    """Run (or resume) the task's agent; return its result, never raise for an agent failure."""
+def run_child(rt: Runtime, task_id: str, progress: Progress | None = None) -> SubtaskResult:
+    """Run (or resume) the task's agent; return its result, never raise for an agent failure.
+
+    `progress`, when given, is called after every model response with a small dict
+    (task_id, request, cost_micros, tool, latency_ms); the Celery task turns it into
+    a Flower-visible event.
+    """
     store = rt.store
     try:
         record = store.get_task(task_id)
@@ -85,7 +94,7 @@ def run_child(rt: Runtime, task_id: str) -> SubtaskResult:
     if not store.acquire_lease(task_id, token, rt.settings.task_time_limit_s):
         raise RunInProgress(f"task {task_id} is being run by another delivery")
     try:
-        outcome = _run(rt, record)
+        outcome = _run(rt, record, progress)
     finally:
         store.release_lease(task_id, token)
 
@@ -112,7 +121,7 @@ def _publish_delegation(rt: Runtime, record: TaskRecord) -> None:
         rt.coordinator.publish(batch, rt.store.get_records(batch.child_ids))
 
 
-def _run(rt: Runtime, record: TaskRecord) -> Ended | Delegated:
+def _run(rt: Runtime, record: TaskRecord, progress: Progress | None) -> Ended | Delegated:
     deliveries, run_seq = rt.store.start_run(record.id)
     if deliveries > rt.settings.max_deliveries:
         error = f"lost with its worker {deliveries - 1} times (SUBQ_MAX_DELIVERIES={rt.settings.max_deliveries})"
@@ -123,7 +132,7 @@ def _run(rt: Runtime, record: TaskRecord) -> Ended | Delegated:
         # The threads pool does not enforce Celery's task_time_limit, so the runner does:
         # a run must end before the visibility timeout, or Redis would deliver it again
         # while it still runs (Settings checks visibility_timeout_s > task_time_limit_s).
-        return asyncio.run(asyncio.wait_for(_run_agent(rt, record, profile, run_seq), timeout=limit_s))
+        return asyncio.run(asyncio.wait_for(_run_agent(rt, record, profile, run_seq, progress), timeout=limit_s))
     except TimeoutError:
         return Ended("failed", error=f"ran over SUBQ_TASK_TIME_LIMIT_S={limit_s}", error_class="TimeLimit")
     except CorruptError as exc:
@@ -136,7 +145,9 @@ def _run(rt: Runtime, record: TaskRecord) -> Ended | Delegated:
         return Ended("failed", error=one_line(str(exc)), error_class=type(exc).__name__)
 
 
-async def _run_agent(rt: Runtime, record: TaskRecord, profile: Profile, run_seq: int) -> Ended | Delegated:
+async def _run_agent(
+    rt: Runtime, record: TaskRecord, profile: Profile, run_seq: int, progress: Progress | None
+) -> Ended | Delegated:
     store = rt.store
     state = RunState(rt, record, profile)
     history = _load_history(rt, record.id)
@@ -147,9 +158,10 @@ async def _run_agent(rt: Runtime, record: TaskRecord, profile: Profile, run_seq:
     saved = len(history)
     request_no = 0
 
-    def on_response(messages: list[ModelMessage], response: ModelResponse) -> None:
+    def on_response(messages: list[ModelMessage], response: ModelResponse, latency_ms: float) -> None:
         nonlocal request_no
         request_no += 1
+        store.observe_latency(latency_ms)
         usage = response.usage
         cost_micros, source = cost_of(usage, profile, reported_cost_usd(response))
         store.record_usage(
@@ -170,6 +182,10 @@ async def _run_agent(rt: Runtime, record: TaskRecord, profile: Profile, run_seq:
                 state.say("text", part.content)
             elif isinstance(part, ToolCallPart):
                 state.say("tool", describe_call(part))
+        if progress is not None:
+            tool = next((p.tool_name for p in response.parts if isinstance(p, ToolCallPart)), None)
+            progress({"task_id": record.id, "request": request_no, "cost_micros": cost_micros, "tool": tool,
+                      "latency_ms": round(latency_ms)})  # fmt: skip
 
     agent = Agent(
         MeteredModel(build_model(profile), on_response),
