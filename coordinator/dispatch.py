@@ -14,16 +14,31 @@ Celery tasks, and the runner's lease makes a second delivery a no-op.
 
 from __future__ import annotations
 
+import secrets
+
 from celery import Celery, chain, chord
 from celery.canvas import Signature
 
 from coordinator.models import Batch, TaskRecord
 
-__all__ = ["ADVANCE", "GATHER", "RUN_TASK", "publish_batch", "publish_run", "publish_step", "run_signature"]
+__all__ = [
+    "ADVANCE",
+    "EXPIRE_APPROVAL",
+    "GATHER",
+    "RUN_TASK",
+    "publish_approval_timeout",
+    "publish_batch",
+    "publish_restart",
+    "publish_run",
+    "publish_settle",
+    "publish_step",
+    "run_signature",
+]
 
 RUN_TASK = "subq.run_task"
 GATHER = "subq.gather"
 ADVANCE = "subq.advance"
+EXPIRE_APPROVAL = "subq.expire_approval"
 # Flower shows argsrepr; keep it readable and short, never the prompt itself.
 DESCRIPTION_REPR_CHARS = 60
 
@@ -41,6 +56,25 @@ def run_signature(app: Celery, task: TaskRecord, run_no: int = 0) -> Signature:
 def publish_run(app: Celery, task: TaskRecord, run_no: int = 0) -> None:
     """Start (run_no 0) or resume (run_no n) an agent task on the fleet."""
     run_signature(app, task, run_no).apply_async()
+
+
+def publish_restart(app: Celery, task: TaskRecord, countdown_s: float = 0) -> None:
+    """Start a run that waited (for a run slot or a stagger), outside any chord."""
+    signature = run_signature(app, task)
+    signature.set(task_id=f"{task.id}-q{secrets.token_hex(4)}")
+    signature.apply_async(countdown=countdown_s or None)
+
+
+def publish_approval_timeout(app: Celery, approval_id: str, countdown_s: float) -> None:
+    """Deny the approval if it is still undecided when its time is up."""
+    app.signature(EXPIRE_APPROVAL, args=(approval_id,), task_id=f"{approval_id}-expire").apply_async(
+        countdown=countdown_s
+    )
+
+
+def publish_settle(app: Celery, batch_id: str) -> None:
+    """Ask a worker to settle a batch (the chord callback's task, by name)."""
+    app.signature(GATHER, args=([],), kwargs={"batch_id": batch_id}).apply_async()
 
 
 def publish_batch(app: Celery, batch: Batch, children: list[TaskRecord]) -> None:

@@ -1,7 +1,7 @@
 """Task and batch ids, which carry their root so every key of a tree is found in one slot.
 
 A root id is 16 hex digits; a child id is `<root>-<12 hex>`; a batch id is
-`<root>-b<12 hex>`. `root_of` recovers the root from any of them without a
+`<root>-b<12 hex>`; an approval id `<root>-a<12 hex>`. `root_of` recovers the root from any of them without a
 lookup, which keeps each tree's keys under one hash tag (DESIGN.md, Redis).
 """
 
@@ -17,6 +17,7 @@ __all__ = ["is_task_id", "new_batch_id", "new_child_id", "new_root_id", "root_of
 _ROOT = r"[0-9a-f]{16}"
 TASK_ID_RE = re.compile(rf"^({_ROOT})(?:-[0-9a-f]{{12}})?$")
 BATCH_ID_RE = re.compile(rf"^({_ROOT})-b[0-9a-f]{{12}}$")
+APPROVAL_ID_RE = re.compile(rf"^({_ROOT})-a[0-9a-f]{{12}}$")
 
 
 def new_root_id() -> str:
@@ -31,13 +32,17 @@ def new_batch_id(root_id: str) -> str:
     return f"{root_id}-b{secrets.token_hex(6)}"
 
 
+def new_approval_id(root_id: str) -> str:
+    return f"{root_id}-a{secrets.token_hex(6)}"
+
+
 def is_task_id(value: str) -> bool:
     return bool(TASK_ID_RE.match(value))
 
 
 def root_of(any_id: str) -> str:
     """The root id inside a task or batch id; an unknown shape is a NotFoundError."""
-    match = TASK_ID_RE.match(any_id) or BATCH_ID_RE.match(any_id)
+    match = TASK_ID_RE.match(any_id) or BATCH_ID_RE.match(any_id) or APPROVAL_ID_RE.match(any_id)
     if match is None:
         raise NotFoundError(f"Unknown id: {any_id!r} is not a subq task or batch id", field="id")
     return match.group(1)

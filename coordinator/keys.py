@@ -16,6 +16,12 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:{root}:usage-applied:<id>`       | set    | request keys whose usage is already recorded       | retention |
 | `<p>:{root}:lease:<id>`               | string | the token of the run now executing the task        | the task time limit |
 | `<p>:{root}:tasks`                    | zset   | every task id of the tree, scored by creation time | retention |
+| `<p>:{root}:live`                     | hash   | task id -> live status JSON (state, tool, cost)    | retention |
+| `<p>:{root}:running`                  | set    | tasks of the tree holding a run slot (in flight)   | emptied as runs end |
+| `<p>:{root}:running:<parent>`         | set    | children of one parent holding a run slot          | emptied as runs end |
+| `<p>:{root}:admission`                | list   | tasks waiting for a run slot, in order (in flight) | emptied as slots free |
+| `<p>:{root}:last-start`               | string | when the tree's last run started (stagger)         | retention |
+| `<p>:{root}:approval:<approval_id>`   | hash   | a tool call awaiting a decision, and the decision  | retention |
 | `<p>:{root}:batch:<batch_id>`         | hash   | one delegation: parent, mode, children, result     | retention |
 | `<p>:{root}:batch-applied:<batch_id>` | set    | children already written back (idempotent gather)  | retention |
 | `<p>:{root}:events`                   | stream | the tree's events (status changes, batch done)     | capped length, retention |
@@ -23,6 +29,8 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:tasks`                           | zset   | every task id scored by creation time (history)    | pruned to retention |
 | `<p>:task-number`                     | string | the last task number given (history numbering)     | permanent |
 | `<p>:metrics:model-latency`           | hash   | model request latency histogram (buckets, count)   | permanent |
+| `<p>:approvals`                       | zset   | pending approval ids scored by creation time       | removed when decided |
+| `<p>:rate:<provider>`                 | zset   | start times of the provider's requests, last 60 s  | a minute |
 """
 
 from __future__ import annotations
@@ -68,6 +76,24 @@ class Keys:
     def tree_tasks(self, root_id: str) -> str:
         return f"{self._tree(root_id)}:tasks"
 
+    def live(self, root_id: str) -> str:
+        return f"{self._tree(root_id)}:live"
+
+    def running(self, root_id: str) -> str:
+        return f"{self._tree(root_id)}:running"
+
+    def running_children(self, root_id: str, parent_id: str) -> str:
+        return f"{self._tree(root_id)}:running:{parent_id}"
+
+    def admission(self, root_id: str) -> str:
+        return f"{self._tree(root_id)}:admission"
+
+    def last_start(self, root_id: str) -> str:
+        return f"{self._tree(root_id)}:last-start"
+
+    def approval(self, root_id: str, approval_id: str) -> str:
+        return f"{self._tree(root_id)}:approval:{approval_id}"
+
     def batch(self, root_id: str, batch_id: str) -> str:
         return f"{self._tree(root_id)}:batch:{batch_id}"
 
@@ -85,6 +111,12 @@ class Keys:
 
     def latency_histogram(self) -> str:
         return f"{self.prefix}:metrics:model-latency"
+
+    def approvals(self) -> str:
+        return f"{self.prefix}:approvals"
+
+    def rate(self, provider: str) -> str:
+        return f"{self.prefix}:rate:{provider}"
 
     def task_number(self) -> str:
         return f"{self.prefix}:task-number"

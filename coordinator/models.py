@@ -8,13 +8,16 @@ rendered (`format_usd`).
 
 from __future__ import annotations
 
+from decimal import Decimal
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 __all__ = [
+    "Approval",
     "Batch",
+    "LiveState",
     "DelegationMode",
     "HistoryItem",
     "SubtaskResult",
@@ -98,6 +101,7 @@ class SubtaskSpec(BaseModel):
     message: NonEmptyText
     todo_id: str | None = None
     profile: str | None = None
+    budget_usd: Decimal | None = Field(default=None, gt=0, max_digits=12, decimal_places=6)
 
 
 class TaskRecord(BaseModel):
@@ -139,6 +143,8 @@ class TaskRecord(BaseModel):
     error_class: str = ""
     cost_source: str = ""
     runner: Literal["caller", "agent"] = "caller"
+    # 0 means no budget; otherwise the subtree stops once its total reaches it.
+    budget_micros: int = 0
     number: int = 0
     completed_by_child_id: str | None = None
     created_at: float
@@ -153,14 +159,15 @@ class TaskRecord(BaseModel):
 class SubtaskResult(BaseModel):
     """What `subq.run_task` returns: small, JSON, never a traceback.
 
-    `delegated` means the task released its worker to wait for its own children;
-    its final outcome reaches its parent when it ends (see workers/delegation.py).
+    `delegated`, `queued` and `waiting_approval` mean the run released its worker
+    before the task ended (to wait for its children, for a run slot, or for a
+    decision); its final outcome reaches its parent when it ends (workers/delegation.py).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     child_id: str
-    status: Literal["completed", "failed", "cancelled", "delegated"]
+    status: Literal["completed", "failed", "cancelled", "delegated", "queued", "waiting_approval"]
     summary: str = ""
     usage: Usage = Field(default_factory=Usage)
     cost_micros: int = Field(default=0, ge=0)
@@ -250,6 +257,46 @@ class Batch(BaseModel):
     tool_call_id: str = ""
     created_at: float
     finished_at: float | None = None
+
+
+class Approval(BaseModel):
+    """A tool call waiting for (or given) a human decision."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    task_id: str
+    root_id: str
+    tool: str
+    args: dict[str, Any]
+    tool_call_id: str
+    todo_id: str | None = None
+    todo_content: str | None = None
+    status: Literal["pending", "approved", "denied", "expired"] = "pending"
+    feedback: str | None = None
+    created_at: float
+    deadline: float
+    decided_at: float | None = None
+
+
+class LiveState(BaseModel):
+    """One task's live status, as published on its tree's stream and in the snapshot."""
+
+    model_config = ConfigDict(frozen=True)
+
+    task_id: str
+    parent_id: str | None = None
+    depth: int = 0
+    state: Literal["queued", "running", "delegated", "waiting_approval", "completed", "failed", "cancelled"]
+    ts: float
+    tool: str | None = None
+    text: str | None = None
+    requests: int = 0
+    cost_micros: int = 0
+
+
+def usd_to_micros(usd: Decimal) -> int:
+    return int(usd * MICROS_PER_USD)
 
 
 def format_usd(cost_micros: int) -> str:

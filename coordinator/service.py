@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
@@ -20,18 +21,23 @@ from celery import Celery
 
 from coordinator import dispatch, ids
 from coordinator import todos as todo_lists
+from coordinator import writeback
 from coordinator.celery_app import make_app
 from coordinator.export import export_tree
 from coordinator.errors import CorruptError, NotFoundError, StateError, ValidationError, WaitTimeout
 from coordinator.keys import Keys
 from coordinator.models import (
+    Approval,
     Batch,
+    LiveState,
     DelegationMode,
     HistoryItem,
     SubtaskSpec,
     TaskRecord,
     TaskStatus,
     TodoItem,
+    format_usd,
+    usd_to_micros,
 )
 from coordinator.settings import Settings, load_settings
 from coordinator.store import Store
@@ -42,6 +48,7 @@ __all__ = ["Coordinator"]
 # short enough to notice a deadline, long enough not to spin.
 WAIT_SLICE_MS = 1000
 MAX_PROMPT_CHARS = 200_000
+MAX_REASON_CHARS = 2000
 # History pages: enough for a screen, bounded so one call stays cheap.
 DEFAULT_PAGE = 50
 MAX_PAGE = 500
@@ -79,6 +86,7 @@ class Coordinator:
         todos: str | Sequence[object] | None = None,
         profile: str | None = None,
         run: bool = False,
+        budget_usd: Decimal | float | str | None = None,
     ) -> TaskRecord:
         """Create a root task.
 
@@ -91,6 +99,7 @@ class Coordinator:
             raise ValidationError("run must be true or false", field="run")
         profile_name = profile or self.settings.default_profile
         self.settings.profile(profile_name)
+        budget_micros = _budget_micros(budget_usd, "budget_usd")
         items = todo_lists.parse_update(todos) if todos is not None else []
         now = time.time()
         root_id = ids.new_root_id()
@@ -101,6 +110,7 @@ class Coordinator:
             prompt=prompt,
             profile=profile_name,
             runner="agent" if run else "caller",
+            budget_micros=budget_micros,
             number=self.store.next_numbers(1),
             created_at=now,
             updated_at=now,
@@ -114,7 +124,8 @@ class Coordinator:
         return self.store.get_task(task_id)
 
     def get_todos(self, task_id: str) -> list[TodoItem]:
-        return self.store.get_todos(task_id)
+        """The task's todo list; linked items show their child's subtree figures live."""
+        return self.store.get_todos(task_id, live=True)
 
     def get_children(self, task_id: str) -> list[TaskRecord]:
         return self.store.get_children(task_id)
@@ -230,6 +241,15 @@ class Coordinator:
                     "allows no deeper subtasks",
                     field="parent_id",
                 )
+            remaining = self._budget_left(parent)
+            for index, spec in enumerate(checked):
+                wanted = _budget_micros(spec.budget_usd, f"specs.{index}.budget_usd")
+                if remaining is not None and wanted > remaining:
+                    raise ValidationError(
+                        f"specs.{index}.budget_usd: {format_usd(wanted)} exceeds what remains of the parent's "
+                        f"budget ({format_usd(remaining)})",
+                        field=f"specs.{index}.budget_usd",
+                    )
             new_items, links = todo_lists.link_children(
                 items, [(cid, spec.todo_id, spec.description) for cid, spec in zip(child_ids, checked, strict=True)]
             )
@@ -247,6 +267,7 @@ class Coordinator:
                     todo_id=todo_id,
                     batch_id=batch_id,
                     runner="agent",
+                    budget_micros=_budget_micros(spec.budget_usd, "budget_usd"),
                     created_at=now,
                     updated_at=now,
                 )
@@ -264,9 +285,149 @@ class Coordinator:
             return batch, children, new_items
 
         batch, children = self.store.commit_delegation(parent_id, plan)
+        for child in children:
+            self.store.set_live(child, "queued")
         first = self.store.next_numbers(len(children))
         self.store.set_numbers({c.id: first + n for n, c in enumerate(children)})
         return batch, [c.model_copy(update={"number": first + n}) for n, c in enumerate(children)]
+
+    def _budget_left(self, parent: TaskRecord) -> int | None:
+        """What remains of the tightest budget over the parent (its own or an ancestor's), if any."""
+        chain = [parent, *self.store.get_records(parent.ancestors)] if parent.ancestors else [parent]
+        left = [t.budget_micros - t.total_cost_micros for t in chain if t.budget_micros > 0]
+        return max(0, min(left)) if left else None
+
+    # -- control -----------------------------------------------------------------------
+
+    def cancel(self, task_id: str, reason: str) -> TaskRecord:
+        """Cancel a task and its whole subtree; its parent hears why, with what had finished.
+
+        Queued children never start (the stop is persisted in their records, which a
+        run checks before it starts, and their Celery tasks are revoked); running ones
+        stop at their next step, abandoning an in-flight model call; nothing is
+        recorded after the stop. Results that had finished are kept.
+        """
+        reason = _text(reason, "reason", MAX_REASON_CHARS)
+        record = self.store.get_task(task_id)
+        if record.status.terminal:
+            raise StateError(
+                f"Task {task_id} has already ended ({record.status.value}); only a task that has not ended "
+                "can be cancelled",
+                field="task_id",
+            )
+        self.stop_subtree(
+            record,
+            top_status="cancelled",
+            top_error=f"cancelled: {reason}",
+            top_class="Cancelled",
+            error=f"cancelled with {task_id}: {reason}",
+        )
+        return self.store.get_task(task_id)
+
+    def stop_budget(self, holder_id: str) -> None:
+        """The subtree of `holder_id` has spent its budget: stop it, reporting the figures."""
+        holder = self.store.get_task(holder_id)
+        children = self.store.get_records(holder.child_ids)
+        spent = ", ".join(f"{c.description or c.id} {format_usd(c.total_cost_micros)}" for c in children)
+        self.stop_subtree(
+            holder,
+            top_status="failed",
+            top_error=(
+                f"budget of {format_usd(holder.budget_micros)} exhausted: the subtree spent "
+                f"{format_usd(holder.total_cost_micros)} (own {format_usd(holder.cost_micros)}"
+                + (f"; children: {spent}" if spent else "")
+                + ")"
+            ),
+            top_class="BudgetExhausted",
+            error=f"stopped: the budget of {holder_id} is exhausted",
+        )
+
+    def stop_subtree(self, top: TaskRecord, *, top_status: str, top_error: str, top_class: str, error: str) -> None:
+        ids = self.store.subtree_ids(top.id)
+        stopped = self.store.stop_tasks(
+            ids, top_status=top_status, status="cancelled", top_error=top_error, error=error,
+            top_class=top_class, error_class="Cancelled",
+        )  # fmt: skip
+        if not stopped:
+            return
+        self.app.control.revoke(stopped)  # queued ones never start (the persisted status covers restarts)
+        records = self.store.get_records(stopped)
+        for approval_id in self.store.pending_approval_ids():
+            if any(approval_id.startswith(r.root_id) for r in records[:1]):
+                approval = self.store.get_approval(approval_id)
+                if approval.task_id in stopped:
+                    self.store.decide(approval_id, "expired", "the task was stopped")
+        # Close every batch a stopped task waited on, deepest first, then the top's own
+        # place in its parent's batch, so each parent hears what had finished.
+        for record in reversed(records):
+            if record.waiting_batch_id:
+                writeback.settle(self, record.waiting_batch_id)
+        stopped_top = self.store.get_task(top.id)
+        if stopped_top.status.terminal:
+            writeback.settle_child(self, stopped_top)
+
+    def snapshot(self, root_id: str) -> dict[str, LiveState]:
+        """The live state of every task of the tree (queued, running, waiting_approval, ended)."""
+        record = self.store.get_task(root_id)
+        if record.id != record.root_id:
+            raise ValidationError(f"{root_id} is not a root task (its root is {record.root_id})", field="root_id")
+        live = self.store.live(root_id)
+        out: dict[str, LiveState] = {}
+        for task in self.store.get_records(self.store.tree_task_ids(root_id)):
+            state = live.get(task.id, {})
+            ended = task.status.value if task.status.terminal else None
+            out[task.id] = LiveState.model_validate({
+                "task_id": task.id, "parent_id": task.parent_id, "depth": task.depth,
+                "state": ended or state.get("state") or ("delegated" if task.status == TaskStatus.DELEGATED else "queued"),
+                "ts": float(state.get("ts") or task.updated_at), "tool": state.get("tool"), "text": state.get("text"),
+                "requests": task.requests, "cost_micros": task.total_cost_micros,
+            })  # fmt: skip
+        return out
+
+    def list_approvals(self, root_id: str | None = None) -> list[Approval]:
+        """Tool calls waiting for a decision, oldest first (of one tree, or all)."""
+        if root_id is not None:
+            self.store.get_task(root_id)
+        out = []
+        for approval_id in self.store.pending_approval_ids():
+            if root_id is None or approval_id.startswith(root_id):
+                try:
+                    out.append(self.store.get_approval(approval_id))
+                except NotFoundError:  # expired with its tree
+                    continue
+        return out
+
+    def decide(self, approval_id: str, decision: str, feedback: str | None = None) -> Approval:
+        """Approve or deny a pending tool call; only that task resumes, its siblings go on."""
+        if decision not in ("approve", "deny"):
+            raise ValidationError(f"decision must be 'approve' or 'deny', not {decision!r}", field="decision")
+        if feedback is not None and not isinstance(feedback, str):
+            raise ValidationError("feedback must be a string", field="feedback")
+        approval = self.store.get_approval(approval_id)
+        status = "approved" if decision == "approve" else "denied"
+        return self._decide(approval, status, feedback or "")
+
+    def _decide(self, approval: Approval, status: str, feedback: str) -> Approval:
+        outcome = self.store.decide(approval.id, status, feedback)
+        if outcome != "ok":
+            raise StateError(f"Approval {approval.id} was already {outcome}", field="approval_id")
+        task = self.store.get_task(approval.task_id)
+        waiting = json.loads(self.store.task_field(task.id, "waiting_approval_ids") or "[]")
+        still = [a for a in waiting if a != approval.id and self.store.get_approval(a).status == "pending"]
+        if not still and not task.status.terminal and self.store.claim_resume(task.id, approval.id):
+            dispatch.publish_run(self.app, task, self.store.next_resume(task.id))
+        return self.store.get_approval(approval.id)
+
+    def expire_approval(self, approval_id: str) -> bool:
+        """Deny an approval whose deadline has passed; False when it was decided or is not due."""
+        approval = self.store.get_approval(approval_id)
+        if approval.status != "pending" or time.time() < approval.deadline:
+            return False
+        try:
+            self._decide(approval, "expired", f"no decision within {self.settings.approval_timeout_s}s")
+        except StateError:
+            return False
+        return True
 
     def _check_specs(self, specs: Sequence[SubtaskSpec | dict[str, Any]]) -> list[SubtaskSpec]:
         if isinstance(specs, (str, bytes)) or not isinstance(specs, Sequence):
@@ -324,6 +485,22 @@ class Coordinator:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _budget_micros(value: object, field: str) -> int:
+    """A budget in USD as integer micro-USD (0: none); a positive number or an error naming the field."""
+    if value is None:
+        return 0
+    try:
+        usd = Decimal(str(value)) if isinstance(value, (int, float, str, Decimal)) and not isinstance(value, bool) else None
+    except InvalidOperation:
+        usd = None
+    if usd is None or not usd.is_finite() or usd <= 0:
+        raise ValidationError(f"{field} must be a positive number of US dollars, not {value!r}", field=field)
+    micros = usd_to_micros(usd)
+    if micros < 1:
+        raise ValidationError(f"{field} must be at least one micro-dollar (0.000001)", field=field)
+    return micros
 
 
 def _decode_entry(entry: str, task_id: str, index: int) -> dict[str, Any]:

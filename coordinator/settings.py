@@ -34,6 +34,12 @@ DEFAULT_VISIBILITY_TIMEOUT_S = 3600
 # How often a worker looks for tasks lost with another worker (older than the
 # visibility timeout) and queues them again; kombu's own default is ~100 s.
 DEFAULT_RESTORE_INTERVAL_S = 10
+# An unanswered tool approval counts as a denial after an hour.
+DEFAULT_APPROVAL_TIMEOUT_S = 3600
+# Transient model errors (rate limits, timeouts, 5xx) are retried this often in a run,
+# with exponential backoff from the base delay.
+DEFAULT_MODEL_RETRIES = 4
+DEFAULT_MODEL_RETRY_BASE_S = 0.5
 # A request body over this is refused with 413 before it is parsed (1 MiB holds
 # a fan-out of 256 long messages).
 DEFAULT_API_MAX_BODY_BYTES = 1024 * 1024
@@ -79,6 +85,12 @@ class Profile(BaseModel):
     price: Price | None = None
     system_prompt: str = "You are a focused subagent. Do the task you are given and report the result briefly."
     max_requests: int = Field(default=DEFAULT_MAX_REQUESTS, ge=1)
+    # Tools whose calls need a decision, and the policy that decides where it can:
+    # a rule is "tool" or "tool:argument prefix" (run_command:npm test allows
+    # `npm test -- --watch`); deny wins; a chained command needs every part allowed.
+    approval_tools: list[str] = Field(default_factory=lambda: ["run_command"])
+    allow: list[str] = Field(default_factory=list)
+    deny: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _known_provider(self) -> Self:
@@ -93,6 +105,11 @@ class Profile(BaseModel):
                     f"model must be 'offline', 'openai:<model>' or 'anthropic:<model>', not {self.model!r}"
                 )
         return self
+
+    @property
+    def provider(self) -> str:
+        """The provider name for rate limits: 'openai', 'anthropic' or 'offline'."""
+        return self.model.partition(":")[0]
 
     @property
     def price_ref(self) -> tuple[str, str]:
@@ -117,6 +134,15 @@ class Settings(BaseSettings):
     max_fanout: int = Field(default=DEFAULT_MAX_FANOUT, ge=1, le=10_000)
     max_depth: int = Field(default=DEFAULT_MAX_DEPTH, ge=0, le=32)
     max_deliveries: int = Field(default=DEFAULT_MAX_DELIVERIES, ge=1, le=100)
+    # Admission control; 0 means no limit.
+    max_running_per_parent: int = Field(default=0, ge=0)
+    max_running_per_root: int = Field(default=0, ge=0)
+    start_stagger_ms: int = Field(default=0, ge=0)
+    # Requests per minute per model provider ("anthropic", "openai", "offline"), fleet-wide.
+    provider_rpm: dict[str, int] = Field(default_factory=dict)
+    model_retries: int = Field(default=DEFAULT_MODEL_RETRIES, ge=0, le=20)
+    model_retry_base_s: float = Field(default=DEFAULT_MODEL_RETRY_BASE_S, ge=0)
+    approval_timeout_s: int = Field(default=DEFAULT_APPROVAL_TIMEOUT_S, ge=1)
     api_token: SecretStr | None = None
     api_auth_disabled: bool = False
     api_max_body_bytes: int = Field(default=DEFAULT_API_MAX_BODY_BYTES, ge=1024)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from importlib import resources
@@ -25,7 +27,7 @@ from coordinator import todos as todo_lists
 from coordinator.errors import ConflictError, CorruptError, NotFoundError, StoreError
 from coordinator.ids import root_of
 from coordinator.keys import Keys
-from coordinator.models import Batch, SubtaskResult, TaskRecord, TodoItem, Usage
+from coordinator.models import Approval, Batch, TaskRecord, TodoItem, Usage
 
 __all__ = ["EVENTS_MAXLEN", "Store", "translate_redis_errors"]
 
@@ -35,6 +37,8 @@ EVENTS_MAXLEN = 10_000
 # A transaction whose watched keys keep changing is retried this often before
 # the caller is told; each retry re-validates on fresh state.
 MAX_TRANSACTION_ATTEMPTS = 50
+# How far down the admission list one freed slot looks for a task that now fits.
+ADMISSION_SCAN = 50
 # Model request latency buckets (ms), Prometheus-style cumulative: from a cached
 # reply to a long reasoning call.
 LATENCY_BUCKETS_MS = (100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
@@ -45,7 +49,7 @@ T = TypeVar("T")
 
 _INT_FIELDS = (
     "depth", "tokens_in", "tokens_out", "cache_reads", "cache_writes", "cost_micros",
-    "requests", "total_tokens", "total_cost_micros", "number",
+    "requests", "total_tokens", "total_cost_micros", "number", "budget_micros",
 )  # fmt: skip
 _OPTIONAL_FIELDS = ("parent_id", "todo_id", "batch_id", "waiting_batch_id", "finished_at", "completed_by_child_id")
 
@@ -109,6 +113,11 @@ class Store:
         self._finish_task = client.register_script(_load_script("finish_task.lua"))
         self._apply_children = client.register_script(_load_script("apply_children.lua"))
         self._finish_batch = client.register_script(_load_script("finish_batch.lua"))
+        self._stop_tasks = client.register_script(_load_script("stop_tasks.lua"))
+        self._admit = client.register_script(_load_script("admit.lua"))
+        self._release_slot = client.register_script(_load_script("release_slot.lua"))
+        self._rate_limit = client.register_script(_load_script("rate_limit.lua"))
+        self._decide = client.register_script(_load_script("decide.lua"))
 
     # -- reads -------------------------------------------------------------------------
 
@@ -141,10 +150,26 @@ class Store:
         return str(status), str(runner or "caller")
 
     @translate_redis_errors
-    def get_todos(self, task_id: str) -> list[TodoItem]:
+    def get_todos(self, task_id: str, *, live: bool = False) -> list[TodoItem]:
+        """The stored list; with `live`, linked items carry their child's current subtree figures."""
         self.task_fields(task_id)
-        raw = self.client.get(self.keys.todos(root_of(task_id), task_id))
-        return todo_lists.from_json(raw) if raw else []
+        root = root_of(task_id)
+        raw = cast(str | None, self.client.get(self.keys.todos(root, task_id)))
+        items = todo_lists.from_json(raw) if raw else []
+        linked = [i for i in items if i.subtask_id]
+        if not live or not linked:
+            return items
+        with self.client.pipeline(transaction=False) as pipe:
+            for item in linked:
+                pipe.hmget(self.keys.task(root, str(item.subtask_id)), ["total_tokens", "total_cost_micros"])
+            figures = dict(zip((i.subtask_id for i in linked), pipe.execute(), strict=True))
+        out = []
+        for item in items:
+            tokens, cost = figures.get(item.subtask_id, (None, None))
+            if tokens is not None:  # the child's record is the system of record
+                item = item.model_copy(update={"tokens": int(tokens), "cost_micros": int(cost or 0)})
+            out.append(item)
+        return out
 
     @translate_redis_errors
     def get_records(self, task_ids: Sequence[str]) -> list[TaskRecord]:
@@ -402,6 +427,24 @@ class Store:
         return bool(self.client.hsetnx(self.keys.task(root_of(task_id), task_id), flag, 1))
 
     @translate_redis_errors
+    def claim_resume(self, task_id: str, reason_id: str) -> bool:
+        """Once-only guard for resuming a task for one reason (a batch or an approval)."""
+        key = self.keys.task(root_of(task_id), task_id)
+        return bool(self.client.hsetnx(key, f"resumed:{reason_id}", 1))
+
+    @translate_redis_errors
+    def next_resume(self, task_id: str) -> int:
+        return int(self.client.hincrby(self.keys.task(root_of(task_id), task_id), "resumes", 1))
+
+    @translate_redis_errors
+    def set_fields(self, task_id: str, fields: dict[str, str | int | float]) -> None:
+        self.client.hset(self.keys.task(root_of(task_id), task_id), mapping=cast(HashFields, fields))
+
+    @translate_redis_errors
+    def count(self, task_id: str, field: str, by: int = 1) -> int:
+        return int(self.client.hincrby(self.keys.task(root_of(task_id), task_id), field, by))
+
+    @translate_redis_errors
     def claim_batch(self, batch_id: str, flag: str) -> bool:
         return bool(self.client.hsetnx(self.keys.batch(root_of(batch_id), batch_id), flag, 1))
 
@@ -414,9 +457,12 @@ class Store:
         cost_micros: int,
         cost_source: str,
         ancestors: Sequence[str] | None = None,
-    ) -> bool:
+    ) -> tuple[int, str | None]:
         """Record one request's usage on the task and roll it up the ancestors, once per key.
 
+        Returns (recorded, exhausted): recorded is 1, 0 (a repeat of this key) or -1 (the
+        task had ended: nothing is recorded after a stop); exhausted is the id of the
+        task nearest the root whose budget the subtree has now reached, or None.
         `ancestors` (root first) may be passed by a caller that has the record, to save a read.
         """
         root = root_of(task_id)
@@ -428,7 +474,163 @@ class Store:
             request_key, usage.tokens_in, usage.tokens_out, usage.cache_reads, usage.cache_writes,
             cost_micros, cost_source, time.time(), self.retention_s,
         ]  # fmt: skip
-        return bool(self._record_usage(keys=keys, args=args))
+        recorded, exhausted = self._record_usage(keys=keys, args=args)
+        return int(recorded), (str(exhausted) or None)
+
+    @translate_redis_errors
+    def stop_tasks(
+        self,
+        task_ids: Sequence[str],
+        *,
+        top_status: str,
+        status: str,
+        top_error: str,
+        error: str,
+        top_class: str,
+        error_class: str,
+    ) -> list[str]:
+        """Stop the tasks that have not ended (the first is the subtree's top); returns those stopped."""
+        if not task_ids:
+            return []
+        root = root_of(task_ids[0])
+        keys = [self.keys.events(root), self.keys.live(root), *(self.keys.task(root, t) for t in task_ids)]
+        args: list[ScriptArg] = [
+            top_status, status, top_error, error, top_class, error_class, time.time(), self.retention_s, EVENTS_MAXLEN,
+        ]  # fmt: skip
+        return _strs(self._stop_tasks(keys=keys, args=args))
+
+    @translate_redis_errors
+    def subtree_ids(self, task_id: str) -> list[str]:
+        """The task and all its descendants, top first (breadth first)."""
+        root = root_of(task_id)
+        out, frontier = [task_id], [task_id]
+        while frontier:
+            with self.client.pipeline(transaction=False) as pipe:
+                for tid in frontier:
+                    pipe.lrange(self.keys.children(root, tid), 0, -1)
+                frontier = [child for reply in pipe.execute() for child in _strs(reply)]
+            out.extend(frontier)
+        return out
+
+    @translate_redis_errors
+    def set_live(self, record: TaskRecord, state: str, **fields: object) -> None:
+        """Publish a task's live status: the tree's live hash and an event on its stream."""
+        root = record.root_id
+        live = {
+            "task_id": record.id, "parent_id": record.parent_id, "depth": record.depth, "state": state,
+            "ts": time.time(), **fields,
+        }  # fmt: skip
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.hset(self.keys.live(root), record.id, json.dumps(live))
+            pipe.expire(self.keys.live(root), self.retention_s)
+            pipe.xadd(
+                self.keys.events(root),
+                {"type": "live", "task_id": record.id, "state": state},
+                maxlen=EVENTS_MAXLEN,
+                approximate=True,
+            )
+            pipe.execute()
+
+    @translate_redis_errors
+    def live(self, root_id: str) -> dict[str, dict[str, Any]]:
+        """task id -> its live status JSON, for every task of the tree that has one."""
+        raw = _str_map(self.client.hgetall(self.keys.live(root_id)))
+        return {task_id: json.loads(value) for task_id, value in raw.items()}
+
+    @translate_redis_errors
+    def awaiting_count(self, task_id: str) -> int:
+        return int(self.client.scard(self.keys.awaiting(root_of(task_id), task_id)))
+
+    @translate_redis_errors
+    def budget_exhausted(self, task_id: str, ancestors: Sequence[str]) -> str | None:
+        """The task or ancestor nearest the root whose budget its subtree has reached, if any."""
+        root = root_of(task_id)
+        chain = [task_id, *reversed(ancestors)]
+        with self.client.pipeline(transaction=False) as pipe:
+            for tid in chain:
+                pipe.hmget(self.keys.task(root, tid), ["budget_micros", "total_cost_micros"])
+            replies = pipe.execute()
+        found = None
+        for tid, (budget, total) in zip(chain, replies, strict=True):
+            if int(budget or 0) > 0 and int(total or 0) >= int(budget):
+                found = tid
+        return found
+
+    @translate_redis_errors
+    def admit(self, record: TaskRecord, per_parent: int, per_tree: int, stagger_ms: int) -> tuple[str, int]:
+        """('run', 0), ('wait', 0) (queued for a slot) or ('delay', ms) for this task's run."""
+        root, k = record.root_id, self.keys
+        keys = [
+            k.running(root), k.running_children(root, record.parent_id or record.id), k.admission(root),
+            k.last_start(root),
+        ]  # fmt: skip
+        args: list[ScriptArg] = [record.id, per_parent, per_tree, stagger_ms, int(time.time() * 1000), self.retention_s]
+        verdict, delay_ms = self._admit(keys=keys, args=args)
+        return str(verdict), int(delay_ms)
+
+    @translate_redis_errors
+    def release_slot(self, record: TaskRecord, per_parent: int, per_tree: int) -> list[str]:
+        """Free the task's run slot and admit waiting tasks that now fit; returns the admitted ids."""
+        root, k = record.root_id, self.keys
+        waiting = _strs(self.client.lrange(k.admission(root), 0, ADMISSION_SCAN - 1))
+        parents = [w.parent_id or w.id for w in self.get_records(waiting)] if waiting else []
+        keys = [
+            k.running(root), k.admission(root), k.running_children(root, record.parent_id or record.id),
+            *(k.running_children(root, p) for p in parents),
+        ]  # fmt: skip
+        args: list[ScriptArg] = [record.id, per_parent, per_tree, self.retention_s, *waiting]
+        return _strs(self._release_slot(keys=keys, args=args))
+
+    @translate_redis_errors
+    def in_flight(self, root_id: str) -> dict[str, int]:
+        """Sizes of the tree's in-flight structures (empty once every run has ended)."""
+        k = self.keys
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.scard(k.running(root_id))
+            pipe.llen(k.admission(root_id))
+            for task_id in self.tree_task_ids(root_id):
+                pipe.scard(k.awaiting(root_id, task_id))
+                pipe.exists(k.lease(root_id, task_id))
+            running, admission, *rest = pipe.execute()
+        return {"running": int(running), "admission": int(admission), "awaiting": sum(rest[0::2]),
+                "leases": sum(rest[1::2])}  # fmt: skip
+
+    @translate_redis_errors
+    def wait_for_rate(self, provider: str, rpm: int) -> int:
+        """0 when a request to `provider` may start now (and is counted), else the ms to wait."""
+        member = f"{time.time_ns()}-{os.getpid()}-{threading.get_ident()}"
+        return int(self._rate_limit(keys=[self.keys.rate(provider)], args=[rpm, int(time.time() * 1000), member]))
+
+    @translate_redis_errors
+    def save_approval(self, approval: Approval) -> None:
+        key = self.keys.approval(approval.root_id, approval.id)
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=_encode_record(approval.model_dump()))
+            pipe.expire(key, self.retention_s)
+            pipe.zadd(self.keys.approvals(), {approval.id: approval.created_at})
+            pipe.execute()
+
+    @translate_redis_errors
+    def get_approval(self, approval_id: str) -> Approval:
+        raw = _str_map(self.client.hgetall(self.keys.approval(root_of(approval_id), approval_id)))
+        if not raw:
+            raise NotFoundError(f"Unknown approval: {approval_id}", field="approval_id")
+        data: dict[str, Any] = {**raw, "args": json.loads(raw["args"])}
+        for name in ("todo_id", "todo_content", "feedback", "decided_at"):
+            data[name] = data.get(name) or None
+        return Approval.model_validate(data)
+
+    @translate_redis_errors
+    def pending_approval_ids(self) -> list[str]:
+        return _strs(self.client.zrange(self.keys.approvals(), 0, -1))
+
+    @translate_redis_errors
+    def decide(self, approval_id: str, status: str, feedback: str) -> str:
+        """Decide a pending approval once; 'ok', or its status when it was not pending."""
+        root = root_of(approval_id)
+        keys = [self.keys.approval(root, approval_id), self.keys.approvals(), self.keys.events(root)]
+        args: list[ScriptArg] = [approval_id, status, feedback, time.time(), EVENTS_MAXLEN]
+        return str(self._decide(keys=keys, args=args))
 
     @translate_redis_errors
     def finish_task(
@@ -436,7 +638,7 @@ class Store:
     ) -> str:
         """Make a task terminal once; returns its status after the call."""
         root = root_of(task_id)
-        keys = [self.keys.task(root, task_id), self.keys.events(root)]
+        keys = [self.keys.task(root, task_id), self.keys.events(root), self.keys.live(root)]
         args: list[ScriptArg] = [status, summary, error, error_class, time.time(), self.retention_s, EVENTS_MAXLEN]
         result = self._finish_task(keys=keys, args=args)
         if result is None:

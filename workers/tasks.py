@@ -7,6 +7,7 @@ not import this module.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from celery import Task
@@ -16,11 +17,12 @@ from coordinator.errors import StoreError
 from coordinator.ids import BATCH_ID_RE, is_task_id
 from coordinator.models import SubtaskResult
 from workers import delegation
+from workers import submit as _submit  # noqa: F401  (registers subq.submit on the app)
 from workers.app import app, settings
 from workers.runtime.context import get_runtime
 from workers.runtime.runner import RunInProgress, run_child
 
-__all__ = ["advance", "gather", "run_task"]
+__all__ = ["advance", "gather", "progress_sender", "run_task"]
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,25 @@ def run_task(self: Task, task_id: Any) -> dict[str, Any]:
             child_id=str(task_id)[:64], status="failed", error="task_id is not a subq task id",
             error_class="ValidationError",
         ).model_dump(mode="json")  # fmt: skip
-    return run_child(get_runtime(settings, app), task_id).model_dump(mode="json")
+    return run_child(get_runtime(settings, app), task_id, progress=progress_sender(self)).model_dump(mode="json")
+
+
+def progress_sender(task: Task) -> Callable[[dict[str, Any]], None]:
+    """The runner's per-response progress as a `task-progress` event, which Flower shows.
+
+    `send_event` reads the current request, which is this task's: the agent loop
+    runs (asyncio.run) in the thread that runs the task. Progress is best effort:
+    no retry, and a failed send is logged, so a broker hiccup never stalls or
+    fails a subagent's run.
+    """
+
+    def send(info: dict[str, Any]) -> None:
+        try:
+            task.send_event("task-progress", retry=False, **info)
+        except Exception as exc:  # monitoring must not end a run
+            log.warning("subq: could not send a task-progress event: %s", exc)
+
+    return send
 
 
 @app.task(name=GATHER, bind=True, ignore_result=True, **RETRIED)

@@ -1,5 +1,5 @@
 -- Move a task to a terminal status once; a later call leaves the first outcome.
--- KEYS[1] task hash   KEYS[2] tree events stream
+-- KEYS[1] task hash   KEYS[2] tree events stream   KEYS[3] tree live hash
 -- ARGV[1] status (completed|failed|cancelled)   ARGV[2] summary   ARGV[3] error
 -- ARGV[4] error class   ARGV[5] now   ARGV[6] retention seconds   ARGV[7] events max length
 -- Returns the task's status after the call (the earlier one if it was already terminal),
@@ -15,6 +15,11 @@ redis.call('HSET', KEYS[1], 'status', ARGV[1], 'summary', ARGV[2], 'error', ARGV
   'error_class', ARGV[4], 'updated_at', ARGV[5], 'finished_at', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[6])
 local id = redis.call('HGET', KEYS[1], 'id')
+local raw = redis.call('HGET', KEYS[3], id)
+local live = raw and cjson.decode(raw) or {task_id = id}
+live['state'] = ARGV[1]
+live['ts'] = tonumber(ARGV[5])
+redis.call('HSET', KEYS[3], id, cjson.encode(live))
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'type', 'task_status', 'task_id', id, 'status', ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[6])
 return ARGV[1]

@@ -34,7 +34,13 @@ from typing import Any, Literal, Self
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_ai import RunContext
-from pydantic_ai.exceptions import ModelRequestRejectedError
+from pydantic_ai.exceptions import (
+    ModelAPIError,
+    ModelRateLimitError,
+    ModelRequestRejectedError,
+    ModelServerError,
+    ModelTimeoutError,
+)
 from pydantic_ai.messages import (
     FinishReason,
     ModelMessage,
@@ -120,6 +126,15 @@ class ScriptUsage(BaseModel):
         )
 
 
+class TransientFailure(BaseModel):
+    """The first `times` attempts of a step fail with a transient error (retried by the runtime)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["rate_limit", "server", "timeout"]
+    times: int = Field(default=1, ge=1, le=100, strict=True)
+
+
 class Step(BaseModel):
     """What one model request answers: exactly one of `reply`, `tool_calls` or `fail`."""
 
@@ -130,6 +145,7 @@ class Step(BaseModel):
     fail: str | None = Field(default=None, min_length=1)
     usage: ScriptUsage | None = None
     latency_ms: int | None = Field(default=None, ge=0, le=MAX_LATENCY_MS, strict=True)
+    transient: TransientFailure | None = None
 
     @model_validator(mode="after")
     def _exactly_one_action(self) -> Self:
@@ -246,6 +262,9 @@ class OfflineModel(Model):
 
     def __init__(self, *, settings: ModelSettings | None = None) -> None:
         super().__init__(settings=settings)
+        # Attempts of steps with `transient` failures, keyed by (task message, step):
+        # the one state it keeps, so "fail twice, then answer" holds within a run.
+        self._attempts: dict[tuple[int, int], int] = {}
 
     @property
     def model_name(self) -> str:
@@ -290,6 +309,12 @@ class OfflineModel(Model):
             # Awaited, not slept: other subagents on the worker's event loop keep running,
             # as they would while a real API call is in flight.
             await asyncio.sleep(step.latency_ms / 1000)
+        if step is not None and step.transient is not None:
+            key = (hash(message), index)
+            attempts = self._attempts.get(key, 0)
+            if attempts < step.transient.times:
+                self._attempts[key] = attempts + 1
+                raise _TRANSIENT[step.transient.kind](self.model_name, f"scripted transient {step.transient.kind}")
 
         parts: list[ModelResponsePart]
         finish: FinishReason
@@ -323,6 +348,13 @@ class OfflineModel(Model):
             provider_response_id=f"offline-{index}",
             finish_reason=finish,
         )
+
+
+_TRANSIENT: dict[str, type[ModelAPIError]] = {
+    "rate_limit": ModelRateLimitError,
+    "server": ModelServerError,
+    "timeout": ModelTimeoutError,
+}
 
 
 def offline_model() -> OfflineModel:

@@ -1,46 +1,55 @@
-"""Running one task: its agent loop, resumable, with usage and cost recorded per request.
+"""Running one task: its agent loop, resumable and controllable, with usage and cost per request.
 
 `run_child` is the plain function behind `subq.run_task`; tests call it
 directly and the worker runs the same function. A run:
-1. returns the stored outcome if the task has ended (a redelivered message);
-   publishes its committed delegation if it is `delegated` (the run that
-   committed it died before publishing; publishing is once-only);
-2. takes the task's run lease, so two deliveries never run one task at once;
-3. loads the persisted conversation and goes on from it: a pending delegation
-   call is answered with the batch's combined result, any other call left
-   without a result with `INTERRUPTED`;
-4. runs the agent (pydantic-ai), recording each request's usage atomically and
-   appending every new message to the conversation as it goes;
-5. ends in one of three ways: completed (text or `attempt_completion`), failed
-   (any agent-level error, as a result, never a raise), or delegated (the run
-   persisted its state and the children are published; the worker is free).
+1. returns the stored outcome if the task has ended (a redelivered message, or
+   a task cancelled before it started); publishes its committed delegation if it
+   is `delegated` (the run that committed it died before publishing);
+2. passes admission control (per-parent and per-tree run limits, a stagger):
+   a task that must wait is queued in order and its worker is released;
+3. takes the task's run lease, so two deliveries never run one task at once;
+4. loads the persisted conversation and goes on from it, answering the calls of
+   its last response that have no result: a delegation with the batch's
+   combined result, an approval with the human's decision, anything else with
+   `INTERRUPTED`;
+5. runs the agent, with, before each model request, a stop check (cancel, a
+   spent budget) and the provider's fleet-wide rate limit, transient model
+   errors retried with backoff, each response's usage recorded atomically and
+   every new message appended to the conversation; a cancel also abandons the
+   request in flight;
+6. ends completed, failed, cancelled, delegated (children published after the
+   state is saved) or waiting for approval; it frees its run slot, and a task
+   that has ended writes itself back to its parent at once.
+It never raises for an agent-level failure: every outcome is a `SubtaskResult`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pydantic
-from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults, ToolOutput
+from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults, ToolApproved, ToolDenied, ToolOutput
 from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.usage import UsageLimits
 
+from coordinator import dispatch, ids, writeback
 from coordinator.errors import CorruptError, NotFoundError, StoreError
-from coordinator.models import SubtaskResult, TaskRecord, TaskStatus, Usage
+from coordinator.models import Approval, SubtaskResult, TaskRecord, TaskStatus, Usage
 from coordinator.settings import Profile
-from workers.delegation import result_of, settle
 from workers.runtime.context import Runtime
 from workers.runtime.metering import MeteredModel
 from workers.runtime.pricing import cost_of, reported_cost_usd
 from workers.runtime.providers import build_model
 from workers.runtime.tools import ORCHESTRATION_PROMPT, RunState, attempt_completion, describe_call, orchestration_tools
 
-__all__ = ["INTERRUPTED", "RunInProgress", "run_child"]
+__all__ = ["INTERRUPTED", "Progress", "RunInProgress", "run_child"]
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +58,26 @@ INTERRUPTED = "Task was interrupted before this tool call could be completed."
 MAX_SUMMARY_CHARS = 4000
 # One line of an error is enough for a parent to act on; no traceback crosses over.
 MAX_ERROR_CHARS = 300
+# Live status carries an excerpt of the latest model text, not the whole of it.
+LIVE_TEXT_CHARS = 200
+# How often a running task looks for a cancel of its own; a cancel stops it within this
+# (plus the time to unwind), and the check is one small HMGET.
+CANCEL_POLL_S = 0.25
 MESSAGE = pydantic.TypeAdapter(ModelMessage)
-
 
 Progress = Callable[[dict[str, Any]], None]
 
 
 class RunInProgress(Exception):
     """Another delivery of this task is running it now; this one is retried later."""
+
+
+class StopRun(Exception):
+    """The run must stop now: its task was stopped, or a budget over it is spent."""
+
+    def __init__(self, budget_holder: str | None = None) -> None:
+        super().__init__(budget_holder or "stopped")
+        self.budget_holder = budget_holder
 
 
 @dataclass(frozen=True)
@@ -67,8 +88,11 @@ class Ended:
     error_class: str = ""
 
 
-class Delegated:
-    """The run ended on a delegation call; the children are published after the state is saved."""
+@dataclass(frozen=True)
+class Released:
+    """The run ended before the task did: delegated, or waiting for a decision."""
+
+    state: str
 
 
 def run_child(rt: Runtime, task_id: str, progress: Progress | None = None) -> SubtaskResult:
@@ -85,22 +109,28 @@ def run_child(rt: Runtime, task_id: str, progress: Progress | None = None) -> Su
         log.error("subq.run_task for an unknown task %r: %s", task_id, exc)
         return SubtaskResult(child_id=task_id, status="failed", error=str(exc), error_class="NotFoundError")
     if record.status.terminal:
-        return result_of(record)  # a redelivered or duplicated message: the outcome stands
+        return writeback.result_of(record)  # redelivered, duplicated, or stopped before it started
     if record.status == TaskStatus.DELEGATED:
         _publish_delegation(rt, record)
-        return result_of(record)
+        return writeback.result_of(record)
+    if not _admitted(rt, record):
+        return writeback.result_of(record, pending="queued")
 
     token = secrets.token_hex(8)
     if not store.acquire_lease(task_id, token, rt.settings.task_time_limit_s):
         raise RunInProgress(f"task {task_id} is being run by another delivery")
     try:
+        store.set_live(record, "running")
         outcome = _run(rt, record, progress)
     finally:
         store.release_lease(task_id, token)
+        _release_slot(rt, record)
 
-    if isinstance(outcome, Delegated):
-        _publish_delegation(rt, store.get_task(task_id))
-        return result_of(store.get_task(task_id))
+    if isinstance(outcome, Released):
+        if outcome.state == "delegated":
+            _publish_delegation(rt, store.get_task(task_id))
+        store.set_live(record, outcome.state)
+        return writeback.result_of(store.get_task(task_id), pending=outcome.state)
     store.finish_task(task_id, outcome.status, outcome.summary[:MAX_SUMMARY_CHARS], outcome.error, outcome.error_class)
     final = store.get_task(task_id)
     ended_ok = final.status == TaskStatus.COMPLETED
@@ -108,11 +138,35 @@ def run_child(rt: Runtime, task_id: str, progress: Progress | None = None) -> Su
         "completion_result" if ended_ok else "error",
         final.summary if ended_ok else f"{final.error_class}: {final.error}",
     )
-    if final.batch_id and store.task_field(task_id, "resumes"):
-        # This child delegated, so its chord header (or chain step) reported it long
-        # ago as still running: its end is written back to its parent from here.
-        settle(rt, final.batch_id)
-    return result_of(final)
+    writeback.settle_child(rt.coordinator, final)  # its todo item is written as soon as it ends
+    return writeback.result_of(final)
+
+
+def _limits(rt: Runtime) -> tuple[int, int, int]:
+    s = rt.settings
+    return s.max_running_per_parent, s.max_running_per_root, s.start_stagger_ms
+
+
+def _admitted(rt: Runtime, record: TaskRecord) -> bool:
+    """Admission control for a child's run; the root always runs. False: the run waits."""
+    per_parent, per_tree, stagger_ms = _limits(rt)
+    if record.parent_id is None or not (per_parent or per_tree or stagger_ms):
+        return True
+    verdict, delay_ms = rt.store.admit(record, per_parent, per_tree, stagger_ms)
+    if verdict == "run":
+        return True
+    if verdict == "delay":
+        dispatch.publish_restart(rt.app, record, countdown_s=delay_ms / 1000)
+    rt.store.set_live(record, "queued")
+    return False
+
+
+def _release_slot(rt: Runtime, record: TaskRecord) -> None:
+    per_parent, per_tree, stagger_ms = _limits(rt)
+    if record.parent_id is None or not (per_parent or per_tree or stagger_ms):
+        return
+    for admitted in rt.store.release_slot(record, per_parent, per_tree):
+        dispatch.publish_restart(rt.app, rt.store.get_task(admitted))
 
 
 def _publish_delegation(rt: Runtime, record: TaskRecord) -> None:
@@ -121,7 +175,7 @@ def _publish_delegation(rt: Runtime, record: TaskRecord) -> None:
         rt.coordinator.publish(batch, rt.store.get_records(batch.child_ids))
 
 
-def _run(rt: Runtime, record: TaskRecord, progress: Progress | None) -> Ended | Delegated:
+def _run(rt: Runtime, record: TaskRecord, progress: Progress | None) -> Ended | Released:
     deliveries, run_seq = rt.store.start_run(record.id)
     if deliveries > rt.settings.max_deliveries:
         error = f"lost with its worker {deliveries - 1} times (SUBQ_MAX_DELIVERIES={rt.settings.max_deliveries})"
@@ -133,6 +187,11 @@ def _run(rt: Runtime, record: TaskRecord, progress: Progress | None) -> Ended | 
         # a run must end before the visibility timeout, or Redis would deliver it again
         # while it still runs (Settings checks visibility_timeout_s > task_time_limit_s).
         return asyncio.run(asyncio.wait_for(_run_agent(rt, record, profile, run_seq, progress), timeout=limit_s))
+    except StopRun as stop:
+        if stop.budget_holder:
+            rt.coordinator.stop_budget(stop.budget_holder)
+        stopped = rt.store.get_task(record.id)
+        return Ended(stopped.status.value if stopped.status.terminal else "cancelled", error=stopped.error)
     except TimeoutError:
         return Ended("failed", error=f"ran over SUBQ_TASK_TIME_LIMIT_S={limit_s}", error_class="TimeLimit")
     except CorruptError as exc:
@@ -147,7 +206,33 @@ def _run(rt: Runtime, record: TaskRecord, progress: Progress | None) -> Ended | 
 
 async def _run_agent(
     rt: Runtime, record: TaskRecord, profile: Profile, run_seq: int, progress: Progress | None
-) -> Ended | Delegated:
+) -> Ended | Released:
+    """The agent's run, raced against a watcher that abandons it when the task is stopped."""
+    run = asyncio.create_task(_drive(rt, record, profile, run_seq, progress))
+    watcher = asyncio.create_task(_watch_for_stop(rt, record.id))
+    done, _ = await asyncio.wait({run, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if run in done:
+        watcher.cancel()
+        return run.result()
+    run.cancel()  # abandons the model call in flight
+    try:
+        await run
+    except (asyncio.CancelledError, Exception):  # noqa: S110 (the stop is the outcome)
+        pass
+    raise StopRun()
+
+
+async def _watch_for_stop(rt: Runtime, task_id: str) -> None:
+    while True:
+        await asyncio.sleep(CANCEL_POLL_S)
+        status, _ = rt.store.status_of(task_id)
+        if TaskStatus(status).terminal:
+            return
+
+
+async def _drive(
+    rt: Runtime, record: TaskRecord, profile: Profile, run_seq: int, progress: Progress | None
+) -> Ended | Released:
     store = rt.store
     state = RunState(rt, record, profile)
     history = _load_history(rt, record.id)
@@ -157,6 +242,21 @@ async def _run_agent(
         return Ended("completed", summary=_text_of(history[-1]))  # it had ended; only the status was lost
     saved = len(history)
     request_no = 0
+    rpm = rt.settings.provider_rpm.get(profile.provider, 0)
+
+    async def before_request() -> None:
+        status, _ = store.status_of(record.id)
+        if TaskStatus(status).terminal:
+            raise StopRun()
+        holder = store.budget_exhausted(record.id, record.ancestors)
+        if holder:
+            raise StopRun(holder)
+        while rpm and (wait_ms := store.wait_for_rate(profile.provider, rpm)):
+            await asyncio.sleep(wait_ms / 1000)
+
+    def on_transient(exc: Exception, attempt: int) -> None:
+        store.count(record.id, "transient_errors")
+        state.say("retry", f"{type(exc).__name__}: retrying (attempt {attempt})")
 
     def on_response(messages: list[ModelMessage], response: ModelResponse, latency_ms: float) -> None:
         nonlocal request_no
@@ -164,7 +264,7 @@ async def _run_agent(
         store.observe_latency(latency_ms)
         usage = response.usage
         cost_micros, source = cost_of(usage, profile, reported_cost_usd(response))
-        store.record_usage(
+        recorded, exhausted = store.record_usage(
             record.id,
             f"{run_seq}:{request_no}",
             Usage(
@@ -177,53 +277,118 @@ async def _run_agent(
             source,
             ancestors=record.ancestors,
         )
+        if recorded < 0:
+            raise StopRun()  # stopped while the request was in flight: nothing more is recorded
+        text = " ".join(p.content for p in response.parts if isinstance(p, TextPart)).strip()
+        tool = next((p.tool_name for p in response.parts if isinstance(p, ToolCallPart)), None)
         for part in response.parts:
             if isinstance(part, TextPart) and part.content.strip():
                 state.say("text", part.content)
             elif isinstance(part, ToolCallPart):
                 state.say("tool", describe_call(part))
+        current = store.get_records([record.id])[0]
+        store.set_live(
+            record, "running", tool=tool, text=text[:LIVE_TEXT_CHARS] or None,
+            requests=current.requests, cost_micros=current.total_cost_micros,
+        )  # fmt: skip
         if progress is not None:
-            tool = next((p.tool_name for p in response.parts if isinstance(p, ToolCallPart)), None)
             progress({"task_id": record.id, "request": request_no, "cost_micros": cost_micros, "tool": tool,
                       "latency_ms": round(latency_ms)})  # fmt: skip
+        if exhausted:
+            raise StopRun(exhausted)
 
     agent = Agent(
-        MeteredModel(build_model(profile), on_response),
+        MeteredModel(
+            build_model(profile),
+            on_response,
+            before=before_request,
+            retries=rt.settings.model_retries,
+            retry_base_s=rt.settings.model_retry_base_s,
+            on_transient=on_transient,
+        ),
         deps_type=RunState,
         output_type=[str, ToolOutput(attempt_completion, name="attempt_completion"), DeferredToolRequests],
         system_prompt=f"{profile.system_prompt}\n\n{ORCHESTRATION_PROMPT}",
         toolsets=[orchestration_tools],
     )
     pending = _calls_without_result(history)
-    results = DeferredToolResults(calls=_answers(rt, record.id, pending)) if pending else None
-    async with agent.iter(
-        None if history else record.prompt,
-        message_history=history or None,
-        deferred_tool_results=results,
-        deps=state,
-        usage_limits=UsageLimits(request_limit=profile.max_requests),
-    ) as run:
-        async for _node in run:
-            saved = _save_new(rt, record.id, run.all_messages(), saved)
-        _save_new(rt, record.id, run.all_messages(), saved)
-        assert run.result is not None
-        output = run.result.output
+    results = _answers(rt, record.id, pending) if pending else None
+    try:
+        async with agent.iter(
+            None if history else record.prompt,
+            message_history=history or None,
+            deferred_tool_results=results,
+            deps=state,
+            usage_limits=UsageLimits(request_limit=profile.max_requests),
+        ) as run:
+            async for _node in run:
+                saved = _save_new(rt, record.id, run.all_messages(), saved)
+            _save_new(rt, record.id, run.all_messages(), saved)
+            assert run.result is not None
+            output = run.result.output
+    except StopRun:
+        raise
     if isinstance(output, DeferredToolRequests):
+        if output.approvals:
+            _park_for_approval(rt, record, output)
+            return Released("waiting_approval")
         if state.delegation is None:
             return Ended("failed", error="the run deferred a call that is not a delegation", error_class="Deferred")
-        return Delegated()
+        return Released("delegated")
     return Ended("completed", summary=str(output))
 
 
-def _answers(rt: Runtime, task_id: str, pending: Sequence[ToolCallPart]) -> dict[str, object]:
-    """Results for the calls of the last response that have none: the batch's, or INTERRUPTED."""
-    answers: dict[str, object] = {call.tool_call_id: INTERRUPTED for call in pending}
+def _park_for_approval(rt: Runtime, record: TaskRecord, requests: DeferredToolRequests) -> None:
+    """Queue each call that needs a decision; the task resumes once all are decided."""
+    todo = next((t for t in _parent_todos(rt, record) if t.id == record.todo_id), None)
+    now = time.time()
+    approval_ids = []
+    for call in requests.approvals:
+        meta = requests.metadata.get(call.tool_call_id, {})
+        approval = Approval(
+            id=ids.new_approval_id(record.root_id),
+            task_id=record.id,
+            root_id=record.root_id,
+            tool=call.tool_name,
+            args=dict(meta.get("args") or call.args_as_dict()),
+            tool_call_id=call.tool_call_id,
+            todo_id=record.todo_id,
+            todo_content=todo.content if todo else None,
+            created_at=now,
+            deadline=now + rt.settings.approval_timeout_s,
+        )
+        rt.store.save_approval(approval)
+        approval_ids.append(approval.id)
+        dispatch.publish_approval_timeout(rt.app, approval.id, rt.settings.approval_timeout_s)
+        RunState(rt, record, rt.settings.profile(record.profile)).say(
+            "approval_request", f"{approval.id}: {call.tool_name} {json.dumps(approval.args)}"
+        )
+    rt.store.set_fields(record.id, {"waiting_approval_ids": json.dumps(approval_ids)})
+
+
+def _parent_todos(rt: Runtime, record: TaskRecord) -> list[Any]:
+    return rt.store.get_todos(record.parent_id) if record.parent_id else []
+
+
+def _answers(rt: Runtime, task_id: str, pending: Sequence[ToolCallPart]) -> DeferredToolResults:
+    """Results for the calls of the last response that have none: a batch's, a decision, or INTERRUPTED."""
+    calls: dict[str, Any] = {call.tool_call_id: INTERRUPTED for call in pending}
+    approvals: dict[str, Any] = {}
     resume_batch = rt.store.task_field(task_id, "resume_batch_id")
     if resume_batch:
         batch = rt.store.get_batch(resume_batch)
-        if batch.tool_call_id in answers:
-            answers[batch.tool_call_id] = batch.result
-    return answers
+        if batch.tool_call_id in calls:
+            calls[batch.tool_call_id] = batch.result
+    for approval_id in json.loads(rt.store.task_field(task_id, "waiting_approval_ids") or "[]"):
+        approval = rt.store.get_approval(approval_id)
+        if approval.tool_call_id in calls and approval.status != "pending":
+            del calls[approval.tool_call_id]
+            approvals[approval.tool_call_id] = (
+                ToolApproved()
+                if approval.status == "approved"
+                else ToolDenied(message=approval.feedback or f"The call was {approval.status}.")
+            )
+    return DeferredToolResults(calls=calls, approvals=approvals)
 
 
 def _calls_without_result(history: Sequence[ModelMessage]) -> list[ToolCallPart]:
@@ -264,4 +429,3 @@ def _text_of(response: ModelResponse) -> str:
 def one_line(text: str) -> str:
     line = " ".join(text.split())
     return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 1] + "…"
-

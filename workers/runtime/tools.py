@@ -7,6 +7,9 @@
   result and are not executed.
 - `run_subagents(tasks)`: a parallel fan-out (one chord).
 - `attempt_completion(result)`: ends the task with its result (an output tool).
+- `run_command(command)`: a harmless stand-in for a risky tool: it needs approval
+  under the default policy (`Profile.approval_tools`), and when approved records
+  the command and acknowledges it without executing anything.
 
 A delegation tool validates and commits through the Coordinator, then defers
 (pydantic-ai's `CallDeferred`): the run ends, the runner persists the
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
-from pydantic_ai import CallDeferred, RunContext
+from pydantic_ai import ApprovalRequired, CallDeferred, RunContext
 from pydantic_ai.messages import ModelResponse, ToolCallPart
 from pydantic_ai.toolsets import FunctionToolset
 
@@ -34,6 +37,7 @@ from coordinator import todos as todo_lists
 from coordinator.errors import SubqError
 from coordinator.models import Batch, SubtaskSpec, TaskRecord
 from coordinator.settings import Profile
+from workers.runtime.approval_policy import verdict
 from workers.runtime.context import Runtime
 
 __all__ = ["NEW_TASK_NOT_LAST", "ORCHESTRATION_PROMPT", "RunState", "orchestration_tools"]
@@ -147,6 +151,36 @@ def run_subagents(ctx: RunContext[RunState], tasks: list[SubtaskInput]) -> str:
     if _after_new_task(ctx):
         return NEW_TASK_NOT_LAST
     return _delegate(ctx, tasks, "parallel")
+
+
+def needs_decision(ctx: RunContext[RunState], tool: str, args: dict[str, Any]) -> str | None:
+    """Apply the profile's approval policy to this call.
+
+    Returns None to go on (allowed, or approved by a human on resume), a denial text
+    for the model, or raises ApprovalRequired: the run ends and the call waits in the
+    approvals queue, holding no worker.
+    """
+    if ctx.tool_call_approved:
+        return None
+    decided = verdict(ctx.deps.profile, tool, args)
+    if decided == "allow":
+        return None
+    if decided == "deny":
+        return f"Denied by policy: {tool} {json.dumps(args)} is not allowed for this task."
+    raise ApprovalRequired(metadata={"tool": tool, "args": args})
+
+
+@orchestration_tools.tool
+def run_command(ctx: RunContext[RunState], command: str) -> str:
+    """Run a shell command (it needs approval under the default policy). This deployment records
+    the approved command and acknowledges it; it executes nothing."""
+    if _after_new_task(ctx):
+        return NEW_TASK_NOT_LAST
+    denied = needs_decision(ctx, "run_command", {"command": command})
+    if denied:
+        return denied
+    ctx.deps.say("command_recorded", command)
+    return f"Recorded (not executed): {command}"
 
 
 def attempt_completion(result: str) -> str:

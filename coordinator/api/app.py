@@ -1,0 +1,77 @@
+"""`create_app`: the subq HTTP API as a FastAPI application.
+
+    uvicorn --factory coordinator.api:create_app      (or `subq api`)
+
+Built on the same Coordinator as the CLI and the Python API. The layers, from
+the outside in: the body-size limit (413 before parsing), routing, the bearer
+token (a dependency of the /v1 routes), request validation (422), then the
+Coordinator, which validates everything again before it writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import Depends, FastAPI
+
+from coordinator.api.auth import bearer_auth
+from coordinator.api.errors import install_error_handlers
+from coordinator.api.events import event_routes
+from coordinator.api.limits import BodyLimit
+from coordinator.api.ops import ops_routes
+from coordinator.api.routes import task_routes
+from coordinator.service import Coordinator
+from coordinator.settings import Settings, load_settings
+
+__all__ = ["create_app"]
+
+DESCRIPTION = """\
+A distributed job queue for AI subagents on Celery and Redis.
+
+Authenticate the `/v1` endpoints with `Authorization: Bearer <SUBQ_API_TOKEN>`;
+`/healthz`, `/metrics`, `/openapi.json` and `/docs` are open. Every error is
+`{"code", "message", "field"}`. See docs/api.md.
+"""
+
+
+def _version() -> str:
+    try:
+        return version("subagent-queue")
+    except PackageNotFoundError:  # running from a source checkout
+        return "0.0.0+source"
+
+
+def create_app(settings: Settings | None = None, coordinator: Coordinator | None = None) -> FastAPI:
+    """The API over `coordinator` (built from `settings`, or SUBQ_* variables, when not given).
+
+    Raises ConfigError naming SUBQ_API_TOKEN when no token is set and auth is not
+    explicitly disabled (SUBQ_API_AUTH_DISABLED=true), so a server never starts open by accident.
+    """
+    if settings is None:
+        settings = coordinator.settings if coordinator is not None else load_settings()
+    guard = bearer_auth(settings)  # before anything connects: a missing token stops the start
+    owned = coordinator is None
+    coord = coordinator if coordinator is not None else Coordinator(settings)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if owned:  # a Coordinator passed in belongs to the caller
+            coord.close()
+
+    app = FastAPI(
+        title="subq",
+        version=_version(),
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        redoc_url=None,
+    )
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_body_bytes=settings.api_max_body_bytes)
+    dependencies = [Depends(guard)] if guard is not None else []
+    app.include_router(task_routes(coord, auth=guard is not None), dependencies=dependencies)
+    app.include_router(event_routes(coord, auth=guard is not None), dependencies=dependencies)
+    app.include_router(ops_routes(coord))
+    return app

@@ -1,0 +1,192 @@
+"""Every error the API returns, as one JSON shape: `{"code", "message", "field"}`.
+
+subq's own errors keep their stable `code` (coordinator/errors.py) and get an
+HTTP status from their class; FastAPI's request validation becomes the same
+shape with the field path of the body (`subtasks.1.message`) or the parameter
+(`limit`); the API's own refusals (auth, body size) are `HttpError`s. Nothing
+ever answers with a traceback: an unexpected exception is logged on the
+server and the client sees `internal_error`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from coordinator.api.schemas import ErrorBody
+from coordinator.errors import (
+    ConfigError,
+    ConflictError,
+    CorruptError,
+    NotFoundError,
+    StateError,
+    StoreError,
+    SubqError,
+    ValidationError,
+    WaitTimeout,
+)
+
+__all__ = [
+    "BODY_TOO_LARGE",
+    "INTERNAL_ERROR",
+    "UNAUTHORIZED",
+    "HttpError",
+    "error_response",
+    "error_responses",
+    "install_error_handlers",
+    "renamed_fields",
+    "status_of",
+]
+
+logger = logging.getLogger("coordinator.api")
+
+UNAUTHORIZED = "unauthorized"
+BODY_TOO_LARGE = "body_too_large"
+INTERNAL_ERROR = "internal_error"
+
+# Most specific class first: CorruptError is a StoreError but not a passing outage.
+_STATUS_OF_ERROR: tuple[tuple[type[SubqError], int], ...] = (
+    (NotFoundError, 404),
+    (StateError, 409),
+    (ConflictError, 409),
+    (ValidationError, 422),
+    (WaitTimeout, 504),
+    (CorruptError, 500),
+    (StoreError, 503),  # Redis unreachable: the client may retry
+    (ConfigError, 500),
+)
+# Request parameter sources FastAPI puts first in an error's location.
+_SOURCES = frozenset({"body", "query", "path", "header", "cookie"})
+_DESCRIPTIONS = {
+    401: "Missing or wrong bearer token (code unauthorized)",
+    404: "Unknown task id, well-formed or not (code not_found)",
+    409: "The task is not in a state that allows this (codes wrong_state, conflict)",
+    413: "The request body is over SUBQ_API_MAX_BODY_BYTES (code body_too_large)",
+    422: "Invalid input, with the field path (codes invalid_input, invalid_todos, invalid_profile, ...)",
+    503: "Redis is unreachable (code store_error)",
+}
+
+
+class HttpError(Exception):
+    """A refusal by the API layer itself (auth), with its status and stable code."""
+
+    def __init__(
+        self,
+        status_code: int,
+        code: str,
+        message: str,
+        *,
+        field: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.code = code
+        self.message = message
+        self.field = field
+        self.headers = dict(headers or {})
+
+
+def status_of(exc: SubqError) -> int:
+    for cls, status in _STATUS_OF_ERROR:
+        if isinstance(exc, cls):
+            return status
+    return 500
+
+
+def error_response(
+    status_code: int, code: str, message: str, field: str | None = None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    body = ErrorBody(code=code, message=message, field=field)
+    return JSONResponse(body.model_dump(mode="json"), status_code=status_code, headers=dict(headers or {}))
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI `responses` entries of these error statuses (all `ErrorBody`)."""
+    return {status: {"model": ErrorBody, "description": _DESCRIPTIONS[status]} for status in statuses}
+
+
+@contextmanager
+def renamed_fields(renames: Mapping[str, str]) -> Iterator[None]:
+    """Re-raise subq errors with field paths in the API's names.
+
+    The service names its parameters (`specs.1.todo_id`, `parent_id`); a client
+    of the API sent `subtasks.1.todo_id` in the body and the parent in the path.
+    """
+    try:
+        yield
+    except SubqError as exc:
+        if exc.field:
+            head, dot, rest = exc.field.partition(".")
+            if head in renames:
+                new = f"{renames[head]}{dot}{rest}"
+                if exc.message.startswith(f"{exc.field}:"):
+                    exc.message = new + exc.message[len(exc.field) :]
+                    exc.args = (exc.message,)
+                exc.field = new
+        raise
+
+
+def _validation_body(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, field) of the first problem; one at a time, as the service reports them."""
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request", None
+    err = errors[0]
+    loc = list(err.get("loc", ()))
+    source = str(loc[0]) if loc and str(loc[0]) in _SOURCES else ""
+    if source:
+        loc = loc[1:]
+    if err.get("type") == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", "")
+        return f"The request body is not valid JSON{f': {detail}' if detail else ''}", None
+    field = ".".join(str(part) for part in loc) or None
+    return f"{field or source or 'request'}: {err.get('msg', 'invalid')}", field
+
+
+async def _on_subq_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, SubqError)
+    status = status_of(exc)
+    if status >= 500:
+        logger.warning("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc.message)
+    return error_response(status, exc.code, exc.message, exc.field)
+
+
+async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HttpError)
+    return error_response(exc.status_code, exc.code, exc.message, exc.field, exc.headers)
+
+
+async def _on_request_validation(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    message, field = _validation_body(exc)
+    return error_response(422, ValidationError.code, message, field)
+
+
+async def _on_starlette_http(request: Request, exc: Exception) -> JSONResponse:
+    """Routing refusals (unknown path, wrong method) in the same shape."""
+    assert isinstance(exc, StarletteHTTPException)
+    code = {404: NotFoundError.code, 405: "method_not_allowed"}.get(exc.status_code, f"http_{exc.status_code}")
+    message = f"No such endpoint: {request.method} {request.url.path}" if exc.status_code == 404 else str(exc.detail)
+    return error_response(exc.status_code, code, message, None, exc.headers)
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    # Starlette's ServerErrorMiddleware re-raises after this response, so the
+    # server logs the traceback once; the client never sees it.
+    return error_response(500, INTERNAL_ERROR, "Internal server error; the server log has the details")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(SubqError, _on_subq_error)
+    app.add_exception_handler(HttpError, _on_http_error)
+    app.add_exception_handler(RequestValidationError, _on_request_validation)
+    app.add_exception_handler(StarletteHTTPException, _on_starlette_http)
+    app.add_exception_handler(Exception, _on_unexpected)

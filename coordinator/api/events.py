@@ -1,0 +1,123 @@
+"""GET /v1/tasks/{task_id}/events: the tree's event stream as server-sent events.
+
+Each entry of the tree's Redis stream (`delegated`, `child_applied`,
+`task_status`, `batch_done`, ...) becomes one SSE event whose `id` is the
+stream entry id and whose `data` is the entry's fields as JSON. A client that
+reconnects with `Last-Event-ID` resumes after that entry.
+
+The stream ends once the task has settled, by `Coordinator.wait`'s rule
+(terminal; or, for a caller-owned task, no longer `delegated`), after every
+event written before that is sent; a last `end` event carries the status. A
+keep-alive comment goes out every KEEPALIVE_S so proxies keep the connection.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Annotated, Any
+
+import anyio.to_thread
+from anyio import CapacityLimiter
+from fastapi import APIRouter, Header
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from coordinator import ids
+from coordinator.api.errors import error_responses, renamed_fields
+from coordinator.api.routes import TaskId
+from coordinator.api.schemas import ErrorBody
+from coordinator.errors import SubqError
+from coordinator.models import TaskStatus
+from coordinator.service import Coordinator
+from coordinator.store import Store
+
+__all__ = ["KEEPALIVE_S", "READ_SLICE_MS", "event_routes"]
+
+# Proxies commonly close a connection idle for 30-60 s; a comment every 15 s keeps it open.
+KEEPALIVE_S = 15.0
+# One blocking read of the stream; between reads the task's status is checked again.
+READ_SLICE_MS = 1000
+READ_BATCH = 500
+# Stream reads block a thread for up to READ_SLICE_MS. They get their own pool, so
+# many open streams cannot starve the request handlers of FastAPI's pool (40 threads).
+STREAM_THREADS = 64
+STREAM_ID_PATTERN = r"^\d+-\d+$"
+
+class _Threads:
+    """Runs blocking store reads in this app's own stream thread pool."""
+
+    def __init__(self) -> None:
+        self._limiter: CapacityLimiter | None = None
+
+    async def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._limiter is None:  # built inside the app's event loop, as anyio requires
+            self._limiter = CapacityLimiter(STREAM_THREADS)
+        return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs), limiter=self._limiter)
+
+
+def settled(store: Store, task_id: str) -> tuple[bool, str]:
+    """(whether the task has settled, its status), by Coordinator.wait's rule."""
+    status, runner = store.status_of(task_id)
+    done = TaskStatus(status).terminal or (runner == "caller" and status != TaskStatus.DELEGATED)
+    return done, status
+
+
+async def _events(
+    coord: Coordinator, threads: _Threads, task_id: str, after_id: str
+) -> AsyncIterator[ServerSentEvent]:
+    root_id = ids.root_of(task_id)
+    try:
+        while True:
+            # Status first, then the stream: a settling write and its event are one
+            # atomic step, so once `done` is seen every event before it is in the stream.
+            done, status = await threads.run(settled, coord.store, task_id)
+            entries: list[tuple[str, dict[str, str]]] = await threads.run(
+                coord.store.read_events,
+                root_id,
+                after_id,
+                block_ms=None if done else READ_SLICE_MS,  # None: no BLOCK (0 would block forever)
+                count=READ_BATCH,
+            )
+            for entry_id, fields in entries:
+                yield ServerSentEvent(id=entry_id, data=json.dumps(fields))
+                after_id = entry_id
+            if done and len(entries) < READ_BATCH:
+                yield ServerSentEvent(event="end", data=json.dumps({"task_id": task_id, "status": status}))
+                return
+    except SubqError as exc:  # Redis went away or the task expired mid-stream
+        body = ErrorBody(code=exc.code, message=exc.message, field=exc.field)
+        yield ServerSentEvent(event="error", data=body.model_dump_json())
+
+
+def event_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
+    router = APIRouter(prefix="/v1", tags=["events"])
+    denied = (401,) if auth else ()
+    threads = _Threads()
+
+    @router.get(
+        "/tasks/{task_id}/events",
+        response_class=EventSourceResponse,
+        responses={
+            200: {
+                "description": "text/event-stream: one event per stream entry (`id`: entry id, `data`: JSON fields), "
+                "then `event: end` with the task's status",
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            },
+            **error_responses(*denied, 404, 422, 503),
+        },
+        summary="Live events of the task's tree (server-sent events)",
+    )
+    async def events(
+        task_id: TaskId,
+        last_event_id: Annotated[
+            str | None,
+            Header(pattern=STREAM_ID_PATTERN, description="Resume after this event id (sent by EventSource)"),
+        ] = None,
+    ) -> EventSourceResponse:
+        # Checked before the response starts, so an unknown id is a plain 404, not a broken stream.
+        with renamed_fields({"id": "task_id"}):
+            await threads.run(settled, coord.store, task_id)
+        return EventSourceResponse(_events(coord, threads, task_id, last_event_id or "0-0"), ping=KEEPALIVE_S)
+
+    return router

@@ -1,0 +1,153 @@
+"""The /v1 task endpoints: create, delegate, read, update todos, history.
+
+Each handler is a plain `def`: the Coordinator talks to Redis synchronously,
+so FastAPI runs handlers in its thread pool and the event loop stays free.
+Each one is a thin call into the same Coordinator the CLI uses; the
+Coordinator validates everything before it writes anything.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Path, Query
+
+from coordinator.api.errors import error_responses, renamed_fields
+from coordinator.api.schemas import (
+    CreateTaskBody,
+    DelegateBody,
+    DelegationResult,
+    HistoryPage,
+    MessageList,
+    TodoList,
+    TodosBody,
+)
+from coordinator.models import TaskRecord, TaskStatus
+from coordinator.service import DEFAULT_PAGE, MAX_PAGE, Coordinator
+from coordinator.tree import TreeNode, build_tree
+
+__all__ = ["ROOT_ID_PATTERN", "TaskId", "task_routes"]
+
+# A root id is 16 hex digits (coordinator/ids.py); the history filter takes only roots.
+ROOT_ID_PATTERN = r"^[0-9a-f]{16}$"
+# Cursors are offsets into a Redis sorted set: keep them within a JSON-safe integer
+# (a larger one would reach Redis as an out-of-range index).
+MAX_CURSOR = 2**53
+
+TaskId = Annotated[
+    str,
+    Path(description="A task id: 16 hex digits for a root, `<root>-<12 hex>` for a descendant"),
+]
+# The service names the parent `parent_id` and the specs `specs`; the API's caller
+# sent them as the path's `task_id` and the body's `subtasks`.
+_DELEGATE_FIELDS = {"specs": "subtasks", "parent_id": "task_id", "id": "task_id"}
+_TASK_FIELDS = {"id": "task_id"}
+
+
+def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
+    router = APIRouter(prefix="/v1", tags=["tasks"])
+    denied = (401,) if auth else ()
+
+    @router.post(
+        "/tasks",
+        status_code=201,
+        response_model=TaskRecord,
+        responses=error_responses(*denied, 413, 422, 503),
+        summary="Create a root task",
+    )
+    def create_task(body: CreateTaskBody) -> TaskRecord:
+        """A caller-owned task (`run: false`, you delegate) or an agent on the fleet (`run: true`)."""
+        return coord.create_task(body.prompt, todos=body.todos, profile=body.profile, run=body.run)
+
+    @router.post(
+        "/tasks/{task_id}/subtasks",
+        status_code=202,
+        response_model=DelegationResult,
+        responses=error_responses(*denied, 404, 409, 413, 422, 503),
+        summary="Delegate subtasks to children",
+    )
+    def delegate(task_id: TaskId, body: DelegateBody) -> DelegationResult:
+        """Validated as a whole, committed atomically, then published; 202: the children run on the fleet."""
+        with renamed_fields(_DELEGATE_FIELDS):
+            batch = coord.delegate(task_id, body.subtasks, body.mode)
+        return DelegationResult(batch_id=batch.id, parent_id=batch.parent_id, mode=batch.mode, child_ids=batch.child_ids)
+
+    @router.get(
+        "/tasks/{task_id}",
+        response_model=TaskRecord,
+        responses=error_responses(*denied, 404, 503),
+        summary="A task with its own and total figures",
+    )
+    def get_task(task_id: TaskId) -> TaskRecord:
+        """Own usage (`tokens_in`, `tokens_out`, `cost_micros`) and the subtree's (`total_tokens`, `total_cost_micros`)."""
+        with renamed_fields(_TASK_FIELDS):
+            return coord.get_task(task_id)
+
+    @router.get(
+        "/tasks/{task_id}/todos",
+        response_model=TodoList,
+        responses=error_responses(*denied, 404, 503),
+        summary="A task's todo list with each item's subtask, tokens and cost",
+    )
+    def get_todos(task_id: TaskId) -> TodoList:
+        with renamed_fields(_TASK_FIELDS):
+            return TodoList(task_id=task_id, todos=coord.get_todos(task_id))
+
+    @router.put(
+        "/tasks/{task_id}/todos",
+        response_model=TodoList,
+        responses=error_responses(*denied, 404, 409, 413, 422, 503),
+        summary="Replace a task's todo list",
+    )
+    def update_todos(task_id: TaskId, body: TodosBody) -> TodoList:
+        """Links and figures of existing items survive the rewrite; an update with no items is refused."""
+        with renamed_fields(_TASK_FIELDS):
+            return TodoList(task_id=task_id, todos=coord.update_todos(task_id, body.todos))
+
+    @router.get(
+        "/tasks/{task_id}/tree",
+        response_model=TreeNode,
+        responses=error_responses(*denied, 404, 503),
+        summary="The task's subtree: every task with its todos, own and total figures",
+    )
+    def tree(task_id: TaskId) -> TreeNode:
+        with renamed_fields(_TASK_FIELDS):
+            return build_tree(coord, task_id)
+
+    @router.get(
+        "/tasks/{task_id}/messages",
+        response_model=MessageList,
+        responses=error_responses(*denied, 404, 422, 503),
+        summary="The task's UI messages or model conversation, oldest first",
+    )
+    def messages(
+        task_id: TaskId,
+        kind: Annotated[
+            Literal["ui", "api"], Query(description="ui: UI messages; api: the model conversation")
+        ] = "ui",
+    ) -> MessageList:
+        with renamed_fields(_TASK_FIELDS):
+            return MessageList(task_id=task_id, kind=kind, messages=coord.messages(task_id, kind))
+
+    @router.get(
+        "/tasks",
+        response_model=HistoryPage,
+        responses=error_responses(*denied, 422, 503),
+        summary="The history: tasks newest first, with their figures",
+    )
+    def list_tasks(
+        status: Annotated[TaskStatus | None, Query(description="Only tasks with this status")] = None,
+        root: Annotated[
+            str | None, Query(pattern=ROOT_ID_PATTERN, description="Only tasks of this root's tree")
+        ] = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="Most items in the page")] = DEFAULT_PAGE,
+        cursor: Annotated[
+            int, Query(ge=0, le=MAX_CURSOR, description="`next_cursor` of the previous page; 0 for the first")
+        ] = 0,
+    ) -> HistoryPage:
+        items, next_cursor = coord.list_tasks(
+            status=status.value if status else None, root_id=root, limit=limit, cursor=cursor
+        )
+        return HistoryPage(items=items, next_cursor=next_cursor)
+
+    return router

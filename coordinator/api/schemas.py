@@ -1,0 +1,165 @@
+"""The HTTP API's wire models: request bodies, response envelopes and the error shape.
+
+Records cross the wire as the domain's own models (`TaskRecord`, `TodoItem`,
+`HistoryItem`, `TreeNode`), so the server and `coordinator.client` share one
+definition. Request bodies forbid unknown fields: a typo is a 422 naming the
+field, not a silently ignored option.
+
+This module imports only pydantic and the domain models (no FastAPI), so the
+Python client can use it without loading the server.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema
+
+from coordinator.models import DelegationMode, HistoryItem, SubtaskSpec, TodoItem, TodoStatus
+
+__all__ = [
+    "CreateTaskBody",
+    "DelegateBody",
+    "DelegationResult",
+    "ErrorBody",
+    "Health",
+    "HistoryPage",
+    "MessageList",
+    "RedisHealth",
+    "TodoList",
+    "TodosBody",
+    "WorkersHealth",
+]
+
+_INPUT = ConfigDict(extra="forbid", frozen=True)
+
+# The todo-list grammar (coordinator/todos.py) validates an update and names the
+# failing item (`todos.1.content`, code `invalid_todos`); the body model declares
+# the accepted shapes for the OpenAPI document and leaves checking to it, so the
+# API and the Python API refuse the same inputs with the same field paths.
+_TODO_UPDATE_SCHEMA: dict[str, Any] = {
+    "description": (
+        "The plan: markdown checkbox lines ('[ ] pending', '[-] in progress', '[x] done'), "
+        "or a list of {content, status} items"
+    ),
+    "anyOf": [
+        {"type": "string", "examples": ["[ ] Collect figures\n[-] Summarise feedback"]},
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "content": {"type": "string"},
+                    "status": {"type": "string", "enum": [s.value for s in TodoStatus]},
+                },
+                "required": ["content"],
+                "additionalProperties": False,
+            },
+        },
+    ],
+}
+TodoUpdate = Annotated[Any, WithJsonSchema(_TODO_UPDATE_SCHEMA)]
+
+
+class ErrorBody(BaseModel):
+    """Every error response: a stable `code`, a message for people, and the offending field's path."""
+
+    model_config = ConfigDict(frozen=True)
+
+    code: str = Field(description="Stable machine-readable code, e.g. not_found, invalid_input, wrong_state")
+    message: str
+    field: str | None = Field(description="Dotted path of the offending input, e.g. subtasks.1.message")
+
+
+class CreateTaskBody(BaseModel):
+    """POST /v1/tasks. New optional fields (e.g. `budget_usd`) slot in as defaults, keeping old bodies valid."""
+
+    model_config = _INPUT
+
+    prompt: str = Field(min_length=1, description="The task's text")
+    todos: TodoUpdate | None = None
+    profile: str | None = Field(default=None, description="A configured model profile; the default when omitted")
+    run: StrictBool = Field(
+        default=False,
+        description="true: start the task as an agent on the fleet; false: the caller owns it and delegates",
+    )
+
+
+class DelegateBody(BaseModel):
+    """POST /v1/tasks/{task_id}/subtasks."""
+
+    model_config = _INPUT
+
+    mode: DelegationMode = Field(default="parallel", description="parallel (a chord) or sequential (a chain)")
+    # SubtaskSpec is the domain's own spec, so a field added there (budget_usd) reaches the API unchanged.
+    subtasks: list[SubtaskSpec] = Field(min_length=1)
+
+
+class TodosBody(BaseModel):
+    """PUT /v1/tasks/{task_id}/todos: replaces the list; links and figures of existing items survive."""
+
+    model_config = _INPUT
+
+    todos: TodoUpdate
+
+
+class DelegationResult(BaseModel):
+    """The committed delegation: its batch and the children's ids in dispatch order."""
+
+    model_config = ConfigDict(frozen=True)
+
+    batch_id: str
+    parent_id: str
+    mode: DelegationMode
+    child_ids: list[str]
+
+
+class TodoList(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    task_id: str
+    todos: list[TodoItem]
+
+
+class MessageList(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    task_id: str
+    kind: Literal["ui", "api"]
+    messages: list[dict[str, Any]]
+
+
+class HistoryPage(BaseModel):
+    """A page of the history, newest first; pass `next_cursor` back as `cursor` for the next one."""
+
+    model_config = ConfigDict(frozen=True)
+
+    items: list[HistoryItem]
+    next_cursor: int | None
+
+
+class RedisHealth(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    ok: bool
+    latency_ms: float | None = None
+    error: str | None = None
+
+
+class WorkersHealth(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    count: int
+    names: list[str]
+    error: str | None = None
+
+
+class Health(BaseModel):
+    """`ok`: Redis answers and workers replied; `degraded`: Redis answers, no worker replied; `down`: no Redis."""
+
+    model_config = ConfigDict(frozen=True)
+
+    status: Literal["ok", "degraded", "down"]
+    redis: RedisHealth
+    workers: WorkersHealth
+

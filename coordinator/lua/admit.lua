@@ -1,0 +1,36 @@
+-- Admission control: may this task's run start now? At most N children of one parent
+-- and M tasks of one tree run at once; the rest wait in order, holding no worker.
+-- KEYS[1] the tree's running set   KEYS[2] the parent's running-children set
+-- KEYS[3] the tree's admission list   KEYS[4] the tree's last-start time
+-- ARGV[1] task id   ARGV[2] per-parent limit (0: none)   ARGV[3] per-tree limit (0: none)
+-- ARGV[4] stagger ms (0: none)   ARGV[5] now ms   ARGV[6] retention seconds
+-- Returns {'run', 0}, {'wait', 0} (queued in the admission list), or {'delay', ms}.
+local id = ARGV[1]
+if redis.call('SISMEMBER', KEYS[1], id) == 1 then
+  return {'run', 0}  -- admitted already (a redelivery, or a start from the admission list)
+end
+local per_parent, per_tree = tonumber(ARGV[2]), tonumber(ARGV[3])
+local full = (per_parent > 0 and redis.call('SCARD', KEYS[2]) >= per_parent)
+  or (per_tree > 0 and redis.call('SCARD', KEYS[1]) >= per_tree)
+if full then
+  if redis.call('LPOS', KEYS[3], id) == false then
+    redis.call('RPUSH', KEYS[3], id)
+    redis.call('EXPIRE', KEYS[3], ARGV[6])
+  end
+  return {'wait', 0}
+end
+local stagger = tonumber(ARGV[4])
+if stagger > 0 then
+  local last = tonumber(redis.call('GET', KEYS[4]) or '0')
+  local now = tonumber(ARGV[5])
+  if now - last < stagger then
+    redis.call('SET', KEYS[4], last + stagger, 'EX', ARGV[6])  -- reserve the next start
+    return {'delay', last + stagger - now}
+  end
+  redis.call('SET', KEYS[4], now, 'EX', ARGV[6])
+end
+redis.call('SADD', KEYS[1], id)
+redis.call('SADD', KEYS[2], id)
+redis.call('EXPIRE', KEYS[1], ARGV[6])
+redis.call('EXPIRE', KEYS[2], ARGV[6])
+return {'run', 0}

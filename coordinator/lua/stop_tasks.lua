@@ -1,0 +1,30 @@
+-- Stop tasks that have not ended, all at once: a cancel of a subtree, or a subtree
+-- whose budget ran out. A task that had ended keeps its outcome.
+-- KEYS[1] tree events stream   KEYS[2] tree live hash   KEYS[3..] task hashes (the
+-- subtree's top first)
+-- ARGV[1] status of the top   ARGV[2] status of the rest   ARGV[3] error of the top
+-- ARGV[4] error of the rest   ARGV[5] error class of the top   ARGV[6] error class of the rest
+-- ARGV[7] now   ARGV[8] retention seconds   ARGV[9] events max length
+-- Returns the ids of the tasks stopped now.
+local stopped = {}
+for i = 3, #KEYS do
+  local key = KEYS[i]
+  local status = redis.call('HGET', key, 'status')
+  if status and status ~= 'completed' and status ~= 'failed' and status ~= 'cancelled' then
+    local top = (i == 3)
+    local new_status = top and ARGV[1] or ARGV[2]
+    redis.call('HSET', key, 'status', new_status, 'error', top and ARGV[3] or ARGV[4],
+      'error_class', top and ARGV[5] or ARGV[6], 'updated_at', ARGV[7], 'finished_at', ARGV[7])
+    redis.call('EXPIRE', key, ARGV[8])
+    local id = redis.call('HGET', key, 'id')
+    local raw = redis.call('HGET', KEYS[2], id)
+    local live = raw and cjson.decode(raw) or {task_id = id}
+    live['state'] = new_status
+    live['ts'] = tonumber(ARGV[7])
+    redis.call('HSET', KEYS[2], id, cjson.encode(live))
+    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[9], '*', 'type', 'task_status', 'task_id', id,
+      'status', new_status)
+    stopped[#stopped + 1] = id
+  end
+end
+return stopped

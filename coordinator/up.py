@@ -1,0 +1,326 @@
+"""`subq up`: the whole local stack in one command, stopped cleanly by Ctrl-C or SIGTERM.
+
+Starts, in this order, and stops in the reverse order:
+1. an embedded Redis when no `SUBQ_REDIS_URL` is given (`local_redis`);
+2. N `celery worker` processes (`WorkerFleet`);
+3. the HTTP API (`subq api`: uvicorn serving `coordinator.api:create_app`);
+4. Flower with basic auth (`celery -A workers.app flower`).
+Every process runs in its own process group, so stopping a group ends the
+process and anything it started. It then prints the URLs, the credentials it
+generated and the `export` line a second terminal needs, and waits.
+
+The builders of the API and Flower commands are shared with `subq api` and
+`subq flower`, which run one part on its own machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from urllib.parse import urlsplit, urlunsplit
+
+from coordinator.errors import ConfigError, FleetError, ValidationError
+from coordinator.fleet import WorkerFleet, settings_env
+from coordinator.local_redis import local_redis
+from coordinator.settings import Settings
+
+__all__ = [
+    "API_MODULE",
+    "UpOptions",
+    "api_available",
+    "flower_argv",
+    "flower_basic_auth",
+    "run_up",
+]
+
+API_MODULE = "coordinator.api"
+DEFAULT_HOST = "127.0.0.1"  # local only unless asked: the stack prints its credentials
+DEFAULT_API_PORT = 8000
+DEFAULT_FLOWER_PORT = 5555
+DEFAULT_FLOWER_USER = "subq"
+# 144 bits from the OS's CSPRNG, URL-safe, so it survives a shell and Flower's parsing.
+SECRET_BYTES = 18
+# uvicorn and Flower listen within seconds; importing the worker app on a loaded
+# 2-core machine can take most of a minute.
+SERVICE_START_TIMEOUT_S = 90.0
+# A graceful stop (uvicorn drains, Flower closes its event consumer); then the group is killed.
+SERVICE_STOP_TIMEOUT_S = 10.0
+# How often the waiting stack checks that every process it started is still alive.
+WATCH_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    workers: int = 2
+    host: str = DEFAULT_HOST
+    api_port: int = DEFAULT_API_PORT
+    flower_port: int = DEFAULT_FLOWER_PORT
+    api: bool = True
+    log_dir: Path | None = None
+
+
+class Stop(BaseException):
+    """A SIGINT or SIGTERM asked the stack to stop (BaseException: no `except Exception` swallows it)."""
+
+
+def api_available() -> bool:
+    return importlib.util.find_spec(API_MODULE) is not None
+
+
+def api_argv(host: str, port: int) -> list[str]:
+    """`subq api` as a subprocess: it builds the app from the same settings (create_app(settings))."""
+    return [sys.executable, "-m", "coordinator", "api", "--host", host, "--port", str(port)]
+
+
+def flower_argv(host: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "celery", "-A", "workers.app", "flower", f"--address={host}", f"--port={port}"]
+
+
+def flower_basic_auth(user: str, password: str) -> str:
+    """Flower's `user:password`, checked: Flower splits its env option on ',' and the pair on ':'."""
+    if not user or ":" in user or "," in user:
+        raise ValidationError("Flower user must be non-empty, without ':' or ','", field="user")
+    if not password or "," in password:
+        raise ValidationError("Flower password must be non-empty, without ','", field="password")
+    return f"{user}:{password}"
+
+
+def flower_env(settings: Settings, basic_auth: str | None) -> dict[str, str]:
+    """The environment of a Flower process.
+
+    The credentials travel in FLOWER_BASIC_AUTH (an option Flower reads from its
+    environment), not on the command line, where any local user could read them.
+    """
+    env = settings_env(settings)
+    if basic_auth is not None:
+        env["FLOWER_BASIC_AUTH"] = basic_auth
+    return env
+
+
+class Service:
+    """One long-running process in its own process group, with its output in a log file."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.name, self.log = name, log
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_listening(self, host: str, port: int, timeout_s: float = SERVICE_START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise FleetError(f"{self.name} exited at start (code {self.proc.returncode}):\n{tail(self.log)}")
+            try:
+                with socket.create_connection((host, port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        raise FleetError(f"{self.name} did not listen on {host}:{port} within {timeout_s:g}s:\n{tail(self.log)}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=SERVICE_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass
+        # The group may outlive its leader (a child it started): end it in any case.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def __enter__(self) -> Service:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class _Signals:
+    """SIGINT/SIGTERM handling that never interrupts a process start.
+
+    A signal raises `Stop` at once only while the stack is waiting; while a
+    process is being started it is recorded and raised right after, once that
+    process is registered for cleanup, so no process can be left behind. During
+    the cleanup itself further signals are recorded and ignored.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.interruptible = False
+
+    def handle(self, signum: int, _frame: FrameType | None) -> None:
+        self.received = self.received or signum
+        if self.interruptible:
+            self.interruptible = False
+            raise Stop(signal.Signals(signum).name)
+
+    def check(self) -> None:
+        if self.received is not None:
+            raise Stop(signal.Signals(self.received).name)
+
+    @contextmanager
+    def interruptible_section(self) -> Iterator[None]:
+        self.check()
+        self.interruptible = True
+        try:
+            yield
+        finally:
+            self.interruptible = False
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            self.interruptible = False
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def run_up(settings: Settings, options: UpOptions, say: Callable[[str], None]) -> int:
+    """Run the stack until SIGINT/SIGTERM (0) or until a process of it dies (1)."""
+    _check_options(settings, options)
+    signals = _Signals()
+    with signals.installed():
+        try:
+            with ExitStack() as stack:
+                return _serve(settings, options, say, signals, stack)
+        except Stop as stop:
+            say(f"subq up: {stop} received; everything it started is stopped.")
+            return 0
+
+
+def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], signals: _Signals,
+           stack: ExitStack) -> int:  # fmt: skip
+    host = options.host
+    local = host if host not in ("0.0.0.0", "::", "") else DEFAULT_HOST
+    embedded = not settings.redis_url
+    if embedded:
+        url = stack.enter_context(local_redis())
+        settings = settings.model_copy(update={"redis_url": url})
+    signals.check()
+    if options.log_dir is not None:
+        log_dir = options.log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="subq-up-")))
+    fleet = stack.enter_context(WorkerFleet(settings, options.workers, log_dir))
+    signals.check()
+    token = settings.api_token.get_secret_value() if settings.api_token else secrets.token_urlsafe(SECRET_BYTES)
+    api: Service | None = None
+    if options.api:
+        api_env = settings_env(settings) | {"SUBQ_API_TOKEN": token}
+        api = stack.enter_context(Service("the API", api_argv(host, options.api_port), api_env, log_dir / "api.log"))
+        signals.check()
+    password = secrets.token_urlsafe(SECRET_BYTES)
+    auth = flower_basic_auth(DEFAULT_FLOWER_USER, password)
+    flower = stack.enter_context(
+        Service("Flower", flower_argv(host, options.flower_port), flower_env(settings, auth), log_dir / "flower.log")
+    )
+    with signals.interruptible_section():
+        fleet.wait_ready()
+        if api is not None:
+            api.wait_listening(local, options.api_port)
+        flower.wait_listening(local, options.flower_port)
+    redis_url = settings.require_redis_url()
+    lines = [
+        f"subq is up: {options.workers} workers on queue {settings.queue!r}, key prefix {settings.key_prefix!r}.",
+        f"  Redis    {_without_password(redis_url)}"
+        + ("  (embedded; its data goes when subq up stops)" if embedded else "  (SUBQ_REDIS_URL)"),
+    ]
+    if api is not None:
+        auth_note = "auth disabled by SUBQ_API_AUTH_DISABLED" if settings.api_auth_disabled else f"token: {token}"
+        lines.append(f"  API      http://{local}:{options.api_port}  ({auth_note})")
+    lines += [
+        f"  Flower   http://{local}:{options.flower_port}  (user: {DEFAULT_FLOWER_USER}, password: {password})",
+        f"  Logs     {log_dir}" + ("" if options.log_dir else "  (removed when subq up stops)"),
+        "",
+        "In another terminal:",
+        f"  export {_export_line(settings, token if api is not None else None)}",
+        '  subq run "Plan and write the Q3 report" --follow',
+        "",
+        "Press Ctrl-C to stop everything.",
+    ]
+    for line in lines:
+        say(line)
+    with signals.interruptible_section():
+        while True:
+            time.sleep(WATCH_INTERVAL_S)
+            dead = _first_dead(fleet, [s for s in (api, flower) if s is not None])
+            if dead:
+                say(f"subq up: {dead}; stopping everything.")
+                return 1
+
+
+def _check_options(settings: Settings, options: UpOptions) -> None:
+    """Refuse, before anything starts, what would make a part fail later."""
+    if options.api and not api_available():
+        raise ConfigError(f"The HTTP API is not installed (no module {API_MODULE}); pass --no-api to start without it")
+    ports = {"--flower-port": options.flower_port}
+    if options.api:
+        if options.api_port == options.flower_port:
+            raise ValidationError("--api-port and --flower-port must differ", field="api_port")
+        ports["--api-port"] = options.api_port
+    for option, port in ports.items():
+        if not port_free(options.host, port):
+            raise ValidationError(f"Port {port} on {options.host} is in use; choose another with {option}", field=option)
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and Tornado bind
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _first_dead(fleet: WorkerFleet, services: list[Service]) -> str | None:
+    for index, proc in enumerate(fleet.procs):
+        if proc.poll() is not None:
+            return f"worker {index} exited (code {proc.returncode}); its log: {fleet.logs[index]}"
+    for service in services:
+        if service.proc.poll() is not None:
+            return f"{service.name} exited (code {service.proc.returncode}):\n{tail(service.log)}"
+    return None
+
+
+def _export_line(settings: Settings, token: str | None) -> str:
+    """What a second terminal needs to reach this stack: the URL, the token, any non-default names."""
+    pairs = {"SUBQ_REDIS_URL": settings.require_redis_url()}
+    if token is not None:
+        pairs["SUBQ_API_TOKEN"] = token
+    defaults = Settings.model_fields
+    for name in ("key_prefix", "queue"):
+        if getattr(settings, name) != defaults[name].default:
+            pairs[f"SUBQ_{name.upper()}"] = getattr(settings, name)
+    return " ".join(f"{k}={v}" for k, v in pairs.items())
+
+
+def _without_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def tail(log: Path, chars: int = 2000) -> str:
+    return log.read_text(errors="replace")[-chars:] if log.exists() else "(no log)"

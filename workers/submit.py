@@ -1,0 +1,168 @@
+"""`subq.submit`: start a run from any Celery producer that knows only the task name.
+
+    send_task("subq.submit", kwargs={"prompt": ..., "todos"?, "profile"?, "run"?,
+                                     "subtasks"?, "mode"?}, queue=<SUBQ_QUEUE>)
+
+The contract (kwargs, result, error codes) is docs/celery-contract.md. The task
+is thin: `submit()` below is a plain function over the same `Coordinator` the
+API and the CLI use, so a bad submission gets the same error (code, message,
+field) there as anywhere else. It returns the error as its JSON result instead
+of raising: a producer in another language reads one JSON shape either way, and
+a bad submission writes nothing and publishes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from celery.worker.request import Request
+
+from coordinator import todos as todo_lists
+from coordinator.errors import StateError, SubqError, ValidationError
+from coordinator.service import Coordinator
+from workers.app import app, settings
+from workers.runtime.context import get_runtime
+
+__all__ = ["FIELDS", "SUBMIT", "SubmitRequest", "describe_kwargs", "submit", "submit_task"]
+
+log = logging.getLogger(__name__)
+
+SUBMIT = "subq.submit"
+FIELDS = ("prompt", "todos", "profile", "run", "subtasks", "mode")
+MODES = ("parallel", "sequential")
+# Flower shows kwargsrepr; a profile name is short, anything longer is not a name.
+PROFILE_REPR_CHARS = 40
+
+
+def submit(coord: Coordinator, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate a submission and start it; `{"task_id", "batch_id"?}` or `{"error": {...}}`."""
+    try:
+        return _submit(coord, args, kwargs)
+    except SubqError as exc:
+        return error_result(exc)
+
+
+def error_result(exc: SubqError, **extra: str) -> dict[str, Any]:
+    return {"error": {"code": exc.code, "message": exc.message, "field": exc.field}, **extra}
+
+
+def _submit(coord: Coordinator, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    if args:
+        raise ValidationError(
+            f"subq.submit takes keyword arguments only (kwargs={{...}}), got {len(args)} positional", field="args"
+        )
+    unknown = sorted(str(k) for k in kwargs if k not in FIELDS)
+    if unknown:
+        raise ValidationError(
+            f"Unknown field {unknown[0]!r} (subq.submit takes {', '.join(FIELDS)})", field=unknown[0]
+        )
+    if "prompt" not in kwargs:
+        raise ValidationError("prompt is required", field="prompt")
+    prompt, todos, profile = kwargs["prompt"], kwargs.get("todos"), kwargs.get("profile")
+    run, subtasks, mode = kwargs.get("run", True), kwargs.get("subtasks"), kwargs.get("mode")
+    if profile is not None and not isinstance(profile, str):
+        raise ValidationError("profile must be a profile name (a string)", field="profile")
+    if not isinstance(run, bool):
+        raise ValidationError("run must be true or false", field="run")
+    if subtasks is None:
+        if mode is not None:
+            raise ValidationError("mode applies only together with subtasks", field="mode")
+        return {"task_id": coord.create_task(prompt, todos=todos, profile=profile, run=run).id}
+    if run:
+        raise ValidationError(
+            "subtasks need run=false: the caller owns a parent it delegates to "
+            "(an agent root, run=true, plans its own subtasks)",
+            field="run",
+        )
+    mode = MODES[0] if mode is None else mode
+    _check_delegation(coord, todos, subtasks, mode)
+    parent = coord.create_task(prompt, todos=todos, profile=profile, run=False)
+    try:
+        batch = coord.delegate(parent.id, subtasks, mode)
+    except SubqError as exc:
+        # Everything was checked above, so only Redis or the broker can fail here. The
+        # parent exists now: end it visibly rather than leave a root waiting for nothing.
+        log.error("subq.submit: delegation of %s failed after it was created: %s", parent.id, exc)
+        coord.store.finish_task(parent.id, "failed", error=str(exc), error_class=type(exc).__name__)
+        return error_result(_renamed(exc), task_id=parent.id)
+    return {"task_id": parent.id, "batch_id": batch.id}
+
+
+def _check_delegation(coord: Coordinator, todos: Any, subtasks: Any, mode: Any) -> None:
+    """Every check `Coordinator.delegate` makes, before the parent exists (nothing is written).
+
+    The specs go through the Coordinator's own spec check, so a bad spec gets the
+    same message as from the API; only the field path is renamed to `subtasks.N`.
+    """
+    if mode not in MODES:
+        raise ValidationError(f"mode must be 'parallel' or 'sequential', not {mode!r}", field="mode")
+    try:
+        # The Coordinator's own check (private today; see the report: a public
+        # `check_specs` would make this a plain call).
+        specs = coord._check_specs(subtasks)
+        if coord.settings.max_depth < 1:
+            raise StateError(
+                f"SUBQ_MAX_DEPTH={coord.settings.max_depth} allows no subtasks of a root", field="subtasks"
+            )
+        items = todo_lists.parse_update(todos) if todos is not None else []
+        # Linking is pure: run it on throwaway child ids to refuse an unknown or
+        # repeated todo_id now, not after the parent was written.
+        todo_lists.link_children(items, [(f"check-{n}", s.todo_id, s.description) for n, s in enumerate(specs)])
+    except SubqError as exc:
+        raise _renamed(exc) from None
+
+
+def _renamed(exc: SubqError) -> SubqError:
+    """The Coordinator names delegation fields `specs.N...`; in this contract they are `subtasks.N...`."""
+    if not exc.field or not exc.field.startswith("specs"):
+        return exc
+    field = "subtasks" + exc.field.removeprefix("specs")
+    message = exc.message.replace(exc.field, field, 1) if exc.field in exc.message else exc.message
+    if message.startswith("specs "):
+        message = "subtasks " + message.removeprefix("specs ")
+    return type(exc)(message, field=field)
+
+
+def describe_kwargs(kwargs: Mapping[str, Any]) -> str:
+    """A submission as Flower may show it: sizes and names, never the prompt or a message."""
+    parts = []
+    for name, value in kwargs.items():
+        if name == "prompt":
+            parts.append(f"prompt=<{len(value)} chars>" if isinstance(value, str) else f"prompt=<{type(value).__name__}>")
+        elif name == "todos":
+            lines = value.count("\n") + 1 if isinstance(value, str) else len(value) if isinstance(value, list) else 0
+            parts.append(f"todos=<{lines} items>")
+        elif name == "subtasks":
+            parts.append(f"subtasks=<{len(value) if isinstance(value, list) else '?'}>")
+        elif name in ("profile", "run", "mode"):
+            parts.append(f"{name}={str(value)[:PROFILE_REPR_CHARS]!r}")
+        else:
+            parts.append(f"{str(name)[:PROFILE_REPR_CHARS]}=<unknown field>")
+    return " ".join(parts)
+
+
+class SubmitRequest(Request):  # type: ignore[misc]  # Celery ships no type hints
+    """The worker-side request of `subq.submit`, with a safe argsrepr and kwargsrepr.
+
+    Flower shows what the worker reports in its `task-received` event, which is the
+    producer's `argsrepr`/`kwargsrepr` header. A producer that does not set them
+    (any non-Python client, or Python's default `repr(kwargs)`) would put the whole
+    prompt there, so the worker replaces both before the event is sent.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._argsrepr = f"<{len(self.args)} positional arguments: refused>" if self.args else ""
+        self._kwargsrepr = describe_kwargs(self.kwargs if isinstance(self.kwargs, dict) else {})
+
+
+def _run_submit(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    return submit(get_runtime(settings, app).coordinator, args, kwargs)
+
+
+# Registered by a call rather than as a decorator: Celery's decorator is untyped,
+# which mypy --strict refuses on a decorated function. Not retried: a submission is
+# not idempotent (a second delivery would start a second root).
+submit_task = app.task(name=SUBMIT, Request=SubmitRequest)(_run_submit)
