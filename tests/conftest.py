@@ -45,6 +45,8 @@ def settings(redis_url: str) -> Settings:
         worker_concurrency=WORKER_THREADS,
         task_time_limit_s=60,
         visibility_timeout_s=120,
+        # Transient model errors are retried in tests without real waits.
+        model_retry_base_s=0.05,
     )
 
 
