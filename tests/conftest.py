@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import redis
@@ -55,6 +57,21 @@ def workers(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Ite
     with WorkerFleet(settings, WORKER_PROCESSES, tmp_path_factory.mktemp("workers")) as fleet:
         fleet.wait_ready()
         yield fleet
+
+
+@contextmanager
+def dedicated_fleet(
+    settings: Settings, log_dir: Path, processes: int, **updates: object
+) -> Iterator[tuple[Coordinator, WorkerFleet]]:
+    """Worker processes with settings of their own (a queue of their own, limits, timeouts)."""
+    own = settings.model_copy(update=updates)
+    with WorkerFleet(own, processes, log_dir) as fleet:
+        fleet.wait_ready()
+        coord = Coordinator(own)
+        try:
+            yield coord, fleet
+        finally:
+            coord.close()
 
 
 @pytest.fixture

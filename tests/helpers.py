@@ -24,7 +24,19 @@ def usage_step(
     }
 
 
-def state(coord: Coordinator) -> tuple[dict[str, object], int]:
-    """Every subq key with its value, and the length of the coordinator's Celery queue."""
+def state(coord: Coordinator, *roots: str) -> tuple[dict[str, object], int]:
+    """subq's keys with their values, and the length of the coordinator's Celery queue.
+
+    With `roots`, only those trees' keys (and the root and approval indexes): trees of
+    earlier tests may still be settling in the background (a stopped run writes its
+    last UI message as it unwinds), and must not count as a change made here.
+    Counters every delegation bumps (history index, numbering, metrics) are left out.
+    """
+    prefix = coord.settings.key_prefix
+    volatile = (f"{prefix}:tasks", f"{prefix}:task-number", f"{prefix}:metrics:", f"{prefix}:rate:")
+    keys = {k: v for k, v in coord.store.snapshot().items() if not k.startswith(volatile)}
+    if roots:
+        shared = (f"{prefix}:roots", f"{prefix}:approvals")
+        keys = {k: v for k, v in keys.items() if k in shared or any(f"{{{r}}}" in k for r in roots)}
     client: redis.Redis = coord.client
-    return coord.store.snapshot(), int(client.llen(coord.settings.queue))
+    return keys, int(client.llen(coord.settings.queue))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from coordinator import Coordinator, Settings, TaskStatus, TodoStatus
-from coordinator.fleet import WorkerFleet
+from tests.conftest import dedicated_fleet
 from coordinator.models import TaskRecord
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, agent, call, calls, reply, subtask, tree_root
 from workers.runtime.tools import NEW_TASK_NOT_LAST
@@ -25,12 +25,11 @@ WAIT_S = 90
 @pytest.fixture(scope="module")
 def solo(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
     """One worker process with one slot: a parent that held its slot while waiting would deadlock."""
-    solo_settings = settings.model_copy(update={"queue": "subq-solo", "worker_concurrency": 1})
-    with WorkerFleet(solo_settings, 1, tmp_path_factory.mktemp("solo")) as fleet:
-        fleet.wait_ready()
-        coord = Coordinator(solo_settings)
+    with dedicated_fleet(settings, tmp_path_factory.mktemp("solo"), 1, queue="subq-solo", worker_concurrency=1) as (
+        coord,
+        _,
+    ):
         yield coord
-        coord.close()
 
 
 def _subtree(coord: Coordinator, task_id: str) -> list[TaskRecord]:

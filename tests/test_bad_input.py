@@ -31,6 +31,8 @@ from coordinator import (
 from tests.helpers import script, state, usage_step
 
 ROOT = Path(__file__).resolve().parent.parent
+# A root id no test uses: state(coord, NO_TREE) compares only the root and approval indexes.
+NO_TREE = "0000000000000000"
 
 
 def _ok(n: int = 0, **extra: Any) -> dict[str, Any]:
@@ -43,13 +45,15 @@ def _assert_refused(
     error: type[SubqError],
     message: str,
     field: str | None,
+    *roots: str,
 ) -> None:
-    before = state(coord)
+    """The call raises `error` naming `field`; the trees `roots` (and the root index) are unchanged."""
+    before = state(coord, *roots or (NO_TREE,))
     with pytest.raises(error) as caught:
         call()
     assert message in str(caught.value)
     assert caught.value.field == field
-    assert state(coord) == before, "a refused call changed Redis or published a message"
+    assert state(coord, *roots or (NO_TREE,)) == before, "a refused call changed Redis or published"
 
 
 @pytest.fixture
@@ -81,7 +85,7 @@ def test_parent_not_active(idle_coordinator: Coordinator, parent: Any) -> None:
         lambda: idle_coordinator.delegate(parent.id, [_ok(1)]),
         StateError,
         f"Task {parent.id} is delegated, not active",
-        "parent_id",
+        "parent_id", parent.id,
     )
 
 
@@ -91,7 +95,7 @@ def test_unknown_todo_id(idle_coordinator: Coordinator, parent: Any) -> None:
         lambda: idle_coordinator.delegate(parent.id, [_ok(0), _ok(1, todo_id="nope")]),
         TodoError,
         "Unknown todo_id 'nope'",
-        "specs.1.todo_id",
+        "specs.1.todo_id", parent.id,
     )
 
 
@@ -102,13 +106,13 @@ def test_same_todo_id_twice(idle_coordinator: Coordinator, parent: Any) -> None:
         lambda: idle_coordinator.delegate(parent.id, [_ok(0, todo_id=todo), _ok(1, todo_id=todo)]),
         TodoError,
         f"todo_id '{todo}' is used by two subtasks",
-        "specs.1.todo_id",
+        "specs.1.todo_id", parent.id,
     )
 
 
 def test_empty_spec_list(idle_coordinator: Coordinator, parent: Any) -> None:
     _assert_refused(
-        idle_coordinator, lambda: idle_coordinator.delegate(parent.id, []), ValidationError, "specs is empty", "specs"
+        idle_coordinator, lambda: idle_coordinator.delegate(parent.id, []), ValidationError, "specs is empty", "specs", parent.id,
     )
 
 
@@ -119,7 +123,7 @@ def test_width_over_the_limit(idle_coordinator: Coordinator, parent: Any) -> Non
         lambda: idle_coordinator.delegate(parent.id, [_ok(n) for n in range(limit + 1)]),
         ValidationError,
         f"{limit + 1} subtasks exceed SUBQ_MAX_FANOUT={limit}",
-        "specs",
+        "specs", parent.id,
     )
 
 
@@ -130,7 +134,7 @@ def test_empty_message(idle_coordinator: Coordinator, parent: Any, message: str)
         lambda: idle_coordinator.delegate(parent.id, [_ok(0), {"description": "x", "message": message}]),
         ValidationError,
         "specs.1.message: String should have at least 1 character",
-        "specs.1.message",
+        "specs.1.message", parent.id,
     )
 
 
@@ -140,14 +144,14 @@ def test_unknown_field_and_missing_description(idle_coordinator: Coordinator, pa
         lambda: idle_coordinator.delegate(parent.id, [_ok(0, colour="red")]),
         ValidationError,
         "specs.0.colour: Extra inputs are not permitted",
-        "specs.0.colour",
+        "specs.0.colour", parent.id,
     )
     _assert_refused(
         idle_coordinator,
         lambda: idle_coordinator.delegate(parent.id, [{"message": "hi"}]),
         ValidationError,
         "specs.0.description: Field required",
-        "specs.0.description",
+        "specs.0.description", parent.id,
     )
 
 
@@ -157,12 +161,12 @@ def test_unknown_profile(idle_coordinator: Coordinator, parent: Any) -> None:
         lambda: idle_coordinator.delegate(parent.id, [_ok(0, profile="gpt-9")]),
         ProfileError,
         "Invalid profile: gpt-9",
-        "specs.0.profile",
+        "specs.0.profile", parent.id,
     )
-    before = state(idle_coordinator)
+    before = state(idle_coordinator, NO_TREE)
     with pytest.raises(ProfileError, match="Invalid profile: gpt-9"):
         idle_coordinator.create_task("x", profile="gpt-9")
-    assert state(idle_coordinator) == before
+    assert state(idle_coordinator, NO_TREE) == before
 
 
 def test_bad_mode(idle_coordinator: Coordinator, parent: Any) -> None:
@@ -171,7 +175,7 @@ def test_bad_mode(idle_coordinator: Coordinator, parent: Any) -> None:
         lambda: idle_coordinator.delegate(parent.id, [_ok()], mode="sideways"),
         ValidationError,
         "mode must be 'parallel' or 'sequential', not 'sideways'",
-        "mode",
+        "mode", parent.id,
     )
 
 
@@ -183,7 +187,7 @@ def test_depth_limit(idle_coordinator: Coordinator) -> None:
         lambda: shallow.delegate(root.id, [_ok()]),
         StateError,
         "SUBQ_MAX_DEPTH=0 allows no deeper subtasks",
-        "parent_id",
+        "parent_id", root.id,
     )
 
 
@@ -200,7 +204,7 @@ def test_bad_todo_update_keeps_the_list(
     idle_coordinator: Coordinator, parent: Any, update: Any, message: str, field: str
 ) -> None:
     old = idle_coordinator.get_todos(parent.id)
-    _assert_refused(idle_coordinator, lambda: idle_coordinator.update_todos(parent.id, update), TodoError, message, field)
+    _assert_refused(idle_coordinator, lambda: idle_coordinator.update_todos(parent.id, update), TodoError, message, field, parent.id)
     assert idle_coordinator.get_todos(parent.id) == old
 
 

@@ -13,9 +13,10 @@ import pytest
 
 from coordinator import Coordinator, NotFoundError, Settings, StateError, TaskStatus, ValidationError
 from coordinator.celery_app import make_app
-from coordinator.fleet import WorkerFleet
+from tests.conftest import dedicated_fleet
 from tests.agents import STEP_COST_MICROS, USAGE, agent, call, reply
 from tests.helpers import state
+from tests.test_bad_input import NO_TREE
 from workers.runtime.context import build_runtime
 from workers.runtime.runner import run_child
 
@@ -119,12 +120,12 @@ def test_cancel_bad_input_changes_nothing(idle_coordinator: Coordinator) -> None
         (lambda: coord.cancel(coord.create_task("q").id, "  "), ValidationError, "reason must be a non-empty", "reason"),
     ]
     for call_, error, message, field in cases:
-        before = state(coord)
+        before = state(coord, parent.id)
         with pytest.raises(error) as caught:
             call_()
         assert message in str(caught.value) and getattr(caught.value, "field", None) == field
         if error is not ValidationError:  # (the last case creates its own task first)
-            assert state(coord) == before
+            assert state(coord, parent.id) == before
 
 
 def test_a_budget_stops_the_tree_within_one_request(coordinator: Coordinator) -> None:
@@ -168,22 +169,22 @@ def test_a_child_budget_stops_only_that_child_and_its_parent_hears_why(coordinat
 
 @pytest.mark.parametrize("budget", [0, -1, "abc", "nan", True, 0.0000001])
 def test_a_bad_budget_is_refused(idle_coordinator: Coordinator, budget: object) -> None:
-    before = state(idle_coordinator)
+    before = state(idle_coordinator, NO_TREE)
     with pytest.raises(ValidationError) as caught:
         idle_coordinator.create_task("x", budget_usd=budget)  # type: ignore[arg-type]
     assert caught.value.field == "budget_usd"
     assert "budget_usd must be" in str(caught.value)
-    assert state(idle_coordinator) == before
+    assert state(idle_coordinator, NO_TREE) == before, "no root was created"
 
 
 def test_a_child_budget_cannot_exceed_what_remains(idle_coordinator: Coordinator) -> None:
     parent = idle_coordinator.create_task("p", budget_usd=0.05)
-    before = state(idle_coordinator)
+    before = state(idle_coordinator, parent.id)
     with pytest.raises(ValidationError) as caught:
         idle_coordinator.delegate(parent.id, [{"description": "c", "message": "m", "budget_usd": 0.06}])
     assert caught.value.field == "specs.0.budget_usd"
     assert "$0.060000 exceeds what remains of the parent's budget ($0.050000)" in str(caught.value)
-    assert state(idle_coordinator) == before
+    assert state(idle_coordinator, parent.id) == before
 
 
 def _wait_for_approval(coord: Coordinator, root_id: str) -> str:
@@ -252,6 +253,7 @@ def test_an_unanswered_approval_times_out_as_a_denial(idle_coordinator: Coordina
 
 def test_approval_bad_input_changes_nothing(idle_coordinator: Coordinator) -> None:
     coord = idle_coordinator
+    mine = coord.create_task("a tree of this test")
     bad: list[tuple[Callable[[], object], type[Exception], str, str]] = [
         (lambda: coord.decide("0123456789abcdef-a0123456789ab", "approve"), NotFoundError, "Unknown approval", "approval_id"),
         (lambda: coord.decide("garbage", "approve"), NotFoundError, "is not a subq", "id"),
@@ -260,11 +262,11 @@ def test_approval_bad_input_changes_nothing(idle_coordinator: Coordinator) -> No
         (lambda: coord.snapshot("0123456789abcdef"), NotFoundError, "Unknown task", "task_id"),
     ]  # fmt: skip
     for call_, error, message, field in bad:
-        before = state(coord)
+        before = state(coord, mine.id)
         with pytest.raises(error) as caught:
             call_()
         assert message in str(caught.value) and getattr(caught.value, "field", None) == field
-        assert state(coord) == before
+        assert state(coord, mine.id) == before
 
 
 def test_transient_model_errors_are_retried_and_counted(coordinator: Coordinator) -> None:
@@ -320,12 +322,9 @@ def test_snapshot_refuses_a_non_root(idle_coordinator: Coordinator) -> None:
 @pytest.fixture(scope="module")
 def limited(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
     """A fleet with 32 slots whose admission control lets 5 children of one parent run at once."""
-    limits = settings.model_copy(update={"queue": "subq-limited", "max_running_per_parent": 5})
-    with WorkerFleet(limits, 2, tmp_path_factory.mktemp("limited")) as fleet:
-        fleet.wait_ready()
-        coord = Coordinator(limits)
+    log_dir = tmp_path_factory.mktemp("limited")
+    with dedicated_fleet(settings, log_dir, 2, queue="subq-limited", max_running_per_parent=5) as (coord, _):
         yield coord
-        coord.close()
 
 
 def test_a_per_parent_limit_holds_under_a_fan_out_of_twenty(limited: Coordinator) -> None:

@@ -19,6 +19,7 @@ from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, Tool
 from coordinator import Coordinator, CorruptError, Settings, TaskStatus
 from coordinator.celery_app import make_app
 from coordinator.fleet import WorkerFleet
+from tests.conftest import dedicated_fleet
 from tests.agents import STEP_COST_MICROS, USAGE, agent, call, reply
 from workers.runtime.context import build_runtime
 from workers.runtime.runner import INTERRUPTED, run_child
@@ -32,21 +33,18 @@ VISIBILITY_S = 6
 @pytest.fixture(scope="module")
 def fragile(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Coordinator, WorkerFleet]]:
     assert settings.redis_url
-    fast = settings.model_copy(
-        update={
-            "redis_url": settings.redis_url.rsplit("/", 1)[0] + "/1",
-            "queue": "subq-kill",
-            "task_time_limit_s": TIME_LIMIT_S,
-            "visibility_timeout_s": VISIBILITY_S,
-            "restore_interval_s": 1,
-            "worker_concurrency": 4,
-        }
-    )
-    with WorkerFleet(fast, 2, tmp_path_factory.mktemp("fragile")) as fleet:
-        fleet.wait_ready()
-        coord = Coordinator(fast)
-        yield coord, fleet
-        coord.close()
+    with dedicated_fleet(
+        settings,
+        tmp_path_factory.mktemp("fragile"),
+        2,
+        redis_url=settings.redis_url.rsplit("/", 1)[0] + "/1",
+        queue="subq-kill",
+        task_time_limit_s=TIME_LIMIT_S,
+        visibility_timeout_s=VISIBILITY_S,
+        restore_interval_s=1,
+        worker_concurrency=4,
+    ) as fleet_and_coord:
+        yield fleet_and_coord
 
 
 def _worker_running(fleet: WorkerFleet, celery_task_id: str) -> int:

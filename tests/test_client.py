@@ -1,0 +1,282 @@
+"""The Python client, sync and async, against a real API server (real uvicorn, Redis, workers).
+
+The same flow runs through `SubqClient` and `AsyncSubqClient`, and every error
+response must come back as the SubqError subclass of its code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from coordinator import (
+    Coordinator,
+    NotFoundError,
+    ProfileError,
+    Settings,
+    StateError,
+    SubqError,
+    SubtaskSpec,
+    TaskRecord,
+    TaskStatus,
+    TodoError,
+    TodoStatus,
+    ValidationError,
+    WaitTimeout,
+)
+from coordinator.api import create_app
+from coordinator.client import ApiError, AsyncSubqClient, AuthError, Event, SubqClient
+from coordinator.fleet import WorkerFleet
+from tests.helpers import script, state, usage_step
+from tests.test_api import TOKEN, ApiServer, api_settings, closed_port, spec
+
+ONE_STEP_TOKENS = 13_500
+ONE_STEP_COST_MICROS = 21_000
+WAIT_S = 60
+
+
+@pytest.fixture(scope="module")
+def idle(settings: Settings) -> Iterator[Coordinator]:
+    coord = Coordinator(api_settings(settings, key_prefix="subqclient", queue="subq-client-idle"))
+    yield coord
+    for key in [*coord.client.scan_iter("subqclient:*"), "subq-client-idle"]:
+        coord.client.delete(key)
+    coord.close()
+
+
+@pytest.fixture(scope="module")
+def idle_url(idle: Coordinator) -> Iterator[str]:
+    with ApiServer(create_app(coordinator=idle)) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def live_url(settings: Settings, workers: WorkerFleet) -> Iterator[str]:
+    coord = Coordinator(api_settings(settings))
+    with ApiServer(create_app(coordinator=coord)) as server:
+        yield server.url
+    coord.close()
+
+
+@pytest.fixture(scope="module")
+def subq(idle_url: str) -> Iterator[SubqClient]:
+    with SubqClient(idle_url, token=TOKEN) as client:
+        yield client
+
+
+@pytest.fixture
+def parent(idle: Coordinator) -> TaskRecord:
+    return idle.create_task("A parent", todos="[ ] one\n[ ] two")
+
+
+def _check_flow_result(
+    done: TaskRecord, todos: list[Any], child_ids: list[str], parent_id: str
+) -> None:
+    assert done.id == parent_id and done.status == TaskStatus.ACTIVE
+    for n, item in enumerate(todos[:3]):
+        assert item.subtask_id == child_ids[n]
+        assert (item.tokens, item.cost_micros, item.status) == (ONE_STEP_TOKENS, ONE_STEP_COST_MICROS, TodoStatus.COMPLETED)
+    assert done.total_cost_micros == 3 * ONE_STEP_COST_MICROS
+
+
+def test_sync_client_happy_path(live_url: str) -> None:
+    with SubqClient(live_url, token=TOKEN) as subq:
+        parent = subq.create_task("Plan and delegate", todos="[ ] T1\n[ ] T2\n[ ] T3\n[ ] T4")
+        assert isinstance(parent, TaskRecord) and parent.runner == "caller"
+        items = subq.get_todos(parent.id)
+        specs: list[Any] = [
+            SubtaskSpec(description="child 0", message=script(usage_step()), todo_id=items[0].id),
+            spec(1, todo_id=items[1].id),
+            spec(2, todo_id=items[2].id),
+        ]
+        batch = subq.delegate(parent.id, specs)
+        assert batch.parent_id == parent.id and len(batch.child_ids) == 3
+
+        done = subq.wait(parent.id, timeout_s=WAIT_S)
+
+        todos = subq.get_todos(parent.id)
+        _check_flow_result(done, todos, batch.child_ids, parent.id)
+        assert subq.get_task(parent.id) == done
+        tree = subq.tree(parent.id)
+        assert [c.id for c in tree.children] == batch.child_ids
+        assert all(c.status == TaskStatus.COMPLETED for c in tree.children)
+        assert any(m.get("say") == "subtask_result" for m in subq.messages(parent.id))
+        assert subq.messages(batch.child_ids[0], kind="api")[0]["kind"] == "request"
+        page, cursor = subq.list_tasks(root_id=parent.id, status="completed", limit=2)
+        rest, end = subq.list_tasks(root_id=parent.id, status=TaskStatus.COMPLETED, limit=2, cursor=cursor or 0)
+        assert {i.id for i in [*page, *rest]} == set(batch.child_ids) and end is None
+        # The rewrite keeps each linked item's figures.
+        kept = subq.update_todos(parent.id, "[x] T1\n[x] T2\n[x] T3\n[-] T4")
+        assert [(t.subtask_id, t.cost_micros) for t in kept[:3]] == [(c, ONE_STEP_COST_MICROS) for c in batch.child_ids]
+        assert kept[3].status == TodoStatus.IN_PROGRESS
+        events = list(subq.events(parent.id))
+        assert [e.data["type"] for e in events[:1]] == ["delegated"]
+        # As in a browser's EventSource, an event without its own id keeps the last one seen.
+        assert events[-1] == Event(id=events[-2].id, event="end", data={"task_id": parent.id, "status": "active"})
+        resumed = list(subq.events(parent.id, last_event_id=events[-1].id))
+        assert [e.event for e in resumed] == ["end"]
+        health = subq.health()
+        assert health.status == "ok" and health.workers.count >= 4
+
+
+def test_async_client_happy_path(live_url: str) -> None:
+    async def flow() -> None:
+        async with AsyncSubqClient(live_url, token=TOKEN) as subq:
+            parent = await subq.create_task("Plan and delegate", todos=[{"content": f"T{n}"} for n in range(1, 5)])
+            items = await subq.get_todos(parent.id)
+            batch = await subq.delegate(parent.id, [spec(n, todo_id=items[n].id) for n in range(3)], mode="parallel")
+            seen = [event async for event in subq.events(parent.id)]  # ends when the parent settles
+            assert seen[-1].event == "end" and seen[-1].data["status"] == "active"
+            assert sum(e.data.get("type") == "child_applied" for e in seen) == 3
+            done = await subq.wait(parent.id, timeout_s=WAIT_S)
+            _check_flow_result(done, await subq.get_todos(parent.id), batch.child_ids, parent.id)
+            tree = await subq.tree(parent.id)
+            assert tree.total_cost_micros == 3 * ONE_STEP_COST_MICROS
+            page, _ = await subq.list_tasks(root_id=parent.id)
+            assert {i.id for i in page} == {parent.id, *batch.child_ids}
+            assert await subq.messages(parent.id)
+            updated = await subq.update_todos(parent.id, [{"content": "T1", "status": "completed"}])
+            assert updated[0].subtask_id == batch.child_ids[0]
+            assert (await subq.health()).status == "ok"
+
+    asyncio.run(flow())
+
+
+# -- errors, mapped back into the SubqError tree -----------------------------------------------
+
+
+def test_errors_map_to_their_classes(idle: Coordinator, subq: SubqClient, parent: TaskRecord) -> None:
+    before = state(idle)
+    with pytest.raises(NotFoundError, match="Unknown task: 0123456789abcdef") as unknown:
+        subq.get_task("0123456789abcdef")
+    assert unknown.value.field == "task_id"
+    for malformed in ("not-an-id", "a/b", "x?y=1", "../tasks"):
+        with pytest.raises(NotFoundError):
+            subq.get_todos(malformed)
+    with pytest.raises(ProfileError, match="Invalid profile: gpt-9") as profile:
+        subq.delegate(parent.id, [spec(0), spec(1, profile="gpt-9")])
+    assert profile.value.field == "subtasks.1.profile"
+    with pytest.raises(TodoError) as todo:
+        subq.update_todos(parent.id, [{"content": "ok"}, {"content": " "}])
+    assert todo.value.field == "todos.1.content"
+    with pytest.raises(ValidationError) as empty:
+        subq.delegate(parent.id, [])
+    assert (type(empty.value), empty.value.field) == (ValidationError, "subtasks")
+    with pytest.raises(ValidationError) as limit:
+        subq.list_tasks(limit=0)
+    assert limit.value.field == "limit"
+    with pytest.raises(ApiError) as too_big:
+        subq.create_task("x" * (idle.settings.api_max_body_bytes + 1))
+    assert (too_big.value.code, too_big.value.status_code) == ("body_too_large", 413)
+    assert state(idle) == before, "refused calls changed nothing"
+
+    idle.delegate(parent.id, [spec()])
+    with pytest.raises(StateError, match="is delegated, not active") as wrong_state:
+        subq.delegate(parent.id, [spec(1)])
+    assert wrong_state.value.field == "task_id"
+
+
+def test_wait_times_out_and_checks_its_argument(idle: Coordinator, subq: SubqClient, parent: TaskRecord) -> None:
+    idle.delegate(parent.id, [spec()])  # nobody runs the child
+    with pytest.raises(WaitTimeout, match=f"Task {parent.id} is still delegated after 0.3s"):
+        subq.wait(parent.id, timeout_s=0.3)
+    with pytest.raises(ValidationError) as negative:
+        subq.wait(parent.id, timeout_s=-1)
+    assert negative.value.field == "timeout_s"
+    assert subq.wait(idle.create_task("settled").id, timeout_s=0).status == TaskStatus.ACTIVE
+
+
+def test_auth_and_transport_errors(idle_url: str) -> None:
+    for token in (None, "wrong"):
+        with SubqClient(idle_url, token=token) as anonymous, pytest.raises(AuthError) as denied:
+            anonymous.list_tasks()
+        assert (denied.value.code, denied.value.status_code, denied.value.field) == ("unauthorized", 401, "Authorization")
+        assert isinstance(denied.value, SubqError)
+    with SubqClient(f"http://127.0.0.1:{closed_port()}", token=TOKEN) as nowhere, pytest.raises(ApiError) as down:
+        nowhere.get_task("0123456789abcdef")
+    assert down.value.code == "api_unreachable" and down.value.status_code is None
+
+
+def test_async_errors_map_to_their_classes(idle: Coordinator, idle_url: str, parent: TaskRecord) -> None:
+    idle.delegate(parent.id, [spec()])
+
+    async def calls() -> None:
+        async with AsyncSubqClient(idle_url, token=TOKEN) as subq:
+            with pytest.raises(NotFoundError):
+                await subq.get_task("not-an-id")
+            with pytest.raises(StateError):
+                await subq.delegate(parent.id, [spec(1)])
+            with pytest.raises(WaitTimeout):
+                await subq.wait(parent.id, timeout_s=0.2)
+            with pytest.raises(NotFoundError):
+                [e async for e in subq.events("0123456789abcdef")]
+        async with AsyncSubqClient(idle_url, token="wrong") as denied:
+            with pytest.raises(AuthError):
+                await denied.tree(parent.id)
+        async with AsyncSubqClient(f"http://127.0.0.1:{closed_port()}") as nowhere:
+            with pytest.raises(ApiError, match="unreachable"):
+                await nowhere.health()
+
+    asyncio.run(calls())
+
+
+def test_events_raise_for_unknown_tasks(subq: SubqClient) -> None:
+    with pytest.raises(NotFoundError):
+        next(subq.events("0123456789abcdef"))
+
+
+# -- what the client makes of answers it did not expect (a fake server) --------------------------
+
+
+def _fake(status: int, body: Any = None, content: bytes | None = None) -> SubqClient:
+    def answer(request: httpx.Request) -> httpx.Response:
+        if content is not None:
+            return httpx.Response(status, content=content)
+        return httpx.Response(status, json=body)
+
+    return SubqClient("http://subq.test", token=TOKEN, transport=httpx.MockTransport(answer))
+
+
+def test_unknown_codes_and_bad_answers_are_api_errors() -> None:
+    with pytest.raises(ApiError) as unknown:
+        _fake(418, {"code": "teapot", "message": "I am one", "field": "kettle"}).get_task("0123456789abcdef")
+    assert (unknown.value.code, unknown.value.message, unknown.value.field, unknown.value.status_code) == (
+        "teapot", "I am one", "kettle", 418,
+    )  # fmt: skip
+    with pytest.raises(ApiError) as not_json:
+        _fake(502, content=b"<html>Bad Gateway</html>").get_task("0123456789abcdef")
+    assert (not_json.value.code, not_json.value.status_code) == ("bad_response", 502)
+    assert "Bad Gateway" in not_json.value.message
+    with pytest.raises(ApiError) as wrong_shape:
+        _fake(200, {"id": "x"}).get_task("0123456789abcdef")
+    assert wrong_shape.value.code == "bad_response"
+    with pytest.raises(StateError):  # a known code maps to its class whatever the status
+        _fake(409, {"code": "wrong_state", "message": "busy", "field": None}).get_todos("0123456789abcdef")
+
+
+def test_health_of_a_server_whose_redis_is_down_is_a_value() -> None:
+    down = {
+        "status": "down",
+        "redis": {"ok": False, "error": "Redis is unreachable"},
+        "workers": {"count": 0, "names": []},
+    }
+    health = _fake(503, down).health()
+    assert (health.status, health.redis.ok) == ("down", False)
+
+
+def test_requests_carry_the_token_and_encode_ids() -> None:
+    seen: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(404, json={"code": "not_found", "message": "Unknown", "field": "task_id"})
+
+    with SubqClient("http://subq.test/", token=TOKEN, transport=httpx.MockTransport(answer)) as subq:
+        with pytest.raises(NotFoundError):
+            subq.get_todos("a/b?c")
+    assert seen[0].headers["authorization"] == f"Bearer {TOKEN}"
+    assert seen[0].url.raw_path == b"/v1/tasks/a%2Fb%3Fc/todos"

@@ -1,0 +1,149 @@
+"""`subq.submit` from a plain Celery client that knows only the task name (docs/celery-contract.md).
+
+The client below is `Celery(broker=url, backend=url)`: no subq import, no subq
+settings, only the task name, the queue and JSON kwargs, as a producer in any
+language would send them. The test workers run the task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from coordinator import Coordinator, Settings, TaskStatus, TodoStatus
+from tests.agents import STEP_COST_MICROS, STEP_TOKENS, agent, call, reply, subtask
+from tests.helpers import script, usage_step
+from workers.submit import describe_kwargs
+
+RESULT_TIMEOUT_S = 30
+RUN_TIMEOUT_S = 90
+
+
+@pytest.fixture(scope="module")
+def producer(settings: Settings) -> Iterator[Celery]:
+    client = Celery("any-producer", broker=settings.redis_url, backend=settings.redis_url)
+    yield client
+    client.close()
+
+
+def send(producer: Celery, settings: Settings, *args: Any, **kwargs: Any) -> Any:
+    result = producer.send_task("subq.submit", args=list(args), kwargs=kwargs, queue=settings.queue)
+    try:
+        return result.get(timeout=RESULT_TIMEOUT_S)
+    finally:
+        result.forget()
+
+
+def test_an_agent_run_started_by_name_completes_with_its_figures(
+    producer: Celery, settings: Settings, coordinator: Coordinator
+) -> None:
+    root = agent(
+        call("run_subagents", tasks=[subtask("A", reply("A done")), subtask("B", reply("B done"))]),
+        call("attempt_completion", result="both done"),
+    )
+    result = send(producer, settings, prompt=root, todos="[ ] A\n[ ] B", profile="offline")
+
+    assert set(result) == {"task_id"}
+    done = coordinator.wait(result["task_id"], RUN_TIMEOUT_S)
+    assert done.status == TaskStatus.COMPLETED, done.error
+    assert done.runner == "agent" and done.summary == "both done"
+    items = coordinator.get_todos(done.id)
+    assert [(i.content, i.status, i.tokens, i.cost_micros) for i in items] == [
+        ("A", TodoStatus.COMPLETED, STEP_TOKENS, STEP_COST_MICROS),
+        ("B", TodoStatus.COMPLETED, STEP_TOKENS, STEP_COST_MICROS),
+    ]
+    # The root's two requests plus one per child, each counted once.
+    assert (done.total_tokens, done.total_cost_micros) == (4 * STEP_TOKENS, 4 * STEP_COST_MICROS)
+
+
+def test_subtasks_under_a_caller_owned_parent_are_delegated_and_written_back(
+    producer: Celery, settings: Settings, coordinator: Coordinator
+) -> None:
+    subtasks = [
+        {"description": "Collect", "message": script(usage_step())},
+        {"description": "Summarise", "message": script(usage_step())},
+    ]
+    result = send(
+        producer, settings, prompt="Q3 report", todos="[ ] Collect\n[ ] Summarise", run=False,
+        subtasks=subtasks, mode="sequential",
+    )  # fmt: skip
+
+    assert set(result) == {"task_id", "batch_id"}
+    parent = coordinator.wait(result["task_id"], RUN_TIMEOUT_S)
+    assert parent.status == TaskStatus.ACTIVE and parent.runner == "caller"
+    batch = coordinator.get_batch(result["batch_id"])
+    assert (batch.mode, batch.status, batch.parent_id) == ("sequential", "done", parent.id)
+    items = coordinator.get_todos(parent.id)
+    assert [i.subtask_id for i in items] == batch.child_ids
+    assert all(i.status == TodoStatus.COMPLETED and i.cost_micros == STEP_COST_MICROS for i in items)
+    assert parent.total_tokens == 2 * STEP_TOKENS
+
+
+def _spec(**extra: Any) -> dict[str, Any]:
+    return {"description": "child", "message": script(usage_step()), **extra}
+
+
+BAD_SUBMISSIONS: list[tuple[str, tuple[Any, ...], dict[str, Any], str, str, str]] = [
+    # (case, args, kwargs, code, field, message)
+    ("positional", ("a prompt",), {}, "invalid_input", "args", "keyword arguments only"),
+    ("no prompt", (), {"todos": "[ ] a"}, "invalid_input", "prompt", "prompt is required"),
+    ("empty prompt", (), {"prompt": "  "}, "invalid_input", "prompt", "prompt must be a non-empty string"),
+    ("prompt not text", (), {"prompt": 42}, "invalid_input", "prompt", "prompt must be a non-empty string"),
+    ("unknown field", (), {"prompt": "p", "budget": 5}, "invalid_input", "budget", "Unknown field 'budget'"),
+    ("run not bool", (), {"prompt": "p", "run": "yes"}, "invalid_input", "run", "run must be true or false"),
+    ("profile unknown", (), {"prompt": "p", "profile": "nope"}, "invalid_profile", "profile", "Invalid profile: nope"),
+    ("profile not text", (), {"prompt": "p", "profile": ["x"]}, "invalid_input", "profile", "profile must be"),
+    ("todos without items", (), {"prompt": "p", "todos": "no checkbox"}, "invalid_todos", "todos", "has no items"),
+    ("todos not a list", (), {"prompt": "p", "todos": 7}, "invalid_todos", "todos", "markdown text or a list"),
+    ("mode alone", (), {"prompt": "p", "mode": "parallel"}, "invalid_input", "mode", "only together with subtasks"),
+    ("subtasks with run", (), {"prompt": "p", "subtasks": [_spec()]}, "invalid_input", "run", "subtasks need run=false"),
+    ("bad mode", (), {"prompt": "p", "run": False, "subtasks": [_spec()], "mode": "diagonal"},
+     "invalid_input", "mode", "mode must be 'parallel' or 'sequential'"),
+    ("subtasks empty", (), {"prompt": "p", "run": False, "subtasks": []},
+     "invalid_input", "subtasks", "subtasks is empty"),
+    ("subtasks not a list", (), {"prompt": "p", "run": False, "subtasks": "do it"},
+     "invalid_input", "subtasks", "subtasks must be a list"),
+    ("spec without message", (), {"prompt": "p", "run": False, "subtasks": [_spec(), {"description": "d"}]},
+     "invalid_input", "subtasks.1.message", "subtasks.1.message: Field required"),
+    ("spec unknown key", (), {"prompt": "p", "run": False, "subtasks": [_spec(prompt="x")]},
+     "invalid_input", "subtasks.0.prompt", "subtasks.0.prompt"),
+    ("spec profile", (), {"prompt": "p", "run": False, "subtasks": [_spec(profile="nope")]},
+     "invalid_profile", "subtasks.0.profile", "Invalid profile: nope"),
+    ("unknown todo_id", (), {"prompt": "p", "run": False, "todos": "[ ] a", "subtasks": [_spec(todo_id="zzz")]},
+     "invalid_todos", "subtasks.0.todo_id", "Unknown todo_id 'zzz'"),
+    ("bad todos with subtasks", (), {"prompt": "p", "run": False, "todos": "nothing", "subtasks": [_spec()]},
+     "invalid_todos", "todos", "has no items"),
+    ("bad prompt with subtasks", (), {"prompt": "", "run": False, "subtasks": [_spec()]},
+     "invalid_input", "prompt", "prompt must be a non-empty string"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "code", "field", "message"),
+    [case[1:] for case in BAD_SUBMISSIONS],
+    ids=[case[0] for case in BAD_SUBMISSIONS],
+)
+def test_bad_submissions_return_an_error_and_change_nothing(
+    producer: Celery, settings: Settings, coordinator: Coordinator,
+    args: tuple[Any, ...], kwargs: dict[str, Any], code: str, field: str, message: str,
+) -> None:  # fmt: skip
+    before = coordinator.store.snapshot()
+    result = send(producer, settings, *args, **kwargs)
+    assert set(result) == {"error"}, result
+    assert (result["error"]["code"], result["error"]["field"]) == (code, field), result
+    assert message in result["error"]["message"]
+    assert coordinator.store.snapshot() == before, "a refused submission changed Redis"
+
+
+def test_flower_sees_sizes_of_a_submission_never_its_text() -> None:
+    shown = describe_kwargs(
+        {"prompt": "SECRET plan", "todos": "[ ] a\n[ ] b", "run": False, "subtasks": [{"message": "SECRET"}],
+         "mode": "parallel", "profile": "offline", "extra": "SECRET"}
+    )  # fmt: skip
+    assert "SECRET" not in shown
+    assert shown == (
+        "prompt=<11 chars> todos=<2 items> run=False subtasks=<1> mode='parallel' profile='offline' extra=<unknown field>"
+    )
