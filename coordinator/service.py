@@ -353,10 +353,8 @@ class Coordinator:
         self.app.control.revoke(stopped)  # queued ones never start (the persisted status covers restarts)
         records = self.store.get_records(stopped)
         for approval_id in self.store.pending_approval_ids():
-            if any(approval_id.startswith(r.root_id) for r in records[:1]):
-                approval = self.store.get_approval(approval_id)
-                if approval.task_id in stopped:
-                    self.store.decide(approval_id, "expired", "the task was stopped")
+            if approval_id.startswith(top.root_id) and self.store.get_approval(approval_id).task_id in stopped:
+                self.store.decide(approval_id, "expired", "the task was stopped")
         # Close every batch a stopped task waited on, deepest first, then the top's own
         # place in its parent's batch, so each parent hears what had finished.
         for record in reversed(records):
