@@ -10,7 +10,7 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 |                                       |        | subtree totals, summary, error, timestamps         |          |
 | `<p>:{root}:children:<id>`            | list   | child ids in creation order                        | retention |
 | `<p>:{root}:awaiting:<id>`            | set    | children the task still waits on (in flight)       | deleted when empty |
-| `<p>:{root}:todos:<id>`               | string | the todo list as a JSON array of items             | retention |
+| `<p>:{root}:todos:<id>`               | hash   | item id -> item JSON, and `order`: the ids in order | retention |
 | `<p>:{root}:ui:<id>`                  | list   | UI messages, one JSON object each                  | retention |
 | `<p>:{root}:conversation:<id>`        | list   | the model conversation, one message JSON an entry  | retention |
 | `<p>:{root}:usage-applied:<id>`       | set    | request keys whose usage is already recorded       | retention |

@@ -154,8 +154,7 @@ class Store:
         """The stored list; with `live`, linked items carry their child's current subtree figures."""
         self.task_fields(task_id)
         root = root_of(task_id)
-        raw = cast(str | None, self.client.get(self.keys.todos(root, task_id)))
-        items = todo_lists.from_json(raw) if raw else []
+        items = todo_lists.from_hash(_str_map(self.client.hgetall(self.keys.todos(root, task_id))))
         linked = [i for i in items if i.subtask_id]
         if not live or not linked:
             return items
@@ -294,7 +293,7 @@ class Store:
         with self.client.pipeline(transaction=True) as pipe:
             pipe.hset(task_key, mapping={**fields, "todos_version": 0})
             pipe.expire(task_key, self.retention_s)
-            pipe.set(todos_key, todo_lists.to_json(todos), ex=self.retention_s)
+            self._write_todos(pipe, todos_key, todos)
             pipe.zadd(self.keys.tree_tasks(root), {record.id: record.created_at})
             pipe.expire(self.keys.tree_tasks(root), self.retention_s)
             pipe.execute()
@@ -326,7 +325,7 @@ class Store:
             record, old = self._read_watched(pipe, task_id)
             new = change(record, old)
             pipe.multi()
-            pipe.set(todos_key, todo_lists.to_json(new), ex=self.retention_s)
+            self._write_todos(pipe, todos_key, new)
             pipe.hincrby(task_key, "todos_version", 1)
             pipe.hset(task_key, "updated_at", time.time())
             pipe.execute()
@@ -372,7 +371,7 @@ class Store:
             pipe.expire(k.batch(root, batch.id), self.retention_s)
             pipe.hset(parent_key, mapping={"status": "delegated", "waiting_batch_id": batch.id, "updated_at": now})
             pipe.hincrby(parent_key, "todos_version", 1)
-            pipe.set(todos_key, todo_lists.to_json(new_todos), ex=self.retention_s)
+            self._write_todos(pipe, todos_key, new_todos)
             pipe.xadd(
                 k.events(root),
                 {"type": "delegated", "task_id": parent_id, "batch_id": batch.id, "children": len(ids)},
@@ -738,9 +737,15 @@ class Store:
             raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
         child_ids = _strs(pipe.lrange(self.keys.children(root, task_id), 0, -1))
         awaiting = set(_strs(pipe.smembers(self.keys.awaiting(root, task_id))))
-        todos_raw = cast(str | None, pipe.get(self.keys.todos(root, task_id)))
+        todos_raw = _str_map(pipe.hgetall(self.keys.todos(root, task_id)))
         record = _decode_record(raw, child_ids, [c for c in child_ids if c in awaiting])
-        return record, todo_lists.from_json(todos_raw) if todos_raw else []
+        return record, todo_lists.from_hash(todos_raw)
+
+    def _write_todos(self, pipe: Pipeline, key: str, items: Sequence[TodoItem]) -> None:
+        """Queue the replacement of a todo list (in the caller's transaction)."""
+        pipe.delete(key)
+        pipe.hset(key, mapping=cast(HashFields, todo_lists.to_hash(items)))
+        pipe.expire(key, self.retention_s)
 
 
 def _decode_record(raw: dict[str, str], child_ids: list[str], awaiting_ids: list[str]) -> TaskRecord:

@@ -120,15 +120,23 @@ def test_corrupt_entries_read_as_clear_errors(idle_coordinator: Coordinator) -> 
     coord = idle_coordinator
     task = coord.create_task("p", todos="[ ] a")
     keys = coord.store.keys
-    coord.client.set(keys.todos(task.root_id, task.id), "{not json")
-    with pytest.raises(CorruptError, match="todo"):
+    coord.client.hset(keys.todos(task.root_id, task.id), "order", "{not json")
+    with pytest.raises(CorruptError, match="The stored todo list has no readable order"):
+        coord.get_todos(task.id)
+    coord.client.hset(keys.todos(task.root_id, task.id), "order", '["missing-id"]')
+    with pytest.raises(CorruptError, match="lacks item missing-id"):
         coord.get_todos(task.id)
     coord.client.rpush(keys.ui_messages(task.root_id, task.id), "{broken")
     with pytest.raises(CorruptError, match=f"UI message 0 of task {task.id} is corrupt"):
         coord.messages(task.id)
     coord.client.hset(keys.task(task.root_id, task.id), "status", "weird")
-    with pytest.raises(CorruptError, match=f"Task record {task.id} is corrupt"):
-        coord.get_task(task.id)
+    try:
+        with pytest.raises(CorruptError, match=f"Task record {task.id} is corrupt"):
+            coord.get_task(task.id)
+    finally:  # a corrupt record left behind would (rightly) break other tests' history listings
+        coord.client.delete(*[key for key in coord.store.snapshot() if f"{{{task.root_id}}}" in key])
+        coord.client.zrem(keys.all_tasks(), task.id)
+        coord.client.zrem(keys.roots(), task.id)
 
 
 def test_unknown_ids_and_unreachable_redis(idle_coordinator: Coordinator, settings: Settings) -> None:

@@ -1,8 +1,8 @@
 -- Write finished children back onto their parent, each exactly once (the batch's
--- applied-set makes a redelivered or duplicated callback change nothing). The
--- parent's todo list is decoded and encoded once per call, not once per child, so a
+-- applied-set makes a redelivered or duplicated callback change nothing). Only the
+-- items concerned are read and written (the list is a hash of item id -> JSON), so a
 -- wide fan-out stays linear.
--- KEYS[1] parent hash   KEYS[2] parent todos (JSON array)   KEYS[3] batch applied-set
+-- KEYS[1] parent hash   KEYS[2] parent todos (hash: item id -> JSON, order -> ids)   KEYS[3] batch applied-set
 -- KEYS[4] parent awaiting set   KEYS[5] tree events stream   KEYS[6..] child hashes
 -- ARGV[1] now   ARGV[2] retention seconds   ARGV[3] events max length
 -- ARGV[4..] child ids, in the order of KEYS[6..]
@@ -33,25 +33,54 @@ if #applied == 0 then
 end
 redis.call('EXPIRE', KEYS[3], ARGV[2])
 
-local raw = redis.call('GET', KEYS[2])
-if raw then
-  local items = cjson.decode(raw)
-  local changed = false
-  for _, item in ipairs(items) do
-    local got = figures[item['subtask_id']]
-    if got then
+-- The item a child serves: the one its record names, if it is still linked to the
+-- child; else (the list was rewritten since) the item that carries the child's link.
+local function item_of(child_id, child_key)
+  local todo_id = redis.call('HGET', child_key, 'todo_id')
+  if todo_id and todo_id ~= '' then
+    local raw = redis.call('HGET', KEYS[2], todo_id)
+    if raw then
+      local item = cjson.decode(raw)
+      if item['subtask_id'] == child_id then
+        return todo_id, item
+      end
+    end
+  end
+  local order = redis.call('HGET', KEYS[2], 'order')
+  if order then
+    for _, id in ipairs(cjson.decode(order)) do
+      local raw = redis.call('HGET', KEYS[2], id)
+      if raw then
+        local item = cjson.decode(raw)
+        if item['subtask_id'] == child_id then
+          return id, item
+        end
+      end
+    end
+  end
+  return nil, nil
+end
+
+local changed = false
+for i = 4, #ARGV do
+  local child_id = ARGV[i]
+  local got = figures[child_id]
+  if got then
+    local id, item = item_of(child_id, KEYS[i + 2])
+    if id then
       item['tokens'] = got.tokens
       item['cost_micros'] = got.cost
       if got.status == 'completed' then
         item['status'] = 'completed'
       end
+      redis.call('HSET', KEYS[2], id, cjson.encode(item))
       changed = true
     end
   end
-  if changed then
-    redis.call('SET', KEYS[2], cjson.encode(items), 'EX', ARGV[2])
-    redis.call('HINCRBY', KEYS[1], 'todos_version', 1)
-  end
+end
+if changed then
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
+  redis.call('HINCRBY', KEYS[1], 'todos_version', 1)
 end
 
 local parent_id = redis.call('HGET', KEYS[1], 'id')
