@@ -345,3 +345,16 @@ def test_a_per_parent_limit_holds_under_a_fan_out_of_twenty(limited: Coordinator
     todos = limited.get_todos(parent.id)
     assert all(t.cost_micros == STEP_COST_MICROS for t in todos)
     assert limited.store.in_flight(parent.id) == {"running": 0, "admission": 0, "awaiting": 0, "leases": 0}
+
+
+def test_cancelling_a_throttled_fan_out_leaves_nothing_in_flight(limited: Coordinator) -> None:
+    parent = limited.create_task("Twenty slow children")
+    batch = limited.delegate(
+        parent.id, [{"description": f"c{n}", "message": _slow("never", latency_ms=5000)} for n in range(20)]
+    )
+    _until(lambda: limited.store.in_flight(parent.id)["admission"] > 0, what="children queued for a slot")
+    limited.cancel(parent.id, "too many")
+    empty = {"running": 0, "admission": 0, "awaiting": 0, "leases": 0}
+    _until(lambda: limited.store.in_flight(parent.id) == empty, timeout_s=10, what="the in-flight state to empty")
+    assert all(limited.get_task(c).status == TaskStatus.CANCELLED for c in batch.child_ids)
+    assert sum(limited.get_task(c).requests for c in batch.child_ids) == 0

@@ -109,7 +109,10 @@ def run_child(rt: Runtime, task_id: str, progress: Progress | None = None) -> Su
         log.error("subq.run_task for an unknown task %r: %s", task_id, exc)
         return SubtaskResult(child_id=task_id, status="failed", error=str(exc), error_class="NotFoundError")
     if record.status.terminal:
-        return writeback.result_of(record)  # redelivered, duplicated, or stopped before it started
+        # Redelivered, duplicated, or stopped before it started (it may have been given a
+        # run slot from the admission list meanwhile: free it for the next one).
+        _release_slot(rt, record)
+        return writeback.result_of(record)
     if record.status == TaskStatus.DELEGATED:
         _publish_delegation(rt, record)
         return writeback.result_of(record)
