@@ -24,7 +24,7 @@ from kombu.exceptions import OperationalError
 from coordinator import up as stack
 from coordinator.errors import ConfigError, SubqError, ValidationError
 from coordinator.fleet import settings_env
-from coordinator.models import MICROS_PER_USD, TaskRecord, TaskStatus, format_usd
+from coordinator.models import MICROS_PER_USD, LiveState, TaskStatus, format_usd
 from coordinator.service import Coordinator
 from coordinator.settings import Settings, load_settings
 from coordinator.tree import TreeNode, build_tree
@@ -48,8 +48,8 @@ MARKS = {"pending": "[ ]", "in_progress": "[-]", "completed": "[x]"}
 DESCRIPTION_CHARS = 48
 TODO_CHARS = 40
 HISTORY_TASK_CHARS = 50
-# A live view redraws on every event of the tree and at least this often
-# (per-request usage is not an event, so it is polled).
+# A live view redraws on every event of the tree's stream and at least this often:
+# a safety net, so an event trimmed from the capped stream cannot freeze the view.
 FOLLOW_POLL_MS = 1000
 
 
@@ -59,7 +59,9 @@ def shared_options(
     redis_url: Annotated[
         str | None, typer.Option(help="Redis for broker, results and state (default: $SUBQ_REDIS_URL).")
     ] = None,
-    key_prefix: Annotated[str | None, typer.Option(help="Prefix of subq's Redis keys (default: $SUBQ_KEY_PREFIX).")] = None,
+    key_prefix: Annotated[
+        str | None, typer.Option(help="Prefix of subq's Redis keys (default: $SUBQ_KEY_PREFIX).")
+    ] = None,
     queue: Annotated[str | None, typer.Option(help="Celery queue of subq's tasks (default: $SUBQ_QUEUE).")] = None,
 ) -> None:
     """Options shared by every command; each falls back to its SUBQ_ variable."""
@@ -111,7 +113,9 @@ def up(
 @app.command()
 def worker(
     ctx: typer.Context,
-    concurrency: Annotated[int | None, typer.Option(min=1, help="Threads per process (default SUBQ_WORKER_CONCURRENCY).")] = None,
+    concurrency: Annotated[
+        int | None, typer.Option(min=1, help="Threads per process (default SUBQ_WORKER_CONCURRENCY).")
+    ] = None,
     loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
 ) -> None:
     """Run a worker on this machine (the same as `celery -A workers.app worker`)."""
@@ -146,7 +150,9 @@ def flower(
     password: Annotated[
         str | None, typer.Option(envvar="SUBQ_FLOWER_PASSWORD", help="Basic-auth password (required unless --no-auth).")
     ] = None,
-    no_auth: Annotated[bool, typer.Option("--no-auth", help="Run Flower without a login (anyone who reaches the port can revoke tasks).")] = False,
+    no_auth: Annotated[
+        bool, typer.Option("--no-auth", help="Run Flower without a login (anyone who reaches it can revoke tasks).")
+    ] = False,
 ) -> None:
     """Run Flower, Celery's monitor, with basic auth (it refuses to start open unless --no-auth)."""
     settings = _settings(ctx)
@@ -185,16 +191,19 @@ def run(
     ctx: typer.Context,
     prompt: Annotated[str, typer.Argument(help="What the root agent should do.")],
     todos: Annotated[
-        Path | None, typer.Option(help="A file with the root's todo list: '[ ] item' lines or a JSON list; '-' reads stdin.")
+        Path | None,
+        typer.Option(help="A file with the root's todo list: '[ ] item' lines or a JSON list; '-' reads stdin."),
     ] = None,
     profile: Annotated[str | None, typer.Option(help="Model profile (default: SUBQ_DEFAULT_PROFILE).")] = None,
-    follow: Annotated[bool, typer.Option("--follow", help="Show the tree live until the run ends; exit 1 unless it completed.")] = False,
+    follow: Annotated[
+        bool, typer.Option("--follow", help="Show the tree live until the run ends; exit 1 unless it completed.")
+    ] = False,
 ) -> None:
     """Start a root agent on the fleet and print its id.
 
     The agent plans with its todo list, delegates to subagents and completes.
-    (A --budget option arrives with budgets.)
     """
+    # Room for `--budget USD`: it arrives with budgets, as create_task(..., budget_usd=...).
     todo_text = _read_todos(todos) if todos is not None else None
     with _coordinator(ctx) as coord:
         record = coord.create_task(prompt, todos=todo_text, profile=profile, run=True)
@@ -212,21 +221,26 @@ def _read_todos(path: Path) -> str:
 
 
 def follow_run(coord: Coordinator, root_id: str) -> int:
-    """A live view of the tree until the root ends; 0 if it completed, else 1."""
-    live = sys.stdout.isatty()
+    """A live view of the tree until the root ends; 0 if it completed, else 1.
+
+    It redraws on every event of the tree's stream (each model response of any
+    task publishes its live state there) and at least every FOLLOW_POLL_MS. On
+    a terminal the view is redrawn in place; otherwise (a pipe, a log) it prints
+    one line per task whose live state changed.
+    """
+    redraw = sys.stdout.isatty()
     shown: dict[str, str] = {}
     after = coord.store.last_event_id(root_id)
     try:
         while True:
             node = build_tree(coord, root_id)
-            notes = _live_notes(coord, node)
-            if live:
+            notes = {task_id: _live_note(state) for task_id, state in coord.snapshot(root_id).items()}
+            if redraw:
                 view = render_tree(node, notes) + ["", "Ctrl-C stops following; the run goes on."]
                 typer.echo("\x1b[H\x1b[2J" + "\n".join(view))
-            else:  # a log: one line per task whose state changed
+            else:
                 for task in _walk(node):
-                    line = f"{task.id}  {task.status.value:<9}  {_desc(task)}  {notes.get(task.id, '')}"
-                    line += f"  {format_usd(task.total_cost_micros)}"
+                    line = f"{task.id}  {_desc(task)}  {notes.get(task.id, task.status.value)}"
                     if shown.get(task.id) != line:
                         shown[task.id] = line
                         typer.echo(f"  {line}")
@@ -245,17 +259,11 @@ def follow_run(coord: Coordinator, root_id: str) -> int:
     return 0
 
 
-def _live_notes(coord: Coordinator, node: TreeNode) -> dict[str, str]:
-    """Requests so far and the last tool called, for each task still running."""
-    notes = {}
-    for task in _walk(node):
-        if task.status.terminal:
-            continue
-        record = coord.get_task(task.id)
-        tools = [m.get("text", "") for m in coord.messages(task.id) if m.get("say") == "tool"]
-        last = f", last tool {tools[-1].split('(', 1)[0]}" if tools else ""
-        notes[task.id] = f"[{record.requests} requests{last}]"
-    return notes
+def _live_note(state: LiveState) -> str:
+    """A task's progress: its live state, requests so far, the tool it called last, its cost so far."""
+    requests = f"{state.requests} request{'' if state.requests == 1 else 's'}"
+    tool = f", tool {state.tool}" if state.tool else ""
+    return f"[{state.state}: {requests}{tool}, {format_usd(state.cost_micros)}]"
 
 
 # -- reading -----------------------------------------------------------------------------
@@ -288,7 +296,8 @@ def todos(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> N
         typer.echo(json.dumps([i.model_dump(mode="json") for i in items], indent=2))
         return
     for item in items:
-        figures = f"  ({item.subtask_id}: {item.tokens} tokens, {format_usd(item.cost_micros)})" if item.subtask_id else ""
+        linked = f"  ({item.subtask_id}: {item.tokens} tokens, {format_usd(item.cost_micros)})"
+        figures = linked if item.subtask_id else ""
         typer.echo(f"{MARKS[item.status.value]} {item.content}{figures}")
 
 
@@ -303,7 +312,9 @@ def tree(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> No
 @app.command()
 def history(
     ctx: typer.Context,
-    status: Annotated[str | None, typer.Option(help="Only tasks in this status (active, delegated, completed, failed, cancelled).")] = None,
+    status: Annotated[
+        str | None, typer.Option(help="Only tasks in this status (active, delegated, completed, failed, cancelled).")
+    ] = None,
     root: Annotated[str | None, typer.Option(help="Only the tasks of this root's tree.")] = None,
     limit: Annotated[int, typer.Option(help="Most tasks to show (1-500).")] = 20,
     cursor: Annotated[int, typer.Option(help="Where to go on from, as the previous page printed.")] = 0,
@@ -316,7 +327,10 @@ def history(
         page = {"items": [i.model_dump(mode="json") for i in items], "next_cursor": next_cursor}
         typer.echo(json.dumps(page, indent=2))
         return
-    typer.echo(f"{'#':>5}  {'id':29}  {'status':9}  {'depth':>5}  {'own cost':>10}  {'total tokens':>12}  {'total cost':>10}  task")
+    typer.echo(
+        f"{'#':>5}  {'id':29}  {'status':9}  {'depth':>5}  "
+        f"{'own cost':>10}  {'total tokens':>12}  {'total cost':>10}  task"
+    )
     for item in items:
         subtree_micros = round(item.subtree_cost * MICROS_PER_USD)
         first_line = (item.task.strip().splitlines() or [""])[0]
@@ -382,9 +396,8 @@ def _walk(node: TreeNode) -> Iterator[TreeNode]:
         yield from _walk(child)
 
 
-def _desc(node: TreeNode | TaskRecord) -> str:
-    text = node.description if isinstance(node, TreeNode) else node.description or node.prompt
-    first = (text.strip().splitlines() or [""])[0]
+def _desc(node: TreeNode) -> str:
+    first = (node.description.strip().splitlines() or [""])[0]
     return repr(_cut(first, DESCRIPTION_CHARS))
 
 

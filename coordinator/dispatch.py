@@ -44,11 +44,12 @@ DESCRIPTION_REPR_CHARS = 60
 
 
 def run_signature(app: Celery, task: TaskRecord, run_no: int = 0) -> Signature:
-    argsrepr = (
-        f"task={task.id} parent={task.parent_id or '-'} todo={task.todo_id or '-'} "
-        f"desc={(task.description or task.prompt)[:DESCRIPTION_REPR_CHARS]!r}"
-        + (f" resume={run_no}" if run_no else "")
-    )
+    # Never the prompt: a root has no description, and then shows none.
+    argsrepr = f"task={task.id} parent={task.parent_id or '-'} todo={task.todo_id or '-'}"
+    if task.description:
+        argsrepr += f" desc={task.description[:DESCRIPTION_REPR_CHARS]!r}"
+    if run_no:
+        argsrepr += f" resume={run_no}"
     celery_id = task.id if run_no == 0 else f"{task.id}-r{run_no}"
     return app.signature(RUN_TASK, args=(task.id,), task_id=celery_id, immutable=True, argsrepr=argsrepr)
 
@@ -80,7 +81,10 @@ def publish_settle(app: Celery, batch_id: str) -> None:
 def publish_batch(app: Celery, batch: Batch, children: list[TaskRecord]) -> None:
     if batch.mode == "parallel":
         note = f"batch={batch.id} parent={batch.parent_id} children={len(children)}"
-        callback = app.signature(GATHER, kwargs={"batch_id": batch.id}, task_id=f"{batch.id}-gather", kwargsrepr=note)
+        callback = app.signature(
+            GATHER, kwargs={"batch_id": batch.id}, task_id=f"{batch.id}-gather", kwargsrepr=note,
+            argsrepr="(the children's results)",
+        )  # fmt: skip
         chord([run_signature(app, child) for child in children], callback).apply_async()
     else:
         publish_step(app, batch, children[0], 0)
@@ -89,5 +93,8 @@ def publish_batch(app: Celery, batch: Batch, children: list[TaskRecord]) -> None
 def publish_step(app: Celery, batch: Batch, child: TaskRecord, index: int) -> None:
     """One step of a sequential batch: the child's run, then its write-back."""
     note = f"batch={batch.id} step={index + 1}/{len(batch.child_ids)} parent={batch.parent_id}"
-    write_back = app.signature(ADVANCE, kwargs={"batch_id": batch.id}, task_id=f"{batch.id}-step{index}", kwargsrepr=note)
+    write_back = app.signature(
+        ADVANCE, kwargs={"batch_id": batch.id}, task_id=f"{batch.id}-step{index}", kwargsrepr=note,
+        argsrepr="(the step's result)",
+    )  # fmt: skip
     chain(run_signature(app, child), write_back).apply_async()

@@ -8,12 +8,15 @@ never imports the execution plane.)
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from pydantic import SecretStr
 
 from coordinator.errors import FleetError
 from coordinator.settings import Settings
@@ -30,15 +33,16 @@ def settings_env(settings: Settings) -> dict[str, str]:
     """The environment that gives a child process exactly these settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUBQ_")}
     for name, value in settings.model_dump(exclude_none=True, exclude={"profiles"}).items():
-        env[f"SUBQ_{name.upper()}"] = str(value)
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        # pydantic-settings reads complex values (dicts, lists) from the environment as JSON.
+        env[f"SUBQ_{name.upper()}"] = json.dumps(value) if isinstance(value, (dict, list)) else str(value)
     if settings.profiles:
         env["SUBQ_PROFILES"] = _profiles_json(settings)
     return env
 
 
 def _profiles_json(settings: Settings) -> str:
-    import json
-
     return json.dumps(
         {
             name: {

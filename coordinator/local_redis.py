@@ -59,7 +59,9 @@ def local_redis(port: int | None = None) -> Iterator[str]:
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, "--appendonly", "yes",
          "--save", "", "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        # Its own session: a Ctrl-C at the terminal must not stop Redis before the
+        # workers have finished their warm shutdown against it.
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
     url = f"redis://127.0.0.1:{port}/0"
     try:

@@ -224,7 +224,7 @@ class Coordinator:
         """
         if mode not in ("parallel", "sequential"):
             raise ValidationError(f"mode must be 'parallel' or 'sequential', not {mode!r}", field="mode")
-        checked = self._check_specs(specs)
+        checked = self.check_specs(specs)
         root_id = ids.root_of(parent_id)
         child_ids = [ids.new_child_id(root_id) for _ in checked]
         batch_id = ids.new_batch_id(root_id)
@@ -427,7 +427,7 @@ class Coordinator:
             return False
         return True
 
-    def _check_specs(self, specs: Sequence[SubtaskSpec | dict[str, Any]]) -> list[SubtaskSpec]:
+    def check_specs(self, specs: Sequence[SubtaskSpec | dict[str, Any]]) -> list[SubtaskSpec]:
         if isinstance(specs, (str, bytes)) or not isinstance(specs, Sequence):
             raise ValidationError("specs must be a list of subtask specs", field="specs")
         if not specs:

@@ -31,7 +31,9 @@ from pathlib import Path
 from types import FrameType
 from urllib.parse import urlsplit, urlunsplit
 
-from coordinator.errors import ConfigError, FleetError, ValidationError
+import redis
+
+from coordinator.errors import ConfigError, FleetError, StoreError, ValidationError
 from coordinator.fleet import WorkerFleet, settings_env
 from coordinator.local_redis import local_redis
 from coordinator.settings import Settings
@@ -57,6 +59,8 @@ SECRET_BYTES = 18
 SERVICE_START_TIMEOUT_S = 90.0
 # A graceful stop (uvicorn drains, Flower closes its event consumer); then the group is killed.
 SERVICE_STOP_TIMEOUT_S = 10.0
+# A reachable Redis answers in milliseconds; 5 s allows for a slow network.
+REDIS_CHECK_TIMEOUT_S = 5.0
 # How often the waiting stack checks that every process it started is still alive.
 WATCH_INTERVAL_S = 0.5
 
@@ -130,18 +134,27 @@ class Service:
         raise FleetError(f"{self.name} did not listen on {host}:{port} within {timeout_s:g}s:\n{tail(self.log)}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+        if self.proc.returncode is None:
             try:
-                self.proc.wait(timeout=SERVICE_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
                 pass
-        # The group may outlive its leader (a child it started): end it in any case.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            self._wait_exited(SERVICE_STOP_TIMEOUT_S)
+            # The group may outlive its leader (a process it started): end it in any case.
+            # The leader is not reaped yet, so its id, the group's, cannot have been reused.
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.wait()
+
+    def _wait_exited(self, timeout_s: float) -> None:
+        """Wait for the leader to exit without reaping it (WNOWAIT)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return
+            time.sleep(0.05)
 
     def __enter__(self) -> Service:
         return self
@@ -214,6 +227,8 @@ def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], s
     if embedded:
         url = stack.enter_context(local_redis())
         settings = settings.model_copy(update={"redis_url": url})
+    else:
+        _check_redis(settings.require_redis_url())
     signals.check()
     if options.log_dir is not None:
         log_dir = options.log_dir
@@ -242,7 +257,7 @@ def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], s
     lines = [
         f"subq is up: {options.workers} workers on queue {settings.queue!r}, key prefix {settings.key_prefix!r}.",
         f"  Redis    {_without_password(redis_url)}"
-        + ("  (embedded; its data goes when subq up stops)" if embedded else "  (SUBQ_REDIS_URL)"),
+        + ("  (embedded; its data goes when subq up stops)" if embedded else "  (as given)"),
     ]
     if api is not None:
         auth_note = "auth disabled by SUBQ_API_AUTH_DISABLED" if settings.api_auth_disabled else f"token: {token}"
@@ -276,10 +291,26 @@ def _check_options(settings: Settings, options: UpOptions) -> None:
     if options.api:
         if options.api_port == options.flower_port:
             raise ValidationError("--api-port and --flower-port must differ", field="api_port")
-        ports["--api-port"] = options.api_port
+        ports = {"--api-port": options.api_port, **ports}
     for option, port in ports.items():
         if not port_free(options.host, port):
-            raise ValidationError(f"Port {port} on {options.host} is in use; choose another with {option}", field=option)
+            raise ValidationError(
+                f"Port {port} on {options.host} is in use; choose another with {option}", field=option
+            )
+
+
+def _check_redis(url: str) -> None:
+    """A given Redis must answer now: workers would otherwise retry it silently until the start timed out."""
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=REDIS_CHECK_TIMEOUT_S)
+    except ValueError as exc:  # redis-py refuses a malformed URL with a ValueError
+        raise ConfigError(f"Invalid setting SUBQ_REDIS_URL: {exc}", field="SUBQ_REDIS_URL") from None
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise StoreError(f"Redis is unreachable: {exc}") from None
+    finally:
+        client.close()
 
 
 def port_free(host: str, port: int) -> bool:

@@ -2,25 +2,36 @@
 
 from __future__ import annotations
 
+import json
 import os
-import subprocess
 import re
+import socket
+import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
 import redis
 
 from coordinator import Coordinator, Settings
-from tests.helpers import script, usage_step
+from coordinator.local_redis import free_port
+from tests.agents import STEP_COST_MICROS, STEP_TOKENS, agent, call, reply, subtask
+from tests.helpers import script, state, usage_step
+from tests.test_bad_input import NO_TREE
+
+COMMANDS = ["up", "worker", "api", "flower", "demo", "run", "status", "todos", "tree", "history", "export"]
 
 
-def subq(*args: str, env: dict[str, str] | None = None, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("SUBQ_")}
+def subq(
+    *args: str, env: dict[str, str] | None = None, timeout_s: float = 120, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SUBQ_", "FLOWER_"))}
     return subprocess.run(
         [sys.executable, "-m", "coordinator", *args],
-        env=base | (env or {}), capture_output=True, text=True, timeout=timeout_s,
+        env=base | (env or {}), capture_output=True, text=True, timeout=timeout_s, input=stdin,
     )  # fmt: skip
 
 
@@ -36,16 +47,17 @@ def test_demo_runs_on_an_embedded_redis_and_leaves_nothing_behind() -> None:
         assert line.strip().startswith("[x]") and "$0.0" in line
     assert "Parent total cost: $0.079950 (47950 tokens" in out
     assert "genai-prices" in out and "offline model" in out
-    assert _processes_marked(marker) == []  # workers (redis-server rewrites its environ, so:)
+    assert processes_marked("DEMO_TEST_MARKER", marker) == []  # workers (redis-server rewrites its environ, so:)
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(url.group(1), socket_connect_timeout=1).ping()
 
 
-def _processes_marked(marker: str) -> list[str]:
+def processes_marked(name: str, marker: str) -> list[str]:
+    """Command lines of the live processes whose environment carries `name=marker`."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         try:
-            if proc.environ().get("DEMO_TEST_MARKER") == marker:
+            if proc.environ().get(name) == marker:
                 found.append(" ".join(proc.info["cmdline"] or []))
         except psutil.Error:
             continue
@@ -53,28 +65,128 @@ def _processes_marked(marker: str) -> list[str]:
 
 
 def test_help_everywhere() -> None:
-    for command in ([], ["demo"], ["worker"], ["status"], ["todos"]):
+    for command in ([], *([c] for c in COMMANDS)):
         proc = subq(*command, "--help")
-        assert proc.returncode == 0 and "Usage: " in proc.stdout
+        assert proc.returncode == 0 and "Usage: " in proc.stdout, (command, proc.stderr)
+        assert proc.stderr == ""
+    bare = subq()
+    assert bare.returncode == 2 and all(c in bare.stdout for c in COMMANDS)
+
+
+# -- every malformed input: one line, a non-zero exit, nothing changed -------------------
+
+
+@pytest.fixture
+def env(settings: Settings) -> dict[str, str]:
+    """The test Redis and prefix, and a queue no worker consumes, so a published message would stay countable."""
+    return {"SUBQ_REDIS_URL": settings.redis_url or "", "SUBQ_KEY_PREFIX": settings.key_prefix, "SUBQ_QUEUE": "subq-nobody"}
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, str]:
+    (tmp_path / "no-items.md").write_text("just prose, no checkbox\n")
+    (tmp_path / "a-folder").mkdir()
+    (tmp_path / "a-file").write_text("x")
+    return {
+        "{missing}": str(tmp_path / "missing.md"), "{no_items}": str(tmp_path / "no-items.md"),
+        "{folder}": str(tmp_path / "a-folder"), "{new_dir}": str(tmp_path / "new-dir"),
+        "{file}": str(tmp_path / "a-file"),
+    }  # fmt: skip
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield int(sock.getsockname()[1])
+
+
+UNKNOWN = "0123456789abcdef"
+USAGE_ERRORS = [  # click refuses these before any command code runs: exit 2
+    (["frob"], "subq: No such command 'frob'. (see: subq --help)"),
+    (["run"], "subq run: Missing argument 'prompt'. (see: subq run --help)"),
+    (["run", "p", "--bogus"], "subq run: No such option: --bogus"),
+    (["run", "p", "--todos"], "subq: Option '--todos' requires an argument."),
+    (["tree"], "subq tree: Missing argument 'task_id'."),
+    (["export", UNKNOWN], "subq export: Missing argument 'directory'."),
+    (["history", "--limit", "abc"], "subq history: Invalid value for '--limit'"),
+    (["up", "--workers", "0"], "subq up: Invalid value for '--workers'"),
+    (["demo", "--workers", "0"], "subq demo: Invalid value for '--workers'"),
+    (["api", "--port", "70000"], "subq api: Invalid value for '--port'"),
+    (["worker", "--concurrency", "0"], "subq worker: Invalid value for '--concurrency'"),
+]
+SUBQ_ERRORS = [  # subq's own validation: exit 1
+    (["run", ""], "subq: prompt must be a non-empty string"),
+    (["run", "   "], "subq: prompt must be a non-empty string"),
+    (["run", "p", "--profile", "nope"], "subq: Invalid profile: nope"),
+    (["run", "p", "--todos", "{missing}"], "subq: Cannot read --todos {missing}: No such file or directory"),
+    (["run", "p", "--todos", "{folder}"], "subq: Cannot read --todos {folder}: Is a directory"),
+    (["run", "p", "--todos", "{no_items}"], "subq: The todo update has no items"),
+    (["status", "not-an-id"], "subq: Unknown id: 'not-an-id' is not a subq task or batch id"),
+    (["todos", UNKNOWN], f"subq: Unknown task: {UNKNOWN}"),
+    (["tree", UNKNOWN], f"subq: Unknown task: {UNKNOWN}"),
+    (["tree", "x" * 17], "subq: Unknown id"),
+    (["history", "--status", "weird"], "subq: status must be one of active"),
+    (["history", "--limit", "0"], "subq: limit must be between 1 and 500"),
+    (["history", "--cursor", "-1"], "subq: cursor must not be negative"),
+    (["history", "--root", "nope"], "subq: Unknown id: 'nope'"),
+    (["export", UNKNOWN, "{new_dir}"], f"subq: Unknown task: {UNKNOWN}"),
+    (["export", "not-an-id", "{new_dir}"], "subq: Unknown id: 'not-an-id'"),
+    (["flower"], "subq: Flower needs basic auth: pass --password (or set SUBQ_FLOWER_PASSWORD)"),
+    (["flower", "--no-auth", "--password", "pw"], "subq: Give either --password or --no-auth, not both"),
+    (["flower", "--user", "a:b", "--password", "pw"], "subq: Flower user must be non-empty, without ':' or ','"),
+    (["flower", "--password", "a,b"], "subq: Flower password must be non-empty, without ','"),
+    (["api"], "subq: Invalid setting SUBQ_API_TOKEN: not set"),
+    (["up", "--no-api", "--flower-port", "{busy}"], "subq: Port {busy} on 127.0.0.1 is in use; choose another with --flower-port"),
+    (["up", "--api-port", "{busy}", "--flower-port", "{free}"], "subq: Port {busy} on 127.0.0.1 is in use; choose another with --api-port"),
+    (["up", "--api-port", "9", "--flower-port", "9"], "subq: --api-port and --flower-port must differ"),
+    (["--redis-url", "redis://127.0.0.1:1/0", "up", "--no-api", "--flower-port", "{free}"], "subq: Redis is unreachable"),
+    (["--redis-url", "nonsense", "status", UNKNOWN], "subq: Invalid setting SUBQ_REDIS_URL: Redis URL must specify"),
+    (["--redis-url", "redis://127.0.0.1:1/0", "status", UNKNOWN], "subq: Redis is unreachable"),
+    (["--queue", "a queue", "status", UNKNOWN], "subq: Invalid setting SUBQ_QUEUE: String should match"),
+    (["--key-prefix", "", "history"], "subq: Invalid setting SUBQ_KEY_PREFIX"),
+]
 
 
 @pytest.mark.parametrize(
-    ("args", "env", "message"),
+    ("args", "message", "code"),
+    [(a, m, 2) for a, m in USAGE_ERRORS] + [(a, m, 1) for a, m in SUBQ_ERRORS],
+    ids=[" ".join(a) or "-" for a, _ in USAGE_ERRORS + SUBQ_ERRORS],
+)
+def test_malformed_input_is_one_line_and_changes_nothing(
+    idle_coordinator: Coordinator, env: dict[str, str], files: dict[str, str], busy_port: int,
+    args: list[str], message: str, code: int,
+) -> None:  # fmt: skip
+    values = {**files, "{busy}": str(busy_port), "{free}": str(free_port())}
+    args = [values.get(a, a) for a in args]
+    for name, value in values.items():
+        message = message.replace(name, value)
+    before = state(idle_coordinator, NO_TREE)
+    proc = subq(*args, env=env)
+    assert proc.returncode == code, proc.stderr
+    assert proc.stderr.startswith(message), proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stdout == ""
+    assert state(idle_coordinator, NO_TREE) == before, "a refused command changed Redis or published a message"
+    assert not Path(files["{new_dir}"]).exists()
+
+
+@pytest.mark.parametrize(
+    ("command", "env", "message"),
     [
-        (["status", "0123456789abcdef"], {}, "subq: Invalid setting SUBQ_REDIS_URL: not set"),
-        (["status", "0123456789abcdef"], {"SUBQ_MAX_DEPTH": "deep"}, "subq: Invalid setting SUBQ_MAX_DEPTH"),
-        (["status", "not-an-id"], None, "subq: Unknown id: 'not-an-id' is not a subq task or batch id"),
-        (["status", "0123456789abcdef"], None, "subq: Unknown task: 0123456789abcdef"),
-        (["demo", "--workers", "0"], {}, "Invalid value for '--workers'"),
+        (["status", UNKNOWN], {}, "subq: Invalid setting SUBQ_REDIS_URL: not set"),
+        (["status", UNKNOWN], {"SUBQ_MAX_DEPTH": "deep"}, "subq: Invalid setting SUBQ_MAX_DEPTH"),
+        (["worker"], {"SUBQ_WORKER_CONCURRENCY": "many"}, "subq: Invalid setting SUBQ_WORKER_CONCURRENCY"),
+        (["flower", "--password", "pw"], {}, "subq: Invalid setting SUBQ_REDIS_URL: not set"),
     ],
 )
-def test_errors_are_one_line_and_a_nonzero_exit(
-    settings: Settings, args: list[str], env: dict[str, str] | None, message: str
-) -> None:
-    proc = subq(*args, env={"SUBQ_REDIS_URL": settings.redis_url or "", "SUBQ_KEY_PREFIX": "subqtest"} if env is None else env)
-    assert proc.returncode != 0
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_bad_settings_are_one_line(command: list[str], env: dict[str, str], message: str) -> None:
+    proc = subq(*command, env=env)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1
+
+
+# -- reading what ran --------------------------------------------------------------------
 
 
 def test_status_and_todos_show_the_figures(coordinator: Coordinator, settings: Settings) -> None:
@@ -88,3 +200,68 @@ def test_status_and_todos_show_the_figures(coordinator: Coordinator, settings: S
     assert "[ ] second" in todos.stdout
     status = subq("status", parent.id, "--json", env=env)
     assert '"total_cost_micros": 21000' in status.stdout
+
+
+@pytest.fixture
+def fleet_env(settings: Settings, coordinator: Coordinator) -> dict[str, str]:
+    """Reaches the test workers (the `coordinator` fixture starts them)."""
+    return {"SUBQ_REDIS_URL": settings.redis_url or "", "SUBQ_KEY_PREFIX": settings.key_prefix, "SUBQ_QUEUE": settings.queue}
+
+
+def test_run_follow_then_tree_history_and_export(fleet_env: dict[str, str], tmp_path: Path) -> None:
+    root = agent(
+        call("run_subagents", tasks=[subtask("A", reply("A done")), subtask("B", reply("B done"))]),
+        call("attempt_completion", result="Report ready"),
+        text="Prepare the report.",
+    )
+    todo_file = tmp_path / "plan.md"
+    todo_file.write_text("[ ] A\n[ ] B\n")
+    run = subq("run", root, "--todos", str(todo_file), "--follow", env=fleet_env)
+    assert run.returncode == 0, run.stderr
+    root_id = run.stdout.splitlines()[0]
+    assert re.fullmatch(r"[0-9a-f]{16}", root_id)
+    live_log, _, final = run.stdout.partition("\n\n")
+    assert final.startswith(f"{root_id}  completed")
+    # The final tree ends the output: the root's own 2 requests and one per child.
+    assert f"{root_id}  completed  'Prepare the report.'  own {2 * STEP_TOKENS} tokens $0.042000, " \
+        f"total {4 * STEP_TOKENS} tokens $0.084000" in run.stdout  # fmt: skip
+
+    tree = subq("tree", root_id, env=fleet_env)
+    assert tree.returncode == 0, tree.stderr
+    lines = tree.stdout.splitlines()
+    for name in ("A", "B"):
+        item = next(line for line in lines if f"[x] {name} " in line)
+        assert re.search(rf"\[x\] {name}\s+{STEP_TOKENS} tokens\s+\$0\.021000  -> {root_id}-[0-9a-f]{{12}}$", item)
+    children = [line for line in lines if re.match(r"^(\|--|`--) ", line)]
+    for child in children:  # the live view showed every task as it ran
+        assert f"\n  {child[4:33]}  " in live_log
+    assert len(children) == 2 and all("completed" in c and "total 13500 tokens $0.021000" in c for c in children)
+    tree_json = subq("tree", root_id, "--json", env=fleet_env)
+    assert tree_json.returncode == 0, tree_json.stderr
+    as_json = json.loads(tree_json.stdout)
+    assert as_json["total_cost_micros"] == 4 * STEP_COST_MICROS
+    assert [c["todos"] for c in as_json["children"]] == [[], []]
+
+    page = json.loads(subq("history", "--root", root_id, "--json", env=fleet_env).stdout)
+    assert len(page["items"]) == 3 and page["next_cursor"] is None
+    assert {i["id"] for i in page["items"]} == {root_id, *(c["id"] for c in as_json["children"])}
+    table = subq("history", "--root", root_id, "--limit", "1", env=fleet_env)
+    assert table.returncode == 0 and len(table.stdout.splitlines()) == 2  # the header and one task
+    assert table.stderr.strip() == "(more: subq history --cursor 1)"
+
+    out = tmp_path / "export"
+    exported = subq("export", root_id, str(out), env=fleet_env)
+    assert exported.returncode == 0, exported.stderr
+    assert exported.stdout.strip() == f"Exported 3 tasks (9 files) to {out}"
+    history_item = json.loads((out / root_id / "history_item.json").read_text())
+    assert history_item["status"] == "completed" and history_item["total_cost"] == 0.042
+
+
+def test_run_follow_exits_1_when_the_root_fails(fleet_env: dict[str, str]) -> None:
+    failing = agent({"fail": "the provider refused the request"}, text="Doomed.")
+    run = subq("run", failing, "--todos", "-", "--follow", env=fleet_env, stdin="[ ] only item\n")
+    assert run.returncode == 1
+    root_id = run.stdout.splitlines()[0]
+    assert "[ ] only item" in run.stdout
+    assert run.stderr.startswith(f"subq: run {root_id} failed: ")
+    assert "the provider refused the request" in run.stderr

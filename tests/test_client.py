@@ -19,6 +19,7 @@ from coordinator import (
     ProfileError,
     Settings,
     StateError,
+    StoreError,
     SubqError,
     SubtaskSpec,
     TaskRecord,
@@ -280,3 +281,24 @@ def test_requests_carry_the_token_and_encode_ids() -> None:
             subq.get_todos("a/b?c")
     assert seen[0].headers["authorization"] == f"Bearer {TOKEN}"
     assert seen[0].url.raw_path == b"/v1/tasks/a%2Fb%3Fc/todos"
+
+
+def test_event_stream_parsing_and_a_mid_stream_error() -> None:
+    body = (
+        b": ping\n\n"
+        b"id: 1-0\ndata: {\"type\": \"delegated\",\ndata:  \"children\": \"2\"}\n\n"
+        b": ping - keep-alive\n"
+        b"event: error\ndata: {\"code\": \"store_error\", \"message\": \"Redis is unreachable\", \"field\": null}\n\n"
+    )
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        assert request.headers["accept"] == "text/event-stream"
+        assert request.headers["last-event-id"] == "0-1"
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    seen: list[Event] = []
+    with SubqClient("http://subq.test", transport=httpx.MockTransport(answer)) as subq:
+        with pytest.raises(StoreError, match="Redis is unreachable"):
+            for event in subq.events("0123456789abcdef", last_event_id="0-1"):
+                seen.append(event)
+    assert seen == [Event(id="1-0", event="message", data={"type": "delegated", "children": "2"})]

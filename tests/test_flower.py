@@ -24,7 +24,9 @@ from tests.agents import USAGE, agent, call, reply
 from tests.helpers import script, usage_step
 
 USER, PASSWORD = "flower-test", uuid.uuid4().hex
-SEEN_TIMEOUT_S = 30.0
+# Flower connects its event consumer a few seconds after it listens; a loaded
+# 2-core machine can take far longer.
+SEEN_TIMEOUT_S = 90.0
 # Long enough to observe the running child between its two model responses.
 THINKING_MS = 3000
 T = TypeVar("T")
@@ -136,15 +138,11 @@ def test_a_delegation_is_visible_by_name_with_ids_and_live_progress(
     assert runs[summarise]["args"].startswith(f"task={summarise} parent={parent.id} todo={items[1].id} ")
     gathers = eventually(lambda: tasks_named(url, "subq.gather").get(f"{batch.id}-gather"), "the chord callback")
     assert gathers["kwargs"] == f"batch={batch.id} parent={parent.id} children=2"
+    assert gathers["args"] == "(the children's results)", "no child summaries in Flower"
     for shown in (*runs.values(), gathers):
         assert secret not in f"{shown['args']} {shown['kwargs']}", "Flower shows a prompt or a message"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="coordinator/dispatch.run_signature shows a root's prompt as desc= when it has no description "
-    "(reported; not in this change's files)",
-)
 def test_an_agent_root_shows_no_prompt_text(listening: str, coordinator_for_module: Coordinator) -> None:
     secret = f"SECRET-{uuid.uuid4().hex}"
     root = coordinator_for_module.create_task(agent(reply("done"), text=f"Plan {secret}"), run=True)

@@ -17,15 +17,16 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from celery import Celery, Task
 from celery.worker.request import Request
 
 from coordinator import todos as todo_lists
 from coordinator.errors import StateError, SubqError, ValidationError
 from coordinator.service import Coordinator
-from workers.app import app, settings
+from coordinator.settings import Settings
 from workers.runtime.context import get_runtime
 
-__all__ = ["FIELDS", "SUBMIT", "SubmitRequest", "describe_kwargs", "submit", "submit_task"]
+__all__ = ["FIELDS", "SUBMIT", "SubmitRequest", "describe_kwargs", "register", "submit"]
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def _check_delegation(coord: Coordinator, todos: Any, subtasks: Any, mode: Any) 
     try:
         # The Coordinator's own check (private today; see the report: a public
         # `check_specs` would make this a plain call).
-        specs = coord._check_specs(subtasks)
+        specs = coord.check_specs(subtasks)
         if coord.settings.max_depth < 1:
             raise StateError(
                 f"SUBQ_MAX_DEPTH={coord.settings.max_depth} allows no subtasks of a root", field="subtasks"
@@ -130,14 +131,16 @@ def describe_kwargs(kwargs: Mapping[str, Any]) -> str:
     parts = []
     for name, value in kwargs.items():
         if name == "prompt":
-            parts.append(f"prompt=<{len(value)} chars>" if isinstance(value, str) else f"prompt=<{type(value).__name__}>")
+            size = f"{len(value)} chars" if isinstance(value, str) else type(value).__name__
+            parts.append(f"prompt=<{size}>")
         elif name == "todos":
             lines = value.count("\n") + 1 if isinstance(value, str) else len(value) if isinstance(value, list) else 0
             parts.append(f"todos=<{lines} items>")
         elif name == "subtasks":
             parts.append(f"subtasks=<{len(value) if isinstance(value, list) else '?'}>")
         elif name in ("profile", "run", "mode"):
-            parts.append(f"{name}={str(value)[:PROFILE_REPR_CHARS]!r}")
+            shown = value if isinstance(value, bool) or value is None else str(value)[:PROFILE_REPR_CHARS]
+            parts.append(f"{name}={shown!r}")
         else:
             parts.append(f"{str(name)[:PROFILE_REPR_CHARS]}=<unknown field>")
     return " ".join(parts)
@@ -154,15 +157,22 @@ class SubmitRequest(Request):  # type: ignore[misc]  # Celery ships no type hint
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._argsrepr = f"<{len(self.args)} positional arguments: refused>" if self.args else ""
+        self._argsrepr = f"<{len(self.args)} positional argument(s): refused>" if self.args else ""
         self._kwargsrepr = describe_kwargs(self.kwargs if isinstance(self.kwargs, dict) else {})
 
 
-def _run_submit(*args: Any, **kwargs: Any) -> dict[str, Any]:
-    return submit(get_runtime(settings, app).coordinator, args, kwargs)
+def register(app: Celery, settings: Settings) -> Task:
+    """Register `subq.submit` on the worker's app (workers/tasks.py does, at import).
 
+    A function rather than a module-level decorator, so this module imports
+    without settings (its plain functions are tested directly), and because
+    Celery's decorator is untyped, which mypy --strict refuses on a decorated
+    function. Not retried: a submission is not idempotent (a second delivery
+    would start a second root).
+    """
 
-# Registered by a call rather than as a decorator: Celery's decorator is untyped,
-# which mypy --strict refuses on a decorated function. Not retried: a submission is
-# not idempotent (a second delivery would start a second root).
-submit_task = app.task(name=SUBMIT, Request=SubmitRequest)(_run_submit)
+    def run_submit(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        return submit(get_runtime(settings, app).coordinator, args, kwargs)
+
+    task: Task = app.task(name=SUBMIT, Request=SubmitRequest)(run_submit)
+    return task

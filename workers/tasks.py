@@ -17,12 +17,12 @@ from coordinator.errors import StoreError
 from coordinator.ids import BATCH_ID_RE, is_task_id
 from coordinator.models import SubtaskResult
 from workers import delegation
-from workers import submit as _submit  # noqa: F401  (registers subq.submit on the app)
+from workers import submit as submission
 from workers.app import app, settings
 from workers.runtime.context import get_runtime
 from workers.runtime.runner import RunInProgress, run_child
 
-__all__ = ["advance", "gather", "progress_sender", "run_task"]
+__all__ = ["advance", "gather", "progress_sender", "run_task", "submit"]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,10 @@ RETRIED: dict[str, Any] = {
     "retry_backoff_max": 60,
     "max_retries": 20,
 }
+
+
+# Any Celery producer starts a run by name (docs/celery-contract.md).
+submit = submission.register(app, settings)
 
 
 @app.task(name=RUN_TASK, bind=True, **RETRIED)

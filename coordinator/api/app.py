@@ -21,7 +21,7 @@ from coordinator.api.errors import install_error_handlers
 from coordinator.api.events import event_routes
 from coordinator.api.limits import BodyLimit
 from coordinator.api.ops import ops_routes
-from coordinator.api.routes import task_routes
+from coordinator.api.routes import reject_unknown_query, task_routes
 from coordinator.service import Coordinator
 from coordinator.settings import Settings, load_settings
 
@@ -70,7 +70,8 @@ def create_app(settings: Settings | None = None, coordinator: Coordinator | None
     )
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=settings.api_max_body_bytes)
-    dependencies = [Depends(guard)] if guard is not None else []
+    # The token first: an anonymous caller learns nothing about the parameters.
+    dependencies = [*([Depends(guard)] if guard is not None else []), Depends(reject_unknown_query)]
     app.include_router(task_routes(coord, auth=guard is not None), dependencies=dependencies)
     app.include_router(event_routes(coord, auth=guard is not None), dependencies=dependencies)
     app.include_router(ops_routes(coord))

@@ -173,6 +173,10 @@ async def _on_request_validation(request: Request, exc: Exception) -> JSONRespon
 async def _on_starlette_http(request: Request, exc: Exception) -> JSONResponse:
     """Routing refusals (unknown path, wrong method) in the same shape."""
     assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 400:
+        # FastAPI's only 400: a body it could not decode (not UTF-8, say). To a client
+        # that is invalid input like malformed JSON, so it gets the same 422.
+        return error_response(422, ValidationError.code, f"The request body could not be read: {exc.detail}")
     code = {404: NotFoundError.code, 405: "method_not_allowed"}.get(exc.status_code, f"http_{exc.status_code}")
     message = f"No such endpoint: {request.method} {request.url.path}" if exc.status_code == 404 else str(exc.detail)
     return error_response(exc.status_code, code, message, None, exc.headers)

@@ -44,6 +44,27 @@ READ_BATCH = 500
 STREAM_THREADS = 64
 STREAM_ID_PATTERN = r"^\d+-\d+$"
 
+# One SSE event (OpenAPI before 3.2 describes each event of a stream with `schema`).
+EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "id": {"type": "string", "pattern": STREAM_ID_PATTERN, "description": "The stream entry's id"},
+        "event": {
+            "type": "string",
+            "enum": ["end", "error"],
+            "description": "Absent for stream entries; `end` last, `error` if the stream failed",
+        },
+        "data": {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "contentSchema": {"type": "object"},
+            "description": "The entry's fields; for `end` {task_id, status}; for `error` {code, message, field}",
+        },
+    },
+}
+
+
 class _Threads:
     """Runs blocking store reads in this app's own stream thread pool."""
 
@@ -102,7 +123,7 @@ def event_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
             200: {
                 "description": "text/event-stream: one event per stream entry (`id`: entry id, `data`: JSON fields), "
                 "then `event: end` with the task's status",
-                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                "content": {"text/event-stream": {"schema": EVENT_SCHEMA}},
             },
             **error_responses(*denied, 404, 422, 503),
         },

@@ -60,7 +60,5 @@ class BodyLimit:
             413,
             BODY_TOO_LARGE,
             f"The request body is over {self.max_body_bytes} bytes (SUBQ_API_MAX_BODY_BYTES)",
-            # The rest of the body is not read; closing tells the client not to reuse the connection.
-            headers={"Connection": "close"},
         )
         await response(scope, receive, send)

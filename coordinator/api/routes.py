@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Path, Query, Request
+from fastapi.routing import APIRoute
 
 from coordinator.api.errors import error_responses, renamed_fields
 from coordinator.api.schemas import (
@@ -22,11 +23,12 @@ from coordinator.api.schemas import (
     TodoList,
     TodosBody,
 )
+from coordinator.errors import ValidationError
 from coordinator.models import TaskRecord, TaskStatus
 from coordinator.service import DEFAULT_PAGE, MAX_PAGE, Coordinator
 from coordinator.tree import TreeNode, build_tree
 
-__all__ = ["ROOT_ID_PATTERN", "TaskId", "task_routes"]
+__all__ = ["ROOT_ID_PATTERN", "TaskId", "reject_unknown_query", "task_routes"]
 
 # A root id is 16 hex digits (coordinator/ids.py); the history filter takes only roots.
 ROOT_ID_PATTERN = r"^[0-9a-f]{16}$"
@@ -42,6 +44,21 @@ TaskId = Annotated[
 # sent them as the path's `task_id` and the body's `subtasks`.
 _DELEGATE_FIELDS = {"specs": "subtasks", "parent_id": "task_id", "id": "task_id"}
 _TASK_FIELDS = {"id": "task_id"}
+
+
+async def reject_unknown_query(request: Request) -> None:
+    """Refuse a query parameter the endpoint does not take, as bodies refuse unknown fields.
+
+    A typo such as `?staus=failed` would otherwise return the unfiltered history.
+    """
+    route = request.scope.get("route")
+    if not isinstance(route, APIRoute):
+        return
+    allowed = {param.alias for param in route.dependant.query_params}
+    for name in request.query_params:
+        if name not in allowed:
+            takes = ", ".join(sorted(allowed)) or "no query parameters"
+            raise ValidationError(f"{name}: unknown query parameter (this endpoint takes {takes})", field=name)
 
 
 def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
