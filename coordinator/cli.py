@@ -27,9 +27,10 @@ from coordinator.fleet import settings_env
 from coordinator.models import MICROS_PER_USD, LiveState, TaskStatus, format_usd
 from coordinator.service import Coordinator
 from coordinator.settings import Settings, load_settings
-from coordinator.tree import TreeNode, build_tree
+from coordinator.render import MARKS, cut, describe, render_tree, walk
+from coordinator.tree import build_tree
 
-__all__ = ["app", "main", "render_tree", "run_cli"]
+__all__ = ["app", "main", "run_cli"]
 
 app = typer.Typer(
     name="subq",
@@ -43,10 +44,7 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable
 TaskId = Annotated[str, typer.Argument(help="A task id, as `subq run` or `subq history` prints it.")]
 Port = Annotated[int, typer.Option(min=1, max=65535, help="TCP port to listen on.")]
 Host = Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 for every interface).")]
-MARKS = {"pending": "[ ]", "in_progress": "[-]", "completed": "[x]"}
 # Long descriptions and todo items are cut so one task stays on one line.
-DESCRIPTION_CHARS = 48
-TODO_CHARS = 40
 HISTORY_TASK_CHARS = 50
 # A live view redraws on every event of the tree's stream and at least this often:
 # a safety net, so an event trimmed from the capped stream cannot freeze the view.
@@ -198,15 +196,17 @@ def run(
     follow: Annotated[
         bool, typer.Option("--follow", help="Show the tree live until the run ends; exit 1 unless it completed.")
     ] = False,
+    budget: Annotated[
+        str | None, typer.Option(help="Most the whole tree may spend, in US dollars (e.g. 0.50); it stops there.")
+    ] = None,
 ) -> None:
     """Start a root agent on the fleet and print its id.
 
     The agent plans with its todo list, delegates to subagents and completes.
     """
-    # Room for `--budget USD`: it arrives with budgets, as create_task(..., budget_usd=...).
     todo_text = _read_todos(todos) if todos is not None else None
     with _coordinator(ctx) as coord:
-        record = coord.create_task(prompt, todos=todo_text, profile=profile, run=True)
+        record = coord.create_task(prompt, todos=todo_text, profile=profile, run=True, budget_usd=budget)
         typer.echo(record.id)
         if follow:
             raise typer.Exit(follow_run(coord, record.id))
@@ -239,8 +239,8 @@ def follow_run(coord: Coordinator, root_id: str) -> int:
                 view = render_tree(node, notes) + ["", "Ctrl-C stops following; the run goes on."]
                 typer.echo("\x1b[H\x1b[2J" + "\n".join(view))
             else:
-                for task in _walk(node):
-                    line = f"{task.id}  {_desc(task)}  {notes.get(task.id, task.status.value)}"
+                for task in walk(node):
+                    line = f"{task.id}  {describe(task)}  {notes.get(task.id, task.status.value)}"
                     if shown.get(task.id) != line:
                         shown[task.id] = line
                         typer.echo(f"  {line}")
@@ -337,7 +337,7 @@ def history(
         typer.echo(
             f"{item.number:>5}  {item.id:29}  {item.status.value:9}  {item.depth:>5}  "
             f"{format_usd(item.total_cost_micros):>10}  {item.total_tokens:>12}  {format_usd(subtree_micros):>10}  "
-            f"{_cut(first_line, HISTORY_TASK_CHARS)}"
+            f"{cut(first_line, HISTORY_TASK_CHARS)}"
         )
     if next_cursor is not None:
         typer.echo(f"(more: subq history --cursor {next_cursor})", err=True)
@@ -356,53 +356,63 @@ def export(
     typer.echo(f"Exported {tasks} tasks ({len(files)} files) to {directory}")
 
 
-# -- rendering ---------------------------------------------------------------------------
+# -- control -----------------------------------------------------------------------------
 
 
-def render_tree(node: TreeNode, notes: dict[str, str] | None = None) -> list[str]:
-    """An indented tree: each task with own/total figures, its todo items under it, then its children."""
-    return [_task_line(node, notes), *_below(node, "", notes or {})]
+@app.command()
+def cancel(
+    ctx: typer.Context,
+    task_id: TaskId,
+    reason: Annotated[str, typer.Option(help="Why: the parent (and you, later) read it.")],
+    as_json: JsonOption = False,
+) -> None:
+    """Cancel a task and its whole subtree; finished results are kept and its parent hears why."""
+    with _coordinator(ctx) as coord:
+        record = coord.cancel(task_id, reason)
+        if as_json:
+            typer.echo(record.model_dump_json(indent=2))
+            return
+        stopped = coord.store.subtree_ids(task_id)
+        typer.echo(f"Cancelled {record.id} and its subtree ({len(stopped)} tasks): {record.error}")
 
 
-def _below(node: TreeNode, prefix: str, notes: dict[str, str]) -> list[str]:
-    inner = prefix + ("|   " if node.children else "    ")
-    lines = [f"{inner}error: {node.error}"] if node.error else []
-    width = min(max((len(i.content) for i in node.todos), default=0), TODO_CHARS)
-    for item in node.todos:
-        link = f"  -> {item.subtask_id}" if item.subtask_id else ""
-        lines.append(
-            f"{inner}{MARKS[item.status.value]} {_cut(item.content, width):<{width}}  "
-            f"{item.tokens:>8} tokens  {format_usd(item.cost_micros):>10}{link}"
-        )
-    for index, child in enumerate(node.children):
-        last = index == len(node.children) - 1
-        lines.append(f"{prefix}{'`-- ' if last else '|-- '}{_task_line(child, notes)}")
-        lines += _below(child, prefix + ("    " if last else "|   "), notes)
-    return lines
+@app.command()
+def approvals(
+    ctx: typer.Context,
+    root: Annotated[str | None, typer.Option(help="Only the requests of this root's tree.")] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """List tool calls waiting for a decision (oldest first)."""
+    with _coordinator(ctx) as coord:
+        pending = coord.list_approvals(root)
+    if as_json:
+        typer.echo(json.dumps([a.model_dump(mode="json") for a in pending], indent=2))
+        return
+    if not pending:
+        typer.echo("No tool call is waiting for a decision.")
+    for approval in pending:
+        todo = f"  for todo '{approval.todo_content}'" if approval.todo_content else ""
+        typer.echo(f"{approval.id}  task {approval.task_id}  {approval.tool} {json.dumps(approval.args)}{todo}")
 
 
-def _task_line(node: TreeNode, notes: dict[str, str] | None) -> str:
-    note = f"  {notes[node.id]}" if notes and node.id in notes else ""
-    return (
-        f"{node.id}  {node.status.value}  {_desc(node)}  "
-        f"own {node.tokens} tokens {format_usd(node.cost_micros)}, "
-        f"total {node.total_tokens} tokens {format_usd(node.total_cost_micros)}{note}"
-    )
+@app.command()
+def approve(ctx: typer.Context, approval_id: Annotated[str, typer.Argument(help="As `subq approvals` prints it.")]) -> None:
+    """Approve a waiting tool call: only that task goes on."""
+    with _coordinator(ctx) as coord:
+        decided = coord.decide(approval_id, "approve")
+    typer.echo(f"Approved {decided.id}: {decided.tool} of task {decided.task_id} goes on.")
 
 
-def _walk(node: TreeNode) -> Iterator[TreeNode]:
-    yield node
-    for child in node.children:
-        yield from _walk(child)
-
-
-def _desc(node: TreeNode) -> str:
-    first = (node.description.strip().splitlines() or [""])[0]
-    return repr(_cut(first, DESCRIPTION_CHARS))
-
-
-def _cut(text: str, chars: int) -> str:
-    return text if len(text) <= chars else text[: chars - 1] + "…"
+@app.command()
+def deny(
+    ctx: typer.Context,
+    approval_id: Annotated[str, typer.Argument(help="As `subq approvals` prints it.")],
+    feedback: Annotated[str, typer.Option(help="What the task's model is told instead of the tool's result.")] = "",
+) -> None:
+    """Deny a waiting tool call; the feedback goes back to that task's model."""
+    with _coordinator(ctx) as coord:
+        decided = coord.decide(approval_id, "deny", feedback or None)
+    typer.echo(f"Denied {decided.id}: task {decided.task_id} is told: {decided.feedback or 'the call was denied'}")
 
 
 # -- entry point -------------------------------------------------------------------------

@@ -1,0 +1,108 @@
+"""The control commands as a user runs them: cancel, approvals, approve, deny, run --budget."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from coordinator import Coordinator, Settings, TaskStatus
+from tests.agents import USAGE, agent, call, reply
+from tests.helpers import state
+from tests.test_bad_input import NO_TREE
+from tests.test_cli import subq
+
+WAIT_S = 60
+
+
+@pytest.fixture
+def fleet_env(settings: Settings, coordinator: Coordinator) -> dict[str, str]:
+    return {"SUBQ_REDIS_URL": settings.redis_url or "", "SUBQ_KEY_PREFIX": settings.key_prefix, "SUBQ_QUEUE": settings.queue}
+
+
+def _waiting_approval(coord: Coordinator, root_id: str) -> str:
+    deadline = time.monotonic() + 30
+    while not coord.list_approvals(root_id):
+        assert time.monotonic() < deadline, "no approval request appeared"
+        time.sleep(0.1)
+    return coord.list_approvals(root_id)[0].id
+
+
+def test_approve_and_deny_from_the_command_line(coordinator: Coordinator, fleet_env: dict[str, str]) -> None:
+    parent = coordinator.create_task("Two risky children", todos="[ ] build\n[ ] publish")
+    batch = coordinator.delegate(parent.id, [
+        {"description": "build", "message": agent(call("run_command", command="make build"), reply("built"))},
+        {"description": "publish", "message": agent(call("run_command", command="make publish"), reply("held"))},
+    ])  # fmt: skip
+    deadline = time.monotonic() + 30
+    while len(coordinator.list_approvals(parent.id)) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    listed = subq("approvals", "--root", parent.id, "--json", env=fleet_env)
+    assert listed.returncode == 0, listed.stderr
+    pending = {a["args"]["command"]: a for a in json.loads(listed.stdout)}
+    assert set(pending) == {"make build", "make publish"}
+    assert pending["make build"]["todo_content"] == "build"
+    text = subq("approvals", "--root", parent.id, env=fleet_env).stdout
+    assert "run_command {\"command\": \"make build\"}  for todo 'build'" in text
+
+    ok = subq("approve", pending["make build"]["id"], env=fleet_env)
+    assert ok.returncode == 0 and "Approved" in ok.stdout
+    no = subq("deny", pending["make publish"]["id"], "--feedback", "not on a Friday", env=fleet_env)
+    assert no.returncode == 0 and "not on a Friday" in no.stdout
+    coordinator.wait(parent.id, WAIT_S)
+    build, publish = (coordinator.get_task(c) for c in batch.child_ids)
+    assert build.summary == "built" and publish.summary == "held"
+    again = subq("approve", pending["make build"]["id"], env=fleet_env)
+    assert again.returncode == 1 and again.stderr.strip() == f"subq: Approval {pending['make build']['id']} was already approved"
+
+
+def test_cancel_from_the_command_line(coordinator: Coordinator, fleet_env: dict[str, str]) -> None:
+    parent = coordinator.create_task("A slow child")
+    (child,) = coordinator.delegate(
+        parent.id, [{"description": "slow", "message": agent({"reply": "x", "usage": USAGE, "latency_ms": 20_000})}]
+    ).child_ids
+    out = subq("cancel", parent.id, "--reason", "wrong plan", env=fleet_env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"Cancelled {parent.id} and its subtree (2 tasks): cancelled: wrong plan"
+    assert coordinator.get_task(child).status == TaskStatus.CANCELLED
+    again = subq("cancel", parent.id, "--reason", "again", env=fleet_env)
+    assert again.returncode == 1 and "has already ended (cancelled)" in again.stderr
+
+
+def test_run_with_a_budget(coordinator: Coordinator, fleet_env: dict[str, str]) -> None:
+    spender = agent(*[call("update_todo_list", todos=f"[-] step {n}") for n in range(5)], reply("done"))
+    out = subq("run", spender, "--budget", "0.03", "--follow", env=fleet_env)
+    assert out.returncode == 1, "the root failed: its budget ran out"
+    root_id = out.stdout.splitlines()[0]
+    record = coordinator.get_task(root_id)
+    assert record.status == TaskStatus.FAILED and record.error_class == "BudgetExhausted"
+    assert record.budget_micros == 30_000 and record.total_cost_micros == 42_000
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "p", "--budget", "abc"], "subq: budget_usd must be a positive number of US dollars, not 'abc'"),
+        (["run", "p", "--budget", "-1"], "subq: budget_usd must be a positive number of US dollars, not '-1'"),
+        (["cancel", "0123456789abcdef", "--reason", "x"], "subq: Unknown task: 0123456789abcdef"),
+        (["cancel", "0123456789abcdef", "--reason", " "], "subq: reason must be a non-empty string"),
+        (["approve", "0123456789abcdef-a0123456789ab"], "subq: Unknown approval: 0123456789abcdef-a0123456789ab"),
+        (["deny", "junk", "--feedback", "no"], "subq: Unknown id: 'junk' is not a subq task or batch id"),
+        (["approvals", "--root", "0123456789abcdef"], "subq: Unknown task: 0123456789abcdef"),
+    ],
+)
+def test_control_commands_refuse_bad_input(
+    idle_coordinator: Coordinator, settings: Settings, args: list[str], message: str
+) -> None:
+    env = {"SUBQ_REDIS_URL": settings.redis_url or "", "SUBQ_KEY_PREFIX": settings.key_prefix, "SUBQ_QUEUE": "subq-nobody"}
+    before = state(idle_coordinator, NO_TREE)
+    proc = subq(*args, env=env)
+    assert proc.returncode == 1 and proc.stderr.strip() == message and proc.stdout == ""
+    assert state(idle_coordinator, NO_TREE) == before
+
+
+def test_cancel_requires_a_reason(settings: Settings) -> None:
+    proc = subq("cancel", "0123456789abcdef", env={"SUBQ_REDIS_URL": settings.redis_url or ""})
+    assert proc.returncode == 2 and "Missing option '--reason'" in proc.stderr
