@@ -29,6 +29,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 from importlib.metadata import PackageNotFoundError, version
 from types import TracebackType
 from typing import Any, Generic, Literal, Self, TypeVar
@@ -39,9 +40,26 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
 from coordinator import errors as error_tree
-from coordinator.api.schemas import DelegationResult, Health, HistoryPage, MessageList, TodoList
+from coordinator.api.schemas import (
+    ApprovalList,
+    DelegationResult,
+    Health,
+    HistoryPage,
+    MessageList,
+    Snapshot,
+    TodoList,
+)
 from coordinator.errors import SubqError, ValidationError, WaitTimeout
-from coordinator.models import DelegationMode, HistoryItem, SubtaskSpec, TaskRecord, TaskStatus, TodoItem
+from coordinator.models import (
+    Approval,
+    DelegationMode,
+    HistoryItem,
+    LiveState,
+    SubtaskSpec,
+    TaskRecord,
+    TaskStatus,
+    TodoItem,
+)
 from coordinator.tree import TreeNode
 
 __all__ = [
@@ -138,6 +156,9 @@ _TREE = TypeAdapter(TreeNode)
 _MESSAGES = TypeAdapter(MessageList)
 _HISTORY = TypeAdapter(HistoryPage)
 _HEALTH = TypeAdapter(Health)
+_SNAPSHOT = TypeAdapter(Snapshot)
+_APPROVALS = TypeAdapter(ApprovalList)
+_APPROVAL = TypeAdapter(Approval)
 
 
 def _task_path(task_id: str, suffix: str = "") -> str:
@@ -146,13 +167,37 @@ def _task_path(task_id: str, suffix: str = "") -> str:
     return f"/v1/tasks/{quote(task_id, safe='')}{suffix}"
 
 
-def _create_task(prompt: str, todos: object, profile: str | None, run: bool) -> _Call[TaskRecord]:
+def _create_task(
+    prompt: str, todos: object, profile: str | None, run: bool, budget_usd: Decimal | float | str | None
+) -> _Call[TaskRecord]:
     body: dict[str, Any] = {"prompt": prompt, "run": run}
     if todos is not None:
         body["todos"] = todos
     if profile is not None:
         body["profile"] = profile
+    if budget_usd is not None:
+        body["budget_usd"] = str(budget_usd)  # a decimal string: money never goes through float here
     return _Call("POST", "/v1/tasks", _TASK, json=body, ok=(201,))
+
+
+def _cancel(task_id: str, reason: str) -> _Call[TaskRecord]:
+    return _Call("POST", _task_path(task_id, "/cancel"), _TASK, json={"reason": reason})
+
+
+def _snapshot(root_id: str) -> _Call[dict[str, LiveState]]:
+    return _Call("GET", _task_path(root_id, "/snapshot"), _SNAPSHOT, unwrap=lambda page: page.tasks)
+
+
+def _list_approvals(root_id: str | None) -> _Call[list[Approval]]:
+    params = {"root": root_id} if root_id is not None else {}
+    return _Call("GET", "/v1/approvals", _APPROVALS, unwrap=lambda page: page.approvals, params=params)
+
+
+def _decide(approval_id: str, decision: str, feedback: str | None) -> _Call[Approval]:
+    body: dict[str, Any] = {"decision": decision}
+    if feedback is not None:
+        body["feedback"] = feedback
+    return _Call("POST", f"/v1/approvals/{quote(approval_id, safe='')}", _APPROVAL, json=body)
 
 
 def _delegate(
@@ -366,9 +411,24 @@ class SubqClient:
         todos: str | Sequence[Mapping[str, Any]] | None = None,
         profile: str | None = None,
         run: bool = False,
+        budget_usd: Decimal | float | str | None = None,
     ) -> TaskRecord:
         """A root task: caller-owned (`run=False`, you delegate) or an agent on the fleet (`run=True`)."""
-        return self._send(_create_task(prompt, todos, profile, run))
+        return self._send(_create_task(prompt, todos, profile, run, budget_usd))
+
+    def cancel(self, task_id: str, reason: str) -> TaskRecord:
+        """Cancel the task and its subtree (docs/control.md); ConflictError-style 409 if it has ended."""
+        return self._send(_cancel(task_id, reason))
+
+    def snapshot(self, root_id: str) -> dict[str, LiveState]:
+        """The live state of every task of the tree."""
+        return self._send(_snapshot(root_id))
+
+    def list_approvals(self, root_id: str | None = None) -> list[Approval]:
+        return self._send(_list_approvals(root_id))
+
+    def decide(self, approval_id: str, decision: Literal["approve", "deny"], feedback: str | None = None) -> Approval:
+        return self._send(_decide(approval_id, decision, feedback))
 
     def delegate(
         self, task_id: str, subtasks: Sequence[SubtaskSpec | Mapping[str, Any]], mode: DelegationMode = "parallel"
@@ -473,8 +533,23 @@ class AsyncSubqClient:
         todos: str | Sequence[Mapping[str, Any]] | None = None,
         profile: str | None = None,
         run: bool = False,
+        budget_usd: Decimal | float | str | None = None,
     ) -> TaskRecord:
-        return await self._send(_create_task(prompt, todos, profile, run))
+        return await self._send(_create_task(prompt, todos, profile, run, budget_usd))
+
+    async def cancel(self, task_id: str, reason: str) -> TaskRecord:
+        return await self._send(_cancel(task_id, reason))
+
+    async def snapshot(self, root_id: str) -> dict[str, LiveState]:
+        return await self._send(_snapshot(root_id))
+
+    async def list_approvals(self, root_id: str | None = None) -> list[Approval]:
+        return await self._send(_list_approvals(root_id))
+
+    async def decide(
+        self, approval_id: str, decision: Literal["approve", "deny"], feedback: str | None = None
+    ) -> Approval:
+        return await self._send(_decide(approval_id, decision, feedback))
 
     async def delegate(
         self, task_id: str, subtasks: Sequence[SubtaskSpec | Mapping[str, Any]], mode: DelegationMode = "parallel"

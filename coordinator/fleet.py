@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from celery import Celery
 from pydantic import SecretStr
 
 from coordinator.errors import FleetError
@@ -25,6 +27,8 @@ __all__ = ["WorkerFleet", "settings_env"]
 
 # A cold worker imports Celery and pydantic-ai in a few seconds; a loaded CI machine may take longer.
 DEFAULT_START_TIMEOUT_S = 90.0
+# How long one readiness ping collects replies; it is repeated until the start timeout.
+PING_TIMEOUT_S = 1.0
 # A warm shutdown finishes the tasks in hand; past this the group is killed.
 STOP_TIMEOUT_S = 20.0
 
@@ -55,33 +59,55 @@ def _profiles_json(settings: Settings) -> str:
 
 
 class WorkerFleet:
-    """N worker processes with logs in `log_dir`; `stop()` ends them and their children."""
+    """N worker processes with logs in `log_dir`; `stop()` ends them and their children.
 
-    def __init__(self, settings: Settings, processes: int, log_dir: Path) -> None:
+    `app_module` is the Celery app they run (subq's, or the benchmark's bare one);
+    `loglevel` WARNING keeps per-task log lines out of what a benchmark times.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        processes: int,
+        log_dir: Path,
+        *,
+        app_module: str = "workers.app",
+        loglevel: str = "INFO",
+        name: str = "w",
+    ) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
+        # Full node names, so a ping can ask these workers alone (another fleet may share the broker).
+        self.nodes = [f"{name}{index}@{socket.gethostname()}" for index in range(processes)]
         log_dir.mkdir(parents=True, exist_ok=True)
         env = settings_env(settings)
-        for index in range(processes):
+        for index, node in enumerate(self.nodes):
             log = log_dir / f"worker{index}.log"
             self.logs.append(log)
             with log.open("wb") as out:
                 self.procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "-n", f"w{index}@%h",
-                         "--loglevel", "INFO", "--without-mingle", "--without-gossip"],
+                        [sys.executable, "-m", "celery", "-A", app_module, "worker", "-n", node,
+                         "--loglevel", loglevel, "--without-mingle", "--without-gossip"],
                         env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                     )  # fmt: skip
                 )
 
-    def wait_ready(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
-        """Return once every worker has logged `ready.` (an INFO line, hence INFO logs); raise with its log if one exits."""
+    def wait_ready(self, timeout_s: float = DEFAULT_START_TIMEOUT_S, *, ping: Celery | None = None) -> None:
+        """Return once every worker is ready; raise with its log if one exits.
+
+        Ready means it logged `ready.` (an INFO line), or, with `ping` (an app on the
+        same broker, for quiet logs), that it answered a ping: then it consumes.
+        """
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for proc, log in zip(self.procs, self.logs, strict=True):
                 if proc.poll() is not None:
                     raise FleetError(f"a worker exited at start (code {proc.returncode}):\n{_tail(log)}")
-            if all(b"ready." in log.read_bytes() for log in self.logs):
+            if ping is not None:
+                if len(ping.control.ping(self.nodes, timeout=PING_TIMEOUT_S, limit=len(self.nodes))) >= len(self.nodes):
+                    return
+            elif all(b"ready." in log.read_bytes() for log in self.logs):
                 return
             time.sleep(0.1)
         raise FleetError("workers did not become ready in time:\n" + "\n".join(_tail(log) for log in self.logs))

@@ -241,6 +241,16 @@ class HistoryItem(BaseModel):
         )
 
 
+class BatchRef(BaseModel):
+    """What the write-back of one child needs of its batch (not the list of all its children)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    parent_id: str
+    root_id: str
+
+
 class Batch(BaseModel):
     """One delegation: its children in dispatch order and, once done, the combined result."""
 

@@ -27,7 +27,7 @@ from coordinator import todos as todo_lists
 from coordinator.errors import ConflictError, CorruptError, NotFoundError, StoreError
 from coordinator.ids import root_of
 from coordinator.keys import Keys
-from coordinator.models import Approval, Batch, TaskRecord, TodoItem, Usage
+from coordinator.models import Approval, Batch, BatchRef, TaskRecord, TodoItem, Usage
 
 __all__ = ["EVENTS_MAXLEN", "Store", "translate_redis_errors"]
 
@@ -118,6 +118,7 @@ class Store:
         self._release_slot = client.register_script(_load_script("release_slot.lua"))
         self._rate_limit = client.register_script(_load_script("rate_limit.lua"))
         self._decide = client.register_script(_load_script("decide.lua"))
+        self._release_lease = client.register_script(_load_script("release_lease.lua"))
 
     # -- reads -------------------------------------------------------------------------
 
@@ -189,6 +190,14 @@ class Store:
         root = root_of(task_id)
         self.task_fields(task_id)
         return [self.get_task(c) for c in _strs(self.client.lrange(self.keys.children(root, task_id), 0, -1))]
+
+    @translate_redis_errors
+    def batch_head(self, batch_id: str) -> tuple[str, str, str]:
+        """(mode, status, parent_id) of a batch, without its list of children (the hot path)."""
+        mode, status, parent_id = self.client.hmget(self.keys.batch(root_of(batch_id), batch_id), ["mode", "status", "parent_id"])
+        if mode is None:
+            raise NotFoundError(f"Unknown batch: {batch_id}", field="batch_id")
+        return str(mode), str(status), str(parent_id)
 
     @translate_redis_errors
     def get_batch(self, batch_id: str) -> Batch:
@@ -411,14 +420,7 @@ class Store:
 
     @translate_redis_errors
     def release_lease(self, task_id: str, token: str) -> None:
-        key = self.keys.lease(root_of(task_id), task_id)
-        with self.client.pipeline(transaction=True) as pipe:
-            # Release only our own lease (compare-and-delete under WATCH).
-            pipe.watch(key)  # type: ignore[no-untyped-call]
-            if pipe.get(key) == token:
-                pipe.multi()
-                pipe.delete(key)
-                pipe.execute()
+        self._release_lease(keys=[self.keys.lease(root_of(task_id), task_id)], args=[token])
 
     @translate_redis_errors
     def claim(self, task_id: str, flag: str) -> bool:
@@ -645,7 +647,7 @@ class Store:
         return str(result)
 
     @translate_redis_errors
-    def apply_children(self, batch: Batch, child_ids: Sequence[str]) -> int:
+    def apply_children(self, batch: Batch | BatchRef, child_ids: Sequence[str]) -> int:
         """Write ended children's figures onto the parent's todo items, each once per batch.
 
         One script call for all of them: the parent's todo list is decoded once.

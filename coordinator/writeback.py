@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING
 
 from coordinator import dispatch
-from coordinator.models import Batch, SubtaskResult, TaskRecord, TaskStatus, Usage, format_usd
+from coordinator.models import Batch, BatchRef, SubtaskResult, TaskRecord, TaskStatus, Usage, format_usd
 
 if TYPE_CHECKING:
     from coordinator.service import Coordinator
@@ -66,13 +66,13 @@ def settle_child(coord: Coordinator, child: TaskRecord) -> None:
     """
     if not child.batch_id:
         return
-    batch = coord.store.get_batch(child.batch_id)
-    if batch.mode == "sequential":
-        settle(coord, batch.id)
+    mode, status, parent_id = coord.store.batch_head(child.batch_id)
+    if mode == "sequential":
+        settle(coord, child.batch_id)
         return
-    coord.store.apply_children(batch, [child.id])
-    if batch.status != "done" and coord.store.awaiting_count(batch.parent_id) == 0:
-        settle(coord, batch.id)
+    coord.store.apply_children(BatchRef(id=child.batch_id, parent_id=parent_id, root_id=child.root_id), [child.id])
+    if status != "done" and coord.store.awaiting_count(parent_id) == 0:
+        settle(coord, child.batch_id)
 
 
 def close_batch(coord: Coordinator, batch: Batch) -> bool:

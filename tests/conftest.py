@@ -16,8 +16,10 @@ import pytest
 import redis
 
 from coordinator import Coordinator, Settings
+from coordinator.api import create_app
 from coordinator.fleet import WorkerFleet
 from coordinator.local_redis import local_redis
+from tests.helpers import ApiServer, api_settings
 
 # Four processes as in the acceptance test of 50 children finishing at once.
 WORKER_PROCESSES = 4
@@ -97,3 +99,22 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     yield client
     client.close()
+
+
+@pytest.fixture(scope="module")
+def live(settings: Settings, workers: WorkerFleet) -> Iterator[Coordinator]:
+    coord = Coordinator(api_settings(settings))
+    yield coord
+    coord.close()
+
+
+@pytest.fixture(scope="module")
+def live_api(live: Coordinator) -> Iterator[ApiServer]:
+    with ApiServer(create_app(coordinator=live)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def live_http(live_api: ApiServer) -> Iterator[httpx.Client]:
+    with live_api.client() as http:
+        yield http

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
 from typing import Any
 
+import httpx
 import redis
+import uvicorn
+from fastapi import FastAPI
+from pydantic import SecretStr
 
-from coordinator import Coordinator
+from coordinator import Coordinator, Settings
 
 
 def script(*steps: dict[str, Any], text: str = "Do the subtask.") -> str:
@@ -40,3 +47,43 @@ def state(coord: Coordinator, *roots: str) -> tuple[dict[str, object], int]:
         keys = {k: v for k, v in keys.items() if k in shared or any(f"{{{r}}}" in k for r in roots)}
     client: redis.Redis = coord.client
     return keys, int(client.llen(coord.settings.queue))
+
+
+TOKEN = "test-token-5f0c"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+START_TIMEOUT_S = 15
+
+
+class ApiServer:
+    """A real uvicorn server for `app` on a free 127.0.0.1 port, run in a thread; a context manager."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=2)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+
+    def __enter__(self) -> ApiServer:
+        self._thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the API server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+        self._sock.close()
+
+    def client(self, headers: dict[str, str] | None = None, timeout_s: float = 30) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=AUTH if headers is None else headers, timeout=timeout_s)
+
+
+def api_settings(settings: Settings, **update: Any) -> Settings:
+    return settings.model_copy(update={"api_token": SecretStr(TOKEN), **update})

@@ -41,7 +41,7 @@ from schemathesis.specs.openapi.checks import (
 
 from coordinator import Coordinator, Settings
 from coordinator.api import create_app
-from tests.test_api import AUTH, ApiServer, api_settings
+from tests.helpers import AUTH, ApiServer, api_settings
 
 # Examples per case: enough to reach each field and validator, few enough for the
 # whole file to stay within a minute on a CI machine.
@@ -68,6 +68,10 @@ OPERATIONS = [
     "GET /v1/tasks/{task_id}/tree",
     "GET /v1/tasks/{task_id}/messages",
     "GET /v1/tasks/{task_id}/events",
+    "POST /v1/tasks/{task_id}/cancel",
+    "GET /v1/tasks/{task_id}/snapshot",
+    "GET /v1/approvals",
+    "POST /v1/approvals/{approval_id}",
     "GET /healthz",
     "GET /metrics",
 ]

@@ -33,7 +33,8 @@ from coordinator.api import create_app
 from coordinator.client import ApiError, AsyncSubqClient, AuthError, Event, SubqClient
 from coordinator.fleet import WorkerFleet
 from tests.helpers import script, state, usage_step
-from tests.test_api import TOKEN, ApiServer, api_settings, closed_port, spec
+from tests.helpers import TOKEN, ApiServer, api_settings
+from tests.test_api import closed_port, spec
 
 ONE_STEP_TOKENS = 13_500
 ONE_STEP_COST_MICROS = 21_000

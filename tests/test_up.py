@@ -26,7 +26,6 @@ import pytest
 import redis
 
 from coordinator.local_redis import free_port
-from coordinator.up import api_available
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, tree_root
 from tests.test_cli import processes_marked, subq
 
@@ -119,9 +118,8 @@ def _answers(port: int) -> bool:
 
 def test_up_serves_a_run_from_another_terminal_and_ctrl_c_leaves_nothing(marker: str) -> None:
     api_port, flower_port = free_port(), free_port()
-    with_api = api_available()
     args = ["--workers", "2", "--api-port", str(api_port), "--flower-port", str(flower_port)]
-    up = Up(args if with_api else [*args, "--no-api"], marker)
+    up = Up(args, marker)
     try:
         banner = up.read_until("Press Ctrl-C to stop everything.", START_TIMEOUT_S)
         redis_url = _find(r"^  Redis    (redis://\S+)  \(embedded", banner)
@@ -155,14 +153,13 @@ def test_up_serves_a_run_from_another_terminal_and_ctrl_c_leaves_nothing(marker:
         assert all(v["args"].startswith(f"task={k.split('-r')[0]} ") for k, v in runs.items())
         assert httpx.get(f"{flower_url}/api/tasks", timeout=10).status_code == 401
 
-        if with_api:
-            api_url = _find(r"^  API      (http://\S+)  \(token: ", banner)
-            token = exported["SUBQ_API_TOKEN"]
-            url = f"{api_url}/v1/tasks/{root_id}/tree"
-            answer = httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
-            assert answer.status_code == 200, answer.text
-            assert answer.json()["total_cost_micros"] == 11 * STEP_COST_MICROS
-            assert httpx.get(url, timeout=10).status_code == 401
+        api_url = _find(r"^  API      (http://\S+)  \(token: ", banner)
+        token = exported["SUBQ_API_TOKEN"]
+        url = f"{api_url}/v1/tasks/{root_id}/tree"
+        answer = httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["total_cost_micros"] == 11 * STEP_COST_MICROS
+        assert httpx.get(url, timeout=10).status_code == 401
     finally:
         code = up.interrupt(signal.SIGINT)
         up.kill()
@@ -173,8 +170,6 @@ def test_up_serves_a_run_from_another_terminal_and_ctrl_c_leaves_nothing(marker:
         assert not _answers(port), f"port {port} still answers"
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(redis_url, socket_connect_timeout=1).ping()
-    if not with_api:
-        pytest.skip("the API part: coordinator.api is not installed yet (the rest of the stack passed)")
 
 
 def test_sigterm_while_starting_stops_what_was_started(marker: str, tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from coordinator.api.auth import bearer_auth
 from coordinator.api.errors import install_error_handlers
 from coordinator.api.events import event_routes
 from coordinator.api.limits import BodyLimit
+from coordinator.api.control import control_routes
 from coordinator.api.ops import ops_routes
 from coordinator.api.routes import reject_unknown_query, task_routes
 from coordinator.service import Coordinator
@@ -74,5 +75,6 @@ def create_app(settings: Settings | None = None, coordinator: Coordinator | None
     dependencies = [*([Depends(guard)] if guard is not None else []), Depends(reject_unknown_query)]
     app.include_router(task_routes(coord, auth=guard is not None), dependencies=dependencies)
     app.include_router(event_routes(coord, auth=guard is not None), dependencies=dependencies)
+    app.include_router(control_routes(coord, auth=guard is not None), dependencies=dependencies)
     app.include_router(ops_routes(coord))
     return app

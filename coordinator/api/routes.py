@@ -74,7 +74,9 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     )
     def create_task(body: CreateTaskBody) -> TaskRecord:
         """A caller-owned task (`run: false`, you delegate) or an agent on the fleet (`run: true`)."""
-        return coord.create_task(body.prompt, todos=body.todos, profile=body.profile, run=body.run)
+        return coord.create_task(
+            body.prompt, todos=body.todos, profile=body.profile, run=body.run, budget_usd=body.budget_usd
+        )
 
     @router.post(
         "/tasks/{task_id}/subtasks",

@@ -11,14 +11,18 @@ Python client can use it without loading the server.
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema
 
-from coordinator.models import DelegationMode, HistoryItem, SubtaskSpec, TodoItem, TodoStatus
+from coordinator.models import Approval, DelegationMode, HistoryItem, LiveState, SubtaskSpec, TodoItem, TodoStatus
 
 __all__ = [
+    "ApprovalList",
+    "CancelBody",
     "CreateTaskBody",
+    "DecisionBody",
     "DelegateBody",
     "DelegationResult",
     "ErrorBody",
@@ -26,6 +30,7 @@ __all__ = [
     "HistoryPage",
     "MessageList",
     "RedisHealth",
+    "Snapshot",
     "TodoList",
     "TodosBody",
     "WorkersHealth",
@@ -83,6 +88,44 @@ class CreateTaskBody(BaseModel):
         default=False,
         description="true: start the task as an agent on the fleet; false: the caller owns it and delegates",
     )
+    budget_usd: Decimal | None = Field(
+        default=None, gt=0, max_digits=12, decimal_places=6,
+        description="Most the whole tree may spend, in US dollars; it stops there (docs/control.md)",
+    )  # fmt: skip
+
+
+class CancelBody(BaseModel):
+    """POST /v1/tasks/{task_id}/cancel."""
+
+    model_config = _INPUT
+
+    reason: str = Field(min_length=1, max_length=2000, description="Why: the parent and the history read it")
+
+
+class DecisionBody(BaseModel):
+    """POST /v1/approvals/{approval_id}."""
+
+    model_config = _INPUT
+
+    decision: Literal["approve", "deny"]
+    feedback: str | None = Field(default=None, max_length=10_000, description="What the model is told on a denial")
+
+
+class ApprovalList(BaseModel):
+    """Tool calls waiting for a decision, oldest first."""
+
+    model_config = ConfigDict(frozen=True)
+
+    approvals: list[Approval]
+
+
+class Snapshot(BaseModel):
+    """The live state of every task of a tree."""
+
+    model_config = ConfigDict(frozen=True)
+
+    root_id: str
+    tasks: dict[str, LiveState]
 
 
 class DelegateBody(BaseModel):

@@ -1,0 +1,75 @@
+"""The control endpoints: cancel a subtree, the approvals queue, a tree's live snapshot.
+
+Thin calls into the Coordinator (docs/control.md), which validates before it
+writes; errors come back in the API's one shape.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query
+
+from coordinator.api.errors import error_responses, renamed_fields
+from coordinator.api.routes import ROOT_ID_PATTERN, TaskId
+from coordinator.api.schemas import ApprovalList, CancelBody, DecisionBody, Snapshot
+from coordinator.models import Approval, TaskRecord
+from coordinator.service import Coordinator
+
+__all__ = ["control_routes"]
+
+ApprovalId = Annotated[str, Path(description="An approval id, `<root>-a<12 hex>`, as GET /v1/approvals lists it")]
+_TASK_FIELDS = {"id": "task_id", "root_id": "task_id"}
+_APPROVAL_FIELDS = {"id": "approval_id"}
+
+
+def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
+    router = APIRouter(prefix="/v1", tags=["control"])
+    denied = (401,) if auth else ()
+
+    @router.post(
+        "/tasks/{task_id}/cancel",
+        response_model=TaskRecord,
+        responses=error_responses(*denied, 404, 409, 413, 422, 503),
+        summary="Cancel a task and its whole subtree",
+    )
+    def cancel(task_id: TaskId, body: CancelBody) -> TaskRecord:
+        """Queued children never start, running ones stop at their next step; finished results are kept.
+        409 when the task has already ended."""
+        with renamed_fields(_TASK_FIELDS):
+            return coord.cancel(task_id, body.reason)
+
+    @router.get(
+        "/tasks/{task_id}/snapshot",
+        response_model=Snapshot,
+        responses=error_responses(*denied, 404, 422, 503),
+        summary="The live state of every task of a tree (the task must be a root)",
+    )
+    def snapshot(task_id: TaskId) -> Snapshot:
+        with renamed_fields(_TASK_FIELDS):
+            return Snapshot(root_id=task_id, tasks=coord.snapshot(task_id))
+
+    @router.get(
+        "/approvals",
+        response_model=ApprovalList,
+        responses=error_responses(*denied, 404, 422, 503),
+        summary="Tool calls waiting for a decision, oldest first",
+    )
+    def list_approvals(
+        root: Annotated[str | None, Query(pattern=ROOT_ID_PATTERN, description="Only this root's tree")] = None,
+    ) -> ApprovalList:
+        with renamed_fields({"task_id": "root"}):
+            return ApprovalList(approvals=coord.list_approvals(root))
+
+    @router.post(
+        "/approvals/{approval_id}",
+        response_model=Approval,
+        responses=error_responses(*denied, 404, 409, 413, 422, 503),
+        summary="Approve or deny a waiting tool call; only that task resumes",
+    )
+    def decide(approval_id: ApprovalId, body: DecisionBody) -> Approval:
+        """A denial's feedback goes back to the task's model; 409 when it was already decided."""
+        with renamed_fields(_APPROVAL_FIELDS):
+            return coord.decide(approval_id, body.decision, body.feedback)
+
+    return router

@@ -1,0 +1,833 @@
+"""The HTTP API against a real uvicorn server on 127.0.0.1, real Redis and the real worker fleet.
+
+Two servers: `idle` publishes to a queue no worker consumes and keeps its keys
+under a prefix of its own, so every refusal can be checked to have changed
+nothing (no key, no published message); `live` is served by the session's
+worker processes, for the runs that must really happen.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client import REGISTRY, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import SecretStr
+
+from coordinator import ConfigError, Coordinator, Settings, StoreError, TaskRecord, Usage
+from coordinator.api import create_app
+from coordinator.api import events as api_events
+from coordinator.api.ops import SubqCollector
+from coordinator.fleet import WorkerFleet
+from coordinator.local_redis import free_port, local_redis
+from tests.agents import STEP_COST_MICROS, STEP_TOKENS, tree_root
+from tests.helpers import AUTH, TOKEN, ApiServer, api_settings, script, state, usage_step
+from tests.test_bad_input import NO_TREE
+
+ROOT = Path(__file__).resolve().parent.parent
+ONE_STEP_TOKENS = 13_500
+ONE_STEP_COST_MICROS = 21_000
+WAIT_S = 90
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on: connections to it are refused at once."""
+    return free_port()
+
+
+# -- fixtures ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def idle(settings: Settings) -> Iterator[Coordinator]:
+    """A coordinator whose messages nobody consumes, with keys of its own (exact 'nothing changed' checks)."""
+    coord = Coordinator(api_settings(settings, key_prefix="subqapi", queue="subq-api-idle"))
+    coord.client.delete("subq-api-idle")
+    yield coord
+    coord.client.delete("subq-api-idle")
+    for key in coord.client.scan_iter("subqapi:*"):
+        coord.client.delete(key)
+    coord.close()
+
+
+@pytest.fixture(scope="module")
+def idle_api(idle: Coordinator) -> Iterator[ApiServer]:
+    with ApiServer(create_app(coordinator=idle)) as server:
+        yield server
+
+
+# Clients are shared per module: building one (its TLS context) costs a few hundred ms.
+@pytest.fixture(scope="module")
+def idle_http(idle_api: ApiServer) -> Iterator[httpx.Client]:
+    with idle_api.client() as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def anon_http(idle_api: ApiServer) -> Iterator[httpx.Client]:
+    """No Authorization header at all."""
+    with idle_api.client(headers={}) as http:
+        yield http
+
+
+@pytest.fixture
+def parent(idle: Coordinator) -> TaskRecord:
+    return idle.create_task("A parent", todos="[ ] one\n[ ] two")
+
+
+def spec(n: int = 0, **extra: Any) -> dict[str, Any]:
+    return {"description": f"child {n}", "message": script(usage_step(f"child {n} done")), **extra}
+
+
+def wait_settled(http: httpx.Client, task_id: str, timeout_s: float = WAIT_S) -> dict[str, Any]:
+    """Poll GET /v1/tasks/{id} until it settles (terminal, or a caller-owned task no longer delegated)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        record: dict[str, Any] = http.get(f"/v1/tasks/{task_id}").json()
+        terminal = record["status"] in ("completed", "failed", "cancelled")
+        if terminal or (record["runner"] == "caller" and record["status"] != "delegated"):
+            return record
+        assert time.monotonic() < deadline, f"task {task_id} still {record['status']}"
+        time.sleep(0.1)
+
+
+def iter_sse(response: httpx.Response) -> Iterator[dict[str, Any]]:
+    """The events of a server-sent event stream as they arrive: {id, event, data}."""
+    current: dict[str, Any] = {"id": None, "event": "message", "data": []}
+    for line in response.iter_lines():
+        if line.startswith(":"):
+            continue
+        if not line:
+            if current["data"]:
+                yield {**current, "data": json.loads("\n".join(current["data"]))}
+            current = {"id": None, "event": "message", "data": []}
+            continue
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "data":
+            current["data"].append(value)
+        else:
+            current[name] = value
+
+
+def read_sse(response: httpx.Response) -> list[dict[str, Any]]:
+    """Every event until the server ends the stream."""
+    return list(iter_sse(response))
+
+
+def _roots_in(path: str) -> list[str]:
+    """The root ids in a request path (with none, only the root and approval indexes are compared)."""
+    return sorted(set(re.findall(r"(?<![0-9a-f])([0-9a-f]{16})(?![0-9a-f])", path))) or [NO_TREE]
+
+
+def assert_refused(
+    coord: Coordinator,
+    http: httpx.Client,
+    method: str,
+    path: str,
+    status: int,
+    code: str,
+    field: str | None,
+    message: str = "",
+    **request: Any,
+) -> httpx.Response:
+    # The live coordinator shares its Redis with other tests' trees, which may still be
+    # settling: compare only the trees this request could touch (the ids in its path).
+    before = state(coord, *_roots_in(path))
+    response = http.request(method, path, **request)
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"code", "message", "field"}
+    assert (body["code"], body["field"]) == (code, field), body
+    assert message in body["message"]
+    assert "Traceback" not in response.text
+    assert state(coord, *_roots_in(path)) == before, "a refused request changed Redis or published a message"
+    return response
+
+
+# -- happy paths ---------------------------------------------------------------------------
+
+
+def test_create_task_returns_the_record_and_it_reads_back(idle: Coordinator, idle_http: httpx.Client) -> None:
+    response = idle_http.post("/v1/tasks", json={"prompt": "Prepare the report", "todos": "[ ] Collect\n[-] Write"})
+    assert response.status_code == 201
+    created = TaskRecord.model_validate(response.json())
+    assert (created.status, created.runner, created.prompt, created.profile) == ("active", "caller", "Prepare the report", "offline")
+    assert idle_http.get(f"/v1/tasks/{created.id}").json() == response.json()
+    assert idle.get_task(created.id) == created
+    todos = idle_http.get(f"/v1/tasks/{created.id}/todos").json()
+    assert todos["task_id"] == created.id
+    assert [(t["content"], t["status"]) for t in todos["todos"]] == [("Collect", "pending"), ("Write", "in_progress")]
+
+
+def test_create_with_json_todos_and_a_profile(idle_http: httpx.Client) -> None:
+    body = {"prompt": "x", "todos": [{"content": "a"}, {"content": "b", "status": "completed"}], "profile": "offline"}
+    created = idle_http.post("/v1/tasks", json=body).json()
+    todos = idle_http.get(f"/v1/tasks/{created['id']}/todos").json()["todos"]
+    assert [(t["content"], t["status"]) for t in todos] == [("a", "pending"), ("b", "completed")]
+
+
+def test_run_true_publishes_the_agent_run(idle: Coordinator, idle_http: httpx.Client) -> None:
+    queued = idle.client.llen("subq-api-idle")
+    created = idle_http.post("/v1/tasks", json={"prompt": "an agent", "run": True}).json()
+    assert created["runner"] == "agent"
+    assert idle.client.llen("subq-api-idle") == queued + 1
+
+
+def test_concurrent_requests_each_get_their_own_task(idle: Coordinator, idle_api: ApiServer) -> None:
+    """Handlers run in a thread pool over one Coordinator: parallel creates and publishes must not mix."""
+    queued = idle.client.llen("subq-api-idle")
+    count = 16
+
+    def create(n: int) -> dict[str, Any]:
+        with idle_api.client() as http:
+            response = http.post("/v1/tasks", json={"prompt": f"agent {n}", "run": True})
+            assert response.status_code == 201, response.text
+            return response.json()  # type: ignore[no-any-return]
+
+    with ThreadPoolExecutor(count) as pool:
+        created = list(pool.map(create, range(count)))
+    assert sorted(c["prompt"] for c in created) == sorted(f"agent {n}" for n in range(count))
+    assert len({c["id"] for c in created}) == count
+    assert idle.client.llen("subq-api-idle") == queued + count
+
+
+def test_put_todos_replaces_the_list_in_either_form(idle_http: httpx.Client, parent: TaskRecord) -> None:
+    response = idle_http.put(f"/v1/tasks/{parent.id}/todos", json={"todos": "[x] one\n[ ] two\n[ ] three"})
+    assert response.status_code == 200
+    first = response.json()["todos"]
+    assert [(t["content"], t["status"]) for t in first] == [("one", "completed"), ("two", "pending"), ("three", "pending")]
+    json_form = [{"content": "two", "status": "in_progress"}, {"content": "four"}]
+    second = idle_http.put(f"/v1/tasks/{parent.id}/todos", json={"todos": json_form}).json()["todos"]
+    assert [(t["content"], t["status"]) for t in second] == [("two", "in_progress"), ("four", "pending")]
+    assert second[0]["id"] == first[1]["id"], "an item keeps its id across a status change"
+    assert idle_http.get(f"/v1/tasks/{parent.id}/todos").json()["todos"] == second
+
+
+def test_delegate_commits_and_publishes(idle: Coordinator, idle_http: httpx.Client, parent: TaskRecord) -> None:
+    queued = idle.client.llen("subq-api-idle")
+    items = idle.get_todos(parent.id)
+    body = {"mode": "parallel", "subtasks": [spec(0, todo_id=items[1].id), spec(1), spec(2)]}
+    response = idle_http.post(f"/v1/tasks/{parent.id}/subtasks", json=body)
+    assert response.status_code == 202
+    result = response.json()
+    assert set(result) == {"batch_id", "parent_id", "mode", "child_ids"}
+    assert (result["parent_id"], result["mode"], len(result["child_ids"])) == (parent.id, "parallel", 3)
+    assert idle.get_batch(result["batch_id"]).child_ids == result["child_ids"]
+    assert idle.get_task(parent.id).status == "delegated"
+    assert idle.get_todos(parent.id)[1].subtask_id == result["child_ids"][0], "the explicit todo_id won"
+    assert idle.client.llen("subq-api-idle") > queued
+
+
+def test_mode_defaults_to_parallel_and_takes_sequential(idle: Coordinator, idle_http: httpx.Client, parent: TaskRecord) -> None:
+    result = idle_http.post(f"/v1/tasks/{parent.id}/subtasks", json={"subtasks": [spec()]}).json()
+    assert result["mode"] == "parallel"
+    other = idle.create_task("seq parent")
+    result = idle_http.post(f"/v1/tasks/{other.id}/subtasks", json={"mode": "sequential", "subtasks": [spec(), spec(1)]}).json()
+    assert result["mode"] == "sequential"
+    assert idle.get_batch(result["batch_id"]).mode == "sequential"
+
+
+def test_tree_and_history(idle: Coordinator, idle_http: httpx.Client, parent: TaskRecord) -> None:
+    batch = idle.delegate(parent.id, [spec(n) for n in range(3)])
+    tree = idle_http.get(f"/v1/tasks/{parent.id}/tree").json()
+    assert (tree["id"], tree["status"], tree["depth"]) == (parent.id, "delegated", 0)
+    assert [c["id"] for c in tree["children"]] == batch.child_ids
+    assert [t["subtask_id"] for t in tree["todos"][:2]] == batch.child_ids[:2]
+    assert all(c["children"] == [] and c["depth"] == 1 for c in tree["children"])
+
+    whole = idle_http.get("/v1/tasks", params={"root": parent.id}).json()
+    ids = [i["id"] for i in whole["items"]]
+    assert sorted(ids) == sorted([parent.id, *batch.child_ids]) and ids[-1] == parent.id, "newest first"
+    assert whole["next_cursor"] is None
+    pages: list[str] = []
+    cursor: int | None = 0
+    while cursor is not None:
+        page = idle_http.get("/v1/tasks", params={"root": parent.id, "limit": 3, "cursor": cursor}).json()
+        assert len(page["items"]) <= 3
+        pages += [i["id"] for i in page["items"]]
+        cursor = page["next_cursor"]
+    assert pages == ids
+    delegated = idle_http.get("/v1/tasks", params={"root": parent.id, "status": "delegated"}).json()
+    assert [i["id"] for i in delegated["items"]] == [parent.id]
+    assert delegated["items"][0]["child_ids"] == batch.child_ids
+    newest = idle_http.get("/v1/tasks", params={"limit": 1}).json()
+    assert len(newest["items"]) == 1 and newest["next_cursor"] == 1
+
+
+def test_messages_of_a_task(idle_http: httpx.Client, parent: TaskRecord) -> None:
+    for kind in ("ui", "api"):
+        body = idle_http.get(f"/v1/tasks/{parent.id}/messages", params={"kind": kind}).json()
+        assert body == {"task_id": parent.id, "kind": kind, "messages": []}
+
+
+def test_end_to_end_three_offline_children_write_back_their_figures(live: Coordinator, live_http: httpx.Client) -> None:
+    created = live_http.post("/v1/tasks", json={"prompt": "Plan and delegate", "todos": "[ ] T1\n[ ] T2\n[ ] T3\n[ ] T4"})
+    parent_id = created.json()["id"]
+    items = live_http.get(f"/v1/tasks/{parent_id}/todos").json()["todos"]
+    body = {"mode": "parallel", "subtasks": [spec(n, todo_id=items[n]["id"]) for n in range(3)]}
+    batch = live_http.post(f"/v1/tasks/{parent_id}/subtasks", json=body).json()
+
+    done = wait_settled(live_http, parent_id)
+
+    assert done["status"] == "active"
+    todos = live_http.get(f"/v1/tasks/{parent_id}/todos").json()["todos"]
+    for n in range(3):
+        assert todos[n]["subtask_id"] == batch["child_ids"][n]
+        assert (todos[n]["tokens"], todos[n]["cost_micros"]) == (ONE_STEP_TOKENS, ONE_STEP_COST_MICROS)
+        assert todos[n]["status"] == "completed"
+    assert todos[3]["subtask_id"] is None
+    assert (done["total_tokens"], done["total_cost_micros"]) == (3 * ONE_STEP_TOKENS, 3 * ONE_STEP_COST_MICROS)
+    assert (done["tokens_in"], done["cost_micros"]) == (0, 0), "the caller-owned parent spent nothing itself"
+    ui = live_http.get(f"/v1/tasks/{parent_id}/messages").json()["messages"]
+    assert [m["say"] for m in ui if m.get("say") == "subtask_result"] == ["subtask_result"]
+    child = live_http.get(f"/v1/tasks/{batch['child_ids'][0]}/messages", params={"kind": "api"}).json()["messages"]
+    assert child and child[0]["kind"] == "request"
+    history = live_http.get("/v1/tasks", params={"root": parent_id, "status": "completed"}).json()["items"]
+    assert {i["id"] for i in history} == set(batch["child_ids"])
+    assert all(i["total_cost_micros"] == ONE_STEP_COST_MICROS for i in history)
+
+
+def test_an_agent_run_seen_through_the_tree(live_http: httpx.Client) -> None:
+    root_id = live_http.post("/v1/tasks", json={"prompt": tree_root(), "run": True}).json()["id"]
+    with live_http.stream("GET", f"/v1/tasks/{root_id}/events", timeout=WAIT_S) as response:
+        events = read_sse(response)  # the stream ends when the agent has ended
+    assert events[-1] == {"id": None, "event": "end", "data": {"task_id": root_id, "status": "completed"}}
+
+    tree = live_http.get(f"/v1/tasks/{root_id}/tree").json()
+    assert (tree["status"], tree["summary"]) == ("completed", "Report ready")
+    assert [t["content"] for t in tree["todos"]] == ["A", "B", "C"]
+    assert all(t["status"] == "completed" for t in tree["todos"])
+    a, b, c = tree["children"]
+    assert [t["subtask_id"] for t in tree["todos"]] == [a["id"], b["id"], c["id"]]
+    assert [g["description"] for g in b["children"]] == ["B1", "B2"]
+    assert all(g["depth"] == 2 and g["status"] == "completed" for g in b["children"])
+    assert (tree["todos"][1]["tokens"], tree["todos"][1]["cost_micros"]) == (5 * STEP_TOKENS, 5 * STEP_COST_MICROS)
+    assert (tree["cost_micros"], tree["total_cost_micros"]) == (4 * STEP_COST_MICROS, 11 * STEP_COST_MICROS)
+    assert tree["total_tokens"] == 11 * STEP_TOKENS
+    statuses = [e["data"] for e in events if e["data"].get("type") == "task_status"]
+    assert {"task_id": root_id, "status": "completed", "type": "task_status"} in statuses
+
+
+# -- events (SSE) --------------------------------------------------------------------------
+
+
+def test_events_of_a_delegation_end_when_the_parent_settles(live: Coordinator, live_http: httpx.Client) -> None:
+    parent = live.create_task("Delegate two", todos="[ ] a\n[ ] b")
+    slow = {"description": "slow", "message": script({**usage_step("slow done"), "latency_ms": 1500})}
+    batch = live.delegate(parent.id, [spec(0), slow])
+    events: list[dict[str, Any]] = []
+    with live_http.stream("GET", f"/v1/tasks/{parent.id}/events", timeout=WAIT_S) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for event in iter_sse(response):
+            if not events:  # the stream is live: its first event came while the children ran
+                assert live.get_task(parent.id).status == "delegated"
+            events.append(event)
+
+    entries, end = events[:-1], events[-1]
+    assert end["event"] == "end" and end["data"] == {"task_id": parent.id, "status": "active"}
+    assert all(e["event"] == "message" and e["id"] for e in entries)
+    ids = [tuple(map(int, e["id"].split("-"))) for e in entries]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    types = [e["data"]["type"] for e in entries]
+    assert types[0] == "delegated" and entries[0]["data"]["batch_id"] == batch.id
+    applied = [e["data"]["child_id"] for e in entries if e["data"]["type"] == "child_applied"]
+    assert sorted(applied) == sorted(batch.child_ids)
+    assert types.index("batch_done") > max(i for i, t in enumerate(types) if t == "child_applied")
+
+    # Resuming after the first event replays the rest, and ends again at once.
+    resume = {"Last-Event-ID": entries[0]["id"]}
+    with live_http.stream("GET", f"/v1/tasks/{parent.id}/events", headers=resume) as response:
+        again = read_sse(response)
+    assert [e["id"] for e in again[:-1]] == [e["id"] for e in entries[1:]]
+    assert again[-1]["event"] == "end"
+
+
+def test_events_of_a_settled_caller_task_end_at_once(idle: Coordinator, idle_http: httpx.Client) -> None:
+    task = idle.create_task("nothing delegated")
+    started = time.monotonic()
+    with idle_http.stream("GET", f"/v1/tasks/{task.id}/events") as response:
+        events = read_sse(response)
+    assert events == [{"id": None, "event": "end", "data": {"task_id": task.id, "status": "active"}}]
+    assert time.monotonic() - started < 5
+
+
+def test_events_send_keepalive_comments(
+    idle: Coordinator, idle_http: httpx.Client, parent: TaskRecord, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(api_events, "KEEPALIVE_S", 0.2)
+    idle.delegate(parent.id, [spec()])  # nobody runs the child: the stream stays open
+    lines: list[str] = []
+    with idle_http.stream("GET", f"/v1/tasks/{parent.id}/events", timeout=10) as response:
+        for line in response.iter_lines():
+            lines.append(line)
+            if line.startswith(":"):
+                break
+    assert lines[-1].startswith(": ping"), lines
+    assert any(line.startswith("data:") and '"delegated"' in line for line in lines)
+
+
+def test_events_end_with_an_error_event_when_redis_fails_mid_stream(idle: Coordinator, parent: TaskRecord) -> None:
+    flaky = Coordinator(idle.settings, client=idle.client)
+    real_status_of = flaky.store.status_of
+    calls = 0
+
+    def status_of(task_id: str) -> tuple[str, str]:
+        nonlocal calls
+        calls += 1
+        if calls > 2:  # the route's check and the stream's first look succeed
+            raise StoreError("Redis is unreachable: connection reset")
+        return real_status_of(task_id)
+
+    flaky.store.status_of = status_of  # type: ignore[method-assign]
+    flaky.delegate(parent.id, [spec()])  # stays delegated: the stream would run on
+    with ApiServer(create_app(coordinator=flaky)) as server, server.client() as http:
+        with http.stream("GET", f"/v1/tasks/{parent.id}/events", timeout=10) as response:
+            events = read_sse(response)
+    assert events[0]["data"]["type"] == "delegated"
+    assert events[-1] == {
+        "id": None,
+        "event": "error",
+        "data": {"code": "store_error", "message": "Redis is unreachable: connection reset", "field": None},
+    }
+
+
+# -- errors --------------------------------------------------------------------------------
+
+# Every operation behind the token, with a body that would succeed.
+GUARDED = [
+    ("POST", "/v1/tasks", {"prompt": "x"}),
+    ("POST", "/v1/tasks/{id}/subtasks", {"subtasks": [{"description": "d", "message": "m"}]}),
+    ("GET", "/v1/tasks/{id}", None),
+    ("GET", "/v1/tasks/{id}/todos", None),
+    ("PUT", "/v1/tasks/{id}/todos", {"todos": "[ ] z"}),
+    ("GET", "/v1/tasks/{id}/tree", None),
+    ("GET", "/v1/tasks/{id}/messages", None),
+    ("GET", "/v1/tasks/{id}/events", None),
+    ("GET", "/v1/tasks", None),
+    ("POST", "/v1/tasks/{id}/cancel", {"reason": "x"}),
+    ("GET", "/v1/tasks/{id}/snapshot", None),
+    ("GET", "/v1/approvals", None),
+    # 404 of an unknown approval: tests/test_api_control.py
+    ("POST", "/v1/approvals/{approval_id}", {"decision": "approve"}),
+]
+
+
+def test_every_v1_operation_is_guarded(idle_http: httpx.Client) -> None:
+    document = idle_http.get("/openapi.json").json()
+    operations = {
+        (method.upper(), path.replace("{task_id}", "{id}"))
+        for path, item in document["paths"].items()
+        for method, op in item.items()
+        if path.startswith("/v1/")
+    }
+    assert operations == {(m, p) for m, p, _ in GUARDED}, "a new endpoint needs its 401 and 404 tests"
+    for path, item in document["paths"].items():
+        for op in item.values():
+            assert ("security" in op) == path.startswith("/v1/"), path
+
+
+@pytest.mark.parametrize(("method", "path", "body"), GUARDED)
+@pytest.mark.parametrize(
+    ("authorization", "message"),
+    [(None, "Missing bearer token"), ("Bearer wrong-token", "Invalid bearer token"), (f"Basic {TOKEN}", "Missing")],
+)
+def test_401_without_the_right_token(
+    idle: Coordinator,
+    anon_http: httpx.Client,
+    parent: TaskRecord,
+    method: str,
+    path: str,
+    body: Any,
+    authorization: str | None,
+    message: str,
+) -> None:
+    headers = {"Authorization": authorization} if authorization else {}
+    response = assert_refused(
+        idle, anon_http, method, path.format(id=parent.id, approval_id=f"{parent.id}-a0123456789ab"), 401, "unauthorized", "Authorization", message,
+        json=body, headers=headers,
+    )  # fmt: skip
+    assert response.headers["www-authenticate"] == "Bearer"
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/metrics", "/openapi.json", "/docs"])
+def test_open_endpoints_need_no_token(anon_http: httpx.Client, path: str) -> None:
+    assert anon_http.get(path).status_code == 200
+
+
+@pytest.mark.parametrize(("method", "path", "body"), [g for g in GUARDED if "{id}" in g[1]])
+@pytest.mark.parametrize(
+    ("task_id", "message"),
+    [
+        ("0123456789abcdef", "Unknown task: 0123456789abcdef"),
+        ("0123456789abcdef-0123456789ab", "Unknown task: 0123456789abcdef-0123456789ab"),
+        ("not-an-id", "'not-an-id' is not a subq task or batch id"),
+    ],
+)
+def test_404_for_unknown_ids(
+    idle: Coordinator, idle_http: httpx.Client, method: str, path: str, body: Any, task_id: str, message: str
+) -> None:
+    assert_refused(idle, idle_http, method, path.format(id=task_id), 404, "not_found", "task_id", message, json=body)
+
+
+def test_404_and_405_for_unknown_routes(idle: Coordinator, idle_http: httpx.Client) -> None:
+    assert_refused(idle, idle_http, "GET", "/v2/tasks", 404, "not_found", None, "No such endpoint: GET /v2/tasks")
+    response = assert_refused(idle, idle_http, "DELETE", "/v1/tasks", 405, "method_not_allowed", None)
+    assert response.headers["allow"]  # (Starlette names the first matching route's methods only)
+
+
+def test_409_delegating_from_a_delegated_parent(idle: Coordinator, idle_http: httpx.Client, parent: TaskRecord) -> None:
+    idle.delegate(parent.id, [spec()])
+    assert_refused(
+        idle,
+        idle_http,
+        "POST",
+        f"/v1/tasks/{parent.id}/subtasks",
+        409,
+        "wrong_state",
+        "task_id",
+        f"Task {parent.id} is delegated, not active",
+        json={"subtasks": [spec(1)]},
+    )
+
+
+def test_409_at_the_depth_limit(settings: Settings) -> None:
+    flat = Coordinator(api_settings(settings, key_prefix="subqapi", queue="subq-api-idle", max_depth=0))
+    root = flat.create_task("no subtasks allowed")
+    with ApiServer(create_app(coordinator=flat)) as server, server.client() as http:
+        assert_refused(
+            flat, http, "POST", f"/v1/tasks/{root.id}/subtasks", 409, "wrong_state", "task_id",
+            "SUBQ_MAX_DEPTH=0 allows no deeper subtasks", json={"subtasks": [spec()]},
+        )  # fmt: skip
+    flat.close()
+
+
+def _body_of_size(size: int) -> bytes:
+    body = json.dumps({"prompt": ""}).encode()
+    return json.dumps({"prompt": "x" * (size - len(body))}).encode()
+
+
+def test_413_for_a_body_over_the_limit(idle: Coordinator, idle_http: httpx.Client) -> None:
+    limit = idle.settings.api_max_body_bytes
+    json_type = {"Content-Type": "application/json"}
+    at_limit = _body_of_size(limit)
+    assert len(at_limit) == limit
+    # At the limit the body is read and parsed: the service refuses the prompt's length.
+    assert_refused(idle, idle_http, "POST", "/v1/tasks", 422, "invalid_input", "prompt", "the limit is", content=at_limit, headers=json_type)
+    over = _body_of_size(limit + 1)
+    assert_refused(idle, idle_http, "POST", "/v1/tasks", 413, "body_too_large", None, "SUBQ_API_MAX_BODY_BYTES", content=over, headers=json_type)
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: the streamed size is counted
+        for start in range(0, len(over), 64 * 1024):
+            yield over[start : start + 64 * 1024]
+
+    response = assert_refused(idle, idle_http, "POST", "/v1/tasks", 413, "body_too_large", None, content=chunked(), headers=json_type)
+    assert "content-length" not in response.request.headers
+
+
+def test_413_comes_before_parsing_and_auth(idle: Coordinator, anon_http: httpx.Client, parent: TaskRecord) -> None:
+    over = b"{" * (idle.settings.api_max_body_bytes + 1)  # not even JSON
+    assert_refused(idle, anon_http, "PUT", f"/v1/tasks/{parent.id}/todos", 413, "body_too_large", None, content=over)
+
+
+CREATE_422 = [
+    ({}, "invalid_input", "prompt", "prompt: Field required"),
+    ({"prompt": "x", "colour": "red"}, "invalid_input", "colour", "colour: Extra inputs are not permitted"),
+    ({"prompt": ""}, "invalid_input", "prompt", "String should have at least 1 character"),
+    ({"prompt": "  \n "}, "invalid_input", "prompt", "prompt must be a non-empty string"),
+    ({"prompt": 5}, "invalid_input", "prompt", "Input should be a valid string"),
+    ({"prompt": "x", "run": "yes"}, "invalid_input", "run", "Input should be a valid boolean"),
+    ({"prompt": "x", "profile": "gpt-9"}, "invalid_profile", "profile", "Invalid profile: gpt-9"),
+    ({"prompt": "x", "todos": "just prose"}, "invalid_todos", "todos", "The todo update has no items"),
+    ({"prompt": "x", "todos": [{"content": "a"}, {"content": " "}]}, "invalid_todos", "todos.1.content", "Todo item 1 has no content"),
+    ({"prompt": "x", "todos": {"content": "a"}}, "invalid_todos", "todos", "must be markdown text or a list"),
+]
+
+
+@pytest.mark.parametrize(("body", "code", "field", "message"), CREATE_422)
+def test_422_create(idle: Coordinator, idle_http: httpx.Client, body: Any, code: str, field: str, message: str) -> None:
+    assert_refused(idle, idle_http, "POST", "/v1/tasks", 422, code, field, message, json=body)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(b"{", "The request body is not valid JSON"), (b"[]", "body: Input should be a valid dictionary"), (b"", "body: Field required")],
+)
+def test_422_for_a_body_that_is_no_object(idle: Coordinator, idle_http: httpx.Client, content: bytes, message: str) -> None:
+    headers = {"Content-Type": "application/json"}
+    assert_refused(idle, idle_http, "POST", "/v1/tasks", 422, "invalid_input", None, message, content=content, headers=headers)
+
+
+DELEGATE_422 = [
+    ({}, "invalid_input", "subtasks", "subtasks: Field required"),
+    ({"subtasks": []}, "invalid_input", "subtasks", "List should have at least 1 item"),
+    ({"subtasks": [spec()], "mode": "sideways"}, "invalid_input", "mode", "Input should be 'parallel' or 'sequential'"),
+    ({"subtasks": [spec()], "wait": True}, "invalid_input", "wait", "Extra inputs are not permitted"),
+    ({"subtasks": [spec(0), {"description": "d", "message": ""}]}, "invalid_input", "subtasks.1.message",
+     "subtasks.1.message: String should have at least 1 character"),
+    ({"subtasks": [spec(0), {"description": "d", "message": "  "}]}, "invalid_input", "subtasks.1.message", ""),
+    ({"subtasks": [spec(0, colour="red")]}, "invalid_input", "subtasks.0.colour", "Extra inputs are not permitted"),
+    ({"subtasks": [{"message": "m"}]}, "invalid_input", "subtasks.0.description", "Field required"),
+    ({"subtasks": [spec(0), spec(1, profile="gpt-9")]}, "invalid_profile", "subtasks.1.profile", "Invalid profile: gpt-9"),
+    ({"subtasks": [spec(0), spec(1, todo_id="nope")]}, "invalid_todos", "subtasks.1.todo_id", "Unknown todo_id 'nope'"),
+    ({"subtasks": "do it"}, "invalid_input", "subtasks", "Input should be a valid list"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "code", "field", "message"), DELEGATE_422)
+def test_422_delegate(
+    idle: Coordinator, idle_http: httpx.Client, parent: TaskRecord, body: Any, code: str, field: str, message: str
+) -> None:
+    path = f"/v1/tasks/{parent.id}/subtasks"
+    assert_refused(idle, idle_http, "POST", path, 422, code, field, message, json=body)
+
+
+def test_422_delegate_over_the_fanout_limit(idle: Coordinator, idle_http: httpx.Client, parent: TaskRecord) -> None:
+    width = idle.settings.max_fanout + 1
+    body = {"subtasks": [{"description": f"d{n}", "message": "m"} for n in range(width)]}
+    message = f"{width} subtasks exceed SUBQ_MAX_FANOUT={idle.settings.max_fanout}"
+    assert_refused(idle, idle_http, "POST", f"/v1/tasks/{parent.id}/subtasks", 422, "invalid_input", "subtasks", message, json=body)
+
+
+def test_422_same_todo_for_two_children(idle: Coordinator, idle_http: httpx.Client, parent: TaskRecord) -> None:
+    todo = idle.get_todos(parent.id)[0].id
+    body = {"subtasks": [spec(0, todo_id=todo), spec(1, todo_id=todo)]}
+    assert_refused(
+        idle, idle_http, "POST", f"/v1/tasks/{parent.id}/subtasks", 422, "invalid_todos", "subtasks.1.todo_id",
+        "is used by two subtasks", json=body,
+    )  # fmt: skip
+
+
+TODOS_422 = [
+    ({}, "invalid_input", "todos", "todos: Field required"),
+    ({"todos": "just prose, no items"}, "invalid_todos", "todos", "The todo update has no items"),
+    ({"todos": ""}, "invalid_todos", "todos", "The todo update has no items"),
+    ({"todos": []}, "invalid_todos", "todos", "The todo update has no items"),
+    ({"todos": [{"content": "ok", "status": "done"}]}, "invalid_todos", "todos.0.status", "invalid status 'done'"),
+    ({"todos": [{"content": "ok"}, {"content": ""}]}, "invalid_todos", "todos.1.content", "Todo item 1 has no content"),
+    ({"todos": 7}, "invalid_todos", "todos", "must be markdown text or a list"),
+    ({"todos": "[ ] a", "extra": 1}, "invalid_input", "extra", "Extra inputs are not permitted"),
+]
+
+
+@pytest.mark.parametrize(("body", "code", "field", "message"), TODOS_422)
+def test_422_todo_update_keeps_the_list(
+    idle: Coordinator, idle_http: httpx.Client, parent: TaskRecord, body: Any, code: str, field: str, message: str
+) -> None:
+    assert_refused(idle, idle_http, "PUT", f"/v1/tasks/{parent.id}/todos", 422, code, field, message, json=body)
+    assert [t.content for t in idle.get_todos(parent.id)] == ["one", "two"]
+
+
+QUERY_422 = [
+    ("/v1/tasks?limit=0", "limit", "greater than or equal to 1"),
+    ("/v1/tasks?limit=501", "limit", "less than or equal to 500"),
+    ("/v1/tasks?limit=ten", "limit", "valid integer"),
+    ("/v1/tasks?cursor=-1", "cursor", "greater than or equal to 0"),
+    ("/v1/tasks?cursor=99999999999999999999", "cursor", "less than or equal to"),
+    ("/v1/tasks?status=sleeping", "status", "Input should be 'active', 'delegated'"),
+    ("/v1/tasks?root=not-a-root", "root", "String should match pattern"),
+    ("/v1/tasks?root=0123456789abcdef-0123456789ab", "root", "String should match pattern"),
+    ("/v1/tasks/{id}/messages?kind=xml", "kind", "Input should be 'ui' or 'api'"),
+]
+
+
+@pytest.mark.parametrize(("url", "field", "message"), QUERY_422)
+def test_422_bad_query_parameters(
+    idle: Coordinator, idle_http: httpx.Client, parent: TaskRecord, url: str, field: str, message: str
+) -> None:
+    assert_refused(idle, idle_http, "GET", url.format(id=parent.id), 422, "invalid_input", field, message)
+
+
+def test_422_bad_last_event_id(idle: Coordinator, idle_http: httpx.Client, parent: TaskRecord) -> None:
+    assert_refused(
+        idle, idle_http, "GET", f"/v1/tasks/{parent.id}/events", 422, "invalid_input", "last-event-id",
+        "String should match pattern", headers={"Last-Event-ID": "yesterday"},
+    )  # fmt: skip
+
+
+def test_500_hides_the_exception(idle: Coordinator, caplog: pytest.LogCaptureFixture) -> None:
+    class Broken(Coordinator):
+        def get_task(self, task_id: str) -> TaskRecord:
+            raise RuntimeError("secret internal detail")
+
+    broken = Broken(idle.settings, client=idle.client)
+    with ApiServer(create_app(coordinator=broken)) as server, server.client() as http:
+        response = http.get("/v1/tasks/0123456789abcdef")
+    assert response.status_code == 500
+    assert response.json() == {
+        "code": "internal_error",
+        "message": "Internal server error; the server log has the details",
+        "field": None,
+    }
+    assert "secret" not in response.text and "Traceback" not in response.text
+    assert any("secret internal detail" in str(r.exc_info) for r in caplog.records if r.exc_info), "logged on the server"
+
+
+def test_503_when_redis_is_down(settings: Settings) -> None:
+    down = Coordinator(api_settings(settings, redis_url=f"redis://127.0.0.1:{closed_port()}/0"))
+    with ApiServer(create_app(coordinator=down)) as server, server.client() as http:
+        task = http.get("/v1/tasks/0123456789abcdef")
+        assert task.status_code == 503
+        assert (task.json()["code"], task.json()["field"]) == ("store_error", None)
+        assert task.json()["message"].startswith("Redis is unreachable")
+        assert http.get("/metrics").status_code == 503
+        health = http.get("/healthz")
+    assert health.status_code == 503
+    body = health.json()
+    assert (body["status"], body["redis"]["ok"], body["workers"]["count"]) == ("down", False, 0)
+    assert "Redis is unreachable" in body["redis"]["error"]
+    down.close()
+
+
+# -- auth configuration --------------------------------------------------------------------
+
+
+def test_auth_disabled_explicitly_works_without_a_token_and_warns(
+    idle: Coordinator, caplog: pytest.LogCaptureFixture
+) -> None:
+    open_settings = idle.settings.model_copy(update={"api_token": None, "api_auth_disabled": True})
+    with caplog.at_level(logging.WARNING, logger="coordinator.api"):
+        app = create_app(open_settings, coordinator=idle)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "coordinator.api" and r.levelno == logging.WARNING]
+    assert any("SUBQ_API_AUTH_DISABLED=true" in w and "WITHOUT authentication" in w for w in warnings)
+    with ApiServer(app) as server, server.client(headers={}) as http:
+        created = http.post("/v1/tasks", json={"prompt": "open"})
+        assert created.status_code == 201
+        assert http.get(f"/v1/tasks/{created.json()['id']}").status_code == 200
+        assert all("security" not in op for item in http.get("/openapi.json").json()["paths"].values() for op in item.values())
+
+
+@pytest.mark.parametrize("token", [None, ""])
+def test_no_token_and_auth_not_disabled_is_a_config_error(settings: Settings, token: str | None) -> None:
+    bare = settings.model_copy(update={"api_token": SecretStr(token) if token is not None else None})
+    with pytest.raises(ConfigError, match="SUBQ_API_TOKEN") as caught:
+        create_app(bare)
+    assert caught.value.field == "SUBQ_API_TOKEN"
+    assert "SUBQ_API_AUTH_DISABLED=true" in caught.value.message
+
+
+def test_create_app_reads_the_environment(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SUBQ_REDIS_URL", redis_url)
+    with pytest.raises(ConfigError, match="SUBQ_API_TOKEN"):
+        create_app()
+    monkeypatch.setenv("SUBQ_API_TOKEN", TOKEN)
+    with ApiServer(create_app()) as server, server.client() as http:
+        assert http.get("/v1/tasks", params={"limit": 1}).status_code == 200
+        assert http.get("/v1/tasks", headers={"Authorization": "Bearer nope"}).status_code == 401
+
+
+def test_uvicorn_factory_starts_and_warns_when_auth_is_disabled(redis_url: str) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUBQ_")}
+    env.update(SUBQ_REDIS_URL=redis_url, SUBQ_API_AUTH_DISABLED="true", SUBQ_KEY_PREFIX="subqapi")
+    argv = [sys.executable, "-m", "uvicorn", "--factory", "coordinator.api:create_app", "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        lines: list[str] = []
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if "Application startup complete" in line or proc.poll() is not None:
+                break
+        assert any("SUBQ_API_AUTH_DISABLED=true" in line and "WITHOUT authentication" in line for line in lines), lines
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/tasks", params={"limit": 1}).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+# -- health and metrics --------------------------------------------------------------------
+
+
+def test_healthz_with_workers(live_http: httpx.Client) -> None:
+    body = live_http.get("/healthz").json()
+    assert body["status"] == "ok"
+    assert body["redis"]["ok"] is True and body["redis"]["latency_ms"] >= 0
+    assert body["workers"]["count"] >= 4 and len(body["workers"]["names"]) == body["workers"]["count"]
+
+
+def test_healthz_degraded_without_workers(settings: Settings) -> None:
+    with local_redis() as lonely_url:
+        lonely = Coordinator(api_settings(settings, redis_url=lonely_url))
+        with ApiServer(create_app(coordinator=lonely)) as server, server.client(headers={}) as http:
+            response = http.get("/healthz")
+        lonely.close()
+    assert response.status_code == 200
+    body = response.json()
+    assert (body["status"], body["redis"]["ok"], body["workers"]["count"]) == ("degraded", True, 0)
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_metrics_report_tasks_spend_queue_and_latency(settings: Settings) -> None:
+    coord = Coordinator(api_settings(settings, key_prefix="subqmetrics", queue="subq-metrics"))
+    for key in coord.client.scan_iter("subqmetrics:*"):
+        coord.client.delete(key)
+    coord.client.delete("subq-metrics")
+    first = coord.create_task("one root")
+    second = coord.create_task("another root")
+    batch = coord.delegate(second.id, [spec()])
+    child = batch.child_ids[0]
+    coord.store.record_usage(child, "r:1", Usage(tokens_in=100, tokens_out=10), 1234, "test")
+    coord.store.record_usage(first.id, "r:1", Usage(tokens_in=10), 66, "test")
+    for latency_ms in (50, 300, 70_000):
+        coord.store.observe_latency(latency_ms)
+
+    with ApiServer(create_app(coordinator=coord)) as server, server.client(headers={}) as http:
+        response = http.get("/metrics")
+        again = http.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = _samples(response.text)
+    assert samples == _samples(again.text), "a scrape changes nothing"
+    tasks = {dict(labels)["status"]: v for (name, labels), v in samples.items() if name == "subq_tasks"}
+    assert tasks == {"active": 2, "delegated": 1, "completed": 0, "failed": 0, "cancelled": 0}
+    assert samples[("subq_root_spend_micro_usd", ())] == 1234 + 66, "each root's total, the child's spend once"
+    assert samples[("subq_queue_depth", (("queue", "subq-metrics"),))] == coord.client.llen("subq-metrics") > 0
+    buckets = {
+        dict(labels)["le"]: v for (name, labels), v in samples.items() if name == "subq_model_request_latency_seconds_bucket"
+    }
+    assert (buckets["0.1"], buckets["0.25"], buckets["0.5"], buckets["60"], buckets["120"], buckets["+Inf"]) == (1, 1, 2, 2, 3, 3)
+    assert samples[("subq_model_request_latency_seconds_count", ())] == 3
+    assert samples[("subq_model_request_latency_seconds_sum", ())] == pytest.approx(70.35)
+    assert "over the 1000 most recent tasks" in response.text, "HELP says the figures are bounded"
+    assert b"subq_tasks" not in generate_latest(REGISTRY), "no process-global metrics"
+
+    window = _samples(generate_latest_of(SubqCollector(coord, recent_tasks=1)))
+    assert sum(v for (name, _), v in window.items() if name == "subq_tasks") == 1
+    for key in coord.client.scan_iter("subqmetrics:*"):
+        coord.client.delete(key)
+    coord.client.delete("subq-metrics")
+    coord.close()
+
+
+def generate_latest_of(collector: SubqCollector) -> str:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return generate_latest(registry).decode()
+
