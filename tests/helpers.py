@@ -6,7 +6,8 @@ import json
 import socket
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import httpx
 import redis
@@ -15,6 +16,33 @@ from fastapi import FastAPI
 from pydantic import SecretStr
 
 from coordinator import Coordinator, Settings
+
+
+T = TypeVar("T")
+
+
+def eventually(probe: Callable[[], T | None], what: str, timeout_s: float = 30.0, every_s: float = 0.25) -> T:
+    """Poll `probe` until it returns something truthy; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = probe()
+        if found:
+            return found
+        time.sleep(every_s)
+    raise AssertionError(f"never saw {what} within {timeout_s:g}s")
+
+
+def quiet(coord: Coordinator, *roots: str, still_s: float = 0.5, timeout_s: float = 15.0) -> None:
+    """Wait until the trees stop changing (runs that were stopped have finished unwinding)."""
+    deadline = time.monotonic() + timeout_s
+    last = state(coord, *roots)
+    while time.monotonic() < deadline:
+        time.sleep(still_s)
+        now = state(coord, *roots)
+        if now == last:
+            return
+        last = now
+    raise AssertionError(f"trees {roots} kept changing for {timeout_s:g}s")
 
 
 def script(*steps: dict[str, Any], text: str = "Do the subtask.") -> str:

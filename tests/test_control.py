@@ -15,7 +15,7 @@ from coordinator import Coordinator, NotFoundError, Settings, StateError, TaskSt
 from coordinator.celery_app import make_app
 from tests.conftest import dedicated_fleet
 from tests.agents import STEP_COST_MICROS, USAGE, agent, call, reply
-from tests.helpers import state
+from tests.helpers import eventually, state
 from tests.test_bad_input import NO_TREE
 from workers.runtime.context import build_runtime
 from workers.runtime.runner import run_child
@@ -24,11 +24,7 @@ WAIT_S = 60
 
 
 def _until(check: Callable[[], bool], timeout_s: float = 20, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+    eventually(check, what, timeout_s, every_s=0.05)
 
 
 def _slow(text: str, latency_ms: int = 15_000) -> str:

@@ -21,15 +21,16 @@ from coordinator import Coordinator, Settings
 from coordinator.local_redis import free_port
 from coordinator.up import Service
 from tests.agents import USAGE, agent, call, reply
+from tests import helpers
 from tests.helpers import script, usage_step
 
 USER, PASSWORD = "flower-test", uuid.uuid4().hex
 # Flower connects its event consumer a few seconds after it listens; a loaded
 # 2-core machine can take far longer.
 SEEN_TIMEOUT_S = 90.0
+T = TypeVar("T")
 # Long enough to observe the running child between its two model responses.
 THINKING_MS = 3000
-T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +57,8 @@ def flower_get(url: str, path: str, auth: tuple[str, str] | None = (USER, PASSWO
     return httpx.get(f"{url}{path}", auth=auth, timeout=10)
 
 
-def eventually(probe: Callable[[], T | None], what: str, timeout_s: float = SEEN_TIMEOUT_S) -> T:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = probe()
-        if found:
-            return found
-        time.sleep(0.25)
-    raise AssertionError(f"Flower never showed {what}")
+def eventually(probe: Callable[[], T | None], what: str) -> T:
+    return helpers.eventually(probe, f"Flower show {what}", SEEN_TIMEOUT_S)
 
 
 def tasks_named(url: str, name: str) -> dict[str, dict[str, Any]]:

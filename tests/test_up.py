@@ -27,6 +27,7 @@ import redis
 
 from coordinator.local_redis import free_port
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, tree_root
+from tests.helpers import eventually
 from tests.test_cli import processes_marked, subq
 
 START_TIMEOUT_S = 150.0
@@ -149,7 +150,7 @@ def test_up_serves_a_run_from_another_terminal_and_ctrl_c_leaves_nothing(marker:
             runs = {k: v for k, v in response.json().items() if k.startswith(root_id) and v["state"] == "SUCCESS"}
             return runs if {k for k in runs if "-r" not in k} >= {root_id} and len(runs) >= 6 else None
 
-        runs = _eventually(flower_tasks, "the run's tasks in Flower")
+        runs = eventually(flower_tasks, "the run's tasks in Flower", SEEN_TIMEOUT_S, every_s=0.5)
         assert all(v["args"].startswith(f"task={k.split('-r')[0]} ") for k, v in runs.items())
         assert httpx.get(f"{flower_url}/api/tasks", timeout=10).status_code == 401
 
@@ -193,13 +194,3 @@ def _find(pattern: str, text: str, groups: int = 1) -> Any:
     match = re.search(pattern, text, re.MULTILINE)
     assert match is not None, f"{pattern!r} not in:\n{text}"
     return match.group(1) if groups == 1 else match.groups()
-
-
-def _eventually(probe: Any, what: str) -> Any:
-    deadline = time.monotonic() + SEEN_TIMEOUT_S
-    while time.monotonic() < deadline:
-        found = probe()
-        if found:
-            return found
-        time.sleep(0.5)
-    raise AssertionError(f"never saw {what}")
