@@ -167,3 +167,43 @@ def test_a_script_with_bad_json_fails_the_child_with_a_clear_error(coordinator: 
     assert broken.status.value == "failed" and broken.error_class == "ScriptError"
     assert "subq-script block is not valid JSON" in broken.error
     assert coordinator.get_task(batch.child_ids[1]).status.value == "completed"
+
+
+def test_admission_limits_a_tree_and_starts_the_waiting_in_order(idle_coordinator: Coordinator) -> None:
+    coord, store = idle_coordinator, idle_coordinator.store
+    root = coord.create_task("root")
+    a, b = coord.delegate(root.id, [{"description": d, "message": "m"} for d in "ab"]).child_ids
+    a1, a2, b1 = (
+        *coord.delegate(a, [{"description": d, "message": "m"} for d in ("a1", "a2")]).child_ids,
+        *coord.delegate(b, [{"description": "b1", "message": "m"}]).child_ids,
+    )
+    per_parent, per_tree = 0, 2
+    verdicts = [store.admit(coord.get_task(t), per_parent, per_tree, 0)[0] for t in (a1, a2, b1)]
+    assert verdicts == ["run", "run", "wait"], "two tasks of the tree run at once"
+    assert store.admit(coord.get_task(a1), per_parent, per_tree, 0)[0] == "run", "admitted already: idempotent"
+    assert store.release_slot(coord.get_task(a1), per_parent, per_tree) == [b1], "the first waiting one starts"
+    assert store.in_flight(root.id)["running"] == 2 and store.in_flight(root.id)["admission"] == 0
+
+
+def test_admission_limits_children_of_one_parent(idle_coordinator: Coordinator) -> None:
+    coord, store = idle_coordinator, idle_coordinator.store
+    root = coord.create_task("root")
+    children = coord.delegate(root.id, [{"description": f"c{n}", "message": "m"} for n in range(3)]).child_ids
+    records = [coord.get_task(c) for c in children]
+    assert [store.admit(r, 1, 0, 0)[0] for r in records] == ["run", "wait", "wait"]
+    assert store.release_slot(records[0], 1, 0) == [children[1]]
+    assert store.release_slot(records[1], 1, 0) == [children[2]]
+
+
+def test_a_stagger_spaces_the_starts_of_a_tree(idle_coordinator: Coordinator) -> None:
+    coord, store = idle_coordinator, idle_coordinator.store
+    root = coord.create_task("root")
+    first, second, third = (
+        coord.get_task(c)
+        for c in coord.delegate(root.id, [{"description": f"c{n}", "message": "m"} for n in range(3)]).child_ids
+    )
+    assert store.admit(first, 0, 0, 500) == ("run", 0)
+    verdict, delay_ms = store.admit(second, 0, 0, 500)
+    assert verdict == "delay" and 400 < delay_ms <= 500
+    verdict, delay_ms = store.admit(third, 0, 0, 500)
+    assert verdict == "delay" and 900 < delay_ms <= 1000, "each start is reserved in turn"
