@@ -35,7 +35,9 @@ def test_worker_scales_and_flower_has_basic_auth() -> None:
     assert worker["command"][:4] == ["celery", "-A", "workers.app", "worker"]
     assert any(arg.startswith("--basic-auth=") for arg in flower["command"])
     assert "FLOWER_PASSWORD:?" in " ".join(flower["command"]), "no default password"
-    urls = {s["environment"]["SUBQ_REDIS_URL"] for s in (worker, flower)}
+    api = services["api"]
+    assert api["command"][:2] == ["subq", "api"] and "SUBQ_API_TOKEN:?" in api["environment"]["SUBQ_API_TOKEN"]
+    urls = {s["environment"]["SUBQ_REDIS_URL"] for s in (worker, flower, api)}
     assert urls == {"redis://redis:6379/0"}
     dockerfile = (ROOT / worker["build"]["dockerfile"]).read_text()
     assert "pip install" in dockerfile and "USER subq" in dockerfile
