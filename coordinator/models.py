@@ -48,9 +48,6 @@ class TaskStatus(StrEnum):
         return self in (TaskStatus.COMPLETED, TaskStatus.FAILED, TaskStatus.CANCELLED)
 
 
-TERMINAL_STATUSES = frozenset({TaskStatus.COMPLETED, TaskStatus.FAILED, TaskStatus.CANCELLED})
-
-
 class TodoStatus(StrEnum):
     PENDING = "pending"
     IN_PROGRESS = "in_progress"
@@ -314,12 +311,3 @@ def format_usd(cost_micros: int) -> str:
     sign = "-" if cost_micros < 0 else ""
     whole, frac = divmod(abs(cost_micros), MICROS_PER_USD)
     return f"{sign}${whole}.{frac:06d}"
-
-
-def as_plain(value: Any) -> Any:
-    """A JSON-ready copy of a model or list of models."""
-    if isinstance(value, BaseModel):
-        return value.model_dump(mode="json")
-    if isinstance(value, list):
-        return [as_plain(v) for v in value]
-    return value

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -63,7 +63,6 @@ class RunState:
     task: TaskRecord
     profile: Profile
     delegation: tuple[Batch, list[TaskRecord]] | None = None
-    ui: list[dict[str, Any]] = field(default_factory=list)
 
     def say(self, kind: str, text: str) -> None:
         message = {"ts": time.time(), "type": "say", "say": kind, "text": text}
