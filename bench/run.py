@@ -316,11 +316,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "pipeline (offline children, no model wait), on the same embedded Redis and worker settings.",
     )
     parser.add_argument(
-        "--widths", type=widths_arg, default=DEFAULT_WIDTHS,
+        "--widths",
+        type=widths_arg,
+        default=DEFAULT_WIDTHS,
         help="comma-separated fan-out widths (default: 10,100,1000)",
     )
     parser.add_argument(
-        "--repeats", type=positive_int, default=DEFAULT_REPEATS,
+        "--repeats",
+        type=positive_int,
+        default=DEFAULT_REPEATS,
         help="timed runs per width; the median is reported (default: 3)",
     )
     parser.add_argument(

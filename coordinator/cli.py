@@ -25,9 +25,9 @@ from coordinator import up as stack
 from coordinator.errors import ConfigError, SubqError, ValidationError
 from coordinator.fleet import settings_env
 from coordinator.models import MICROS_PER_USD, LiveState, TaskStatus, format_usd
+from coordinator.render import MARKS, cut, describe, render_tree, walk
 from coordinator.service import Coordinator
 from coordinator.settings import Settings, load_settings
-from coordinator.render import MARKS, cut, describe, render_tree, walk
 from coordinator.tree import build_tree
 
 __all__ = ["app", "main", "run_cli"]
@@ -236,7 +236,7 @@ def follow_run(coord: Coordinator, root_id: str) -> int:
             node = build_tree(coord, root_id)
             notes = {task_id: _live_note(state) for task_id, state in coord.snapshot(root_id).items()}
             if redraw:
-                view = render_tree(node, notes) + ["", "Ctrl-C stops following; the run goes on."]
+                view = [*render_tree(node, notes), "", "Ctrl-C stops following; the run goes on."]
                 typer.echo("\x1b[H\x1b[2J" + "\n".join(view))
             else:
                 for task in walk(node):
@@ -396,7 +396,9 @@ def approvals(
 
 
 @app.command()
-def approve(ctx: typer.Context, approval_id: Annotated[str, typer.Argument(help="As `subq approvals` prints it.")]) -> None:
+def approve(
+    ctx: typer.Context, approval_id: Annotated[str, typer.Argument(help="As `subq approvals` prints it.")]
+) -> None:
     """Approve a waiting tool call: only that task goes on."""
     with _coordinator(ctx) as coord:
         decided = coord.decide(approval_id, "approve")

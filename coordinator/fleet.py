@@ -87,10 +87,25 @@ class WorkerFleet:
             with log.open("wb") as out:
                 self.procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "celery", "-A", app_module, "worker", "-n", node,
-                         "--loglevel", loglevel, "--without-mingle", "--without-gossip"],
-                        env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                    )  # fmt: skip
+                        [
+                            sys.executable,
+                            "-m",
+                            "celery",
+                            "-A",
+                            app_module,
+                            "worker",
+                            "-n",
+                            node,
+                            "--loglevel",
+                            loglevel,
+                            "--without-mingle",
+                            "--without-gossip",
+                        ],
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
                 )
 
     def wait_ready(self, timeout_s: float = DEFAULT_START_TIMEOUT_S, *, ping: Celery | None = None) -> None:

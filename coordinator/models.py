@@ -17,9 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 __all__ = [
     "Approval",
     "Batch",
-    "LiveState",
     "DelegationMode",
     "HistoryItem",
+    "LiveState",
     "SubtaskResult",
     "SubtaskSpec",
     "TaskRecord",

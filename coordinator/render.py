@@ -15,7 +15,6 @@ DESCRIPTION_CHARS = 48
 TODO_CHARS = 40
 
 
-
 def render_tree(node: TreeNode, notes: dict[str, str] | None = None) -> list[str]:
     """An indented tree: each task with own/total figures, its todo items under it, then its children."""
     return [_task_line(node, notes), *_below(node, "", notes or {})]

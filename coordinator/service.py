@@ -19,19 +19,18 @@ import pydantic
 import redis
 from celery import Celery
 
-from coordinator import dispatch, ids
+from coordinator import dispatch, ids, writeback
 from coordinator import todos as todo_lists
-from coordinator import writeback
 from coordinator.celery_app import make_app
-from coordinator.export import export_tree
 from coordinator.errors import CorruptError, NotFoundError, StateError, ValidationError, WaitTimeout
+from coordinator.export import export_tree
 from coordinator.keys import Keys
 from coordinator.models import (
     Approval,
     Batch,
-    LiveState,
     DelegationMode,
     HistoryItem,
+    LiveState,
     SubtaskSpec,
     TaskRecord,
     TaskStatus,
@@ -490,7 +489,11 @@ def _budget_micros(value: object, field: str) -> int:
     if value is None:
         return 0
     try:
-        usd = Decimal(str(value)) if isinstance(value, (int, float, str, Decimal)) and not isinstance(value, bool) else None
+        usd = (
+            Decimal(str(value))
+            if isinstance(value, (int, float, str, Decimal)) and not isinstance(value, bool)
+            else None
+        )
     except InvalidOperation:
         usd = None
     if usd is None or not usd.is_finite() or usd <= 0:

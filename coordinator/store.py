@@ -194,7 +194,9 @@ class Store:
     @translate_redis_errors
     def batch_head(self, batch_id: str) -> tuple[str, str, str]:
         """(mode, status, parent_id) of a batch, without its list of children (the hot path)."""
-        mode, status, parent_id = self.client.hmget(self.keys.batch(root_of(batch_id), batch_id), ["mode", "status", "parent_id"])
+        mode, status, parent_id = self.client.hmget(
+            self.keys.batch(root_of(batch_id), batch_id), ["mode", "status", "parent_id"]
+        )
         if mode is None:
             raise NotFoundError(f"Unknown batch: {batch_id}", field="batch_id")
         return str(mode), str(status), str(parent_id)
@@ -634,9 +636,7 @@ class Store:
         return str(self._decide(keys=keys, args=args))
 
     @translate_redis_errors
-    def finish_task(
-        self, task_id: str, status: str, summary: str = "", error: str = "", error_class: str = ""
-    ) -> str:
+    def finish_task(self, task_id: str, status: str, summary: str = "", error: str = "", error_class: str = "") -> str:
         """Make a task terminal once; returns its status after the call."""
         root = root_of(task_id)
         keys = [self.keys.task(root, task_id), self.keys.events(root), self.keys.live(root)]

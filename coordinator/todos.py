@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping, Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import pydantic
 
@@ -86,9 +86,7 @@ def parse_json_items(items: object) -> list[TodoItem]:
         except ValueError as exc:
             raise TodoError(f"The todo update is not valid JSON: {exc}", field="todos") from exc
     if not isinstance(items, list):
-        raise TodoError(
-            f"The todo update must be a list of items, got {_json_kind(items)}", field="todos"
-        )
+        raise TodoError(f"The todo update must be a list of items, got {_json_kind(items)}", field="todos")
     parsed = [_json_item(index, entry) for index, entry in enumerate(items)]
     if not parsed:
         raise TodoError(f"The todo update has no items: {_EMPTY_HINT}", field="todos")
@@ -158,8 +156,7 @@ def merge(old: Sequence[TodoItem], new: Sequence[TodoItem]) -> list[TodoItem]:
             source[i] = i
             given.add(i)
     return [
-        item if i is None else item.model_copy(update=_figures(old[i]))
-        for item, i in zip(fresh, source, strict=True)
+        item if i is None else item.model_copy(update=_figures(old[i])) for item, i in zip(fresh, source, strict=True)
     ]
 
 
@@ -187,9 +184,7 @@ def link_children(
         if index is None:
             raise TodoError(f"Unknown todo_id {wanted!r}", field=f"specs.{n}.todo_id")
         if index in claimed:
-            raise TodoError(
-                f"todo_id {wanted!r} is used by two subtasks", field=f"specs.{n}.todo_id"
-            )
+            raise TodoError(f"todo_id {wanted!r} is used by two subtasks", field=f"specs.{n}.todo_id")
         claimed.add(index)
         explicit[n] = index
     linked: list[str] = []
@@ -212,9 +207,7 @@ def link_children(
         claimed.add(index)
         # The figures restart with the new child's; a completed item named again
         # is being redone, so it goes back to in progress like any linked item.
-        restart = {
-            "subtask_id": child_id, "tokens": 0, "cost_micros": 0, "status": TodoStatus.IN_PROGRESS
-        }
+        restart = {"subtask_id": child_id, "tokens": 0, "cost_micros": 0, "status": TodoStatus.IN_PROGRESS}
         result[index] = result[index].model_copy(update=restart)
         linked.append(result[index].id)
     return result, linked
@@ -334,9 +327,7 @@ def _figures(item: TodoItem) -> dict[str, object]:
     return {"subtask_id": item.subtask_id, "tokens": item.tokens, "cost_micros": item.cost_micros}
 
 
-def _take(
-    old: Sequence[TodoItem], given: set[int], key: Callable[[TodoItem], object], wanted: object
-) -> int | None:
+def _take(old: Sequence[TodoItem], given: set[int], key: Callable[[TodoItem], object], wanted: object) -> int | None:
     """The index of the first old item not yet given whose `key` is `wanted`; marks it given."""
     for index, item in enumerate(old):
         if index not in given and key(item) == wanted:

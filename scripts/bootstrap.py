@@ -22,9 +22,6 @@ STAMP = VENV / ".subq-installed"
 
 
 def main() -> int:
-    if sys.version_info < (3, 11):
-        print(f"subq needs Python 3.11 or newer; this is {sys.version.split()[0]}", file=sys.stderr)
-        return 2
     if len(sys.argv) < 2:
         print("usage: bootstrap.py COMMAND [ARGS...]", file=sys.stderr)
         return 2

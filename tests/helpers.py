@@ -17,7 +17,6 @@ from pydantic import SecretStr
 
 from coordinator import Coordinator, Settings
 
-
 T = TypeVar("T")
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from coordinator import Coordinator, Settings, TaskStatus, TodoStatus
-from tests.conftest import dedicated_fleet
 from coordinator.models import TaskRecord
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, agent, call, calls, reply, subtask, tree_root
+from tests.conftest import dedicated_fleet
 from workers.runtime.tools import NEW_TASK_NOT_LAST
 
 WAIT_S = 90

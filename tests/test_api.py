@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import os
-import socket
+import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,8 +22,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from fastapi import FastAPI
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
@@ -34,10 +30,9 @@ from coordinator import ConfigError, Coordinator, Settings, StoreError, TaskReco
 from coordinator.api import create_app
 from coordinator.api import events as api_events
 from coordinator.api.ops import SubqCollector
-from coordinator.fleet import WorkerFleet
 from coordinator.local_redis import free_port, local_redis
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, tree_root
-from tests.helpers import AUTH, TOKEN, ApiServer, api_settings, script, state, usage_step
+from tests.helpers import TOKEN, ApiServer, api_settings, script, state, usage_step
 from tests.test_bad_input import NO_TREE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,7 +163,12 @@ def test_create_task_returns_the_record_and_it_reads_back(idle: Coordinator, idl
     response = idle_http.post("/v1/tasks", json={"prompt": "Prepare the report", "todos": "[ ] Collect\n[-] Write"})
     assert response.status_code == 201
     created = TaskRecord.model_validate(response.json())
-    assert (created.status, created.runner, created.prompt, created.profile) == ("active", "caller", "Prepare the report", "offline")
+    assert (created.status, created.runner, created.prompt, created.profile) == (
+        "active",
+        "caller",
+        "Prepare the report",
+        "offline",
+    )
     assert idle_http.get(f"/v1/tasks/{created.id}").json() == response.json()
     assert idle.get_task(created.id) == created
     todos = idle_http.get(f"/v1/tasks/{created.id}/todos").json()
@@ -212,7 +212,11 @@ def test_put_todos_replaces_the_list_in_either_form(idle_http: httpx.Client, par
     response = idle_http.put(f"/v1/tasks/{parent.id}/todos", json={"todos": "[x] one\n[ ] two\n[ ] three"})
     assert response.status_code == 200
     first = response.json()["todos"]
-    assert [(t["content"], t["status"]) for t in first] == [("one", "completed"), ("two", "pending"), ("three", "pending")]
+    assert [(t["content"], t["status"]) for t in first] == [
+        ("one", "completed"),
+        ("two", "pending"),
+        ("three", "pending"),
+    ]
     json_form = [{"content": "two", "status": "in_progress"}, {"content": "four"}]
     second = idle_http.put(f"/v1/tasks/{parent.id}/todos", json={"todos": json_form}).json()["todos"]
     assert [(t["content"], t["status"]) for t in second] == [("two", "in_progress"), ("four", "pending")]
@@ -235,11 +239,15 @@ def test_delegate_commits_and_publishes(idle: Coordinator, idle_http: httpx.Clie
     assert idle.client.llen("subq-api-idle") > queued
 
 
-def test_mode_defaults_to_parallel_and_takes_sequential(idle: Coordinator, idle_http: httpx.Client, parent: TaskRecord) -> None:
+def test_mode_defaults_to_parallel_and_takes_sequential(
+    idle: Coordinator, idle_http: httpx.Client, parent: TaskRecord
+) -> None:
     result = idle_http.post(f"/v1/tasks/{parent.id}/subtasks", json={"subtasks": [spec()]}).json()
     assert result["mode"] == "parallel"
     other = idle.create_task("seq parent")
-    result = idle_http.post(f"/v1/tasks/{other.id}/subtasks", json={"mode": "sequential", "subtasks": [spec(), spec(1)]}).json()
+    result = idle_http.post(
+        f"/v1/tasks/{other.id}/subtasks", json={"mode": "sequential", "subtasks": [spec(), spec(1)]}
+    ).json()
     assert result["mode"] == "sequential"
     assert idle.get_batch(result["batch_id"]).mode == "sequential"
 
@@ -278,7 +286,9 @@ def test_messages_of_a_task(idle_http: httpx.Client, parent: TaskRecord) -> None
 
 
 def test_end_to_end_three_offline_children_write_back_their_figures(live: Coordinator, live_http: httpx.Client) -> None:
-    created = live_http.post("/v1/tasks", json={"prompt": "Plan and delegate", "todos": "[ ] T1\n[ ] T2\n[ ] T3\n[ ] T4"})
+    created = live_http.post(
+        "/v1/tasks", json={"prompt": "Plan and delegate", "todos": "[ ] T1\n[ ] T2\n[ ] T3\n[ ] T4"}
+    )
     parent_id = created.json()["id"]
     items = live_http.get(f"/v1/tasks/{parent_id}/todos").json()["todos"]
     body = {"mode": "parallel", "subtasks": [spec(n, todo_id=items[n]["id"]) for n in range(3)]}
@@ -530,15 +540,39 @@ def test_413_for_a_body_over_the_limit(idle: Coordinator, idle_http: httpx.Clien
     at_limit = _body_of_size(limit)
     assert len(at_limit) == limit
     # At the limit the body is read and parsed: the service refuses the prompt's length.
-    assert_refused(idle, idle_http, "POST", "/v1/tasks", 422, "invalid_input", "prompt", "the limit is", content=at_limit, headers=json_type)
+    assert_refused(
+        idle,
+        idle_http,
+        "POST",
+        "/v1/tasks",
+        422,
+        "invalid_input",
+        "prompt",
+        "the limit is",
+        content=at_limit,
+        headers=json_type,
+    )
     over = _body_of_size(limit + 1)
-    assert_refused(idle, idle_http, "POST", "/v1/tasks", 413, "body_too_large", None, "SUBQ_API_MAX_BODY_BYTES", content=over, headers=json_type)
+    assert_refused(
+        idle,
+        idle_http,
+        "POST",
+        "/v1/tasks",
+        413,
+        "body_too_large",
+        None,
+        "SUBQ_API_MAX_BODY_BYTES",
+        content=over,
+        headers=json_type,
+    )
 
     def chunked() -> Iterator[bytes]:  # no Content-Length: the streamed size is counted
         for start in range(0, len(over), 64 * 1024):
             yield over[start : start + 64 * 1024]
 
-    response = assert_refused(idle, idle_http, "POST", "/v1/tasks", 413, "body_too_large", None, content=chunked(), headers=json_type)
+    response = assert_refused(
+        idle, idle_http, "POST", "/v1/tasks", 413, "body_too_large", None, content=chunked(), headers=json_type
+    )
     assert "content-length" not in response.request.headers
 
 
@@ -556,7 +590,12 @@ CREATE_422 = [
     ({"prompt": "x", "run": "yes"}, "invalid_input", "run", "Input should be a valid boolean"),
     ({"prompt": "x", "profile": "gpt-9"}, "invalid_profile", "profile", "Invalid profile: gpt-9"),
     ({"prompt": "x", "todos": "just prose"}, "invalid_todos", "todos", "The todo update has no items"),
-    ({"prompt": "x", "todos": [{"content": "a"}, {"content": " "}]}, "invalid_todos", "todos.1.content", "Todo item 1 has no content"),
+    (
+        {"prompt": "x", "todos": [{"content": "a"}, {"content": " "}]},
+        "invalid_todos",
+        "todos.1.content",
+        "Todo item 1 has no content",
+    ),
     ({"prompt": "x", "todos": {"content": "a"}}, "invalid_todos", "todos", "must be markdown text or a list"),
 ]
 
@@ -568,11 +607,19 @@ def test_422_create(idle: Coordinator, idle_http: httpx.Client, body: Any, code:
 
 @pytest.mark.parametrize(
     ("content", "message"),
-    [(b"{", "The request body is not valid JSON"), (b"[]", "body: Input should be a valid dictionary"), (b"", "body: Field required")],
+    [
+        (b"{", "The request body is not valid JSON"),
+        (b"[]", "body: Input should be a valid dictionary"),
+        (b"", "body: Field required"),
+    ],
 )
-def test_422_for_a_body_that_is_no_object(idle: Coordinator, idle_http: httpx.Client, content: bytes, message: str) -> None:
+def test_422_for_a_body_that_is_no_object(
+    idle: Coordinator, idle_http: httpx.Client, content: bytes, message: str
+) -> None:
     headers = {"Content-Type": "application/json"}
-    assert_refused(idle, idle_http, "POST", "/v1/tasks", 422, "invalid_input", None, message, content=content, headers=headers)
+    assert_refused(
+        idle, idle_http, "POST", "/v1/tasks", 422, "invalid_input", None, message, content=content, headers=headers
+    )
 
 
 DELEGATE_422 = [
@@ -603,7 +650,9 @@ def test_422_delegate_over_the_fanout_limit(idle: Coordinator, idle_http: httpx.
     width = idle.settings.max_fanout + 1
     body = {"subtasks": [{"description": f"d{n}", "message": "m"} for n in range(width)]}
     message = f"{width} subtasks exceed SUBQ_MAX_FANOUT={idle.settings.max_fanout}"
-    assert_refused(idle, idle_http, "POST", f"/v1/tasks/{parent.id}/subtasks", 422, "invalid_input", "subtasks", message, json=body)
+    assert_refused(
+        idle, idle_http, "POST", f"/v1/tasks/{parent.id}/subtasks", 422, "invalid_input", "subtasks", message, json=body
+    )
 
 
 def test_422_same_todo_for_two_children(idle: Coordinator, idle_http: httpx.Client, parent: TaskRecord) -> None:
@@ -677,7 +726,9 @@ def test_500_hides_the_exception(idle: Coordinator, caplog: pytest.LogCaptureFix
         "field": None,
     }
     assert "secret" not in response.text and "Traceback" not in response.text
-    assert any("secret internal detail" in str(r.exc_info) for r in caplog.records if r.exc_info), "logged on the server"
+    assert any("secret internal detail" in str(r.exc_info) for r in caplog.records if r.exc_info), (
+        "logged on the server"
+    )
 
 
 def test_503_when_redis_is_down(settings: Settings) -> None:
@@ -711,7 +762,9 @@ def test_auth_disabled_explicitly_works_without_a_token_and_warns(
         created = http.post("/v1/tasks", json={"prompt": "open"})
         assert created.status_code == 201
         assert http.get(f"/v1/tasks/{created.json()['id']}").status_code == 200
-        assert all("security" not in op for item in http.get("/openapi.json").json()["paths"].values() for op in item.values())
+        assert all(
+            "security" not in op for item in http.get("/openapi.json").json()["paths"].values() for op in item.values()
+        )
 
 
 @pytest.mark.parametrize("token", [None, ""])
@@ -737,7 +790,17 @@ def test_uvicorn_factory_starts_and_warns_when_auth_is_disabled(redis_url: str) 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUBQ_")}
     env.update(SUBQ_REDIS_URL=redis_url, SUBQ_API_AUTH_DISABLED="true", SUBQ_KEY_PREFIX="subqapi")
-    argv = [sys.executable, "-m", "uvicorn", "--factory", "coordinator.api:create_app", "--host", "127.0.0.1", "--port", str(port)]
+    argv = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--factory",
+        "coordinator.api:create_app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
         lines: list[str] = []
@@ -808,9 +871,18 @@ def test_metrics_report_tasks_spend_queue_and_latency(settings: Settings) -> Non
     assert samples[("subq_root_spend_micro_usd", ())] == 1234 + 66, "each root's total, the child's spend once"
     assert samples[("subq_queue_depth", (("queue", "subq-metrics"),))] == coord.client.llen("subq-metrics") > 0
     buckets = {
-        dict(labels)["le"]: v for (name, labels), v in samples.items() if name == "subq_model_request_latency_seconds_bucket"
+        dict(labels)["le"]: v
+        for (name, labels), v in samples.items()
+        if name == "subq_model_request_latency_seconds_bucket"
     }
-    assert (buckets["0.1"], buckets["0.25"], buckets["0.5"], buckets["60"], buckets["120"], buckets["+Inf"]) == (1, 1, 2, 2, 3, 3)
+    assert (buckets["0.1"], buckets["0.25"], buckets["0.5"], buckets["60"], buckets["120"], buckets["+Inf"]) == (
+        1,
+        1,
+        2,
+        2,
+        3,
+        3,
+    )
     assert samples[("subq_model_request_latency_seconds_count", ())] == 3
     assert samples[("subq_model_request_latency_seconds_sum", ())] == pytest.approx(70.35)
     assert "over the 1000 most recent tasks" in response.text, "HELP says the figures are bounded"
@@ -830,4 +902,3 @@ def generate_latest_of(collector: SubqCollector) -> str:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     return generate_latest(registry).decode()
-

@@ -59,7 +59,9 @@ def test_cancel_over_http(live: Coordinator, live_http: httpx.Client) -> None:
 def test_approvals_over_http(live: Coordinator, live_http: httpx.Client) -> None:
     parent = _create(live_http, todos="[ ] deploy")
     risky = agent(call("run_command", command="make deploy"), reply("deployed"))
-    live_http.post(f"/v1/tasks/{parent['id']}/subtasks", json={"subtasks": [{"description": "deploy", "message": risky}]})
+    live_http.post(
+        f"/v1/tasks/{parent['id']}/subtasks", json={"subtasks": [{"description": "deploy", "message": risky}]}
+    )
     deadline = time.monotonic() + 30
     while not (pending := live_http.get("/v1/approvals", params={"root": parent["id"]}).json()["approvals"]):
         assert time.monotonic() < deadline, "no approval request"
@@ -103,7 +105,9 @@ def test_the_client_controls_a_tree(client: SubqClient) -> None:
     parent = client.create_task("p", budget_usd="1.00")
     assert parent.budget_micros == 1_000_000
     risky = agent(call("run_command", command="rm -rf build"), reply("did it"))
-    client.delegate(parent.id, [{"description": "clean", "message": risky}, {"description": "slow", "message": _slow()}])
+    client.delegate(
+        parent.id, [{"description": "clean", "message": risky}, {"description": "slow", "message": _slow()}]
+    )
     deadline = time.monotonic() + 30
     while not (pending := client.list_approvals(parent.id)):
         assert time.monotonic() < deadline

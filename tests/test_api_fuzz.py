@@ -78,7 +78,9 @@ OPERATIONS = [
 ON_A_TASK = [label for label in OPERATIONS if "{task_id}" in label]
 WITHOUT_INPUT = {"GET /healthz", "GET /metrics"}  # nothing to make invalid
 MODES = {"valid": GenerationMode.POSITIVE, "invalid": GenerationMode.NEGATIVE}
-MADE_UP = [(label, mode) for label in OPERATIONS for mode in MODES if not (mode == "invalid" and label in WITHOUT_INPUT)]
+MADE_UP = [
+    (label, mode) for label in OPERATIONS for mode in MODES if not (mode == "invalid" and label in WITHOUT_INPUT)
+]
 
 
 @pytest.fixture(scope="module")

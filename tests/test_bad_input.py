@@ -85,7 +85,8 @@ def test_parent_not_active(idle_coordinator: Coordinator, parent: Any) -> None:
         lambda: idle_coordinator.delegate(parent.id, [_ok(1)]),
         StateError,
         f"Task {parent.id} is delegated, not active",
-        "parent_id", parent.id,
+        "parent_id",
+        parent.id,
     )
 
 
@@ -95,7 +96,8 @@ def test_unknown_todo_id(idle_coordinator: Coordinator, parent: Any) -> None:
         lambda: idle_coordinator.delegate(parent.id, [_ok(0), _ok(1, todo_id="nope")]),
         TodoError,
         "Unknown todo_id 'nope'",
-        "specs.1.todo_id", parent.id,
+        "specs.1.todo_id",
+        parent.id,
     )
 
 
@@ -106,13 +108,19 @@ def test_same_todo_id_twice(idle_coordinator: Coordinator, parent: Any) -> None:
         lambda: idle_coordinator.delegate(parent.id, [_ok(0, todo_id=todo), _ok(1, todo_id=todo)]),
         TodoError,
         f"todo_id '{todo}' is used by two subtasks",
-        "specs.1.todo_id", parent.id,
+        "specs.1.todo_id",
+        parent.id,
     )
 
 
 def test_empty_spec_list(idle_coordinator: Coordinator, parent: Any) -> None:
     _assert_refused(
-        idle_coordinator, lambda: idle_coordinator.delegate(parent.id, []), ValidationError, "specs is empty", "specs", parent.id,
+        idle_coordinator,
+        lambda: idle_coordinator.delegate(parent.id, []),
+        ValidationError,
+        "specs is empty",
+        "specs",
+        parent.id,
     )
 
 
@@ -123,7 +131,8 @@ def test_width_over_the_limit(idle_coordinator: Coordinator, parent: Any) -> Non
         lambda: idle_coordinator.delegate(parent.id, [_ok(n) for n in range(limit + 1)]),
         ValidationError,
         f"{limit + 1} subtasks exceed SUBQ_MAX_FANOUT={limit}",
-        "specs", parent.id,
+        "specs",
+        parent.id,
     )
 
 
@@ -134,7 +143,8 @@ def test_empty_message(idle_coordinator: Coordinator, parent: Any, message: str)
         lambda: idle_coordinator.delegate(parent.id, [_ok(0), {"description": "x", "message": message}]),
         ValidationError,
         "specs.1.message: String should have at least 1 character",
-        "specs.1.message", parent.id,
+        "specs.1.message",
+        parent.id,
     )
 
 
@@ -144,14 +154,16 @@ def test_unknown_field_and_missing_description(idle_coordinator: Coordinator, pa
         lambda: idle_coordinator.delegate(parent.id, [_ok(0, colour="red")]),
         ValidationError,
         "specs.0.colour: Extra inputs are not permitted",
-        "specs.0.colour", parent.id,
+        "specs.0.colour",
+        parent.id,
     )
     _assert_refused(
         idle_coordinator,
         lambda: idle_coordinator.delegate(parent.id, [{"message": "hi"}]),
         ValidationError,
         "specs.0.description: Field required",
-        "specs.0.description", parent.id,
+        "specs.0.description",
+        parent.id,
     )
 
 
@@ -161,7 +173,8 @@ def test_unknown_profile(idle_coordinator: Coordinator, parent: Any) -> None:
         lambda: idle_coordinator.delegate(parent.id, [_ok(0, profile="gpt-9")]),
         ProfileError,
         "Invalid profile: gpt-9",
-        "specs.0.profile", parent.id,
+        "specs.0.profile",
+        parent.id,
     )
     before = state(idle_coordinator, NO_TREE)
     with pytest.raises(ProfileError, match="Invalid profile: gpt-9"):
@@ -175,7 +188,8 @@ def test_bad_mode(idle_coordinator: Coordinator, parent: Any) -> None:
         lambda: idle_coordinator.delegate(parent.id, [_ok()], mode="sideways"),
         ValidationError,
         "mode must be 'parallel' or 'sequential', not 'sideways'",
-        "mode", parent.id,
+        "mode",
+        parent.id,
     )
 
 
@@ -187,7 +201,8 @@ def test_depth_limit(idle_coordinator: Coordinator) -> None:
         lambda: shallow.delegate(root.id, [_ok()]),
         StateError,
         "SUBQ_MAX_DEPTH=0 allows no deeper subtasks",
-        "parent_id", root.id,
+        "parent_id",
+        root.id,
     )
 
 
@@ -204,7 +219,9 @@ def test_bad_todo_update_keeps_the_list(
     idle_coordinator: Coordinator, parent: Any, update: Any, message: str, field: str
 ) -> None:
     old = idle_coordinator.get_todos(parent.id)
-    _assert_refused(idle_coordinator, lambda: idle_coordinator.update_todos(parent.id, update), TodoError, message, field, parent.id)
+    _assert_refused(
+        idle_coordinator, lambda: idle_coordinator.update_todos(parent.id, update), TodoError, message, field, parent.id
+    )
     assert idle_coordinator.get_todos(parent.id) == old
 
 

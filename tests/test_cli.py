@@ -79,7 +79,11 @@ def test_help_everywhere() -> None:
 @pytest.fixture
 def env(settings: Settings) -> dict[str, str]:
     """The test Redis and prefix, and a queue no worker consumes, so a published message would stay countable."""
-    return {"SUBQ_REDIS_URL": settings.redis_url or "", "SUBQ_KEY_PREFIX": settings.key_prefix, "SUBQ_QUEUE": "subq-nobody"}
+    return {
+        "SUBQ_REDIS_URL": settings.redis_url or "",
+        "SUBQ_KEY_PREFIX": settings.key_prefix,
+        "SUBQ_QUEUE": "subq-nobody",
+    }
 
 
 @pytest.fixture
@@ -138,10 +142,19 @@ SUBQ_ERRORS = [  # subq's own validation: exit 1
     (["flower", "--user", "a:b", "--password", "pw"], "subq: Flower user must be non-empty, without ':' or ','"),
     (["flower", "--password", "a,b"], "subq: Flower password must be non-empty, without ','"),
     (["api"], "subq: Invalid setting SUBQ_API_TOKEN: not set"),
-    (["up", "--no-api", "--flower-port", "{busy}"], "subq: Port {busy} on 127.0.0.1 is in use; choose another with --flower-port"),
-    (["up", "--api-port", "{busy}", "--flower-port", "{free}"], "subq: Port {busy} on 127.0.0.1 is in use; choose another with --api-port"),
+    (
+        ["up", "--no-api", "--flower-port", "{busy}"],
+        "subq: Port {busy} on 127.0.0.1 is in use; choose another with --flower-port",
+    ),
+    (
+        ["up", "--api-port", "{busy}", "--flower-port", "{free}"],
+        "subq: Port {busy} on 127.0.0.1 is in use; choose another with --api-port",
+    ),
     (["up", "--api-port", "9", "--flower-port", "9"], "subq: --api-port and --flower-port must differ"),
-    (["--redis-url", "redis://127.0.0.1:1/0", "up", "--no-api", "--flower-port", "{free}"], "subq: Redis is unreachable"),
+    (
+        ["--redis-url", "redis://127.0.0.1:1/0", "up", "--no-api", "--flower-port", "{free}"],
+        "subq: Redis is unreachable",
+    ),
     (["--redis-url", "nonsense", "status", UNKNOWN], "subq: Invalid setting SUBQ_REDIS_URL: Redis URL must specify"),
     (["--redis-url", "redis://127.0.0.1:1/0", "status", UNKNOWN], "subq: Redis is unreachable"),
     (["--queue", "a queue", "status", UNKNOWN], "subq: Invalid setting SUBQ_QUEUE: String should match"),
@@ -205,7 +218,11 @@ def test_status_and_todos_show_the_figures(coordinator: Coordinator, settings: S
 @pytest.fixture
 def fleet_env(settings: Settings, coordinator: Coordinator) -> dict[str, str]:
     """Reaches the test workers (the `coordinator` fixture starts them)."""
-    return {"SUBQ_REDIS_URL": settings.redis_url or "", "SUBQ_KEY_PREFIX": settings.key_prefix, "SUBQ_QUEUE": settings.queue}
+    return {
+        "SUBQ_REDIS_URL": settings.redis_url or "",
+        "SUBQ_KEY_PREFIX": settings.key_prefix,
+        "SUBQ_QUEUE": settings.queue,
+    }
 
 
 def test_run_follow_then_tree_history_and_export(fleet_env: dict[str, str], tmp_path: Path) -> None:

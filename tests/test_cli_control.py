@@ -18,7 +18,11 @@ WAIT_S = 60
 
 @pytest.fixture
 def fleet_env(settings: Settings, coordinator: Coordinator) -> dict[str, str]:
-    return {"SUBQ_REDIS_URL": settings.redis_url or "", "SUBQ_KEY_PREFIX": settings.key_prefix, "SUBQ_QUEUE": settings.queue}
+    return {
+        "SUBQ_REDIS_URL": settings.redis_url or "",
+        "SUBQ_KEY_PREFIX": settings.key_prefix,
+        "SUBQ_QUEUE": settings.queue,
+    }
 
 
 def _waiting_approval(coord: Coordinator, root_id: str) -> str:
@@ -45,7 +49,7 @@ def test_approve_and_deny_from_the_command_line(coordinator: Coordinator, fleet_
     assert set(pending) == {"make build", "make publish"}
     assert pending["make build"]["todo_content"] == "build"
     text = subq("approvals", "--root", parent.id, env=fleet_env).stdout
-    assert "run_command {\"command\": \"make build\"}  for todo 'build'" in text
+    assert 'run_command {"command": "make build"}  for todo \'build\'' in text
 
     ok = subq("approve", pending["make build"]["id"], env=fleet_env)
     assert ok.returncode == 0 and "Approved" in ok.stdout
@@ -55,7 +59,10 @@ def test_approve_and_deny_from_the_command_line(coordinator: Coordinator, fleet_
     build, publish = (coordinator.get_task(c) for c in batch.child_ids)
     assert build.summary == "built" and publish.summary == "held"
     again = subq("approve", pending["make build"]["id"], env=fleet_env)
-    assert again.returncode == 1 and again.stderr.strip() == f"subq: Approval {pending['make build']['id']} was already approved"
+    assert (
+        again.returncode == 1
+        and again.stderr.strip() == f"subq: Approval {pending['make build']['id']} was already approved"
+    )
 
 
 def test_cancel_from_the_command_line(coordinator: Coordinator, fleet_env: dict[str, str]) -> None:
@@ -96,7 +103,11 @@ def test_run_with_a_budget(coordinator: Coordinator, fleet_env: dict[str, str]) 
 def test_control_commands_refuse_bad_input(
     idle_coordinator: Coordinator, settings: Settings, args: list[str], message: str
 ) -> None:
-    env = {"SUBQ_REDIS_URL": settings.redis_url or "", "SUBQ_KEY_PREFIX": settings.key_prefix, "SUBQ_QUEUE": "subq-nobody"}
+    env = {
+        "SUBQ_REDIS_URL": settings.redis_url or "",
+        "SUBQ_KEY_PREFIX": settings.key_prefix,
+        "SUBQ_QUEUE": "subq-nobody",
+    }
     before = state(idle_coordinator, NO_TREE)
     proc = subq(*args, env=env)
     assert proc.returncode == 1 and proc.stderr.strip() == message and proc.stdout == ""

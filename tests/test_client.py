@@ -32,8 +32,7 @@ from coordinator import (
 from coordinator.api import create_app
 from coordinator.client import ApiError, AsyncSubqClient, AuthError, Event, SubqClient
 from coordinator.fleet import WorkerFleet
-from tests.helpers import script, state, usage_step
-from tests.helpers import TOKEN, ApiServer, api_settings
+from tests.helpers import TOKEN, ApiServer, api_settings, script, state, usage_step
 from tests.test_api import closed_port, spec
 
 ONE_STEP_TOKENS = 13_500
@@ -75,13 +74,15 @@ def parent(idle: Coordinator) -> TaskRecord:
     return idle.create_task("A parent", todos="[ ] one\n[ ] two")
 
 
-def _check_flow_result(
-    done: TaskRecord, todos: list[Any], child_ids: list[str], parent_id: str
-) -> None:
+def _check_flow_result(done: TaskRecord, todos: list[Any], child_ids: list[str], parent_id: str) -> None:
     assert done.id == parent_id and done.status == TaskStatus.ACTIVE
     for n, item in enumerate(todos[:3]):
         assert item.subtask_id == child_ids[n]
-        assert (item.tokens, item.cost_micros, item.status) == (ONE_STEP_TOKENS, ONE_STEP_COST_MICROS, TodoStatus.COMPLETED)
+        assert (item.tokens, item.cost_micros, item.status) == (
+            ONE_STEP_TOKENS,
+            ONE_STEP_COST_MICROS,
+            TodoStatus.COMPLETED,
+        )
     assert done.total_cost_micros == 3 * ONE_STEP_COST_MICROS
 
 
@@ -196,7 +197,11 @@ def test_auth_and_transport_errors(idle_url: str) -> None:
     for token in (None, "wrong"):
         with SubqClient(idle_url, token=token) as anonymous, pytest.raises(AuthError) as denied:
             anonymous.list_tasks()
-        assert (denied.value.code, denied.value.status_code, denied.value.field) == ("unauthorized", 401, "Authorization")
+        assert (denied.value.code, denied.value.status_code, denied.value.field) == (
+            "unauthorized",
+            401,
+            "Authorization",
+        )
         assert isinstance(denied.value, SubqError)
     with SubqClient(f"http://127.0.0.1:{closed_port()}", token=TOKEN) as nowhere, pytest.raises(ApiError) as down:
         nowhere.get_task("0123456789abcdef")
@@ -287,9 +292,9 @@ def test_requests_carry_the_token_and_encode_ids() -> None:
 def test_event_stream_parsing_and_a_mid_stream_error() -> None:
     body = (
         b": ping\n\n"
-        b"id: 1-0\ndata: {\"type\": \"delegated\",\ndata:  \"children\": \"2\"}\n\n"
+        b'id: 1-0\ndata: {"type": "delegated",\ndata:  "children": "2"}\n\n'
         b": ping - keep-alive\n"
-        b"event: error\ndata: {\"code\": \"store_error\", \"message\": \"Redis is unreachable\", \"field\": null}\n\n"
+        b'event: error\ndata: {"code": "store_error", "message": "Redis is unreachable", "field": null}\n\n'
     )
 
     def answer(request: httpx.Request) -> httpx.Response:

@@ -13,8 +13,8 @@ import pytest
 
 from coordinator import Coordinator, NotFoundError, Settings, StateError, TaskStatus, ValidationError
 from coordinator.celery_app import make_app
-from tests.conftest import dedicated_fleet
 from tests.agents import STEP_COST_MICROS, USAGE, agent, call, reply
+from tests.conftest import dedicated_fleet
 from tests.helpers import eventually, state
 from tests.test_bad_input import NO_TREE
 from workers.runtime.context import build_runtime
@@ -113,7 +113,12 @@ def test_cancel_bad_input_changes_nothing(idle_coordinator: Coordinator) -> None
         (lambda: coord.cancel("0123456789abcdef", "x"), NotFoundError, "Unknown task: 0123456789abcdef", "task_id"),
         (lambda: coord.cancel("nope", "x"), NotFoundError, "is not a subq task", "id"),
         (lambda: coord.cancel(parent.id, "again"), StateError, "has already ended (cancelled)", "task_id"),
-        (lambda: coord.cancel(coord.create_task("q").id, "  "), ValidationError, "reason must be a non-empty", "reason"),
+        (
+            lambda: coord.cancel(coord.create_task("q").id, "  "),
+            ValidationError,
+            "reason must be a non-empty",
+            "reason",
+        ),
     ]
     for call_, error, message, field in cases:
         before = state(coord, parent.id)
@@ -197,7 +202,11 @@ def test_an_approval_holds_one_child_while_its_sibling_completes(coordinator: Co
     )
     approval_id = _wait_for_approval(coordinator, parent.id)
     approval = coordinator.list_approvals(parent.id)[0]
-    assert (approval.task_id, approval.tool, approval.args) == (batch.child_ids[0], "run_command", {"command": "rm -rf build"})
+    assert (approval.task_id, approval.tool, approval.args) == (
+        batch.child_ids[0],
+        "run_command",
+        {"command": "rm -rf build"},
+    )
     assert approval.todo_content == "clean the build"
     _until(lambda: coordinator.get_task(batch.child_ids[1]).status == TaskStatus.COMPLETED, what="the sibling")
     assert coordinator.snapshot(parent.id)[batch.child_ids[0]].state == "waiting_approval"

@@ -20,8 +20,8 @@ import pytest
 from coordinator import Coordinator, Settings
 from coordinator.local_redis import free_port
 from coordinator.up import Service
-from tests.agents import USAGE, agent, call, reply
 from tests import helpers
+from tests.agents import USAGE, agent, reply
 from tests.helpers import script, usage_step
 
 USER, PASSWORD = "flower-test", uuid.uuid4().hex
@@ -113,9 +113,11 @@ def test_a_delegation_is_visible_by_name_with_ids_and_live_progress(
 
     # While the slow child thinks about its second response, Flower shows its progress event.
     running = eventually(
-        lambda: (info := flower_get(url, f"/api/task/info/{collect}")).status_code == 200
-        and info.json()["state"] == "PROGRESS"
-        and info.json(),
+        lambda: (
+            (info := flower_get(url, f"/api/task/info/{collect}")).status_code == 200
+            and info.json()["state"] == "PROGRESS"
+            and info.json()
+        ),
         "the child's task-progress event",
     )
     assert running["name"] == "subq.run_task"
@@ -127,9 +129,7 @@ def test_a_delegation_is_visible_by_name_with_ids_and_live_progress(
         return done if len(done) == 2 else None
 
     runs = eventually(ended, "both children succeeded")
-    assert runs[collect]["args"] == (
-        f"task={collect} parent={parent.id} todo={items[0].id} desc='Collect figures'"
-    )
+    assert runs[collect]["args"] == (f"task={collect} parent={parent.id} todo={items[0].id} desc='Collect figures'")
     assert runs[summarise]["args"].startswith(f"task={summarise} parent={parent.id} todo={items[1].id} ")
     gathers = eventually(lambda: tasks_named(url, "subq.gather").get(f"{batch.id}-gather"), "the chord callback")
     assert gathers["kwargs"] == f"batch={batch.id} parent={parent.id} children=2"

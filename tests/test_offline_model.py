@@ -342,7 +342,7 @@ def test_unknown_top_level_key_and_missing_steps() -> None:
         parse_script('```subq-script\n{"steps": [], "stepz": []}\n```')
     assert caught.value.field == "script.stepz"
     with pytest.raises(ScriptError) as caught:
-        parse_script('```subq-script\n{}\n```')
+        parse_script("```subq-script\n{}\n```")
     assert caught.value.field == "script.steps"
     assert "Field required" in caught.value.message
 

@@ -57,14 +57,17 @@ class ChatServer(ThreadingHTTPServer):
 class Handler(BaseHTTPRequestHandler):
     server: ChatServer
 
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path != "/v1/chat/completions" or self.headers.get("Authorization") != "Bearer local-test-key":
             self.send_error(404)
             return
         self.server.requests_seen.append(body)
         reply = REPLIES[len(self.server.requests_seen) - 1]
-        usage = {**reply["usage"], "total_tokens": reply["usage"]["prompt_tokens"] + reply["usage"]["completion_tokens"]}
+        usage = {
+            **reply["usage"],
+            "total_tokens": reply["usage"]["prompt_tokens"] + reply["usage"]["completion_tokens"],
+        }
         payload = json.dumps({
             "id": f"chatcmpl-{len(self.server.requests_seen)}", "object": "chat.completion", "created": 0,
             "model": body["model"], "usage": usage,

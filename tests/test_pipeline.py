@@ -92,7 +92,9 @@ def test_a_failed_child_that_spent_first_keeps_that_spend(coordinator: Coordinat
     parent = coordinator.create_task("Delegate one", todos="[ ] only")
     spend = usage_step("thinking")
     step_then_fail = {"tool_calls": [{"name": "no_such_tool", "args": {}}], "usage": spend["usage"]}
-    batch = coordinator.delegate(parent.id, [_spec(0, step=None) | {"message": script(step_then_fail, {"fail": "boom"})}])
+    batch = coordinator.delegate(
+        parent.id, [_spec(0, step=None) | {"message": script(step_then_fail, {"fail": "boom"})}]
+    )
     done = coordinator.wait(parent.id, WAIT_S)
     child = coordinator.get_task(batch.child_ids[0])
     assert child.status == TaskStatus.FAILED

@@ -159,7 +159,7 @@ def test_keys_live_under_one_hash_tag_per_tree(idle_coordinator: Coordinator) ->
 
 def test_a_script_with_bad_json_fails_the_child_with_a_clear_error(coordinator: Coordinator) -> None:
     parent = coordinator.create_task("p", todos="[ ] a")
-    bad = "Do it.\n\n```subq-script\n{\"steps\": [\n```\n"
+    bad = 'Do it.\n\n```subq-script\n{"steps": [\n```\n'
     batch = coordinator.delegate(parent.id, [{"description": "bad script", "message": bad}, {
         "description": "good", "message": script(usage_step())}])  # fmt: skip
     coordinator.wait(parent.id, 60)

@@ -44,7 +44,11 @@ def test_http_cli_and_send_task_give_the_same_tree(
     assert over_http.status_code == 201, over_http.text
     http_root = over_http.json()["id"]
 
-    env = {"SUBQ_REDIS_URL": settings.redis_url or "", "SUBQ_KEY_PREFIX": settings.key_prefix, "SUBQ_QUEUE": settings.queue}
+    env = {
+        "SUBQ_REDIS_URL": settings.redis_url or "",
+        "SUBQ_KEY_PREFIX": settings.key_prefix,
+        "SUBQ_QUEUE": settings.queue,
+    }
     from_cli = subq("run", prompt, "--follow", env=env)
     assert from_cli.returncode == 0, from_cli.stderr
     cli_root = from_cli.stdout.splitlines()[0]

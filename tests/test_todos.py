@@ -82,7 +82,7 @@ def test_normalise_collapses_whitespace_and_keeps_case() -> None:
 
 
 def test_todo_id_is_twelve_hex_of_sha256_over_content_and_occurrence() -> None:
-    expected = hashlib.sha256("write docs\x001".encode()).hexdigest()[:12]
+    expected = hashlib.sha256(b"write docs\x001").hexdigest()[:12]
     assert todo_id("  write   docs ", 1) == expected
     assert todo_id("write docs", 0) != expected
 
@@ -377,9 +377,7 @@ def test_merge_positional_carry_skips_new_items_with_their_own_link() -> None:
 
 linked_row = st.tuples(short_contents, statuses, st.integers(0, 10**6))
 linked_rows = st.lists(linked_row, min_size=1, max_size=8)
-unique_linked_rows = st.lists(
-    linked_row, min_size=1, max_size=8, unique_by=lambda row: normalise(row[0])
-)
+unique_linked_rows = st.lists(linked_row, min_size=1, max_size=8, unique_by=lambda row: normalise(row[0]))
 
 
 def linked_list(rows: list[tuple[str, TodoStatus, int]]) -> list[TodoItem]:
@@ -406,9 +404,7 @@ def test_merge_survives_reorder_and_status_change(
     old = linked_list(rows)
     shuffled = list(old)
     rng.shuffle(shuffled)
-    rewritten = [
-        x.model_copy(update={"status": s}) for x, s in zip(shuffled, new_statuses, strict=False)
-    ]
+    rewritten = [x.model_copy(update={"status": s}) for x, s in zip(shuffled, new_statuses, strict=False)]
     merged = merge(old, parse_markdown(render_markdown(rewritten)))
     assert [(x.content, x.status) for x in merged] == [(x.content, x.status) for x in rewritten]
 
@@ -426,14 +422,10 @@ def test_merge_survives_reorder_and_status_change(
 
 @EXAMPLES
 @given(unique_linked_rows, st.lists(st.booleans(), min_size=8, max_size=8))
-def test_merge_survives_edits_in_place(
-    rows: list[tuple[str, TodoStatus, int]], edits: list[bool]
-) -> None:
+def test_merge_survives_edits_in_place(rows: list[tuple[str, TodoStatus, int]], edits: list[bool]) -> None:
     old = linked_list(rows)
     # Edited lines get text no old line has ("#" is outside short_contents).
-    new_text = [
-        f"# {x.content} v2" if edit else x.content for x, edit in zip(old, edits, strict=False)
-    ]
+    new_text = [f"# {x.content} v2" if edit else x.content for x, edit in zip(old, edits, strict=False)]
     merged = merge(old, parse_markdown("\n".join(f"[x] {text}" for text in new_text)))
     assert [x.content for x in merged] == new_text
     assert [figures(x) for x in merged] == [figures(x) for x in old]
@@ -441,9 +433,7 @@ def test_merge_survives_edits_in_place(
 
 @EXAMPLES
 @given(linked_rows, st.lists(short_contents, max_size=8))
-def test_merge_gives_each_old_item_at_most_once(
-    rows: list[tuple[str, TodoStatus, int]], texts: list[str]
-) -> None:
+def test_merge_gives_each_old_item_at_most_once(rows: list[tuple[str, TodoStatus, int]], texts: list[str]) -> None:
     old = linked_list(rows)
     before = list(old)
     merged = merge(old, [TodoItem(id="?", content=text) for text in texts])
@@ -538,9 +528,7 @@ child_plans = st.lists(st.tuples(short_contents, statuses, st.booleans()), max_s
 
 @EXAMPLES
 @given(child_plans, st.integers(0, 10), st.data())
-def test_link_properties(
-    rows: list[tuple[str, TodoStatus, bool]], n_children: int, data: st.DataObject
-) -> None:
+def test_link_properties(rows: list[tuple[str, TodoStatus, bool]], n_children: int, data: st.DataObject) -> None:
     ids = ids_for([content for content, _, _ in rows])
     items = [
         TodoItem(id=i, content=content, status=status, subtask_id="old" if linked else None)

@@ -56,9 +56,7 @@ def _submit(coord: Coordinator, args: Sequence[Any], kwargs: Mapping[str, Any]) 
         )
     unknown = sorted(str(k) for k in kwargs if k not in FIELDS)
     if unknown:
-        raise ValidationError(
-            f"Unknown field {unknown[0]!r} (subq.submit takes {', '.join(FIELDS)})", field=unknown[0]
-        )
+        raise ValidationError(f"Unknown field {unknown[0]!r} (subq.submit takes {', '.join(FIELDS)})", field=unknown[0])
     if "prompt" not in kwargs:
         raise ValidationError("prompt is required", field="prompt")
     prompt, todos, profile = kwargs["prompt"], kwargs.get("todos"), kwargs.get("profile")

@@ -17,10 +17,10 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import Depends, FastAPI
 
 from coordinator.api.auth import bearer_auth
+from coordinator.api.control import control_routes
 from coordinator.api.errors import install_error_handlers
 from coordinator.api.events import event_routes
 from coordinator.api.limits import BodyLimit
-from coordinator.api.control import control_routes
 from coordinator.api.ops import ops_routes
 from coordinator.api.routes import reject_unknown_query, task_routes
 from coordinator.service import Coordinator

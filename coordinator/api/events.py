@@ -84,9 +84,7 @@ def settled(store: Store, task_id: str) -> tuple[bool, str]:
     return done, status
 
 
-async def _events(
-    coord: Coordinator, threads: _Threads, task_id: str, after_id: str
-) -> AsyncIterator[ServerSentEvent]:
+async def _events(coord: Coordinator, threads: _Threads, task_id: str, after_id: str) -> AsyncIterator[ServerSentEvent]:
     root_id = ids.root_of(task_id)
     try:
         while True:

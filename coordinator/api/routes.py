@@ -89,7 +89,9 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         """Validated as a whole, committed atomically, then published; 202: the children run on the fleet."""
         with renamed_fields(_DELEGATE_FIELDS):
             batch = coord.delegate(task_id, body.subtasks, body.mode)
-        return DelegationResult(batch_id=batch.id, parent_id=batch.parent_id, mode=batch.mode, child_ids=batch.child_ids)
+        return DelegationResult(
+            batch_id=batch.id, parent_id=batch.parent_id, mode=batch.mode, child_ids=batch.child_ids
+        )
 
     @router.get(
         "/tasks/{task_id}",
@@ -141,9 +143,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     )
     def messages(
         task_id: TaskId,
-        kind: Annotated[
-            Literal["ui", "api"], Query(description="ui: UI messages; api: the model conversation")
-        ] = "ui",
+        kind: Annotated[Literal["ui", "api"], Query(description="ui: UI messages; api: the model conversation")] = "ui",
     ) -> MessageList:
         with renamed_fields(_TASK_FIELDS):
             return MessageList(task_id=task_id, kind=kind, messages=coord.messages(task_id, kind))

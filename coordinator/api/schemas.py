@@ -205,4 +205,3 @@ class Health(BaseModel):
     status: Literal["ok", "degraded", "down"]
     redis: RedisHealth
     workers: WorkersHealth
-

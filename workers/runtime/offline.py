@@ -295,9 +295,7 @@ class OfflineModel(Model):
         # same response, replayed as part events, so both paths play the same script.
         _, model_request_parameters = self.prepare_request(model_settings, model_request_parameters)
         response = await self._respond(messages, model_request_parameters)
-        yield CompletedStreamedResponse(
-            response, model_request_parameters=model_request_parameters, replay_events=True
-        )
+        yield CompletedStreamedResponse(response, model_request_parameters=model_request_parameters, replay_events=True)
 
     async def _respond(self, messages: list[ModelMessage], params: ModelRequestParameters) -> ModelResponse:
         message = task_message(messages)

@@ -221,7 +221,7 @@ async def _run_agent(
     run.cancel()  # abandons the model call in flight
     try:
         await run
-    except (asyncio.CancelledError, Exception):  # noqa: S110 (the stop is the outcome)
+    except (asyncio.CancelledError, Exception):
         pass
     raise StopRun()
 
