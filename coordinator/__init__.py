@@ -4,33 +4,105 @@
 
 Services that trigger work need only this package (or only Celery, sending
 `subq.*` tasks by name); it never imports `workers`.
+
+Names are imported on first use (PEP 562), so `import coordinator.client` or
+`subq --help` does not load Celery, kombu and redis-py until something needs them.
+This surface, `coordinator.runs` (the run-lifecycle seam) and
+`coordinator.celery_app` (the app factory and the task names) are all that the
+worker package imports.
 """
 
-from coordinator.errors import (
-    ConfigError,
-    ConflictError,
-    CorruptError,
-    NotFoundError,
-    ProfileError,
-    ScriptError,
-    StateError,
-    StoreError,
-    SubqError,
-    TodoError,
-    ValidationError,
-    WaitTimeout,
-)
-from coordinator.models import Batch, SubtaskResult, SubtaskSpec, TaskRecord, TaskStatus, TodoItem, TodoStatus, Usage
-from coordinator.service import Coordinator
-from coordinator.settings import Profile, Settings, load_settings
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from coordinator.errors import (
+        ConfigError,
+        ConflictError,
+        CorruptError,
+        NotFoundError,
+        ProfileError,
+        ScriptError,
+        StateError,
+        StoreError,
+        SubqError,
+        TodoError,
+        ValidationError,
+        WaitTimeout,
+    )
+    from coordinator.ids import is_batch_id, is_task_id
+    from coordinator.models import (
+        Batch,
+        SubtaskResult,
+        SubtaskSpec,
+        TaskRecord,
+        TaskStatus,
+        TodoItem,
+        TodoStatus,
+        Usage,
+        format_usd,
+        usd_to_micros,
+    )
+    from coordinator.service import Coordinator
+    from coordinator.settings import OFFLINE_PROFILE, Price, Profile, Settings, load_settings
+    from coordinator.todos import render_markdown
+
+# name -> the module that defines it
+_EXPORTS = {
+    **dict.fromkeys(
+        (
+            "ConfigError",
+            "ConflictError",
+            "CorruptError",
+            "NotFoundError",
+            "ProfileError",
+            "ScriptError",
+            "StateError",
+            "StoreError",
+            "SubqError",
+            "TodoError",
+            "ValidationError",
+            "WaitTimeout",
+        ),
+        "coordinator.errors",
+    ),
+    **dict.fromkeys(
+        (
+            "Batch",
+            "SubtaskResult",
+            "SubtaskSpec",
+            "TaskRecord",
+            "TaskStatus",
+            "TodoItem",
+            "TodoStatus",
+            "Usage",
+            "format_usd",
+            "usd_to_micros",
+        ),
+        "coordinator.models",
+    ),
+    "Coordinator": "coordinator.service",
+    "OFFLINE_PROFILE": "coordinator.settings",
+    "Price": "coordinator.settings",
+    "Profile": "coordinator.settings",
+    "Settings": "coordinator.settings",
+    "load_settings": "coordinator.settings",
+    "is_task_id": "coordinator.ids",
+    "is_batch_id": "coordinator.ids",
+    "render_markdown": "coordinator.todos",
+}
 
 __all__ = [
+    "OFFLINE_PROFILE",
     "Batch",
     "ConfigError",
     "ConflictError",
     "Coordinator",
     "CorruptError",
     "NotFoundError",
+    "Price",
     "Profile",
     "ProfileError",
     "ScriptError",
@@ -48,5 +120,23 @@ __all__ = [
     "Usage",
     "ValidationError",
     "WaitTimeout",
+    "format_usd",
+    "is_batch_id",
+    "is_task_id",
     "load_settings",
+    "render_markdown",
+    "usd_to_micros",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'coordinator' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

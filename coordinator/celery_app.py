@@ -1,4 +1,4 @@
-"""The Celery app factory, with the baseline of DESIGN.md.
+"""The Celery app factory and subq's task names (the contract producers send by name).
 
 Both planes build their app here from the same `Settings`: the coordinator
 to publish work by task name, `workers.app` to run it. JSON only; late acks
@@ -16,7 +16,14 @@ from celery.backends.redis import RedisBackend
 
 from coordinator.settings import Settings
 
-__all__ = ["PublishOnlyRedisBackend", "make_app"]
+__all__ = ["ADVANCE", "EXPIRE_APPROVAL", "GATHER", "RUN_TASK", "SUBMIT", "PublishOnlyRedisBackend", "make_app"]
+
+# The task names: the coordinator publishes by these names and never imports `workers`.
+RUN_TASK = "subq.run_task"
+GATHER = "subq.gather"
+ADVANCE = "subq.advance"
+EXPIRE_APPROVAL = "subq.expire_approval"
+SUBMIT = "subq.submit"
 
 
 class PublishOnlyRedisBackend(RedisBackend):  # type: ignore[misc]

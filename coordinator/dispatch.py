@@ -19,13 +19,10 @@ import secrets
 from celery import Celery, chain, chord
 from celery.canvas import Signature
 
+from coordinator.celery_app import ADVANCE, EXPIRE_APPROVAL, GATHER, RUN_TASK
 from coordinator.models import Batch, TaskRecord
 
 __all__ = [
-    "ADVANCE",
-    "EXPIRE_APPROVAL",
-    "GATHER",
-    "RUN_TASK",
     "publish_approval_timeout",
     "publish_batch",
     "publish_restart",
@@ -35,10 +32,6 @@ __all__ = [
     "run_signature",
 ]
 
-RUN_TASK = "subq.run_task"
-GATHER = "subq.gather"
-ADVANCE = "subq.advance"
-EXPIRE_APPROVAL = "subq.expire_approval"
 # Flower shows argsrepr; keep it readable and short, never the prompt itself.
 DESCRIPTION_REPR_CHARS = 60
 

@@ -2,7 +2,7 @@
 
 A root id is 16 hex digits; a child id is `<root>-<12 hex>`; a batch id is
 `<root>-b<12 hex>`; an approval id `<root>-a<12 hex>`. `root_of` recovers the root from any of them without a
-lookup, which keeps each tree's keys under one hash tag (DESIGN.md, Redis).
+lookup, which keeps each tree's keys under one hash tag (docs/architecture.md, Redis layout).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import secrets
 
 from coordinator.errors import NotFoundError
 
-__all__ = ["is_task_id", "new_batch_id", "new_child_id", "new_root_id", "root_of"]
+__all__ = ["is_batch_id", "is_task_id", "new_batch_id", "new_child_id", "new_root_id", "root_of"]
 
 _ROOT = r"[0-9a-f]{16}"
 TASK_ID_RE = re.compile(rf"^({_ROOT})(?:-[0-9a-f]{{12}})?$")
@@ -40,9 +40,13 @@ def is_task_id(value: str) -> bool:
     return bool(TASK_ID_RE.match(value))
 
 
-def root_of(any_id: str) -> str:
-    """The root id inside a task or batch id; an unknown shape is a NotFoundError."""
+def is_batch_id(value: str) -> bool:
+    return bool(BATCH_ID_RE.match(value))
+
+
+def root_of(any_id: str, field: str = "task_id") -> str:
+    """The root id inside a task, batch or approval id; an unknown shape is a NotFoundError naming `field`."""
     match = TASK_ID_RE.match(any_id) or BATCH_ID_RE.match(any_id) or APPROVAL_ID_RE.match(any_id)
     if match is None:
-        raise NotFoundError(f"Unknown id: {any_id!r} is not a subq task or batch id", field="id")
+        raise NotFoundError(f"Unknown id: {any_id!r} is not a subq task or batch id", field=field)
     return match.group(1)

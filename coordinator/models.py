@@ -8,7 +8,7 @@ rendered (`format_usd`).
 
 from __future__ import annotations
 
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -29,6 +29,7 @@ __all__ = [
     "UiMessage",
     "Usage",
     "format_usd",
+    "usd_to_micros",
 ]
 
 MICROS_PER_USD = 1_000_000
@@ -61,7 +62,7 @@ class Usage(BaseModel):
     """Token counts of one request or a sum of them.
 
     `tokens_in` counts every input token including cache reads and writes
-    (DESIGN.md), so `tokens == tokens_in + tokens_out`.
+    (docs/architecture.md, Money and tokens), so `tokens == tokens_in + tokens_out`.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -303,7 +304,8 @@ class LiveState(BaseModel):
 
 
 def usd_to_micros(usd: Decimal) -> int:
-    return int(usd * MICROS_PER_USD)
+    """Dollars as integer micro-USD, rounded half up: the one rounding of money, for prices and budgets."""
+    return int((usd * MICROS_PER_USD).quantize(Decimal(1), rounding=ROUND_HALF_UP))
 
 
 def format_usd(cost_micros: int) -> str:

@@ -1,9 +1,20 @@
-"""The Coordinator: create tasks, delegate, update todos, query and wait.
+"""The Coordinator: the one service every face (Python, CLI, HTTP API, `subq.submit`) goes through.
 
-The one service every interface (Python API, CLI, HTTP) goes through. Every
-operation validates all of its input first and raises the project's own error
-naming the field; only then does it commit, in one atomic step, and only after
-the commit does it publish work.
+It holds the settings, the store (it is the one module that builds one) and the
+Celery app used to publish work. Tasks, queries and waiting live here; the
+other operations are thin calls into their rooms, which take the Coordinator:
+
+    delegation.py   check, commit, publish a delegation; submit (create-and-delegate)
+    control.py      cancel a subtree, stop one, the live snapshot
+    approvals.py    park, decide, expire tool approvals
+    budgets.py      budgets in micro-USD, what remains, the stop when spent
+    admission.py    run slots, start stagger, provider rate limits (used by runs.py)
+    writeback.py    the one write-back entry point (used by runs.py and control.py)
+    runs.py         the run-lifecycle seam the worker drives a run through
+
+Every operation validates all of its input first and raises the project's own
+error naming the field; only then does it commit, in one atomic step, and only
+after the commit does it publish work.
 """
 
 from __future__ import annotations
@@ -11,20 +22,19 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-import pydantic
 import redis
 from celery import Celery
 
-from coordinator import dispatch, ids, writeback
+from coordinator import approvals, budgets, control, delegation, dispatch, ids
 from coordinator import todos as todo_lists
 from coordinator.celery_app import make_app
-from coordinator.errors import CorruptError, NotFoundError, StateError, ValidationError, WaitTimeout
+from coordinator.errors import CorruptError, NotFoundError, ValidationError, WaitTimeout
 from coordinator.export import export_tree
-from coordinator.keys import Keys
+from coordinator.inputs import text_field
 from coordinator.models import (
     Approval,
     Batch,
@@ -35,11 +45,9 @@ from coordinator.models import (
     TaskRecord,
     TaskStatus,
     TodoItem,
-    format_usd,
-    usd_to_micros,
 )
 from coordinator.settings import Settings, load_settings
-from coordinator.store import Store
+from coordinator.store import LATENCY_BUCKETS_MS, Keys, Store
 
 __all__ = ["Coordinator"]
 
@@ -47,7 +55,6 @@ __all__ = ["Coordinator"]
 # short enough to notice a deadline, long enough not to spin.
 WAIT_SLICE_MS = 1000
 MAX_PROMPT_CHARS = 200_000
-MAX_REASON_CHARS = 2000
 # History pages: enough for a screen, bounded so one call stays cheap.
 DEFAULT_PAGE = 50
 MAX_PAGE = 500
@@ -93,12 +100,12 @@ class Coordinator:
         `run=True` it starts as an agent on the fleet (its model plans, delegates
         and completes), and `wait()` returns when it has ended.
         """
-        prompt = _text(prompt, "prompt", MAX_PROMPT_CHARS)
+        prompt = text_field(prompt, "prompt", MAX_PROMPT_CHARS)
         if not isinstance(run, bool):
             raise ValidationError("run must be true or false", field="run")
         profile_name = profile or self.settings.default_profile
         self.settings.profile(profile_name)
-        budget_micros = _budget_micros(budget_usd, "budget_usd")
+        budget_micros = budgets.to_micros(budget_usd, "budget_usd")
         items = todo_lists.parse_update(todos) if todos is not None else []
         now = time.time()
         root_id = ids.new_root_id()
@@ -165,7 +172,7 @@ class Coordinator:
         if cursor < 0:
             raise ValidationError("cursor must not be negative", field="cursor")
         if root_id is not None:
-            ids.root_of(root_id)
+            ids.root_of(root_id, field="root_id")
         items: list[HistoryItem] = []
         offset = cursor
         while len(items) < limit:
@@ -189,114 +196,33 @@ class Coordinator:
         parsed = todo_lists.parse_update(update)  # a bad update is refused before any read
         return self.store.update_todos(task_id, lambda _record, old: todo_lists.merge(old, parsed))
 
-    # -- delegation --------------------------------------------------------------------
+    # -- delegation (coordinator/delegation.py) ---------------------------------------
 
     def delegate(
         self,
-        parent_id: str,
-        specs: Sequence[SubtaskSpec | dict[str, Any]],
+        task_id: str,
+        subtasks: Sequence[SubtaskSpec | dict[str, Any]],
         mode: DelegationMode | str = "parallel",
     ) -> Batch:
-        """Delegate subtasks to children: all validated, committed atomically, then published."""
-        batch, children = self.commit_delegation(parent_id, specs, mode)
-        self.publish(batch, children)
-        return batch
+        """Delegate subtasks to children of `task_id`: all validated, committed atomically, then published."""
+        return delegation.delegate(self, task_id, subtasks, mode)
 
-    def publish(self, batch: Batch, children: list[TaskRecord]) -> None:
-        """Publish a committed batch's work, once (a second call finds it published)."""
-        if self.store.claim_batch(batch.id, "published"):
-            if batch.mode == "sequential":
-                self.store.claim(children[0].id, "published")  # later steps are claimed as they start
-            dispatch.publish_batch(self.app, batch, children)
-
-    def commit_delegation(
+    def submit(
         self,
-        parent_id: str,
-        specs: Sequence[SubtaskSpec | dict[str, Any]],
+        prompt: str,
+        *,
+        subtasks: Sequence[SubtaskSpec | dict[str, Any]],
+        todos: str | Sequence[object] | None = None,
+        profile: str | None = None,
         mode: DelegationMode | str = "parallel",
-        tool_call_id: str = "",
-    ) -> tuple[Batch, list[TaskRecord]]:
-        """Validate and commit a delegation in one atomic step, without publishing it.
+        budget_usd: Decimal | float | str | None = None,
+    ) -> delegation.Submission:
+        """Create a caller-owned root and delegate `subtasks` to it in one operation (`subq.submit`)."""
+        return delegation.submit(
+            self, prompt, todos=todos, profile=profile, subtasks=subtasks, mode=mode, budget_usd=budget_usd
+        )
 
-        An agent parent commits from its delegation tool, persists its conversation,
-        and only then publishes, so no child can finish before the parent's state is saved.
-        """
-        if mode not in ("parallel", "sequential"):
-            raise ValidationError(f"mode must be 'parallel' or 'sequential', not {mode!r}", field="mode")
-        checked = self.check_specs(specs)
-        root_id = ids.root_of(parent_id)
-        child_ids = [ids.new_child_id(root_id) for _ in checked]
-        batch_id = ids.new_batch_id(root_id)
-
-        def plan(parent: TaskRecord, items: list[TodoItem]) -> tuple[Batch, list[TaskRecord], list[TodoItem]]:
-            if parent.status != TaskStatus.ACTIVE:
-                raise StateError(
-                    f"Task {parent.id} is {parent.status.value}, not active: it cannot delegate now",
-                    field="parent_id",
-                )
-            if parent.depth >= self.settings.max_depth:
-                raise StateError(
-                    f"Task {parent.id} is at depth {parent.depth}; SUBQ_MAX_DEPTH={self.settings.max_depth} "
-                    "allows no deeper subtasks",
-                    field="parent_id",
-                )
-            remaining = self._budget_left(parent)
-            for index, spec in enumerate(checked):
-                wanted = _budget_micros(spec.budget_usd, f"specs.{index}.budget_usd")
-                if remaining is not None and wanted > remaining:
-                    raise ValidationError(
-                        f"specs.{index}.budget_usd: {format_usd(wanted)} exceeds what remains of the parent's "
-                        f"budget ({format_usd(remaining)})",
-                        field=f"specs.{index}.budget_usd",
-                    )
-            new_items, links = todo_lists.link_children(
-                items, [(cid, spec.todo_id, spec.description) for cid, spec in zip(child_ids, checked, strict=True)]
-            )
-            now = time.time()
-            children = [
-                TaskRecord(
-                    id=cid,
-                    parent_id=parent.id,
-                    root_id=parent.root_id,
-                    depth=parent.depth + 1,
-                    status=TaskStatus.ACTIVE,
-                    prompt=spec.message,
-                    description=spec.description,
-                    profile=spec.profile or parent.profile,
-                    todo_id=todo_id,
-                    batch_id=batch_id,
-                    runner="agent",
-                    budget_micros=_budget_micros(spec.budget_usd, "budget_usd"),
-                    created_at=now,
-                    updated_at=now,
-                )
-                for cid, spec, todo_id in zip(child_ids, checked, links, strict=True)
-            ]
-            batch = Batch(
-                id=batch_id,
-                parent_id=parent.id,
-                root_id=parent.root_id,
-                mode="parallel" if mode == "parallel" else "sequential",
-                child_ids=child_ids,
-                tool_call_id=tool_call_id,
-                created_at=now,
-            )
-            return batch, children, new_items
-
-        batch, children = self.store.commit_delegation(parent_id, plan)
-        for child in children:
-            self.store.set_live(child, "queued")
-        first = self.store.next_numbers(len(children))
-        self.store.set_numbers({c.id: first + n for n, c in enumerate(children)})
-        return batch, [c.model_copy(update={"number": first + n}) for n, c in enumerate(children)]
-
-    def _budget_left(self, parent: TaskRecord) -> int | None:
-        """What remains of the tightest budget over the parent (its own or an ancestor's), if any."""
-        chain = [parent, *self.store.get_records(parent.ancestors)] if parent.ancestors else [parent]
-        left = [t.budget_micros - t.total_cost_micros for t in chain if t.budget_micros > 0]
-        return max(0, min(left)) if left else None
-
-    # -- control -----------------------------------------------------------------------
+    # -- control (coordinator/control.py, approvals.py) ---------------------------------
 
     def cancel(self, task_id: str, reason: str) -> TaskRecord:
         """Cancel a task and its whole subtree; its parent hears why, with what had finished.
@@ -306,150 +232,70 @@ class Coordinator:
         stop at their next step, abandoning an in-flight model call; nothing is
         recorded after the stop. Results that had finished are kept.
         """
-        reason = _text(reason, "reason", MAX_REASON_CHARS)
-        record = self.store.get_task(task_id)
-        if record.status.terminal:
-            raise StateError(
-                f"Task {task_id} has already ended ({record.status.value}); only a task that has not ended "
-                "can be cancelled",
-                field="task_id",
-            )
-        self.stop_subtree(
-            record,
-            top_status="cancelled",
-            top_error=f"cancelled: {reason}",
-            top_class="Cancelled",
-            error=f"cancelled with {task_id}: {reason}",
-        )
-        return self.store.get_task(task_id)
+        return control.cancel(self, task_id, reason)
 
-    def stop_budget(self, holder_id: str) -> None:
-        """The subtree of `holder_id` has spent its budget: stop it, reporting the figures."""
-        holder = self.store.get_task(holder_id)
-        children = self.store.get_records(holder.child_ids)
-        spent = ", ".join(f"{c.description or c.id} {format_usd(c.total_cost_micros)}" for c in children)
-        self.stop_subtree(
-            holder,
-            top_status="failed",
-            top_error=(
-                f"budget of {format_usd(holder.budget_micros)} exhausted: the subtree spent "
-                f"{format_usd(holder.total_cost_micros)} (own {format_usd(holder.cost_micros)}"
-                + (f"; children: {spent}" if spent else "")
-                + ")"
-            ),
-            top_class="BudgetExhausted",
-            error=f"stopped: the budget of {holder_id} is exhausted",
-        )
-
-    def stop_subtree(self, top: TaskRecord, *, top_status: str, top_error: str, top_class: str, error: str) -> None:
-        ids = self.store.subtree_ids(top.id)
-        stopped = self.store.stop_tasks(
-            ids, top_status=top_status, status="cancelled", top_error=top_error, error=error,
-            top_class=top_class, error_class="Cancelled",
-        )  # fmt: skip
-        if not stopped:
-            return
-        self.app.control.revoke(stopped)  # queued ones never start (the persisted status covers restarts)
-        records = self.store.get_records(stopped)
-        for approval_id in self.store.pending_approval_ids():
-            if approval_id.startswith(top.root_id) and self.store.get_approval(approval_id).task_id in stopped:
-                self.store.decide(approval_id, "expired", "the task was stopped")
-        # Close every batch a stopped task waited on, deepest first, then the top's own
-        # place in its parent's batch, so each parent hears what had finished.
-        for record in reversed(records):
-            if record.waiting_batch_id:
-                writeback.settle(self, record.waiting_batch_id)
-        stopped_top = self.store.get_task(top.id)
-        if stopped_top.status.terminal:
-            writeback.settle_child(self, stopped_top)
-
-    def snapshot(self, root_id: str) -> dict[str, LiveState]:
-        """The live state of every task of the tree (queued, running, waiting_approval, ended)."""
-        record = self.store.get_task(root_id)
-        if record.id != record.root_id:
-            raise ValidationError(f"{root_id} is not a root task (its root is {record.root_id})", field="root_id")
-        live = self.store.live(root_id)
-        out: dict[str, LiveState] = {}
-        for task in self.store.get_records(self.store.tree_task_ids(root_id)):
-            state = live.get(task.id, {})
-            ended = task.status.value if task.status.terminal else None
-            out[task.id] = LiveState.model_validate({
-                "task_id": task.id, "parent_id": task.parent_id, "depth": task.depth,
-                "state": ended or state.get("state") or ("delegated" if task.status == TaskStatus.DELEGATED else "queued"),
-                "ts": float(state.get("ts") or task.updated_at), "tool": state.get("tool"), "text": state.get("text"),
-                "requests": task.requests, "cost_micros": task.total_cost_micros,
-            })  # fmt: skip
-        return out
+    def snapshot(self, task_id: str) -> dict[str, LiveState]:
+        """The live state of every task of the tree rooted at `task_id`."""
+        return control.snapshot(self, task_id)
 
     def list_approvals(self, root_id: str | None = None) -> list[Approval]:
         """Tool calls waiting for a decision, oldest first (of one tree, or all)."""
-        if root_id is not None:
-            self.store.get_task(root_id)
-        out = []
-        for approval_id in self.store.pending_approval_ids():
-            if root_id is None or approval_id.startswith(root_id):
-                try:
-                    out.append(self.store.get_approval(approval_id))
-                except NotFoundError:  # expired with its tree
-                    continue
-        return out
+        return approvals.list_pending(self, root_id)
 
     def decide(self, approval_id: str, decision: str, feedback: str | None = None) -> Approval:
         """Approve or deny a pending tool call; only that task resumes, its siblings go on."""
-        if decision not in ("approve", "deny"):
-            raise ValidationError(f"decision must be 'approve' or 'deny', not {decision!r}", field="decision")
-        if feedback is not None and not isinstance(feedback, str):
-            raise ValidationError("feedback must be a string", field="feedback")
-        approval = self.store.get_approval(approval_id)
-        status = "approved" if decision == "approve" else "denied"
-        return self._decide(approval, status, feedback or "")
-
-    def _decide(self, approval: Approval, status: str, feedback: str) -> Approval:
-        outcome = self.store.decide(approval.id, status, feedback)
-        if outcome != "ok":
-            raise StateError(f"Approval {approval.id} was already {outcome}", field="approval_id")
-        task = self.store.get_task(approval.task_id)
-        waiting = json.loads(self.store.task_field(task.id, "waiting_approval_ids") or "[]")
-        still = [a for a in waiting if a != approval.id and self.store.get_approval(a).status == "pending"]
-        if not still and not task.status.terminal and self.store.claim_resume(task.id, approval.id):
-            dispatch.publish_run(self.app, task, self.store.next_resume(task.id))
-        return self.store.get_approval(approval.id)
+        ids.root_of(approval_id, field="approval_id")
+        return approvals.decide(self, approval_id, decision, feedback)
 
     def expire_approval(self, approval_id: str) -> bool:
         """Deny an approval whose deadline has passed; False when it was decided or is not due."""
-        approval = self.store.get_approval(approval_id)
-        if approval.status != "pending" or time.time() < approval.deadline:
-            return False
-        try:
-            self._decide(approval, "expired", f"no decision within {self.settings.approval_timeout_s}s")
-        except StateError:
-            return False
-        return True
+        return approvals.expire(self, approval_id)
 
-    def check_specs(self, specs: Sequence[SubtaskSpec | dict[str, Any]]) -> list[SubtaskSpec]:
-        if isinstance(specs, (str, bytes)) or not isinstance(specs, Sequence):
-            raise ValidationError("specs must be a list of subtask specs", field="specs")
-        if not specs:
-            raise ValidationError("specs is empty: a delegation needs at least one subtask", field="specs")
-        if len(specs) > self.settings.max_fanout:
-            raise ValidationError(
-                f"{len(specs)} subtasks exceed SUBQ_MAX_FANOUT={self.settings.max_fanout}", field="specs"
-            )
-        checked: list[SubtaskSpec] = []
-        for index, spec in enumerate(specs):
-            try:
-                parsed = spec if isinstance(spec, SubtaskSpec) else SubtaskSpec.model_validate(spec)
-            except pydantic.ValidationError as exc:
-                err = exc.errors()[0]
-                path = ".".join(str(p) for p in ("specs", index, *err["loc"]))
-                raise ValidationError(f"{path}: {err['msg']}", field=path) from None
-            if parsed.profile is not None:
+    # -- the tree's events and fleet figures (the API's stream and /metrics, the CLI) ----
+
+    def last_event_id(self, root_id: str) -> str:
+        return self.store.last_event_id(root_id)
+
+    def read_events(
+        self, root_id: str, after_id: str = "0-0", *, block_ms: int | None = None, count: int = 500
+    ) -> list[tuple[str, dict[str, str]]]:
+        """Entries of the tree's event stream after `after_id` (blocking up to block_ms if none)."""
+        return self.store.read_events(root_id, after_id, block_ms=block_ms, count=count)
+
+    def settled(self, task_id: str) -> tuple[bool, str]:
+        """(whether the task has settled, its status): an agent task once it ended, a caller's once not delegated."""
+        status, runner = self.store.status_of(task_id)
+        done = TaskStatus(status).terminal or (runner == "caller" and status != TaskStatus.DELEGATED)
+        return done, status
+
+    def subtree_ids(self, task_id: str) -> list[str]:
+        """The task and all its descendants, top first."""
+        return self.store.subtree_ids(task_id)
+
+    def recent_records(self, count: int) -> list[TaskRecord]:
+        """The `count` most recent tasks of the history index that still exist, newest first."""
+        task_ids = self.store.recent_task_ids(root_id=None, offset=0, count=count)
+        try:
+            return self.store.get_records(task_ids)  # one round trip, the usual case
+        except NotFoundError:  # one expired since it was indexed: read them one by one
+            found = []
+            for task_id in task_ids:
                 try:
-                    self.settings.profile(parsed.profile)
-                except ValidationError as exc:
-                    raise type(exc)(exc.message, field=f"specs.{index}.profile") from None
-            checked.append(parsed)
-        return checked
+                    found.extend(self.store.get_records([task_id]))
+                except NotFoundError:
+                    continue
+            return found
+
+    def latency_histogram(self) -> dict[str, float]:
+        """{'le_<ms>': cumulative count, 'count': n, 'sum_ms': total} of model request latency, fleet-wide.
+
+        Every standard bucket is present (0 before any request), and any other bound found in Redis too.
+        """
+        return {**{f"le_{ms}": 0.0 for ms in LATENCY_BUCKETS_MS}, **self.store.latency_histogram()}
+
+    def queue_depth(self) -> int:
+        """Celery messages waiting in subq's queue (LLEN, as Celery's own tools report it)."""
+        return self.store.queue_depth(self.settings.queue)
 
     # -- waiting -----------------------------------------------------------------------
 
@@ -468,8 +314,7 @@ class Coordinator:
             # Read the stream position before the status, so an event between the
             # two wakes the blocking read below instead of being missed.
             last_id = self.store.last_event_id(root_id)
-            status, runner = self.store.status_of(task_id)
-            if TaskStatus(status).terminal or (runner == "caller" and status != TaskStatus.DELEGATED):
+            if self.settled(task_id)[0]:
                 return self.store.get_task(task_id)
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
@@ -484,26 +329,6 @@ class Coordinator:
         self.client.close()
 
 
-def _budget_micros(value: object, field: str) -> int:
-    """A budget in USD as integer micro-USD (0: none); a positive number or an error naming the field."""
-    if value is None:
-        return 0
-    try:
-        usd = (
-            Decimal(str(value))
-            if isinstance(value, (int, float, str, Decimal)) and not isinstance(value, bool)
-            else None
-        )
-    except InvalidOperation:
-        usd = None
-    if usd is None or not usd.is_finite() or usd <= 0:
-        raise ValidationError(f"{field} must be a positive number of US dollars, not {value!r}", field=field)
-    micros = usd_to_micros(usd)
-    if micros < 1:
-        raise ValidationError(f"{field} must be at least one micro-dollar (0.000001)", field=field)
-    return micros
-
-
 def _decode_entry(entry: str, task_id: str, index: int) -> dict[str, Any]:
     try:
         value = json.loads(entry)
@@ -511,12 +336,4 @@ def _decode_entry(entry: str, task_id: str, index: int) -> dict[str, Any]:
         raise CorruptError(f"Conversation message {index} of task {task_id} is corrupt") from None
     if not isinstance(value, dict):
         raise CorruptError(f"Conversation message {index} of task {task_id} is corrupt")
-    return value
-
-
-def _text(value: object, field: str, max_chars: int) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ValidationError(f"{field} must be a non-empty string", field=field)
-    if len(value) > max_chars:
-        raise ValidationError(f"{field} is {len(value)} characters; the limit is {max_chars}", field=field)
     return value

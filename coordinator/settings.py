@@ -43,7 +43,7 @@ DEFAULT_MODEL_RETRY_BASE_S = 0.5
 # A request body over this is refused with 413 before it is parsed (1 MiB holds
 # a fan-out of 256 long messages).
 DEFAULT_API_MAX_BODY_BYTES = 1024 * 1024
-# DESIGN.md / issue 2 defaults.
+# Defaults (docs/configuration.md says why each one).
 DEFAULT_MAX_FANOUT = 256
 DEFAULT_MAX_DEPTH = 3
 # A task lost with its worker is delivered again at most this many times in all.

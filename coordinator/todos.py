@@ -6,7 +6,7 @@ A task's plan is a list of `TodoItem`s. Agents write it as markdown checkboxes
 / `from_json`). Every rewrite goes through `merge`, so the figures of the child
 that carried an item out (`subtask_id`, `tokens`, `cost_micros`) are never lost
 when the agent edits, reorders or re-marks its plan. `link_children` ties each
-child of a delegation to one item. The rules are in DESIGN.md ("Todo lists").
+child of a delegation to one item. The rules are in docs/architecture.md ("Todo lists").
 
 Every function here is pure: it returns new lists and validates everything
 before returning, so a rejected update leaves the caller's list as it was.
@@ -182,9 +182,9 @@ def link_children(
             continue
         index = index_of.get(wanted)
         if index is None:
-            raise TodoError(f"Unknown todo_id {wanted!r}", field=f"specs.{n}.todo_id")
+            raise TodoError(f"Unknown todo_id {wanted!r}", field=f"subtasks.{n}.todo_id")
         if index in claimed:
-            raise TodoError(f"todo_id {wanted!r} is used by two subtasks", field=f"specs.{n}.todo_id")
+            raise TodoError(f"todo_id {wanted!r} is used by two subtasks", field=f"subtasks.{n}.todo_id")
         claimed.add(index)
         explicit[n] = index
     linked: list[str] = []
@@ -197,7 +197,7 @@ def link_children(
             if not content:
                 raise TodoError(
                     f"Subtask {n} has no description to add as a todo item",
-                    field=f"specs.{n}.description",
+                    field=f"subtasks.{n}.description",
                 )
             key = normalise(content)
             occurrence = sum(1 for item in result if normalise(item.content) == key)

@@ -1,6 +1,7 @@
 """Settling delegations: applying ended children to their parent and closing the batch.
 
-`settle(coord, batch_id)` does the write-back of a batch from the state in Redis:
+`write_back(coord, batch_id, ended=None)`, the one entry point, does the
+write-back of a batch from the state in Redis:
 - parallel: every child that has ended is applied (`apply_children.lua`, once per
   child, all in one call); when all have ended the batch is closed;
 - sequential: children are applied in order; the first that has not ended is
@@ -9,9 +10,10 @@
 Closing (`finish_batch.lua`) happens once; the call that closes it resumes an
 agent parent under a numbered Celery task id.
 
-Callers: the chord callback (`subq.gather`) and the chain step (`subq.advance`);
-every child as it ends (`settle_child`, which applies just that child, so each
-todo item is written as soon as its child ends); and a cancel or budget stop.
+Callers, all in the coordinator: the run lifecycle as each child ends (it
+applies just that child, so each todo item is written as soon as its child
+ends) and for the chord callback (`subq.gather`) and the chain step
+(`subq.advance`); and a cancel or budget stop (coordinator/control.py).
 Every step is idempotent, so a redelivered or duplicated call changes nothing.
 """
 
@@ -26,53 +28,54 @@ from coordinator.models import Batch, BatchRef, SubtaskResult, TaskRecord, TaskS
 if TYPE_CHECKING:
     from coordinator.service import Coordinator
 
-__all__ = ["close_batch", "combined_result", "result_of", "settle", "settle_child"]
+__all__ = ["close_batch", "combined_result", "result_of", "write_back"]
 
 
-def settle(coord: Coordinator, batch_id: str) -> bool:
-    """Write back what has ended in the batch; True when this call closed it."""
+def write_back(coord: Coordinator, batch_id: str, ended: TaskRecord | None = None) -> bool:
+    """Write back what has ended in the batch; True when this call closed it.
+
+    The one write-back entry point. With `ended` (a child that has just ended) a
+    parallel batch applies just that child and closes if it was the last: O(1),
+    the awaiting set says whether it was, so a wide fan-out does not re-read every
+    sibling as each one ends. Without it (a chord callback, a chain step, a stop),
+    every child that has ended is applied from the records in Redis.
+    """
     store = coord.store
+    if ended is not None:
+        mode, status, parent_id = store.batch_head(batch_id)
+        if mode == "parallel":
+            store.apply_children(BatchRef(id=batch_id, parent_id=parent_id, root_id=ended.root_id), [ended.id])
+            if status == "done" or store.awaiting_count(parent_id) > 0:
+                return False
     batch = store.get_batch(batch_id)
     if batch.status == "done":
         return False
     children = store.get_records(batch.child_ids)
-    ended = [c.id for c in children if c.status.terminal]
     if batch.mode == "parallel":
-        store.apply_children(batch, ended)
-        return len(ended) == len(children) and close_batch(coord, batch)
+        ended_ids = [c.id for c in children if c.status.terminal]
+        store.apply_children(batch, ended_ids)
+        return len(ended_ids) == len(children) and close_batch(coord, batch)
     for index, child in enumerate(children):
         if not child.status.terminal:
             store.apply_children(batch, [c.id for c in children[:index]])
-            if store.claim(child.id, "published"):
+            if store.claim_step_publish(child.id):
                 dispatch.publish_step(coord.app, batch, child, index)
             return False
         if child.status != TaskStatus.COMPLETED:
             reason = f"not run: step {index + 1} of the chain ended {child.status.value}"
             rest = [c.id for c in children[index + 1 :]]
             store.stop_tasks(
-                rest, top_status="cancelled", status="cancelled", top_error=reason, error=reason,
-                top_class="ChainStopped", error_class="ChainStopped",
-            )  # fmt: skip
+                rest,
+                top_status="cancelled",
+                status="cancelled",
+                top_error=reason,
+                error=reason,
+                top_class="ChainStopped",
+                error_class="ChainStopped",
+            )
             break
     store.apply_children(batch, batch.child_ids)
     return close_batch(coord, batch)
-
-
-def settle_child(coord: Coordinator, child: TaskRecord) -> None:
-    """A child has ended: write it back now, and close its batch if it was the last.
-
-    O(1) for a parallel batch (the awaiting set says whether it was the last), so
-    a wide fan-out does not re-read every sibling as each one ends.
-    """
-    if not child.batch_id:
-        return
-    mode, status, parent_id = coord.store.batch_head(child.batch_id)
-    if mode == "sequential":
-        settle(coord, child.batch_id)
-        return
-    coord.store.apply_children(BatchRef(id=child.batch_id, parent_id=parent_id, root_id=child.root_id), [child.id])
-    if status != "done" and coord.store.awaiting_count(parent_id) == 0:
-        settle(coord, child.batch_id)
 
 
 def close_batch(coord: Coordinator, batch: Batch) -> bool:

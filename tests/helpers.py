@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -63,17 +64,65 @@ def state(coord: Coordinator, *roots: str) -> tuple[dict[str, object], int]:
 
     With `roots`, only those trees' keys (and the root and approval indexes): trees of
     earlier tests may still be settling in the background (a stopped run writes its
-    last UI message as it unwinds), and must not count as a change made here.
-    Counters every delegation bumps (history index, numbering, metrics) are left out.
+    last UI message as it unwinds), and must not count as a change made here. Only
+    those keys are read (SCAN MATCH per tree), so the cost does not grow with the
+    keys earlier tests left. Without `roots`, every key of the prefix, except the
+    counters every delegation bumps (history index, numbering, metrics, rate windows).
     """
-    prefix = coord.settings.key_prefix
-    volatile = (f"{prefix}:tasks", f"{prefix}:task-number", f"{prefix}:metrics:", f"{prefix}:rate:")
-    keys = {k: v for k, v in coord.store.snapshot().items() if not k.startswith(volatile)}
-    if roots:
-        shared = (f"{prefix}:roots", f"{prefix}:approvals")
-        keys = {k: v for k, v in keys.items() if k in shared or any(f"{{{r}}}" in k for r in roots)}
     client: redis.Redis = coord.client
+    prefix = coord.settings.key_prefix
+    if roots:
+        shared = [f"{prefix}:roots", f"{prefix}:approvals"]
+        trees = [key for root in roots for key in _scan(client, f"{_glob_escape(prefix)}:{{{_glob_escape(root)}}}:*")]
+        keys = _read(client, [*shared, *trees])
+    else:
+        volatile = (f"{prefix}:tasks", f"{prefix}:task-number", f"{prefix}:metrics:", f"{prefix}:rate:")
+        every = _scan(client, f"{_glob_escape(prefix)}:*")
+        keys = _read(client, [key for key in every if not key.startswith(volatile)])
     return keys, int(client.llen(coord.settings.queue))
+
+
+# How state() reads each type of key: by content, never DUMP (a set's serialised
+# order can change on rehashing without any write; its members are sorted below).
+_READERS: dict[str, Callable[[Any, str], object]] = {
+    "string": lambda pipe, key: pipe.get(key),
+    "hash": lambda pipe, key: pipe.hgetall(key),
+    "list": lambda pipe, key: pipe.lrange(key, 0, -1),
+    "set": lambda pipe, key: pipe.smembers(key),
+    "zset": lambda pipe, key: pipe.zrange(key, 0, -1, withscores=True),
+    "stream": lambda pipe, key: pipe.xrange(key),
+}
+
+
+def _glob_escape(text: str) -> str:
+    """`text` matched literally in a SCAN pattern."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+def _scan(client: redis.Redis, pattern: str) -> set[str]:
+    return {_text(key) for key in client.scan_iter(match=pattern, count=1000)}
+
+
+def _read(client: redis.Redis, keys: list[str]) -> dict[str, object]:
+    """{key: (type, value)} of those of `keys` that exist; two pipelined round trips."""
+    keys = sorted(set(keys))
+    with client.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.type(key)
+        kinds = [_text(kind) for kind in pipe.execute()]
+    present = [(key, kind) for key, kind in zip(keys, kinds, strict=True) if kind in _READERS]
+    with client.pipeline(transaction=False) as pipe:
+        for key, kind in present:
+            _READERS[kind](pipe, key)
+        values = pipe.execute()
+    return {
+        key: (kind, sorted(_text(m) for m in value) if kind == "set" else value)
+        for (key, kind), value in zip(present, values, strict=True)
+    }
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 TOKEN = "test-token-5f0c"

@@ -74,7 +74,7 @@ def test_unknown_parent(idle_coordinator: Coordinator) -> None:
         lambda: idle_coordinator.delegate("not-an-id", [_ok()]),
         NotFoundError,
         "'not-an-id' is not a subq task or batch id",
-        "id",
+        "task_id",
     )
 
 
@@ -85,7 +85,7 @@ def test_parent_not_active(idle_coordinator: Coordinator, parent: Any) -> None:
         lambda: idle_coordinator.delegate(parent.id, [_ok(1)]),
         StateError,
         f"Task {parent.id} is delegated, not active",
-        "parent_id",
+        "task_id",
         parent.id,
     )
 
@@ -96,7 +96,7 @@ def test_unknown_todo_id(idle_coordinator: Coordinator, parent: Any) -> None:
         lambda: idle_coordinator.delegate(parent.id, [_ok(0), _ok(1, todo_id="nope")]),
         TodoError,
         "Unknown todo_id 'nope'",
-        "specs.1.todo_id",
+        "subtasks.1.todo_id",
         parent.id,
     )
 
@@ -108,7 +108,7 @@ def test_same_todo_id_twice(idle_coordinator: Coordinator, parent: Any) -> None:
         lambda: idle_coordinator.delegate(parent.id, [_ok(0, todo_id=todo), _ok(1, todo_id=todo)]),
         TodoError,
         f"todo_id '{todo}' is used by two subtasks",
-        "specs.1.todo_id",
+        "subtasks.1.todo_id",
         parent.id,
     )
 
@@ -118,8 +118,8 @@ def test_empty_spec_list(idle_coordinator: Coordinator, parent: Any) -> None:
         idle_coordinator,
         lambda: idle_coordinator.delegate(parent.id, []),
         ValidationError,
-        "specs is empty",
-        "specs",
+        "subtasks is empty",
+        "subtasks",
         parent.id,
     )
 
@@ -131,7 +131,7 @@ def test_width_over_the_limit(idle_coordinator: Coordinator, parent: Any) -> Non
         lambda: idle_coordinator.delegate(parent.id, [_ok(n) for n in range(limit + 1)]),
         ValidationError,
         f"{limit + 1} subtasks exceed SUBQ_MAX_FANOUT={limit}",
-        "specs",
+        "subtasks",
         parent.id,
     )
 
@@ -142,8 +142,8 @@ def test_empty_message(idle_coordinator: Coordinator, parent: Any, message: str)
         idle_coordinator,
         lambda: idle_coordinator.delegate(parent.id, [_ok(0), {"description": "x", "message": message}]),
         ValidationError,
-        "specs.1.message: String should have at least 1 character",
-        "specs.1.message",
+        "subtasks.1.message: String should have at least 1 character",
+        "subtasks.1.message",
         parent.id,
     )
 
@@ -153,16 +153,16 @@ def test_unknown_field_and_missing_description(idle_coordinator: Coordinator, pa
         idle_coordinator,
         lambda: idle_coordinator.delegate(parent.id, [_ok(0, colour="red")]),
         ValidationError,
-        "specs.0.colour: Extra inputs are not permitted",
-        "specs.0.colour",
+        "subtasks.0.colour: Extra inputs are not permitted",
+        "subtasks.0.colour",
         parent.id,
     )
     _assert_refused(
         idle_coordinator,
         lambda: idle_coordinator.delegate(parent.id, [{"message": "hi"}]),
         ValidationError,
-        "specs.0.description: Field required",
-        "specs.0.description",
+        "subtasks.0.description: Field required",
+        "subtasks.0.description",
         parent.id,
     )
 
@@ -173,7 +173,7 @@ def test_unknown_profile(idle_coordinator: Coordinator, parent: Any) -> None:
         lambda: idle_coordinator.delegate(parent.id, [_ok(0, profile="gpt-9")]),
         ProfileError,
         "Invalid profile: gpt-9",
-        "specs.0.profile",
+        "subtasks.0.profile",
         parent.id,
     )
     before = state(idle_coordinator, NO_TREE)
@@ -201,7 +201,7 @@ def test_depth_limit(idle_coordinator: Coordinator) -> None:
         lambda: shallow.delegate(root.id, [_ok()]),
         StateError,
         "SUBQ_MAX_DEPTH=0 allows no deeper subtasks",
-        "parent_id",
+        "task_id",
         root.id,
     )
 

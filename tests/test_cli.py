@@ -1,7 +1,15 @@
-"""The `subq` command as a user runs it: real processes, real exit codes and messages."""
+"""The `subq` command as a user runs it: its exit codes, output and messages.
+
+The commands run in this process through `run_cli`, the function behind the console
+script's `main()`, with the same arguments, SUBQ_ environment, stdin, stdout and
+stderr a separate process would have; tests/test_console_script.py runs the
+installed `subq` script itself. `subq()` runs `python -m coordinator` as a real
+process, for tests that need one (tests/test_up.py).
+"""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -10,13 +18,17 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
+from typing import NoReturn
+from unittest import mock
 
 import psutil
 import pytest
 import redis
 
 from coordinator import Coordinator, Settings
+from coordinator.cli import run_cli
 from coordinator.local_redis import free_port
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, agent, call, reply, subtask
 from tests.helpers import script, state, usage_step
@@ -25,19 +37,66 @@ from tests.test_bad_input import NO_TREE
 COMMANDS = ["up", "worker", "api", "flower", "demo", "run", "status", "todos", "tree", "history", "export"]
 
 
+# The caller's variables that would change what a command does; neither runner passes them on.
+CALLER_ONLY = ("SUBQ_", "FLOWER_")
+
+
 def subq(
     *args: str, env: dict[str, str] | None = None, timeout_s: float = 120, stdin: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SUBQ_", "FLOWER_"))}
+    """`subq <args>` as a separate process (`python -m coordinator`), with `env` as its only SUBQ_ variables."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(CALLER_ONLY)}
     return subprocess.run(
         [sys.executable, "-m", "coordinator", *args],
         env=base | (env or {}), capture_output=True, text=True, timeout=timeout_s, input=stdin,
     )  # fmt: skip
 
 
+def cli(*args: str, env: dict[str, str] | None = None, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`subq <args>` run in this process, as `subq()` would run it in another.
+
+    The environment holds `env` as its only SUBQ_/FLOWER_ variables while the command
+    runs; stdin reads `stdin` (empty if None); stdout and stderr are captured; the
+    exit code is the one `main()` would exit with (`run_cli`'s result).
+    """
+    out, err = io.StringIO(), io.StringIO()
+    with (
+        _environment(env or {}),
+        mock.patch("os.execve", _refuse_exec),
+        mock.patch.object(sys, "stdin", io.StringIO(stdin or "")),
+        redirect_stdout(out),
+        redirect_stderr(err),
+    ):
+        code = run_cli(list(args))
+    return subprocess.CompletedProcess(["subq", *args], code, out.getvalue(), err.getvalue())
+
+
+@contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """os.environ without the caller's SUBQ_/FLOWER_ variables, plus `env`; restored afterwards."""
+    touched = {k for k in os.environ if k.startswith(CALLER_ONLY)} | set(env)
+    saved = {k: os.environ.get(k) for k in touched}
+    for name in touched:
+        os.environ.pop(name, None)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _refuse_exec(path: str, argv: list[str], env: object) -> NoReturn:
+    """`subq worker` and `subq flower` end in os.execve: here it would replace the test process."""
+    raise AssertionError(f"the command would exec {argv!r}")
+
+
 def test_demo_runs_on_an_embedded_redis_and_leaves_nothing_behind() -> None:
     marker = uuid.uuid4().hex  # inherited by everything the demo starts
-    proc = subq("demo", env={"DEMO_TEST_MARKER": marker})
+    proc = cli("demo", env={"DEMO_TEST_MARKER": marker})
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     url = re.search(r"embedded Redis at (redis://\S+) ", out)
@@ -66,10 +125,10 @@ def processes_marked(name: str, marker: str) -> list[str]:
 
 def test_help_everywhere() -> None:
     for command in ([], *([c] for c in COMMANDS)):
-        proc = subq(*command, "--help")
+        proc = cli(*command, "--help")
         assert proc.returncode == 0 and "Usage: " in proc.stdout, (command, proc.stderr)
         assert proc.stderr == ""
-    bare = subq()
+    bare = cli()
     assert bare.returncode == 2 and all(c in bare.stdout for c in COMMANDS)
 
 
@@ -176,7 +235,7 @@ def test_malformed_input_is_one_line_and_changes_nothing(
     for name, value in values.items():
         message = message.replace(name, value)
     before = state(idle_coordinator, NO_TREE)
-    proc = subq(*args, env=env)
+    proc = cli(*args, env=env)
     assert proc.returncode == code, proc.stderr
     assert proc.stderr.startswith(message), proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stdout == ""
@@ -194,7 +253,7 @@ def test_malformed_input_is_one_line_and_changes_nothing(
     ],
 )
 def test_bad_settings_are_one_line(command: list[str], env: dict[str, str], message: str) -> None:
-    proc = subq(*command, env=env)
+    proc = cli(*command, env=env)
     assert proc.returncode == 1
     assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1
 
@@ -207,11 +266,12 @@ def test_status_and_todos_show_the_figures(coordinator: Coordinator, settings: S
     batch = coordinator.delegate(parent.id, [{"description": "c", "message": script(usage_step())}])
     coordinator.wait(parent.id, 60)
     env = {"SUBQ_REDIS_URL": settings.redis_url or "", "SUBQ_KEY_PREFIX": settings.key_prefix}
-    todos = subq("todos", parent.id, env=env)
+    todos = cli("todos", parent.id, env=env)
     assert todos.returncode == 0, todos.stderr
     assert f"[x] first  ({batch.child_ids[0]}: 13500 tokens, $0.021000)" in todos.stdout
     assert "[ ] second" in todos.stdout
-    status = subq("status", parent.id, "--json", env=env)
+    status = cli("status", parent.id, "--json", env=env)
+    assert status.returncode == 0, status.stderr
     assert '"total_cost_micros": 21000' in status.stdout
 
 
@@ -233,7 +293,7 @@ def test_run_follow_then_tree_history_and_export(fleet_env: dict[str, str], tmp_
     )
     todo_file = tmp_path / "plan.md"
     todo_file.write_text("[ ] A\n[ ] B\n")
-    run = subq("run", root, "--todos", str(todo_file), "--follow", env=fleet_env)
+    run = cli("run", root, "--todos", str(todo_file), "--follow", env=fleet_env)
     assert run.returncode == 0, run.stderr
     root_id = run.stdout.splitlines()[0]
     assert re.fullmatch(r"[0-9a-f]{16}", root_id)
@@ -243,7 +303,7 @@ def test_run_follow_then_tree_history_and_export(fleet_env: dict[str, str], tmp_
     assert f"{root_id}  completed  'Prepare the report.'  own {2 * STEP_TOKENS} tokens $0.042000, " \
         f"total {4 * STEP_TOKENS} tokens $0.084000" in run.stdout  # fmt: skip
 
-    tree = subq("tree", root_id, env=fleet_env)
+    tree = cli("tree", root_id, env=fleet_env)
     assert tree.returncode == 0, tree.stderr
     lines = tree.stdout.splitlines()
     for name in ("A", "B"):
@@ -253,21 +313,21 @@ def test_run_follow_then_tree_history_and_export(fleet_env: dict[str, str], tmp_
     for child in children:  # the live view showed every task as it ran
         assert f"\n  {child[4:33]}  " in live_log
     assert len(children) == 2 and all("completed" in c and "total 13500 tokens $0.021000" in c for c in children)
-    tree_json = subq("tree", root_id, "--json", env=fleet_env)
+    tree_json = cli("tree", root_id, "--json", env=fleet_env)
     assert tree_json.returncode == 0, tree_json.stderr
     as_json = json.loads(tree_json.stdout)
     assert as_json["total_cost_micros"] == 4 * STEP_COST_MICROS
     assert [c["todos"] for c in as_json["children"]] == [[], []]
 
-    page = json.loads(subq("history", "--root", root_id, "--json", env=fleet_env).stdout)
+    page = json.loads(cli("history", "--root", root_id, "--json", env=fleet_env).stdout)
     assert len(page["items"]) == 3 and page["next_cursor"] is None
     assert {i["id"] for i in page["items"]} == {root_id, *(c["id"] for c in as_json["children"])}
-    table = subq("history", "--root", root_id, "--limit", "1", env=fleet_env)
+    table = cli("history", "--root", root_id, "--limit", "1", env=fleet_env)
     assert table.returncode == 0 and len(table.stdout.splitlines()) == 2  # the header and one task
     assert table.stderr.strip() == "(more: subq history --cursor 1)"
 
     out = tmp_path / "export"
-    exported = subq("export", root_id, str(out), env=fleet_env)
+    exported = cli("export", root_id, str(out), env=fleet_env)
     assert exported.returncode == 0, exported.stderr
     assert exported.stdout.strip() == f"Exported 3 tasks (9 files) to {out}"
     history_item = json.loads((out / root_id / "history_item.json").read_text())
@@ -276,7 +336,7 @@ def test_run_follow_then_tree_history_and_export(fleet_env: dict[str, str], tmp_
 
 def test_run_follow_exits_1_when_the_root_fails(fleet_env: dict[str, str]) -> None:
     failing = agent({"fail": "the provider refused the request"}, text="Doomed.")
-    run = subq("run", failing, "--todos", "-", "--follow", env=fleet_env, stdin="[ ] only item\n")
+    run = cli("run", failing, "--todos", "-", "--follow", env=fleet_env, stdin="[ ] only item\n")
     assert run.returncode == 1
     root_id = run.stdout.splitlines()[0]
     assert "[ ] only item" in run.stdout

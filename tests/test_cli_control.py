@@ -1,4 +1,4 @@
-"""The control commands as a user runs them: cancel, approvals, approve, deny, run --budget."""
+"""The control commands as a user runs them: cancel, approvals, approve, deny, run --budget (in-process: `cli`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from coordinator import Coordinator, Settings, TaskStatus
 from tests.agents import USAGE, agent, call, reply
 from tests.helpers import state
 from tests.test_bad_input import NO_TREE
-from tests.test_cli import subq
+from tests.test_cli import cli
 
 WAIT_S = 60
 
@@ -43,22 +43,22 @@ def test_approve_and_deny_from_the_command_line(coordinator: Coordinator, fleet_
     while len(coordinator.list_approvals(parent.id)) < 2:
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    listed = subq("approvals", "--root", parent.id, "--json", env=fleet_env)
+    listed = cli("approvals", "--root", parent.id, "--json", env=fleet_env)
     assert listed.returncode == 0, listed.stderr
     pending = {a["args"]["command"]: a for a in json.loads(listed.stdout)}
     assert set(pending) == {"make build", "make publish"}
     assert pending["make build"]["todo_content"] == "build"
-    text = subq("approvals", "--root", parent.id, env=fleet_env).stdout
+    text = cli("approvals", "--root", parent.id, env=fleet_env).stdout
     assert 'run_command {"command": "make build"}  for todo \'build\'' in text
 
-    ok = subq("approve", pending["make build"]["id"], env=fleet_env)
+    ok = cli("approve", pending["make build"]["id"], env=fleet_env)
     assert ok.returncode == 0 and "Approved" in ok.stdout
-    no = subq("deny", pending["make publish"]["id"], "--feedback", "not on a Friday", env=fleet_env)
+    no = cli("deny", pending["make publish"]["id"], "--feedback", "not on a Friday", env=fleet_env)
     assert no.returncode == 0 and "not on a Friday" in no.stdout
     coordinator.wait(parent.id, WAIT_S)
     build, publish = (coordinator.get_task(c) for c in batch.child_ids)
     assert build.summary == "built" and publish.summary == "held"
-    again = subq("approve", pending["make build"]["id"], env=fleet_env)
+    again = cli("approve", pending["make build"]["id"], env=fleet_env)
     assert (
         again.returncode == 1
         and again.stderr.strip() == f"subq: Approval {pending['make build']['id']} was already approved"
@@ -70,17 +70,17 @@ def test_cancel_from_the_command_line(coordinator: Coordinator, fleet_env: dict[
     (child,) = coordinator.delegate(
         parent.id, [{"description": "slow", "message": agent({"reply": "x", "usage": USAGE, "latency_ms": 20_000})}]
     ).child_ids
-    out = subq("cancel", parent.id, "--reason", "wrong plan", env=fleet_env)
+    out = cli("cancel", parent.id, "--reason", "wrong plan", env=fleet_env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"Cancelled {parent.id} and its subtree (2 tasks): cancelled: wrong plan"
     assert coordinator.get_task(child).status == TaskStatus.CANCELLED
-    again = subq("cancel", parent.id, "--reason", "again", env=fleet_env)
+    again = cli("cancel", parent.id, "--reason", "again", env=fleet_env)
     assert again.returncode == 1 and "has already ended (cancelled)" in again.stderr
 
 
 def test_run_with_a_budget(coordinator: Coordinator, fleet_env: dict[str, str]) -> None:
     spender = agent(*[call("update_todo_list", todos=f"[-] step {n}") for n in range(5)], reply("done"))
-    out = subq("run", spender, "--budget", "0.03", "--follow", env=fleet_env)
+    out = cli("run", spender, "--budget", "0.03", "--follow", env=fleet_env)
     assert out.returncode == 1, "the root failed: its budget ran out"
     root_id = out.stdout.splitlines()[0]
     record = coordinator.get_task(root_id)
@@ -109,11 +109,11 @@ def test_control_commands_refuse_bad_input(
         "SUBQ_QUEUE": "subq-nobody",
     }
     before = state(idle_coordinator, NO_TREE)
-    proc = subq(*args, env=env)
+    proc = cli(*args, env=env)
     assert proc.returncode == 1 and proc.stderr.strip() == message and proc.stdout == ""
     assert state(idle_coordinator, NO_TREE) == before
 
 
 def test_cancel_requires_a_reason(settings: Settings) -> None:
-    proc = subq("cancel", "0123456789abcdef", env={"SUBQ_REDIS_URL": settings.redis_url or ""})
+    proc = cli("cancel", "0123456789abcdef", env={"SUBQ_REDIS_URL": settings.redis_url or ""})
     assert proc.returncode == 2 and "Missing option '--reason'" in proc.stderr

@@ -111,7 +111,7 @@ def test_cancel_bad_input_changes_nothing(idle_coordinator: Coordinator) -> None
     coord.cancel(parent.id, "first")
     cases: list[tuple[Callable[[], object], type[Exception], str, str]] = [
         (lambda: coord.cancel("0123456789abcdef", "x"), NotFoundError, "Unknown task: 0123456789abcdef", "task_id"),
-        (lambda: coord.cancel("nope", "x"), NotFoundError, "is not a subq task", "id"),
+        (lambda: coord.cancel("nope", "x"), NotFoundError, "is not a subq task", "task_id"),
         (lambda: coord.cancel(parent.id, "again"), StateError, "has already ended (cancelled)", "task_id"),
         (
             lambda: coord.cancel(coord.create_task("q").id, "  "),
@@ -183,7 +183,7 @@ def test_a_child_budget_cannot_exceed_what_remains(idle_coordinator: Coordinator
     before = state(idle_coordinator, parent.id)
     with pytest.raises(ValidationError) as caught:
         idle_coordinator.delegate(parent.id, [{"description": "c", "message": "m", "budget_usd": 0.06}])
-    assert caught.value.field == "specs.0.budget_usd"
+    assert caught.value.field == "subtasks.0.budget_usd"
     assert "$0.060000 exceeds what remains of the parent's budget ($0.050000)" in str(caught.value)
     assert state(idle_coordinator, parent.id) == before
 
@@ -261,9 +261,9 @@ def test_approval_bad_input_changes_nothing(idle_coordinator: Coordinator) -> No
     mine = coord.create_task("a tree of this test")
     bad: list[tuple[Callable[[], object], type[Exception], str, str]] = [
         (lambda: coord.decide("0123456789abcdef-a0123456789ab", "approve"), NotFoundError, "Unknown approval", "approval_id"),
-        (lambda: coord.decide("garbage", "approve"), NotFoundError, "is not a subq", "id"),
+        (lambda: coord.decide("garbage", "approve"), NotFoundError, "is not a subq", "approval_id"),
         (lambda: coord.decide("0123456789abcdef-a0123456789ab", "maybe"), ValidationError, "decision must be", "decision"),
-        (lambda: coord.list_approvals("0123456789abcdef"), NotFoundError, "Unknown task", "task_id"),
+        (lambda: coord.list_approvals("0123456789abcdef"), NotFoundError, "Unknown task", "root_id"),
         (lambda: coord.snapshot("0123456789abcdef"), NotFoundError, "Unknown task", "task_id"),
     ]  # fmt: skip
     for call_, error, message, field in bad:

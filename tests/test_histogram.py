@@ -9,8 +9,7 @@ from __future__ import annotations
 import fakeredis
 import pytest
 
-from coordinator.keys import Keys
-from coordinator.store import LATENCY_BUCKETS_MS, Store
+from coordinator.store import LATENCY_BUCKETS_MS, Keys, Store
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import pytest
 from coordinator import Coordinator, TaskStatus, TodoStatus
 from coordinator.celery_app import make_app
 from tests.helpers import script, usage_step
-from workers import delegation
 from workers.runtime.context import build_runtime
 
 ONE_STEP_TOKENS = 13_500
@@ -123,7 +122,7 @@ def test_fifty_children_at_once_nothing_lost_nothing_doubled(coordinator: Coordi
     # A duplicated chord callback (the same function the worker runs) changes nothing.
     before = coordinator.store.snapshot()
     rt = build_runtime(coordinator.settings, make_app(coordinator.settings))
-    assert delegation.settle(rt, batch.id) is False
+    assert rt.lifecycle.settle_batch(batch.id) is False
     assert coordinator.store.snapshot() == before
 
 

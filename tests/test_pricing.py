@@ -16,10 +16,11 @@ from pydantic_ai.models.anthropic import AnthropicModel
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.usage import RequestUsage
 
+from coordinator import usd_to_micros
 from coordinator.errors import ProfileError
 from coordinator.settings import Price, Profile
 from workers.runtime.offline import OfflineModel
-from workers.runtime.pricing import cost_of, reported_cost_usd, usd_to_micros
+from workers.runtime.pricing import cost_of, reported_cost_usd
 from workers.runtime.providers import ANTHROPIC_BASE_URL, OPENAI_BASE_URL, build_model
 
 SONNET_SOURCE = f"genai-prices {genai_prices.__version__}: anthropic/claude-sonnet-4-5"

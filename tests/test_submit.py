@@ -3,10 +3,14 @@
 The client below is `Celery(broker=url, backend=url)`: no subq import, no subq
 settings, only the task name, the queue and JSON kwargs, as a producer in any
 language would send them. The test workers run the task.
+
+Every bad submission is checked on `submit()`, the plain function the task calls,
+and a few of them also through a worker, to prove the error comes back over the wire.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +21,7 @@ from coordinator import Coordinator, Settings, TaskStatus, TodoStatus
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, agent, call, reply, subtask
 from tests.helpers import script, state, usage_step
 from tests.test_bad_input import NO_TREE
-from workers.submit import describe_kwargs
+from workers.submit import describe_kwargs, submit
 
 RESULT_TIMEOUT_S = 30
 RUN_TIMEOUT_S = 90
@@ -122,12 +126,37 @@ BAD_SUBMISSIONS: list[tuple[str, tuple[Any, ...], dict[str, Any], str, str, str]
 ]  # fmt: skip
 
 
+# Sent through a worker as well: a refusal before any write, a nested spec field
+# renamed to `subtasks.N`, and a profile check that reads the worker's settings.
+SENT_BY_NAME = ("positional", "profile unknown", "spec without message")
+CASES = {case[0]: case for case in BAD_SUBMISSIONS}  # a missing name fails at collection
+
+
 @pytest.mark.parametrize(
     ("args", "kwargs", "code", "field", "message"),
     [case[1:] for case in BAD_SUBMISSIONS],
     ids=[case[0] for case in BAD_SUBMISSIONS],
 )
 def test_bad_submissions_return_an_error_and_change_nothing(
+    idle_coordinator: Coordinator,
+    args: tuple[Any, ...], kwargs: dict[str, Any], code: str, field: str, message: str,
+) -> None:  # fmt: skip
+    # The coordinator publishes to a queue no worker consumes: its length counts any message sent.
+    before = state(idle_coordinator, NO_TREE)  # no root created, nothing else of subq's touched
+    result = submit(idle_coordinator, args, kwargs)
+    assert json.loads(json.dumps(result)) == result, "the task's result must travel as JSON"
+    assert set(result) == {"error"}, result
+    assert (result["error"]["code"], result["error"]["field"]) == (code, field), result
+    assert message in result["error"]["message"]
+    assert state(idle_coordinator, NO_TREE) == before, "a refused submission changed Redis or published a message"
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "code", "field", "message"),
+    [CASES[name][1:] for name in SENT_BY_NAME],
+    ids=list(SENT_BY_NAME),
+)
+def test_bad_submissions_sent_by_name_return_the_error_and_change_nothing(
     producer: Celery, settings: Settings, coordinator: Coordinator,
     args: tuple[Any, ...], kwargs: dict[str, Any], code: str, field: str, message: str,
 ) -> None:  # fmt: skip

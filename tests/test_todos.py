@@ -479,7 +479,7 @@ def test_link_appends_when_no_candidate() -> None:
 def test_link_appended_item_needs_a_description() -> None:
     with pytest.raises(TodoError) as caught:
         link_children(plan("[x] a"), [("c1", None, "d"), ("c2", None, " \n ")])
-    assert caught.value.field == "specs.1.description"
+    assert caught.value.field == "subtasks.1.description"
 
 
 def test_explicit_todo_id_wins_and_is_claimed_before_automatic_picks() -> None:
@@ -509,7 +509,7 @@ def test_unknown_todo_id_is_rejected_with_its_spec_index() -> None:
     with pytest.raises(TodoError) as caught:
         link_children(items, [("c1", None, "d"), ("c2", "abc", "d")])
     assert caught.value.message == "Unknown todo_id 'abc'"
-    assert caught.value.field == "specs.1.todo_id"
+    assert caught.value.field == "subtasks.1.todo_id"
 
 
 def test_same_todo_id_twice_is_rejected_on_the_second_spec() -> None:
@@ -519,7 +519,7 @@ def test_same_todo_id_twice_is_rejected_on_the_second_spec() -> None:
     with pytest.raises(TodoError) as caught:
         link_children(items, [("c1", target, "d"), ("c2", None, "d"), ("c3", target, "d")])
     assert caught.value.message == f"todo_id '{target}' is used by two subtasks"
-    assert caught.value.field == "specs.2.todo_id"
+    assert caught.value.field == "subtasks.2.todo_id"
     assert items == before
 
 

@@ -6,9 +6,8 @@ the worker at start with one line naming the variable.
 
 from __future__ import annotations
 
+from coordinator import ConfigError, load_settings
 from coordinator.celery_app import make_app
-from coordinator.errors import ConfigError
-from coordinator.settings import load_settings
 
 __all__ = ["app", "settings"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.dispatch import EXPIRE_APPROVAL
-from coordinator.errors import NotFoundError, StoreError
+from coordinator import NotFoundError, StoreError
+from coordinator.celery_app import EXPIRE_APPROVAL
 from workers.app import app, settings
 from workers.runtime.context import get_runtime
 
@@ -17,6 +17,6 @@ def expire_approval(approval_id: Any) -> None:
     # Published with a countdown; Redis may deliver it more than once when the countdown
     # exceeds the visibility timeout, and deciding is once-only, so that is harmless.
     try:
-        get_runtime(settings, app).coordinator.expire_approval(str(approval_id))
+        get_runtime(settings, app).lifecycle.expire_approval(str(approval_id))
     except NotFoundError:
         return  # its tree has expired

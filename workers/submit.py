@@ -20,19 +20,15 @@ from typing import Any
 from celery import Celery, Task
 from celery.worker.request import Request
 
-from coordinator import todos as todo_lists
-from coordinator.errors import StateError, SubqError, ValidationError
-from coordinator.service import Coordinator
-from coordinator.settings import Settings
+from coordinator import Coordinator, Settings, SubqError, ValidationError
+from coordinator.celery_app import SUBMIT
 from workers.runtime.context import get_runtime
 
 __all__ = ["FIELDS", "SUBMIT", "SubmitRequest", "describe_kwargs", "register", "submit"]
 
 log = logging.getLogger(__name__)
 
-SUBMIT = "subq.submit"
 FIELDS = ("prompt", "todos", "profile", "run", "subtasks", "mode")
-MODES = ("parallel", "sequential")
 # Flower shows kwargsrepr; a profile name is short, anything longer is not a name.
 PROFILE_REPR_CHARS = 40
 
@@ -50,6 +46,7 @@ def error_result(exc: SubqError, **extra: str) -> dict[str, Any]:
 
 
 def _submit(coord: Coordinator, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The message's shape (keyword arguments only, known fields), then the service's own operation."""
     if args:
         raise ValidationError(
             f"subq.submit takes keyword arguments only (kwargs={{...}}), got {len(args)} positional", field="args"
@@ -75,53 +72,11 @@ def _submit(coord: Coordinator, args: Sequence[Any], kwargs: Mapping[str, Any]) 
             "(an agent root, run=true, plans its own subtasks)",
             field="run",
         )
-    mode = MODES[0] if mode is None else mode
-    _check_delegation(coord, todos, subtasks, mode)
-    parent = coord.create_task(prompt, todos=todos, profile=profile, run=False)
-    try:
-        batch = coord.delegate(parent.id, subtasks, mode)
-    except SubqError as exc:
-        # Everything was checked above, so only Redis or the broker can fail here. The
-        # parent exists now: end it visibly rather than leave a root waiting for nothing.
-        log.error("subq.submit: delegation of %s failed after it was created: %s", parent.id, exc)
-        coord.store.finish_task(parent.id, "failed", error=str(exc), error_class=type(exc).__name__)
-        return error_result(_renamed(exc), task_id=parent.id)
-    return {"task_id": parent.id, "batch_id": batch.id}
-
-
-def _check_delegation(coord: Coordinator, todos: Any, subtasks: Any, mode: Any) -> None:
-    """Every check `Coordinator.delegate` makes, before the parent exists (nothing is written).
-
-    The specs go through the Coordinator's own spec check, so a bad spec gets the
-    same message as from the API; only the field path is renamed to `subtasks.N`.
-    """
-    if mode not in MODES:
-        raise ValidationError(f"mode must be 'parallel' or 'sequential', not {mode!r}", field="mode")
-    try:
-        # The Coordinator's own check (private today; see the report: a public
-        # `check_specs` would make this a plain call).
-        specs = coord.check_specs(subtasks)
-        if coord.settings.max_depth < 1:
-            raise StateError(
-                f"SUBQ_MAX_DEPTH={coord.settings.max_depth} allows no subtasks of a root", field="subtasks"
-            )
-        items = todo_lists.parse_update(todos) if todos is not None else []
-        # Linking is pure: run it on throwaway child ids to refuse an unknown or
-        # repeated todo_id now, not after the parent was written.
-        todo_lists.link_children(items, [(f"check-{n}", s.todo_id, s.description) for n, s in enumerate(specs)])
-    except SubqError as exc:
-        raise _renamed(exc) from None
-
-
-def _renamed(exc: SubqError) -> SubqError:
-    """The Coordinator names delegation fields `specs.N...`; in this contract they are `subtasks.N...`."""
-    if not exc.field or not exc.field.startswith("specs"):
-        return exc
-    field = "subtasks" + exc.field.removeprefix("specs")
-    message = exc.message.replace(exc.field, field, 1) if exc.field in exc.message else exc.message
-    if message.startswith("specs "):
-        message = "subtasks " + message.removeprefix("specs ")
-    return type(exc)(message, field=field)
+    done = coord.submit(prompt, todos=todos, profile=profile, subtasks=subtasks, mode=mode or "parallel")
+    if done.error is not None:
+        return error_result(done.error, task_id=done.task.id)
+    assert done.batch is not None
+    return {"task_id": done.task.id, "batch_id": done.batch.id}
 
 
 def describe_kwargs(kwargs: Mapping[str, Any]) -> str:

@@ -12,15 +12,13 @@ from typing import Any
 
 from celery import Task
 
-from coordinator.dispatch import ADVANCE, GATHER, RUN_TASK
-from coordinator.errors import StoreError
-from coordinator.ids import BATCH_ID_RE, is_task_id
-from coordinator.models import SubtaskResult
-from workers import delegation
+from coordinator import StoreError, SubtaskResult, is_batch_id, is_task_id
+from coordinator.celery_app import ADVANCE, GATHER, RUN_TASK
+from coordinator.runs import RunInProgress
 from workers import submit as submission
 from workers.app import app, settings
 from workers.runtime.context import get_runtime
-from workers.runtime.runner import RunInProgress, run_child
+from workers.runtime.runner import run_child
 
 __all__ = ["advance", "gather", "progress_sender", "run_task", "submit"]
 
@@ -75,18 +73,18 @@ def progress_sender(task: Task) -> Callable[[dict[str, Any]], None]:
 def gather(self: Task, results: Any, batch_id: Any) -> None:
     """The chord callback; `results` are informational, the write-back reads Redis."""
     if _batch_id_ok(batch_id):
-        delegation.settle(get_runtime(settings, app), batch_id)
+        get_runtime(settings, app).lifecycle.settle_batch(batch_id)
 
 
 @app.task(name=ADVANCE, bind=True, ignore_result=True, **RETRIED)
 def advance(self: Task, result: Any, batch_id: Any) -> None:
     """One step of a sequential batch has returned: write it back, start the next."""
     if _batch_id_ok(batch_id):
-        delegation.settle(get_runtime(settings, app), batch_id)
+        get_runtime(settings, app).lifecycle.settle_batch(batch_id)
 
 
 def _batch_id_ok(batch_id: Any) -> bool:
-    if isinstance(batch_id, str) and BATCH_ID_RE.match(batch_id):
+    if isinstance(batch_id, str) and is_batch_id(batch_id):
         return True
     log.error("subq write-back: batch_id must be a subq batch id, got %r", batch_id)
     return False

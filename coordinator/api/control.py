@@ -10,7 +10,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 
-from coordinator.api.errors import error_responses, renamed_fields
+from coordinator.api.errors import error_responses
 from coordinator.api.routes import ROOT_ID_PATTERN, TaskId
 from coordinator.api.schemas import ApprovalList, CancelBody, DecisionBody, Snapshot
 from coordinator.models import Approval, TaskRecord
@@ -19,8 +19,6 @@ from coordinator.service import Coordinator
 __all__ = ["control_routes"]
 
 ApprovalId = Annotated[str, Path(description="An approval id, `<root>-a<12 hex>`, as GET /v1/approvals lists it")]
-_TASK_FIELDS = {"id": "task_id", "root_id": "task_id"}
-_APPROVAL_FIELDS = {"id": "approval_id"}
 
 
 def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
@@ -36,8 +34,7 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     def cancel(task_id: TaskId, body: CancelBody) -> TaskRecord:
         """Queued children never start, running ones stop at their next step; finished results are kept.
         409 when the task has already ended."""
-        with renamed_fields(_TASK_FIELDS):
-            return coord.cancel(task_id, body.reason)
+        return coord.cancel(task_id, body.reason)
 
     @router.get(
         "/tasks/{task_id}/snapshot",
@@ -46,8 +43,7 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         summary="The live state of every task of a tree (the task must be a root)",
     )
     def snapshot(task_id: TaskId) -> Snapshot:
-        with renamed_fields(_TASK_FIELDS):
-            return Snapshot(root_id=task_id, tasks=coord.snapshot(task_id))
+        return Snapshot(root_id=task_id, tasks=coord.snapshot(task_id))
 
     @router.get(
         "/approvals",
@@ -56,10 +52,9 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         summary="Tool calls waiting for a decision, oldest first",
     )
     def list_approvals(
-        root: Annotated[str | None, Query(pattern=ROOT_ID_PATTERN, description="Only this root's tree")] = None,
+        root_id: Annotated[str | None, Query(pattern=ROOT_ID_PATTERN, description="Only this root's tree")] = None,
     ) -> ApprovalList:
-        with renamed_fields({"task_id": "root"}):
-            return ApprovalList(approvals=coord.list_approvals(root))
+        return ApprovalList(approvals=coord.list_approvals(root_id))
 
     @router.post(
         "/approvals/{approval_id}",
@@ -69,7 +64,6 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     )
     def decide(approval_id: ApprovalId, body: DecisionBody) -> Approval:
         """A denial's feedback goes back to the task's model; 409 when it was already decided."""
-        with renamed_fields(_APPROVAL_FIELDS):
-            return coord.decide(approval_id, body.decision, body.feedback)
+        return coord.decide(approval_id, body.decision, body.feedback)
 
     return router

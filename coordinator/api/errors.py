@@ -11,8 +11,7 @@ server and the client sees `internal_error`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -41,7 +40,6 @@ __all__ = [
     "error_response",
     "error_responses",
     "install_error_handlers",
-    "renamed_fields",
     "status_of",
 ]
 
@@ -111,27 +109,6 @@ def error_response(
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """The OpenAPI `responses` entries of these error statuses (all `ErrorBody`)."""
     return {status: {"model": ErrorBody, "description": _DESCRIPTIONS[status]} for status in statuses}
-
-
-@contextmanager
-def renamed_fields(renames: Mapping[str, str]) -> Iterator[None]:
-    """Re-raise subq errors with field paths in the API's names.
-
-    The service names its parameters (`specs.1.todo_id`, `parent_id`); a client
-    of the API sent `subtasks.1.todo_id` in the body and the parent in the path.
-    """
-    try:
-        yield
-    except SubqError as exc:
-        if exc.field:
-            head, dot, rest = exc.field.partition(".")
-            if head in renames:
-                new = f"{renames[head]}{dot}{rest}"
-                if exc.message.startswith(f"{exc.field}:"):
-                    exc.message = new + exc.message[len(exc.field) :]
-                    exc.args = (exc.message,)
-                exc.field = new
-        raise
 
 
 def _validation_body(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -24,13 +24,11 @@ from fastapi import APIRouter, Header
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from coordinator import ids
-from coordinator.api.errors import error_responses, renamed_fields
+from coordinator.api.errors import error_responses
 from coordinator.api.routes import TaskId
 from coordinator.api.schemas import ErrorBody
 from coordinator.errors import SubqError
-from coordinator.models import TaskStatus
 from coordinator.service import Coordinator
-from coordinator.store import Store
 
 __all__ = ["KEEPALIVE_S", "READ_SLICE_MS", "event_routes"]
 
@@ -77,22 +75,15 @@ class _Threads:
         return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs), limiter=self._limiter)
 
 
-def settled(store: Store, task_id: str) -> tuple[bool, str]:
-    """(whether the task has settled, its status), by Coordinator.wait's rule."""
-    status, runner = store.status_of(task_id)
-    done = TaskStatus(status).terminal or (runner == "caller" and status != TaskStatus.DELEGATED)
-    return done, status
-
-
 async def _events(coord: Coordinator, threads: _Threads, task_id: str, after_id: str) -> AsyncIterator[ServerSentEvent]:
     root_id = ids.root_of(task_id)
     try:
         while True:
             # Status first, then the stream: a settling write and its event are one
             # atomic step, so once `done` is seen every event before it is in the stream.
-            done, status = await threads.run(settled, coord.store, task_id)
+            done, status = await threads.run(coord.settled, task_id)
             entries: list[tuple[str, dict[str, str]]] = await threads.run(
-                coord.store.read_events,
+                coord.read_events,
                 root_id,
                 after_id,
                 block_ms=None if done else READ_SLICE_MS,  # None: no BLOCK (0 would block forever)
@@ -135,8 +126,7 @@ def event_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         ] = None,
     ) -> EventSourceResponse:
         # Checked before the response starts, so an unknown id is a plain 404, not a broken stream.
-        with renamed_fields({"id": "task_id"}):
-            await threads.run(settled, coord.store, task_id)
+        await threads.run(coord.settled, task_id)
         return EventSourceResponse(_events(coord, threads, task_id, last_event_id or "0-0"), ping=KEEPALIVE_S)
 
     return router

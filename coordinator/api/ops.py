@@ -22,10 +22,8 @@ from prometheus_client.registry import Collector
 
 from coordinator.api.errors import error_responses
 from coordinator.api.schemas import Health, RedisHealth, WorkersHealth
-from coordinator.errors import NotFoundError
-from coordinator.models import TaskRecord, TaskStatus
+from coordinator.models import TaskStatus
 from coordinator.service import Coordinator
-from coordinator.store import LATENCY_BUCKETS_MS, translate_redis_errors
 
 __all__ = ["METRICS_RECENT_TASKS", "SubqCollector", "ops_routes"]
 
@@ -60,20 +58,6 @@ def _ping_workers(coord: Coordinator) -> WorkersHealth:
     return WorkersHealth(count=len(names), names=names)
 
 
-def _recent_records(coord: Coordinator, count: int) -> list[TaskRecord]:
-    task_ids = coord.store.recent_task_ids(root_id=None, offset=0, count=count)
-    try:
-        return coord.store.get_records(task_ids)
-    except NotFoundError:  # one expired since it was indexed: read them one by one
-        records = []
-        for task_id in task_ids:
-            try:
-                records.extend(coord.store.get_records([task_id]))
-            except NotFoundError:
-                continue
-        return records
-
-
 class SubqCollector(Collector):
     """subq's figures, read from Redis at scrape time."""
 
@@ -85,7 +69,7 @@ class SubqCollector(Collector):
         return list(self._metrics())
 
     def _metrics(self) -> Iterator[Metric]:
-        records = _recent_records(self.coord, self.recent_tasks)
+        records = self.coord.recent_records(self.recent_tasks)
         window = f"the {self.recent_tasks} most recent tasks of the history index (older tasks are not counted)"
         tasks = GaugeMetricFamily("subq_tasks", f"Tasks by status, over {window}", labels=["status"])
         for status in TaskStatus:
@@ -98,15 +82,13 @@ class SubqCollector(Collector):
         )
         queue = self.coord.settings.queue
         depth = GaugeMetricFamily("subq_queue_depth", "Celery messages waiting in the Redis queue", labels=["queue"])
-        depth.add_metric([queue], _queue_depth(self.coord.client, queue))
+        depth.add_metric([queue], self.coord.queue_depth())
         yield depth
         yield self._latency()
 
     def _latency(self) -> HistogramMetricFamily:
-        raw = self.coord.store.latency_histogram()
-        bounds_ms = sorted(
-            {*LATENCY_BUCKETS_MS, *(int(k.removeprefix("le_")) for k in raw if k.startswith("le_") and k[3:].isdigit())}
-        )
+        raw = self.coord.latency_histogram()
+        bounds_ms = sorted(int(k.removeprefix("le_")) for k in raw if k.startswith("le_") and k[3:].isdigit())
         buckets = [(_seconds(ms), raw.get(f"le_{ms}", 0.0)) for ms in bounds_ms]
         buckets.append(("+Inf", raw.get("count", 0.0)))
         return HistogramMetricFamily(
@@ -115,12 +97,6 @@ class SubqCollector(Collector):
             buckets=buckets,
             sum_value=raw.get("sum_ms", 0.0) / 1000,
         )
-
-
-@translate_redis_errors
-def _queue_depth(client: redis.Redis, queue: str) -> int:
-    # The queue is Celery's list, not a subq key; LLEN is what Celery's own tools report.
-    return int(client.llen(queue))
 
 
 def _seconds(ms: int) -> str:

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.routing import APIRoute
 
-from coordinator.api.errors import error_responses, renamed_fields
+from coordinator.api.errors import error_responses
 from coordinator.api.schemas import (
     CreateTaskBody,
     DelegateBody,
@@ -40,10 +40,6 @@ TaskId = Annotated[
     str,
     Path(description="A task id: 16 hex digits for a root, `<root>-<12 hex>` for a descendant"),
 ]
-# The service names the parent `parent_id` and the specs `specs`; the API's caller
-# sent them as the path's `task_id` and the body's `subtasks`.
-_DELEGATE_FIELDS = {"specs": "subtasks", "parent_id": "task_id", "id": "task_id"}
-_TASK_FIELDS = {"id": "task_id"}
 
 
 async def reject_unknown_query(request: Request) -> None:
@@ -87,8 +83,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     )
     def delegate(task_id: TaskId, body: DelegateBody) -> DelegationResult:
         """Validated as a whole, committed atomically, then published; 202: the children run on the fleet."""
-        with renamed_fields(_DELEGATE_FIELDS):
-            batch = coord.delegate(task_id, body.subtasks, body.mode)
+        batch = coord.delegate(task_id, body.subtasks, body.mode)
         return DelegationResult(
             batch_id=batch.id, parent_id=batch.parent_id, mode=batch.mode, child_ids=batch.child_ids
         )
@@ -101,8 +96,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     )
     def get_task(task_id: TaskId) -> TaskRecord:
         """Own usage (`tokens_in`, `tokens_out`, `cost_micros`) and the subtree's (`total_tokens`, `total_cost_micros`)."""
-        with renamed_fields(_TASK_FIELDS):
-            return coord.get_task(task_id)
+        return coord.get_task(task_id)
 
     @router.get(
         "/tasks/{task_id}/todos",
@@ -111,8 +105,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         summary="A task's todo list with each item's subtask, tokens and cost",
     )
     def get_todos(task_id: TaskId) -> TodoList:
-        with renamed_fields(_TASK_FIELDS):
-            return TodoList(task_id=task_id, todos=coord.get_todos(task_id))
+        return TodoList(task_id=task_id, todos=coord.get_todos(task_id))
 
     @router.put(
         "/tasks/{task_id}/todos",
@@ -122,8 +115,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     )
     def update_todos(task_id: TaskId, body: TodosBody) -> TodoList:
         """Links and figures of existing items survive the rewrite; an update with no items is refused."""
-        with renamed_fields(_TASK_FIELDS):
-            return TodoList(task_id=task_id, todos=coord.update_todos(task_id, body.todos))
+        return TodoList(task_id=task_id, todos=coord.update_todos(task_id, body.todos))
 
     @router.get(
         "/tasks/{task_id}/tree",
@@ -132,8 +124,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         summary="The task's subtree: every task with its todos, own and total figures",
     )
     def tree(task_id: TaskId) -> TreeNode:
-        with renamed_fields(_TASK_FIELDS):
-            return build_tree(coord, task_id)
+        return build_tree(coord, task_id)
 
     @router.get(
         "/tasks/{task_id}/messages",
@@ -145,8 +136,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         task_id: TaskId,
         kind: Annotated[Literal["ui", "api"], Query(description="ui: UI messages; api: the model conversation")] = "ui",
     ) -> MessageList:
-        with renamed_fields(_TASK_FIELDS):
-            return MessageList(task_id=task_id, kind=kind, messages=coord.messages(task_id, kind))
+        return MessageList(task_id=task_id, kind=kind, messages=coord.messages(task_id, kind))
 
     @router.get(
         "/tasks",
@@ -156,7 +146,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     )
     def list_tasks(
         status: Annotated[TaskStatus | None, Query(description="Only tasks with this status")] = None,
-        root: Annotated[
+        root_id: Annotated[
             str | None, Query(pattern=ROOT_ID_PATTERN, description="Only tasks of this root's tree")
         ] = None,
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="Most items in the page")] = DEFAULT_PAGE,
@@ -165,7 +155,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         ] = 0,
     ) -> HistoryPage:
         items, next_cursor = coord.list_tasks(
-            status=status.value if status else None, root_id=root, limit=limit, cursor=cursor
+            status=status.value if status else None, root_id=root_id, limit=limit, cursor=cursor
         )
         return HistoryPage(items=items, next_cursor=next_cursor)
 

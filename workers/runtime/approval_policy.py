@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Literal
 
-from coordinator.settings import Profile
+from coordinator import Profile
 
 __all__ = ["Verdict", "verdict"]
 

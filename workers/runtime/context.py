@@ -1,4 +1,4 @@
-"""What a worker process needs to run subq tasks: settings, the Coordinator, the Celery app.
+"""What a worker process needs to run subq tasks: settings, the Coordinator, the run-lifecycle seam.
 
 Built once per process on first use (after any fork), shared by the pool's
 threads: redis-py clients are thread-safe through their connection pool.
@@ -12,9 +12,8 @@ from dataclasses import dataclass
 import redis
 from celery import Celery
 
-from coordinator.service import Coordinator
-from coordinator.settings import Settings
-from coordinator.store import Store
+from coordinator import Coordinator, Settings
+from coordinator.runs import RunLifecycle
 
 __all__ = ["Runtime", "build_runtime", "get_runtime"]
 
@@ -23,14 +22,7 @@ __all__ = ["Runtime", "build_runtime", "get_runtime"]
 class Runtime:
     settings: Settings
     coordinator: Coordinator
-
-    @property
-    def store(self) -> Store:
-        return self.coordinator.store
-
-    @property
-    def app(self) -> Celery:
-        return self.coordinator.app
+    lifecycle: RunLifecycle
 
 
 _lock = threading.Lock()
@@ -39,7 +31,8 @@ _runtime: Runtime | None = None
 
 def build_runtime(settings: Settings, app: Celery) -> Runtime:
     client = redis.Redis.from_url(settings.require_redis_url(), decode_responses=True)
-    return Runtime(settings, Coordinator(settings, client=client, app=app))
+    coordinator = Coordinator(settings, client=client, app=app)
+    return Runtime(settings, coordinator, RunLifecycle(coordinator))
 
 
 def get_runtime(settings: Settings, app: Celery) -> Runtime:

@@ -59,8 +59,7 @@ from pydantic_ai.models import CompletedStreamedResponse, Model, ModelRequestPar
 from pydantic_ai.settings import ModelSettings
 from pydantic_ai.usage import RequestUsage
 
-from coordinator.errors import ScriptError
-from coordinator.settings import OFFLINE_PROFILE
+from coordinator import OFFLINE_PROFILE, ScriptError
 
 __all__ = [
     "MAX_LATENCY_MS",

@@ -1,6 +1,6 @@
 """The cost of one model request, in integer micro-USD, and where the figure came from.
 
-Sources, first that applies wins (DESIGN.md, "Cost accounting"):
+Sources, first that applies wins (docs/architecture.md, "Money and tokens"):
 
 1. a cost the provider reported in its response (`"provider-reported"`);
 2. the profile's explicit `price`, USD per million tokens (`"profile price"`);
@@ -22,25 +22,17 @@ import genai_prices
 from pydantic_ai.messages import ModelResponse
 from pydantic_ai.usage import RequestUsage
 
-from coordinator.settings import Price, Profile
+from coordinator import Price, Profile, usd_to_micros
 
 __all__ = [
-    "MICROS_PER_USD",
     "PROFILE_PRICE_SOURCE",
     "PROVIDER_REPORTED_SOURCE",
     "cost_of",
     "reported_cost_usd",
-    "usd_to_micros",
 ]
 
-MICROS_PER_USD = 1_000_000
 PROVIDER_REPORTED_SOURCE = "provider-reported"
 PROFILE_PRICE_SOURCE = "profile price"
-
-
-def usd_to_micros(usd: Decimal) -> int:
-    """Exact USD to integer micro-USD, half a micro rounding up."""
-    return int((usd * MICROS_PER_USD).quantize(Decimal(1), rounding=ROUND_HALF_UP))
 
 
 def cost_of(usage: RequestUsage, profile: Profile, reported_usd: Decimal | None = None) -> tuple[int, str]:

@@ -17,8 +17,7 @@ from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.anthropic import AnthropicProvider
 from pydantic_ai.providers.openai import OpenAIProvider
 
-from coordinator.errors import ProfileError
-from coordinator.settings import OFFLINE_PROFILE, Profile
+from coordinator import OFFLINE_PROFILE, Profile, ProfileError
 from workers.runtime.offline import OfflineModel
 
 __all__ = ["ANTHROPIC_BASE_URL", "OPENAI_BASE_URL", "build_model"]

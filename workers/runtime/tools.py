@@ -24,7 +24,6 @@ todo id) is returned to the model as the tool's result and changes nothing.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,12 +32,9 @@ from pydantic_ai import ApprovalRequired, CallDeferred, RunContext
 from pydantic_ai.messages import ModelResponse, ToolCallPart
 from pydantic_ai.toolsets import FunctionToolset
 
-from coordinator import todos as todo_lists
-from coordinator.errors import SubqError
-from coordinator.models import Batch, SubtaskSpec, TaskRecord
-from coordinator.settings import Profile
+from coordinator import Profile, SubqError, SubtaskSpec, render_markdown
+from coordinator.runs import Run
 from workers.runtime.approval_policy import verdict
-from workers.runtime.context import Runtime
 
 __all__ = ["NEW_TASK_NOT_LAST", "ORCHESTRATION_PROMPT", "RunState", "orchestration_tools"]
 
@@ -57,16 +53,10 @@ NEW_TASK_NOT_LAST = (
 
 @dataclass
 class RunState:
-    """The deps of one agent run: where it runs and what its tools decided."""
+    """The deps of one agent run: the coordinator's handle on it, and its profile."""
 
-    rt: Runtime
-    task: TaskRecord
+    run: Run
     profile: Profile
-    delegation: tuple[Batch, list[TaskRecord]] | None = None
-
-    def say(self, kind: str, text: str) -> None:
-        message = {"ts": time.time(), "type": "say", "say": kind, "text": text}
-        self.rt.store.append_ui_message(self.task.id, message)
 
 
 class TodoInput(BaseModel):
@@ -98,18 +88,15 @@ def _after_new_task(ctx: RunContext[RunState]) -> bool:
 
 
 def _delegate(ctx: RunContext[RunState], specs: list[SubtaskInput], mode: str) -> str:
-    state = ctx.deps
+    run = ctx.deps.run
     try:
         checked = [SubtaskSpec.model_validate(s.model_dump()) for s in specs] if specs else []
-        batch, children = state.rt.coordinator.commit_delegation(
-            state.task.id, checked, mode, tool_call_id=ctx.tool_call_id or ""
-        )
+        batch, children = run.delegate(checked, mode, tool_call_id=ctx.tool_call_id or "")
     except SubqError as exc:
         return f"Error: {exc} (no subtask was created)"
     except ValueError as exc:  # a spec pydantic refused (e.g. an empty message)
         return f"Error: {exc} (no subtask was created)"
-    state.delegation = (batch, children)
-    state.say("subtasks", f"Delegated {len(children)} {mode} subtask(s): " + ", ".join(c.id for c in children))
+    run.say("subtasks", f"Delegated {len(children)} {mode} subtask(s): " + ", ".join(c.id for c in children))
     raise CallDeferred(metadata={"batch_id": batch.id})
 
 
@@ -122,14 +109,14 @@ def update_todo_list(ctx: RunContext[RunState], todos: str | list[TodoInput]) ->
     or a JSON list of {content, status}. Items keep their subtask links and figures."""
     if _after_new_task(ctx):
         return NEW_TASK_NOT_LAST
-    state = ctx.deps
+    run = ctx.deps.run
     update: str | list[object] = todos if isinstance(todos, str) else [t.model_dump() for t in todos]
     try:
-        items = state.rt.coordinator.update_todos(state.task.id, update)
+        items = run.update_todos(update)
     except SubqError as exc:
         return f"Error: {exc}"
-    rendered = todo_lists.render_markdown(items)
-    state.say("todo_update", rendered)
+    rendered = render_markdown(items)
+    run.say("todo_update", rendered)
     return f"Todo list updated:\n{rendered}"
 
 
@@ -178,7 +165,7 @@ def run_command(ctx: RunContext[RunState], command: str) -> str:
     denied = needs_decision(ctx, "run_command", {"command": command})
     if denied:
         return denied
-    ctx.deps.say("command_recorded", command)
+    ctx.deps.run.say("command_recorded", command)
     return f"Recorded (not executed): {command}"
 
 

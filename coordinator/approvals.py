@@ -1,0 +1,143 @@
+"""Tool approvals: a risky tool call waits for a human decision, holding no worker.
+
+1. A run whose model called a tool that the profile's policy says needs approval
+   ends (`park`): each such call becomes an `Approval` record, pending, with a
+   deadline (`SUBQ_APPROVAL_TIMEOUT_S`), listed in the fleet-wide queue, and the
+   task remembers which approvals it waits on.
+2. A person approves or denies it (`decide`, from the API, the CLI or Python),
+   once: a second decision is refused. When the last approval the task waits on
+   is decided, the task is resumed (once per approval, a once-only claim) and
+   its run answers the call with the decision (`decisions`).
+3. An approval nobody decides expires at its deadline, which counts as a denial
+   (`expire`); a stopped task's pending approvals expire with it (`expire_for`).
+Only that task resumes; its siblings go on meanwhile.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from coordinator import dispatch, ids
+from coordinator.errors import NotFoundError, StateError, ValidationError
+from coordinator.models import Approval, TaskRecord
+
+if TYPE_CHECKING:
+    from coordinator.service import Coordinator
+
+__all__ = ["Decision", "ToolCall", "decide", "decisions", "expire", "expire_for", "list_pending", "park"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call that needs a decision, as the agent loop asked for it."""
+
+    tool: str
+    args: dict[str, Any]
+    tool_call_id: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A decided approval, as the resumed run answers its call."""
+
+    approved: bool
+    feedback: str
+
+
+def park(coord: Coordinator, task: TaskRecord, calls: Sequence[ToolCall]) -> list[Approval]:
+    """Queue each call for a decision; the task resumes once all are decided."""
+    parent_items = coord.store.get_todos(task.parent_id) if task.parent_id else []
+    todo = next((t for t in parent_items if t.id == task.todo_id), None)
+    now = time.time()
+    timeout_s = coord.settings.approval_timeout_s
+    made = []
+    for call in calls:
+        approval = Approval(
+            id=ids.new_approval_id(task.root_id),
+            task_id=task.id,
+            root_id=task.root_id,
+            tool=call.tool,
+            args=call.args,
+            tool_call_id=call.tool_call_id,
+            todo_id=task.todo_id,
+            todo_content=todo.content if todo else None,
+            created_at=now,
+            deadline=now + timeout_s,
+        )
+        coord.store.save_approval(approval)
+        dispatch.publish_approval_timeout(coord.app, approval.id, timeout_s)
+        made.append(approval)
+    coord.store.set_waiting_approvals(task.id, [a.id for a in made])
+    return made
+
+
+def decisions(coord: Coordinator, task_id: str) -> dict[str, Decision]:
+    """tool call id -> decision, for the approvals the task waited on that have been decided."""
+    out = {}
+    for approval_id in coord.store.waiting_approval_ids(task_id):
+        approval = coord.store.get_approval(approval_id)
+        if approval.status != "pending":
+            feedback = approval.feedback or f"The call was {approval.status}."
+            out[approval.tool_call_id] = Decision(approved=approval.status == "approved", feedback=feedback)
+    return out
+
+
+def list_pending(coord: Coordinator, root_id: str | None = None) -> list[Approval]:
+    """Tool calls waiting for a decision, oldest first (of one tree, or all)."""
+    if root_id is not None:
+        try:
+            coord.store.get_task(root_id)
+        except NotFoundError as exc:
+            raise NotFoundError(exc.message, field="root_id") from None
+    out = []
+    for approval_id in coord.store.pending_approval_ids():
+        if root_id is None or approval_id.startswith(root_id):
+            try:
+                out.append(coord.store.get_approval(approval_id))
+            except NotFoundError:  # expired with its tree
+                continue
+    return out
+
+
+def decide(coord: Coordinator, approval_id: str, decision: str, feedback: str | None = None) -> Approval:
+    """Approve or deny a pending tool call; only that task resumes, its siblings go on."""
+    if decision not in ("approve", "deny"):
+        raise ValidationError(f"decision must be 'approve' or 'deny', not {decision!r}", field="decision")
+    if feedback is not None and not isinstance(feedback, str):
+        raise ValidationError("feedback must be a string", field="feedback")
+    approval = coord.store.get_approval(approval_id)
+    return _decide(coord, approval, "approved" if decision == "approve" else "denied", feedback or "")
+
+
+def expire(coord: Coordinator, approval_id: str) -> bool:
+    """Deny an approval whose deadline has passed; False when it was decided or is not due."""
+    approval = coord.store.get_approval(approval_id)
+    if approval.status != "pending" or time.time() < approval.deadline:
+        return False
+    try:
+        _decide(coord, approval, "expired", f"no decision within {coord.settings.approval_timeout_s}s")
+    except StateError:
+        return False
+    return True
+
+
+def expire_for(coord: Coordinator, root_id: str, stopped: set[str]) -> None:
+    """The pending approvals of stopped tasks expire: nobody may approve a call of a stopped run."""
+    for approval_id in coord.store.pending_approval_ids():
+        if approval_id.startswith(root_id) and coord.store.get_approval(approval_id).task_id in stopped:
+            coord.store.decide(approval_id, "expired", "the task was stopped")
+
+
+def _decide(coord: Coordinator, approval: Approval, status: str, feedback: str) -> Approval:
+    outcome = coord.store.decide(approval.id, status, feedback)
+    if outcome != "ok":
+        raise StateError(f"Approval {approval.id} was already {outcome}", field="approval_id")
+    task = coord.store.get_task(approval.task_id)
+    waiting = coord.store.waiting_approval_ids(task.id)
+    still = [a for a in waiting if a != approval.id and coord.store.get_approval(a).status == "pending"]
+    if not still and not task.status.terminal and coord.store.claim_resume(task.id, approval.id):
+        dispatch.publish_run(coord.app, task, coord.store.next_resume(task.id))
+    return coord.store.get_approval(approval.id)

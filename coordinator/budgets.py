@@ -1,0 +1,90 @@
+"""Budgets: a cap on what a task's whole subtree may spend, in integer micro-USD.
+
+- A budget is given in US dollars (`budget_usd`) and stored as micro-USD
+  (`budget_micros`, 0: none) on the task.
+- A child's budget may not exceed what remains of the tightest budget above it
+  (checked at delegation, naming `subtasks.N.budget_usd`).
+- A run checks before each model request, and the usage roll-up reports after
+  each one, whether a subtree has reached its budget; the task nearest the root
+  that has is stopped with its subtree, and the error reports the figures.
+  A request in flight when the budget is crossed still completes (its cost is
+  known only once it ends), so a subtree can overshoot by the requests in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from decimal import Decimal, InvalidOperation
+from typing import TYPE_CHECKING
+
+from coordinator import control
+from coordinator.errors import ValidationError
+from coordinator.models import TaskRecord, format_usd, usd_to_micros
+
+if TYPE_CHECKING:
+    from coordinator.service import Coordinator
+
+__all__ = ["check_within", "exhausted", "left_over", "stop", "to_micros"]
+
+
+def to_micros(value: object, field: str) -> int:
+    """A budget in USD as integer micro-USD (0: none); a positive number or an error naming the field."""
+    if value is None:
+        return 0
+    try:
+        number = isinstance(value, (int, float, str, Decimal)) and not isinstance(value, bool)
+        usd = Decimal(str(value)) if number else None
+    except InvalidOperation:
+        usd = None
+    if usd is None or not usd.is_finite() or usd <= 0:
+        raise ValidationError(f"{field} must be a positive number of US dollars, not {value!r}", field=field)
+    micros = usd_to_micros(usd)
+    if micros < 1:
+        raise ValidationError(f"{field} must be at least one micro-dollar (0.000001)", field=field)
+    return micros
+
+
+def left_over(coord: Coordinator, parent: TaskRecord) -> int | None:
+    """What remains of the tightest budget over the parent (its own or an ancestor's), if any."""
+    chain = [parent, *coord.store.get_records(parent.ancestors)] if parent.ancestors else [parent]
+    left = [t.budget_micros - t.total_cost_micros for t in chain if t.budget_micros > 0]
+    return max(0, min(left)) if left else None
+
+
+def check_within(remaining_micros: int | None, child_budgets_micros: Sequence[int]) -> None:
+    """Refuse a child budget above what remains over its parent, naming `subtasks.N.budget_usd`."""
+    if remaining_micros is None:
+        return
+    for index, wanted in enumerate(child_budgets_micros):
+        if wanted > remaining_micros:
+            field = f"subtasks.{index}.budget_usd"
+            raise ValidationError(
+                f"{field}: {format_usd(wanted)} exceeds what remains of the parent's budget "
+                f"({format_usd(remaining_micros)})",
+                field=field,
+            )
+
+
+def exhausted(coord: Coordinator, task: TaskRecord) -> str | None:
+    """The task or ancestor nearest the root whose budget its subtree has reached, if any."""
+    return coord.store.budget_exhausted(task.id, task.ancestors)
+
+
+def stop(coord: Coordinator, holder_id: str) -> None:
+    """The subtree of `holder_id` has spent its budget: stop it, reporting the figures."""
+    holder = coord.store.get_task(holder_id)
+    children = coord.store.get_records(holder.child_ids)
+    spent = ", ".join(f"{c.description or c.id} {format_usd(c.total_cost_micros)}" for c in children)
+    control.stop_subtree(
+        coord,
+        holder,
+        top_status="failed",
+        top_error=(
+            f"budget of {format_usd(holder.budget_micros)} exhausted: the subtree spent "
+            f"{format_usd(holder.total_cost_micros)} (own {format_usd(holder.cost_micros)}"
+            + (f"; children: {spent}" if spent else "")
+            + ")"
+        ),
+        top_class="BudgetExhausted",
+        error=f"stopped: the budget of {holder_id} is exhausted",
+    )

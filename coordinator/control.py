@@ -1,0 +1,102 @@
+"""Control of running trees: cancel a subtree, stop one (cancel or budget), the live snapshot.
+
+A stop is persisted first (`stop_tasks.lua` makes every task of the subtree
+that has not ended terminal, once), so a queued child never starts and a
+running one sees it at its next step; the Celery tasks of the stopped ones are
+revoked as well. Pending approvals of stopped tasks expire, every batch a
+stopped task waited on is closed deepest first, and the top's own place in its
+parent's batch is written back, so each parent hears what had finished.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from coordinator import approvals, writeback
+from coordinator.errors import StateError, ValidationError
+from coordinator.inputs import text_field
+from coordinator.models import LiveState, TaskRecord, TaskStatus
+
+if TYPE_CHECKING:
+    from coordinator.service import Coordinator
+
+__all__ = ["MAX_REASON_CHARS", "cancel", "snapshot", "stop_subtree"]
+
+# A reason is read by the parent's model and by people: a paragraph, not a document.
+MAX_REASON_CHARS = 2000
+
+
+def cancel(coord: Coordinator, task_id: str, reason: str) -> TaskRecord:
+    """Cancel a task and its whole subtree; its parent hears why, with what had finished."""
+    reason = text_field(reason, "reason", MAX_REASON_CHARS)
+    record = coord.store.get_task(task_id)
+    if record.status.terminal:
+        raise StateError(
+            f"Task {task_id} has already ended ({record.status.value}); only a task that has not ended "
+            "can be cancelled",
+            field="task_id",
+        )
+    stop_subtree(
+        coord,
+        record,
+        top_status="cancelled",
+        top_error=f"cancelled: {reason}",
+        top_class="Cancelled",
+        error=f"cancelled with {task_id}: {reason}",
+    )
+    return coord.store.get_task(task_id)
+
+
+def stop_subtree(
+    coord: Coordinator, top: TaskRecord, *, top_status: str, top_error: str, top_class: str, error: str
+) -> list[str]:
+    """Stop `top` and every descendant that has not ended; returns the ids stopped now."""
+    subtree = coord.store.subtree_ids(top.id)
+    stopped = coord.store.stop_tasks(
+        subtree,
+        top_status=top_status,
+        status="cancelled",
+        top_error=top_error,
+        error=error,
+        top_class=top_class,
+        error_class="Cancelled",
+    )
+    if not stopped:
+        return []
+    coord.app.control.revoke(stopped)  # queued ones never start (the persisted status covers restarts)
+    approvals.expire_for(coord, top.root_id, set(stopped))
+    records = coord.store.get_records(stopped)
+    for record in reversed(records):  # deepest first
+        if record.waiting_batch_id:
+            writeback.write_back(coord, record.waiting_batch_id)
+    stopped_top = coord.store.get_task(top.id)
+    if stopped_top.status.terminal and stopped_top.batch_id:
+        writeback.write_back(coord, stopped_top.batch_id, ended=stopped_top)
+    return stopped
+
+
+def snapshot(coord: Coordinator, task_id: str) -> dict[str, LiveState]:
+    """The live state of every task of the tree (queued, running, waiting_approval, ended)."""
+    record = coord.store.get_task(task_id)
+    if record.id != record.root_id:
+        raise ValidationError(f"{task_id} is not a root task (its root is {record.root_id})", field="task_id")
+    live = coord.store.live(task_id)
+    out: dict[str, LiveState] = {}
+    for task in coord.store.get_records(coord.store.tree_task_ids(task_id)):
+        state = live.get(task.id, {})
+        ended = task.status.value if task.status.terminal else None
+        waiting = "delegated" if task.status == TaskStatus.DELEGATED else "queued"
+        out[task.id] = LiveState.model_validate(
+            {
+                "task_id": task.id,
+                "parent_id": task.parent_id,
+                "depth": task.depth,
+                "state": ended or state.get("state") or waiting,
+                "ts": float(state.get("ts") or task.updated_at),
+                "tool": state.get("tool"),
+                "text": state.get("text"),
+                "requests": task.requests,
+                "cost_micros": task.total_cost_micros,
+            }
+        )
+    return out

@@ -1,0 +1,221 @@
+"""Delegation: check subtasks, commit a batch atomically, publish it; and `submit`, create-and-delegate.
+
+Every check runs before anything is written: a bad subtask refuses the whole
+delegation with an error naming its field (`subtasks.1.todo_id`), and nothing is
+read or written. The commit is one WATCH/MULTI transaction in the store (the
+parent's record, its todo list, the child records, the batch); only after it
+does `publish` send the work, once (a once-only claim on the batch), so a
+retried publish names the same Celery tasks.
+
+Field names are the API's: the parent is `task_id`, the specs are `subtasks`,
+so the HTTP API, the CLI and `subq.submit` report the same paths.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
+
+import pydantic
+
+from coordinator import budgets, dispatch, ids
+from coordinator import todos as todo_lists
+from coordinator.errors import StateError, SubqError, ValidationError
+from coordinator.models import Batch, DelegationMode, SubtaskSpec, TaskRecord, TaskStatus, TodoItem
+
+if TYPE_CHECKING:
+    from coordinator.service import Coordinator
+
+__all__ = ["MODES", "Submission", "check_mode", "check_subtasks", "commit", "delegate", "publish", "submit"]
+
+log = logging.getLogger(__name__)
+
+MODES: tuple[DelegationMode, ...] = ("parallel", "sequential")
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What `submit` did: the root it created, and its batch, or the error that failed the root."""
+
+    task: TaskRecord
+    batch: Batch | None = None
+    error: SubqError | None = None
+
+
+def check_mode(mode: object) -> DelegationMode:
+    if mode == "parallel":
+        return "parallel"
+    if mode == "sequential":
+        return "sequential"
+    raise ValidationError(f"mode must be 'parallel' or 'sequential', not {mode!r}", field="mode")
+
+
+def check_subtasks(coord: Coordinator, subtasks: Sequence[SubtaskSpec | dict[str, Any]]) -> list[SubtaskSpec]:
+    """Every subtask parsed and its profile known; the first problem names its field."""
+    if isinstance(subtasks, (str, bytes)) or not isinstance(subtasks, Sequence):
+        raise ValidationError("subtasks must be a list of subtask specs", field="subtasks")
+    if not subtasks:
+        raise ValidationError("subtasks is empty: a delegation needs at least one subtask", field="subtasks")
+    limit = coord.settings.max_fanout
+    if len(subtasks) > limit:
+        raise ValidationError(f"{len(subtasks)} subtasks exceed SUBQ_MAX_FANOUT={limit}", field="subtasks")
+    checked: list[SubtaskSpec] = []
+    for index, spec in enumerate(subtasks):
+        try:
+            parsed = spec if isinstance(spec, SubtaskSpec) else SubtaskSpec.model_validate(spec)
+        except pydantic.ValidationError as exc:
+            err = exc.errors()[0]
+            path = ".".join(str(p) for p in ("subtasks", index, *err["loc"]))
+            raise ValidationError(f"{path}: {err['msg']}", field=path) from None
+        if parsed.profile is not None:
+            try:
+                coord.settings.profile(parsed.profile)
+            except ValidationError as exc:
+                raise type(exc)(exc.message, field=f"subtasks.{index}.profile") from None
+        checked.append(parsed)
+    return checked
+
+
+def commit(
+    coord: Coordinator,
+    task_id: str,
+    subtasks: Sequence[SubtaskSpec | dict[str, Any]],
+    mode: DelegationMode | str = "parallel",
+    tool_call_id: str = "",
+) -> tuple[Batch, list[TaskRecord]]:
+    """Validate and commit a delegation in one atomic step, without publishing it.
+
+    An agent parent commits from its delegation tool, persists its conversation,
+    and only then publishes, so no child can finish before the parent's state is saved.
+    """
+    checked_mode = check_mode(mode)
+    checked = check_subtasks(coord, subtasks)
+    root_id = ids.root_of(task_id)
+    child_ids = [ids.new_child_id(root_id) for _ in checked]
+    batch_id = ids.new_batch_id(root_id)
+
+    def plan(parent: TaskRecord, items: list[TodoItem]) -> tuple[Batch, list[TaskRecord], list[TodoItem]]:
+        _check_parent(coord, parent)
+        remaining = budgets.left_over(coord, parent)
+        child_budgets = [budgets.to_micros(s.budget_usd, f"subtasks.{n}.budget_usd") for n, s in enumerate(checked)]
+        budgets.check_within(remaining, child_budgets)
+        new_items, links = todo_lists.link_children(
+            items, [(cid, spec.todo_id, spec.description) for cid, spec in zip(child_ids, checked, strict=True)]
+        )
+        now = time.time()
+        children = [
+            TaskRecord(
+                id=cid,
+                parent_id=parent.id,
+                root_id=parent.root_id,
+                depth=parent.depth + 1,
+                status=TaskStatus.ACTIVE,
+                prompt=spec.message,
+                description=spec.description,
+                profile=spec.profile or parent.profile,
+                todo_id=todo_id,
+                batch_id=batch_id,
+                runner="agent",
+                budget_micros=budget_micros,
+                created_at=now,
+                updated_at=now,
+            )
+            for cid, spec, todo_id, budget_micros in zip(child_ids, checked, links, child_budgets, strict=True)
+        ]
+        batch = Batch(
+            id=batch_id,
+            parent_id=parent.id,
+            root_id=parent.root_id,
+            mode=checked_mode,
+            child_ids=child_ids,
+            tool_call_id=tool_call_id,
+            created_at=now,
+        )
+        return batch, children, new_items
+
+    batch, children = coord.store.commit_delegation(task_id, plan)
+    for child in children:
+        coord.store.set_live(child, "queued")
+    first = coord.store.next_numbers(len(children))
+    coord.store.set_numbers({c.id: first + n for n, c in enumerate(children)})
+    return batch, [c.model_copy(update={"number": first + n}) for n, c in enumerate(children)]
+
+
+def _check_parent(coord: Coordinator, parent: TaskRecord) -> None:
+    if parent.status != TaskStatus.ACTIVE:
+        raise StateError(
+            f"Task {parent.id} is {parent.status.value}, not active: it cannot delegate now", field="task_id"
+        )
+    if parent.depth >= coord.settings.max_depth:
+        raise StateError(
+            f"Task {parent.id} is at depth {parent.depth}; SUBQ_MAX_DEPTH={coord.settings.max_depth} "
+            "allows no deeper subtasks",
+            field="task_id",
+        )
+
+
+def publish(coord: Coordinator, batch: Batch, children: list[TaskRecord]) -> None:
+    """Publish a committed batch's work, once (a second call finds it published)."""
+    if coord.store.claim_batch_publish(batch.id):
+        if batch.mode == "sequential":
+            coord.store.claim_step_publish(children[0].id)  # later steps are claimed as they start
+        dispatch.publish_batch(coord.app, batch, children)
+
+
+def publish_waiting(coord: Coordinator, record: TaskRecord) -> None:
+    """Publish the batch a delegated task waits on (its run committed it and may have died before publishing)."""
+    if record.waiting_batch_id:
+        batch = coord.store.get_batch(record.waiting_batch_id)
+        publish(coord, batch, coord.store.get_records(batch.child_ids))
+
+
+def delegate(
+    coord: Coordinator,
+    task_id: str,
+    subtasks: Sequence[SubtaskSpec | dict[str, Any]],
+    mode: DelegationMode | str = "parallel",
+) -> Batch:
+    batch, children = commit(coord, task_id, subtasks, mode)
+    publish(coord, batch, children)
+    return batch
+
+
+def submit(
+    coord: Coordinator,
+    prompt: str,
+    *,
+    todos: str | Sequence[object] | None = None,
+    profile: str | None = None,
+    subtasks: Sequence[SubtaskSpec | dict[str, Any]],
+    mode: DelegationMode | str = "parallel",
+    budget_usd: Decimal | float | str | None = None,
+) -> Submission:
+    """Create a caller-owned root and delegate `subtasks` to it, or refuse and write nothing.
+
+    Every check `delegate` makes on a fresh root runs first, on the parsed plan and
+    throwaway child ids (linking is pure), so a bad subtask or todo id is refused
+    before the root exists. Only Redis or the broker can then fail; the root is
+    then ended visibly (`failed`, with the reason) rather than left waiting, and
+    the error is returned beside it, so the caller can name the root it created.
+    """
+    checked_mode = check_mode(mode)
+    checked = check_subtasks(coord, subtasks)
+    if coord.settings.max_depth < 1:
+        raise StateError(f"SUBQ_MAX_DEPTH={coord.settings.max_depth} allows no subtasks of a root", field="subtasks")
+    items = todo_lists.parse_update(todos) if todos is not None else []
+    todo_lists.link_children(items, [(f"check-{n}", s.todo_id, s.description) for n, s in enumerate(checked)])
+    root_budget = budgets.to_micros(budget_usd, "budget_usd")
+    child_budgets = [budgets.to_micros(s.budget_usd, f"subtasks.{n}.budget_usd") for n, s in enumerate(checked)]
+    budgets.check_within(root_budget or None, child_budgets)
+    parent = coord.create_task(prompt, todos=todos, profile=profile, run=False, budget_usd=budget_usd)
+    try:
+        batch = delegate(coord, parent.id, checked, checked_mode)
+    except SubqError as exc:
+        log.error("subq: delegation of the new root %s failed after it was created: %s", parent.id, exc)
+        coord.store.finish_task(parent.id, "failed", error=str(exc), error_class=type(exc).__name__)
+        return Submission(task=parent, error=exc)
+    return Submission(task=parent, batch=batch)

@@ -1,0 +1,58 @@
+"""Approvals: a tool call that waits for a human decision, and the decision, taken once."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from coordinator.errors import NotFoundError
+from coordinator.ids import root_of
+from coordinator.models import Approval
+from coordinator.store.base import (
+    EVENTS_MAXLEN,
+    ScriptArg,
+    StoreBase,
+    _encode_record,
+    _str_map,
+    _strs,
+    translate_redis_errors,
+)
+from coordinator.store.fields import APPROVAL_OPTIONAL_FIELDS, ApprovalField
+
+__all__ = ["ApprovalStore"]
+
+
+class ApprovalStore(StoreBase):
+    """Approval records, the fleet-wide pending list, and deciding one atomically."""
+
+    @translate_redis_errors
+    def save_approval(self, approval: Approval) -> None:
+        key = self.keys.approval(approval.root_id, approval.id)
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=_encode_record(approval.model_dump()))
+            pipe.expire(key, self.retention_s)
+            pipe.zadd(self.keys.approvals(), {approval.id: approval.created_at})
+            pipe.execute()
+
+    @translate_redis_errors
+    def get_approval(self, approval_id: str) -> Approval:
+        raw = _str_map(self.client.hgetall(self.keys.approval(root_of(approval_id), approval_id)))
+        if not raw:
+            raise NotFoundError(f"Unknown approval: {approval_id}", field="approval_id")
+        data: dict[str, Any] = {**raw, ApprovalField.ARGS: json.loads(raw[ApprovalField.ARGS])}
+        for name in APPROVAL_OPTIONAL_FIELDS:
+            data[name] = data.get(name) or None
+        return Approval.model_validate(data)
+
+    @translate_redis_errors
+    def pending_approval_ids(self) -> list[str]:
+        return _strs(self.client.zrange(self.keys.approvals(), 0, -1))
+
+    @translate_redis_errors
+    def decide(self, approval_id: str, status: str, feedback: str) -> str:
+        """Decide a pending approval once; 'ok', or its status when it was not pending."""
+        root = root_of(approval_id)
+        keys = [self.keys.approval(root, approval_id), self.keys.approvals(), self.keys.events(root)]
+        args: list[ScriptArg] = [approval_id, status, feedback, time.time(), EVENTS_MAXLEN]
+        return str(self._decide(keys=keys, args=args))

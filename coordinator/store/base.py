@@ -1,0 +1,153 @@
+"""Plumbing shared by the store's concerns: errors, casts, scripts, records, transactions.
+
+Redis errors are translated into `StoreError` here, in one place
+(`translate_redis_errors`). `StoreBase` holds the client, the keys, the
+retention and every Lua script of `lua/`, loaded once and registered once per
+client; the concern mixins of this package build on it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Callable, Sequence
+from importlib import resources
+from typing import Any, ParamSpec, TypeVar, cast
+
+import redis
+from redis.client import Pipeline
+from redis.typing import EncodableT, FieldT
+
+from coordinator import todos as todo_lists
+from coordinator.errors import ConflictError, CorruptError, StoreError
+from coordinator.models import TaskRecord, TodoItem
+from coordinator.store.fields import INT_FIELDS, OPTIONAL_FIELDS, TaskField
+from coordinator.store.keys import Keys
+
+__all__ = ["EVENTS_MAXLEN", "StoreBase", "translate_redis_errors"]
+
+# Enough history for a live view to catch up after a short disconnect, small
+# enough that a busy tree's stream stays a few MB (XADD MAXLEN ~).
+EVENTS_MAXLEN = 10_000
+# A transaction whose watched keys keep changing is retried this often before
+# the caller is told; each retry re-validates on fresh state.
+MAX_TRANSACTION_ATTEMPTS = 50
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+HashMapping = dict[FieldT, EncodableT]
+ScriptArg = str | int | float
+
+
+def translate_redis_errors(fn: Callable[P, R]) -> Callable[P, R]:
+    """Turn redis-py exceptions into StoreError with a message a user can act on."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise StoreError(f"Redis is unreachable: {exc}") from exc
+        except redis.ResponseError as exc:
+            raise StoreError(f"Redis refused a subq command: {exc}") from exc
+
+    return wrapper
+
+
+# The client is built with decode_responses=True, so Redis replies are str; redis-py
+# types them as bytes | str, and these casts say so once, at the boundary.
+def _strs(reply: Any) -> list[str]:
+    return cast(list[str], reply)
+
+
+def _str_map(reply: Any) -> dict[str, str]:
+    return cast(dict[str, str], reply)
+
+
+def _load_script(name: str) -> str:
+    return resources.files("coordinator.store").joinpath("lua", name).read_text(encoding="utf-8")
+
+
+def _encode_record(fields: dict[str, Any]) -> HashMapping:
+    """A task record as hash fields: None becomes '' and lists become JSON."""
+    out: HashMapping = {}
+    for name, value in fields.items():
+        if value is None:
+            out[name] = ""
+        elif isinstance(value, (list, dict)):
+            out[name] = json.dumps(value)
+        elif isinstance(value, bool):
+            out[name] = int(value)
+        else:
+            out[name] = value
+    return out
+
+
+def _decode_record(raw: dict[str, str], child_ids: list[str], awaiting_ids: list[str]) -> TaskRecord:
+    data: dict[str, Any] = {name: raw.get(name) for name in TaskRecord.model_fields if name in raw}
+    for name in OPTIONAL_FIELDS:
+        if not data.get(name):
+            data[name] = None
+    for name in INT_FIELDS:
+        data[name] = int(data.get(name) or 0)
+    data["child_ids"], data["awaiting_ids"] = child_ids, awaiting_ids
+    data[TaskField.ANCESTORS] = json.loads(raw.get(TaskField.ANCESTORS) or "[]")
+    try:
+        return TaskRecord.model_validate(data)
+    except ValueError as exc:
+        raise CorruptError(f"Task record {raw.get(TaskField.ID, '?')} is corrupt: {exc}") from None
+
+
+class StoreBase:
+    """The client, keys and retention of one key prefix, and the registered Lua scripts."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, retention_s: int) -> None:
+        self.client = client
+        self.keys = keys
+        self.retention_s = retention_s
+        self._record_usage = client.register_script(_load_script("record_usage.lua"))
+        self._finish_task = client.register_script(_load_script("finish_task.lua"))
+        self._apply_children = client.register_script(_load_script("apply_children.lua"))
+        self._finish_batch = client.register_script(_load_script("finish_batch.lua"))
+        self._stop_tasks = client.register_script(_load_script("stop_tasks.lua"))
+        self._admit = client.register_script(_load_script("admit.lua"))
+        self._release_slot = client.register_script(_load_script("release_slot.lua"))
+        self._rate_limit = client.register_script(_load_script("rate_limit.lua"))
+        self._decide = client.register_script(_load_script("decide.lua"))
+        self._release_lease = client.register_script(_load_script("release_lease.lua"))
+
+    def _transaction(self, watched: Sequence[str], body: Callable[[Pipeline], T]) -> T:
+        """Run `body` on a pipeline watching `watched`, again while another client changes them.
+
+        `body` reads (immediate mode), validates, then calls `pipe.multi()` and
+        queues its writes; redis-py raises WatchError at `execute()` when a watched
+        key changed, and the body then runs again on fresh state.
+        """
+        for _ in range(MAX_TRANSACTION_ATTEMPTS):
+            with self.client.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(*watched)  # type: ignore[no-untyped-call]
+                    return body(pipe)
+                except redis.WatchError:
+                    continue
+        raise ConflictError("The task kept changing while subq tried to update it; try again")
+
+    def _write_todos(self, pipe: Pipeline, key: str, items: Sequence[TodoItem]) -> None:
+        """Queue the replacement of a todo list (in the caller's transaction)."""
+        pipe.delete(key)
+        pipe.hset(key, mapping=cast(HashMapping, todo_lists.to_hash(items)))
+        pipe.expire(key, self.retention_s)
+
+    def _index(self, records: Sequence[TaskRecord], *, root: bool = False) -> None:
+        """The history indexes, outside any tree's slot, so written apart from the tree's commit."""
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.zadd(self.keys.all_tasks(), {r.id: r.created_at for r in records})
+            if root:
+                pipe.zadd(self.keys.roots(), {r.id: r.created_at for r in records})
+            cutoff = time.time() - self.retention_s
+            pipe.zremrangebyscore(self.keys.all_tasks(), "-inf", cutoff)
+            pipe.zremrangebyscore(self.keys.roots(), "-inf", cutoff)
+            pipe.execute()

@@ -1,0 +1,229 @@
+"""Delegation: the todo list, committing a batch, writing children back, closing and stopping.
+
+The delegation commit and todo updates are WATCH/MULTI transactions (validation
+runs on the watched state, so a concurrent change retries it); the write-back
+of children, closing a batch and stopping a subtree are Lua scripts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+from redis.client import Pipeline
+
+from coordinator import todos as todo_lists
+from coordinator.errors import NotFoundError
+from coordinator.ids import root_of
+from coordinator.models import Batch, BatchRef, TaskRecord, TaskStatus, TodoItem
+from coordinator.store.base import (
+    EVENTS_MAXLEN,
+    ScriptArg,
+    StoreBase,
+    _decode_record,
+    _encode_record,
+    _str_map,
+    _strs,
+    translate_redis_errors,
+)
+from coordinator.store.fields import BatchField, TaskField
+
+__all__ = ["DelegationStore"]
+
+
+class DelegationStore(StoreBase):
+    """Todo updates, delegation commits, batches and their write-back, subtree stops."""
+
+    # -- transactions ------------------------------------------------------------------
+
+    @translate_redis_errors
+    def update_todos(
+        self, task_id: str, change: Callable[[TaskRecord, list[TodoItem]], list[TodoItem]]
+    ) -> list[TodoItem]:
+        """Replace a task's todo list with `change(record, old)`, atomically.
+
+        `change` may raise to refuse; then nothing is written.
+        """
+        root = root_of(task_id)
+        task_key, todos_key = self.keys.task(root, task_id), self.keys.todos(root, task_id)
+
+        def body(pipe: Pipeline) -> list[TodoItem]:
+            record, old = self._read_watched(pipe, task_id)
+            new = change(record, old)
+            pipe.multi()
+            self._write_todos(pipe, todos_key, new)
+            pipe.hincrby(task_key, TaskField.TODOS_VERSION, 1)
+            pipe.hset(task_key, TaskField.UPDATED_AT, time.time())
+            pipe.execute()
+            return new
+
+        return self._transaction([task_key, todos_key], body)
+
+    @translate_redis_errors
+    def commit_delegation(
+        self,
+        parent_id: str,
+        plan: Callable[[TaskRecord, list[TodoItem]], tuple[Batch, list[TaskRecord], list[TodoItem]]],
+    ) -> tuple[Batch, list[TaskRecord]]:
+        """Commit a delegation in one transaction, or write nothing.
+
+        `plan(parent, todos)` validates against the watched state and returns the
+        batch, the child records and the parent's new todo list; it raises to refuse.
+        """
+        root = root_of(parent_id)
+        k = self.keys
+        parent_key, todos_key = k.task(root, parent_id), k.todos(root, parent_id)
+
+        def body(pipe: Pipeline) -> tuple[Batch, list[TaskRecord]]:
+            parent, old_todos = self._read_watched(pipe, parent_id)
+            batch, children, new_todos = plan(parent, old_todos)
+            ancestors = [*json.loads(cast(str | None, pipe.hget(parent_key, TaskField.ANCESTORS)) or "[]"), parent_id]
+            now = time.time()
+            pipe.multi()
+            for child in children:
+                child_key = k.task(root, child.id)
+                fields = child.model_dump(exclude={"child_ids", "awaiting_ids"})
+                pipe.hset(child_key, mapping=_encode_record({**fields, TaskField.ANCESTORS: ancestors}))
+                pipe.expire(child_key, self.retention_s)
+            ids = [c.id for c in children]
+            pipe.zadd(k.tree_tasks(root), {c.id: c.created_at for c in children})
+            pipe.expire(k.tree_tasks(root), self.retention_s)
+            pipe.rpush(k.children(root, parent_id), *ids)
+            pipe.expire(k.children(root, parent_id), self.retention_s)
+            pipe.sadd(k.awaiting(root, parent_id), *ids)
+            pipe.expire(k.awaiting(root, parent_id), self.retention_s)
+            batch_fields = _encode_record(batch.model_dump())
+            pipe.hset(k.batch(root, batch.id), mapping=batch_fields)
+            pipe.expire(k.batch(root, batch.id), self.retention_s)
+            pipe.hset(
+                parent_key,
+                mapping={
+                    TaskField.STATUS: TaskStatus.DELEGATED,
+                    TaskField.WAITING_BATCH_ID: batch.id,
+                    TaskField.UPDATED_AT: now,
+                },
+            )
+            pipe.hincrby(parent_key, TaskField.TODOS_VERSION, 1)
+            self._write_todos(pipe, todos_key, new_todos)
+            pipe.xadd(
+                k.events(root),
+                {"type": "delegated", "task_id": parent_id, "batch_id": batch.id, "children": len(ids)},
+                maxlen=EVENTS_MAXLEN,
+                approximate=True,
+            )
+            pipe.expire(k.events(root), self.retention_s)
+            pipe.execute()
+            return batch, children
+
+        batch, children = self._transaction([parent_key, todos_key], body)
+        self._index(children)
+        return batch, children
+
+    def _read_watched(self, pipe: Pipeline, task_id: str) -> tuple[TaskRecord, list[TodoItem]]:
+        root = root_of(task_id)
+        # A watching pipeline runs commands immediately, so these are replies.
+        raw = _str_map(pipe.hgetall(self.keys.task(root, task_id)))
+        if not raw:
+            raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
+        child_ids = _strs(pipe.lrange(self.keys.children(root, task_id), 0, -1))
+        awaiting = set(_strs(pipe.smembers(self.keys.awaiting(root, task_id))))
+        todos_raw = _str_map(pipe.hgetall(self.keys.todos(root, task_id)))
+        record = _decode_record(raw, child_ids, [c for c in child_ids if c in awaiting])
+        return record, todo_lists.from_hash(todos_raw)
+
+    # -- batches -----------------------------------------------------------------------
+
+    @translate_redis_errors
+    def batch_head(self, batch_id: str) -> tuple[str, str, str]:
+        """(mode, status, parent_id) of a batch, without its list of children (the hot path)."""
+        mode, status, parent_id = self.client.hmget(
+            self.keys.batch(root_of(batch_id), batch_id), [BatchField.MODE, BatchField.STATUS, BatchField.PARENT_ID]
+        )
+        if mode is None:
+            raise NotFoundError(f"Unknown batch: {batch_id}", field="batch_id")
+        return str(mode), str(status), str(parent_id)
+
+    @translate_redis_errors
+    def get_batch(self, batch_id: str) -> Batch:
+        raw = _str_map(self.client.hgetall(self.keys.batch(root_of(batch_id), batch_id)))
+        if not raw:
+            raise NotFoundError(f"Unknown batch: {batch_id}", field="batch_id")
+        return Batch.model_validate(
+            {
+                **raw,
+                BatchField.CHILD_IDS: json.loads(raw[BatchField.CHILD_IDS]),
+                BatchField.FINISHED_AT: raw.get(BatchField.FINISHED_AT) or None,
+            }
+        )
+
+    @translate_redis_errors
+    def claim_batch(self, batch_id: str, flag: str) -> bool:
+        return bool(self.client.hsetnx(self.keys.batch(root_of(batch_id), batch_id), flag, 1))
+
+    @translate_redis_errors
+    def claim_batch_publish(self, batch_id: str) -> bool:
+        """Once-only: True for the first caller that publishes this batch's work."""
+        return bool(self.client.hsetnx(self.keys.batch(root_of(batch_id), batch_id), BatchField.PUBLISHED, 1))
+
+    @translate_redis_errors
+    def awaiting_count(self, task_id: str) -> int:
+        return int(self.client.scard(self.keys.awaiting(root_of(task_id), task_id)))
+
+    @translate_redis_errors
+    def apply_children(self, batch: Batch | BatchRef, child_ids: Sequence[str]) -> int:
+        """Write ended children's figures onto the parent's todo items, each once per batch.
+
+        One script call for all of them: the parent's todo list is decoded once.
+        Children that have not ended are skipped. Returns how many were applied now.
+        """
+        if not child_ids:
+            return 0
+        root, k = batch.root_id, self.keys
+        keys = [
+            k.task(root, batch.parent_id), k.todos(root, batch.parent_id), k.batch_applied(root, batch.id),
+            k.awaiting(root, batch.parent_id), k.events(root), *(k.task(root, c) for c in child_ids),
+        ]  # fmt: skip
+        args: list[ScriptArg] = [time.time(), self.retention_s, EVENTS_MAXLEN, *child_ids]
+        return int(self._apply_children(keys=keys, args=args))
+
+    @translate_redis_errors
+    def finish_batch(self, batch: Batch, combined: str, ui_message: dict[str, Any]) -> int:
+        """Close a batch once and set its parent active.
+
+        Returns the parent's resume count when this call closed it (>= 1), else 0.
+        """
+        root, k = batch.root_id, self.keys
+        keys = [
+            k.batch(root, batch.id), k.task(root, batch.parent_id), k.ui_messages(root, batch.parent_id),
+            k.awaiting(root, batch.parent_id), k.events(root),
+        ]  # fmt: skip
+        args: list[ScriptArg] = [
+            combined, json.dumps(ui_message), time.time(), self.retention_s, EVENTS_MAXLEN, batch.child_ids[-1],
+        ]  # fmt: skip
+        return int(self._finish_batch(keys=keys, args=args))
+
+    # -- stopping a subtree ------------------------------------------------------------
+
+    @translate_redis_errors
+    def stop_tasks(
+        self,
+        task_ids: Sequence[str],
+        *,
+        top_status: str,
+        status: str,
+        top_error: str,
+        error: str,
+        top_class: str,
+        error_class: str,
+    ) -> list[str]:
+        """Stop the tasks that have not ended (the first is the subtree's top); returns those stopped."""
+        if not task_ids:
+            return []
+        root = root_of(task_ids[0])
+        keys = [self.keys.events(root), self.keys.live(root), *(self.keys.task(root, t) for t in task_ids)]
+        args: list[ScriptArg] = [
+            top_status, status, top_error, error, top_class, error_class, time.time(), self.retention_s, EVENTS_MAXLEN,
+        ]  # fmt: skip
+        return _strs(self._stop_tasks(keys=keys, args=args))

@@ -1,0 +1,149 @@
+"""Every field name of the store's Redis hashes, named once.
+
+The task, batch and approval hashes hold a model's fields (`TaskRecord`,
+`Batch`, `Approval`) plus bookkeeping that exists only in Redis: counters and
+once-only flags. Python in this package uses these constants; the Lua scripts
+in `lua/` cannot import them and spell the same names as literals (a field's
+comment ends with the scripts that touch it, if any). Keys are in `keys.py`.
+Two hashes have no fixed fields: a todo list (item id -> item JSON, and
+`order`, named `coordinator.todos.ORDER_FIELD`) and a tree's live hash (task
+id -> live JSON).
+
+A hash value is always a string: None is stored as '', lists and dicts as JSON,
+booleans as 0/1 (see `base._encode_record`).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = [
+    "APPROVAL_OPTIONAL_FIELDS",
+    "INT_FIELDS",
+    "OPTIONAL_FIELDS",
+    "ApprovalField",
+    "BatchField",
+    "LatencyField",
+    "TaskField",
+]
+
+
+class TaskField:
+    """Fields of the task hash, `<p>:{root}:task:<id>`.
+
+    `TaskRecord.child_ids` and `awaiting_ids` are not here: they live in their own
+    keys (`children`, `awaiting`).
+    """
+
+    # -- the record (TaskRecord's fields) ---------------------------------------------
+    ID: Final = "id"  # the task id (read by every task script, to name it in events)
+    PARENT_ID: Final = "parent_id"  # the parent's id; '' for a root
+    ROOT_ID: Final = "root_id"  # the tree's root id
+    DEPTH: Final = "depth"  # 0 for a root, parent's depth + 1 below
+    ANCESTORS: Final = "ancestors"  # JSON list of ancestor ids, root first (the usage roll-up's path)
+    STATUS: Final = "status"  # active|delegated|completed|failed|cancelled (every task script)
+    PROMPT: Final = "prompt"  # the task's instruction
+    DESCRIPTION: Final = "description"  # a short label (a child's spec description)
+    PROFILE: Final = "profile"  # the model profile that runs it
+    TODO_ID: Final = "todo_id"  # the parent's item this child carries out; '' if none (apply_children)
+    BATCH_ID: Final = "batch_id"  # the batch this task belongs to as a child; '' for a root
+    WAITING_BATCH_ID: Final = "waiting_batch_id"  # the batch it waits on while delegated; '' otherwise (finish_batch)
+    TOKENS_IN: Final = "tokens_in"  # own input tokens (record_usage)
+    TOKENS_OUT: Final = "tokens_out"  # own output tokens (record_usage)
+    CACHE_READS: Final = "cache_reads"  # own cache-read tokens (record_usage)
+    CACHE_WRITES: Final = "cache_writes"  # own cache-write tokens (record_usage)
+    COST_MICROS: Final = "cost_micros"  # own cost, micro-USD (record_usage)
+    REQUESTS: Final = "requests"  # own model requests recorded (record_usage)
+    TOTAL_TOKENS: Final = "total_tokens"  # own plus every descendant's tokens (record_usage, apply_children)
+    TOTAL_COST_MICROS: Final = "total_cost_micros"  # own plus every descendant's cost (record_usage, apply_children)
+    SUMMARY: Final = "summary"  # the final answer of a completed task (finish_task)
+    ERROR: Final = "error"  # why it failed or was cancelled (finish_task, stop_tasks)
+    ERROR_CLASS: Final = "error_class"  # the error's kind, machine-readable (finish_task, stop_tasks)
+    COST_SOURCE: Final = "cost_source"  # where the last request's cost came from (record_usage)
+    RUNNER: Final = "runner"  # 'caller' (driven by API calls) or 'agent' (run on the fleet)
+    BUDGET_MICROS: Final = "budget_micros"  # the subtree's cap, micro-USD; 0: none (read by record_usage)
+    NUMBER: Final = "number"  # the history number, set just after creation
+    COMPLETED_BY_CHILD_ID: Final = "completed_by_child_id"  # the child whose end closed its last batch (finish_batch)
+    CREATED_AT: Final = "created_at"  # epoch seconds
+    UPDATED_AT: Final = "updated_at"  # epoch seconds of the last change (every task script)
+    FINISHED_AT: Final = "finished_at"  # epoch seconds it ended; '' while running (finish_task, stop_tasks)
+
+    # -- bookkeeping only in Redis -----------------------------------------------------
+    TODOS_VERSION: Final = "todos_version"  # bumped on every change of the todo list (apply_children)
+    PUBLISHED: Final = "published"  # once-only flag: the task's run (a sequential step) was published
+    DELIVERIES: Final = "deliveries"  # deliveries of the current run; reset to 0 on a batch resume (finish_batch)
+    RUN_SEQ: Final = "run_seq"  # runs of the task ever; keeps request keys unique
+    RESUMES: Final = "resumes"  # times the task was resumed (finish_batch, next_resume)
+    RESUME_BATCH_ID: Final = "resume_batch_id"  # the batch whose result the resumed run answers (finish_batch)
+    WAITING_APPROVAL_IDS: Final = "waiting_approval_ids"  # JSON list of the approvals its last run asked for
+    TRANSIENT_ERRORS: Final = "transient_errors"  # provider errors retried so far (a count)
+    RESUMED_PREFIX: Final = "resumed:"  # `resumed:<batch or approval id>`: once-only resume flag per reason
+
+    @staticmethod
+    def resumed(reason_id: str) -> str:
+        """The once-only flag for resuming the task for one reason (a batch or an approval)."""
+        return f"{TaskField.RESUMED_PREFIX}{reason_id}"
+
+
+class BatchField:
+    """Fields of the batch hash, `<p>:{root}:batch:<batch_id>` (Batch's fields and a flag)."""
+
+    ID: Final = "id"  # the batch id (read by finish_batch)
+    PARENT_ID: Final = "parent_id"  # the delegating task
+    ROOT_ID: Final = "root_id"  # the tree's root id
+    MODE: Final = "mode"  # parallel|sequential
+    CHILD_IDS: Final = "child_ids"  # JSON list of the children in dispatch order (unlike a task's, a field)
+    STATUS: Final = "status"  # running|done (finish_batch)
+    RESULT: Final = "result"  # the combined result, once done (finish_batch)
+    TOOL_CALL_ID: Final = "tool_call_id"  # the agent parent's delegation tool call that `result` answers
+    CREATED_AT: Final = "created_at"  # epoch seconds
+    FINISHED_AT: Final = "finished_at"  # epoch seconds it closed; '' while running (finish_batch)
+    PUBLISHED: Final = "published"  # once-only flag: the batch's work was published
+
+
+class ApprovalField:
+    """Fields of the approval hash, `<p>:{root}:approval:<approval_id>` (exactly Approval's fields)."""
+
+    ID: Final = "id"  # the approval id
+    TASK_ID: Final = "task_id"  # the task whose tool call waits (read by decide)
+    ROOT_ID: Final = "root_id"  # the tree's root id
+    TOOL: Final = "tool"  # the tool's name
+    ARGS: Final = "args"  # JSON object of the call's arguments
+    TOOL_CALL_ID: Final = "tool_call_id"  # the model's id of the call
+    TODO_ID: Final = "todo_id"  # the task's todo item, if any; '' if none
+    TODO_CONTENT: Final = "todo_content"  # that item's text; '' if none
+    STATUS: Final = "status"  # pending|approved|denied|expired (decide)
+    FEEDBACK: Final = "feedback"  # the decider's words; '' until decided (decide)
+    CREATED_AT: Final = "created_at"  # epoch seconds
+    DEADLINE: Final = "deadline"  # epoch seconds after which it expires
+    DECIDED_AT: Final = "decided_at"  # epoch seconds of the decision; '' until decided (decide)
+
+
+class LatencyField:
+    """Fields of the model-latency histogram hash, `<p>:metrics:model-latency`."""
+
+    BUCKET_PREFIX: Final = "le_"  # `le_<ms>`: requests that took at most <ms> (cumulative)
+    COUNT: Final = "count"  # every request observed
+    SUM_MS: Final = "sum_ms"  # their latencies added up, ms
+
+    @staticmethod
+    def bucket(bound_ms: int) -> str:
+        """The cumulative bucket of requests within `bound_ms`."""
+        return f"{LatencyField.BUCKET_PREFIX}{bound_ms}"
+
+
+# Task fields stored as decimal strings and read back as int ('' or missing: 0).
+INT_FIELDS = (
+    TaskField.DEPTH, TaskField.TOKENS_IN, TaskField.TOKENS_OUT, TaskField.CACHE_READS, TaskField.CACHE_WRITES,
+    TaskField.COST_MICROS, TaskField.REQUESTS, TaskField.TOTAL_TOKENS, TaskField.TOTAL_COST_MICROS, TaskField.NUMBER,
+    TaskField.BUDGET_MICROS,
+)  # fmt: skip
+# Task fields where '' means None.
+OPTIONAL_FIELDS = (
+    TaskField.PARENT_ID, TaskField.TODO_ID, TaskField.BATCH_ID, TaskField.WAITING_BATCH_ID, TaskField.FINISHED_AT,
+    TaskField.COMPLETED_BY_CHILD_ID,
+)  # fmt: skip
+# Approval fields where '' means None.
+APPROVAL_OPTIONAL_FIELDS = (
+    ApprovalField.TODO_ID, ApprovalField.TODO_CONTENT, ApprovalField.FEEDBACK, ApprovalField.DECIDED_AT,
+)  # fmt: skip

@@ -1,0 +1,60 @@
+"""Fleet-wide metrics (the model-latency histogram) and the whole-prefix snapshot for tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from coordinator.store.base import StoreBase, _str_map, _strs, translate_redis_errors
+from coordinator.store.fields import LatencyField
+
+__all__ = ["LATENCY_BUCKETS_MS", "MetricStore"]
+
+# Model request latency buckets (ms), Prometheus-style cumulative: from a cached
+# reply to a long reasoning call.
+LATENCY_BUCKETS_MS = (100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
+
+
+class MetricStore(StoreBase):
+    """The latency histogram, and a content snapshot of every key of the prefix."""
+
+    @translate_redis_errors
+    def observe_latency(self, latency_ms: float) -> None:
+        """Count one model request's latency in the fleet-wide histogram (Prometheus buckets)."""
+        key = self.keys.latency_histogram()
+        with self.client.pipeline(transaction=False) as pipe:
+            for bound in LATENCY_BUCKETS_MS:
+                if latency_ms <= bound:
+                    pipe.hincrby(key, LatencyField.bucket(bound), 1)
+            pipe.hincrby(key, LatencyField.COUNT, 1)
+            pipe.hincrbyfloat(key, LatencyField.SUM_MS, latency_ms)
+            pipe.execute()
+
+    @translate_redis_errors
+    def latency_histogram(self) -> dict[str, float]:
+        """{'le_<ms>': cumulative count, 'count': n, 'sum_ms': total} of model request latency."""
+        return {k: float(v) for k, v in _str_map(self.client.hgetall(self.keys.latency_histogram())).items()}
+
+    @translate_redis_errors
+    def snapshot(self) -> dict[str, object]:
+        """Every key of this prefix with its value, compared by content (tests: 'nothing changed').
+
+        Not DUMP: a set's serialised order can change on rehashing without any write.
+        """
+        read: dict[str, Callable[[str], object]] = {
+            "string": self.client.get,
+            "hash": self.client.hgetall,
+            "list": lambda key: self.client.lrange(key, 0, -1),
+            "set": lambda key: sorted(_strs(self.client.smembers(key))),
+            "zset": lambda key: self.client.zrange(key, 0, -1, withscores=True),
+            "stream": lambda key: self.client.xrange(key),
+        }
+        return {
+            key: (kind, read[kind](key))
+            for key in self.client.scan_iter(self.keys.all_pattern(), count=1000)
+            if (kind := str(self.client.type(key))) in read
+        }
+
+    @translate_redis_errors
+    def queue_depth(self, queue: str) -> int:
+        """Celery messages waiting in `queue` (Celery's own list, not a subq key; LLEN as Celery reports it)."""
+        return int(self.client.llen(queue))

@@ -1,0 +1,206 @@
+"""Task records and what hangs off them: fields, children, todos, messages, history."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, cast
+
+from coordinator import todos as todo_lists
+from coordinator.errors import CorruptError, NotFoundError
+from coordinator.ids import root_of
+from coordinator.models import TaskRecord, TodoItem
+from coordinator.store.base import (
+    HashMapping,
+    StoreBase,
+    _decode_record,
+    _encode_record,
+    _str_map,
+    _strs,
+    translate_redis_errors,
+)
+from coordinator.store.fields import TaskField
+
+__all__ = ["RecordStore"]
+
+
+class RecordStore(StoreBase):
+    """Reads and plain writes of task records, their todo lists, messages and the history indexes."""
+
+    # -- one task ----------------------------------------------------------------------
+
+    @translate_redis_errors
+    def task_fields(self, task_id: str) -> dict[str, str]:
+        """The raw hash of a task; NotFoundError when there is none."""
+        raw = _str_map(self.client.hgetall(self.keys.task(root_of(task_id), task_id)))
+        if not raw:
+            raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
+        return raw
+
+    @translate_redis_errors
+    def get_task(self, task_id: str) -> TaskRecord:
+        raw = self.task_fields(task_id)
+        root = root_of(task_id)
+        child_ids = _strs(self.client.lrange(self.keys.children(root, task_id), 0, -1))
+        awaiting = set(_strs(self.client.smembers(self.keys.awaiting(root, task_id))))
+        return _decode_record(raw, child_ids, [c for c in child_ids if c in awaiting])
+
+    def ancestors(self, task_id: str) -> list[str]:
+        """The task's ancestors, root first."""
+        return list(json.loads(self.task_field(task_id, TaskField.ANCESTORS) or "[]"))
+
+    @translate_redis_errors
+    def status_of(self, task_id: str) -> tuple[str, str]:
+        """(status, runner) of a task in one small read; NotFoundError when there is none."""
+        status, runner = self.client.hmget(
+            self.keys.task(root_of(task_id), task_id), [TaskField.STATUS, TaskField.RUNNER]
+        )
+        if status is None:
+            raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
+        return str(status), str(runner or "caller")
+
+    @translate_redis_errors
+    def task_field(self, task_id: str, name: str) -> str | None:
+        return cast(str | None, self.client.hget(self.keys.task(root_of(task_id), task_id), name))
+
+    @translate_redis_errors
+    def set_fields(self, task_id: str, fields: dict[str, str | int | float]) -> None:
+        self.client.hset(self.keys.task(root_of(task_id), task_id), mapping=cast(HashMapping, fields))
+
+    @translate_redis_errors
+    def count(self, task_id: str, field: str, by: int = 1) -> int:
+        return int(self.client.hincrby(self.keys.task(root_of(task_id), task_id), field, by))
+
+    @translate_redis_errors
+    def get_todos(self, task_id: str, *, live: bool = False) -> list[TodoItem]:
+        """The stored list; with `live`, linked items carry their child's current subtree figures."""
+        self.task_fields(task_id)
+        root = root_of(task_id)
+        items = todo_lists.from_hash(_str_map(self.client.hgetall(self.keys.todos(root, task_id))))
+        linked = [i for i in items if i.subtask_id]
+        if not live or not linked:
+            return items
+        with self.client.pipeline(transaction=False) as pipe:
+            for item in linked:
+                pipe.hmget(
+                    self.keys.task(root, str(item.subtask_id)), [TaskField.TOTAL_TOKENS, TaskField.TOTAL_COST_MICROS]
+                )
+            figures = dict(zip((i.subtask_id for i in linked), pipe.execute(), strict=True))
+        out = []
+        for item in items:
+            tokens, cost = figures.get(item.subtask_id, (None, None))
+            if tokens is not None:  # the child's record is the system of record
+                item = item.model_copy(update={"tokens": int(tokens), "cost_micros": int(cost or 0)})
+            out.append(item)
+        return out
+
+    # -- several tasks -----------------------------------------------------------------
+
+    @translate_redis_errors
+    def get_records(self, task_ids: Sequence[str]) -> list[TaskRecord]:
+        """Several task records in one round trip, without their child lists (write-back, summaries)."""
+        with self.client.pipeline(transaction=False) as pipe:
+            for task_id in task_ids:
+                pipe.hgetall(self.keys.task(root_of(task_id), task_id))
+            replies = pipe.execute()
+        records = []
+        for task_id, raw in zip(task_ids, replies, strict=True):
+            if not raw:
+                raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
+            records.append(_decode_record(_str_map(raw), [], []))
+        return records
+
+    @translate_redis_errors
+    def get_children(self, task_id: str) -> list[TaskRecord]:
+        root = root_of(task_id)
+        self.task_fields(task_id)
+        return [self.get_task(c) for c in _strs(self.client.lrange(self.keys.children(root, task_id), 0, -1))]
+
+    @translate_redis_errors
+    def subtree_ids(self, task_id: str) -> list[str]:
+        """The task and all its descendants, top first (breadth first)."""
+        root = root_of(task_id)
+        out, frontier = [task_id], [task_id]
+        while frontier:
+            with self.client.pipeline(transaction=False) as pipe:
+                for tid in frontier:
+                    pipe.lrange(self.keys.children(root, tid), 0, -1)
+                frontier = [child for reply in pipe.execute() for child in _strs(reply)]
+            out.extend(frontier)
+        return out
+
+    @translate_redis_errors
+    def tree_task_ids(self, root_id: str) -> list[str]:
+        return _strs(self.client.zrange(self.keys.tree_tasks(root_id), 0, -1))
+
+    @translate_redis_errors
+    def recent_task_ids(self, *, root_id: str | None, offset: int, count: int) -> list[str]:
+        """Task ids, newest first (all tasks, or one tree's)."""
+        key = self.keys.tree_tasks(root_id) if root_id else self.keys.all_tasks()
+        return _strs(self.client.zrevrange(key, offset, offset + count - 1))
+
+    # -- creation and history numbers --------------------------------------------------
+
+    @translate_redis_errors
+    def create_root(self, record: TaskRecord, todos: Sequence[TodoItem]) -> None:
+        root = record.root_id
+        task_key, todos_key = self.keys.task(root, record.id), self.keys.todos(root, record.id)
+        fields = _encode_record({**record.model_dump(exclude={"child_ids", "awaiting_ids"}), TaskField.ANCESTORS: []})
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.hset(task_key, mapping={**fields, TaskField.TODOS_VERSION: 0})
+            pipe.expire(task_key, self.retention_s)
+            self._write_todos(pipe, todos_key, todos)
+            pipe.zadd(self.keys.tree_tasks(root), {record.id: record.created_at})
+            pipe.expire(self.keys.tree_tasks(root), self.retention_s)
+            pipe.execute()
+        self._index([record], root=True)
+
+    @translate_redis_errors
+    def next_numbers(self, count: int) -> int:
+        """Reserve `count` history numbers; returns the first."""
+        return int(self.client.incrby(self.keys.task_number(), count)) - count + 1
+
+    @translate_redis_errors
+    def set_numbers(self, numbers: dict[str, int]) -> None:
+        with self.client.pipeline(transaction=False) as pipe:
+            for task_id, number in numbers.items():
+                pipe.hset(self.keys.task(root_of(task_id), task_id), TaskField.NUMBER, number)
+            pipe.execute()
+
+    # -- messages and conversation -----------------------------------------------------
+
+    @translate_redis_errors
+    def ui_messages(self, task_id: str) -> list[dict[str, Any]]:
+        self.task_fields(task_id)
+        entries = self.client.lrange(self.keys.ui_messages(root_of(task_id), task_id), 0, -1)
+        messages = []
+        for index, entry in enumerate(entries):
+            try:
+                messages.append(json.loads(entry))
+            except json.JSONDecodeError:
+                raise CorruptError(f"UI message {index} of task {task_id} is corrupt") from None
+        return messages
+
+    @translate_redis_errors
+    def append_ui_message(self, task_id: str, message: dict[str, Any]) -> None:
+        key = self.keys.ui_messages(root_of(task_id), task_id)
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.rpush(key, json.dumps(message))
+            pipe.expire(key, self.retention_s)
+            pipe.execute()
+
+    @translate_redis_errors
+    def append_conversation(self, task_id: str, entries: Sequence[str]) -> None:
+        """Append model messages (one JSON entry each) to the task's conversation, atomically."""
+        if not entries:
+            return
+        key = self.keys.conversation(root_of(task_id), task_id)
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.rpush(key, *entries)
+            pipe.expire(key, self.retention_s)
+            pipe.execute()
+
+    @translate_redis_errors
+    def conversation(self, task_id: str) -> list[str]:
+        """The task's model conversation, one JSON entry per message."""
+        return _strs(self.client.lrange(self.keys.conversation(root_of(task_id), task_id), 0, -1))

@@ -1,0 +1,199 @@
+"""A run's state: deliveries and leases, once-only claims, usage and budgets, admission, rate limits."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+from coordinator.errors import NotFoundError
+from coordinator.ids import root_of
+from coordinator.models import TaskRecord, Usage
+from coordinator.store.base import EVENTS_MAXLEN, ScriptArg, _strs, translate_redis_errors
+from coordinator.store.fields import TaskField
+from coordinator.store.records import RecordStore
+
+__all__ = ["ADMISSION_SCAN", "RunStore"]
+
+# How far down the admission list one freed slot looks for a task that now fits.
+ADMISSION_SCAN = 50
+
+
+class RunStore(RecordStore):
+    """What one run of a task reads and writes, from its start to its terminal status.
+
+    It builds on `RecordStore`: the usage roll-up reads the ancestors, a freed slot
+    reads the waiting records, and the in-flight figures walk the tree's tasks.
+    """
+
+    # -- starting a run ----------------------------------------------------------------
+
+    @translate_redis_errors
+    def start_run(self, task_id: str) -> tuple[int, int]:
+        """Count a run starting: (deliveries of this run so far, runs of the task ever).
+
+        Deliveries reset when the task is resumed, so SUBQ_MAX_DELIVERIES bounds the
+        redeliveries of one run; the run sequence keeps request keys unique forever.
+        """
+        key = self.keys.task(root_of(task_id), task_id)
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.hincrby(key, TaskField.DELIVERIES, 1)
+            pipe.hincrby(key, TaskField.RUN_SEQ, 1)
+            deliveries, run_seq = pipe.execute()
+        return int(deliveries), int(run_seq)
+
+    @translate_redis_errors
+    def acquire_lease(self, task_id: str, token: str, ttl_s: int) -> bool:
+        """Take the task's run lease: no two deliveries run one task at once."""
+        return bool(self.client.set(self.keys.lease(root_of(task_id), task_id), token, nx=True, ex=ttl_s))
+
+    @translate_redis_errors
+    def release_lease(self, task_id: str, token: str) -> None:
+        self._release_lease(keys=[self.keys.lease(root_of(task_id), task_id)], args=[token])
+
+    @translate_redis_errors
+    def claim(self, task_id: str, flag: str) -> bool:
+        """Set a once-only flag on a task (e.g. `published`); True for the first caller."""
+        return bool(self.client.hsetnx(self.keys.task(root_of(task_id), task_id), flag, 1))
+
+    @translate_redis_errors
+    def claim_resume(self, task_id: str, reason_id: str) -> bool:
+        """Once-only guard for resuming a task for one reason (a batch or an approval)."""
+        key = self.keys.task(root_of(task_id), task_id)
+        return bool(self.client.hsetnx(key, TaskField.resumed(reason_id), 1))
+
+    @translate_redis_errors
+    def next_resume(self, task_id: str) -> int:
+        return int(self.client.hincrby(self.keys.task(root_of(task_id), task_id), TaskField.RESUMES, 1))
+
+    @translate_redis_errors
+    def claim_step_publish(self, task_id: str) -> bool:
+        """Once-only: True for the first caller that publishes this task's run as a chain step."""
+        return bool(self.client.hsetnx(self.keys.task(root_of(task_id), task_id), TaskField.PUBLISHED, 1))
+
+    @translate_redis_errors
+    def resume_batch_id(self, task_id: str) -> str | None:
+        """The batch whose result a resumed run answers its delegation call with, if any."""
+        value = self.client.hget(self.keys.task(root_of(task_id), task_id), TaskField.RESUME_BATCH_ID)
+        return str(value) if value else None
+
+    @translate_redis_errors
+    def set_waiting_approvals(self, task_id: str, approval_ids: Sequence[str]) -> None:
+        key = self.keys.task(root_of(task_id), task_id)
+        self.client.hset(key, TaskField.WAITING_APPROVAL_IDS, json.dumps(list(approval_ids)))
+
+    @translate_redis_errors
+    def waiting_approval_ids(self, task_id: str) -> list[str]:
+        """The approvals the task's last run asked for (decided or not)."""
+        value = self.client.hget(self.keys.task(root_of(task_id), task_id), TaskField.WAITING_APPROVAL_IDS)
+        return list(json.loads(str(value))) if value else []
+
+    @translate_redis_errors
+    def count_transient_error(self, task_id: str) -> int:
+        return int(self.client.hincrby(self.keys.task(root_of(task_id), task_id), TaskField.TRANSIENT_ERRORS, 1))
+
+    # -- usage, budgets and the end of a run -------------------------------------------
+
+    @translate_redis_errors
+    def record_usage(
+        self,
+        task_id: str,
+        request_key: str,
+        usage: Usage,
+        cost_micros: int,
+        cost_source: str,
+        ancestors: Sequence[str] | None = None,
+    ) -> tuple[int, str | None]:
+        """Record one request's usage on the task and roll it up the ancestors, once per key.
+
+        Returns (recorded, exhausted): recorded is 1, 0 (a repeat of this key) or -1 (the
+        task had ended: nothing is recorded after a stop); exhausted is the id of the
+        task nearest the root whose budget the subtree has now reached, or None.
+        `ancestors` (root first) may be passed by a caller that has the record, to save a read.
+        """
+        root = root_of(task_id)
+        if ancestors is None:
+            ancestors = self.ancestors(task_id)
+        keys = [self.keys.task(root, task_id), self.keys.usage_applied(root, task_id)]
+        keys += [self.keys.task(root, a) for a in reversed(ancestors)]
+        args: list[ScriptArg] = [
+            request_key, usage.tokens_in, usage.tokens_out, usage.cache_reads, usage.cache_writes,
+            cost_micros, cost_source, time.time(), self.retention_s,
+        ]  # fmt: skip
+        recorded, exhausted = self._record_usage(keys=keys, args=args)
+        return int(recorded), (str(exhausted) or None)
+
+    @translate_redis_errors
+    def budget_exhausted(self, task_id: str, ancestors: Sequence[str]) -> str | None:
+        """The task or ancestor nearest the root whose budget its subtree has reached, if any."""
+        root = root_of(task_id)
+        chain = [task_id, *reversed(ancestors)]
+        with self.client.pipeline(transaction=False) as pipe:
+            for tid in chain:
+                pipe.hmget(self.keys.task(root, tid), [TaskField.BUDGET_MICROS, TaskField.TOTAL_COST_MICROS])
+            replies = pipe.execute()
+        found = None
+        for tid, (budget, total) in zip(chain, replies, strict=True):
+            if int(budget or 0) > 0 and int(total or 0) >= int(budget):
+                found = tid
+        return found
+
+    @translate_redis_errors
+    def finish_task(self, task_id: str, status: str, summary: str = "", error: str = "", error_class: str = "") -> str:
+        """Make a task terminal once; returns its status after the call."""
+        root = root_of(task_id)
+        keys = [self.keys.task(root, task_id), self.keys.events(root), self.keys.live(root)]
+        args: list[ScriptArg] = [status, summary, error, error_class, time.time(), self.retention_s, EVENTS_MAXLEN]
+        result = self._finish_task(keys=keys, args=args)
+        if result is None:
+            raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
+        return str(result)
+
+    # -- admission and rate limits -----------------------------------------------------
+
+    @translate_redis_errors
+    def admit(self, record: TaskRecord, per_parent: int, per_tree: int, stagger_ms: int) -> tuple[str, int]:
+        """('run', 0), ('wait', 0) (queued for a slot) or ('delay', ms) for this task's run."""
+        root, k = record.root_id, self.keys
+        keys = [
+            k.running(root), k.running_children(root, record.parent_id or record.id), k.admission(root),
+            k.last_start(root),
+        ]  # fmt: skip
+        args: list[ScriptArg] = [record.id, per_parent, per_tree, stagger_ms, int(time.time() * 1000), self.retention_s]
+        verdict, delay_ms = self._admit(keys=keys, args=args)
+        return str(verdict), int(delay_ms)
+
+    @translate_redis_errors
+    def release_slot(self, record: TaskRecord, per_parent: int, per_tree: int) -> list[str]:
+        """Free the task's run slot and admit waiting tasks that now fit; returns the admitted ids."""
+        root, k = record.root_id, self.keys
+        waiting = _strs(self.client.lrange(k.admission(root), 0, ADMISSION_SCAN - 1))
+        parents = [w.parent_id or w.id for w in self.get_records(waiting)] if waiting else []
+        keys = [
+            k.running(root), k.admission(root), k.running_children(root, record.parent_id or record.id),
+            *(k.running_children(root, p) for p in parents),
+        ]  # fmt: skip
+        args: list[ScriptArg] = [record.id, per_parent, per_tree, self.retention_s, *waiting]
+        return _strs(self._release_slot(keys=keys, args=args))
+
+    @translate_redis_errors
+    def in_flight(self, root_id: str) -> dict[str, int]:
+        """Sizes of the tree's in-flight structures (empty once every run has ended)."""
+        k = self.keys
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.scard(k.running(root_id))
+            pipe.llen(k.admission(root_id))
+            for task_id in self.tree_task_ids(root_id):
+                pipe.scard(k.awaiting(root_id, task_id))
+                pipe.exists(k.lease(root_id, task_id))
+            running, admission, *rest = pipe.execute()
+        return {"running": int(running), "admission": int(admission), "awaiting": sum(rest[0::2]),
+                "leases": sum(rest[1::2])}  # fmt: skip
+
+    @translate_redis_errors
+    def wait_for_rate(self, provider: str, rpm: int) -> int:
+        """0 when a request to `provider` may start now (and is counted), else the ms to wait."""
+        member = f"{time.time_ns()}-{os.getpid()}-{threading.get_ident()}"
+        return int(self._rate_limit(keys=[self.keys.rate(provider)], args=[rpm, int(time.time() * 1000), member]))
