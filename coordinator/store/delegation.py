@@ -159,10 +159,6 @@ class DelegationStore(StoreBase):
         )
 
     @translate_redis_errors
-    def claim_batch(self, batch_id: str, flag: str) -> bool:
-        return bool(self.client.hsetnx(self.keys.batch(root_of(batch_id), batch_id), flag, 1))
-
-    @translate_redis_errors
     def claim_batch_publish(self, batch_id: str) -> bool:
         """Once-only: True for the first caller that publishes this batch's work."""
         return bool(self.client.hsetnx(self.keys.batch(root_of(batch_id), batch_id), BatchField.PUBLISHED, 1))

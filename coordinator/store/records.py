@@ -11,7 +11,6 @@ from coordinator.errors import CorruptError, NotFoundError
 from coordinator.ids import root_of
 from coordinator.models import TaskRecord, TodoItem
 from coordinator.store.base import (
-    HashMapping,
     StoreBase,
     _decode_record,
     _encode_record,
@@ -62,14 +61,6 @@ class RecordStore(StoreBase):
     @translate_redis_errors
     def task_field(self, task_id: str, name: str) -> str | None:
         return cast(str | None, self.client.hget(self.keys.task(root_of(task_id), task_id), name))
-
-    @translate_redis_errors
-    def set_fields(self, task_id: str, fields: dict[str, str | int | float]) -> None:
-        self.client.hset(self.keys.task(root_of(task_id), task_id), mapping=cast(HashMapping, fields))
-
-    @translate_redis_errors
-    def count(self, task_id: str, field: str, by: int = 1) -> int:
-        return int(self.client.hincrby(self.keys.task(root_of(task_id), task_id), field, by))
 
     @translate_redis_errors
     def get_todos(self, task_id: str, *, live: bool = False) -> list[TodoItem]:

@@ -54,11 +54,6 @@ class RunStore(RecordStore):
         self._release_lease(keys=[self.keys.lease(root_of(task_id), task_id)], args=[token])
 
     @translate_redis_errors
-    def claim(self, task_id: str, flag: str) -> bool:
-        """Set a once-only flag on a task (e.g. `published`); True for the first caller."""
-        return bool(self.client.hsetnx(self.keys.task(root_of(task_id), task_id), flag, 1))
-
-    @translate_redis_errors
     def claim_resume(self, task_id: str, reason_id: str) -> bool:
         """Once-only guard for resuming a task for one reason (a batch or an approval)."""
         key = self.keys.task(root_of(task_id), task_id)
