@@ -1,0 +1,52 @@
+"""The run-lifecycle seam (coordinator/runs.py), driven in-process on a real Redis.
+
+A run is driven by the same `run_child` the worker runs, on a queue no worker
+consumes, so what the seam did in which order can be checked step by step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from coordinator import Coordinator, TaskRecord, TaskStatus, admission
+from coordinator.celery_app import make_app
+from tests.helpers import script, usage_step
+from workers.runtime.context import build_runtime
+from workers.runtime.runner import run_child
+
+
+@pytest.fixture
+def limited(idle_coordinator: Coordinator) -> Iterator[Coordinator]:
+    """The idle coordinator with one running child per parent."""
+    coord = Coordinator(idle_coordinator.settings.model_copy(update={"max_running_per_parent": 1}))
+    yield coord
+    coord.close()
+
+
+def test_a_run_frees_its_slot_only_after_its_outcome_is_recorded(
+    limited: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A per-parent limit of 1 must never show 2 running: the next child is admitted when
+    the slot frees, so the finished one must already be terminal by then."""
+    parent = limited.create_task("two children, one at a time", todos="[ ] a\n[ ] b")
+    first, second = limited.delegate(
+        parent.id, [{"description": d, "message": script(usage_step())} for d in "ab"]
+    ).child_ids
+    seen_at_release: list[tuple[str, str]] = []
+    real_release = admission.release
+
+    def spy(coord: Coordinator, task: TaskRecord) -> None:
+        seen_at_release.append((task.id, coord.store.status_of(task.id)[0]))
+        real_release(coord, task)
+
+    monkeypatch.setattr(admission, "release", spy)
+    rt = build_runtime(limited.settings, make_app(limited.settings))
+
+    assert run_child(rt, first).status == "completed"
+    assert run_child(rt, second).status == "completed"
+
+    assert seen_at_release == [(first, TaskStatus.COMPLETED.value), (second, TaskStatus.COMPLETED.value)]
+    assert limited.store.in_flight(parent.root_id)["running"] == 0
+    assert limited.get_task(parent.id).status == TaskStatus.ACTIVE, "the last child's write-back closed the batch"
