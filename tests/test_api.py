@@ -260,19 +260,19 @@ def test_tree_and_history(idle: Coordinator, idle_http: httpx.Client, parent: Ta
     assert [t["subtask_id"] for t in tree["todos"][:2]] == batch.child_ids[:2]
     assert all(c["children"] == [] and c["depth"] == 1 for c in tree["children"])
 
-    whole = idle_http.get("/v1/tasks", params={"root": parent.id}).json()
+    whole = idle_http.get("/v1/tasks", params={"root_id": parent.id}).json()
     ids = [i["id"] for i in whole["items"]]
     assert sorted(ids) == sorted([parent.id, *batch.child_ids]) and ids[-1] == parent.id, "newest first"
     assert whole["next_cursor"] is None
     pages: list[str] = []
     cursor: int | None = 0
     while cursor is not None:
-        page = idle_http.get("/v1/tasks", params={"root": parent.id, "limit": 3, "cursor": cursor}).json()
+        page = idle_http.get("/v1/tasks", params={"root_id": parent.id, "limit": 3, "cursor": cursor}).json()
         assert len(page["items"]) <= 3
         pages += [i["id"] for i in page["items"]]
         cursor = page["next_cursor"]
     assert pages == ids
-    delegated = idle_http.get("/v1/tasks", params={"root": parent.id, "status": "delegated"}).json()
+    delegated = idle_http.get("/v1/tasks", params={"root_id": parent.id, "status": "delegated"}).json()
     assert [i["id"] for i in delegated["items"]] == [parent.id]
     assert delegated["items"][0]["child_ids"] == batch.child_ids
     newest = idle_http.get("/v1/tasks", params={"limit": 1}).json()
@@ -309,7 +309,7 @@ def test_end_to_end_three_offline_children_write_back_their_figures(live: Coordi
     assert [m["say"] for m in ui if m.get("say") == "subtask_result"] == ["subtask_result"]
     child = live_http.get(f"/v1/tasks/{batch['child_ids'][0]}/messages", params={"kind": "api"}).json()["messages"]
     assert child and child[0]["kind"] == "request"
-    history = live_http.get("/v1/tasks", params={"root": parent_id, "status": "completed"}).json()["items"]
+    history = live_http.get("/v1/tasks", params={"root_id": parent_id, "status": "completed"}).json()["items"]
     assert {i["id"] for i in history} == set(batch["child_ids"])
     assert all(i["total_cost_micros"] == ONE_STEP_COST_MICROS for i in history)
 
@@ -691,8 +691,8 @@ QUERY_422 = [
     ("/v1/tasks?cursor=-1", "cursor", "greater than or equal to 0"),
     ("/v1/tasks?cursor=99999999999999999999", "cursor", "less than or equal to"),
     ("/v1/tasks?status=sleeping", "status", "Input should be 'active', 'delegated'"),
-    ("/v1/tasks?root=not-a-root", "root", "String should match pattern"),
-    ("/v1/tasks?root=0123456789abcdef-0123456789ab", "root", "String should match pattern"),
+    ("/v1/tasks?root_id=not-a-root", "root_id", "String should match pattern"),
+    ("/v1/tasks?root_id=0123456789abcdef-0123456789ab", "root_id", "String should match pattern"),
     ("/v1/tasks/{id}/messages?kind=xml", "kind", "Input should be 'ui' or 'api'"),
 ]
 

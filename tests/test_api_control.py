@@ -63,7 +63,7 @@ def test_approvals_over_http(live: Coordinator, live_http: httpx.Client) -> None
         f"/v1/tasks/{parent['id']}/subtasks", json={"subtasks": [{"description": "deploy", "message": risky}]}
     )
     deadline = time.monotonic() + 30
-    while not (pending := live_http.get("/v1/approvals", params={"root": parent["id"]}).json()["approvals"]):
+    while not (pending := live_http.get("/v1/approvals", params={"root_id": parent["id"]}).json()["approvals"]):
         assert time.monotonic() < deadline, "no approval request"
         time.sleep(0.1)
     (approval,) = pending
@@ -80,7 +80,7 @@ def test_approvals_over_http(live: Coordinator, live_http: httpx.Client) -> None
                    json={"decision": "approve"})  # fmt: skip
     assert_refused(live, live_http, "POST", "/v1/approvals/junk", 404, "not_found", "approval_id",
                    json={"decision": "approve"})  # fmt: skip
-    assert_refused(live, live_http, "GET", "/v1/approvals", 422, "invalid_input", "root", params={"root": "x"})
+    assert_refused(live, live_http, "GET", "/v1/approvals", 422, "invalid_input", "root_id", params={"root_id": "x"})
 
 
 def test_snapshot_and_budget_over_http(live: Coordinator, live_http: httpx.Client) -> None:

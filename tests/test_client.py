@@ -153,7 +153,7 @@ def test_async_client_happy_path(live_url: str) -> None:
 
 
 def test_errors_map_to_their_classes(idle: Coordinator, subq: SubqClient, parent: TaskRecord) -> None:
-    before = state(idle)
+    before = state(idle, parent.id)  # its tree, and the roots and approvals indexes
     with pytest.raises(NotFoundError, match="Unknown task: 0123456789abcdef") as unknown:
         subq.get_task("0123456789abcdef")
     assert unknown.value.field == "task_id"
@@ -175,7 +175,7 @@ def test_errors_map_to_their_classes(idle: Coordinator, subq: SubqClient, parent
     with pytest.raises(ApiError) as too_big:
         subq.create_task("x" * (idle.settings.api_max_body_bytes + 1))
     assert (too_big.value.code, too_big.value.status_code) == ("body_too_large", 413)
-    assert state(idle) == before, "refused calls changed nothing"
+    assert state(idle, parent.id) == before, "refused calls changed nothing"
 
     idle.delegate(parent.id, [spec()])
     with pytest.raises(StateError, match="is delegated, not active") as wrong_state:
@@ -287,6 +287,32 @@ def test_requests_carry_the_token_and_encode_ids() -> None:
             subq.get_todos("a/b?c")
     assert seen[0].headers["authorization"] == f"Bearer {TOKEN}"
     assert seen[0].url.raw_path == b"/v1/tasks/a%2Fb%3Fc/todos"
+
+
+def test_the_root_filter_is_sent_as_root_id() -> None:
+    """GET /v1/tasks and GET /v1/approvals filter by `root_id`, the name the service uses."""
+    seen: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.path == "/v1/approvals":
+            return httpx.Response(200, json={"approvals": []})
+        return httpx.Response(200, json={"items": [], "next_cursor": None})
+
+    async def both_async() -> None:
+        async with AsyncSubqClient("http://subq.test", transport=httpx.MockTransport(answer)) as subq:
+            await subq.list_tasks(root_id="0123456789abcdef", status="completed")
+            await subq.list_approvals("0123456789abcdef")
+
+    with SubqClient("http://subq.test", transport=httpx.MockTransport(answer)) as subq:
+        assert subq.list_tasks(root_id="0123456789abcdef", status=TaskStatus.COMPLETED, limit=5) == ([], None)
+        assert subq.list_approvals("0123456789abcdef") == []
+        subq.list_approvals()
+    asyncio.run(both_async())
+    queries = [dict(r.url.params) for r in seen]
+    assert queries[0] == {"root_id": "0123456789abcdef", "status": "completed", "limit": "5", "cursor": "0"}
+    assert queries[1] == {"root_id": "0123456789abcdef"} and queries[2] == {}
+    assert queries[3]["root_id"] == queries[4]["root_id"] == "0123456789abcdef"
 
 
 def test_event_stream_parsing_and_a_mid_stream_error() -> None:

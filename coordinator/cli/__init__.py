@@ -1,0 +1,39 @@
+"""The `subq` command: a thin CLI over the Coordinator (docs/cli.md).
+
+Every command has `--help`. Errors are one line on stderr and a non-zero exit,
+never a traceback: subq's own errors exit 1, malformed arguments (click's usage
+errors) exit 2. Read commands take `--json` for scripts. The shared options
+(`--redis-url`, `--key-prefix`, `--queue`) come before the command and fall back
+to the `SUBQ_` environment through `Settings`.
+
+    common.py   the Typer app, the shared options, settings and the Coordinator
+    stack.py    up, worker, api, flower, demo
+    work.py     run (--follow), status, todos, tree, history, export
+    control.py  cancel, approvals, approve, deny
+    views.py    what the read commands print, and `run --follow`'s live view
+    entry.py    run_cli and main: failures as one line and an exit code
+
+The command modules define plain functions; this module adds them to `app`,
+in one place and in the order of `subq --help`.
+
+A command imports Celery, kombu, redis-py, the service, `coordinator.up`,
+`coordinator.fleet` and the pydantic models when it runs, so `subq --help`
+loads none of them (tests/test_light_imports.py).
+"""
+
+from __future__ import annotations
+
+from coordinator.cli import control, stack, work
+from coordinator.cli.common import app
+from coordinator.cli.entry import main, run_cli
+
+__all__ = ["app", "main", "run_cli"]
+
+# The commands, in the order `subq --help` lists them.
+COMMANDS = (
+    *(stack.up, stack.worker, stack.api, stack.flower, stack.demo),
+    *(work.run, work.status, work.todos, work.tree, work.history, work.export),
+    *(control.cancel, control.approvals, control.approve, control.deny),
+)
+for _command in COMMANDS:
+    app.command()(_command)

@@ -1,0 +1,86 @@
+"""Running the app: every failure becomes one line on stderr and an exit code."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any, cast
+
+import typer
+
+from coordinator.cli.common import app
+from coordinator.errors import SubqError
+
+__all__ = ["main", "run_cli"]
+
+
+def _click_class(name: str) -> type[Exception]:
+    """An exception class of the click that Typer runs on.
+
+    Typer >= 0.2x runs on a private copy of click, older versions on the click
+    package; both re-export BadParameter, whose bases are the classes needed here.
+    """
+    return next(c for c in typer.BadParameter.__mro__ if c.__name__ == name)
+
+
+_CLICK_ERROR = _click_class("ClickException")
+_USAGE_ERROR = _click_class("UsageError")
+
+
+def run_cli(args: Sequence[str]) -> int:
+    """Run the CLI on `args`; every failure is one line on stderr and an exit code."""
+    command = typer.main.get_command(app)
+    try:
+        result = command.main(args=list(args), prog_name="subq", standalone_mode=False)
+    except _CLICK_ERROR as exc:
+        return _click_failure(cast(Any, exc))
+    except typer.Abort:
+        typer.echo("subq: aborted", err=True)
+        return 1
+    except SubqError as exc:
+        typer.echo(f"subq: {exc}", err=True)
+        return 1
+    except Exception as exc:
+        if not _broker_error(exc):
+            raise
+        typer.echo(f"subq: the broker is unreachable: {_one_line(str(exc))}", err=True)
+        return 1
+    except KeyboardInterrupt:
+        typer.echo("subq: interrupted", err=True)
+        return 130
+    return result if isinstance(result, int) else 0
+
+
+def _broker_error(exc: Exception) -> bool:
+    """kombu's OperationalError: the broker refused or dropped a publish.
+
+    Looked up in sys.modules rather than imported, so that a command that never
+    published (or `subq --help`) does not load kombu: if kombu is not loaded,
+    the error cannot be one of its.
+    """
+    kombu_errors = sys.modules.get("kombu.exceptions")
+    return kombu_errors is not None and isinstance(exc, kombu_errors.OperationalError)
+
+
+def _click_failure(exc: Any) -> int:
+    """A usage error as one line naming the command; `subq` alone prints the help."""
+    code: int = exc.exit_code
+    if type(exc).__name__ == "NoArgsIsHelpError":
+        typer.echo(exc.ctx.get_help())
+        return code
+    message = _one_line(exc.format_message())
+    if isinstance(exc, _USAGE_ERROR) and getattr(exc, "ctx", None) is not None:
+        path = cast(Any, exc).ctx.command_path
+        typer.echo(f"{path}: {message} (see: {path} --help)", err=True)
+    else:
+        typer.echo(f"subq: {message}", err=True)
+    return code
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def main() -> None:
+    """Entry point of the `subq` console script and `python -m coordinator`."""
+    sys.exit(run_cli(sys.argv[1:]))

@@ -1,0 +1,125 @@
+"""Commands that run the system on this machine: up, worker, api, flower, demo.
+
+Each imports what it starts (`coordinator.up`, `coordinator.fleet`, uvicorn, ...)
+when it runs. Plain functions: coordinator/cli/__init__.py adds them to the app.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from coordinator.cli.common import Host, Port, settings_of
+from coordinator.errors import ConfigError, ValidationError
+
+__all__ = ["api", "demo", "flower", "up", "worker"]
+
+# The defaults shown by --help, kept here so that --help does not import coordinator.up
+# (and through it Celery and redis-py). They are coordinator.up's own constants, and
+# tests/test_light_imports.py checks that they stay equal.
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_API_PORT = 8000
+DEFAULT_FLOWER_PORT = 5555
+DEFAULT_FLOWER_USER = "subq"
+
+
+def up(
+    ctx: typer.Context,
+    workers: Annotated[int, typer.Option(min=1, max=64, help="Worker processes to start.")] = 2,
+    host: Host = DEFAULT_HOST,
+    api_port: Port = DEFAULT_API_PORT,
+    flower_port: Port = DEFAULT_FLOWER_PORT,
+    no_api: Annotated[bool, typer.Option("--no-api", help="Do not start the HTTP API.")] = False,
+    log_dir: Annotated[
+        Path | None, typer.Option(help="Keep the processes' logs here (default: a temporary folder).")
+    ] = None,
+) -> None:
+    """Start the whole stack here: Redis (embedded unless SUBQ_REDIS_URL is set), workers, the API, Flower.
+
+    Prints the URLs, a generated Flower password and API token (unless SUBQ_API_TOKEN
+    is set), and the `export` line for a second terminal. Ctrl-C stops everything.
+    """
+    from coordinator import up as stack
+
+    options = stack.UpOptions(workers, host, api_port, flower_port, not no_api, log_dir)
+    raise typer.Exit(stack.run_up(settings_of(ctx), options, say=typer.echo))
+
+
+def worker(
+    ctx: typer.Context,
+    concurrency: Annotated[
+        int | None, typer.Option(min=1, help="Threads per process (default SUBQ_WORKER_CONCURRENCY).")
+    ] = None,
+    loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
+) -> None:
+    """Run a worker on this machine (the same as `celery -A workers.app worker`)."""
+    from coordinator.fleet import settings_env
+
+    settings = settings_of(ctx)
+    settings.require_redis_url()
+    argv = [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "--loglevel", loglevel]
+    if concurrency:
+        argv += ["--concurrency", str(concurrency)]
+    os.execve(sys.executable, argv, settings_env(settings))
+
+
+def api(ctx: typer.Context, host: Host = DEFAULT_HOST, port: Port = DEFAULT_API_PORT) -> None:
+    """Serve the HTTP API on this machine (uvicorn; clients authenticate with SUBQ_API_TOKEN)."""
+    from coordinator import up as stack
+
+    settings = settings_of(ctx)
+    settings.require_redis_url()
+    if not stack.api_available():
+        raise ConfigError(f"The HTTP API is not installed (no module {stack.API_MODULE})")
+    import uvicorn
+
+    # Imported by name: the module is optional in this package layout until it ships.
+    create_app: Any = importlib.import_module(stack.API_MODULE).create_app
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
+
+
+def flower(
+    ctx: typer.Context,
+    host: Host = DEFAULT_HOST,
+    port: Port = DEFAULT_FLOWER_PORT,
+    user: Annotated[str, typer.Option(envvar="SUBQ_FLOWER_USER", help="Basic-auth user.")] = DEFAULT_FLOWER_USER,
+    password: Annotated[
+        str | None, typer.Option(envvar="SUBQ_FLOWER_PASSWORD", help="Basic-auth password (required unless --no-auth).")
+    ] = None,
+    no_auth: Annotated[
+        bool, typer.Option("--no-auth", help="Run Flower without a login (anyone who reaches it can revoke tasks).")
+    ] = False,
+) -> None:
+    """Run Flower, Celery's monitor, with basic auth (it refuses to start open unless --no-auth)."""
+    from coordinator import up as stack
+
+    settings = settings_of(ctx)
+    settings.require_redis_url()
+    if no_auth and password:
+        raise ValidationError("Give either --password or --no-auth, not both", field="password")
+    if not no_auth and not password:
+        raise ValidationError(
+            "Flower needs basic auth: pass --password (or set SUBQ_FLOWER_PASSWORD), or --no-auth to run it open",
+            field="password",
+        )
+    auth = None if no_auth else stack.flower_basic_auth(user, password or "")
+    os.execve(sys.executable, stack.flower_argv(host, port), stack.flower_env(settings, auth))
+
+
+def demo(
+    ctx: typer.Context,
+    workers: Annotated[int, typer.Option(min=1, max=16, help="Worker processes to start.")] = 2,
+) -> None:
+    """Run the whole pipeline locally with the offline model and print the figures per todo item.
+
+    Uses SUBQ_REDIS_URL when set, otherwise starts an embedded Redis; starts its own
+    worker processes and stops everything it started.
+    """
+    from coordinator.demo import run_demo
+
+    raise typer.Exit(run_demo(settings_of(ctx), workers=workers))

@@ -1,0 +1,116 @@
+"""What the read commands print, and `subq run --follow`'s live view.
+
+The commands import this module when they run: it loads the pydantic models
+(coordinator.models, coordinator.render), which `subq --help` does without.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import typer
+
+from coordinator.models import MICROS_PER_USD, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem, format_usd
+from coordinator.render import MARKS, cut, describe, render_tree, walk
+from coordinator.tree import build_tree
+
+if TYPE_CHECKING:
+    from coordinator.service import Coordinator
+
+__all__ = ["follow_run", "history_lines", "status_lines", "todo_lines"]
+
+# Long descriptions and todo items are cut so one task stays on one line.
+HISTORY_TASK_CHARS = 50
+# A live view redraws on every event of the tree's stream and at least this often:
+# a safety net, so an event trimmed from the capped stream cannot freeze the view.
+FOLLOW_POLL_MS = 1000
+
+
+def follow_run(coord: Coordinator, root_id: str) -> int:
+    """A live view of the tree until the root ends; 0 if it completed, else 1.
+
+    It redraws on every event of the tree's stream (each model response of any
+    task publishes its live state there) and at least every FOLLOW_POLL_MS. On
+    a terminal the view is redrawn in place; otherwise (a pipe, a log) it prints
+    one line per task whose live state changed.
+    """
+    redraw = sys.stdout.isatty()
+    shown: dict[str, str] = {}
+    after = coord.last_event_id(root_id)
+    try:
+        while True:
+            node = build_tree(coord, root_id)
+            notes = {task_id: _live_note(state) for task_id, state in coord.snapshot(root_id).items()}
+            if redraw:
+                view = [*render_tree(node, notes), "", "Ctrl-C stops following; the run goes on."]
+                typer.echo("\x1b[H\x1b[2J" + "\n".join(view))
+            else:
+                for task in walk(node):
+                    line = f"{task.id}  {describe(task)}  {notes.get(task.id, task.status.value)}"
+                    if shown.get(task.id) != line:
+                        shown[task.id] = line
+                        typer.echo(f"  {line}")
+            if node.status.terminal:
+                break
+            events = coord.read_events(root_id, after, block_ms=FOLLOW_POLL_MS)
+            after = events[-1][0] if events else after
+    except KeyboardInterrupt:
+        typer.echo(f"subq: stopped following; the run goes on (subq tree {root_id})", err=True)
+        return 130
+    typer.echo("")
+    typer.echo("\n".join(render_tree(node)))
+    if node.status != TaskStatus.COMPLETED:
+        typer.echo(f"subq: run {root_id} {node.status.value}: {node.error or 'no detail'}", err=True)
+        return 1
+    return 0
+
+
+def _live_note(state: LiveState) -> str:
+    """A task's progress: its live state, requests so far, the tool it called last, its cost so far."""
+    requests = f"{state.requests} request{'' if state.requests == 1 else 's'}"
+    tool = f", tool {state.tool}" if state.tool else ""
+    return f"[{state.state}: {requests}{tool}, {format_usd(state.cost_micros)}]"
+
+
+def status_lines(record: TaskRecord) -> list[str]:
+    """`subq status`: status, place in the tree, own and total figures, children, error."""
+    lines = [f"{record.id}  {record.status.value}  depth {record.depth}  profile {record.profile}"]
+    if record.parent_id:
+        lines.append(f"  parent {record.parent_id}  todo {record.todo_id or '-'}")
+    lines += [
+        f"  own:   {record.tokens} tokens  {format_usd(record.cost_micros)}",
+        f"  total: {record.total_tokens} tokens  {format_usd(record.total_cost_micros)}",
+        f"  children: {len(record.child_ids)} ({len(record.awaiting_ids)} awaited)",
+    ]
+    if record.error:
+        lines.append(f"  error: {record.error_class}: {record.error}")
+    return lines
+
+
+def todo_lines(items: Sequence[TodoItem]) -> list[str]:
+    """`subq todos`: one line per item, with its subtask's figures when it has one."""
+    lines = []
+    for item in items:
+        linked = f"  ({item.subtask_id}: {item.tokens} tokens, {format_usd(item.cost_micros)})"
+        figures = linked if item.subtask_id else ""
+        lines.append(f"{MARKS[item.status.value]} {item.content}{figures}")
+    return lines
+
+
+def history_lines(items: Sequence[HistoryItem]) -> list[str]:
+    """`subq history`: a header and one line per task."""
+    lines = [
+        f"{'#':>5}  {'id':29}  {'status':9}  {'depth':>5}  "
+        f"{'own cost':>10}  {'total tokens':>12}  {'total cost':>10}  task"
+    ]
+    for item in items:
+        subtree_micros = round(item.subtree_cost * MICROS_PER_USD)
+        first_line = (item.task.strip().splitlines() or [""])[0]
+        lines.append(
+            f"{item.number:>5}  {item.id:29}  {item.status.value:9}  {item.depth:>5}  "
+            f"{format_usd(item.total_cost_micros):>10}  {item.total_tokens:>12}  {format_usd(subtree_micros):>10}  "
+            f"{cut(first_line, HISTORY_TASK_CHARS)}"
+        )
+    return lines

@@ -1,0 +1,136 @@
+"""Commands that start, follow and read work: run (--follow), status, todos, tree, history, export.
+
+What they print is in views.py, imported when a command runs (it loads the
+pydantic models), so that `subq --help` stays light. Plain functions:
+coordinator/cli/__init__.py adds them to the app.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from coordinator.cli.common import JsonOption, TaskId, connect
+from coordinator.errors import ValidationError
+
+__all__ = ["export", "history", "run", "status", "todos", "tree"]
+
+
+# -- starting and following work ---------------------------------------------------------
+
+
+def run(
+    ctx: typer.Context,
+    prompt: Annotated[str, typer.Argument(help="What the root agent should do.")],
+    todos: Annotated[
+        Path | None,
+        typer.Option(help="A file with the root's todo list: '[ ] item' lines or a JSON list; '-' reads stdin."),
+    ] = None,
+    profile: Annotated[str | None, typer.Option(help="Model profile (default: SUBQ_DEFAULT_PROFILE).")] = None,
+    follow: Annotated[
+        bool, typer.Option("--follow", help="Show the tree live until the run ends; exit 1 unless it completed.")
+    ] = False,
+    budget: Annotated[
+        str | None, typer.Option(help="Most the whole tree may spend, in US dollars (e.g. 0.50); it stops there.")
+    ] = None,
+) -> None:
+    """Start a root agent on the fleet and print its id.
+
+    The agent plans with its todo list, delegates to subagents and completes.
+    """
+    todo_text = _read_todos(todos) if todos is not None else None
+    with connect(ctx) as coord:
+        record = coord.create_task(prompt, todos=todo_text, profile=profile, run=True, budget_usd=budget)
+        typer.echo(record.id)
+        if follow:
+            from coordinator.cli.views import follow_run
+
+            raise typer.Exit(follow_run(coord, record.id))
+
+
+def _read_todos(path: Path) -> str:
+    try:
+        return sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValidationError(f"Cannot read --todos {path}: {reason}", field="todos") from None
+
+
+# -- reading -----------------------------------------------------------------------------
+
+
+def status(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> None:
+    """Show one task: status, place in the tree, own and total tokens and cost."""
+    from coordinator.cli.views import status_lines
+
+    with connect(ctx) as coord:
+        record = coord.get_task(task_id)
+    if as_json:
+        typer.echo(record.model_dump_json(indent=2))
+        return
+    for line in status_lines(record):
+        typer.echo(line)
+
+
+def todos(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> None:
+    """Show a task's todo list with each item's subtask, tokens and cost."""
+    from coordinator.cli.views import todo_lines
+
+    with connect(ctx) as coord:
+        items = coord.get_todos(task_id)
+    if as_json:
+        typer.echo(json.dumps([i.model_dump(mode="json") for i in items], indent=2))
+        return
+    for line in todo_lines(items):
+        typer.echo(line)
+
+
+def tree(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> None:
+    """Show a task and its whole subtree: every todo item's status, tokens and cost, own/total per task."""
+    from coordinator.render import render_tree
+    from coordinator.tree import build_tree
+
+    with connect(ctx) as coord:
+        node = build_tree(coord, task_id)
+    typer.echo(node.model_dump_json(indent=2) if as_json else "\n".join(render_tree(node)))
+
+
+def history(
+    ctx: typer.Context,
+    status: Annotated[
+        str | None, typer.Option(help="Only tasks in this status (active, delegated, completed, failed, cancelled).")
+    ] = None,
+    root: Annotated[str | None, typer.Option(help="Only the tasks of this root's tree.")] = None,
+    limit: Annotated[int, typer.Option(help="Most tasks to show (1-500).")] = 20,
+    cursor: Annotated[int, typer.Option(help="Where to go on from, as the previous page printed.")] = 0,
+    as_json: JsonOption = False,
+) -> None:
+    """List tasks, newest first, with their own and subtree figures."""
+    from coordinator.cli.views import history_lines
+
+    with connect(ctx) as coord:
+        items, next_cursor = coord.list_tasks(status=status, root_id=root, limit=limit, cursor=cursor)
+    if as_json:
+        page = {"items": [i.model_dump(mode="json") for i in items], "next_cursor": next_cursor}
+        typer.echo(json.dumps(page, indent=2))
+        return
+    for line in history_lines(items):
+        typer.echo(line)
+    if next_cursor is not None:
+        typer.echo(f"(more: subq history --cursor {next_cursor})", err=True)
+
+
+def export(
+    ctx: typer.Context,
+    task_id: TaskId,
+    directory: Annotated[Path, typer.Argument(help="Folder to write into (created if missing).")],
+) -> None:
+    """Write a task's subtree as folders of JSON (conversation, UI messages, history item)."""
+    with connect(ctx) as coord:
+        files = coord.export_tree(task_id, directory)
+    tasks = len({f.parent for f in files})
+    typer.echo(f"Exported {tasks} tasks ({len(files)} files) to {directory}")

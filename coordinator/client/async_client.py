@@ -1,0 +1,155 @@
+"""`AsyncSubqClient`: the subq API over HTTP, for asyncio (httpx.AsyncClient).
+
+It sends the same `Call`s as `SubqClient` (coordinator/client/calls.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Generator, Mapping, Sequence
+from decimal import Decimal
+from types import TracebackType
+from typing import Any, Literal, Self, TypeVar
+
+import httpx
+
+from coordinator.api.schemas import DelegationResult, Health
+from coordinator.client import calls
+from coordinator.client.calls import DEFAULT_TIMEOUT_S, Call, Sleep
+from coordinator.client.errors import error_of, unreachable
+from coordinator.client.sse import Event, SseParser
+from coordinator.models import (
+    Approval,
+    DelegationMode,
+    HistoryItem,
+    LiveState,
+    SubtaskSpec,
+    TaskRecord,
+    TaskStatus,
+    TodoItem,
+)
+from coordinator.tree import TreeNode
+
+__all__ = ["AsyncSubqClient"]
+
+T = TypeVar("T")
+
+
+class AsyncSubqClient:
+    """The subq API over HTTP, for asyncio. Use as an async context manager, or await aclose()."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self._http = httpx.AsyncClient(
+            base_url=base_url, headers=calls.headers(token), timeout=timeout_s, transport=transport
+        )
+
+    async def _send(self, call: Call[T]) -> T:
+        try:
+            response = await self._http.request(call.method, call.path, json=call.json, params=call.params)
+        except httpx.TransportError as exc:
+            raise unreachable(exc, self._http.base_url) from exc
+        return calls.result(call, response)
+
+    async def _drive(self, steps: Generator[Call[Any] | Sleep, Any, T]) -> T:
+        # Here, not at the top: a program that only uses SubqClient never loads asyncio.
+        import asyncio
+
+        try:
+            step = next(steps)
+            while True:
+                if isinstance(step, Sleep):
+                    await asyncio.sleep(step.seconds)
+                    step = steps.send(None)
+                else:
+                    step = steps.send(await self._send(step))
+        except StopIteration as stop:
+            result: T = stop.value
+            return result
+
+    async def create_task(
+        self,
+        prompt: str,
+        todos: str | Sequence[Mapping[str, Any]] | None = None,
+        profile: str | None = None,
+        run: bool = False,
+        budget_usd: Decimal | float | str | None = None,
+    ) -> TaskRecord:
+        return await self._send(calls.create_task(prompt, todos, profile, run, budget_usd))
+
+    async def cancel(self, task_id: str, reason: str) -> TaskRecord:
+        return await self._send(calls.cancel(task_id, reason))
+
+    async def snapshot(self, root_id: str) -> dict[str, LiveState]:
+        return await self._send(calls.snapshot(root_id))
+
+    async def list_approvals(self, root_id: str | None = None) -> list[Approval]:
+        return await self._send(calls.list_approvals(root_id))
+
+    async def decide(
+        self, approval_id: str, decision: Literal["approve", "deny"], feedback: str | None = None
+    ) -> Approval:
+        return await self._send(calls.decide(approval_id, decision, feedback))
+
+    async def delegate(
+        self, task_id: str, subtasks: Sequence[SubtaskSpec | Mapping[str, Any]], mode: DelegationMode = "parallel"
+    ) -> DelegationResult:
+        return await self._send(calls.delegate(task_id, subtasks, mode))
+
+    async def get_task(self, task_id: str) -> TaskRecord:
+        return await self._send(calls.get_task(task_id))
+
+    async def get_todos(self, task_id: str) -> list[TodoItem]:
+        return await self._send(calls.get_todos(task_id))
+
+    async def update_todos(self, task_id: str, todos: str | Sequence[Mapping[str, Any]]) -> list[TodoItem]:
+        return await self._send(calls.update_todos(task_id, todos))
+
+    async def tree(self, task_id: str) -> TreeNode:
+        return await self._send(calls.tree(task_id))
+
+    async def messages(self, task_id: str, kind: Literal["ui", "api"] = "ui") -> list[dict[str, Any]]:
+        return await self._send(calls.messages(task_id, kind))
+
+    async def list_tasks(
+        self, *, status: TaskStatus | str | None = None, root_id: str | None = None, limit: int = 50, cursor: int = 0
+    ) -> tuple[list[HistoryItem], int | None]:
+        return await self._send(calls.list_tasks(status, root_id, limit, cursor))
+
+    async def wait(self, task_id: str, timeout_s: float) -> TaskRecord:
+        return await self._drive(calls.wait(task_id, timeout_s))
+
+    async def health(self) -> Health:
+        return await self._send(calls.health())
+
+    async def events(self, task_id: str, last_event_id: str | None = None) -> AsyncIterator[Event]:
+        path, headers = calls.events(task_id, last_event_id)
+        parser = SseParser()
+        timeout = calls.stream_timeout(self.timeout_s)
+        try:
+            async with self._http.stream("GET", path, headers=headers, timeout=timeout) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    raise error_of(response)
+                async for line in response.aiter_lines():
+                    if (event := parser.feed(line)) is not None:
+                        yield event
+        except httpx.TransportError as exc:
+            raise unreachable(exc, self._http.base_url) from exc
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()

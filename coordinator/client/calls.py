@@ -1,0 +1,246 @@
+"""Every operation of the API, described once: the request to send and how to read its answer.
+
+`SubqClient` and `AsyncSubqClient` send the same `Call`s; they only differ in
+how they send and sleep. `wait` is a generator of calls and `Sleep`s, driven by
+either client.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Generic, Literal, TypeVar
+from urllib.parse import quote
+
+import httpx
+import pydantic
+from pydantic import TypeAdapter
+
+from coordinator.api.schemas import (
+    ApprovalList,
+    DelegationResult,
+    Health,
+    HistoryPage,
+    MessageList,
+    Snapshot,
+    TodoList,
+)
+from coordinator.client.errors import ApiError, error_of
+from coordinator.errors import ValidationError, WaitTimeout
+from coordinator.models import (
+    Approval,
+    DelegationMode,
+    HistoryItem,
+    LiveState,
+    SubtaskSpec,
+    TaskRecord,
+    TaskStatus,
+    TodoItem,
+)
+from coordinator.tree import TreeNode
+
+__all__ = ["DEFAULT_TIMEOUT_S", "Call", "Sleep"]
+
+# Every endpoint but the event stream answers within a Redis round trip or two;
+# 30 s leaves room for a busy server without hanging a caller for minutes.
+DEFAULT_TIMEOUT_S = 30.0
+# The event stream is idle between events, with a keep-alive every 15 s: three
+# missed keep-alives mean the connection is dead.
+STREAM_READ_TIMEOUT_S = 45.0
+# wait() polls GET /v1/tasks/{id}: quickly at first (short subtasks), then at
+# most once a second, so a long wait costs one small request a second.
+POLL_FIRST_S = 0.1
+POLL_MAX_S = 1.0
+POLL_GROWTH = 1.5
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One request and how to read its answer."""
+
+    method: str
+    path: str
+    parse: TypeAdapter[Any]
+    # From the parsed body to the result, when the result is a part of it (a page's items).
+    unwrap: Callable[[Any], Any] | None = None
+    json: Any = None
+    params: Mapping[str, str | int] = field(default_factory=dict)
+    # Statuses whose body is the result's shape (the health check answers 503 with a Health).
+    ok: tuple[int, ...] = (200,)
+
+
+@dataclass(frozen=True)
+class Sleep:
+    seconds: float
+
+
+_TASK = TypeAdapter(TaskRecord)
+_TODOS = TypeAdapter(TodoList)
+_BATCH = TypeAdapter(DelegationResult)
+_TREE = TypeAdapter(TreeNode)
+_MESSAGES = TypeAdapter(MessageList)
+_HISTORY = TypeAdapter(HistoryPage)
+_HEALTH = TypeAdapter(Health)
+_SNAPSHOT = TypeAdapter(Snapshot)
+_APPROVALS = TypeAdapter(ApprovalList)
+_APPROVAL = TypeAdapter(Approval)
+
+
+def task_path(task_id: str, suffix: str = "") -> str:
+    # Percent-encode the id: a malformed one ("a/b", "x?y") must reach the server as
+    # an unknown id (404), not as another path or a query.
+    return f"/v1/tasks/{quote(task_id, safe='')}{suffix}"
+
+
+# -- the operations, in the order of the clients' methods ---------------------------------
+
+
+def create_task(
+    prompt: str, todos: object, profile: str | None, run: bool, budget_usd: Decimal | float | str | None
+) -> Call[TaskRecord]:
+    body: dict[str, Any] = {"prompt": prompt, "run": run}
+    if todos is not None:
+        body["todos"] = todos
+    if profile is not None:
+        body["profile"] = profile
+    if budget_usd is not None:
+        body["budget_usd"] = str(budget_usd)  # a decimal string: money never goes through float here
+    return Call("POST", "/v1/tasks", _TASK, json=body, ok=(201,))
+
+
+def cancel(task_id: str, reason: str) -> Call[TaskRecord]:
+    return Call("POST", task_path(task_id, "/cancel"), _TASK, json={"reason": reason})
+
+
+def snapshot(root_id: str) -> Call[dict[str, LiveState]]:
+    return Call("GET", task_path(root_id, "/snapshot"), _SNAPSHOT, unwrap=lambda page: page.tasks)
+
+
+def list_approvals(root_id: str | None) -> Call[list[Approval]]:
+    params = {"root_id": root_id} if root_id is not None else {}
+    return Call("GET", "/v1/approvals", _APPROVALS, unwrap=lambda page: page.approvals, params=params)
+
+
+def decide(approval_id: str, decision: str, feedback: str | None) -> Call[Approval]:
+    body: dict[str, Any] = {"decision": decision}
+    if feedback is not None:
+        body["feedback"] = feedback
+    return Call("POST", f"/v1/approvals/{quote(approval_id, safe='')}", _APPROVAL, json=body)
+
+
+def delegate(
+    task_id: str, subtasks: Sequence[SubtaskSpec | Mapping[str, Any]], mode: DelegationMode
+) -> Call[DelegationResult]:
+    specs = [s.model_dump(mode="json", exclude_none=True) if isinstance(s, SubtaskSpec) else dict(s) for s in subtasks]
+    return Call("POST", task_path(task_id, "/subtasks"), _BATCH, json={"mode": mode, "subtasks": specs}, ok=(202,))
+
+
+def get_task(task_id: str) -> Call[TaskRecord]:
+    return Call("GET", task_path(task_id), _TASK)
+
+
+def get_todos(task_id: str) -> Call[list[TodoItem]]:
+    return Call("GET", task_path(task_id, "/todos"), _TODOS, unwrap=lambda page: page.todos)
+
+
+def update_todos(task_id: str, todos: str | Sequence[Mapping[str, Any]]) -> Call[list[TodoItem]]:
+    body = {"todos": todos if isinstance(todos, str) else [dict(item) for item in todos]}
+    return Call("PUT", task_path(task_id, "/todos"), _TODOS, unwrap=lambda page: page.todos, json=body)
+
+
+def tree(task_id: str) -> Call[TreeNode]:
+    return Call("GET", task_path(task_id, "/tree"), _TREE)
+
+
+def messages(task_id: str, kind: Literal["ui", "api"]) -> Call[list[dict[str, Any]]]:
+    return Call(
+        "GET", task_path(task_id, "/messages"), _MESSAGES, unwrap=lambda page: page.messages, params={"kind": kind}
+    )
+
+
+def list_tasks(
+    status: TaskStatus | str | None, root_id: str | None, limit: int, cursor: int
+) -> Call[tuple[list[HistoryItem], int | None]]:
+    params: dict[str, str | int] = {"limit": limit, "cursor": cursor}
+    if status is not None:
+        params["status"] = str(status.value if isinstance(status, TaskStatus) else status)
+    if root_id is not None:
+        params["root_id"] = root_id
+    return Call("GET", "/v1/tasks", _HISTORY, unwrap=lambda page: (page.items, page.next_cursor), params=params)
+
+
+def _settled(record: TaskRecord) -> bool:
+    """Coordinator.wait's rule: terminal, or a caller-owned task no longer `delegated`."""
+    return record.status.terminal or (record.runner == "caller" and record.status != TaskStatus.DELEGATED)
+
+
+def wait(task_id: str, timeout_s: float) -> Generator[Call[TaskRecord] | Sleep, Any, TaskRecord]:
+    """Poll the task until it settles: yields calls (answered with their result) and sleeps."""
+    if timeout_s < 0:
+        raise ValidationError("timeout_s must not be negative", field="timeout_s")
+    deadline = time.monotonic() + timeout_s
+    delay_s = POLL_FIRST_S
+    while True:
+        record: TaskRecord = yield get_task(task_id)
+        if _settled(record):
+            return record
+        remaining_s = deadline - time.monotonic()
+        if remaining_s <= 0:
+            raise WaitTimeout(
+                f"Task {task_id} is still {record.status.value} after {timeout_s:g}s "
+                f"({len(record.awaiting_ids)} of {len(record.child_ids)} children outstanding)"
+            )
+        yield Sleep(min(delay_s, remaining_s))
+        delay_s = min(delay_s * POLL_GROWTH, POLL_MAX_S)
+
+
+def health() -> Call[Health]:
+    return Call("GET", "/healthz", _HEALTH, ok=(200, 503))
+
+
+def events(task_id: str, last_event_id: str | None) -> tuple[str, dict[str, str]]:
+    """The event stream's path and headers (the stream is read line by line, not parsed whole)."""
+    headers = {"Accept": "text/event-stream"}
+    if last_event_id:
+        headers["Last-Event-ID"] = last_event_id
+    return task_path(task_id, "/events"), headers
+
+
+# -- sending and reading -------------------------------------------------------------------
+
+
+def result(call: Call[T], response: httpx.Response) -> T:
+    """The call's result from its response, or the error the response stands for."""
+    if response.status_code not in call.ok:
+        raise error_of(response)
+    try:
+        parsed = call.parse.validate_json(response.content)
+    except pydantic.ValidationError as exc:
+        raise ApiError(
+            f"The server's answer to {call.method} {call.path} does not match the API: {exc.errors()[0]['msg']}",
+            code="bad_response",
+            status_code=response.status_code,
+        ) from None
+    value: T = call.unwrap(parsed) if call.unwrap is not None else parsed
+    return value
+
+
+def headers(token: str | None) -> dict[str, str]:
+    """Every request's headers: who is asking, with the bearer token when there is one."""
+    try:
+        agent = f"subq-client/{version('subagent-queue')}"
+    except PackageNotFoundError:
+        agent = "subq-client"
+    sent = {"User-Agent": agent, "Accept": "application/json"}
+    if token:
+        sent["Authorization"] = f"Bearer {token}"
+    return sent
+
+
+def stream_timeout(timeout_s: float) -> httpx.Timeout:
+    return httpx.Timeout(timeout_s, read=max(timeout_s, STREAM_READ_TIMEOUT_S))

@@ -1,0 +1,156 @@
+"""`SubqClient`: the subq API over HTTP, synchronously (httpx.Client)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from decimal import Decimal
+from types import TracebackType
+from typing import Any, Literal, Self, TypeVar
+
+import httpx
+
+from coordinator.api.schemas import DelegationResult, Health
+from coordinator.client import calls
+from coordinator.client.calls import DEFAULT_TIMEOUT_S, Call, Sleep
+from coordinator.client.errors import error_of, unreachable
+from coordinator.client.sse import Event, SseParser
+from coordinator.models import (
+    Approval,
+    DelegationMode,
+    HistoryItem,
+    LiveState,
+    SubtaskSpec,
+    TaskRecord,
+    TaskStatus,
+    TodoItem,
+)
+from coordinator.tree import TreeNode
+
+__all__ = ["SubqClient"]
+
+T = TypeVar("T")
+
+
+class SubqClient:
+    """The subq API over HTTP, synchronously. Use as a context manager, or call close()."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        *,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self._http = httpx.Client(
+            base_url=base_url, headers=calls.headers(token), timeout=timeout_s, transport=transport
+        )
+
+    def _send(self, call: Call[T]) -> T:
+        try:
+            response = self._http.request(call.method, call.path, json=call.json, params=call.params)
+        except httpx.TransportError as exc:
+            raise unreachable(exc, self._http.base_url) from exc
+        return calls.result(call, response)
+
+    def _drive(self, steps: Generator[Call[Any] | Sleep, Any, T]) -> T:
+        try:
+            step = next(steps)
+            while True:
+                if isinstance(step, Sleep):
+                    time.sleep(step.seconds)
+                    step = steps.send(None)
+                else:
+                    step = steps.send(self._send(step))
+        except StopIteration as stop:
+            result: T = stop.value
+            return result
+
+    def create_task(
+        self,
+        prompt: str,
+        todos: str | Sequence[Mapping[str, Any]] | None = None,
+        profile: str | None = None,
+        run: bool = False,
+        budget_usd: Decimal | float | str | None = None,
+    ) -> TaskRecord:
+        """A root task: caller-owned (`run=False`, you delegate) or an agent on the fleet (`run=True`)."""
+        return self._send(calls.create_task(prompt, todos, profile, run, budget_usd))
+
+    def cancel(self, task_id: str, reason: str) -> TaskRecord:
+        """Cancel the task and its subtree (docs/control.md); ConflictError-style 409 if it has ended."""
+        return self._send(calls.cancel(task_id, reason))
+
+    def snapshot(self, root_id: str) -> dict[str, LiveState]:
+        """The live state of every task of the tree."""
+        return self._send(calls.snapshot(root_id))
+
+    def list_approvals(self, root_id: str | None = None) -> list[Approval]:
+        """Tool calls waiting for a decision, oldest first; only this root's tree when given."""
+        return self._send(calls.list_approvals(root_id))
+
+    def decide(self, approval_id: str, decision: Literal["approve", "deny"], feedback: str | None = None) -> Approval:
+        return self._send(calls.decide(approval_id, decision, feedback))
+
+    def delegate(
+        self, task_id: str, subtasks: Sequence[SubtaskSpec | Mapping[str, Any]], mode: DelegationMode = "parallel"
+    ) -> DelegationResult:
+        return self._send(calls.delegate(task_id, subtasks, mode))
+
+    def get_task(self, task_id: str) -> TaskRecord:
+        return self._send(calls.get_task(task_id))
+
+    def get_todos(self, task_id: str) -> list[TodoItem]:
+        return self._send(calls.get_todos(task_id))
+
+    def update_todos(self, task_id: str, todos: str | Sequence[Mapping[str, Any]]) -> list[TodoItem]:
+        return self._send(calls.update_todos(task_id, todos))
+
+    def tree(self, task_id: str) -> TreeNode:
+        return self._send(calls.tree(task_id))
+
+    def messages(self, task_id: str, kind: Literal["ui", "api"] = "ui") -> list[dict[str, Any]]:
+        return self._send(calls.messages(task_id, kind))
+
+    def list_tasks(
+        self, *, status: TaskStatus | str | None = None, root_id: str | None = None, limit: int = 50, cursor: int = 0
+    ) -> tuple[list[HistoryItem], int | None]:
+        """Tasks newest first: (page, next cursor or None), as Coordinator.list_tasks."""
+        return self._send(calls.list_tasks(status, root_id, limit, cursor))
+
+    def wait(self, task_id: str, timeout_s: float) -> TaskRecord:
+        """Poll until the task settles (Coordinator.wait's rule); WaitTimeout after timeout_s."""
+        return self._drive(calls.wait(task_id, timeout_s))
+
+    def health(self) -> Health:
+        """GET /healthz; a server whose Redis is down answers with status `down` (not an exception)."""
+        return self._send(calls.health())
+
+    def events(self, task_id: str, last_event_id: str | None = None) -> Iterator[Event]:
+        """The task tree's events until the task settles; the last one is `end`."""
+        path, headers = calls.events(task_id, last_event_id)
+        parser = SseParser()
+        timeout = calls.stream_timeout(self.timeout_s)
+        try:
+            with self._http.stream("GET", path, headers=headers, timeout=timeout) as response:
+                if response.status_code != 200:
+                    response.read()
+                    raise error_of(response)
+                for line in response.iter_lines():
+                    if (event := parser.feed(line)) is not None:
+                        yield event
+        except httpx.TransportError as exc:
+            raise unreachable(exc, self._http.base_url) from exc
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

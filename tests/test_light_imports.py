@@ -1,0 +1,63 @@
+"""What importing the client, the wire models and `subq --help` loads: not the server side.
+
+`import coordinator.client` needs httpx, pydantic and subq's models only, and
+`subq --help` needs Typer only; Celery, kombu, redis-py, pydantic-settings and
+the HTTP server are loaded by the commands that use them. Each check runs in a
+fresh interpreter, since this process has imported everything already.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+# Top-level packages that only the service, the workers or the server need.
+HEAVY = ["celery", "kombu", "redis", "pydantic_settings", "fastapi", "starlette", "uvicorn", "typer"]
+# subq's own modules that load those, which the CLI imports only inside the commands that need them.
+SERVER_SIDE = ["coordinator.service", "coordinator.settings", "coordinator.up", "coordinator.fleet"]
+TIMEOUT_S = 60
+
+
+def loaded_after(code: str) -> set[str]:
+    """The modules a fresh interpreter has loaded after running `code`."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    assert done.returncode == 0, done.stderr
+    return set(json.loads(done.stdout.splitlines()[-1]))
+
+
+def heavy_in(modules: set[str], expected: list[str]) -> list[str]:
+    return sorted(name for name in expected if any(m == name or m.startswith(f"{name}.") for m in modules))
+
+
+@pytest.mark.parametrize("module", ["coordinator.client", "coordinator.api.schemas"])
+def test_the_client_side_loads_no_server_dependency(module: str) -> None:
+    modules = loaded_after(f"import {module}")
+    assert module in modules
+    assert heavy_in(modules, HEAVY) == []
+    assert heavy_in(modules, SERVER_SIDE) == []
+
+
+def test_subq_help_loads_only_typer() -> None:
+    code = (
+        "import contextlib, io\n"
+        "from coordinator.cli import run_cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "    assert run_cli(['--help']) == 0\n"
+        "assert 'subq up' in out.getvalue()\n"
+    )
+    modules = loaded_after(code)
+    assert heavy_in(modules, [m for m in HEAVY if m != "typer"]) == []
+    assert heavy_in(modules, [*SERVER_SIDE, "coordinator.models"]) == []
+
+
+def test_the_cli_defaults_are_the_stacks() -> None:
+    """`subq up/api/flower --help` show coordinator.up's defaults, copied so that --help need not import it."""
+    from coordinator import up
+    from coordinator.cli import stack
+
+    names = ["DEFAULT_HOST", "DEFAULT_API_PORT", "DEFAULT_FLOWER_PORT", "DEFAULT_FLOWER_USER"]
+    assert {n: getattr(stack, n) for n in names} == {n: getattr(up, n) for n in names}
