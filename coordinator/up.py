@@ -37,6 +37,7 @@ from coordinator.errors import ConfigError, FleetError, StoreError, ValidationEr
 from coordinator.fleet import WorkerFleet, settings_env
 from coordinator.local_redis import local_redis
 from coordinator.settings import Settings
+from coordinator.stack_defaults import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST
 
 __all__ = [
     "API_MODULE",
@@ -48,10 +49,6 @@ __all__ = [
 ]
 
 API_MODULE = "coordinator.api"
-DEFAULT_HOST = "127.0.0.1"  # local only unless asked: the stack prints its credentials
-DEFAULT_API_PORT = 8000
-DEFAULT_FLOWER_PORT = 5555
-DEFAULT_FLOWER_USER = "subq"
 # 144 bits from the OS's CSPRNG, URL-safe, so it survives a shell and Flower's parsing.
 SECRET_BYTES = 18
 # uvicorn and Flower listen within seconds; importing the worker app on a loaded

@@ -52,12 +52,3 @@ def test_subq_help_loads_only_typer() -> None:
     modules = loaded_after(code)
     assert heavy_in(modules, [m for m in HEAVY if m != "typer"]) == []
     assert heavy_in(modules, [*SERVER_SIDE, "coordinator.models"]) == []
-
-
-def test_the_cli_defaults_are_the_stacks() -> None:
-    """`subq up/api/flower --help` show coordinator.up's defaults, copied so that --help need not import it."""
-    from coordinator import up
-    from coordinator.cli import stack
-
-    names = ["DEFAULT_HOST", "DEFAULT_API_PORT", "DEFAULT_FLOWER_PORT", "DEFAULT_FLOWER_USER"]
-    assert {n: getattr(stack, n) for n in names} == {n: getattr(up, n) for n in names}

@@ -16,16 +16,9 @@ import typer
 
 from coordinator.cli.common import Host, Port, settings_of
 from coordinator.errors import ConfigError, ValidationError
+from coordinator.stack_defaults import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST
 
 __all__ = ["api", "demo", "flower", "up", "worker"]
-
-# The defaults shown by --help, kept here so that --help does not import coordinator.up
-# (and through it Celery and redis-py). They are coordinator.up's own constants, and
-# tests/test_light_imports.py checks that they stay equal.
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_API_PORT = 8000
-DEFAULT_FLOWER_PORT = 5555
-DEFAULT_FLOWER_USER = "subq"
 
 
 def up(
