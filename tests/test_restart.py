@@ -83,7 +83,11 @@ def test_a_worker_killed_while_a_child_waits_on_its_model(fragile: tuple[Coordin
     assert coord.store.task_field(slow_id, "run_seq") == "2", "the child ran again after the kill"
     assert (child.requests, child.cost_micros) == (1, STEP_COST_MICROS), "the lost request cost nothing twice"
     assert done.status == TaskStatus.ACTIVE
-    assert done.total_cost_micros == 3 * STEP_COST_MICROS
+    runs = {
+        c.description: (c.requests, c.cost_micros, coord.store.task_field(c.id, "run_seq"))
+        for c in coord.get_children(parent.id)
+    }
+    assert done.total_cost_micros == 3 * STEP_COST_MICROS, f"(requests, cost, runs) per child: {runs}"
     todos = coord.get_todos(parent.id)
     assert todos[1].subtask_id == slow_id and todos[1].cost_micros == STEP_COST_MICROS
     assert [m["say"] for m in coord.messages(parent.id)].count("subtask_result") == 1, "the callback closed once"
