@@ -22,6 +22,17 @@ from coordinator.fleet import WorkerFleet
 from coordinator.local_redis import local_redis
 from tests.helpers import ApiServer, api_settings
 
+# The files that take longest (building and installing the wheel, whole stacks, killed
+# workers) run first: the suite runs on two pytest-xdist workers a file at a time, and a
+# long file started last would leave one core idle while it finishes.
+LONGEST_FIRST = ("test_wheel.py", "test_up.py", "test_restart.py", "test_cli.py", "test_control.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: n for n, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: file order kept
+
+
 # Four processes as in the acceptance test of 50 children finishing at once.
 WORKER_PROCESSES = 4
 WORKER_THREADS = 16
