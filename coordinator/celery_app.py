@@ -9,6 +9,7 @@ twice; events on so Flower sees every task.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from celery import Celery
@@ -16,7 +17,17 @@ from celery.backends.redis import RedisBackend
 
 from coordinator.settings import Settings
 
-__all__ = ["ADVANCE", "EXPIRE_APPROVAL", "GATHER", "RUN_TASK", "SUBMIT", "PublishOnlyRedisBackend", "make_app"]
+__all__ = [
+    "ADVANCE",
+    "EXPIRE_APPROVAL",
+    "GATHER",
+    "RUN_TASK",
+    "SUBMIT",
+    "PublishOnlyRedisBackend",
+    "SubqCelery",
+    "describe_kwargs",
+    "make_app",
+]
 
 # The task names: the coordinator publishes by these names and never imports `workers`.
 RUN_TASK = "subq.run_task"
@@ -24,6 +35,28 @@ GATHER = "subq.gather"
 ADVANCE = "subq.advance"
 EXPIRE_APPROVAL = "subq.expire_approval"
 SUBMIT = "subq.submit"
+# Flower shows kwargsrepr; a profile name is short, anything longer is not a name.
+PROFILE_REPR_CHARS = 40
+
+
+def describe_kwargs(kwargs: Mapping[str, Any]) -> str:
+    """A submission as Flower may show it: sizes and names, never the prompt or a message."""
+    parts = []
+    for name, value in kwargs.items():
+        if name == "prompt":
+            size = f"{len(value)} chars" if isinstance(value, str) else type(value).__name__
+            parts.append(f"prompt=<{size}>")
+        elif name == "todos":
+            lines = value.count("\n") + 1 if isinstance(value, str) else len(value) if isinstance(value, list) else 0
+            parts.append(f"todos=<{lines} items>")
+        elif name == "subtasks":
+            parts.append(f"subtasks=<{len(value) if isinstance(value, list) else '?'}>")
+        elif name in ("profile", "run", "mode"):
+            shown = value if isinstance(value, bool) or value is None else str(value)[:PROFILE_REPR_CHARS]
+            parts.append(f"{name}={shown!r}")
+        else:
+            parts.append(f"{str(name)[:PROFILE_REPR_CHARS]}=<unknown field>")
+    return " ".join(parts)
 
 
 class PublishOnlyRedisBackend(RedisBackend):  # type: ignore[misc]
@@ -46,10 +79,25 @@ class PublishOnlyRedisBackend(RedisBackend):  # type: ignore[misc]
         return None
 
 
+class SubqCelery(Celery):  # type: ignore[misc]  # Celery ships no type hints
+    """subq's Celery app: a `subq.submit` it publishes carries a safe summary, never the prompt.
+
+    The producer's `task-sent` event carries `kwargsrepr` (Python's repr of the
+    kwargs when none is given), and Flower's event state lets a sent event that
+    arrives after the worker's `task-received` overwrite the worker's safe
+    summary; so the summary is computed here, at publish time, as well.
+    """
+
+    def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        if name == SUBMIT and isinstance(kwargs, Mapping) and "kwargsrepr" not in options:
+            options["kwargsrepr"] = describe_kwargs(kwargs)
+        return super().send_task(name, args, kwargs, **options)
+
+
 def make_app(settings: Settings) -> Celery:
     redis_url = settings.require_redis_url()
     backend = f"{__name__}:{PublishOnlyRedisBackend.__name__}+{redis_url}"
-    app = Celery("subq", broker=redis_url, backend=backend, set_as_current=False)
+    app = SubqCelery("subq", broker=redis_url, backend=backend, set_as_current=False)
     transport = {"visibility_timeout": settings.visibility_timeout_s}
     broker_transport = {
         **transport,

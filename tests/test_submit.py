@@ -18,10 +18,11 @@ import pytest
 from celery import Celery
 
 from coordinator import Coordinator, Settings, TaskStatus, TodoStatus
+from coordinator.celery_app import describe_kwargs
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, agent, call, reply, subtask
 from tests.helpers import script, state, usage_step
 from tests.test_bad_input import NO_TREE
-from workers.submit import describe_kwargs, submit
+from workers.submit import submit
 
 RESULT_TIMEOUT_S = 30
 RUN_TIMEOUT_S = 90
@@ -177,3 +178,14 @@ def test_flower_sees_sizes_of_a_submission_never_its_text() -> None:
     assert shown == (
         "prompt=<11 chars> todos=<2 items> run=False subtasks=<1> mode='parallel' profile='offline' extra=<unknown field>"
     )
+
+
+def test_subqs_own_app_publishes_a_submission_with_a_safe_summary(idle_coordinator: Coordinator) -> None:
+    """The producer's sent event carries kwargsrepr; subq's app sets it, so the prompt never reaches Flower."""
+    queue = idle_coordinator.settings.queue
+    secret = "SECRET plan for the quarter"
+    idle_coordinator.app.send_task("subq.submit", kwargs={"prompt": secret, "run": True}, queue=queue)
+    (raw,) = idle_coordinator.client.lrange(queue, 0, -1)
+    headers = json.loads(raw)["headers"]
+    assert headers["kwargsrepr"] == f"prompt=<{len(secret)} chars> run=True"
+    assert secret not in headers["kwargsrepr"] and secret not in headers["argsrepr"]

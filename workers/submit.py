@@ -21,16 +21,14 @@ from celery import Celery, Task
 from celery.worker.request import Request
 
 from coordinator import Coordinator, Settings, SubqError, ValidationError
-from coordinator.celery_app import SUBMIT
+from coordinator.celery_app import SUBMIT, describe_kwargs
 from workers.runtime.context import get_runtime
 
-__all__ = ["FIELDS", "SUBMIT", "SubmitRequest", "describe_kwargs", "register", "submit"]
+__all__ = ["FIELDS", "SubmitRequest", "register", "submit"]
 
 log = logging.getLogger(__name__)
 
 FIELDS = ("prompt", "todos", "profile", "run", "subtasks", "mode")
-# Flower shows kwargsrepr; a profile name is short, anything longer is not a name.
-PROFILE_REPR_CHARS = 40
 
 
 def submit(coord: Coordinator, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -77,26 +75,6 @@ def _submit(coord: Coordinator, args: Sequence[Any], kwargs: Mapping[str, Any]) 
         return error_result(done.error, task_id=done.task.id)
     assert done.batch is not None
     return {"task_id": done.task.id, "batch_id": done.batch.id}
-
-
-def describe_kwargs(kwargs: Mapping[str, Any]) -> str:
-    """A submission as Flower may show it: sizes and names, never the prompt or a message."""
-    parts = []
-    for name, value in kwargs.items():
-        if name == "prompt":
-            size = f"{len(value)} chars" if isinstance(value, str) else type(value).__name__
-            parts.append(f"prompt=<{size}>")
-        elif name == "todos":
-            lines = value.count("\n") + 1 if isinstance(value, str) else len(value) if isinstance(value, list) else 0
-            parts.append(f"todos=<{lines} items>")
-        elif name == "subtasks":
-            parts.append(f"subtasks=<{len(value) if isinstance(value, list) else '?'}>")
-        elif name in ("profile", "run", "mode"):
-            shown = value if isinstance(value, bool) or value is None else str(value)[:PROFILE_REPR_CHARS]
-            parts.append(f"{name}={shown!r}")
-        else:
-            parts.append(f"{str(name)[:PROFILE_REPR_CHARS]}=<unknown field>")
-    return " ".join(parts)
 
 
 class SubmitRequest(Request):  # type: ignore[misc]  # Celery ships no type hints
