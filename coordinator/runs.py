@@ -106,8 +106,12 @@ class RunLifecycle:
         token = secrets.token_hex(8)
         if not coord.store.acquire_lease(task_id, token, coord.settings.task_time_limit_s):
             raise RunInProgress(f"task {task_id} is being run by another delivery")
-        coord.store.set_live(task, "running")
-        deliveries, run_seq = coord.store.start_run(task_id)
+        try:
+            coord.store.set_live(task, "running")
+            deliveries, run_seq = coord.store.start_run(task_id)
+        except BaseException:
+            Run(coord, task, token, 0, 0).abandon()  # the lease must not outlive a start that failed
+            raise
         return Run(coord, task, token, deliveries, run_seq)
 
     def settle_batch(self, batch_id: str) -> bool:
