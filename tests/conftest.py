@@ -23,8 +23,8 @@ from coordinator.local_redis import local_redis
 from tests.helpers import ApiServer, api_settings
 
 # The files that take longest (building and installing the wheel, whole stacks, killed
-# workers) run first: the suite runs on two pytest-xdist workers a file at a time, and a
-# long file started last would leave one core idle while it finishes.
+# workers) run first: the suite runs on pytest-xdist workers a file at a time, and a
+# long file started last would leave the others idle while it finishes.
 LONGEST_FIRST = ("test_wheel.py", "test_up.py", "test_restart.py", "test_cli.py", "test_control.py")
 
 
