@@ -32,6 +32,7 @@ from coordinator.api import events as api_events
 from coordinator.api.ops import SubqCollector
 from coordinator.local_redis import free_port, local_redis
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, tree_root
+from tests.conftest import WORKER_PROCESSES
 from tests.helpers import TOKEN, ApiServer, api_settings, script, state, usage_step
 from tests.test_bad_input import NO_TREE
 
@@ -823,7 +824,7 @@ def test_healthz_with_workers(live_http: httpx.Client) -> None:
     body = live_http.get("/healthz").json()
     assert body["status"] == "ok"
     assert body["redis"]["ok"] is True and body["redis"]["latency_ms"] >= 0
-    assert body["workers"]["count"] >= 4 and len(body["workers"]["names"]) == body["workers"]["count"]
+    assert body["workers"]["count"] >= WORKER_PROCESSES and len(body["workers"]["names"]) == body["workers"]["count"]
 
 
 def test_healthz_degraded_without_workers(settings: Settings) -> None:

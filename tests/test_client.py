@@ -32,6 +32,7 @@ from coordinator import (
 from coordinator.api import create_app
 from coordinator.client import ApiError, AsyncSubqClient, AuthError, Event, SubqClient
 from coordinator.fleet import WorkerFleet
+from tests.conftest import WORKER_PROCESSES
 from tests.helpers import TOKEN, ApiServer, api_settings, script, state, usage_step
 from tests.test_api import closed_port, spec
 
@@ -123,7 +124,7 @@ def test_sync_client_happy_path(live_url: str) -> None:
         resumed = list(subq.events(parent.id, last_event_id=events[-1].id))
         assert [e.event for e in resumed] == ["end"]
         health = subq.health()
-        assert health.status == "ok" and health.workers.count >= 4
+        assert health.status == "ok" and health.workers.count >= WORKER_PROCESSES
 
 
 def test_async_client_happy_path(live_url: str) -> None:

@@ -8,10 +8,13 @@ cache_read 10000, priced as anthropic claude-sonnet-4-5, is 13500 tokens
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
-from coordinator import Coordinator, TaskStatus, TodoStatus
+from coordinator import Coordinator, Settings, TaskStatus, TodoStatus
 from coordinator.celery_app import make_app
+from tests.conftest import FAN_OUT_PROCESSES, dedicated_fleet
 from tests.helpers import script, usage_step
 from workers.runtime.context import build_runtime
 
@@ -104,7 +107,16 @@ def test_a_failed_child_that_spent_first_keeps_that_spend(coordinator: Coordinat
     assert done.total_cost_micros == ONE_STEP_COST_MICROS
 
 
-def test_fifty_children_at_once_nothing_lost_nothing_doubled(coordinator: Coordinator) -> None:
+@pytest.fixture(scope="module")
+def fan_out_fleet(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
+    """Fifty children finishing at once on four worker processes, on a queue of their own."""
+    log_dir = tmp_path_factory.mktemp("fan-out")
+    with dedicated_fleet(settings, log_dir, FAN_OUT_PROCESSES, queue="subq-fan-out") as (coord, _fleet):
+        yield coord
+
+
+def test_fifty_children_at_once_nothing_lost_nothing_doubled(fan_out_fleet: Coordinator) -> None:
+    coordinator = fan_out_fleet
     width = 50
     parent = coordinator.create_task("Fan out", todos="\n".join(f"[ ] item {n}" for n in range(width)))
     batch = coordinator.delegate(parent.id, [_spec(n) for n in range(width)])
