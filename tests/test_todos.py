@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
+import time
 from collections import defaultdict
 from random import Random
 
@@ -12,6 +14,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from coordinator import todos
 from coordinator.errors import CorruptError, TodoError
 from coordinator.models import TodoItem, TodoStatus
 from coordinator.todos import (
@@ -624,3 +627,49 @@ def test_from_json_corrupt_is_a_store_error(text: str | bytes, message: str, fie
         from_json(text)
     assert caught.value.message.startswith(message)
     assert caught.value.field == field
+
+
+# -- linear time on long runs (a plan is untrusted input: an API body of up to 1 MiB) ------------
+
+BODY_LIMIT_CHARS = 1 << 20
+LINEAR_BUDGET_S = 1.0
+
+
+def _old_clean(content: str) -> str:
+    """The substitution the cleaning replaced (quadratic on a run of spaces with no line break after it)."""
+    return re.sub(r"\s*[\r\n]+\s*", " ", content).strip()
+
+
+@given(st.text(alphabet=" \t\r\n\x0b\x0c\u00a0\u2028ab-[]x", max_size=40))
+def test_cleaning_an_item_keeps_its_meaning(content: str) -> None:
+    assert todos._clean(content) == _old_clean(content)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[ ] a" + " " * BODY_LIMIT_CHARS + "b",
+        "[ ]" + " " * BODY_LIMIT_CHARS + "x",
+        "-" + " " * BODY_LIMIT_CHARS + "[ ] x",
+        "[" + " " * BODY_LIMIT_CHARS,
+        "[ ] x" + " \n" * (BODY_LIMIT_CHARS // 2),
+        "[ ] x\r" + "\t" * BODY_LIMIT_CHARS + "\r\ny",
+        "[[[[" * (BODY_LIMIT_CHARS // 4),
+    ],
+    ids=[
+        "spaces inside",
+        "spaces after the box",
+        "spaces after the dash",
+        "open box",
+        "blank lines",
+        "tabs",
+        "brackets",
+    ],
+)
+def test_parsing_is_linear_in_a_long_run(text: str) -> None:
+    started = time.perf_counter()
+    try:
+        todos.parse_update(text)
+    except TodoError:
+        pass  # refusing is fine; taking long is not
+    assert time.perf_counter() - started < LINEAR_BUDGET_S
