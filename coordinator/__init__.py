@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         WaitTimeout,
     )
     from coordinator.ids import is_batch_id, is_task_id
+    from coordinator.inputs import one_line
     from coordinator.models import (
         Batch,
         SubtaskResult,
@@ -91,6 +92,7 @@ _EXPORTS = {
     "load_settings": "coordinator.settings",
     "is_task_id": "coordinator.ids",
     "is_batch_id": "coordinator.ids",
+    "one_line": "coordinator.inputs",
     "render_markdown": "coordinator.todos",
 }
 
@@ -124,6 +126,7 @@ __all__ = [
     "is_batch_id",
     "is_task_id",
     "load_settings",
+    "one_line",
     "render_markdown",
     "usd_to_micros",
 ]

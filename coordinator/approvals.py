@@ -9,7 +9,10 @@
    is decided, the task is resumed (once per approval, a once-only claim) and
    its run answers the call with the decision (`decisions`).
 3. An approval nobody decides expires at its deadline, which counts as a denial
-   (`expire`); a stopped task's pending approvals expire with it (`expire_for`).
+   (`expire`, served by the reconciler from a timer, `expire-approval:<id>`, not by
+   a broker countdown); a stopped task's pending approvals expire with it (`expire_for`).
+A decision watches its task before it is written (the due list), so a process
+that dies between the decision and the resume leaves the resume to the reconciler.
 Only that task resumes; its siblings go on meanwhile.
 """
 
@@ -27,7 +30,21 @@ from coordinator.models import Approval, TaskRecord
 if TYPE_CHECKING:
     from coordinator.service import Coordinator
 
-__all__ = ["Decision", "ToolCall", "decide", "decisions", "expire", "expire_for", "list_pending", "park"]
+__all__ = [
+    "EXPIRY_TIMER",
+    "Decision",
+    "ToolCall",
+    "decide",
+    "decisions",
+    "expire",
+    "expire_for",
+    "expiry_timer",
+    "list_pending",
+    "park",
+    "undecided",
+]
+
+EXPIRY_TIMER = "expire-approval"
 
 
 @dataclass(frozen=True)
@@ -67,11 +84,21 @@ def park(coord: Coordinator, task: TaskRecord, calls: Sequence[ToolCall]) -> lis
             created_at=now,
             deadline=now + timeout_s,
         )
+        # The timer first: a timer whose approval was never saved finds nothing to expire.
+        coord.store.add_timer(expiry_timer(approval.id), approval.deadline)
         coord.store.save_approval(approval)
-        dispatch.publish_approval_timeout(coord.app, approval.id, timeout_s)
         made.append(approval)
     coord.store.set_waiting_approvals(task.id, [a.id for a in made])
     return made
+
+
+def expiry_timer(approval_id: str) -> str:
+    return f"{EXPIRY_TIMER}:{approval_id}"
+
+
+def undecided(coord: Coordinator, task_id: str) -> list[str]:
+    """The approvals the task's last run asked for that are still pending."""
+    return [a for a in coord.store.waiting_approval_ids(task_id) if coord.store.get_approval(a).status == "pending"]
 
 
 def decisions(coord: Coordinator, task_id: str) -> dict[str, Decision]:
@@ -132,9 +159,11 @@ def expire_for(coord: Coordinator, root_id: str, stopped: set[str]) -> None:
 
 
 def _decide(coord: Coordinator, approval: Approval, status: str, feedback: str) -> Approval:
+    coord.store.watch([approval.task_id], coord.settings.reconcile_grace_s)  # before: a crash here still resumes
     outcome = coord.store.decide(approval.id, status, feedback)
     if outcome != "ok":
         raise StateError(f"Approval {approval.id} was already {outcome}", field="approval_id")
+    coord.store.remove_timers([expiry_timer(approval.id)])
     task = coord.store.get_task(approval.task_id)
     waiting = coord.store.waiting_approval_ids(task.id)
     still = [a for a in waiting if a != approval.id and coord.store.get_approval(a).status == "pending"]

@@ -72,6 +72,7 @@ def stop_subtree(
     stopped_top = coord.store.get_task(top.id)
     if stopped_top.status.terminal and stopped_top.batch_id:
         writeback.write_back(coord, stopped_top.batch_id, ended=stopped_top)
+    coord.store.unwatch(stopped)  # written back; a run still going unwatches again as it ends
     return stopped
 
 

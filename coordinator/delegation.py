@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import pydantic
 
-from coordinator import budgets, dispatch, ids
+from coordinator import budgets, dispatch, faults, ids
 from coordinator import todos as todo_lists
-from coordinator.errors import StateError, SubqError, ValidationError
+from coordinator.errors import BrokerError, StateError, SubqError, ValidationError
+from coordinator.inputs import one_line
 from coordinator.models import Batch, DelegationMode, SubtaskSpec, TaskRecord, TaskStatus, TodoItem
 
 if TYPE_CHECKING:
@@ -137,7 +138,9 @@ def commit(
         )
         return batch, children, new_items
 
+    coord.store.watch([task_id], coord.settings.reconcile_grace_s)  # the commit's publish may never come
     batch, children = coord.store.commit_delegation(task_id, plan)
+    faults.crash_point(coord.settings, "after-commit")
     for child in children:
         coord.store.set_live(child, "queued")
     first = coord.store.next_numbers(len(children))
@@ -159,11 +162,29 @@ def _check_parent(coord: Coordinator, parent: TaskRecord) -> None:
 
 
 def publish(coord: Coordinator, batch: Batch, children: list[TaskRecord]) -> None:
-    """Publish a committed batch's work, once (a second call finds it published)."""
-    if coord.store.claim_batch_publish(batch.id):
+    """Publish a committed batch's work, once (a second call finds it published).
+
+    The children to start are watched first (the due list), then the batch is
+    claimed, then published: a process that dies after the claim leaves them to the
+    reconciler. A publish the broker refuses gives the claim back and raises
+    `BrokerError`, so the next call (or the reconciler) tries again.
+    """
+    store = coord.store
+    if store.batch_published(batch.id):
+        store.unwatch([batch.parent_id])
+        return
+    starting = children if batch.mode == "parallel" else children[:1]  # later steps start as each ends
+    store.watch([c.id for c in starting], coord.settings.reconcile_grace_s)
+    if store.claim_batch_publish(batch.id):
+        faults.crash_point(coord.settings, "after-claim-publish")
         if batch.mode == "sequential":
-            coord.store.claim_step_publish(children[0].id)  # later steps are claimed as they start
-        dispatch.publish_batch(coord.app, batch, children)
+            store.claim_step_publish(children[0].id)
+        try:
+            dispatch.publish_batch(coord.app, batch, children)
+        except Exception as exc:  # kombu's errors, whatever the transport
+            store.unclaim_batch_publish(batch.id)
+            raise BrokerError(f"The broker did not take batch {batch.id}: {one_line(str(exc))}") from exc
+    store.unwatch([batch.parent_id])
 
 
 def publish_waiting(coord: Coordinator, record: TaskRecord) -> None:

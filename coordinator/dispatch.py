@@ -7,8 +7,9 @@ publishes the next step once this one's child has ended. (A child that itself
 delegates releases its worker and ends later, so the next step cannot be
 queued up front; see docs/architecture.md.)
 
-The Celery task id of a task's first run is the task id, and of its n-th
-resume `<task id>-r<n>`, so a publish retried after a failure names the same
+The Celery task id of a task's first run is the task id, of its n-th
+resume `<task id>-r<n>`, of a restart after a wait `<task id>-q<hex>`, and of a
+run published again after one was lost `<task id>-x<n>`, so a publish retried after a failure names the same
 Celery tasks, and the runner's lease makes a second delivery a no-op.
 """
 
@@ -19,11 +20,11 @@ import secrets
 from celery import Celery, chain, chord
 from celery.canvas import Signature
 
-from coordinator.celery_app import ADVANCE, EXPIRE_APPROVAL, GATHER, RUN_TASK
+from coordinator.celery_app import ADVANCE, GATHER, RUN_TASK
 from coordinator.models import Batch, TaskRecord
 
 __all__ = [
-    "publish_approval_timeout",
+    "publish_again",
     "publish_batch",
     "publish_restart",
     "publish_run",
@@ -59,11 +60,14 @@ def publish_restart(app: Celery, task: TaskRecord, countdown_s: float = 0) -> No
     signature.apply_async(countdown=countdown_s or None)
 
 
-def publish_approval_timeout(app: Celery, approval_id: str, countdown_s: float) -> None:
-    """Deny the approval if it is still undecided when its time is up."""
-    app.signature(EXPIRE_APPROVAL, args=(approval_id,), task_id=f"{approval_id}-expire").apply_async(
-        countdown=countdown_s
-    )
+def publish_again(app: Celery, task: TaskRecord, attempt: int) -> None:
+    """A run of the task once more: its run was lost (a dead worker, a lost message) or handed back.
+
+    Outside any chord: the task's end writes it back and closes its batch itself.
+    """
+    signature = run_signature(app, task)
+    signature.set(task_id=f"{task.id}-x{attempt}")
+    signature.apply_async()
 
 
 def publish_settle(app: Celery, batch_id: str) -> None:

@@ -11,6 +11,7 @@
     ├── ConflictError              shared state kept changing under a transaction
     ├── WaitTimeout                wait() gave up before the task settled
     ├── StoreError                 Redis is unreachable or refused a command (retried)
+    │   ├── BrokerError            the broker refused or dropped a publish (retried)
     │   └── CorruptError           a stored entry cannot be read (not retried)
     └── FleetError                 local worker processes did not start
 
@@ -24,6 +25,7 @@ bad input: they see what was wrong and where.
 from __future__ import annotations
 
 __all__ = [
+    "BrokerError",
     "ConfigError",
     "ConflictError",
     "CorruptError",
@@ -92,6 +94,10 @@ class WaitTimeout(SubqError):
 
 class StoreError(SubqError):
     code = "store_error"
+
+
+class BrokerError(StoreError):
+    code = "broker_error"
 
 
 class CorruptError(StoreError):

@@ -12,12 +12,15 @@ import secrets
 
 from coordinator.errors import NotFoundError
 
-__all__ = ["is_batch_id", "is_task_id", "new_batch_id", "new_child_id", "new_root_id", "root_of"]
+__all__ = ["is_batch_id", "is_task_id", "new_batch_id", "new_child_id", "new_root_id", "root_of", "task_of_run_id"]
 
 _ROOT = r"[0-9a-f]{16}"
 TASK_ID_RE = re.compile(rf"^({_ROOT})(?:-[0-9a-f]{{12}})?$")
 BATCH_ID_RE = re.compile(rf"^({_ROOT})-b[0-9a-f]{{12}}$")
 APPROVAL_ID_RE = re.compile(rf"^({_ROOT})-a[0-9a-f]{{12}}$")
+# The Celery id of a run: the task id, then `-r<n>` (a resume), `-q<hex>` (a restart after a
+# wait) or `-x<n>` (a run the reconciler published again); see coordinator/dispatch.py.
+RUN_ID_RE = re.compile(rf"^({_ROOT}(?:-[0-9a-f]{{12}})?)(?:-[rqx][0-9a-f]+)?$")
 
 
 def new_root_id() -> str:
@@ -50,3 +53,9 @@ def root_of(any_id: str, field: str = "task_id") -> str:
     if match is None:
         raise NotFoundError(f"Unknown id: {any_id!r} is not a subq task or batch id", field=field)
     return match.group(1)
+
+
+def task_of_run_id(celery_id: str) -> str | None:
+    """The task id a run's Celery id names, or None for any other Celery id."""
+    match = RUN_ID_RE.match(celery_id)
+    return match.group(1) if match else None

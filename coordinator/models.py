@@ -159,13 +159,14 @@ class SubtaskResult(BaseModel):
 
     `delegated`, `queued` and `waiting_approval` mean the run released its worker
     before the task ended (to wait for its children, for a run slot, or for a
-    decision); its final outcome reaches its parent when it ends (workers/delegation.py).
+    decision); `running` means another run of the task holds it. Its final
+    outcome reaches its parent when it ends (coordinator/writeback.py).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     child_id: str
-    status: Literal["completed", "failed", "cancelled", "delegated", "queued", "waiting_approval"]
+    status: Literal["completed", "failed", "cancelled", "delegated", "queued", "waiting_approval", "running"]
     summary: str = ""
     usage: Usage = Field(default_factory=Usage)
     cost_micros: int = Field(default=0, ge=0)

@@ -121,6 +121,8 @@ class Coordinator:
             created_at=now,
             updated_at=now,
         )
+        if run:  # first: a run whose message is lost is published again by the reconciler
+            self.store.watch([root_id], self.settings.reconcile_grace_s)
         self.store.create_root(record, items)
         if run:
             dispatch.publish_run(self.app, record)

@@ -26,11 +26,23 @@ DEFAULT_RETENTION_S = 7 * 24 * 3600
 # Subagents wait on model APIs, not on the CPU: threads let one process run many at once.
 DEFAULT_POOL = "threads"
 DEFAULT_CONCURRENCY = 32
-# Half an hour: a long agent run with tool calls; longer work should be split into subtasks.
-DEFAULT_TASK_TIME_LIMIT_S = 1800
+# Six hours: agent runs of several hours are allowed; a dead worker is found by its
+# heartbeat, not by this limit, so a long limit costs nothing when a worker dies.
+DEFAULT_TASK_TIME_LIMIT_S = 6 * 3600
 # Redis redelivers an unacked task after this; it must exceed the longest task or a
-# slow task would be run twice (kombu's visibility_timeout semantics).
-DEFAULT_VISIBILITY_TIMEOUT_S = 3600
+# slow task would be run twice (kombu's visibility_timeout semantics). Only a backstop:
+# a dead worker's runs are published again by the reconciler within seconds.
+DEFAULT_VISIBILITY_TIMEOUT_S = 7 * 3600
+# A run's lease lapses this long after its worker's last heartbeat (renewed every third
+# of it): a killed worker's subagents resume elsewhere within about this plus a tick.
+DEFAULT_HEARTBEAT_LAPSE_S = 15
+# How often the reconciler's leader looks for stuck trees and due timers.
+DEFAULT_RECONCILE_INTERVAL_S = 2.0
+# How long a published run may take to show up (a lease, or its message in the queue)
+# before the reconciler counts it lost; only stragglers wait this long.
+DEFAULT_RECONCILE_GRACE_S = 30
+# On SIGTERM a worker hands its runs back within this (Kubernetes' default grace is 30 s).
+DEFAULT_SHUTDOWN_GRACE_S = 25
 # How often a worker looks for tasks lost with another worker (older than the
 # visibility timeout) and queues them again; kombu's own default is ~100 s.
 DEFAULT_RESTORE_INTERVAL_S = 10
@@ -131,6 +143,12 @@ class Settings(BaseSettings):
     task_time_limit_s: int = Field(default=DEFAULT_TASK_TIME_LIMIT_S, ge=1)
     visibility_timeout_s: int = Field(default=DEFAULT_VISIBILITY_TIMEOUT_S, ge=1)
     restore_interval_s: int = Field(default=DEFAULT_RESTORE_INTERVAL_S, ge=1)
+    heartbeat_lapse_s: int = Field(default=DEFAULT_HEARTBEAT_LAPSE_S, ge=3, le=3600)
+    reconcile_interval_s: float = Field(default=DEFAULT_RECONCILE_INTERVAL_S, ge=0.1, le=60)
+    reconcile_grace_s: int = Field(default=DEFAULT_RECONCILE_GRACE_S, ge=1, le=3600)
+    shutdown_grace_s: int = Field(default=DEFAULT_SHUTDOWN_GRACE_S, ge=0, le=3600)
+    # Test-only: the named crash point (coordinator/faults.py) at which a process kills itself.
+    fault_crash_at: str = ""
     max_fanout: int = Field(default=DEFAULT_MAX_FANOUT, ge=1, le=10_000)
     max_depth: int = Field(default=DEFAULT_MAX_DEPTH, ge=0, le=32)
     max_deliveries: int = Field(default=DEFAULT_MAX_DELIVERIES, ge=1, le=100)

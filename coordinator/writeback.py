@@ -15,6 +15,9 @@ applies just that child, so each todo item is written as soon as its child
 ends) and for the chord callback (`subq.gather`) and the chain step
 (`subq.advance`); and a cancel or budget stop (coordinator/control.py).
 Every step is idempotent, so a redelivered or duplicated call changes nothing.
+A step that sends a message (the next chain step, a parent's resume) watches
+its task first (the due list), so a process that dies before the send leaves
+it to the reconciler (coordinator/reconciler.py).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from coordinator import dispatch
+from coordinator import dispatch, faults
 from coordinator.models import Batch, BatchRef, SubtaskResult, TaskRecord, TaskStatus, Usage, format_usd
 
 if TYPE_CHECKING:
@@ -58,6 +61,7 @@ def write_back(coord: Coordinator, batch_id: str, ended: TaskRecord | None = Non
     for index, child in enumerate(children):
         if not child.status.terminal:
             store.apply_children(batch, [c.id for c in children[:index]])
+            store.watch([child.id], coord.settings.reconcile_grace_s)  # first: a lost step is published again
             if store.claim_step_publish(child.id):
                 dispatch.publish_step(coord.app, batch, child, index)
             return False
@@ -85,10 +89,14 @@ def close_batch(coord: Coordinator, batch: Batch) -> bool:
     if parent.status.terminal:  # stopped meanwhile: its caller reads why, then what had finished
         combined = f"Stopped: {parent.error_class}: {parent.error}\n{combined}"
     ui_message = {"ts": time.time(), "type": "say", "say": "subtask_result", "text": combined}
+    resume = parent.runner == "agent" and parent.status == TaskStatus.DELEGATED
+    if resume:  # first: a resume lost after the close is published again by the reconciler
+        coord.store.watch([parent.id], coord.settings.reconcile_grace_s)
     resumes = coord.store.finish_batch(batch, combined, ui_message)
     if not resumes:
         return False
-    if parent.runner == "agent" and parent.status == TaskStatus.DELEGATED:
+    faults.crash_point(coord.settings, "after-close")
+    if resume:
         dispatch.publish_run(coord.app, parent, resumes)
     return True
 

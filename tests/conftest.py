@@ -101,8 +101,12 @@ def coordinator(settings: Settings, workers: WorkerFleet) -> Iterator[Coordinato
 
 @pytest.fixture
 def idle_coordinator(settings: Settings) -> Iterator[Coordinator]:
-    """A Coordinator publishing to a queue no worker consumes, so messages can be counted."""
-    coord = Coordinator(settings.model_copy(update={"queue": "subq-nobody"}))
+    """A Coordinator publishing to a queue no worker consumes, so messages can be counted.
+
+    Its keys have a prefix of their own, so the session fleet's reconciler never
+    publishes its tasks again onto the fleet's queue.
+    """
+    coord = Coordinator(settings.model_copy(update={"queue": "subq-nobody", "key_prefix": "subqidle"}))
     coord.client.delete("subq-nobody")
     yield coord
     coord.client.delete("subq-nobody")

@@ -38,7 +38,7 @@ def env(settings: Settings) -> dict[str, str]:
     """The test Redis and prefix, and a queue no worker consumes, so a published message would stay countable."""
     return {
         "SUBQ_REDIS_URL": settings.redis_url or "",
-        "SUBQ_KEY_PREFIX": settings.key_prefix,
+        "SUBQ_KEY_PREFIX": "subqidle",  # the idle coordinator's (tests/conftest.py)
         "SUBQ_QUEUE": "subq-nobody",
     }
 

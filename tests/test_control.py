@@ -68,7 +68,13 @@ def test_cancel_a_root_stops_its_running_children_and_keeps_what_finished(coordi
     assert notice.startswith("Stopped: Cancelled: cancelled: operator stop")
     assert "[completed] quick" in notice and "quick done" in notice and "[cancelled] slow one" in notice
     time.sleep(0.5)  # anything still unwinding would show here
-    assert coordinator.store.in_flight(root.id) == {"running": 0, "admission": 0, "awaiting": 0, "leases": 0}
+    assert coordinator.store.in_flight(root.id) == {
+        "running": 0,
+        "admission": 0,
+        "awaiting": 0,
+        "leases": 0,
+        "watched": 0,
+    }
     assert coordinator.get_task(slow1).requests == 0
 
 
@@ -349,7 +355,13 @@ def test_a_per_parent_limit_holds_under_a_fan_out_of_twenty(limited: Coordinator
     assert samples > 20 and most_running == 5, (samples, most_running)
     todos = limited.get_todos(parent.id)
     assert all(t.cost_micros == STEP_COST_MICROS for t in todos)
-    assert limited.store.in_flight(parent.id) == {"running": 0, "admission": 0, "awaiting": 0, "leases": 0}
+    assert limited.store.in_flight(parent.id) == {
+        "running": 0,
+        "admission": 0,
+        "awaiting": 0,
+        "leases": 0,
+        "watched": 0,
+    }
 
 
 def test_cancelling_a_throttled_fan_out_leaves_nothing_in_flight(limited: Coordinator) -> None:
@@ -359,7 +371,7 @@ def test_cancelling_a_throttled_fan_out_leaves_nothing_in_flight(limited: Coordi
     )
     _until(lambda: limited.store.in_flight(parent.id)["admission"] > 0, what="children queued for a slot")
     limited.cancel(parent.id, "too many")
-    empty = {"running": 0, "admission": 0, "awaiting": 0, "leases": 0}
+    empty = {"running": 0, "admission": 0, "awaiting": 0, "leases": 0, "watched": 0}
     _until(lambda: limited.store.in_flight(parent.id) == empty, timeout_s=10, what="the in-flight state to empty")
     assert all(limited.get_task(c).status == TaskStatus.CANCELLED for c in batch.child_ids)
     assert sum(limited.get_task(c).requests for c in batch.child_ids) == 0

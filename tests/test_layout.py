@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = sorted([*ROOT.joinpath("coordinator").rglob("*.py"), *ROOT.joinpath("workers").rglob("*.py")])
 # The seams the execution plane may use: the package surface, the run lifecycle, the app and task names.
-WORKER_SEAMS = {"coordinator", "coordinator.runs", "coordinator.celery_app"}
+WORKER_SEAMS = {"coordinator", "coordinator.runs", "coordinator.celery_app", "coordinator.reconciler"}
 # The one module outside the store package that builds a Store.
 STORE_BUILDER = "coordinator/service.py"
 # Faces call the Coordinator's operations, never its store.
@@ -80,7 +80,7 @@ def test_one_write_back_entry_point() -> None:
     defined = [_name(p) for p in SOURCE if "def write_back(" in p.read_text(encoding="utf-8")]
     assert defined == ["coordinator/writeback.py"]
     callers = {_name(p) for p in SOURCE if "write_back(" in p.read_text(encoding="utf-8")} - set(defined)
-    assert callers == {"coordinator/runs.py", "coordinator/control.py"}
+    assert callers == {"coordinator/runs.py", "coordinator/control.py", "coordinator/reconciler.py"}
 
 
 @pytest.mark.parametrize("path", SOURCE, ids=_name)

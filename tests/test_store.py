@@ -152,7 +152,8 @@ def test_unknown_ids_and_unreachable_redis(idle_coordinator: Coordinator, settin
 def test_keys_live_under_one_hash_tag_per_tree(idle_coordinator: Coordinator) -> None:
     root, _, _ = _tree(idle_coordinator)
     tree_keys = [k for k in idle_coordinator.store.snapshot() if root.root_id in k]
-    assert tree_keys and all(k.startswith(f"subqtest:{{{root.root_id}}}:") for k in tree_keys)
+    prefix = idle_coordinator.settings.key_prefix
+    assert tree_keys and all(k.startswith(f"{prefix}:{{{root.root_id}}}:") for k in tree_keys)
     ttls = [idle_coordinator.client.ttl(k) for k in tree_keys]
     assert all(0 < ttl <= idle_coordinator.settings.result_retention_s for ttl in ttls), "every tree key expires"
 

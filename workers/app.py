@@ -17,4 +17,4 @@ try:
 except ConfigError as exc:
     raise SystemExit(f"subq worker: {exc}") from None
 
-from workers import approvals, tasks  # noqa: F401  (registers the subq.* tasks on the app)
+from workers import approvals, maintenance, tasks  # noqa: F401  (registers the subq.* tasks and signals)

@@ -18,6 +18,8 @@ from `lua/`, loaded once and registered once per client. Redis errors become
 | `runs.py`       | a run's state: deliveries, leases, claims, usage, budgets, admission,     |
 |                 | rate limits, the terminal status                                          |
 | `approvals.py`  | approvals and their once-only decision                                    |
+| `convergence.py`| the due list, timers, run-lease renewal and heartbeats, the reconciler's  |
+|                 | leader lease, repair counts                                               |
 | `events.py`     | a tree's event stream and live status                                     |
 | `metrics.py`    | the model-latency histogram, and the whole-prefix snapshot for tests      |
 | `lua/*.lua`     | the atomic steps, each documenting its KEYS and ARGV                      |
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 from coordinator.store.approvals import ApprovalStore
 from coordinator.store.base import EVENTS_MAXLEN, translate_redis_errors
+from coordinator.store.convergence import ConvergenceStore
 from coordinator.store.delegation import DelegationStore
 from coordinator.store.events import EventStore
 from coordinator.store.keys import Keys
@@ -37,7 +40,7 @@ from coordinator.store.runs import RunStore
 __all__ = ["EVENTS_MAXLEN", "LATENCY_BUCKETS_MS", "Keys", "Store", "translate_redis_errors"]
 
 
-class Store(RunStore, DelegationStore, ApprovalStore, EventStore, MetricStore, RecordStore):
+class Store(RunStore, DelegationStore, ApprovalStore, ConvergenceStore, EventStore, MetricStore, RecordStore):
     """subq state in Redis, for one key prefix: `Store(client, keys, retention_s)`.
 
     Every method of the concern mixins above, on one object (`coord.store`);

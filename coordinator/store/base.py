@@ -118,6 +118,9 @@ class StoreBase:
         self._rate_limit = client.register_script(_load_script("rate_limit.lua"))
         self._decide = client.register_script(_load_script("decide.lua"))
         self._release_lease = client.register_script(_load_script("release_lease.lua"))
+        self._renew_leases = client.register_script(_load_script("renew_leases.lua"))
+        self._lead = client.register_script(_load_script("lead.lua"))
+        self._append_if_leased = client.register_script(_load_script("append_if_leased.lua"))
 
     def _transaction(self, watched: Sequence[str], body: Callable[[Pipeline], T]) -> T:
         """Run `body` on a pipeline watching `watched`, again while another client changes them.

@@ -164,6 +164,15 @@ class DelegationStore(StoreBase):
         return bool(self.client.hsetnx(self.keys.batch(root_of(batch_id), batch_id), BatchField.PUBLISHED, 1))
 
     @translate_redis_errors
+    def unclaim_batch_publish(self, batch_id: str) -> None:
+        """Its publish failed: the next publish of the batch may try again."""
+        self.client.hdel(self.keys.batch(root_of(batch_id), batch_id), BatchField.PUBLISHED)
+
+    @translate_redis_errors
+    def batch_published(self, batch_id: str) -> bool:
+        return bool(self.client.hexists(self.keys.batch(root_of(batch_id), batch_id), BatchField.PUBLISHED))
+
+    @translate_redis_errors
     def awaiting_count(self, task_id: str) -> int:
         return int(self.client.scard(self.keys.awaiting(root_of(task_id), task_id)))
 

@@ -77,6 +77,7 @@ class TaskField:
     RESUME_BATCH_ID: Final = "resume_batch_id"  # the batch whose result the resumed run answers (finish_batch)
     WAITING_APPROVAL_IDS: Final = "waiting_approval_ids"  # JSON list of the approvals its last run asked for
     TRANSIENT_ERRORS: Final = "transient_errors"  # provider errors retried so far (a count)
+    REPAIRS: Final = "repairs"  # runs the reconciler published again after one was lost (a count)
     RESUMED_PREFIX: Final = "resumed:"  # `resumed:<batch or approval id>`: once-only resume flag per reason
 
     @staticmethod

@@ -14,7 +14,7 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:{root}:ui:<id>`                  | list   | UI messages, one JSON object each                  | retention |
 | `<p>:{root}:conversation:<id>`        | list   | the model conversation, one message JSON an entry  | retention |
 | `<p>:{root}:usage-applied:<id>`       | set    | request keys whose usage is already recorded       | retention |
-| `<p>:{root}:lease:<id>`               | string | the token of the run now executing the task        | the task time limit |
+| `<p>:{root}:lease:<id>`               | string | the token of the run now executing the task        | the heartbeat lapse, renewed |
 | `<p>:{root}:tasks`                    | zset   | every task id of the tree, scored by creation time | retention |
 | `<p>:{root}:live`                     | hash   | task id -> live status JSON (state, tool, cost)    | retention |
 | `<p>:{root}:running`                  | set    | tasks of the tree holding a run slot (in flight)   | emptied as runs end |
@@ -31,6 +31,12 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:metrics:model-latency`           | hash   | model request latency histogram (buckets, count)   | permanent |
 | `<p>:approvals`                       | zset   | pending approval ids scored by creation time       | removed when decided |
 | `<p>:rate:<provider>`                 | zset   | start times of the provider's requests, last 60 s  | a minute |
+| `<p>:due`                             | zset   | tasks a message should move on, scored by when the | removed when the task's run ends |
+|                                       |        | reconciler looks at them if none has (convergence) |          |
+| `<p>:timers`                          | zset   | delayed actions (`<kind>:<id>`) scored by due time | removed when done |
+| `<p>:reconciler`                      | string | the worker that leads the reconciler now           | a few ticks, renewed |
+| `<p>:workers`                         | zset   | worker processes scored by their last heartbeat    | pruned after a day |
+| `<p>:metrics:repairs`                 | hash   | repairs the reconciler made, counted by reason     | permanent |
 """
 
 from __future__ import annotations
@@ -120,6 +126,21 @@ class Keys:
 
     def task_number(self) -> str:
         return f"{self.prefix}:task-number"
+
+    def due(self) -> str:
+        return f"{self.prefix}:due"
+
+    def timers(self) -> str:
+        return f"{self.prefix}:timers"
+
+    def leader(self) -> str:
+        return f"{self.prefix}:reconciler"
+
+    def workers(self) -> str:
+        return f"{self.prefix}:workers"
+
+    def repairs(self) -> str:
+        return f"{self.prefix}:metrics:repairs"
 
     def all_pattern(self) -> str:
         """A SCAN pattern matching every key of this prefix (tests, cleanup)."""

@@ -39,7 +39,10 @@ class MetricStore(StoreBase):
         """Every key of this prefix with its value, compared by content (tests: 'nothing changed').
 
         Not DUMP: a set's serialised order can change on rehashing without any write.
+        Liveness is left out: the workers' heartbeats and the reconciler's leader lease
+        change every few seconds whatever else happens.
         """
+        liveness = {self.keys.workers(), self.keys.leader()}
         read: dict[str, Callable[[str], object]] = {
             "string": self.client.get,
             "hash": self.client.hgetall,
@@ -51,7 +54,7 @@ class MetricStore(StoreBase):
         return {
             key: (kind, read[kind](key))
             for key in self.client.scan_iter(self.keys.all_pattern(), count=1000)
-            if (kind := str(self.client.type(key))) in read
+            if key not in liveness and (kind := str(self.client.type(key))) in read
         }
 
     @translate_redis_errors

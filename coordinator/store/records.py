@@ -11,6 +11,7 @@ from coordinator.errors import CorruptError, NotFoundError
 from coordinator.ids import root_of
 from coordinator.models import TaskRecord, TodoItem
 from coordinator.store.base import (
+    ScriptArg,
     StoreBase,
     _decode_record,
     _encode_record,
@@ -181,15 +182,24 @@ class RecordStore(StoreBase):
             pipe.execute()
 
     @translate_redis_errors
-    def append_conversation(self, task_id: str, entries: Sequence[str]) -> None:
-        """Append model messages (one JSON entry each) to the task's conversation, atomically."""
+    def append_conversation(self, task_id: str, entries: Sequence[str], lease_token: str | None = None) -> bool:
+        """Append model messages (one JSON entry each) to the task's conversation, atomically.
+
+        With `lease_token`, only while that run still holds the task's lease (fencing);
+        returns False when it does not, and nothing is written.
+        """
         if not entries:
-            return
-        key = self.keys.conversation(root_of(task_id), task_id)
+            return True
+        root = root_of(task_id)
+        key = self.keys.conversation(root, task_id)
+        if lease_token is not None:
+            args: list[ScriptArg] = [lease_token, self.retention_s, *entries]
+            return bool(self._append_if_leased(keys=[self.keys.lease(root, task_id), key], args=args))
         with self.client.pipeline(transaction=True) as pipe:
             pipe.rpush(key, *entries)
             pipe.expire(key, self.retention_s)
             pipe.execute()
+        return True
 
     @translate_redis_errors
     def conversation(self, task_id: str) -> list[str]:

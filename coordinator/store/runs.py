@@ -180,12 +180,14 @@ class RunStore(RecordStore):
         with self.client.pipeline(transaction=False) as pipe:
             pipe.scard(k.running(root_id))
             pipe.llen(k.admission(root_id))
-            for task_id in self.tree_task_ids(root_id):
+            task_ids = self.tree_task_ids(root_id)
+            for task_id in task_ids:
                 pipe.scard(k.awaiting(root_id, task_id))
                 pipe.exists(k.lease(root_id, task_id))
-            running, admission, *rest = pipe.execute()
+            pipe.zmscore(k.due(), task_ids or [root_id])
+            running, admission, *rest, due = pipe.execute()
         return {"running": int(running), "admission": int(admission), "awaiting": sum(rest[0::2]),
-                "leases": sum(rest[1::2])}  # fmt: skip
+                "leases": sum(rest[1::2]), "watched": sum(1 for score in due if score is not None)}  # fmt: skip
 
     @translate_redis_errors
     def wait_for_rate(self, provider: str, rpm: int) -> int:

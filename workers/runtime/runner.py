@@ -35,8 +35,8 @@ from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults, ToolAp
 from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.usage import UsageLimits
 
-from coordinator import CorruptError, Profile, StoreError, SubtaskResult, Usage
-from coordinator.runs import Ended, Released, Run, RunInProgress, ToolCall
+from coordinator import CorruptError, Profile, StoreError, SubtaskResult, Usage, one_line
+from coordinator.runs import Ended, HandBack, LeaseLost, Released, Run, RunInProgress, ToolCall
 from workers.runtime.context import Runtime
 from workers.runtime.metering import MeteredModel
 from workers.runtime.pricing import cost_of, reported_cost_usd
@@ -48,8 +48,6 @@ __all__ = ["INTERRUPTED", "Progress", "RunInProgress", "run_child"]
 log = logging.getLogger(__name__)
 
 INTERRUPTED = "Task was interrupted before this tool call could be completed."
-# One line of an error is enough for a parent to act on; no traceback crosses over.
-MAX_ERROR_CHARS = 300
 # How often a running task looks for a cancel of its own; a cancel stops it within this
 # (plus the time to unwind), and the check is one small HMGET.
 CANCEL_POLL_S = 0.25
@@ -79,6 +77,10 @@ def run_child(rt: Runtime, task_id: str, progress: Progress | None = None) -> Su
     run = started
     try:
         return run.end(run.lost_too_often or _run(rt, run, progress))
+    except LeaseLost:
+        return run.lost()  # another run owns the task now (this worker was cut off too long)
+    except HandBack:
+        return run.hand_back()  # the worker is shutting down: another worker goes on from here
     except BaseException:
         run.abandon()  # Redis failed, not the agent: the delivery is retried (workers.tasks)
         raise
@@ -94,6 +96,8 @@ def _run(rt: Runtime, run: Run, progress: Progress | None) -> Ended | Released:
         return asyncio.run(asyncio.wait_for(_run_agent(rt, run, profile, progress), timeout=limit_s))
     except StopRun as stop:
         return run.stopped(stop.budget_holder)
+    except (LeaseLost, HandBack):
+        raise  # the run ends without an outcome of its own (run_child)
     except TimeoutError:
         return Ended("failed", error=f"ran over SUBQ_TASK_TIME_LIMIT_S={limit_s}", error_class="TimeLimit")
     except CorruptError as exc:
@@ -294,8 +298,3 @@ def _save_new(run: Run, messages: Sequence[ModelMessage], saved: int) -> int:
 
 def _text_of(response: ModelResponse) -> str:
     return "\n".join(p.content for p in response.parts if isinstance(p, TextPart))
-
-
-def one_line(text: str) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 1] + "…"

@@ -1,0 +1,32 @@
+"""Named crash points, for the fault suite: a process stops dead at one step, as a SIGKILL would.
+
+`crash_point(settings, name)` kills the calling process when `SUBQ_FAULT_CRASH_AT`
+names that point, and does nothing otherwise (one string comparison). The tests
+start a worker with the setting, let it die there, and check that the fleet
+converges without it. Never set it in a deployment.
+
+Points: `after-finish` (a task is terminal, not yet written back),
+`after-commit` (a delegation is committed, not yet published),
+`after-close` (a batch is closed, its parent's resume not yet published),
+`after-claim-publish` (a batch is claimed for publishing, not yet published).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+from coordinator.settings import Settings
+
+__all__ = ["POINTS", "crash_point"]
+
+log = logging.getLogger(__name__)
+
+POINTS = ("after-finish", "after-commit", "after-close", "after-claim-publish")
+
+
+def crash_point(settings: Settings, name: str) -> None:
+    if settings.fault_crash_at == name:
+        log.critical("subq: SUBQ_FAULT_CRASH_AT=%s: this process dies here", name)
+        os.kill(os.getpid(), signal.SIGKILL)

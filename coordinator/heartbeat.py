@@ -1,0 +1,101 @@
+"""A worker process's heartbeat: it renews the leases of the runs it holds, and drains them on shutdown.
+
+A run's lease (`<p>:{root}:lease:<task>`) lives `SUBQ_HEARTBEAT_LAPSE_S` and is
+renewed every third of that by one thread per process, for all of its runs at
+once (`renew_leases.lua`), beside the process's entry in `<p>:workers`. A
+process that dies stops renewing, so its runs' leases lapse within the lapse
+and the reconciler publishes those runs again. A lease found lost (the process
+was cut off from Redis for longer than the lapse, and another run may own the
+task now) fences its run: `Run.fenced`, after which it writes nothing more.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from coordinator.service import Coordinator
+
+__all__ = ["HAND_BACK_MARGIN_S", "Heartbeat", "Leased"]
+
+log = logging.getLogger(__name__)
+
+# A draining run whose model request is still in flight this close to the end of the grace
+# abandons the request, so that it is handed back before the worker is killed.
+HAND_BACK_MARGIN_S = 3.0
+
+
+class Leased(Protocol):
+    """A run as the heartbeat sees it: its task, its lease token, and its fence."""
+
+    token: str
+    fenced: bool
+
+    @property
+    def task_id(self) -> str: ...
+
+
+class Heartbeat:
+    """The runs one process holds, their lease renewal, and the shutdown deadline."""
+
+    def __init__(self, coord: Coordinator, worker_id: str) -> None:
+        self.coord = coord
+        self.worker_id = worker_id
+        self._runs: dict[str, Leased] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._drain_deadline: float | None = None
+
+    def hold(self, run: Leased) -> None:
+        """Renew this run's lease from now on (the thread starts with the first run)."""
+        with self._lock:
+            self._runs[run.task_id] = run
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._beat, name="subq-heartbeat", daemon=True)
+                self._thread.start()
+
+    def forget(self, run: Leased) -> None:
+        with self._lock:
+            if self._runs.get(run.task_id) is run:
+                del self._runs[run.task_id]
+
+    def renew(self) -> None:
+        """Renew the leases of this process's runs (and its heartbeat); a lost one fences its run."""
+        with self._lock:
+            held = [(task_id, run.token) for task_id, run in self._runs.items()]
+        for task_id in self.coord.store.renew_leases(held, self.coord.settings.heartbeat_lapse_s, self.worker_id):
+            run = self._runs.get(task_id)
+            if run is not None and not run.fenced:
+                run.fenced = True
+                log.warning("subq: the lease of %s lapsed; its run stops and writes nothing more", task_id)
+
+    def drain(self, grace_s: float) -> None:
+        """The worker is shutting down: every run hands itself back within `grace_s`."""
+        self._drain_deadline = time.monotonic() + grace_s
+        log.warning("subq: shutting down; %d run(s) hand back within %.0f s", len(self._runs), grace_s)
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    def out_of_grace(self) -> bool:
+        """A draining run must abandon its model request now, or it would not be handed back in time."""
+        deadline = self._drain_deadline
+        return deadline is not None and time.monotonic() >= deadline - HAND_BACK_MARGIN_S
+
+    def _beat(self) -> None:
+        """Renew until no run is held; `hold` starts the thread again with the next run."""
+        every_s = self.coord.settings.heartbeat_lapse_s / 3
+        while True:
+            time.sleep(every_s)
+            with self._lock:
+                if not self._runs:
+                    self._thread = None
+                    return
+            try:
+                self.renew()
+            except Exception as exc:  # Redis is down: the leases lapse, and the runs are fenced
+                log.warning("subq: heartbeat failed: %s", exc)

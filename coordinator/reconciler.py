@@ -1,0 +1,138 @@
+"""The reconciler: finds tree states that no message will move on any more, and moves them on.
+
+It runs inside the worker fleet (a thread of each worker process; one leader at
+a time through a Redis lease, `lead.lua`), every `SUBQ_RECONCILE_INTERVAL_S`.
+Each tick it
+1. serves due timers (an approval's deadline: `approvals.expire`);
+2. looks at every task of the due list whose time has come. The normal path
+   writes a task there *before* it sends the message that should move it on
+   (a run, a resume, a delegation's children) and removes it once its run has
+   ended or released its worker, so an entry still there is a task that some
+   message or process failed. For each one it takes the step the normal path
+   would have taken:
+
+   | the task is                                   | the step                                  | reason counted           |
+   |-----------------------------------------------|-------------------------------------------|--------------------------|
+   | ended                                         | write it back (`writeback.write_back`)    | `ended-not-written-back` |
+   | delegated, its batch not published            | publish it (`delegation.publish`)         | `delegation-unpublished` |
+   | active, an agent's, leased by a live run      | nothing; look again next tick             |                          |
+   | active, waiting for a decision or a run slot, | nothing (the decision, the timer or the   |                          |
+   | or with a run message in the broker's queue   | freed slot moves it on)                   |                          |
+   | active, an agent's, nothing of the above      | publish its run again (`-x<n>`)           | `run-lost`               |
+
+   `run-lost` covers a run whose worker died (its lease lapsed with the
+   worker's heartbeat), a resume never published after its batch closed, and a
+   message lost in the broker (a Redis restart).
+Every step is idempotent, so a repair done twice, or beside the normal path,
+changes nothing. Each repair is counted (`Store.repairs`) and logged with its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from coordinator import admission, approvals, delegation, dispatch, writeback
+from coordinator.errors import NotFoundError
+from coordinator.models import TaskStatus
+
+if TYPE_CHECKING:
+    from coordinator.service import Coordinator
+
+__all__ = ["TICK_LIMIT", "Reconciler"]
+
+log = logging.getLogger(__name__)
+
+# How many due tasks and timers one tick takes; the rest wait for the next tick.
+TICK_LIMIT = 500
+# A task that changed this recently is left to the normal path, which is on its next step.
+SETTLE_S = 3.0
+
+
+class Reconciler:
+    """One per worker process; `tick()` does a round when this process leads, else nothing."""
+
+    def __init__(self, coord: Coordinator, name: str) -> None:
+        self.coord = coord
+        self.name = name
+        self._queued: set[str] | None = None
+
+    def beat(self) -> None:
+        """This worker's heartbeat, whether or not it runs anything or leads."""
+        self.coord.store.renew_leases([], self.coord.settings.heartbeat_lapse_s, self.name)
+
+    def tick(self) -> Counter[str] | None:
+        """One round; the repairs made by reason, or None when another process leads."""
+        settings = self.coord.settings
+        if not self.coord.store.lead(self.name, max(3 * settings.reconcile_interval_s, 5.0)):
+            return None
+        repairs: Counter[str] = Counter()
+        self._timers()
+        self._queued = None  # the broker's queue is read at most once a tick, and only if needed
+        due = self.coord.store.due_tasks(TICK_LIMIT)
+        for task_id, (status, runner, updated_at, leased) in zip(due, self.coord.store.triage(due), strict=True):
+            reason = self._look_at(task_id, status, runner, updated_at, leased)
+            if reason:
+                repairs[reason] += 1
+                self.coord.store.count_repair(reason)
+                log.warning("subq reconciler: %s: %s", reason, task_id)
+        return repairs
+
+    def _timers(self) -> None:
+        done = []
+        for name in self.coord.store.due_timers(TICK_LIMIT):
+            kind, _, subject = name.partition(":")
+            if kind == approvals.EXPIRY_TIMER:
+                try:
+                    approvals.expire(self.coord, subject)
+                except NotFoundError:
+                    pass  # its tree has expired
+            else:
+                log.error("subq reconciler: unknown timer %r dropped", name)
+            done.append(name)
+        self.coord.store.remove_timers(done)
+
+    def _look_at(self, task_id: str, status: str, runner: str, updated_at: float, leased: bool) -> str | None:
+        coord, store = self.coord, self.coord.store
+        settings = coord.settings
+        if not status:  # gone with its tree's retention
+            store.unwatch([task_id])
+            return None
+        if leased or time.time() - updated_at < SETTLE_S:
+            # A live run holds it (a delegating parent publishes its own batch), or it just
+            # changed and the normal path is still on its next step.
+            store.watch([task_id], settings.reconcile_interval_s, only_if_watched=True)
+            return None
+        state = TaskStatus(status)
+        if state.terminal:
+            record = store.get_task(task_id)
+            admission.release(coord, record)
+            if record.batch_id:
+                writeback.write_back(coord, record.batch_id, ended=record)
+            store.unwatch([task_id])
+            return "ended-not-written-back"
+        if state == TaskStatus.DELEGATED:
+            record = store.get_task(task_id)
+            batch = store.get_batch(record.waiting_batch_id) if record.waiting_batch_id else None
+            if batch is not None and not store.batch_published(batch.id):
+                delegation.publish(coord, batch, store.get_records(batch.child_ids))
+                return "delegation-unpublished"
+            store.unwatch([task_id])
+            return None
+        if runner != "agent":
+            store.unwatch([task_id])
+            return None
+        if approvals.undecided(coord, task_id):
+            store.unwatch([task_id])  # each decision, or its timer, watches it again
+            return None
+        if self._queued is None:
+            self._queued = store.queued_task_ids(settings.queue)
+        if task_id in self._queued or store.in_admission(task_id):
+            store.watch([task_id], settings.reconcile_grace_s, only_if_watched=True)
+            return None
+        store.watch([task_id], settings.reconcile_grace_s)  # first: a lost publish is tried again
+        record = store.get_task(task_id)
+        dispatch.publish_again(coord.app, record, store.next_repair(task_id))
+        return "run-lost"

@@ -1,0 +1,170 @@
+"""What convergence reads and writes: the due list, timers, leases, heartbeats, the leader, repairs.
+
+- `due` (a zset, task id -> when to look): every task that expects a message to
+  move it on (a published run, a resume, a committed delegation) is written here
+  *before* the message is sent, and removed once its run has ended or released
+  its worker. An entry still there when its time comes means a message was lost
+  or a process died between two steps; the reconciler looks at it then.
+- `timers` (a zset, `<kind>:<id>` -> due time): delayed actions, served by the
+  reconciler instead of broker countdown messages.
+- run leases are renewed by their worker's heartbeat (`renew_leases`); a lease
+  that lapses means its worker is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple, cast
+
+from coordinator.ids import root_of, task_of_run_id
+from coordinator.store.base import ScriptArg, StoreBase, _str_map, _strs, translate_redis_errors
+from coordinator.store.fields import TaskField
+
+__all__ = ["QUEUE_SCAN_LIMIT", "ConvergenceStore", "Triage"]
+
+# How many ready messages one look at the broker's queue reads; a deeper backlog counts
+# every task beyond it as still queued (nothing is published again on a guess).
+QUEUE_SCAN_LIMIT = 20_000
+# A worker's heartbeat entry is dropped after a day without one (the list is for people).
+WORKER_FORGET_S = 24 * 3600
+
+
+class Triage(NamedTuple):
+    """What the reconciler reads of a due task first; status is '' when the task is gone."""
+
+    status: str
+    runner: str
+    updated_at: float
+    leased: bool
+
+
+class ConvergenceStore(StoreBase):
+    """The due list and timers, run leases and heartbeats, the reconciler's leader lease, repairs."""
+
+    # -- the due list ------------------------------------------------------------------
+
+    @translate_redis_errors
+    def watch(self, task_ids: Sequence[str], after_s: float, *, only_if_watched: bool = False) -> None:
+        """Look at these tasks in `after_s` unless their runs end or release their worker first.
+
+        `only_if_watched` moves the time of tasks still watched and adds none (the
+        reconciler's "look again later" must not bring back a task whose run just ended).
+        """
+        if task_ids:
+            at = time.time() + after_s
+            self.client.zadd(self.keys.due(), dict.fromkeys(task_ids, at), xx=only_if_watched)
+
+    @translate_redis_errors
+    def unwatch(self, task_ids: Sequence[str]) -> None:
+        if task_ids:
+            self.client.zrem(self.keys.due(), *task_ids)
+
+    @translate_redis_errors
+    def due_tasks(self, limit: int) -> list[str]:
+        """Tasks whose time to be looked at has come, oldest first."""
+        return _strs(self.client.zrangebyscore(self.keys.due(), "-inf", time.time(), start=0, num=limit))
+
+    @translate_redis_errors
+    def watched(self) -> dict[str, float]:
+        """Every watched task and when it is due (tests, `subq` views)."""
+        return _scored(self.client.zrange(self.keys.due(), 0, -1, withscores=True))
+
+    @translate_redis_errors
+    def triage(self, task_ids: Sequence[str]) -> list[Triage]:
+        """(status, runner, updated_at, leased) of each task, in one round trip."""
+        with self.client.pipeline(transaction=False) as pipe:
+            for task_id in task_ids:
+                root = root_of(task_id)
+                pipe.hmget(self.keys.task(root, task_id), [TaskField.STATUS, TaskField.RUNNER, TaskField.UPDATED_AT])
+                pipe.exists(self.keys.lease(root, task_id))
+            replies = pipe.execute()
+        return [
+            Triage(str(status or ""), str(runner or ""), float(updated_at or 0), bool(leased))
+            for (status, runner, updated_at), leased in zip(replies[0::2], replies[1::2], strict=True)
+        ]
+
+    @translate_redis_errors
+    def in_admission(self, task_id: str) -> bool:
+        """Whether the task waits in its tree's admission list for a run slot."""
+        return self.client.lpos(self.keys.admission(root_of(task_id)), task_id) is not None
+
+    @translate_redis_errors
+    def queued_task_ids(self, queue: str) -> set[str]:
+        """Tasks with a run message waiting in the broker's ready list of `queue` (kombu's Redis layout)."""
+        found: set[str] = set()
+        for raw in _strs(self.client.lrange(queue, 0, QUEUE_SCAN_LIMIT - 1)):
+            try:
+                celery_id = json.loads(raw)["headers"]["id"]
+            except (ValueError, KeyError, TypeError):
+                continue  # not a Celery task message: nothing of subq's
+            task_id = task_of_run_id(celery_id) if isinstance(celery_id, str) else None
+            if task_id:
+                found.add(task_id)
+        return found
+
+    @translate_redis_errors
+    def next_repair(self, task_id: str) -> int:
+        return int(self.client.hincrby(self.keys.task(root_of(task_id), task_id), TaskField.REPAIRS, 1))
+
+    @translate_redis_errors
+    def count_repair(self, reason: str) -> None:
+        self.client.hincrby(self.keys.repairs(), reason, 1)
+
+    @translate_redis_errors
+    def repairs(self) -> dict[str, int]:
+        return {k: int(v) for k, v in _str_map(self.client.hgetall(self.keys.repairs())).items()}
+
+    # -- timers ------------------------------------------------------------------------
+
+    @translate_redis_errors
+    def add_timer(self, name: str, due_at: float) -> None:
+        self.client.zadd(self.keys.timers(), {name: due_at})
+
+    @translate_redis_errors
+    def due_timers(self, limit: int) -> list[str]:
+        return _strs(self.client.zrangebyscore(self.keys.timers(), "-inf", time.time(), start=0, num=limit))
+
+    @translate_redis_errors
+    def remove_timers(self, names: Iterable[str]) -> None:
+        names = list(names)
+        if names:
+            self.client.zrem(self.keys.timers(), *names)
+
+    # -- leases, heartbeats and the leader ---------------------------------------------
+
+    @translate_redis_errors
+    def renew_leases(self, leases: Sequence[tuple[str, str]], ttl_s: float, worker: str) -> list[str]:
+        """Renew the (task id, token) leases this worker holds and beat its heartbeat; returns the lost ones."""
+        with self.client.pipeline(transaction=False) as pipe:
+            now = time.time()
+            pipe.zadd(self.keys.workers(), {worker: now})
+            pipe.zremrangebyscore(self.keys.workers(), "-inf", now - WORKER_FORGET_S)
+            pipe.execute()
+        if not leases:
+            return []
+        keys = [self.keys.lease(root_of(task_id), task_id) for task_id, _ in leases]
+        args: list[ScriptArg] = [int(ttl_s * 1000), *(token for _, token in leases)]
+        lost = self._renew_leases(keys=keys, args=args)
+        return [leases[int(i) - 1][0] for i in lost]
+
+    @translate_redis_errors
+    def workers(self) -> dict[str, float]:
+        """Worker processes and the time of their last heartbeat."""
+        return _scored(self.client.zrange(self.keys.workers(), 0, -1, withscores=True))
+
+    @translate_redis_errors
+    def lead(self, candidate: str, ttl_s: float) -> bool:
+        """Take or keep the reconciler's leader lease; True while `candidate` leads."""
+        return bool(self._lead(keys=[self.keys.leader()], args=[candidate, int(ttl_s * 1000)]))
+
+    @translate_redis_errors
+    def leader(self) -> str | None:
+        value = self.client.get(self.keys.leader())
+        return str(value) if value else None
+
+
+def _scored(reply: Any) -> dict[str, float]:
+    """A ZRANGE ... WITHSCORES reply as member -> score."""
+    return {str(member): float(score) for member, score in cast(list[tuple[str, float]], reply)}

@@ -1,0 +1,12 @@
+-- Renew leases that their holder still holds (compare and pexpire), in one call.
+-- KEYS[i] a lease   ARGV[1] the lease time, ms   ARGV[i+1] the holder's token for KEYS[i]
+-- Returns the indexes (1-based) of the leases that were lost: lapsed, or taken by another.
+local lost = {}
+for i, key in ipairs(KEYS) do
+  if redis.call('GET', key) == ARGV[i + 1] then
+    redis.call('PEXPIRE', key, ARGV[1])
+  else
+    lost[#lost + 1] = i
+  end
+end
+return lost

@@ -1,0 +1,200 @@
+"""The fault suite: a worker dies at each named crash point, and the fleet converges without it.
+
+Two fleets share one Redis database: the *crashing* worker (one process, one
+thread, `SUBQ_FAULT_CRASH_AT` set) consumes the queue the work is published to
+and kills itself at the named point (coordinator/faults.py), as a SIGKILL
+there would; the *rescuer* (another queue) is a healthy worker whose reconciler
+must find what the dead one left and move it on. After each fault the
+invariants hold: every tree settled, each child applied once, exact totals,
+nothing left in flight, nothing left on the due list.
+
+The clock is scaled down (a 3 s heartbeat lapse, a 0.5 s reconciler tick, a 3 s
+grace) so that each fault converges in seconds; the defaults scale the same way
+(docs/architecture.md, "Convergence").
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coordinator import Coordinator, Settings, TaskStatus
+from coordinator.fleet import WorkerFleet
+from tests.agents import STEP_COST_MICROS, agent, call, reply, subtask
+from tests.conftest import dedicated_fleet
+
+LAPSE_S = 3
+FAULT_SETTINGS = {
+    "queue": "subq-fault",
+    "heartbeat_lapse_s": LAPSE_S,
+    "reconcile_interval_s": 0.5,
+    "reconcile_grace_s": 3,
+    "task_time_limit_s": 60,
+    "visibility_timeout_s": 300,  # far beyond each test: the reconciler, not the broker, converges them
+}
+# Kill, lapse, a tick, a run, and the parent's resume, with room for a loaded CI machine.
+CONVERGE_S = 45
+
+
+@pytest.fixture(scope="module")
+def fault_settings(settings: Settings) -> Settings:
+    assert settings.redis_url
+    return settings.model_copy(update={**FAULT_SETTINGS, "redis_url": settings.redis_url.rsplit("/", 1)[0] + "/2"})
+
+
+@pytest.fixture(scope="module")
+def rescuer(fault_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
+    """A healthy worker on a queue of its own; its reconciler must repair what the crashing one left."""
+    with dedicated_fleet(
+        fault_settings, tmp_path_factory.mktemp("rescuer"), 1, queue="subq-rescue", worker_concurrency=4
+    ) as (coord, _fleet):
+        yield coord
+
+
+@pytest.fixture
+def coord(fault_settings: Settings, rescuer: Coordinator) -> Iterator[Coordinator]:
+    """Publishes to the crashing worker's queue."""
+    coord = Coordinator(fault_settings)
+    yield coord
+    coord.close()
+
+
+def crashing_worker(settings: Settings, log_dir: Path, point: str = "") -> WorkerFleet:
+    own = settings.model_copy(update={"fault_crash_at": point, "worker_concurrency": 1})
+    fleet = WorkerFleet(own, 1, log_dir, name="crash")
+    fleet.wait_ready()
+    return fleet
+
+
+def died(fleet: WorkerFleet, timeout_s: float = 30) -> None:
+    fleet.procs[0].wait(timeout=timeout_s)
+    assert fleet.procs[0].returncode == -signal.SIGKILL, fleet.logs[0].read_text(errors="replace")[-2000:]
+
+
+def assert_converged(coord: Coordinator, root_id: str) -> None:
+    """Every task settled, each child applied once to its item, exact totals, nothing in flight."""
+    records = [coord.get_task(t) for t in coord.store.tree_task_ids(root_id)]
+    for record in records:
+        assert record.status.terminal or (record.runner == "caller" and record.status == TaskStatus.ACTIVE), record
+        for batch_id in [record.waiting_batch_id] if record.waiting_batch_id else []:
+            assert coord.get_batch(batch_id).status == "done"
+    own = sum(r.cost_micros for r in records)
+    assert coord.get_task(root_id).total_cost_micros == own, "the root's total is the sum of every own cost"
+    for parent in records:
+        for item in coord.get_todos(parent.id):
+            if item.subtask_id:
+                child = coord.get_task(item.subtask_id)
+                assert item.cost_micros == child.total_cost_micros, (item, child)
+    assert coord.store.in_flight(root_id) == {"running": 0, "admission": 0, "awaiting": 0, "leases": 0, "watched": 0}
+
+
+def repairs_since(coord: Coordinator, before: dict[str, int]) -> dict[str, int]:
+    now = coord.store.repairs()
+    return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
+
+
+def test_a_child_killed_between_its_end_and_its_write_back(coord: Coordinator, tmp_path: Path) -> None:
+    before = coord.store.repairs()
+    fleet = crashing_worker(coord.settings, tmp_path, "after-finish")
+    try:
+        parent = coord.create_task("Two children", todos="[ ] a\n[ ] b")
+        items = coord.get_todos(parent.id)
+        batch = coord.delegate(
+            parent.id,
+            [subtask("a", reply("a done"), todo_id=items[0].id), subtask("b", reply("b done"), todo_id=items[1].id)],
+        )
+        died(fleet)
+    finally:
+        fleet.stop()
+    coord.wait(parent.id, CONVERGE_S)
+    assert coord.get_batch(batch.id).status == "done"
+    assert [t.cost_micros for t in coord.get_todos(parent.id)] == [STEP_COST_MICROS, STEP_COST_MICROS]
+    assert_converged(coord, parent.id)
+    assert repairs_since(coord, before).get("ended-not-written-back") == 1
+
+
+@pytest.mark.parametrize("point", ["after-commit", "after-claim-publish"])
+def test_an_agent_killed_between_its_delegation_and_its_publish(coord: Coordinator, tmp_path: Path, point: str) -> None:
+    fleet = crashing_worker(coord.settings, tmp_path, point)
+    try:
+        root = coord.create_task(
+            agent(
+                call("run_subagents", tasks=[subtask("A", reply("A done")), subtask("B", reply("B done"))]),
+                call("attempt_completion", result="both done"),
+            ),
+            run=True,
+        )
+        died(fleet)
+    finally:
+        fleet.stop()
+    done = coord.wait(root.id, CONVERGE_S)
+    assert done.status == TaskStatus.COMPLETED and done.summary == "both done"
+    assert [c.summary for c in coord.get_children(root.id)] == ["A done", "B done"]
+    assert_converged(coord, root.id)
+
+
+def test_a_parent_whose_resume_was_never_published(coord: Coordinator, tmp_path: Path) -> None:
+    before = coord.store.repairs()
+    fleet = crashing_worker(coord.settings, tmp_path, "after-close")
+    try:
+        root = coord.create_task(
+            agent(
+                call("run_subagents", tasks=[subtask("A", reply("A done"))]), call("attempt_completion", result="ok")
+            ),
+            run=True,
+        )
+        died(fleet)
+    finally:
+        fleet.stop()
+    done = coord.wait(root.id, CONVERGE_S)
+    assert done.status == TaskStatus.COMPLETED and done.summary == "ok"
+    assert_converged(coord, root.id)
+    assert repairs_since(coord, before).get("run-lost", 0) >= 1, "the parent's resume was published again"
+
+
+def test_a_worker_killed_mid_run_resumes_elsewhere_after_the_lapse(coord: Coordinator, tmp_path: Path) -> None:
+    fleet = crashing_worker(coord.settings, tmp_path)
+    try:
+        parent = coord.create_task("One slow child", todos="[ ] slow")
+        slow = {"reply": "slow done", "usage": {"input": 10, "output": 5}, "latency_ms": 4000}
+        batch = coord.delegate(parent.id, [{"description": "slow", "message": agent(slow)}])
+        child_id = batch.child_ids[0]
+        deadline = time.monotonic() + 30
+        while coord.store.in_flight(parent.id)["leases"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(fleet.procs[0].pid, signal.SIGKILL)
+        killed = time.monotonic()
+    finally:
+        fleet.stop()
+    coord.wait(parent.id, CONVERGE_S)
+    took_s = time.monotonic() - killed
+    child = coord.get_task(child_id)
+    assert child.status == TaskStatus.COMPLETED and child.summary == "slow done"
+    assert coord.store.task_field(child_id, "run_seq") == "2", "it ran again, once"
+    # The lapse, a tick and a grace at most before it runs again, then its 4 s request.
+    assert took_s < LAPSE_S + 0.5 + 3 + 4 + 10, f"resumed and finished {took_s:.1f} s after the kill"
+    assert_converged(coord, parent.id)
+
+
+def test_a_run_longer_than_the_lapse_is_never_run_twice_while_its_worker_lives(
+    coord: Coordinator, tmp_path: Path
+) -> None:
+    """The stand-in for a two-hour run: four heartbeat lapses long, on a live worker."""
+    fleet = crashing_worker(coord.settings, tmp_path)
+    try:
+        parent = coord.create_task("One long child", todos="[ ] long")
+        long = {"reply": "long done", "usage": {"input": 10, "output": 5}, "latency_ms": 4 * LAPSE_S * 1000}
+        batch = coord.delegate(parent.id, [{"description": "long", "message": agent(long)}])
+        coord.wait(parent.id, CONVERGE_S)
+    finally:
+        fleet.stop()
+    child_id = batch.child_ids[0]
+    assert coord.get_task(child_id).summary == "long done"
+    assert coord.store.task_field(child_id, "run_seq") == "1", "never run a second time"
+    assert coord.store.task_field(child_id, "repairs") is None, "never published again"
+    assert_converged(coord, parent.id)

@@ -1,0 +1,62 @@
+"""A worker's background duties: the reconciler's loop, and handing runs back on shutdown.
+
+Hooked on Celery's worker signals, in the worker's main process (the default
+threads pool runs the subagents in that process too):
+- `worker_ready`: a daemon thread runs `Reconciler.tick` every
+  `SUBQ_RECONCILE_INTERVAL_S`; every worker runs one and the leader lease lets
+  one of them work at a time, so no extra service is deployed. Each tick also
+  beats the process's heartbeat (`<p>:workers`), idle or not.
+- `worker_shutting_down` (SIGTERM, SIGINT, SIGQUIT): every run of this process
+  hands itself back at its next step boundary, within `SUBQ_SHUTDOWN_GRACE_S`
+  (coordinator/runs.py), while Celery's warm shutdown waits for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from celery.signals import worker_ready, worker_shutting_down
+
+from coordinator.reconciler import Reconciler
+from workers.app import app, settings
+from workers.runtime.context import get_runtime
+
+__all__ = ["reconcile_forever"]
+
+log = logging.getLogger(__name__)
+
+
+def reconcile_forever(reconciler: Reconciler, interval_s: float, stop: threading.Event | None = None) -> None:
+    """Tick until `stop` is set (never, in a worker: the thread dies with the process)."""
+    stop = stop or threading.Event()
+    while not stop.wait(interval_s):
+        started = time.monotonic()
+        try:
+            reconciler.beat()
+            reconciler.tick()
+        except Exception:  # Redis down, a bad record: log it and try again next tick
+            log.exception("subq reconciler: a tick failed")
+        if time.monotonic() - started > interval_s:
+            log.warning("subq reconciler: a tick took %.1f s", time.monotonic() - started)
+
+
+def _start_reconciler(sender: Any = None, **_: Any) -> None:
+    name = f"{getattr(sender, 'hostname', 'worker')}:{os.getpid()}"
+    reconciler = Reconciler(get_runtime(settings, app).coordinator, name)
+    threading.Thread(
+        target=reconcile_forever, args=(reconciler, settings.reconcile_interval_s), name="subq-reconciler", daemon=True
+    ).start()
+
+
+def _hand_back_runs(**_: Any) -> None:
+    get_runtime(settings, app).lifecycle.drain(settings.shutdown_grace_s)
+
+
+# Connected by call, not by decorator: Celery's decorators are untyped (mypy --strict);
+# weak=False because the receivers are module functions that must live as long as the worker.
+worker_ready.connect(_start_reconciler, weak=False)
+worker_shutting_down.connect(_hand_back_runs, weak=False)
