@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from coordinator.errors import (
+        BrokerError,
         ConfigError,
         ConflictError,
         CorruptError,
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     **dict.fromkeys(
         (
+            "BrokerError",
             "ConfigError",
             "ConflictError",
             "CorruptError",
@@ -99,6 +101,7 @@ _EXPORTS = {
 __all__ = [
     "OFFLINE_PROFILE",
     "Batch",
+    "BrokerError",
     "ConfigError",
     "ConflictError",
     "Coordinator",

@@ -35,6 +35,7 @@ GATHER = "subq.gather"
 ADVANCE = "subq.advance"
 EXPIRE_APPROVAL = "subq.expire_approval"
 SUBMIT = "subq.submit"
+BACKEND_RETRY_POLICY = {"max_retries": 5, "interval_start": 0, "interval_step": 0.5, "interval_max": 1}
 # Flower shows kwargsrepr; a profile name is short, anything longer is not a name.
 PROFILE_REPR_CHARS = 40
 
@@ -51,7 +52,7 @@ def describe_kwargs(kwargs: Mapping[str, Any]) -> str:
             parts.append(f"todos=<{lines} items>")
         elif name == "subtasks":
             parts.append(f"subtasks=<{len(value) if isinstance(value, list) else '?'}>")
-        elif name in ("profile", "run", "mode"):
+        elif name in ("profile", "run", "mode", "idempotency_key"):
             shown = value if isinstance(value, bool) or value is None else str(value)[:PROFILE_REPR_CHARS]
             parts.append(f"{name}={shown!r}")
         else:
@@ -115,7 +116,9 @@ def make_app(settings: Settings) -> Celery:
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         broker_transport_options=broker_transport,
-        result_backend_transport_options=transport,
+        # A result store that is down fails a publish in about three seconds (Celery's own
+        # policy retries for 19 s); the caller gets a BrokerError and the reconciler retries.
+        result_backend_transport_options={**transport, "retry_policy": BACKEND_RETRY_POLICY},
         task_time_limit=settings.task_time_limit_s,
         task_default_queue=settings.queue,
         task_routes={"subq.*": {"queue": settings.queue}},

@@ -183,7 +183,10 @@ def publish(coord: Coordinator, batch: Batch, children: list[TaskRecord]) -> Non
             dispatch.publish_batch(coord.app, batch, children)
         except Exception as exc:  # kombu's errors, whatever the transport
             store.unclaim_batch_publish(batch.id)
-            raise BrokerError(f"The broker did not take batch {batch.id}: {one_line(str(exc))}") from exc
+            raise BrokerError(
+                f"The broker did not take batch {batch.id}; it is published again once the broker is back: "
+                f"{one_line(str(exc))}"
+            ) from exc
     store.unwatch([batch.parent_id])
 
 
@@ -214,6 +217,7 @@ def submit(
     subtasks: Sequence[SubtaskSpec | dict[str, Any]],
     mode: DelegationMode | str = "parallel",
     budget_usd: Decimal | float | str | None = None,
+    idempotency_key: str | None = None,
 ) -> Submission:
     """Create a caller-owned root and delegate `subtasks` to it, or refuse and write nothing.
 
@@ -222,6 +226,8 @@ def submit(
     before the root exists. Only Redis or the broker can then fail; the root is
     then ended visibly (`failed`, with the reason) rather than left waiting, and
     the error is returned beside it, so the caller can name the root it created.
+    With an `idempotency_key`, a repeated submission returns what the first made:
+    its root and batch (or delegates now, if the first died before it could).
     """
     checked_mode = check_mode(mode)
     checked = check_subtasks(coord, subtasks)
@@ -232,11 +238,27 @@ def submit(
     root_budget = budgets.to_micros(budget_usd, "budget_usd")
     child_budgets = [budgets.to_micros(s.budget_usd, f"subtasks.{n}.budget_usd") for n, s in enumerate(checked)]
     budgets.check_within(root_budget or None, child_budgets)
-    parent = coord.create_task(prompt, todos=todos, profile=profile, run=False, budget_usd=budget_usd)
+    parent, created = coord.create_task_once(
+        prompt, todos=todos, profile=profile, run=False, budget_usd=budget_usd, idempotency_key=idempotency_key
+    )
+    if not created and (done := _submitted(coord, parent)) is not None:
+        return done
     try:
         batch = delegate(coord, parent.id, checked, checked_mode)
+    except StateError:
+        if not created and (done := _submitted(coord, coord.get_task(parent.id))) is not None:
+            return done  # a concurrent duplicate delegated first
+        raise
     except SubqError as exc:
         log.error("subq: delegation of the new root %s failed after it was created: %s", parent.id, exc)
         coord.store.finish_task(parent.id, "failed", error=str(exc), error_class=type(exc).__name__)
         return Submission(task=parent, error=exc)
     return Submission(task=parent, batch=batch)
+
+
+def _submitted(coord: Coordinator, parent: TaskRecord) -> Submission | None:
+    """What an earlier submission with the same key made of `parent`; None if it made no batch yet."""
+    if parent.status.terminal:
+        return Submission(task=parent, error=StateError(parent.error or "the submission failed", field="subtasks"))
+    batch_id = parent.waiting_batch_id or (coord.get_task(parent.child_ids[0]).batch_id if parent.child_ids else None)
+    return Submission(task=parent, batch=coord.get_batch(batch_id)) if batch_id else None

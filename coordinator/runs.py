@@ -343,6 +343,7 @@ class Run:
         """Queue the task again for another worker (its conversation is saved) and free this one."""
         coord = self._coord
         coord.store.watch([self.task.id], coord.settings.reconcile_grace_s)  # a lost message is published again
+        coord.store.reset_deliveries(self.task.id)  # handed back is not lost: SUBQ_MAX_DELIVERIES counts losses
         self._release()
         task = coord.store.get_task(self.task.id)
         if not task.status.terminal:

@@ -55,6 +55,8 @@ __all__ = ["Coordinator"]
 # short enough to notice a deadline, long enough not to spin.
 WAIT_SLICE_MS = 1000
 MAX_PROMPT_CHARS = 200_000
+# An idempotency key is an id the caller chose (a UUID, a message id), not a document.
+MAX_IDEMPOTENCY_KEY_CHARS = 200
 # History pages: enough for a screen, bounded so one call stays cheap.
 DEFAULT_PAGE = 50
 MAX_PAGE = 500
@@ -93,13 +95,27 @@ class Coordinator:
         profile: str | None = None,
         run: bool = False,
         budget_usd: Decimal | float | str | None = None,
+        idempotency_key: str | None = None,
     ) -> TaskRecord:
         """Create a root task.
 
         With `run=False` the caller owns it and delegates through this API; with
         `run=True` it starts as an agent on the fleet (its model plans, delegates
-        and completes), and `wait()` returns when it has ended.
+        and completes), and `wait()` returns when it has ended. With an
+        `idempotency_key`, a second call with the same key returns the first root.
         """
+        return self.create_task_once(prompt, todos, profile, run, budget_usd, idempotency_key)[0]
+
+    def create_task_once(
+        self,
+        prompt: str,
+        todos: str | Sequence[object] | None = None,
+        profile: str | None = None,
+        run: bool = False,
+        budget_usd: Decimal | float | str | None = None,
+        idempotency_key: str | None = None,
+    ) -> tuple[TaskRecord, bool]:
+        """`create_task`, and whether this call created the root (False: the key's first call did)."""
         prompt = text_field(prompt, "prompt", MAX_PROMPT_CHARS)
         if not isinstance(run, bool):
             raise ValidationError("run must be true or false", field="run")
@@ -107,8 +123,15 @@ class Coordinator:
         self.settings.profile(profile_name)
         budget_micros = budgets.to_micros(budget_usd, "budget_usd")
         items = todo_lists.parse_update(todos) if todos is not None else []
-        now = time.time()
         root_id = ids.new_root_id()
+        if idempotency_key is not None:
+            # The key names its root before the root exists: a retry after a crash in
+            # between creates that same root, and a concurrent duplicate finds it.
+            key = text_field(idempotency_key, "idempotency_key", MAX_IDEMPOTENCY_KEY_CHARS)
+            root_id = self.store.claim_idempotency(key, root_id)
+            if self.store.task_exists(root_id):
+                return self.store.get_task(root_id), False
+        now = time.time()
         record = TaskRecord(
             id=root_id,
             root_id=root_id,
@@ -123,10 +146,11 @@ class Coordinator:
         )
         if run:  # first: a run whose message is lost is published again by the reconciler
             self.store.watch([root_id], self.settings.reconcile_grace_s)
-        self.store.create_root(record, items)
+        if not self.store.create_root(record, items):
+            return self.store.get_task(root_id), False
         if run:
             dispatch.publish_run(self.app, record)
-        return record
+        return record, True
 
     def get_task(self, task_id: str) -> TaskRecord:
         return self.store.get_task(task_id)
@@ -218,10 +242,18 @@ class Coordinator:
         profile: str | None = None,
         mode: DelegationMode | str = "parallel",
         budget_usd: Decimal | float | str | None = None,
+        idempotency_key: str | None = None,
     ) -> delegation.Submission:
         """Create a caller-owned root and delegate `subtasks` to it in one operation (`subq.submit`)."""
         return delegation.submit(
-            self, prompt, todos=todos, profile=profile, subtasks=subtasks, mode=mode, budget_usd=budget_usd
+            self,
+            prompt,
+            todos=todos,
+            profile=profile,
+            subtasks=subtasks,
+            mode=mode,
+            budget_usd=budget_usd,
+            idempotency_key=idempotency_key,
         )
 
     # -- control (coordinator/control.py, approvals.py) ---------------------------------

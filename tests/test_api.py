@@ -589,6 +589,9 @@ CREATE_422 = [
     ({"prompt": "  \n "}, "invalid_input", "prompt", "prompt must be a non-empty string"),
     ({"prompt": 5}, "invalid_input", "prompt", "Input should be a valid string"),
     ({"prompt": "x", "run": "yes"}, "invalid_input", "run", "Input should be a valid boolean"),
+    ({"prompt": "x", "idempotency_key": ""}, "invalid_input", "idempotency_key", "at least 1 character"),
+    ({"prompt": "x", "idempotency_key": "k" * 201}, "invalid_input", "idempotency_key", "at most 200 characters"),
+    ({"prompt": "x", "idempotency_key": 7}, "invalid_input", "idempotency_key", "Input should be a valid string"),
     ({"prompt": "x", "profile": "gpt-9"}, "invalid_profile", "profile", "Invalid profile: gpt-9"),
     ({"prompt": "x", "todos": "just prose"}, "invalid_todos", "todos", "The todo update has no items"),
     (
@@ -599,6 +602,18 @@ CREATE_422 = [
     ),
     ({"prompt": "x", "todos": {"content": "a"}}, "invalid_todos", "todos", "must be markdown text or a list"),
 ]
+
+
+def test_a_retried_create_with_the_same_key_returns_the_first_root(idle: Coordinator, idle_http: httpx.Client) -> None:
+    body = {"prompt": "once", "run": True, "idempotency_key": f"req-{time.time_ns()}"}
+    first = idle_http.post("/v1/tasks", json=body)
+    queued = idle.client.llen(idle.settings.queue)
+    again = idle_http.post("/v1/tasks", json=body)
+    assert first.status_code == again.status_code == 201
+    assert again.json()["id"] == first.json()["id"]
+    assert idle.client.llen(idle.settings.queue) == queued, "its run was not published a second time"
+    other = idle_http.post("/v1/tasks", json={**body, "idempotency_key": body["idempotency_key"] + "-2"})
+    assert other.json()["id"] != first.json()["id"]
 
 
 @pytest.mark.parametrize(("body", "code", "field", "message"), CREATE_422)

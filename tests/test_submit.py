@@ -124,6 +124,10 @@ BAD_SUBMISSIONS: list[tuple[str, tuple[Any, ...], dict[str, Any], str, str, str]
      "invalid_todos", "todos", "has no items"),
     ("bad prompt with subtasks", (), {"prompt": "", "run": False, "subtasks": [_spec()]},
      "invalid_input", "prompt", "prompt must be a non-empty string"),
+    ("idempotency key not text", (), {"prompt": "p", "idempotency_key": 5},
+     "invalid_input", "idempotency_key", "idempotency_key must be a non-empty string"),
+    ("idempotency key too long", (), {"prompt": "p", "idempotency_key": "k" * 201},
+     "invalid_input", "idempotency_key", "idempotency_key is 201 characters; the limit is 200"),
 ]  # fmt: skip
 
 
@@ -189,3 +193,38 @@ def test_subqs_own_app_publishes_a_submission_with_a_safe_summary(idle_coordinat
     headers = json.loads(raw)["headers"]
     assert headers["kwargsrepr"] == f"prompt=<{len(secret)} chars> run=True"
     assert secret not in headers["kwargsrepr"] and secret not in headers["argsrepr"]
+
+
+def test_one_message_delivered_twice_makes_one_root(idle_coordinator: Coordinator) -> None:
+    """A worker lost after it started a submission: the message's second delivery returns the first root."""
+    kwargs = {"prompt": "p", "run": False, "todos": "[ ] a", "subtasks": [_spec()]}
+    first = submit(idle_coordinator, (), kwargs, message_id="msg-twice")
+    roots = idle_coordinator.client.zcard(idle_coordinator.store.keys.roots())
+    queued = idle_coordinator.client.llen(idle_coordinator.settings.queue)
+    again = submit(idle_coordinator, (), kwargs, message_id="msg-twice")
+    assert again == first and set(first) == {"task_id", "batch_id"}
+    assert idle_coordinator.client.zcard(idle_coordinator.store.keys.roots()) == roots, "no second root"
+    assert idle_coordinator.client.llen(idle_coordinator.settings.queue) == queued, "nothing published twice"
+    assert len(idle_coordinator.get_children(first["task_id"])) == 1
+    other = submit(idle_coordinator, (), kwargs, message_id="msg-other")
+    assert other["task_id"] != first["task_id"]
+
+
+def test_a_submission_whose_first_delivery_died_before_delegating_delegates_once(
+    idle_coordinator: Coordinator,
+) -> None:
+    coord = idle_coordinator
+    parent, created = coord.create_task_once("p", run=False, idempotency_key="subq.submit:msg-half")
+    assert created  # and the process died here, before the delegation
+    result = submit(coord, (), {"prompt": "p", "run": False, "subtasks": [_spec()]}, message_id="msg-half")
+    assert result["task_id"] == parent.id and "batch_id" in result
+    assert len(coord.get_children(parent.id)) == 1
+
+
+def test_an_idempotency_key_sent_by_name_returns_the_first_root(
+    producer: Celery, settings: Settings, coordinator: Coordinator
+) -> None:
+    key = f"order-{coordinator.store.next_numbers(1)}"
+    first = send(producer, settings, prompt="p", run=False, idempotency_key=key)
+    again = send(producer, settings, prompt="p", run=False, idempotency_key=key)
+    assert first == again and coordinator.get_task(first["task_id"]).status == TaskStatus.ACTIVE

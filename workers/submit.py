@@ -28,13 +28,19 @@ __all__ = ["FIELDS", "SubmitRequest", "register", "submit"]
 
 log = logging.getLogger(__name__)
 
-FIELDS = ("prompt", "todos", "profile", "run", "subtasks", "mode")
+FIELDS = ("prompt", "todos", "profile", "run", "subtasks", "mode", "idempotency_key")
 
 
-def submit(coord: Coordinator, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """Validate a submission and start it; `{"task_id", "batch_id"?}` or `{"error": {...}}`."""
+def submit(
+    coord: Coordinator, args: Sequence[Any], kwargs: Mapping[str, Any], message_id: str | None = None
+) -> dict[str, Any]:
+    """Validate a submission and start it; `{"task_id", "batch_id"?}` or `{"error": {...}}`.
+
+    Idempotent: by `idempotency_key` when given, else by the message's id, so a
+    message delivered twice (a worker lost after starting it) makes one root.
+    """
     try:
-        return _submit(coord, args, kwargs)
+        return _submit(coord, args, kwargs, message_id)
     except SubqError as exc:
         return error_result(exc)
 
@@ -43,7 +49,9 @@ def error_result(exc: SubqError, **extra: str) -> dict[str, Any]:
     return {"error": {"code": exc.code, "message": exc.message, "field": exc.field}, **extra}
 
 
-def _submit(coord: Coordinator, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+def _submit(
+    coord: Coordinator, args: Sequence[Any], kwargs: Mapping[str, Any], message_id: str | None
+) -> dict[str, Any]:
     """The message's shape (keyword arguments only, known fields), then the service's own operation."""
     if args:
         raise ValidationError(
@@ -60,17 +68,22 @@ def _submit(coord: Coordinator, args: Sequence[Any], kwargs: Mapping[str, Any]) 
         raise ValidationError("profile must be a profile name (a string)", field="profile")
     if not isinstance(run, bool):
         raise ValidationError("run must be true or false", field="run")
+    key = kwargs.get("idempotency_key")
+    if key is None and message_id:
+        key = f"subq.submit:{message_id}"
     if subtasks is None:
         if mode is not None:
             raise ValidationError("mode applies only together with subtasks", field="mode")
-        return {"task_id": coord.create_task(prompt, todos=todos, profile=profile, run=run).id}
+        return {"task_id": coord.create_task(prompt, todos=todos, profile=profile, run=run, idempotency_key=key).id}
     if run:
         raise ValidationError(
             "subtasks need run=false: the caller owns a parent it delegates to "
             "(an agent root, run=true, plans its own subtasks)",
             field="run",
         )
-    done = coord.submit(prompt, todos=todos, profile=profile, subtasks=subtasks, mode=mode or "parallel")
+    done = coord.submit(
+        prompt, todos=todos, profile=profile, subtasks=subtasks, mode=mode or "parallel", idempotency_key=key
+    )
     if done.error is not None:
         return error_result(done.error, task_id=done.task.id)
     assert done.batch is not None
@@ -98,12 +111,12 @@ def register(app: Celery, settings: Settings) -> Task:
     A function rather than a module-level decorator, so this module imports
     without settings (its plain functions are tested directly), and because
     Celery's decorator is untyped, which mypy --strict refuses on a decorated
-    function. Not retried: a submission is not idempotent (a second delivery
-    would start a second root).
+    function. A second delivery of one message returns the root the first made
+    (the message id is its idempotency key).
     """
 
-    def run_submit(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        return submit(get_runtime(settings, app).coordinator, args, kwargs)
+    def run_submit(self: Task, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return submit(get_runtime(settings, app).coordinator, args, kwargs, message_id=self.request.id)
 
-    task: Task = app.task(name=SUBMIT, Request=SubmitRequest)(run_submit)
+    task: Task = app.task(name=SUBMIT, bind=True, Request=SubmitRequest)(run_submit)
     return task

@@ -71,7 +71,12 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     def create_task(body: CreateTaskBody) -> TaskRecord:
         """A caller-owned task (`run: false`, you delegate) or an agent on the fleet (`run: true`)."""
         return coord.create_task(
-            body.prompt, todos=body.todos, profile=body.profile, run=body.run, budget_usd=body.budget_usd
+            body.prompt,
+            todos=body.todos,
+            profile=body.profile,
+            run=body.run,
+            budget_usd=body.budget_usd,
+            idempotency_key=body.idempotency_key,
         )
 
     @router.post(

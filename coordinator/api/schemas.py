@@ -92,6 +92,10 @@ class CreateTaskBody(BaseModel):
         default=None, gt=0, max_digits=12, decimal_places=6,
         description="Most the whole tree may spend, in US dollars; it stops there (docs/control.md)",
     )  # fmt: skip
+    idempotency_key: str | None = Field(
+        default=None, min_length=1, max_length=200,
+        description="A key of the caller's choosing: a retried request with the same key returns the first root",
+    )  # fmt: skip
 
 
 class CancelBody(BaseModel):

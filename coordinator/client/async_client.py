@@ -80,8 +80,9 @@ class AsyncSubqClient:
         profile: str | None = None,
         run: bool = False,
         budget_usd: Decimal | float | str | None = None,
+        idempotency_key: str | None = None,
     ) -> TaskRecord:
-        return await self._send(calls.create_task(prompt, todos, profile, run, budget_usd))
+        return await self._send(calls.create_task(prompt, todos, profile, run, budget_usd, idempotency_key))
 
     async def cancel(self, task_id: str, reason: str) -> TaskRecord:
         return await self._send(calls.cancel(task_id, reason))

@@ -101,9 +101,16 @@ def task_path(task_id: str, suffix: str = "") -> str:
 
 
 def create_task(
-    prompt: str, todos: object, profile: str | None, run: bool, budget_usd: Decimal | float | str | None
+    prompt: str,
+    todos: object,
+    profile: str | None,
+    run: bool,
+    budget_usd: Decimal | float | str | None,
+    idempotency_key: str | None = None,
 ) -> Call[TaskRecord]:
     body: dict[str, Any] = {"prompt": prompt, "run": run}
+    if idempotency_key is not None:
+        body["idempotency_key"] = idempotency_key
     if todos is not None:
         body["todos"] = todos
     if profile is not None:

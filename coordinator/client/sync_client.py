@@ -75,9 +75,13 @@ class SubqClient:
         profile: str | None = None,
         run: bool = False,
         budget_usd: Decimal | float | str | None = None,
+        idempotency_key: str | None = None,
     ) -> TaskRecord:
-        """A root task: caller-owned (`run=False`, you delegate) or an agent on the fleet (`run=True`)."""
-        return self._send(calls.create_task(prompt, todos, profile, run, budget_usd))
+        """A root task: caller-owned (`run=False`, you delegate) or an agent on the fleet (`run=True`).
+
+        A retry with the same `idempotency_key` returns the first call's root, never a second one.
+        """
+        return self._send(calls.create_task(prompt, todos, profile, run, budget_usd, idempotency_key))
 
     def cancel(self, task_id: str, reason: str) -> TaskRecord:
         """Cancel the task and its subtree (docs/control.md); ConflictError-style 409 if it has ended."""

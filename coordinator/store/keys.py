@@ -31,6 +31,7 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:metrics:model-latency`           | hash   | model request latency histogram (buckets, count)   | permanent |
 | `<p>:approvals`                       | zset   | pending approval ids scored by creation time       | removed when decided |
 | `<p>:rate:<provider>`                 | zset   | start times of the provider's requests, last 60 s  | a minute |
+| `<p>:idempotency:<sha256 of the key>`| string | the root id a create call with that key made       | retention |
 | `<p>:due`                             | zset   | tasks a message should move on, scored by when the | removed when the task's run ends |
 |                                       |        | reconciler looks at them if none has (convergence) |          |
 | `<p>:timers`                          | zset   | delayed actions (`<kind>:<id>`) scored by due time | removed when done |
@@ -126,6 +127,9 @@ class Keys:
 
     def task_number(self) -> str:
         return f"{self.prefix}:task-number"
+
+    def idempotency(self, key_hash: str) -> str:
+        return f"{self.prefix}:idempotency:{key_hash}"
 
     def due(self) -> str:
         return f"{self.prefix}:due"

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from typing import Any, cast
+
+from redis.client import Pipeline
 
 from coordinator import todos as todo_lists
 from coordinator.errors import CorruptError, NotFoundError
@@ -134,18 +137,42 @@ class RecordStore(StoreBase):
     # -- creation and history numbers --------------------------------------------------
 
     @translate_redis_errors
-    def create_root(self, record: TaskRecord, todos: Sequence[TodoItem]) -> None:
+    def create_root(self, record: TaskRecord, todos: Sequence[TodoItem]) -> bool:
+        """Write a new root, or nothing when a task of that id exists (an idempotent retry); True if written."""
         root = record.root_id
         task_key, todos_key = self.keys.task(root, record.id), self.keys.todos(root, record.id)
         fields = _encode_record({**record.model_dump(exclude={"child_ids", "awaiting_ids"}), TaskField.ANCESTORS: []})
-        with self.client.pipeline(transaction=True) as pipe:
+
+        def body(pipe: Pipeline) -> bool:
+            if pipe.exists(task_key):
+                return False
+            pipe.multi()
             pipe.hset(task_key, mapping={**fields, TaskField.TODOS_VERSION: 0})
             pipe.expire(task_key, self.retention_s)
             self._write_todos(pipe, todos_key, todos)
             pipe.zadd(self.keys.tree_tasks(root), {record.id: record.created_at})
             pipe.expire(self.keys.tree_tasks(root), self.retention_s)
             pipe.execute()
+            return True
+
+        if not self._transaction([task_key], body):
+            return False
         self._index([record], root=True)
+        return True
+
+    @translate_redis_errors
+    def task_exists(self, task_id: str) -> bool:
+        return bool(self.client.exists(self.keys.task(root_of(task_id), task_id)))
+
+    @translate_redis_errors
+    def claim_idempotency(self, key: str, root_id: str) -> str:
+        """The root id the key names: `root_id` if this call is the key's first, else the first one's."""
+        name = self.keys.idempotency(hashlib.sha256(key.encode()).hexdigest())
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.set(name, root_id, nx=True, ex=self.retention_s)
+            pipe.get(name)
+            _, owner = pipe.execute()
+        return str(owner)
 
     @translate_redis_errors
     def next_numbers(self, count: int) -> int:

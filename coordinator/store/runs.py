@@ -45,6 +45,10 @@ class RunStore(RecordStore):
         return int(deliveries), int(run_seq)
 
     @translate_redis_errors
+    def reset_deliveries(self, task_id: str) -> None:
+        self.client.hset(self.keys.task(root_of(task_id), task_id), TaskField.DELIVERIES, 0)
+
+    @translate_redis_errors
     def acquire_lease(self, task_id: str, token: str, ttl_s: int) -> bool:
         """Take the task's run lease: no two deliveries run one task at once."""
         return bool(self.client.set(self.keys.lease(root_of(task_id), task_id), token, nx=True, ex=ttl_s))

@@ -1,0 +1,140 @@
+"""Convergence step by step, in process, against a real Redis: each repair the reconciler makes.
+
+The fault suite (tests/test_faults.py) kills real workers; these tests build
+each stuck state directly and run one reconciler tick, so each rule of
+coordinator/reconciler.py is checked on its own, and quickly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from coordinator import BrokerError, Coordinator, TaskStatus, delegation
+from coordinator.approvals import ToolCall, expiry_timer, park
+from coordinator.celery_app import make_app
+from coordinator.reconciler import Reconciler
+from tests.agents import agent, reply, subtask
+from tests.helpers import state
+from workers.runtime.context import build_runtime
+from workers.runtime.runner import run_child
+
+QUEUE = "subq-nobody"
+
+
+@pytest.fixture
+def coord(idle_coordinator: Coordinator) -> Iterator[Coordinator]:
+    """The idle coordinator with no grace, so each watched task is due at once."""
+    coord = Coordinator(idle_coordinator.settings.model_copy(update={"reconcile_grace_s": 1}))
+    keys = coord.store.keys
+    coord.client.delete(keys.due(), keys.timers(), keys.leader())  # what earlier tests left watched
+    yield coord
+    coord.close()
+
+
+def tick(coord: Coordinator, after_s: float = 0) -> dict[str, int]:
+    """One reconciler round once every watched task is due and has settled (SETTLE_S)."""
+    time.sleep(after_s)
+    for task_id in coord.store.watched():
+        coord.store.watch([task_id], -10, only_if_watched=True)
+        coord.store.client.hset(coord.store.keys.task(task_id[:16], task_id), "updated_at", time.time() - 60)
+    repairs = Reconciler(coord, "test").tick()
+    assert repairs is not None, "a lone reconciler leads"
+    return dict(repairs)
+
+
+def queued_ids(coord: Coordinator) -> list[str]:
+    return sorted(coord.store.queued_task_ids(QUEUE))
+
+
+def test_a_task_queued_in_the_broker_is_left_alone(coord: Coordinator) -> None:
+    root = coord.create_task(agent(reply("x")), run=True)
+    assert tick(coord) == {}
+    assert queued_ids(coord) == [root.id] and coord.client.llen(QUEUE) == 1, "not published twice"
+    assert root.id in coord.store.watched()
+
+
+def test_a_run_whose_message_was_lost_is_published_again(coord: Coordinator) -> None:
+    root = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)  # the broker lost it (a Redis restart)
+    assert tick(coord) == {"run-lost": 1}
+    assert queued_ids(coord) == [root.id]
+    assert coord.store.task_field(root.id, "repairs") == "1"
+    assert tick(coord) == {}, "its new message is in the queue: nothing more"
+
+
+def test_an_ended_child_never_written_back_is_applied_once(coord: Coordinator) -> None:
+    parent = coord.create_task("p", todos="[ ] a")
+    (item,) = coord.get_todos(parent.id)
+    batch = coord.delegate(parent.id, [subtask("a", reply("a"), todo_id=item.id)])
+    child_id = batch.child_ids[0]
+    coord.store.finish_task(child_id, "completed", "a done")  # and its process died here
+    assert tick(coord) == {"ended-not-written-back": 1}
+    assert coord.get_batch(batch.id).status == "done"
+    assert coord.get_todos(parent.id)[0].subtask_id == child_id
+    assert tick(coord) == {} and child_id not in coord.store.watched()
+
+
+def test_a_redelivered_run_of_an_ended_child_writes_it_back(coord: Coordinator) -> None:
+    parent = coord.create_task("p", todos="[ ] a")
+    batch = coord.delegate(parent.id, [subtask("a", reply("a"))])
+    coord.store.finish_task(batch.child_ids[0], "completed", "a done")
+    result = run_child(build_runtime(coord.settings, make_app(coord.settings)), batch.child_ids[0])
+    assert result.status == "completed"
+    assert coord.get_batch(batch.id).status == "done", "the redelivery wrote the child back and closed the batch"
+
+
+def test_a_delegation_committed_but_never_published(coord: Coordinator) -> None:
+    parent = coord.create_task("p")
+    batch, _children = delegation.commit(coord, parent.id, [subtask("a", reply("a")), subtask("b", reply("b"))])
+    assert coord.client.llen(QUEUE) == 0
+    assert tick(coord) == {"delegation-unpublished": 1}
+    assert set(queued_ids(coord)) == set(batch.child_ids)
+    assert tick(coord) == {}, "published once"
+
+
+def test_a_publish_the_broker_refuses_is_given_back(coord: Coordinator) -> None:
+    dead_broker = make_app(coord.settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"}))
+    refused = Coordinator(coord.settings, app=dead_broker)
+    parent = refused.create_task("p")
+    with pytest.raises(BrokerError, match=r"The broker did not take batch .*; it is published again"):
+        refused.delegate(parent.id, [subtask("a", reply("a"))])
+    record = coord.get_task(parent.id)
+    assert record.status == TaskStatus.DELEGATED and not coord.store.batch_published(record.waiting_batch_id)
+    assert tick(coord) == {"delegation-unpublished": 1}, "the reconciler publishes it once the broker is back"
+    assert len(queued_ids(coord)) == 1
+
+
+def test_run_task_refuses_a_caller_owned_task_and_changes_nothing(coord: Coordinator) -> None:
+    root = coord.create_task("owned by its caller", todos="[ ] a")
+    before = state(coord, root.id)
+    result = run_child(build_runtime(coord.settings, make_app(coord.settings)), root.id)
+    assert (result.status, result.error_class) == ("failed", "StateError")
+    assert result.error == f"task {root.id} is owned by its caller (runner 'caller'), not run by an agent"
+    assert state(coord, root.id) == before
+
+
+def test_an_approval_deadline_is_a_timer_not_a_broker_countdown(coord: Coordinator) -> None:
+    root = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    (approval,) = park(coord, coord.get_task(root.id), [ToolCall("run_command", {"command": "ls"}, "call-1")])
+    assert coord.client.llen(QUEUE) == 0, "no countdown message"
+    timers = dict(coord.client.zrange(coord.store.keys.timers(), 0, -1, withscores=True))
+    assert timers[expiry_timer(approval.id)] == pytest.approx(approval.deadline)
+    coord.client.zadd(coord.store.keys.timers(), {expiry_timer(approval.id): time.time() - 1})
+    coord.client.hset(coord.store.keys.approval(root.id, approval.id), "deadline", time.time() - 1)
+    tick(coord)
+    assert coord.store.get_approval(approval.id).status == "expired"
+    assert expiry_timer(approval.id) not in dict(coord.client.zrange(coord.store.keys.timers(), 0, -1, withscores=True))
+    assert queued_ids(coord) == [root.id], "the task resumes once, with the denial"
+
+
+def test_one_leader_at_a_time(coord: Coordinator) -> None:
+    first, second = Reconciler(coord, "first"), Reconciler(coord, "second")
+    coord.client.delete(coord.store.keys.leader())
+    assert first.tick() is not None
+    assert second.tick() is None, "the second waits while the first's lease lives"
+    coord.client.delete(coord.store.keys.leader())  # the first died: its lease lapsed
+    assert second.tick() is not None
