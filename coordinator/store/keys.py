@@ -31,6 +31,9 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:metrics:model-latency`           | hash   | model request latency histogram (buckets, count)   | permanent |
 | `<p>:approvals`                       | zset   | pending approval ids scored by creation time       | removed when decided |
 | `<p>:rate:<provider>`                 | zset   | start times of the provider's requests, last 60 s  | a minute |
+| `<p>:dead-letters`                    | list   | messages no worker could decode or validate, one   | capped: the newest 10,000 |
+|                                       |        | JSON object each, newest first (ts, queue, reason, |          |
+|                                       |        | task, id, the raw message cut to 64 KiB)           |          |
 """
 
 from __future__ import annotations
@@ -120,6 +123,9 @@ class Keys:
 
     def task_number(self) -> str:
         return f"{self.prefix}:task-number"
+
+    def dead_letters(self) -> str:
+        return f"{self.prefix}:dead-letters"
 
     def all_pattern(self) -> str:
         """A SCAN pattern matching every key of this prefix (tests, cleanup)."""
