@@ -36,6 +36,9 @@ ADVANCE = "subq.advance"
 EXPIRE_APPROVAL = "subq.expire_approval"
 SUBMIT = "subq.submit"
 BACKEND_RETRY_POLICY = {"max_retries": 5, "interval_start": 0, "interval_step": 0.5, "interval_max": 1}
+# The worker's consumer dead-letters a message it cannot decode or validate instead of dying
+# on it (coordinator/poison.py). Named, not imported: the coordinator plane never loads it.
+POISON_SAFE_CONSUMER = "coordinator.poison:PoisonSafeConsumer"
 # Flower shows kwargsrepr; a profile name is short, anything longer is not a name.
 PROFILE_REPR_CHARS = 40
 
@@ -89,6 +92,9 @@ class SubqCelery(Celery):  # type: ignore[misc]  # Celery ships no type hints
     summary; so the summary is computed here, at publish time, as well.
     """
 
+    # The settings the app was made from: the worker's consumer writes dead letters with them.
+    subq_settings: Settings | None = None
+
     def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         if name == SUBMIT and isinstance(kwargs, Mapping) and "kwargsrepr" not in options:
             options["kwargsrepr"] = describe_kwargs(kwargs)
@@ -132,4 +138,6 @@ def make_app(settings: Settings) -> Celery:
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
     )
+    app.conf.worker_consumer = POISON_SAFE_CONSUMER
+    app.subq_settings = settings
     return app

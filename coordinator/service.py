@@ -32,6 +32,7 @@ from celery import Celery
 from coordinator import approvals, budgets, control, delegation, dispatch, ids
 from coordinator import todos as todo_lists
 from coordinator.celery_app import make_app
+from coordinator.deadletters import DeadLetter
 from coordinator.errors import CorruptError, NotFoundError, ValidationError, WaitTimeout
 from coordinator.export import export_tree
 from coordinator.inputs import text_field
@@ -330,6 +331,25 @@ class Coordinator:
     def queue_depth(self) -> int:
         """Celery messages waiting in subq's queue (LLEN, as Celery's own tools report it)."""
         return self.store.queue_depth(self.settings.queue)
+
+    # -- dead letters: messages no worker could decode or validate (coordinator/poison.py) --
+
+    def record_dead_letter(self, entry: DeadLetter) -> None:
+        """Keep a message the worker's consumer took off a queue and could not run (capped list)."""
+        self.store.add_dead_letter(entry)
+
+    def dead_letters(self, limit: int = DEFAULT_PAGE) -> list[DeadLetter]:
+        """The newest `limit` dead letters, newest first."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
+            raise ValidationError(f"limit must be an integer between 1 and {MAX_PAGE}", field="limit")
+        return self.store.dead_letters(limit)
+
+    def count_dead_letters(self) -> int:
+        return self.store.count_dead_letters()
+
+    def purge_dead_letters(self) -> int:
+        """Delete every dead letter; returns how many there were."""
+        return self.store.purge_dead_letters()
 
     # -- waiting -----------------------------------------------------------------------
 

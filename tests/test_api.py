@@ -438,6 +438,8 @@ GUARDED = [
     ("GET", "/v1/approvals", None),
     # 404 of an unknown approval: tests/test_api_control.py
     ("POST", "/v1/approvals/{approval_id}", {"decision": "approve"}),
+    ("GET", "/v1/dead-letters", None),
+    ("DELETE", "/v1/dead-letters", None),
 ]
 
 

@@ -1,4 +1,4 @@
-"""The control endpoints: cancel a subtree, the approvals queue, a tree's live snapshot.
+"""The control endpoints: cancel a subtree, the approvals queue, a tree's live snapshot, dead letters.
 
 Thin calls into the Coordinator (docs/control.md), which validates before it
 writes; errors come back in the API's one shape.
@@ -12,9 +12,16 @@ from fastapi import APIRouter, Path, Query
 
 from coordinator.api.errors import error_responses
 from coordinator.api.routes import ROOT_ID_PATTERN, TaskId
-from coordinator.api.schemas import ApprovalList, CancelBody, DecisionBody, Snapshot
+from coordinator.api.schemas import (
+    ApprovalList,
+    CancelBody,
+    DeadLetterList,
+    DeadLettersPurged,
+    DecisionBody,
+    Snapshot,
+)
 from coordinator.models import Approval, TaskRecord
-from coordinator.service import Coordinator
+from coordinator.service import DEFAULT_PAGE, MAX_PAGE, Coordinator
 
 __all__ = ["control_routes"]
 
@@ -65,5 +72,26 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     def decide(approval_id: ApprovalId, body: DecisionBody) -> Approval:
         """A denial's feedback goes back to the task's model; 409 when it was already decided."""
         return coord.decide(approval_id, body.decision, body.feedback)
+
+    @router.get(
+        "/dead-letters",
+        response_model=DeadLetterList,
+        responses=error_responses(*denied, 422, 503),
+        summary="Messages no worker could decode or validate, newest first",
+    )
+    def list_dead_letters(
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="Most dead letters in the answer")] = DEFAULT_PAGE,
+    ) -> DeadLetterList:
+        """Each with the time, the queue, the reason, the task name and id when known, and the raw message."""
+        return DeadLetterList(count=coord.count_dead_letters(), dead_letters=coord.dead_letters(limit))
+
+    @router.delete(
+        "/dead-letters",
+        response_model=DeadLettersPurged,
+        responses=error_responses(*denied, 422, 503),
+        summary="Delete every dead letter",
+    )
+    def purge_dead_letters() -> DeadLettersPurged:
+        return DeadLettersPurged(purged=coord.purge_dead_letters())
 
     return router

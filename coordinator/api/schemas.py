@@ -16,12 +16,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema
 
+from coordinator.deadletters import DeadLetter
 from coordinator.models import Approval, DelegationMode, HistoryItem, LiveState, SubtaskSpec, TodoItem, TodoStatus
 
 __all__ = [
     "ApprovalList",
     "CancelBody",
     "CreateTaskBody",
+    "DeadLetterList",
+    "DeadLettersPurged",
     "DecisionBody",
     "DelegateBody",
     "DelegationResult",
@@ -121,6 +124,23 @@ class ApprovalList(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     approvals: list[Approval]
+
+
+class DeadLetterList(BaseModel):
+    """Messages no worker could decode or validate, newest first; `count` is how many are kept in all."""
+
+    model_config = ConfigDict(frozen=True)
+
+    count: int
+    dead_letters: list[DeadLetter]
+
+
+class DeadLettersPurged(BaseModel):
+    """DELETE /v1/dead-letters: how many dead letters were deleted."""
+
+    model_config = ConfigDict(frozen=True)
+
+    purged: int
 
 
 class Snapshot(BaseModel):

@@ -9,7 +9,7 @@ to the `SUBQ_` environment through `Settings`.
     common.py   the Typer app, the shared options, settings and the Coordinator
     stack.py    up, worker, api, flower, demo
     work.py     run (--follow), status, todos, tree, history, export
-    control.py  cancel, approvals, approve, deny
+    control.py  cancel, approvals, approve, deny, dead-letters
     views.py    what the read commands print, and `run --follow`'s live view
     entry.py    run_cli and main: failures as one line and an exit code
 
@@ -33,7 +33,7 @@ __all__ = ["app", "main", "run_cli"]
 COMMANDS = (
     *(stack.up, stack.worker, stack.api, stack.flower, stack.demo),
     *(work.run, work.status, work.todos, work.tree, work.history, work.export),
-    *(control.cancel, control.approvals, control.approve, control.deny),
+    *(control.cancel, control.approvals, control.approve, control.deny, control.dead_letters),
 )
 for _command in COMMANDS:
     app.command()(_command)

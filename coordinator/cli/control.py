@@ -1,4 +1,4 @@
-"""Control commands: cancel a subtree, and list, approve or deny tool calls waiting for a decision.
+"""Control commands: cancel a subtree; list, approve or deny tool calls waiting for a decision; dead letters.
 
 Plain functions: coordinator/cli/__init__.py adds them to the app.
 """
@@ -11,8 +11,12 @@ from typing import Annotated
 import typer
 
 from coordinator.cli.common import JsonOption, TaskId, connect
+from coordinator.errors import ValidationError
 
-__all__ = ["approvals", "approve", "cancel", "deny"]
+__all__ = ["approvals", "approve", "cancel", "dead_letters", "deny"]
+
+# A screenful; the service takes up to 500 at once.
+DEAD_LETTERS_SHOWN = 20
 
 ApprovalId = Annotated[str, typer.Argument(help="As `subq approvals` prints it.")]
 
@@ -67,3 +71,34 @@ def deny(
     with connect(ctx) as coord:
         decided = coord.decide(approval_id, "deny", feedback or None)
     typer.echo(f"Denied {decided.id}: task {decided.task_id} is told: {decided.feedback or 'the call was denied'}")
+
+
+def dead_letters(
+    ctx: typer.Context,
+    limit: Annotated[
+        int | None, typer.Option(help=f"Most to show, newest first (1-500, default {DEAD_LETTERS_SHOWN}).")
+    ] = None,
+    purge: Annotated[bool, typer.Option("--purge", help="Delete every dead letter instead of listing them.")] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """List the messages no worker could decode or validate (newest first), or delete them all with --purge."""
+    if purge and limit is not None:
+        raise ValidationError("--purge deletes every dead letter; it takes no --limit", field="limit")
+    with connect(ctx) as coord:
+        if purge:
+            purged = coord.purge_dead_letters()
+            typer.echo(json.dumps({"purged": purged}) if as_json else f"Purged {purged} dead letters.")
+            return
+        shown = coord.dead_letters(DEAD_LETTERS_SHOWN if limit is None else limit)
+        count = coord.count_dead_letters()
+    if as_json:
+        typer.echo(json.dumps([entry.model_dump(mode="json") for entry in shown], indent=2))
+        return
+    from coordinator.cli.views import dead_letter_lines
+
+    if not shown:
+        typer.echo("No dead letters.")
+    for line in dead_letter_lines(shown):
+        typer.echo(line)
+    if count > len(shown):
+        typer.echo(f"({count - len(shown)} older: subq dead-letters --limit {min(count, 500)})", err=True)

@@ -7,11 +7,13 @@ The commands import this module when they run: it loads the pydantic models
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import typer
 
+from coordinator.deadletters import DeadLetter
 from coordinator.models import MICROS_PER_USD, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem, format_usd
 from coordinator.render import MARKS, cut, describe, render_tree, walk
 from coordinator.tree import build_tree
@@ -19,10 +21,12 @@ from coordinator.tree import build_tree
 if TYPE_CHECKING:
     from coordinator.service import Coordinator
 
-__all__ = ["follow_run", "history_lines", "status_lines", "todo_lines"]
+__all__ = ["dead_letter_lines", "follow_run", "history_lines", "status_lines", "todo_lines"]
 
 # Long descriptions and todo items are cut so one task stays on one line.
 HISTORY_TASK_CHARS = 50
+# A dead letter's reason is one line; the whole of it is in --json.
+DEAD_LETTER_REASON_CHARS = 160
 # A live view redraws on every event of the tree's stream and at least this often:
 # a safety net, so an event trimmed from the capped stream cannot freeze the view.
 FOLLOW_POLL_MS = 1000
@@ -113,4 +117,14 @@ def history_lines(items: Sequence[HistoryItem]) -> list[str]:
             f"{format_usd(item.total_cost_micros):>10}  {item.total_tokens:>12}  {format_usd(subtree_micros):>10}  "
             f"{cut(first_line, HISTORY_TASK_CHARS)}"
         )
+    return lines
+
+
+def dead_letter_lines(entries: Sequence[DeadLetter]) -> list[str]:
+    """`subq dead-letters`: one line each, the time (UTC), the reason, then where it came from."""
+    lines = []
+    for entry in entries:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(entry.ts))
+        reason = cut(" ".join(entry.reason.split()), DEAD_LETTER_REASON_CHARS)
+        lines.append(f"{when}Z  {reason}  (queue {entry.queue}, task {entry.task or '-'}, id {entry.id or '-'})")
     return lines

@@ -21,6 +21,8 @@ from pydantic import TypeAdapter
 
 from coordinator.api.schemas import (
     ApprovalList,
+    DeadLetterList,
+    DeadLettersPurged,
     DelegationResult,
     Health,
     HistoryPage,
@@ -29,6 +31,7 @@ from coordinator.api.schemas import (
     TodoList,
 )
 from coordinator.client.errors import ApiError, error_of
+from coordinator.deadletters import DeadLetter
 from coordinator.errors import ValidationError, WaitTimeout
 from coordinator.models import (
     Approval,
@@ -89,6 +92,8 @@ _HEALTH = TypeAdapter(Health)
 _SNAPSHOT = TypeAdapter(Snapshot)
 _APPROVALS = TypeAdapter(ApprovalList)
 _APPROVAL = TypeAdapter(Approval)
+_DEAD_LETTERS = TypeAdapter(DeadLetterList)
+_PURGED = TypeAdapter(DeadLettersPurged)
 
 
 def task_path(task_id: str, suffix: str = "") -> str:
@@ -138,6 +143,15 @@ def decide(approval_id: str, decision: str, feedback: str | None) -> Call[Approv
     if feedback is not None:
         body["feedback"] = feedback
     return Call("POST", f"/v1/approvals/{quote(approval_id, safe='')}", _APPROVAL, json=body)
+
+
+def dead_letters(limit: int) -> Call[list[DeadLetter]]:
+    params = {"limit": limit}
+    return Call("GET", "/v1/dead-letters", _DEAD_LETTERS, unwrap=lambda page: page.dead_letters, params=params)
+
+
+def purge_dead_letters() -> Call[int]:
+    return Call("DELETE", "/v1/dead-letters", _PURGED, unwrap=lambda answer: answer.purged)
 
 
 def delegate(

@@ -15,6 +15,7 @@ from coordinator.client import calls
 from coordinator.client.calls import DEFAULT_TIMEOUT_S, Call, Sleep
 from coordinator.client.errors import error_of, unreachable
 from coordinator.client.sse import Event, SseParser
+from coordinator.deadletters import DeadLetter
 from coordinator.models import (
     Approval,
     DelegationMode,
@@ -97,6 +98,14 @@ class SubqClient:
 
     def decide(self, approval_id: str, decision: Literal["approve", "deny"], feedback: str | None = None) -> Approval:
         return self._send(calls.decide(approval_id, decision, feedback))
+
+    def dead_letters(self, limit: int = 50) -> list[DeadLetter]:
+        """Messages no worker could decode or validate, newest first (docs/api.md)."""
+        return self._send(calls.dead_letters(limit))
+
+    def purge_dead_letters(self) -> int:
+        """Delete every dead letter; returns how many there were."""
+        return self._send(calls.purge_dead_letters())
 
     def delegate(
         self, task_id: str, subtasks: Sequence[SubtaskSpec | Mapping[str, Any]], mode: DelegationMode = "parallel"

@@ -22,6 +22,7 @@ from `lua/`, loaded once and registered once per client. Redis errors become
 |                 | leader lease, repair counts                                               |
 | `events.py`     | a tree's event stream and live status                                     |
 | `metrics.py`    | the model-latency histogram, and the whole-prefix snapshot for tests      |
+| `deadletters.py`| the dead-letter list: messages no worker could decode or validate        |
 | `lua/*.lua`     | the atomic steps, each documenting its KEYS and ARGV                      |
 """
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 from coordinator.store.approvals import ApprovalStore
 from coordinator.store.base import EVENTS_MAXLEN, translate_redis_errors
 from coordinator.store.convergence import ConvergenceStore
+from coordinator.store.deadletters import DeadLetterStore
 from coordinator.store.delegation import DelegationStore
 from coordinator.store.events import EventStore
 from coordinator.store.keys import Keys
@@ -40,7 +42,9 @@ from coordinator.store.runs import RunStore
 __all__ = ["EVENTS_MAXLEN", "LATENCY_BUCKETS_MS", "Keys", "Store", "translate_redis_errors"]
 
 
-class Store(RunStore, DelegationStore, ApprovalStore, ConvergenceStore, EventStore, MetricStore, RecordStore):
+class Store(
+    RunStore, DelegationStore, ApprovalStore, ConvergenceStore, EventStore, MetricStore, RecordStore, DeadLetterStore
+):
     """subq state in Redis, for one key prefix: `Store(client, keys, retention_s)`.
 
     Every method of the concern mixins above, on one object (`coord.store`);

@@ -38,6 +38,9 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:reconciler`                      | string | the worker that leads the reconciler now           | a few ticks, renewed |
 | `<p>:workers`                         | zset   | worker processes scored by their last heartbeat    | pruned after a day |
 | `<p>:metrics:repairs`                 | hash   | repairs the reconciler made, counted by reason     | permanent |
+| `<p>:dead-letters`                    | list   | messages no worker could decode or validate, one   | capped: the newest 10,000 |
+|                                       |        | JSON object each, newest first (ts, queue, reason, |          |
+|                                       |        | task, id, the raw message cut to 64 KiB)           |          |
 """
 
 from __future__ import annotations
@@ -145,6 +148,9 @@ class Keys:
 
     def repairs(self) -> str:
         return f"{self.prefix}:metrics:repairs"
+
+    def dead_letters(self) -> str:
+        return f"{self.prefix}:dead-letters"
 
     def all_pattern(self) -> str:
         """A SCAN pattern matching every key of this prefix (tests, cleanup)."""

@@ -1,0 +1,51 @@
+"""The dead-letter list: queue messages no worker could decode or validate, newest first."""
+
+from __future__ import annotations
+
+import json
+
+import pydantic
+
+from coordinator.deadletters import MAX_DEAD_LETTERS, DeadLetter
+from coordinator.errors import CorruptError
+from coordinator.store.base import StoreBase, _strs, translate_redis_errors
+
+__all__ = ["DeadLetterStore"]
+
+
+class DeadLetterStore(StoreBase):
+    """Add, list, count and purge dead letters (`<prefix>:dead-letters`, capped at MAX_DEAD_LETTERS)."""
+
+    @translate_redis_errors
+    def add_dead_letter(self, entry: DeadLetter) -> None:
+        """Keep `entry` at the head of the list; the oldest past the cap are dropped in the same step."""
+        key = self.keys.dead_letters()
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.lpush(key, entry.model_dump_json())
+            pipe.ltrim(key, 0, MAX_DEAD_LETTERS - 1)
+            pipe.execute()
+
+    @translate_redis_errors
+    def dead_letters(self, limit: int) -> list[DeadLetter]:
+        """The newest `limit` dead letters, newest first."""
+        found = []
+        for index, raw in enumerate(_strs(self.client.lrange(self.keys.dead_letters(), 0, limit - 1))):
+            try:
+                found.append(DeadLetter.model_validate(json.loads(raw)))
+            except (ValueError, pydantic.ValidationError):
+                raise CorruptError(f"Dead letter {index} (newest first) is corrupt") from None
+        return found
+
+    @translate_redis_errors
+    def count_dead_letters(self) -> int:
+        return int(self.client.llen(self.keys.dead_letters()))
+
+    @translate_redis_errors
+    def purge_dead_letters(self) -> int:
+        """Delete every dead letter; returns how many there were (read and deleted in one step)."""
+        key = self.keys.dead_letters()
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.llen(key)
+            pipe.delete(key)
+            count, _ = pipe.execute()
+        return int(count)
