@@ -130,7 +130,7 @@ class DeadLetterChannel(kombu_redis.Channel):
         publishes their runs again; the consumer reconnects.
         """
         try:
-            super().close()
+            super().close()  # type: ignore[no-untyped-call]
         except AttributeError as exc:
             log.warning("subq: the broker connection was already gone at close (%s); reconnecting", exc)
 

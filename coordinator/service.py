@@ -332,6 +332,14 @@ class Coordinator:
         """Celery messages waiting in subq's queue (LLEN, as Celery's own tools report it)."""
         return self.store.queue_depth(self.settings.queue)
 
+    def repairs(self) -> dict[str, int]:
+        """Repairs the reconciler has made, by reason (coordinator/reconciler.py)."""
+        return self.store.repairs()
+
+    def workers(self) -> dict[str, float]:
+        """Worker processes and the epoch second of their last heartbeat."""
+        return self.store.workers()
+
     # -- dead letters: messages no worker could decode or validate (coordinator/poison.py) --
 
     def record_dead_letter(self, entry: DeadLetter) -> None:

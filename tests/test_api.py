@@ -876,6 +876,9 @@ def test_metrics_report_tasks_spend_queue_and_latency(settings: Settings) -> Non
     coord.store.record_usage(first.id, "r:1", Usage(tokens_in=10), 66, "test")
     for latency_ms in (50, 300, 70_000):
         coord.store.observe_latency(latency_ms)
+    for reason in ("run-lost", "run-lost", "ended-not-written-back"):
+        coord.store.count_repair(reason)
+    coord.client.lpush(coord.store.keys.dead_letters(), '{"reason": "test"}')
 
     with ApiServer(create_app(coordinator=coord)) as server, server.client(headers={}) as http:
         response = http.get("/metrics")
@@ -901,6 +904,9 @@ def test_metrics_report_tasks_spend_queue_and_latency(settings: Settings) -> Non
         3,
         3,
     )
+    assert samples[("subq_repairs_total", (("reason", "run-lost"),))] == 2
+    assert samples[("subq_repairs_total", (("reason", "ended-not-written-back"),))] == 1
+    assert samples[("subq_dead_letters", ())] == 1
     assert samples[("subq_model_request_latency_seconds_count", ())] == 3
     assert samples[("subq_model_request_latency_seconds_sum", ())] == pytest.approx(70.35)
     assert "over the 1000 most recent tasks" in response.text, "HELP says the figures are bounded"

@@ -16,7 +16,7 @@ import redis
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
@@ -84,6 +84,17 @@ class SubqCollector(Collector):
         depth = GaugeMetricFamily("subq_queue_depth", "Celery messages waiting in the Redis queue", labels=["queue"])
         depth.add_metric([queue], self.coord.queue_depth())
         yield depth
+        repairs = CounterMetricFamily(
+            "subq_repairs", "Tree states the reconciler moved on, by reason (docs/architecture.md)", labels=["reason"]
+        )
+        for reason, count in sorted(self.coord.repairs().items()):
+            repairs.add_metric([reason], count)
+        yield repairs
+        yield GaugeMetricFamily(
+            "subq_dead_letters",
+            "Messages no worker could decode or validate, kept",
+            value=self.coord.count_dead_letters(),
+        )
         yield self._latency()
 
     def _latency(self) -> HistogramMetricFamily:
