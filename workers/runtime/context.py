@@ -15,7 +15,7 @@ from celery import Celery
 from coordinator import Coordinator, Settings
 from coordinator.runs import RunLifecycle
 
-__all__ = ["Runtime", "build_runtime", "get_runtime"]
+__all__ = ["CONNECTION_WAIT_S", "SPARE_CONNECTIONS", "Runtime", "build_runtime", "get_runtime"]
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,23 @@ _lock = threading.Lock()
 _runtime: Runtime | None = None
 
 
+# Connections beyond one per pool thread: the heartbeat, the reconciler, the consumer's dead letters.
+SPARE_CONNECTIONS = 16
+# A thread that finds every connection busy waits this long for one before its call fails.
+CONNECTION_WAIT_S = 20
+
+
 def build_runtime(settings: Settings, app: Celery) -> Runtime:
-    client = redis.Redis.from_url(settings.require_redis_url(), decode_responses=True)
+    # One connection per pool thread, and a pool that makes a thread wait rather than fail:
+    # redis-py's default pool refuses a 101st connection, which failed runs at random once
+    # more than about 100 ran at once in one process (bench/in_flight.py measured it).
+    pool = redis.BlockingConnectionPool.from_url(
+        settings.require_redis_url(),
+        decode_responses=True,
+        max_connections=settings.worker_concurrency + SPARE_CONNECTIONS,
+        timeout=CONNECTION_WAIT_S,
+    )
+    client = redis.Redis(connection_pool=pool)
     coordinator = Coordinator(settings, client=client, app=app)
     return Runtime(settings, coordinator, RunLifecycle(coordinator))
 

@@ -127,10 +127,14 @@ async def _run_agent(rt: Runtime, run: Run, profile: Profile, progress: Progress
 
 
 async def _watch_for_stop(run: Run) -> None:
+    """Return when the run must stop; a Redis blip is not a stop (it once ended runs as `cancelled`)."""
     while True:
         await asyncio.sleep(CANCEL_POLL_S)
-        if run.is_stopped():
-            return
+        try:
+            if run.is_stopped():
+                return
+        except StoreError as exc:  # the run's own next call meets Redis too, and is retried
+            log.warning("subq: the stop check of %s failed: %s", run.task.id, exc)
 
 
 async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | None) -> Ended | Released:

@@ -1,0 +1,95 @@
+"""A thousand children in flight on one worker process: all complete, each delivered to a run once.
+
+    python bench/in_flight.py [--children 1000] [--latency-ms 8000] [--concurrency 1000] [--json]
+
+One private embedded Redis, one `celery -A workers.app worker` process of the
+threads pool with `--concurrency` threads and default settings otherwise (the
+15 s heartbeat lapse, the 2 s reconciler tick, the 30 s grace). A caller-owned
+parent delegates `--children` children at once, each a one-step offline script
+that waits `--latency-ms` on its model. Reported, once the parent has settled:
+the wall time, how many children completed, how many were run more than once
+(`run_seq` > 1), how many Celery deliveries of `subq.run_task` the worker
+logged beyond one per child, and the reconciler's repairs. docs/benchmarks.md
+has the figures and how to read them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from coordinator import Coordinator, Settings, TaskStatus  # noqa: E402
+from coordinator.fleet import WorkerFleet  # noqa: E402
+from coordinator.local_redis import local_redis  # noqa: E402
+from workers.runtime.offline import SCRIPT_INFO_STRING  # noqa: E402
+
+RECEIVED = re.compile(r"subq\.run_task\[([0-9a-f-]+)\] received")
+
+
+def child_spec(n: int, latency_ms: int) -> dict[str, str]:
+    step = {"reply": f"child {n} done", "usage": {"input": 1000, "output": 200}, "latency_ms": latency_ms}
+    message = f"Child {n}.\n\n```{SCRIPT_INFO_STRING}\n{json.dumps({'steps': [step]})}\n```"
+    return {"description": f"child {n}", "message": message}
+
+
+def measure(children: int, latency_ms: int, concurrency: int) -> dict[str, object]:
+    with local_redis() as url, tempfile.TemporaryDirectory(prefix="subq-in-flight-") as logs:
+        settings = Settings(redis_url=url, worker_concurrency=concurrency, max_fanout=max(children, 256))
+        with WorkerFleet(settings, 1, Path(logs)) as fleet:
+            fleet.wait_ready()
+            coord = Coordinator(settings)
+            parent = coord.create_task("A thousand children")
+            started = time.monotonic()
+            batch = coord.delegate(parent.id, [child_spec(n, latency_ms) for n in range(children)])
+            coord.wait(parent.id, timeout_s=3600)
+            wall_s = time.monotonic() - started
+            records = coord.store.get_records(batch.child_ids)
+            log = fleet.logs[0].read_text(errors="replace")
+            deliveries = Counter(RECEIVED.findall(log))
+            figures: dict[str, object] = {
+                "children": children,
+                "latency_ms": latency_ms,
+                "concurrency": concurrency,
+                "wall_s": round(wall_s, 1),
+                "completed": sum(r.status == TaskStatus.COMPLETED for r in records),
+                "statuses": dict(Counter(r.status.value for r in records)),
+                "errors": dict(Counter(f"{r.error_class}: {r.error}"[:120] for r in records if r.error_class)),
+                "run_more_than_once": sum(int(coord.store.task_field(r.id, "run_seq") or 0) > 1 for r in records),
+                "extra_deliveries": sum(deliveries[c] - 1 for c in batch.child_ids if deliveries[c] > 1),
+                "other_run_messages": sum(n for cid, n in deliveries.items() if cid not in set(batch.child_ids)),
+                "repairs": coord.repairs(),
+                "in_flight_after": coord.store.in_flight(parent.id),
+            }
+            coord.close()
+            return figures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--children", type=int, default=1000)
+    parser.add_argument("--latency-ms", type=int, default=8000)
+    parser.add_argument("--concurrency", type=int, default=1000)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    figures = measure(args.children, args.latency_ms, args.concurrency)
+    if args.json:
+        print(json.dumps(figures))
+    else:
+        for name, value in figures.items():
+            print(f"{name:>20}: {value}")
+    ok = figures["completed"] == args.children and figures["run_more_than_once"] == 0
+    return 0 if ok and figures["extra_deliveries"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
