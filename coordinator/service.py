@@ -336,10 +336,6 @@ class Coordinator:
         """Repairs the reconciler has made, by reason (coordinator/reconciler.py)."""
         return self.store.repairs()
 
-    def workers(self) -> dict[str, float]:
-        """Worker processes and the epoch second of their last heartbeat."""
-        return self.store.workers()
-
     # -- dead letters: messages no worker could decode or validate (coordinator/poison.py) --
 
     def record_dead_letter(self, entry: DeadLetter) -> None:

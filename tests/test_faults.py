@@ -27,6 +27,7 @@ from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.fleet import WorkerFleet
 from tests.agents import STEP_COST_MICROS, agent, call, reply, subtask
 from tests.conftest import dedicated_fleet
+from tests.helpers import eventually
 
 LAPSE_S = 3
 FAULT_SETTINGS = {
@@ -90,7 +91,11 @@ def assert_converged(coord: Coordinator, root_id: str) -> None:
             if item.subtask_id:
                 child = coord.get_task(item.subtask_id)
                 assert item.cost_micros == child.total_cost_micros, (item, child)
-    assert coord.store.in_flight(root_id) == {"running": 0, "admission": 0, "awaiting": 0, "leases": 0, "watched": 0}
+    # A run's last steps (its lease, its slot, the due list) follow the status `wait` returns on.
+    empty = {"running": 0, "admission": 0, "awaiting": 0, "leases": 0, "watched": 0}
+    eventually(
+        lambda: coord.store.in_flight(root_id) == empty, f"nothing in flight (now {coord.store.in_flight(root_id)})", 10
+    )
 
 
 def repairs_since(coord: Coordinator, before: dict[str, int]) -> dict[str, int]:

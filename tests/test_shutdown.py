@@ -73,9 +73,8 @@ def test_a_rolling_sigterm_restart_loses_nothing_and_doubles_nothing(settings: S
         assert coord.get_task(parent.id).total_cost_micros == CHILDREN * 3 * STEP_COST_MICROS
         assert coord.get_batch(batch.id).status == "done"
         assert handed_back > 0, "the restart caught runs mid-way and handed them back"
-        assert coord.store.in_flight(parent.id) == {
-            "running": 0, "admission": 0, "awaiting": 0, "leases": 0, "watched": 0,
-        }  # fmt: skip
+        empty = {"running": 0, "admission": 0, "awaiting": 0, "leases": 0, "watched": 0}
+        eventually(lambda: coord.store.in_flight(parent.id) == empty, "nothing in flight", 10)
     finally:
         for fleet in fleets:
             fleet.stop()

@@ -26,13 +26,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import re
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Literal, Self
+from typing import Any
 
-import pydantic
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_ai import RunContext
 from pydantic_ai.exceptions import (
     ModelAPIError,
@@ -59,10 +56,22 @@ from pydantic_ai.models import CompletedStreamedResponse, Model, ModelRequestPar
 from pydantic_ai.settings import ModelSettings
 from pydantic_ai.usage import RequestUsage
 
-from coordinator import OFFLINE_PROFILE, ScriptError
+from coordinator import OFFLINE_PROFILE
+from workers.runtime.script import (
+    MAX_LATENCY_MS,
+    MAX_SUMMARY_CHARS,
+    SCRIPT_INFO_STRING,
+    Script,
+    ScriptUsage,
+    Step,
+    ToolCall,
+    final_reply,
+    parse_script,
+)
 
 __all__ = [
     "MAX_LATENCY_MS",
+    "MAX_SUMMARY_CHARS",
     "SCRIPT_INFO_STRING",
     "OfflineModel",
     "Script",
@@ -76,153 +85,9 @@ __all__ = [
     "task_message",
 ]
 
-SCRIPT_INFO_STRING = "subq-script"
-# Ten minutes: longer than any API call worth simulating, short enough that a typo
-# cannot park a worker slot for the task's whole time limit.
-MAX_LATENCY_MS = 600_000
 # A rough, common rule of thumb for English text with BPE tokenizers; only needs
 # to be deterministic and plausible, not exact.
 CHARS_PER_TOKEN = 4
-# Keeps the default reply a one-liner when a task's first line is a paragraph.
-MAX_SUMMARY_CHARS = 80
-
-# An opening fence of three backticks and the info string, then everything up to
-# the next closing fence. CommonMark allows up to three spaces of indentation.
-_SCRIPT_BLOCK = re.compile(
-    r"^ {0,3}```[ \t]*" + re.escape(SCRIPT_INFO_STRING) + r"[ \t]*\n(?P<body>.*?)^ {0,3}```[ \t]*$",
-    re.MULTILINE | re.DOTALL,
-)
-_SCRIPT_OPENING = re.compile(r"^ {0,3}```[ \t]*" + re.escape(SCRIPT_INFO_STRING) + r"[ \t]*$", re.MULTILINE)
-
-
-class ToolCall(BaseModel):
-    """One tool call a step makes: the tool's name and its JSON arguments."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str = Field(min_length=1)
-    args: dict[str, Any] = Field(default_factory=dict)
-
-
-class ScriptUsage(BaseModel):
-    """Token counts a step reports. `input` excludes cache tokens, as in Anthropic's protocol."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    # strict: a JSON 1.5 or "7" is a mistake in the script, not a count to round or parse.
-    input: int = Field(default=0, ge=0, strict=True)
-    output: int = Field(default=0, ge=0, strict=True)
-    cache_write: int = Field(default=0, ge=0, strict=True)
-    cache_read: int = Field(default=0, ge=0, strict=True)
-
-    def request_usage(self) -> RequestUsage:
-        """As pydantic-ai counts it: `input_tokens` includes the cache reads and writes."""
-        return RequestUsage(
-            input_tokens=self.input + self.cache_write + self.cache_read,
-            output_tokens=self.output,
-            cache_write_tokens=self.cache_write,
-            cache_read_tokens=self.cache_read,
-        )
-
-
-class TransientFailure(BaseModel):
-    """The first `times` attempts of a step fail with a transient error (retried by the runtime)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    kind: Literal["rate_limit", "server", "timeout"]
-    times: int = Field(default=1, ge=1, le=100, strict=True)
-
-
-class Step(BaseModel):
-    """What one model request answers: exactly one of `reply`, `tool_calls` or `fail`."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    reply: str | None = None
-    tool_calls: list[ToolCall] | None = Field(default=None, min_length=1)
-    fail: str | None = Field(default=None, min_length=1)
-    usage: ScriptUsage | None = None
-    latency_ms: int | None = Field(default=None, ge=0, le=MAX_LATENCY_MS, strict=True)
-    transient: TransientFailure | None = None
-
-    @model_validator(mode="after")
-    def _exactly_one_action(self) -> Self:
-        given = [name for name in ("reply", "tool_calls", "fail") if getattr(self, name) is not None]
-        if len(given) != 1:
-            got = " and ".join(given) if given else "none"
-            raise ValueError(f"a step needs exactly one of reply, tool_calls or fail (got {got})")
-        if self.fail is not None and self.usage is not None:
-            # Rejected requests are not billed, and silently dropping the numbers would mislead.
-            raise ValueError("a fail step reports no usage (a rejected request is not billed)")
-        return self
-
-    @property
-    def kind(self) -> Literal["reply", "tool_calls", "fail"]:
-        """Which of the three actions the step takes."""
-        if self.reply is not None:
-            return "reply"
-        return "tool_calls" if self.tool_calls is not None else "fail"
-
-
-class Script(BaseModel):
-    """The steps of a scripted task, one per model request, in order."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    steps: list[Step]
-
-
-def parse_script(message: str) -> Script | None:
-    """The script in a task message's `subq-script` block, or None when it has none.
-
-    Raises `ScriptError` (with the field path, such as `script.steps.1.usage.input`)
-    when the block is unclosed, repeated, not JSON, or not a valid script.
-    """
-    text = message.replace("\r\n", "\n")
-    blocks = list(_SCRIPT_BLOCK.finditer(text))
-    openings = len(_SCRIPT_OPENING.findall(text))
-    if not blocks and not openings:
-        return None
-    if openings > len(blocks) or not blocks:
-        raise ScriptError("subq-script block is not closed with a line of ```", field="script")
-    if len(blocks) > 1:
-        # Silently playing the first of two would surprise whoever edited the second.
-        raise ScriptError(f"the message has {len(blocks)} subq-script blocks; put every step in one", field="script")
-    body = blocks[0]["body"]
-    try:
-        data = json.loads(body)
-    except json.JSONDecodeError as exc:
-        # exc.lineno counts lines of the block's body, the text the author wrote as JSON.
-        raise ScriptError(
-            f"subq-script block is not valid JSON: {exc.msg} (line {exc.lineno})", field="script"
-        ) from None
-    try:
-        return Script.model_validate(data)
-    except pydantic.ValidationError as exc:
-        raise _script_error(exc) from None
-
-
-def _script_error(exc: pydantic.ValidationError) -> ScriptError:
-    """The first validation error as one readable line with its dotted field path."""
-    err = exc.errors()[0]
-    loc = err["loc"]
-    field = ".".join(["script", *(str(part) for part in loc)])
-    if err["type"] == "extra_forbidden" and loc:
-        allowed = ", ".join(_model_at(loc[:-1]).model_fields)
-        reason = f"unknown key {loc[-1]!r} (allowed: {allowed})"
-    else:
-        reason = err["msg"].removeprefix("Value error, ")
-    return ScriptError(f"invalid subq-script at {field}: {reason}", field=field)
-
-
-def _model_at(loc: Sequence[int | str]) -> type[BaseModel]:
-    """Which script model sits at a location, to list the keys it allows."""
-    names = [part for part in loc if isinstance(part, str)]
-    if not names:
-        return Script
-    by_key: dict[str, type[BaseModel]] = {"steps": Step, "usage": ScriptUsage, "tool_calls": ToolCall}
-    return by_key.get(names[-1], Script)
 
 
 def estimate_tokens(text: str) -> int:
@@ -238,17 +103,6 @@ def task_message(messages: Sequence[ModelMessage]) -> str:
                 if isinstance(part, UserPromptPart):
                     return _user_prompt_text(part)
     return ""
-
-
-def final_reply(message: str) -> str:
-    """The reply without a script and after its last step: `Done: <first line of the task>`."""
-    text = _SCRIPT_BLOCK.sub("", message.replace("\r\n", "\n"))
-    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
-    if not first:
-        return "Done."
-    if len(first) > MAX_SUMMARY_CHARS:
-        first = first[: MAX_SUMMARY_CHARS - 1].rstrip() + "…"
-    return f"Done: {first}"
 
 
 class OfflineModel(Model):
