@@ -16,6 +16,7 @@ from coordinator import BrokerError, Coordinator, TaskStatus, delegation
 from coordinator.approvals import ToolCall, expiry_timer, park
 from coordinator.celery_app import make_app
 from coordinator.reconciler import Reconciler
+from coordinator.runs import Ended, LeaseLost, Run
 from tests.agents import agent, reply, subtask
 from tests.helpers import state
 from workers.runtime.context import build_runtime
@@ -138,3 +139,38 @@ def test_one_leader_at_a_time(coord: Coordinator) -> None:
     assert second.tick() is None, "the second waits while the first's lease lives"
     coord.client.delete(coord.store.keys.leader())  # the first died: its lease lapsed
     assert second.tick() is not None
+
+
+def test_a_run_whose_lease_was_taken_stops_and_writes_nothing(coord: Coordinator) -> None:
+    """The fence: a worker cut off past the lapse finds another run owning its task."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    rt = build_runtime(coord.settings, make_app(coord.settings))
+    run = rt.lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    lease = coord.store.keys.lease(task.id, task.id)
+    coord.client.set(lease, "another-run", ex=60)  # it lapsed, and another run took it
+    rt.lifecycle.heartbeat.renew()
+    assert run.fenced
+    with pytest.raises(LeaseLost):
+        run.check_stop()
+    before = coord.store.conversation(task.id)
+    with pytest.raises(LeaseLost):
+        run.save(['{"kind": "request", "parts": []}'])
+    with pytest.raises(LeaseLost):
+        run.end(Ended("completed", summary="written by a fenced run"))
+    assert coord.store.conversation(task.id) == before
+    assert coord.get_task(task.id).status == TaskStatus.ACTIVE, "the fenced run ended nothing"
+    assert coord.client.get(lease) == "another-run", "nor touched the new run's lease"
+    rt.lifecycle.heartbeat.forget(run)
+
+
+def test_a_save_after_the_lease_lapsed_is_refused_even_before_the_heartbeat_notices(coord: Coordinator) -> None:
+    task = coord.create_task(agent(reply("x")), run=True)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    run = lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    coord.client.delete(coord.store.keys.lease(task.id, task.id))
+    with pytest.raises(LeaseLost):
+        run.save(['{"kind": "request", "parts": []}'])
+    assert coord.store.conversation(task.id) == [] and run.fenced
+    lifecycle.heartbeat.forget(run)

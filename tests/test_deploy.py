@@ -41,3 +41,14 @@ def test_worker_scales_and_flower_has_basic_auth() -> None:
     assert urls == {"redis://redis:6379/0"}
     dockerfile = (ROOT / worker["build"]["dockerfile"]).read_text()
     assert "pip install" in dockerfile and "USER subq" in dockerfile
+
+
+def test_a_stopped_worker_has_time_to_hand_its_runs_back() -> None:
+    """Docker kills a container its stop grace after SIGTERM; the runs' hand-back must fit inside it."""
+    from coordinator.settings import DEFAULT_SHUTDOWN_GRACE_S
+
+    worker = _compose()["services"]["worker"]
+    grace_s = int(worker["stop_grace_period"].removesuffix("s"))
+    assert grace_s > DEFAULT_SHUTDOWN_GRACE_S + 5, (grace_s, DEFAULT_SHUTDOWN_GRACE_S)
+    conf = (ROOT / "deploy" / "redis.conf").read_text().split("\n")
+    assert "appendfsync everysec" in conf, "docs/architecture.md states the loss window of everysec"
