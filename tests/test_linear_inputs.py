@@ -54,6 +54,7 @@ SCRIPTS = {
     "opening then newlines": FENCE + "\n" * LIMIT,
     "nested too deeply": FENCE + "[" * (LIMIT - 40) + "\n```\n",
     "bare fences": "```\n" * (LIMIT // 4),
+    "one long reply": FENCE + json.dumps({"steps": [{"reply": '\\"[{' * (LIMIT // 5)}]}) + "\n```\n",
     **RUNS,
 }
 
@@ -71,7 +72,7 @@ def test_an_offline_script_parses_in_linear_time(message: str) -> None:
 
 
 def test_a_script_nested_too_deeply_is_a_script_error() -> None:
-    with pytest.raises(ScriptError, match="nested too deeply"):
+    with pytest.raises(ScriptError, match="nested deeper than 64"):
         parse_script(SCRIPTS["nested too deeply"])
 
 

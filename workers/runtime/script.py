@@ -38,6 +38,8 @@ SCRIPT_INFO_STRING = "subq-script"
 # Ten minutes: longer than any API call worth simulating, short enough that a typo
 # cannot park a worker slot for the task's whole time limit.
 MAX_LATENCY_MS = 600_000
+# A script is steps of calls with JSON arguments: a few levels deep. Far deeper is an attack.
+MAX_NESTING = 64
 # Keeps the default reply a one-liner when a task's first line is a paragraph.
 MAX_SUMMARY_CHARS = 80
 
@@ -142,10 +144,12 @@ def parse_script(message: str) -> Script | None:
         # Silently playing the first of two would surprise whoever edited the second.
         raise ScriptError(f"the message has {len(blocks)} subq-script blocks; put every step in one", field="script")
     body = blocks[0]
+    if _nested_deeper_than(body, MAX_NESTING):
+        # Checked before parsing: json recurses once per level, and a RecursionError deep in
+        # the decoder is not a clean refusal (it may even fail a finaliser on the way out).
+        raise ScriptError(f"subq-script block is not valid JSON: nested deeper than {MAX_NESTING}", field="script")
     try:
         data = json.loads(body)
-    except RecursionError:
-        raise ScriptError("subq-script block is not valid JSON: nested too deeply", field="script") from None
     except json.JSONDecodeError as exc:
         # exc.lineno counts lines of the block's body, the text the author wrote as JSON.
         raise ScriptError(
@@ -155,6 +159,29 @@ def parse_script(message: str) -> Script | None:
         return Script.model_validate(data)
     except pydantic.ValidationError as exc:
         raise _script_error(exc) from None
+
+
+def _nested_deeper_than(text: str, limit: int) -> bool:
+    """Whether JSON text nests arrays and objects deeper than `limit`; one pass, strings skipped."""
+    depth = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif char in "]}":
+            depth -= 1
+    return False
 
 
 def _script_blocks(lines: list[str]) -> tuple[list[str], int, list[str]]:
