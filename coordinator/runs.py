@@ -148,6 +148,8 @@ class RunLifecycle:
             return writeback.result_of(task, pending="running")
         run = Run(self, task, token)
         try:
+            # From now on the reconciler looks every tick: a lapsed lease is a dead worker.
+            coord.store.watch([task_id], coord.settings.reconcile_interval_s, only_if_watched=True)
             coord.store.set_live(task, "running")
             run.deliveries, run.run_seq = coord.store.start_run(task_id)
         except BaseException:
