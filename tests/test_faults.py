@@ -162,7 +162,12 @@ def test_a_parent_whose_resume_was_never_published(coord: Coordinator, tmp_path:
     assert repairs_since(coord, before).get("run-lost", 0) >= 1, "the parent's resume was published again"
 
 
-def test_a_worker_killed_mid_run_resumes_elsewhere_after_the_lapse(coord: Coordinator, tmp_path: Path) -> None:
+def test_a_worker_killed_mid_run_resumes_elsewhere_after_the_lapse(
+    fault_settings: Settings, rescuer: Coordinator, tmp_path: Path
+) -> None:
+    # A grace far longer than the wait allowed: a running task must be looked at every tick
+    # from its start, not first when the grace of its publish has passed.
+    coord = Coordinator(fault_settings.model_copy(update={"reconcile_grace_s": 10 * CONVERGE_S}))
     fleet = crashing_worker(coord.settings, tmp_path)
     try:
         parent = coord.create_task("One slow child", todos="[ ] slow")
@@ -184,6 +189,7 @@ def test_a_worker_killed_mid_run_resumes_elsewhere_after_the_lapse(coord: Coordi
     # The lapse, a tick and a grace at most before it runs again, then its 4 s request.
     assert took_s < LAPSE_S + 0.5 + 3 + 4 + 10, f"resumed and finished {took_s:.1f} s after the kill"
     assert_converged(coord, parent.id)
+    coord.close()
 
 
 def test_a_run_longer_than_the_lapse_is_never_run_twice_while_its_worker_lives(
