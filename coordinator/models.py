@@ -136,6 +136,10 @@ class TaskRecord(BaseModel):
     requests: int = 0
     total_tokens: int = 0
     total_cost_micros: int = 0
+    # Children's figures that no row of the plan carries (their row was rewritten away), so
+    # that Σ item figures + unlinked == total − own, always (docs/architecture.md, Money and tokens).
+    unlinked_tokens: int = 0
+    unlinked_cost_micros: int = 0
     summary: str = ""
     error: str = ""
     error_class: str = ""

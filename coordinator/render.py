@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from coordinator.models import format_usd
 from coordinator.tree import TreeNode
 
-__all__ = ["MARKS", "cut", "describe", "render_tree", "walk"]
+__all__ = ["MARKS", "cut", "describe", "render_tree", "unlinked_line", "walk"]
 
 MARKS = {"pending": "[ ]", "in_progress": "[-]", "completed": "[x]"}
 # Wide enough to tell tasks apart, narrow enough that a tree line fits a terminal.
@@ -30,6 +30,8 @@ def _below(node: TreeNode, prefix: str, notes: dict[str, str]) -> list[str]:
             f"{inner}{MARKS[item.status.value]} {cut(item.content, width):<{width}}  "
             f"{item.tokens:>8} tokens  {format_usd(item.cost_micros):>10}{link}"
         )
+    if node.unlinked_tokens or node.unlinked_cost_micros:
+        lines.append(unlinked_line(inner, node.unlinked_tokens, node.unlinked_cost_micros))
     for index, child in enumerate(node.children):
         last = index == len(node.children) - 1
         lines.append(f"{prefix}{'`-- ' if last else '|-- '}{_task_line(child, notes)}")
@@ -44,6 +46,11 @@ def _task_line(node: TreeNode, notes: dict[str, str] | None) -> str:
         f"own {node.tokens} tokens {format_usd(node.cost_micros)}, "
         f"total {node.total_tokens} tokens {format_usd(node.total_cost_micros)}{note}"
     )
+
+
+def unlinked_line(indent: str, tokens: int, cost_micros: int) -> str:
+    """The line under a plan for its children's spend that no row carries, so the rows add up."""
+    return f"{indent}    unlinked spend (no row of the plan)  {tokens:>8} tokens  {format_usd(cost_micros):>10}"
 
 
 def walk(node: TreeNode) -> Iterator[TreeNode]:

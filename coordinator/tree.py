@@ -31,6 +31,8 @@ class TreeNode(BaseModel):
     cost_micros: int
     total_tokens: int
     total_cost_micros: int
+    unlinked_tokens: int = 0
+    unlinked_cost_micros: int = 0
     summary: str
     error: str
     todos: list[TodoItem]
@@ -51,6 +53,8 @@ def build_tree(coord: Coordinator, task_id: str) -> TreeNode:
         cost_micros=record.cost_micros,
         total_tokens=record.total_tokens,
         total_cost_micros=record.total_cost_micros,
+        unlinked_tokens=record.unlinked_tokens,
+        unlinked_cost_micros=record.unlinked_cost_micros,
         summary=record.summary,
         error=f"{record.error_class}: {record.error}" if record.error else "",
         todos=coord.get_todos(record.id),

@@ -86,6 +86,11 @@ def status_lines(record: TaskRecord) -> list[str]:
     lines += [
         f"  own:   {record.tokens} tokens  {format_usd(record.cost_micros)}",
         f"  total: {record.total_tokens} tokens  {format_usd(record.total_cost_micros)}",
+        *(
+            [f"  unlinked: {record.unlinked_tokens} tokens  {format_usd(record.unlinked_cost_micros)}"]
+            if record.unlinked_tokens or record.unlinked_cost_micros
+            else []
+        ),
         f"  children: {len(record.child_ids)} ({len(record.awaiting_ids)} awaited)",
     ]
     if record.error:
@@ -93,13 +98,17 @@ def status_lines(record: TaskRecord) -> list[str]:
     return lines
 
 
-def todo_lines(items: Sequence[TodoItem]) -> list[str]:
-    """`subq todos`: one line per item, with its subtask's figures when it has one."""
+def todo_lines(items: Sequence[TodoItem], unlinked_tokens: int = 0, unlinked_cost_micros: int = 0) -> list[str]:
+    """`subq todos`: one line per item, with its subtask's figures when it has one, then any unlinked spend."""
     lines = []
     for item in items:
         linked = f"  ({item.subtask_id}: {item.tokens} tokens, {format_usd(item.cost_micros)})"
         figures = linked if item.subtask_id else ""
         lines.append(f"{MARKS[item.status.value]} {item.content}{figures}")
+    if unlinked_tokens or unlinked_cost_micros:
+        lines.append(
+            f"unlinked spend (no row of the plan): {unlinked_tokens} tokens, {format_usd(unlinked_cost_micros)}"
+        )
     return lines
 
 

@@ -82,10 +82,11 @@ def todos(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> N
 
     with connect(ctx) as coord:
         items = coord.get_todos(task_id)
+        record = coord.get_task(task_id)
     if as_json:
         typer.echo(json.dumps([i.model_dump(mode="json") for i in items], indent=2))
         return
-    for line in todo_lines(items):
+    for line in todo_lines(items, record.unlinked_tokens, record.unlinked_cost_micros):
         typer.echo(line)
 
 

@@ -56,6 +56,8 @@ class TaskField:
     REQUESTS: Final = "requests"  # own model requests recorded (record_usage)
     TOTAL_TOKENS: Final = "total_tokens"  # own plus every descendant's tokens (record_usage, apply_children)
     TOTAL_COST_MICROS: Final = "total_cost_micros"  # own plus every descendant's cost (record_usage, apply_children)
+    UNLINKED_TOKENS: Final = "unlinked_tokens"  # children's tokens on no row of the plan (apply_children, update_todos)
+    UNLINKED_COST_MICROS: Final = "unlinked_cost_micros"  # children's cost on no row of the plan (same)
     SUMMARY: Final = "summary"  # the final answer of a completed task (finish_task)
     ERROR: Final = "error"  # why it failed or was cancelled (finish_task, stop_tasks)
     ERROR_CLASS: Final = "error_class"  # the error's kind, machine-readable (finish_task, stop_tasks)
@@ -137,7 +139,7 @@ class LatencyField:
 INT_FIELDS = (
     TaskField.DEPTH, TaskField.TOKENS_IN, TaskField.TOKENS_OUT, TaskField.CACHE_READS, TaskField.CACHE_WRITES,
     TaskField.COST_MICROS, TaskField.REQUESTS, TaskField.TOTAL_TOKENS, TaskField.TOTAL_COST_MICROS, TaskField.NUMBER,
-    TaskField.BUDGET_MICROS,
+    TaskField.BUDGET_MICROS, TaskField.UNLINKED_TOKENS, TaskField.UNLINKED_COST_MICROS,
 )  # fmt: skip
 # Task fields where '' means None.
 OPTIONAL_FIELDS = (

@@ -6,7 +6,8 @@
 -- KEYS[4] parent awaiting set   KEYS[5] tree events stream   KEYS[6..] child hashes
 -- ARGV[1] now   ARGV[2] retention seconds   ARGV[3] events max length
 -- ARGV[4..] child ids, in the order of KEYS[6..]
--- A child that has not ended (no terminal status) is skipped. Returns how many were applied now.
+-- A child that has not ended (no terminal status) is skipped. A child no row carries adds its
+-- figures to the parent's unlinked spend. Returns how many were applied now.
 local function terminal(status)
   return status == 'completed' or status == 'failed' or status == 'cancelled'
 end
@@ -75,6 +76,11 @@ for i = 4, #ARGV do
       end
       redis.call('HSET', KEYS[2], id, cjson.encode(item))
       changed = true
+    else
+      -- No row carries the child's link (the plan was rewritten without it): its spend is
+      -- the parent's unlinked spend, a figure of its own, so the plan still adds up.
+      redis.call('HINCRBY', KEYS[1], 'unlinked_tokens', got.tokens)
+      redis.call('HINCRBY', KEYS[1], 'unlinked_cost_micros', got.cost)
     end
   end
 end

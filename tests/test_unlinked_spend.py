@@ -1,0 +1,90 @@
+"""Unlinked spend: a child whose plan row was rewritten away still shows its cost, as the parent's unlinked spend.
+
+Always, for every task: Σ item figures + unlinked figures == total − own
+(docs/architecture.md, Money and tokens). These tests build the trees in a real Redis and write
+the children back through the real write-back (`apply_children.lua`).
+"""
+
+from __future__ import annotations
+
+from coordinator import Coordinator, TaskRecord, Usage
+from coordinator.celery_app import make_app
+from tests.agents import reply, subtask
+from workers.runtime.context import build_runtime
+
+
+def spend(coord: Coordinator, task_id: str, cost_micros: int, tokens_in: int) -> None:
+    coord.store.record_usage(task_id, f"test:{task_id}", Usage(tokens_in=tokens_in), cost_micros, "test")
+
+
+def finish(coord: Coordinator, task_id: str, batch_id: str) -> None:
+    coord.store.finish_task(task_id, "completed", "done")
+    build_runtime(coord.settings, make_app(coord.settings)).lifecycle.settle_batch(batch_id)
+
+
+def assert_plan_adds_up(coord: Coordinator, task_id: str) -> TaskRecord:
+    record = coord.get_task(task_id)
+    items = coord.store.get_todos(task_id)
+    own_tokens = record.tokens_in + record.tokens_out
+    assert (
+        sum(i.cost_micros for i in items) + record.unlinked_cost_micros == record.total_cost_micros - record.cost_micros
+    )
+    assert sum(i.tokens for i in items) + record.unlinked_tokens == record.total_tokens - own_tokens
+    return record
+
+
+def test_a_child_whose_row_was_rewritten_away_is_unlinked_spend(idle_coordinator: Coordinator) -> None:
+    coord = idle_coordinator
+    parent = coord.create_task("p", todos="[ ] A\n[ ] B")
+    a, b = coord.get_todos(parent.id)
+    batch = coord.delegate(parent.id, [subtask("A", reply("a"), todo_id=a.id), subtask("B", reply("b"), todo_id=b.id)])
+    c1, c2 = batch.child_ids
+    spend(coord, parent.id, 5, 50)
+    coord.update_todos(parent.id, "[ ] B")  # A's row is gone and B keeps its own child: no row for c1
+    spend(coord, c1, 700, 7000)
+    spend(coord, c2, 300, 3000)
+    finish(coord, c1, batch.id)
+    finish(coord, c2, batch.id)
+
+    record = assert_plan_adds_up(coord, parent.id)
+    assert (record.unlinked_cost_micros, record.unlinked_tokens) == (700, 7000)
+    (item,) = coord.store.get_todos(parent.id)
+    assert (item.subtask_id, item.cost_micros) == (c2, 300)
+    assert coord.get_task(parent.id).model_dump()["unlinked_cost_micros"] == 700, "the API shows it"
+
+
+def test_a_child_applied_twice_adds_to_unlinked_spend_once(idle_coordinator: Coordinator) -> None:
+    coord = idle_coordinator
+    parent = coord.create_task("p", todos="[ ] A\n[ ] B")
+    a, b = coord.get_todos(parent.id)
+    batch = coord.delegate(parent.id, [subtask("A", reply("a"), todo_id=a.id), subtask("B", reply("b"), todo_id=b.id)])
+    c1, _ = batch.child_ids
+    coord.update_todos(parent.id, "[ ] B")
+    spend(coord, c1, 700, 7000)
+    coord.store.finish_task(c1, "completed", "done")
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    for _ in range(3):  # a redelivered callback, the reconciler, the run's own end
+        lifecycle.settle_batch(batch.id)
+    assert coord.get_task(parent.id).unlinked_cost_micros == 700
+
+
+def test_the_cli_shows_unlinked_spend_under_the_plan(idle_coordinator: Coordinator) -> None:
+    from tests.test_cli import cli
+
+    coord = idle_coordinator
+    parent = coord.create_task("p", todos="[ ] A\n[ ] B")
+    a, b = coord.get_todos(parent.id)
+    batch = coord.delegate(
+        parent.id, [subtask("A", reply("a"), todo_id=a.id), subtask("B", reply("b"), todo_id=b.id)]
+    )
+    coord.update_todos(parent.id, "[ ] B")
+    spend(coord, batch.child_ids[0], 700, 7000)
+    finish(coord, batch.child_ids[0], batch.id)
+    env = {"SUBQ_REDIS_URL": coord.settings.redis_url or "", "SUBQ_KEY_PREFIX": coord.settings.key_prefix}
+    tree = cli("tree", parent.id, env=env)
+    assert tree.returncode == 0, tree.stderr
+    assert "unlinked spend (no row of the plan)      7000 tokens" in tree.stdout
+    todos = cli("todos", parent.id, env=env)
+    assert todos.stdout.splitlines()[-1] == "unlinked spend (no row of the plan): 7000 tokens, $0.000700"
+    status = cli("status", parent.id, env=env)
+    assert "  unlinked: 7000 tokens  $0.000700" in status.stdout
