@@ -572,23 +572,57 @@ def test_link_properties(rows: list[tuple[str, TodoStatus, bool]], n_children: i
 
 
 stored_rows = st.lists(
-    st.tuples(contents, statuses, st.none() | st.text(max_size=5), st.integers(0, 10**12)),
+    st.tuples(
+        contents,
+        statuses,
+        st.none() | st.text(max_size=5),
+        st.integers(0, 10**12),
+        st.lists(st.text(max_size=5), max_size=3).map(tuple),
+    ),
     max_size=6,
 )
 
 
 @EXAMPLES
 @given(stored_rows)
-def test_json_store_round_trip(rows: list[tuple[str, TodoStatus, str | None, int]]) -> None:
+def test_json_store_round_trip(rows: list[tuple[str, TodoStatus, str | None, int, tuple[str, ...]]]) -> None:
     items = [
-        TodoItem(id=todo_id(c, n), content=c, status=s, subtask_id=sub, tokens=t, cost_micros=t)
-        for n, (c, s, sub, t) in enumerate(rows)
+        TodoItem(
+            id=todo_id(c, n),
+            content=c,
+            status=s,
+            subtask_id=sub,
+            tokens=t,
+            cost_micros=t,
+            prior_subtask_ids=prior,
+            prior_tokens=t // 2,
+            prior_cost_micros=t // 3,
+        )
+        for n, (c, s, sub, t, prior) in enumerate(rows)
     ]
     text = to_json(items)
     assert from_json(text) == items
     assert from_json(text.encode()) == items  # as Redis returns it without decoding
+    assert todos.from_hash(todos.to_hash(items)) == items
     keys = {"id", "content", "status", "subtask_id", "tokens", "cost_micros"}
+    keys |= {"prior_subtask_ids", "prior_tokens", "prior_cost_micros"}
     assert all(set(raw) == keys for raw in json.loads(text))
+
+
+def test_stored_items_without_prior_figures_read_as_no_earlier_child() -> None:
+    # Written before items had prior figures.
+    (old,) = from_json('[{"id": "1", "content": "a", "subtask_id": "c1", "tokens": 3, "cost_micros": 4}]')
+    assert (old.prior_subtask_ids, old.prior_tokens, old.prior_cost_micros) == ((), 0, 0)
+    assert (old.subtask_id, old.tokens, old.cost_micros) == ("c1", 3, 4)
+
+
+def test_an_empty_prior_list_that_lua_wrote_as_an_object_reads_as_empty() -> None:
+    # Lua cjson encodes an empty array as {}, so a script that decodes and re-encodes an item writes that.
+    (item,) = from_json('[{"id": "1", "content": "a", "prior_subtask_ids": {}}]')
+    assert item.prior_subtask_ids == ()
+    with pytest.raises(CorruptError) as caught:
+        from_json('[{"id": "1", "content": "a", "prior_subtask_ids": {"c1": 1}}]')
+    assert caught.value.field == "todos.0.prior_subtask_ids"
 
 
 @pytest.mark.parametrize("text", ["{}", "[]", " {} "])
