@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import pydantic
 
-from coordinator import budgets, dispatch, faults, ids
+from coordinator import budgets, dispatch, faults, ids, todo_links
 from coordinator import todos as todo_lists
 from coordinator.errors import BrokerError, StateError, SubqError, ValidationError
 from coordinator.inputs import one_line
@@ -104,9 +104,8 @@ def commit(
         remaining = budgets.left_over(coord, parent)
         child_budgets = [budgets.to_micros(s.budget_usd, f"subtasks.{n}.budget_usd") for n, s in enumerate(checked)]
         budgets.check_within(remaining, child_budgets)
-        new_items, links = todo_lists.link_children(
-            items, [(cid, spec.todo_id, spec.description) for cid, spec in zip(child_ids, checked, strict=True)]
-        )
+        specs = [(cid, spec.todo_id, spec.description) for cid, spec in zip(child_ids, checked, strict=True)]
+        new_items, links = todo_links.link_children(items, specs, awaiting=parent.awaiting_ids)
         now = time.time()
         children = [
             TaskRecord(
@@ -234,7 +233,7 @@ def submit(
     if coord.settings.max_depth < 1:
         raise StateError(f"SUBQ_MAX_DEPTH={coord.settings.max_depth} allows no subtasks of a root", field="subtasks")
     items = todo_lists.parse_update(todos) if todos is not None else []
-    todo_lists.link_children(items, [(f"check-{n}", s.todo_id, s.description) for n, s in enumerate(checked)])
+    todo_links.link_children(items, [(f"check-{n}", s.todo_id, s.description) for n, s in enumerate(checked)])
     root_budget = budgets.to_micros(budget_usd, "budget_usd")
     child_budgets = [budgets.to_micros(s.budget_usd, f"subtasks.{n}.budget_usd") for n, s in enumerate(checked)]
     budgets.check_within(root_budget or None, child_budgets)

@@ -12,7 +12,7 @@ from decimal import ROUND_HALF_UP, Decimal
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 __all__ = [
     "Approval",
@@ -78,7 +78,14 @@ class Usage(BaseModel):
 
 
 class TodoItem(BaseModel):
-    """One line of a task's plan, with the figures of the child that carried it out."""
+    """One line of a task's plan, with the figures of the children that carried it out.
+
+    `subtask_id` is the current child. A row retried by a later child keeps the
+    earlier children's figures in `prior_*` (their sum, and their ids in order);
+    `tokens` and `cost_micros` are what the row shows: prior plus the current
+    child's subtree totals (docs/todo-links.md). Stored JSON without the prior
+    fields reads as no earlier child.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -88,6 +95,16 @@ class TodoItem(BaseModel):
     subtask_id: str | None = None
     tokens: int = Field(default=0, ge=0)
     cost_micros: int = Field(default=0, ge=0)
+    prior_subtask_ids: tuple[str, ...] = ()
+    prior_tokens: int = Field(default=0, ge=0)
+    prior_cost_micros: int = Field(default=0, ge=0)
+
+    @field_validator("prior_subtask_ids", mode="before")
+    @classmethod
+    def _empty_lua_table(cls, value: object) -> object:
+        # Lua cjson encodes an empty array as `{}`, so an item that a script decoded
+        # and wrote back carries `{}` where it had `[]`.
+        return () if value == {} else value
 
 
 class SubtaskSpec(BaseModel):

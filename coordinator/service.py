@@ -29,7 +29,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from coordinator import approvals, budgets, control, delegation, dispatch, ids
+from coordinator import approvals, budgets, control, delegation, dispatch, ids, todo_links
 from coordinator import todos as todo_lists
 from coordinator.celery_app import make_app
 from coordinator.deadletters import DeadLetter
@@ -221,7 +221,7 @@ class Coordinator:
     def update_todos(self, task_id: str, update: str | Sequence[object]) -> list[TodoItem]:
         """Replace the task's todo list; links and figures of existing items survive."""
         parsed = todo_lists.parse_update(update)  # a bad update is refused before any read
-        return self.store.update_todos(task_id, lambda _record, old: todo_lists.merge(old, parsed))
+        return self.store.update_todos(task_id, lambda _record, old: todo_links.merge(old, parsed))
 
     # -- delegation (coordinator/delegation.py) ---------------------------------------
 

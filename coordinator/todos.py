@@ -1,12 +1,11 @@
-"""The todo-list grammar: parse, render, give stable ids, merge and link to children.
+"""The todo-list grammar: parse, render, give stable ids, store.
 
 A task's plan is a list of `TodoItem`s. Agents write it as markdown checkboxes
 (`[ ] pending`, `[-] in progress`, `[x] done`) or as a JSON list of
-`{"content", "status"?}` objects; the store keeps it as a JSON array (`to_json`
-/ `from_json`). Every rewrite goes through `merge`, so the figures of the child
-that carried an item out (`subtask_id`, `tokens`, `cost_micros`) are never lost
-when the agent edits, reorders or re-marks its plan. `link_children` ties each
-child of a delegation to one item. The rules are in docs/architecture.md ("Todo lists").
+`{"content", "status"?}` objects; the store keeps it as a hash of item JSON
+(`to_hash` / `from_hash`). Which row a child's figures show on, across every
+rewrite and delegation, is coordinator/todo_links.py (`merge`, `link_children`).
+The rules are in docs/architecture.md ("Todo lists") and docs/todo-links.md.
 
 Every function here is pure: it returns new lists and validates everything
 before returning, so a rejected update leaves the caller's list as it was.
@@ -17,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import pydantic
 
@@ -25,9 +24,8 @@ from coordinator.errors import CorruptError, TodoError
 from coordinator.models import TodoItem, TodoStatus
 
 __all__ = [
+    "clean_content",
     "from_json",
-    "link_children",
-    "merge",
     "normalise",
     "parse_json_items",
     "parse_markdown",
@@ -35,6 +33,7 @@ __all__ = [
     "render_markdown",
     "to_json",
     "todo_id",
+    "with_ids",
 ]
 
 TODO_ID_HEX_CHARS = 12  # 48 bits: unique within any plan a person could read
@@ -74,11 +73,11 @@ def parse_markdown(text: str) -> list[TodoItem]:
     # so a rendered item would not read back as one item.
     for line in text.split("\n"):
         match = LINE_RE.match(line.strip())
-        if match and (content := _clean(match.group(2))):
+        if match and (content := clean_content(match.group(2))):
             parsed.append((content, _STATUS_OF_MARK[match.group(1)]))
     if not parsed:
         raise TodoError(f"The todo update has no items: {_EMPTY_HINT}", field="todos")
-    return _with_ids(parsed)
+    return with_ids(parsed)
 
 
 def parse_json_items(items: object) -> list[TodoItem]:
@@ -95,7 +94,7 @@ def parse_json_items(items: object) -> list[TodoItem]:
     parsed = [_json_item(index, entry) for index, entry in enumerate(items)]
     if not parsed:
         raise TodoError(f"The todo update has no items: {_EMPTY_HINT}", field="todos")
-    return _with_ids(parsed)
+    return with_ids(parsed)
 
 
 def parse_update(update: str | Sequence[object]) -> list[TodoItem]:
@@ -127,95 +126,6 @@ def parse_update(update: str | Sequence[object]) -> list[TodoItem]:
 def render_markdown(items: Sequence[TodoItem]) -> str:
     """One `[ ]`/`[-]`/`[x]` line per item, in order; `parse_markdown` reads it back."""
     return "\n".join(f"[{_MARK_OF_STATUS[item.status]}] {item.content}" for item in items)
-
-
-def merge(old: Sequence[TodoItem], new: Sequence[TodoItem]) -> list[TodoItem]:
-    """`new`, with ids recomputed and each item's child figures carried over from `old`.
-
-    An item keeps its own content and status. The figures (`subtask_id`,
-    `tokens`, `cost_micros`) of an old item go to at most one new item, found by
-    the first rule that applies: the same `subtask_id` (when the new item has
-    one), the same id, the same normalised content (duplicates in order), or,
-    for a linked old item that matched nothing, the unmatched unlinked new item
-    at its index (the agent reworded the line it was working on).
-    """
-    fresh = _with_ids([(item.content, item.status) for item in new])
-    fresh = [f.model_copy(update=_figures(n)) for f, n in zip(fresh, new, strict=True)]
-    given: set[int] = set()  # indexes in `old` whose figures went to a new item
-    source: list[int | None] = [None] * len(fresh)
-    for j, item in enumerate(fresh):
-        if item.subtask_id is not None:
-            source[j] = _take(old, given, lambda o: o.subtask_id, item.subtask_id)
-    # A new item that names its own child is matched by that alone: carrying
-    # another child's figures onto it would mix two children's costs.
-    unlinked = [j for j, item in enumerate(fresh) if item.subtask_id is None]
-    for j in unlinked:
-        source[j] = _take(old, given, lambda o: o.id, fresh[j].id)
-    for j in unlinked:
-        if source[j] is None:
-            wanted = normalise(fresh[j].content)
-            source[j] = _take(old, given, lambda o: normalise(o.content), wanted)
-    for i, item in enumerate(old):
-        vanished = i not in given and item.subtask_id is not None
-        if vanished and i < len(fresh) and fresh[i].subtask_id is None and source[i] is None:
-            source[i] = i
-            given.add(i)
-    return [
-        item if i is None else item.model_copy(update=_figures(old[i])) for item, i in zip(fresh, source, strict=True)
-    ]
-
-
-def link_children(
-    items: Sequence[TodoItem], children: Sequence[tuple[str, str | None, str]]
-) -> tuple[list[TodoItem], list[str]]:
-    """Link each `(child_id, todo_id or None, description)` to one item, in order.
-
-    An explicit `todo_id` wins; otherwise the first unlinked in-progress item,
-    then the first unlinked pending one; with none left, `[-] <description>`
-    is appended. Returns the new list and, per child, the id of its item.
-    """
-    result = list(items)
-    index_of: dict[str, int] = {}
-    for position, item in enumerate(result):
-        index_of.setdefault(item.id, position)
-    # Explicit ids are claimed first, so an automatic pick for an earlier spec
-    # never takes the item a later spec names (which would then be rejected).
-    claimed: set[int] = set()
-    explicit: dict[int, int] = {}
-    for n, (_child_id, wanted, _description) in enumerate(children):
-        if wanted is None:
-            continue
-        index = index_of.get(wanted)
-        if index is None:
-            raise TodoError(f"Unknown todo_id {wanted!r}", field=f"subtasks.{n}.todo_id")
-        if index in claimed:
-            raise TodoError(f"todo_id {wanted!r} is used by two subtasks", field=f"subtasks.{n}.todo_id")
-        claimed.add(index)
-        explicit[n] = index
-    linked: list[str] = []
-    for n, (child_id, _wanted, description) in enumerate(children):
-        index = explicit.get(n)
-        if index is None:
-            index = _auto_pick(result, claimed)
-        if index is None:
-            content = _clean(description)
-            if not content:
-                raise TodoError(
-                    f"Subtask {n} has no description to add as a todo item",
-                    field=f"subtasks.{n}.description",
-                )
-            key = normalise(content)
-            occurrence = sum(1 for item in result if normalise(item.content) == key)
-            new_id = todo_id(content, occurrence)
-            result.append(TodoItem(id=new_id, content=content, status=TodoStatus.IN_PROGRESS))
-            index = len(result) - 1
-        claimed.add(index)
-        # The figures restart with the new child's; a completed item named again
-        # is being redone, so it goes back to in progress like any linked item.
-        restart = {"subtask_id": child_id, "tokens": 0, "cost_micros": 0, "status": TodoStatus.IN_PROGRESS}
-        result[index] = result[index].model_copy(update=restart)
-        linked.append(result[index].id)
-    return result, linked
 
 
 def to_json(items: Sequence[TodoItem]) -> str:
@@ -279,7 +189,7 @@ def from_json(text: str | bytes) -> list[TodoItem]:
     return items
 
 
-def _clean(content: str) -> str:
+def clean_content(content: str) -> str:
     """Content fit to render as one line and to store: trimmed, line breaks made spaces.
 
     Lone surrogates (which json.loads lets through from "\\ud800") become "?":
@@ -290,7 +200,7 @@ def _clean(content: str) -> str:
     return " ".join(piece for piece in pieces if piece)
 
 
-def _with_ids(parsed: Sequence[tuple[str, TodoStatus]]) -> list[TodoItem]:
+def with_ids(parsed: Sequence[tuple[str, TodoStatus]]) -> list[TodoItem]:
     """Items with ids numbered by occurrence among equal normalised contents."""
     seen: dict[str, int] = {}
     items: list[TodoItem] = []
@@ -319,36 +229,13 @@ def _json_item(index: int, entry: object) -> tuple[str, TodoStatus]:
     content = entry.get("content")
     if content is not None and not isinstance(content, str):
         raise bad(f"content must be text, got {_json_kind(content)}", "content")
-    if content is None or not (content := _clean(content)):
+    if content is None or not (content := clean_content(content)):
         raise bad("has no content", "content")
     status = entry.get("status", TodoStatus.PENDING.value)
     if not isinstance(status, str) or status not in _STATUS_VALUES:
         expected = "expected pending, in_progress or completed"
         raise bad(f"has an invalid status {status!r} ({expected})", "status")
     return content, TodoStatus(status)
-
-
-def _figures(item: TodoItem) -> dict[str, object]:
-    """What a child wrote onto an item, which every rewrite of the list must keep."""
-    return {"subtask_id": item.subtask_id, "tokens": item.tokens, "cost_micros": item.cost_micros}
-
-
-def _take(old: Sequence[TodoItem], given: set[int], key: Callable[[TodoItem], object], wanted: object) -> int | None:
-    """The index of the first old item not yet given whose `key` is `wanted`; marks it given."""
-    for index, item in enumerate(old):
-        if index not in given and key(item) == wanted:
-            given.add(index)
-            return index
-    return None
-
-
-def _auto_pick(items: Sequence[TodoItem], claimed: set[int]) -> int | None:
-    """The first free unlinked in-progress item, else the first free unlinked pending one."""
-    for status in (TodoStatus.IN_PROGRESS, TodoStatus.PENDING):
-        for index, item in enumerate(items):
-            if index not in claimed and item.subtask_id is None and item.status == status:
-                return index
-    return None
 
 
 def _json_kind(value: object) -> str:

@@ -74,9 +74,7 @@ def test_the_cli_shows_unlinked_spend_under_the_plan(idle_coordinator: Coordinat
     coord = idle_coordinator
     parent = coord.create_task("p", todos="[ ] A\n[ ] B")
     a, b = coord.get_todos(parent.id)
-    batch = coord.delegate(
-        parent.id, [subtask("A", reply("a"), todo_id=a.id), subtask("B", reply("b"), todo_id=b.id)]
-    )
+    batch = coord.delegate(parent.id, [subtask("A", reply("a"), todo_id=a.id), subtask("B", reply("b"), todo_id=b.id)])
     coord.update_todos(parent.id, "[ ] B")
     spend(coord, batch.child_ids[0], 700, 7000)
     finish(coord, batch.child_ids[0], batch.id)
@@ -88,3 +86,45 @@ def test_the_cli_shows_unlinked_spend_under_the_plan(idle_coordinator: Coordinat
     assert todos.stdout.splitlines()[-1] == "unlinked spend (no row of the plan): 7000 tokens, $0.000700"
     status = cli("status", parent.id, env=env)
     assert "  unlinked: 7000 tokens  $0.000700" in status.stdout
+
+
+def test_a_finished_childs_row_rewritten_away_moves_its_figures_to_unlinked_spend_at_once(
+    idle_coordinator: Coordinator,
+) -> None:
+    coord = idle_coordinator
+    parent = coord.create_task("p", todos="[ ] A\n[ ] B")
+    a, b = coord.get_todos(parent.id)
+    batch = coord.delegate(parent.id, [subtask("A", reply("a"), todo_id=a.id), subtask("B", reply("b"), todo_id=b.id)])
+    c1, c2 = batch.child_ids
+    spend(coord, c1, 700, 7000)
+    finish(coord, c1, batch.id)
+    assert coord.store.get_todos(parent.id)[0].cost_micros == 700
+    coord.update_todos(parent.id, "[ ] B")  # c1's row, with its figures, has no row to go to
+    record = assert_plan_adds_up(coord, parent.id)
+    assert record.unlinked_cost_micros == 700
+    spend(coord, c2, 300, 3000)
+    finish(coord, c2, batch.id)
+    assert assert_plan_adds_up(coord, parent.id).unlinked_cost_micros == 700, "counted once"
+
+
+def test_a_retried_row_shows_every_childs_spend(idle_coordinator: Coordinator) -> None:
+    coord = idle_coordinator
+    parent = coord.create_task("p", todos="[ ] A")
+    (a,) = coord.get_todos(parent.id)
+    first = coord.delegate(parent.id, [subtask("A", reply("a"), todo_id=a.id)])
+    spend(coord, first.child_ids[0], 700, 7000)
+    coord.store.finish_task(first.child_ids[0], "failed", error="try again")
+    build_runtime(coord.settings, make_app(coord.settings)).lifecycle.settle_batch(first.id)
+    second = coord.delegate(parent.id, [subtask("A again", reply("a"), todo_id=a.id)])
+    (item,) = coord.get_todos(parent.id)  # live: the second child has spent nothing yet
+    assert (item.subtask_id, item.prior_subtask_ids, item.cost_micros) == (
+        second.child_ids[0],
+        (first.child_ids[0],),
+        700,
+    )
+    spend(coord, second.child_ids[0], 300, 3000)
+    assert coord.get_todos(parent.id)[0].cost_micros == 1000, "live: prior plus the running child's"
+    finish(coord, second.child_ids[0], second.id)
+    (item,) = coord.store.get_todos(parent.id)
+    assert (item.cost_micros, item.tokens, item.status.value) == (1000, 10_000, "completed")
+    assert_plan_adds_up(coord, parent.id)

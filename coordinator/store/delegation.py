@@ -29,6 +29,7 @@ from coordinator.store.base import (
     translate_redis_errors,
 )
 from coordinator.store.fields import BatchField, TaskField
+from coordinator.todo_links import Merged
 
 __all__ = ["DelegationStore"]
 
@@ -39,25 +40,28 @@ class DelegationStore(StoreBase):
     # -- transactions ------------------------------------------------------------------
 
     @translate_redis_errors
-    def update_todos(
-        self, task_id: str, change: Callable[[TaskRecord, list[TodoItem]], list[TodoItem]]
-    ) -> list[TodoItem]:
-        """Replace a task's todo list with `change(record, old)`, atomically.
+    def update_todos(self, task_id: str, change: Callable[[TaskRecord, list[TodoItem]], Merged]) -> list[TodoItem]:
+        """Replace a task's todo list with `change(record, old).items`, atomically.
 
-        `change` may raise to refuse; then nothing is written.
+        The figures of the old rows that found no new row (`orphans`) move to the
+        task's unlinked spend in the same transaction, so no child's cost leaves the
+        plan. `change` may raise to refuse; then nothing is written.
         """
         root = root_of(task_id)
         task_key, todos_key = self.keys.task(root, task_id), self.keys.todos(root, task_id)
 
         def body(pipe: Pipeline) -> list[TodoItem]:
             record, old = self._read_watched(pipe, task_id)
-            new = change(record, old)
+            merged = change(record, old)
             pipe.multi()
-            self._write_todos(pipe, todos_key, new)
+            self._write_todos(pipe, todos_key, merged.items)
+            if merged.orphans:
+                pipe.hincrby(task_key, TaskField.UNLINKED_TOKENS, sum(o.tokens for o in merged.orphans))
+                pipe.hincrby(task_key, TaskField.UNLINKED_COST_MICROS, sum(o.cost_micros for o in merged.orphans))
             pipe.hincrby(task_key, TaskField.TODOS_VERSION, 1)
             pipe.hset(task_key, TaskField.UPDATED_AT, time.time())
             pipe.execute()
-            return new
+            return merged.items
 
         return self._transaction([task_key, todos_key], body)
 

@@ -85,7 +85,11 @@ class RecordStore(StoreBase):
         for item in items:
             tokens, cost = figures.get(item.subtask_id, (None, None))
             if tokens is not None:  # the child's record is the system of record
-                item = item.model_copy(update={"tokens": int(tokens), "cost_micros": int(cost or 0)})
+                shown = {
+                    "tokens": item.prior_tokens + int(tokens),
+                    "cost_micros": item.prior_cost_micros + int(cost or 0),
+                }
+                item = item.model_copy(update=shown)
             out.append(item)
         return out
 

@@ -69,8 +69,9 @@ for i = 4, #ARGV do
   if got then
     local id, item = item_of(child_id, KEYS[i + 2])
     if id then
-      item['tokens'] = got.tokens
-      item['cost_micros'] = got.cost
+      -- A retried item shows its earlier children's figures too (prior_*), and this child's.
+      item['tokens'] = (tonumber(item['prior_tokens']) or 0) + got.tokens
+      item['cost_micros'] = (tonumber(item['prior_cost_micros']) or 0) + got.cost
       if got.status == 'completed' then
         item['status'] = 'completed'
       end
