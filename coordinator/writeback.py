@@ -67,7 +67,9 @@ def write_back(coord: Coordinator, batch_id: str, ended: TaskRecord | None = Non
             return False
         if child.status != TaskStatus.COMPLETED:
             reason = f"not run: step {index + 1} of the chain ended {child.status.value}"
-            rest = [c.id for c in children[index + 1 :]]
+            # Each later step with its whole subtree: a step may have been given children
+            # (a caller delegating from it) before the chain reached it.
+            rest = [t for c in children[index + 1 :] for t in store.subtree_ids(c.id)]
             store.stop_tasks(
                 rest,
                 top_status="cancelled",
