@@ -37,6 +37,12 @@ def export_tree(coord: Coordinator, task_id: str, directory: Path) -> list[Path]
             "api_conversation_history.json": coord.messages(record.id, kind="api"),
             "ui_messages.json": coord.messages(record.id, kind="ui"),
             "history_item.json": HistoryItem.of(record).model_dump(mode="json"),
+            # The plan with each row's child and figures, and the spend no row carries.
+            "todos.json": {
+                "items": [item.model_dump(mode="json") for item in coord.get_todos(record.id)],
+                "unlinked_tokens": record.unlinked_tokens,
+                "unlinked_cost_micros": record.unlinked_cost_micros,
+            },
         }
         for name, content in files.items():
             path = folder / name

@@ -173,12 +173,14 @@ def test_export_writes_the_tree_as_folders(solo: Coordinator, tmp_path: Path) ->
     written = solo.export_tree(root.id, tmp_path)
     ids = {t.id for t in _subtree(solo, root.id)}
     assert {p.name for p in tmp_path.iterdir()} == ids
-    assert len(written) == 3 * len(ids)
+    assert len(written) == 4 * len(ids)
     for task_id in ids:
         folder = tmp_path / task_id
         api = json.loads((folder / "api_conversation_history.json").read_text())
         ui = json.loads((folder / "ui_messages.json").read_text())
         item = json.loads((folder / "history_item.json").read_text())
+        todos = json.loads((folder / "todos.json").read_text())
+        assert set(todos) == {"items", "unlinked_tokens", "unlinked_cost_micros"}
         assert api and api[0]["kind"] == "request"
         assert ui and all({"ts", "type", "text"} <= m.keys() for m in ui)
         for name in ("id", "number", "ts", "task", "tokens_in", "tokens_out", "cache_writes", "cache_reads",

@@ -329,7 +329,7 @@ def test_run_follow_then_tree_history_and_export(fleet_env: dict[str, str], tmp_
     out = tmp_path / "export"
     exported = cli("export", root_id, str(out), env=fleet_env)
     assert exported.returncode == 0, exported.stderr
-    assert exported.stdout.strip() == f"Exported 3 tasks (9 files) to {out}"
+    assert exported.stdout.strip() == f"Exported 3 tasks (12 files) to {out}"
     history_item = json.loads((out / root_id / "history_item.json").read_text())
     assert history_item["status"] == "completed" and history_item["total_cost"] == 0.042
 

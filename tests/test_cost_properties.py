@@ -4,7 +4,8 @@ Hypothesis writes programs of operations on one tree in a real Redis: delegate
 (parallel or sequential, nested, onto named or free rows), rewrite a plan
 (drop, duplicate, reorder, reword, flip, unicode, whitespace), spend, end a
 child (completed or failed; written back by the batch's settle or by a
-redelivered run), cancel a subtree, and settle a batch again. The steps are
+redelivered run), cancel a subtree, stop one for a spent budget, and settle
+a batch again. The steps are
 the real ones: the store's transactions and Lua, the merge rules, the
 write-back. After every operation, for every task of the tree:
 
@@ -25,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from coordinator import Coordinator, StateError, TaskStatus, TodoError, Usage, todo_links
+from coordinator import Coordinator, StateError, TaskStatus, TodoError, Usage, budgets, todo_links
 from coordinator.celery_app import make_app
 from coordinator.runs import RunLifecycle
 from coordinator.todo_links import Merged
@@ -47,6 +48,7 @@ OPS = st.one_of(
               st.integers(0, 5000)),
     st.tuples(st.just("cancel"), st.integers(1, 9)),
     st.tuples(st.just("settle"), st.integers(0, 9)),
+    st.tuples(st.just("budget_stop"), st.integers(0, 9)),
 )  # fmt: skip
 
 
@@ -126,6 +128,12 @@ class Tree:
         task = self.coord.get_task(self.pick(n))
         if task.parent_id is not None and not task.status.terminal:
             self.coord.cancel(task.id, "property test")
+
+    def budget_stop(self, n: int) -> None:
+        """What a run does when a budget over it is spent: the holder's subtree is stopped."""
+        task = self.coord.get_task(self.pick(n))
+        if not task.status.terminal:
+            budgets.stop(self.coord, task.id)
 
     def settle(self, n: int) -> None:
         if self.batches:

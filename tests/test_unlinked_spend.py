@@ -128,3 +128,18 @@ def test_a_retried_row_shows_every_childs_spend(idle_coordinator: Coordinator) -
     (item,) = coord.store.get_todos(parent.id)
     assert (item.cost_micros, item.tokens, item.status.value) == (1000, 10_000, "completed")
     assert_plan_adds_up(coord, parent.id)
+
+
+def test_a_rewrite_that_drops_a_linked_row_moves_its_child_to_the_next_free_row(idle_coordinator: Coordinator) -> None:
+    """Old [A -> c1, B], rewritten to [ ] B: c1's figures show on B, not on no row."""
+    coord = idle_coordinator
+    parent = coord.create_task("p", todos="[ ] A\n[ ] B")
+    a, _ = coord.get_todos(parent.id)
+    batch = coord.delegate(parent.id, [subtask("A", reply("a"), todo_id=a.id)])
+    (c1,) = batch.child_ids
+    coord.update_todos(parent.id, "[ ] B")
+    spend(coord, c1, 700, 7000)
+    finish(coord, c1, batch.id)
+    (row,) = coord.store.get_todos(parent.id)
+    assert (row.content, row.subtask_id, row.cost_micros, row.tokens) == ("B", c1, 700, 7000)
+    assert assert_plan_adds_up(coord, parent.id).unlinked_cost_micros == 0
