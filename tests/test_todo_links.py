@@ -20,6 +20,7 @@ from coordinator.errors import TodoError
 from coordinator.models import TodoItem, TodoStatus
 from coordinator.todo_links import Merged, link_children, merge
 from coordinator.todos import normalise, parse_markdown, todo_id, with_ids
+from tests.test_todos import item as row
 
 PENDING, IN_PROGRESS, COMPLETED = TodoStatus.PENDING, TodoStatus.IN_PROGRESS, TodoStatus.COMPLETED
 EXAMPLES = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -28,31 +29,6 @@ MergeFn = Callable[[Sequence[TodoItem], Sequence[TodoItem]], Merged]
 LinkFn = Callable[
     [Sequence[TodoItem], Sequence[tuple[str, str | None, str]], Collection[str]], tuple[list[TodoItem], list[str]]
 ]
-
-
-def row(
-    content: str,
-    status: TodoStatus = PENDING,
-    occurrence: int = 0,
-    subtask_id: str | None = None,
-    tokens: int = 0,
-    cost_micros: int = 0,
-    prior: tuple[str, ...] = (),
-    prior_tokens: int = 0,
-    prior_cost_micros: int = 0,
-) -> TodoItem:
-    """A row with the id the grammar gives it, built without the parser."""
-    return TodoItem(
-        id=todo_id(content, occurrence),
-        content=content,
-        status=status,
-        subtask_id=subtask_id,
-        tokens=tokens,
-        cost_micros=cost_micros,
-        prior_subtask_ids=prior,
-        prior_tokens=prior_tokens,
-        prior_cost_micros=prior_cost_micros,
-    )
 
 
 def plan(text: str) -> list[TodoItem]:

@@ -51,6 +51,9 @@ def item(
     subtask_id: str | None = None,
     tokens: int = 0,
     cost_micros: int = 0,
+    prior: tuple[str, ...] = (),
+    prior_tokens: int = 0,
+    prior_cost_micros: int = 0,
 ) -> TodoItem:
     """An item with the id the grammar gives it, built without going through the parser."""
     return TodoItem(
@@ -60,6 +63,9 @@ def item(
         subtask_id=subtask_id,
         tokens=tokens,
         cost_micros=cost_micros,
+        prior_subtask_ids=prior,
+        prior_tokens=prior_tokens,
+        prior_cost_micros=prior_cost_micros,
     )
 
 
