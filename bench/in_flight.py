@@ -31,14 +31,14 @@ if str(ROOT) not in sys.path:
 from coordinator import Coordinator, Settings, TaskStatus  # noqa: E402
 from coordinator.fleet import WorkerFleet  # noqa: E402
 from coordinator.local_redis import local_redis  # noqa: E402
-from workers.runtime.offline import SCRIPT_INFO_STRING  # noqa: E402
+from workers.runtime.script import script_message  # noqa: E402
 
 RECEIVED = re.compile(r"subq\.run_task\[([0-9a-f-]+)\] received")
 
 
 def child_spec(n: int, latency_ms: int) -> dict[str, str]:
     step = {"reply": f"child {n} done", "usage": {"input": 1000, "output": 200}, "latency_ms": latency_ms}
-    message = f"Child {n}.\n\n```{SCRIPT_INFO_STRING}\n{json.dumps({'steps': [step]})}\n```"
+    message = script_message(f"Child {n}.", [step])
     return {"description": f"child {n}", "message": message}
 
 

@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
 from coordinator import Coordinator, Settings, TaskStatus  # noqa: E402
 from coordinator.fleet import WorkerFleet  # noqa: E402
 from coordinator.local_redis import local_redis  # noqa: E402
-from workers.runtime.offline import SCRIPT_INFO_STRING  # noqa: E402
+from workers.runtime.script import script_message  # noqa: E402
 
 POLL_S = 0.05
 
@@ -43,7 +43,7 @@ def measure(latency_ms: int) -> dict[str, object]:
             coord = Coordinator(settings)
             parent = coord.create_task("One slow child")
             step = {"reply": "slow done", "usage": {"input": 1000, "output": 200}, "latency_ms": latency_ms}
-            message = f"Wait on the model.\n\n```{SCRIPT_INFO_STRING}\n{json.dumps({'steps': [step]})}\n```\n"
+            message = script_message("Wait on the model.", [step])
             (child,) = coord.delegate(parent.id, [{"description": "slow", "message": message}]).child_ids
             while coord.store.in_flight(parent.id)["leases"] == 0:
                 time.sleep(POLL_S)

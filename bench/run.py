@@ -53,7 +53,7 @@ from coordinator.celery_app import make_app  # noqa: E402
 from coordinator.fleet import WorkerFleet  # noqa: E402
 from coordinator.local_redis import local_redis  # noqa: E402
 from coordinator.settings import DEFAULT_CONCURRENCY, DEFAULT_MAX_FANOUT, DEFAULT_POOL  # noqa: E402
-from workers.runtime.offline import SCRIPT_INFO_STRING  # noqa: E402
+from workers.runtime.script import script_message  # noqa: E402
 
 DEFAULT_WIDTHS = (10, 100, 1000)
 DEFAULT_REPEATS = 3
@@ -66,11 +66,9 @@ RUN_TIMEOUT_S = 600.0
 # A child's one model request: realistic counts so the cost write-back has real figures to carry.
 CHILD_TOKENS_IN = 1000
 CHILD_TOKENS_OUT = 500
-CHILD_MESSAGE = (
-    "Benchmark subtask: answer at once.\n\n"
-    f"```{SCRIPT_INFO_STRING}\n"
-    + json.dumps({"steps": [{"reply": "done", "usage": {"input": CHILD_TOKENS_IN, "output": CHILD_TOKENS_OUT}}]})
-    + "\n```\n"
+CHILD_MESSAGE = script_message(
+    "Benchmark subtask: answer at once.",
+    [{"reply": "done", "usage": {"input": CHILD_TOKENS_IN, "output": CHILD_TOKENS_OUT}}],
 )
 
 BARE_QUEUE = "bench-bare"

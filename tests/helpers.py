@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import socket
 import threading
@@ -17,6 +16,7 @@ from fastapi import FastAPI
 from pydantic import SecretStr
 
 from coordinator import Coordinator, Settings
+from workers.runtime.script import script_message
 
 T = TypeVar("T")
 
@@ -47,7 +47,7 @@ def quiet(coord: Coordinator, *roots: str, still_s: float = 0.5, timeout_s: floa
 
 def script(*steps: dict[str, Any], text: str = "Do the subtask.") -> str:
     """A task message carrying an offline-model script."""
-    return f"{text}\n\n```subq-script\n{json.dumps({'steps': list(steps)})}\n```\n"
+    return script_message(text, steps)
 
 
 def usage_step(

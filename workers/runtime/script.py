@@ -32,6 +32,7 @@ __all__ = [
     "TransientFailure",
     "final_reply",
     "parse_script",
+    "script_message",
 ]
 
 SCRIPT_INFO_STRING = "subq-script"
@@ -192,6 +193,9 @@ def _script_blocks(lines: list[str]) -> tuple[list[str], int, list[str]]:
     openings = 0
     block: list[str] | None = None  # the opening line, then the body, of the block now open
     for line in lines:
+        if "```" not in line:  # most lines: no fence can be on them (a substring test, not a regex)
+            (outside if block is None else block).append(line)
+            continue
         if block is None:
             if _SCRIPT_OPENING.fullmatch(line):
                 openings += 1
@@ -241,3 +245,8 @@ def final_reply(message: str) -> str:
     if len(first) > MAX_SUMMARY_CHARS:
         first = first[: MAX_SUMMARY_CHARS - 1].rstrip() + "…"
     return f"Done: {first}"
+
+
+def script_message(text: str, steps: Sequence[dict[str, Any]]) -> str:
+    """A task message: `text`, then a `subq-script` block playing `steps` (the writer of this grammar)."""
+    return f"{text}\n\n```{SCRIPT_INFO_STRING}\n{json.dumps({'steps': list(steps)})}\n```\n"
