@@ -1,24 +1,38 @@
-"""The bare-Celery side of the benchmark: `celery -A bench.bare worker`.
+"""The bare-Celery side of the benchmarks: `celery -A bench.bare worker`.
 
 The app comes from subq's own `make_app(load_settings())`, so pool,
 concurrency, prefetch, acks, serializer, result backend and events are exactly
 those of a subq worker started with the same `SUBQ_` environment. Only the
-tasks differ: a no-op header and a chord callback that announces the join.
+tasks differ: two chord headers and a chord callback that announces the join.
+- `bench.noop` does nothing (baseline (a): what Celery costs);
+- `bench.agent` runs a pydantic-ai agent, as a Celery user without subq would:
+  the same agent definition as a subq run (system prompt, orchestration tools,
+  output types) on the same offline model, built once per process, run with
+  `run_sync` (baseline (b): what Celery and the agent library cost).
+Each header returns the time it ended, so the callback reports how long after
+the last child's end it ran, with no Redis call of its own beyond the join.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import threading
+import time
 from typing import Any
 
 import redis
 from celery import Task
+from pydantic_ai import Agent, DeferredToolRequests, ToolOutput
 
-from bench import JOIN, NOOP
+import bench.probe  # noqa: F401  (installs the round-trip probe first, when BENCH_PROBE_DIR is set)
+from bench import AGENT, JOIN, NOOP
 from coordinator.celery_app import make_app
 from coordinator.settings import load_settings
+from workers.runtime.offline import OfflineModel
+from workers.runtime.tools import ORCHESTRATION_PROMPT, RunState, attempt_completion, orchestration_tools
 
-__all__ = ["app", "join", "noop"]
+__all__ = ["agent", "app", "join", "noop"]
 
 settings = load_settings()
 app = make_app(settings)
@@ -39,12 +53,37 @@ def _redis() -> redis.Redis:
 
 # Bound, like subq's own tasks, so both modes pay the same call path.
 @app.task(name=NOOP, bind=True)
-def noop(self: Task) -> None:
-    return None
+def noop(self: Task) -> float:
+    return time.time()
+
+
+@functools.cache
+def _agent() -> Agent[RunState, Any]:
+    return Agent(
+        deps_type=RunState,
+        output_type=[str, ToolOutput(attempt_completion, name="attempt_completion"), DeferredToolRequests],
+        system_prompt=f"You are a helpful assistant.\n\n{ORCHESTRATION_PROMPT}",
+        toolsets=[orchestration_tools],
+    )
+
+
+_model = OfflineModel()
+
+
+@app.task(name=AGENT, bind=True)
+def agent(self: Task, prompt: str) -> float:
+    result = _agent().run_sync(prompt, model=_model)
+    if not isinstance(result.output, str) or not result.usage().output_tokens:
+        raise RuntimeError(f"the baseline agent did not answer: {result.output!r}")
+    return time.time()
 
 
 @app.task(name=JOIN, bind=True, ignore_result=True)
 def join(self: Task, results: Any, done_key: str) -> None:
-    # RPUSH the number of header results the join saw: the benchmark BLPOPs this key,
-    # which wakes it the moment the callback ran and lets it check the count.
-    _redis().rpush(done_key, len(results) if isinstance(results, list) else -1)
+    # RPUSH what the join saw: the benchmark BLPOPs this key, which wakes it the moment
+    # the callback ran, and checks the count; `after_last_ms` is how long after the last
+    # header ended the callback ran (the chord's "parent resumed" latency).
+    now = time.time()
+    ended = [r for r in results if isinstance(r, float)] if isinstance(results, list) else []
+    after_last_ms = (now - max(ended)) * 1000 if ended else -1.0
+    _redis().rpush(done_key, json.dumps({"results": len(ended), "after_last_ms": after_last_ms}))

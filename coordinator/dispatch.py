@@ -1,11 +1,17 @@
 """Publishing work by task name: the coordinator never imports `workers`.
 
-A parallel delegation is a chord of `subq.run_task` headers with `subq.gather`
-as its callback. A sequential one is a chain built a step at a time: each step
-is `subq.run_task` followed by `subq.advance`, its own write-back, which
-publishes the next step once this one's child has ended. (A child that itself
-delegates releases its worker and ends later, so the next step cannot be
-queued up front; see docs/architecture.md.)
+A parallel delegation is a group of `subq.run_task` messages, one per child:
+each child writes itself back as it ends and the last one closes the batch
+(coordinator/writeback.py), so no chord callback is needed, and subq's own runs
+store no Celery result (`ignore_result`): the system of record is the task's
+record in Redis. A Celery chord would store every child's result and count it in
+a join, about 4.4 Redis round trips and 10 server commands per child
+(bench/overhead.py), for a callback that found the batch already closed.
+A sequential delegation is a chain built a step at a time: each step is
+`subq.run_task` followed by `subq.advance`, its own write-back, which publishes
+the next step once this one's child has ended. (A child that itself delegates
+releases its worker and ends later, so the next step cannot be queued up front;
+see docs/architecture.md.)
 
 The Celery task id of a task's first run is the task id, of its n-th
 resume `<task id>-r<n>`, of a restart after a wait `<task id>-q<hex>`, and of a
@@ -17,10 +23,10 @@ from __future__ import annotations
 
 import secrets
 
-from celery import Celery, chain, chord
+from celery import Celery, chain, group
 from celery.canvas import Signature
 
-from coordinator.celery_app import ADVANCE, GATHER, RUN_TASK
+from coordinator.celery_app import ADVANCE, RUN_TASK
 from coordinator.models import Batch, TaskRecord
 
 __all__ = [
@@ -28,7 +34,6 @@ __all__ = [
     "publish_batch",
     "publish_restart",
     "publish_run",
-    "publish_settle",
     "publish_step",
     "run_signature",
 ]
@@ -45,7 +50,11 @@ def run_signature(app: Celery, task: TaskRecord, run_no: int = 0) -> Signature:
     if run_no:
         argsrepr += f" resume={run_no}"
     celery_id = task.id if run_no == 0 else f"{task.id}-r{run_no}"
-    return app.signature(RUN_TASK, args=(task.id,), task_id=celery_id, immutable=True, argsrepr=argsrepr)
+    # No Celery result: the task's record is the result (a producer that sends
+    # `subq.run_task` by name without this option still gets one).
+    return app.signature(
+        RUN_TASK, args=(task.id,), task_id=celery_id, immutable=True, argsrepr=argsrepr, ignore_result=True
+    )
 
 
 def publish_run(app: Celery, task: TaskRecord, run_no: int = 0) -> None:
@@ -70,19 +79,9 @@ def publish_again(app: Celery, task: TaskRecord, attempt: int) -> None:
     signature.apply_async()
 
 
-def publish_settle(app: Celery, batch_id: str) -> None:
-    """Ask a worker to settle a batch (the chord callback's task, by name)."""
-    app.signature(GATHER, args=([],), kwargs={"batch_id": batch_id}).apply_async()
-
-
 def publish_batch(app: Celery, batch: Batch, children: list[TaskRecord]) -> None:
     if batch.mode == "parallel":
-        note = f"batch={batch.id} parent={batch.parent_id} children={len(children)}"
-        callback = app.signature(
-            GATHER, kwargs={"batch_id": batch.id}, task_id=f"{batch.id}-gather", kwargsrepr=note,
-            argsrepr="(the children's results)",
-        )  # fmt: skip
-        chord([run_signature(app, child) for child in children], callback).apply_async()
+        group([run_signature(app, child) for child in children]).apply_async()
     else:
         publish_step(app, batch, children[0], 0)
 

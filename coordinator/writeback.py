@@ -7,8 +7,10 @@ write-back of a batch from the state in Redis:
 - sequential: children are applied in order; the first that has not ended is
   started if it never was (the chain grows a step at a time); a step that did
   not complete stops the chain, and the rest are recorded `cancelled`.
-Closing (`finish_batch.lua`) happens once; the call that closes it resumes an
-agent parent under a numbered Celery task id.
+Closing (`close_batch.lua`) happens once, in constant time per child: each
+child's line of the combined result is stored as it is applied, and the close
+joins the lines in dispatch order. The call that closes it resumes an agent
+parent under a numbered Celery task id.
 
 Callers, all in the coordinator: the run lifecycle as each child ends (it
 applies just that child, so each todo item is written as soon as its child
@@ -22,16 +24,15 @@ it to the reconciler (coordinator/reconciler.py).
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 from coordinator import dispatch, faults
-from coordinator.models import Batch, BatchRef, SubtaskResult, TaskRecord, TaskStatus, Usage, format_usd
+from coordinator.models import Batch, BatchRef, SubtaskResult, TaskRecord, TaskStatus, Usage
 
 if TYPE_CHECKING:
     from coordinator.service import Coordinator
 
-__all__ = ["close_batch", "combined_result", "result_of", "write_back"]
+__all__ = ["close_batch", "result_of", "write_back"]
 
 
 def write_back(coord: Coordinator, batch_id: str, ended: TaskRecord | None = None) -> bool:
@@ -47,9 +48,11 @@ def write_back(coord: Coordinator, batch_id: str, ended: TaskRecord | None = Non
     if ended is not None:
         mode, status, parent_id = store.batch_head(batch_id)
         if mode == "parallel":
-            store.apply_children(BatchRef(id=batch_id, parent_id=parent_id, root_id=ended.root_id), [ended.id])
+            ref = BatchRef(id=batch_id, parent_id=parent_id, root_id=ended.root_id)
+            store.apply_children(ref, [ended.id])
             if status == "done" or store.awaiting_count(parent_id) > 0:
                 return False
+            return close_batch(coord, ref)
     batch = store.get_batch(batch_id)
     if batch.status == "done":
         return False
@@ -84,38 +87,16 @@ def write_back(coord: Coordinator, batch_id: str, ended: TaskRecord | None = Non
     return close_batch(coord, batch)
 
 
-def close_batch(coord: Coordinator, batch: Batch) -> bool:
-    children = coord.store.get_records(batch.child_ids)
-    combined = combined_result(batch, children)
-    parent = coord.store.get_task(batch.parent_id)
-    if parent.status.terminal:  # stopped meanwhile: its caller reads why, then what had finished
-        combined = f"Stopped: {parent.error_class}: {parent.error}\n{combined}"
-    ui_message = {"ts": time.time(), "type": "say", "say": "subtask_result", "text": combined}
-    resume = parent.runner == "agent" and parent.status == TaskStatus.DELEGATED
-    if resume:  # first: a resume lost after the close is published again by the reconciler
-        coord.store.watch([parent.id], coord.settings.reconcile_grace_s)
-    resumes = coord.store.finish_batch(batch, combined, ui_message)
+def close_batch(coord: Coordinator, batch: Batch | BatchRef) -> bool:
+    """Close the batch (once) and publish its agent parent's resume; True when this call closed it."""
+    resumes, resume = coord.store.close_batch(batch, coord.settings.reconcile_grace_s)
     if not resumes:
         return False
     faults.crash_point(coord.settings, "after-close")
     if resume:
+        (parent,) = coord.store.get_records([batch.parent_id])
         dispatch.publish_run(coord.app, parent, resumes)
     return True
-
-
-def combined_result(batch: Batch, children: list[TaskRecord]) -> str:
-    """One block for the parent, children in dispatch order, one line each."""
-    done = sum(1 for c in children if c.status == TaskStatus.COMPLETED)
-    lines = [f"Subtask results ({batch.mode}, {done} of {len(children)} completed):"]
-    for number, child in enumerate(children, 1):
-        figures = f"{child.total_tokens} tokens, {format_usd(child.total_cost_micros)}"
-        head = f"{number}. [{child.status.value}] {child.description} (task {child.id}"
-        head += f", todo {child.todo_id})" if child.todo_id else ")"
-        if child.status == TaskStatus.COMPLETED:
-            lines.append(f"{head}: {' '.join(child.summary.split())} ({figures})")
-        else:
-            lines.append(f"{head}: {child.error_class or 'Error'}: {child.error or 'no detail'} ({figures})")
-    return "\n".join(lines)
 
 
 def result_of(record: TaskRecord, pending: str = "delegated") -> SubtaskResult:

@@ -71,7 +71,11 @@ def progress_sender(task: Task) -> Callable[[dict[str, Any]], None]:
 
 @app.task(name=GATHER, bind=True, ignore_result=True, **RETRIED)
 def gather(self: Task, results: Any, batch_id: Any) -> None:
-    """The chord callback; `results` are informational, the write-back reads Redis."""
+    """Settle a batch from Redis: the chord callback of older releases, kept for their queued messages.
+
+    Parallel batches are published as groups now; each child writes itself back as
+    it ends and the last one closes the batch (coordinator/dispatch.py).
+    """
     if _batch_id_ok(batch_id):
         get_runtime(settings, app).lifecycle.settle_batch(batch_id)
 

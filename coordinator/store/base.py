@@ -67,8 +67,19 @@ def _str_map(reply: Any) -> dict[str, str]:
     return cast(dict[str, str], reply)
 
 
-def _load_script(name: str) -> str:
-    return resources.files("coordinator.store").joinpath("lua", name).read_text(encoding="utf-8")
+def _load_script(name: str, *uses: str) -> str:
+    """A script of lua/, with the scripts it `uses` defined first as local functions.
+
+    Each used script becomes `local function <name>(KEYS, ARGV) <its text> end`, so a
+    step that does several things in one round trip calls the very scripts that do
+    each of them alone (their KEYS and ARGV are the function's parameters).
+    """
+    lua = resources.files("coordinator.store").joinpath("lua")
+    functions = [
+        f"local function {used.removesuffix('.lua')}(KEYS, ARGV)\n{lua.joinpath(used).read_text(encoding='utf-8')}end\n"
+        for used in uses
+    ]
+    return "".join(functions) + lua.joinpath(name).read_text(encoding="utf-8")
 
 
 def _encode_record(fields: dict[str, Any]) -> HashMapping:
@@ -111,7 +122,7 @@ class StoreBase:
         self._record_usage = client.register_script(_load_script("record_usage.lua"))
         self._finish_task = client.register_script(_load_script("finish_task.lua"))
         self._apply_children = client.register_script(_load_script("apply_children.lua"))
-        self._finish_batch = client.register_script(_load_script("finish_batch.lua"))
+        self._close_batch = client.register_script(_load_script("close_batch.lua", "finish_batch.lua"))
         self._stop_tasks = client.register_script(_load_script("stop_tasks.lua"))
         self._admit = client.register_script(_load_script("admit.lua"))
         self._release_slot = client.register_script(_load_script("release_slot.lua"))

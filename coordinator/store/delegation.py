@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import cast
 
 from redis.client import Pipeline
 
@@ -192,26 +192,27 @@ class DelegationStore(StoreBase):
         root, k = batch.root_id, self.keys
         keys = [
             k.task(root, batch.parent_id), k.todos(root, batch.parent_id), k.batch_applied(root, batch.id),
-            k.awaiting(root, batch.parent_id), k.events(root), *(k.task(root, c) for c in child_ids),
+            k.awaiting(root, batch.parent_id), k.events(root), k.batch_lines(root, batch.id),
+            *(k.task(root, c) for c in child_ids),
         ]  # fmt: skip
         args: list[ScriptArg] = [time.time(), self.retention_s, EVENTS_MAXLEN, *child_ids]
         return int(self._apply_children(keys=keys, args=args))
 
     @translate_redis_errors
-    def finish_batch(self, batch: Batch, combined: str, ui_message: dict[str, Any]) -> int:
-        """Close a batch once and set its parent active.
+    def close_batch(self, batch: Batch | BatchRef, resume_grace_s: float) -> tuple[int, bool]:
+        """Close a batch once from its stored lines and set its parent active (close_batch.lua).
 
-        Returns the parent's resume count when this call closed it (>= 1), else 0.
+        Returns (the parent's resume count when this call closed it, else 0; whether the
+        caller must publish the parent's resumed run, which is watched already).
         """
         root, k = batch.root_id, self.keys
         keys = [
             k.batch(root, batch.id), k.task(root, batch.parent_id), k.ui_messages(root, batch.parent_id),
-            k.awaiting(root, batch.parent_id), k.events(root),
+            k.awaiting(root, batch.parent_id), k.events(root), k.batch_lines(root, batch.id), k.due(),
         ]  # fmt: skip
-        args: list[ScriptArg] = [
-            combined, json.dumps(ui_message), time.time(), self.retention_s, EVENTS_MAXLEN, batch.child_ids[-1],
-        ]  # fmt: skip
-        return int(self._finish_batch(keys=keys, args=args))
+        args: list[ScriptArg] = [time.time(), self.retention_s, EVENTS_MAXLEN, resume_grace_s]
+        resumes, resume = self._close_batch(keys=keys, args=args)
+        return int(resumes), bool(resume)
 
     # -- stopping a subtree ------------------------------------------------------------
 

@@ -125,13 +125,16 @@ class ApprovalField:
 class LatencyField:
     """Fields of the model-latency histogram hash, `<p>:metrics:model-latency`."""
 
-    BUCKET_PREFIX: Final = "le_"  # `le_<ms>`: requests that took at most <ms> (cumulative)
-    COUNT: Final = "count"  # every request observed
+    # `in_<ms>`: requests that took more than the next lower bound and at most <ms>;
+    # `in_inf`: longer than every bound. One increment per request: the cumulative
+    # Prometheus buckets (`le_<ms>`) and the count are added up when read.
+    BUCKET_PREFIX: Final = "in_"
+    OVER: Final = "in_inf"
     SUM_MS: Final = "sum_ms"  # their latencies added up, ms
 
     @staticmethod
     def bucket(bound_ms: int) -> str:
-        """The cumulative bucket of requests within `bound_ms`."""
+        """The bucket of requests within `bound_ms` and above the next lower bound."""
         return f"{LatencyField.BUCKET_PREFIX}{bound_ms}"
 
 

@@ -24,6 +24,7 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:{root}:approval:<approval_id>`   | hash   | a tool call awaiting a decision, and the decision  | retention |
 | `<p>:{root}:batch:<batch_id>`         | hash   | one delegation: parent, mode, children, result     | retention |
 | `<p>:{root}:batch-applied:<batch_id>` | set    | children already written back (idempotent gather)  | retention |
+| `<p>:{root}:batch-lines:<batch_id>` | hash   | child id -> its line of the combined result, stored as it is written back | retention |
 | `<p>:{root}:events`                   | stream | the tree's events (status changes, batch done)     | capped length, retention |
 | `<p>:roots`                           | zset   | root ids scored by creation time (history index)   | pruned to retention |
 | `<p>:tasks`                           | zset   | every task id scored by creation time (history)    | pruned to retention |
@@ -109,6 +110,9 @@ class Keys:
 
     def batch_applied(self, root_id: str, batch_id: str) -> str:
         return f"{self._tree(root_id)}:batch-applied:{batch_id}"
+
+    def batch_lines(self, root_id: str, batch_id: str) -> str:
+        return f"{self._tree(root_id)}:batch-lines:{batch_id}"
 
     def events(self, root_id: str) -> str:
         return f"{self._tree(root_id)}:events"

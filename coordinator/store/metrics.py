@@ -7,11 +7,30 @@ from collections.abc import Callable
 from coordinator.store.base import StoreBase, _str_map, _strs, translate_redis_errors
 from coordinator.store.fields import LatencyField
 
-__all__ = ["LATENCY_BUCKETS_MS", "MetricStore"]
+__all__ = ["LATENCY_BUCKETS_MS", "MetricStore", "cumulative", "latency_bucket"]
 
 # Model request latency buckets (ms), Prometheus-style cumulative: from a cached
 # reply to a long reasoning call.
 LATENCY_BUCKETS_MS = (100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
+
+
+def latency_bucket(latency_ms: float) -> str:
+    """The histogram field one request of `latency_ms` is counted in."""
+    return next((LatencyField.bucket(b) for b in LATENCY_BUCKETS_MS if latency_ms <= b), LatencyField.OVER)
+
+
+def cumulative(raw: dict[str, str]) -> dict[str, float]:
+    """Prometheus's cumulative buckets and count from the stored per-bucket counts ({} before any request)."""
+    if not raw:
+        return {}
+    histogram: dict[str, float] = {}
+    running = 0.0
+    for bound in LATENCY_BUCKETS_MS:
+        running += float(raw.get(LatencyField.bucket(bound), 0))
+        histogram[f"le_{bound}"] = running
+    histogram["count"] = running + float(raw.get(LatencyField.OVER, 0))
+    histogram["sum_ms"] = float(raw.get(LatencyField.SUM_MS, 0))
+    return histogram
 
 
 class MetricStore(StoreBase):
@@ -19,20 +38,17 @@ class MetricStore(StoreBase):
 
     @translate_redis_errors
     def observe_latency(self, latency_ms: float) -> None:
-        """Count one model request's latency in the fleet-wide histogram (Prometheus buckets)."""
+        """Count one model request's latency in the fleet-wide histogram: its one bucket, and the sum."""
         key = self.keys.latency_histogram()
         with self.client.pipeline(transaction=False) as pipe:
-            for bound in LATENCY_BUCKETS_MS:
-                if latency_ms <= bound:
-                    pipe.hincrby(key, LatencyField.bucket(bound), 1)
-            pipe.hincrby(key, LatencyField.COUNT, 1)
+            pipe.hincrby(key, latency_bucket(latency_ms), 1)
             pipe.hincrbyfloat(key, LatencyField.SUM_MS, latency_ms)
             pipe.execute()
 
     @translate_redis_errors
     def latency_histogram(self) -> dict[str, float]:
         """{'le_<ms>': cumulative count, 'count': n, 'sum_ms': total} of model request latency."""
-        return {k: float(v) for k, v in _str_map(self.client.hgetall(self.keys.latency_histogram())).items()}
+        return cumulative(_str_map(self.client.hgetall(self.keys.latency_histogram())))
 
     @translate_redis_errors
     def snapshot(self) -> dict[str, object]:

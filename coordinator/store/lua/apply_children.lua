@@ -3,11 +3,12 @@
 -- items concerned are read and written (the list is a hash of item id -> JSON), so a
 -- wide fan-out stays linear.
 -- KEYS[1] parent hash   KEYS[2] parent todos (hash: item id -> JSON, order -> ids)   KEYS[3] batch applied-set
--- KEYS[4] parent awaiting set   KEYS[5] tree events stream   KEYS[6..] child hashes
+-- KEYS[4] parent awaiting set   KEYS[5] tree events stream   KEYS[6] batch lines (hash)   KEYS[7..] child hashes
 -- ARGV[1] now   ARGV[2] retention seconds   ARGV[3] events max length
--- ARGV[4..] child ids, in the order of KEYS[6..]
+-- ARGV[4..] child ids, in the order of KEYS[7..]
 -- A child that has not ended (no terminal status) is skipped. A child no row carries adds its
--- figures to the parent's unlinked spend. Returns how many were applied now.
+-- figures to the parent's unlinked spend. Each applied child's line of the combined result is
+-- stored in the batch lines, so closing the batch reads no sibling. Returns how many were applied now.
 local function terminal(status)
   return status == 'completed' or status == 'failed' or status == 'cancelled'
 end
@@ -16,7 +17,7 @@ local figures = {}
 local applied = {}
 for i = 4, #ARGV do
   local child_id = ARGV[i]
-  local key = KEYS[i + 2]
+  local key = KEYS[i + 3]
   local status = redis.call('HGET', key, 'status')
   if terminal(status) and redis.call('SADD', KEYS[3], child_id) == 1 then
     -- The item shows the child's subtree totals, read from the child record (the
@@ -67,7 +68,7 @@ for i = 4, #ARGV do
   local child_id = ARGV[i]
   local got = figures[child_id]
   if got then
-    local id, item = item_of(child_id, KEYS[i + 2])
+    local id, item = item_of(child_id, KEYS[i + 3])
     if id then
       -- A retried item shows its earlier children's figures too (prior_*), and this child's.
       item['tokens'] = (tonumber(item['prior_tokens']) or 0) + got.tokens
@@ -89,6 +90,39 @@ if changed then
   redis.call('EXPIRE', KEYS[2], ARGV[2])
   redis.call('HINCRBY', KEYS[1], 'todos_version', 1)
 end
+
+-- The child's line of the combined result (writeback.combined_result has the format; the
+-- number is its place in the batch, added when the batch closes).
+local function usd(micros)
+  local sign = micros < 0 and '-' or ''
+  micros = math.abs(micros)
+  return string.format('%s$%d.%06d', sign, math.floor(micros / 1000000), micros % 1000000)
+end
+local function one_line(text)
+  return (string.gsub(string.gsub(text or '', '%s+', ' '), '^ ?(.-) ?$', '%1'))
+end
+for i = 4, #ARGV do
+  local got = figures[ARGV[i]]
+  if got then
+    local f = redis.call('HMGET', KEYS[i + 3], 'description', 'todo_id', 'summary', 'error_class', 'error')
+    local head = '[' .. got.status .. '] ' .. (f[1] or '') .. ' (task ' .. ARGV[i]
+    if f[2] and f[2] ~= '' then
+      head = head .. ', todo ' .. f[2] .. ')'
+    else
+      head = head .. ')'
+    end
+    local body
+    if got.status == 'completed' then
+      body = one_line(f[3])
+    else
+      local class = (f[4] and f[4] ~= '') and f[4] or 'Error'
+      local err = (f[5] and f[5] ~= '') and f[5] or 'no detail'
+      body = class .. ': ' .. err
+    end
+    redis.call('HSET', KEYS[6], ARGV[i], head .. ': ' .. body .. ' (' .. got.tokens .. ' tokens, ' .. usd(got.cost) .. ')')
+  end
+end
+redis.call('EXPIRE', KEYS[6], ARGV[2])
 
 local parent_id = redis.call('HGET', KEYS[1], 'id')
 for _, child_id in ipairs(applied) do

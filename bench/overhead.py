@@ -1,0 +1,321 @@
+"""What subq costs per child on top of Celery and the agent library, against two bare baselines.
+
+    python bench/overhead.py [--widths 100,1000] [--scale 1000,5000] [--repeats 3] [--concurrency 16] [--json]
+
+One private embedded Redis, and two worker processes of the same settings
+(`make_app(Settings)`: threads pool, `--concurrency` threads, prefetch 1, late
+acks, task events on), each a real `celery worker` with its own queue. Three
+modes, each a fan-out of `width` children, taking turns width by width:
+
+- noop  (baseline a): `chord([bench.noop] * width, bench.join)`: what Celery costs;
+- agent (baseline b): `chord([bench.agent] * width, bench.join)`, each header
+  running the same pydantic-ai agent as a subq run on the same offline model with
+  the same reply and usage, and no subq code: what Celery and the agent library cost;
+- subq: `Coordinator.delegate(parent, specs)` of `width` offline children: run,
+  record usage and cost, persist the conversation, write back onto the parent's
+  todo items, close the batch, resume the parent.
+
+Every mode is timed from publishing to its join: a bare chord's callback RPUSHes a
+key the bench BLPOPs (not `AsyncResult.get()`, which polls every header's result
+and so measures the caller); subq's `Coordinator.wait` blocks on the tree's
+event stream. Per child, each mode reports:
+- Redis round trips from the worker process (requests written by redis-py, counted
+  inside the worker by bench/probe.py: Celery's broker and backend calls included);
+- commands the Redis server ran (`INFO commandstats`, commands inside Lua included;
+  the caller's and the idle fleet's commands are in this figure too);
+- the worker process's CPU (user + system, /proc);
+- throughput (children per second of wall time);
+- how long after the last child ended the parent was resumed (a chord's callback
+  ran; subq's batch closed), p50 and p99 over every run of the width.
+`--scale` times each mode at two widths and reports the ratio of their times.
+docs/benchmarks.md has the figures and how to read them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import redis  # noqa: E402
+from celery import chord  # noqa: E402
+
+from bench import AGENT, JOIN, NOOP  # noqa: E402
+from bench.probe import read_counts  # noqa: E402
+from bench.run import (  # noqa: E402
+    CHILD_MESSAGE,
+    RUN_TIMEOUT_S,
+    BenchError,
+    check_write_back,
+    cpu_model,
+    machine_busy_s,
+    other_work,
+    own_cpu_s,
+    positive_int,
+    progress,
+    widths_arg,
+)
+from coordinator import Coordinator, Settings, SubqError  # noqa: E402
+from coordinator.celery_app import make_app  # noqa: E402
+from coordinator.fleet import WorkerFleet  # noqa: E402
+from coordinator.local_redis import local_redis  # noqa: E402
+
+MODES = ("noop", "agent", "subq")
+DEFAULT_WIDTHS = (100, 1000)
+DEFAULT_SCALE = (1000, 5000)
+DEFAULT_REPEATS = 3
+# The issue's reference setup: one worker process, 16 threads.
+DEFAULT_CONCURRENCY = 16
+# The worker's probe writes its counts every 100 ms; wait for the write after a run.
+PROBE_SETTLE_S = 0.3
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Sample:
+    """One timed run of one mode at one width."""
+
+    wall_s: float
+    round_trips: int
+    server_commands: int
+    worker_cpu_s: float
+    resumed_after_ms: float
+    by_command: Counter[str] = field(default_factory=Counter)
+
+
+def process_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+
+
+def server_commands(client: redis.Redis) -> int:
+    return sum(int(stats["calls"]) for stats in client.info("commandstats").values())
+
+
+class Modes:
+    """The three modes on one Redis and two probed worker processes."""
+
+    def __init__(self, redis_url: str, concurrency: int, max_width: int, probe_dir: Path, log_dir: Path) -> None:
+        self.client = redis.Redis.from_url(redis_url)
+        self.probe_dir = probe_dir
+        base = {"redis_url": redis_url, "worker_concurrency": concurrency, "max_fanout": max(256, max_width)}
+        self.bare_settings = Settings(**base, queue="bench-bare")
+        self.subq_settings = Settings(**base, queue="bench-subq")
+        self.bare_app, self.subq_app = make_app(self.bare_settings), make_app(self.subq_settings)
+        self.coord = Coordinator(self.subq_settings, app=self.subq_app)
+        os.environ["BENCH_PROBE_DIR"] = str(probe_dir)  # read by the workers' probe, inherited at spawn
+        quiet = {"loglevel": "WARNING"}
+        self.bare = WorkerFleet(self.bare_settings, 1, log_dir / "bare", app_module="bench.bare", name="bare", **quiet)
+        self.subq = WorkerFleet(self.subq_settings, 1, log_dir / "subq", app_module="bench.subq_worker", **quiet)
+        self.bare.wait_ready(ping=self.bare_app)
+        self.subq.wait_ready(ping=self.subq_app)
+
+    def close(self) -> None:
+        self.bare.stop()
+        self.subq.stop()
+        self.coord.close()
+        self.client.close()
+        self.bare_app.close()
+        self.subq_app.close()
+
+    def run(self, mode: str, width: int) -> Sample:
+        pid = (self.subq if mode == "subq" else self.bare).procs[0].pid
+        time.sleep(PROBE_SETTLE_S)
+        trips_before, cpu_before = read_counts(self.probe_dir, pid), process_cpu_s(pid)
+        commands_before = server_commands(self.client)
+        started_s = time.perf_counter()
+        resumed_after_ms = self._subq(width) if mode == "subq" else self._chord(mode, width)
+        wall_s = time.perf_counter() - started_s
+        time.sleep(PROBE_SETTLE_S)
+        trips = read_counts(self.probe_dir, pid) - trips_before
+        return Sample(
+            wall_s=wall_s,
+            round_trips=trips.pop("round_trips", 0),
+            server_commands=server_commands(self.client) - commands_before,
+            worker_cpu_s=process_cpu_s(pid) - cpu_before,
+            resumed_after_ms=resumed_after_ms,
+            by_command=trips,
+        )
+
+    def _chord(self, mode: str, width: int) -> float:
+        done_key = f"bench:done:{uuid.uuid4().hex}"
+        if mode == "noop":
+            header = [self.bare_app.signature(NOOP, immutable=True) for _ in range(width)]
+        else:
+            header = [self.bare_app.signature(AGENT, args=(CHILD_MESSAGE,), immutable=True) for _ in range(width)]
+        chord(header, self.bare_app.signature(JOIN, kwargs={"done_key": done_key})).apply_async()
+        reply = self.client.blpop([done_key], timeout=RUN_TIMEOUT_S)
+        if reply is None:
+            raise BenchError(f"{mode} chord of {width}: the callback did not run within {RUN_TIMEOUT_S:g}s")
+        joined = json.loads(reply[1])
+        if joined["results"] != width:
+            raise BenchError(f"{mode} chord of {width}: the callback saw {joined['results']} results")
+        return float(joined["after_last_ms"])
+
+    def _subq(self, width: int) -> float:
+        coord = self.coord
+        todos = "\n".join(f"[ ] item {index}" for index in range(width))
+        parent = coord.create_task("Benchmark parent: delegate every item.", todos=todos)
+        specs = [{"description": f"item {index}", "message": CHILD_MESSAGE} for index in range(width)]
+        batch = coord.delegate(parent.id, specs)
+        record = coord.wait(parent.id, RUN_TIMEOUT_S)
+        check_write_back(coord, parent.id, width, record.status)
+        ended = [float(coord.store.task_field(child_id, "finished_at") or 0) for child_id in batch.child_ids]
+        closed = float(self.client.hget(coord.store.keys.batch(parent.root_id, batch.id), "finished_at") or 0)
+        if not closed or not all(ended):
+            raise BenchError(f"subq width {width}: the batch or a child has no finished_at")
+        return (closed - max(ended)) * 1000
+
+
+def measure(modes: Modes, widths: Sequence[int], repeats: int, warmup: int) -> dict[str, dict[int, list[Sample]]]:
+    for mode in MODES:
+        progress(f"{mode}: warm-up at width {warmup}")
+        modes.run(mode, warmup)
+    samples: dict[str, dict[int, list[Sample]]] = {mode: {width: [] for width in widths} for mode in MODES}
+    for width in widths:
+        for repeat in range(repeats):
+            for mode in MODES:  # taking turns: a burst of other work slows every mode alike
+                sample = modes.run(mode, width)
+                samples[mode][width].append(sample)
+                progress(
+                    f"{mode}: width {width} run {repeat + 1}/{repeats}: {sample.wall_s * 1000:.0f} ms, "
+                    f"{sample.round_trips / width:.1f} round trips/child, {sample.worker_cpu_s * 1000 / width:.2f} "
+                    f"ms CPU/child, resumed {sample.resumed_after_ms:.1f} ms after the last child"
+                )
+    return samples
+
+
+def percentile(values: Sequence[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
+
+
+def summarise(samples: dict[str, dict[int, list[Sample]]]) -> list[dict[str, Any]]:
+    rows = []
+    for mode, by_width in samples.items():
+        for width, runs in by_width.items():
+            if not runs:
+                continue
+            top = sum((r.by_command for r in runs), Counter()).most_common(40)
+            rows.append(
+                {
+                    "mode": mode,
+                    "width": width,
+                    "runs": len(runs),
+                    "children_per_s": round(width / statistics.median(r.wall_s for r in runs), 1),
+                    "wall_ms": round(statistics.median(r.wall_s for r in runs) * 1000, 1),
+                    "round_trips_per_child": round(statistics.median(r.round_trips for r in runs) / width, 2),
+                    "server_commands_per_child": round(statistics.median(r.server_commands for r in runs) / width, 1),
+                    "worker_cpu_ms_per_child": round(statistics.median(r.worker_cpu_s for r in runs) * 1000 / width, 2),
+                    "resumed_p50_ms": round(percentile([r.resumed_after_ms for r in runs], 0.5), 1),
+                    "resumed_p99_ms": round(percentile([r.resumed_after_ms for r in runs], 0.99), 1),
+                    "round_trips_by_command": {name: round(n / width / len(runs), 2) for name, n in top},
+                }
+            )
+    return rows
+
+
+def print_report(rows: list[dict[str, Any]], scale: dict[str, float], facts: dict[str, Any]) -> None:
+    for name, value in facts.items():
+        print(f"{name + ':':16} {value}")
+    print()
+    header = (
+        f"{'mode':>6} {'width':>6} {'children/s':>11} {'trips/child':>12} {'cmds/child':>11} "
+        f"{'CPU ms/child':>13} {'resumed p50':>12} {'p99 ms':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['mode']:>6} {r['width']:>6} {r['children_per_s']:>11.1f} {r['round_trips_per_child']:>12.2f} "
+            f"{r['server_commands_per_child']:>11.1f} {r['worker_cpu_ms_per_child']:>13.2f} "
+            f"{r['resumed_p50_ms']:>12.1f} {r['resumed_p99_ms']:>7.1f}"
+        )
+    print()
+    by = {(r["mode"], r["width"]): r for r in rows}
+    for width in sorted({r["width"] for r in rows}):
+        subq, agent = by.get(("subq", width)), by.get(("agent", width))
+        if subq and agent:
+            print(
+                f"width {width}: subq/agent throughput {subq['children_per_s'] / agent['children_per_s']:.2f}x; "
+                f"subq's own worker CPU {subq['worker_cpu_ms_per_child'] - agent['worker_cpu_ms_per_child']:.2f} "
+                f"ms/child; subq's round trips by command: {subq['round_trips_by_command']}"
+            )
+    for mode, ratio in scale.items():
+        print(f"scale {mode}: time({DEFAULT_SCALE[1]})/time({DEFAULT_SCALE[0]}) = {ratio:.2f}")
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench/overhead.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--widths", type=widths_arg, default=DEFAULT_WIDTHS, help="fan-out widths (100,1000)")
+    parser.add_argument(
+        "--scale", type=widths_arg, default=DEFAULT_SCALE, help="two widths whose times are compared (1000,5000)"
+    )
+    parser.add_argument("--no-scale", action="store_true", help="skip the scale runs")
+    parser.add_argument("--repeats", type=positive_int, default=DEFAULT_REPEATS, help="runs per width (3)")
+    parser.add_argument("--concurrency", type=positive_int, default=DEFAULT_CONCURRENCY, help="threads (16)")
+    parser.add_argument("--modes", default=",".join(MODES), help="which modes to run (noop,agent,subq)")
+    parser.add_argument("--json", action="store_true", help="also print every figure as one JSON object")
+    args = parser.parse_args(argv)
+    if len(args.scale) != 2:
+        parser.error("--scale takes exactly two widths")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    for name in [name for name in os.environ if name.startswith("SUBQ_")]:
+        del os.environ[name]
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    command = shlex.join(["python", "bench/overhead.py", *argv])
+    busy_before_s, own_before_s, started_s = machine_busy_s(), own_cpu_s(), time.monotonic()
+    max_width = max(*args.widths, *args.scale)
+    with local_redis() as url, tempfile.TemporaryDirectory(prefix="subq-overhead-") as tmp:
+        (Path(tmp) / "probe").mkdir()
+        modes = Modes(url, args.concurrency, max_width, Path(tmp) / "probe", Path(tmp) / "logs")
+        try:
+            samples = measure(modes, args.widths, args.repeats, warmup=args.concurrency * 2)
+            scale: dict[str, float] = {}
+            if not args.no_scale:
+                small, large = args.scale
+                for mode in MODES:
+                    times = [modes.run(mode, width).wall_s for width in (small, large)]
+                    scale[mode] = times[1] / times[0]
+                    progress(f"{mode}: time({large})/time({small}) = {scale[mode]:.2f}")
+        except (BenchError, SubqError, redis.RedisError) as exc:
+            print(f"bench: error: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            modes.close()
+    facts = {
+        "command": command,
+        "cpu": f"{cpu_model()}, {os.cpu_count()} cores",
+        "workers": f"1 process per mode, pool threads, concurrency {args.concurrency}, prefetch 1",
+        "other work": other_work(busy_before_s, own_before_s, time.monotonic() - started_s),
+    }
+    rows = summarise(samples)
+    print_report(rows, scale, facts)
+    if args.json:
+        print(json.dumps({"facts": facts, "results": rows, "scale": scale}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+-- Close a delegation once, in constant time per child: the combined result is the batch's
+-- stored lines (one per child, written as each child was applied, apply_children.lua) in
+-- dispatch order, no sibling is read. Watches an agent parent that will be resumed (the due
+-- list) before it closes, so a resume lost after the close is published by the reconciler;
+-- then closes with finish_batch.
+-- KEYS[1] batch hash   KEYS[2] parent hash   KEYS[3] parent UI messages   KEYS[4] parent awaiting set
+-- KEYS[5] tree events stream   KEYS[6] batch lines   KEYS[7] the due list
+-- ARGV[1] now   ARGV[2] retention seconds   ARGV[3] events max length   ARGV[4] resume grace seconds
+-- Returns {resumes, resume}: the parent's resume count when closed now (0: closed before) and
+-- 1 when the caller must publish the parent's resumed run.
+if redis.call('HGET', KEYS[1], 'status') == 'done' then
+  return {0, 0}
+end
+local batch = redis.call('HMGET', KEYS[1], 'mode', 'child_ids')
+local child_ids = cjson.decode(batch[2])
+-- In slices: unpack() of a whole wide batch would overflow Lua's stack.
+local lines = {}
+for first = 1, #child_ids, 500 do
+  local last = math.min(first + 499, #child_ids)
+  local got = redis.call('HMGET', KEYS[6], unpack(child_ids, first, last))
+  for j = 1, #got do
+    lines[first + j - 1] = got[j]
+  end
+end
+local done = 0
+local out = {}
+for i, child_id in ipairs(child_ids) do
+  local line = lines[i] or ('[unknown] (task ' .. child_id .. '): not written back')
+  if string.sub(line, 1, 11) == '[completed]' then
+    done = done + 1
+  end
+  out[i] = i .. '. ' .. line
+end
+local combined = 'Subtask results (' .. batch[1] .. ', ' .. done .. ' of ' .. #child_ids .. ' completed):\n'
+  .. table.concat(out, '\n')
+local parent = redis.call('HMGET', KEYS[2], 'id', 'status', 'runner', 'error_class', 'error')
+if parent[2] == 'completed' or parent[2] == 'failed' or parent[2] == 'cancelled' then
+  -- Stopped meanwhile: its caller reads why, then what had finished.
+  combined = 'Stopped: ' .. (parent[4] or '') .. ': ' .. (parent[5] or '') .. '\n' .. combined
+end
+local ui = cjson.encode({ts = tonumber(ARGV[1]), type = 'say', say = 'subtask_result', text = combined})
+local resume = 0
+if parent[3] == 'agent' and parent[2] == 'delegated' then
+  resume = 1
+  redis.call('ZADD', KEYS[7], tonumber(ARGV[1]) + tonumber(ARGV[4]), parent[1])
+end
+local resumes = finish_batch({KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]},
+  {combined, ui, ARGV[1], ARGV[2], ARGV[3], child_ids[#child_ids]})
+return {resumes, resume}
