@@ -23,12 +23,17 @@ from coordinator.models import TaskRecord
 if TYPE_CHECKING:
     from coordinator.service import Coordinator
 
-__all__ = ["admit", "release", "wait_for_rate"]
+__all__ = ["admit", "limits_set", "release", "wait_for_rate"]
+
+
+def limits_set(coord: Coordinator) -> bool:
+    """Whether any admission limit is set: then a run is admitted, and its slot freed, step by step."""
+    s = coord.settings
+    return bool(s.max_running_per_parent or s.max_running_per_root or s.start_stagger_ms)
 
 
 def _limited(coord: Coordinator, task: TaskRecord) -> bool:
-    s = coord.settings
-    return task.parent_id is not None and bool(s.max_running_per_parent or s.max_running_per_root or s.start_stagger_ms)
+    return task.parent_id is not None and limits_set(coord)
 
 
 def admit(coord: Coordinator, task: TaskRecord) -> bool:

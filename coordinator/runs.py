@@ -32,6 +32,7 @@ unpublished), or must wait for a run slot.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -56,11 +57,14 @@ from coordinator.models import (
     Usage,
 )
 from coordinator.settings import Profile
+from coordinator.store.events import live_status
+from coordinator.store.runs import RunWrites
 
 if TYPE_CHECKING:
     from coordinator.service import Coordinator
 
 __all__ = [
+    "LIVE_EVERY_S",
     "MAX_SUMMARY_CHARS",
     "Ended",
     "HandBack",
@@ -78,6 +82,9 @@ log = logging.getLogger(__name__)
 MAX_SUMMARY_CHARS = 4000
 # Live status carries an excerpt of the latest model text, not the whole of it.
 LIVE_TEXT_CHARS = 200
+# A run writes its live status (and the worker its Flower progress event) at most this often:
+# a fast run writes one, at its end, however many responses it had.
+LIVE_EVERY_S = 0.25
 
 
 class RunInProgress(Exception):
@@ -119,33 +126,41 @@ class RunLifecycle:
     def start(self, task_id: str) -> Run | SubtaskResult:
         """A `Run` holding the task's lease, or the result to return when there is nothing to run."""
         coord = self.coord
+        if admission.limits_set(coord):
+            return self._start_admitted(task_id)
+        token = secrets.token_hex(8)
+        try:
+            started = coord.store.begin_run(
+                task_id, token, coord.settings.heartbeat_lapse_s, coord.settings.reconcile_interval_s
+            )
+        except NotFoundError as exc:
+            return _unknown(task_id, exc)
+        assert started.record is not None
+        if started.verdict == "other":
+            return self._nothing_to_run(started.record)
+        if started.verdict == "leased":
+            # A live run holds it and will end it; a dead one's lease lapses and the
+            # reconciler publishes the task again, so this delivery has nothing to do.
+            return writeback.result_of(started.record, pending="running")
+        run = Run(self, started.record, token, conversation=started.conversation, exhausted=started.exhausted)
+        run.deliveries, run.run_seq = started.deliveries, started.run_seq
+        self.heartbeat.hold(run)
+        return run
+
+    def _start_admitted(self, task_id: str) -> Run | SubtaskResult:
+        """The start when admission limits are set: admit first (a run may wait for a slot), then lease."""
+        coord = self.coord
         try:
             task = coord.store.get_task(task_id)
         except NotFoundError as exc:
-            log.error("subq.run_task for an unknown task %r: %s", task_id, exc)
-            return SubtaskResult(child_id=task_id, status="failed", error=str(exc), error_class="NotFoundError")
-        if task.runner != "agent":
-            error = f"task {task_id} is owned by its caller (runner {task.runner!r}), not run by an agent"
-            log.error("subq.run_task refused: %s", error)
-            return SubtaskResult(child_id=task_id, status="failed", error=error, error_class="StateError")
-        if task.status.terminal:
-            # Redelivered, duplicated, stopped before it started, or its run died after
-            # ending it: free a slot it may hold, write it back (once: idempotent), forget it.
-            admission.release(coord, task)
-            if task.batch_id:
-                writeback.write_back(coord, task.batch_id, ended=task)
-            coord.store.unwatch([task_id])
-            return writeback.result_of(task)
-        if task.status == TaskStatus.DELEGATED:
-            delegation.publish_waiting(coord, task)
-            return writeback.result_of(task)
+            return _unknown(task_id, exc)
+        if task.runner != "agent" or task.status.terminal or task.status == TaskStatus.DELEGATED:
+            return self._nothing_to_run(task)
         if not admission.admit(coord, task):
             return writeback.result_of(task, pending="queued")
         token = secrets.token_hex(8)
         if not coord.store.acquire_lease(task_id, token, coord.settings.heartbeat_lapse_s):
-            # A live run holds it and will end it; a dead one's lease lapses and the
-            # reconciler publishes the task again, so this delivery has nothing to do.
-            return writeback.result_of(task, pending="running")
+            return writeback.result_of(task, pending="running")  # as in `start`
         run = Run(self, task, token)
         try:
             # From now on the reconciler looks every tick: a lapsed lease is a dead worker.
@@ -157,6 +172,24 @@ class RunLifecycle:
             raise
         self.heartbeat.hold(run)
         return run
+
+    def _nothing_to_run(self, task: TaskRecord) -> SubtaskResult:
+        """A delivery of a task that is not an agent's to run now: refused, ended, or delegated."""
+        coord = self.coord
+        if task.runner != "agent":
+            error = f"task {task.id} is owned by its caller (runner {task.runner!r}), not run by an agent"
+            log.error("subq.run_task refused: %s", error)
+            return SubtaskResult(child_id=task.id, status="failed", error=error, error_class="StateError")
+        if task.status.terminal:
+            # Redelivered, duplicated, stopped before it started, or its run died after
+            # ending it: free a slot it may hold, write it back (once: idempotent), forget it.
+            admission.release(coord, task)
+            if task.batch_id:
+                writeback.write_back(coord, task.batch_id, ended=task)
+            coord.store.unwatch([task.id])
+            return writeback.result_of(task)
+        delegation.publish_waiting(coord, task)  # delegated: a batch a dead run left unpublished
+        return writeback.result_of(task)
 
     def settle_batch(self, batch_id: str) -> bool:
         """The chord callback or a chain step: write back what has ended; True when it closed the batch."""
@@ -173,11 +206,30 @@ class RunLifecycle:
 class Run:
     """One run of one task, holding its lease; ended once by `end` (or `abandon` on a store failure)."""
 
-    def __init__(self, lifecycle: RunLifecycle, task: TaskRecord, token: str) -> None:
+    def __init__(
+        self,
+        lifecycle: RunLifecycle,
+        task: TaskRecord,
+        token: str,
+        *,
+        conversation: list[str] | None = None,
+        exhausted: str | None = None,
+    ) -> None:
         self._heartbeat = lifecycle.heartbeat
         self._coord = lifecycle.coord
         self.token = token
         self.task = task
+        # What the run did since its last step: written by the next one (a check before a
+        # model request, a tool that writes state, the end), in the same round trip.
+        self.writes = RunWrites()
+        # Read by the start already, so the first history() and check_stop() make no call.
+        self._conversation = conversation
+        self._checked_at_start: tuple[str | None] | None = (exhausted,) if conversation is not None else None
+        # Live status is written at most every LIVE_EVERY_S (and always at the end).
+        self._live_at_s = time.monotonic()
+        self._live: dict[str, Any] | None = None  # the latest response's tool and text
+        self._requests = task.requests
+        self._total_cost_micros = task.total_cost_micros
         self.deliveries = 0
         # Runs of this task ever: request keys `<run_seq>:<request no>` stay unique across resumes.
         self.run_seq = 0
@@ -205,6 +257,9 @@ class Run:
 
     def history(self) -> list[str]:
         """The persisted conversation, one JSON message an entry."""
+        if self._conversation is not None:
+            conversation, self._conversation = self._conversation, None
+            return conversation
         return self._coord.store.conversation(self.task.id)
 
     def answers(self) -> tuple[Batch | None, dict[str, approvals.Decision]]:
@@ -214,13 +269,26 @@ class Run:
         return batch, approvals.decisions(self._coord, self.task.id)
 
     def save(self, entries: Sequence[str]) -> None:
-        if self.fenced or not self._coord.store.append_conversation(self.task.id, entries, lease_token=self.token):
-            self.fenced = True
+        """New conversation messages, written (while the run holds its lease) at its next step."""
+        if self.fenced:
             raise LeaseLost(self.task.id)
+        self.writes.conversation.extend(entries)
 
     def say(self, kind: str, text: str) -> None:
-        """A UI message of this task, as AI coding tools show a task's progress."""
-        self._coord.store.append_ui_message(self.task.id, {"ts": time.time(), "type": "say", "say": kind, "text": text})
+        """A UI message of this task, as AI coding tools show a task's progress (written at the next step)."""
+        self.writes.ui_messages.append(json.dumps({"ts": time.time(), "type": "say", "say": kind, "text": text}))
+
+    def flush(self) -> tuple[str, str | None]:
+        """Write what the run did since its last step; (the task's status, the topmost budget reached).
+
+        Raises `LeaseLost` (nothing written) when another run owns the task now.
+        """
+        held, status, exhausted = self._coord.store.flush_run(self.task, self.token, self.writes)
+        self.writes.clear()
+        if not held:
+            self.fenced = True
+            raise LeaseLost(self.task.id)
+        return status, exhausted
 
     # -- each model request -------------------------------------------------------------
 
@@ -242,9 +310,15 @@ class Run:
             raise LeaseLost(self.task.id)
         if self._heartbeat.draining:
             raise HandBack(self.task.id)
-        if self.is_stopped():
+        if self._heartbeat.out_of_grace():
             return True, None
-        holder = budgets.exhausted(self._coord, self.task)
+        if self._checked_at_start is not None:
+            # The start read the status and the budgets a moment ago: the first request goes now.
+            (holder,), self._checked_at_start = self._checked_at_start, None
+            return holder is not None, holder
+        status, holder = self.flush()
+        if TaskStatus(status).terminal:
+            return True, None
         return holder is not None, holder
 
     def rate_wait_ms(self, provider: str) -> int:
@@ -260,39 +334,44 @@ class Run:
         latency_ms: float,
         tool: str | None,
         text: str,
-    ) -> tuple[int, str | None]:
-        """Record one response's usage once (see Store.record_usage) and publish the live status."""
-        store = self._coord.store
-        store.observe_latency(latency_ms)
-        recorded, exhausted = store.record_usage(
-            self.task.id, f"{self.run_seq}:{request_no}", usage, cost_micros, cost_source, ancestors=self.task.ancestors
+    ) -> None:
+        """One response's usage and cost (recorded once per request key at the next step), and live status."""
+        self.writes.usage.append((f"{self.run_seq}:{request_no}", usage, cost_micros, cost_source))
+        self.writes.latencies_ms.append(latency_ms)
+        self._requests += 1
+        self._total_cost_micros += cost_micros
+        self._live = {"tool": tool, "text": text[:LIVE_TEXT_CHARS] or None}
+        if time.monotonic() - self._live_at_s >= LIVE_EVERY_S:
+            self._write_live()
+
+    def _write_live(self) -> None:
+        self._live_at_s = time.monotonic()
+        self.writes.live = live_status(
+            self.task, "running", **(self._live or {}), requests=self._requests, cost_micros=self._total_cost_micros
         )
-        if recorded >= 0:
-            (current,) = store.get_records([self.task.id])
-            live: dict[str, Any] = {"tool": tool, "text": text[:LIVE_TEXT_CHARS] or None}
-            store.set_live(
-                self.task, "running", **live, requests=current.requests, cost_micros=current.total_cost_micros
-            )
-        return recorded, exhausted
 
     def transient_error(self, what: str, attempt: int) -> None:
+        self.flush()
         self._coord.store.count_transient_error(self.task.id)
         self.say("retry", f"{what}: retrying (attempt {attempt})")
 
     # -- the orchestration tools --------------------------------------------------------
 
     def update_todos(self, update: str | Sequence[object]) -> list[TodoItem]:
+        self.flush()  # the conversation that asked for it is saved first
         return self._coord.update_todos(self.task.id, update)
 
     def delegate(
         self, subtasks: Sequence[SubtaskSpec], mode: DelegationMode | str, tool_call_id: str
     ) -> tuple[Batch, list[TaskRecord]]:
         """Commit a delegation; it is published by `end` once the conversation is saved."""
+        self.flush()  # a resumed run must find the call that made the delegation in its history
         self.delegation = delegation.commit(self._coord, self.task.id, subtasks, mode, tool_call_id)
         return self.delegation
 
     def park(self, calls: Sequence[ToolCall]) -> list[str]:
         """Queue tool calls for a decision; returns the approval ids."""
+        self.flush()
         return [a.id for a in approvals.park(self._coord, self.task, calls)]
 
     # -- the end ------------------------------------------------------------------------
@@ -303,6 +382,7 @@ class Run:
             raise LeaseLost(self.task.id)
         if self._heartbeat.draining and not self.is_stopped_by_status():
             raise HandBack(self.task.id)
+        self.flush()  # what it spent before it stopped is recorded
         if budget_holder:
             budgets.stop(self._coord, budget_holder)
         task = self._coord.store.get_task(self.task.id)
@@ -314,6 +394,7 @@ class Run:
         if self.fenced:
             raise LeaseLost(task_id)
         if isinstance(outcome, Released):
+            self.flush()
             self._release()
             if outcome.state == "delegated":
                 delegation.publish_waiting(coord, coord.store.get_task(task_id))
@@ -321,15 +402,54 @@ class Run:
                 coord.store.unwatch([task_id])
             coord.store.set_live(self.task, outcome.state)
             return writeback.result_of(coord.store.get_task(task_id), pending=outcome.state)
+        if admission.limits_set(coord) or coord.settings.fault_crash_at:
+            return self._end_in_steps(outcome)
+        if self._live is not None:
+            self._write_live()  # always the last live status, with the final figures
+        ending = coord.store.end_run(
+            self.task, self.token, self.writes, _outcome_fields(outcome), coord.settings.reconcile_grace_s,
+            stop_on_budget=outcome.status == "completed",
+        )  # fmt: skip
+        self.writes.clear()
+        if ending.kind == "fenced":
+            self.fenced = True
+            raise LeaseLost(task_id)
+        if ending.kind == "exhausted":
+            # Its last response reached a budget: the holder's subtree is stopped, this run with it.
+            return self.end(self.stopped(ending.holder))
+        self._heartbeat.forget(self)
+        if ending.batch_mode == "sequential":
+            (final,) = coord.store.get_records([task_id])
+            writeback.write_back(coord, final.batch_id or "", ended=final)
+        elif ending.resume and self.task.parent_id:
+            (parent,) = coord.store.get_records([self.task.parent_id])
+            dispatch.publish_run(coord.app, parent, ending.resumes)
+        return SubtaskResult(
+            child_id=task_id,
+            status=ending.status,  # type: ignore[arg-type]
+            summary=ending.summary,
+            usage=ending.usage,
+            cost_micros=ending.cost_micros,
+            error=ending.error or None,
+            error_class=ending.error_class or None,
+        )
+
+    def _end_in_steps(self, outcome: Ended) -> SubtaskResult:
+        """The end as separate steps: with admission limits (a freed slot admits waiting runs) and
+        in the fault suite, whose crash points sit between the steps."""
+        coord, task_id = self._coord, self.task.id
+        if self._live is not None:
+            self._write_live()
+        self.flush()
         summary = outcome.summary[:MAX_SUMMARY_CHARS]
         coord.store.finish_task(task_id, outcome.status, summary, outcome.error, outcome.error_class)
         faults.crash_point(coord.settings, "after-finish")
         self._release()
         (final,) = coord.store.get_records([task_id])  # one read; the result needs no child lists
         if final.status == TaskStatus.COMPLETED:
-            self.say("completion_result", final.summary)
+            coord.store.append_ui_message(task_id, _say("completion_result", final.summary))
         else:
-            self.say("error", f"{final.error_class}: {final.error}")
+            coord.store.append_ui_message(task_id, _say("error", f"{final.error_class}: {final.error}"))
         if final.batch_id:
             writeback.write_back(coord, final.batch_id, ended=final)  # its todo item is written as it ends
         coord.store.unwatch([task_id])
@@ -365,3 +485,16 @@ class Run:
         self._heartbeat.forget(self)
         self._coord.store.release_lease(self.task.id, self.token)
         admission.release(self._coord, self.task)
+
+
+def _unknown(task_id: str, exc: NotFoundError) -> SubtaskResult:
+    log.error("subq.run_task for an unknown task %r: %s", task_id, exc)
+    return SubtaskResult(child_id=task_id, status="failed", error=str(exc), error_class="NotFoundError")
+
+
+def _outcome_fields(outcome: Ended) -> tuple[str, str, str, str]:
+    return outcome.status, outcome.summary[:MAX_SUMMARY_CHARS], outcome.error, outcome.error_class
+
+
+def _say(kind: str, text: str) -> dict[str, Any]:
+    return {"ts": time.time(), "type": "say", "say": kind, "text": text}

@@ -9,7 +9,16 @@ from typing import Any
 from coordinator.models import TaskRecord
 from coordinator.store.base import EVENTS_MAXLEN, StoreBase, _str_map, translate_redis_errors
 
-__all__ = ["EventStore"]
+__all__ = ["EventStore", "live_status"]
+
+
+def live_status(record: TaskRecord, state: str, **fields: object) -> str:
+    """A task's live status as stored in the tree's live hash (JSON)."""
+    live = {
+        "task_id": record.id, "parent_id": record.parent_id, "depth": record.depth, "state": state,
+        "ts": time.time(), **fields,
+    }  # fmt: skip
+    return json.dumps(live)
 
 
 class EventStore(StoreBase):
@@ -42,12 +51,8 @@ class EventStore(StoreBase):
     def set_live(self, record: TaskRecord, state: str, **fields: object) -> None:
         """Publish a task's live status: the tree's live hash and an event on its stream."""
         root = record.root_id
-        live = {
-            "task_id": record.id, "parent_id": record.parent_id, "depth": record.depth, "state": state,
-            "ts": time.time(), **fields,
-        }  # fmt: skip
         with self.client.pipeline(transaction=False) as pipe:
-            pipe.hset(self.keys.live(root), record.id, json.dumps(live))
+            pipe.hset(self.keys.live(root), record.id, live_status(record, state, **fields))
             pipe.expire(self.keys.live(root), self.retention_s)
             pipe.xadd(
                 self.keys.events(root),

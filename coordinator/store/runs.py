@@ -7,18 +7,82 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from coordinator.errors import NotFoundError
 from coordinator.ids import root_of
 from coordinator.models import TaskRecord, Usage
-from coordinator.store.base import EVENTS_MAXLEN, ScriptArg, _strs, translate_redis_errors
+from coordinator.store.base import EVENTS_MAXLEN, ScriptArg, _decode_record, _strs, translate_redis_errors
 from coordinator.store.fields import TaskField
+from coordinator.store.metrics import latency_bucket
 from coordinator.store.records import RecordStore
 
-__all__ = ["ADMISSION_SCAN", "RunStore"]
+__all__ = ["ADMISSION_SCAN", "Ending", "RunStore", "RunWrites", "Started"]
 
 # How far down the admission list one freed slot looks for a task that now fits.
 ADMISSION_SCAN = 50
+
+
+@dataclass
+class RunWrites:
+    """What a run did since its last step, written at its next one in the same round trip.
+
+    A run's hot path is a start, one step before each model request after the first,
+    and an end: each is one script call (`start_run.lua`, `flush_run.lua`,
+    `end_run.lua`) that writes these and makes the step's checks.
+    """
+
+    conversation: list[str] = field(default_factory=list)  # model messages, one JSON entry each
+    ui_messages: list[str] = field(default_factory=list)  # JSON
+    usage: list[tuple[str, Usage, int, str]] = field(default_factory=list)  # (request key, usage, micro-USD, source)
+    latencies_ms: list[float] = field(default_factory=list)
+    live: str = ""  # the latest live status (JSON), or '' when unchanged
+
+    def args(self) -> list[ScriptArg]:
+        """flush_run.lua's ARGV from its fifth on."""
+        args: list[ScriptArg] = [
+            self.live, len(self.conversation), len(self.ui_messages), len(self.usage), len(self.latencies_ms),
+            *self.conversation, *self.ui_messages,
+        ]  # fmt: skip
+        for key, usage, cost_micros, source in self.usage:
+            args += [key, usage.tokens_in, usage.tokens_out, usage.cache_reads, usage.cache_writes, cost_micros, source]
+        for latency_ms in self.latencies_ms:
+            args += [latency_bucket(latency_ms), latency_ms]
+        return args
+
+    def clear(self) -> None:
+        self.conversation, self.ui_messages, self.usage, self.latencies_ms, self.live = [], [], [], [], ""
+
+
+@dataclass(frozen=True)
+class Started:
+    """What `begin_run` found: `verdict` 'run' (the lease is the caller's), 'missing', 'other' or 'leased'."""
+
+    verdict: str
+    record: TaskRecord | None = None
+    deliveries: int = 0
+    run_seq: int = 0
+    exhausted: str | None = None
+    conversation: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What `end_run` did: `kind` 'ended', 'fenced' (nothing written) or 'exhausted' (`holder`'s budget)."""
+
+    kind: str
+    holder: str | None = None
+    status: str = ""
+    summary: str = ""
+    error: str = ""
+    error_class: str = ""
+    usage: Usage = field(default_factory=Usage)
+    cost_micros: int = 0
+    closed: bool = False
+    resumes: int = 0
+    resume: bool = False
+    batch_mode: str = ""
 
 
 class RunStore(RecordStore):
@@ -27,6 +91,94 @@ class RunStore(RecordStore):
     It builds on `RecordStore`: the usage roll-up reads the ancestors, a freed slot
     reads the waiting records, and the in-flight figures walk the tree's tasks.
     """
+
+    # -- a run's hot path: start, steps, end, one round trip each -----------------------
+
+    @translate_redis_errors
+    def begin_run(self, task_id: str, token: str, lease_s: int, look_again_s: float) -> Started:
+        """Start an agent task's run in one step (start_run.lua): lease, delivery count, due list, live status."""
+        root, k = root_of(task_id), self.keys
+        keys = [
+            k.task(root, task_id), k.lease(root, task_id), k.due(), k.live(root), k.events(root),
+            k.conversation(root, task_id),
+        ]  # fmt: skip
+        now = time.time()
+        args: list[ScriptArg] = [
+            token, lease_s, now + look_again_s, now, self.retention_s, EVENTS_MAXLEN, k.task(root, ""),
+        ]  # fmt: skip
+        verdict, raw, counts, conversation = self._start_run(keys=keys, args=args)
+        if verdict == "missing":
+            raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
+        fields = dict(zip(raw[0::2], raw[1::2], strict=True))
+        record = _decode_record(fields, [], [])
+        if verdict != "run":
+            return Started(str(verdict), record)
+        deliveries, run_seq, exhausted = counts
+        return Started("run", record, int(deliveries), int(run_seq), str(exhausted) or None, _strs(conversation))
+
+    def _run_keys(self, record: TaskRecord) -> list[str]:
+        root, k, task_id = record.root_id, self.keys, record.id
+        return [
+            k.lease(root, task_id), k.task(root, task_id), k.usage_applied(root, task_id),
+            k.conversation(root, task_id), k.ui_messages(root, task_id), k.latency_histogram(), k.live(root),
+            k.events(root),
+        ]  # fmt: skip
+
+    @translate_redis_errors
+    def flush_run(self, record: TaskRecord, token: str, writes: RunWrites) -> tuple[bool, str, str | None]:
+        """Write a run's step (flush_run.lua): (still leased, the task's status, the topmost budget reached)."""
+        keys = self._run_keys(record) + [self.keys.task(record.root_id, a) for a in reversed(record.ancestors)]
+        args: list[ScriptArg] = [token, self.retention_s, time.time(), EVENTS_MAXLEN, *writes.args()]
+        reply = self._flush_run(keys=keys, args=args)
+        if int(reply[0]) == 0:
+            return False, "", None
+        return True, str(reply[1]), str(reply[2]) or None
+
+    @translate_redis_errors
+    def end_run(
+        self,
+        record: TaskRecord,
+        token: str,
+        writes: RunWrites,
+        outcome: tuple[str, str, str, str],
+        resume_grace_s: float,
+        *,
+        stop_on_budget: bool,
+    ) -> Ending:
+        """End a run in one step (end_run.lua): write, finish, release, write back, close the batch if last.
+
+        With `stop_on_budget`, a budget found reached ends nothing: the caller stops its holder's subtree first.
+        """
+        root, k = record.root_id, self.keys
+        if record.batch_id and record.parent_id:
+            parent, batch = record.parent_id, record.batch_id
+            batch_keys = [
+                k.task(root, parent), k.todos(root, parent), k.batch_applied(root, batch), k.awaiting(root, parent),
+                k.batch(root, batch), k.ui_messages(root, parent), k.batch_lines(root, batch),
+            ]  # fmt: skip
+        else:
+            batch_keys = [k.task(root, record.id)] * 7
+        keys = [
+            *self._run_keys(record), k.due(), *batch_keys,
+            *(k.task(root, a) for a in reversed(record.ancestors)),
+        ]  # fmt: skip
+        status, summary, error, error_class = outcome
+        args: list[ScriptArg] = [
+            token, self.retention_s, time.time(), EVENTS_MAXLEN, status, summary, error, error_class, resume_grace_s,
+            int(stop_on_budget), *writes.args(),
+        ]  # fmt: skip
+        reply: list[Any] = self._end_run(keys=keys, args=args)
+        if reply[0] != "ended":
+            return Ending(str(reply[0]), holder=str(reply[1]) if len(reply) > 1 else None)
+        _, status, summary, error, error_class, t_in, t_out, c_reads, c_writes, cost, closed, resumes, resume, mode = (
+            reply
+        )
+        return Ending(
+            "ended", status=str(status), summary=str(summary), error=str(error), error_class=str(error_class),
+            usage=Usage(tokens_in=int(t_in), tokens_out=int(t_out), cache_reads=int(c_reads), cache_writes=int(c_writes)),
+            cost_micros=int(cost), closed=bool(int(closed)), resumes=int(resumes), resume=bool(int(resume)),
+            batch_mode=str(mode),
+        )  # fmt: skip
 
     # -- starting a run ----------------------------------------------------------------
 

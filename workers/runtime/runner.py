@@ -27,6 +27,8 @@ import asyncio
 import functools
 import json
 import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,7 +38,7 @@ from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, Text
 from pydantic_ai.usage import UsageLimits
 
 from coordinator import CorruptError, Profile, StoreError, SubtaskResult, Usage, one_line
-from coordinator.runs import Ended, HandBack, LeaseLost, Released, Run, RunInProgress, ToolCall
+from coordinator.runs import LIVE_EVERY_S, Ended, HandBack, LeaseLost, Released, Run, RunInProgress, ToolCall
 from workers.runtime.context import Runtime
 from workers.runtime.metering import MeteredModel
 from workers.runtime.pricing import cost_of, reported_cost_usd
@@ -86,6 +88,17 @@ def run_child(rt: Runtime, task_id: str, progress: Progress | None = None) -> Su
         raise
 
 
+_thread = threading.local()
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """This pool thread's event loop, made once: `asyncio.run` would build and close one per task."""
+    loop: asyncio.AbstractEventLoop | None = getattr(_thread, "loop", None)
+    if loop is None or loop.is_closed():
+        loop = _thread.loop = asyncio.new_event_loop()
+    return loop
+
+
 def _run(rt: Runtime, run: Run, progress: Progress | None) -> Ended | Released:
     limit_s = rt.settings.task_time_limit_s
     try:
@@ -93,7 +106,9 @@ def _run(rt: Runtime, run: Run, progress: Progress | None) -> Ended | Released:
         # The threads pool does not enforce Celery's task_time_limit, so the runner does:
         # a run must end before the visibility timeout, or Redis would deliver it again
         # while it still runs (Settings checks visibility_timeout_s > task_time_limit_s).
-        return asyncio.run(asyncio.wait_for(_run_agent(rt, run, profile, progress), timeout=limit_s))
+        return _event_loop().run_until_complete(
+            asyncio.wait_for(_run_agent(rt, run, profile, progress), timeout=limit_s)
+        )
     except StopRun as stop:
         return run.stopped(stop.budget_holder)
     except (LeaseLost, HandBack):
@@ -147,6 +162,8 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
         return Ended("completed", summary=_text_of(history[-1]))  # it had ended; only the status was lost
     saved = len(history)
     request_no = 0
+    unsent: dict[str, Any] | None = None  # the latest response's progress, not yet sent
+    sent_at_s = time.monotonic()
 
     async def before_request() -> None:
         stopped, holder = run.check_stop()
@@ -165,7 +182,7 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
         cost_micros, source = cost_of(usage, profile, reported_cost_usd(response))
         text = " ".join(p.content for p in response.parts if isinstance(p, TextPart)).strip()
         tool = next((p.tool_name for p in response.parts if isinstance(p, ToolCallPart)), None)
-        recorded, exhausted = run.record_response(
+        run.record_response(
             request_no,
             Usage(
                 tokens_in=usage.input_tokens,
@@ -179,25 +196,25 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
             tool=tool,
             text=text,
         )
-        if recorded < 0:
-            raise StopRun()  # stopped while the request was in flight: nothing more is recorded
         for part in response.parts:
             if isinstance(part, TextPart) and part.content.strip():
                 run.say("text", part.content)
             elif isinstance(part, ToolCallPart):
                 run.say("tool", describe_call(part))
-        if progress is not None:
-            progress(
-                {
-                    "task_id": task.id,
-                    "request": request_no,
-                    "cost_micros": cost_micros,
-                    "tool": tool,
-                    "latency_ms": round(latency_ms),
-                }
-            )
-        if exhausted:
-            raise StopRun(exhausted)
+        nonlocal unsent
+        unsent = {
+            "task_id": task.id, "request": request_no, "cost_micros": cost_micros, "tool": tool,
+            "latency_ms": round(latency_ms),
+        }  # fmt: skip
+        send_progress(final=False)
+
+    def send_progress(*, final: bool) -> None:
+        # At most one event per LIVE_EVERY_S, and always the last one: a fast run sends one.
+        nonlocal unsent, sent_at_s
+        if progress is None or unsent is None or not (final or time.monotonic() - sent_at_s >= LIVE_EVERY_S):
+            return
+        progress(unsent)
+        unsent, sent_at_s = None, time.monotonic()
 
     model = MeteredModel(
         build_model(profile),
@@ -222,6 +239,7 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
         _save_new(run, agent_run.all_messages(), saved)
         assert agent_run.result is not None
         output = agent_run.result.output
+    send_progress(final=True)
     if isinstance(output, DeferredToolRequests):
         if output.approvals:
             approval_ids = run.park([_tool_call(call, output) for call in output.approvals])

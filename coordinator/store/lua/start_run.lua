@@ -1,0 +1,56 @@
+-- Start a run of an agent task in one step: read the task, take its lease, count the
+-- delivery, keep it on the due list while it runs, publish its live status, and return
+-- its conversation and whether a budget over it is spent already.
+-- KEYS[1] task hash   KEYS[2] lease   KEYS[3] the due list   KEYS[4] tree live hash
+-- KEYS[5] tree events stream   KEYS[6] conversation
+-- ARGV[1] token   ARGV[2] lease seconds   ARGV[3] when the reconciler looks next (epoch s)
+-- ARGV[4] now   ARGV[5] retention seconds   ARGV[6] events max length
+-- ARGV[7] the prefix of the tree's task hashes (the budget check reads the ancestors': a
+--   tree's keys share one prefix, and subq runs on one Redis, so reading keys named in the
+--   task's own record is safe here)
+-- Returns {verdict, the task hash as a flat list, {deliveries, run sequence, exhausted}, conversation}:
+-- verdict 'run' (the lease is this run's), 'missing', 'other' (not an agent's, ended or
+-- delegated: the caller takes its slow path) or 'leased' (another run holds the lease).
+local raw = redis.call('HGETALL', KEYS[1])
+if #raw == 0 then
+  return {'missing', {}, {}, {}}
+end
+local task = {}
+for i = 1, #raw, 2 do
+  task[raw[i]] = raw[i + 1]
+end
+local status = task['status']
+if task['runner'] ~= 'agent' or status == 'completed' or status == 'failed' or status == 'cancelled'
+    or status == 'delegated' then
+  return {'other', raw, {}, {}}
+end
+if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'EX', ARGV[2]) then
+  return {'leased', raw, {}, {}}
+end
+-- From now on the reconciler looks every tick: a lapsed lease is a dead worker (XX: a task
+-- whose run ended meanwhile is not brought back).
+redis.call('ZADD', KEYS[3], 'XX', ARGV[3], task['id'])
+local deliveries = redis.call('HINCRBY', KEYS[1], 'deliveries', 1)
+local run_seq = redis.call('HINCRBY', KEYS[1], 'run_seq', 1)
+local parent_id = task['parent_id']
+local live = cjson.encode({
+  task_id = task['id'], parent_id = (parent_id and parent_id ~= '') and parent_id or cjson.null,
+  depth = tonumber(task['depth'] or '0'), state = 'running', ts = tonumber(ARGV[4]),
+})
+redis.call('HSET', KEYS[4], task['id'], live)
+redis.call('EXPIRE', KEYS[4], ARGV[5])
+redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[6], '*', 'type', 'live', 'task_id', task['id'], 'state', 'running')
+local exhausted = ''
+local chain = {task['id']}
+local ancestors = cjson.decode(task['ancestors'] or '[]')
+for i = #ancestors, 1, -1 do
+  chain[#chain + 1] = ancestors[i]
+end
+for _, id in ipairs(chain) do
+  local f = redis.call('HMGET', ARGV[7] .. id, 'budget_micros', 'total_cost_micros')
+  local budget = tonumber(f[1] or '0') or 0
+  if budget > 0 and (tonumber(f[2] or '0') or 0) >= budget then
+    exhausted = id
+  end
+end
+return {'run', raw, {deliveries, run_seq, exhausted}, redis.call('LRANGE', KEYS[6], 0, -1)}
