@@ -18,14 +18,14 @@ local applied = {}
 for i = 4, #ARGV do
   local child_id = ARGV[i]
   local key = KEYS[i + 3]
-  local status = redis.call('HGET', key, 'status')
-  if terminal(status) and redis.call('SADD', KEYS[3], child_id) == 1 then
+  local f = redis.call('HMGET', key, 'status', 'total_tokens', 'total_cost_micros', 'todo_id', 'description',
+    'summary', 'error_class', 'error')
+  if terminal(f[1]) and redis.call('SADD', KEYS[3], child_id) == 1 then
     -- The item shows the child's subtree totals, read from the child record (the
     -- system of record), never from a message, so a stale result cannot skew them.
     figures[child_id] = {
-      status = status,
-      tokens = tonumber(redis.call('HGET', key, 'total_tokens') or '0'),
-      cost = tonumber(redis.call('HGET', key, 'total_cost_micros') or '0'),
+      status = f[1], tokens = tonumber(f[2] or '0'), cost = tonumber(f[3] or '0'), todo_id = f[4],
+      description = f[5], summary = f[6], error_class = f[7], error = f[8],
     }
     applied[#applied + 1] = child_id
   end
@@ -37,8 +37,7 @@ redis.call('EXPIRE', KEYS[3], ARGV[2])
 
 -- The item a child serves: the one its record names, if it is still linked to the
 -- child; else (the list was rewritten since) the item that carries the child's link.
-local function item_of(child_id, child_key)
-  local todo_id = redis.call('HGET', child_key, 'todo_id')
+local function item_of(child_id, todo_id)
   if todo_id and todo_id ~= '' then
     local raw = redis.call('HGET', KEYS[2], todo_id)
     if raw then
@@ -68,7 +67,7 @@ for i = 4, #ARGV do
   local child_id = ARGV[i]
   local got = figures[child_id]
   if got then
-    local id, item = item_of(child_id, KEYS[i + 3])
+    local id, item = item_of(child_id, got.todo_id)
     if id then
       -- A retried item shows its earlier children's figures too (prior_*), and this child's.
       item['tokens'] = (tonumber(item['prior_tokens']) or 0) + got.tokens
@@ -104,19 +103,18 @@ end
 for i = 4, #ARGV do
   local got = figures[ARGV[i]]
   if got then
-    local f = redis.call('HMGET', KEYS[i + 3], 'description', 'todo_id', 'summary', 'error_class', 'error')
-    local head = '[' .. got.status .. '] ' .. (f[1] or '') .. ' (task ' .. ARGV[i]
-    if f[2] and f[2] ~= '' then
-      head = head .. ', todo ' .. f[2] .. ')'
+    local head = '[' .. got.status .. '] ' .. (got.description or '') .. ' (task ' .. ARGV[i]
+    if got.todo_id and got.todo_id ~= '' then
+      head = head .. ', todo ' .. got.todo_id .. ')'
     else
       head = head .. ')'
     end
     local body
     if got.status == 'completed' then
-      body = one_line(f[3])
+      body = one_line(got.summary)
     else
-      local class = (f[4] and f[4] ~= '') and f[4] or 'Error'
-      local err = (f[5] and f[5] ~= '') and f[5] or 'no detail'
+      local class = (got.error_class and got.error_class ~= '') and got.error_class or 'Error'
+      local err = (got.error and got.error ~= '') and got.error or 'no detail'
       body = class .. ': ' .. err
     end
     redis.call('HSET', KEYS[6], ARGV[i], head .. ': ' .. body .. ' (' .. got.tokens .. ' tokens, ' .. usd(got.cost) .. ')')

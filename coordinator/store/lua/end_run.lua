@@ -22,8 +22,10 @@ local flush_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7
 for i = 17, #KEYS do
   flush_keys[#flush_keys + 1] = KEYS[i]
 end
-local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4]}
-for i = 11, #ARGV do
+-- The live status goes to finish_task, which makes the terminal one from it (one write, not two).
+local live = ARGV[11]
+local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], ''}
+for i = 12, #ARGV do
   flush_argv[#flush_argv + 1] = ARGV[i]
 end
 local flushed = flush_run(flush_keys, flush_argv)
@@ -34,7 +36,7 @@ if flushed[3] ~= '' and ARGV[10] == '1' then
   return {'exhausted', flushed[3]}
 end
 local now, retention, maxlen = ARGV[3], ARGV[2], ARGV[4]
-finish_task({KEYS[2], KEYS[8], KEYS[7]}, {ARGV[5], ARGV[6], ARGV[7], ARGV[8], now, retention, maxlen})
+finish_task({KEYS[2], KEYS[8], KEYS[7]}, {ARGV[5], ARGV[6], ARGV[7], ARGV[8], now, retention, maxlen, live})
 release_lease({KEYS[1]}, {ARGV[1]})
 local f = redis.call('HMGET', KEYS[2], 'id', 'status', 'summary', 'error', 'error_class', 'tokens_in',
   'tokens_out', 'cache_reads', 'cache_writes', 'cost_micros', 'batch_id')

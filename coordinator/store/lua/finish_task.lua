@@ -2,9 +2,12 @@
 -- KEYS[1] task hash   KEYS[2] tree events stream   KEYS[3] tree live hash
 -- ARGV[1] status (completed|failed|cancelled)   ARGV[2] summary   ARGV[3] error
 -- ARGV[4] error class   ARGV[5] now   ARGV[6] retention seconds   ARGV[7] events max length
+-- ARGV[8] (optional) the run's latest live status JSON, which the terminal one is made from
+--   (without it, the stored one is read)
 -- Returns the task's status after the call (the earlier one if it was already terminal),
 -- or false when the task does not exist.
-local status = redis.call('HGET', KEYS[1], 'status')
+local task = redis.call('HMGET', KEYS[1], 'status', 'id')
+local status, id = task[1], task[2]
 if not status then
   return false
 end
@@ -14,8 +17,7 @@ end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'summary', ARGV[2], 'error', ARGV[3],
   'error_class', ARGV[4], 'updated_at', ARGV[5], 'finished_at', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[6])
-local id = redis.call('HGET', KEYS[1], 'id')
-local raw = redis.call('HGET', KEYS[3], id)
+local raw = (ARGV[8] and ARGV[8] ~= '') and ARGV[8] or redis.call('HGET', KEYS[3], id)
 local live = raw and cjson.decode(raw) or {task_id = id}
 live['state'] = ARGV[1]
 live['ts'] = tonumber(ARGV[5])

@@ -18,16 +18,12 @@ local retention, now = ARGV[2], ARGV[3]
 local n_conv, n_ui, n_usage, n_latency = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 local at = 10
 if n_conv > 0 then
-  for i = at, at + n_conv - 1 do
-    redis.call('RPUSH', KEYS[4], ARGV[i])
-  end
+  redis.call('RPUSH', KEYS[4], unpack(ARGV, at, at + n_conv - 1))
   redis.call('EXPIRE', KEYS[4], retention)
   at = at + n_conv
 end
 if n_ui > 0 then
-  for i = at, at + n_ui - 1 do
-    redis.call('RPUSH', KEYS[5], ARGV[i])
-  end
+  redis.call('RPUSH', KEYS[5], unpack(ARGV, at, at + n_ui - 1))
   redis.call('EXPIRE', KEYS[5], retention)
   at = at + n_ui
 end
@@ -35,9 +31,14 @@ local usage_keys = {KEYS[2], KEYS[3]}
 for i = 9, #KEYS do
   usage_keys[#usage_keys + 1] = KEYS[i]
 end
+-- record_usage says which budget a recorded request reached; with none recorded, the chain is read below.
+local exhausted, recorded = '', false
 for _ = 1, n_usage do
-  record_usage(usage_keys, {ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4], ARGV[at + 5],
-    ARGV[at + 6], now, retention})
+  local got = record_usage(usage_keys, {ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4],
+    ARGV[at + 5], ARGV[at + 6], now, retention})
+  if got[1] == 1 then
+    recorded, exhausted = true, got[2]
+  end
   at = at + 7
 end
 for _ = 1, n_latency do
@@ -45,24 +46,25 @@ for _ = 1, n_latency do
   redis.call('HINCRBYFLOAT', KEYS[6], 'sum_ms', ARGV[at + 1])
   at = at + 2
 end
-local id = redis.call('HGET', KEYS[2], 'id')
 if ARGV[5] ~= '' then
-  local state = cjson.decode(ARGV[5])['state']
-  redis.call('HSET', KEYS[7], id, ARGV[5])
+  local live = cjson.decode(ARGV[5])
+  redis.call('HSET', KEYS[7], live['task_id'], ARGV[5])
   redis.call('EXPIRE', KEYS[7], retention)
-  redis.call('XADD', KEYS[8], 'MAXLEN', '~', ARGV[4], '*', 'type', 'live', 'task_id', id, 'state', state)
+  redis.call('XADD', KEYS[8], 'MAXLEN', '~', ARGV[4], '*', 'type', 'live', 'task_id', live['task_id'],
+    'state', live['state'])
 end
--- The topmost task of the chain whose budget its subtree has reached (later keys are nearer the root).
-local exhausted = ''
-local chain = {KEYS[2]}
-for i = 9, #KEYS do
-  chain[#chain + 1] = KEYS[i]
-end
-for _, key in ipairs(chain) do
-  local f = redis.call('HMGET', key, 'budget_micros', 'total_cost_micros', 'id')
-  local budget = tonumber(f[1] or '0') or 0
-  if budget > 0 and (tonumber(f[2] or '0') or 0) >= budget then
-    exhausted = f[3]
+if not recorded then
+  -- The topmost task of the chain whose budget its subtree has reached (later keys are nearer the root).
+  local chain = {KEYS[2]}
+  for i = 9, #KEYS do
+    chain[#chain + 1] = KEYS[i]
+  end
+  for _, key in ipairs(chain) do
+    local f = redis.call('HMGET', key, 'budget_micros', 'total_cost_micros', 'id')
+    local budget = tonumber(f[1] or '0') or 0
+    if budget > 0 and (tonumber(f[2] or '0') or 0) >= budget then
+      exhausted = f[3]
+    end
   end
 end
 return {1, redis.call('HGET', KEYS[2], 'status'), exhausted}

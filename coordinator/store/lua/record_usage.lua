@@ -1,6 +1,6 @@
 -- Record one model request's usage on the task that made it, once, and roll the
 -- spend up into the subtree totals of the task and every ancestor; then say whether
--- a budget on the way up is exhausted.
+-- a budget on the way up is exhausted. Each hash is read once and written once.
 -- KEYS[1]  task hash
 -- KEYS[2]  usage-applied set of the task (request keys already recorded)
 -- KEYS[3..] ancestor task hashes (parent first, root last)
@@ -11,7 +11,9 @@
 -- -1 (the task has ended, e.g. was cancelled: nothing is recorded after a stop);
 -- exhausted is the id of the topmost task (nearest the root) whose budget the subtree
 -- total has reached, or ''.
-local status = redis.call('HGET', KEYS[1], 'status')
+local own = redis.call('HMGET', KEYS[1], 'status', 'tokens_in', 'tokens_out', 'cache_reads', 'cache_writes',
+  'cost_micros', 'requests', 'total_tokens', 'total_cost_micros', 'budget_micros', 'id')
+local status = own[1]
 if status == 'completed' or status == 'failed' or status == 'cancelled' then
   return {-1, ''}
 end
@@ -19,25 +21,27 @@ if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then
   return {0, ''}
 end
 redis.call('EXPIRE', KEYS[2], ARGV[9])
-local tokens = tonumber(ARGV[2]) + tonumber(ARGV[3])
-local cost = tonumber(ARGV[6])
-redis.call('HINCRBY', KEYS[1], 'tokens_in', ARGV[2])
-redis.call('HINCRBY', KEYS[1], 'tokens_out', ARGV[3])
-redis.call('HINCRBY', KEYS[1], 'cache_reads', ARGV[4])
-redis.call('HINCRBY', KEYS[1], 'cache_writes', ARGV[5])
-redis.call('HINCRBY', KEYS[1], 'cost_micros', cost)
-redis.call('HINCRBY', KEYS[1], 'requests', 1)
-redis.call('HSET', KEYS[1], 'cost_source', ARGV[7], 'updated_at', ARGV[8])
+local function n(value)
+  return tonumber(value or '0') or 0
+end
+local tokens = n(ARGV[2]) + n(ARGV[3])
+local cost = n(ARGV[6])
 local exhausted = ''
-for i = 1, #KEYS do
-  if i ~= 2 then
-    redis.call('HINCRBY', KEYS[i], 'total_tokens', tokens)
-    local total = redis.call('HINCRBY', KEYS[i], 'total_cost_micros', cost)
-    redis.call('EXPIRE', KEYS[i], ARGV[9])
-    local budget = tonumber(redis.call('HGET', KEYS[i], 'budget_micros') or '0')
-    if budget > 0 and total >= budget then
-      exhausted = redis.call('HGET', KEYS[i], 'id')  -- later keys are nearer the root
-    end
+local total = n(own[9]) + cost
+redis.call('HSET', KEYS[1], 'tokens_in', n(own[2]) + n(ARGV[2]), 'tokens_out', n(own[3]) + n(ARGV[3]),
+  'cache_reads', n(own[4]) + n(ARGV[4]), 'cache_writes', n(own[5]) + n(ARGV[5]), 'cost_micros', n(own[6]) + cost,
+  'requests', n(own[7]) + 1, 'total_tokens', n(own[8]) + tokens, 'total_cost_micros', total,
+  'cost_source', ARGV[7], 'updated_at', ARGV[8])
+redis.call('EXPIRE', KEYS[1], ARGV[9])
+if n(own[10]) > 0 and total >= n(own[10]) then
+  exhausted = own[11]
+end
+for i = 3, #KEYS do
+  local up = redis.call('HMGET', KEYS[i], 'total_tokens', 'total_cost_micros', 'budget_micros', 'id')
+  local up_total = n(up[2]) + cost
+  redis.call('HSET', KEYS[i], 'total_tokens', n(up[1]) + tokens, 'total_cost_micros', up_total)
+  if n(up[3]) > 0 and up_total >= n(up[3]) then
+    exhausted = up[4]  -- later keys are nearer the root
   end
 end
 return {1, exhausted}

@@ -30,8 +30,9 @@ end
 -- From now on the reconciler looks every tick: a lapsed lease is a dead worker (XX: a task
 -- whose run ended meanwhile is not brought back).
 redis.call('ZADD', KEYS[3], 'XX', ARGV[3], task['id'])
-local deliveries = redis.call('HINCRBY', KEYS[1], 'deliveries', 1)
-local run_seq = redis.call('HINCRBY', KEYS[1], 'run_seq', 1)
+local deliveries = (tonumber(task['deliveries'] or '0') or 0) + 1
+local run_seq = (tonumber(task['run_seq'] or '0') or 0) + 1
+redis.call('HSET', KEYS[1], 'deliveries', deliveries, 'run_seq', run_seq)
 local parent_id = task['parent_id']
 local live = cjson.encode({
   task_id = task['id'], parent_id = (parent_id and parent_id ~= '') and parent_id or cjson.null,
@@ -41,7 +42,11 @@ redis.call('HSET', KEYS[4], task['id'], live)
 redis.call('EXPIRE', KEYS[4], ARGV[5])
 redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[6], '*', 'type', 'live', 'task_id', task['id'], 'state', 'running')
 local exhausted = ''
-local chain = {task['id']}
+local own_budget = tonumber(task['budget_micros'] or '0') or 0
+if own_budget > 0 and (tonumber(task['total_cost_micros'] or '0') or 0) >= own_budget then
+  exhausted = task['id']
+end
+local chain = {}
 local ancestors = cjson.decode(task['ancestors'] or '[]')
 for i = #ancestors, 1, -1 do
   chain[#chain + 1] = ancestors[i]
