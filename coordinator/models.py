@@ -8,6 +8,9 @@ rendered (`format_usd`).
 
 from __future__ import annotations
 
+import json
+import time
+from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -20,6 +23,7 @@ __all__ = [
     "DelegationMode",
     "HistoryItem",
     "LiveState",
+    "RunWrites",
     "SubtaskResult",
     "SubtaskSpec",
     "TaskRecord",
@@ -29,6 +33,7 @@ __all__ = [
     "UiMessage",
     "Usage",
     "format_usd",
+    "live_status",
     "usd_to_micros",
 ]
 
@@ -335,3 +340,30 @@ def format_usd(cost_micros: int) -> str:
     sign = "-" if cost_micros < 0 else ""
     whole, frac = divmod(abs(cost_micros), MICROS_PER_USD)
     return f"{sign}${whole}.{frac:06d}"
+
+
+def live_status(record: TaskRecord, state: str, **fields: object) -> str:
+    """A task's live status as stored in its tree's live hash (JSON)."""
+    live = {
+        "task_id": record.id, "parent_id": record.parent_id, "depth": record.depth, "state": state,
+        "ts": time.time(), **fields,
+    }  # fmt: skip
+    return json.dumps(live)
+
+
+@dataclass
+class RunWrites:
+    """What a run did since its last step, written at its next one in the same round trip.
+
+    A run's hot path is a start, one step before each model request after the first,
+    and an end: each is one script call that writes these and makes the step's checks.
+    """
+
+    conversation: list[str] = field(default_factory=list)  # model messages, one JSON entry each
+    ui_messages: list[str] = field(default_factory=list)  # JSON
+    usage: list[tuple[str, Usage, int, str]] = field(default_factory=list)  # (request key, usage, micro-USD, source)
+    latencies_ms: list[float] = field(default_factory=list)
+    live: str = ""  # the latest live status (JSON), or '' when unchanged
+
+    def clear(self) -> None:
+        self.conversation, self.ui_messages, self.usage, self.latencies_ms, self.live = [], [], [], [], ""

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from queue import Empty
 from typing import Any
 
+import redis
 from celery.worker import state as worker_state
 from celery.worker.consumer import Consumer
 from kombu.transport import redis as kombu_redis
@@ -133,6 +134,20 @@ class DeadLetterChannel(kombu_redis.Channel):
             super().close()  # type: ignore[no-untyped-call]
         except AttributeError as exc:
             log.warning("subq: the broker connection was already gone at close (%s); reconnecting", exc)
+
+    def _connparams(self, asynchronous: bool = False) -> Any:
+        """kombu's, but a lost connection for a channel whose connection is gone.
+
+        An ack or reject of a message delivered before a Redis restart reaches a channel
+        that the reconnect has closed, whose connection info is gone: kombu fails with an
+        AttributeError, which stopped the worker's consumer for good (its tasks then sat
+        in the queue). As a connection error it is logged and the consumer goes on; the
+        message stays unacked, is restored and delivered again, and its run, already
+        ended, changes nothing.
+        """
+        if self.connection is None or getattr(self.connection, "client", None) is None:
+            raise redis.exceptions.ConnectionError("the broker channel was closed by a reconnect")
+        return super()._connparams(asynchronous=asynchronous)  # type: ignore[no-untyped-call]
 
     def _brpop_read(self, **options: Any) -> bool:
         # kombu 5.7's Channel._brpop_read, with the entry's decoding and the message's

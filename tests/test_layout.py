@@ -80,7 +80,12 @@ def test_one_write_back_entry_point() -> None:
     defined = [_name(p) for p in SOURCE if "def write_back(" in p.read_text(encoding="utf-8")]
     assert defined == ["coordinator/writeback.py"]
     callers = {_name(p) for p in SOURCE if "write_back(" in p.read_text(encoding="utf-8")} - set(defined)
-    assert callers == {"coordinator/runs.py", "coordinator/control.py", "coordinator/reconciler.py"}
+    assert callers == {
+        "coordinator/run.py",
+        "coordinator/runs.py",
+        "coordinator/control.py",
+        "coordinator/reconciler.py",
+    }
 
 
 @pytest.mark.parametrize("path", SOURCE, ids=_name)

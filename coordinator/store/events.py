@@ -3,22 +3,12 @@
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
-from coordinator.models import TaskRecord
+from coordinator.models import TaskRecord, live_status
 from coordinator.store.base import EVENTS_MAXLEN, StoreBase, _str_map, translate_redis_errors
 
-__all__ = ["EventStore", "live_status"]
-
-
-def live_status(record: TaskRecord, state: str, **fields: object) -> str:
-    """A task's live status as stored in the tree's live hash (JSON)."""
-    live = {
-        "task_id": record.id, "parent_id": record.parent_id, "depth": record.depth, "state": state,
-        "ts": time.time(), **fields,
-    }  # fmt: skip
-    return json.dumps(live)
+__all__ = ["EventStore"]
 
 
 class EventStore(StoreBase):

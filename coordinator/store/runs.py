@@ -12,47 +12,30 @@ from typing import Any
 
 from coordinator.errors import NotFoundError
 from coordinator.ids import root_of
-from coordinator.models import TaskRecord, Usage
+from coordinator.models import RunWrites, TaskRecord, Usage
 from coordinator.store.base import EVENTS_MAXLEN, ScriptArg, _decode_record, _strs, translate_redis_errors
 from coordinator.store.fields import TaskField
 from coordinator.store.metrics import latency_bucket
 from coordinator.store.records import RecordStore
 
-__all__ = ["ADMISSION_SCAN", "Ending", "RunStore", "RunWrites", "Started"]
+__all__ = ["ADMISSION_SCAN", "Ending", "RunStore", "Started"]
+
+
+def _writes_args(writes: RunWrites) -> list[ScriptArg]:
+    """flush_run.lua's ARGV from its fifth on: counts, then the messages, usage records and latencies."""
+    args: list[ScriptArg] = [
+        writes.live, len(writes.conversation), len(writes.ui_messages), len(writes.usage), len(writes.latencies_ms),
+        *writes.conversation, *writes.ui_messages,
+    ]  # fmt: skip
+    for key, usage, cost_micros, source in writes.usage:
+        args += [key, usage.tokens_in, usage.tokens_out, usage.cache_reads, usage.cache_writes, cost_micros, source]
+    for latency_ms in writes.latencies_ms:
+        args += [latency_bucket(latency_ms), latency_ms]
+    return args
+
 
 # How far down the admission list one freed slot looks for a task that now fits.
 ADMISSION_SCAN = 50
-
-
-@dataclass
-class RunWrites:
-    """What a run did since its last step, written at its next one in the same round trip.
-
-    A run's hot path is a start, one step before each model request after the first,
-    and an end: each is one script call (`start_run.lua`, `flush_run.lua`,
-    `end_run.lua`) that writes these and makes the step's checks.
-    """
-
-    conversation: list[str] = field(default_factory=list)  # model messages, one JSON entry each
-    ui_messages: list[str] = field(default_factory=list)  # JSON
-    usage: list[tuple[str, Usage, int, str]] = field(default_factory=list)  # (request key, usage, micro-USD, source)
-    latencies_ms: list[float] = field(default_factory=list)
-    live: str = ""  # the latest live status (JSON), or '' when unchanged
-
-    def args(self) -> list[ScriptArg]:
-        """flush_run.lua's ARGV from its fifth on."""
-        args: list[ScriptArg] = [
-            self.live, len(self.conversation), len(self.ui_messages), len(self.usage), len(self.latencies_ms),
-            *self.conversation, *self.ui_messages,
-        ]  # fmt: skip
-        for key, usage, cost_micros, source in self.usage:
-            args += [key, usage.tokens_in, usage.tokens_out, usage.cache_reads, usage.cache_writes, cost_micros, source]
-        for latency_ms in self.latencies_ms:
-            args += [latency_bucket(latency_ms), latency_ms]
-        return args
-
-    def clear(self) -> None:
-        self.conversation, self.ui_messages, self.usage, self.latencies_ms, self.live = [], [], [], [], ""
 
 
 @dataclass(frozen=True)
@@ -100,7 +83,7 @@ class RunStore(RecordStore):
         root, k = root_of(task_id), self.keys
         keys = [
             k.task(root, task_id), k.lease(root, task_id), k.due(), k.live(root), k.events(root),
-            k.conversation(root, task_id),
+            k.conversation(root, task_id), k.ui_messages(root, task_id),
         ]  # fmt: skip
         now = time.time()
         args: list[ScriptArg] = [
@@ -128,7 +111,7 @@ class RunStore(RecordStore):
     def flush_run(self, record: TaskRecord, token: str, writes: RunWrites) -> tuple[bool, str, str | None]:
         """Write a run's step (flush_run.lua): (still leased, the task's status, the topmost budget reached)."""
         keys = self._run_keys(record) + [self.keys.task(record.root_id, a) for a in reversed(record.ancestors)]
-        args: list[ScriptArg] = [token, self.retention_s, time.time(), EVENTS_MAXLEN, *writes.args()]
+        args: list[ScriptArg] = [token, self.retention_s, time.time(), EVENTS_MAXLEN, *_writes_args(writes)]
         reply = self._flush_run(keys=keys, args=args)
         if int(reply[0]) == 0:
             return False, "", None
@@ -165,7 +148,7 @@ class RunStore(RecordStore):
         status, summary, error, error_class = outcome
         args: list[ScriptArg] = [
             token, self.retention_s, time.time(), EVENTS_MAXLEN, status, summary, error, error_class, resume_grace_s,
-            int(stop_on_budget), *writes.args(),
+            int(stop_on_budget), *_writes_args(writes),
         ]  # fmt: skip
         reply: list[Any] = self._end_run(keys=keys, args=args)
         if reply[0] != "ended":

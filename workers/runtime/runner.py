@@ -157,7 +157,7 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
     state = RunState(run, profile)
     history = _load_history(run)
     if not history:
-        run.say("task", task.prompt)
+        run.announce_task()
     elif isinstance(history[-1], ModelResponse) and not _calls_without_result(history):
         return Ended("completed", summary=_text_of(history[-1]))  # it had ended; only the status was lost
     saved = len(history)
@@ -166,6 +166,7 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
     sent_at_s = time.monotonic()
 
     async def before_request() -> None:
+        send_progress(now=True)  # the previous response's, while the model works on the next
         stopped, holder = run.check_stop()
         if stopped:
             raise StopRun(holder)
@@ -206,12 +207,13 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
             "task_id": task.id, "request": request_no, "cost_micros": cost_micros, "tool": tool,
             "latency_ms": round(latency_ms),
         }  # fmt: skip
-        send_progress(final=False)
+        send_progress(now=False)
 
-    def send_progress(*, final: bool) -> None:
-        # At most one event per LIVE_EVERY_S, and always the last one: a fast run sends one.
+    def send_progress(*, now: bool) -> None:
+        # At most one event per LIVE_EVERY_S as responses arrive; the pending one goes before the
+        # next request and at the end: a run that answers at once sends one.
         nonlocal unsent, sent_at_s
-        if progress is None or unsent is None or not (final or time.monotonic() - sent_at_s >= LIVE_EVERY_S):
+        if progress is None or unsent is None or not (now or time.monotonic() - sent_at_s >= LIVE_EVERY_S):
             return
         progress(unsent)
         unsent, sent_at_s = None, time.monotonic()
@@ -239,7 +241,7 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
         _save_new(run, agent_run.all_messages(), saved)
         assert agent_run.result is not None
         output = agent_run.result.output
-    send_progress(final=True)
+    send_progress(now=True)
     if isinstance(output, DeferredToolRequests):
         if output.approvals:
             approval_ids = run.park([_tool_call(call, output) for call in output.approvals])

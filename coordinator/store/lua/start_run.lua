@@ -1,8 +1,9 @@
 -- Start a run of an agent task in one step: read the task, take its lease, count the
 -- delivery, keep it on the due list while it runs, publish its live status, and return
--- its conversation and whether a budget over it is spent already.
+-- its conversation and whether a budget over it is spent already; a first run (no
+-- conversation yet) also says the task's prompt as its first UI message.
 -- KEYS[1] task hash   KEYS[2] lease   KEYS[3] the due list   KEYS[4] tree live hash
--- KEYS[5] tree events stream   KEYS[6] conversation
+-- KEYS[5] tree events stream   KEYS[6] conversation   KEYS[7] UI messages
 -- ARGV[1] token   ARGV[2] lease seconds   ARGV[3] when the reconciler looks next (epoch s)
 -- ARGV[4] now   ARGV[5] retention seconds   ARGV[6] events max length
 -- ARGV[7] the prefix of the tree's task hashes (the budget check reads the ancestors': a
@@ -58,4 +59,10 @@ for _, id in ipairs(chain) do
     exhausted = id
   end
 end
-return {'run', raw, {deliveries, run_seq, exhausted}, redis.call('LRANGE', KEYS[6], 0, -1)}
+local conversation = redis.call('LRANGE', KEYS[6], 0, -1)
+if #conversation == 0 then
+  -- A first run opens the task's UI messages with its prompt, as AI coding tools show a task.
+  redis.call('RPUSH', KEYS[7], cjson.encode({ts = tonumber(ARGV[4]), type = 'say', say = 'task', text = task['prompt']}))
+  redis.call('EXPIRE', KEYS[7], ARGV[5])
+end
+return {'run', raw, {deliveries, run_seq, exhausted}, conversation}
