@@ -18,7 +18,9 @@ import pytest
 from coordinator import Coordinator, Settings
 from coordinator.api import create_app
 from coordinator.web.auth import COOKIE
+from tests.agents import reply, subtask
 from tests.helpers import TOKEN, ApiServer, api_settings, state
+from tests.test_unlinked_spend import finish, spend
 
 PROMPTS = ["Write the Q3 report", "Fix the login bug", "Write the release notes", "Plan the offsite", "Audit costs"]
 
@@ -59,7 +61,7 @@ def browser_http(server: ApiServer) -> Iterator[httpx.Client]:
 
 
 def _ids_on(page: str) -> list[str]:
-    return re.findall(r'<tr data-task-id="([0-9a-f]{16})">', page)
+    return re.findall(r'<tr data-task-id="([^"]+)">', page)
 
 
 def _error_of(page: str) -> tuple[str, str, str]:
@@ -205,3 +207,45 @@ def test_the_tree_page_shows_plan_children_and_figures(browser_http: httpx.Clien
     assert f'href="#task-{child}"' in page.text
     assert 'data-events-url="/ui/tasks/' in page.text and "/static/subq.js" in page.text
     assert browser_http.get(f"/ui/tasks/{child}/conversation").status_code == 200
+
+
+def test_unlinked_spend_is_its_own_line_and_the_rows_add_up(browser_http: httpx.Client, settings: Settings) -> None:
+    # The tree of tests/test_unlinked_spend.py: child c1's row is rewritten away, so its spend has no row.
+    # Keys of its own, so the roots tests above see only their five roots whatever the order.
+    web_coord = Coordinator(api_settings(settings, key_prefix="subqweb2", queue="subq-web-idle"))
+    with ApiServer(create_app(coordinator=web_coord)) as api, httpx.Client(base_url=api.url, timeout=30) as http:
+        assert http.post("/ui/login", data={"token": TOKEN}).status_code == 303
+        _check_unlinked_page(web_coord, http)
+    for key in web_coord.client.scan_iter("subqweb2:*"):
+        web_coord.client.delete(key)
+    web_coord.close()
+
+
+def _check_unlinked_page(web_coord: Coordinator, browser_http: httpx.Client) -> None:
+    parent = web_coord.create_task("Unlinked spend on the page", todos="[ ] A\n[ ] B")
+    a, b = web_coord.get_todos(parent.id)
+    batch = web_coord.delegate(
+        parent.id, [subtask("A", reply("a"), todo_id=a.id), subtask("B", reply("b"), todo_id=b.id)]
+    )
+    c1, c2 = batch.child_ids
+    web_coord.update_todos(parent.id, "[ ] B")
+    spend(web_coord, c1, 700, 7000)
+    spend(web_coord, c2, 300, 3000)
+    finish(web_coord, c1, batch.id)
+    finish(web_coord, c2, batch.id)
+
+    page = browser_http.get(f"/ui/tasks/{parent.id}").text
+    top = page[page.index(f'id="task-{parent.id}"') : page.index(f'id="task-{c1}"')]
+    unlinked = re.search(r'<tr class="unlinked">(.*?)</tr>', top, re.S)
+    assert unlinked, top
+    assert 'data-tokens="7000">7,000<' in unlinked.group(1) and 'data-micros="700">$0.000700<' in unlinked.group(1)
+    (row,) = re.findall(r'<tr class="todo [^"]*" data-todo-id="[^"]*" data-subtask-id="([^"]*)">(.*?)</tr>', top, re.S)
+    assert row[0] == c2 and 'data-micros="300">$0.000300<' in row[1]
+    assert 'data-field="total-cost"><span class="usd" data-micros="1000">$0.001000</span>' in top
+
+
+def test_with_auth_disabled_the_view_is_open(settings: Settings, web_coord: Coordinator) -> None:
+    open_settings = settings.model_copy(update={"api_auth_disabled": True, "key_prefix": "subqweb"})
+    with ApiServer(create_app(open_settings, coordinator=web_coord)) as api, httpx.Client(base_url=api.url) as anon:
+        page = anon.get("/ui/")
+        assert page.status_code == 200 and "<h1>Roots</h1>" in page.text and "Sign out" not in page.text
