@@ -222,7 +222,7 @@ def test_unlinked_spend_is_its_own_line_and_the_rows_add_up(browser_http: httpx.
 
 
 def _check_unlinked_page(web_coord: Coordinator, browser_http: httpx.Client) -> None:
-    parent = web_coord.create_task("Unlinked spend on the page", todos="[ ] A\n[ ] B")
+    parent = web_coord.create_task("Unlinked spend on the page", todos="[ ] A\n[ ] B", budget_usd="0.004")
     a, b = web_coord.get_todos(parent.id)
     batch = web_coord.delegate(
         parent.id, [subtask("A", reply("a"), todo_id=a.id), subtask("B", reply("b"), todo_id=b.id)]
@@ -242,6 +242,8 @@ def _check_unlinked_page(web_coord: Coordinator, browser_http: httpx.Client) -> 
     (row,) = re.findall(r'<tr class="todo [^"]*" data-todo-id="[^"]*" data-subtask-id="([^"]*)">(.*?)</tr>', top, re.S)
     assert row[0] == c2 and 'data-micros="300">$0.000300<' in row[1]
     assert 'data-field="total-cost"><span class="usd" data-micros="1000">$0.001000</span>' in top
+    # Budget spent against its cap: $0.001000 of $0.004000.
+    assert 'data-spent-micros="1000" data-cap-micros="4000"' in top and "25.0%" in top
 
 
 def test_with_auth_disabled_the_view_is_open(settings: Settings, web_coord: Coordinator) -> None:
