@@ -216,6 +216,14 @@ def test_unlinked_spend_is_its_own_line_and_the_rows_add_up(browser_http: httpx.
     with ApiServer(create_app(coordinator=web_coord)) as api, httpx.Client(base_url=api.url, timeout=30) as http:
         assert http.post("/ui/login", data={"token": TOKEN}).status_code == 303
         _check_unlinked_page(web_coord, http)
+        # Text from tasks is escaped: a prompt cannot inject markup or script into the page.
+        hostile = web_coord.create_task(
+            "<script>alert('x')</script> <b>bold</b>", todos="[ ] <img src=x onerror=alert(1)>"
+        )
+        for path in ("/ui/", f"/ui/tasks/{hostile.id}"):
+            page = http.get(path).text
+            assert "<script>alert" not in page and "<b>bold" not in page and "<img src=x" not in page
+            assert "&lt;script&gt;alert(" in page or "&lt;img src=x" in page
     for key in web_coord.client.scan_iter("subqweb2:*"):
         web_coord.client.delete(key)
     web_coord.close()

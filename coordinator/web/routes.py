@@ -17,6 +17,7 @@ so they run in FastAPI's thread pool, as the API's do.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from collections.abc import Mapping
 from importlib.resources import files
@@ -34,7 +35,7 @@ from coordinator.api.errors import UNAUTHORIZED, HttpError, status_of
 from coordinator.api.events import KEEPALIVE_S, STREAM_ID_PATTERN, StreamThreads, tree_events
 from coordinator.api.routes import TaskId
 from coordinator.api.schemas import CancelBody, DecisionBody
-from coordinator.errors import SubqError
+from coordinator.errors import SubqError, ValidationError
 from coordinator.models import Approval, TaskRecord, TaskStatus, format_usd
 from coordinator.service import Coordinator
 from coordinator.settings import Settings
@@ -61,8 +62,6 @@ def _templates() -> Jinja2Templates:
 
 
 def _when(ts: float | None) -> str:
-    import datetime as dt
-
     if not ts:
         return ""
     return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -198,8 +197,6 @@ def _router(coord: Coordinator, auth: WebAuth) -> APIRouter:
 
 def _no_query(request: Request) -> None:
     """These pages take no query parameters: a stray one is a typo, refused as the API refuses it."""
-    from coordinator.errors import ValidationError
-
     for name in request.query_params:
         raise ValidationError(f"{name}: unknown query parameter (this page takes none)", field=name)
 
