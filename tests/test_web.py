@@ -77,6 +77,7 @@ def _error_of(page: str) -> tuple[str, str, str]:
 def test_pages_need_the_token(server: ApiServer, roots: dict[str, str]) -> None:
     root = roots["Write the Q3 report"]
     with httpx.Client(base_url=server.url, timeout=30) as anon:
+        assert anon.get("/ui").headers["location"] == "/ui/"
         page = anon.get(f"/ui/tasks/{root}")
         assert page.status_code == 303 and page.headers["location"] == f"/ui/login?next=%2Fui%2Ftasks%2F{root}"
         for path in (f"/ui/tasks/{root}/fragment", f"/ui/tasks/{root}/events"):
