@@ -259,6 +259,8 @@ def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], s
     if api is not None:
         auth_note = "auth disabled by SUBQ_API_AUTH_DISABLED" if settings.api_auth_disabled else f"token: {token}"
         lines.append(f"  API      http://{local}:{options.api_port}  ({auth_note})")
+        sign_in = "open" if settings.api_auth_disabled else "sign in with the token"
+        lines.append(f"  Web      http://{local}:{options.api_port}/ui/  (the live trees in a browser; {sign_in})")
     lines += [
         f"  Flower   http://{local}:{options.flower_port}  (user: {DEFAULT_FLOWER_USER}, password: {password})",
         f"  Logs     {log_dir}" + ("" if options.log_dir else "  (removed when subq up stops)"),

@@ -161,6 +161,12 @@ def test_up_serves_a_run_from_another_terminal_and_ctrl_c_leaves_nothing(marker:
         assert answer.status_code == 200, answer.text
         assert answer.json()["total_cost_micros"] == 11 * STEP_COST_MICROS
         assert httpx.get(url, timeout=10).status_code == 401
+        # The web view's address, signed in with the same token, shows the tree.
+        web_url = _find(r"^  Web      (http://\S+)  \(the live trees in a browser; sign in with the token\)", banner)
+        assert web_url == f"{api_url}/ui/"
+        with httpx.Client(timeout=10, follow_redirects=True) as browser:
+            signed_in = browser.post(f"{web_url}login", data={"token": token, "next": f"/ui/tasks/{root_id}"})
+            assert signed_in.status_code == 200 and f'id="task-{root_id}"' in signed_in.text
     finally:
         code = up.interrupt(signal.SIGINT)
         up.kill()

@@ -146,13 +146,17 @@ def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Venv:
     return Venv(root=root, site_packages=Path(site.stdout.strip()), workdir=tmp_path_factory.mktemp("cwd"))
 
 
+# Modules, Lua scripts, and the web view's templates, script and stylesheet (no CDN: they ship here).
+SHIPPED_SUFFIXES = (".py", ".lua", ".html", ".js", ".css")
+
+
 def _files_to_ship(tree: Path) -> set[str]:
-    """Every module, Lua script and py.typed of the two top-level packages in a source tree, as wheel paths."""
+    """Every module, Lua script, web asset and py.typed of the two top-level packages in a source tree, as wheel paths."""
     return {
         path.relative_to(tree).as_posix()
         for top in ("coordinator", "workers")
         for path in (tree / top).rglob("*")
-        if (path.suffix in (".py", ".lua") or path.name == "py.typed") and "__pycache__" not in path.parts
+        if (path.suffix in SHIPPED_SUFFIXES or path.name == "py.typed") and "__pycache__" not in path.parts
     }
 
 
@@ -166,6 +170,7 @@ def test_wheel_holds_every_source_file_and_nothing_else(wheel: Path, source_copy
     assert "coordinator/api/app.py" in packaged
     assert {"coordinator/py.typed", "workers/py.typed"} <= packaged
     assert any(name.endswith(".lua") for name in packaged)
+    assert {"coordinator/web/static/subq.js", "coordinator/web/templates/tree.html"} <= packaged
 
 
 def test_dockerfile_builds_the_same_wheel() -> None:
@@ -289,6 +294,11 @@ def test_installed_api_and_worker_serve(venv: Venv, redis_url: str, tmp_path: Pa
             assert health["status"] == "ok" and health["workers"]["count"] >= 1
             # The token from SUBQ_API_TOKEN guards the task routes of the installed API.
             assert httpx.get(f"{url}/v1/tasks", timeout=HTTP_TIMEOUT_S).status_code == 401
+            # The web view's assets and templates come from the installed wheel.
+            script = httpx.get(f"{url}/ui/static/subq.js", timeout=HTTP_TIMEOUT_S)
+            assert script.status_code == 200 and "EventSource" in script.text
+            login = httpx.get(f"{url}/ui/", timeout=HTTP_TIMEOUT_S, follow_redirects=True)
+            assert login.status_code == 200 and 'name="token"' in login.text
 
             # One offline agent through both installed halves: the API's Lua scripts, the
             # worker's pydantic-ai runner and genai-prices' price data all come from the venv.

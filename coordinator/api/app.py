@@ -25,6 +25,7 @@ from coordinator.api.ops import ops_routes
 from coordinator.api.routes import reject_unknown_query, task_routes
 from coordinator.service import Coordinator
 from coordinator.settings import Settings, load_settings
+from coordinator.web import install_web
 
 __all__ = ["create_app"]
 
@@ -77,4 +78,5 @@ def create_app(settings: Settings | None = None, coordinator: Coordinator | None
     app.include_router(event_routes(coord, auth=guard is not None), dependencies=dependencies)
     app.include_router(control_routes(coord, auth=guard is not None), dependencies=dependencies)
     app.include_router(ops_routes(coord))
+    install_web(app, coord, settings)  # /ui: the operator's view in a browser (docs/web.md)
     return app

@@ -30,7 +30,7 @@ from coordinator.api.schemas import ErrorBody
 from coordinator.errors import SubqError
 from coordinator.service import Coordinator
 
-__all__ = ["KEEPALIVE_S", "READ_SLICE_MS", "event_routes"]
+__all__ = ["KEEPALIVE_S", "READ_SLICE_MS", "StreamThreads", "event_routes", "tree_events"]
 
 # Proxies commonly close a connection idle for 30-60 s; a comment every 15 s keeps it open.
 KEEPALIVE_S = 15.0
@@ -63,7 +63,7 @@ EVENT_SCHEMA: dict[str, Any] = {
 }
 
 
-class _Threads:
+class StreamThreads:
     """Runs blocking store reads in this app's own stream thread pool."""
 
     def __init__(self) -> None:
@@ -75,7 +75,10 @@ class _Threads:
         return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs), limiter=self._limiter)
 
 
-async def _events(coord: Coordinator, threads: _Threads, task_id: str, after_id: str) -> AsyncIterator[ServerSentEvent]:
+async def tree_events(
+    coord: Coordinator, threads: StreamThreads, task_id: str, after_id: str
+) -> AsyncIterator[ServerSentEvent]:
+    """The SSE events of the task's tree after `after_id`, ending once the task settles (also the web view's)."""
     root_id = ids.root_of(task_id)
     try:
         while True:
@@ -103,7 +106,7 @@ async def _events(coord: Coordinator, threads: _Threads, task_id: str, after_id:
 def event_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     router = APIRouter(prefix="/v1", tags=["events"])
     denied = (401,) if auth else ()
-    threads = _Threads()
+    threads = StreamThreads()
 
     @router.get(
         "/tasks/{task_id}/events",
@@ -127,6 +130,6 @@ def event_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     ) -> EventSourceResponse:
         # Checked before the response starts, so an unknown id is a plain 404, not a broken stream.
         await threads.run(coord.settled, task_id)
-        return EventSourceResponse(_events(coord, threads, task_id, last_event_id or "0-0"), ping=KEEPALIVE_S)
+        return EventSourceResponse(tree_events(coord, threads, task_id, last_event_id or "0-0"), ping=KEEPALIVE_S)
 
     return router

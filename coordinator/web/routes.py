@@ -1,0 +1,234 @@
+"""The web view's routes under /ui: pages rendered on the server, a fragment, events, actions.
+
+    GET  /ui/                          the roots: history with filters by status, text, date; paged
+    GET  /ui/tasks/{id}                a tree: every task, its plan, figures, approvals; live
+    GET  /ui/tasks/{id}/fragment       the same tree as an HTML fragment (what the page swaps in)
+    GET  /ui/tasks/{id}/events         the tree's event stream (SSE), as GET /v1/tasks/{id}/events
+    GET  /ui/tasks/{id}/conversation   a task's UI messages and model conversation
+    POST /ui/actions/tasks/{id}/cancel        {reason}: cancel a subtree
+    POST /ui/actions/approvals/{id}           {decision, feedback?}: approve or deny
+    GET|POST /ui/login, POST /ui/logout
+
+Pages answer errors as HTML pages with the API's status for the error; actions
+answer JSON in the API's one error shape, which the page shows as it is.
+Handlers are plain `def`s where they call the Coordinator (synchronous Redis),
+so they run in FastAPI's thread pool, as the API's do.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Mapping
+from importlib.resources import files
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import parse_qs, urlencode
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+from sse_starlette import EventSourceResponse
+
+from coordinator.api.errors import UNAUTHORIZED, HttpError, status_of
+from coordinator.api.events import KEEPALIVE_S, STREAM_ID_PATTERN, StreamThreads, tree_events
+from coordinator.api.routes import TaskId
+from coordinator.api.schemas import CancelBody, DecisionBody
+from coordinator.errors import SubqError, ValidationError
+from coordinator.models import Approval, TaskRecord, TaskStatus, format_usd
+from coordinator.service import Coordinator
+from coordinator.settings import Settings
+from coordinator.web.auth import COOKIE, SESSION_MAX_AGE_S, WebAuth
+from coordinator.web.views import find_roots, parse_root_filter, read_tree
+
+__all__ = ["WEB_PATH", "install_web"]
+
+WEB_PATH = "/ui"
+_HERE = Path(str(files("coordinator.web")))
+# Conversations are shown whole; a model message longer than this is cut with a note,
+# so one huge tool result cannot make the page unusable.
+MAX_PART_CHARS = 20_000
+
+
+def _templates() -> Jinja2Templates:
+    templates = Jinja2Templates(directory=_HERE / "templates")
+    templates.env.filters["usd"] = format_usd
+    templates.env.filters["tokens"] = lambda n: f"{n:,}"
+    templates.env.filters["when"] = _when
+    templates.env.globals["ui"] = WEB_PATH
+    templates.env.globals["statuses"] = [s.value for s in TaskStatus]
+    return templates
+
+
+def _when(ts: float | None) -> str:
+    if not ts:
+        return ""
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def install_web(app: FastAPI, coord: Coordinator, settings: Settings) -> None:
+    """Serve the web view on `app` under /ui, behind SUBQ_API_TOKEN (see coordinator/web/auth.py)."""
+    app.mount(f"{WEB_PATH}/static", StaticFiles(directory=_HERE / "static"), name="subq-static")
+    app.include_router(_router(coord, WebAuth(settings)))
+
+
+def _router(coord: Coordinator, auth: WebAuth) -> APIRouter:
+    router = APIRouter(prefix=WEB_PATH, include_in_schema=False)
+    templates = _templates()
+    threads = StreamThreads()
+
+    def page(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
+        context |= {"auth_on": not auth.disabled}
+        return templates.TemplateResponse(request, name, context, status_code=status_code)
+
+    def error_page(request: Request, exc: SubqError) -> HTMLResponse:
+        return page(request, "error.html", status_of(exc), error=exc)
+
+    def to_login(request: Request) -> RedirectResponse:
+        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        return RedirectResponse(f"{WEB_PATH}/login?{urlencode({'next': target})}", status_code=303)
+
+    async def signed_in(request: Request) -> None:
+        """For fragments, streams and actions: a JSON 401 (the page itself redirects to sign in)."""
+        if not auth.signed_in(request):
+            raise HttpError(401, UNAUTHORIZED, "Not signed in to the web view: sign in at /ui/login", field=COOKIE)
+
+    async def json_body(content_type: Annotated[str, Header()] = "") -> None:
+        # A cross-site HTML form can only send form or text bodies; JSON needs a CORS preflight.
+        if content_type.split(";")[0].strip().lower() != "application/json":
+            raise HttpError(415, "unsupported_media_type", "Send the action as application/json", field="Content-Type")
+
+    @router.get("", include_in_schema=False)
+    def home() -> RedirectResponse:
+        return RedirectResponse(f"{WEB_PATH}/", status_code=307)
+
+    @router.get("/", response_class=HTMLResponse)
+    def roots(request: Request) -> Response:
+        if not auth.signed_in(request):
+            return to_login(request)
+        try:
+            wanted = parse_root_filter(request.query_params)
+            found = find_roots(coord, wanted)
+        except SubqError as exc:
+            return error_page(request, exc)
+        next_query = urlencode(wanted.query(found.next_cursor)) if found.next_cursor is not None else None
+        return page(request, "roots.html", wanted=wanted, found=found, next_query=next_query)
+
+    @router.get("/tasks/{task_id}", response_class=HTMLResponse)
+    def tree_page(request: Request, task_id: TaskId) -> Response:
+        if not auth.signed_in(request):
+            return to_login(request)
+        try:
+            _no_query(request)
+            tree = read_tree(coord, task_id)
+        except SubqError as exc:
+            return error_page(request, exc)
+        return page(request, "tree.html", tree=tree, task_id=task_id)
+
+    @router.get("/tasks/{task_id}/fragment", response_class=HTMLResponse, dependencies=[Depends(signed_in)])
+    def tree_fragment(request: Request, task_id: TaskId) -> Response:
+        _no_query(request)
+        return page(request, "tree_fragment.html", tree=read_tree(coord, task_id))
+
+    @router.get("/tasks/{task_id}/events", dependencies=[Depends(signed_in)])
+    async def events(
+        request: Request,
+        task_id: TaskId,
+        last_event_id: Annotated[str | None, Header(pattern=STREAM_ID_PATTERN)] = None,
+    ) -> EventSourceResponse:
+        _no_query(request)
+        await threads.run(coord.settled, task_id)  # an unknown id is a plain 404, not a broken stream
+        return EventSourceResponse(tree_events(coord, threads, task_id, last_event_id or "0-0"), ping=KEEPALIVE_S)
+
+    @router.get("/tasks/{task_id}/conversation", response_class=HTMLResponse)
+    def conversation(request: Request, task_id: TaskId) -> Response:
+        if not auth.signed_in(request):
+            return to_login(request)
+        try:
+            _no_query(request)
+            record = coord.get_task(task_id)
+            ui_messages = coord.messages(task_id, "ui")
+            model_messages = [_readable(m) for m in coord.messages(task_id, "api")]
+        except SubqError as exc:
+            return error_page(request, exc)
+        return page(request, "conversation.html", task=record, ui_messages=ui_messages, model_messages=model_messages)
+
+    @router.post("/actions/tasks/{task_id}/cancel", dependencies=[Depends(signed_in), Depends(json_body)])
+    def cancel(task_id: TaskId, body: CancelBody) -> TaskRecord:
+        return coord.cancel(task_id, body.reason)
+
+    @router.post("/actions/approvals/{approval_id}", dependencies=[Depends(signed_in), Depends(json_body)])
+    def decide(approval_id: str, body: DecisionBody) -> Approval:
+        return coord.decide(approval_id, body.decision, body.feedback)
+
+    @router.get("/login", response_class=HTMLResponse)
+    def login_form(request: Request, next: str = "") -> HTMLResponse:
+        return page(request, "login.html", next=_local(next), failed=False)
+
+    @router.post("/login", response_class=HTMLResponse)
+    async def login(request: Request) -> Response:
+        form = _form(await request.body())
+        target = _local(form.get("next", ""))
+        if auth.disabled:
+            return RedirectResponse(target, status_code=303)
+        if not auth.token_matches(form.get("token", "")):
+            return page(request, "login.html", 401, next=target, failed=True)
+        response = RedirectResponse(target, status_code=303)
+        response.set_cookie(
+            COOKIE,
+            auth.session_value(),
+            max_age=SESSION_MAX_AGE_S,
+            path=WEB_PATH,
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+        )
+        return response
+
+    @router.post("/logout")
+    def logout() -> RedirectResponse:
+        response = RedirectResponse(f"{WEB_PATH}/login", status_code=303)
+        response.delete_cookie(COOKIE, path=WEB_PATH)
+        return response
+
+    return router
+
+
+def _no_query(request: Request) -> None:
+    """These pages take no query parameters: a stray one is a typo, refused as the API refuses it."""
+    for name in request.query_params:
+        raise ValidationError(f"{name}: unknown query parameter (this page takes none)", field=name)
+
+
+def _local(target: str) -> str:
+    """A place in the web view to go after signing in; anything else (another site) goes home."""
+    if target.startswith(f"{WEB_PATH}/") and not target.startswith("//") and "\\" not in target:
+        return target
+    return f"{WEB_PATH}/"
+
+
+def _form(body: bytes) -> Mapping[str, str]:
+    # parse_qs, not FastAPI's Form(): that would need python-multipart for one field.
+    return {name: values[0] for name, values in parse_qs(body.decode("utf-8", "replace")).items()}
+
+
+def _readable(message: dict[str, Any]) -> dict[str, Any]:
+    """A model message (pydantic-ai's JSON) as kind + parts of (part kind, text) for the page."""
+    parts = []
+    for part in message.get("parts", []):
+        kind = str(part.get("part_kind", "part"))
+        if "content" in part:
+            content = part["content"]
+            text = content if isinstance(content, str) else json.dumps(content, indent=1)
+        elif "args" in part:
+            args = part["args"]
+            text = f"{part.get('tool_name', '')}({args if isinstance(args, str) else json.dumps(args)})"
+        else:
+            text = json.dumps(part)
+        if kind == "tool-return":
+            text = f"{part.get('tool_name', '')} → {text}"
+        if len(text) > MAX_PART_CHARS:
+            text = text[:MAX_PART_CHARS] + f"\n… ({len(text) - MAX_PART_CHARS} more characters)"
+        parts.append({"kind": kind, "text": text})
+    return {"kind": str(message.get("kind", "")), "parts": parts}

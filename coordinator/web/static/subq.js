@@ -1,0 +1,125 @@
+// subq web view: keeps the tree page live and sends the operator's actions.
+// The server renders every piece of HTML; this script only (1) listens to the
+// tree's event stream and, on an event, swaps in the tree fragment the server
+// renders again, and (2) posts approve / deny / cancel after a confirmation,
+// showing the server's error when it refuses. No polling: nothing is fetched
+// unless the stream says something changed.
+"use strict";
+
+(function () {
+  const tree = document.getElementById("tree");
+  if (!tree) return;
+  const live = document.getElementById("live");
+  const actionError = document.getElementById("action-error");
+  const ui = tree.dataset.fragmentUrl.split("/tasks/")[0];
+
+  function setLive(state, text) {
+    live.dataset.state = state;
+    live.textContent = text;
+  }
+
+  function showError(text) {
+    actionError.textContent = text;
+    actionError.hidden = !text;
+  }
+
+  // -- live refresh: one fetch at a time; events that arrive meanwhile cause one more --
+  let fetching = false;
+  let again = false;
+  let refreshes = 0;
+
+  async function refresh() {
+    if (fetching) { again = true; return; }
+    fetching = true;
+    try {
+      do {
+        again = false;
+        const response = await fetch(tree.dataset.fragmentUrl, { credentials: "same-origin" });
+        if (!response.ok) { showError(await errorText(response)); break; }
+        swap(await response.text());
+        refreshes += 1;
+        tree.dataset.refreshes = String(refreshes);
+      } while (again);
+    } catch (err) {
+      showError("Could not refresh the tree: " + err);
+    } finally {
+      fetching = false;
+    }
+  }
+
+  // Swap the fragment in, keeping what the operator was typing (feedback) and where they were.
+  function swap(html) {
+    const kept = {};
+    tree.querySelectorAll("[data-keep]").forEach((el) => { kept[el.id] = el.value; });
+    const focused = document.activeElement && document.activeElement.id;
+    tree.innerHTML = html;
+    for (const [id, value] of Object.entries(kept)) {
+      const el = document.getElementById(id);
+      if (el) el.value = value;
+    }
+    if (focused) { const el = document.getElementById(focused); if (el) el.focus(); }
+  }
+
+  const stream = new EventSource(tree.dataset.eventsUrl);
+  stream.onopen = () => setLive("open", "live: updating as the tree's events arrive");
+  stream.onmessage = () => { refresh(); };
+  stream.addEventListener("end", (event) => {
+    stream.close();  // else EventSource reconnects to a stream that has ended
+    const status = JSON.parse(event.data).status;
+    setLive("ended", "settled (" + status + "): the live stream has ended");
+    refresh();
+  });
+  stream.addEventListener("error", (event) => {
+    if (event.data) {  // the server's own error event: {code, message, field}
+      stream.close();
+      setLive("failed", "the live stream failed: " + JSON.parse(event.data).message);
+    } else if (stream.readyState === EventSource.CONNECTING) {
+      setLive("reconnecting", "reconnecting to the live stream…");
+    } else if (stream.readyState === EventSource.CLOSED) {
+      setLive("failed", "the live stream closed; reload the page to reconnect");
+    }
+  });
+
+  // -- actions --------------------------------------------------------------------
+  async function errorText(response) {
+    try {
+      const body = await response.json();
+      return "Refused (" + response.status + " " + body.code + "): " + body.message;
+    } catch (err) {
+      return "Refused: HTTP " + response.status;
+    }
+  }
+
+  async function post(url, body) {
+    showError("");
+    const response = await fetch(url, {
+      method: "POST",
+      credentials: "same-origin",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body),
+    });
+    if (!response.ok) { showError(await errorText(response)); return; }
+    refresh();
+  }
+
+  tree.addEventListener("click", (event) => {
+    const button = event.target.closest("button[data-action]");
+    if (!button) return;
+    const action = button.dataset.action;
+    if (action === "cancel") {
+      const id = button.dataset.taskId;
+      const reason = window.prompt("Cancel task " + id + " and its whole subtree?\nReason:", "cancelled from the web view");
+      if (reason === null) return;
+      post(ui + "/actions/tasks/" + id + "/cancel", { reason: reason });
+    } else if (action === "approve" || action === "deny") {
+      const id = button.dataset.approvalId;
+      const feedback = (document.getElementById("feedback-" + id) || {}).value || "";
+      const question = (action === "approve" ? "Approve " : "Deny ") + button.dataset.what + "?"
+        + (action === "deny" && feedback ? "\nFeedback: " + feedback : "");
+      if (!window.confirm(question)) return;
+      const body = { decision: action };
+      if (feedback) body.feedback = feedback;
+      post(ui + "/actions/approvals/" + id, body);
+    }
+  });
+})();
