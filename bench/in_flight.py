@@ -1,6 +1,6 @@
 """A thousand children in flight on one worker process: all complete, each delivered to a run once.
 
-    python bench/in_flight.py [--children 1000] [--latency-ms 8000] [--concurrency 1000] [--json]
+    python bench/in_flight.py [--children 1000] [--latency-ms 8000] [--concurrency 1000] [--waves 1] [--json]
 
 One private embedded Redis, one `celery -A workers.app worker` process of the
 threads pool with `--concurrency` threads and default settings otherwise (the
@@ -9,8 +9,12 @@ parent delegates `--children` children at once, each a one-step offline script
 that waits `--latency-ms` on its model. Reported, once the parent has settled:
 the wall time, how many children completed, how many were run more than once
 (`run_seq` > 1), how many Celery deliveries of `subq.run_task` the worker
-logged beyond one per child, and the reconciler's repairs. docs/benchmarks.md
-has the figures and how to read them.
+logged beyond one per child, and the reconciler's repairs. With `--waves 2`,
+a first wave of as many children warms the worker up (its pool threads, their
+event loops and connections) and the second is measured; the worker's resident
+memory is sampled every 50 ms, and `rss_per_child_kb` is its peak during the
+measured wave minus what it held before, per child in flight.
+docs/benchmarks.md has the figures and how to read them.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import re
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -42,17 +47,42 @@ def child_spec(n: int, latency_ms: int) -> dict[str, str]:
     return {"description": f"child {n}", "message": message}
 
 
-def measure(children: int, latency_ms: int, concurrency: int) -> dict[str, object]:
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def measure(children: int, latency_ms: int, concurrency: int, waves: int = 1) -> dict[str, object]:
     with local_redis() as url, tempfile.TemporaryDirectory(prefix="subq-in-flight-") as logs:
         settings = Settings(redis_url=url, worker_concurrency=concurrency, max_fanout=max(children, 256))
         with WorkerFleet(settings, 1, Path(logs)) as fleet:
             fleet.wait_ready()
             coord = Coordinator(settings)
+            pid = fleet.procs[0].pid
+            warm_ids: set[str] = set()
+            for _ in range(waves - 1):  # warm-up waves, not measured
+                warm = coord.create_task("A warm-up wave")
+                warm_ids.update(coord.delegate(warm.id, [child_spec(n, latency_ms) for n in range(children)]).child_ids)
+                coord.wait(warm.id, timeout_s=3600)
+            rss_before_kb = rss_kb(pid)
+            peak_kb = [rss_before_kb]
+            sampling = threading.Event()
+
+            def sample() -> None:
+                while not sampling.wait(0.05):
+                    peak_kb[0] = max(peak_kb[0], rss_kb(pid))
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
             parent = coord.create_task("A thousand children")
             started = time.monotonic()
             batch = coord.delegate(parent.id, [child_spec(n, latency_ms) for n in range(children)])
             coord.wait(parent.id, timeout_s=3600)
             wall_s = time.monotonic() - started
+            sampling.set()
+            sampler.join()
             records = coord.store.get_records(batch.child_ids)
             log = fleet.logs[0].read_text(errors="replace")
             deliveries = Counter(RECEIVED.findall(log))
@@ -60,13 +90,19 @@ def measure(children: int, latency_ms: int, concurrency: int) -> dict[str, objec
                 "children": children,
                 "latency_ms": latency_ms,
                 "concurrency": concurrency,
-                "wall_s": round(wall_s, 1),
+                "wall_s": round(wall_s, 2),
+                "waves": waves,
+                "rss_before_mb": round(rss_before_kb / 1024, 1),
+                "rss_peak_mb": round(peak_kb[0] / 1024, 1),
+                "rss_per_child_kb": round((peak_kb[0] - rss_before_kb) / children, 1),
                 "completed": sum(r.status == TaskStatus.COMPLETED for r in records),
                 "statuses": dict(Counter(r.status.value for r in records)),
                 "errors": dict(Counter(f"{r.error_class}: {r.error}"[:120] for r in records if r.error_class)),
                 "run_more_than_once": sum(int(coord.store.task_field(r.id, "run_seq") or 0) > 1 for r in records),
                 "extra_deliveries": sum(deliveries[c] - 1 for c in batch.child_ids if deliveries[c] > 1),
-                "other_run_messages": sum(n for cid, n in deliveries.items() if cid not in set(batch.child_ids)),
+                "other_run_messages": sum(
+                    n for cid, n in deliveries.items() if cid not in set(batch.child_ids) | warm_ids
+                ),
                 "repairs": coord.repairs(),
                 "in_flight_after": coord.store.in_flight(parent.id),
             }
@@ -79,9 +115,10 @@ def main() -> int:
     parser.add_argument("--children", type=int, default=1000)
     parser.add_argument("--latency-ms", type=int, default=8000)
     parser.add_argument("--concurrency", type=int, default=1000)
+    parser.add_argument("--waves", type=int, default=1, help="waves of children; all but the last warm up")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    figures = measure(args.children, args.latency_ms, args.concurrency)
+    figures = measure(args.children, args.latency_ms, args.concurrency, max(1, args.waves))
     if args.json:
         print(json.dumps(figures))
     else:

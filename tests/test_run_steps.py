@@ -1,0 +1,140 @@
+"""A run's hot path in three script calls (start_run, flush_run, end_run), on a real Redis.
+
+Runs are driven in-process by the same `run_child` the worker runs, on a queue no
+worker consumes, so each step's effect (and its cost in Redis requests) is checked
+exactly.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from redis.connection import AbstractConnection
+
+from coordinator import Coordinator, TaskStatus
+from coordinator.celery_app import make_app
+from coordinator.runs import Ended, Run
+from tests.agents import STEP_COST_MICROS, agent, reply
+from tests.helpers import script, usage_step
+from workers.runtime.context import Runtime, build_runtime
+from workers.runtime.runner import run_child
+
+
+@pytest.fixture
+def rt(idle_coordinator: Coordinator) -> Iterator[Runtime]:
+    runtime = build_runtime(idle_coordinator.settings, make_app(idle_coordinator.settings))
+    yield runtime
+    runtime.coordinator.close()
+
+
+@pytest.fixture
+def requests(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Every request this process writes to Redis, by the first command it carries."""
+    counts: Counter[str] = Counter()
+    original = AbstractConnection.send_packed_command
+
+    def counted(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
+        head = command if isinstance(command, bytes) else command[0]
+        counts[bytes(head[:40]).split(b"\r\n")[2].decode()] += 1
+        original(self, command, check_health)
+
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
+    return counts
+
+
+def test_a_child_that_answers_at_once_costs_its_worker_two_requests(
+    idle_coordinator: Coordinator, rt: Runtime, requests: Counter[str]
+) -> None:
+    coord = idle_coordinator
+    parent = coord.create_task("two children", todos="[ ] a\n[ ] b")
+    warm_up, child_id = coord.delegate(
+        parent.id, [{"description": d, "message": script(usage_step())} for d in "ab"]
+    ).child_ids
+    run_child(rt, warm_up)  # connects and loads the scripts, once per process
+    requests.clear()
+
+    result = run_child(rt, child_id)
+
+    assert result.status == "completed"
+    assert requests == {"EVALSHA": 2}, f"start and end only, not {dict(requests)}"
+    # ... and those two did everything: the run ended, its item is written, the batch closed.
+    item = coord.get_todos(parent.id)[1]
+    assert (item.status.value, item.cost_micros) == ("completed", result.cost_micros)
+    assert coord.get_task(parent.id).status == TaskStatus.ACTIVE
+    assert coord.store.in_flight(parent.root_id) == {"running": 0, "admission": 0, "awaiting": 0, "leases": 0,
+                                                     "watched": 0}  # fmt: skip
+    says = [m["say"] for m in coord.messages(child_id)]
+    assert says[0] == "task" and says[-1] == "completion_result"
+
+
+def test_the_last_of_three_children_closes_the_batch_once_with_every_line(
+    idle_coordinator: Coordinator, rt: Runtime
+) -> None:
+    coord = idle_coordinator
+    parent = coord.create_task("three children", todos="[ ] a\n[ ] b\n[ ] c")
+    specs = [
+        {"description": "first", "message": agent(reply("one"))},
+        {"description": "second", "message": agent({"fail": "no way"})},
+        {"description": "third", "message": agent(reply("three\n  lines"))},
+    ]
+    batch = coord.delegate(parent.id, specs)
+    # All three start before any ends, so each end sees the others' state as it is then.
+    runs = [rt.lifecycle.start(child_id) for child_id in batch.child_ids]
+    assert all(isinstance(run, Run) for run in runs)
+    ended = [
+        Ended("completed", summary="one"),
+        Ended("failed", error="no way", error_class="ModelRequestRejectedError"),
+        Ended("completed", summary="three\n  lines"),
+    ]
+    for run, outcome in zip(reversed(runs), reversed(ended), strict=True):  # the last one ends first
+        assert isinstance(run, Run)
+        run.end(outcome)
+
+    record = coord.get_task(parent.id)
+    assert record.status == TaskStatus.ACTIVE and record.awaiting_ids == []
+    closes = [m for m in coord.messages(parent.id) if m["say"] == "subtask_result"]
+    assert len(closes) == 1, "closed exactly once"
+    lines = closes[0]["text"].splitlines()
+    items = coord.get_todos(parent.id)
+    assert lines[0] == "Subtask results (parallel, 2 of 3 completed):"
+    assert (
+        lines[1] == f"1. [completed] first (task {batch.child_ids[0]}, todo {items[0].id}): one (0 tokens, $0.000000)"
+    )
+    assert lines[2].startswith(f"2. [failed] second (task {batch.child_ids[1]}, todo {items[1].id}): ")
+    assert lines[2].endswith("ModelRequestRejectedError: no way (0 tokens, $0.000000)")
+    assert lines[3].endswith("three lines (0 tokens, $0.000000)"), "a summary is one line in the result"
+    assert coord.get_batch(batch.id).result == closes[0]["text"]
+
+
+def test_a_redelivered_end_changes_nothing(idle_coordinator: Coordinator, rt: Runtime) -> None:
+    coord = idle_coordinator
+    parent = coord.create_task("one child", todos="[ ] a")
+    (child_id,) = coord.delegate(parent.id, [{"description": "a", "message": agent(reply("done"))}]).child_ids
+    assert run_child(rt, child_id).status == "completed"
+    before = coord.store.snapshot()
+
+    again = run_child(rt, child_id)  # the message delivered a second time
+
+    assert again.status == "completed" and again.cost_micros == STEP_COST_MICROS
+    assert coord.store.snapshot() == before
+
+
+def test_a_response_that_reaches_the_parents_budget_stops_the_subtree(
+    idle_coordinator: Coordinator, rt: Runtime
+) -> None:
+    coord = idle_coordinator
+    parent = coord.create_task("a tight budget", todos="[ ] a\n[ ] b", budget_usd=STEP_COST_MICROS / 1_000_000)
+    first, second = coord.delegate(
+        parent.id, [{"description": d, "message": agent(reply(f"{d} done"))} for d in "ab"]
+    ).child_ids
+
+    result = run_child(rt, first)
+
+    assert result.status == "cancelled", "the response that spent the budget stops its own run too"
+    assert result.cost_micros == STEP_COST_MICROS, "and what it spent is recorded"
+    assert coord.get_task(second).status == TaskStatus.CANCELLED
+    assert coord.get_task(parent.id).status == TaskStatus.FAILED
+    assert coord.get_task(parent.id).total_cost_micros == STEP_COST_MICROS
