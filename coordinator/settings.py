@@ -12,9 +12,10 @@ import tomllib
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Self
+from urllib.parse import urlsplit
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from coordinator.errors import ConfigError, ProfileError
@@ -162,11 +163,29 @@ class Settings(BaseSettings):
     model_retry_base_s: float = Field(default=DEFAULT_MODEL_RETRY_BASE_S, ge=0)
     approval_timeout_s: int = Field(default=DEFAULT_APPROVAL_TIMEOUT_S, ge=1)
     api_token: SecretStr | None = None
+    # Where the operator commands reach subq when they should not need Redis (docs/cli.md).
+    api_url: str | None = None
     api_auth_disabled: bool = False
     api_max_body_bytes: int = Field(default=DEFAULT_API_MAX_BODY_BYTES, ge=1024)
     default_profile: str = OFFLINE_PROFILE
     profiles: dict[str, Profile] = Field(default_factory=dict)
     profiles_file: Path | None = None
+
+    @field_validator("api_url")
+    @classmethod
+    def _check_api_url(cls, url: str | None) -> str | None:
+        if not url:
+            return None
+        parts = urlsplit(url)
+        try:
+            parts.port  # noqa: B018 - parsing the port is what checks it
+        except ValueError as exc:
+            raise ValueError(f"{url!r}: {exc}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{url!r} is not an http:// or https:// URL with a host (e.g. http://127.0.0.1:8000)")
+        if parts.query or parts.fragment:
+            raise ValueError(f"{url!r}: give the API's base URL, without a query or fragment")
+        return url.rstrip("/")
 
     @model_validator(mode="after")
     def _check(self) -> Self:

@@ -20,7 +20,7 @@ from coordinator import Coordinator, Settings
 from coordinator.api import create_app
 from coordinator.fleet import WorkerFleet
 from coordinator.local_redis import local_redis
-from tests.helpers import ApiServer, api_settings
+from tests.helpers import ApiServer, Transport, api_settings
 
 # The files that take longest (building and installing the wheel, whole stacks, killed
 # workers) run first: the suite runs on pytest-xdist workers a file at a time, and a
@@ -137,3 +137,10 @@ def live_api(live: Coordinator) -> Iterator[ApiServer]:
 def live_http(live_api: ApiServer) -> Iterator[httpx.Client]:
     with live_api.client() as http:
         yield http
+
+
+@pytest.fixture(scope="module", params=["redis", "api"])
+def transport(request: pytest.FixtureRequest) -> Iterator[Transport]:
+    """Each CLI test runs twice: on Redis, and through a real API server (one per module and settings)."""
+    with Transport(request.param) as chosen:
+        yield chosen

@@ -9,7 +9,7 @@ import pytest
 
 from coordinator import Coordinator, Settings, TaskStatus
 from tests.agents import USAGE, agent, call, reply
-from tests.helpers import state
+from tests.helpers import Transport, eventually, state
 from tests.test_bad_input import NO_TREE
 from tests.test_cli import cli
 
@@ -17,12 +17,9 @@ WAIT_S = 60
 
 
 @pytest.fixture
-def fleet_env(settings: Settings, coordinator: Coordinator) -> dict[str, str]:
-    return {
-        "SUBQ_REDIS_URL": settings.redis_url or "",
-        "SUBQ_KEY_PREFIX": settings.key_prefix,
-        "SUBQ_QUEUE": settings.queue,
-    }
+def fleet_env(settings: Settings, coordinator: Coordinator, transport: Transport) -> dict[str, str]:
+    """Reaches the test workers, over Redis or through the API."""
+    return transport.env(settings)
 
 
 def _waiting_approval(coord: Coordinator, root_id: str) -> str:
@@ -66,14 +63,20 @@ def test_approve_and_deny_from_the_command_line(coordinator: Coordinator, fleet_
 
 
 def test_cancel_from_the_command_line(coordinator: Coordinator, fleet_env: dict[str, str]) -> None:
-    parent = coordinator.create_task("A slow child")
-    (child,) = coordinator.delegate(
-        parent.id, [{"description": "slow", "message": agent({"reply": "x", "usage": USAGE, "latency_ms": 20_000})}]
+    parent = coordinator.create_task("A quick child and a slow one")
+    quick, child = coordinator.delegate(
+        parent.id,
+        [
+            {"description": "quick", "message": agent(reply("done"))},
+            {"description": "slow", "message": agent({"reply": "x", "usage": USAGE, "latency_ms": 20_000})},
+        ],
     ).child_ids
+    eventually(lambda: coordinator.get_task(quick).status == TaskStatus.COMPLETED, "the quick child completed")
     out = cli("cancel", parent.id, "--reason", "wrong plan", env=fleet_env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == f"Cancelled {parent.id} and its subtree (2 tasks): cancelled: wrong plan"
-    assert coordinator.get_task(child).status == TaskStatus.CANCELLED
+    assert out.stdout.strip() == f"Cancelled {parent.id} and 1 task below it that had not ended: wrong plan"
+    assert coordinator.get_task(child).status == TaskStatus.CANCELLED  # only the slow one was stopped and counted
+    assert coordinator.get_task(quick).status == TaskStatus.COMPLETED
     again = cli("cancel", parent.id, "--reason", "again", env=fleet_env)
     assert again.returncode == 1 and "has already ended (cancelled)" in again.stderr
 
@@ -101,13 +104,9 @@ def test_run_with_a_budget(coordinator: Coordinator, fleet_env: dict[str, str]) 
     ],
 )
 def test_control_commands_refuse_bad_input(
-    idle_coordinator: Coordinator, settings: Settings, args: list[str], message: str
+    idle_coordinator: Coordinator, settings: Settings, transport: Transport, args: list[str], message: str
 ) -> None:
-    env = {
-        "SUBQ_REDIS_URL": settings.redis_url or "",
-        "SUBQ_KEY_PREFIX": settings.key_prefix,
-        "SUBQ_QUEUE": "subq-nobody",
-    }
+    env = transport.env(settings.model_copy(update={"queue": "subq-nobody"}))
     before = state(idle_coordinator, NO_TREE)
     proc = cli(*args, env=env)
     assert proc.returncode == 1 and proc.stderr.strip() == message and proc.stdout == ""

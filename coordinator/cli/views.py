@@ -16,10 +16,9 @@ import typer
 from coordinator.deadletters import DeadLetter
 from coordinator.models import MICROS_PER_USD, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem, format_usd
 from coordinator.render import MARKS, cut, describe, render_tree, walk
-from coordinator.tree import build_tree
 
 if TYPE_CHECKING:
-    from coordinator.service import Coordinator
+    from coordinator.cli.backend import Backend
 
 __all__ = ["dead_letter_lines", "follow_run", "history_lines", "status_lines", "todo_lines"]
 
@@ -32,7 +31,7 @@ DEAD_LETTER_REASON_CHARS = 160
 FOLLOW_POLL_MS = 1000
 
 
-def follow_run(coord: Coordinator, root_id: str) -> int:
+def follow_run(coord: Backend, root_id: str) -> int:
     """A live view of the tree until the root ends; 0 if it completed, else 1.
 
     It redraws on every event of the tree's stream (each model response of any
@@ -42,10 +41,10 @@ def follow_run(coord: Coordinator, root_id: str) -> int:
     """
     redraw = sys.stdout.isatty()
     shown: dict[str, str] = {}
-    after = coord.last_event_id(root_id)
+    watch = coord.watch(root_id)
     try:
         while True:
-            node = build_tree(coord, root_id)
+            node = coord.tree(root_id)
             notes = {task_id: _live_note(state) for task_id, state in coord.snapshot(root_id).items()}
             if redraw:
                 view = [*render_tree(node, notes), "", "Ctrl-C stops following; the run goes on."]
@@ -58,11 +57,12 @@ def follow_run(coord: Coordinator, root_id: str) -> int:
                         typer.echo(f"  {line}")
             if node.status.terminal:
                 break
-            events = coord.read_events(root_id, after, block_ms=FOLLOW_POLL_MS)
-            after = events[-1][0] if events else after
+            watch.wait(FOLLOW_POLL_MS / 1000)
     except KeyboardInterrupt:
         typer.echo(f"subq: stopped following; the run goes on (subq tree {root_id})", err=True)
         return 130
+    finally:
+        watch.close()
     typer.echo("")
     typer.echo("\n".join(render_tree(node)))
     if node.status != TaskStatus.COMPLETED:
