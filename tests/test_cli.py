@@ -52,14 +52,24 @@ def subq(
     )  # fmt: skip
 
 
-def cli(*args: str, env: dict[str, str] | None = None, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+class Terminal(io.StringIO):
+    """A captured stdout that says it is a terminal, as a user's is (rich takes its width from COLUMNS)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def cli(
+    *args: str, env: dict[str, str] | None = None, stdin: str | None = None, tty: bool = False
+) -> subprocess.CompletedProcess[str]:
     """`subq <args>` run in this process, as `subq()` would run it in another.
 
     The environment holds `env` as its only SUBQ_/FLOWER_ variables while the command
-    runs; stdin reads `stdin` (empty if None); stdout and stderr are captured; the
-    exit code is the one `main()` would exit with (`run_cli`'s result).
+    runs; stdin reads `stdin` (empty if None); stdout and stderr are captured (stdout
+    as a terminal with `tty`); the exit code is the one `main()` would exit with
+    (`run_cli`'s result).
     """
-    out, err = io.StringIO(), io.StringIO()
+    out, err = Terminal() if tty else io.StringIO(), io.StringIO()
     with (
         _environment(env or {}),
         mock.patch("os.execve", _refuse_exec),

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import threading
 import time
 
 import pytest
 
 from coordinator import Coordinator, Settings, TaskStatus
-from tests.agents import USAGE, agent, call, reply
+from tests.agents import STEP_TOKENS, USAGE, agent, call, reply, subtask
 from tests.helpers import Transport, eventually, state
 from tests.test_bad_input import NO_TREE
 from tests.test_cli import cli
@@ -116,3 +119,54 @@ def test_control_commands_refuse_bad_input(
 def test_cancel_requires_a_reason(settings: Settings) -> None:
     proc = cli("cancel", "0123456789abcdef", env={"SUBQ_REDIS_URL": settings.redis_url or ""})
     assert proc.returncode == 2 and "Missing option '--reason'" in proc.stderr
+
+
+# Everything rich writes to move the cursor and colour text: the view's own characters remain.
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+COLUMNS = 72
+
+
+def test_follow_on_a_terminal_fits_the_width_and_shows_the_approval_to_give(
+    coordinator: Coordinator, fleet_env: dict[str, str]
+) -> None:
+    root = agent(
+        call(
+            "run_subagents",
+            tasks=[
+                subtask("Collect the sales figures of every region for the quarter", reply("collected")),
+                subtask("Publish the report", call("run_command", command="make publish"), reply("published")),
+            ],
+        ),
+        call("attempt_completion", result="Report ready"),
+        text="Prepare the quarterly report, a description long enough to be cut on a narrow terminal.",
+    )
+    plan = "[ ] Collect the sales figures of every region for the quarter\n[ ] Publish the report\n"
+    result: dict[str, subprocess.CompletedProcess[str]] = {}
+    env = fleet_env | {"COLUMNS": str(COLUMNS)}
+    follower = threading.Thread(
+        target=lambda: result.update(run=cli("run", root, "--todos", "-", "--follow", env=env, stdin=plan, tty=True))
+    )
+    follower.start()
+    approval = eventually(lambda: coordinator.list_approvals(), "the child's approval request")[0]
+    time.sleep(1.5)  # at least one redraw with the request shown (the view redraws at least every second)
+    assert coordinator.decide(approval.id, "approve").status == "approved"
+    follower.join(WAIT_S)
+    run = result["run"]
+    assert run.returncode == 0, run.stderr
+    screen = ANSI.sub("", run.stdout)
+    lines = [line.rstrip() for line in screen.splitlines()]
+    assert max(len(line) for line in lines) <= COLUMNS, "a line is wider than the terminal"
+    assert f"subq approve {approval.id}" in screen, "the approval's command was shown while it waited"
+    assert "to approve" in screen
+    root_id = run.stdout.splitlines()[0]
+    final = coordinator.get_task(root_id)
+    # The last frame: one status per task, each item's figures whole, the tree's total.
+    last = screen[screen.rindex(f"Tree {root_id}") :]
+    assert f"total {final.total_tokens} tokens, ${final.total_cost_micros / 1e6:.6f}" in last
+    rows = [line for line in last.splitlines() if line.lstrip().startswith("[x] ")]
+    assert len(rows) == 2
+    assert re.search(rf" {STEP_TOKENS} +\$0\.021000$", rows[0]) and re.search(
+        rf" {2 * STEP_TOKENS} +\$0\.042000$", rows[1]
+    )
+    tasks = [line for line in last.splitlines() if re.match(r"^(  )?(-[0-9a-f]{12}|[0-9a-f]{16})  ", line)]
+    assert len(tasks) == 3 and all(len(re.findall(r"\bcompleted\b", line)) == 1 for line in tasks)
