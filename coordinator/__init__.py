@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     )
     from coordinator.service import Coordinator
     from coordinator.settings import OFFLINE_PROFILE, Price, Profile, Settings, load_settings
-    from coordinator.todos import render_markdown
+    from coordinator.todos import IgnoredLine, ignored_lines, render_markdown
 
 # name -> the module that defines it
 _EXPORTS = {
@@ -96,6 +96,8 @@ _EXPORTS = {
     "is_batch_id": "coordinator.ids",
     "one_line": "coordinator.inputs",
     "render_markdown": "coordinator.todos",
+    "ignored_lines": "coordinator.todos",
+    "IgnoredLine": "coordinator.todos",
 }
 
 __all__ = [
@@ -106,6 +108,7 @@ __all__ = [
     "ConflictError",
     "Coordinator",
     "CorruptError",
+    "IgnoredLine",
     "NotFoundError",
     "Price",
     "Profile",
@@ -126,6 +129,7 @@ __all__ = [
     "ValidationError",
     "WaitTimeout",
     "format_usd",
+    "ignored_lines",
     "is_batch_id",
     "is_task_id",
     "load_settings",

@@ -46,10 +46,19 @@ def run(
     with connect(ctx) as coord:
         record = coord.create_task(prompt, todos=todo_text, profile=profile, budget_usd=budget)
         typer.echo(record.id)
+        _warn_ignored_lines(todo_text)
         if follow:
             from coordinator.cli.views import follow_run
 
             raise typer.Exit(follow_run(coord, record.id))
+
+
+def _warn_ignored_lines(todo_text: str | None) -> None:
+    """On stderr, each line of the plan that looks like an item but was not read as one."""
+    from coordinator.todos import ignored_lines
+
+    for line in ignored_lines(todo_text):
+        typer.echo(f"subq: warning: --todos {line}", err=True)
 
 
 def _read_todos(path: Path) -> str:

@@ -32,7 +32,7 @@ from pydantic_ai import ApprovalRequired, CallDeferred, RunContext
 from pydantic_ai.messages import ModelResponse, ToolCallPart
 from pydantic_ai.toolsets import FunctionToolset
 
-from coordinator import Profile, SubqError, SubtaskSpec, render_markdown
+from coordinator import Profile, SubqError, SubtaskSpec, ignored_lines, render_markdown
 from coordinator.runs import Run
 from workers.runtime.approval_policy import verdict
 
@@ -117,7 +117,11 @@ def update_todo_list(ctx: RunContext[RunState], todos: str | list[TodoInput]) ->
         return f"Error: {exc}"
     rendered = render_markdown(items)
     run.say("todo_update", rendered)
-    return f"Todo list updated:\n{rendered}"
+    # Lines that look like items but are not (`* [ ] x`, `1. [ ] x`, `[] x`) were left out:
+    # the model is told which, so it can write them again in the grammar.
+    ignored = ignored_lines(update)
+    left_out = "".join(f"\nNot read as an item: {line}" for line in ignored)
+    return f"Todo list updated:\n{rendered}{left_out}"
 
 
 @orchestration_tools.tool
