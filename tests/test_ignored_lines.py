@@ -7,6 +7,7 @@ in the agent's tool result, in the API's answer, and on the CLI's stderr.
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -96,6 +97,18 @@ def test_the_agent_is_told_in_its_tool_result(coordinator: Coordinator) -> None:
     assert len(results) == 1
     for ignored in IGNORED:
         assert f"\nNot read as an item: {ignored}" in results[0]
+
+
+def test_the_api_answers_with_the_ignored_lines(live_http: httpx.Client) -> None:
+    created = live_http.post("/v1/tasks", json={"prompt": "p", "todos": PLAN})
+    assert created.status_code == 201, created.text
+    assert [IgnoredLine.model_validate(i) for i in created.json()["ignored_todo_lines"]] == IGNORED
+    task_id = created.json()["id"]
+    updated = live_http.put(f"/v1/tasks/{task_id}/todos", json={"todos": "[ ] one\n1. [ ] two"})
+    assert updated.status_code == 200, updated.text
+    assert updated.json()["ignored_lines"] == [{"line": 2, "text": "1. [ ] two", "suggestion": "[ ] two"}]
+    clean = live_http.put(f"/v1/tasks/{task_id}/todos", json={"todos": [{"content": "json"}]})
+    assert clean.json()["ignored_lines"] == []
 
 
 def test_the_cli_warns_on_stderr_over_redis_and_the_api(idle_coordinator: Coordinator, transport: Transport) -> None:
