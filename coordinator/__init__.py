@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     )
     from coordinator.service import Coordinator
     from coordinator.settings import OFFLINE_PROFILE, Price, Profile, Settings, load_settings
-    from coordinator.todos import IgnoredLine, ignored_lines, render_markdown
+    from coordinator.todos import IgnoredLine, ignored_lines, parse_markdown, render_markdown
 
 # name -> the module that defines it
 _EXPORTS = {
@@ -96,6 +96,7 @@ _EXPORTS = {
     "is_batch_id": "coordinator.ids",
     "one_line": "coordinator.inputs",
     "render_markdown": "coordinator.todos",
+    "parse_markdown": "coordinator.todos",
     "ignored_lines": "coordinator.todos",
     "IgnoredLine": "coordinator.todos",
 }
@@ -134,6 +135,7 @@ __all__ = [
     "is_task_id",
     "load_settings",
     "one_line",
+    "parse_markdown",
     "render_markdown",
     "usd_to_micros",
 ]

@@ -29,6 +29,7 @@ import redis
 
 from coordinator import Coordinator, Settings
 from coordinator.cli import run_cli
+from coordinator.demo import DEMO_PLAN
 from coordinator.local_redis import free_port
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, agent, call, reply, subtask
 from tests.helpers import TOKEN, Transport, script, state, usage_step
@@ -111,10 +112,16 @@ def test_demo_runs_on_an_embedded_redis_and_leaves_nothing_behind() -> None:
     out = proc.stdout
     url = re.search(r"embedded Redis at (redis://\S+) ", out)
     assert url is not None, out
-    for item in ("Collect the sales figures for Q3", "Write the executive summary"):
-        line = next(line for line in out.splitlines() if item in line)
-        assert line.strip().startswith("[x]") and "$0.0" in line
-    assert "Parent total cost: $0.079950 (47950 tokens" in out
+    report = out[out.index("Todo list of ") :]
+    rows = [line.split() for line in report.splitlines() if line.startswith("  [")]
+    assert len(rows) == len(DEMO_PLAN.splitlines()) and all(row[0] == "[x]" for row in rows), report
+    own = re.search(r"Root own cost:   \$(\d+)\.(\d{6}) \((\d+) tokens", report)
+    total = re.search(r"Root total cost: \$(\d+)\.(\d{6}) \((\d+) tokens", report)
+    assert own is not None and total is not None, report
+    micros = [int(row[-1].replace("$", "").replace(".", "")) for row in rows]
+    tokens = [int(row[-2]) for row in rows]
+    assert int(total[1] + total[2]) == int(own[1] + own[2]) + sum(micros) > int(own[1] + own[2]) > 0
+    assert int(total[3]) == int(own[3]) + sum(tokens)
     assert "genai-prices" in out and "offline model" in out
     assert processes_marked("DEMO_TEST_MARKER", marker) == []  # workers (redis-server rewrites its environ, so:)
     with pytest.raises(redis.ConnectionError):
