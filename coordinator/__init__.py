@@ -48,7 +48,7 @@ if TYPE_CHECKING:
         usd_to_micros,
     )
     from coordinator.service import Coordinator
-    from coordinator.settings import OFFLINE_PROFILE, Price, Profile, Settings, load_settings
+    from coordinator.settings import OFFLINE_PROFILE, STANDARD_KEYS, Price, Profile, Settings, load_settings
     from coordinator.todos import IgnoredLine, ignored_lines, parse_markdown, render_markdown
 
 # name -> the module that defines it
@@ -88,6 +88,7 @@ _EXPORTS = {
     ),
     "Coordinator": "coordinator.service",
     "OFFLINE_PROFILE": "coordinator.settings",
+    "STANDARD_KEYS": "coordinator.settings",
     "Price": "coordinator.settings",
     "Profile": "coordinator.settings",
     "Settings": "coordinator.settings",
@@ -103,6 +104,7 @@ _EXPORTS = {
 
 __all__ = [
     "OFFLINE_PROFILE",
+    "STANDARD_KEYS",
     "Batch",
     "BrokerError",
     "ConfigError",

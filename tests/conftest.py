@@ -43,8 +43,9 @@ WORKER_THREADS = 16
 
 @pytest.fixture(scope="session", autouse=True)
 def _clean_environment() -> Iterator[None]:
-    """Tests build Settings explicitly; SUBQ_* from the caller's shell must not leak in."""
-    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("SUBQ_")}
+    """Tests build Settings explicitly; SUBQ_* and the providers' keys from the caller's shell must not leak in."""
+    leaking = ("SUBQ_", "OPENAI_API_KEY", "ANTHROPIC_API_KEY")
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(leaking)}
     yield
     os.environ.update(saved)
 
