@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from coordinator import Coordinator, Settings, TaskStatus
+from tests.helpers import Transport
 from tests.test_console_script import script
 
 PLAN = """\
@@ -26,15 +27,11 @@ LOG_LINE = re.compile(r"^  (?P<id>[0-9a-f]{16}(?:-[0-9a-f]{12})?)  '.*'  (?P<sta
 
 
 def test_a_first_run_fans_the_plan_out_and_checks_every_item(
-    coordinator: Coordinator, settings: Settings, tmp_path: Path
+    coordinator: Coordinator, settings: Settings, transport: Transport, tmp_path: Path
 ) -> None:
     plan = tmp_path / "plan.md"
     plan.write_text(PLAN)
-    env = {
-        "SUBQ_REDIS_URL": settings.redis_url or "",
-        "SUBQ_KEY_PREFIX": settings.key_prefix,
-        "SUBQ_QUEUE": settings.queue,
-    }
+    env = transport.env(settings)  # on Redis, and through the API as `subq up`'s export line sets it
     run = script("run", "Prepare the Q3 report", "--todos", str(plan), "--follow", env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     root_id = run.stdout.splitlines()[0]
