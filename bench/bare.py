@@ -23,7 +23,7 @@ from typing import Any
 
 import redis
 from celery import Task
-from pydantic_ai import Agent, DeferredToolRequests, ToolOutput
+from pydantic_ai import Agent, DeferredToolRequests, FunctionToolset, ToolOutput
 
 import bench.probe  # noqa: F401  (installs the round-trip probe first, when BENCH_PROBE_DIR is set)
 from bench import AGENT, JOIN, NOOP
@@ -63,7 +63,8 @@ def _agent() -> Agent[RunState, Any]:
         deps_type=RunState,
         output_type=[str, ToolOutput(attempt_completion, name="attempt_completion"), DeferredToolRequests],
         system_prompt=f"You are a helpful assistant.\n\n{ORCHESTRATION_PROMPT}",
-        toolsets=[orchestration_tools],
+        # The same tool definitions, without subq's offline-plan instructions (they read a run's plan).
+        toolsets=[FunctionToolset(list(orchestration_tools.tools.values()))],
     )
 
 
@@ -73,7 +74,7 @@ _model = OfflineModel()
 @app.task(name=AGENT, bind=True)
 def agent(self: Task, prompt: str) -> float:
     result = _agent().run_sync(prompt, model=_model)
-    if not isinstance(result.output, str) or not result.usage().output_tokens:
+    if not isinstance(result.output, str) or not result.usage.output_tokens:
         raise RuntimeError(f"the baseline agent did not answer: {result.output!r}")
     return time.time()
 

@@ -48,8 +48,8 @@ if TYPE_CHECKING:
         usd_to_micros,
     )
     from coordinator.service import Coordinator
-    from coordinator.settings import OFFLINE_PROFILE, Price, Profile, Settings, load_settings
-    from coordinator.todos import render_markdown
+    from coordinator.settings import OFFLINE_PROFILE, STANDARD_KEYS, Price, Profile, Settings, load_settings
+    from coordinator.todos import IgnoredLine, ignored_lines, parse_markdown, render_markdown
 
 # name -> the module that defines it
 _EXPORTS = {
@@ -88,6 +88,7 @@ _EXPORTS = {
     ),
     "Coordinator": "coordinator.service",
     "OFFLINE_PROFILE": "coordinator.settings",
+    "STANDARD_KEYS": "coordinator.settings",
     "Price": "coordinator.settings",
     "Profile": "coordinator.settings",
     "Settings": "coordinator.settings",
@@ -96,16 +97,21 @@ _EXPORTS = {
     "is_batch_id": "coordinator.ids",
     "one_line": "coordinator.inputs",
     "render_markdown": "coordinator.todos",
+    "parse_markdown": "coordinator.todos",
+    "ignored_lines": "coordinator.todos",
+    "IgnoredLine": "coordinator.todos",
 }
 
 __all__ = [
     "OFFLINE_PROFILE",
+    "STANDARD_KEYS",
     "Batch",
     "BrokerError",
     "ConfigError",
     "ConflictError",
     "Coordinator",
     "CorruptError",
+    "IgnoredLine",
     "NotFoundError",
     "Price",
     "Profile",
@@ -126,10 +132,12 @@ __all__ = [
     "ValidationError",
     "WaitTimeout",
     "format_usd",
+    "ignored_lines",
     "is_batch_id",
     "is_task_id",
     "load_settings",
     "one_line",
+    "parse_markdown",
     "render_markdown",
     "usd_to_micros",
 ]

@@ -14,34 +14,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING
 
 from coordinator import control
 from coordinator.errors import ValidationError
-from coordinator.models import TaskRecord, format_usd, usd_to_micros
+from coordinator.inputs import to_micros
+from coordinator.models import TaskRecord, format_usd
 
 if TYPE_CHECKING:
     from coordinator.service import Coordinator
 
 __all__ = ["check_within", "exhausted", "left_over", "stop", "to_micros"]
-
-
-def to_micros(value: object, field: str) -> int:
-    """A budget in USD as integer micro-USD (0: none); a positive number or an error naming the field."""
-    if value is None:
-        return 0
-    try:
-        number = isinstance(value, (int, float, str, Decimal)) and not isinstance(value, bool)
-        usd = Decimal(str(value)) if number else None
-    except InvalidOperation:
-        usd = None
-    if usd is None or not usd.is_finite() or usd <= 0:
-        raise ValidationError(f"{field} must be a positive number of US dollars, not {value!r}", field=field)
-    micros = usd_to_micros(usd)
-    if micros < 1:
-        raise ValidationError(f"{field} must be at least one micro-dollar (0.000001)", field=field)
-    return micros
 
 
 def left_over(coord: Coordinator, parent: TaskRecord) -> int | None:

@@ -1,17 +1,17 @@
 """`subq demo`: the whole pipeline on this machine, with the offline model.
 
-Starts an embedded Redis when `SUBQ_REDIS_URL` is unset, starts real worker
-processes, creates a parent with a four-item todo list, delegates three
-parallel children and then one sequential child, and prints the todo list
-with tokens and cost per item, the parent's own and total cost, and where
-each figure came from. It stops everything it started.
+Starts an embedded Redis when `SUBQ_REDIS_URL` is unset and real worker
+processes, then does what a first `subq run "Prepare the Q3 report" --todos
+plan.md --follow` does: a root agent on the offline model carries out a
+four-item plan (three items in parallel, one of them nested in two steps, then
+a sequential one; docs/offline-model.md), shown live, and the report gives each
+item's tokens and cost, the root's own and total cost, and where each figure
+came from. It stops everything it started.
 """
 
 from __future__ import annotations
 
-import json
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -22,35 +22,17 @@ from coordinator.models import TaskRecord, TodoItem, format_usd
 from coordinator.service import Coordinator
 from coordinator.settings import Settings
 
-__all__ = ["run_demo"]
+__all__ = ["DEMO_PLAN", "DEMO_PROMPT", "run_demo"]
 
-DEMO_TODOS = """\
+DEMO_PROMPT = "Prepare the Q3 report"
+# The plan convention of the offline model's planner: consecutive items run in parallel,
+# "X: a; b" nests a child with steps of its own, "Then ..." runs after the rest.
+DEMO_PLAN = """\
 [ ] Collect the sales figures for Q3
 [ ] Summarise customer feedback
-[ ] Check the figures against the ledger
-[ ] Write the executive summary
+[ ] Check the figures against the ledger: reconcile the orders; reconcile the refunds
+[ ] Then write the executive summary
 """
-# Each child makes one scripted request; the usage is what a real Claude call of
-# that size reports, and the latency lets the parallel children overlap visibly.
-DEMO_CHILDREN = [
-    ("Collect Q3 sales", "Q3 sales: 1,204 orders, $2.1M revenue.", (1200, 450, 2000, 8000)),
-    ("Summarise feedback", "Feedback: delivery times praised, pricing page confusing.", (900, 380, 2000, 8000)),
-    ("Reconcile with the ledger", "Ledger matches to the cent.", (1500, 220, 2000, 8000)),
-]
-DEMO_SEQUENTIAL = ("Write the summary", "Q3 was strong; fix the pricing page next.", (2400, 900, 0, 10000))
-DEMO_LATENCY_MS = 400
-DEMO_WAIT_S = 120.0
-
-
-def _message(text: str, reply: str, usage: tuple[int, int, int, int]) -> str:
-    steps = [
-        {
-            "reply": reply,
-            "latency_ms": DEMO_LATENCY_MS,
-            "usage": dict(zip(("input", "output", "cache_write", "cache_read"), usage, strict=True)),
-        }
-    ]
-    return f"{text}.\n\n```subq-script\n{json.dumps({'steps': steps})}\n```\n"
 
 
 @contextmanager
@@ -68,24 +50,24 @@ def _local_stack(settings: Settings, workers: int, say: Callable[[str], None]) -
 
 
 def run_demo(settings: Settings, workers: int = 2, say: Callable[[str], None] = print) -> int:
+    """0 when the root completed with its plan carried out, 1 otherwise."""
+    from coordinator.cli.backend import RedisBackend
+    from coordinator.cli.views import follow_run
+
     with _local_stack(settings, workers, say) as settings:
         coord = Coordinator(settings)
         try:
-            parent = coord.create_task("Prepare the Q3 report", todos=DEMO_TODOS)
-            say(f"Created parent task {parent.id} with 4 todo items.")
-            started = time.monotonic()
-            specs = [{"description": d, "message": _message(d, r, u)} for d, r, u in DEMO_CHILDREN]
-            batch = coord.delegate(parent.id, specs, mode="parallel")
-            say(f"Delegated {len(specs)} parallel children (batch {batch.id}); waiting ...")
-            coord.wait(parent.id, DEMO_WAIT_S)
-            say(f"  the chord callback wrote them back in {time.monotonic() - started:.1f}s.")
-            d, r, u = DEMO_SEQUENTIAL
-            coord.delegate(parent.id, [{"description": d, "message": _message(d, r, u)}], mode="sequential")
-            say("Delegated 1 sequential child; waiting ...")
-            done = coord.wait(parent.id, DEMO_WAIT_S)
+            say("The offline model (deterministic, no network, priced as a real model) carries out this plan:")
             say("")
-            say(render_report(done, coord.get_todos(parent.id), coord.get_children(parent.id)))
-            return 0
+            say("\n".join(f"  {line}" for line in DEMO_PLAN.splitlines()))
+            say("")
+            root = coord.create_task(DEMO_PROMPT, todos=DEMO_PLAN, run=True)
+            say(f'Root agent {root.id}, as `subq run "{DEMO_PROMPT}" --todos plan.md --follow` starts it:')
+            code = follow_run(RedisBackend(coord), root.id)
+            done = coord.get_task(root.id)
+            say("")
+            say(render_report(done, coord.get_todos(root.id), coord.get_children(root.id)))
+            return code
         finally:
             coord.close()
 
@@ -102,10 +84,10 @@ def render_report(parent: TaskRecord, todos: list[TodoItem], children: list[Task
         )
     lines += [
         "",
-        f"Parent own cost:   {format_usd(parent.cost_micros)} ({parent.tokens} tokens; the parent is this demo, "
-        "which made no model requests)",
-        f"Parent total cost: {format_usd(parent.total_cost_micros)} ({parent.total_tokens} tokens: own plus every "
-        "child's subtree)",
+        f"Root own cost:   {format_usd(parent.cost_micros)} ({parent.tokens} tokens: the root agent's own planning "
+        "requests)",
+        f"Root total cost: {format_usd(parent.total_cost_micros)} ({parent.total_tokens} tokens: own plus every "
+        "item's child subtree)",
         "",
         "Where the figures come from:",
     ]

@@ -11,18 +11,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal, Protocol
 
 from coordinator.errors import ValidationError
-from coordinator.models import HistoryItem
+from coordinator.models import HistoryItem, TaskRecord, TodoItem
 
-if TYPE_CHECKING:
-    from coordinator.service import Coordinator
-
-__all__ = ["export_tree"]
+__all__ = ["TaskReader", "export_tree"]
 
 
-def export_tree(coord: Coordinator, task_id: str, directory: Path) -> list[Path]:
+class TaskReader(Protocol):
+    """What an export reads: the Coordinator on Redis, or the CLI's API backend."""
+
+    def get_task(self, task_id: str) -> TaskRecord: ...
+    def get_todos(self, task_id: str) -> list[TodoItem]: ...
+    def messages(self, task_id: str, kind: Literal["ui", "api"]) -> list[dict[str, Any]]: ...
+
+
+def export_tree(coord: TaskReader, task_id: str, directory: Path) -> list[Path]:
     """Write every task of `task_id`'s subtree; returns the files written."""
     if directory.exists() and not directory.is_dir():
         raise ValidationError(f"{directory} exists and is not a folder", field="directory")

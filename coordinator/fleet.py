@@ -21,7 +21,7 @@ from celery import Celery
 from pydantic import SecretStr
 
 from coordinator.errors import FleetError
-from coordinator.settings import Settings
+from coordinator.settings import STANDARD_KEYS, Settings
 
 __all__ = ["WorkerFleet", "settings_env"]
 
@@ -36,7 +36,12 @@ STOP_TIMEOUT_S = 20.0
 def settings_env(settings: Settings) -> dict[str, str]:
     """The environment that gives a child process exactly these settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUBQ_")}
-    for name, value in settings.model_dump(exclude_none=True, exclude={"profiles"}).items():
+    for provider, variable in STANDARD_KEYS.items():  # under their own names, as Settings reads them
+        key = settings.standard_key(provider)
+        if key is not None:
+            env[variable] = key.get_secret_value()
+    provider_keys = {"openai_api_key", "anthropic_api_key"}
+    for name, value in settings.model_dump(exclude_none=True, exclude={"profiles", *provider_keys}).items():
         if isinstance(value, SecretStr):
             value = value.get_secret_value()
         # pydantic-settings reads complex values (dicts, lists) from the environment as JSON.

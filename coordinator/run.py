@@ -251,6 +251,10 @@ class Run:
 
     # -- the orchestration tools --------------------------------------------------------
 
+    def todos(self) -> list[TodoItem]:
+        """The task's plan as stored (the offline planner reads it before each request)."""
+        return self._coord.get_todos(self.task.id)
+
     def update_todos(self, update: str | Sequence[object]) -> list[TodoItem]:
         self.flush()  # the conversation that asked for it is saved first
         return self._coord.update_todos(self.task.id, update)

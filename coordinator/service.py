@@ -35,7 +35,14 @@ from coordinator.celery_app import make_app
 from coordinator.deadletters import DeadLetter
 from coordinator.errors import CorruptError, NotFoundError, ValidationError, WaitTimeout
 from coordinator.export import export_tree
-from coordinator.inputs import text_field
+from coordinator.inputs import (
+    DEFAULT_PAGE,
+    MAX_PAGE,
+    MAX_PROMPT_CHARS,
+    check_dead_letter_limit,
+    check_history_query,
+    text_field,
+)
 from coordinator.models import (
     Approval,
     Batch,
@@ -50,17 +57,13 @@ from coordinator.models import (
 from coordinator.settings import Settings, load_settings
 from coordinator.store import LATENCY_BUCKETS_MS, Keys, Store
 
-__all__ = ["Coordinator"]
+__all__ = ["DEFAULT_PAGE", "MAX_PAGE", "Coordinator"]
 
 # How long one blocking read of the tree's event stream lasts inside wait();
 # short enough to notice a deadline, long enough not to spin.
 WAIT_SLICE_MS = 1000
-MAX_PROMPT_CHARS = 200_000
 # An idempotency key is an id the caller chose (a UUID, a message id), not a document.
 MAX_IDEMPOTENCY_KEY_CHARS = 200
-# History pages: enough for a screen, bounded so one call stays cheap.
-DEFAULT_PAGE = 50
-MAX_PAGE = 500
 
 
 class Coordinator:
@@ -191,15 +194,7 @@ class Coordinator:
         cursor: int = 0,
     ) -> tuple[list[HistoryItem], int | None]:
         """Tasks by recency (newest first) with their figures; returns (page, next cursor or None)."""
-        if status is not None and status not in {s.value for s in TaskStatus}:
-            allowed = ", ".join(s.value for s in TaskStatus)
-            raise ValidationError(f"status must be one of {allowed}, not {status!r}", field="status")
-        if not 1 <= limit <= MAX_PAGE:
-            raise ValidationError(f"limit must be between 1 and {MAX_PAGE}", field="limit")
-        if cursor < 0:
-            raise ValidationError("cursor must not be negative", field="cursor")
-        if root_id is not None:
-            ids.root_of(root_id, field="root_id")
+        check_history_query(status, root_id, limit, cursor)
         items: list[HistoryItem] = []
         offset = cursor
         while len(items) < limit:
@@ -344,8 +339,7 @@ class Coordinator:
 
     def dead_letters(self, limit: int = DEFAULT_PAGE) -> list[DeadLetter]:
         """The newest `limit` dead letters, newest first."""
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
-            raise ValidationError(f"limit must be an integer between 1 and {MAX_PAGE}", field="limit")
+        check_dead_letter_limit(limit)
         return self.store.dead_letters(limit)
 
     def count_dead_letters(self) -> int:

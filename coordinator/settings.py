@@ -12,14 +12,15 @@ import tomllib
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Self
+from urllib.parse import urlsplit
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from coordinator.errors import ConfigError, ProfileError
 
-__all__ = ["DEFAULT_PRICED_AS", "OFFLINE_PROFILE", "Price", "Profile", "Settings", "load_settings"]
+__all__ = ["DEFAULT_PRICED_AS", "OFFLINE_PROFILE", "STANDARD_KEYS", "Price", "Profile", "Settings", "load_settings"]
 
 # A week: long enough to inspect yesterday's runs, short enough that Redis memory stays bounded.
 DEFAULT_RETENTION_S = 7 * 24 * 3600
@@ -131,8 +132,15 @@ class Profile(BaseModel):
         return provider, model
 
 
+# The providers' own variables for their keys, read when a profile names no api_key:
+# where users already keep them, for every tool that calls these APIs.
+STANDARD_KEYS = {"openai": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY"}
+
+
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SUBQ_", extra="ignore", frozen=True)
+    # populate_by_name: the provider keys are read from their own variables (aliases),
+    # and tests and callers still pass them by field name.
+    model_config = SettingsConfigDict(env_prefix="SUBQ_", extra="ignore", frozen=True, populate_by_name=True)
 
     redis_url: str | None = Field(default=None, description="Redis URL; unset means an embedded local Redis (demo, up)")
     key_prefix: str = Field(default="subq", pattern=r"^[A-Za-z0-9_.-]+$")
@@ -162,11 +170,31 @@ class Settings(BaseSettings):
     model_retry_base_s: float = Field(default=DEFAULT_MODEL_RETRY_BASE_S, ge=0)
     approval_timeout_s: int = Field(default=DEFAULT_APPROVAL_TIMEOUT_S, ge=1)
     api_token: SecretStr | None = None
+    # Where the operator commands reach subq when they should not need Redis (docs/cli.md).
+    api_url: str | None = None
     api_auth_disabled: bool = False
     api_max_body_bytes: int = Field(default=DEFAULT_API_MAX_BODY_BYTES, ge=1024)
     default_profile: str = OFFLINE_PROFILE
     profiles: dict[str, Profile] = Field(default_factory=dict)
     profiles_file: Path | None = None
+    openai_api_key: SecretStr | None = Field(default=None, validation_alias="OPENAI_API_KEY")
+    anthropic_api_key: SecretStr | None = Field(default=None, validation_alias="ANTHROPIC_API_KEY")
+
+    @field_validator("api_url")
+    @classmethod
+    def _check_api_url(cls, url: str | None) -> str | None:
+        if not url:
+            return None
+        parts = urlsplit(url)
+        try:
+            parts.port  # noqa: B018 - parsing the port is what checks it
+        except ValueError as exc:
+            raise ValueError(f"{url!r}: {exc}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{url!r} is not an http:// or https:// URL with a host (e.g. http://127.0.0.1:8000)")
+        if parts.query or parts.fragment:
+            raise ValueError(f"{url!r}: give the API's base URL, without a query or fragment")
+        return url.rstrip("/")
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -204,11 +232,21 @@ class Settings(BaseSettings):
         return {OFFLINE_PROFILE: Profile(), **self.profiles}
 
     def profile(self, name: str | None) -> Profile:
+        """The named profile (the default one for None), with its provider's standard key if it names none."""
         name = name or self.default_profile
         try:
-            return self.all_profiles()[name]
+            profile = self.all_profiles()[name]
         except KeyError:
             raise ProfileError(f"Invalid profile: {name}", field="profile") from None
+        standard = self.standard_key(profile.model.partition(":")[0])
+        if profile.api_key is None and standard is not None:
+            return profile.model_copy(update={"api_key": standard})
+        return profile
+
+    def standard_key(self, provider: str) -> SecretStr | None:
+        """The key in the provider's own variable (OPENAI_API_KEY, ANTHROPIC_API_KEY), if set."""
+        key = {"openai": self.openai_api_key, "anthropic": self.anthropic_api_key}.get(provider)
+        return key if key is not None and key.get_secret_value() else None
 
 
 _PROFILES = pydantic.TypeAdapter(dict[str, Profile])

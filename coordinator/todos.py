@@ -24,8 +24,11 @@ from coordinator.errors import CorruptError, TodoError
 from coordinator.models import TodoItem, TodoStatus
 
 __all__ = [
+    "IgnoredLine",
     "clean_content",
+    "describe_ignored",
     "from_json",
+    "ignored_lines",
     "normalise",
     "parse_json_items",
     "parse_markdown",
@@ -54,6 +57,65 @@ _EMPTY_HINT = (
 )
 
 
+# A line that looks like a checkbox item but is not one of the grammar: a list marker
+# ("* ", "+ ", "1. ", "2) ") before the box, an empty or unknown mark ("[]", "[?]"), no
+# space or no text after the box. Between the brackets at most one mark (x, or a sign that
+# is not a letter or digit) with spaces around it: "[link](url)", "[1]" footnotes and
+# "[TODO]" tags do not look like a box.
+# Possessive runs of spaces (`\s*+`): a run is never given back, so a line of many spaces
+# with no closing bracket is read once, not once per space (quadratic: 20k spaces, 6 s).
+NEAR_MISS_RE = re.compile(r"^([-*+]|\d{1,9}[.)])?\s*+\[(\s*+(?:[xX]|[^\w\s\[\]])?\s*+)\](.*)$")
+# How many ignored lines an error message names; the rest are counted.
+IGNORED_LINES_SHOWN = 3
+
+
+class IgnoredLine(pydantic.BaseModel):
+    """A line of a markdown update that looks like a plan item but is not one, and how to write it."""
+
+    model_config = pydantic.ConfigDict(frozen=True)
+
+    line: int  # from 1, as an editor numbers lines
+    text: str
+    suggestion: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.text!r} is not a todo item; write {self.suggestion!r}"
+
+
+def ignored_lines(update: object) -> list[IgnoredLine]:
+    """The lines of a markdown update that look like items but do not match the grammar (none for JSON).
+
+    The grammar stays the upstream one (docs/architecture.md, "Todo lists"); these
+    lines are reported to whoever sent the update, with the line to write instead.
+    """
+    if not isinstance(update, str) or _is_json_list(update):
+        return []
+    found = []
+    for number, line in enumerate(update.split("\n"), start=1):
+        stripped = line.strip()
+        match = NEAR_MISS_RE.match(stripped) if "[" in stripped else None
+        if match is None:
+            continue
+        marker, inner, after = match.groups()
+        mark = inner.strip() or (" " if " " in inner else "")
+        # What LINE_RE reads as an item, decided from the groups (LINE_RE itself backtracks
+        # over long runs of spaces): no marker or "-", a known mark (a space counts, "[]" has
+        # none), a space, then text.
+        if marker in (None, "-") and mark in _STATUS_OF_MARK and after[:1].isspace() and after.strip():
+            continue
+        known = _MARK_OF_STATUS[_STATUS_OF_MARK[mark]] if mark in _STATUS_OF_MARK else " "
+        content = clean_content(after) or "<what to do>"
+        found.append(IgnoredLine(line=number, text=stripped, suggestion=f"[{known}] {content}"))
+    return found
+
+
+def describe_ignored(lines: Sequence[IgnoredLine]) -> str:
+    """The first few ignored lines, for one line of an error or a tool result."""
+    shown = "; ".join(str(line) for line in lines[:IGNORED_LINES_SHOWN])
+    more = len(lines) - IGNORED_LINES_SHOWN
+    return shown + (f"; and {more} more" if more > 0 else "")
+
+
 def normalise(content: str) -> str:
     """Content as ids see it: whitespace runs collapsed to one space, trimmed, case kept."""
     return " ".join(content.split())
@@ -76,7 +138,9 @@ def parse_markdown(text: str) -> list[TodoItem]:
         if match and (content := clean_content(match.group(2))):
             parsed.append((content, _STATUS_OF_MARK[match.group(1)]))
     if not parsed:
-        raise TodoError(f"The todo update has no items: {_EMPTY_HINT}", field="todos")
+        ignored = ignored_lines(text)
+        hint = describe_ignored(ignored) + " (the list was left unchanged)" if ignored else _EMPTY_HINT
+        raise TodoError(f"The todo update has no items: {hint}", field="todos")
     return with_ids(parsed)
 
 
@@ -104,13 +168,8 @@ def parse_update(update: str | Sequence[object]) -> list[TodoItem]:
     JSON form; any other text is markdown. A list (or tuple) is the JSON form.
     """
     if isinstance(update, str):
-        if update.strip().startswith("["):
-            try:
-                decoded = json.loads(update)
-            except (ValueError, RecursionError):  # RecursionError: "[[[[…" nested past json's limit
-                decoded = None  # "[ ] task" starts with "[" too: it is markdown
-            if isinstance(decoded, list):
-                return parse_json_items(decoded)
+        if _is_json_list(update):
+            return parse_json_items(json.loads(update))
         return parse_markdown(update)
     # Sequence, not just list: list[object] is invariant, so a caller's
     # list[dict[str, str]] would not type-check against it. Bytes are excluded:
@@ -236,6 +295,17 @@ def _json_item(index: int, entry: object) -> tuple[str, TodoStatus]:
         expected = "expected pending, in_progress or completed"
         raise bad(f"has an invalid status {status!r} ({expected})", "status")
     return content, TodoStatus(status)
+
+
+def _is_json_list(text: str) -> bool:
+    """Whether update text is the JSON form: its stripped form starts with "[" and decodes as a list."""
+    if not text.strip().startswith("["):
+        return False
+    try:
+        decoded = json.loads(text)
+    except (ValueError, RecursionError):  # RecursionError: "[[[[…" nested past json's limit
+        return False  # "[ ] task" starts with "[" too: it is markdown
+    return isinstance(decoded, list)
 
 
 def _json_kind(value: object) -> str:

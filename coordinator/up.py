@@ -251,6 +251,7 @@ def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], s
             api.wait_listening(local, options.api_port)
         flower.wait_listening(local, options.flower_port)
     redis_url = settings.require_redis_url()
+    api_url = f"http://{local}:{options.api_port}"
     lines = [
         f"subq is up: {options.workers} workers on queue {settings.queue!r}, key prefix {settings.key_prefix!r}.",
         f"  Redis    {_without_password(redis_url)}"
@@ -258,15 +259,15 @@ def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], s
     ]
     if api is not None:
         auth_note = "auth disabled by SUBQ_API_AUTH_DISABLED" if settings.api_auth_disabled else f"token: {token}"
-        lines.append(f"  API      http://{local}:{options.api_port}  ({auth_note})")
+        lines.append(f"  API      {api_url}  ({auth_note})")
         sign_in = "open" if settings.api_auth_disabled else "sign in with the token"
-        lines.append(f"  Web      http://{local}:{options.api_port}/ui/  (the live trees in a browser; {sign_in})")
+        lines.append(f"  Web      {api_url}/ui/  (the live trees in a browser; {sign_in})")
     lines += [
         f"  Flower   http://{local}:{options.flower_port}  (user: {DEFAULT_FLOWER_USER}, password: {password})",
         f"  Logs     {log_dir}" + ("" if options.log_dir else "  (removed when subq up stops)"),
         "",
         "In another terminal:",
-        f"  export {_export_line(settings, token if api is not None else None)}",
+        f"  export {_export_line(settings, api_url if api is not None else None, token)}",
         '  subq run "Plan and write the Q3 report" --follow',
         "",
         "Press Ctrl-C to stop everything.",
@@ -332,10 +333,15 @@ def _first_dead(fleet: WorkerFleet, services: list[Service]) -> str | None:
     return None
 
 
-def _export_line(settings: Settings, token: str | None) -> str:
-    """What a second terminal needs to reach this stack: the URL, the token, any non-default names."""
+def _export_line(settings: Settings, api_url: str | None, token: str) -> str:
+    """What a second terminal needs to reach this stack: the URLs, the token, any non-default names.
+
+    With the API running, the operator commands go through it (SUBQ_API_URL and its
+    token); SUBQ_REDIS_URL stays for `subq worker` and the rest that run on Redis.
+    """
     pairs = {"SUBQ_REDIS_URL": settings.require_redis_url()}
-    if token is not None:
+    if api_url is not None:
+        pairs["SUBQ_API_URL"] = api_url
         pairs["SUBQ_API_TOKEN"] = token
     defaults = Settings.model_fields
     for name in ("key_prefix", "queue"):

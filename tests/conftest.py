@@ -20,7 +20,7 @@ from coordinator import Coordinator, Settings
 from coordinator.api import create_app
 from coordinator.fleet import WorkerFleet
 from coordinator.local_redis import local_redis
-from tests.helpers import ApiServer, api_settings
+from tests.helpers import ApiServer, Transport, api_settings
 
 # The files that take longest (building and installing the wheel, whole stacks, killed
 # workers) run first: the suite runs on pytest-xdist workers a file at a time, and a
@@ -43,8 +43,9 @@ WORKER_THREADS = 16
 
 @pytest.fixture(scope="session", autouse=True)
 def _clean_environment() -> Iterator[None]:
-    """Tests build Settings explicitly; SUBQ_* from the caller's shell must not leak in."""
-    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("SUBQ_")}
+    """Tests build Settings explicitly; SUBQ_* and the providers' keys from the caller's shell must not leak in."""
+    leaking = ("SUBQ_", "OPENAI_API_KEY", "ANTHROPIC_API_KEY")
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(leaking)}
     yield
     os.environ.update(saved)
 
@@ -137,3 +138,10 @@ def live_api(live: Coordinator) -> Iterator[ApiServer]:
 def live_http(live_api: ApiServer) -> Iterator[httpx.Client]:
     with live_api.client() as http:
         yield http
+
+
+@pytest.fixture(scope="module", params=["redis", "api"])
+def transport(request: pytest.FixtureRequest) -> Iterator[Transport]:
+    """Each CLI test runs twice: on Redis, and through a real API server (one per module and settings)."""
+    with Transport(request.param) as chosen:
+        yield chosen

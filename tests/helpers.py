@@ -163,3 +163,46 @@ class ApiServer:
 
 def api_settings(settings: Settings, **update: Any) -> Settings:
     return settings.model_copy(update={"api_token": SecretStr(TOKEN), **update})
+
+
+class Transport:
+    """How a CLI test reaches subq: straight to Redis, or through a real API server (`subq --api-url`).
+
+    `env(settings)` is the SUBQ_ environment that reaches the keys and queue of
+    `settings` that way. The API variant gives no Redis URL at all, so a command
+    that still needed Redis would fail; it starts one server per distinct prefix
+    and queue and keeps it for the module (a context manager).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._servers: dict[tuple[str, str], tuple[Coordinator, ApiServer]] = {}
+
+    def env(self, settings: Settings) -> dict[str, str]:
+        if self.name == "redis":
+            return {
+                "SUBQ_REDIS_URL": settings.redis_url or "",
+                "SUBQ_KEY_PREFIX": settings.key_prefix,
+                "SUBQ_QUEUE": settings.queue,
+            }
+        return {"SUBQ_API_URL": self.server(settings).url, "SUBQ_API_TOKEN": TOKEN}
+
+    def server(self, settings: Settings) -> ApiServer:
+        """The module's API server over the keys and queue of `settings`."""
+        key = (settings.key_prefix, settings.queue)
+        if key not in self._servers:
+            from coordinator.api import create_app
+
+            coord = Coordinator(api_settings(settings))
+            server = ApiServer(create_app(coordinator=coord)).__enter__()
+            self._servers[key] = (coord, server)
+        return self._servers[key][1]
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for coord, server in self._servers.values():
+            server.__exit__()
+            coord.close()
+        self._servers.clear()

@@ -29,9 +29,10 @@ import redis
 
 from coordinator import Coordinator, Settings
 from coordinator.cli import run_cli
+from coordinator.demo import DEMO_PLAN
 from coordinator.local_redis import free_port
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, agent, call, reply, subtask
-from tests.helpers import script, state, usage_step
+from tests.helpers import TOKEN, Transport, script, state, usage_step
 from tests.test_bad_input import NO_TREE
 
 COMMANDS = ["up", "worker", "api", "flower", "demo", "run", "status", "todos", "tree", "history", "export"]
@@ -52,14 +53,24 @@ def subq(
     )  # fmt: skip
 
 
-def cli(*args: str, env: dict[str, str] | None = None, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+class Terminal(io.StringIO):
+    """A captured stdout that says it is a terminal, as a user's is (rich takes its width from COLUMNS)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def cli(
+    *args: str, env: dict[str, str] | None = None, stdin: str | None = None, tty: bool = False
+) -> subprocess.CompletedProcess[str]:
     """`subq <args>` run in this process, as `subq()` would run it in another.
 
     The environment holds `env` as its only SUBQ_/FLOWER_ variables while the command
-    runs; stdin reads `stdin` (empty if None); stdout and stderr are captured; the
-    exit code is the one `main()` would exit with (`run_cli`'s result).
+    runs; stdin reads `stdin` (empty if None); stdout and stderr are captured (stdout
+    as a terminal with `tty`); the exit code is the one `main()` would exit with
+    (`run_cli`'s result).
     """
-    out, err = io.StringIO(), io.StringIO()
+    out, err = Terminal() if tty else io.StringIO(), io.StringIO()
     with (
         _environment(env or {}),
         mock.patch("os.execve", _refuse_exec),
@@ -101,10 +112,16 @@ def test_demo_runs_on_an_embedded_redis_and_leaves_nothing_behind() -> None:
     out = proc.stdout
     url = re.search(r"embedded Redis at (redis://\S+) ", out)
     assert url is not None, out
-    for item in ("Collect the sales figures for Q3", "Write the executive summary"):
-        line = next(line for line in out.splitlines() if item in line)
-        assert line.strip().startswith("[x]") and "$0.0" in line
-    assert "Parent total cost: $0.079950 (47950 tokens" in out
+    report = out[out.index("Todo list of ") :]
+    rows = [line.split() for line in report.splitlines() if line.startswith("  [")]
+    assert len(rows) == len(DEMO_PLAN.splitlines()) and all(row[0] == "[x]" for row in rows), report
+    own = re.search(r"Root own cost:   \$(\d+)\.(\d{6}) \((\d+) tokens", report)
+    total = re.search(r"Root total cost: \$(\d+)\.(\d{6}) \((\d+) tokens", report)
+    assert own is not None and total is not None, report
+    micros = [int(row[-1].replace("$", "").replace(".", "")) for row in rows]
+    tokens = [int(row[-2]) for row in rows]
+    assert int(total[1] + total[2]) == int(own[1] + own[2]) + sum(micros) > int(own[1] + own[2]) > 0
+    assert int(total[3]) == int(own[3]) + sum(tokens)
     assert "genai-prices" in out and "offline model" in out
     assert processes_marked("DEMO_TEST_MARKER", marker) == []  # workers (redis-server rewrites its environ, so:)
     with pytest.raises(redis.ConnectionError):
@@ -179,7 +196,7 @@ USAGE_ERRORS = [  # click refuses these before any command code runs: exit 2
     (["api", "--port", "70000"], "subq api: Invalid value for '--port'"),
     (["worker", "--concurrency", "0"], "subq worker: Invalid value for '--concurrency'"),
 ]
-SUBQ_ERRORS = [  # subq's own validation: exit 1
+OPERATOR_ERRORS = [  # subq's own validation of an operator command: exit 1, the same over Redis and the API
     (["run", ""], "subq: prompt must be a non-empty string"),
     (["run", "   "], "subq: prompt must be a non-empty string"),
     (["run", "p", "--profile", "nope"], "subq: Invalid profile: nope"),
@@ -196,6 +213,8 @@ SUBQ_ERRORS = [  # subq's own validation: exit 1
     (["history", "--root", "nope"], "subq: Unknown id: 'nope'"),
     (["export", UNKNOWN, "{new_dir}"], f"subq: Unknown task: {UNKNOWN}"),
     (["export", "not-an-id", "{new_dir}"], "subq: Unknown id: 'not-an-id'"),
+]
+SUBQ_ERRORS = [  # subq's own validation of the commands that run on this machine, and of Redis settings: exit 1
     (["flower"], "subq: Flower needs basic auth: pass --password (or set SUBQ_FLOWER_PASSWORD)"),
     (["flower", "--no-auth", "--password", "pw"], "subq: Give either --password or --no-auth, not both"),
     (["flower", "--user", "a:b", "--password", "pw"], "subq: Flower user must be non-empty, without ':' or ','"),
@@ -230,6 +249,23 @@ def test_malformed_input_is_one_line_and_changes_nothing(
     idle_coordinator: Coordinator, env: dict[str, str], files: dict[str, str], busy_port: int,
     args: list[str], message: str, code: int,
 ) -> None:  # fmt: skip
+    _refused(idle_coordinator, env, files, busy_port, args, message, code)
+
+
+@pytest.mark.parametrize(("args", "message"), OPERATOR_ERRORS, ids=[" ".join(a) for a, _ in OPERATOR_ERRORS])
+def test_operator_commands_refuse_bad_input_alike_over_redis_and_the_api(
+    idle_coordinator: Coordinator, settings: Settings, transport: Transport, files: dict[str, str],
+    busy_port: int, args: list[str], message: str,
+) -> None:  # fmt: skip
+    env = transport.env(settings.model_copy(update={"queue": "subq-nobody"}))
+    _refused(idle_coordinator, env, files, busy_port, args, message, 1)
+
+
+def _refused(
+    idle_coordinator: Coordinator, env: dict[str, str], files: dict[str, str], busy_port: int,
+    args: list[str], message: str, code: int,
+) -> None:  # fmt: skip
+    """The command exits `code` with `message` as its one line, and changes nothing."""
     values = {**files, "{busy}": str(busy_port), "{free}": str(free_port())}
     args = [values.get(a, a) for a in args]
     for name, value in values.items():
@@ -241,6 +277,49 @@ def test_malformed_input_is_one_line_and_changes_nothing(
     assert proc.stderr.count("\n") == 1 and proc.stdout == ""
     assert state(idle_coordinator, NO_TREE) == before, "a refused command changed Redis or published a message"
     assert not Path(files["{new_dir}"]).exists()
+
+
+# -- reaching subq through its HTTP API: a bad URL or token is one line and changes nothing --
+
+
+@pytest.fixture(scope="module")
+def idle_api(settings: Settings) -> Iterator[str]:
+    """An API server over the idle coordinator's keys and queue (nothing consumes them)."""
+    with Transport("api") as api:
+        yield api.server(settings.model_copy(update={"queue": "subq-nobody", "key_prefix": "subqidle"})).url
+
+
+API_REFUSALS = [  # (arguments, environment, the line on stderr); {api} is the idle API's URL
+    (["--api-url", "nonsense", "run", "p"], {}, "subq: Invalid setting SUBQ_API_URL: 'nonsense' is not an http:// or https:// URL with a host"),
+    (["run", "p"], {"SUBQ_API_URL": "ftp://h"}, "subq: Invalid setting SUBQ_API_URL: 'ftp://h' is not an http:// or https:// URL"),
+    (["--api-url", "http://h:99999", "status", UNKNOWN], {}, "subq: Invalid setting SUBQ_API_URL: 'http://h:99999': Port out of range"),
+    (["--api-url", "{api}?x=1", "status", UNKNOWN], {}, "subq: Invalid setting SUBQ_API_URL: '{api}?x=1': give the API's base URL"),
+    (["--api-url", "{api}", "run", "p"], {}, "subq: Missing bearer token: send 'Authorization: Bearer <token>' (the server's SUBQ_API_TOKEN); set SUBQ_API_TOKEN to the token of the API at {api}"),
+    (["--api-url", "{api}", "run", "p"], {"SUBQ_API_TOKEN": "wrong"}, "subq: Invalid bearer token; set SUBQ_API_TOKEN to the token of the API at {api}"),
+    (["cancel", UNKNOWN, "--reason", "x"], {"SUBQ_API_URL": "{api}", "SUBQ_API_TOKEN": "wrong"}, "subq: Invalid bearer token; set SUBQ_API_TOKEN"),
+    (["--api-url", "http://127.0.0.1:1", "run", "p"], {"SUBQ_API_TOKEN": TOKEN}, "subq: The subq API at http://127.0.0.1:1 is unreachable: ConnectError"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "env", "message"), API_REFUSALS, ids=[" ".join(a) for a, _, _ in API_REFUSALS])
+def test_a_bad_api_url_or_token_is_one_line_and_changes_nothing(
+    idle_coordinator: Coordinator, idle_api: str, args: list[str], env: dict[str, str], message: str
+) -> None:
+    args = [a.replace("{api}", idle_api) for a in args]
+    env = {k: v.replace("{api}", idle_api) for k, v in env.items()}
+    before = state(idle_coordinator, NO_TREE)
+    proc = cli(*args, env=env)
+    assert (proc.returncode, proc.stdout) == (1, ""), proc.stderr
+    assert proc.stderr.startswith(message.replace("{api}", idle_api)), proc.stderr
+    assert proc.stderr.count("\n") == 1
+    assert state(idle_coordinator, NO_TREE) == before, "a refused command changed Redis or published a message"
+
+
+def test_the_api_needs_no_redis_settings(idle_coordinator: Coordinator, idle_api: str) -> None:
+    """With only the API's URL and token, a run starts (and its message waits on the idle queue)."""
+    proc = cli("run", "p", env={"SUBQ_API_URL": idle_api, "SUBQ_API_TOKEN": TOKEN})
+    assert proc.returncode == 0, proc.stderr
+    assert idle_coordinator.get_task(proc.stdout.strip()).prompt == "p"
 
 
 @pytest.mark.parametrize(
@@ -261,11 +340,11 @@ def test_bad_settings_are_one_line(command: list[str], env: dict[str, str], mess
 # -- reading what ran --------------------------------------------------------------------
 
 
-def test_status_and_todos_show_the_figures(coordinator: Coordinator, settings: Settings) -> None:
+def test_status_and_todos_show_the_figures(coordinator: Coordinator, settings: Settings, transport: Transport) -> None:
     parent = coordinator.create_task("p", todos="[ ] first\n[ ] second")
     batch = coordinator.delegate(parent.id, [{"description": "c", "message": script(usage_step())}])
     coordinator.wait(parent.id, 60)
-    env = {"SUBQ_REDIS_URL": settings.redis_url or "", "SUBQ_KEY_PREFIX": settings.key_prefix}
+    env = transport.env(settings)
     todos = cli("todos", parent.id, env=env)
     assert todos.returncode == 0, todos.stderr
     assert f"[x] first  ({batch.child_ids[0]}: 13500 tokens, $0.021000)" in todos.stdout
@@ -276,13 +355,9 @@ def test_status_and_todos_show_the_figures(coordinator: Coordinator, settings: S
 
 
 @pytest.fixture
-def fleet_env(settings: Settings, coordinator: Coordinator) -> dict[str, str]:
-    """Reaches the test workers (the `coordinator` fixture starts them)."""
-    return {
-        "SUBQ_REDIS_URL": settings.redis_url or "",
-        "SUBQ_KEY_PREFIX": settings.key_prefix,
-        "SUBQ_QUEUE": settings.queue,
-    }
+def fleet_env(settings: Settings, coordinator: Coordinator, transport: Transport) -> dict[str, str]:
+    """Reaches the test workers (the `coordinator` fixture starts them), over Redis or the API."""
+    return transport.env(settings)
 
 
 def test_run_follow_then_tree_history_and_export(fleet_env: dict[str, str], tmp_path: Path) -> None:

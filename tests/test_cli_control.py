@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import threading
 import time
 
 import pytest
 
 from coordinator import Coordinator, Settings, TaskStatus
-from tests.agents import USAGE, agent, call, reply
-from tests.helpers import state
+from tests.agents import STEP_TOKENS, USAGE, agent, call, reply, subtask
+from tests.helpers import Transport, eventually, state
 from tests.test_bad_input import NO_TREE
 from tests.test_cli import cli
 
@@ -17,12 +20,9 @@ WAIT_S = 60
 
 
 @pytest.fixture
-def fleet_env(settings: Settings, coordinator: Coordinator) -> dict[str, str]:
-    return {
-        "SUBQ_REDIS_URL": settings.redis_url or "",
-        "SUBQ_KEY_PREFIX": settings.key_prefix,
-        "SUBQ_QUEUE": settings.queue,
-    }
+def fleet_env(settings: Settings, coordinator: Coordinator, transport: Transport) -> dict[str, str]:
+    """Reaches the test workers, over Redis or through the API."""
+    return transport.env(settings)
 
 
 def _waiting_approval(coord: Coordinator, root_id: str) -> str:
@@ -66,14 +66,20 @@ def test_approve_and_deny_from_the_command_line(coordinator: Coordinator, fleet_
 
 
 def test_cancel_from_the_command_line(coordinator: Coordinator, fleet_env: dict[str, str]) -> None:
-    parent = coordinator.create_task("A slow child")
-    (child,) = coordinator.delegate(
-        parent.id, [{"description": "slow", "message": agent({"reply": "x", "usage": USAGE, "latency_ms": 20_000})}]
+    parent = coordinator.create_task("A quick child and a slow one")
+    quick, child = coordinator.delegate(
+        parent.id,
+        [
+            {"description": "quick", "message": agent(reply("done"))},
+            {"description": "slow", "message": agent({"reply": "x", "usage": USAGE, "latency_ms": 20_000})},
+        ],
     ).child_ids
+    eventually(lambda: coordinator.get_task(quick).status == TaskStatus.COMPLETED, "the quick child completed")
     out = cli("cancel", parent.id, "--reason", "wrong plan", env=fleet_env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == f"Cancelled {parent.id} and its subtree (2 tasks): cancelled: wrong plan"
-    assert coordinator.get_task(child).status == TaskStatus.CANCELLED
+    assert out.stdout.strip() == f"Cancelled {parent.id} and 1 task below it that had not ended: wrong plan"
+    assert coordinator.get_task(child).status == TaskStatus.CANCELLED  # only the slow one was stopped and counted
+    assert coordinator.get_task(quick).status == TaskStatus.COMPLETED
     again = cli("cancel", parent.id, "--reason", "again", env=fleet_env)
     assert again.returncode == 1 and "has already ended (cancelled)" in again.stderr
 
@@ -101,13 +107,9 @@ def test_run_with_a_budget(coordinator: Coordinator, fleet_env: dict[str, str]) 
     ],
 )
 def test_control_commands_refuse_bad_input(
-    idle_coordinator: Coordinator, settings: Settings, args: list[str], message: str
+    idle_coordinator: Coordinator, settings: Settings, transport: Transport, args: list[str], message: str
 ) -> None:
-    env = {
-        "SUBQ_REDIS_URL": settings.redis_url or "",
-        "SUBQ_KEY_PREFIX": settings.key_prefix,
-        "SUBQ_QUEUE": "subq-nobody",
-    }
+    env = transport.env(settings.model_copy(update={"queue": "subq-nobody"}))
     before = state(idle_coordinator, NO_TREE)
     proc = cli(*args, env=env)
     assert proc.returncode == 1 and proc.stderr.strip() == message and proc.stdout == ""
@@ -117,3 +119,54 @@ def test_control_commands_refuse_bad_input(
 def test_cancel_requires_a_reason(settings: Settings) -> None:
     proc = cli("cancel", "0123456789abcdef", env={"SUBQ_REDIS_URL": settings.redis_url or ""})
     assert proc.returncode == 2 and "Missing option '--reason'" in proc.stderr
+
+
+# Everything rich writes to move the cursor and colour text: the view's own characters remain.
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+COLUMNS = 72
+
+
+def test_follow_on_a_terminal_fits_the_width_and_shows_the_approval_to_give(
+    coordinator: Coordinator, fleet_env: dict[str, str]
+) -> None:
+    root = agent(
+        call(
+            "run_subagents",
+            tasks=[
+                subtask("Collect the sales figures of every region for the quarter", reply("collected")),
+                subtask("Publish the report", call("run_command", command="make publish"), reply("published")),
+            ],
+        ),
+        call("attempt_completion", result="Report ready"),
+        text="Prepare the quarterly report, a description long enough to be cut on a narrow terminal.",
+    )
+    plan = "[ ] Collect the sales figures of every region for the quarter\n[ ] Publish the report\n"
+    result: dict[str, subprocess.CompletedProcess[str]] = {}
+    env = fleet_env | {"COLUMNS": str(COLUMNS)}
+    follower = threading.Thread(
+        target=lambda: result.update(run=cli("run", root, "--todos", "-", "--follow", env=env, stdin=plan, tty=True))
+    )
+    follower.start()
+    approval = eventually(lambda: coordinator.list_approvals(), "the child's approval request")[0]
+    time.sleep(1.5)  # at least one redraw with the request shown (the view redraws at least every second)
+    assert coordinator.decide(approval.id, "approve").status == "approved"
+    follower.join(WAIT_S)
+    run = result["run"]
+    assert run.returncode == 0, run.stderr
+    screen = ANSI.sub("", run.stdout)
+    lines = [line.rstrip() for line in screen.splitlines()]
+    assert max(len(line) for line in lines) <= COLUMNS, "a line is wider than the terminal"
+    assert f"subq approve {approval.id}" in screen, "the approval's command was shown while it waited"
+    assert "to approve" in screen
+    root_id = run.stdout.splitlines()[0]
+    final = coordinator.get_task(root_id)
+    # The last frame: one status per task, each item's figures whole, the tree's total.
+    last = screen[screen.rindex(f"Tree {root_id}") :]
+    assert f"total {final.total_tokens} tokens, ${final.total_cost_micros / 1e6:.6f}" in last
+    rows = [line for line in last.splitlines() if line.lstrip().startswith("[x] ")]
+    assert len(rows) == 2
+    assert re.search(rf" {STEP_TOKENS} +\$0\.021000$", rows[0]) and re.search(
+        rf" {2 * STEP_TOKENS} +\$0\.042000$", rows[1]
+    )
+    tasks = [line for line in last.splitlines() if re.match(r"^(  )?(-[0-9a-f]{12}|[0-9a-f]{16})  ", line)]
+    assert len(tasks) == 3 and all(len(re.findall(r"\bcompleted\b", line)) == 1 for line in tasks)

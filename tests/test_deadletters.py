@@ -17,7 +17,7 @@ from coordinator import Coordinator, CorruptError, Settings, ValidationError
 from coordinator.api import create_app
 from coordinator.client import SubqClient
 from coordinator.deadletters import MAX_DEAD_LETTERS, MAX_MESSAGE_CHARS, DeadLetter, dead_letter
-from tests.helpers import TOKEN, ApiServer, api_settings
+from tests.helpers import TOKEN, ApiServer, Transport, api_settings
 from tests.test_cli import cli
 
 PREFIX = "subqdlq"
@@ -46,8 +46,8 @@ def _bury(coord: Coordinator, n: int, reason: str = "header 'id' is missing") ->
     return entries
 
 
-def _env(coord: Coordinator) -> dict[str, str]:
-    return {"SUBQ_REDIS_URL": coord.settings.redis_url or "", "SUBQ_KEY_PREFIX": PREFIX, "SUBQ_QUEUE": QUEUE}
+def _env(coord: Coordinator, transport: Transport) -> dict[str, str]:
+    return transport.env(coord.settings)
 
 
 # -- the entry -----------------------------------------------------------------------------
@@ -101,25 +101,25 @@ def test_a_corrupt_entry_is_reported_not_skipped(dlq: Coordinator) -> None:
 # -- the CLI -------------------------------------------------------------------------------
 
 
-def test_the_cli_lists_newest_first_one_line_each(dlq: Coordinator) -> None:
+def test_the_cli_lists_newest_first_one_line_each(dlq: Coordinator, transport: Transport) -> None:
     entries = _bury(dlq, 3)
-    shown = cli("dead-letters", "--limit", "2", env=_env(dlq))
+    shown = cli("dead-letters", "--limit", "2", env=_env(dlq, transport))
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
     assert len(lines) == 2
     assert "header 'id' is missing #2  (queue subq-dlq-idle, task subq.run_task, id id-2)" in lines[0]
     assert lines[0][:4].isdigit() and lines[0][19] == "Z"
     assert "1 older: subq dead-letters --limit 3" in shown.stderr
-    full = cli("dead-letters", "--json", env=_env(dlq))
+    full = cli("dead-letters", "--json", env=_env(dlq, transport))
     assert [DeadLetter.model_validate(e) for e in json.loads(full.stdout)] == entries[::-1]
 
 
-def test_the_cli_purges(dlq: Coordinator) -> None:
+def test_the_cli_purges(dlq: Coordinator, transport: Transport) -> None:
     _bury(dlq, 2)
-    done = cli("dead-letters", "--purge", env=_env(dlq))
+    done = cli("dead-letters", "--purge", env=_env(dlq, transport))
     assert (done.returncode, done.stdout.strip()) == (0, "Purged 2 dead letters.")
-    assert json.loads(cli("dead-letters", "--purge", "--json", env=_env(dlq)).stdout) == {"purged": 0}
-    assert cli("dead-letters", env=_env(dlq)).stdout.strip() == "No dead letters."
+    assert json.loads(cli("dead-letters", "--purge", "--json", env=_env(dlq, transport)).stdout) == {"purged": 0}
+    assert cli("dead-letters", env=_env(dlq, transport)).stdout.strip() == "No dead letters."
 
 
 @pytest.mark.parametrize(
@@ -132,11 +132,11 @@ def test_the_cli_purges(dlq: Coordinator) -> None:
     ],
 )
 def test_bad_cli_arguments_get_one_clear_line_and_change_nothing(
-    dlq: Coordinator, args: list[str], code: int, message: str
+    dlq: Coordinator, transport: Transport, args: list[str], code: int, message: str
 ) -> None:
     _bury(dlq, 2)
     before = dlq.store.snapshot()
-    done = cli("dead-letters", *args, env=_env(dlq))
+    done = cli("dead-letters", *args, env=_env(dlq, transport))
     assert (done.returncode, done.stdout) == (code, "")
     assert done.stderr.startswith(message) and len(done.stderr.splitlines()) == 1, done.stderr
     assert dlq.store.snapshot() == before

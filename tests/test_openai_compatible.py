@@ -18,7 +18,7 @@ import pytest
 
 from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.celery_app import make_app
-from coordinator.settings import Price, Profile
+from coordinator.settings import Price, Profile, load_settings
 from workers.runtime.context import build_runtime
 from workers.runtime.runner import run_child
 
@@ -121,3 +121,104 @@ def test_a_tool_calling_agent_against_an_openai_compatible_endpoint(
     assert {"update_todo_list", "new_task", "run_subagents", "attempt_completion"} <= tools
     assert record.status == TaskStatus.COMPLETED
     coord.close()
+
+
+# -- a failing server: one attempt per subq retry, one clear line, keys from the standard variable --
+
+
+class FailingServer(ThreadingHTTPServer):
+    attempts: int
+    status: int
+    error: dict[str, Any]
+
+
+class FailingHandler(BaseHTTPRequestHandler):
+    server: FailingServer
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.headers.get("Authorization") != "Bearer key-from-the-environment":
+            self.send_error(401)
+            return
+        self.server.attempts += 1
+        payload = json.dumps({"error": self.server.error}).encode()
+        self.send_response(self.server.status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args: object) -> None:
+        return None
+
+
+@pytest.fixture
+def failing_server() -> Iterator[FailingServer]:
+    server = FailingServer(("127.0.0.1", 0), FailingHandler)
+    server.attempts = 0
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+SERVER_ERROR = {"message": "The server had an error while processing your request.", "type": "server_error"}
+BAD_REQUEST = {"message": "Invalid 'messages': empty\n  array.", "type": "invalid_request_error", "code": None}
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "attempts", "line", "error_class"),
+    [
+        (500, SERVER_ERROR, 1 + 2, f"HTTP 500 server_error: {SERVER_ERROR['message']} (model local-model)", "ModelServerError"),
+        (400, BAD_REQUEST, 1, "HTTP 400 invalid_request_error: Invalid 'messages': empty array. (model local-model)", None),
+    ],
+    ids=["transient-500", "refused-400"],
+)  # fmt: skip
+def test_a_failing_request_is_sent_once_per_subq_attempt_and_fails_with_one_line(
+    settings: Settings, failing_server: FailingServer, monkeypatch: pytest.MonkeyPatch,
+    status: int, error: dict[str, Any], attempts: int, line: str, error_class: str | None,
+) -> None:  # fmt: skip
+    failing_server.status, failing_server.error = status, error
+    host, port = failing_server.server_address[:2]
+    # No api_key in the profile: the key comes from OPENAI_API_KEY, as the SDK users know it.
+    monkeypatch.setenv("OPENAI_API_KEY", "key-from-the-environment")
+    profile = Profile(model="openai:local-model", base_url=f"http://{host!s}:{port}/v1", price=PRICE)
+    local = load_settings(**{
+        **settings.model_dump(exclude={"openai_api_key", "anthropic_api_key"}),
+        "queue": "subq-nobody", "profiles": {"local": profile}, "model_retries": 2,
+    })  # fmt: skip
+    coord = Coordinator(local)
+    task = coord.create_task("Read the data and report.", profile="local", run=True)
+
+    result = run_child(build_runtime(local, make_app(local)), task.id)
+
+    assert failing_server.attempts == attempts, "the SDK retried on its own, or subq did not retry"
+    record = coord.get_task(task.id)
+    assert result.status == record.status == TaskStatus.FAILED
+    assert record.error == line and "\n" not in record.error
+    if error_class is not None:
+        assert record.error_class == error_class
+    counted = int(coord.store.task_field(task.id, "transient_errors") or 0)
+    assert counted == attempts - 1, "each subq retry is counted once"
+    coord.close()
+
+
+def test_a_profile_without_a_key_and_no_standard_variable_is_refused_naming_both(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from coordinator import ProfileError
+    from workers.runtime.providers import build_model
+
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    local = load_settings(**{
+        **settings.model_dump(exclude={"openai_api_key", "anthropic_api_key"}),
+        "profiles": {"claude": Profile(model="anthropic:claude-sonnet-4-5")},
+    })  # fmt: skip
+    with pytest.raises(ProfileError, match=r"needs an api_key \(in the profile, or in ANTHROPIC_API_KEY\)"):
+        build_model(local.profile("claude"), name="claude")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-from-env")
+    keyed = load_settings(**{**local.model_dump(exclude={"openai_api_key", "anthropic_api_key"})})
+    assert keyed.profile("claude").api_key is not None
+    assert keyed.profile("claude").api_key.get_secret_value() == "sk-ant-from-env"
+    assert keyed.profiles["claude"].api_key is None, "the configured profile itself is unchanged"

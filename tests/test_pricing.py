@@ -21,7 +21,7 @@ from coordinator.errors import ProfileError
 from coordinator.settings import Price, Profile
 from workers.runtime.offline import OfflineModel
 from workers.runtime.pricing import cost_of, reported_cost_usd
-from workers.runtime.providers import ANTHROPIC_BASE_URL, OPENAI_BASE_URL, build_model
+from workers.runtime.providers import ANTHROPIC_BASE_URL, OPENAI_BASE_URL, OneLineErrors, build_model
 
 SONNET_SOURCE = f"genai-prices {genai_prices.__version__}: anthropic/claude-sonnet-4-5"
 
@@ -188,18 +188,20 @@ def test_build_model_for_each_kind(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(build_model(Profile()), OfflineModel)
 
     openai = build_model(Profile(model="openai:gpt-4o-mini", api_key=SecretStr("sk-test")))
-    assert isinstance(openai, OpenAIChatModel)
+    assert isinstance(openai, OneLineErrors) and isinstance(openai.wrapped, OpenAIChatModel)
+    assert openai.wrapped.client.max_retries == 0, "retries happen once, in subq"
     assert openai.model_name == "gpt-4o-mini"
     assert openai.base_url == OPENAI_BASE_URL + "/"
 
     local = build_model(
         Profile(model="openai:llama-3.1-8b", api_key=SecretStr("placeholder"), base_url="http://localhost:8000/v1")
     )
-    assert isinstance(local, OpenAIChatModel)
+    assert isinstance(local, OneLineErrors) and isinstance(local.wrapped, OpenAIChatModel)
     assert local.base_url == "http://localhost:8000/v1/"
 
     claude = build_model(Profile(model="anthropic:claude-sonnet-4-5", api_key=SecretStr("sk-ant-test")))
-    assert isinstance(claude, AnthropicModel)
+    assert isinstance(claude, OneLineErrors) and isinstance(claude.wrapped, AnthropicModel)
+    assert claude.wrapped.client.max_retries == 0
     assert claude.model_name == "claude-sonnet-4-5"
     assert (claude.base_url or "").rstrip("/") == ANTHROPIC_BASE_URL
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from coordinator import Coordinator, TaskRecord, Usage
 from coordinator.celery_app import make_app
 from tests.agents import reply, subtask
+from tests.helpers import Transport
 from workers.runtime.context import build_runtime
 
 
@@ -68,7 +69,7 @@ def test_a_child_applied_twice_adds_to_unlinked_spend_once(idle_coordinator: Coo
     assert coord.get_task(parent.id).unlinked_cost_micros == 700
 
 
-def test_the_cli_shows_unlinked_spend_under_the_plan(idle_coordinator: Coordinator) -> None:
+def test_the_cli_shows_unlinked_spend_under_the_plan(idle_coordinator: Coordinator, transport: Transport) -> None:
     from tests.test_cli import cli
 
     coord = idle_coordinator
@@ -78,7 +79,7 @@ def test_the_cli_shows_unlinked_spend_under_the_plan(idle_coordinator: Coordinat
     coord.update_todos(parent.id, "[ ] B")
     spend(coord, batch.child_ids[0], 700, 7000)
     finish(coord, batch.child_ids[0], batch.id)
-    env = {"SUBQ_REDIS_URL": coord.settings.redis_url or "", "SUBQ_KEY_PREFIX": coord.settings.key_prefix}
+    env = transport.env(coord.settings)
     tree = cli("tree", parent.id, env=env)
     assert tree.returncode == 0, tree.stderr
     assert "unlinked spend (no row of the plan)      7000 tokens" in tree.stdout

@@ -15,6 +15,7 @@ from fastapi.routing import APIRoute
 
 from coordinator.api.errors import error_responses
 from coordinator.api.schemas import (
+    CreatedTask,
     CreateTaskBody,
     DelegateBody,
     DelegationResult,
@@ -22,10 +23,12 @@ from coordinator.api.schemas import (
     MessageList,
     TodoList,
     TodosBody,
+    TodosUpdated,
 )
 from coordinator.errors import ValidationError
 from coordinator.models import TaskRecord, TaskStatus
 from coordinator.service import DEFAULT_PAGE, MAX_PAGE, Coordinator
+from coordinator.todos import ignored_lines
 from coordinator.tree import TreeNode, build_tree
 
 __all__ = ["ROOT_ID_PATTERN", "TaskId", "reject_unknown_query", "task_routes"]
@@ -64,13 +67,15 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     @router.post(
         "/tasks",
         status_code=201,
-        response_model=TaskRecord,
+        response_model=CreatedTask,
         responses=error_responses(*denied, 413, 422, 503),
         summary="Create a root task",
     )
-    def create_task(body: CreateTaskBody) -> TaskRecord:
-        """A caller-owned task (`run: false`, you delegate) or an agent on the fleet (`run: true`)."""
-        return coord.create_task(
+    def create_task(body: CreateTaskBody) -> CreatedTask:
+        """A caller-owned task (`run: false`, you delegate) or an agent on the fleet (`run: true`).
+
+        `ignored_todo_lines` names the plan's lines that look like items but were not read as any."""
+        record = coord.create_task(
             body.prompt,
             todos=body.todos,
             profile=body.profile,
@@ -78,6 +83,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
             budget_usd=body.budget_usd,
             idempotency_key=body.idempotency_key,
         )
+        return CreatedTask(**dict(record), ignored_todo_lines=ignored_lines(body.todos))
 
     @router.post(
         "/tasks/{task_id}/subtasks",
@@ -114,13 +120,16 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
 
     @router.put(
         "/tasks/{task_id}/todos",
-        response_model=TodoList,
+        response_model=TodosUpdated,
         responses=error_responses(*denied, 404, 409, 413, 422, 503),
         summary="Replace a task's todo list",
     )
-    def update_todos(task_id: TaskId, body: TodosBody) -> TodoList:
-        """Links and figures of existing items survive the rewrite; an update with no items is refused."""
-        return TodoList(task_id=task_id, todos=coord.update_todos(task_id, body.todos))
+    def update_todos(task_id: TaskId, body: TodosBody) -> TodosUpdated:
+        """Links and figures of existing items survive the rewrite; an update with no items is refused.
+
+        `ignored_lines` names the lines that look like items but were not read as any."""
+        items = coord.update_todos(task_id, body.todos)
+        return TodosUpdated(task_id=task_id, todos=items, ignored_lines=ignored_lines(body.todos))
 
     @router.get(
         "/tasks/{task_id}/tree",

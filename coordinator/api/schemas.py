@@ -17,12 +17,23 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema
 
 from coordinator.deadletters import DeadLetter
-from coordinator.models import Approval, DelegationMode, HistoryItem, LiveState, SubtaskSpec, TodoItem, TodoStatus
+from coordinator.models import (
+    Approval,
+    DelegationMode,
+    HistoryItem,
+    LiveState,
+    SubtaskSpec,
+    TaskRecord,
+    TodoItem,
+    TodoStatus,
+)
+from coordinator.todos import IgnoredLine
 
 __all__ = [
     "ApprovalList",
     "CancelBody",
     "CreateTaskBody",
+    "CreatedTask",
     "DeadLetterList",
     "DeadLettersPurged",
     "DecisionBody",
@@ -36,6 +47,7 @@ __all__ = [
     "Snapshot",
     "TodoList",
     "TodosBody",
+    "TodosUpdated",
     "WorkersHealth",
 ]
 
@@ -186,6 +198,25 @@ class TodoList(BaseModel):
 
     task_id: str
     todos: list[TodoItem]
+
+
+_IGNORED_LINES = (
+    "Lines of a markdown plan that look like items but do not match the grammar "
+    "('* [ ] x', '1. [ ] x', '[] x'), so were not read as items: each with its line number "
+    "and the line to write instead"
+)
+
+
+class TodosUpdated(TodoList):
+    """The list as updated, and the lines of the update that were not read as items."""
+
+    ignored_lines: list[IgnoredLine] = Field(default_factory=list, description=_IGNORED_LINES)
+
+
+class CreatedTask(TaskRecord):
+    """The new root, and the lines of its plan that were not read as items."""
+
+    ignored_todo_lines: list[IgnoredLine] = Field(default_factory=list, description=_IGNORED_LINES)
 
 
 class MessageList(BaseModel):

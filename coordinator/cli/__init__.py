@@ -4,13 +4,16 @@ Every command has `--help`. Errors are one line on stderr and a non-zero exit,
 never a traceback: subq's own errors exit 1, malformed arguments (click's usage
 errors) exit 2. Read commands take `--json` for scripts. The shared options
 (`--redis-url`, `--key-prefix`, `--queue`) come before the command and fall back
-to the `SUBQ_` environment through `Settings`.
+to the `SUBQ_` environment through `Settings`; with `--api-url` the operator commands
+go through the HTTP API instead of Redis.
 
     common.py   the Typer app, the shared options, settings and the Coordinator
     stack.py    up, worker, api, flower, demo
     work.py     run (--follow), status, todos, tree, history, export
     control.py  cancel, approvals, approve, deny, dead-letters
-    views.py    what the read commands print, and `run --follow`'s live view
+    views.py    what the read commands print, and `run --follow`'s loop
+    live.py     `run --follow`'s terminal view (rich): one table fitted to the width
+    backend.py  what the operator commands reach: Redis (the Coordinator) or the HTTP API (the client)
     entry.py    run_cli and main: failures as one line and an exit code
 
 The command modules define plain functions; this module adds them to `app`,

@@ -13,10 +13,13 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from coordinator.errors import ConfigError
+from coordinator.errors import ConfigError, SubqError
+
+# The code of the API's 401 (coordinator/api/errors.py), not imported: that loads the server side.
+UNAUTHORIZED = "unauthorized"
 
 if TYPE_CHECKING:
-    from coordinator.service import Coordinator
+    from coordinator.cli.backend import Backend
     from coordinator.settings import Settings
 
 __all__ = ["Host", "JsonOption", "Port", "TaskId", "app", "connect", "settings_of"]
@@ -45,9 +48,16 @@ def shared_options(
         str | None, typer.Option(help="Prefix of subq's Redis keys (default: $SUBQ_KEY_PREFIX).")
     ] = None,
     queue: Annotated[str | None, typer.Option(help="Celery queue of subq's tasks (default: $SUBQ_QUEUE).")] = None,
+    api_url: Annotated[
+        str | None,
+        typer.Option(
+            help="Reach subq through its HTTP API instead of Redis, with the token in $SUBQ_API_TOKEN "
+            "(default: $SUBQ_API_URL). up, worker, api, flower and demo always use Redis."
+        ),
+    ] = None,
 ) -> None:
     """Options shared by every command; each falls back to its SUBQ_ variable."""
-    given = {"redis_url": redis_url, "key_prefix": key_prefix, "queue": queue}
+    given = {"redis_url": redis_url, "key_prefix": key_prefix, "queue": queue, "api_url": api_url}
     ctx.obj = {name: value for name, value in given.items() if value is not None}
 
 
@@ -59,16 +69,42 @@ def settings_of(ctx: typer.Context) -> Settings:
 
 
 @contextmanager
-def connect(ctx: typer.Context) -> Iterator[Coordinator]:
-    """A Coordinator on the configured Redis, closed when the command is done."""
+def connect(ctx: typer.Context) -> Iterator[Backend]:
+    """The system as an operator command reaches it, closed when the command is done.
+
+    Through the HTTP API when SUBQ_API_URL (--api-url) is set, so the operator needs
+    only the API's token; otherwise on Redis directly.
+    """
+    settings = settings_of(ctx)
+    backend = _api_backend(settings) if settings.api_url else _redis_backend(settings)
+    try:
+        yield backend
+    except SubqError as exc:
+        if exc.code != UNAUTHORIZED:
+            raise
+        # The server's 401 cannot know where this side keeps its token: say it.
+        from coordinator.client import AuthError
+
+        hint = f"set SUBQ_API_TOKEN to the token of the API at {settings.api_url}"
+        raise AuthError(f"{exc.message}; {hint}", field="SUBQ_API_TOKEN") from None
+    finally:
+        backend.close()
+
+
+def _redis_backend(settings: Settings) -> Backend:
+    from coordinator.cli.backend import RedisBackend
     from coordinator.service import Coordinator
 
-    settings = settings_of(ctx)
     try:
-        coord = Coordinator(settings)
+        return RedisBackend(Coordinator(settings))
     except ValueError as exc:  # redis-py refuses a malformed URL with a ValueError
         raise ConfigError(f"Invalid setting SUBQ_REDIS_URL: {exc}", field="SUBQ_REDIS_URL") from None
-    try:
-        yield coord
-    finally:
-        coord.close()
+
+
+def _api_backend(settings: Settings) -> Backend:
+    from coordinator.cli.backend import ApiBackend
+    from coordinator.client import SubqClient
+
+    url = settings.api_url or ""
+    token = settings.api_token.get_secret_value() if settings.api_token is not None else None
+    return ApiBackend(SubqClient(url, token), url, token)

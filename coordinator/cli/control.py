@@ -6,12 +6,15 @@ Plain functions: coordinator/cli/__init__.py adds them to the app.
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from coordinator.cli.common import JsonOption, TaskId, connect
 from coordinator.errors import ValidationError
+
+if TYPE_CHECKING:
+    from coordinator.tree import TreeNode
 
 __all__ = ["approvals", "approve", "cancel", "dead_letters", "deny"]
 
@@ -33,8 +36,29 @@ def cancel(
         if as_json:
             typer.echo(record.model_dump_json(indent=2))
             return
-        stopped = coord.subtree_ids(task_id)
-        typer.echo(f"Cancelled {record.id} and its subtree ({len(stopped)} tasks): {record.error}")
+        below = _cancelled_below(coord.tree(task_id), task_id)
+    reason_given = record.error.removeprefix(CANCELLED_PREFIX)
+    tasks = f"{below} task{'' if below == 1 else 's'}"
+    typer.echo(f"Cancelled {record.id} and {tasks} below it that had not ended: {reason_given}")
+
+
+# How the service words a cancelled task's error (coordinator/control.py): the task the
+# operator named gets "cancelled: <reason>", each descendant it stopped
+# "cancelled with <task id>: <reason>".
+CANCELLED_PREFIX = "cancelled: "
+
+
+def _cancelled_below(node: TreeNode, task_id: str) -> int:
+    """Descendants this cancel stopped: not those that had ended, nor those an earlier cancel stopped."""
+    from coordinator.models import TaskStatus
+    from coordinator.render import walk
+
+    stopped_by = f"cancelled with {task_id}: "
+    return sum(
+        1
+        for task in walk(node)
+        if task.id != task_id and task.status == TaskStatus.CANCELLED and stopped_by in task.error
+    )
 
 
 def approvals(
@@ -58,7 +82,7 @@ def approvals(
 def approve(ctx: typer.Context, approval_id: ApprovalId) -> None:
     """Approve a waiting tool call: only that task goes on."""
     with connect(ctx) as coord:
-        decided = coord.decide(approval_id, "approve")
+        decided = coord.decide(approval_id, "approve", None)
     typer.echo(f"Approved {decided.id}: {decided.tool} of task {decided.task_id} goes on.")
 
 

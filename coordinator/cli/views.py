@@ -16,10 +16,10 @@ import typer
 from coordinator.deadletters import DeadLetter
 from coordinator.models import MICROS_PER_USD, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem, format_usd
 from coordinator.render import MARKS, cut, describe, render_tree, walk
-from coordinator.tree import build_tree
 
 if TYPE_CHECKING:
-    from coordinator.service import Coordinator
+    from coordinator.cli.backend import Backend, Watch
+    from coordinator.tree import TreeNode
 
 __all__ = ["dead_letter_lines", "follow_run", "history_lines", "status_lines", "todo_lines"]
 
@@ -32,50 +32,81 @@ DEAD_LETTER_REASON_CHARS = 160
 FOLLOW_POLL_MS = 1000
 
 
-def follow_run(coord: Coordinator, root_id: str) -> int:
+def follow_run(coord: Backend, root_id: str) -> int:
     """A live view of the tree until the root ends; 0 if it completed, else 1.
 
     It redraws on every event of the tree's stream (each model response of any
     task publishes its live state there) and at least every FOLLOW_POLL_MS. On
-    a terminal the view is redrawn in place; otherwise (a pipe, a log) it prints
-    one line per task whose live state changed.
+    a terminal it is a rich table redrawn in place (coordinator/cli/live.py);
+    otherwise (a pipe, a log) it prints one line per task whose live state
+    changed, then the final tree.
     """
-    redraw = sys.stdout.isatty()
-    shown: dict[str, str] = {}
-    after = coord.last_event_id(root_id)
+    watch = coord.watch(root_id)
     try:
-        while True:
-            node = build_tree(coord, root_id)
-            notes = {task_id: _live_note(state) for task_id, state in coord.snapshot(root_id).items()}
-            if redraw:
-                view = [*render_tree(node, notes), "", "Ctrl-C stops following; the run goes on."]
-                typer.echo("\x1b[H\x1b[2J" + "\n".join(view))
-            else:
-                for task in walk(node):
-                    line = f"{task.id}  {describe(task)}  {notes.get(task.id, task.status.value)}"
-                    if shown.get(task.id) != line:
-                        shown[task.id] = line
-                        typer.echo(f"  {line}")
-            if node.status.terminal:
-                break
-            events = coord.read_events(root_id, after, block_ms=FOLLOW_POLL_MS)
-            after = events[-1][0] if events else after
+        if sys.stdout.isatty():
+            node = _follow_on_terminal(coord, root_id, watch)
+        else:
+            node = _follow_as_lines(coord, root_id, watch)
     except KeyboardInterrupt:
         typer.echo(f"subq: stopped following; the run goes on (subq tree {root_id})", err=True)
         return 130
-    typer.echo("")
-    typer.echo("\n".join(render_tree(node)))
+    finally:
+        watch.close()
     if node.status != TaskStatus.COMPLETED:
         typer.echo(f"subq: run {root_id} {node.status.value}: {node.error or 'no detail'}", err=True)
         return 1
     return 0
 
 
-def _live_note(state: LiveState) -> str:
-    """A task's progress: its live state, requests so far, the tool it called last, its cost so far."""
+def _follow_on_terminal(coord: Backend, root_id: str, watch: Watch) -> TreeNode:
+    from rich.console import Console
+    from rich.live import Live
+
+    from coordinator.cli.live import tree_view
+
+    footer = f"Ctrl-C stops following; the run goes on (subq tree {root_id})."
+    # Redrawn when the tree changes, not on a timer: auto_refresh would redraw an unchanged view.
+    with Live(console=Console(), auto_refresh=False, vertical_overflow="visible") as view:
+        while True:
+            node = coord.tree(root_id)
+            waiting = [] if node.status.terminal else coord.list_approvals(root_id)
+            live = coord.snapshot(root_id)
+            ending = "" if node.status.terminal else footer
+            view.update(tree_view(node, live, waiting, width=view.console.width, footer=ending), refresh=True)
+            if node.status.terminal:
+                return node
+            watch.wait(FOLLOW_POLL_MS / 1000)
+
+
+def _follow_as_lines(coord: Backend, root_id: str, watch: Watch) -> TreeNode:
+    """One line per task whose status changed, then a blank line and the final tree."""
+    from coordinator.cli.live import task_status
+
+    shown: dict[str, str] = {}
+    while True:
+        node = coord.tree(root_id)
+        live = coord.snapshot(root_id)
+        for task in walk(node):
+            state = live.get(task.id)
+            line = f"{task.id}  {describe(task)}  {task_status(task, state)}{_live_note(state)}"
+            if shown.get(task.id) != line:
+                shown[task.id] = line
+                typer.echo(f"  {line}")
+        if node.status.terminal:
+            break
+        watch.wait(FOLLOW_POLL_MS / 1000)
+    typer.echo("")
+    typer.echo("\n".join(render_tree(node)))
+    return node
+
+
+def _live_note(state: LiveState | None) -> str:
+    """A task's progress besides its status: requests so far, the tool it called last, its cost so far."""
+    if state is None:
+        return ""
     requests = f"{state.requests} request{'' if state.requests == 1 else 's'}"
     tool = f", tool {state.tool}" if state.tool else ""
-    return f"[{state.state}: {requests}{tool}, {format_usd(state.cost_micros)}]"
+    return f"  ({requests}{tool}, {format_usd(state.cost_micros)})"
 
 
 def status_lines(record: TaskRecord) -> list[str]:

@@ -44,12 +44,21 @@ def run(
     """
     todo_text = _read_todos(todos) if todos is not None else None
     with connect(ctx) as coord:
-        record = coord.create_task(prompt, todos=todo_text, profile=profile, run=True, budget_usd=budget)
+        record = coord.create_task(prompt, todos=todo_text, profile=profile, budget_usd=budget)
         typer.echo(record.id)
+        _warn_ignored_lines(todo_text)
         if follow:
             from coordinator.cli.views import follow_run
 
             raise typer.Exit(follow_run(coord, record.id))
+
+
+def _warn_ignored_lines(todo_text: str | None) -> None:
+    """On stderr, each line of the plan that looks like an item but was not read as one."""
+    from coordinator.todos import ignored_lines
+
+    for line in ignored_lines(todo_text):
+        typer.echo(f"subq: warning: --todos {line}", err=True)
 
 
 def _read_todos(path: Path) -> str:
@@ -93,10 +102,9 @@ def todos(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> N
 def tree(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> None:
     """Show a task and its whole subtree: every todo item's status, tokens and cost, own/total per task."""
     from coordinator.render import render_tree
-    from coordinator.tree import build_tree
 
     with connect(ctx) as coord:
-        node = build_tree(coord, task_id)
+        node = coord.tree(task_id)
     typer.echo(node.model_dump_json(indent=2) if as_json else "\n".join(render_tree(node)))
 
 
@@ -131,7 +139,9 @@ def export(
     directory: Annotated[Path, typer.Argument(help="Folder to write into (created if missing).")],
 ) -> None:
     """Write a task's subtree as folders of JSON (conversation, UI messages, history item)."""
+    from coordinator.export import export_tree
+
     with connect(ctx) as coord:
-        files = coord.export_tree(task_id, directory)
+        files = export_tree(coord, task_id, directory)
     tasks = len({f.parent for f in files})
     typer.echo(f"Exported {tasks} tasks ({len(files)} files) to {directory}")

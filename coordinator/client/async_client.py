@@ -103,6 +103,10 @@ class AsyncSubqClient:
         """Messages no worker could decode or validate, newest first (docs/api.md)."""
         return await self._send(calls.dead_letters(limit))
 
+    async def count_dead_letters(self) -> int:
+        """How many dead letters are kept."""
+        return await self._send(calls.count_dead_letters())
+
     async def purge_dead_letters(self) -> int:
         """Delete every dead letter; returns how many there were."""
         return await self._send(calls.purge_dead_letters())

@@ -103,6 +103,10 @@ class SubqClient:
         """Messages no worker could decode or validate, newest first (docs/api.md)."""
         return self._send(calls.dead_letters(limit))
 
+    def count_dead_letters(self) -> int:
+        """How many dead letters are kept."""
+        return self._send(calls.count_dead_letters())
+
     def purge_dead_letters(self) -> int:
         """Delete every dead letter; returns how many there were."""
         return self._send(calls.purge_dead_letters())

@@ -57,6 +57,7 @@ from pydantic_ai.settings import ModelSettings
 from pydantic_ai.usage import RequestUsage
 
 from coordinator import OFFLINE_PROFILE
+from workers.runtime.planner import next_step, read_plan
 from workers.runtime.script import (
     MAX_LATENCY_MS,
     MAX_SUMMARY_CHARS,
@@ -167,6 +168,13 @@ class OfflineModel(Model):
                 self._attempts[key] = attempts + 1
                 raise _TRANSIENT[step.transient.kind](self.model_name, f"scripted transient {step.transient.kind}")
 
+        if script is None:
+            planned = next_step(read_plan(_instructions(messages)), message, _last_tool_result(messages))
+            if planned is not None and planned.tool_calls:
+                step = Step(tool_calls=[ToolCall(name=name, args=args) for name, args in planned.tool_calls])
+            elif planned is not None:
+                step = Step(reply=planned.reply)
+
         parts: list[ModelResponsePart]
         finish: FinishReason
         if step is None or step.reply is not None:
@@ -211,6 +219,20 @@ _TRANSIENT: dict[str, type[ModelAPIError]] = {
 def offline_model() -> OfflineModel:
     """The offline model for the `offline` profile."""
     return OfflineModel()
+
+
+def _instructions(messages: Sequence[ModelMessage]) -> str | None:
+    """The instructions in force for this request (pydantic-ai records them on each request)."""
+    requests = [m for m in messages if isinstance(m, ModelRequest)]
+    return requests[-1].instructions if requests else None
+
+
+def _last_tool_result(messages: Sequence[ModelMessage]) -> str | None:
+    """The last tool result sent back, if the last request carries one."""
+    if not messages or not isinstance(messages[-1], ModelRequest):
+        return None
+    results = [part for part in messages[-1].parts if isinstance(part, ToolReturnPart)]
+    return results[-1].model_response_str() if results else None
 
 
 def _user_prompt_text(part: UserPromptPart) -> str:

@@ -32,9 +32,12 @@ from pydantic_ai import ApprovalRequired, CallDeferred, RunContext
 from pydantic_ai.messages import ModelResponse, ToolCallPart
 from pydantic_ai.toolsets import FunctionToolset
 
-from coordinator import Profile, SubqError, SubtaskSpec, render_markdown
+from coordinator import OFFLINE_PROFILE, Profile, SubqError, SubtaskSpec, ignored_lines, render_markdown
 from coordinator.runs import Run
 from workers.runtime.approval_policy import verdict
+from workers.runtime.offline import task_message
+from workers.runtime.planner import plan_instructions
+from workers.runtime.script import SCRIPT_INFO_STRING
 
 __all__ = ["NEW_TASK_NOT_LAST", "ORCHESTRATION_PROMPT", "RunState", "orchestration_tools"]
 
@@ -103,6 +106,19 @@ def _delegate(ctx: RunContext[RunState], specs: list[SubtaskInput], mode: str) -
 orchestration_tools: FunctionToolset[RunState] = FunctionToolset()
 
 
+@orchestration_tools.instructions
+def offline_plan(ctx: RunContext[RunState]) -> str | None:
+    """An offline task's plan, before each request: the offline model's planner carries it out.
+
+    Only for the offline model (workers/runtime/planner.py): a real model is not sent it,
+    so its prompt and its provider's prompt cache are as they were.
+    """
+    if ctx.deps.profile.model != OFFLINE_PROFILE or SCRIPT_INFO_STRING in task_message(ctx.messages):
+        return None  # a script plays its own steps: no read of the plan for it
+    items = ctx.deps.run.todos()
+    return plan_instructions(items) if items else None
+
+
 @orchestration_tools.tool
 def update_todo_list(ctx: RunContext[RunState], todos: str | list[TodoInput]) -> str:
     """Replace your todo list. Markdown, one item a line: `[ ] pending`, `[-] in progress`, `[x] done`;
@@ -117,7 +133,11 @@ def update_todo_list(ctx: RunContext[RunState], todos: str | list[TodoInput]) ->
         return f"Error: {exc}"
     rendered = render_markdown(items)
     run.say("todo_update", rendered)
-    return f"Todo list updated:\n{rendered}"
+    # Lines that look like items but are not (`* [ ] x`, `1. [ ] x`, `[] x`) were left out:
+    # the model is told which, so it can write them again in the grammar.
+    ignored = ignored_lines(update)
+    left_out = "".join(f"\nNot read as an item: {line}" for line in ignored)
+    return f"Todo list updated:\n{rendered}{left_out}"
 
 
 @orchestration_tools.tool
