@@ -42,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 import uuid
 from collections import Counter
 from collections.abc import Sequence
@@ -300,6 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     scale[mode] = times[1] / times[0]
                     progress(f"{mode}: time({large})/time({small}) = {scale[mode]:.2f}")
         except (BenchError, SubqError, redis.RedisError) as exc:
+            traceback.print_exc()
             print(f"bench: error: {exc}", file=sys.stderr)
             return 1
         finally:
