@@ -165,8 +165,7 @@ def test_an_overlay_without_its_secrets_file_does_not_render(tmp_path: Path) -> 
 def test_every_name_a_manifest_refers_to_exists(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
     docs = rendered[overlay]
     names = {(d["kind"], d["metadata"]["name"]) for d in docs}
-    namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"}
-    assert namespaces == {_one(docs, "Namespace")["metadata"]["name"]}
+    assert {d["metadata"].get("namespace") for d in docs} == {"subq"}, "one namespace, the one KEDA's addresses name"
     for workload in (d for d in docs if d["kind"] in ("Deployment", "StatefulSet")):
         pod = workload["spec"]["template"]
         assert workload["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
@@ -328,3 +327,21 @@ def test_subq_pods_run_as_the_image_user(rendered: dict[str, list[dict[str, Any]
     assert (
         _one(rendered["dev"], "Deployment", name)["spec"]["template"]["spec"]["containers"][0]["image"] == "subq:0.1.0"
     )
+
+
+def test_scale_to_zero_lets_keda_stop_every_worker(project: Path) -> None:
+    """The optional component, on top of an overlay, as a platform team's own overlay would add it."""
+    overlay = project / "overlays" / "dev-scale-to-zero"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        "resources: [../dev]\ncomponents: [../../components/scale-to-zero]\n"
+    )
+    done = _kustomize(overlay)
+    assert done.returncode == 0, done.stderr
+    docs = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    scaled = _one(docs, "ScaledObject")
+    assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (0, 20)
+    # KEDA wakes the fleet from zero on the first waiting message, read from Redis (no worker, API or not).
+    assert _trigger(scaled, "queued")["metadata"]["activationListLength"] == "0"
+    assert [line for doc in docs for line in _errors(doc, KUBERNETES_VERSIONS[-1])] == []
