@@ -89,9 +89,15 @@ class Stack:
         )
         self.api_url = f"http://127.0.0.1:{self.ports[8000]}"
 
-    def up(self, name: str, hostname: str | None = None) -> Service:
-        """Start one service (or one more replica of it) and wait until its healthcheck passes."""
-        hostname = hostname or name
+    def up(self, *replicas: tuple[str, str]) -> list[Service]:
+        """Start services (or more replicas), given as (service, container host name), together as
+        Compose does once their dependencies are healthy; return once every healthcheck passes."""
+        started_ = [self._start(name, hostname) for name, hostname in replicas]
+        for service, running, hostname in started_:
+            _healthy(self.venv, service, running, hostname)
+        return [running for _, running, _ in started_]
+
+    def _start(self, name: str, hostname: str) -> tuple[compose_file.Service, Service, str]:
         service = compose_file.Service.of(name, self.project, self.localize)
         env = self.venv.env({**service.environment, "HOSTNAME": hostname})
         # A container's Celery node is celery@<its host name>; Celery's CLI reads its --hostname
@@ -103,8 +109,7 @@ class Stack:
         data.mkdir()
         log = self.project / f"{hostname}.log"
         running = self.stack.enter_context(started(self.venv, service.command, log, env, cwd=data, name=hostname))
-        _healthy(self.venv, service, running, hostname)
-        return running
+        return service, running, hostname
 
 
 @pytest.fixture
@@ -131,6 +136,18 @@ def _run_tree(http: httpx.Client) -> dict[str, Any]:
     return task
 
 
+def _wait_for_workers(http: httpx.Client, names: list[str]) -> None:
+    """Poll /healthz until exactly these Celery nodes answer the API's ping (its 1 s ping may miss a busy one)."""
+    deadline = time.monotonic() + HEALTHY_TIMEOUT_S
+    health: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        health = http.get("/healthz").json()
+        if health["status"] == "ok" and sorted(health["workers"]["names"]) == names:
+            return
+        time.sleep(POLL_EVERY_S)
+    raise AssertionError(f"the API did not see workers {names}: {health}")
+
+
 def _tree_ids(http: httpx.Client, root_id: str) -> set[str]:
     def walk(node: dict[str, Any]) -> Iterator[str]:
         yield node["id"]
@@ -146,16 +163,13 @@ def test_compose_services_come_up_healthy_run_a_tree_and_scale(venv: Venv, proje
     assert shutil.which("sh"), "CMD-SHELL healthchecks run under sh"
     with ExitStack() as stack:
         services = Stack(venv, project, stack)
-        redis = services.up("redis")
-        worker1 = services.up("worker", hostname="worker-1")
-        api = services.up("api")
-        flower = services.up("flower")
+        (redis,) = services.up(("redis", "redis"))
+        worker1, api, flower = services.up(("worker", "worker-1"), ("api", "api"), ("flower", "flower"))
 
         with httpx.Client(
             base_url=services.api_url, headers={"Authorization": f"Bearer {API_TOKEN}"}, timeout=HTTP_TIMEOUT_S
         ) as http:
-            health = http.get("/healthz").json()
-            assert health["status"] == "ok" and health["workers"]["names"] == ["celery@worker-1"], health
+            _wait_for_workers(http, ["celery@worker-1"])
             # Flower took its password from SUBQ_FLOWER_PASSWORD in .env: a login is needed, and it works.
             flower_url = f"http://127.0.0.1:{services.ports[5555]}/api/workers"
             assert httpx.get(flower_url, timeout=HTTP_TIMEOUT_S).status_code == 401
@@ -166,9 +180,10 @@ def test_compose_services_come_up_healthy_run_a_tree_and_scale(venv: Venv, proje
 
             # `docker compose up --scale worker=2`: a second replica joins, then the first is
             # scaled away (SIGTERM, its graceful stop); the next tree runs on the new replica alone.
-            worker2 = services.up("worker", hostname="worker-2")
-            assert sorted(http.get("/healthz").json()["workers"]["names"]) == ["celery@worker-1", "celery@worker-2"]
+            (worker2,) = services.up(("worker", "worker-2"))
+            _wait_for_workers(http, ["celery@worker-1", "celery@worker-2"])
             assert worker1.stop() == 0, f"worker-1 did not stop cleanly:\n{worker1.tail()}"
+            _wait_for_workers(http, ["celery@worker-2"])
             second = _run_tree(http)
             ran_on_2 = worker2.log.read_text()
             for task_id in _tree_ids(http, second["id"]):
