@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from coordinator.local_redis import free_port
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.timeout(600)
 
 API_TOKEN = "compose-test-token"
 FLOWER_PASSWORD = "compose-test-flower-password"
-# Few threads per replica, so a second replica has work to take.
+# Few threads per replica: the test host runs two workers, the API and Flower at once.
 WORKER_CONCURRENCY = "2"
 # Docker's start_period and retries give a cold container a minute or more; a loaded CI host needs as long.
 HEALTHY_TIMEOUT_S = 120
@@ -174,7 +175,10 @@ def test_compose_services_come_up_healthy_run_a_tree_and_scale(venv: Venv, proje
             flower_url = f"http://127.0.0.1:{services.ports[5555]}/api/workers"
             assert httpx.get(flower_url, timeout=HTTP_TIMEOUT_S).status_code == 401
             assert httpx.get(flower_url, auth=("subq", FLOWER_PASSWORD), timeout=HTTP_TIMEOUT_S).status_code == 200
-            assert FLOWER_PASSWORD not in " ".join(flower.proc.args), "the password must not be on a command line"
+            # `subq flower` execs Flower: read the command lines as `ps` shows them now.
+            process = psutil.Process(flower.proc.pid)
+            command_lines = [" ".join(p.cmdline()) for p in (process, *process.children(recursive=True))]
+            assert "flower" in command_lines[0] and not any(FLOWER_PASSWORD in line for line in command_lines)
 
             _run_tree(http)
 
