@@ -78,6 +78,8 @@ def create_app(settings: Settings | None = None, coordinator: Coordinator | None
         docs_url="/docs",
         redoc_url="/redoc",
         static_url=DOCS_ASSETS_URL,
+        # Swagger UI would otherwise load a validity badge from swagger.io's online validator.
+        swagger_ui_parameters={"validatorUrl": None},
     )
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=settings.api_max_body_bytes)
