@@ -316,6 +316,14 @@ def test_the_in_cluster_redis_keeps_aof_on_a_volume_claim(rendered: dict[str, li
     assert conf == (ROOT / "deploy" / "redis.conf").read_text()
     assert "appendonly yes" in conf.split("\n")
     assert all(d["kind"] not in ("StatefulSet", "NetworkPolicy") for d in rendered["production"]), "external Redis"
+    # Redis has no password in the cluster: its NetworkPolicy admits subq's pods, and KEDA's operator.
+    policy = _one(docs, "NetworkPolicy", "subq-redis")
+    (rule,) = policy["spec"]["ingress"]
+    admitted = [peer["podSelector"]["matchLabels"] for peer in rule["from"] if "podSelector" in peer]
+    for name in ("subq-worker", "subq-api", "subq-flower"):
+        labels = _one(docs, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
+        assert any(selector.items() <= labels.items() for selector in admitted), name
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}}} in rule["from"]
 
 
 @pytest.mark.parametrize("name", ["subq-worker", "subq-api", "subq-flower"])
