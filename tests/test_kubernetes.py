@@ -353,3 +353,22 @@ def test_scale_to_zero_lets_keda_stop_every_worker(project: Path) -> None:
     # KEDA wakes the fleet from zero on the first waiting message, read from Redis (no worker, API or not).
     assert _trigger(scaled, "queued")["metadata"]["activationListLength"] == "0"
     assert [line for doc in docs for line in _errors(doc, KUBERNETES_VERSIONS[-1])] == []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_an_overlay_in_another_namespace_keeps_kedas_addresses_in_step(project: Path, overlay: str) -> None:
+    """Changing an overlay's `namespace:` is the only edit: the ScaledObject's addresses follow."""
+    kustomization = project / "overlays" / overlay / "kustomization.yaml"
+    moved = project / "overlays" / f"{overlay}-team-a"
+    shutil.copytree(kustomization.parent, moved)
+    text = (moved / "kustomization.yaml").read_text()
+    assert "\nnamespace: subq\n" in text
+    (moved / "kustomization.yaml").write_text(text.replace("\nnamespace: subq\n", "\nnamespace: team-a\n"))
+    done = _kustomize(moved)
+    assert done.returncode == 0, done.stderr
+    docs = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    assert {d["metadata"].get("namespace") for d in docs} == {"team-a"}
+    scaled = _one(docs, "ScaledObject")
+    assert _trigger(scaled, "in-flight")["metadata"]["url"] == "http://subq-api.team-a.svc.cluster.local:8000/metrics"
+    address = _trigger(scaled, "queued")["metadata"].get("address")
+    assert address in (None, "subq-redis.team-a.svc.cluster.local:6379"), address
