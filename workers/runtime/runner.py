@@ -130,7 +130,7 @@ def _run(rt: Runtime, run: Run, progress: Progress | None) -> Ended | Released:
         raise  # Redis, not the agent, failed: the task is retried (workers.tasks)
     except Exception as exc:  # an agent-level failure is a result, never a crash of the chord
         log.info("task %s failed: %s: %s", run.task.id, type(exc).__name__, exc)
-        return Ended("failed", error=one_line(str(exc)), error_class=type(exc).__name__)
+        return Ended("failed", error=one_line(str(exc)), error_class=type(exc).__name__, error_detail=_body_of(exc))
 
 
 async def _run_agent(rt: Runtime, run: Run, profile: Profile, progress: Progress | None) -> Ended | Released:
@@ -330,3 +330,11 @@ def _save_new(run: Run, messages: Sequence[ModelMessage], saved: int) -> int:
 
 def _text_of(response: ModelResponse) -> str:
     return "\n".join(p.content for p in response.parts if isinstance(p, TextPart))
+
+
+def _body_of(exc: Exception) -> str:
+    """A provider's raw error body (pydantic-ai's ModelHTTPError keeps it as `body`), as text."""
+    body = getattr(exc, "body", None)
+    if body is None:
+        return ""
+    return body if isinstance(body, str) else json.dumps(body, default=str)
