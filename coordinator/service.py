@@ -62,6 +62,9 @@ __all__ = ["DEFAULT_PAGE", "MAX_PAGE", "Coordinator"]
 # How long one blocking read of the tree's event stream lasts inside wait();
 # short enough to notice a deadline, long enough not to spin.
 WAIT_SLICE_MS = 1000
+# Events read at once while waiting, and the kinds of a task's own events that cannot settle it.
+WAIT_READ_COUNT = 1000
+QUIET_EVENTS = frozenset({"child_applied", "live"})
 # An idempotency key is an id the caller chose (a UUID, a message id), not a document.
 MAX_IDEMPOTENCY_KEY_CHARS = 200
 
@@ -362,10 +365,10 @@ class Coordinator:
             raise ValidationError("timeout_s must not be negative", field="timeout_s")
         deadline = time.monotonic() + timeout_s
         root_id = ids.root_of(task_id)
+        # Read the stream position before the status, so an event between the two wakes
+        # the blocking read below instead of being missed.
+        last_id = self.store.last_event_id(root_id)
         while True:
-            # Read the stream position before the status, so an event between the
-            # two wakes the blocking read below instead of being missed.
-            last_id = self.store.last_event_id(root_id)
             if self.settled(task_id)[0]:
                 return self.store.get_task(task_id)
             remaining_ms = int((deadline - time.monotonic()) * 1000)
@@ -375,7 +378,25 @@ class Coordinator:
                     f"Task {task_id} is still {record.status.value} after {timeout_s:g}s "
                     f"({len(record.awaiting_ids)} of {len(record.child_ids)} children outstanding)"
                 )
-            self.store.wait_for_event(root_id, last_id, min(WAIT_SLICE_MS, remaining_ms))
+            last_id = self._next_event_of(task_id, root_id, last_id, deadline)
+
+    def _next_event_of(self, task_id: str, root_id: str, after_id: str, deadline: float) -> str:
+        """Read the tree's stream until an event that may settle `task_id`, or for one slice.
+
+        The rest of the tree's events (its descendants' runs, each child written back) need
+        no read of its status: a wide delegation makes a few events per child, and waking
+        on each cost the waiter as much CPU as a worker. The status is read after every
+        slice anyway, so an event of a kind not named here delays a wait by a slice at most.
+        """
+        slice_end = min(deadline, time.monotonic() + WAIT_SLICE_MS / 1000)
+        while (block_ms := int((slice_end - time.monotonic()) * 1000)) > 0:
+            events = self.store.read_events(root_id, after_id, block_ms=block_ms, count=WAIT_READ_COUNT)
+            if not events:
+                break
+            after_id = events[-1][0]
+            if any(f.get("task_id") == task_id and f.get("type") not in QUIET_EVENTS for _, f in events):
+                break
+        return after_id
 
     def close(self) -> None:
         self.client.close()
