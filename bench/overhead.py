@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import statistics
 import sys
 import tempfile
@@ -64,6 +63,7 @@ from bench.run import (  # noqa: E402
     RUN_TIMEOUT_S,
     BenchError,
     check_write_back,
+    clean_start,
     cpu_model,
     machine_busy_s,
     other_work,
@@ -302,9 +302,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    for name in [name for name in os.environ if name.startswith("SUBQ_")]:
-        del os.environ[name]
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    clean_start()
     command = shlex.join(["python", "bench/overhead.py", *argv])
     busy_before_s, own_before_s, started_s = machine_busy_s(), own_cpu_s(), time.monotonic()
     max_width = max(*args.widths, *args.scale)

@@ -364,14 +364,19 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    # Figures must not depend on the caller's shell: every setting is the bench's or subq's default.
+def clean_start() -> None:
+    """Figures must not depend on the caller's shell: every setting is the bench's or subq's
+    default; and Ctrl-C or SIGTERM unwinds, so the workers and Redis a bench started stop."""
     for name in [name for name in os.environ if name.startswith("SUBQ_")]:
         del os.environ[name]
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    clean_start()
     command = shlex.join(["python", "bench/run.py", *argv])
     busy_before_s, own_before_s, started_s = machine_busy_s(), own_cpu_s(), time.monotonic()
     with tempfile.TemporaryDirectory(prefix="subq-bench-") as log_dir:
