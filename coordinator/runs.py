@@ -147,7 +147,7 @@ class RunLifecycle:
         return writeback.result_of(task)
 
     def settle_batch(self, batch_id: str) -> bool:
-        """The chord callback or a chain step: write back what has ended; True when it closed the batch."""
+        """A chain step (or an older release's chord callback): write back what has ended; True when it closed."""
         return writeback.write_back(self.coord, batch_id)
 
     def expire_approval(self, approval_id: str) -> bool:

@@ -12,10 +12,11 @@ child's line of the combined result is stored as it is applied, and the close
 joins the lines in dispatch order. The call that closes it resumes an agent
 parent under a numbered Celery task id.
 
-Callers, all in the coordinator: the run lifecycle as each child ends (it
-applies just that child, so each todo item is written as soon as its child
-ends) and for the chord callback (`subq.gather`) and the chain step
-(`subq.advance`); and a cancel or budget stop (coordinator/control.py).
+Callers, all in the coordinator: a run's end where it is not written back by
+`end_run.lua` itself (a sequential step, admission limits, the fault suite),
+a redelivery of an ended task and the reconciler, `subq.advance` (a chain
+step) and `subq.gather` (a chord callback an older release queued); and a
+cancel or budget stop (coordinator/control.py).
 Every step is idempotent, so a redelivered or duplicated call changes nothing.
 A step that sends a message (the next chain step, a parent's resume) watches
 its task first (the due list), so a process that dies before the send leaves
@@ -41,7 +42,7 @@ def write_back(coord: Coordinator, batch_id: str, ended: TaskRecord | None = Non
     The one write-back entry point. With `ended` (a child that has just ended) a
     parallel batch applies just that child and closes if it was the last: O(1),
     the awaiting set says whether it was, so a wide fan-out does not re-read every
-    sibling as each one ends. Without it (a chord callback, a chain step, a stop),
+    sibling as each one ends. Without it (a chain step, a stop, an older release's callback),
     every child that has ended is applied from the records in Redis.
     """
     store = coord.store

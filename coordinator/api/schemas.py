@@ -169,7 +169,7 @@ class DelegateBody(BaseModel):
 
     model_config = _INPUT
 
-    mode: DelegationMode = Field(default="parallel", description="parallel (a chord) or sequential (a chain)")
+    mode: DelegationMode = Field(default="parallel", description="parallel (all at once) or sequential (a chain)")
     # SubtaskSpec is the domain's own spec, so a field added there (budget_usd) reaches the API unchanged.
     subtasks: list[SubtaskSpec] = Field(min_length=1)
 
