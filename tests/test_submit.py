@@ -228,3 +228,18 @@ def test_an_idempotency_key_sent_by_name_returns_the_first_root(
     first = send(producer, settings, prompt="p", run=False, idempotency_key=key)
     again = send(producer, settings, prompt="p", run=False, idempotency_key=key)
     assert first == again and coordinator.get_task(first["task_id"]).status == TaskStatus.ACTIVE
+
+
+def test_lines_that_look_like_plan_items_are_named_in_the_result(idle_coordinator: Coordinator) -> None:
+    todos = "[ ] a\n* [ ] starred\n1. [ ] numbered"
+    caller = submit(idle_coordinator, (), {"prompt": "p", "run": False, "todos": todos, "subtasks": [_spec()]})
+    agent_root = submit(idle_coordinator, (), {"prompt": "p", "run": False, "todos": todos})
+
+    for result in (caller, agent_root):
+        assert [(i["line"], i["text"]) for i in result["ignored_todo_lines"]] == [
+            (2, "* [ ] starred"),
+            (3, "1. [ ] numbered"),
+        ]
+        assert [item.content for item in idle_coordinator.get_todos(result["task_id"])] == ["a"]
+    clean = submit(idle_coordinator, (), {"prompt": "p", "run": False, "todos": "[ ] a"})
+    assert "ignored_todo_lines" not in clean

@@ -20,7 +20,7 @@ from typing import Any
 from celery import Celery, Task
 from celery.worker.request import Request
 
-from coordinator import Coordinator, Settings, SubqError, ValidationError
+from coordinator import Coordinator, Settings, SubqError, ValidationError, ignored_lines
 from coordinator.celery_app import SUBMIT, describe_kwargs
 from workers.runtime.context import get_runtime
 
@@ -71,10 +71,14 @@ def _submit(
     key = kwargs.get("idempotency_key")
     if key is None and message_id:
         key = f"subq.submit:{message_id}"
+    # Lines that look like plan items but are not are named in the result, as the API does.
+    near_misses = [line.model_dump() for line in ignored_lines(todos)]
+    ignored = {"ignored_todo_lines": near_misses} if near_misses else {}
     if subtasks is None:
         if mode is not None:
             raise ValidationError("mode applies only together with subtasks", field="mode")
-        return {"task_id": coord.create_task(prompt, todos=todos, profile=profile, run=run, idempotency_key=key).id}
+        task = coord.create_task(prompt, todos=todos, profile=profile, run=run, idempotency_key=key)
+        return {"task_id": task.id, **ignored}
     if run:
         raise ValidationError(
             "subtasks need run=false: the caller owns a parent it delegates to "
@@ -87,7 +91,7 @@ def _submit(
     if done.error is not None:
         return error_result(done.error, task_id=done.task.id)
     assert done.batch is not None
-    return {"task_id": done.task.id, "batch_id": done.batch.id}
+    return {"task_id": done.task.id, "batch_id": done.batch.id, **ignored}
 
 
 class SubmitRequest(Request):  # type: ignore[misc]  # Celery ships no type hints
