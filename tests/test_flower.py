@@ -6,6 +6,7 @@ flower`) on the test Redis; everything is read through Flower's own HTTP API.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -271,3 +272,17 @@ def test_results_and_abort_answer(listening: str, coordinator_for_module: Coordi
         # Abort of anything else changes nothing: the submission's result stays.
         assert flower.post(f"{url}/api/task/abort/{submit_id}").status_code == 200
         assert flower.get(f"{url}/api/task/result/{submit_id}").json()["result"] == {"task_id": root_id}
+
+
+def test_subqs_own_publish_carries_the_summary(settings: Settings, redis_client: Any) -> None:
+    """For any other monitor of the event stream: subq's app never publishes a prompt in its reprs."""
+    queue, secret = f"subq-flower-reprs-{uuid.uuid4().hex[:8]}", f"SECRET-{uuid.uuid4().hex}"
+    coord = Coordinator(settings)
+    try:
+        coord.app.send_task("subq.submit", args=[secret], kwargs={"prompt": secret, "run": False}, queue=queue)
+    finally:
+        coord.close()
+    message = json.loads(redis_client.lpop(queue))
+    headers = message["headers"]
+    assert headers["argsrepr"] == "<1 positional argument(s): refused>"
+    assert headers["kwargsrepr"] == f"prompt=<{len(secret)} chars> run=False"
