@@ -23,7 +23,7 @@ from typing import Any
 
 import redis
 from celery import Task
-from pydantic_ai import Agent, DeferredToolRequests, FunctionToolset, ToolOutput
+from pydantic_ai import Agent, DeferredToolRequests, ToolOutput
 
 import bench.probe  # noqa: F401  (installs the round-trip probe first, when BENCH_PROBE_DIR is set)
 from bench import AGENT, JOIN, NOOP
@@ -63,8 +63,7 @@ def _agent() -> Agent[RunState, Any]:
         deps_type=RunState,
         output_type=[str, ToolOutput(attempt_completion, name="attempt_completion"), DeferredToolRequests],
         system_prompt=f"You are a helpful assistant.\n\n{ORCHESTRATION_PROMPT}",
-        # The same tool definitions, without subq's offline-plan instructions (they read a run's plan).
-        toolsets=[FunctionToolset(list(orchestration_tools.tools.values()))],
+        toolsets=[orchestration_tools],
     )
 
 

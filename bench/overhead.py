@@ -42,9 +42,10 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,7 @@ class Sample:
     round_trips: int
     server_commands: int
     worker_cpu_s: float
+    caller_cpu_s: float
     resumed_after_ms: float
     by_command: Counter[str] = field(default_factory=Counter)
 
@@ -112,7 +114,8 @@ class Modes:
     """The three modes on one Redis and two probed worker processes."""
 
     def __init__(self, redis_url: str, concurrency: int, max_width: int, probe_dir: Path, log_dir: Path) -> None:
-        self.client = redis.Redis.from_url(redis_url)
+        # BLPOP waits for a whole run: the socket must wait as long (redis-py's default gives up sooner).
+        self.client = redis.Redis.from_url(redis_url, socket_timeout=RUN_TIMEOUT_S + 30)
         self.probe_dir = probe_dir
         base = {"redis_url": redis_url, "worker_concurrency": concurrency, "max_fanout": max(256, max_width)}
         self.bare_settings = Settings(**base, queue="bench-bare")
@@ -139,9 +142,10 @@ class Modes:
         time.sleep(PROBE_SETTLE_S)
         trips_before, cpu_before = read_counts(self.probe_dir, pid), process_cpu_s(pid)
         commands_before = server_commands(self.client)
-        started_s = time.perf_counter()
-        resumed_after_ms = self._subq(width) if mode == "subq" else self._chord(mode, width)
-        wall_s = time.perf_counter() - started_s
+        started_s, caller_before_s = time.perf_counter(), time.process_time()
+        joined = self._subq(width) if mode == "subq" else self._chord(mode, width)
+        wall_s, caller_cpu_s = time.perf_counter() - started_s, time.process_time() - caller_before_s
+        resumed_after_ms = joined() if callable(joined) else joined
         time.sleep(PROBE_SETTLE_S)
         trips = read_counts(self.probe_dir, pid) - trips_before
         return Sample(
@@ -149,6 +153,7 @@ class Modes:
             round_trips=trips.pop("round_trips", 0),
             server_commands=server_commands(self.client) - commands_before,
             worker_cpu_s=process_cpu_s(pid) - cpu_before,
+            caller_cpu_s=caller_cpu_s,
             resumed_after_ms=resumed_after_ms,
             by_command=trips,
         )
@@ -168,29 +173,36 @@ class Modes:
             raise BenchError(f"{mode} chord of {width}: the callback saw {joined['results']} results")
         return float(joined["after_last_ms"])
 
-    def _subq(self, width: int) -> float:
+    def _subq(self, width: int) -> Callable[[], float]:
+        """Delegate and wait; returns the check (untimed) that gives the resume latency in ms."""
         coord = self.coord
         todos = "\n".join(f"[ ] item {index}" for index in range(width))
         parent = coord.create_task("Benchmark parent: delegate every item.", todos=todos)
         specs = [{"description": f"item {index}", "message": CHILD_MESSAGE} for index in range(width)]
         batch = coord.delegate(parent.id, specs)
-        record = coord.wait(parent.id, RUN_TIMEOUT_S)
-        check_write_back(coord, parent.id, width, record.status)
-        ended = [float(coord.store.task_field(child_id, "finished_at") or 0) for child_id in batch.child_ids]
-        closed = float(self.client.hget(coord.store.keys.batch(parent.root_id, batch.id), "finished_at") or 0)
-        if not closed or not all(ended):
-            raise BenchError(f"subq width {width}: the batch or a child has no finished_at")
-        return (closed - max(ended)) * 1000
+        status = coord.wait(parent.id, RUN_TIMEOUT_S).status
+
+        def check() -> float:
+            check_write_back(coord, parent.id, width, status)
+            ended = [float(coord.store.task_field(child_id, "finished_at") or 0) for child_id in batch.child_ids]
+            closed = float(self.client.hget(coord.store.keys.batch(parent.root_id, batch.id), "finished_at") or 0)
+            if not closed or not all(ended):
+                raise BenchError(f"subq width {width}: the batch or a child has no finished_at")
+            return (closed - max(ended)) * 1000
+
+        return check
 
 
-def measure(modes: Modes, widths: Sequence[int], repeats: int, warmup: int) -> dict[str, dict[int, list[Sample]]]:
-    for mode in MODES:
+def measure(
+    modes: Modes, names: Sequence[str], widths: Sequence[int], repeats: int, warmup: int
+) -> dict[str, dict[int, list[Sample]]]:
+    for mode in names:
         progress(f"{mode}: warm-up at width {warmup}")
         modes.run(mode, warmup)
-    samples: dict[str, dict[int, list[Sample]]] = {mode: {width: [] for width in widths} for mode in MODES}
+    samples: dict[str, dict[int, list[Sample]]] = {mode: {width: [] for width in widths} for mode in names}
     for width in widths:
         for repeat in range(repeats):
-            for mode in MODES:  # taking turns: a burst of other work slows every mode alike
+            for mode in names:  # taking turns: a burst of other work slows every mode alike
                 sample = modes.run(mode, width)
                 samples[mode][width].append(sample)
                 progress(
@@ -223,6 +235,7 @@ def summarise(samples: dict[str, dict[int, list[Sample]]]) -> list[dict[str, Any
                     "round_trips_per_child": round(statistics.median(r.round_trips for r in runs) / width, 2),
                     "server_commands_per_child": round(statistics.median(r.server_commands for r in runs) / width, 1),
                     "worker_cpu_ms_per_child": round(statistics.median(r.worker_cpu_s for r in runs) * 1000 / width, 2),
+                    "caller_cpu_ms_per_child": round(statistics.median(r.caller_cpu_s for r in runs) * 1000 / width, 2),
                     "resumed_p50_ms": round(percentile([r.resumed_after_ms for r in runs], 0.5), 1),
                     "resumed_p99_ms": round(percentile([r.resumed_after_ms for r in runs], 0.99), 1),
                     "round_trips_by_command": {name: round(n / width / len(runs), 2) for name, n in top},
@@ -237,7 +250,7 @@ def print_report(rows: list[dict[str, Any]], scale: dict[str, float], facts: dic
     print()
     header = (
         f"{'mode':>6} {'width':>6} {'children/s':>11} {'trips/child':>12} {'cmds/child':>11} "
-        f"{'CPU ms/child':>13} {'resumed p50':>12} {'p99 ms':>7}"
+        f"{'CPU ms/child':>13} {'caller CPU':>11} {'resumed p50':>12} {'p99 ms':>7}"
     )
     print(header)
     print("-" * len(header))
@@ -245,6 +258,7 @@ def print_report(rows: list[dict[str, Any]], scale: dict[str, float], facts: dic
         print(
             f"{r['mode']:>6} {r['width']:>6} {r['children_per_s']:>11.1f} {r['round_trips_per_child']:>12.2f} "
             f"{r['server_commands_per_child']:>11.1f} {r['worker_cpu_ms_per_child']:>13.2f} "
+            f"{r['caller_cpu_ms_per_child']:>11.2f} "
             f"{r['resumed_p50_ms']:>12.1f} {r['resumed_p99_ms']:>7.1f}"
         )
     print()
@@ -261,6 +275,13 @@ def print_report(rows: list[dict[str, Any]], scale: dict[str, float], facts: dic
         print(f"scale {mode}: time({DEFAULT_SCALE[1]})/time({DEFAULT_SCALE[0]}) = {ratio:.2f}")
 
 
+def modes_arg(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(","))
+    if not names or any(name not in MODES for name in names):
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(MODES)}, not {text!r}")
+    return names
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench/overhead.py", description=__doc__.splitlines()[0])
     parser.add_argument("--widths", type=widths_arg, default=DEFAULT_WIDTHS, help="fan-out widths (100,1000)")
@@ -270,7 +291,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--no-scale", action="store_true", help="skip the scale runs")
     parser.add_argument("--repeats", type=positive_int, default=DEFAULT_REPEATS, help="runs per width (3)")
     parser.add_argument("--concurrency", type=positive_int, default=DEFAULT_CONCURRENCY, help="threads (16)")
-    parser.add_argument("--modes", default=",".join(MODES), help="which modes to run (noop,agent,subq)")
+    parser.add_argument("--modes", type=modes_arg, default=MODES, help="which modes to run (noop,agent,subq)")
     parser.add_argument("--json", action="store_true", help="also print every figure as one JSON object")
     args = parser.parse_args(argv)
     if len(args.scale) != 2:
@@ -291,15 +312,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         (Path(tmp) / "probe").mkdir()
         modes = Modes(url, args.concurrency, max_width, Path(tmp) / "probe", Path(tmp) / "logs")
         try:
-            samples = measure(modes, args.widths, args.repeats, warmup=args.concurrency * 2)
+            samples = measure(modes, args.modes, args.widths, args.repeats, warmup=args.concurrency * 2)
             scale: dict[str, float] = {}
             if not args.no_scale:
                 small, large = args.scale
-                for mode in MODES:
+                for mode in args.modes:
                     times = [modes.run(mode, width).wall_s for width in (small, large)]
                     scale[mode] = times[1] / times[0]
                     progress(f"{mode}: time({large})/time({small}) = {scale[mode]:.2f}")
         except (BenchError, SubqError, redis.RedisError) as exc:
+            traceback.print_exc()
             print(f"bench: error: {exc}", file=sys.stderr)
             return 1
         finally:

@@ -165,6 +165,9 @@ class TaskRecord(BaseModel):
     summary: str = ""
     error: str = ""
     error_class: str = ""
+    # A failed model request's raw error body from the provider (JSON or text, cut to 4,000
+    # characters); `error` is its one clear line.
+    error_detail: str = ""
     cost_source: str = ""
     runner: Literal["caller", "agent"] = "caller"
     # 0 means no budget; otherwise the subtree stops once its total reaches it.

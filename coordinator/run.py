@@ -78,6 +78,7 @@ class Ended:
     summary: str = ""
     error: str = ""
     error_class: str = ""
+    error_detail: str = ""  # a failed model request's raw error body, kept on the record
 
 
 @dataclass(frozen=True)
@@ -316,6 +317,8 @@ class Run:
             # Its last response reached a budget: the holder's subtree is stopped, this run with it.
             return self.end(self.stopped(ending.holder))
         self._heartbeat.forget(self)
+        if outcome.error_detail and ending.status == outcome.status:
+            coord.store.set_error_detail(task_id, outcome.error_detail[:MAX_SUMMARY_CHARS])
         if ending.batch_mode == "sequential":
             (final,) = coord.store.get_records([task_id])
             writeback.write_back(coord, final.batch_id or "", ended=final)
@@ -341,6 +344,8 @@ class Run:
         self.flush()
         summary = outcome.summary[:MAX_SUMMARY_CHARS]
         coord.store.finish_task(task_id, outcome.status, summary, outcome.error, outcome.error_class)
+        if outcome.error_detail:
+            coord.store.set_error_detail(task_id, outcome.error_detail[:MAX_SUMMARY_CHARS])
         faults.crash_point(coord.settings, "after-finish")
         self._release()
         (final,) = coord.store.get_records([task_id])  # one read; the result needs no child lists

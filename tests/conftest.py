@@ -22,10 +22,13 @@ from coordinator.fleet import WorkerFleet
 from coordinator.local_redis import local_redis
 from tests.helpers import ApiServer, Transport, api_settings
 
+# The built wheel in a fresh venv, once per run (tests/test_wheel.py, tests/test_compose.py).
+pytest_plugins = ["tests.wheel_env"]
+
 # The files that take longest (building and installing the wheel, whole stacks, killed
 # workers) run first: the suite runs on pytest-xdist workers a file at a time, and a
 # long file started last would leave the others idle while it finishes.
-LONGEST_FIRST = ("test_wheel.py", "test_up.py", "test_restart.py", "test_cli.py", "test_control.py")
+LONGEST_FIRST = ("test_wheel.py", "test_compose.py", "test_up.py", "test_restart.py", "test_cli.py", "test_control.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,54 +1,128 @@
-"""docker-compose.yml keeps its promises (no Docker engine runs here, so its structure is checked).
+"""docker-compose.yml keeps its promises on paper (tests/test_compose.py runs it).
 
-Redis with AOF, a worker service that `--scale worker=N` can multiply (no fixed
-name, no host port), Flower behind basic auth, every service on the same
-SUBQ_REDIS_URL.
+The file is valid against the Compose Specification's JSON schema (the copy that
+check-jsonschema ships and maintains); every service has a healthcheck and a
+restart policy and starts once Redis is healthy; every setting is a SUBQ_
+variable from `.env`, no secret is written in the file or on a command line;
+a worker has time to hand its runs back before Docker kills it; the build
+context leaves out the virtual environment, git history and caches.
 """
 
 from __future__ import annotations
 
+import json
+import re
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-import yaml
+import jsonschema
+import pytest
+
+from coordinator.settings import DEFAULT_SHUTDOWN_GRACE_S, Settings
+from tests import compose_file
 
 ROOT = Path(__file__).resolve().parent.parent
+# The Compose Specification's schema as check-jsonschema ships it (`--builtin-schema vendor.compose-spec`),
+# read in-process: the CLI costs about ten seconds a run on a loaded CI host.
+COMPOSE_SPEC = json.loads(files("check_jsonschema.builtin_schemas.vendor").joinpath("compose-spec.json").read_text())
+# Celery's warm shutdown after the runs are handed back, and the process exit.
+STOP_MARGIN_S = 5
+SUBQ_SERVICES = ("worker", "api", "flower")
 
 
-def _compose() -> dict[str, Any]:
-    data: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    return data
+def _schema_errors(compose: dict[str, Any]) -> list[str]:
+    validator = jsonschema.validators.validator_for(COMPOSE_SPEC)(COMPOSE_SPEC)
+    return [f"{error.json_path}: {error.message}" for error in validator.iter_errors(compose)]
 
 
-def test_redis_runs_with_aof() -> None:
-    redis = _compose()["services"]["redis"]
+def test_compose_file_is_valid_against_the_compose_spec() -> None:
+    assert COMPOSE_SPEC["title"] == "Compose Specification"
+    assert _schema_errors(compose_file.load()) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "complaint"),
+    [
+        (lambda c: c["services"]["worker"].update(healtcheck={"test": ["CMD", "true"]}), "healtcheck"),
+        (lambda c: c["services"]["api"]["depends_on"]["redis"].update(condition="healthy"), "healthy"),
+        (lambda c: c["services"]["worker"].update(stop_grace_period=35), "35"),
+    ],
+    ids=["misspelt key", "unknown depends_on condition", "grace period not a duration"],
+)
+def test_the_schema_check_refuses_a_broken_file(change: Any, complaint: str) -> None:
+    """The check can fail: a typo or a wrong value is refused, naming what is wrong."""
+    broken = compose_file.load()
+    change(broken)
+    errors = _schema_errors(broken)
+    assert errors and complaint in " ".join(errors), errors
+
+
+def test_every_service_is_health_checked_restarted_and_waits_for_redis() -> None:
+    services = compose_file.load()["services"]
+    for name, service in services.items():
+        assert service["restart"] == "unless-stopped", name
+        assert service["healthcheck"]["test"][0] in ("CMD", "CMD-SHELL"), name
+    for name in SUBQ_SERVICES:
+        assert services[name]["depends_on"] == {"redis": {"condition": "service_healthy"}}, name
+    # The worker's check pings its own Celery node, by its container's host name.
+    assert "inspect ping" in services["worker"]["healthcheck"]["test"][1]
+    assert "celery@$$HOSTNAME" in services["worker"]["healthcheck"]["test"][1]
+    assert "/healthz" in " ".join(services["api"]["healthcheck"]["test"])
+
+
+def test_redis_keeps_its_aof_on_a_named_volume() -> None:
+    compose = compose_file.load()
+    redis = compose["services"]["redis"]
     conf_mount = next(v for v in redis["volumes"] if v.startswith("./deploy/redis.conf:"))
     assert conf_mount.split(":")[1] in redis["command"]
+    assert "redis-data:/data" in redis["volumes"] and "redis-data" in compose["volumes"]
     conf = (ROOT / "deploy" / "redis.conf").read_text().split("\n")
     assert "appendonly yes" in conf and "maxmemory-policy noeviction" in conf
-
-
-def test_worker_scales_and_flower_has_basic_auth() -> None:
-    services = _compose()["services"]
-    worker, flower = services["worker"], services["flower"]
-    assert "container_name" not in worker and "ports" not in worker, "--scale worker=N needs neither"
-    assert worker["command"][:4] == ["celery", "-A", "workers.app", "worker"]
-    assert any(arg.startswith("--basic-auth=") for arg in flower["command"])
-    assert "FLOWER_PASSWORD:?" in " ".join(flower["command"]), "no default password"
-    api = services["api"]
-    assert api["command"][:2] == ["subq", "api"] and "SUBQ_API_TOKEN:?" in api["environment"]["SUBQ_API_TOKEN"]
-    urls = {s["environment"]["SUBQ_REDIS_URL"] for s in (worker, flower, api)}
-    assert urls == {"redis://redis:6379/0"}
-    dockerfile = (ROOT / worker["build"]["dockerfile"]).read_text()
-    assert "pip install" in dockerfile and "USER subq" in dockerfile
-
-
-def test_a_stopped_worker_has_time_to_hand_its_runs_back() -> None:
-    """Docker kills a container its stop grace after SIGTERM; the runs' hand-back must fit inside it."""
-    from coordinator.settings import DEFAULT_SHUTDOWN_GRACE_S
-
-    worker = _compose()["services"]["worker"]
-    grace_s = int(worker["stop_grace_period"].removesuffix("s"))
-    assert grace_s > DEFAULT_SHUTDOWN_GRACE_S + 5, (grace_s, DEFAULT_SHUTDOWN_GRACE_S)
-    conf = (ROOT / "deploy" / "redis.conf").read_text().split("\n")
     assert "appendfsync everysec" in conf, "docs/architecture.md states the loss window of everysec"
+
+
+def test_settings_come_from_the_env_file_by_subq_names_and_no_secret_is_written_down() -> None:
+    services = compose_file.load()["services"]
+    example = compose_file.read_env_file(ROOT / ".env.example")
+    assert example, ".env.example documents the settings"
+    known = {f"SUBQ_{name.upper()}" for name in Settings.model_fields} | {"SUBQ_FLOWER_USER", "SUBQ_FLOWER_PASSWORD"}
+    assert set(example) <= known, f"not subq settings: {set(example) - known}"
+    for name in SUBQ_SERVICES:
+        service = services[name]
+        assert service["env_file"] == ".env", name
+        assert set(service["environment"]) <= known, name
+        assert service["environment"]["SUBQ_REDIS_URL"] == "redis://redis:6379/0"
+        # No password, token or ${...} of one on a command line, where `ps` shows it to any local user.
+        assert not re.search(r"password|token|secret|\$\{", " ".join(service["command"]), re.I), name
+    text = compose_file.COMPOSE_FILE.read_text()
+    assert "FLOWER_PASSWORD" not in text.replace("SUBQ_FLOWER_PASSWORD", ""), "one naming scheme: SUBQ_"
+    gitignore = (ROOT / ".gitignore").read_text().split("\n")
+    assert ".env" in gitignore, "the operator's .env holds secrets: never committed"
+
+
+def test_workers_scale_and_have_time_to_hand_their_runs_back() -> None:
+    """Docker kills a container its stop grace after SIGTERM; the runs' hand-back must fit inside it."""
+    worker = compose_file.load()["services"]["worker"]
+    assert "container_name" not in worker and "ports" not in worker, "--scale worker=N needs neither"
+    grace_s = compose_file.seconds(worker["stop_grace_period"])
+    example = compose_file.read_env_file(ROOT / ".env.example")
+    shutdown_grace_s = int(example.get("SUBQ_SHUTDOWN_GRACE_S", DEFAULT_SHUTDOWN_GRACE_S))
+    assert grace_s >= max(shutdown_grace_s, DEFAULT_SHUTDOWN_GRACE_S) + STOP_MARGIN_S, (grace_s, shutdown_grace_s)
+
+
+def test_every_subq_service_runs_the_image_of_the_wheel() -> None:
+    services = compose_file.load()["services"]
+    for name in SUBQ_SERVICES:
+        assert services[name]["build"] == {"context": ".", "dockerfile": "deploy/Dockerfile"}, name
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert "pip install --no-cache-dir /tmp/dist/*.whl" in dockerfile and "USER subq" in dockerfile
+
+
+def test_build_context_leaves_out_the_venv_git_and_caches() -> None:
+    ignored = set((ROOT / ".dockerignore").read_text().split("\n"))
+    for entry in (".venv/", ".git/", "**/__pycache__/", ".mypy_cache/", ".pytest_cache/", ".env"):
+        assert entry in ignored, entry
+    # Nothing the Dockerfile copies is ignored.
+    copied = {"pyproject.toml", "README.md", "coordinator/", "workers/"}
+    assert not copied & ignored

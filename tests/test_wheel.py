@@ -9,17 +9,12 @@ Python client, and `subq api` with `subq worker` against a real Redis.
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
 import socket
-import subprocess
-import sys
 import time
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,27 +22,16 @@ import httpx
 import pytest
 
 from coordinator.local_redis import free_port
+from tests.wheel_env import BUILD_INPUTS, PIP_WHEEL, ROOT, Service, Venv, started
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 
-# Building, creating the venv and installing the dependencies take a minute or two
-# on a cold pip cache; the whole module gets this long per test.
+# Building, creating the venv and installing the dependencies (tests/wheel_env.py, once
+# per run) take a minute or two on a cold pip cache; the whole module gets this long per test.
 pytestmark = pytest.mark.timeout(600)
 
-# What deploy/Dockerfile copies into its build stage: the wheel is built from these alone.
-BUILD_INPUTS = ("pyproject.toml", "README.md", "coordinator", "workers")
-# The Dockerfile runs the same command, as `python -m pip wheel --no-deps . -w /dist`.
-# Build isolation on: pip installs the build requirements pyproject.toml names
-# (setuptools>=69, wheel) from the index, whatever this environment has.
-PIP_WHEEL = ("-m", "pip", "wheel", "--no-deps")
-BUILD_TIMEOUT_S = 300
-INSTALL_TIMEOUT_S = 420
-COMMAND_TIMEOUT_S = 60
 # A cold API or worker imports FastAPI, Celery and pydantic-ai in seconds; a loaded CI host takes longer.
 START_TIMEOUT_S = 90
-# A warm shutdown of an idle worker or API takes a second or two.
-STOP_TIMEOUT_S = 30
 POLL_EVERY_S = 0.25
 HTTP_TIMEOUT_S = 5
 # Keys and a queue of this test's own on the session's shared Redis.
@@ -59,91 +43,6 @@ AGENT_PROMPT = "Say hello from the installed wheel"
 # The worker imports the agent runner (pydantic-ai, genai-prices) on its first task: seconds,
 # or tens of seconds on a loaded CI host.
 AGENT_TIMEOUT_S = 120
-
-
-@dataclass(frozen=True)
-class Venv:
-    """A virtual environment with the wheel installed, and a way to run its commands."""
-
-    root: Path
-    site_packages: Path
-    workdir: Path  # an empty folder outside the checkout: the working directory of every command
-
-    @property
-    def bin(self) -> Path:
-        return self.root / "bin"
-
-    def env(self, **subq: str) -> dict[str, str]:
-        """This environment's PATH first; nothing from the caller's Python or SUBQ_ settings leaks in."""
-        leaky = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
-        env = {k: v for k, v in os.environ.items() if k not in leaky and not k.startswith("SUBQ_")}
-        env.update(PATH=f"{self.bin}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(self.root))
-        env["PYTHONNOUSERSITE"] = "1"  # no packages from ~/.local either
-        env.update({f"SUBQ_{name.upper()}": value for name, value in subq.items()})
-        return env
-
-    def run(self, *argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(self.bin / argv[0]), *argv[1:]],
-            cwd=self.workdir,
-            env=self.env(),
-            capture_output=True,
-            text=True,
-            timeout=COMMAND_TIMEOUT_S,
-        )
-
-
-def _run_checked(argv: list[str], timeout_s: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    """Run a build step; fail with its output (not just an exit code) when it fails."""
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, **kwargs)
-    assert done.returncode == 0, (
-        f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
-    )
-    return done
-
-
-def _copy_build_inputs(dest: Path) -> Path:
-    """The files the Dockerfile copies, without bytecode; a copy, so the build writes nothing into the checkout.
-
-    (setuptools builds in the source folder, and a stale build/lib there would leak
-    files that no longer exist, such as a module moved into a package, into the wheel.)
-    """
-    dest.mkdir()
-    for name in BUILD_INPUTS:
-        source = ROOT / name
-        if source.is_dir():
-            shutil.copytree(source, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        else:
-            shutil.copy2(source, dest / name)
-    return dest
-
-
-@pytest.fixture(scope="module")
-def source_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _copy_build_inputs(tmp_path_factory.mktemp("build") / "src")
-
-
-@pytest.fixture(scope="module")
-def wheel(source_copy: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dist = tmp_path_factory.mktemp("dist")
-    _run_checked([sys.executable, *PIP_WHEEL, str(source_copy), "-w", str(dist)], BUILD_TIMEOUT_S)
-    (built,) = dist.glob("*.whl")
-    return built
-
-
-@pytest.fixture(scope="module")
-def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Venv:
-    root = tmp_path_factory.mktemp("venv")
-    _run_checked([sys.executable, "-m", "venv", "--clear", str(root)], COMMAND_TIMEOUT_S)
-    python = str(root / "bin" / "python")
-    # The wheel file itself (not the checkout, not -e), with its runtime dependencies and
-    # no dev extras. pip's cache is left on: dependencies come from it when it has them.
-    # --no-compile: byte-compiling every installed module took 6 of 15 s; the few modules
-    # the commands below import are compiled as they are imported.
-    install = [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-compile", str(wheel)]
-    _run_checked(install, INSTALL_TIMEOUT_S)
-    site = _run_checked([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], COMMAND_TIMEOUT_S)
-    return Venv(root=root, site_packages=Path(site.stdout.strip()), workdir=tmp_path_factory.mktemp("cwd"))
 
 
 # Modules, Lua scripts, and the web view's templates, script and stylesheet (no CDN: they ship here).
@@ -203,46 +102,10 @@ def test_installed_package_is_the_one_imported(venv: Venv) -> None:
     assert imported_from.is_relative_to(venv.site_packages), f"imported {imported_from}, not the installed wheel"
 
 
-@dataclass(frozen=True)
-class Service:
-    """An installed command running in a process group of its own, with its output in `log`."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def tail(self, chars: int = 3000) -> str:
-        return f"--- {self.name} log ---\n" + self.log.read_text(errors="replace")[-chars:]
-
-    def assert_running(self) -> None:
-        assert self.proc.poll() is None, f"{self.name} exited {self.proc.returncode}:\n{self.tail()}"
-
-    def stop(self) -> int:
-        """A clean stop: SIGTERM to the whole group (what Docker and systemd send), then its exit code."""
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        return self.proc.wait(timeout=STOP_TIMEOUT_S)
-
-
 @contextmanager
 def _started(venv: Venv, argv: list[str], log_dir: Path, **subq: str) -> Iterator[Service]:
-    """Start an installed command; its group is killed at the end if it is still up, so nothing outlives the test."""
-    name = " ".join(argv[:2])
-    log = log_dir / f"{argv[1]}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [str(venv.bin / argv[0]), *argv[1:]],
-            cwd=venv.workdir,
-            env=venv.env(**subq),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        yield Service(name, proc, log)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    with started(venv, argv, log_dir / f"{argv[1]}.log", venv.env(**subq)) as service:
+        yield service
 
 
 def _wait_for_health(url: str, *services: Service, worker_node: str | None = None) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import Depends, FastAPI
+from fastapi_offline import FastAPIOffline
 
 from coordinator.api.auth import bearer_auth
 from coordinator.api.control import control_routes
@@ -27,13 +28,16 @@ from coordinator.service import Coordinator
 from coordinator.settings import Settings, load_settings
 from coordinator.web import install_web
 
-__all__ = ["create_app"]
+__all__ = ["DOCS_ASSETS_URL", "create_app"]
+
+# Where the API serves the Swagger UI and ReDoc scripts and styles (fastapi-offline's default path).
+DOCS_ASSETS_URL = "/static-offline-docs"
 
 DESCRIPTION = """\
 A distributed job queue for AI subagents on Celery and Redis.
 
 Authenticate the `/v1` endpoints with `Authorization: Bearer <SUBQ_API_TOKEN>`;
-`/healthz`, `/metrics`, `/openapi.json` and `/docs` are open. Every error is
+`/healthz`, `/metrics`, `/openapi.json`, `/docs` and `/redoc` are open. Every error is
 `{"code", "message", "field"}`. See docs/api.md.
 """
 
@@ -63,12 +67,19 @@ def create_app(settings: Settings | None = None, coordinator: Coordinator | None
         if owned:  # a Coordinator passed in belongs to the caller
             coord.close()
 
-    app = FastAPI(
+    # Swagger UI and ReDoc from files the fastapi-offline package ships, served under
+    # DOCS_ASSETS_URL: FastAPI's own pages load them from a CDN, and /docs was blank
+    # on a host without internet (issue 12).
+    app = FastAPIOffline(
         title="subq",
         version=_version(),
         description=DESCRIPTION,
         lifespan=lifespan,
-        redoc_url=None,
+        docs_url="/docs",
+        redoc_url="/redoc",
+        static_url=DOCS_ASSETS_URL,
+        # Swagger UI would otherwise load a validity badge from swagger.io's online validator.
+        swagger_ui_parameters={"validatorUrl": None},
     )
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=settings.api_max_body_bytes)

@@ -275,6 +275,11 @@ class RunStore(RecordStore):
         return found
 
     @translate_redis_errors
+    def set_error_detail(self, task_id: str, detail: str) -> None:
+        """Keep a failed run's raw error body on its record (only failures have one)."""
+        self.client.hset(self.keys.task(root_of(task_id), task_id), TaskField.ERROR_DETAIL, detail)
+
+    @translate_redis_errors
     def finish_task(self, task_id: str, status: str, summary: str = "", error: str = "", error_class: str = "") -> str:
         """Make a task terminal once; returns its status after the call."""
         root = root_of(task_id)

@@ -43,7 +43,15 @@ from workers.runtime.context import Runtime
 from workers.runtime.metering import MeteredModel
 from workers.runtime.pricing import cost_of, reported_cost_usd
 from workers.runtime.providers import build_model
-from workers.runtime.tools import ORCHESTRATION_PROMPT, RunState, attempt_completion, describe_call, orchestration_tools
+from workers.runtime.tools import (
+    ORCHESTRATION_PROMPT,
+    RunState,
+    attempt_completion,
+    describe_call,
+    offline_plan_toolset,
+    orchestration_tools,
+    plans_offline,
+)
 
 __all__ = ["INTERRUPTED", "Progress", "RunInProgress", "run_child"]
 
@@ -122,7 +130,7 @@ def _run(rt: Runtime, run: Run, progress: Progress | None) -> Ended | Released:
         raise  # Redis, not the agent, failed: the task is retried (workers.tasks)
     except Exception as exc:  # an agent-level failure is a result, never a crash of the chord
         log.info("task %s failed: %s: %s", run.task.id, type(exc).__name__, exc)
-        return Ended("failed", error=one_line(str(exc)), error_class=type(exc).__name__)
+        return Ended("failed", error=one_line(str(exc)), error_class=type(exc).__name__, error_detail=_body_of(exc))
 
 
 async def _run_agent(rt: Runtime, run: Run, profile: Profile, progress: Progress | None) -> Ended | Released:
@@ -228,7 +236,7 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
     )
     pending = _calls_without_result(history)
     results = _answers(run, pending) if pending else None
-    async with _agent_for(profile.system_prompt).iter(
+    async with _agent_for(profile.system_prompt, plans_offline(profile, task.prompt)).iter(
         None if history else task.prompt,
         model=model,
         message_history=history or None,
@@ -256,15 +264,15 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
 
 
 @functools.cache
-def _agent_for(system_prompt: str) -> Agent[RunState, Any]:
-    """One agent per system prompt and process: building one generates every tool's JSON
-    schema (about 1.5 ms, measured as 12% of a worker's CPU in bench/), and nothing in it
-    is per task: the model, with the task's hooks, is given to each run."""
+def _agent_for(system_prompt: str, with_planner: bool) -> Agent[RunState, Any]:
+    """One agent per system prompt (and planner use) and process: building one generates
+    every tool's JSON schema (about 1.5 ms, measured as 12% of a worker's CPU in bench/), and
+    nothing in it is per task: the model, with the task's hooks, is given to each run."""
     return Agent(
         deps_type=RunState,
         output_type=[str, ToolOutput(attempt_completion, name="attempt_completion"), DeferredToolRequests],
         system_prompt=f"{system_prompt}\n\n{ORCHESTRATION_PROMPT}",
-        toolsets=[orchestration_tools],
+        toolsets=[orchestration_tools, offline_plan_toolset] if with_planner else [orchestration_tools],
     )
 
 
@@ -322,3 +330,11 @@ def _save_new(run: Run, messages: Sequence[ModelMessage], saved: int) -> int:
 
 def _text_of(response: ModelResponse) -> str:
     return "\n".join(p.content for p in response.parts if isinstance(p, TextPart))
+
+
+def _body_of(exc: Exception) -> str:
+    """A provider's raw error body (pydantic-ai's ModelHTTPError keeps it as `body`), as text."""
+    body = getattr(exc, "body", None)
+    if body is None:
+        return ""
+    return body if isinstance(body, str) else json.dumps(body, default=str)

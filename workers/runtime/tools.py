@@ -35,7 +35,6 @@ from pydantic_ai.toolsets import FunctionToolset
 from coordinator import OFFLINE_PROFILE, Profile, SubqError, SubtaskSpec, ignored_lines, render_markdown
 from coordinator.runs import Run
 from workers.runtime.approval_policy import verdict
-from workers.runtime.offline import task_message
 from workers.runtime.planner import plan_instructions
 from workers.runtime.script import SCRIPT_INFO_STRING
 
@@ -106,17 +105,22 @@ def _delegate(ctx: RunContext[RunState], specs: list[SubtaskInput], mode: str) -
 orchestration_tools: FunctionToolset[RunState] = FunctionToolset()
 
 
-@orchestration_tools.instructions
-def offline_plan(ctx: RunContext[RunState]) -> str | None:
-    """An offline task's plan, before each request: the offline model's planner carries it out.
+# The offline planner's view of the plan, before each request (workers/runtime/planner.py).
+# A toolset of its own, given only to an offline task that plays no script (`plans_offline`):
+# other runs neither read the plan per request nor pay for an instructions function.
+offline_plan_toolset: FunctionToolset[RunState] = FunctionToolset()
 
-    Only for the offline model (workers/runtime/planner.py): a real model is not sent it,
-    so its prompt and its provider's prompt cache are as they were.
-    """
-    if ctx.deps.profile.model != OFFLINE_PROFILE or SCRIPT_INFO_STRING in task_message(ctx.messages):
-        return None  # a script plays its own steps: no read of the plan for it
+
+@offline_plan_toolset.instructions
+def offline_plan(ctx: RunContext[RunState]) -> str | None:
+    """An offline task's plan, before each request: the offline model's planner carries it out."""
     items = ctx.deps.run.todos()
     return plan_instructions(items) if items else None
+
+
+def plans_offline(profile: Profile, prompt: str) -> bool:
+    """Whether a run's agent carries out its plan with the offline planner: the offline model, no script."""
+    return profile.model == OFFLINE_PROFILE and SCRIPT_INFO_STRING not in prompt
 
 
 @orchestration_tools.tool

