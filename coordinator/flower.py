@@ -32,6 +32,7 @@ import logging
 import threading
 from typing import Any
 
+import flower.events
 from celery import Celery, states
 from celery.contrib.abortable import ABORTED
 
@@ -41,7 +42,7 @@ from coordinator.ids import task_of_run_id
 from coordinator.models import TaskRecord
 from coordinator.service import Coordinator
 
-__all__ = ["ABORT_REASON", "RunResultBackend", "install", "redact_event", "run_meta"]
+__all__ = ["ABORT_REASON", "RedactedEventsState", "RunResultBackend", "install", "redact_event", "run_meta"]
 
 log = logging.getLogger(__name__)
 
@@ -130,22 +131,19 @@ def install(app: Celery) -> None:
     _redact_flower_events()
 
 
-def _redact_flower_events() -> None:
-    """Every event Flower's state takes goes through `redact_event` first.
+class RedactedEventsState(flower.events.EventsState):  # type: ignore[misc]  # Flower ships no type hints
+    """Flower's event state, taking every event through `redact_event` first.
 
-    Flower builds its `EventsState` from the name in `flower.events` when it starts,
-    after this runs; Flower offers no hook of its own for its events.
+    Module-level, so that Flower's persistent mode (`--persistent`) can pickle it.
     """
-    import flower.events
 
-    current = flower.events.EventsState
-    if getattr(current, "subq_redacted", False):
-        return
+    def event(self, event: dict[str, Any]) -> Any:
+        return super().event(redact_event(event))
 
-    class RedactedEventsState(current):  # type: ignore[misc,valid-type]  # Flower ships no type hints
-        subq_redacted = True
 
-        def event(self, event: dict[str, Any]) -> Any:
-            return super().event(redact_event(event))
+def _redact_flower_events() -> None:
+    """Flower builds its state from the name `flower.events.EventsState` when it starts, after this runs.
 
+    Flower offers no hook of its own for its events, so the name is rebound.
+    """
     flower.events.EventsState = RedactedEventsState

@@ -7,6 +7,7 @@ flower`) on the test Redis; everything is read through Flower's own HTTP API.
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 import time
@@ -286,3 +287,22 @@ def test_subqs_own_publish_carries_the_summary(settings: Settings, redis_client:
     headers = message["headers"]
     assert headers["argsrepr"] == "<1 positional argument(s): refused>"
     assert headers["kwargsrepr"] == f"prompt=<{len(secret)} chars> run=False"
+
+
+def test_the_event_state_drops_sent_arguments_in_either_order_and_pickles() -> None:
+    """A late sent event cannot overwrite the worker's summary; Flower's --persistent can save the state."""
+    from coordinator.flower import RedactedEventsState
+
+    secret, summary = f"SECRET-{uuid.uuid4().hex}", "prompt=<40 chars>"
+    received = {"type": "task-received", "uuid": "t1", "name": "subq.submit", "args": "", "kwargs": summary}
+    sent = {"type": "task-sent", "uuid": "t1", "name": "subq.submit", "args": "()", "kwargs": repr({"prompt": secret})}
+    other = {**sent, "uuid": "t2", "name": "billing.charge", "kwargs": "{'amount': 3}"}
+    state = RedactedEventsState()
+    for event in (received, sent, other):  # the sent event arrives late
+        state.event(
+            {**event, "hostname": "w0@host", "timestamp": time.time(), "local_received": time.time(), "clock": 1}
+        )
+    assert state.tasks["t1"].kwargs == summary
+    assert state.tasks["t2"].kwargs == "{'amount': 3}"  # not subq's: left as sent
+    restored = pickle.loads(pickle.dumps(state))
+    assert isinstance(restored, RedactedEventsState) and restored.tasks["t1"].kwargs == summary
