@@ -9,7 +9,7 @@ twice; events on so Flower sees every task.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery import Celery
@@ -25,6 +25,7 @@ __all__ = [
     "SUBMIT",
     "PublishOnlyRedisBackend",
     "SubqCelery",
+    "describe_args",
     "describe_kwargs",
     "make_app",
 ]
@@ -41,6 +42,11 @@ BACKEND_RETRY_POLICY = {"max_retries": 5, "interval_start": 0, "interval_step": 
 POISON_SAFE_CONSUMER = "coordinator.poison:PoisonSafeConsumer"
 # Flower shows kwargsrepr; a profile name is short, anything longer is not a name.
 PROFILE_REPR_CHARS = 40
+
+
+def describe_args(args: Sequence[Any]) -> str:
+    """A submission's positional arguments as Flower may show them: only how many (it refuses any)."""
+    return f"<{len(args)} positional argument(s): refused>" if args else ""
 
 
 def describe_kwargs(kwargs: Mapping[str, Any]) -> str:
@@ -86,10 +92,12 @@ class PublishOnlyRedisBackend(RedisBackend):  # type: ignore[misc]
 class SubqCelery(Celery):  # type: ignore[misc]  # Celery ships no type hints
     """subq's Celery app: a `subq.submit` it publishes carries a safe summary, never the prompt.
 
-    The producer's `task-sent` event carries `kwargsrepr` (Python's repr of the
-    kwargs when none is given), and Flower's event state lets a sent event that
-    arrives after the worker's `task-received` overwrite the worker's safe
-    summary; so the summary is computed here, at publish time, as well.
+    The producer's `task-sent` event carries `argsrepr`/`kwargsrepr` (Python's
+    repr of the arguments when none is given), and Celery's event state lets a
+    sent event that arrives after the worker's `task-received` overwrite the
+    worker's safe summary. subq's own Flower drops the arguments of every
+    `subq.*` sent event (coordinator/flower.py); for any other monitor of the
+    event stream, the summary is computed here, at publish time, as well.
     """
 
     # The settings the app was made from: the worker's consumer writes dead letters with them.
@@ -98,6 +106,8 @@ class SubqCelery(Celery):  # type: ignore[misc]  # Celery ships no type hints
     def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         if name == SUBMIT and isinstance(kwargs, Mapping) and "kwargsrepr" not in options:
             options["kwargsrepr"] = describe_kwargs(kwargs)
+        if name == SUBMIT and isinstance(args, Sequence) and "argsrepr" not in options:
+            options["argsrepr"] = describe_args(args)
         return super().send_task(name, args, kwargs, **options)
 
 

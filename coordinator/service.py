@@ -62,9 +62,6 @@ __all__ = ["DEFAULT_PAGE", "MAX_PAGE", "Coordinator"]
 # How long one blocking read of the tree's event stream lasts inside wait();
 # short enough to notice a deadline, long enough not to spin.
 WAIT_SLICE_MS = 1000
-# Events read at once while waiting, and the kinds of a task's own events that cannot settle it.
-WAIT_READ_COUNT = 1000
-QUIET_EVENTS = frozenset({"child_applied", "live"})
 # An idempotency key is an id the caller chose (a UUID, a message id), not a document.
 MAX_IDEMPOTENCY_KEY_CHARS = 200
 
@@ -378,25 +375,9 @@ class Coordinator:
                     f"Task {task_id} is still {record.status.value} after {timeout_s:g}s "
                     f"({len(record.awaiting_ids)} of {len(record.child_ids)} children outstanding)"
                 )
-            last_id = self._next_event_of(task_id, root_id, last_id, deadline)
-
-    def _next_event_of(self, task_id: str, root_id: str, after_id: str, deadline: float) -> str:
-        """Read the tree's stream until an event that may settle `task_id`, or for one slice.
-
-        The rest of the tree's events (its descendants' runs, each child written back) need
-        no read of its status: a wide delegation makes a few events per child, and waking
-        on each cost the waiter as much CPU as a worker. The status is read after every
-        slice anyway, so an event of a kind not named here delays a wait by a slice at most.
-        """
-        slice_end = min(deadline, time.monotonic() + WAIT_SLICE_MS / 1000)
-        while (block_ms := int((slice_end - time.monotonic()) * 1000)) > 0:
-            events = self.store.read_events(root_id, after_id, block_ms=block_ms, count=WAIT_READ_COUNT)
-            if not events:
-                break
-            after_id = events[-1][0]
-            if any(f.get("task_id") == task_id and f.get("type") not in QUIET_EVENTS for _, f in events):
-                break
-        return after_id
+            last_id = self.store.wait_for_event_of(
+                task_id, root_id, last_id, min(deadline, time.monotonic() + WAIT_SLICE_MS / 1000)
+            )
 
     def close(self) -> None:
         self.client.close()

@@ -11,7 +11,7 @@ import json
 import tomllib
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 from urllib.parse import urlsplit
 
 import pydantic
@@ -57,6 +57,9 @@ DEFAULT_MODEL_RETRY_BASE_S = 0.5
 # a fan-out of 256 long messages).
 DEFAULT_API_MAX_BODY_BYTES = 1024 * 1024
 # Defaults (docs/configuration.md says why each one).
+# A worker's log lines: text for a terminal; json (one object a line) for a log pipeline.
+LogFormat = Literal["text", "json"]
+DEFAULT_LOG_FORMAT: LogFormat = "text"
 DEFAULT_MAX_FANOUT = 256
 DEFAULT_MAX_DEPTH = 3
 # A task lost with its worker is delivered again at most this many times in all.
@@ -155,6 +158,7 @@ class Settings(BaseSettings):
     reconcile_interval_s: float = Field(default=DEFAULT_RECONCILE_INTERVAL_S, ge=0.1, le=60)
     reconcile_grace_s: int = Field(default=DEFAULT_RECONCILE_GRACE_S, ge=1, le=3600)
     shutdown_grace_s: int = Field(default=DEFAULT_SHUTDOWN_GRACE_S, ge=0, le=3600)
+    log_format: LogFormat = DEFAULT_LOG_FORMAT
     # Test-only: the named crash point (coordinator/faults.py) at which a process kills itself.
     fault_crash_at: str = ""
     max_fanout: int = Field(default=DEFAULT_MAX_FANOUT, ge=1, le=10_000)

@@ -4,7 +4,7 @@ Starts, in this order, and stops in the reverse order:
 1. an embedded Redis when no `SUBQ_REDIS_URL` is given (`local_redis`);
 2. N `celery worker` processes (`WorkerFleet`);
 3. the HTTP API (`subq api`: uvicorn serving `coordinator.api:create_app`);
-4. Flower with basic auth (`celery -A workers.app flower`).
+4. Flower with basic auth (`celery -A workers.flower flower`).
 Every process runs in its own process group, so stopping a group ends the
 process and anything it started. It then prints the URLs, the credentials it
 generated and the `export` line a second terminal needs, and waits.
@@ -86,7 +86,8 @@ def api_argv(host: str, port: int) -> list[str]:
 
 
 def flower_argv(host: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "celery", "-A", "workers.app", "flower", f"--address={host}", f"--port={port}"]
+    """Flower on the worker's app, made Flower's (workers/flower.py: no prompt shown, results, abort)."""
+    return [sys.executable, "-m", "celery", "-A", "workers.flower", "flower", f"--address={host}", f"--port={port}"]
 
 
 def flower_basic_auth(user: str, password: str) -> str:

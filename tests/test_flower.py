@@ -1,11 +1,13 @@
 """Flower sees every subq task by name, with readable arguments and live progress, behind basic auth.
 
-Flower is a real process (`subq flower`, which execs `celery -A workers.app
+Flower is a real process (`subq flower`, which execs `celery -A workers.flower
 flower`) on the test Redis; everything is read through Flower's own HTTP API.
 """
 
 from __future__ import annotations
 
+import json
+import pickle
 import subprocess
 import sys
 import time
@@ -16,13 +18,20 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
+from celery import Celery
 
 from coordinator import Coordinator, Settings
+from coordinator.celery_app import describe_kwargs
 from coordinator.local_redis import free_port
 from coordinator.up import Service
 from tests import helpers
 from tests.agents import USAGE, agent, reply
 from tests.helpers import script, usage_step
+
+# Sends per path in the no-prompt test: the issue's acceptance figure.
+SENDS_PER_PATH = 50
+# A model response slow enough to abort the run while it waits for it.
+SLOW_MS = 20_000
 
 USER, PASSWORD = "flower-test", uuid.uuid4().hex
 # Flower connects its event consumer a few seconds after it listens; a loaded
@@ -78,7 +87,8 @@ def listening(flower_url: str, coordinator_for_module: Coordinator, settings: Se
             "subq.submit", kwargs={"prompt": marker, "profile": "nope"}, queue=settings.queue
         )
         time.sleep(0.5)
-        return next(iter(tasks_named(flower_url, "subq.submit").values()), None)
+        # A task shows its arguments once a worker has received it (sent events carry none).
+        return next((t for t in tasks_named(flower_url, "subq.submit").values() if t["kwargs"]), None)
 
     submitted = eventually(seen, "a subq.submit task")
     assert marker not in str(submitted)
@@ -161,3 +171,138 @@ def test_flower_refuses_to_start_open(settings: Settings, tmp_path: Path) -> Non
     assert proc.stderr.strip() == (
         "subq: Flower needs basic auth: pass --password (or set SUBQ_FLOWER_PASSWORD), or --no-auth to run it open"
     )
+
+
+def plain_client(settings: Settings) -> Celery:
+    """A producer that imports nothing from subq and sends its own task-sent events, with Python's repr of the kwargs."""
+    client = Celery(broker=settings.redis_url, backend=settings.redis_url, set_as_current=False)
+    client.conf.update(task_serializer="json", task_send_sent_event=True)
+    return client
+
+
+def test_no_path_shows_a_prompt(
+    listening: str, settings: Settings, live_http: httpx.Client, coordinator_for_module: Coordinator
+) -> None:
+    """50 sends through Flower's send-task, 50 plain send_task calls, 50 API runs: no prompt text in Flower."""
+    url, secret = listening, f"SECRET-{uuid.uuid4().hex}"
+    sent: dict[str, str] = {}  # Celery id -> path
+    summaries: dict[str, str] = {}  # Celery id of a submission -> what Flower must show
+    with httpx.Client(auth=(USER, PASSWORD), timeout=30) as flower, plain_client(settings) as client:
+        for n in range(SENDS_PER_PATH):  # a burst through each path, then one poll of Flower
+            kwargs = {"prompt": f"{secret} flower {n}", "todos": f"[ ] {secret}", "run": False}
+            response = flower.post(f"{url}/api/task/send-task/subq.submit", json={"kwargs": kwargs})
+            assert response.status_code == 200, response.text
+            sent[response.json()["task-id"]] = "flower"
+            summaries[response.json()["task-id"]] = describe_kwargs(kwargs)
+            kwargs = {"prompt": f"{secret} plain send_task {n}", "todos": f"[ ] {secret}", "run": False}
+            plain_id = client.send_task("subq.submit", kwargs=kwargs, queue=settings.queue).id
+            sent[plain_id], summaries[plain_id] = "send_task", describe_kwargs(kwargs)
+            body = {"prompt": agent(reply("done"), text=f"{secret} {n}"), "run": True}
+            created = live_http.post("/v1/tasks", json=body)
+            assert created.status_code == 201, created.text
+            sent[created.json()["id"]] = "api"
+
+    def all_done() -> dict[str, dict[str, Any]] | None:
+        shown = flower_get(url, "/api/tasks").json()
+        done = {k: shown[k] for k in sent if k in shown and shown[k]["state"] == "SUCCESS"}
+        return done if len(done) == len(sent) else None
+
+    shown = eventually(all_done, f"all {len(sent)} tasks succeeded")
+    assert secret not in flower_get(url, "/api/tasks").text, "Flower's task list shows a prompt"
+    for task_id, path in sent.items():
+        info = flower_get(url, f"/api/task/info/{task_id}")
+        assert secret not in info.text, f"Flower shows a prompt sent through {path}"
+        if path == "api":
+            assert shown[task_id]["args"].startswith(f"task={task_id} parent=- "), shown[task_id]
+        else:  # the worker's summary, whichever event arrived last
+            assert shown[task_id]["kwargs"] == summaries[task_id], shown[task_id]
+
+
+def test_a_queued_task_shows_no_arguments(listening: str, settings: Settings) -> None:
+    """A sent event alone (no worker has received the task yet) never puts a prompt on screen."""
+    secret = f"SECRET-{uuid.uuid4().hex}"
+    with plain_client(settings) as client:
+        client.connection_for_write().default_channel.client.delete("subq-flower-nobody")
+        task_id = client.send_task("subq.submit", kwargs={"prompt": secret}, queue="subq-flower-nobody").id
+    shown = eventually(lambda: flower_get(listening, "/api/tasks").json().get(task_id), "the queued task")
+    assert shown["state"] == "PENDING"
+    assert shown["name"] == "subq.submit"
+    assert secret not in flower_get(listening, f"/api/task/info/{task_id}").text
+
+
+def test_results_and_abort_answer(listening: str, coordinator_for_module: Coordinator) -> None:
+    url, coord = listening, coordinator_for_module
+    with httpx.Client(auth=(USER, PASSWORD), timeout=30) as flower:
+        # subq.submit stores its Celery result: Flower shows it.
+        submitted = flower.post(f"{url}/api/task/send-task/subq.submit", json={"kwargs": {"prompt": "p", "run": False}})
+        assert submitted.status_code == 200, submitted.text
+        submit_id = submitted.json()["task-id"]
+        result = eventually(
+            lambda: (r := flower.get(f"{url}/api/task/result/{submit_id}").json())["state"] == "SUCCESS" and r,
+            "the submission's result",
+        )
+        root_id = result["result"]["task_id"]
+        assert coord.get_task(root_id).prompt == "p"
+
+        # A run stores no Celery result: Flower's answer is its task's record.
+        done = coord.create_task(agent(reply("all done"), text="Plan"), run=True)
+        coord.wait(done.id, 60)
+        answer = flower.get(f"{url}/api/task/result/{done.id}")
+        assert answer.status_code == 200, answer.text
+        record = coord.get_task(done.id)
+        assert answer.json() == {
+            "task-id": done.id, "state": "SUCCESS",
+            "result": {"task_id": done.id, "status": "completed", "summary": record.summary, "error": None,
+                       "tokens": record.total_tokens, "cost_micros": record.total_cost_micros},
+        }  # fmt: skip
+        assert record.summary
+
+        # Abort of a run cancels its task's subtree.
+        slow = coord.create_task(
+            agent({"reply": "never", "usage": USAGE, "latency_ms": SLOW_MS}, text="Think slowly"), run=True
+        )
+        eventually(lambda: flower.get(f"{url}/api/task/result/{slow.id}").json()["state"] == "STARTED", "a run")
+        aborted = flower.post(f"{url}/api/task/abort/{slow.id}")
+        assert aborted.status_code == 200, aborted.text
+        assert coord.wait(slow.id, 30).status == "cancelled"
+        assert coord.get_task(slow.id).error == "cancelled: aborted in Flower"
+        revoked = flower.get(f"{url}/api/task/result/{slow.id}").json()
+        assert (revoked["state"], revoked["result"]["status"]) == ("SUCCESS", "cancelled")
+        assert revoked["result"]["error"] == "cancelled: aborted in Flower"
+
+        # Abort of anything else changes nothing: the submission's result stays.
+        assert flower.post(f"{url}/api/task/abort/{submit_id}").status_code == 200
+        assert flower.get(f"{url}/api/task/result/{submit_id}").json()["result"] == {"task_id": root_id}
+
+
+def test_subqs_own_publish_carries_the_summary(settings: Settings, redis_client: Any) -> None:
+    """For any other monitor of the event stream: subq's app never publishes a prompt in its reprs."""
+    queue, secret = f"subq-flower-reprs-{uuid.uuid4().hex[:8]}", f"SECRET-{uuid.uuid4().hex}"
+    coord = Coordinator(settings)
+    try:
+        coord.app.send_task("subq.submit", args=[secret], kwargs={"prompt": secret, "run": False}, queue=queue)
+    finally:
+        coord.close()
+    message = json.loads(redis_client.lpop(queue))
+    headers = message["headers"]
+    assert headers["argsrepr"] == "<1 positional argument(s): refused>"
+    assert headers["kwargsrepr"] == f"prompt=<{len(secret)} chars> run=False"
+
+
+def test_the_event_state_drops_sent_arguments_in_either_order_and_pickles() -> None:
+    """A late sent event cannot overwrite the worker's summary; Flower's --persistent can save the state."""
+    from coordinator.flower import RedactedEventsState
+
+    secret, summary = f"SECRET-{uuid.uuid4().hex}", "prompt=<40 chars>"
+    received = {"type": "task-received", "uuid": "t1", "name": "subq.submit", "args": "", "kwargs": summary}
+    sent = {"type": "task-sent", "uuid": "t1", "name": "subq.submit", "args": "()", "kwargs": repr({"prompt": secret})}
+    other = {**sent, "uuid": "t2", "name": "billing.charge", "kwargs": "{'amount': 3}"}
+    state = RedactedEventsState()
+    for event in (received, sent, other):  # the sent event arrives late
+        state.event(
+            {**event, "hostname": "w0@host", "timestamp": time.time(), "local_received": time.time(), "clock": 1}
+        )
+    assert state.tasks["t1"].kwargs == summary
+    assert state.tasks["t2"].kwargs == "{'amount': 3}"  # not subq's: left as sent
+    restored = pickle.loads(pickle.dumps(state))
+    assert isinstance(restored, RedactedEventsState) and restored.tasks["t1"].kwargs == summary

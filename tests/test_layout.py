@@ -13,8 +13,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = sorted([*ROOT.joinpath("coordinator").rglob("*.py"), *ROOT.joinpath("workers").rglob("*.py")])
-# The seams the execution plane may use: the package surface, the run lifecycle, the app and task names.
-WORKER_SEAMS = {"coordinator", "coordinator.runs", "coordinator.celery_app", "coordinator.reconciler"}
+# The seams the execution plane may use: the package surface, the run lifecycle, the app and task
+# names, the reconciler, and what makes the worker's app Flower's (workers/flower.py).
+WORKER_SEAMS = {
+    "coordinator",
+    "coordinator.runs",
+    "coordinator.celery_app",
+    "coordinator.reconciler",
+    "coordinator.flower",
+}
 # The one module outside the store package that builds a Store.
 STORE_BUILDER = "coordinator/service.py"
 # Faces call the Coordinator's operations, never its store.

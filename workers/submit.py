@@ -21,7 +21,7 @@ from celery import Celery, Task
 from celery.worker.request import Request
 
 from coordinator import Coordinator, Settings, SubqError, ValidationError, ignored_lines
-from coordinator.celery_app import SUBMIT, describe_kwargs
+from coordinator.celery_app import SUBMIT, describe_args, describe_kwargs
 from workers.runtime.context import get_runtime
 
 __all__ = ["FIELDS", "SubmitRequest", "register", "submit"]
@@ -105,7 +105,7 @@ class SubmitRequest(Request):  # type: ignore[misc]  # Celery ships no type hint
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._argsrepr = f"<{len(self.args)} positional argument(s): refused>" if self.args else ""
+        self._argsrepr = describe_args(self.args if isinstance(self.args, (list, tuple)) else ())
         self._kwargsrepr = describe_kwargs(self.kwargs if isinstance(self.kwargs, dict) else {})
 
 

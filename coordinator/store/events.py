@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from coordinator.models import TaskRecord, live_status
 from coordinator.store.base import EVENTS_MAXLEN, StoreBase, _str_map, translate_redis_errors
 
 __all__ = ["EventStore"]
+
+# Events read at once while waiting, and the kinds of a task's own events that cannot settle it.
+WAIT_READ_COUNT = 1000
+QUIET_EVENTS = frozenset({"child_applied", "live"})
 
 
 class EventStore(StoreBase):
@@ -26,6 +31,25 @@ class EventStore(StoreBase):
         if not reply:
             return after_id
         return str(reply[0][1][-1][0])
+
+    def wait_for_event_of(self, task_id: str, root_id: str, after_id: str, until_s: float) -> str:
+        """Read the tree's stream until an event that may settle `task_id`, or until `until_s`
+        (monotonic); returns the last id read.
+
+        The rest of the tree's events (its descendants' runs, each child written back) need
+        no read of the task's status: a wide delegation makes a few events per child, and
+        waking on each cost a waiter as much CPU as a worker. `Coordinator.wait` reads the
+        status after each call anyway, so an event of a kind not named here delays it by
+        one slice at most.
+        """
+        while (block_ms := int((until_s - time.monotonic()) * 1000)) > 0:
+            events = self.read_events(root_id, after_id, block_ms=block_ms, count=WAIT_READ_COUNT)
+            if not events:
+                break
+            after_id = events[-1][0]
+            if any(f.get("task_id") == task_id and f.get("type") not in QUIET_EVENTS for _, f in events):
+                break
+        return after_id
 
     @translate_redis_errors
     def read_events(

@@ -14,6 +14,7 @@ from celery import Celery
 
 from coordinator import Coordinator, Settings
 from coordinator.runs import RunLifecycle
+from workers.logs import LoggedRunLifecycle
 
 __all__ = ["CONNECTION_WAIT_S", "SPARE_CONNECTIONS", "Runtime", "build_runtime", "get_runtime"]
 
@@ -47,7 +48,7 @@ def build_runtime(settings: Settings, app: Celery) -> Runtime:
     )
     client = redis.Redis(connection_pool=pool)
     coordinator = Coordinator(settings, client=client, app=app)
-    return Runtime(settings, coordinator, RunLifecycle(coordinator))
+    return Runtime(settings, coordinator, LoggedRunLifecycle(coordinator))
 
 
 def get_runtime(settings: Settings, app: Celery) -> Runtime:

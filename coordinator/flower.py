@@ -1,0 +1,149 @@
+"""Flower's side of subq: no prompt on screen, a run's result from its record, abort as cancel.
+
+`subq flower` (and `subq up`) run `celery -A workers.flower flower`; that module
+calls `install(app)` on the worker's app before Flower starts, which does three
+things in Flower's process only:
+
+1. **Sent events carry no arguments.** Any producer's `task-sent` event carries
+   its own `argsrepr`/`kwargsrepr`; a producer that sets none (Python's default,
+   or a hand-built message) puts the whole prompt there, and Celery's event state
+   lets a `task-sent` that arrives after the worker's `task-received` overwrite
+   the worker's summary (its merge rules keep `task-received` fields only when
+   *that* event comes late). subq's own producers compute a safe summary when they
+   publish, but Flower cannot tell their sent events from anyone else's, so for
+   every `subq.*` task it drops `args` and `kwargs` from sent events: they come
+   only from the worker's `task-received`, which subq's workers compute
+   (workers/submit.py). A queued task shows its name and id, no arguments,
+   until a worker receives it.
+2. **subq's app is the current app**, so Flower's `/api/task/result/<id>` and
+   `/api/task/abort/<id>` (which build `AsyncResult(id)` on the current app)
+   reach subq's result backend instead of Celery's disabled default one.
+3. **That backend answers for runs.** subq's runs store no Celery result (the
+   task's record in Redis is the result), so for a run's Celery id (the task id,
+   or a resume's `<id>-r<n>`...) it answers from the task's record; an abort of a run cancels that
+   task's subtree (`Coordinator.cancel`), and an abort of anything else changes
+   nothing (subq has no other abortable task, and Celery's abort would write
+   `ABORTED` over a finished task's stored result).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import flower.events
+from celery import Celery, states
+from celery.contrib.abortable import ABORTED
+
+from coordinator.celery_app import PublishOnlyRedisBackend
+from coordinator.errors import NotFoundError, SubqError
+from coordinator.ids import task_of_run_id
+from coordinator.models import TaskRecord
+from coordinator.service import Coordinator
+
+__all__ = ["ABORT_REASON", "RedactedEventsState", "RunResultBackend", "install", "redact_event", "run_meta"]
+
+log = logging.getLogger(__name__)
+
+ABORT_REASON = "aborted in Flower"
+
+
+def redact_event(event: dict[str, Any]) -> dict[str, Any]:
+    """The event as Flower may keep it: a `subq.*` task's sent event without its arguments."""
+    if event.get("type") == "task-sent" and str(event.get("name") or "").startswith("subq."):
+        event.pop("args", None)
+        event.pop("kwargs", None)
+    return event
+
+
+def run_meta(record: TaskRecord) -> dict[str, Any]:
+    """A task record as the Celery result meta of its runs: its outcome and figures, never its prompt.
+
+    An ended task is `SUCCESS` whatever its status, as `subq.run_task` itself is:
+    it never raises for a failed or cancelled subagent, it returns the outcome
+    (and Flower's task list, built from the worker's events, shows `SUCCESS`).
+    A task that has not ended is `STARTED`, with no result yet.
+    """
+    if not record.status.terminal:
+        return {"task_id": record.id, "status": states.STARTED, "result": None, "traceback": None, "children": []}
+    result = {
+        "task_id": record.id,
+        "status": record.status.value,
+        "summary": record.summary,
+        "error": record.error or None,
+        "tokens": record.total_tokens,
+        "cost_micros": record.total_cost_micros,
+    }
+    return {"task_id": record.id, "status": states.SUCCESS, "result": result, "traceback": None, "children": []}
+
+
+class RunResultBackend(PublishOnlyRedisBackend):
+    """subq's Redis result backend, answering for runs from their task's record (Flower's process only)."""
+
+    _coordinators: dict[int, Coordinator] = {}  # noqa: RUF012  (one per app, shared by Flower's threads)
+    _lock = threading.Lock()
+
+    def _coordinator(self) -> Coordinator:
+        with self._lock:
+            coord = self._coordinators.get(id(self.app))
+            if coord is None:
+                coord = self._coordinators[id(self.app)] = Coordinator(self.app.subq_settings, app=self.app)
+            return coord
+
+    def _get_task_meta_for(self, task_id: str) -> dict[str, Any]:
+        # A run's outcome is its task's: the record answers for every run of a task, whether
+        # Celery stored something for that message (a by-name send, a run revoked while
+        # queued) or, as for subq's own runs (ignore_result), nothing.
+        run_of = task_of_run_id(task_id)
+        if run_of is not None:
+            try:
+                return run_meta(self._coordinator().get_task(run_of))
+            except NotFoundError:
+                pass
+        meta: dict[str, Any] = super()._get_task_meta_for(task_id)
+        return meta
+
+    def store_result(self, task_id: str, result: Any, state: str, *args: Any, **kwargs: Any) -> Any:
+        if state != ABORTED:
+            return super().store_result(task_id, result, state, *args, **kwargs)
+        run_of = task_of_run_id(task_id)
+        if run_of is None:
+            log.warning("subq: abort of %s changes nothing: only a run (subq.run_task) can be aborted", task_id)
+            return result
+        try:
+            self._coordinator().cancel(run_of, ABORT_REASON)
+        except SubqError as exc:  # an ended or unknown task: nothing to stop, and its result stays as it was
+            log.warning("subq: abort of %s changes nothing: %s", task_id, exc.message)
+        return result
+
+
+def install(app: Celery) -> None:
+    """Make `app` Flower's: redacted sent events, the current app, the run-aware result backend."""
+    settings = app.subq_settings
+    if settings is None:
+        raise TypeError("install() takes subq's app (coordinator.celery_app.make_app)")
+    app.conf.result_backend = f"{__name__}:{RunResultBackend.__name__}+{settings.require_redis_url()}"
+    # Flower's result and abort handlers build AsyncResult(id) on the current app, in
+    # its IO loop thread and its executor's threads: the default app covers them all.
+    app.set_default()
+    app.set_current()
+    _redact_flower_events()
+
+
+class RedactedEventsState(flower.events.EventsState):  # type: ignore[misc]  # Flower ships no type hints
+    """Flower's event state, taking every event through `redact_event` first.
+
+    Module-level, so that Flower's persistent mode (`--persistent`) can pickle it.
+    """
+
+    def event(self, event: dict[str, Any]) -> Any:
+        return super().event(redact_event(event))
+
+
+def _redact_flower_events() -> None:
+    """Flower builds its state from the name `flower.events.EventsState` when it starts, after this runs.
+
+    Flower offers no hook of its own for its events, so the name is rebound.
+    """
+    flower.events.EventsState = RedactedEventsState

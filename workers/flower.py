@@ -1,0 +1,16 @@
+"""Flower's Celery app: `celery -A workers.flower flower`, which `subq flower` and `subq up` run.
+
+The worker's app (its tasks registered, so Flower's `apply`/`async-apply` know
+them), made Flower's by `coordinator.flower.install`: sent events without
+arguments, subq's app current (results and abort answer), a run's result from
+its task's record, and an abort of a run cancelling its subtree.
+"""
+
+from __future__ import annotations
+
+from coordinator.flower import install
+from workers.app import app, settings
+
+__all__ = ["app", "settings"]
+
+install(app)
