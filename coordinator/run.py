@@ -48,6 +48,7 @@ __all__ = [
     "LeaseLost",
     "Released",
     "Run",
+    "RunStopped",
 ]
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,10 @@ LIVE_TEXT_CHARS = 200
 # as responses arrive, and before each next model request, and at its end: a run that
 # answers at once writes one, at its end.
 LIVE_EVERY_S = 0.25
+
+
+class RunStopped(Exception):
+    """The run's task was stopped (a cancel, a spent budget) while it ran: it writes nothing more."""
 
 
 class LeaseLost(Exception):
@@ -257,20 +262,30 @@ class Run:
         return self._coord.get_todos(self.task.id)
 
     def update_todos(self, update: str | Sequence[object]) -> list[TodoItem]:
-        self.flush()  # the conversation that asked for it is saved first
+        self._flush_unless_stopped()  # the conversation that asked for it is saved first
         return self._coord.update_todos(self.task.id, update)
 
     def delegate(
         self, subtasks: Sequence[SubtaskSpec], mode: DelegationMode | str, tool_call_id: str
     ) -> tuple[Batch, list[TaskRecord]]:
         """Commit a delegation; it is published by `end` once the conversation is saved."""
-        self.flush()  # a resumed run must find the call that made the delegation in its history
+        self._flush_unless_stopped()  # a resumed run must find the call that made the delegation in its history
         self.delegation = delegation.commit(self._coord, self.task.id, subtasks, mode, tool_call_id)
         return self.delegation
 
+    def _flush_unless_stopped(self) -> None:
+        """Before a tool writes state: write the run's step, and stop if its task was stopped meanwhile.
+
+        A cancel lands between steps; a tool of a stopped run must not write the plan, a
+        delegation or an approval after it (the stop has already been shown as final).
+        """
+        status, _ = self.flush()
+        if TaskStatus(status).terminal:
+            raise RunStopped(self.task.id)
+
     def park(self, calls: Sequence[ToolCall]) -> list[str]:
         """Queue tool calls for a decision; returns the approval ids."""
-        self.flush()
+        self._flush_unless_stopped()
         return [a.id for a in approvals.park(self._coord, self.task, calls)]
 
     # -- the end ------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from coordinator.models import (
     TaskRecord,
     TaskStatus,
 )
-from coordinator.run import LIVE_EVERY_S, MAX_SUMMARY_CHARS, Ended, HandBack, LeaseLost, Released, Run
+from coordinator.run import LIVE_EVERY_S, MAX_SUMMARY_CHARS, Ended, HandBack, LeaseLost, Released, Run, RunStopped
 
 if TYPE_CHECKING:
     from coordinator.service import Coordinator
@@ -61,6 +61,7 @@ __all__ = [
     "Run",
     "RunInProgress",
     "RunLifecycle",
+    "RunStopped",
     "ToolCall",
 ]
 

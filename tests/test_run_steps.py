@@ -16,7 +16,7 @@ from redis.connection import AbstractConnection
 
 from coordinator import Coordinator, TaskStatus
 from coordinator.celery_app import make_app
-from coordinator.runs import Ended, Run
+from coordinator.runs import Ended, Run, RunStopped
 from tests.agents import STEP_COST_MICROS, agent, reply
 from tests.helpers import script, usage_step
 from workers.runtime.context import Runtime, build_runtime
@@ -138,3 +138,21 @@ def test_a_response_that_reaches_the_parents_budget_stops_the_subtree(
     assert coord.get_task(second).status == TaskStatus.CANCELLED
     assert coord.get_task(parent.id).status == TaskStatus.FAILED
     assert coord.get_task(parent.id).total_cost_micros == STEP_COST_MICROS
+
+
+def test_a_tool_of_a_run_whose_task_was_stopped_writes_nothing(idle_coordinator: Coordinator, rt: Runtime) -> None:
+    coord = idle_coordinator
+    parent = coord.create_task("one child", todos="[ ] a")
+    (child_id,) = coord.delegate(parent.id, [{"description": "a", "message": script(usage_step())}]).child_ids
+    run = rt.lifecycle.start(child_id)
+    assert isinstance(run, Run)
+    coord.cancel(child_id, reason="stopped from outside")
+    before = coord.store.snapshot()
+
+    with pytest.raises(RunStopped):
+        run.update_todos("[ ] written after the stop")
+
+    assert coord.store.snapshot() == before, "the plan of a stopped task is not written"
+    assert run.stopped(None).status == "cancelled"
+    run.end(run.stopped(None))
+    assert "stopped from outside" in coord.get_task(child_id).error

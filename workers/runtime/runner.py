@@ -38,7 +38,17 @@ from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, Text
 from pydantic_ai.usage import UsageLimits
 
 from coordinator import CorruptError, Profile, StoreError, SubtaskResult, Usage, one_line
-from coordinator.runs import LIVE_EVERY_S, Ended, HandBack, LeaseLost, Released, Run, RunInProgress, ToolCall
+from coordinator.runs import (
+    LIVE_EVERY_S,
+    Ended,
+    HandBack,
+    LeaseLost,
+    Released,
+    Run,
+    RunInProgress,
+    RunStopped,
+    ToolCall,
+)
 from workers.runtime.context import Runtime
 from workers.runtime.metering import MeteredModel
 from workers.runtime.pricing import cost_of, reported_cost_usd
@@ -119,6 +129,8 @@ def _run(rt: Runtime, run: Run, progress: Progress | None) -> Ended | Released:
         )
     except StopRun as stop:
         return run.stopped(stop.budget_holder)
+    except RunStopped:  # a tool found its task stopped: the stop's outcome, written by the stop
+        return run.stopped(None)
     except (LeaseLost, HandBack):
         raise  # the run ends without an outcome of its own (run_child)
     except TimeoutError:
