@@ -17,7 +17,6 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from coordinator import admission, approvals, budgets, delegation, dispatch, faults, writeback
@@ -35,6 +34,7 @@ from coordinator.models import (
     Usage,
     live_status,
 )
+from coordinator.run_outcomes import Ended, HandBack, LeaseLost, Released, RunStopped
 from coordinator.settings import Profile
 
 if TYPE_CHECKING:
@@ -61,36 +61,6 @@ LIVE_TEXT_CHARS = 200
 # as responses arrive, and before each next model request, and at its end: a run that
 # answers at once writes one, at its end.
 LIVE_EVERY_S = 0.25
-
-
-class RunStopped(Exception):
-    """The run's task was stopped (a cancel, a spent budget) while it ran: it writes nothing more."""
-
-
-class LeaseLost(Exception):
-    """The run's lease lapsed or was taken: another run owns the task now; this one writes nothing more."""
-
-
-class HandBack(Exception):
-    """The worker is shutting down: the run stops at this step boundary and is queued again."""
-
-
-@dataclass(frozen=True)
-class Ended:
-    """The task's run ended the task: completed, failed or cancelled."""
-
-    status: str
-    summary: str = ""
-    error: str = ""
-    error_class: str = ""
-    error_detail: str = ""  # a failed model request's raw error body, kept on the record
-
-
-@dataclass(frozen=True)
-class Released:
-    """The run ended before the task did: `delegated`, or `waiting_approval`."""
-
-    state: str
 
 
 class Run:
