@@ -50,11 +50,25 @@ PRICE = Price(input_per_mtok=2, output_per_mtok=8, cache_read_per_mtok="0.5")  #
 EXPECTED_COST_MICROS = 2740 + 3320
 
 
+class JsonHandler(BaseHTTPRequestHandler):
+    """A handler that answers JSON and logs nothing (the two test servers below)."""
+
+    def reply_json(self, status: int, payload: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args: object) -> None:
+        return None
+
+
 class ChatServer(ThreadingHTTPServer):
     requests_seen: list[dict[str, Any]]
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(JsonHandler):
     server: ChatServer
 
     def do_POST(self) -> None:
@@ -73,14 +87,7 @@ class Handler(BaseHTTPRequestHandler):
             "model": body["model"], "usage": usage,
             "choices": [{"index": 0, "message": reply["message"], "finish_reason": reply["finish_reason"]}],
         }).encode()  # fmt: skip
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def log_message(self, *args: object) -> None:
-        return None
+        self.reply_json(200, payload)
 
 
 @pytest.fixture
@@ -132,7 +139,7 @@ class FailingServer(ThreadingHTTPServer):
     error: dict[str, Any]
 
 
-class FailingHandler(BaseHTTPRequestHandler):
+class FailingHandler(JsonHandler):
     server: FailingServer
 
     def do_POST(self) -> None:
@@ -142,14 +149,7 @@ class FailingHandler(BaseHTTPRequestHandler):
             return
         self.server.attempts += 1
         payload = json.dumps({"error": self.server.error}).encode()
-        self.send_response(self.server.status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def log_message(self, *args: object) -> None:
-        return None
+        self.reply_json(self.server.status, payload)
 
 
 @pytest.fixture
