@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -54,7 +57,35 @@ def rss_kb(pid: int) -> int:
     return 0
 
 
-def measure(children: int, latency_ms: int, concurrency: int, waves: int = 1) -> dict[str, object]:
+def cpu_s(pid: int) -> tuple[float, float]:
+    """The process's (user, system) CPU time so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick_s = 1 / os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) * tick_s, int(fields[12]) * tick_s
+
+
+def profiler(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """py-spy sampling the worker's threads (CPU only) into collapsed stacks at `out`, until SIGINT."""
+    command = [
+        "py-spy",
+        "record",
+        "-p",
+        str(pid),
+        "-o",
+        str(out),
+        "--format",
+        "raw",
+        "-r",
+        "250",
+        "--nonblocking",
+        "--gil",
+    ]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def measure(
+    children: int, latency_ms: int, concurrency: int, waves: int = 1, profile: Path | None = None
+) -> dict[str, object]:
     with local_redis() as url, tempfile.TemporaryDirectory(prefix="subq-in-flight-") as logs:
         settings = Settings(redis_url=url, worker_concurrency=concurrency, max_fanout=max(children, 256))
         with WorkerFleet(settings, 1, Path(logs)) as fleet:
@@ -77,10 +108,17 @@ def measure(children: int, latency_ms: int, concurrency: int, waves: int = 1) ->
             sampler = threading.Thread(target=sample, daemon=True)
             sampler.start()
             parent = coord.create_task("A thousand children")
+            cpu_before_s = cpu_s(pid)
+            spy = profiler(pid, profile) if profile else None
             started = time.monotonic()
             batch = coord.delegate(parent.id, [child_spec(n, latency_ms) for n in range(children)])
             coord.wait(parent.id, timeout_s=3600)
             wall_s = time.monotonic() - started
+            user_s, system_s = (after - before for after, before in zip(cpu_s(pid), cpu_before_s, strict=True))
+            worker_cpu_s = user_s + system_s
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(timeout=60)
             sampling.set()
             sampler.join()
             records = coord.store.get_records(batch.child_ids)
@@ -92,6 +130,9 @@ def measure(children: int, latency_ms: int, concurrency: int, waves: int = 1) ->
                 "concurrency": concurrency,
                 "wall_s": round(wall_s, 2),
                 "waves": waves,
+                "worker_cpu_s": round(worker_cpu_s, 2),
+                "worker_cpu_ms_per_child": round(worker_cpu_s * 1000 / children, 2),
+                "worker_system_cpu_s": round(system_s, 2),
                 "rss_before_mb": round(rss_before_kb / 1024, 1),
                 "rss_peak_mb": round(peak_kb[0] / 1024, 1),
                 "rss_per_child_kb": round((peak_kb[0] - rss_before_kb) / children, 1),
@@ -117,8 +158,9 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=1000)
     parser.add_argument("--waves", type=int, default=1, help="waves of children; all but the last warm up")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--profile", type=Path, help="py-spy's collapsed stacks of the measured wave, to this file")
     args = parser.parse_args()
-    figures = measure(args.children, args.latency_ms, args.concurrency, max(1, args.waves))
+    figures = measure(args.children, args.latency_ms, args.concurrency, max(1, args.waves), args.profile)
     if args.json:
         print(json.dumps(figures))
     else:

@@ -158,9 +158,9 @@ class Run:
 
     # -- each model request -------------------------------------------------------------
 
-    def is_stopped(self) -> bool:
-        """Whether the run must stop now, even in the middle of a model request."""
-        return self.fenced or self._heartbeat.out_of_grace() or self.is_stopped_by_status()
+    def must_stop_now(self, status: str) -> bool:
+        """Whether the run must stop even in the middle of a model request, its task's status being `status`."""
+        return self.fenced or self._heartbeat.out_of_grace() or TaskStatus(status).terminal
 
     def is_stopped_by_status(self) -> bool:
         """Whether its task was stopped (cancelled, or a budget over it is spent)."""

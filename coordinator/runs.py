@@ -36,6 +36,7 @@ import logging
 import os
 import secrets
 import socket
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from coordinator import admission, approvals, delegation, writeback
@@ -146,6 +147,14 @@ class RunLifecycle:
             return writeback.result_of(task)
         delegation.publish_waiting(coord, task)  # delegated: a batch a dead run left unpublished
         return writeback.result_of(task)
+
+    def must_stop(self, runs: Sequence[Run]) -> list[Run]:
+        """The runs among `runs` that must stop now, even mid-request; one Redis read for all of them.
+
+        A task that is gone (its tree expired or was deleted) stops its run too.
+        """
+        statuses = self.coord.store.statuses_of([run.task_id for run in runs])
+        return [run for run, status in zip(runs, statuses, strict=True) if run.must_stop_now(status or "cancelled")]
 
     def settle_batch(self, batch_id: str) -> bool:
         """A chain step (or an older release's chord callback): write back what has ended; True when it closed."""

@@ -6,6 +6,8 @@ threads pool runs the subagents in that process too):
   `SUBQ_RECONCILE_INTERVAL_S`; every worker runs one and the leader lease lets
   one of them work at a time, so no extra service is deployed. Each tick also
   beats the process's heartbeat (`<p>:workers`), idle or not.
+- `worker_ready` also tunes the garbage collector for many runs in flight
+  (`workers/runtime/agent_loop.py`).
 - `worker_shutting_down` (SIGTERM, SIGINT, SIGQUIT): every run of this process
   hands itself back at its next step boundary, within `SUBQ_SHUTDOWN_GRACE_S`
   (coordinator/runs.py), while Celery's warm shutdown waits for them.
@@ -19,10 +21,11 @@ import threading
 import time
 from typing import Any
 
-from celery.signals import worker_ready, worker_shutting_down
+from celery.signals import worker_process_init, worker_ready, worker_shutting_down
 
 from coordinator.reconciler import Reconciler
 from workers.app import app, settings
+from workers.runtime.agent_loop import tune_gc
 from workers.runtime.context import get_runtime
 
 __all__ = ["reconcile_forever"]
@@ -59,4 +62,6 @@ def _hand_back_runs(**_: Any) -> None:
 # Connected by call, not by decorator: Celery's decorators are untyped (mypy --strict);
 # weak=False because the receivers are module functions that must live as long as the worker.
 worker_ready.connect(_start_reconciler, weak=False)
+worker_ready.connect(tune_gc, weak=False)
+worker_process_init.connect(tune_gc, weak=False)  # each child of the prefork pool
 worker_shutting_down.connect(_hand_back_runs, weak=False)

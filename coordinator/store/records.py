@@ -63,6 +63,14 @@ class RecordStore(StoreBase):
         return str(status), str(runner or "caller")
 
     @translate_redis_errors
+    def statuses_of(self, task_ids: Sequence[str]) -> list[str | None]:
+        """Each task's status (None for an unknown task), in one round trip however many."""
+        with self.client.pipeline(transaction=False) as pipe:
+            for task_id in task_ids:
+                pipe.hget(self.keys.task(root_of(task_id), task_id), TaskField.STATUS)
+            return [None if s is None else str(s) for s in pipe.execute()]
+
+    @translate_redis_errors
     def task_field(self, task_id: str, name: str) -> str | None:
         return cast(str | None, self.client.hget(self.keys.task(root_of(task_id), task_id), name))
 

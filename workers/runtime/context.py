@@ -7,7 +7,7 @@ threads: redis-py clients are thread-safe through their connection pool.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 from celery import Celery
@@ -15,6 +15,7 @@ from celery import Celery
 from coordinator import Coordinator, Settings
 from coordinator.runs import RunLifecycle
 from workers.logs import LoggedRunLifecycle
+from workers.runtime.agent_loop import AgentLoop, StopWatch
 
 __all__ = ["CONNECTION_WAIT_S", "SPARE_CONNECTIONS", "Runtime", "build_runtime", "get_runtime"]
 
@@ -24,6 +25,12 @@ class Runtime:
     settings: Settings
     coordinator: Coordinator
     lifecycle: RunLifecycle
+    # Every run's agent of the process runs on this one loop, watched by this one poll.
+    agent_loop: AgentLoop = field(default_factory=AgentLoop)
+    stop_watch: StopWatch = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_watch", StopWatch(self.lifecycle))
 
 
 _lock = threading.Lock()

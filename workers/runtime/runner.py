@@ -27,7 +27,6 @@ import asyncio
 import functools
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -68,9 +67,6 @@ __all__ = ["INTERRUPTED", "Progress", "RunInProgress", "run_child"]
 log = logging.getLogger(__name__)
 
 INTERRUPTED = "Task was interrupted before this tool call could be completed."
-# How often a running task looks for a cancel of its own; a cancel stops it within this
-# (plus the time to unwind), and the check is one small HMGET.
-CANCEL_POLL_S = 0.25
 MESSAGE = pydantic.TypeAdapter(ModelMessage)
 
 Progress = Callable[[dict[str, Any]], None]
@@ -106,17 +102,6 @@ def run_child(rt: Runtime, task_id: str, progress: Progress | None = None) -> Su
         raise
 
 
-_thread = threading.local()
-
-
-def _event_loop() -> asyncio.AbstractEventLoop:
-    """This pool thread's event loop, made once: `asyncio.run` would build and close one per task."""
-    loop: asyncio.AbstractEventLoop | None = getattr(_thread, "loop", None)
-    if loop is None or loop.is_closed():
-        loop = _thread.loop = asyncio.new_event_loop()
-    return loop
-
-
 def _run(rt: Runtime, run: Run, progress: Progress | None) -> Ended | Released:
     limit_s = rt.settings.task_time_limit_s
     try:
@@ -124,9 +109,7 @@ def _run(rt: Runtime, run: Run, progress: Progress | None) -> Ended | Released:
         # The threads pool does not enforce Celery's task_time_limit, so the runner does:
         # a run must end before the visibility timeout, or Redis would deliver it again
         # while it still runs (Settings checks visibility_timeout_s > task_time_limit_s).
-        return _event_loop().run_until_complete(
-            asyncio.wait_for(_run_agent(rt, run, profile, progress), timeout=limit_s)
-        )
+        return rt.agent_loop.run(asyncio.wait_for(_run_agent(rt, run, profile, progress), timeout=limit_s))
     except StopRun as stop:
         return run.stopped(stop.budget_holder)
     except RunStopped:  # a tool found its task stopped: the stop's outcome, written by the stop
@@ -148,10 +131,16 @@ def _run(rt: Runtime, run: Run, progress: Progress | None) -> Ended | Released:
 async def _run_agent(rt: Runtime, run: Run, profile: Profile, progress: Progress | None) -> Ended | Released:
     """The agent's run, raced against a watcher that abandons it when the task is stopped."""
     agent_run = asyncio.create_task(_drive(rt, run, profile, progress))
-    watcher = asyncio.create_task(_watch_for_stop(run))
-    done, _ = await asyncio.wait({agent_run, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    stop = rt.stop_watch.watch(run)
+    try:
+        waited: set[asyncio.Future[Any]] = {agent_run, stop}
+        done, _ = await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the time limit: the agent must not go on after its run has ended
+        agent_run.cancel()
+        raise
+    finally:
+        rt.stop_watch.forget(run)
     if agent_run in done:
-        watcher.cancel()
         return agent_run.result()
     agent_run.cancel()  # abandons the model call in flight
     try:
@@ -159,17 +148,6 @@ async def _run_agent(rt: Runtime, run: Run, profile: Profile, progress: Progress
     except (asyncio.CancelledError, Exception):
         pass
     raise StopRun()
-
-
-async def _watch_for_stop(run: Run) -> None:
-    """Return when the run must stop; a Redis blip is not a stop (it once ended runs as `cancelled`)."""
-    while True:
-        await asyncio.sleep(CANCEL_POLL_S)
-        try:
-            if run.is_stopped():
-                return
-        except StoreError as exc:  # the run's own next call meets Redis too, and is retried
-            log.warning("subq: the stop check of %s failed: %s", run.task.id, exc)
 
 
 async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | None) -> Ended | Released:

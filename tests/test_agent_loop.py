@@ -1,0 +1,118 @@
+"""The process's one agent event loop and its one stop watch (workers/runtime/agent_loop.py).
+
+The loop is driven from many threads at once, as a worker's pool threads drive
+it; the stop watch reads real task records on the session's Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import gc
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from coordinator import Coordinator, TaskStatus
+from coordinator.runs import Run, RunLifecycle
+from tests.helpers import script, usage_step
+from workers.runtime.agent_loop import GC_GEN0_OBJECTS, AgentLoop, StopWatch, tune_gc
+
+CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("caller", default="none")
+
+
+async def _where(delay_s: float) -> tuple[str, str]:
+    await asyncio.sleep(delay_s)
+    return threading.current_thread().name, CALLER.get()
+
+
+def test_every_thread_runs_its_coroutine_on_the_one_loop_in_its_own_context() -> None:
+    loop = AgentLoop()
+
+    def call(n: int) -> tuple[str, str]:
+        CALLER.set(f"thread {n}")
+        return loop.run(_where(0.2))
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(call, range(16)))
+    assert time.monotonic() - started < 2.0, "the coroutines waited at the same time, not one after another"
+    assert {name for name, _ in results} == {"subq-agents"}
+    assert [caller for _, caller in results] == [f"thread {n}" for n in range(16)]
+
+
+def test_a_coroutines_exception_reaches_its_caller_and_the_loop_goes_on() -> None:
+    loop = AgentLoop()
+
+    async def fail() -> None:
+        raise ValueError("the agent failed")
+
+    with pytest.raises(ValueError, match="the agent failed"):
+        loop.run(fail())
+    assert loop.run(_where(0))[0] == "subq-agents"
+
+
+def _start_runs(coord: Coordinator, count: int) -> tuple[RunLifecycle, list[Run]]:
+    parent = coord.create_task("a parent of watched children", todos="\n".join(f"[ ] c{n}" for n in range(count)))
+    batch = coord.delegate(parent.id, [{"description": f"c{n}", "message": script(usage_step())} for n in range(count)])
+    lifecycle = RunLifecycle(coord, "test-worker")
+    runs = [lifecycle.start(child_id) for child_id in batch.child_ids]
+    assert all(isinstance(run, Run) for run in runs)
+    return lifecycle, [run for run in runs if isinstance(run, Run)]
+
+
+def test_must_stop_finds_the_cancelled_and_the_vanished_runs_in_one_read(idle_coordinator: Coordinator) -> None:
+    coord = idle_coordinator
+    lifecycle, runs = _start_runs(coord, 4)
+    try:
+        coord.cancel(runs[1].task_id, "stop this one")
+        coord.client.delete(coord.store.keys.task(runs[3].task.root_id, runs[3].task_id))
+
+        assert lifecycle.must_stop(runs) == [runs[1], runs[3]]
+    finally:
+        for run in runs:
+            run.abandon()
+
+
+def test_the_stop_watch_stops_a_waiting_run_soon_after_its_cancel(idle_coordinator: Coordinator) -> None:
+    coord = idle_coordinator
+    lifecycle, runs = _start_runs(coord, 3)
+    watch = StopWatch(lifecycle, poll_s=0.05)
+    loop = AgentLoop()
+
+    async def wait_for_stop(run: Run) -> float:
+        started = time.monotonic()
+        stop = watch.watch(run)
+        try:
+            await asyncio.wait_for(stop, timeout=3.0)
+        except TimeoutError:
+            return -1.0
+        finally:
+            watch.forget(run)
+        return time.monotonic() - started
+
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            waits = [pool.submit(loop.run, wait_for_stop(run)) for run in runs]
+            time.sleep(0.3)
+            coord.cancel(runs[0].task_id, "stop it")
+            waited_s = [w.result() for w in waits]
+        assert coord.get_task(runs[0].task_id).status == TaskStatus.CANCELLED
+        assert 0.3 <= waited_s[0] < 1.0, f"stopped {waited_s[0]:.2f} s after the watch began"
+        assert waited_s[1:] == [-1.0, -1.0], "the runs whose tasks were not stopped went on"
+    finally:
+        for run in runs:
+            run.abandon()
+
+
+def test_a_worker_collects_garbage_less_often_and_never_its_imports() -> None:
+    before = gc.get_threshold()
+    try:
+        tune_gc()
+        assert gc.get_threshold() == (GC_GEN0_OBJECTS, *before[1:])
+        assert gc.get_freeze_count() > 1000, "the objects made at import are frozen"
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

@@ -1,0 +1,159 @@
+"""Where a worker process's agents run: one event loop for all of them, and one stop watch.
+
+A pool thread takes a Celery message, starts the run, and hands the agent's
+coroutine to the process's one event loop (a thread of its own), then blocks
+until the coroutine ends; it ends the run itself. Measured with 1000 runs that
+each wait 1 s on their model, in one process: a pydantic-ai run costs about
+2.5 ms of CPU on one shared loop against about 4.9 ms on an event loop per
+pool thread, because a thousand threads that each wake their own loop spend
+the difference taking the interpreter lock from each other (docs/benchmarks.md).
+A coroutine runs in a copy of its pool thread's context, so the log lines of a
+run (workers/logs.py) keep its ids.
+
+Blocking calls made inside the coroutine (the store's, before each model
+request and by the orchestration tools) hold the loop while Redis answers: a
+few a run, each well under a millisecond, against the seconds a model takes.
+
+The stop watch replaces a poll per run: every `CANCEL_POLL_S` one read gets the
+status of every run of the process in flight (`RunLifecycle.must_stop`), and
+each run that must stop has its model request abandoned at once. A thousand
+runs in flight cost one round trip a poll, not a thousand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import gc
+import logging
+import os
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from coordinator import StoreError
+from coordinator.runs import Run, RunLifecycle
+
+__all__ = ["CANCEL_POLL_S", "GC_GEN0_OBJECTS", "AgentLoop", "StopWatch", "tune_gc"]
+
+log = logging.getLogger(__name__)
+
+# How often the runs in flight look for a cancel of their own: a cancel stops a model
+# request within this (plus the time to unwind), for one small read per process.
+CANCEL_POLL_S = 0.25
+
+# The youngest generation is collected after this many allocations (Python's default: 700).
+# With a thousand runs in flight on one event loop most young objects are still alive at a
+# collection, and the default collected them again and again: it doubled a run's CPU
+# (docs/architecture.md). The objects made at import are frozen out of every collection.
+GC_GEN0_OBJECTS = 10_000
+
+T = TypeVar("T")
+
+
+def tune_gc(**_: Any) -> None:
+    """Collect less often, and never the objects made at import (a worker's start signals call it)."""
+    gc.freeze()
+    gc.set_threshold(GC_GEN0_OBJECTS, *gc.get_threshold()[1:])
+
+
+class AgentLoop:
+    """The process's one event loop, started on first use (and again in a forked child)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            alive = self._thread is not None and self._thread.is_alive() and self._pid == os.getpid()
+            if self._loop is None or not alive:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name="subq-agents", daemon=True)
+                thread.start()
+                self._loop, self._thread, self._pid = loop, thread, os.getpid()
+            return self._loop
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` on the loop, in a copy of the caller's context; block until it ends and return its result."""
+        loop = self._running_loop()
+        context = contextvars.copy_context()
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def settle(task: asyncio.Task[T]) -> None:
+            if task.cancelled():
+                done.cancel()
+            elif (exc := task.exception()) is not None:
+                done.set_exception(exc)
+            else:
+                done.set_result(task.result())
+
+        def start() -> None:
+            if done.set_running_or_notify_cancel():
+                loop.create_task(coro, context=context).add_done_callback(settle)
+            else:
+                coro.close()
+
+        loop.call_soon_threadsafe(start)
+        return done.result()
+
+
+class StopWatch:
+    """The runs of this process that wait on a model, and one poll that stops those whose task was stopped."""
+
+    def __init__(self, lifecycle: RunLifecycle, poll_s: float = CANCEL_POLL_S) -> None:
+        self._lifecycle = lifecycle
+        self._poll_s = poll_s
+        self._lock = threading.Lock()
+        self._watched: dict[str, tuple[Run, asyncio.AbstractEventLoop, asyncio.Future[None]]] = {}
+        self._thread: threading.Thread | None = None
+
+    def watch(self, run: Run) -> asyncio.Future[None]:
+        """A future (of the running loop) that is set when `run` must stop; call `forget` when it ends."""
+        loop = asyncio.get_running_loop()
+        stop: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            self._watched[run.task_id] = (run, loop, stop)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._poll_forever, name="subq-stop-watch", daemon=True)
+                self._thread.start()
+        return stop
+
+    def forget(self, run: Run) -> None:
+        with self._lock:
+            watched = self._watched.get(run.task_id)
+            if watched is not None and watched[0] is run:
+                del self._watched[run.task_id]
+
+    def poll(self) -> None:
+        """One look at every watched run: set the stop of each that must stop now."""
+        with self._lock:
+            watched = dict(self._watched)
+        if not watched:
+            return
+        try:
+            stopping = self._lifecycle.must_stop([run for run, _, _ in watched.values()])
+        except StoreError as exc:  # a Redis blip is not a stop (it once ended runs as `cancelled`)
+            log.warning("subq: the stop check of %d run(s) failed: %s", len(watched), exc)
+            return
+        for run in stopping:
+            _, loop, stop = watched[run.task_id]
+            loop.call_soon_threadsafe(_set, stop)
+
+    def _poll_forever(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                self.poll()
+            except Exception:  # never let the watch die: every run in flight relies on it
+                log.exception("subq: the stop watch failed")
+            time.sleep(max(0.0, self._poll_s - (time.monotonic() - started)))
+
+
+def _set(stop: asyncio.Future[None]) -> None:
+    if not stop.done():
+        stop.set_result(None)
