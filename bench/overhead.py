@@ -99,6 +99,7 @@ class Sample:
     caller_cpu_s: float
     resumed_after_ms: float
     by_command: Counter[str] = field(default_factory=Counter)
+    server_by_command: Counter[str] = field(default_factory=Counter)
 
 
 def process_cpu_s(pid: int) -> float:
@@ -106,8 +107,11 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
 
 
-def server_commands(client: redis.Redis) -> int:
-    return sum(int(stats["calls"]) for stats in client.info("commandstats").values())
+def server_commands(client: redis.Redis) -> Counter[str]:
+    """Commands the server has run so far, by name (those inside Lua scripts included)."""
+    return Counter(
+        {name.removeprefix("cmdstat_"): int(stats["calls"]) for name, stats in client.info("commandstats").items()}
+    )
 
 
 class Modes:
@@ -148,14 +152,16 @@ class Modes:
         resumed_after_ms = joined() if callable(joined) else joined
         time.sleep(PROBE_SETTLE_S)
         trips = read_counts(self.probe_dir, pid) - trips_before
+        commands = server_commands(self.client) - commands_before
         return Sample(
             wall_s=wall_s,
             round_trips=trips.pop("round_trips", 0),
-            server_commands=server_commands(self.client) - commands_before,
+            server_commands=sum(commands.values()),
             worker_cpu_s=process_cpu_s(pid) - cpu_before,
             caller_cpu_s=caller_cpu_s,
             resumed_after_ms=resumed_after_ms,
             by_command=trips,
+            server_by_command=commands,
         )
 
     def _chord(self, mode: str, width: int) -> float:
@@ -225,6 +231,7 @@ def summarise(samples: dict[str, dict[int, list[Sample]]]) -> list[dict[str, Any
             if not runs:
                 continue
             top = sum((r.by_command for r in runs), Counter()).most_common(40)
+            server_top = sum((r.server_by_command for r in runs), Counter()).most_common(40)
             rows.append(
                 {
                     "mode": mode,
@@ -239,6 +246,7 @@ def summarise(samples: dict[str, dict[int, list[Sample]]]) -> list[dict[str, Any
                     "resumed_p50_ms": round(percentile([r.resumed_after_ms for r in runs], 0.5), 1),
                     "resumed_p99_ms": round(percentile([r.resumed_after_ms for r in runs], 0.99), 1),
                     "round_trips_by_command": {name: round(n / width / len(runs), 2) for name, n in top},
+                    "server_commands_by_command": {name: round(n / width / len(runs), 2) for name, n in server_top},
                 }
             )
     return rows

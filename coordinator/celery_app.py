@@ -83,6 +83,14 @@ class PublishOnlyRedisBackend(RedisBackend):  # type: ignore[misc]
     def on_task_call(self, producer: Any, task_id: str) -> None:
         return None
 
+    def add_pending_result(self, result: Any, weak: bool = False, start_drainer: bool = True) -> Any:
+        # A group's publish adds every member's result to its barrier (weakly), which
+        # subscribed the publisher to each member's channel: one SUBSCRIBE a child, measured
+        # in bench/. `AsyncResult.get()` adds its result strongly, and still subscribes.
+        if weak:
+            return result
+        return super().add_pending_result(result, weak=weak, start_drainer=start_drainer)
+
     def on_result_fulfilled(self, result: Any) -> None:
         # Nothing was subscribed, so there is nothing to unsubscribe (this ran from
         # AsyncResult.__del__, reconnecting to Redis at interpreter exit).

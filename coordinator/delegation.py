@@ -140,8 +140,7 @@ def commit(
     coord.store.watch([task_id], coord.settings.reconcile_grace_s)  # the commit's publish may never come
     batch, children = coord.store.commit_delegation(task_id, plan)
     faults.crash_point(coord.settings, "after-commit")
-    for child in children:
-        coord.store.set_live(child, "queued")
+    coord.store.set_live_many(children, "queued")
     first = coord.store.next_numbers(len(children))
     coord.store.set_numbers({c.id: first + n for n, c in enumerate(children)})
     return batch, [c.model_copy(update={"number": first + n}) for n, c in enumerate(children)]

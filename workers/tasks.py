@@ -59,15 +59,18 @@ def run_task(self: Task, task_id: Any) -> dict[str, Any]:
 def progress_sender(task: Task) -> Callable[[dict[str, Any]], None]:
     """The runner's per-response progress as a `task-progress` event, which Flower shows.
 
-    `send_event` reads the current request, which is this task's: the agent loop
-    runs (asyncio.run) in the thread that runs the task. Progress is best effort:
-    no retry, and a failed send is logged, so a broker hiccup never stalls or
-    fails a subagent's run.
+    The event names this task's delivery as `Task.send_event` does, read here, in
+    the thread that runs the task: the agent runs on the process's one event loop,
+    another thread, where Celery's current request is not this task's. Progress is
+    best effort: no retry, and a failed send is logged, so a broker hiccup never
+    stalls or fails a subagent's run.
     """
+    hostname, delivery_id = task.request.hostname, task.request.id
 
     def send(info: dict[str, Any]) -> None:
         try:
-            task.send_event("task-progress", retry=False, **info)
+            with task.app.events.default_dispatcher(hostname=hostname) as dispatcher:
+                dispatcher.send("task-progress", uuid=delivery_id, retry=False, **info)
         except Exception as exc:  # monitoring must not end a run
             log.warning("subq: could not send a task-progress event: %s", exc)
 

@@ -191,8 +191,8 @@ class DelegationStore(StoreBase):
             return 0
         root, k = batch.root_id, self.keys
         keys = [
-            k.task(root, batch.parent_id), k.todos(root, batch.parent_id), k.batch_applied(root, batch.id),
-            k.awaiting(root, batch.parent_id), k.events(root), k.batch_lines(root, batch.id),
+            k.task(root, batch.parent_id), k.todos(root, batch.parent_id), k.awaiting(root, batch.parent_id),
+            k.events(root), k.batch_lines(root, batch.id),
             *(k.task(root, c) for c in child_ids),
         ]  # fmt: skip
         args: list[ScriptArg] = [time.time(), self.retention_s, EVENTS_MAXLEN, *child_ids]

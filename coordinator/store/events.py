@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from coordinator.models import TaskRecord, live_status
@@ -61,19 +62,27 @@ class EventStore(StoreBase):
             return []
         return [(str(entry_id), _str_map(fields)) for entry_id, fields in reply[0][1]]
 
-    @translate_redis_errors
     def set_live(self, record: TaskRecord, state: str, **fields: object) -> None:
         """Publish a task's live status: the tree's live hash and an event on its stream."""
-        root = record.root_id
+        self.set_live_many([record], state, **fields)
+
+    @translate_redis_errors
+    def set_live_many(self, records: Sequence[TaskRecord], state: str, **fields: object) -> None:
+        """Publish one live status for tasks of one tree (a batch's children) in one round trip:
+        one write of the live hash and one event per task."""
+        if not records:
+            return
+        root = records[0].root_id
         with self.client.pipeline(transaction=False) as pipe:
-            pipe.hset(self.keys.live(root), record.id, live_status(record, state, **fields))
+            pipe.hset(self.keys.live(root), mapping={r.id: live_status(r, state, **fields) for r in records})
             pipe.expire(self.keys.live(root), self.retention_s)
-            pipe.xadd(
-                self.keys.events(root),
-                {"type": "live", "task_id": record.id, "state": state},
-                maxlen=EVENTS_MAXLEN,
-                approximate=True,
-            )
+            for record in records:
+                pipe.xadd(
+                    self.keys.events(root),
+                    {"type": "live", "task_id": record.id, "state": state},
+                    maxlen=EVENTS_MAXLEN,
+                    approximate=True,
+                )
             pipe.execute()
 
     @translate_redis_errors

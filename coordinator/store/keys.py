@@ -7,13 +7,13 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | key                                   | type   | holds                                              | lifetime |
 |---------------------------------------|--------|----------------------------------------------------|----------|
 | `<p>:{root}:task:<id>`                | hash   | the task record: place in tree, status, own usage, | retention, refreshed on every write |
-|                                       |        | subtree totals, summary, error, timestamps         |          |
+|                                       |        | subtree totals, summary, error, timestamps, and    |          |
+|                                       |        | `usage_keys`: the request keys already recorded    |          |
 | `<p>:{root}:children:<id>`            | list   | child ids in creation order                        | retention |
 | `<p>:{root}:awaiting:<id>`            | set    | children the task still waits on (in flight)       | deleted when empty |
 | `<p>:{root}:todos:<id>`               | hash   | item id -> item JSON, and `order`: the ids in order | retention |
 | `<p>:{root}:ui:<id>`                  | list   | UI messages, one JSON object each                  | retention |
 | `<p>:{root}:conversation:<id>`        | list   | the model conversation, one message JSON an entry  | retention |
-| `<p>:{root}:usage-applied:<id>`       | set    | request keys whose usage is already recorded       | retention |
 | `<p>:{root}:lease:<id>`               | string | the token of the run now executing the task        | the heartbeat lapse, renewed |
 | `<p>:{root}:tasks`                    | zset   | every task id of the tree, scored by creation time | retention |
 | `<p>:{root}:live`                     | hash   | task id -> live status JSON (state, tool, cost)    | retention |
@@ -23,8 +23,9 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:{root}:last-start`               | string | when the tree's last run started (stagger)         | retention |
 | `<p>:{root}:approval:<approval_id>`   | hash   | a tool call awaiting a decision, and the decision  | retention |
 | `<p>:{root}:batch:<batch_id>`         | hash   | one delegation: parent, mode, children, result     | retention |
-| `<p>:{root}:batch-applied:<batch_id>` | set    | children already written back (idempotent gather)  | retention |
-| `<p>:{root}:batch-lines:<batch_id>` | hash   | child id -> its line of the combined result, stored as it is written back | retention |
+| `<p>:{root}:batch-lines:<batch_id>`   | hash   | child id -> its line of the combined result, set   | retention |
+|                                       |        | once as the child is written back (HSETNX: a child |          |
+|                                       |        | with a line is applied, and never again)           |          |
 | `<p>:{root}:events`                   | stream | the tree's events (status changes, batch done)     | capped length, retention |
 | `<p>:roots`                           | zset   | root ids scored by creation time (history index)   | pruned to retention |
 | `<p>:tasks`                           | zset   | every task id scored by creation time (history)    | pruned to retention |
@@ -78,9 +79,6 @@ class Keys:
     def conversation(self, root_id: str, task_id: str) -> str:
         return f"{self._tree(root_id)}:conversation:{task_id}"
 
-    def usage_applied(self, root_id: str, task_id: str) -> str:
-        return f"{self._tree(root_id)}:usage-applied:{task_id}"
-
     def lease(self, root_id: str, task_id: str) -> str:
         return f"{self._tree(root_id)}:lease:{task_id}"
 
@@ -107,9 +105,6 @@ class Keys:
 
     def batch(self, root_id: str, batch_id: str) -> str:
         return f"{self._tree(root_id)}:batch:{batch_id}"
-
-    def batch_applied(self, root_id: str, batch_id: str) -> str:
-        return f"{self._tree(root_id)}:batch-applied:{batch_id}"
 
     def batch_lines(self, root_id: str, batch_id: str) -> str:
         return f"{self._tree(root_id)}:batch-lines:{batch_id}"

@@ -22,7 +22,7 @@ __all__ = ["ADMISSION_SCAN", "Ending", "RunStore", "Started"]
 
 
 def _writes_args(writes: RunWrites) -> list[ScriptArg]:
-    """flush_run.lua's ARGV from its fifth on: counts, then the messages, usage records and latencies."""
+    """flush_run.lua's ARGV from its sixth on: counts, then the messages, usage records and latencies."""
     args: list[ScriptArg] = [
         writes.live, len(writes.conversation), len(writes.ui_messages), len(writes.usage), len(writes.latencies_ms),
         *writes.conversation, *writes.ui_messages,
@@ -102,16 +102,15 @@ class RunStore(RecordStore):
     def _run_keys(self, record: TaskRecord) -> list[str]:
         root, k, task_id = record.root_id, self.keys, record.id
         return [
-            k.lease(root, task_id), k.task(root, task_id), k.usage_applied(root, task_id),
-            k.conversation(root, task_id), k.ui_messages(root, task_id), k.latency_histogram(), k.live(root),
-            k.events(root),
+            k.lease(root, task_id), k.task(root, task_id), k.conversation(root, task_id),
+            k.ui_messages(root, task_id), k.latency_histogram(), k.live(root), k.events(root),
         ]  # fmt: skip
 
     @translate_redis_errors
     def flush_run(self, record: TaskRecord, token: str, writes: RunWrites) -> tuple[bool, str, str | None]:
         """Write a run's step (flush_run.lua): (still leased, the task's status, the topmost budget reached)."""
         keys = self._run_keys(record) + [self.keys.task(record.root_id, a) for a in reversed(record.ancestors)]
-        args: list[ScriptArg] = [token, self.retention_s, time.time(), EVENTS_MAXLEN, *_writes_args(writes)]
+        args: list[ScriptArg] = [token, self.retention_s, time.time(), EVENTS_MAXLEN, 0, *_writes_args(writes)]
         reply = self._flush_run(keys=keys, args=args)
         if int(reply[0]) == 0:
             return False, "", None
@@ -136,11 +135,11 @@ class RunStore(RecordStore):
         if record.batch_id and record.parent_id:
             parent, batch = record.parent_id, record.batch_id
             batch_keys = [
-                k.task(root, parent), k.todos(root, parent), k.batch_applied(root, batch), k.awaiting(root, parent),
-                k.batch(root, batch), k.ui_messages(root, parent), k.batch_lines(root, batch),
+                k.task(root, parent), k.todos(root, parent), k.awaiting(root, parent), k.batch(root, batch),
+                k.ui_messages(root, parent), k.batch_lines(root, batch),
             ]  # fmt: skip
         else:
-            batch_keys = [k.task(root, record.id)] * 7
+            batch_keys = [k.task(root, record.id)] * 6
         keys = [
             *self._run_keys(record), k.due(), *batch_keys,
             *(k.task(root, a) for a in reversed(record.ancestors)),
@@ -250,8 +249,7 @@ class RunStore(RecordStore):
         root = root_of(task_id)
         if ancestors is None:
             ancestors = self.ancestors(task_id)
-        keys = [self.keys.task(root, task_id), self.keys.usage_applied(root, task_id)]
-        keys += [self.keys.task(root, a) for a in reversed(ancestors)]
+        keys = [self.keys.task(root, task_id), *(self.keys.task(root, a) for a in reversed(ancestors))]
         args: list[ScriptArg] = [
             request_key, usage.tokens_in, usage.tokens_out, usage.cache_reads, usage.cache_writes,
             cost_micros, cost_source, time.time(), self.retention_s,

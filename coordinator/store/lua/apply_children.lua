@@ -1,39 +1,71 @@
--- Write finished children back onto their parent, each exactly once (the batch's
--- applied-set makes a redelivered or duplicated callback change nothing). Only the
--- items concerned are read and written (the list is a hash of item id -> JSON), so a
--- wide fan-out stays linear.
--- KEYS[1] parent hash   KEYS[2] parent todos (hash: item id -> JSON, order -> ids)   KEYS[3] batch applied-set
--- KEYS[4] parent awaiting set   KEYS[5] tree events stream   KEYS[6] batch lines (hash)   KEYS[7..] child hashes
+-- Write finished children back onto their parent, each exactly once (a child is applied
+-- when its line of the combined result is stored, HSETNX: a redelivered or duplicated
+-- write-back changes nothing). Only the items concerned are read and written (the list is
+-- a hash of item id -> JSON), so a wide fan-out stays linear.
+-- KEYS[1] parent hash   KEYS[2] parent todos (hash: item id -> JSON, order -> ids)
+-- KEYS[3] parent awaiting set   KEYS[4] tree events stream   KEYS[5] batch lines (hash: child id -> line)
+-- KEYS[6..] child hashes
 -- ARGV[1] now   ARGV[2] retention seconds   ARGV[3] events max length
--- ARGV[4..] child ids, in the order of KEYS[7..]
+-- ARGV[4..] child ids, in the order of KEYS[6..]
 -- A child that has not ended (no terminal status) is skipped. A child no row carries adds its
--- figures to the parent's unlinked spend. Each applied child's line of the combined result is
--- stored in the batch lines, so closing the batch reads no sibling. Returns how many were applied now.
+-- figures to the parent's unlinked spend. The batch lines hold each applied child's line, so
+-- closing the batch reads no sibling. Returns how many were applied now.
 local function terminal(status)
   return status == 'completed' or status == 'failed' or status == 'cancelled'
+end
+
+-- The child's line of the combined result (writeback.combined_result has the format; the
+-- number is its place in the batch, added when the batch closes).
+local function usd(micros)
+  local sign = micros < 0 and '-' or ''
+  micros = math.abs(micros)
+  return string.format('%s$%d.%06d', sign, math.floor(micros / 1000000), micros % 1000000)
+end
+local function one_line(text)
+  return (string.gsub(string.gsub(text or '', '%s+', ' '), '^ ?(.-) ?$', '%1'))
+end
+local function line_of(child_id, got)
+  local head = '[' .. got.status .. '] ' .. (got.description or '') .. ' (task ' .. child_id
+  if got.todo_id and got.todo_id ~= '' then
+    head = head .. ', todo ' .. got.todo_id .. ')'
+  else
+    head = head .. ')'
+  end
+  local body
+  if got.status == 'completed' then
+    body = one_line(got.summary)
+  else
+    local class = (got.error_class and got.error_class ~= '') and got.error_class or 'Error'
+    local err = (got.error and got.error ~= '') and got.error or 'no detail'
+    body = class .. ': ' .. err
+  end
+  return head .. ': ' .. body .. ' (' .. got.tokens .. ' tokens, ' .. usd(got.cost) .. ')'
 end
 
 local figures = {}
 local applied = {}
 for i = 4, #ARGV do
   local child_id = ARGV[i]
-  local key = KEYS[i + 3]
+  local key = KEYS[i + 2]
   local f = redis.call('HMGET', key, 'status', 'total_tokens', 'total_cost_micros', 'todo_id', 'description',
     'summary', 'error_class', 'error')
-  if terminal(f[1]) and redis.call('SADD', KEYS[3], child_id) == 1 then
+  if terminal(f[1]) then
     -- The item shows the child's subtree totals, read from the child record (the
     -- system of record), never from a message, so a stale result cannot skew them.
-    figures[child_id] = {
+    local got = {
       status = f[1], tokens = tonumber(f[2] or '0'), cost = tonumber(f[3] or '0'), todo_id = f[4],
       description = f[5], summary = f[6], error_class = f[7], error = f[8],
     }
-    applied[#applied + 1] = child_id
+    if redis.call('HSETNX', KEYS[5], child_id, line_of(child_id, got)) == 1 then
+      figures[child_id] = got
+      applied[#applied + 1] = child_id
+    end
   end
 end
 if #applied == 0 then
   return 0
 end
-redis.call('EXPIRE', KEYS[3], ARGV[2])
+redis.call('EXPIRE', KEYS[5], ARGV[2])
 
 -- The item a child serves: the one its record names, if it is still linked to the
 -- child; else (the list was rewritten since) the item that carries the child's link.
@@ -87,46 +119,17 @@ for i = 4, #ARGV do
 end
 if changed then
   redis.call('EXPIRE', KEYS[2], ARGV[2])
-  redis.call('HINCRBY', KEYS[1], 'todos_version', 1)
 end
 
--- The child's line of the combined result (writeback.combined_result has the format; the
--- number is its place in the batch, added when the batch closes).
-local function usd(micros)
-  local sign = micros < 0 and '-' or ''
-  micros = math.abs(micros)
-  return string.format('%s$%d.%06d', sign, math.floor(micros / 1000000), micros % 1000000)
-end
-local function one_line(text)
-  return (string.gsub(string.gsub(text or '', '%s+', ' '), '^ ?(.-) ?$', '%1'))
-end
-for i = 4, #ARGV do
-  local got = figures[ARGV[i]]
-  if got then
-    local head = '[' .. got.status .. '] ' .. (got.description or '') .. ' (task ' .. ARGV[i]
-    if got.todo_id and got.todo_id ~= '' then
-      head = head .. ', todo ' .. got.todo_id .. ')'
-    else
-      head = head .. ')'
-    end
-    local body
-    if got.status == 'completed' then
-      body = one_line(got.summary)
-    else
-      local class = (got.error_class and got.error_class ~= '') and got.error_class or 'Error'
-      local err = (got.error and got.error ~= '') and got.error or 'no detail'
-      body = class .. ': ' .. err
-    end
-    redis.call('HSET', KEYS[6], ARGV[i], head .. ': ' .. body .. ' (' .. got.tokens .. ' tokens, ' .. usd(got.cost) .. ')')
-  end
-end
-redis.call('EXPIRE', KEYS[6], ARGV[2])
-
-local parent_id = redis.call('HGET', KEYS[1], 'id')
+local parent = redis.call('HMGET', KEYS[1], 'id', 'todos_version')
 for _, child_id in ipairs(applied) do
-  redis.call('SREM', KEYS[4], child_id)
-  redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[3], '*', 'type', 'child_applied',
-    'task_id', parent_id, 'child_id', child_id, 'status', figures[child_id].status)
+  redis.call('SREM', KEYS[3], child_id)
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[3], '*', 'type', 'child_applied',
+    'task_id', parent[1], 'child_id', child_id, 'status', figures[child_id].status)
 end
-redis.call('HSET', KEYS[1], 'updated_at', ARGV[1])
+if changed then
+  redis.call('HSET', KEYS[1], 'updated_at', ARGV[1], 'todos_version', (tonumber(parent[2] or '0') or 0) + 1)
+else
+  redis.call('HSET', KEYS[1], 'updated_at', ARGV[1])
+end
 return #applied

@@ -1,13 +1,13 @@
 -- End a run in one step: write what it did since its last step (flush_run), make the task
--- terminal once (finish_task), release its lease (release_lease), take it off the due list,
+-- terminal once (finish_task), release its lease, take it off the due list,
 -- say its outcome, and, for a child of a parallel batch, write it back onto its parent's todo
 -- item (apply_children) and close the batch if it was the last (close_batch: exactly one
 -- closer, decided here, with no race).
--- KEYS[1..8] as flush_run (lease, task, usage-applied, conversation, UI, latency, live, events)
--- KEYS[9] the due list   KEYS[10] parent hash   KEYS[11] parent todos   KEYS[12] batch applied-set
--- KEYS[13] parent awaiting set   KEYS[14] batch hash   KEYS[15] parent UI messages
--- KEYS[16] batch lines   KEYS[17..] ancestor hashes (parent first, root last)
--- (KEYS[10..16] are the task's own hash again when it has no batch.)
+-- KEYS[1..7] as flush_run (lease, task, conversation, UI, latency, live, events)
+-- KEYS[8] the due list   KEYS[9] parent hash   KEYS[10] parent todos   KEYS[11] parent awaiting set
+-- KEYS[12] batch hash   KEYS[13] parent UI messages   KEYS[14] batch lines
+-- KEYS[15..] ancestor hashes (parent first, root last)
+-- (KEYS[9..14] are the task's own hash again when it has no batch.)
 -- ARGV[1] token   ARGV[2] retention seconds   ARGV[3] now   ARGV[4] events max length
 -- ARGV[5] status   ARGV[6] summary   ARGV[7] error   ARGV[8] error class
 -- ARGV[9] resume grace seconds   ARGV[10] 1: end on the budget check (a run that completed)
@@ -18,15 +18,15 @@
 --  cache writes, cost micro-USD, closed, resumes, resume, batch mode}: `closed` 1 when
 -- this call closed the batch, `resume` 1 when the caller must publish the parent's resume,
 -- `batch mode` 'sequential' when the caller must write the chain step back itself.
-local flush_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]}
-for i = 17, #KEYS do
+local flush_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]}
+for i = 15, #KEYS do
   flush_keys[#flush_keys + 1] = KEYS[i]
 end
 -- The live status goes to finish_task, which makes the terminal one from it, and the UI
 -- messages go with the outcome's own, after it (one write each, not two).
 local live = ARGV[11]
 local n_conv, n_ui = tonumber(ARGV[12]), tonumber(ARGV[13])
-local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], '', ARGV[12], '0', ARGV[14], ARGV[15]}
+local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], '1', '', ARGV[12], '0', ARGV[14], ARGV[15]}
 local ui = {}
 local first_ui = 16 + n_conv
 for i = 16, #ARGV do
@@ -38,8 +38,8 @@ for i = 16, #ARGV do
 end
 local function say_all()
   if #ui > 0 then
-    redis.call('RPUSH', KEYS[5], unpack(ui))
-    redis.call('EXPIRE', KEYS[5], ARGV[2])
+    redis.call('RPUSH', KEYS[4], unpack(ui))
+    redis.call('EXPIRE', KEYS[4], ARGV[2])
   end
 end
 local flushed = flush_run(flush_keys, flush_argv)
@@ -51,11 +51,11 @@ if flushed[3] ~= '' and ARGV[10] == '1' then
   return {'exhausted', flushed[3]}
 end
 local now, retention, maxlen = ARGV[3], ARGV[2], ARGV[4]
-finish_task({KEYS[2], KEYS[8], KEYS[7]}, {ARGV[5], ARGV[6], ARGV[7], ARGV[8], now, retention, maxlen, live})
-release_lease({KEYS[1]}, {ARGV[1]})
+finish_task({KEYS[2], KEYS[7], KEYS[6]}, {ARGV[5], ARGV[6], ARGV[7], ARGV[8], now, retention, maxlen, live})
+redis.call('DEL', KEYS[1])  -- the lease: flush_run found it this run's, in this same call
 local f = redis.call('HMGET', KEYS[2], 'id', 'status', 'summary', 'error', 'error_class', 'tokens_in',
   'tokens_out', 'cache_reads', 'cache_writes', 'cost_micros', 'batch_id')
-redis.call('ZREM', KEYS[9], f[1])
+redis.call('ZREM', KEYS[8], f[1])
 local say
 if f[2] == 'completed' then
   say = {ts = tonumber(now), type = 'say', say = 'completion_result', text = f[3] or ''}
@@ -66,11 +66,11 @@ ui[#ui + 1] = cjson.encode(say)
 say_all()
 local closed, resumes, resume, mode = 0, 0, 0, ''
 if f[11] and f[11] ~= '' then
-  mode = redis.call('HGET', KEYS[14], 'mode') or ''
+  mode = redis.call('HGET', KEYS[12], 'mode') or ''
   if mode == 'parallel' then
-    apply_children({KEYS[10], KEYS[11], KEYS[12], KEYS[13], KEYS[8], KEYS[16], KEYS[2]}, {now, retention, maxlen, f[1]})
-    if redis.call('SCARD', KEYS[13]) == 0 then
-      local got = close_batch({KEYS[14], KEYS[10], KEYS[15], KEYS[13], KEYS[8], KEYS[16], KEYS[9]},
+    apply_children({KEYS[9], KEYS[10], KEYS[11], KEYS[7], KEYS[14], KEYS[2]}, {now, retention, maxlen, f[1]})
+    if redis.call('SCARD', KEYS[11]) == 0 then
+      local got = close_batch({KEYS[12], KEYS[9], KEYS[13], KEYS[11], KEYS[7], KEYS[14], KEYS[8]},
         {now, retention, maxlen, ARGV[9]})
       resumes, resume = got[1], got[2]
       if resumes > 0 then

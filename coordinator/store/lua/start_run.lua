@@ -62,7 +62,7 @@ end
 local conversation = redis.call('LRANGE', KEYS[6], 0, -1)
 if #conversation == 0 then
   -- A first run opens the task's UI messages with its prompt, as AI coding tools show a task.
+  -- Its retention is set by the run's end, which writes the list again (end_run.lua).
   redis.call('RPUSH', KEYS[7], cjson.encode({ts = tonumber(ARGV[4]), type = 'say', say = 'task', text = task['prompt']}))
-  redis.call('EXPIRE', KEYS[7], ARGV[5])
 end
 return {'run', raw, {deliveries, run_seq, exhausted}, conversation}
