@@ -32,6 +32,7 @@ from coordinator.api import create_app
 from coordinator.api.ops import SubqCollector
 from coordinator.errors import FleetError
 from coordinator.fleet import WorkerFleet, settings_env
+from tests.agents import STEP_COST_MICROS, STEP_TOKENS, USAGE, agent, call, reply, subtask
 from tests.helpers import ApiServer, api_settings, eventually
 
 PLAN = """\
@@ -41,6 +42,8 @@ PLAN = """\
 """
 TREE_TIMEOUT_S = 120
 Samples = list[tuple[str, dict[str, str], float]]
+# (series name, its labels sorted) -> value, summed over the processes scraped.
+Counts = Counter[tuple[str, tuple[tuple[str, str], ...]]]
 
 
 def free_port() -> int:
@@ -54,8 +57,19 @@ def scrape(url: str) -> Samples:
     return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
 
 
-def total(samples: Samples, name: str, **labels: str) -> float:
-    return sum(value for n, got, value in samples if n == name and labels.items() <= got.items())
+def fleet_sum(ports: list[int]) -> Counts:
+    """Every worker's series added up, as Prometheus's sum() over the fleet would."""
+    counts = Counts()
+    for port in ports:
+        for name, labels, value in scrape(f"http://127.0.0.1:{port}/metrics"):
+            if not name.endswith("_created"):
+                counts[(name, tuple(sorted(labels.items())))] += value
+    return counts
+
+
+def total(samples: Samples | Counts, name: str, **labels: str) -> float:
+    rows = [(n, dict(got), v) for (n, got), v in samples.items()] if isinstance(samples, Counter) else samples
+    return sum(value for n, got, value in rows if n == name and labels.items() <= got.items())
 
 
 def nodes(tree: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -82,52 +96,87 @@ def metered(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield coord, ports
 
 
-def test_one_tree_counts_what_the_tree_spent(metered: tuple[Coordinator, list[int]]) -> None:
-    coord, ports = metered
-    root = coord.create_task("Prepare the Q3 report", todos=PLAN, run=True)
-    assert coord.wait(root.id, TREE_TIMEOUT_S).status.value == "completed"
+def run_tree(
+    coord: Coordinator, ports: list[int], prompt: str, **create: Any
+) -> tuple[dict[str, Any], Counts, Samples]:
+    """(the tree as GET /v1/tasks/{id}/tree shows it, what the workers counted while it ran, the API's /metrics)."""
+    before = fleet_sum(ports)
+    root = coord.create_task(prompt, run=True, **create)
+    coord.wait(root.id, TREE_TIMEOUT_S)
     with ApiServer(create_app(coordinator=coord)) as server, server.client() as http:
         tree = http.get(f"/v1/tasks/{root.id}/tree").json()
         fleet = scrape(f"{server.url}/metrics")
     tasks = list(nodes(tree))
+
+    def counted() -> Counts | None:
+        # A run counts its end as run.end returns: a moment after the tree shows it ended.
+        delta = fleet_sum(ports)
+        delta.subtract(before)
+        return delta if total(delta, "subq_tasks_ended_total") >= len(tasks) else None
+
+    return tree, eventually(counted, "every task of the tree counted as ended"), fleet
+
+
+def ended_by_status(counts: Counts) -> dict[tuple[str, str], int]:
+    ended = Counter[tuple[str, str]]()
+    for (name, labels), value in counts.items():
+        if name == "subq_tasks_ended_total" and value:
+            ended[(dict(labels)["profile"], dict(labels)["status"])] += int(value)
+    return dict(ended)
+
+
+def test_one_tree_counts_what_the_tree_spent(metered: tuple[Coordinator, list[int]]) -> None:
+    coord, ports = metered
+    tree, counts, fleet = run_tree(coord, ports, "Prepare the Q3 report", todos=PLAN)
+    tasks = list(nodes(tree))
     assert len(tasks) >= 6 and {t["status"] for t in tasks} == {"completed"}
     requests = sum(coord.get_task(t["id"]).requests for t in tasks)
     assert tree["total_tokens"] > 0 and tree["total_cost_micros"] > 0
-
-    def summed() -> Samples | None:
-        # A run counts its end as run.end returns: a moment after the tree shows it ended.
-        samples = [s for port in ports for s in scrape(f"http://127.0.0.1:{port}/metrics")]
-        return samples if total(samples, "subq_tasks_ended_total") >= len(tasks) else None
-
-    samples = eventually(summed, "every task of the tree counted as ended")
     # Prometheus's sum() over the fleet's workers: the tree's own figures, exactly.
-    assert total(samples, "subq_tokens_total") == tree["total_tokens"]
-    assert total(samples, "subq_tokens_total", direction="in") + total(
-        samples, "subq_tokens_total", direction="out"
+    assert total(counts, "subq_tokens_total") == tree["total_tokens"]
+    assert total(counts, "subq_tokens_total", direction="in") + total(
+        counts, "subq_tokens_total", direction="out"
     ) == sum(coord.get_task(t["id"]).tokens for t in tasks)
-    assert total(samples, "subq_cost_micro_usd_total") == tree["total_cost_micros"]
-    assert total(samples, "subq_cost_micro_usd_total", model="offline", profile="offline") == tree["total_cost_micros"]
-    ended = Counter[tuple[str, str]]()
-    for name, labels, value in samples:
-        if name == "subq_tasks_ended_total":
-            ended[(labels["profile"], labels["status"])] += int(value)
-    assert dict(ended) == {("offline", "completed"): len(tasks)}
-    assert total(samples, "subq_tasks_started_total") == len(tasks)
-    assert total(samples, "subq_runs_started_total") > len(tasks), "each parent ran again once its children ended"
-    assert total(samples, "subq_run_redeliveries_total") == 0
-    assert total(samples, "subq_model_requests_total", provider="offline", model="offline", outcome="ok") == requests
-    assert total(samples, "subq_model_requests_total") == requests, "no request failed or was retried"
-    assert total(samples, "subq_worker_model_request_latency_seconds_count") == requests
-    assert total(samples, "subq_budget_stops_total") == 0
-    assert {port for port in ports if total(scrape(f"http://127.0.0.1:{port}/metrics"), "subq_runs_started_total")}, (
-        "at least one worker ran something"
-    )
+    assert total(counts, "subq_cost_micro_usd_total") == tree["total_cost_micros"]
+    assert total(counts, "subq_cost_micro_usd_total", model="offline", profile="offline") == tree["total_cost_micros"]
+    assert ended_by_status(counts) == {("offline", "completed"): len(tasks)}
+    assert total(counts, "subq_tasks_started_total") == len(tasks)
+    assert total(counts, "subq_runs_started_total") > len(tasks), "each parent ran again once its children ended"
+    assert total(counts, "subq_run_redeliveries_total") == 0
+    assert total(counts, "subq_model_requests_total", provider="offline", model="offline", outcome="ok") == requests
+    assert total(counts, "subq_model_requests_total") == requests, "no request failed or was retried"
+    assert total(counts, "subq_worker_model_request_latency_seconds_count") == requests
+    assert total(counts, "subq_budget_stops_total") == 0
     # The API's figures are the fleet's state: nothing waits or runs once the tree has ended.
     queue = coord.settings.queue
     assert total(fleet, "subq_runs_in_flight", queue=queue) == 0
     assert total(fleet, "subq_queue_depth", queue=queue) == 0
     assert total(fleet, "subq_approvals_waiting") == 0
     assert not [s for s in fleet if s[0].startswith("subq_tokens")], "token counters are the workers' own"
+
+
+def test_failures_and_retries_are_counted_by_status_and_outcome(metered: tuple[Coordinator, list[int]]) -> None:
+    """A fan-out where one child's provider rate-limits it once and another's refuses it."""
+    coord, ports = metered
+    retried = {"reply": "A done", "usage": USAGE, "transient": {"kind": "rate_limit", "times": 1}}
+    root = agent(
+        call(
+            "run_subagents", tasks=[subtask("A", retried), subtask("B", {"fail": "refused"}), subtask("C", reply("C"))]
+        ),
+        call("attempt_completion", result="Report with one part missing"),
+        text="Prepare the report.",
+    )
+    tree, counts, _ = run_tree(coord, ports, root)
+    tasks = list(nodes(tree))
+    assert sorted(t["status"] for t in tasks) == ["completed", "completed", "completed", "failed"]
+    requests = sum(coord.get_task(t["id"]).requests for t in tasks)
+    assert ended_by_status(counts) == {("offline", "completed"): 3, ("offline", "failed"): 1}
+    outcomes = {o: total(counts, "subq_model_requests_total", outcome=o) for o in ("ok", "transient_error", "error")}
+    assert outcomes == {"ok": requests, "transient_error": 1, "error": 1}
+    assert total(counts, "subq_tokens_total") == tree["total_tokens"] == requests * STEP_TOKENS
+    assert total(counts, "subq_cost_micro_usd_total") == tree["total_cost_micros"] == requests * STEP_COST_MICROS
+    cache = {k: total(counts, "subq_cache_tokens_total", kind=k) for k in ("read", "write")}
+    assert cache == {"read": requests * USAGE["cache_read"], "write": requests * USAGE["cache_write"]}
 
 
 def test_the_api_counts_runs_in_flight_and_approvals_waiting(settings: Settings) -> None:
