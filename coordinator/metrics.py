@@ -38,8 +38,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BUDGET_STOPS",
+    "CACHE_TOKENS",
     "COST",
     "LATENCY",
+    "LATENCY_BUCKETS_S",
     "MODEL_REQUESTS",
     "REDELIVERIES",
     "REGISTRY",

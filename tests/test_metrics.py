@@ -32,6 +32,7 @@ from coordinator.api import create_app
 from coordinator.api.ops import SubqCollector
 from coordinator.errors import FleetError
 from coordinator.fleet import WorkerFleet, settings_env
+from coordinator.store import LATENCY_BUCKETS_MS
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, USAGE, agent, call, reply, subtask
 from tests.helpers import ApiServer, api_settings, eventually
 
@@ -50,6 +51,19 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports (a local fleet's process i serves the first + i)."""
+    while True:
+        first = free_port()
+        try:
+            with ExitStack() as held:
+                for port in range(first, first + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
 
 
 def scrape(url: str) -> Samples:
@@ -81,19 +95,19 @@ def nodes(tree: dict[str, Any]) -> Iterator[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def metered(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Coordinator, list[int]]]:
     """Two worker processes of a queue and prefix of their own, each serving /metrics on its own port."""
-    own = api_settings(settings, queue="subq-metrics-tree", key_prefix="subqmtree", worker_metrics_host="127.0.0.1")
-    log_dir = tmp_path_factory.mktemp("metered")
-    ports = [free_port(), free_port()]
-    with ExitStack() as stack:
-        for index, port in enumerate(ports):
-            fleet = WorkerFleet(
-                own.model_copy(update={"worker_metrics_port": port}), 1, log_dir / f"{index}", name=f"m{index}"
-            )
-            stack.enter_context(fleet)
-            fleet.wait_ready()
+    first = free_ports(2)
+    own = api_settings(
+        settings, queue="subq-metrics-tree", key_prefix="subqmtree", worker_metrics_port=first,
+        worker_metrics_host="127.0.0.1",
+    )  # fmt: skip
+    with WorkerFleet(own, 2, tmp_path_factory.mktemp("metered"), name="m") as fleet:
+        fleet.wait_ready()
+        ports = [first, first + 1]  # a local fleet's process i serves the port + i
+        for port in ports:  # each answers, with the families it defines (no series until it counts one)
+            assert "# TYPE subq_tokens_total counter" in httpx.get(f"http://127.0.0.1:{port}/metrics").text
         coord = Coordinator(own)
-        stack.callback(coord.close)
         yield coord, ports
+        coord.close()
 
 
 def run_tree(
@@ -234,6 +248,10 @@ def test_a_worker_whose_port_is_taken_stops_saying_so(settings: Settings, tmp_pa
     assert f"SUBQ_WORKER_METRICS_PORT: cannot serve metrics on 127.0.0.1:{port}: the port is in use" in str(
         caught.value
     )
+
+
+def test_a_workers_latency_buckets_are_the_fleet_wide_histograms() -> None:
+    assert tuple(ms / 1000 for ms in LATENCY_BUCKETS_MS) == metrics.LATENCY_BUCKETS_S
 
 
 # -- the Grafana dashboard -------------------------------------------------------------------
