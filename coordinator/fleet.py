@@ -66,6 +66,7 @@ def _profiles_json(settings: Settings) -> str:
 class WorkerFleet:
     """N worker processes with logs in `log_dir`; `stop()` ends them and their children.
 
+    With `SUBQ_WORKER_METRICS_PORT` set, process i serves its metrics on that port + i.
     `app_module` is the Celery app they run (subq's, or the benchmark's bare one);
     `loglevel` WARNING keeps per-task log lines out of what a benchmark times.
     """
@@ -86,9 +87,12 @@ class WorkerFleet:
         self.nodes = [f"{name}{index}@{socket.gethostname()}" for index in range(processes)]
         log_dir.mkdir(parents=True, exist_ok=True)
         env = settings_env(settings)
+        port = settings.worker_metrics_port
         for index, node in enumerate(self.nodes):
             log = log_dir / f"worker{index}.log"
             self.logs.append(log)
+            if port is not None:  # processes of one host cannot share a port: process i serves port + i
+                env = {**env, "SUBQ_WORKER_METRICS_PORT": str(port + index)}
             with log.open("wb") as out:
                 self.procs.append(
                     subprocess.Popen(

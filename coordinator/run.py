@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from coordinator import admission, approvals, budgets, delegation, dispatch, faults, writeback
+from coordinator import admission, approvals, budgets, delegation, dispatch, faults, metrics, writeback
 from coordinator.approvals import ToolCall
 from coordinator.errors import StoreError
 from coordinator.models import (
@@ -269,6 +269,7 @@ class Run:
         self.flush()  # what it spent before it stopped is recorded
         if budget_holder:
             budgets.stop(self._coord, budget_holder)
+            metrics.budget_stopped(self.task.profile)  # the worker's own counter, in memory
         task = self._coord.store.get_task(self.task.id)
         return Ended(task.status.value if task.status.terminal else "cancelled", error=task.error)
 

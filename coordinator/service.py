@@ -55,7 +55,7 @@ from coordinator.models import (
     TodoItem,
 )
 from coordinator.settings import Settings, load_settings
-from coordinator.store import LATENCY_BUCKETS_MS, Keys, Store
+from coordinator.store import LATENCY_BUCKETS_MS, FleetGauges, Keys, Store
 
 __all__ = ["DEFAULT_PAGE", "MAX_PAGE", "Coordinator"]
 
@@ -326,6 +326,10 @@ class Coordinator:
     def queue_depth(self) -> int:
         """Celery messages waiting in subq's queue (LLEN, as Celery's own tools report it)."""
         return self.store.queue_depth(self.settings.queue)
+
+    def fleet_gauges(self) -> FleetGauges:
+        """Queue depth, runs in flight, approvals waiting and dead letters: one round trip (GET /metrics)."""
+        return self.store.fleet_gauges(self.settings.queue)
 
     def repairs(self) -> dict[str, int]:
         """Repairs the reconciler has made, by reason (coordinator/reconciler.py)."""

@@ -60,6 +60,10 @@ DEFAULT_API_MAX_BODY_BYTES = 1024 * 1024
 # A worker's log lines: text for a terminal; json (one object a line) for a log pipeline.
 LogFormat = Literal["text", "json"]
 DEFAULT_LOG_FORMAT: LogFormat = "text"
+# A worker serves its Prometheus metrics only when given a port: several worker processes on
+# one host (`subq up`, `subq demo`, the tests) would otherwise fight over one default port.
+# All interfaces when it is set: Prometheus scrapes the pod's IP (the figures hold no task data).
+DEFAULT_WORKER_METRICS_HOST = "0.0.0.0"
 DEFAULT_MAX_FANOUT = 256
 DEFAULT_MAX_DEPTH = 3
 # A task lost with its worker is delivered again at most this many times in all.
@@ -159,6 +163,9 @@ class Settings(BaseSettings):
     reconcile_grace_s: int = Field(default=DEFAULT_RECONCILE_GRACE_S, ge=1, le=3600)
     shutdown_grace_s: int = Field(default=DEFAULT_SHUTDOWN_GRACE_S, ge=0, le=3600)
     log_format: LogFormat = DEFAULT_LOG_FORMAT
+    # A worker's own /metrics (coordinator/metrics.py); unset: not served.
+    worker_metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    worker_metrics_host: str = DEFAULT_WORKER_METRICS_HOST
     # Test-only: the named crash point (coordinator/faults.py) at which a process kills itself.
     fault_crash_at: str = ""
     max_fanout: int = Field(default=DEFAULT_MAX_FANOUT, ge=1, le=10_000)
@@ -200,8 +207,19 @@ class Settings(BaseSettings):
             raise ValueError(f"{url!r}: give the API's base URL, without a query or fragment")
         return url.rstrip("/")
 
+    @field_validator("worker_metrics_port", mode="before")
+    @classmethod
+    def _unset_port(cls, port: object) -> object:
+        return None if isinstance(port, str) and not port.strip() else port  # `VAR=` in an env file: unset
+
     @model_validator(mode="after")
     def _check(self) -> Self:
+        if self.worker_metrics_port is not None and self.worker_pool == "prefork":
+            # A prefork child counts in its own memory; the port, served by the parent, would show zeros.
+            raise ValueError(
+                "SUBQ_WORKER_METRICS_PORT: not served with SUBQ_WORKER_POOL=prefork (each child process would "
+                "count its runs where the port cannot see them); use the threads pool, or leave the port unset"
+            )
         if self.visibility_timeout_s <= self.task_time_limit_s:
             raise ValueError(
                 f"SUBQ_VISIBILITY_TIMEOUT_S: {self.visibility_timeout_s} must be above "

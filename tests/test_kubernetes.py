@@ -265,15 +265,19 @@ def test_the_in_flight_trigger_reads_a_metric_the_api_exports(
     location = _trigger(_one(rendered["dev"], "ScaledObject"), "in-flight")["metadata"]["valueLocation"]
     coord = Coordinator(settings.model_copy(update={"key_prefix": "subqkeda", "queue": "subq-keda-idle"}))
     try:
-        coord.create_task("waiting for a worker that never comes")  # active, in no queue: counted
+        coord.create_task("waiting for a worker that never comes", run=True)  # published, not ended: in flight
+        coord.create_task("a caller's own task")  # no run: not in flight
         registry = CollectorRegistry(auto_describe=False)
         registry.register(SubqCollector(coord))
         values = _selected(location, generate_latest(registry).decode())
     finally:
         for key in coord.client.scan_iter("subqkeda:*"):
             coord.client.delete(key)
+        coord.client.delete("subq-keda-idle")
         coord.close()
     assert values == [1.0], (location, values)
+    # The in-flight gauge, never the windowed subq_tasks (a gauge over the 1000 most recent tasks).
+    assert location.startswith("subq_runs_in_flight"), location
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -288,6 +292,25 @@ def test_a_worker_pod_has_time_to_hand_its_runs_back(rendered: dict[str, list[di
     assert "memory" in container["resources"]["limits"] and "cpu" in container["resources"]["requests"]
     budget = _one(docs, "PodDisruptionBudget", "subq-worker")
     assert budget["spec"]["maxUnavailable"] == 1
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_prometheus_scrapes_every_worker_and_the_api(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+    """Each worker pod serves its own counters on the port its annotations name; the API its fleet figures."""
+    docs = rendered[overlay]
+    worker = _one(docs, "Deployment", "subq-worker")["spec"]["template"]
+    (container,) = worker["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container.get("env", [])}
+    port = env["SUBQ_WORKER_METRICS_PORT"]
+    assert Settings(worker_metrics_port=port).worker_metrics_port == int(port), "a port the worker accepts"
+    assert {"name": "metrics", "containerPort": int(port)} in container["ports"]
+    assert _settings_of(docs).get("SUBQ_WORKER_POOL", "threads") == "threads", "one process a pod serves them all"
+    annotations = worker["metadata"]["annotations"]
+    assert (annotations["prometheus.io/scrape"], annotations["prometheus.io/port"]) == ("true", port)
+    assert annotations["prometheus.io/path"] == "/metrics"
+    api = _one(docs, "Deployment", "subq-api")["spec"]["template"]
+    (api_container,) = api["spec"]["containers"]
+    assert api["metadata"]["annotations"]["prometheus.io/port"] == str(api_container["ports"][0]["containerPort"])
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

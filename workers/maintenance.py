@@ -8,6 +8,9 @@ threads pool runs the subagents in that process too):
   beats the process's heartbeat (`<p>:workers`), idle or not.
 - `worker_ready` also tunes the garbage collector for many runs in flight
   (`workers/runtime/agent_loop.py`).
+- `worker_init`: with `SUBQ_WORKER_METRICS_PORT` set, the process serves its own
+  Prometheus metrics (coordinator/metrics.py) there; a port it cannot take stops
+  the worker at start with one line naming the setting.
 - `worker_shutting_down` (SIGTERM, SIGINT, SIGQUIT): every run of this process
   hands itself back at its next step boundary, within `SUBQ_SHUTDOWN_GRACE_S`
   (coordinator/runs.py), while Celery's warm shutdown waits for them.
@@ -21,8 +24,9 @@ import threading
 import time
 from typing import Any
 
-from celery.signals import worker_process_init, worker_ready, worker_shutting_down
+from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutting_down
 
+from coordinator import ConfigError, metrics
 from coordinator.reconciler import Reconciler
 from workers.app import app, settings
 from workers.runtime.agent_loop import tune_gc
@@ -55,12 +59,25 @@ def _start_reconciler(sender: Any = None, **_: Any) -> None:
     ).start()
 
 
+def _serve_metrics(**_: Any) -> None:
+    if settings.worker_metrics_port is None:
+        return
+    try:
+        metrics.serve(settings.worker_metrics_port, settings.worker_metrics_host)
+    except ConfigError as exc:
+        # SystemExit, not an exception: Celery logs and ignores a receiver's exceptions, and a
+        # worker nobody can scrape would look idle on every dashboard.
+        log.critical("subq worker: %s", exc)
+        raise SystemExit(f"subq worker: {exc}") from None
+
+
 def _hand_back_runs(**_: Any) -> None:
     get_runtime(settings, app).lifecycle.drain(settings.shutdown_grace_s)
 
 
 # Connected by call, not by decorator: Celery's decorators are untyped (mypy --strict);
 # weak=False because the receivers are module functions that must live as long as the worker.
+worker_init.connect(_serve_metrics, weak=False)
 worker_ready.connect(_start_reconciler, weak=False)
 worker_ready.connect(tune_gc, weak=False)
 worker_process_init.connect(tune_gc, weak=False)  # each child of the prefork pool

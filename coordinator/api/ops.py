@@ -3,7 +3,11 @@
 Neither needs the bearer token (they carry no task data). The health check
 pings Redis and the workers; the metrics are collected from Redis on each
 scrape by a collector on a fresh registry, so no process-global state exists
-and every API replica reports the same fleet-wide figures.
+and every API replica reports the same fleet-wide figures: what the fleet holds
+now (queue depth, runs in flight, approvals waiting, dead letters) and what
+Redis already counts (repairs, the latency histogram). The counters of runs,
+model requests, tokens and cost are each worker's own (coordinator/metrics.py,
+docs/api.md).
 """
 
 from __future__ import annotations
@@ -81,9 +85,21 @@ class SubqCollector(Collector):
             value=sum(r.total_cost_micros for r in records if r.parent_id is None),
         )
         queue = self.coord.settings.queue
+        fleet = self.coord.fleet_gauges()
         depth = GaugeMetricFamily("subq_queue_depth", "Celery messages waiting in the Redis queue", labels=["queue"])
-        depth.add_metric([queue], self.coord.queue_depth())
+        depth.add_metric([queue], fleet.queue_depth)
         yield depth
+        in_flight = GaugeMetricFamily(
+            "subq_runs_in_flight",
+            "Runs published and not yet ended (waiting in the queue or running); tasks waiting on children "
+            "or a decision are not counted",
+            labels=["queue"],
+        )
+        in_flight.add_metric([queue], fleet.runs_in_flight)
+        yield in_flight
+        yield GaugeMetricFamily(
+            "subq_approvals_waiting", "Tool calls waiting for a human decision", value=fleet.approvals_waiting
+        )
         repairs = CounterMetricFamily(
             "subq_repairs", "Tree states the reconciler moved on, by reason (docs/architecture.md)", labels=["reason"]
         )
@@ -91,9 +107,7 @@ class SubqCollector(Collector):
             repairs.add_metric([reason], count)
         yield repairs
         yield GaugeMetricFamily(
-            "subq_dead_letters",
-            "Messages no worker could decode or validate, kept",
-            value=self.coord.count_dead_letters(),
+            "subq_dead_letters", "Messages no worker could decode or validate, kept", value=fleet.dead_letters
         )
         yield self._latency()
 

@@ -35,11 +35,11 @@ from coordinator.store.deadletters import DeadLetterStore
 from coordinator.store.delegation import DelegationStore
 from coordinator.store.events import EventStore
 from coordinator.store.keys import Keys
-from coordinator.store.metrics import LATENCY_BUCKETS_MS, MetricStore
+from coordinator.store.metrics import LATENCY_BUCKETS_MS, FleetGauges, MetricStore
 from coordinator.store.records import RecordStore
 from coordinator.store.runs import RunStore
 
-__all__ = ["EVENTS_MAXLEN", "LATENCY_BUCKETS_MS", "Keys", "Store", "translate_redis_errors"]
+__all__ = ["EVENTS_MAXLEN", "LATENCY_BUCKETS_MS", "FleetGauges", "Keys", "Store", "translate_redis_errors"]
 
 
 class Store(

@@ -1,13 +1,14 @@
-"""Fleet-wide metrics (the model-latency histogram) and the whole-prefix snapshot for tests."""
+"""Fleet-wide metrics (the model-latency histogram, the fleet's gauges) and the whole-prefix snapshot for tests."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from coordinator.store.base import StoreBase, _str_map, _strs, translate_redis_errors
 from coordinator.store.fields import LatencyField
 
-__all__ = ["LATENCY_BUCKETS_MS", "MetricStore", "cumulative", "latency_bucket"]
+__all__ = ["LATENCY_BUCKETS_MS", "FleetGauges", "MetricStore", "cumulative", "latency_bucket"]
 
 # Model request latency buckets (ms), Prometheus-style cumulative: from a cached
 # reply to a long reasoning call.
@@ -31,6 +32,15 @@ def cumulative(raw: dict[str, str]) -> dict[str, float]:
     histogram["count"] = running + float(raw.get(LatencyField.OVER, 0))
     histogram["sum_ms"] = float(raw.get(LatencyField.SUM_MS, 0))
     return histogram
+
+
+class FleetGauges(NamedTuple):
+    """What the fleet holds now, read on each scrape of the API's /metrics."""
+
+    queue_depth: int  # Celery messages waiting in the queue
+    runs_in_flight: int  # runs published and not yet ended: waiting in the queue or running
+    approvals_waiting: int
+    dead_letters: int
 
 
 class MetricStore(StoreBase):
@@ -72,6 +82,18 @@ class MetricStore(StoreBase):
             for key in self.client.scan_iter(self.keys.all_pattern(), count=1000)
             if key not in liveness and (kind := str(self.client.type(key))) in read
         }
+
+    @translate_redis_errors
+    def fleet_gauges(self, queue: str) -> FleetGauges:
+        """Four O(1) reads in one round trip. Runs in flight are the due list's size: a run is on
+        it from before its message is published until it ends or releases its worker (waiting on
+        children or a decision), so ZCARD counts them without a scan of the leases."""
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.llen(queue)
+            pipe.zcard(self.keys.due())
+            pipe.zcard(self.keys.approvals())
+            pipe.llen(self.keys.dead_letters())
+            return FleetGauges(*(int(n) for n in pipe.execute()))
 
     @translate_redis_errors
     def queue_depth(self, queue: str) -> int:

@@ -8,6 +8,9 @@
 - After every response, `on_response` records its usage atomically and
   persists the conversation, so a worker killed mid-run loses at most the
   request in flight, and spend is never counted twice (each request has a key).
+- Every attempt is counted in the worker's own metrics by its outcome (ok,
+  transient_error, error, cancelled), with the latency of those answered, under
+  `labels` (provider, model): coordinator/metrics.py, in memory, no Redis.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from pydantic_ai.messages import ModelMessage, ModelResponse
 from pydantic_ai.models import Model, ModelRequestParameters
 from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.settings import ModelSettings
+
+from coordinator import metrics
 
 __all__ = ["TRANSIENT_ERRORS", "MeteredModel", "ResponseHook"]
 
@@ -52,6 +57,7 @@ class MeteredModel(WrapperModel):
         retries: int = 0,
         retry_base_s: float = 0.5,
         on_transient: Callable[[Exception, int], None] = lambda exc, attempt: None,
+        labels: tuple[str, str] = ("", ""),
     ) -> None:
         super().__init__(wrapped)
         self._on_response = on_response
@@ -59,6 +65,7 @@ class MeteredModel(WrapperModel):
         self._retries = retries
         self._retry_base_s = retry_base_s
         self._on_transient = on_transient
+        self._labels = labels
 
     async def request(
         self,
@@ -73,11 +80,20 @@ class MeteredModel(WrapperModel):
             try:
                 response = await super().request(messages, model_settings, model_request_parameters)
             except TRANSIENT_ERRORS as exc:
+                metrics.model_request(*self._labels, "transient_error")
                 if attempt >= self._retries:
                     raise
                 attempt += 1
                 self._on_transient(exc, attempt)
                 await asyncio.sleep(min(MAX_BACKOFF_S, self._retry_base_s * 2 ** (attempt - 1)))
                 continue
-            self._on_response(messages, response, (time.perf_counter() - started) * 1000)
+            except asyncio.CancelledError:  # a stop abandoned the request in flight
+                metrics.model_request(*self._labels, "cancelled")
+                raise
+            except Exception:
+                metrics.model_request(*self._labels, "error")
+                raise
+            latency_s = time.perf_counter() - started
+            metrics.model_request(*self._labels, "ok", latency_s)
+            self._on_response(messages, response, latency_s * 1000)
             return response

@@ -36,7 +36,7 @@ from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults, ToolAp
 from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.usage import UsageLimits
 
-from coordinator import CorruptError, Profile, StoreError, SubtaskResult, Usage, one_line
+from coordinator import CorruptError, Profile, StoreError, SubtaskResult, Usage, metrics, one_line
 from coordinator.runs import (
     LIVE_EVERY_S,
     Ended,
@@ -91,8 +91,11 @@ def run_child(rt: Runtime, task_id: str, progress: Progress | None = None) -> Su
     if isinstance(started, SubtaskResult):
         return started  # nothing to run: ended, delegated, or waiting for a slot
     run = started
+    metrics.run_started(run.task.profile, deliveries=run.deliveries, run_seq=run.run_seq)
     try:
-        return run.end(run.lost_too_often or _run(rt, run, progress))
+        result = run.end(run.lost_too_often or _run(rt, run, progress))
+        metrics.run_ended(run.task.profile, result.status)
+        return result
     except LeaseLost:
         return run.lost()  # another run owns the task now (this worker was cut off too long)
     except HandBack:
@@ -181,20 +184,14 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
         cost_micros, source = cost_of(usage, profile, reported_cost_usd(response))
         text = " ".join(p.content for p in response.parts if isinstance(p, TextPart)).strip()
         tool = next((p.tool_name for p in response.parts if isinstance(p, ToolCallPart)), None)
-        run.record_response(
-            request_no,
-            Usage(
-                tokens_in=usage.input_tokens,
-                tokens_out=usage.output_tokens,
-                cache_reads=usage.cache_read_tokens,
-                cache_writes=usage.cache_write_tokens,
-            ),
-            cost_micros,
-            source,
-            latency_ms=latency_ms,
-            tool=tool,
-            text=text,
+        used = Usage(
+            tokens_in=usage.input_tokens,
+            tokens_out=usage.output_tokens,
+            cache_reads=usage.cache_read_tokens,
+            cache_writes=usage.cache_write_tokens,
         )
+        run.record_response(request_no, used, cost_micros, source, latency_ms=latency_ms, tool=tool, text=text)
+        metrics.response(profile.model, task.profile, used, cost_micros)  # this worker's counters, in memory
         for part in response.parts:
             if isinstance(part, TextPart) and part.content.strip():
                 run.say("text", part.content)
@@ -219,6 +216,7 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
     model = MeteredModel(
         build_model(profile),
         on_response,
+        labels=(profile.provider, profile.model),
         before=before_request,
         retries=rt.settings.model_retries,
         retry_base_s=rt.settings.model_retry_base_s,

@@ -1,0 +1,182 @@
+"""A worker process's own Prometheus metrics: the events of its runs, counted in memory.
+
+Counters of what happens per run and per model request (runs started, tasks
+ended, model requests, tokens, micro-USD, budget stops, redeliveries) live in
+the memory of the process that ran them, never in Redis: a run's Redis round
+trips and commands are budgeted (docs/benchmarks.md), and a counter there would
+cost one on every response; in memory a run of one request spends about 12 µs
+of CPU on them (measured on the 2-core dev machine). Each worker serves them on its own HTTP port
+(`SUBQ_WORKER_METRICS_PORT`, off unless set) and Prometheus sums them across
+the fleet, e.g. `sum by (model) (rate(subq_tokens_total[5m]))`. A restarted
+worker starts from zero, which `rate()` and `increase()` treat as a counter
+reset. State that is the fleet's, not an event (queue depth, runs in flight,
+approvals waiting, dead letters, repairs), is read from Redis by the API's
+`/metrics` (coordinator/api/ops.py) instead.
+
+The metrics live on a registry of this module (`REGISTRY`), not on
+prometheus_client's global one: the API process imports this module too and
+must not export empty worker counters beside its fleet-wide figures.
+
+Labels are bounded by configuration: `profile` (a configured profile's name),
+`model` (that profile's `model`, e.g. `openai:gpt-4o` or `offline`), `provider`
+(`openai`, `anthropic`, `offline`), `status`, `outcome`, `direction`; never a
+task id.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+from coordinator.errors import ConfigError
+
+if TYPE_CHECKING:
+    from coordinator.models import Usage
+
+__all__ = [
+    "BUDGET_STOPS",
+    "CACHE_TOKENS",
+    "COST",
+    "LATENCY",
+    "LATENCY_BUCKETS_S",
+    "MODEL_REQUESTS",
+    "REDELIVERIES",
+    "REGISTRY",
+    "RUNS_STARTED",
+    "TASKS_ENDED",
+    "TASKS_STARTED",
+    "TOKENS",
+    "budget_stopped",
+    "model_request",
+    "response",
+    "run_ended",
+    "run_started",
+    "serve",
+]
+
+log = logging.getLogger(__name__)
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+# The fleet-wide histogram's bounds (coordinator/store/metrics.py), in seconds, so the two agree.
+LATENCY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# How a task's own run ended it; `delegated` and `waiting_approval` are not ends.
+ENDED_STATUSES = frozenset({"completed", "failed", "cancelled"})
+
+RUNS_STARTED = Counter(
+    "subq_runs_started",
+    "Runs of agent tasks this worker started (a task's first run, and each resume or redelivery)",
+    ["profile"],
+    registry=REGISTRY,
+)
+TASKS_STARTED = Counter(
+    "subq_tasks_started",
+    "Agent tasks whose first run this worker started",
+    ["profile"],
+    registry=REGISTRY,
+)
+REDELIVERIES = Counter(
+    "subq_run_redeliveries",
+    "Runs this worker started that an earlier worker had been given and lost (its delivery count above 1)",
+    ["profile"],
+    registry=REGISTRY,
+)
+TASKS_ENDED = Counter(
+    "subq_tasks_ended",
+    "Agent tasks a run of this worker ended, by final status (completed, failed, cancelled)",
+    ["profile", "status"],
+    registry=REGISTRY,
+)
+BUDGET_STOPS = Counter(
+    "subq_budget_stops",
+    "Runs of this worker that found a budget over them spent and stopped its subtree",
+    ["profile"],
+    registry=REGISTRY,
+)
+MODEL_REQUESTS = Counter(
+    "subq_model_requests",
+    "Model requests this worker made, by outcome: ok, transient_error (retried), error, cancelled",
+    ["provider", "model", "outcome"],
+    registry=REGISTRY,
+)
+TOKENS = Counter(
+    "subq_tokens",
+    "Tokens of the model responses this worker recorded; direction 'in' includes cache reads and writes",
+    ["model", "profile", "direction"],
+    registry=REGISTRY,
+)
+CACHE_TOKENS = Counter(
+    "subq_cache_tokens",
+    "Input tokens read from or written to the provider's prompt cache (a part of direction 'in' of subq_tokens)",
+    ["model", "profile", "kind"],
+    registry=REGISTRY,
+)
+COST = Counter(
+    "subq_cost_micro_usd",
+    "Cost in micro-USD of the model responses this worker recorded",
+    ["model", "profile"],
+    registry=REGISTRY,
+)
+LATENCY = Histogram(
+    "subq_worker_model_request_latency_seconds",
+    "Latency of this worker's model requests that got a response",
+    ["provider", "model"],
+    buckets=LATENCY_BUCKETS_S,
+    registry=REGISTRY,
+)
+
+
+def run_started(profile: str, *, deliveries: int, run_seq: int) -> None:
+    RUNS_STARTED.labels(profile).inc()
+    if run_seq == 1:
+        TASKS_STARTED.labels(profile).inc()
+    if deliveries > 1:
+        REDELIVERIES.labels(profile).inc()
+
+
+def run_ended(profile: str, status: str) -> None:
+    """A run returned; its task ended if `status` is terminal (a run that released its worker did not)."""
+    if status in ENDED_STATUSES:
+        TASKS_ENDED.labels(profile, status).inc()
+
+
+def budget_stopped(profile: str) -> None:
+    BUDGET_STOPS.labels(profile).inc()
+
+
+def model_request(provider: str, model: str, outcome: str, latency_s: float | None = None) -> None:
+    MODEL_REQUESTS.labels(provider, model, outcome).inc()
+    if latency_s is not None:
+        LATENCY.labels(provider, model).observe(latency_s)
+
+
+def response(model: str, profile: str, usage: Usage, cost_micros: int) -> None:
+    """One response's usage and cost, as the run records it on its task."""
+    TOKENS.labels(model, profile, "in").inc(usage.tokens_in)
+    TOKENS.labels(model, profile, "out").inc(usage.tokens_out)
+    if usage.cache_reads:
+        CACHE_TOKENS.labels(model, profile, "read").inc(usage.cache_reads)
+    if usage.cache_writes:
+        CACHE_TOKENS.labels(model, profile, "write").inc(usage.cache_writes)
+    COST.labels(model, profile).inc(cost_micros)
+
+
+def serve(port: int, host: str) -> None:
+    """Serve `REGISTRY` on http://host:port/metrics from a daemon thread, or raise one clear ConfigError.
+
+    A port taken by another process stops the worker at start with this line, rather than
+    leaving a worker that runs but is never scraped (a fleet that looks idle in Grafana).
+    """
+    try:
+        start_http_server(port, addr=host, registry=REGISTRY)
+    except OSError as exc:
+        why = "the port is in use by another process" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
+        raise ConfigError(
+            f"Invalid setting SUBQ_WORKER_METRICS_PORT: cannot serve metrics on {host}:{port}: {why} "
+            "(give each worker process on a host a port of its own, or leave it unset)",
+            field="SUBQ_WORKER_METRICS_PORT",
+        ) from None
+    log.info("subq: serving worker metrics on http://%s:%d/metrics", host, port)
