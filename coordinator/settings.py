@@ -8,6 +8,7 @@ turns a validation failure into one `ConfigError` line naming the variable.
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from decimal import Decimal
 from pathlib import Path
@@ -60,6 +61,10 @@ DEFAULT_API_MAX_BODY_BYTES = 1024 * 1024
 # A worker's log lines: text for a terminal; json (one object a line) for a log pipeline.
 LogFormat = Literal["text", "json"]
 DEFAULT_LOG_FORMAT: LogFormat = "text"
+# Traces (docs/tracing.md): off by default, so a run pays nothing for them; `otlp`, `console`,
+# or `package.module:factory` (a callable returning an OpenTelemetry SpanExporter) turn them on.
+DEFAULT_TRACES_EXPORTER = "none"
+TRACES_EXPORTER_PATTERN = r"^(none|otlp|console|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$"
 DEFAULT_MAX_FANOUT = 256
 DEFAULT_MAX_DEPTH = 3
 # A task lost with its worker is delivered again at most this many times in all.
@@ -159,6 +164,7 @@ class Settings(BaseSettings):
     reconcile_grace_s: int = Field(default=DEFAULT_RECONCILE_GRACE_S, ge=1, le=3600)
     shutdown_grace_s: int = Field(default=DEFAULT_SHUTDOWN_GRACE_S, ge=0, le=3600)
     log_format: LogFormat = DEFAULT_LOG_FORMAT
+    traces_exporter: str = DEFAULT_TRACES_EXPORTER
     # Test-only: the named crash point (coordinator/faults.py) at which a process kills itself.
     fault_crash_at: str = ""
     max_fanout: int = Field(default=DEFAULT_MAX_FANOUT, ge=1, le=10_000)
@@ -183,6 +189,13 @@ class Settings(BaseSettings):
     profiles_file: Path | None = None
     openai_api_key: SecretStr | None = Field(default=None, validation_alias="OPENAI_API_KEY")
     anthropic_api_key: SecretStr | None = Field(default=None, validation_alias="ANTHROPIC_API_KEY")
+
+    @field_validator("traces_exporter")
+    @classmethod
+    def _check_traces_exporter(cls, exporter: str) -> str:
+        if not re.match(TRACES_EXPORTER_PATTERN, exporter):
+            raise ValueError(f"{exporter!r} is not none, otlp, console or package.module:factory (docs/tracing.md)")
+        return exporter
 
     @field_validator("api_url")
     @classmethod
