@@ -150,13 +150,14 @@ def _run_tree(settings: Settings, tmp_path: Path, spans_dir: Path) -> Iterator[d
             assert done.status == TaskStatus.COMPLETED, done.error
             tracing.flush()
             here = [trace_dump.record(s) for s in trace_dump.MEMORY.get_finished_spans()]
-            expected_total = sum(EXPECTED.values())
-            # The resumed root's run span ends just after its end was written: wait for it in the files.
-            spans = eventually(
-                lambda: found if len(found := here + trace_dump.read_dir(spans_dir)) >= expected_total else None,
-                f"{expected_total} spans",
-                timeout_s=15,
-            )
+
+            def all_in() -> list[dict[str, Any]] | None:
+                # The resumed root's last spans end just after its end was written: wait for them in the files.
+                found = here + trace_dump.read_dir(spans_dir)
+                names = Counter(s["name"] for s in found)
+                return found if all(names[name] >= count for name, count in EXPECTED.items()) else None
+
+            spans = eventually(all_in, f"the spans {EXPECTED}", timeout_s=30)
             yield {"spans": spans, "root": done, "logs": fleet.logs}
         finally:
             coord.close()
