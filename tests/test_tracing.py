@@ -32,21 +32,26 @@ WAIT_S = 90
 SECRET = "the-prompt-text-7d1e"  # in every message of the tree: it must reach no span
 TREE = agent(
     call("run_subagents", tasks=[subtask(f"A {SECRET}", reply("A done")), subtask(f"B {SECRET}", reply("B done"))]),
-    call("attempt_completion", result="both done"),
-    text=f"Fan out two. {SECRET}",
+    call("new_task", **subtask(f"C {SECRET}", reply("C done"))),
+    call("attempt_completion", result="all done"),
+    text=f"Fan out two, then one more. {SECRET}",
 )
-# The spans of that tree, by name: the root's two model requests and one per child; the root
-# runs twice (first, and resumed after its batch); each child's end writes it back.
+# The spans of that tree, by name. The root delegates twice (A and B in parallel, then C as a
+# one-step chain) and so runs three times, one model request each; each child makes one.
+# Write-backs: A's and B's ends; C's end (end_run.lua, then its chain's write-back, which
+# closes the batch and resumes the root) and its chain step `subq.advance`, which finds it closed.
 EXPECTED = {
     "subq.submit": 1,
-    "subq.delegate": 1,
-    "subq.publish": 1,
-    "subq.write_back": 2,
-    "subq.resume": 1,
+    "subq.delegate": 2,
+    "subq.publish": 2,
+    "subq.write_back": 5,
+    "subq.resume": 2,
     "subq.end_run": 1,
-    "apply_async/subq.run_task": 4,
-    "run/subq.run_task": 4,
-    "chat offline": 4,
+    "apply_async/subq.run_task": 6,
+    "run/subq.run_task": 6,
+    "apply_async/subq.advance": 1,
+    "run/subq.advance": 1,
+    "chat offline": 6,
 }
 
 
@@ -177,22 +182,32 @@ def test_one_tree_gives_one_connected_trace(traced_tree: dict[str, Any]) -> None
     orphans = [s["name"] for s in spans if s["parent_id"] is not None and s["parent_id"] not in by_id]
     assert orphans == []
 
-    def ancestors(span: dict[str, Any]) -> list[str]:
+    def lineage(span: dict[str, Any]) -> list[dict[str, Any]]:
         chain = []
         while span["parent_id"] is not None:
             span = by_id[span["parent_id"]]
-            chain.append(span["name"])
+            chain.append(span)
         return chain
 
+    def ancestors(span: dict[str, Any]) -> list[str]:
+        return [s["name"] for s in lineage(span)]
+
     runs = {s["attributes"]["messaging.message.id"]: s for s in spans if s["name"] == "run/subq.run_task"}
-    first, second = root.child_ids
-    assert set(runs) == {root.id, first, second, f"{root.id}-r1"}
-    # Each child runs under its parent's publish; the resumed root under a child's write-back's resume.
-    for child in (first, second):
+    a, b, c = root.child_ids
+    first, resumed, last = (runs[root.id], runs[f"{root.id}-r1"], runs[f"{root.id}-r2"])
+    assert set(runs) == {root.id, a, b, c, f"{root.id}-r1", f"{root.id}-r2"}
+    # Each child runs under its parent's publish, in the parent's run that delegated it.
+    for child, parent in ((a, first), (b, first), (c, resumed)):
         assert ancestors(runs[child])[:3] == ["apply_async/subq.run_task", "subq.publish", "run/subq.run_task"]
-    resumed = ancestors(runs[f"{root.id}-r1"])
-    assert resumed[:3] == ["apply_async/subq.run_task", "subq.resume", "run/subq.run_task"]
-    assert resumed[-1] == "subq.submit"
+        assert lineage(runs[child])[2] is parent
+    # The root resumes under the resume published by a child's write-back: after A and B, one
+    # of them; after the chain, C's run (its chain step is published from C's run too).
+    assert ancestors(resumed)[:3] == ["apply_async/subq.run_task", "subq.resume", "run/subq.run_task"]
+    assert lineage(resumed)[2] in (runs[a], runs[b])
+    assert runs[c] in lineage(last) and "subq.write_back" in ancestors(last)
+    (step,) = [s for s in spans if s["name"] == "run/subq.advance"]
+    assert lineage(step)[1] is runs[c]
+    assert ancestors(last)[-1] == "subq.submit"
     # Every model request is inside a run, and no prompt or reply text is in any span.
     assert all("run/subq.run_task" in ancestors(s) for s in spans if s["name"] == "chat offline")
     assert SECRET not in json.dumps(spans)
@@ -202,5 +217,5 @@ def test_a_runs_log_lines_carry_its_trace_id(traced_tree: dict[str, Any]) -> Non
     (trace_id,) = {s["trace_id"] for s in traced_tree["spans"]}
     lines = [line for log in traced_tree["logs"] for line in log.read_text().splitlines() if line.startswith("{")]
     runs = [json.loads(line) for line in lines if '"task_id"' in line]
-    assert len(runs) >= 4, lines
+    assert len(runs) >= 6, lines
     assert {line.get("trace_id") for line in runs} == {trace_id}
