@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from coordinator.service import Coordinator
     from coordinator.settings import OFFLINE_PROFILE, STANDARD_KEYS, Price, Profile, Settings, load_settings
     from coordinator.todos import IgnoredLine, ignored_lines, parse_markdown, render_markdown
+    from coordinator.tracing import current_trace_id
 
 # name -> the module that defines it
 _EXPORTS = {
@@ -100,6 +101,7 @@ _EXPORTS = {
     "parse_markdown": "coordinator.todos",
     "ignored_lines": "coordinator.todos",
     "IgnoredLine": "coordinator.todos",
+    "current_trace_id": "coordinator.tracing",
 }
 
 __all__ = [
@@ -131,6 +133,7 @@ __all__ = [
     "Usage",
     "ValidationError",
     "WaitTimeout",
+    "current_trace_id",
     "format_usd",
     "ignored_lines",
     "is_batch_id",

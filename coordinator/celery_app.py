@@ -15,6 +15,7 @@ from typing import Any
 from celery import Celery
 from celery.backends.redis import RedisBackend
 
+from coordinator import tracing
 from coordinator.settings import Settings
 
 __all__ = [
@@ -121,6 +122,7 @@ class SubqCelery(Celery):  # type: ignore[misc]  # Celery ships no type hints
 
 def make_app(settings: Settings) -> Celery:
     redis_url = settings.require_redis_url()
+    tracing.setup(settings)  # before any publish: a no-op unless SUBQ_TRACES_EXPORTER is set
     backend = f"{__name__}:{PublishOnlyRedisBackend.__name__}+{redis_url}"
     app = SubqCelery("subq", broker=redis_url, backend=backend, set_as_current=False)
     transport = {"visibility_timeout": settings.visibility_timeout_s}

@@ -26,6 +26,7 @@ import secrets
 from celery import Celery, chain, group
 from celery.canvas import Signature
 
+from coordinator import tracing
 from coordinator.celery_app import ADVANCE, RUN_TASK
 from coordinator.models import Batch, TaskRecord
 
@@ -59,7 +60,11 @@ def run_signature(app: Celery, task: TaskRecord, run_no: int = 0) -> Signature:
 
 def publish_run(app: Celery, task: TaskRecord, run_no: int = 0) -> None:
     """Start (run_no 0) or resume (run_no n) an agent task on the fleet."""
-    run_signature(app, task, run_no).apply_async()
+    if run_no:
+        with tracing.span("subq.resume", task_id=task.id, resume=run_no):
+            run_signature(app, task, run_no).apply_async()
+    else:
+        run_signature(app, task, run_no).apply_async()
 
 
 def publish_restart(app: Celery, task: TaskRecord, countdown_s: float = 0) -> None:
@@ -80,10 +85,11 @@ def publish_again(app: Celery, task: TaskRecord, attempt: int) -> None:
 
 
 def publish_batch(app: Celery, batch: Batch, children: list[TaskRecord]) -> None:
-    if batch.mode == "parallel":
-        group([run_signature(app, child) for child in children]).apply_async()
-    else:
-        publish_step(app, batch, children[0], 0)
+    with tracing.span("subq.publish", batch_id=batch.id, mode=batch.mode, children=len(children)):
+        if batch.mode == "parallel":
+            group([run_signature(app, child) for child in children]).apply_async()
+        else:
+            publish_step(app, batch, children[0], 0)
 
 
 def publish_step(app: Celery, batch: Batch, child: TaskRecord, index: int) -> None:

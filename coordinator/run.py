@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from coordinator import admission, approvals, budgets, delegation, dispatch, faults, metrics, writeback
+from coordinator import admission, approvals, budgets, delegation, dispatch, faults, metrics, tracing, writeback
 from coordinator.approvals import ToolCall
 from coordinator.errors import StoreError
 from coordinator.models import (
@@ -240,7 +240,8 @@ class Run:
     ) -> tuple[Batch, list[TaskRecord]]:
         """Commit a delegation; it is published by `end` once the conversation is saved."""
         self._flush_unless_stopped()  # a resumed run must find the call that made the delegation in its history
-        self.delegation = delegation.commit(self._coord, self.task.id, subtasks, mode, tool_call_id)
+        with tracing.span("subq.delegate", task_id=self.task.id, children=len(subtasks), mode=str(mode)):
+            self.delegation = delegation.commit(self._coord, self.task.id, subtasks, mode, tool_call_id)
         return self.delegation
 
     def _flush_unless_stopped(self) -> None:
@@ -291,10 +292,12 @@ class Run:
             return self._end_in_steps(outcome)
         if self._live is not None:
             self._write_live()  # always the last live status, with the final figures
-        ending = coord.store.end_run(
-            self.task, self.token, self.writes, _outcome_fields(outcome), coord.settings.reconcile_grace_s,
-            stop_on_budget=outcome.status == "completed",
-        )  # fmt: skip
+        # end_run.lua writes a child back onto its parent (and closes the batch when it is the last).
+        with tracing.span("subq.write_back" if self.task.batch_id else "subq.end_run", task_id=task_id):
+            ending = coord.store.end_run(
+                self.task, self.token, self.writes, _outcome_fields(outcome), coord.settings.reconcile_grace_s,
+                stop_on_budget=outcome.status == "completed",
+            )  # fmt: skip
         self.writes.clear()
         if ending.kind == "fenced":
             self.fenced = True

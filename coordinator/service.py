@@ -29,7 +29,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from coordinator import approvals, budgets, control, delegation, dispatch, ids, todo_links
+from coordinator import approvals, budgets, control, delegation, dispatch, ids, todo_links, tracing
 from coordinator import todos as todo_lists
 from coordinator.celery_app import make_app
 from coordinator.deadletters import DeadLetter
@@ -82,6 +82,7 @@ class Coordinator:
         self.client = client
         self.store = Store(client, Keys(self.settings.key_prefix), self.settings.result_retention_s)
         self._app = app
+        tracing.setup(self.settings)  # a no-op unless SUBQ_TRACES_EXPORTER is set
 
     @property
     def app(self) -> Celery:
@@ -92,6 +93,7 @@ class Coordinator:
 
     # -- tasks -------------------------------------------------------------------------
 
+    @tracing.traced("subq.submit")
     def create_task(
         self,
         prompt: str,
@@ -229,6 +231,7 @@ class Coordinator:
         """Delegate subtasks to children of `task_id`: all validated, committed atomically, then published."""
         return delegation.delegate(self, task_id, subtasks, mode)
 
+    @tracing.traced("subq.submit")
     def submit(
         self,
         prompt: str,

@@ -8,6 +8,7 @@ turns a validation failure into one `ConfigError` line naming the variable.
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from decimal import Decimal
 from pathlib import Path
@@ -64,6 +65,10 @@ DEFAULT_LOG_FORMAT: LogFormat = "text"
 # one host (`subq up`, `subq demo`, the tests) would otherwise fight over one default port.
 # All interfaces when it is set: Prometheus scrapes the pod's IP (the figures hold no task data).
 DEFAULT_WORKER_METRICS_HOST = "0.0.0.0"
+# Traces (docs/tracing.md): off by default, so a run pays nothing for them; `otlp`, `console`,
+# or `package.module:factory` (a callable returning an OpenTelemetry SpanExporter) turn them on.
+DEFAULT_TRACES_EXPORTER = "none"
+TRACES_EXPORTER_PATTERN = r"^(none|otlp|console|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$"
 DEFAULT_MAX_FANOUT = 256
 DEFAULT_MAX_DEPTH = 3
 # A task lost with its worker is delivered again at most this many times in all.
@@ -166,6 +171,7 @@ class Settings(BaseSettings):
     # A worker's own /metrics (coordinator/metrics.py); unset: not served.
     worker_metrics_port: int | None = Field(default=None, ge=1, le=65535)
     worker_metrics_host: str = DEFAULT_WORKER_METRICS_HOST
+    traces_exporter: str = DEFAULT_TRACES_EXPORTER
     # Test-only: the named crash point (coordinator/faults.py) at which a process kills itself.
     fault_crash_at: str = ""
     max_fanout: int = Field(default=DEFAULT_MAX_FANOUT, ge=1, le=10_000)
@@ -190,6 +196,13 @@ class Settings(BaseSettings):
     profiles_file: Path | None = None
     openai_api_key: SecretStr | None = Field(default=None, validation_alias="OPENAI_API_KEY")
     anthropic_api_key: SecretStr | None = Field(default=None, validation_alias="ANTHROPIC_API_KEY")
+
+    @field_validator("traces_exporter")
+    @classmethod
+    def _check_traces_exporter(cls, exporter: str) -> str:
+        if not re.match(TRACES_EXPORTER_PATTERN, exporter):
+            raise ValueError(f"{exporter!r} is not none, otlp, console or package.module:factory (docs/tracing.md)")
+        return exporter
 
     @field_validator("api_url")
     @classmethod

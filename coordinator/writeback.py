@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from coordinator import dispatch, faults
+from coordinator import dispatch, faults, tracing
 from coordinator.models import Batch, BatchRef, SubtaskResult, TaskRecord, TaskStatus, Usage
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["close_batch", "result_of", "write_back"]
 
 
+@tracing.traced("subq.write_back")
 def write_back(coord: Coordinator, batch_id: str, ended: TaskRecord | None = None) -> bool:
     """Write back what has ended in the batch; True when this call closed it.
 

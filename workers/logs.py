@@ -6,7 +6,8 @@ pipeline: `timestamp`, `level`, `logger`, `message` (and `exc_info` with a
 traceback). Either way, every line emitted while a run is in progress (in the
 thread that runs it, the agent loop included) carries the run's `task_id`,
 `root_id`, `batch_id` (null for a root), `worker` (the Celery node name) and
-`delivery` (1 for a first delivery, 2 for a redelivery, ...) as JSON fields.
+`delivery` (1 for a first delivery, 2 for a redelivery, ...) as JSON fields,
+and `trace_id` when traces are on (docs/tracing.md).
 
 The run's ids live in a context variable: `workers/tasks.py` opens it around
 the run, and the run-lifecycle's start adds what only the task's record knows
@@ -25,7 +26,7 @@ from typing import Any
 from celery import signals
 from pythonjsonlogger.json import JsonFormatter
 
-from coordinator import SubtaskResult
+from coordinator import SubtaskResult, current_trace_id
 from coordinator.runs import Run, RunLifecycle
 
 __all__ = ["LoggedRunLifecycle", "RunContext", "RunContextFilter", "current_run", "install", "run_context"]
@@ -77,13 +78,19 @@ class LoggedRunLifecycle(RunLifecycle):
 
 
 class RunContextFilter(logging.Filter):
-    """Adds the current run's fields to a record (a JSON line shows them); lines outside a run get none."""
+    """Adds the current run's fields to a record (a JSON line shows them); lines outside a run get none.
+
+    With traces on (docs/tracing.md), a line logged inside a span also gets its `trace_id`.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
         context = _current.get()
         if context is not None:
             for name, value in asdict(context).items():
                 setattr(record, name, value)
+        trace_id = current_trace_id()
+        if trace_id is not None:
+            record.trace_id = trace_id
         return True
 
 
