@@ -66,59 +66,64 @@ LATENCY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # How a task's own run ended it; `delegated` and `waiting_approval` are not ends.
 ENDED_STATUSES = frozenset({"completed", "failed", "cancelled"})
 
-RUNS_STARTED = Counter(
+
+def _counter(name: str, documentation: str, *labels: str) -> Counter:
+    """A counter of this module's registry (prometheus_client adds `_total` to the name)."""
+    return Counter(name, documentation, list(labels), registry=REGISTRY)
+
+
+RUNS_STARTED = _counter(
     "subq_runs_started",
     "Runs of agent tasks this worker started (a task's first run, and each resume or redelivery)",
-    ["profile"],
-    registry=REGISTRY,
+    "profile",
 )
-TASKS_STARTED = Counter(
+TASKS_STARTED = _counter(
     "subq_tasks_started",
     "Agent tasks whose first run this worker started",
-    ["profile"],
-    registry=REGISTRY,
+    "profile",
 )
-REDELIVERIES = Counter(
+REDELIVERIES = _counter(
     "subq_run_redeliveries",
     "Runs this worker started that an earlier worker had been given and lost (its delivery count above 1)",
-    ["profile"],
-    registry=REGISTRY,
+    "profile",
 )
-TASKS_ENDED = Counter(
+TASKS_ENDED = _counter(
     "subq_tasks_ended",
     "Agent tasks a run of this worker ended, by final status (completed, failed, cancelled)",
-    ["profile", "status"],
-    registry=REGISTRY,
+    "profile",
+    "status",
 )
-BUDGET_STOPS = Counter(
+BUDGET_STOPS = _counter(
     "subq_budget_stops",
     "Runs of this worker that found a budget over them spent and stopped its subtree",
-    ["profile"],
-    registry=REGISTRY,
+    "profile",
 )
-MODEL_REQUESTS = Counter(
+MODEL_REQUESTS = _counter(
     "subq_model_requests",
     "Model requests this worker made, by outcome: ok, transient_error (retried), error, cancelled",
-    ["provider", "model", "outcome"],
-    registry=REGISTRY,
+    "provider",
+    "model",
+    "outcome",
 )
-TOKENS = Counter(
+TOKENS = _counter(
     "subq_tokens",
     "Tokens of the model responses this worker recorded; direction 'in' includes cache reads and writes",
-    ["model", "profile", "direction"],
-    registry=REGISTRY,
+    "model",
+    "profile",
+    "direction",
 )
-CACHE_TOKENS = Counter(
+CACHE_TOKENS = _counter(
     "subq_cache_tokens",
     "Input tokens read from or written to the provider's prompt cache (a part of direction 'in' of subq_tokens)",
-    ["model", "profile", "kind"],
-    registry=REGISTRY,
+    "model",
+    "profile",
+    "kind",
 )
-COST = Counter(
+COST = _counter(
     "subq_cost_micro_usd",
     "Cost in micro-USD of the model responses this worker recorded",
-    ["model", "profile"],
-    registry=REGISTRY,
+    "model",
+    "profile",
 )
 LATENCY = Histogram(
     "subq_worker_model_request_latency_seconds",
