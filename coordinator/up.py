@@ -263,6 +263,9 @@ def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], s
         lines.append(f"  API      {api_url}  ({auth_note})")
         sign_in = "open" if settings.api_auth_disabled else "sign in with the token"
         lines.append(f"  Web      {api_url}/ui/  (the live trees in a browser; {sign_in})")
+    if settings.worker_metrics_port is not None:  # worker i serves port + i (coordinator/fleet.py)
+        ports = ", ".join(str(settings.worker_metrics_port + i) for i in range(options.workers))
+        lines.append(f"  Metrics  http://{local}:<port>/metrics  (each worker's counters: ports {ports})")
     lines += [
         f"  Flower   http://{local}:{options.flower_port}  (user: {DEFAULT_FLOWER_USER}, password: {password})",
         f"  Logs     {log_dir}" + ("" if options.log_dir else "  (removed when subq up stops)"),

@@ -38,9 +38,9 @@ SEEN_TIMEOUT_S = 30.0
 class Up:
     """`subq up` as a subprocess in its own session, its stdout read line by line."""
 
-    def __init__(self, args: list[str], marker: str) -> None:
+    def __init__(self, args: list[str], marker: str, **settings: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SUBQ_", "FLOWER_"))}
-        env["UP_TEST_MARKER"] = marker
+        env.update(settings, UP_TEST_MARKER=marker)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "coordinator", "up", *args],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -118,9 +118,9 @@ def _answers(port: int) -> bool:
 
 
 def test_up_serves_a_run_from_another_terminal_and_ctrl_c_leaves_nothing(marker: str) -> None:
-    api_port, flower_port = free_port(), free_port()
+    api_port, flower_port, metrics_port = free_port(), free_port(), free_port()
     args = ["--workers", "2", "--api-port", str(api_port), "--flower-port", str(flower_port)]
-    up = Up(args, marker)
+    up = Up(args, marker, SUBQ_WORKER_METRICS_PORT=str(metrics_port))
     try:
         banner = up.read_until("Press Ctrl-C to stop everything.", START_TIMEOUT_S)
         redis_url = _find(r"^  Redis    (redis://\S+)  \(embedded", banner)
@@ -161,6 +161,13 @@ def test_up_serves_a_run_from_another_terminal_and_ctrl_c_leaves_nothing(marker:
         assert answer.status_code == 200, answer.text
         assert answer.json()["total_cost_micros"] == 11 * STEP_COST_MICROS
         assert httpx.get(url, timeout=10).status_code == 401
+        # Each worker's own counters, at the ports printed: together, the tree's spend.
+        ports = _find(r"^  Metrics  http://\S+  \(each worker's counters: ports (.+)\)$", banner).split(", ")
+        assert ports == [str(metrics_port), str(metrics_port + 1)]
+        scraped = [httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text for port in ports]
+        spent = sum(float(line.split()[-1]) for text in scraped for line in text.splitlines()
+                    if line.startswith("subq_cost_micro_usd_total{"))  # fmt: skip
+        assert spent == 11 * STEP_COST_MICROS
         # The web view's address, signed in with the same token, shows the tree.
         web_url = _find(r"^  Web      (http://\S+)  \(the live trees in a browser; sign in with the token\)", banner)
         assert web_url == f"{api_url}/ui/"
