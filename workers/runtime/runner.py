@@ -132,7 +132,7 @@ def _run(rt: Runtime, run: Run, progress: Progress | None) -> Ended | Released:
 
 
 async def _run_agent(rt: Runtime, run: Run, profile: Profile, progress: Progress | None) -> Ended | Released:
-    """The agent's run, raced against a watcher that abandons it when the task is stopped."""
+    """The agent's run, raced against the process's stop watch, which abandons it when the task is stopped."""
     agent_run = asyncio.create_task(_drive(rt, run, profile, progress))
     stop = rt.stop_watch.watch(run)
     try:
