@@ -149,15 +149,17 @@ class Modes:
         started_s, caller_before_s = time.perf_counter(), time.process_time()
         joined = self._subq(width) if mode == "subq" else self._chord(mode, width)
         wall_s, caller_cpu_s = time.perf_counter() - started_s, time.process_time() - caller_before_s
-        resumed_after_ms = joined() if callable(joined) else joined
         time.sleep(PROBE_SETTLE_S)
         trips = read_counts(self.probe_dir, pid) - trips_before
+        # Counted before the check below: its reads verify the run, they are not part of it.
         commands = server_commands(self.client) - commands_before
+        worker_cpu_s = process_cpu_s(pid) - cpu_before
+        resumed_after_ms = joined() if callable(joined) else joined
         return Sample(
             wall_s=wall_s,
             round_trips=trips.pop("round_trips", 0),
             server_commands=sum(commands.values()),
-            worker_cpu_s=process_cpu_s(pid) - cpu_before,
+            worker_cpu_s=worker_cpu_s,
             caller_cpu_s=caller_cpu_s,
             resumed_after_ms=resumed_after_ms,
             by_command=trips,

@@ -141,9 +141,7 @@ def commit(
     batch, children = coord.store.commit_delegation(task_id, plan)
     faults.crash_point(coord.settings, "after-commit")
     coord.store.set_live_many(children, "queued")
-    first = coord.store.next_numbers(len(children))
-    coord.store.set_numbers({c.id: first + n for n, c in enumerate(children)})
-    return batch, [c.model_copy(update={"number": first + n}) for n, c in enumerate(children)]
+    return batch, children
 
 
 def _check_parent(coord: Coordinator, parent: TaskRecord) -> None:

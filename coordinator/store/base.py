@@ -72,14 +72,19 @@ def _load_script(name: str, *uses: str) -> str:
 
     Each used script becomes `local function <name>(KEYS, ARGV) <its text> end`, so a
     step that does several things in one round trip calls the very scripts that do
-    each of them alone (their KEYS and ARGV are the function's parameters).
+    each of them alone (their KEYS and ARGV are the function's parameters). All of
+    them share hashes.lua's cache of hash reads and writes, sent once when the
+    script itself returns.
     """
     lua = resources.files("coordinator.store").joinpath("lua")
-    functions = [
-        f"local function {used.removesuffix('.lua')}(KEYS, ARGV)\n{lua.joinpath(used).read_text(encoding='utf-8')}end\n"
-        for used in uses
-    ]
-    return "".join(functions) + lua.joinpath(name).read_text(encoding="utf-8")
+
+    def function(used: str, body_of: str) -> str:
+        return f"local function {used}(KEYS, ARGV)\n{lua.joinpath(body_of).read_text(encoding='utf-8')}end\n"
+
+    prelude = lua.joinpath("hashes.lua").read_text(encoding="utf-8")
+    functions = [function(used.removesuffix(".lua"), used) for used in uses]
+    main = "local reply = main(KEYS, ARGV)\nhash_flush()\nreturn reply\n"
+    return prelude + "".join(functions) + function("main", name) + main
 
 
 def _encode_record(fields: dict[str, Any]) -> HashMapping:

@@ -83,13 +83,24 @@ class DelegationStore(StoreBase):
         def body(pipe: Pipeline) -> tuple[Batch, list[TaskRecord]]:
             parent, old_todos = self._read_watched(pipe, parent_id)
             batch, children, new_todos = plan(parent, old_todos)
-            ancestors = [*json.loads(cast(str | None, pipe.hget(parent_key, TaskField.ANCESTORS)) or "[]"), parent_id]
+            ancestors_raw, chain_raw = cast(
+                list[str | None], pipe.hmget(parent_key, [TaskField.ANCESTORS, TaskField.BUDGET_CHAIN])
+            )
+            ancestors = [*json.loads(ancestors_raw or "[]"), parent_id]
+            extra: dict[str, object] = {TaskField.ANCESTORS: ancestors, TaskField.BATCH_MODE: batch.mode}
+            if chain_raw is not None or parent.depth == 0:  # else the parent's own chain is unknown
+                budgeted = [*json.loads(chain_raw or "[]"), *([parent_id] if parent.budget_micros > 0 else [])]
+                extra[TaskField.BUDGET_CHAIN] = budgeted
+            # History numbers, taken once the plan is valid (in watch mode this runs now), so
+            # each child's is written with it; a commit retried on a conflict leaves a gap.
+            first = int(pipe.incrby(k.task_number(), len(children))) - len(children) + 1
+            children = [c.model_copy(update={"number": first + n}) for n, c in enumerate(children)]
             now = time.time()
             pipe.multi()
             for child in children:
                 child_key = k.task(root, child.id)
                 fields = child.model_dump(exclude={"child_ids", "awaiting_ids"})
-                pipe.hset(child_key, mapping=_encode_record({**fields, TaskField.ANCESTORS: ancestors}))
+                pipe.hset(child_key, mapping=_encode_record({**fields, **extra}))
                 pipe.expire(child_key, self.retention_s)
             ids = [c.id for c in children]
             pipe.zadd(k.tree_tasks(root), {c.id: c.created_at for c in children})
@@ -101,6 +112,8 @@ class DelegationStore(StoreBase):
             batch_fields = _encode_record(batch.model_dump())
             pipe.hset(k.batch(root, batch.id), mapping=batch_fields)
             pipe.expire(k.batch(root, batch.id), self.retention_s)
+            pipe.hset(k.batch_lines(root, batch.id), BatchField.LINES_OWNER, batch.id)
+            pipe.expire(k.batch_lines(root, batch.id), self.retention_s)
             pipe.hset(
                 parent_key,
                 mapping={
@@ -209,6 +222,7 @@ class DelegationStore(StoreBase):
         keys = [
             k.batch(root, batch.id), k.task(root, batch.parent_id), k.ui_messages(root, batch.parent_id),
             k.awaiting(root, batch.parent_id), k.events(root), k.batch_lines(root, batch.id), k.due(),
+            k.todos(root, batch.parent_id),
         ]  # fmt: skip
         args: list[ScriptArg] = [time.time(), self.retention_s, EVENTS_MAXLEN, resume_grace_s]
         resumes, resume = self._close_batch(keys=keys, args=args)

@@ -15,6 +15,10 @@ __all__ = ["EventStore"]
 # Events read at once while waiting, and the kinds of a task's own events that cannot settle it.
 WAIT_READ_COUNT = 1000
 QUIET_EVENTS = frozenset({"child_applied", "live"})
+# A waiter reads the stream at most this often: the events of a wide batch arrive a few per
+# child, and a read for each cost a Redis command and a wake-up each; the event that settles
+# the task is seen at most this much later.
+WAIT_READ_EVERY_S = 0.01
 
 
 class EventStore(StoreBase):
@@ -43,7 +47,11 @@ class EventStore(StoreBase):
         status after each call anyway, so an event of a kind not named here delays it by
         one slice at most.
         """
+        read_at_s = 0.0
         while (block_ms := int((until_s - time.monotonic()) * 1000)) > 0:
+            if (idle_s := read_at_s + WAIT_READ_EVERY_S - time.monotonic()) > 0:
+                time.sleep(idle_s)
+            read_at_s = time.monotonic()
             events = self.read_events(root_id, after_id, block_ms=block_ms, count=WAIT_READ_COUNT)
             if not events:
                 break

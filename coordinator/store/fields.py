@@ -65,7 +65,7 @@ class TaskField:
     COST_SOURCE: Final = "cost_source"  # where the last request's cost came from (record_usage)
     RUNNER: Final = "runner"  # 'caller' (driven by API calls) or 'agent' (run on the fleet)
     BUDGET_MICROS: Final = "budget_micros"  # the subtree's cap, micro-USD; 0: none (read by record_usage)
-    NUMBER: Final = "number"  # the history number, set just after creation
+    NUMBER: Final = "number"  # the history number, given at creation
     COMPLETED_BY_CHILD_ID: Final = "completed_by_child_id"  # the child whose end closed its last batch (finish_batch)
     CREATED_AT: Final = "created_at"  # epoch seconds
     UPDATED_AT: Final = "updated_at"  # epoch seconds of the last change (every task script)
@@ -82,6 +82,10 @@ class TaskField:
     TRANSIENT_ERRORS: Final = "transient_errors"  # provider errors retried so far (a count)
     REPAIRS: Final = "repairs"  # runs the reconciler published again after one was lost (a count)
     RESUMED_PREFIX: Final = "resumed:"  # `resumed:<batch or approval id>`: once-only resume flag per reason
+    BATCH_MODE: Final = "batch_mode"  # a child's batch's mode, written with the child (end_run)
+    # JSON list of the ancestors with a budget, root first; absent on records written before
+    # it was kept (then every ancestor is read). The run's start reads only these (start_run).
+    BUDGET_CHAIN: Final = "budget_chain"
 
     @staticmethod
     def resumed(reason_id: str) -> str:
@@ -103,6 +107,10 @@ class BatchField:
     CREATED_AT: Final = "created_at"  # epoch seconds
     FINISHED_AT: Final = "finished_at"  # epoch seconds it closed; '' while running (finish_batch)
     PUBLISHED: Final = "published"  # once-only flag: the batch's work was published
+
+    # The batch lines hash (`batch-lines:<id>`: child id -> its line) is made with this
+    # field at the delegation, so it has its retention before any child writes a line.
+    LINES_OWNER: Final = "~batch"
 
 
 class ApprovalField:

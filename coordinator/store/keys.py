@@ -11,7 +11,7 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 |                                       |        | `usage_keys`: the request keys already recorded    |          |
 | `<p>:{root}:children:<id>`            | list   | child ids in creation order                        | retention |
 | `<p>:{root}:awaiting:<id>`            | set    | children the task still waits on (in flight)       | deleted when empty |
-| `<p>:{root}:todos:<id>`               | hash   | item id -> item JSON, and `order`: the ids in order | retention |
+| `<p>:{root}:todos:<id>`               | hash   | item id -> item JSON, and `order`: the ids in order | retention (write-backs leave it to the close) |
 | `<p>:{root}:ui:<id>`                  | list   | UI messages, one JSON object each                  | retention |
 | `<p>:{root}:conversation:<id>`        | list   | the model conversation, one message JSON an entry  | retention |
 | `<p>:{root}:lease:<id>`               | string | the token of the run now executing the task        | the heartbeat lapse, renewed |
@@ -23,9 +23,10 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:{root}:last-start`               | string | when the tree's last run started (stagger)         | retention |
 | `<p>:{root}:approval:<approval_id>`   | hash   | a tool call awaiting a decision, and the decision  | retention |
 | `<p>:{root}:batch:<batch_id>`         | hash   | one delegation: parent, mode, children, result     | retention |
-| `<p>:{root}:batch-lines:<batch_id>`   | hash   | child id -> its line of the combined result, set   | retention |
-|                                       |        | once as the child is written back (HSETNX: a child |          |
-|                                       |        | with a line is applied, and never again)           |          |
+| `<p>:{root}:batch-lines:<batch_id>`   | hash   | child id -> its line of the combined result, set   | retention, |
+|                                       |        | once as the child is written back (HSETNX: a child | from the   |
+|                                       |        | with a line is applied, and never again); `~batch` | delegation |
+|                                       |        | -> the batch id, written with the delegation       | and close  |
 | `<p>:{root}:events`                   | stream | the tree's events (status changes, batch done)     | capped length, retention |
 | `<p>:roots`                           | zset   | root ids scored by creation time (history index)   | pruned to retention |
 | `<p>:tasks`                           | zset   | every task id scored by creation time (history)    | pruned to retention |

@@ -191,13 +191,6 @@ class RecordStore(StoreBase):
         """Reserve `count` history numbers; returns the first."""
         return int(self.client.incrby(self.keys.task_number(), count)) - count + 1
 
-    @translate_redis_errors
-    def set_numbers(self, numbers: dict[str, int]) -> None:
-        with self.client.pipeline(transaction=False) as pipe:
-            for task_id, number in numbers.items():
-                pipe.hset(self.keys.task(root_of(task_id), task_id), TaskField.NUMBER, number)
-            pipe.execute()
-
     # -- messages and conversation -----------------------------------------------------
 
     @translate_redis_errors

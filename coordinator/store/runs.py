@@ -86,9 +86,7 @@ class RunStore(RecordStore):
             k.conversation(root, task_id), k.ui_messages(root, task_id),
         ]  # fmt: skip
         now = time.time()
-        args: list[ScriptArg] = [
-            token, lease_s, now + look_again_s, now, self.retention_s, EVENTS_MAXLEN, k.task(root, ""),
-        ]  # fmt: skip
+        args: list[ScriptArg] = [token, lease_s, now + look_again_s, now, EVENTS_MAXLEN, k.task(root, "")]
         verdict, raw, counts, conversation = self._start_run(keys=keys, args=args)
         if verdict == "missing":
             raise NotFoundError(f"Unknown task: {task_id}", field="task_id")

@@ -1,7 +1,9 @@
 -- Write finished children back onto their parent, each exactly once (a child is applied
 -- when its line of the combined result is stored, HSETNX: a redelivered or duplicated
 -- write-back changes nothing). Only the items concerned are read and written (the list is
--- a hash of item id -> JSON), so a wide fan-out stays linear.
+-- a hash of item id -> JSON), so a wide fan-out stays linear. The batch lines and the
+-- todos keep the retention their delegation gave them (delegation.py) until the batch
+-- closes (close_batch.lua), so a child's write-back refreshes neither.
 -- KEYS[1] parent hash   KEYS[2] parent todos (hash: item id -> JSON, order -> ids)
 -- KEYS[3] parent awaiting set   KEYS[4] tree events stream   KEYS[5] batch lines (hash: child id -> line)
 -- KEYS[6..] child hashes
@@ -47,7 +49,7 @@ local applied = {}
 for i = 4, #ARGV do
   local child_id = ARGV[i]
   local key = KEYS[i + 2]
-  local f = redis.call('HMGET', key, 'status', 'total_tokens', 'total_cost_micros', 'todo_id', 'description',
+  local f = hash_get(key, 'status', 'total_tokens', 'total_cost_micros', 'todo_id', 'description',
     'summary', 'error_class', 'error')
   if terminal(f[1]) then
     -- The item shows the child's subtree totals, read from the child record (the
@@ -65,7 +67,6 @@ end
 if #applied == 0 then
   return 0
 end
-redis.call('EXPIRE', KEYS[5], ARGV[2])
 
 -- The item a child serves: the one its record names, if it is still linked to the
 -- child; else (the list was rewritten since) the item that carries the child's link.
@@ -112,24 +113,21 @@ for i = 4, #ARGV do
     else
       -- No row carries the child's link (the plan was rewritten without it): its spend is
       -- the parent's unlinked spend, a figure of its own, so the plan still adds up.
-      redis.call('HINCRBY', KEYS[1], 'unlinked_tokens', got.tokens)
-      redis.call('HINCRBY', KEYS[1], 'unlinked_cost_micros', got.cost)
+      hash_incr(KEYS[1], 'unlinked_tokens', got.tokens)
+      hash_incr(KEYS[1], 'unlinked_cost_micros', got.cost)
     end
   end
 end
-if changed then
-  redis.call('EXPIRE', KEYS[2], ARGV[2])
-end
 
-local parent = redis.call('HMGET', KEYS[1], 'id', 'todos_version')
+local parent = hash_get(KEYS[1], 'id', 'todos_version')
 for _, child_id in ipairs(applied) do
   redis.call('SREM', KEYS[3], child_id)
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[3], '*', 'type', 'child_applied',
     'task_id', parent[1], 'child_id', child_id, 'status', figures[child_id].status)
 end
 if changed then
-  redis.call('HSET', KEYS[1], 'updated_at', ARGV[1], 'todos_version', (tonumber(parent[2] or '0') or 0) + 1)
+  hash_set(KEYS[1], 'updated_at', ARGV[1], 'todos_version', (tonumber(parent[2] or '0') or 0) + 1)
 else
-  redis.call('HSET', KEYS[1], 'updated_at', ARGV[1])
+  hash_set(KEYS[1], 'updated_at', ARGV[1])
 end
 return #applied

@@ -4,14 +4,15 @@
 -- list) before it closes, so a resume lost after the close is published by the reconciler;
 -- then closes with finish_batch.
 -- KEYS[1] batch hash   KEYS[2] parent hash   KEYS[3] parent UI messages   KEYS[4] parent awaiting set
--- KEYS[5] tree events stream   KEYS[6] batch lines   KEYS[7] the due list
+-- KEYS[5] tree events stream   KEYS[6] batch lines   KEYS[7] the due list   KEYS[8] parent todos
 -- ARGV[1] now   ARGV[2] retention seconds   ARGV[3] events max length   ARGV[4] resume grace seconds
 -- Returns {resumes, resume}: the parent's resume count when closed now (0: closed before) and
 -- 1 when the caller must publish the parent's resumed run.
-if redis.call('HGET', KEYS[1], 'status') == 'done' then
+-- What this and finish_batch read of the batch, in one HMGET.
+if hash_get(KEYS[1], 'status', 'mode', 'child_ids', 'id')[1] == 'done' then
   return {0, 0}
 end
-local batch = redis.call('HMGET', KEYS[1], 'mode', 'child_ids')
+local batch = hash_get(KEYS[1], 'mode', 'child_ids')
 local child_ids = cjson.decode(batch[2])
 -- In slices: unpack() of a whole wide batch would overflow Lua's stack.
 local lines = {}
@@ -33,7 +34,7 @@ for i, child_id in ipairs(child_ids) do
 end
 local combined = 'Subtask results (' .. batch[1] .. ', ' .. done .. ' of ' .. #child_ids .. ' completed):\n'
   .. table.concat(out, '\n')
-local parent = redis.call('HMGET', KEYS[2], 'id', 'status', 'runner', 'error_class', 'error')
+local parent = hash_get(KEYS[2], 'id', 'status', 'runner', 'error_class', 'error')
 if parent[2] == 'completed' or parent[2] == 'failed' or parent[2] == 'cancelled' then
   -- Stopped meanwhile: its caller reads why, then what had finished.
   combined = 'Stopped: ' .. (parent[4] or '') .. ': ' .. (parent[5] or '') .. '\n' .. combined
@@ -46,4 +47,9 @@ if parent[3] == 'agent' and parent[2] == 'delegated' then
 end
 local resumes = finish_batch({KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]},
   {combined, ui, ARGV[1], ARGV[2], ARGV[3], child_ids[#child_ids]})
+if resumes > 0 then
+  -- The children's write-backs left these keys' retention to the close (apply_children.lua).
+  redis.call('EXPIRE', KEYS[6], ARGV[2])
+  redis.call('EXPIRE', KEYS[8], ARGV[2])
+end
 return {resumes, resume}

@@ -18,6 +18,14 @@
 --  cache writes, cost micro-USD, closed, resumes, resume, batch mode}: `closed` 1 when
 -- this call closed the batch, `resume` 1 when the caller must publish the parent's resume,
 -- `batch mode` 'sequential' when the caller must write the chain step back itself.
+-- Every field of the task and of its parent that any part below reads, in one HMGET each
+-- (hashes.lua): the parts read and write them through the cache, written once at the end.
+hash_prefetch(KEYS[2], fields_and(USAGE_FIELDS, {'summary', 'error', 'error_class', 'batch_id', 'batch_mode',
+  'todo_id', 'description'}))
+if KEYS[9] ~= KEYS[2] then
+  hash_prefetch(KEYS[9], {'id', 'total_tokens', 'total_cost_micros', 'budget_micros', 'todos_version', 'status',
+    'runner', 'error_class', 'error', 'waiting_batch_id', 'resumes'})
+end
 local flush_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]}
 for i = 15, #KEYS do
   flush_keys[#flush_keys + 1] = KEYS[i]
@@ -53,8 +61,8 @@ end
 local now, retention, maxlen = ARGV[3], ARGV[2], ARGV[4]
 finish_task({KEYS[2], KEYS[7], KEYS[6]}, {ARGV[5], ARGV[6], ARGV[7], ARGV[8], now, retention, maxlen, live})
 redis.call('DEL', KEYS[1])  -- the lease: flush_run found it this run's, in this same call
-local f = redis.call('HMGET', KEYS[2], 'id', 'status', 'summary', 'error', 'error_class', 'tokens_in',
-  'tokens_out', 'cache_reads', 'cache_writes', 'cost_micros', 'batch_id')
+local f = hash_get(KEYS[2], 'id', 'status', 'summary', 'error', 'error_class', 'tokens_in',
+  'tokens_out', 'cache_reads', 'cache_writes', 'cost_micros', 'batch_id', 'batch_mode')
 redis.call('ZREM', KEYS[8], f[1])
 local say
 if f[2] == 'completed' then
@@ -66,11 +74,12 @@ ui[#ui + 1] = cjson.encode(say)
 say_all()
 local closed, resumes, resume, mode = 0, 0, 0, ''
 if f[11] and f[11] ~= '' then
-  mode = redis.call('HGET', KEYS[12], 'mode') or ''
+  -- A child's record names its batch's mode (delegation.py); one written before it did not.
+  mode = (f[12] and f[12] ~= '') and f[12] or (hash_get(KEYS[12], 'mode')[1] or '')
   if mode == 'parallel' then
     apply_children({KEYS[9], KEYS[10], KEYS[11], KEYS[7], KEYS[14], KEYS[2]}, {now, retention, maxlen, f[1]})
     if redis.call('SCARD', KEYS[11]) == 0 then
-      local got = close_batch({KEYS[12], KEYS[9], KEYS[13], KEYS[11], KEYS[7], KEYS[14], KEYS[8]},
+      local got = close_batch({KEYS[12], KEYS[9], KEYS[13], KEYS[11], KEYS[7], KEYS[14], KEYS[8], KEYS[10]},
         {now, retention, maxlen, ARGV[9]})
       resumes, resume = got[1], got[2]
       if resumes > 0 then

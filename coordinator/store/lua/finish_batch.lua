@@ -6,25 +6,25 @@
 -- ARGV[4] retention seconds   ARGV[5] events max length   ARGV[6] the child that completed it
 -- Returns the parent's resume count when closed now (the caller then resumes the
 -- parent under that number, so a resume is published once), 0 when closed before.
-if redis.call('HGET', KEYS[1], 'status') == 'done' then
+if hash_get(KEYS[1], 'status')[1] == 'done' then
   return 0
 end
-redis.call('HSET', KEYS[1], 'status', 'done', 'result', ARGV[1], 'finished_at', ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-local batch_id = redis.call('HGET', KEYS[1], 'id')
-if redis.call('HGET', KEYS[2], 'status') == 'delegated'
-    and redis.call('HGET', KEYS[2], 'waiting_batch_id') == batch_id then
+hash_set(KEYS[1], 'status', 'done', 'result', ARGV[1], 'finished_at', ARGV[3])
+hash_expire_later(KEYS[1], ARGV[4])
+local batch_id = hash_get(KEYS[1], 'id')[1]
+local parent = hash_get(KEYS[2], 'status', 'waiting_batch_id', 'id')
+if parent[1] == 'delegated' and parent[2] == batch_id then
   -- The resumed run answers the delegation call from this batch, and may be
   -- delivered SUBQ_MAX_DELIVERIES times anew.
-  redis.call('HSET', KEYS[2], 'status', 'active', 'waiting_batch_id', '', 'resume_batch_id', batch_id,
+  hash_set(KEYS[2], 'status', 'active', 'waiting_batch_id', '', 'resume_batch_id', batch_id,
     'deliveries', 0, 'completed_by_child_id', ARGV[6], 'updated_at', ARGV[3])
 end
-local resumes = redis.call('HINCRBY', KEYS[2], 'resumes', 1)
-redis.call('EXPIRE', KEYS[2], ARGV[4])
+local resumes = hash_incr(KEYS[2], 'resumes', 1)
+hash_expire_later(KEYS[2], ARGV[4])
 redis.call('RPUSH', KEYS[3], ARGV[2])
 redis.call('EXPIRE', KEYS[3], ARGV[4])
 redis.call('DEL', KEYS[4])
-local parent_id = redis.call('HGET', KEYS[2], 'id')
+local parent_id = parent[3]
 redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'type', 'batch_done',
   'task_id', parent_id, 'batch_id', batch_id)
 redis.call('EXPIRE', KEYS[5], ARGV[4])

@@ -6,7 +6,7 @@
 --   (without it, the stored one is read)
 -- Returns the task's status after the call (the earlier one if it was already terminal),
 -- or false when the task does not exist.
-local task = redis.call('HMGET', KEYS[1], 'status', 'id')
+local task = hash_get(KEYS[1], 'status', 'id')
 local status, id = task[1], task[2]
 if not status then
   return false
@@ -14,9 +14,9 @@ end
 if status == 'completed' or status == 'failed' or status == 'cancelled' then
   return status
 end
-redis.call('HSET', KEYS[1], 'status', ARGV[1], 'summary', ARGV[2], 'error', ARGV[3],
+hash_set(KEYS[1], 'status', ARGV[1], 'summary', ARGV[2], 'error', ARGV[3],
   'error_class', ARGV[4], 'updated_at', ARGV[5], 'finished_at', ARGV[5])
-redis.call('EXPIRE', KEYS[1], ARGV[6])
+hash_expire_later(KEYS[1], ARGV[6])
 local raw = (ARGV[8] and ARGV[8] ~= '') and ARGV[8] or redis.call('HGET', KEYS[3], id)
 local live = raw and cjson.decode(raw) or {task_id = id}
 live['state'] = ARGV[1]

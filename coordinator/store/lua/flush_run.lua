@@ -18,6 +18,7 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return {0}
 end
 local retention, now, in_end = ARGV[2], ARGV[3], ARGV[5] == '1'
+hash_prefetch(KEYS[2], USAGE_FIELDS)  -- with the status and budget read below: one HMGET
 local n_conv, n_ui, n_usage, n_latency = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
 local at = 11
 if n_conv > 0 then
@@ -63,7 +64,7 @@ if not recorded then
     chain[#chain + 1] = KEYS[i]
   end
   for _, key in ipairs(chain) do
-    local f = redis.call('HMGET', key, 'budget_micros', 'total_cost_micros', 'id')
+    local f = hash_get(key, 'budget_micros', 'total_cost_micros', 'id')
     local budget = tonumber(f[1] or '0') or 0
     if budget > 0 and (tonumber(f[2] or '0') or 0) >= budget then
       exhausted = f[3]
@@ -73,4 +74,4 @@ end
 if in_end then
   return {1, '', exhausted}
 end
-return {1, redis.call('HGET', KEYS[2], 'status'), exhausted}
+return {1, hash_get(KEYS[2], 'status')[1], exhausted}

@@ -1,6 +1,6 @@
 -- Record one model request's usage on the task that made it, once, and roll the
 -- spend up into the subtree totals of the task and every ancestor; then say whether
--- a budget on the way up is exhausted. Each hash is read once and written once.
+-- a budget on the way up is exhausted. Each hash is read once and written once (hashes.lua).
 -- KEYS[1]  task hash (its `usage_keys` field lists the request keys already recorded,
 --          space-separated: read and written with the figures, no key of its own)
 -- KEYS[2..] ancestor task hashes (parent first, root last)
@@ -12,8 +12,7 @@
 -- -1 (the task has ended, e.g. was cancelled: nothing is recorded after a stop);
 -- exhausted is the id of the topmost task (nearest the root) whose budget the subtree
 -- total has reached, or ''.
-local own = redis.call('HMGET', KEYS[1], 'status', 'tokens_in', 'tokens_out', 'cache_reads', 'cache_writes',
-  'cost_micros', 'requests', 'total_tokens', 'total_cost_micros', 'budget_micros', 'id', 'usage_keys')
+local own = hash_get(KEYS[1], unpack(USAGE_FIELDS))
 local status = own[1]
 if status == 'completed' or status == 'failed' or status == 'cancelled' then
   return {-1, ''}
@@ -29,21 +28,21 @@ local tokens = n(ARGV[2]) + n(ARGV[3])
 local cost = n(ARGV[6])
 local exhausted = ''
 local total = n(own[9]) + cost
-redis.call('HSET', KEYS[1], 'tokens_in', n(own[2]) + n(ARGV[2]), 'tokens_out', n(own[3]) + n(ARGV[3]),
+hash_set(KEYS[1], 'tokens_in', n(own[2]) + n(ARGV[2]), 'tokens_out', n(own[3]) + n(ARGV[3]),
   'cache_reads', n(own[4]) + n(ARGV[4]), 'cache_writes', n(own[5]) + n(ARGV[5]), 'cost_micros', n(own[6]) + cost,
   'requests', n(own[7]) + 1, 'total_tokens', n(own[8]) + tokens, 'total_cost_micros', total,
   'cost_source', ARGV[7], 'updated_at', ARGV[8],
   'usage_keys', recorded == '' and ARGV[1] or (recorded .. ' ' .. ARGV[1]))
 if ARGV[10] ~= '0' then
-  redis.call('EXPIRE', KEYS[1], ARGV[9])
+  hash_expire_later(KEYS[1], ARGV[9])
 end
 if n(own[10]) > 0 and total >= n(own[10]) then
   exhausted = own[11]
 end
 for i = 2, #KEYS do
-  local up = redis.call('HMGET', KEYS[i], 'total_tokens', 'total_cost_micros', 'budget_micros', 'id')
+  local up = hash_get(KEYS[i], 'total_tokens', 'total_cost_micros', 'budget_micros', 'id')
   local up_total = n(up[2]) + cost
-  redis.call('HSET', KEYS[i], 'total_tokens', n(up[1]) + tokens, 'total_cost_micros', up_total)
+  hash_set(KEYS[i], 'total_tokens', n(up[1]) + tokens, 'total_cost_micros', up_total)
   if n(up[3]) > 0 and up_total >= n(up[3]) then
     exhausted = up[4]  -- later keys are nearer the root
   end

@@ -5,10 +5,11 @@
 -- KEYS[1] task hash   KEYS[2] lease   KEYS[3] the due list   KEYS[4] tree live hash
 -- KEYS[5] tree events stream   KEYS[6] conversation   KEYS[7] UI messages
 -- ARGV[1] token   ARGV[2] lease seconds   ARGV[3] when the reconciler looks next (epoch s)
--- ARGV[4] now   ARGV[5] retention seconds   ARGV[6] events max length
--- ARGV[7] the prefix of the tree's task hashes (the budget check reads the ancestors': a
---   tree's keys share one prefix, and subq runs on one Redis, so reading keys named in the
---   task's own record is safe here)
+-- ARGV[4] now   ARGV[5] events max length
+-- ARGV[6] the prefix of the tree's task hashes (the budget check reads the ancestors' with a
+--   budget, `budget_chain`, or every ancestor's on a record without it: a tree's keys share
+--   one prefix, and subq runs on one Redis, so reading keys named in the task's own record
+--   is safe here)
 -- Returns {verdict, the task hash as a flat list, {deliveries, run sequence, exhausted}, conversation}:
 -- verdict 'run' (the lease is this run's), 'missing', 'other' (not an agent's, ended or
 -- delegated: the caller takes its slow path) or 'leased' (another run holds the lease).
@@ -39,21 +40,22 @@ local live = cjson.encode({
   task_id = task['id'], parent_id = (parent_id and parent_id ~= '') and parent_id or cjson.null,
   depth = tonumber(task['depth'] or '0'), state = 'running', ts = tonumber(ARGV[4]),
 })
+-- The live hash's retention was set when the task was queued, and is refreshed by its steps.
 redis.call('HSET', KEYS[4], task['id'], live)
-redis.call('EXPIRE', KEYS[4], ARGV[5])
-redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[6], '*', 'type', 'live', 'task_id', task['id'], 'state', 'running')
+redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'type', 'live', 'task_id', task['id'], 'state', 'running')
 local exhausted = ''
 local own_budget = tonumber(task['budget_micros'] or '0') or 0
 if own_budget > 0 and (tonumber(task['total_cost_micros'] or '0') or 0) >= own_budget then
   exhausted = task['id']
 end
 local chain = {}
-local ancestors = cjson.decode(task['ancestors'] or '[]')
+local budgeted = task['budget_chain']
+local ancestors = cjson.decode((budgeted and budgeted ~= '') and budgeted or task['ancestors'] or '[]')
 for i = #ancestors, 1, -1 do
   chain[#chain + 1] = ancestors[i]
 end
 for _, id in ipairs(chain) do
-  local f = redis.call('HMGET', ARGV[7] .. id, 'budget_micros', 'total_cost_micros')
+  local f = redis.call('HMGET', ARGV[6] .. id, 'budget_micros', 'total_cost_micros')
   local budget = tonumber(f[1] or '0') or 0
   if budget > 0 and (tonumber(f[2] or '0') or 0) >= budget then
     exhausted = id

@@ -1,0 +1,121 @@
+-- Hashes read once and written once per script call. A step that does several things
+-- (end_run: record usage, finish, write back, close) touches the task's, its parent's and
+-- its batch's hashes from several of the scripts it calls; through these functions each
+-- hash costs one HMGET (of every field any part needs, `hash_prefetch`) and one HSET, sent
+-- when the script returns (`hash_flush`, called by the script's wrapper, base.py). No other
+-- client sees the writes held back: a script runs alone. A script reads and writes such a
+-- hash only through these functions (a direct HSET would be overwritten, a direct read
+-- stale); other fields of the same hash (a batch's lines) may be written directly.
+local hash_cache, hash_dirty, hash_order, hash_expire = {}, {}, {}, {}
+
+-- What a read of `value` gives back once written: Redis stores a Lua number as its digits.
+local function hash_text(value)
+  if type(value) == 'number' then
+    if value == math.floor(value) and math.abs(value) < 1e15 then
+      return string.format('%d', value)
+    end
+    return string.format('%.17g', value)
+  end
+  return value
+end
+
+-- Read `fields` of `key` into the cache, those not there yet, in one HMGET.
+local function hash_prefetch(key, fields)
+  local have = hash_cache[key]
+  if not have then
+    have = {}
+    hash_cache[key] = have
+  end
+  local missing = {}
+  for _, name in ipairs(fields) do
+    if have[name] == nil then
+      missing[#missing + 1] = name
+    end
+  end
+  if #missing > 0 then
+    local got = redis.call('HMGET', key, unpack(missing))
+    for i, name in ipairs(missing) do
+      have[name] = got[i]  -- false when the field is absent, as HMGET gives it
+    end
+  end
+  return have
+end
+
+-- As redis.call('HMGET', key, ...): false for an absent field.
+local function hash_get(key, ...)
+  local fields = {...}
+  local have = hash_prefetch(key, fields)
+  local out = {}
+  for i, name in ipairs(fields) do
+    out[i] = have[name]
+  end
+  return out
+end
+
+-- As redis.call('HSET', key, field, value, ...), sent by hash_flush.
+local function hash_set(key, ...)
+  local args = {...}
+  local have = hash_cache[key] or {}
+  hash_cache[key] = have
+  local dirty = hash_dirty[key]
+  if not dirty then
+    dirty = {}
+    hash_dirty[key] = dirty
+    hash_order[#hash_order + 1] = key
+  end
+  for i = 1, #args, 2 do
+    local value = hash_text(args[i + 1])
+    have[args[i]] = value
+    dirty[args[i]] = value
+  end
+end
+
+-- As redis.call('HINCRBY', key, field, by): the new value.
+local function hash_incr(key, name, by)
+  local value = (tonumber(hash_get(key, name)[1] or '0') or 0) + by
+  hash_set(key, name, value)
+  return value
+end
+
+-- As redis.call('EXPIRE', key, seconds), sent by hash_flush after the writes (once a key).
+local function hash_expire_later(key, seconds)
+  if hash_expire[key] == nil then
+    hash_order[#hash_order + 1] = key
+  end
+  hash_expire[key] = seconds
+end
+
+local function hash_flush()
+  local done = {}
+  for _, key in ipairs(hash_order) do
+    if not done[key] then
+      done[key] = true
+      local dirty = hash_dirty[key]
+      if dirty then
+        local args = {}
+        for name, value in pairs(dirty) do
+          args[#args + 1] = name
+          args[#args + 1] = value
+        end
+        redis.call('HSET', key, unpack(args))
+      end
+      if hash_expire[key] then
+        redis.call('EXPIRE', key, hash_expire[key])
+      end
+    end
+  end
+end
+
+-- The task fields record_usage.lua reads: a step that records usage fetches them with the
+-- others it needs, in its one HMGET of the task.
+local USAGE_FIELDS = {'status', 'tokens_in', 'tokens_out', 'cache_reads', 'cache_writes', 'cost_micros', 'requests',
+  'total_tokens', 'total_cost_micros', 'budget_micros', 'id', 'usage_keys'}
+
+-- `fields` and `more` as one list.
+local function fields_and(fields, more)
+  local out = {unpack(fields)}
+  for _, name in ipairs(more) do
+    out[#out + 1] = name
+  end
+  return out
+end
