@@ -21,23 +21,30 @@ Celery tasks, and the runner's lease makes a second delivery a no-op.
 
 from __future__ import annotations
 
+import logging
 import secrets
+from typing import Any
 
 from celery import Celery, chain, group
 from celery.canvas import Signature
+from celery.events import EventDispatcher
 
 from coordinator import tracing
 from coordinator.celery_app import ADVANCE, RUN_TASK
 from coordinator.models import Batch, TaskRecord
 
 __all__ = [
+    "SentEvents",
     "publish_again",
     "publish_batch",
+    "publish_group",
     "publish_restart",
     "publish_run",
     "publish_step",
     "run_signature",
 ]
+
+log = logging.getLogger(__name__)
 
 # Flower shows argsrepr; keep it readable and short, never the prompt itself.
 DESCRIPTION_REPR_CHARS = 60
@@ -87,9 +94,57 @@ def publish_again(app: Celery, task: TaskRecord, attempt: int) -> None:
 def publish_batch(app: Celery, batch: Batch, children: list[TaskRecord]) -> None:
     with tracing.span("subq.publish", batch_id=batch.id, mode=batch.mode, children=len(children)):
         if batch.mode == "parallel":
-            group([run_signature(app, child) for child in children]).apply_async()
+            publish_group(app, [run_signature(app, child) for child in children])
         else:
             publish_step(app, batch, children[0], 0)
+
+
+def publish_group(app: Celery, signatures: list[Signature]) -> None:
+    """The signatures as one Celery group on one producer, their `task-sent` events in one message."""
+    with app.producer_or_acquire() as producer:
+        sent = SentEvents(app, producer)
+        try:
+            group(signatures).apply_async(producer=producer, event_dispatcher=sent)
+        finally:
+            # Only the messages published so far have an event: none if the first publish failed.
+            sent.flush_sent()
+
+
+class SentEvents(EventDispatcher):  # type: ignore[misc]  # Celery ships no type hints
+    """The `task-sent` events of one group's publish, published together as one `task.multi` message.
+
+    Celery publishes a message's sent event with `event_dispatcher.publish(...)`
+    (app.amqp's `send_task_message`), through the message's producer, right after
+    the message itself, so one PUBLISH a child; `publish` never buffers, whatever
+    the dispatcher's `buffer_group`. This dispatcher keeps each event instead, made
+    as Celery makes it (same fields, hostname, clock), and `flush_sent` publishes them
+    in one message, a list, as Celery's workers send their own buffered task events:
+    Flower and every event receiver read a `task.multi` message event by event. A sent event is
+    kept only once its message was published, so one whose publish failed has none.
+    Sent events are monitoring: a failed flush is logged, and the publish stands.
+    """
+
+    def __init__(self, app: Celery, producer: Any) -> None:
+        # Disabled, like Celery's own sent-event dispatcher: it publishes through the given producer.
+        super().__init__(producer.connection, app=app, enabled=False, buffer_while_offline=False)
+        self._sent_producer = producer
+        self._sent: list[dict[str, Any]] = []
+        self._publish_options: dict[str, Any] = {}
+
+    def publish(self, type: str, fields: dict[str, Any], producer: Any, blind: bool = False, **options: Any) -> None:
+        self._sent.append(self._prepare_event(type, fields, blind=blind))
+        self._publish_options = options  # the message's retry and retry policy
+
+    def flush_sent(self) -> None:
+        """Publish the events kept so far, as one message."""
+        sent, self._sent = self._sent, []
+        if not sent:
+            return
+        try:
+            with self.mutex:
+                self._publish(sent, self._sent_producer, "task.multi", **self._publish_options)
+        except Exception as exc:  # monitoring must not fail a publish that succeeded
+            log.warning("subq: could not send %d task-sent events: %s", len(sent), exc)
 
 
 def publish_step(app: Celery, batch: Batch, child: TaskRecord, index: int) -> None:

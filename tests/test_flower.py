@@ -230,6 +230,32 @@ def test_a_queued_task_shows_no_arguments(listening: str, settings: Settings) ->
     assert secret not in flower_get(listening, f"/api/task/info/{task_id}").text
 
 
+def test_a_batchs_queued_children_show_from_its_one_sent_message(listening: str, settings: Settings) -> None:
+    """A parallel batch's task-sent events are published as one message: Flower shows every child queued."""
+    queue, secret = f"subq-flower-batch-{uuid.uuid4().hex[:8]}", f"SECRET-{uuid.uuid4().hex}"
+    # A queue no worker consumes and keys of its own (no reconciler publishes them again).
+    coord = Coordinator(settings.model_copy(update={"queue": queue, "key_prefix": "subqflowerbatch"}))
+    try:
+        parent = coord.create_task("a parent", todos="[ ] a\n[ ] b\n[ ] c")
+        batch = coord.delegate(
+            parent.id, [{"description": d, "message": script(usage_step(), text=secret)} for d in "abc"]
+        )
+
+        def queued() -> dict[str, dict[str, Any]] | None:
+            shown = {k: v for k, v in tasks_named(listening, "subq.run_task").items() if k in batch.child_ids}
+            return shown if len(shown) == len(batch.child_ids) else None
+
+        shown = eventually(queued, "the batch's queued children")
+        for child_id, task in shown.items():
+            assert (task["state"], task["name"], task["root_id"]) == ("PENDING", "subq.run_task", child_id)
+            assert task["sent"] and task["received"] is None
+            assert task["args"] is None, "a sent event's arguments are dropped (coordinator/flower.py)"
+        assert secret not in flower_get(listening, "/api/tasks").text
+    finally:
+        coord.client.delete(queue)
+        coord.close()
+
+
 def test_results_and_abort_answer(listening: str, coordinator_for_module: Coordinator) -> None:
     url, coord = listening, coordinator_for_module
     with httpx.Client(auth=(USER, PASSWORD), timeout=30) as flower:

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
-from coordinator import Coordinator
-from tests.helpers import script, usage_step
+import time
+from collections.abc import Iterator
+
+import pytest
+from kombu.exceptions import EncodeError
+
+from coordinator import Coordinator, Settings
+from coordinator.celery_app import RUN_TASK
+from coordinator.dispatch import publish_group
+from coordinator.local_redis import local_redis
+from tests.event_tap import EventTap
+from tests.helpers import eventually, script, usage_step
 
 
 def test_publishing_a_batch_subscribes_to_no_childs_result(idle_coordinator: Coordinator) -> None:
@@ -29,3 +39,61 @@ def test_a_batchs_children_show_queued_at_once(idle_coordinator: Coordinator) ->
     )
     queued = [f for _, f in coord.store.read_events(parent.root_id) if f.get("state") == "queued"]
     assert [f["task_id"] for f in queued] == batch.child_ids, "one event per child, in order"
+
+
+@pytest.fixture
+def private_coordinator() -> Iterator[Coordinator]:
+    """A Coordinator on a Redis of its own, so that INFO commandstats counts its commands alone."""
+    with local_redis() as url:
+        coord = Coordinator(Settings(redis_url=url, queue="subq-nobody", key_prefix="sent"))
+        yield coord
+        coord.close()
+
+
+def publishes(coord: Coordinator) -> int:
+    calls: int = coord.client.info("commandstats").get("cmdstat_publish", {}).get("calls", 0)
+    return calls
+
+
+def test_a_batchs_sent_events_are_one_publish(private_coordinator: Coordinator) -> None:
+    """Celery published each child's task-sent event on its own: one PUBLISH a child."""
+    coord, width = private_coordinator, 20
+    parent = coord.create_task("a parent", todos="\n".join(f"[ ] c{n}" for n in range(width)))
+    with EventTap(coord.settings.require_redis_url()) as tap:
+        before = publishes(coord)
+        batch = coord.delegate(
+            parent.id, [{"description": f"c{n}", "message": script(usage_step())} for n in range(width)]
+        )
+        assert publishes(coord) - before == 1, "one PUBLISH for the batch's sent events"
+        sent = eventually(
+            lambda: len(tap.events("task-sent", batch.child_ids)) == width and tap.events("task-sent", batch.child_ids),
+            "the sent events",
+        )
+
+    assert [m.routing_key for m in tap.messages] == ["task.multi"]
+    assert [event["uuid"] for _, event in sent] == batch.child_ids, "in publish order"
+    for (_, event), child_id in zip(sent, batch.child_ids, strict=True):
+        # What Celery's own sent event carries, and what Flower's redaction reads (coordinator/flower.py).
+        assert event["name"] == RUN_TASK and event["type"] == "task-sent"
+        assert event["args"].startswith(f"task={child_id} parent={parent.id} ")
+        assert (event["queue"], event["routing_key"], event["root_id"]) == ("subq-nobody", "subq-nobody", child_id)
+        assert {"hostname", "pid", "clock", "timestamp", "utcoffset", "kwargs", "retries", "eta", "expires"} <= set(
+            event
+        )
+
+
+@pytest.mark.parametrize("failing", [0, 2])
+def test_no_sent_event_for_a_message_whose_publish_failed(private_coordinator: Coordinator, failing: int) -> None:
+    """A group whose publish fails part way: the messages published have their events, the failed one none."""
+    coord = private_coordinator
+    ids = [f"sent-{failing}-{n}" for n in range(4)]
+    signatures = [coord.app.signature(RUN_TASK, args=(i,), task_id=i, ignore_result=True) for i in ids]
+    signatures[failing].args = (object(),)  # JSON cannot encode it: this message's publish fails
+    with EventTap(coord.settings.require_redis_url()) as tap:
+        with pytest.raises(EncodeError):
+            publish_group(coord.app, signatures)
+        time.sleep(0.5)  # no event message is on its way
+
+    assert coord.client.llen("subq-nobody") == failing
+    assert [e["uuid"] for m in tap.messages for e in m.events] == ids[:failing]
+    assert [m.routing_key for m in tap.messages] == (["task.multi"] if failing else [])

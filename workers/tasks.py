@@ -16,6 +16,7 @@ from coordinator import StoreError, SubtaskResult, is_batch_id, is_task_id
 from coordinator.celery_app import ADVANCE, GATHER, RUN_TASK
 from coordinator.runs import RunInProgress
 from workers import submit as submission
+from workers import task_events
 from workers.app import app, settings
 from workers.logs import run_context
 from workers.runtime.context import get_runtime
@@ -39,6 +40,8 @@ RETRIED: dict[str, Any] = {
 
 # Any Celery producer starts a run by name (docs/celery-contract.md).
 submit = submission.register(app, settings)
+# A run's progress events ride the consumer's buffered task events.
+task_events.install(app)
 
 
 @app.task(name=RUN_TASK, bind=True, **RETRIED)
@@ -69,6 +72,12 @@ def progress_sender(task: Task) -> Callable[[dict[str, Any]], None]:
 
     def send(info: dict[str, Any]) -> None:
         try:
+            # In a worker, the consumer's dispatcher buffers it with the task events around it
+            # (workers/task_events.py); elsewhere (task.apply(), events off) it is published alone.
+            buffered = task_events.buffered_dispatcher()
+            if buffered is not None:
+                buffered.send("task-progress", uuid=delivery_id, retry=False, **info)
+                return
             with task.app.events.default_dispatcher(hostname=hostname) as dispatcher:
                 dispatcher.send("task-progress", uuid=delivery_id, retry=False, **info)
         except Exception as exc:  # monitoring must not end a run
