@@ -100,14 +100,17 @@ def publish_batch(app: Celery, batch: Batch, children: list[TaskRecord]) -> None
 
 
 def publish_group(app: Celery, signatures: list[Signature]) -> None:
-    """The signatures as one Celery group on one producer, their `task-sent` events in one message."""
+    """The signatures as one Celery group on one producer: their messages in one Redis pipeline
+    (kombu's producer batch, a round trip for up to 1,000 messages instead of one each), then
+    their `task-sent` events in one message."""
     with app.producer_or_acquire() as producer:
         sent = SentEvents(app, producer)
-        try:
+        with producer.batch():
             group(signatures).apply_async(producer=producer, event_dispatcher=sent)
-        finally:
-            # Only the messages published so far have an event: none if the first publish failed.
-            sent.flush_sent()
+        # Reached once every message is published. A publish that fails discards the batch's
+        # messages not sent yet (all of them, below 1,000) and sends no event; the batch is
+        # published again (coordinator/delegation.py), and a child published twice runs once.
+        sent.flush_sent()
 
 
 class SentEvents(EventDispatcher):  # type: ignore[misc]  # Celery ships no type hints
@@ -119,8 +122,8 @@ class SentEvents(EventDispatcher):  # type: ignore[misc]  # Celery ships no type
     the dispatcher's `buffer_group`. This dispatcher keeps each event instead, made
     as Celery makes it (same fields, hostname, clock), and `flush_sent` publishes them
     in one message, a list, as Celery's workers send their own buffered task events:
-    Flower and every event receiver read a `task.multi` message event by event. A sent event is
-    kept only once its message was published, so one whose publish failed has none.
+    Flower and every event receiver read a `task.multi` message event by event. The
+    caller flushes them once the messages are published (`publish_group`).
     Sent events are monitoring: a failed flush is logged, and the publish stands.
     """
 

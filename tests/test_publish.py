@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from kombu.exceptions import EncodeError
+from redis.connection import AbstractConnection
 
 from coordinator import Coordinator, Settings
 from coordinator.celery_app import RUN_TASK
@@ -83,8 +85,10 @@ def test_a_batchs_sent_events_are_one_publish(private_coordinator: Coordinator) 
 
 
 @pytest.mark.parametrize("failing", [0, 2])
-def test_no_sent_event_for_a_message_whose_publish_failed(private_coordinator: Coordinator, failing: int) -> None:
-    """A group whose publish fails part way: the messages published have their events, the failed one none."""
+def test_a_group_whose_publish_fails_publishes_no_message_and_no_event(
+    private_coordinator: Coordinator, failing: int
+) -> None:
+    """A group whose publish fails part way publishes nothing: its messages go in one pipeline, then their events."""
     coord = private_coordinator
     ids = [f"sent-{failing}-{n}" for n in range(4)]
     signatures = [coord.app.signature(RUN_TASK, args=(i,), task_id=i, ignore_result=True) for i in ids]
@@ -94,6 +98,30 @@ def test_no_sent_event_for_a_message_whose_publish_failed(private_coordinator: C
             publish_group(coord.app, signatures)
         time.sleep(0.5)  # no event message is on its way
 
-    assert coord.client.llen("subq-nobody") == failing
-    assert [e["uuid"] for m in tap.messages for e in m.events] == ids[:failing]
-    assert [m.routing_key for m in tap.messages] == (["task.multi"] if failing else [])
+    assert coord.client.llen("subq-nobody") == 0, "the pipeline was discarded, not sent in part"
+    assert tap.messages == [], "and no sent event claims a message that is not there"
+
+
+def test_a_groups_messages_go_in_one_round_trip(
+    private_coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kombu made a Redis client and a round trip for each message of a group."""
+    coord = private_coordinator
+    ids = [f"trip-{n}" for n in range(50)]
+    signatures = [coord.app.signature(RUN_TASK, args=(i,), task_id=i, ignore_result=True) for i in ids]
+    publish_group(coord.app, signatures[:1])  # connects, once per process
+    sends: list[bytes] = []
+    original = AbstractConnection.send_packed_command
+
+    def counted(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
+        sends.append(bytes(command if isinstance(command, bytes) else command[0])[:60])
+        original(self, command, check_health)
+
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
+    publish_group(coord.app, signatures[1:])
+    monkeypatch.undo()
+
+    assert coord.client.llen("subq-nobody") == 50
+    assert [command.split(b"\r\n")[2] for command in sends] == [b"LPUSH", b"PUBLISH"], (
+        "the 49 messages in one pipeline, then their sent events in one PUBLISH"
+    )
