@@ -102,6 +102,13 @@ def test_installed_package_is_the_one_imported(venv: Venv) -> None:
     assert imported_from.is_relative_to(venv.site_packages), f"imported {imported_from}, not the installed wheel"
 
 
+def test_installed_redis_client_parses_replies_with_hiredis(venv: Venv) -> None:
+    """Parsing a run's script replies in Python was most of a worker's own CPU (docs/benchmarks.md)."""
+    done = venv.run("python", "-c", "from redis.utils import HIREDIS_AVAILABLE; print(HIREDIS_AVAILABLE)")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True", "the wheel's dependencies bring redis-py's compiled parser"
+
+
 @contextmanager
 def _started(venv: Venv, argv: list[str], log_dir: Path, **subq: str) -> Iterator[Service]:
     with started(venv, argv, log_dir / f"{argv[1]}.log", venv.env(**subq)) as service:
