@@ -27,7 +27,8 @@ event stream. Per child, each mode reports:
 - throughput (children per second of wall time);
 - how long after the last child ended the parent was resumed (a chord's callback
   ran; subq's batch closed), p50 and p99 over every run of the width.
-`--scale` times each mode at two widths and reports the ratio of their times.
+`--scale` times each mode at two widths, `--repeats` times each, and reports the ratio of
+the median times.
 docs/benchmarks.md has the figures and how to read them.
 """
 
@@ -325,8 +326,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.no_scale:
                 small, large = args.scale
                 for mode in args.modes:
-                    times = [modes.run(mode, width).wall_s for width in (small, large)]
-                    scale[mode] = times[1] / times[0]
+                    # Medians of --repeats runs each: one wide run alone varies by a fifth.
+                    times = {width: [] for width in (small, large)}
+                    for _ in range(args.repeats):
+                        for width in (small, large):
+                            times[width].append(modes.run(mode, width).wall_s)
+                    scale[mode] = statistics.median(times[large]) / statistics.median(times[small])
                     progress(f"{mode}: time({large})/time({small}) = {scale[mode]:.2f}")
         except (BenchError, SubqError, redis.RedisError) as exc:
             traceback.print_exc()

@@ -13,7 +13,7 @@ Pure functions: they return new lists and never change their arguments.
 from __future__ import annotations
 
 import bisect
-from collections import defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -109,10 +109,13 @@ def link_children(
         claimed.add(index)
         explicit[n] = index
     linked: list[str] = []
+    # Built once, so linking n children to n rows is linear, not a scan of the list per child.
+    free = _free_rows(result)
+    occurrences = Counter(normalise(item.content) for item in result)
     for n, (child_id, _wanted, description) in enumerate(children):
         index = explicit.get(n)
         if index is None:
-            index = _auto_pick(result, claimed)
+            index = _auto_pick(free, claimed)
         if index is None:
             content = clean_content(description)
             if not content:
@@ -121,8 +124,10 @@ def link_children(
                     field=f"subtasks.{n}.description",
                 )
             key = normalise(content)
-            occurrence = sum(1 for item in result if normalise(item.content) == key)
-            result.append(TodoItem(id=todo_id(content, occurrence), content=content, status=TodoStatus.IN_PROGRESS))
+            result.append(
+                TodoItem(id=todo_id(content, occurrences[key]), content=content, status=TodoStatus.IN_PROGRESS)
+            )
+            occurrences[key] += 1
             index = len(result) - 1
         claimed.add(index)
         result[index] = _relinked(result[index], child_id)
@@ -246,10 +251,25 @@ def _take_free(rows: list[int], index: int) -> int | None:
     return rows.pop(at if at < len(rows) else -1)
 
 
-def _auto_pick(items: Sequence[TodoItem], claimed: set[int]) -> int | None:
-    """The first free unlinked in-progress item, else the first free unlinked pending one."""
-    for status in (TodoStatus.IN_PROGRESS, TodoStatus.PENDING):
-        for index, item in enumerate(items):
-            if index not in claimed and item.subtask_id is None and item.status == status:
+# The rows a child without a `todo_id` takes, in this order of preference.
+AUTO_PICK_ORDER = (TodoStatus.IN_PROGRESS, TodoStatus.PENDING)
+
+
+def _free_rows(items: Sequence[TodoItem]) -> dict[TodoStatus, deque[int]]:
+    """The unlinked rows of each status an automatic pick takes, in list order."""
+    free: dict[TodoStatus, deque[int]] = {status: deque() for status in AUTO_PICK_ORDER}
+    for index, item in enumerate(items):
+        if item.subtask_id is None and item.status in free:
+            free[item.status].append(index)
+    return free
+
+
+def _auto_pick(free: dict[TodoStatus, deque[int]], claimed: set[int]) -> int | None:
+    """The first free unlinked in-progress item, else the first free unlinked pending one (taken from `free`)."""
+    for status in AUTO_PICK_ORDER:
+        rows = free[status]
+        while rows:
+            index = rows.popleft()
+            if index not in claimed:
                 return index
     return None
