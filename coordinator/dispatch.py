@@ -46,6 +46,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# A group's messages go to Redis in pipelines of this many: few round trips, and the first
+# children reach the workers while the caller still prepares the rest of a wide batch.
+PUBLISH_BATCH_MESSAGES = 16
+
 # Flower shows argsrepr; keep it readable and short, never the prompt itself.
 DESCRIPTION_REPR_CHARS = 60
 
@@ -100,16 +104,16 @@ def publish_batch(app: Celery, batch: Batch, children: list[TaskRecord]) -> None
 
 
 def publish_group(app: Celery, signatures: list[Signature]) -> None:
-    """The signatures as one Celery group on one producer: their messages in one Redis pipeline
-    (kombu's producer batch, a round trip for up to 1,000 messages instead of one each), then
-    their `task-sent` events in one message."""
+    """The signatures as one Celery group on one producer: their messages in Redis pipelines
+    (kombu's producer batch, a round trip for PUBLISH_BATCH_MESSAGES messages instead of one
+    each), then their `task-sent` events in one message."""
     with app.producer_or_acquire() as producer:
         sent = SentEvents(app, producer)
-        with producer.batch():
+        with producer.batch(max_size=PUBLISH_BATCH_MESSAGES):
             group(signatures).apply_async(producer=producer, event_dispatcher=sent)
-        # Reached once every message is published. A publish that fails discards the batch's
-        # messages not sent yet (all of them, below 1,000) and sends no event; the batch is
-        # published again (coordinator/delegation.py), and a child published twice runs once.
+        # Reached once every message is published. A publish that fails discards the messages
+        # of its pipeline not sent yet and sends no event; the batch is published again
+        # (coordinator/delegation.py), and a child published twice runs once (its run's lease).
         sent.flush_sent()
 
 
