@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -206,3 +210,13 @@ class Transport:
             server.__exit__()
             coord.close()
         self._servers.clear()
+
+
+def start_worker_with(settings: Settings, **subq: str) -> subprocess.CompletedProcess[str]:
+    """`celery -A workers.app worker` on the session's Redis with these SUBQ_ settings only; it is expected to stop."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUBQ_")}
+    env |= {"SUBQ_REDIS_URL": settings.redis_url or "", **subq}
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "workers.app", "worker"],
+        cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip

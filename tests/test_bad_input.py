@@ -7,9 +7,6 @@ to a queue no worker consumes, so its length is exact).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +25,7 @@ from coordinator import (
     ValidationError,
     load_settings,
 )
-from tests.helpers import script, state, usage_step
+from tests.helpers import script, start_worker_with, state, usage_step
 
 ROOT = Path(__file__).resolve().parent.parent
 # A root id no test uses: state(coord, NO_TREE) compares only the root and approval indexes.
@@ -291,12 +288,7 @@ def test_profiles_file_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_worker_with_an_invalid_setting_stops_with_one_line(settings: Settings) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SUBQ_")}
-    env |= {"SUBQ_REDIS_URL": settings.redis_url or "", "SUBQ_MAX_FANOUT": "0"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "workers.app", "worker"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    proc = start_worker_with(settings, SUBQ_MAX_FANOUT="0")
     assert proc.returncode != 0
     assert "subq worker: Invalid setting SUBQ_MAX_FANOUT: Input should be greater than or equal to 1" in proc.stderr
     assert "Traceback" not in proc.stderr

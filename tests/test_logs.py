@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +11,7 @@ import pytest
 
 from coordinator import ConfigError, Settings, load_settings
 from tests.conftest import dedicated_fleet
-from tests.helpers import eventually, script, usage_step
+from tests.helpers import eventually, script, start_worker_with, usage_step
 from workers.logs import RunContextFilter, run_context
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,12 +63,7 @@ def test_a_bad_log_format_stops_the_worker_with_one_line(settings: Settings, mon
     monkeypatch.setenv("SUBQ_LOG_FORMAT", "yaml")
     with pytest.raises(ConfigError, match=r"^Invalid setting SUBQ_LOG_FORMAT: Input should be 'text' or 'json'$"):
         load_settings()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SUBQ_")}
-    env |= {"SUBQ_REDIS_URL": settings.redis_url or "", "SUBQ_LOG_FORMAT": "yaml"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "workers.app", "worker"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    proc = start_worker_with(settings, SUBQ_LOG_FORMAT="yaml")
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == (
         "subq worker: Invalid setting SUBQ_LOG_FORMAT: Input should be 'text' or 'json'"
