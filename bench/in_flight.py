@@ -99,11 +99,14 @@ def measure(
                 coord.wait(warm.id, timeout_s=3600)
             rss_before_kb = rss_kb(pid)
             peak_kb = [rss_before_kb]
+            # Connections to Redis, every client of the process and this one's included.
+            peak_clients = [0]
             sampling = threading.Event()
 
             def sample() -> None:
                 while not sampling.wait(0.05):
                     peak_kb[0] = max(peak_kb[0], rss_kb(pid))
+                    peak_clients[0] = max(peak_clients[0], int(coord.client.info("clients")["connected_clients"]))
 
             sampler = threading.Thread(target=sample, daemon=True)
             sampler.start()
@@ -136,6 +139,7 @@ def measure(
                 "rss_before_mb": round(rss_before_kb / 1024, 1),
                 "rss_peak_mb": round(peak_kb[0] / 1024, 1),
                 "rss_per_child_kb": round((peak_kb[0] - rss_before_kb) / children, 1),
+                "redis_clients_peak": peak_clients[0],
                 "completed": sum(r.status == TaskStatus.COMPLETED for r in records),
                 "statuses": dict(Counter(r.status.value for r in records)),
                 "errors": dict(Counter(f"{r.error_class}: {r.error}"[:120] for r in records if r.error_class)),

@@ -38,6 +38,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 from vine import promise
 
+from coordinator.broker_client import OneClientPerPool
 from coordinator.deadletters import dead_letter
 from coordinator.errors import StoreError
 from coordinator.service import Coordinator
@@ -113,7 +114,7 @@ class CheckedMessage(KombuMessage):
             raise UnreadableMessage(f"the queue entry is not a kombu message: delivery_tag {_quote(tag)}")
 
 
-class DeadLetterChannel(kombu_redis.Channel):
+class DeadLetterChannel(OneClientPerPool, kombu_redis.Channel):
     """kombu's Redis channel, which dead-letters a list entry it cannot turn into a message."""
 
     Message = CheckedMessage
@@ -219,6 +220,12 @@ class PoisonSafeConsumer(Consumer):  # type: ignore[misc]  # Celery ships no typ
     def connection_for_read(self, heartbeat: float | None = None) -> Any:
         # Celery's, with the channel installed before ensure_connected opens the first one.
         conn = self.app.connection_for_read(heartbeat=heartbeat)
+        install_channel(conn.transport, self.dead_letters)
+        return self.ensure_connected(conn)
+
+    def connection_for_write(self, url: str | None = None, heartbeat: float | None = None) -> Any:
+        # Celery's (the task events' connection), with subq's channel: it publishes with one client.
+        conn = self.app.connection_for_write(url=url, heartbeat=heartbeat)
         install_channel(conn.transport, self.dead_letters)
         return self.ensure_connected(conn)
 
