@@ -53,7 +53,9 @@ def _redis() -> redis.Redis:
 
 # Bound, like subq's own tasks, so both modes pay the same call path.
 @app.task(name=NOOP, bind=True)
-def noop(self: Task) -> float:
+def noop(self: Task, sleep_ms: int = 0) -> float:
+    if sleep_ms:  # bare Celery waiting as a subagent waits on its model (bench/overhead.py --latency-ms)
+        time.sleep(sleep_ms / 1000)
     return time.time()
 
 

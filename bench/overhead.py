@@ -60,10 +60,10 @@ from celery import chord  # noqa: E402
 from bench import AGENT, JOIN, NOOP  # noqa: E402
 from bench.probe import read_counts  # noqa: E402
 from bench.run import (  # noqa: E402
-    CHILD_MESSAGE,
     RUN_TIMEOUT_S,
     BenchError,
     check_write_back,
+    child_message,
     clean_start,
     cpu_model,
     machine_busy_s,
@@ -118,7 +118,12 @@ def server_commands(client: redis.Redis) -> Counter[str]:
 class Modes:
     """The three modes on one Redis and two probed worker processes."""
 
-    def __init__(self, redis_url: str, concurrency: int, max_width: int, probe_dir: Path, log_dir: Path) -> None:
+    def __init__(
+        self, redis_url: str, concurrency: int, max_width: int, probe_dir: Path, log_dir: Path, latency_ms: int = 0
+    ) -> None:
+        # Every child waits this long on its model (noop: sleeps it), the same message in every mode.
+        self.latency_ms = latency_ms
+        self.message = child_message(latency_ms)
         # BLPOP waits for a whole run: the socket must wait as long (redis-py's default gives up sooner).
         self.client = redis.Redis.from_url(redis_url, socket_timeout=RUN_TIMEOUT_S + 30)
         self.probe_dir = probe_dir
@@ -170,9 +175,9 @@ class Modes:
     def _chord(self, mode: str, width: int) -> float:
         done_key = f"bench:done:{uuid.uuid4().hex}"
         if mode == "noop":
-            header = [self.bare_app.signature(NOOP, immutable=True) for _ in range(width)]
+            header = [self.bare_app.signature(NOOP, args=(self.latency_ms,), immutable=True) for _ in range(width)]
         else:
-            header = [self.bare_app.signature(AGENT, args=(CHILD_MESSAGE,), immutable=True) for _ in range(width)]
+            header = [self.bare_app.signature(AGENT, args=(self.message,), immutable=True) for _ in range(width)]
         chord(header, self.bare_app.signature(JOIN, kwargs={"done_key": done_key})).apply_async()
         reply = self.client.blpop([done_key], timeout=RUN_TIMEOUT_S)
         if reply is None:
@@ -187,7 +192,7 @@ class Modes:
         coord = self.coord
         todos = "\n".join(f"[ ] item {index}" for index in range(width))
         parent = coord.create_task("Benchmark parent: delegate every item.", todos=todos)
-        specs = [{"description": f"item {index}", "message": CHILD_MESSAGE} for index in range(width)]
+        specs = [{"description": f"item {index}", "message": self.message} for index in range(width)]
         batch = coord.delegate(parent.id, specs)
         status = coord.wait(parent.id, RUN_TIMEOUT_S).status
 
@@ -303,8 +308,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=positive_int, default=DEFAULT_REPEATS, help="runs per width (3)")
     parser.add_argument("--concurrency", type=positive_int, default=DEFAULT_CONCURRENCY, help="threads (16)")
     parser.add_argument("--modes", type=modes_arg, default=MODES, help="which modes to run (noop,agent,subq)")
+    parser.add_argument(
+        "--latency-ms", type=int, default=0, help="each child's model wait; noop sleeps it (0: answers at once)"
+    )
     parser.add_argument("--json", action="store_true", help="also print every figure as one JSON object")
     args = parser.parse_args(argv)
+    if args.latency_ms < 0:
+        parser.error("--latency-ms must be 0 or more")
     if len(args.scale) != 2:
         parser.error("--scale takes exactly two widths")
     return args
@@ -319,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_width = max(*args.widths, *args.scale)
     with local_redis() as url, tempfile.TemporaryDirectory(prefix="subq-overhead-") as tmp:
         (Path(tmp) / "probe").mkdir()
-        modes = Modes(url, args.concurrency, max_width, Path(tmp) / "probe", Path(tmp) / "logs")
+        modes = Modes(url, args.concurrency, max_width, Path(tmp) / "probe", Path(tmp) / "logs", args.latency_ms)
         try:
             samples = measure(modes, args.modes, args.widths, args.repeats, warmup=args.concurrency * 2)
             scale: dict[str, float] = {}
@@ -343,6 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": command,
         "cpu": f"{cpu_model()}, {os.cpu_count()} cores",
         "workers": f"1 process per mode, pool threads, concurrency {args.concurrency}, prefetch 1",
+        "model wait": f"{args.latency_ms} ms per child",
         "other work": other_work(busy_before_s, own_before_s, time.monotonic() - started_s),
     }
     rows = summarise(samples)

@@ -66,10 +66,17 @@ RUN_TIMEOUT_S = 600.0
 # A child's one model request: realistic counts so the cost write-back has real figures to carry.
 CHILD_TOKENS_IN = 1000
 CHILD_TOKENS_OUT = 500
-CHILD_MESSAGE = script_message(
-    "Benchmark subtask: answer at once.",
-    [{"reply": "done", "usage": {"input": CHILD_TOKENS_IN, "output": CHILD_TOKENS_OUT}}],
-)
+
+
+def child_message(latency_ms: int = 0) -> str:
+    """A benchmark child's message: one model request that waits `latency_ms`, then answers with text."""
+    step: dict[str, object] = {"reply": "done", "usage": {"input": CHILD_TOKENS_IN, "output": CHILD_TOKENS_OUT}}
+    if latency_ms:
+        step["latency_ms"] = latency_ms
+    return script_message("Benchmark subtask: answer at once.", [step])
+
+
+CHILD_MESSAGE = child_message()
 
 BARE_QUEUE = "bench-bare"
 SUBQ_QUEUE = "bench-subq"
