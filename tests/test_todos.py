@@ -401,6 +401,30 @@ def _old_clean(content: str) -> str:
     return re.sub(r"\s*[\r\n]+\s*", " ", content).strip()
 
 
+# The todo grammar as upstream writes it; LINE_RE reads the same lines in linear time.
+UPSTREAM_LINE_RE = re.compile(r"^(?:-\s*)?\[\s*([ xX\-~])\s*\]\s+(.+)$")
+
+
+@given(st.text(alphabet=" \t\x0b\u00a0\u2028-[]xX~?ab", max_size=16))
+def test_the_item_grammar_reads_every_line_as_upstream_does(line: str) -> None:
+    upstream, ours = UPSTREAM_LINE_RE.match(line), todos.LINE_RE.match(line)
+    assert (upstream is None) == (ours is None)
+    if upstream and ours:
+        # A box of spaces: upstream's mark is one of them, ours is none; both are "pending".
+        assert (ours.group(1) or " ", ours.group(2)) == (upstream.group(1), upstream.group(2))
+
+
+@pytest.mark.parametrize("line", ["[ ] a", "[  ] a", "[ x ] a", "[\t ] a", "[ \t-] a", "- [~]  a", "-[X] a"])
+def test_the_item_grammar_examples(line: str) -> None:
+    upstream, ours = UPSTREAM_LINE_RE.match(line), todos.LINE_RE.match(line)
+    assert upstream and ours and (ours.group(1) or " ", ours.group(2)) == upstream.groups()
+
+
+@pytest.mark.parametrize("line", ["[] a", "[\t] a", "[x x] a", "[ ]a", "* [ ] a", "[ ]"])
+def test_lines_that_are_not_items_for_either(line: str) -> None:
+    assert UPSTREAM_LINE_RE.match(line) is None and todos.LINE_RE.match(line) is None
+
+
 @given(st.text(alphabet=" \t\r\n\x0b\x0c\u00a0\u2028ab-[]x", max_size=40))
 def test_cleaning_an_item_keeps_its_meaning(content: str) -> None:
     assert todos.clean_content(content) == _old_clean(content)
@@ -416,6 +440,8 @@ def test_cleaning_an_item_keeps_its_meaning(content: str) -> None:
         "[ ] x" + " \n" * (BODY_LIMIT_CHARS // 2),
         "[ ] x\r" + "\t" * BODY_LIMIT_CHARS + "\r\ny",
         "[[[[" * (BODY_LIMIT_CHARS // 4),
+        "[" + " " * BODY_LIMIT_CHARS + "x",
+        "- [" + " \t" * (BODY_LIMIT_CHARS // 2) + "x] y",
     ],
     ids=[
         "spaces inside",
@@ -425,6 +451,8 @@ def test_cleaning_an_item_keeps_its_meaning(content: str) -> None:
         "blank lines",
         "tabs",
         "brackets",
+        "spaces before a mark",
+        "spaces and tabs in the box",
     ],
 )
 def test_parsing_is_linear_in_a_long_run(text: str) -> None:
