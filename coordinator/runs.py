@@ -156,6 +156,14 @@ class RunLifecycle:
         statuses = self.coord.store.statuses_of([run.task_id for run in runs])
         return [run for run, status in zip(runs, statuses, strict=True) if run.must_stop_now(status or "cancelled")]
 
+    def stops_so_far(self) -> int:
+        """A count that moves whenever a task is stopped (cancel, budget, chain): one small read."""
+        return self.coord.store.stops_so_far()
+
+    def must_stop_here(self, runs: Sequence[Run]) -> list[Run]:
+        """The runs among `runs` that must stop for a reason of this process alone (fenced, out of grace)."""
+        return [run for run in runs if run.must_stop_now(TaskStatus.ACTIVE)]
+
     def settle_batch(self, batch_id: str) -> bool:
         """A chain step (or an older release's chord callback): write back what has ended; True when it closed."""
         return writeback.write_back(self.coord, batch_id)

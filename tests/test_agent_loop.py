@@ -11,13 +11,15 @@ import contextvars
 import gc
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from coordinator import Coordinator, TaskStatus
+from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.runs import Run, RunLifecycle
 from tests.helpers import script, usage_step
+from tests.test_run_scripts import monitored
 from workers.runtime.agent_loop import GC_GEN0_OBJECTS, AgentLoop, StopWatch, tune_gc
 
 CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("caller", default="none")
@@ -116,3 +118,73 @@ def test_a_worker_collects_garbage_less_often_and_never_its_imports() -> None:
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+@pytest.fixture
+def own_coordinator(settings: Settings) -> Iterator[Coordinator]:
+    """Keys no other test touches: the stop count of this prefix moves only here."""
+    coord = Coordinator(settings.model_copy(update={"queue": "subq-nobody", "key_prefix": "subqwatch"}))
+    yield coord
+    coord.close()
+
+
+def _watching(watch: StopWatch, loop: AgentLoop, runs: list[Run]) -> list[asyncio.Future[None]]:
+    async def register(run: Run) -> asyncio.Future[None]:
+        return watch.watch(run)
+
+    return [loop.run(register(run)) for run in runs]
+
+
+def _stopped(loop: AgentLoop, stops: list[asyncio.Future[None]]) -> list[bool]:
+    async def look() -> list[bool]:
+        await asyncio.sleep(0.01)  # the watch sets a stop through the loop's queue
+        return [stop.done() for stop in stops]
+
+    return loop.run(look())
+
+
+def test_the_stop_watch_reads_one_count_a_poll_until_a_stop_moves_it(own_coordinator: Coordinator) -> None:
+    coord = own_coordinator
+    lifecycle, runs = _start_runs(coord, 3)
+    watch, loop = StopWatch(lifecycle, poll_s=3600, full_look_s=3600), AgentLoop()  # polled by hand here
+    stops = _watching(watch, loop, runs)
+    keys = coord.store.keys
+    watched_keys = {keys.stops(), *(keys.task(run.task.root_id, run.task_id) for run in runs)}
+    assert coord.settings.redis_url
+    try:
+        watch.poll()  # the first look reads every status
+        with monitored(coord.settings.redis_url) as commands:
+            watch.poll()
+            watch.poll()
+        assert [c[0].upper() for c in commands if c[1:2] and c[1] in watched_keys] == ["GET", "GET"]
+
+        coord.cancel(runs[1].task_id, "stop this one")
+        with monitored(coord.settings.redis_url) as commands:
+            watch.poll()
+        statuses_read = [c[1] for c in commands if c[:1] == ["HGET"] and c[1] in watched_keys]
+        assert len(statuses_read) == 3, "the count moved: every watched run's status is read"
+        assert _stopped(loop, stops) == [False, True, False]
+    finally:
+        for run in runs:
+            watch.forget(run)
+            run.abandon()
+
+
+def test_a_vanished_task_stops_its_run_at_the_next_full_look(own_coordinator: Coordinator) -> None:
+    """Nothing counts a tree that expired: the watch still reads every status every `full_look_s`."""
+    coord = own_coordinator
+    lifecycle, runs = _start_runs(coord, 2)
+    watch, loop = StopWatch(lifecycle, poll_s=3600, full_look_s=0.5), AgentLoop()
+    stops = _watching(watch, loop, runs)
+    try:
+        watch.poll()
+        coord.client.delete(coord.store.keys.task(runs[0].task.root_id, runs[0].task_id))
+        watch.poll()
+        assert _stopped(loop, stops) == [False, False], "no stop was counted and no full look is due yet"
+        time.sleep(0.6)
+        watch.poll()
+        assert _stopped(loop, stops) == [True, False]
+    finally:
+        for run in runs:
+            watch.forget(run)
+            run.abandon()

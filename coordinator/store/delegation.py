@@ -250,4 +250,10 @@ class DelegationStore(StoreBase):
         args: list[ScriptArg] = [
             top_status, status, top_error, error, top_class, error_class, time.time(), self.retention_s, EVENTS_MAXLEN,
         ]  # fmt: skip
-        return _strs(self._stop_tasks(keys=keys, args=args))
+        stopped = _strs(self._stop_tasks(keys=keys, args=args))
+        if stopped:
+            # After the stop is persisted, so a watch that sees the count move reads the new
+            # statuses. Outside the script: the counter is not of this tree's cluster slot. A
+            # process that dies between the two leaves the runs to the watches' full look.
+            self.client.incr(self.keys.stops())
+        return stopped

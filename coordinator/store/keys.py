@@ -38,6 +38,9 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:due`                             | zset   | tasks a message should move on, scored by when the | removed when the task's run ends |
 |                                       |        | reconciler looks at them if none has (convergence) |          |
 | `<p>:timers`                          | zset   | delayed actions (`<kind>:<id>`) scored by due time | removed when done |
+| `<p>:stops`                           | string | how many stops have been made (each `stop_tasks`   | permanent |
+|                                       |        | that stopped a task adds one): the stop watches'   |          |
+|                                       |        | one read a poll while nothing is stopped           |          |
 | `<p>:reconciler`                      | string | the worker that leads the reconciler now           | a few ticks, renewed |
 | `<p>:workers`                         | zset   | worker processes scored by their last heartbeat    | pruned after a day |
 | `<p>:metrics:repairs`                 | hash   | repairs the reconciler made, counted by reason     | permanent |
@@ -139,6 +142,9 @@ class Keys:
 
     def timers(self) -> str:
         return f"{self.prefix}:timers"
+
+    def stops(self) -> str:
+        return f"{self.prefix}:stops"
 
     def leader(self) -> str:
         return f"{self.prefix}:reconciler"

@@ -63,6 +63,11 @@ class RecordStore(StoreBase):
         return str(status), str(runner or "caller")
 
     @translate_redis_errors
+    def stops_so_far(self) -> int:
+        """How many stops (`stop_tasks` calls that stopped a task) have been made: it moves when one is."""
+        return int(self.client.get(self.keys.stops()) or 0)
+
+    @translate_redis_errors
     def statuses_of(self, task_ids: Sequence[str]) -> list[str | None]:
         """Each task's status (None for an unknown task), in one round trip however many."""
         with self.client.pipeline(transaction=False) as pipe:

@@ -14,10 +14,13 @@ Blocking calls made inside the coroutine (the store's, before each model
 request and by the orchestration tools) hold the loop while Redis answers: a
 few a run, each well under a millisecond, against the seconds a model takes.
 
-The stop watch replaces a poll per run: every `CANCEL_POLL_S` one read gets the
-status of every run of the process in flight (`RunLifecycle.must_stop`), and
-each run that must stop has its model request abandoned at once. A thousand
-runs in flight cost one round trip a poll, not a thousand.
+The stop watch replaces a poll per run: every `CANCEL_POLL_S` it reads one
+count that every stop moves (`RunLifecycle.stops_so_far`), and only when it
+moved (or `FULL_LOOK_S` has passed) the status of every run of the process in
+flight, in one round trip (`RunLifecycle.must_stop`); each run that must stop
+has its model request abandoned at once. A thousand runs in flight that wait
+on their models cost one small read a poll, not a thousand status reads (at
+one read per run a poll, a run that waited 30 s on its model cost 120).
 """
 
 from __future__ import annotations
@@ -36,13 +39,17 @@ from typing import Any, TypeVar
 from coordinator import StoreError
 from coordinator.runs import Run, RunLifecycle
 
-__all__ = ["CANCEL_POLL_S", "GC_GEN0_OBJECTS", "AgentLoop", "StopWatch", "tune_gc"]
+__all__ = ["CANCEL_POLL_S", "FULL_LOOK_S", "GC_GEN0_OBJECTS", "AgentLoop", "StopWatch", "tune_gc"]
 
 log = logging.getLogger(__name__)
 
 # How often the runs in flight look for a cancel of their own: a cancel stops a model
 # request within this (plus the time to unwind), for one small read per process.
 CANCEL_POLL_S = 0.25
+# How often the watch reads every watched run's status even though no stop was counted: a
+# task whose tree expired, or one stopped by a process that died before counting the stop,
+# stops its run within this.
+FULL_LOOK_S = 5.0
 
 # The youngest generation is collected after this many allocations (Python's default: 700).
 # With a thousand runs in flight on one event loop most young objects are still alive at a
@@ -105,9 +112,15 @@ class AgentLoop:
 class StopWatch:
     """The runs of this process that wait on a model, and one poll that stops those whose task was stopped."""
 
-    def __init__(self, lifecycle: RunLifecycle, poll_s: float = CANCEL_POLL_S) -> None:
+    def __init__(
+        self, lifecycle: RunLifecycle, poll_s: float = CANCEL_POLL_S, full_look_s: float = FULL_LOOK_S
+    ) -> None:
         self._lifecycle = lifecycle
         self._poll_s = poll_s
+        self._full_look_s = full_look_s
+        # The stop count at the last full look, and when the next one is due regardless.
+        self._stops_seen: int | None = None
+        self._full_look_due = 0.0
         self._lock = threading.Lock()
         self._watched: dict[str, tuple[Run, asyncio.AbstractEventLoop, asyncio.Future[None]]] = {}
         self._thread: threading.Thread | None = None
@@ -135,8 +148,15 @@ class StopWatch:
             watched = dict(self._watched)
         if not watched:
             return
+        runs = [run for run, _, _ in watched.values()]
         try:
-            stopping = self._lifecycle.must_stop([run for run, _, _ in watched.values()])
+            # The count first: a stop made after it is read moves it for the next poll.
+            stops = self._lifecycle.stops_so_far()
+            if stops == self._stops_seen and time.monotonic() < self._full_look_due:
+                stopping = self._lifecycle.must_stop_here(runs)
+            else:
+                stopping = self._lifecycle.must_stop(runs)
+                self._stops_seen, self._full_look_due = stops, time.monotonic() + self._full_look_s
         except StoreError as exc:  # a Redis blip is not a stop (it once ended runs as `cancelled`)
             log.warning("subq: the stop check of %d run(s) failed: %s", len(watched), exc)
             return
