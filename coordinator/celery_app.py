@@ -13,17 +13,25 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery import Celery
+from celery.app.amqp import AMQP
 from celery.backends.redis import RedisBackend
+from kombu.connection import ConnectionPool
+from kombu.pools import ProducerPool
 
 from coordinator import tracing
+from coordinator.errors import BrokerError
 from coordinator.settings import Settings
 
 __all__ = [
     "ADVANCE",
+    "BROKER_POOL_ACQUIRE_TIMEOUT_S",
     "EXPIRE_APPROVAL",
     "GATHER",
     "RUN_TASK",
     "SUBMIT",
+    "BoundedConnectionPool",
+    "BoundedProducerPool",
+    "BrokerPoolExhausted",
     "PublishOnlyRedisBackend",
     "SubqCelery",
     "describe_args",
@@ -43,6 +51,11 @@ BACKEND_RETRY_POLICY = {"max_retries": 5, "interval_start": 0, "interval_step": 
 POISON_SAFE_CONSUMER = "coordinator.poison:PoisonSafeConsumer"
 # Flower shows kwargsrepr; a profile name is short, anything longer is not a name.
 PROFILE_REPR_CHARS = 40
+# The longest a publish or a control broadcast waits for a connection (or a producer)
+# of the app's broker pool (broker_pool_limit, 10) before it fails with a BrokerError
+# (503 in the API; a run's publish is retried by the reconciler). A publish holds one
+# for milliseconds, so a wait this long means the pool is wedged, not busy.
+BROKER_POOL_ACQUIRE_TIMEOUT_S = 5.0
 
 
 def describe_args(args: Sequence[Any]) -> str:
@@ -98,6 +111,75 @@ class PublishOnlyRedisBackend(RedisBackend):  # type: ignore[misc]
         return None
 
 
+class BrokerPoolExhausted(BrokerError):
+    """Every connection or producer of the broker pool stayed in use for BROKER_POOL_ACQUIRE_TIMEOUT_S."""
+
+
+class BoundedConnectionPool(ConnectionPool):
+    """kombu's connection pool, whose blocking acquire gives up after `acquire_timeout_s`.
+
+    kombu waits for a free connection forever when no timeout is given, and its
+    own producer pool asks that way (`ProducerPool._acquire_connection`, block,
+    no timeout), as do Celery's control broadcasts (a revoke) through it. A
+    broadcast holds one connection while its producer waits for a second, so
+    enough concurrent broadcasts held every connection and waited for each other
+    for good: the incident where 40 concurrent GET /healthz (a worker ping each)
+    hung every API thread until a restart. Here every blocking acquire ends: a
+    connection, or `BrokerPoolExhausted` (a BrokerError, so the API answers 503
+    store_error instead of hanging; not kombu's LimitExceeded, which Celery
+    would turn into an OperationalError, a 500).
+    """
+
+    def __init__(self, connection: Any, limit: int | None, acquire_timeout_s: float) -> None:
+        self.acquire_timeout_s = acquire_timeout_s
+        super().__init__(connection, limit=limit)  # type: ignore[no-untyped-call]  # kombu has partial hints
+
+    def acquire(self, block: bool = False, timeout: float | None = None) -> Any:
+        return _bounded(super().acquire, "connection", self, block, timeout)
+
+
+class BoundedProducerPool(ProducerPool):
+    """kombu's producer pool over a `BoundedConnectionPool`, whose own acquire ends the same way."""
+
+    def __init__(self, connections: BoundedConnectionPool, limit: int | None) -> None:
+        self.acquire_timeout_s = connections.acquire_timeout_s
+        super().__init__(connections, limit=limit)  # type: ignore[no-untyped-call]
+
+    def acquire(self, block: bool = False, timeout: float | None = None) -> Any:
+        return _bounded(super().acquire, "producer", self, block, timeout)
+
+
+def _bounded(acquire: Any, what: str, pool: Any, block: bool, timeout: float | None) -> Any:
+    if block and timeout is None:
+        timeout = pool.acquire_timeout_s
+    try:
+        return acquire(block=block, timeout=timeout)
+    except pool.LimitExceeded:
+        waited = f"after {timeout:g} s" if block else "(not waiting)"
+        raise BrokerPoolExhausted(
+            f"The broker is busy: all {pool.limit} {what}s of this process's broker pool stayed in use; "
+            f"gave up {waited}. Try again."
+        ) from None
+
+
+class SubqAMQP(AMQP):  # type: ignore[misc]  # Celery ships no type hints
+    """Celery's AMQP helper whose producer pool is a `BoundedProducerPool` over the app's own pool.
+
+    Celery's takes kombu's process-wide producer pool, over kombu's process-wide
+    connection pool, whose waits have no end (`BoundedConnectionPool`).
+    """
+
+    _producer_pool: BoundedProducerPool | None
+
+    @property
+    def producer_pool(self) -> BoundedProducerPool:
+        if self._producer_pool is None:
+            self._producer_pool = BoundedProducerPool(self.app.pool, limit=self.app.pool.limit)
+        return self._producer_pool
+
+    publisher_pool = producer_pool  # Celery's compat alias
+
+
 class SubqCelery(Celery):  # type: ignore[misc]  # Celery ships no type hints
     """subq's Celery app: a `subq.submit` it publishes carries a safe summary, never the prompt.
 
@@ -111,6 +193,18 @@ class SubqCelery(Celery):  # type: ignore[misc]  # Celery ships no type hints
 
     # The settings the app was made from: the worker's consumer writes dead letters with them.
     subq_settings: Settings | None = None
+    amqp_cls = f"{__name__}:SubqAMQP"
+    _pool: BoundedConnectionPool | None
+
+    @property
+    def pool(self) -> BoundedConnectionPool:
+        """The broker connection pool: Celery's, except that no acquire waits for good (`BoundedConnectionPool`)."""
+        if self._pool is None:
+            self._ensure_after_fork()  # as Celery's: a forked child builds a pool of its own
+            self._pool = BoundedConnectionPool(
+                self.connection_for_write(), self.conf.broker_pool_limit, BROKER_POOL_ACQUIRE_TIMEOUT_S
+            )
+        return self._pool
 
     def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
         if name == SUBMIT and isinstance(kwargs, Mapping) and "kwargsrepr" not in options:

@@ -56,6 +56,7 @@ from coordinator.models import (
 )
 from coordinator.settings import Settings, load_settings
 from coordinator.store import LATENCY_BUCKETS_MS, FleetGauges, Keys, Store
+from coordinator.store.sessions import WebSessions
 
 __all__ = ["DEFAULT_PAGE", "MAX_PAGE", "Coordinator"]
 
@@ -81,6 +82,7 @@ class Coordinator:
             client = redis.Redis.from_url(self.settings.require_redis_url(), decode_responses=True)
         self.client = client
         self.store = Store(client, Keys(self.settings.key_prefix), self.settings.result_retention_s)
+        self.sessions = WebSessions(client, self.store.keys)  # the web view's sign-ins, a part of their own
         self._app = app
         tracing.setup(self.settings)  # a no-op unless SUBQ_TRACES_EXPORTER is set
 
@@ -337,6 +339,10 @@ class Coordinator:
     def repairs(self) -> dict[str, int]:
         """Repairs the reconciler has made, by reason (coordinator/reconciler.py)."""
         return self.store.repairs()
+
+    def workers_since(self, since_s: float) -> list[str]:
+        """Worker processes whose heartbeat is at `since_s` or later (the health check's one read)."""
+        return self.store.workers_since(since_s)
 
     # -- dead letters: messages no worker could decode or validate (coordinator/poison.py) --
 

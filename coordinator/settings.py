@@ -7,6 +7,7 @@ turns a validation failure into one `ConfigError` line naming the variable.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import tomllib
@@ -57,6 +58,13 @@ DEFAULT_MODEL_RETRY_BASE_S = 0.5
 # A request body over this is refused with 413 before it is parsed (1 MiB holds
 # a fan-out of 256 long messages).
 DEFAULT_API_MAX_BODY_BYTES = 1024 * 1024
+# Requests a minute one client address may make to the routes that need no token
+# (/healthz, /livez, /readyz, /metrics, /openapi.json, /docs, the sign-in page): a
+# probe every few seconds and a scrape every 15 s use a few; a flood gets 429.
+DEFAULT_API_OPEN_REQUESTS_PER_MIN = 600
+# Sign-ins and wrong bearer tokens a minute from one client address: a person mistyping
+# needs a few; guessing a token needs millions.
+DEFAULT_API_AUTH_ATTEMPTS_PER_MIN = 10
 # Defaults (docs/configuration.md says why each one).
 # A worker's log lines: text for a terminal; json (one object a line) for a log pipeline.
 LogFormat = Literal["text", "json"]
@@ -191,6 +199,13 @@ class Settings(BaseSettings):
     api_url: str | None = None
     api_auth_disabled: bool = False
     api_max_body_bytes: int = Field(default=DEFAULT_API_MAX_BODY_BYTES, ge=1024)
+    # The deployment is served over https (TLS at the ingress): the web session cookie is Secure.
+    api_https: bool = False
+    # Proxies (addresses or networks, comma-separated) whose X-Forwarded-For and
+    # X-Forwarded-Proto are believed; from anyone else those headers are ignored.
+    api_trusted_proxies: str = ""
+    api_open_requests_per_min: int = Field(default=DEFAULT_API_OPEN_REQUESTS_PER_MIN, ge=1)
+    api_auth_attempts_per_min: int = Field(default=DEFAULT_API_AUTH_ATTEMPTS_PER_MIN, ge=1)
     default_profile: str = OFFLINE_PROFILE
     profiles: dict[str, Profile] = Field(default_factory=dict)
     profiles_file: Path | None = None
@@ -219,6 +234,21 @@ class Settings(BaseSettings):
         if parts.query or parts.fragment:
             raise ValueError(f"{url!r}: give the API's base URL, without a query or fragment")
         return url.rstrip("/")
+
+    @field_validator("api_trusted_proxies")
+    @classmethod
+    def _check_trusted_proxies(cls, proxies: str) -> str:
+        for part in proxies.split(","):
+            if part.strip():
+                try:
+                    ipaddress.ip_network(part.strip(), strict=False)
+                except ValueError:
+                    raise ValueError(f"{part.strip()!r} is not an IP address or network (e.g. 10.0.0.0/8)") from None
+        return proxies
+
+    def trusted_proxy_networks(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+        """SUBQ_API_TRUSTED_PROXIES as networks (a lone address is a network of one)."""
+        return [ipaddress.ip_network(p.strip(), strict=False) for p in self.api_trusted_proxies.split(",") if p.strip()]
 
     @field_validator("worker_metrics_port", mode="before")
     @classmethod

@@ -143,7 +143,10 @@ class ApiServer:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=2)
+        # proxy_headers off, as `subq api` runs it: forwarded headers count only from SUBQ_API_TRUSTED_PROXIES.
+        config = uvicorn.Config(
+            app, log_config=None, access_log=False, timeout_graceful_shutdown=2, proxy_headers=False
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
@@ -165,8 +168,15 @@ class ApiServer:
         return httpx.Client(base_url=self.url, headers=AUTH if headers is None else headers, timeout=timeout_s)
 
 
+# A test server is shared by a whole module whose tests send wrong tokens on purpose, all
+# from 127.0.0.1: far more than a person would. tests/test_security.py sets small limits.
+TEST_AUTH_ATTEMPTS_PER_MIN = 100_000
+
+
 def api_settings(settings: Settings, **update: Any) -> Settings:
-    return settings.model_copy(update={"api_token": SecretStr(TOKEN), **update})
+    return settings.model_copy(
+        update={"api_token": SecretStr(TOKEN), "api_auth_attempts_per_min": TEST_AUTH_ATTEMPTS_PER_MIN, **update}
+    )
 
 
 class Transport:

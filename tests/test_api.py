@@ -482,7 +482,7 @@ def test_401_without_the_right_token(
     assert response.headers["www-authenticate"] == "Bearer"
 
 
-@pytest.mark.parametrize("path", ["/healthz", "/metrics", "/openapi.json", "/docs"])
+@pytest.mark.parametrize("path", ["/healthz", "/livez", "/readyz", "/metrics", "/openapi.json", "/docs"])
 def test_open_endpoints_need_no_token(anon_http: httpx.Client, path: str) -> None:
     assert anon_http.get(path).status_code == 200
 
@@ -760,10 +760,17 @@ def test_503_when_redis_is_down(settings: Settings) -> None:
         assert task.json()["message"].startswith("Redis is unreachable")
         assert http.get("/metrics").status_code == 503
         health = http.get("/healthz")
+        started = time.monotonic()
+        ready = http.get("/readyz")
+        ready_s = time.monotonic() - started
+        live = http.get("/livez")
     assert health.status_code == 503
     body = health.json()
     assert (body["status"], body["redis"]["ok"], body["workers"]["count"]) == ("down", False, 0)
     assert "Redis is unreachable" in body["redis"]["error"]
+    # Liveness does not depend on Redis (a restart would not bring it back); readiness does, quickly.
+    assert (live.status_code, live.json()) == (200, {"status": "ok"})
+    assert ready.status_code == 503 and ready.json()["status"] == "down" and ready_s < 3
     down.close()
 
 
@@ -843,7 +850,34 @@ def test_healthz_with_workers(live_http: httpx.Client) -> None:
     body = live_http.get("/healthz").json()
     assert body["status"] == "ok"
     assert body["redis"]["ok"] is True and body["redis"]["latency_ms"] >= 0
-    assert body["workers"]["count"] >= WORKER_PROCESSES and len(body["workers"]["names"]) == body["workers"]["count"]
+    # Each worker node once (its heartbeat, not a broadcast ping); no names on an open route (they carry host names).
+    assert body["workers"]["count"] >= WORKER_PROCESSES and body["workers"]["names"] == []
+    assert live_http.get("/readyz").json() == body, "the same reading, from the cache"
+
+
+def test_health_counts_nodes_whose_heartbeat_is_within_the_lapse(settings: Settings) -> None:
+    with local_redis() as own_url:
+        coord = Coordinator(api_settings(settings, redis_url=own_url, heartbeat_lapse_s=30))
+        now = time.time()
+        beats = {
+            "celery@a:11": now,  # a node's reconciler
+            "celery@a:12": now,  # the same node restarted: counted once
+            "celery@b:13": now - 10,
+            "host-c:14": now,  # a run's heartbeat, not a node
+            "celery@d:15": now - 60,  # lapsed
+        }
+        coord.client.zadd(coord.store.keys.workers(), beats)
+        with ApiServer(create_app(coordinator=coord)) as server, server.client(headers={}) as http:
+            ready = http.get("/readyz")
+            coord.client.delete(coord.store.keys.workers())
+            cached = http.get("/readyz").json()
+            time.sleep(1.1)  # past HEALTH_CACHE_TTL_S
+            read_again = http.get("/readyz").json()
+        coord.close()
+    assert ready.status_code == 200
+    assert ready.json()["workers"] == {"count": 2, "names": [], "error": None}
+    assert cached["workers"]["count"] == 2, "read at most once a second"
+    assert (read_again["status"], read_again["workers"]["count"]) == ("degraded", 0)
 
 
 def test_healthz_degraded_without_workers(settings: Settings) -> None:
@@ -851,8 +885,10 @@ def test_healthz_degraded_without_workers(settings: Settings) -> None:
         lonely = Coordinator(api_settings(settings, redis_url=lonely_url))
         with ApiServer(create_app(coordinator=lonely)) as server, server.client(headers={}) as http:
             response = http.get("/healthz")
+            ready = http.get("/readyz")
         lonely.close()
-    assert response.status_code == 200
+    # Ready with no worker: the API takes work, which waits in the queue.
+    assert response.status_code == ready.status_code == 200
     body = response.json()
     assert (body["status"], body["redis"]["ok"], body["workers"]["count"]) == ("degraded", True, 0)
 

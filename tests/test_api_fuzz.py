@@ -75,10 +75,18 @@ OPERATIONS = [
     "GET /v1/dead-letters",
     "DELETE /v1/dead-letters",
     "GET /healthz",
+    "GET /livez",
+    "GET /readyz",
     "GET /metrics",
 ]
 ON_A_TASK = [label for label in OPERATIONS if "{task_id}" in label]
-WITHOUT_INPUT = {"GET /healthz", "GET /metrics", "DELETE /v1/dead-letters"}  # nothing to make invalid
+WITHOUT_INPUT = {
+    "GET /healthz",
+    "GET /livez",
+    "GET /readyz",
+    "GET /metrics",
+    "DELETE /v1/dead-letters",
+}  # nothing to make invalid
 MODES = {"valid": GenerationMode.POSITIVE, "invalid": GenerationMode.NEGATIVE}
 MADE_UP = [
     (label, mode) for label in OPERATIONS for mode in MODES if not (mode == "invalid" and label in WITHOUT_INPUT)

@@ -68,7 +68,7 @@ def test_every_service_is_health_checked_restarted_and_waits_for_redis() -> None
     # The worker's check pings its own Celery node, by its container's host name.
     assert "inspect ping" in services["worker"]["healthcheck"]["test"][1]
     assert "celery@$$HOSTNAME" in services["worker"]["healthcheck"]["test"][1]
-    assert "/healthz" in " ".join(services["api"]["healthcheck"]["test"])
+    assert "/readyz" in " ".join(services["api"]["healthcheck"]["test"])
 
 
 def test_redis_keeps_its_aof_on_a_named_volume() -> None:

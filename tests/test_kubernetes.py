@@ -29,8 +29,10 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import SecretStr
 
 from coordinator import Coordinator, Settings
+from coordinator.api import create_app
 from coordinator.api.ops import SubqCollector
 from coordinator.settings import DEFAULT_SHUTDOWN_GRACE_S
 
@@ -292,6 +294,19 @@ def test_a_worker_pod_has_time_to_hand_its_runs_back(rendered: dict[str, list[di
     assert "memory" in container["resources"]["limits"] and "cpu" in container["resources"]["requests"]
     budget = _one(docs, "PodDisruptionBudget", "subq-worker")
     assert budget["spec"]["maxUnavailable"] == 1
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_api_probes_are_liveness_and_readiness(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+    """Readiness follows Redis (/readyz, 503 when down: out of the Service); liveness only the process
+    (/livez: a Redis outage restarts nothing); both are routes the API serves, on the container's port."""
+    (container,) = _one(rendered[overlay], "Deployment", "subq-api")["spec"]["template"]["spec"]["containers"]
+    ready, live = container["readinessProbe"]["httpGet"], container["livenessProbe"]["httpGet"]
+    assert (ready["path"], live["path"]) == ("/readyz", "/livez")
+    assert ready["port"] == live["port"] == container["ports"][0]["name"]
+    app = create_app(Settings(redis_url="redis://127.0.0.1:1/0", api_token=SecretStr("probe-test-token")))
+    served = {path for path, ops in app.openapi()["paths"].items() if "get" in ops}
+    assert {"/readyz", "/livez"} <= served
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

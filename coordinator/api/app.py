@@ -3,9 +3,12 @@
     uvicorn --factory coordinator.api:create_app      (or `subq api`)
 
 Built on the same Coordinator as the CLI and the Python API. The layers, from
-the outside in: the body-size limit (413 before parsing), routing, the bearer
-token (a dependency of the /v1 routes), request validation (422), then the
-Coordinator, which validates everything again before it writes.
+the outside in: a trusted proxy's forwarded address and scheme (only from
+SUBQ_API_TRUSTED_PROXIES), the security headers (coordinator/api/security.py),
+the rate limit of the open routes (429), the body-size limit (413 before
+parsing), routing, the bearer token (a dependency of the /v1 routes; wrong
+ones are rate limited), request validation (422), then the Coordinator, which
+validates everything again before it writes.
 """
 
 from __future__ import annotations
@@ -16,14 +19,16 @@ from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import Depends, FastAPI
 from fastapi_offline import FastAPIOffline
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from coordinator.api.auth import bearer_auth
 from coordinator.api.control import control_routes
 from coordinator.api.errors import install_error_handlers
 from coordinator.api.events import event_routes
-from coordinator.api.limits import BodyLimit
+from coordinator.api.limits import BodyLimit, OpenRouteLimit, RateLimiter
 from coordinator.api.ops import ops_routes
 from coordinator.api.routes import reject_unknown_query, task_routes
+from coordinator.api.security import SecurityHeaders
 from coordinator.service import Coordinator
 from coordinator.settings import Settings, load_settings
 from coordinator.web import install_web
@@ -57,7 +62,9 @@ def create_app(settings: Settings | None = None, coordinator: Coordinator | None
     """
     if settings is None:
         settings = coordinator.settings if coordinator is not None else load_settings()
-    guard = bearer_auth(settings)  # before anything connects: a missing token stops the start
+    # Sign-ins and wrong bearer tokens share one count per client address.
+    auth_attempts = RateLimiter(settings.api_auth_attempts_per_min)
+    guard = bearer_auth(settings, auth_attempts)  # before anything connects: a missing token stops the start
     owned = coordinator is None
     coord = coordinator if coordinator is not None else Coordinator(settings)
 
@@ -82,12 +89,18 @@ def create_app(settings: Settings | None = None, coordinator: Coordinator | None
         swagger_ui_parameters={"validatorUrl": None},
     )
     install_error_handlers(app)
+    # Added innermost first: each add_middleware wraps the ones before it.
     app.add_middleware(BodyLimit, max_body_bytes=settings.api_max_body_bytes)
+    app.add_middleware(OpenRouteLimit, limiter=RateLimiter(settings.api_open_requests_per_min))
+    app.add_middleware(SecurityHeaders, https=settings.api_https)
+    if proxies := settings.trusted_proxy_networks():
+        # uvicorn's own parser of X-Forwarded-For/-Proto, believed from these peers only.
+        app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=[str(network) for network in proxies])
     # The token first: an anonymous caller learns nothing about the parameters.
     dependencies = [*([Depends(guard)] if guard is not None else []), Depends(reject_unknown_query)]
     app.include_router(task_routes(coord, auth=guard is not None), dependencies=dependencies)
     app.include_router(event_routes(coord, auth=guard is not None), dependencies=dependencies)
     app.include_router(control_routes(coord, auth=guard is not None), dependencies=dependencies)
     app.include_router(ops_routes(coord))
-    install_web(app, coord, settings)  # /ui: the operator's view in a browser (docs/web.md)
+    install_web(app, coord, settings, auth_attempts)  # /ui: the operator's view in a browser (docs/web.md)
     return app

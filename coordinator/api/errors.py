@@ -35,6 +35,7 @@ from coordinator.errors import (
 __all__ = [
     "BODY_TOO_LARGE",
     "INTERNAL_ERROR",
+    "RATE_LIMITED",
     "UNAUTHORIZED",
     "HttpError",
     "error_response",
@@ -47,6 +48,7 @@ logger = logging.getLogger("coordinator.api")
 
 UNAUTHORIZED = "unauthorized"
 BODY_TOO_LARGE = "body_too_large"
+RATE_LIMITED = "rate_limited"
 INTERNAL_ERROR = "internal_error"
 
 # Most specific class first: CorruptError is a StoreError but not a passing outage.
@@ -67,6 +69,7 @@ _DESCRIPTIONS = {
     404: "Unknown task id, well-formed or not (code not_found)",
     409: "The task is not in a state that allows this (codes wrong_state, conflict)",
     413: "The request body is over SUBQ_API_MAX_BODY_BYTES (code body_too_large)",
+    429: "Too many requests or sign-in attempts from this address (code rate_limited; see Retry-After)",
     422: "Invalid input, with the field path (codes invalid_input, invalid_todos, invalid_profile, ...)",
     503: "Redis is unreachable (code store_error)",
 }

@@ -1,21 +1,42 @@
-"""GET /healthz and GET /metrics: open endpoints for load balancers and Prometheus.
+"""GET /livez, /readyz, /healthz and /metrics: open endpoints for probes, load balancers and Prometheus.
 
-Neither needs the bearer token (they carry no task data). The health check
-pings Redis and the workers; the metrics are collected from Redis on each
-scrape by a collector on a fresh registry, so no process-global state exists
-and every API replica reports the same fleet-wide figures: what the fleet holds
-now (queue depth, runs in flight, approvals waiting, dead letters) and what
-Redis already counts (repairs, the latency histogram). The counters of runs,
-model requests, tokens and cost are each worker's own (coordinator/metrics.py,
-docs/api.md).
+None needs the bearer token (they carry no task data), so anyone who reaches the
+API can call them as often as they like. Each answers from state that costs at
+most one Redis read per second or two, whatever the number of callers, and
+none of them takes a thread of the shared pool that the /v1 routes run on:
+
+- `/livez`: the process is up; no Redis, no thread, always 200.
+- `/readyz`: Redis answers (200, or 503 `down`); the workers whose heartbeat is
+  within SUBQ_HEARTBEAT_LAPSE_S are reported but do not make the API unready:
+  it takes work with no worker up, and the work waits in the queue.
+- `/healthz`: the same answer as /readyz, kept for the clients that call it.
+- `/metrics`: collected from Redis by a collector on a fresh registry (no
+  process-global state: every API replica reports the same fleet-wide figures:
+  what the fleet holds now, queue depth, runs in flight, approvals waiting, dead
+  letters, and what Redis already counts, repairs and the latency histogram).
+  The counters of runs, model requests, tokens and cost are each worker's own
+  (coordinator/metrics.py, docs/api.md).
+
+Why: /healthz used to ping Redis with a fresh client and broadcast a ping to the
+workers through Celery's shared broker pool on every call, on the shared thread
+pool. 40 concurrent calls deadlocked that pool (each call held a broker
+connection while it waited for another, for its producer) and took every
+thread of the 40 with it: every /v1 route and /ui page timed out until a
+restart. Now a `SingleFlight` cache reads the health (one ZRANGEBYSCORE over the
+heartbeats, on a client of its own with short socket timeouts) and the metrics
+in a thread of its own, at most one read in flight, and a request waits for it
+a bounded time.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Generic, TypeVar
 
-import anyio.to_thread
 import redis
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
@@ -23,43 +44,175 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from coordinator.api.errors import error_responses
-from coordinator.api.schemas import Health, RedisHealth, WorkersHealth
+from coordinator.api.schemas import Health, Liveness, RedisHealth, WorkersHealth
+from coordinator.errors import StoreError
 from coordinator.models import TaskStatus
 from coordinator.service import Coordinator
 
-__all__ = ["METRICS_RECENT_TASKS", "SubqCollector", "ops_routes"]
+__all__ = [
+    "HEALTH_CACHE_TTL_S",
+    "HEALTH_REDIS_TIMEOUT_S",
+    "HEALTH_WAIT_S",
+    "METRICS_CACHE_TTL_S",
+    "METRICS_RECENT_TASKS",
+    "METRICS_WAIT_S",
+    "RefreshPending",
+    "SingleFlight",
+    "SubqCollector",
+    "health_reader",
+    "ops_routes",
+]
 
-# A health check must answer within a load balancer's timeout (often 5 s) even when
-# Redis hangs: a short socket timeout on a client of its own.
-REDIS_PING_TIMEOUT_S = 2.0
-# Workers answer a broadcast ping within milliseconds; one second covers a busy host.
-WORKER_PING_TIMEOUT_S = 1.0
+T = TypeVar("T")
+
+# A probe every few seconds still sees a reading at most this old, and a flood of
+# health calls costs one Redis read per period, not one per call.
+HEALTH_CACHE_TTL_S = 1.0
+# Connect and read timeout of the health check's own Redis client: a Redis that takes
+# longer than this for one ZRANGEBYSCORE is not fit to serve requests.
+HEALTH_REDIS_TIMEOUT_S = 1.0
+# How long a health call waits for the reading in flight before answering `down`:
+# above one connect plus one read (HEALTH_REDIS_TIMEOUT_S each), within a probe's 5 s.
+HEALTH_WAIT_S = 2.5
+# Prometheus scrapes every 15 s or so; a flood of scrapes costs one collection per period.
+METRICS_CACHE_TTL_S = 2.0
+# How long a scrape waits for the collection in flight before a 503: within
+# Prometheus' default scrape timeout of 10 s.
+METRICS_WAIT_S = 5.0
 # Task counts and spend are read over this many most recent tasks of the history
 # index, so a scrape stays cheap however long the retention is.
 METRICS_RECENT_TASKS = 1000
 
 
-def _ping_redis(url: str) -> RedisHealth:
-    client = redis.Redis.from_url(url, socket_timeout=REDIS_PING_TIMEOUT_S, socket_connect_timeout=REDIS_PING_TIMEOUT_S)
-    try:
-        started = time.perf_counter()
-        client.ping()
-        return RedisHealth(ok=True, latency_ms=round((time.perf_counter() - started) * 1000, 3))
-    except redis.RedisError as exc:
-        return RedisHealth(ok=False, error=f"Redis is unreachable: {exc}")
-    finally:
-        client.close()
+class RefreshPending(StoreError):
+    """The reading in flight took longer than a request waits for it (503 store_error)."""
 
 
-def _ping_workers(coord: Coordinator) -> WorkersHealth:
-    try:
-        replies = coord.app.control.ping(timeout=WORKER_PING_TIMEOUT_S) or []
-    except Exception as exc:  # a kombu/Celery error of any kind: report it, the check must answer
-        return WorkersHealth(count=0, names=[], error=f"{type(exc).__name__}: {exc}")
-    names = sorted(name for reply in replies for name in reply)
-    return WorkersHealth(count=len(names), names=names)
+class SingleFlight(Generic[T]):
+    """A value read by `read` at most once per `ttl_s`, in a thread of its own, shared by every caller.
+
+    Concurrent callers of `get` share the one read in flight (single-flight) and
+    wait for it at most `wait_s` (then `RefreshPending`); a read that raises is
+    not cached, and its exception goes to the callers that waited for it. The
+    read never runs on the event loop nor on anyio's thread pool (that pool runs
+    the /v1 routes: a slow read must not take their threads).
+    """
+
+    def __init__(self, read: Callable[[], T], *, ttl_s: float, wait_s: float, name: str) -> None:
+        self._read = read
+        self.ttl_s = ttl_s
+        self.wait_s = wait_s
+        self.name = name
+        self.reads = 0  # reads started, for tests and for whoever wants to know the cost
+        self._lock = threading.Lock()
+        self._value: T | None = None
+        self._read_at = 0.0  # time.monotonic() when _value was read
+        self._pending: concurrent.futures.Future[T] | None = None
+
+    def cached(self) -> T | None:
+        """The value, if read within the last `ttl_s`."""
+        with self._lock:
+            if self._value is not None and time.monotonic() - self._read_at < self.ttl_s:
+                return self._value
+            return None
+
+    async def get(self) -> T:
+        value = self.cached()
+        if value is not None:
+            return value
+        waiter = asyncio.wrap_future(self._start())
+        done, _ = await asyncio.wait({waiter}, timeout=self.wait_s)
+        if not done:
+            # Nobody reads this result now; retrieving it keeps asyncio from logging
+            # "exception was never retrieved" when the read fails later.
+            waiter.add_done_callback(_discard)
+            raise RefreshPending(f"{self.name}: Redis did not answer within {self.wait_s:g} s")
+        return waiter.result()
+
+    def _start(self) -> concurrent.futures.Future[T]:
+        with self._lock:
+            if self._pending is None:
+                future: concurrent.futures.Future[T] = concurrent.futures.Future()
+                # Running from the start: an awaiting request that is cancelled cannot cancel it.
+                future.set_running_or_notify_cancel()
+                self._pending = future
+                self.reads += 1
+                threading.Thread(target=self._run, args=(future,), name=f"subq-{self.name}", daemon=True).start()
+            return self._pending
+
+    def _run(self, future: concurrent.futures.Future[T]) -> None:
+        try:
+            value = self._read()
+        except BaseException as exc:  # handed to the callers waiting; nothing is cached
+            with self._lock:
+                self._pending = None
+            future.set_exception(exc)
+            return
+        with self._lock:
+            self._value, self._read_at, self._pending = value, time.monotonic(), None
+        future.set_result(value)
+
+
+def _discard(waiter: asyncio.Future[Any]) -> None:
+    if not waiter.cancelled():
+        waiter.exception()
+
+
+def _node_of(member: str) -> str | None:
+    """The Celery node of a heartbeat entry, or None for an entry that is not a node's.
+
+    A worker's reconciler beats as `<node>:<pid>` every SUBQ_RECONCILE_INTERVAL_S
+    (workers/maintenance.py), and a node's name is `<name>@<host>`; the runs'
+    own heartbeats (`<host>:<pid>`, coordinator/runs.py) have no `@`. A node
+    restarted under the same name counts once.
+    """
+    node, _, _pid = member.rpartition(":")
+    return node if "@" in node else None
+
+
+def health_reader(coord: Coordinator) -> Callable[[], Health]:
+    """The health reading: one ZRANGEBYSCORE of the heartbeats, on a client of the health check's own.
+
+    Its own client: short socket timeouts so a Redis that hangs fails the reading
+    instead of hanging it, no retries (the next reading is the retry), and one
+    connection, since `SingleFlight` runs one reading at a time.
+    """
+    # A Coordinator over that client: the read goes through the service, as every face's does.
+    readers: list[Coordinator] = []
+
+    def read() -> Health:
+        try:
+            if not readers:
+                client = redis.Redis.from_url(
+                    coord.settings.require_redis_url(),
+                    decode_responses=True,
+                    socket_timeout=HEALTH_REDIS_TIMEOUT_S,
+                    socket_connect_timeout=HEALTH_REDIS_TIMEOUT_S,
+                    retry=Retry(NoBackoff(), 0),
+                    max_connections=1,
+                )
+                readers.append(Coordinator(coord.settings, client=client, app=coord.app))
+            started = time.perf_counter()
+            members = readers[0].workers_since(time.time() - coord.settings.heartbeat_lapse_s)
+            latency_ms = round((time.perf_counter() - started) * 1000, 3)
+        except Exception as exc:  # redis's errors, a bad URL: the check must answer
+            return _down(f"Redis is unreachable: {exc}")
+        nodes = {node for member in members if (node := _node_of(str(member))) is not None}
+        workers = WorkersHealth(count=len(nodes))
+        return Health(
+            status="ok" if nodes else "degraded", redis=RedisHealth(ok=True, latency_ms=latency_ms), workers=workers
+        )
+
+    return read
+
+
+def _down(error: str) -> Health:
+    workers = WorkersHealth(count=0, error="not checked: Redis is unreachable")
+    return Health(status="down", redis=RedisHealth(ok=False, error=error), workers=workers)
 
 
 class SubqCollector(Collector):
@@ -130,24 +283,44 @@ def _seconds(ms: int) -> str:
 
 def ops_routes(coord: Coordinator) -> APIRouter:
     router = APIRouter(tags=["operations"])
+    health = SingleFlight(health_reader(coord), ttl_s=HEALTH_CACHE_TTL_S, wait_s=HEALTH_WAIT_S, name="health")
+    metrics_text = SingleFlight(
+        lambda: _collect_metrics(coord), ttl_s=METRICS_CACHE_TTL_S, wait_s=METRICS_WAIT_S, name="metrics"
+    )
+
+    async def ready() -> JSONResponse:
+        try:
+            body = await health.get()
+        except RefreshPending as exc:
+            body = _down(str(exc))
+        return JSONResponse(body.model_dump(mode="json"), status_code=503 if body.status == "down" else 200)
+
+    @router.get("/livez", response_model=Liveness, summary="The process is up (open, no token)")
+    async def livez() -> Liveness:
+        """Always 200 while the process serves requests: Kubernetes' livenessProbe (nothing else is checked)."""
+        return Liveness()
+
+    ready_responses: dict[int | str, dict[str, Any]] = {
+        503: {"model": Health, "description": "Redis is unreachable (status down)"}
+    }
+
+    @router.get("/readyz", response_model=Health, responses=ready_responses, summary="Redis reachable (open, no token)")
+    async def readyz() -> JSONResponse:
+        """200 when Redis answers (`degraded` when no worker beat lately: work waits in the queue); 503 when not.
+
+        Read at most once a second, whatever the number of callers.
+        """
+        return await ready()
 
     @router.get(
         "/healthz",
         response_model=Health,
-        responses={503: {"model": Health, "description": "Redis is unreachable (status down)"}},
-        summary="Redis reachable and workers seen (open, no token)",
+        responses=ready_responses,
+        summary="Redis reachable and workers seen (open, no token; the same answer as /readyz)",
     )
     async def healthz() -> JSONResponse:
-        """200 when Redis answers (`degraded` when no worker replied to a ping); 503 when it does not."""
-        url = coord.settings.require_redis_url()
-        redis_health = await anyio.to_thread.run_sync(_ping_redis, url)
-        if not redis_health.ok:
-            workers = WorkersHealth(count=0, names=[], error="not checked: Redis is unreachable")
-            body = Health(status="down", redis=redis_health, workers=workers)
-            return JSONResponse(body.model_dump(mode="json"), status_code=503)
-        workers = await anyio.to_thread.run_sync(_ping_workers, coord)
-        body = Health(status="ok" if workers.count else "degraded", redis=redis_health, workers=workers)
-        return JSONResponse(body.model_dump(mode="json"))
+        """200 when Redis answers (`degraded` when no worker beat lately); 503 when it does not."""
+        return await ready()
 
     @router.get(
         "/metrics",
@@ -158,9 +331,13 @@ def ops_routes(coord: Coordinator) -> APIRouter:
         },
         summary="Prometheus metrics (open, no token)",
     )
-    def metrics() -> Response:
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(SubqCollector(coord))
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics() -> Response:
+        return Response(await metrics_text.get(), media_type=CONTENT_TYPE_LATEST)
 
     return router
+
+
+def _collect_metrics(coord: Coordinator) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SubqCollector(coord))
+    return generate_latest(registry)

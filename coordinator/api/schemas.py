@@ -42,6 +42,7 @@ __all__ = [
     "ErrorBody",
     "Health",
     "HistoryPage",
+    "Liveness",
     "MessageList",
     "RedisHealth",
     "Snapshot",
@@ -245,18 +246,35 @@ class RedisHealth(BaseModel):
 
 
 class WorkersHealth(BaseModel):
+    """Worker nodes whose heartbeat is within `SUBQ_HEARTBEAT_LAPSE_S`.
+
+    `names` stays in the shape for older clients and is always empty: the health
+    routes are open, and Celery node names carry host names (`celery@<host>`).
+    """
+
     model_config = ConfigDict(frozen=True)
 
     count: int
-    names: list[str]
+    names: list[str] = Field(default_factory=list)
     error: str | None = None
 
 
 class Health(BaseModel):
-    """`ok`: Redis answers and workers replied; `degraded`: Redis answers, no worker replied; `down`: no Redis."""
+    """`ok`: Redis answers and workers beat; `degraded`: Redis answers, no worker beat lately; `down`: no Redis.
+
+    Read from a cache at most a second old (docs/api.md, "Health").
+    """
 
     model_config = ConfigDict(frozen=True)
 
     status: Literal["ok", "degraded", "down"]
     redis: RedisHealth
     workers: WorkersHealth
+
+
+class Liveness(BaseModel):
+    """GET /livez: the process serves requests (nothing else is checked)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    status: Literal["ok"] = "ok"

@@ -73,7 +73,9 @@ def api(ctx: typer.Context, host: Host = DEFAULT_HOST, port: Port = DEFAULT_API_
 
     # Imported by name: the module is optional in this package layout until it ships.
     create_app: Any = importlib.import_module(stack.API_MODULE).create_app
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
+    # proxy_headers off: the app believes X-Forwarded-* only from SUBQ_API_TRUSTED_PROXIES
+    # (uvicorn's default would believe them from 127.0.0.1, whatever the settings say).
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info", proxy_headers=False)
 
 
 def flower(

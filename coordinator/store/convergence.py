@@ -155,6 +155,11 @@ class ConvergenceStore(StoreBase):
         return _scored(self.client.zrange(self.keys.workers(), 0, -1, withscores=True))
 
     @translate_redis_errors
+    def workers_since(self, since_s: float) -> list[str]:
+        """Worker processes whose last heartbeat is at `since_s` or later: one ZRANGEBYSCORE."""
+        return [str(member) for member in self.client.zrangebyscore(self.keys.workers(), since_s, "+inf")]
+
+    @translate_redis_errors
     def lead(self, candidate: str, ttl_s: float) -> bool:
         """Take or keep the reconciler's leader lease; True while `candidate` leads."""
         return bool(self._lead(keys=[self.keys.leader()], args=[candidate, int(ttl_s * 1000)]))

@@ -35,6 +35,8 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:approvals`                       | zset   | pending approval ids scored by creation time       | removed when decided |
 | `<p>:rate:<provider>`                 | zset   | start times of the provider's requests, last 60 s  | a minute |
 | `<p>:idempotency:<sha256 of the key>`| string | the root id a create call with that key made       | retention |
+| `<p>:web-session:<sha256 of the id>`  | string | a web sign-in: the fingerprint of the API token it | the session's age |
+|                                       |        | was made with (a changed token revokes it)         | (a day); deleted at sign-out |
 | `<p>:due`                             | zset   | tasks a message should move on, scored by when the | removed when the task's run ends |
 |                                       |        | reconciler looks at them if none has (convergence) |          |
 | `<p>:timers`                          | zset   | delayed actions (`<kind>:<id>`) scored by due time | removed when done |
@@ -136,6 +138,9 @@ class Keys:
 
     def idempotency(self, key_hash: str) -> str:
         return f"{self.prefix}:idempotency:{key_hash}"
+
+    def web_session(self, id_hash: str) -> str:
+        return f"{self.prefix}:web-session:{id_hash}"
 
     def due(self) -> str:
         return f"{self.prefix}:due"

@@ -25,22 +25,25 @@ from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import parse_qs, urlencode
 
+import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from sse_starlette import EventSourceResponse
 
+from coordinator.api.auth import too_many_attempts
 from coordinator.api.errors import UNAUTHORIZED, HttpError, status_of
 from coordinator.api.events import KEEPALIVE_S, STREAM_ID_PATTERN, StreamThreads, tree_events
+from coordinator.api.limits import RateLimiter, client_address
 from coordinator.api.routes import TaskId
 from coordinator.api.schemas import CancelBody, DecisionBody
 from coordinator.errors import SubqError, ValidationError
 from coordinator.models import Approval, TaskRecord, TaskStatus, format_usd
 from coordinator.service import Coordinator
 from coordinator.settings import Settings
-from coordinator.web.auth import COOKIE, SESSION_MAX_AGE_S, WebAuth
-from coordinator.web.views import find_roots, parse_root_filter, read_tree
+from coordinator.web.auth import COOKIE, WebAuth
+from coordinator.web.views import call_text, find_roots, parse_root_filter, read_tree
 
 __all__ = ["WEB_PATH", "install_web"]
 
@@ -56,6 +59,7 @@ def _templates() -> Jinja2Templates:
     templates.env.filters["usd"] = format_usd
     templates.env.filters["tokens"] = lambda n: f"{n:,}"
     templates.env.filters["when"] = _when
+    templates.env.filters["call"] = call_text
     templates.env.globals["ui"] = WEB_PATH
     templates.env.globals["statuses"] = [s.value for s in TaskStatus]
     return templates
@@ -67,20 +71,26 @@ def _when(ts: float | None) -> str:
     return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def install_web(app: FastAPI, coord: Coordinator, settings: Settings) -> None:
-    """Serve the web view on `app` under /ui, behind SUBQ_API_TOKEN (see coordinator/web/auth.py)."""
+def install_web(app: FastAPI, coord: Coordinator, settings: Settings, auth_attempts: RateLimiter) -> None:
+    """Serve the web view on `app` under /ui, behind SUBQ_API_TOKEN (see coordinator/web/auth.py).
+
+    `auth_attempts` counts sign-ins per client address, shared with the API's wrong bearer tokens.
+    """
     app.mount(f"{WEB_PATH}/static", StaticFiles(directory=_HERE / "static"), name="subq-static")
-    app.include_router(_router(coord, WebAuth(settings)))
+    auth = WebAuth(settings, coord)
+    app.include_router(_router(coord, auth, auth_attempts))
 
 
-def _router(coord: Coordinator, auth: WebAuth) -> APIRouter:
+def _router(coord: Coordinator, auth: WebAuth, auth_attempts: RateLimiter) -> APIRouter:
     router = APIRouter(prefix=WEB_PATH, include_in_schema=False)
     templates = _templates()
     threads = StreamThreads()
 
-    def page(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
+    def page(
+        request: Request, name: str, status_code: int = 200, headers: Mapping[str, str] | None = None, **context: Any
+    ) -> HTMLResponse:
         context |= {"auth_on": not auth.disabled}
-        return templates.TemplateResponse(request, name, context, status_code=status_code)
+        return templates.TemplateResponse(request, name, context, status_code=status_code, headers=headers)
 
     def error_page(request: Request, exc: SubqError) -> HTMLResponse:
         return page(request, "error.html", status_of(exc), error=exc)
@@ -89,7 +99,7 @@ def _router(coord: Coordinator, auth: WebAuth) -> APIRouter:
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         return RedirectResponse(f"{WEB_PATH}/login?{urlencode({'next': target})}", status_code=303)
 
-    async def signed_in(request: Request) -> None:
+    def signed_in(request: Request) -> None:
         """For fragments, streams and actions: a JSON 401 (the page itself redirects to sign in)."""
         if not auth.signed_in(request):
             raise HttpError(401, UNAUTHORIZED, "Not signed in to the web view: sign in at /ui/login", field=COOKIE)
@@ -164,7 +174,7 @@ def _router(coord: Coordinator, auth: WebAuth) -> APIRouter:
 
     @router.get("/login", response_class=HTMLResponse)
     def login_form(request: Request, next: str = "") -> HTMLResponse:
-        return page(request, "login.html", next=_local(next), failed=False)
+        return page(request, "login.html", next=_local(next), refusal="")
 
     @router.post("/login", response_class=HTMLResponse)
     async def login(request: Request) -> Response:
@@ -172,24 +182,20 @@ def _router(coord: Coordinator, auth: WebAuth) -> APIRouter:
         target = _local(form.get("next", ""))
         if auth.disabled:
             return RedirectResponse(target, status_code=303)
+        # Every attempt counts, the right token too: a guesser gets 10 a minute, not 10 wrong ones.
+        if wait_s := auth_attempts.take(client_address(request.scope)):
+            refusal = too_many_attempts(auth_attempts, wait_s)
+            return page(request, "login.html", 429, next=target, refusal=refusal.message, headers=refusal.headers)
         if not auth.token_matches(form.get("token", "")):
-            return page(request, "login.html", 401, next=target, failed=True)
+            return page(request, "login.html", 401, next=target, refusal="That is not the server's token.")
         response = RedirectResponse(target, status_code=303)
-        response.set_cookie(
-            COOKIE,
-            auth.session_value(),
-            max_age=SESSION_MAX_AGE_S,
-            path=WEB_PATH,
-            httponly=True,
-            samesite="strict",
-            secure=request.url.scheme == "https",
-        )
+        await anyio.to_thread.run_sync(auth.sign_in, request, response)
         return response
 
     @router.post("/logout")
-    def logout() -> RedirectResponse:
+    def logout(request: Request) -> RedirectResponse:
         response = RedirectResponse(f"{WEB_PATH}/login", status_code=303)
-        response.delete_cookie(COOKIE, path=WEB_PATH)
+        auth.sign_out(request, response)
         return response
 
     return router

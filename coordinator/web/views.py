@@ -7,6 +7,8 @@ a page is the figure the API returns for the same task.
 from __future__ import annotations
 
 import datetime as dt
+import json
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -22,6 +24,7 @@ __all__ = [
     "RootPage",
     "TaskView",
     "TreeView",
+    "call_text",
     "find_roots",
     "parse_root_filter",
     "read_tree",
@@ -34,6 +37,12 @@ MAX_ROOTS_PER_PAGE = 200
 # rare filter over a long history then answers in bounded time with a "more" link.
 MAX_SCANNED_PER_PAGE = 20_000
 MAX_TEXT_CHARS = 200
+# A tool call as the approval box and its confirmation show it: long enough for any
+# command an operator should approve by reading it; past it, a marker says how much is cut.
+MAX_CALL_CHARS = 2_000
+# Characters that change how text reads without showing (bidi overrides, zero-width,
+# line and paragraph separators): in a call shown for approval they are written as \uXXXX.
+_HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Co", "Cn"})
 ROOT_FILTER_PARAMS = ("status", "q", "since", "until", "cursor", "limit")
 # The history index holds cursor offsets; above this an offset cannot be a real position.
 MAX_CURSOR = 2**53
@@ -114,6 +123,24 @@ def _integer(params: Mapping[str, str], name: str, default: int, low: int, high:
 
 def _day_start_s(day: dt.date) -> float:
     return dt.datetime(day.year, day.month, day.day, tzinfo=dt.UTC).timestamp()
+
+
+def call_text(approval: Approval, max_chars: int = MAX_CALL_CHARS) -> str:
+    """A tool call as one readable line: `tool(name="value", n=3)`, every value as JSON.
+
+    JSON writes a quote, a newline or a control character in an argument as an
+    escape, so a model cannot make the call look shorter or different than it is
+    (nor break out into text of its own in the confirmation); characters that
+    hide or reorder text are escaped too. Cut at `max_chars`, with a marker.
+    """
+    inner = ", ".join(f"{name}={json.dumps(value, ensure_ascii=False)}" for name, value in approval.args.items())
+    text = "".join(
+        f"\\u{ord(ch):04x}" if unicodedata.category(ch) in _HIDDEN_CATEGORIES else ch
+        for ch in f"{approval.tool}({inner})"
+    )
+    if len(text) > max_chars:
+        text = text[:max_chars] + f" … ({len(text) - max_chars} more characters not shown)"
+    return text
 
 
 def find_roots(coord: Coordinator, wanted: RootFilter) -> RootPage:

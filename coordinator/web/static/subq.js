@@ -104,22 +104,26 @@
 
   tree.addEventListener("click", (event) => {
     const button = event.target.closest("button[data-action]");
-    if (!button) return;
+    // Only a person's click acts: a click made by script (event.isTrusted false) never does.
+    if (!button || !event.isTrusted) return;
     const action = button.dataset.action;
     if (action === "cancel") {
       const id = button.dataset.taskId;
       const reason = window.prompt("Cancel task " + id + " and its whole subtree?\nReason:", "cancelled from the web view");
       if (reason === null) return;
-      post(ui + "/actions/tasks/" + id + "/cancel", { reason: reason });
+      post(ui + "/actions/tasks/" + encodeURIComponent(id) + "/cancel", { reason: reason });
     } else if (action === "approve" || action === "deny") {
       const id = button.dataset.approvalId;
       const feedback = (document.getElementById("feedback-" + id) || {}).value || "";
-      const question = (action === "approve" ? "Approve " : "Deny ") + button.dataset.what + "?"
+      // The call exactly as the box shows it (server-rendered text, read as text, never as HTML).
+      const call = document.getElementById("call-" + id);
+      const what = call ? call.textContent : "tool call " + id;
+      const question = (action === "approve" ? "Approve " : "Deny ") + what + "?"
         + (action === "deny" && feedback ? "\nFeedback: " + feedback : "");
       if (!window.confirm(question)) return;
       const body = { decision: action };
       if (feedback) body.feedback = feedback;
-      post(ui + "/actions/approvals/" + id, body);
+      post(ui + "/actions/approvals/" + encodeURIComponent(id), body);
     }
   });
 })();

@@ -1,0 +1,252 @@
+"""A hostile model against the web view, in a real browser: its text never acts in the operator's page.
+
+A subagent's words come from its model, and a model can be steered by what it
+reads. Here every field a model, a task or a user chooses carries script
+payloads for every context (attribute breakout with `"` and `'`, `</script>`,
+`javascript:` URLs, event handlers, SVG, a full-page overlay that approves on
+the first mouse move): the prompt, plan items, subtask descriptions, model
+replies, tool arguments, errors and approval feedback, and the query strings
+of the pages. A real tree runs (Redis, `celery worker` processes, the offline
+model); Chromium opens every page with them, on first render and while they
+arrive live, moves the mouse over the whole page and tabs through it. Nothing
+may act: no dialog opens, no request leaves the page except the view's own
+reads, no approval changes, and every page sends the CSP.
+
+Finding of c440522 this guards: tool arguments broke out of the Approve
+button's attribute and approved their own call when the page loaded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, BrowserContext, Dialog, Page, Request, Response, expect
+
+from coordinator.models import Approval
+from coordinator.web.views import call_text
+from tests.agents import call, reply, subtask
+from tests.helpers import TOKEN, ApiServer, script
+from tests.test_web_browser import WAIT_MS, browser  # noqa: F401 - the module's one Chromium
+
+_APPROVE = (
+    "fetch('/ui/actions/approvals/'+document.querySelector('[data-approval-id]').dataset.approvalId,"
+    "{method:'POST',headers:{'Content-Type':'application/json'},body:'{\\x22decision\\x22:\\x22approve\\x22}'})"
+)
+PAYLOADS = [
+    f'" autofocus onfocus="{_APPROVE}" x="',
+    "' autofocus onfocus='alert(1)' x='",
+    '"><img src=/pwned-img onerror=alert(2)>',
+    "</script><script>alert(3)</script>",
+    '<svg onload=alert(4)><a href="javascript:alert(5)">open</a></svg>',
+    "javascript:alert(6)",
+    f'<div style="position:fixed;inset:0;z-index:9" onmousemove="{_APPROVE}">',
+    "{{ 7*7 }} ${7*7} <!--",
+]
+HOSTILE = " ".join(PAYLOADS)
+# Part of every field, so each shows where a person would look.
+SHORT = "<b onmouseover=alert(7)>x</b>\"'><svg/onload=alert(8)>"
+# The payloads without the long ones, for fields of at most 500 characters (a subtask's description).
+MEDIUM = " ".join(payload for payload in PAYLOADS if "fetch" not in payload)
+# A grid of points the mouse visits on each screenful (an overlay or a hover handler is met by any).
+MOUSE_COLUMNS, MOUSE_ROWS = 6, 4
+TABS = 15
+# Screenfuls poked on a long page: every payload shows within the first few of each page.
+MAX_SCREENS = 2
+LIVE_DELAY_MS = 1500
+
+
+@dataclass
+class Watch:
+    """What a page did by itself: dialogs it opened, requests it made, CSP violations it hit."""
+
+    dialogs: list[str] = field(default_factory=list)
+    requests: list[tuple[str, str]] = field(default_factory=list)
+    visited: set[str] = field(default_factory=set)  # the test's own navigations
+    documents: list[Response] = field(default_factory=list)
+
+    def check(self, page: Page, origin: str) -> None:
+        assert self.dialogs == [], f"a dialog opened: {self.dialogs}"
+        for method, url in self.requests:
+            if url in self.visited:
+                continue
+            parts = urlsplit(url)
+            assert f"{parts.scheme}://{parts.netloc}" == origin, f"a request left the page: {url}"
+            assert method == "GET", f"the page sent {method} {url}"
+            assert "pwned" not in url and "/actions/" not in parts.path, url
+        for response in self.documents:
+            csp = response.headers.get("content-security-policy", "")
+            assert "script-src 'self';" in csp and "frame-ancestors 'none'" in csp, (response.url, csp)
+        violations = page.evaluate("window.__cspViolations || []")
+        assert violations == [], f"something tried to run: {violations}"
+
+
+@pytest.fixture
+def context(browser: Browser, live_api: ApiServer) -> Iterator[BrowserContext]:  # noqa: F811
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    # Counted before any page script runs: a blocked inline handler or script shows here.
+    context.add_init_script(
+        "window.__cspViolations = [];"
+        "document.addEventListener('securitypolicyviolation', e => window.__cspViolations.push(e.violatedDirective));"
+    )
+    yield context
+    context.close()
+
+
+def _watched(context: BrowserContext) -> tuple[Page, Watch]:
+    page = context.new_page()
+    page.set_default_timeout(WAIT_MS)
+    watch = Watch()
+
+    def on_dialog(dialog: Dialog) -> None:
+        watch.dialogs.append(dialog.message)
+        dialog.dismiss()
+
+    def on_request(request: Request) -> None:
+        if "/ui/login" not in request.url:  # the test's own sign-in
+            watch.requests.append((request.method, request.url))
+
+    def on_response(response: Response) -> None:
+        if response.request.resource_type == "document":
+            watch.documents.append(response)
+
+    page.on("dialog", on_dialog)
+    page.on("request", on_request)
+    page.on("response", on_response)
+    return page, watch
+
+
+def _sign_in(page: Page, url: str) -> None:
+    page.goto(f"{url}/ui/login")
+    page.fill("input[name=token]", TOKEN)
+    page.click("form.login button[type=submit]")
+    expect(page.locator("h1")).to_have_text("Roots")
+
+
+def _poke(page: Page) -> None:
+    """What an operator's hands do without deciding anything: move over everything, tab through it."""
+    height = int(page.evaluate("document.documentElement.scrollHeight"))
+    for top in range(0, min(height, MAX_SCREENS * 800), 800):
+        page.evaluate(f"window.scrollTo(0, {top})")
+        for row in range(MOUSE_ROWS):
+            for col in range(MOUSE_COLUMNS):
+                page.mouse.move(20 + col * 1240 / MOUSE_COLUMNS, 20 + row * 860 / MOUSE_ROWS)
+    page.evaluate("window.scrollTo(0, 0)")
+    for _ in range(TABS):
+        page.keyboard.press("Tab")
+    page.wait_for_timeout(300)  # a handler that fired has had time to send its request
+
+
+def _approvals(http: httpx.Client, root: str) -> list[dict[str, Any]]:
+    approvals: list[dict[str, Any]] = http.get("/v1/approvals", params={"root_id": root}).json()["approvals"]
+    return approvals
+
+
+def test_hostile_text_in_every_field_never_acts(
+    context: BrowserContext, live_api: ApiServer, live_http: httpx.Client
+) -> None:
+    url = live_api.url
+    # The risky call waits a little, so the approval arrives into a page already open.
+    slow_call = {**call("run_command", command=HOSTILE), "latency_ms": LIVE_DELAY_MS}
+    risky = subtask(f"Deploy {SHORT} {MEDIUM}", slow_call, reply(f"deployed {HOSTILE}"))
+    chatty = subtask(f"Summarise {SHORT} {MEDIUM}", reply(f"Summary {HOSTILE}"))
+    failing = subtask(f"Break {SHORT} {MEDIUM}", {"fail": f"refused {SHORT} {HOSTILE}"})
+    plan = "\n".join(f"[ ] {name} {SHORT} {HOSTILE}" for name in ("Deploy", "Summarise", "Break"))
+    root_script = [
+        call("update_todo_list", todos=plan),
+        call("run_subagents", tasks=[risky, chatty, failing]),
+        call("attempt_completion", result=f"Done {HOSTILE}"),
+    ]
+    response = live_http.post("/v1/tasks", json={"prompt": script(*root_script, text=f"Release {SHORT}"), "run": True})
+    assert response.status_code == 201, response.text
+    root = response.json()["id"]
+
+    # Live: the page is open before the approval exists; it arrives into it.
+    live_page, live_watch = _watched(context)
+    _sign_in(live_page, url)
+    live_watch.visited.add(f"{url}/ui/tasks/{root}")
+    live_page.goto(f"{url}/ui/tasks/{root}")
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while not _approvals(live_http, root):
+        tree = live_http.get(f"/v1/tasks/{root}/tree").json()
+        assert time.monotonic() < deadline and tree["status"] not in ("failed", "completed"), tree
+        time.sleep(0.2)
+    expect(live_page.locator(".approval")).to_have_count(1, timeout=WAIT_MS)
+    assert int(live_page.locator("#tree").get_attribute("data-refreshes") or 0) > 0, "it was not swapped in live"
+    _poke(live_page)
+    live_watch.check(live_page, url)
+
+    # First render: a fresh page on the same waiting tree.
+    first_page, first_watch = _watched(context)
+    first_watch.visited.add(f"{url}/ui/tasks/{root}")
+    first_page.goto(f"{url}/ui/tasks/{root}")
+    expect(first_page.locator(".approval")).to_have_count(1, timeout=WAIT_MS)
+    _poke(first_page)
+    first_watch.check(first_page, url)
+    [waiting] = _approvals(live_http, root)
+    assert waiting["status"] == "pending"
+
+    # The box and the confirmation show the exact call; dismissing it sends nothing.
+    exact = call_text(Approval.model_validate(waiting))
+    expect(first_page.locator(f"#call-{waiting['id']}")).to_have_text(exact)
+    first_watch.dialogs.clear()
+    first_page.locator(f"button.approve[data-approval-id='{waiting['id']}']").click()  # the watch dismisses it
+    first_page.wait_for_timeout(300)
+    assert first_watch.dialogs == [f"Approve {exact}?"]
+    first_watch.dialogs.clear()
+    assert _approvals(live_http, root)[0]["status"] == "pending"
+
+    # Denied through the API with hostile feedback; the tree runs to its end, the open page following it.
+    denied = live_http.post(
+        f"/v1/approvals/{waiting['id']}", json={"decision": "deny", "feedback": f"no {SHORT} {HOSTILE}"}
+    )
+    assert denied.status_code == 200, denied.text
+    expect(live_page.locator(f"#task-{root}")).to_have_attribute("data-state", "completed", timeout=WAIT_MS)
+    live_watch.check(live_page, url)
+    tree = live_http.get(f"/v1/tasks/{root}/tree").json()
+    assert {child["status"] for child in tree["children"]} == {"completed", "failed"}
+
+    # Every other page with the same text: the tree again, each conversation, the roots, an error, sign-in.
+    pages = [f"/ui/tasks/{root}", f"/ui/tasks/{root}/conversation"]
+    pages += [f"/ui/tasks/{child['id']}/conversation" for child in tree["children"]]
+    pages += [f"/ui/?q={quote('Release')}", f"/ui/?since={quote(HOSTILE)}", f"/ui/?status={quote(SHORT)}"]
+    for path in pages:
+        page, watch = _watched(context)
+        watch.visited.add(f"{url}{path}")
+        page.goto(f"{url}{path}")
+        _poke(page)
+        watch.check(page, url)
+        page.close()
+    anonymous = context.browser
+    assert anonymous is not None
+    fresh = anonymous.new_context()
+    try:
+        page = fresh.new_page()
+        watch = Watch()
+        page.on("dialog", lambda dialog: (watch.dialogs.append(dialog.message), dialog.dismiss()))
+        response = page.goto(f"{url}/ui/login?next={quote('/ui/' + HOSTILE)}")
+        assert response is not None and "frame-ancestors 'none'" in response.headers["content-security-policy"]
+        _poke(page)
+        assert watch.dialogs == []
+    finally:
+        fresh.close()
+
+
+def test_the_policy_stops_markup_that_slipped_through(context: BrowserContext, live_api: ApiServer) -> None:
+    """The second wall: even markup put into the page by other means cannot run inline code."""
+    page, _ = _watched(context)
+    _sign_in(page, live_api.url)
+    page.evaluate(
+        """document.body.insertAdjacentHTML('beforeend',
+             '<img src=/static-missing onerror="window.__ran = 1"><div onclick="window.__ran = 2">x</div>');
+           const s = document.createElement('script'); s.textContent = 'window.__ran = 3';
+           document.body.appendChild(s);"""
+    )
+    page.wait_for_timeout(500)
+    assert page.evaluate("window.__ran") is None
+    assert page.evaluate("window.__cspViolations"), "the policy reported nothing it blocked"
