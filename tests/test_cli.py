@@ -329,6 +329,14 @@ def test_the_api_needs_no_redis_settings(idle_coordinator: Coordinator, idle_api
         (["status", UNKNOWN], {"SUBQ_MAX_DEPTH": "deep"}, "subq: Invalid setting SUBQ_MAX_DEPTH"),
         (["worker"], {"SUBQ_WORKER_CONCURRENCY": "many"}, "subq: Invalid setting SUBQ_WORKER_CONCURRENCY"),
         (["flower", "--password", "pw"], {}, "subq: Invalid setting SUBQ_REDIS_URL: not set"),
+        (
+            ["api"],
+            {"SUBQ_API_TRUSTED_PROXIES": "10.0.0.0/8,proxy.local"},
+            "subq: Invalid setting SUBQ_API_TRUSTED_PROXIES: 'proxy.local' is not an IP address or network",
+        ),
+        (["api"], {"SUBQ_API_AUTH_ATTEMPTS_PER_MIN": "0"}, "subq: Invalid setting SUBQ_API_AUTH_ATTEMPTS_PER_MIN"),
+        (["api"], {"SUBQ_API_OPEN_REQUESTS_PER_MIN": "lots"}, "subq: Invalid setting SUBQ_API_OPEN_REQUESTS_PER_MIN"),
+        (["api"], {"SUBQ_API_HTTPS": "maybe"}, "subq: Invalid setting SUBQ_API_HTTPS"),
     ],
 )
 def test_bad_settings_are_one_line(command: list[str], env: dict[str, str], message: str) -> None:

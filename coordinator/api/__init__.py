@@ -5,9 +5,10 @@
     app.py      create_app: middleware, auth, routers
     routes.py   /v1/tasks...: create, delegate, read, todos, tree, messages, history
     events.py   /v1/tasks/{id}/events: the tree's event stream as server-sent events
-    ops.py      /healthz and /metrics (Prometheus)
-    auth.py     the bearer token (SUBQ_API_TOKEN)
-    limits.py   the request body limit (413 before parsing)
+    ops.py      /livez, /readyz, /healthz and /metrics (Prometheus), from caches
+    auth.py     the bearer token (SUBQ_API_TOKEN), wrong ones rate limited
+    limits.py   the request body limit (413 before parsing), per-address rate limits (429)
+    security.py the security headers: CSP, frame and sniffing refusals, referrer, HSTS
     errors.py   one error shape {code, message, field} for everything
     schemas.py  the wire models, shared with coordinator.client
 

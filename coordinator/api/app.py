@@ -42,8 +42,8 @@ DESCRIPTION = """\
 A distributed job queue for AI subagents on Celery and Redis.
 
 Authenticate the `/v1` endpoints with `Authorization: Bearer <SUBQ_API_TOKEN>`;
-`/healthz`, `/metrics`, `/openapi.json`, `/docs` and `/redoc` are open. Every error is
-`{"code", "message", "field"}`. See docs/api.md.
+`/livez`, `/readyz`, `/healthz`, `/metrics`, `/openapi.json`, `/docs` and `/redoc` are open
+(rate limited per client address). Every error is `{"code", "message", "field"}`. See docs/api.md.
 """
 
 

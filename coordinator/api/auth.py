@@ -3,8 +3,9 @@
 The token is `SUBQ_API_TOKEN`. Authentication is off only when
 `SUBQ_API_AUTH_DISABLED=true` says so, and then the server logs a warning at
 start; with neither setting, building the app fails with a ConfigError naming
-SUBQ_API_TOKEN, so a server is never open by accident. `/healthz`,
-`/metrics`, `/openapi.json` and `/docs` stay open: they carry no task data.
+SUBQ_API_TOKEN, so a server is never open by accident. `/livez`, `/readyz`,
+`/healthz`, `/metrics`, `/openapi.json` and `/docs` stay open: they carry no
+task data.
 
 Wrong tokens are counted per client address (`auth_attempts`, shared with the
 web view's sign-in): past SUBQ_API_AUTH_ATTEMPTS_PER_MIN the address gets 429
