@@ -3,20 +3,33 @@
     <dir>/<task_id>/api_conversation_history.json   the model conversation
     <dir>/<task_id>/ui_messages.json                the UI messages
     <dir>/<task_id>/history_item.json               the task's summary line
+    <dir>/<task_id>/todos.json                      the plan, with each row's child and figures
 
 One folder per task of the subtree, so a run can be opened elsewhere.
+
+Every folder name is a task id that came from the reader, and the reader may be
+the CLI's API backend talking to a server nobody vouches for. So the export is
+confined to `<dir>`: the whole subtree is read and checked first (each id is a
+subq task id of the same tree, seen once, and its folder resolves to a direct
+child of `<dir>`), and only then is anything written. A bad id is one
+ValidationError naming it, and nothing is written.
 """
 
 from __future__ import annotations
 
 import json
+from collections import deque
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from coordinator.errors import ValidationError
+from coordinator.ids import TASK_ID_RE, root_of
 from coordinator.models import HistoryItem, TaskRecord, TodoItem
 
-__all__ = ["TaskReader", "export_tree"]
+__all__ = ["FILE_NAMES", "TaskReader", "export_tree"]
+
+# The files of each task's folder, in the order they are written.
+FILE_NAMES = ("api_conversation_history.json", "ui_messages.json", "history_item.json", "todos.json")
 
 
 class TaskReader(Protocol):
@@ -28,17 +41,24 @@ class TaskReader(Protocol):
 
 
 def export_tree(coord: TaskReader, task_id: str, directory: Path) -> list[Path]:
-    """Write every task of `task_id`'s subtree; returns the files written."""
+    """Write every task of `task_id`'s subtree; returns the files written.
+
+    Raises ValidationError, before writing anything, when the subtree names a task
+    id that is not one (a path, `..`, a cycle) or whose folder would not be inside
+    `directory`.
+    """
     if directory.exists() and not directory.is_dir():
         raise ValidationError(f"{directory} exists and is not a folder", field="directory")
+    # A malformed argument gets the same "Unknown id" line as every other command.
+    root = root_of(task_id)
+    records = _read_subtree(coord, task_id, root)
+    target = directory.resolve()
+    for record in records:
+        _check_inside(directory / record.id, target)
     written: list[Path] = []
-    pending = [task_id]
-    while pending:
-        record = coord.get_task(pending.pop(0))
-        pending.extend(record.child_ids)
+    for record in records:
         folder = directory / record.id
-        folder.mkdir(parents=True, exist_ok=True)
-        files: dict[str, Any] = {
+        contents: dict[str, Any] = {
             "api_conversation_history.json": coord.messages(record.id, kind="api"),
             "ui_messages.json": coord.messages(record.id, kind="ui"),
             "history_item.json": HistoryItem.of(record).model_dump(mode="json"),
@@ -49,8 +69,87 @@ def export_tree(coord: TaskReader, task_id: str, directory: Path) -> list[Path]:
                 "unlinked_cost_micros": record.unlinked_cost_micros,
             },
         }
-        for name, content in files.items():
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in FILE_NAMES:
             path = folder / name
-            path.write_text(json.dumps(content, indent=2, ensure_ascii=False), encoding="utf-8")
+            path.write_text(json.dumps(contents[name], indent=2, ensure_ascii=False), encoding="utf-8")
             written.append(path)
     return written
+
+
+def _read_subtree(coord: TaskReader, task_id: str, root: str) -> list[TaskRecord]:
+    """Every record of the subtree, breadth first, each id checked before it is asked for.
+
+    An id seen twice is refused: a real tree has each task once, and a server that
+    answers with a cycle would otherwise keep the export reading forever.
+    """
+    records: list[TaskRecord] = []
+    seen = {task_id}
+    pending = deque([task_id])
+    while pending:
+        wanted = pending.popleft()
+        record = coord.get_task(wanted)
+        # The folder is named after the record's id: it must be the id that was asked for.
+        if record.id != wanted:
+            raise _refused(record.id, f"the answer for task {wanted}", "is not the task asked for", "id")
+        _check_id(record.id, root, f"the record of task {wanted}", "id")
+        where = f"the child_ids of task {record.id}"
+        for child in record.child_ids:
+            _check_id(child, root, where, "child_ids")
+            if child in seen:
+                raise _refused(child, where, "appears twice in the subtree (a cycle or a repeated child)", "child_ids")
+            seen.add(child)
+            pending.append(child)
+        records.append(record)
+    return records
+
+
+def _check_id(value: str, root: str, where: str, field: str) -> None:
+    """Refuse anything but a task id of this tree, naming what is wrong with it."""
+    # fullmatch, not match: the pattern ends in `$`, which also matches before a final newline.
+    match = TASK_ID_RE.fullmatch(value)
+    if match is None:
+        raise _refused(value, where, f"is not a subq task id ({_why_not(value)})", field)
+    if match.group(1) != root:
+        raise _refused(value, where, f"belongs to another tree than {root}", field)
+
+
+def _why_not(value: str) -> str:
+    """The plainest reason a name is not a task id, for the error line."""
+    if "\x00" in value:
+        return "it contains a NUL"
+    if value.startswith(("/", "\\")) or Path(value).is_absolute():
+        return "it is an absolute path"
+    if "/" in value or "\\" in value:
+        return "it contains a path separator"
+    if value in {".", ".."}:
+        return "it names the export folder or the one above it"
+    return "16 hex digits, or 16 hex digits, '-' and 12 hex digits, expected"
+
+
+def _check_inside(folder: Path, target: Path) -> None:
+    """The folder, and each file in it, resolve to where they are named: inside `target`.
+
+    A valid id cannot name another place, but a link already in the folder could
+    (`<dir>/<id>` or one of its files pointing elsewhere), so the resolved paths are checked.
+    """
+    resolved = folder.resolve()
+    if resolved.parent != target or resolved.name != folder.name:
+        raise ValidationError(
+            f"Refusing to export: {folder} resolves to {resolved}, outside {target}; nothing was written",
+            field="directory",
+        )
+    for name in FILE_NAMES:
+        file = (folder / name).resolve()
+        if file.parent != resolved or file.name != name:
+            raise ValidationError(
+                f"Refusing to export: {folder / name} resolves to {file}, outside {resolved}; nothing was written",
+                field="directory",
+            )
+
+
+def _refused(value: str, where: str, problem: str, field: str) -> ValidationError:
+    # repr() keeps the line one line whatever the id holds (a newline, a NUL, escapes).
+    return ValidationError(
+        f"Refusing to export: the task id {value!r} in {where} {problem}; nothing was written", field=field
+    )

@@ -1,7 +1,7 @@
-"""Flower's side of subq: no prompt on screen, a run's result from its record, abort as cancel.
+"""Flower's side of subq: no prompt on screen, a run's result from its record, abort as cancel, every route behind auth.
 
 `subq flower` (and `subq up`) run `celery -A workers.flower flower`; that module
-calls `install(app)` on the worker's app before Flower starts, which does three
+calls `install(app)` on the worker's app before Flower starts, which does four
 things in Flower's process only:
 
 1. **Sent events carry no arguments.** Any producer's `task-sent` event carries
@@ -24,6 +24,11 @@ things in Flower's process only:
    task's subtree (`Coordinator.cancel`), and an abort of anything else changes
    nothing (subq has no other abortable task, and Celery's abort would write
    `ABORTED` over a finished task's stored result).
+4. **`/metrics` and `/healthcheck` ask for the login too.** Flower checks its
+   basic auth (or OAuth cookie) per handler method, with `tornado.web.authenticated`,
+   and its Prometheus and health-check handlers have none: anyone who reaches
+   Flower's port would read every task name and worker host name from `/metrics`.
+   Their `prepare` makes Flower's own check before any method runs.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import threading
 from typing import Any
 
 import flower.events
+import flower.views.monitor
+import tornado.web
 from celery import Celery, states
 from celery.contrib.abortable import ABORTED
 
@@ -42,11 +49,23 @@ from coordinator.ids import task_of_run_id
 from coordinator.models import TaskRecord
 from coordinator.service import Coordinator
 
-__all__ = ["ABORT_REASON", "RedactedEventsState", "RunResultBackend", "install", "redact_event", "run_meta"]
+__all__ = [
+    "ABORT_REASON",
+    "LOGIN_REQUIRED_HANDLERS",
+    "RedactedEventsState",
+    "RunResultBackend",
+    "install",
+    "redact_event",
+    "run_meta",
+]
 
 log = logging.getLogger(__name__)
 
 ABORT_REASON = "aborted in Flower"
+# Flower's handlers that answer without its login (Flower 2.x: no `authenticated` on their get()).
+LOGIN_REQUIRED_HANDLERS: tuple[type[Any], ...] = (flower.views.monitor.Metrics, flower.views.monitor.Healthcheck)
+# Marks a handler's prepare() as already wrapped, so a second install() does not wrap it twice.
+_WRAPPED = "_subq_login_required"
 
 
 def redact_event(event: dict[str, Any]) -> dict[str, Any]:
@@ -129,6 +148,7 @@ def install(app: Celery) -> None:
     app.set_default()
     app.set_current()
     _redact_flower_events()
+    _require_login(LOGIN_REQUIRED_HANDLERS)
 
 
 class RedactedEventsState(flower.events.EventsState):  # type: ignore[misc]  # Flower ships no type hints
@@ -147,3 +167,23 @@ def _redact_flower_events() -> None:
     Flower offers no hook of its own for its events, so the name is rebound.
     """
     flower.events.EventsState = RedactedEventsState
+
+
+def _require_login(handlers: tuple[type[Any], ...]) -> None:
+    """Make each handler check Flower's login before any of its methods runs.
+
+    Flower's pages and API methods are wrapped in `tornado.web.authenticated`, which
+    reads `current_user`: Flower's `get_current_user` answers 401 for a missing or
+    wrong basic-auth header, and (with OAuth) `authenticated` sends a browser without
+    the cookie to the login page. The same decorator on `prepare`, which Tornado runs
+    before every method (GET, HEAD, OPTIONS...), gives these handlers exactly that
+    check, Flower's own, without copying its code or touching its routes; with
+    `--no-auth`, where Flower's every route is open, these stay open too.
+    """
+    for handler in handlers:
+        prepare = handler.prepare
+        if getattr(prepare, _WRAPPED, False):
+            continue
+        checked = tornado.web.authenticated(prepare)
+        setattr(checked, _WRAPPED, True)
+        handler.prepare = checked

@@ -15,12 +15,12 @@ from coordinator.errors import NotFoundError
 __all__ = ["is_batch_id", "is_task_id", "new_batch_id", "new_child_id", "new_root_id", "root_of", "task_of_run_id"]
 
 _ROOT = r"[0-9a-f]{16}"
-TASK_ID_RE = re.compile(rf"^({_ROOT})(?:-[0-9a-f]{{12}})?$")
-BATCH_ID_RE = re.compile(rf"^({_ROOT})-b[0-9a-f]{{12}}$")
-APPROVAL_ID_RE = re.compile(rf"^({_ROOT})-a[0-9a-f]{{12}}$")
+TASK_ID_RE = re.compile(rf"^({_ROOT})(?:-[0-9a-f]{{12}})?\Z")
+BATCH_ID_RE = re.compile(rf"^({_ROOT})-b[0-9a-f]{{12}}\Z")
+APPROVAL_ID_RE = re.compile(rf"^({_ROOT})-a[0-9a-f]{{12}}\Z")
 # The Celery id of a run: the task id, then `-r<n>` (a resume), `-q<hex>` (a restart after a
 # wait) or `-x<n>` (a run the reconciler published again); see coordinator/dispatch.py.
-RUN_ID_RE = re.compile(rf"^({_ROOT}(?:-[0-9a-f]{{12}})?)(?:-[rqx][0-9a-f]+)?$")
+RUN_ID_RE = re.compile(rf"^({_ROOT}(?:-[0-9a-f]{{12}})?)(?:-[rqx][0-9a-f]+)?\Z")
 
 
 def new_root_id() -> str:

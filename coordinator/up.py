@@ -6,8 +6,10 @@ Starts, in this order, and stops in the reverse order:
 3. the HTTP API (`subq api`: uvicorn serving `coordinator.api:create_app`);
 4. Flower with basic auth (`celery -A workers.flower flower`).
 Every process runs in its own process group, so stopping a group ends the
-process and anything it started. It then prints the URLs, the credentials it
-generated and the `export` line a second terminal needs, and waits.
+process and anything it started. It then writes the credentials (the API token,
+the Flower password, the Redis URL) to a file only the user can read, prints the
+URLs and where that file is, and waits. No secret is printed: a terminal's
+output ends up in scrollback, screen shares, CI logs and pasted bug reports.
 
 The builders of the API and Flower commands are shared with `subq api` and
 `subq flower`, which run one part on its own machine.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -60,6 +63,10 @@ SERVICE_STOP_TIMEOUT_S = 10.0
 REDIS_CHECK_TIMEOUT_S = 5.0
 # How often the waiting stack checks that every process it started is still alive.
 WATCH_INTERVAL_S = 0.5
+# The file in the log folder that holds the stack's secrets, sourceable by a POSIX shell.
+CREDENTIALS_FILE = "credentials.env"
+# Owner read and write only: the file holds the API token, the Flower password and the Redis URL.
+CREDENTIALS_MODE = 0o600
 
 
 @dataclass(frozen=True)
@@ -253,13 +260,23 @@ def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], s
         flower.wait_listening(local, options.flower_port)
     redis_url = settings.require_redis_url()
     api_url = f"http://{local}:{options.api_port}"
+    flower_url = f"http://{local}:{options.flower_port}"
+    credentials = log_dir / CREDENTIALS_FILE
+    text = _credentials_text(settings, api_url if api is not None else None, token, flower_url, password, credentials)
+    write_private_file(credentials, text)
+    # The secrets die with the processes (a new token and password on every start): so does their file.
+    stack.callback(credentials.unlink, missing_ok=True)
     lines = [
         f"subq is up: {options.workers} workers on queue {settings.queue!r}, key prefix {settings.key_prefix!r}.",
         f"  Redis    {_without_password(redis_url)}"
         + ("  (embedded; its data goes when subq up stops)" if embedded else "  (as given)"),
     ]
     if api is not None:
-        auth_note = "auth disabled by SUBQ_API_AUTH_DISABLED" if settings.api_auth_disabled else f"token: {token}"
+        auth_note = (
+            "auth disabled by SUBQ_API_AUTH_DISABLED"
+            if settings.api_auth_disabled
+            else "token: SUBQ_API_TOKEN in the credentials file"
+        )
         lines.append(f"  API      {api_url}  ({auth_note})")
         sign_in = "open" if settings.api_auth_disabled else "sign in with the token"
         lines.append(f"  Web      {api_url}/ui/  (the live trees in a browser; {sign_in})")
@@ -267,11 +284,12 @@ def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], s
         ports = ", ".join(str(settings.worker_metrics_port + i) for i in range(options.workers))
         lines.append(f"  Metrics  http://{local}:<port>/metrics  (each worker's counters: ports {ports})")
     lines += [
-        f"  Flower   http://{local}:{options.flower_port}  (user: {DEFAULT_FLOWER_USER}, password: {password})",
+        f"  Flower   {flower_url}  (user: {DEFAULT_FLOWER_USER}, password: subq_flower_password in the credentials file)",
         f"  Logs     {log_dir}" + ("" if options.log_dir else "  (removed when subq up stops)"),
+        f"  Secrets  {credentials}  (readable only by you; removed when subq up stops)",
         "",
-        "In another terminal:",
-        f"  export {_export_line(settings, api_url if api is not None else None, token)}",
+        "In another terminal (loading the credentials file):",
+        f"  . {shlex.quote(str(credentials))}",
         '  subq run "Plan and write the Q3 report" --follow',
         "",
         "Press Ctrl-C to stop everything.",
@@ -337,11 +355,38 @@ def _first_dead(fleet: WorkerFleet, services: list[Service]) -> str | None:
     return None
 
 
-def _export_line(settings: Settings, api_url: str | None, token: str) -> str:
-    """What a second terminal needs to reach this stack: the URLs, the token, any non-default names.
+def write_private_file(path: Path, text: str) -> None:
+    """Write `text` to a new file that only this user can read or write, at no instant anyone else.
+
+    O_CREAT | O_EXCL with mode 0600 creates the file with those permissions (a
+    umask can only narrow them), and refuses a name that exists, so no file or link
+    someone else put there is written through; O_NOFOLLOW refuses a link too. A file
+    left by an earlier run in a kept --log-dir is removed first.
+    """
+    path.unlink(missing_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, CREDENTIALS_MODE)
+    except FileExistsError:
+        raise FleetError(
+            f"{path} appeared while subq up was writing it; is another subq up using that folder?"
+        ) from None
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        os.fchmod(out.fileno(), CREDENTIALS_MODE)  # exactly 0600, whatever the umask took away
+        out.write(text)
+
+
+def _credentials_text(
+    settings: Settings, api_url: str | None, token: str, flower_url: str, password: str, path: Path
+) -> str:
+    """The credentials file: a POSIX shell file that a second terminal sources to reach this stack.
 
     With the API running, the operator commands go through it (SUBQ_API_URL and its
-    token); SUBQ_REDIS_URL stays for `subq worker` and the rest that run on Redis.
+    token); SUBQ_REDIS_URL stays for `subq worker` and the rest that run on Redis
+    (it may hold the Redis password). Non-default key prefix and queue are named so
+    the second terminal talks to the same deployment. The Flower login is in plain
+    shell variables, not exported, so sourcing the file does not hand it to every
+    program started afterwards.
     """
     pairs = {"SUBQ_REDIS_URL": settings.require_redis_url()}
     if api_url is not None:
@@ -351,7 +396,16 @@ def _export_line(settings: Settings, api_url: str | None, token: str) -> str:
     for name in ("key_prefix", "queue"):
         if getattr(settings, name) != defaults[name].default:
             pairs[f"SUBQ_{name.upper()}"] = getattr(settings, name)
-    return " ".join(f"{k}={v}" for k, v in pairs.items())
+    lines = [
+        f"# The credentials of the stack `subq up` (pid {os.getpid()}) started; readable only by you.",
+        f"# In another terminal: . {shlex.quote(str(path))}",
+        "# Removed when subq up stops: its token and Flower password end with it.",
+        *(f"export {name}={shlex.quote(value)}" for name, value in pairs.items()),
+        f"# Flower at {flower_url}, basic auth:",
+        f"subq_flower_user={shlex.quote(DEFAULT_FLOWER_USER)}",
+        f"subq_flower_password={shlex.quote(password)}",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def _without_password(url: str) -> str:

@@ -161,6 +161,40 @@ def test_flower_refuses_requests_without_the_credentials(flower_url: str) -> Non
     assert flower_get(flower_url, "/api/tasks").status_code == 200
 
 
+def test_metrics_and_healthcheck_need_the_credentials_too(flower_url: str) -> None:
+    """Flower serves both without its login; subq's install() puts them behind it (coordinator/flower.py)."""
+    for path in ("/metrics", "/healthcheck"):
+        for auth in (None, (USER, "wrong"), ("someone", PASSWORD)):
+            refused = flower_get(flower_url, path, auth=auth)
+            assert refused.status_code == 401, (path, auth, refused.text)
+            assert refused.headers["WWW-Authenticate"] == 'Basic realm="flower"'
+            assert "flower_" not in refused.text
+    metrics = flower_get(flower_url, "/metrics")
+    assert metrics.status_code == 200 and "flower_events_total" in metrics.text, metrics.text[:500]
+    health = flower_get(flower_url, "/healthcheck")
+    assert health.status_code == 200 and health.text == "OK"
+
+
+def test_every_flower_page_asks_for_the_login(flower_url: str) -> None:
+    """Each route Flower serves, read without credentials, is refused: a route Flower adds open fails here."""
+    import flower.urls
+    from tornado.web import RequestHandler
+
+    open_routes = {r"/login/?", r"/logout", r"/static/(.*)", r".*"}  # the login itself, static files, the 404 page
+    checked = []
+    for route in flower.urls.handlers:
+        pattern, handler = (
+            (route.regex.pattern.rstrip("$"), route.handler_class) if hasattr(route, "regex") else route[:2]
+        )
+        if pattern in open_routes or handler.get is RequestHandler.get:  # a POST-only route: GET is a 405 for anyone
+            continue
+        path = pattern.replace("(.+)", "x").replace("(.*)", "x")
+        answer = flower_get(flower_url, path, auth=None)
+        assert answer.status_code == 401, (path, answer.status_code, answer.text[:200])
+        checked.append(path)
+    assert {"/metrics", "/healthcheck", "/api/tasks", "/"} <= set(checked), checked
+
+
 def test_flower_refuses_to_start_open(settings: Settings, tmp_path: Path) -> None:
     env = {**_base_env(), "SUBQ_REDIS_URL": settings.redis_url or ""}
     proc = subprocess.run(

@@ -22,6 +22,7 @@ from coordinator import Coordinator, Settings, ids
 from coordinator.api import create_app
 from coordinator.api.limits import RateLimiter, is_open_route
 from coordinator.api.security import STRICT_CSP, csp_with_inline_scripts
+from coordinator.errors import NotFoundError
 from coordinator.models import Approval
 from coordinator.web.auth import COOKIE
 from coordinator.web.views import MAX_CALL_CHARS, call_text
@@ -335,3 +336,12 @@ def test_a_hostile_approval_renders_as_text(sec_coord: Coordinator) -> None:
             if path.endswith("fragment"):
                 assert markup.call_texts == [call_text(approval)]
         assert sec_coord.store.get_approval(approval.id).status == "pending"
+
+
+def test_an_id_with_a_trailing_new_line_is_no_id() -> None:
+    """`$` matches before a final new line: an id pattern ends with `\\Z`, so `<id>\\n` is not an id."""
+    root = ids.new_root_id()
+    child = ids.new_child_id(root)
+    assert ids.is_task_id(child) and not ids.is_task_id(f"{child}\n") and not ids.is_task_id(f"{root}\n")
+    with pytest.raises(NotFoundError, match="not a subq task"):
+        ids.root_of(f"{child}\n")

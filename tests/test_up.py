@@ -12,6 +12,7 @@ import queue
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -26,6 +27,7 @@ import pytest
 import redis
 
 from coordinator.local_redis import free_port
+from coordinator.up import write_private_file
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, tree_root
 from tests.helpers import eventually
 from tests.test_cli import processes_marked, subq
@@ -124,11 +126,21 @@ def test_up_serves_a_run_from_another_terminal_and_ctrl_c_leaves_nothing(marker:
     try:
         banner = up.read_until("Press Ctrl-C to stop everything.", START_TIMEOUT_S)
         redis_url = _find(r"^  Redis    (redis://\S+)  \(embedded", banner)
-        flower_url, user, password = _find(
-            r"^  Flower   (http://\S+)  \(user: (\S+), password: (\S+)\)", banner, groups=3
-        )
-        exported = dict(pair.split("=", 1) for pair in _find(r"^  export (.+)$", banner).split())
-        assert exported["SUBQ_REDIS_URL"] == redis_url
+        flower_url, user = _find(
+            r"^  Flower   (http://\S+)  \(user: (\S+), password: subq_flower_password in the credentials file\)",
+            banner, groups=2,
+        )  # fmt: skip
+        credentials = Path(_find(r"^  Secrets  (/\S+)  \(readable only by you; removed when subq up stops\)$", banner))
+        assert _find(r"^  (\. \S+)$", banner) == f". {credentials}"
+        assert stat.S_IMODE(credentials.stat().st_mode) == 0o600
+        assert credentials.stat().st_uid == os.getuid()
+        exported, password = _load(credentials)
+        assert exported["SUBQ_REDIS_URL"] == redis_url and set(exported) == {
+            "SUBQ_REDIS_URL", "SUBQ_API_URL", "SUBQ_API_TOKEN"
+        }  # fmt: skip
+        # The secrets are in the file only: not on stdout, where scrollback and logs keep them.
+        for secret in (exported["SUBQ_API_TOKEN"], password):
+            assert len(secret) >= 20 and secret not in banner, banner
 
         # A second terminal, with only the printed environment.
         run = subq("run", tree_root(), "--follow", env=exported)
@@ -154,7 +166,7 @@ def test_up_serves_a_run_from_another_terminal_and_ctrl_c_leaves_nothing(marker:
         assert all(v["args"].startswith(f"task={k.split('-r')[0]} ") for k, v in runs.items())
         assert httpx.get(f"{flower_url}/api/tasks", timeout=10).status_code == 401
 
-        api_url = _find(r"^  API      (http://\S+)  \(token: ", banner)
+        api_url = _find(r"^  API      (http://\S+)  \(token: SUBQ_API_TOKEN in the credentials file\)$", banner)
         token = exported["SUBQ_API_TOKEN"]
         url = f"{api_url}/v1/tasks/{root_id}/tree"
         answer = httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
@@ -179,6 +191,8 @@ def test_up_serves_a_run_from_another_terminal_and_ctrl_c_leaves_nothing(marker:
         up.kill()
     assert code == 0, "\n".join(up.seen)
     assert up.seen[-1] == "subq up: SIGINT received; everything it started is stopped."
+    assert exported["SUBQ_API_TOKEN"] not in "\n".join(up.seen) and password not in "\n".join(up.seen)
+    assert not credentials.exists()
     assert processes_marked("UP_TEST_MARKER", marker) == []
     for port in (flower_port, api_port, int(redis_url.rsplit(":", 1)[1].split("/")[0])):
         assert not _answers(port), f"port {port} still answers"
@@ -201,6 +215,37 @@ def test_sigterm_while_starting_stops_what_was_started(marker: str, tmp_path: Pa
     assert up.seen[-1] == "subq up: SIGTERM received; everything it started is stopped."
     assert "subq is up" not in "\n".join(up.seen)
     assert processes_marked("UP_TEST_MARKER", marker) == []
+
+
+def _load(credentials: Path) -> tuple[dict[str, str], str]:
+    """What a second terminal gets from `. <file>`: the exported SUBQ_ variables, and the Flower password."""
+    clean = {"PATH": os.environ["PATH"]}
+    shell = ["sh", "-c", '. "$1" && env && printf "%s" "$subq_flower_password" >&2', "sh", str(credentials)]
+    loaded = subprocess.run(shell, env=clean, capture_output=True, text=True, timeout=10, check=True)
+    exported = dict(line.split("=", 1) for line in loaded.stdout.splitlines() if line.startswith("SUBQ_"))
+    assert "subq_flower" not in loaded.stdout, "the Flower login must not be exported to every later program"
+    return exported, loaded.stderr
+
+
+def test_the_credentials_file_is_private_and_replaces_what_was_there(tmp_path: Path) -> None:
+    """Created 0600 under a umask that takes nothing away; an earlier file or a link there is replaced, not followed."""
+    path, elsewhere = tmp_path / "credentials.env", tmp_path / "elsewhere"
+    previous = os.umask(0)
+    try:
+        write_private_file(path, "first\n")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == "first\n"
+        path.chmod(0o644)  # an earlier run's file that someone made readable
+        write_private_file(path, "second\n")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == "second\n"
+        elsewhere.write_text("not yours\n")
+        elsewhere.chmod(0o644)
+        path.unlink()
+        path.symlink_to(elsewhere)
+        write_private_file(path, "third\n")
+    finally:
+        os.umask(previous)
+    assert not path.is_symlink() and stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == "third\n"
+    assert elsewhere.read_text() == "not yours\n" and stat.S_IMODE(elsewhere.stat().st_mode) == 0o644
 
 
 def _find(pattern: str, text: str, groups: int = 1) -> Any:

@@ -3,7 +3,8 @@
 The worker's app (its tasks registered, so Flower's `apply`/`async-apply` know
 them), made Flower's by `coordinator.flower.install`: sent events without
 arguments, subq's app current (results and abort answer), a run's result from
-its task's record, and an abort of a run cancelling its subtree.
+its task's record, an abort of a run cancelling its subtree, and `/metrics` and
+`/healthcheck` behind the same login as every other route.
 """
 
 from __future__ import annotations

@@ -38,7 +38,9 @@ def run_cli(args: Sequence[str]) -> int:
         typer.echo("subq: aborted", err=True)
         return 1
     except SubqError as exc:
-        typer.echo(f"subq: {exc}", err=True)
+        # One line, always: an error's message can come from an API server (or a model's text
+        # inside it), and a new line or a terminal escape in it must not draw on the terminal.
+        typer.echo(f"subq: {_one_line(str(exc))}", err=True)
         return 1
     except Exception as exc:
         if not _broker_error(exc):
@@ -78,7 +80,9 @@ def _click_failure(exc: Any) -> int:
 
 
 def _one_line(text: str) -> str:
-    return " ".join(text.split())
+    """`text` on one line, control characters (ESC of a terminal sequence, CR, BEL) shown as escapes."""
+    flat = " ".join(text.split())
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in flat)
 
 
 def main() -> None:

@@ -34,8 +34,9 @@ def up(
 ) -> None:
     """Start the whole stack here: Redis (embedded unless SUBQ_REDIS_URL is set), workers, the API, Flower.
 
-    Prints the URLs, a generated Flower password and API token (unless SUBQ_API_TOKEN
-    is set), and the `export` line for a second terminal. Ctrl-C stops everything.
+    Prints the URLs and where its credentials file is (mode 0600: the API token, the
+    Flower password, the Redis URL; load it with `. <file>` in a second terminal).
+    Ctrl-C stops everything.
     """
     from coordinator import up as stack
 
