@@ -106,7 +106,7 @@ def _read_subtree(coord: TaskReader, task_id: str, root: str) -> list[TaskRecord
 
 def _check_id(value: str, root: str, where: str, field: str) -> None:
     """Refuse anything but a task id of this tree, naming what is wrong with it."""
-    # fullmatch, not match: the pattern ends in `$`, which also matches before a final newline.
+    # fullmatch: the whole value is the id, with nothing after it (not even a final new line).
     match = TASK_ID_RE.fullmatch(value)
     if match is None:
         raise _refused(value, where, f"is not a subq task id ({_why_not(value)})", field)
