@@ -345,3 +345,19 @@ def test_an_id_with_a_trailing_new_line_is_no_id() -> None:
     assert ids.is_task_id(child) and not ids.is_task_id(f"{child}\n") and not ids.is_task_id(f"{root}\n")
     with pytest.raises(NotFoundError, match="not a subq task"):
         ids.root_of(f"{child}\n")
+
+
+def test_a_models_terminal_escapes_are_text_in_the_cli(sec_coord: Coordinator) -> None:
+    """A plan item or an error with ESC sequences (clear the screen, write the clipboard) prints as text."""
+    from tests.test_cli import cli
+
+    clear, clipboard = "\x1b[2J\x1b[H", "\x1b]52;c;cm0gLXJmIC8=\x07"
+    root = sec_coord.create_task(f"Release {clear}", todos=f"[ ] Deploy {clipboard} now\r[x] done", run=False)
+    sec_coord.cancel(root.id, f"stopped {clear}by a model")
+    env = {"SUBQ_REDIS_URL": str(sec_coord.settings.redis_url), "SUBQ_KEY_PREFIX": PREFIX}
+    for command in (["tree", root.id], ["todos", root.id], ["status", root.id], ["history", "--root", root.id]):
+        proc = cli(*command, env=env)
+        assert proc.returncode == 0, (command, proc.stderr)
+        assert "\x1b" not in proc.stdout and "\x07" not in proc.stdout and "\r" not in proc.stdout, command
+    tree = cli("tree", root.id, env=env).stdout
+    assert "Deploy \\x1b]52;c;cm0gLXJmIC8=\\x07 now" in tree and "stopped \\x1b[2J\\x1b[Hby a model" in tree

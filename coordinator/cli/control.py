@@ -67,6 +67,8 @@ def approvals(
     as_json: JsonOption = False,
 ) -> None:
     """List tool calls waiting for a decision (oldest first)."""
+    from coordinator.render import terminal_text
+
     with connect(ctx) as coord:
         pending = coord.list_approvals(root)
     if as_json:
@@ -76,7 +78,8 @@ def approvals(
         typer.echo("No tool call is waiting for a decision.")
     for approval in pending:
         todo = f"  for todo '{approval.todo_content}'" if approval.todo_content else ""
-        typer.echo(f"{approval.id}  task {approval.task_id}  {approval.tool} {json.dumps(approval.args)}{todo}")
+        line = f"{approval.id}  task {approval.task_id}  {approval.tool} {json.dumps(approval.args)}{todo}"
+        typer.echo(terminal_text(line))
 
 
 def approve(ctx: typer.Context, approval_id: ApprovalId) -> None:
@@ -119,10 +122,11 @@ def dead_letters(
         typer.echo(json.dumps([entry.model_dump(mode="json") for entry in shown], indent=2))
         return
     from coordinator.cli.views import dead_letter_lines
+    from coordinator.render import terminal_text
 
     if not shown:
         typer.echo("No dead letters.")
     for line in dead_letter_lines(shown):
-        typer.echo(line)
+        typer.echo(terminal_text(line))
     if count > len(shown):
         typer.echo(f"({count - len(shown)} older: subq dead-letters --limit {min(count, 500)})", err=True)

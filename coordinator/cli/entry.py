@@ -81,8 +81,9 @@ def _click_failure(exc: Any) -> int:
 
 def _one_line(text: str) -> str:
     """`text` on one line, control characters (ESC of a terminal sequence, CR, BEL) shown as escapes."""
-    flat = " ".join(text.split())
-    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in flat)
+    from coordinator.render import terminal_text
+
+    return terminal_text(" ".join(text.split()))
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import typer
 
 from coordinator.deadletters import DeadLetter
 from coordinator.models import MICROS_PER_USD, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem, format_usd
-from coordinator.render import MARKS, cut, describe, render_tree, walk
+from coordinator.render import MARKS, cut, describe, render_tree, terminal_text, walk
 
 if TYPE_CHECKING:
     from coordinator.cli.backend import Backend, Watch
@@ -53,7 +53,7 @@ def follow_run(coord: Backend, root_id: str) -> int:
     finally:
         watch.close()
     if node.status != TaskStatus.COMPLETED:
-        typer.echo(f"subq: run {root_id} {node.status.value}: {node.error or 'no detail'}", err=True)
+        typer.echo(terminal_text(f"subq: run {root_id} {node.status.value}: {node.error or 'no detail'}"), err=True)
         return 1
     return 0
 
@@ -91,12 +91,12 @@ def _follow_as_lines(coord: Backend, root_id: str, watch: Watch) -> TreeNode:
             line = f"{task.id}  {describe(task)}  {task_status(task, state)}{_live_note(state)}"
             if shown.get(task.id) != line:
                 shown[task.id] = line
-                typer.echo(f"  {line}")
+                typer.echo(terminal_text(f"  {line}"))
         if node.status.terminal:
             break
         watch.wait(FOLLOW_POLL_MS / 1000)
     typer.echo("")
-    typer.echo("\n".join(render_tree(node)))
+    typer.echo(terminal_text("\n".join(render_tree(node))))
     return node
 
 

@@ -75,6 +75,7 @@ def _read_todos(path: Path) -> str:
 def status(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> None:
     """Show one task: status, place in the tree, own and total tokens and cost."""
     from coordinator.cli.views import status_lines
+    from coordinator.render import terminal_text
 
     with connect(ctx) as coord:
         record = coord.get_task(task_id)
@@ -82,12 +83,13 @@ def status(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> 
         typer.echo(record.model_dump_json(indent=2))
         return
     for line in status_lines(record):
-        typer.echo(line)
+        typer.echo(terminal_text(line))
 
 
 def todos(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> None:
     """Show a task's todo list with each item's subtask, tokens and cost."""
     from coordinator.cli.views import todo_lines
+    from coordinator.render import terminal_text
 
     with connect(ctx) as coord:
         items = coord.get_todos(task_id)
@@ -96,16 +98,16 @@ def todos(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> N
         typer.echo(json.dumps([i.model_dump(mode="json") for i in items], indent=2))
         return
     for line in todo_lines(items, record.unlinked_tokens, record.unlinked_cost_micros):
-        typer.echo(line)
+        typer.echo(terminal_text(line))
 
 
 def tree(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> None:
     """Show a task and its whole subtree: every todo item's status, tokens and cost, own/total per task."""
-    from coordinator.render import render_tree
+    from coordinator.render import render_tree, terminal_text
 
     with connect(ctx) as coord:
         node = coord.tree(task_id)
-    typer.echo(node.model_dump_json(indent=2) if as_json else "\n".join(render_tree(node)))
+    typer.echo(node.model_dump_json(indent=2) if as_json else terminal_text("\n".join(render_tree(node))))
 
 
 def history(
@@ -120,6 +122,7 @@ def history(
 ) -> None:
     """List tasks, newest first, with their own and subtree figures."""
     from coordinator.cli.views import history_lines
+    from coordinator.render import terminal_text
 
     with connect(ctx) as coord:
         items, next_cursor = coord.list_tasks(status=status, root_id=root, limit=limit, cursor=cursor)
@@ -128,7 +131,7 @@ def history(
         typer.echo(json.dumps(page, indent=2))
         return
     for line in history_lines(items):
-        typer.echo(line)
+        typer.echo(terminal_text(line))
     if next_cursor is not None:
         typer.echo(f"(more: subq history --cursor {next_cursor})", err=True)
 
