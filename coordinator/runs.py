@@ -28,30 +28,53 @@ delegated task publishes its committed batch only after its state is saved.
 `start` returns a plain result instead of a `Run` when there is nothing to run:
 the task ended (a redelivery), is delegated (publishing a batch a dead run left
 unpublished), or must wait for a run slot.
+
+This module holds a run's whole life, so a reader follows it in one file: how a
+run ends (`Ended`, `Released`, or an exception that ends it without one), the
+`Run` a worker holds, and the `RunLifecycle` that starts one. What a run does
+between steps (conversation messages, UI messages, each response's usage,
+latency and live status) is kept in `Run.writes` and written by its next step
+in the same round trip: the check before each model request after the first
+(`flush_run.lua`), a tool that writes state, or the end (`end_run.lua`, which
+also makes the task terminal, releases the lease, writes the child back onto
+its parent and closes the batch when it was the last). So a child that answers
+in one response costs its worker two Redis round trips: its start and its end
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
 import socket
+import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from coordinator import admission, approvals, delegation, writeback
+from coordinator import admission, approvals, budgets, delegation, dispatch, faults, metrics, tracing, writeback
 from coordinator.approvals import ToolCall
-from coordinator.errors import NotFoundError
+from coordinator.errors import NotFoundError, StoreError
 from coordinator.heartbeat import Heartbeat
 from coordinator.models import (
+    Batch,
+    DelegationMode,
+    RunWrites,
     SubtaskResult,
+    SubtaskSpec,
     TaskRecord,
     TaskStatus,
+    TodoItem,
+    Usage,
+    live_status,
 )
-from coordinator.run import LIVE_EVERY_S, MAX_SUMMARY_CHARS, Ended, HandBack, LeaseLost, Released, Run, RunStopped
+from coordinator.settings import Profile
 
 if TYPE_CHECKING:
     from coordinator.service import Coordinator
+
 __all__ = [
     "LIVE_EVERY_S",
     "MAX_SUMMARY_CHARS",
@@ -67,6 +90,377 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# -- how a run ends ------------------------------------------------------------------------
+
+
+class RunStopped(Exception):
+    """The run's task was stopped (a cancel, a spent budget) while it ran: it writes nothing more."""
+
+
+class LeaseLost(Exception):
+    """The run's lease lapsed or was taken: another run owns the task now; this one writes nothing more."""
+
+
+class HandBack(Exception):
+    """The worker is shutting down: the run stops at this step boundary and is queued again."""
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The task's run ended the task: completed, failed or cancelled."""
+
+    status: str
+    summary: str = ""
+    error: str = ""
+    error_class: str = ""
+    error_detail: str = ""  # a failed model request's raw error body, kept on the record
+
+
+@dataclass(frozen=True)
+class Released:
+    """The run ended before the task did: `delegated`, or `waiting_approval`."""
+
+    state: str
+
+
+# -- one run -------------------------------------------------------------------------------
+
+# A summary is what the parent reads back; the full text stays in the conversation.
+MAX_SUMMARY_CHARS = 4000
+# Live status carries an excerpt of the latest model text, not the whole of it.
+LIVE_TEXT_CHARS = 200
+# A run writes its live status (and the worker its Flower progress event) at most this often
+# as responses arrive, and before each next model request, and at its end: a run that
+# answers at once writes one, at its end.
+LIVE_EVERY_S = 0.25
+
+
+class Run:
+    """One run of one task, holding its lease; ended once by `end` (or `abandon` on a store failure)."""
+
+    def __init__(
+        self,
+        lifecycle: RunLifecycle,
+        task: TaskRecord,
+        token: str,
+        *,
+        conversation: list[str] | None = None,
+        exhausted: str | None = None,
+    ) -> None:
+        self._heartbeat = lifecycle.heartbeat
+        self._coord = lifecycle.coord
+        self.token = token
+        self.task = task
+        # What the run did since its last step: written by the next one (a check before a
+        # model request, a tool that writes state, the end), in the same round trip.
+        self.writes = RunWrites()
+        # Read by the start already, so the first history() and check_stop() make no call.
+        self._conversation = conversation
+        self._started_in_one_step = conversation is not None
+        self._checked_at_start: tuple[str | None] | None = (exhausted,) if conversation is not None else None
+        # Live status is written at most every LIVE_EVERY_S (and always at the end).
+        self._live_at_s = time.monotonic()
+        self._live: dict[str, Any] | None = None  # the latest response's tool and text, until written
+        self._requests = task.requests
+        self._total_cost_micros = task.total_cost_micros
+        self.deliveries = 0
+        # Runs of this task ever: request keys `<run_seq>:<request no>` stay unique across resumes.
+        self.run_seq = 0
+        self.delegation: tuple[Batch, list[TaskRecord]] | None = None
+        # Set by the heartbeat when the lease was lost: the run must not write again.
+        self.fenced = False
+
+    @property
+    def task_id(self) -> str:
+        return self.task.id
+
+    @property
+    def lost_too_often(self) -> Ended | None:
+        """A run delivered more than SUBQ_MAX_DELIVERIES times (its worker kept dying) fails instead."""
+        limit = self._coord.settings.max_deliveries
+        if self.deliveries <= limit:
+            return None
+        error = f"lost with its worker {self.deliveries - 1} times (SUBQ_MAX_DELIVERIES={limit})"
+        return Ended("failed", error=error, error_class="WorkerLost")
+
+    def profile(self) -> Profile:
+        return self._coord.settings.profile(self.task.profile)
+
+    # -- the conversation ---------------------------------------------------------------
+
+    def history(self) -> list[str]:
+        """The persisted conversation, one JSON message an entry."""
+        if self._conversation is not None:
+            conversation, self._conversation = self._conversation, None
+            return conversation
+        return self._coord.store.conversation(self.task.id)
+
+    def answers(self) -> tuple[Batch | None, dict[str, approvals.Decision]]:
+        """What the run answers its open calls with: the batch it was resumed from, and decided approvals."""
+        batch_id = self._coord.store.resume_batch_id(self.task.id)
+        batch = self._coord.store.get_batch(batch_id) if batch_id else None
+        return batch, approvals.decisions(self._coord, self.task.id)
+
+    def save(self, entries: Sequence[str]) -> None:
+        """New conversation messages, written (while the run holds its lease) at its next step."""
+        if self.fenced:
+            raise LeaseLost(self.task.id)
+        self.writes.conversation.extend(entries)
+
+    def announce_task(self) -> None:
+        """A first run's opening UI message, the task's prompt (the start wrote it already, if it ran)."""
+        if not self._started_in_one_step:
+            self.say("task", self.task.prompt)
+
+    def say(self, kind: str, text: str) -> None:
+        """A UI message of this task, as AI coding tools show a task's progress (written at the next step)."""
+        self.writes.ui_messages.append(json.dumps({"ts": time.time(), "type": "say", "say": kind, "text": text}))
+
+    def flush(self) -> tuple[str, str | None]:
+        """Write what the run did since its last step; (the task's status, the topmost budget reached).
+
+        Raises `LeaseLost` (nothing written) when another run owns the task now.
+        """
+        held, status, exhausted = self._coord.store.flush_run(self.task, self.token, self.writes)
+        self.writes.clear()
+        if not held:
+            self.fenced = True
+            raise LeaseLost(self.task.id)
+        return status, exhausted
+
+    # -- each model request -------------------------------------------------------------
+
+    def must_stop_now(self, status: str) -> bool:
+        """Whether the run must stop even in the middle of a model request, its task's status being `status`."""
+        return self.fenced or self._heartbeat.out_of_grace() or TaskStatus(status).terminal
+
+    def is_stopped_by_status(self) -> bool:
+        """Whether its task was stopped (cancelled, or a budget over it is spent)."""
+        status, _ = self._coord.store.status_of(self.task.id)
+        return TaskStatus(status).terminal
+
+    def check_stop(self) -> tuple[bool, str | None]:
+        """(stopped, budget holder): whether the run must stop before its next request, and why.
+
+        Raises `LeaseLost` or `HandBack` when the run must end without an outcome of its own.
+        """
+        if self.fenced:
+            raise LeaseLost(self.task.id)
+        if self._heartbeat.draining:
+            raise HandBack(self.task.id)
+        if self._heartbeat.out_of_grace():
+            return True, None
+        if self._checked_at_start is not None:
+            # The start read the status and the budgets a moment ago: the first request goes now.
+            (holder,), self._checked_at_start = self._checked_at_start, None
+            return holder is not None, holder
+        if self._live is not None:
+            self._write_live()  # the figures so far stay on show while the model thinks
+        status, holder = self.flush()
+        if TaskStatus(status).terminal:
+            return True, None
+        return holder is not None, holder
+
+    def rate_wait_ms(self, provider: str) -> int:
+        return admission.wait_for_rate(self._coord, provider)
+
+    def record_response(
+        self,
+        request_no: int,
+        usage: Usage,
+        cost_micros: int,
+        cost_source: str,
+        *,
+        latency_ms: float,
+        tool: str | None,
+        text: str,
+    ) -> None:
+        """One response's usage and cost (recorded once per request key at the next step), and live status."""
+        self.writes.usage.append((f"{self.run_seq}:{request_no}", usage, cost_micros, cost_source))
+        self.writes.latencies_ms.append(latency_ms)
+        self._requests += 1
+        self._total_cost_micros += cost_micros
+        self._live = {"tool": tool, "text": text[:LIVE_TEXT_CHARS] or None}
+        if time.monotonic() - self._live_at_s >= LIVE_EVERY_S:
+            self._write_live()
+
+    def _write_live(self) -> None:
+        """Put the pending live status (the latest response's) into the writes of the next step."""
+        self._live_at_s = time.monotonic()
+        self.writes.live = live_status(
+            self.task, "running", **(self._live or {}), requests=self._requests, cost_micros=self._total_cost_micros
+        )
+        self._live = None
+
+    def transient_error(self, what: str, attempt: int) -> None:
+        self.flush()
+        self._coord.store.count_transient_error(self.task.id)
+        self.say("retry", f"{what}: retrying (attempt {attempt})")
+
+    # -- the orchestration tools --------------------------------------------------------
+
+    def todos(self) -> list[TodoItem]:
+        """The task's plan as stored (the offline planner reads it before each request)."""
+        return self._coord.get_todos(self.task.id)
+
+    def update_todos(self, update: str | Sequence[object]) -> list[TodoItem]:
+        self._flush_unless_stopped()  # the conversation that asked for it is saved first
+        return self._coord.update_todos(self.task.id, update)
+
+    def delegate(
+        self, subtasks: Sequence[SubtaskSpec], mode: DelegationMode | str, tool_call_id: str
+    ) -> tuple[Batch, list[TaskRecord]]:
+        """Commit a delegation; it is published by `end` once the conversation is saved."""
+        self._flush_unless_stopped()  # a resumed run must find the call that made the delegation in its history
+        with tracing.span("subq.delegate", task_id=self.task.id, children=len(subtasks), mode=str(mode)):
+            self.delegation = delegation.commit(self._coord, self.task.id, subtasks, mode, tool_call_id)
+        return self.delegation
+
+    def _flush_unless_stopped(self) -> None:
+        """Before a tool writes state: write the run's step, and stop if its task was stopped meanwhile.
+
+        A cancel lands between steps; a tool of a stopped run must not write the plan, a
+        delegation or an approval after it (the stop has already been shown as final).
+        """
+        status, _ = self.flush()
+        if TaskStatus(status).terminal:
+            raise RunStopped(self.task.id)
+
+    def park(self, calls: Sequence[ToolCall]) -> list[str]:
+        """Queue tool calls for a decision; returns the approval ids."""
+        self._flush_unless_stopped()
+        return [a.id for a in approvals.park(self._coord, self.task, calls)]
+
+    # -- the end ------------------------------------------------------------------------
+
+    def stopped(self, budget_holder: str | None) -> Ended:
+        """The outcome of a run that was stopped (a cancel, or a budget: its holder's subtree is stopped now)."""
+        if self.fenced:
+            raise LeaseLost(self.task.id)
+        if self._heartbeat.draining and not self.is_stopped_by_status():
+            raise HandBack(self.task.id)
+        self.flush()  # what it spent before it stopped is recorded
+        if budget_holder:
+            budgets.stop(self._coord, budget_holder)
+            metrics.budget_stopped(self.task.profile)  # the worker's own counter, in memory
+        task = self._coord.store.get_task(self.task.id)
+        return Ended(task.status.value if task.status.terminal else "cancelled", error=task.error)
+
+    def end(self, outcome: Ended | Released) -> SubtaskResult:
+        """Record the outcome, release the lease and the slot (in that order), write back or publish."""
+        coord, task_id = self._coord, self.task.id
+        if self.fenced:
+            raise LeaseLost(task_id)
+        if isinstance(outcome, Released):
+            self.flush()
+            self._release()
+            if outcome.state == "delegated":
+                delegation.publish_waiting(coord, coord.store.get_task(task_id))
+            else:  # waiting for a decision: each decision (or its timer) watches it again
+                coord.store.unwatch([task_id])
+            coord.store.set_live(self.task, outcome.state)
+            return writeback.result_of(coord.store.get_task(task_id), pending=outcome.state)
+        if admission.limits_set(coord) or coord.settings.fault_crash_at:
+            return self._end_in_steps(outcome)
+        if self._live is not None:
+            self._write_live()  # always the last live status, with the final figures
+        # end_run.lua writes a child back onto its parent (and closes the batch when it is the last).
+        with tracing.span("subq.write_back" if self.task.batch_id else "subq.end_run", task_id=task_id):
+            ending = coord.store.end_run(
+                self.task, self.token, self.writes, _outcome_fields(outcome), coord.settings.reconcile_grace_s,
+                stop_on_budget=outcome.status == "completed",
+            )  # fmt: skip
+        self.writes.clear()
+        if ending.kind == "fenced":
+            self.fenced = True
+            raise LeaseLost(task_id)
+        if ending.kind == "exhausted":
+            # Its last response reached a budget: the holder's subtree is stopped, this run with it.
+            return self.end(self.stopped(ending.holder))
+        self._heartbeat.forget(self)
+        if outcome.error_detail and ending.status == outcome.status:
+            coord.store.set_error_detail(task_id, outcome.error_detail[:MAX_SUMMARY_CHARS])
+        if ending.batch_mode == "sequential":
+            (final,) = coord.store.get_records([task_id])
+            writeback.write_back(coord, final.batch_id or "", ended=final)
+        elif ending.resume and self.task.parent_id:
+            (parent,) = coord.store.get_records([self.task.parent_id])
+            dispatch.publish_run(coord.app, parent, ending.resumes)
+        return SubtaskResult(
+            child_id=task_id,
+            status=ending.status,  # type: ignore[arg-type]
+            summary=ending.summary,
+            usage=ending.usage,
+            cost_micros=ending.cost_micros,
+            error=ending.error or None,
+            error_class=ending.error_class or None,
+        )
+
+    def _end_in_steps(self, outcome: Ended) -> SubtaskResult:
+        """The end as separate steps: with admission limits (a freed slot admits waiting runs) and
+        in the fault suite, whose crash points sit between the steps."""
+        coord, task_id = self._coord, self.task.id
+        if self._live is not None:
+            self._write_live()
+        self.flush()
+        summary = outcome.summary[:MAX_SUMMARY_CHARS]
+        coord.store.finish_task(task_id, outcome.status, summary, outcome.error, outcome.error_class)
+        if outcome.error_detail:
+            coord.store.set_error_detail(task_id, outcome.error_detail[:MAX_SUMMARY_CHARS])
+        faults.crash_point(coord.settings, "after-finish")
+        self._release()
+        (final,) = coord.store.get_records([task_id])  # one read; the result needs no child lists
+        if final.status == TaskStatus.COMPLETED:
+            coord.store.append_ui_message(task_id, _say("completion_result", final.summary))
+        else:
+            coord.store.append_ui_message(task_id, _say("error", f"{final.error_class}: {final.error}"))
+        if final.batch_id:
+            writeback.write_back(coord, final.batch_id, ended=final)  # its todo item is written as it ends
+        coord.store.unwatch([task_id])
+        return writeback.result_of(final)
+
+    def lost(self) -> SubtaskResult:
+        """The run lost its lease: another run owns the task; this one leaves everything to it."""
+        log.warning("subq: the run of %s lost its lease and stopped without writing", self.task.id)
+        self._heartbeat.forget(self)  # its run slot is the task's, which the new run holds now
+        return writeback.result_of(self._coord.store.get_task(self.task.id), pending="running")
+
+    def hand_back(self) -> SubtaskResult:
+        """Queue the task again for another worker (its conversation is saved) and free this one."""
+        coord = self._coord
+        coord.store.watch([self.task.id], coord.settings.reconcile_grace_s)  # a lost message is published again
+        coord.store.reset_deliveries(self.task.id)  # handed back is not lost: SUBQ_MAX_DELIVERIES counts losses
+        self._release()
+        task = coord.store.get_task(self.task.id)
+        if not task.status.terminal:
+            dispatch.publish_again(coord.app, task, coord.store.next_repair(task.id))
+            coord.store.set_live(task, "queued")
+            log.warning("subq: handed %s back to the queue", task.id)
+        return writeback.result_of(task, pending="queued")
+
+    def abandon(self) -> None:
+        """The run failed outside the agent (Redis): free the lease and slot if Redis lets us; retried."""
+        try:
+            self._release()
+        except StoreError as exc:  # the lease lapses with its TTL; the original error is what matters
+            log.warning("subq: could not release the run of %s: %s", self.task.id, exc)
+
+    def _release(self) -> None:
+        self._heartbeat.forget(self)
+        self._coord.store.release_lease(self.task.id, self.token)
+        admission.release(self._coord, self.task)
+
+
+def _outcome_fields(outcome: Ended) -> tuple[str, str, str, str]:
+    return outcome.status, outcome.summary[:MAX_SUMMARY_CHARS], outcome.error, outcome.error_class
+
+
+def _say(kind: str, text: str) -> dict[str, Any]:
+    return {"ts": time.time(), "type": "say", "say": kind, "text": text}
+
+
+# -- starting runs ---------------------------------------------------------------------------
 
 
 class RunInProgress(Exception):
