@@ -25,8 +25,6 @@ from coordinator.settings import Settings
 __all__ = [
     "ADVANCE",
     "BROKER_POOL_ACQUIRE_TIMEOUT_S",
-    "EXPIRE_APPROVAL",
-    "GATHER",
     "RUN_TASK",
     "SUBMIT",
     "BoundedConnectionPool",
@@ -41,9 +39,7 @@ __all__ = [
 
 # The task names: the coordinator publishes by these names and never imports `workers`.
 RUN_TASK = "subq.run_task"
-GATHER = "subq.gather"
 ADVANCE = "subq.advance"
-EXPIRE_APPROVAL = "subq.expire_approval"
 SUBMIT = "subq.submit"
 BACKEND_RETRY_POLICY = {"max_retries": 5, "interval_start": 0, "interval_step": 0.5, "interval_max": 1}
 # The worker's consumer dead-letters a message it cannot decode or validate instead of dying

@@ -559,11 +559,8 @@ class RunLifecycle:
         return [run for run in runs if run.must_stop_now(TaskStatus.ACTIVE)]
 
     def settle_batch(self, batch_id: str) -> bool:
-        """A chain step (or an older release's chord callback): write back what has ended; True when it closed."""
+        """A chain step: write back what has ended; True when it closed."""
         return writeback.write_back(self.coord, batch_id)
-
-    def expire_approval(self, approval_id: str) -> bool:
-        return approvals.expire(self.coord, approval_id)
 
     def drain(self, grace_s: float) -> None:
         """The worker is shutting down: every run hands itself back within `grace_s`."""

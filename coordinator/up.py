@@ -67,6 +67,9 @@ WATCH_INTERVAL_S = 0.5
 CREDENTIALS_FILE = "credentials.env"
 # Owner read and write only: the file holds the API token, the Flower password and the Redis URL.
 CREDENTIALS_MODE = 0o600
+# The highest TCP port: a worker's metrics port counts up from SUBQ_WORKER_METRICS_PORT.
+MAX_PORT = 65535
+METRICS_PORT = "SUBQ_WORKER_METRICS_PORT"
 
 
 @dataclass(frozen=True)
@@ -306,7 +309,14 @@ def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], s
 
 
 def _check_options(settings: Settings, options: UpOptions) -> None:
-    """Refuse, before anything starts, what would make a part fail later."""
+    """Refuse, before anything starts, what would make a part fail later.
+
+    Every port the stack will listen on is checked: the API's, Flower's and each
+    worker's metrics port (worker i serves SUBQ_WORKER_METRICS_PORT + i,
+    coordinator/fleet.py), which a worker that cannot bind exits on, after the
+    rest of the stack has started. What the numbers alone rule out comes first, so
+    the line names the cause rather than a port that happens to be taken.
+    """
     if options.api and not api_available():
         raise ConfigError(f"The HTTP API is not installed (no module {API_MODULE}); pass --no-api to start without it")
     ports = {"--flower-port": options.flower_port}
@@ -314,11 +324,38 @@ def _check_options(settings: Settings, options: UpOptions) -> None:
         if options.api_port == options.flower_port:
             raise ValidationError("--api-port and --flower-port must differ", field="api_port")
         ports = {"--api-port": options.api_port, **ports}
+    metrics = _metrics_ports(settings, options.workers)
+    for port, what in metrics.items():
+        if port > MAX_PORT:
+            raise ValidationError(
+                f"Port {port} is past {MAX_PORT} ({what}); choose a lower {METRICS_PORT}", field=METRICS_PORT
+            )
+        # Refused whatever the hosts: on a wildcard host the two would collide.
+        for option, taken in ports.items():
+            if port == taken:
+                raise ValidationError(
+                    f"Port {port} is both {option} and {what}; choose another {METRICS_PORT} or {option}",
+                    field=METRICS_PORT,
+                )
     for option, port in ports.items():
         if not port_free(options.host, port):
             raise ValidationError(
                 f"Port {port} on {options.host} is in use; choose another with {option}", field=option
             )
+    host = settings.worker_metrics_host
+    for port, what in metrics.items():
+        if not port_free(host, port):
+            raise ValidationError(
+                f"Port {port} on {host} is in use ({what}); choose another {METRICS_PORT}", field=METRICS_PORT
+            )
+
+
+def _metrics_ports(settings: Settings, workers: int) -> dict[int, str]:
+    """Each worker's metrics port, with what it is for a refusal's line; none when SUBQ_WORKER_METRICS_PORT is unset."""
+    base = settings.worker_metrics_port
+    if base is None:
+        return {}
+    return {base + i: f"worker {i}'s metrics port, {METRICS_PORT}={base} + {i}" for i in range(workers)}
 
 
 def _check_redis(url: str) -> None:

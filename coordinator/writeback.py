@@ -15,8 +15,7 @@ parent under a numbered Celery task id.
 Callers, all in the coordinator: a run's end where it is not written back by
 `end_run.lua` itself (a sequential step, admission limits, the fault suite),
 a redelivery of an ended task and the reconciler, `subq.advance` (a chain
-step) and `subq.gather` (a chord callback an older release queued); and a
-cancel or budget stop (coordinator/control.py).
+step); and a cancel or budget stop (coordinator/control.py).
 Every step is idempotent, so a redelivered or duplicated call changes nothing.
 A step that sends a message (the next chain step, a parent's resume) watches
 its task first (the due list), so a process that dies before the send leaves
@@ -43,7 +42,7 @@ def write_back(coord: Coordinator, batch_id: str, ended: TaskRecord | None = Non
     The one write-back entry point. With `ended` (a child that has just ended) a
     parallel batch applies just that child and closes if it was the last: O(1),
     the awaiting set says whether it was, so a wide fan-out does not re-read every
-    sibling as each one ends. Without it (a chain step, a stop, an older release's callback),
+    sibling as each one ends. Without it (a chain step, a stop),
     every child that has ended is applied from the records in Redis.
     """
     store = coord.store

@@ -42,7 +42,7 @@ KNOWN_CYCLES = [
         "coordinator.delegation",
         "coordinator.writeback",
     },
-    {"workers.app", "workers.approvals", "workers.maintenance", "workers.tasks"},
+    {"workers.app", "workers.maintenance", "workers.tasks"},
 ]
 
 

@@ -27,7 +27,7 @@ import pytest
 import redis
 
 from coordinator.local_redis import free_port
-from coordinator.up import write_private_file
+from coordinator.up import port_free, write_private_file
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, tree_root
 from tests.helpers import eventually
 from tests.test_cli import processes_marked, subq
@@ -215,6 +215,47 @@ def test_sigterm_while_starting_stops_what_was_started(marker: str, tmp_path: Pa
     assert up.seen[-1] == "subq up: SIGTERM received; everything it started is stopped."
     assert "subq is up" not in "\n".join(up.seen)
     assert processes_marked("UP_TEST_MARKER", marker) == []
+
+
+def _held_port() -> tuple[socket.socket, int]:
+    """A listening socket on 127.0.0.1 whose port's predecessor is free (it is worker 0's port in the test)."""
+    for _ in range(100):
+        held = socket.socket()
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        if port_free("127.0.0.1", port - 1):
+            held.listen()
+            return held, port
+        held.close()
+    raise AssertionError("no port with a free predecessor")
+
+
+@pytest.mark.parametrize("case", ["in use", "flower's", "past 65535"])
+def test_a_workers_metrics_port_is_checked_before_anything_starts(marker: str, tmp_path: Path, case: str) -> None:
+    """Worker i serves SUBQ_WORKER_METRICS_PORT + i: a port it could not bind is one line, and nothing starts.
+
+    Found late, the worker exited at start and took down a stack that had already started.
+    """
+    held, taken = _held_port()
+    api_port, flower_port, log_dir = free_port(), free_port(), tmp_path / "logs"
+    with held:
+        base, expected = {
+            "in use": (taken - 1, f"Port {taken} on 127.0.0.1 is in use (worker 1's metrics port, "
+                       f"SUBQ_WORKER_METRICS_PORT={taken - 1} + 1); choose another SUBQ_WORKER_METRICS_PORT"),
+            "flower's": (flower_port - 1, f"Port {flower_port} is both --flower-port and worker 1's metrics port, "
+                         f"SUBQ_WORKER_METRICS_PORT={flower_port - 1} + 1; choose another SUBQ_WORKER_METRICS_PORT "
+                         "or --flower-port"),
+            "past 65535": (65535, "Port 65536 is past 65535 (worker 1's metrics port, SUBQ_WORKER_METRICS_PORT=65535 "
+                           "+ 1); choose a lower SUBQ_WORKER_METRICS_PORT"),
+        }[case]  # fmt: skip
+        args = ["up", "--workers", "2", "--api-port", str(api_port), "--flower-port", str(flower_port)]
+        env = {"SUBQ_WORKER_METRICS_PORT": str(base), "SUBQ_WORKER_METRICS_HOST": "127.0.0.1", "UP_TEST_MARKER": marker}
+        refused = subq(*args, "--log-dir", str(log_dir), env=env, timeout_s=START_TIMEOUT_S)
+    assert (refused.returncode, refused.stdout, refused.stderr) == (1, "", f"subq: {expected}\n")
+    # Nothing started: no embedded Redis (the log folder is made after it), no worker, API or Flower.
+    assert not log_dir.exists()
+    assert processes_marked("UP_TEST_MARKER", marker) == []
+    assert not _answers(api_port) and not _answers(flower_port)
 
 
 def _load(credentials: Path) -> tuple[dict[str, str], str]:

@@ -19,4 +19,4 @@ try:
 except ConfigError as exc:
     raise SystemExit(f"subq worker: {exc}") from None
 
-from workers import approvals, maintenance, tasks  # noqa: F401  (registers the subq.* tasks and signals)
+from workers import maintenance, tasks  # noqa: F401  (registers the subq.* tasks and signals)

@@ -13,7 +13,7 @@ from typing import Any
 from celery import Task
 
 from coordinator import StoreError, SubtaskResult, is_batch_id, is_task_id
-from coordinator.celery_app import ADVANCE, GATHER, RUN_TASK
+from coordinator.celery_app import ADVANCE, RUN_TASK
 from coordinator.runs import RunInProgress
 from workers import submit as submission
 from workers import task_events
@@ -22,7 +22,7 @@ from workers.logs import run_context
 from workers.runtime.context import get_runtime
 from workers.runtime.runner import run_child
 
-__all__ = ["advance", "gather", "progress_sender", "run_task", "submit"]
+__all__ = ["advance", "progress_sender", "run_task", "submit"]
 
 log = logging.getLogger(__name__)
 
@@ -84,17 +84,6 @@ def progress_sender(task: Task) -> Callable[[dict[str, Any]], None]:
             log.warning("subq: could not send a task-progress event: %s", exc)
 
     return send
-
-
-@app.task(name=GATHER, bind=True, ignore_result=True, **RETRIED)
-def gather(self: Task, results: Any, batch_id: Any) -> None:
-    """Settle a batch from Redis: the chord callback of older releases, kept for their queued messages.
-
-    Parallel batches are published as groups now; each child writes itself back as
-    it ends and the last one closes the batch (coordinator/dispatch.py).
-    """
-    if _batch_id_ok(batch_id):
-        get_runtime(settings, app).lifecycle.settle_batch(batch_id)
 
 
 @app.task(name=ADVANCE, bind=True, ignore_result=True, **RETRIED)
