@@ -1,22 +1,13 @@
 """The worker's Celery app: `celery -A workers.app worker` starts a subq worker.
 
-It reads the same `SUBQ_` settings as everything else; an invalid setting stops
-the worker at start with one line naming the variable.
+It reads the same `SUBQ_` settings as everything else (workers/application.py
+builds the app); importing this module also registers the `subq.*` tasks and
+the worker's signal handlers on it.
 """
 
 from __future__ import annotations
 
-from coordinator import ConfigError, load_settings
-from coordinator.celery_app import make_app
-from workers import logs
+from workers import maintenance, tasks  # noqa: F401  (registers the subq.* tasks and signals)
+from workers.application import app, settings
 
 __all__ = ["app", "settings"]
-
-try:
-    settings = load_settings()
-    app = make_app(settings)
-    logs.install(settings.log_format)  # before Celery sets up the worker's loggers
-except ConfigError as exc:
-    raise SystemExit(f"subq worker: {exc}") from None
-
-from workers import maintenance, tasks  # noqa: F401  (registers the subq.* tasks and signals)

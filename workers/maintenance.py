@@ -28,7 +28,7 @@ from celery.signals import worker_init, worker_process_init, worker_ready, worke
 
 from coordinator import ConfigError, metrics
 from coordinator.reconciler import Reconciler
-from workers.app import app, settings
+from workers.application import app, settings
 from workers.runtime.agent_loop import tune_gc
 from workers.runtime.context import get_runtime
 

@@ -17,7 +17,7 @@ from coordinator.celery_app import ADVANCE, RUN_TASK
 from coordinator.runs import RunInProgress
 from workers import submit as submission
 from workers import task_events
-from workers.app import app, settings
+from workers.application import app, settings
 from workers.logs import run_context
 from workers.runtime.context import get_runtime
 from workers.runtime.runner import run_child
