@@ -26,8 +26,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from coordinator import Coordinator, Settings, TaskStatus  # noqa: E402
-from coordinator.fleet import WorkerFleet  # noqa: E402
-from coordinator.local_redis import local_redis  # noqa: E402
+from coordinator.local.embedded_redis import local_redis  # noqa: E402
+from coordinator.local.fleet import WorkerFleet  # noqa: E402
 from workers.runtime.script import script_message  # noqa: E402
 
 POLL_S = 0.05

@@ -75,8 +75,8 @@ from bench.run import (  # noqa: E402
 )
 from coordinator import Coordinator, Settings, SubqError  # noqa: E402
 from coordinator.celery_app import make_app  # noqa: E402
-from coordinator.fleet import WorkerFleet  # noqa: E402
-from coordinator.local_redis import local_redis  # noqa: E402
+from coordinator.local.embedded_redis import local_redis  # noqa: E402
+from coordinator.local.fleet import WorkerFleet  # noqa: E402
 
 MODES = ("noop", "agent", "subq")
 DEFAULT_WIDTHS = (100, 1000)

@@ -50,8 +50,8 @@ from celery import Celery, chord  # noqa: E402
 from bench import JOIN, NOOP  # noqa: E402
 from coordinator import Coordinator, Settings, SubqError, TaskStatus  # noqa: E402
 from coordinator.celery_app import make_app  # noqa: E402
-from coordinator.fleet import WorkerFleet  # noqa: E402
-from coordinator.local_redis import local_redis  # noqa: E402
+from coordinator.local.embedded_redis import local_redis  # noqa: E402
+from coordinator.local.fleet import WorkerFleet  # noqa: E402
 from coordinator.settings import DEFAULT_CONCURRENCY, DEFAULT_MAX_FANOUT, DEFAULT_POOL  # noqa: E402
 from workers.runtime.script import script_message  # noqa: E402
 

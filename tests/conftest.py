@@ -18,8 +18,8 @@ import redis
 
 from coordinator import Coordinator, Settings
 from coordinator.api import create_app
-from coordinator.fleet import WorkerFleet
-from coordinator.local_redis import local_redis
+from coordinator.local.embedded_redis import local_redis
+from coordinator.local.fleet import WorkerFleet
 from tests.helpers import ApiServer, Transport, api_settings
 
 # The built wheel in a fresh venv, once per run (tests/test_wheel.py, tests/test_compose.py).

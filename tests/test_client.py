@@ -31,7 +31,7 @@ from coordinator import (
 )
 from coordinator.api import create_app
 from coordinator.client import ApiError, AsyncSubqClient, AuthError, Event, SubqClient
-from coordinator.fleet import WorkerFleet
+from coordinator.local.fleet import WorkerFleet
 from tests.conftest import WORKER_PROCESSES
 from tests.helpers import TOKEN, ApiServer, api_settings, script, state, usage_step
 from tests.test_api import closed_port, spec

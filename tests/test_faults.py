@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from coordinator import Coordinator, Settings, TaskStatus
-from coordinator.fleet import WorkerFleet
+from coordinator.local.fleet import WorkerFleet
 from tests.agents import STEP_COST_MICROS, agent, call, reply, subtask
 from tests.conftest import dedicated_fleet
 from tests.helpers import eventually

@@ -27,7 +27,7 @@ from coordinator import Coordinator, Settings
 from coordinator.api import create_app
 from coordinator.api.ops import SingleFlight
 from coordinator.celery_app import BrokerPoolExhausted, make_app
-from coordinator.fleet import WorkerFleet
+from coordinator.local.fleet import WorkerFleet
 from tests.helpers import TOKEN, ApiServer, api_settings
 
 # The routes anyone may call without a token.

@@ -22,8 +22,8 @@ from celery import Celery
 
 from coordinator import Coordinator, Settings
 from coordinator.celery_app import describe_kwargs
-from coordinator.local_redis import free_port
-from coordinator.up import Service
+from coordinator.local.embedded_redis import free_port
+from coordinator.local.up import Service
 from tests import helpers
 from tests.agents import USAGE, agent, reply
 from tests.helpers import script, usage_step

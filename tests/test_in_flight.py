@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 from coordinator import Coordinator, Settings, TaskStatus
-from coordinator.fleet import WorkerFleet
+from coordinator.local.fleet import WorkerFleet
 from tests.agents import agent
 
 CHILDREN = 250  # well beyond redis-py's default pool of 100 connections

@@ -17,7 +17,7 @@ import pytest
 # Top-level packages that only the service, the workers or the server need.
 HEAVY = ["celery", "kombu", "redis", "pydantic_settings", "fastapi", "starlette", "uvicorn", "typer"]
 # subq's own modules that load those, which the CLI imports only inside the commands that need them.
-SERVER_SIDE = ["coordinator.service", "coordinator.settings", "coordinator.up", "coordinator.fleet"]
+SERVER_SIDE = ["coordinator.service", "coordinator.settings", "coordinator.local.up", "coordinator.local.fleet"]
 TIMEOUT_S = 60
 
 

@@ -31,7 +31,7 @@ from coordinator import ConfigError, Coordinator, Settings, load_settings, metri
 from coordinator.api import create_app
 from coordinator.api.ops import SubqCollector
 from coordinator.errors import FleetError
-from coordinator.fleet import WorkerFleet, settings_env
+from coordinator.local.fleet import WorkerFleet, settings_env
 from coordinator.store import LATENCY_BUCKETS_MS
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, USAGE, agent, call, reply, subtask
 from tests.helpers import ApiServer, api_settings, eventually

@@ -29,7 +29,7 @@ from kombu.transport import redis as kombu_redis
 
 from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.celery_app import RUN_TASK
-from coordinator.fleet import WorkerFleet
+from coordinator.local.fleet import WorkerFleet
 from coordinator.poison import DeadLetterChannel
 from tests.agents import agent, reply
 from tests.conftest import dedicated_fleet

@@ -13,7 +13,7 @@ from redis.connection import AbstractConnection
 from coordinator import Coordinator, Settings
 from coordinator.celery_app import RUN_TASK
 from coordinator.dispatch import PUBLISH_BATCH_MESSAGES, publish_group
-from coordinator.local_redis import local_redis
+from coordinator.local.embedded_redis import local_redis
 from tests.event_tap import EventTap
 from tests.helpers import eventually, script, usage_step
 

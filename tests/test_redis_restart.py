@@ -21,8 +21,8 @@ from pathlib import Path
 import redis
 
 from coordinator import Coordinator, Settings
-from coordinator.fleet import WorkerFleet
-from coordinator.local_redis import find_redis_server, free_port
+from coordinator.local.embedded_redis import find_redis_server, free_port
+from coordinator.local.fleet import WorkerFleet
 from tests.agents import agent, reply
 from tests.helpers import eventually
 from tests.test_faults import assert_converged

@@ -18,7 +18,7 @@ from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, Tool
 
 from coordinator import Coordinator, CorruptError, Settings, TaskStatus
 from coordinator.celery_app import make_app
-from coordinator.fleet import WorkerFleet
+from coordinator.local.fleet import WorkerFleet
 from tests.agents import STEP_COST_MICROS, USAGE, agent, call, reply
 from tests.conftest import dedicated_fleet
 from workers.runtime.context import build_runtime

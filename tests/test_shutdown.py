@@ -13,7 +13,7 @@ import signal
 from pathlib import Path
 
 from coordinator import Coordinator, Settings, TaskStatus
-from coordinator.fleet import WorkerFleet
+from coordinator.local.fleet import WorkerFleet
 from tests.agents import STEP_COST_MICROS, agent, call, reply
 from tests.helpers import eventually
 

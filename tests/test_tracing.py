@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from coordinator import ConfigError, Coordinator, Settings, TaskStatus, load_settings, tracing
-from coordinator.fleet import WorkerFleet
+from coordinator.local.fleet import WorkerFleet
 from tests import trace_dump
 from tests.agents import agent, call, reply, subtask
 from tests.helpers import eventually

@@ -26,8 +26,8 @@ import httpx
 import pytest
 import redis
 
-from coordinator.local_redis import free_port
-from coordinator.up import port_free, write_private_file
+from coordinator.local.embedded_redis import free_port
+from coordinator.local.up import port_free, write_private_file
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, tree_root
 from tests.helpers import eventually
 from tests.test_cli import processes_marked, subq

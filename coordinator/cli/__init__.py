@@ -19,8 +19,8 @@ go through the HTTP API instead of Redis.
 The command modules define plain functions; this module adds them to `app`,
 in one place and in the order of `subq --help`.
 
-A command imports Celery, kombu, redis-py, the service, `coordinator.up`,
-`coordinator.fleet` and the pydantic models when it runs, so `subq --help`
+A command imports Celery, kombu, redis-py, the service, `coordinator.local.up`,
+`coordinator.local.fleet` and the pydantic models when it runs, so `subq --help`
 loads none of them (tests/test_light_imports.py).
 """
 

@@ -1,6 +1,6 @@
 """Commands that run the system on this machine: up, worker, api, flower, demo.
 
-Each imports what it starts (`coordinator.up`, `coordinator.fleet`, uvicorn, ...)
+Each imports what it starts (`coordinator.local.up`, `coordinator.local.fleet`, uvicorn, ...)
 when it runs. Plain functions: coordinator/cli/__init__.py adds them to the app.
 """
 
@@ -16,7 +16,7 @@ import typer
 
 from coordinator.cli.common import Host, Port, settings_of
 from coordinator.errors import ConfigError, ValidationError
-from coordinator.stack_defaults import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST
+from coordinator.local.defaults import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST
 
 __all__ = ["api", "demo", "flower", "up", "worker"]
 
@@ -38,7 +38,7 @@ def up(
     Flower password, the Redis URL; load it with `. <file>` in a second terminal).
     Ctrl-C stops everything.
     """
-    from coordinator import up as stack
+    from coordinator.local import up as stack
 
     options = stack.UpOptions(workers, host, api_port, flower_port, not no_api, log_dir)
     raise typer.Exit(stack.run_up(settings_of(ctx), options, say=typer.echo))
@@ -52,7 +52,7 @@ def worker(
     loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
 ) -> None:
     """Run a worker on this machine (the same as `celery -A workers.app worker`)."""
-    from coordinator.fleet import settings_env
+    from coordinator.local.fleet import settings_env
 
     settings = settings_of(ctx)
     settings.require_redis_url()
@@ -64,7 +64,7 @@ def worker(
 
 def api(ctx: typer.Context, host: Host = DEFAULT_HOST, port: Port = DEFAULT_API_PORT) -> None:
     """Serve the HTTP API on this machine (uvicorn; clients authenticate with SUBQ_API_TOKEN)."""
-    from coordinator import up as stack
+    from coordinator.local import up as stack
 
     settings = settings_of(ctx)
     settings.require_redis_url()
@@ -92,7 +92,7 @@ def flower(
     ] = False,
 ) -> None:
     """Run Flower, Celery's monitor, with basic auth (it refuses to start open unless --no-auth)."""
-    from coordinator import up as stack
+    from coordinator.local import up as stack
 
     settings = settings_of(ctx)
     settings.require_redis_url()
@@ -116,6 +116,6 @@ def demo(
     Uses SUBQ_REDIS_URL when set, otherwise starts an embedded Redis; starts its own
     worker processes and stops everything it started.
     """
-    from coordinator.demo import run_demo
+    from coordinator.local.demo import run_demo
 
     raise typer.Exit(run_demo(settings_of(ctx), workers=workers))

@@ -1,7 +1,7 @@
 """Where the local stack (`subq up`, `subq api`, `subq flower`) listens by default.
 
 A module of plain constants, so `subq --help` can show them without importing
-`coordinator.up` (and through it Celery and redis-py).
+`coordinator.local.up` (and through it Celery and redis-py).
 """
 
 from __future__ import annotations

@@ -37,10 +37,10 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 from coordinator.errors import ConfigError, FleetError, StoreError, ValidationError
-from coordinator.fleet import WorkerFleet, settings_env
-from coordinator.local_redis import local_redis
+from coordinator.local.defaults import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST
+from coordinator.local.embedded_redis import local_redis
+from coordinator.local.fleet import WorkerFleet, settings_env
 from coordinator.settings import Settings
-from coordinator.stack_defaults import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST
 
 __all__ = [
     "API_MODULE",
@@ -283,7 +283,7 @@ def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], s
         lines.append(f"  API      {api_url}  ({auth_note})")
         sign_in = "open" if settings.api_auth_disabled else "sign in with the token"
         lines.append(f"  Web      {api_url}/ui/  (the live trees in a browser; {sign_in})")
-    if settings.worker_metrics_port is not None:  # worker i serves port + i (coordinator/fleet.py)
+    if settings.worker_metrics_port is not None:  # worker i serves port + i (coordinator/local/fleet.py)
         ports = ", ".join(str(settings.worker_metrics_port + i) for i in range(options.workers))
         lines.append(f"  Metrics  http://{local}:<port>/metrics  (each worker's counters: ports {ports})")
     lines += [
@@ -313,7 +313,7 @@ def _check_options(settings: Settings, options: UpOptions) -> None:
 
     Every port the stack will listen on is checked: the API's, Flower's and each
     worker's metrics port (worker i serves SUBQ_WORKER_METRICS_PORT + i,
-    coordinator/fleet.py), which a worker that cannot bind exits on, after the
+    coordinator/local/fleet.py), which a worker that cannot bind exits on, after the
     rest of the stack has started. What the numbers alone rule out comes first, so
     the line names the cause rather than a port that happens to be taken.
     """

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from coordinator.fleet import WorkerFleet
-from coordinator.local_redis import local_redis
+from coordinator.local.embedded_redis import local_redis
+from coordinator.local.fleet import WorkerFleet
 from coordinator.models import TaskRecord, TodoItem, format_usd
 from coordinator.service import Coordinator
 from coordinator.settings import Settings
