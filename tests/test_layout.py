@@ -32,6 +32,8 @@ FACES = ["coordinator/api", "coordinator/cli", "coordinator/web", "workers"]
 # take the parts they use instead of the Coordinator). No other cycle may appear, and a listed
 # one may only shrink; remove its entry once it is gone. Type-checking imports count:
 # a cycle a type checker needs is one a reader has to hold in mind too.
+# How deep the map in docs/architecture.md nests folders (coordinator/store/lua/ is 3).
+MAP_DEPTH = 3
 KNOWN_CYCLES = [
     {
         "coordinator.service",
@@ -195,3 +197,31 @@ def test_no_new_import_cycle() -> None:
     assert "coordinator.service" in graph["coordinator.runs"], "the graph lost a type-checking import"
     for cycle in _cycles(graph):
         assert any(cycle <= known for known in KNOWN_CYCLES), f"an import cycle: {sorted(cycle)}"
+
+
+def _map_of_the_tree() -> set[str]:
+    """The modules docs/architecture.md's map names, as paths (the map's indentation is the folders)."""
+    doc = ROOT.joinpath("docs", "architecture.md").read_text(encoding="utf-8")
+    section = doc[doc.index("## The map") :]
+    block = section[section.index("```") + 3 : section.index("```", section.index("```") + 3)]
+    folders: list[str] = []
+    named: set[str] = set()
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip(" "))
+        if not line.strip() or indent % 2 or indent > 2 * MAP_DEPTH:  # a description's second line
+            continue
+        level = indent // 2
+        for name in line.strip().split("  ")[0].split(" "):
+            if name.endswith("/"):
+                folders[level:] = [name.rstrip("/")]
+            elif name.endswith(".py"):
+                named.add("/".join([*folders[:level], name]))
+    return named
+
+
+def test_the_map_names_every_module_where_it_is() -> None:
+    """Every module is in the map, in its folder, and the map names no module that is gone."""
+    named = _map_of_the_tree()
+    modules = {_name(path) for path in SOURCE if path.name != "__init__.py"}  # a package is named by its folder
+    assert sorted(modules - named) == [], "modules missing from docs/architecture.md's map"
+    assert sorted(named - {_name(path) for path in SOURCE}) == [], "the map names modules that are not in the tree"
