@@ -7,6 +7,9 @@ Services that trigger work need only this package (or only Celery, sending
 
 Names are imported on first use (PEP 562), so `import coordinator.client` or
 `subq --help` does not load Celery, kombu and redis-py until something needs them.
+`pip install subagent-queue` installs only what the client needs (httpx, pydantic);
+a name whose module needs more (`Coordinator`, `Settings`, ...) raises a
+ModuleNotFoundError that says to install the `server` extra.
 This surface, `coordinator.runs` (the run-lifecycle seam) and
 `coordinator.celery_app` (the app factory and the task names) are all that the
 worker package imports.
@@ -104,6 +107,29 @@ _EXPORTS = {
     "current_trace_id": "coordinator.tracing",
 }
 
+# The top-level modules of the `server` extra (pyproject.toml) that subq imports and a client-only
+# install lacks; a ModuleNotFoundError for one of these is answered with SERVER_INSTALL
+# (tests/test_client_install.py holds this set to the extra and to subq's imports).
+SERVER_MODULES = frozenset(
+    {
+        *("anthropic", "anyio", "celery", "fastapi", "fastapi_offline", "flower", "genai_prices", "kombu"),
+        *("openai", "prometheus_client", "pydantic_ai", "pydantic_settings", "pythonjsonlogger", "redis"),
+        *("rich", "sse_starlette", "starlette", "tornado", "typer", "uvicorn", "vine"),
+    }
+)
+SERVER_INSTALL = 'pip install "subagent-queue[server]"'
+
+
+def missing_server_module(exc: ImportError) -> str | None:
+    """The server-side module whose absence `exc` reports, or None when it is anything else.
+
+    Anything else (a module of subq's own, a broken install, the otel extra, which names
+    itself) is not answered with the server's install command.
+    """
+    top = (exc.name or "").partition(".")[0]
+    return top if isinstance(exc, ModuleNotFoundError) and top in SERVER_MODULES else None
+
+
 __all__ = [
     "OFFLINE_PROFILE",
     "STANDARD_KEYS",
@@ -150,7 +176,15 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'coordinator' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        missing = missing_server_module(exc)
+        if missing is None:
+            raise
+        # Still a ModuleNotFoundError (an ImportError), so `except ImportError` goes on working.
+        message = f"coordinator.{name} needs the server's packages (no module named {missing!r}): {SERVER_INSTALL}"
+        raise ModuleNotFoundError(message, name=exc.name) from exc
     globals()[name] = value  # later look-ups skip this function
     return value
 

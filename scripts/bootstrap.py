@@ -32,6 +32,8 @@ def main() -> int:
         venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
     if not STAMP.exists() or STAMP.read_text().strip() != wanted:
         print("subq: installing subq and its dependencies (first run only) ...", file=sys.stderr, flush=True)
+        # The dev extra brings the server and otel extras (pyproject.toml): `subagent-queue`
+        # alone is the Python client, and the demo, the CLI and the tests need the server.
         subprocess.run(
             [str(bindir / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
              "-e", f"{ROOT}[dev]"],

@@ -116,7 +116,9 @@ def test_every_subq_service_runs_the_image_of_the_wheel() -> None:
     for name in SUBQ_SERVICES:
         assert services[name]["build"] == {"context": ".", "dockerfile": "deploy/Dockerfile"}, name
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
-    assert 'pip install --no-cache-dir "$(echo /tmp/dist/*.whl)[otel]"' in dockerfile and "USER subq" in dockerfile
+    # The wheel alone is the Python client: the image's workers, API and Flower need the server extra.
+    assert 'pip install --no-cache-dir "$(echo /tmp/dist/*.whl)[server,otel]"' in dockerfile
+    assert "USER subq" in dockerfile
 
 
 def test_build_context_leaves_out_the_venv_git_and_caches() -> None:

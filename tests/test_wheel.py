@@ -1,8 +1,8 @@
 """The built wheel works once installed: what a user gets from pip, not the source checkout.
 
 The wheel is built the way deploy/Dockerfile builds it (the same files, the same
-`pip wheel` command), installed non-editable with its dependencies into a fresh
-virtual environment, and run from an empty folder outside the checkout, so
+`pip wheel` command), installed non-editable with the server extra's dependencies
+into a fresh virtual environment, and run from an empty folder outside the checkout, so
 nothing can be imported from the source tree by accident: `subq --help`, the
 Python client, and `subq api` with `subq worker` against a real Redis.
 """
@@ -78,7 +78,8 @@ def test_dockerfile_builds_the_same_wheel() -> None:
     copied = [word for line in build_stage.splitlines() if line.startswith("COPY ") for word in line.split()[1:-1]]
     assert sorted(copied) == sorted(BUILD_INPUTS)
     assert f"RUN python {' '.join(PIP_WHEEL)} . -w /dist" in build_stage
-    assert 'pip install --no-cache-dir "$(echo /tmp/dist/*.whl)[otel]"' in dockerfile, "the image installs that wheel"
+    installed = 'pip install --no-cache-dir "$(echo /tmp/dist/*.whl)[server,otel]"'
+    assert installed in dockerfile, "the image installs that wheel, with the server's packages"
 
 
 def test_installed_cli_lists_its_commands(venv: Venv) -> None:

@@ -1,12 +1,14 @@
-"""The built wheel, installed non-editable in a fresh virtual environment: one per test run.
+"""The built wheel, installed non-editable in fresh virtual environments: each once per test run.
 
 A pytest plugin (tests/conftest.py loads it). The wheel is built the way
 deploy/Dockerfile builds it (the same files, the same `pip wheel` command) and
-installed with its runtime dependencies, no dev extras, into a venv outside the
-checkout. Building and installing take a minute or more, so it is done once per
-run: the pytest-xdist workers share it through a lock file in the run's temporary
-folder, and the first to get there builds it (tests/test_wheel.py and
-tests/test_compose.py both use it).
+installed outside the checkout, no dev extras, in two venvs: `venv` with the
+server extra, as the image installs it (tests/test_wheel.py, tests/test_compose.py,
+tests/test_tracing.py), and `client_venv` without it, as a service that only talks
+to the API installs it (tests/test_client_install.py). Building and installing take
+a minute or more, so each is done once per run: the pytest-xdist workers share them
+through lock files in the run's temporary folder, and the first to get there builds
+(the wheel first; then only the venv that worker needs).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,45 +104,60 @@ def _copy_build_inputs(dest: Path) -> Path:
 class Built:
     source_copy: Path
     wheel: Path
-    venv_root: Path
-    site_packages: Path
 
 
-def _build(shared: Path) -> Built:
-    source = _copy_build_inputs(shared / "src")
-    dist = shared / "dist"
+def _shared_folder(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """A folder of the whole run, the same for every xdist worker."""
+    base = tmp_path_factory.getbasetemp()
+    # Under xdist each worker's temporary folder sits in the run's own; alone, the run's is base.
+    shared = (base.parent if worker_id != "master" else base) / "subq-wheel"
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
+def _once(shared: Path, name: str, make: Callable[[Path], str]) -> str:
+    """`make(shared / name)` once per run, by whichever xdist worker comes first; its answer to every caller.
+
+    Each product has a lock of its own, so a worker waiting for one venv does not
+    wait for the other's install.
+    """
+    with (shared / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        ready = shared / f"{name}.ready"
+        if not ready.exists():
+            shutil.rmtree(shared / name, ignore_errors=True)  # left by a worker that failed halfway
+            ready.write_text(make(shared / name))
+        return ready.read_text()
+
+
+def _build_wheel(dest: Path) -> str:
+    dest.mkdir()
+    source = _copy_build_inputs(dest / "src")
+    dist = dest / "dist"
     run_checked([sys.executable, *PIP_WHEEL, str(source), "-w", str(dist)], BUILD_TIMEOUT_S)
     (wheel,) = dist.glob("*.whl")
-    root = shared / "venv"
+    return str(wheel)
+
+
+def _install(root: Path, requirement: str) -> str:
+    """A fresh venv at `root` with `requirement` (the wheel file, with or without extras); its site-packages."""
     run_checked([sys.executable, "-m", "venv", "--clear", str(root)], COMMAND_TIMEOUT_S)
     python = str(root / "bin" / "python")
     # The wheel file itself (not the checkout, not -e), with its runtime dependencies and
     # no dev extras. pip's cache is left on: dependencies come from it when it has them.
     # --no-compile: byte-compiling every installed module took 6 of 15 s; the few modules
     # the commands import are compiled as they are imported.
-    install = [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-compile", str(wheel)]
+    install = [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-compile", requirement]
     run_checked(install, INSTALL_TIMEOUT_S)
     site = run_checked([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], COMMAND_TIMEOUT_S)
-    return Built(source, wheel, root, Path(site.stdout.strip()))
+    return site.stdout.strip()
 
 
 @pytest.fixture(scope="session")
 def built_wheel(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Built:
-    """Built and installed once per run, under a lock that the xdist workers share."""
-    base = tmp_path_factory.getbasetemp()
-    # Under xdist each worker's temporary folder sits in the run's own; alone, the run's is base.
-    shared = (base.parent if worker_id != "master" else base) / "subq-wheel"
-    shared.mkdir(exist_ok=True)
-    with (shared / "lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        done = shared / "ready"
-        if not done.exists():
-            for leftover in ("src", "dist", "venv"):  # a worker that failed halfway
-                shutil.rmtree(shared / leftover, ignore_errors=True)
-            built = _build(shared)
-            done.write_text(str(built.site_packages))
-        (wheel,) = (shared / "dist").glob("*.whl")
-        return Built(shared / "src", wheel, shared / "venv", Path(done.read_text()))
+    """Built once per run, under a lock that the xdist workers share."""
+    wheel = Path(_once(_shared_folder(tmp_path_factory, worker_id), "wheel", _build_wheel))
+    return Built(wheel.parent.parent / "src", wheel)
 
 
 @pytest.fixture(scope="session")
@@ -153,11 +170,22 @@ def wheel(built_wheel: Built) -> Path:
     return built_wheel.wheel
 
 
+def _venv(tmp_path_factory: pytest.TempPathFactory, worker_id: str, built_wheel: Built, name: str, extras: str) -> Venv:
+    shared = _shared_folder(tmp_path_factory, worker_id)
+    site = _once(shared, name, lambda root: _install(root, f"{built_wheel.wheel}{extras}"))
+    return Venv(root=shared / name, site_packages=Path(site), workdir=tmp_path_factory.mktemp("cwd"))
+
+
 @pytest.fixture(scope="session")
-def venv(built_wheel: Built, tmp_path_factory: pytest.TempPathFactory) -> Venv:
-    return Venv(
-        root=built_wheel.venv_root, site_packages=built_wheel.site_packages, workdir=tmp_path_factory.mktemp("cwd")
-    )
+def venv(built_wheel: Built, tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Venv:
+    """The wheel with the server extra, as deploy/Dockerfile installs it (less the otel extra)."""
+    return _venv(tmp_path_factory, worker_id, built_wheel, "venv", "[server]")
+
+
+@pytest.fixture(scope="session")
+def client_venv(built_wheel: Built, tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Venv:
+    """The wheel alone, no extra: `pip install subagent-queue`, the Python client."""
+    return _venv(tmp_path_factory, worker_id, built_wheel, "client-venv", "")
 
 
 @dataclass(frozen=True)

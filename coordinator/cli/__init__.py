@@ -21,22 +21,44 @@ in one place and in the order of `subq --help`.
 
 A command imports Celery, kombu, redis-py, the service, `coordinator.local.up`,
 `coordinator.local.fleet` and the pydantic models when it runs, so `subq --help`
-loads none of them (tests/test_light_imports.py).
+loads none of them (tests/test_light_imports.py). Installed without the server
+extra (`pip install subagent-queue`, the client alone: no Typer), `main` prints
+the install command in one line and exits 1 (tests/test_client_install.py).
 """
 
 from __future__ import annotations
 
-from coordinator.cli import control, stack, work
-from coordinator.cli.common import app
-from coordinator.cli.entry import main, run_cli
+import sys
+
+from coordinator import SERVER_INSTALL, missing_server_module
 
 __all__ = ["app", "main", "run_cli"]
 
-# The commands, in the order `subq --help` lists them.
-COMMANDS = (
-    *(stack.up, stack.worker, stack.api, stack.flower, stack.demo),
-    *(work.run, work.status, work.todos, work.tree, work.history, work.export),
-    *(control.cancel, control.approvals, control.approve, control.deny, control.dead_letters),
-)
-for _command in COMMANDS:
-    app.command()(_command)
+try:
+    from coordinator.cli import control, stack, work
+    from coordinator.cli.common import app
+    from coordinator.cli.entry import main, run_cli
+except ModuleNotFoundError as _exc:
+    # `pip install subagent-queue` (the client alone) installs the `subq` script too, but not
+    # Typer: the script's `main` then says what to install, in one line, instead of a traceback.
+    _missing = missing_server_module(_exc)
+    if _missing is None:
+        raise
+    _NEEDS_SERVER = (
+        f"subq: the command line needs the server's packages (no module named {_missing!r}): {SERVER_INSTALL}"
+    )
+
+    def main() -> None:
+        """Entry point of the `subq` console script where the server's packages are not installed."""
+        print(_NEEDS_SERVER, file=sys.stderr)
+        sys.exit(1)
+
+else:
+    # The commands, in the order `subq --help` lists them.
+    COMMANDS = (
+        *(stack.up, stack.worker, stack.api, stack.flower, stack.demo),
+        *(work.run, work.status, work.todos, work.tree, work.history, work.export),
+        *(control.cancel, control.approvals, control.approve, control.deny, control.dead_letters),
+    )
+    for _command in COMMANDS:
+        app.command()(_command)

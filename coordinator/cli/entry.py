@@ -8,6 +8,7 @@ from typing import Any, cast
 
 import typer
 
+from coordinator import SERVER_INSTALL, missing_server_module
 from coordinator.cli.common import app
 from coordinator.errors import SubqError
 
@@ -41,6 +42,16 @@ def run_cli(args: Sequence[str]) -> int:
         # One line, always: an error's message can come from an API server (or a model's text
         # inside it), and a new line or a terminal escape in it must not draw on the terminal.
         typer.echo(f"subq: {_one_line(str(exc))}", err=True)
+        return 1
+    except ModuleNotFoundError as exc:
+        # Typer alone (installed for something else) beside the client-only install: `--help` works,
+        # and a command that imports Celery, redis-py or the server says what to install.
+        missing = missing_server_module(exc)
+        if missing is None:
+            raise
+        typer.echo(
+            f"subq: this command needs the server's packages (no module named {missing!r}): {SERVER_INSTALL}", err=True
+        )
         return 1
     except Exception as exc:
         if not _broker_error(exc):
