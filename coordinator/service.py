@@ -57,6 +57,7 @@ from coordinator.models import (
 from coordinator.settings import Settings, load_settings
 from coordinator.store import LATENCY_BUCKETS_MS, FleetGauges, Keys, Store
 from coordinator.store.sessions import WebSessions
+from coordinator.tree import TreeNode, build_tree
 
 __all__ = ["DEFAULT_PAGE", "MAX_PAGE", "Coordinator"]
 
@@ -169,6 +170,10 @@ class Coordinator:
 
     def get_children(self, task_id: str) -> list[TaskRecord]:
         return self.store.get_children(task_id)
+
+    def tree(self, task_id: str) -> TreeNode:
+        """The task and its whole subtree, each with its plan and figures (GET /v1/tasks/{id}/tree)."""
+        return build_tree(self, task_id)
 
     def get_batch(self, batch_id: str) -> Batch:
         return self.store.get_batch(batch_id)

@@ -5,16 +5,16 @@ Used by the HTTP API (`GET /v1/tasks/{id}/tree`) and the CLI (`subq tree`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
 from coordinator.models import TaskStatus, TodoItem
 
 if TYPE_CHECKING:
-    from coordinator.service import Coordinator
+    from coordinator.models import TaskRecord
 
-__all__ = ["TreeNode", "build_tree"]
+__all__ = ["TaskReader", "TreeNode", "build_tree"]
 
 
 class TreeNode(BaseModel):
@@ -39,7 +39,14 @@ class TreeNode(BaseModel):
     children: list[TreeNode]
 
 
-def build_tree(coord: Coordinator, task_id: str) -> TreeNode:
+class TaskReader(Protocol):
+    """What a tree is read from: the Coordinator on Redis (the API's tree is built from it)."""
+
+    def get_task(self, task_id: str, /) -> TaskRecord: ...
+    def get_todos(self, task_id: str, /) -> list[TodoItem]: ...
+
+
+def build_tree(coord: TaskReader, task_id: str) -> TreeNode:
     record = coord.get_task(task_id)
     return TreeNode(
         id=record.id,

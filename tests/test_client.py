@@ -173,8 +173,12 @@ def test_errors_map_to_their_classes(idle: Coordinator, subq: SubqClient, parent
     with pytest.raises(ValidationError) as limit:
         subq.list_tasks(limit=0)
     assert limit.value.field == "limit"
-    with pytest.raises(ApiError) as too_big:
+    # An over-long prompt is refused before sending (the service's own check); an oversize
+    # body of another kind reaches the server's limit.
+    with pytest.raises(ValidationError, match="prompt is 1048577 characters; the limit is 200000"):
         subq.create_task("x" * (idle.settings.api_max_body_bytes + 1))
+    with pytest.raises(ApiError) as too_big:
+        subq.update_todos(parent.id, "[ ] " + "x" * idle.settings.api_max_body_bytes)
     assert (too_big.value.code, too_big.value.status_code) == ("body_too_large", 413)
     assert state(idle, parent.id) == before, "refused calls changed nothing"
 

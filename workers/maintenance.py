@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 def reconcile_forever(reconciler: Reconciler, interval_s: float, stop: threading.Event | None = None) -> None:
     """Tick until `stop` is set (never, in a worker: the thread dies with the process)."""
     stop = stop or threading.Event()
-    while not stop.wait(interval_s):
+    # The first beat at once, not after a tick's wait: a worker that answers pings counts as
+    # present on /readyz from its start (a fresh fleet read `degraded` for its first tick).
+    while True:
         started = time.monotonic()
         try:
             reconciler.beat()
@@ -49,6 +51,8 @@ def reconcile_forever(reconciler: Reconciler, interval_s: float, stop: threading
             log.exception("subq reconciler: a tick failed")
         if time.monotonic() - started > interval_s:
             log.warning("subq reconciler: a tick took %.1f s", time.monotonic() - started)
+        if stop.wait(interval_s):
+            return
 
 
 def _start_reconciler(sender: Any = None, **_: Any) -> None:

@@ -29,7 +29,7 @@ from coordinator.errors import ValidationError
 from coordinator.models import TaskRecord, TaskStatus
 from coordinator.service import DEFAULT_PAGE, MAX_PAGE, Coordinator
 from coordinator.todos import ignored_lines
-from coordinator.tree import TreeNode, build_tree
+from coordinator.tree import TreeNode
 
 __all__ = ["ROOT_ID_PATTERN", "TaskId", "reject_unknown_query", "task_routes"]
 
@@ -138,7 +138,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         summary="The task's subtree: every task with its todos, own and total figures",
     )
     def tree(task_id: TaskId) -> TreeNode:
-        return build_tree(coord, task_id)
+        return coord.tree(task_id)
 
     @router.get(
         "/tasks/{task_id}/messages",

@@ -19,7 +19,7 @@ from coordinator.errors import ConfigError, SubqError
 UNAUTHORIZED = "unauthorized"
 
 if TYPE_CHECKING:
-    from coordinator.cli.backend import Backend
+    from coordinator.operations import Operations
     from coordinator.settings import Settings
 
 __all__ = ["Host", "JsonOption", "Port", "TaskId", "app", "connect", "settings_of"]
@@ -69,16 +69,16 @@ def settings_of(ctx: typer.Context) -> Settings:
 
 
 @contextmanager
-def connect(ctx: typer.Context) -> Iterator[Backend]:
+def connect(ctx: typer.Context) -> Iterator[Operations]:
     """The system as an operator command reaches it, closed when the command is done.
 
     Through the HTTP API when SUBQ_API_URL (--api-url) is set, so the operator needs
     only the API's token; otherwise on Redis directly.
     """
     settings = settings_of(ctx)
-    backend = _api_backend(settings) if settings.api_url else _redis_backend(settings)
+    ops = _api_client(settings) if settings.api_url else _coordinator(settings)
     try:
-        yield backend
+        yield ops
     except SubqError as exc:
         if exc.code != UNAUTHORIZED:
             raise
@@ -88,23 +88,20 @@ def connect(ctx: typer.Context) -> Iterator[Backend]:
         hint = f"set SUBQ_API_TOKEN to the token of the API at {settings.api_url}"
         raise AuthError(f"{exc.message}; {hint}", field="SUBQ_API_TOKEN") from None
     finally:
-        backend.close()
+        ops.close()
 
 
-def _redis_backend(settings: Settings) -> Backend:
-    from coordinator.cli.backend import RedisBackend
+def _coordinator(settings: Settings) -> Operations:
     from coordinator.service import Coordinator
 
     try:
-        return RedisBackend(Coordinator(settings))
+        return Coordinator(settings)
     except ValueError as exc:  # redis-py refuses a malformed URL with a ValueError
         raise ConfigError(f"Invalid setting SUBQ_REDIS_URL: {exc}", field="SUBQ_REDIS_URL") from None
 
 
-def _api_backend(settings: Settings) -> Backend:
-    from coordinator.cli.backend import ApiBackend
+def _api_client(settings: Settings) -> Operations:
     from coordinator.client import SubqClient
 
-    url = settings.api_url or ""
     token = settings.api_token.get_secret_value() if settings.api_token is not None else None
-    return ApiBackend(SubqClient(url, token), url, token)
+    return SubqClient(settings.api_url or "", token)

@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from coordinator.cli.backend import watch as open_watch
 from coordinator.deadletters import DeadLetter
 from coordinator.models import MICROS_PER_USD, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem, format_usd
 from coordinator.render import MARKS, cut, describe, render_tree, terminal_text, walk
 
 if TYPE_CHECKING:
-    from coordinator.cli.backend import Backend, Watch
+    from coordinator.cli.backend import Watch
+    from coordinator.operations import Operations
     from coordinator.tree import TreeNode
 
 __all__ = ["dead_letter_lines", "follow_run", "history_lines", "status_lines", "todo_lines"]
@@ -32,7 +34,7 @@ DEAD_LETTER_REASON_CHARS = 160
 FOLLOW_POLL_MS = 1000
 
 
-def follow_run(coord: Backend, root_id: str) -> int:
+def follow_run(coord: Operations, root_id: str) -> int:
     """A live view of the tree until the root ends; 0 if it completed, else 1.
 
     It redraws on every event of the tree's stream (each model response of any
@@ -41,7 +43,7 @@ def follow_run(coord: Backend, root_id: str) -> int:
     otherwise (a pipe, a log) it prints one line per task whose live state
     changed, then the final tree.
     """
-    watch = coord.watch(root_id)
+    watch = open_watch(coord, root_id)
     try:
         if sys.stdout.isatty():
             node = _follow_on_terminal(coord, root_id, watch)
@@ -58,7 +60,7 @@ def follow_run(coord: Backend, root_id: str) -> int:
     return 0
 
 
-def _follow_on_terminal(coord: Backend, root_id: str, watch: Watch) -> TreeNode:
+def _follow_on_terminal(coord: Operations, root_id: str, watch: Watch) -> TreeNode:
     from rich.console import Console
     from rich.live import Live
 
@@ -78,7 +80,7 @@ def _follow_on_terminal(coord: Backend, root_id: str, watch: Watch) -> TreeNode:
             watch.wait(FOLLOW_POLL_MS / 1000)
 
 
-def _follow_as_lines(coord: Backend, root_id: str, watch: Watch) -> TreeNode:
+def _follow_as_lines(coord: Operations, root_id: str, watch: Watch) -> TreeNode:
     """One line per task whose status changed, then a blank line and the final tree."""
     from coordinator.cli.live import task_status
 

@@ -44,7 +44,7 @@ def run(
     """
     todo_text = _read_todos(todos) if todos is not None else None
     with connect(ctx) as coord:
-        record = coord.create_task(prompt, todos=todo_text, profile=profile, budget_usd=budget)
+        record = coord.create_task(prompt, todos=todo_text, profile=profile, run=True, budget_usd=budget)
         typer.echo(record.id)
         _warn_ignored_lines(todo_text)
         if follow:

@@ -33,6 +33,7 @@ from coordinator.api.schemas import (
 from coordinator.client.errors import ApiError, error_of
 from coordinator.deadletters import DeadLetter
 from coordinator.errors import ValidationError, WaitTimeout
+from coordinator.inputs import MAX_PROMPT_CHARS, check_dead_letter_limit, check_history_query, text_field, to_micros
 from coordinator.models import (
     Approval,
     DelegationMode,
@@ -113,6 +114,10 @@ def create_task(
     budget_usd: Decimal | float | str | None,
     idempotency_key: str | None = None,
 ) -> Call[TaskRecord]:
+    # The service's own checks, before sending: the API's schema would refuse these with
+    # words of its own; so the error reads as the Coordinator's, and nothing is sent.
+    text_field(prompt, "prompt", MAX_PROMPT_CHARS)
+    to_micros(budget_usd, "budget_usd")
     body: dict[str, Any] = {"prompt": prompt, "run": run}
     if idempotency_key is not None:
         body["idempotency_key"] = idempotency_key
@@ -146,6 +151,7 @@ def decide(approval_id: str, decision: str, feedback: str | None) -> Call[Approv
 
 
 def dead_letters(limit: int) -> Call[list[DeadLetter]]:
+    check_dead_letter_limit(limit)
     params = {"limit": limit}
     return Call("GET", "/v1/dead-letters", _DEAD_LETTERS, unwrap=lambda page: page.dead_letters, params=params)
 
@@ -192,9 +198,11 @@ def messages(task_id: str, kind: Literal["ui", "api"]) -> Call[list[dict[str, An
 def list_tasks(
     status: TaskStatus | str | None, root_id: str | None, limit: int, cursor: int
 ) -> Call[tuple[list[HistoryItem], int | None]]:
+    status_text = status.value if isinstance(status, TaskStatus) else status
+    check_history_query(status_text, root_id, limit, cursor)
     params: dict[str, str | int] = {"limit": limit, "cursor": cursor}
-    if status is not None:
-        params["status"] = str(status.value if isinstance(status, TaskStatus) else status)
+    if status_text is not None:
+        params["status"] = status_text
     if root_id is not None:
         params["root_id"] = root_id
     return Call("GET", "/v1/tasks", _HISTORY, unwrap=lambda page: (page.items, page.next_cursor), params=params)

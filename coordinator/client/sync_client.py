@@ -45,9 +45,14 @@ class SubqClient:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.timeout_s = timeout_s
+        self._token = token
         self._http = httpx.Client(
             base_url=base_url, headers=calls.headers(token), timeout=timeout_s, transport=transport
         )
+
+    def fork(self) -> SubqClient:
+        """A client of its own to the same API with the same token: for a stream read in another thread."""
+        return SubqClient(str(self._http.base_url), self._token, self.timeout_s)
 
     def _send(self, call: Call[T]) -> T:
         try:

@@ -51,7 +51,6 @@ def _local_stack(settings: Settings, workers: int, say: Callable[[str], None]) -
 
 def run_demo(settings: Settings, workers: int = 2, say: Callable[[str], None] = print) -> int:
     """0 when the root completed with its plan carried out, 1 otherwise."""
-    from coordinator.cli.backend import RedisBackend
     from coordinator.cli.views import follow_run
 
     with _local_stack(settings, workers, say) as settings:
@@ -63,7 +62,7 @@ def run_demo(settings: Settings, workers: int = 2, say: Callable[[str], None] = 
             say("")
             root = coord.create_task(DEMO_PROMPT, todos=DEMO_PLAN, run=True)
             say(f'Root agent {root.id}, as `subq run "{DEMO_PROMPT}" --todos plan.md --follow` starts it:')
-            code = follow_run(RedisBackend(coord), root.id)
+            code = follow_run(coord, root.id)
             done = coord.get_task(root.id)
             say("")
             say(render_report(done, coord.get_todos(root.id), coord.get_children(root.id)))

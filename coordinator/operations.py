@@ -1,0 +1,56 @@
+"""The operator's operations, defined once: what the Coordinator and the HTTP client both answer.
+
+    Operations   create, read (a task, its plan, its tree, its messages, the history, the live
+                 state), cancel, approvals and their decision, dead letters; then close
+
+`Coordinator` (on Redis) and `coordinator.client.SubqClient` (over the HTTP
+API) each satisfy it, with the same models and the same errors: an input the
+service would refuse is refused by the client with the service's own check,
+before anything is sent. So a caller such as the `subq` command holds one
+`Operations` whichever way it reaches the system, and prints the same lines.
+The type checker holds both to it (`coordinator/cli/backend.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from coordinator.deadletters import DeadLetter
+    from coordinator.models import Approval, HistoryItem, LiveState, TaskRecord, TodoItem
+    from coordinator.tree import TreeNode
+
+__all__ = ["Operations"]
+
+
+class Operations(Protocol):
+    """The operations every face of subq offers an operator (docs/api.md lists them as routes)."""
+
+    def create_task(
+        self,
+        prompt: str,
+        todos: str | Sequence[Any] | None = None,
+        profile: str | None = None,
+        run: bool = False,
+        budget_usd: Decimal | float | str | None = None,
+        idempotency_key: str | None = None,
+    ) -> TaskRecord: ...
+    def get_task(self, task_id: str, /) -> TaskRecord: ...
+    def get_todos(self, task_id: str, /) -> list[TodoItem]: ...
+    def tree(self, task_id: str, /) -> TreeNode: ...
+    def messages(self, task_id: str, kind: Literal["ui", "api"], /) -> list[dict[str, Any]]: ...
+    def list_tasks(
+        self, *, status: str | None = None, root_id: str | None = None, limit: int = ..., cursor: int = 0
+    ) -> tuple[list[HistoryItem], int | None]: ...
+    def snapshot(self, root_id: str, /) -> dict[str, LiveState]: ...
+    def cancel(self, task_id: str, reason: str, /) -> TaskRecord: ...
+    def list_approvals(self, root_id: str | None = None, /) -> list[Approval]: ...
+    def decide(
+        self, approval_id: str, decision: Literal["approve", "deny"], feedback: str | None = None, /
+    ) -> Approval: ...
+    def dead_letters(self, limit: int = ..., /) -> list[DeadLetter]: ...
+    def count_dead_letters(self) -> int: ...
+    def purge_dead_letters(self) -> int: ...
+    def close(self) -> None: ...
