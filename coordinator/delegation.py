@@ -167,7 +167,8 @@ def publish(coord: Coordinator, batch: Batch, children: list[TaskRecord]) -> Non
     """
     store = coord.store
     if store.batch_published(batch.id):
-        store.unwatch([batch.parent_id])
+        # Only while it waits: its children may all have ended, and its resume be published, already.
+        store.unwatch([batch.parent_id], while_status=TaskStatus.DELEGATED.value)
         return
     starting = children if batch.mode == "parallel" else children[:1]  # later steps start as each ends
     store.watch([c.id for c in starting], coord.settings.reconcile_grace_s)
@@ -183,7 +184,9 @@ def publish(coord: Coordinator, batch: Batch, children: list[TaskRecord]) -> Non
                 f"The broker did not take batch {batch.id}; it is published again once the broker is back: "
                 f"{one_line(str(exc))}"
             ) from exc
-    store.unwatch([batch.parent_id])
+    # Only while it waits: children that answer at once may have closed the batch already, and
+    # the close watched the parent again for its resume (tests/test_kill_resumed_parent.py).
+    store.unwatch([batch.parent_id], while_status=TaskStatus.DELEGATED.value)
 
 
 def publish_waiting(coord: Coordinator, record: TaskRecord) -> None:

@@ -119,7 +119,7 @@ class Reconciler:
             if batch is not None and not store.batch_published(batch.id):
                 delegation.publish(coord, batch, store.get_records(batch.child_ids))
                 return "delegation-unpublished"
-            store.unwatch([task_id])
+            store.unwatch([task_id], while_status=TaskStatus.DELEGATED.value)  # not once resumed meanwhile
             return None
         if runner != "agent":
             store.unwatch([task_id])

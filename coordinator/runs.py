@@ -514,8 +514,9 @@ class RunLifecycle:
             return writeback.result_of(task, pending="running")  # as in `start`
         run = Run(self, task, token)
         try:
-            # From now on the reconciler looks every tick: a lapsed lease is a dead worker.
-            coord.store.watch([task_id], coord.settings.reconcile_interval_s, only_if_watched=True)
+            # From now on the reconciler looks every tick: a lapsed lease is a dead worker. Added,
+            # not only moved, as start_run.lua does: the entry an earlier step left may be gone.
+            coord.store.watch([task_id], coord.settings.reconcile_interval_s)
             coord.store.set_live(task, "running")
             run.deliveries, run.run_seq = coord.store.start_run(task_id)
         except BaseException:

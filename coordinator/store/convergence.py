@@ -3,8 +3,10 @@
 - `due` (a zset, task id -> when to look): every task that expects a message to
   move it on (a published run, a resume, a committed delegation) is written here
   *before* the message is sent, and removed once its run has ended or released
-  its worker. An entry still there when its time comes means a message was lost
-  or a process died between two steps; the reconciler looks at it then.
+  its worker; a run puts its task there as it takes the lease, and no one else
+  removes a task while a run holds its lease. An entry still there when its
+  time comes means a message was lost or a process died between two steps; the
+  reconciler looks at it then.
 - `timers` (a zset, `<kind>:<id>` -> due time): delayed actions, served by the
   reconciler instead of broker countdown messages.
 - run leases are renewed by their worker's heartbeat (`renew_leases`); a lease
@@ -13,13 +15,16 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, cast
 
+from redis.commands.core import Script
+
 from coordinator.ids import root_of, task_of_run_id
-from coordinator.store.base import ScriptArg, StoreBase, _str_map, _strs, translate_redis_errors
+from coordinator.store.base import ScriptArg, StoreBase, _load_script, _str_map, _strs, translate_redis_errors
 from coordinator.store.fields import TaskField
 
 __all__ = ["QUEUE_SCAN_LIMIT", "ConvergenceStore", "Triage"]
@@ -57,9 +62,22 @@ class ConvergenceStore(StoreBase):
             self.client.zadd(self.keys.due(), dict.fromkeys(task_ids, at), xx=only_if_watched)
 
     @translate_redis_errors
-    def unwatch(self, task_ids: Sequence[str]) -> None:
+    def unwatch(self, task_ids: Sequence[str], *, while_status: str = "") -> None:
+        """Take these tasks off the due list, except one a live run holds the lease of (unwatch.lua).
+
+        With `while_status`, only those still in that status: a caller that saw a parent
+        `delegated` must not take it off once it has been resumed meanwhile. A run's own
+        end takes its task off in the same step as it frees the lease.
+        """
         if task_ids:
-            self.client.zrem(self.keys.due(), *task_ids)
+            keys = [self.keys.due()]
+            for task_id in task_ids:
+                keys += [self.keys.lease(root_of(task_id), task_id), self.keys.task(root_of(task_id), task_id)]
+            self._unwatch(keys=keys, args=[while_status, *task_ids])
+
+    @functools.cached_property
+    def _unwatch(self) -> Script:
+        return self.client.register_script(_load_script("unwatch.lua"))
 
     @translate_redis_errors
     def due_tasks(self, limit: int) -> list[str]:

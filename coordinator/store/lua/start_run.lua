@@ -1,5 +1,5 @@
 -- Start a run of an agent task in one step: read the task, take its lease, count the
--- delivery, keep it on the due list while it runs, publish its live status, and return
+-- delivery, put it on the due list while it runs, publish its live status, and return
 -- its conversation and whether a budget over it is spent already; a first run (no
 -- conversation yet) also says the task's prompt as its first UI message.
 -- KEYS[1] task hash   KEYS[2] lease   KEYS[3] the due list   KEYS[4] tree live hash
@@ -29,9 +29,12 @@ end
 if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'EX', ARGV[2]) then
   return {'leased', raw, {}, {}}
 end
--- From now on the reconciler looks every tick: a lapsed lease is a dead worker (XX: a task
--- whose run ended meanwhile is not brought back).
-redis.call('ZADD', KEYS[3], 'XX', ARGV[3], task['id'])
+-- From now on the reconciler looks every tick: a lapsed lease is a dead worker. Added, not
+-- only moved (no XX): the entry an earlier step left may be gone (a parent's publish that
+-- unwatched it after its batch had closed and watched it for this resume), and a running task
+-- that is not on the due list is never published again when its worker dies. No ended task
+-- comes back by this: its status was checked above, and this run holds the lease.
+redis.call('ZADD', KEYS[3], ARGV[3], task['id'])
 local deliveries = (tonumber(task['deliveries'] or '0') or 0) + 1
 local run_seq = (tonumber(task['run_seq'] or '0') or 0) + 1
 redis.call('HSET', KEYS[1], 'deliveries', deliveries, 'run_seq', run_seq)
