@@ -21,45 +21,45 @@ from coordinator import dispatch
 from coordinator.models import TaskRecord
 
 if TYPE_CHECKING:
-    from coordinator.service import Coordinator
+    from coordinator.plane import Plane
 
 __all__ = ["admit", "limits_set", "release", "wait_for_rate"]
 
 
-def limits_set(coord: Coordinator) -> bool:
+def limits_set(plane: Plane) -> bool:
     """Whether any admission limit is set: then a run is admitted, and its slot freed, step by step."""
-    s = coord.settings
+    s = plane.settings
     return bool(s.max_running_per_parent or s.max_running_per_root or s.start_stagger_ms)
 
 
-def _limited(coord: Coordinator, task: TaskRecord) -> bool:
-    return task.parent_id is not None and limits_set(coord)
+def _limited(plane: Plane, task: TaskRecord) -> bool:
+    return task.parent_id is not None and limits_set(plane)
 
 
-def admit(coord: Coordinator, task: TaskRecord) -> bool:
+def admit(plane: Plane, task: TaskRecord) -> bool:
     """True: the task may run now. False: it waits (queued for a slot, or restarted after a stagger)."""
-    if not _limited(coord, task):
+    if not _limited(plane, task):
         return True
-    s = coord.settings
-    verdict, delay_ms = coord.store.admit(task, s.max_running_per_parent, s.max_running_per_root, s.start_stagger_ms)
+    s = plane.settings
+    verdict, delay_ms = plane.store.admit(task, s.max_running_per_parent, s.max_running_per_root, s.start_stagger_ms)
     if verdict == "run":
         return True
     if verdict == "delay":
-        dispatch.publish_restart(coord.app, task, countdown_s=delay_ms / 1000)
-    coord.store.set_live(task, "queued")
+        dispatch.publish_restart(plane.app, task, countdown_s=delay_ms / 1000)
+    plane.store.set_live(task, "queued")
     return False
 
 
-def release(coord: Coordinator, task: TaskRecord) -> None:
+def release(plane: Plane, task: TaskRecord) -> None:
     """Free the task's run slot and start the waiting tasks that now fit."""
-    if not _limited(coord, task):
+    if not _limited(plane, task):
         return
-    s = coord.settings
-    for admitted in coord.store.release_slot(task, s.max_running_per_parent, s.max_running_per_root):
-        dispatch.publish_restart(coord.app, coord.store.get_task(admitted))
+    s = plane.settings
+    for admitted in plane.store.release_slot(task, s.max_running_per_parent, s.max_running_per_root):
+        dispatch.publish_restart(plane.app, plane.store.get_task(admitted))
 
 
-def wait_for_rate(coord: Coordinator, provider: str) -> int:
+def wait_for_rate(plane: Plane, provider: str) -> int:
     """0 when a request to `provider` may start now (and is counted), else the ms to wait first."""
-    rpm = coord.settings.provider_rpm.get(provider, 0)
-    return coord.store.wait_for_rate(provider, rpm) if rpm else 0
+    rpm = plane.settings.provider_rpm.get(provider, 0)
+    return plane.store.wait_for_rate(provider, rpm) if rpm else 0

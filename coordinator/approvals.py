@@ -28,7 +28,7 @@ from coordinator.errors import NotFoundError, StateError, ValidationError
 from coordinator.models import Approval, TaskRecord
 
 if TYPE_CHECKING:
-    from coordinator.service import Coordinator
+    from coordinator.plane import Plane
 
 __all__ = [
     "EXPIRY_TIMER",
@@ -64,12 +64,12 @@ class Decision:
     feedback: str
 
 
-def park(coord: Coordinator, task: TaskRecord, calls: Sequence[ToolCall]) -> list[Approval]:
+def park(plane: Plane, task: TaskRecord, calls: Sequence[ToolCall]) -> list[Approval]:
     """Queue each call for a decision; the task resumes once all are decided."""
-    parent_items = coord.store.get_todos(task.parent_id) if task.parent_id else []
+    parent_items = plane.store.get_todos(task.parent_id) if task.parent_id else []
     todo = next((t for t in parent_items if t.id == task.todo_id), None)
     now = time.time()
-    timeout_s = coord.settings.approval_timeout_s
+    timeout_s = plane.settings.approval_timeout_s
     made = []
     for call in calls:
         approval = Approval(
@@ -85,10 +85,10 @@ def park(coord: Coordinator, task: TaskRecord, calls: Sequence[ToolCall]) -> lis
             deadline=now + timeout_s,
         )
         # The timer first: a timer whose approval was never saved finds nothing to expire.
-        coord.store.add_timer(expiry_timer(approval.id), approval.deadline)
-        coord.store.save_approval(approval)
+        plane.store.add_timer(expiry_timer(approval.id), approval.deadline)
+        plane.store.save_approval(approval)
         made.append(approval)
-    coord.store.set_waiting_approvals(task.id, [a.id for a in made])
+    plane.store.set_waiting_approvals(task.id, [a.id for a in made])
     return made
 
 
@@ -96,77 +96,77 @@ def expiry_timer(approval_id: str) -> str:
     return f"{EXPIRY_TIMER}:{approval_id}"
 
 
-def undecided(coord: Coordinator, task_id: str) -> list[str]:
+def undecided(plane: Plane, task_id: str) -> list[str]:
     """The approvals the task's last run asked for that are still pending."""
-    return [a for a in coord.store.waiting_approval_ids(task_id) if coord.store.get_approval(a).status == "pending"]
+    return [a for a in plane.store.waiting_approval_ids(task_id) if plane.store.get_approval(a).status == "pending"]
 
 
-def decisions(coord: Coordinator, task_id: str) -> dict[str, Decision]:
+def decisions(plane: Plane, task_id: str) -> dict[str, Decision]:
     """tool call id -> decision, for the approvals the task waited on that have been decided."""
     out = {}
-    for approval_id in coord.store.waiting_approval_ids(task_id):
-        approval = coord.store.get_approval(approval_id)
+    for approval_id in plane.store.waiting_approval_ids(task_id):
+        approval = plane.store.get_approval(approval_id)
         if approval.status != "pending":
             feedback = approval.feedback or f"The call was {approval.status}."
             out[approval.tool_call_id] = Decision(approved=approval.status == "approved", feedback=feedback)
     return out
 
 
-def list_pending(coord: Coordinator, root_id: str | None = None) -> list[Approval]:
+def list_pending(plane: Plane, root_id: str | None = None) -> list[Approval]:
     """Tool calls waiting for a decision, oldest first (of one tree, or all)."""
     if root_id is not None:
         try:
-            coord.store.get_task(root_id)
+            plane.store.get_task(root_id)
         except NotFoundError as exc:
             raise NotFoundError(exc.message, field="root_id") from None
     out = []
-    for approval_id in coord.store.pending_approval_ids():
+    for approval_id in plane.store.pending_approval_ids():
         if root_id is None or approval_id.startswith(root_id):
             try:
-                out.append(coord.store.get_approval(approval_id))
+                out.append(plane.store.get_approval(approval_id))
             except NotFoundError:  # expired with its tree
                 continue
     return out
 
 
-def decide(coord: Coordinator, approval_id: str, decision: str, feedback: str | None = None) -> Approval:
+def decide(plane: Plane, approval_id: str, decision: str, feedback: str | None = None) -> Approval:
     """Approve or deny a pending tool call; only that task resumes, its siblings go on."""
     if decision not in ("approve", "deny"):
         raise ValidationError(f"decision must be 'approve' or 'deny', not {decision!r}", field="decision")
     if feedback is not None and not isinstance(feedback, str):
         raise ValidationError("feedback must be a string", field="feedback")
-    approval = coord.store.get_approval(approval_id)
-    return _decide(coord, approval, "approved" if decision == "approve" else "denied", feedback or "")
+    approval = plane.store.get_approval(approval_id)
+    return _decide(plane, approval, "approved" if decision == "approve" else "denied", feedback or "")
 
 
-def expire(coord: Coordinator, approval_id: str) -> bool:
+def expire(plane: Plane, approval_id: str) -> bool:
     """Deny an approval whose deadline has passed; False when it was decided or is not due."""
-    approval = coord.store.get_approval(approval_id)
+    approval = plane.store.get_approval(approval_id)
     if approval.status != "pending" or time.time() < approval.deadline:
         return False
     try:
-        _decide(coord, approval, "expired", f"no decision within {coord.settings.approval_timeout_s}s")
+        _decide(plane, approval, "expired", f"no decision within {plane.settings.approval_timeout_s}s")
     except StateError:
         return False
     return True
 
 
-def expire_for(coord: Coordinator, root_id: str, stopped: set[str]) -> None:
+def expire_for(plane: Plane, root_id: str, stopped: set[str]) -> None:
     """The pending approvals of stopped tasks expire: nobody may approve a call of a stopped run."""
-    for approval_id in coord.store.pending_approval_ids():
-        if approval_id.startswith(root_id) and coord.store.get_approval(approval_id).task_id in stopped:
-            coord.store.decide(approval_id, "expired", "the task was stopped")
+    for approval_id in plane.store.pending_approval_ids():
+        if approval_id.startswith(root_id) and plane.store.get_approval(approval_id).task_id in stopped:
+            plane.store.decide(approval_id, "expired", "the task was stopped")
 
 
-def _decide(coord: Coordinator, approval: Approval, status: str, feedback: str) -> Approval:
-    coord.store.watch([approval.task_id], coord.settings.reconcile_grace_s)  # before: a crash here still resumes
-    outcome = coord.store.decide(approval.id, status, feedback)
+def _decide(plane: Plane, approval: Approval, status: str, feedback: str) -> Approval:
+    plane.store.watch([approval.task_id], plane.settings.reconcile_grace_s)  # before: a crash here still resumes
+    outcome = plane.store.decide(approval.id, status, feedback)
     if outcome != "ok":
         raise StateError(f"Approval {approval.id} was already {outcome}", field="approval_id")
-    coord.store.remove_timers([expiry_timer(approval.id)])
-    task = coord.store.get_task(approval.task_id)
-    waiting = coord.store.waiting_approval_ids(task.id)
-    still = [a for a in waiting if a != approval.id and coord.store.get_approval(a).status == "pending"]
-    if not still and not task.status.terminal and coord.store.claim_resume(task.id, approval.id):
-        dispatch.publish_run(coord.app, task, coord.store.next_resume(task.id))
-    return coord.store.get_approval(approval.id)
+    plane.store.remove_timers([expiry_timer(approval.id)])
+    task = plane.store.get_task(approval.task_id)
+    waiting = plane.store.waiting_approval_ids(task.id)
+    still = [a for a in waiting if a != approval.id and plane.store.get_approval(a).status == "pending"]
+    if not still and not task.status.terminal and plane.store.claim_resume(task.id, approval.id):
+        dispatch.publish_run(plane.app, task, plane.store.next_resume(task.id))
+    return plane.store.get_approval(approval.id)

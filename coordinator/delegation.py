@@ -1,4 +1,4 @@
-"""Delegation: check subtasks, commit a batch atomically, publish it; and `submit`, create-and-delegate.
+"""Delegation: check subtasks, commit a batch atomically, publish it; and a submission's two halves.
 
 Every check runs before anything is written: a bad subtask refuses the whole
 delegation with an error naming its field (`subtasks.1.todo_id`), and nothing is
@@ -9,6 +9,11 @@ retried publish names the same Celery tasks.
 
 Field names are the API's: the parent is `task_id`, the specs are `subtasks`,
 so the HTTP API, the CLI and `subq.submit` report the same paths.
+
+A submission (`Coordinator.submit`, create-and-delegate) is checked here first
+(`check_submission`), before the service creates its root, and then delegated
+here (`submit_to`): the service creates the root between the two, so this room
+never calls back into the service.
 """
 
 from __future__ import annotations
@@ -29,9 +34,19 @@ from coordinator.inputs import one_line
 from coordinator.models import Batch, DelegationMode, SubtaskSpec, TaskRecord, TaskStatus, TodoItem
 
 if TYPE_CHECKING:
-    from coordinator.service import Coordinator
+    from coordinator.plane import Plane
 
-__all__ = ["MODES", "Submission", "check_mode", "check_subtasks", "commit", "delegate", "publish", "submit"]
+__all__ = [
+    "MODES",
+    "Submission",
+    "check_mode",
+    "check_submission",
+    "check_subtasks",
+    "commit",
+    "delegate",
+    "publish",
+    "submit_to",
+]
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +55,7 @@ MODES: tuple[DelegationMode, ...] = ("parallel", "sequential")
 
 @dataclass(frozen=True)
 class Submission:
-    """What `submit` did: the root it created, and its batch, or the error that failed the root."""
+    """What a submission did: the root it created, and its batch, or the error that failed the root."""
 
     task: TaskRecord
     batch: Batch | None = None
@@ -55,13 +70,13 @@ def check_mode(mode: object) -> DelegationMode:
     raise ValidationError(f"mode must be 'parallel' or 'sequential', not {mode!r}", field="mode")
 
 
-def check_subtasks(coord: Coordinator, subtasks: Sequence[SubtaskSpec | dict[str, Any]]) -> list[SubtaskSpec]:
+def check_subtasks(plane: Plane, subtasks: Sequence[SubtaskSpec | dict[str, Any]]) -> list[SubtaskSpec]:
     """Every subtask parsed and its profile known; the first problem names its field."""
     if isinstance(subtasks, (str, bytes)) or not isinstance(subtasks, Sequence):
         raise ValidationError("subtasks must be a list of subtask specs", field="subtasks")
     if not subtasks:
         raise ValidationError("subtasks is empty: a delegation needs at least one subtask", field="subtasks")
-    limit = coord.settings.max_fanout
+    limit = plane.settings.max_fanout
     if len(subtasks) > limit:
         raise ValidationError(f"{len(subtasks)} subtasks exceed SUBQ_MAX_FANOUT={limit}", field="subtasks")
     checked: list[SubtaskSpec] = []
@@ -74,7 +89,7 @@ def check_subtasks(coord: Coordinator, subtasks: Sequence[SubtaskSpec | dict[str
             raise ValidationError(f"{path}: {err['msg']}", field=path) from None
         if parsed.profile is not None:
             try:
-                coord.settings.profile(parsed.profile)
+                plane.settings.profile(parsed.profile)
             except ValidationError as exc:
                 raise type(exc)(exc.message, field=f"subtasks.{index}.profile") from None
         checked.append(parsed)
@@ -82,7 +97,7 @@ def check_subtasks(coord: Coordinator, subtasks: Sequence[SubtaskSpec | dict[str
 
 
 def commit(
-    coord: Coordinator,
+    plane: Plane,
     task_id: str,
     subtasks: Sequence[SubtaskSpec | dict[str, Any]],
     mode: DelegationMode | str = "parallel",
@@ -94,14 +109,14 @@ def commit(
     and only then publishes, so no child can finish before the parent's state is saved.
     """
     checked_mode = check_mode(mode)
-    checked = check_subtasks(coord, subtasks)
+    checked = check_subtasks(plane, subtasks)
     root_id = ids.root_of(task_id)
     child_ids = [ids.new_child_id(root_id) for _ in checked]
     batch_id = ids.new_batch_id(root_id)
 
     def plan(parent: TaskRecord, items: list[TodoItem]) -> tuple[Batch, list[TaskRecord], list[TodoItem]]:
-        _check_parent(coord, parent)
-        remaining = budgets.left_over(coord, parent)
+        _check_parent(plane, parent)
+        remaining = budgets.left_over(plane, parent)
         child_budgets = [budgets.to_micros(s.budget_usd, f"subtasks.{n}.budget_usd") for n, s in enumerate(checked)]
         budgets.check_within(remaining, child_budgets)
         specs = [(cid, spec.todo_id, spec.description) for cid, spec in zip(child_ids, checked, strict=True)]
@@ -137,27 +152,27 @@ def commit(
         )
         return batch, children, new_items
 
-    coord.store.watch([task_id], coord.settings.reconcile_grace_s)  # the commit's publish may never come
-    batch, children = coord.store.commit_delegation(task_id, plan)
-    faults.crash_point(coord.settings, "after-commit")
-    coord.store.set_live_many(children, "queued")
+    plane.store.watch([task_id], plane.settings.reconcile_grace_s)  # the commit's publish may never come
+    batch, children = plane.store.commit_delegation(task_id, plan)
+    faults.crash_point(plane.settings, "after-commit")
+    plane.store.set_live_many(children, "queued")
     return batch, children
 
 
-def _check_parent(coord: Coordinator, parent: TaskRecord) -> None:
+def _check_parent(plane: Plane, parent: TaskRecord) -> None:
     if parent.status != TaskStatus.ACTIVE:
         raise StateError(
             f"Task {parent.id} is {parent.status.value}, not active: it cannot delegate now", field="task_id"
         )
-    if parent.depth >= coord.settings.max_depth:
+    if parent.depth >= plane.settings.max_depth:
         raise StateError(
-            f"Task {parent.id} is at depth {parent.depth}; SUBQ_MAX_DEPTH={coord.settings.max_depth} "
+            f"Task {parent.id} is at depth {parent.depth}; SUBQ_MAX_DEPTH={plane.settings.max_depth} "
             "allows no deeper subtasks",
             field="task_id",
         )
 
 
-def publish(coord: Coordinator, batch: Batch, children: list[TaskRecord]) -> None:
+def publish(plane: Plane, batch: Batch, children: list[TaskRecord]) -> None:
     """Publish a committed batch's work, once (a second call finds it published).
 
     The children to start are watched first (the due list), then the batch is
@@ -165,19 +180,19 @@ def publish(coord: Coordinator, batch: Batch, children: list[TaskRecord]) -> Non
     reconciler. A publish the broker refuses gives the claim back and raises
     `BrokerError`, so the next call (or the reconciler) tries again.
     """
-    store = coord.store
+    store = plane.store
     if store.batch_published(batch.id):
         # Only while it waits: its children may all have ended, and its resume be published, already.
         store.unwatch([batch.parent_id], while_status=TaskStatus.DELEGATED.value)
         return
     starting = children if batch.mode == "parallel" else children[:1]  # later steps start as each ends
-    store.watch([c.id for c in starting], coord.settings.reconcile_grace_s)
+    store.watch([c.id for c in starting], plane.settings.reconcile_grace_s)
     if store.claim_batch_publish(batch.id):
-        faults.crash_point(coord.settings, "after-claim-publish")
+        faults.crash_point(plane.settings, "after-claim-publish")
         if batch.mode == "sequential":
             store.claim_step_publish(children[0].id)
         try:
-            dispatch.publish_batch(coord.app, batch, children)
+            dispatch.publish_batch(plane.app, batch, children)
         except Exception as exc:  # kombu's errors, whatever the transport
             store.unclaim_batch_publish(batch.id)
             raise BrokerError(
@@ -189,75 +204,79 @@ def publish(coord: Coordinator, batch: Batch, children: list[TaskRecord]) -> Non
     store.unwatch([batch.parent_id], while_status=TaskStatus.DELEGATED.value)
 
 
-def publish_waiting(coord: Coordinator, record: TaskRecord) -> None:
+def publish_waiting(plane: Plane, record: TaskRecord) -> None:
     """Publish the batch a delegated task waits on (its run committed it and may have died before publishing)."""
     if record.waiting_batch_id:
-        batch = coord.store.get_batch(record.waiting_batch_id)
-        publish(coord, batch, coord.store.get_records(batch.child_ids))
+        batch = plane.store.get_batch(record.waiting_batch_id)
+        publish(plane, batch, plane.store.get_records(batch.child_ids))
 
 
 def delegate(
-    coord: Coordinator,
+    plane: Plane,
     task_id: str,
     subtasks: Sequence[SubtaskSpec | dict[str, Any]],
     mode: DelegationMode | str = "parallel",
 ) -> Batch:
-    batch, children = commit(coord, task_id, subtasks, mode)
-    publish(coord, batch, children)
+    batch, children = commit(plane, task_id, subtasks, mode)
+    publish(plane, batch, children)
     return batch
 
 
-def submit(
-    coord: Coordinator,
-    prompt: str,
-    *,
-    todos: str | Sequence[object] | None = None,
-    profile: str | None = None,
+def check_submission(
+    plane: Plane,
     subtasks: Sequence[SubtaskSpec | dict[str, Any]],
-    mode: DelegationMode | str = "parallel",
-    budget_usd: Decimal | float | str | None = None,
-    idempotency_key: str | None = None,
-) -> Submission:
-    """Create a caller-owned root and delegate `subtasks` to it, or refuse and write nothing.
+    mode: DelegationMode | str,
+    todos: str | Sequence[object] | None,
+    budget_usd: Decimal | float | str | None,
+) -> tuple[DelegationMode, list[SubtaskSpec]]:
+    """Every check `delegate` makes on a fresh root, before the root exists; the checked mode and subtasks.
 
-    Every check `delegate` makes on a fresh root runs first, on the parsed plan and
-    throwaway child ids (linking is pure), so a bad subtask or todo id is refused
-    before the root exists. Only Redis or the broker can then fail; the root is
-    then ended visibly (`failed`, with the reason) rather than left waiting, and
-    the error is returned beside it, so the caller can name the root it created.
-    With an `idempotency_key`, a repeated submission returns what the first made:
-    its root and batch (or delegates now, if the first died before it could).
+    The checks run on the parsed plan and throwaway child ids (linking is pure), so
+    a bad subtask or todo id is refused before anything is written.
     """
     checked_mode = check_mode(mode)
-    checked = check_subtasks(coord, subtasks)
-    if coord.settings.max_depth < 1:
-        raise StateError(f"SUBQ_MAX_DEPTH={coord.settings.max_depth} allows no subtasks of a root", field="subtasks")
+    checked = check_subtasks(plane, subtasks)
+    if plane.settings.max_depth < 1:
+        raise StateError(f"SUBQ_MAX_DEPTH={plane.settings.max_depth} allows no subtasks of a root", field="subtasks")
     items = todo_lists.parse_update(todos) if todos is not None else []
     todo_links.link_children(items, [(f"check-{n}", s.todo_id, s.description) for n, s in enumerate(checked)])
     root_budget = budgets.to_micros(budget_usd, "budget_usd")
     child_budgets = [budgets.to_micros(s.budget_usd, f"subtasks.{n}.budget_usd") for n, s in enumerate(checked)]
     budgets.check_within(root_budget or None, child_budgets)
-    parent, created = coord.create_task_once(
-        prompt, todos=todos, profile=profile, run=False, budget_usd=budget_usd, idempotency_key=idempotency_key
-    )
-    if not created and (done := _submitted(coord, parent)) is not None:
+    return checked_mode, checked
+
+
+def submit_to(
+    plane: Plane, parent: TaskRecord, created: bool, subtasks: list[SubtaskSpec], mode: DelegationMode
+) -> Submission:
+    """Delegate a submission's checked `subtasks` to its new root `parent` (`created`: this call made it).
+
+    Only Redis or the broker can fail now; the root is then ended visibly
+    (`failed`, with the reason) rather than left waiting, and the error is returned
+    beside it, so the caller can name the root it created. A root an earlier
+    submission with the same key made returns what that one made: its root and
+    batch (or delegates now, if the first died before it could).
+    """
+    if not created and (done := _submitted(plane, parent)) is not None:
         return done
     try:
-        batch = delegate(coord, parent.id, checked, checked_mode)
+        batch = delegate(plane, parent.id, subtasks, mode)
     except StateError:
-        if not created and (done := _submitted(coord, coord.get_task(parent.id))) is not None:
+        if not created and (done := _submitted(plane, plane.store.get_task(parent.id))) is not None:
             return done  # a concurrent duplicate delegated first
         raise
     except SubqError as exc:
         log.error("subq: delegation of the new root %s failed after it was created: %s", parent.id, exc)
-        coord.store.finish_task(parent.id, "failed", error=str(exc), error_class=type(exc).__name__)
+        plane.store.finish_task(parent.id, "failed", error=str(exc), error_class=type(exc).__name__)
         return Submission(task=parent, error=exc)
     return Submission(task=parent, batch=batch)
 
 
-def _submitted(coord: Coordinator, parent: TaskRecord) -> Submission | None:
+def _submitted(plane: Plane, parent: TaskRecord) -> Submission | None:
     """What an earlier submission with the same key made of `parent`; None if it made no batch yet."""
     if parent.status.terminal:
         return Submission(task=parent, error=StateError(parent.error or "the submission failed", field="subtasks"))
-    batch_id = parent.waiting_batch_id or (coord.get_task(parent.child_ids[0]).batch_id if parent.child_ids else None)
-    return Submission(task=parent, batch=coord.get_batch(batch_id)) if batch_id else None
+    batch_id = parent.waiting_batch_id or (
+        plane.store.get_task(parent.child_ids[0]).batch_id if parent.child_ids else None
+    )
+    return Submission(task=parent, batch=plane.store.get_batch(batch_id)) if batch_id else None

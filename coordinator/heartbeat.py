@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from coordinator.service import Coordinator
+    from coordinator.plane import Plane
 
 __all__ = ["HAND_BACK_MARGIN_S", "Heartbeat", "Leased"]
 
@@ -41,8 +41,8 @@ class Leased(Protocol):
 class Heartbeat:
     """The runs one process holds, their lease renewal, and the shutdown deadline."""
 
-    def __init__(self, coord: Coordinator, worker_id: str) -> None:
-        self.coord = coord
+    def __init__(self, plane: Plane, worker_id: str) -> None:
+        self.plane = plane
         self.worker_id = worker_id
         self._runs: dict[str, Leased] = {}
         self._lock = threading.Lock()
@@ -66,7 +66,7 @@ class Heartbeat:
         """Renew the leases of this process's runs (and its heartbeat); a lost one fences its run."""
         with self._lock:
             held = [(task_id, run.token) for task_id, run in self._runs.items()]
-        for task_id in self.coord.store.renew_leases(held, self.coord.settings.heartbeat_lapse_s, self.worker_id):
+        for task_id in self.plane.store.renew_leases(held, self.plane.settings.heartbeat_lapse_s, self.worker_id):
             run = self._runs.get(task_id)
             if run is not None and not run.fenced:
                 run.fenced = True
@@ -88,7 +88,7 @@ class Heartbeat:
 
     def _beat(self) -> None:
         """Renew until no run is held; `hold` starts the thread again with the next run."""
-        every_s = self.coord.settings.heartbeat_lapse_s / 3
+        every_s = self.plane.settings.heartbeat_lapse_s / 3
         while True:
             time.sleep(every_s)
             with self._lock:

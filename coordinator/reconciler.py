@@ -55,48 +55,48 @@ class Reconciler:
     """One per worker process; `tick()` does a round when this process leads, else nothing."""
 
     def __init__(self, coord: Coordinator, name: str) -> None:
-        self.coord = coord
+        self.plane = coord.plane  # the worker builds it with its Coordinator; it works with the plane alone
         self.name = name
         self._queued: set[str] | None = None
 
     def beat(self) -> None:
         """This worker's heartbeat, whether or not it runs anything or leads."""
-        self.coord.store.renew_leases([], self.coord.settings.heartbeat_lapse_s, self.name)
+        self.plane.store.renew_leases([], self.plane.settings.heartbeat_lapse_s, self.name)
 
     def tick(self) -> Counter[str] | None:
         """One round; the repairs made by reason, or None when another process leads."""
-        settings = self.coord.settings
-        if not self.coord.store.lead(self.name, max(3 * settings.reconcile_interval_s, 5.0)):
+        settings = self.plane.settings
+        if not self.plane.store.lead(self.name, max(3 * settings.reconcile_interval_s, 5.0)):
             return None
         repairs: Counter[str] = Counter()
         self._timers()
         self._queued = None  # the broker's queue is read at most once a tick, and only if needed
-        due = self.coord.store.due_tasks(TICK_LIMIT)
-        for task_id, (status, runner, updated_at, leased) in zip(due, self.coord.store.triage(due), strict=True):
+        due = self.plane.store.due_tasks(TICK_LIMIT)
+        for task_id, (status, runner, updated_at, leased) in zip(due, self.plane.store.triage(due), strict=True):
             reason = self._look_at(task_id, status, runner, updated_at, leased)
             if reason:
                 repairs[reason] += 1
-                self.coord.store.count_repair(reason)
+                self.plane.store.count_repair(reason)
                 log.warning("subq reconciler: %s: %s", reason, task_id)
         return repairs
 
     def _timers(self) -> None:
         done = []
-        for name in self.coord.store.due_timers(TICK_LIMIT):
+        for name in self.plane.store.due_timers(TICK_LIMIT):
             kind, _, subject = name.partition(":")
             if kind == approvals.EXPIRY_TIMER:
                 try:
-                    approvals.expire(self.coord, subject)
+                    approvals.expire(self.plane, subject)
                 except NotFoundError:
                     pass  # its tree has expired
             else:
                 log.error("subq reconciler: unknown timer %r dropped", name)
             done.append(name)
-        self.coord.store.remove_timers(done)
+        self.plane.store.remove_timers(done)
 
     def _look_at(self, task_id: str, status: str, runner: str, updated_at: float, leased: bool) -> str | None:
-        coord, store = self.coord, self.coord.store
-        settings = coord.settings
+        plane, store = self.plane, self.plane.store
+        settings = plane.settings
         if not status:  # gone with its tree's retention
             store.unwatch([task_id])
             return None
@@ -108,23 +108,23 @@ class Reconciler:
         state = TaskStatus(status)
         if state.terminal:
             record = store.get_task(task_id)
-            admission.release(coord, record)
+            admission.release(plane, record)
             if record.batch_id:
-                writeback.write_back(coord, record.batch_id, ended=record)
+                writeback.write_back(plane, record.batch_id, ended=record)
             store.unwatch([task_id])
             return "ended-not-written-back"
         if state == TaskStatus.DELEGATED:
             record = store.get_task(task_id)
             batch = store.get_batch(record.waiting_batch_id) if record.waiting_batch_id else None
             if batch is not None and not store.batch_published(batch.id):
-                delegation.publish(coord, batch, store.get_records(batch.child_ids))
+                delegation.publish(plane, batch, store.get_records(batch.child_ids))
                 return "delegation-unpublished"
             store.unwatch([task_id], while_status=TaskStatus.DELEGATED.value)  # not once resumed meanwhile
             return None
         if runner != "agent":
             store.unwatch([task_id])
             return None
-        if approvals.undecided(coord, task_id):
+        if approvals.undecided(plane, task_id):
             store.unwatch([task_id])  # each decision, or its timer, watches it again
             return None
         if self._queued is None:
@@ -134,5 +134,5 @@ class Reconciler:
             return None
         store.watch([task_id], settings.reconcile_grace_s)  # first: a lost publish is tried again
         record = store.get_task(task_id)
-        dispatch.publish_again(coord.app, record, store.next_repair(task_id))
+        dispatch.publish_again(plane.app, record, store.next_repair(task_id))
         return "run-lost"

@@ -149,7 +149,8 @@ class Run:
         exhausted: str | None = None,
     ) -> None:
         self._heartbeat = lifecycle.heartbeat
-        self._coord = lifecycle.coord
+        self._coord = lifecycle.coord  # its todo operations are the service's
+        self._plane = lifecycle.plane
         self.token = token
         self.task = task
         # What the run did since its last step: written by the next one (a check before a
@@ -178,14 +179,14 @@ class Run:
     @property
     def lost_too_often(self) -> Ended | None:
         """A run delivered more than SUBQ_MAX_DELIVERIES times (its worker kept dying) fails instead."""
-        limit = self._coord.settings.max_deliveries
+        limit = self._plane.settings.max_deliveries
         if self.deliveries <= limit:
             return None
         error = f"lost with its worker {self.deliveries - 1} times (SUBQ_MAX_DELIVERIES={limit})"
         return Ended("failed", error=error, error_class="WorkerLost")
 
     def profile(self) -> Profile:
-        return self._coord.settings.profile(self.task.profile)
+        return self._plane.settings.profile(self.task.profile)
 
     # -- the conversation ---------------------------------------------------------------
 
@@ -194,13 +195,13 @@ class Run:
         if self._conversation is not None:
             conversation, self._conversation = self._conversation, None
             return conversation
-        return self._coord.store.conversation(self.task.id)
+        return self._plane.store.conversation(self.task.id)
 
     def answers(self) -> tuple[Batch | None, dict[str, approvals.Decision]]:
         """What the run answers its open calls with: the batch it was resumed from, and decided approvals."""
-        batch_id = self._coord.store.resume_batch_id(self.task.id)
-        batch = self._coord.store.get_batch(batch_id) if batch_id else None
-        return batch, approvals.decisions(self._coord, self.task.id)
+        batch_id = self._plane.store.resume_batch_id(self.task.id)
+        batch = self._plane.store.get_batch(batch_id) if batch_id else None
+        return batch, approvals.decisions(self._plane, self.task.id)
 
     def save(self, entries: Sequence[str]) -> None:
         """New conversation messages, written (while the run holds its lease) at its next step."""
@@ -222,7 +223,7 @@ class Run:
 
         Raises `LeaseLost` (nothing written) when another run owns the task now.
         """
-        held, status, exhausted = self._coord.store.flush_run(self.task, self.token, self.writes)
+        held, status, exhausted = self._plane.store.flush_run(self.task, self.token, self.writes)
         self.writes.clear()
         if not held:
             self.fenced = True
@@ -237,7 +238,7 @@ class Run:
 
     def is_stopped_by_status(self) -> bool:
         """Whether its task was stopped (cancelled, or a budget over it is spent)."""
-        status, _ = self._coord.store.status_of(self.task.id)
+        status, _ = self._plane.store.status_of(self.task.id)
         return TaskStatus(status).terminal
 
     def check_stop(self) -> tuple[bool, str | None]:
@@ -263,7 +264,7 @@ class Run:
         return holder is not None, holder
 
     def rate_wait_ms(self, provider: str) -> int:
-        return admission.wait_for_rate(self._coord, provider)
+        return admission.wait_for_rate(self._plane, provider)
 
     def record_response(
         self,
@@ -295,7 +296,7 @@ class Run:
 
     def transient_error(self, what: str, attempt: int) -> None:
         self.flush()
-        self._coord.store.count_transient_error(self.task.id)
+        self._plane.store.count_transient_error(self.task.id)
         self.say("retry", f"{what}: retrying (attempt {attempt})")
 
     # -- the orchestration tools --------------------------------------------------------
@@ -314,7 +315,7 @@ class Run:
         """Commit a delegation; it is published by `end` once the conversation is saved."""
         self._flush_unless_stopped()  # a resumed run must find the call that made the delegation in its history
         with tracing.span("subq.delegate", task_id=self.task.id, children=len(subtasks), mode=str(mode)):
-            self.delegation = delegation.commit(self._coord, self.task.id, subtasks, mode, tool_call_id)
+            self.delegation = delegation.commit(self._plane, self.task.id, subtasks, mode, tool_call_id)
         return self.delegation
 
     def _flush_unless_stopped(self) -> None:
@@ -330,7 +331,7 @@ class Run:
     def park(self, calls: Sequence[ToolCall]) -> list[str]:
         """Queue tool calls for a decision; returns the approval ids."""
         self._flush_unless_stopped()
-        return [a.id for a in approvals.park(self._coord, self.task, calls)]
+        return [a.id for a in approvals.park(self._plane, self.task, calls)]
 
     # -- the end ------------------------------------------------------------------------
 
@@ -342,33 +343,33 @@ class Run:
             raise HandBack(self.task.id)
         self.flush()  # what it spent before it stopped is recorded
         if budget_holder:
-            budgets.stop(self._coord, budget_holder)
+            budgets.stop(self._plane, budget_holder)
             metrics.budget_stopped(self.task.profile)  # the worker's own counter, in memory
-        task = self._coord.store.get_task(self.task.id)
+        task = self._plane.store.get_task(self.task.id)
         return Ended(task.status.value if task.status.terminal else "cancelled", error=task.error)
 
     def end(self, outcome: Ended | Released) -> SubtaskResult:
         """Record the outcome, release the lease and the slot (in that order), write back or publish."""
-        coord, task_id = self._coord, self.task.id
+        plane, task_id = self._plane, self.task.id
         if self.fenced:
             raise LeaseLost(task_id)
         if isinstance(outcome, Released):
             self.flush()
             self._release()
             if outcome.state == "delegated":
-                delegation.publish_waiting(coord, coord.store.get_task(task_id))
+                delegation.publish_waiting(plane, plane.store.get_task(task_id))
             else:  # waiting for a decision: each decision (or its timer) watches it again
-                coord.store.unwatch([task_id])
-            coord.store.set_live(self.task, outcome.state)
-            return writeback.result_of(coord.store.get_task(task_id), pending=outcome.state)
-        if admission.limits_set(coord) or coord.settings.fault_crash_at:
+                plane.store.unwatch([task_id])
+            plane.store.set_live(self.task, outcome.state)
+            return writeback.result_of(plane.store.get_task(task_id), pending=outcome.state)
+        if admission.limits_set(plane) or plane.settings.fault_crash_at:
             return self._end_in_steps(outcome)
         if self._live is not None:
             self._write_live()  # always the last live status, with the final figures
         # end_run.lua writes a child back onto its parent (and closes the batch when it is the last).
         with tracing.span("subq.write_back" if self.task.batch_id else "subq.end_run", task_id=task_id):
-            ending = coord.store.end_run(
-                self.task, self.token, self.writes, _outcome_fields(outcome), coord.settings.reconcile_grace_s,
+            ending = plane.store.end_run(
+                self.task, self.token, self.writes, _outcome_fields(outcome), plane.settings.reconcile_grace_s,
                 stop_on_budget=outcome.status == "completed",
             )  # fmt: skip
         self.writes.clear()
@@ -380,13 +381,13 @@ class Run:
             return self.end(self.stopped(ending.holder))
         self._heartbeat.forget(self)
         if outcome.error_detail and ending.status == outcome.status:
-            coord.store.set_error_detail(task_id, outcome.error_detail[:MAX_SUMMARY_CHARS])
+            plane.store.set_error_detail(task_id, outcome.error_detail[:MAX_SUMMARY_CHARS])
         if ending.batch_mode == "sequential":
-            (final,) = coord.store.get_records([task_id])
-            writeback.write_back(coord, final.batch_id or "", ended=final)
+            (final,) = plane.store.get_records([task_id])
+            writeback.write_back(plane, final.batch_id or "", ended=final)
         elif ending.resume and self.task.parent_id:
-            (parent,) = coord.store.get_records([self.task.parent_id])
-            dispatch.publish_run(coord.app, parent, ending.resumes)
+            (parent,) = plane.store.get_records([self.task.parent_id])
+            dispatch.publish_run(plane.app, parent, ending.resumes)
         return SubtaskResult(
             child_id=task_id,
             status=ending.status,  # type: ignore[arg-type]
@@ -400,42 +401,42 @@ class Run:
     def _end_in_steps(self, outcome: Ended) -> SubtaskResult:
         """The end as separate steps: with admission limits (a freed slot admits waiting runs) and
         in the fault suite, whose crash points sit between the steps."""
-        coord, task_id = self._coord, self.task.id
+        plane, task_id = self._plane, self.task.id
         if self._live is not None:
             self._write_live()
         self.flush()
         summary = outcome.summary[:MAX_SUMMARY_CHARS]
-        coord.store.finish_task(task_id, outcome.status, summary, outcome.error, outcome.error_class)
+        plane.store.finish_task(task_id, outcome.status, summary, outcome.error, outcome.error_class)
         if outcome.error_detail:
-            coord.store.set_error_detail(task_id, outcome.error_detail[:MAX_SUMMARY_CHARS])
-        faults.crash_point(coord.settings, "after-finish")
+            plane.store.set_error_detail(task_id, outcome.error_detail[:MAX_SUMMARY_CHARS])
+        faults.crash_point(plane.settings, "after-finish")
         self._release()
-        (final,) = coord.store.get_records([task_id])  # one read; the result needs no child lists
+        (final,) = plane.store.get_records([task_id])  # one read; the result needs no child lists
         if final.status == TaskStatus.COMPLETED:
-            coord.store.append_ui_message(task_id, _say("completion_result", final.summary))
+            plane.store.append_ui_message(task_id, _say("completion_result", final.summary))
         else:
-            coord.store.append_ui_message(task_id, _say("error", f"{final.error_class}: {final.error}"))
+            plane.store.append_ui_message(task_id, _say("error", f"{final.error_class}: {final.error}"))
         if final.batch_id:
-            writeback.write_back(coord, final.batch_id, ended=final)  # its todo item is written as it ends
-        coord.store.unwatch([task_id])
+            writeback.write_back(plane, final.batch_id, ended=final)  # its todo item is written as it ends
+        plane.store.unwatch([task_id])
         return writeback.result_of(final)
 
     def lost(self) -> SubtaskResult:
         """The run lost its lease: another run owns the task; this one leaves everything to it."""
         log.warning("subq: the run of %s lost its lease and stopped without writing", self.task.id)
         self._heartbeat.forget(self)  # its run slot is the task's, which the new run holds now
-        return writeback.result_of(self._coord.store.get_task(self.task.id), pending="running")
+        return writeback.result_of(self._plane.store.get_task(self.task.id), pending="running")
 
     def hand_back(self) -> SubtaskResult:
         """Queue the task again for another worker (its conversation is saved) and free this one."""
-        coord = self._coord
-        coord.store.watch([self.task.id], coord.settings.reconcile_grace_s)  # a lost message is published again
-        coord.store.reset_deliveries(self.task.id)  # handed back is not lost: SUBQ_MAX_DELIVERIES counts losses
+        plane = self._plane
+        plane.store.watch([self.task.id], plane.settings.reconcile_grace_s)  # a lost message is published again
+        plane.store.reset_deliveries(self.task.id)  # handed back is not lost: SUBQ_MAX_DELIVERIES counts losses
         self._release()
-        task = coord.store.get_task(self.task.id)
+        task = plane.store.get_task(self.task.id)
         if not task.status.terminal:
-            dispatch.publish_again(coord.app, task, coord.store.next_repair(task.id))
-            coord.store.set_live(task, "queued")
+            dispatch.publish_again(plane.app, task, plane.store.next_repair(task.id))
+            plane.store.set_live(task, "queued")
             log.warning("subq: handed %s back to the queue", task.id)
         return writeback.result_of(task, pending="queued")
 
@@ -448,8 +449,8 @@ class Run:
 
     def _release(self) -> None:
         self._heartbeat.forget(self)
-        self._coord.store.release_lease(self.task.id, self.token)
-        admission.release(self._coord, self.task)
+        self._plane.store.release_lease(self.task.id, self.token)
+        admission.release(self._plane, self.task)
 
 
 def _outcome_fields(outcome: Ended) -> tuple[str, str, str, str]:
@@ -472,17 +473,18 @@ class RunLifecycle:
 
     def __init__(self, coord: Coordinator, worker_id: str | None = None) -> None:
         self.coord = coord
-        self.heartbeat = Heartbeat(coord, worker_id or f"{socket.gethostname()}:{os.getpid()}")
+        self.plane = coord.plane  # what the rooms a run goes through are handed
+        self.heartbeat = Heartbeat(self.plane, worker_id or f"{socket.gethostname()}:{os.getpid()}")
 
     def start(self, task_id: str) -> Run | SubtaskResult:
         """A `Run` holding the task's lease, or the result to return when there is nothing to run."""
-        coord = self.coord
-        if admission.limits_set(coord):
+        plane = self.plane
+        if admission.limits_set(plane):
             return self._start_admitted(task_id)
         token = secrets.token_hex(8)
         try:
-            started = coord.store.begin_run(
-                task_id, token, coord.settings.heartbeat_lapse_s, coord.settings.reconcile_interval_s
+            started = plane.store.begin_run(
+                task_id, token, plane.settings.heartbeat_lapse_s, plane.settings.reconcile_interval_s
             )
         except NotFoundError as exc:
             return _unknown(task_id, exc)
@@ -500,25 +502,25 @@ class RunLifecycle:
 
     def _start_admitted(self, task_id: str) -> Run | SubtaskResult:
         """The start when admission limits are set: admit first (a run may wait for a slot), then lease."""
-        coord = self.coord
+        plane = self.plane
         try:
-            task = coord.store.get_task(task_id)
+            task = plane.store.get_task(task_id)
         except NotFoundError as exc:
             return _unknown(task_id, exc)
         if task.runner != "agent" or task.status.terminal or task.status == TaskStatus.DELEGATED:
             return self._nothing_to_run(task)
-        if not admission.admit(coord, task):
+        if not admission.admit(plane, task):
             return writeback.result_of(task, pending="queued")
         token = secrets.token_hex(8)
-        if not coord.store.acquire_lease(task_id, token, coord.settings.heartbeat_lapse_s):
+        if not plane.store.acquire_lease(task_id, token, plane.settings.heartbeat_lapse_s):
             return writeback.result_of(task, pending="running")  # as in `start`
         run = Run(self, task, token)
         try:
             # From now on the reconciler looks every tick: a lapsed lease is a dead worker. Added,
             # not only moved, as start_run.lua does: the entry an earlier step left may be gone.
-            coord.store.watch([task_id], coord.settings.reconcile_interval_s)
-            coord.store.set_live(task, "running")
-            run.deliveries, run.run_seq = coord.store.start_run(task_id)
+            plane.store.watch([task_id], plane.settings.reconcile_interval_s)
+            plane.store.set_live(task, "running")
+            run.deliveries, run.run_seq = plane.store.start_run(task_id)
         except BaseException:
             run.abandon()  # the lease must not outlive a start that failed
             raise
@@ -527,7 +529,7 @@ class RunLifecycle:
 
     def _nothing_to_run(self, task: TaskRecord) -> SubtaskResult:
         """A delivery of a task that is not an agent's to run now: refused, ended, or delegated."""
-        coord = self.coord
+        plane = self.plane
         if task.runner != "agent":
             error = f"task {task.id} is owned by its caller (runner {task.runner!r}), not run by an agent"
             log.error("subq.run_task refused: %s", error)
@@ -535,12 +537,12 @@ class RunLifecycle:
         if task.status.terminal:
             # Redelivered, duplicated, stopped before it started, or its run died after
             # ending it: free a slot it may hold, write it back (once: idempotent), forget it.
-            admission.release(coord, task)
+            admission.release(plane, task)
             if task.batch_id:
-                writeback.write_back(coord, task.batch_id, ended=task)
-            coord.store.unwatch([task.id])
+                writeback.write_back(plane, task.batch_id, ended=task)
+            plane.store.unwatch([task.id])
             return writeback.result_of(task)
-        delegation.publish_waiting(coord, task)  # delegated: a batch a dead run left unpublished
+        delegation.publish_waiting(plane, task)  # delegated: a batch a dead run left unpublished
         return writeback.result_of(task)
 
     def must_stop(self, runs: Sequence[Run]) -> list[Run]:
@@ -548,12 +550,12 @@ class RunLifecycle:
 
         A task that is gone (its tree expired or was deleted) stops its run too.
         """
-        statuses = self.coord.store.statuses_of([run.task_id for run in runs])
+        statuses = self.plane.store.statuses_of([run.task_id for run in runs])
         return [run for run, status in zip(runs, statuses, strict=True) if run.must_stop_now(status or "cancelled")]
 
     def stops_so_far(self) -> int:
         """A count that moves whenever a task is stopped (cancel, budget, chain): one small read."""
-        return self.coord.store.stops_so_far()
+        return self.plane.store.stops_so_far()
 
     def must_stop_here(self, runs: Sequence[Run]) -> list[Run]:
         """The runs among `runs` that must stop for a reason of this process alone (fenced, out of grace)."""
@@ -561,7 +563,7 @@ class RunLifecycle:
 
     def settle_batch(self, batch_id: str) -> bool:
         """A chain step: write back what has ended; True when it closed."""
-        return writeback.write_back(self.coord, batch_id)
+        return writeback.write_back(self.plane, batch_id)
 
     def drain(self, grace_s: float) -> None:
         """The worker is shutting down: every run hands itself back within `grace_s`."""

@@ -1,16 +1,19 @@
 """The Coordinator: the one service every face (Python, CLI, HTTP API, `subq.submit`) goes through.
 
 It holds the settings, the store (it is the one module that builds one) and the
-Celery app used to publish work. Tasks, queries and waiting live here; the
-other operations are thin calls into their rooms, which take the Coordinator:
+Celery app used to publish work, and hands the three to its rooms as one `Plane`
+(`coord.plane`, coordinator/plane.py): a room takes the parts it works with,
+never the Coordinator, so no room imports this module. Tasks, queries, waiting
+and `submit` (create a root, then hand it to delegation) live here; the other
+operations are thin calls into their rooms:
 
-    delegation.py   check, commit, publish a delegation; submit (create-and-delegate)
+    delegation.py   check, commit, publish a delegation; a submission's checks and its delegation
     control.py      cancel a subtree, stop one, the live snapshot
     approvals.py    park, decide, expire tool approvals
     budgets.py      budgets in micro-USD, what remains, the stop when spent
     admission.py    run slots, start stagger, provider rate limits (used by runs.py)
     writeback.py    the one write-back entry point (used by runs.py and control.py)
-    runs.py         the run-lifecycle seam the worker drives a run through
+    runs.py         the run-lifecycle seam the worker drives a run through (built with the Coordinator)
 
 Every operation validates all of its input first and raises the project's own
 error naming the field; only then does it commit, in one atomic step, and only
@@ -31,7 +34,6 @@ from celery import Celery
 
 from coordinator import approvals, budgets, control, delegation, dispatch, ids, todo_links, tracing
 from coordinator import todos as todo_lists
-from coordinator.celery_app import make_app
 from coordinator.deadletters import DeadLetter
 from coordinator.errors import CorruptError, NotFoundError, ValidationError, WaitTimeout
 from coordinator.export import export_tree
@@ -54,6 +56,7 @@ from coordinator.models import (
     TaskStatus,
     TodoItem,
 )
+from coordinator.plane import Plane
 from coordinator.settings import Settings, load_settings
 from coordinator.store import LATENCY_BUCKETS_MS, FleetGauges, Keys, Store
 from coordinator.store.sessions import WebSessions
@@ -84,15 +87,14 @@ class Coordinator:
         self.client = client
         self.store = Store(client, Keys(self.settings.key_prefix), self.settings.result_retention_s)
         self.sessions = WebSessions(client, self.store.keys)  # the web view's sign-ins, a part of their own
-        self._app = app
+        # What the rooms are handed: the store, the settings and the publishing app, not the Coordinator.
+        self.plane = Plane(self.store, self.settings, app)
         tracing.setup(self.settings)  # a no-op unless SUBQ_TRACES_EXPORTER is set
 
     @property
     def app(self) -> Celery:
         """The Celery app used to publish work, built on first use."""
-        if self._app is None:
-            self._app = make_app(self.settings)
-        return self._app
+        return self.plane.app
 
     # -- tasks -------------------------------------------------------------------------
 
@@ -236,7 +238,7 @@ class Coordinator:
         mode: DelegationMode | str = "parallel",
     ) -> Batch:
         """Delegate subtasks to children of `task_id`: all validated, committed atomically, then published."""
-        return delegation.delegate(self, task_id, subtasks, mode)
+        return delegation.delegate(self.plane, task_id, subtasks, mode)
 
     @tracing.traced("subq.submit")
     def submit(
@@ -250,17 +252,20 @@ class Coordinator:
         budget_usd: Decimal | float | str | None = None,
         idempotency_key: str | None = None,
     ) -> delegation.Submission:
-        """Create a caller-owned root and delegate `subtasks` to it in one operation (`subq.submit`)."""
-        return delegation.submit(
-            self,
-            prompt,
-            todos=todos,
-            profile=profile,
-            subtasks=subtasks,
-            mode=mode,
-            budget_usd=budget_usd,
-            idempotency_key=idempotency_key,
+        """Create a caller-owned root and delegate `subtasks` to it in one operation (`subq.submit`).
+
+        Or refuse and write nothing: every check `delegate` makes on a fresh root runs
+        first (`delegation.check_submission`). Only Redis or the broker can then fail;
+        the root is then ended visibly (`failed`, with the reason) rather than left
+        waiting, and the error is returned beside it, so the caller can name the root
+        it created. With an `idempotency_key`, a repeated submission returns what the
+        first made: its root and batch (or delegates now, if the first died before it could).
+        """
+        checked_mode, checked = delegation.check_submission(self.plane, subtasks, mode, todos, budget_usd)
+        parent, created = self.create_task_once(
+            prompt, todos=todos, profile=profile, run=False, budget_usd=budget_usd, idempotency_key=idempotency_key
         )
+        return delegation.submit_to(self.plane, parent, created, checked, checked_mode)
 
     # -- control (coordinator/control.py, approvals.py) ---------------------------------
 
@@ -272,24 +277,24 @@ class Coordinator:
         stop at their next step, abandoning an in-flight model call; nothing is
         recorded after the stop. Results that had finished are kept.
         """
-        return control.cancel(self, task_id, reason)
+        return control.cancel(self.plane, task_id, reason)
 
     def snapshot(self, task_id: str) -> dict[str, LiveState]:
         """The live state of every task of the tree rooted at `task_id`."""
-        return control.snapshot(self, task_id)
+        return control.snapshot(self.plane, task_id)
 
     def list_approvals(self, root_id: str | None = None) -> list[Approval]:
         """Tool calls waiting for a decision, oldest first (of one tree, or all)."""
-        return approvals.list_pending(self, root_id)
+        return approvals.list_pending(self.plane, root_id)
 
     def decide(self, approval_id: str, decision: str, feedback: str | None = None) -> Approval:
         """Approve or deny a pending tool call; only that task resumes, its siblings go on."""
         ids.root_of(approval_id, field="approval_id")
-        return approvals.decide(self, approval_id, decision, feedback)
+        return approvals.decide(self.plane, approval_id, decision, feedback)
 
     def expire_approval(self, approval_id: str) -> bool:
         """Deny an approval whose deadline has passed; False when it was decided or is not due."""
-        return approvals.expire(self, approval_id)
+        return approvals.expire(self.plane, approval_id)
 
     # -- the tree's events and fleet figures (the API's stream and /metrics, the CLI) ----
 

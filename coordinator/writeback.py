@@ -1,6 +1,6 @@
 """Settling delegations: applying ended children to their parent and closing the batch.
 
-`write_back(coord, batch_id, ended=None)`, the one entry point, does the
+`write_back(plane, batch_id, ended=None)`, the one entry point, does the
 write-back of a batch from the state in Redis:
 - parallel: every child that has ended is applied (`apply_children.lua`, once per
   child, all in one call); when all have ended the batch is closed;
@@ -30,13 +30,13 @@ from coordinator import dispatch, faults, tracing
 from coordinator.models import Batch, BatchRef, SubtaskResult, TaskRecord, TaskStatus, Usage
 
 if TYPE_CHECKING:
-    from coordinator.service import Coordinator
+    from coordinator.plane import Plane
 
 __all__ = ["close_batch", "result_of", "write_back"]
 
 
 @tracing.traced("subq.write_back")
-def write_back(coord: Coordinator, batch_id: str, ended: TaskRecord | None = None) -> bool:
+def write_back(plane: Plane, batch_id: str, ended: TaskRecord | None = None) -> bool:
     """Write back what has ended in the batch; True when this call closed it.
 
     The one write-back entry point. With `ended` (a child that has just ended) a
@@ -45,7 +45,7 @@ def write_back(coord: Coordinator, batch_id: str, ended: TaskRecord | None = Non
     sibling as each one ends. Without it (a chain step, a stop),
     every child that has ended is applied from the records in Redis.
     """
-    store = coord.store
+    store = plane.store
     if ended is not None:
         mode, status, parent_id = store.batch_head(batch_id)
         if mode == "parallel":
@@ -53,7 +53,7 @@ def write_back(coord: Coordinator, batch_id: str, ended: TaskRecord | None = Non
             store.apply_children(ref, [ended.id])
             if status == "done" or store.awaiting_count(parent_id) > 0:
                 return False
-            return close_batch(coord, ref)
+            return close_batch(plane, ref)
     batch = store.get_batch(batch_id)
     if batch.status == "done":
         return False
@@ -61,13 +61,13 @@ def write_back(coord: Coordinator, batch_id: str, ended: TaskRecord | None = Non
     if batch.mode == "parallel":
         ended_ids = [c.id for c in children if c.status.terminal]
         store.apply_children(batch, ended_ids)
-        return len(ended_ids) == len(children) and close_batch(coord, batch)
+        return len(ended_ids) == len(children) and close_batch(plane, batch)
     for index, child in enumerate(children):
         if not child.status.terminal:
             store.apply_children(batch, [c.id for c in children[:index]])
-            store.watch([child.id], coord.settings.reconcile_grace_s)  # first: a lost step is published again
+            store.watch([child.id], plane.settings.reconcile_grace_s)  # first: a lost step is published again
             if store.claim_step_publish(child.id):
-                dispatch.publish_step(coord.app, batch, child, index)
+                dispatch.publish_step(plane.app, batch, child, index)
             return False
         if child.status != TaskStatus.COMPLETED:
             reason = f"not run: step {index + 1} of the chain ended {child.status.value}"
@@ -85,18 +85,18 @@ def write_back(coord: Coordinator, batch_id: str, ended: TaskRecord | None = Non
             )
             break
     store.apply_children(batch, batch.child_ids)
-    return close_batch(coord, batch)
+    return close_batch(plane, batch)
 
 
-def close_batch(coord: Coordinator, batch: Batch | BatchRef) -> bool:
+def close_batch(plane: Plane, batch: Batch | BatchRef) -> bool:
     """Close the batch (once) and publish its agent parent's resume; True when this call closed it."""
-    resumes, resume = coord.store.close_batch(batch, coord.settings.reconcile_grace_s)
+    resumes, resume = plane.store.close_batch(batch, plane.settings.reconcile_grace_s)
     if not resumes:
         return False
-    faults.crash_point(coord.settings, "after-close")
+    faults.crash_point(plane.settings, "after-close")
     if resume:
-        (parent,) = coord.store.get_records([batch.parent_id])
-        dispatch.publish_run(coord.app, parent, resumes)
+        (parent,) = plane.store.get_records([batch.parent_id])
+        dispatch.publish_run(plane.app, parent, resumes)
     return True
 
 

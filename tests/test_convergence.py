@@ -89,7 +89,7 @@ def test_a_redelivered_run_of_an_ended_child_writes_it_back(coord: Coordinator) 
 
 def test_a_delegation_committed_but_never_published(coord: Coordinator) -> None:
     parent = coord.create_task("p")
-    batch, _children = delegation.commit(coord, parent.id, [subtask("a", reply("a")), subtask("b", reply("b"))])
+    batch, _children = delegation.commit(coord.plane, parent.id, [subtask("a", reply("a")), subtask("b", reply("b"))])
     assert coord.client.llen(QUEUE) == 0
     assert tick(coord) == {"delegation-unpublished": 1}
     assert set(queued_ids(coord)) == set(batch.child_ids)
@@ -120,7 +120,7 @@ def test_run_task_refuses_a_caller_owned_task_and_changes_nothing(coord: Coordin
 def test_an_approval_deadline_is_a_timer_not_a_broker_countdown(coord: Coordinator) -> None:
     root = coord.create_task(agent(reply("x")), run=True)
     coord.client.delete(QUEUE)
-    (approval,) = park(coord, coord.get_task(root.id), [ToolCall("run_command", {"command": "ls"}, "call-1")])
+    (approval,) = park(coord.plane, coord.get_task(root.id), [ToolCall("run_command", {"command": "ls"}, "call-1")])
     assert coord.client.llen(QUEUE) == 0, "no countdown message"
     timers = dict(coord.client.zrange(coord.store.keys.timers(), 0, -1, withscores=True))
     assert timers[expiry_timer(approval.id)] == pytest.approx(approval.deadline)

@@ -133,7 +133,7 @@ class Tree:
         """What a run does when a budget over it is spent: the holder's subtree is stopped."""
         task = self.coord.get_task(self.pick(n))
         if not task.status.terminal:
-            budgets.stop(self.coord, task.id)
+            budgets.stop(self.coord.plane, task.id)
 
     def settle(self, n: int) -> None:
         if self.batches:

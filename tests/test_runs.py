@@ -12,6 +12,7 @@ import pytest
 
 from coordinator import Coordinator, TaskRecord, TaskStatus, admission
 from coordinator.celery_app import make_app
+from coordinator.plane import Plane
 from tests.helpers import script, usage_step
 from workers.runtime.context import build_runtime
 from workers.runtime.runner import run_child
@@ -37,9 +38,9 @@ def test_a_run_frees_its_slot_only_after_its_outcome_is_recorded(
     seen_at_release: list[tuple[str, str]] = []
     real_release = admission.release
 
-    def spy(coord: Coordinator, task: TaskRecord) -> None:
-        seen_at_release.append((task.id, coord.store.status_of(task.id)[0]))
-        real_release(coord, task)
+    def spy(plane: Plane, task: TaskRecord) -> None:
+        seen_at_release.append((task.id, plane.store.status_of(task.id)[0]))
+        real_release(plane, task)
 
     monkeypatch.setattr(admission, "release", spy)
     rt = build_runtime(limited.settings, make_app(limited.settings))
