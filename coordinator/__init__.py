@@ -21,6 +21,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from coordinator.deadletters import dead_letter
     from coordinator.errors import (
         BrokerError,
         ConfigError,
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
         ValidationError,
         WaitTimeout,
     )
-    from coordinator.ids import is_batch_id, is_task_id
+    from coordinator.ids import is_batch_id, is_task_id, task_of_run_id
     from coordinator.inputs import one_line
     from coordinator.models import (
         Batch,
@@ -99,6 +100,8 @@ _EXPORTS = {
     "load_settings": "coordinator.settings",
     "is_task_id": "coordinator.ids",
     "is_batch_id": "coordinator.ids",
+    "task_of_run_id": "coordinator.ids",
+    "dead_letter": "coordinator.deadletters",
     "one_line": "coordinator.inputs",
     "render_markdown": "coordinator.todos",
     "parse_markdown": "coordinator.todos",
@@ -160,6 +163,7 @@ __all__ = [
     "ValidationError",
     "WaitTimeout",
     "current_trace_id",
+    "dead_letter",
     "format_usd",
     "ignored_lines",
     "is_batch_id",
@@ -168,6 +172,7 @@ __all__ = [
     "one_line",
     "parse_markdown",
     "render_markdown",
+    "task_of_run_id",
     "usd_to_micros",
 ]
 

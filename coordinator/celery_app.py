@@ -43,8 +43,8 @@ ADVANCE = "subq.advance"
 SUBMIT = "subq.submit"
 BACKEND_RETRY_POLICY = {"max_retries": 5, "interval_start": 0, "interval_step": 0.5, "interval_max": 1}
 # The worker's consumer dead-letters a message it cannot decode or validate instead of dying
-# on it (coordinator/poison.py). Named, not imported: the coordinator plane never loads it.
-POISON_SAFE_CONSUMER = "coordinator.poison:PoisonSafeConsumer"
+# on it (workers/poison.py). Named, not imported: the coordinator plane never loads it.
+POISON_SAFE_CONSUMER = "workers.poison:PoisonSafeConsumer"
 # Flower shows kwargsrepr; a profile name is short, anything longer is not a name.
 PROFILE_REPR_CHARS = 40
 # The longest a publish or a control broadcast waits for a connection (or a producer)
@@ -183,7 +183,7 @@ class SubqCelery(Celery):  # type: ignore[misc]  # Celery ships no type hints
     repr of the arguments when none is given), and Celery's event state lets a
     sent event that arrives after the worker's `task-received` overwrite the
     worker's safe summary. subq's own Flower drops the arguments of every
-    `subq.*` sent event (coordinator/flower.py); for any other monitor of the
+    `subq.*` sent event (workers/flower_setup.py); for any other monitor of the
     event stream, the summary is computed here, at publish time, as well.
     """
 

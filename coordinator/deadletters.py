@@ -1,6 +1,6 @@
 """A dead letter: a queue message no worker could decode or validate, kept with the reason.
 
-The worker's consumer boundary (`coordinator/poison.py`) builds one with
+The worker's consumer boundary (`workers/poison.py`) builds one with
 `dead_letter(...)` for each message it takes off the queue and cannot run; the
 store keeps them on one capped list per key prefix (`<prefix>:dead-letters`),
 newest first. The raw message is kept as text, cut to MAX_MESSAGE_CHARS, so a

@@ -354,7 +354,7 @@ class Coordinator:
         """Worker processes whose heartbeat is at `since_s` or later (the health check's one read)."""
         return self.store.workers_since(since_s)
 
-    # -- dead letters: messages no worker could decode or validate (coordinator/poison.py) --
+    # -- dead letters: messages no worker could decode or validate (workers/poison.py) --
 
     def record_dead_letter(self, entry: DeadLetter) -> None:
         """Keep a message the worker's consumer took off a queue and could not run (capped list)."""

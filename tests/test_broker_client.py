@@ -9,7 +9,7 @@ import redis
 from kombu import Connection
 
 from coordinator import Settings
-from coordinator.poison import DeadLetterChannel, DeadLetters, install_channel
+from workers.poison import DeadLetterChannel, DeadLetters, install_channel
 
 QUEUE = "subq-broker-client"
 

@@ -162,7 +162,7 @@ def test_flower_refuses_requests_without_the_credentials(flower_url: str) -> Non
 
 
 def test_metrics_and_healthcheck_need_the_credentials_too(flower_url: str) -> None:
-    """Flower serves both without its login; subq's install() puts them behind it (coordinator/flower.py)."""
+    """Flower serves both without its login; subq's install() puts them behind it (workers/flower_setup.py)."""
     for path in ("/metrics", "/healthcheck"):
         for auth in (None, (USER, "wrong"), ("someone", PASSWORD)):
             refused = flower_get(flower_url, path, auth=auth)
@@ -283,7 +283,7 @@ def test_a_batchs_queued_children_show_from_its_one_sent_message(listening: str,
         for child_id, task in shown.items():
             assert (task["state"], task["name"], task["root_id"]) == ("PENDING", "subq.run_task", child_id)
             assert task["sent"] and task["received"] is None
-            assert task["args"] is None, "a sent event's arguments are dropped (coordinator/flower.py)"
+            assert task["args"] is None, "a sent event's arguments are dropped (workers/flower_setup.py)"
         assert secret not in flower_get(listening, "/api/tasks").text
     finally:
         coord.client.delete(queue)
@@ -351,7 +351,7 @@ def test_subqs_own_publish_carries_the_summary(settings: Settings, redis_client:
 
 def test_the_event_state_drops_sent_arguments_in_either_order_and_pickles() -> None:
     """A late sent event cannot overwrite the worker's summary; Flower's --persistent can save the state."""
-    from coordinator.flower import RedactedEventsState
+    from workers.flower_setup import RedactedEventsState
 
     secret, summary = f"SECRET-{uuid.uuid4().hex}", "prompt=<40 chars>"
     received = {"type": "task-received", "uuid": "t1", "name": "subq.submit", "args": "", "kwargs": summary}

@@ -1,6 +1,6 @@
 """Poison messages against a real `celery worker`: each is dead-lettered, and the worker goes on.
 
-Every kind here stopped the worker before the consumer boundary (coordinator/poison.py):
+Every kind here stopped the worker before the consumer boundary (workers/poison.py):
 the process exited, and the message, restored to the queue at shutdown, stopped the
 next one too; a message without an `id` made the consumer "reconnect" and read it
 again, for ever; a 3-item body of the wrong shapes was lost in the pool, holding a
@@ -30,10 +30,10 @@ from kombu.transport import redis as kombu_redis
 from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.celery_app import RUN_TASK
 from coordinator.local.fleet import WorkerFleet
-from coordinator.poison import DeadLetterChannel
 from tests.agents import agent, reply
 from tests.conftest import dedicated_fleet
 from tests.helpers import eventually
+from workers.poison import DeadLetterChannel
 
 QUEUE = "subq-poison"
 # A queue no worker reads: a real message is published there, then copied and spoiled.
@@ -193,8 +193,8 @@ def test_the_coordinator_plane_does_not_load_the_worker_consumer(settings: Setti
         "from coordinator import Settings\n"
         "from coordinator.celery_app import make_app\n"
         f"app = make_app(Settings(redis_url={settings.redis_url!r}))\n"
-        "assert app.conf.worker_consumer == 'coordinator.poison:PoisonSafeConsumer'\n"
-        "print(sorted(m for m in sys.modules if m in ('coordinator.poison', 'celery.worker.consumer')))\n"
+        "assert app.conf.worker_consumer == 'workers.poison:PoisonSafeConsumer'\n"
+        "print(sorted(m for m in sys.modules if m in ('workers.poison', 'celery.worker.consumer')))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert (done.returncode, done.stdout.strip()) == (0, "[]"), done.stderr

@@ -75,7 +75,7 @@ def test_a_batchs_sent_events_are_one_publish(private_coordinator: Coordinator) 
     assert [m.routing_key for m in tap.messages] == ["task.multi"]
     assert [event["uuid"] for _, event in sent] == batch.child_ids, "in publish order"
     for (_, event), child_id in zip(sent, batch.child_ids, strict=True):
-        # What Celery's own sent event carries, and what Flower's redaction reads (coordinator/flower.py).
+        # What Celery's own sent event carries, and what Flower's redaction reads (workers/flower_setup.py).
         assert event["name"] == RUN_TASK and event["type"] == "task-sent"
         assert event["args"].startswith(f"task={child_id} parent={parent.id} ")
         assert (event["queue"], event["routing_key"], event["root_id"]) == ("subq-nobody", "subq-nobody", child_id)

@@ -1,7 +1,7 @@
 """Flower's Celery app: `celery -A workers.flower flower`, which `subq flower` and `subq up` run.
 
 The worker's app (its tasks registered, so Flower's `apply`/`async-apply` know
-them), made Flower's by `coordinator.flower.install`: sent events without
+them), made Flower's by `workers.flower_setup.install`: sent events without
 arguments, subq's app current (results and abort answer), a run's result from
 its task's record, an abort of a run cancelling its subtree, and `/metrics` and
 `/healthcheck` behind the same login as every other route.
@@ -9,8 +9,8 @@ its task's record, an abort of a run cancelling its subtree, and `/metrics` and
 
 from __future__ import annotations
 
-from coordinator.flower import install
 from workers.app import app, settings
+from workers.flower_setup import install
 
 __all__ = ["app", "settings"]
 

@@ -38,11 +38,8 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 from vine import promise
 
-from coordinator.broker_client import OneClientPerPool
-from coordinator.deadletters import dead_letter
-from coordinator.errors import StoreError
-from coordinator.service import Coordinator
-from coordinator.settings import Settings, load_settings
+from coordinator import Coordinator, Settings, StoreError, dead_letter, load_settings
+from workers.broker_client import OneClientPerPool
 
 __all__ = ["DeadLetterChannel", "DeadLetters", "PoisonSafeConsumer", "UnreadableMessage", "task_problem"]
 

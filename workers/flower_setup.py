@@ -43,11 +43,8 @@ import tornado.web
 from celery import Celery, states
 from celery.contrib.abortable import ABORTED
 
+from coordinator import Coordinator, NotFoundError, SubqError, TaskRecord, task_of_run_id
 from coordinator.celery_app import PublishOnlyRedisBackend
-from coordinator.errors import NotFoundError, SubqError
-from coordinator.ids import task_of_run_id
-from coordinator.models import TaskRecord
-from coordinator.service import Coordinator
 
 __all__ = [
     "ABORT_REASON",
