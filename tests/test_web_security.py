@@ -31,7 +31,7 @@ from playwright.sync_api import Browser, BrowserContext, Dialog, Page, Request, 
 from coordinator.models import Approval
 from coordinator.web.views import call_text
 from tests.agents import call, reply, subtask
-from tests.helpers import TOKEN, ApiServer, script
+from tests.helpers import TOKEN, ApiServer
 from tests.test_web_browser import WAIT_MS, browser  # noqa: F401 - the module's one Chromium
 
 _APPROVE = (
@@ -58,7 +58,8 @@ MOUSE_COLUMNS, MOUSE_ROWS = 6, 4
 TABS = 15
 # Screenfuls poked on a long page: every payload shows within the first few of each page.
 MAX_SCREENS = 2
-LIVE_DELAY_MS = 1500
+# The ticking child's steps: about ten seconds of events, long enough to be seen on a loaded host.
+TICKS, TICK_MS = 10, 1000
 
 
 @dataclass
@@ -151,33 +152,37 @@ def test_hostile_text_in_every_field_never_acts(
     context: BrowserContext, live_api: ApiServer, live_http: httpx.Client
 ) -> None:
     url = live_api.url
-    # The risky call waits a little, so the approval arrives into a page already open.
-    slow_call = {**call("run_command", command=HOSTILE), "latency_ms": LIVE_DELAY_MS}
-    risky = subtask(f"Deploy {SHORT} {MEDIUM}", slow_call, reply(f"deployed {HOSTILE}"))
+    risky = subtask(f"Deploy {SHORT} {MEDIUM}", call("run_command", command=HOSTILE), reply(f"deployed {HOSTILE}"))
     chatty = subtask(f"Summarise {SHORT} {MEDIUM}", reply(f"Summary {HOSTILE}"))
     failing = subtask(f"Break {SHORT} {MEDIUM}", {"fail": f"refused {SHORT} {HOSTILE}"})
-    plan = "\n".join(f"[ ] {name} {SHORT} {HOSTILE}" for name in ("Deploy", "Summarise", "Break"))
-    root_script = [
-        call("update_todo_list", todos=plan),
-        call("run_subagents", tasks=[risky, chatty, failing]),
-        call("attempt_completion", result=f"Done {HOSTILE}"),
-    ]
-    response = live_http.post("/v1/tasks", json={"prompt": script(*root_script, text=f"Release {SHORT}"), "run": True})
+    # A child that keeps the tree's stream busy for a while: the page swaps fragments in, with
+    # the hostile approval on it, while the approval waits.
+    ticks = [{**call("update_todo_list", todos=f"[-] tick {n} {SHORT}"), "latency_ms": TICK_MS} for n in range(TICKS)]
+    ticker = subtask(f"Tick {SHORT}", *ticks, reply(f"ticked {HOSTILE}"))
+    plan = "\n".join(f"[ ] {name} {SHORT} {HOSTILE}" for name in ("Deploy", "Summarise", "Break", "Tick"))
+    # A root the test drives (run: false): it waits on its children, so its page stays live until
+    # the last one ends, and the approval keeps it waiting until the test decides.
+    response = live_http.post("/v1/tasks", json={"prompt": f"Release {SHORT} {HOSTILE}", "todos": plan})
     assert response.status_code == 201, response.text
     root = response.json()["id"]
+    delegated = live_http.post(f"/v1/tasks/{root}/subtasks", json={"subtasks": [risky, chatty, failing, ticker]})
+    assert delegated.status_code == 202, delegated.text
 
-    # Live: the page is open before the approval exists; it arrives into it.
     live_page, live_watch = _watched(context)
     _sign_in(live_page, url)
     live_watch.visited.add(f"{url}/ui/tasks/{root}")
     live_page.goto(f"{url}/ui/tasks/{root}")
     deadline = time.monotonic() + WAIT_MS / 1000
     while not _approvals(live_http, root):
-        tree = live_http.get(f"/v1/tasks/{root}/tree").json()
-        assert time.monotonic() < deadline and tree["status"] not in ("failed", "completed"), tree
+        assert time.monotonic() < deadline, live_http.get(f"/v1/tasks/{root}/tree").json()
         time.sleep(0.2)
     expect(live_page.locator(".approval")).to_have_count(1, timeout=WAIT_MS)
-    assert int(live_page.locator("#tree").get_attribute("data-refreshes") or 0) > 0, "it was not swapped in live"
+    # Live: the fragment is swapped in (innerHTML) again while the hostile approval is on the page.
+    shown_at = int(live_page.locator("#tree").get_attribute("data-refreshes") or 0)
+    live_page.wait_for_function(
+        f"() => Number(document.getElementById('tree').dataset.refreshes || 0) > {shown_at}"
+        " && document.querySelectorAll('.approval').length === 1"
+    )
     _poke(live_page)
     live_watch.check(live_page, url)
 
@@ -206,10 +211,13 @@ def test_hostile_text_in_every_field_never_acts(
         f"/v1/approvals/{waiting['id']}", json={"decision": "deny", "feedback": f"no {SHORT} {HOSTILE}"}
     )
     assert denied.status_code == 200, denied.text
-    expect(live_page.locator(f"#task-{root}")).to_have_attribute("data-state", "completed", timeout=WAIT_MS)
+    # Its children end (one denied and done, one done, one failed); the open page follows them.
+    expect(live_page.locator("#live")).to_have_attribute("data-state", "ended", timeout=WAIT_MS)
     live_watch.check(live_page, url)
     tree = live_http.get(f"/v1/tasks/{root}/tree").json()
-    assert {child["status"] for child in tree["children"]} == {"completed", "failed"}
+    assert sorted(child["status"] for child in tree["children"]) == ["completed", "completed", "completed", "failed"]
+    for child in tree["children"]:
+        expect(live_page.locator(f"#task-{child['id']}")).to_have_attribute("data-state", child["status"])
 
     # Every other page with the same text: the tree again, each conversation, the roots, an error, sign-in.
     pages = [f"/ui/tasks/{root}", f"/ui/tasks/{root}/conversation"]
