@@ -23,6 +23,7 @@ __all__ = [
     "one_line",
     "text_field",
     "to_micros",
+    "visible_text",
 ]
 
 MAX_PROMPT_CHARS = 200_000
@@ -47,6 +48,20 @@ def one_line(text: str, max_chars: int = MAX_ERROR_CHARS) -> str:
     """`text` on one line, whitespace collapsed, cut to `max_chars` with an ellipsis."""
     line = " ".join(text.split())
     return line if len(line) <= max_chars else line[: max_chars - 1] + "…"
+
+
+def visible_text(text: str) -> str:
+    """`text` as it may be shown: every non-printable character but the new line written as its escape.
+
+    A model's words (a plan item, an error, a tool call's arguments) reach an
+    operator's terminal and browser. On a terminal an ESC starts a sequence (clear
+    the screen, retitle the window, write the clipboard with OSC 52) and a CR
+    overwrites the line; anywhere, a bidi override or a zero-width character makes
+    text read as something other than it is. Written as `\\x1b`, `\\r`, `\\u202e`,
+    they are only text. (Python's non-printable: Unicode's Other and Separator
+    categories, but the ASCII space.)
+    """
+    return "".join(ch if ch == "\n" or ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
 def check_history_query(status: str | None, root_id: str | None, limit: int, cursor: int) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from coordinator.models import format_usd
 from coordinator.tree import TreeNode
 
-__all__ = ["MARKS", "cut", "describe", "render_tree", "terminal_text", "unlinked_line", "walk"]
+__all__ = ["MARKS", "cut", "describe", "render_tree", "unlinked_line", "walk"]
 
 MARKS = {"pending": "[ ]", "in_progress": "[-]", "completed": "[x]"}
 # Wide enough to tell tasks apart, narrow enough that a tree line fits a terminal.
@@ -62,17 +62,6 @@ def walk(node: TreeNode) -> Iterator[TreeNode]:
 def describe(node: TreeNode) -> str:
     first = (node.description.strip().splitlines() or [""])[0]
     return repr(cut(first, DESCRIPTION_CHARS))
-
-
-def terminal_text(text: str) -> str:
-    """`text` safe to print on a terminal: every control character but the new line shown as its escape.
-
-    A model's words (a plan item, an error, a reply) reach the operator's terminal
-    through the CLI; an ESC in them would start a terminal sequence (clear the
-    screen, retitle the window, write the clipboard with OSC 52), a CR would
-    overwrite the line. Shown as `\\x1b`, `\\r`, they are only text.
-    """
-    return "".join(ch if ch == "\n" or ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
 def cut(text: str, chars: int) -> str:

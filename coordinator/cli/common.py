@@ -61,6 +61,17 @@ def shared_options(
     ctx.obj = {name: value for name, value in given.items() if value is not None}
 
 
+def say(text: str, err: bool = False) -> None:
+    """Print a human-readable line that may carry a model's or a server's text: as visible text only.
+
+    The one place the CLI's tables and messages reach the terminal (`--json` output is
+    JSON, escaped already): a control character in them is printed as its escape.
+    """
+    from coordinator.inputs import visible_text  # on use: `subq --help` loads no models
+
+    typer.echo(visible_text(text), err=err)
+
+
 def settings_of(ctx: typer.Context) -> Settings:
     """The settings: the shared options over the SUBQ_ environment."""
     from coordinator.settings import load_settings

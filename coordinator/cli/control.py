@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from coordinator.cli.common import JsonOption, TaskId, connect
+from coordinator.cli.common import JsonOption, TaskId, connect, say
 from coordinator.errors import ValidationError
 
 if TYPE_CHECKING:
@@ -67,8 +67,6 @@ def approvals(
     as_json: JsonOption = False,
 ) -> None:
     """List tool calls waiting for a decision (oldest first)."""
-    from coordinator.render import terminal_text
-
     with connect(ctx) as coord:
         pending = coord.list_approvals(root)
     if as_json:
@@ -79,7 +77,7 @@ def approvals(
     for approval in pending:
         todo = f"  for todo '{approval.todo_content}'" if approval.todo_content else ""
         line = f"{approval.id}  task {approval.task_id}  {approval.tool} {json.dumps(approval.args)}{todo}"
-        typer.echo(terminal_text(line))
+        say(line)
 
 
 def approve(ctx: typer.Context, approval_id: ApprovalId) -> None:
@@ -122,11 +120,10 @@ def dead_letters(
         typer.echo(json.dumps([entry.model_dump(mode="json") for entry in shown], indent=2))
         return
     from coordinator.cli.views import dead_letter_lines
-    from coordinator.render import terminal_text
 
     if not shown:
         typer.echo("No dead letters.")
     for line in dead_letter_lines(shown):
-        typer.echo(terminal_text(line))
+        say(line)
     if count > len(shown):
         typer.echo(f"({count - len(shown)} older: subq dead-letters --limit {min(count, 500)})", err=True)

@@ -92,9 +92,9 @@ def _click_failure(exc: Any) -> int:
 
 def _one_line(text: str) -> str:
     """`text` on one line, control characters (ESC of a terminal sequence, CR, BEL) shown as escapes."""
-    from coordinator.render import terminal_text
+    from coordinator.inputs import visible_text
 
-    return terminal_text(" ".join(text.split()))
+    return visible_text(" ".join(text.split()))
 
 
 def main() -> None:

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 import typer
 
 from coordinator.cli.backend import watch as open_watch
+from coordinator.cli.common import say
 from coordinator.deadletters import DeadLetter
 from coordinator.models import MICROS_PER_USD, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem, format_usd
-from coordinator.render import MARKS, cut, describe, render_tree, terminal_text, walk
+from coordinator.render import MARKS, cut, describe, render_tree, walk
 
 if TYPE_CHECKING:
     from coordinator.cli.backend import Watch
@@ -55,7 +56,7 @@ def follow_run(coord: Operations, root_id: str) -> int:
     finally:
         watch.close()
     if node.status != TaskStatus.COMPLETED:
-        typer.echo(terminal_text(f"subq: run {root_id} {node.status.value}: {node.error or 'no detail'}"), err=True)
+        say(f"subq: run {root_id} {node.status.value}: {node.error or 'no detail'}", err=True)
         return 1
     return 0
 
@@ -93,12 +94,12 @@ def _follow_as_lines(coord: Operations, root_id: str, watch: Watch) -> TreeNode:
             line = f"{task.id}  {describe(task)}  {task_status(task, state)}{_live_note(state)}"
             if shown.get(task.id) != line:
                 shown[task.id] = line
-                typer.echo(terminal_text(f"  {line}"))
+                say(f"  {line}")
         if node.status.terminal:
             break
         watch.wait(FOLLOW_POLL_MS / 1000)
     typer.echo("")
-    typer.echo(terminal_text("\n".join(render_tree(node))))
+    say("\n".join(render_tree(node)))
     return node
 
 

@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from coordinator.cli.common import JsonOption, TaskId, connect
+from coordinator.cli.common import JsonOption, TaskId, connect, say
 from coordinator.errors import ValidationError
 
 __all__ = ["export", "history", "run", "status", "todos", "tree"]
@@ -75,7 +75,6 @@ def _read_todos(path: Path) -> str:
 def status(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> None:
     """Show one task: status, place in the tree, own and total tokens and cost."""
     from coordinator.cli.views import status_lines
-    from coordinator.render import terminal_text
 
     with connect(ctx) as coord:
         record = coord.get_task(task_id)
@@ -83,13 +82,12 @@ def status(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> 
         typer.echo(record.model_dump_json(indent=2))
         return
     for line in status_lines(record):
-        typer.echo(terminal_text(line))
+        say(line)
 
 
 def todos(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> None:
     """Show a task's todo list with each item's subtask, tokens and cost."""
     from coordinator.cli.views import todo_lines
-    from coordinator.render import terminal_text
 
     with connect(ctx) as coord:
         items = coord.get_todos(task_id)
@@ -98,16 +96,19 @@ def todos(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> N
         typer.echo(json.dumps([i.model_dump(mode="json") for i in items], indent=2))
         return
     for line in todo_lines(items, record.unlinked_tokens, record.unlinked_cost_micros):
-        typer.echo(terminal_text(line))
+        say(line)
 
 
 def tree(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> None:
     """Show a task and its whole subtree: every todo item's status, tokens and cost, own/total per task."""
-    from coordinator.render import render_tree, terminal_text
+    from coordinator.render import render_tree
 
     with connect(ctx) as coord:
         node = coord.tree(task_id)
-    typer.echo(node.model_dump_json(indent=2) if as_json else terminal_text("\n".join(render_tree(node))))
+    if as_json:
+        typer.echo(node.model_dump_json(indent=2))
+    else:
+        say("\n".join(render_tree(node)))
 
 
 def history(
@@ -122,7 +123,6 @@ def history(
 ) -> None:
     """List tasks, newest first, with their own and subtree figures."""
     from coordinator.cli.views import history_lines
-    from coordinator.render import terminal_text
 
     with connect(ctx) as coord:
         items, next_cursor = coord.list_tasks(status=status, root_id=root, limit=limit, cursor=cursor)
@@ -131,7 +131,7 @@ def history(
         typer.echo(json.dumps(page, indent=2))
         return
     for line in history_lines(items):
-        typer.echo(terminal_text(line))
+        say(line)
     if next_cursor is not None:
         typer.echo(f"(more: subq history --cursor {next_cursor})", err=True)
 

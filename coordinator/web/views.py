@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from coordinator import ids
 from coordinator.errors import ValidationError
+from coordinator.inputs import visible_text
 from coordinator.models import Approval, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem
 from coordinator.service import MAX_PAGE, Coordinator
 
@@ -40,9 +40,6 @@ MAX_TEXT_CHARS = 200
 # A tool call as the approval box and its confirmation show it: long enough for any
 # command an operator should approve by reading it; past it, a marker says how much is cut.
 MAX_CALL_CHARS = 2_000
-# Characters that change how text reads without showing (bidi overrides, zero-width,
-# line and paragraph separators): in a call shown for approval they are written as \uXXXX.
-_HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Co", "Cn"})
 ROOT_FILTER_PARAMS = ("status", "q", "since", "until", "cursor", "limit")
 # The history index holds cursor offsets; above this an offset cannot be a real position.
 MAX_CURSOR = 2**53
@@ -134,10 +131,7 @@ def call_text(approval: Approval, max_chars: int = MAX_CALL_CHARS) -> str:
     hide or reorder text are escaped too. Cut at `max_chars`, with a marker.
     """
     inner = ", ".join(f"{name}={json.dumps(value, ensure_ascii=False)}" for name, value in approval.args.items())
-    text = "".join(
-        f"\\u{ord(ch):04x}" if unicodedata.category(ch) in _HIDDEN_CATEGORIES else ch
-        for ch in f"{approval.tool}({inner})"
-    )
+    text = visible_text(f"{approval.tool}({inner})")
     if len(text) > max_chars:
         text = text[:max_chars] + f" … ({len(text) - max_chars} more characters not shown)"
     return text
