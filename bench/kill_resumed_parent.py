@@ -14,9 +14,10 @@ received it is SIGKILLed, at a moment that varies round by round:
 - `start`: at once, while the run starts;
 - `mid-wait`: halfway through its first model request (an offline step with `latency_ms`);
 - `before-end`: a moment before its last model response, just before it ends;
-- `after-finish`: the crash point of coordinator/faults.py (`SUBQ_FAULT_CRASH_AT=after-finish`)
+- `after-end`: the crash point of coordinator/faults.py (`SUBQ_FAULT_CRASH_AT=after-end`)
   on a dedicated worker, which alone consumes the queue while the resume is published: the
-  root is terminal, its lease, due-list entry and slot not yet released.
+  root's end is recorded (terminal, its lease, due-list entry and slot freed, all in
+  `end_run.lua`), and the process dies before it returns.
 
 A fresh worker replaces the killed one, so the fleet keeps its size. The
 figures of a round: `restart_s`, from the kill to the start of the root's next
@@ -61,7 +62,7 @@ from coordinator.local.embedded_redis import local_redis  # noqa: E402
 from coordinator.local.fleet import WorkerFleet  # noqa: E402
 from workers.runtime.script import script_message  # noqa: E402
 
-MOMENTS = ("start", "mid-wait", "before-end", "after-finish")
+MOMENTS = ("start", "mid-wait", "before-end", "after-end")
 LAPSE_S = 3
 TICK_S = 0.5
 GRACE_S = 3
@@ -78,7 +79,7 @@ RESUMED_STEP_MS = 1500
 # How far before the end of its last request a `before-end` kill lands.
 BEFORE_END_MS = 150
 # The children answer after this by default: long enough that all are running before the first
-# ends (the `after-finish` rounds need that; quick children make the batch close sooner).
+# ends (the `after-end` rounds need that; quick children make the batch close sooner).
 CHILD_MS = 400
 POLL_S = 0.02
 # A worker started at once under load may take this long before it consumes.
@@ -185,8 +186,8 @@ class Fleet:
             worker.wait_ready(READY_TIMEOUT_S)
 
     def start_crash_worker(self, coord: Coordinator) -> None:
-        """A worker that dies at `after-finish`, consuming nothing until `hand_queue_to_crash`."""
-        own = self.settings.model_copy(update={"fault_crash_at": "after-finish", "worker_concurrency": 1})
+        """A worker that dies at `after-end`, consuming nothing until `hand_queue_to_crash`."""
+        own = self.settings.model_copy(update={"fault_crash_at": "after-end", "worker_concurrency": 1})
         self.crash = self._start(own, "crash")
         self.crash.wait_ready(READY_TIMEOUT_S)
         _consume(coord, self.crash, False)
@@ -259,7 +260,7 @@ def run_seq(coord: Coordinator, task_id: str) -> int:
 
 def one_round(coord: Coordinator, fleet: Fleet, index: int, moment: str, deadline_s: float, child_ms: int) -> Round:
     result = Round(index, moment)
-    crash = moment == "after-finish"
+    crash = moment == "after-end"
     if crash:
         fleet.start_crash_worker(coord)
     # The crash worker must see every child running before the first ends.

@@ -5,58 +5,56 @@
 - `SUBQ_START_STAGGER_MS` spaces the starts of a tree's runs.
 - `SUBQ_PROVIDER_RPM` caps each provider's requests per minute, fleet-wide.
 
-A run that must wait holds no worker: it is queued in order on the tree's
-admission list (`admit.lua`), and when a slot frees (`release_slot.lua`) the
-first waiting tasks that now fit are started again by name. A stagger delay is
-a delayed restart. A root always runs. The slot is freed only after the task's
-outcome is recorded, so a finished child never counts as running beside the
-limit's worth of new ones.
+Admission is a step of a run's one start and one end, not a path of its own: a
+run's start (`start_run.lua`) admits it before it takes the lease, and a run's
+end (`end_run.lua`) frees its slot after its outcome is recorded, so a finished
+child never counts as running beside the limit's worth of new ones. A run that
+must wait holds no worker: it is queued in order on the tree's admission list,
+and when a slot frees the first waiting tasks that now fit are started again by
+name (`started_again`). A stagger delay is a delayed restart. A root always
+runs. This module holds what the start and end hand back to Python: the limits,
+the waiting run's live status, the restarts, and the slot a run frees when it
+releases its worker without ending (delegated, waiting for a decision, handed
+back) or when an ended task's write-back is repaired.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from coordinator import dispatch
-from coordinator.models import TaskRecord
+from coordinator.models import AdmissionLimits, TaskRecord
 
 if TYPE_CHECKING:
     from coordinator.plane import Plane
 
-__all__ = ["admit", "limits_set", "release", "wait_for_rate"]
+__all__ = ["limits", "must_wait", "release", "started_again", "wait_for_rate"]
 
 
-def limits_set(plane: Plane) -> bool:
-    """Whether any admission limit is set: then a run is admitted, and its slot freed, step by step."""
+def limits(plane: Plane) -> AdmissionLimits:
     s = plane.settings
-    return bool(s.max_running_per_parent or s.max_running_per_root or s.start_stagger_ms)
+    return AdmissionLimits(s.max_running_per_parent, s.max_running_per_root, s.start_stagger_ms)
 
 
-def _limited(plane: Plane, task: TaskRecord) -> bool:
-    return task.parent_id is not None and limits_set(plane)
-
-
-def admit(plane: Plane, task: TaskRecord) -> bool:
-    """True: the task may run now. False: it waits (queued for a slot, or restarted after a stagger)."""
-    if not _limited(plane, task):
-        return True
-    s = plane.settings
-    verdict, delay_ms = plane.store.admit(task, s.max_running_per_parent, s.max_running_per_root, s.start_stagger_ms)
-    if verdict == "run":
-        return True
-    if verdict == "delay":
+def must_wait(plane: Plane, task: TaskRecord, delay_ms: int) -> None:
+    """The start found no slot ('wait': it is on the admission list) or a stagger (`delay_ms`: restart it then)."""
+    if delay_ms:
         dispatch.publish_restart(plane.app, task, countdown_s=delay_ms / 1000)
     plane.store.set_live(task, "queued")
-    return False
+
+
+def started_again(plane: Plane, admitted: Sequence[str]) -> None:
+    """Publish the runs of waiting tasks a freed slot admitted (each still on the due list, should this fail)."""
+    for task_id in admitted:
+        dispatch.publish_restart(plane.app, plane.store.get_task(task_id))
 
 
 def release(plane: Plane, task: TaskRecord) -> None:
     """Free the task's run slot and start the waiting tasks that now fit."""
-    if not _limited(plane, task):
-        return
-    s = plane.settings
-    for admitted in plane.store.release_slot(task, s.max_running_per_parent, s.max_running_per_root):
-        dispatch.publish_restart(plane.app, plane.store.get_task(admitted))
+    own = limits(plane)
+    if own.applies_to(task):
+        started_again(plane, plane.store.release_slot(task, own))
 
 
 def wait_for_rate(plane: Plane, provider: str) -> int:

@@ -5,7 +5,10 @@ names that point, and does nothing otherwise (one string comparison). The tests
 start a worker with the setting, let it die there, and check that the fleet
 converges without it. Never set it in a deployment.
 
-Points: `after-finish` (a task is terminal, not yet written back),
+Points: `after-end` (a run's end is recorded by `end_run.lua`: the task is terminal,
+its lease and run slot freed, a parallel child written back and its batch closed if
+it was the last; what the end sends, the next chain step, the parent's resume, the
+runs a freed slot admitted, not yet sent),
 `after-commit` (a delegation is committed, not yet published),
 `after-close` (a batch is closed, its parent's resume not yet published),
 `after-claim-publish` (a batch is claimed for publishing, not yet published).
@@ -23,7 +26,7 @@ __all__ = ["POINTS", "crash_point"]
 
 log = logging.getLogger(__name__)
 
-POINTS = ("after-finish", "after-commit", "after-close", "after-claim-publish")
+POINTS = ("after-end", "after-commit", "after-close", "after-claim-publish")
 
 
 def crash_point(settings: Settings, name: str) -> None:

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 __all__ = [
+    "AdmissionLimits",
     "Approval",
     "Batch",
     "DelegationMode",
@@ -352,6 +353,21 @@ def live_status(record: TaskRecord, state: str, **fields: object) -> str:
         "ts": time.time(), **fields,
     }  # fmt: skip
     return json.dumps(live)
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """How many children of one parent, and tasks of one tree, may hold a run slot at once
+    (0: no cap), and the spacing of a tree's starts (SUBQ_MAX_RUNNING_PER_PARENT,
+    SUBQ_MAX_RUNNING_PER_ROOT, SUBQ_START_STAGGER_MS)."""
+
+    per_parent: int = 0
+    per_tree: int = 0
+    stagger_ms: int = 0
+
+    def applies_to(self, record: TaskRecord) -> bool:
+        """Whether a run of `record` is admitted and frees a slot: a child, with some limit set (a root always runs)."""
+        return record.parent_id is not None and bool(self.per_parent or self.per_tree or self.stagger_ms)
 
 
 @dataclass

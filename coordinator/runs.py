@@ -51,10 +51,11 @@ import secrets
 import socket
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from coordinator import admission, approvals, budgets, delegation, dispatch, faults, metrics, tracing, writeback
+from coordinator import admission, approvals, budgets, delegation, dispatch, faults, writeback
 from coordinator.approvals import ToolCall
 from coordinator.errors import NotFoundError, StoreError
 from coordinator.heartbeat import Heartbeat
@@ -83,6 +84,7 @@ __all__ = [
     "LeaseLost",
     "Released",
     "Run",
+    "RunHooks",
     "RunInProgress",
     "RunLifecycle",
     "RunStopped",
@@ -149,6 +151,8 @@ class Run:
         exhausted: str | None = None,
     ) -> None:
         self._heartbeat = lifecycle.heartbeat
+        self._hooks = lifecycle.hooks
+        self._limits = admission.limits(lifecycle.plane)
         self._coord = lifecycle.coord  # its todo operations are the service's
         self._plane = lifecycle.plane
         self.token = token
@@ -314,7 +318,7 @@ class Run:
     ) -> tuple[Batch, list[TaskRecord]]:
         """Commit a delegation; it is published by `end` once the conversation is saved."""
         self._flush_unless_stopped()  # a resumed run must find the call that made the delegation in its history
-        with tracing.span("subq.delegate", task_id=self.task.id, children=len(subtasks), mode=str(mode)):
+        with self._hooks.span("subq.delegate", task_id=self.task.id, children=len(subtasks), mode=str(mode)):
             self.delegation = delegation.commit(self._plane, self.task.id, subtasks, mode, tool_call_id)
         return self.delegation
 
@@ -344,7 +348,7 @@ class Run:
         self.flush()  # what it spent before it stopped is recorded
         if budget_holder:
             budgets.stop(self._plane, budget_holder)
-            metrics.budget_stopped(self.task.profile)  # the worker's own counter, in memory
+            self._hooks.budget_stopped(self)
         task = self._plane.store.get_task(self.task.id)
         return Ended(task.status.value if task.status.terminal else "cancelled", error=task.error)
 
@@ -362,15 +366,13 @@ class Run:
                 plane.store.unwatch([task_id])
             plane.store.set_live(self.task, outcome.state)
             return writeback.result_of(plane.store.get_task(task_id), pending=outcome.state)
-        if admission.limits_set(plane) or plane.settings.fault_crash_at:
-            return self._end_in_steps(outcome)
         if self._live is not None:
             self._write_live()  # always the last live status, with the final figures
         # end_run.lua writes a child back onto its parent (and closes the batch when it is the last).
-        with tracing.span("subq.write_back" if self.task.batch_id else "subq.end_run", task_id=task_id):
+        with self._hooks.span("subq.write_back" if self.task.batch_id else "subq.end_run", task_id=task_id):
             ending = plane.store.end_run(
                 self.task, self.token, self.writes, _outcome_fields(outcome), plane.settings.reconcile_grace_s,
-                stop_on_budget=outcome.status == "completed",
+                self._limits, stop_on_budget=outcome.status == "completed",
             )  # fmt: skip
         self.writes.clear()
         if ending.kind == "fenced":
@@ -382,12 +384,17 @@ class Run:
         self._heartbeat.forget(self)
         if outcome.error_detail and ending.status == outcome.status:
             plane.store.set_error_detail(task_id, outcome.error_detail[:MAX_SUMMARY_CHARS])
+        # The end is recorded; what it sends is not sent yet. Each message to send has its task on
+        # the due list (a closed batch's parent, a chain step's child, an admitted run), so a
+        # process that dies here leaves them to the reconciler.
+        faults.crash_point(plane.settings, "after-end")
+        admission.started_again(plane, ending.admitted)
         if ending.batch_mode == "sequential":
             (final,) = plane.store.get_records([task_id])
             writeback.write_back(plane, final.batch_id or "", ended=final)
-        elif ending.resume and self.task.parent_id:
-            (parent,) = plane.store.get_records([self.task.parent_id])
-            dispatch.publish_run(plane.app, parent, ending.resumes)
+            plane.store.unwatch([task_id])  # end_run.lua left it on the due list until the chain moved on
+        elif ending.closed and self.task.parent_id:
+            writeback.resumed(plane, self.task.parent_id, ending.resumes, ending.resume)
         return SubtaskResult(
             child_id=task_id,
             status=ending.status,  # type: ignore[arg-type]
@@ -397,29 +404,6 @@ class Run:
             error=ending.error or None,
             error_class=ending.error_class or None,
         )
-
-    def _end_in_steps(self, outcome: Ended) -> SubtaskResult:
-        """The end as separate steps: with admission limits (a freed slot admits waiting runs) and
-        in the fault suite, whose crash points sit between the steps."""
-        plane, task_id = self._plane, self.task.id
-        if self._live is not None:
-            self._write_live()
-        self.flush()
-        summary = outcome.summary[:MAX_SUMMARY_CHARS]
-        plane.store.finish_task(task_id, outcome.status, summary, outcome.error, outcome.error_class)
-        if outcome.error_detail:
-            plane.store.set_error_detail(task_id, outcome.error_detail[:MAX_SUMMARY_CHARS])
-        faults.crash_point(plane.settings, "after-finish")
-        self._release()
-        (final,) = plane.store.get_records([task_id])  # one read; the result needs no child lists
-        if final.status == TaskStatus.COMPLETED:
-            plane.store.append_ui_message(task_id, _say("completion_result", final.summary))
-        else:
-            plane.store.append_ui_message(task_id, _say("error", f"{final.error_class}: {final.error}"))
-        if final.batch_id:
-            writeback.write_back(plane, final.batch_id, ended=final)  # its todo item is written as it ends
-        plane.store.unwatch([task_id])
-        return writeback.result_of(final)
 
     def lost(self) -> SubtaskResult:
         """The run lost its lease: another run owns the task; this one leaves everything to it."""
@@ -457,8 +441,23 @@ def _outcome_fields(outcome: Ended) -> tuple[str, str, str, str]:
     return outcome.status, outcome.summary[:MAX_SUMMARY_CHARS], outcome.error, outcome.error_class
 
 
-def _say(kind: str, text: str) -> dict[str, Any]:
-    return {"ts": time.time(), "type": "say", "say": kind, "text": text}
+# -- what a process attaches to a run's life ------------------------------------------------
+
+
+class RunHooks:
+    """What a process attaches to a run's life: the lifecycle calls these at its steps and holds
+    no metrics, trace or log code of its own. The worker attaches its Prometheus counters, its
+    log fields and its trace spans (workers/observe.py); these defaults do nothing."""
+
+    def started(self, run: Run) -> None:
+        """A run holds its task's lease now."""
+
+    def span(self, name: str, **attributes: str | int | bool) -> AbstractContextManager[object]:
+        """Around a step that writes shared state: `subq.delegate`, `subq.end_run`, `subq.write_back`."""
+        return nullcontext()
+
+    def budget_stopped(self, run: Run) -> None:
+        """The run's last response reached a budget: its holder's subtree was stopped."""
 
 
 # -- starting runs ---------------------------------------------------------------------------
@@ -471,26 +470,29 @@ class RunInProgress(Exception):
 class RunLifecycle:
     """One per worker process: starts runs, renews their leases, settles batches, hands runs back."""
 
-    def __init__(self, coord: Coordinator, worker_id: str | None = None) -> None:
+    def __init__(self, coord: Coordinator, worker_id: str | None = None, hooks: RunHooks | None = None) -> None:
         self.coord = coord
         self.plane = coord.plane  # what the rooms a run goes through are handed
+        self.hooks = hooks or RunHooks()
         self.heartbeat = Heartbeat(self.plane, worker_id or f"{socket.gethostname()}:{os.getpid()}")
 
     def start(self, task_id: str) -> Run | SubtaskResult:
         """A `Run` holding the task's lease, or the result to return when there is nothing to run."""
         plane = self.plane
-        if admission.limits_set(plane):
-            return self._start_admitted(task_id)
         token = secrets.token_hex(8)
+        limits = admission.limits(plane)
         try:
             started = plane.store.begin_run(
-                task_id, token, plane.settings.heartbeat_lapse_s, plane.settings.reconcile_interval_s
+                task_id, token, plane.settings.heartbeat_lapse_s, plane.settings.reconcile_interval_s, limits
             )
         except NotFoundError as exc:
             return _unknown(task_id, exc)
         assert started.record is not None
         if started.verdict == "other":
             return self._nothing_to_run(started.record)
+        if started.verdict in ("wait", "delay"):
+            admission.must_wait(plane, started.record, started.delay_ms)
+            return writeback.result_of(started.record, pending="queued")
         if started.verdict == "leased":
             # A live run holds it and will end it; a dead one's lease lapses and the
             # reconciler publishes the task again, so this delivery has nothing to do.
@@ -498,33 +500,7 @@ class RunLifecycle:
         run = Run(self, started.record, token, conversation=started.conversation, exhausted=started.exhausted)
         run.deliveries, run.run_seq = started.deliveries, started.run_seq
         self.heartbeat.hold(run)
-        return run
-
-    def _start_admitted(self, task_id: str) -> Run | SubtaskResult:
-        """The start when admission limits are set: admit first (a run may wait for a slot), then lease."""
-        plane = self.plane
-        try:
-            task = plane.store.get_task(task_id)
-        except NotFoundError as exc:
-            return _unknown(task_id, exc)
-        if task.runner != "agent" or task.status.terminal or task.status == TaskStatus.DELEGATED:
-            return self._nothing_to_run(task)
-        if not admission.admit(plane, task):
-            return writeback.result_of(task, pending="queued")
-        token = secrets.token_hex(8)
-        if not plane.store.acquire_lease(task_id, token, plane.settings.heartbeat_lapse_s):
-            return writeback.result_of(task, pending="running")  # as in `start`
-        run = Run(self, task, token)
-        try:
-            # From now on the reconciler looks every tick: a lapsed lease is a dead worker. Added,
-            # not only moved, as start_run.lua does: the entry an earlier step left may be gone.
-            plane.store.watch([task_id], plane.settings.reconcile_interval_s)
-            plane.store.set_live(task, "running")
-            run.deliveries, run.run_seq = plane.store.start_run(task_id)
-        except BaseException:
-            run.abandon()  # the lease must not outlive a start that failed
-            raise
-        self.heartbeat.hold(run)
+        self.hooks.started(run)
         return run
 
     def _nothing_to_run(self, task: TaskRecord) -> SubtaskResult:

@@ -176,7 +176,7 @@ class Settings(BaseSettings):
     reconcile_grace_s: int = Field(default=DEFAULT_RECONCILE_GRACE_S, ge=1, le=3600)
     shutdown_grace_s: int = Field(default=DEFAULT_SHUTDOWN_GRACE_S, ge=0, le=3600)
     log_format: LogFormat = DEFAULT_LOG_FORMAT
-    # A worker's own /metrics (coordinator/metrics.py); unset: not served.
+    # A worker's own /metrics (workers/observe.py); unset: not served.
     worker_metrics_port: int | None = Field(default=None, ge=1, le=65535)
     worker_metrics_host: str = DEFAULT_WORKER_METRICS_HOST
     traces_exporter: str = DEFAULT_TRACES_EXPORTER

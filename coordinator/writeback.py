@@ -12,10 +12,10 @@ child's line of the combined result is stored as it is applied, and the close
 joins the lines in dispatch order. The call that closes it resumes an agent
 parent under a numbered Celery task id.
 
-Callers, all in the coordinator: a run's end where it is not written back by
-`end_run.lua` itself (a sequential step, admission limits, the fault suite),
-a redelivery of an ended task and the reconciler, `subq.advance` (a chain
-step); and a cancel or budget stop (coordinator/control.py).
+Callers, all in the coordinator: a run's end for a step of a chain (`end_run.lua`
+writes a parallel child back itself), a redelivery of an ended task and the
+reconciler, `subq.advance` (a chain step); and a cancel or budget stop
+(coordinator/control.py).
 Every step is idempotent, so a redelivered or duplicated call changes nothing.
 A step that sends a message (the next chain step, a parent's resume) watches
 its task first (the due list), so a process that dies before the send leaves
@@ -32,7 +32,7 @@ from coordinator.models import Batch, BatchRef, SubtaskResult, TaskRecord, TaskS
 if TYPE_CHECKING:
     from coordinator.plane import Plane
 
-__all__ = ["close_batch", "result_of", "write_back"]
+__all__ = ["close_batch", "result_of", "resumed", "write_back"]
 
 
 @tracing.traced("subq.write_back")
@@ -43,17 +43,15 @@ def write_back(plane: Plane, batch_id: str, ended: TaskRecord | None = None) -> 
     parallel batch applies just that child and closes if it was the last: O(1),
     the awaiting set says whether it was, so a wide fan-out does not re-read every
     sibling as each one ends. Without it (a chain step, a stop),
-    every child that has ended is applied from the records in Redis.
+    every child that has ended is applied from the records in Redis. A child is
+    applied, and its batch closed, by `settle_child.lua`, the script a run's end
+    calls inside `end_run.lua`: one implementation for every caller.
     """
     store = plane.store
     if ended is not None:
-        mode, status, parent_id = store.batch_head(batch_id)
+        mode, resumes, resume = store.settle_child(batch_id, ended, plane.settings.reconcile_grace_s)
         if mode == "parallel":
-            ref = BatchRef(id=batch_id, parent_id=parent_id, root_id=ended.root_id)
-            store.apply_children(ref, [ended.id])
-            if status == "done" or store.awaiting_count(parent_id) > 0:
-                return False
-            return close_batch(plane, ref)
+            return bool(resumes) and resumed(plane, ended.parent_id or "", resumes, resume)
     batch = store.get_batch(batch_id)
     if batch.status == "done":
         return False
@@ -91,11 +89,15 @@ def write_back(plane: Plane, batch_id: str, ended: TaskRecord | None = None) -> 
 def close_batch(plane: Plane, batch: Batch | BatchRef) -> bool:
     """Close the batch (once) and publish its agent parent's resume; True when this call closed it."""
     resumes, resume = plane.store.close_batch(batch, plane.settings.reconcile_grace_s)
-    if not resumes:
-        return False
+    return bool(resumes) and resumed(plane, batch.parent_id, resumes, resume)
+
+
+def resumed(plane: Plane, parent_id: str, resumes: int, resume: bool) -> bool:
+    """A batch was closed (the parent's `resumes`-th time): publish its agent parent's resumed run when
+    `resume` (the close put the parent on the due list first); True."""
     faults.crash_point(plane.settings, "after-close")
     if resume:
-        (parent,) = plane.store.get_records([batch.parent_id])
+        (parent,) = plane.store.get_records([parent_id])
         dispatch.publish_run(plane.app, parent, resumes)
     return True
 

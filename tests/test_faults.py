@@ -103,24 +103,49 @@ def repairs_since(coord: Coordinator, before: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
 
 
-def test_a_child_killed_between_its_end_and_its_write_back(coord: Coordinator, tmp_path: Path) -> None:
+def test_a_chain_step_killed_between_its_end_and_the_next_steps_publish(coord: Coordinator, tmp_path: Path) -> None:
+    """A step's end is recorded (end_run.lua), the next step not yet published: the reconciler writes it back."""
     before = coord.store.repairs()
-    fleet = crashing_worker(coord.settings, tmp_path, "after-finish")
+    fleet = crashing_worker(coord.settings, tmp_path, "after-end")
     try:
-        parent = coord.create_task("Two children", todos="[ ] a\n[ ] b")
+        parent = coord.create_task("Two steps", todos="[ ] a\n[ ] b")
         items = coord.get_todos(parent.id)
         batch = coord.delegate(
             parent.id,
             [subtask("a", reply("a done"), todo_id=items[0].id), subtask("b", reply("b done"), todo_id=items[1].id)],
+            mode="sequential",
         )
         died(fleet)
     finally:
         fleet.stop()
+    assert coord.get_task(batch.child_ids[0]).status == TaskStatus.COMPLETED, "the first step had ended"
     coord.wait(parent.id, CONVERGE_S)
     assert coord.get_batch(batch.id).status == "done"
+    assert [coord.get_task(c).summary for c in batch.child_ids] == ["a done", "b done"]
     assert [t.cost_micros for t in coord.get_todos(parent.id)] == [STEP_COST_MICROS, STEP_COST_MICROS]
     assert_converged(coord, parent.id)
     assert repairs_since(coord, before).get("ended-not-written-back") == 1
+
+
+def test_the_last_child_killed_between_its_end_and_its_parents_resume(coord: Coordinator, tmp_path: Path) -> None:
+    """The child's end closed the batch in the same script (end_run.lua); its parent's resume is not yet sent."""
+    before = coord.store.repairs()
+    fleet = crashing_worker(coord.settings, tmp_path, "after-end")
+    try:
+        root = coord.create_task(
+            agent(
+                call("run_subagents", tasks=[subtask("A", reply("A done"))]), call("attempt_completion", result="ok")
+            ),
+            run=True,
+        )
+        died(fleet)
+    finally:
+        fleet.stop()
+    done = coord.wait(root.id, CONVERGE_S)
+    assert done.status == TaskStatus.COMPLETED and done.summary == "ok"
+    assert [c.cost_micros for c in coord.get_children(root.id)] == [STEP_COST_MICROS]
+    assert_converged(coord, root.id)
+    assert repairs_since(coord, before).get("run-lost", 0) >= 1, "the parent's resume was published again"
 
 
 @pytest.mark.parametrize("point", ["after-commit", "after-claim-publish"])

@@ -120,7 +120,7 @@ def test_a_resumed_run_outlives_its_parents_late_unwatch(
 
 
 def test_a_worker_killed_in_a_resumed_parents_run(settings: Settings, tmp_path: Path) -> None:
-    """Three rounds, killed at the run's start, just before its end, and at its `after-finish` crash point."""
+    """Three rounds, killed at the run's start, just before its end, and at its `after-end` crash point."""
     assert settings.redis_url
     own = bench.bench_settings(settings.redis_url.rsplit("/", 1)[0] + "/7")
     coord = Coordinator(own)
@@ -128,7 +128,7 @@ def test_a_worker_killed_in_a_resumed_parents_run(settings: Settings, tmp_path: 
     # Three workers, not replaced: the two kills leave one, beside the crash worker of the last round.
     fleet = bench.Fleet(own, 3, tmp_path, replace=False)
     try:
-        for index, moment in enumerate(["start", "before-end", "after-finish"]):
+        for index, moment in enumerate(["start", "before-end", "after-end"]):
             result = bench.one_round(coord, fleet, index, moment, DONE_BOUND_S, bench.CHILD_MS)
             where = f"round {index} ({moment})"
             assert result.killed, f"{where}: {result.problems}"
@@ -136,7 +136,7 @@ def test_a_worker_killed_in_a_resumed_parents_run(settings: Settings, tmp_path: 
                 pytest.fail(f"{where}: stuck: {bench.diagnose(coord, fleet, result.root_id)}")
             assert result.problems == [], f"{where}: {result.problems}"
             assert result.done_s is not None and result.done_s <= DONE_BOUND_S, f"{where}: {result}"
-            if moment != "after-finish":  # that one had ended its task before it died
+            if moment != "after-end":  # that one had ended its task before it died
                 assert result.restart_s is not None and result.restart_s <= RESTART_BOUND_S, f"{where}: {result}"
                 assert coord.store.task_field(result.root_id, "run_seq") == "3", "run again once"
         assert coord.repairs() == {"run-lost": 2, "ended-not-written-back": 1}

@@ -14,13 +14,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = sorted([*ROOT.joinpath("coordinator").rglob("*.py"), *ROOT.joinpath("workers").rglob("*.py")])
 # The seams the execution plane may use: the package surface, the run lifecycle, the app and task
-# names, the reconciler, and the worker's own Prometheus counters (coordinator/metrics.py).
+# names, the reconciler, and the trace spans its run hooks open (coordinator/tracing.py).
 WORKER_SEAMS = {
     "coordinator",
     "coordinator.runs",
     "coordinator.celery_app",
     "coordinator.reconciler",
-    "coordinator.metrics",
+    "coordinator.tracing",
 }
 # The one module outside the store package that builds a Store.
 STORE_BUILDER = "coordinator/service.py"

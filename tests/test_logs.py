@@ -12,7 +12,7 @@ import pytest
 from coordinator import ConfigError, Settings, load_settings
 from tests.conftest import dedicated_fleet
 from tests.helpers import eventually, script, start_worker_with, usage_step
-from workers.logs import RunContextFilter, run_context
+from workers.observe import RunContextFilter, run_context
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -27,7 +27,7 @@ import pytest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator import ConfigError, Coordinator, Settings, load_settings, metrics
+from coordinator import ConfigError, Coordinator, Settings, load_settings
 from coordinator.api import create_app
 from coordinator.api.ops import SubqCollector
 from coordinator.errors import FleetError
@@ -35,6 +35,7 @@ from coordinator.local.fleet import WorkerFleet, settings_env
 from coordinator.store import LATENCY_BUCKETS_MS
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, USAGE, agent, call, reply, subtask
 from tests.helpers import ApiServer, api_settings, eventually
+from workers import observe as metrics
 
 PLAN = """\
 [ ] Collect the sales figures for Q3

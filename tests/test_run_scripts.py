@@ -21,6 +21,7 @@ import redis
 from coordinator import Coordinator, TaskStatus
 from coordinator.celery_app import make_app
 from coordinator.errors import SubqError
+from coordinator.models import AdmissionLimits
 from coordinator.store.fields import BatchField, TaskField
 from tests.agents import STEP_COST_MICROS, agent, reply
 from workers.runtime.context import Runtime, build_runtime
@@ -128,7 +129,7 @@ def test_a_run_reads_only_the_ancestors_with_a_budget(idle_coordinator: Coordina
     coord.client.hset(keys.task(root.root_id, root.id), TaskField.TOTAL_COST_MICROS, 1_000_000)
 
     with monitored(coord.settings.redis_url) as commands:
-        started = coord.store.begin_run(leaf, "token-1", 60, 30)
+        started = coord.store.begin_run(leaf, "token-1", 60, 30, AdmissionLimits())
 
     assert started.verdict == "run" and started.exhausted == root.id
     assert on(commands, keys.task(root.root_id, middle)) == [], "an ancestor without a budget is not read"
@@ -136,7 +137,7 @@ def test_a_run_reads_only_the_ancestors_with_a_budget(idle_coordinator: Coordina
 
     # A record written before the chain was kept reads every ancestor, and finds the same.
     coord.client.hdel(leaf_key, TaskField.BUDGET_CHAIN)
-    assert coord.store.begin_run(leaf, "token-2", 60, 30).exhausted == root.id
+    assert coord.store.begin_run(leaf, "token-2", 60, 30, AdmissionLimits()).exhausted == root.id
 
 
 def test_a_childs_budget_joins_the_chain_of_its_children(idle_coordinator: Coordinator) -> None:

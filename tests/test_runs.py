@@ -6,13 +6,14 @@ consumes, so what the seam did in which order can be checked step by step.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 
-from coordinator import Coordinator, TaskRecord, TaskStatus, admission
+from coordinator import Coordinator, TaskStatus, admission
 from coordinator.celery_app import make_app
 from coordinator.plane import Plane
+from coordinator.runs import Ended, Run
 from tests.helpers import script, usage_step
 from workers.runtime.context import build_runtime
 from workers.runtime.runner import run_child
@@ -30,24 +31,29 @@ def test_a_run_frees_its_slot_only_after_its_outcome_is_recorded(
     limited: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A per-parent limit of 1 must never show 2 running: the next child is admitted when
-    the slot frees, so the finished one must already be terminal by then."""
+    the slot frees (in the run's end, end_run.lua), so the finished one must already be terminal by then."""
     parent = limited.create_task("two children, one at a time", todos="[ ] a\n[ ] b")
     first, second = limited.delegate(
         parent.id, [{"description": d, "message": script(usage_step())} for d in "ab"]
     ).child_ids
-    seen_at_release: list[tuple[str, str]] = []
-    real_release = admission.release
+    seen_at_admission: list[tuple[list[str], str]] = []
+    real_started_again = admission.started_again
 
-    def spy(plane: Plane, task: TaskRecord) -> None:
-        seen_at_release.append((task.id, plane.store.status_of(task.id)[0]))
-        real_release(plane, task)
+    def spy(plane: Plane, admitted: Sequence[str]) -> None:
+        seen_at_admission.append((list(admitted), plane.store.status_of(first)[0]))
+        real_started_again(plane, admitted)
 
-    monkeypatch.setattr(admission, "release", spy)
+    monkeypatch.setattr(admission, "started_again", spy)
     rt = build_runtime(limited.settings, make_app(limited.settings))
 
-    assert run_child(rt, first).status == "completed"
-    assert run_child(rt, second).status == "completed"
+    run = rt.lifecycle.start(first)
+    assert isinstance(run, Run), run
+    assert run_child(rt, second).status == "queued", "the one slot is the first child's"
+    assert limited.snapshot(parent.root_id)[second].state == "queued"
+    assert run.end(Ended("completed", summary="a done")).status == "completed"
 
-    assert seen_at_release == [(first, TaskStatus.COMPLETED.value), (second, TaskStatus.COMPLETED.value)]
+    assert seen_at_admission == [([second], TaskStatus.COMPLETED.value)]
+    assert limited.store.in_flight(parent.root_id)["running"] == 1, "the second child holds the slot now"
+    assert run_child(rt, second).status == "completed"
     assert limited.store.in_flight(parent.root_id)["running"] == 0
     assert limited.get_task(parent.id).status == TaskStatus.ACTIVE, "the last child's write-back closed the batch"

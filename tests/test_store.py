@@ -7,13 +7,16 @@ updates here.
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections.abc import Callable
 
 import pytest
 
 from coordinator import Coordinator, CorruptError, NotFoundError, Settings, StoreError, TodoStatus, Usage
-from coordinator.models import TaskRecord
+from coordinator.models import AdmissionLimits, TaskRecord
+from coordinator.store import Store
+from coordinator.store.runs import Started
 from tests.helpers import script, usage_step
 
 THREADS = 8
@@ -170,6 +173,11 @@ def test_a_script_with_bad_json_fails_the_child_with_a_clear_error(coordinator: 
     assert coordinator.get_task(batch.child_ids[1]).status.value == "completed"
 
 
+def start(store: Store, task_id: str, limits: AdmissionLimits) -> Started:
+    """A run's start (start_run.lua), as a worker makes it, under admission `limits`."""
+    return store.begin_run(task_id, secrets.token_hex(4), 60, 30, limits)
+
+
 def test_admission_limits_a_tree_and_starts_the_waiting_in_order(idle_coordinator: Coordinator) -> None:
     coord, store = idle_coordinator, idle_coordinator.store
     root = coord.create_task("root")
@@ -178,11 +186,11 @@ def test_admission_limits_a_tree_and_starts_the_waiting_in_order(idle_coordinato
         *coord.delegate(a, [{"description": d, "message": "m"} for d in ("a1", "a2")]).child_ids,
         *coord.delegate(b, [{"description": "b1", "message": "m"}]).child_ids,
     )
-    per_parent, per_tree = 0, 2
-    verdicts = [store.admit(coord.get_task(t), per_parent, per_tree, 0)[0] for t in (a1, a2, b1)]
+    limits = AdmissionLimits(per_tree=2)
+    verdicts = [start(store, t, limits).verdict for t in (a1, a2, b1)]
     assert verdicts == ["run", "run", "wait"], "two tasks of the tree run at once"
-    assert store.admit(coord.get_task(a1), per_parent, per_tree, 0)[0] == "run", "admitted already: idempotent"
-    assert store.release_slot(coord.get_task(a1), per_parent, per_tree) == [b1], "the first waiting one starts"
+    assert start(store, a1, limits).verdict == "leased", "admitted already (idempotent): only its lease is taken"
+    assert store.release_slot(coord.get_task(a1), limits) == [b1], "the first waiting one starts"
     assert store.in_flight(root.id)["running"] == 2 and store.in_flight(root.id)["admission"] == 0
 
 
@@ -191,9 +199,10 @@ def test_admission_limits_children_of_one_parent(idle_coordinator: Coordinator) 
     root = coord.create_task("root")
     children = coord.delegate(root.id, [{"description": f"c{n}", "message": "m"} for n in range(3)]).child_ids
     records = [coord.get_task(c) for c in children]
-    assert [store.admit(r, 1, 0, 0)[0] for r in records] == ["run", "wait", "wait"]
-    assert store.release_slot(records[0], 1, 0) == [children[1]]
-    assert store.release_slot(records[1], 1, 0) == [children[2]]
+    limits = AdmissionLimits(per_parent=1)
+    assert [start(store, c, limits).verdict for c in children] == ["run", "wait", "wait"]
+    assert store.release_slot(records[0], limits) == [children[1]]
+    assert store.release_slot(records[1], limits) == [children[2]]
 
 
 def test_a_stagger_spaces_the_starts_of_a_tree(idle_coordinator: Coordinator) -> None:
@@ -203,8 +212,11 @@ def test_a_stagger_spaces_the_starts_of_a_tree(idle_coordinator: Coordinator) ->
         coord.get_task(c)
         for c in coord.delegate(root.id, [{"description": f"c{n}", "message": "m"} for n in range(3)]).child_ids
     )
-    assert store.admit(first, 0, 0, 500) == ("run", 0)
-    verdict, delay_ms = store.admit(second, 0, 0, 500)
-    assert verdict == "delay" and 400 < delay_ms <= 500
-    verdict, delay_ms = store.admit(third, 0, 0, 500)
-    assert verdict == "delay" and 900 < delay_ms <= 1000, "each start is reserved in turn"
+    limits = AdmissionLimits(stagger_ms=500)
+    assert start(store, first.id, limits).verdict == "run"
+    started = start(store, second.id, limits)
+    assert started.verdict == "delay" and 400 < started.delay_ms <= 500
+    started = start(store, third.id, limits)
+    assert started.verdict == "delay" and 900 < started.delay_ms <= 1000, "each start is reserved in turn"
+    assert store.task_field(third.id, "deliveries") is None, "a delayed start took no lease and counted no delivery"
+    assert not coord.client.exists(store.keys.lease(root.root_id, third.id))

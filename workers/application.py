@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from coordinator import ConfigError, load_settings
 from coordinator.celery_app import make_app
-from workers import logs
+from workers import observe
 
 __all__ = ["app", "settings"]
 
 try:
     settings = load_settings()
     app = make_app(settings)
-    logs.install(settings.log_format)  # before Celery sets up the worker's loggers
+    observe.install(settings.log_format)  # before Celery sets up the worker's loggers
 except ConfigError as exc:
     raise SystemExit(f"subq worker: {exc}") from None

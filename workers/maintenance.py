@@ -9,7 +9,7 @@ threads pool runs the subagents in that process too):
 - `worker_ready` also tunes the garbage collector for many runs in flight
   (`workers/runtime/agent_loop.py`).
 - `worker_init`: with `SUBQ_WORKER_METRICS_PORT` set, the process serves its own
-  Prometheus metrics (coordinator/metrics.py) there; a port it cannot take stops
+  Prometheus metrics (workers/observe.py) there; a port it cannot take stops
   the worker at start with one line naming the setting.
 - `worker_shutting_down` (SIGTERM, SIGINT, SIGQUIT): every run of this process
   hands itself back at its next step boundary, within `SUBQ_SHUTDOWN_GRACE_S`
@@ -26,8 +26,9 @@ from typing import Any
 
 from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutting_down
 
-from coordinator import ConfigError, metrics
+from coordinator import ConfigError
 from coordinator.reconciler import Reconciler
+from workers import observe
 from workers.application import app, settings
 from workers.runtime.agent_loop import tune_gc
 from workers.runtime.context import get_runtime
@@ -67,7 +68,7 @@ def _serve_metrics(**_: Any) -> None:
     if settings.worker_metrics_port is None:
         return
     try:
-        metrics.serve(settings.worker_metrics_port, settings.worker_metrics_host)
+        observe.serve(settings.worker_metrics_port, settings.worker_metrics_host)
     except ConfigError as exc:
         # SystemExit, not an exception: Celery logs and ignores a receiver's exceptions, and a
         # worker nobody can scrape would look idle on every dashboard.

@@ -18,7 +18,7 @@ from coordinator.runs import RunInProgress
 from workers import submit as submission
 from workers import task_events
 from workers.application import app, settings
-from workers.logs import run_context
+from workers.observe import run_context
 from workers.runtime.context import get_runtime
 from workers.runtime.runner import run_child
 
@@ -52,7 +52,7 @@ def run_task(self: Task, task_id: Any) -> dict[str, Any]:
             child_id=str(task_id)[:64], status="failed", error="task_id is not a subq task id",
             error_class="ValidationError",
         ).model_dump(mode="json")  # fmt: skip
-    # Every line logged during the run carries its ids (workers/logs.py).
+    # Every line logged during the run carries its ids (workers/observe.py).
     with run_context(task_id, worker=str(self.request.hostname or "")):
         result = run_child(get_runtime(settings, app), task_id, progress=progress_sender(self))
         log.info("subq.run_task %s: %s", task_id, result.status)

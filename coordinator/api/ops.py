@@ -15,7 +15,7 @@ none of them takes a thread of the shared pool that the /v1 routes run on:
   what the fleet holds now, queue depth, runs in flight, approvals waiting, dead
   letters, and what Redis already counts, repairs and the latency histogram).
   The counters of runs, model requests, tokens and cost are each worker's own
-  (coordinator/metrics.py, docs/api.md).
+  (workers/observe.py, docs/api.md).
 
 Why: /healthz used to ping Redis with a fresh client and broadcast a ping to the
 workers through Celery's shared broker pool on every call, on the shared thread

@@ -128,16 +128,18 @@ class StoreBase:
         self._finish_task = client.register_script(_load_script("finish_task.lua"))
         self._apply_children = client.register_script(_load_script("apply_children.lua"))
         self._close_batch = client.register_script(_load_script("close_batch.lua", "finish_batch.lua"))
-        self._start_run = client.register_script(_load_script("start_run.lua"))
+        self._settle_child = client.register_script(
+            _load_script("settle_child.lua", "apply_children.lua", "finish_batch.lua", "close_batch.lua")
+        )
+        self._start_run = client.register_script(_load_script("start_run.lua", "admit.lua"))
         self._flush_run = client.register_script(_load_script("flush_run.lua", "record_usage.lua"))
         self._end_run = client.register_script(
             _load_script(
                 "end_run.lua", "record_usage.lua", "flush_run.lua", "finish_task.lua", "release_lease.lua",
-                "apply_children.lua", "finish_batch.lua", "close_batch.lua",
+                "apply_children.lua", "finish_batch.lua", "close_batch.lua", "settle_child.lua", "release_slot.lua",
             )
         )  # fmt: skip
         self._stop_tasks = client.register_script(_load_script("stop_tasks.lua"))
-        self._admit = client.register_script(_load_script("admit.lua"))
         self._release_slot = client.register_script(_load_script("release_slot.lua"))
         self._rate_limit = client.register_script(_load_script("rate_limit.lua"))
         self._decide = client.register_script(_load_script("decide.lua"))

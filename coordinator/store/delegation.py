@@ -153,16 +153,6 @@ class DelegationStore(StoreBase):
     # -- batches -----------------------------------------------------------------------
 
     @translate_redis_errors
-    def batch_head(self, batch_id: str) -> tuple[str, str, str]:
-        """(mode, status, parent_id) of a batch, without its list of children (the hot path)."""
-        mode, status, parent_id = self.client.hmget(
-            self.keys.batch(root_of(batch_id), batch_id), [BatchField.MODE, BatchField.STATUS, BatchField.PARENT_ID]
-        )
-        if mode is None:
-            raise NotFoundError(f"Unknown batch: {batch_id}", field="batch_id")
-        return str(mode), str(status), str(parent_id)
-
-    @translate_redis_errors
     def get_batch(self, batch_id: str) -> Batch:
         raw = _str_map(self.client.hgetall(self.keys.batch(root_of(batch_id), batch_id)))
         if not raw:
@@ -190,10 +180,6 @@ class DelegationStore(StoreBase):
         return bool(self.client.hexists(self.keys.batch(root_of(batch_id), batch_id), BatchField.PUBLISHED))
 
     @translate_redis_errors
-    def awaiting_count(self, task_id: str) -> int:
-        return int(self.client.scard(self.keys.awaiting(root_of(task_id), task_id)))
-
-    @translate_redis_errors
     def apply_children(self, batch: Batch | BatchRef, child_ids: Sequence[str]) -> int:
         """Write ended children's figures onto the parent's todo items, each once per batch.
 
@@ -210,6 +196,26 @@ class DelegationStore(StoreBase):
         ]  # fmt: skip
         args: list[ScriptArg] = [time.time(), self.retention_s, EVENTS_MAXLEN, *child_ids]
         return int(self._apply_children(keys=keys, args=args))
+
+    @translate_redis_errors
+    def settle_child(self, batch_id: str, child: TaskRecord, resume_grace_s: float) -> tuple[str, int, bool]:
+        """Apply an ended child of a parallel batch and close the batch if it was the last (settle_child.lua).
+
+        Returns (the batch's mode, the parent's resume count when this call closed it, else 0,
+        whether the caller must publish the parent's resumed run). A sequential batch is
+        left alone: its caller writes the chain back.
+        """
+        root, k, parent = child.root_id, self.keys, child.parent_id or child.id
+        keys = [
+            k.task(root, parent), k.todos(root, parent), k.awaiting(root, parent), k.events(root),
+            k.batch_lines(root, batch_id), k.task(root, child.id), k.batch(root, batch_id),
+            k.ui_messages(root, parent), k.due(),
+        ]  # fmt: skip
+        args: list[ScriptArg] = [time.time(), self.retention_s, EVENTS_MAXLEN, child.id, resume_grace_s, ""]
+        mode, resumes, resume = self._settle_child(keys=keys, args=args)
+        if not mode:
+            raise NotFoundError(f"Unknown batch: {batch_id}", field="batch_id")
+        return str(mode), int(resumes), bool(int(resume))
 
     @translate_redis_errors
     def close_batch(self, batch: Batch | BatchRef, resume_grace_s: float) -> tuple[int, bool]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from coordinator.errors import NotFoundError
 from coordinator.ids import root_of
-from coordinator.models import RunWrites, TaskRecord, Usage
+from coordinator.models import AdmissionLimits, RunWrites, TaskRecord, Usage
 from coordinator.store.base import EVENTS_MAXLEN, ScriptArg, _decode_record, _strs, translate_redis_errors
 from coordinator.store.fields import TaskField
 from coordinator.store.metrics import latency_bucket
@@ -40,7 +40,8 @@ ADMISSION_SCAN = 50
 
 @dataclass(frozen=True)
 class Started:
-    """What `begin_run` found: `verdict` 'run' (the lease is the caller's), 'missing', 'other' or 'leased'."""
+    """What `begin_run` found: `verdict` 'run' (the lease is the caller's), 'missing', 'other', 'leased',
+    'wait' (queued for a run slot) or 'delay' (admitted after `delay_ms`: the caller restarts it then)."""
 
     verdict: str
     record: TaskRecord | None = None
@@ -48,6 +49,7 @@ class Started:
     run_seq: int = 0
     exhausted: str | None = None
     conversation: list[str] = field(default_factory=list)
+    delay_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class Ending:
     resumes: int = 0
     resume: bool = False
     batch_mode: str = ""
+    admitted: list[str] = field(default_factory=list)  # waiting tasks given the freed slot: publish their runs
 
 
 class RunStore(RecordStore):
@@ -78,20 +81,29 @@ class RunStore(RecordStore):
     # -- a run's hot path: start, steps, end, one round trip each -----------------------
 
     @translate_redis_errors
-    def begin_run(self, task_id: str, token: str, lease_s: int, look_again_s: float) -> Started:
-        """Start an agent task's run in one step (start_run.lua): lease, delivery count, due list, live status."""
+    def begin_run(
+        self, task_id: str, token: str, lease_s: int, look_again_s: float, limits: AdmissionLimits
+    ) -> Started:
+        """Start an agent task's run in one step (start_run.lua): admit, lease, count, due list, live status."""
         root, k = root_of(task_id), self.keys
         keys = [
             k.task(root, task_id), k.lease(root, task_id), k.due(), k.live(root), k.events(root),
-            k.conversation(root, task_id), k.ui_messages(root, task_id),
+            k.conversation(root, task_id), k.ui_messages(root, task_id), k.running(root), k.admission(root),
+            k.last_start(root),
         ]  # fmt: skip
         now = time.time()
-        args: list[ScriptArg] = [token, lease_s, now + look_again_s, now, EVENTS_MAXLEN, k.task(root, "")]
+        args: list[ScriptArg] = [
+            token, lease_s, now + look_again_s, now, EVENTS_MAXLEN, k.task(root, ""),
+            limits.per_parent, limits.per_tree, limits.stagger_ms, int(now * 1000), self.retention_s,
+            k.running_children(root, ""),
+        ]  # fmt: skip
         verdict, raw, counts, conversation = self._start_run(keys=keys, args=args)
         if verdict == "missing":
             raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
         fields = dict(zip(raw[0::2], raw[1::2], strict=True))
         record = _decode_record(fields, [], [])
+        if verdict in ("wait", "delay"):
+            return Started(str(verdict), record, delay_ms=int(counts[0]))
         if verdict != "run":
             return Started(str(verdict), record)
         deliveries, run_seq, exhausted = counts
@@ -122,10 +134,12 @@ class RunStore(RecordStore):
         writes: RunWrites,
         outcome: tuple[str, str, str, str],
         resume_grace_s: float,
+        limits: AdmissionLimits,
         *,
         stop_on_budget: bool,
     ) -> Ending:
-        """End a run in one step (end_run.lua): write, finish, release, write back, close the batch if last.
+        """End a run in one step (end_run.lua): write, finish, release the lease and the slot, write back,
+        close the batch if last.
 
         With `stop_on_budget`, a budget found reached ends nothing: the caller stops its holder's subtree first.
         """
@@ -138,52 +152,53 @@ class RunStore(RecordStore):
             ]  # fmt: skip
         else:
             batch_keys = [k.task(root, record.id)] * 6
+        admitted = limits.applies_to(record)
+        if admitted:
+            slot_keys = [k.running(root), k.admission(root), k.running_children(root, record.parent_id or record.id)]
+        else:
+            slot_keys = [k.task(root, record.id)] * 3
         keys = [
-            *self._run_keys(record), k.due(), *batch_keys,
+            *self._run_keys(record), k.due(), *batch_keys, *slot_keys,
             *(k.task(root, a) for a in reversed(record.ancestors)),
         ]  # fmt: skip
         status, summary, error, error_class = outcome
         args: list[ScriptArg] = [
             token, self.retention_s, time.time(), EVENTS_MAXLEN, status, summary, error, error_class, resume_grace_s,
-            int(stop_on_budget), *_writes_args(writes),
+            int(stop_on_budget), int(admitted), limits.per_parent, limits.per_tree, k.task(root, ""),
+            k.running_children(root, ""), ADMISSION_SCAN, *_writes_args(writes),
         ]  # fmt: skip
         reply: list[Any] = self._end_run(keys=keys, args=args)
         if reply[0] != "ended":
             return Ending(str(reply[0]), holder=str(reply[1]) if len(reply) > 1 else None)
-        _, status, summary, error, error_class, t_in, t_out, c_reads, c_writes, cost, closed, resumes, resume, mode = (
-            reply
-        )
+        (
+            _,
+            status,
+            summary,
+            error,
+            error_class,
+            t_in,
+            t_out,
+            c_reads,
+            c_writes,
+            cost,
+            closed,
+            resumes,
+            resume,
+            mode,
+            admitted_ids,
+        ) = reply
         return Ending(
             "ended", status=str(status), summary=str(summary), error=str(error), error_class=str(error_class),
             usage=Usage(tokens_in=int(t_in), tokens_out=int(t_out), cache_reads=int(c_reads), cache_writes=int(c_writes)),
             cost_micros=int(cost), closed=bool(int(closed)), resumes=int(resumes), resume=bool(int(resume)),
-            batch_mode=str(mode),
+            batch_mode=str(mode), admitted=_strs(admitted_ids),
         )  # fmt: skip
 
     # -- starting a run ----------------------------------------------------------------
 
     @translate_redis_errors
-    def start_run(self, task_id: str) -> tuple[int, int]:
-        """Count a run starting: (deliveries of this run so far, runs of the task ever).
-
-        Deliveries reset when the task is resumed, so SUBQ_MAX_DELIVERIES bounds the
-        redeliveries of one run; the run sequence keeps request keys unique forever.
-        """
-        key = self.keys.task(root_of(task_id), task_id)
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.hincrby(key, TaskField.DELIVERIES, 1)
-            pipe.hincrby(key, TaskField.RUN_SEQ, 1)
-            deliveries, run_seq = pipe.execute()
-        return int(deliveries), int(run_seq)
-
-    @translate_redis_errors
     def reset_deliveries(self, task_id: str) -> None:
         self.client.hset(self.keys.task(root_of(task_id), task_id), TaskField.DELIVERIES, 0)
-
-    @translate_redis_errors
-    def acquire_lease(self, task_id: str, token: str, ttl_s: int) -> bool:
-        """Take the task's run lease: no two deliveries run one task at once."""
-        return bool(self.client.set(self.keys.lease(root_of(task_id), task_id), token, nx=True, ex=ttl_s))
 
     @translate_redis_errors
     def release_lease(self, task_id: str, token: str) -> None:
@@ -289,28 +304,14 @@ class RunStore(RecordStore):
     # -- admission and rate limits -----------------------------------------------------
 
     @translate_redis_errors
-    def admit(self, record: TaskRecord, per_parent: int, per_tree: int, stagger_ms: int) -> tuple[str, int]:
-        """('run', 0), ('wait', 0) (queued for a slot) or ('delay', ms) for this task's run."""
+    def release_slot(self, record: TaskRecord, limits: AdmissionLimits) -> list[str]:
+        """Free the task's run slot and admit waiting tasks that now fit (release_slot.lua); the admitted ids."""
         root, k = record.root_id, self.keys
-        keys = [
-            k.running(root), k.running_children(root, record.parent_id or record.id), k.admission(root),
-            k.last_start(root),
+        keys = [k.running(root), k.admission(root), k.running_children(root, record.parent_id or record.id)]
+        args: list[ScriptArg] = [
+            record.id, limits.per_parent, limits.per_tree, self.retention_s, k.task(root, ""),
+            k.running_children(root, ""), ADMISSION_SCAN,
         ]  # fmt: skip
-        args: list[ScriptArg] = [record.id, per_parent, per_tree, stagger_ms, int(time.time() * 1000), self.retention_s]
-        verdict, delay_ms = self._admit(keys=keys, args=args)
-        return str(verdict), int(delay_ms)
-
-    @translate_redis_errors
-    def release_slot(self, record: TaskRecord, per_parent: int, per_tree: int) -> list[str]:
-        """Free the task's run slot and admit waiting tasks that now fit; returns the admitted ids."""
-        root, k = record.root_id, self.keys
-        waiting = _strs(self.client.lrange(k.admission(root), 0, ADMISSION_SCAN - 1))
-        parents = [w.parent_id or w.id for w in self.get_records(waiting)] if waiting else []
-        keys = [
-            k.running(root), k.admission(root), k.running_children(root, record.parent_id or record.id),
-            *(k.running_children(root, p) for p in parents),
-        ]  # fmt: skip
-        args: list[ScriptArg] = [record.id, per_parent, per_tree, self.retention_s, *waiting]
         return _strs(self._release_slot(keys=keys, args=args))
 
     @translate_redis_errors

@@ -8,7 +8,7 @@ each wait 1 s on their model, in one process: a pydantic-ai run costs about
 pool thread, because a thousand threads that each wake their own loop spend
 the difference taking the interpreter lock from each other (docs/benchmarks.md).
 A coroutine runs in a copy of its pool thread's context, so the log lines of a
-run (workers/logs.py) keep its ids.
+run (workers/observe.py) keep its ids.
 
 Blocking calls made inside the coroutine (the store's, before each model
 request and by the orchestration tools) hold the loop while Redis answers: a

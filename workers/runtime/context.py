@@ -14,7 +14,7 @@ from celery import Celery
 
 from coordinator import Coordinator, Settings
 from coordinator.runs import RunLifecycle
-from workers.logs import LoggedRunLifecycle
+from workers.observe import WorkerRunHooks
 from workers.runtime.agent_loop import AgentLoop, StopWatch
 
 __all__ = ["CONNECTION_WAIT_S", "SPARE_CONNECTIONS", "Runtime", "build_runtime", "get_runtime"]
@@ -55,7 +55,7 @@ def build_runtime(settings: Settings, app: Celery) -> Runtime:
     )
     client = redis.Redis(connection_pool=pool)
     coordinator = Coordinator(settings, client=client, app=app)
-    return Runtime(settings, coordinator, LoggedRunLifecycle(coordinator))
+    return Runtime(settings, coordinator, RunLifecycle(coordinator, hooks=WorkerRunHooks()))
 
 
 def get_runtime(settings: Settings, app: Celery) -> Runtime:

@@ -10,7 +10,7 @@
   request in flight, and spend is never counted twice (each request has a key).
 - Every attempt is counted in the worker's own metrics by its outcome (ok,
   transient_error, error, cancelled), with the latency of those answered, under
-  `labels` (provider, model): coordinator/metrics.py, in memory, no Redis.
+  `labels` (provider, model): workers/observe.py, in memory, no Redis.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pydantic_ai.models import Model, ModelRequestParameters
 from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.settings import ModelSettings
 
-from coordinator import metrics
+from workers import observe
 
 __all__ = ["TRANSIENT_ERRORS", "MeteredModel", "ResponseHook"]
 
@@ -80,7 +80,7 @@ class MeteredModel(WrapperModel):
             try:
                 response = await super().request(messages, model_settings, model_request_parameters)
             except TRANSIENT_ERRORS as exc:
-                metrics.model_request(*self._labels, "transient_error")
+                observe.model_request(*self._labels, "transient_error")
                 if attempt >= self._retries:
                     raise
                 attempt += 1
@@ -88,12 +88,12 @@ class MeteredModel(WrapperModel):
                 await asyncio.sleep(min(MAX_BACKOFF_S, self._retry_base_s * 2 ** (attempt - 1)))
                 continue
             except asyncio.CancelledError:  # a stop abandoned the request in flight
-                metrics.model_request(*self._labels, "cancelled")
+                observe.model_request(*self._labels, "cancelled")
                 raise
             except Exception:
-                metrics.model_request(*self._labels, "error")
+                observe.model_request(*self._labels, "error")
                 raise
             latency_s = time.perf_counter() - started
-            metrics.model_request(*self._labels, "ok", latency_s)
+            observe.model_request(*self._labels, "ok", latency_s)
             self._on_response(messages, response, latency_s * 1000)
             return response

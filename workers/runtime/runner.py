@@ -36,7 +36,7 @@ from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults, ToolAp
 from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.usage import UsageLimits
 
-from coordinator import CorruptError, Profile, StoreError, SubtaskResult, Usage, metrics, one_line
+from coordinator import CorruptError, Profile, StoreError, SubtaskResult, Usage, one_line
 from coordinator.runs import (
     LIVE_EVERY_S,
     Ended,
@@ -48,6 +48,7 @@ from coordinator.runs import (
     RunStopped,
     ToolCall,
 )
+from workers import observe
 from workers.runtime.context import Runtime
 from workers.runtime.metering import MeteredModel
 from workers.runtime.pricing import cost_of, reported_cost_usd
@@ -91,10 +92,9 @@ def run_child(rt: Runtime, task_id: str, progress: Progress | None = None) -> Su
     if isinstance(started, SubtaskResult):
         return started  # nothing to run: ended, delegated, or waiting for a slot
     run = started
-    metrics.run_started(run.task.profile, deliveries=run.deliveries, run_seq=run.run_seq)
     try:
         result = run.end(run.lost_too_often or _run(rt, run, progress))
-        metrics.run_ended(run.task.profile, result.status)
+        observe.run_ended(run.task.profile, result.status)
         return result
     except LeaseLost:
         return run.lost()  # another run owns the task now (this worker was cut off too long)
@@ -191,7 +191,7 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
             cache_writes=usage.cache_write_tokens,
         )
         run.record_response(request_no, used, cost_micros, source, latency_ms=latency_ms, tool=tool, text=text)
-        metrics.response(profile.model, task.profile, used, cost_micros)  # this worker's counters, in memory
+        observe.response(profile.model, task.profile, used, cost_micros)  # this worker's counters, in memory
         for part in response.parts:
             if isinstance(part, TextPart) and part.content.strip():
                 run.say("text", part.content)

@@ -1,23 +1,31 @@
 -- End a run in one step: write what it did since its last step (flush_run), make the task
--- terminal once (finish_task), release its lease, take it off the due list,
--- say its outcome, and, for a child of a parallel batch, write it back onto its parent's todo
--- item (apply_children) and close the batch if it was the last (close_batch: exactly one
--- closer, decided here, with no race).
+-- terminal once (finish_task), release its lease, take it off the due list, say its outcome,
+-- free its run slot when admission limits are set (release_slot), and, for a child of a
+-- parallel batch, write it back onto its parent's todo item and close the batch if it was
+-- the last (settle_child). A child of a sequential batch stays on the due list, for its
+-- caller to write back and start the next step: a process that dies before that leaves it
+-- to the reconciler.
 -- KEYS[1..7] as flush_run (lease, task, conversation, UI, latency, live, events)
 -- KEYS[8] the due list   KEYS[9] parent hash   KEYS[10] parent todos   KEYS[11] parent awaiting set
 -- KEYS[12] batch hash   KEYS[13] parent UI messages   KEYS[14] batch lines
--- KEYS[15..] ancestor hashes (parent first, root last)
--- (KEYS[9..14] are the task's own hash again when it has no batch.)
+-- KEYS[15] the tree's running set   KEYS[16] its admission list   KEYS[17] the parent's running-children set
+-- KEYS[18..] ancestor hashes (parent first, root last)
+-- (KEYS[9..14] are the task's own hash again when it has no batch, and KEYS[15..17] when
+-- admission does not apply to it.)
 -- ARGV[1] token   ARGV[2] retention seconds   ARGV[3] now   ARGV[4] events max length
 -- ARGV[5] status   ARGV[6] summary   ARGV[7] error   ARGV[8] error class
 -- ARGV[9] resume grace seconds   ARGV[10] 1: end on the budget check (a run that completed)
--- ARGV[11..] flush_run's ARGV[5..]
+-- ARGV[11] 1: free a run slot (admission limits set, a child)   ARGV[12] per-parent limit
+-- ARGV[13] per-tree limit   ARGV[14] the prefix of the tree's task hashes
+-- ARGV[15] the prefix of its running-children sets   ARGV[16] how many waiting tasks to look at
+-- ARGV[17..] flush_run's ARGV[5..]
 -- Returns {'fenced'} (nothing written), {'exhausted', holder} (the flush was written; the
--- caller stops the holder's subtree and ends the run on its slow path), or
+-- caller stops the holder's subtree and ends the run again), or
 -- {'ended', status, summary, error, error class, tokens in, tokens out, cache reads,
---  cache writes, cost micro-USD, closed, resumes, resume, batch mode}: `closed` 1 when
--- this call closed the batch, `resume` 1 when the caller must publish the parent's resume,
--- `batch mode` 'sequential' when the caller must write the chain step back itself.
+--  cache writes, cost micro-USD, closed, resumes, resume, batch mode, admitted ids}: `closed` 1
+-- when this call closed the batch, `resume` 1 when the caller must publish the parent's
+-- resume, `batch mode` 'sequential' when the caller must write the chain step back itself,
+-- `admitted ids` the waiting tasks given the freed slot, whose runs the caller publishes.
 -- Every field of the task and of its parent that any part below reads, in one HMGET each
 -- (hashes.lua): the parts read and write them through the cache, written once at the end.
 hash_prefetch(KEYS[2], fields_and(USAGE_FIELDS, {'summary', 'error', 'error_class', 'batch_id', 'batch_mode',
@@ -27,17 +35,17 @@ if KEYS[9] ~= KEYS[2] then
     'runner', 'error_class', 'error', 'waiting_batch_id', 'resumes'})
 end
 local flush_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]}
-for i = 15, #KEYS do
+for i = 18, #KEYS do
   flush_keys[#flush_keys + 1] = KEYS[i]
 end
 -- The live status goes to finish_task, which makes the terminal one from it, and the UI
 -- messages go with the outcome's own, after it (one write each, not two).
-local live = ARGV[11]
-local n_conv, n_ui = tonumber(ARGV[12]), tonumber(ARGV[13])
-local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], '1', '', ARGV[12], '0', ARGV[14], ARGV[15]}
+local live = ARGV[17]
+local n_conv, n_ui = tonumber(ARGV[18]), tonumber(ARGV[19])
+local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], '1', '', ARGV[18], '0', ARGV[20], ARGV[21]}
 local ui = {}
-local first_ui = 16 + n_conv
-for i = 16, #ARGV do
+local first_ui = 22 + n_conv
+for i = 22, #ARGV do
   if i >= first_ui and i < first_ui + n_ui then
     ui[#ui + 1] = ARGV[i]
   else
@@ -63,7 +71,21 @@ finish_task({KEYS[2], KEYS[7], KEYS[6]}, {ARGV[5], ARGV[6], ARGV[7], ARGV[8], no
 redis.call('DEL', KEYS[1])  -- the lease: flush_run found it this run's, in this same call
 local f = hash_get(KEYS[2], 'id', 'status', 'summary', 'error', 'error_class', 'tokens_in',
   'tokens_out', 'cache_reads', 'cache_writes', 'cost_micros', 'batch_id', 'batch_mode')
-redis.call('ZREM', KEYS[8], f[1])
+local closed, resumes, resume, mode = 0, 0, 0, ''
+if f[11] and f[11] ~= '' then
+  -- A child's record names its batch's mode (delegation.py); one written before it did not.
+  local got = settle_child({KEYS[9], KEYS[10], KEYS[11], KEYS[7], KEYS[14], KEYS[2], KEYS[12], KEYS[13], KEYS[8]},
+    {now, retention, maxlen, f[1], ARGV[9], f[12] or ''})
+  mode, resumes, resume = got[1], got[2], got[3]
+  if resumes > 0 then
+    closed = 1
+  end
+end
+if mode == 'sequential' then
+  redis.call('ZADD', KEYS[8], tonumber(now) + tonumber(ARGV[9]), f[1])
+else
+  redis.call('ZREM', KEYS[8], f[1])
+end
 local say
 if f[2] == 'completed' then
   say = {ts = tonumber(now), type = 'say', say = 'completion_result', text = f[3] or ''}
@@ -72,21 +94,9 @@ else
 end
 ui[#ui + 1] = cjson.encode(say)
 say_all()
-local closed, resumes, resume, mode = 0, 0, 0, ''
-if f[11] and f[11] ~= '' then
-  -- A child's record names its batch's mode (delegation.py); one written before it did not.
-  mode = (f[12] and f[12] ~= '') and f[12] or (hash_get(KEYS[12], 'mode')[1] or '')
-  if mode == 'parallel' then
-    apply_children({KEYS[9], KEYS[10], KEYS[11], KEYS[7], KEYS[14], KEYS[2]}, {now, retention, maxlen, f[1]})
-    if redis.call('SCARD', KEYS[11]) == 0 then
-      local got = close_batch({KEYS[12], KEYS[9], KEYS[13], KEYS[11], KEYS[7], KEYS[14], KEYS[8], KEYS[10]},
-        {now, retention, maxlen, ARGV[9]})
-      resumes, resume = got[1], got[2]
-      if resumes > 0 then
-        closed = 1
-      end
-    end
-  end
+local admitted = {}
+if ARGV[11] == '1' then
+  admitted = release_slot({KEYS[15], KEYS[16], KEYS[17]}, {f[1], ARGV[12], ARGV[13], retention, ARGV[14], ARGV[15], ARGV[16]})
 end
 return {'ended', f[2], f[3] or '', f[4] or '', f[5] or '', f[6] or '0', f[7] or '0', f[8] or '0', f[9] or '0',
-  f[10] or '0', closed, resumes, resume, mode}
+  f[10] or '0', closed, resumes, resume, mode, admitted}

@@ -1,23 +1,29 @@
 -- A run has ended (or released its worker): free its slot and admit, in order, the
--- waiting tasks that now fit. The caller publishes a run for each admitted id.
+-- waiting tasks that now fit. The caller publishes a run for each admitted id. A run's end
+-- calls it inside end_run.lua; a run that releases its worker (delegated, waiting for a
+-- decision, handed back) and a redelivery of an ended task through `store.release_slot`.
 -- KEYS[1] the tree's running set   KEYS[2] the tree's admission list
 -- KEYS[3] the task's parent's running-children set
--- KEYS[4..] running-children sets of the waiting tasks' parents, one per ARGV[5..] id
 -- ARGV[1] task id   ARGV[2] per-parent limit   ARGV[3] per-tree limit   ARGV[4] retention seconds
--- ARGV[5..] waiting ids as the caller read them (the list's head, in order), each
--- followed in KEYS by its parent's running-children set
+-- ARGV[5] the prefix of the tree's task hashes   ARGV[6] the prefix of its running-children sets
+-- ARGV[7] how many waiting tasks to look at, from the list's head
+-- (A waiting task's parent, and so its running-children set, is read from its record here:
+-- a tree's keys share one prefix and hash tag, and subq runs on one Redis primary.)
 -- Returns the ids admitted now (removed from the list, added to the running sets).
 redis.call('SREM', KEYS[1], ARGV[1])
 redis.call('SREM', KEYS[3], ARGV[1])
 local per_parent, per_tree = tonumber(ARGV[2]), tonumber(ARGV[3])
 local admitted = {}
-for i = 5, #ARGV do
-  local id = ARGV[i]
-  local parent_set = KEYS[i - 1]
-  local tree_full = per_tree > 0 and redis.call('SCARD', KEYS[1]) >= per_tree
-  if tree_full then
+local waiting = redis.call('LRANGE', KEYS[2], 0, tonumber(ARGV[7]) - 1)
+for _, id in ipairs(waiting) do
+  if per_tree > 0 and redis.call('SCARD', KEYS[1]) >= per_tree then
     break
   end
+  local parent = hash_get(ARGV[5] .. id, 'parent_id')[1]
+  if not parent or parent == '' then
+    parent = id
+  end
+  local parent_set = ARGV[6] .. parent
   if not (per_parent > 0 and redis.call('SCARD', parent_set) >= per_parent) then
     if redis.call('LREM', KEYS[2], 1, id) == 1 then
       redis.call('SADD', KEYS[1], id)

@@ -1,18 +1,24 @@
--- Start a run of an agent task in one step: read the task, take its lease, count the
+-- Start a run of an agent task in one step: read the task, admit it (admit.lua: a child
+-- may have to wait for a run slot, or start after a stagger), take its lease, count the
 -- delivery, put it on the due list while it runs, publish its live status, and return
 -- its conversation and whether a budget over it is spent already; a first run (no
 -- conversation yet) also says the task's prompt as its first UI message.
 -- KEYS[1] task hash   KEYS[2] lease   KEYS[3] the due list   KEYS[4] tree live hash
 -- KEYS[5] tree events stream   KEYS[6] conversation   KEYS[7] UI messages
 -- ARGV[1] token   ARGV[2] lease seconds   ARGV[3] when the reconciler looks next (epoch s)
+-- KEYS[8] the tree's running set   KEYS[9] the tree's admission list   KEYS[10] its last-start time
 -- ARGV[4] now   ARGV[5] events max length
 -- ARGV[6] the prefix of the tree's task hashes (the budget check reads the ancestors' with a
 --   budget, `budget_chain`, or every ancestor's on a record without it: a tree's keys share
 --   one prefix, and subq runs on one Redis, so reading keys named in the task's own record
 --   is safe here)
+-- ARGV[7] per-parent run limit   ARGV[8] per-tree run limit   ARGV[9] start stagger ms (0: none)
+-- ARGV[10] now in ms   ARGV[11] retention seconds   ARGV[12] the prefix of the tree's
+--   running-children sets (the parent's is read from the record, as the ancestors' above)
 -- Returns {verdict, the task hash as a flat list, {deliveries, run sequence, exhausted}, conversation}:
 -- verdict 'run' (the lease is this run's), 'missing', 'other' (not an agent's, ended or
--- delegated: the caller takes its slow path) or 'leased' (another run holds the lease).
+-- delegated: the caller takes its slow path), 'leased' (another run holds the lease),
+-- 'wait' (queued on the admission list for a slot) or 'delay' (the counts are {ms to wait}).
 local raw = redis.call('HGETALL', KEYS[1])
 if #raw == 0 then
   return {'missing', {}, {}, {}}
@@ -26,6 +32,16 @@ if task['runner'] ~= 'agent' or status == 'completed' or status == 'failed' or s
     or status == 'delegated' then
   return {'other', raw, {}, {}}
 end
+local parent_id = task['parent_id']
+local per_parent, per_tree, stagger = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+if parent_id and parent_id ~= '' and (per_parent > 0 or per_tree > 0 or stagger > 0) then
+  -- A root always runs; with no limit set nothing of admission is read.
+  local admitted = admit({KEYS[8], ARGV[12] .. parent_id, KEYS[9], KEYS[10]},
+    {task['id'], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]})
+  if admitted[1] ~= 'run' then
+    return {admitted[1], raw, {admitted[2]}, {}}
+  end
+end
 if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'EX', ARGV[2]) then
   return {'leased', raw, {}, {}}
 end
@@ -38,7 +54,6 @@ redis.call('ZADD', KEYS[3], ARGV[3], task['id'])
 local deliveries = (tonumber(task['deliveries'] or '0') or 0) + 1
 local run_seq = (tonumber(task['run_seq'] or '0') or 0) + 1
 redis.call('HSET', KEYS[1], 'deliveries', deliveries, 'run_seq', run_seq)
-local parent_id = task['parent_id']
 local live = cjson.encode({
   task_id = task['id'], parent_id = (parent_id and parent_id ~= '') and parent_id or cjson.null,
   depth = tonumber(task['depth'] or '0'), state = 'running', ts = tonumber(ARGV[4]),

@@ -1,6 +1,25 @@
-"""A worker process's own Prometheus metrics: the events of its runs, counted in memory.
+"""A worker process's own observability: its log lines, its Prometheus counters, and the
+hooks that attach both (and trace spans) to a run's life.
 
-Counters of what happens per run and per model request (runs started, tasks
+## Log lines
+
+
+`SUBQ_LOG_FORMAT=text` (the default) keeps Celery's own lines, made for a
+terminal. `SUBQ_LOG_FORMAT=json` writes one JSON object a line, for a log
+pipeline: `timestamp`, `level`, `logger`, `message` (and `exc_info` with a
+traceback). Either way, every line emitted while a run is in progress (in the
+thread that runs it, the agent loop included) carries the run's `task_id`,
+`root_id`, `batch_id` (null for a root), `worker` (the Celery node name) and
+`delivery` (1 for a first delivery, 2 for a redelivery, ...) as JSON fields,
+and `trace_id` when traces are on (docs/tracing.md).
+
+The run's ids live in a context variable: `workers/tasks.py` opens it around
+the run, and the run lifecycle's `started` hook adds what only the task's record
+knows (its root, batch and delivery count), through `WorkerRunHooks`.
+
+## Metrics
+
+The events of a worker's runs, counted in memory. Counters of what happens per run and per model request (runs started, tasks
 ended, model requests, tokens, micro-USD, budget stops, redeliveries) live in
 the memory of the process that ran them, never in Redis: a run's Redis round
 trips and commands are budgeted (docs/benchmarks.md), and a counter there would
@@ -14,27 +33,42 @@ approvals waiting, dead letters, repairs), is read from Redis by the API's
 `/metrics` (coordinator/api/ops.py) instead.
 
 The metrics live on a registry of this module (`REGISTRY`), not on
-prometheus_client's global one: the API process imports this module too and
-must not export empty worker counters beside its fleet-wide figures.
+prometheus_client's global one: a process that imports this module beside its
+own metrics must not export empty worker counters beside them.
 
 Labels are bounded by configuration: `profile` (a configured profile's name),
 `model` (that profile's `model`, e.g. `openai:gpt-4o` or `offline`), `provider`
 (`openai`, `anthropic`, `offline`), `status`, `outcome`, `direction`; never a
 task id.
+
+## Hooks
+
+`WorkerRunHooks` is what the worker attaches to the run lifecycle
+(coordinator/runs.py, `RunHooks`): a started run's log fields and counters, a
+budget stop's counter, and the spans of the steps that write shared state. The
+lifecycle holds none of this code itself.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
 
+from celery import signals
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from pythonjsonlogger.json import JsonFormatter
 
-from coordinator.errors import ConfigError
+from coordinator import ConfigError, current_trace_id
+from coordinator.runs import Run, RunHooks
+from coordinator.tracing import span
 
 if TYPE_CHECKING:
-    from coordinator.models import Usage
+    from coordinator import Usage
 
 __all__ = [
     "BUDGET_STOPS",
@@ -49,15 +83,113 @@ __all__ = [
     "TASKS_ENDED",
     "TASKS_STARTED",
     "TOKENS",
-    "budget_stopped",
+    "RunContext",
+    "RunContextFilter",
+    "WorkerRunHooks",
+    "current_run",
+    "install",
     "model_request",
     "response",
+    "run_context",
     "run_ended",
-    "run_started",
     "serve",
 ]
 
 log = logging.getLogger(__name__)
+
+# The fields of a JSON line besides the run's: Python's names on the left, the line's on the right.
+JSON_FIELDS = "{levelname}{name}{message}"
+JSON_RENAMES = {"levelname": "level", "name": "logger"}
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """The run a log line belongs to; None for what only the task's record knows, until the run starts."""
+
+    task_id: str
+    worker: str
+    root_id: str | None = None
+    batch_id: str | None = None
+    delivery: int | None = None
+
+
+_current: ContextVar[RunContext | None] = ContextVar("subq_run", default=None)
+
+
+def current_run() -> RunContext | None:
+    return _current.get()
+
+
+@contextmanager
+def run_context(task_id: str, worker: str) -> Iterator[RunContext]:
+    """Lines logged inside belong to the run of `task_id` on `worker` (reset after: pool threads are reused)."""
+    context = RunContext(task_id=task_id, worker=worker)
+    token = _current.set(context)
+    try:
+        yield context
+    finally:
+        _current.reset(token)
+
+
+class WorkerRunHooks(RunHooks):
+    """The worker's hooks on a run's life: log fields and counters of a started run, a budget stop's
+    counter, the spans of the steps that write shared state."""
+
+    def started(self, run: Run) -> None:
+        task = run.task
+        context = _current.get()
+        if context is not None:
+            _current.set(replace(context, root_id=task.root_id, batch_id=task.batch_id, delivery=run.deliveries))
+        RUNS_STARTED.labels(task.profile).inc()
+        if run.run_seq == 1:
+            TASKS_STARTED.labels(task.profile).inc()
+        if run.deliveries > 1:
+            REDELIVERIES.labels(task.profile).inc()
+
+    def span(self, name: str, **attributes: str | int | bool) -> AbstractContextManager[object]:
+        return span(name, **attributes)
+
+    def budget_stopped(self, run: Run) -> None:
+        BUDGET_STOPS.labels(run.task.profile).inc()
+
+
+class RunContextFilter(logging.Filter):
+    """Adds the current run's fields to a record (a JSON line shows them); lines outside a run get none.
+
+    With traces on (docs/tracing.md), a line logged inside a span also gets its `trace_id`.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        context = _current.get()
+        if context is not None:
+            for name, value in asdict(context).items():
+                setattr(record, name, value)
+        trace_id = current_trace_id()
+        if trace_id is not None:
+            record.trace_id = trace_id
+        return True
+
+
+def json_formatter() -> logging.Formatter:
+    return JsonFormatter(JSON_FIELDS, style="{", rename_fields=JSON_RENAMES, timestamp=True)
+
+
+def install(log_format: str) -> None:
+    """Once Celery has set up the worker's loggers, give their handlers the run's fields (and JSON)."""
+
+    def configure(logger: logging.Logger, **_: Any) -> None:
+        for handler in logger.handlers:
+            if not any(isinstance(f, RunContextFilter) for f in handler.filters):
+                handler.addFilter(RunContextFilter())
+            if log_format == "json":
+                handler.setFormatter(json_formatter())
+
+    # Both signals: Celery's task logger (`celery.task`) has handlers of its own.
+    signals.after_setup_logger.connect(configure, weak=False)
+    signals.after_setup_task_logger.connect(configure, weak=False)
+
+
+# -- metrics ----------------------------------------------------------------------------
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -134,22 +266,10 @@ LATENCY = Histogram(
 )
 
 
-def run_started(profile: str, *, deliveries: int, run_seq: int) -> None:
-    RUNS_STARTED.labels(profile).inc()
-    if run_seq == 1:
-        TASKS_STARTED.labels(profile).inc()
-    if deliveries > 1:
-        REDELIVERIES.labels(profile).inc()
-
-
 def run_ended(profile: str, status: str) -> None:
     """A run returned; its task ended if `status` is terminal (a run that released its worker did not)."""
     if status in ENDED_STATUSES:
         TASKS_ENDED.labels(profile, status).inc()
-
-
-def budget_stopped(profile: str) -> None:
-    BUDGET_STOPS.labels(profile).inc()
 
 
 def model_request(provider: str, model: str, outcome: str, latency_s: float | None = None) -> None:
