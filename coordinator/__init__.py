@@ -38,7 +38,7 @@ if TYPE_CHECKING:
         WaitTimeout,
     )
     from coordinator.ids import is_batch_id, is_task_id, task_of_run_id
-    from coordinator.inputs import one_line
+    from coordinator.inputs import SubmitInput, one_line
     from coordinator.models import (
         Batch,
         SubtaskResult,
@@ -103,6 +103,7 @@ _EXPORTS = {
     "task_of_run_id": "coordinator.ids",
     "dead_letter": "coordinator.deadletters",
     "one_line": "coordinator.inputs",
+    "SubmitInput": "coordinator.inputs",
     "render_markdown": "coordinator.todos",
     "parse_markdown": "coordinator.todos",
     "ignored_lines": "coordinator.todos",
@@ -151,6 +152,7 @@ __all__ = [
     "Settings",
     "StateError",
     "StoreError",
+    "SubmitInput",
     "SubqError",
     "SubtaskResult",
     "SubtaskSpec",

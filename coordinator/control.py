@@ -14,16 +14,13 @@ from typing import TYPE_CHECKING
 
 from coordinator import approvals, writeback
 from coordinator.errors import StateError, ValidationError
-from coordinator.inputs import text_field
+from coordinator.inputs import MAX_REASON_CHARS, text_field
 from coordinator.models import LiveState, TaskRecord, TaskStatus
 
 if TYPE_CHECKING:
     from coordinator.plane import Plane
 
-__all__ = ["MAX_REASON_CHARS", "cancel", "snapshot", "stop_subtree"]
-
-# A reason is read by the parent's model and by people: a paragraph, not a document.
-MAX_REASON_CHARS = 2000
+__all__ = ["cancel", "snapshot", "stop_subtree"]
 
 
 def cancel(plane: Plane, task_id: str, reason: str) -> TaskRecord:

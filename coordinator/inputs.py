@@ -1,25 +1,52 @@
-"""Checks of input shared by the service's operations (a prompt, a reason, a page, a budget), and error lines.
+"""The operations' inputs, one pydantic model each, and the checks they share (a prompt, a reason, a page, a budget).
 
-Light on purpose (no Redis, no Celery): the CLI runs the same checks before it
-sends a request to the HTTP API, whose schema would otherwise refuse some of
-these inputs in its own words (docs/cli.md: the same errors either way).
+    CreateTaskInput   POST /v1/tasks, `subq run`            CancelInput     a cancel's reason
+    SubmitInput       the Celery task `subq.submit`        DecisionInput   an approval's decision
+    DelegateInput     POST /v1/tasks/{id}/subtasks         TodosInput      a todo list's replacement
+
+Each model is the one definition of its operation's input: the HTTP API reads its
+request body with it, `subq.submit` its message, and the CLI and the Python client
+build it from their arguments before they call the operation or send anything, so
+a malformed input gets the same error whichever way it comes (`parse` words
+pydantic's first error as the API does: `subtasks.1.message: Field required`).
+pydantic checks the shape (types, required and unknown fields, a mode); the
+service's own checks below check the content (a blank prompt, a budget), so they
+say it in the service's words. A check raises subq's `ValidationError`, which is
+no ValueError: pydantic lets it through as it is, naming its field.
+
+Light on purpose (pydantic, no Redis, no Celery, no FastAPI): the Python client
+installs with httpx and pydantic only.
 """
 
 from __future__ import annotations
 
-from decimal import Decimal, InvalidOperation
+from collections.abc import Mapping
+from decimal import Decimal, DecimalException, InvalidOperation
+from typing import Annotated, Any, Literal, Self
+
+import pydantic
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, WithJsonSchema
 
 from coordinator import ids
 from coordinator.errors import ValidationError
-from coordinator.models import TaskStatus, usd_to_micros
+from coordinator.models import DelegationMode, SubtaskSpec, TaskStatus, TodoStatus, usd_to_micros
 
 __all__ = [
     "DEFAULT_PAGE",
     "MAX_ERROR_CHARS",
     "MAX_PAGE",
     "MAX_PROMPT_CHARS",
+    "CancelInput",
+    "CreateTaskInput",
+    "DecisionInput",
+    "DelegateInput",
+    "OperationInput",
+    "SubmitInput",
+    "TodoUpdate",
+    "TodosInput",
     "check_dead_letter_limit",
     "check_history_query",
+    "input_error",
     "one_line",
     "text_field",
     "to_micros",
@@ -27,6 +54,12 @@ __all__ = [
 ]
 
 MAX_PROMPT_CHARS = 200_000
+# An idempotency key is an id the caller chose (a UUID, a message id), and a cancel's reason,
+# read by the parent's model and by people, a paragraph: neither is a document. The service
+# checks them with these too; a denial's feedback is bounded by the API.
+MAX_IDEMPOTENCY_KEY_CHARS = 200
+MAX_REASON_CHARS = 2000
+MAX_FEEDBACK_CHARS = 10_000
 # History pages: enough for a screen, bounded so one call stays cheap.
 DEFAULT_PAGE = 50
 MAX_PAGE = 500
@@ -93,7 +126,161 @@ def to_micros(value: object, field: str) -> int:
         usd = None
     if usd is None or not usd.is_finite() or usd <= 0:
         raise ValidationError(f"{field} must be a positive number of US dollars, not {value!r}", field=field)
-    micros = usd_to_micros(usd)
+    try:
+        micros = usd_to_micros(usd)
+    except DecimalException:  # beyond the precision or range of decimal arithmetic: no budget is that large
+        raise ValidationError(f"{field} is too large: {value!r}", field=field) from None
     if micros < 1:
         raise ValidationError(f"{field} must be at least one micro-dollar (0.000001)", field=field)
     return micros
+
+
+# -- the operations' inputs ----------------------------------------------------------------
+
+
+def input_error(exc: pydantic.ValidationError) -> ValidationError:
+    """pydantic's first error as the service's: `path: message`, naming the path, as the HTTP API words it."""
+    error = exc.errors()[0]
+    path = ".".join(str(part) for part in error["loc"])
+    return ValidationError(f"{path}: {error['msg']}" if path else error["msg"], field=path or None)
+
+
+class OperationInput(BaseModel):
+    """An operation's input: unknown fields are refused (a typo is an error naming it, not an ignored option)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any]) -> Self:
+        """The input from a message, a body or a command's arguments, or the ValidationError of its first problem."""
+        try:
+            return cls.model_validate(data)
+        except pydantic.ValidationError as exc:
+            raise input_error(exc) from None
+
+
+def _budget(value: object) -> object:
+    to_micros(value, "budget_usd")  # in the service's words: a positive number of US dollars
+    return value
+
+
+# The todo-list grammar (coordinator/todos.py) checks a plan when the service reads it and
+# names the failing item (`todos.1.content`, code `invalid_todos`); the schema declares the
+# accepted shapes for the OpenAPI document and leaves checking to it.
+_TODO_UPDATE_SCHEMA: dict[str, Any] = {
+    "description": (
+        "The plan: markdown checkbox lines ('[ ] pending', '[-] in progress', '[x] done'), "
+        "or a list of {content, status} items"
+    ),
+    "anyOf": [
+        {"type": "string", "examples": ["[ ] Collect figures\n[-] Summarise feedback"]},
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "content": {"type": "string"},
+                    "status": {"type": "string", "enum": [s.value for s in TodoStatus]},
+                },
+                "required": ["content"],
+                "additionalProperties": False,
+            },
+        },
+    ],
+}
+TodoUpdate = Annotated[Any, WithJsonSchema(_TODO_UPDATE_SCHEMA)]
+
+# Free text the service's `text_field` checks: not blank, within its limit.
+Prompt = Annotated[
+    str,
+    AfterValidator(lambda text: text_field(text, "prompt", MAX_PROMPT_CHARS)),
+    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": MAX_PROMPT_CHARS, "description": "The task's text"}),
+]
+IdempotencyKey = Annotated[
+    str,
+    AfterValidator(lambda key: text_field(key, "idempotency_key", MAX_IDEMPOTENCY_KEY_CHARS)),
+    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY_CHARS}),
+]
+Reason = Annotated[
+    str,
+    AfterValidator(lambda reason: text_field(reason, "reason", MAX_REASON_CHARS)),
+    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": MAX_REASON_CHARS}),
+]
+Subtasks = Annotated[list[SubtaskSpec], Field(min_length=1)]
+
+_PROFILE = "A configured model profile; the default when omitted"
+_KEY = "A key of the caller's choosing: a retried request with the same key returns the first root"
+_MODE = "parallel (all at once) or sequential (a chain)"
+
+
+class CreateTaskInput(OperationInput):
+    """Create a root task. New optional fields (e.g. `budget_usd`) slot in as defaults, keeping old inputs valid."""
+
+    prompt: Prompt
+    todos: TodoUpdate | None = None
+    profile: str | None = Field(default=None, description=_PROFILE)
+    run: StrictBool = Field(
+        default=False,
+        description="true: start the task as an agent on the fleet; false: the caller owns it and delegates",
+    )
+    budget_usd: Annotated[Decimal | None, BeforeValidator(_budget)] = Field(
+        default=None, gt=0, max_digits=12, decimal_places=6,
+        description="Most the whole tree may spend, in US dollars; it stops there (docs/control.md)",
+    )  # fmt: skip
+    idempotency_key: IdempotencyKey | None = Field(default=None, description=_KEY)
+
+
+class SubmitInput(OperationInput):
+    """`subq.submit`'s keyword arguments (docs/celery-contract.md): a root, and at once its subtasks if given.
+
+    Its `run` defaults to true: a producer that sends only a prompt starts an agent.
+    """
+
+    prompt: Prompt
+    todos: TodoUpdate | None = None
+    profile: str | None = Field(default=None, description=_PROFILE)
+    run: StrictBool = True
+    subtasks: Subtasks | None = None
+    mode: DelegationMode | None = Field(default=None, description=_MODE)
+    idempotency_key: IdempotencyKey | None = Field(default=None, description=_KEY)
+
+    @pydantic.model_validator(mode="after")
+    def _subtasks_need_a_caller_owned_root(self) -> Self:
+        if self.subtasks is None and self.mode is not None:
+            raise ValidationError("mode applies only together with subtasks", field="mode")
+        if self.subtasks is not None and self.run:
+            raise ValidationError(
+                "subtasks need run=false: the caller owns a parent it delegates to "
+                "(an agent root, run=true, plans its own subtasks)",
+                field="run",
+            )
+        return self
+
+
+class DelegateInput(OperationInput):
+    """Delegate subtasks to children of a task."""
+
+    mode: DelegationMode = Field(default="parallel", description=_MODE)
+    # SubtaskSpec is the domain's own spec, so a field added there (budget_usd) reaches every face unchanged.
+    subtasks: Subtasks
+
+
+class TodosInput(OperationInput):
+    """Replace a task's todo list: links and figures of existing items survive."""
+
+    todos: TodoUpdate
+
+
+class CancelInput(OperationInput):
+    """Cancel a task and its whole subtree."""
+
+    reason: Reason = Field(description="Why: the parent and the history read it")
+
+
+class DecisionInput(OperationInput):
+    """Approve or deny a tool call waiting for a decision."""
+
+    decision: Literal["approve", "deny"]
+    feedback: str | None = Field(
+        default=None, max_length=MAX_FEEDBACK_CHARS, description="What the model is told on a denial"
+    )

@@ -4,9 +4,9 @@
                  state), cancel, approvals and their decision, dead letters; then close
 
 `Coordinator` (on Redis) and `coordinator.client.SubqClient` (over the HTTP
-API) each satisfy it, with the same models and the same errors: an input the
-service would refuse is refused by the client with the service's own check,
-before anything is sent. So a caller such as the `subq` command holds one
+API) each satisfy it, with the same models and the same errors: the client reads
+an input with its operation's model (coordinator/inputs.py), the one the API
+reads the request with, so a malformed one is refused before anything is sent. So a caller such as the `subq` command holds one
 `Operations` whichever way it reaches the system, and prints the same lines.
 The type checker holds both to it (`coordinator/cli/backend.py`).
 """

@@ -39,6 +39,7 @@ from coordinator.errors import CorruptError, NotFoundError, ValidationError, Wai
 from coordinator.export import export_tree
 from coordinator.inputs import (
     DEFAULT_PAGE,
+    MAX_IDEMPOTENCY_KEY_CHARS,
     MAX_PAGE,
     MAX_PROMPT_CHARS,
     check_dead_letter_limit,
@@ -67,8 +68,6 @@ __all__ = ["DEFAULT_PAGE", "MAX_PAGE", "Coordinator"]
 # How long one blocking read of the tree's event stream lasts inside wait();
 # short enough to notice a deadline, long enough not to spin.
 WAIT_SLICE_MS = 1000
-# An idempotency key is an id the caller chose (a UUID, a message id), not a document.
-MAX_IDEMPOTENCY_KEY_CHARS = 200
 
 
 class Coordinator:

@@ -586,15 +586,17 @@ def test_413_comes_before_parsing_and_auth(idle: Coordinator, anon_http: httpx.C
     assert_refused(idle, anon_http, "PUT", f"/v1/tasks/{parent.id}/todos", 413, "body_too_large", None, content=over)
 
 
+# A wrong type, a missing or unknown field in pydantic's words; a blank or over-long text in the
+# service's (coordinator.inputs.CreateTaskInput runs its checks), as `subq run` and subq.submit word them.
 CREATE_422 = [
     ({}, "invalid_input", "prompt", "prompt: Field required"),
     ({"prompt": "x", "colour": "red"}, "invalid_input", "colour", "colour: Extra inputs are not permitted"),
-    ({"prompt": ""}, "invalid_input", "prompt", "String should have at least 1 character"),
+    ({"prompt": ""}, "invalid_input", "prompt", "prompt must be a non-empty string"),
     ({"prompt": "  \n "}, "invalid_input", "prompt", "prompt must be a non-empty string"),
     ({"prompt": 5}, "invalid_input", "prompt", "Input should be a valid string"),
     ({"prompt": "x", "run": "yes"}, "invalid_input", "run", "Input should be a valid boolean"),
-    ({"prompt": "x", "idempotency_key": ""}, "invalid_input", "idempotency_key", "at least 1 character"),
-    ({"prompt": "x", "idempotency_key": "k" * 201}, "invalid_input", "idempotency_key", "at most 200 characters"),
+    ({"prompt": "x", "idempotency_key": ""}, "invalid_input", "idempotency_key", "idempotency_key must be a non-empty"),
+    ({"prompt": "x", "idempotency_key": "k" * 201}, "invalid_input", "idempotency_key", "is 201 characters; the limit"),
     ({"prompt": "x", "idempotency_key": 7}, "invalid_input", "idempotency_key", "Input should be a valid string"),
     ({"prompt": "x", "profile": "gpt-9"}, "invalid_profile", "profile", "Invalid profile: gpt-9"),
     ({"prompt": "x", "todos": "just prose"}, "invalid_todos", "todos", "The todo update has no items"),

@@ -92,26 +92,29 @@ def _spec(**extra: Any) -> dict[str, Any]:
     return {"description": "child", "message": script(usage_step()), **extra}
 
 
+# The message is read with the API's own model (coordinator.inputs.SubmitInput): a wrong type, a
+# missing or unknown field is worded as the API words it (`path: message`), a blank prompt or
+# an over-long key in the service's words, as every face words them.
 BAD_SUBMISSIONS: list[tuple[str, tuple[Any, ...], dict[str, Any], str, str, str]] = [
     # (case, args, kwargs, code, field, message)
     ("positional", ("a prompt",), {}, "invalid_input", "args", "keyword arguments only"),
-    ("no prompt", (), {"todos": "[ ] a"}, "invalid_input", "prompt", "prompt is required"),
+    ("no prompt", (), {"todos": "[ ] a"}, "invalid_input", "prompt", "prompt: Field required"),
     ("empty prompt", (), {"prompt": "  "}, "invalid_input", "prompt", "prompt must be a non-empty string"),
-    ("prompt not text", (), {"prompt": 42}, "invalid_input", "prompt", "prompt must be a non-empty string"),
-    ("unknown field", (), {"prompt": "p", "budget": 5}, "invalid_input", "budget", "Unknown field 'budget'"),
-    ("run not bool", (), {"prompt": "p", "run": "yes"}, "invalid_input", "run", "run must be true or false"),
+    ("prompt not text", (), {"prompt": 42}, "invalid_input", "prompt", "prompt: Input should be a valid string"),
+    ("unknown field", (), {"prompt": "p", "budget": 5}, "invalid_input", "budget", "budget: Extra inputs are not permitted"),
+    ("run not bool", (), {"prompt": "p", "run": "yes"}, "invalid_input", "run", "run: Input should be a valid boolean"),
     ("profile unknown", (), {"prompt": "p", "profile": "nope"}, "invalid_profile", "profile", "Invalid profile: nope"),
-    ("profile not text", (), {"prompt": "p", "profile": ["x"]}, "invalid_input", "profile", "profile must be"),
+    ("profile not text", (), {"prompt": "p", "profile": ["x"]}, "invalid_input", "profile", "profile: Input should be a valid string"),
     ("todos without items", (), {"prompt": "p", "todos": "no checkbox"}, "invalid_todos", "todos", "has no items"),
     ("todos not a list", (), {"prompt": "p", "todos": 7}, "invalid_todos", "todos", "markdown text or a list"),
     ("mode alone", (), {"prompt": "p", "mode": "parallel"}, "invalid_input", "mode", "only together with subtasks"),
     ("subtasks with run", (), {"prompt": "p", "subtasks": [_spec()]}, "invalid_input", "run", "subtasks need run=false"),
     ("bad mode", (), {"prompt": "p", "run": False, "subtasks": [_spec()], "mode": "diagonal"},
-     "invalid_input", "mode", "mode must be 'parallel' or 'sequential'"),
+     "invalid_input", "mode", "mode: Input should be 'parallel' or 'sequential'"),
     ("subtasks empty", (), {"prompt": "p", "run": False, "subtasks": []},
-     "invalid_input", "subtasks", "subtasks is empty"),
+     "invalid_input", "subtasks", "subtasks: List should have at least 1 item"),
     ("subtasks not a list", (), {"prompt": "p", "run": False, "subtasks": "do it"},
-     "invalid_input", "subtasks", "subtasks must be a list"),
+     "invalid_input", "subtasks", "subtasks: Input should be a valid list"),
     ("spec without message", (), {"prompt": "p", "run": False, "subtasks": [_spec(), {"description": "d"}]},
      "invalid_input", "subtasks.1.message", "subtasks.1.message: Field required"),
     ("spec unknown key", (), {"prompt": "p", "run": False, "subtasks": [_spec(prompt="x")]},
@@ -125,7 +128,7 @@ BAD_SUBMISSIONS: list[tuple[str, tuple[Any, ...], dict[str, Any], str, str, str]
     ("bad prompt with subtasks", (), {"prompt": "", "run": False, "subtasks": [_spec()]},
      "invalid_input", "prompt", "prompt must be a non-empty string"),
     ("idempotency key not text", (), {"prompt": "p", "idempotency_key": 5},
-     "invalid_input", "idempotency_key", "idempotency_key must be a non-empty string"),
+     "invalid_input", "idempotency_key", "idempotency_key: Input should be a valid string"),
     ("idempotency key too long", (), {"prompt": "p", "idempotency_key": "k" * 201},
      "invalid_input", "idempotency_key", "idempotency_key is 201 characters; the limit is 200"),
 ]  # fmt: skip

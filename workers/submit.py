@@ -4,9 +4,10 @@
                                      "subtasks"?, "mode"?}, queue=<SUBQ_QUEUE>)
 
 The contract (kwargs, result, error codes) is docs/celery-contract.md. The task
-is thin: `submit()` below is a plain function over the same `Coordinator` the
-API and the CLI use, so a bad submission gets the same error (code, message,
-field) there as anywhere else. It returns the error as its JSON result instead
+is thin: `submit()` below reads the message with `SubmitInput`
+(coordinator/inputs.py, whose fields and checks are the API's) and calls the
+same `Coordinator` the API and the CLI use, so a bad submission gets the same
+error (code, message, field) there as anywhere else. It returns the error as its JSON result instead
 of raising: a producer in another language reads one JSON shape either way, and
 a bad submission writes nothing and publishes nothing.
 """
@@ -20,7 +21,7 @@ from typing import Any
 from celery import Celery, Task
 from celery.worker.request import Request
 
-from coordinator import Coordinator, Settings, SubqError, ValidationError, ignored_lines
+from coordinator import Coordinator, Settings, SubmitInput, SubqError, ValidationError, ignored_lines
 from coordinator.celery_app import SUBMIT, describe_args, describe_kwargs
 from workers.runtime.context import get_runtime
 
@@ -28,7 +29,7 @@ __all__ = ["FIELDS", "SubmitRequest", "register", "submit"]
 
 log = logging.getLogger(__name__)
 
-FIELDS = ("prompt", "todos", "profile", "run", "subtasks", "mode", "idempotency_key")
+FIELDS = tuple(SubmitInput.model_fields)
 
 
 def submit(
@@ -52,41 +53,30 @@ def error_result(exc: SubqError, **extra: str) -> dict[str, Any]:
 def _submit(
     coord: Coordinator, args: Sequence[Any], kwargs: Mapping[str, Any], message_id: str | None
 ) -> dict[str, Any]:
-    """The message's shape (keyword arguments only, known fields), then the service's own operation."""
+    """The message read with `SubmitInput` (its root's fields are the API's), then the service's own operation."""
     if args:
         raise ValidationError(
             f"subq.submit takes keyword arguments only (kwargs={{...}}), got {len(args)} positional", field="args"
         )
-    unknown = sorted(str(k) for k in kwargs if k not in FIELDS)
-    if unknown:
-        raise ValidationError(f"Unknown field {unknown[0]!r} (subq.submit takes {', '.join(FIELDS)})", field=unknown[0])
-    if "prompt" not in kwargs:
-        raise ValidationError("prompt is required", field="prompt")
-    prompt, todos, profile = kwargs["prompt"], kwargs.get("todos"), kwargs.get("profile")
-    run, subtasks, mode = kwargs.get("run", True), kwargs.get("subtasks"), kwargs.get("mode")
-    if profile is not None and not isinstance(profile, str):
-        raise ValidationError("profile must be a profile name (a string)", field="profile")
-    if not isinstance(run, bool):
-        raise ValidationError("run must be true or false", field="run")
-    key = kwargs.get("idempotency_key")
+    given = SubmitInput.parse(kwargs)
+    key = given.idempotency_key
     if key is None and message_id:
         key = f"subq.submit:{message_id}"
     # Lines that look like plan items but are not are named in the result, as the API does.
-    near_misses = [line.model_dump() for line in ignored_lines(todos)]
+    near_misses = [line.model_dump() for line in ignored_lines(given.todos)]
     ignored = {"ignored_todo_lines": near_misses} if near_misses else {}
-    if subtasks is None:
-        if mode is not None:
-            raise ValidationError("mode applies only together with subtasks", field="mode")
-        task = coord.create_task(prompt, todos=todos, profile=profile, run=run, idempotency_key=key)
-        return {"task_id": task.id, **ignored}
-    if run:
-        raise ValidationError(
-            "subtasks need run=false: the caller owns a parent it delegates to "
-            "(an agent root, run=true, plans its own subtasks)",
-            field="run",
+    if given.subtasks is None:
+        task = coord.create_task(
+            given.prompt, todos=given.todos, profile=given.profile, run=given.run, idempotency_key=key
         )
+        return {"task_id": task.id, **ignored}
     done = coord.submit(
-        prompt, todos=todos, profile=profile, subtasks=subtasks, mode=mode or "parallel", idempotency_key=key
+        given.prompt,
+        todos=given.todos,
+        profile=given.profile,
+        subtasks=given.subtasks,
+        mode=given.mode or "parallel",
+        idempotency_key=key,
     )
     if done.error is not None:
         return error_result(done.error, task_id=done.task.id)

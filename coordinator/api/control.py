@@ -12,14 +12,8 @@ from fastapi import APIRouter, Path, Query
 
 from coordinator.api.errors import error_responses
 from coordinator.api.routes import ROOT_ID_PATTERN, TaskId
-from coordinator.api.schemas import (
-    ApprovalList,
-    CancelBody,
-    DeadLetterList,
-    DeadLettersPurged,
-    DecisionBody,
-    Snapshot,
-)
+from coordinator.api.schemas import ApprovalList, DeadLetterList, DeadLettersPurged, Snapshot
+from coordinator.inputs import CancelInput, DecisionInput
 from coordinator.models import Approval, TaskRecord
 from coordinator.service import DEFAULT_PAGE, MAX_PAGE, Coordinator
 
@@ -38,7 +32,7 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         responses=error_responses(*denied, 404, 409, 413, 422, 503),
         summary="Cancel a task and its whole subtree",
     )
-    def cancel(task_id: TaskId, body: CancelBody) -> TaskRecord:
+    def cancel(task_id: TaskId, body: CancelInput) -> TaskRecord:
         """Queued children never start, running ones stop at their next step; finished results are kept.
         409 when the task has already ended."""
         return coord.cancel(task_id, body.reason)
@@ -69,7 +63,7 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         responses=error_responses(*denied, 404, 409, 413, 422, 503),
         summary="Approve or deny a waiting tool call; only that task resumes",
     )
-    def decide(approval_id: ApprovalId, body: DecisionBody) -> Approval:
+    def decide(approval_id: ApprovalId, body: DecisionInput) -> Approval:
         """A denial's feedback goes back to the task's model; 409 when it was already decided."""
         return coord.decide(approval_id, body.decision, body.feedback)
 

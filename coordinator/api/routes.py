@@ -2,8 +2,9 @@
 
 Each handler is a plain `def`: the Coordinator talks to Redis synchronously,
 so FastAPI runs handlers in its thread pool and the event loop stays free.
-Each one is a thin call into the same Coordinator the CLI uses; the
-Coordinator validates everything before it writes anything.
+Each one is a thin call into the same Coordinator the CLI uses; a body is read
+with its operation's input model (coordinator/inputs.py), the one `subq.submit`
+and the CLI use, and the Coordinator validates everything before it writes anything.
 """
 
 from __future__ import annotations
@@ -14,18 +15,9 @@ from fastapi import APIRouter, Path, Query, Request
 from fastapi.routing import APIRoute
 
 from coordinator.api.errors import error_responses
-from coordinator.api.schemas import (
-    CreatedTask,
-    CreateTaskBody,
-    DelegateBody,
-    DelegationResult,
-    HistoryPage,
-    MessageList,
-    TodoList,
-    TodosBody,
-    TodosUpdated,
-)
+from coordinator.api.schemas import CreatedTask, DelegationResult, HistoryPage, MessageList, TodoList, TodosUpdated
 from coordinator.errors import ValidationError
+from coordinator.inputs import CreateTaskInput, DelegateInput, TodosInput
 from coordinator.models import TaskRecord, TaskStatus
 from coordinator.service import DEFAULT_PAGE, MAX_PAGE, Coordinator
 from coordinator.todos import ignored_lines
@@ -71,7 +63,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         responses=error_responses(*denied, 413, 422, 503),
         summary="Create a root task",
     )
-    def create_task(body: CreateTaskBody) -> CreatedTask:
+    def create_task(body: CreateTaskInput) -> CreatedTask:
         """A caller-owned task (`run: false`, you delegate) or an agent on the fleet (`run: true`).
 
         `ignored_todo_lines` names the plan's lines that look like items but were not read as any."""
@@ -92,7 +84,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         responses=error_responses(*denied, 404, 409, 413, 422, 503),
         summary="Delegate subtasks to children",
     )
-    def delegate(task_id: TaskId, body: DelegateBody) -> DelegationResult:
+    def delegate(task_id: TaskId, body: DelegateInput) -> DelegationResult:
         """Validated as a whole, committed atomically, then published; 202: the children run on the fleet."""
         batch = coord.delegate(task_id, body.subtasks, body.mode)
         return DelegationResult(
@@ -124,7 +116,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         responses=error_responses(*denied, 404, 409, 413, 422, 503),
         summary="Replace a task's todo list",
     )
-    def update_todos(task_id: TaskId, body: TodosBody) -> TodosUpdated:
+    def update_todos(task_id: TaskId, body: TodosInput) -> TodosUpdated:
         """Links and figures of existing items survive the rewrite; an update with no items is refused.
 
         `ignored_lines` names the lines that look like items but were not read as any."""

@@ -1,9 +1,11 @@
 """The HTTP API's wire models: request bodies, response envelopes and the error shape.
 
-Records cross the wire as the domain's own models (`TaskRecord`, `TodoItem`,
-`HistoryItem`, `TreeNode`), so the server and `coordinator.client` share one
-definition. Request bodies forbid unknown fields: a typo is a 422 naming the
-field, not a silently ignored option.
+Request bodies are the operations' own inputs (coordinator/inputs.py): the API,
+`subq.submit` and the CLI read an input with one model each, so they refuse the
+same inputs in the same words. They forbid unknown fields: a typo is a 422
+naming the field, not a silently ignored option. Records cross the wire as the
+domain's own models (`TaskRecord`, `TodoItem`, `HistoryItem`, `TreeNode`), so
+the server and `coordinator.client` share one definition.
 
 This module imports only pydantic and the domain models (no FastAPI), so the
 Python client can use it without loading the server.
@@ -11,33 +13,24 @@ Python client can use it without loading the server.
 
 from __future__ import annotations
 
-from decimal import Decimal
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.deadletters import DeadLetter
-from coordinator.models import (
-    Approval,
-    DelegationMode,
-    HistoryItem,
-    LiveState,
-    SubtaskSpec,
-    TaskRecord,
-    TodoItem,
-    TodoStatus,
-)
+from coordinator.inputs import CancelInput, CreateTaskInput, DecisionInput, DelegateInput, TodosInput
+from coordinator.models import Approval, DelegationMode, HistoryItem, LiveState, TaskRecord, TodoItem
 from coordinator.todos import IgnoredLine
 
 __all__ = [
     "ApprovalList",
-    "CancelBody",
-    "CreateTaskBody",
+    "CancelInput",
+    "CreateTaskInput",
     "CreatedTask",
     "DeadLetterList",
     "DeadLettersPurged",
-    "DecisionBody",
-    "DelegateBody",
+    "DecisionInput",
+    "DelegateInput",
     "DelegationResult",
     "ErrorBody",
     "Health",
@@ -47,39 +40,10 @@ __all__ = [
     "RedisHealth",
     "Snapshot",
     "TodoList",
-    "TodosBody",
+    "TodosInput",
     "TodosUpdated",
     "WorkersHealth",
 ]
-
-_INPUT = ConfigDict(extra="forbid", frozen=True)
-
-# The todo-list grammar (coordinator/todos.py) validates an update and names the
-# failing item (`todos.1.content`, code `invalid_todos`); the body model declares
-# the accepted shapes for the OpenAPI document and leaves checking to it, so the
-# API and the Python API refuse the same inputs with the same field paths.
-_TODO_UPDATE_SCHEMA: dict[str, Any] = {
-    "description": (
-        "The plan: markdown checkbox lines ('[ ] pending', '[-] in progress', '[x] done'), "
-        "or a list of {content, status} items"
-    ),
-    "anyOf": [
-        {"type": "string", "examples": ["[ ] Collect figures\n[-] Summarise feedback"]},
-        {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "properties": {
-                    "content": {"type": "string"},
-                    "status": {"type": "string", "enum": [s.value for s in TodoStatus]},
-                },
-                "required": ["content"],
-                "additionalProperties": False,
-            },
-        },
-    ],
-}
-TodoUpdate = Annotated[Any, WithJsonSchema(_TODO_UPDATE_SCHEMA)]
 
 
 class ErrorBody(BaseModel):
@@ -90,45 +54,6 @@ class ErrorBody(BaseModel):
     code: str = Field(description="Stable machine-readable code, e.g. not_found, invalid_input, wrong_state")
     message: str
     field: str | None = Field(description="Dotted path of the offending input, e.g. subtasks.1.message")
-
-
-class CreateTaskBody(BaseModel):
-    """POST /v1/tasks. New optional fields (e.g. `budget_usd`) slot in as defaults, keeping old bodies valid."""
-
-    model_config = _INPUT
-
-    prompt: str = Field(min_length=1, description="The task's text")
-    todos: TodoUpdate | None = None
-    profile: str | None = Field(default=None, description="A configured model profile; the default when omitted")
-    run: StrictBool = Field(
-        default=False,
-        description="true: start the task as an agent on the fleet; false: the caller owns it and delegates",
-    )
-    budget_usd: Decimal | None = Field(
-        default=None, gt=0, max_digits=12, decimal_places=6,
-        description="Most the whole tree may spend, in US dollars; it stops there (docs/control.md)",
-    )  # fmt: skip
-    idempotency_key: str | None = Field(
-        default=None, min_length=1, max_length=200,
-        description="A key of the caller's choosing: a retried request with the same key returns the first root",
-    )  # fmt: skip
-
-
-class CancelBody(BaseModel):
-    """POST /v1/tasks/{task_id}/cancel."""
-
-    model_config = _INPUT
-
-    reason: str = Field(min_length=1, max_length=2000, description="Why: the parent and the history read it")
-
-
-class DecisionBody(BaseModel):
-    """POST /v1/approvals/{approval_id}."""
-
-    model_config = _INPUT
-
-    decision: Literal["approve", "deny"]
-    feedback: str | None = Field(default=None, max_length=10_000, description="What the model is told on a denial")
 
 
 class ApprovalList(BaseModel):
@@ -163,24 +88,6 @@ class Snapshot(BaseModel):
 
     root_id: str
     tasks: dict[str, LiveState]
-
-
-class DelegateBody(BaseModel):
-    """POST /v1/tasks/{task_id}/subtasks."""
-
-    model_config = _INPUT
-
-    mode: DelegationMode = Field(default="parallel", description="parallel (all at once) or sequential (a chain)")
-    # SubtaskSpec is the domain's own spec, so a field added there (budget_usd) reaches the API unchanged.
-    subtasks: list[SubtaskSpec] = Field(min_length=1)
-
-
-class TodosBody(BaseModel):
-    """PUT /v1/tasks/{task_id}/todos: replaces the list; links and figures of existing items survive."""
-
-    model_config = _INPUT
-
-    todos: TodoUpdate
 
 
 class DelegationResult(BaseModel):

@@ -14,6 +14,7 @@ from coordinator.cli.common import JsonOption, TaskId, connect, say
 from coordinator.errors import ValidationError
 
 if TYPE_CHECKING:
+    from coordinator.models import Approval
     from coordinator.tree import TreeNode
 
 __all__ = ["approvals", "approve", "cancel", "dead_letters", "deny"]
@@ -31,8 +32,11 @@ def cancel(
     as_json: JsonOption = False,
 ) -> None:
     """Cancel a task and its whole subtree; finished results are kept and its parent hears why."""
+    from coordinator.inputs import CancelInput
+
+    given = CancelInput.parse({"reason": reason})
     with connect(ctx) as coord:
-        record = coord.cancel(task_id, reason)
+        record = coord.cancel(task_id, given.reason)
         if as_json:
             typer.echo(record.model_dump_json(indent=2))
             return
@@ -82,8 +86,7 @@ def approvals(
 
 def approve(ctx: typer.Context, approval_id: ApprovalId) -> None:
     """Approve a waiting tool call: only that task goes on."""
-    with connect(ctx) as coord:
-        decided = coord.decide(approval_id, "approve", None)
+    decided = _decide(ctx, approval_id, {"decision": "approve"})
     typer.echo(f"Approved {decided.id}: {decided.tool} of task {decided.task_id} goes on.")
 
 
@@ -93,9 +96,17 @@ def deny(
     feedback: Annotated[str, typer.Option(help="What the task's model is told instead of the tool's result.")] = "",
 ) -> None:
     """Deny a waiting tool call; the feedback goes back to that task's model."""
-    with connect(ctx) as coord:
-        decided = coord.decide(approval_id, "deny", feedback or None)
+    decided = _decide(ctx, approval_id, {"decision": "deny", "feedback": feedback or None})
     typer.echo(f"Denied {decided.id}: task {decided.task_id} is told: {decided.feedback or 'the call was denied'}")
+
+
+def _decide(ctx: typer.Context, approval_id: str, decision: dict[str, str | None]) -> Approval:
+    """The decision read with the API's model of it, then made."""
+    from coordinator.inputs import DecisionInput
+
+    given = DecisionInput.parse(decision)
+    with connect(ctx) as coord:
+        return coord.decide(approval_id, given.decision, given.feedback)
 
 
 def dead_letters(

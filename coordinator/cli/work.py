@@ -42,9 +42,16 @@ def run(
 
     The agent plans with its todo list, delegates to subagents and completes.
     """
+    from coordinator.inputs import CreateTaskInput  # on use: `subq --help` loads no models
+
     todo_text = _read_todos(todos) if todos is not None else None
+    # The API's model of the operation, so a bad prompt or budget reads the same either
+    # way, and is refused before anything is reached.
+    given = CreateTaskInput.parse(
+        {"prompt": prompt, "todos": todo_text, "profile": profile, "run": True, "budget_usd": budget}
+    )
     with connect(ctx) as coord:
-        record = coord.create_task(prompt, todos=todo_text, profile=profile, run=True, budget_usd=budget)
+        record = coord.create_task(**dict(given))
         typer.echo(record.id)
         _warn_ignored_lines(todo_text)
         if follow:

@@ -33,7 +33,16 @@ from coordinator.api.schemas import (
 from coordinator.client.errors import ApiError, error_of
 from coordinator.deadletters import DeadLetter
 from coordinator.errors import ValidationError, WaitTimeout
-from coordinator.inputs import MAX_PROMPT_CHARS, check_dead_letter_limit, check_history_query, text_field, to_micros
+from coordinator.inputs import (
+    CancelInput,
+    CreateTaskInput,
+    DecisionInput,
+    DelegateInput,
+    OperationInput,
+    TodosInput,
+    check_dead_letter_limit,
+    check_history_query,
+)
 from coordinator.models import (
     Approval,
     DelegationMode,
@@ -114,24 +123,24 @@ def create_task(
     budget_usd: Decimal | float | str | None,
     idempotency_key: str | None = None,
 ) -> Call[TaskRecord]:
-    # The service's own checks, before sending: the API's schema would refuse these with
-    # words of its own; so the error reads as the Coordinator's, and nothing is sent.
-    text_field(prompt, "prompt", MAX_PROMPT_CHARS)
-    to_micros(budget_usd, "budget_usd")
-    body: dict[str, Any] = {"prompt": prompt, "run": run}
-    if idempotency_key is not None:
-        body["idempotency_key"] = idempotency_key
-    if todos is not None:
-        body["todos"] = todos
-    if profile is not None:
-        body["profile"] = profile
-    if budget_usd is not None:
-        body["budget_usd"] = str(budget_usd)  # a decimal string: money never goes through float here
+    # The body is read with the API's own model before sending: a bad input is refused
+    # here in the server's words (the service's, for a blank prompt or a bad budget), and nothing is sent.
+    body = _body(
+        CreateTaskInput,
+        {
+            "prompt": prompt,
+            "todos": todos,
+            "profile": profile,
+            "run": run,
+            "budget_usd": budget_usd,
+            "idempotency_key": idempotency_key,
+        },
+    )
     return Call("POST", "/v1/tasks", _TASK, json=body, ok=(201,))
 
 
 def cancel(task_id: str, reason: str) -> Call[TaskRecord]:
-    return Call("POST", task_path(task_id, "/cancel"), _TASK, json={"reason": reason})
+    return Call("POST", task_path(task_id, "/cancel"), _TASK, json=_body(CancelInput, {"reason": reason}))
 
 
 def snapshot(root_id: str) -> Call[dict[str, LiveState]]:
@@ -144,9 +153,7 @@ def list_approvals(root_id: str | None) -> Call[list[Approval]]:
 
 
 def decide(approval_id: str, decision: str, feedback: str | None) -> Call[Approval]:
-    body: dict[str, Any] = {"decision": decision}
-    if feedback is not None:
-        body["feedback"] = feedback
+    body = _body(DecisionInput, {"decision": decision, "feedback": feedback})
     return Call("POST", f"/v1/approvals/{quote(approval_id, safe='')}", _APPROVAL, json=body)
 
 
@@ -168,8 +175,8 @@ def purge_dead_letters() -> Call[int]:
 def delegate(
     task_id: str, subtasks: Sequence[SubtaskSpec | Mapping[str, Any]], mode: DelegationMode
 ) -> Call[DelegationResult]:
-    specs = [s.model_dump(mode="json", exclude_none=True) if isinstance(s, SubtaskSpec) else dict(s) for s in subtasks]
-    return Call("POST", task_path(task_id, "/subtasks"), _BATCH, json={"mode": mode, "subtasks": specs}, ok=(202,))
+    body = _body(DelegateInput, {"mode": mode, "subtasks": subtasks})
+    return Call("POST", task_path(task_id, "/subtasks"), _BATCH, json=body, ok=(202,))
 
 
 def get_task(task_id: str) -> Call[TaskRecord]:
@@ -181,7 +188,7 @@ def get_todos(task_id: str) -> Call[list[TodoItem]]:
 
 
 def update_todos(task_id: str, todos: str | Sequence[Mapping[str, Any]]) -> Call[list[TodoItem]]:
-    body = {"todos": todos if isinstance(todos, str) else [dict(item) for item in todos]}
+    body = _body(TodosInput, {"todos": todos if isinstance(todos, str) else [dict(item) for item in todos]})
     return Call("PUT", task_path(task_id, "/todos"), _TODOS, unwrap=lambda page: page.todos, json=body)
 
 
@@ -206,6 +213,12 @@ def list_tasks(
     if root_id is not None:
         params["root_id"] = root_id
     return Call("GET", "/v1/tasks", _HISTORY, unwrap=lambda page: (page.items, page.next_cursor), params=params)
+
+
+def _body(model: type[OperationInput], given: Mapping[str, Any]) -> dict[str, Any]:
+    """A request body read with its operation's model (refused as the server would), as JSON; money as decimal strings."""
+    body: dict[str, Any] = model.parse(given).model_dump(mode="json", exclude_none=True)
+    return body
 
 
 def _settled(record: TaskRecord) -> bool:

@@ -37,7 +37,7 @@ from coordinator.api.errors import UNAUTHORIZED, HttpError, status_of
 from coordinator.api.events import KEEPALIVE_S, STREAM_ID_PATTERN, StreamThreads, tree_events
 from coordinator.api.limits import RateLimiter, client_address
 from coordinator.api.routes import TaskId
-from coordinator.api.schemas import CancelBody, DecisionBody
+from coordinator.api.schemas import CancelInput, DecisionInput
 from coordinator.errors import SubqError, ValidationError
 from coordinator.models import Approval, TaskRecord, TaskStatus, format_usd
 from coordinator.service import Coordinator
@@ -165,11 +165,11 @@ def _router(coord: Coordinator, auth: WebAuth, auth_attempts: RateLimiter) -> AP
         return page(request, "conversation.html", task=record, ui_messages=ui_messages, model_messages=model_messages)
 
     @router.post("/actions/tasks/{task_id}/cancel", dependencies=[Depends(signed_in), Depends(json_body)])
-    def cancel(task_id: TaskId, body: CancelBody) -> TaskRecord:
+    def cancel(task_id: TaskId, body: CancelInput) -> TaskRecord:
         return coord.cancel(task_id, body.reason)
 
     @router.post("/actions/approvals/{approval_id}", dependencies=[Depends(signed_in), Depends(json_body)])
-    def decide(approval_id: str, body: DecisionBody) -> Approval:
+    def decide(approval_id: str, body: DecisionInput) -> Approval:
         return coord.decide(approval_id, body.decision, body.feedback)
 
     @router.get("/login", response_class=HTMLResponse)
