@@ -124,7 +124,7 @@ def measure(
                 spy.wait(timeout=60)
             sampling.set()
             sampler.join()
-            records = coord.store.get_records(batch.child_ids)
+            records = coord.store.records.get_records(batch.child_ids)
             log = fleet.logs[0].read_text(errors="replace")
             deliveries = Counter(RECEIVED.findall(log))
             figures: dict[str, object] = {
@@ -143,13 +143,15 @@ def measure(
                 "completed": sum(r.status == TaskStatus.COMPLETED for r in records),
                 "statuses": dict(Counter(r.status.value for r in records)),
                 "errors": dict(Counter(f"{r.error_class}: {r.error}"[:120] for r in records if r.error_class)),
-                "run_more_than_once": sum(int(coord.store.task_field(r.id, "run_seq") or 0) > 1 for r in records),
+                "run_more_than_once": sum(
+                    int(coord.store.records.task_field(r.id, "run_seq") or 0) > 1 for r in records
+                ),
                 "extra_deliveries": sum(deliveries[c] - 1 for c in batch.child_ids if deliveries[c] > 1),
                 "other_run_messages": sum(
                     n for cid, n in deliveries.items() if cid not in set(batch.child_ids) | warm_ids
                 ),
                 "repairs": coord.repairs(),
-                "in_flight_after": coord.store.in_flight(parent.id),
+                "in_flight_after": coord.store.runs.in_flight(parent.id),
             }
             coord.close()
             return figures

@@ -45,13 +45,13 @@ def measure(latency_ms: int) -> dict[str, object]:
             step = {"reply": "slow done", "usage": {"input": 1000, "output": 200}, "latency_ms": latency_ms}
             message = script_message("Wait on the model.", [step])
             (child,) = coord.delegate(parent.id, [{"description": "slow", "message": message}]).child_ids
-            while coord.store.in_flight(parent.id)["leases"] == 0:
+            while coord.store.runs.in_flight(parent.id)["leases"] == 0:
                 time.sleep(POLL_S)
             second = WorkerFleet(settings, 1, Path(logs) / "second", name="second")
             second.wait_ready()
             os.killpg(first.procs[0].pid, signal.SIGKILL)
             killed = time.monotonic()
-            while coord.store.task_field(child, "run_seq") != "2":
+            while coord.store.records.task_field(child, "run_seq") != "2":
                 time.sleep(POLL_S)
             resumed_s = time.monotonic() - killed
             coord.wait(parent.id, timeout_s=latency_ms / 1000 + 60)

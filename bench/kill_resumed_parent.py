@@ -255,7 +255,7 @@ def wait_for(probe: Any, timeout_s: float, what: str) -> Any:
 
 
 def run_seq(coord: Coordinator, task_id: str) -> int:
-    return int(coord.store.task_field(task_id, "run_seq") or 0)
+    return int(coord.store.records.task_field(task_id, "run_seq") or 0)
 
 
 def one_round(coord: Coordinator, fleet: Fleet, index: int, moment: str, deadline_s: float, child_ms: int) -> Round:
@@ -273,7 +273,7 @@ def one_round(coord: Coordinator, fleet: Fleet, index: int, moment: str, deadlin
             wait_for(
                 lambda: (
                     coord.get_task(root.id).status == TaskStatus.DELEGATED
-                    and coord.store.in_flight(root.id)["leases"] == CHILDREN
+                    and coord.store.runs.in_flight(root.id)["leases"] == CHILDREN
                 ),
                 SETUP_TIMEOUT_S,
                 "every child running",
@@ -293,7 +293,7 @@ def one_round(coord: Coordinator, fleet: Fleet, index: int, moment: str, deadlin
             killed_seq = run_seq(coord, root.id)
         else:
             wait_for(
-                lambda: run_seq(coord, root.id) >= 2 and coord.store.in_flight(root.id)["leases"] >= 1,
+                lambda: run_seq(coord, root.id) >= 2 and coord.store.runs.in_flight(root.id)["leases"] >= 1,
                 SETUP_TIMEOUT_S,
                 "the resumed run running",
             )
@@ -328,7 +328,7 @@ def one_round(coord: Coordinator, fleet: Fleet, index: int, moment: str, deadlin
 def exactly_once(coord: Coordinator, root_id: str) -> list[str]:
     """What is wrong with a completed round: runs twice, totals, a batch closed twice, leftovers."""
     problems = []
-    records = [coord.get_task(t) for t in coord.store.tree_task_ids(root_id)]
+    records = [coord.get_task(t) for t in coord.store.records.tree_task_ids(root_id)]
     root = coord.get_task(root_id)
     if root.summary != "all done":
         problems.append(f"root summary {root.summary!r}")
@@ -342,13 +342,13 @@ def exactly_once(coord: Coordinator, root_id: str) -> list[str]:
         if item.subtask_id and item.cost_micros != coord.get_task(item.subtask_id).total_cost_micros:
             problems.append(f"todo {item.id} holds {item.cost_micros}, its child's total differs")
     closes = [m["say"] for m in coord.messages(root_id)].count("subtask_result")
-    if closes != 1 or coord.store.task_field(root_id, "resumes") != "1":
-        problems.append(f"batch closed {closes} times, resumes {coord.store.task_field(root_id, 'resumes')}")
+    if closes != 1 or coord.store.records.task_field(root_id, "resumes") != "1":
+        problems.append(f"batch closed {closes} times, resumes {coord.store.records.task_field(root_id, 'resumes')}")
     empty = {"running": 0, "admission": 0, "awaiting": 0, "leases": 0, "watched": 0}
     try:
-        wait_for(lambda: coord.store.in_flight(root_id) == empty, SETTLE_TIMEOUT_S, "nothing in flight")
+        wait_for(lambda: coord.store.runs.in_flight(root_id) == empty, SETTLE_TIMEOUT_S, "nothing in flight")
     except TimeoutError:
-        problems.append(f"left in flight: {coord.store.in_flight(root_id)}")
+        problems.append(f"left in flight: {coord.store.runs.in_flight(root_id)}")
     return problems
 
 
@@ -358,21 +358,21 @@ def diagnose(coord: Coordinator, fleet: Fleet, root_id: str) -> dict[str, Any]:
     record = coord.get_task(root_id)
     batch_id = next((c.batch_id for c in coord.get_children(root_id) if c.batch_id), None)
     lease = keys.lease(root_id, root_id)
-    due_at = store.watched().get(root_id)
+    due_at = store.convergence.watched().get(root_id)
     return {
         "root": record.model_dump(mode="json", exclude={"prompt"}),
         "root_hash": {k: v for k, v in client.hgetall(keys.task(root_id, root_id)).items() if k != "prompt"},
         "lease": {"token": client.get(lease), "ttl_ms": client.pttl(lease)},
         "due_in_s": None if due_at is None else round(due_at - time.time(), 2),
-        "in_flight": store.in_flight(root_id),
+        "in_flight": store.runs.in_flight(root_id),
         "queue_len": client.llen(QUEUE),
-        "queued_ids": sorted(store.queued_task_ids(QUEUE)),
+        "queued_ids": sorted(store.convergence.queued_task_ids(QUEUE)),
         "unacked": client.hlen("unacked"),
         "batch": coord.get_batch(batch_id).model_dump(mode="json") if batch_id else None,
         "children": {c.id: (c.status.value, run_seq(coord, c.id)) for c in coord.get_children(root_id)},
-        "leader": store.leader(),
-        "workers_beat_s_ago": {w: round(time.time() - at, 1) for w, at in store.workers().items()},
-        "repairs": store.repairs(),
+        "leader": store.convergence.leader(),
+        "workers_beat_s_ago": {w: round(time.time() - at, 1) for w, at in store.convergence.workers().items()},
+        "repairs": store.convergence.repairs(),
         "logs": fleet.logs_about(root_id),
     }
 

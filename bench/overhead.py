@@ -198,7 +198,9 @@ class Modes:
 
         def check() -> float:
             check_write_back(coord, parent.id, width, status)
-            ended = [float(coord.store.task_field(child_id, "finished_at") or 0) for child_id in batch.child_ids]
+            ended = [
+                float(coord.store.records.task_field(child_id, "finished_at") or 0) for child_id in batch.child_ids
+            ]
             closed = float(self.client.hget(coord.store.keys.batch(parent.root_id, batch.id), "finished_at") or 0)
             if not closed or not all(ended):
                 raise BenchError(f"subq width {width}: the batch or a child has no finished_at")

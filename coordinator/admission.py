@@ -41,23 +41,23 @@ def must_wait(plane: Plane, task: TaskRecord, delay_ms: int) -> None:
     """The start found no slot ('wait': it is on the admission list) or a stagger (`delay_ms`: restart it then)."""
     if delay_ms:
         dispatch.publish_restart(plane.app, task, countdown_s=delay_ms / 1000)
-    plane.store.set_live(task, "queued")
+    plane.store.events.set_live(task, "queued")
 
 
 def started_again(plane: Plane, admitted: Sequence[str]) -> None:
     """Publish the runs of waiting tasks a freed slot admitted (each still on the due list, should this fail)."""
     for task_id in admitted:
-        dispatch.publish_restart(plane.app, plane.store.get_task(task_id))
+        dispatch.publish_restart(plane.app, plane.store.records.get_task(task_id))
 
 
 def release(plane: Plane, task: TaskRecord) -> None:
     """Free the task's run slot and start the waiting tasks that now fit."""
     own = limits(plane)
     if own.applies_to(task):
-        started_again(plane, plane.store.release_slot(task, own))
+        started_again(plane, plane.store.runs.release_slot(task, own))
 
 
 def wait_for_rate(plane: Plane, provider: str) -> int:
     """0 when a request to `provider` may start now (and is counted), else the ms to wait first."""
     rpm = plane.settings.provider_rpm.get(provider, 0)
-    return plane.store.wait_for_rate(provider, rpm) if rpm else 0
+    return plane.store.runs.wait_for_rate(provider, rpm) if rpm else 0

@@ -66,7 +66,7 @@ class Decision:
 
 def park(plane: Plane, task: TaskRecord, calls: Sequence[ToolCall]) -> list[Approval]:
     """Queue each call for a decision; the task resumes once all are decided."""
-    parent_items = plane.store.get_todos(task.parent_id) if task.parent_id else []
+    parent_items = plane.store.records.get_todos(task.parent_id) if task.parent_id else []
     todo = next((t for t in parent_items if t.id == task.todo_id), None)
     now = time.time()
     timeout_s = plane.settings.approval_timeout_s
@@ -85,10 +85,10 @@ def park(plane: Plane, task: TaskRecord, calls: Sequence[ToolCall]) -> list[Appr
             deadline=now + timeout_s,
         )
         # The timer first: a timer whose approval was never saved finds nothing to expire.
-        plane.store.add_timer(expiry_timer(approval.id), approval.deadline)
-        plane.store.save_approval(approval)
+        plane.store.convergence.add_timer(expiry_timer(approval.id), approval.deadline)
+        plane.store.approvals.save_approval(approval)
         made.append(approval)
-    plane.store.set_waiting_approvals(task.id, [a.id for a in made])
+    plane.store.runs.set_waiting_approvals(task.id, [a.id for a in made])
     return made
 
 
@@ -98,14 +98,18 @@ def expiry_timer(approval_id: str) -> str:
 
 def undecided(plane: Plane, task_id: str) -> list[str]:
     """The approvals the task's last run asked for that are still pending."""
-    return [a for a in plane.store.waiting_approval_ids(task_id) if plane.store.get_approval(a).status == "pending"]
+    return [
+        a
+        for a in plane.store.runs.waiting_approval_ids(task_id)
+        if plane.store.approvals.get_approval(a).status == "pending"
+    ]
 
 
 def decisions(plane: Plane, task_id: str) -> dict[str, Decision]:
     """tool call id -> decision, for the approvals the task waited on that have been decided."""
     out = {}
-    for approval_id in plane.store.waiting_approval_ids(task_id):
-        approval = plane.store.get_approval(approval_id)
+    for approval_id in plane.store.runs.waiting_approval_ids(task_id):
+        approval = plane.store.approvals.get_approval(approval_id)
         if approval.status != "pending":
             feedback = approval.feedback or f"The call was {approval.status}."
             out[approval.tool_call_id] = Decision(approved=approval.status == "approved", feedback=feedback)
@@ -116,14 +120,14 @@ def list_pending(plane: Plane, root_id: str | None = None) -> list[Approval]:
     """Tool calls waiting for a decision, oldest first (of one tree, or all)."""
     if root_id is not None:
         try:
-            plane.store.get_task(root_id)
+            plane.store.records.get_task(root_id)
         except NotFoundError as exc:
             raise NotFoundError(exc.message, field="root_id") from None
     out = []
-    for approval_id in plane.store.pending_approval_ids():
+    for approval_id in plane.store.approvals.pending_approval_ids():
         if root_id is None or approval_id.startswith(root_id):
             try:
-                out.append(plane.store.get_approval(approval_id))
+                out.append(plane.store.approvals.get_approval(approval_id))
             except NotFoundError:  # expired with its tree
                 continue
     return out
@@ -135,13 +139,13 @@ def decide(plane: Plane, approval_id: str, decision: str, feedback: str | None =
         raise ValidationError(f"decision must be 'approve' or 'deny', not {decision!r}", field="decision")
     if feedback is not None and not isinstance(feedback, str):
         raise ValidationError("feedback must be a string", field="feedback")
-    approval = plane.store.get_approval(approval_id)
+    approval = plane.store.approvals.get_approval(approval_id)
     return _decide(plane, approval, "approved" if decision == "approve" else "denied", feedback or "")
 
 
 def expire(plane: Plane, approval_id: str) -> bool:
     """Deny an approval whose deadline has passed; False when it was decided or is not due."""
-    approval = plane.store.get_approval(approval_id)
+    approval = plane.store.approvals.get_approval(approval_id)
     if approval.status != "pending" or time.time() < approval.deadline:
         return False
     try:
@@ -153,20 +157,22 @@ def expire(plane: Plane, approval_id: str) -> bool:
 
 def expire_for(plane: Plane, root_id: str, stopped: set[str]) -> None:
     """The pending approvals of stopped tasks expire: nobody may approve a call of a stopped run."""
-    for approval_id in plane.store.pending_approval_ids():
-        if approval_id.startswith(root_id) and plane.store.get_approval(approval_id).task_id in stopped:
-            plane.store.decide(approval_id, "expired", "the task was stopped")
+    for approval_id in plane.store.approvals.pending_approval_ids():
+        if approval_id.startswith(root_id) and plane.store.approvals.get_approval(approval_id).task_id in stopped:
+            plane.store.approvals.decide(approval_id, "expired", "the task was stopped")
 
 
 def _decide(plane: Plane, approval: Approval, status: str, feedback: str) -> Approval:
-    plane.store.watch([approval.task_id], plane.settings.reconcile_grace_s)  # before: a crash here still resumes
-    outcome = plane.store.decide(approval.id, status, feedback)
+    plane.store.convergence.watch(
+        [approval.task_id], plane.settings.reconcile_grace_s
+    )  # before: a crash here still resumes
+    outcome = plane.store.approvals.decide(approval.id, status, feedback)
     if outcome != "ok":
         raise StateError(f"Approval {approval.id} was already {outcome}", field="approval_id")
-    plane.store.remove_timers([expiry_timer(approval.id)])
-    task = plane.store.get_task(approval.task_id)
-    waiting = plane.store.waiting_approval_ids(task.id)
-    still = [a for a in waiting if a != approval.id and plane.store.get_approval(a).status == "pending"]
-    if not still and not task.status.terminal and plane.store.claim_resume(task.id, approval.id):
-        dispatch.publish_run(plane.app, task, plane.store.next_resume(task.id))
-    return plane.store.get_approval(approval.id)
+    plane.store.convergence.remove_timers([expiry_timer(approval.id)])
+    task = plane.store.records.get_task(approval.task_id)
+    waiting = plane.store.runs.waiting_approval_ids(task.id)
+    still = [a for a in waiting if a != approval.id and plane.store.approvals.get_approval(a).status == "pending"]
+    if not still and not task.status.terminal and plane.store.runs.claim_resume(task.id, approval.id):
+        dispatch.publish_run(plane.app, task, plane.store.runs.next_resume(task.id))
+    return plane.store.approvals.get_approval(approval.id)

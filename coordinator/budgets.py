@@ -29,7 +29,7 @@ __all__ = ["check_within", "exhausted", "left_over", "stop", "to_micros"]
 
 def left_over(plane: Plane, parent: TaskRecord) -> int | None:
     """What remains of the tightest budget over the parent (its own or an ancestor's), if any."""
-    chain = [parent, *plane.store.get_records(parent.ancestors)] if parent.ancestors else [parent]
+    chain = [parent, *plane.store.records.get_records(parent.ancestors)] if parent.ancestors else [parent]
     left = [t.budget_micros - t.total_cost_micros for t in chain if t.budget_micros > 0]
     return max(0, min(left)) if left else None
 
@@ -50,13 +50,13 @@ def check_within(remaining_micros: int | None, child_budgets_micros: Sequence[in
 
 def exhausted(plane: Plane, task: TaskRecord) -> str | None:
     """The task or ancestor nearest the root whose budget its subtree has reached, if any."""
-    return plane.store.budget_exhausted(task.id, task.ancestors)
+    return plane.store.runs.budget_exhausted(task.id, task.ancestors)
 
 
 def stop(plane: Plane, holder_id: str) -> None:
     """The subtree of `holder_id` has spent its budget: stop it, reporting the figures."""
-    holder = plane.store.get_task(holder_id)
-    children = plane.store.get_records(holder.child_ids)
+    holder = plane.store.records.get_task(holder_id)
+    children = plane.store.records.get_records(holder.child_ids)
     spent = ", ".join(f"{c.description or c.id} {format_usd(c.total_cost_micros)}" for c in children)
     control.stop_subtree(
         plane,

@@ -26,7 +26,7 @@ __all__ = ["cancel", "snapshot", "stop_subtree"]
 def cancel(plane: Plane, task_id: str, reason: str) -> TaskRecord:
     """Cancel a task and its whole subtree; its parent hears why, with what had finished."""
     reason = text_field(reason, "reason", MAX_REASON_CHARS)
-    record = plane.store.get_task(task_id)
+    record = plane.store.records.get_task(task_id)
     if record.status.terminal:
         raise StateError(
             f"Task {task_id} has already ended ({record.status.value}); only a task that has not ended "
@@ -41,15 +41,15 @@ def cancel(plane: Plane, task_id: str, reason: str) -> TaskRecord:
         top_class="Cancelled",
         error=f"cancelled with {task_id}: {reason}",
     )
-    return plane.store.get_task(task_id)
+    return plane.store.records.get_task(task_id)
 
 
 def stop_subtree(
     plane: Plane, top: TaskRecord, *, top_status: str, top_error: str, top_class: str, error: str
 ) -> list[str]:
     """Stop `top` and every descendant that has not ended; returns the ids stopped now."""
-    subtree = plane.store.subtree_ids(top.id)
-    stopped = plane.store.stop_tasks(
+    subtree = plane.store.records.subtree_ids(top.id)
+    stopped = plane.store.batches.stop_tasks(
         subtree,
         top_status=top_status,
         status="cancelled",
@@ -62,25 +62,25 @@ def stop_subtree(
         return []
     plane.app.control.revoke(stopped)  # queued ones never start (the persisted status covers restarts)
     approvals.expire_for(plane, top.root_id, set(stopped))
-    records = plane.store.get_records(stopped)
+    records = plane.store.records.get_records(stopped)
     for record in reversed(records):  # deepest first
         if record.waiting_batch_id:
             writeback.write_back(plane, record.waiting_batch_id)
-    stopped_top = plane.store.get_task(top.id)
+    stopped_top = plane.store.records.get_task(top.id)
     if stopped_top.status.terminal and stopped_top.batch_id:
         writeback.write_back(plane, stopped_top.batch_id, ended=stopped_top)
-    plane.store.unwatch(stopped)  # written back; a run still going unwatches again as it ends
+    plane.store.convergence.unwatch(stopped)  # written back; a run still going unwatches again as it ends
     return stopped
 
 
 def snapshot(plane: Plane, task_id: str) -> dict[str, LiveState]:
     """The live state of every task of the tree (queued, running, waiting_approval, ended)."""
-    record = plane.store.get_task(task_id)
+    record = plane.store.records.get_task(task_id)
     if record.id != record.root_id:
         raise ValidationError(f"{task_id} is not a root task (its root is {record.root_id})", field="task_id")
-    live = plane.store.live(task_id)
+    live = plane.store.events.live(task_id)
     out: dict[str, LiveState] = {}
-    for task in plane.store.get_records(plane.store.tree_task_ids(task_id)):
+    for task in plane.store.records.get_records(plane.store.records.tree_task_ids(task_id)):
         state = live.get(task.id, {})
         ended = task.status.value if task.status.terminal else None
         waiting = "delegated" if task.status == TaskStatus.DELEGATED else "queued"

@@ -152,10 +152,10 @@ def commit(
         )
         return batch, children, new_items
 
-    plane.store.watch([task_id], plane.settings.reconcile_grace_s)  # the commit's publish may never come
-    batch, children = plane.store.commit_delegation(task_id, plan)
+    plane.store.convergence.watch([task_id], plane.settings.reconcile_grace_s)  # the commit's publish may never come
+    batch, children = plane.store.batches.commit_delegation(task_id, plan)
     faults.crash_point(plane.settings, "after-commit")
-    plane.store.set_live_many(children, "queued")
+    plane.store.events.set_live_many(children, "queued")
     return batch, children
 
 
@@ -181,34 +181,34 @@ def publish(plane: Plane, batch: Batch, children: list[TaskRecord]) -> None:
     `BrokerError`, so the next call (or the reconciler) tries again.
     """
     store = plane.store
-    if store.batch_published(batch.id):
+    if store.batches.batch_published(batch.id):
         # Only while it waits: its children may all have ended, and its resume be published, already.
-        store.unwatch([batch.parent_id], while_status=TaskStatus.DELEGATED.value)
+        store.convergence.unwatch([batch.parent_id], while_status=TaskStatus.DELEGATED.value)
         return
     starting = children if batch.mode == "parallel" else children[:1]  # later steps start as each ends
-    store.watch([c.id for c in starting], plane.settings.reconcile_grace_s)
-    if store.claim_batch_publish(batch.id):
+    store.convergence.watch([c.id for c in starting], plane.settings.reconcile_grace_s)
+    if store.batches.claim_batch_publish(batch.id):
         faults.crash_point(plane.settings, "after-claim-publish")
         if batch.mode == "sequential":
-            store.claim_step_publish(children[0].id)
+            store.runs.claim_step_publish(children[0].id)
         try:
             dispatch.publish_batch(plane.app, batch, children)
         except Exception as exc:  # kombu's errors, whatever the transport
-            store.unclaim_batch_publish(batch.id)
+            store.batches.unclaim_batch_publish(batch.id)
             raise BrokerError(
                 f"The broker did not take batch {batch.id}; it is published again once the broker is back: "
                 f"{one_line(str(exc))}"
             ) from exc
     # Only while it waits: children that answer at once may have closed the batch already, and
     # the close watched the parent again for its resume (tests/test_kill_resumed_parent.py).
-    store.unwatch([batch.parent_id], while_status=TaskStatus.DELEGATED.value)
+    store.convergence.unwatch([batch.parent_id], while_status=TaskStatus.DELEGATED.value)
 
 
 def publish_waiting(plane: Plane, record: TaskRecord) -> None:
     """Publish the batch a delegated task waits on (its run committed it and may have died before publishing)."""
     if record.waiting_batch_id:
-        batch = plane.store.get_batch(record.waiting_batch_id)
-        publish(plane, batch, plane.store.get_records(batch.child_ids))
+        batch = plane.store.batches.get_batch(record.waiting_batch_id)
+        publish(plane, batch, plane.store.records.get_records(batch.child_ids))
 
 
 def delegate(
@@ -262,12 +262,12 @@ def submit_to(
     try:
         batch = delegate(plane, parent.id, subtasks, mode)
     except StateError:
-        if not created and (done := _submitted(plane, plane.store.get_task(parent.id))) is not None:
+        if not created and (done := _submitted(plane, plane.store.records.get_task(parent.id))) is not None:
             return done  # a concurrent duplicate delegated first
         raise
     except SubqError as exc:
         log.error("subq: delegation of the new root %s failed after it was created: %s", parent.id, exc)
-        plane.store.finish_task(parent.id, "failed", error=str(exc), error_class=type(exc).__name__)
+        plane.store.runs.finish_task(parent.id, "failed", error=str(exc), error_class=type(exc).__name__)
         return Submission(task=parent, error=exc)
     return Submission(task=parent, batch=batch)
 
@@ -277,6 +277,6 @@ def _submitted(plane: Plane, parent: TaskRecord) -> Submission | None:
     if parent.status.terminal:
         return Submission(task=parent, error=StateError(parent.error or "the submission failed", field="subtasks"))
     batch_id = parent.waiting_batch_id or (
-        plane.store.get_task(parent.child_ids[0]).batch_id if parent.child_ids else None
+        plane.store.records.get_task(parent.child_ids[0]).batch_id if parent.child_ids else None
     )
-    return Submission(task=parent, batch=plane.store.get_batch(batch_id)) if batch_id else None
+    return Submission(task=parent, batch=plane.store.batches.get_batch(batch_id)) if batch_id else None

@@ -66,7 +66,9 @@ class Heartbeat:
         """Renew the leases of this process's runs (and its heartbeat); a lost one fences its run."""
         with self._lock:
             held = [(task_id, run.token) for task_id, run in self._runs.items()]
-        for task_id in self.plane.store.renew_leases(held, self.plane.settings.heartbeat_lapse_s, self.worker_id):
+        for task_id in self.plane.store.convergence.renew_leases(
+            held, self.plane.settings.heartbeat_lapse_s, self.worker_id
+        ):
             run = self._runs.get(task_id)
             if run is not None and not run.fenced:
                 run.fenced = True

@@ -24,7 +24,7 @@ Each tick it
    worker's heartbeat), a resume never published after its batch closed, and a
    message lost in the broker (a Redis restart).
 Every step is idempotent, so a repair done twice, or beside the normal path,
-changes nothing. Each repair is counted (`Store.repairs`) and logged with its reason.
+changes nothing. Each repair is counted (`Store.convergence.repairs`) and logged with its reason.
 """
 
 from __future__ import annotations
@@ -61,28 +61,30 @@ class Reconciler:
 
     def beat(self) -> None:
         """This worker's heartbeat, whether or not it runs anything or leads."""
-        self.plane.store.renew_leases([], self.plane.settings.heartbeat_lapse_s, self.name)
+        self.plane.store.convergence.renew_leases([], self.plane.settings.heartbeat_lapse_s, self.name)
 
     def tick(self) -> Counter[str] | None:
         """One round; the repairs made by reason, or None when another process leads."""
         settings = self.plane.settings
-        if not self.plane.store.lead(self.name, max(3 * settings.reconcile_interval_s, 5.0)):
+        if not self.plane.store.convergence.lead(self.name, max(3 * settings.reconcile_interval_s, 5.0)):
             return None
         repairs: Counter[str] = Counter()
         self._timers()
         self._queued = None  # the broker's queue is read at most once a tick, and only if needed
-        due = self.plane.store.due_tasks(TICK_LIMIT)
-        for task_id, (status, runner, updated_at, leased) in zip(due, self.plane.store.triage(due), strict=True):
+        due = self.plane.store.convergence.due_tasks(TICK_LIMIT)
+        for task_id, (status, runner, updated_at, leased) in zip(
+            due, self.plane.store.convergence.triage(due), strict=True
+        ):
             reason = self._look_at(task_id, status, runner, updated_at, leased)
             if reason:
                 repairs[reason] += 1
-                self.plane.store.count_repair(reason)
+                self.plane.store.convergence.count_repair(reason)
                 log.warning("subq reconciler: %s: %s", reason, task_id)
         return repairs
 
     def _timers(self) -> None:
         done = []
-        for name in self.plane.store.due_timers(TICK_LIMIT):
+        for name in self.plane.store.convergence.due_timers(TICK_LIMIT):
             kind, _, subject = name.partition(":")
             if kind == approvals.EXPIRY_TIMER:
                 try:
@@ -92,47 +94,47 @@ class Reconciler:
             else:
                 log.error("subq reconciler: unknown timer %r dropped", name)
             done.append(name)
-        self.plane.store.remove_timers(done)
+        self.plane.store.convergence.remove_timers(done)
 
     def _look_at(self, task_id: str, status: str, runner: str, updated_at: float, leased: bool) -> str | None:
         plane, store = self.plane, self.plane.store
         settings = plane.settings
         if not status:  # gone with its tree's retention
-            store.unwatch([task_id])
+            store.convergence.unwatch([task_id])
             return None
         if leased or time.time() - updated_at < SETTLE_S:
             # A live run holds it (a delegating parent publishes its own batch), or it just
             # changed and the normal path is still on its next step.
-            store.watch([task_id], settings.reconcile_interval_s, only_if_watched=True)
+            store.convergence.watch([task_id], settings.reconcile_interval_s, only_if_watched=True)
             return None
         state = TaskStatus(status)
         if state.terminal:
-            record = store.get_task(task_id)
+            record = store.records.get_task(task_id)
             admission.release(plane, record)
             if record.batch_id:
                 writeback.write_back(plane, record.batch_id, ended=record)
-            store.unwatch([task_id])
+            store.convergence.unwatch([task_id])
             return "ended-not-written-back"
         if state == TaskStatus.DELEGATED:
-            record = store.get_task(task_id)
-            batch = store.get_batch(record.waiting_batch_id) if record.waiting_batch_id else None
-            if batch is not None and not store.batch_published(batch.id):
-                delegation.publish(plane, batch, store.get_records(batch.child_ids))
+            record = store.records.get_task(task_id)
+            batch = store.batches.get_batch(record.waiting_batch_id) if record.waiting_batch_id else None
+            if batch is not None and not store.batches.batch_published(batch.id):
+                delegation.publish(plane, batch, store.records.get_records(batch.child_ids))
                 return "delegation-unpublished"
-            store.unwatch([task_id], while_status=TaskStatus.DELEGATED.value)  # not once resumed meanwhile
+            store.convergence.unwatch([task_id], while_status=TaskStatus.DELEGATED.value)  # not once resumed meanwhile
             return None
         if runner != "agent":
-            store.unwatch([task_id])
+            store.convergence.unwatch([task_id])
             return None
         if approvals.undecided(plane, task_id):
-            store.unwatch([task_id])  # each decision, or its timer, watches it again
+            store.convergence.unwatch([task_id])  # each decision, or its timer, watches it again
             return None
         if self._queued is None:
-            self._queued = store.queued_task_ids(settings.queue)
-        if task_id in self._queued or store.in_admission(task_id):
-            store.watch([task_id], settings.reconcile_grace_s, only_if_watched=True)
+            self._queued = store.convergence.queued_task_ids(settings.queue)
+        if task_id in self._queued or store.convergence.in_admission(task_id):
+            store.convergence.watch([task_id], settings.reconcile_grace_s, only_if_watched=True)
             return None
-        store.watch([task_id], settings.reconcile_grace_s)  # first: a lost publish is tried again
-        record = store.get_task(task_id)
-        dispatch.publish_again(plane.app, record, store.next_repair(task_id))
+        store.convergence.watch([task_id], settings.reconcile_grace_s)  # first: a lost publish is tried again
+        record = store.records.get_task(task_id)
+        dispatch.publish_again(plane.app, record, store.convergence.next_repair(task_id))
         return "run-lost"

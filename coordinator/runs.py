@@ -199,12 +199,12 @@ class Run:
         if self._conversation is not None:
             conversation, self._conversation = self._conversation, None
             return conversation
-        return self._plane.store.conversation(self.task.id)
+        return self._plane.store.records.conversation(self.task.id)
 
     def answers(self) -> tuple[Batch | None, dict[str, approvals.Decision]]:
         """What the run answers its open calls with: the batch it was resumed from, and decided approvals."""
-        batch_id = self._plane.store.resume_batch_id(self.task.id)
-        batch = self._plane.store.get_batch(batch_id) if batch_id else None
+        batch_id = self._plane.store.runs.resume_batch_id(self.task.id)
+        batch = self._plane.store.batches.get_batch(batch_id) if batch_id else None
         return batch, approvals.decisions(self._plane, self.task.id)
 
     def save(self, entries: Sequence[str]) -> None:
@@ -227,7 +227,7 @@ class Run:
 
         Raises `LeaseLost` (nothing written) when another run owns the task now.
         """
-        held, status, exhausted = self._plane.store.flush_run(self.task, self.token, self.writes)
+        held, status, exhausted = self._plane.store.runs.flush_run(self.task, self.token, self.writes)
         self.writes.clear()
         if not held:
             self.fenced = True
@@ -242,7 +242,7 @@ class Run:
 
     def is_stopped_by_status(self) -> bool:
         """Whether its task was stopped (cancelled, or a budget over it is spent)."""
-        status, _ = self._plane.store.status_of(self.task.id)
+        status, _ = self._plane.store.records.status_of(self.task.id)
         return TaskStatus(status).terminal
 
     def check_stop(self) -> tuple[bool, str | None]:
@@ -300,7 +300,7 @@ class Run:
 
     def transient_error(self, what: str, attempt: int) -> None:
         self.flush()
-        self._plane.store.count_transient_error(self.task.id)
+        self._plane.store.runs.count_transient_error(self.task.id)
         self.say("retry", f"{what}: retrying (attempt {attempt})")
 
     # -- the orchestration tools --------------------------------------------------------
@@ -349,7 +349,7 @@ class Run:
         if budget_holder:
             budgets.stop(self._plane, budget_holder)
             self._hooks.budget_stopped(self)
-        task = self._plane.store.get_task(self.task.id)
+        task = self._plane.store.records.get_task(self.task.id)
         return Ended(task.status.value if task.status.terminal else "cancelled", error=task.error)
 
     def end(self, outcome: Ended | Released) -> SubtaskResult:
@@ -361,16 +361,16 @@ class Run:
             self.flush()
             self._release()
             if outcome.state == "delegated":
-                delegation.publish_waiting(plane, plane.store.get_task(task_id))
+                delegation.publish_waiting(plane, plane.store.records.get_task(task_id))
             else:  # waiting for a decision: each decision (or its timer) watches it again
-                plane.store.unwatch([task_id])
-            plane.store.set_live(self.task, outcome.state)
-            return writeback.result_of(plane.store.get_task(task_id), pending=outcome.state)
+                plane.store.convergence.unwatch([task_id])
+            plane.store.events.set_live(self.task, outcome.state)
+            return writeback.result_of(plane.store.records.get_task(task_id), pending=outcome.state)
         if self._live is not None:
             self._write_live()  # always the last live status, with the final figures
         # end_run.lua writes a child back onto its parent (and closes the batch when it is the last).
         with self._hooks.span("subq.write_back" if self.task.batch_id else "subq.end_run", task_id=task_id):
-            ending = plane.store.end_run(
+            ending = plane.store.runs.end_run(
                 self.task, self.token, self.writes, _outcome_fields(outcome), plane.settings.reconcile_grace_s,
                 self._limits, stop_on_budget=outcome.status == "completed",
             )  # fmt: skip
@@ -383,16 +383,16 @@ class Run:
             return self.end(self.stopped(ending.holder))
         self._heartbeat.forget(self)
         if outcome.error_detail and ending.status == outcome.status:
-            plane.store.set_error_detail(task_id, outcome.error_detail[:MAX_SUMMARY_CHARS])
+            plane.store.runs.set_error_detail(task_id, outcome.error_detail[:MAX_SUMMARY_CHARS])
         # The end is recorded; what it sends is not sent yet. Each message to send has its task on
         # the due list (a closed batch's parent, a chain step's child, an admitted run), so a
         # process that dies here leaves them to the reconciler.
         faults.crash_point(plane.settings, "after-end")
         admission.started_again(plane, ending.admitted)
         if ending.batch_mode == "sequential":
-            (final,) = plane.store.get_records([task_id])
+            (final,) = plane.store.records.get_records([task_id])
             writeback.write_back(plane, final.batch_id or "", ended=final)
-            plane.store.unwatch([task_id])  # end_run.lua left it on the due list until the chain moved on
+            plane.store.convergence.unwatch([task_id])  # end_run.lua left it on the due list until the chain moved on
         elif ending.closed and self.task.parent_id:
             writeback.resumed(plane, self.task.parent_id, ending.resumes, ending.resume)
         return SubtaskResult(
@@ -409,18 +409,20 @@ class Run:
         """The run lost its lease: another run owns the task; this one leaves everything to it."""
         log.warning("subq: the run of %s lost its lease and stopped without writing", self.task.id)
         self._heartbeat.forget(self)  # its run slot is the task's, which the new run holds now
-        return writeback.result_of(self._plane.store.get_task(self.task.id), pending="running")
+        return writeback.result_of(self._plane.store.records.get_task(self.task.id), pending="running")
 
     def hand_back(self) -> SubtaskResult:
         """Queue the task again for another worker (its conversation is saved) and free this one."""
         plane = self._plane
-        plane.store.watch([self.task.id], plane.settings.reconcile_grace_s)  # a lost message is published again
-        plane.store.reset_deliveries(self.task.id)  # handed back is not lost: SUBQ_MAX_DELIVERIES counts losses
+        plane.store.convergence.watch(
+            [self.task.id], plane.settings.reconcile_grace_s
+        )  # a lost message is published again
+        plane.store.runs.reset_deliveries(self.task.id)  # handed back is not lost: SUBQ_MAX_DELIVERIES counts losses
         self._release()
-        task = plane.store.get_task(self.task.id)
+        task = plane.store.records.get_task(self.task.id)
         if not task.status.terminal:
-            dispatch.publish_again(plane.app, task, plane.store.next_repair(task.id))
-            plane.store.set_live(task, "queued")
+            dispatch.publish_again(plane.app, task, plane.store.convergence.next_repair(task.id))
+            plane.store.events.set_live(task, "queued")
             log.warning("subq: handed %s back to the queue", task.id)
         return writeback.result_of(task, pending="queued")
 
@@ -433,7 +435,7 @@ class Run:
 
     def _release(self) -> None:
         self._heartbeat.forget(self)
-        self._plane.store.release_lease(self.task.id, self.token)
+        self._plane.store.runs.release_lease(self.task.id, self.token)
         admission.release(self._plane, self.task)
 
 
@@ -482,7 +484,7 @@ class RunLifecycle:
         token = secrets.token_hex(8)
         limits = admission.limits(plane)
         try:
-            started = plane.store.begin_run(
+            started = plane.store.runs.begin_run(
                 task_id, token, plane.settings.heartbeat_lapse_s, plane.settings.reconcile_interval_s, limits
             )
         except NotFoundError as exc:
@@ -516,7 +518,7 @@ class RunLifecycle:
             admission.release(plane, task)
             if task.batch_id:
                 writeback.write_back(plane, task.batch_id, ended=task)
-            plane.store.unwatch([task.id])
+            plane.store.convergence.unwatch([task.id])
             return writeback.result_of(task)
         delegation.publish_waiting(plane, task)  # delegated: a batch a dead run left unpublished
         return writeback.result_of(task)
@@ -526,12 +528,12 @@ class RunLifecycle:
 
         A task that is gone (its tree expired or was deleted) stops its run too.
         """
-        statuses = self.plane.store.statuses_of([run.task_id for run in runs])
+        statuses = self.plane.store.records.statuses_of([run.task_id for run in runs])
         return [run for run, status in zip(runs, statuses, strict=True) if run.must_stop_now(status or "cancelled")]
 
     def stops_so_far(self) -> int:
         """A count that moves whenever a task is stopped (cancel, budget, chain): one small read."""
-        return self.plane.store.stops_so_far()
+        return self.plane.store.records.stops_so_far()
 
     def must_stop_here(self, runs: Sequence[Run]) -> list[Run]:
         """The runs among `runs` that must stop for a reason of this process alone (fenced, out of grace)."""

@@ -60,7 +60,6 @@ from coordinator.models import (
 from coordinator.plane import Plane
 from coordinator.settings import Settings, load_settings
 from coordinator.store import LATENCY_BUCKETS_MS, FleetGauges, Keys, Store
-from coordinator.store.sessions import WebSessions
 from coordinator.tree import TreeNode, build_tree
 
 __all__ = ["DEFAULT_PAGE", "MAX_PAGE", "Coordinator"]
@@ -85,7 +84,7 @@ class Coordinator:
             client = redis.Redis.from_url(self.settings.require_redis_url(), decode_responses=True)
         self.client = client
         self.store = Store(client, Keys(self.settings.key_prefix), self.settings.result_retention_s)
-        self.sessions = WebSessions(client, self.store.keys)  # the web view's sign-ins, a part of their own
+        self.sessions = self.store.sessions  # the web view's sign-ins: only its auth reads them
         # What the rooms are handed: the store, the settings and the publishing app, not the Coordinator.
         self.plane = Plane(self.store, self.settings, app)
         tracing.setup(self.settings)  # a no-op unless SUBQ_TRACES_EXPORTER is set
@@ -138,9 +137,9 @@ class Coordinator:
             # The key names its root before the root exists: a retry after a crash in
             # between creates that same root, and a concurrent duplicate finds it.
             key = text_field(idempotency_key, "idempotency_key", MAX_IDEMPOTENCY_KEY_CHARS)
-            root_id = self.store.claim_idempotency(key, root_id)
-            if self.store.task_exists(root_id):
-                return self.store.get_task(root_id), False
+            root_id = self.store.records.claim_idempotency(key, root_id)
+            if self.store.records.task_exists(root_id):
+                return self.store.records.get_task(root_id), False
         now = time.time()
         record = TaskRecord(
             id=root_id,
@@ -150,42 +149,44 @@ class Coordinator:
             profile=profile_name,
             runner="agent" if run else "caller",
             budget_micros=budget_micros,
-            number=self.store.next_numbers(1),
+            number=self.store.records.next_numbers(1),
             created_at=now,
             updated_at=now,
         )
         if run:  # first: a run whose message is lost is published again by the reconciler
-            self.store.watch([root_id], self.settings.reconcile_grace_s)
-        if not self.store.create_root(record, items):
-            return self.store.get_task(root_id), False
+            self.store.convergence.watch([root_id], self.settings.reconcile_grace_s)
+        if not self.store.records.create_root(record, items):
+            return self.store.records.get_task(root_id), False
         if run:
             dispatch.publish_run(self.app, record)
         return record, True
 
     def get_task(self, task_id: str) -> TaskRecord:
-        return self.store.get_task(task_id)
+        return self.store.records.get_task(task_id)
 
     def get_todos(self, task_id: str) -> list[TodoItem]:
         """The task's todo list; linked items show their child's subtree figures live."""
-        return self.store.get_todos(task_id, live=True)
+        return self.store.records.get_todos(task_id, live=True)
 
     def get_children(self, task_id: str) -> list[TaskRecord]:
-        return self.store.get_children(task_id)
+        return self.store.records.get_children(task_id)
 
     def tree(self, task_id: str) -> TreeNode:
         """The task and its whole subtree, each with its plan and figures (GET /v1/tasks/{id}/tree)."""
         return build_tree(self, task_id)
 
     def get_batch(self, batch_id: str) -> Batch:
-        return self.store.get_batch(batch_id)
+        return self.store.batches.get_batch(batch_id)
 
     def messages(self, task_id: str, kind: str = "ui") -> list[dict[str, Any]]:
         """The task's messages, oldest first: `ui` (UI messages) or `api` (the model conversation)."""
         if kind == "ui":
-            return self.store.ui_messages(task_id)
+            return self.store.records.ui_messages(task_id)
         if kind == "api":
-            self.store.task_fields(task_id)
-            return [_decode_entry(entry, task_id, n) for n, entry in enumerate(self.store.conversation(task_id))]
+            self.store.records.task_fields(task_id)
+            return [
+                _decode_entry(entry, task_id, n) for n, entry in enumerate(self.store.records.conversation(task_id))
+            ]
         raise ValidationError(f"kind must be 'ui' or 'api', not {kind!r}", field="kind")
 
     def export_tree(self, task_id: str, directory: Path | str) -> list[Path]:
@@ -193,7 +194,7 @@ class Coordinator:
         return export_tree(self, task_id, Path(directory))
 
     def history_item(self, task_id: str) -> HistoryItem:
-        return HistoryItem.of(self.store.get_task(task_id))
+        return HistoryItem.of(self.store.records.get_task(task_id))
 
     def list_tasks(
         self,
@@ -208,12 +209,12 @@ class Coordinator:
         items: list[HistoryItem] = []
         offset = cursor
         while len(items) < limit:
-            page = self.store.recent_task_ids(root_id=root_id, offset=offset, count=MAX_PAGE)
+            page = self.store.records.recent_task_ids(root_id=root_id, offset=offset, count=MAX_PAGE)
             if not page:
                 return items, None
             for n, task_id in enumerate(page, start=offset):
                 try:
-                    record = self.store.get_task(task_id)
+                    record = self.store.records.get_task(task_id)
                 except NotFoundError:  # expired since it was indexed
                     continue
                 if status is None or record.status.value == status:
@@ -226,7 +227,7 @@ class Coordinator:
     def update_todos(self, task_id: str, update: str | Sequence[object]) -> list[TodoItem]:
         """Replace the task's todo list; links and figures of existing items survive."""
         parsed = todo_lists.parse_update(update)  # a bad update is refused before any read
-        return self.store.update_todos(task_id, lambda _record, old: todo_links.merge(old, parsed))
+        return self.store.batches.update_todos(task_id, lambda _record, old: todo_links.merge(old, parsed))
 
     # -- delegation (coordinator/delegation.py) ---------------------------------------
 
@@ -298,34 +299,34 @@ class Coordinator:
     # -- the tree's events and fleet figures (the API's stream and /metrics, the CLI) ----
 
     def last_event_id(self, root_id: str) -> str:
-        return self.store.last_event_id(root_id)
+        return self.store.events.last_event_id(root_id)
 
     def read_events(
         self, root_id: str, after_id: str = "0-0", *, block_ms: int | None = None, count: int = 500
     ) -> list[tuple[str, dict[str, str]]]:
         """Entries of the tree's event stream after `after_id` (blocking up to block_ms if none)."""
-        return self.store.read_events(root_id, after_id, block_ms=block_ms, count=count)
+        return self.store.events.read_events(root_id, after_id, block_ms=block_ms, count=count)
 
     def settled(self, task_id: str) -> tuple[bool, str]:
         """(whether the task has settled, its status): an agent task once it ended, a caller's once not delegated."""
-        status, runner = self.store.status_of(task_id)
+        status, runner = self.store.records.status_of(task_id)
         done = TaskStatus(status).terminal or (runner == "caller" and status != TaskStatus.DELEGATED)
         return done, status
 
     def subtree_ids(self, task_id: str) -> list[str]:
         """The task and all its descendants, top first."""
-        return self.store.subtree_ids(task_id)
+        return self.store.records.subtree_ids(task_id)
 
     def recent_records(self, count: int) -> list[TaskRecord]:
         """The `count` most recent tasks of the history index that still exist, newest first."""
-        task_ids = self.store.recent_task_ids(root_id=None, offset=0, count=count)
+        task_ids = self.store.records.recent_task_ids(root_id=None, offset=0, count=count)
         try:
-            return self.store.get_records(task_ids)  # one round trip, the usual case
+            return self.store.records.get_records(task_ids)  # one round trip, the usual case
         except NotFoundError:  # one expired since it was indexed: read them one by one
             found = []
             for task_id in task_ids:
                 try:
-                    found.extend(self.store.get_records([task_id]))
+                    found.extend(self.store.records.get_records([task_id]))
                 except NotFoundError:
                     continue
             return found
@@ -335,41 +336,41 @@ class Coordinator:
 
         Every standard bucket is present (0 before any request), and any other bound found in Redis too.
         """
-        return {**{f"le_{ms}": 0.0 for ms in LATENCY_BUCKETS_MS}, **self.store.latency_histogram()}
+        return {**{f"le_{ms}": 0.0 for ms in LATENCY_BUCKETS_MS}, **self.store.metrics.latency_histogram()}
 
     def queue_depth(self) -> int:
         """Celery messages waiting in subq's queue (LLEN, as Celery's own tools report it)."""
-        return self.store.queue_depth(self.settings.queue)
+        return self.store.metrics.queue_depth(self.settings.queue)
 
     def fleet_gauges(self) -> FleetGauges:
         """Queue depth, runs in flight, approvals waiting and dead letters: one round trip (GET /metrics)."""
-        return self.store.fleet_gauges(self.settings.queue)
+        return self.store.metrics.fleet_gauges(self.settings.queue)
 
     def repairs(self) -> dict[str, int]:
         """Repairs the reconciler has made, by reason (coordinator/reconciler.py)."""
-        return self.store.repairs()
+        return self.store.convergence.repairs()
 
     def workers_since(self, since_s: float) -> list[str]:
         """Worker processes whose heartbeat is at `since_s` or later (the health check's one read)."""
-        return self.store.workers_since(since_s)
+        return self.store.convergence.workers_since(since_s)
 
     # -- dead letters: messages no worker could decode or validate (workers/poison.py) --
 
     def record_dead_letter(self, entry: DeadLetter) -> None:
         """Keep a message the worker's consumer took off a queue and could not run (capped list)."""
-        self.store.add_dead_letter(entry)
+        self.store.dead_letters.add_dead_letter(entry)
 
     def dead_letters(self, limit: int = DEFAULT_PAGE) -> list[DeadLetter]:
         """The newest `limit` dead letters, newest first."""
         check_dead_letter_limit(limit)
-        return self.store.dead_letters(limit)
+        return self.store.dead_letters.dead_letters(limit)
 
     def count_dead_letters(self) -> int:
-        return self.store.count_dead_letters()
+        return self.store.dead_letters.count_dead_letters()
 
     def purge_dead_letters(self) -> int:
         """Delete every dead letter; returns how many there were."""
-        return self.store.purge_dead_letters()
+        return self.store.dead_letters.purge_dead_letters()
 
     # -- waiting -----------------------------------------------------------------------
 
@@ -386,18 +387,18 @@ class Coordinator:
         root_id = ids.root_of(task_id)
         # Read the stream position before the status, so an event between the two wakes
         # the blocking read below instead of being missed.
-        last_id = self.store.last_event_id(root_id)
+        last_id = self.store.events.last_event_id(root_id)
         while True:
             if self.settled(task_id)[0]:
-                return self.store.get_task(task_id)
+                return self.store.records.get_task(task_id)
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
-                record = self.store.get_task(task_id)
+                record = self.store.records.get_task(task_id)
                 raise WaitTimeout(
                     f"Task {task_id} is still {record.status.value} after {timeout_s:g}s "
                     f"({len(record.awaiting_ids)} of {len(record.child_ids)} children outstanding)"
                 )
-            last_id = self.store.wait_for_event_of(
+            last_id = self.store.events.wait_for_event_of(
                 task_id, root_id, last_id, min(deadline, time.monotonic() + WAIT_SLICE_MS / 1000)
             )
 

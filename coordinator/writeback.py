@@ -49,30 +49,32 @@ def write_back(plane: Plane, batch_id: str, ended: TaskRecord | None = None) -> 
     """
     store = plane.store
     if ended is not None:
-        mode, resumes, resume = store.settle_child(batch_id, ended, plane.settings.reconcile_grace_s)
+        mode, resumes, resume = store.batches.settle_child(batch_id, ended, plane.settings.reconcile_grace_s)
         if mode == "parallel":
             return bool(resumes) and resumed(plane, ended.parent_id or "", resumes, resume)
-    batch = store.get_batch(batch_id)
+    batch = store.batches.get_batch(batch_id)
     if batch.status == "done":
         return False
-    children = store.get_records(batch.child_ids)
+    children = store.records.get_records(batch.child_ids)
     if batch.mode == "parallel":
         ended_ids = [c.id for c in children if c.status.terminal]
-        store.apply_children(batch, ended_ids)
+        store.batches.apply_children(batch, ended_ids)
         return len(ended_ids) == len(children) and close_batch(plane, batch)
     for index, child in enumerate(children):
         if not child.status.terminal:
-            store.apply_children(batch, [c.id for c in children[:index]])
-            store.watch([child.id], plane.settings.reconcile_grace_s)  # first: a lost step is published again
-            if store.claim_step_publish(child.id):
+            store.batches.apply_children(batch, [c.id for c in children[:index]])
+            store.convergence.watch(
+                [child.id], plane.settings.reconcile_grace_s
+            )  # first: a lost step is published again
+            if store.runs.claim_step_publish(child.id):
                 dispatch.publish_step(plane.app, batch, child, index)
             return False
         if child.status != TaskStatus.COMPLETED:
             reason = f"not run: step {index + 1} of the chain ended {child.status.value}"
             # Each later step with its whole subtree: a step may have been given children
             # (a caller delegating from it) before the chain reached it.
-            rest = [t for c in children[index + 1 :] for t in store.subtree_ids(c.id)]
-            store.stop_tasks(
+            rest = [t for c in children[index + 1 :] for t in store.records.subtree_ids(c.id)]
+            store.batches.stop_tasks(
                 rest,
                 top_status="cancelled",
                 status="cancelled",
@@ -82,13 +84,13 @@ def write_back(plane: Plane, batch_id: str, ended: TaskRecord | None = None) -> 
                 error_class="ChainStopped",
             )
             break
-    store.apply_children(batch, batch.child_ids)
+    store.batches.apply_children(batch, batch.child_ids)
     return close_batch(plane, batch)
 
 
 def close_batch(plane: Plane, batch: Batch | BatchRef) -> bool:
     """Close the batch (once) and publish its agent parent's resume; True when this call closed it."""
-    resumes, resume = plane.store.close_batch(batch, plane.settings.reconcile_grace_s)
+    resumes, resume = plane.store.batches.close_batch(batch, plane.settings.reconcile_grace_s)
     return bool(resumes) and resumed(plane, batch.parent_id, resumes, resume)
 
 
@@ -97,7 +99,7 @@ def resumed(plane: Plane, parent_id: str, resumes: int, resume: bool) -> bool:
     `resume` (the close put the parent on the due list first); True."""
     faults.crash_point(plane.settings, "after-close")
     if resume:
-        (parent,) = plane.store.get_records([parent_id])
+        (parent,) = plane.store.records.get_records([parent_id])
         dispatch.publish_run(plane.app, parent, resumes)
     return True
 

@@ -67,8 +67,8 @@ def test_an_agent_tree_completes_on_one_worker_slot_with_exact_figures(solo: Coo
         assert history.subtree_cost * 1_000_000 == pytest.approx(task.total_cost_micros)
         assert task.status == TaskStatus.COMPLETED
     # No parent was ever resumed twice: one resume per batch it delegated.
-    assert solo.store.task_field(root.id, "resumes") == "1"
-    assert solo.store.task_field(b.id, "resumes") == "2"
+    assert solo.store.records.task_field(root.id, "resumes") == "1"
+    assert solo.store.records.task_field(b.id, "resumes") == "2"
     assert [m["say"] for m in solo.messages(b.id)].count("subtask_result") == 2
     # The script carried across every resumption: each request consumed the next step.
     api = solo.messages(root.id, kind="api")

@@ -399,7 +399,7 @@ def test_events_send_keepalive_comments(
 
 def test_events_end_with_an_error_event_when_redis_fails_mid_stream(idle: Coordinator, parent: TaskRecord) -> None:
     flaky = Coordinator(idle.settings, client=idle.client)
-    real_status_of = flaky.store.status_of
+    real_status_of = flaky.store.records.status_of
     calls = 0
 
     def status_of(task_id: str) -> tuple[str, str]:
@@ -409,7 +409,7 @@ def test_events_end_with_an_error_event_when_redis_fails_mid_stream(idle: Coordi
             raise StoreError("Redis is unreachable: connection reset")
         return real_status_of(task_id)
 
-    flaky.store.status_of = status_of  # type: ignore[method-assign]
+    flaky.store.records.status_of = status_of  # type: ignore[method-assign]
     flaky.delegate(parent.id, [spec()])  # stays delegated: the stream would run on
     with ApiServer(create_app(coordinator=flaky)) as server, server.client() as http:
         with http.stream("GET", f"/v1/tasks/{parent.id}/events", timeout=10) as response:
@@ -912,12 +912,12 @@ def test_metrics_report_tasks_spend_queue_and_latency(settings: Settings) -> Non
     second = coord.create_task("another root")
     batch = coord.delegate(second.id, [spec()])
     child = batch.child_ids[0]
-    coord.store.record_usage(child, "r:1", Usage(tokens_in=100, tokens_out=10), 1234, "test")
-    coord.store.record_usage(first.id, "r:1", Usage(tokens_in=10), 66, "test")
+    coord.store.runs.record_usage(child, "r:1", Usage(tokens_in=100, tokens_out=10), 1234, "test")
+    coord.store.runs.record_usage(first.id, "r:1", Usage(tokens_in=10), 66, "test")
     for latency_ms in (50, 300, 70_000):
-        coord.store.observe_latency(latency_ms)
+        coord.store.metrics.observe_latency(latency_ms)
     for reason in ("run-lost", "run-lost", "ended-not-written-back"):
-        coord.store.count_repair(reason)
+        coord.store.convergence.count_repair(reason)
     coord.client.lpush(coord.store.keys.dead_letters(), '{"reason": "test"}')
 
     with ApiServer(create_app(coordinator=coord)) as server, server.client(headers={}) as http:

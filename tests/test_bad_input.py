@@ -241,12 +241,12 @@ def test_bad_create_task(idle_coordinator: Coordinator) -> None:
 
 def test_a_malformed_task_message_changes_nothing(coordinator: Coordinator) -> None:
     """A producer that sends `subq.run_task` with a bad argument gets a failed result, no state."""
-    before = coordinator.store.snapshot()
+    before = coordinator.store.metrics.snapshot()
     for bad in (123, "not-an-id", "0123456789abcdef"):
         result = coordinator.app.send_task("subq.run_task", args=[bad]).get(timeout=30)
         assert result["status"] == "failed"
         assert result["error_class"] in ("ValidationError", "NotFoundError")
-    assert coordinator.store.snapshot() == before
+    assert coordinator.store.metrics.snapshot() == before
 
 
 @pytest.mark.parametrize(

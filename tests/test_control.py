@@ -50,7 +50,7 @@ def test_cancel_a_root_stops_its_running_children_and_keeps_what_finished(coordi
 
     cancelled_at = time.monotonic()
     coordinator.cancel(root.id, "operator stop")
-    _until(lambda: coordinator.store.in_flight(root.id)["leases"] == 0, timeout_s=2, what="the runs to stop")
+    _until(lambda: coordinator.store.runs.in_flight(root.id)["leases"] == 0, timeout_s=2, what="the runs to stop")
     stopped_in_s = time.monotonic() - cancelled_at
 
     assert stopped_in_s < 2
@@ -68,7 +68,7 @@ def test_cancel_a_root_stops_its_running_children_and_keeps_what_finished(coordi
     assert notice.startswith("Stopped: Cancelled: cancelled: operator stop")
     assert "[completed] quick" in notice and "quick done" in notice and "[cancelled] slow one" in notice
     time.sleep(0.5)  # anything still unwinding would show here
-    assert coordinator.store.in_flight(root.id) == {
+    assert coordinator.store.runs.in_flight(root.id) == {
         "running": 0,
         "admission": 0,
         "awaiting": 0,
@@ -95,7 +95,7 @@ def test_a_cancelled_child_resumes_its_agent_parent_once_with_the_notice(coordin
     coordinator.cancel(stuck, "taking too long")
     done = coordinator.wait(root.id, WAIT_S)
     assert done.status == TaskStatus.COMPLETED and done.summary == "noted the cancel"
-    assert coordinator.store.task_field(root.id, "resumes") == "1"
+    assert coordinator.store.records.task_field(root.id, "resumes") == "1"
     result = next(m["text"] for m in coordinator.messages(root.id) if m["say"] == "subtask_result")
     assert "[completed] fast" in result and "[cancelled] stuck" in result and "taking too long" in result
 
@@ -108,7 +108,7 @@ def test_a_queued_child_that_was_cancelled_never_starts(idle_coordinator: Coordi
     result = run_child(rt, child)  # the queued message arrives after the cancel (or after a restart)
     assert result.status == "cancelled"
     record = idle_coordinator.get_task(child)
-    assert record.requests == 0 and idle_coordinator.store.task_field(child, "run_seq") is None
+    assert record.requests == 0 and idle_coordinator.store.records.task_field(child, "run_seq") is None
 
 
 def test_cancel_bad_input_changes_nothing(idle_coordinator: Coordinator) -> None:
@@ -255,7 +255,7 @@ def test_an_unanswered_approval_times_out_as_a_denial(idle_coordinator: Coordina
     assert not coord.expire_approval(approval.id), "not due yet"
     time.sleep(1.1)
     assert coord.expire_approval(approval.id)
-    assert coord.store.get_approval(approval.id).status == "expired"
+    assert coord.store.approvals.get_approval(approval.id).status == "expired"
     assert run_child(rt, task.id).status == "completed"  # the resume the expiry published
     returns = [p["content"] for m in coord.messages(task.id, kind="api") for p in m["parts"]
                if p.get("part_kind") == "tool-return"]  # fmt: skip
@@ -290,16 +290,16 @@ def test_transient_model_errors_are_retried_and_counted(coordinator: Coordinator
     coordinator.wait(parent.id, WAIT_S)
     ok, bad = (coordinator.get_task(c) for c in batch.child_ids)
     assert ok.status == TaskStatus.COMPLETED and ok.cost_micros == STEP_COST_MICROS
-    assert coordinator.store.task_field(ok.id, "transient_errors") == "2"
+    assert coordinator.store.records.task_field(ok.id, "transient_errors") == "2"
     assert bad.status == TaskStatus.FAILED and bad.error_class == "ModelServerError"
-    assert coordinator.store.task_field(bad.id, "transient_errors") == str(coordinator.settings.model_retries)
+    assert coordinator.store.records.task_field(bad.id, "transient_errors") == str(coordinator.settings.model_retries)
 
 
 def test_the_provider_rate_limit_is_shared_through_redis(idle_coordinator: Coordinator) -> None:
     store = idle_coordinator.store
     provider = f"test-{time.time_ns()}"
-    assert [store.wait_for_rate(provider, 3) for _ in range(3)] == [0, 0, 0]
-    wait_ms = store.wait_for_rate(provider, 3)
+    assert [store.runs.wait_for_rate(provider, 3) for _ in range(3)] == [0, 0, 0]
+    wait_ms = store.runs.wait_for_rate(provider, 3)
     assert 0 < wait_ms <= 60_000
 
 
@@ -314,10 +314,10 @@ def test_live_status_is_streamed_and_snapshotted(coordinator: Coordinator) -> No
     live = coordinator.snapshot(parent.id)
     assert live[child].state == "completed" and live[child].cost_micros == 2 * STEP_COST_MICROS
     assert live[child].requests == 2 and live[parent.id].state in ("queued", "running", "delegated")
-    states = [f["state"] for _, f in coordinator.store.read_events(parent.root_id) if f.get("type") == "live"
+    states = [f["state"] for _, f in coordinator.store.events.read_events(parent.root_id) if f.get("type") == "live"
               and f.get("task_id") == child]  # fmt: skip
     assert states[0] == "queued" and "running" in states
-    tools = [f for _, f in coordinator.store.read_events(parent.root_id) if f.get("task_id") == child]
+    tools = [f for _, f in coordinator.store.events.read_events(parent.root_id) if f.get("task_id") == child]
     assert tools, "the child's changes are on the tree's stream"
     stream_len = coordinator.client.xlen(coordinator.store.keys.events(parent.root_id))
     assert stream_len <= 10_000 + 100  # bounded (MAXLEN ~)
@@ -357,7 +357,7 @@ def test_a_per_parent_limit_holds_under_a_fan_out_of_twenty(limited: Coordinator
     todos = limited.get_todos(parent.id)
     assert all(t.cost_micros == STEP_COST_MICROS for t in todos)
     empty = {"running": 0, "admission": 0, "awaiting": 0, "leases": 0, "watched": 0}
-    _until(lambda: limited.store.in_flight(parent.id) == empty, timeout_s=10, what="the in-flight state to empty")
+    _until(lambda: limited.store.runs.in_flight(parent.id) == empty, timeout_s=10, what="the in-flight state to empty")
 
 
 def test_cancelling_a_throttled_fan_out_leaves_nothing_in_flight(limited: Coordinator) -> None:
@@ -365,9 +365,9 @@ def test_cancelling_a_throttled_fan_out_leaves_nothing_in_flight(limited: Coordi
     batch = limited.delegate(
         parent.id, [{"description": f"c{n}", "message": _slow("never", latency_ms=5000)} for n in range(20)]
     )
-    _until(lambda: limited.store.in_flight(parent.id)["admission"] > 0, what="children queued for a slot")
+    _until(lambda: limited.store.runs.in_flight(parent.id)["admission"] > 0, what="children queued for a slot")
     limited.cancel(parent.id, "too many")
     empty = {"running": 0, "admission": 0, "awaiting": 0, "leases": 0, "watched": 0}
-    _until(lambda: limited.store.in_flight(parent.id) == empty, timeout_s=10, what="the in-flight state to empty")
+    _until(lambda: limited.store.runs.in_flight(parent.id) == empty, timeout_s=10, what="the in-flight state to empty")
     assert all(limited.get_task(c).status == TaskStatus.CANCELLED for c in batch.child_ids)
     assert sum(limited.get_task(c).requests for c in batch.child_ids) == 0

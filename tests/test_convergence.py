@@ -38,8 +38,8 @@ def coord(idle_coordinator: Coordinator) -> Iterator[Coordinator]:
 def tick(coord: Coordinator, after_s: float = 0) -> dict[str, int]:
     """One reconciler round once every watched task is due and has settled (SETTLE_S)."""
     time.sleep(after_s)
-    for task_id in coord.store.watched():
-        coord.store.watch([task_id], -10, only_if_watched=True)
+    for task_id in coord.store.convergence.watched():
+        coord.store.convergence.watch([task_id], -10, only_if_watched=True)
         coord.store.client.hset(coord.store.keys.task(task_id[:16], task_id), "updated_at", time.time() - 60)
     repairs = Reconciler(coord, "test").tick()
     assert repairs is not None, "a lone reconciler leads"
@@ -47,14 +47,14 @@ def tick(coord: Coordinator, after_s: float = 0) -> dict[str, int]:
 
 
 def queued_ids(coord: Coordinator) -> list[str]:
-    return sorted(coord.store.queued_task_ids(QUEUE))
+    return sorted(coord.store.convergence.queued_task_ids(QUEUE))
 
 
 def test_a_task_queued_in_the_broker_is_left_alone(coord: Coordinator) -> None:
     root = coord.create_task(agent(reply("x")), run=True)
     assert tick(coord) == {}
     assert queued_ids(coord) == [root.id] and coord.client.llen(QUEUE) == 1, "not published twice"
-    assert root.id in coord.store.watched()
+    assert root.id in coord.store.convergence.watched()
 
 
 def test_a_run_whose_message_was_lost_is_published_again(coord: Coordinator) -> None:
@@ -62,7 +62,7 @@ def test_a_run_whose_message_was_lost_is_published_again(coord: Coordinator) -> 
     coord.client.delete(QUEUE)  # the broker lost it (a Redis restart)
     assert tick(coord) == {"run-lost": 1}
     assert queued_ids(coord) == [root.id]
-    assert coord.store.task_field(root.id, "repairs") == "1"
+    assert coord.store.records.task_field(root.id, "repairs") == "1"
     assert tick(coord) == {}, "its new message is in the queue: nothing more"
 
 
@@ -71,17 +71,17 @@ def test_an_ended_child_never_written_back_is_applied_once(coord: Coordinator) -
     (item,) = coord.get_todos(parent.id)
     batch = coord.delegate(parent.id, [subtask("a", reply("a"), todo_id=item.id)])
     child_id = batch.child_ids[0]
-    coord.store.finish_task(child_id, "completed", "a done")  # and its process died here
+    coord.store.runs.finish_task(child_id, "completed", "a done")  # and its process died here
     assert tick(coord) == {"ended-not-written-back": 1}
     assert coord.get_batch(batch.id).status == "done"
     assert coord.get_todos(parent.id)[0].subtask_id == child_id
-    assert tick(coord) == {} and child_id not in coord.store.watched()
+    assert tick(coord) == {} and child_id not in coord.store.convergence.watched()
 
 
 def test_a_redelivered_run_of_an_ended_child_writes_it_back(coord: Coordinator) -> None:
     parent = coord.create_task("p", todos="[ ] a")
     batch = coord.delegate(parent.id, [subtask("a", reply("a"))])
-    coord.store.finish_task(batch.child_ids[0], "completed", "a done")
+    coord.store.runs.finish_task(batch.child_ids[0], "completed", "a done")
     result = run_child(build_runtime(coord.settings, make_app(coord.settings)), batch.child_ids[0])
     assert result.status == "completed"
     assert coord.get_batch(batch.id).status == "done", "the redelivery wrote the child back and closed the batch"
@@ -103,7 +103,7 @@ def test_a_publish_the_broker_refuses_is_given_back(coord: Coordinator) -> None:
     with pytest.raises(BrokerError, match=r"The broker did not take batch .*; it is published again"):
         refused.delegate(parent.id, [subtask("a", reply("a"))])
     record = coord.get_task(parent.id)
-    assert record.status == TaskStatus.DELEGATED and not coord.store.batch_published(record.waiting_batch_id)
+    assert record.status == TaskStatus.DELEGATED and not coord.store.batches.batch_published(record.waiting_batch_id)
     assert tick(coord) == {"delegation-unpublished": 1}, "the reconciler publishes it once the broker is back"
     assert len(queued_ids(coord)) == 1
 
@@ -127,7 +127,7 @@ def test_an_approval_deadline_is_a_timer_not_a_broker_countdown(coord: Coordinat
     coord.client.zadd(coord.store.keys.timers(), {expiry_timer(approval.id): time.time() - 1})
     coord.client.hset(coord.store.keys.approval(root.id, approval.id), "deadline", time.time() - 1)
     tick(coord)
-    assert coord.store.get_approval(approval.id).status == "expired"
+    assert coord.store.approvals.get_approval(approval.id).status == "expired"
     assert expiry_timer(approval.id) not in dict(coord.client.zrange(coord.store.keys.timers(), 0, -1, withscores=True))
     assert queued_ids(coord) == [root.id], "the task resumes once, with the denial"
 
@@ -153,12 +153,12 @@ def test_a_run_whose_lease_was_taken_stops_and_writes_nothing(coord: Coordinator
     assert run.fenced
     with pytest.raises(LeaseLost):
         run.check_stop()
-    before = coord.store.conversation(task.id)
+    before = coord.store.records.conversation(task.id)
     with pytest.raises(LeaseLost):
         run.save(['{"kind": "request", "parts": []}'])
     with pytest.raises(LeaseLost):
         run.end(Ended("completed", summary="written by a fenced run"))
-    assert coord.store.conversation(task.id) == before
+    assert coord.store.records.conversation(task.id) == before
     assert coord.get_task(task.id).status == TaskStatus.ACTIVE, "the fenced run ended nothing"
     assert coord.client.get(lease) == "another-run", "nor touched the new run's lease"
     rt.lifecycle.heartbeat.forget(run)
@@ -173,7 +173,7 @@ def test_a_save_after_the_lease_lapsed_is_refused_even_before_the_heartbeat_noti
     run.save(['{"kind": "request", "parts": []}'])  # kept for the run's next step, which writes it
     with pytest.raises(LeaseLost):
         run.flush()
-    assert coord.store.conversation(task.id) == [] and run.fenced
+    assert coord.store.records.conversation(task.id) == [] and run.fenced
     with pytest.raises(LeaseLost):
         run.save(['{"kind": "request", "parts": []}'])
     lifecycle.heartbeat.forget(run)

@@ -76,9 +76,9 @@ def test_random_agent_trees_always_add_up(coordinator: Coordinator) -> None:
         coordinator.wait(root, 120)
     checked = 0
     for root in roots:
-        for record in coordinator.store.get_records(coordinator.store.tree_task_ids(root)):
+        for record in coordinator.store.records.get_records(coordinator.store.records.tree_task_ids(root)):
             record = coordinator.get_task(record.id)
-            rows = coordinator.store.get_todos(record.id)
+            rows = coordinator.store.records.get_todos(record.id)
             assert not record.awaiting_ids, record.id
             cost = sum(r.cost_micros for r in rows) + record.unlinked_cost_micros
             tokens = sum(r.tokens for r in rows) + record.unlinked_tokens

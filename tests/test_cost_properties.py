@@ -75,7 +75,7 @@ class Tree:
 
     def delegate(self, n: int, width: int, mode: str, named: bool) -> None:
         parent = self.pick(n)
-        items = self.coord.store.get_todos(parent)
+        items = self.coord.store.records.get_todos(parent)
         specs = [
             subtask(f"child {k}", reply("done"), todo_id=items[(n + k) % len(items)].id if named and items else None)
             for k in range(width)
@@ -108,7 +108,7 @@ class Tree:
         task = self.coord.get_task(self.pick(n))
         if task.status == TaskStatus.ACTIVE:
             usage = Usage(tokens_in=cost_micros * 3, tokens_out=cost_micros)
-            self.coord.store.record_usage(task.id, f"p:{next(self.keys)}", usage, cost_micros, "test")
+            self.coord.store.runs.record_usage(task.id, f"p:{next(self.keys)}", usage, cost_micros, "test")
 
     def end(self, n: int, status: str, redelivered: bool, cost_micros: int = 0) -> None:
         task = self.coord.get_task(self.pick(n))
@@ -116,7 +116,7 @@ class Tree:
             return  # the root is its caller's; a delegated task ends when its children have
         if cost_micros:  # its run's last request
             self.spend(n, cost_micros)
-        self.coord.store.finish_task(
+        self.coord.store.runs.finish_task(
             task.id, status, "done" if status == "completed" else "", "x" * (status != "completed")
         )
         if redelivered:  # the run died after ending the task; its message is delivered again
@@ -145,10 +145,10 @@ class Tree:
             self.end(self.tasks.index(task_id), "completed", False, 1)
 
     def check(self) -> None:
-        for task in self.coord.store.get_records(self.tasks):
+        for task in self.coord.store.records.get_records(self.tasks):
             record = self.coord.get_task(task.id)
-            rows = self.coord.store.get_todos(task.id)
-            pending = self.coord.store.get_records(record.awaiting_ids) if record.awaiting_ids else []
+            rows = self.coord.store.records.get_todos(task.id)
+            pending = self.coord.store.records.get_records(record.awaiting_ids) if record.awaiting_ids else []
             own_tokens = record.tokens_in + record.tokens_out
             cost = (
                 sum(r.cost_micros for r in rows)
@@ -182,7 +182,7 @@ def play(coord: Coordinator, lifecycle: RunLifecycle, program: list[Op]) -> None
         tree.check()
     tree.finish_everything()
     tree.check()
-    for record in coord.store.get_records(tree.tasks):
+    for record in coord.store.records.get_records(tree.tasks):
         assert not record.awaiting_ids or record.status.terminal
 
 

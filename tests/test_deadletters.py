@@ -135,11 +135,11 @@ def test_bad_cli_arguments_get_one_clear_line_and_change_nothing(
     dlq: Coordinator, transport: Transport, args: list[str], code: int, message: str
 ) -> None:
     _bury(dlq, 2)
-    before = dlq.store.snapshot()
+    before = dlq.store.metrics.snapshot()
     done = cli("dead-letters", *args, env=_env(dlq, transport))
     assert (done.returncode, done.stdout) == (code, "")
     assert done.stderr.startswith(message) and len(done.stderr.splitlines()) == 1, done.stderr
-    assert dlq.store.snapshot() == before
+    assert dlq.store.metrics.snapshot() == before
 
 
 # -- the API and the client ------------------------------------------------------------------
@@ -178,13 +178,13 @@ def test_bad_api_queries_are_refused_in_the_usual_shape_and_change_nothing(
     dlq: Coordinator, server: ApiServer, method: str, params: dict[str, str], status: int, code: str, field: str
 ) -> None:
     _bury(dlq, 2)
-    before = dlq.store.snapshot()
+    before = dlq.store.metrics.snapshot()
     with server.client() as http:
         response = http.request(method, "/v1/dead-letters", params=params)
     assert response.status_code == status, response.text
     assert set(response.json()) == {"code", "message", "field"}
     assert (response.json()["code"], response.json()["field"]) == (code, field)
-    assert dlq.store.snapshot() == before
+    assert dlq.store.metrics.snapshot() == before
 
 
 def test_the_api_needs_the_token(dlq: Coordinator, server: ApiServer) -> None:

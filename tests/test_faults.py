@@ -79,7 +79,7 @@ def died(fleet: WorkerFleet, timeout_s: float = 30) -> None:
 
 def assert_converged(coord: Coordinator, root_id: str) -> None:
     """Every task settled, each child applied once to its item, exact totals, nothing in flight."""
-    records = [coord.get_task(t) for t in coord.store.tree_task_ids(root_id)]
+    records = [coord.get_task(t) for t in coord.store.records.tree_task_ids(root_id)]
     for record in records:
         assert record.status.terminal or (record.runner == "caller" and record.status == TaskStatus.ACTIVE), record
         for batch_id in [record.waiting_batch_id] if record.waiting_batch_id else []:
@@ -94,18 +94,20 @@ def assert_converged(coord: Coordinator, root_id: str) -> None:
     # A run's last steps (its lease, its slot, the due list) follow the status `wait` returns on.
     empty = {"running": 0, "admission": 0, "awaiting": 0, "leases": 0, "watched": 0}
     eventually(
-        lambda: coord.store.in_flight(root_id) == empty, f"nothing in flight (now {coord.store.in_flight(root_id)})", 10
+        lambda: coord.store.runs.in_flight(root_id) == empty,
+        f"nothing in flight (now {coord.store.runs.in_flight(root_id)})",
+        10,
     )
 
 
 def repairs_since(coord: Coordinator, before: dict[str, int]) -> dict[str, int]:
-    now = coord.store.repairs()
+    now = coord.store.convergence.repairs()
     return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
 
 
 def test_a_chain_step_killed_between_its_end_and_the_next_steps_publish(coord: Coordinator, tmp_path: Path) -> None:
     """A step's end is recorded (end_run.lua), the next step not yet published: the reconciler writes it back."""
-    before = coord.store.repairs()
+    before = coord.store.convergence.repairs()
     fleet = crashing_worker(coord.settings, tmp_path, "after-end")
     try:
         parent = coord.create_task("Two steps", todos="[ ] a\n[ ] b")
@@ -129,7 +131,7 @@ def test_a_chain_step_killed_between_its_end_and_the_next_steps_publish(coord: C
 
 def test_the_last_child_killed_between_its_end_and_its_parents_resume(coord: Coordinator, tmp_path: Path) -> None:
     """The child's end closed the batch in the same script (end_run.lua); its parent's resume is not yet sent."""
-    before = coord.store.repairs()
+    before = coord.store.convergence.repairs()
     fleet = crashing_worker(coord.settings, tmp_path, "after-end")
     try:
         root = coord.create_task(
@@ -169,7 +171,7 @@ def test_an_agent_killed_between_its_delegation_and_its_publish(coord: Coordinat
 
 
 def test_a_parent_whose_resume_was_never_published(coord: Coordinator, tmp_path: Path) -> None:
-    before = coord.store.repairs()
+    before = coord.store.convergence.repairs()
     fleet = crashing_worker(coord.settings, tmp_path, "after-close")
     try:
         root = coord.create_task(
@@ -200,7 +202,7 @@ def test_a_worker_killed_mid_run_resumes_elsewhere_after_the_lapse(
         batch = coord.delegate(parent.id, [{"description": "slow", "message": agent(slow)}])
         child_id = batch.child_ids[0]
         deadline = time.monotonic() + 30
-        while coord.store.in_flight(parent.id)["leases"] == 0 and time.monotonic() < deadline:
+        while coord.store.runs.in_flight(parent.id)["leases"] == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         os.kill(fleet.procs[0].pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -210,7 +212,7 @@ def test_a_worker_killed_mid_run_resumes_elsewhere_after_the_lapse(
     took_s = time.monotonic() - killed
     child = coord.get_task(child_id)
     assert child.status == TaskStatus.COMPLETED and child.summary == "slow done"
-    assert coord.store.task_field(child_id, "run_seq") == "2", "it ran again, once"
+    assert coord.store.records.task_field(child_id, "run_seq") == "2", "it ran again, once"
     # The lapse, a tick and a grace at most before it runs again, then its 4 s request.
     assert took_s < LAPSE_S + 0.5 + 3 + 4 + 10, f"resumed and finished {took_s:.1f} s after the kill"
     assert_converged(coord, parent.id)
@@ -231,6 +233,6 @@ def test_a_run_longer_than_the_lapse_is_never_run_twice_while_its_worker_lives(
         fleet.stop()
     child_id = batch.child_ids[0]
     assert coord.get_task(child_id).summary == "long done"
-    assert coord.store.task_field(child_id, "run_seq") == "1", "never run a second time"
-    assert coord.store.task_field(child_id, "repairs") is None, "never published again"
+    assert coord.store.records.task_field(child_id, "run_seq") == "1", "never run a second time"
+    assert coord.store.records.task_field(child_id, "repairs") is None, "never published again"
     assert_converged(coord, parent.id)

@@ -19,8 +19,8 @@ def store() -> Store:
 
 def test_buckets_are_cumulative_with_count_and_sum(store: Store) -> None:
     for latency_ms in (50, 100, 101, 2600, 200_000):
-        store.observe_latency(latency_ms)
-    histogram = store.latency_histogram()
+        store.metrics.observe_latency(latency_ms)
+    histogram = store.metrics.latency_histogram()
     assert histogram["count"] == 5
     assert histogram["sum_ms"] == pytest.approx(50 + 100 + 101 + 2600 + 200_000)
     assert histogram["le_100"] == 2, "a request of exactly 100 ms is within the 100 ms bucket"
@@ -32,4 +32,4 @@ def test_buckets_are_cumulative_with_count_and_sum(store: Store) -> None:
 
 
 def test_an_empty_histogram_reads_as_nothing(store: Store) -> None:
-    assert store.latency_histogram() == {}
+    assert store.metrics.latency_histogram() == {}

@@ -41,9 +41,9 @@ def test_more_runs_at_once_than_redis_py_pools_by_default(settings: Settings, tm
                 parent.id, [{"description": f"c{n}", "message": agent(step)} for n in range(CHILDREN)]
             )
             coord.wait(parent.id, 120)
-            records = coord.store.get_records(batch.child_ids)
+            records = coord.store.records.get_records(batch.child_ids)
             assert Counter(r.status for r in records) == {TaskStatus.COMPLETED: CHILDREN}
-            assert {coord.store.task_field(c, "run_seq") for c in batch.child_ids} == {"1"}, "each run once"
+            assert {coord.store.records.task_field(c, "run_seq") for c in batch.child_ids} == {"1"}, "each run once"
             deliveries = Counter(RECEIVED.findall(fleet.logs[0].read_text(errors="replace")))
             assert {deliveries[c] for c in batch.child_ids} == {1}, "each delivered once"
             assert coord.repairs() == {}

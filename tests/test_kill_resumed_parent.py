@@ -78,7 +78,7 @@ def test_a_resumed_run_outlives_its_parents_late_unwatch(
             run = lifecycle.start(child.id)
             assert isinstance(run, Run)
             run.end(Ended("completed", summary="a done"))  # the last one closes and publishes the resume
-        assert coord.get_task(root.id).status == TaskStatus.ACTIVE and root.id in coord.store.watched()
+        assert coord.get_task(root.id).status == TaskStatus.ACTIVE and root.id in coord.store.convergence.watched()
         if resume_starts == "before the unwatch":
             started = lifecycle.start(root.id)
             assert isinstance(started, Run)
@@ -87,23 +87,25 @@ def test_a_resumed_run_outlives_its_parents_late_unwatch(
     monkeypatch.setattr(dispatch, "publish_batch", children_end_before_the_publisher_goes_on)
     first.end(Released("delegated"))  # publishes the batch, then unwatches the parent
     monkeypatch.undo()
-    assert root.id in coord.store.watched(), "the late unwatch left the resumed parent on the due list"
+    assert root.id in coord.store.convergence.watched(), "the late unwatch left the resumed parent on the due list"
     if resume_starts == "never":
         # The resume's message is lost before any worker takes it: the reconciler publishes it again.
         coord.client.delete(coord.settings.queue)
         reconciler = Reconciler(coord, "krp-reconciler")
         deadline = time.monotonic() + RESTART_BOUND_S
-        while not coord.store.queued_task_ids(coord.settings.queue) and time.monotonic() < deadline:
+        while not coord.store.convergence.queued_task_ids(coord.settings.queue) and time.monotonic() < deadline:
             reconciler.tick()
             time.sleep(bench.TICK_S)
-        assert coord.store.queued_task_ids(coord.settings.queue) == {root.id}, coord.store.in_flight(root.id)
+        assert coord.store.convergence.queued_task_ids(coord.settings.queue) == {root.id}, coord.store.runs.in_flight(
+            root.id
+        )
         return
     if not resumed:
         started = lifecycle.start(root.id)
         assert isinstance(started, Run)
         resumed.append(started)
-    assert coord.store.task_field(root.id, "run_seq") == "2"
-    assert root.id in coord.store.watched(), "a running resumed run is on the due list"
+    assert coord.store.records.task_field(root.id, "run_seq") == "2"
+    assert root.id in coord.store.convergence.watched(), "a running resumed run is on the due list"
 
     coord.client.delete(coord.settings.queue)  # the worker that ran the resume consumed its message
     lifecycle.heartbeat.forget(resumed[0])  # and died: its lease is renewed no more
@@ -114,9 +116,9 @@ def test_a_resumed_run_outlives_its_parents_late_unwatch(
         repairs = dict(reconciler.tick() or {})
         time.sleep(bench.TICK_S)
     assert repairs == {"run-lost": 1}, (
-        f"the dead resumed run was never published again: {coord.store.in_flight(root.id)}"
+        f"the dead resumed run was never published again: {coord.store.runs.in_flight(root.id)}"
     )
-    assert coord.store.queued_task_ids(coord.settings.queue) == {root.id}
+    assert coord.store.convergence.queued_task_ids(coord.settings.queue) == {root.id}
 
 
 def test_a_worker_killed_in_a_resumed_parents_run(settings: Settings, tmp_path: Path) -> None:
@@ -138,7 +140,7 @@ def test_a_worker_killed_in_a_resumed_parents_run(settings: Settings, tmp_path: 
             assert result.done_s is not None and result.done_s <= DONE_BOUND_S, f"{where}: {result}"
             if moment != "after-end":  # that one had ended its task before it died
                 assert result.restart_s is not None and result.restart_s <= RESTART_BOUND_S, f"{where}: {result}"
-                assert coord.store.task_field(result.root_id, "run_seq") == "3", "run again once"
+                assert coord.store.records.task_field(result.root_id, "run_seq") == "3", "run again once"
         assert coord.repairs() == {"run-lost": 2, "ended-not-written-back": 1}
     finally:
         fleet.stop()

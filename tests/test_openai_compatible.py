@@ -200,7 +200,7 @@ def test_a_failing_request_is_sent_once_per_subq_attempt_and_fails_with_one_line
     assert json.loads(record.error_detail) == error, "the provider's error body (as its SDK gives it) is kept"
     if error_class is not None:
         assert record.error_class == error_class
-    counted = int(coord.store.task_field(task.id, "transient_errors") or 0)
+    counted = int(coord.store.records.task_field(task.id, "transient_errors") or 0)
     assert counted == attempts - 1, "each subq retry is counted once"
     coord.close()
 

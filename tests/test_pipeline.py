@@ -128,14 +128,14 @@ def test_fifty_children_at_once_nothing_lost_nothing_doubled(fan_out_fleet: Coor
     assert all(t.status == TodoStatus.COMPLETED for t in todos)
     assert done.total_cost_micros == width * ONE_STEP_COST_MICROS
     assert done.total_tokens == width * ONE_STEP_TOKENS
-    runs = {coordinator.store.task_field(c, "run_seq") for c in batch.child_ids}
+    runs = {coordinator.store.records.task_field(c, "run_seq") for c in batch.child_ids}
     assert runs == {"1"}, "each child ran exactly once"
 
     # A duplicated chord callback (the same function the worker runs) changes nothing.
-    before = coordinator.store.snapshot()
+    before = coordinator.store.metrics.snapshot()
     rt = build_runtime(coordinator.settings, make_app(coordinator.settings))
     assert rt.lifecycle.settle_batch(batch.id) is False
-    assert coordinator.store.snapshot() == before
+    assert coordinator.store.metrics.snapshot() == before
 
 
 def test_sequential_chain_stops_at_a_failed_step(coordinator: Coordinator) -> None:

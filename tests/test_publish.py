@@ -35,11 +35,11 @@ def test_a_batchs_children_show_queued_at_once(idle_coordinator: Coordinator) ->
     parent = coord.create_task("a parent", todos="[ ] a\n[ ] b\n[ ] c")
     batch = coord.delegate(parent.id, [{"description": d, "message": script(usage_step())} for d in "abc"])
 
-    live = coord.store.live(parent.root_id)
+    live = coord.store.events.live(parent.root_id)
     assert {child_id: live[child_id]["state"] for child_id in batch.child_ids} == dict.fromkeys(
         batch.child_ids, "queued"
     )
-    queued = [f for _, f in coord.store.read_events(parent.root_id) if f.get("state") == "queued"]
+    queued = [f for _, f in coord.store.events.read_events(parent.root_id) if f.get("state") == "queued"]
     assert [f["task_id"] for f in queued] == batch.child_ids, "one event per child, in order"
 
 

@@ -85,18 +85,18 @@ def test_a_worker_killed_while_a_child_waits_on_its_model(fragile: tuple[Coordin
 
     child = coord.get_task(slow_id)
     assert child.status == TaskStatus.COMPLETED and child.summary == "slow done"
-    assert coord.store.task_field(slow_id, "run_seq") == "2", "the child ran again after the kill"
+    assert coord.store.records.task_field(slow_id, "run_seq") == "2", "the child ran again after the kill"
     assert (child.requests, child.cost_micros) == (1, STEP_COST_MICROS), "the lost request cost nothing twice"
     assert done.status == TaskStatus.ACTIVE
     runs = {
-        c.description: (c.requests, c.cost_micros, coord.store.task_field(c.id, "run_seq"))
+        c.description: (c.requests, c.cost_micros, coord.store.records.task_field(c.id, "run_seq"))
         for c in coord.get_children(parent.id)
     }
     assert done.total_cost_micros == 3 * STEP_COST_MICROS, f"(requests, cost, runs) per child: {runs}"
     todos = coord.get_todos(parent.id)
     assert todos[1].subtask_id == slow_id and todos[1].cost_micros == STEP_COST_MICROS
     assert [m["say"] for m in coord.messages(parent.id)].count("subtask_result") == 1, "the callback closed once"
-    assert coord.store.task_field(parent.id, "resumes") == "1"
+    assert coord.store.records.task_field(parent.id, "resumes") == "1"
 
 
 def test_a_tool_call_left_without_result_is_answered_as_interrupted(idle_coordinator: Coordinator) -> None:
@@ -108,7 +108,7 @@ def test_a_tool_call_left_without_result_is_answered_as_interrupted(idle_coordin
         ModelRequest(parts=[UserPromptPart(content=prompt)]),
         ModelResponse(parts=[ToolCallPart(tool_name="update_todo_list", args={"todos": "[ ] x"}, tool_call_id="c1")]),
     ]
-    coord.store.append_conversation(task.id, [MESSAGE.dump_json(m).decode() for m in lost])
+    coord.store.records.append_conversation(task.id, [MESSAGE.dump_json(m).decode() for m in lost])
 
     result = run_child(build_runtime(coord.settings, make_app(coord.settings)), task.id)
 
@@ -123,7 +123,7 @@ def test_a_tool_call_left_without_result_is_answered_as_interrupted(idle_coordin
 def test_a_corrupt_conversation_fails_the_task_clearly(idle_coordinator: Coordinator) -> None:
     coord = idle_coordinator
     task = coord.create_task(agent(reply("x")), run=True)
-    coord.store.append_conversation(task.id, ["{not a message"])
+    coord.store.records.append_conversation(task.id, ["{not a message"])
     result = run_child(build_runtime(coord.settings, make_app(coord.settings)), task.id)
     assert (result.status, result.error_class) == ("failed", "CorruptError")
     assert result.error == f"Conversation message 0 of task {task.id} is corrupt"

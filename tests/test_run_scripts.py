@@ -91,12 +91,12 @@ def test_a_childs_end_reads_and_writes_its_record_and_its_parents_once(
     # ... and those writes are what the separate steps would have written.
     record = coord.get_task(parent.id)
     assert record.status == TaskStatus.ACTIVE and record.completed_by_child_id == last
-    assert coord.store.task_field(parent.id, TaskField.RESUMES) == "1"
+    assert coord.store.records.task_field(parent.id, TaskField.RESUMES) == "1"
     assert record.total_cost_micros == 2 * STEP_COST_MICROS
     assert [(i.status.value, i.cost_micros) for i in coord.get_todos(parent.id)] == [
         ("completed", STEP_COST_MICROS)
     ] * 2
-    assert coord.store.task_field(parent.id, TaskField.TODOS_VERSION) == "3", "delegation, then one per child"
+    assert coord.store.records.task_field(parent.id, TaskField.TODOS_VERSION) == "3", "delegation, then one per child"
 
 
 def test_a_child_whose_record_does_not_name_its_batch_mode_is_still_written_back(
@@ -129,15 +129,15 @@ def test_a_run_reads_only_the_ancestors_with_a_budget(idle_coordinator: Coordina
     coord.client.hset(keys.task(root.root_id, root.id), TaskField.TOTAL_COST_MICROS, 1_000_000)
 
     with monitored(coord.settings.redis_url) as commands:
-        started = coord.store.begin_run(leaf, "token-1", 60, 30, AdmissionLimits())
+        started = coord.store.runs.begin_run(leaf, "token-1", 60, 30, AdmissionLimits())
 
     assert started.verdict == "run" and started.exhausted == root.id
     assert on(commands, keys.task(root.root_id, middle)) == [], "an ancestor without a budget is not read"
-    coord.store.release_lease(leaf, "token-1")
+    coord.store.runs.release_lease(leaf, "token-1")
 
     # A record written before the chain was kept reads every ancestor, and finds the same.
     coord.client.hdel(leaf_key, TaskField.BUDGET_CHAIN)
-    assert coord.store.begin_run(leaf, "token-2", 60, 30, AdmissionLimits()).exhausted == root.id
+    assert coord.store.runs.begin_run(leaf, "token-2", 60, 30, AdmissionLimits()).exhausted == root.id
 
 
 def test_a_childs_budget_joins_the_chain_of_its_children(idle_coordinator: Coordinator) -> None:

@@ -64,7 +64,7 @@ def test_a_child_that_answers_at_once_costs_its_worker_two_requests(
     item = coord.get_todos(parent.id)[1]
     assert (item.status.value, item.cost_micros) == ("completed", result.cost_micros)
     assert coord.get_task(parent.id).status == TaskStatus.ACTIVE
-    assert coord.store.in_flight(parent.root_id) == {"running": 0, "admission": 0, "awaiting": 0, "leases": 0,
+    assert coord.store.runs.in_flight(parent.root_id) == {"running": 0, "admission": 0, "awaiting": 0, "leases": 0,
                                                      "watched": 0}  # fmt: skip
     says = [m["say"] for m in coord.messages(child_id)]
     assert says[0] == "task" and says[-1] == "completion_result"
@@ -114,12 +114,12 @@ def test_a_redelivered_end_changes_nothing(idle_coordinator: Coordinator, rt: Ru
     parent = coord.create_task("one child", todos="[ ] a")
     (child_id,) = coord.delegate(parent.id, [{"description": "a", "message": agent(reply("done"))}]).child_ids
     assert run_child(rt, child_id).status == "completed"
-    before = coord.store.snapshot()
+    before = coord.store.metrics.snapshot()
 
     again = run_child(rt, child_id)  # the message delivered a second time
 
     assert again.status == "completed" and again.cost_micros == STEP_COST_MICROS
-    assert coord.store.snapshot() == before
+    assert coord.store.metrics.snapshot() == before
 
 
 def test_a_response_that_reaches_the_parents_budget_stops_the_subtree(
@@ -147,12 +147,12 @@ def test_a_tool_of_a_run_whose_task_was_stopped_writes_nothing(idle_coordinator:
     run = rt.lifecycle.start(child_id)
     assert isinstance(run, Run)
     coord.cancel(child_id, reason="stopped from outside")
-    before = coord.store.snapshot()
+    before = coord.store.metrics.snapshot()
 
     with pytest.raises(RunStopped):
         run.update_todos("[ ] written after the stop")
 
-    assert coord.store.snapshot() == before, "the plan of a stopped task is not written"
+    assert coord.store.metrics.snapshot() == before, "the plan of a stopped task is not written"
     assert run.stopped(None).status == "cancelled"
     run.end(run.stopped(None))
     assert "stopped from outside" in coord.get_task(child_id).error

@@ -40,7 +40,7 @@ def test_a_run_frees_its_slot_only_after_its_outcome_is_recorded(
     real_started_again = admission.started_again
 
     def spy(plane: Plane, admitted: Sequence[str]) -> None:
-        seen_at_admission.append((list(admitted), plane.store.status_of(first)[0]))
+        seen_at_admission.append((list(admitted), plane.store.records.status_of(first)[0]))
         real_started_again(plane, admitted)
 
     monkeypatch.setattr(admission, "started_again", spy)
@@ -53,7 +53,7 @@ def test_a_run_frees_its_slot_only_after_its_outcome_is_recorded(
     assert run.end(Ended("completed", summary="a done")).status == "completed"
 
     assert seen_at_admission == [([second], TaskStatus.COMPLETED.value)]
-    assert limited.store.in_flight(parent.root_id)["running"] == 1, "the second child holds the slot now"
+    assert limited.store.runs.in_flight(parent.root_id)["running"] == 1, "the second child holds the slot now"
     assert run_child(rt, second).status == "completed"
-    assert limited.store.in_flight(parent.root_id)["running"] == 0
+    assert limited.store.runs.in_flight(parent.root_id)["running"] == 0
     assert limited.get_task(parent.id).status == TaskStatus.ACTIVE, "the last child's write-back closed the batch"

@@ -320,7 +320,7 @@ def test_a_hostile_approval_renders_as_text(sec_coord: Coordinator) -> None:
         created_at=time.time(),
         deadline=time.time() + 600,
     )
-    sec_coord.store.save_approval(approval)
+    sec_coord.store.approvals.save_approval(approval)
     with _server(sec_coord) as api, httpx.Client(base_url=api.url) as http:
         assert _sign_in(http).status_code == 303
         for path in (f"/ui/tasks/{root.id}", f"/ui/tasks/{root.id}/fragment", f"/ui/tasks/{root.id}/conversation"):
@@ -335,7 +335,7 @@ def test_a_hostile_approval_renders_as_text(sec_coord: Coordinator) -> None:
             assert not any(value.lower().startswith("javascript:") for _, value in markup.attributes), path
             if path.endswith("fragment"):
                 assert markup.call_texts == [call_text(approval)]
-        assert sec_coord.store.get_approval(approval.id).status == "pending"
+        assert sec_coord.store.approvals.get_approval(approval.id).status == "pending"
 
 
 def test_an_id_with_a_trailing_new_line_is_no_id() -> None:

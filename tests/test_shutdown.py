@@ -55,7 +55,7 @@ def test_a_rolling_sigterm_restart_loses_nothing_and_doubles_nothing(settings: S
             fleet.wait_ready()
         parent = coord.create_task("A hundred children")
         batch = coord.delegate(parent.id, [_child(n) for n in range(CHILDREN)])
-        eventually(lambda: coord.store.in_flight(parent.id)["leases"] >= WORKERS or None, "every worker busy")
+        eventually(lambda: coord.store.runs.in_flight(parent.id)["leases"] >= WORKERS or None, "every worker busy")
         handed_back = 0
         for n in range(WORKERS):
             old = fleets[n]
@@ -74,7 +74,7 @@ def test_a_rolling_sigterm_restart_loses_nothing_and_doubles_nothing(settings: S
         assert coord.get_batch(batch.id).status == "done"
         assert handed_back > 0, "the restart caught runs mid-way and handed them back"
         empty = {"running": 0, "admission": 0, "awaiting": 0, "leases": 0, "watched": 0}
-        eventually(lambda: coord.store.in_flight(parent.id) == empty, "nothing in flight", 10)
+        eventually(lambda: coord.store.runs.in_flight(parent.id) == empty, "nothing in flight", 10)
     finally:
         for fleet in fleets:
             fleet.stop()

@@ -56,14 +56,14 @@ def test_usage_rolls_up_every_ancestor_exactly_under_concurrency(idle_coordinato
     def record(n: int) -> None:
         for i in range(per_thread):
             task = grandchild if i % 2 else child
-            assert store.record_usage(task.id, f"t{n}:{i}", usage, 210, "test") == (1, None)
+            assert store.runs.record_usage(task.id, f"t{n}:{i}", usage, 210, "test") == (1, None)
 
     _run_threads(THREADS, record)
     # Every request key again: nothing is counted twice.
     for n in range(THREADS):
         for i in range(per_thread):
             task = grandchild if i % 2 else child
-            assert store.record_usage(task.id, f"t{n}:{i}", usage, 210, "test") == (0, None)
+            assert store.runs.record_usage(task.id, f"t{n}:{i}", usage, 210, "test") == (0, None)
 
     half = THREADS * per_thread // 2
     g, c, r = (idle_coordinator.get_task(t.id) for t in (grandchild, child, root))
@@ -79,20 +79,20 @@ def test_write_back_and_todo_rewrites_at_once_lose_nothing(idle_coordinator: Coo
     parent = coord.create_task("p", todos="\n".join(f"[ ] item {n}" for n in range(width)))
     batch = coord.delegate(parent.id, [{"description": f"c{n}", "message": "m"} for n in range(width)])
     for n, child_id in enumerate(batch.child_ids):
-        store.record_usage(child_id, "1:1", Usage(tokens_in=n + 1, tokens_out=1), 1000 + n, "test")
-        store.finish_task(child_id, "completed", summary=f"done {n}")
+        store.runs.record_usage(child_id, "1:1", Usage(tokens_in=n + 1, tokens_out=1), 1000 + n, "test")
+        store.runs.finish_task(child_id, "completed", summary=f"done {n}")
 
     def work(n: int) -> None:
         if n % 2:
             for child_id in batch.child_ids[n::THREADS]:
-                store.apply_children(batch, [child_id])
+                store.batches.apply_children(batch, [child_id])
         else:
             for round_ in range(10):  # the parent's agent rewrites its plan meanwhile
                 mark = "[-]" if round_ % 2 else "[ ]"
                 coord.update_todos(parent.id, "\n".join(f"{mark} item {k}" for k in range(width)))
 
     _run_threads(THREADS, work)
-    store.apply_children(batch, batch.child_ids)  # children no odd thread covered
+    store.batches.apply_children(batch, batch.child_ids)  # children no odd thread covered
     todos = coord.get_todos(parent.id)
     assert [t.subtask_id for t in todos] == batch.child_ids
     assert [t.cost_micros for t in todos] == [1000 + n for n in range(width)]
@@ -105,15 +105,15 @@ def test_write_back_is_idempotent_and_terminal_status_is_first_wins(idle_coordin
     parent = coord.create_task("p", todos="[ ] a")
     batch = coord.delegate(parent.id, [{"description": "c", "message": "m"}])
     (child_id,) = batch.child_ids
-    assert store.apply_children(batch, [child_id]) == 0, "a child that has not ended is not written back"
-    store.record_usage(child_id, "1:1", Usage(tokens_in=10, tokens_out=2), 77, "test")
-    assert store.finish_task(child_id, "failed", error="first", error_class="X") == "failed"
-    assert store.finish_task(child_id, "completed", summary="second") == "failed"
+    assert store.batches.apply_children(batch, [child_id]) == 0, "a child that has not ended is not written back"
+    store.runs.record_usage(child_id, "1:1", Usage(tokens_in=10, tokens_out=2), 77, "test")
+    assert store.runs.finish_task(child_id, "failed", error="first", error_class="X") == "failed"
+    assert store.runs.finish_task(child_id, "completed", summary="second") == "failed"
 
-    assert store.apply_children(batch, [child_id]) == 1
-    after_first = store.snapshot()
-    assert store.apply_children(batch, [child_id]) == 0
-    assert store.snapshot() == after_first
+    assert store.batches.apply_children(batch, [child_id]) == 1
+    after_first = store.metrics.snapshot()
+    assert store.batches.apply_children(batch, [child_id]) == 0
+    assert store.metrics.snapshot() == after_first
     (item,) = coord.get_todos(parent.id)
     assert (item.subtask_id, item.tokens, item.cost_micros) == (child_id, 12, 77)
     assert item.status == TodoStatus.IN_PROGRESS
@@ -137,7 +137,7 @@ def test_corrupt_entries_read_as_clear_errors(idle_coordinator: Coordinator) -> 
         with pytest.raises(CorruptError, match=f"Task record {task.id} is corrupt"):
             coord.get_task(task.id)
     finally:  # a corrupt record left behind would (rightly) break other tests' history listings
-        coord.client.delete(*[key for key in coord.store.snapshot() if f"{{{task.root_id}}}" in key])
+        coord.client.delete(*[key for key in coord.store.metrics.snapshot() if f"{{{task.root_id}}}" in key])
         coord.client.zrem(keys.all_tasks(), task.id)
         coord.client.zrem(keys.roots(), task.id)
 
@@ -154,7 +154,7 @@ def test_unknown_ids_and_unreachable_redis(idle_coordinator: Coordinator, settin
 
 def test_keys_live_under_one_hash_tag_per_tree(idle_coordinator: Coordinator) -> None:
     root, _, _ = _tree(idle_coordinator)
-    tree_keys = [k for k in idle_coordinator.store.snapshot() if root.root_id in k]
+    tree_keys = [k for k in idle_coordinator.store.metrics.snapshot() if root.root_id in k]
     prefix = idle_coordinator.settings.key_prefix
     assert tree_keys and all(k.startswith(f"{prefix}:{{{root.root_id}}}:") for k in tree_keys)
     ttls = [idle_coordinator.client.ttl(k) for k in tree_keys]
@@ -175,7 +175,7 @@ def test_a_script_with_bad_json_fails_the_child_with_a_clear_error(coordinator: 
 
 def start(store: Store, task_id: str, limits: AdmissionLimits) -> Started:
     """A run's start (start_run.lua), as a worker makes it, under admission `limits`."""
-    return store.begin_run(task_id, secrets.token_hex(4), 60, 30, limits)
+    return store.runs.begin_run(task_id, secrets.token_hex(4), 60, 30, limits)
 
 
 def test_admission_limits_a_tree_and_starts_the_waiting_in_order(idle_coordinator: Coordinator) -> None:
@@ -190,8 +190,8 @@ def test_admission_limits_a_tree_and_starts_the_waiting_in_order(idle_coordinato
     verdicts = [start(store, t, limits).verdict for t in (a1, a2, b1)]
     assert verdicts == ["run", "run", "wait"], "two tasks of the tree run at once"
     assert start(store, a1, limits).verdict == "leased", "admitted already (idempotent): only its lease is taken"
-    assert store.release_slot(coord.get_task(a1), limits) == [b1], "the first waiting one starts"
-    assert store.in_flight(root.id)["running"] == 2 and store.in_flight(root.id)["admission"] == 0
+    assert store.runs.release_slot(coord.get_task(a1), limits) == [b1], "the first waiting one starts"
+    assert store.runs.in_flight(root.id)["running"] == 2 and store.runs.in_flight(root.id)["admission"] == 0
 
 
 def test_admission_limits_children_of_one_parent(idle_coordinator: Coordinator) -> None:
@@ -201,8 +201,8 @@ def test_admission_limits_children_of_one_parent(idle_coordinator: Coordinator) 
     records = [coord.get_task(c) for c in children]
     limits = AdmissionLimits(per_parent=1)
     assert [start(store, c, limits).verdict for c in children] == ["run", "wait", "wait"]
-    assert store.release_slot(records[0], limits) == [children[1]]
-    assert store.release_slot(records[1], limits) == [children[2]]
+    assert store.runs.release_slot(records[0], limits) == [children[1]]
+    assert store.runs.release_slot(records[1], limits) == [children[2]]
 
 
 def test_a_stagger_spaces_the_starts_of_a_tree(idle_coordinator: Coordinator) -> None:
@@ -218,5 +218,7 @@ def test_a_stagger_spaces_the_starts_of_a_tree(idle_coordinator: Coordinator) ->
     assert started.verdict == "delay" and 400 < started.delay_ms <= 500
     started = start(store, third.id, limits)
     assert started.verdict == "delay" and 900 < started.delay_ms <= 1000, "each start is reserved in turn"
-    assert store.task_field(third.id, "deliveries") is None, "a delayed start took no lease and counted no delivery"
+    assert store.records.task_field(third.id, "deliveries") is None, (
+        "a delayed start took no lease and counted no delivery"
+    )
     assert not coord.client.exists(store.keys.lease(root.root_id, third.id))

@@ -227,7 +227,7 @@ def test_a_submission_whose_first_delivery_died_before_delegating_delegates_once
 def test_an_idempotency_key_sent_by_name_returns_the_first_root(
     producer: Celery, settings: Settings, coordinator: Coordinator
 ) -> None:
-    key = f"order-{coordinator.store.next_numbers(1)}"
+    key = f"order-{coordinator.store.records.next_numbers(1)}"
     first = send(producer, settings, prompt="p", run=False, idempotency_key=key)
     again = send(producer, settings, prompt="p", run=False, idempotency_key=key)
     assert first == again and coordinator.get_task(first["task_id"]).status == TaskStatus.ACTIVE

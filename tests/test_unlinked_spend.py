@@ -15,17 +15,17 @@ from workers.runtime.context import build_runtime
 
 
 def spend(coord: Coordinator, task_id: str, cost_micros: int, tokens_in: int) -> None:
-    coord.store.record_usage(task_id, f"test:{task_id}", Usage(tokens_in=tokens_in), cost_micros, "test")
+    coord.store.runs.record_usage(task_id, f"test:{task_id}", Usage(tokens_in=tokens_in), cost_micros, "test")
 
 
 def finish(coord: Coordinator, task_id: str, batch_id: str) -> None:
-    coord.store.finish_task(task_id, "completed", "done")
+    coord.store.runs.finish_task(task_id, "completed", "done")
     build_runtime(coord.settings, make_app(coord.settings)).lifecycle.settle_batch(batch_id)
 
 
 def assert_plan_adds_up(coord: Coordinator, task_id: str) -> TaskRecord:
     record = coord.get_task(task_id)
-    items = coord.store.get_todos(task_id)
+    items = coord.store.records.get_todos(task_id)
     own_tokens = record.tokens_in + record.tokens_out
     assert (
         sum(i.cost_micros for i in items) + record.unlinked_cost_micros == record.total_cost_micros - record.cost_micros
@@ -49,7 +49,7 @@ def test_a_child_whose_row_was_rewritten_away_is_unlinked_spend(idle_coordinator
 
     record = assert_plan_adds_up(coord, parent.id)
     assert (record.unlinked_cost_micros, record.unlinked_tokens) == (700, 7000)
-    (item,) = coord.store.get_todos(parent.id)
+    (item,) = coord.store.records.get_todos(parent.id)
     assert (item.subtask_id, item.cost_micros) == (c2, 300)
     assert coord.get_task(parent.id).model_dump()["unlinked_cost_micros"] == 700, "the API shows it"
 
@@ -62,7 +62,7 @@ def test_a_child_applied_twice_adds_to_unlinked_spend_once(idle_coordinator: Coo
     c1, _ = batch.child_ids
     coord.update_todos(parent.id, "[ ] B")
     spend(coord, c1, 700, 7000)
-    coord.store.finish_task(c1, "completed", "done")
+    coord.store.runs.finish_task(c1, "completed", "done")
     lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
     for _ in range(3):  # a redelivered callback, the reconciler, the run's own end
         lifecycle.settle_batch(batch.id)
@@ -99,7 +99,7 @@ def test_a_finished_childs_row_rewritten_away_moves_its_figures_to_unlinked_spen
     c1, c2 = batch.child_ids
     spend(coord, c1, 700, 7000)
     finish(coord, c1, batch.id)
-    assert coord.store.get_todos(parent.id)[0].cost_micros == 700
+    assert coord.store.records.get_todos(parent.id)[0].cost_micros == 700
     coord.update_todos(parent.id, "[ ] B")  # c1's row, with its figures, has no row to go to
     record = assert_plan_adds_up(coord, parent.id)
     assert record.unlinked_cost_micros == 700
@@ -114,7 +114,7 @@ def test_a_retried_row_shows_every_childs_spend(idle_coordinator: Coordinator) -
     (a,) = coord.get_todos(parent.id)
     first = coord.delegate(parent.id, [subtask("A", reply("a"), todo_id=a.id)])
     spend(coord, first.child_ids[0], 700, 7000)
-    coord.store.finish_task(first.child_ids[0], "failed", error="try again")
+    coord.store.runs.finish_task(first.child_ids[0], "failed", error="try again")
     build_runtime(coord.settings, make_app(coord.settings)).lifecycle.settle_batch(first.id)
     second = coord.delegate(parent.id, [subtask("A again", reply("a"), todo_id=a.id)])
     (item,) = coord.get_todos(parent.id)  # live: the second child has spent nothing yet
@@ -126,7 +126,7 @@ def test_a_retried_row_shows_every_childs_spend(idle_coordinator: Coordinator) -
     spend(coord, second.child_ids[0], 300, 3000)
     assert coord.get_todos(parent.id)[0].cost_micros == 1000, "live: prior plus the running child's"
     finish(coord, second.child_ids[0], second.id)
-    (item,) = coord.store.get_todos(parent.id)
+    (item,) = coord.store.records.get_todos(parent.id)
     assert (item.cost_micros, item.tokens, item.status.value) == (1000, 10_000, "completed")
     assert_plan_adds_up(coord, parent.id)
 
@@ -141,6 +141,6 @@ def test_a_rewrite_that_drops_a_linked_row_moves_its_child_to_the_next_free_row(
     coord.update_todos(parent.id, "[ ] B")
     spend(coord, c1, 700, 7000)
     finish(coord, c1, batch.id)
-    (row,) = coord.store.get_todos(parent.id)
+    (row,) = coord.store.records.get_todos(parent.id)
     assert (row.content, row.subtask_id, row.cost_micros, row.tokens) == ("B", c1, 700, 7000)
     assert assert_plan_adds_up(coord, parent.id).unlinked_cost_micros == 0

@@ -5,31 +5,51 @@ todo updates are WATCH/MULTI transactions (validation runs on the watched
 state, so a concurrent change retries it); usage roll-up, the write-back of
 children, closing a batch, admission and status transitions are Lua scripts
 from `lua/`, loaded once and registered once per client. Redis errors become
-`StoreError` in one place. `Store` is one object made of one mixin per concern:
+`StoreError` in one place.
 
-| module          | concern                                                                   |
-|-----------------|---------------------------------------------------------------------------|
-| `keys.py`       | every Redis key (its docstring lists them with types and lifetimes)       |
-| `fields.py`     | every field name of the task, batch, approval and histogram hashes        |
-| `base.py`       | shared plumbing: error translation, casts, scripts, record encode/decode, |
-|                 | the WATCH/MULTI transaction helper, the todo-list and history writes      |
-| `records.py`    | task records and their reads: fields, children, todos, messages, history  |
-| `delegation.py` | todo updates, the delegation commit, batches, write-back, subtree stops   |
-| `runs.py`       | a run's state: deliveries, leases, claims, usage, budgets, admission,     |
-|                 | rate limits, the terminal status                                          |
-| `approvals.py`  | approvals and their once-only decision                                    |
-| `convergence.py`| the due list, timers, run-lease renewal and heartbeats, the reconciler's  |
-|                 | leader lease, repair counts                                               |
-| `events.py`     | a tree's event stream and live status                                     |
-| `metrics.py`    | the model-latency histogram, and the whole-prefix snapshot for tests      |
-| `deadletters.py`| the dead-letter list: messages no worker could decode or validate        |
-| `lua/*.lua`     | the atomic steps, each documenting its KEYS and ARGV                      |
+`Store` is a set of named parts, built once on one shared core (`StoreCore`:
+the client, the keys, the retention and the registered scripts) and handed to
+the rooms through the plane; every call names its part, as
+`plane.store.records.get_task(task_id)`. No part inherits another: a part that
+reads through another is handed it (`RunStore(core, records)`).
+
+| part                 | class              | module           | concern                                                   |
+|----------------------|--------------------|------------------|-----------------------------------------------------------|
+| `store.records`      | `RecordStore`      | `records.py`     | task records and their reads: fields, children, todos,    |
+|                      |                    |                  | messages, conversation, history numbers and indexes       |
+| `store.runs`         | `RunStore`         | `runs.py`        | a run's state: deliveries, leases, claims, usage,         |
+|                      |                    |                  | budgets, admission, rate limits, the terminal status      |
+|                      |                    |                  | (reads through `store.records`)                           |
+| `store.batches`      | `DelegationStore`  | `delegation.py`  | todo updates, the delegation commit, batches, write-back, |
+|                      |                    |                  | subtree stops                                             |
+| `store.approvals`    | `ApprovalStore`    | `approvals.py`   | approvals and their once-only decision                    |
+| `store.convergence`  | `ConvergenceStore` | `convergence.py` | the due list, timers, run-lease renewal and heartbeats,   |
+|                      |                    |                  | the reconciler's leader lease, repair counts              |
+| `store.events`       | `EventStore`       | `events.py`      | a tree's event stream and live status                     |
+| `store.metrics`      | `MetricStore`      | `metrics.py`     | the model-latency histogram, the fleet's gauges, and the  |
+|                      |                    |                  | whole-prefix snapshot for tests                           |
+| `store.dead_letters` | `DeadLetterStore`  | `deadletters.py` | the dead-letter list: messages no worker could decode or  |
+|                      |                    |                  | validate                                                  |
+| `store.sessions`     | `WebSessions`      | `sessions.py`    | the web view's sign-in sessions                           |
+
+and the modules the parts share:
+
+| module     | what                                                                             |
+|------------|----------------------------------------------------------------------------------|
+| `keys.py`  | every Redis key (its docstring lists them with types and lifetimes)              |
+| `fields.py`| every field name of the task, batch, approval and histogram hashes               |
+| `base.py`  | shared plumbing: error translation, casts, `Scripts`, `StoreCore` (the client,   |
+|            | keys, retention and scripts; the WATCH/MULTI transaction helper, the todo-list   |
+|            | and history writes), `Part`, record encode/decode                                |
+| `lua/*.lua`| the atomic steps, each documenting its KEYS and ARGV                             |
 """
 
 from __future__ import annotations
 
+import redis
+
 from coordinator.store.approvals import ApprovalStore
-from coordinator.store.base import EVENTS_MAXLEN, translate_redis_errors
+from coordinator.store.base import EVENTS_MAXLEN, StoreCore, translate_redis_errors
 from coordinator.store.convergence import ConvergenceStore
 from coordinator.store.deadletters import DeadLetterStore
 from coordinator.store.delegation import DelegationStore
@@ -38,15 +58,30 @@ from coordinator.store.keys import Keys
 from coordinator.store.metrics import LATENCY_BUCKETS_MS, FleetGauges, MetricStore
 from coordinator.store.records import RecordStore
 from coordinator.store.runs import RunStore
+from coordinator.store.sessions import WebSessions
 
 __all__ = ["EVENTS_MAXLEN", "LATENCY_BUCKETS_MS", "FleetGauges", "Keys", "Store", "translate_redis_errors"]
 
 
-class Store(
-    RunStore, DelegationStore, ApprovalStore, ConvergenceStore, EventStore, MetricStore, RecordStore, DeadLetterStore
-):
+class Store:
     """subq state in Redis, for one key prefix: `Store(client, keys, retention_s)`.
 
-    Every method of the concern mixins above, on one object (`coord.store`);
-    `RunStore` builds on `RecordStore`, the others only on `StoreBase`.
+    A plain object of named parts (the table above), each built once on one core;
+    `client`, `keys` and `retention_s` are the core's, for tests and tools that read Redis
+    beside the store.
     """
+
+    def __init__(self, client: redis.Redis, keys: Keys, retention_s: int) -> None:
+        self.core = core = StoreCore(client, keys, retention_s)
+        self.client = client
+        self.keys = keys
+        self.retention_s = retention_s
+        self.records = RecordStore(core)
+        self.runs = RunStore(core, self.records)
+        self.batches = DelegationStore(core)
+        self.approvals = ApprovalStore(core)
+        self.convergence = ConvergenceStore(core)
+        self.events = EventStore(core)
+        self.metrics = MetricStore(core)
+        self.dead_letters = DeadLetterStore(core)
+        self.sessions = WebSessions(core)

@@ -11,8 +11,8 @@ from coordinator.ids import root_of
 from coordinator.models import Approval
 from coordinator.store.base import (
     EVENTS_MAXLEN,
+    Part,
     ScriptArg,
-    StoreBase,
     _encode_record,
     _str_map,
     _strs,
@@ -23,7 +23,7 @@ from coordinator.store.fields import APPROVAL_OPTIONAL_FIELDS, ApprovalField
 __all__ = ["ApprovalStore"]
 
 
-class ApprovalStore(StoreBase):
+class ApprovalStore(Part):
     """Approval records, the fleet-wide pending list, and deciding one atomically."""
 
     @translate_redis_errors
@@ -55,4 +55,4 @@ class ApprovalStore(StoreBase):
         root = root_of(approval_id)
         keys = [self.keys.approval(root, approval_id), self.keys.approvals(), self.keys.events(root)]
         args: list[ScriptArg] = [approval_id, status, feedback, time.time(), EVENTS_MAXLEN]
-        return str(self._decide(keys=keys, args=args))
+        return str(self.scripts.decide(keys=keys, args=args))

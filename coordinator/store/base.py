@@ -1,9 +1,11 @@
-"""Plumbing shared by the store's concerns: errors, casts, scripts, records, transactions.
+"""Plumbing shared by the store's parts: errors, casts, scripts, records, transactions.
 
 Redis errors are translated into `StoreError` here, in one place
-(`translate_redis_errors`). `StoreBase` holds the client, the keys, the
-retention and every Lua script of `lua/`, loaded once and registered once per
-client; the concern mixins of this package build on it.
+(`translate_redis_errors`). `StoreCore` holds the client, the keys, the
+retention and `Scripts`, every Lua script of `lua/`, loaded once and registered
+once per client, and the writes several parts share (the WATCH/MULTI
+transaction, a todo list's replacement, the history indexes). Each part of the
+package is a `Part`: it is built on the one core, not on another part.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from coordinator.models import TaskRecord, TodoItem
 from coordinator.store.fields import INT_FIELDS, OPTIONAL_FIELDS, TaskField
 from coordinator.store.keys import Keys
 
-__all__ = ["EVENTS_MAXLEN", "StoreBase", "translate_redis_errors"]
+__all__ = ["EVENTS_MAXLEN", "Part", "Scripts", "StoreCore", "translate_redis_errors"]
 
 # Enough history for a live view to catch up after a short disconnect, small
 # enough that a busy tree's stream stays a few MB (XADD MAXLEN ~).
@@ -117,38 +119,51 @@ def _decode_record(raw: dict[str, str], child_ids: list[str], awaiting_ids: list
         raise CorruptError(f"Task record {raw.get(TaskField.ID, '?')} is corrupt: {exc}") from None
 
 
-class StoreBase:
-    """The client, keys and retention of one key prefix, and the registered Lua scripts."""
+class Scripts:
+    """Every Lua script of `lua/`, loaded once and registered on one client.
 
-    def __init__(self, client: redis.Redis, keys: Keys, retention_s: int) -> None:
-        self.client = client
-        self.keys = keys
-        self.retention_s = retention_s
-        self._record_usage = client.register_script(_load_script("record_usage.lua"))
-        self._finish_task = client.register_script(_load_script("finish_task.lua"))
-        self._apply_children = client.register_script(_load_script("apply_children.lua"))
-        self._close_batch = client.register_script(_load_script("close_batch.lua", "finish_batch.lua"))
-        self._settle_child = client.register_script(
+    A part calls one as `self.scripts.end_run(keys=..., args=...)`; the attribute is
+    the script's file name, and a script that `uses` others has them inlined.
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.record_usage = client.register_script(_load_script("record_usage.lua"))
+        self.finish_task = client.register_script(_load_script("finish_task.lua"))
+        self.apply_children = client.register_script(_load_script("apply_children.lua"))
+        self.close_batch = client.register_script(_load_script("close_batch.lua", "finish_batch.lua"))
+        self.settle_child = client.register_script(
             _load_script("settle_child.lua", "apply_children.lua", "finish_batch.lua", "close_batch.lua")
         )
-        self._start_run = client.register_script(_load_script("start_run.lua", "admit.lua"))
-        self._flush_run = client.register_script(_load_script("flush_run.lua", "record_usage.lua"))
-        self._end_run = client.register_script(
+        self.start_run = client.register_script(_load_script("start_run.lua", "admit.lua"))
+        self.flush_run = client.register_script(_load_script("flush_run.lua", "record_usage.lua"))
+        self.end_run = client.register_script(
             _load_script(
                 "end_run.lua", "record_usage.lua", "flush_run.lua", "finish_task.lua", "release_lease.lua",
                 "apply_children.lua", "finish_batch.lua", "close_batch.lua", "settle_child.lua", "release_slot.lua",
             )
         )  # fmt: skip
-        self._stop_tasks = client.register_script(_load_script("stop_tasks.lua"))
-        self._release_slot = client.register_script(_load_script("release_slot.lua"))
-        self._rate_limit = client.register_script(_load_script("rate_limit.lua"))
-        self._decide = client.register_script(_load_script("decide.lua"))
-        self._release_lease = client.register_script(_load_script("release_lease.lua"))
-        self._renew_leases = client.register_script(_load_script("renew_leases.lua"))
-        self._lead = client.register_script(_load_script("lead.lua"))
-        self._append_if_leased = client.register_script(_load_script("append_if_leased.lua"))
+        self.stop_tasks = client.register_script(_load_script("stop_tasks.lua"))
+        self.release_slot = client.register_script(_load_script("release_slot.lua"))
+        self.rate_limit = client.register_script(_load_script("rate_limit.lua"))
+        self.decide = client.register_script(_load_script("decide.lua"))
+        self.release_lease = client.register_script(_load_script("release_lease.lua"))
+        self.renew_leases = client.register_script(_load_script("renew_leases.lua"))
+        self.lead = client.register_script(_load_script("lead.lua"))
+        self.append_if_leased = client.register_script(_load_script("append_if_leased.lua"))
+        self.unwatch = client.register_script(_load_script("unwatch.lua"))
 
-    def _transaction(self, watched: Sequence[str], body: Callable[[Pipeline], T]) -> T:
+
+class StoreCore:
+    """What every part of the store shares: the client, keys and retention of one key prefix,
+    the registered scripts (built once, here), and the writes several parts make the same way."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, retention_s: int) -> None:
+        self.client = client
+        self.keys = keys
+        self.retention_s = retention_s
+        self.scripts = Scripts(client)
+
+    def transaction(self, watched: Sequence[str], body: Callable[[Pipeline], T]) -> T:
         """Run `body` on a pipeline watching `watched`, again while another client changes them.
 
         `body` reads (immediate mode), validates, then calls `pipe.multi()` and
@@ -164,13 +179,13 @@ class StoreBase:
                     continue
         raise ConflictError("The task kept changing while subq tried to update it; try again")
 
-    def _write_todos(self, pipe: Pipeline, key: str, items: Sequence[TodoItem]) -> None:
+    def write_todos(self, pipe: Pipeline, key: str, items: Sequence[TodoItem]) -> None:
         """Queue the replacement of a todo list (in the caller's transaction)."""
         pipe.delete(key)
         pipe.hset(key, mapping=cast(HashMapping, todo_lists.to_hash(items)))
         pipe.expire(key, self.retention_s)
 
-    def _index(self, records: Sequence[TaskRecord], *, root: bool = False) -> None:
+    def index(self, records: Sequence[TaskRecord], *, root: bool = False) -> None:
         """The history indexes, outside any tree's slot, so written apart from the tree's commit."""
         with self.client.pipeline(transaction=False) as pipe:
             pipe.zadd(self.keys.all_tasks(), {r.id: r.created_at for r in records})
@@ -180,3 +195,15 @@ class StoreBase:
             pipe.zremrangebyscore(self.keys.all_tasks(), "-inf", cutoff)
             pipe.zremrangebyscore(self.keys.roots(), "-inf", cutoff)
             pipe.execute()
+
+
+class Part:
+    """One part of the store (`store.records`, `store.runs`, ...): the core's client, keys,
+    retention and scripts at hand. A part that reads through another is handed it explicitly."""
+
+    def __init__(self, core: StoreCore) -> None:
+        self.core = core
+        self.client = core.client
+        self.keys = core.keys
+        self.retention_s = core.retention_s
+        self.scripts = core.scripts

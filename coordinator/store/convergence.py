@@ -15,16 +15,13 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, cast
 
-from redis.commands.core import Script
-
 from coordinator.ids import root_of, task_of_run_id
-from coordinator.store.base import ScriptArg, StoreBase, _load_script, _str_map, _strs, translate_redis_errors
+from coordinator.store.base import Part, ScriptArg, _str_map, _strs, translate_redis_errors
 from coordinator.store.fields import TaskField
 
 __all__ = ["QUEUE_SCAN_LIMIT", "ConvergenceStore", "Triage"]
@@ -45,7 +42,7 @@ class Triage(NamedTuple):
     leased: bool
 
 
-class ConvergenceStore(StoreBase):
+class ConvergenceStore(Part):
     """The due list and timers, run leases and heartbeats, the reconciler's leader lease, repairs."""
 
     # -- the due list ------------------------------------------------------------------
@@ -73,11 +70,7 @@ class ConvergenceStore(StoreBase):
             keys = [self.keys.due()]
             for task_id in task_ids:
                 keys += [self.keys.lease(root_of(task_id), task_id), self.keys.task(root_of(task_id), task_id)]
-            self._unwatch(keys=keys, args=[while_status, *task_ids])
-
-    @functools.cached_property
-    def _unwatch(self) -> Script:
-        return self.client.register_script(_load_script("unwatch.lua"))
+            self.scripts.unwatch(keys=keys, args=[while_status, *task_ids])
 
     @translate_redis_errors
     def due_tasks(self, limit: int) -> list[str]:
@@ -164,7 +157,7 @@ class ConvergenceStore(StoreBase):
             return []
         keys = [self.keys.lease(root_of(task_id), task_id) for task_id, _ in leases]
         args: list[ScriptArg] = [int(ttl_s * 1000), *(token for _, token in leases)]
-        lost = self._renew_leases(keys=keys, args=args)
+        lost = self.scripts.renew_leases(keys=keys, args=args)
         return [leases[int(i) - 1][0] for i in lost]
 
     @translate_redis_errors
@@ -180,7 +173,7 @@ class ConvergenceStore(StoreBase):
     @translate_redis_errors
     def lead(self, candidate: str, ttl_s: float) -> bool:
         """Take or keep the reconciler's leader lease; True while `candidate` leads."""
-        return bool(self._lead(keys=[self.keys.leader()], args=[candidate, int(ttl_s * 1000)]))
+        return bool(self.scripts.lead(keys=[self.keys.leader()], args=[candidate, int(ttl_s * 1000)]))
 
     @translate_redis_errors
     def leader(self) -> str | None:

@@ -8,12 +8,12 @@ import pydantic
 
 from coordinator.deadletters import MAX_DEAD_LETTERS, DeadLetter
 from coordinator.errors import CorruptError
-from coordinator.store.base import StoreBase, _strs, translate_redis_errors
+from coordinator.store.base import Part, _strs, translate_redis_errors
 
 __all__ = ["DeadLetterStore"]
 
 
-class DeadLetterStore(StoreBase):
+class DeadLetterStore(Part):
     """Add, list, count and purge dead letters (`<prefix>:dead-letters`, capped at MAX_DEAD_LETTERS)."""
 
     @translate_redis_errors

@@ -20,8 +20,8 @@ from coordinator.ids import root_of
 from coordinator.models import Batch, BatchRef, TaskRecord, TaskStatus, TodoItem
 from coordinator.store.base import (
     EVENTS_MAXLEN,
+    Part,
     ScriptArg,
-    StoreBase,
     _decode_record,
     _encode_record,
     _str_map,
@@ -34,7 +34,7 @@ from coordinator.todo_links import Merged
 __all__ = ["DelegationStore"]
 
 
-class DelegationStore(StoreBase):
+class DelegationStore(Part):
     """Todo updates, delegation commits, batches and their write-back, subtree stops."""
 
     # -- transactions ------------------------------------------------------------------
@@ -54,7 +54,7 @@ class DelegationStore(StoreBase):
             record, old = self._read_watched(pipe, task_id)
             merged = change(record, old)
             pipe.multi()
-            self._write_todos(pipe, todos_key, merged.items)
+            self.core.write_todos(pipe, todos_key, merged.items)
             if merged.orphans:
                 pipe.hincrby(task_key, TaskField.UNLINKED_TOKENS, sum(o.tokens for o in merged.orphans))
                 pipe.hincrby(task_key, TaskField.UNLINKED_COST_MICROS, sum(o.cost_micros for o in merged.orphans))
@@ -63,7 +63,7 @@ class DelegationStore(StoreBase):
             pipe.execute()
             return merged.items
 
-        return self._transaction([task_key, todos_key], body)
+        return self.core.transaction([task_key, todos_key], body)
 
     @translate_redis_errors
     def commit_delegation(
@@ -123,7 +123,7 @@ class DelegationStore(StoreBase):
                 },
             )
             pipe.hincrby(parent_key, TaskField.TODOS_VERSION, 1)
-            self._write_todos(pipe, todos_key, new_todos)
+            self.core.write_todos(pipe, todos_key, new_todos)
             pipe.xadd(
                 k.events(root),
                 {"type": "delegated", "task_id": parent_id, "batch_id": batch.id, "children": len(ids)},
@@ -134,8 +134,8 @@ class DelegationStore(StoreBase):
             pipe.execute()
             return batch, children
 
-        batch, children = self._transaction([parent_key, todos_key], body)
-        self._index(children)
+        batch, children = self.core.transaction([parent_key, todos_key], body)
+        self.core.index(children)
         return batch, children
 
     def _read_watched(self, pipe: Pipeline, task_id: str) -> tuple[TaskRecord, list[TodoItem]]:
@@ -195,7 +195,7 @@ class DelegationStore(StoreBase):
             *(k.task(root, c) for c in child_ids),
         ]  # fmt: skip
         args: list[ScriptArg] = [time.time(), self.retention_s, EVENTS_MAXLEN, *child_ids]
-        return int(self._apply_children(keys=keys, args=args))
+        return int(self.scripts.apply_children(keys=keys, args=args))
 
     @translate_redis_errors
     def settle_child(self, batch_id: str, child: TaskRecord, resume_grace_s: float) -> tuple[str, int, bool]:
@@ -212,7 +212,7 @@ class DelegationStore(StoreBase):
             k.ui_messages(root, parent), k.due(),
         ]  # fmt: skip
         args: list[ScriptArg] = [time.time(), self.retention_s, EVENTS_MAXLEN, child.id, resume_grace_s, ""]
-        mode, resumes, resume = self._settle_child(keys=keys, args=args)
+        mode, resumes, resume = self.scripts.settle_child(keys=keys, args=args)
         if not mode:
             raise NotFoundError(f"Unknown batch: {batch_id}", field="batch_id")
         return str(mode), int(resumes), bool(int(resume))
@@ -231,7 +231,7 @@ class DelegationStore(StoreBase):
             k.todos(root, batch.parent_id),
         ]  # fmt: skip
         args: list[ScriptArg] = [time.time(), self.retention_s, EVENTS_MAXLEN, resume_grace_s]
-        resumes, resume = self._close_batch(keys=keys, args=args)
+        resumes, resume = self.scripts.close_batch(keys=keys, args=args)
         return int(resumes), bool(resume)
 
     # -- stopping a subtree ------------------------------------------------------------
@@ -256,7 +256,7 @@ class DelegationStore(StoreBase):
         args: list[ScriptArg] = [
             top_status, status, top_error, error, top_class, error_class, time.time(), self.retention_s, EVENTS_MAXLEN,
         ]  # fmt: skip
-        stopped = _strs(self._stop_tasks(keys=keys, args=args))
+        stopped = _strs(self.scripts.stop_tasks(keys=keys, args=args))
         if stopped:
             # After the stop is persisted, so a watch that sees the count move reads the new
             # statuses. Outside the script: the counter is not of this tree's cluster slot. A

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from coordinator.models import TaskRecord, live_status
-from coordinator.store.base import EVENTS_MAXLEN, StoreBase, _str_map, translate_redis_errors
+from coordinator.store.base import EVENTS_MAXLEN, Part, _str_map, translate_redis_errors
 
 __all__ = ["EventStore"]
 
@@ -21,7 +21,7 @@ QUIET_EVENTS = frozenset({"child_applied", "live"})
 WAIT_READ_EVERY_S = 0.01
 
 
-class EventStore(StoreBase):
+class EventStore(Part):
     """Reading (and blocking on) a tree's event stream; publishing and reading live status."""
 
     @translate_redis_errors

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from coordinator.store.base import StoreBase, _str_map, _strs, translate_redis_errors
+from coordinator.store.base import Part, _str_map, _strs, translate_redis_errors
 from coordinator.store.fields import LatencyField
 
 __all__ = ["LATENCY_BUCKETS_MS", "FleetGauges", "MetricStore", "cumulative", "latency_bucket"]
@@ -43,7 +43,7 @@ class FleetGauges(NamedTuple):
     dead_letters: int
 
 
-class MetricStore(StoreBase):
+class MetricStore(Part):
     """The latency histogram, and a content snapshot of every key of the prefix."""
 
     @translate_redis_errors

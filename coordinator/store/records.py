@@ -14,8 +14,8 @@ from coordinator.errors import CorruptError, NotFoundError
 from coordinator.ids import root_of
 from coordinator.models import TaskRecord, TodoItem
 from coordinator.store.base import (
+    Part,
     ScriptArg,
-    StoreBase,
     _decode_record,
     _encode_record,
     _str_map,
@@ -27,7 +27,7 @@ from coordinator.store.fields import TaskField
 __all__ = ["RecordStore"]
 
 
-class RecordStore(StoreBase):
+class RecordStore(Part):
     """Reads and plain writes of task records, their todo lists, messages and the history indexes."""
 
     # -- one task ----------------------------------------------------------------------
@@ -166,15 +166,15 @@ class RecordStore(StoreBase):
             pipe.multi()
             pipe.hset(task_key, mapping={**fields, TaskField.TODOS_VERSION: 0})
             pipe.expire(task_key, self.retention_s)
-            self._write_todos(pipe, todos_key, todos)
+            self.core.write_todos(pipe, todos_key, todos)
             pipe.zadd(self.keys.tree_tasks(root), {record.id: record.created_at})
             pipe.expire(self.keys.tree_tasks(root), self.retention_s)
             pipe.execute()
             return True
 
-        if not self._transaction([task_key], body):
+        if not self.core.transaction([task_key], body):
             return False
-        self._index([record], root=True)
+        self.core.index([record], root=True)
         return True
 
     @translate_redis_errors
@@ -231,7 +231,7 @@ class RecordStore(StoreBase):
         key = self.keys.conversation(root, task_id)
         if lease_token is not None:
             args: list[ScriptArg] = [lease_token, self.retention_s, *entries]
-            return bool(self._append_if_leased(keys=[self.keys.lease(root, task_id), key], args=args))
+            return bool(self.scripts.append_if_leased(keys=[self.keys.lease(root, task_id), key], args=args))
         with self.client.pipeline(transaction=True) as pipe:
             pipe.rpush(key, *entries)
             pipe.expire(key, self.retention_s)

@@ -13,7 +13,15 @@ from typing import Any
 from coordinator.errors import NotFoundError
 from coordinator.ids import root_of
 from coordinator.models import AdmissionLimits, RunWrites, TaskRecord, Usage
-from coordinator.store.base import EVENTS_MAXLEN, ScriptArg, _decode_record, _strs, translate_redis_errors
+from coordinator.store.base import (
+    EVENTS_MAXLEN,
+    Part,
+    ScriptArg,
+    StoreCore,
+    _decode_record,
+    _strs,
+    translate_redis_errors,
+)
 from coordinator.store.fields import TaskField
 from coordinator.store.metrics import latency_bucket
 from coordinator.store.records import RecordStore
@@ -71,12 +79,16 @@ class Ending:
     admitted: list[str] = field(default_factory=list)  # waiting tasks given the freed slot: publish their runs
 
 
-class RunStore(RecordStore):
+class RunStore(Part):
     """What one run of a task reads and writes, from its start to its terminal status.
 
-    It builds on `RecordStore`: the usage roll-up reads the ancestors, a freed slot
-    reads the waiting records, and the in-flight figures walk the tree's tasks.
+    It reads through the records part it is handed (`RunStore(core, records)`): the usage
+    roll-up reads the ancestors, and the in-flight figures walk the tree's tasks.
     """
+
+    def __init__(self, core: StoreCore, records: RecordStore) -> None:
+        super().__init__(core)
+        self.records = records
 
     # -- a run's hot path: start, steps, end, one round trip each -----------------------
 
@@ -97,7 +109,7 @@ class RunStore(RecordStore):
             limits.per_parent, limits.per_tree, limits.stagger_ms, int(now * 1000), self.retention_s,
             k.running_children(root, ""),
         ]  # fmt: skip
-        verdict, raw, counts, conversation = self._start_run(keys=keys, args=args)
+        verdict, raw, counts, conversation = self.scripts.start_run(keys=keys, args=args)
         if verdict == "missing":
             raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
         fields = dict(zip(raw[0::2], raw[1::2], strict=True))
@@ -121,7 +133,7 @@ class RunStore(RecordStore):
         """Write a run's step (flush_run.lua): (still leased, the task's status, the topmost budget reached)."""
         keys = self._run_keys(record) + [self.keys.task(record.root_id, a) for a in reversed(record.ancestors)]
         args: list[ScriptArg] = [token, self.retention_s, time.time(), EVENTS_MAXLEN, 0, *_writes_args(writes)]
-        reply = self._flush_run(keys=keys, args=args)
+        reply = self.scripts.flush_run(keys=keys, args=args)
         if int(reply[0]) == 0:
             return False, "", None
         return True, str(reply[1]), str(reply[2]) or None
@@ -167,7 +179,7 @@ class RunStore(RecordStore):
             int(stop_on_budget), int(admitted), limits.per_parent, limits.per_tree, k.task(root, ""),
             k.running_children(root, ""), ADMISSION_SCAN, *_writes_args(writes),
         ]  # fmt: skip
-        reply: list[Any] = self._end_run(keys=keys, args=args)
+        reply: list[Any] = self.scripts.end_run(keys=keys, args=args)
         if reply[0] != "ended":
             return Ending(str(reply[0]), holder=str(reply[1]) if len(reply) > 1 else None)
         (
@@ -202,7 +214,7 @@ class RunStore(RecordStore):
 
     @translate_redis_errors
     def release_lease(self, task_id: str, token: str) -> None:
-        self._release_lease(keys=[self.keys.lease(root_of(task_id), task_id)], args=[token])
+        self.scripts.release_lease(keys=[self.keys.lease(root_of(task_id), task_id)], args=[token])
 
     @translate_redis_errors
     def claim_resume(self, task_id: str, reason_id: str) -> bool:
@@ -261,13 +273,13 @@ class RunStore(RecordStore):
         """
         root = root_of(task_id)
         if ancestors is None:
-            ancestors = self.ancestors(task_id)
+            ancestors = self.records.ancestors(task_id)
         keys = [self.keys.task(root, task_id), *(self.keys.task(root, a) for a in reversed(ancestors))]
         args: list[ScriptArg] = [
             request_key, usage.tokens_in, usage.tokens_out, usage.cache_reads, usage.cache_writes,
             cost_micros, cost_source, time.time(), self.retention_s,
         ]  # fmt: skip
-        recorded, exhausted = self._record_usage(keys=keys, args=args)
+        recorded, exhausted = self.scripts.record_usage(keys=keys, args=args)
         return int(recorded), (str(exhausted) or None)
 
     @translate_redis_errors
@@ -296,7 +308,7 @@ class RunStore(RecordStore):
         root = root_of(task_id)
         keys = [self.keys.task(root, task_id), self.keys.events(root), self.keys.live(root)]
         args: list[ScriptArg] = [status, summary, error, error_class, time.time(), self.retention_s, EVENTS_MAXLEN]
-        result = self._finish_task(keys=keys, args=args)
+        result = self.scripts.finish_task(keys=keys, args=args)
         if result is None:
             raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
         return str(result)
@@ -312,7 +324,7 @@ class RunStore(RecordStore):
             record.id, limits.per_parent, limits.per_tree, self.retention_s, k.task(root, ""),
             k.running_children(root, ""), ADMISSION_SCAN,
         ]  # fmt: skip
-        return _strs(self._release_slot(keys=keys, args=args))
+        return _strs(self.scripts.release_slot(keys=keys, args=args))
 
     @translate_redis_errors
     def in_flight(self, root_id: str) -> dict[str, int]:
@@ -321,7 +333,7 @@ class RunStore(RecordStore):
         with self.client.pipeline(transaction=False) as pipe:
             pipe.scard(k.running(root_id))
             pipe.llen(k.admission(root_id))
-            task_ids = self.tree_task_ids(root_id)
+            task_ids = self.records.tree_task_ids(root_id)
             for task_id in task_ids:
                 pipe.scard(k.awaiting(root_id, task_id))
                 pipe.exists(k.lease(root_id, task_id))
@@ -334,4 +346,6 @@ class RunStore(RecordStore):
     def wait_for_rate(self, provider: str, rpm: int) -> int:
         """0 when a request to `provider` may start now (and is counted), else the ms to wait."""
         member = f"{time.time_ns()}-{os.getpid()}-{threading.get_ident()}"
-        return int(self._rate_limit(keys=[self.keys.rate(provider)], args=[rpm, int(time.time() * 1000), member]))
+        return int(
+            self.scripts.rate_limit(keys=[self.keys.rate(provider)], args=[rpm, int(time.time() * 1000), member])
+        )

@@ -1,7 +1,7 @@
 """The web view's sign-in sessions: one random id per sign-in, held server-side.
 
-A part of its own, not a mixin of `Store`: only the web view uses it, and it
-takes just the client and the keys. The cookie carries the session id; Redis
+The store's `sessions` part: only the web view uses it (as `Coordinator.sessions`),
+and it reads only the client and the keys. The cookie carries the session id; Redis
 keeps only its SHA-256 (someone who can read Redis cannot sign in with what
 they read) and, as the value, the fingerprint of the API token the session was
 made with, so a changed SUBQ_API_TOKEN revokes every session at once.
@@ -12,10 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-import redis
-
-from coordinator.store.base import translate_redis_errors
-from coordinator.store.keys import Keys
+from coordinator.store.base import Part, translate_redis_errors
 
 __all__ = ["WebSessions"]
 
@@ -24,12 +21,8 @@ def _id_hash(session_id: str) -> str:
     return hashlib.sha256(session_id.encode()).hexdigest()
 
 
-class WebSessions:
-    """Sign-in sessions in Redis: `WebSessions(client, keys)`."""
-
-    def __init__(self, client: redis.Redis, keys: Keys) -> None:
-        self.client = client
-        self.keys = keys
+class WebSessions(Part):
+    """Sign-in sessions in Redis: `store.sessions`, `WebSessions(core)`."""
 
     @translate_redis_errors
     def open(self, session_id: str, fingerprint: str, max_age_s: int) -> None:
