@@ -228,7 +228,9 @@ def test_approvals_from_the_page(
     # A refusal by the server is shown as the server said it: a cancel with an empty reason.
     page.once("dialog", _accept_with(""))
     page.locator(f"#task-{root} > .task-head button.cancel").click()
-    expect(page.locator("#action-error")).to_contain_text("Refused (422 invalid_input): reason must be a non-empty string")
+    expect(page.locator("#action-error")).to_contain_text(
+        "Refused (422 invalid_input): reason must be a non-empty string"
+    )
     assert live_http.get(f"/v1/tasks/{root}").json()["status"] != "cancelled"
 
     # A dismissed confirmation sends nothing.

@@ -55,7 +55,7 @@ CANCELLED_PREFIX = "cancelled: "
 def _cancelled_below(node: TreeNode, task_id: str) -> int:
     """Descendants this cancel stopped: not those that had ended, nor those an earlier cancel stopped."""
     from coordinator.models import TaskStatus
-    from coordinator.render import walk
+    from coordinator.tree import walk
 
     stopped_by = f"cancelled with {task_id}: "
     return sum(

@@ -18,8 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from coordinator.models import Approval, LiveState, TaskStatus, format_usd
-from coordinator.render import MARKS
-from coordinator.tree import TreeNode
+from coordinator.tree import MARKS, TreeNode
 
 __all__ = ["task_status", "tree_view"]
 

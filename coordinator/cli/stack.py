@@ -16,7 +16,7 @@ import typer
 
 from coordinator.cli.common import Host, Port, settings_of
 from coordinator.errors import ConfigError, ValidationError
-from coordinator.local.defaults import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST
+from coordinator.local import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST
 
 __all__ = ["api", "demo", "flower", "up", "worker"]
 

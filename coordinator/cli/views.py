@@ -1,7 +1,7 @@
 """What the read commands print, and `subq run --follow`'s live view.
 
 The commands import this module when they run: it loads the pydantic models
-(coordinator.models, coordinator.render), which `subq --help` does without.
+(coordinator.models, coordinator.tree), which `subq --help` does without.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from coordinator.cli.backend import watch as open_watch
 from coordinator.cli.common import say
 from coordinator.deadletters import DeadLetter
 from coordinator.models import MICROS_PER_USD, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem, format_usd
-from coordinator.render import MARKS, cut, describe, render_tree, walk
+from coordinator.tree import MARKS, cut, describe, render_tree, walk
 
 if TYPE_CHECKING:
     from coordinator.cli.backend import Watch

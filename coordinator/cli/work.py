@@ -108,7 +108,7 @@ def todos(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> N
 
 def tree(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> None:
     """Show a task and its whole subtree: every todo item's status, tokens and cost, own/total per task."""
-    from coordinator.render import render_tree
+    from coordinator.tree import render_tree
 
     with connect(ctx) as coord:
         node = coord.tree(task_id)

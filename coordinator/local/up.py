@@ -37,7 +37,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 from coordinator.errors import ConfigError, FleetError, StoreError, ValidationError
-from coordinator.local.defaults import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST
+from coordinator.local import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST
 from coordinator.local.embedded_redis import local_redis
 from coordinator.local.fleet import WorkerFleet, settings_env
 from coordinator.settings import Settings
