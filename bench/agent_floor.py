@@ -28,8 +28,10 @@ from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart  # noqa: 
 from pydantic_ai.models.function import AgentInfo, FunctionModel  # noqa: E402
 from pydantic_ai.usage import RequestUsage  # noqa: E402
 
+from coordinator import Settings  # noqa: E402
 from workers.runtime.agent_loop import tune_gc  # noqa: E402
-from workers.runtime.runner import _agent_for  # noqa: E402
+from workers.runtime.profile_tools import load_profile  # noqa: E402
+from workers.runtime.runner import build_agent  # noqa: E402
 from workers.runtime.tools import RunState  # noqa: E402
 
 WARM_UP_RUNS = 50
@@ -41,7 +43,7 @@ async def wave(runs: int, latency_s: float) -> None:
         return ModelResponse(parts=[TextPart("done")], usage=RequestUsage(input_tokens=1000, output_tokens=200))
 
     model = FunctionModel(answer)
-    agent = _agent_for("You are a focused subagent.", False)
+    agent = build_agent(load_profile("offline", Settings()), False)
 
     async def one(n: int) -> None:
         # No tool is called (the model answers with text at once), so the run needs no state.

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
         usd_to_micros,
     )
     from coordinator.service import Coordinator
-    from coordinator.settings import OFFLINE_PROFILE, STANDARD_KEYS, Price, Profile, Settings, load_settings
+    from coordinator.settings import OFFLINE_PROFILE, STANDARD_KEYS, Price, Profile, RunCommand, Settings, load_settings
     from coordinator.todos import IgnoredLine, ignored_lines, parse_markdown, render_markdown
     from coordinator.tracing import current_trace_id
 
@@ -66,6 +66,7 @@ _EXPORTS = {
             "CorruptError",
             "NotFoundError",
             "ProfileError",
+            "RunCommand",
             "ScriptError",
             "StateError",
             "StoreError",
@@ -96,6 +97,7 @@ _EXPORTS = {
     "STANDARD_KEYS": "coordinator.settings",
     "Price": "coordinator.settings",
     "Profile": "coordinator.settings",
+    "RunCommand": "coordinator.settings",
     "Settings": "coordinator.settings",
     "load_settings": "coordinator.settings",
     "is_task_id": "coordinator.ids",
@@ -148,6 +150,7 @@ __all__ = [
     "Price",
     "Profile",
     "ProfileError",
+    "RunCommand",
     "ScriptError",
     "Settings",
     "StateError",

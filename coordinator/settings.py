@@ -13,16 +13,25 @@ import re
 import tomllib
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from coordinator.errors import ConfigError, ProfileError
 
-__all__ = ["DEFAULT_PRICED_AS", "OFFLINE_PROFILE", "STANDARD_KEYS", "Price", "Profile", "Settings", "load_settings"]
+__all__ = [
+    "DEFAULT_PRICED_AS",
+    "OFFLINE_PROFILE",
+    "STANDARD_KEYS",
+    "Price",
+    "Profile",
+    "RunCommand",
+    "Settings",
+    "load_settings",
+]
 
 # A week: long enough to inspect yesterday's runs, short enough that Redis memory stays bounded.
 DEFAULT_RETENTION_S = 7 * 24 * 3600
@@ -100,8 +109,27 @@ class Price(BaseModel):
     cache_write_per_mtok: Decimal | None = Field(default=None, ge=0)
 
 
+# A tool's import path: `package.module:attribute`.
+TOOL_PATH_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*$"
+
+
+class RunCommand(BaseModel):
+    """How `run_command` runs a command for a profile that enables it (docs/tools.md).
+
+    The command line is split into argv as a POSIX shell would (`shlex`) and run without a
+    shell, in `cwd`, with no SUBQ_* value and no provider key in its environment; it is
+    stopped after `timeout_s`, and the model reads at most `max_output_chars` of its output.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    cwd: Path
+    timeout_s: float = Field(default=60.0, gt=0)
+    max_output_chars: int = Field(default=20_000, ge=1)
+
+
 class Profile(BaseModel):
-    """A model configuration a task runs with.
+    """A model configuration a task runs with, and the tools it offers the model (docs/tools.md).
 
     `model` is `offline`, `openai:<model>` (any OpenAI-compatible endpoint with
     `base_url`) or `anthropic:<model>`. `priced_as` names the `provider:model`
@@ -124,6 +152,14 @@ class Profile(BaseModel):
     approval_tools: list[str] = Field(default_factory=lambda: ["run_command"])
     allow: list[str] = Field(default_factory=list)
     deny: list[str] = Field(default_factory=list)
+    # The tools offered beside the orchestration tools: functions or pydantic-ai toolsets by
+    # import path, imported when a worker starts; then which of all offered tools the model
+    # gets (`*` globs; `allowed_tools` unset: all of them; `disallowed_tools` wins).
+    tools: list[Annotated[str, StringConstraints(pattern=TOOL_PATH_PATTERN)]] = Field(default_factory=list)
+    allowed_tools: list[str] | None = None
+    disallowed_tools: list[str] = Field(default_factory=list)
+    # Set: `run_command` executes commands, as this says; unset: the profile has no `run_command`.
+    run_command: RunCommand | None = None
 
     @model_validator(mode="after")
     def _known_provider(self) -> Self:

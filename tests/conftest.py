@@ -16,7 +16,7 @@ import httpx
 import pytest
 import redis
 
-from coordinator import Coordinator, Settings
+from coordinator import OFFLINE_PROFILE, Coordinator, Profile, RunCommand, Settings
 from coordinator.api import create_app
 from coordinator.local.embedded_redis import local_redis
 from coordinator.local.fleet import WorkerFleet
@@ -60,7 +60,7 @@ def redis_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def settings(redis_url: str) -> Settings:
+def settings(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Settings:
     return Settings(
         redis_url=redis_url,
         key_prefix="subqtest",
@@ -70,6 +70,8 @@ def settings(redis_url: str) -> Settings:
         visibility_timeout_s=120,
         # Transient model errors are retried in tests without real waits.
         model_retry_base_s=0.05,
+        # The offline profile runs the commands its scripts approve, in a directory of the session's.
+        profiles={OFFLINE_PROFILE: Profile(run_command=RunCommand(cwd=tmp_path_factory.mktemp("commands")))},
     )
 
 

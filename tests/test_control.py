@@ -200,6 +200,11 @@ def _wait_for_approval(coord: Coordinator, root_id: str) -> str:
 
 
 def test_an_approval_holds_one_child_while_its_sibling_completes(coordinator: Coordinator) -> None:
+    config = coordinator.settings.profile(None).run_command
+    assert config is not None, "the test settings' offline profile runs commands (tests/conftest.py)"
+    build = config.cwd / "build"
+    build.mkdir(exist_ok=True)
+    (build / "out.o").write_text("stale")
     parent = coordinator.create_task("Two children", todos="[ ] clean the build\n[ ] write notes")
     risky = agent(call("run_command", command="rm -rf build"), reply("cleaned"))
     batch = coordinator.delegate(
@@ -217,6 +222,7 @@ def test_an_approval_holds_one_child_while_its_sibling_completes(coordinator: Co
     _until(lambda: coordinator.get_task(batch.child_ids[1]).status == TaskStatus.COMPLETED, what="the sibling")
     assert coordinator.snapshot(parent.id)[batch.child_ids[0]].state == "waiting_approval"
     assert coordinator.get_task(parent.id).status == TaskStatus.DELEGATED
+    assert build.exists(), "nothing ran before the decision"
 
     decided = coordinator.decide(approval_id, "approve")
 
@@ -224,7 +230,9 @@ def test_an_approval_holds_one_child_while_its_sibling_completes(coordinator: Co
     done = coordinator.wait(parent.id, WAIT_S)
     clean = coordinator.get_task(batch.child_ids[0])
     assert clean.status == TaskStatus.COMPLETED and clean.summary == "cleaned"
-    assert any(m["say"] == "command_recorded" and m["text"] == "rm -rf build" for m in coordinator.messages(clean.id))
+    said = [(m["say"], m["text"]) for m in coordinator.messages(clean.id) if m.get("say", "").startswith("command")]
+    assert said == [("command", "rm -rf build"), ("command_result", "exit 0")], "it ran, in the profile's cwd"
+    assert not build.exists()
     assert done.status == TaskStatus.ACTIVE and coordinator.list_approvals(parent.id) == []
     with pytest.raises(StateError, match="was already approved"):
         coordinator.decide(approval_id, "deny")
@@ -242,7 +250,7 @@ def test_a_denied_call_returns_the_feedback_to_the_model(coordinator: Coordinato
     returns = [p["content"] for m in coordinator.messages(child, kind="api") for p in m["parts"]
                if p.get("part_kind") == "tool-return"]  # fmt: skip
     assert any("never force-push; open a PR instead" in str(r) for r in returns)
-    assert not any(m["say"] == "command_recorded" for m in coordinator.messages(child))
+    assert not any(m.get("say", "").startswith("command") for m in coordinator.messages(child)), "nothing ran"
 
 
 def test_an_unanswered_approval_times_out_as_a_denial(idle_coordinator: Coordinator) -> None:

@@ -206,7 +206,7 @@ def _accept_with(text: str | None = None) -> Any:
 def test_approvals_from_the_page(
     page: Page, live_api: ApiServer, live_http: httpx.Client, live: Coordinator, tmp_path: Path
 ) -> None:
-    deploy = subtask("Deploy", call("run_command", command="make deploy"), reply("deployed"))
+    deploy = subtask("Deploy", call("run_command", command="echo deploying 2.0"), reply("deployed"))
     migrate = subtask("Migrate", call("run_command", command="rm -rf /var/db"), reply("migrated another way"))
     root = _run_root(
         live_http,
@@ -240,7 +240,7 @@ def test_approvals_from_the_page(
     page.locator(f"button.deny[data-approval-id='{deny_id}']").click()
     assert len(live_http.get("/v1/approvals", params={"root_id": root}).json()["approvals"]) == 2
 
-    approve_id = approvals["make deploy"]["id"]
+    approve_id = approvals["echo deploying 2.0"]["id"]
     page.once("dialog", _accept_with())
     page.locator(f"button.approve[data-approval-id='{approve_id}']").click()
     expect(page.locator(f"#approval-{approve_id}")).to_have_count(0)
@@ -251,12 +251,13 @@ def test_approvals_from_the_page(
 
     # Both children go on and complete; so does the root.
     expect(page.locator(f"#task-{root}")).to_have_attribute("data-state", "completed", timeout=WAIT_MS)
-    deploy_id, migrate_id = approvals["make deploy"]["task_id"], approvals["rm -rf /var/db"]["task_id"]
+    deploy_id, migrate_id = approvals["echo deploying 2.0"]["task_id"], approvals["rm -rf /var/db"]["task_id"]
     for child in (deploy_id, migrate_id):
         assert live_http.get(f"/v1/tasks/{child}").json()["status"] == "completed"
         expect(page.locator(f"#task-{child}")).to_have_attribute("data-state", "completed")
     recorded = live.messages(deploy_id, "ui")
-    assert any(m.get("say") == "command_recorded" and "make deploy" in m.get("text", "") for m in recorded)
+    said = [(m.get("say"), m.get("text")) for m in recorded if m.get("say", "").startswith("command")]
+    assert said == [("command", "echo deploying 2.0"), ("command_result", "exit 0\ndeploying 2.0\n")], "it ran"
     conversation = str(live.messages(migrate_id, "api"))
     assert "Never delete the database; migrate it with the tool" in conversation
     assert page.evaluate("window.subqNoReload") is True

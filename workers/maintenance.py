@@ -8,7 +8,8 @@ threads pool runs the subagents in that process too):
   beats the process's heartbeat (`<p>:workers`), idle or not.
 - `worker_ready` also tunes the garbage collector for many runs in flight
   (`workers/runtime/agent_loop.py`).
-- `worker_init`: with `SUBQ_WORKER_METRICS_PORT` set, the process serves its own
+- `worker_init`: every profile's tools are imported and checked (workers/runtime/profile_tools.py),
+  a bad entry stops the worker at start with one line; with `SUBQ_WORKER_METRICS_PORT` set, the process serves its own
   Prometheus metrics (workers/observe.py) there; a port it cannot take stops
   the worker at start with one line naming the setting.
 - `worker_shutting_down` (SIGTERM, SIGINT, SIGQUIT): every run of this process
@@ -30,6 +31,7 @@ from coordinator import ConfigError
 from coordinator.reconciler import Reconciler
 from workers import observe
 from workers.application import app, settings
+from workers.runtime import profile_tools
 from workers.runtime.agent_loop import tune_gc
 from workers.runtime.context import get_runtime
 
@@ -76,12 +78,22 @@ def _serve_metrics(**_: Any) -> None:
         raise SystemExit(f"subq worker: {exc}") from None
 
 
+def _check_tools(**_: Any) -> None:
+    """Every profile's tools import and fit together, or the worker stops at start with one line."""
+    try:
+        profile_tools.check(settings)
+    except ConfigError as exc:
+        log.critical("subq worker: %s", exc)
+        raise SystemExit(f"subq worker: {exc}") from None
+
+
 def _hand_back_runs(**_: Any) -> None:
     get_runtime(settings, app).lifecycle.drain(settings.shutdown_grace_s)
 
 
 # Connected by call, not by decorator: Celery's decorators are untyped (mypy --strict);
 # weak=False because the receivers are module functions that must live as long as the worker.
+worker_init.connect(_check_tools, weak=False)
 worker_init.connect(_serve_metrics, weak=False)
 worker_ready.connect(_start_reconciler, weak=False)
 worker_ready.connect(tune_gc, weak=False)

@@ -8,7 +8,7 @@ to the `SUBQ_` environment through `Settings`; with `--api-url` the operator com
 go through the HTTP API instead of Redis.
 
     common.py   the Typer app, the shared options, settings and the Coordinator
-    stack.py    up, worker, api, flower, demo
+    stack.py    up, worker, tools, api, flower, demo
     work.py     run (--follow), status, todos, tree, history, export
     control.py  cancel, approvals, approve, deny, dead-letters
     views.py    what the read commands print, and `run --follow`'s loop
@@ -56,7 +56,7 @@ except ModuleNotFoundError as _exc:
 else:
     # The commands, in the order `subq --help` lists them.
     COMMANDS = (
-        *(stack.up, stack.worker, stack.api, stack.flower, stack.demo),
+        *(stack.up, stack.worker, stack.tools, stack.api, stack.flower, stack.demo),
         *(work.run, work.status, work.todos, work.tree, work.history, work.export),
         *(control.cancel, control.approvals, control.approve, control.deny, control.dead_letters),
     )

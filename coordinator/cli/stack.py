@@ -1,4 +1,4 @@
-"""Commands that run the system on this machine: up, worker, api, flower, demo.
+"""Commands that run the system on this machine: up, worker, tools, api, flower, demo.
 
 Each imports what it starts (`coordinator.local.up`, `coordinator.local.fleet`, uvicorn, ...)
 when it runs. Plain functions: coordinator/cli/__init__.py adds them to the app.
@@ -18,7 +18,7 @@ from coordinator.cli.common import Host, Port, settings_of
 from coordinator.errors import ConfigError, ValidationError
 from coordinator.local import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST
 
-__all__ = ["api", "demo", "flower", "up", "worker"]
+__all__ = ["api", "demo", "flower", "tools", "up", "worker"]
 
 
 def up(
@@ -60,6 +60,25 @@ def worker(
     if concurrency:
         argv += ["--concurrency", str(concurrency)]
     os.execve(sys.executable, argv, settings_env(settings))
+
+
+def tools(
+    ctx: typer.Context,
+    profile: Annotated[str | None, typer.Option(help="Only this profile.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object: profile -> tool -> source.")] = False,
+) -> None:
+    """Check every profile's tools as a worker does at start, and list each tool with where it comes from.
+
+    A bad entry (an import that fails, an attribute that is no tool, two tools of one
+    name) is one line naming the profile and the entry, and the exit status is 2.
+    """
+    from coordinator.local.fleet import settings_env
+
+    # The worker package checks them, in a process of its own: the control plane never imports it.
+    argv = [sys.executable, "-m", "workers.runtime.profile_tools"]
+    argv += ["--profile", profile] if profile else []
+    argv += ["--json"] if as_json else []
+    os.execve(sys.executable, argv, settings_env(settings_of(ctx)))
 
 
 def api(ctx: typer.Context, host: Host = DEFAULT_HOST, port: Port = DEFAULT_API_PORT) -> None:

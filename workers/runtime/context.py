@@ -16,6 +16,7 @@ from coordinator import Coordinator, Settings
 from coordinator.runs import RunLifecycle
 from workers.observe import WorkerRunHooks
 from workers.runtime.agent_loop import AgentLoop, StopWatch
+from workers.runtime.profile_tools import Toolbox
 
 __all__ = ["CONNECTION_WAIT_S", "SPARE_CONNECTIONS", "Runtime", "build_runtime", "get_runtime"]
 
@@ -28,9 +29,12 @@ class Runtime:
     # Every run's agent of the process runs on this one loop, watched by this one poll.
     agent_loop: AgentLoop = field(default_factory=AgentLoop)
     stop_watch: StopWatch = field(init=False)
+    # Each profile's tools and agent, built once per process.
+    toolbox: Toolbox = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_watch", StopWatch(self.lifecycle))
+        object.__setattr__(self, "toolbox", Toolbox(self.settings))
 
 
 _lock = threading.Lock()

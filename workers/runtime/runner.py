@@ -24,7 +24,6 @@ It never raises for an agent-level failure: every outcome is a `SubtaskResult`.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import time
@@ -52,6 +51,7 @@ from workers import observe
 from workers.runtime.context import Runtime
 from workers.runtime.metering import MeteredModel
 from workers.runtime.pricing import cost_of, reported_cost_usd
+from workers.runtime.profile_tools import ProfileTools
 from workers.runtime.providers import build_model
 from workers.runtime.tools import (
     ORCHESTRATION_PROMPT,
@@ -59,7 +59,6 @@ from workers.runtime.tools import (
     attempt_completion,
     describe_call,
     offline_plan_toolset,
-    orchestration_tools,
     plans_offline,
 )
 
@@ -156,6 +155,7 @@ async def _run_agent(rt: Runtime, run: Run, profile: Profile, progress: Progress
 async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | None) -> Ended | Released:
     task = run.task
     state = RunState(run, profile)
+    offered = rt.toolbox.tools(task.profile).names
     history = _load_history(run)
     if not history:
         run.announce_task()
@@ -195,6 +195,9 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
         for part in response.parts:
             if isinstance(part, TextPart) and part.content.strip():
                 run.say("text", part.content)
+            elif isinstance(part, ToolCallPart) and part.tool_name not in offered:
+                # pydantic-ai answers it "Unknown tool name" and runs nothing: never shown as if it ran.
+                run.say("error", f"not run: {part.tool_name} is not a tool of this task: {describe_call(part)}")
             elif isinstance(part, ToolCallPart):
                 run.say("tool", describe_call(part))
         nonlocal unsent
@@ -224,7 +227,8 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
     )
     pending = _calls_without_result(history)
     results = _answers(run, pending) if pending else None
-    async with _agent_for(profile.system_prompt, plans_offline(profile, task.prompt)).iter(
+    agent: Agent[RunState, Any] = rt.toolbox.agent(task.profile, plans_offline(profile, task.prompt), build_agent)
+    async with agent.iter(
         None if history else task.prompt,
         model=model,
         message_history=history or None,
@@ -251,16 +255,15 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
     return Ended("completed", summary=str(output))
 
 
-@functools.cache
-def _agent_for(system_prompt: str, with_planner: bool) -> Agent[RunState, Any]:
-    """One agent per system prompt (and planner use) and process: building one generates
-    every tool's JSON schema (about 1.5 ms, measured as 12% of a worker's CPU in bench/), and
-    nothing in it is per task: the model, with the task's hooks, is given to each run."""
+def build_agent(tools: ProfileTools, with_planner: bool) -> Agent[RunState, Any]:
+    """A profile's agent (and its planner use), built once per process by the toolbox: building
+    one generates every tool's JSON schema (about 1.5 ms, measured as 12% of a worker's CPU in
+    bench/), and nothing in it is per task: the model, with the task's hooks, is given to each run."""
     return Agent(
         deps_type=RunState,
         output_type=[str, ToolOutput(attempt_completion, name="attempt_completion"), DeferredToolRequests],
-        system_prompt=f"{system_prompt}\n\n{ORCHESTRATION_PROMPT}",
-        toolsets=[orchestration_tools, offline_plan_toolset] if with_planner else [orchestration_tools],
+        system_prompt=f"{tools.system_prompt}\n\n{ORCHESTRATION_PROMPT}",
+        toolsets=[tools.toolset, offline_plan_toolset] if with_planner else [tools.toolset],
     )
 
 

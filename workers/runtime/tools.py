@@ -1,4 +1,4 @@
-"""The orchestration tools every agent has: plan, delegate, complete.
+"""subq's own tools: plan, delegate, complete, and run a command where the profile enables it.
 
 - `update_todo_list(todos)`: replace the plan (markdown or JSON items); a
   rejected update returns its error and leaves the list as it was.
@@ -7,9 +7,10 @@
   result and are not executed.
 - `run_subagents(tasks)`: a parallel fan-out (one chord).
 - `attempt_completion(result)`: ends the task with its result (an output tool).
-- `run_command(command)`: a harmless stand-in for a risky tool: it needs approval
-  under the default policy (`Profile.approval_tools`), and when approved records
-  the command and acknowledges it without executing anything.
+- `run_command(command)`: runs one command line for real (workers/runtime/commands.py:
+  argv without a shell, in the profile's folder, timed out, output capped), only
+  for a profile with a `run_command` table; every call needs a decision under
+  the default policy (`Profile.approval_tools`) unless a rule allows its argv.
 
 A delegation tool validates and commits through the Coordinator, then defers
 (pydantic-ai's `CallDeferred`): the run ends, the runner persists the
@@ -34,6 +35,7 @@ from pydantic_ai.toolsets import FunctionToolset
 
 from coordinator import OFFLINE_PROFILE, Profile, SubqError, SubtaskSpec, ignored_lines, render_markdown
 from coordinator.runs import Run
+from workers.runtime import commands
 from workers.runtime.approval_policy import verdict
 from workers.runtime.planner import plan_instructions
 from workers.runtime.script import SCRIPT_INFO_STRING
@@ -181,16 +183,27 @@ def needs_decision(ctx: RunContext[RunState], tool: str, args: dict[str, Any]) -
 
 
 @orchestration_tools.tool
-def run_command(ctx: RunContext[RunState], command: str) -> str:
-    """Run a shell command (it needs approval under the default policy). This deployment records
-    the approved command and acknowledges it; it executes nothing."""
+async def run_command(ctx: RunContext[RunState], command: str) -> str:
+    """Run a program with its arguments in this task's working directory; you get its exit code and
+    output. The line is split into words as a shell would (quotes group words), but no shell runs it:
+    `;`, `|`, `&&`, `>` and `$(...)` are plain arguments. It may need a human's approval."""
     if _after_new_task(ctx):
         return NEW_TASK_NOT_LAST
+    config = ctx.deps.profile.run_command
+    if config is None:
+        return "Error: run_command is not enabled for this task's profile"
+    try:
+        commands.parse(command)
+    except ValueError as exc:  # refused before anyone is asked to approve it
+        return f"Error: {exc}"
     denied = needs_decision(ctx, "run_command", {"command": command})
     if denied:
         return denied
-    ctx.deps.run.say("command_recorded", command)
-    return f"Recorded (not executed): {command}"
+    run = ctx.deps.run
+    run.say("command", command)
+    result = await commands.run(command, config)
+    run.say("command_result", result.excerpt())
+    return result.text()
 
 
 def attempt_completion(result: str) -> str:

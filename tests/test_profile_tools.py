@@ -1,0 +1,184 @@
+"""A profile's own tools (workers/runtime/profile_tools.py): checked at a worker's start, offered, guarded.
+
+The checks run on the profiles as a worker reads them; the runs go through real
+worker processes that import `tests.tool_kit` by path, as a deployment's
+workers import its tools.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coordinator import ConfigError, Coordinator, Profile, Settings, TaskStatus
+from coordinator.local.fleet import WorkerFleet, settings_env
+from tests.agents import agent, call, reply
+from tests.conftest import dedicated_fleet
+from tests.helpers import eventually
+from workers.runtime.profile_tools import load_profile
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLED = Profile(tools=["tests.tool_kit:add_numbers", "tests.tool_kit:kit", "tests.tool_kit:leave_mark"])
+# Every call of leave_mark waits for a human; shout is not offered at all.
+GUARDED = TOOLED.model_copy(update={"approval_tools": ["leave_*"], "disallowed_tools": ["shout"]})
+LEAF = TOOLED.model_copy(update={"allowed_tools": ["add_*"]})
+
+
+def _settings(settings: Settings, **profiles: Profile) -> Settings:
+    return settings.model_copy(update={"profiles": {**settings.profiles, **profiles}})
+
+
+def test_a_profile_offers_its_tools_with_their_sources(settings: Settings) -> None:
+    own = _settings(settings, tooled=TOOLED, guarded=GUARDED, leaf=LEAF)
+    assert load_profile("tooled", own).sources == {
+        "update_todo_list": "subq",
+        "new_task": "subq",
+        "run_subagents": "subq",
+        "add_numbers": "tests.tool_kit:add_numbers",
+        "shout": "tests.tool_kit:kit",
+        "leave_mark": "tests.tool_kit:leave_mark",
+    }, "run_command is offered only where the profile enables it"
+    assert "shout" not in load_profile("guarded", own).sources
+    assert set(load_profile("leaf", own).sources) == {"add_numbers"}, "a leaf can drop the orchestration tools"
+    assert load_profile("leaf", own).names == {"add_numbers", "attempt_completion"}
+
+
+BAD_ENTRIES = [
+    ("tests.nowhere:tool", "tools entry 'tests.nowhere:tool': cannot import tests.nowhere: ModuleNotFoundError"),
+    ("tests.tool_kit:missing", "tools entry 'tests.tool_kit:missing': tests.tool_kit has no attribute 'missing'"),
+    ("tests.tool_kit:NOT_A_TOOL", "is a int, neither a function nor a pydantic-ai FunctionToolset"),
+    ("tests.tool_kit:update_todo_list", "its tool 'update_todo_list' has the same name as a tool of subq's own"),
+]
+
+
+@pytest.mark.parametrize(("entry", "why"), BAD_ENTRIES, ids=[e for e, _ in BAD_ENTRIES])
+def test_a_bad_entry_is_one_line_naming_the_profile_and_the_entry(settings: Settings, entry: str, why: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_profile("bad", _settings(settings, bad=Profile(tools=[entry])))
+    assert str(caught.value).startswith("Invalid profile 'bad': ") and why in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_two_tools_of_one_name_name_both(settings: Settings) -> None:
+    twice = Profile(tools=["tests.tool_kit:add_numbers", "tests.tool_kit:kit", "tests.tool_kit:add_numbers"])
+    with pytest.raises(ConfigError, match=r"'tests.tool_kit:add_numbers': its tool 'add_numbers' has the same "
+                       r"name as a tool of 'tests.tool_kit:add_numbers'"):  # fmt: skip
+        load_profile("twice", _settings(settings, twice=twice))
+
+
+def test_a_profile_with_an_unknown_key_is_refused(settings: Settings) -> None:
+    with pytest.raises(ValueError, match="tool_list"):
+        Profile.model_validate({"tool_list": ["tests.tool_kit:add_numbers"]})
+    with pytest.raises(ValueError, match="tools.0"):
+        Profile.model_validate({"tools": ["not an import path"]})
+
+
+def test_the_worker_and_subq_tools_refuse_a_bad_entry_with_the_same_line(settings: Settings, tmp_path: Path) -> None:
+    own = _settings(settings, bad=Profile(tools=["tests.tool_kit:NOT_A_TOOL"]))
+    line = "Invalid profile 'bad': tools entry 'tests.tool_kit:NOT_A_TOOL': is a int, neither a function nor"
+    checked = subprocess.run(
+        [sys.executable, "-m", "coordinator", "tools"], env=settings_env(own), cwd=ROOT, capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert checked.returncode == 2 and checked.stderr.startswith(f"subq: {line}"), checked.stderr
+    assert checked.stderr.count("\n") == 1
+    fleet = WorkerFleet(own, 1, tmp_path)
+    try:
+        assert fleet.procs[0].wait(timeout=60) != 0, "the worker refused to start"
+    finally:
+        fleet.stop()
+    assert line in fleet.logs[0].read_text(errors="replace")
+
+
+def test_subq_tools_lists_each_profiles_tools(settings: Settings) -> None:
+    own = _settings(settings, tooled=TOOLED)
+    listed = subprocess.run(
+        [sys.executable, "-m", "coordinator", "tools", "--profile", "tooled", "--json"], env=settings_env(own),
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    assert json.loads(listed.stdout) == {"tooled": load_profile("tooled", own).sources}
+    unknown = subprocess.run(
+        [sys.executable, "-m", "coordinator", "tools", "--profile", "nope"], env=settings_env(own), cwd=ROOT,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert unknown.returncode == 2 and unknown.stderr == "subq: Invalid profile: nope\n"
+
+
+@pytest.fixture(scope="module")
+def tooled(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Coordinator, Path]]:
+    """A worker whose profiles offer the tool kit; its side effects land in a folder of the test's."""
+    marks = tmp_path_factory.mktemp("marks")
+    os.environ["TOOL_KIT_MARKS"] = str(marks)  # the worker inherits it (settings_env passes on what is not SUBQ_*)
+    own = _settings(settings, tooled=TOOLED, guarded=GUARDED)
+    try:
+        with dedicated_fleet(own, tmp_path_factory.mktemp("tooled"), 1, queue="subq-tools") as (coord, _fleet):
+            yield coord, marks
+    finally:
+        del os.environ["TOOL_KIT_MARKS"]
+
+
+def _says(coord: Coordinator, task_id: str, kind: str) -> list[str]:
+    return [m["text"] for m in coord.messages(task_id) if m.get("say") == kind]
+
+
+def test_a_subagent_calls_a_profile_tool(tooled: tuple[Coordinator, Path]) -> None:
+    coord, _ = tooled
+    task = coord.create_task(
+        agent(call("add_numbers", a=2, b=40), call("shout", text="done"), reply("42")), profile="tooled", run=True
+    )
+    done = coord.wait(task.id, 60)
+    assert done.status == TaskStatus.COMPLETED
+    returns = [json.loads(m) for m in coord.store.records.conversation(task.id)]
+    results = [p["content"] for m in returns for p in m.get("parts", []) if p.get("part_kind") == "tool-return"]
+    assert results == [42, "DONE"]
+    assert _says(coord, task.id, "tool") == ['add_numbers({"a": 2, "b": 40})', 'shout({"text": "done"})']
+
+
+def test_a_call_to_a_tool_the_task_lacks_is_an_error_never_shown_as_run(tooled: tuple[Coordinator, Path]) -> None:
+    coord, marks = tooled
+    before = len(list(marks.iterdir()))
+    task = coord.create_task(
+        agent(call("shout", text="hi"), call("read_file", path="/etc/passwd"), reply("finished")), profile="guarded",
+        run=True,
+    )  # fmt: skip
+    done = coord.wait(task.id, 60)
+    assert done.status == TaskStatus.COMPLETED
+    errors = _says(coord, task.id, "error")
+    assert [e.split(":")[1].strip() for e in errors] == [
+        "shout is not a tool of this task",
+        "read_file is not a tool of this task",
+    ]
+    assert _says(coord, task.id, "tool") == []
+    assert len(list(marks.iterdir())) == before
+
+
+def test_any_tool_can_need_a_decision_and_runs_once_approved(tooled: tuple[Coordinator, Path]) -> None:
+    coord, marks = tooled
+    task = coord.create_task(
+        agent(call("add_numbers", a=1, b=1), call("leave_mark", label="approved"), reply("marked")),
+        profile="guarded", run=True,
+    )  # fmt: skip
+    eventually(lambda: coord.list_approvals(task.root_id) != [], "the call waits for a decision", 60)
+    (approval,) = coord.list_approvals(task.root_id)
+    assert (approval.tool, approval.args) == ("leave_mark", {"label": "approved"})
+    assert list(marks.glob("approved.*")) == [], "nothing ran before the decision"
+    coord.decide(approval.id, "approve")
+    assert coord.wait(task.id, 60).status == TaskStatus.COMPLETED
+    assert len(list(marks.glob("approved.*"))) == 1, "it ran once"
+
+
+def test_a_denied_call_never_runs(tooled: tuple[Coordinator, Path]) -> None:
+    coord, marks = tooled
+    task = coord.create_task(agent(call("leave_mark", label="denied"), reply("gave up")), profile="guarded", run=True)
+    eventually(lambda: coord.list_approvals(task.root_id) != [], "the call waits for a decision", 60)
+    (approval,) = coord.list_approvals(task.root_id)
+    coord.decide(approval.id, "deny", feedback="not today")
+    assert coord.wait(task.id, 60).status == TaskStatus.COMPLETED
+    assert list(marks.glob("denied.*")) == []

@@ -1,0 +1,43 @@
+"""Tools the tests' profiles name by import path, as a deployment's profile names its own.
+
+Worker processes import them at start (`tests.tool_kit:<name>`), so each is a
+plain module attribute; `MARKS` is a folder the side-effecting tool writes into,
+so a test counts the effects from outside the run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic_ai import RunContext
+from pydantic_ai.toolsets import FunctionToolset
+
+NOT_A_TOOL = 42
+
+
+def add_numbers(a: int, b: int) -> int:
+    """Add two whole numbers."""
+    return a + b
+
+
+def leave_mark(ctx: RunContext[object], label: str) -> str:
+    """Leave a mark file named `label` (a side effect a test counts from outside)."""
+    folder = Path(os.environ["TOOL_KIT_MARKS"])
+    mark = folder / f"{label}.{ctx.tool_call_id}"
+    mark.write_text("1", encoding="utf-8")
+    return f"marked {label}"
+
+
+def update_todo_list(todos: str) -> str:
+    """A tool that takes the name of one of subq's own."""
+    return todos
+
+
+kit: FunctionToolset[object] = FunctionToolset()
+
+
+@kit.tool_plain
+def shout(text: str) -> str:
+    """Say it louder."""
+    return text.upper()

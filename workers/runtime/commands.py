@@ -1,0 +1,219 @@
+"""Running one command line for the `run_command` tool, as a profile's `run_command` says (docs/control.md).
+
+- **No shell.** The line is split into argv the way a POSIX shell splits words
+  (`shlex.split`: quotes group, a backslash escapes, nothing is expanded) and the
+  program is started with that list: `;`, `|`, `&&`, `>`, `$(...)` and `*` are plain
+  arguments, never operators.
+- **Where and how long.** It runs in the profile's `cwd`, with stdin empty, in a
+  process group of its own (a new session). When it exits, the group is killed
+  (whatever it left running in the background); after `timeout_s`, or when the run is
+  cancelled, the whole group is killed at once.
+- **Environment.** The worker's own, without any `SUBQ_*` variable (settings, the
+  Redis URL, the profiles and their keys) and without the providers' key variables;
+  PATH, HOME, LANG and the rest are kept.
+- **Output.** stdout and stderr interleaved, as one pipe, decoded as UTF-8; the model
+  reads at most `max_output_chars` of it: the beginning and the end, with how many
+  characters were cut in between.
+
+`run` is a coroutine for the worker's agent event loop: it never blocks the loop. A
+program that cannot be started, an unbalanced quote or an empty line is a short error
+result, not an exception; cancelling the coroutine kills the process group and re-raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import os
+import shlex
+import signal
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator import STANDARD_KEYS, RunCommand
+
+__all__ = ["MAX_COMMAND_CHARS", "CommandResult", "command_env", "parse", "run"]
+
+# A command line longer than this is refused before anything else: commands a model writes
+# are far shorter, and reading one (here and in the approval policy) happens on the agents'
+# loop, in pure Python (shlex): 32 KiB is read in about a tenth of a second.
+MAX_COMMAND_CHARS = 32_768
+# After the program exits (or is killed), how long what it wrote may take to be read:
+# the pipe closes when its group is gone; a process that left the group can hold it open.
+DRAIN_S = 1.0
+READ_CHUNK = 64 * 1024
+# The command's UI message shows the end of its output (where errors usually are).
+EXCERPT_CHARS = 300
+# The providers' key variables: never passed to a command.
+PROVIDER_KEYS = frozenset({"OPENAI_API_KEY", "ANTHROPIC_API_KEY", *STANDARD_KEYS.values()})
+
+
+def parse(command: str) -> list[str]:
+    """The argv of a command line; ValueError with a short reason when it has none."""
+    if len(command) > MAX_COMMAND_CHARS:
+        raise ValueError(f"the command is longer than {MAX_COMMAND_CHARS} characters")
+    if "\0" in command:
+        raise ValueError("the command contains a NUL character")
+    try:
+        argv = shlex.split(command)
+    except ValueError as exc:  # "No closing quotation", "No escaped character"
+        raise ValueError(f"cannot parse the command: {str(exc).lower()}") from None
+    if not argv:
+        raise ValueError("empty command")
+    return argv
+
+
+def command_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a command runs with: this process's, less SUBQ_* and the provider keys."""
+    source = os.environ if environ is None else environ
+    return {k: v for k, v in source.items() if not k.startswith("SUBQ_") and k not in PROVIDER_KEYS}
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """What became of one command line."""
+
+    command: str
+    exit_code: int | None = None  # None: it did not start, or it was killed at its timeout
+    output: str = ""  # already capped; `cut` characters were left out in the middle
+    cut: int = 0
+    timed_out_after_s: float | None = None
+    error: str | None = None  # it did not start: why
+
+    @property
+    def status(self) -> str:
+        if self.error is not None:
+            return f"Error: {self.error}"
+        if self.timed_out_after_s is not None:
+            return f"timed out after {self.timed_out_after_s:g}s (its process group was killed)"
+        assert self.exit_code is not None
+        if self.exit_code < 0:
+            return f"killed by {_signal_name(-self.exit_code)}"
+        return f"exit {self.exit_code}"
+
+    def text(self) -> str:
+        """The tool's result for the model: the status line, then the output."""
+        return self.status if self.error is not None else f"{self.status}\n{self.output}"
+
+    def excerpt(self) -> str:
+        """The UI message: the status line and the end of the output."""
+        tail = self.output if len(self.output) <= EXCERPT_CHARS else "…" + self.output[-EXCERPT_CHARS:]
+        return f"{self.status}\n{tail}" if tail else self.status
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+class _Capped:
+    """Output kept within `limit` characters: its beginning and its end, and how much fell between."""
+
+    def __init__(self, limit: int) -> None:
+        self._tail_limit = limit // 2
+        self._head_limit = limit - self._tail_limit
+        self._head: list[str] = []
+        self._head_len = 0
+        self._tail = ""
+        self._total = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, data: bytes, final: bool = False) -> None:
+        text = self._decoder.decode(data, final)
+        self._total += len(text)
+        room = self._head_limit - self._head_len
+        if room > 0 and text:
+            self._head.append(text[:room])
+            self._head_len += min(room, len(text))
+            text = text[room:]
+        if text and self._tail_limit:
+            self._tail = (self._tail + text)[-self._tail_limit :]
+
+    @property
+    def cut(self) -> int:
+        return self._total - self._head_len - len(self._tail)
+
+    def text(self) -> str:
+        middle = f"\n[... {self.cut} characters cut ...]\n" if self.cut else ""
+        return "".join(self._head) + middle + self._tail
+
+
+async def _drain(stream: asyncio.StreamReader, out: _Capped) -> None:
+    while chunk := await stream.read(READ_CHUNK):
+        out.feed(chunk)
+    out.feed(b"", final=True)
+
+
+async def _settle(proc: asyncio.subprocess.Process, reader: asyncio.Task[None]) -> None:
+    """After the kill: reap the program and read what is left, for at most DRAIN_S (a process
+    that left the group may hold the pipe open)."""
+    try:
+        await asyncio.wait_for(asyncio.gather(proc.wait(), reader), DRAIN_S)
+    except TimeoutError:
+        reader.cancel()
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # the group is gone already
+        pass
+
+
+async def run(command: str, config: RunCommand, environ: Mapping[str, str] | None = None) -> CommandResult:
+    """Run one command line as `config` says (see the module's docstring)."""
+    try:
+        argv = parse(command)
+    except ValueError as exc:
+        return CommandResult(command, error=str(exc))
+    cwd = Path(config.cwd)
+    if not cwd.is_dir():
+        return CommandResult(command, error=f"the working directory {cwd} does not exist")
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            cwd=cwd,
+            env=command_env(environ),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: killed as one
+        )
+    except FileNotFoundError:
+        return CommandResult(command, error=f"{argv[0]}: program not found")
+    except PermissionError:
+        return CommandResult(command, error=f"{argv[0]}: permission denied")
+    except OSError as exc:
+        return CommandResult(command, error=f"{argv[0]}: cannot run it ({exc.strerror or exc})")
+    assert proc.stdout is not None
+    out = _Capped(config.max_output_chars)
+    reader = asyncio.create_task(_drain(proc.stdout, out))
+    timed_out = False
+    try:
+        try:
+            async with asyncio.timeout(config.timeout_s):
+                await proc.wait()
+        except TimeoutError:
+            timed_out = True
+    except asyncio.CancelledError:  # the run was cancelled: the group goes with it
+        _kill_group(proc.pid)
+        await _settle(proc, reader)
+        raise
+    except BaseException:
+        _kill_group(proc.pid)
+        reader.cancel()
+        raise
+    _kill_group(proc.pid)  # on a timeout: all of it; else what it left running
+    await _settle(proc, reader)
+    code = proc.returncode
+    return CommandResult(
+        command,
+        exit_code=None if timed_out else code,
+        output=out.text(),
+        cut=out.cut,
+        timed_out_after_s=config.timeout_s if timed_out else None,
+    )

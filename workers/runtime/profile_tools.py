@@ -1,0 +1,210 @@
+"""The tools each profile offers the model: imported when a worker starts, checked, filtered, guarded.
+
+A profile (coordinator/settings.py, docs/tools.md) offers the orchestration
+tools (workers/runtime/tools.py: `update_todo_list`, `new_task`,
+`run_subagents`, and `run_command` when the profile enables it) and its own
+`tools`, each a `package.module:attribute` naming a function (plain, or taking
+pydantic-ai's `RunContext` first) or a pydantic-ai `FunctionToolset`. Then:
+
+- `allowed_tools` / `disallowed_tools` (names or `*` globs, over everything
+  the profile offers) choose which tools the model gets; a disallowed tool is
+  not offered at all, so a call to it is a call to an unknown tool;
+- every call goes through the profile's approval policy (`PolicyToolset`,
+  workers/runtime/approval_policy.py), whatever the tool: a call the policy
+  asks about ends the run and waits for a human decision, as `run_command`'s
+  always did; a denied call gets the denial as its result and never runs.
+
+A tool is offered under its own name; two tools of one name in a profile are an
+error. Every bad entry (an import path that does not import, an attribute that
+is neither a function nor a `FunctionToolset`, a name clash) stops the worker at
+start with one line naming the profile and the entry (`check`, called on
+Celery's `worker_init`), and `subq tools` runs the same check and lists each
+profile's tools with where each comes from (`python -m
+workers.runtime.profile_tools`). Tools are imported once per worker process, and
+each profile's agent is built once per process from them (`Toolbox`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any
+
+from pydantic_ai import ApprovalRequired, RunContext
+from pydantic_ai.toolsets import AbstractToolset, CombinedToolset, FunctionToolset, WrapperToolset
+from pydantic_ai.toolsets.abstract import ToolsetTool
+
+from coordinator import ConfigError, ProfileError, Settings, load_settings
+from workers.runtime.approval_policy import verdict
+from workers.runtime.tools import RunState, orchestration_tools
+
+__all__ = ["BUILT_IN", "OUTPUT_TOOLS", "PolicyToolset", "ProfileTools", "Toolbox", "check", "load_profile"]
+
+# Where a tool comes from when subq itself offers it.
+BUILT_IN = "subq"
+# The output tools the agent always has (not a toolset's: pydantic-ai ends the run with them).
+OUTPUT_TOOLS = frozenset({"attempt_completion"})
+
+
+@dataclass(eq=False)
+class PolicyToolset(WrapperToolset[RunState]):
+    """Every call of the wrapped tools goes through the run's profile's approval policy first."""
+
+    async def call_tool(
+        self, name: str, tool_args: dict[str, Any], ctx: RunContext[RunState], tool: ToolsetTool[RunState]
+    ) -> Any:
+        if not ctx.tool_call_approved:
+            decided = verdict(ctx.deps.profile, name, tool_args)
+            if decided == "deny":
+                return f"Denied by policy: {name} {json.dumps(tool_args)} is not allowed for this task."
+            if decided == "ask":
+                raise ApprovalRequired(metadata={"tool": name, "args": tool_args})
+        return await super().call_tool(name, tool_args, ctx, tool)
+
+
+@dataclass(frozen=True)
+class ProfileTools:
+    """What one profile offers: its toolset (filtered and guarded) and each tool's source."""
+
+    profile: str
+    system_prompt: str
+    toolset: AbstractToolset[RunState]
+    sources: dict[str, str]  # tool name -> `subq` or the import path it came from, in offer order
+
+    @property
+    def names(self) -> frozenset[str]:
+        """Every tool the model may call, the output tools included."""
+        return frozenset(self.sources) | OUTPUT_TOOLS
+
+
+def _fail(profile: str, entry: str, why: str) -> ConfigError:
+    return ConfigError(f"Invalid profile {profile!r}: {entry}: {why}", field="profile")
+
+
+def _import(profile: str, path: str) -> FunctionToolset[Any]:
+    """The toolset an import path names: a function becomes a toolset of one tool."""
+    module_name, _, attribute = path.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as exc:  # an import error, or any error the module raises as it loads
+        why = f"cannot import {module_name}: {type(exc).__name__}: {exc}"
+        raise _fail(profile, f"tools entry {path!r}", why) from None
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise _fail(profile, f"tools entry {path!r}", f"{module_name} has no attribute {attribute!r}")
+        target = getattr(target, part)
+    if isinstance(target, FunctionToolset):
+        return target
+    if inspect.isfunction(target) or inspect.isbuiltin(target) or inspect.ismethod(target):
+        try:
+            return FunctionToolset([target])
+        except Exception as exc:  # pydantic-ai could not make a schema of its parameters
+            why = f"not usable as a tool: {type(exc).__name__}: {exc}"
+            raise _fail(profile, f"tools entry {path!r}", why) from None
+    kind = type(target).__name__
+    raise _fail(profile, f"tools entry {path!r}", f"is a {kind}, neither a function nor a pydantic-ai FunctionToolset")
+
+
+def _offered(name: str, allowed: list[str] | None, disallowed: list[str]) -> bool:
+    if any(fnmatchcase(name, pattern) for pattern in disallowed):
+        return False
+    return allowed is None or any(fnmatchcase(name, pattern) for pattern in allowed)
+
+
+def load_profile(name: str, settings: Settings) -> ProfileTools:
+    """Import and check one profile's tools; raises ConfigError naming the profile and the entry."""
+    profile = settings.profile(name)
+    sources = {tool: BUILT_IN for tool in orchestration_tools.tools if tool != "run_command"}
+    if profile.run_command is not None:
+        sources["run_command"] = BUILT_IN
+    own: list[AbstractToolset[Any]] = []
+    for path in profile.tools:
+        toolset = _import(name, path)
+        for tool in toolset.tools:
+            if tool in sources or tool in OUTPUT_TOOLS:
+                other = "subq's own" if sources.get(tool, BUILT_IN) == BUILT_IN else repr(sources[tool])
+                raise _fail(name, f"tools entry {path!r}", f"its tool {tool!r} has the same name as a tool of {other}")
+            sources[tool] = path
+        own.append(toolset)
+    offered = {
+        tool: source
+        for tool, source in sources.items()
+        if _offered(tool, profile.allowed_tools, profile.disallowed_tools)
+    }
+    combined: AbstractToolset[RunState] = CombinedToolset([orchestration_tools, *own])
+    filtered = combined.filtered(lambda _ctx, tool_def: tool_def.name in offered)
+    return ProfileTools(name, profile.system_prompt, PolicyToolset(filtered), offered)
+
+
+def check(settings: Settings) -> dict[str, ProfileTools]:
+    """Every profile's tools, imported and checked (a worker's start; `subq tools`)."""
+    return {name: load_profile(name, settings) for name in settings.all_profiles()}
+
+
+@dataclass
+class Toolbox:
+    """One per worker process: each profile's tools, loaded once, and the agent built on them."""
+
+    settings: Settings
+    _tools: dict[str, ProfileTools] = field(default_factory=dict)
+    _agents: dict[tuple[str, bool], Any] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def tools(self, profile: str | None) -> ProfileTools:
+        name = profile or self.settings.default_profile
+        with self._lock:
+            if name not in self._tools:
+                self._tools[name] = load_profile(name, self.settings)
+            return self._tools[name]
+
+    def agent(self, profile: str | None, with_planner: bool, build: Callable[[ProfileTools, bool], Any]) -> Any:
+        """The profile's agent, built by `build` once per process (building one generates every tool's schema)."""
+        tools = self.tools(profile)
+        key = (tools.profile, with_planner)
+        with self._lock:
+            if key not in self._agents:
+                self._agents[key] = build(tools, with_planner)
+            return self._agents[key]
+
+
+def _describe(loaded: dict[str, ProfileTools]) -> list[str]:
+    lines = []
+    for name, tools in loaded.items():
+        lines.append(f"{name}:")
+        width = max((len(tool) for tool in tools.sources), default=0)
+        lines += [f"  {tool:<{width}}  {source}" for tool, source in tools.sources.items()]
+        lines.append(f"  {'attempt_completion':<{width}}  {BUILT_IN} (ends the task)")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`subq tools`: check every profile's tools as a worker would at start, and list them."""
+    parser = argparse.ArgumentParser(prog="subq tools")
+    parser.add_argument("--profile", help="only this profile")
+    parser.add_argument("--json", action="store_true", help="one JSON object: profile -> tool -> source")
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings()
+        if args.profile is not None:
+            settings.profile(args.profile)  # an unknown profile: one line
+        names = [args.profile] if args.profile else list(settings.all_profiles())
+        loaded = {name: load_profile(name, settings) for name in names}
+    except (ConfigError, ProfileError) as exc:
+        print(f"subq: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({name: tools.sources for name, tools in loaded.items()}))
+    else:
+        print("\n".join(_describe(loaded)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
