@@ -8,6 +8,7 @@ touches shared state is one call here, in this order:
     run.check_stop() / run.rate_wait_ms() before each model request: a stop or spent budget, the rate limit
     run.record_response(...)             after each: usage and cost (once per request key), live status
     run.save(...) / run.say(...)         new conversation messages, UI messages
+    run.flush() / run.record_tool_result a response kept before its tool calls run; each call's result as it returns
     run.update_todos / run.delegate      the orchestration tools
     run.park(calls)                      tool calls that wait for a human decision
     run.end(outcome)                     finish, release the lease, free the slot, write back, resume
@@ -54,6 +55,8 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from pydantic_core import to_jsonable_python
 
 from coordinator import admission, approvals, budgets, delegation, dispatch, faults, writeback
 from coordinator.approvals import ToolCall
@@ -297,6 +300,19 @@ class Run:
             self.task, "running", **(self._live or {}), requests=self._requests, cost_micros=self._total_cost_micros
         )
         self._live = None
+
+    # -- the tool-call journal ----------------------------------------------------------
+
+    def record_tool_result(self, tool_call_id: str, result: object) -> None:
+        """A tool call returned: keep its result now, not at the next step (one round trip), so a run
+        resumed after this worker died replays it instead of calling the tool again."""
+        encoded = json.dumps(to_jsonable_python(result, fallback=str))
+        self._plane.store.runs.record_tool_result(self.task.id, tool_call_id, encoded)
+
+    def tool_results(self, tool_call_ids: Sequence[str]) -> dict[str, Any]:
+        """The kept results of these calls, for those that returned before the run's last worker died."""
+        found = self._plane.store.runs.tool_results(self.task.id, tool_call_ids)
+        return {call_id: json.loads(value) for call_id, value in found.items()}
 
     def transient_error(self, what: str, attempt: int) -> None:
         self.flush()

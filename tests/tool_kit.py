@@ -7,7 +7,9 @@ so a test counts the effects from outside the run.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from pathlib import Path
 
 from pydantic_ai import RunContext
@@ -41,3 +43,23 @@ kit: FunctionToolset[object] = FunctionToolset()
 def shout(text: str) -> str:
     """Say it louder."""
     return text.upper()
+
+
+async def slow_mark(ctx: RunContext[object], label: str, seconds: float) -> str:
+    """Wait, then leave a mark: a side effect that takes a while (and is not safe to repeat)."""
+    await asyncio.sleep(seconds)
+    (Path(os.environ["TOOL_KIT_MARKS"]) / f"{label}.{ctx.tool_call_id}.{time.monotonic_ns()}").write_text("1")
+    return f"marked {label} slowly"
+
+
+async def settle(ctx: RunContext[object], label: str, seconds: float) -> str:
+    """Wait, then leave a mark: declared idempotent (its effect may be made twice)."""
+    await asyncio.sleep(seconds)
+    (Path(os.environ["TOOL_KIT_MARKS"]) / f"{label}.{ctx.tool_call_id}.{time.monotonic_ns()}").write_text("1")
+    return f"settled {label}"
+
+
+# A tool kit whose `settle` is declared idempotent, as a deployment declares one (pydantic-ai's tool metadata).
+journal_kit: FunctionToolset[object] = FunctionToolset()
+journal_kit.add_function(slow_mark)
+journal_kit.add_function(settle, metadata={"idempotent": True})

@@ -15,6 +15,9 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:{root}:ui:<id>`                  | list   | UI messages, one JSON object each                  | retention |
 | `<p>:{root}:conversation:<id>`        | list   | the model conversation, one message JSON an entry  | retention |
 | `<p>:{root}:lease:<id>`               | string | the token of the run now executing the task        | the heartbeat lapse, renewed |
+| `<p>:{root}:tool-results:<id>`        | hash   | tool call id -> its result (JSON), written the     | retention |
+|                                       |        | moment the call returned: a run resumed after its  |          |
+|                                       |        | worker died replays it instead of calling again    |          |
 | `<p>:{root}:tasks`                    | zset   | every task id of the tree, scored by creation time | retention |
 | `<p>:{root}:live`                     | hash   | task id -> live status JSON (state, tool, cost)    | retention |
 | `<p>:{root}:running`                  | set    | tasks of the tree holding a run slot (in flight)   | emptied as runs end |
@@ -84,6 +87,9 @@ class Keys:
 
     def conversation(self, root_id: str, task_id: str) -> str:
         return f"{self._tree(root_id)}:conversation:{task_id}"
+
+    def tool_results(self, root_id: str, task_id: str) -> str:
+        return f"{self._tree(root_id)}:tool-results:{task_id}"
 
     def lease(self, root_id: str, task_id: str) -> str:
         return f"{self._tree(root_id)}:lease:{task_id}"

@@ -297,6 +297,25 @@ class RunStore(Part):
                 found = tid
         return found
 
+    # -- the tool-call journal ---------------------------------------------------------
+
+    @translate_redis_errors
+    def record_tool_result(self, task_id: str, tool_call_id: str, result_json: str) -> None:
+        """Keep a tool call's result the moment it returned: one round trip (a pipeline of two commands)."""
+        key = self.keys.tool_results(root_of(task_id), task_id)
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.hset(key, tool_call_id, result_json)
+            pipe.expire(key, self.retention_s)
+            pipe.execute()
+
+    @translate_redis_errors
+    def tool_results(self, task_id: str, tool_call_ids: Sequence[str]) -> dict[str, str]:
+        """The recorded results of these calls (JSON), for those that have one."""
+        if not tool_call_ids:
+            return {}
+        found = self.client.hmget(self.keys.tool_results(root_of(task_id), task_id), list(tool_call_ids))
+        return {call_id: str(value) for call_id, value in zip(tool_call_ids, found, strict=True) if value is not None}
+
     @translate_redis_errors
     def set_error_detail(self, task_id: str, detail: str) -> None:
         """Keep a failed run's raw error body on its record (only failures have one)."""

@@ -45,7 +45,19 @@ from coordinator import ConfigError, ProfileError, Settings, load_settings
 from workers.runtime.approval_policy import verdict
 from workers.runtime.tools import RunState, orchestration_tools
 
-__all__ = ["BUILT_IN", "OUTPUT_TOOLS", "PolicyToolset", "ProfileTools", "Toolbox", "check", "load_profile"]
+__all__ = [
+    "BUILT_IN",
+    "CUT_OFF",
+    "INTERRUPTED",
+    "OUTPUT_TOOLS",
+    "OWN_STATE_TOOLS",
+    "PolicyToolset",
+    "ProfileTools",
+    "Toolbox",
+    "check",
+    "idempotent",
+    "load_profile",
+]
 
 # Where a tool comes from when subq itself offers it.
 BUILT_IN = "subq"
@@ -53,20 +65,49 @@ BUILT_IN = "subq"
 OUTPUT_TOOLS = frozenset({"attempt_completion"})
 
 
+# subq's tools whose effects subq keeps itself (the plan, a delegation, answered by its batch on
+# resume): never journaled. Every other call's result is (`Run.record_tool_result`).
+OWN_STATE_TOOLS = frozenset({"update_todo_list", "new_task", "run_subagents"})
+# The metadata a resumed run gives a call of its last response that has no kept result: it may
+# have been running when its worker died.
+CUT_OFF = "subq_cut_off"
+INTERRUPTED = (
+    "Error: interrupted: this call was running when its worker stopped, and may or may not have taken "
+    "effect; check before calling it again."
+)
+
+
+def idempotent(tool: ToolsetTool[Any]) -> bool:
+    """A tool declared safe to run twice: `metadata={"idempotent": True}` on a function tool."""
+    return bool((tool.tool_def.metadata or {}).get("idempotent"))
+
+
 @dataclass(eq=False)
 class PolicyToolset(WrapperToolset[RunState]):
-    """Every call of the wrapped tools goes through the run's profile's approval policy first."""
+    """Every call of the wrapped tools goes through the run's profile's approval policy first, and
+    its result is kept the moment it returns (the journal: a resume replays it, never calls again).
+
+    A call that was cut off by its worker's death (`CUT_OFF`) runs again only if its tool is
+    idempotent; otherwise its result says it was interrupted. Either way the policy decides anew.
+    """
 
     async def call_tool(
         self, name: str, tool_args: dict[str, Any], ctx: RunContext[RunState], tool: ToolsetTool[RunState]
     ) -> Any:
-        if not ctx.tool_call_approved:
+        cut_off = bool(ctx.tool_call_approved and (ctx.tool_call_metadata or {}).get(CUT_OFF))
+        if cut_off or not ctx.tool_call_approved:
             decided = verdict(ctx.deps.profile, name, tool_args)
             if decided == "deny":
                 return f"Denied by policy: {name} {json.dumps(tool_args)} is not allowed for this task."
             if decided == "ask":
                 raise ApprovalRequired(metadata={"tool": name, "args": tool_args})
-        return await super().call_tool(name, tool_args, ctx, tool)
+        if cut_off and not idempotent(tool):
+            ctx.deps.run.say("tool_interrupted", f"{name}({json.dumps(tool_args)})")
+            return INTERRUPTED
+        result = await super().call_tool(name, tool_args, ctx, tool)
+        if name not in OWN_STATE_TOOLS:
+            ctx.deps.run.record_tool_result(ctx.tool_call_id or "", result)
+        return result
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pydantic
-from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults, ToolApproved, ToolDenied, ToolOutput
+from pydantic_ai import (
+    Agent,
+    CallToolsNode,
+    DeferredToolRequests,
+    DeferredToolResults,
+    ToolApproved,
+    ToolDenied,
+    ToolOutput,
+)
 from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.usage import UsageLimits
 
@@ -51,7 +59,7 @@ from workers import observe
 from workers.runtime.context import Runtime
 from workers.runtime.metering import MeteredModel
 from workers.runtime.pricing import cost_of, reported_cost_usd
-from workers.runtime.profile_tools import ProfileTools
+from workers.runtime.profile_tools import CUT_OFF, OUTPUT_TOOLS, OWN_STATE_TOOLS, ProfileTools
 from workers.runtime.providers import build_model
 from workers.runtime.tools import (
     ORCHESTRATION_PROMPT,
@@ -226,7 +234,7 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
         on_transient=on_transient,
     )
     pending = _calls_without_result(history)
-    results = _answers(run, pending) if pending else None
+    results = _answers(run, pending, offered) if pending else None
     agent: Agent[RunState, Any] = rt.toolbox.agent(task.profile, plans_offline(profile, task.prompt), build_agent)
     async with agent.iter(
         None if history else task.prompt,
@@ -236,8 +244,12 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
         deps=state,
         usage_limits=UsageLimits(request_limit=profile.max_requests),
     ) as agent_run:
-        async for _node in agent_run:
+        async for node in agent_run:
             saved = _save_new(run, agent_run.all_messages(), saved)
+            if isinstance(node, CallToolsNode) and _journaled(node.model_response):
+                # The response is kept before its calls run: a run resumed after this worker dies
+                # finds them, and replays the result of each that returned (the journal).
+                run.flush()
         _save_new(run, agent_run.all_messages(), saved)
         assert agent_run.result is not None
         output = agent_run.result.output
@@ -274,18 +286,35 @@ def _tool_call(call: ToolCallPart, requests: DeferredToolRequests) -> ToolCall:
     )
 
 
-def _answers(run: Run, pending: Sequence[ToolCallPart]) -> DeferredToolResults:
-    """Results for the calls of the last response that have none: a batch's, a decision, or INTERRUPTED."""
-    calls: dict[str, Any] = {call.tool_call_id: INTERRUPTED for call in pending}
+def _journaled(response: ModelResponse) -> bool:
+    return any(p.tool_name not in OWN_STATE_TOOLS for p in response.parts if isinstance(p, ToolCallPart))
+
+
+def _answers(run: Run, pending: Sequence[ToolCallPart], offered: frozenset[str]) -> DeferredToolResults:
+    """Results for the calls of the last response that have none: the kept result of a call that
+    returned (replayed), a batch's, a decision; a tool's call that may have been cut off by its
+    worker's death goes to the policy again (`CUT_OFF`: run again only if idempotent); else INTERRUPTED."""
+    calls: dict[str, Any] = {}
     approvals: dict[str, Any] = {}
+    metadata: dict[str, dict[str, Any]] = {}
     batch, decisions = run.answers()
-    if batch is not None and batch.tool_call_id in calls:
-        calls[batch.tool_call_id] = batch.result
-    for tool_call_id, decision in decisions.items():
-        if tool_call_id in calls:
-            del calls[tool_call_id]
-            approvals[tool_call_id] = ToolApproved() if decision.approved else ToolDenied(message=decision.feedback)
-    return DeferredToolResults(calls=calls, approvals=approvals)
+    kept = run.tool_results([c.tool_call_id for c in pending if c.tool_name not in OWN_STATE_TOOLS])
+    for call in pending:
+        call_id = call.tool_call_id
+        if call_id in kept:
+            calls[call_id] = kept[call_id]
+            run.say("tool_replayed", describe_call(call))
+        elif batch is not None and batch.tool_call_id == call_id:
+            calls[call_id] = batch.result
+        elif call_id in decisions:
+            decision = decisions[call_id]
+            approvals[call_id] = ToolApproved() if decision.approved else ToolDenied(message=decision.feedback)
+        elif call.tool_name in offered and call.tool_name not in OWN_STATE_TOOLS | OUTPUT_TOOLS:
+            approvals[call_id] = ToolApproved()
+            metadata[call_id] = {CUT_OFF: True}
+        else:
+            calls[call_id] = INTERRUPTED
+    return DeferredToolResults(calls=calls, approvals=approvals, metadata=metadata)
 
 
 def _calls_without_result(history: Sequence[ModelMessage]) -> list[ToolCallPart]:

@@ -1,0 +1,105 @@
+"""The tool-call journal: a call's result is kept the moment it returns, and a resumed run replays it.
+
+A real worker runs one response that calls three tools at once; it is SIGKILLed
+after the quick side-effecting call returned, while the two slow ones still run.
+A second worker resumes the task (the reconciler publishes it again once the
+dead worker's lease lapses). The tools leave marks in a folder outside the run,
+so the test counts each effect from outside.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coordinator import Coordinator, Profile, Settings, TaskStatus
+from coordinator.local.fleet import WorkerFleet
+from tests.agents import agent, calls, reply
+from workers.runtime.profile_tools import INTERRUPTED
+
+JOURNALED = Profile(tools=["tests.tool_kit:leave_mark", "tests.tool_kit:journal_kit"])
+# The fault suite's clock: a dead worker's lease lapses in 3 s, the reconciler looks every 0.5 s.
+FAST_CLOCK = {"heartbeat_lapse_s": 3, "reconcile_interval_s": 0.5, "reconcile_grace_s": 3, "queue": "subq-journal"}
+
+
+@pytest.fixture
+def marks(tmp_path: Path) -> Iterator[Path]:
+    folder = tmp_path / "marks"
+    folder.mkdir()
+    os.environ["TOOL_KIT_MARKS"] = str(folder)  # the workers inherit it
+    try:
+        yield folder
+    finally:
+        del os.environ["TOOL_KIT_MARKS"]
+
+
+def _count(marks: Path, label: str) -> int:
+    return len(list(marks.glob(f"{label}.*")))
+
+
+def test_a_resumed_run_replays_what_returned_and_reruns_only_the_idempotent(
+    settings: Settings, marks: Path, tmp_path: Path
+) -> None:
+    assert settings.redis_url
+    own = settings.model_copy(
+        update={
+            **FAST_CLOCK,
+            "profiles": {"journaled": JOURNALED},
+            "redis_url": settings.redis_url.rsplit("/", 1)[0] + "/9",
+        }
+    )
+    coord = Coordinator(own)
+    coord.client.flushdb()
+    victim = WorkerFleet(own, 1, tmp_path / "victim", name="victim")
+    rescuer: WorkerFleet | None = None
+    try:
+        victim.wait_ready()
+        task = coord.create_task(
+            agent(
+                calls(
+                    ("leave_mark", {"label": "quick"}),
+                    ("slow_mark", {"label": "slow", "seconds": 30}),
+                    ("settle", {"label": "idem", "seconds": 4}),
+                ),
+                reply("all three handled"),
+            ),
+            profile="journaled",
+            run=True,
+        )
+        journal = coord.store.keys.tool_results(task.root_id, task.id)
+        deadline = time.monotonic() + 60
+        while not (_count(marks, "quick") and coord.client.hlen(journal)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _count(marks, "quick") == 1 and coord.client.hlen(journal) == 1, "the quick call returned and was kept"
+        assert _count(marks, "slow") == _count(marks, "idem") == 0, "the slow calls are still running"
+        os.kill(victim.procs[0].pid, signal.SIGKILL)
+        victim.procs[0].wait(timeout=30)
+
+        rescuer = WorkerFleet(own, 1, tmp_path / "rescuer", name="rescuer")
+        rescuer.wait_ready()
+        done = coord.wait(task.id, 90)
+    finally:
+        victim.stop()
+        if rescuer is not None:
+            rescuer.stop()
+    assert done.status == TaskStatus.COMPLETED, done
+    assert _count(marks, "quick") == 1, "the call that returned ran once: its result was replayed"
+    assert _count(marks, "slow") == 0, "the cut-off call that is not idempotent never ran again"
+    assert _count(marks, "idem") == 1, "the cut-off idempotent call ran once more, to its end"
+    says = [(m["say"], m["text"]) for m in coord.messages(task.id) if m.get("type") == "say"]
+    assert ("tool_replayed", 'leave_mark({"label": "quick"})') in says
+    assert ("tool_interrupted", 'slow_mark({"label": "slow", "seconds": 30.0})') in says
+    results = {
+        part["tool_name"]: part["content"]
+        for message in coord.store.records.conversation(task.id)
+        for part in json.loads(message).get("parts", [])
+        if part.get("part_kind") == "tool-return"
+    }
+    assert results == {"leave_mark": "marked quick", "slow_mark": INTERRUPTED, "settle": "settled idem"}
+    coord.close()
