@@ -11,12 +11,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from coordinator import ConfigError, Coordinator, Profile, Settings, TaskStatus
+from coordinator import ConfigError, Coordinator, Profile, RunCommand, Settings, TaskStatus
 from coordinator.local.fleet import WorkerFleet, settings_env
 from tests.agents import agent, call, reply
 from tests.conftest import dedicated_fleet
@@ -116,7 +117,9 @@ def tooled(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iter
     """A worker whose profiles offer the tool kit; its side effects land in a folder of the test's."""
     marks = tmp_path_factory.mktemp("marks")
     os.environ["TOOL_KIT_MARKS"] = str(marks)  # the worker inherits it (settings_env passes on what is not SUBQ_*)
-    own = _settings(settings, tooled=TOOLED, guarded=GUARDED)
+    # A profile that may run `sleep` without asking: a long tool call that a cancel must stop.
+    commander = Profile(run_command=RunCommand(cwd=marks), allow=["run_command:sleep"])
+    own = _settings(settings, tooled=TOOLED, guarded=GUARDED, commander=commander)
     try:
         with dedicated_fleet(own, tmp_path_factory.mktemp("tooled"), 1, queue="subq-tools") as (coord, _fleet):
             yield coord, marks
@@ -182,3 +185,33 @@ def test_a_denied_call_never_runs(tooled: tuple[Coordinator, Path]) -> None:
     coord.decide(approval.id, "deny", feedback="not today")
     assert coord.wait(task.id, 60).status == TaskStatus.COMPLETED
     assert list(marks.glob("denied.*")) == []
+
+
+def _processes_with(argument: str) -> list[int]:
+    """The pids whose command line holds `argument` (read from /proc: no library needed)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            words = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # not a process, or it ended meanwhile
+        if argument.encode() in words:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_cancel_stops_a_long_tool_call_and_its_process(tooled: tuple[Coordinator, Path]) -> None:
+    coord, _ = tooled
+    seconds = "61.73"  # a sleep no other test starts, found by its argument
+    task = coord.create_task(
+        agent(call("run_command", command=f"sleep {seconds}"), reply("slept")), profile="commander", run=True
+    )
+    eventually(lambda: _processes_with(seconds) != [], "the command is running", 60)
+    cancelled_at = time.monotonic()
+    coord.cancel(task.id, "no need to wait")
+    eventually(lambda: _processes_with(seconds) == [], "the command's process is gone", 5)
+    gone_s = time.monotonic() - cancelled_at
+    print(f"the command's process was gone {gone_s:.3f} s after the cancel")
+    # 1 s is the promise (a stop watch poll is 0.25 s); the bound leaves a loaded CI host room.
+    assert gone_s < 2.0, f"the command ran on for {gone_s:.2f} s after the cancel"
+    assert coord.wait(task.id, 30).status == TaskStatus.CANCELLED
