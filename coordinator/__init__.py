@@ -118,7 +118,7 @@ _EXPORTS = {
 # (tests/test_client_install.py holds this set to the extra and to subq's imports).
 SERVER_MODULES = frozenset(
     {
-        *("anthropic", "anyio", "celery", "fastapi", "fastapi_offline", "flower", "genai_prices", "kombu"),
+        *("anthropic", "anyio", "celery", "fastapi", "fastapi_offline", "fastmcp", "flower", "genai_prices", "kombu"),
         *("openai", "prometheus_client", "pydantic_ai", "pydantic_settings", "pythonjsonlogger", "redis"),
         *("rich", "sse_starlette", "starlette", "tornado", "typer", "uvicorn", "vine"),
     }

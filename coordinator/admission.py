@@ -4,6 +4,9 @@
   of one parent, and the tasks of one tree, holding a run slot at once (0: no cap).
 - `SUBQ_START_STAGGER_MS` spaces the starts of a tree's runs.
 - `SUBQ_PROVIDER_RPM` caps each provider's requests per minute, fleet-wide.
+- A profile's `tool_limits` cap the calls of the tools a glob matches, fleet-wide:
+  at once (slots held for the call, with a lease a dead worker's slots lapse by)
+  and a minute (the same window as a provider's requests).
 
 Admission is a step of a run's one start and one end, not a path of its own: a
 run's start (`start_run.lua`) admits it before it takes the lease, and a run's
@@ -29,7 +32,16 @@ from coordinator.models import AdmissionLimits, TaskRecord
 if TYPE_CHECKING:
     from coordinator.plane import Plane
 
-__all__ = ["limits", "must_wait", "release", "started_again", "wait_for_rate"]
+__all__ = [
+    "free_tool_slot",
+    "limits",
+    "must_wait",
+    "release",
+    "started_again",
+    "take_tool_slot",
+    "wait_for_rate",
+    "wait_for_tool_rate",
+]
 
 
 def limits(plane: Plane) -> AdmissionLimits:
@@ -55,6 +67,20 @@ def release(plane: Plane, task: TaskRecord) -> None:
     own = limits(plane)
     if own.applies_to(task):
         started_again(plane, plane.store.runs.release_slot(task, own))
+
+
+def take_tool_slot(plane: Plane, pattern: str, limit: int, lease_s: float, member: str) -> bool:
+    """Take a fleet-wide slot of the tool glob `pattern` for the call `member`; False: all `limit` are held."""
+    return plane.store.runs.take_tool_slot(pattern, limit, lease_s, member)
+
+
+def free_tool_slot(plane: Plane, pattern: str, member: str) -> None:
+    plane.store.runs.free_tool_slot(pattern, member)
+
+
+def wait_for_tool_rate(plane: Plane, pattern: str, rpm: int) -> int:
+    """0 when a call of the tool glob `pattern` may start now (and is counted), else the ms to wait first."""
+    return plane.store.runs.wait_for_rate(f"tool:{pattern}", rpm)
 
 
 def wait_for_rate(plane: Plane, provider: str) -> int:

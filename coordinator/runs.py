@@ -56,7 +56,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pydantic_core import to_jsonable_python
+from pydantic import TypeAdapter
 
 from coordinator import admission, approvals, budgets, delegation, dispatch, faults, writeback
 from coordinator.approvals import ToolCall
@@ -95,6 +95,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# A tool's result, whatever it is (a string, a number, a pydantic model), as JSON for the journal.
+ANY_RESULT: TypeAdapter[Any] = TypeAdapter(Any)
 
 # -- how a run ends ------------------------------------------------------------------------
 
@@ -273,6 +276,17 @@ class Run:
     def rate_wait_ms(self, provider: str) -> int:
         return admission.wait_for_rate(self._plane, provider)
 
+    def tool_rate_wait_ms(self, pattern: str, rpm: int) -> int:
+        """0 when a call of the tool glob `pattern` may start now under its fleet-wide `rpm`, else the ms to wait."""
+        return admission.wait_for_tool_rate(self._plane, pattern, rpm)
+
+    def take_tool_slot(self, pattern: str, limit: int, lease_s: float, tool_call_id: str) -> bool:
+        """A fleet-wide slot of the tool glob `pattern` for this call, held until `free_tool_slot` or the lease."""
+        return admission.take_tool_slot(self._plane, pattern, limit, lease_s, f"{self.task.id}:{tool_call_id}")
+
+    def free_tool_slot(self, pattern: str, tool_call_id: str) -> None:
+        admission.free_tool_slot(self._plane, pattern, f"{self.task.id}:{tool_call_id}")
+
     def record_response(
         self,
         request_no: int,
@@ -306,8 +320,13 @@ class Run:
     def record_tool_result(self, tool_call_id: str, result: object) -> None:
         """A tool call returned: keep its result now, not at the next step (one round trip), so a run
         resumed after this worker died replays it instead of calling the tool again."""
-        encoded = json.dumps(to_jsonable_python(result, fallback=str))
+        encoded = ANY_RESULT.dump_json(result, fallback=str).decode()
         self._plane.store.runs.record_tool_result(self.task.id, tool_call_id, encoded)
+
+    def record_tool_cost(self, tool_call_id: str, tool: str, cost_micros: int) -> None:
+        """A call's price: the task's own spend (recorded once per call, at the next step, as a response's is)."""
+        self.writes.usage.append((f"tool:{tool_call_id}", Usage(), cost_micros, f"tool:{tool}"))
+        self._total_cost_micros += cost_micros
 
     def tool_results(self, tool_call_ids: Sequence[str]) -> dict[str, Any]:
         """The kept results of these calls, for those that returned before the run's last worker died."""

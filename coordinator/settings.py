@@ -26,10 +26,12 @@ __all__ = [
     "DEFAULT_PRICED_AS",
     "OFFLINE_PROFILE",
     "STANDARD_KEYS",
+    "McpServer",
     "Price",
     "Profile",
     "RunCommand",
     "Settings",
+    "ToolLimit",
     "load_settings",
 ]
 
@@ -95,6 +97,10 @@ DEFAULT_PRICED_AS = "anthropic:claude-sonnet-4-5"
 OFFLINE_PROFILE = "offline"
 # Bounds one agent run so a looping model cannot spend without end.
 DEFAULT_MAX_REQUESTS = 25
+# A tool call runs at most this long by default (a profile's `tool_timeout_s` changes it).
+DEFAULT_TOOL_TIMEOUT_S = 300.0
+# One response of a model may call many tools; a run makes at most this many calls at once.
+DEFAULT_MAX_TOOL_CALLS_AT_ONCE = 8
 
 
 class Price(BaseModel):
@@ -126,6 +132,73 @@ class RunCommand(BaseModel):
     cwd: Path
     timeout_s: float = Field(default=60.0, gt=0)
     max_output_chars: int = Field(default=20_000, ge=1)
+
+
+# An MCP server's name: its tools' source (`mcp:<name>`) in `subq tools` and in errors.
+MCP_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+# A tool-name prefix (`<prefix>_<tool>`): what providers accept in a tool name.
+MCP_PREFIX_PATTERN = r"^[A-Za-z0-9_-]+$"
+# How long a server may take to start and answer `initialize`, and to list its tools: a
+# program that needs longer is usually waiting on something that will not come.
+DEFAULT_MCP_TIMEOUT_S = 10.0
+# `${VAR}`: the value is read from the worker's environment when it starts (docs/tools.md).
+MCP_SECRET_PATTERN = r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$"
+
+
+class McpServer(BaseModel):
+    """An MCP server whose tools a profile offers (docs/tools.md): a program over stdio, or a Streamable HTTP URL.
+
+    Exactly one of `command` (stdio: `args`, `env`, `cwd`) and `url` (`headers`). A value of
+    `env` or `headers` written `${VAR}` is read from the worker's environment at its start.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(pattern=MCP_NAME_PATTERN)
+    command: str | None = Field(default=None, min_length=1)
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: Path | None = None
+    url: str | None = None
+    headers: dict[str, str] = Field(default_factory=dict)
+    prefix: str | None = Field(default=None, pattern=MCP_PREFIX_PATTERN)
+    timeout_s: float = Field(default=DEFAULT_MCP_TIMEOUT_S, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        # extra="forbid" names the key but not the server: this line names both.
+        if isinstance(data, dict):
+            unknown = sorted(str(key) for key in data if key not in cls.model_fields)
+            if unknown:
+                name = data.get("name", "?")
+                raise ValueError(
+                    f"mcp server {name!r}: unknown key {unknown[0]!r} (known: {', '.join(cls.model_fields)})"
+                )
+        return data
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> Self:
+        if (self.command is None) == (self.url is None):
+            raise ValueError(f"mcp server {self.name!r}: give exactly one of command (stdio) and url (HTTP)")
+        if self.url is not None:
+            parts = urlsplit(self.url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"mcp server {self.name!r}: url {self.url!r} is not an http:// or https:// URL")
+            if self.args or self.env or self.cwd is not None:
+                raise ValueError(f"mcp server {self.name!r}: args, env and cwd are for a stdio server (command)")
+        elif self.headers:
+            raise ValueError(f"mcp server {self.name!r}: headers are for an HTTP server (url)")
+        return self
+
+
+class ToolLimit(BaseModel):
+    """A fleet-wide limit on the calls of the tools one glob matches: at once, and a minute."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    concurrency: int | None = Field(default=None, ge=1)
+    rpm: int | None = Field(default=None, ge=1)
 
 
 class Profile(BaseModel):
@@ -160,6 +233,29 @@ class Profile(BaseModel):
     disallowed_tools: list[str] = Field(default_factory=list)
     # Set: `run_command` executes commands, as this says; unset: the profile has no `run_command`.
     run_command: RunCommand | None = None
+    # How long a call of one of the profile's tools may run before the model is told it timed out:
+    # the default, and by name or `*` glob (the first glob that matches wins).
+    tool_timeout_s: float = Field(default=DEFAULT_TOOL_TIMEOUT_S, gt=0)
+    tool_timeouts: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
+    # Fleet-wide limits on the calls of the tools a glob matches (the first glob that matches a
+    # tool is its limit), and how many tool calls one run makes at once.
+    tool_limits: dict[str, ToolLimit] = Field(default_factory=dict)
+    max_tool_calls_at_once: int = Field(default=DEFAULT_MAX_TOOL_CALLS_AT_ONCE, ge=1)
+    # What a call of the tools a glob matches costs, in USD (the first glob that matches wins):
+    # the task's own spend, beside its tokens' cost, on its parent's plan item.
+    tool_prices: dict[str, Annotated[Decimal, Field(ge=0)]] = Field(default_factory=dict)
+    # MCP servers whose tools the profile offers beside its own (each once per worker process).
+    mcp_servers: list[McpServer] = Field(default_factory=list)
+
+    @field_validator("mcp_servers")
+    @classmethod
+    def _unique_servers(cls, servers: list[McpServer]) -> list[McpServer]:
+        seen: set[str] = set()
+        for server in servers:
+            if server.name in seen:
+                raise ValueError(f"mcp server {server.name!r}: two servers of one profile have this name")
+            seen.add(server.name)
+        return servers
 
     @model_validator(mode="after")
     def _known_provider(self) -> Self:

@@ -2,7 +2,8 @@
 
 Hypothesis writes programs of operations on one tree in a real Redis: delegate
 (parallel or sequential, nested, onto named or free rows), rewrite a plan
-(drop, duplicate, reorder, reword, flip, unicode, whitespace), spend, end a
+(drop, duplicate, reorder, reword, flip, unicode, whitespace), spend (a model
+request's tokens and cost, or a priced tool call's cost, replayed or not), end a
 child (completed or failed; written back by the batch's settle or by a
 redelivered run), cancel a subtree, stop one for a spent budget, and settle
 a batch again. The steps are
@@ -44,6 +45,7 @@ OPS = st.one_of(
     st.tuples(st.just("rewrite"), st.integers(0, 9), st.sampled_from(["drop", "dup", "reverse", "reword", "flip",
               "add", "space"]), st.integers(0, 9)),
     st.tuples(st.just("spend"), st.integers(0, 9), st.integers(1, 5000)),
+    st.tuples(st.just("tool_cost"), st.integers(0, 9), st.integers(1, 5000), st.booleans()),
     st.tuples(st.just("end"), st.integers(0, 9), st.sampled_from(["completed", "failed"]), st.booleans(),
               st.integers(0, 5000)),
     st.tuples(st.just("cancel"), st.integers(1, 9)),
@@ -109,6 +111,16 @@ class Tree:
         if task.status == TaskStatus.ACTIVE:
             usage = Usage(tokens_in=cost_micros * 3, tokens_out=cost_micros)
             self.coord.store.runs.record_usage(task.id, f"p:{next(self.keys)}", usage, cost_micros, "test")
+
+    def tool_cost(self, n: int, cost_micros: int, replayed: bool) -> None:
+        """A priced tool call: spend without tokens or a request, recorded once by its call's key (a resume
+        that replays the call records it again)."""
+        task = self.coord.get_task(self.pick(n))
+        if task.status == TaskStatus.ACTIVE:
+            key = f"tool:{next(self.keys)}"
+            for _ in range(1 + replayed):
+                self.coord.store.runs.record_usage(task.id, key, Usage(), cost_micros, "tool:search")
+            assert self.coord.get_task(task.id).requests == task.requests, "a tool call is no model request"
 
     def end(self, n: int, status: str, redelivered: bool, cost_micros: int = 0) -> None:
         task = self.coord.get_task(self.pick(n))

@@ -13,13 +13,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 from coordinator import ConfigError, Coordinator, Profile, RunCommand, Settings, TaskStatus
 from coordinator.local.fleet import WorkerFleet, settings_env
-from tests.agents import agent, call, reply
+from coordinator.settings import ToolLimit
+from tests.agents import STEP_COST_MICROS, agent, call, reply
 from tests.conftest import dedicated_fleet
 from tests.helpers import eventually
 from workers.runtime.profile_tools import load_profile
@@ -112,17 +115,27 @@ def test_subq_tools_lists_each_profiles_tools(settings: Settings) -> None:
     assert unknown.returncode == 2 and unknown.stderr == "subq: Invalid profile: nope\n"
 
 
+class Tooled(NamedTuple):
+    coord: Coordinator
+    marks: Path  # where the tools leave their marks
+    fleet: WorkerFleet
+
+
 @pytest.fixture(scope="module")
-def tooled(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Coordinator, Path]]:
+def tooled(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tooled]:
     """A worker whose profiles offer the tool kit; its side effects land in a folder of the test's."""
     marks = tmp_path_factory.mktemp("marks")
     os.environ["TOOL_KIT_MARKS"] = str(marks)  # the worker inherits it (settings_env passes on what is not SUBQ_*)
     # A profile that may run `sleep` without asking: a long tool call that a cancel must stop.
     commander = Profile(run_command=RunCommand(cwd=marks), allow=["run_command:sleep"])
-    own = _settings(settings, tooled=TOOLED, guarded=GUARDED, commander=commander)
+    # Tools that fail and time out: their calls are results for the model, and the run goes on.
+    fragile = Profile(tools=["tests.tool_kit:explode", "tests.tool_kit:journal_kit"], tool_timeouts={"slow_*": 0.5})
+    # A tool with a price: each call is the task's own spend.
+    priced = TOOLED.model_copy(update={"tool_prices": {"add_*": Decimal("0.25")}})
+    own = _settings(settings, tooled=TOOLED, guarded=GUARDED, commander=commander, fragile=fragile, priced=priced)
     try:
-        with dedicated_fleet(own, tmp_path_factory.mktemp("tooled"), 1, queue="subq-tools") as (coord, _fleet):
-            yield coord, marks
+        with dedicated_fleet(own, tmp_path_factory.mktemp("tooled"), 1, queue="subq-tools") as (coord, fleet):
+            yield Tooled(coord, marks, fleet)
     finally:
         del os.environ["TOOL_KIT_MARKS"]
 
@@ -131,8 +144,8 @@ def _says(coord: Coordinator, task_id: str, kind: str) -> list[str]:
     return [m["text"] for m in coord.messages(task_id) if m.get("say") == kind]
 
 
-def test_a_subagent_calls_a_profile_tool(tooled: tuple[Coordinator, Path]) -> None:
-    coord, _ = tooled
+def test_a_subagent_calls_a_profile_tool(tooled: Tooled) -> None:
+    coord = tooled.coord
     task = coord.create_task(
         agent(call("add_numbers", a=2, b=40), call("shout", text="done"), reply("42")), profile="tooled", run=True
     )
@@ -144,8 +157,8 @@ def test_a_subagent_calls_a_profile_tool(tooled: tuple[Coordinator, Path]) -> No
     assert _says(coord, task.id, "tool") == ['add_numbers({"a": 2, "b": 40})', 'shout({"text": "done"})']
 
 
-def test_a_call_to_a_tool_the_task_lacks_is_an_error_never_shown_as_run(tooled: tuple[Coordinator, Path]) -> None:
-    coord, marks = tooled
+def test_a_call_to_a_tool_the_task_lacks_is_an_error_never_shown_as_run(tooled: Tooled) -> None:
+    coord, marks = tooled.coord, tooled.marks
     before = len(list(marks.iterdir()))
     task = coord.create_task(
         agent(call("shout", text="hi"), call("read_file", path="/etc/passwd"), reply("finished")), profile="guarded",
@@ -162,8 +175,8 @@ def test_a_call_to_a_tool_the_task_lacks_is_an_error_never_shown_as_run(tooled: 
     assert len(list(marks.iterdir())) == before
 
 
-def test_any_tool_can_need_a_decision_and_runs_once_approved(tooled: tuple[Coordinator, Path]) -> None:
-    coord, marks = tooled
+def test_any_tool_can_need_a_decision_and_runs_once_approved(tooled: Tooled) -> None:
+    coord, marks = tooled.coord, tooled.marks
     task = coord.create_task(
         agent(call("add_numbers", a=1, b=1), call("leave_mark", label="approved"), reply("marked")),
         profile="guarded", run=True,
@@ -177,8 +190,8 @@ def test_any_tool_can_need_a_decision_and_runs_once_approved(tooled: tuple[Coord
     assert len(list(marks.glob("approved.*"))) == 1, "it ran once"
 
 
-def test_a_denied_call_never_runs(tooled: tuple[Coordinator, Path]) -> None:
-    coord, marks = tooled
+def test_a_denied_call_never_runs(tooled: Tooled) -> None:
+    coord, marks = tooled.coord, tooled.marks
     task = coord.create_task(agent(call("leave_mark", label="denied"), reply("gave up")), profile="guarded", run=True)
     eventually(lambda: coord.list_approvals(task.root_id) != [], "the call waits for a decision", 60)
     (approval,) = coord.list_approvals(task.root_id)
@@ -200,8 +213,8 @@ def _processes_with(argument: str) -> list[int]:
     return found
 
 
-def test_a_cancel_stops_a_long_tool_call_and_its_process(tooled: tuple[Coordinator, Path]) -> None:
-    coord, _ = tooled
+def test_a_cancel_stops_a_long_tool_call_and_its_process(tooled: Tooled) -> None:
+    coord = tooled.coord
     seconds = "61.73"  # a sleep no other test starts, found by its argument
     task = coord.create_task(
         agent(call("run_command", command=f"sleep {seconds}"), reply("slept")), profile="commander", run=True
@@ -215,3 +228,74 @@ def test_a_cancel_stops_a_long_tool_call_and_its_process(tooled: tuple[Coordinat
     # 1 s is the promise (a stop watch poll is 0.25 s); the bound leaves a loaded CI host room.
     assert gone_s < 2.0, f"the command ran on for {gone_s:.2f} s after the cancel"
     assert coord.wait(task.id, 30).status == TaskStatus.CANCELLED
+
+
+def _tool_returns(coord: Coordinator, task_id: str) -> dict[str, object]:
+    return {
+        part["tool_name"]: part["content"]
+        for message in coord.store.records.conversation(task_id)
+        for part in json.loads(message).get("parts", [])
+        if part.get("part_kind") == "tool-return"
+    }
+
+
+def test_a_failing_or_slow_tool_is_a_result_and_the_run_goes_on(tooled: Tooled) -> None:
+    coord, marks = tooled.coord, tooled.marks
+    task = coord.create_task(
+        agent(call("explode", reason="disk full"), call("slow_mark", label="late", seconds=3), reply("carried on")),
+        profile="fragile", run=True,
+    )  # fmt: skip
+    done = coord.wait(task.id, 60)
+    assert done.status == TaskStatus.COMPLETED and done.summary == "carried on"
+    assert _tool_returns(coord, task.id) == {
+        "explode": "Error: ValueError: disk full",
+        "slow_mark": "Error: slow_mark timed out after 0.5 s",
+    }
+    assert _says(coord, task.id, "tool_error") == [
+        "explode: Error: ValueError: disk full",
+        "Error: slow_mark timed out after 0.5 s",
+    ]
+    time.sleep(3)
+    assert list(marks.glob("late.*")) == [], "the timed-out call was stopped, not left to finish"
+    log = tooled.fleet.logs[0].read_text(errors="replace")
+    assert "subq: tool explode failed" in log and "ValueError: disk full" in log, "the traceback is in the log"
+
+
+def test_a_fleet_wide_tool_limit_holds_across_processes(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    limited = Profile(tools=["tests.tool_kit:crowd"], tool_limits={"cro*": ToolLimit(concurrency=2)})
+    own = _settings(settings, limited=limited)
+    monkeypatch.setenv("TOOL_KIT_MARKS", str(marks))  # the workers inherit it
+    with dedicated_fleet(own, tmp_path / "fleet", 2, queue="subq-tool-limits") as (coord, _fleet):
+        root = coord.create_task("ten at once", todos="\n".join(f"[ ] crowd {n}" for n in range(10)))
+        child = {"message": agent(call("crowd", seconds=0.4), reply("done")), "profile": "limited"}
+        batch = coord.delegate(root.id, [{**child, "description": f"crowd {n}"} for n in range(10)])
+        for child_id in batch.child_ids:
+            assert coord.wait(child_id, 90).status == TaskStatus.COMPLETED
+        waited = [c for c in batch.child_ids if _says(coord, c, "tool_waiting")]
+    at_once = [int(line) for line in (marks / "crowd.log").read_text().split()]
+    assert len(at_once) == 10, "every call ran, once"
+    assert max(at_once) == 2, f"never more than 2 at once across the fleet, and the limit was used: {at_once}"
+    assert waited, "calls over the limit waited, and said so"
+
+
+def test_a_tools_price_is_its_tasks_spend_on_the_parents_plan_item(tooled: Tooled) -> None:
+    coord = tooled.coord
+    parent = coord.create_task("sum things", todos="[ ] add twice")
+    (item,) = coord.get_todos(parent.id)
+    spec = {
+        "description": "add twice", "todo_id": item.id, "profile": "priced",
+        "message": agent(call("add_numbers", a=1, b=2), call("add_numbers", a=3, b=4), reply("10")),
+    }  # fmt: skip
+    (child_id,) = coord.delegate(parent.id, [spec]).child_ids
+    child = coord.wait(child_id, 60)
+    assert child.status == TaskStatus.COMPLETED and child.requests == 3, "two calls, no model request of their own"
+    assert child.cost_micros == 3 * STEP_COST_MICROS + 2 * 250_000, "three responses and two priced calls"
+    assert child.cost_source != "tool:add_numbers", "the source says how the tokens were priced"
+    coord.wait(parent.id, 30)
+    (item,) = coord.get_todos(parent.id)
+    assert item.cost_micros == child.total_cost_micros == child.cost_micros
+    assert coord.get_task(parent.id).total_cost_micros == child.cost_micros

@@ -63,3 +63,23 @@ async def settle(ctx: RunContext[object], label: str, seconds: float) -> str:
 journal_kit: FunctionToolset[object] = FunctionToolset()
 journal_kit.add_function(slow_mark)
 journal_kit.add_function(settle, metadata={"idempotent": True})
+
+
+def explode(reason: str) -> str:
+    """Fail, as a tool whose backend is down does."""
+    raise ValueError(reason)
+
+
+async def crowd(seconds: float) -> str:
+    """Be one of the calls running now for `seconds`, and note how many ran at once (across processes)."""
+    folder = Path(os.environ["TOOL_KIT_MARKS"]) / "crowd"
+    folder.mkdir(exist_ok=True)
+    me = folder / f"{os.getpid()}-{time.monotonic_ns()}"
+    me.write_text("1")
+    try:
+        with (folder.parent / "crowd.log").open("a") as log:
+            log.write(f"{len(list(folder.iterdir()))}\n")
+        await asyncio.sleep(seconds)
+    finally:
+        me.unlink()
+    return "done"

@@ -15,6 +15,9 @@ threads pool runs the subagents in that process too):
 - `worker_shutting_down` (SIGTERM, SIGINT, SIGQUIT): every run of this process
   hands itself back at its next step boundary, within `SUBQ_SHUTDOWN_GRACE_S`
   (coordinator/runs.py), while Celery's warm shutdown waits for them.
+- `worker_shutdown` (and `worker_process_shutdown` in a prefork child): the
+  profiles' MCP servers this process started are stopped
+  (workers/runtime/mcp_servers.py).
 """
 
 from __future__ import annotations
@@ -25,13 +28,20 @@ import threading
 import time
 from typing import Any
 
-from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutting_down
+from celery.signals import (
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_ready,
+    worker_shutdown,
+    worker_shutting_down,
+)
 
 from coordinator import ConfigError
 from coordinator.reconciler import Reconciler
 from workers import observe
 from workers.application import app, settings
-from workers.runtime import profile_tools
+from workers.runtime import mcp_servers, profile_tools
 from workers.runtime.agent_loop import tune_gc
 from workers.runtime.context import get_runtime
 
@@ -87,6 +97,11 @@ def _check_tools(**_: Any) -> None:
         raise SystemExit(f"subq worker: {exc}") from None
 
 
+def _stop_mcp_servers(**_: Any) -> None:
+    """The MCP servers this process started stop with it (each once its runs have ended)."""
+    mcp_servers.stop_all()
+
+
 def _hand_back_runs(**_: Any) -> None:
     get_runtime(settings, app).lifecycle.drain(settings.shutdown_grace_s)
 
@@ -99,3 +114,5 @@ worker_ready.connect(_start_reconciler, weak=False)
 worker_ready.connect(tune_gc, weak=False)
 worker_process_init.connect(tune_gc, weak=False)  # each child of the prefork pool
 worker_shutting_down.connect(_hand_back_runs, weak=False)
+worker_shutdown.connect(_stop_mcp_servers, weak=False)
+worker_process_shutdown.connect(_stop_mcp_servers, weak=False)  # each child of the prefork pool

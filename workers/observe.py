@@ -83,6 +83,8 @@ __all__ = [
     "TASKS_ENDED",
     "TASKS_STARTED",
     "TOKENS",
+    "TOOL_CALLS",
+    "TOOL_DURATION",
     "RunContext",
     "RunContextFilter",
     "WorkerRunHooks",
@@ -93,6 +95,7 @@ __all__ = [
     "run_context",
     "run_ended",
     "serve",
+    "tool_call",
 ]
 
 log = logging.getLogger(__name__)
@@ -257,6 +260,19 @@ COST = _counter(
     "model",
     "profile",
 )
+TOOL_CALLS = _counter(
+    "subq_tool_calls",
+    "Tool calls of this worker's runs, by tool and outcome: ok, error, timeout, denied, interrupted, replayed",
+    "tool",
+    "outcome",
+)
+TOOL_DURATION = Histogram(
+    "subq_tool_call_duration_seconds",
+    "How long this worker's tool calls ran (those that ran: ok, error, timeout)",
+    ["tool"],
+    buckets=LATENCY_BUCKETS_S,
+    registry=REGISTRY,
+)
 LATENCY = Histogram(
     "subq_worker_model_request_latency_seconds",
     "Latency of this worker's model requests that got a response",
@@ -270,6 +286,13 @@ def run_ended(profile: str, status: str) -> None:
     """A run returned; its task ended if `status` is terminal (a run that released its worker did not)."""
     if status in ENDED_STATUSES:
         TASKS_ENDED.labels(profile, status).inc()
+
+
+def tool_call(tool: str, outcome: str, duration_s: float | None = None) -> None:
+    """One tool call's outcome (its tool is a configured name: the label stays bounded)."""
+    TOOL_CALLS.labels(tool, outcome).inc()
+    if duration_s is not None:
+        TOOL_DURATION.labels(tool).observe(duration_s)
 
 
 def model_request(provider: str, model: str, outcome: str, latency_s: float | None = None) -> None:

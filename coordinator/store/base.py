@@ -145,6 +145,7 @@ class Scripts:
         self.stop_tasks = client.register_script(_load_script("stop_tasks.lua"))
         self.release_slot = client.register_script(_load_script("release_slot.lua"))
         self.rate_limit = client.register_script(_load_script("rate_limit.lua"))
+        self.tool_slot = client.register_script(_load_script("tool_slot.lua"))
         self.decide = client.register_script(_load_script("decide.lua"))
         self.release_lease = client.register_script(_load_script("release_lease.lua"))
         self.renew_leases = client.register_script(_load_script("renew_leases.lua"))

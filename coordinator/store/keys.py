@@ -37,6 +37,9 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:metrics:model-latency`           | hash   | model request latency histogram (buckets, count)   | permanent |
 | `<p>:approvals`                       | zset   | pending approval ids scored by creation time       | removed when decided |
 | `<p>:rate:<provider>`                 | zset   | start times of the provider's requests, last 60 s  | a minute |
+| `<p>:rate:tool:<glob>`                | zset   | start times of the calls of a tool glob, last 60 s | a minute |
+| `<p>:tool-slots:<glob>`               | zset   | the calls of a tool glob running now, scored by    | a call's |
+|                                       |        | when each one's lease ends (a dead worker's lapse) | lease    |
 | `<p>:idempotency:<sha256 of the key>`| string | the root id a create call with that key made       | retention |
 | `<p>:web-session:<sha256 of the id>`  | string | a web sign-in: the fingerprint of the API token it | the session's age |
 |                                       |        | was made with (a changed token revokes it)         | (a day); deleted at sign-out |
@@ -138,6 +141,9 @@ class Keys:
 
     def rate(self, provider: str) -> str:
         return f"{self.prefix}:rate:{provider}"
+
+    def tool_slots(self, pattern: str) -> str:
+        return f"{self.prefix}:tool-slots:{pattern}"
 
     def task_number(self) -> str:
         return f"{self.prefix}:task-number"

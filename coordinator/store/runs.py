@@ -362,6 +362,16 @@ class RunStore(Part):
                 "leases": sum(rest[1::2]), "watched": sum(1 for score in due if score is not None)}  # fmt: skip
 
     @translate_redis_errors
+    def take_tool_slot(self, pattern: str, limit: int, lease_s: float, member: str) -> bool:
+        """Take one of the `limit` fleet-wide slots of the tool glob `pattern` (tool_slot.lua); False: none free."""
+        args: list[ScriptArg] = [limit, int(time.time() * 1000), int(lease_s * 1000), member]
+        return bool(int(self.scripts.tool_slot(keys=[self.keys.tool_slots(pattern)], args=args)))
+
+    @translate_redis_errors
+    def free_tool_slot(self, pattern: str, member: str) -> None:
+        self.client.zrem(self.keys.tool_slots(pattern), member)
+
+    @translate_redis_errors
     def wait_for_rate(self, provider: str, rpm: int) -> int:
         """0 when a request to `provider` may start now (and is counted), else the ms to wait."""
         member = f"{time.time_ns()}-{os.getpid()}-{threading.get_ident()}"

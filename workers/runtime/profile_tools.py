@@ -27,22 +27,29 @@ each profile's agent is built once per process from them (`Toolbox`).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import inspect
+import itertools
 import json
+import logging
 import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
-from pydantic_ai import ApprovalRequired, RunContext
+from pydantic_ai import ApprovalRequired, CallDeferred, ModelRetry, RunContext
 from pydantic_ai.toolsets import AbstractToolset, CombinedToolset, FunctionToolset, WrapperToolset
 from pydantic_ai.toolsets.abstract import ToolsetTool
 
-from coordinator import ConfigError, ProfileError, Settings, load_settings
-from workers.runtime.approval_policy import verdict
+from coordinator import ConfigError, Profile, ProfileError, Settings, load_settings, one_line, usd_to_micros
+from coordinator.runs import Run
+from workers import observe
+from workers.runtime import mcp_servers
 from workers.runtime.tools import RunState, orchestration_tools
 
 __all__ = [
@@ -58,6 +65,8 @@ __all__ = [
     "idempotent",
     "load_profile",
 ]
+
+log = logging.getLogger(__name__)
 
 # Where a tool comes from when subq itself offers it.
 BUILT_IN = "subq"
@@ -75,6 +84,63 @@ INTERRUPTED = (
     "Error: interrupted: this call was running when its worker stopped, and may or may not have taken "
     "effect; check before calling it again."
 )
+
+
+def timeout_of(profile: Profile, tool: str) -> float:
+    """How long a call of `tool` may run: the first of the profile's `tool_timeouts` globs that matches it,
+    else its `tool_timeout_s`. (A plain function runs in a thread, which a timeout leaves to finish.)"""
+    for pattern, seconds in profile.tool_timeouts.items():
+        if fnmatchcase(tool, pattern):
+            return seconds
+    return profile.tool_timeout_s
+
+
+# A call that waits for a fleet-wide tool slot asks again this often (growing to the last), and
+# holds a slot it took for its timeout plus this, after which a dead worker's slot is free again.
+SLOT_WAITS_S = (0.05, 0.1, 0.2, 0.5)
+SLOT_LEASE_MARGIN_S = 30.0
+
+
+@asynccontextmanager
+async def _fleet_limit(ctx: RunContext[RunState], tool: str, timeout_s: float) -> AsyncIterator[None]:
+    """Wait, inside the run, until the profile's `tool_limits` let this call start; hold its slot while it runs."""
+    run, limits = ctx.deps.run, ctx.deps.profile.tool_limits
+    pattern = next((p for p in limits if fnmatchcase(tool, p)), None)
+    if pattern is None:
+        yield
+        return
+    limit, call_id, said = limits[pattern], ctx.tool_call_id or "", False
+
+    def waiting() -> None:
+        nonlocal said
+        if not said:
+            run.say("tool_waiting", f"{tool}: waiting for the fleet-wide limit of {pattern!r}")
+            said = True
+
+    if limit.rpm:
+        while wait_ms := run.tool_rate_wait_ms(pattern, limit.rpm):
+            waiting()
+            await asyncio.sleep(wait_ms / 1000)
+    if not limit.concurrency:
+        yield
+        return
+    lease_s = timeout_s + SLOT_LEASE_MARGIN_S
+    for attempt in itertools.count():
+        if run.take_tool_slot(pattern, limit.concurrency, lease_s, call_id):
+            break
+        waiting()
+        await asyncio.sleep(SLOT_WAITS_S[min(attempt, len(SLOT_WAITS_S) - 1)])
+    try:
+        yield
+    finally:
+        run.free_tool_slot(pattern, call_id)
+
+
+def charge(run: Run, profile: Profile, tool: str, tool_call_id: str) -> None:
+    """Put a call's price (the first of the profile's `tool_prices` globs that matches) on its task's spend."""
+    price = next((usd for pattern, usd in profile.tool_prices.items() if fnmatchcase(tool, pattern)), None)
+    if price:
+        run.record_tool_cost(tool_call_id, tool, usd_to_micros(price))
 
 
 def idempotent(tool: ToolsetTool[Any]) -> bool:
@@ -96,17 +162,37 @@ class PolicyToolset(WrapperToolset[RunState]):
     ) -> Any:
         cut_off = bool(ctx.tool_call_approved and (ctx.tool_call_metadata or {}).get(CUT_OFF))
         if cut_off or not ctx.tool_call_approved:
-            decided = verdict(ctx.deps.profile, name, tool_args)
+            # An MCP tool's hints count where no rule of the profile names it (workers/runtime/mcp_servers.py).
+            decided = mcp_servers.hinted_verdict(ctx.deps.profile, name, tool_args, tool.tool_def)
             if decided == "deny":
+                observe.tool_call(name, "denied")
                 return f"Denied by policy: {name} {json.dumps(tool_args)} is not allowed for this task."
             if decided == "ask":
                 raise ApprovalRequired(metadata={"tool": name, "args": tool_args})
         if cut_off and not idempotent(tool):
             ctx.deps.run.say("tool_interrupted", f"{name}({json.dumps(tool_args)})")
+            observe.tool_call(name, "interrupted")
             return INTERRUPTED
-        result = await super().call_tool(name, tool_args, ctx, tool)
-        if name not in OWN_STATE_TOOLS:
-            ctx.deps.run.record_tool_result(ctx.tool_call_id or "", result)
+        if name in OWN_STATE_TOOLS:
+            return await super().call_tool(name, tool_args, ctx, tool)  # their refusals are results already
+        timeout_s = timeout_of(ctx.deps.profile, name)
+        outcome, started_s = "ok", 0.0
+        try:
+            async with ctx.deps.calls_at_once, _fleet_limit(ctx, name, timeout_s):
+                started_s = time.monotonic()
+                result = await asyncio.wait_for(super().call_tool(name, tool_args, ctx, tool), timeout_s)
+        except TimeoutError:
+            outcome, result = "timeout", f"Error: {name} timed out after {timeout_s:g} s"
+            ctx.deps.run.say("tool_error", result)
+        except (ModelRetry, ApprovalRequired, CallDeferred):
+            raise  # pydantic-ai's own signals: ask the model again, wait for a decision, defer
+        except Exception as exc:  # a tool's failure is a result for the model; the run goes on
+            log.warning("subq: tool %s failed", name, exc_info=True)  # with the run's fields (workers/observe.py)
+            outcome, result = "error", f"Error: {type(exc).__name__}: {one_line(str(exc))}"
+            ctx.deps.run.say("tool_error", f"{name}: {result}")
+        observe.tool_call(name, outcome, time.monotonic() - started_s if started_s else None)
+        ctx.deps.run.record_tool_result(ctx.tool_call_id or "", result)
+        charge(ctx.deps.run, ctx.deps.profile, name, ctx.tool_call_id or "")
         return result
 
 
@@ -159,6 +245,20 @@ def _offered(name: str, allowed: list[str] | None, disallowed: list[str]) -> boo
     return allowed is None or any(fnmatchcase(name, pattern) for pattern in allowed)
 
 
+def _mcp_server(profile: str, server: mcp_servers.McpServerConfig, sources: dict[str, str]) -> AbstractToolset[Any]:
+    """A profile's MCP server: listed by the check (started, listed, stopped), its names added to
+    `sources` (`mcp:<name>`); the process's one shared server, started by the first run that uses it."""
+    checked = mcp_servers.checked_tools(profile, server)
+    for tool in checked:
+        offered = f"{server.prefix}_{tool}" if server.prefix else tool
+        if offered in sources or offered in OUTPUT_TOOLS:
+            other = "subq's own" if sources.get(offered, BUILT_IN) == BUILT_IN else repr(sources[offered])
+            why = f"its tool {offered!r} has the same name as a tool of {other}"
+            raise _fail(profile, f"mcp_servers entry {server.name!r}", why)
+        sources[offered] = mcp_servers.source_of(server)
+    return mcp_servers.shared_server(profile, server, checked)
+
+
 def load_profile(name: str, settings: Settings) -> ProfileTools:
     """Import and check one profile's tools; raises ConfigError naming the profile and the entry."""
     profile = settings.profile(name)
@@ -174,6 +274,8 @@ def load_profile(name: str, settings: Settings) -> ProfileTools:
                 raise _fail(name, f"tools entry {path!r}", f"its tool {tool!r} has the same name as a tool of {other}")
             sources[tool] = path
         own.append(toolset)
+    for server in profile.mcp_servers:
+        own.append(_mcp_server(name, server, sources))
     offered = {
         tool: source
         for tool, source in sources.items()

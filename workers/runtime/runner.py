@@ -59,7 +59,7 @@ from workers import observe
 from workers.runtime.context import Runtime
 from workers.runtime.metering import MeteredModel
 from workers.runtime.pricing import cost_of, reported_cost_usd
-from workers.runtime.profile_tools import CUT_OFF, OUTPUT_TOOLS, OWN_STATE_TOOLS, ProfileTools
+from workers.runtime.profile_tools import CUT_OFF, OUTPUT_TOOLS, OWN_STATE_TOOLS, ProfileTools, charge
 from workers.runtime.providers import build_model
 from workers.runtime.tools import (
     ORCHESTRATION_PROMPT,
@@ -304,6 +304,8 @@ def _answers(run: Run, pending: Sequence[ToolCallPart], offered: frozenset[str])
         if call_id in kept:
             calls[call_id] = kept[call_id]
             run.say("tool_replayed", describe_call(call))
+            observe.tool_call(call.tool_name, "replayed")
+            charge(run, run.profile(), call.tool_name, call_id)  # again: recorded once per call, by its key
         elif batch is not None and batch.tool_call_id == call_id:
             calls[call_id] = batch.result
         elif call_id in decisions:

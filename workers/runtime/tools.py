@@ -24,8 +24,9 @@ todo id) is returned to the model as the tool's result and changes nothing.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -57,10 +58,14 @@ NEW_TASK_NOT_LAST = (
 
 @dataclass
 class RunState:
-    """The deps of one agent run: the coordinator's handle on it, and its profile."""
+    """The deps of one agent run: the coordinator's handle on it, its profile, and its tool calls at once."""
 
     run: Run
     profile: Profile
+    calls_at_once: asyncio.Semaphore = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.calls_at_once = asyncio.Semaphore(self.profile.max_tool_calls_at_once)
 
 
 class TodoInput(BaseModel):

@@ -4,7 +4,9 @@
 -- KEYS[1]  task hash (its `usage_keys` field lists the request keys already recorded,
 --          space-separated: read and written with the figures, no key of its own)
 -- KEYS[2..] ancestor task hashes (parent first, root last)
--- ARGV[1] request key (unique per request of the task, no spaces)   ARGV[2] tokens_in
+-- ARGV[1] request key (unique per request of the task, no spaces; `tool:<call id>` for a tool
+--   call's price, which is spend but no model request: it counts no request and keeps the source)
+-- ARGV[2] tokens_in
 -- ARGV[3] tokens_out   ARGV[4] cache_reads   ARGV[5] cache_writes
 -- ARGV[6] cost_micros  ARGV[7] cost source   ARGV[8] now   ARGV[9] retention seconds
 -- ARGV[10] (optional) '0': leave the task hash's retention to the caller (end_run refreshes it once)
@@ -30,9 +32,11 @@ local exhausted = ''
 local total = n(own[9]) + cost
 hash_set(KEYS[1], 'tokens_in', n(own[2]) + n(ARGV[2]), 'tokens_out', n(own[3]) + n(ARGV[3]),
   'cache_reads', n(own[4]) + n(ARGV[4]), 'cache_writes', n(own[5]) + n(ARGV[5]), 'cost_micros', n(own[6]) + cost,
-  'requests', n(own[7]) + 1, 'total_tokens', n(own[8]) + tokens, 'total_cost_micros', total,
-  'cost_source', ARGV[7], 'updated_at', ARGV[8],
+  'total_tokens', n(own[8]) + tokens, 'total_cost_micros', total, 'updated_at', ARGV[8],
   'usage_keys', recorded == '' and ARGV[1] or (recorded .. ' ' .. ARGV[1]))
+if string.sub(ARGV[1], 1, 5) ~= 'tool:' then
+  hash_set(KEYS[1], 'requests', n(own[7]) + 1, 'cost_source', ARGV[7])
+end
 if ARGV[10] ~= '0' then
   hash_expire_later(KEYS[1], ARGV[9])
 end

@@ -1,0 +1,305 @@
+"""A profile's MCP servers (workers/runtime/mcp_servers.py): checked at start, one per worker process, guarded.
+
+The server is a real one nobody here wrote: mcp-server-git (the `dev` extra), on
+a git repository of the test's, started through `sh` so that each start leaves
+its pid in a file (tests/mcp_kit.py). The runs go through real worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator import ConfigError, Coordinator, Profile, Settings, TaskStatus
+from coordinator.local.fleet import WorkerFleet, settings_env
+from coordinator.settings import McpServer
+from tests.agents import agent, call, reply
+from tests.conftest import dedicated_fleet
+from tests.helpers import eventually
+from tests.mcp_kit import server, started
+from workers.runtime.mcp_servers import checked_tools, hinted_verdict, needs_decision_by_hint
+from workers.runtime.profile_tools import load_profile
+
+ROOT = Path(__file__).resolve().parent.parent
+GIT_TOOLS = {"git_status", "git_log", "git_add", "git_commit", "git_reset", "git_diff", "git_show", "git_branch"}
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout
+
+
+def _repository(folder: Path) -> Path:
+    """A git repository with one file committed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _git(folder, "init", "-q")
+    _git(folder, "config", "user.email", "tests@example.invalid")
+    _git(folder, "config", "user.name", "subq tests")
+    (folder / "README.md").write_text("hello\n")
+    _git(folder, "add", "README.md")
+    _git(folder, "commit", "-q", "-m", "first commit")
+    return folder
+
+
+def _git_server(name: str, repo: Path, pids: Path, **extra: Any) -> McpServer:
+    command, args = server(pids, repo)
+    return McpServer(name=name, command=command, args=args, **extra)
+
+
+def _settings(settings: Settings, **profiles: Profile) -> Settings:
+    return settings.model_copy(update={"profiles": {**settings.profiles, **profiles}})
+
+
+def _commits(repo: Path) -> int:
+    return int(_git(repo, "rev-list", "--count", "HEAD"))
+
+
+def _results(coord: Coordinator, task_id: str) -> list[Any]:
+    messages = [json.loads(m) for m in coord.store.records.conversation(task_id)]
+    return [p["content"] for m in messages for p in m.get("parts", []) if p.get("part_kind") == "tool-return"]
+
+
+# --- the check: in this process, as a worker's start runs it ---
+
+
+def test_a_servers_tools_join_the_profile_with_their_source(settings: Settings, tmp_path: Path) -> None:
+    repo = _repository(tmp_path / "repo")
+    pids = tmp_path / "pids"
+    plain = Profile(mcp_servers=[_git_server("git", repo, pids)])
+    prefixed = Profile(mcp_servers=[_git_server("git", repo, pids, prefix="repo")], allowed_tools=["repo_git_s*"])
+    own = _settings(settings, plain=plain, prefixed=prefixed)
+    sources = load_profile("plain", own).sources
+    assert {tool for tool, source in sources.items() if source == "mcp:git"} >= GIT_TOOLS
+    assert sources["update_todo_list"] == "subq"
+    assert load_profile("prefixed", own).sources == {"repo_git_status": "mcp:git", "repo_git_show": "mcp:git"}
+    assert len(started(pids)) == 2, "each check started the server once (and stopped it)"
+    for pid in started(pids):
+        eventually(lambda pid=pid: not Path(f"/proc/{pid}").exists(), f"the checked server {pid} stopped", 15)
+
+
+def test_the_servers_hints_decide_where_no_rule_does(tmp_path: Path) -> None:
+    repo = _repository(tmp_path / "repo")
+    tools = checked_tools("hints", _git_server("git", repo, tmp_path / "pids"))
+    assert needs_decision_by_hint(tools["git_reset"]) is True, "destructiveHint"
+    assert needs_decision_by_hint(tools["git_log"]) is False, "readOnlyHint"
+    assert needs_decision_by_hint(tools["git_commit"]) is None, "neither"
+    args = {"repo_path": str(repo)}
+    plain = Profile()
+    assert hinted_verdict(plain, "git_reset", args, tools["git_reset"]) == "ask", "destructive: asked by default"
+    assert hinted_verdict(plain, "git_commit", args, tools["git_commit"]) == "allow"
+    allowed = Profile(allow=["git_reset"])
+    assert hinted_verdict(allowed, "git_reset", args, tools["git_reset"]) == "allow", "unless a rule allows it"
+    gated = Profile(approval_tools=["git_*"])
+    assert hinted_verdict(gated, "git_log", args, tools["git_log"]) == "allow", "a glob does not catch a read-only tool"
+    assert hinted_verdict(gated, "git_commit", args, tools["git_commit"]) == "ask"
+    named = Profile(approval_tools=["git_log"])
+    assert hinted_verdict(named, "git_log", args, tools["git_log"]) == "ask", "its own name does"
+    denied = Profile(approval_tools=["git_*"], deny=["git_log"])
+    assert hinted_verdict(denied, "git_log", args, tools["git_log"]) == "deny"
+
+
+def _bad_profiles(tmp_path: Path) -> dict[str, tuple[Profile, str]]:
+    repo = _repository(tmp_path / "repo")
+    pids = tmp_path / "pids"
+    return {
+        "missing": (
+            Profile(mcp_servers=[McpServer(name="ghost", command="no-such-mcp-server-here")]),
+            "mcp_servers entry 'ghost': cannot start 'no-such-mcp-server-here': No such file or directory",
+        ),
+        "mute": (
+            Profile(mcp_servers=[McpServer(name="mute", command="sleep", args=["60"], timeout_s=1)]),
+            "mcp_servers entry 'mute': did not answer initialize within 1s",
+        ),
+        "clash": (
+            Profile(mcp_servers=[_git_server("git", repo, pids), _git_server("git2", repo, pids)]),
+            "mcp_servers entry 'git2': its tool 'git_status' has the same name as a tool of 'mcp:git'",
+        ),
+        "clash_own": (
+            Profile(tools=["tests.mcp_kit:kill_server"], mcp_servers=[_git_server("git", repo, pids, prefix="kill")]),
+            "",  # no clash: `kill_git_status` is not `kill_server`
+        ),
+        "secret": (
+            Profile(mcp_servers=[_git_server("git", repo, pids, env={"TOKEN": "${SUBQ_TEST_NOT_SET}"})]),
+            "mcp_servers entry 'git': env TOKEN: ${SUBQ_TEST_NOT_SET} is not set in the worker's environment",
+        ),
+    }
+
+
+@pytest.mark.parametrize("bad", ["missing", "mute", "clash", "secret"])
+def test_a_bad_server_is_one_line_naming_the_profile_and_the_server(
+    settings: Settings, tmp_path: Path, bad: str
+) -> None:
+    profile, why = _bad_profiles(tmp_path)[bad]
+    with pytest.raises(ConfigError) as caught:
+        load_profile(bad, _settings(settings, **{bad: profile}))
+    assert str(caught.value) == f"Invalid profile {bad!r}: {why}"
+
+
+def test_a_prefix_keeps_a_servers_tools_apart(settings: Settings, tmp_path: Path) -> None:
+    profile, _ = _bad_profiles(tmp_path)["clash_own"]
+    assert load_profile("own", _settings(settings, own=profile)).sources["kill_git_status"] == "mcp:git"
+
+
+def test_a_server_with_an_unknown_key_or_two_transports_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"mcp server 'git': unknown key 'comand'"):
+        Profile.model_validate({"mcp_servers": [{"name": "git", "command": "x", "comand": "y"}]})
+    with pytest.raises(ValueError, match=r"mcp server 'git': give exactly one of command"):
+        McpServer(name="git", command="x", url="https://example.invalid/mcp")
+    with pytest.raises(ValueError, match=r"mcp server 'git': two servers of one profile have this name"):
+        Profile(mcp_servers=[McpServer(name="git", command="x"), McpServer(name="git", command="y")])
+    with pytest.raises(ValueError, match=r"mcp server 'web': headers are for an HTTP server"):
+        McpServer(name="web", command="x", headers={"A": "b"})
+
+
+def _subq_tools(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator", "tools"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_the_worker_and_subq_tools_refuse_a_bad_server_with_one_line(settings: Settings, tmp_path: Path) -> None:
+    own = _settings(
+        settings, bad=Profile(mcp_servers=[McpServer(name="mute", command="sleep", args=["60"], timeout_s=1)])
+    )
+    line = "Invalid profile 'bad': mcp_servers entry 'mute': did not answer initialize within 1s"
+    checked = _subq_tools(settings_env(own))
+    assert checked.returncode == 2 and checked.stderr == f"subq: {line}\n", checked.stderr
+    fleet = WorkerFleet(own, 1, tmp_path)
+    try:
+        assert fleet.procs[0].wait(timeout=60) != 0, "the worker refused to start"
+    finally:
+        fleet.stop()
+    assert line in fleet.logs[0].read_text(errors="replace")
+    # An unknown key, in the profiles as a worker reads them: one line naming the profile and the server.
+    env = {
+        **settings_env(settings),
+        "SUBQ_PROFILES": json.dumps({"bad": {"mcp_servers": [{"name": "git", "comand": "x"}]}}),
+    }
+    unknown = _subq_tools(env)
+    assert unknown.returncode != 0 and unknown.stderr.count("\n") == 1, unknown.stderr
+    assert "(bad.mcp_servers.0)" in unknown.stderr and "mcp server 'git': unknown key 'comand'" in unknown.stderr
+
+
+# --- runs on a worker process ---
+
+
+class Kit:
+    def __init__(self, coord: Coordinator, repo: Path, folder: Path) -> None:
+        self.coord, self.repo, self.folder = coord, repo, folder
+
+    def pids(self, profile: str) -> Path:
+        return self.folder / f"{profile}.pids"
+
+
+@pytest.fixture(scope="module")
+def kit(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kit]:
+    """One worker process whose profiles each have their own mcp-server-git on one repository."""
+    folder = tmp_path_factory.mktemp("mcp")
+    repo = _repository(folder / "repo")
+    probe = Kit(None, repo, folder)  # type: ignore[arg-type]
+
+    def git(profile: str, **extra: Any) -> McpServer:
+        return _git_server("git", repo, probe.pids(profile), **extra)
+
+    profiles = {
+        "gitread": Profile(mcp_servers=[git("gitread")]),
+        "gitwrite": Profile(mcp_servers=[git("gitwrite")], approval_tools=["git_commit"]),
+        "gitcount": Profile(mcp_servers=[git("gitcount")]),
+        "gitkill": Profile(mcp_servers=[git("gitkill")], tools=["tests.mcp_kit:kill_server"]),
+    }
+    os.environ["MCP_KIT_PIDS"] = str(probe.pids("gitkill"))  # the worker inherits it
+    try:
+        own = _settings(settings, **profiles)
+        with dedicated_fleet(own, folder / "logs", 1, queue="subq-mcp") as (coord, _fleet):
+            yield Kit(coord, repo, folder)
+    finally:
+        del os.environ["MCP_KIT_PIDS"]
+
+
+def test_a_subagent_calls_a_read_tool_and_gets_its_real_output(kit: Kit) -> None:
+    task = kit.coord.create_task(
+        agent(call("git_log", repo_path=str(kit.repo), max_count=5), reply("read the log")), profile="gitread", run=True
+    )
+    assert kit.coord.wait(task.id, 60).status == TaskStatus.COMPLETED
+    (log,) = _results(kit.coord, task.id)
+    assert log.startswith("Commit history:") and "Message: first commit" in log
+    assert _git(kit.repo, "rev-parse", "HEAD") in log
+
+
+def test_a_write_waits_for_a_decision_while_a_sibling_goes_on_and_then_runs_once(kit: Kit) -> None:
+    coord, repo = kit.coord, kit.repo
+    before = _commits(repo)
+    (repo / "notes.txt").write_text("a note\n")
+    root = coord.create_task("Commit the notes, and tell me the status.")
+    writer = agent(
+        call("git_add", repo_path=str(repo), files=["notes.txt"]),
+        call("git_commit", repo_path=str(repo), message="add the notes"),
+        reply("committed"),
+        text="Commit the notes.",
+    )
+    reader = agent(call("git_status", repo_path=str(repo)), reply("status read"), text="Read the status.")
+    batch = coord.delegate(
+        root.id,
+        [
+            {"description": "commit", "message": writer, "profile": "gitwrite"},
+            {"description": "status", "message": reader, "profile": "gitwrite"},
+        ],
+    )
+    writing, reading = batch.child_ids
+    approvals = eventually(lambda: coord.list_approvals(root.id), "the commit waits for a decision", 60)
+    (approval,) = approvals
+    assert (approval.tool, approval.args) == ("git_commit", {"repo_path": str(repo), "message": "add the notes"})
+    assert coord.wait(reading, 60).status == TaskStatus.COMPLETED, "the sibling went on"
+    assert not coord.get_task(writing).status.terminal, "the writer still waits"
+    assert _commits(repo) == before, "nothing was committed before the decision"
+    coord.decide(approval.id, "approve")
+    assert coord.wait(writing, 60).status == TaskStatus.COMPLETED
+    assert _commits(repo) == before + 1, "the approved commit was made once"
+    assert _git(repo, "log", "-1", "--format=%s").strip() == "add the notes"
+    assert any(str(r).startswith("Changes committed successfully") for r in _results(coord, writing))
+
+
+def test_one_server_per_worker_process_for_all_its_runs(kit: Kit) -> None:
+    coord, pids = kit.coord, kit.pids("gitcount")
+    checked = started(pids)
+    assert len(checked) == 1, "the worker's start checked the server once"
+    repo = str(kit.repo)
+    script = [call("git_status", repo_path=repo), call("git_branch", repo_path=repo, branch_type="local")]
+    tasks = [coord.create_task(agent(*script, reply(f"child {n}")), profile="gitcount", run=True) for n in range(24)]
+    for task in tasks:
+        assert coord.wait(task.id, 120).status == TaskStatus.COMPLETED
+        status, branches = _results(coord, task.id)
+        assert status.startswith("Repository status:") and "* " in branches, (status, branches)
+    after = started(pids)
+    assert len(after) == 2, f"24 runs started one server between them: {after}"
+    assert Path(f"/proc/{after[-1]}").exists(), "and it is still running for the next run"
+
+
+def test_a_killed_server_is_restarted_and_its_caller_gets_an_error(kit: Kit) -> None:
+    coord, pids, repo = kit.coord, kit.pids("gitkill"), kit.repo
+    task = coord.create_task(
+        agent(
+            call("git_status", repo_path=str(repo)),
+            call("kill_server"),
+            call("git_status", repo_path=str(repo)),
+            reply("the server died under me"),
+        ),
+        profile="gitkill",
+        run=True,
+    )
+    assert coord.wait(task.id, 60).status == TaskStatus.COMPLETED, "not a crashed run"
+    first, killed, after = _results(coord, task.id)
+    assert first.startswith("Repository status:")
+    assert killed == f"killed {started(pids)[1]}"
+    assert after.startswith("Error: MCP server 'git' ") and "restart" in after, after
+    eventually(lambda: len(started(pids)) == 3, "the server was started again", 30)
+    again = coord.create_task(agent(call("git_status", repo_path=str(repo)), reply("ok")), profile="gitkill", run=True)
+    assert coord.wait(again.id, 60).status == TaskStatus.COMPLETED
+    assert _results(coord, again.id)[0].startswith("Repository status:")
+    assert len(started(pids)) == 3, "one restart"
