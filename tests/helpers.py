@@ -230,3 +230,27 @@ def start_worker_with(settings: Settings, **subq: str) -> subprocess.CompletedPr
         [sys.executable, "-m", "celery", "-A", "workers.app", "worker"],
         cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
+
+
+def subq_tools(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    """`subq tools` (the check a worker makes at start) with exactly these settings."""
+    from coordinator.local.fleet import settings_env
+
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator", "tools", *args], env=settings_env(settings),
+        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def assert_worker_refuses(settings: Settings, log_dir: Path, line: str) -> None:
+    """A worker with these settings stops at start, and its log says `line`; `subq tools` says it too."""
+    from coordinator.local.fleet import WorkerFleet
+
+    checked = subq_tools(settings)
+    assert checked.returncode == 2 and checked.stderr == f"subq: {line}\n", checked.stderr
+    fleet = WorkerFleet(settings, 1, log_dir)
+    try:
+        assert fleet.procs[0].wait(timeout=60) != 0, "the worker refused to start"
+    finally:
+        fleet.stop()
+    assert line in fleet.logs[0].read_text(errors="replace")

@@ -129,10 +129,11 @@ def test_a_chain_step_killed_between_its_end_and_the_next_steps_publish(coord: C
     assert repairs_since(coord, before).get("ended-not-written-back") == 1
 
 
-def test_the_last_child_killed_between_its_end_and_its_parents_resume(coord: Coordinator, tmp_path: Path) -> None:
-    """The child's end closed the batch in the same script (end_run.lua); its parent's resume is not yet sent."""
+@pytest.mark.parametrize("point", ["after-end", "after-close"])
+def test_a_parent_whose_resume_was_never_published(coord: Coordinator, tmp_path: Path, point: str) -> None:
+    """The last child's end closed the batch (end_run.lua); the worker dies before it sends the parent's resume."""
     before = coord.store.convergence.repairs()
-    fleet = crashing_worker(coord.settings, tmp_path, "after-end")
+    fleet = crashing_worker(coord.settings, tmp_path, point)
     try:
         root = coord.create_task(
             agent(
@@ -168,25 +169,6 @@ def test_an_agent_killed_between_its_delegation_and_its_publish(coord: Coordinat
     assert done.status == TaskStatus.COMPLETED and done.summary == "both done"
     assert [c.summary for c in coord.get_children(root.id)] == ["A done", "B done"]
     assert_converged(coord, root.id)
-
-
-def test_a_parent_whose_resume_was_never_published(coord: Coordinator, tmp_path: Path) -> None:
-    before = coord.store.convergence.repairs()
-    fleet = crashing_worker(coord.settings, tmp_path, "after-close")
-    try:
-        root = coord.create_task(
-            agent(
-                call("run_subagents", tasks=[subtask("A", reply("A done"))]), call("attempt_completion", result="ok")
-            ),
-            run=True,
-        )
-        died(fleet)
-    finally:
-        fleet.stop()
-    done = coord.wait(root.id, CONVERGE_S)
-    assert done.status == TaskStatus.COMPLETED and done.summary == "ok"
-    assert_converged(coord, root.id)
-    assert repairs_since(coord, before).get("run-lost", 0) >= 1, "the parent's resume was published again"
 
 
 def test_a_worker_killed_mid_run_resumes_elsewhere_after_the_lapse(

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 
 from coordinator import ConfigError, Coordinator, Profile, Settings, TaskStatus
-from coordinator.local.fleet import WorkerFleet, settings_env
+from coordinator.local.fleet import settings_env
 from coordinator.settings import McpServer
 from tests.agents import agent, call, reply
 from tests.conftest import dedicated_fleet
-from tests.helpers import eventually
+from tests.helpers import assert_worker_refuses, eventually
 from tests.mcp_kit import server, started
 from workers.runtime.mcp_servers import checked_tools, hinted_verdict, needs_decision_by_hint
 from workers.runtime.profile_tools import load_profile
@@ -167,15 +167,9 @@ def test_the_worker_and_subq_tools_refuse_a_bad_server_with_one_line(settings: S
     own = _settings(
         settings, bad=Profile(mcp_servers=[McpServer(name="mute", command="sleep", args=["60"], timeout_s=1)])
     )
-    line = "Invalid profile 'bad': mcp_servers entry 'mute': did not answer initialize within 1s"
-    checked = _subq_tools(settings_env(own))
-    assert checked.returncode == 2 and checked.stderr == f"subq: {line}\n", checked.stderr
-    fleet = WorkerFleet(own, 1, tmp_path)
-    try:
-        assert fleet.procs[0].wait(timeout=60) != 0, "the worker refused to start"
-    finally:
-        fleet.stop()
-    assert line in fleet.logs[0].read_text(errors="replace")
+    assert_worker_refuses(
+        own, tmp_path, "Invalid profile 'bad': mcp_servers entry 'mute': did not answer initialize within 1s"
+    )
     # An unknown key, in the profiles as a worker reads them: one line naming the profile and the server.
     env = {
         **settings_env(settings),

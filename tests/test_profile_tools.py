@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from decimal import Decimal
@@ -20,11 +18,11 @@ from typing import NamedTuple
 import pytest
 
 from coordinator import ConfigError, Coordinator, Profile, RunCommand, Settings, TaskStatus
-from coordinator.local.fleet import WorkerFleet, settings_env
+from coordinator.local.fleet import WorkerFleet
 from coordinator.settings import ToolLimit
 from tests.agents import STEP_COST_MICROS, agent, call, reply
 from tests.conftest import dedicated_fleet
-from tests.helpers import eventually
+from tests.helpers import assert_worker_refuses, eventually, subq_tools
 from workers.runtime.profile_tools import load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,33 +83,19 @@ def test_a_profile_with_an_unknown_key_is_refused(settings: Settings) -> None:
 
 def test_the_worker_and_subq_tools_refuse_a_bad_entry_with_the_same_line(settings: Settings, tmp_path: Path) -> None:
     own = _settings(settings, bad=Profile(tools=["tests.tool_kit:NOT_A_TOOL"]))
-    line = "Invalid profile 'bad': tools entry 'tests.tool_kit:NOT_A_TOOL': is a int, neither a function nor"
-    checked = subprocess.run(
-        [sys.executable, "-m", "coordinator", "tools"], env=settings_env(own), cwd=ROOT, capture_output=True,
-        text=True, timeout=60,
-    )  # fmt: skip
-    assert checked.returncode == 2 and checked.stderr.startswith(f"subq: {line}"), checked.stderr
-    assert checked.stderr.count("\n") == 1
-    fleet = WorkerFleet(own, 1, tmp_path)
-    try:
-        assert fleet.procs[0].wait(timeout=60) != 0, "the worker refused to start"
-    finally:
-        fleet.stop()
-    assert line in fleet.logs[0].read_text(errors="replace")
+    line = (
+        "Invalid profile 'bad': tools entry 'tests.tool_kit:NOT_A_TOOL': is a int, neither a function nor a "
+        "pydantic-ai FunctionToolset"
+    )
+    assert_worker_refuses(own, tmp_path, line)
 
 
 def test_subq_tools_lists_each_profiles_tools(settings: Settings) -> None:
     own = _settings(settings, tooled=TOOLED)
-    listed = subprocess.run(
-        [sys.executable, "-m", "coordinator", "tools", "--profile", "tooled", "--json"], env=settings_env(own),
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    listed = subq_tools(own, "--profile", "tooled", "--json")
     assert listed.returncode == 0, listed.stderr
     assert json.loads(listed.stdout) == {"tooled": load_profile("tooled", own).sources}
-    unknown = subprocess.run(
-        [sys.executable, "-m", "coordinator", "tools", "--profile", "nope"], env=settings_env(own), cwd=ROOT,
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    unknown = subq_tools(own, "--profile", "nope")
     assert unknown.returncode == 2 and unknown.stderr == "subq: Invalid profile: nope\n"
 
 
