@@ -31,6 +31,8 @@ __all__ = [
     "TaskStatus",
     "TodoItem",
     "TodoStatus",
+    "ToolOutcome",
+    "ToolUse",
     "UiMessage",
     "Usage",
     "format_usd",
@@ -125,6 +127,24 @@ class SubtaskSpec(BaseModel):
     budget_usd: Decimal | None = Field(default=None, gt=0, max_digits=12, decimal_places=6)
 
 
+# How a tool call ended: it ran (ok, error, timeout), or it was answered without running (denied by a
+# rule, or interrupted: cut off by its worker's death). A call replayed on resume was counted as it returned.
+ToolOutcome = Literal["ok", "error", "timeout", "denied", "interrupted"]
+
+
+class ToolUse(BaseModel):
+    """One tool's calls on one task: how many ended each way, and how long those that ran took."""
+
+    model_config = ConfigDict(frozen=True)
+
+    outcomes: dict[ToolOutcome, int] = Field(default_factory=dict)
+    ms: int = 0
+
+    @property
+    def calls(self) -> int:
+        return sum(self.outcomes.values())
+
+
 class TaskRecord(BaseModel):
     """A task as stored: its place in the tree, status, own usage and subtree totals.
 
@@ -178,6 +198,8 @@ class TaskRecord(BaseModel):
     created_at: float
     updated_at: float
     finished_at: float | None = None
+    # The task's tool calls by tool (its own, not its children's); none for a task that called none.
+    tool_use: dict[str, ToolUse] = Field(default_factory=dict)
 
     @property
     def tokens(self) -> int:

@@ -317,11 +317,15 @@ class Run:
 
     # -- the tool-call journal ----------------------------------------------------------
 
-    def record_tool_result(self, tool_call_id: str, result: object) -> None:
-        """A tool call returned: keep its result now, not at the next step (one round trip), so a run
-        resumed after this worker died replays it instead of calling the tool again."""
+    def record_tool_result(self, tool_call_id: str, tool: str, result: object, outcome: str, ms: int) -> None:
+        """A tool call returned: keep its result now, not at the next step, so a run resumed after this
+        worker died replays it instead of calling the tool again; and count it on the task (one round trip)."""
         encoded = ANY_RESULT.dump_json(result, fallback=str).decode()
-        self._plane.store.runs.record_tool_result(self.task.id, tool_call_id, encoded)
+        self._plane.store.runs.record_tool_result(self.task.id, tool_call_id, encoded, tool, outcome, ms)
+
+    def count_tool_call(self, tool_call_id: str, tool: str, outcome: str) -> None:
+        """A call answered without running (denied, interrupted, replayed): counted on the task, nothing kept."""
+        self._plane.store.runs.record_tool_result(self.task.id, tool_call_id, None, tool, outcome, 0)
 
     def record_tool_cost(self, tool_call_id: str, tool: str, cost_micros: int) -> None:
         """A call's price: the task's own spend (recorded once per call, at the next step, as a response's is)."""

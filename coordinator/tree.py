@@ -10,14 +10,25 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from coordinator.models import TaskStatus, TodoItem, format_usd
+from coordinator.models import TaskStatus, TodoItem, ToolUse, format_usd
 
 if TYPE_CHECKING:
     from coordinator.models import TaskRecord
 
-__all__ = ["MARKS", "TaskReader", "TreeNode", "build_tree", "cut", "describe", "render_tree", "unlinked_line", "walk"]
+__all__ = [
+    "MARKS",
+    "TaskReader",
+    "TreeNode",
+    "build_tree",
+    "cut",
+    "describe",
+    "render_tree",
+    "tools_line",
+    "unlinked_line",
+    "walk",
+]
 
 
 class TreeNode(BaseModel):
@@ -40,6 +51,8 @@ class TreeNode(BaseModel):
     error: str
     todos: list[TodoItem]
     children: list[TreeNode]
+    # The task's own tool calls by tool: how each ended, and the time of those that ran.
+    tool_use: dict[str, ToolUse] = Field(default_factory=dict)
 
 
 class TaskReader(Protocol):
@@ -69,6 +82,7 @@ def build_tree(coord: TaskReader, task_id: str) -> TreeNode:
         error=f"{record.error_class}: {record.error}" if record.error else "",
         todos=coord.get_todos(record.id),
         children=[build_tree(coord, child) for child in record.child_ids],
+        tool_use=record.tool_use,
     )
 
 
@@ -88,6 +102,8 @@ def render_tree(node: TreeNode, notes: dict[str, str] | None = None) -> list[str
 def _below(node: TreeNode, prefix: str, notes: dict[str, str]) -> list[str]:
     inner = prefix + ("|   " if node.children else "    ")
     lines = [f"{inner}error: {node.error}"] if node.error else []
+    if node.tool_use:
+        lines.append(f"{inner}tools: {tools_line(node.tool_use)}")
     width = min(max((len(i.content) for i in node.todos), default=0), TODO_CHARS)
     for item in node.todos:
         link = f"  -> {item.subtask_id}" if item.subtask_id else ""
@@ -111,6 +127,16 @@ def _task_line(node: TreeNode, notes: dict[str, str] | None) -> str:
         f"own {node.tokens} tokens {format_usd(node.cost_micros)}, "
         f"total {node.total_tokens} tokens {format_usd(node.total_cost_micros)}{note}"
     )
+
+
+def tools_line(tool_use: dict[str, ToolUse]) -> str:
+    """A task's tool calls in one line: `git_log 2 calls 0.34 s, add 1 call (1 denied) 0.00 s`."""
+    parts = []
+    for tool, use in sorted(tool_use.items()):
+        others = [f"{n} {outcome}" for outcome, n in sorted(use.outcomes.items()) if outcome != "ok"]
+        label = f"{use.calls} call{'s' if use.calls != 1 else ''}" + (f" ({', '.join(others)})" if others else "")
+        parts.append(f"{tool} {label} {use.ms / 1000:.2f} s")
+    return ", ".join(parts)
 
 
 def unlinked_line(indent: str, tokens: int, cost_micros: int) -> str:

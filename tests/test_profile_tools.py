@@ -20,6 +20,7 @@ import pytest
 from coordinator import ConfigError, Coordinator, Profile, RunCommand, Settings, TaskStatus
 from coordinator.local.fleet import WorkerFleet
 from coordinator.settings import ToolLimit
+from coordinator.tree import render_tree
 from tests.agents import STEP_COST_MICROS, agent, call, reply
 from tests.conftest import dedicated_fleet
 from tests.helpers import assert_worker_refuses, eventually, subq_tools
@@ -139,6 +140,10 @@ def test_a_subagent_calls_a_profile_tool(tooled: Tooled) -> None:
     results = [p["content"] for m in returns for p in m.get("parts", []) if p.get("part_kind") == "tool-return"]
     assert results == [42, "DONE"]
     assert _says(coord, task.id, "tool") == ['add_numbers({"a": 2, "b": 40})', 'shout({"text": "done"})']
+    use = coord.get_task(task.id).tool_use
+    assert {tool: dict(u.outcomes) for tool, u in use.items()} == {"add_numbers": {"ok": 1}, "shout": {"ok": 1}}
+    drawn = "\n".join(render_tree(coord.tree(task.id)))
+    assert "tools: add_numbers 1 call " in drawn and ", shout 1 call " in drawn, drawn
 
 
 def test_a_call_to_a_tool_the_task_lacks_is_an_error_never_shown_as_run(tooled: Tooled) -> None:
@@ -235,6 +240,8 @@ def test_a_failing_or_slow_tool_is_a_result_and_the_run_goes_on(tooled: Tooled) 
         "explode": "Error: ValueError: disk full",
         "slow_mark": "Error: slow_mark timed out after 0.5 s",
     }
+    use = coord.get_task(task.id).tool_use
+    assert {tool: dict(u.outcomes) for tool, u in use.items()} == {"explode": {"error": 1}, "slow_mark": {"timeout": 1}}
     assert _says(coord, task.id, "tool_error") == [
         "explode: Error: ValueError: disk full",
         "Error: slow_mark timed out after 0.5 s",

@@ -260,3 +260,25 @@ def test_with_auth_disabled_the_view_is_open(settings: Settings, web_coord: Coor
     with ApiServer(create_app(open_settings, coordinator=web_coord)) as api, httpx.Client(base_url=api.url) as anon:
         page = anon.get("/ui/")
         assert page.status_code == 200 and "<h1>Roots</h1>" in page.text and "Sign out" not in page.text
+
+
+def test_a_tasks_tool_calls_show_by_tool_with_how_they_ended(
+    web_coord: Coordinator, browser_http: httpx.Client
+) -> None:
+    root = web_coord.create_task("Use some tools")
+    runs = web_coord.store.runs
+    runs.record_tool_result(root.id, "c1", '"log"', "git_log", "ok", 340)
+    runs.record_tool_result(root.id, "c2", '"log"', "git_log", "ok", 120)
+    runs.record_tool_result(root.id, "c3", None, "git_push", "denied", 0)
+    runs.record_tool_result(root.id, "c4", '"Error: x"', "<b>hostile</b>", "error", 5)
+    assert web_coord.get_task(root.id).tool_use["git_log"].calls == 2
+    page = browser_http.get(f"/ui/tasks/{root.id}/fragment").text
+    rows = re.findall(r'<tr data-tool="([^"]*)"><td><code>([^<]*)</code></td><td class="num">(\d+)</td>\s*'
+                      r"<td>([^<]*)</td>\s*<td class=\"num\">([^<]*)</td>", page)  # fmt: skip
+    assert rows == [
+        ("&lt;b&gt;hostile&lt;/b&gt;", "&lt;b&gt;hostile&lt;/b&gt;", "1", "error 1", "0.01 s"),
+        ("git_log", "git_log", "2", "ok 2", "0.46 s"),
+        ("git_push", "git_push", "1", "denied 1", "0.00 s"),
+    ]
+    lines = web_coord.tree(root.id)
+    assert lines.tool_use["git_push"].outcomes == {"denied": 1}

@@ -104,6 +104,27 @@ def _encode_record(fields: dict[str, Any]) -> HashMapping:
     return out
 
 
+# A task hash's tool-call counters: `tool:<name>:<outcome>` (calls) and `tool:<name>:ms` (time).
+TOOL_FIELD_PREFIX = "tool:"
+
+
+def tool_field(tool: str, counter: str) -> str:
+    return f"{TOOL_FIELD_PREFIX}{tool}:{counter}"
+
+
+def _tool_use(raw: dict[str, str]) -> dict[str, dict[str, Any]]:
+    found: dict[str, dict[str, Any]] = {}
+    for name, value in raw.items():
+        if name.startswith(TOOL_FIELD_PREFIX):
+            tool, _, counter = name[len(TOOL_FIELD_PREFIX) :].rpartition(":")
+            use = found.setdefault(tool, {"outcomes": {}, "ms": 0})
+            if counter == "ms":
+                use["ms"] = int(value)
+            else:
+                use["outcomes"][counter] = int(value)
+    return found
+
+
 def _decode_record(raw: dict[str, str], child_ids: list[str], awaiting_ids: list[str]) -> TaskRecord:
     data: dict[str, Any] = {name: raw.get(name) for name in TaskRecord.model_fields if name in raw}
     for name in OPTIONAL_FIELDS:
@@ -112,6 +133,7 @@ def _decode_record(raw: dict[str, str], child_ids: list[str], awaiting_ids: list
     for name in INT_FIELDS:
         data[name] = int(data.get(name) or 0)
     data["child_ids"], data["awaiting_ids"] = child_ids, awaiting_ids
+    data["tool_use"] = _tool_use(raw)
     data[TaskField.ANCESTORS] = json.loads(raw.get(TaskField.ANCESTORS) or "[]")
     try:
         return TaskRecord.model_validate(data)

@@ -20,6 +20,7 @@ from coordinator.store.base import (
     StoreCore,
     _decode_record,
     _strs,
+    tool_field,
     translate_redis_errors,
 )
 from coordinator.store.fields import TaskField
@@ -300,12 +301,20 @@ class RunStore(Part):
     # -- the tool-call journal ---------------------------------------------------------
 
     @translate_redis_errors
-    def record_tool_result(self, task_id: str, tool_call_id: str, result_json: str) -> None:
-        """Keep a tool call's result the moment it returned: one round trip (a pipeline of two commands)."""
-        key = self.keys.tool_results(root_of(task_id), task_id)
+    def record_tool_result(
+        self, task_id: str, tool_call_id: str, result_json: str | None, tool: str, outcome: str, ms: int
+    ) -> None:
+        """Keep a tool call's result (when it has one to keep) the moment it returned, and count the call on its
+        task (`tool:<tool>:<outcome>`, `tool:<tool>:ms`): one round trip, a pipeline."""
+        root = root_of(task_id)
         with self.client.pipeline(transaction=False) as pipe:
-            pipe.hset(key, tool_call_id, result_json)
-            pipe.expire(key, self.retention_s)
+            if result_json is not None:
+                key = self.keys.tool_results(root, task_id)
+                pipe.hset(key, tool_call_id, result_json)
+                pipe.expire(key, self.retention_s)
+            pipe.hincrby(self.keys.task(root, task_id), tool_field(tool, outcome), 1)
+            if ms:
+                pipe.hincrby(self.keys.task(root, task_id), tool_field(tool, "ms"), ms)
             pipe.execute()
 
     @translate_redis_errors

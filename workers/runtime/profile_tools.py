@@ -48,6 +48,7 @@ from pydantic_ai.toolsets.abstract import ToolsetTool
 
 from coordinator import ConfigError, Profile, ProfileError, Settings, load_settings, one_line, usd_to_micros
 from coordinator.runs import Run
+from coordinator.tracing import span
 from workers import observe
 from workers.runtime import mcp_servers
 from workers.runtime.tools import RunState, orchestration_tools
@@ -166,12 +167,14 @@ class PolicyToolset(WrapperToolset[RunState]):
             decided = mcp_servers.hinted_verdict(ctx.deps.profile, name, tool_args, tool.tool_def)
             if decided == "deny":
                 observe.tool_call(name, "denied")
+                ctx.deps.run.count_tool_call(ctx.tool_call_id or "", name, "denied")
                 return f"Denied by policy: {name} {json.dumps(tool_args)} is not allowed for this task."
             if decided == "ask":
                 raise ApprovalRequired(metadata={"tool": name, "args": tool_args})
         if cut_off and not idempotent(tool):
             ctx.deps.run.say("tool_interrupted", f"{name}({json.dumps(tool_args)})")
             observe.tool_call(name, "interrupted")
+            ctx.deps.run.count_tool_call(ctx.tool_call_id or "", name, "interrupted")
             return INTERRUPTED
         if name in OWN_STATE_TOOLS:
             return await super().call_tool(name, tool_args, ctx, tool)  # their refusals are results already
@@ -180,7 +183,8 @@ class PolicyToolset(WrapperToolset[RunState]):
         try:
             async with ctx.deps.calls_at_once, _fleet_limit(ctx, name, timeout_s):
                 started_s = time.monotonic()
-                result = await asyncio.wait_for(super().call_tool(name, tool_args, ctx, tool), timeout_s)
+                with span("subq.tool", task_id=ctx.deps.run.task_id, tool=name):  # under the run's trace
+                    result = await asyncio.wait_for(super().call_tool(name, tool_args, ctx, tool), timeout_s)
         except TimeoutError:
             outcome, result = "timeout", f"Error: {name} timed out after {timeout_s:g} s"
             ctx.deps.run.say("tool_error", result)
@@ -190,8 +194,9 @@ class PolicyToolset(WrapperToolset[RunState]):
             log.warning("subq: tool %s failed", name, exc_info=True)  # with the run's fields (workers/observe.py)
             outcome, result = "error", f"Error: {type(exc).__name__}: {one_line(str(exc))}"
             ctx.deps.run.say("tool_error", f"{name}: {result}")
-        observe.tool_call(name, outcome, time.monotonic() - started_s if started_s else None)
-        ctx.deps.run.record_tool_result(ctx.tool_call_id or "", result)
+        ran_s = time.monotonic() - started_s if started_s else None
+        observe.tool_call(name, outcome, ran_s)
+        ctx.deps.run.record_tool_result(ctx.tool_call_id or "", name, result, outcome, round((ran_s or 0) * 1000))
         charge(ctx.deps.run, ctx.deps.profile, name, ctx.tool_call_id or "")
         return result
 

@@ -304,7 +304,7 @@ def _answers(run: Run, pending: Sequence[ToolCallPart], offered: frozenset[str])
         if call_id in kept:
             calls[call_id] = kept[call_id]
             run.say("tool_replayed", describe_call(call))
-            observe.tool_call(call.tool_name, "replayed")
+            observe.tool_call(call.tool_name, "replayed")  # counted on the task once already, as it returned
             charge(run, run.profile(), call.tool_name, call_id)  # again: recorded once per call, by its key
         elif batch is not None and batch.tool_call_id == call_id:
             calls[call_id] = batch.result
