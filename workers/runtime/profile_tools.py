@@ -326,9 +326,9 @@ def _describe(loaded: dict[str, ProfileTools]) -> list[str]:
     lines = []
     for name, tools in loaded.items():
         lines.append(f"{name}:")
-        width = max((len(tool) for tool in tools.sources), default=0)
+        width = max(len(tool) for tool in [*tools.sources, *OUTPUT_TOOLS])
         lines += [f"  {tool:<{width}}  {source}" for tool, source in tools.sources.items()]
-        lines.append(f"  {'attempt_completion':<{width}}  {BUILT_IN} (ends the task)")
+        lines += [f"  {tool:<{width}}  {BUILT_IN} (ends the task)" for tool in sorted(OUTPUT_TOOLS)]
     return lines
 
 
