@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -213,11 +214,22 @@ def test_a_stagger_spaces_the_starts_of_a_tree(idle_coordinator: Coordinator) ->
         for c in coord.delegate(root.id, [{"description": f"c{n}", "message": "m"} for n in range(3)]).child_ids
     )
     limits = AdmissionLimits(stagger_ms=500)
+
+    def delay_of(task_id: str) -> tuple[int, float, float]:
+        """The start's delay, and the clock (ms) just before and after it: a loaded host's calls take time."""
+        before_ms = time.time() * 1000
+        started = start(store, task_id, limits)
+        assert started.verdict == "delay", started.verdict
+        return started.delay_ms, before_ms, time.time() * 1000
+
+    first_before_ms = time.time() * 1000
     assert start(store, first.id, limits).verdict == "run"
-    started = start(store, second.id, limits)
-    assert started.verdict == "delay" and 400 < started.delay_ms <= 500
-    started = start(store, third.id, limits)
-    assert started.verdict == "delay" and 900 < started.delay_ms <= 1000, "each start is reserved in turn"
+    first_after_ms = time.time() * 1000
+    # The second start is reserved 500 ms after the first, the third 500 ms after that.
+    for task_id, reserved_ms in ((second.id, 500), (third.id, 1000)):
+        delay_ms, before_ms, after_ms = delay_of(task_id)
+        earliest, latest = first_before_ms + reserved_ms - after_ms, first_after_ms + reserved_ms - before_ms
+        assert earliest - 1 <= delay_ms <= latest + 1, (task_id, delay_ms, earliest, latest)
     assert store.records.task_field(third.id, "deliveries") is None, (
         "a delayed start took no lease and counted no delivery"
     )
