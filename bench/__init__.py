@@ -8,5 +8,14 @@ worker's environment.
 """
 
 NOOP = "bench.noop"
+# The function tool of the tool-calling children (`--tool-calls`): both sides offer the same one.
+TOOL_PATH = "bench:lookup"
+# The environment variable that tells the bare worker to offer it too.
+TOOLS_ENV = "BENCH_TOOLS"
 AGENT = "bench.agent"
 JOIN = "bench.join"
+
+
+def lookup(key: str) -> str:
+    """Look a key up (a benchmark tool: returns at once, so the figures are subq's and the library's own)."""
+    return f"value of {key}"

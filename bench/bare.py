@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import threading
 import time
 from typing import Any
@@ -24,9 +25,10 @@ from typing import Any
 import redis
 from celery import Task
 from pydantic_ai import Agent, DeferredToolRequests, ToolOutput
+from pydantic_ai.toolsets import FunctionToolset
 
 import bench.probe  # noqa: F401  (installs the round-trip probe first, when BENCH_PROBE_DIR is set)
-from bench import AGENT, JOIN, NOOP
+from bench import AGENT, JOIN, NOOP, TOOLS_ENV, lookup
 from coordinator.celery_app import make_app
 from coordinator.settings import load_settings
 from workers.runtime.offline import OfflineModel
@@ -61,11 +63,13 @@ def noop(self: Task, sleep_ms: int = 0) -> float:
 
 @functools.cache
 def _agent() -> Agent[RunState, Any]:
+    # With tool-calling children (bench/overhead.py --tool-calls), the same function tool as subq's profile.
+    own = [FunctionToolset([lookup])] if os.environ.get(TOOLS_ENV) else []
     return Agent(
         deps_type=RunState,
         output_type=[str, ToolOutput(attempt_completion, name="attempt_completion"), DeferredToolRequests],
         system_prompt=f"You are a helpful assistant.\n\n{ORCHESTRATION_PROMPT}",
-        toolsets=[orchestration_tools],
+        toolsets=[orchestration_tools, *own],
     )
 
 

@@ -57,7 +57,7 @@ if str(ROOT) not in sys.path:
 import redis  # noqa: E402
 from celery import chord  # noqa: E402
 
-from bench import AGENT, JOIN, NOOP  # noqa: E402
+from bench import AGENT, JOIN, NOOP, TOOL_PATH, TOOLS_ENV  # noqa: E402
 from bench.probe import read_counts  # noqa: E402
 from bench.run import (  # noqa: E402
     RUN_TIMEOUT_S,
@@ -73,7 +73,7 @@ from bench.run import (  # noqa: E402
     progress,
     widths_arg,
 )
-from coordinator import Coordinator, Settings, SubqError  # noqa: E402
+from coordinator import Coordinator, Profile, Settings, SubqError  # noqa: E402
 from coordinator.celery_app import make_app  # noqa: E402
 from coordinator.local.embedded_redis import local_redis  # noqa: E402
 from coordinator.local.fleet import WorkerFleet  # noqa: E402
@@ -119,17 +119,30 @@ class Modes:
     """The three modes on one Redis and two probed worker processes."""
 
     def __init__(
-        self, redis_url: str, concurrency: int, max_width: int, probe_dir: Path, log_dir: Path, latency_ms: int = 0
+        self,
+        redis_url: str,
+        concurrency: int,
+        max_width: int,
+        probe_dir: Path,
+        log_dir: Path,
+        latency_ms: int = 0,
+        tool_calls: int = 0,
     ) -> None:
-        # Every child waits this long on its model (noop: sleeps it), the same message in every mode.
+        # Every child waits this long on its model (noop: sleeps it), the same message in every mode;
+        # with `tool_calls`, it first calls a function tool that many times, one response each.
         self.latency_ms = latency_ms
-        self.message = child_message(latency_ms)
+        self.tool_calls = tool_calls
+        self.message = child_message(latency_ms, tool_calls)
         # BLPOP waits for a whole run: the socket must wait as long (redis-py's default gives up sooner).
         self.client = redis.Redis.from_url(redis_url, socket_timeout=RUN_TIMEOUT_S + 30)
         self.probe_dir = probe_dir
         base = {"redis_url": redis_url, "worker_concurrency": concurrency, "max_fanout": max(256, max_width)}
         self.bare_settings = Settings(**base, queue="bench-bare")
-        self.subq_settings = Settings(**base, queue="bench-subq")
+        # The tool-calling children's profile offers the same function tool as the bare agent.
+        tools = {"profiles": {"offline": Profile(tools=[TOOL_PATH])}} if tool_calls else {}
+        self.subq_settings = Settings(**base, **tools, queue="bench-subq")
+        if tool_calls:
+            os.environ[TOOLS_ENV] = "1"  # the bare worker offers the tool too, inherited at spawn
         self.bare_app, self.subq_app = make_app(self.bare_settings), make_app(self.subq_settings)
         self.coord = Coordinator(self.subq_settings, app=self.subq_app)
         os.environ["BENCH_PROBE_DIR"] = str(probe_dir)  # read by the workers' probe, inherited at spawn
@@ -197,7 +210,7 @@ class Modes:
         status = coord.wait(parent.id, RUN_TIMEOUT_S).status
 
         def check() -> float:
-            check_write_back(coord, parent.id, width, status)
+            check_write_back(coord, parent.id, width, status, responses=1 + self.tool_calls)
             ended = [
                 float(coord.store.records.task_field(child_id, "finished_at") or 0) for child_id in batch.child_ids
             ]
@@ -313,8 +326,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--latency-ms", type=int, default=0, help="each child's model wait; noop sleeps it (0: answers at once)"
     )
+    parser.add_argument(
+        "--tool-calls", type=int, default=0, help="function-tool calls per child, one response each, before it answers"
+    )
     parser.add_argument("--json", action="store_true", help="also print every figure as one JSON object")
     args = parser.parse_args(argv)
+    if args.tool_calls < 0:
+        parser.error("--tool-calls must be 0 or more")
     if args.latency_ms < 0:
         parser.error("--latency-ms must be 0 or more")
     if len(args.scale) != 2:
@@ -331,7 +349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_width = max(*args.widths, *args.scale)
     with local_redis() as url, tempfile.TemporaryDirectory(prefix="subq-overhead-") as tmp:
         (Path(tmp) / "probe").mkdir()
-        modes = Modes(url, args.concurrency, max_width, Path(tmp) / "probe", Path(tmp) / "logs", args.latency_ms)
+        modes = Modes(
+            url, args.concurrency, max_width, Path(tmp) / "probe", Path(tmp) / "logs", args.latency_ms, args.tool_calls
+        )
         try:
             samples = measure(modes, args.modes, args.widths, args.repeats, warmup=args.concurrency * 2)
             scale: dict[str, float] = {}
@@ -356,6 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cpu": f"{cpu_model()}, {os.cpu_count()} cores",
         "workers": f"1 process per mode, pool threads, concurrency {args.concurrency}, prefetch 1",
         "model wait": f"{args.latency_ms} ms per child",
+        "tool calls": f"{args.tool_calls} per child, one response each",
         "other work": other_work(busy_before_s, own_before_s, time.monotonic() - started_s),
     }
     rows = summarise(samples)

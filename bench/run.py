@@ -68,12 +68,17 @@ CHILD_TOKENS_IN = 1000
 CHILD_TOKENS_OUT = 500
 
 
-def child_message(latency_ms: int = 0) -> str:
-    """A benchmark child's message: one model request that waits `latency_ms`, then answers with text."""
-    step: dict[str, object] = {"reply": "done", "usage": {"input": CHILD_TOKENS_IN, "output": CHILD_TOKENS_OUT}}
+def child_message(latency_ms: int = 0, tool_calls: int = 0) -> str:
+    """A benchmark child's message: `tool_calls` responses that each call one tool, then one model request
+    that waits `latency_ms` and answers with text."""
+    usage = {"input": CHILD_TOKENS_IN, "output": CHILD_TOKENS_OUT}
+    calls: list[dict[str, object]] = [
+        {"tool_calls": [{"name": "lookup", "args": {"key": f"k{n}"}}], "usage": usage} for n in range(tool_calls)
+    ]
+    step: dict[str, object] = {"reply": "done", "usage": usage}
     if latency_ms:
         step["latency_ms"] = latency_ms
-    return script_message("Benchmark subtask: answer at once.", [step])
+    return script_message("Benchmark subtask: answer at once.", [*calls, step])
 
 
 CHILD_MESSAGE = child_message()
@@ -122,14 +127,14 @@ def time_subq(coord: Coordinator, width: int) -> float:
     return elapsed_s
 
 
-def check_write_back(coord: Coordinator, parent_id: str, width: int, status: TaskStatus) -> None:
-    """Every todo item is linked, completed and carries its child's tokens and cost."""
+def check_write_back(coord: Coordinator, parent_id: str, width: int, status: TaskStatus, responses: int = 1) -> None:
+    """Every todo item is linked, completed and carries its child's tokens (of `responses` responses) and cost."""
     if status != TaskStatus.ACTIVE:
         raise BenchError(f"subq width {width}: parent {parent_id} is {status.value} after wait, not active")
     items = coord.get_todos(parent_id)
     if len(items) != width:
         raise BenchError(f"subq width {width}: parent has {len(items)} todo items")
-    expected_tokens = CHILD_TOKENS_IN + CHILD_TOKENS_OUT
+    expected_tokens = (CHILD_TOKENS_IN + CHILD_TOKENS_OUT) * responses
     for index, item in enumerate(items):
         if item.subtask_id is None or item.status.value != "completed" or item.tokens != expected_tokens:
             raise BenchError(
