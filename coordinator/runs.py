@@ -158,7 +158,7 @@ class Run:
     ) -> None:
         self._heartbeat = lifecycle.heartbeat
         self._hooks = lifecycle.hooks
-        self._limits = admission.limits(lifecycle.plane)
+        self._limits = lifecycle.limits
         self._coord = lifecycle.coord  # its todo operations are the service's
         self._plane = lifecycle.plane
         self.token = token
@@ -515,16 +515,16 @@ class RunLifecycle:
         self.coord = coord
         self.plane = coord.plane  # what the rooms a run goes through are handed
         self.hooks = hooks or RunHooks()
+        self.limits = admission.limits(self.plane)  # the settings' admission limits, read once
         self.heartbeat = Heartbeat(self.plane, worker_id or f"{socket.gethostname()}:{os.getpid()}")
 
     def start(self, task_id: str) -> Run | SubtaskResult:
         """A `Run` holding the task's lease, or the result to return when there is nothing to run."""
         plane = self.plane
         token = secrets.token_hex(8)
-        limits = admission.limits(plane)
         try:
             started = plane.store.runs.begin_run(
-                task_id, token, plane.settings.heartbeat_lapse_s, plane.settings.reconcile_interval_s, limits
+                task_id, token, plane.settings.heartbeat_lapse_s, plane.settings.reconcile_interval_s, self.limits
             )
         except NotFoundError as exc:
             return _unknown(task_id, exc)

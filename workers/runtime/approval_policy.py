@@ -294,9 +294,15 @@ def _allowed(rule: str, tool: str, part: str) -> bool:
     return _matches(rule, tool, part) and not any(mark in part for mark in _SUBSTITUTIONS)
 
 
-def verdict(profile: Profile, tool: str, args: Mapping[str, object]) -> Verdict:
-    """allow, deny, or ask a human, for one call of `tool` under the profile's policy."""
-    if not any(fnmatchcase(tool, pattern) for pattern in profile.approval_tools):  # names or `*` globs
+def verdict(profile: Profile, tool: str, args: Mapping[str, object], *, guarded: bool | None = None) -> Verdict:
+    """allow, deny, or ask a human, for one call of `tool` under the profile's policy.
+
+    `guarded` says whether the tool is under the policy at all; None: whether `approval_tools`
+    names it (names or `*` globs). The rules decide a guarded call.
+    """
+    if guarded is None:
+        guarded = any(fnmatchcase(tool, pattern) for pattern in profile.approval_tools)
+    if not guarded:
         return "allow"
     if tool == RUN_COMMAND:
         command = args.get("command")

@@ -40,7 +40,6 @@ import time
 from collections.abc import Coroutine, Mapping
 from contextlib import suppress
 from dataclasses import replace
-from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO, TypeVar
 
@@ -304,9 +303,7 @@ def hinted_verdict(profile: Profile, tool: str, args: Mapping[str, object], tool
     `approval_tools` named it (an allow rule still allows it, a deny rule denies it); a read-only
     tool that `approval_tools` catches only by a glob is allowed (a deny rule still denies it)."""
     hint = needs_decision_by_hint(tool_def)
-    if hint is True and not any(fnmatchcase(tool, pattern) for pattern in profile.approval_tools):
-        profile = profile.model_copy(update={"approval_tools": [*profile.approval_tools, tool]})
-    decided = verdict(profile, tool, args)
+    decided = verdict(profile, tool, args, guarded=True if hint is True else None)
     if hint is False and decided == "ask" and tool not in profile.approval_tools:
         return "allow"
     return decided

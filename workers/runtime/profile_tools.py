@@ -51,7 +51,7 @@ from coordinator.runs import Run
 from coordinator.tracing import span
 from workers import observe
 from workers.runtime import mcp_servers
-from workers.runtime.tools import RunState, orchestration_tools
+from workers.runtime.tools import SELF_GUARDED, RunState, apply_verdict, orchestration_tools
 
 __all__ = [
     "BUILT_IN",
@@ -162,15 +162,14 @@ class PolicyToolset(WrapperToolset[RunState]):
         self, name: str, tool_args: dict[str, Any], ctx: RunContext[RunState], tool: ToolsetTool[RunState]
     ) -> Any:
         cut_off = bool(ctx.tool_call_approved and (ctx.tool_call_metadata or {}).get(CUT_OFF))
-        if cut_off or not ctx.tool_call_approved:
+        if (cut_off or not ctx.tool_call_approved) and name not in SELF_GUARDED:
             # An MCP tool's hints count where no rule of the profile names it (workers/runtime/mcp_servers.py).
             decided = mcp_servers.hinted_verdict(ctx.deps.profile, name, tool_args, tool.tool_def)
-            if decided == "deny":
+            denied = apply_verdict(name, tool_args, decided)  # raises ApprovalRequired to ask
+            if denied:
                 observe.tool_call(name, "denied")
                 ctx.deps.run.count_tool_call(ctx.tool_call_id or "", name, "denied")
-                return f"Denied by policy: {name} {json.dumps(tool_args)} is not allowed for this task."
-            if decided == "ask":
-                raise ApprovalRequired(metadata={"tool": name, "args": tool_args})
+                return denied
         if cut_off and not idempotent(tool):
             ctx.deps.run.say("tool_interrupted", f"{name}({json.dumps(tool_args)})")
             observe.tool_call(name, "interrupted")
@@ -209,11 +208,10 @@ class ProfileTools:
     system_prompt: str
     toolset: AbstractToolset[RunState]
     sources: dict[str, str]  # tool name -> `subq` or the import path it came from, in offer order
+    names: frozenset[str] = field(init=False)  # every tool the model may call, the output tools included
 
-    @property
-    def names(self) -> frozenset[str]:
-        """Every tool the model may call, the output tools included."""
-        return frozenset(self.sources) | OUTPUT_TOOLS
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", frozenset(self.sources) | OUTPUT_TOOLS)
 
 
 def _fail(profile: str, entry: str, why: str) -> ConfigError:

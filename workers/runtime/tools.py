@@ -37,7 +37,7 @@ from pydantic_ai.toolsets import FunctionToolset
 from coordinator import OFFLINE_PROFILE, Profile, SubqError, SubtaskSpec, ignored_lines, render_markdown
 from coordinator.runs import Run
 from workers.runtime import commands
-from workers.runtime.approval_policy import verdict
+from workers.runtime.approval_policy import Verdict, verdict
 from workers.runtime.planner import plan_instructions
 from workers.runtime.script import SCRIPT_INFO_STRING
 
@@ -170,21 +170,25 @@ def run_subagents(ctx: RunContext[RunState], tasks: list[SubtaskInput]) -> str:
     return _delegate(ctx, tasks, "parallel")
 
 
-def needs_decision(ctx: RunContext[RunState], tool: str, args: dict[str, Any]) -> str | None:
-    """Apply the profile's approval policy to this call.
+# Tools that apply the profile's policy themselves, after checks of their own: run_command refuses a
+# command it cannot run (its profile does not enable it, the line does not parse) before anyone is
+# asked to approve it. The guarded toolset (workers/runtime/profile_tools.py) leaves them to it.
+SELF_GUARDED = frozenset({"run_command"})
 
-    Returns None to go on (allowed, or approved by a human on resume), a denial text
-    for the model, or raises ApprovalRequired: the run ends and the call waits in the
-    approvals queue, holding no worker.
-    """
-    if ctx.tool_call_approved:
-        return None
-    decided = verdict(ctx.deps.profile, tool, args)
+
+def apply_verdict(tool: str, args: dict[str, Any], decided: Verdict) -> str | None:
+    """What the policy's verdict on a call means: None to go on, a denial text for the model, or
+    ApprovalRequired: the run ends and the call waits in the approvals queue, holding no worker."""
     if decided == "allow":
         return None
     if decided == "deny":
         return f"Denied by policy: {tool} {json.dumps(args)} is not allowed for this task."
     raise ApprovalRequired(metadata={"tool": tool, "args": args})
+
+
+def needs_decision(ctx: RunContext[RunState], tool: str, args: dict[str, Any]) -> str | None:
+    """Apply the profile's approval policy to this call (None too once a human approved it)."""
+    return None if ctx.tool_call_approved else apply_verdict(tool, args, verdict(ctx.deps.profile, tool, args))
 
 
 @orchestration_tools.tool
