@@ -18,6 +18,7 @@ button's attribute and approved their own call when the page loaded.
 
 from __future__ import annotations
 
+import shlex
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -152,7 +153,10 @@ def test_hostile_text_in_every_field_never_acts(
     context: BrowserContext, live_api: ApiServer, live_http: httpx.Client
 ) -> None:
     url = live_api.url
-    risky = subtask(f"Deploy {SHORT} {MEDIUM}", call("run_command", command=HOSTILE), reply(f"deployed {HOSTILE}"))
+    # The hostile text as one quoted argument: a command line that parses (run_command refuses one that
+    # does not before anyone is asked), so the call waits for a decision with every payload in it.
+    command = f"echo {shlex.quote(HOSTILE)}"
+    risky = subtask(f"Deploy {SHORT} {MEDIUM}", call("run_command", command=command), reply(f"deployed {HOSTILE}"))
     chatty = subtask(f"Summarise {SHORT} {MEDIUM}", reply(f"Summary {HOSTILE}"))
     failing = subtask(f"Break {SHORT} {MEDIUM}", {"fail": f"refused {SHORT} {HOSTILE}"})
     # A child that keeps the tree's stream busy for a while: the page swaps fragments in, with
