@@ -127,6 +127,7 @@ class Modes:
         log_dir: Path,
         latency_ms: int = 0,
         tool_calls: int = 0,
+        tool_idempotent: bool = True,
     ) -> None:
         # Every child waits this long on its model (noop: sleeps it), the same message in every mode;
         # with `tool_calls`, it first calls a function tool that many times, one response each.
@@ -138,8 +139,11 @@ class Modes:
         self.probe_dir = probe_dir
         base = {"redis_url": redis_url, "worker_concurrency": concurrency, "max_fanout": max(256, max_width)}
         self.bare_settings = Settings(**base, queue="bench-bare")
-        # The tool-calling children's profile offers the same function tool as the bare agent.
-        tools = {"profiles": {"offline": Profile(tools=[TOOL_PATH])}} if tool_calls else {}
+        # The tool-calling children's profile offers the same function tool as the bare agent, declared
+        # idempotent (a lookup is) unless told otherwise: a response is then kept with its call's result,
+        # not also before the call (docs/tools.md, section 11).
+        idempotent = ["lookup"] if tool_idempotent else []
+        tools = {"profiles": {"offline": Profile(tools=[TOOL_PATH], idempotent_tools=idempotent)}} if tool_calls else {}
         self.subq_settings = Settings(**base, **tools, queue="bench-subq")
         if tool_calls:
             os.environ[TOOLS_ENV] = "1"  # the bare worker offers the tool too, inherited at spawn
@@ -300,7 +304,8 @@ def print_report(rows: list[dict[str, Any]], scale: dict[str, float], facts: dic
             print(
                 f"width {width}: subq/agent throughput {subq['children_per_s'] / agent['children_per_s']:.2f}x; "
                 f"subq's own worker CPU {subq['worker_cpu_ms_per_child'] - agent['worker_cpu_ms_per_child']:.2f} "
-                f"ms/child; subq's round trips by command: {subq['round_trips_by_command']}"
+                f"ms/child; round trips by command: subq {subq['round_trips_by_command']}, "
+                f"agent {agent['round_trips_by_command']}"
             )
     for mode, ratio in scale.items():
         print(f"scale {mode}: time({DEFAULT_SCALE[1]})/time({DEFAULT_SCALE[0]}) = {ratio:.2f}")
@@ -329,6 +334,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--tool-calls", type=int, default=0, help="function-tool calls per child, one response each, before it answers"
     )
+    parser.add_argument(
+        "--tool-not-idempotent",
+        action="store_true",
+        help="subq's profile does not declare the tool idempotent: each response is also kept before its call",
+    )
     parser.add_argument("--json", action="store_true", help="also print every figure as one JSON object")
     args = parser.parse_args(argv)
     if args.tool_calls < 0:
@@ -350,8 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with local_redis() as url, tempfile.TemporaryDirectory(prefix="subq-overhead-") as tmp:
         (Path(tmp) / "probe").mkdir()
         modes = Modes(
-            url, args.concurrency, max_width, Path(tmp) / "probe", Path(tmp) / "logs", args.latency_ms, args.tool_calls
-        )
+            url, args.concurrency, max_width, Path(tmp) / "probe", Path(tmp) / "logs", args.latency_ms, args.tool_calls,
+            tool_idempotent=not args.tool_not_idempotent,
+        )  # fmt: skip
         try:
             samples = measure(modes, args.modes, args.widths, args.repeats, warmup=args.concurrency * 2)
             scale: dict[str, float] = {}
@@ -376,7 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cpu": f"{cpu_model()}, {os.cpu_count()} cores",
         "workers": f"1 process per mode, pool threads, concurrency {args.concurrency}, prefetch 1",
         "model wait": f"{args.latency_ms} ms per child",
-        "tool calls": f"{args.tool_calls} per child, one response each",
+        "tool calls": f"{args.tool_calls} per child, one response each"
+        + (", the tool not declared idempotent" if args.tool_not_idempotent else ", the tool declared idempotent"),
         "other work": other_work(busy_before_s, own_before_s, time.monotonic() - started_s),
     }
     rows = summarise(samples)

@@ -31,6 +31,7 @@ __all__ = [
     "TaskStatus",
     "TodoItem",
     "TodoStatus",
+    "ToolCallDone",
     "ToolOutcome",
     "ToolUse",
     "UiMessage",
@@ -408,3 +409,14 @@ class RunWrites:
 
     def clear(self) -> None:
         self.conversation, self.ui_messages, self.usage, self.latencies_ms, self.live = [], [], [], [], ""
+
+
+@dataclass(frozen=True)
+class ToolCallDone:
+    """A tool call that returned (or was answered without running), as its run's step records it."""
+
+    tool_call_id: str
+    tool: str
+    outcome: str  # ok, error, timeout, denied, interrupted
+    result_json: str | None = None  # the result to keep for a resume; None: nothing to keep
+    ms: int = 0  # how long it ran; 0 when it did not run

@@ -8,7 +8,7 @@ touches shared state is one call here, in this order:
     run.check_stop() / run.rate_wait_ms() before each model request: a stop or spent budget, the rate limit
     run.record_response(...)             after each: usage and cost (once per request key), live status
     run.save(...) / run.say(...)         new conversation messages, UI messages
-    run.flush() / run.record_tool_result a response kept before its tool calls run; each call's result as it returns
+    run.flush() / run.record_tool_call   a response kept before its tool calls run; each call's result as it returns
     run.update_todos / run.delegate      the orchestration tools
     run.park(calls)                      tool calls that wait for a human decision
     run.end(outcome)                     finish, release the lease, free the slot, write back, resume
@@ -71,6 +71,7 @@ from coordinator.models import (
     TaskRecord,
     TaskStatus,
     TodoItem,
+    ToolCallDone,
     Usage,
     live_status,
 )
@@ -170,6 +171,12 @@ class Run:
         self._conversation = conversation
         self._started_in_one_step = conversation is not None
         self._checked_at_start: tuple[str | None] | None = (exhausted,) if conversation is not None else None
+        # The checks of the last tool call's step, when no response came since and no tool of
+        # subq's own wrote state: the check before the next model request reads them, and
+        # writes what is pending with the step after (the journal answers those calls on resume).
+        self._checked_by_tool: tuple[str, str | None] | None = None
+        self._own_state_written = False
+        self._response_unwritten = False  # a response recorded since the last step
         # Live status is written at most every LIVE_EVERY_S (and always at the end).
         self._live_at_s = time.monotonic()
         self._live: dict[str, Any] | None = None  # the latest response's tool and text, until written
@@ -233,12 +240,26 @@ class Run:
 
         Raises `LeaseLost` (nothing written) when another run owns the task now.
         """
-        held, status, exhausted = self._plane.store.runs.flush_run(self.task, self.token, self.writes)
+        return self._stepped(self._plane.store.runs.flush_run(self.task, self.token, self.writes))
+
+    def _stepped(self, reply: tuple[bool, str, str | None]) -> tuple[str, str | None]:
+        held, status, exhausted = reply
         self.writes.clear()
+        self._response_unwritten = False
         if not held:
             self.fenced = True
             raise LeaseLost(self.task.id)
         return status, exhausted
+
+    def keep_calls(self) -> None:
+        """Write the step that keeps the latest response before its tool calls run, unless a step did since
+        (its live figures too, shown while the calls run): a run resumed after this worker dies finds the
+        calls, and replays each that returned."""
+        if not self._response_unwritten:
+            return
+        if self._live is not None:
+            self._write_live()
+        self.flush()
 
     # -- each model request -------------------------------------------------------------
 
@@ -266,9 +287,14 @@ class Run:
             # The start read the status and the budgets a moment ago: the first request goes now.
             (holder,), self._checked_at_start = self._checked_at_start, None
             return holder is not None, holder
+        if self._checked_by_tool is not None and not self._own_state_written:
+            # The step that kept the last tool call's result made these checks as the call returned.
+            (status, holder), self._checked_by_tool = self._checked_by_tool, None
+            return TaskStatus(status).terminal or holder is not None, holder
         if self._live is not None:
             self._write_live()  # the figures so far stay on show while the model thinks
         status, holder = self.flush()
+        self._own_state_written = False  # the answers of subq's own tools are saved now
         if TaskStatus(status).terminal:
             return True, None
         return holder is not None, holder
@@ -300,6 +326,8 @@ class Run:
     ) -> None:
         """One response's usage and cost (recorded once per request key at the next step), and live status."""
         self.writes.usage.append((f"{self.run_seq}:{request_no}", usage, cost_micros, cost_source))
+        self._checked_by_tool = None  # its usage must be written, and the budgets checked, before the next request
+        self._response_unwritten = True
         self.writes.latencies_ms.append(latency_ms)
         self._requests += 1
         self._total_cost_micros += cost_micros
@@ -317,25 +345,35 @@ class Run:
 
     # -- the tool-call journal ----------------------------------------------------------
 
-    def record_tool_result(self, tool_call_id: str, tool: str, result: object, outcome: str, ms: int) -> None:
-        """A tool call returned: keep its result now, not at the next step, so a run resumed after this
-        worker died replays it instead of calling the tool again; and count it on the task (one round trip)."""
-        encoded = ANY_RESULT.dump_json(result, fallback=str).decode()
-        self._plane.store.runs.record_tool_result(self.task.id, tool_call_id, encoded, tool, outcome, ms)
+    def record_tool_call(self, tool_call_id: str, tool: str, outcome: str, result: object = None, ms: int = 0) -> None:
+        """A tool call returned (`result`, kept for a resume), or was answered without running (denied,
+        interrupted: nothing kept): keep it now, not at the next step, so a run resumed after this worker
+        died replays it instead of calling the tool again; count it on the task; and write the run's step
+        with it, whose checks serve the next model request (one round trip).
 
-    def count_tool_call(self, tool_call_id: str, tool: str, outcome: str) -> None:
-        """A call answered without running (denied, interrupted, replayed): counted on the task, nothing kept."""
-        self._plane.store.runs.record_tool_result(self.task.id, tool_call_id, None, tool, outcome, 0)
+        Raises `LeaseLost` (nothing written) when another run owns the task now.
+        """
+        kept = None if outcome in ("denied", "interrupted") else ANY_RESULT.dump_json(result, fallback=str).decode()
+        done = ToolCallDone(tool_call_id, tool, outcome, kept, ms)
+        self._checked_by_tool = self._stepped(
+            self._plane.store.runs.record_tool_call(self.task, self.token, self.writes, done)
+        )
 
     def record_tool_cost(self, tool_call_id: str, tool: str, cost_micros: int) -> None:
         """A call's price: the task's own spend (recorded once per call, at the next step, as a response's is)."""
         self.writes.usage.append((f"tool:{tool_call_id}", Usage(), cost_micros, f"tool:{tool}"))
         self._total_cost_micros += cost_micros
 
-    def tool_results(self, tool_call_ids: Sequence[str]) -> dict[str, Any]:
-        """The kept results of these calls, for those that returned before the run's last worker died."""
-        found = self._plane.store.runs.tool_results(self.task.id, tool_call_ids)
-        return {call_id: json.loads(value) for call_id, value in found.items()}
+    def tool_results(self, tool_call_ids: Sequence[str]) -> tuple[dict[str, Any], set[str]]:
+        """The kept results of these calls, for those that returned before the run's last worker died; and
+        which human-approved calls had started (`mark_tool_started`)."""
+        found, started = self._plane.store.runs.tool_results(self.task.id, tool_call_ids)
+        return {call_id: json.loads(value) for call_id, value in found.items()}, started
+
+    def mark_tool_started(self, tool_call_id: str) -> None:
+        """A human-approved call starts: a resume after this worker dies must not take the approval as leave
+        to run it again (one round trip, only for calls a human approved)."""
+        self._plane.store.runs.mark_tool_started(self.task.id, tool_call_id)
 
     def transient_error(self, what: str, attempt: int) -> None:
         self.flush()
@@ -350,7 +388,10 @@ class Run:
 
     def update_todos(self, update: str | Sequence[object]) -> list[TodoItem]:
         self._flush_unless_stopped()  # the conversation that asked for it is saved first
-        return self._coord.update_todos(self.task.id, update)
+        updated = self._coord.update_todos(self.task.id, update)
+        # Its answer has no journal: the step before the next request saves it.
+        self._own_state_written = True
+        return updated
 
     def delegate(
         self, subtasks: Sequence[SubtaskSpec], mode: DelegationMode | str, tool_call_id: str

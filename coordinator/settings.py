@@ -244,6 +244,9 @@ class Profile(BaseModel):
     # What a call of the tools a glob matches costs, in USD (the first glob that matches wins):
     # the task's own spend, beside its tokens' cost, on its parent's plan item.
     tool_prices: dict[str, Annotated[Decimal, Field(ge=0)]] = Field(default_factory=dict)
+    # Tools (names or `*` globs) safe to call twice: a call cut off by its worker's death runs again
+    # on resume, and a response calling only such tools is not written before its calls run.
+    idempotent_tools: list[str] = Field(default_factory=list)
     # MCP servers whose tools the profile offers beside its own (each once per worker process).
     mcp_servers: list[McpServer] = Field(default_factory=list)
 

@@ -23,6 +23,7 @@ from coordinator.settings import ToolLimit
 from coordinator.tree import render_tree
 from tests.agents import STEP_COST_MICROS, agent, call, reply
 from tests.conftest import dedicated_fleet
+from tests.event_tap import EventTap
 from tests.helpers import assert_worker_refuses, eventually, subq_tools
 from workers.runtime.profile_tools import load_profile
 
@@ -117,7 +118,14 @@ def tooled(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iter
     fragile = Profile(tools=["tests.tool_kit:explode", "tests.tool_kit:journal_kit"], tool_timeouts={"slow_*": 0.5})
     # A tool with a price: each call is the task's own spend.
     priced = TOOLED.model_copy(update={"tool_prices": {"add_*": Decimal("0.25")}})
-    own = _settings(settings, tooled=TOOLED, guarded=GUARDED, commander=commander, fragile=fragile, priced=priced)
+    # Tools that report their own cost, which wins over a price the profile gives them.
+    reporting = Profile(
+        tools=["tests.tool_kit:paid_search", "tests.tool_kit:confused_bill"], tool_prices={"paid_*": Decimal("0.25")}
+    )
+    own = _settings(
+        settings, tooled=TOOLED, guarded=GUARDED, commander=commander, fragile=fragile, priced=priced,
+        reporting=reporting, tally=Profile(tools=["tests.tool_kit:add_numbers", "tests.tool_kit:explode"]),
+    )  # fmt: skip
     try:
         with dedicated_fleet(own, tmp_path_factory.mktemp("tooled"), 1, queue="subq-tools") as (coord, fleet):
             yield Tooled(coord, marks, fleet)
@@ -290,3 +298,53 @@ def test_a_tools_price_is_its_tasks_spend_on_the_parents_plan_item(tooled: Toole
     (item,) = coord.get_todos(parent.id)
     assert item.cost_micros == child.total_cost_micros == child.cost_micros
     assert coord.get_task(parent.id).total_cost_micros == child.cost_micros
+
+
+def test_a_tool_reports_its_own_cost_and_it_lands_on_the_plan_item(tooled: Tooled) -> None:
+    coord = tooled.coord
+    parent = coord.create_task("search things", todos="[ ] search twice")
+    (item,) = coord.get_todos(parent.id)
+    spec = {
+        "description": "search twice", "todo_id": item.id, "profile": "reporting",
+        "message": agent(
+            call("paid_search", query="q1"), call("paid_search", query="q2"), call("confused_bill", query="q3"),
+            reply("found"),
+        ),
+    }  # fmt: skip
+    (child_id,) = coord.delegate(parent.id, [spec]).child_ids
+    child = coord.wait(child_id, 60)
+    assert child.status == TaskStatus.COMPLETED and child.requests == 4
+    # Each search said it cost $0.0125 (its reported cost wins over the profile's $0.25); the bad report is no cost.
+    assert child.cost_micros == 4 * STEP_COST_MICROS + 2 * 12_500
+    assert child.tool_use["confused_bill"].outcomes == {"ok": 1}, "the call with a bad report still returned"
+    returns = [
+        part["content"]
+        for message in coord.store.records.conversation(child_id)
+        for part in json.loads(message).get("parts", [])
+        if part.get("part_kind") == "tool-return"
+    ]
+    assert returns == ["results for q1", "results for q2", "billed q3"], "the model reads the value, not the bill"
+    coord.wait(parent.id, 30)
+    (item,) = coord.get_todos(parent.id)
+    assert item.cost_micros == child.total_cost_micros == child.cost_micros
+    log = tooled.fleet.logs[0].read_text(encoding="utf-8")
+    assert "tool confused_bill reported a cost of '-3', not a non-negative number of USD: not charged" in log
+
+
+def test_flowers_progress_names_the_tool_calls(tooled: Tooled, settings: Settings) -> None:
+    coord = tooled.coord
+    with EventTap(settings.require_redis_url()) as tap:
+        task = coord.create_task(
+            agent(*(call("add_numbers", a=i, b=1) for i in range(6)), call("explode", reason="x"), reply("summed")),
+            profile="tally",
+            run=True,
+        )
+        assert coord.wait(task.id, 60).status == TaskStatus.COMPLETED
+        progress = eventually(
+            lambda: (found := tap.events("task-progress", [task.id])) and found[-1][1]["request"] == 8 and found,
+            "the run's last progress event",
+        )
+    named = [c for _, event in progress for c in event["tool_calls"]]
+    assert [(c["tool"], c["outcome"]) for c in named] == [("add_numbers", "ok")] * 6 + [("explode", "error")]
+    assert all(isinstance(c["ms"], int) and c["ms"] >= 0 for c in named)
+    assert len(progress) < 8, "quick steps share their progress events (at most one each LIVE_EVERY_S)"

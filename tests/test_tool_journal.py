@@ -1,7 +1,7 @@
 """The tool-call journal: a call's result is kept the moment it returns, and a resumed run replays it.
 
-A real worker runs one response that calls three tools at once; it is SIGKILLed
-after the quick side-effecting call returned, while the two slow ones still run.
+A real worker runs one response that calls four tools at once; it is SIGKILLed
+after the quick side-effecting call returned, while the three slow ones still run.
 A second worker resumes the task (the reconciler publishes it again once the
 dead worker's lease lapses). The tools leave marks in a folder outside the run,
 so the test counts each effect from outside.
@@ -23,7 +23,10 @@ from coordinator.local.fleet import WorkerFleet
 from tests.agents import agent, calls, reply
 from workers.runtime.profile_tools import INTERRUPTED
 
-JOURNALED = Profile(tools=["tests.tool_kit:leave_mark", "tests.tool_kit:journal_kit"])
+JOURNALED = Profile(
+    tools=["tests.tool_kit:leave_mark", "tests.tool_kit:journal_kit", "tests.tool_kit:refresh"],
+    idempotent_tools=["refresh"],
+)
 # The fault suite's clock: a dead worker's lease lapses in 3 s, the reconciler looks every 0.5 s.
 FAST_CLOCK = {"heartbeat_lapse_s": 3, "reconcile_interval_s": 0.5, "reconcile_grace_s": 3, "queue": "subq-journal"}
 
@@ -66,8 +69,9 @@ def test_a_resumed_run_replays_what_returned_and_reruns_only_the_idempotent(
                     ("leave_mark", {"label": "quick"}),
                     ("slow_mark", {"label": "slow", "seconds": 30}),
                     ("settle", {"label": "idem", "seconds": 4}),
+                    ("refresh", {"label": "declared", "seconds": 4}),
                 ),
-                reply("all three handled"),
+                reply("all four handled"),
             ),
             profile="journaled",
             run=True,
@@ -77,7 +81,7 @@ def test_a_resumed_run_replays_what_returned_and_reruns_only_the_idempotent(
         while not (_count(marks, "quick") and coord.client.hlen(journal)) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert _count(marks, "quick") == 1 and coord.client.hlen(journal) == 1, "the quick call returned and was kept"
-        assert _count(marks, "slow") == _count(marks, "idem") == 0, "the slow calls are still running"
+        assert _count(marks, "slow") == _count(marks, "idem") == _count(marks, "declared") == 0, "the slow calls run"
         os.kill(victim.procs[0].pid, signal.SIGKILL)
         victim.procs[0].wait(timeout=30)
 
@@ -92,6 +96,7 @@ def test_a_resumed_run_replays_what_returned_and_reruns_only_the_idempotent(
     assert _count(marks, "quick") == 1, "the call that returned ran once: its result was replayed"
     assert _count(marks, "slow") == 0, "the cut-off call that is not idempotent never ran again"
     assert _count(marks, "idem") == 1, "the cut-off idempotent call ran once more, to its end"
+    assert _count(marks, "declared") == 1, "so did the one its profile declares idempotent"
     says = [(m["say"], m["text"]) for m in coord.messages(task.id) if m.get("type") == "say"]
     assert ("tool_replayed", 'leave_mark({"label": "quick"})') in says
     assert ("tool_interrupted", 'slow_mark({"label": "slow", "seconds": 30.0})') in says
@@ -101,5 +106,64 @@ def test_a_resumed_run_replays_what_returned_and_reruns_only_the_idempotent(
         for part in json.loads(message).get("parts", [])
         if part.get("part_kind") == "tool-return"
     }
-    assert results == {"leave_mark": "marked quick", "slow_mark": INTERRUPTED, "settle": "settled idem"}
+    assert results == {
+        "leave_mark": "marked quick", "slow_mark": INTERRUPTED, "settle": "settled idem", "refresh": "refreshed declared"
+    }  # fmt: skip
+    coord.close()
+
+
+def test_an_approved_call_cut_off_while_it_ran_is_not_run_again_unless_idempotent(
+    settings: Settings, marks: Path, tmp_path: Path
+) -> None:
+    """A human's approval is leave to run a call once: cut off mid-run, it is interrupted on resume
+    (an idempotent one runs once more), and no one is asked again."""
+    assert settings.redis_url
+    guarded = JOURNALED.model_copy(update={"approval_tools": ["slow_mark", "settle"]})
+    own = settings.model_copy(
+        update={**FAST_CLOCK, "profiles": {"guarded": guarded}, "redis_url": settings.redis_url.rsplit("/", 1)[0] + "/9"}
+    )
+    coord = Coordinator(own)
+    coord.client.flushdb()
+    victim = WorkerFleet(own, 1, tmp_path / "victim", name="victim")
+    rescuer: WorkerFleet | None = None
+    try:
+        victim.wait_ready()
+        task = coord.create_task(
+            agent(
+                calls(("slow_mark", {"label": "slow", "seconds": 20}), ("settle", {"label": "idem", "seconds": 4})),
+                reply("both handled"),
+            ),
+            profile="guarded",
+            run=True,
+        )
+        deadline = time.monotonic() + 60
+        while len(coord.list_approvals(task.root_id)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        approvals = coord.list_approvals(task.root_id)
+        assert sorted(a.tool for a in approvals) == ["settle", "slow_mark"]
+        for approval in approvals:
+            coord.decide(approval.id, "approve")
+        journal = coord.store.keys.tool_results(task.root_id, task.id)
+        while len(coord.client.hkeys(journal)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        started = sorted(coord.client.hkeys(journal))
+        assert len(started) == 2 and all(f.startswith("started:") for f in started), started
+        assert _count(marks, "slow") == _count(marks, "idem") == 0, "both approved calls are still running"
+        os.kill(victim.procs[0].pid, signal.SIGKILL)
+        victim.procs[0].wait(timeout=30)
+
+        rescuer = WorkerFleet(own, 1, tmp_path / "rescuer", name="rescuer")
+        rescuer.wait_ready()
+        done = coord.wait(task.id, 90)
+    finally:
+        victim.stop()
+        if rescuer is not None:
+            rescuer.stop()
+    assert done.status == TaskStatus.COMPLETED, done
+    assert _count(marks, "slow") == 0, "the approved call that is not idempotent never ran again"
+    assert _count(marks, "idem") == 1, "the approved idempotent call ran once more, to its end"
+    says = [(m["say"], m["text"]) for m in coord.messages(task.id) if m.get("type") == "say"]
+    assert ("tool_interrupted", 'slow_mark({"label": "slow", "seconds": 20.0})') in says
+    assert [kind for kind, _ in says].count("approval_request") == 2, "no one was asked again"
+    assert coord.list_approvals(task.root_id) == []
     coord.close()

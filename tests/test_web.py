@@ -17,6 +17,7 @@ import pytest
 
 from coordinator import Coordinator, Settings
 from coordinator.api import create_app
+from coordinator.models import RunWrites, ToolCallDone
 from coordinator.web.auth import COOKIE
 from tests.agents import reply, subtask
 from tests.helpers import TOKEN, ApiServer, api_settings, state
@@ -266,11 +267,15 @@ def test_a_tasks_tool_calls_show_by_tool_with_how_they_ended(
     web_coord: Coordinator, browser_http: httpx.Client
 ) -> None:
     root = web_coord.create_task("Use some tools")
-    runs = web_coord.store.runs
-    runs.record_tool_result(root.id, "c1", '"log"', "git_log", "ok", 340)
-    runs.record_tool_result(root.id, "c2", '"log"', "git_log", "ok", 120)
-    runs.record_tool_result(root.id, "c3", None, "git_push", "denied", 0)
-    runs.record_tool_result(root.id, "c4", '"Error: x"', "<b>hostile</b>", "error", 5)
+    store = web_coord.store
+    store.client.set(store.keys.lease(root.root_id, root.id), "a-run")  # as a run holding the task's lease
+    for call in [
+        ToolCallDone("c1", "git_log", "ok", '"log"', 340),
+        ToolCallDone("c2", "git_log", "ok", '"log"', 120),
+        ToolCallDone("c3", "git_push", "denied"),
+        ToolCallDone("c4", "<b>hostile</b>", "error", '"Error: x"', 5),
+    ]:
+        assert store.runs.record_tool_call(root, "a-run", RunWrites(), call)[0]
     assert web_coord.get_task(root.id).tool_use["git_log"].calls == 2
     page = browser_http.get(f"/ui/tasks/{root.id}/fragment").text
     rows = re.findall(r'<tr data-tool="([^"]*)"><td><code>([^<]*)</code></td><td class="num">(\d+)</td>\s*'

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from pydantic_ai import RunContext
+from pydantic_ai import RunContext, ToolReturn
 from pydantic_ai.toolsets import FunctionToolset
 
 NOT_A_TOOL = 42
@@ -59,6 +59,13 @@ async def settle(ctx: RunContext[object], label: str, seconds: float) -> str:
     return f"settled {label}"
 
 
+async def refresh(ctx: RunContext[object], label: str, seconds: float) -> str:
+    """Wait, then leave a mark: a plain function that a profile declares idempotent (`idempotent_tools`)."""
+    await asyncio.sleep(seconds)
+    (Path(os.environ["TOOL_KIT_MARKS"]) / f"{label}.{ctx.tool_call_id}.{time.monotonic_ns()}").write_text("1")
+    return f"refreshed {label}"
+
+
 # A tool kit whose `settle` is declared idempotent, as a deployment declares one (pydantic-ai's tool metadata).
 journal_kit: FunctionToolset[object] = FunctionToolset()
 journal_kit.add_function(slow_mark)
@@ -83,3 +90,13 @@ async def crowd(seconds: float) -> str:
     finally:
         me.unlink()
     return "done"
+
+
+def paid_search(query: str) -> ToolReturn:
+    """A search that costs money per call, and says what this call cost (its task's own spend)."""
+    return ToolReturn(f"results for {query}", metadata={"cost_usd": "0.0125"})
+
+
+def confused_bill(query: str) -> ToolReturn:
+    """A tool whose reported cost is not a number of dollars: the call's result stands, nothing is charged."""
+    return ToolReturn(f"billed {query}", metadata={"cost_usd": "-3"})

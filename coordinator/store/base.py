@@ -158,6 +158,7 @@ class Scripts:
         )
         self.start_run = client.register_script(_load_script("start_run.lua", "admit.lua"))
         self.flush_run = client.register_script(_load_script("flush_run.lua", "record_usage.lua"))
+        self.record_tool = client.register_script(_load_script("record_tool.lua", "record_usage.lua", "flush_run.lua"))
         self.end_run = client.register_script(
             _load_script(
                 "end_run.lua", "record_usage.lua", "flush_run.lua", "finish_task.lua", "release_lease.lua",

@@ -12,7 +12,7 @@ from typing import Any
 
 from coordinator.errors import NotFoundError
 from coordinator.ids import root_of
-from coordinator.models import AdmissionLimits, RunWrites, TaskRecord, Usage
+from coordinator.models import AdmissionLimits, RunWrites, TaskRecord, ToolCallDone, Usage
 from coordinator.store.base import (
     EVENTS_MAXLEN,
     Part,
@@ -43,6 +43,8 @@ def _writes_args(writes: RunWrites) -> list[ScriptArg]:
     return args
 
 
+# The journal field that says a human-approved call started (`started:<tool call id>`).
+TOOL_STARTED = "started:"
 # How far down the admission list one freed slot looks for a task that now fits.
 ADMISSION_SCAN = 50
 
@@ -301,29 +303,46 @@ class RunStore(Part):
     # -- the tool-call journal ---------------------------------------------------------
 
     @translate_redis_errors
-    def record_tool_result(
-        self, task_id: str, tool_call_id: str, result_json: str | None, tool: str, outcome: str, ms: int
-    ) -> None:
-        """Keep a tool call's result (when it has one to keep) the moment it returned, and count the call on its
-        task (`tool:<tool>:<outcome>`, `tool:<tool>:ms`): one round trip, a pipeline."""
-        root = root_of(task_id)
+    def record_tool_call(
+        self, record: TaskRecord, token: str, writes: RunWrites, call: ToolCallDone
+    ) -> tuple[bool, str, str | None]:
+        """A tool call returned: keep its result (when it has one to keep) the moment it did, count it on its
+        task (`tool:<tool>:<outcome>`, `tool:<tool>:ms`), and write the run's step (record_tool.lua): one round
+        trip, answered as `flush_run` is."""
+        keys = [self.keys.tool_results(record.root_id, record.id), *self._run_keys(record)]
+        keys += [self.keys.task(record.root_id, a) for a in reversed(record.ancestors)]
+        args: list[ScriptArg] = [
+            call.tool_call_id, call.result_json or "", tool_field(call.tool, call.outcome), tool_field(call.tool, "ms"),
+            call.ms, token, self.retention_s, time.time(), EVENTS_MAXLEN, 0, *_writes_args(writes),
+        ]  # fmt: skip
+        reply = self.scripts.record_tool(keys=keys, args=args)
+        if int(reply[0]) == 0:
+            return False, "", None
+        return True, str(reply[1]), str(reply[2]) or None
+
+    @translate_redis_errors
+    def mark_tool_started(self, task_id: str, tool_call_id: str) -> None:
+        """Note that a human-approved call starts running, so a resume after its worker died knows it may
+        have taken effect (it has no result yet)."""
+        key = self.keys.tool_results(root_of(task_id), task_id)
         with self.client.pipeline(transaction=False) as pipe:
-            if result_json is not None:
-                key = self.keys.tool_results(root, task_id)
-                pipe.hset(key, tool_call_id, result_json)
-                pipe.expire(key, self.retention_s)
-            pipe.hincrby(self.keys.task(root, task_id), tool_field(tool, outcome), 1)
-            if ms:
-                pipe.hincrby(self.keys.task(root, task_id), tool_field(tool, "ms"), ms)
+            pipe.hset(key, f"{TOOL_STARTED}{tool_call_id}", "1")
+            pipe.expire(key, self.retention_s)
             pipe.execute()
 
     @translate_redis_errors
-    def tool_results(self, task_id: str, tool_call_ids: Sequence[str]) -> dict[str, str]:
-        """The recorded results of these calls (JSON), for those that have one."""
+    def tool_results(self, task_id: str, tool_call_ids: Sequence[str]) -> tuple[dict[str, str], set[str]]:
+        """The recorded results of these calls (JSON), for those that have one; and which were noted started."""
         if not tool_call_ids:
-            return {}
-        found = self.client.hmget(self.keys.tool_results(root_of(task_id), task_id), list(tool_call_ids))
-        return {call_id: str(value) for call_id, value in zip(tool_call_ids, found, strict=True) if value is not None}
+            return {}, set()
+        ids = list(tool_call_ids)
+        found = self.client.hmget(
+            self.keys.tool_results(root_of(task_id), task_id), [*ids, *(f"{TOOL_STARTED}{i}" for i in ids)]
+        )
+        results = {
+            call_id: str(value) for call_id, value in zip(ids, found[: len(ids)], strict=True) if value is not None
+        }
+        return results, {call_id for call_id, value in zip(ids, found[len(ids) :], strict=True) if value is not None}
 
     @translate_redis_errors
     def set_error_detail(self, task_id: str, detail: str) -> None:

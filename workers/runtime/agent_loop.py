@@ -33,13 +33,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from coordinator import StoreError
-from coordinator.runs import Run, RunLifecycle
+from coordinator.runs import LIVE_EVERY_S, Run, RunLifecycle
 
-__all__ = ["CANCEL_POLL_S", "FULL_LOOK_S", "GC_GEN0_OBJECTS", "AgentLoop", "StopWatch", "tune_gc"]
+__all__ = ["CANCEL_POLL_S", "FULL_LOOK_S", "GC_GEN0_OBJECTS", "AgentLoop", "ProgressPacer", "StopWatch", "tune_gc"]
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,34 @@ class StopWatch:
             except Exception:  # never let the watch die: every run in flight relies on it
                 log.exception("subq: the stop watch failed")
             time.sleep(max(0.0, self._poll_s - (time.monotonic() - started)))
+
+
+class ProgressPacer:
+    """The progress events of every run of the process, sent together at most every `LIVE_EVERY_S`.
+
+    A run says it has progress to show (`due`, on the loop) and hands the function that sends its
+    latest; the pacer calls every due run's at once, on one timer of the loop. Sent in one burst,
+    they land in the worker's event buffer together and go out as one publish (workers/task_events.py):
+    sixteen runs making quick tool calls cost one publish a quarter second, not one each per step.
+    The first after a quiet spell goes at once; a run's last may follow its end by `LIVE_EVERY_S`.
+    """
+
+    def __init__(self) -> None:
+        self._due: dict[str, Callable[[], None]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._sent_at_s = 0.0
+
+    def due(self, run_key: str, send: Callable[[], None]) -> None:
+        self._due[run_key] = send
+        if self._timer is None:
+            wait_s = max(0.0, LIVE_EVERY_S - (time.monotonic() - self._sent_at_s))
+            self._timer = asyncio.get_running_loop().call_later(wait_s, self._send)
+
+    def _send(self) -> None:
+        self._timer, self._sent_at_s = None, time.monotonic()
+        due, self._due = self._due, {}
+        for send in due.values():
+            send()
 
 
 def _set(stop: asyncio.Future[None]) -> None:

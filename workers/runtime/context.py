@@ -15,7 +15,7 @@ from celery import Celery
 from coordinator import Coordinator, Settings
 from coordinator.runs import RunLifecycle
 from workers.observe import WorkerRunHooks
-from workers.runtime.agent_loop import AgentLoop, StopWatch
+from workers.runtime.agent_loop import AgentLoop, ProgressPacer, StopWatch
 from workers.runtime.profile_tools import Toolbox
 
 __all__ = ["CONNECTION_WAIT_S", "SPARE_CONNECTIONS", "Runtime", "build_runtime", "get_runtime"]
@@ -29,6 +29,8 @@ class Runtime:
     # Every run's agent of the process runs on this one loop, watched by this one poll.
     agent_loop: AgentLoop = field(default_factory=AgentLoop)
     stop_watch: StopWatch = field(init=False)
+    # ... and its runs' progress events go out together from it.
+    progress_pacer: ProgressPacer = field(default_factory=ProgressPacer)
     # Each profile's tools and agent, built once per process.
     toolbox: Toolbox = field(init=False)
 

@@ -39,10 +39,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from decimal import Decimal
 from fnmatch import fnmatchcase
 from typing import Any
 
-from pydantic_ai import ApprovalRequired, CallDeferred, ModelRetry, RunContext
+from pydantic_ai import ApprovalRequired, CallDeferred, ModelRetry, RunContext, ToolReturn
 from pydantic_ai.toolsets import AbstractToolset, CombinedToolset, FunctionToolset, WrapperToolset
 from pydantic_ai.toolsets.abstract import ToolsetTool
 
@@ -54,7 +55,9 @@ from workers.runtime import mcp_servers
 from workers.runtime.tools import SELF_GUARDED, RunState, apply_verdict, orchestration_tools
 
 __all__ = [
+    "APPROVED_BY_HUMAN",
     "BUILT_IN",
+    "COST_KEY",
     "CUT_OFF",
     "INTERRUPTED",
     "OUTPUT_TOOLS",
@@ -65,6 +68,7 @@ __all__ = [
     "check",
     "idempotent",
     "load_profile",
+    "reported_cost",
 ]
 
 log = logging.getLogger(__name__)
@@ -76,11 +80,14 @@ OUTPUT_TOOLS = frozenset({"attempt_completion"})
 
 
 # subq's tools whose effects subq keeps itself (the plan, a delegation, answered by its batch on
-# resume): never journaled. Every other call's result is (`Run.record_tool_result`).
+# resume): never journaled. Every other call's result is (`Run.record_tool_call`).
 OWN_STATE_TOOLS = frozenset({"update_todo_list", "new_task", "run_subagents"})
 # The metadata a resumed run gives a call of its last response that has no kept result: it may
 # have been running when its worker died.
 CUT_OFF = "subq_cut_off"
+# ... and one a human had approved: the policy is not asked again (the decision stands), but the
+# approval is no leave to run a call that may have taken effect again.
+APPROVED_BY_HUMAN = "subq_approved"
 INTERRUPTED = (
     "Error: interrupted: this call was running when its worker stopped, and may or may not have taken "
     "effect; check before calling it again."
@@ -137,16 +144,42 @@ async def _fleet_limit(ctx: RunContext[RunState], tool: str, timeout_s: float) -
         run.free_tool_slot(pattern, call_id)
 
 
-def charge(run: Run, profile: Profile, tool: str, tool_call_id: str) -> None:
-    """Put a call's price (the first of the profile's `tool_prices` globs that matches) on its task's spend."""
+# The key of a `ToolReturn`'s metadata by which a tool reports what its call cost, in USD.
+COST_KEY = "cost_usd"
+
+
+def reported_cost(tool: str, result: object) -> Decimal | None:
+    """What a call says it cost: `ToolReturn(value, metadata={"cost_usd": "0.0042"})`; None when it says nothing.
+    A value that is not a non-negative number of dollars is left out, with a warning naming the tool."""
+    if not isinstance(result, ToolReturn) or not isinstance(result.metadata, dict) or COST_KEY not in result.metadata:
+        return None
+    value = result.metadata[COST_KEY]
+    try:
+        usd = Decimal(str(value))
+    except ArithmeticError:
+        usd = Decimal("NaN")
+    if isinstance(value, bool) or not usd.is_finite() or usd < 0:
+        log.warning("subq: tool %s reported a cost of %r, not a non-negative number of USD: not charged", tool, value)
+        return None
+    return usd
+
+
+def charge(run: Run, profile: Profile, tool: str, tool_call_id: str, reported_usd: Decimal | None = None) -> None:
+    """Put a call's cost on its task's spend: what the tool reported, else the price of the first of the
+    profile's `tool_prices` globs that matches. Written with the call's journal entry, in its step."""
     price = next((usd for pattern, usd in profile.tool_prices.items() if fnmatchcase(tool, pattern)), None)
-    if price:
-        run.record_tool_cost(tool_call_id, tool, usd_to_micros(price))
+    usd = reported_usd if reported_usd is not None else price
+    if usd:
+        run.record_tool_cost(tool_call_id, tool, usd_to_micros(usd))
 
 
-def idempotent(tool: ToolsetTool[Any]) -> bool:
-    """A tool declared safe to run twice: `metadata={"idempotent": True}` on a function tool."""
-    return bool((tool.tool_def.metadata or {}).get("idempotent"))
+def idempotent(tool: ToolsetTool[Any], profile: Profile) -> bool:
+    """A tool declared safe to run twice: `metadata={"idempotent": True}` on a function tool (an MCP
+    server's read-only and idempotent hints set it too), or named by the profile's `idempotent_tools`."""
+    name = tool.tool_def.name
+    return bool((tool.tool_def.metadata or {}).get("idempotent")) or any(
+        fnmatchcase(name, pattern) for pattern in profile.idempotent_tools
+    )
 
 
 @dataclass(eq=False)
@@ -161,43 +194,62 @@ class PolicyToolset(WrapperToolset[RunState]):
     async def call_tool(
         self, name: str, tool_args: dict[str, Any], ctx: RunContext[RunState], tool: ToolsetTool[RunState]
     ) -> Any:
-        cut_off = bool(ctx.tool_call_approved and (ctx.tool_call_metadata or {}).get(CUT_OFF))
-        if (cut_off or not ctx.tool_call_approved) and name not in SELF_GUARDED:
+        run, call_id, metadata = ctx.deps.run, ctx.tool_call_id or "", ctx.tool_call_metadata or {}
+        cut_off = bool(ctx.tool_call_approved and metadata.get(CUT_OFF))
+        asks_policy = not ctx.tool_call_approved or (cut_off and not metadata.get(APPROVED_BY_HUMAN))
+        if asks_policy and name not in SELF_GUARDED:
             # An MCP tool's hints count where no rule of the profile names it (workers/runtime/mcp_servers.py).
             decided = mcp_servers.hinted_verdict(ctx.deps.profile, name, tool_args, tool.tool_def)
             denied = apply_verdict(name, tool_args, decided)  # raises ApprovalRequired to ask
             if denied:
-                observe.tool_call(name, "denied")
-                ctx.deps.run.count_tool_call(ctx.tool_call_id or "", name, "denied")
+                _done(ctx, name, "denied")
                 return denied
-        if cut_off and not idempotent(tool):
-            ctx.deps.run.say("tool_interrupted", f"{name}({json.dumps(tool_args)})")
-            observe.tool_call(name, "interrupted")
-            ctx.deps.run.count_tool_call(ctx.tool_call_id or "", name, "interrupted")
+        safe_twice = idempotent(tool, ctx.deps.profile)
+        if cut_off and not safe_twice:
+            run.say("tool_interrupted", f"{name}({json.dumps(tool_args)})")
+            _done(ctx, name, "interrupted")
             return INTERRUPTED
         if name in OWN_STATE_TOOLS:
             return await super().call_tool(name, tool_args, ctx, tool)  # their refusals are results already
+        if not safe_twice:
+            # The response is kept before a call that must not run twice starts: a run resumed after
+            # this worker dies finds the call, and does not ask the model again (which might repeat it).
+            # A response of idempotent calls only is kept by the step of its first call's result.
+            run.keep_calls()
+        if ctx.tool_call_approved and not cut_off:
+            run.mark_tool_started(call_id)  # a human approved it: a resume must know it may have run
         timeout_s = timeout_of(ctx.deps.profile, name)
         outcome, started_s = "ok", 0.0
         try:
             async with ctx.deps.calls_at_once, _fleet_limit(ctx, name, timeout_s):
                 started_s = time.monotonic()
-                with span("subq.tool", task_id=ctx.deps.run.task_id, tool=name):  # under the run's trace
+                with span("subq.tool", task_id=run.task_id, tool=name):  # under the run's trace
                     result = await asyncio.wait_for(super().call_tool(name, tool_args, ctx, tool), timeout_s)
         except TimeoutError:
             outcome, result = "timeout", f"Error: {name} timed out after {timeout_s:g} s"
-            ctx.deps.run.say("tool_error", result)
+            run.say("tool_error", result)
         except (ModelRetry, ApprovalRequired, CallDeferred):
             raise  # pydantic-ai's own signals: ask the model again, wait for a decision, defer
         except Exception as exc:  # a tool's failure is a result for the model; the run goes on
             log.warning("subq: tool %s failed", name, exc_info=True)  # with the run's fields (workers/observe.py)
             outcome, result = "error", f"Error: {type(exc).__name__}: {one_line(str(exc))}"
-            ctx.deps.run.say("tool_error", f"{name}: {result}")
+            run.say("tool_error", f"{name}: {result}")
         ran_s = time.monotonic() - started_s if started_s else None
-        observe.tool_call(name, outcome, ran_s)
-        ctx.deps.run.record_tool_result(ctx.tool_call_id or "", name, result, outcome, round((ran_s or 0) * 1000))
-        charge(ctx.deps.run, ctx.deps.profile, name, ctx.tool_call_id or "")
+        charge(run, ctx.deps.profile, name, call_id, reported_cost(name, result))
+        # A ToolReturn's value is what the model reads: the journal keeps that for a replay.
+        _done(ctx, name, outcome, result.return_value if isinstance(result, ToolReturn) else result, ran_s)
         return result
+
+
+def _done(
+    ctx: RunContext[RunState], tool: str, outcome: str, result: object = None, ran_s: float | None = None
+) -> None:
+    """A call answered: journaled and counted on its task in its run's step, and told to the metrics and to
+    the run's next progress event (`ran_s` None: it never ran)."""
+    ms = round((ran_s or 0) * 1000)
+    observe.tool_call(tool, outcome, ran_s)
+    ctx.deps.tool_calls.append({"tool": tool, "outcome": outcome, "ms": ms})
+    ctx.deps.run.record_tool_call(ctx.tool_call_id or "", tool, outcome, result, ms)
 
 
 @dataclass(frozen=True)

@@ -26,14 +26,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pydantic
 from pydantic_ai import (
     Agent,
-    CallToolsNode,
     DeferredToolRequests,
     DeferredToolResults,
     ToolApproved,
@@ -45,7 +43,6 @@ from pydantic_ai.usage import UsageLimits
 
 from coordinator import CorruptError, Profile, StoreError, SubtaskResult, Usage, one_line
 from coordinator.runs import (
-    LIVE_EVERY_S,
     Ended,
     HandBack,
     LeaseLost,
@@ -59,7 +56,7 @@ from workers import observe
 from workers.runtime.context import Runtime
 from workers.runtime.metering import MeteredModel
 from workers.runtime.pricing import cost_of, reported_cost_usd
-from workers.runtime.profile_tools import CUT_OFF, OUTPUT_TOOLS, OWN_STATE_TOOLS, ProfileTools, charge
+from workers.runtime.profile_tools import APPROVED_BY_HUMAN, CUT_OFF, OUTPUT_TOOLS, OWN_STATE_TOOLS, ProfileTools
 from workers.runtime.providers import build_model
 from workers.runtime.tools import (
     ORCHESTRATION_PROMPT,
@@ -91,9 +88,11 @@ class StopRun(Exception):
 def run_child(rt: Runtime, task_id: str, progress: Progress | None = None) -> SubtaskResult:
     """Run (or resume) the task's agent; return its result, never raise for an agent failure.
 
-    `progress`, when given, is called after every model response with a small dict
-    (task_id, request, cost_micros, tool, latency_ms); the Celery task turns it into
-    a Flower-visible event.
+    `progress`, when given, is called with the latest response's figures as a small dict
+    (task_id, request, cost_micros, tool, latency_ms, and tool_calls: each call answered
+    since the last, as tool, outcome and ms), at most every LIVE_EVERY_S and after the
+    run's last response (the process's `ProgressPacer`); the Celery task turns it into a
+    Flower-visible event.
     """
     started = rt.lifecycle.start(task_id)
     if isinstance(started, SubtaskResult):
@@ -172,10 +171,9 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
     saved = len(history)
     request_no = 0
     unsent: dict[str, Any] | None = None  # the latest response's progress, not yet sent
-    sent_at_s = time.monotonic()
+    run_key = f"{task.id}:{run.token}"
 
     async def before_request() -> None:
-        send_progress(now=True)  # the previous response's, while the model works on the next
         stopped, holder = run.check_stop()
         if stopped:
             raise StopRun(holder)
@@ -213,16 +211,21 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
             "task_id": task.id, "request": request_no, "cost_micros": cost_micros, "tool": tool,
             "latency_ms": round(latency_ms),
         }  # fmt: skip
-        send_progress(now=False)
+        send_progress()
 
-    def send_progress(*, now: bool) -> None:
-        # At most one event per LIVE_EVERY_S as responses arrive; the pending one goes before the
-        # next request and at the end: a run that answers at once sends one.
-        nonlocal unsent, sent_at_s
-        if progress is None or unsent is None or not (now or time.monotonic() - sent_at_s >= LIVE_EVERY_S):
+    def send_progress() -> None:
+        # Due on the process's pacer: sent with every other run's at most every LIVE_EVERY_S (the
+        # latest figures then, naming the tool calls answered since the last, for Flower).
+        if progress is not None and unsent is not None:
+            rt.progress_pacer.due(run_key, send_latest)
+
+    def send_latest() -> None:
+        nonlocal unsent
+        if progress is None or unsent is None:
             return
+        unsent["tool_calls"], state.tool_calls = state.tool_calls, []
         progress(unsent)
-        unsent, sent_at_s = None, time.monotonic()
+        unsent = None
 
     model = MeteredModel(
         build_model(profile),
@@ -244,16 +247,16 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
         deps=state,
         usage_limits=UsageLimits(request_limit=profile.max_requests),
     ) as agent_run:
-        async for node in agent_run:
+        async for _node in agent_run:
+            # The response is among the messages before its calls run: the step that keeps it
+            # (`PolicyToolset`: before a call that must not run twice, or with a result) writes it.
             saved = _save_new(run, agent_run.all_messages(), saved)
-            if isinstance(node, CallToolsNode) and _journaled(node.model_response):
-                # The response is kept before its calls run: a run resumed after this worker dies
-                # finds them, and replays the result of each that returned (the journal).
-                run.flush()
         _save_new(run, agent_run.all_messages(), saved)
         assert agent_run.result is not None
         output = agent_run.result.output
-    send_progress(now=True)
+    if state.tool_calls and unsent is None:
+        unsent = {"task_id": task.id, "request": request_no, "cost_micros": 0, "tool": None, "latency_ms": 0}
+    send_progress()  # the run's last figures (sent within LIVE_EVERY_S: a run that answers at once sends one)
     if isinstance(output, DeferredToolRequests):
         if output.approvals:
             approval_ids = run.park([_tool_call(call, output) for call in output.approvals])
@@ -286,28 +289,27 @@ def _tool_call(call: ToolCallPart, requests: DeferredToolRequests) -> ToolCall:
     )
 
 
-def _journaled(response: ModelResponse) -> bool:
-    return any(p.tool_name not in OWN_STATE_TOOLS for p in response.parts if isinstance(p, ToolCallPart))
-
-
 def _answers(run: Run, pending: Sequence[ToolCallPart], offered: frozenset[str]) -> DeferredToolResults:
     """Results for the calls of the last response that have none: the kept result of a call that
-    returned (replayed), a batch's, a decision; a tool's call that may have been cut off by its
-    worker's death goes to the policy again (`CUT_OFF`: run again only if idempotent); else INTERRUPTED."""
+    returned (replayed; its cost was recorded with it), a batch's, a decision; a tool's call that may
+    have been cut off by its worker's death (it has no decision yet, or a human approved it and it had
+    started) goes to `PolicyToolset` as `CUT_OFF`: run again only if idempotent; else INTERRUPTED."""
     calls: dict[str, Any] = {}
     approvals: dict[str, Any] = {}
     metadata: dict[str, dict[str, Any]] = {}
     batch, decisions = run.answers()
-    kept = run.tool_results([c.tool_call_id for c in pending if c.tool_name not in OWN_STATE_TOOLS])
+    kept, started = run.tool_results([c.tool_call_id for c in pending if c.tool_name not in OWN_STATE_TOOLS])
     for call in pending:
         call_id = call.tool_call_id
         if call_id in kept:
             calls[call_id] = kept[call_id]
             run.say("tool_replayed", describe_call(call))
             observe.tool_call(call.tool_name, "replayed")  # counted on the task once already, as it returned
-            charge(run, run.profile(), call.tool_name, call_id)  # again: recorded once per call, by its key
         elif batch is not None and batch.tool_call_id == call_id:
             calls[call_id] = batch.result
+        elif call_id in decisions and decisions[call_id].approved and call_id in started:
+            approvals[call_id] = ToolApproved()  # approved, and running when its worker died
+            metadata[call_id] = {CUT_OFF: True, APPROVED_BY_HUMAN: True}
         elif call_id in decisions:
             decision = decisions[call_id]
             approvals[call_id] = ToolApproved() if decision.approved else ToolDenied(message=decision.feedback)

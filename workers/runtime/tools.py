@@ -63,6 +63,8 @@ class RunState:
     run: Run
     profile: Profile
     calls_at_once: asyncio.Semaphore = field(init=False)
+    # The tool calls answered since the run's last progress event (tool, outcome, ms), for the next one.
+    tool_calls: list[dict[str, Any]] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.calls_at_once = asyncio.Semaphore(self.profile.max_tool_calls_at_once)
