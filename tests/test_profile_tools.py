@@ -124,7 +124,7 @@ def tooled(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iter
     )
     own = _settings(
         settings, tooled=TOOLED, guarded=GUARDED, commander=commander, fragile=fragile, priced=priced,
-        reporting=reporting, tally=Profile(tools=["tests.tool_kit:add_numbers", "tests.tool_kit:explode"]),
+        reporting=reporting, tally=Profile(tools=["tests.tool_kit:add_numbers", "tests.tool_kit:explode", "tests.tool_kit:charge_card"]),
     )  # fmt: skip
     try:
         with dedicated_fleet(own, tmp_path_factory.mktemp("tooled"), 1, queue="subq-tools") as (coord, fleet):
@@ -348,3 +348,13 @@ def test_flowers_progress_names_the_tool_calls(tooled: Tooled, settings: Setting
     assert [(c["tool"], c["outcome"]) for c in named] == [("add_numbers", "ok")] * 6 + [("explode", "error")]
     assert all(isinstance(c["ms"], int) and c["ms"] >= 0 for c in named)
     assert len(progress) < 8, "quick steps share their progress events (at most one each LIVE_EVERY_S)"
+
+
+def test_a_tool_gets_a_stable_idempotency_key_for_its_call(tooled: Tooled) -> None:
+    coord = tooled.coord
+    task = coord.create_task(agent(call("charge_card", amount=5), reply("paid")), profile="tally", run=True)
+    assert coord.wait(task.id, 60).status == TaskStatus.COMPLETED
+    parts = [p for m in coord.store.records.conversation(task.id) for p in json.loads(m).get("parts", [])]
+    (call_id,) = [p["tool_call_id"] for p in parts if p.get("part_kind") == "tool-call"]
+    (result,) = [p["content"] for p in parts if p.get("part_kind") == "tool-return"]
+    assert result == f"charged 5 with key {task.id}:{call_id}"

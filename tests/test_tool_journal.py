@@ -120,7 +120,11 @@ def test_an_approved_call_cut_off_while_it_ran_is_not_run_again_unless_idempoten
     assert settings.redis_url
     guarded = JOURNALED.model_copy(update={"approval_tools": ["slow_mark", "settle"]})
     own = settings.model_copy(
-        update={**FAST_CLOCK, "profiles": {"guarded": guarded}, "redis_url": settings.redis_url.rsplit("/", 1)[0] + "/9"}
+        update={
+            **FAST_CLOCK,
+            "profiles": {"guarded": guarded},
+            "redis_url": settings.redis_url.rsplit("/", 1)[0] + "/9",
+        }
     )
     coord = Coordinator(own)
     coord.client.flushdb()

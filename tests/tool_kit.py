@@ -15,6 +15,8 @@ from pathlib import Path
 from pydantic_ai import RunContext, ToolReturn
 from pydantic_ai.toolsets import FunctionToolset
 
+from workers.runtime.profile_tools import idempotency_key
+
 NOT_A_TOOL = 42
 
 
@@ -100,3 +102,8 @@ def paid_search(query: str) -> ToolReturn:
 def confused_bill(query: str) -> ToolReturn:
     """A tool whose reported cost is not a number of dollars: the call's result stands, nothing is charged."""
     return ToolReturn(f"billed {query}", metadata={"cost_usd": "-3"})
+
+
+def charge_card(ctx: RunContext[object], amount: int) -> str:
+    """Call a payment API with the call's idempotency key, as a tool with an external effect should."""
+    return f"charged {amount} with key {idempotency_key(ctx)}"

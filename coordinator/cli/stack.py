@@ -132,7 +132,8 @@ def demo(
 ) -> None:
     """Run the whole pipeline locally with the offline model and print the figures per todo item.
 
-    Uses SUBQ_REDIS_URL when set, otherwise starts an embedded Redis; starts its own
+    One item is carried out by a real tool (sales_total, on a CSV it writes). Uses
+    SUBQ_REDIS_URL when set, otherwise starts an embedded Redis; starts its own
     worker processes and stops everything it started.
     """
     from coordinator.local.demo import run_demo

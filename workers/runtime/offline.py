@@ -169,7 +169,8 @@ class OfflineModel(Model):
                 raise _TRANSIENT[step.transient.kind](self.model_name, f"scripted transient {step.transient.kind}")
 
         if script is None:
-            planned = next_step(read_plan(_instructions(messages)), message, _last_tool_result(messages))
+            tools = [tool.name for tool in params.function_tools]
+            planned = next_step(read_plan(_instructions(messages)), message, _last_tool_result(messages), tools)
             if planned is not None and planned.tool_calls:
                 step = Step(tool_calls=[ToolCall(name=name, args=args) for name, args in planned.tool_calls])
             elif planned is not None:
@@ -228,11 +229,16 @@ def _instructions(messages: Sequence[ModelMessage]) -> str | None:
 
 
 def _last_tool_result(messages: Sequence[ModelMessage]) -> str | None:
-    """The last tool result sent back, if the last request carries one."""
+    """The last tool result sent back, if the last request carries one; a denied call's as an error."""
     if not messages or not isinstance(messages[-1], ModelRequest):
         return None
     results = [part for part in messages[-1].parts if isinstance(part, ToolReturnPart)]
-    return results[-1].model_response_str() if results else None
+    if not results:
+        return None
+    last = results[-1]
+    if last.outcome == "denied":  # a human's no (the policy's is a result, "Denied by policy: …"): the planner stops
+        return f"Error: {last.tool_name} was denied: {last.model_response_str()}"
+    return last.model_response_str()
 
 
 def _user_prompt_text(part: UserPromptPart) -> str:

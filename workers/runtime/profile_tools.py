@@ -66,6 +66,7 @@ __all__ = [
     "ProfileTools",
     "Toolbox",
     "check",
+    "idempotency_key",
     "idempotent",
     "load_profile",
     "reported_cost",
@@ -171,6 +172,13 @@ def charge(run: Run, profile: Profile, tool: str, tool_call_id: str, reported_us
     usd = reported_usd if reported_usd is not None else price
     if usd:
         run.record_tool_cost(tool_call_id, tool, usd_to_micros(usd))
+
+
+def idempotency_key(ctx: RunContext[Any]) -> str:
+    """A stable key for this tool call, `<task_id>:<tool_call_id>`: the same on every resume of the run,
+    so a tool that calls an external API can pass it as the API's idempotency key (a second call with
+    it does nothing twice). For a tool that takes pydantic-ai's `RunContext` (docs/tools.md)."""
+    return f"{ctx.deps.run.task_id}:{ctx.tool_call_id}"
 
 
 def idempotent(tool: ToolsetTool[Any], profile: Profile) -> bool:
