@@ -290,7 +290,9 @@ class Run:
         if self._checked_by_tool is not None and not self._own_state_written:
             # The step that kept the last tool call's result made these checks as the call returned.
             (status, holder), self._checked_by_tool = self._checked_by_tool, None
-            return TaskStatus(status).terminal or holder is not None, holder
+            if TaskStatus(status).terminal:
+                return True, None
+            return holder is not None, holder
         if self._live is not None:
             self._write_live()  # the figures so far stay on show while the model thinks
         status, holder = self.flush()

@@ -358,3 +358,19 @@ def test_a_tool_gets_a_stable_idempotency_key_for_its_call(tooled: Tooled) -> No
     (call_id,) = [p["tool_call_id"] for p in parts if p.get("part_kind") == "tool-call"]
     (result,) = [p["content"] for p in parts if p.get("part_kind") == "tool-return"]
     assert result == f"charged 5 with key {task.id}:{call_id}"
+
+
+def test_a_budget_spent_by_tool_calls_stops_the_run_before_its_next_request(tooled: Tooled) -> None:
+    """The step that keeps a call's result carries its price and checks the budgets for the next request."""
+    coord = tooled.coord
+    task = coord.create_task(
+        agent(*(call("add_numbers", a=n, b=1) for n in range(4)), reply("summed")),
+        profile="priced",
+        budget_usd="0.40",
+        run=True,
+    )
+    done = coord.wait(task.id, 60)
+    assert done.status == TaskStatus.FAILED and done.error_class == "BudgetExhausted", done
+    # Two calls at $0.25 cross $0.40 with their results: no third request is made.
+    assert done.requests == 2 and done.tool_use["add_numbers"].calls == 2
+    assert done.cost_micros == 2 * STEP_COST_MICROS + 2 * 250_000

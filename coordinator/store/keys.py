@@ -17,7 +17,9 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:{root}:lease:<id>`               | string | the token of the run now executing the task        | the heartbeat lapse, renewed |
 | `<p>:{root}:tool-results:<id>`        | hash   | tool call id -> its result (JSON), written the     | retention |
 |                                       |        | moment the call returned: a run resumed after its  |          |
-|                                       |        | worker died replays it instead of calling again    |          |
+|                                       |        | worker died replays it instead of calling again;   |          |
+|                                       |        | `started:<call id>` -> 1 as a call a human         |          |
+|                                       |        | approved starts (a resume must not rerun it)       |          |
 | `<p>:{root}:tasks`                    | zset   | every task id of the tree, scored by creation time | retention |
 | `<p>:{root}:live`                     | hash   | task id -> live status JSON (state, tool, cost)    | retention |
 | `<p>:{root}:running`                  | set    | tasks of the tree holding a run slot (in flight)   | emptied as runs end |

@@ -197,6 +197,9 @@ def _why_not_started(server: McpServerConfig, exc: BaseException) -> str:
         return f"did not answer initialize within {server.timeout_s:g}s"
     if _code(exc) == CONNECTION_CLOSED:
         return "it exited before it answered initialize"
+    failed, _, why = str(exc).partition(": ")
+    if server.url is not None and failed == "Client failed to connect":  # the FastMCP client's words
+        return one_line(f"cannot connect to {server.url!r}: {why or exc}")
     return one_line(f"{type(exc).__name__}: {exc}")
 
 

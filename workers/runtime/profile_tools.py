@@ -231,8 +231,10 @@ class PolicyToolset(WrapperToolset[RunState]):
         try:
             async with ctx.deps.calls_at_once, _fleet_limit(ctx, name, timeout_s):
                 started_s = time.monotonic()
+                # asyncio.timeout, not wait_for: no task of its own a call (wait_for makes one on 3.11).
                 with span("subq.tool", task_id=run.task_id, tool=name):  # under the run's trace
-                    result = await asyncio.wait_for(super().call_tool(name, tool_args, ctx, tool), timeout_s)
+                    async with asyncio.timeout(timeout_s):
+                        result = await super().call_tool(name, tool_args, ctx, tool)
         except TimeoutError:
             outcome, result = "timeout", f"Error: {name} timed out after {timeout_s:g} s"
             run.say("tool_error", result)
