@@ -8,7 +8,7 @@ touches shared state is one call here, in this order:
     run.check_stop() / run.rate_wait_ms() before each model request: a stop or spent budget, the rate limit
     run.record_response(...)             after each: usage and cost (once per request key), live status
     run.save(...) / run.say(...)         new conversation messages, UI messages
-    run.flush() / run.record_tool_call   a response kept before its tool calls run; each call's result as it returns
+    run.keep_calls() / record_tool_call  a response kept before a call that must not run twice; each result as it returns
     run.update_todos / run.delegate      the orchestration tools
     run.park(calls)                      tool calls that wait for a human decision
     run.end(outcome)                     finish, release the lease, free the slot, write back, resume

@@ -265,13 +265,13 @@ def test_one_server_per_worker_process_for_all_its_runs(kit: Kit) -> None:
     assert len(checked) == 1, "the worker's start checked the server once"
     repo = str(kit.repo)
     script = [call("git_status", repo_path=repo), call("git_branch", repo_path=repo, branch_type="local")]
-    tasks = [coord.create_task(agent(*script, reply(f"child {n}")), profile="gitcount", run=True) for n in range(24)]
+    tasks = [coord.create_task(agent(*script, reply(f"child {n}")), profile="gitcount", run=True) for n in range(50)]
     for task in tasks:
         assert coord.wait(task.id, 120).status == TaskStatus.COMPLETED
         status, branches = _results(coord, task.id)
         assert status.startswith("Repository status:") and "* " in branches, (status, branches)
     after = started(pids)
-    assert len(after) == 2, f"24 runs started one server between them: {after}"
+    assert len(after) == 2, f"50 runs started one server between them: {after}"
     assert Path(f"/proc/{after[-1]}").exists(), "and it is still running for the next run"
 
 
