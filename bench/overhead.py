@@ -376,6 +376,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             times[width].append(modes.run(mode, width).wall_s)
                     scale[mode] = statistics.median(times[large]) / statistics.median(times[small])
                     progress(f"{mode}: time({large})/time({small}) = {scale[mode]:.2f}")
+            # The reconciler's repairs, by reason: none is expected here (no worker dies, no message is lost).
+            repairs = modes.coord.store.convergence.repairs()
         except (BenchError, SubqError, redis.RedisError) as exc:
             traceback.print_exc()
             print(f"bench: error: {exc}", file=sys.stderr)
@@ -390,6 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tool calls": f"{args.tool_calls} per child, one response each"
         + (", the tool not declared idempotent" if args.tool_not_idempotent else ", the tool declared idempotent"),
         "other work": other_work(busy_before_s, own_before_s, time.monotonic() - started_s),
+        "repairs": ", ".join(f"{reason} {count}" for reason, count in sorted(repairs.items())) or "none",
     }
     rows = summarise(samples)
     print_report(rows, scale, facts)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
 from coordinator import admission, approvals, delegation, dispatch, writeback
@@ -58,6 +58,7 @@ class Reconciler:
         self.plane = coord.plane  # the worker builds it with its Coordinator; it works with the plane alone
         self.name = name
         self._queued: set[str] | None = None
+        self._later: defaultdict[float, list[str]] = defaultdict(list)  # delay -> tasks to look at again then
 
     def beat(self) -> None:
         """This worker's heartbeat, whether or not it runs anything or leads."""
@@ -71,15 +72,19 @@ class Reconciler:
         repairs: Counter[str] = Counter()
         self._timers()
         self._queued = None  # the broker's queue is read at most once a tick, and only if needed
+        self._later = defaultdict(list)
         due = self.plane.store.convergence.due_tasks(TICK_LIMIT)
-        for task_id, (status, runner, updated_at, leased) in zip(
-            due, self.plane.store.convergence.triage(due), strict=True
-        ):
-            reason = self._look_at(task_id, status, runner, updated_at, leased)
+        for task_id, triaged in zip(due, self.plane.store.convergence.triage(due), strict=True):
+            reason = self._look_at(task_id, triaged)
             if reason:
                 repairs[reason] += 1
                 self.plane.store.convergence.count_repair(reason)
                 log.warning("subq reconciler: %s: %s", reason, task_id)
+        # The tasks to look at again later, in one write a delay: a wave of a thousand queued children
+        # costs a tick a few round trips, not two each (each round trip also takes the interpreter's
+        # lock from the runs of the process, bench/overhead.py measured it).
+        for after_s, task_ids in self._later.items():
+            self.plane.store.convergence.watch(task_ids, after_s, only_if_watched=True)
         return repairs
 
     def _timers(self) -> None:
@@ -96,16 +101,18 @@ class Reconciler:
             done.append(name)
         self.plane.store.convergence.remove_timers(done)
 
-    def _look_at(self, task_id: str, status: str, runner: str, updated_at: float, leased: bool) -> str | None:
+    def _look_at(self, task_id: str, triaged: tuple[str, str, float, bool, bool]) -> str | None:
+        """One due task, as `convergence.triage` read it: (status, runner, updated_at, leased, asked)."""
         plane, store = self.plane, self.plane.store
         settings = plane.settings
+        status, runner, updated_at, leased, asked = triaged
         if not status:  # gone with its tree's retention
             store.convergence.unwatch([task_id])
             return None
         if leased or time.time() - updated_at < SETTLE_S:
             # A live run holds it (a delegating parent publishes its own batch), or it just
             # changed and the normal path is still on its next step.
-            store.convergence.watch([task_id], settings.reconcile_interval_s, only_if_watched=True)
+            self._later[settings.reconcile_interval_s].append(task_id)
             return None
         state = TaskStatus(status)
         if state.terminal:
@@ -126,13 +133,13 @@ class Reconciler:
         if runner != "agent":
             store.convergence.unwatch([task_id])
             return None
-        if approvals.undecided(plane, task_id):
+        if asked and approvals.undecided(plane, task_id):
             store.convergence.unwatch([task_id])  # each decision, or its timer, watches it again
             return None
         if self._queued is None:
             self._queued = store.convergence.queued_task_ids(settings.queue)
         if task_id in self._queued or store.convergence.in_admission(task_id):
-            store.convergence.watch([task_id], settings.reconcile_grace_s, only_if_watched=True)
+            self._later[settings.reconcile_grace_s].append(task_id)
             return None
         store.convergence.watch([task_id], settings.reconcile_grace_s)  # first: a lost publish is tried again
         record = store.records.get_task(task_id)

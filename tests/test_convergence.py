@@ -15,6 +15,7 @@ import pytest
 from coordinator import BrokerError, Coordinator, TaskStatus, delegation
 from coordinator.approvals import ToolCall, expiry_timer, park
 from coordinator.celery_app import make_app
+from coordinator.local.embedded_redis import local_redis
 from coordinator.reconciler import Reconciler
 from coordinator.runs import Ended, LeaseLost, Run
 from tests.agents import agent, reply, subtask
@@ -55,6 +56,38 @@ def test_a_task_queued_in_the_broker_is_left_alone(coord: Coordinator) -> None:
     assert tick(coord) == {}
     assert queued_ids(coord) == [root.id] and coord.client.llen(QUEUE) == 1, "not published twice"
     assert root.id in coord.store.convergence.watched()
+
+
+def test_a_wave_of_queued_tasks_costs_a_tick_a_few_round_trips(coord: Coordinator) -> None:
+    """Each queued task is looked at again later, all in one write: not a round trip or two each."""
+    with local_redis() as url:  # a server of its own: its command counts are this test's alone
+        alone = Coordinator(coord.settings.model_copy(update={"redis_url": url}))
+        try:
+            _tick_a_wave(alone)
+        finally:
+            alone.close()
+
+
+def _tick_a_wave(coord: Coordinator) -> None:
+    parent = coord.create_task("fan out")
+    batch = coord.delegate(parent.id, [subtask(f"child {n}", agent(reply("x"))) for n in range(40)])
+    for task_id in coord.store.convergence.watched():
+        coord.store.convergence.watch([task_id], -10, only_if_watched=True)
+        coord.store.client.hset(coord.store.keys.task(task_id[:16], task_id), "updated_at", time.time() - 60)
+    before = coord.client.info("commandstats")
+    assert Reconciler(coord, "test").tick() == {}
+    after = coord.client.info("commandstats")
+
+    def calls(command: str) -> int:
+        return int(after.get(f"cmdstat_{command}", {}).get("calls", 0)) - int(
+            before.get(f"cmdstat_{command}", {}).get("calls", 0)
+        )
+
+    assert calls("zadd") == 1, "one write moves every queued child's time"
+    assert calls("hget") == 0, "no decision is looked up for a task that never asked for one"
+    due = coord.store.convergence.watched()
+    assert all(due[child] > time.time() for child in batch.child_ids), "each is looked at again later"
+    assert queued_ids(coord) == sorted(batch.child_ids), "none was published twice"
 
 
 def test_a_run_whose_message_was_lost_is_published_again(coord: Coordinator) -> None:

@@ -40,6 +40,7 @@ class Triage(NamedTuple):
     runner: str
     updated_at: float
     leased: bool
+    asked: bool = False  # its last run asked for decisions (they may all be decided by now)
 
 
 class ConvergenceStore(Part):
@@ -84,16 +85,17 @@ class ConvergenceStore(Part):
 
     @translate_redis_errors
     def triage(self, task_ids: Sequence[str]) -> list[Triage]:
-        """(status, runner, updated_at, leased) of each task, in one round trip."""
+        """(status, runner, updated_at, leased, asked) of each task, in one round trip."""
+        fields = [TaskField.STATUS, TaskField.RUNNER, TaskField.UPDATED_AT, TaskField.WAITING_APPROVAL_IDS]
         with self.client.pipeline(transaction=False) as pipe:
             for task_id in task_ids:
                 root = root_of(task_id)
-                pipe.hmget(self.keys.task(root, task_id), [TaskField.STATUS, TaskField.RUNNER, TaskField.UPDATED_AT])
+                pipe.hmget(self.keys.task(root, task_id), fields)
                 pipe.exists(self.keys.lease(root, task_id))
             replies = pipe.execute()
         return [
-            Triage(str(status or ""), str(runner or ""), float(updated_at or 0), bool(leased))
-            for (status, runner, updated_at), leased in zip(replies[0::2], replies[1::2], strict=True)
+            Triage(str(status or ""), str(runner or ""), float(updated_at or 0), bool(leased), bool(asked))
+            for (status, runner, updated_at, asked), leased in zip(replies[0::2], replies[1::2], strict=True)
         ]
 
     @translate_redis_errors
