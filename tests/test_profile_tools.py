@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import pytest
 
-from coordinator import ConfigError, Coordinator, Profile, RunCommand, Settings, TaskStatus
+from coordinator import ConfigError, Coordinator, Profile, RunCommand, Settings, TaskRecord, TaskStatus
 from coordinator.local.fleet import WorkerFleet
 from coordinator.settings import ToolLimit
 from coordinator.tree import render_tree
@@ -281,15 +281,19 @@ def test_a_fleet_wide_tool_limit_holds_across_processes(
     assert waited, "calls over the limit waited, and said so"
 
 
+def _one_child_on_an_item(coord: Coordinator, item: str, profile: str, message: str) -> tuple[TaskRecord, str]:
+    """A parent whose one plan item is delegated to a child of `profile` running `message`."""
+    parent = coord.create_task(f"carry out {item}", todos=f"[ ] {item}")
+    (todo,) = coord.get_todos(parent.id)
+    spec = {"description": item, "todo_id": todo.id, "profile": profile, "message": message}
+    (child_id,) = coord.delegate(parent.id, [spec]).child_ids
+    return parent, child_id
+
+
 def test_a_tools_price_is_its_tasks_spend_on_the_parents_plan_item(tooled: Tooled) -> None:
     coord = tooled.coord
-    parent = coord.create_task("sum things", todos="[ ] add twice")
-    (item,) = coord.get_todos(parent.id)
-    spec = {
-        "description": "add twice", "todo_id": item.id, "profile": "priced",
-        "message": agent(call("add_numbers", a=1, b=2), call("add_numbers", a=3, b=4), reply("10")),
-    }  # fmt: skip
-    (child_id,) = coord.delegate(parent.id, [spec]).child_ids
+    message = agent(call("add_numbers", a=1, b=2), call("add_numbers", a=3, b=4), reply("10"))
+    parent, child_id = _one_child_on_an_item(coord, "add twice", "priced", message)
     child = coord.wait(child_id, 60)
     assert child.status == TaskStatus.COMPLETED and child.requests == 3, "two calls, no model request of their own"
     assert child.cost_micros == 3 * STEP_COST_MICROS + 2 * 250_000, "three responses and two priced calls"
@@ -302,16 +306,11 @@ def test_a_tools_price_is_its_tasks_spend_on_the_parents_plan_item(tooled: Toole
 
 def test_a_tool_reports_its_own_cost_and_it_lands_on_the_plan_item(tooled: Tooled) -> None:
     coord = tooled.coord
-    parent = coord.create_task("search things", todos="[ ] search twice")
-    (item,) = coord.get_todos(parent.id)
-    spec = {
-        "description": "search twice", "todo_id": item.id, "profile": "reporting",
-        "message": agent(
-            call("paid_search", query="q1"), call("paid_search", query="q2"), call("confused_bill", query="q3"),
-            reply("found"),
-        ),
-    }  # fmt: skip
-    (child_id,) = coord.delegate(parent.id, [spec]).child_ids
+    message = agent(
+        call("paid_search", query="q1"), call("paid_search", query="q2"), call("confused_bill", query="q3"),
+        reply("found"),
+    )  # fmt: skip
+    parent, child_id = _one_child_on_an_item(coord, "search twice", "reporting", message)
     child = coord.wait(child_id, 60)
     assert child.status == TaskStatus.COMPLETED and child.requests == 4
     # Each search said it cost $0.0125 (its reported cost wins over the profile's $0.25); the bad report is no cost.

@@ -13,7 +13,8 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -46,23 +47,39 @@ def _count(marks: Path, label: str) -> int:
     return len(list(marks.glob(f"{label}.*")))
 
 
-def test_a_resumed_run_replays_what_returned_and_reruns_only_the_idempotent(
-    settings: Settings, marks: Path, tmp_path: Path
-) -> None:
+@contextmanager
+def crashing_worker(
+    settings: Settings, tmp_path: Path, **profiles: Profile
+) -> Iterator[tuple[Coordinator, Callable[[], None]]]:
+    """A worker with these profiles on a database of its own, and a function that SIGKILLs it and
+    starts a second, which resumes its runs once the first one's leases lapse."""
     assert settings.redis_url
     own = settings.model_copy(
-        update={
-            **FAST_CLOCK,
-            "profiles": {"journaled": JOURNALED},
-            "redis_url": settings.redis_url.rsplit("/", 1)[0] + "/9",
-        }
+        update={**FAST_CLOCK, "profiles": profiles, "redis_url": settings.redis_url.rsplit("/", 1)[0] + "/9"}
     )
     coord = Coordinator(own)
     coord.client.flushdb()
-    victim = WorkerFleet(own, 1, tmp_path / "victim", name="victim")
-    rescuer: WorkerFleet | None = None
+    fleets = [WorkerFleet(own, 1, tmp_path / "victim", name="victim")]
+
+    def kill_and_resume() -> None:
+        os.kill(fleets[0].procs[0].pid, signal.SIGKILL)
+        fleets[0].procs[0].wait(timeout=30)
+        fleets.append(WorkerFleet(own, 1, tmp_path / "rescuer", name="rescuer"))
+        fleets[-1].wait_ready()
+
     try:
-        victim.wait_ready()
+        fleets[0].wait_ready()
+        yield coord, kill_and_resume
+    finally:
+        for fleet in fleets:
+            fleet.stop()
+        coord.close()
+
+
+def test_a_resumed_run_replays_what_returned_and_reruns_only_the_idempotent(
+    settings: Settings, marks: Path, tmp_path: Path
+) -> None:
+    with crashing_worker(settings, tmp_path, journaled=JOURNALED) as (coord, kill_and_resume):
         task = coord.create_task(
             agent(
                 calls(
@@ -82,34 +99,25 @@ def test_a_resumed_run_replays_what_returned_and_reruns_only_the_idempotent(
             time.sleep(0.02)
         assert _count(marks, "quick") == 1 and coord.client.hlen(journal) == 1, "the quick call returned and was kept"
         assert _count(marks, "slow") == _count(marks, "idem") == _count(marks, "declared") == 0, "the slow calls run"
-        os.kill(victim.procs[0].pid, signal.SIGKILL)
-        victim.procs[0].wait(timeout=30)
-
-        rescuer = WorkerFleet(own, 1, tmp_path / "rescuer", name="rescuer")
-        rescuer.wait_ready()
+        kill_and_resume()
         done = coord.wait(task.id, 90)
-    finally:
-        victim.stop()
-        if rescuer is not None:
-            rescuer.stop()
-    assert done.status == TaskStatus.COMPLETED, done
-    assert _count(marks, "quick") == 1, "the call that returned ran once: its result was replayed"
-    assert _count(marks, "slow") == 0, "the cut-off call that is not idempotent never ran again"
-    assert _count(marks, "idem") == 1, "the cut-off idempotent call ran once more, to its end"
-    assert _count(marks, "declared") == 1, "so did the one its profile declares idempotent"
-    says = [(m["say"], m["text"]) for m in coord.messages(task.id) if m.get("type") == "say"]
-    assert ("tool_replayed", 'leave_mark({"label": "quick"})') in says
-    assert ("tool_interrupted", 'slow_mark({"label": "slow", "seconds": 30.0})') in says
-    results = {
-        part["tool_name"]: part["content"]
-        for message in coord.store.records.conversation(task.id)
-        for part in json.loads(message).get("parts", [])
-        if part.get("part_kind") == "tool-return"
-    }
-    assert results == {
-        "leave_mark": "marked quick", "slow_mark": INTERRUPTED, "settle": "settled idem", "refresh": "refreshed declared"
-    }  # fmt: skip
-    coord.close()
+        assert done.status == TaskStatus.COMPLETED, done
+        assert _count(marks, "quick") == 1, "the call that returned ran once: its result was replayed"
+        assert _count(marks, "slow") == 0, "the cut-off call that is not idempotent never ran again"
+        assert _count(marks, "idem") == 1, "the cut-off idempotent call ran once more, to its end"
+        assert _count(marks, "declared") == 1, "so did the one its profile declares idempotent"
+        says = [(m["say"], m["text"]) for m in coord.messages(task.id) if m.get("type") == "say"]
+        assert ("tool_replayed", 'leave_mark({"label": "quick"})') in says
+        assert ("tool_interrupted", 'slow_mark({"label": "slow", "seconds": 30.0})') in says
+        results = {
+            part["tool_name"]: part["content"]
+            for message in coord.store.records.conversation(task.id)
+            for part in json.loads(message).get("parts", [])
+            if part.get("part_kind") == "tool-return"
+        }
+        assert results == {
+            "leave_mark": "marked quick", "slow_mark": INTERRUPTED, "settle": "settled idem", "refresh": "refreshed declared"
+        }  # fmt: skip
 
 
 def test_an_approved_call_cut_off_while_it_ran_is_not_run_again_unless_idempotent(
@@ -117,21 +125,8 @@ def test_an_approved_call_cut_off_while_it_ran_is_not_run_again_unless_idempoten
 ) -> None:
     """A human's approval is leave to run a call once: cut off mid-run, it is interrupted on resume
     (an idempotent one runs once more), and no one is asked again."""
-    assert settings.redis_url
     guarded = JOURNALED.model_copy(update={"approval_tools": ["slow_mark", "settle"]})
-    own = settings.model_copy(
-        update={
-            **FAST_CLOCK,
-            "profiles": {"guarded": guarded},
-            "redis_url": settings.redis_url.rsplit("/", 1)[0] + "/9",
-        }
-    )
-    coord = Coordinator(own)
-    coord.client.flushdb()
-    victim = WorkerFleet(own, 1, tmp_path / "victim", name="victim")
-    rescuer: WorkerFleet | None = None
-    try:
-        victim.wait_ready()
+    with crashing_worker(settings, tmp_path, guarded=guarded) as (coord, kill_and_resume):
         task = coord.create_task(
             agent(
                 calls(("slow_mark", {"label": "slow", "seconds": 20}), ("settle", {"label": "idem", "seconds": 4})),
@@ -153,21 +148,12 @@ def test_an_approved_call_cut_off_while_it_ran_is_not_run_again_unless_idempoten
         started = sorted(coord.client.hkeys(journal))
         assert len(started) == 2 and all(f.startswith("started:") for f in started), started
         assert _count(marks, "slow") == _count(marks, "idem") == 0, "both approved calls are still running"
-        os.kill(victim.procs[0].pid, signal.SIGKILL)
-        victim.procs[0].wait(timeout=30)
-
-        rescuer = WorkerFleet(own, 1, tmp_path / "rescuer", name="rescuer")
-        rescuer.wait_ready()
+        kill_and_resume()
         done = coord.wait(task.id, 90)
-    finally:
-        victim.stop()
-        if rescuer is not None:
-            rescuer.stop()
-    assert done.status == TaskStatus.COMPLETED, done
-    assert _count(marks, "slow") == 0, "the approved call that is not idempotent never ran again"
-    assert _count(marks, "idem") == 1, "the approved idempotent call ran once more, to its end"
-    says = [(m["say"], m["text"]) for m in coord.messages(task.id) if m.get("type") == "say"]
-    assert ("tool_interrupted", 'slow_mark({"label": "slow", "seconds": 20.0})') in says
-    assert [kind for kind, _ in says].count("approval_request") == 2, "no one was asked again"
-    assert coord.list_approvals(task.root_id) == []
-    coord.close()
+        assert done.status == TaskStatus.COMPLETED, done
+        assert _count(marks, "slow") == 0, "the approved call that is not idempotent never ran again"
+        assert _count(marks, "idem") == 1, "the approved idempotent call ran once more, to its end"
+        says = [(m["say"], m["text"]) for m in coord.messages(task.id) if m.get("type") == "say"]
+        assert ("tool_interrupted", 'slow_mark({"label": "slow", "seconds": 20.0})') in says
+        assert [kind for kind, _ in says].count("approval_request") == 2, "no one was asked again"
+        assert coord.list_approvals(task.root_id) == []
