@@ -141,6 +141,11 @@ class Reconciler:
         if task_id in self._queued or store.convergence.in_admission(task_id):
             self._later[settings.reconcile_grace_s].append(task_id)
             return None
+        if store.convergence.triage([task_id])[0].leased:
+            # Its message left the queue after the triage and before the queue was read: a worker
+            # took it and its run has started since. Not lost (an extra read, on this branch only).
+            self._later[settings.reconcile_interval_s].append(task_id)
+            return None
         store.convergence.watch([task_id], settings.reconcile_grace_s)  # first: a lost publish is tried again
         record = store.records.get_task(task_id)
         dispatch.publish_again(plane.app, record, store.convergence.next_repair(task_id))

@@ -90,6 +90,24 @@ def _tick_a_wave(coord: Coordinator) -> None:
     assert queued_ids(coord) == sorted(batch.child_ids), "none was published twice"
 
 
+def test_a_run_taken_from_the_queue_while_the_tick_looked_is_not_taken_for_lost(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the tick's triage and its read of the queue, a worker takes the message and starts the run."""
+    root = coord.create_task(agent(reply("x")), run=True)
+    store = coord.store.convergence
+    read_queue = store.queued_task_ids
+
+    def a_worker_takes_it_first(queue: str) -> set[str]:
+        coord.client.delete(queue)  # the worker took the message off the ready list ...
+        coord.client.set(coord.store.keys.lease(root.id, root.id), "its-run", ex=30)  # ... and its run started
+        return read_queue(queue)
+
+    monkeypatch.setattr(store, "queued_task_ids", a_worker_takes_it_first)
+    assert tick(coord) == {}, "not published again"
+    assert coord.client.llen(QUEUE) == 0 and root.id in store.watched()
+
+
 def test_a_run_whose_message_was_lost_is_published_again(coord: Coordinator) -> None:
     root = coord.create_task(agent(reply("x")), run=True)
     coord.client.delete(QUEUE)  # the broker lost it (a Redis restart)
