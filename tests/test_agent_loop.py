@@ -18,7 +18,7 @@ import pytest
 
 from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.runs import Run, RunLifecycle
-from tests.helpers import script, usage_step
+from tests.helpers import eventually, script, usage_step
 from tests.test_run_scripts import monitored
 from workers.runtime.agent_loop import GC_GEN0_OBJECTS, AgentLoop, StopWatch, tune_gc
 
@@ -152,7 +152,10 @@ def test_the_stop_watch_reads_one_count_a_poll_until_a_stop_moves_it(own_coordin
     watched_keys = {keys.stops(), *(keys.task(run.task.root_id, run.task_id) for run in runs)}
     assert coord.settings.redis_url
     try:
-        watch.poll()  # the first look reads every status
+        # The watch's thread makes its first look (every status) as it starts; on a loaded host that
+        # can come late, so the test waits for it rather than count its reads below.
+        eventually(lambda: watch._stops_seen is not None, "the watch thread's first look", every_s=0.01)
+        watch.poll()
         with monitored(coord.settings.redis_url) as commands:
             watch.poll()
             watch.poll()
