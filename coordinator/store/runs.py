@@ -131,12 +131,15 @@ class RunStore(Part):
             k.ui_messages(root, task_id), k.latency_histogram(), k.live(root), k.events(root),
         ]  # fmt: skip
 
+    def _flush_args(self, token: str, writes: RunWrites) -> list[ScriptArg]:
+        """flush_run.lua's ARGV for a step of its own (not end_run's)."""
+        return [token, self.retention_s, time.time(), EVENTS_MAXLEN, 0, *_writes_args(writes)]
+
     @translate_redis_errors
     def flush_run(self, record: TaskRecord, token: str, writes: RunWrites) -> tuple[bool, str, str | None]:
         """Write a run's step (flush_run.lua): (still leased, the task's status, the topmost budget reached)."""
         keys = self._run_keys(record) + [self.keys.task(record.root_id, a) for a in reversed(record.ancestors)]
-        args: list[ScriptArg] = [token, self.retention_s, time.time(), EVENTS_MAXLEN, 0, *_writes_args(writes)]
-        reply = self.scripts.flush_run(keys=keys, args=args)
+        reply = self.scripts.flush_run(keys=keys, args=self._flush_args(token, writes))
         if int(reply[0]) == 0:
             return False, "", None
         return True, str(reply[1]), str(reply[2]) or None
@@ -313,7 +316,7 @@ class RunStore(Part):
         keys += [self.keys.task(record.root_id, a) for a in reversed(record.ancestors)]
         args: list[ScriptArg] = [
             call.tool_call_id, call.result_json or "", tool_field(call.tool, call.outcome), tool_field(call.tool, "ms"),
-            call.ms, token, self.retention_s, time.time(), EVENTS_MAXLEN, 0, *_writes_args(writes),
+            call.ms, *self._flush_args(token, writes),
         ]  # fmt: skip
         reply = self.scripts.record_tool(keys=keys, args=args)
         if int(reply[0]) == 0:

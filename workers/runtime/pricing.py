@@ -28,6 +28,7 @@ __all__ = [
     "PROFILE_PRICE_SOURCE",
     "PROVIDER_REPORTED_SOURCE",
     "cost_of",
+    "parse_usd",
     "reported_cost_usd",
 ]
 
@@ -59,7 +60,7 @@ def reported_cost_usd(response: ModelResponse) -> Decimal | None:
     the wrong model, and it cannot be told apart from a cost the provider reported.
     """
     details = response.provider_details or {}
-    return _parse_usd(details.get("cost"))
+    return parse_usd(details.get("cost"))
 
 
 def _profile_price_micros(usage: RequestUsage, price: Price) -> int:
@@ -92,7 +93,8 @@ def _library_price(usage: RequestUsage, provider: str, model: str) -> tuple[int,
     return usd_to_micros(calc.total_price), source
 
 
-def _parse_usd(value: object) -> Decimal | None:
+def parse_usd(value: object) -> Decimal | None:
+    """A number of dollars (a number or its text), or None when it is not a non-negative, finite one."""
     if isinstance(value, bool) or not isinstance(value, int | float | str | Decimal):
         return None
     try:

@@ -52,6 +52,7 @@ from coordinator.runs import Run
 from coordinator.tracing import span
 from workers import observe
 from workers.runtime import mcp_servers
+from workers.runtime.pricing import parse_usd
 from workers.runtime.tools import SELF_GUARDED, RunState, apply_verdict, orchestration_tools
 
 __all__ = [
@@ -154,14 +155,10 @@ def reported_cost(tool: str, result: object) -> Decimal | None:
     A value that is not a non-negative number of dollars is left out, with a warning naming the tool."""
     if not isinstance(result, ToolReturn) or not isinstance(result.metadata, dict) or COST_KEY not in result.metadata:
         return None
-    value = result.metadata[COST_KEY]
-    try:
-        usd = Decimal(str(value))
-    except ArithmeticError:
-        usd = Decimal("NaN")
-    if isinstance(value, bool) or not usd.is_finite() or usd < 0:
+    usd = parse_usd(result.metadata[COST_KEY])  # read as a provider's reported cost is
+    if usd is None:
+        value = result.metadata[COST_KEY]
         log.warning("subq: tool %s reported a cost of %r, not a non-negative number of USD: not charged", tool, value)
-        return None
     return usd
 
 
@@ -280,6 +277,14 @@ def _fail(profile: str, entry: str, why: str) -> ConfigError:
     return ConfigError(f"Invalid profile {profile!r}: {entry}: {why}", field="profile")
 
 
+def _claim(profile: str, entry: str, tool: str, source: str, sources: dict[str, str]) -> None:
+    """Offer `tool` from `source`; a name the profile offers already (or an output tool's) is an error naming both."""
+    if tool in sources or tool in OUTPUT_TOOLS:
+        other = "subq's own" if sources.get(tool, BUILT_IN) == BUILT_IN else repr(sources[tool])
+        raise _fail(profile, entry, f"its tool {tool!r} has the same name as a tool of {other}")
+    sources[tool] = source
+
+
 def _import(profile: str, path: str) -> FunctionToolset[Any]:
     """The toolset an import path names: a function becomes a toolset of one tool."""
     module_name, _, attribute = path.partition(":")
@@ -316,11 +321,7 @@ def _mcp_server(profile: str, server: mcp_servers.McpServerConfig, sources: dict
     checked = mcp_servers.checked_tools(profile, server)
     for tool in checked:
         offered = f"{server.prefix}_{tool}" if server.prefix else tool
-        if offered in sources or offered in OUTPUT_TOOLS:
-            other = "subq's own" if sources.get(offered, BUILT_IN) == BUILT_IN else repr(sources[offered])
-            why = f"its tool {offered!r} has the same name as a tool of {other}"
-            raise _fail(profile, f"mcp_servers entry {server.name!r}", why)
-        sources[offered] = mcp_servers.source_of(server)
+        _claim(profile, f"mcp_servers entry {server.name!r}", offered, mcp_servers.source_of(server), sources)
     return mcp_servers.shared_server(profile, server, checked)
 
 
@@ -334,10 +335,7 @@ def load_profile(name: str, settings: Settings) -> ProfileTools:
     for path in profile.tools:
         toolset = _import(name, path)
         for tool in toolset.tools:
-            if tool in sources or tool in OUTPUT_TOOLS:
-                other = "subq's own" if sources.get(tool, BUILT_IN) == BUILT_IN else repr(sources[tool])
-                raise _fail(name, f"tools entry {path!r}", f"its tool {tool!r} has the same name as a tool of {other}")
-            sources[tool] = path
+            _claim(name, f"tools entry {path!r}", tool, path, sources)
         own.append(toolset)
     for server in profile.mcp_servers:
         own.append(_mcp_server(name, server, sources))
