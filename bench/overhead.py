@@ -20,7 +20,10 @@ key the bench BLPOPs (not `AsyncResult.get()`, which polls every header's result
 and so measures the caller); subq's `Coordinator.wait` blocks on the tree's
 event stream. Per child, each mode reports:
 - Redis round trips from the worker process (requests written by redis-py, counted
-  inside the worker by bench/probe.py: Celery's broker and backend calls included);
+  inside the worker by bench/probe.py: Celery's broker and backend calls included),
+  and of those, the ones its runs made (`by runs`: without the round trips the
+  process makes on a clock, its lease renewal, stop watch, reconciler and paced
+  event publishes, which are reported per second as `timed/s`);
 - commands the Redis server ran (`INFO commandstats`, commands inside Lua included;
   the caller's and the idle fleet's commands are in this figure too);
 - the worker process's CPU (user + system, /proc);
@@ -95,6 +98,7 @@ class Sample:
 
     wall_s: float
     round_trips: int
+    timed_round_trips: int  # made on a clock, not by a run (bench/probe.py)
     server_commands: int
     worker_cpu_s: float
     caller_cpu_s: float
@@ -181,6 +185,7 @@ class Modes:
         return Sample(
             wall_s=wall_s,
             round_trips=trips.pop("round_trips", 0),
+            timed_round_trips=trips.pop("timed", 0),
             server_commands=sum(commands.values()),
             worker_cpu_s=worker_cpu_s,
             caller_cpu_s=caller_cpu_s,
@@ -267,6 +272,12 @@ def summarise(samples: dict[str, dict[int, list[Sample]]]) -> list[dict[str, Any
                     "children_per_s": round(width / statistics.median(r.wall_s for r in runs), 1),
                     "wall_ms": round(statistics.median(r.wall_s for r in runs) * 1000, 1),
                     "round_trips_per_child": round(statistics.median(r.round_trips for r in runs) / width, 2),
+                    "run_round_trips_per_child": round(
+                        statistics.median(r.round_trips - r.timed_round_trips for r in runs) / width, 2
+                    ),
+                    "timed_round_trips_per_s": round(
+                        statistics.median(r.timed_round_trips / r.wall_s for r in runs), 1
+                    ),
                     "server_commands_per_child": round(statistics.median(r.server_commands for r in runs) / width, 1),
                     "worker_cpu_ms_per_child": round(statistics.median(r.worker_cpu_s for r in runs) * 1000 / width, 2),
                     "caller_cpu_ms_per_child": round(statistics.median(r.caller_cpu_s for r in runs) * 1000 / width, 2),
@@ -284,7 +295,8 @@ def print_report(rows: list[dict[str, Any]], scale: dict[str, float], facts: dic
         print(f"{name + ':':16} {value}")
     print()
     header = (
-        f"{'mode':>6} {'width':>6} {'children/s':>11} {'trips/child':>12} {'cmds/child':>11} "
+        f"{'mode':>6} {'width':>6} {'children/s':>11} {'trips/child':>12} {'by runs':>8} {'timed/s':>8} "
+        f"{'cmds/child':>11} "
         f"{'CPU ms/child':>13} {'caller CPU':>11} {'resumed p50':>12} {'p99 ms':>7}"
     )
     print(header)
@@ -292,6 +304,7 @@ def print_report(rows: list[dict[str, Any]], scale: dict[str, float], facts: dic
     for r in rows:
         print(
             f"{r['mode']:>6} {r['width']:>6} {r['children_per_s']:>11.1f} {r['round_trips_per_child']:>12.2f} "
+            f"{r['run_round_trips_per_child']:>8.2f} {r['timed_round_trips_per_s']:>8.1f} "
             f"{r['server_commands_per_child']:>11.1f} {r['worker_cpu_ms_per_child']:>13.2f} "
             f"{r['caller_cpu_ms_per_child']:>11.2f} "
             f"{r['resumed_p50_ms']:>12.1f} {r['resumed_p99_ms']:>7.1f}"

@@ -149,7 +149,11 @@ def test_an_agent_root_shows_no_prompt_text(listening: str, coordinator_for_modu
     secret = f"SECRET-{uuid.uuid4().hex}"
     root = coordinator_for_module.create_task(agent(reply("done"), text=f"Plan {secret}"), run=True)
     coordinator_for_module.wait(root.id, 60)
-    shown = eventually(lambda: tasks_named(listening, "subq.run_task").get(root.id), "the root's run")
+    # Its task-sent event (the caller's, no arguments) can show before the worker's, which carry them.
+    shown = eventually(
+        lambda: (run := tasks_named(listening, "subq.run_task").get(root.id)) and run["state"] == "SUCCESS" and run,
+        "the root's run, ended",
+    )
     assert shown["args"].startswith(f"task={root.id} parent=-")
     assert secret not in shown["args"]
 

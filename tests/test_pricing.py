@@ -9,6 +9,7 @@ from typing import Any
 
 import genai_prices
 import pytest
+from genai_prices.data_snapshot import get_snapshot
 from pydantic import SecretStr
 from pydantic_ai import Agent
 from pydantic_ai.messages import ModelResponse, TextPart
@@ -20,7 +21,7 @@ from coordinator import usd_to_micros
 from coordinator.errors import ProfileError
 from coordinator.settings import Price, Profile
 from workers.runtime.offline import OfflineModel
-from workers.runtime.pricing import cost_of, reported_cost_usd
+from workers.runtime.pricing import _read_token_rates, cost_of, reported_cost_usd
 from workers.runtime.providers import ANTHROPIC_BASE_URL, OPENAI_BASE_URL, OneLineErrors, build_model
 
 SONNET_SOURCE = f"genai-prices {genai_prices.__version__}: anthropic/claude-sonnet-4-5"
@@ -83,6 +84,57 @@ def test_inconsistent_usage_costs_zero_rather_than_failing_the_run() -> None:
     assert cost == 0
     assert source.startswith("unpriced: anthropic/claude-sonnet-4-5: ")
     assert "cache_read_tokens" in source
+
+
+def _library_figure(usage: RequestUsage, provider: str, model: str) -> tuple[int, str]:
+    calc = genai_prices.calc_price(usage, model, provider_id=provider)
+    return usd_to_micros(
+        calc.total_price
+    ), f"genai-prices {genai_prices.__version__}: {calc.provider.id}/{calc.model.id}"
+
+
+def _usages() -> list[RequestUsage]:
+    """Plain text usage around the tier starts the library uses (200k input tokens) and far past them."""
+    usages = [RequestUsage(), RequestUsage(input_tokens=1, output_tokens=1)]
+    for input_tokens in (999, 128_000, 200_000, 200_001, 1_234_567):
+        usages += [
+            RequestUsage(input_tokens=input_tokens, output_tokens=4321),
+            RequestUsage(input_tokens=input_tokens, output_tokens=77, cache_read_tokens=input_tokens // 3),
+            RequestUsage(
+                input_tokens=input_tokens,
+                output_tokens=5,
+                cache_read_tokens=input_tokens // 2,
+                cache_write_tokens=input_tokens // 4,
+            ),
+        ]
+    return usages
+
+
+def test_rates_read_once_price_every_model_as_the_library_does() -> None:
+    # The fast path reads a model's token rates once; the library's full calculation is the reference.
+    snapshot = get_snapshot()
+    checked = 0
+    for provider in snapshot.providers:
+        for model in provider.models:
+            if _read_token_rates(snapshot, provider.id, model.id) is None:
+                continue
+            for usage in _usages():
+                assert cost_of(usage, Profile(priced_as=f"{provider.id}:{model.id}")) == _library_figure(
+                    usage, provider.id, model.id
+                ), (provider.id, model.id, usage)
+            checked += 1
+    # Most of the snapshot, and the models subq's own profiles are priced as, take the fast path.
+    assert checked > 1000
+    assert _read_token_rates(snapshot, "anthropic", "claude-sonnet-4-5") is not None
+    assert _read_token_rates(snapshot, "openai", "gpt-4o-mini") is not None
+
+
+def test_usage_the_rates_do_not_cover_goes_through_the_library() -> None:
+    audio = RequestUsage(input_tokens=5000, input_audio_tokens=3000, output_tokens=100, output_audio_tokens=50)
+    assert cost_of(audio, Profile(priced_as="openai:gpt-4o-audio-preview")) == _library_figure(
+        audio, "openai", "gpt-4o-audio-preview"
+    )
+    assert cost_of(audio, Profile(priced_as="openai:gpt-4o-audio-preview"))[0] > 0
 
 
 # --- an explicit profile price ---------------------------------------------

@@ -15,8 +15,8 @@ import pytest
 from celery import Celery
 
 from coordinator import Coordinator, Settings
-from tests.agents import USAGE, agent, call
-from tests.event_tap import EventTap
+from tests.agents import USAGE, agent, call, subtask
+from tests.event_tap import EventMessage, EventTap
 from tests.helpers import eventually
 from workers import task_events
 
@@ -63,9 +63,46 @@ def test_a_runs_progress_is_buffered_with_the_task_events_and_sent_at_once(
     assert progress[0][0].received_at < succeeded[0][0].received_at - THINKING_MS / 2000
 
 
+# Children whose ends are this far apart: unpaced, each end would be a publish of its own.
+STAGGER_MS = 25
+STAGGERED_CHILDREN = 12
+# Celery's dispatcher publishes its buffer at once when it holds this many events.
+BUFFER_LIMIT = 24
+
+
+def test_task_events_sent_close_together_share_a_publish(coordinator: Coordinator, tap: EventTap) -> None:
+    children = [
+        subtask(f"child {n}", {"reply": f"done {n}", "usage": USAGE, "latency_ms": n * STAGGER_MS})
+        for n in range(STAGGERED_CHILDREN)
+    ]
+    root = coordinator.create_task(
+        agent(call("run_subagents", tasks=children), call("attempt_completion", result="all done")), run=True
+    )
+    assert coordinator.wait(root.id, 60).status == "completed"
+    ids = [child.id for child in coordinator.get_children(root.id)]
+    succeeded = eventually(
+        lambda: (events := tap.events("task-succeeded", ids)) and len(events) == len(ids) and events,
+        "every child's task-succeeded event",
+    )
+    # Celery flushes at once when its buffer fills (24 events): those publishes are not the pacer's.
+    by_worker: dict[str, list[EventMessage]] = {}
+    for message, event in succeeded:
+        if len(message.events) < BUFFER_LIMIT and message not in by_worker.get(event["hostname"], []):
+            by_worker.setdefault(event["hostname"], []).append(message)
+    for worker, paced in by_worker.items():
+        span_s = paced[-1].received_at - paced[0].received_at
+        # Each worker's pacer publishes at most once every EVENT_FLUSH_EVERY_S (one more for the tap's delays).
+        most = int(span_s / task_events.EVENT_FLUSH_EVERY_S) + 2
+        assert len(paced) <= most, f"{worker}: children's ends over {span_s:.2f} s took {len(paced)} paced publishes"
+    for message, event in succeeded:
+        late_s = message.received_at - event["timestamp"]
+        assert late_s < PROMPT_S, f"a task-succeeded event reached the subscriber {late_s:.2f} s after it was sent"
+
+
 class FakeConsumer:
     def __init__(self, dispatcher: Any) -> None:
         self.event_dispatcher = dispatcher
+        self.hub = None
 
 
 def test_the_consumers_dispatcher_is_used_only_where_it_buffers_task_events(settings: Settings) -> None:
