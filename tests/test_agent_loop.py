@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from pydantic_ai import Agent
+from pydantic_ai.models.test import TestModel
 
 from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.runs import Run, RunLifecycle
@@ -54,6 +56,25 @@ def test_a_coroutines_exception_reaches_its_caller_and_the_loop_goes_on() -> Non
     with pytest.raises(ValueError, match="the agent failed"):
         loop.run(fail())
     assert loop.run(_where(0))[0] == "subq-agents"
+
+
+def test_sync_tools_run_on_the_process_pool_of_threads_which_outlives_each_run() -> None:
+    # pydantic-ai's default started a thread per call on the shared loop, and held the loop meanwhile.
+    loop = AgentLoop()
+    seen: list[tuple[str, int]] = []
+
+    def lookup(key: str) -> str:
+        """Look a key up."""
+        seen.append((threading.current_thread().name, threading.get_ident()))
+        return key.upper()
+
+    agent = Agent(TestModel(call_tools=["lookup"]), tools=[lookup])
+    for _ in range(5):
+        assert "lookup" in loop.run(agent.run("look it up")).output
+    names = {name for name, _ in seen}
+    assert len(seen) == 5 and all(name.startswith("subq-tool") for name in names), names
+    # Each call found the thread the one before had left idle: one thread for five runs, not five.
+    assert len({ident for _, ident in seen}) == 1
 
 
 def _start_runs(coord: Coordinator, count: int) -> tuple[RunLifecycle, list[Run]]:

@@ -10,6 +10,13 @@ the difference taking the interpreter lock from each other (docs/benchmarks.md).
 A coroutine runs in a copy of its pool thread's context, so the log lines of a
 run (workers/observe.py) keep its ids.
 
+A sync function tool runs in the process's own pool of threads
+(`SYNC_CALL_THREADS`, kept for the life of the process), handed to pydantic-ai
+with `Agent.using_thread_executor`. Left to pydantic-ai's default (anyio's
+worker threads, tied to the task that started them), every call on the shared
+loop started a thread and held the loop until it ran: 12% of the loop's time in
+a bench of children making five tool calls each (docs/benchmarks.md).
+
 Blocking calls made inside the coroutine (the store's, before each model
 request and by the orchestration tools) hold the loop while Redis answers: a
 few a run, each well under a millisecond, against the seconds a model takes.
@@ -36,10 +43,21 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from pydantic_ai import Agent
+
 from coordinator import StoreError
 from coordinator.runs import LIVE_EVERY_S, Run, RunLifecycle
 
-__all__ = ["CANCEL_POLL_S", "FULL_LOOK_S", "GC_GEN0_OBJECTS", "AgentLoop", "ProgressPacer", "StopWatch", "tune_gc"]
+__all__ = [
+    "CANCEL_POLL_S",
+    "FULL_LOOK_S",
+    "GC_GEN0_OBJECTS",
+    "SYNC_CALL_THREADS",
+    "AgentLoop",
+    "ProgressPacer",
+    "StopWatch",
+    "tune_gc",
+]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +68,11 @@ CANCEL_POLL_S = 0.25
 # task whose tree expired, or one stopped by a process that died before counting the stop,
 # stops its run within this.
 FULL_LOOK_S = 5.0
+
+# The most sync tool calls a process runs at once; more wait for a thread (their timeouts still
+# run). Threads are started as calls need them and kept: a blocking tool (a file, an HTTP call)
+# holds one for its length, sixteen runs each making a few calls at once fit.
+SYNC_CALL_THREADS = 64
 
 # The youngest generation is collected after this many allocations (Python's default: 700).
 # With a thousand runs in flight on one event loop most young objects are still alive at a
@@ -73,21 +96,24 @@ class AgentLoop:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._sync_calls: concurrent.futures.ThreadPoolExecutor | None = None
         self._pid = 0
 
-    def _running_loop(self) -> asyncio.AbstractEventLoop:
+    def _running_loop(self) -> tuple[asyncio.AbstractEventLoop, concurrent.futures.ThreadPoolExecutor]:
         with self._lock:
             alive = self._thread is not None and self._thread.is_alive() and self._pid == os.getpid()
-            if self._loop is None or not alive:
+            if self._loop is None or self._sync_calls is None or not alive:
                 loop = asyncio.new_event_loop()
                 thread = threading.Thread(target=loop.run_forever, name="subq-agents", daemon=True)
                 thread.start()
-                self._loop, self._thread, self._pid = loop, thread, os.getpid()
-            return self._loop
+                # A forked child inherits the parent's pool without its threads: it makes its own.
+                sync_calls = concurrent.futures.ThreadPoolExecutor(SYNC_CALL_THREADS, thread_name_prefix="subq-tool")
+                self._loop, self._thread, self._sync_calls, self._pid = loop, thread, sync_calls, os.getpid()
+            return self._loop, self._sync_calls
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` on the loop, in a copy of the caller's context; block until it ends and return its result."""
-        loop = self._running_loop()
+        loop, sync_calls = self._running_loop()
         context = contextvars.copy_context()
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
 
@@ -101,12 +127,18 @@ class AgentLoop:
 
         def start() -> None:
             if done.set_running_or_notify_cancel():
-                loop.create_task(coro, context=context).add_done_callback(settle)
+                loop.create_task(_with_sync_calls(coro, sync_calls), context=context).add_done_callback(settle)
             else:
                 coro.close()
 
         loop.call_soon_threadsafe(start)
         return done.result()
+
+
+async def _with_sync_calls(coro: Coroutine[Any, Any, T], sync_calls: concurrent.futures.Executor) -> T:
+    # pydantic-ai reads its executor from a context variable: set inside the run's own task.
+    with Agent.using_thread_executor(sync_calls):
+        return await coro
 
 
 class StopWatch:
