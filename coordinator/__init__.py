@@ -51,6 +51,7 @@ if TYPE_CHECKING:
         format_usd,
         usd_to_micros,
     )
+    from coordinator.redis_clients import redis_client
     from coordinator.service import Coordinator
     from coordinator.settings import OFFLINE_PROFILE, STANDARD_KEYS, Price, Profile, RunCommand, Settings, load_settings
     from coordinator.todos import IgnoredLine, ignored_lines, parse_markdown, render_markdown
@@ -111,6 +112,7 @@ _EXPORTS = {
     "ignored_lines": "coordinator.todos",
     "IgnoredLine": "coordinator.todos",
     "current_trace_id": "coordinator.tracing",
+    "redis_client": "coordinator.redis_clients",
 }
 
 # The top-level modules of the `server` extra (pyproject.toml) that subq imports and a client-only
@@ -176,6 +178,7 @@ __all__ = [
     "load_settings",
     "one_line",
     "parse_markdown",
+    "redis_client",
     "render_markdown",
     "task_of_run_id",
     "usd_to_micros",

@@ -14,12 +14,13 @@ from typing import Any
 
 from celery import Celery
 from celery.app.amqp import AMQP
-from celery.backends.redis import RedisBackend
+from celery.backends.redis import RedisBackend, SentinelBackend
 from kombu.connection import ConnectionPool
 from kombu.pools import ProducerPool
 
 from coordinator import tracing
 from coordinator.errors import BrokerError
+from coordinator.redis_clients import celery_url, sentinel_transport_options
 from coordinator.settings import Settings
 
 __all__ = [
@@ -31,10 +32,12 @@ __all__ = [
     "BoundedProducerPool",
     "BrokerPoolExhausted",
     "PublishOnlyRedisBackend",
+    "PublishOnlySentinelBackend",
     "SubqCelery",
     "describe_args",
     "describe_kwargs",
     "make_app",
+    "result_backend_url",
 ]
 
 # The task names: the coordinator publishes by these names and never imports `workers`.
@@ -105,6 +108,16 @@ class PublishOnlyRedisBackend(RedisBackend):  # type: ignore[misc]
         # Nothing was subscribed, so there is nothing to unsubscribe (this ran from
         # AsyncResult.__del__, reconnecting to Redis at interpreter exit).
         return None
+
+
+class PublishOnlySentinelBackend(PublishOnlyRedisBackend, SentinelBackend):  # type: ignore[misc]
+    """`PublishOnlyRedisBackend` on the master Redis Sentinel names (Celery's `SentinelBackend`)."""
+
+
+def result_backend_url(settings: Settings, on_redis: type[RedisBackend], on_sentinel: type[SentinelBackend]) -> str:
+    """Celery's `result_backend`: a backend class of subq's by path, for one Redis or for the sentinels."""
+    backend = on_sentinel if settings.redis_sentinels is not None else on_redis
+    return f"{backend.__module__}:{backend.__name__}+{celery_url(settings)}"
 
 
 class BrokerPoolExhausted(BrokerError):
@@ -211,11 +224,12 @@ class SubqCelery(Celery):  # type: ignore[misc]  # Celery ships no type hints
 
 
 def make_app(settings: Settings) -> Celery:
-    redis_url = settings.require_redis_url()
+    settings.require_redis()
     tracing.setup(settings)  # before any publish: a no-op unless SUBQ_TRACES_EXPORTER is set
-    backend = f"{__name__}:{PublishOnlyRedisBackend.__name__}+{redis_url}"
-    app = SubqCelery("subq", broker=redis_url, backend=backend, set_as_current=False)
-    transport = {"visibility_timeout": settings.visibility_timeout_s}
+    backend = result_backend_url(settings, PublishOnlyRedisBackend, PublishOnlySentinelBackend)
+    app = SubqCelery("subq", broker=celery_url(settings), backend=backend, set_as_current=False)
+    # Under Redis Sentinel, kombu's and Celery's sentinel transports take the master's name here.
+    transport = {"visibility_timeout": settings.visibility_timeout_s, **sentinel_transport_options(settings)}
     broker_transport = {
         **transport,
         # Sweep for lost tasks every restore_interval_s (throttle 1: each sweep scans).

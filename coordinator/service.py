@@ -58,8 +58,9 @@ from coordinator.models import (
     TodoItem,
 )
 from coordinator.plane import Plane
+from coordinator.redis_clients import redis_client
 from coordinator.settings import Settings, load_settings
-from coordinator.store import LATENCY_BUCKETS_MS, FleetGauges, Keys, Store
+from coordinator.store import LATENCY_BUCKETS_MS, FleetGauges, Keys, ReplicaWait, Store
 from coordinator.tree import TreeNode, build_tree
 
 __all__ = ["DEFAULT_PAGE", "MAX_PAGE", "Coordinator"]
@@ -67,6 +68,12 @@ __all__ = ["DEFAULT_PAGE", "MAX_PAGE", "Coordinator"]
 # How long one blocking read of the tree's event stream lasts inside wait();
 # short enough to notice a deadline, long enough not to spin.
 WAIT_SLICE_MS = 1000
+
+
+def replica_wait(settings: Settings) -> ReplicaWait | None:
+    """The WAIT a step a caller sees ends with (SUBQ_REDIS_MIN_REPLICAS), or None: no WAIT at all."""
+    replicas = settings.min_replicas()
+    return ReplicaWait(replicas, settings.redis_replica_wait_ms) if replicas > 0 else None
 
 
 class Coordinator:
@@ -81,9 +88,14 @@ class Coordinator:
     ) -> None:
         self.settings = settings or load_settings()
         if client is None:
-            client = redis.Redis.from_url(self.settings.require_redis_url(), decode_responses=True)
+            client = redis_client(self.settings)
         self.client = client
-        self.store = Store(client, Keys(self.settings.key_prefix), self.settings.result_retention_s)
+        self.store = Store(
+            client,
+            Keys(self.settings.key_prefix),
+            self.settings.result_retention_s,
+            replicas=replica_wait(self.settings),
+        )
         self.sessions = self.store.sessions  # the web view's sign-ins: only its auth reads them
         # What the rooms are handed: the store, the settings and the publishing app, not the Coordinator.
         self.plane = Plane(self.store, self.settings, app)
@@ -345,6 +357,10 @@ class Coordinator:
     def fleet_gauges(self) -> FleetGauges:
         """Queue depth, runs in flight, approvals waiting and dead letters: one round trip (GET /metrics)."""
         return self.store.metrics.fleet_gauges(self.settings.queue)
+
+    def replica_shortfalls(self) -> int:
+        """Steps of this process whose WAIT heard from fewer replicas than SUBQ_REDIS_MIN_REPLICAS (they stand)."""
+        return self.store.core.replica_shortfalls.count
 
     def repairs(self) -> dict[str, int]:
         """Repairs the reconciler has made, by reason (coordinator/reconciler.py)."""

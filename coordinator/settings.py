@@ -88,6 +88,14 @@ DEFAULT_WORKER_METRICS_HOST = "0.0.0.0"
 # or `package.module:factory` (a callable returning an OpenTelemetry SpanExporter) turn them on.
 DEFAULT_TRACES_EXPORTER = "none"
 TRACES_EXPORTER_PATTERN = r"^(none|otlp|console|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$"
+# Under Sentinel a step a caller sees waits for one replica: a failover promotes a replica, so
+# one that has the step is what keeps it; more than one would stop every step while one is down.
+DEFAULT_MIN_REPLICAS_SENTINEL = 1
+# How long such a step waits for its replicas: a replica on the same network acknowledges within a
+# millisecond or two; a second means one is gone, and the step goes on (docs/deploy.md says what that risks).
+DEFAULT_REPLICA_WAIT_MS = 1000
+# SUBQ_REDIS_SENTINELS as the error messages show it (26379 is Sentinel's own port).
+SENTINEL_EXAMPLE = "sentinel-0:26379,sentinel-1:26379,sentinel-2:26379"
 DEFAULT_MAX_FANOUT = 256
 DEFAULT_MAX_DEPTH = 3
 # A task lost with its worker is delivered again at most this many times in all.
@@ -298,6 +306,17 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SUBQ_", extra="ignore", frozen=True, populate_by_name=True)
 
     redis_url: str | None = Field(default=None, description="Redis URL; unset means an embedded local Redis (demo, up)")
+    # Redis Sentinel instead of one Redis (docs/deploy.md, "Redis failover"): the sentinels as
+    # "host:port,host:port,...", the name of the master they watch, the sentinels' own password, and
+    # the data password of the master and replicas (which SUBQ_REDIS_URL carries in its URL).
+    redis_sentinels: str | None = None
+    redis_sentinel_master: str | None = None
+    redis_sentinel_password: SecretStr | None = None
+    redis_password: SecretStr | None = None
+    # Replicas that must acknowledge a step a caller sees (WAIT) before it counts as done; unset:
+    # DEFAULT_MIN_REPLICAS_SENTINEL under Sentinel, 0 (no WAIT at all) with one Redis.
+    redis_min_replicas: int | None = Field(default=None, ge=0)
+    redis_replica_wait_ms: int = Field(default=DEFAULT_REPLICA_WAIT_MS, ge=1, le=60_000)
     key_prefix: str = Field(default="subq", pattern=r"^[A-Za-z0-9_.-]+$")
     queue: str = Field(default="subq", pattern=r"^[A-Za-z0-9_.-]+$")
     result_retention_s: int = Field(default=DEFAULT_RETENTION_S, ge=60)
@@ -385,6 +404,20 @@ class Settings(BaseSettings):
         """SUBQ_API_TRUSTED_PROXIES as networks (a lone address is a network of one)."""
         return [ipaddress.ip_network(p.strip(), strict=False) for p in self.api_trusted_proxies.split(",") if p.strip()]
 
+    @field_validator("redis_sentinels")
+    @classmethod
+    def _check_sentinels(cls, sentinels: str | None) -> str | None:
+        if sentinels is not None:
+            _sentinel_addresses(sentinels)  # raises, naming the first address that is not host:port
+        return sentinels
+
+    @field_validator("redis_sentinel_master")
+    @classmethod
+    def _check_master_name(cls, name: str | None) -> str | None:
+        if name is not None and not re.match(r"^[A-Za-z0-9_.-]+$", name):
+            raise ValueError(f"{name!r} is not a master name as the sentinels know it (letters, digits, _ . -)")
+        return name
+
     @field_validator("worker_metrics_port", mode="before")
     @classmethod
     def _unset_port(cls, port: object) -> object:
@@ -398,6 +431,7 @@ class Settings(BaseSettings):
                 "SUBQ_WORKER_METRICS_PORT: not served with SUBQ_WORKER_POOL=prefork (each child process would "
                 "count its runs where the port cannot see them); use the threads pool, or leave the port unset"
             )
+        self._check_redis_form()
         if self.visibility_timeout_s <= self.task_time_limit_s:
             raise ValueError(
                 f"SUBQ_VISIBILITY_TIMEOUT_S: {self.visibility_timeout_s} must be above "
@@ -417,12 +451,55 @@ class Settings(BaseSettings):
             raise ValueError(f"SUBQ_DEFAULT_PROFILE: {self.default_profile!r} is not a defined profile")
         return self
 
+    def _check_redis_form(self) -> None:
+        """One Redis (SUBQ_REDIS_URL) or Redis Sentinel (SUBQ_REDIS_SENTINELS + master), never both."""
+        if self.redis_sentinels is None:
+            for name in ("redis_sentinel_master", "redis_sentinel_password", "redis_password"):
+                if getattr(self, name) is not None:
+                    where = "in SUBQ_REDIS_URL" if name == "redis_password" else "with SUBQ_REDIS_SENTINELS"
+                    raise ValueError(f"SUBQ_{name.upper()}: only used with Redis Sentinel; give it {where}")
+            return
+        if self.redis_url:
+            raise ValueError(
+                "SUBQ_REDIS_SENTINELS: set together with SUBQ_REDIS_URL; give one Redis (SUBQ_REDIS_URL) "
+                "or the sentinels (SUBQ_REDIS_SENTINELS with SUBQ_REDIS_SENTINEL_MASTER), not both"
+            )
+        if not self.redis_sentinel_master:
+            raise ValueError(
+                "SUBQ_REDIS_SENTINEL_MASTER: not set; with SUBQ_REDIS_SENTINELS, name the master the sentinels "
+                "watch (their `sentinel monitor <name> ...` line, e.g. subq)"
+            )
+
+    @property
+    def redis_given(self) -> bool:
+        """Whether a Redis is configured: one URL, or the sentinels (unset: `subq demo` and `up` start one)."""
+        return bool(self.redis_url) or self.redis_sentinels is not None
+
+    def sentinel_addresses(self) -> list[tuple[str, int]]:
+        """SUBQ_REDIS_SENTINELS as (host, port) pairs; empty with one Redis."""
+        return [] if self.redis_sentinels is None else _sentinel_addresses(self.redis_sentinels)
+
+    def min_replicas(self) -> int:
+        """Replicas a step a caller sees waits for: SUBQ_REDIS_MIN_REPLICAS, or its default for the form."""
+        if self.redis_min_replicas is not None:
+            return self.redis_min_replicas
+        return DEFAULT_MIN_REPLICAS_SENTINEL if self.redis_sentinels is not None else 0
+
+    def require_redis(self) -> None:
+        """Nothing when a Redis is configured (a URL or the sentinels); else a ConfigError saying how to give one."""
+        if not self.redis_given:
+            raise ConfigError(
+                "Invalid setting SUBQ_REDIS_URL: not set (point it at your Redis, e.g. redis://localhost:6379/0, "
+                "or give SUBQ_REDIS_SENTINELS and SUBQ_REDIS_SENTINEL_MASTER; `subq demo` starts an embedded one)",
+                field="SUBQ_REDIS_URL",
+            )
+
     def require_redis_url(self) -> str:
-        """The Redis URL, or a ConfigError saying how to give one."""
+        """The one Redis's URL, or a ConfigError saying how to give one (under Sentinel there is none)."""
+        self.require_redis()
         if not self.redis_url:
             raise ConfigError(
-                "Invalid setting SUBQ_REDIS_URL: not set (point it at your Redis, e.g. redis://localhost:6379/0; "
-                "`subq demo` starts an embedded one)",
+                "Invalid setting SUBQ_REDIS_URL: not set; this needs one Redis's URL, not SUBQ_REDIS_SENTINELS",
                 field="SUBQ_REDIS_URL",
             )
         return self.redis_url
@@ -447,6 +524,21 @@ class Settings(BaseSettings):
         """The key in the provider's own variable (OPENAI_API_KEY, ANTHROPIC_API_KEY), if set."""
         key = {"openai": self.openai_api_key, "anthropic": self.anthropic_api_key}.get(provider)
         return key if key is not None and key.get_secret_value() else None
+
+
+def _sentinel_addresses(sentinels: str) -> list[tuple[str, int]]:
+    """ "host:port,host:port" as pairs; a ValueError naming the first part that is not one."""
+    parts = [part.strip() for part in sentinels.split(",")]
+    if not any(parts):
+        raise ValueError(f"names no sentinel; give them as host:port,host:port,... (e.g. {SENTINEL_EXAMPLE})")
+    addresses = []
+    for part in parts:
+        host, colon, port = part.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")  # [::1]:26379
+        if not part or not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{part!r} is not host:port (e.g. {SENTINEL_EXAMPLE})")
+        addresses.append((host, int(port)))
+    return addresses
 
 
 _PROFILES = pydantic.TypeAdapter(dict[str, Profile])

@@ -28,7 +28,10 @@ pytest_plugins = ["tests.wheel_env"]
 # The files that take longest (building and installing the wheel, whole stacks, killed
 # workers) run first: the suite runs on pytest-xdist workers a file at a time, and a
 # long file started last would leave the others idle while it finishes.
-LONGEST_FIRST = ("test_wheel.py", "test_compose.py", "test_up.py", "test_restart.py", "test_cli.py", "test_control.py")
+LONGEST_FIRST = (
+    "test_wheel.py", "test_compose.py", "test_up.py", "test_restart.py", "test_sentinel.py", "test_sentinel_fleet.py",
+    "test_cli.py", "test_control.py",
+)  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

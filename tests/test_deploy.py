@@ -5,7 +5,11 @@ check-jsonschema ships and maintains); every service has a healthcheck and a
 restart policy and starts once Redis is healthy; every setting is a SUBQ_
 variable from `.env`, no secret is written in the file or on a command line;
 a worker has time to hand its runs back before Docker kills it; the build
-context leaves out the virtual environment, git history and caches.
+context leaves out the virtual environment, git history and caches. The Redis
+Sentinel variant (deploy/docker-compose.sentinel.yml), merged over it as Compose
+merges files, is valid too, runs three data nodes with AOF and three sentinels,
+and points every subq service at the sentinels (tests/test_sentinel_scripts.py
+runs the start scripts it uses).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+import yaml
 
 from coordinator.settings import DEFAULT_SHUTDOWN_GRACE_S, Settings
 from tests import compose_file
@@ -128,3 +133,75 @@ def test_build_context_leaves_out_the_venv_git_and_caches() -> None:
     # Nothing the Dockerfile copies is ignored.
     copied = {"pyproject.toml", "README.md", "coordinator/", "workers/"}
     assert not copied & ignored
+
+
+# The Redis Sentinel variant: an override file on top of docker-compose.yml (docs/deploy.md, "Redis failover").
+SENTINEL_OVERRIDE = ROOT / "deploy" / "docker-compose.sentinel.yml"
+REDIS_NODES = ("redis", "redis-replica-1", "redis-replica-2")
+SENTINEL_SERVICES = ("sentinel-1", "sentinel-2", "sentinel-3")
+
+
+def _merged(base: Any, override: Any, path: tuple[str, ...] = ()) -> Any:
+    """`docker compose -f base -f override`'s merge, for what these files use: mappings merge key by key,
+    `volumes` of a service by their target path, any other list (a command, a healthcheck's test) is replaced."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for key, value in override.items():
+            out[key] = _merged(base[key], value, (*path, key)) if key in base else value
+        return out
+    if path[-1:] == ("volumes",) and len(path) == 3 and isinstance(base, list) and isinstance(override, list):
+        targets = {entry.split(":")[1]: entry for entry in base}
+        targets.update({entry.split(":")[1]: entry for entry in override})
+        return list(targets.values())
+    return override
+
+
+def _sentinel_compose() -> dict[str, Any]:
+    override = yaml.safe_load(SENTINEL_OVERRIDE.read_text())
+    return {k: v for k, v in _merged(compose_file.load(), override).items() if not k.startswith("x-")}
+
+
+def test_the_sentinel_variant_is_valid_and_runs_three_nodes_with_aof_and_three_sentinels() -> None:
+    compose = _sentinel_compose()
+    assert _schema_errors(compose) == []
+    services = compose["services"]
+    conf = "./deploy/redis.conf:/usr/local/etc/redis/redis.conf:ro"
+    data_volumes = set()
+    for name in REDIS_NODES:
+        node = services[name]
+        assert node["command"] == ["sh", "/usr/local/etc/redis/redis-node.sh"], name
+        assert conf in node["volumes"], f"{name}: AOF on (deploy/redis.conf)"
+        (data,) = [v.split(":")[0] for v in node["volumes"] if v.endswith(":/data")]
+        data_volumes.add(data)
+        assert node["environment"]["REDIS_NODE"] == name
+        assert node["environment"]["REDIS_FIRST_MASTER"] == "redis:6379"
+    assert len(data_volumes) == 3 and data_volumes <= set(compose["volumes"]), "each node its own AOF volume"
+    for name in SENTINEL_SERVICES:
+        sentinel = services[name]
+        assert sentinel["environment"]["SENTINEL_NODE"] == name
+        assert int(sentinel["environment"]["SENTINEL_DOWN_AFTER_MS"]) <= 5000
+    for name, service in services.items():
+        assert service["restart"] == "unless-stopped", name
+        assert service["healthcheck"]["test"][0] in ("CMD", "CMD-SHELL"), name
+        for mount in service.get("volumes", []):
+            source = mount.split(":")[0]
+            assert not source.startswith("./") or (ROOT / source).is_file(), f"{name}: {source} is missing"
+
+
+def test_the_sentinel_variants_subq_services_follow_the_sentinels() -> None:
+    services = _sentinel_compose()["services"]
+    sentinel_env = services["sentinel-1"]["environment"]
+    node_env = services["redis"]["environment"]
+    expected = ",".join(f"{name}:{sentinel_env['SENTINEL_PORT']}" for name in SENTINEL_SERVICES)
+    assert sentinel_env["SENTINELS"] == node_env["SENTINELS"] == expected.replace(",", " ")
+    for name in SUBQ_SERVICES:
+        env = services[name]["environment"]
+        assert env["SUBQ_REDIS_URL"] == "", f"{name}: an empty SUBQ_REDIS_URL is unset"
+        assert env["SUBQ_REDIS_SENTINELS"] == expected, name
+        assert env["SUBQ_REDIS_SENTINEL_MASTER"] == sentinel_env["SENTINEL_MASTER"] == node_env["SENTINEL_MASTER"]
+        settings = Settings(**{k.removeprefix("SUBQ_").lower(): v for k, v in env.items()})
+        assert settings.min_replicas() == 1 and settings.sentinel_addresses()[0] == ("sentinel-1", 26379)
+        for sentinel in SENTINEL_SERVICES:
+            assert services[name]["depends_on"][sentinel] == {"condition": "service_healthy"}, name
+    # Celery's own ping cannot name the master (a transport option): the variant's uses subq's app.
+    assert "-A workers.app inspect ping" in services["worker"]["healthcheck"]["test"][1]

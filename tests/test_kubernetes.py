@@ -38,8 +38,9 @@ from coordinator.settings import DEFAULT_SHUTDOWN_GRACE_S
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBERNETES = ROOT / "deploy" / "kubernetes"
+SENTINEL_SCRIPTS = KUBERNETES / "components" / "redis-sentinel"
 KEDA_SCHEMAS = Path(__file__).resolve().parent / "schemas" / "keda"
-OVERLAYS = ("dev", "production")
+OVERLAYS = ("dev", "production", "ha")
 # The Kubernetes versions subq's manifests support (docs/deploy.md): the last seven minor releases.
 KUBERNETES_VERSIONS = tuple(f"1.{minor}.0" for minor in range(31, 38))
 KUBECTL = Path(sys.executable).parent / "kubectl"
@@ -222,11 +223,15 @@ def test_keda_scales_the_worker_deployment_on_the_subq_queue(
     namespace = scaled["metadata"]["namespace"]
     # The queue: the Redis list Celery keeps subq's messages in, named SUBQ_QUEUE.
     queued = _trigger(scaled, "queued")
-    assert queued["type"] == "redis"
+    assert queued["type"] == ("redis-sentinel" if "SUBQ_REDIS_SENTINELS" in settings else "redis")
     assert queued["metadata"]["listName"] == settings.get("SUBQ_QUEUE", Settings.model_fields["queue"].default)
     concurrency = settings["SUBQ_WORKER_CONCURRENCY"]
     assert queued["metadata"]["listLength"] == concurrency, "a pod's share of the queue is its threads"
-    if "address" in queued["metadata"]:  # Redis in the cluster; KEDA's operator runs in another namespace
+    if "addresses" in queued["metadata"]:  # Redis Sentinel in the cluster: KEDA asks the sentinels for the master
+        assert queued["metadata"]["addresses"] == f"subq-sentinel.{namespace}.svc.cluster.local:26379"
+        assert queued["metadata"]["sentinelMaster"] == settings["SUBQ_REDIS_SENTINEL_MASTER"]
+        assert "SUBQ_REDIS_URL" not in settings
+    elif "address" in queued["metadata"]:  # Redis in the cluster; KEDA's operator runs in another namespace
         assert queued["metadata"]["address"] == f"subq-redis.{namespace}.svc.cluster.local:6379"
         assert settings["SUBQ_REDIS_URL"] == "redis://subq-redis:6379/0"
     else:  # an external Redis: its address and credentials come from a TriggerAuthentication
@@ -410,3 +415,56 @@ def test_an_overlay_in_another_namespace_keeps_kedas_addresses_in_step(project: 
     assert _trigger(scaled, "in-flight")["metadata"]["url"] == "http://subq-api.team-a.svc.cluster.local:8000/metrics"
     address = _trigger(scaled, "queued")["metadata"].get("address")
     assert address in (None, "subq-redis.team-a.svc.cluster.local:6379"), address
+    addresses = _trigger(scaled, "queued")["metadata"].get("addresses")
+    assert addresses in (None, "subq-sentinel.team-a.svc.cluster.local:26379"), addresses
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def test_the_sentinel_component_runs_three_nodes_with_aof_and_three_sentinels(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["ha"]
+    assert all(d["metadata"]["name"] != "subq-redis" for d in docs), "the base's one Redis is gone"
+    nodes, sentinels = _one(docs, "StatefulSet", "subq-redis-node"), _one(docs, "StatefulSet", "subq-sentinel")
+    assert nodes["spec"]["replicas"] == 3 and sentinels["spec"]["replicas"] == 3
+    # AOF on each node's own claim: deploy/redis.conf, and a PersistentVolumeClaim template.
+    assert nodes["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    (node,) = nodes["spec"]["template"]["spec"]["containers"]
+    assert {"name": "data", "mountPath": "/data"} in node["volumeMounts"]
+    conf = _one(docs, "ConfigMap", _name_like(docs, "subq-redis-conf"))["data"]["redis.conf"]
+    assert "appendonly yes" in conf.split("\n")
+    assert _env(node)["REDIS_CONF"] == "/usr/local/etc/redis/redis.conf"
+    # The start scripts are the component's own files (the Compose variant mounts the same ones).
+    scripts = _one(docs, "ConfigMap", _name_like(docs, "subq-redis-sentinel-scripts"))["data"]
+    for name in ("redis-node.sh", "sentinel.sh"):
+        assert scripts[name] == (SENTINEL_SCRIPTS / name).read_text(), name
+    (sentinel,) = sentinels["spec"]["template"]["spec"]["containers"]
+    assert node["command"] == ["sh", "/usr/local/etc/redis-sentinel/redis-node.sh"]
+    assert sentinel["command"] == ["sh", "/usr/local/etc/redis-sentinel/sentinel.sh"]
+    # Nodes and sentinels agree on the master's name, the first master and where the sentinels are.
+    node_env, sentinel_env = _env(node), _env(sentinel)
+    for name in ("SENTINELS", "SENTINEL_MASTER", "REDIS_FIRST_MASTER"):
+        assert node_env[name] == sentinel_env[name], name
+    assert node_env["REDIS_FIRST_MASTER"].startswith("subq-redis-node-0.subq-redis-node.")
+    assert len(node_env["SENTINELS"].split()) == 3
+    assert int(sentinel_env["SENTINEL_DOWN_AFTER_MS"]) <= 5000 and sentinel_env["SENTINEL_QUORUM"] == "2"
+    # subq's pods name the same sentinels and master, in a form its Settings accept.
+    settings = _settings_of(docs)
+    subq = Settings(
+        redis_sentinels=settings["SUBQ_REDIS_SENTINELS"], redis_sentinel_master=settings["SUBQ_REDIS_SENTINEL_MASTER"]
+    )
+    assert subq.redis_sentinel_master == node_env["SENTINEL_MASTER"] and subq.min_replicas() == 1
+    assert subq.sentinel_addresses() == [(f"subq-sentinel-{n}.subq-sentinel", 26379) for n in range(3)]
+    service = _one(docs, "Service", "subq-sentinel")
+    assert service["spec"]["clusterIP"] == "None" and sentinels["spec"]["serviceName"] == "subq-sentinel"
+    assert service["spec"]["ports"][0]["port"] == 26379
+    # No password in the cluster: each NetworkPolicy admits subq's pods (the nodes and sentinels too) and KEDA.
+    labels = [d["spec"]["template"]["metadata"]["labels"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    for name in ("subq-redis-node", "subq-sentinel"):
+        (rule,) = _one(docs, "NetworkPolicy", name)["spec"]["ingress"]
+        admitted = [peer["podSelector"]["matchLabels"] for peer in rule["from"] if "podSelector" in peer]
+        assert all(any(a.items() <= pod.items() for a in admitted) for pod in labels), name
+        assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}}} in rule["from"]

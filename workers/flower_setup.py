@@ -41,16 +41,18 @@ import flower.events
 import flower.views.monitor
 import tornado.web
 from celery import Celery, states
+from celery.backends.redis import SentinelBackend
 from celery.contrib.abortable import ABORTED
 
 from coordinator import Coordinator, NotFoundError, SubqError, TaskRecord, task_of_run_id
-from coordinator.celery_app import PublishOnlyRedisBackend
+from coordinator.celery_app import PublishOnlyRedisBackend, result_backend_url
 
 __all__ = [
     "ABORT_REASON",
     "LOGIN_REQUIRED_HANDLERS",
     "RedactedEventsState",
     "RunResultBackend",
+    "RunResultSentinelBackend",
     "install",
     "redact_event",
     "run_meta",
@@ -134,12 +136,16 @@ class RunResultBackend(PublishOnlyRedisBackend):
         return result
 
 
+class RunResultSentinelBackend(RunResultBackend, SentinelBackend):  # type: ignore[misc]
+    """`RunResultBackend` on the master Redis Sentinel names (Celery's `SentinelBackend`)."""
+
+
 def install(app: Celery) -> None:
     """Make `app` Flower's: redacted sent events, the current app, the run-aware result backend."""
     settings = app.subq_settings
     if settings is None:
         raise TypeError("install() takes subq's app (coordinator.celery_app.make_app)")
-    app.conf.result_backend = f"{__name__}:{RunResultBackend.__name__}+{settings.require_redis_url()}"
+    app.conf.result_backend = result_backend_url(settings, RunResultBackend, RunResultSentinelBackend)
     # Flower's result and abort handlers build AsyncResult(id) on the current app, in
     # its IO loop thread and its executor's threads: the default app covers them all.
     app.set_default()

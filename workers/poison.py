@@ -221,14 +221,38 @@ class DeadLetterChannel(OneClientPerPool, kombu_redis.Channel):
             raise
 
 
+class DeadLetterSentinelChannel(DeadLetterChannel, kombu_redis.SentinelChannel):
+    """`DeadLetterChannel` on kombu's sentinel transport (SUBQ_REDIS_SENTINELS): the master the sentinels name."""
+
+
 def install_channel(transport: Any, dead_letters: DeadLetters) -> None:
     """Make `transport` (a connection's own, before it opens a channel) dead-letter unreadable entries."""
     transport.subq_dead_letters = dead_letters
     if transport.Channel is kombu_redis.Channel:  # redis:// and rediss://; other brokers keep their own
         transport.Channel = DeadLetterChannel
+    elif transport.Channel is kombu_redis.SentinelChannel:  # sentinel://
+        transport.Channel = DeadLetterSentinelChannel
     else:
         log.warning("subq: %s is not kombu's Redis channel: unreadable list entries are not dead-lettered",
                     transport.Channel)  # fmt: skip
+
+
+def install_on_connection(conn: Any, dead_letters: DeadLetters) -> None:
+    """`install_channel` on `conn`'s transport, and on each one it makes later.
+
+    A connection with several addresses (`sentinel://a;sentinel://b`, SUBQ_REDIS_SENTINELS) that
+    fails to connect switches to the next one with a new transport: without this, a consumer
+    reconnecting through a Redis failover lost its dead-lettering and its close guard.
+    """
+    create_transport = conn.create_transport
+
+    def create_installed_transport() -> Any:
+        transport = create_transport()
+        install_channel(transport, dead_letters)
+        return transport
+
+    conn.create_transport = create_installed_transport
+    install_channel(conn.transport, dead_letters)
 
 
 class PoisonSafeConsumer(Consumer):  # type: ignore[misc]  # Celery ships no type hints
@@ -242,13 +266,13 @@ class PoisonSafeConsumer(Consumer):  # type: ignore[misc]  # Celery ships no typ
     def connection_for_read(self, heartbeat: float | None = None) -> Any:
         # Celery's, with the channel installed before ensure_connected opens the first one.
         conn = self.app.connection_for_read(heartbeat=heartbeat)
-        install_channel(conn.transport, self.dead_letters)
+        install_on_connection(conn, self.dead_letters)
         return self.ensure_connected(conn)
 
     def connection_for_write(self, url: str | None = None, heartbeat: float | None = None) -> Any:
         # Celery's (the task events' connection), with subq's channel: it publishes with one client.
         conn = self.app.connection_for_write(url=url, heartbeat=heartbeat)
-        install_channel(conn.transport, self.dead_letters)
+        install_on_connection(conn, self.dead_letters)
         return self.ensure_connected(conn)
 
     def create_task_handler(self, promise: Any = promise) -> Callable[[Any], None]:

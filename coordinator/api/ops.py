@@ -37,7 +37,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
-import redis
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
@@ -51,6 +50,7 @@ from coordinator.api.errors import error_responses
 from coordinator.api.schemas import Health, Liveness, RedisHealth, WorkersHealth
 from coordinator.errors import StoreError
 from coordinator.models import TaskStatus
+from coordinator.redis_clients import redis_client
 from coordinator.service import Coordinator
 
 __all__ = [
@@ -187,9 +187,8 @@ def health_reader(coord: Coordinator) -> Callable[[], Health]:
     def read() -> Health:
         try:
             if not readers:
-                client = redis.Redis.from_url(
-                    coord.settings.require_redis_url(),
-                    decode_responses=True,
+                client = redis_client(
+                    coord.settings,
                     socket_timeout=HEALTH_REDIS_TIMEOUT_S,
                     socket_connect_timeout=HEALTH_REDIS_TIMEOUT_S,
                     retry=Retry(NoBackoff(), 0),
@@ -261,6 +260,12 @@ class SubqCollector(Collector):
         yield repairs
         yield GaugeMetricFamily(
             "subq_dead_letters", "Messages no worker could decode or validate, kept", value=fleet.dead_letters
+        )
+        yield CounterMetricFamily(
+            "subq_replica_shortfalls",
+            "Steps this API process acknowledged whose WAIT heard from fewer replicas than SUBQ_REDIS_MIN_REPLICAS "
+            "within SUBQ_REDIS_REPLICA_WAIT_MS (each stands on the master; docs/deploy.md, 'Redis failover')",
+            value=self.coord.replica_shortfalls(),
         )
         yield self._latency()
 

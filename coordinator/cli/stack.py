@@ -55,7 +55,7 @@ def worker(
     from coordinator.local.fleet import settings_env
 
     settings = settings_of(ctx)
-    settings.require_redis_url()
+    settings.require_redis()
     argv = [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "--loglevel", loglevel]
     if concurrency:
         argv += ["--concurrency", str(concurrency)]
@@ -86,7 +86,7 @@ def api(ctx: typer.Context, host: Host = DEFAULT_HOST, port: Port = DEFAULT_API_
     from coordinator.local import up as stack
 
     settings = settings_of(ctx)
-    settings.require_redis_url()
+    settings.require_redis()
     if not stack.api_available():
         raise ConfigError(f"The HTTP API is not installed (no module {stack.API_MODULE})")
     import uvicorn
@@ -114,7 +114,7 @@ def flower(
     from coordinator.local import up as stack
 
     settings = settings_of(ctx)
-    settings.require_redis_url()
+    settings.require_redis()
     if no_auth and password:
         raise ValidationError("Give either --password or --no-auth, not both", field="password")
     if not no_auth and not password:

@@ -87,7 +87,7 @@ def demo_plan(sales_csv: Path) -> str:
 def _local_stack(settings: Settings, workers: int, say: Callable[[str], None]) -> Iterator[tuple[Settings, Path]]:
     """Redis (embedded unless SUBQ_REDIS_URL is set), the demo's folder with its data, and the workers."""
     with ExitStack() as stack:
-        if not settings.redis_url:
+        if not settings.redis_given:
             url = stack.enter_context(local_redis())
             say(f"Started an embedded Redis at {url} (no SUBQ_REDIS_URL set).")
             settings = settings.model_copy(update={"redis_url": url})

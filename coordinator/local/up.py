@@ -35,11 +35,14 @@ from types import FrameType
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from coordinator.errors import ConfigError, FleetError, StoreError, ValidationError
 from coordinator.local import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST
 from coordinator.local.embedded_redis import local_redis
 from coordinator.local.fleet import WorkerFleet, settings_env
+from coordinator.redis_clients import describe, redis_client
 from coordinator.settings import Settings
 
 __all__ = [
@@ -231,12 +234,12 @@ def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], s
            stack: ExitStack) -> int:  # fmt: skip
     host = options.host
     local = host if host not in ("0.0.0.0", "::", "") else DEFAULT_HOST
-    embedded = not settings.redis_url
+    embedded = not settings.redis_given
     if embedded:
         url = stack.enter_context(local_redis())
         settings = settings.model_copy(update={"redis_url": url})
     else:
-        _check_redis(settings.require_redis_url())
+        _check_redis(settings)
     signals.check()
     if options.log_dir is not None:
         log_dir = options.log_dir
@@ -261,7 +264,7 @@ def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], s
         if api is not None:
             api.wait_listening(local, options.api_port)
         flower.wait_listening(local, options.flower_port)
-    redis_url = settings.require_redis_url()
+    redis_where = _without_password(settings.redis_url) if settings.redis_url else describe(settings)
     api_url = f"http://{local}:{options.api_port}"
     flower_url = f"http://{local}:{options.flower_port}"
     credentials = log_dir / CREDENTIALS_FILE
@@ -271,7 +274,7 @@ def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], s
     stack.callback(credentials.unlink, missing_ok=True)
     lines = [
         f"subq is up: {options.workers} workers on queue {settings.queue!r}, key prefix {settings.key_prefix!r}.",
-        f"  Redis    {_without_password(redis_url)}"
+        f"  Redis    {redis_where}"
         + ("  (embedded; its data goes when subq up stops)" if embedded else "  (as given)"),
     ]
     if api is not None:
@@ -358,10 +361,15 @@ def _metrics_ports(settings: Settings, workers: int) -> dict[int, str]:
     return {base + i: f"worker {i}'s metrics port, {METRICS_PORT}={base} + {i}" for i in range(workers)}
 
 
-def _check_redis(url: str) -> None:
-    """A given Redis must answer now: workers would otherwise retry it silently until the start timed out."""
+def _check_redis(settings: Settings) -> None:
+    """A given Redis must answer now: workers would otherwise retry it silently until the start timed out.
+
+    Under Sentinel the master the sentinels name must answer (asked once, without the failover retries).
+    """
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=REDIS_CHECK_TIMEOUT_S)
+        client = redis_client(
+            settings, decode_responses=False, socket_connect_timeout=REDIS_CHECK_TIMEOUT_S, retry=Retry(NoBackoff(), 0)
+        )
     except ValueError as exc:  # redis-py refuses a malformed URL with a ValueError
         raise ConfigError(f"Invalid setting SUBQ_REDIS_URL: {exc}", field="SUBQ_REDIS_URL") from None
     try:
@@ -425,7 +433,7 @@ def _credentials_text(
     shell variables, not exported, so sourcing the file does not hand it to every
     program started afterwards.
     """
-    pairs = {"SUBQ_REDIS_URL": settings.require_redis_url()}
+    pairs = _redis_pairs(settings)
     if api_url is not None:
         pairs["SUBQ_API_URL"] = api_url
         pairs["SUBQ_API_TOKEN"] = token
@@ -443,6 +451,21 @@ def _credentials_text(
         f"subq_flower_password={shlex.quote(password)}",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _redis_pairs(settings: Settings) -> dict[str, str]:
+    """The variables that say where Redis is: its URL, or the sentinels, their master and passwords."""
+    if settings.redis_sentinels is None:
+        return {"SUBQ_REDIS_URL": settings.require_redis_url()}
+    pairs = {
+        "SUBQ_REDIS_SENTINELS": settings.redis_sentinels,
+        "SUBQ_REDIS_SENTINEL_MASTER": str(settings.redis_sentinel_master),
+    }
+    for name in ("redis_sentinel_password", "redis_password"):
+        secret = getattr(settings, name)
+        if secret is not None:
+            pairs[f"SUBQ_{name.upper()}"] = secret.get_secret_value()
+    return pairs
 
 
 def _without_password(url: str) -> str:

@@ -49,7 +49,7 @@ from __future__ import annotations
 import redis
 
 from coordinator.store.approvals import ApprovalStore
-from coordinator.store.base import EVENTS_MAXLEN, StoreCore, translate_redis_errors
+from coordinator.store.base import EVENTS_MAXLEN, ReplicaWait, StoreCore, translate_redis_errors
 from coordinator.store.convergence import ConvergenceStore
 from coordinator.store.deadletters import DeadLetterStore
 from coordinator.store.delegation import DelegationStore
@@ -60,7 +60,15 @@ from coordinator.store.records import RecordStore
 from coordinator.store.runs import RunStore
 from coordinator.store.sessions import WebSessions
 
-__all__ = ["EVENTS_MAXLEN", "LATENCY_BUCKETS_MS", "FleetGauges", "Keys", "Store", "translate_redis_errors"]
+__all__ = [
+    "EVENTS_MAXLEN",
+    "LATENCY_BUCKETS_MS",
+    "FleetGauges",
+    "Keys",
+    "ReplicaWait",
+    "Store",
+    "translate_redis_errors",
+]
 
 
 class Store:
@@ -68,11 +76,14 @@ class Store:
 
     A plain object of named parts (the table above), each built once on one core;
     `client`, `keys` and `retention_s` are the core's, for tests and tools that read Redis
-    beside the store.
+    beside the store. With `replicas`, each step a caller sees waits for that many replicas
+    (`base.ReplicaWait`, SUBQ_REDIS_MIN_REPLICAS).
     """
 
-    def __init__(self, client: redis.Redis, keys: Keys, retention_s: int) -> None:
-        self.core = core = StoreCore(client, keys, retention_s)
+    def __init__(
+        self, client: redis.Redis, keys: Keys, retention_s: int, *, replicas: ReplicaWait | None = None
+    ) -> None:
+        self.core = core = StoreCore(client, keys, retention_s, replicas)
         self.client = client
         self.keys = keys
         self.retention_s = retention_s

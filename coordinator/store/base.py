@@ -6,19 +6,31 @@ retention and `Scripts`, every Lua script of `lua/`, loaded once and registered
 once per client, and the writes several parts share (the WATCH/MULTI
 transaction, a todo list's replacement, the history indexes). Each part of the
 package is a `Part`: it is built on the one core, not on another part.
+
+Acknowledged means replicated: with `ReplicaWait` (SUBQ_REDIS_MIN_REPLICAS above
+0), every transaction and each script of a step a caller sees (`ACKNOWLEDGED`)
+ends with `WAIT <replicas> <timeout_ms>` on its own connection, so a failover
+right after it cannot undo it. A script's WAIT rides in the same round trip as
+its EVALSHA; a transaction's follows its EXEC. Without it (one Redis), nothing of
+this runs: the commands are the ones sent before WAIT existed here.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any, ParamSpec, TypeVar, cast
 
 import redis
 from redis.client import Pipeline
+from redis.commands.core import Script
+from redis.connection import Connection
 from redis.typing import EncodableT, FieldT
 
 from coordinator import todos as todo_lists
@@ -27,7 +39,9 @@ from coordinator.models import TaskRecord, TodoItem
 from coordinator.store.fields import INT_FIELDS, OPTIONAL_FIELDS, TaskField
 from coordinator.store.keys import Keys
 
-__all__ = ["EVENTS_MAXLEN", "Part", "Scripts", "StoreCore", "translate_redis_errors"]
+__all__ = ["ACKNOWLEDGED", "EVENTS_MAXLEN", "Part", "ReplicaWait", "Scripts", "StoreCore", "translate_redis_errors"]
+
+log = logging.getLogger(__name__)
 
 # Enough history for a live view to catch up after a short disconnect, small
 # enough that a busy tree's stream stays a few MB (XADD MAXLEN ~).
@@ -141,14 +155,110 @@ def _decode_record(raw: dict[str, str], child_ids: list[str], awaiting_ids: list
         raise CorruptError(f"Task record {raw.get(TaskField.ID, '?')} is corrupt: {exc}") from None
 
 
+# The scripts whose step a caller sees, and would see undone by a failover: a run's end and
+# write-back (end_run, settle_child, apply_children, close_batch, finish_task), a decision (decide),
+# a cancel or a budget stop (stop_tasks). A run's per-step writes (usage, conversation, tool results)
+# are not: a run resumed from a replica a step behind takes that step again, as after a worker's death.
+ACKNOWLEDGED = frozenset(
+    {"end_run", "settle_child", "apply_children", "close_batch", "finish_task", "decide", "stop_tasks"}
+)
+
+
+@dataclass(frozen=True)
+class ReplicaWait:
+    """`WAIT replicas timeout_ms` after a step a caller sees: how many replicas must have it, how long to wait."""
+
+    replicas: int
+    timeout_ms: int
+
+
+class ReplicaShortfalls:
+    """Steps whose WAIT heard from fewer replicas than asked: each stands (it is on the master), and is logged.
+
+    A step is not failed for it: its writes are on the master already and WAIT cannot take them back,
+    so failing it would only make its caller try again a step that was done. The count is the process's
+    own (the API's /metrics reports it); docs/deploy.md says what such a step risks.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def note(self, step: str, acked: int, wait: ReplicaWait) -> None:
+        if acked >= wait.replicas:
+            return
+        with self._lock:
+            self.count += 1
+        log.warning(
+            "subq: %s was acknowledged by %d of the %d replica(s) SUBQ_REDIS_MIN_REPLICAS asks for within %d ms; "
+            "it stands on the master, and a failover before it reaches a replica would lose it",
+            step, acked, wait.replicas, wait.timeout_ms,
+        )  # fmt: skip
+
+
+class AcknowledgedScript:
+    """A script of a step a caller sees, sent with its WAIT in one round trip (one pipeline, one connection).
+
+    WAIT counts the replicas that have every write of its own connection, so it goes on the
+    connection that ran the script. The script goes by EVALSHA; a master that does not know
+    it (a replica just promoted: scripts are not replicated) gets it loaded, and it is sent again.
+    """
+
+    def __init__(
+        self, client: redis.Redis, script: Script, name: str, wait: ReplicaWait, shortfalls: ReplicaShortfalls
+    ) -> None:
+        self.client = client
+        self.script = script
+        self.name = name
+        self.wait = wait
+        self.shortfalls = shortfalls
+
+    def __call__(self, keys: Sequence[ScriptArg], args: Sequence[ScriptArg]) -> Any:
+        for _ in range(2):
+            with self.client.pipeline(transaction=False) as pipe:
+                pipe.evalsha(self.script.sha, len(keys), *keys, *args)
+                pipe.execute_command("WAIT", self.wait.replicas, self.wait.timeout_ms)  # type: ignore[no-untyped-call]
+                try:
+                    reply, acked = pipe.execute()
+                except redis.exceptions.NoScriptError:
+                    self.client.script_load(self.script.script)
+                    continue
+            self.shortfalls.note(self.name, int(acked), self.wait)
+            return reply
+        raise redis.exceptions.NoScriptError(f"{self.name}: the master forgot the script as soon as it was loaded")
+
+
+class AcknowledgedTransaction(Pipeline):
+    """redis-py's transaction pipeline, whose EXEC is followed by WAIT on the same connection."""
+
+    replica_wait: ReplicaWait
+    shortfalls: ReplicaShortfalls
+
+    def _execute_transaction(self, connection: Connection, commands: Any, raise_on_error: bool) -> list[Any]:
+        replies: list[Any] = super()._execute_transaction(connection, commands, raise_on_error)
+        connection.send_command("WAIT", self.replica_wait.replicas, self.replica_wait.timeout_ms)  # type: ignore[no-untyped-call]
+        self.shortfalls.note("a transaction", int(connection.read_response()), self.replica_wait)
+        return replies
+
+
 class Scripts:
     """Every Lua script of `lua/`, loaded once and registered on one client.
 
     A part calls one as `self.scripts.end_run(keys=..., args=...)`; the attribute is
-    the script's file name, and a script that `uses` others has them inlined.
+    the script's file name, and a script that `uses` others has them inlined. With a
+    `ReplicaWait`, each script of `ACKNOWLEDGED` is an `AcknowledgedScript`.
     """
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(
+        self, client: redis.Redis, replicas: ReplicaWait | None = None, shortfalls: ReplicaShortfalls | None = None
+    ) -> None:
+        self._register(client)
+        if replicas is not None:
+            shortfalls = shortfalls or ReplicaShortfalls()
+            for name in ACKNOWLEDGED:
+                setattr(self, name, AcknowledgedScript(client, getattr(self, name), name, replicas, shortfalls))
+
+    def _register(self, client: redis.Redis) -> None:
         self.record_usage = client.register_script(_load_script("record_usage.lua"))
         self.finish_task = client.register_script(_load_script("finish_task.lua"))
         self.apply_children = client.register_script(_load_script("apply_children.lua"))
@@ -181,11 +291,21 @@ class StoreCore:
     """What every part of the store shares: the client, keys and retention of one key prefix,
     the registered scripts (built once, here), and the writes several parts make the same way."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, retention_s: int) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, retention_s: int, replicas: ReplicaWait | None = None) -> None:
         self.client = client
         self.keys = keys
         self.retention_s = retention_s
-        self.scripts = Scripts(client)
+        self.replicas = replicas
+        self.replica_shortfalls = ReplicaShortfalls()
+        self.scripts = Scripts(client, replicas, self.replica_shortfalls)
+
+    def _pipeline(self) -> Pipeline:
+        """A transaction pipeline: redis-py's, or one whose EXEC is followed by its WAIT."""
+        if self.replicas is None:
+            return self.client.pipeline(transaction=True)
+        pipe = AcknowledgedTransaction(self.client.connection_pool, self.client.response_callbacks, True, None)
+        pipe.replica_wait, pipe.shortfalls = self.replicas, self.replica_shortfalls
+        return pipe
 
     def transaction(self, watched: Sequence[str], body: Callable[[Pipeline], T]) -> T:
         """Run `body` on a pipeline watching `watched`, again while another client changes them.
@@ -195,7 +315,7 @@ class StoreCore:
         key changed, and the body then runs again on fresh state.
         """
         for _ in range(MAX_TRANSACTION_ATTEMPTS):
-            with self.client.pipeline(transaction=True) as pipe:
+            with self._pipeline() as pipe:
                 try:
                     pipe.watch(*watched)  # type: ignore[no-untyped-call]
                     return body(pipe)

@@ -9,10 +9,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-import redis
 from celery import Celery
 
-from coordinator import Coordinator, Settings
+from coordinator import Coordinator, Settings, redis_client
 from coordinator.runs import RunLifecycle
 from workers.observe import WorkerRunHooks
 from workers.runtime.agent_loop import AgentLoop, ProgressPacer, StopWatch
@@ -53,13 +52,9 @@ def build_runtime(settings: Settings, app: Celery) -> Runtime:
     # One connection per pool thread, and a pool that makes a thread wait rather than fail:
     # redis-py's default pool refuses a 101st connection, which failed runs at random once
     # more than about 100 ran at once in one process (bench/in_flight.py measured it).
-    pool = redis.BlockingConnectionPool.from_url(
-        settings.require_redis_url(),
-        decode_responses=True,
-        max_connections=settings.worker_concurrency + SPARE_CONNECTIONS,
-        timeout=CONNECTION_WAIT_S,
+    client = redis_client(
+        settings, max_connections=settings.worker_concurrency + SPARE_CONNECTIONS, pool_timeout_s=CONNECTION_WAIT_S
     )
-    client = redis.Redis(connection_pool=pool)
     coordinator = Coordinator(settings, client=client, app=app)
     return Runtime(settings, coordinator, RunLifecycle(coordinator, hooks=WorkerRunHooks()))
 

@@ -1,0 +1,43 @@
+#!/bin/sh
+# One Redis Sentinel of three (docs/deploy.md, "Redis failover"). It writes its own sentinel.conf
+# (a sentinel rewrites the file as it learns, so it must be writable, in SENTINEL_DIR) to watch the
+# master the other sentinels name now, or REDIS_FIRST_MASTER when none answers (the first start).
+# A master silent for SENTINEL_DOWN_AFTER_MS is down once SENTINEL_QUORUM sentinels agree, and
+# they promote the replica with the most data.
+#   SENTINEL_NODE                 this sentinel's address as the others reach it
+#   SENTINEL_PORT                 its port (26379)
+#   SENTINEL_DIR                  a writable folder for its config
+#   SENTINELS                     every sentinel, "host:port host:port host:port" (itself included)
+#   SENTINEL_MASTER               the master's name (subq: SUBQ_REDIS_SENTINEL_MASTER)
+#   REDIS_FIRST_MASTER            host:port of the master of the first start
+#   SENTINEL_DOWN_AFTER_MS        5000; SENTINEL_FAILOVER_TIMEOUT_MS 30000; SENTINEL_QUORUM 2
+set -eu
+port="${SENTINEL_PORT:-26379}"
+master=""
+for sentinel in $SENTINELS; do
+    [ "$sentinel" = "$SENTINEL_NODE:$port" ] && continue
+    reply="$(redis-cli -h "${sentinel%:*}" -p "${sentinel##*:}" --raw \
+        SENTINEL get-master-addr-by-name "$SENTINEL_MASTER" 2>/dev/null || true)"
+    host="$(printf '%s\n' "$reply" | sed -n 1p)"
+    master_port="$(printf '%s\n' "$reply" | sed -n 2p)"
+    if [ -n "$host" ] && [ -n "$master_port" ] && [ "${master_port#*[!0-9]}" = "$master_port" ]; then
+        master="$host:$master_port"
+        break
+    fi
+done
+master="${master:-$REDIS_FIRST_MASTER}"
+conf="$SENTINEL_DIR/sentinel.conf"
+cat > "$conf" <<CONF
+port $port
+dir $SENTINEL_DIR
+sentinel resolve-hostnames yes
+sentinel announce-hostnames yes
+sentinel announce-ip $SENTINEL_NODE
+sentinel announce-port $port
+sentinel monitor $SENTINEL_MASTER ${master%:*} ${master##*:} ${SENTINEL_QUORUM:-2}
+sentinel down-after-milliseconds $SENTINEL_MASTER ${SENTINEL_DOWN_AFTER_MS:-5000}
+sentinel failover-timeout $SENTINEL_MASTER ${SENTINEL_FAILOVER_TIMEOUT_MS:-30000}
+sentinel parallel-syncs $SENTINEL_MASTER 1
+CONF
+echo "sentinel: $SENTINEL_NODE:$port watches $SENTINEL_MASTER at $master"
+exec redis-server "$conf" --sentinel

@@ -1,0 +1,246 @@
+"""Redis Sentinel on 127.0.0.1, real processes: a master, its replicas and three sentinels.
+
+`sentinel_set(workdir)` starts them on free ports (the redis-server the project
+ships, run as `redis-server <conf> --sentinel` for a sentinel), waits until each
+sentinel knows the master, both replicas and the other sentinels, and stops
+them all at the end. `kill_master()` SIGKILLs whichever process is the master
+now; `wait_promoted(old)` waits for the sentinels to name another. The
+sentinels decide fast: a master silent for `DOWN_AFTER_MS` is down.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from coordinator import Settings
+from coordinator.local.embedded_redis import find_redis_server, free_port
+from tests.helpers import eventually
+
+MASTER_NAME = "subq"
+# A master silent this long is subjectively down (deploy/ uses 5000; a test has no time for that).
+DOWN_AFTER_MS = 1000
+# A failover that stalls is tried again after twice this; a healthy one takes well under it.
+FAILOVER_TIMEOUT_MS = 3000
+QUORUM = 2
+
+
+@dataclass
+class Server:
+    """One redis-server process (data or sentinel) on its port."""
+
+    port: int
+    proc: subprocess.Popen[bytes]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@dataclass
+class SentinelSet:
+    """A master, its replicas and three sentinels; `data` by port, so a promoted replica is found by its address."""
+
+    workdir: Path
+    data: dict[int, Server] = field(default_factory=dict)
+    sentinels: list[Server] = field(default_factory=list)
+
+    @property
+    def addresses(self) -> str:
+        """SUBQ_REDIS_SENTINELS for these sentinels."""
+        return ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+
+    def settings(self, base: Settings, **updates: object) -> Settings:
+        """`base` on these sentinels instead of its Redis URL (validated, as the environment would be)."""
+        fields = base.model_dump(exclude={"redis_url"}, exclude_none=True)
+        fields.update(redis_sentinels=self.addresses, redis_sentinel_master=MASTER_NAME, **updates)
+        return Settings(**fields)
+
+    def sentinel_client(self, n: int = 0) -> redis.Redis:
+        return redis.Redis(port=self.sentinels[n].port, decode_responses=True, socket_timeout=2)
+
+    def master_port(self) -> int:
+        """The master's port as a live sentinel names it."""
+        for sentinel in self.sentinels:
+            if not sentinel.alive():
+                continue
+            client = redis.Redis(port=sentinel.port, decode_responses=True, socket_timeout=2)
+            try:
+                _host, port = client.execute_command("SENTINEL", "get-master-addr-by-name", MASTER_NAME)
+                return int(port)
+            except redis.RedisError:
+                continue
+            finally:
+                client.close()
+        raise AssertionError("no sentinel answers")
+
+    def master_client(self) -> redis.Redis:
+        return redis.Redis(port=self.master_port(), decode_responses=True, socket_timeout=5)
+
+    def kill_master(self) -> int:
+        """SIGKILL the master now (no shutdown, nothing flushed); its old port."""
+        port = self.master_port()
+        self.data[port].kill()
+        return port
+
+    def wait_promoted(self, old_port: int, timeout_s: float = 30) -> int:
+        """Wait until the sentinels name a master other than `old_port`, and it takes writes; its port."""
+
+        def promoted() -> int | None:
+            port = self.master_port()
+            if port == old_port:
+                return None
+            client = redis.Redis(port=port, socket_timeout=2)
+            try:
+                role = client.execute_command("ROLE")[0]
+                return port if role in (b"master", "master") else None
+            except redis.RedisError:
+                return None
+            finally:
+                client.close()
+
+        return int(eventually(promoted, "the sentinels to promote a replica", timeout_s=timeout_s, every_s=0.05))
+
+    def stop(self) -> None:
+        for server in [*self.sentinels, *self.data.values()]:
+            server.stop()
+
+
+def _start(argv: list[str], port: int) -> Server:
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    server = Server(port, proc)
+    client = redis.Redis(port=port, socket_timeout=1)
+    try:
+        eventually(lambda: _pings(client), f"redis-server on port {port} to answer", timeout_s=10, every_s=0.05)
+    finally:
+        client.close()
+    return server
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
+
+
+def _data_server(workdir: Path, port: int, master_port: int | None) -> Server:
+    folder = workdir / f"redis-{port}"
+    folder.mkdir(parents=True)
+    argv = [
+        find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder),
+        "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--loglevel", "warning",
+        "--logfile", str(folder / "redis.log"),
+    ]  # fmt: skip
+    if master_port is not None:
+        argv += ["--replicaof", "127.0.0.1", str(master_port)]
+    return _start(argv, port)
+
+
+def _sentinel(workdir: Path, port: int, master_port: int) -> Server:
+    folder = workdir / f"sentinel-{port}"
+    folder.mkdir(parents=True)
+    conf = folder / "sentinel.conf"  # a sentinel rewrites its own file as it learns: one file each
+    conf.write_text(
+        f"port {port}\nbind 127.0.0.1\ndir {folder}\nlogfile {folder / 'sentinel.log'}\n"
+        f"sentinel monitor {MASTER_NAME} 127.0.0.1 {master_port} {QUORUM}\n"
+        f"sentinel down-after-milliseconds {MASTER_NAME} {DOWN_AFTER_MS}\n"
+        f"sentinel failover-timeout {MASTER_NAME} {FAILOVER_TIMEOUT_MS}\n"
+        f"sentinel parallel-syncs {MASTER_NAME} 2\n",
+        encoding="utf-8",
+    )
+    return _start([find_redis_server(), str(conf), "--sentinel"], port)
+
+
+@contextmanager
+def sentinel_set(workdir: Path, replicas: int = 2, sentinels: int = 3) -> Iterator[SentinelSet]:
+    """A master with `replicas` replicas and `sentinels` sentinels, each known to every sentinel; stopped at the end."""
+    kit = SentinelSet(workdir)
+    try:
+        master_port = free_port()
+        kit.data[master_port] = _data_server(workdir, master_port, None)
+        for _ in range(replicas):
+            port = free_port()
+            kit.data[port] = _data_server(workdir, port, master_port)
+        for _ in range(sentinels):
+            kit.sentinels.append(_sentinel(workdir, free_port(), master_port))
+        ports = [sentinel.port for sentinel in kit.sentinels]
+        eventually(lambda: knows_everyone(ports, replicas), "every sentinel to know the set", timeout_s=30)
+        yield kit
+    finally:
+        kit.stop()
+
+
+def knows_everyone(sentinel_ports: list[int], replicas: int) -> bool:
+    """Whether each sentinel knows the master's `replicas` replicas (linked, up) and every other sentinel."""
+    for port in sentinel_ports:
+        client = redis.Redis(port=port, decode_responses=True, socket_timeout=2)
+        try:
+            known_replicas = [r for r in client.execute_command("SENTINEL", "replicas", MASTER_NAME) if _up(r)]
+            others = client.execute_command("SENTINEL", "sentinels", MASTER_NAME)
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+        if len(known_replicas) < replicas or len(others) < len(sentinel_ports) - 1:
+            return False
+    return True
+
+
+def _up(replica: object) -> bool:
+    """A replica as SENTINEL replicas describes it (a flat list or a dict, by client) that is linked and not down."""
+    fields = replica if isinstance(replica, dict) else dict(zip(replica[::2], replica[1::2], strict=True))  # type: ignore[index]
+    return "down" not in str(fields.get("flags", "")) and fields.get("master-link-status") == "ok"
+
+
+def wait_replicated(kit: SentinelSet, timeout_s: float = 10) -> None:
+    """Every replica has caught up with the master's offset (a test's starting line)."""
+    master = kit.master_client()
+    try:
+        eventually(
+            lambda: (
+                all(
+                    int(r["offset"]) >= int(master.info("replication")["master_repl_offset"])
+                    for r in _replica_infos(master)
+                )
+                or None
+            ),
+            "the replicas to catch up",
+            timeout_s=timeout_s,
+        )
+    finally:
+        master.close()
+
+
+def _replica_infos(master: redis.Redis) -> list[dict[str, str]]:
+    info = master.info("replication")
+    return [info[f"slave{n}"] for n in range(int(info["connected_slaves"]))]
+
+
+def replica_lag_bytes(kit: SentinelSet) -> list[int]:
+    """How many bytes of the master's replication stream each replica has not acknowledged yet."""
+    master = kit.master_client()
+    try:
+        offset = int(master.info("replication")["master_repl_offset"])
+        return [offset - int(replica["offset"]) for replica in _replica_infos(master)]
+    finally:
+        master.close()

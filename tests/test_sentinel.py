@@ -1,0 +1,271 @@
+"""Redis Sentinel, real servers (tests/sentinel_kit.py): the store follows a failover, and an acknowledged step survives it.
+
+One process, no fleet: runs are driven in-process (`run_child`), so each test
+shows one thing. The store's clients (the Coordinator's, a worker's blocking
+pool) go on writing through a failover that also takes a sentinel. A step a
+caller sees acknowledged (a submit, a delegation, a decision, a cancel) returns
+only once a replica has it (`WAIT`): held while every replica is stopped, on
+the promoted replica when the master is SIGKILLed right after, counted when no
+replica answers in time, and not waited for at all with no replica asked for.
+A planned switch (`SENTINEL FAILOVER`) loses no acknowledged submit, and
+Celery's broker and subq's result backends reach the master through kombu's
+and Celery's sentinel transports. tests/test_sentinel_fleet.py runs the same
+with real workers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from prometheus_client import CollectorRegistry, generate_latest
+
+from coordinator import Coordinator, Settings, TaskStatus
+from coordinator.api.ops import SubqCollector
+from coordinator.celery_app import make_app
+from coordinator.redis_clients import redis_client
+from tests.agents import agent, call, reply
+from tests.sentinel_kit import SentinelSet, sentinel_set, wait_replicated
+from workers.runtime.context import build_runtime
+from workers.runtime.runner import run_child
+
+
+@pytest.fixture
+def kit(tmp_path: Path) -> Iterator[SentinelSet]:
+    """A set of its own, for a test that kills its master."""
+    with sentinel_set(tmp_path / "sentinels") as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def steady(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelSet]:
+    """A set the module's tests share: they stop and resume replicas, and kill nothing."""
+    with sentinel_set(tmp_path_factory.mktemp("steady")) as started:
+        yield started
+
+
+def _settings(kit: SentinelSet, base: Settings, **updates: object) -> Settings:
+    # A queue no worker consumes: the runs of these tests are driven here, in-process.
+    return kit.settings(base, **{"key_prefix": "subqsentinel", "queue": "subq-sentinel-nobody", **updates})
+
+
+def _waits(client: redis.Redis) -> int:
+    """How many WAIT commands this server has answered."""
+    return int(client.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
+
+
+def _replicas(kit: SentinelSet) -> list[int]:
+    master = kit.master_port()
+    return [port for port, server in kit.data.items() if port != master and server.alive()]
+
+
+def test_the_store_follows_a_failover_and_goes_on_writing(kit: SentinelSet, settings: Settings) -> None:
+    """The master and the first sentinel SIGKILLed: the two others promote a replica, and every write goes on."""
+    own = _settings(kit, settings)
+    coord = Coordinator(own)
+    # A worker's client: a blocking pool, sentinel-managed (workers/runtime/context.py).
+    pool_client = redis_client(own, max_connections=2, pool_timeout_s=5)
+    try:
+        before = coord.create_task("before the failover", todos="[ ] a\n[ ] b")
+        pool_client.set("subqsentinel:probe", "1")
+        wait_replicated(kit)
+        # The master's machine dies, and with it the sentinel every client asks first.
+        old = kit.kill_master()
+        kit.sentinels[0].kill()
+        # Sent while the sentinels have not yet promoted anyone: the client retries until they have.
+        during = coord.create_task("during the failover")
+        assert pool_client.incr("subqsentinel:probe") == 2
+        new = kit.wait_promoted(old)
+        assert new != old
+        after = coord.create_task("after the failover")
+        for task in (before, during, after):
+            assert coord.get_task(task.id).prompt == task.prompt
+        assert [item.content for item in coord.get_todos(before.id)] == ["a", "b"]
+        promoted = redis.Redis(port=new, decode_responses=True)
+        assert promoted.execute_command("ROLE")[0] == "master"
+        promoted.close()
+    finally:
+        pool_client.close()
+        coord.close()
+
+
+def test_acknowledged_steps_are_on_the_promoted_replica(kit: SentinelSet, settings: Settings) -> None:
+    """A submit, a delegation, a decision and a cancel, each acknowledged; the master dies at once after."""
+    own = _settings(kit, settings)
+    coord = Coordinator(own)
+    rt = build_runtime(own, make_app(own))
+    try:
+        master = kit.master_client()
+        waits_before = _waits(master)
+        # A decision: a run parks two calls for approval; one is decided before the kill.
+        decided_task = coord.create_task(agent(call("run_command", command="make a"), reply("made a")), run=True)
+        pending_task = coord.create_task(agent(call("run_command", command="make b"), reply("made b")), run=True)
+        assert run_child(rt, decided_task.id).status == "waiting_approval"
+        assert run_child(rt, pending_task.id).status == "waiting_approval"
+        (decided,) = coord.list_approvals(decided_task.id)
+        (pending,) = coord.list_approvals(pending_task.id)
+        assert coord.decide(decided.id, "deny", feedback="not now").status == "denied"
+        # A delegation, committed (its children are queued: no worker consumes this queue).
+        parent = coord.create_task("a parent", todos="[ ] x\n[ ] y")
+        batch = coord.delegate(parent.id, [{"description": "x", "message": "x"}, {"description": "y", "message": "y"}])
+        # A cancel of a tree with a queued child.
+        doomed = coord.create_task("to cancel")
+        coord.delegate(doomed.id, [{"description": "z", "message": "z"}])
+        coord.cancel(doomed.id, "stopped by the test")
+        submitted = coord.create_task("submitted last")
+        assert _waits(master) > waits_before, "the acknowledged steps sent WAIT"
+        master.close()
+
+        old = kit.kill_master()  # at once: no wait for the replicas beyond what each step waited
+        kit.wait_promoted(old)
+
+        assert coord.store.approvals.get_approval(decided.id).status == "denied"
+        assert coord.get_task(submitted.id).prompt == "submitted last"
+        assert coord.get_task(parent.id).status == TaskStatus.DELEGATED
+        assert [c.id for c in coord.get_children(parent.id)] == batch.child_ids
+        assert {item.subtask_id for item in coord.get_todos(parent.id)} == set(batch.child_ids)
+        assert coord.get_task(doomed.id).status == TaskStatus.CANCELLED
+        assert all(c.status == TaskStatus.CANCELLED for c in coord.get_children(doomed.id))
+        # The approval that was pending across the failover is decided on the new master, and its run resumes.
+        assert coord.decide(pending.id, "approve").status == "approved"
+        assert run_child(rt, pending_task.id).status == "completed"
+        assert run_child(rt, decided_task.id).status == "completed"
+        assert coord.get_task(decided_task.id).summary == "made a"
+    finally:
+        rt.coordinator.close()
+        coord.close()
+
+
+def _then_set(step: Callable[[], object], done: threading.Event) -> None:
+    step()
+    done.set()
+
+
+def test_a_step_is_acknowledged_only_once_a_replica_has_it(steady: SentinelSet, settings: Settings) -> None:
+    """With every replica stopped, a submit (a transaction) and a cancel (a script) wait in WAIT until one is back."""
+    coord = Coordinator(_settings(steady, settings, redis_replica_wait_ms=20_000))
+    stopped = _replicas(steady)
+    try:
+        doomed = coord.create_task("to cancel")
+        wait_replicated(steady)
+        steps = {
+            "submit": lambda: coord.create_task("a submit no replica has yet"),
+            "cancel": lambda: coord.cancel(doomed.id, "stopped while the replicas were"),
+        }
+        for name, step in steps.items():
+            for port in stopped:
+                os.kill(steady.data[port].proc.pid, signal.SIGSTOP)
+            done = threading.Event()
+            worker = threading.Thread(target=_then_set, args=(step, done))
+            worker.start()
+            assert not done.wait(1.0), f"the {name} was acknowledged before any replica had it"
+            os.kill(steady.data[stopped[0]].proc.pid, signal.SIGCONT)
+            assert done.wait(5.0), f"the {name} was not acknowledged once a replica was back"
+            worker.join()
+            for port in stopped[1:]:
+                os.kill(steady.data[port].proc.pid, signal.SIGCONT)
+        assert coord.store.core.replica_shortfalls.count == 0
+    finally:
+        for port in stopped:
+            os.kill(steady.data[port].proc.pid, signal.SIGCONT)
+        coord.close()
+
+
+def test_a_step_no_replica_acknowledges_in_time_stands_and_is_counted(
+    steady: SentinelSet, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    coord = Coordinator(_settings(steady, settings, redis_replica_wait_ms=200))
+    stopped = _replicas(steady)
+    try:
+        for port in stopped:
+            os.kill(steady.data[port].proc.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        task = coord.create_task("no replica in time")
+        assert time.monotonic() - started >= 0.2, "it waited SUBQ_REDIS_REPLICA_WAIT_MS"
+        assert coord.get_task(task.id).prompt == "no replica in time", "the step stands on the master"
+        assert coord.replica_shortfalls() == 1
+        assert "acknowledged by 0 of the 1 replica(s)" in caplog.text
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(SubqCollector(coord))
+        assert "subq_replica_shortfalls_total 1.0" in generate_latest(registry).decode()
+    finally:
+        for port in stopped:
+            os.kill(steady.data[port].proc.pid, signal.SIGCONT)
+        coord.close()
+
+
+def test_no_wait_when_no_replica_is_asked_for(steady: SentinelSet, settings: Settings) -> None:
+    """SUBQ_REDIS_MIN_REPLICAS=0 under Sentinel: the steps are sent as with one Redis, without WAIT."""
+    coord = Coordinator(_settings(steady, settings, redis_min_replicas=0))
+    master = steady.master_client()
+    try:
+        before = _waits(master)
+        parent = coord.create_task("no wait", todos="[ ] x")
+        coord.delegate(parent.id, [{"description": "x", "message": "x"}])
+        coord.cancel(parent.id, "done")
+        assert _waits(master) == before
+    finally:
+        master.close()
+        coord.close()
+
+
+def test_a_planned_switch_loses_no_acknowledged_step(kit: SentinelSet, settings: Settings) -> None:
+    """`SENTINEL FAILOVER` while two callers submit without pause: every submit acknowledged is there after it."""
+    coord = Coordinator(_settings(kit, settings))
+    acknowledged: list[str] = []
+    stop = threading.Event()
+
+    def submit_until_stopped() -> None:
+        while not stop.is_set():
+            acknowledged.append(coord.create_task("submitted across a planned switch").id)
+
+    callers = [threading.Thread(target=submit_until_stopped) for _ in range(2)]
+    try:
+        for caller in callers:
+            caller.start()
+        time.sleep(0.5)
+        old = kit.master_port()
+        sentinel = kit.sentinel_client()
+        assert sentinel.execute_command("SENTINEL", "FAILOVER", "subq") in ("OK", True)
+        sentinel.close()
+        kit.wait_promoted(old)
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for caller in callers:
+            caller.join()
+    try:
+        assert len(acknowledged) > 100
+        assert [task_id for task_id in acknowledged if not coord.store.records.task_exists(task_id)] == []
+    finally:
+        coord.close()
+
+
+def test_celerys_broker_and_result_backend_reach_the_master(steady: SentinelSet, settings: Settings) -> None:
+    """kombu's sentinel transport publishes to the master; subq's result backends (the publisher's, Flower's) store there."""
+    from workers.flower_setup import RunResultSentinelBackend, install
+
+    own = _settings(steady, settings, queue="subq-sentinel-celery")
+    app = make_app(own)
+    master = steady.master_client()
+    try:
+        master.delete("subq-sentinel-celery")
+        app.send_task("subq.run_task", args=["0123456789abcdef"], task_id="sentinel-probe", ignore_result=True)
+        assert master.llen("subq-sentinel-celery") == 1, "the message is on the master's queue"
+        assert type(app.backend).__name__ == "PublishOnlySentinelBackend"
+        app.backend.store_result("sentinel-result", {"ok": True}, "SUCCESS")
+        assert app.backend.get_task_meta("sentinel-result")["result"] == {"ok": True}
+        assert master.exists("celery-task-meta-sentinel-result")
+        flower_app = make_app(own)
+        install(flower_app)
+        assert isinstance(flower_app.backend, RunResultSentinelBackend)
+        assert flower_app.backend.get_task_meta("sentinel-result")["result"] == {"ok": True}
+    finally:
+        master.delete("subq-sentinel-celery", "celery-task-meta-sentinel-result")
+        master.close()
