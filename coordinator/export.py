@@ -4,6 +4,7 @@
     <dir>/<task_id>/ui_messages.json                the UI messages
     <dir>/<task_id>/history_item.json               the task's summary line
     <dir>/<task_id>/todos.json                      the plan, with each row's child and figures
+    <dir>/<task_id>/timeline.json                   where its time went: the marks, intervals and figures
 
 One folder per task of the subtree, so a run can be opened elsewhere.
 
@@ -29,7 +30,7 @@ from coordinator.models import HistoryItem, TaskRecord, TodoItem
 __all__ = ["FILE_NAMES", "TaskReader", "export_tree"]
 
 # The files of each task's folder, in the order they are written.
-FILE_NAMES = ("api_conversation_history.json", "ui_messages.json", "history_item.json", "todos.json")
+FILE_NAMES = ("api_conversation_history.json", "ui_messages.json", "history_item.json", "todos.json", "timeline.json")
 
 
 class TaskReader(Protocol):
@@ -67,6 +68,11 @@ def export_tree(coord: TaskReader, task_id: str, directory: Path) -> list[Path]:
                 "items": [item.model_dump(mode="json") for item in coord.get_todos(record.id)],
                 "unlinked_tokens": record.unlinked_tokens,
                 "unlinked_cost_micros": record.unlinked_cost_micros,
+            },
+            # The marks as stored (coordinator/timeline.py) and what they say, as the API's record has them.
+            "timeline.json": {
+                "marks": record.timeline.model_dump(mode="json"),
+                "times": record.times.model_dump(mode="json"),
             },
         }
         folder.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,9 @@ from decimal import ROUND_HALF_UP, Decimal
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, computed_field, field_validator, model_validator
+
+from coordinator.timeline import TaskTimes, Timeline, ToolCallSpan, times_of, tool_calls_of
 
 __all__ = [
     "AdmissionLimits",
@@ -201,10 +203,37 @@ class TaskRecord(BaseModel):
     finished_at: float | None = None
     # The task's tool calls by tool (its own, not its children's); none for a task that called none.
     tool_use: dict[str, ToolUse] = Field(default_factory=dict)
+    # The marks its state changes left (coordinator/timeline.py); `times` is what they say.
+    timeline: Timeline = Field(default_factory=Timeline)
+    # Its latest tool calls that ran, each a span of its timeline (the newest MAX_TOOL_CALLS).
+    tool_calls: list[ToolCallSpan] = Field(default_factory=list)
+
+    @field_validator("tool_calls", mode="before")
+    @classmethod
+    def _stored_tool_calls(cls, value: Any) -> Any:
+        return tool_calls_of(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _opening_marks(cls, data: Any) -> Any:
+        """A new record (or one stored before timelines) opens its timeline at its creation: queued for a
+        worker, or held by its caller (coordinator/timeline.py); the store writes these marks with it."""
+        if isinstance(data, dict) and not data.get("timeline") and data.get("created_at") is not None:
+            state = "queued" if data.get("runner") == "agent" else "running"
+            data = {**data, "timeline": Timeline.begin(round(float(data["created_at"]) * 1000), state)}
+        return data
 
     @property
     def tokens(self) -> int:
         return self.tokens_in + self.tokens_out
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def times(self) -> TaskTimes:
+        """Its intervals and where its time went (queue, runs, waits by reason, wall), read from `timeline`
+        as of its last mark, so two reads of an unchanged task agree (a live view passes its now to
+        `times_of`). Sent with the record; never stored (the marks are)."""
+        return times_of(self.timeline)
 
 
 class SubtaskResult(BaseModel):
@@ -406,9 +435,13 @@ class RunWrites:
     usage: list[tuple[str, Usage, int, str]] = field(default_factory=list)  # (request key, usage, micro-USD, source)
     latencies_ms: list[float] = field(default_factory=list)
     live: str = ""  # the latest live status (JSON), or '' when unchanged
+    # Timeline marks (t ms, state) the run's own clock took between steps: a wait inside the run
+    # (a rate or tool limit) and its end, the wait the run leaves its task in (coordinator/timeline.py).
+    marks: list[tuple[int, str]] = field(default_factory=list)
 
     def clear(self) -> None:
         self.conversation, self.ui_messages, self.usage, self.latencies_ms, self.live = [], [], [], [], ""
+        self.marks = []
 
 
 @dataclass(frozen=True)

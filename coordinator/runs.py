@@ -76,6 +76,7 @@ from coordinator.models import (
     live_status,
 )
 from coordinator.settings import Profile
+from coordinator.timeline import WAIT_PREFIX
 
 if TYPE_CHECKING:
     from coordinator.service import Coordinator
@@ -188,6 +189,8 @@ class Run:
         self.delegation: tuple[Batch, list[TaskRecord]] | None = None
         # Set by the heartbeat when the lease was lost: the run must not write again.
         self.fenced = False
+        # The waits inside the run now open (a rate limit, a tool's limit), by what waits, since when (ms).
+        self._waits: dict[str, int] = {}
 
     @property
     def task_id(self) -> str:
@@ -302,15 +305,34 @@ class Run:
         return holder is not None, holder
 
     def rate_wait_ms(self, provider: str) -> int:
-        return admission.wait_for_rate(self._plane, provider)
+        wait_ms = admission.wait_for_rate(self._plane, provider)
+        self._note_wait("rate_limit", f"rate:{provider}", waiting=wait_ms > 0)
+        return wait_ms
 
     def tool_rate_wait_ms(self, pattern: str, rpm: int) -> int:
         """0 when a call of the tool glob `pattern` may start now under its fleet-wide `rpm`, else the ms to wait."""
-        return admission.wait_for_tool_rate(self._plane, pattern, rpm)
+        wait_ms = admission.wait_for_tool_rate(self._plane, pattern, rpm)
+        self._note_wait("tool_limit", f"tool:{pattern}", waiting=wait_ms > 0)
+        return wait_ms
 
     def take_tool_slot(self, pattern: str, limit: int, lease_s: float, tool_call_id: str) -> bool:
         """A fleet-wide slot of the tool glob `pattern` for this call, held until `free_tool_slot` or the lease."""
-        return admission.take_tool_slot(self._plane, pattern, limit, lease_s, f"{self.task.id}:{tool_call_id}")
+        member = f"{self.task.id}:{tool_call_id}"
+        taken = admission.take_tool_slot(self._plane, pattern, limit, lease_s, member)
+        self._note_wait("tool_limit", f"slot:{member}", waiting=not taken)
+        return taken
+
+    def _note_wait(self, reason: str, what: str, *, waiting: bool) -> None:
+        """Note a wait inside the run on its task's timeline: the first refusal opens it, the answer that lets
+        it go on closes it (both marks go with the next step: no round trip of their own). Waits that
+        overlap (parallel tool calls) are one wait, from the first to open to the last to close."""
+        now_ms = int(time.time() * 1000)
+        if waiting and what not in self._waits:
+            if not self._waits:
+                self.writes.marks.append((now_ms, f"{WAIT_PREFIX}{reason}"))
+            self._waits[what] = now_ms
+        elif not waiting and self._waits.pop(what, None) is not None and not self._waits:
+            self.writes.marks.append((now_ms, "running"))
 
     def free_tool_slot(self, pattern: str, tool_call_id: str) -> None:
         admission.free_tool_slot(self._plane, pattern, f"{self.task.id}:{tool_call_id}")
@@ -416,6 +438,8 @@ class Run:
 
     def park(self, calls: Sequence[ToolCall]) -> list[str]:
         """Queue tool calls for a decision; returns the approval ids."""
+        # Its task waits on a person from now (written with this step): a decision may come before the run ends.
+        self.writes.marks.append((int(time.time() * 1000), f"{WAIT_PREFIX}approval"))
         self._flush_unless_stopped()
         return [a.id for a in approvals.park(self._plane, self.task, calls)]
 
@@ -440,6 +464,8 @@ class Run:
         if self.fenced:
             raise LeaseLost(task_id)
         if isinstance(outcome, Released):
+            if outcome.state == "delegated":  # it waits on its children from now; its batch is published next
+                self.writes.marks.append((int(time.time() * 1000), f"{WAIT_PREFIX}children"))
             self.flush()
             self._release()
             if outcome.state == "delegated":

@@ -7,12 +7,14 @@ The structure is what the HTTP API (`GET /v1/tasks/{id}/tree`) and the CLI
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from coordinator.models import TaskStatus, TodoItem, ToolUse, format_usd
+from coordinator.timeline import TaskTimes, Timeline, ToolCallSpan, times_of
 
 if TYPE_CHECKING:
     from coordinator.models import TaskRecord
@@ -24,6 +26,7 @@ __all__ = [
     "build_tree",
     "cut",
     "describe",
+    "duration",
     "render_tree",
     "tools_line",
     "unlinked_line",
@@ -53,6 +56,14 @@ class TreeNode(BaseModel):
     children: list[TreeNode]
     # The task's own tool calls by tool: how each ended, and the time of those that ran.
     tool_use: dict[str, ToolUse] = Field(default_factory=dict)
+    # The marks of its state changes (coordinator/timeline.py), and what they say.
+    timeline: Timeline = Field(default_factory=Timeline)
+    tool_calls: list[ToolCallSpan] = Field(default_factory=list)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def times(self) -> TaskTimes:
+        return times_of(self.timeline)
 
 
 class TaskReader(Protocol):
@@ -83,6 +94,8 @@ def build_tree(coord: TaskReader, task_id: str) -> TreeNode:
         todos=coord.get_todos(record.id),
         children=[build_tree(coord, child) for child in record.child_ids],
         tool_use=record.tool_use,
+        timeline=record.timeline,
+        tool_calls=record.tool_calls,
     )
 
 
@@ -125,7 +138,8 @@ def _task_line(node: TreeNode, notes: dict[str, str] | None) -> str:
     return (
         f"{node.id}  {node.status.value}  {describe(node)}  "
         f"own {node.tokens} tokens {format_usd(node.cost_micros)}, "
-        f"total {node.total_tokens} tokens {format_usd(node.total_cost_micros)}{note}"
+        f"total {node.total_tokens} tokens {format_usd(node.total_cost_micros)}, "
+        f"wall {duration(times_of(node.timeline, int(time.time() * 1000)).wall_ms)}{note}"
     )
 
 
@@ -142,6 +156,17 @@ def tools_line(tool_use: dict[str, ToolUse]) -> str:
 def unlinked_line(indent: str, tokens: int, cost_micros: int) -> str:
     """The line under a plan for its children's spend that no row carries, so the rows add up."""
     return f"{indent}    unlinked spend (no row of the plan)  {tokens:>8} tokens  {format_usd(cost_micros):>10}"
+
+
+def duration(ms: int) -> str:
+    """A length for a person: `850 ms`, `12.4 s`, `3 m 05 s`, `2 h 04 m`."""
+    if ms < 1000:
+        return f"{ms} ms"
+    if ms < 60_000:
+        return f"{ms / 1000:.1f} s"
+    if ms < 3_600_000:
+        return f"{ms // 60_000} m {ms // 1000 % 60:02d} s"
+    return f"{ms // 3_600_000} h {ms // 60_000 % 60:02d} m"
 
 
 def walk(node: TreeNode) -> Iterator[TreeNode]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from coordinator import Coordinator, Settings, TaskStatus, TodoStatus
+from coordinator.export import FILE_NAMES
 from coordinator.models import TaskRecord
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, agent, call, calls, reply, subtask, tree_root
 from tests.conftest import dedicated_fleet
@@ -173,7 +174,7 @@ def test_export_writes_the_tree_as_folders(solo: Coordinator, tmp_path: Path) ->
     written = solo.export_tree(root.id, tmp_path)
     ids = {t.id for t in _subtree(solo, root.id)}
     assert {p.name for p in tmp_path.iterdir()} == ids
-    assert len(written) == 4 * len(ids)
+    assert len(written) == len(FILE_NAMES) * len(ids)
     for task_id in ids:
         folder = tmp_path / task_id
         api = json.loads((folder / "api_conversation_history.json").read_text())

@@ -29,6 +29,7 @@ import redis
 
 from coordinator import Coordinator, Settings
 from coordinator.cli import run_cli
+from coordinator.export import FILE_NAMES
 from coordinator.local.demo import DEMO_PLAN
 from coordinator.local.embedded_redis import free_port
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, agent, call, reply, subtask
@@ -412,7 +413,7 @@ def test_run_follow_then_tree_history_and_export(fleet_env: dict[str, str], tmp_
     out = tmp_path / "export"
     exported = cli("export", root_id, str(out), env=fleet_env)
     assert exported.returncode == 0, exported.stderr
-    assert exported.stdout.strip() == f"Exported 3 tasks (12 files) to {out}"
+    assert exported.stdout.strip() == f"Exported 3 tasks ({3 * len(FILE_NAMES)} files) to {out}"
     history_item = json.loads((out / root_id / "history_item.json").read_text())
     assert history_item["status"] == "completed" and history_item["total_cost"] == 0.042
 

@@ -23,6 +23,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from coordinator.export import FILE_NAMES
 from coordinator.models import TaskRecord, TaskStatus, TodoItem
 from tests.helpers import TOKEN, ApiServer
 from tests.test_cli import cli
@@ -165,7 +166,7 @@ def test_a_well_formed_tree_from_the_same_server_is_exported(serve: Any, tmp_pat
     target = tmp_path / "export"
     proc = cli("export", ROOT, str(target), env=env)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == f"Exported 4 tasks (16 files) to {target}"
+    assert proc.stdout.strip() == f"Exported 4 tasks ({4 * len(FILE_NAMES)} files) to {target}"
     assert {p.name for p in target.iterdir()} == set(tree)
     for task_id in tree:
         item = json.loads((target / task_id / "history_item.json").read_text())

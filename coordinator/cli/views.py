@@ -20,11 +20,13 @@ from coordinator.models import MICROS_PER_USD, HistoryItem, LiveState, TaskRecor
 from coordinator.tree import MARKS, cut, describe, render_tree, walk
 
 if TYPE_CHECKING:
+    from rich.text import Text
+
     from coordinator.cli.backend import Watch
     from coordinator.operations import Operations
     from coordinator.tree import TreeNode
 
-__all__ = ["dead_letter_lines", "follow_run", "history_lines", "status_lines", "todo_lines"]
+__all__ = ["dead_letter_lines", "follow_run", "history_lines", "status_lines", "timeline_text", "todo_lines"]
 
 # Long descriptions and todo items are cut so one task stays on one line.
 HISTORY_TASK_CHARS = 50
@@ -171,3 +173,70 @@ def dead_letter_lines(entries: Sequence[DeadLetter]) -> list[str]:
         reason = cut(" ".join(entry.reason.split()), DEAD_LETTER_REASON_CHARS)
         lines.append(f"{when}Z  {reason}  (queue {entry.queue}, task {entry.task or '-'}, id {entry.id or '-'})")
     return lines
+
+
+# -- `subq tree --timeline`: the tree as bars on one time axis ------------------------------
+
+# How each state is drawn: a character (read without colour too: a pipe, a log) and a rich style.
+TIMELINE_GLYPHS = {
+    "queued": (".", "grey50"),
+    "running": ("#", "green"),
+    "wait:children": ("~", "blue"),
+    "wait:approval": ("A", "magenta"),
+    "wait:admission": ("S", "yellow"),
+    "wait:rate_limit": ("R", "red"),
+    "wait:tool_limit": ("T", "dark_orange"),
+}
+# A label takes at most this share of the width, and at most this many columns.
+TIMELINE_LABEL_SHARE = 0.35
+TIMELINE_LABEL_CHARS = 44
+# The length column: `12 m 05 s` fits.
+TIMELINE_LENGTH_CHARS = 10
+
+
+def timeline_text(node: TreeNode, width: int, now_ms: int | None = None) -> Text:
+    """The tree as one bar per task on one time axis, `width` columns wide: each column is the state
+    the task was in then (TIMELINE_GLYPHS), the critical path starred, each task's wall time at the end."""
+    from rich.text import Text
+
+    from coordinator.timeline import critical_path, times_of
+    from coordinator.tree import duration
+
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    nodes = list(walk(node))
+    times = {n.id: times_of(n.timeline, now) for n in nodes}
+    starts = [t.queued_at_ms for t in times.values() if t.queued_at_ms is not None]
+    t0 = min(starts) if starts else now
+    t1 = max([now if t.ended_at_ms is None else t.ended_at_ms for t in times.values()] + [t0 + 1])
+    span_ms = t1 - t0
+    label_chars = min(TIMELINE_LABEL_CHARS, int(width * TIMELINE_LABEL_SHARE))
+    bar_chars = max(1, width - label_chars - TIMELINE_LENGTH_CHARS - 2)
+    critical = set(critical_path(nodes))
+    out = Text(no_wrap=True, overflow="crop")
+    end_label = duration(span_ms)
+    axis = "0 s".ljust(max(0, bar_chars - len(end_label))) + end_label
+    out.append(f"{'task':<{label_chars}} {axis[:bar_chars]}\n", style="bold")
+    for task in nodes:
+        star = "*" if task.id in critical else " "
+        first_line = (task.description.strip().splitlines() or [""])[0]
+        # Below the top, an id's last part tells the tasks of one tree apart (they share the root's).
+        shown_id = task.id if task is node else "-" + task.id.rsplit("-", 1)[-1]
+        label = cut(f"{star}{'  ' * (task.depth - node.depth)}{shown_id} {first_line}", label_chars)
+        out.append(f"{label:<{label_chars}} ")
+        columns: list[str] = [" "] * bar_chars
+        for interval in times[task.id].intervals:
+            state = interval.state if interval.reason is None else f"wait:{interval.reason}"
+            end_ms = interval.end_ms if interval.end_ms is not None else now
+            first = int((interval.start_ms - t0) / span_ms * bar_chars)
+            last = max(first + 1, round((end_ms - t0) / span_ms * bar_chars))
+            for col in range(max(0, first), min(bar_chars, last)):
+                columns[col] = state
+        for col_state in columns:
+            glyph, style = TIMELINE_GLYPHS.get(col_state, (" ", ""))
+            out.append(glyph, style=style)
+        ended = times[task.id].outcome
+        out.append(f" {duration(times[task.id].wall_ms):>{TIMELINE_LENGTH_CHARS - 1}}", style="bold" if ended else "")
+        out.append("\n")
+    legend = " ".join(f"{glyph} {state.removeprefix('wait:')}" for state, (glyph, _) in TIMELINE_GLYPHS.items())
+    out.append(f"{legend} * critical path", style="dim")
+    return out

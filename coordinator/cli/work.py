@@ -17,6 +17,10 @@ import typer
 from coordinator.cli.common import JsonOption, TaskId, connect, say
 from coordinator.errors import ValidationError
 
+# The widths a timeline is drawn at (views.py draws it; the bounds are checked before connecting).
+TIMELINE_MIN_WIDTH = 40
+TIMELINE_MAX_WIDTH = 1000
+
 __all__ = ["export", "history", "run", "status", "todos", "tree"]
 
 
@@ -106,14 +110,46 @@ def todos(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> N
         say(line)
 
 
-def tree(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> None:
-    """Show a task and its whole subtree: every todo item's status, tokens and cost, own/total per task."""
+def tree(
+    ctx: typer.Context,
+    task_id: TaskId,
+    as_json: JsonOption = False,
+    timeline: Annotated[
+        bool,
+        typer.Option(
+            "--timeline",
+            help="Draw the tree as bars on one time axis: queued, running, each wait by its reason; "
+            "the critical path starred.",
+        ),
+    ] = False,
+    width: Annotated[
+        int | None,
+        typer.Option(help="Columns the timeline is fitted to (40-1000; default: the terminal's width)."),
+    ] = None,
+) -> None:
+    """Show a task and its whole subtree: every todo item's status, tokens and cost, own/total and wall time
+    per task; with --timeline, where each task's time went."""
     from coordinator.tree import render_tree
 
+    if width is not None and not timeline:
+        raise ValidationError("--width applies to --timeline only", field="width")
+    if timeline and as_json:
+        raise ValidationError("--timeline draws bars; --json prints the tree with its intervals: pick one")
+    if width is not None and not TIMELINE_MIN_WIDTH <= width <= TIMELINE_MAX_WIDTH:
+        raise ValidationError(
+            f"--width must be {TIMELINE_MIN_WIDTH} to {TIMELINE_MAX_WIDTH} columns, not {width}", field="width"
+        )
     with connect(ctx) as coord:
         node = coord.tree(task_id)
     if as_json:
         typer.echo(node.model_dump_json(indent=2))
+    elif timeline:
+        from rich.console import Console
+
+        from coordinator.cli.views import timeline_text
+
+        console = Console(width=width, highlight=False, soft_wrap=False)
+        console.print(timeline_text(node, width or console.width), no_wrap=True, overflow="crop", crop=True)
     else:
         say("\n".join(render_tree(node)))
 

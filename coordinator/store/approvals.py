@@ -54,5 +54,7 @@ class ApprovalStore(Part):
         """Decide a pending approval once; 'ok', or its status when it was not pending."""
         root = root_of(approval_id)
         keys = [self.keys.approval(root, approval_id), self.keys.approvals(), self.keys.events(root)]
-        args: list[ScriptArg] = [approval_id, status, feedback, time.time(), EVENTS_MAXLEN]
+        args: list[ScriptArg] = [
+            approval_id, status, feedback, time.time(), EVENTS_MAXLEN, self.keys.task(root, ""), self.keys.approval(root, ""),
+        ]  # fmt: skip
         return str(self.scripts.decide(keys=keys, args=args))

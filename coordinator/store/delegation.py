@@ -29,6 +29,7 @@ from coordinator.store.base import (
     translate_redis_errors,
 )
 from coordinator.store.fields import BatchField, TaskField
+from coordinator.store.records import NOT_STORED, opening_marks
 from coordinator.todo_links import Merged
 
 __all__ = ["DelegationStore"]
@@ -99,8 +100,9 @@ class DelegationStore(Part):
             pipe.multi()
             for child in children:
                 child_key = k.task(root, child.id)
-                fields = child.model_dump(exclude={"child_ids", "awaiting_ids"})
-                pipe.hset(child_key, mapping=_encode_record({**fields, **extra}))
+                fields = child.model_dump(exclude=NOT_STORED)
+                marks = {TaskField.TIMELINE: opening_marks(child)}
+                pipe.hset(child_key, mapping=_encode_record({**fields, **extra, **marks}))
                 pipe.expire(child_key, self.retention_s)
             ids = [c.id for c in children]
             pipe.zadd(k.tree_tasks(root), {c.id: c.created_at for c in children})
@@ -114,14 +116,13 @@ class DelegationStore(Part):
             pipe.expire(k.batch(root, batch.id), self.retention_s)
             pipe.hset(k.batch_lines(root, batch.id), BatchField.LINES_OWNER, batch.id)
             pipe.expire(k.batch_lines(root, batch.id), self.retention_s)
-            pipe.hset(
-                parent_key,
-                mapping={
-                    TaskField.STATUS: TaskStatus.DELEGATED,
-                    TaskField.WAITING_BATCH_ID: batch.id,
-                    TaskField.UPDATED_AT: now,
-                },
-            )
+            waiting: dict[str, object] = {
+                TaskField.STATUS: TaskStatus.DELEGATED, TaskField.WAITING_BATCH_ID: batch.id, TaskField.UPDATED_AT: now,
+            }  # fmt: skip
+            if parent.runner == "caller":
+                # A caller's task waits on its children from now; an agent's from its run's end (runs.py).
+                waiting[TaskField.TIMELINE] = parent.timeline.marked(int(now * 1000), "wait:children").text()
+            pipe.hset(parent_key, mapping=_encode_record(waiting))
             pipe.hincrby(parent_key, TaskField.TODOS_VERSION, 1)
             self.core.write_todos(pipe, todos_key, new_todos)
             pipe.xadd(

@@ -70,6 +70,13 @@ class TaskField:
     CREATED_AT: Final = "created_at"  # epoch seconds
     UPDATED_AT: Final = "updated_at"  # epoch seconds of the last change (every task script)
     FINISHED_AT: Final = "finished_at"  # epoch seconds it ended; '' while running (finish_task, stop_tasks)
+    # JSON object of the marks its state changes left, `[t_ms, state]`, bounded (coordinator/timeline.py);
+    # written with the record, and by the scripts that change its state through `timeline_add`
+    # (hashes.lua): start_run, flush_run, finish_task, finish_batch, release_slot, decide, stop_tasks.
+    TIMELINE: Final = "timeline"
+    # JSON list of its newest tool calls that ran, `[start_ms, end_ms, tool, outcome]`, at most
+    # MAX_TOOL_CALLS (coordinator/timeline.py), appended by the step that keeps each (record_tool).
+    TOOL_CALLS: Final = "tool_calls"
 
     # -- bookkeeping only in Redis -----------------------------------------------------
     TODOS_VERSION: Final = "todos_version"  # bumped on every change of the todo list (apply_children)

@@ -7,8 +7,10 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | key                                   | type   | holds                                              | lifetime |
 |---------------------------------------|--------|----------------------------------------------------|----------|
 | `<p>:{root}:task:<id>`                | hash   | the task record: place in tree, status, own usage, | retention, refreshed on every write |
-|                                       |        | subtree totals, summary, error, timestamps, and    |          |
-|                                       |        | `usage_keys`: the request keys already recorded    |          |
+|                                       |        | subtree totals, summary, error, timestamps,        |          |
+|                                       |        | `usage_keys`: the request keys already recorded,   |          |
+|                                       |        | `timeline` (bounded marks) and `tool_calls` (the   |          |
+|                                       |        | newest 100): where its time went (timeline.py)     |          |
 | `<p>:{root}:children:<id>`            | list   | child ids in creation order                        | retention |
 | `<p>:{root}:awaiting:<id>`            | set    | children the task still waits on (in flight)       | deleted when empty |
 | `<p>:{root}:todos:<id>`               | hash   | item id -> item JSON, and `order`: the ids in order | retention (write-backs leave it to the close) |

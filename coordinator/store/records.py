@@ -27,6 +27,17 @@ from coordinator.store.fields import TaskField
 __all__ = ["RecordStore"]
 
 
+# What a record's dump holds that is not a field of its hash: the children and those awaited
+# have keys of their own, `times` is read from the marks, the marks are written as text, and
+# tool calls only by the step that keeps each (record_tool.lua).
+NOT_STORED: set[str] = {"child_ids", "awaiting_ids", "times", "timeline", "tool_calls"}
+
+
+def opening_marks(record: TaskRecord) -> str:
+    """A new task's timeline as stored: the record opened it at its creation (TaskRecord's validator)."""
+    return record.timeline.text()
+
+
 class RecordStore(Part):
     """Reads and plain writes of task records, their todo lists, messages and the history indexes."""
 
@@ -124,9 +135,25 @@ class RecordStore(Part):
 
     @translate_redis_errors
     def get_children(self, task_id: str) -> list[TaskRecord]:
+        """The task's children in creation order, each whole (with its own children), in one round trip
+        for them all: a page of a 1,000-child tree read them one by one, three reads each."""
         root = root_of(task_id)
         self.task_fields(task_id)
-        return [self.get_task(c) for c in _strs(self.client.lrange(self.keys.children(root, task_id), 0, -1))]
+        child_ids = _strs(self.client.lrange(self.keys.children(root, task_id), 0, -1))
+        with self.client.pipeline(transaction=False) as pipe:
+            for child_id in child_ids:
+                pipe.hgetall(self.keys.task(root, child_id))
+                pipe.lrange(self.keys.children(root, child_id), 0, -1)
+                pipe.smembers(self.keys.awaiting(root, child_id))
+            replies = pipe.execute()
+        children = []
+        for n, child_id in enumerate(child_ids):
+            raw, grandchildren, awaiting = replies[3 * n : 3 * n + 3]
+            if not raw:
+                raise NotFoundError(f"Unknown task: {child_id}", field="task_id")
+            ids, waiting = _strs(grandchildren), set(_strs(awaiting))
+            children.append(_decode_record(_str_map(raw), ids, [c for c in ids if c in waiting]))
+        return children
 
     @translate_redis_errors
     def subtree_ids(self, task_id: str) -> list[str]:
@@ -158,7 +185,13 @@ class RecordStore(Part):
         """Write a new root, or nothing when a task of that id exists (an idempotent retry); True if written."""
         root = record.root_id
         task_key, todos_key = self.keys.task(root, record.id), self.keys.todos(root, record.id)
-        fields = _encode_record({**record.model_dump(exclude={"child_ids", "awaiting_ids"}), TaskField.ANCESTORS: []})
+        fields = _encode_record(
+            {
+                **record.model_dump(exclude=NOT_STORED),
+                TaskField.ANCESTORS: [],
+                TaskField.TIMELINE: opening_marks(record),
+            }
+        )
 
         def body(pipe: Pipeline) -> bool:
             if pipe.exists(task_key):

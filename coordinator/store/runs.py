@@ -31,7 +31,7 @@ __all__ = ["ADMISSION_SCAN", "Ending", "RunStore", "Started"]
 
 
 def _writes_args(writes: RunWrites) -> list[ScriptArg]:
-    """flush_run.lua's ARGV from its sixth on: counts, then the messages, usage records and latencies."""
+    """flush_run.lua's ARGV from its sixth on: counts, then the messages, usage records, latencies and marks."""
     args: list[ScriptArg] = [
         writes.live, len(writes.conversation), len(writes.ui_messages), len(writes.usage), len(writes.latencies_ms),
         *writes.conversation, *writes.ui_messages,
@@ -40,6 +40,8 @@ def _writes_args(writes: RunWrites) -> list[ScriptArg]:
         args += [key, usage.tokens_in, usage.tokens_out, usage.cache_reads, usage.cache_writes, cost_micros, source]
     for latency_ms in writes.latencies_ms:
         args += [latency_bucket(latency_ms), latency_ms]
+    for t_ms, state in writes.marks:  # to the end: the script reads marks while ARGV lasts
+        args += [t_ms, state]
     return args
 
 
@@ -372,7 +374,7 @@ class RunStore(Part):
         keys = [k.running(root), k.admission(root), k.running_children(root, record.parent_id or record.id)]
         args: list[ScriptArg] = [
             record.id, limits.per_parent, limits.per_tree, self.retention_s, k.task(root, ""),
-            k.running_children(root, ""), ADMISSION_SCAN,
+            k.running_children(root, ""), ADMISSION_SCAN, time.time(),
         ]  # fmt: skip
         return _strs(self.scripts.release_slot(keys=keys, args=args))
 

@@ -42,6 +42,7 @@ from coordinator.errors import SubqError, ValidationError
 from coordinator.models import Approval, TaskRecord, TaskStatus, format_usd
 from coordinator.service import Coordinator
 from coordinator.settings import Settings
+from coordinator.tree import duration
 from coordinator.web.auth import COOKIE, WebAuth
 from coordinator.web.views import call_text, find_roots, parse_root_filter, read_tree
 
@@ -60,6 +61,7 @@ def _templates() -> Jinja2Templates:
     templates.env.filters["tokens"] = lambda n: f"{n:,}"
     templates.env.filters["when"] = _when
     templates.env.filters["call"] = call_text
+    templates.env.filters["duration"] = duration
     templates.env.globals["ui"] = WEB_PATH
     templates.env.globals["statuses"] = [s.value for s in TaskStatus]
     return templates

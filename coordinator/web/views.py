@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 
 from coordinator import ids
@@ -16,17 +17,22 @@ from coordinator.errors import ValidationError
 from coordinator.inputs import visible_text
 from coordinator.models import Approval, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem
 from coordinator.service import MAX_PAGE, Coordinator
+from coordinator.timeline import WAIT_REASONS, TaskTimes, critical_path, times_of
+from coordinator.tree import duration
 
 __all__ = [
     "DEFAULT_ROOTS_PER_PAGE",
     "MAX_ROOTS_PER_PAGE",
+    "FoldedChild",
     "RootFilter",
     "RootPage",
     "TaskView",
+    "TimelineView",
     "TreeView",
     "call_text",
     "find_roots",
     "parse_root_filter",
+    "read_timeline",
     "read_tree",
 ]
 
@@ -167,6 +173,18 @@ def find_roots(coord: Coordinator, wanted: RootFilter) -> RootPage:
 
 
 @dataclass(frozen=True)
+class FoldedChild:
+    """A child shown as one row of its parent's folded children: its figures, and a link to its page."""
+
+    record: TaskRecord
+    state: str
+
+    @property
+    def wall_ms(self) -> int:
+        return times_of(self.record.timeline, int(time.time() * 1000)).wall_ms
+
+
+@dataclass(frozen=True)
 class TaskView:
     """One task of a tree as the page shows it: its record, plan, live state and waiting approvals."""
 
@@ -175,6 +193,8 @@ class TaskView:
     state: str  # one status: the record's once ended, else the live state (running, queued, ...)
     approvals: list[Approval]
     children: list[TaskView] = field(default_factory=list)
+    # Children of a wide fan-out the page folds into one table (as the timeline folds their bars).
+    folded: list[FoldedChild] = field(default_factory=list)
 
     @property
     def ended(self) -> bool:
@@ -190,10 +210,186 @@ class TreeView:
     root_id: str
     top: TaskView
     approvals: list[Approval]
+    timeline: TimelineView | None = None
+
+
+# -- the timeline: every task of the tree on one time axis ------------------------------------
+
+# The bars are drawn in an SVG box this many units wide, stretched to the row (so no inline
+# style is needed: the page's CSP allows none); a segment is at least MIN_SEGMENT wide to be seen.
+AXIS_UNITS = 1000
+MIN_SEGMENT_UNITS = 2.0
+# A parent with more children than this shows its critical child and the latest to end, and
+# folds the rest into a group that opens on demand, so a 1,000-child tree stays readable.
+SIBLINGS_SHOWN = 12
+GROUP_AT = 40
+# The axis's ticks, besides 0.
+AXIS_TICKS = 4
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One interval of a task's bar: its state (`queued`, `running`, `wait-<reason>`), where it is drawn."""
+
+    state: str
+    start_ms: int
+    end_ms: int
+    open: bool  # still going on (its end is now)
+    x: float
+    width: float
+
+    @property
+    def label(self) -> str:
+        return self.state.replace("wait-", "waiting: ").replace("_", " ")
+
+
+@dataclass(frozen=True)
+class ToolMark:
+    """A tool call that ran, drawn as a thin span over its task's bar."""
+
+    tool: str
+    outcome: str
+    start_ms: int
+    end_ms: int
+    x: float
+    width: float
+
+
+@dataclass(frozen=True)
+class TimelineRow:
+    """One task's bar: its place in the tree, its segments, its end's mark and its figures."""
+
+    record: TaskRecord
+    times: TaskTimes
+    state: str
+    critical: bool
+    segments: list[Segment]
+    end_x: float | None  # where its outcome's mark is drawn, once it ended
+    tools: list[ToolMark] = field(default_factory=list)
+
+    @property
+    def start_ms(self) -> int:
+        return self.times.queued_at_ms or 0
+
+    @property
+    def end_ms(self) -> int | None:
+        return self.times.ended_at_ms
+
+
+@dataclass(frozen=True)
+class TimelineGroup:
+    """Siblings folded into one line (a wide fan-out): how many, their span, and their rows on demand."""
+
+    parent_id: str
+    depth: int
+    count: int
+    by_state: dict[str, int]
+    x: float
+    width: float
+    start_ms: int
+    end_ms: int
+    rows: list[TimelineRow]
+
+
+@dataclass(frozen=True)
+class TimelineView:
+    """The tree's waterfall: rows (and groups of rows) in tree order on one axis from `t0_ms`."""
+
+    t0_ms: int
+    span_ms: int
+    now_ms: int
+    ticks: list[tuple[float, str]]
+    items: list[TimelineRow | TimelineGroup]
+    critical: list[str]
+    wall_ms: int
+
+    @property
+    def reasons(self) -> list[str]:
+        return [f"wait-{reason}" for reason in WAIT_REASONS]
+
+    @property
+    def folded_ids(self) -> set[str]:
+        """The tasks whose bars are in a folded group (and, below, whose sections the page folds)."""
+        return {row.record.id for item in self.items if isinstance(item, TimelineGroup) for row in item.rows}
+
+
+def read_timeline(
+    records: list[TaskRecord], states: Mapping[str, str], now_ms: int | None = None, keep: Set[str] = frozenset()
+) -> TimelineView:
+    """The waterfall of `records` (the first is the top of the tree shown, the rest its subtree in tree
+    order): each task's intervals placed on one axis, the critical path marked, wide fan-outs grouped
+    (a task in `keep`, one waiting for a person, is never folded away)."""
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    times = {r.id: times_of(r.timeline, now) for r in records}
+    starts = [t.queued_at_ms for t in times.values() if t.queued_at_ms is not None]
+    t0 = min(starts) if starts else now
+    t1 = max([t0 + 1] + [t.ended_at_ms if t.ended_at_ms is not None else now for t in times.values()])
+    span = t1 - t0
+    ends = {i: t.ended_at_ms if t.ended_at_ms is not None else now for i, t in times.items()}
+    critical = critical_path(records, ends)
+
+    def x_of(t_ms: int) -> float:
+        return round((t_ms - t0) / span * AXIS_UNITS, 2)
+
+    def row(record: TaskRecord) -> TimelineRow:
+        task_times = times[record.id]
+        segments = []
+        for interval in task_times.intervals:
+            end = interval.end_ms if interval.end_ms is not None else now
+            x = x_of(interval.start_ms)
+            state = interval.state if interval.reason is None else f"wait-{interval.reason}"
+            width = max(MIN_SEGMENT_UNITS, x_of(end) - x)
+            segments.append(Segment(state, interval.start_ms, end, interval.end_ms is None, x, width))
+        end_x = x_of(task_times.ended_at_ms) if task_times.ended_at_ms is not None else None
+        tools = [
+            ToolMark(c.tool, c.outcome, c.start_ms, c.end_ms, x_of(c.start_ms),
+                     max(MIN_SEGMENT_UNITS, x_of(c.end_ms) - x_of(c.start_ms)))
+            for c in record.tool_calls
+        ]  # fmt: skip
+        return TimelineRow(record, task_times, states.get(record.id, record.status.value), record.id in critical,
+                           segments, end_x, tools)  # fmt: skip
+
+    by_parent: dict[str, list[TaskRecord]] = {}
+    for record in records[1:]:
+        by_parent.setdefault(record.parent_id or "", []).append(record)
+    items: list[TimelineRow | TimelineGroup] = []
+
+    def place(record: TaskRecord) -> None:
+        items.append(row(record))
+        children = by_parent.get(record.id, [])
+        if len(children) <= GROUP_AT:
+            for child in children:
+                place(child)
+            return
+        # The critical child and the latest to end stand out; the rest are one group that opens on demand.
+        latest = sorted(children, key=lambda c: ends[c.id], reverse=True)[:SIBLINGS_SHOWN]
+        shown = {c.id for c in latest} | {c.id for c in children if c.id in critical or c.id in keep}
+        for child in children:
+            if child.id in shown:
+                place(child)
+        rest = [c for c in children if c.id not in shown]
+        if not rest:  # every one waits for a person: nothing to fold
+            return
+        # A folded child's own subtree is on its page (its bar links there), not in the group.
+        first, last = min(times[c.id].queued_at_ms or t0 for c in rest), max(ends[c.id] for c in rest)
+        counts: dict[str, int] = {}
+        for c in rest:
+            counts[states.get(c.id, c.status.value)] = counts.get(states.get(c.id, c.status.value), 0) + 1
+        items.append(TimelineGroup(record.id, rest[0].depth, len(rest), dict(sorted(counts.items())), x_of(first),
+                                   max(MIN_SEGMENT_UNITS, x_of(last) - x_of(first)), first, last,
+                                   [row(c) for c in rest]))  # fmt: skip
+
+    place(records[0])
+    ticks = [(round(AXIS_UNITS * n / AXIS_TICKS, 2), duration(span * n // AXIS_TICKS)) for n in range(AXIS_TICKS + 1)]
+    return TimelineView(t0, span, now, ticks, items, critical, span)
 
 
 def read_tree(coord: Coordinator, task_id: str) -> TreeView:
-    """The subtree of `task_id` with every task's figures, plan, live state and pending approvals."""
+    """The subtree of `task_id` with every task's figures, plan, live state and pending approvals.
+
+    Every record is read first (each task's children in one round trip), so the timeline can say which
+    siblings of a wide fan-out it folds; the page folds the same ones below, as one table of their
+    figures, and reads the plan of none of them (a 1,000-child page read 1,000 plans)."""
     root_id = ids.root_of(task_id)
     top_record = coord.get_task(task_id)  # NotFoundError for an unknown id, before anything else
     live: dict[str, LiveState] = coord.snapshot(root_id)
@@ -201,17 +397,34 @@ def read_tree(coord: Coordinator, task_id: str) -> TreeView:
     waiting: dict[str, list[Approval]] = {}
     for approval in approvals:
         waiting.setdefault(approval.task_id, []).append(approval)
+    records: list[TaskRecord] = []
+    children_of: dict[str, list[TaskRecord]] = {}
+    states: dict[str, str] = {}
 
-    def view(record: TaskRecord) -> TaskView:
+    def gather(record: TaskRecord) -> None:
+        records.append(record)
         state = record.status.value
         if not record.status.terminal and record.id in live:
             state = live[record.id].state
-        children = [view(coord.get_task(child_id)) for child_id in record.child_ids]
+        states[record.id] = state
+        children_of[record.id] = coord.get_children(record.id) if record.child_ids else []
+        for child in children_of[record.id]:
+            gather(child)
+
+    gather(top_record)
+    timeline = read_timeline(records, states, keep=set(waiting))
+    folded = timeline.folded_ids
+
+    def view(record: TaskRecord) -> TaskView:
+        children = [view(child) for child in children_of[record.id] if child.id not in folded]
+        hidden = [FoldedChild(child, states[child.id]) for child in children_of[record.id] if child.id in folded]
         todos = coord.get_todos(record.id)
-        return TaskView(record, todos, state, waiting.get(record.id, []), children)
+        return TaskView(record, todos, states[record.id], waiting.get(record.id, []), children, hidden)
 
     top = view(top_record)
-    return TreeView(root_id=root_id, top=top, approvals=[a for a in approvals if a.task_id in _ids(top)])
+    return TreeView(
+        root_id=root_id, top=top, approvals=[a for a in approvals if a.task_id in _ids(top)], timeline=timeline
+    )
 
 
 def _ids(node: TaskView) -> set[str]:

@@ -1,7 +1,11 @@
 -- Decide a pending approval once: approve, deny, or expire. A second decision changes nothing.
 -- KEYS[1] the approval hash   KEYS[2] the pending-approvals zset   KEYS[3] tree events stream
 -- ARGV[1] approval id   ARGV[2] new status (approved|denied|expired)   ARGV[3] feedback
--- ARGV[4] now   ARGV[5] events max length
+-- ARGV[4] now   ARGV[5] events max length   ARGV[6] the prefix of the tree's task hashes
+-- ARGV[7] the prefix of its approval hashes (the task's hash and its other approvals are named
+--   from the approval's record, as start_run reads ancestors: a tree's keys share one prefix)
+-- The decision that leaves the task no pending approval ends its wait: its timeline marks its
+-- resume `queued` now (coordinator/timeline.py).
 -- Returns 'ok', or the approval's status when it was not pending (or 'missing').
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then
@@ -12,6 +16,20 @@ if status ~= 'pending' then
 end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'feedback', ARGV[3], 'decided_at', ARGV[4])
 redis.call('ZREM', KEYS[2], ARGV[1])
+local task_id = redis.call('HGET', KEYS[1], 'task_id')
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'type', 'approval', 'approval_id', ARGV[1],
-  'task_id', redis.call('HGET', KEYS[1], 'task_id'), 'status', ARGV[2])
+  'task_id', task_id, 'status', ARGV[2])
+if task_id and ARGV[6] then
+  local task_key = ARGV[6] .. task_id
+  local waiting = hash_get(task_key, 'waiting_approval_ids')[1]
+  local still = false
+  for _, other in ipairs(cjson.decode((waiting and waiting ~= '') and waiting or '[]')) do
+    if other ~= ARGV[1] and redis.call('HGET', ARGV[7] .. other, 'status') == 'pending' then
+      still = true
+    end
+  end
+  if not still and hash_get(task_key, 'status')[1] then
+    timeline_mark(task_key, ARGV[4], 'queued')
+  end
+end
 return 'ok'

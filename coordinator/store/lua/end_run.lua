@@ -29,10 +29,10 @@
 -- Every field of the task and of its parent that any part below reads, in one HMGET each
 -- (hashes.lua): the parts read and write them through the cache, written once at the end.
 hash_prefetch(KEYS[2], fields_and(USAGE_FIELDS, {'summary', 'error', 'error_class', 'batch_id', 'batch_mode',
-  'todo_id', 'description'}))
+  'todo_id', 'description', 'timeline'}))
 if KEYS[9] ~= KEYS[2] then
   hash_prefetch(KEYS[9], {'id', 'total_tokens', 'total_cost_micros', 'budget_micros', 'todos_version', 'status',
-    'runner', 'error_class', 'error', 'waiting_batch_id', 'resumes'})
+    'runner', 'error_class', 'error', 'waiting_batch_id', 'resumes', 'timeline'})
 end
 local flush_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]}
 for i = 18, #KEYS do
@@ -96,7 +96,8 @@ ui[#ui + 1] = cjson.encode(say)
 say_all()
 local admitted = {}
 if ARGV[11] == '1' then
-  admitted = release_slot({KEYS[15], KEYS[16], KEYS[17]}, {f[1], ARGV[12], ARGV[13], retention, ARGV[14], ARGV[15], ARGV[16]})
+  admitted = release_slot({KEYS[15], KEYS[16], KEYS[17]},
+    {f[1], ARGV[12], ARGV[13], retention, ARGV[14], ARGV[15], ARGV[16], now})
 end
 return {'ended', f[2], f[3] or '', f[4] or '', f[5] or '', f[6] or '0', f[7] or '0', f[8] or '0', f[9] or '0',
   f[10] or '0', closed, resumes, resume, mode, admitted}

@@ -12,12 +12,14 @@ end
 hash_set(KEYS[1], 'status', 'done', 'result', ARGV[1], 'finished_at', ARGV[3])
 hash_expire_later(KEYS[1], ARGV[4])
 local batch_id = hash_get(KEYS[1], 'id')[1]
-local parent = hash_get(KEYS[2], 'status', 'waiting_batch_id', 'id')
+local parent = hash_get(KEYS[2], 'status', 'waiting_batch_id', 'id', 'runner')
 if parent[1] == 'delegated' and parent[2] == batch_id then
   -- The resumed run answers the delegation call from this batch, and may be
   -- delivered SUBQ_MAX_DELIVERIES times anew.
   hash_set(KEYS[2], 'status', 'active', 'waiting_batch_id', '', 'resume_batch_id', batch_id,
     'deliveries', 0, 'completed_by_child_id', ARGV[6], 'updated_at', ARGV[3])
+  -- Its wait on the children ends now: an agent's resume is queued, a caller holds its task again.
+  timeline_mark(KEYS[2], ARGV[3], parent[4] == 'agent' and 'queued' or 'running')
 end
 local resumes = hash_incr(KEYS[2], 'resumes', 1)
 hash_expire_later(KEYS[2], ARGV[4])

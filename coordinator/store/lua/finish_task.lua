@@ -1,4 +1,4 @@
--- Move a task to a terminal status once; a later call leaves the first outcome.
+-- Move a task to a terminal status once (its timeline's last mark); a later call leaves the first outcome.
 -- KEYS[1] task hash   KEYS[2] tree events stream   KEYS[3] tree live hash
 -- ARGV[1] status (completed|failed|cancelled)   ARGV[2] summary   ARGV[3] error
 -- ARGV[4] error class   ARGV[5] now   ARGV[6] retention seconds   ARGV[7] events max length
@@ -16,6 +16,7 @@ if status == 'completed' or status == 'failed' or status == 'cancelled' then
 end
 hash_set(KEYS[1], 'status', ARGV[1], 'summary', ARGV[2], 'error', ARGV[3],
   'error_class', ARGV[4], 'updated_at', ARGV[5], 'finished_at', ARGV[5])
+timeline_mark(KEYS[1], ARGV[5], ARGV[1])
 hash_expire_later(KEYS[1], ARGV[6])
 local raw = (ARGV[8] and ARGV[8] ~= '') and ARGV[8] or redis.call('HGET', KEYS[3], id)
 local live = raw and cjson.decode(raw) or {task_id = id}

@@ -11,7 +11,8 @@
 -- ARGV[6] live status JSON, or ''   ARGV[7] conversation messages   ARGV[8] UI messages
 -- ARGV[9] usage records   ARGV[10] latencies; then the conversation messages, the UI messages,
 -- 7 values per usage record (request key, tokens in, tokens out, cache reads, cache writes,
--- cost micro-USD, cost source) and 2 per latency (histogram field, ms).
+-- cost micro-USD, cost source), 2 per latency (histogram field, ms), and to the end 2 per
+-- timeline mark the run took between steps (t ms, state: coordinator/timeline.py).
 -- Returns {1, status, exhausted} (status '' when ARGV[5] is '1'), or {0} when the lease is
 -- not this run's (nothing written).
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
@@ -48,6 +49,14 @@ end
 for _ = 1, n_latency do
   redis.call('HINCRBY', KEYS[5], ARGV[at], 1)
   redis.call('HINCRBYFLOAT', KEYS[5], 'sum_ms', ARGV[at + 1])
+  at = at + 2
+end
+while at < #ARGV do
+  -- Its task's timeline is read only when the run has marks to add (a wait within it, its end).
+  local text = timeline_add(hash_get(KEYS[2], 'timeline')[1], tonumber(ARGV[at]), ARGV[at + 1])
+  if text then
+    hash_set(KEYS[2], 'timeline', text)
+  end
   at = at + 2
 end
 if ARGV[6] ~= '' then

@@ -119,3 +119,48 @@ local function fields_and(fields, more)
   end
   return out
 end
+
+-- A task's timeline (coordinator/timeline.py, field `timeline`): `text` with the mark
+-- {t_ms, state} appended, or nil when it changes nothing (the same state again, or after an
+-- outcome). A mark earlier than the last is moved up to it (two writers' clocks). Past
+-- TIMELINE_MAX marks the oldest TIMELINE_FOLD are folded into `f` (ms by state) and `n`,
+-- so the field stays small whatever the task does. Timeline.marked in Python is the same.
+local TIMELINE_MAX, TIMELINE_FOLD = 200, 100
+local TIMELINE_ENDS = {completed = true, failed = true, cancelled = true}
+local function timeline_add(text, t_ms, state)
+  local tl = (text and text ~= '') and cjson.decode(text) or {}
+  local m = tl['m'] or {}
+  local last = m[#m]
+  if last then
+    if TIMELINE_ENDS[last[2]] or last[2] == state then
+      return nil
+    end
+    if t_ms < last[1] then
+      t_ms = last[1]
+    end
+  end
+  m[#m + 1] = {t_ms, state}
+  if #m > TIMELINE_MAX then
+    local f = tl['f'] or {}
+    for i = 1, TIMELINE_FOLD do
+      f[m[i][2]] = (f[m[i][2]] or 0) + (m[i + 1][1] - m[i][1])
+    end
+    tl['t0'] = tl['t0'] or m[1][1]
+    tl['n'] = (tl['n'] or 0) + TIMELINE_FOLD
+    local kept = {}
+    for i = TIMELINE_FOLD + 1, #m do
+      kept[#kept + 1] = m[i]
+    end
+    m, tl['f'] = kept, f
+  end
+  tl['m'] = m
+  return cjson.encode(tl)
+end
+
+-- Mark the task of hash `key` (read and written through the cache above); `now_s` in epoch seconds.
+local function timeline_mark(key, now_s, state)
+  local text = timeline_add(hash_get(key, 'timeline')[1], math.floor(tonumber(now_s) * 1000 + 0.5), state)
+  if text then
+    hash_set(key, 'timeline', text)
+  end
+end

@@ -7,7 +7,8 @@
 -- ARGV[1] tool call id   ARGV[2] the result (JSON) to keep, or '' to keep none
 -- ARGV[3] the counter field of the outcome (`tool:<tool>:<outcome>`)
 -- ARGV[4] the time field (`tool:<tool>:ms`)   ARGV[5] the call's ms (0: not added)
--- ARGV[6..] flush_run's ARGV
+-- ARGV[6..] flush_run's ARGV (its now ends a call that ran: the call is kept as a span,
+--   `tool_calls`, the task's newest 100)
 -- Returns flush_run's reply: {1, status, exhausted}, or {0} when the lease is not this
 -- run's (nothing written: another run owns the task and answers the call itself).
 local flush_keys, flush_argv = {}, {}
@@ -16,6 +17,13 @@ for i = 2, #KEYS do
 end
 for i = 6, #ARGV do
   flush_argv[#flush_argv + 1] = ARGV[i]
+end
+-- A call that ran (not one denied, or interrupted by its worker's death) is a span of its task's
+-- timeline; the spans are read with what the flush reads of the task, in one HMGET.
+local tool, outcome = string.match(ARGV[3], '^tool:(.*):([^:]*)$')
+local ran = outcome ~= nil and outcome ~= 'denied' and outcome ~= 'interrupted'
+if ran then
+  hash_prefetch(KEYS[3], fields_and(USAGE_FIELDS, {'tool_calls'}))
 end
 local reply = flush_run(flush_keys, flush_argv)
 if reply[1] == 0 then
@@ -27,7 +35,20 @@ if ARGV[2] ~= '' then
 end
 -- The counters are fields no script reads through hashes.lua's cache: written directly.
 redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
-if tonumber(ARGV[5]) > 0 then
+local ms = tonumber(ARGV[5])
+if ms > 0 then
   redis.call('HINCRBY', KEYS[3], ARGV[4], ARGV[5])
+end
+if ran then
+  -- Its span ends now (the step's clock): the newest 100 are kept (coordinator/timeline.py,
+  -- MAX_TOOL_CALLS); the counters above count every call.
+  local kept = hash_get(KEYS[3], 'tool_calls')[1]
+  local calls = (kept and kept ~= '') and cjson.decode(kept) or {}
+  local end_ms = math.floor(tonumber(flush_argv[3]) * 1000 + 0.5)
+  calls[#calls + 1] = {end_ms - ms, end_ms, tool, outcome}
+  while #calls > 100 do
+    table.remove(calls, 1)
+  end
+  hash_set(KEYS[3], 'tool_calls', cjson.encode(calls))
 end
 return reply

@@ -6,7 +6,7 @@
 -- KEYS[3] the task's parent's running-children set
 -- ARGV[1] task id   ARGV[2] per-parent limit   ARGV[3] per-tree limit   ARGV[4] retention seconds
 -- ARGV[5] the prefix of the tree's task hashes   ARGV[6] the prefix of its running-children sets
--- ARGV[7] how many waiting tasks to look at, from the list's head
+-- ARGV[7] how many waiting tasks to look at, from the list's head   ARGV[8] now (epoch s)
 -- (A waiting task's parent, and so its running-children set, is read from its record here:
 -- a tree's keys share one prefix and hash tag, and subq runs on one Redis primary.)
 -- Returns the ids admitted now (removed from the list, added to the running sets).
@@ -19,7 +19,7 @@ for _, id in ipairs(waiting) do
   if per_tree > 0 and redis.call('SCARD', KEYS[1]) >= per_tree then
     break
   end
-  local parent = hash_get(ARGV[5] .. id, 'parent_id')[1]
+  local parent = hash_get(ARGV[5] .. id, 'parent_id', 'timeline')[1]
   if not parent or parent == '' then
     parent = id
   end
@@ -31,6 +31,8 @@ for _, id in ipairs(waiting) do
       redis.call('EXPIRE', KEYS[1], ARGV[4])
       redis.call('EXPIRE', parent_set, ARGV[4])
       admitted[#admitted + 1] = id
+      -- Its wait for a slot ends now: its run is queued again (the caller publishes it).
+      timeline_mark(ARGV[5] .. id, ARGV[8], 'queued')
     end
   end
 end

@@ -1,8 +1,9 @@
 -- Start a run of an agent task in one step: read the task, admit it (admit.lua: a child
 -- may have to wait for a run slot, or start after a stagger), take its lease, count the
--- delivery, put it on the due list while it runs, publish its live status, and return
--- its conversation and whether a budget over it is spent already; a first run (no
--- conversation yet) also says the task's prompt as its first UI message.
+-- delivery, mark its timeline (`running`, or `wait:admission`: coordinator/timeline.py), put
+-- it on the due list while it runs, publish its live status, and return its conversation and
+-- whether a budget over it is spent already; a first run (no conversation yet) also says the
+-- task's prompt as its first UI message.
 -- KEYS[1] task hash   KEYS[2] lease   KEYS[3] the due list   KEYS[4] tree live hash
 -- KEYS[5] tree events stream   KEYS[6] conversation   KEYS[7] UI messages
 -- ARGV[1] token   ARGV[2] lease seconds   ARGV[3] when the reconciler looks next (epoch s)
@@ -39,6 +40,11 @@ if parent_id and parent_id ~= '' and (per_parent > 0 or per_tree > 0 or stagger 
   local admitted = admit({KEYS[8], ARGV[12] .. parent_id, KEYS[9], KEYS[10]},
     {task['id'], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]})
   if admitted[1] ~= 'run' then
+    -- Its timeline waits from now until a slot (or the stagger) lets it start.
+    local waited = timeline_add(task['timeline'], tonumber(ARGV[10]), 'wait:admission')
+    if waited then
+      redis.call('HSET', KEYS[1], 'timeline', waited)
+    end
     return {admitted[1], raw, {admitted[2]}, {}}
   end
 end
@@ -53,7 +59,12 @@ end
 redis.call('ZADD', KEYS[3], ARGV[3], task['id'])
 local deliveries = (tonumber(task['deliveries'] or '0') or 0) + 1
 local run_seq = (tonumber(task['run_seq'] or '0') or 0) + 1
-redis.call('HSET', KEYS[1], 'deliveries', deliveries, 'run_seq', run_seq)
+local started = timeline_add(task['timeline'], tonumber(ARGV[10]), 'running')
+if started then
+  redis.call('HSET', KEYS[1], 'deliveries', deliveries, 'run_seq', run_seq, 'timeline', started)
+else
+  redis.call('HSET', KEYS[1], 'deliveries', deliveries, 'run_seq', run_seq)
+end
 local live = cjson.encode({
   task_id = task['id'], parent_id = (parent_id and parent_id ~= '') and parent_id or cjson.null,
   depth = tonumber(task['depth'] or '0'), state = 'running', ts = tonumber(ARGV[4]),

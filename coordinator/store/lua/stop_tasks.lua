@@ -15,6 +15,11 @@ for i = 3, #KEYS do
     local new_status = top and ARGV[1] or ARGV[2]
     redis.call('HSET', key, 'status', new_status, 'error', top and ARGV[3] or ARGV[4],
       'error_class', top and ARGV[5] or ARGV[6], 'updated_at', ARGV[7], 'finished_at', ARGV[7])
+    local marked = timeline_add(redis.call('HGET', key, 'timeline'), math.floor(tonumber(ARGV[7]) * 1000 + 0.5),
+      new_status)
+    if marked then
+      redis.call('HSET', key, 'timeline', marked)
+    end
     redis.call('EXPIRE', key, ARGV[8])
     local id = redis.call('HGET', key, 'id')
     local raw = redis.call('HGET', KEYS[2], id)

@@ -47,15 +47,21 @@
     }
   }
 
-  // Swap the fragment in, keeping what the operator was typing (feedback) and where they were.
+  // Swap the fragment in, keeping what the operator was typing (feedback), where they were, and
+  // which folded groups of a wide fan-out they opened.
   function swap(html) {
     const kept = {};
     tree.querySelectorAll("[data-keep]").forEach((el) => { kept[el.id] = el.value; });
+    const opened = [...tree.querySelectorAll("details[data-keep-open][open]")].map((el) => el.id);
     const focused = document.activeElement && document.activeElement.id;
     tree.innerHTML = html;
     for (const [id, value] of Object.entries(kept)) {
       const el = document.getElementById(id);
       if (el) el.value = value;
+    }
+    for (const id of opened) {
+      const el = document.getElementById(id);
+      if (el) el.open = true;
     }
     if (focused) { const el = document.getElementById(focused); if (el) el.focus(); }
   }

@@ -1,0 +1,262 @@
+"""Where a task's time went: the marks its state changes leave, and what is read from them.
+
+Every script that changes a task's state (a run's start and end, admission, a delegation, a
+batch's close, a decision, a stop) appends a mark, `[t_ms, state]`, to the task's timeline,
+in the same call, so recording costs no Redis round trip of its own (docs/architecture.md,
+"Where the time went"). A state lasts from its mark to the next one; the last lasts until now
+(or is a point: an outcome). States:
+
+| state              | the task is ...                                                   |
+|--------------------|-------------------------------------------------------------------|
+| `queued`           | published, waiting for a worker to take it                        |
+| `running`          | run by a worker (or, for a caller's task, held by its caller)     |
+| `wait:children`    | delegated, waiting for its children's batch to close              |
+| `wait:approval`    | waiting for a person to decide its tool calls                      |
+| `wait:admission`   | waiting for a run slot (per parent, per tree) or a start stagger  |
+| `wait:rate_limit`  | inside a run: waiting for the provider's fleet-wide rate limit    |
+| `wait:tool_limit`  | inside a run: waiting for a tool's fleet-wide limit               |
+| an outcome         | `completed`, `failed` or `cancelled`: the end; nothing follows it |
+
+The stored form (`TaskField.TIMELINE`, a field of the task hash) is a small JSON object,
+written by the Lua scripts (`timeline_add` in store/lua/hashes.lua) and by the Python that
+creates records: `{"m": [[t_ms, state], ...], "f": {state: ms}, "n": folded, "t0": t_ms}`.
+It is bounded: past `MAX_MARKS` marks the oldest `FOLD_MARKS` are folded into `f` (their
+lengths by state) and `n`, so a task that waited thousands of times keeps its totals and its
+latest intervals, never an unbounded field. Times are the writer's clock in ms, the clock
+`created_at` and `finished_at` are written with.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "FOLD_MARKS",
+    "MAX_MARKS",
+    "MAX_TOOL_CALLS",
+    "OUTCOMES",
+    "RUN_WAITS",
+    "WAIT_PREFIX",
+    "WAIT_REASONS",
+    "Interval",
+    "TaskTimes",
+    "Timed",
+    "Timeline",
+    "ToolCallSpan",
+    "critical_path",
+    "times_of",
+    "tool_calls_of",
+]
+
+# Marks kept before the oldest are folded (also in hashes.lua): a few hundred bytes a task in
+# the common case, at most some 6 KiB, which the run's start reads with the record.
+MAX_MARKS = 200
+# How many of the oldest marks one fold takes: half, so a fold happens once per 100 marks.
+FOLD_MARKS = 100
+OUTCOMES = ("completed", "failed", "cancelled")
+WAIT_REASONS = ("children", "approval", "admission", "rate_limit", "tool_limit")
+# Waits inside a run: the run goes on after them (they do not start a new run).
+RUN_WAITS = ("rate_limit", "tool_limit")
+WAIT_PREFIX = "wait:"
+
+
+class Timeline(BaseModel):
+    """The stored marks of one task (see the module's docstring for the form)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    m: list[tuple[int, str]] = Field(default_factory=list)  # [t_ms, state], oldest first
+    f: dict[str, int] = Field(default_factory=dict)  # ms by state of the marks folded away
+    n: int = 0  # how many marks were folded
+    t0: int | None = None  # the first mark's time, once marks were folded
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_text(cls, data: Any) -> Any:
+        """As stored: JSON text ('' or absent: no marks yet, a record from before timelines)."""
+        if isinstance(data, (str, bytes)):
+            return json.loads(data) if data else {}
+        return {} if data is None else data
+
+    @classmethod
+    def begin(cls, t_ms: int, state: str) -> Timeline:
+        return cls(m=[(t_ms, state)])
+
+    def marked(self, t_ms: int, state: str) -> Timeline:
+        """This timeline with one more mark, as `timeline_add` in hashes.lua makes it (tests hold the two equal)."""
+        marks = list(self.m)
+        if marks:
+            last_t, last_state = marks[-1]
+            if last_state in OUTCOMES or last_state == state:
+                return self
+            t_ms = max(t_ms, last_t)  # one clock, but two writers' readings may cross by a hair
+        marks.append((t_ms, state))
+        folded, n, t0 = dict(self.f), self.n, self.t0
+        if len(marks) > MAX_MARKS:
+            t0 = marks[0][0] if t0 is None else t0
+            for (t, s), (t_next, _) in itertools.pairwise(marks[: FOLD_MARKS + 1]):
+                folded[s] = folded.get(s, 0) + (t_next - t)
+            marks, n = marks[FOLD_MARKS:], n + FOLD_MARKS
+        return Timeline(m=marks, f=folded, n=n, t0=t0)
+
+    def text(self) -> str:
+        """The stored form (compact JSON; empty parts left out, as Lua's cjson writes them)."""
+        out: dict[str, Any] = {"m": [list(mark) for mark in self.m]}
+        if self.n:
+            out.update(f=self.f, n=self.n, t0=self.t0)
+        return json.dumps(out, separators=(",", ":"))
+
+
+class Timed(Protocol):
+    """What the critical path reads of a task (a TaskRecord is one)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def parent_id(self) -> str | None: ...
+
+    @property
+    def timeline(self) -> Timeline: ...
+
+
+# The tool calls a task keeps on its timeline, newest (also in record_tool.lua): its counters
+# (`tool_use`) count every call; the timeline shows the latest as spans within its runs.
+MAX_TOOL_CALLS = 100
+
+
+class ToolCallSpan(BaseModel):
+    """One tool call that ran, as its task's timeline shows it: `[start_ms, end_ms, tool, outcome]` stored."""
+
+    model_config = ConfigDict(frozen=True)
+
+    start_ms: int
+    end_ms: int
+    tool: str
+    outcome: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_row(cls, data: Any) -> Any:
+        if isinstance(data, (list, tuple)) and len(data) == 4:
+            return {"start_ms": data[0], "end_ms": data[1], "tool": data[2], "outcome": data[3]}
+        return data
+
+
+def tool_calls_of(raw: Any) -> Any:
+    """The stored `tool_calls` field (JSON text of rows; '' or absent: none) as rows for the model."""
+    if isinstance(raw, (str, bytes)):
+        return json.loads(raw) if raw else []
+    return [] if raw is None else raw
+
+
+class Interval(BaseModel):
+    """One stretch of a task's time in one state."""
+
+    model_config = ConfigDict(frozen=True)
+
+    state: str  # queued | running | waiting
+    reason: str | None = None  # a wait's reason (WAIT_REASONS); None for the others
+    start_ms: int
+    end_ms: int | None = None  # None: it goes on now
+    ms: int  # its length (until now, while open)
+
+
+class TaskTimes(BaseModel):
+    """What a task's marks say: its intervals and where its time went, in ms, as of `as_of_ms`."""
+
+    model_config = ConfigDict(frozen=True)
+
+    as_of_ms: int | None = None  # what an open interval counts until: the last mark, or a live view's now
+    queued_at_ms: int | None = None  # its first mark (creation)
+    started_at_ms: int | None = None  # its first run's start
+    ended_at_ms: int | None = None  # its outcome's mark
+    outcome: str | None = None
+    runs: int = 0  # runs started (a resumed parent has several)
+    queue_ms: int = 0
+    run_ms: int = 0
+    wait_ms: int = 0  # every wait, whatever the reason
+    wait_by_reason_ms: dict[str, int] = Field(default_factory=dict)
+    wall_ms: int = 0  # from its first mark to its end (or now)
+    folded_marks: int = 0  # marks folded away (their lengths are in the totals, not the intervals)
+    intervals: list[Interval] = Field(default_factory=list)
+
+
+def _split(state: str) -> tuple[str, str | None]:
+    if state.startswith(WAIT_PREFIX):
+        return "waiting", state[len(WAIT_PREFIX) :]
+    return state, None
+
+
+def times_of(timeline: Timeline, now_ms: int | None = None) -> TaskTimes:
+    """The intervals and totals of `timeline`, as of `now_ms`: an open interval counts until then.
+
+    Without `now_ms` they are as of the last mark, so two reads of one record say the same (an API's
+    record does not change between reads unless the task does): the open interval has no end and
+    counts 0 ms, and a live view adds `now - start_ms` itself (the web view and `subq tree --timeline`
+    pass their now).
+    """
+    if not timeline.m:
+        return TaskTimes()
+    now = max(timeline.m[-1][0], timeline.m[-1][0] if now_ms is None else now_ms)
+    marks = timeline.m
+    totals: dict[str, int] = dict(timeline.f)
+    intervals: list[Interval] = []
+    runs, started, ended, outcome = 0, None, None, None
+    previous = ""
+    for i, (t, state) in enumerate(marks):
+        if state in OUTCOMES:
+            ended, outcome = t, state
+            break
+        end = marks[i + 1][0] if i + 1 < len(marks) else None
+        length = max(0, (end if end is not None else max(now, t)) - t)
+        totals[state] = totals.get(state, 0) + length
+        kind, reason = _split(state)
+        if state == "running" and previous not in ("running", *(WAIT_PREFIX + r for r in RUN_WAITS)):
+            runs += 1
+            started = t if started is None else started
+        intervals.append(Interval(state=kind, reason=reason, start_ms=t, end_ms=end, ms=length))
+        previous = state
+    first = timeline.t0 if timeline.t0 is not None else marks[0][0]
+    by_reason = {s[len(WAIT_PREFIX) :]: ms for s, ms in totals.items() if s.startswith(WAIT_PREFIX)}
+    return TaskTimes(
+        as_of_ms=now, queued_at_ms=first, started_at_ms=started, ended_at_ms=ended, outcome=outcome, runs=runs,
+        queue_ms=totals.get("queued", 0), run_ms=totals.get("running", 0), wait_ms=sum(by_reason.values()),
+        wait_by_reason_ms=by_reason, wall_ms=max(0, (ended if ended is not None else now) - first),
+        folded_marks=timeline.n, intervals=intervals,
+    )  # fmt: skip
+
+
+def critical_path(records: Sequence[Timed], ends_ms: Mapping[str, int] | None = None) -> list[str]:
+    """The chain of tasks that set the tree's wall time, root first: from the root, each step goes to
+    the child that ended last (a parent resumes only when its last child ends), until a task without
+    children. `ends_ms` may give each task's end (default: its outcome's mark, or now while open)."""
+    if not records:
+        return []
+    now = int(time.time() * 1000)
+    by_parent: dict[str, list[Timed]] = {}
+    for record in records:
+        if record.parent_id:
+            by_parent.setdefault(record.parent_id, []).append(record)
+
+    ends = dict(ends_ms or {})
+
+    def end_of(record: Timed) -> int:
+        if record.id not in ends:
+            ended = times_of(record.timeline, now).ended_at_ms
+            ends[record.id] = ended if ended is not None else now
+        return ends[record.id]
+
+    root = next((r for r in records if r.parent_id is None), records[0])
+    path = [root.id]
+    current = root
+    while children := by_parent.get(current.id):
+        current = max(children, key=end_of)
+        path.append(current.id)
+    return path
