@@ -526,6 +526,9 @@ class Run:
             [self.task.id], plane.settings.reconcile_grace_s
         )  # a lost message is published again
         plane.store.runs.reset_deliveries(self.task.id)  # handed back is not lost: SUBQ_MAX_DELIVERIES counts losses
+        # Its timeline: this run ends here and the task waits in the queue for the next (a step while the lease holds).
+        self.writes.marks.append((int(time.time() * 1000), "queued"))
+        self.flush()
         self._release()
         task = plane.store.records.get_task(self.task.id)
         if not task.status.terminal:

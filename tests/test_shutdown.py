@@ -73,6 +73,13 @@ def test_a_rolling_sigterm_restart_loses_nothing_and_doubles_nothing(settings: S
         assert coord.get_task(parent.id).total_cost_micros == CHILDREN * 3 * STEP_COST_MICROS
         assert coord.get_batch(batch.id).status == "done"
         assert handed_back > 0, "the restart caught runs mid-way and handed them back"
+        # A handed-back child's timeline shows its wait in the queue between its two runs.
+        assert sum(c.times.runs for c in children) >= CHILDREN + handed_back
+        for child in children:
+            states = [i.state for i in child.times.intervals]
+            assert states.count("running") == child.times.runs, states
+            if child.times.runs > 1:
+                assert "queued" in states[states.index("running") :], states
         empty = {"running": 0, "admission": 0, "awaiting": 0, "leases": 0, "watched": 0}
         eventually(lambda: coord.store.runs.in_flight(parent.id) == empty, "nothing in flight", 10)
     finally:
