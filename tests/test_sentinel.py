@@ -32,6 +32,7 @@ from coordinator.celery_app import make_app
 from coordinator.redis_clients import redis_client
 from tests.agents import agent, call, reply
 from tests.sentinel_kit import SentinelSet, sentinel_set, wait_replicated
+from workers import observe
 from workers.runtime.context import build_runtime
 from workers.runtime.runner import run_child
 
@@ -194,6 +195,12 @@ def test_a_step_no_replica_acknowledges_in_time_stands_and_is_counted(
         registry = CollectorRegistry(auto_describe=False)
         registry.register(SubqCollector(coord))
         assert "subq_replica_shortfalls_total 1.0" in generate_latest(registry).decode()
+        # A worker's metrics port reports its own store's count the same way.
+        observe.count_replica_shortfalls(coord.replica_shortfalls)
+        try:
+            assert "subq_replica_shortfalls_total 1.0" in generate_latest(observe.REGISTRY).decode()
+        finally:
+            observe.count_replica_shortfalls(lambda: 0)
     finally:
         for port in stopped:
             os.kill(steady.data[port].proc.pid, signal.SIGCONT)

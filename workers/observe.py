@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, replace
@@ -61,6 +61,8 @@ from typing import TYPE_CHECKING, Any
 
 from celery import signals
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 from pythonjsonlogger.json import JsonFormatter
 
 from coordinator import ConfigError, current_trace_id
@@ -88,6 +90,7 @@ __all__ = [
     "RunContext",
     "RunContextFilter",
     "WorkerRunHooks",
+    "count_replica_shortfalls",
     "current_run",
     "install",
     "model_request",
@@ -280,6 +283,34 @@ LATENCY = Histogram(
     buckets=LATENCY_BUCKETS_S,
     registry=REGISTRY,
 )
+
+
+class _ReplicaShortfalls(Collector):
+    """The steps of this worker acknowledged by fewer replicas than SUBQ_REDIS_MIN_REPLICAS asks for.
+
+    The store counts them as they happen (`ReplicaShortfalls`, coordinator/store/base.py); this
+    reads its count at each scrape, as the API's /metrics does for the API's own steps.
+    """
+
+    def __init__(self, read: Callable[[], int]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            "subq_replica_shortfalls",
+            "Steps this worker acknowledged whose WAIT heard from fewer replicas than SUBQ_REDIS_MIN_REPLICAS "
+            "within SUBQ_REDIS_REPLICA_WAIT_MS (each stands on the master; docs/deploy.md, 'Redis failover')",
+            value=self.read(),
+        )
+
+
+_shortfalls = _ReplicaShortfalls(lambda: 0)
+REGISTRY.register(_shortfalls)
+
+
+def count_replica_shortfalls(read: Callable[[], int]) -> None:
+    """Report the count `read` gives (the process's store: its runtime is built once per process)."""
+    _shortfalls.read = read
 
 
 def run_ended(profile: str, status: str) -> None:

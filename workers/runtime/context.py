@@ -13,7 +13,7 @@ from celery import Celery
 
 from coordinator import Coordinator, Settings, redis_client
 from coordinator.runs import RunLifecycle
-from workers.observe import WorkerRunHooks
+from workers.observe import WorkerRunHooks, count_replica_shortfalls
 from workers.runtime.agent_loop import AgentLoop, ProgressPacer, StopWatch
 from workers.runtime.profile_tools import Toolbox
 
@@ -56,6 +56,7 @@ def build_runtime(settings: Settings, app: Celery) -> Runtime:
         settings, max_connections=settings.worker_concurrency + SPARE_CONNECTIONS, pool_timeout_s=CONNECTION_WAIT_S
     )
     coordinator = Coordinator(settings, client=client, app=app)
+    count_replica_shortfalls(coordinator.replica_shortfalls)
     return Runtime(settings, coordinator, RunLifecycle(coordinator, hooks=WorkerRunHooks()))
 
 
