@@ -161,6 +161,11 @@ def _sentinel_compose() -> dict[str, Any]:
     return {k: v for k, v in _merged(compose_file.load(), override).items() if not k.startswith("x-")}
 
 
+# The Kubernetes component's folder of start scripts, mounted whole where its pods mount them.
+SCRIPTS = "./deploy/kubernetes/components/redis-sentinel"
+SCRIPTS_MOUNT = "/usr/local/etc/redis-sentinel"
+
+
 def test_the_sentinel_variant_is_valid_and_runs_three_nodes_with_aof_and_three_sentinels() -> None:
     compose = _sentinel_compose()
     assert _schema_errors(compose) == []
@@ -169,7 +174,8 @@ def test_the_sentinel_variant_is_valid_and_runs_three_nodes_with_aof_and_three_s
     data_volumes = set()
     for name in REDIS_NODES:
         node = services[name]
-        assert node["command"] == ["sh", "/usr/local/etc/redis/redis-node.sh"], name
+        assert node["command"] == ["sh", f"{SCRIPTS_MOUNT}/redis-node.sh"], name
+        assert f"{SCRIPTS}:{SCRIPTS_MOUNT}:ro" in node["volumes"], f"{name}: the component's start scripts"
         assert conf in node["volumes"], f"{name}: AOF on (deploy/redis.conf)"
         (data,) = [v.split(":")[0] for v in node["volumes"] if v.endswith(":/data")]
         data_volumes.add(data)
@@ -180,12 +186,14 @@ def test_the_sentinel_variant_is_valid_and_runs_three_nodes_with_aof_and_three_s
         sentinel = services[name]
         assert sentinel["environment"]["SENTINEL_NODE"] == name
         assert int(sentinel["environment"]["SENTINEL_DOWN_AFTER_MS"]) <= 5000
+        assert sentinel["command"] == ["sh", f"{SCRIPTS_MOUNT}/sentinel.sh"], name
+        assert f"{SCRIPTS}:{SCRIPTS_MOUNT}:ro" in sentinel["volumes"], name
     for name, service in services.items():
         assert service["restart"] == "unless-stopped", name
         assert service["healthcheck"]["test"][0] in ("CMD", "CMD-SHELL"), name
         for mount in service.get("volumes", []):
             source = mount.split(":")[0]
-            assert not source.startswith("./") or (ROOT / source).is_file(), f"{name}: {source} is missing"
+            assert not source.startswith("./") or (ROOT / source).exists(), f"{name}: {source} is missing"
 
 
 def test_the_sentinel_variants_subq_services_follow_the_sentinels() -> None:

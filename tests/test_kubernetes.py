@@ -439,7 +439,7 @@ def test_the_sentinel_component_runs_three_nodes_with_aof_and_three_sentinels(
     assert _env(node)["REDIS_CONF"] == "/usr/local/etc/redis/redis.conf"
     # The start scripts are the component's own files (the Compose variant mounts the same ones).
     scripts = _one(docs, "ConfigMap", _name_like(docs, "subq-redis-sentinel-scripts"))["data"]
-    for name in ("redis-node.sh", "sentinel.sh"):
+    for name in ("ask-master.sh", "redis-node.sh", "sentinel.sh"):
         assert scripts[name] == (SENTINEL_SCRIPTS / name).read_text(), name
     (sentinel,) = sentinels["spec"]["template"]["spec"]["containers"]
     assert node["command"] == ["sh", "/usr/local/etc/redis-sentinel/redis-node.sh"]

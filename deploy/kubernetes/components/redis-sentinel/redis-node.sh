@@ -12,18 +12,8 @@
 #   SENTINEL_MASTER     the name the sentinels know the master by (subq)
 set -eu
 port="${REDIS_PORT:-6379}"
-master=""
-for sentinel in $SENTINELS; do
-    reply="$(redis-cli -h "${sentinel%:*}" -p "${sentinel##*:}" --raw \
-        SENTINEL get-master-addr-by-name "$SENTINEL_MASTER" 2>/dev/null || true)"
-    host="$(printf '%s\n' "$reply" | sed -n 1p)"
-    master_port="$(printf '%s\n' "$reply" | sed -n 2p)"
-    if [ -n "$host" ] && [ -n "$master_port" ] && [ "${master_port#*[!0-9]}" = "$master_port" ]; then
-        master="$host:$master_port"
-        break
-    fi
-done
-master="${master:-$REDIS_FIRST_MASTER}"
+. "$(dirname "$0")/ask-master.sh"
+master="$(ask_master)"
 # A fresh copy of the config at each start, in the working directory (the data volume): a failover
 # rewrites the running node's config (CONFIG REWRITE), which must neither fail on a read-only
 # mount nor carry an old master's address into the next start.

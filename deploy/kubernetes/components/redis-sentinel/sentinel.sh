@@ -13,19 +13,8 @@
 #   SENTINEL_DOWN_AFTER_MS        5000; SENTINEL_FAILOVER_TIMEOUT_MS 30000; SENTINEL_QUORUM 2
 set -eu
 port="${SENTINEL_PORT:-26379}"
-master=""
-for sentinel in $SENTINELS; do
-    [ "$sentinel" = "$SENTINEL_NODE:$port" ] && continue
-    reply="$(redis-cli -h "${sentinel%:*}" -p "${sentinel##*:}" --raw \
-        SENTINEL get-master-addr-by-name "$SENTINEL_MASTER" 2>/dev/null || true)"
-    host="$(printf '%s\n' "$reply" | sed -n 1p)"
-    master_port="$(printf '%s\n' "$reply" | sed -n 2p)"
-    if [ -n "$host" ] && [ -n "$master_port" ] && [ "${master_port#*[!0-9]}" = "$master_port" ]; then
-        master="$host:$master_port"
-        break
-    fi
-done
-master="${master:-$REDIS_FIRST_MASTER}"
+. "$(dirname "$0")/ask-master.sh"
+master="$(ask_master "$SENTINEL_NODE:$port")"
 conf="$SENTINEL_DIR/sentinel.conf"
 cat > "$conf" <<CONF
 port $port
