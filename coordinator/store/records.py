@@ -120,40 +120,34 @@ class RecordStore(Part):
     # -- several tasks -----------------------------------------------------------------
 
     @translate_redis_errors
-    def get_records(self, task_ids: Sequence[str]) -> list[TaskRecord]:
-        """Several task records in one round trip, without their child lists (write-back, summaries)."""
+    def get_records(self, task_ids: Sequence[str], *, whole: bool = False) -> list[TaskRecord]:
+        """Several task records in one round trip: without their child lists (write-back, summaries), or
+        `whole`, with them (a page of a 1,000-child tree read each child alone, three reads each)."""
         with self.client.pipeline(transaction=False) as pipe:
             for task_id in task_ids:
-                pipe.hgetall(self.keys.task(root_of(task_id), task_id))
+                root = root_of(task_id)
+                pipe.hgetall(self.keys.task(root, task_id))
+                if whole:
+                    pipe.lrange(self.keys.children(root, task_id), 0, -1)
+                    pipe.smembers(self.keys.awaiting(root, task_id))
             replies = pipe.execute()
+        per_task = 3 if whole else 1
         records = []
-        for task_id, raw in zip(task_ids, replies, strict=True):
+        for n, task_id in enumerate(task_ids):
+            raw, *lists = replies[per_task * n : per_task * (n + 1)]
             if not raw:
                 raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
-            records.append(_decode_record(_str_map(raw), [], []))
+            child_ids, awaiting = (_strs(lists[0]), set(_strs(lists[1]))) if whole else ([], set())
+            records.append(_decode_record(_str_map(raw), child_ids, [c for c in child_ids if c in awaiting]))
         return records
 
     @translate_redis_errors
     def get_children(self, task_id: str) -> list[TaskRecord]:
-        """The task's children in creation order, each whole (with its own children), in one round trip
-        for them all: a page of a 1,000-child tree read them one by one, three reads each."""
-        root = root_of(task_id)
+        """The task's children in creation order, each whole (with its own children), in one round trip."""
         self.task_fields(task_id)
-        child_ids = _strs(self.client.lrange(self.keys.children(root, task_id), 0, -1))
-        with self.client.pipeline(transaction=False) as pipe:
-            for child_id in child_ids:
-                pipe.hgetall(self.keys.task(root, child_id))
-                pipe.lrange(self.keys.children(root, child_id), 0, -1)
-                pipe.smembers(self.keys.awaiting(root, child_id))
-            replies = pipe.execute()
-        children = []
-        for n, child_id in enumerate(child_ids):
-            raw, grandchildren, awaiting = replies[3 * n : 3 * n + 3]
-            if not raw:
-                raise NotFoundError(f"Unknown task: {child_id}", field="task_id")
-            ids, waiting = _strs(grandchildren), set(_strs(awaiting))
-            children.append(_decode_record(_str_map(raw), ids, [c for c in ids if c in waiting]))
-        return children
+        return self.get_records(
+            _strs(self.client.lrange(self.keys.children(root_of(task_id), task_id), 0, -1)), whole=True
+        )
 
     @translate_redis_errors
     def subtree_ids(self, task_id: str) -> list[str]:
