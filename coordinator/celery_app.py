@@ -20,7 +20,7 @@ from kombu.pools import ProducerPool
 
 from coordinator import tracing
 from coordinator.errors import BrokerError
-from coordinator.redis_clients import celery_url, sentinel_transport_options
+from coordinator.redis_clients import celery_tls, celery_url, sentinel_transport_options
 from coordinator.settings import Settings
 
 __all__ = [
@@ -262,6 +262,9 @@ def make_app(settings: Settings) -> Celery:
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
     )
+    tls = celery_tls(settings)
+    if tls is not None:  # TLS to the nodes under Sentinel (one Redis keeps it in its rediss:// URL)
+        app.conf.update(broker_use_ssl=tls, redis_backend_use_ssl=tls)
     app.conf.worker_consumer = POISON_SAFE_CONSUMER
     app.subq_settings = settings
     return app

@@ -16,6 +16,11 @@ about as long as a failover takes, so a run in flight carries on with its step o
 the new master rather than failing its task. Every step subq sends is
 idempotent (guarded in its Lua script or re-validated by its transaction), so
 one sent twice, once to the old master and once to the new, changes nothing.
+
+TLS under Sentinel, which has no URL to carry it, comes from the SUBQ_REDIS_TLS
+settings (`tls_options`): the same options for subq's clients, for Celery's
+`broker_use_ssl` and `redis_backend_use_ssl` (`celery_tls`), and for the
+sentinels themselves (`sentinel_kwargs`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from urllib.parse import quote
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
-from redis.sentinel import Sentinel, SentinelConnectionPool
+from redis.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 
 from coordinator.settings import Settings
 
@@ -36,11 +41,14 @@ __all__ = [
     "SENTINEL_ASK_TIMEOUT_S",
     "SENTINEL_CONNECT_TIMEOUT_S",
     "BlockingSentinelConnectionPool",
+    "Sentinels",
+    "celery_tls",
     "celery_url",
     "describe",
     "failover_retry",
     "redis_client",
     "sentinel_transport_options",
+    "tls_options",
 ]
 
 # A failover takes the sentinels' down-after-milliseconds (5 s in deploy/) plus an election and the
@@ -73,6 +81,36 @@ KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 5, 2, 3
 
 class BlockingSentinelConnectionPool(SentinelConnectionPool, redis.BlockingConnectionPool):
     """The sentinel-managed pool, which makes a thread wait for a free connection (a worker's pool)."""
+
+
+class Sentinels(Sentinel):
+    """redis-py's Sentinel, whose "no master" error says why in words a user can act on.
+
+    redis-py's own lists each sentinel client's repr, and not the cause (a refused
+    connection, a certificate that failed verification): each sentinel is asked once more
+    for it, on this path only.
+    """
+
+    def discover_master(self, service_name: str) -> tuple[str, int]:
+        try:
+            return cast(tuple[str, int], super().discover_master(service_name))  # type: ignore[no-untyped-call]
+        except MasterNotFoundError:
+            raise MasterNotFoundError(self._why_no_master(service_name)) from None
+
+    def _why_no_master(self, service_name: str) -> str:
+        silent = []
+        for sentinel in self.sentinels:
+            kwargs = sentinel.connection_pool.connection_kwargs
+            try:
+                sentinel.ping()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                silent.append(f"{_bracketed(str(kwargs.get('host')))}:{kwargs.get('port')}: {exc}")
+        if len(silent) == len(self.sentinels):
+            return "no sentinel of SUBQ_REDIS_SENTINELS answers: " + "; ".join(silent)
+        return (
+            f"the sentinels name no master {service_name!r} that is up: a failover under way, "
+            "or not the name of SUBQ_REDIS_SENTINEL_MASTER"
+        )
 
 
 def redis_client(
@@ -112,8 +150,10 @@ def redis_client(
     }
     if settings.redis_password is not None:
         data["password"] = settings.redis_password.get_secret_value()
+    if settings.redis_tls:
+        data.update(ssl=True, **tls_options(settings))
     sentinels = settings.sentinel_addresses()
-    sentinel = Sentinel(sentinels, sentinel_kwargs=_sentinel_kwargs(settings, data))  # type: ignore[no-untyped-call]
+    sentinel = Sentinels(sentinels, sentinel_kwargs=_sentinel_kwargs(settings, data))  # type: ignore[no-untyped-call]
     master = settings.redis_sentinel_master
     assert master is not None  # Settings requires it with the sentinels
     client = sentinel.master_for(master, decode_responses=decode_responses, **pool_options, **data)  # type: ignore[no-untyped-call]
@@ -138,9 +178,41 @@ def _sentinel_kwargs(settings: Settings, data: dict[str, Any]) -> dict[str, Any]
     )
     own["socket_timeout"] = min(own.get("socket_timeout") or SENTINEL_ASK_TIMEOUT_S, SENTINEL_ASK_TIMEOUT_S)
     own["retry"] = Retry(NoBackoff(), 0)
+    return {**own, **_sentinel_auth(settings)}
+
+
+def _sentinel_auth(settings: Settings) -> dict[str, Any]:
+    """The sentinels' own password and TLS, as redis-py's, kombu's and Celery's `sentinel_kwargs`."""
+    auth: dict[str, Any] = {}
     if settings.redis_sentinel_password is not None:
-        own["password"] = settings.redis_sentinel_password.get_secret_value()
-    return own
+        auth["password"] = settings.redis_sentinel_password.get_secret_value()
+    if settings.sentinels_over_tls:
+        auth.update(ssl=True, **tls_options(settings))
+    return auth
+
+
+def tls_options(settings: Settings) -> dict[str, Any]:
+    """redis-py's TLS options from the SUBQ_REDIS_TLS_* files: the certificate always verified, host name included.
+
+    The host name checked is the address a sentinel gives for the master (its IP, or its host
+    name where the nodes announce one), so the nodes' certificates must name that address.
+    """
+    options: dict[str, Any] = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}
+    files = {
+        "ssl_ca_certs": settings.redis_tls_ca_file,
+        "ssl_certfile": settings.redis_tls_cert_file,
+        "ssl_keyfile": settings.redis_tls_key_file,
+    }
+    options.update({name: str(path) for name, path in files.items() if path is not None})
+    return options
+
+
+def celery_tls(settings: Settings) -> dict[str, Any] | None:
+    """Celery's `broker_use_ssl` and `redis_backend_use_ssl` under Sentinel with SUBQ_REDIS_TLS; else None.
+
+    With one Redis, TLS stays in the URL (rediss://), as kombu and Celery read it there.
+    """
+    return tls_options(settings) if settings.redis_sentinels is not None and settings.redis_tls else None
 
 
 def celery_url(settings: Settings) -> str:
@@ -167,8 +239,9 @@ def sentinel_transport_options(settings: Settings) -> dict[str, Any]:
     if settings.redis_sentinels is None:
         return {}
     options: dict[str, Any] = {"master_name": settings.redis_sentinel_master}
-    if settings.redis_sentinel_password is not None:
-        options["sentinel_kwargs"] = {"password": settings.redis_sentinel_password.get_secret_value()}
+    sentinel_auth = _sentinel_auth(settings)
+    if sentinel_auth:
+        options["sentinel_kwargs"] = sentinel_auth
     return options
 
 
@@ -179,7 +252,8 @@ def describe(settings: Settings) -> str:
         scheme, sep, rest = url.partition("://")
         return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url
     addresses = ",".join(f"{_bracketed(host)}:{port}" for host, port in settings.sentinel_addresses())
-    return f"master {settings.redis_sentinel_master!r} of the sentinels {addresses}"
+    tls = " (TLS)" if settings.redis_tls else ""
+    return f"master {settings.redis_sentinel_master!r}{tls} of the sentinels {addresses}"
 
 
 def _bracketed(host: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+import ssl
 import tomllib
 from decimal import Decimal
 from pathlib import Path
@@ -94,6 +95,8 @@ DEFAULT_MIN_REPLICAS_SENTINEL = 1
 # How long such a step waits for its replicas: a replica on the same network acknowledges within a
 # millisecond or two; a second means one is gone, and the step goes on (docs/deploy.md says what that risks).
 DEFAULT_REPLICA_WAIT_MS = 1000
+# The TLS settings, used only under Sentinel.
+TLS_FIELDS = ("redis_tls", "redis_sentinel_tls", "redis_tls_ca_file", "redis_tls_cert_file", "redis_tls_key_file")
 # SUBQ_REDIS_SENTINELS as the error messages show it (26379 is Sentinel's own port).
 SENTINEL_EXAMPLE = "sentinel-0:26379,sentinel-1:26379,sentinel-2:26379"
 DEFAULT_MAX_FANOUT = 256
@@ -313,6 +316,16 @@ class Settings(BaseSettings):
     redis_sentinel_master: str | None = None
     redis_sentinel_password: SecretStr | None = None
     redis_password: SecretStr | None = None
+    # TLS under Sentinel, which has no URL to carry it (one Redis takes rediss:// and its ssl_*
+    # query in SUBQ_REDIS_URL): to the master and replicas, to the sentinels (unset: as the nodes),
+    # the CA that signed their certificates (unset: the system's), and a client certificate and
+    # key for servers that ask for one (Redis's tls-auth-clients). Certificates are always
+    # verified, host names included.
+    redis_tls: bool = False
+    redis_sentinel_tls: bool | None = None
+    redis_tls_ca_file: pydantic.FilePath | None = None
+    redis_tls_cert_file: pydantic.FilePath | None = None
+    redis_tls_key_file: pydantic.FilePath | None = None
     # Replicas that must acknowledge a step a caller sees (WAIT) before it counts as done; unset:
     # DEFAULT_MIN_REPLICAS_SENTINEL under Sentinel, 0 (no WAIT at all) with one Redis.
     redis_min_replicas: int | None = Field(default=None, ge=0)
@@ -454,11 +467,16 @@ class Settings(BaseSettings):
     def _check_redis_form(self) -> None:
         """One Redis (SUBQ_REDIS_URL) or Redis Sentinel (SUBQ_REDIS_SENTINELS + master), never both."""
         if self.redis_sentinels is None:
-            for name in ("redis_sentinel_master", "redis_sentinel_password", "redis_password"):
-                if getattr(self, name) is not None:
-                    where = "in SUBQ_REDIS_URL" if name == "redis_password" else "with SUBQ_REDIS_SENTINELS"
+            for name in ("redis_sentinel_master", "redis_sentinel_password", "redis_password", *TLS_FIELDS):
+                if getattr(self, name) not in (None, False):
+                    where = "with SUBQ_REDIS_SENTINELS"
+                    if name == "redis_password":
+                        where = "in SUBQ_REDIS_URL"
+                    elif name in TLS_FIELDS:
+                        where = "in SUBQ_REDIS_URL (rediss://host:6380/0?ssl_ca_certs=...)"
                     raise ValueError(f"SUBQ_{name.upper()}: only used with Redis Sentinel; give it {where}")
             return
+        self._check_tls()
         if self.redis_url:
             raise ValueError(
                 "SUBQ_REDIS_SENTINELS: set together with SUBQ_REDIS_URL; give one Redis (SUBQ_REDIS_URL) "
@@ -469,6 +487,47 @@ class Settings(BaseSettings):
                 "SUBQ_REDIS_SENTINEL_MASTER: not set; with SUBQ_REDIS_SENTINELS, name the master the sentinels "
                 "watch (their `sentinel monitor <name> ...` line, e.g. subq)"
             )
+
+    def _check_tls(self) -> None:
+        """TLS files only with TLS on, a certificate with its key, and each file one `ssl` can load."""
+        files = ("redis_tls_ca_file", "redis_tls_cert_file", "redis_tls_key_file")
+        if not self.tls_anywhere:
+            for name in files:
+                if getattr(self, name) is not None:
+                    raise ValueError(f"SUBQ_{name.upper()}: set without TLS; set SUBQ_REDIS_TLS=true as well")
+            return
+        if (self.redis_tls_cert_file is None) != (self.redis_tls_key_file is None):
+            given, missing = ("CERT", "KEY") if self.redis_tls_key_file is None else ("KEY", "CERT")
+            raise ValueError(
+                f"SUBQ_REDIS_TLS_{missing}_FILE: not set; SUBQ_REDIS_TLS_{given}_FILE needs it "
+                "(a client certificate and its private key go together)"
+            )
+        context = ssl.create_default_context()
+        if self.redis_tls_ca_file is not None:
+            try:
+                context.load_verify_locations(cafile=self.redis_tls_ca_file)
+            except ssl.SSLError as exc:
+                raise ValueError(
+                    f"SUBQ_REDIS_TLS_CA_FILE: {self.redis_tls_ca_file} holds no PEM certificate ({exc.reason})"
+                ) from None
+        if self.redis_tls_cert_file is not None:
+            try:
+                context.load_cert_chain(self.redis_tls_cert_file, self.redis_tls_key_file)
+            except ssl.SSLError as exc:
+                raise ValueError(
+                    f"SUBQ_REDIS_TLS_CERT_FILE: {self.redis_tls_cert_file} with SUBQ_REDIS_TLS_KEY_FILE "
+                    f"{self.redis_tls_key_file} is not a PEM certificate and its key ({exc.reason})"
+                ) from None
+
+    @property
+    def tls_anywhere(self) -> bool:
+        """Whether any connection under Sentinel uses TLS (to the nodes or to the sentinels)."""
+        return self.redis_tls or bool(self.redis_sentinel_tls)
+
+    @property
+    def sentinels_over_tls(self) -> bool:
+        """Whether the sentinels are spoken to over TLS: SUBQ_REDIS_SENTINEL_TLS, unset as the nodes."""
+        return self.redis_tls if self.redis_sentinel_tls is None else self.redis_sentinel_tls
 
     @property
     def redis_given(self) -> bool:

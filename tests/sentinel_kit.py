@@ -1,7 +1,8 @@
 """Redis Sentinel on 127.0.0.1, real processes: a master, its replicas and three sentinels.
 
 `sentinel_set(workdir)` starts them on free ports (the redis-server the project
-ships, run as `redis-server <conf> --sentinel` for a sentinel), waits until each
+ships, run as `redis-server <conf> --sentinel` for a sentinel; with `tls`, Debian's,
+every port TLS only), waits until each
 sentinel knows the master, both replicas and the other sentinels, and stops
 them all at the end. `kill_master()` SIGKILLs whichever process is the master
 now; `wait_promoted(old)` waits for the sentinels to name another. The
@@ -17,12 +18,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
 
 from coordinator import Settings
 from coordinator.local.embedded_redis import find_redis_server, free_port
 from tests.helpers import eventually
+from tests.tls_kit import TLS_REDIS_SERVER, Tls
 
 MASTER_NAME = "subq"
 # A master silent this long is subjectively down (deploy/ uses 5000; a test has no time for that).
@@ -63,6 +66,16 @@ class SentinelSet:
     workdir: Path
     data: dict[int, Server] = field(default_factory=dict)
     sentinels: list[Server] = field(default_factory=list)
+    tls: Tls | None = None
+
+    @property
+    def client_options(self) -> dict[str, Any]:
+        """redis-py's options for a client of any server here (TLS ones when the set speaks TLS)."""
+        return _client_options(self.tls)
+
+    def client(self, port: int, timeout_s: float = 2) -> redis.Redis:
+        """A client of the server on `port` (data node or sentinel)."""
+        return redis.Redis(port=port, decode_responses=True, socket_timeout=timeout_s, **self.client_options)
 
     @property
     def addresses(self) -> str:
@@ -72,18 +85,21 @@ class SentinelSet:
     def settings(self, base: Settings, **updates: object) -> Settings:
         """`base` on these sentinels instead of its Redis URL (validated, as the environment would be)."""
         fields = base.model_dump(exclude={"redis_url"}, exclude_none=True)
-        fields.update(redis_sentinels=self.addresses, redis_sentinel_master=MASTER_NAME, **updates)
+        fields.update(redis_sentinels=self.addresses, redis_sentinel_master=MASTER_NAME)
+        if self.tls is not None:
+            fields.update(self.tls.settings())
+        fields.update(updates)
         return Settings(**fields)
 
     def sentinel_client(self, n: int = 0) -> redis.Redis:
-        return redis.Redis(port=self.sentinels[n].port, decode_responses=True, socket_timeout=2)
+        return self.client(self.sentinels[n].port)
 
     def master_port(self) -> int:
         """The master's port as a live sentinel names it."""
         for sentinel in self.sentinels:
             if not sentinel.alive():
                 continue
-            client = redis.Redis(port=sentinel.port, decode_responses=True, socket_timeout=2)
+            client = self.client(sentinel.port)
             try:
                 _host, port = client.execute_command("SENTINEL", "get-master-addr-by-name", MASTER_NAME)
                 return int(port)
@@ -94,7 +110,7 @@ class SentinelSet:
         raise AssertionError("no sentinel answers")
 
     def master_client(self) -> redis.Redis:
-        return redis.Redis(port=self.master_port(), decode_responses=True, socket_timeout=5)
+        return self.client(self.master_port(), timeout_s=5)
 
     def kill_master(self) -> int:
         """SIGKILL the master now (no shutdown, nothing flushed); its old port."""
@@ -109,10 +125,10 @@ class SentinelSet:
             port = self.master_port()
             if port == old_port:
                 return None
-            client = redis.Redis(port=port, socket_timeout=2)
+            client = self.client(port)
             try:
                 role = client.execute_command("ROLE")[0]
-                return port if role in (b"master", "master") else None
+                return port if role == "master" else None
             except redis.RedisError:
                 return None
             finally:
@@ -125,10 +141,25 @@ class SentinelSet:
             server.stop()
 
 
-def _start(argv: list[str], port: int) -> Server:
+def _client_options(tls: Tls | None) -> dict[str, Any]:
+    return {} if tls is None else tls.client_options()
+
+
+def _listen_args(port: int, tls: Tls | None) -> list[str]:
+    """Where a server listens: `port` in the clear, or `port` TLS only (no clear port at all)."""
+    if tls is None:
+        return ["--port", str(port)]
+    return ["--port", "0", "--tls-port", str(port), *tls.server_args()]
+
+
+def _binary(tls: Tls | None) -> str:
+    return find_redis_server() if tls is None else TLS_REDIS_SERVER
+
+
+def _start(argv: list[str], port: int, tls: Tls | None) -> Server:
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     server = Server(port, proc)
-    client = redis.Redis(port=port, socket_timeout=1)
+    client = redis.Redis(port=port, socket_timeout=1, **_client_options(tls))
     try:
         eventually(lambda: _pings(client), f"redis-server on port {port} to answer", timeout_s=10, every_s=0.05)
     finally:
@@ -143,57 +174,62 @@ def _pings(client: redis.Redis) -> bool:
         return False
 
 
-def _data_server(workdir: Path, port: int, master_port: int | None) -> Server:
+def _data_server(workdir: Path, port: int, master_port: int | None, tls: Tls | None) -> Server:
     folder = workdir / f"redis-{port}"
     folder.mkdir(parents=True)
     argv = [
-        find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder),
+        _binary(tls), *_listen_args(port, tls), "--bind", "127.0.0.1", "--dir", str(folder),
         "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--loglevel", "warning",
         "--logfile", str(folder / "redis.log"),
     ]  # fmt: skip
     if master_port is not None:
         argv += ["--replicaof", "127.0.0.1", str(master_port)]
-    return _start(argv, port)
+    return _start(argv, port, tls)
 
 
-def _sentinel(workdir: Path, port: int, master_port: int) -> Server:
+def _sentinel(workdir: Path, port: int, master_port: int, tls: Tls | None) -> Server:
     folder = workdir / f"sentinel-{port}"
     folder.mkdir(parents=True)
     conf = folder / "sentinel.conf"  # a sentinel rewrites its own file as it learns: one file each
+    args = _listen_args(port, tls)
+    listen = "\n".join(f"{name.removeprefix('--')} {value}" for name, value in zip(args[::2], args[1::2], strict=True))
     conf.write_text(
-        f"port {port}\nbind 127.0.0.1\ndir {folder}\nlogfile {folder / 'sentinel.log'}\n"
+        f"{listen}\nbind 127.0.0.1\ndir {folder}\nlogfile {folder / 'sentinel.log'}\n"
         f"sentinel monitor {MASTER_NAME} 127.0.0.1 {master_port} {QUORUM}\n"
         f"sentinel down-after-milliseconds {MASTER_NAME} {DOWN_AFTER_MS}\n"
         f"sentinel failover-timeout {MASTER_NAME} {FAILOVER_TIMEOUT_MS}\n"
         f"sentinel parallel-syncs {MASTER_NAME} 2\n",
         encoding="utf-8",
     )
-    return _start([find_redis_server(), str(conf), "--sentinel"], port)
+    return _start([_binary(tls), str(conf), "--sentinel"], port, tls)
 
 
 @contextmanager
-def sentinel_set(workdir: Path, replicas: int = 2, sentinels: int = 3) -> Iterator[SentinelSet]:
-    """A master with `replicas` replicas and `sentinels` sentinels, each known to every sentinel; stopped at the end."""
-    kit = SentinelSet(workdir)
+def sentinel_set(workdir: Path, replicas: int = 2, sentinels: int = 3, tls: Tls | None = None) -> Iterator[SentinelSet]:
+    """A master with `replicas` replicas and `sentinels` sentinels, each known to every sentinel; stopped at the end.
+
+    With `tls` every server listens on TLS only, replicates and is watched over TLS.
+    """
+    kit = SentinelSet(workdir, tls=tls)
     try:
         master_port = free_port()
-        kit.data[master_port] = _data_server(workdir, master_port, None)
+        kit.data[master_port] = _data_server(workdir, master_port, None, tls)
         for _ in range(replicas):
             port = free_port()
-            kit.data[port] = _data_server(workdir, port, master_port)
+            kit.data[port] = _data_server(workdir, port, master_port, tls)
         for _ in range(sentinels):
-            kit.sentinels.append(_sentinel(workdir, free_port(), master_port))
+            kit.sentinels.append(_sentinel(workdir, free_port(), master_port, tls))
         ports = [sentinel.port for sentinel in kit.sentinels]
-        eventually(lambda: knows_everyone(ports, replicas), "every sentinel to know the set", timeout_s=30)
+        eventually(lambda: knows_everyone(ports, replicas, tls), "every sentinel to know the set", timeout_s=30)
         yield kit
     finally:
         kit.stop()
 
 
-def knows_everyone(sentinel_ports: list[int], replicas: int) -> bool:
+def knows_everyone(sentinel_ports: list[int], replicas: int, tls: Tls | None = None) -> bool:
     """Whether each sentinel knows the master's `replicas` replicas (linked, up) and every other sentinel."""
     for port in sentinel_ports:
-        client = redis.Redis(port=port, decode_responses=True, socket_timeout=2)
+        client = redis.Redis(port=port, decode_responses=True, socket_timeout=2, **_client_options(tls))
         try:
             known_replicas = [r for r in client.execute_command("SENTINEL", "replicas", MASTER_NAME) if _up(r)]
             others = client.execute_command("SENTINEL", "sentinels", MASTER_NAME)

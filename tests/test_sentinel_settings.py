@@ -7,7 +7,11 @@ sentinels.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -15,9 +19,13 @@ from pydantic import SecretStr
 
 from coordinator import ConfigError, Coordinator, Settings, load_settings
 from coordinator.celery_app import PublishOnlyRedisBackend, PublishOnlySentinelBackend, make_app
-from coordinator.redis_clients import celery_url, describe, sentinel_transport_options
+from coordinator.ids import new_root_id
+from coordinator.redis_clients import celery_url, describe, sentinel_transport_options, tls_options
 from coordinator.store.base import AcknowledgedScript, AcknowledgedTransaction
 from tests.helpers import start_worker_with
+from tests.tls_kit import make_tls
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SENTINELS = "127.0.0.1:26379,127.0.0.1:26380,127.0.0.1:26381"
 
@@ -147,7 +155,9 @@ def test_subq_up_checks_the_sentinels_master_and_hands_the_sentinels_on() -> Non
 
     nowhere = Settings(redis_sentinels="127.0.0.1:1", redis_sentinel_master="subq", redis_password=SecretStr("pw"))
     started = time.monotonic()
-    with pytest.raises(StoreError, match="Redis is unreachable: No master found for 'subq'"):
+    with pytest.raises(
+        StoreError, match="Redis is unreachable: no sentinel of SUBQ_REDIS_SENTINELS answers: 127.0.0.1:1: "
+    ):
         _check_redis(nowhere)
     assert time.monotonic() - started < 1, "asked once, without the failover retries (nor redis-py's own)"
     assert _redis_pairs(nowhere) == {
@@ -158,3 +168,96 @@ def test_subq_up_checks_the_sentinels_master_and_hands_the_sentinels_on() -> Non
     assert _redis_pairs(Settings(redis_url="redis://127.0.0.1:6379/0")) == {
         "SUBQ_REDIS_URL": "redis://127.0.0.1:6379/0"
     }
+
+
+def _tls_files(folder: Path) -> dict[str, Path]:
+    """A CA, a certificate and its key, a key of another certificate, and a file that is no PEM at all."""
+    tls, other = make_tls(folder / "tls"), make_tls(folder / "other")
+    junk = folder / "junk.pem"
+    junk.write_text("not a certificate\n")
+    return {"ca": tls.ca_file, "cert": tls.cert_file, "key": tls.key_file, "other_key": other.key_file, "junk": junk}
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"SUBQ_REDIS_URL": "redis://127.0.0.1:6379/0", "SUBQ_REDIS_TLS": "true"},
+         "Invalid setting SUBQ_REDIS_TLS: only used with Redis Sentinel; give it in SUBQ_REDIS_URL (rediss://"),
+        ({"SUBQ_REDIS_URL": "redis://127.0.0.1:6379/0", "SUBQ_REDIS_TLS_CA_FILE": "{ca}"},
+         "Invalid setting SUBQ_REDIS_TLS_CA_FILE: only used with Redis Sentinel; give it in SUBQ_REDIS_URL"),
+        ({"SUBQ_REDIS_TLS": "maybe"}, "Invalid setting SUBQ_REDIS_TLS: Input should be a valid boolean"),
+        ({"SUBQ_REDIS_TLS_CA_FILE": "{ca}"},
+         "Invalid setting SUBQ_REDIS_TLS_CA_FILE: set without TLS; set SUBQ_REDIS_TLS=true as well"),
+        ({"SUBQ_REDIS_TLS": "true", "SUBQ_REDIS_TLS_CA_FILE": "{ca}.missing"},
+         "Invalid setting SUBQ_REDIS_TLS_CA_FILE: Path does not point to a file"),
+        ({"SUBQ_REDIS_TLS": "true", "SUBQ_REDIS_TLS_CERT_FILE": "{cert}"},
+         "Invalid setting SUBQ_REDIS_TLS_KEY_FILE: not set; SUBQ_REDIS_TLS_CERT_FILE needs it"),
+        ({"SUBQ_REDIS_SENTINEL_TLS": "true", "SUBQ_REDIS_TLS_KEY_FILE": "{key}"},
+         "Invalid setting SUBQ_REDIS_TLS_CERT_FILE: not set; SUBQ_REDIS_TLS_KEY_FILE needs it"),
+        ({"SUBQ_REDIS_TLS": "true", "SUBQ_REDIS_TLS_CA_FILE": "{junk}"},
+         "Invalid setting SUBQ_REDIS_TLS_CA_FILE: {junk} holds no PEM certificate"),
+        ({"SUBQ_REDIS_TLS": "true", "SUBQ_REDIS_TLS_CERT_FILE": "{cert}", "SUBQ_REDIS_TLS_KEY_FILE": "{other_key}"},
+         "Invalid setting SUBQ_REDIS_TLS_CERT_FILE: {cert} with SUBQ_REDIS_TLS_KEY_FILE {other_key} is not a PEM "
+         "certificate and its key"),
+    ],
+)  # fmt: skip
+def test_a_bad_tls_setting_is_one_line_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, env: dict[str, str], message: str
+) -> None:
+    files = _tls_files(tmp_path)
+    if "SUBQ_REDIS_URL" not in env:
+        monkeypatch.setenv("SUBQ_REDIS_SENTINELS", SENTINELS)
+        monkeypatch.setenv("SUBQ_REDIS_SENTINEL_MASTER", "subq")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value.format(**files))
+    with pytest.raises(ConfigError) as caught:
+        load_settings()
+    assert str(caught.value).startswith(message.format(**files)), str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_cli_given_a_bad_tls_file_stops_with_the_line_and_reads_nothing(tmp_path: Path) -> None:
+    files = _tls_files(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUBQ_")}
+    env |= {"SUBQ_REDIS_SENTINELS": SENTINELS, "SUBQ_REDIS_SENTINEL_MASTER": "subq", "SUBQ_REDIS_TLS": "true",
+            "SUBQ_REDIS_TLS_CA_FILE": str(files["junk"])}  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "coordinator", "status", new_root_id()],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"subq: Invalid setting SUBQ_REDIS_TLS_CA_FILE: {files['junk']} holds no PEM")
+    assert proc.stdout == ""
+
+
+def test_celery_and_every_client_are_given_tls_under_sentinel(tmp_path: Path) -> None:
+    files = _tls_files(tmp_path)
+    settings = Settings(
+        redis_sentinels=SENTINELS, redis_sentinel_master="subq", redis_sentinel_password=SecretStr("s"),
+        redis_tls=True, redis_tls_ca_file=files["ca"], redis_tls_cert_file=files["cert"],
+        redis_tls_key_file=files["key"],
+    )  # fmt: skip
+    tls = {"ssl_cert_reqs": "required", "ssl_check_hostname": True, "ssl_ca_certs": str(files["ca"]),
+           "ssl_certfile": str(files["cert"]), "ssl_keyfile": str(files["key"])}  # fmt: skip
+    assert tls_options(settings) == tls
+    app = make_app(settings)
+    assert app.conf.broker_use_ssl == tls and app.conf.redis_backend_use_ssl == tls
+    sentinel_kwargs = {"password": "s", "ssl": True, **tls}
+    assert app.conf.broker_transport_options["sentinel_kwargs"] == sentinel_kwargs
+    assert app.conf.result_backend_transport_options["sentinel_kwargs"] == sentinel_kwargs
+    assert describe(settings) == f"master 'subq' (TLS) of the sentinels {SENTINELS}"
+    # Sentinels in the clear, nodes over TLS; and the other way round.
+    clear_sentinels = settings.model_copy(update={"redis_sentinel_tls": False})
+    assert sentinel_transport_options(clear_sentinels)["sentinel_kwargs"] == {"password": "s"}
+    tls_sentinels_only = Settings(redis_sentinels=SENTINELS, redis_sentinel_master="subq", redis_sentinel_tls=True)
+    assert sentinel_transport_options(tls_sentinels_only)["sentinel_kwargs"]["ssl"] is True
+    assert "broker_use_ssl" not in make_app(tls_sentinels_only).conf.changes, "nodes in the clear"
+    # `subq up` hands the same settings on to its credentials file.
+    from coordinator.local.up import _redis_pairs
+
+    assert _redis_pairs(settings) | {"SUBQ_REDIS_SENTINEL_PASSWORD": "s"} == {
+        "SUBQ_REDIS_SENTINELS": SENTINELS, "SUBQ_REDIS_SENTINEL_MASTER": "subq", "SUBQ_REDIS_SENTINEL_PASSWORD": "s",
+        "SUBQ_REDIS_TLS": "true", "SUBQ_REDIS_TLS_CA_FILE": str(files["ca"]),
+        "SUBQ_REDIS_TLS_CERT_FILE": str(files["cert"]), "SUBQ_REDIS_TLS_KEY_FILE": str(files["key"]),
+    }  # fmt: skip

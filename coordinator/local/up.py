@@ -35,6 +35,7 @@ from types import FrameType
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+from pydantic import SecretStr
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -43,7 +44,7 @@ from coordinator.local import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLO
 from coordinator.local.embedded_redis import local_redis
 from coordinator.local.fleet import WorkerFleet, settings_env
 from coordinator.redis_clients import describe, redis_client
-from coordinator.settings import Settings
+from coordinator.settings import TLS_FIELDS, Settings
 
 __all__ = [
     "API_MODULE",
@@ -454,17 +455,23 @@ def _credentials_text(
 
 
 def _redis_pairs(settings: Settings) -> dict[str, str]:
-    """The variables that say where Redis is: its URL, or the sentinels, their master and passwords."""
+    """The variables that say where Redis is: its URL, or the sentinels, their master, passwords and TLS."""
     if settings.redis_sentinels is None:
         return {"SUBQ_REDIS_URL": settings.require_redis_url()}
     pairs = {
         "SUBQ_REDIS_SENTINELS": settings.redis_sentinels,
         "SUBQ_REDIS_SENTINEL_MASTER": str(settings.redis_sentinel_master),
     }
-    for name in ("redis_sentinel_password", "redis_password"):
-        secret = getattr(settings, name)
-        if secret is not None:
-            pairs[f"SUBQ_{name.upper()}"] = secret.get_secret_value()
+    for name in ("redis_sentinel_password", "redis_password", *TLS_FIELDS):
+        value = getattr(settings, name)
+        if value == Settings.model_fields[name].default:
+            continue
+        if isinstance(value, SecretStr):
+            pairs[f"SUBQ_{name.upper()}"] = value.get_secret_value()
+        elif isinstance(value, bool):
+            pairs[f"SUBQ_{name.upper()}"] = str(value).lower()
+        else:  # a TLS file's path
+            pairs[f"SUBQ_{name.upper()}"] = str(value)
     return pairs
 
 

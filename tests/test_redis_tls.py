@@ -1,0 +1,189 @@
+"""Redis over TLS, real servers (Debian's redis-server, built with TLS): under Sentinel, and one Redis by its URL.
+
+Under Sentinel every server of the set listens on TLS only (no clear port at all),
+replicates and is watched over TLS (tests/sentinel_kit.py with `tls`), and asks
+each client for a certificate, as Redis does by default. subq is given the
+SUBQ_REDIS_TLS settings: a real worker (its store, Celery's broker and result
+backend on kombu's and Celery's sentinel transports), the Coordinator and the
+CLI run trees on it, before and after the master is SIGKILLed and a replica
+promoted. A client that does not trust the servers' CA is refused, with the
+certificate's error. One Redis takes TLS in its `rediss://` URL, as
+docs/configuration.md says; a fleet runs a tree on one.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlencode
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from coordinator import Coordinator, Settings, TaskStatus
+from coordinator.local.embedded_redis import free_port
+from coordinator.local.fleet import WorkerFleet, settings_env
+from coordinator.redis_clients import redis_client, tls_options
+from tests.agents import STEP_COST_MICROS, tree_root
+from tests.helpers import eventually
+from tests.sentinel_kit import SentinelSet, sentinel_set
+from tests.test_faults import assert_converged
+from tests.tls_kit import HOST, TLS_REDIS_SERVER, Tls, make_tls
+
+ROOT = Path(__file__).resolve().parent.parent
+WAIT_S = 120
+# The acceptance tree (tests/agents.py): the root, three children, two nested; eleven model requests.
+TREE_TASKS = 6
+TREE_REQUESTS = 11
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> Tls:
+    return make_tls(tmp_path_factory.mktemp("tls"))
+
+
+def _run_tree(coord: Coordinator) -> str:
+    """The acceptance tree, run to its end; its root's id, every total checked."""
+    root = coord.create_task(tree_root(), run=True)
+    done = coord.wait(root.id, WAIT_S)
+    assert done.status == TaskStatus.COMPLETED and done.summary == "Report ready", done
+    assert_converged(coord, root.id)
+    tasks = [coord.get_task(t) for t in coord.store.records.tree_task_ids(root.id)]
+    assert len(tasks) == TREE_TASKS
+    assert sum(t.requests for t in tasks) == TREE_REQUESTS
+    assert done.total_cost_micros == TREE_REQUESTS * STEP_COST_MICROS
+    return root.id
+
+
+def _cli_tree(settings: Settings, root_id: str) -> dict[str, object]:
+    """`subq tree ID --json` in its own process, given exactly these settings by its environment."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "coordinator", "tree", root_id, "--json"],
+        env=settings_env(settings), cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    tree: dict[str, object] = json.loads(proc.stdout)
+    return tree
+
+
+def _refuses_clear_text(port: int) -> bool:
+    """Whether the server on `port` drops a client that speaks without TLS."""
+    client = redis.Redis(port=port, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except redis.ConnectionError:
+        return True
+    finally:
+        client.close()
+    return False
+
+
+@pytest.fixture
+def tls_fleet(settings: Settings, tls: Tls, tmp_path: Path) -> Iterator[tuple[SentinelSet, Settings, Coordinator]]:
+    with sentinel_set(tmp_path / "sentinels", tls=tls) as kit:
+        own = kit.settings(
+            settings,
+            key_prefix="subqtls",
+            queue="subq-tls",
+            heartbeat_lapse_s=3,
+            reconcile_interval_s=0.5,
+            reconcile_grace_s=5,
+        )
+        with WorkerFleet(own, 1, tmp_path / "workers") as fleet:
+            fleet.wait_ready()
+            coord = Coordinator(own)
+            try:
+                yield kit, own, coord
+            finally:
+                coord.close()
+
+
+def test_a_fleet_on_tls_sentinels_runs_trees_before_and_after_a_failover(
+    tls_fleet: tuple[SentinelSet, Settings, Coordinator],
+) -> None:
+    kit, own, coord = tls_fleet
+    ports = [*kit.data, *(s.port for s in kit.sentinels)]
+    assert all(_refuses_clear_text(port) for port in ports), "every server of the set speaks TLS only"
+
+    first = _run_tree(coord)
+    tree = _cli_tree(own, first)
+    assert tree["total_cost_micros"] == TREE_REQUESTS * STEP_COST_MICROS, tree
+
+    old = kit.kill_master()
+    kit.wait_promoted(old)
+    second = _run_tree(coord)
+    assert second != first
+    assert _cli_tree(own, second)["status"] == "completed"
+    assert coord.get_task(first).status == TaskStatus.COMPLETED, "the first tree is on the promoted replica too"
+
+
+def test_a_client_that_does_not_trust_the_servers_ca_is_refused(settings: Settings, tls: Tls, tmp_path: Path) -> None:
+    other_ca = make_tls(tmp_path / "other")
+    with sentinel_set(tmp_path / "sentinels", replicas=0, sentinels=1, tls=tls) as kit:
+        trusted = redis_client(kit.settings(settings))
+        assert trusted.ping()
+        trusted.close()
+        # The system's CAs (no SUBQ_REDIS_TLS_CA_FILE) and another CA: neither signed the servers' certificate.
+        for ca_file in (None, other_ca.ca_file):
+            distrustful = kit.settings(settings, redis_tls_ca_file=ca_file)
+            client = redis_client(distrustful, retry=Retry(NoBackoff(), 0))  # not the 30 s a failover is given
+            sentinel = f"127.0.0.1:{kit.sentinels[0].port}"
+            why = f"no sentinel of SUBQ_REDIS_SENTINELS answers: {sentinel}: .*CERTIFICATE_VERIFY_FAILED"
+            with pytest.raises(redis.ConnectionError, match=why):
+                client.ping()
+            client.close()
+            # The same options, straight to the master: its certificate is refused too.
+            direct = redis.Redis(port=kit.master_port(), ssl=True, **tls_options(distrustful))
+            with pytest.raises(redis.ConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+                direct.ping()
+            direct.close()
+
+
+def test_one_redis_takes_tls_in_its_rediss_url(settings: Settings, tls: Tls, tmp_path: Path) -> None:
+    port = free_port()
+    folder = tmp_path / "redis"
+    folder.mkdir()
+    server = subprocess.Popen(
+        [TLS_REDIS_SERVER, "--port", "0", "--tls-port", str(port), "--bind", HOST, "--dir", str(folder),
+         "--save", "", "--appendonly", "no", *tls.server_args()],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        query = urlencode(
+            {"ssl_cert_reqs": "required", "ssl_ca_certs": tls.ca_file, "ssl_certfile": tls.cert_file,
+             "ssl_keyfile": tls.key_file}
+        )  # fmt: skip
+        own = settings.model_copy(
+            update={
+                "redis_url": f"rediss://{HOST}:{port}/0?{query}",
+                "key_prefix": "subqrediss",
+                "queue": "subq-rediss",
+            }
+        )
+        probe = redis.Redis.from_url(own.redis_url or "")
+        eventually(lambda: _pings(probe), "the TLS redis-server to answer", timeout_s=10, every_s=0.05)
+        probe.close()
+        assert _refuses_clear_text(port)
+        with WorkerFleet(own, 1, tmp_path / "workers") as fleet:
+            fleet.wait_ready()
+            coord = Coordinator(own)
+            try:
+                root = _run_tree(coord)
+                assert _cli_tree(own, root)["status"] == "completed"
+            finally:
+                coord.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
