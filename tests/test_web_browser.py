@@ -7,8 +7,8 @@ live while children run, with no reload; an approval approved (and one denied
 with feedback) from the page, the children going on; a cancel from the page
 stopping a subtree; the numbers on the page equal to the API's.
 
-Chromium comes from the OS packages (`.ci/run` installs it); Playwright only
-drives it and never downloads a browser. One browser serves the whole file.
+Chromium comes from the OS packages (`./scripts/test` installs it when it is
+missing); Playwright only drives it and never downloads a browser. One browser serves the whole file.
 Set WEB_SCREENSHOTS_DIR to keep the screenshots (docs/img/ was made so).
 """
 
@@ -52,7 +52,7 @@ SCREENSHOTS = os.environ.get("WEB_SCREENSHOTS_DIR", "")
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    assert Path(CHROMIUM).exists(), f"{CHROMIUM} is missing: install Debian's chromium (.ci/run does)"
+    assert Path(CHROMIUM).exists(), f"{CHROMIUM} is missing: install Debian's chromium (./scripts/test does)"
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         yield browser

