@@ -32,7 +32,13 @@ from urllib.parse import quote
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
-from redis.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
+from redis.sentinel import (
+    MasterNotFoundError,
+    Sentinel,
+    SentinelConnectionPool,
+    SentinelManagedConnection,
+    SentinelManagedSSLConnection,
+)
 
 from coordinator.settings import Settings
 
@@ -41,6 +47,8 @@ __all__ = [
     "SENTINEL_ASK_TIMEOUT_S",
     "SENTINEL_CONNECT_TIMEOUT_S",
     "BlockingSentinelConnectionPool",
+    "FollowingConnection",
+    "FollowingSSLConnection",
     "Sentinels",
     "celery_tls",
     "celery_url",
@@ -81,6 +89,36 @@ KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 5, 2, 3
 
 class BlockingSentinelConnectionPool(SentinelConnectionPool, redis.BlockingConnectionPool):
     """The sentinel-managed pool, which makes a thread wait for a free connection (a worker's pool)."""
+
+
+class FollowingConnection(SentinelManagedConnection):
+    """redis-py's sentinel-managed connection, which asks the sentinels where the master is on every reconnect.
+
+    redis-py asks them only in `connect()`, which a pool calls for a new connection. A
+    command whose connection was lost is sent again on the same connection, which
+    reconnects through `connect_check_health` to the address it had: the dead master,
+    refused until the command's retries run out (redis-py issue 3874, open in 8.1).
+    Here that reconnect goes through `connect()` as well.
+    """
+
+    _asking_sentinels = False
+
+    def connect(self) -> None:
+        self._asking_sentinels = True  # connect() ends in connect_check_health, to the address they gave
+        try:
+            super().connect()  # type: ignore[no-untyped-call]
+        finally:
+            self._asking_sentinels = False
+
+    def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        if self._asking_sentinels or self._sock is not None:
+            super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+        else:
+            self.connect()
+
+
+class FollowingSSLConnection(FollowingConnection, SentinelManagedSSLConnection):
+    """`FollowingConnection` over TLS."""
 
 
 class Sentinels(Sentinel):
@@ -150,8 +188,9 @@ def redis_client(
     }
     if settings.redis_password is not None:
         data["password"] = settings.redis_password.get_secret_value()
+    data["connection_class"] = FollowingSSLConnection if settings.redis_tls else FollowingConnection
     if settings.redis_tls:
-        data.update(ssl=True, **tls_options(settings))
+        data.update(tls_options(settings))
     sentinels = settings.sentinel_addresses()
     sentinel = Sentinels(sentinels, sentinel_kwargs=_sentinel_kwargs(settings, data))  # type: ignore[no-untyped-call]
     master = settings.redis_sentinel_master

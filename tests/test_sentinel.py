@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.api.ops import SubqCollector
 from coordinator.celery_app import make_app
-from coordinator.redis_clients import redis_client
+from coordinator.redis_clients import FollowingConnection, redis_client
 from tests.agents import agent, call, reply
 from tests.sentinel_kit import SentinelSet, sentinel_set, wait_replicated
 from workers import observe
@@ -94,6 +94,40 @@ def test_the_store_follows_a_failover_and_goes_on_writing(kit: SentinelSet, sett
     finally:
         pool_client.close()
         coord.close()
+
+
+def test_a_command_in_flight_when_the_master_dies_is_sent_again_to_the_promoted_one(
+    kit: SentinelSet, settings: Settings
+) -> None:
+    """A blocking read the master never answered (the API's event stream, `wait`) lands on the promoted replica.
+
+    redis-py would send it again to the dead master's address until its retries ran out
+    (coordinator/redis_clients.py, `FollowingConnection`).
+    """
+    client = redis_client(_settings(kit, settings))
+    outcome: list[object] = []
+
+    def read() -> None:
+        try:
+            outcome.append(client.xread({"subqsentinel:inflight": "$"}, block=4000))
+        except redis.RedisError as exc:
+            outcome.append(exc)
+
+    try:
+        assert client.ping()
+        reader = threading.Thread(target=read)
+        reader.start()
+        time.sleep(0.3)  # the XREAD is on the master's connection, blocked
+        old = kit.kill_master()
+        started = time.monotonic()
+        new = kit.wait_promoted(old)
+        reader.join(30)
+        assert not reader.is_alive() and outcome and not isinstance(outcome[0], Exception), outcome
+        assert time.monotonic() - started < 15, "sent again to the promoted master, not the dead one until given up"
+        assert client.connection_pool.connection_class is FollowingConnection
+        assert client.set("subqsentinel:after", "1") and kit.client(new).get("subqsentinel:after") == "1"
+    finally:
+        client.close()
 
 
 def test_acknowledged_steps_are_on_the_promoted_replica(kit: SentinelSet, settings: Settings) -> None:

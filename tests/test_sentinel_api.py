@@ -1,0 +1,107 @@
+"""The HTTP API across a Redis failover: its event stream goes on, and it takes work again once a replica is promoted.
+
+Real sentinels (tests/sentinel_kit.py), a real worker, and the API served by
+uvicorn on the sentinels' settings. A client follows a fan-out's event stream
+(the API reads it from Redis with XREAD) while the master is SIGKILLed; the
+stream, held open by the API through the switch, goes on to the fan-out's `end`
+without the client reconnecting. After the promotion the API answers its health
+check and runs a new tree submitted over HTTP, with exact totals.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coordinator import Coordinator, Settings, TaskStatus
+from coordinator.api.app import create_app
+from coordinator.client import SubqClient
+from coordinator.client.sse import Event
+from coordinator.local.fleet import WorkerFleet
+from tests.agents import STEP_COST_MICROS, agent, call, reply, tree_root
+from tests.helpers import TOKEN, ApiServer, api_settings, eventually
+from tests.sentinel_kit import SentinelSet, sentinel_set
+from tests.test_faults import assert_converged
+
+CHILDREN = 8
+# Each child waits this long on its model: the fan-out is running when the master dies.
+CHILD_LATENCY_MS = 1500
+WAIT_S = 120
+# The acceptance tree (tests/agents.py): eleven model requests.
+TREE_REQUESTS = 11
+
+
+@pytest.fixture
+def api_on_sentinel(settings: Settings, tmp_path: Path) -> Iterator[tuple[SentinelSet, Coordinator, str]]:
+    with sentinel_set(tmp_path / "sentinels") as kit:
+        own = api_settings(
+            kit.settings(
+                settings,
+                key_prefix="subqfailoverapi",
+                queue="subq-failover-api",
+                heartbeat_lapse_s=3,
+                reconcile_interval_s=0.5,
+                reconcile_grace_s=5,
+            )
+        )
+        with WorkerFleet(own, 1, tmp_path / "workers") as fleet:
+            fleet.wait_ready()
+            coord = Coordinator(own)
+            try:
+                with ApiServer(create_app(coordinator=coord)) as server:
+                    yield kit, coord, server.url
+            finally:
+                coord.close()
+
+
+def test_the_event_stream_goes_on_through_a_failover_and_the_api_takes_work_after(
+    api_on_sentinel: tuple[SentinelSet, Coordinator, str],
+) -> None:
+    kit, coord, url = api_on_sentinel
+    children = [
+        {"description": f"c{n}", "message": agent({**reply(f"c{n} done"), "latency_ms": CHILD_LATENCY_MS})}
+        for n in range(CHILDREN)
+    ]
+    with SubqClient(url, token=TOKEN) as subq:
+        fan_out = subq.create_task(
+            agent(call("run_subagents", tasks=children), reply("all done"), text="Fan out."), run=True
+        )
+        events: list[Event] = []
+        failure: list[BaseException] = []
+
+        def follow() -> None:
+            try:
+                with subq.fork() as own:
+                    events.extend(own.events(fan_out.id))
+            except BaseException as exc:  # shown by the assertion below
+                failure.append(exc)
+
+        reader = threading.Thread(target=follow, daemon=True)
+        reader.start()
+        eventually(lambda: any(e.data.get("type") == "delegated" for e in events) or None, "the delegation event")
+        seen_before_kill = len(events)
+
+        old = kit.kill_master()
+        kit.wait_promoted(old)
+
+        reader.join(WAIT_S)
+        assert not reader.is_alive() and not failure, failure
+        assert len(events) > seen_before_kill, "events came after the failover"
+        assert events[-1].event == "end" and events[-1].data == {"task_id": fan_out.id, "status": "completed"}
+        ended = {e.data["task_id"] for e in events if e.data.get("type") == "task_status"}
+        kids = {child.id for child in coord.get_children(fan_out.id)}
+        assert len(kids) == CHILDREN and kids <= ended, "every child's end was streamed, before or after the switch"
+
+        assert eventually(lambda: subq.health().status == "ok" or None, "the API's health after the promotion")
+        tree = subq.create_task(tree_root(), run=True)
+        done = subq.wait(tree.id, WAIT_S)
+        assert done.status == TaskStatus.COMPLETED and done.total_cost_micros == TREE_REQUESTS * STEP_COST_MICROS
+
+    finished = coord.get_task(fan_out.id)
+    assert finished.summary == "all done" and finished.requests == 2, "the agent resumed once"
+    assert finished.total_cost_micros == (CHILDREN + 2) * STEP_COST_MICROS
+    for root in (fan_out.id, tree.id):
+        assert_converged(coord, root)
