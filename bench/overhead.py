@@ -26,7 +26,8 @@ event stream. Per child, each mode reports:
   event publishes, which are reported per second as `timed/s`);
 - commands the Redis server ran (`INFO commandstats`, commands inside Lua included;
   the caller's and the idle fleet's commands are in this figure too);
-- the worker process's CPU (user + system, /proc);
+- the worker process's CPU (user + system, /proc), and the Redis server's (its own
+  `INFO cpu`: a step's Lua scripts run there, on the same cores);
 - throughput (children per second of wall time);
 - how long after the last child ended the parent was resumed (a chord's callback
   ran; subq's batch closed), p50 and p99 over every run of the width.
@@ -102,6 +103,7 @@ class Sample:
     server_commands: int
     worker_cpu_s: float
     caller_cpu_s: float
+    redis_cpu_s: float  # the Redis server's, all of its threads (INFO cpu)
     resumed_after_ms: float
     by_command: Counter[str] = field(default_factory=Counter)
     server_by_command: Counter[str] = field(default_factory=Counter)
@@ -110,6 +112,12 @@ class Sample:
 def process_cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+
+
+def server_cpu_s(client: redis.Redis) -> float:
+    """CPU seconds the Redis server has used so far (its own count, every thread of it)."""
+    cpu = client.info("cpu")
+    return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
 
 
 def server_commands(client: redis.Redis) -> Counter[str]:
@@ -172,7 +180,7 @@ class Modes:
         pid = (self.subq if mode == "subq" else self.bare).procs[0].pid
         time.sleep(PROBE_SETTLE_S)
         trips_before, cpu_before = read_counts(self.probe_dir, pid), process_cpu_s(pid)
-        commands_before = server_commands(self.client)
+        commands_before, redis_cpu_before = server_commands(self.client), server_cpu_s(self.client)
         started_s, caller_before_s = time.perf_counter(), time.process_time()
         joined = self._subq(width) if mode == "subq" else self._chord(mode, width)
         wall_s, caller_cpu_s = time.perf_counter() - started_s, time.process_time() - caller_before_s
@@ -181,6 +189,7 @@ class Modes:
         # Counted before the check below: its reads verify the run, they are not part of it.
         commands = server_commands(self.client) - commands_before
         worker_cpu_s = process_cpu_s(pid) - cpu_before
+        redis_cpu_s = server_cpu_s(self.client) - redis_cpu_before
         resumed_after_ms = joined() if callable(joined) else joined
         return Sample(
             wall_s=wall_s,
@@ -189,6 +198,7 @@ class Modes:
             server_commands=sum(commands.values()),
             worker_cpu_s=worker_cpu_s,
             caller_cpu_s=caller_cpu_s,
+            redis_cpu_s=redis_cpu_s,
             resumed_after_ms=resumed_after_ms,
             by_command=trips,
             server_by_command=commands,
@@ -281,6 +291,7 @@ def summarise(samples: dict[str, dict[int, list[Sample]]]) -> list[dict[str, Any
                     "server_commands_per_child": round(statistics.median(r.server_commands for r in runs) / width, 1),
                     "worker_cpu_ms_per_child": round(statistics.median(r.worker_cpu_s for r in runs) * 1000 / width, 2),
                     "caller_cpu_ms_per_child": round(statistics.median(r.caller_cpu_s for r in runs) * 1000 / width, 2),
+                    "redis_cpu_ms_per_child": round(statistics.median(r.redis_cpu_s for r in runs) * 1000 / width, 2),
                     "resumed_p50_ms": round(percentile([r.resumed_after_ms for r in runs], 0.5), 1),
                     "resumed_p99_ms": round(percentile([r.resumed_after_ms for r in runs], 0.99), 1),
                     "round_trips_by_command": {name: round(n / width / len(runs), 2) for name, n in top},
@@ -297,7 +308,7 @@ def print_report(rows: list[dict[str, Any]], scale: dict[str, float], facts: dic
     header = (
         f"{'mode':>6} {'width':>6} {'children/s':>11} {'trips/child':>12} {'by runs':>8} {'timed/s':>8} "
         f"{'cmds/child':>11} "
-        f"{'CPU ms/child':>13} {'caller CPU':>11} {'resumed p50':>12} {'p99 ms':>7}"
+        f"{'CPU ms/child':>13} {'caller CPU':>11} {'Redis CPU':>10} {'resumed p50':>12} {'p99 ms':>7}"
     )
     print(header)
     print("-" * len(header))
@@ -306,7 +317,7 @@ def print_report(rows: list[dict[str, Any]], scale: dict[str, float], facts: dic
             f"{r['mode']:>6} {r['width']:>6} {r['children_per_s']:>11.1f} {r['round_trips_per_child']:>12.2f} "
             f"{r['run_round_trips_per_child']:>8.2f} {r['timed_round_trips_per_s']:>8.1f} "
             f"{r['server_commands_per_child']:>11.1f} {r['worker_cpu_ms_per_child']:>13.2f} "
-            f"{r['caller_cpu_ms_per_child']:>11.2f} "
+            f"{r['caller_cpu_ms_per_child']:>11.2f} {r['redis_cpu_ms_per_child']:>10.2f} "
             f"{r['resumed_p50_ms']:>12.1f} {r['resumed_p99_ms']:>7.1f}"
         )
     print()
