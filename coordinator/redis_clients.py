@@ -277,11 +277,8 @@ def sentinel_transport_options(settings: Settings) -> dict[str, Any]:
     """What kombu's and Celery's sentinel transports need beside the URL; nothing with one Redis."""
     if settings.redis_sentinels is None:
         return {}
-    options: dict[str, Any] = {"master_name": settings.redis_sentinel_master}
-    sentinel_auth = _sentinel_auth(settings)
-    if sentinel_auth:
-        options["sentinel_kwargs"] = sentinel_auth
-    return options
+    # The sentinels asked as subq's own clients ask them: a silent one is passed over at once.
+    return {"master_name": settings.redis_sentinel_master, "sentinel_kwargs": _sentinel_kwargs(settings, {})}
 
 
 def describe(settings: Settings) -> str:

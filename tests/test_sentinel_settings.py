@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -110,8 +111,10 @@ def test_celery_is_given_the_sentinel_transport() -> None:
         redis_sentinel_password=SecretStr("sentinel-secret"),
     )
     assert celery_url(settings) == "sentinel://:p%40ss%3Aw%2Frd@10.0.0.1:26379;sentinel://[fd00::2]:26379"
-    options = {"master_name": "subq", "sentinel_kwargs": {"password": "sentinel-secret"}}
-    assert sentinel_transport_options(settings) == options
+    options = sentinel_transport_options(settings)
+    assert options["master_name"] == "subq"
+    assert _asking(options) == {"password": "sentinel-secret", "socket_connect_timeout": 1.0, "socket_timeout": 1.0}
+    assert options["sentinel_kwargs"]["retry"].get_retries() == 0, "a silent sentinel is passed over at once"
     app = make_app(settings)
     assert app.conf.broker_url == celery_url(settings)
     assert app.conf.broker_transport_options.items() >= options.items()
@@ -243,13 +246,13 @@ def test_celery_and_every_client_are_given_tls_under_sentinel(tmp_path: Path) ->
     assert tls_options(settings) == tls
     app = make_app(settings)
     assert app.conf.broker_use_ssl == tls and app.conf.redis_backend_use_ssl == tls
-    sentinel_kwargs = {"password": "s", "ssl": True, **tls}
-    assert app.conf.broker_transport_options["sentinel_kwargs"] == sentinel_kwargs
-    assert app.conf.result_backend_transport_options["sentinel_kwargs"] == sentinel_kwargs
+    sentinel_kwargs = {"password": "s", "ssl": True, "socket_connect_timeout": 1.0, "socket_timeout": 1.0, **tls}
+    assert _asking(app.conf.broker_transport_options) == sentinel_kwargs
+    assert _asking(app.conf.result_backend_transport_options) == sentinel_kwargs
     assert describe(settings) == f"master 'subq' (TLS) of the sentinels {SENTINELS}"
     # Sentinels in the clear, nodes over TLS; and the other way round.
     clear_sentinels = settings.model_copy(update={"redis_sentinel_tls": False})
-    assert sentinel_transport_options(clear_sentinels)["sentinel_kwargs"] == {"password": "s"}
+    assert "ssl" not in _asking(sentinel_transport_options(clear_sentinels))
     tls_sentinels_only = Settings(redis_sentinels=SENTINELS, redis_sentinel_master="subq", redis_sentinel_tls=True)
     assert sentinel_transport_options(tls_sentinels_only)["sentinel_kwargs"]["ssl"] is True
     assert "broker_use_ssl" not in make_app(tls_sentinels_only).conf.changes, "nodes in the clear"
@@ -261,3 +264,24 @@ def test_celery_and_every_client_are_given_tls_under_sentinel(tmp_path: Path) ->
         "SUBQ_REDIS_TLS": "true", "SUBQ_REDIS_TLS_CA_FILE": str(files["ca"]),
         "SUBQ_REDIS_TLS_CERT_FILE": str(files["cert"]), "SUBQ_REDIS_TLS_KEY_FILE": str(files["key"]),
     }  # fmt: skip
+
+
+def test_a_lost_broker_is_tried_again_at_most_a_second_apart_under_sentinel() -> None:
+    """kombu's own rounds are 2 s, then 4, 6, ... apart; under Sentinel the consumer tries again within a second."""
+    from kombu.exceptions import OperationalError
+
+    from coordinator.celery_app import SENTINEL_RECONNECT_S, BrokerConnection
+
+    app = make_app(Settings(redis_sentinels="127.0.0.1:1", redis_sentinel_master="subq"))
+    conn = app.connection_for_read()
+    assert isinstance(conn, BrokerConnection) and conn.transport_cls == "sentinel"
+    waits_s: list[float] = []
+    with pytest.raises(OperationalError):  # nothing listens on port 1: each round fails, two are waited for
+        conn.ensure_connection(lambda exc, interval: waits_s.append(interval), 2)
+    assert waits_s == [SENTINEL_RECONNECT_S["interval_start"], SENTINEL_RECONNECT_S["interval_max"]]
+    conn.release()
+
+
+def _asking(transport_options: dict[str, Any]) -> dict[str, Any]:
+    """How a transport asks the sentinels (`sentinel_kwargs`), without its Retry object (compared apart)."""
+    return {name: value for name, value in transport_options["sentinel_kwargs"].items() if name != "retry"}
