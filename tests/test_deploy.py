@@ -22,7 +22,6 @@ from typing import Any
 
 import jsonschema
 import pytest
-import yaml
 
 from coordinator.settings import DEFAULT_SHUTDOWN_GRACE_S, Settings
 from tests import compose_file
@@ -141,24 +140,9 @@ REDIS_NODES = ("redis", "redis-replica-1", "redis-replica-2")
 SENTINEL_SERVICES = ("sentinel-1", "sentinel-2", "sentinel-3")
 
 
-def _merged(base: Any, override: Any, path: tuple[str, ...] = ()) -> Any:
-    """`docker compose -f base -f override`'s merge, for what these files use: mappings merge key by key,
-    `volumes` of a service by their target path, any other list (a command, a healthcheck's test) is replaced."""
-    if isinstance(base, dict) and isinstance(override, dict):
-        out = dict(base)
-        for key, value in override.items():
-            out[key] = _merged(base[key], value, (*path, key)) if key in base else value
-        return out
-    if path[-1:] == ("volumes",) and len(path) == 3 and isinstance(base, list) and isinstance(override, list):
-        targets = {entry.split(":")[1]: entry for entry in base}
-        targets.update({entry.split(":")[1]: entry for entry in override})
-        return list(targets.values())
-    return override
-
-
 def _sentinel_compose() -> dict[str, Any]:
-    override = yaml.safe_load(SENTINEL_OVERRIDE.read_text())
-    return {k: v for k, v in _merged(compose_file.load(), override).items() if not k.startswith("x-")}
+    """docker-compose.yml with the Sentinel variant merged over it, as Compose merges them (tests/compose_file.py)."""
+    return {k: v for k, v in compose_file.load(SENTINEL_OVERRIDE).items() if not k.startswith("x-")}
 
 
 # The Kubernetes component's folder of start scripts, mounted whole where its pods mount them.

@@ -11,8 +11,10 @@ would, and must come back as a replica of the new master, not as a second one.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -124,10 +126,8 @@ def scripted(tmp_path: Path) -> Iterator[ScriptedSet]:
         started.stop()
 
 
-def test_the_scripts_start_a_set_that_fails_over_and_takes_its_old_master_back_as_a_replica(
-    scripted: ScriptedSet,
-) -> None:
-    conf_before = (ROOT / "deploy" / "redis.conf").read_text()
+def _start_set(scripted: ScriptedSet) -> tuple[int, list[int]]:
+    """The set's first start, every sentinel knowing it: (the first master's port, the replicas')."""
     first, *others = scripted.node_ports
     for port in scripted.node_ports:  # no sentinel answers yet: the first start, with REDIS_FIRST_MASTER
         scripted.start_node(port)
@@ -137,6 +137,14 @@ def test_the_scripts_start_a_set_that_fails_over_and_takes_its_old_master_back_a
     eventually(lambda: all(_role(p) == ("slave", first) for p in others) or None, "both replicas linked", 15)
     eventually(lambda: knows_everyone(scripted.sentinel_ports, len(others)), "every sentinel to know the set", 30)
     assert scripted.master_port() == first
+    return first, others
+
+
+def test_the_scripts_start_a_set_that_fails_over_and_takes_its_old_master_back_as_a_replica(
+    scripted: ScriptedSet,
+) -> None:
+    conf_before = (ROOT / "deploy" / "redis.conf").read_text()
+    first, others = _start_set(scripted)
 
     scripted.nodes[first].kill()
 
@@ -159,3 +167,33 @@ def test_the_scripts_start_a_set_that_fails_over_and_takes_its_old_master_back_a
     follower.close()
     # A failover rewrites the nodes' configs (CONFIG REWRITE): their own copies, never the mounted file.
     assert (ROOT / "deploy" / "redis.conf").read_text() == conf_before
+
+
+def test_a_master_back_before_the_sentinels_noticed_hands_over_and_loses_no_acknowledged_step(
+    scripted: ScriptedSet,
+) -> None:
+    """The master's container restarted at once, its volume lost: the sentinels still name it.
+
+    Started as the master, it would make the replicas resync from its empty data and drop
+    a step they acknowledged; its script has a replica promoted first and follows it.
+    """
+    first, others = _start_set(scripted)
+    master = redis.Redis(port=first)
+    master.set("acknowledged", "kept")
+    assert master.wait(2, 5000) == 2, "both replicas have it: a step acknowledged to its caller"
+    master.close()
+
+    scripted.nodes[first].kill()
+    shutil.rmtree(scripted.workdir / f"node-{first}")  # the volume lost with the container
+    scripted.start_node(first)  # at once: well within the sentinels' down-after-milliseconds
+
+    promoted = scripted.master_port()
+    assert promoted in others, "a replica was promoted before the node started"
+    eventually(lambda: _role(first) == ("slave", promoted) or None, "the old master back as a replica", 20)
+    for port in scripted.node_ports:
+        node = redis.Redis(port=port)
+        has_it = partial(lambda client: client.get("acknowledged") == b"kept" or None, node)
+        eventually(has_it, f"the acknowledged step on {port}", 10)
+        node.close()
+    log = (scripted.workdir / f"node-{first}" / "out.log").read_text()
+    assert "a replica took over" in log, log

@@ -10,10 +10,43 @@
 #   REDIS_CONF          its redis.conf (deploy/redis.conf: AOF on, no eviction), copied to the working directory
 #   SENTINELS           the sentinels, "host:port host:port host:port"
 #   SENTINEL_MASTER     the name the sentinels know the master by (subq)
+#   HAND_OVER_WAIT_S    how long to wait for a replica's promotion before starting as the master (30)
 set -eu
 port="${REDIS_PORT:-6379}"
 . "$(dirname "$0")/ask-master.sh"
+
+# The sentinels still name this node, which is only now starting: it went down and came back before
+# they noticed (a container restarted at once). Its data may be older than its replicas' (a lost
+# volume, or an AOF behind them), and as the master it would make them resync from it and drop steps
+# they had acknowledged (WAIT). So a replica is promoted first (SENTINEL FAILOVER), and this node
+# starts as its replica. Fails (and the node starts as the master) when no sentinel takes the
+# failover: none answers, or there is no replica to promote (every node down at once).
+hand_over() {
+    taken=""
+    for sentinel in $SENTINELS; do
+        reply="$(redis-cli -h "${sentinel%:*}" -p "${sentinel##*:}" --raw \
+            SENTINEL failover "$SENTINEL_MASTER" 2>&1 || true)"
+        case "$reply" in
+            OK | *INPROG*) taken="$sentinel"; break ;;
+        esac
+    done
+    [ -n "$taken" ] || return 1
+    tries=$(( ${HAND_OVER_WAIT_S:-30} * 2 ))
+    while [ "$tries" -gt 0 ]; do
+        if [ "$(ask_master)" != "$REDIS_NODE:$port" ]; then
+            return 0
+        fi
+        sleep 0.5
+        tries=$((tries - 1))
+    done
+    return 1
+}
+
 master="$(ask_master)"
+if [ "$master" = "$REDIS_NODE:$port" ] && hand_over; then
+    master="$(ask_master)"
+    echo "redis-node: the sentinels still named $REDIS_NODE:$port the master; a replica took over"
+fi
 # A fresh copy of the config at each start, in the working directory (the data volume): a failover
 # rewrites the running node's config (CONFIG REWRITE), which must neither fail on a read-only
 # mount nor carry an old master's address into the next start.
