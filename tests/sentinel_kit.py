@@ -22,8 +22,9 @@ from typing import Any
 
 import redis
 
-from coordinator import Settings
+from coordinator import Coordinator, Settings
 from coordinator.local.embedded_redis import find_redis_server, free_port
+from coordinator.local.fleet import WorkerFleet
 from tests.helpers import eventually
 from tests.tls_kit import TLS_REDIS_SERVER, Tls
 
@@ -280,3 +281,22 @@ def replica_lag_bytes(kit: SentinelSet) -> list[int]:
         return [offset - int(replica["offset"]) for replica in _replica_infos(master)]
     finally:
         master.close()
+
+
+@contextmanager
+def fleet_on(
+    kit: SentinelSet, base: Settings, workers: int, log_dir: Path, **updates: object
+) -> Iterator[tuple[Settings, Coordinator, WorkerFleet]]:
+    """Real worker processes and a Coordinator on the set, with timings fit for a failover test.
+
+    Leases lapse after 3 s and the reconciler looks every 0.5 s, repairing what is 5 s
+    overdue: what a failover leaves is moved on within seconds. `updates` win.
+    """
+    own = kit.settings(base, heartbeat_lapse_s=3, reconcile_interval_s=0.5, reconcile_grace_s=5, **updates)
+    with WorkerFleet(own, workers, log_dir) as fleet:
+        fleet.wait_ready()
+        coord = Coordinator(own)
+        try:
+            yield own, coord, fleet
+        finally:
+            coord.close()

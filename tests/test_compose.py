@@ -59,21 +59,36 @@ def _env_file(project: Path) -> None:
 
 def _healthy(venv: Venv, service: compose_file.Service, running: Service, hostname: str) -> None:
     """Run the service's own healthcheck until it passes, as Docker does."""
-    env = venv.env({**service.environment, "HOSTNAME": hostname})
+    wait_healthy(service, running, venv.env({**service.environment, "HOSTNAME": hostname}))
+
+
+def wait_healthy(
+    service: compose_file.Service,
+    running: Service,
+    env: dict[str, str],
+    cwd: Path | None = None,
+    every_s: float = HEALTHCHECK_EVERY_S,
+) -> None:
+    """Run the service's own healthcheck, with `env` in `cwd`, every `every_s` until it passes, as Docker does."""
     deadline = time.monotonic() + HEALTHY_TIMEOUT_S
     last = ""
     while time.monotonic() < deadline:
         running.assert_running()
         try:
             check = subprocess.run(
-                service.healthcheck, env=env, capture_output=True, text=True, timeout=service.healthcheck_timeout_s
+                service.healthcheck,
+                env=env,
+                cwd=cwd,
+                capture_output=True,
+                text=True,
+                timeout=service.healthcheck_timeout_s,
             )
             if check.returncode == 0:
                 return
             last = f"exit {check.returncode}: {check.stdout[-500:]}{check.stderr[-1500:]}"
         except subprocess.TimeoutExpired:
             last = f"no answer within {service.healthcheck_timeout_s:g}s"
-        time.sleep(HEALTHCHECK_EVERY_S)
+        time.sleep(every_s)
     raise AssertionError(f"{running.name}: healthcheck {service.healthcheck} never passed ({last}):\n{running.tail()}")
 
 

@@ -29,8 +29,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -45,7 +43,7 @@ from tests import compose_file
 from tests.compose_file import Localizer
 from tests.helpers import eventually
 from tests.sentinel_kit import DOWN_AFTER_MS, FAILOVER_TIMEOUT_MS, knows_everyone
-from tests.test_compose import API_TOKEN, HTTP_TIMEOUT_S, _env_file, _run_tree, _wait_for_workers
+from tests.test_compose import API_TOKEN, HTTP_TIMEOUT_S, _env_file, _run_tree, _wait_for_workers, wait_healthy
 from tests.wheel_env import Service, Venv, started
 
 # Building the wheel and its venv (once per run) can take minutes on a cold pip cache.
@@ -56,8 +54,6 @@ REDIS_BINARIES = (Path("/usr/bin/redis-server"), Path("/usr/bin/redis-cli"))
 # redis:7-alpine's WORKDIR, and a VOLUME: a node's named volume is mounted there, and its script
 # copies its config there and Redis writes its AOF there.
 REDIS_WORKDIR = "/data"
-# As tests/test_compose.py: a loaded CI host needs as long as Docker's start_period and retries give.
-HEALTHY_TIMEOUT_S = 120
 # How often a healthcheck runs until it passes: often, as the test waits on it (Docker's interval is 5 s).
 HEALTHCHECK_EVERY_S = 0.25
 PROMOTION_TIMEOUT_S = 30
@@ -198,26 +194,7 @@ class SentinelStack:
 
 def _healthy(service: compose_file.Service, env: dict[str, str], cwd: Path, running: Service) -> None:
     """Run the service's own healthcheck until it passes, as Docker does, in the container's working directory."""
-    deadline = time.monotonic() + HEALTHY_TIMEOUT_S
-    last = ""
-    while time.monotonic() < deadline:
-        running.assert_running()
-        try:
-            check = subprocess.run(
-                service.healthcheck,
-                env=env,
-                cwd=cwd,
-                capture_output=True,
-                text=True,
-                timeout=service.healthcheck_timeout_s,
-            )
-            if check.returncode == 0:
-                return
-            last = f"exit {check.returncode}: {check.stdout[-500:]}{check.stderr[-1500:]}"
-        except subprocess.TimeoutExpired:
-            last = f"no answer within {service.healthcheck_timeout_s:g}s"
-        time.sleep(HEALTHCHECK_EVERY_S)
-    raise AssertionError(f"{running.name}: healthcheck {service.healthcheck} never passed ({last}):\n{running.tail()}")
+    wait_healthy(service, running, env, cwd, every_s=HEALTHCHECK_EVERY_S)
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from coordinator.local.fleet import WorkerFleet, settings_env
 from coordinator.redis_clients import redis_client, tls_options
 from tests.agents import STEP_COST_MICROS, tree_root
 from tests.helpers import eventually
-from tests.sentinel_kit import SentinelSet, sentinel_set
+from tests.sentinel_kit import SentinelSet, fleet_on, sentinel_set
 from tests.test_faults import assert_converged
 from tests.tls_kit import HOST, TLS_REDIS_SERVER, Tls, make_tls
 
@@ -86,21 +86,9 @@ def _refuses_clear_text(port: int) -> bool:
 @pytest.fixture
 def tls_fleet(settings: Settings, tls: Tls, tmp_path: Path) -> Iterator[tuple[SentinelSet, Settings, Coordinator]]:
     with sentinel_set(tmp_path / "sentinels", tls=tls) as kit:
-        own = kit.settings(
-            settings,
-            key_prefix="subqtls",
-            queue="subq-tls",
-            heartbeat_lapse_s=3,
-            reconcile_interval_s=0.5,
-            reconcile_grace_s=5,
-        )
-        with WorkerFleet(own, 1, tmp_path / "workers") as fleet:
-            fleet.wait_ready()
-            coord = Coordinator(own)
-            try:
-                yield kit, own, coord
-            finally:
-                coord.close()
+        with fleet_on(kit, settings, 1, tmp_path / "workers", key_prefix="subqtls", queue="subq-tls") as started:
+            own, coord, _fleet = started
+            yield kit, own, coord
 
 
 def test_a_fleet_on_tls_sentinels_runs_trees_before_and_after_a_failover(

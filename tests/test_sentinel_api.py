@@ -20,10 +20,9 @@ from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.api.app import create_app
 from coordinator.client import SubqClient
 from coordinator.client.sse import Event
-from coordinator.local.fleet import WorkerFleet
 from tests.agents import STEP_COST_MICROS, agent, call, reply, tree_root
 from tests.helpers import TOKEN, ApiServer, api_settings, eventually
-from tests.sentinel_kit import SentinelSet, sentinel_set
+from tests.sentinel_kit import SentinelSet, fleet_on, sentinel_set
 from tests.test_faults import assert_converged
 
 CHILDREN = 8
@@ -37,24 +36,10 @@ TREE_REQUESTS = 11
 @pytest.fixture
 def api_on_sentinel(settings: Settings, tmp_path: Path) -> Iterator[tuple[SentinelSet, Coordinator, str]]:
     with sentinel_set(tmp_path / "sentinels") as kit:
-        own = api_settings(
-            kit.settings(
-                settings,
-                key_prefix="subqfailoverapi",
-                queue="subq-failover-api",
-                heartbeat_lapse_s=3,
-                reconcile_interval_s=0.5,
-                reconcile_grace_s=5,
-            )
-        )
-        with WorkerFleet(own, 1, tmp_path / "workers") as fleet:
-            fleet.wait_ready()
-            coord = Coordinator(own)
-            try:
-                with ApiServer(create_app(coordinator=coord)) as server:
-                    yield kit, coord, server.url
-            finally:
-                coord.close()
+        names = {"key_prefix": "subqfailoverapi", "queue": "subq-failover-api"}
+        with fleet_on(kit, api_settings(settings), 1, tmp_path / "workers", **names) as (_own, coord, _fleet):
+            with ApiServer(create_app(coordinator=coord)) as server:
+                yield kit, coord, server.url
 
 
 def test_the_event_stream_goes_on_through_a_failover_and_the_api_takes_work_after(

@@ -23,7 +23,7 @@ from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.local.fleet import WorkerFleet
 from tests.agents import STEP_COST_MICROS, agent, call, reply
 from tests.helpers import eventually
-from tests.sentinel_kit import SentinelSet, replica_lag_bytes, sentinel_set
+from tests.sentinel_kit import SentinelSet, fleet_on, replica_lag_bytes, sentinel_set
 from tests.test_faults import assert_converged
 
 CHILDREN = 100
@@ -38,22 +38,10 @@ WAIT_S = 120
 @pytest.fixture
 def fleet_on_sentinel(settings: Settings, tmp_path: Path) -> Iterator[tuple[SentinelSet, Coordinator, WorkerFleet]]:
     with sentinel_set(tmp_path / "sentinels") as kit:
-        own = kit.settings(
-            settings,
-            key_prefix="subqfailover",
-            queue="subq-failover",
-            heartbeat_lapse_s=3,
-            reconcile_interval_s=0.5,
-            reconcile_grace_s=5,
-            visibility_timeout_s=300,  # the reconciler, not the broker's backstop, must converge it
-        )
-        with WorkerFleet(own, 2, tmp_path / "workers") as fleet:
-            fleet.wait_ready()
-            coord = Coordinator(own)
-            try:
-                yield kit, coord, fleet
-            finally:
-                coord.close()
+        # visibility_timeout_s: the reconciler, not the broker's backstop, must converge it.
+        names = {"key_prefix": "subqfailover", "queue": "subq-failover", "visibility_timeout_s": 300}
+        with fleet_on(kit, settings, 2, tmp_path / "workers", **names) as (_own, coord, fleet):
+            yield kit, coord, fleet
 
 
 def _slow(text: str, latency_ms: int) -> str:
