@@ -6,7 +6,7 @@ each client for a certificate, as Redis does by default. subq is given the
 SUBQ_REDIS_TLS settings: a real worker (its store, Celery's broker and result
 backend on kombu's and Celery's sentinel transports), the Coordinator and the
 CLI run trees on it, before and after the master is SIGKILLed and a replica
-promoted. A client that does not trust the servers' CA is refused, with the
+promoted, and a real Flower reaches the workers and reads each root's result. A client that does not trust the servers' CA is refused, with the
 certificate's error. One Redis takes TLS in its `rediss://` URL, as
 docs/configuration.md says; a fleet runs a tree on one.
 """
@@ -17,9 +17,11 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlencode
 
+import httpx
 import pytest
 import redis
 from redis.backoff import NoBackoff
@@ -28,6 +30,7 @@ from redis.retry import Retry
 from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.local.embedded_redis import free_port
 from coordinator.local.fleet import WorkerFleet, settings_env
+from coordinator.local.up import Service
 from coordinator.redis_clients import redis_client, tls_options
 from tests.agents import STEP_COST_MICROS, tree_root
 from tests.helpers import eventually
@@ -40,6 +43,7 @@ WAIT_S = 120
 # The acceptance tree (tests/agents.py): the root, three children, two nested; eleven model requests.
 TREE_TASKS = 6
 TREE_REQUESTS = 11
+FLOWER_USER, FLOWER_PASSWORD = "flower-tls", "flower-tls-password"
 
 
 @pytest.fixture(scope="module")
@@ -92,22 +96,51 @@ def tls_fleet(settings: Settings, tls: Tls, tmp_path: Path) -> Iterator[tuple[Se
 
 
 def test_a_fleet_on_tls_sentinels_runs_trees_before_and_after_a_failover(
-    tls_fleet: tuple[SentinelSet, Settings, Coordinator],
+    tls_fleet: tuple[SentinelSet, Settings, Coordinator], tmp_path: Path
 ) -> None:
     kit, own, coord = tls_fleet
     ports = [*kit.data, *(s.port for s in kit.sentinels)]
     assert all(_refuses_clear_text(port) for port in ports), "every server of the set speaks TLS only"
 
-    first = _run_tree(coord)
-    tree = _cli_tree(own, first)
-    assert tree["total_cost_micros"] == TREE_REQUESTS * STEP_COST_MICROS, tree
+    with _flower(own, tmp_path) as flower:
+        first = _run_tree(coord)
+        tree = _cli_tree(own, first)
+        assert tree["total_cost_micros"] == TREE_REQUESTS * STEP_COST_MICROS, tree
+        _flower_sees(flower, first)
 
-    old = kit.kill_master()
-    kit.wait_promoted(old)
-    second = _run_tree(coord)
-    assert second != first
-    assert _cli_tree(own, second)["status"] == "completed"
-    assert coord.get_task(first).status == TaskStatus.COMPLETED, "the first tree is on the promoted replica too"
+        old = kit.kill_master()
+        kit.wait_promoted(old)
+        second = _run_tree(coord)
+        assert second != first
+        assert _cli_tree(own, second)["status"] == "completed"
+        assert coord.get_task(first).status == TaskStatus.COMPLETED, "the first tree is on the promoted replica too"
+        _flower_sees(flower, second)
+
+
+@contextmanager
+def _flower(settings: Settings, folder: Path) -> Iterator[httpx.Client]:
+    """`subq flower` in its own process, given these settings by its environment; a client signed in to it."""
+    port = free_port()
+    env = {k: v for k, v in settings_env(settings).items() if not k.startswith("FLOWER_")}
+    env |= {"SUBQ_FLOWER_USER": FLOWER_USER, "SUBQ_FLOWER_PASSWORD": FLOWER_PASSWORD}
+    argv = [sys.executable, "-m", "coordinator", "flower", "--port", str(port)]
+    with Service("Flower", argv, env, folder / "flower.log") as flower:
+        flower.wait_listening(HOST, port)
+        with httpx.Client(base_url=f"http://{HOST}:{port}", auth=(FLOWER_USER, FLOWER_PASSWORD), timeout=30) as client:
+            yield client
+
+
+def _flower_sees(flower: httpx.Client, root_id: str) -> None:
+    """Flower reaches the fleet over TLS: the workers answer its broadcast, and the root's result is read."""
+
+    def workers() -> dict[str, object] | None:
+        answer = flower.get("/api/workers", params={"refresh": "1"})
+        return answer.json() if answer.status_code == 200 and answer.json() else None
+
+    assert eventually(workers, "the workers to answer Flower", timeout_s=60)
+    result = flower.get(f"/api/task/result/{root_id}")
+    assert result.status_code == 200, result.text
+    assert result.json()["state"] == "SUCCESS" and result.json()["result"]["status"] == "completed", result.json()
 
 
 def test_a_client_that_does_not_trust_the_servers_ca_is_refused(settings: Settings, tls: Tls, tmp_path: Path) -> None:
