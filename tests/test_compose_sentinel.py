@@ -243,22 +243,24 @@ def test_compose_with_sentinel_comes_up_runs_a_tree_fails_over_and_takes_its_old
                 name = services.master()
                 return name if name != first_master and _role(services.port[name])[0] == "master" else None
 
-            new_master = eventually(promoted, "the sentinels to promote a replica", PROMOTION_TIMEOUT_S, POLL_EVERY_S)
+            eventually(promoted, "the sentinels to promote a replica", PROMOTION_TIMEOUT_S, POLL_EVERY_S)
 
             # `restart: unless-stopped`: the same service, its own command, its own volume.
             services.up((first_master, first_master))
-            old_port, new_port = services.port[first_master], services.port[new_master]
+            old_port = services.port[first_master]
             restarted = services.running[first_master]
             assert _role(old_port)[0] == "slave", f"{first_master} came back as a master:\n{restarted.tail()}"
 
             _run_tree(http)
 
+            # On a loaded host a promoted master can miss the test's short down-after-milliseconds and be
+            # failed over in turn: the old master must follow whichever node the sentinels name by then.
             def linked() -> bool:
                 role = _role(old_port)
                 assert role[0] == "slave", f"{first_master} turned master:\n{restarted.tail()}"
-                return role == ("slave", new_port)
+                return role == ("slave", services.port[services.master()])
 
-            eventually(linked, f"{first_master} to replicate from {new_master}", REPLICA_TIMEOUT_S, POLL_EVERY_S)
+            eventually(linked, f"{first_master} to replicate from the master", REPLICA_TIMEOUT_S, POLL_EVERY_S)
             masters = [name for name in services.node_names if _role(services.port[name])[0] == "master"]
-            assert masters == [new_master], f"one master, the promoted one: {masters}"
-            assert services.master() == new_master
+            assert masters == [services.master()], f"one master, the one the sentinels name: {masters}"
+            assert first_master not in masters
