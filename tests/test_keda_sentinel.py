@@ -394,6 +394,7 @@ def test_kedas_steps_measure_the_subq_queue_on_the_master_the_sentinels_name(
                     assert coord.wait(root, WAIT_S).status == TaskStatus.COMPLETED
                 children = eventually(lambda: _ended(coord.get_children(parent.id)), "the fan-out to end", WAIT_S)
                 assert len(children) == FAN_OUT and {c.status for c in children} == {TaskStatus.COMPLETED}
-                assert poll(trigger, dns) == Poll(("127.0.0.1", promoted), 0, False)
+                # The master the sentinels name now: on a loaded host a second failover may have followed.
+                assert poll(trigger, dns) == Poll(("127.0.0.1", kit.master_port()), 0, False)
         finally:
             coord.close()

@@ -125,7 +125,8 @@ def test_a_command_in_flight_when_the_master_dies_is_sent_again_to_the_promoted_
         assert not reader.is_alive() and outcome and not isinstance(outcome[0], Exception), outcome
         assert time.monotonic() - started < 15, "sent again to the promoted master, not the dead one until given up"
         assert client.connection_pool.connection_class is FollowingConnection
-        assert client.set("subqsentinel:after", "1") and kit.client(new).get("subqsentinel:after") == "1"
+        assert new != old and client.set("subqsentinel:after", "1")
+        assert kit.master_client().get("subqsentinel:after") == "1", "written on the master the sentinels name"
     finally:
         client.close()
 
