@@ -35,6 +35,11 @@ def subtask(description: str, *steps: dict[str, Any], todo_id: str | None = None
     return spec
 
 
+# The acceptance tree of `tree_root`: the root, three children, two nested; eleven model requests.
+TREE_TASKS = 6
+TREE_REQUESTS = 11
+
+
 def tree_root() -> str:
     """The root of the acceptance tree: plan, fan out three, child 2 nests two in turn, complete."""
     child2 = subtask(

@@ -26,7 +26,7 @@ import pytest
 
 from coordinator.local.embedded_redis import free_port
 from tests import compose_file
-from tests.agents import STEP_COST_MICROS, tree_root
+from tests.agents import STEP_COST_MICROS, TREE_REQUESTS, TREE_TASKS, tree_root
 from tests.compose_file import Localizer
 from tests.wheel_env import ROOT, Service, Venv, started
 
@@ -43,9 +43,6 @@ HEALTHCHECK_EVERY_S = 1.0
 TREE_TIMEOUT_S = 120
 POLL_EVERY_S = 0.25
 HTTP_TIMEOUT_S = 10
-# The acceptance tree (tests/agents.py): the root, three children, two nested; eleven model requests.
-TREE_TASKS = 6
-TREE_REQUESTS = 11
 
 
 def _env_file(project: Path) -> None:

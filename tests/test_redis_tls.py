@@ -32,7 +32,7 @@ from coordinator.local.embedded_redis import free_port
 from coordinator.local.fleet import WorkerFleet, settings_env
 from coordinator.local.up import Service
 from coordinator.redis_clients import redis_client, tls_options
-from tests.agents import STEP_COST_MICROS, tree_root
+from tests.agents import STEP_COST_MICROS, TREE_REQUESTS, TREE_TASKS, tree_root
 from tests.helpers import eventually
 from tests.sentinel_kit import SentinelSet, fleet_on, sentinel_set
 from tests.test_faults import assert_converged
@@ -40,9 +40,6 @@ from tests.tls_kit import HOST, TLS_REDIS_SERVER, Tls, make_tls
 
 ROOT = Path(__file__).resolve().parent.parent
 WAIT_S = 120
-# The acceptance tree (tests/agents.py): the root, three children, two nested; eleven model requests.
-TREE_TASKS = 6
-TREE_REQUESTS = 11
 FLOWER_USER, FLOWER_PASSWORD = "flower-tls", "flower-tls-password"
 
 

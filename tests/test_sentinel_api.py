@@ -20,7 +20,7 @@ from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.api.app import create_app
 from coordinator.client import SubqClient
 from coordinator.client.sse import Event
-from tests.agents import STEP_COST_MICROS, agent, call, reply, tree_root
+from tests.agents import STEP_COST_MICROS, TREE_REQUESTS, agent, call, reply, tree_root
 from tests.helpers import TOKEN, ApiServer, api_settings, eventually
 from tests.sentinel_kit import SentinelSet, fleet_on, sentinel_set
 from tests.test_faults import assert_converged
@@ -29,8 +29,6 @@ CHILDREN = 8
 # Each child waits this long on its model: the fan-out is running when the master dies.
 CHILD_LATENCY_MS = 1500
 WAIT_S = 120
-# The acceptance tree (tests/agents.py): eleven model requests.
-TREE_REQUESTS = 11
 
 
 @pytest.fixture
