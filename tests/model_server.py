@@ -1,0 +1,258 @@
+"""A misbehaving OpenAI-compatible chat-completions server on 127.0.0.1, for tests.
+
+`ModelServer` is a real HTTP server (the standard library's, in a thread of the
+test process), so a real `celery worker` process reaches it over loopback as it
+would a hosted provider. It is stateless about conversations: the answer to a
+request is the `turns` entry at the number of assistant messages the request
+carries, so any number of tasks can talk to one server at once.
+
+    with ModelServer(turns=[Turn(calls=[call("update_todo_list", todos="[-] x")]), Turn(text="done")]) as server:
+        profile = Profile(model="openai:test-model", base_url=server.base_url, api_key=server.key)
+        server.fail(503, for_s=40)                               # an outage from now
+        server.fail(429, times=1, headers={"Retry-After": "4"})  # the next request is rate limited
+        ...
+        server.seen   # every request: when it came, what it was answered, its body
+
+A failure takes the place of the answer while it lasts (for `for_s` seconds, or
+`times` requests, or both: whichever ends first); failures queue in the order
+given, and `status=0` closes the connection without an answer.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+__all__ = ["USAGE", "Failure", "ModelServer", "Seen", "Turn", "call", "free_port"]
+
+# Each answer's usage, so a test can work out its price: (prompt tokens, completion tokens).
+USAGE = (1000, 50)
+# The placeholder key a keyless local server takes (the profile still needs one).
+KEY = "model-server-key"
+# Error bodies as OpenAI sends them, by status.
+ERRORS: dict[int, tuple[str, str]] = {
+    400: ("invalid_request_error", "Invalid request: the test server refuses it."),
+    401: ("invalid_api_key", "Incorrect API key provided."),
+    403: ("permission_denied", "You are not allowed to use this model."),
+    404: ("model_not_found", "The model does not exist."),
+    429: ("rate_limit_exceeded", "Rate limit reached for requests."),
+    500: ("server_error", "The server had an error while processing your request."),
+    502: ("server_error", "Bad gateway."),
+    503: ("server_error", "The server is overloaded or not ready yet."),
+}
+
+
+def call(tool: str, **args: Any) -> dict[str, Any]:
+    """One tool call of a turn: the tool's name and its arguments."""
+    return {"name": tool, "arguments": args}
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One answer: text, or tool calls (several in one response, as real models batch them)."""
+
+    text: str | None = None
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Failure:
+    """An error answered instead of a turn, until `until` (monotonic seconds) or `times` more requests."""
+
+    status: int
+    until: float | None = None
+    times: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A request the server received: when (monotonic and wall clock), what it answered, the body."""
+
+    at_s: float
+    wall_s: float
+    status: int
+    body: dict[str, Any]
+
+    @property
+    def model(self) -> str:
+        return str(self.body.get("model", ""))
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (bound once, then closed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ModelServer:
+    """A scriptable OpenAI-compatible server; start with `with`, or `start()` and `stop()`."""
+
+    def __init__(self, turns: list[Turn] | None = None, *, key: str = KEY, latency_s: float = 0.0) -> None:
+        self.turns = turns or [Turn(text="done")]
+        self.key = key
+        self.latency_s = latency_s
+        self.seen: list[Seen] = []
+        self._failures: list[Failure] = []
+        self._lock = threading.Lock()
+        self._http = _Http(("127.0.0.1", 0), _Handler)
+        self._http.model_server = self
+        self._thread = threading.Thread(target=self._http.serve_forever, daemon=True, name="model-server")
+
+    @property
+    def port(self) -> int:
+        return int(self._http.server_address[1])
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> ModelServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._http.shutdown()
+        self._http.server_close()
+
+    def __enter__(self) -> ModelServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def fail(
+        self,
+        status: int,
+        *,
+        for_s: float | None = None,
+        times: int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        """Answer `status` (0: drop the connection) for `for_s` seconds from now and/or `times` requests;
+        with neither, for good (until `heal`)."""
+        until = None if for_s is None else time.monotonic() + for_s
+        with self._lock:
+            self._failures.append(Failure(status, until, times, dict(headers or {})))
+
+    def heal(self) -> None:
+        """Drop every failure still queued: the next request is answered."""
+        with self._lock:
+            self._failures.clear()
+
+    @contextmanager
+    def failing(self, status: int, **kwargs: Any) -> Iterator[None]:
+        self.fail(status, **kwargs)
+        try:
+            yield
+        finally:
+            self.heal()
+
+    def statuses(self) -> list[int]:
+        with self._lock:
+            return [s.status for s in self.seen]
+
+    def answered(self) -> list[Seen]:
+        """The requests answered with a turn (status 200)."""
+        with self._lock:
+            return [s for s in self.seen if s.status == 200]
+
+    def _failure_now(self) -> Failure | None:
+        with self._lock:
+            now = time.monotonic()
+            self._failures = [
+                f for f in self._failures if (f.until is None or now < f.until) and (f.times is None or f.times > 0)
+            ]
+            if not self._failures:
+                return None
+            failure = self._failures[0]
+            if failure.times is not None:
+                failure.times -= 1
+            return failure
+
+    def _record(self, status: int, body: dict[str, Any]) -> None:
+        with self._lock:
+            self.seen.append(Seen(time.monotonic(), time.time(), status, body))
+
+    def _answer(self, body: dict[str, Any]) -> dict[str, Any]:
+        messages = body.get("messages", [])
+        turn_no = sum(1 for m in messages if m.get("role") == "assistant")
+        turn = self.turns[min(turn_no, len(self.turns) - 1)]
+        message: dict[str, Any] = {"role": "assistant", "content": turn.text}
+        if turn.calls:
+            message["tool_calls"] = [
+                {
+                    "id": f"call_{turn_no}_{index}",
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])},
+                }
+                for index, c in enumerate(turn.calls)
+            ]
+        prompt, completion = USAGE
+        return {
+            "id": f"chatcmpl-{len(self.seen)}", "object": "chat.completion", "created": int(time.time()),
+            "model": body.get("model", ""),
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+            "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if turn.calls else "stop"}],
+        }  # fmt: skip
+
+
+class _Http(ThreadingHTTPServer):
+    daemon_threads = True
+    model_server: ModelServer
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Http
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        model_server = self.server.model_server
+        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            body = {}
+        if self.path.rstrip("/") != "/v1/chat/completions":
+            self._reply(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
+            return
+        if self.headers.get("Authorization") != f"Bearer {model_server.key}":
+            model_server._record(401, body)
+            self._reply(401, {"error": {"message": "Incorrect API key provided.", "type": "invalid_api_key"}})
+            return
+        failure = model_server._failure_now()
+        if failure is not None and failure.status == 0:
+            model_server._record(0, body)
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)  # no answer at all: a connection error for the client
+            return
+        if failure is not None:
+            model_server._record(failure.status, body)
+            kind, message = ERRORS.get(failure.status, ("error", f"HTTP {failure.status}"))
+            self._reply(failure.status, {"error": {"message": message, "type": kind, "code": kind}}, failure.headers)
+            return
+        if model_server.latency_s:
+            time.sleep(model_server.latency_s)
+        model_server._record(200, body)
+        self._reply(200, model_server._answer(body))
+
+    def _reply(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        return None
