@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import shlex
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordinator import Profile
-from workers.runtime.approval_policy import verdict
+from coordinator import Profile, RunCommand
+from workers.runtime.approval_policy import unguarded_command, verdict
 
 CAREFUL = Profile(
     approval_tools=["run_command"],
@@ -257,3 +258,43 @@ def test_an_exact_rule_and_a_broken_rule() -> None:
     assert run("ls", broken) == "ask", "an unreadable or empty allow rule allows nothing"
     assert run("ls", Profile(approval_tools=["run_command"], allow=["run_command"], deny=["run_command:'x"])) == "deny"
     assert run("ls", Profile(approval_tools=["run_command"], deny=["run_command"])) == "deny"
+
+
+# The reproduction of the hole: run_command enabled, another tool guarded, a deny rule for rm.
+GUARDS_ANOTHER_TOOL = Profile(approval_tools=["git_commit"], deny=["run_command:rm", "publish:production"])
+
+
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        ("rm canary", "deny"),
+        ("/bin/rm -f canary", "deny"),
+        ("sh -c 'ls; rm canary'", "deny"),
+        ("sudo rm canary", "deny"),
+        ("find . -exec rm {} ;", "ask"),  # rm among the words: it cannot be ruled out, a human looks
+        ("sh -c '$(printf rm) canary'", "ask"),
+        ("sh 'unbalanced", "ask"),  # unreadable, and a deny rule might hide in it
+        ("ls -la", "allow"),  # nothing guards run_command here: what no deny rule can touch runs
+    ],
+)
+def test_a_deny_rule_wins_where_approval_tools_does_not_name_the_tool(command: str, expected: str) -> None:
+    assert run(command, GUARDS_ANOTHER_TOOL) == expected
+
+
+def test_a_deny_rule_of_any_tool_wins_unguarded() -> None:
+    assert verdict(GUARDS_ANOTHER_TOOL, "publish", {"target": "production"}) == "deny"
+    assert verdict(GUARDS_ANOTHER_TOOL, "publish", {"target": "staging && production"}) == "deny"
+    assert verdict(GUARDS_ANOTHER_TOOL, "publish", {"target": "$(echo production)"}) == "ask"
+    assert verdict(GUARDS_ANOTHER_TOOL, "publish", {"target": "staging"}) == "allow"
+    whole = Profile(approval_tools=[], deny=["publish"], allow=["publish"])
+    assert verdict(whole, "publish", {"target": "staging"}) == "deny", "allow never overrides a deny rule"
+    assert verdict(whole, "publish", {}, guarded=False) == "deny", "nor does an MCP hint"
+
+
+def test_an_unguarded_run_command_is_named() -> None:
+    enabled = {"run_command": RunCommand(cwd=Path("/srv"))}
+    assert unguarded_command(Profile(**enabled, approval_tools=["git_commit"]))
+    assert unguarded_command(Profile(**enabled, allow=["run_command"]))  # allowed whatever it is
+    assert not unguarded_command(Profile(**enabled))  # the default: approval_tools = ["run_command"]
+    assert not unguarded_command(Profile(**enabled, approval_tools=["run_*"], allow=["run_command:ls"]))
+    assert not unguarded_command(Profile(approval_tools=[])), "a profile without run_command runs none"

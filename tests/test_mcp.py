@@ -102,6 +102,10 @@ def test_the_servers_hints_decide_where_no_rule_does(tmp_path: Path) -> None:
     assert hinted_verdict(named, "git_log", args, tools["git_log"]) == "ask", "its own name does"
     denied = Profile(approval_tools=["git_*"], deny=["git_log"])
     assert hinted_verdict(denied, "git_log", args, tools["git_log"]) == "deny"
+    # A deny rule wins whatever guards the tool: no approval_tools entry, a read-only hint, an allow rule.
+    only_denied = Profile(approval_tools=[], deny=["git_log", "git_commit"], allow=["git_log"])
+    assert hinted_verdict(only_denied, "git_log", args, tools["git_log"]) == "deny"
+    assert hinted_verdict(only_denied, "git_commit", args, tools["git_commit"]) == "deny"
 
 
 def _bad_profiles(tmp_path: Path) -> dict[str, tuple[Profile, str]]:

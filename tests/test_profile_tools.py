@@ -114,6 +114,8 @@ def tooled(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iter
     os.environ["TOOL_KIT_MARKS"] = str(marks)  # the worker inherits it (settings_env passes on what is not SUBQ_*)
     # A profile that may run `sleep` without asking: a long tool call that a cancel must stop.
     commander = Profile(run_command=RunCommand(cwd=marks), allow=["run_command:sleep"])
+    # run_command enabled, approval_tools naming another tool, and a deny rule: the rule still wins.
+    unguarded = Profile(run_command=RunCommand(cwd=marks), approval_tools=["git_commit"], deny=["run_command:rm"])
     # Tools that fail and time out: their calls are results for the model, and the run goes on.
     fragile = Profile(tools=["tests.tool_kit:explode", "tests.tool_kit:journal_kit"], tool_timeouts={"slow_*": 0.5})
     # A tool with a price: each call is the task's own spend.
@@ -124,7 +126,7 @@ def tooled(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iter
     )
     own = _settings(
         settings, tooled=TOOLED, guarded=GUARDED, commander=commander, fragile=fragile, priced=priced,
-        reporting=reporting, tally=Profile(tools=["tests.tool_kit:add_numbers", "tests.tool_kit:explode", "tests.tool_kit:charge_card"]),
+        reporting=reporting, unguarded=unguarded, tally=Profile(tools=["tests.tool_kit:add_numbers", "tests.tool_kit:explode", "tests.tool_kit:charge_card"]),
     )  # fmt: skip
     try:
         with dedicated_fleet(own, tmp_path_factory.mktemp("tooled"), 1, queue="subq-tools") as (coord, fleet):
@@ -195,6 +197,34 @@ def test_a_denied_call_never_runs(tooled: Tooled) -> None:
     coord.decide(approval.id, "deny", feedback="not today")
     assert coord.wait(task.id, 60).status == TaskStatus.COMPLETED
     assert list(marks.glob("denied.*")) == []
+
+
+def test_a_deny_rule_wins_where_approval_tools_does_not_name_the_tool(tooled: Tooled) -> None:
+    coord, canary = tooled.coord, tooled.marks / "canary"
+    canary.write_text("still here")
+    steps = (call("run_command", command="rm canary"), call("run_command", command="cat canary"), reply("tried"))
+    task = coord.create_task(agent(*steps), profile="unguarded", run=True)
+    assert coord.wait(task.id, 60).status == TaskStatus.COMPLETED
+    assert canary.read_text() == "still here"
+    assert _says(coord, task.id, "command") == ["cat canary"], "rm never ran; what no rule denies runs"
+    returns = [p["content"] for m in coord.messages(task.id, kind="api") for p in m["parts"]
+               if p.get("part_kind") == "tool-return"]  # fmt: skip
+    assert returns[0].startswith("Denied by policy: run_command") and returns[1] == "exit 0\nstill here"
+    warned = "warning: profile 'unguarded' enables run_command and nothing guards it"
+    assert any(warned in log.read_text(errors="replace") for log in tooled.fleet.logs), "the worker says so at start"
+
+
+def test_subq_tools_warns_of_an_unguarded_run_command(settings: Settings, tmp_path: Path) -> None:
+    open_commands = Profile(run_command=RunCommand(cwd=tmp_path), approval_tools=[])
+    listed = subq_tools(
+        _settings(settings, builder=open_commands, careful=Profile(run_command=RunCommand(cwd=tmp_path)))
+    )
+    assert listed.returncode == 0, listed.stderr
+    warned = [line for line in listed.stderr.splitlines() if "warning" in line]
+    assert warned == [
+        "subq: warning: profile 'builder' enables run_command and nothing guards it: every command no deny rule "
+        'catches runs without a decision (add "run_command" to approval_tools, with narrow allow rules)'
+    ]
 
 
 def _processes_with(argument: str) -> list[int]:

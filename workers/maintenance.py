@@ -95,6 +95,8 @@ def _check_tools(**_: Any) -> None:
     except ConfigError as exc:
         log.critical("subq worker: %s", exc)
         raise SystemExit(f"subq worker: {exc}") from None
+    for line in profile_tools.policy_warnings(settings):
+        log.warning("subq worker: warning: %s", line)
 
 
 def _stop_mcp_servers(**_: Any) -> None:

@@ -1,7 +1,14 @@
 """Which tool calls need a human decision, and which the policy decides by itself.
 
-The tools under the policy are `Profile.approval_tools` (names or `*` globs); a call of any
-other tool runs. A rule is `tool` (every call of it) or `tool:argument`. Deny rules win.
+A rule is `tool` (every call of it) or `tool:argument`. Deny rules apply to every call of
+every tool and always win: a deny rule that matches denies the call whether or not
+`approval_tools` (or an MCP server's hint) puts the tool under the policy, and no allow
+rule overrides it. The tools `approval_tools` names (names or `*` globs) are guarded: a
+call of one runs only if an allow rule allows it, and a human decides the rest. A call of
+any other tool runs, unless a deny rule denies it, or a deny rule may match it where it
+cannot be told (below): then a human decides, as for a guarded tool. That a deny rule
+was skipped for an unguarded tool was a live hole: a profile with
+`approval_tools = ["git_commit"]` and `deny = ["run_command:rm"]` ran `rm canary`.
 
 `run_command` runs its command line as argv, without a shell (workers/runtime/commands.py),
 and its rules match that argv, split the same way (`shlex`: quotes and backslashes are
@@ -42,7 +49,7 @@ from typing import Literal
 from coordinator import Profile
 from workers.runtime.commands import MAX_COMMAND_CHARS
 
-__all__ = ["RUN_COMMAND", "Verdict", "verdict"]
+__all__ = ["RUN_COMMAND", "Verdict", "unguarded_command", "verdict"]
 
 Verdict = Literal["allow", "deny", "ask"]
 RUN_COMMAND = "run_command"
@@ -245,27 +252,30 @@ def _read(command: str) -> _Reading | None:
     return reading
 
 
-def _command_verdict(profile: Profile, command: str) -> Verdict:
+def _command_verdict(profile: Profile, command: str, guarded: bool) -> Verdict:
     allow = [r for r in (_Rule.of(rule) for rule in profile.allow) if r is not None]
     deny = [r for r in (_Rule.of(rule) for rule in profile.deny) if r is not None]
     if any(rule.argv is None for rule in deny):
         return "deny"
+    # Unguarded, a command runs unless a deny rule may apply; a line that cannot be read
+    # might hide a denied program, so with deny rules it is asked about like a guarded one.
+    unreadable: Verdict = "ask" if guarded or deny else "allow"
     if len(command) > MAX_COMMAND_CHARS:
-        return "ask"
+        return unreadable
     try:
         argv = shlex.split(command)
     except ValueError:
-        return "ask"
+        return unreadable
     reading = _read(command)
     if reading is None:
-        return "ask"
+        return unreadable
     if deny:
         if any(rule.denies_at(words, i) for rule in deny for words, i in reading.runs):
             return "deny"
         anywhere = any(rule.denies_at(words, i) for rule in deny for words in reading.words for i in range(len(words)))
         if anywhere or reading.opaque:
             return "ask"
-    if argv and any(rule.allows(argv, command) for rule in allow):
+    if not guarded or (argv and any(rule.allows(argv, command) for rule in allow)):
         return "allow"
     return "ask"
 
@@ -297,19 +307,32 @@ def _allowed(rule: str, tool: str, part: str) -> bool:
 def verdict(profile: Profile, tool: str, args: Mapping[str, object], *, guarded: bool | None = None) -> Verdict:
     """allow, deny, or ask a human, for one call of `tool` under the profile's policy.
 
-    `guarded` says whether the tool is under the policy at all; None: whether `approval_tools`
-    names it (names or `*` globs). The rules decide a guarded call.
+    `guarded` says whether a call needs an allow rule to run; None: whether `approval_tools`
+    names the tool (names or `*` globs). Deny rules apply either way, and win.
     """
     if guarded is None:
         guarded = any(fnmatchcase(tool, pattern) for pattern in profile.approval_tools)
-    if not guarded:
-        return "allow"
     if tool == RUN_COMMAND:
         command = args.get("command")
-        return _command_verdict(profile, command if isinstance(command, str) else _main_argument(args))
+        return _command_verdict(profile, command if isinstance(command, str) else _main_argument(args), guarded)
     parts = [p for p in (part.strip() for part in _CHAIN.split(_main_argument(args))) if p] or [""]
     if any(_matches(rule, tool, part) for rule in profile.deny for part in parts):
         return "deny"
+    if not guarded:
+        # A substitution may run a denied argument that no prefix can see: a human decides.
+        named = any(rule.partition(":")[0] == tool for rule in profile.deny)
+        hidden = any(mark in part for mark in _SUBSTITUTIONS for part in parts)
+        return "ask" if named and hidden else "allow"
     if all(any(_allowed(rule, tool, part) for rule in profile.allow) for part in parts):
         return "allow"
     return "ask"
+
+
+def unguarded_command(profile: Profile) -> bool:
+    """Whether a profile that enables `run_command` lets any command run without anyone deciding:
+    `approval_tools` does not name the tool, or an allow rule allows every command."""
+    if profile.run_command is None:
+        return False
+    guarded = any(fnmatchcase(RUN_COMMAND, pattern) for pattern in profile.approval_tools)
+    everything = any((rule := _Rule.of(text)) is not None and rule.argv is None for text in profile.allow)
+    return not guarded or everything

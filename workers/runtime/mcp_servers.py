@@ -304,12 +304,11 @@ def needs_decision_by_hint(tool_def: ToolDefinition) -> bool | None:
 def hinted_verdict(profile: Profile, tool: str, args: Mapping[str, object], tool_def: ToolDefinition) -> Verdict:
     """`verdict`, with the tool's MCP hints: a destructive tool is asked about as if
     `approval_tools` named it (an allow rule still allows it, a deny rule denies it); a read-only
-    tool that `approval_tools` catches only by a glob is allowed (a deny rule still denies it)."""
+    tool that `approval_tools` catches only by a glob is not guarded (a deny rule still denies it)."""
     hint = needs_decision_by_hint(tool_def)
-    decided = verdict(profile, tool, args, guarded=True if hint is True else None)
-    if hint is False and decided == "ask" and tool not in profile.approval_tools:
-        return "allow"
-    return decided
+    if hint is False and tool not in profile.approval_tools:
+        return verdict(profile, tool, args, guarded=False)
+    return verdict(profile, tool, args, guarded=True if hint is True else None)
 
 
 class SharedServer(AbstractToolset[Any]):

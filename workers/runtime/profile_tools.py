@@ -52,6 +52,7 @@ from coordinator.runs import Run
 from coordinator.tracing import span
 from workers import observe
 from workers.runtime import mcp_servers
+from workers.runtime.approval_policy import unguarded_command
 from workers.runtime.pricing import parse_usd
 from workers.runtime.tools import SELF_GUARDED, RunState, apply_verdict, orchestration_tools
 
@@ -70,6 +71,7 @@ __all__ = [
     "idempotency_key",
     "idempotent",
     "load_profile",
+    "policy_warnings",
     "reported_cost",
 ]
 
@@ -354,6 +356,20 @@ def check(settings: Settings) -> dict[str, ProfileTools]:
     return {name: load_profile(name, settings) for name in settings.all_profiles()}
 
 
+def policy_warnings(settings: Settings, names: list[str] | None = None) -> list[str]:
+    """One line for each profile whose policy lets something risky through (a worker's start and
+    `subq tools` print them): a profile that may be meant that way is warned about, not refused."""
+    lines = []
+    for name in names if names is not None else list(settings.all_profiles()):
+        profile = settings.profile(name)
+        if unguarded_command(profile):
+            lines.append(
+                f"profile {name!r} enables run_command and nothing guards it: every command no deny rule "
+                'catches runs without a decision (add "run_command" to approval_tools, with narrow allow rules)'
+            )
+    return lines
+
+
 @dataclass
 class Toolbox:
     """One per worker process: each profile's tools, loaded once, and the agent built on them."""
@@ -405,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ProfileError) as exc:
         print(f"subq: {exc}", file=sys.stderr)
         return 2
+    for line in policy_warnings(settings, names):
+        print(f"subq: warning: {line}", file=sys.stderr)
     if args.json:
         print(json.dumps({name: tools.sources for name, tools in loaded.items()}))
     else:
