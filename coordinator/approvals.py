@@ -133,14 +133,17 @@ def list_pending(plane: Plane, root_id: str | None = None) -> list[Approval]:
     return out
 
 
-def decide(plane: Plane, approval_id: str, decision: str, feedback: str | None = None) -> Approval:
-    """Approve or deny a pending tool call; only that task resumes, its siblings go on."""
+def decide(
+    plane: Plane, approval_id: str, decision: str, feedback: str | None = None, decided_by: str = ""
+) -> Approval:
+    """Approve or deny a pending tool call, naming who decided; only that task resumes, its siblings go on."""
     if decision not in ("approve", "deny"):
         raise ValidationError(f"decision must be 'approve' or 'deny', not {decision!r}", field="decision")
     if feedback is not None and not isinstance(feedback, str):
         raise ValidationError("feedback must be a string", field="feedback")
     approval = plane.store.approvals.get_approval(approval_id)
-    return _decide(plane, approval, "approved" if decision == "approve" else "denied", feedback or "")
+    status = "approved" if decision == "approve" else "denied"
+    return _decide(plane, approval, status, feedback or "", decided_by)
 
 
 def expire(plane: Plane, approval_id: str) -> bool:
@@ -162,11 +165,11 @@ def expire_for(plane: Plane, root_id: str, stopped: set[str]) -> None:
             plane.store.approvals.decide(approval_id, "expired", "the task was stopped")
 
 
-def _decide(plane: Plane, approval: Approval, status: str, feedback: str) -> Approval:
+def _decide(plane: Plane, approval: Approval, status: str, feedback: str, decided_by: str = "") -> Approval:
     plane.store.convergence.watch(
         [approval.task_id], plane.settings.reconcile_grace_s
     )  # before: a crash here still resumes
-    outcome = plane.store.approvals.decide(approval.id, status, feedback)
+    outcome = plane.store.approvals.decide(approval.id, status, feedback, decided_by)
     if outcome != "ok":
         raise StateError(f"Approval {approval.id} was already {outcome}", field="approval_id")
     plane.store.convergence.remove_timers([expiry_timer(approval.id)])

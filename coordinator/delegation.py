@@ -136,6 +136,7 @@ def commit(
                 batch_id=batch_id,
                 runner="agent",
                 budget_micros=budget_micros,
+                owner=parent.owner,
                 created_at=now,
                 updated_at=now,
             )

@@ -6,7 +6,8 @@
     │   ├── TodoError              a todo update parses to nothing or has a bad item
     │   ├── ProfileError           an unknown or unusable model profile
     │   └── ScriptError            an offline-model script is malformed
-    ├── NotFoundError              an id names no task or batch
+    ├── NotFoundError              an id names no task or batch (or one the caller may not read)
+    ├── ForbiddenError             the caller's API key lacks the scope this needs (names it)
     ├── StateError                 the task is not in a state that allows this
     ├── ConflictError              shared state kept changing under a transaction
     ├── WaitTimeout                wait() gave up before the task settled
@@ -30,6 +31,7 @@ __all__ = [
     "ConflictError",
     "CorruptError",
     "FleetError",
+    "ForbiddenError",
     "NotFoundError",
     "ProfileError",
     "ScriptError",
@@ -78,6 +80,10 @@ class ProfileError(ValidationError):
 
 class NotFoundError(SubqError):
     code = "not_found"
+
+
+class ForbiddenError(SubqError):
+    code = "forbidden"
 
 
 class StateError(SubqError):

@@ -201,6 +201,9 @@ class TaskRecord(BaseModel):
     created_at: float
     updated_at: float
     finished_at: float | None = None
+    # The API key whose caller created the tree (docs/security.md); every task of a tree carries
+    # its root's. '' for a tree made straight on Redis or through Celery: only read_all sees it.
+    owner: str = ""
     # The task's tool calls by tool (its own, not its children's); none for a task that called none.
     tool_use: dict[str, ToolUse] = Field(default_factory=dict)
     # The marks its state changes left (coordinator/timeline.py); `times` is what they say.
@@ -368,6 +371,9 @@ class Approval(BaseModel):
     created_at: float
     deadline: float
     decided_at: float | None = None
+    # The API key that decided (its name), or `local` for a decision made straight on Redis;
+    # None until decided, and for an expiry.
+    decided_by: str | None = None
 
 
 class LiveState(BaseModel):

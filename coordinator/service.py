@@ -33,7 +33,9 @@ import redis
 from celery import Celery
 
 from coordinator import approvals, budgets, control, delegation, dispatch, ids, todo_links, tracing
+from coordinator import audit as audit_log
 from coordinator import todos as todo_lists
+from coordinator.audit import LOCAL, Action, Actor, AuditEntry
 from coordinator.deadletters import DeadLetter
 from coordinator.errors import CorruptError, NotFoundError, ValidationError, WaitTimeout
 from coordinator.export import export_tree
@@ -117,6 +119,8 @@ class Coordinator:
         run: bool = False,
         budget_usd: Decimal | float | str | None = None,
         idempotency_key: str | None = None,
+        *,
+        owner: str = "",
     ) -> TaskRecord:
         """Create a root task.
 
@@ -124,8 +128,9 @@ class Coordinator:
         `run=True` it starts as an agent on the fleet (its model plans, delegates
         and completes), and `wait()` returns when it has ended. With an
         `idempotency_key`, a second call with the same key returns the first root.
+        `owner` is the API key whose caller creates it (docs/security.md): the tree is theirs.
         """
-        return self.create_task_once(prompt, todos, profile, run, budget_usd, idempotency_key)[0]
+        return self.create_task_once(prompt, todos, profile, run, budget_usd, idempotency_key, owner=owner)[0]
 
     def create_task_once(
         self,
@@ -135,6 +140,8 @@ class Coordinator:
         run: bool = False,
         budget_usd: Decimal | float | str | None = None,
         idempotency_key: str | None = None,
+        *,
+        owner: str = "",
     ) -> tuple[TaskRecord, bool]:
         """`create_task`, and whether this call created the root (False: the key's first call did)."""
         prompt = text_field(prompt, "prompt", MAX_PROMPT_CHARS)
@@ -149,7 +156,9 @@ class Coordinator:
             # The key names its root before the root exists: a retry after a crash in
             # between creates that same root, and a concurrent duplicate finds it.
             key = text_field(idempotency_key, "idempotency_key", MAX_IDEMPOTENCY_KEY_CHARS)
-            root_id = self.store.records.claim_idempotency(key, root_id)
+            # Each API key has its own idempotency keys: another key's same string must not
+            # answer with (and so reveal) a tree it may not read.
+            root_id = self.store.records.claim_idempotency(f"{owner}\n{key}" if owner else key, root_id)
             if self.store.records.task_exists(root_id):
                 return self.store.records.get_task(root_id), False
         now = time.time()
@@ -161,6 +170,7 @@ class Coordinator:
             profile=profile_name,
             runner="agent" if run else "caller",
             budget_micros=budget_micros,
+            owner=owner,
             number=self.store.records.next_numbers(1),
             created_at=now,
             updated_at=now,
@@ -215,8 +225,11 @@ class Coordinator:
         root_id: str | None = None,
         limit: int = DEFAULT_PAGE,
         cursor: int = 0,
+        owner: str | None = None,
     ) -> tuple[list[HistoryItem], int | None]:
-        """Tasks by recency (newest first) with their figures; returns (page, next cursor or None)."""
+        """Tasks by recency (newest first) with their figures; returns (page, next cursor or None).
+
+        With `owner`, only the tasks of the trees that key created (a `read` key's history)."""
         check_history_query(status, root_id, limit, cursor)
         items: list[HistoryItem] = []
         offset = cursor
@@ -229,7 +242,7 @@ class Coordinator:
                     record = self.store.records.get_task(task_id)
                 except NotFoundError:  # expired since it was indexed
                     continue
-                if status is None or record.status.value == status:
+                if (status is None or record.status.value == status) and (owner is None or record.owner == owner):
                     items.append(HistoryItem.of(record))
                     if len(items) == limit:
                         return items, n + 1
@@ -281,15 +294,18 @@ class Coordinator:
 
     # -- control (coordinator/control.py, approvals.py) ---------------------------------
 
-    def cancel(self, task_id: str, reason: str) -> TaskRecord:
+    def cancel(self, task_id: str, reason: str, *, actor: Actor = LOCAL) -> TaskRecord:
         """Cancel a task and its whole subtree; its parent hears why, with what had finished.
 
         Queued children never start (the stop is persisted in their records, which a
         run checks before it starts, and their Celery tasks are revoked); running ones
         stop at their next step, abandoning an in-flight model call; nothing is
-        recorded after the stop. Results that had finished are kept.
+        recorded after the stop. Results that had finished are kept. The cancel is on
+        record as `actor`'s (the audit log).
         """
-        return control.cancel(self.plane, task_id, reason)
+        record = control.cancel(self.plane, task_id, reason)
+        self.record(actor, "cancel", task_id, detail=reason)
+        return record
 
     def snapshot(self, task_id: str) -> dict[str, LiveState]:
         """The live state of every task of the tree rooted at `task_id`."""
@@ -299,10 +315,14 @@ class Coordinator:
         """Tool calls waiting for a decision, oldest first (of one tree, or all)."""
         return approvals.list_pending(self.plane, root_id)
 
-    def decide(self, approval_id: str, decision: str, feedback: str | None = None) -> Approval:
-        """Approve or deny a pending tool call; only that task resumes, its siblings go on."""
+    def decide(self, approval_id: str, decision: str, feedback: str | None = None, *, actor: Actor = LOCAL) -> Approval:
+        """Approve or deny a pending tool call; only that task resumes, its siblings go on.
+
+        The approval carries `decided_by` (the actor's name), and the decision is on record."""
         ids.root_of(approval_id, field="approval_id")
-        return approvals.decide(self.plane, approval_id, decision, feedback)
+        decided = approvals.decide(self.plane, approval_id, decision, feedback, decided_by=actor.name)
+        self.record(actor, "approve" if decided.status == "approved" else "deny", approval_id, detail=feedback or "")
+        return decided
 
     def expire_approval(self, approval_id: str) -> bool:
         """Deny an approval whose deadline has passed; False when it was decided or is not due."""
@@ -384,9 +404,26 @@ class Coordinator:
     def count_dead_letters(self) -> int:
         return self.store.dead_letters.count_dead_letters()
 
-    def purge_dead_letters(self) -> int:
-        """Delete every dead letter; returns how many there were."""
-        return self.store.dead_letters.purge_dead_letters()
+    def purge_dead_letters(self, *, actor: Actor = LOCAL) -> int:
+        """Delete every dead letter; returns how many there were. On record as `actor`'s."""
+        purged = self.store.dead_letters.purge_dead_letters()
+        self.record(actor, "purge_dead_letters", "dead-letters", detail=f"{purged} purged")
+        return purged
+
+    # -- the audit log (coordinator/audit.py) --------------------------------------------
+
+    def record(self, actor: Actor, action: Action, target: str, *, reason: str = "", detail: str = "") -> None:
+        """Put one step on the audit log: who (`actor`), what, on which target (a face's one call per step)."""
+        audit_log.record(self.store.audit, actor, action, target, reason=reason, detail=detail)
+
+    def audit(self, limit: int = DEFAULT_PAGE, before: str | None = None) -> tuple[list[AuditEntry], str | None]:
+        """The audit log newest first, `limit` entries older than `before`; and the next page's cursor or None."""
+        check_dead_letter_limit(limit)
+        return self.store.audit.page(limit, before)
+
+    def refused_counts(self) -> dict[str, int]:
+        """Refused requests (401/403) by reason, fleet-wide (GET /metrics)."""
+        return self.store.audit.refused_counts()
 
     # -- waiting -----------------------------------------------------------------------
 

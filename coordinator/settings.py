@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
 import ssl
 import tomllib
@@ -19,8 +20,9 @@ from urllib.parse import urlsplit
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from coordinator.access import ApiKeySpec, check_distinct, parse_keys, read_keys_file
 from coordinator.errors import ConfigError, ProfileError
 
 __all__ = [
@@ -63,10 +65,15 @@ DEFAULT_SHUTDOWN_GRACE_S = 25
 DEFAULT_RESTORE_INTERVAL_S = 10
 # An unanswered tool approval counts as a denial after an hour.
 DEFAULT_APPROVAL_TIMEOUT_S = 3600
-# Transient model errors (rate limits, timeouts, 5xx) are retried this often in a run,
-# with exponential backoff from the base delay.
-DEFAULT_MODEL_RETRIES = 4
+# Transient model errors (rate limits, timeouts, 5xx) are retried with exponential backoff from
+# the base delay (the OpenAI and Anthropic SDKs start at half a second too), capped so that,
+# with one probe for the whole fleet (coordinator/endpoints.py), runs are back within about
+# this long of their provider's return, at the cost of one request to it per cap.
 DEFAULT_MODEL_RETRY_BASE_S = 0.5
+DEFAULT_MODEL_RETRY_MAX_S = 10.0
+# A profile's provider is waited for this long (from a request's first transient error) before
+# the run fails: ten minutes ride out a restarting model server or a provider's incident.
+DEFAULT_MODEL_RETRY_FOR_S = 600.0
 # A request body over this is refused with 413 before it is parsed (1 MiB holds
 # a fan-out of 256 long messages).
 DEFAULT_API_MAX_BODY_BYTES = 1024 * 1024
@@ -130,12 +137,25 @@ class Price(BaseModel):
 TOOL_PATH_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*$"
 
 
+# A command's limits in its sandbox (docs/tools.md), each a default a profile can raise:
+# processes at once (a parallel build starts a few dozen; a fork bomb is stopped at this),
+MAX_COMMAND_PROCESSES = 256
+# its data segment in MiB (RLIMIT_DATA: the memory it writes; unlike RLIMIT_AS it does not
+# count what Node, Go or a JVM merely reserve, which is tens of GiB and would stop them at start),
+COMMAND_MEMORY_MB = 4096
+# and its CPU seconds (a busy loop is stopped even when its wall-clock timeout_s is long).
+COMMAND_CPU_TIME_S = 600
+
+
 class RunCommand(BaseModel):
     """How `run_command` runs a command for a profile that enables it (docs/tools.md).
 
     The command line is split into argv as a POSIX shell would (`shlex`) and run without a
     shell, in `cwd`, with no SUBQ_* value and no provider key in its environment; it is
     stopped after `timeout_s`, and the model reads at most `max_output_chars` of its output.
+    It runs in an OS sandbox (`sandbox`, workers/runtime/sandbox.py): the filesystem read-only
+    but for `cwd` and a private /tmp, subq's own files hidden, no network unless `network`,
+    and at most `max_processes`, `memory_mb` and `cpu_time_s`.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -143,6 +163,11 @@ class RunCommand(BaseModel):
     cwd: Path
     timeout_s: float = Field(default=60.0, gt=0)
     max_output_chars: int = Field(default=20_000, ge=1)
+    sandbox: bool = True
+    network: bool = False
+    max_processes: int = Field(default=MAX_COMMAND_PROCESSES, ge=1)
+    memory_mb: int = Field(default=COMMAND_MEMORY_MB, ge=16)
+    cpu_time_s: int = Field(default=COMMAND_CPU_TIME_S, ge=1)
 
 
 # An MCP server's name: its tools' source (`mcp:<name>`) in `subq tools` and in errors.
@@ -174,6 +199,11 @@ class McpServer(BaseModel):
     headers: dict[str, str] = Field(default_factory=dict)
     prefix: str | None = Field(default=None, pattern=MCP_PREFIX_PATTERN)
     timeout_s: float = Field(default=DEFAULT_MCP_TIMEOUT_S, gt=0)
+    # A stdio server run in run_command's OS sandbox (workers/runtime/sandbox.py): it writes only
+    # in the `writable` folders (absolute) and a private /tmp, and reaches the network only with `network`.
+    sandbox: bool = False
+    writable: list[Path] = Field(default_factory=list)
+    network: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -198,8 +228,14 @@ class McpServer(BaseModel):
                 raise ValueError(f"mcp server {self.name!r}: url {self.url!r} is not an http:// or https:// URL")
             if self.args or self.env or self.cwd is not None:
                 raise ValueError(f"mcp server {self.name!r}: args, env and cwd are for a stdio server (command)")
+            if self.sandbox or self.writable or self.network:
+                raise ValueError(f"mcp server {self.name!r}: sandbox, writable and network are for a stdio server")
         elif self.headers:
             raise ValueError(f"mcp server {self.name!r}: headers are for an HTTP server (url)")
+        if (self.writable or self.network) and not self.sandbox:
+            raise ValueError(f"mcp server {self.name!r}: writable and network confine a sandbox: set sandbox = true")
+        if any(not path.is_absolute() for path in self.writable):
+            raise ValueError(f"mcp server {self.name!r}: every writable folder must be an absolute path")
         return self
 
 
@@ -260,6 +296,11 @@ class Profile(BaseModel):
     idempotent_tools: list[str] = Field(default_factory=list)
     # MCP servers whose tools the profile offers beside its own (each once per worker process).
     mcp_servers: list[McpServer] = Field(default_factory=list)
+    # How long transient provider errors are waited out before the run fails (docs/providers.md),
+    # and the profiles whose models a request goes to, in order, when this one's provider keeps
+    # failing or refuses the model (each checked against the profiles when settings load).
+    model_retry_for_s: float = Field(default=DEFAULT_MODEL_RETRY_FOR_S, ge=0)
+    fallback_profiles: list[str] = Field(default_factory=list)
 
     @field_validator("mcp_servers")
     @classmethod
@@ -358,10 +399,15 @@ class Settings(BaseSettings):
     start_stagger_ms: int = Field(default=0, ge=0)
     # Requests per minute per model provider ("anthropic", "openai", "offline"), fleet-wide.
     provider_rpm: dict[str, int] = Field(default_factory=dict)
-    model_retries: int = Field(default=DEFAULT_MODEL_RETRIES, ge=0, le=20)
     model_retry_base_s: float = Field(default=DEFAULT_MODEL_RETRY_BASE_S, ge=0)
+    model_retry_max_s: float = Field(default=DEFAULT_MODEL_RETRY_MAX_S, gt=0)
     approval_timeout_s: int = Field(default=DEFAULT_APPROVAL_TIMEOUT_S, ge=1)
     api_token: SecretStr | None = None
+    # Scoped API keys (coordinator/access.py, docs/security.md): {"<name>": {"token_sha256": "<hex>",
+    # "scopes": [...]}} as JSON, and/or a TOML or JSON file of the same table, read again whenever it
+    # changes (a key is revoked by editing the file, without a restart). Only hashes: no token is kept.
+    api_keys: Annotated[dict[str, ApiKeySpec], NoDecode] = Field(default_factory=dict)
+    api_keys_file: Path | None = None
     # Where the operator commands reach subq when they should not need Redis (docs/cli.md).
     api_url: str | None = None
     api_auth_disabled: bool = False
@@ -376,8 +422,21 @@ class Settings(BaseSettings):
     default_profile: str = OFFLINE_PROFILE
     profiles: dict[str, Profile] = Field(default_factory=dict)
     profiles_file: Path | None = None
+    # Paths no sandboxed command may read, beside those subq knows of itself (the profiles file,
+    # the API keys file, the Redis TLS key): absolute, separated by ':' as in PATH. `subq up`
+    # adds its log folder, where it writes its credentials file (workers/runtime/sandbox.py).
+    sandbox_hidden_paths: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     openai_api_key: SecretStr | None = Field(default=None, validation_alias="OPENAI_API_KEY")
     anthropic_api_key: SecretStr | None = Field(default=None, validation_alias="ANTHROPIC_API_KEY")
+
+    @field_validator("sandbox_hidden_paths", mode="before")
+    @classmethod
+    def _split_hidden_paths(cls, value: object) -> object:
+        if isinstance(value, str):  # a JSON list (as subq passes settings on to its workers), or a:b:c
+            value = json.loads(value) if value.startswith("[") else [part for part in value.split(os.pathsep) if part]
+        if isinstance(value, list) and any(not Path(str(path)).is_absolute() for path in value):
+            raise ValueError("every path must be absolute")
+        return value
 
     @field_validator("traces_exporter")
     @classmethod
@@ -385,6 +444,20 @@ class Settings(BaseSettings):
         if not re.match(TRACES_EXPORTER_PATTERN, exporter):
             raise ValueError(f"{exporter!r} is not none, otlp, console or package.module:factory (docs/tracing.md)")
         return exporter
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _parse_api_keys(cls, value: object) -> object:
+        # Parsed here, not by pydantic-settings' JSON decoding, so a bad value is one line naming the key.
+        if isinstance(value, str):
+            if not value.strip():
+                return {}
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not valid JSON: {exc}") from None
+        keys = parse_keys(value, "")
+        return {name: key.as_setting() for name, key in keys.items()}
 
     @field_validator("api_url")
     @classmethod
@@ -460,9 +533,48 @@ class Settings(BaseSettings):
             except (ValueError, tomllib.TOMLDecodeError) as exc:
                 raise ValueError(f"SUBQ_PROFILES_FILE: {self.profiles_file}: {exc}") from None
             object.__setattr__(self, "profiles", {**from_file, **self.profiles})
+        if self.api_keys_file is not None:  # read at start, so a bad file stops the start (then on every change)
+            check_distinct(self.api_keys, read_keys_file(self.api_keys_file), self.api_token is not None)
+        else:
+            check_distinct(self.api_keys, (), self.api_token is not None)
         if self.default_profile not in self.all_profiles():
             raise ValueError(f"SUBQ_DEFAULT_PROFILE: {self.default_profile!r} is not a defined profile")
+        # Named by where each profile was read from: the file's, unless SUBQ_PROFILES gave one of that name.
+        read_from_file = from_file if self.profiles_file is not None else {}
+        self._check_fallbacks({name for name, p in read_from_file.items() if self.profiles.get(name) is p})
         return self
+
+    def _check_fallbacks(self, from_file: set[str]) -> None:
+        """Each `fallback_profiles` entry names another known profile, and no chain comes back to where it began."""
+        profiles = self.all_profiles()
+        for name, profile in profiles.items():
+            variable = f"SUBQ_PROFILES_FILE: {self.profiles_file}" if name in from_file else "SUBQ_PROFILES"
+            for fallback in profile.fallback_profiles:
+                if fallback not in profiles:
+                    raise ValueError(
+                        f"{variable}: profile {name!r}: fallback_profiles names {fallback!r}, which is not a profile "
+                        f"(known: {', '.join(sorted(profiles))})"
+                    )
+            cycle = _fallback_cycle(name, profiles)
+            if cycle:
+                raise ValueError(
+                    f"{variable}: profile {name!r}: fallback_profiles go round in a cycle ({' -> '.join(cycle)})"
+                )
+
+    def fallback_chain(self, name: str) -> list[str]:
+        """`name`, then its fallbacks in order, each followed by its own (depth first), each profile once."""
+        profiles = self.all_profiles()
+        chain: list[str] = []
+
+        def visit(current: str) -> None:
+            if current in chain or current not in profiles:
+                return
+            chain.append(current)
+            for fallback in profiles[current].fallback_profiles:
+                visit(fallback)
+
+        visit(name)
+        return chain
 
     def _check_redis_form(self) -> None:
         """One Redis (SUBQ_REDIS_URL) or Redis Sentinel (SUBQ_REDIS_SENTINELS + master), never both."""
@@ -601,6 +713,26 @@ def _sentinel_addresses(sentinels: str) -> list[tuple[str, int]]:
 
 
 _PROFILES = pydantic.TypeAdapter(dict[str, Profile])
+
+
+def _fallback_cycle(start: str, profiles: dict[str, Profile]) -> list[str]:
+    """A path of fallbacks from `start` that comes back to it ([start, ..., start]), or [] when none does."""
+    path = [start]
+
+    def walk(current: str) -> list[str]:
+        for fallback in profiles[current].fallback_profiles:
+            if fallback == start:
+                return [*path, start]
+            if fallback in path or fallback not in profiles:
+                continue
+            path.append(fallback)
+            found = walk(fallback)
+            if found:
+                return found
+            path.pop()
+        return []
+
+    return walk(start)
 
 
 def _read_profiles_file(path: Path) -> dict[str, Profile]:

@@ -442,6 +442,7 @@ GUARDED = [
     ("POST", "/v1/approvals/{approval_id}", {"decision": "approve"}),
     ("GET", "/v1/dead-letters", None),
     ("DELETE", "/v1/dead-letters", None),
+    ("GET", "/v1/audit", None),
 ]
 
 

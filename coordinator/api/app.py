@@ -21,7 +21,8 @@ from fastapi import Depends, FastAPI
 from fastapi_offline import FastAPIOffline
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from coordinator.api.auth import bearer_auth
+from coordinator.api.audit import audit_routes
+from coordinator.api.auth import bearer_auth, key_ring
 from coordinator.api.control import control_routes
 from coordinator.api.errors import install_error_handlers
 from coordinator.api.events import event_routes
@@ -41,7 +42,8 @@ DOCS_ASSETS_URL = "/static-offline-docs"
 DESCRIPTION = """\
 A distributed job queue for AI subagents on Celery and Redis.
 
-Authenticate the `/v1` endpoints with `Authorization: Bearer <SUBQ_API_TOKEN>`;
+Authenticate the `/v1` endpoints with `Authorization: Bearer <token>`: an API key's token (each key
+has scopes; a missing one answers 403 naming it), or SUBQ_API_TOKEN (every scope);
 `/livez`, `/readyz`, `/healthz`, `/metrics`, `/openapi.json`, `/docs` and `/redoc` are open
 (rate limited per client address). Every error is `{"code", "message", "field"}`. See docs/api.md.
 """
@@ -64,9 +66,11 @@ def create_app(settings: Settings | None = None, coordinator: Coordinator | None
         settings = coordinator.settings if coordinator is not None else load_settings()
     # Sign-ins and wrong bearer tokens share one count per client address.
     auth_attempts = RateLimiter(settings.api_auth_attempts_per_min)
-    guard = bearer_auth(settings, auth_attempts)  # before anything connects: a missing token stops the start
+    ring = key_ring(settings)  # before anything connects: no token and no key stops the start
     owned = coordinator is None
     coord = coordinator if coordinator is not None else Coordinator(settings)
+    guard = bearer_auth(settings, auth_attempts, coord, ring)
+    auth_on = ring is not None
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -97,10 +101,11 @@ def create_app(settings: Settings | None = None, coordinator: Coordinator | None
         # uvicorn's own parser of X-Forwarded-For/-Proto, believed from these peers only.
         app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=[str(network) for network in proxies])
     # The token first: an anonymous caller learns nothing about the parameters.
-    dependencies = [*([Depends(guard)] if guard is not None else []), Depends(reject_unknown_query)]
-    app.include_router(task_routes(coord, auth=guard is not None), dependencies=dependencies)
-    app.include_router(event_routes(coord, auth=guard is not None), dependencies=dependencies)
-    app.include_router(control_routes(coord, auth=guard is not None), dependencies=dependencies)
+    dependencies = [Depends(guard), Depends(reject_unknown_query)]
+    app.include_router(task_routes(coord, auth=auth_on), dependencies=dependencies)
+    app.include_router(event_routes(coord, auth=auth_on), dependencies=dependencies)
+    app.include_router(control_routes(coord, auth=auth_on), dependencies=dependencies)
+    app.include_router(audit_routes(coord, auth=auth_on), dependencies=dependencies)
     app.include_router(ops_routes(coord))
     install_web(app, coord, settings, auth_attempts)  # /ui: the operator's view in a browser (docs/web.md)
     return app

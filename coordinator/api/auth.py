@@ -1,33 +1,55 @@
-"""Bearer-token authentication for the /v1 endpoints.
+"""Who calls the /v1 endpoints, and what they may touch: bearer keys, scopes, tree ownership.
 
-The token is `SUBQ_API_TOKEN`. Authentication is off only when
-`SUBQ_API_AUTH_DISABLED=true` says so, and then the server logs a warning at
-start; with neither setting, building the app fails with a ConfigError naming
-SUBQ_API_TOKEN, so a server is never open by accident. `/livez`, `/readyz`,
-`/healthz`, `/metrics`, `/openapi.json` and `/docs` stay open: they carry no
-task data.
+A request names its caller with `Authorization: Bearer <token>`: the token of a
+key of SUBQ_API_KEYS or SUBQ_API_KEYS_FILE, or SUBQ_API_TOKEN (the key `admin`,
+every scope); coordinator/access.py has the scopes and how the keys file is
+taken up without a restart. Authentication is off only when
+SUBQ_API_AUTH_DISABLED=true says so (the server logs a warning at start, and
+every caller is `anonymous` with every scope); with no key at all and no such
+setting, building the app fails with a ConfigError naming SUBQ_API_TOKEN, so a
+server is never open by accident. `/livez`, `/readyz`, `/healthz`, `/metrics`,
+`/openapi.json` and `/docs` stay open: they carry no task data.
 
-Wrong tokens are counted per client address (`auth_attempts`, shared with the
-web view's sign-in): past SUBQ_API_AUTH_ATTEMPTS_PER_MIN the address gets 429
-for every request, the right token too, until its bucket refills; otherwise a
-guesser would only have to wait for the one guess that works.
+`Gate` is what a route asks: `need` (a scope, or a 403 naming it), `read_tree`
+(a tree the caller may not read is a 404, as if it did not exist), `write_tree`
+(the caller's own tree with `submit`, or any with the scope that covers others').
+Every refusal (401, 403) is on the audit log with its reason and counted.
+
+Wrong and missing tokens are counted per client address (`auth_attempts`,
+shared with the web view's sign-in): past SUBQ_API_AUTH_ATTEMPTS_PER_MIN the
+address gets 429 for every request, the right token too, until its bucket
+refills; otherwise a guesser would only have to wait for the one guess that
+works, and a flood of token-less requests could fill the audit log.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Annotated
 
-from fastapi import Request, Security
+import anyio.to_thread
+from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from coordinator.access import OPEN, KeyRing, Principal, Scope, parse_keys
 from coordinator.api.errors import RATE_LIMITED, UNAUTHORIZED, HttpError
 from coordinator.api.limits import RateLimiter, client_address, retry_after
-from coordinator.errors import ConfigError
+from coordinator.audit import Actor, RefusalReason, Via
+from coordinator.errors import ConfigError, ForbiddenError, NotFoundError
+from coordinator.service import Coordinator
 from coordinator.settings import Settings
 
-__all__ = ["AUTH_DISABLED_WARNING", "bearer_auth", "too_many_attempts"]
+__all__ = [
+    "AUTH_DISABLED_WARNING",
+    "Caller",
+    "Gate",
+    "actor_of",
+    "bearer_auth",
+    "caller",
+    "key_ring",
+    "too_many_attempts",
+]
 
 logger = logging.getLogger("coordinator.api")
 
@@ -37,7 +59,7 @@ AUTH_DISABLED_WARNING = (
 )
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
-Guard = Callable[..., Awaitable[None]]
+Guard = Callable[..., Awaitable[Principal]]
 
 
 def too_many_attempts(limiter: RateLimiter, wait_s: float) -> HttpError:
@@ -50,39 +72,136 @@ def too_many_attempts(limiter: RateLimiter, wait_s: float) -> HttpError:
     )
 
 
-def bearer_auth(settings: Settings, auth_attempts: RateLimiter) -> Guard | None:
-    """The dependency that checks the bearer token, or None when auth is explicitly disabled."""
+def key_ring(settings: Settings) -> KeyRing | None:
+    """The deployment's keys, or None when auth is explicitly disabled; a ConfigError when there is none."""
     if settings.api_auth_disabled:
-        ignored = " (SUBQ_API_TOKEN is set and ignored)" if settings.api_token else ""
-        logger.warning(AUTH_DISABLED_WARNING + ignored)
         return None
     token = settings.api_token.get_secret_value() if settings.api_token is not None else ""
-    if not token:
+    ring = KeyRing(parse_keys(settings.api_keys, "SUBQ_API_KEYS"), settings.api_keys_file, token or None)
+    if ring.empty:
         raise ConfigError(
-            "Invalid setting SUBQ_API_TOKEN: not set. Set it to the bearer token clients must send, "
-            "or set SUBQ_API_AUTH_DISABLED=true to run without authentication (development only)",
+            "Invalid setting SUBQ_API_TOKEN: not set, and no SUBQ_API_KEYS or SUBQ_API_KEYS_FILE either. Set it to "
+            "the bearer token clients must send (or give scoped keys), or set SUBQ_API_AUTH_DISABLED=true to run "
+            "without authentication (development only)",
             field="SUBQ_API_TOKEN",
         )
-    expected = token.encode()
-    scheme = HTTPBearer(auto_error=False, description="The token of SUBQ_API_TOKEN: `Authorization: Bearer <token>`")
+    return ring
+
+
+def actor_of(request: Request, key: Principal, via: Via = "api") -> Actor:
+    """The caller of `request` as the audit log names it: the key, the client address, the face."""
+    return Actor(key.name, client_address(request.scope), via)
+
+
+def bearer_auth(settings: Settings, auth_attempts: RateLimiter, coord: Coordinator, ring: KeyRing | None) -> Guard:
+    """The dependency that names the caller of a /v1 request (`request.state.principal`), or refuses it."""
+    if ring is None:
+        ignored = " (SUBQ_API_TOKEN is set and ignored)" if settings.api_token else ""
+        logger.warning(AUTH_DISABLED_WARNING + ignored)
+
+        async def open_access(request: Request) -> Principal:
+            request.state.principal = OPEN
+            return OPEN
+
+        return open_access
+
+    scheme = HTTPBearer(
+        auto_error=False, description="An API key's token, or SUBQ_API_TOKEN: `Authorization: Bearer <token>`"
+    )
+
+    async def refuse(request: Request, reason: RefusalReason, message: str) -> HttpError:
+        address = client_address(request.scope)
+        auth_attempts.take(address)
+        actor = Actor("", address, "api")
+        target = f"{request.method} {request.url.path}"
+        await anyio.to_thread.run_sync(lambda: coord.record(actor, "refused", target, reason=reason))
+        return HttpError(401, UNAUTHORIZED, message, field="Authorization", headers=_CHALLENGE)
 
     # A default, not Annotated: annotations are strings here (PEP 563), and FastAPI
     # resolves them in the module's namespace, where this closure's `scheme` is not.
-    async def check(request: Request, credentials: HTTPAuthorizationCredentials | None = Security(scheme)) -> None:
+    async def check(request: Request, credentials: HTTPAuthorizationCredentials | None = Security(scheme)) -> Principal:
         address = client_address(request.scope)
         if wait_s := auth_attempts.wait_s(address):
             raise too_many_attempts(auth_attempts, wait_s)
         if credentials is None:
-            raise HttpError(
-                401,
-                UNAUTHORIZED,
-                "Missing bearer token: send 'Authorization: Bearer <token>' (the server's SUBQ_API_TOKEN)",
-                field="Authorization",
-                headers=_CHALLENGE,
+            raise await refuse(
+                request,
+                "missing_token",
+                "Missing bearer token: send 'Authorization: Bearer <token>' (an API key's token, or the server's "
+                "SUBQ_API_TOKEN)",
             )
-        # Constant time: the comparison must not tell an attacker how much of a guess was right.
-        if not hmac.compare_digest(credentials.credentials.encode(), expected):
-            auth_attempts.take(address)
-            raise HttpError(401, UNAUTHORIZED, "Invalid bearer token", field="Authorization", headers=_CHALLENGE)
+        # The keys file is stat'ed here (and read again only if it changed): a thread, not the event loop.
+        key = await anyio.to_thread.run_sync(ring.find, credentials.credentials)
+        if key is None:
+            raise await refuse(request, "invalid_token", "Invalid bearer token")
+        principal = Principal(key.name, key.scopes)
+        request.state.principal = principal
+        return principal
 
     return check
+
+
+def caller(request: Request) -> Principal:
+    """The caller the guard named (every /v1 route runs the guard first)."""
+    principal = getattr(request.state, "principal", None)
+    if not isinstance(principal, Principal):  # a route mounted without the guard: refuse, never open
+        raise HttpError(401, UNAUTHORIZED, "Not authenticated", field="Authorization", headers=_CHALLENGE)
+    return principal
+
+
+Caller = Annotated[Principal, Depends(caller)]
+
+
+class Gate:
+    """What a route asks before it acts: scopes, and whether the caller may read or change a tree."""
+
+    def __init__(self, coord: Coordinator, via: Via = "api") -> None:
+        self.coord = coord
+        self.via: Via = via
+
+    def need(self, request: Request, key: Principal, *scopes: Scope, why: str = "") -> None:
+        """Go on if `key` has one of `scopes` (admin has all); else a 403 naming them, on record."""
+        if key.has_any(*scopes):
+            return
+        self.forbid(request, key, scopes, why)
+
+    def forbid(self, request: Request, key: Principal, scopes: tuple[Scope, ...], why: str = "") -> None:
+        names = " or ".join(f"'{s.value}'" for s in scopes)
+        detail = f"needs scope {names}" + (f" ({why})" if why else "")
+        target = f"{request.method} {request.url.path}"
+        self.coord.record(actor_of(request, key, self.via), "refused", target, reason="missing_scope", detail=detail)
+        raise ForbiddenError(f"The API key {key.name!r} lacks the scope this needs: {detail}", field="scope")
+
+    def read_tree(self, request: Request, key: Principal, task_id: str) -> str:
+        """The owner of the task's tree, if `key` may read it; a 404 as for an unknown task if not."""
+        self.need(request, key, Scope.READ, Scope.READ_ALL)
+        owner = self.coord.store.records.owner_of(task_id)
+        self.readable(key, task_id, owner)
+        return owner
+
+    @staticmethod
+    def readable(key: Principal, task_id: str, owner: str) -> None:
+        """A 404, as for an unknown task, unless `key` may read a tree created by `owner`."""
+        if not key.may_read(owner):
+            raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
+
+    def write_tree(self, request: Request, key: Principal, task_id: str, others: Scope = Scope.ADMIN) -> None:
+        """Go on if `key` may change the task's tree: its own with `submit`, any with `others`.
+
+        A tree it may not read is a 404, as for an unknown task; one it may read but not change, a 403.
+        """
+        if others is Scope.ADMIN:
+            self.need(request, key, Scope.SUBMIT)
+        else:
+            self.need(request, key, Scope.SUBMIT, others)
+        owner = self.coord.store.records.owner_of(task_id)
+        if key.has(others) or (key.has(Scope.SUBMIT) and key.owns(owner)):
+            return
+        if not key.may_read(owner):
+            raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
+        self.forbid(request, key, (others,), "scope 'submit' covers only the trees this key created")
+
+    def history_owner(self, request: Request, key: Principal) -> str | None:
+        """Whose trees the caller's history shows: every tree (None) with read_all, else its own."""
+        self.need(request, key, Scope.READ, Scope.READ_ALL)
+        return None if key.has(Scope.READ_ALL) else key.name

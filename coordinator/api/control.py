@@ -1,15 +1,19 @@
 """The control endpoints: cancel a subtree, the approvals queue, a tree's live snapshot, dead letters.
 
 Thin calls into the Coordinator (docs/control.md), which validates before it
-writes; errors come back in the API's one shape.
+writes; errors come back in the API's one shape. Each asks the `Gate` first
+(coordinator/api/auth.py), and each decision, cancel and purge is on the audit
+log as the caller's key.
 """
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Path, Query, Request
 
+from coordinator.access import Scope
+from coordinator.api.auth import Caller, Gate, actor_of
 from coordinator.api.errors import error_responses
 from coordinator.api.routes import ROOT_ID_PATTERN, TaskId
 from coordinator.api.schemas import ApprovalList, DeadLetterList, DeadLettersPurged, Snapshot
@@ -24,7 +28,8 @@ ApprovalId = Annotated[str, Path(description="An approval id, `<root>-a<12 hex>`
 
 def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     router = APIRouter(prefix="/v1", tags=["control"])
-    denied = (401,) if auth else ()
+    denied = (401, 403) if auth else ()
+    gate = Gate(coord)
 
     @router.post(
         "/tasks/{task_id}/cancel",
@@ -32,10 +37,11 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         responses=error_responses(*denied, 404, 409, 413, 422, 503),
         summary="Cancel a task and its whole subtree",
     )
-    def cancel(task_id: TaskId, body: CancelInput) -> TaskRecord:
+    def cancel(request: Request, key: Caller, task_id: TaskId, body: CancelInput) -> TaskRecord:
         """Queued children never start, running ones stop at their next step; finished results are kept.
-        409 when the task has already ended."""
-        return coord.cancel(task_id, body.reason)
+        409 when the task has already ended. Scope `operate`, or `submit` in a tree the key created."""
+        gate.write_tree(request, key, task_id, others=Scope.OPERATE)
+        return coord.cancel(task_id, body.reason, actor=actor_of(request, key))
 
     @router.get(
         "/tasks/{task_id}/snapshot",
@@ -43,7 +49,8 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         responses=error_responses(*denied, 404, 422, 503),
         summary="The live state of every task of a tree (the task must be a root)",
     )
-    def snapshot(task_id: TaskId) -> Snapshot:
+    def snapshot(request: Request, key: Caller, task_id: TaskId) -> Snapshot:
+        gate.read_tree(request, key, task_id)
         return Snapshot(root_id=task_id, tasks=coord.snapshot(task_id))
 
     @router.get(
@@ -53,9 +60,24 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         summary="Tool calls waiting for a decision, oldest first",
     )
     def list_approvals(
+        request: Request,
+        key: Caller,
         root_id: Annotated[str | None, Query(pattern=ROOT_ID_PATTERN, description="Only this root's tree")] = None,
     ) -> ApprovalList:
-        return ApprovalList(approvals=coord.list_approvals(root_id))
+        """Every waiting call with `decide` or `read_all`; with `read` alone, those of the trees the key created."""
+        if key.has_any(Scope.DECIDE, Scope.READ_ALL):
+            return ApprovalList(approvals=coord.list_approvals(root_id))
+        gate.need(request, key, Scope.DECIDE, Scope.READ, Scope.READ_ALL)
+        if root_id is not None:
+            gate.read_tree(request, key, root_id)
+        owners: dict[str, str] = {}
+        mine = []
+        for approval in coord.list_approvals(root_id):
+            if approval.root_id not in owners:
+                owners[approval.root_id] = coord.store.records.owner_of(approval.root_id)
+            if key.may_read(owners[approval.root_id]):
+                mine.append(approval)
+        return ApprovalList(approvals=mine)
 
     @router.post(
         "/approvals/{approval_id}",
@@ -63,9 +85,11 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         responses=error_responses(*denied, 404, 409, 413, 422, 503),
         summary="Approve or deny a waiting tool call; only that task resumes",
     )
-    def decide(approval_id: ApprovalId, body: DecisionInput) -> Approval:
-        """A denial's feedback goes back to the task's model; 409 when it was already decided."""
-        return coord.decide(approval_id, body.decision, body.feedback)
+    def decide(request: Request, key: Caller, approval_id: ApprovalId, body: DecisionInput) -> Approval:
+        """A denial's feedback goes back to the task's model; 409 when it was already decided.
+        Scope `decide`; the approval then carries `decided_by`, the key's name."""
+        gate.need(request, key, Scope.DECIDE)
+        return coord.decide(approval_id, body.decision, body.feedback, actor=actor_of(request, key))
 
     @router.get(
         "/dead-letters",
@@ -74,9 +98,12 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         summary="Messages no worker could decode or validate, newest first",
     )
     def list_dead_letters(
+        request: Request,
+        key: Caller,
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="Most dead letters in the answer")] = DEFAULT_PAGE,
     ) -> DeadLetterList:
         """Each with the time, the queue, the reason, the task name and id when known, and the raw message."""
+        gate.need(request, key, Scope.OPERATE)
         return DeadLetterList(count=coord.count_dead_letters(), dead_letters=coord.dead_letters(limit))
 
     @router.delete(
@@ -85,7 +112,8 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         responses=error_responses(*denied, 422, 503),
         summary="Delete every dead letter",
     )
-    def purge_dead_letters() -> DeadLettersPurged:
-        return DeadLettersPurged(purged=coord.purge_dead_letters())
+    def purge_dead_letters(request: Request, key: Caller) -> DeadLettersPurged:
+        gate.need(request, key, Scope.OPERATE)
+        return DeadLettersPurged(purged=coord.purge_dead_letters(actor=actor_of(request, key)))
 
     return router

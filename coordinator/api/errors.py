@@ -24,6 +24,7 @@ from coordinator.errors import (
     ConfigError,
     ConflictError,
     CorruptError,
+    ForbiddenError,
     NotFoundError,
     StateError,
     StoreError,
@@ -54,6 +55,7 @@ INTERNAL_ERROR = "internal_error"
 # Most specific class first: CorruptError is a StoreError but not a passing outage.
 _STATUS_OF_ERROR: tuple[tuple[type[SubqError], int], ...] = (
     (NotFoundError, 404),
+    (ForbiddenError, 403),
     (StateError, 409),
     (ConflictError, 409),
     (ValidationError, 422),
@@ -66,6 +68,7 @@ _STATUS_OF_ERROR: tuple[tuple[type[SubqError], int], ...] = (
 _SOURCES = frozenset({"body", "query", "path", "header", "cookie"})
 _DESCRIPTIONS = {
     401: "Missing or wrong bearer token (code unauthorized)",
+    403: "The API key lacks the scope this needs; the message names it (code forbidden)",
     404: "Unknown task id, well-formed or not (code not_found)",
     409: "The task is not in a state that allows this (codes wrong_state, conflict)",
     413: "The request body is over SUBQ_API_MAX_BODY_BYTES (code body_too_large)",

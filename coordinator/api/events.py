@@ -20,10 +20,11 @@ from typing import Annotated, Any
 
 import anyio.to_thread
 from anyio import CapacityLimiter
-from fastapi import APIRouter, Header
+from fastapi import APIRouter, Header, Request
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from coordinator import ids
+from coordinator.api.auth import Caller, Gate
 from coordinator.api.errors import error_responses
 from coordinator.api.routes import TaskId
 from coordinator.api.schemas import ErrorBody
@@ -105,8 +106,9 @@ async def tree_events(
 
 def event_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     router = APIRouter(prefix="/v1", tags=["events"])
-    denied = (401,) if auth else ()
+    denied = (401, 403) if auth else ()
     threads = StreamThreads()
+    gate = Gate(coord)
 
     @router.get(
         "/tasks/{task_id}/events",
@@ -122,6 +124,8 @@ def event_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         summary="Live events of the task's tree (server-sent events)",
     )
     async def events(
+        request: Request,
+        key: Caller,
         task_id: TaskId,
         last_event_id: Annotated[
             str | None,
@@ -129,6 +133,7 @@ def event_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         ] = None,
     ) -> EventSourceResponse:
         # Checked before the response starts, so an unknown id is a plain 404, not a broken stream.
+        await threads.run(gate.read_tree, request, key, task_id)
         await threads.run(coord.settled, task_id)
         return EventSourceResponse(tree_events(coord, threads, task_id, last_event_id or "0-0"), ping=KEEPALIVE_S)
 

@@ -261,6 +261,14 @@ class SubqCollector(Collector):
         yield GaugeMetricFamily(
             "subq_dead_letters", "Messages no worker could decode or validate, kept", value=fleet.dead_letters
         )
+        refused = CounterMetricFamily(
+            "subq_refused_requests",
+            "Requests the API and the web view refused (401, 403), by reason, fleet-wide (docs/security.md)",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self.coord.refused_counts().items()):
+            refused.add_metric([reason], count)
+        yield refused
         yield CounterMetricFamily(
             "subq_replica_shortfalls",
             "Steps this API process acknowledged whose WAIT heard from fewer replicas than SUBQ_REDIS_MIN_REPLICAS "

@@ -5,6 +5,8 @@ so FastAPI runs handlers in its thread pool and the event loop stays free.
 Each one is a thin call into the same Coordinator the CLI uses; a body is read
 with its operation's input model (coordinator/inputs.py), the one `subq.submit`
 and the CLI use, and the Coordinator validates everything before it writes anything.
+Each first asks the `Gate` (coordinator/api/auth.py) whether the caller's key may:
+a tree it may not read is a 404, a missing scope a 403 naming it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.routing import APIRoute
 
+from coordinator.access import Scope
+from coordinator.api.auth import Caller, Gate
 from coordinator.api.errors import error_responses
 from coordinator.api.schemas import CreatedTask, DelegationResult, HistoryPage, MessageList, TodoList, TodosUpdated
 from coordinator.errors import ValidationError
@@ -54,7 +58,8 @@ async def reject_unknown_query(request: Request) -> None:
 
 def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     router = APIRouter(prefix="/v1", tags=["tasks"])
-    denied = (401,) if auth else ()
+    denied = (401, 403) if auth else ()
+    gate = Gate(coord)
 
     @router.post(
         "/tasks",
@@ -63,10 +68,12 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         responses=error_responses(*denied, 413, 422, 503),
         summary="Create a root task",
     )
-    def create_task(body: CreateTaskInput) -> CreatedTask:
+    def create_task(request: Request, key: Caller, body: CreateTaskInput) -> CreatedTask:
         """A caller-owned task (`run: false`, you delegate) or an agent on the fleet (`run: true`).
 
-        `ignored_todo_lines` names the plan's lines that look like items but were not read as any."""
+        `ignored_todo_lines` names the plan's lines that look like items but were not read as any.
+        The tree belongs to the caller's key (scope `submit`)."""
+        gate.need(request, key, Scope.SUBMIT)
         record = coord.create_task(
             body.prompt,
             todos=body.todos,
@@ -74,6 +81,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
             run=body.run,
             budget_usd=body.budget_usd,
             idempotency_key=body.idempotency_key,
+            owner=key.name,
         )
         return CreatedTask(**dict(record), ignored_todo_lines=ignored_lines(body.todos))
 
@@ -84,8 +92,9 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         responses=error_responses(*denied, 404, 409, 413, 422, 503),
         summary="Delegate subtasks to children",
     )
-    def delegate(task_id: TaskId, body: DelegateInput) -> DelegationResult:
+    def delegate(request: Request, key: Caller, task_id: TaskId, body: DelegateInput) -> DelegationResult:
         """Validated as a whole, committed atomically, then published; 202: the children run on the fleet."""
+        gate.write_tree(request, key, task_id)
         batch = coord.delegate(task_id, body.subtasks, body.mode)
         return DelegationResult(
             batch_id=batch.id, parent_id=batch.parent_id, mode=batch.mode, child_ids=batch.child_ids
@@ -97,9 +106,12 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         responses=error_responses(*denied, 404, 503),
         summary="A task with its own and total figures",
     )
-    def get_task(task_id: TaskId) -> TaskRecord:
+    def get_task(request: Request, key: Caller, task_id: TaskId) -> TaskRecord:
         """Own usage (`tokens_in`, `tokens_out`, `cost_micros`) and the subtree's (`total_tokens`, `total_cost_micros`)."""
-        return coord.get_task(task_id)
+        gate.need(request, key, Scope.READ, Scope.READ_ALL)
+        record = coord.get_task(task_id)  # the record names its owner: no second read
+        gate.readable(key, task_id, record.owner)
+        return record
 
     @router.get(
         "/tasks/{task_id}/todos",
@@ -107,7 +119,8 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         responses=error_responses(*denied, 404, 503),
         summary="A task's todo list with each item's subtask, tokens and cost",
     )
-    def get_todos(task_id: TaskId) -> TodoList:
+    def get_todos(request: Request, key: Caller, task_id: TaskId) -> TodoList:
+        gate.read_tree(request, key, task_id)
         return TodoList(task_id=task_id, todos=coord.get_todos(task_id))
 
     @router.put(
@@ -116,10 +129,11 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         responses=error_responses(*denied, 404, 409, 413, 422, 503),
         summary="Replace a task's todo list",
     )
-    def update_todos(task_id: TaskId, body: TodosInput) -> TodosUpdated:
+    def update_todos(request: Request, key: Caller, task_id: TaskId, body: TodosInput) -> TodosUpdated:
         """Links and figures of existing items survive the rewrite; an update with no items is refused.
 
         `ignored_lines` names the lines that look like items but were not read as any."""
+        gate.write_tree(request, key, task_id)
         items = coord.update_todos(task_id, body.todos)
         return TodosUpdated(task_id=task_id, todos=items, ignored_lines=ignored_lines(body.todos))
 
@@ -129,7 +143,8 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         responses=error_responses(*denied, 404, 503),
         summary="The task's subtree: every task with its todos, own and total figures",
     )
-    def tree(task_id: TaskId) -> TreeNode:
+    def tree(request: Request, key: Caller, task_id: TaskId) -> TreeNode:
+        gate.read_tree(request, key, task_id)
         return coord.tree(task_id)
 
     @router.get(
@@ -139,9 +154,12 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         summary="The task's UI messages or model conversation, oldest first",
     )
     def messages(
+        request: Request,
+        key: Caller,
         task_id: TaskId,
         kind: Annotated[Literal["ui", "api"], Query(description="ui: UI messages; api: the model conversation")] = "ui",
     ) -> MessageList:
+        gate.read_tree(request, key, task_id)
         return MessageList(task_id=task_id, kind=kind, messages=coord.messages(task_id, kind))
 
     @router.get(
@@ -151,6 +169,8 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         summary="The history: tasks newest first, with their figures",
     )
     def list_tasks(
+        request: Request,
+        key: Caller,
         status: Annotated[TaskStatus | None, Query(description="Only tasks with this status")] = None,
         root_id: Annotated[
             str | None, Query(pattern=ROOT_ID_PATTERN, description="Only tasks of this root's tree")
@@ -160,8 +180,10 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
             int, Query(ge=0, le=MAX_CURSOR, description="`next_cursor` of the previous page; 0 for the first")
         ] = 0,
     ) -> HistoryPage:
+        """A key with `read` (not `read_all`) sees the tasks of the trees it created."""
+        owner = gate.history_owner(request, key)
         items, next_cursor = coord.list_tasks(
-            status=status.value if status else None, root_id=root_id, limit=limit, cursor=cursor
+            status=status.value if status else None, root_id=root_id, limit=limit, cursor=cursor, owner=owner
         )
         return HistoryPage(items=items, next_cursor=next_cursor)
 

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from coordinator.audit import AuditEntry
 from coordinator.deadletters import DeadLetter
 from coordinator.inputs import CancelInput, CreateTaskInput, DecisionInput, DelegateInput, TodosInput
 from coordinator.models import Approval, DelegationMode, HistoryItem, LiveState, TaskRecord, TodoItem
@@ -24,6 +25,7 @@ from coordinator.todos import IgnoredLine
 
 __all__ = [
     "ApprovalList",
+    "AuditPage",
     "CancelInput",
     "CreateTaskInput",
     "CreatedTask",
@@ -71,6 +73,15 @@ class DeadLetterList(BaseModel):
 
     count: int
     dead_letters: list[DeadLetter]
+
+
+class AuditPage(BaseModel):
+    """GET /v1/audit: entries newest first, and the cursor of the next (older) page, or null."""
+
+    model_config = ConfigDict(frozen=True)
+
+    entries: list[AuditEntry]
+    next_before: str | None = None
 
 
 class DeadLettersPurged(BaseModel):

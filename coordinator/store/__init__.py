@@ -31,6 +31,9 @@ reads through another is handed it (`RunStore(core, records)`).
 | `store.dead_letters` | `DeadLetterStore`  | `deadletters.py` | the dead-letter list: messages no worker could decode or  |
 |                      |                    |                  | validate                                                  |
 | `store.sessions`     | `WebSessions`      | `sessions.py`    | the web view's sign-in sessions                           |
+| `store.endpoints`    | `EndpointStore`    | `endpoints.py`   | provider endpoints as the fleet sees them: down or up,    |
+|                      |                    |                  | the one probe, the runs parked on each                    |
+| `store.audit`        | `AuditLog`         | `audit.py`       | the audit log and the count of refused requests by reason |
 
 and the modules the parts share:
 
@@ -49,10 +52,12 @@ from __future__ import annotations
 import redis
 
 from coordinator.store.approvals import ApprovalStore
+from coordinator.store.audit import AuditLog
 from coordinator.store.base import EVENTS_MAXLEN, ReplicaWait, StoreCore, translate_redis_errors
 from coordinator.store.convergence import ConvergenceStore
 from coordinator.store.deadletters import DeadLetterStore
 from coordinator.store.delegation import DelegationStore
+from coordinator.store.endpoints import EndpointStore
 from coordinator.store.events import EventStore
 from coordinator.store.keys import Keys
 from coordinator.store.metrics import LATENCY_BUCKETS_MS, FleetGauges, MetricStore
@@ -96,3 +101,5 @@ class Store:
         self.metrics = MetricStore(core)
         self.dead_letters = DeadLetterStore(core)
         self.sessions = WebSessions(core)
+        self.endpoints = EndpointStore(core)
+        self.audit = AuditLog(core)

@@ -50,11 +50,12 @@ class ApprovalStore(Part):
         return _strs(self.client.zrange(self.keys.approvals(), 0, -1))
 
     @translate_redis_errors
-    def decide(self, approval_id: str, status: str, feedback: str) -> str:
-        """Decide a pending approval once; 'ok', or its status when it was not pending."""
+    def decide(self, approval_id: str, status: str, feedback: str, decided_by: str = "") -> str:
+        """Decide a pending approval once, naming who decided; 'ok', or its status when it was not pending."""
         root = root_of(approval_id)
         keys = [self.keys.approval(root, approval_id), self.keys.approvals(), self.keys.events(root)]
         args: list[ScriptArg] = [
             approval_id, status, feedback, time.time(), EVENTS_MAXLEN, self.keys.task(root, ""), self.keys.approval(root, ""),
+            decided_by,
         ]  # fmt: skip
         return str(self.scripts.decide(keys=keys, args=args))

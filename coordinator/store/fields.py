@@ -70,6 +70,7 @@ class TaskField:
     CREATED_AT: Final = "created_at"  # epoch seconds
     UPDATED_AT: Final = "updated_at"  # epoch seconds of the last change (every task script)
     FINISHED_AT: Final = "finished_at"  # epoch seconds it ended; '' while running (finish_task, stop_tasks)
+    OWNER: Final = "owner"  # the API key that created the tree ('' when made on Redis or by Celery); every task
     # JSON object of the marks its state changes left, `[t_ms, state]`, bounded (coordinator/timeline.py);
     # written with the record, and by the scripts that change its state through `timeline_add`
     # (hashes.lua): start_run, flush_run, finish_task, finish_batch, release_slot, decide, stop_tasks.
@@ -87,6 +88,9 @@ class TaskField:
     RESUME_BATCH_ID: Final = "resume_batch_id"  # the batch whose result the resumed run answers (finish_batch)
     WAITING_APPROVAL_IDS: Final = "waiting_approval_ids"  # JSON list of the approvals its last run asked for
     TRANSIENT_ERRORS: Final = "transient_errors"  # provider errors retried so far (a count)
+    # When its run began waiting for its provider (ms), kept while the run gives its worker back, so
+    # `model_retry_for_s` counts from the first failure, not from each wake (coordinator/endpoints.py).
+    PROVIDER_WAIT_SINCE_MS: Final = "provider_wait_since_ms"
     REPAIRS: Final = "repairs"  # runs the reconciler published again after one was lost (a count)
     RESUMED_PREFIX: Final = "resumed:"  # `resumed:<batch or approval id>`: once-only resume flag per reason
     BATCH_MODE: Final = "batch_mode"  # a child's batch's mode, written with the child (end_run)
@@ -136,6 +140,7 @@ class ApprovalField:
     CREATED_AT: Final = "created_at"  # epoch seconds
     DEADLINE: Final = "deadline"  # epoch seconds after which it expires
     DECIDED_AT: Final = "decided_at"  # epoch seconds of the decision; '' until decided (decide)
+    DECIDED_BY: Final = "decided_by"  # the API key that decided; '' until decided, and for an expiry (decide)
 
 
 class LatencyField:
@@ -168,4 +173,5 @@ OPTIONAL_FIELDS = (
 # Approval fields where '' means None.
 APPROVAL_OPTIONAL_FIELDS = (
     ApprovalField.TODO_ID, ApprovalField.TODO_CONTENT, ApprovalField.FEEDBACK, ApprovalField.DECIDED_AT,
+    ApprovalField.DECIDED_BY,
 )  # fmt: skip

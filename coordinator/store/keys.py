@@ -44,6 +44,12 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:rate:tool:<glob>`                | zset   | start times of the calls of a tool glob, last 60 s | a minute |
 | `<p>:tool-slots:<glob>`               | zset   | the calls of a tool glob running now, scored by    | a call's |
 |                                       |        | when each one's lease ends (a dead worker's lapse) | lease    |
+| `<p>:endpoint:<host:port>`            | hash   | a provider endpoint as the fleet sees it           | deleted when a request |
+|                                       |        | (coordinator/endpoints.py): `failures` in a row,   | succeeds; an hour after |
+|                                       |        | `down_until_ms`, the `probe` run's token and its   | its last failure |
+|                                       |        | `probe_until_ms`, the last `error` line            |          |
+| `<p>:endpoint-parked:<host:port>`     | zset   | tasks whose runs gave their worker back to wait    | deleted when the endpoint |
+|                                       |        | for the endpoint, scored by when they wake         | is back; an hour |
 | `<p>:idempotency:<sha256 of the key>`| string | the root id a create call with that key made       | retention |
 | `<p>:web-session:<sha256 of the id>`  | string | a web sign-in: the fingerprint of the API token it | the session's age |
 |                                       |        | was made with (a changed token revokes it)         | (a day); deleted at sign-out |
@@ -59,6 +65,10 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:dead-letters`                    | list   | messages no worker could decode or validate, one   | capped: the newest 10,000 |
 |                                       |        | JSON object each, newest first (ts, queue, reason, |          |
 |                                       |        | task, id, the raw message cut to 64 KiB)           |          |
+| `<p>:audit`                           | stream | the audit log: every decision, control action,     | retention (trimmed by id |
+|                                       |        | sign-in and refused request, one entry each (who,  | at each write), and at   |
+|                                       |        | what, target, when, from where; coordinator/audit) | most the newest 100,000  |
+| `<p>:metrics:refused`                 | hash   | refused requests (401/403) counted by reason       | permanent |
 """
 
 from __future__ import annotations
@@ -149,6 +159,12 @@ class Keys:
     def tool_slots(self, pattern: str) -> str:
         return f"{self.prefix}:tool-slots:{pattern}"
 
+    def endpoint(self, endpoint: str) -> str:
+        return f"{self.prefix}:endpoint:{endpoint}"
+
+    def endpoint_parked(self, endpoint: str) -> str:
+        return f"{self.prefix}:endpoint-parked:{endpoint}"
+
     def task_number(self) -> str:
         return f"{self.prefix}:task-number"
 
@@ -178,6 +194,12 @@ class Keys:
 
     def dead_letters(self) -> str:
         return f"{self.prefix}:dead-letters"
+
+    def audit(self) -> str:
+        return f"{self.prefix}:audit"
+
+    def refused(self) -> str:
+        return f"{self.prefix}:metrics:refused"
 
     def all_pattern(self) -> str:
         """A SCAN pattern matching every key of this prefix (tests, cleanup)."""

@@ -74,6 +74,16 @@ class RecordStore(Part):
         return str(status), str(runner or "caller")
 
     @translate_redis_errors
+    def owner_of(self, task_id: str) -> str:
+        """The API key that created the task's tree ('' for none); NotFoundError when there is no such task."""
+        status, owner = self.client.hmget(
+            self.keys.task(root_of(task_id), task_id), [TaskField.STATUS, TaskField.OWNER]
+        )
+        if status is None:
+            raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
+        return str(owner or "")
+
+    @translate_redis_errors
     def stops_so_far(self) -> int:
         """How many stops (`stop_tasks` calls that stopped a task) have been made: it moves when one is."""
         return int(self.client.get(self.keys.stops()) or 0)

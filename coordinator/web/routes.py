@@ -11,6 +11,9 @@
 
 Pages answer errors as HTML pages with the API's status for the error; actions
 answer JSON in the API's one error shape, which the page shows as it is.
+Every page, fragment, stream and action is the signed-in key's (coordinator/web/auth.py),
+checked by the API's own `Gate`: a tree the key may not read is a 404, and a
+page offers only the actions the key's scopes allow (no Approve without `decide`).
 Handlers are plain `def`s where they call the Coordinator (synchronous Redis),
 so they run in FastAPI's thread pool, as the API's do.
 """
@@ -32,12 +35,14 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from sse_starlette import EventSourceResponse
 
-from coordinator.api.auth import too_many_attempts
+from coordinator.access import Principal, Scope
+from coordinator.api.auth import Gate, actor_of, too_many_attempts
 from coordinator.api.errors import UNAUTHORIZED, HttpError, status_of
 from coordinator.api.events import KEEPALIVE_S, STREAM_ID_PATTERN, StreamThreads, tree_events
 from coordinator.api.limits import RateLimiter, client_address
 from coordinator.api.routes import TaskId
 from coordinator.api.schemas import CancelInput, DecisionInput
+from coordinator.audit import Actor
 from coordinator.errors import SubqError, ValidationError
 from coordinator.models import Approval, TaskRecord, TaskStatus, format_usd
 from coordinator.service import Coordinator
@@ -87,24 +92,35 @@ def _router(coord: Coordinator, auth: WebAuth, auth_attempts: RateLimiter) -> AP
     router = APIRouter(prefix=WEB_PATH, include_in_schema=False)
     templates = _templates()
     threads = StreamThreads()
+    gate = Gate(coord, via="web")
 
     def page(
-        request: Request, name: str, status_code: int = 200, headers: Mapping[str, str] | None = None, **context: Any
+        request: Request,
+        name: str,
+        status_code: int = 200,
+        headers: Mapping[str, str] | None = None,
+        key: Principal | None = None,
+        **context: Any,
     ) -> HTMLResponse:
-        context |= {"auth_on": not auth.disabled}
+        context |= {"auth_on": not auth.disabled, "key": key, "can": _abilities(key)}
         return templates.TemplateResponse(request, name, context, status_code=status_code, headers=headers)
 
-    def error_page(request: Request, exc: SubqError) -> HTMLResponse:
-        return page(request, "error.html", status_of(exc), error=exc)
+    def error_page(request: Request, exc: SubqError, key: Principal | None = None) -> HTMLResponse:
+        return page(request, "error.html", status_of(exc), key=key, error=exc)
 
     def to_login(request: Request) -> RedirectResponse:
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         return RedirectResponse(f"{WEB_PATH}/login?{urlencode({'next': target})}", status_code=303)
 
-    def signed_in(request: Request) -> None:
-        """For fragments, streams and actions: a JSON 401 (the page itself redirects to sign in)."""
-        if not auth.signed_in(request):
+    def signed_in(request: Request) -> Principal:
+        """For fragments, streams and actions: the session's key, or a JSON 401 on record (pages redirect)."""
+        key = auth.principal(request)
+        if key is None:
+            actor = Actor("", client_address(request.scope), "web")
+            target = f"{request.method} {request.url.path}"
+            coord.record(actor, "refused", target, reason="not_signed_in")
             raise HttpError(401, UNAUTHORIZED, "Not signed in to the web view: sign in at /ui/login", field=COOKIE)
+        return key
 
     async def json_body(content_type: Annotated[str, Header()] = "") -> None:
         # A cross-site HTML form can only send form or text bodies; JSON needs a CORS preflight.
@@ -117,62 +133,81 @@ def _router(coord: Coordinator, auth: WebAuth, auth_attempts: RateLimiter) -> AP
 
     @router.get("/", response_class=HTMLResponse)
     def roots(request: Request) -> Response:
-        if not auth.signed_in(request):
+        key = auth.principal(request)
+        if key is None:
             return to_login(request)
         try:
             wanted = parse_root_filter(request.query_params)
-            found = find_roots(coord, wanted)
+            found = find_roots(coord, wanted, owner=gate.history_owner(request, key))
         except SubqError as exc:
-            return error_page(request, exc)
+            return error_page(request, exc, key)
         next_query = urlencode(wanted.query(found.next_cursor)) if found.next_cursor is not None else None
-        return page(request, "roots.html", wanted=wanted, found=found, next_query=next_query)
+        return page(request, "roots.html", key=key, wanted=wanted, found=found, next_query=next_query)
 
     @router.get("/tasks/{task_id}", response_class=HTMLResponse)
     def tree_page(request: Request, task_id: TaskId) -> Response:
-        if not auth.signed_in(request):
+        key = auth.principal(request)
+        if key is None:
             return to_login(request)
         try:
             _no_query(request)
+            owner = gate.read_tree(request, key, task_id)
             tree = read_tree(coord, task_id)
         except SubqError as exc:
-            return error_page(request, exc)
-        return page(request, "tree.html", tree=tree, task_id=task_id)
+            return error_page(request, exc, key)
+        return page(request, "tree.html", key=key, tree=tree, task_id=task_id, owner=owner)
 
-    @router.get("/tasks/{task_id}/fragment", response_class=HTMLResponse, dependencies=[Depends(signed_in)])
-    def tree_fragment(request: Request, task_id: TaskId) -> Response:
+    @router.get("/tasks/{task_id}/fragment", response_class=HTMLResponse)
+    def tree_fragment(request: Request, task_id: TaskId, key: Principal = Depends(signed_in)) -> Response:
         _no_query(request)
-        return page(request, "tree_fragment.html", tree=read_tree(coord, task_id))
+        owner = gate.read_tree(request, key, task_id)
+        return page(request, "tree_fragment.html", key=key, tree=read_tree(coord, task_id), owner=owner)
 
-    @router.get("/tasks/{task_id}/events", dependencies=[Depends(signed_in)])
+    @router.get("/tasks/{task_id}/events")
     async def events(
         request: Request,
         task_id: TaskId,
         last_event_id: Annotated[str | None, Header(pattern=STREAM_ID_PATTERN)] = None,
+        key: Principal = Depends(signed_in),
     ) -> EventSourceResponse:
         _no_query(request)
+        await threads.run(gate.read_tree, request, key, task_id)
         await threads.run(coord.settled, task_id)  # an unknown id is a plain 404, not a broken stream
         return EventSourceResponse(tree_events(coord, threads, task_id, last_event_id or "0-0"), ping=KEEPALIVE_S)
 
     @router.get("/tasks/{task_id}/conversation", response_class=HTMLResponse)
     def conversation(request: Request, task_id: TaskId) -> Response:
-        if not auth.signed_in(request):
+        key = auth.principal(request)
+        if key is None:
             return to_login(request)
         try:
             _no_query(request)
+            gate.read_tree(request, key, task_id)
             record = coord.get_task(task_id)
             ui_messages = coord.messages(task_id, "ui")
             model_messages = [_readable(m) for m in coord.messages(task_id, "api")]
         except SubqError as exc:
-            return error_page(request, exc)
-        return page(request, "conversation.html", task=record, ui_messages=ui_messages, model_messages=model_messages)
+            return error_page(request, exc, key)
+        return page(
+            request,
+            "conversation.html",
+            key=key,
+            task=record,
+            ui_messages=ui_messages,
+            model_messages=model_messages,
+        )
 
-    @router.post("/actions/tasks/{task_id}/cancel", dependencies=[Depends(signed_in), Depends(json_body)])
-    def cancel(task_id: TaskId, body: CancelInput) -> TaskRecord:
-        return coord.cancel(task_id, body.reason)
+    @router.post("/actions/tasks/{task_id}/cancel", dependencies=[Depends(json_body)])
+    def cancel(request: Request, task_id: TaskId, body: CancelInput, key: Principal = Depends(signed_in)) -> TaskRecord:
+        gate.write_tree(request, key, task_id, others=Scope.OPERATE)
+        return coord.cancel(task_id, body.reason, actor=actor_of(request, key, "web"))
 
-    @router.post("/actions/approvals/{approval_id}", dependencies=[Depends(signed_in), Depends(json_body)])
-    def decide(approval_id: str, body: DecisionInput) -> Approval:
-        return coord.decide(approval_id, body.decision, body.feedback)
+    @router.post("/actions/approvals/{approval_id}", dependencies=[Depends(json_body)])
+    def decide(
+        request: Request, approval_id: str, body: DecisionInput, key: Principal = Depends(signed_in)
+    ) -> Approval:
+        gate.need(request, key, Scope.DECIDE)
+        return coord.decide(approval_id, body.decision, body.feedback, actor=actor_of(request, key, "web"))
 
     @router.get("/login", response_class=HTMLResponse)
     def login_form(request: Request, next: str = "") -> HTMLResponse:
@@ -188,19 +223,44 @@ def _router(coord: Coordinator, auth: WebAuth, auth_attempts: RateLimiter) -> AP
         if wait_s := auth_attempts.take(client_address(request.scope)):
             refusal = too_many_attempts(auth_attempts, wait_s)
             return page(request, "login.html", 429, next=target, refusal=refusal.message, headers=refusal.headers)
-        if not auth.token_matches(form.get("token", "")):
-            return page(request, "login.html", 401, next=target, refusal="That is not the server's token.")
+        address = client_address(request.scope)
+        key = await anyio.to_thread.run_sync(auth.key_of_token, form.get("token", ""))
+        if key is None:
+            refused = Actor("", address, "web")
+            await anyio.to_thread.run_sync(
+                lambda: coord.record(refused, "refused", "POST /ui/login", reason="wrong_sign_in")
+            )
+            return page(
+                request,
+                "login.html",
+                401,
+                next=target,
+                refusal="That is not the server's token, nor the token of any API key.",
+            )
         response = RedirectResponse(target, status_code=303)
-        await anyio.to_thread.run_sync(auth.sign_in, request, response)
+        await anyio.to_thread.run_sync(auth.sign_in, request, response, key)
+        actor = Actor(key.name, address, "web")
+        await anyio.to_thread.run_sync(lambda: coord.record(actor, "sign_in", "/ui"))
         return response
 
     @router.post("/logout")
     def logout(request: Request) -> RedirectResponse:
         response = RedirectResponse(f"{WEB_PATH}/login", status_code=303)
-        auth.sign_out(request, response)
+        key = auth.sign_out(request, response)
+        if key is not None and not auth.disabled:
+            coord.record(actor_of(request, key, "web"), "sign_out", "/ui")
         return response
 
     return router
+
+
+def _abilities(key: Principal | None) -> dict[str, bool]:
+    """What the page offers the signed-in key (the actions check again on the server)."""
+    return {
+        "decide": key is not None and key.has(Scope.DECIDE),
+        "operate": key is not None and key.has(Scope.OPERATE),
+        "submit": key is not None and key.has(Scope.SUBMIT),
+    }
 
 
 def _no_query(request: Request) -> None:

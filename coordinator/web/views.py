@@ -143,8 +143,9 @@ def call_text(approval: Approval, max_chars: int = MAX_CALL_CHARS) -> str:
     return text
 
 
-def find_roots(coord: Coordinator, wanted: RootFilter) -> RootPage:
-    """Roots newest first that match `wanted`, one page, over the API's history (`list_tasks`)."""
+def find_roots(coord: Coordinator, wanted: RootFilter, owner: str | None = None) -> RootPage:
+    """Roots newest first that match `wanted`, one page, over the API's history (`list_tasks`);
+    with `owner`, only the trees that key created (a `read` key's view)."""
     since_s = _day_start_s(wanted.since) if wanted.since else None
     before_s = _day_start_s(wanted.until + dt.timedelta(days=1)) if wanted.until else None
     text = wanted.text.casefold()
@@ -152,7 +153,7 @@ def find_roots(coord: Coordinator, wanted: RootFilter) -> RootPage:
     found: list[HistoryItem] = []
     cursor, scanned = wanted.cursor, 0
     while True:
-        items, next_cursor = coord.list_tasks(status=status, limit=MAX_PAGE, cursor=cursor)
+        items, next_cursor = coord.list_tasks(status=status, limit=MAX_PAGE, cursor=cursor, owner=owner)
         for n, item in enumerate(items):
             if since_s is not None and item.ts < since_s:
                 return RootPage(found, None)  # the history is newest first: all the rest is older
@@ -163,7 +164,7 @@ def find_roots(coord: Coordinator, wanted: RootFilter) -> RootPage:
             found.append(item)
             if len(found) == wanted.limit:
                 # The cursor just past this item, counted as list_tasks counts (it skips expired tasks).
-                return RootPage(found, coord.list_tasks(status=status, limit=n + 1, cursor=cursor)[1])
+                return RootPage(found, coord.list_tasks(status=status, limit=n + 1, cursor=cursor, owner=owner)[1])
         scanned += len(items)
         if next_cursor is None:
             return RootPage(found, None)

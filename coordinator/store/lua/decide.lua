@@ -4,6 +4,7 @@
 -- ARGV[4] now   ARGV[5] events max length   ARGV[6] the prefix of the tree's task hashes
 -- ARGV[7] the prefix of its approval hashes (the task's hash and its other approvals are named
 --   from the approval's record, as start_run reads ancestors: a tree's keys share one prefix)
+-- ARGV[8] who decided: the API key's name ('' for an expiry), written with the decision
 -- The decision that leaves the task no pending approval ends its wait: its timeline marks its
 -- resume `queued` now (coordinator/timeline.py).
 -- Returns 'ok', or the approval's status when it was not pending (or 'missing').
@@ -14,7 +15,7 @@ end
 if status ~= 'pending' then
   return status
 end
-redis.call('HSET', KEYS[1], 'status', ARGV[2], 'feedback', ARGV[3], 'decided_at', ARGV[4])
+redis.call('HSET', KEYS[1], 'status', ARGV[2], 'feedback', ARGV[3], 'decided_at', ARGV[4], 'decided_by', ARGV[8] or '')
 redis.call('ZREM', KEYS[2], ARGV[1])
 local task_id = redis.call('HGET', KEYS[1], 'task_id')
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'type', 'approval', 'approval_id', ARGV[1],

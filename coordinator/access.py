@@ -1,0 +1,291 @@
+"""Who may do what: scoped API keys, the caller they name, and what a caller may touch.
+
+A key is a name, the SHA-256 of its token (the token itself is never stored) and
+its scopes. Keys come from SUBQ_API_KEYS (JSON) and SUBQ_API_KEYS_FILE (TOML or
+JSON), both `{"<name>": {"token_sha256": "<hex>", "scopes": [...]}}`; the legacy
+SUBQ_API_TOKEN is the key `admin` with every scope.
+
+| scope      | allows                                                                     |
+|------------|----------------------------------------------------------------------------|
+| `submit`   | create trees; delegate, update todos and cancel in the trees it created    |
+| `read`     | read the trees it created                                                  |
+| `read_all` | read every tree                                                            |
+| `decide`   | approve and deny any tool call (and list every waiting one)                |
+| `operate`  | cancel any tree; list and purge dead letters; read the audit log           |
+| `admin`    | everything                                                                 |
+
+A tree belongs to the key that created it (its records' `owner`). A tree a
+caller may not read is answered as if it did not exist (404), so its existence
+does not leak; a missing scope is a 403 that names the scope.
+
+`KeyRing` answers "whose token is this?" per request. The file is taken up
+without a restart: each lookup stats it (one `stat`, no read) and reads it again
+only when its modification time, size or inode changed. A file that no longer
+parses revokes every key it held until it parses again (fail closed: a botched
+edit must not keep a revoked key alive); the error is logged once per change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = [
+    "ADMIN_KEY",
+    "OPEN",
+    "ApiKey",
+    "ApiKeySpec",
+    "KeyRing",
+    "Principal",
+    "Scope",
+    "parse_keys",
+    "read_keys_file",
+    "token_sha256",
+]
+
+logger = logging.getLogger("coordinator.access")
+
+# The name SUBQ_API_TOKEN signs in as: a deployment that had one token keeps working.
+ADMIN_KEY = "admin"
+# A key's name lands in the audit log, on every record it creates and in the web view:
+# short, printable, no separators that would need quoting anywhere.
+KEY_NAME_PATTERN = re.compile(r"\A[A-Za-z0-9_.@-]{1,64}\Z")
+_HEX64 = re.compile(r"\A[0-9a-fA-F]{64}\Z")
+
+
+class Scope(StrEnum):
+    SUBMIT = "submit"
+    READ = "read"
+    READ_ALL = "read_all"
+    DECIDE = "decide"
+    OPERATE = "operate"
+    ADMIN = "admin"
+
+
+def token_sha256(token: str) -> str:
+    """The hex SHA-256 of a token, as a key's `token_sha256` holds it."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class ApiKeySpec(BaseModel):
+    """A key as SUBQ_API_KEYS holds it (checked by `parse_keys` first, with messages naming the key)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    token_sha256: str
+    scopes: list[Scope]
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """One key as configured: its name, its token's SHA-256 (lower-case hex) and its scopes."""
+
+    name: str
+    token_sha256: str
+    scopes: frozenset[Scope]
+
+    def as_setting(self) -> ApiKeySpec:
+        """The key as the Settings class holds it (and SUBQ_API_KEYS writes it)."""
+        return ApiKeySpec(token_sha256=self.token_sha256, scopes=sorted(self.scopes))
+
+
+@dataclass(frozen=True)
+class Principal:
+    """The caller of one request: a key's name and its scopes."""
+
+    name: str
+    scopes: frozenset[Scope]
+
+    def has(self, scope: Scope) -> bool:
+        return Scope.ADMIN in self.scopes or scope in self.scopes
+
+    def has_any(self, *scopes: Scope) -> bool:
+        return any(self.has(scope) for scope in scopes)
+
+    def may_read(self, owner: str) -> bool:
+        """Whether this caller may read a tree created by `owner`."""
+        return self.has(Scope.READ_ALL) or (self.has(Scope.READ) and owner == self.name)
+
+    def owns(self, owner: str) -> bool:
+        return owner == self.name
+
+    @property
+    def scope_names(self) -> list[str]:
+        return sorted(self.scopes)
+
+
+# The caller when SUBQ_API_AUTH_DISABLED=true: everything is open, as the setting says.
+OPEN = Principal("anonymous", frozenset(Scope))
+
+
+def parse_keys(data: object, where: str = "") -> dict[str, ApiKey]:
+    """Keys from their configured form; a ValueError of one line naming `where` and the key otherwise."""
+    lead = f"{where}: " if where else ""
+    if not isinstance(data, Mapping):
+        raise ValueError(f'{lead}must be a table of keys, {{"<name>": {{"token_sha256": ..., "scopes": [...]}}}}')
+    keys: dict[str, ApiKey] = {}
+    for name, spec in data.items():
+        keys[str(name)] = _parse_key(str(name), spec, where)
+    by_hash: dict[str, str] = {}
+    for key in keys.values():
+        if key.token_sha256 in by_hash:
+            raise ValueError(
+                f"{lead}keys {by_hash[key.token_sha256]!r} and {key.name!r} have the same token_sha256 "
+                "(give each key a token of its own)"
+            )
+        by_hash[key.token_sha256] = key.name
+    return keys
+
+
+def _parse_key(name: str, spec: object, where: str) -> ApiKey:
+    at = f"{where}: key {name!r}" if where else f"key {name!r}"
+    if not KEY_NAME_PATTERN.match(name):
+        raise ValueError(f"{at}: a name is 1 to 64 letters, digits, '_', '.', '@' or '-'")
+    if isinstance(spec, ApiKey):
+        return spec
+    if isinstance(spec, ApiKeySpec):
+        spec = spec.model_dump(mode="json")
+    if not isinstance(spec, Mapping):
+        raise ValueError(f'{at}: must be a table {{"token_sha256": "<hex>", "scopes": [...]}}')
+    unknown = sorted(set(map(str, spec)) - {"token_sha256", "scopes"})
+    if unknown:
+        raise ValueError(f"{at}: unknown field {unknown[0]!r} (a key has token_sha256 and scopes)")
+    for field in ("token_sha256", "scopes"):
+        if field not in spec:
+            raise ValueError(f"{at}: missing field {field!r}")
+    digest = spec["token_sha256"]
+    if not isinstance(digest, str) or not _HEX64.match(digest):
+        raise ValueError(
+            f"{at}: token_sha256 must be the token's SHA-256 as 64 hex digits "
+            '(e.g. printf %s "$TOKEN" | sha256sum), not the token itself'
+        )
+    scopes = spec["scopes"]
+    if not isinstance(scopes, list) or not scopes or not all(isinstance(s, str) for s in scopes):
+        raise ValueError(f"{at}: scopes must be a non-empty list of {', '.join(Scope)}")
+    for scope in scopes:
+        if scope not in Scope.__members__.values():
+            raise ValueError(f"{at}: unknown scope {scope!r} (one of {', '.join(Scope)})")
+    return ApiKey(name, digest.lower(), frozenset(Scope(s) for s in scopes))
+
+
+def read_keys_file(path: Path) -> dict[str, ApiKey]:
+    """The keys of a TOML (`.toml`) or JSON file; a ValueError naming the file and the key otherwise."""
+    where = f"SUBQ_API_KEYS_FILE: {path}"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot read it: {exc.strerror}") from None
+    try:
+        data: Any = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{where}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'}: {exc}") from None
+    if isinstance(data, dict) and isinstance(data.get("keys"), dict) and len(data) == 1:
+        data = data["keys"]  # a `[keys.<name>]` table in TOML reads as well
+    return parse_keys(data, where)
+
+
+def check_distinct(inline: Iterable[str], from_file: Iterable[str], legacy: bool) -> None:
+    """No name twice across SUBQ_API_KEYS, the file and the legacy token: the audit log must name one key."""
+    inline_set = set(inline)
+    for name in from_file:
+        if name in inline_set:
+            raise ValueError(f"SUBQ_API_KEYS_FILE: key {name!r} is also in SUBQ_API_KEYS (name each key once)")
+    if legacy:
+        for source, names in (("SUBQ_API_KEYS", inline_set), ("SUBQ_API_KEYS_FILE", set(from_file))):
+            if ADMIN_KEY in names:
+                raise ValueError(
+                    f"{source}: key {ADMIN_KEY!r} is the name SUBQ_API_TOKEN signs in as; give the key another name"
+                )
+
+
+@dataclass(frozen=True)
+class _FileState:
+    stamp: tuple[int, int, int] | None  # (mtime_ns, size, inode) when read (MISSING: no file); None: never read
+    keys: dict[str, ApiKey]
+
+
+# The stamp of a file that cannot be stat'ed: compared like any other, so a missing file is logged once.
+MISSING = (-1, -1, -1)
+
+
+class KeyRing:
+    """Every key of a deployment, looked up by token; the keys file is read again when it changes."""
+
+    def __init__(self, inline: Mapping[str, ApiKey], file: Path | None, legacy_token: str | None) -> None:
+        self._inline = dict(inline)
+        self._file = file
+        self._legacy = ApiKey(ADMIN_KEY, token_sha256(legacy_token), frozenset(Scope)) if legacy_token else None
+        self._lock = threading.Lock()
+        self._state = _FileState(None, {})
+        if file is not None:
+            self._state = self._read(file, None)
+
+    @property
+    def empty(self) -> bool:
+        return not self._inline and self._file is None and self._legacy is None
+
+    def keys(self) -> dict[str, ApiKey]:
+        """Every key now valid: the legacy token's, SUBQ_API_KEYS', and the file's as it is now."""
+        out = dict(self._inline)
+        if self._legacy is not None:
+            out[ADMIN_KEY] = self._legacy
+        if self._file is not None:
+            for name, key in self._current_file_keys().items():
+                out.setdefault(name, key)  # a name also given inline stays the inline key
+        return out
+
+    def find(self, token: str) -> ApiKey | None:
+        """The key whose token this is, or None.
+
+        Compared by SHA-256: the digest of a wrong guess tells nothing about the right
+        token, so a lookup by digest leaks nothing a timing could use.
+        """
+        digest = token_sha256(token)
+        for key in self.keys().values():
+            if key.token_sha256 == digest:
+                return key
+        return None
+
+    def named(self, name: str) -> ApiKey | None:
+        return self.keys().get(name)
+
+    def _current_file_keys(self) -> dict[str, ApiKey]:
+        assert self._file is not None
+        stamp = _stamp(self._file)
+        if stamp == self._state.stamp:
+            return self._state.keys
+        with self._lock:
+            if stamp != self._state.stamp:
+                self._state = self._read(self._file, self._state.stamp)
+            return self._state.keys
+
+    def _read(self, path: Path, old_stamp: tuple[int, int, int] | None) -> _FileState:
+        stamp = _stamp(path)
+        try:
+            keys = read_keys_file(path)
+            check_distinct(self._inline, keys, self._legacy is not None)
+        except ValueError as exc:
+            if stamp != old_stamp:
+                logger.error("%s; every key of that file is refused until it is fixed", exc)
+            return _FileState(stamp, {})
+        return _FileState(stamp, keys)
+
+
+def _stamp(path: Path) -> tuple[int, int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return MISSING
+    return (st.st_mtime_ns, st.st_size, st.st_ino)

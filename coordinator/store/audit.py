@@ -1,0 +1,74 @@
+"""The audit log in Redis: a stream of entries, newest first when read, and refusals counted by reason."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, cast
+
+import pydantic
+
+from coordinator.audit import AUDIT_MAX_ENTRIES, Action, Actor, AuditEntry
+from coordinator.errors import CorruptError, ValidationError
+from coordinator.store.base import Part, _str_map, translate_redis_errors
+
+__all__ = ["STREAM_ID_PATTERN", "AuditLog"]
+
+# A page cursor is an entry id, `<ms>-<n>`.
+STREAM_ID_PATTERN = r"^\d{1,20}-\d{1,20}$"
+
+
+class AuditLog(Part):
+    """`store.audit`: add an entry, read a page newest first, count refusals (`<p>:audit`, `<p>:metrics:refused`)."""
+
+    @translate_redis_errors
+    def add(self, actor: Actor, action: Action, target: str, *, reason: str = "", detail: str = "") -> None:
+        """Append one entry; trim what is past the retention and the cap, and count a refusal, in one transaction."""
+        now = time.time()
+        fields = {
+            "ts": repr(now),
+            "actor": actor.name,
+            "action": action,
+            "target": target,
+            "address": actor.address,
+            "via": actor.via,
+            "reason": reason,
+            "detail": detail,
+        }
+        key = self.keys.audit()
+        oldest_kept_ms = int((now - self.retention_s) * 1000)
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.xadd(key, cast(Any, fields), maxlen=AUDIT_MAX_ENTRIES, approximate=True)
+            # Kept as long as task history: entries older than the retention go (whole nodes, `~`).
+            pipe.xtrim(key, minid=f"{oldest_kept_ms}-0", approximate=True)
+            if reason:
+                pipe.hincrby(self.keys.refused(), reason, 1)
+            pipe.execute()
+
+    @translate_redis_errors
+    def page(self, limit: int, before: str | None = None) -> tuple[list[AuditEntry], str | None]:
+        """Up to `limit` entries newest first, older than the entry `before`; and the next page's cursor or None."""
+        if before is not None and not _is_stream_id(before):
+            raise ValidationError(f"before must be an entry id as <ms>-<n>, not {before!r}", field="before")
+        high = f"({before}" if before is not None else "+"
+        oldest_kept_ms = int((time.time() - self.retention_s) * 1000)
+        raw = cast(
+            list[tuple[str, dict[str, str]]],
+            self.client.xrevrange(self.keys.audit(), max=high, min=f"{oldest_kept_ms}-0", count=limit),
+        )
+        entries = []
+        for entry_id, fields in raw:
+            try:
+                entries.append(AuditEntry.model_validate({**_str_map(fields), "id": entry_id}))
+            except pydantic.ValidationError:
+                raise CorruptError(f"Audit entry {entry_id} is corrupt") from None
+        return entries, (entries[-1].id if len(entries) == limit else None)
+
+    @translate_redis_errors
+    def refused_counts(self) -> dict[str, int]:
+        """Refused requests (401/403) counted by reason, fleet-wide, since the log began."""
+        return {reason: int(count) for reason, count in _str_map(self.client.hgetall(self.keys.refused())).items()}
+
+
+def _is_stream_id(value: str) -> bool:
+    ms, dash, seq = value.partition("-")
+    return bool(dash) and ms.isdigit() and seq.isdigit() and len(ms) <= 20 and len(seq) <= 20
