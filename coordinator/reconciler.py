@@ -3,7 +3,8 @@
 It runs inside the worker fleet (a thread of each worker process; one leader at
 a time through a Redis lease, `lead.lua`), every `SUBQ_RECONCILE_INTERVAL_S`.
 Each tick it
-1. serves due timers (an approval's deadline: `approvals.expire`);
+1. serves due timers (an approval's deadline: `approvals.expire`; a run parked while its
+   provider was down: `endpoints.wake`);
 2. looks at every task of the due list whose time has come. The normal path
    writes a task there *before* it sends the message that should move it on
    (a run, a resume, a delegation's children) and removes it once its run has
@@ -34,7 +35,7 @@ import time
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
-from coordinator import admission, approvals, delegation, dispatch, writeback
+from coordinator import admission, approvals, delegation, dispatch, endpoints, writeback
 from coordinator.errors import NotFoundError
 from coordinator.models import TaskStatus
 
@@ -96,6 +97,8 @@ class Reconciler:
                     approvals.expire(self.plane, subject)
                 except NotFoundError:
                     pass  # its tree has expired
+            elif kind == endpoints.PROVIDER_TIMER:
+                endpoints.wake(self.plane, subject)  # a run parked while its provider was down
             else:
                 log.error("subq reconciler: unknown timer %r dropped", name)
             done.append(name)

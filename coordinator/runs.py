@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter
 
-from coordinator import admission, approvals, budgets, delegation, dispatch, faults, writeback
+from coordinator import admission, approvals, budgets, delegation, dispatch, endpoints, faults, writeback
 from coordinator.approvals import ToolCall
 from coordinator.errors import NotFoundError, StoreError
 from coordinator.heartbeat import Heartbeat
@@ -129,9 +129,11 @@ class Ended:
 
 @dataclass(frozen=True)
 class Released:
-    """The run ended before the task did: `delegated`, or `waiting_approval`."""
+    """The run ended before the task did: `delegated`, `waiting_approval`, or `waiting_provider`
+    (its provider is down: the run is published again at `wake_at_s`, or sooner when it is back)."""
 
     state: str
+    wake_at_s: float = 0.0
 
 
 # -- one run -------------------------------------------------------------------------------
@@ -191,6 +193,8 @@ class Run:
         self.fenced = False
         # The waits inside the run now open (a rate limit, a tool's limit), by what waits, since when (ms).
         self._waits: dict[str, int] = {}
+        # When the task began waiting for its provider across runs (ms; 0: not waiting), read on first need.
+        self._provider_wait_since_ms: int | None = None
 
     @property
     def task_id(self) -> str:
@@ -404,6 +408,49 @@ class Run:
         self._plane.store.runs.count_transient_error(self.task.id)
         self.say("retry", f"{what}: retrying (attempt {attempt})")
 
+    # -- the provider's endpoint, as the fleet sees it (coordinator/endpoints.py) -------------
+
+    def endpoint_gate(self, endpoint: str) -> endpoints.Gate:
+        """Whether the next request may go to `endpoint` now (one round trip); this run may become its probe."""
+        return endpoints.gate(self._plane, endpoint, self.token)
+
+    def endpoint_failed(self, endpoint: str, error: str, asked_s: float | None) -> endpoints.Gate:
+        """A request to `endpoint` failed transiently: it is down for the fleet; how long to wait."""
+        return endpoints.failed(self._plane, endpoint, error, asked_s)
+
+    def endpoint_answered(self, endpoint: str, *, was_down: bool) -> None:
+        """A request to `endpoint` succeeded: the fleet forgets its failures (only if it had some: the healthy
+        path costs nothing), and a run that had given its worker back to wait forgets when its wait began."""
+        if was_down:
+            endpoints.recovered(self._plane, endpoint)
+        if self._provider_wait_since_ms:
+            self._plane.store.endpoints.clear_wait_since(self.task.id)
+        self._provider_wait_since_ms = 0
+
+    def provider_wait_since_ms(self) -> int | None:
+        """When this task began waiting for its provider, if an earlier run of it gave its worker back to wait."""
+        if self._provider_wait_since_ms is None:
+            self._provider_wait_since_ms = self._plane.store.endpoints.wait_since_ms(self.task.id) or 0
+        return self._provider_wait_since_ms or None
+
+    def provider_waiting(self, endpoint: str, *, waiting: bool) -> None:
+        """Open (or close) a `wait:provider` on the task's timeline, and say so in its live status."""
+        opened = f"endpoint:{endpoint}" not in self._waits
+        self._note_wait("provider", f"endpoint:{endpoint}", waiting=waiting)
+        if waiting and opened:  # shown now, not after the wait: the step is written at once
+            self.writes.live = live_status(
+                self.task, "waiting_provider", waiting_for="provider", requests=self._requests,
+                cost_micros=self._total_cost_micros,
+            )  # fmt: skip
+            self.flush()
+
+    def wait_for_provider(self, endpoint: str, wake_at_s: float, since_ms: int) -> Released:
+        """The run gives its worker back until `wake_at_s` (or until `endpoint` is back): its timer is set
+        first, then `end` saves it and frees its lease and slot."""
+        self.provider_waiting(endpoint, waiting=True)
+        endpoints.park(self._plane, self.task, endpoint, wake_at_s, since_ms)
+        return Released("waiting_provider", wake_at_s=wake_at_s)
+
     # -- the orchestration tools --------------------------------------------------------
 
     def todos(self) -> list[TodoItem]:
@@ -470,8 +517,12 @@ class Run:
             self._release()
             if outcome.state == "delegated":
                 delegation.publish_waiting(plane, plane.store.records.get_task(task_id))
-            else:  # waiting for a decision: each decision (or its timer) watches it again
+            else:  # waiting for a decision or its provider: each decision (or its timer) watches it again
                 plane.store.convergence.unwatch([task_id])
+            if outcome.state == "waiting_provider":
+                plane.store.events.set_live(self.task, outcome.state, waiting_for="provider", until=outcome.wake_at_s)
+                # To Celery it is queued again, with a delay (the timer publishes it).
+                return writeback.result_of(plane.store.records.get_task(task_id), pending="queued")
             plane.store.events.set_live(self.task, outcome.state)
             return writeback.result_of(plane.store.records.get_task(task_id), pending=outcome.state)
         if self._live is not None:

@@ -15,6 +15,8 @@ in the same call, so recording costs no Redis round trip of its own (docs/archit
 | `wait:admission`   | waiting for a run slot (per parent, per tree) or a start stagger  |
 | `wait:rate_limit`  | inside a run: waiting for the provider's fleet-wide rate limit    |
 | `wait:tool_limit`  | inside a run: waiting for a tool's fleet-wide limit               |
+| `wait:provider`    | waiting for its model's provider to come back (an outage, a 429): |
+|                    | inside the run, or with its worker given back (coordinator/endpoints.py) |
 | an outcome         | `completed`, `failed` or `cancelled`: the end; nothing follows it |
 
 The stored form (`TaskField.TIMELINE`, a field of the task hash) is a small JSON object,
@@ -60,9 +62,10 @@ MAX_MARKS = 200
 # How many of the oldest marks one fold takes: half, so a fold happens once per 100 marks.
 FOLD_MARKS = 100
 OUTCOMES = ("completed", "failed", "cancelled")
-WAIT_REASONS = ("children", "approval", "admission", "rate_limit", "tool_limit")
-# Waits inside a run: the run goes on after them (they do not start a new run).
-RUN_WAITS = ("rate_limit", "tool_limit")
+WAIT_REASONS = ("children", "approval", "admission", "rate_limit", "tool_limit", "provider")
+# Waits inside a run: the run goes on after them (they do not start a new run). A provider wait
+# may give the worker back, and the run that goes on after it is the same run to a reader.
+RUN_WAITS = ("rate_limit", "tool_limit", "provider")
 WAIT_PREFIX = "wait:"
 
 

@@ -62,6 +62,10 @@ def redis_url() -> Iterator[str]:
         yield url
 
 
+# How long the tests' offline profile waits out its scripted transient errors before the run fails.
+OFFLINE_RETRY_FOR_S = 2.0
+
+
 @pytest.fixture(scope="session")
 def settings(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Settings:
     return Settings(
@@ -73,8 +77,13 @@ def settings(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Settin
         visibility_timeout_s=120,
         # Transient model errors are retried in tests without real waits.
         model_retry_base_s=0.05,
-        # The offline profile runs the commands its scripts approve, in a directory of the session's.
-        profiles={OFFLINE_PROFILE: Profile(run_command=RunCommand(cwd=tmp_path_factory.mktemp("commands")))},
+        # The offline profile runs the commands its scripts approve, in a directory of the session's, and
+        # waits out a scripted run of transient errors for 2 s (not the default ten minutes) before failing.
+        profiles={
+            OFFLINE_PROFILE: Profile(
+                run_command=RunCommand(cwd=tmp_path_factory.mktemp("commands")), model_retry_for_s=OFFLINE_RETRY_FOR_S
+            )
+        },
     )
 
 

@@ -186,6 +186,7 @@ TIMELINE_GLYPHS = {
     "wait:admission": ("S", "yellow"),
     "wait:rate_limit": ("R", "red"),
     "wait:tool_limit": ("T", "dark_orange"),
+    "wait:provider": ("P", "red3"),
 }
 # A label takes at most this share of the width, and at most this many columns.
 TIMELINE_LABEL_SHARE = 0.35

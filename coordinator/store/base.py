@@ -285,6 +285,8 @@ class Scripts:
         self.lead = client.register_script(_load_script("lead.lua"))
         self.append_if_leased = client.register_script(_load_script("append_if_leased.lua"))
         self.unwatch = client.register_script(_load_script("unwatch.lua"))
+        self.endpoint_gate = client.register_script(_load_script("endpoint_gate.lua"))
+        self.endpoint_failed = client.register_script(_load_script("endpoint_failed.lua"))
 
 
 class StoreCore:

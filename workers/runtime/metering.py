@@ -2,9 +2,11 @@
 
 - Before every request, `before()` runs: the runner stops a cancelled run or a
   spent budget there, and waits for the provider's fleet-wide rate limit.
-- A transient model error (rate limit, timeout, connection, 5xx, overloaded) is
-  retried with exponential backoff, up to `retries` times, each one reported to
-  `on_transient`; any other error ends the run as an agent failure.
+- A transient model error (rate limit, timeout, connection, 5xx, overloaded),
+  a request its endpoint's gate held back, or a fallback chain's group of them,
+  goes to `after_error`, which waits and returns (the request is tried again) or
+  raises (the run parks, or fails): the route's patience
+  (workers/runtime/providers.py). Any other error ends the run as an agent failure.
 - After every response, `on_response` records its usage atomically and
   persists the conversation, so a worker killed mid-run loses at most the
   request in flight, and spend is never counted twice (each request has a key).
@@ -19,25 +21,16 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-from pydantic_ai.exceptions import (
-    ModelConnectionError,
-    ModelRateLimitError,
-    ModelServerError,
-    ModelUnavailableError,
-)
+from pydantic_ai.exceptions import FallbackExceptionGroup
 from pydantic_ai.messages import ModelMessage, ModelResponse
 from pydantic_ai.models import Model, ModelRequestParameters
 from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.settings import ModelSettings
 
 from workers import observe
+from workers.runtime.providers import TRANSIENT_ERRORS, EndpointDown
 
 __all__ = ["TRANSIENT_ERRORS", "MeteredModel", "ResponseHook"]
-
-# ModelTimeoutError is a ModelConnectionError; ModelOverloadedError a ModelUnavailableError.
-TRANSIENT_ERRORS = (ModelRateLimitError, ModelServerError, ModelConnectionError, ModelUnavailableError)
-# The longest single backoff, so a long run of retries does not sleep past the time limit.
-MAX_BACKOFF_S = 30.0
 
 # (messages sent, the response, the request's latency in ms)
 ResponseHook = Callable[[list[ModelMessage], ModelResponse, float], None]
@@ -47,6 +40,10 @@ async def _nothing() -> None:
     return None
 
 
+async def _give_up(exc: Exception, attempt: int) -> None:
+    raise exc
+
+
 class MeteredModel(WrapperModel):
     def __init__(
         self,
@@ -54,17 +51,13 @@ class MeteredModel(WrapperModel):
         on_response: ResponseHook,
         *,
         before: Callable[[], Awaitable[None]] = _nothing,
-        retries: int = 0,
-        retry_base_s: float = 0.5,
-        on_transient: Callable[[Exception, int], None] = lambda exc, attempt: None,
+        after_error: Callable[[Exception, int], Awaitable[None]] = _give_up,
         labels: tuple[str, str] = ("", ""),
     ) -> None:
         super().__init__(wrapped)
         self._on_response = on_response
         self._before = before
-        self._retries = retries
-        self._retry_base_s = retry_base_s
-        self._on_transient = on_transient
+        self._after_error = after_error
         self._labels = labels
 
     async def request(
@@ -79,13 +72,11 @@ class MeteredModel(WrapperModel):
             started = time.perf_counter()
             try:
                 response = await super().request(messages, model_settings, model_request_parameters)
-            except TRANSIENT_ERRORS as exc:
-                observe.model_request(*self._labels, "transient_error")
-                if attempt >= self._retries:
-                    raise
-                attempt += 1
-                self._on_transient(exc, attempt)
-                await asyncio.sleep(min(MAX_BACKOFF_S, self._retry_base_s * 2 ** (attempt - 1)))
+            except (*TRANSIENT_ERRORS, FallbackExceptionGroup) as exc:
+                if not isinstance(exc, EndpointDown):  # held back by its gate, it was never sent
+                    observe.model_request(*self._labels, "transient_error")
+                    attempt += 1
+                await self._after_error(exc, attempt)
                 continue
             except asyncio.CancelledError:  # a stop abandoned the request in flight
                 observe.model_request(*self._labels, "cancelled")

@@ -1,75 +1,182 @@
-"""The pydantic-ai model a profile runs with: offline, OpenAI-compatible, or Anthropic.
+"""The models a task's requests go to, and how a run rides out its provider's failures.
 
-`build_model` only constructs clients; nothing here touches the network, so a
+`build_model` only constructs clients; nothing there touches the network, so a
 worker can build a task's model before it knows the endpoint is reachable.
-
 Keys and URLs come from the profile: a profile that names no key gets the
 provider's standard variable (`OPENAI_API_KEY`, `ANTHROPIC_API_KEY`) through
 `Settings.profile`, since in subq only `Settings` reads the environment; the
 SDKs are never left to read it themselves. A missing key is a clear
 `ProfileError`, and an unset `base_url` is the vendor's public endpoint.
 
-The SDKs' own retries are off (`max_retries=0`): subq retries a transient error
-itself, once per attempt, counted (workers/runtime/metering.py); with both, one
-failing request was sent six times. A provider's error reads as one line, its
-status, the provider's error type and message, with the raw body kept on the
-exception (`body`).
+The SDKs' own retries are off (`max_retries=0`): subq waits out a transient
+error itself, counted (workers/runtime/metering.py); with both, one failing
+request was sent six times. Every provider error reads as one line that says
+where: the provider's status, error type and message (or the transport's
+error), then the profile, the model and the endpoint's host and port, never a
+key; the raw body is kept on the exception (`body`).
+
+A task's `Route` is its profile's model, then its `fallback_profiles`' (pydantic-ai's
+`FallbackModel`), each behind the fleet's one view of its endpoint
+(coordinator/endpoints.py: a run waits while the endpoint is down instead of
+sending, and one probe decides when it is back). After a transient error the
+route's `Patience` decides: wait inside the run (a wait of at most
+`IN_RUN_WAIT_S`), give the worker back until the endpoint may be tried
+(`ProviderWait`, which the runner turns into a parked run), or, past the
+profile's `model_retry_for_s`, fail the run with the last error. A request goes
+to the next profile of the chain when its provider refuses the model (401, 403,
+404) or keeps failing: `FALLBACK_AFTER_FAILURES` failures in a row, or a wait
+longer than `IN_RUN_WAIT_S`. Each response is priced at the profile that
+answered it (`Route.answered`).
+
+The offline model has no endpoint to share: its scripted failures belong to one
+task, so its view is the run's own (`LocalEndpoint`), with the same rules.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from anthropic import AsyncAnthropic
 from openai import AsyncOpenAI
 from pydantic_ai import RunContext
-from pydantic_ai.exceptions import ModelHTTPError
+from pydantic_ai.exceptions import (
+    FallbackExceptionGroup,
+    ModelAPIError,
+    ModelAuthenticationError,
+    ModelConnectionError,
+    ModelHTTPError,
+    ModelNotFoundError,
+    ModelRateLimitError,
+    ModelServerError,
+    ModelUnavailableError,
+)
 from pydantic_ai.messages import ModelMessage, ModelResponse
 from pydantic_ai.models import Model, ModelRequestParameters, StreamedResponse
 from pydantic_ai.models.anthropic import AnthropicModel
+from pydantic_ai.models.fallback import FallbackModel
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.providers.anthropic import AnthropicProvider
 from pydantic_ai.providers.openai import OpenAIProvider
 from pydantic_ai.settings import ModelSettings
 
-from coordinator import OFFLINE_PROFILE, STANDARD_KEYS, Profile, ProfileError
+from coordinator import OFFLINE_PROFILE, STANDARD_KEYS, Profile, ProfileError, Settings
+from coordinator.endpoints import Gate
+from coordinator.runs import Released
 from workers.runtime.offline import OfflineModel
 
-__all__ = ["ANTHROPIC_BASE_URL", "OPENAI_BASE_URL", "OneLineErrors", "build_model", "error_line"]
+__all__ = [
+    "ANTHROPIC_BASE_URL",
+    "FALLBACK_AFTER_FAILURES",
+    "IN_RUN_WAIT_S",
+    "OPENAI_BASE_URL",
+    "TRANSIENT_ERRORS",
+    "EndpointDown",
+    "OneLineErrors",
+    "ProviderWait",
+    "Route",
+    "build_model",
+    "endpoint_of",
+    "error_line",
+]
 
 # The vendors' public endpoints, passed explicitly so the SDKs never read
 # OPENAI_BASE_URL / ANTHROPIC_BASE_URL from the environment behind Settings' back.
 OPENAI_BASE_URL = "https://api.openai.com/v1"
 ANTHROPIC_BASE_URL = "https://api.anthropic.com"
-# Retries happen once, in subq (SUBQ_MODEL_RETRIES): the SDKs' own would multiply them.
+# Retries happen once, in subq (a route's Patience): the SDKs' own would multiply them.
 SDK_RETRIES = 0
 # A provider's error message is one line of the task's error; longer ones are cut.
 ERROR_MESSAGE_CHARS = 200
+# ModelTimeoutError is a ModelConnectionError; ModelOverloadedError a ModelUnavailableError.
+TRANSIENT_ERRORS = (ModelRateLimitError, ModelServerError, ModelConnectionError, ModelUnavailableError)
+# A wait up to this long is slept inside the run; a longer one gives the worker back: parking
+# costs a saved step, a timer and a new run (about a reconciler tick late), more than a short wait.
+IN_RUN_WAIT_S = 5.0
+# A request goes to the next profile of its chain once its endpoint failed this often in a row
+# (about 3.5 s of backoff with the defaults): a blip is retried, an outage is not waited for.
+FALLBACK_AFTER_FAILURES = 3
+
+
+class EndpointDown(ModelUnavailableError):
+    """The fleet knows the endpoint is down: the request was not sent. `wait_s`: until it may be tried."""
+
+    def __init__(self, model_name: str, message: str, *, wait_s: float, failures: int, hop: Hop) -> None:
+        super().__init__(model_name, message)
+        self.wait_s = wait_s
+        self.failures = failures
+        self.subq_hop = hop
+
+
+class ProviderWait(Exception):
+    """The run must give its worker back until its provider may be tried again (`released`)."""
+
+    def __init__(self, released: Released) -> None:
+        super().__init__(f"waiting for the provider until {released.wake_at_s:.0f}")
+        self.released = released
 
 
 def build_model(profile: Profile, *, name: str | None = None) -> Model:
-    """The model for `profile`; `name` (the profile's name) only sharpens error field paths.
+    """The model for `profile`, its errors one line naming `name`, the model and the endpoint.
 
     Raises `ProfileError` when a real provider's profile has no `api_key`.
     """
     if profile.model == OFFLINE_PROFILE:
-        return OfflineModel()
+        return OfflineModel()  # no provider: its errors are the lines its script gives
     provider, _, model_name = profile.model.partition(":")
     if provider == "openai":
         openai = AsyncOpenAI(
             api_key=_api_key(profile, name), base_url=profile.base_url or OPENAI_BASE_URL, max_retries=SDK_RETRIES
         )
-        return OneLineErrors(OpenAIChatModel(model_name, provider=OpenAIProvider(openai_client=openai)))
+        return OneLineErrors(
+            OpenAIChatModel(model_name, provider=OpenAIProvider(openai_client=openai)), _where(profile, name)
+        )
     if provider == "anthropic":
         anthropic = AsyncAnthropic(
             api_key=_api_key(profile, name), base_url=profile.base_url or ANTHROPIC_BASE_URL, max_retries=SDK_RETRIES
         )
-        return OneLineErrors(AnthropicModel(model_name, provider=AnthropicProvider(anthropic_client=anthropic)))
+        return OneLineErrors(
+            AnthropicModel(model_name, provider=AnthropicProvider(anthropic_client=anthropic)), _where(profile, name)
+        )
     # Profile validation rejects other providers; this guards a Profile built with model_construct().
     raise ProfileError(f"unknown model provider in {profile.model!r}", field=_field(name, "model"))
+
+
+def endpoint_of(profile: Profile) -> str | None:
+    """The `host:port` the profile's requests go to (None for the offline model, which has none)."""
+    if profile.model == OFFLINE_PROFILE:
+        return None
+    default = ANTHROPIC_BASE_URL if profile.provider == "anthropic" else OPENAI_BASE_URL
+    parts = urlsplit(profile.base_url or default)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if port is None:
+        port = 443 if parts.scheme == "https" else 80
+    host = parts.hostname or "?"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _where(profile: Profile, name: str | None) -> str:
+    """What an error line ends with: the profile, the model and the endpoint (no key, no path, no query)."""
+    endpoint = endpoint_of(profile)
+    return ", ".join(
+        part
+        for part in (
+            f"profile {name!r}" if name else "",
+            f"model {profile.model}",
+            f"endpoint {endpoint}" if endpoint else "offline",
+        )
+        if part
+    )
 
 
 def _api_key(profile: Profile, name: str | None) -> str:
@@ -87,11 +194,15 @@ def _api_key(profile: Profile, name: str | None) -> str:
 
 
 class OneLineErrors(WrapperModel):
-    """A provider's model whose HTTP errors read as one clear line (`error_line`), raw body kept.
+    """A provider's model whose errors read as one clear line that says where (`error_line`).
 
-    The exception stays the one pydantic-ai raised (its class tells subq's retries a
-    transient error from a refusal); only its message is rewritten.
+    The exception stays the one pydantic-ai raised (its class tells a transient error from a
+    refusal); only its message is rewritten, once, and its raw body is kept.
     """
+
+    def __init__(self, wrapped: Model, where: str) -> None:
+        super().__init__(wrapped)
+        self.where = where
 
     async def request(
         self,
@@ -101,8 +212,8 @@ class OneLineErrors(WrapperModel):
     ) -> ModelResponse:
         try:
             return await super().request(messages, model_settings, model_request_parameters)
-        except ModelHTTPError as exc:
-            exc.message = error_line(exc)
+        except ModelAPIError as exc:
+            self._rewrite(exc)
             raise
 
     @asynccontextmanager
@@ -118,18 +229,24 @@ class OneLineErrors(WrapperModel):
                 messages, model_settings, model_request_parameters, run_context
             ) as response:
                 yield response
-        except ModelHTTPError as exc:
-            exc.message = error_line(exc)
+        except ModelAPIError as exc:
+            self._rewrite(exc)
             raise
 
+    def _rewrite(self, exc: ModelAPIError) -> None:
+        if getattr(exc, "subq_line", None) is not None:
+            return  # an inner model of the same chain said where already
+        exc.subq_line = error_line(exc)  # type: ignore[attr-defined]  # the line without where, for the fleet's view
+        exc.message = f"{exc.subq_line} ({self.where})"  # type: ignore[attr-defined]
+        exc.args = (exc.message,)
 
-def error_line(exc: ModelHTTPError) -> str:
-    """`HTTP <status> <provider's error type>: <provider's message>` from an error response.
 
-    OpenAI's body is the `error` object (`{"message", "type", "code"}`); Anthropic's
-    wraps it (`{"type": "error", "error": {"type", "message"}}`); anything else is
-    shown as text.
-    """
+def error_line(exc: ModelAPIError) -> str:
+    """What went wrong, in one line: `HTTP <status> <provider's error type>: <provider's message>` for an
+    error response (OpenAI's body is the `error` object, Anthropic's wraps it; anything else is shown as
+    text), else the error's kind and message (`ModelConnectionError: Connection error.`)."""
+    if not isinstance(exc, ModelHTTPError):
+        return f"{type(exc).__name__}: {_cut(' '.join(exc.message.split()) or 'no message')}"
     body: Any = exc.body
     inner = body.get("error", body) if isinstance(body, dict) else body
     if isinstance(inner, dict):
@@ -137,11 +254,257 @@ def error_line(exc: ModelHTTPError) -> str:
         message = inner.get("message") or ""
     else:
         kind, message = exc.provider_error_type, "" if inner is None else str(inner)
-    text = " ".join(str(message).split()) or "no message"
-    if len(text) > ERROR_MESSAGE_CHARS:
-        text = text[: ERROR_MESSAGE_CHARS - 1] + "…"
-    return f"HTTP {exc.status_code}{f' {kind}' if kind else ''}: {text} (model {exc.model_name})"
+    text = _cut(" ".join(str(message).split()) or "no message")
+    return f"HTTP {exc.status_code}{f' {kind}' if kind else ''}: {text}"
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= ERROR_MESSAGE_CHARS else text[: ERROR_MESSAGE_CHARS - 1] + "…"
 
 
 def _field(name: str | None, field: str) -> str:
     return f"profiles.{name}.{field}" if name else field
+
+
+# -- the endpoint's view, and what a route needs of its run --------------------------------
+
+
+class EndpointView(Protocol):
+    """What the fleet knows of one endpoint: the gate before a request, a failure, a success."""
+
+    def gate(self) -> Gate: ...
+
+    def failed(self, line: str, asked_s: float | None) -> Gate: ...
+
+    def answered(self, *, was_down: bool) -> None: ...
+
+
+class RunPort(Protocol):
+    """The run's steps a route takes (coordinator.runs.Run has them)."""
+
+    def endpoint_gate(self, endpoint: str) -> Gate: ...
+
+    def endpoint_failed(self, endpoint: str, error: str, asked_s: float | None) -> Gate: ...
+
+    def endpoint_answered(self, endpoint: str, *, was_down: bool) -> None: ...
+
+    def provider_wait_since_ms(self) -> int | None: ...
+
+    def provider_waiting(self, endpoint: str, *, waiting: bool) -> None: ...
+
+    def wait_for_provider(self, endpoint: str, wake_at_s: float, since_ms: int) -> Released: ...
+
+    def transient_error(self, what: str, attempt: int) -> None: ...
+
+    def say(self, kind: str, text: str) -> None: ...
+
+
+class SharedEndpoint:
+    """A real provider's endpoint: the fleet's one view of it, in Redis, through the run."""
+
+    def __init__(self, run: RunPort, endpoint: str) -> None:
+        self.run = run
+        self.endpoint = endpoint
+
+    def gate(self) -> Gate:
+        return self.run.endpoint_gate(self.endpoint)
+
+    def failed(self, line: str, asked_s: float | None) -> Gate:
+        return self.run.endpoint_failed(self.endpoint, line, asked_s)
+
+    def answered(self, *, was_down: bool) -> None:
+        self.run.endpoint_answered(self.endpoint, was_down=was_down)
+
+
+class LocalEndpoint:
+    """The offline model's: its failures are one task's script, so its view is the run's own (same rules)."""
+
+    def __init__(self, base_s: float, cap_s: float) -> None:
+        self.base_s, self.cap_s = base_s, cap_s
+        self.down_until_s = 0.0
+        self.failures = 0
+
+    def gate(self) -> Gate:
+        wait_s = self.down_until_s - time.time()
+        return Gate(max(0, int(wait_s * 1000)) if wait_s > 0 else 0, self.failures, "")
+
+    def failed(self, line: str, asked_s: float | None) -> Gate:
+        now = time.time()
+        if now >= self.down_until_s:  # as endpoint_failed.lua: exponential, equal jitter, a cap
+            self.failures += 1
+            backoff_s = min(self.cap_s, self.base_s * 2 ** (self.failures - 1))
+            self.down_until_s = now + backoff_s * (0.5 + random.random() / 2)
+        if asked_s is not None:
+            self.down_until_s = max(self.down_until_s, now + asked_s)
+        return Gate(int((self.down_until_s - now) * 1000), self.failures, line)
+
+    def answered(self, *, was_down: bool) -> None:
+        self.down_until_s, self.failures = 0.0, 0
+
+
+@dataclass(frozen=True)
+class Marked:
+    """What marking its endpoint down said of a transient error: the hop, the wait (s), the failures in a row."""
+
+    hop: Hop
+    wait_s: float
+    failures: int
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One profile of a task's chain: its name, the profile, and its endpoint ('' for the offline model)."""
+
+    name: str
+    profile: Profile
+    endpoint: str
+
+
+class GatedModel(WrapperModel):
+    """One profile's model behind its endpoint's gate: not sent while the fleet knows it is down; each
+    transient failure marks it down for the fleet; a success clears it and says which profile answered."""
+
+    def __init__(self, hop: Hop, view: EndpointView, route: Route) -> None:
+        super().__init__(build_model(hop.profile, name=hop.name))
+        self.hop, self.view, self.route = hop, view, route
+
+    async def request(
+        self,
+        messages: list[ModelMessage],
+        model_settings: ModelSettings | None,
+        model_request_parameters: ModelRequestParameters,
+    ) -> ModelResponse:
+        gate = self.view.gate()
+        if gate.wait_ms:
+            line = gate.error or "the provider failed"
+            raise EndpointDown(
+                self.hop.profile.model,
+                f"not sent, the endpoint is down: {line} ({_where(self.hop.profile, self.hop.name)})",
+                wait_s=gate.wait_ms / 1000,
+                failures=gate.failures,
+                hop=self.hop,
+            )
+        try:
+            response = await super().request(messages, model_settings, model_request_parameters)
+        except TRANSIENT_ERRORS as exc:
+            line = str(getattr(exc, "subq_line", None) or error_line(exc))
+            gate = self.view.failed(line, exc.retry_after)
+            marked: Any = exc  # the route reads what the fleet's view said of it
+            marked.subq_marked = Marked(self.hop, gate.wait_ms / 1000, gate.failures)
+            raise
+        self.view.answered(was_down=bool(gate.failures))
+        self.route.answered = self.hop
+        return response
+
+
+# -- a task's route, and its patience ----------------------------------------------------------
+
+
+class Route:
+    """The models a task's requests go to (its profile's, then its fallbacks'), and its patience."""
+
+    def __init__(self, settings: Settings, run: RunPort, name: str) -> None:
+        self.settings = settings
+        self.run = run
+        self.hops = [self._hop(n) for n in settings.fallback_chain(name)]
+        self.answered = self.hops[0]  # the profile whose model answered the latest response
+        self.retry_for_s = self.hops[0].profile.model_retry_for_s
+        self._since_ms: int | None = None  # the first transient error of the request now in flight
+        self._in_run_wait_s = 0.0  # how long the request has waited inside the run so far
+        self._last_error: Exception | None = None
+        self._waiting_on: set[str] = set()
+        self.model = self._model()
+
+    def _hop(self, name: str) -> Hop:
+        profile = self.settings.profile(name)
+        return Hop(name, profile, endpoint_of(profile) or "")
+
+    def _model(self) -> Model:
+        models: list[Model] = []
+        for hop in self.hops:
+            view: EndpointView
+            if hop.endpoint:
+                view = SharedEndpoint(self.run, hop.endpoint)
+            else:
+                view = LocalEndpoint(self.settings.model_retry_base_s, self.settings.model_retry_max_s)
+            models.append(GatedModel(hop, view, self))
+        if len(models) == 1:
+            return models[0]
+        return FallbackModel(models[0], *models[1:], fallback_on=_falls_back)
+
+    @property
+    def fell_back(self) -> bool:
+        """Whether the latest response came from a fallback profile rather than the task's own."""
+        return self.answered is not self.hops[0]
+
+    def succeeded(self) -> None:
+        """A response arrived: the request's waits are over."""
+        for endpoint in self._waiting_on:
+            self.run.provider_waiting(endpoint, waiting=False)
+        self._waiting_on.clear()
+        self._since_ms, self._in_run_wait_s, self._last_error = None, 0.0, None
+
+    async def after_error(self, exc: Exception, attempt: int) -> None:
+        """After a transient error (or a gate that said wait): sleep through a short wait, give the worker
+        back for a long one (`ProviderWait`), or raise the last error once `model_retry_for_s` is spent.
+        A fallback chain that failed for good raises its last refusal (which names its profile)."""
+        waits, refusal = _waits_of(exc)
+        if refusal is not None:
+            raise refusal
+        wait_s, hop, error = min(waits, key=lambda w: w[0])
+        endpoint = hop.endpoint or OFFLINE_PROFILE
+        now_ms = int(time.time() * 1000)
+        if self._since_ms is None:
+            self._since_ms = self.run.provider_wait_since_ms() or now_ms
+        real = [e for _, _, e in waits if not isinstance(e, EndpointDown)]
+        if real:
+            self._last_error = real[-1]
+        spent_s = (now_ms - self._since_ms) / 1000
+        if spent_s + wait_s > self.retry_for_s:
+            raise self._give_up(error, spent_s)
+        if real:  # it will be retried: counted on the task, told in its UI messages
+            self.run.transient_error(type(real[-1]).__name__, attempt)
+        self._waiting_on.add(endpoint)
+        if hop.endpoint and self._in_run_wait_s + wait_s > IN_RUN_WAIT_S:
+            raise ProviderWait(self.run.wait_for_provider(hop.endpoint, time.time() + wait_s, self._since_ms))
+        self.run.provider_waiting(endpoint, waiting=True)
+        self._in_run_wait_s += wait_s
+        await asyncio.sleep(wait_s)
+
+    def _give_up(self, error: Exception, spent_s: float) -> Exception:
+        """The error the run fails with: the last one a request met (a gate's, if none), saying how long it waited."""
+        last = self._last_error or error
+        if isinstance(last, ModelAPIError):
+            last.message = f"{last.message}; gave up after {spent_s:.0f} s (model_retry_for_s={self.retry_for_s:g})"
+            last.args = (last.message,)
+        return last
+
+
+def _waits_of(exc: Exception) -> tuple[list[tuple[float, Hop, Exception]], Exception | None]:
+    """(wait in s, the hop, the error) for each transient error in `exc` (one, or a fallback chain's group),
+    and the last error that is no wait at all (a refusal the run fails with), if any."""
+    errors: Sequence[BaseException] = exc.exceptions if isinstance(exc, FallbackExceptionGroup) else [exc]
+    waits: list[tuple[float, Hop, Exception]] = []
+    refusal: Exception | None = None
+    for error in errors:
+        marked = getattr(error, "subq_marked", None)
+        if isinstance(error, EndpointDown):
+            waits.append((error.wait_s, error.subq_hop, error))
+        elif isinstance(error, TRANSIENT_ERRORS) and isinstance(marked, Marked):
+            waits.append((marked.wait_s, marked.hop, error))
+        elif isinstance(error, Exception):
+            refusal = error
+    return waits, refusal
+
+
+def _falls_back(exc: Exception) -> bool:
+    """Whether a request goes on to the next profile: its provider refused the model (401, 403, 404), or
+    keeps failing (FALLBACK_AFTER_FAILURES in a row, or a wait longer than a run waits inside itself)."""
+    if isinstance(exc, ModelAuthenticationError | ModelNotFoundError):
+        return True
+    if isinstance(exc, EndpointDown):
+        return exc.failures >= FALLBACK_AFTER_FAILURES or exc.wait_s > IN_RUN_WAIT_S
+    marked = getattr(exc, "subq_marked", None)
+    if isinstance(exc, TRANSIENT_ERRORS) and isinstance(marked, Marked):
+        return marked.failures >= FALLBACK_AFTER_FAILURES or marked.wait_s > IN_RUN_WAIT_S
+    return False

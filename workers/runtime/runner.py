@@ -57,7 +57,7 @@ from workers.runtime.context import Runtime
 from workers.runtime.metering import MeteredModel
 from workers.runtime.pricing import cost_of, reported_cost_usd
 from workers.runtime.profile_tools import APPROVED_BY_HUMAN, CUT_OFF, OUTPUT_TOOLS, OWN_STATE_TOOLS, ProfileTools
-from workers.runtime.providers import build_model
+from workers.runtime.providers import ProviderWait, Route
 from workers.runtime.tools import (
     ORCHESTRATION_PROMPT,
     RunState,
@@ -180,14 +180,20 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
         while wait_ms := run.rate_wait_ms(profile.provider):
             await asyncio.sleep(wait_ms / 1000)
 
-    def on_transient(exc: Exception, attempt: int) -> None:
-        run.transient_error(type(exc).__name__, attempt)
+    # Its profile's model, then its fallbacks', each behind its endpoint's gate, and its patience.
+    route = Route(rt.settings, run, task.profile or rt.settings.default_profile)
 
     def on_response(messages: list[ModelMessage], response: ModelResponse, latency_ms: float) -> None:
         nonlocal request_no
         request_no += 1
         usage = response.usage
-        cost_micros, source = cost_of(usage, profile, reported_cost_usd(response))
+        route.succeeded()
+        # Priced at the profile whose model answered, which a fallback names in the source and the UI.
+        answered = route.answered
+        cost_micros, source = cost_of(usage, answered.profile, reported_cost_usd(response))
+        if route.fell_back:
+            source = f"{source} (fallback: profile {answered.name!r}, {answered.profile.model})"
+            run.say("fallback", f"answered by profile {answered.name!r} ({answered.profile.model})")
         text = " ".join(p.content for p in response.parts if isinstance(p, TextPart)).strip()
         tool = next((p.tool_name for p in response.parts if isinstance(p, ToolCallPart)), None)
         used = Usage(
@@ -228,14 +234,9 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
         unsent = None
 
     model = MeteredModel(
-        build_model(profile),
-        on_response,
-        labels=(profile.provider, profile.model),
-        before=before_request,
-        retries=rt.settings.model_retries,
-        retry_base_s=rt.settings.model_retry_base_s,
-        on_transient=on_transient,
-    )
+        route.model, on_response, labels=(profile.provider, profile.model), before=before_request,
+        after_error=route.after_error,
+    )  # fmt: skip
     pending = _calls_without_result(history)
     results = _answers(run, pending, offered) if pending else None
     agent: Agent[RunState, Any] = rt.toolbox.agent(task.profile, plans_offline(profile, task.prompt), build_agent)
@@ -247,10 +248,14 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
         deps=state,
         usage_limits=UsageLimits(request_limit=profile.max_requests),
     ) as agent_run:
-        async for _node in agent_run:
-            # The response is among the messages before its calls run: the step that keeps it
-            # (`PolicyToolset`: before a call that must not run twice, or with a result) writes it.
-            saved = _save_new(run, agent_run.all_messages(), saved)
+        try:
+            async for _node in agent_run:
+                # The response is among the messages before its calls run: the step that keeps it
+                # (`PolicyToolset`: before a call that must not run twice, or with a result) writes it.
+                saved = _save_new(run, agent_run.all_messages(), saved)
+        except ProviderWait as wait:  # its provider is down: the run gives its worker back, its request kept
+            _save_new(run, agent_run.all_messages(), saved)
+            return wait.released
         _save_new(run, agent_run.all_messages(), saved)
         assert agent_run.result is not None
         output = agent_run.result.output

@@ -1,0 +1,117 @@
+"""A provider endpoint's health, one view for the whole fleet: runs wait out an outage together.
+
+An endpoint is a provider's `host:port` (the worker names it from the profile's
+`base_url`, workers/runtime/providers.py). What the fleet knows of it lives in
+Redis (`keys.endpoint`, coordinator/store/endpoints.py), so every run of every
+worker process reads the same answer:
+
+- before each request a run asks the gate: the endpoint is up (send), down until
+  a time still to come (wait for it), or its wait is over: the first run to ask
+  sends one request, the probe, and the others wait for its answer;
+- a transient error (429, 5xx, overloaded, a timeout, a refused connection)
+  marks it down for an exponential backoff with jitter, from
+  `SUBQ_MODEL_RETRY_BASE_S` up to `SUBQ_MODEL_RETRY_MAX_S`, or for as long as
+  the provider asked (`Retry-After`, `retry-after-ms`) when that is longer;
+- a success forgets the failures and wakes the runs parked on it.
+
+A run whose wait is short sleeps through it; a longer one gives its worker back
+(`park`): its conversation is saved, its lease and run slot are freed, and a timer
+(`provider-wait:<task id>`, served by the reconciler like an approval's deadline)
+publishes its run again when the endpoint may be tried, or at once when another
+run finds the endpoint back. How long a run keeps waiting before it fails is its
+profile's `model_retry_for_s`, counted from its first failure (kept on the task
+across parks). The worker's side of this is workers/runtime/providers.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import TYPE_CHECKING
+
+from coordinator import dispatch
+from coordinator.errors import NotFoundError
+from coordinator.store.endpoints import Gate
+
+if TYPE_CHECKING:
+    from coordinator.models import TaskRecord
+    from coordinator.plane import Plane
+
+__all__ = [
+    "KEEP_MS",
+    "PROBE_LEASE_MS",
+    "PROBE_RECHECK_MS",
+    "PROVIDER_TIMER",
+    "Gate",
+    "failed",
+    "gate",
+    "park",
+    "recovered",
+    "timer",
+    "wake",
+]
+
+log = logging.getLogger(__name__)
+
+# The timer kind of a parked run (`provider-wait:<task id>`), served by the reconciler.
+PROVIDER_TIMER = "provider-wait"
+# A probe holds the endpoint's one try at most this long: a probe lost with its worker, or stuck
+# in a long generation, lets another run try after it.
+PROBE_LEASE_MS = 120_000
+# Runs waiting for another run's probe ask again this often (a probe's answer takes one request).
+PROBE_RECHECK_MS = 1_000
+# An endpoint's state outlives its last wait by an hour, then it is forgotten (as up): a provider
+# nobody calls any more leaves nothing behind, and one that is called again is probed by its next request.
+KEEP_MS = 3_600_000
+
+
+def timer(task_id: str) -> str:
+    return f"{PROVIDER_TIMER}:{task_id}"
+
+
+def gate(plane: Plane, endpoint: str, token: str) -> Gate:
+    """Whether a request to `endpoint` may go now; the run `token` becomes the probe when one is due."""
+    return plane.store.endpoints.gate(endpoint, token, PROBE_LEASE_MS, PROBE_RECHECK_MS)
+
+
+def failed(plane: Plane, endpoint: str, error: str, asked_s: float | None) -> Gate:
+    """Mark `endpoint` down after a transient error (`asked_s`: the provider's Retry-After); the wait."""
+    settings = plane.settings
+    return plane.store.endpoints.failed(
+        endpoint,
+        error,
+        base_ms=max(1, int(settings.model_retry_base_s * 1000)),
+        cap_ms=max(1, int(settings.model_retry_max_s * 1000)),
+        jitter=random.random(),
+        asked_ms=None if asked_s is None else max(0, int(asked_s * 1000)),
+        keep_ms=KEEP_MS,
+    )
+
+
+def recovered(plane: Plane, endpoint: str) -> None:
+    """A request to `endpoint` succeeded: forget its failures, and wake the runs parked on it now."""
+    parked = plane.store.endpoints.recovered(endpoint)
+    if parked:
+        plane.store.endpoints.wake_now([timer(task_id) for task_id in parked])
+        log.info("subq: %s is back; waking %d parked runs", endpoint, len(parked))
+
+
+def park(plane: Plane, task: TaskRecord, endpoint: str, wake_at_s: float, since_ms: int) -> None:
+    """Before a run gives its worker back to wait for `endpoint`: its timer, and its first wait's time."""
+    keep_s = KEEP_MS / 1000 + max(0.0, wake_at_s - since_ms / 1000)
+    plane.store.endpoints.park(endpoint, task.id, timer(task.id), wake_at_s, since_ms, keep_s)
+
+
+def wake(plane: Plane, task_id: str) -> None:
+    """A parked run's timer is due: publish its run again (the reconciler's step; idempotent)."""
+    try:
+        record = plane.store.records.get_task(task_id)
+    except NotFoundError:
+        return  # its tree has expired
+    if record.status.terminal:
+        return  # stopped while it waited: the stop ended it
+    if plane.store.convergence.triage([task_id])[0].leased:
+        return  # a run of it is running already (woken twice)
+    plane.store.convergence.watch([task_id], plane.settings.reconcile_grace_s)  # first: a lost publish is redone
+    dispatch.publish_restart(plane.app, record)
+    plane.store.events.set_live(record, "queued")
