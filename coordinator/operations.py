@@ -1,7 +1,7 @@
 """The operator's operations, defined once: what the Coordinator and the HTTP client both answer.
 
     Operations   create, read (a task, its plan, its tree, its messages, the history, the live
-                 state), cancel, approvals and their decision, dead letters; then close
+                 state), cancel, approvals and their decision, dead letters, the audit log; then close
 
 `Coordinator` (on Redis) and `coordinator.client.SubqClient` (over the HTTP
 API) each satisfy it, with the same models and the same errors: the client reads
@@ -18,6 +18,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
+    from coordinator.audit import AuditEntry
     from coordinator.deadletters import DeadLetter
     from coordinator.models import Approval, HistoryItem, LiveState, TaskRecord, TodoItem
     from coordinator.tree import TreeNode
@@ -53,4 +54,5 @@ class Operations(Protocol):
     def dead_letters(self, limit: int = ..., /) -> list[DeadLetter]: ...
     def count_dead_letters(self) -> int: ...
     def purge_dead_letters(self) -> int: ...
+    def audit(self, limit: int = ..., before: str | None = None, /) -> tuple[list[AuditEntry], str | None]: ...
     def close(self) -> None: ...

@@ -9,9 +9,14 @@ render and live) is tests/test_web_security.py.
 from __future__ import annotations
 
 import html.parser
+import json
+import os
 import re
+import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,11 +24,14 @@ import pytest
 from pydantic import SecretStr
 
 from coordinator import Coordinator, Settings, ids
+from coordinator.access import ApiKeySpec, Scope, token_sha256
 from coordinator.api import create_app
 from coordinator.api.limits import RateLimiter, is_open_route
 from coordinator.api.security import STRICT_CSP, csp_with_inline_scripts
-from coordinator.errors import NotFoundError
+from coordinator.audit import Actor
+from coordinator.errors import ConfigError, NotFoundError, ValidationError
 from coordinator.models import Approval
+from coordinator.settings import load_settings
 from coordinator.web.auth import COOKIE
 from coordinator.web.views import MAX_CALL_CHARS, call_text
 from tests.helpers import AUTH, TOKEN, ApiServer, api_settings
@@ -156,8 +164,9 @@ def test_wrong_bearer_tokens_are_rate_limited(sec_coord: Coordinator) -> None:
                 limited = http.get("/v1/tasks", headers=headers)
                 assert limited.status_code == 429 and limited.json()["code"] == "rate_limited"
                 assert int(limited.headers["retry-after"]) >= 1
-            # A missing token is no guess: it is answered 401, not counted.
-            assert http.get("/v1/tasks").status_code in (401, 429)
+            # A missing token counts as a wrong one: each refusal is on the audit log, so a flood of
+            # token-less requests is bounded as guesses are.
+            assert http.get("/v1/tasks").status_code == 429
 
 
 def test_open_routes_are_rate_limited(sec_coord: Coordinator) -> None:
@@ -364,3 +373,317 @@ def test_a_models_terminal_escapes_are_text_in_the_cli(sec_coord: Coordinator) -
         assert "\x1b" not in proc.stdout and "\x07" not in proc.stdout and "\r" not in proc.stdout, command
     tree = cli("tree", root.id, env=env).stdout
     assert "Deploy \\x1b]52;c;cm0gLXJmIC8=\\x07 now" in tree and "stopped \\x1b[2J\\x1b[Hby a model" in tree
+
+
+# -- scoped API keys and the audit log -------------------------------------------------------------
+
+# Each key's token; the server holds only their SHA-256 (coordinator/access.py).
+KEY_TOKENS = {
+    "alice": "alice-token-7c1e",  # submit + read: her own trees
+    "bob": "bob-token-02af",  # submit + read: his own trees
+    "carol": "carol-token-9b44",  # decide + read_all: decides any call, reads every tree
+    "ops": "ops-token-51d0",  # operate: cancels any tree, dead letters, the audit log
+    "viewer": "viewer-token-e3a8",  # read_all only
+}
+KEY_SCOPES = {
+    "alice": ["submit", "read"],
+    "bob": ["submit", "read"],
+    "carol": ["decide", "read_all"],
+    "ops": ["operate"],
+    "viewer": ["read_all"],
+}
+
+
+def bearer(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY_TOKENS[name]}"}
+
+
+def keys_setting(names: Iterable[str] = KEY_SCOPES) -> dict[str, ApiKeySpec]:
+    """The keys as SUBQ_API_KEYS holds them: hashes and scopes, never a token."""
+    return {
+        name: ApiKeySpec(token_sha256=token_sha256(KEY_TOKENS[name]), scopes=[Scope(s) for s in KEY_SCOPES[name]])
+        for name in names
+    }
+
+
+def park_approval(coord: Coordinator, root_id: str) -> Approval:
+    """A tool call of the root waiting for a decision, as a worker parks one."""
+    approval = Approval(
+        id=ids.new_approval_id(root_id),
+        task_id=root_id,
+        root_id=root_id,
+        tool="run_command",
+        args={"command": "make deploy"},
+        tool_call_id=f"call-{time.monotonic_ns()}",
+        created_at=time.time(),
+        deadline=time.time() + 600,
+    )
+    coord.store.approvals.save_approval(approval)
+    return approval
+
+
+def _audit(http: httpx.Client, name: str = "ops", **params: Any) -> list[dict[str, Any]]:
+    response = http.get("/v1/audit", headers=bearer(name), params=params)
+    assert response.status_code == 200, response.text
+    entries: list[dict[str, Any]] = response.json()["entries"]
+    return entries
+
+
+def test_scoped_keys_over_http(sec_coord: Coordinator) -> None:
+    """The acceptance of issue 32, point 3 and 4, over real HTTP against a real Redis."""
+    with _server(sec_coord, api_keys=keys_setting()) as api, httpx.Client(base_url=api.url) as http:
+        created = http.post("/v1/tasks", headers=bearer("alice"), json={"prompt": "Alice's tree", "todos": "[ ] a"})
+        assert created.status_code == 201 and created.json()["owner"] == "alice"
+        root = created.json()["id"]
+        assert http.get(f"/v1/tasks/{root}", headers=bearer("alice")).status_code == 200
+
+        # Another key of the same scopes: the tree does not exist for it, word for word as an unknown id.
+        unknown = ids.new_root_id()
+        for path in (f"/v1/tasks/{root}", f"/v1/tasks/{root}/todos", f"/v1/tasks/{root}/tree"):
+            hidden = http.get(path, headers=bearer("bob"))
+            missing = http.get(path.replace(root, unknown), headers=bearer("bob"))
+            assert hidden.status_code == 404, path
+            assert hidden.json() == {**missing.json(), "message": missing.json()["message"].replace(unknown, root)}
+        for method, path, body in (
+            ("GET", f"/v1/tasks/{root}/messages", None),
+            ("GET", f"/v1/tasks/{root}/snapshot", None),
+            ("GET", f"/v1/tasks/{root}/events", None),
+            ("PUT", f"/v1/tasks/{root}/todos", {"todos": "[ ] b"}),
+            ("POST", f"/v1/tasks/{root}/subtasks", {"subtasks": [{"description": "d", "message": "m"}]}),
+            ("POST", f"/v1/tasks/{root}/cancel", {"reason": "bob's"}),
+        ):
+            assert http.request(method, path, headers=bearer("bob"), json=body).status_code == 404, path
+        assert sec_coord.get_task(root).status.value == "active", "bob changed nothing"
+        bob_history = http.get("/v1/tasks", headers=bearer("bob"), params={"root_id": root}).json()
+        assert bob_history["items"] == []
+        alice_history = http.get("/v1/tasks", headers=bearer("alice"), params={"root_id": root}).json()
+        assert [item["id"] for item in alice_history["items"]] == [root]
+
+        # Alice may not decide a call of her own tree: a 403 that names the scope.
+        approval = park_approval(sec_coord, root)
+        assert [a["id"] for a in http.get("/v1/approvals", headers=bearer("alice")).json()["approvals"]] == [
+            approval.id
+        ]
+        assert http.get("/v1/approvals", headers=bearer("bob")).json()["approvals"] == []
+        refused = http.post(f"/v1/approvals/{approval.id}", headers=bearer("alice"), json={"decision": "approve"})
+        assert refused.status_code == 403 and refused.json()["code"] == "forbidden"
+        assert "'decide'" in refused.json()["message"] and "alice" in refused.json()["message"]
+        assert sec_coord.store.approvals.get_approval(approval.id).status == "pending"
+
+        # A decide + read_all key decides it; the approval names who did.
+        decided = http.post(f"/v1/approvals/{approval.id}", headers=bearer("carol"), json={"decision": "approve"})
+        assert decided.status_code == 200 and decided.json()["decided_by"] == "carol"
+        assert sec_coord.store.approvals.get_approval(approval.id).decided_by == "carol"
+        assert http.get(f"/v1/tasks/{root}", headers=bearer("carol")).status_code == 200
+
+        # ... and the audit log lists it, newest first, with who, what, which target and from where.
+        assert http.get("/v1/audit", headers=bearer("alice")).status_code == 403
+        assert http.get("/v1/audit", headers=bearer("carol")).status_code == 403
+        entries = _audit(http)
+        approve = next(e for e in entries if e["action"] == "approve")
+        assert (approve["actor"], approve["target"], approve["address"], approve["via"]) == (
+            "carol",
+            approval.id,
+            "127.0.0.1",
+            "api",
+        )
+        refusal = next(
+            e for e in entries if e["actor"] == "alice" and e["target"] == f"POST /v1/approvals/{approval.id}"
+        )
+        assert (refusal["action"], refusal["reason"]) == ("refused", "missing_scope")
+        assert "'decide'" in refusal["detail"]
+        assert [e["id"] for e in entries] == sorted((e["id"] for e in entries), key=_entry_order, reverse=True)
+
+        # Cancel: not with read_all alone, and any tree with operate (on record as the key's).
+        assert http.post(f"/v1/tasks/{root}/cancel", headers=bearer("viewer"), json={"reason": "x"}).status_code == 403
+        other = http.post("/v1/tasks", headers=bearer("bob"), json={"prompt": "Bob's tree"}).json()["id"]
+        cancelled = http.post(f"/v1/tasks/{other}/cancel", headers=bearer("ops"), json={"reason": "ops stops it"})
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        cancel = _audit(http)[0]
+        assert (cancel["actor"], cancel["action"], cancel["target"], cancel["detail"]) == (
+            "ops",
+            "cancel",
+            other,
+            "ops stops it",
+        )
+        # Dead letters: operate only.
+        assert http.get("/v1/dead-letters", headers=bearer("carol")).status_code == 403
+        assert http.delete("/v1/dead-letters", headers=bearer("ops")).status_code == 200
+        assert _audit(http)[0]["action"] == "purge_dead_letters"
+
+        # The legacy token is the key `admin`: everything, on every tree.
+        assert http.get(f"/v1/tasks/{root}", headers=AUTH).status_code == 200
+        assert http.put(f"/v1/tasks/{root}/todos", headers=AUTH, json={"todos": "[ ] z"}).status_code == 200
+        assert http.get("/v1/audit", headers=AUTH).status_code == 200
+        assert http.post(f"/v1/tasks/{root}/cancel", headers=AUTH, json={"reason": "admin"}).status_code == 200
+        assert _audit(http)[0]["actor"] == "admin"
+
+        # Refusals are counted by reason, fleet-wide.
+        assert http.get("/v1/tasks", headers={"Authorization": "Bearer nobody's"}).status_code == 401
+        metrics = _metric_values(http.get("/metrics").text, "subq_refused_requests_total")
+        assert metrics.get("missing_scope", 0) >= 5 and metrics.get("invalid_token", 0) >= 1
+        invalid = next(e for e in _audit(http) if e["reason"] == "invalid_token")
+        assert (invalid["actor"], invalid["target"]) == ("", "GET /v1/tasks")
+
+
+def _entry_order(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq)
+
+
+def _metric_values(text: str, name: str) -> dict[str, float]:
+    return {
+        match.group(1): float(match.group(2))
+        for match in re.finditer(rf'^{name}{{reason="([a-z_]+)"}} ([0-9.e+]+)$', text, re.MULTILINE)
+    }
+
+
+def test_the_audit_log_pages_newest_first_and_keeps_only_the_retention(sec_coord: Coordinator) -> None:
+    coord = Coordinator(
+        sec_coord.settings.model_copy(update={"key_prefix": f"{PREFIX}-audit"}), client=sec_coord.client
+    )
+    try:
+        # An entry older than the retention (task history's), left by a write long ago: never listed.
+        coord.client.xadd(
+            coord.store.keys.audit(), {"ts": "1", "actor": "x", "action": "cancel", "target": "old"}, id="1000-0"
+        )
+        actor = Actor("pager", "192.0.2.1", "api")
+        for n in range(5):
+            coord.record(actor, "cancel", f"task-{n}")
+        first, cursor = coord.audit(2)
+        assert [e.target for e in first] == ["task-4", "task-3"] and cursor == first[-1].id
+        second, cursor = coord.audit(2, cursor)
+        assert [e.target for e in second] == ["task-2", "task-1"]
+        last, cursor = coord.audit(2, cursor)
+        assert [e.target for e in last] == ["task-0"] and cursor is None
+        assert all(e.actor == "pager" and e.address == "192.0.2.1" for e in first + second + last)
+        with pytest.raises(ValidationError, match="before must be an entry id"):
+            coord.audit(2, "not-an-id")
+    finally:
+        for key in coord.client.scan_iter(f"{PREFIX}-audit:*"):
+            coord.client.delete(key)
+
+
+def test_the_keys_file_is_taken_up_without_a_restart(sec_coord: Coordinator, tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys.toml"
+
+    def write(names: Iterable[str], extra: str = "") -> None:
+        lines = []
+        for name in names:
+            scopes = ", ".join(f'"{s}"' for s in KEY_SCOPES[name])
+            lines += [f"[{name}]", f'token_sha256 = "{token_sha256(KEY_TOKENS[name])}"', f"scopes = [{scopes}]", ""]
+        keys_file.write_text("\n".join(lines) + extra)
+
+    write(["alice", "viewer"])
+    with _server(sec_coord, api_keys_file=keys_file) as api, httpx.Client(base_url=api.url) as http:
+        assert http.get("/v1/tasks", headers=bearer("alice")).status_code == 200
+        assert http.get("/v1/tasks", headers=bearer("bob")).status_code == 401
+        # Revoked by editing the file: the next request is refused.
+        write(["viewer", "bob"])
+        assert http.get("/v1/tasks", headers=bearer("alice")).status_code == 401
+        assert http.get("/v1/tasks", headers=bearer("bob")).status_code == 200
+        # A file broken by an edit refuses every key it held (fail closed); the legacy token still works.
+        write(["viewer", "bob"], extra='[bob]\nscopes = "all"\n')
+        assert http.get("/v1/tasks", headers=bearer("bob")).status_code == 401
+        assert http.get("/v1/tasks", headers=bearer("viewer")).status_code == 401
+        assert http.get("/v1/tasks", headers=AUTH).status_code == 200
+        write(["viewer"])
+        assert http.get("/v1/tasks", headers=bearer("viewer")).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{not json", "Invalid setting SUBQ_API_KEYS: not valid JSON"),
+        (
+            '{"ci": {"token_sha256": "a-token-not-its-hash", "scopes": ["read"]}}',
+            "Invalid setting SUBQ_API_KEYS: key 'ci': token_sha256 must be the token's SHA-256 as 64 hex digits",
+        ),
+        (
+            '{"ci": {"token_sha256": "' + "a" * 64 + '", "scopes": ["read", "delete"]}}',
+            "Invalid setting SUBQ_API_KEYS: key 'ci': unknown scope 'delete' (one of submit, read, read_all, "
+            "decide, operate, admin)",
+        ),
+        ('{"ci": {"scopes": ["read"]}}', "Invalid setting SUBQ_API_KEYS: key 'ci': missing field 'token_sha256'"),
+        (
+            '{"ci": {"token_sha256": "' + "b" * 64 + '"}}',
+            "Invalid setting SUBQ_API_KEYS: key 'ci': missing field 'scopes'",
+        ),
+        (
+            '{"a": {"token_sha256": "' + "c" * 64 + '", "scopes": ["read"]}, '
+            '"b": {"token_sha256": "' + "C" * 64 + '", "scopes": ["submit"]}}',
+            "Invalid setting SUBQ_API_KEYS: keys 'a' and 'b' have the same token_sha256",
+        ),
+    ],
+)
+def test_malformed_keys_are_refused_at_start_naming_the_key(
+    monkeypatch: pytest.MonkeyPatch, value: str, message: str
+) -> None:
+    monkeypatch.setenv("SUBQ_API_KEYS", value)
+    with pytest.raises(ConfigError) as refused:
+        load_settings()
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+    assert refused.value.field == "SUBQ_API_KEYS"
+
+
+def test_a_malformed_keys_file_stops_the_start_in_one_line(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys.toml"
+    keys_file.write_text('[deploy]\ntoken_sha256 = "' + "d" * 64 + '"\nscopes = ["submit", "root"]\n')
+    env = {"SUBQ_API_KEYS_FILE": str(keys_file), "SUBQ_REDIS_URL": "redis://127.0.0.1:1/0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "coordinator", "api"], env={**os.environ, **env}, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [
+        f"subq: Invalid setting SUBQ_API_KEYS_FILE: {keys_file}: key 'deploy': unknown scope 'root' "
+        "(one of submit, read, read_all, decide, operate, admin)"
+    ], proc.stderr
+    # The key named as the legacy token signs in is refused too: the audit log must name one key.
+    keys_file.write_text('[admin]\ntoken_sha256 = "' + "e" * 64 + '"\nscopes = ["read"]\n')
+    with pytest.raises(ConfigError, match="key 'admin' is the name SUBQ_API_TOKEN signs in as"):
+        load_settings(api_keys_file=keys_file, api_token="t")
+
+
+def test_the_web_view_offers_only_what_the_keys_scopes_allow(sec_coord: Coordinator, tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys.json"
+    keys_file.write_text(json.dumps({n: s.model_dump(mode="json") for n, s in keys_setting().items()}))
+    root = sec_coord.create_task("Viewed tree", run=False, owner="alice").id
+    approval = park_approval(sec_coord, root)
+    with _server(sec_coord, api_keys_file=keys_file) as api:
+        with httpx.Client(base_url=api.url) as viewer:
+            assert _sign_in(viewer, KEY_TOKENS["viewer"]).status_code == 303
+            page = viewer.get(f"/ui/tasks/{root}")
+            assert page.status_code == 200 and "Signed in as <strong>viewer</strong>" in page.text
+            assert 'data-action="approve"' not in page.text and 'data-action="cancel"' not in page.text
+            assert "A key with the scope <code>decide</code> approves or denies this call." in page.text
+            # The action checks again on the server: a 403 naming the scope, nothing decided.
+            refused = viewer.post(f"/ui/actions/approvals/{approval.id}", json={"decision": "approve"})
+            assert refused.status_code == 403 and "'decide'" in refused.json()["message"]
+            assert sec_coord.store.approvals.get_approval(approval.id).status == "pending"
+        with httpx.Client(base_url=api.url) as bob:
+            assert _sign_in(bob, KEY_TOKENS["bob"]).status_code == 303
+            assert bob.get(f"/ui/tasks/{root}").status_code == 404
+            assert bob.get(f"/ui/tasks/{root}/fragment").status_code == 404
+            assert root not in bob.get("/ui/").text
+        with httpx.Client(base_url=api.url) as alice:
+            assert _sign_in(alice, KEY_TOKENS["alice"]).status_code == 303
+            page = alice.get(f"/ui/tasks/{root}")
+            assert 'data-action="cancel"' in page.text and 'data-action="approve"' not in page.text
+            assert root in alice.get("/ui/").text
+        with httpx.Client(base_url=api.url) as carol:
+            assert _sign_in(carol, KEY_TOKENS["carol"]).status_code == 303
+            assert 'data-action="approve"' in carol.get(f"/ui/tasks/{root}/fragment").text
+            decided = carol.post(f"/ui/actions/approvals/{approval.id}", json={"decision": "deny", "feedback": "no"})
+            assert decided.status_code == 200 and decided.json()["decided_by"] == "carol"
+            # Revoking the key in the file ends its session at the next request.
+            keys_file.write_text(json.dumps({n: s.model_dump(mode="json") for n, s in keys_setting(["ops"]).items()}))
+            assert carol.get(f"/ui/tasks/{root}/fragment").status_code == 401
+        entries, _ = sec_coord.audit(50)
+        sign_ins = [(e.actor, e.via) for e in entries if e.action == "sign_in"]
+        assert ("carol", "web") in sign_ins and ("viewer", "web") in sign_ins
+        deny = next(e for e in entries if e.action == "deny")
+        assert (deny.actor, deny.via, deny.target, deny.detail) == ("carol", "web", approval.id, "no")
+        assert any(e.reason == "missing_scope" and e.actor == "viewer" and e.via == "web" for e in entries)
+        assert any(e.reason == "not_signed_in" for e in entries)

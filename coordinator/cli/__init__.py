@@ -58,7 +58,7 @@ else:
     COMMANDS = (
         *(stack.up, stack.worker, stack.tools, stack.api, stack.flower, stack.demo),
         *(work.run, work.status, work.todos, work.tree, work.history, work.export),
-        *(control.cancel, control.approvals, control.approve, control.deny, control.dead_letters),
+        *(control.cancel, control.approvals, control.approve, control.deny, control.dead_letters, control.audit),
     )
     for _command in COMMANDS:
         app.command()(_command)

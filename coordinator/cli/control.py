@@ -1,4 +1,5 @@
-"""Control commands: cancel a subtree; list, approve or deny tool calls waiting for a decision; dead letters.
+"""Control commands: cancel a subtree; list, approve or deny tool calls waiting for a decision; dead letters;
+the audit log.
 
 Plain functions: coordinator/cli/__init__.py adds them to the app.
 """
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from coordinator.models import Approval
     from coordinator.tree import TreeNode
 
-__all__ = ["approvals", "approve", "cancel", "dead_letters", "deny"]
+__all__ = ["approvals", "approve", "audit", "cancel", "dead_letters", "deny"]
 
 # A screenful; the service takes up to 500 at once.
 DEAD_LETTERS_SHOWN = 20
@@ -138,3 +139,39 @@ def dead_letters(
         say(line)
     if count > len(shown):
         typer.echo(f"({count - len(shown)} older: subq dead-letters --limit {min(count, 500)})", err=True)
+
+
+# A screenful of the audit log; the service takes up to 500 at once.
+AUDIT_SHOWN = 20
+
+
+def audit(
+    ctx: typer.Context,
+    limit: Annotated[
+        int, typer.Option(help=f"Most entries to show, newest first (1-500, default {AUDIT_SHOWN}).")
+    ] = AUDIT_SHOWN,
+    before: Annotated[
+        str | None, typer.Option(help="Only entries older than this entry id (the cursor the last page printed).")
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """List the audit log, newest first: every decision, cancel, retry, purge, web sign-in and refused request.
+
+    Each line: when (UTC), who (the API key's name; `local` for a step taken straight on Redis), what,
+    on which target, from which address and through which face. Through the API it needs the scope
+    `operate` or `admin`.
+    """
+    with connect(ctx) as coord:
+        entries, next_before = coord.audit(limit, before)
+    if as_json:
+        page = {"entries": [e.model_dump(mode="json") for e in entries], "next_before": next_before}
+        typer.echo(json.dumps(page, indent=2))
+        return
+    from coordinator.cli.views import audit_lines
+
+    if not entries:
+        typer.echo("No entries.")
+    for line in audit_lines(entries):
+        say(line)
+    if next_before is not None:
+        typer.echo(f"(older: subq audit --before {next_before})", err=True)

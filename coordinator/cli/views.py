@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from coordinator.audit import AuditEntry
 from coordinator.cli.backend import watch as open_watch
 from coordinator.cli.common import say
 from coordinator.deadletters import DeadLetter
@@ -172,6 +173,18 @@ def dead_letter_lines(entries: Sequence[DeadLetter]) -> list[str]:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(entry.ts))
         reason = cut(" ".join(entry.reason.split()), DEAD_LETTER_REASON_CHARS)
         lines.append(f"{when}Z  {reason}  (queue {entry.queue}, task {entry.task or '-'}, id {entry.id or '-'})")
+    return lines
+
+
+def audit_lines(entries: Sequence[AuditEntry]) -> list[str]:
+    """`subq audit`: one line each, the time (UTC), who, what, the target, from where; a refusal's reason."""
+    lines = []
+    for entry in entries:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(entry.ts))
+        why = " ".join(part for part in (entry.reason, entry.detail) if part)
+        who = entry.actor or "-"
+        line = f"{when}Z  {who}  {entry.action}  {entry.target}  (from {entry.address or '-'} via {entry.via})"
+        lines.append(line + (f"  {cut(' '.join(why.split()), DEAD_LETTER_REASON_CHARS)}" if why else ""))
     return lines
 
 

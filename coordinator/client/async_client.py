@@ -13,6 +13,7 @@ from typing import Any, Literal, Self, TypeVar
 import httpx
 
 from coordinator.api.schemas import DelegationResult, Health
+from coordinator.audit import AuditEntry
 from coordinator.client import calls
 from coordinator.client.calls import DEFAULT_TIMEOUT_S, Call, Sleep
 from coordinator.client.errors import error_of, unreachable
@@ -106,6 +107,10 @@ class AsyncSubqClient:
     async def count_dead_letters(self) -> int:
         """How many dead letters are kept."""
         return await self._send(calls.count_dead_letters())
+
+    async def audit(self, limit: int = 50, before: str | None = None) -> tuple[list[AuditEntry], str | None]:
+        """The audit log newest first, `limit` entries older than `before`; and the next page's cursor or None."""
+        return await self._send(calls.audit(limit, before))
 
     async def purge_dead_letters(self) -> int:
         """Delete every dead letter; returns how many there were."""

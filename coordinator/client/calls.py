@@ -21,6 +21,7 @@ from pydantic import TypeAdapter
 
 from coordinator.api.schemas import (
     ApprovalList,
+    AuditPage,
     DeadLetterList,
     DeadLettersPurged,
     DelegationResult,
@@ -30,6 +31,7 @@ from coordinator.api.schemas import (
     Snapshot,
     TodoList,
 )
+from coordinator.audit import AuditEntry
 from coordinator.client.errors import ApiError, error_of
 from coordinator.deadletters import DeadLetter
 from coordinator.errors import ValidationError, WaitTimeout
@@ -104,6 +106,7 @@ _APPROVALS = TypeAdapter(ApprovalList)
 _APPROVAL = TypeAdapter(Approval)
 _DEAD_LETTERS = TypeAdapter(DeadLetterList)
 _PURGED = TypeAdapter(DeadLettersPurged)
+_AUDIT = TypeAdapter(AuditPage)
 
 
 def task_path(task_id: str, suffix: str = "") -> str:
@@ -170,6 +173,12 @@ def count_dead_letters() -> Call[int]:
 
 def purge_dead_letters() -> Call[int]:
     return Call("DELETE", "/v1/dead-letters", _PURGED, unwrap=lambda answer: answer.purged)
+
+
+def audit(limit: int, before: str | None) -> Call[tuple[list[AuditEntry], str | None]]:
+    check_dead_letter_limit(limit)
+    params: dict[str, Any] = {"limit": limit, **({"before": before} if before is not None else {})}
+    return Call("GET", "/v1/audit", _AUDIT, unwrap=lambda page: (page.entries, page.next_before), params=params)
 
 
 def delegate(

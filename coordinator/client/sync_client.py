@@ -11,6 +11,7 @@ from typing import Any, Literal, Self, TypeVar
 import httpx
 
 from coordinator.api.schemas import DelegationResult, Health
+from coordinator.audit import AuditEntry
 from coordinator.client import calls
 from coordinator.client.calls import DEFAULT_TIMEOUT_S, Call, Sleep
 from coordinator.client.errors import error_of, unreachable
@@ -115,6 +116,10 @@ class SubqClient:
     def purge_dead_letters(self) -> int:
         """Delete every dead letter; returns how many there were."""
         return self._send(calls.purge_dead_letters())
+
+    def audit(self, limit: int = 50, before: str | None = None) -> tuple[list[AuditEntry], str | None]:
+        """The audit log newest first, `limit` entries older than `before`; and the next page's cursor or None."""
+        return self._send(calls.audit(limit, before))
 
     def delegate(
         self, task_id: str, subtasks: Sequence[SubtaskSpec | Mapping[str, Any]], mode: DelegationMode = "parallel"
