@@ -384,7 +384,9 @@ class LiveState(BaseModel):
     task_id: str
     parent_id: str | None = None
     depth: int = 0
-    state: Literal["queued", "running", "delegated", "waiting_approval", "completed", "failed", "cancelled"]
+    state: Literal[
+        "queued", "running", "delegated", "waiting_approval", "waiting_provider", "completed", "failed", "cancelled"
+    ]
     ts: float
     tool: str | None = None
     text: str | None = None

@@ -31,12 +31,13 @@ COLUMN_GAP = 2
 # A tool call's arguments are shown up to this many characters: enough to recognise it.
 APPROVAL_ARGS_CHARS = 60
 # A live state's word in the view, where the state's own name is long for a narrow column.
-STATUS_WORDS = {"waiting_approval": "to approve"}
+STATUS_WORDS = {"waiting_approval": "to approve", "waiting_provider": "provider down"}
 STATUS_STYLE = {
     "completed": "green",
     "failed": "red",
     "cancelled": "yellow",
     "waiting_approval": "bold magenta",
+    "waiting_provider": "bold red",
     "running": "cyan",
     "delegated": "blue",
 }
