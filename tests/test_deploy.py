@@ -197,3 +197,10 @@ def test_the_sentinel_variants_subq_services_follow_the_sentinels() -> None:
             assert services[name]["depends_on"][sentinel] == {"condition": "service_healthy"}, name
     # Celery's own ping cannot name the master (a transport option): the variant's uses subq's app.
     assert "-A workers.app inspect ping" in services["worker"]["healthcheck"]["test"][1]
+
+
+def test_a_worker_container_may_start_the_command_sandbox() -> None:
+    # bwrap needs unshare and mount (Docker's seccomp and AppArmor defaults forbid both) and an unmasked /proc.
+    worker = compose_file.load()["services"]["worker"]
+    assert set(worker["security_opt"]) == {"seccomp=unconfined", "apparmor=unconfined", "systempaths=unconfined"}
+    assert "apt-get install -y --no-install-recommends bubblewrap" in (ROOT / "deploy" / "Dockerfile").read_text()

@@ -468,3 +468,17 @@ def test_the_sentinel_component_runs_three_nodes_with_aof_and_three_sentinels(
         admitted = [peer["podSelector"]["matchLabels"] for peer in rule["from"] if "podSelector" in peer]
         assert all(any(a.items() <= pod.items() for a in admitted) for pod in labels), name
         assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}}} in rule["from"]
+
+
+@pytest.mark.parametrize("overlay", ["dev", "production", "ha"])
+def test_a_worker_pod_may_start_the_command_sandbox(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+    pod = _one(rendered[overlay], "Deployment", "subq-worker")["spec"]["template"]["spec"]
+    assert pod["hostUsers"] is False, "procMount Unmasked needs a user namespace of the pod's own"
+    context = pod["containers"][0]["securityContext"]
+    assert context == {
+        "procMount": "Unmasked",
+        "seccompProfile": {"type": "Unconfined"},
+        "appArmorProfile": {"type": "Unconfined"},
+    }
+    assert pod["securityContext"]["runAsNonRoot"] is True, "still the image's user"
+    assert "bubblewrap" in (ROOT / "deploy" / "Dockerfile").read_text()

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -184,15 +186,27 @@ def test_the_worker_and_subq_tools_refuse_a_bad_server_with_one_line(settings: S
     assert "(bad.mcp_servers.0)" in unknown.stderr and "mcp server 'git': unknown key 'comand'" in unknown.stderr
 
 
+def test_a_bad_sandbox_entry_is_refused_naming_the_server() -> None:
+    with pytest.raises(
+        ValueError, match="mcp server 'git': writable and network confine a sandbox: set sandbox = true"
+    ):
+        McpServer(name="git", command="mcp-server-git", writable=["/srv"])
+    with pytest.raises(ValueError, match="mcp server 'git': every writable folder must be an absolute path"):
+        McpServer(name="git", command="mcp-server-git", sandbox=True, writable=["srv"])
+    with pytest.raises(ValueError, match="mcp server 'web': sandbox, writable and network are for a stdio server"):
+        McpServer(name="web", url="http://127.0.0.1:1/mcp", sandbox=True)
+
+
 # --- runs on a worker process ---
 
 
 class Kit:
-    def __init__(self, coord: Coordinator, repo: Path, folder: Path) -> None:
-        self.coord, self.repo, self.folder = coord, repo, folder
+    def __init__(self, coord: Coordinator, repo: Path, folder: Path, jail: Path | None = None) -> None:
+        self.coord, self.repo, self.folder, self.jail = coord, repo, folder, jail or repo
 
     def pids(self, profile: str) -> Path:
-        return self.folder / f"{profile}.pids"
+        # The sandboxed server's own folder: the one it may write (the repository beside it is not).
+        return self.folder / ("jail" if profile == "gitjail" else "") / f"{profile}.pids"
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +215,9 @@ def kit(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     folder = tmp_path_factory.mktemp("mcp")
     repo = _repository(folder / "repo")
     probe = Kit(None, repo, folder)  # type: ignore[arg-type]
+    probe.pids("gitjail").parent.mkdir()
+    # The sandboxed server's repository: outside /tmp, which the sandbox replaces with a /tmp of its own.
+    jail = _repository(Path(tempfile.mkdtemp(prefix="subq-mcp-jail-", dir="/var/tmp")) / "repo")
 
     def git(profile: str, **extra: Any) -> McpServer:
         return _git_server("git", repo, probe.pids(profile), **extra)
@@ -210,14 +227,21 @@ def kit(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "gitwrite": Profile(mcp_servers=[git("gitwrite")], approval_tools=["git_commit"]),
         "gitcount": Profile(mcp_servers=[git("gitcount")]),
         "gitkill": Profile(mcp_servers=[git("gitkill")], tools=["tests.mcp_kit:kill_server"]),
+        # In the OS sandbox: it may write only its pid file's folder (the repository is read-only to it).
+        "gitjail": Profile(
+            mcp_servers=[
+                _git_server("git", jail, probe.pids("gitjail"), sandbox=True, writable=[probe.pids("gitjail").parent])
+            ]
+        ),
     }
     os.environ["MCP_KIT_PIDS"] = str(probe.pids("gitkill"))  # the worker inherits it
     try:
         own = _settings(settings, **profiles)
         with dedicated_fleet(own, folder / "logs", 1, queue="subq-mcp") as (coord, _fleet):
-            yield Kit(coord, repo, folder)
+            yield Kit(coord, repo, folder, jail)
     finally:
         del os.environ["MCP_KIT_PIDS"]
+        shutil.rmtree(jail.parent, ignore_errors=True)
 
 
 def test_a_subagent_calls_a_read_tool_and_gets_its_real_output(kit: Kit) -> None:
@@ -301,3 +325,23 @@ def test_a_killed_server_is_restarted_and_its_caller_gets_an_error(kit: Kit) -> 
     assert coord.wait(again.id, 60).status == TaskStatus.COMPLETED
     assert _results(coord, again.id)[0].startswith("Repository status:")
     assert len(started(pids)) == 3, "one restart"
+
+
+def test_a_sandboxed_server_reads_but_writes_only_where_its_entry_says(kit: Kit) -> None:
+    coord, repo = kit.coord, kit.jail
+    before = _commits(repo)
+    (repo / "jailed.txt").write_text("a change\n")
+    steps = (
+        call("git_log", repo_path=str(repo), max_count=1),
+        call("git_add", repo_path=str(repo), files=["jailed.txt"]),
+        reply("tried"),
+    )
+    task = coord.create_task(agent(*steps), profile="gitjail", run=True)
+    assert coord.wait(task.id, 60).status == TaskStatus.COMPLETED
+    log, added = _results(coord, task.id)
+    assert log.startswith("Commit history:") and _git(repo, "rev-parse", "HEAD") in log, "it reads the repository"
+    assert "Read-only file system" in str(added), added
+    assert _git(repo, "status", "--porcelain", "jailed.txt").startswith("??"), "nothing was staged"
+    assert _commits(repo) == before
+    pids = started(kit.pids("gitjail"))  # the worker's start check ran it once, the run again
+    assert pids and all(pid < 10 for pid in pids), "its pids are its own namespace's: it sees no worker process"

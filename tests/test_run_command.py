@@ -17,7 +17,7 @@ from pydantic_ai.usage import RunUsage
 
 from coordinator import Profile, RunCommand
 from workers.runtime import commands
-from workers.runtime.tools import RunState, run_command
+from workers.runtime.tools import CallAnswered, RunState, run_command
 
 # How long a killed process may take to be gone (it is killed at once; a loaded machine is slow).
 GONE_WITHIN_S = 5.0
@@ -34,15 +34,6 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
-def _gone(pid: int) -> bool:
-    deadline = time.monotonic() + GONE_WITHIN_S
-    while _alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_a_command_runs_in_the_profiles_directory_and_reports_its_exit_code(tmp_path: Path) -> None:
@@ -75,39 +66,68 @@ def test_the_output_is_capped_with_what_was_cut_said(tmp_path: Path) -> None:
     assert flood.output.startswith("y\n" * 25) and flood.output.endswith("y\n" * 25)
 
 
-def test_a_timeout_kills_the_whole_process_group_quickly(tmp_path: Path) -> None:
+def _processes_with(argument: str) -> list[int]:
+    """The host pids whose command line holds `argument` (a sandboxed command's own pids are its namespace's)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            words = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # not a process, or it ended meanwhile
+        if argument.encode() in words and _alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def _none_left(argument: str) -> bool:
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while _processes_with(argument):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+# Each sleep is found on the host by its own length, which no other test starts.
+CONFINED = pytest.mark.parametrize("sandbox", [True, False], ids=["sandboxed", "unconfined"])
+
+
+@CONFINED
+def test_a_timeout_kills_the_whole_process_group_quickly(tmp_path: Path, sandbox: bool) -> None:
     started = time.monotonic()
-    result = _run("sh -c 'sleep 30 & echo $!; sleep 30'", tmp_path, timeout_s=1)
+    result = _run("sh -c 'sleep 30.11 & sleep 30.12'", tmp_path, timeout_s=1, sandbox=sandbox)
     assert time.monotonic() - started < 1 + GONE_WITHIN_S
     assert result.exit_code is None and result.timed_out_after_s == 1
     assert result.text().startswith("timed out after 1s (its process group was killed)\n")
-    assert _gone(int(result.output.split()[0])), "the background sleep was killed with its group"
+    assert _none_left("30.11"), "the background sleep was killed with its group"
 
 
-def test_what_a_command_leaves_running_is_stopped_when_it_exits(tmp_path: Path) -> None:
-    result = _run("sh -c 'sleep 30 > /dev/null 2>&1 & echo $!'", tmp_path)
-    assert result.exit_code == 0
-    assert _gone(int(result.output)), "its group was killed after it exited"
+@CONFINED
+def test_what_a_command_leaves_running_is_stopped_when_it_exits(tmp_path: Path, sandbox: bool) -> None:
+    result = _run("sh -c 'sleep 30.21 > /dev/null 2>&1 & echo started'", tmp_path, sandbox=sandbox)
+    assert result.text() == "exit 0\nstarted\n"
+    assert _none_left("30.21"), "what it left running was killed after it exited"
 
 
-def test_a_cancel_kills_the_process_group_and_propagates(tmp_path: Path) -> None:
-    marker = tmp_path / "pid.txt"
+@CONFINED
+def test_a_cancel_kills_the_process_group_and_propagates(tmp_path: Path, sandbox: bool) -> None:
+    marker = tmp_path / "started.txt"
 
-    async def cancel_midway() -> int:
-        running = asyncio.create_task(
-            commands.run("sh -c 'sleep 30 & echo $! > pid.txt; wait'", RunCommand(cwd=tmp_path))
-        )
+    async def cancel_midway() -> None:
+        config = RunCommand(cwd=tmp_path, sandbox=sandbox)
+        running = asyncio.create_task(commands.run("sh -c 'sleep 30.31 & echo $! > started.txt; wait'", config))
         deadline = time.monotonic() + GONE_WITHIN_S
         while not (marker.exists() and marker.read_text().endswith("\n")):
             assert time.monotonic() < deadline, "the command did not start"
             await asyncio.sleep(0.05)
+        assert _processes_with("30.31"), "it runs"
         running.cancel()
         with pytest.raises(asyncio.CancelledError):
             await running
-        return int(marker.read_text())
 
     started = time.monotonic()
-    assert _gone(asyncio.run(cancel_midway()))
+    asyncio.run(cancel_midway())
+    assert _none_left("30.31")
     assert time.monotonic() - started < 2 * GONE_WITHIN_S
 
 
@@ -152,17 +172,20 @@ def test_the_environment_has_no_subq_setting_and_no_provider_key(
     assert f"PATH={os.environ['PATH']}" in output.splitlines()
 
 
-def test_what_cannot_run_is_a_short_error_result(tmp_path: Path) -> None:
-    assert _run("no-such-program-subq --help", tmp_path).text() == "Error: no-such-program-subq: program not found"
-    assert _run("X=1 rm -rf x", tmp_path).text() == "Error: X=1: program not found", "no shell: not an assignment"
-    assert _run("echo 'unbalanced", tmp_path).text() == "Error: cannot parse the command: no closing quotation"
-    assert _run("   ", tmp_path).text() == "Error: empty command"
-    assert (
-        _run("ls", tmp_path / "missing").text() == f"Error: the working directory {tmp_path / 'missing'} does not exist"
-    )
+@CONFINED
+def test_what_cannot_run_is_a_short_error_result(tmp_path: Path, sandbox: bool) -> None:
+    def run(command: str, cwd: Path = tmp_path) -> str:
+        return _run(command, cwd, sandbox=sandbox).text()
+
+    assert run("no-such-program-subq --help") == "Error: no-such-program-subq: program not found"
+    assert run("X=1 rm -rf x") == "Error: X=1: program not found", "no shell: not an assignment"
+    assert run("./missing.sh") == "Error: ./missing.sh: program not found"
+    assert run("echo 'unbalanced") == "Error: cannot parse the command: no closing quotation"
+    assert run("   ") == "Error: empty command"
+    assert run("ls", tmp_path / "missing") == f"Error: the working directory {tmp_path / 'missing'} does not exist"
     (tmp_path / "data.txt").write_text("not a program")
-    assert _run("./data.txt", tmp_path).text() == "Error: ./data.txt: permission denied"
-    long = _run("echo " + "x" * commands.MAX_COMMAND_CHARS, tmp_path)
+    assert run("./data.txt") == "Error: ./data.txt: permission denied"
+    long = _run("echo " + "x" * commands.MAX_COMMAND_CHARS, tmp_path, sandbox=sandbox)
     assert long.text() == f"Error: the command is longer than {commands.MAX_COMMAND_CHARS} characters"
 
 
@@ -182,7 +205,11 @@ class Said:
 def _call(profile: Profile, command: str) -> tuple[str, list[tuple[str, str]]]:
     said = Said()
     ctx = RunContext(deps=RunState(run=said, profile=profile), model=TestModel(), usage=RunUsage())  # type: ignore[arg-type]
-    return asyncio.run(run_command(ctx, command)), said.messages
+    try:
+        text = asyncio.run(run_command(ctx, command))
+    except CallAnswered as answered:  # a refusal or a denial: the text the model reads (counted by the toolset)
+        text = answered.text
+    return text, said.messages
 
 
 def test_the_tool_refuses_where_the_profile_does_not_enable_it(tmp_path: Path) -> None:

@@ -247,7 +247,9 @@ def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], s
         log_dir.mkdir(parents=True, exist_ok=True)
     else:
         log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="subq-up-")))
-    fleet = stack.enter_context(WorkerFleet(settings, options.workers, log_dir))
+    # The credentials file lands in the log folder: no sandboxed command of the workers may read it.
+    hidden = {"sandbox_hidden_paths": [*settings.sandbox_hidden_paths, log_dir.absolute()]}
+    fleet = stack.enter_context(WorkerFleet(settings.model_copy(update=hidden), options.workers, log_dir))
     signals.check()
     token = settings.api_token.get_secret_value() if settings.api_token else secrets.token_urlsafe(SECRET_BYTES)
     api: Service | None = None

@@ -14,6 +14,11 @@
 - **Output.** stdout and stderr interleaved, as one pipe, decoded as UTF-8; the model
   reads at most `max_output_chars` of it: the beginning and the end, with how many
   characters were cut in between.
+- **Confined.** Unless the profile says `sandbox = false`, it runs in the OS sandbox
+  (workers/runtime/sandbox.py): only `cwd` and a private /tmp writable, subq's files
+  hidden, no network unless `network = true`, processes, memory and CPU time capped. A
+  program killed by a signal inside it reads as killed by that signal: the sandbox
+  reports it as a shell does, exit 128 + the signal's number.
 
 `run` is a coroutine for the worker's agent event loop: it never blocks the loop. A
 program that cannot be started, an unbalanced quote or an empty line is a short error
@@ -26,6 +31,7 @@ import asyncio
 import codecs
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 from collections.abc import Mapping
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator import STANDARD_KEYS, RunCommand
+from workers.runtime.sandbox import Sandbox
 
 __all__ = ["MAX_COMMAND_CHARS", "CommandResult", "command_env", "parse", "run"]
 
@@ -46,6 +53,9 @@ DRAIN_S = 1.0
 READ_CHUNK = 64 * 1024
 # The command's UI message shows the end of its output (where errors usually are).
 EXCERPT_CHARS = 300
+# The sandbox exits 128 + N when its command was killed by signal N, as a shell reports it.
+SIGNALLED_MIN = 128
+MAX_SIGNAL = 64
 # The providers' key variables: never passed to a command.
 PROVIDER_KEYS = frozenset({"OPENAI_API_KEY", "ANTHROPIC_API_KEY", *STANDARD_KEYS.values()})
 
@@ -164,8 +174,20 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-async def run(command: str, config: RunCommand, environ: Mapping[str, str] | None = None) -> CommandResult:
-    """Run one command line as `config` says (see the module's docstring)."""
+def _cannot_start(program: str, cwd: Path, env: Mapping[str, str]) -> str | None:
+    """Why `program` cannot start, looked up as the sandbox would (its PATH, or a path from cwd); None if it can."""
+    if "/" not in program:
+        return None if shutil.which(program, path=env.get("PATH", os.defpath)) else "program not found"
+    path = cwd / program
+    if not path.exists():
+        return "program not found"
+    return None if path.is_file() and os.access(path, os.X_OK) else "permission denied"
+
+
+async def run(
+    command: str, config: RunCommand, environ: Mapping[str, str] | None = None, sandbox: Sandbox | None = None
+) -> CommandResult:
+    """Run one command line as `config` says (see the module's docstring); `sandbox` names what it may not see."""
     try:
         argv = parse(command)
     except ValueError as exc:
@@ -173,11 +195,18 @@ async def run(command: str, config: RunCommand, environ: Mapping[str, str] | Non
     cwd = Path(config.cwd)
     if not cwd.is_dir():
         return CommandResult(command, error=f"the working directory {cwd} does not exist")
+    env = command_env(environ)
+    confined = config.sandbox
+    if confined:
+        # Inside the sandbox a program that cannot start is the sandbox's own error: say it as unconfined.
+        if why := _cannot_start(argv[0], cwd, env):
+            return CommandResult(command, error=f"{argv[0]}: {why}")
+        argv = (sandbox or Sandbox()).wrap(argv, cwd, network=config.network, limits=config)
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv,
             cwd=cwd,
-            env=command_env(environ),
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -210,6 +239,8 @@ async def run(command: str, config: RunCommand, environ: Mapping[str, str] | Non
     _kill_group(proc.pid)  # on a timeout: all of it; else what it left running
     await _settle(proc, reader)
     code = proc.returncode
+    if confined and code is not None and SIGNALLED_MIN < code <= SIGNALLED_MIN + MAX_SIGNAL:
+        code = -(code - SIGNALLED_MIN)  # the sandbox's 128 + N: killed by signal N
     return CommandResult(
         command,
         exit_code=None if timed_out else code,

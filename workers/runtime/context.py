@@ -16,6 +16,7 @@ from coordinator.runs import RunLifecycle
 from workers.observe import WorkerRunHooks, count_replica_shortfalls
 from workers.runtime.agent_loop import AgentLoop, ProgressPacer, StopWatch
 from workers.runtime.profile_tools import Toolbox
+from workers.runtime.sandbox import Sandbox
 
 __all__ = ["CONNECTION_WAIT_S", "SPARE_CONNECTIONS", "Runtime", "build_runtime", "get_runtime"]
 
@@ -32,10 +33,13 @@ class Runtime:
     progress_pacer: ProgressPacer = field(default_factory=ProgressPacer)
     # Each profile's tools and agent, built once per process.
     toolbox: Toolbox = field(init=False)
+    # What the process's sandboxed commands may not see (subq's own files).
+    sandbox: Sandbox = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_watch", StopWatch(self.lifecycle))
         object.__setattr__(self, "toolbox", Toolbox(self.settings))
+        object.__setattr__(self, "sandbox", Sandbox.of(self.settings))
 
 
 _lock = threading.Lock()

@@ -50,6 +50,8 @@ from pydantic_ai.toolsets.abstract import ToolsetTool
 
 from coordinator import ConfigError, Profile, one_line
 from workers.runtime.approval_policy import Verdict, verdict
+from workers.runtime.sandbox import Sandbox
+from workers.runtime.tools import CallFailed
 
 if TYPE_CHECKING:
     from pydantic_ai.mcp import MCPToolset
@@ -105,6 +107,12 @@ class McpServerConfig(Protocol):
     def prefix(self) -> str | None: ...
     @property
     def timeout_s(self) -> float: ...
+    @property
+    def sandbox(self) -> bool: ...
+    @property
+    def writable(self) -> list[Path]: ...
+    @property
+    def network(self) -> bool: ...
 
 
 def source_of(server: McpServerConfig) -> str:
@@ -138,8 +146,9 @@ def resolve_secrets(
     return resolved
 
 
-def _build(profile: str, server: McpServerConfig) -> MCPToolset[Any]:
-    """A fresh pydantic-ai toolset for the server (not started): one per start of its process."""
+def _build(profile: str, server: McpServerConfig, hidden: Sandbox) -> MCPToolset[Any]:
+    """A fresh pydantic-ai toolset for the server (not started): one per start of its process; a sandboxed
+    one never sees what `hidden` names."""
     from fastmcp.client.transports import StdioTransport
     from pydantic_ai.mcp import MCPToolset
 
@@ -147,9 +156,14 @@ def _build(profile: str, server: McpServerConfig) -> MCPToolset[Any]:
         env = resolve_secrets(profile, server, server.env, "env")
         # keep_alive=False: the process ends with its session, so a restart is a new process.
         # The MCP SDK starts it with PATH, HOME, USER, LOGNAME, SHELL and TERM and these only.
+        command, args = server.command, list(server.args)
+        if server.sandbox:  # writes only where the entry says (workers/runtime/sandbox.py)
+            cwd = server.cwd or (server.writable[0] if server.writable else Path("/"))
+            wrapped = hidden.wrap([command, *args], cwd, network=server.network, writable=server.writable)
+            command, args = wrapped[0], wrapped[1:]
         transport = StdioTransport(
-            command=server.command,
-            args=list(server.args),
+            command=command,
+            args=args,
             env=env or None,
             cwd=str(server.cwd) if server.cwd is not None else None,
             keep_alive=False,
@@ -227,8 +241,8 @@ def _definition(tool: Any) -> ToolDefinition:
     )
 
 
-async def _list_once(profile: str, server: McpServerConfig) -> dict[str, ToolDefinition]:
-    toolset = _build(profile, server)
+async def _list_once(profile: str, server: McpServerConfig, hidden: Sandbox) -> dict[str, ToolDefinition]:
+    toolset = _build(profile, server, hidden)
     try:
         await asyncio.wait_for(toolset.__aenter__(), server.timeout_s + STOP_S)
     except ConfigError:
@@ -264,7 +278,7 @@ _checked: dict[tuple[str, str], dict[str, ToolDefinition]] = {}
 _checked_lock = threading.Lock()
 
 
-def checked_tools(profile: str, server: McpServerConfig) -> dict[str, ToolDefinition]:
+def checked_tools(profile: str, server: McpServerConfig, hidden: Sandbox | None = None) -> dict[str, ToolDefinition]:
     """The server's tools (unprefixed names): started, listed within its `timeout_s`, stopped.
 
     Once per process for each profile's server (a worker's start lists them; its runs
@@ -277,7 +291,7 @@ def checked_tools(profile: str, server: McpServerConfig) -> dict[str, ToolDefini
     # Secrets first: a missing variable is named before anything starts.
     resolve_secrets(profile, server, server.env, "env")
     resolve_secrets(profile, server, server.headers, "header")
-    listed = _run_sync(_list_once(profile, server))
+    listed = _run_sync(_list_once(profile, server, hidden or Sandbox()))
     with _checked_lock:
         _checked[key] = listed
     return listed
@@ -320,9 +334,12 @@ class SharedServer(AbstractToolset[Any]):
     server has a prefix, else under their own names.
     """
 
-    def __init__(self, profile: str, server: McpServerConfig, checked: dict[str, ToolDefinition]) -> None:
+    def __init__(
+        self, profile: str, server: McpServerConfig, checked: dict[str, ToolDefinition], hidden: Sandbox
+    ) -> None:
         self.profile = profile
         self.server = server
+        self._hidden = hidden  # what the server never sees, when it runs in the sandbox
         self._checked = checked  # the tools the worker's start listed: offered while the server is down
         self._last: dict[str, ToolDefinition] = {}  # the tools the running server listed last
         self._toolset: MCPToolset[Any] | None = None  # the running server's session, or None
@@ -369,7 +386,7 @@ class SharedServer(AbstractToolset[Any]):
             started = time.monotonic()
             toolset: MCPToolset[Any] | None = None
             try:
-                toolset = _build(self.profile, self.server)
+                toolset = _build(self.profile, self.server, self._hidden)
                 await asyncio.wait_for(toolset.__aenter__(), self.server.timeout_s + STOP_S)
                 await asyncio.wait_for(toolset.list_tools(), self.server.timeout_s)
             except Exception as exc:
@@ -466,21 +483,24 @@ class SharedServer(AbstractToolset[Any]):
     ) -> Any:
         from fastmcp.exceptions import ToolError
 
+        # A failed call is an error result for the model, and counts as `error` with its `tool_error` line
+        # (`CallFailed`, answered by the guarded toolset): it once counted as `ok`, with no line.
         toolset = self._toolset
         if toolset is None:
             why = self._last_error or "it is starting"
-            return f"Error: MCP server {self.server.name!r} is not running ({why}); it is being restarted"
+            raise CallFailed(f"Error: MCP server {self.server.name!r} is not running ({why}); it is being restarted")
         original = name.removeprefix(f"{self.server.prefix}_") if self.server.prefix else name
         inner = replace(tool, toolset=toolset, tool_def=replace(tool.tool_def, name=original))
         try:
             return await toolset.call_tool(original, tool_args, ctx, inner)
         except ToolError as exc:  # the tool failed, the server answered
             text = one_line(str(exc)).removeprefix("Error executing tool ")
-            return f"Error: {text}"
+            raise CallFailed(f"Error: {text}") from None
         except Exception as exc:
             if self._lost(toolset, exc):
-                return f"Error: MCP server {self.server.name!r} stopped during the call; it is being restarted"
-            return f"Error: {one_line(str(exc)) or type(exc).__name__}"
+                stopped = f"Error: MCP server {self.server.name!r} stopped during the call; it is being restarted"
+                raise CallFailed(stopped) from None
+            raise CallFailed(f"Error: {one_line(str(exc)) or type(exc).__name__}") from None
 
     def _lost(self, toolset: MCPToolset[Any], exc: BaseException) -> bool:
         """Whether a failure means the server is gone; if so, the supervisor restarts it."""
@@ -515,12 +535,14 @@ _running: set[SharedServer] = set()
 _shared_lock = threading.Lock()
 
 
-def shared_server(profile: str, server: McpServerConfig, checked: dict[str, ToolDefinition]) -> SharedServer:
+def shared_server(
+    profile: str, server: McpServerConfig, checked: dict[str, ToolDefinition], hidden: Sandbox | None = None
+) -> SharedServer:
     """The process's one `SharedServer` for a profile's server."""
     key = (os.getpid(), profile, repr(server))
     with _shared_lock:
         if key not in _shared:
-            _shared[key] = SharedServer(profile, server, checked)
+            _shared[key] = SharedServer(profile, server, checked, hidden or Sandbox())
         return _shared[key]
 
 

@@ -1,0 +1,220 @@
+"""The OS sandbox of `run_command` (workers/runtime/sandbox.py): real bubblewrap, real processes.
+
+Every command here would succeed unconfined (each test shows it where it matters), so
+what fails inside is the sandbox's doing, not the command's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator import ConfigError, Profile, RunCommand, Settings, load_settings
+from tests.helpers import assert_worker_refuses, subq_tools
+from workers.runtime import commands
+from workers.runtime.sandbox import NEEDS, Sandbox, SandboxUnavailable, probe
+
+
+def _run(command: str, cwd: Path, hiding: Sandbox | None = None, **config: Any) -> commands.CommandResult:
+    return asyncio.run(commands.run(command, RunCommand(cwd=cwd, **config), sandbox=hiding))
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    (tmp_path / "work").mkdir()
+    return tmp_path / "work"
+
+
+def test_the_sandbox_starts_here() -> None:
+    probe()  # scripts/os-packages installs bubblewrap; without it every test below would fail
+    probe(network=True)
+
+
+def test_a_command_writes_in_its_cwd_and_nowhere_else(tmp_path: Path, workdir: Path) -> None:
+    outside = tmp_path / "outside.txt"
+    assert _run("sh -c 'echo made > inside.txt'", workdir).text() == "exit 0\n"
+    assert (workdir / "inside.txt").read_text() == "made\n"
+    # tmp_path is under /tmp: the sandbox's /tmp is its own, so the file lands there, never here.
+    _run(f"sh -c 'echo x > {outside}'", workdir)
+    assert not outside.exists()
+    home = Path.home() / "subq-sandbox-canary"
+    refused = _run(f"touch {home}", workdir)
+    assert refused.exit_code != 0 and "Read-only file system" in refused.output
+    assert not home.exists()
+    unconfined = _run(f"sh -c 'echo x > {outside}'", workdir, sandbox=False)
+    assert unconfined.exit_code == 0 and outside.exists(), "the same command outside the sandbox writes it"
+
+
+def test_tmp_is_private_and_writable(workdir: Path) -> None:
+    mine = Path("/tmp/subq-sandbox-private")
+    assert _run(f"sh -c 'echo x > {mine} && cat {mine}'", workdir).text() == "exit 0\nx\n"
+    assert not mine.exists(), "the command's /tmp is its own"
+
+
+def test_subqs_files_are_hidden(tmp_path: Path, workdir: Path) -> None:
+    profiles = tmp_path / "profiles.toml"
+    profiles.write_text('[profiles.x]\napi_key = "sk-secret-profile"\n')
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"secret-ops": {"token_sha256": "' + "0" * 64 + '", "scopes": ["admin"]}}')
+    stack_logs = tmp_path / "up-logs"
+    stack_logs.mkdir()
+    (stack_logs / "credentials.env").write_text("SUBQ_API_TOKEN=secret-token\n")
+    inside = workdir / ".subq-profiles.toml"  # a hidden file inside the writable folder stays hidden
+    inside.write_text("secret-inside")
+    settings = Settings(profiles_file=profiles, api_keys_file=keys, sandbox_hidden_paths=[stack_logs, inside])
+    sandbox = Sandbox.of(settings)
+    for secret in (profiles, keys, stack_logs / "credentials.env", inside):
+        assert "secret" not in _run(f"cat {secret}", workdir, sandbox).output, secret
+        assert "secret" in _run(f"cat {secret}", workdir, sandbox, sandbox=False).output, "readable unconfined"
+
+
+def test_the_workers_environment_cannot_be_read(workdir: Path) -> None:
+    # The worker's /proc/<pid>/environ holds its SUBQ_* settings; the sandbox has a /proc of its own.
+    own = f"/proc/{os.getpid()}/environ"
+    assert _run(f"cat {own}", workdir).exit_code != 0
+    assert _run(f"cat {own}", workdir, sandbox=False).exit_code == 0
+    assert _run("sh -c 'ls /proc | grep -c ^[0-9]'", workdir).output.strip() in ("1", "2", "3", "4")
+
+
+@pytest.fixture
+def listener() -> Iterator[tuple[int, list[object]]]:
+    """A TCP listener on 127.0.0.1 that counts the connections it accepts."""
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted: list[object] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+            conn.close()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield server.getsockname()[1], accepted
+    finally:
+        server.close()
+
+
+CONNECT = "python3 -c 'import socket,sys; socket.create_connection((\"127.0.0.1\", int(sys.argv[1])), 5)' {port}"
+
+
+def test_no_network_unless_the_profile_says_so(workdir: Path, listener: tuple[int, list[object]]) -> None:
+    port, accepted = listener
+    refused = _run(CONNECT.format(port=port), workdir)
+    assert refused.exit_code != 0 and "ConnectionRefusedError" in refused.output
+    assert accepted == [], "the listener counted no connection"
+    assert _run(CONNECT.format(port=port), workdir, network=True).text() == "exit 0\n"
+    assert len(accepted) == 1
+
+
+def test_cpu_time_and_memory_are_capped(workdir: Path) -> None:
+    busy = _run("sh -c 'while :; do :; done'", workdir, cpu_time_s=1, timeout_s=60)
+    assert busy.status in ("killed by SIGXCPU", "killed by SIGKILL"), busy.text()
+    hog = "python3 -c 'b = bytearray(512 * 1024 * 1024); print(len(b))'"
+    starved = _run(hog, workdir, memory_mb=128)
+    assert starved.exit_code != 0 and "MemoryError" in starved.output
+    assert _run(hog, workdir, memory_mb=2048).text() == "exit 0\n536870912\n"
+
+
+# The process cap in a worker that is not root, as the image runs it (the kernel applies no
+# RLIMIT_NPROC to root): the command runs from a process of the `nobody` user.
+CAPPED = """
+import asyncio, sys
+from pathlib import Path
+from coordinator import RunCommand
+from workers.runtime import commands
+config = RunCommand(cwd=Path(sys.argv[1]), max_processes=int(sys.argv[2]))
+print(asyncio.run(commands.run(sys.argv[3], config)).text())
+"""
+NOBODY = 65534
+
+
+def test_processes_are_capped() -> None:
+    fork = "sh -c 'for i in $(seq 40); do sleep 1 & done; wait; echo all started'"
+    workdir = Path(tempfile.mkdtemp(prefix="subq-nproc-"))  # in /tmp itself: pytest's folders are root's only
+    workdir.chmod(0o777)
+    as_nobody = (
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"] if os.geteuid() == 0 else []
+    )
+
+    def run(max_processes: int) -> str:
+        argv = [*as_nobody, sys.executable, "-c", CAPPED, str(workdir), str(max_processes), fork]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    try:
+        assert "Cannot fork" in run(10)
+        assert run(200) == "exit 0\nall started\n\n"
+    finally:
+        shutil.rmtree(workdir)
+
+
+def test_an_unavailable_sandbox_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers.runtime import sandbox
+
+    monkeypatch.setattr(sandbox, "_probed", {})
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(SandboxUnavailable, match="^bwrap is not installed$"):
+        probe()
+
+
+def test_a_worker_refuses_a_sandbox_it_cannot_start_unless_the_profile_opts_out(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A machine without bubblewrap: the workers' PATH holds only the virtual environment.
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
+    builder = Profile(run_command=RunCommand(cwd=tmp_path))
+    own = settings.model_copy(update={"profiles": {"builder": builder}})
+    line = (
+        "Invalid profile 'builder': run_command: its OS sandbox cannot start here (bwrap is not installed); "
+        f"the worker needs {NEEDS}, or set sandbox = false"
+    )
+    assert_worker_refuses(own, tmp_path / "refused", line)
+    opted_out = own.model_copy(
+        update={
+            "profiles": {"builder": builder.model_copy(update={"run_command": RunCommand(cwd=tmp_path, sandbox=False)})}
+        }
+    )
+    listed = subq_tools(opted_out)
+    assert listed.returncode == 0, listed.stderr
+    assert (
+        "subq: warning: profile 'builder' runs its commands without the OS sandbox (sandbox = false)" in listed.stderr
+    )
+
+
+@pytest.mark.parametrize(
+    ("table", "error"),
+    [
+        ({"sandbox": "maybe"}, "run_command.sandbox"),
+        ({"network": "sometimes"}, "run_command.network"),
+        ({"memory_mb": 0}, "run_command.memory_mb"),
+        ({"max_processes": 0}, "run_command.max_processes"),
+        ({"cpu_time_s": -1}, "run_command.cpu_time_s"),
+        ({"writable": ["/srv"]}, "run_command.writable"),
+    ],
+)
+def test_a_bad_sandbox_setting_names_its_field(tmp_path: Path, table: dict[str, object], error: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(profiles={"builder": {"run_command": {"cwd": str(tmp_path), **table}}})
+    assert f"SUBQ_PROFILES (builder.{error})" in str(caught.value)
+
+
+def test_hidden_paths_must_be_absolute() -> None:
+    with pytest.raises(ConfigError, match="^Invalid setting SUBQ_SANDBOX_HIDDEN_PATHS: every path must be absolute$"):
+        load_settings(sandbox_hidden_paths="relative/secrets:/abs")
+    assert load_settings(sandbox_hidden_paths="/a:/b").sandbox_hidden_paths == [Path("/a"), Path("/b")]

@@ -1,0 +1,147 @@
+"""The OS sandbox a `run_command` command (and an MCP server with `sandbox = true`) runs in.
+
+The approval policy's rules catch the obvious (workers/runtime/approval_policy.py), but
+hundreds of programs run other programs or write files through their own options (`tar
+--checkpoint-action=exec=...`, `git -c alias.x='!...'`, `find -delete`, `awk 'BEGIN{system(...)}'`),
+and no rule over argv can know them all. The sandbox bounds whatever gets past the rules:
+
+- **Files**: the whole filesystem is mounted read-only; only the command's `cwd` (and the
+  folders an MCP entry names) is writable, with a private, empty `/tmp`. subq's own
+  files are hidden (an empty file or folder in their place): the profiles file, the API
+  keys file, the Redis TLS key, and `SUBQ_SANDBOX_HIDDEN_PATHS` (`subq up` adds the folder of
+  its credentials file).
+- **Processes**: a PID namespace of its own, with its own `/proc`, so the worker's
+  processes, and so their environment (`/proc/<pid>/environ`, with the Redis URL and the
+  API token), cannot be read; when the command's first process exits, every process it
+  left behind is killed with the namespace.
+- **Network**: none (a network namespace with only its own loopback) unless the profile
+  says `network = true`.
+- **Limits**: at most `max_processes` processes of the worker's user (RLIMIT_NPROC; the
+  kernel does not apply it to root, so a worker run as root, unlike the image's, gets no
+  process cap), `memory_mb` of data (RLIMIT_DATA) and `cpu_time_s` of CPU (RLIMIT_CPU),
+  set by util-linux's `prlimit` inside the sandbox.
+
+It is bubblewrap (`bwrap`, Debian's `bubblewrap`), the sandbox Flatpak and Claude Code use on
+Linux; why bubblewrap and not Landlock is in docs/architecture.md. It needs user namespaces
+and a mountable `/proc`, which a default container profile takes away: `probe` tries it once
+a process, and a worker refuses a profile that runs commands in a sandbox it cannot start,
+with one line saying what the pod needs (docs/deploy.md), unless the profile says
+`sandbox = false`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator import RunCommand, Settings
+
+__all__ = ["BWRAP", "NEEDS", "PRLIMIT", "Sandbox", "SandboxUnavailable", "probe"]
+
+BWRAP = "bwrap"
+PRLIMIT = "prlimit"
+# What a worker's machine or pod must give for the sandbox to start (the refusal's line, docs/deploy.md).
+NEEDS = (
+    "bubblewrap (bwrap) and util-linux's prlimit installed, user namespaces allowed and /proc mountable "
+    "(Docker: security_opt seccomp=unconfined, apparmor=unconfined, systempaths=unconfined; Kubernetes: "
+    "seccompProfile and appArmorProfile Unconfined, procMount Unmasked)"
+)
+# How long the start probe may take: bwrap starts in milliseconds; a loaded machine is slow.
+PROBE_TIMEOUT_S = 20.0
+
+
+class SandboxUnavailable(Exception):
+    """The sandbox cannot start on this machine: why, in one line."""
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """The paths a process's sandboxed commands never see; `wrap` gives the argv that runs one confined."""
+
+    hidden: tuple[Path, ...] = ()
+
+    @classmethod
+    def of(cls, settings: Settings) -> Sandbox:
+        known = (settings.profiles_file, settings.api_keys_file, settings.redis_tls_key_file)
+        paths = [Path(path).absolute() for path in (*known, *settings.sandbox_hidden_paths) if path is not None]
+        return cls(tuple(dict.fromkeys(paths)))
+
+    def wrap(
+        self,
+        argv: Sequence[str],
+        cwd: Path,
+        *,
+        network: bool,
+        writable: Sequence[Path] | None = None,
+        limits: RunCommand | None = None,
+    ) -> list[str]:
+        """`argv` run by bwrap in `cwd`: read-only but for `writable` (None: `cwd`) and a private /tmp;
+        subq's files hidden."""
+        cwd = cwd.absolute()
+        own = [path.absolute() for path in ([cwd] if writable is None else writable)]
+        bwrap = shutil.which(BWRAP) or BWRAP
+        wrapped = [bwrap, "--die-with-parent", "--unshare-all", *(["--share-net"] if network else [])]
+        wrapped += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+        # Hidden first, then the writable folders (one inside a hidden folder stays reachable),
+        # then what is hidden inside a writable folder again.
+        wrapped += self._hide(path for path in self.hidden)
+        for path in own:
+            wrapped += ["--bind", str(path), str(path)]
+        wrapped += self._hide(path for path in self.hidden if any(path.is_relative_to(folder) for folder in own))
+        wrapped += ["--setenv", "TMPDIR", "/tmp", "--chdir", str(cwd), "--"]
+        if limits is not None:
+            wrapped += [
+                shutil.which(PRLIMIT) or PRLIMIT,
+                f"--nproc={limits.max_processes}",
+                f"--data={limits.memory_mb * 1024 * 1024}",
+                f"--cpu={limits.cpu_time_s}",
+                "--",
+            ]
+        return wrapped + list(argv)
+
+    @staticmethod
+    def _hide(paths: Iterable[Path]) -> list[str]:
+        args: list[str] = []
+        for path in paths:
+            if path.is_dir():
+                args += ["--tmpfs", str(path)]
+            elif path.exists():
+                args += ["--ro-bind", "/dev/null", str(path)]
+        return args
+
+
+_probed: dict[bool, str | None] = {}
+_probe_lock = threading.Lock()
+
+
+def probe(network: bool = False) -> None:
+    """Start the sandbox once (cached per process and network setting); SandboxUnavailable says why not."""
+    with _probe_lock:
+        if network not in _probed:
+            _probed[network] = _try(network)
+        why = _probed[network]
+    if why is not None:
+        raise SandboxUnavailable(why)
+
+
+def _try(network: bool) -> str | None:
+    for program in (BWRAP, PRLIMIT):
+        if shutil.which(program) is None:
+            return f"{program} is not installed"
+    with tempfile.TemporaryDirectory(prefix="subq-sandbox-probe-") as folder:
+        argv = Sandbox().wrap(["true"], Path(folder), network=network, limits=RunCommand(cwd=Path(folder)))
+        try:
+            done = subprocess.run(
+                argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"bwrap did not start: {exc}"
+    if done.returncode != 0:
+        said = " ".join(done.stderr.split()) or f"exit {done.returncode}"
+        return f"bwrap cannot start here: {said}"
+    return None
