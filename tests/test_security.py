@@ -687,3 +687,33 @@ def test_the_web_view_offers_only_what_the_keys_scopes_allow(sec_coord: Coordina
         assert (deny.actor, deny.via, deny.target, deny.detail) == ("carol", "web", approval.id, "no")
         assert any(e.reason == "missing_scope" and e.actor == "viewer" and e.via == "web" for e in entries)
         assert any(e.reason == "not_signed_in" for e in entries)
+
+
+def test_subq_audit_lists_the_log_through_redis_and_through_the_api(sec_coord: Coordinator) -> None:
+    from tests.test_cli import cli
+
+    for n in range(4):
+        sec_coord.record(Actor("earlier", "192.0.2.9", "api"), "cancel", f"earlier-{n}")
+    root = sec_coord.create_task("Audited", run=False).id
+    sec_coord.cancel(root, "stopped from Python")  # straight on Redis: on record as `local`
+    env = {"SUBQ_REDIS_URL": str(sec_coord.settings.redis_url), "SUBQ_KEY_PREFIX": PREFIX}
+    proc = cli("audit", "--limit", "1", env=env)
+    assert proc.returncode == 0, proc.stderr
+    [line] = proc.stdout.splitlines()
+    assert re.fullmatch(
+        rf"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\dZ  local  cancel  {root}  \(from - via local\)  stopped from Python", line
+    ), line
+    assert proc.stderr.startswith("(older: subq audit --before ")
+    with _server(sec_coord, api_keys=keys_setting()) as api:
+        as_ops = {"SUBQ_API_URL": api.url, "SUBQ_API_TOKEN": KEY_TOKENS["ops"]}
+        page = json.loads(cli("audit", "--limit", "3", "--json", env=as_ops).stdout)
+        assert page["entries"][0]["target"] == root and page["next_before"] == page["entries"][-1]["id"]
+        older = json.loads(cli("audit", "--limit", "3", "--before", page["next_before"], "--json", env=as_ops).stdout)
+        assert not {e["id"] for e in older["entries"]} & {e["id"] for e in page["entries"]}
+        # A key without `operate` is refused in one line that names the scope.
+        as_alice = {"SUBQ_API_URL": api.url, "SUBQ_API_TOKEN": KEY_TOKENS["alice"]}
+        refused = cli("audit", env=as_alice)
+        assert refused.returncode != 0 and refused.stdout == ""
+        assert refused.stderr.strip().splitlines() == [
+            "subq: The API key 'alice' lacks the scope this needs: needs scope 'operate'"
+        ]

@@ -18,10 +18,12 @@ button's attribute and approved their own call when the page loaded.
 
 from __future__ import annotations
 
+import json
 import shlex
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -29,11 +31,14 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, BrowserContext, Dialog, Page, Request, Response, expect
 
+from coordinator import Coordinator, Settings
+from coordinator.api import create_app
 from coordinator.models import Approval
 from coordinator.web.views import call_text
 from tests.agents import call, reply, subtask
-from tests.helpers import TOKEN, ApiServer
-from tests.test_web_browser import WAIT_MS, browser  # noqa: F401 - the module's one Chromium
+from tests.helpers import TOKEN, ApiServer, api_settings
+from tests.test_security import KEY_TOKENS, keys_setting, park_approval
+from tests.test_web_browser import WAIT_MS, _shot, browser  # noqa: F401 - the module's one Chromium
 
 _APPROVE = (
     "fetch('/ui/actions/approvals/'+document.querySelector('[data-approval-id]').dataset.approvalId,"
@@ -262,3 +267,67 @@ def test_the_policy_stops_markup_that_slipped_through(context: BrowserContext, l
     page.wait_for_timeout(500)
     assert page.evaluate("window.__ran") is None
     assert page.evaluate("window.__cspViolations"), "the policy reported nothing it blocked"
+
+
+# -- the signed-in key's scopes in a real browser -------------------------------------------------
+
+KEYS_PREFIX = "subqwebkeys"
+
+
+def test_the_page_offers_only_what_the_signed_in_keys_scopes_allow(
+    browser: Browser,  # noqa: F811
+    settings: Settings,
+    tmp_path: Path,
+) -> None:
+    """A read_all key sees the waiting call but no Approve; a decide key approves it, and it is on record."""
+    coord = Coordinator(api_settings(settings, key_prefix=KEYS_PREFIX, queue="subq-webkeys-idle"))
+    keys_file = tmp_path / "keys.json"
+    keys_file.write_text(
+        json.dumps({n: s.model_dump(mode="json") for n, s in keys_setting(["viewer", "carol"]).items()})
+    )
+    try:
+        root = coord.create_task("Deploy the release", todos="[-] Run the deploy", run=False, owner="alice").id
+        approval = park_approval(coord, root)
+        app = create_app(coord.settings.model_copy(update={"api_keys_file": keys_file}), coordinator=coord)
+        with ApiServer(app) as api:
+            context = browser.new_context(viewport={"width": 1280, "height": 900})
+            page = context.new_page()
+            page.set_default_timeout(WAIT_MS)
+            dialogs: list[str] = []
+
+            def accept(dialog: Dialog) -> None:
+                dialogs.append(dialog.message)
+                dialog.accept()
+
+            page.on("dialog", accept)
+            for name in ("viewer", "carol"):
+                page.goto(f"{api.url}/ui/login")
+                page.fill("input[name=token]", KEY_TOKENS[name])
+                page.click("form.login button[type=submit]")
+                expect(page.locator("h1")).to_have_text("Roots")
+                expect(page.locator(".signed-in")).to_contain_text(f"Signed in as {name}")
+                page.goto(f"{api.url}/ui/tasks/{root}")
+                box = page.locator(f"#approval-{approval.id}")
+                expect(box).to_be_visible()
+                _shot(page, tmp_path, f"web-keys-{name}.png")
+                if name == "viewer":
+                    expect(box.locator("button")).to_have_count(0)
+                    expect(box.locator(".no-decide")).to_be_visible()
+                    expect(page.locator("button[data-action=cancel]")).to_have_count(0)
+                    page.click("form.logout button")
+                    expect(page.locator("h1")).to_have_text("Sign in")
+                    continue
+                box.locator("button[data-action=approve]").click()
+                expect(page.locator(f"#approval-{approval.id}")).to_have_count(0)
+            context.close()
+        assert dialogs == [f"Approve {call_text(approval)}?"]
+        decided = coord.store.approvals.get_approval(approval.id)
+        assert (decided.status, decided.decided_by) == ("approved", "carol")
+        entries, _ = coord.audit(50)
+        done = [(e.actor, e.action, e.via) for e in entries if e.action in ("approve", "sign_in", "sign_out")]
+        assert done == [("carol", "approve", "web"), ("carol", "sign_in", "web"), ("viewer", "sign_out", "web"),
+                        ("viewer", "sign_in", "web")]  # fmt: skip
+    finally:
+        for key in coord.client.scan_iter(f"{KEYS_PREFIX}:*"):
+            coord.client.delete(key)
+        coord.close()

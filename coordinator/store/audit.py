@@ -53,7 +53,8 @@ class AuditLog(Part):
         oldest_kept_ms = int((time.time() - self.retention_s) * 1000)
         raw = cast(
             list[tuple[str, dict[str, str]]],
-            self.client.xrevrange(self.keys.audit(), max=high, min=f"{oldest_kept_ms}-0", count=limit),
+            # One more than asked: whether an older page exists, without a second read.
+            self.client.xrevrange(self.keys.audit(), max=high, min=f"{oldest_kept_ms}-0", count=limit + 1),
         )
         entries = []
         for entry_id, fields in raw:
@@ -61,7 +62,7 @@ class AuditLog(Part):
                 entries.append(AuditEntry.model_validate({**_str_map(fields), "id": entry_id}))
             except pydantic.ValidationError:
                 raise CorruptError(f"Audit entry {entry_id} is corrupt") from None
-        return entries, (entries[-1].id if len(entries) == limit else None)
+        return entries[:limit], (entries[limit - 1].id if len(entries) > limit else None)
 
     @translate_redis_errors
     def refused_counts(self) -> dict[str, int]:
