@@ -54,7 +54,7 @@ from workers import observe
 from workers.runtime import mcp_servers
 from workers.runtime.approval_policy import unguarded_command
 from workers.runtime.pricing import parse_usd
-from workers.runtime.tools import SELF_GUARDED, RunState, apply_verdict, orchestration_tools
+from workers.runtime.tools import SELF_GUARDED, CallAnswered, RunState, apply_verdict, orchestration_tools
 
 __all__ = [
     "APPROVED_BY_HUMAN",
@@ -67,6 +67,7 @@ __all__ = [
     "PolicyToolset",
     "ProfileTools",
     "Toolbox",
+    "answer_without_running",
     "check",
     "idempotency_key",
     "idempotent",
@@ -209,6 +210,7 @@ class PolicyToolset(WrapperToolset[RunState]):
             decided = mcp_servers.hinted_verdict(ctx.deps.profile, name, tool_args, tool.tool_def)
             denied = apply_verdict(name, tool_args, decided)  # raises ApprovalRequired to ask
             if denied:
+                run.say("tool_denied", f"{name}: {denied}")
                 _done(ctx, name, "denied")
                 return denied
         safe_twice = idempotent(tool, ctx.deps.profile)
@@ -237,13 +239,20 @@ class PolicyToolset(WrapperToolset[RunState]):
         except TimeoutError:
             outcome, result = "timeout", f"Error: {name} timed out after {timeout_s:g} s"
             run.say("tool_error", result)
-        except (ModelRetry, ApprovalRequired, CallDeferred):
-            raise  # pydantic-ai's own signals: ask the model again, wait for a decision, defer
+        except CallAnswered as answered:  # the tool decided the outcome itself (a denial, a failure)
+            outcome, result = answered.outcome, answered.text
+            run.say("tool_denied" if outcome == "denied" else "tool_error", f"{name}: {result}")
+        except ModelRetry as retry:  # the tool asks the model to call again: this call failed
+            run.say("tool_error", f"{name}: {one_line(str(retry))}")
+            _done(ctx, name, "error", f"Error: {one_line(str(retry))}", time.monotonic() - started_s)
+            raise
+        except (ApprovalRequired, CallDeferred):
+            raise  # pydantic-ai's own signals: wait for a decision, defer (answered when they resolve)
         except Exception as exc:  # a tool's failure is a result for the model; the run goes on
             log.warning("subq: tool %s failed", name, exc_info=True)  # with the run's fields (workers/observe.py)
             outcome, result = "error", f"Error: {type(exc).__name__}: {one_line(str(exc))}"
             run.say("tool_error", f"{name}: {result}")
-        ran_s = time.monotonic() - started_s if started_s else None
+        ran_s = time.monotonic() - started_s if started_s and outcome != "denied" else None
         charge(run, ctx.deps.profile, name, call_id, reported_cost(name, result))
         # A ToolReturn's value is what the model reads: the journal keeps that for a replay.
         _done(ctx, name, outcome, result.return_value if isinstance(result, ToolReturn) else result, ran_s)
@@ -259,6 +268,19 @@ def _done(
     observe.tool_call(tool, outcome, ran_s)
     ctx.deps.tool_calls.append({"tool": tool, "outcome": outcome, "ms": ms})
     ctx.deps.run.record_tool_call(ctx.tool_call_id or "", tool, outcome, result, ms)
+
+
+def answer_without_running(
+    run_state: RunState, tool_call_id: str, tool: str, outcome: str, line: str, *, kind: str | None = None
+) -> None:
+    """A call answered before its tool could run (its arguments failed validation, it names no tool of
+    the task, a human denied it): a UI line of its outcome (`kind`, else `tool_error` or `tool_denied`),
+    and counted on its task as `outcome`. An error's line is kept as its result, so a run resumed before
+    its conversation was saved answers it the same way."""
+    run_state.run.say(kind or ("tool_denied" if outcome == "denied" else "tool_error"), line)
+    observe.tool_call(tool, outcome, None)
+    run_state.tool_calls.append({"tool": tool, "outcome": outcome, "ms": 0})
+    run_state.run.record_tool_call(tool_call_id, tool, outcome, None if outcome == "denied" else line)
 
 
 @dataclass(frozen=True)

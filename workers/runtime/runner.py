@@ -34,11 +34,14 @@ from pydantic_ai import (
     Agent,
     DeferredToolRequests,
     DeferredToolResults,
+    RunContext,
     ToolApproved,
     ToolDenied,
     ToolOutput,
 )
+from pydantic_ai.capabilities import Hooks
 from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, TextPart, ToolCallPart
+from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.usage import UsageLimits
 
 from coordinator import CorruptError, Profile, StoreError, SubtaskResult, Usage, one_line
@@ -56,7 +59,14 @@ from workers import observe
 from workers.runtime.context import Runtime
 from workers.runtime.metering import MeteredModel
 from workers.runtime.pricing import cost_of, reported_cost_usd
-from workers.runtime.profile_tools import APPROVED_BY_HUMAN, CUT_OFF, OUTPUT_TOOLS, OWN_STATE_TOOLS, ProfileTools
+from workers.runtime.profile_tools import (
+    APPROVED_BY_HUMAN,
+    CUT_OFF,
+    OUTPUT_TOOLS,
+    OWN_STATE_TOOLS,
+    ProfileTools,
+    answer_without_running,
+)
 from workers.runtime.providers import ProviderWait, Route
 from workers.runtime.tools import (
     ORCHESTRATION_PROMPT,
@@ -72,6 +82,10 @@ __all__ = ["INTERRUPTED", "Progress", "RunInProgress", "run_child"]
 log = logging.getLogger(__name__)
 
 INTERRUPTED = "Task was interrupted before this tool call could be completed."
+# How often one run may answer a completion "not taken" (it came with other calls, or bad arguments)
+# before pydantic-ai fails the run: high, as each is an ordinary turn of the conversation, and a
+# model that batches its completion every time is still bounded by the profile's `max_requests`.
+COMPLETION_RETRIES = 100
 MESSAGE = pydantic.TypeAdapter(ModelMessage)
 
 Progress = Callable[[dict[str, Any]], None]
@@ -208,8 +222,10 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
             if isinstance(part, TextPart) and part.content.strip():
                 run.say("text", part.content)
             elif isinstance(part, ToolCallPart) and part.tool_name not in offered:
-                # pydantic-ai answers it "Unknown tool name" and runs nothing: never shown as if it ran.
-                run.say("error", f"not run: {part.tool_name} is not a tool of this task: {describe_call(part)}")
+                # pydantic-ai answers it "Unknown tool name" and runs nothing: never shown as if it ran,
+                # and counted as the error it is.
+                line = f"not run: {part.tool_name} is not a tool of this task: {describe_call(part)}"
+                answer_without_running(state, part.tool_call_id, part.tool_name, "error", line, kind="error")
             elif isinstance(part, ToolCallPart):
                 run.say("tool", describe_call(part))
         nonlocal unsent
@@ -238,7 +254,7 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
         after_error=route.after_error,
     )  # fmt: skip
     pending = _calls_without_result(history)
-    results = _answers(run, pending, offered) if pending else None
+    results = _answers(run, state, pending, offered) if pending else None
     agent: Agent[RunState, Any] = rt.toolbox.agent(task.profile, plans_offline(profile, task.prompt), build_agent)
     async with agent.iter(
         None if history else task.prompt,
@@ -279,12 +295,26 @@ def build_agent(tools: ProfileTools, with_planner: bool) -> Agent[RunState, Any]
     """A profile's agent (and its planner use), built once per process by the toolbox: building
     one generates every tool's JSON schema (about 1.5 ms, measured as 12% of a worker's CPU in
     bench/), and nothing in it is per task: the model, with the task's hooks, is given to each run."""
+    completion = ToolOutput(attempt_completion, name="attempt_completion", max_retries=COMPLETION_RETRIES)
     return Agent(
         deps_type=RunState,
-        output_type=[str, ToolOutput(attempt_completion, name="attempt_completion"), DeferredToolRequests],
+        output_type=[str, completion, DeferredToolRequests],
         system_prompt=f"{tools.system_prompt}\n\n{ORCHESTRATION_PROMPT}",
         toolsets=[tools.toolset, offline_plan_toolset] if with_planner else [tools.toolset],
+        capabilities=[Hooks(tool_validate_error=_invalid_arguments)],
     )
+
+
+async def _invalid_arguments(
+    ctx: RunContext[RunState], /, *, call: ToolCallPart, tool_def: ToolDefinition, args: Any, error: Exception
+) -> Any:
+    """A call whose arguments fail validation: pydantic-ai answers it with the errors for the model to fix;
+    it is a `tool_error` line and counts as `error` (an output tool's bad call is the completion's, not a tool's)."""
+    if tool_def.kind == "function":
+        why = one_line(str(error))[:500]
+        line = f"{call.tool_name}: invalid arguments: {why}"
+        answer_without_running(ctx.deps, call.tool_call_id, call.tool_name, "error", line)
+    raise error
 
 
 def _tool_call(call: ToolCallPart, requests: DeferredToolRequests) -> ToolCall:
@@ -294,7 +324,9 @@ def _tool_call(call: ToolCallPart, requests: DeferredToolRequests) -> ToolCall:
     )
 
 
-def _answers(run: Run, pending: Sequence[ToolCallPart], offered: frozenset[str]) -> DeferredToolResults:
+def _answers(
+    run: Run, state: RunState, pending: Sequence[ToolCallPart], offered: frozenset[str]
+) -> DeferredToolResults:
     """Results for the calls of the last response that have none: the kept result of a call that
     returned (replayed; its cost was recorded with it), a batch's, a decision; a tool's call that may
     have been cut off by its worker's death (it has no decision yet, or a human approved it and it had
@@ -315,9 +347,15 @@ def _answers(run: Run, pending: Sequence[ToolCallPart], offered: frozenset[str])
         elif call_id in decisions and decisions[call_id].approved and call_id in started:
             approvals[call_id] = ToolApproved()  # approved, and running when its worker died
             metadata[call_id] = {CUT_OFF: True, APPROVED_BY_HUMAN: True}
+        elif call_id in decisions and decisions[call_id].approved:
+            approvals[call_id] = ToolApproved()  # it runs now, and counts as it ends
         elif call_id in decisions:
-            decision = decisions[call_id]
-            approvals[call_id] = ToolApproved() if decision.approved else ToolDenied(message=decision.feedback)
+            # A human's no: the model reads it as the call's result, and it counts as `denied` here, where the
+            # run applies it (pydantic-ai answers a ToolDenied without calling the toolset).
+            denial = ToolDenied(message=decisions[call_id].feedback)
+            approvals[call_id] = denial
+            line = f"{describe_call(call)}: denied by a person: {denial.message}"
+            answer_without_running(state, call_id, call.tool_name, "denied", line)
         elif call.tool_name in offered and call.tool_name not in OWN_STATE_TOOLS | OUTPUT_TOOLS:
             approvals[call_id] = ToolApproved()
             metadata[call_id] = {CUT_OFF: True}

@@ -6,7 +6,10 @@
   it must be the last tool call of its response: calls after it get an error
   result and are not executed.
 - `run_subagents(tasks)`: a parallel fan-out (one chord).
-- `attempt_completion(result)`: ends the task with its result (an output tool).
+- `attempt_completion(result)`: ends the task with its result (an output tool), taken only
+  when it is the one call of its response besides other completions: called beside other
+  tools, it is answered "not taken" and the model is asked again once every other call of
+  the response has its result (docs/agents.md, "Several calls in one response").
 - `run_command(command)`: runs one command line for real (workers/runtime/commands.py:
   argv without a shell, in the profile's folder, timed out, output capped), only
   for a profile with a `run_command` table; every call needs a decision under
@@ -20,6 +23,10 @@ the deferred call is answered with the combined results.
 
 Every refusal (a bad todo update, the depth limit, an unknown profile or
 todo id) is returned to the model as the tool's result and changes nothing.
+A tool whose call ends as something other than `ok` raises `CallDenied` or
+`CallFailed` with the text the model reads: the guarded toolset
+(workers/runtime/profile_tools.py) answers the call with that text and counts
+it as `denied` or `error`, so the count is set by the code that decided it.
 """
 
 from __future__ import annotations
@@ -27,10 +34,10 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
-from pydantic_ai import ApprovalRequired, CallDeferred, RunContext
+from pydantic_ai import ApprovalRequired, CallDeferred, ModelRetry, RunContext
 from pydantic_ai.messages import ModelResponse, ToolCallPart
 from pydantic_ai.toolsets import FunctionToolset
 
@@ -41,7 +48,16 @@ from workers.runtime.approval_policy import Verdict, verdict
 from workers.runtime.planner import plan_instructions
 from workers.runtime.script import SCRIPT_INFO_STRING
 
-__all__ = ["NEW_TASK_NOT_LAST", "ORCHESTRATION_PROMPT", "RunState", "orchestration_tools"]
+__all__ = [
+    "COMPLETION_NOT_TAKEN",
+    "NEW_TASK_NOT_LAST",
+    "ORCHESTRATION_PROMPT",
+    "CallAnswered",
+    "CallDenied",
+    "CallFailed",
+    "RunState",
+    "orchestration_tools",
+]
 
 ORCHESTRATION_PROMPT = """
 You plan with a todo list (update_todo_list) and may delegate work to subagents:
@@ -50,6 +66,13 @@ result you need before going on (it must be the last tool call of your response)
 Each subtask is carried out against one item of your todo list. When you are done,
 call attempt_completion with your result.
 """.strip()
+# What a completion called beside other tools reads: it was not taken, and why. The model wrote it
+# before it saw those calls' results (a commit a human denies, a command that fails), so it is
+# asked again with them rather than ending on a claim it could not check (docs/agents.md).
+COMPLETION_NOT_TAKEN = (
+    "Not taken: this response also called {others}. A task ends only after every call of the response "
+    "it ends in has its result: read their results, then call attempt_completion on its own."
+)
 NEW_TASK_NOT_LAST = (
     "Error: not executed: new_task must be the last tool call of a response "
     "(it hands control to a subtask); call this again after the subtask's result arrives."
@@ -68,6 +91,29 @@ class RunState:
 
     def __post_init__(self) -> None:
         self.calls_at_once = asyncio.Semaphore(self.profile.max_tool_calls_at_once)
+
+
+class CallAnswered(Exception):
+    """A tool's call answered without a result of its own: `text` is what the model reads, and the call
+    counts as `outcome` (raised by the tool that decided it; the guarded toolset answers and counts it)."""
+
+    outcome: ClassVar[Literal["denied", "error"]] = "error"
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+
+class CallDenied(CallAnswered):
+    """The call is refused by the profile's policy and never runs."""
+
+    outcome = "denied"
+
+
+class CallFailed(CallAnswered):
+    """The call failed (or could not run): an error result, a `tool_error` line, counted as `error`."""
+
+    outcome = "error"
 
 
 class TodoInput(BaseModel):
@@ -202,14 +248,14 @@ async def run_command(ctx: RunContext[RunState], command: str) -> str:
         return NEW_TASK_NOT_LAST
     config = ctx.deps.profile.run_command
     if config is None:
-        return "Error: run_command is not enabled for this task's profile"
+        raise CallFailed("Error: run_command is not enabled for this task's profile")
     try:
         commands.parse(command)
     except ValueError as exc:  # refused before anyone is asked to approve it
-        return f"Error: {exc}"
+        raise CallFailed(f"Error: {exc}") from None
     denied = needs_decision(ctx, "run_command", {"command": command})
     if denied:
-        return denied
+        raise CallDenied(denied)
     run = ctx.deps.run
     run.say("command", command)
     result = await commands.run(command, config)
@@ -217,9 +263,27 @@ async def run_command(ctx: RunContext[RunState], command: str) -> str:
     return result.text()
 
 
-def attempt_completion(result: str) -> str:
-    """Finish your task with its result."""
+def attempt_completion(ctx: RunContext[RunState], result: str) -> str:
+    """Finish your task with its result. Call it on its own, after you have read every tool result."""
+    others = _other_calls(ctx)
+    if others:
+        # pydantic-ai takes the first output tool that succeeds and ends the run, leaving a call that
+        # waits for a decision unanswered (seen: a batched git_commit dropped, the task `completed`).
+        # Refused here, the completion is answered "not taken", every other call runs or waits for
+        # its decision, and the model is asked again with all their results.
+        ctx.deps.run.say("completion_not_taken", f"attempt_completion waits for {', '.join(others)}")
+        raise ModelRetry(COMPLETION_NOT_TAKEN.format(others=", ".join(others)))
     return result
+
+
+def _other_calls(ctx: RunContext[RunState]) -> list[str]:
+    """The tools the response holding this completion also called (other completions aside)."""
+    for message in reversed(ctx.messages):
+        if isinstance(message, ModelResponse):
+            calls = [p for p in message.parts if isinstance(p, ToolCallPart)]
+            if any(c.tool_call_id == ctx.tool_call_id for c in calls):
+                return [c.tool_name for c in calls if c.tool_name != "attempt_completion"]
+    return []
 
 
 def describe_call(part: ToolCallPart) -> str:
