@@ -114,7 +114,7 @@ def test_a_long_command_is_decided_in_linear_time(command: str) -> None:
     assert time.perf_counter() - started < LINEAR_BUDGET_S
 
 
-# The example policy of docs/control.md ("Running commands"), word for word.
+# The example policy of docs/tools.md (section 5), word for word.
 EXAMPLE = Profile(
     approval_tools=["run_command"],
     allow=["run_command:=npm test", "run_command:ls", "run_command:git status", "run_command:=git diff"],

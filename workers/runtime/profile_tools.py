@@ -51,7 +51,7 @@ from coordinator import ConfigError, Profile, ProfileError, Settings, load_setti
 from coordinator.runs import Run
 from coordinator.tracing import span
 from workers import observe
-from workers.runtime import mcp_servers
+from workers.runtime import mcp_servers, sandbox
 from workers.runtime.approval_policy import unguarded_command
 from workers.runtime.pricing import parse_usd
 from workers.runtime.tools import SELF_GUARDED, CallAnswered, RunState, apply_verdict, orchestration_tools
@@ -273,10 +273,9 @@ def _done(
 def answer_without_running(
     run_state: RunState, tool_call_id: str, tool: str, outcome: str, line: str, *, kind: str | None = None
 ) -> None:
-    """A call answered before its tool could run (its arguments failed validation, it names no tool of
-    the task, a human denied it): a UI line of its outcome (`kind`, else `tool_error` or `tool_denied`),
-    and counted on its task as `outcome`. An error's line is kept as its result, so a run resumed before
-    its conversation was saved answers it the same way."""
+    """A call answered before its tool could run (its arguments failed validation, it names no tool of the
+    task, a human denied it): a UI line of its outcome (`kind`, else `tool_error` or `tool_denied`), and counted on its task as `outcome`. An error's line
+    is kept as its result, so a run resumed before its conversation was saved answers it the same way."""
     run_state.run.say(kind or ("tool_denied" if outcome == "denied" else "tool_error"), line)
     observe.tool_call(tool, outcome, None)
     run_state.tool_calls.append({"tool": tool, "outcome": outcome, "ms": 0})
@@ -333,20 +332,33 @@ def _import(profile: str, path: str) -> FunctionToolset[Any]:
     raise _fail(profile, f"tools entry {path!r}", f"is a {kind}, neither a function nor a pydantic-ai FunctionToolset")
 
 
+def _check_sandbox(profile: str, entry: str, network: bool) -> None:
+    """The profile's commands run confined: the sandbox must start on this machine, or the worker refuses."""
+    try:
+        sandbox.probe(network)
+    except sandbox.SandboxUnavailable as exc:
+        why = f"its OS sandbox cannot start here ({exc}); the worker needs {sandbox.NEEDS}, or set sandbox = false"
+        raise _fail(profile, entry, why) from None
+
+
 def _offered(name: str, allowed: list[str] | None, disallowed: list[str]) -> bool:
     if any(fnmatchcase(name, pattern) for pattern in disallowed):
         return False
     return allowed is None or any(fnmatchcase(name, pattern) for pattern in allowed)
 
 
-def _mcp_server(profile: str, server: mcp_servers.McpServerConfig, sources: dict[str, str]) -> AbstractToolset[Any]:
+def _mcp_server(
+    profile: str, server: mcp_servers.McpServerConfig, sources: dict[str, str], hidden: sandbox.Sandbox
+) -> AbstractToolset[Any]:
     """A profile's MCP server: listed by the check (started, listed, stopped), its names added to
     `sources` (`mcp:<name>`); the process's one shared server, started by the first run that uses it."""
-    checked = mcp_servers.checked_tools(profile, server)
+    if server.sandbox:
+        _check_sandbox(profile, f"mcp_servers entry {server.name!r}", server.network)
+    checked = mcp_servers.checked_tools(profile, server, hidden)
     for tool in checked:
         offered = f"{server.prefix}_{tool}" if server.prefix else tool
         _claim(profile, f"mcp_servers entry {server.name!r}", offered, mcp_servers.source_of(server), sources)
-    return mcp_servers.shared_server(profile, server, checked)
+    return mcp_servers.shared_server(profile, server, checked, hidden)
 
 
 def load_profile(name: str, settings: Settings) -> ProfileTools:
@@ -355,6 +367,8 @@ def load_profile(name: str, settings: Settings) -> ProfileTools:
     sources = {tool: BUILT_IN for tool in orchestration_tools.tools if tool != "run_command"}
     if profile.run_command is not None:
         sources["run_command"] = BUILT_IN
+        if profile.run_command.sandbox:
+            _check_sandbox(name, "run_command", profile.run_command.network)
     own: list[AbstractToolset[Any]] = []
     for path in profile.tools:
         toolset = _import(name, path)
@@ -362,7 +376,7 @@ def load_profile(name: str, settings: Settings) -> ProfileTools:
             _claim(name, f"tools entry {path!r}", tool, path, sources)
         own.append(toolset)
     for server in profile.mcp_servers:
-        own.append(_mcp_server(name, server, sources))
+        own.append(_mcp_server(name, server, sources, sandbox.Sandbox.of(settings)))
     offered = {
         tool: source
         for tool, source in sources.items()
@@ -384,6 +398,8 @@ def policy_warnings(settings: Settings, names: list[str] | None = None) -> list[
     lines = []
     for name in names if names is not None else list(settings.all_profiles()):
         profile = settings.profile(name)
+        if profile.run_command is not None and not profile.run_command.sandbox:
+            lines.append(f"profile {name!r} runs its commands without the OS sandbox (sandbox = false)")
         if unguarded_command(profile):
             lines.append(
                 f"profile {name!r} enables run_command and nothing guards it: every command no deny rule "

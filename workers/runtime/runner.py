@@ -175,7 +175,7 @@ async def _run_agent(rt: Runtime, run: Run, profile: Profile, progress: Progress
 
 async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | None) -> Ended | Released:
     task = run.task
-    state = RunState(run, profile)
+    state = RunState(run, profile, sandbox=rt.sandbox)
     offered = rt.toolbox.tools(task.profile).names
     history = _load_history(run)
     if not history:

@@ -46,6 +46,7 @@ from coordinator.runs import Run
 from workers.runtime import commands
 from workers.runtime.approval_policy import Verdict, verdict
 from workers.runtime.planner import plan_instructions
+from workers.runtime.sandbox import Sandbox
 from workers.runtime.script import SCRIPT_INFO_STRING
 
 __all__ = [
@@ -85,6 +86,8 @@ class RunState:
 
     run: Run
     profile: Profile
+    # What its commands may not see (the process's, from its settings: workers/runtime/sandbox.py).
+    sandbox: Sandbox = field(default_factory=Sandbox)
     calls_at_once: asyncio.Semaphore = field(init=False)
     # The tool calls answered since the run's last progress event (tool, outcome, ms), for the next one.
     tool_calls: list[dict[str, Any]] = field(init=False, default_factory=list)
@@ -258,7 +261,7 @@ async def run_command(ctx: RunContext[RunState], command: str) -> str:
         raise CallDenied(denied)
     run = ctx.deps.run
     run.say("command", command)
-    result = await commands.run(command, config)
+    result = await commands.run(command, config, sandbox=ctx.deps.sandbox)
     run.say("command_result", result.excerpt())
     return result.text()
 
