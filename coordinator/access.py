@@ -34,7 +34,7 @@ import os
 import re
 import threading
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -196,18 +196,34 @@ def read_keys_file(path: Path) -> dict[str, ApiKey]:
     return parse_keys(data, where)
 
 
-def check_distinct(inline: Iterable[str], from_file: Iterable[str], legacy: bool) -> None:
-    """No name twice across SUBQ_API_KEYS, the file and the legacy token: the audit log must name one key."""
-    inline_set = set(inline)
+def check_distinct(
+    inline: Mapping[str, ApiKey | ApiKeySpec], from_file: Mapping[str, ApiKey], legacy_token: str | None
+) -> None:
+    """No name and no token twice across SUBQ_API_KEYS, the file and SUBQ_API_TOKEN: a token names one key."""
     for name in from_file:
-        if name in inline_set:
+        if name in inline:
             raise ValueError(f"SUBQ_API_KEYS_FILE: key {name!r} is also in SUBQ_API_KEYS (name each key once)")
-    if legacy:
-        for source, names in (("SUBQ_API_KEYS", inline_set), ("SUBQ_API_KEYS_FILE", set(from_file))):
-            if ADMIN_KEY in names:
-                raise ValueError(
-                    f"{source}: key {ADMIN_KEY!r} is the name SUBQ_API_TOKEN signs in as; give the key another name"
-                )
+    by_hash = {key.token_sha256.lower(): name for name, key in inline.items()}
+    for name, file_key in from_file.items():
+        if file_key.token_sha256 in by_hash:
+            raise ValueError(
+                f"SUBQ_API_KEYS_FILE: key {name!r} has the token_sha256 of key {by_hash[file_key.token_sha256]!r} "
+                "of SUBQ_API_KEYS (give each key a token of its own)"
+            )
+        by_hash[file_key.token_sha256] = name
+    if legacy_token is None:
+        return
+    for source, names in (("SUBQ_API_KEYS", inline), ("SUBQ_API_KEYS_FILE", from_file)):
+        if ADMIN_KEY in names:
+            raise ValueError(
+                f"{source}: key {ADMIN_KEY!r} is the name SUBQ_API_TOKEN signs in as; give the key another name"
+            )
+    if token_sha256(legacy_token) in by_hash:
+        source = "SUBQ_API_KEYS_FILE" if by_hash[token_sha256(legacy_token)] in from_file else "SUBQ_API_KEYS"
+        raise ValueError(
+            f"{source}: key {by_hash[token_sha256(legacy_token)]!r} has the token of SUBQ_API_TOKEN "
+            "(give each key a token of its own)"
+        )
 
 
 @dataclass(frozen=True)
@@ -226,6 +242,7 @@ class KeyRing:
     def __init__(self, inline: Mapping[str, ApiKey], file: Path | None, legacy_token: str | None) -> None:
         self._inline = dict(inline)
         self._file = file
+        self._legacy_token = legacy_token or None
         self._legacy = ApiKey(ADMIN_KEY, token_sha256(legacy_token), frozenset(Scope)) if legacy_token else None
         self._lock = threading.Lock()
         self._state = _FileState(None, {})
@@ -275,7 +292,7 @@ class KeyRing:
         stamp = _stamp(path)
         try:
             keys = read_keys_file(path)
-            check_distinct(self._inline, keys, self._legacy is not None)
+            check_distinct(self._inline, keys, self._legacy_token)
         except ValueError as exc:
             if stamp != old_stamp:
                 logger.error("%s; every key of that file is refused until it is fixed", exc)

@@ -19,7 +19,16 @@ from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from coordinator.access import ApiKeySpec, check_distinct, parse_keys, read_keys_file
@@ -422,6 +431,8 @@ class Settings(BaseSettings):
     default_profile: str = OFFLINE_PROFILE
     profiles: dict[str, Profile] = Field(default_factory=dict)
     profiles_file: Path | None = None
+    # The profiles read from profiles_file (and not replaced by SUBQ_PROFILES): where each came from.
+    _from_file: frozenset[str] = PrivateAttr(default=frozenset())
     # Paths no sandboxed command may read, beside those subq knows of itself (the profiles file,
     # the API keys file, the Redis TLS key): absolute, separated by ':' as in PATH. `subq up`
     # adds its log folder, where it writes its credentials file (workers/runtime/sandbox.py).
@@ -533,15 +544,16 @@ class Settings(BaseSettings):
             except (ValueError, tomllib.TOMLDecodeError) as exc:
                 raise ValueError(f"SUBQ_PROFILES_FILE: {self.profiles_file}: {exc}") from None
             object.__setattr__(self, "profiles", {**from_file, **self.profiles})
-        if self.api_keys_file is not None:  # read at start, so a bad file stops the start (then on every change)
-            check_distinct(self.api_keys, read_keys_file(self.api_keys_file), self.api_token is not None)
-        else:
-            check_distinct(self.api_keys, (), self.api_token is not None)
+        # The keys file is read at start, so a bad one stops the start (then again on every change).
+        keys_from_file = read_keys_file(self.api_keys_file) if self.api_keys_file is not None else {}
+        legacy_token = self.api_token.get_secret_value() if self.api_token is not None else None
+        check_distinct(self.api_keys, keys_from_file, legacy_token or None)
         if self.default_profile not in self.all_profiles():
             raise ValueError(f"SUBQ_DEFAULT_PROFILE: {self.default_profile!r} is not a defined profile")
         # Named by where each profile was read from: the file's, unless SUBQ_PROFILES gave one of that name.
         read_from_file = from_file if self.profiles_file is not None else {}
-        self._check_fallbacks({name for name, p in read_from_file.items() if self.profiles.get(name) is p})
+        self._from_file = frozenset(name for name, p in read_from_file.items() if self.profiles.get(name) is p)
+        self._check_fallbacks(set(self._from_file))
         return self
 
     def _check_fallbacks(self, from_file: set[str]) -> None:
@@ -679,13 +691,32 @@ class Settings(BaseSettings):
         """Configured profiles plus the built-in `offline` (which a configured one may replace)."""
         return {OFFLINE_PROFILE: Profile(), **self.profiles}
 
+    def profile_sources(self) -> dict[str, str]:
+        """Each known profile and where it was read from: `built in`, `SUBQ_PROFILES_FILE=<path>` or `SUBQ_PROFILES`."""
+        return {
+            name: "built in" if name not in self.profiles
+            else f"SUBQ_PROFILES_FILE={self.profiles_file}" if name in self._from_file
+            else "SUBQ_PROFILES"
+            for name in self.all_profiles()
+        }  # fmt: skip
+
+    def unknown_profile(self, name: str) -> ProfileError:
+        """The one line for a profile name no source defines: the known ones, and where each was read from (a
+        user who follows an example naming a profile of their own learns which file this process read)."""
+        by_source: dict[str, list[str]] = {}
+        for known, source in self.profile_sources().items():
+            by_source.setdefault(source, []).append(known)
+        known = "; ".join(f"{', '.join(sorted(names))} ({source})" for source, names in sorted(by_source.items()))
+        unread = "" if self.profiles_file is not None else "; SUBQ_PROFILES_FILE is not set"
+        return ProfileError(f"Invalid profile: {name} (known: {known}{unread})", field="profile")
+
     def profile(self, name: str | None) -> Profile:
         """The named profile (the default one for None), with its provider's standard key if it names none."""
         name = name or self.default_profile
         try:
             profile = self.all_profiles()[name]
         except KeyError:
-            raise ProfileError(f"Invalid profile: {name}", field="profile") from None
+            raise self.unknown_profile(name) from None
         standard = self.standard_key(profile.model.partition(":")[0])
         if profile.api_key is None and standard is not None:
             return profile.model_copy(update={"api_key": standard})

@@ -644,6 +644,15 @@ def test_a_malformed_keys_file_stops_the_start_in_one_line(tmp_path: Path) -> No
     keys_file.write_text('[admin]\ntoken_sha256 = "' + "e" * 64 + '"\nscopes = ["read"]\n')
     with pytest.raises(ConfigError, match="key 'admin' is the name SUBQ_API_TOKEN signs in as"):
         load_settings(api_keys_file=keys_file, api_token="t")
+    # One token names one key, across the setting, the file and SUBQ_API_TOKEN.
+    keys_file.write_text(f'[ci]\ntoken_sha256 = "{token_sha256(KEY_TOKENS["alice"])}"\nscopes = ["read"]\n')
+    with pytest.raises(ConfigError, match="key 'ci' has the token_sha256 of key 'alice' of SUBQ_API_KEYS"):
+        load_settings(api_keys_file=keys_file, api_keys=keys_setting(["alice"]))
+    with pytest.raises(ConfigError, match="SUBQ_API_KEYS_FILE: key 'ci' has the token of SUBQ_API_TOKEN"):
+        load_settings(api_keys_file=keys_file, api_token=KEY_TOKENS["alice"])
+    with pytest.raises(ConfigError, match="SUBQ_API_KEYS_FILE: key 'alice' is also in SUBQ_API_KEYS"):
+        keys_file.write_text(f'[alice]\ntoken_sha256 = "{"f" * 64}"\nscopes = ["read"]\n')
+        load_settings(api_keys_file=keys_file, api_keys=keys_setting(["alice"]))
 
 
 def test_the_web_view_offers_only_what_the_keys_scopes_allow(sec_coord: Coordinator, tmp_path: Path) -> None:
@@ -717,3 +726,17 @@ def test_subq_audit_lists_the_log_through_redis_and_through_the_api(sec_coord: C
         assert refused.stderr.strip().splitlines() == [
             "subq: The API key 'alice' lacks the scope this needs: needs scope 'operate'"
         ]
+
+
+def test_subq_up_hands_the_keys_to_the_api_it_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`subq up` starts its API with the environment of its settings: the keys arrive as they were given."""
+    from coordinator.local.fleet import settings_env
+
+    keys_file = tmp_path / "keys.toml"
+    keys_file.write_text(f'[ops]\ntoken_sha256 = "{token_sha256(KEY_TOKENS["ops"])}"\nscopes = ["operate"]\n')
+    given = load_settings(redis_url="redis://127.0.0.1:1/0", api_keys=keys_setting(["alice"]), api_keys_file=keys_file)
+    for name, value in settings_env(given).items():
+        if name.startswith("SUBQ_"):
+            monkeypatch.setenv(name, value)
+    started = load_settings()
+    assert started.api_keys == given.api_keys and started.api_keys_file == keys_file
