@@ -5,6 +5,13 @@
 
 Needs only Python 3.11+. The environment lives in `.venv/` beside this
 project and is reinstalled when pyproject.toml changes.
+
+It installs what the command needs, and no more: `subq` (the demo, the CLI)
+gets the `server` extra; anything else (pytest, ruff, mypy: the test and check
+commands) gets `dev`, which holds `server` and adds the test tools (pytest,
+mypy, Playwright, kubectl, mcp-server-git, ...). The stamp file records which
+extra is installed, so the demo after the tests installs nothing, and the
+tests after the demo add only what they lack.
 """
 
 from __future__ import annotations
@@ -19,6 +26,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("SUBQ_VENV", ROOT / ".venv"))
 STAMP = VENV / ".subq-installed"
+# The extra each command needs. The demo installed `dev` once, and a cold first `./scripts/demo`
+# took 1:48 on a quiet 2-core machine, most of it test tools it never runs.
+SERVER, DEV = "server", "dev"
+SERVER_COMMANDS = frozenset({"subq"})
+# Each extra, with the extras that hold it (`dev` brings `server`).
+HOLDS = {SERVER: {SERVER, DEV}, DEV: {DEV}}
+
+
+def extra_for(command: str) -> str:
+    """The extra a command needs: `server` for subq itself, `dev` for the test and check tools."""
+    return SERVER if Path(command).name in SERVER_COMMANDS else DEV
+
+
+def installed(stamp: Path) -> tuple[str, str]:
+    """(the pyproject.toml hash, the extra) the environment was installed for; ('', '') if none. A stamp of
+    one line (written before extras were chosen by command) was a `dev` install."""
+    if not stamp.exists():
+        return "", ""
+    lines = stamp.read_text().split()
+    return (lines[0], lines[1] if len(lines) > 1 else DEV) if lines else ("", "")
 
 
 def main() -> int:
@@ -30,16 +57,19 @@ def main() -> int:
     if not (bindir / "python").exists():
         print(f"subq: creating a virtual environment in {VENV} ...", file=sys.stderr, flush=True)
         venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
-    if not STAMP.exists() or STAMP.read_text().strip() != wanted:
-        print("subq: installing subq and its dependencies (first run only) ...", file=sys.stderr, flush=True)
-        # The dev extra brings the server and otel extras (pyproject.toml): `subagent-queue`
-        # alone is the Python client, and the demo, the CLI and the tests need the server.
+    need = extra_for(sys.argv[1])
+    have_hash, have = installed(STAMP)
+    if have_hash != wanted or have not in HOLDS[need]:
+        what = "its test tools" if have_hash == wanted else "subq and its dependencies (first run only)"
+        print(f"subq: installing {what} ...", file=sys.stderr, flush=True)
+        # `subagent-queue` alone is the Python client; the demo and the CLI need the server extra,
+        # the tests and checks the dev extra (the server and otel extras and the test tools).
         subprocess.run(
             [str(bindir / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-             "-e", f"{ROOT}[dev]"],
+             "-e", f"{ROOT}[{need}]"],
             check=True,
         )  # fmt: skip
-        STAMP.write_text(wanted)
+        STAMP.write_text(f"{wanted} {need}\n")
     command = sys.argv[1:]
     executable = bindir / command[0]
     if executable.exists():
