@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 __all__ = [
     "AUDIT_MAX_ENTRIES",
+    "ENTRY_ID_PATTERN",
     "LOCAL",
     "Action",
     "Actor",
@@ -35,6 +36,8 @@ __all__ = [
     "record",
 ]
 
+# A page cursor is an entry id of the log's stream, `<ms>-<n>`.
+ENTRY_ID_PATTERN = r"^\d{1,20}-\d{1,20}$"
 # The newest entries kept whatever their age: a flood of refused requests (each counted
 # in the metric regardless) cannot grow Redis without bound within the retention.
 AUDIT_MAX_ENTRIES = 100_000

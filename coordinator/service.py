@@ -190,6 +190,10 @@ class Coordinator:
         """The task's todo list; linked items show their child's subtree figures live."""
         return self.store.records.get_todos(task_id, live=True)
 
+    def owner_of(self, task_id: str) -> str:
+        """The API key that created the task's tree ('' for none), in one small read; NotFoundError if no task."""
+        return self.store.records.owner_of(task_id)
+
     def get_children(self, task_id: str) -> list[TaskRecord]:
         return self.store.records.get_children(task_id)
 

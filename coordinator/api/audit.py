@@ -15,8 +15,8 @@ from coordinator.access import Scope
 from coordinator.api.auth import Caller, Gate
 from coordinator.api.errors import error_responses
 from coordinator.api.schemas import AuditPage
+from coordinator.audit import ENTRY_ID_PATTERN
 from coordinator.service import DEFAULT_PAGE, MAX_PAGE, Coordinator
-from coordinator.store.audit import STREAM_ID_PATTERN
 
 __all__ = ["audit_routes"]
 
@@ -38,7 +38,7 @@ def audit_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="Most entries in the page")] = DEFAULT_PAGE,
         before: Annotated[
             str | None,
-            Query(pattern=STREAM_ID_PATTERN, description="`next_before` of the previous page; none for the newest"),
+            Query(pattern=ENTRY_ID_PATTERN, description="`next_before` of the previous page; none for the newest"),
         ] = None,
     ) -> AuditPage:
         """Kept as long as task history (SUBQ_RESULT_RETENTION_S). Scope `operate` or `admin`."""

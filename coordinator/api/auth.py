@@ -175,7 +175,7 @@ class Gate:
     def read_tree(self, request: Request, key: Principal, task_id: str) -> str:
         """The owner of the task's tree, if `key` may read it; a 404 as for an unknown task if not."""
         self.need(request, key, Scope.READ, Scope.READ_ALL)
-        owner = self.coord.store.records.owner_of(task_id)
+        owner = self.coord.owner_of(task_id)
         self.readable(key, task_id, owner)
         return owner
 
@@ -194,7 +194,7 @@ class Gate:
             self.need(request, key, Scope.SUBMIT)
         else:
             self.need(request, key, Scope.SUBMIT, others)
-        owner = self.coord.store.records.owner_of(task_id)
+        owner = self.coord.owner_of(task_id)
         if key.has(others) or (key.has(Scope.SUBMIT) and key.owns(owner)):
             return
         if not key.may_read(owner):

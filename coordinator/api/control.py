@@ -74,7 +74,7 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         mine = []
         for approval in coord.list_approvals(root_id):
             if approval.root_id not in owners:
-                owners[approval.root_id] = coord.store.records.owner_of(approval.root_id)
+                owners[approval.root_id] = coord.owner_of(approval.root_id)
             if key.may_read(owners[approval.root_id]):
                 mine.append(approval)
         return ApprovalList(approvals=mine)

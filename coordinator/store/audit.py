@@ -11,10 +11,7 @@ from coordinator.audit import AUDIT_MAX_ENTRIES, Action, Actor, AuditEntry
 from coordinator.errors import CorruptError, ValidationError
 from coordinator.store.base import Part, _str_map, translate_redis_errors
 
-__all__ = ["STREAM_ID_PATTERN", "AuditLog"]
-
-# A page cursor is an entry id, `<ms>-<n>`.
-STREAM_ID_PATTERN = r"^\d{1,20}-\d{1,20}$"
+__all__ = ["AuditLog"]
 
 
 class AuditLog(Part):
