@@ -60,6 +60,7 @@ from pydantic import TypeAdapter
 
 from coordinator import admission, approvals, budgets, delegation, dispatch, endpoints, faults, writeback
 from coordinator.approvals import ToolCall
+from coordinator.endpoints import Gate
 from coordinator.errors import NotFoundError, StoreError
 from coordinator.heartbeat import Heartbeat
 from coordinator.models import (
@@ -85,6 +86,7 @@ __all__ = [
     "LIVE_EVERY_S",
     "MAX_SUMMARY_CHARS",
     "Ended",
+    "Gate",
     "HandBack",
     "LeaseLost",
     "Released",
@@ -410,11 +412,11 @@ class Run:
 
     # -- the provider's endpoint, as the fleet sees it (coordinator/endpoints.py) -------------
 
-    def endpoint_gate(self, endpoint: str) -> endpoints.Gate:
+    def endpoint_gate(self, endpoint: str) -> Gate:
         """Whether the next request may go to `endpoint` now (one round trip); this run may become its probe."""
         return endpoints.gate(self._plane, endpoint, self.token)
 
-    def endpoint_failed(self, endpoint: str, error: str, asked_s: float | None) -> endpoints.Gate:
+    def endpoint_failed(self, endpoint: str, error: str, asked_s: float | None) -> Gate:
         """A request to `endpoint` failed transiently: it is down for the fleet; how long to wait."""
         return endpoints.failed(self._plane, endpoint, error, asked_s)
 
