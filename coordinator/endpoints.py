@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from coordinator import dispatch
 from coordinator.errors import NotFoundError
-from coordinator.store.endpoints import Gate
 
 if TYPE_CHECKING:
     from coordinator.models import TaskRecord
@@ -65,26 +64,37 @@ PROBE_RECHECK_MS = 1_000
 KEEP_MS = 3_600_000
 
 
+class Gate(NamedTuple):
+    """What the fleet knows of an endpoint: the ms to wait before sending (0: send now), the failures
+    in a row, the last error line ('' while it is up)."""
+
+    wait_ms: int
+    failures: int
+    error: str
+
+
 def timer(task_id: str) -> str:
     return f"{PROVIDER_TIMER}:{task_id}"
 
 
 def gate(plane: Plane, endpoint: str, token: str) -> Gate:
     """Whether a request to `endpoint` may go now; the run `token` becomes the probe when one is due."""
-    return plane.store.endpoints.gate(endpoint, token, PROBE_LEASE_MS, PROBE_RECHECK_MS)
+    return Gate(*plane.store.endpoints.gate(endpoint, token, PROBE_LEASE_MS, PROBE_RECHECK_MS))
 
 
 def failed(plane: Plane, endpoint: str, error: str, asked_s: float | None) -> Gate:
     """Mark `endpoint` down after a transient error (`asked_s`: the provider's Retry-After); the wait."""
     settings = plane.settings
-    return plane.store.endpoints.failed(
-        endpoint,
-        error,
-        base_ms=max(1, int(settings.model_retry_base_s * 1000)),
-        cap_ms=max(1, int(settings.model_retry_max_s * 1000)),
-        jitter=random.random(),
-        asked_ms=None if asked_s is None else max(0, int(asked_s * 1000)),
-        keep_ms=KEEP_MS,
+    return Gate(
+        *plane.store.endpoints.failed(
+            endpoint,
+            error,
+            base_ms=max(1, int(settings.model_retry_base_s * 1000)),
+            cap_ms=max(1, int(settings.model_retry_max_s * 1000)),
+            jitter=random.random(),
+            asked_ms=None if asked_s is None else max(0, int(asked_s * 1000)),
+            keep_ms=KEEP_MS,
+        )
     )
 
 

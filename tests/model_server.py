@@ -15,7 +15,8 @@ carries, so any number of tasks can talk to one server at once.
 
 A failure takes the place of the answer while it lasts (for `for_s` seconds, or
 `times` requests, or both: whichever ends first); failures queue in the order
-given, and `status=0` closes the connection without an answer.
+given, `status=0` closes the connection without an answer, and `status=200`
+answers as usual (so `script([503, 200, 404])` scripts the next three requests).
 """
 
 from __future__ import annotations
@@ -143,6 +144,11 @@ class ModelServer:
         with self._lock:
             self._failures.append(Failure(status, until, times, dict(headers or {})))
 
+    def script(self, statuses: list[int]) -> None:
+        """The next requests' statuses in order, one each (200: answered as usual); then as before."""
+        for status in statuses:
+            self.fail(status, times=1)
+
     def heal(self) -> None:
         """Drop every failure still queued: the next request is answered."""
         with self._lock:
@@ -176,7 +182,7 @@ class ModelServer:
             failure = self._failures[0]
             if failure.times is not None:
                 failure.times -= 1
-            return failure
+            return None if failure.status == 200 else failure
 
     def _record(self, status: int, body: dict[str, Any]) -> None:
         with self._lock:

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from coordinator import Coordinator, StateError, TaskStatus, TodoError, Usage, budgets, todo_links
 from coordinator.celery_app import make_app
 from coordinator.runs import RunLifecycle
+from coordinator.settings import Price, Profile
 from coordinator.todo_links import Merged
 from coordinator.todos import normalise
 from tests.agents import reply, subtask
@@ -267,3 +268,44 @@ def test_the_property_finds_a_merge_that_loses_links(
     with pytest.raises(AssertionError):
         search()
     assert found, "hypothesis found a program whose plan does not add up"
+
+
+# -- fallbacks: each request priced at the model that answered it ------------------------------
+
+FALLBACK_EXAMPLES = 20
+# Each request's primary answers one of these (200: it answers); the backup always answers.
+PRIMARY_STATUSES = st.lists(st.sampled_from([200, 503, 500, 429, 404, 401]), min_size=0, max_size=8)
+
+
+@settings(max_examples=FALLBACK_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(statuses=PRIMARY_STATUSES)
+def test_every_request_is_priced_at_the_model_that_answered_it(settings: Any, statuses: list[int]) -> None:
+    """A task whose profile falls back to another: whatever its provider answers, request by request (an
+    outage, a rate limit, a refusal), its cost is each answered request at the price of the profile that
+    answered it, counted once, and the tree's total is its own."""
+    from tests.model_server import USAGE, ModelServer, Turn, call
+    from workers.runtime.runner import run_child
+
+    turns = [Turn(calls=[call("update_todo_list", todos=f"[-] step {i}")]) for i in range(2)] + [Turn(text="done")]
+    prices = {"main": Price(input_per_mtok=3, output_per_mtok=15), "backup": Price(input_per_mtok=1, output_per_mtok=2)}  # type: ignore[arg-type]
+    with ModelServer(turns) as primary, ModelServer(turns) as backup:
+        primary.script(statuses)
+        profiles = {
+            "main": Profile(model="openai:m", base_url=primary.base_url, api_key=primary.key, price=prices["main"],
+                            fallback_profiles=["backup"], model_retry_for_s=60),
+            "backup": Profile(model="openai:b", base_url=backup.base_url, api_key=backup.key, price=prices["backup"]),
+        }  # type: ignore[arg-type]  # fmt: skip
+        local = settings.model_copy(update={"queue": "subq-nobody", "key_prefix": "subqpropfb", "profiles": profiles})
+        coord = Coordinator(local)
+        task = coord.create_task("Take three steps.", profile="main", run=True)
+        result = run_child(build_runtime(local, make_app(local)), task.id)
+        record = coord.get_task(task.id)
+        coord.close()
+        answered = {"main": len(primary.answered()), "backup": len(backup.answered())}
+    assert result.status == "completed", record.error
+    prompt, completion = USAGE
+    expected = sum(
+        n * (prompt * prices[p].input_per_mtok + completion * prices[p].output_per_mtok) for p, n in answered.items()
+    )
+    assert record.requests == sum(answered.values()) == len(turns)
+    assert record.cost_micros == record.total_cost_micros == int(expected)

@@ -10,15 +10,18 @@ recorded, not a timer around the test. The outage test runs a real `celery worke
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.celery_app import make_app
+from coordinator.endpoints import Gate
 from coordinator.settings import Price, Profile
 from tests.conftest import dedicated_fleet
 from tests.helpers import eventually
@@ -230,3 +233,104 @@ def test_an_outage_is_waited_out_without_holding_the_worker(
 def _live_state(coord: Coordinator, task_id: str) -> str | None:
     live = coord.snapshot(task_id).get(task_id)
     return None if live is None else live.state
+
+
+# -- the fleet's one view of an endpoint (real Redis) -------------------------------------------
+
+
+def test_an_endpoint_is_down_for_the_whole_fleet_and_one_probe_decides_when_it_is_back(
+    idle_coordinator: Coordinator,
+) -> None:
+    store = idle_coordinator.store.endpoints
+
+    def gate(*args: object) -> Gate:
+        return Gate(*store.gate(*args))  # type: ignore[arg-type]
+
+    def mark(*args: object, **kwargs: object) -> Gate:
+        return Gate(*store.failed(*args, **kwargs))  # type: ignore[arg-type]
+
+    endpoint = f"10.0.0.1:{time.time_ns() % 60000}"
+    backoff: dict[str, Any] = {"base_ms": 50, "cap_ms": 400, "jitter": 0.0, "asked_ms": None, "keep_ms": 60_000}
+    assert gate(endpoint, "run-a", 10_000, 1000) == (0, 0, ""), "an endpoint nobody saw fail is up"
+
+    first = mark(endpoint, "HTTP 503 server_error: down", **backoff)
+    assert (first.failures, 25 <= first.wait_ms <= 50) == (1, True), first
+    # The requests in flight as it went down fail too: they do not count again, nor shorten the wait.
+    again = mark(endpoint, "HTTP 503 server_error: down", **backoff)
+    assert again.failures == 1 and again.wait_ms <= first.wait_ms
+    waiting = gate(endpoint, "run-b", 10_000, 1000)
+    assert waiting.wait_ms > 0 and waiting.error == "HTTP 503 server_error: down", "every run waits, none sends"
+
+    time.sleep(first.wait_ms / 1000 + 0.02)
+    assert gate(endpoint, "run-a", 10_000, 1000).wait_ms == 0, "the first to ask once it is due probes"
+    held = gate(endpoint, "run-b", 10_000, 1000)
+    assert 0 < held.wait_ms <= 1000, "the others wait for the probe's answer"
+    assert gate(endpoint, "run-a", 10_000, 1000).wait_ms == 0, "the probe may send again"
+    probe_failed = mark(endpoint, "HTTP 503 server_error: still down", **backoff)
+    assert probe_failed.failures == 2 and probe_failed.wait_ms >= 50, "a failed probe backs off further"
+
+    for _ in range(6):  # the backoff is capped
+        time.sleep(gate(endpoint, "run-a", 10_000, 1000).wait_ms / 1000 + 0.01)
+        gate(endpoint, "run-a", 10_000, 1000)
+        capped = mark(endpoint, "HTTP 503 server_error: still down", **backoff)
+    assert capped.failures == 8 and capped.wait_ms <= 400
+    asked = mark(endpoint, "HTTP 429", **{**backoff, "asked_ms": 4000})
+    assert asked.wait_ms >= 4000, "a Retry-After longer than the backoff is honoured"
+
+    parked = idle_coordinator.create_task("parked while its provider is down")
+    timer = f"provider-wait:{parked.id}"
+    store.park(endpoint, parked.id, timer, time.time() + 3600, 1234, 60)
+    assert store.wait_since_ms(parked.id) == 1234, "its first wait is kept on the task, across runs"
+    assert timer not in idle_coordinator.store.convergence.due_timers(100)
+    woken = store.recovered(endpoint)
+    assert woken == [parked.id] and store.state(endpoint) == {}, "a success clears it, and finds who waits"
+    store.wake_now([f"provider-wait:{task_id}" for task_id in woken])
+    assert timer in idle_coordinator.store.convergence.due_timers(100), "woken now, not at its timer's time"
+    assert store.recovered(endpoint) == [], "once"
+    idle_coordinator.store.convergence.remove_timers([timer])
+
+
+@pytest.mark.parametrize(
+    ("profiles", "error"),
+    [
+        (
+            {"main": {"fallback_profiles": ["nope"]}},
+            "SUBQ_PROFILES: profile 'main': fallback_profiles names 'nope', which is not a profile (known: main, offline)",
+        ),
+        (
+            {"main": {"fallback_profiles": ["b"]}, "b": {"fallback_profiles": ["c"]}, "c": {"fallback_profiles": ["main"]}},
+            "SUBQ_PROFILES: profile 'main': fallback_profiles go round in a cycle (main -> b -> c -> main)",
+        ),
+        ({"main": {"fallback_profiles": ["main"]}}, "profile 'main': fallback_profiles go round in a cycle (main -> main)"),
+        ({"main": {"model_retry_for_s": -1}}, "SUBQ_PROFILES (main.model_retry_for_s): Input should be greater than or equal to 0"),
+    ],
+    ids=["unknown", "cycle", "itself", "negative"],
+)  # fmt: skip
+def test_a_bad_fallback_or_retry_time_is_one_line_naming_the_profile_and_field(
+    profiles: dict[str, object], error: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from coordinator import ConfigError
+    from coordinator.settings import load_settings
+
+    monkeypatch.setenv("SUBQ_PROFILES", json.dumps(profiles))
+    with pytest.raises(ConfigError) as caught:
+        load_settings()
+    assert error in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_chain_lists_each_fallback_after_its_profile_once(tmp_path: Path) -> None:
+    file = tmp_path / "profiles.toml"
+    file.write_text(
+        '[profiles.main]\nfallback_profiles = ["b", "c"]\n[profiles.b]\nfallback_profiles = ["c"]\n[profiles.c]\n'
+    )
+    from coordinator.settings import load_settings
+
+    loaded = load_settings(profiles_file=file)
+    assert loaded.fallback_chain("main") == ["main", "b", "c"] and loaded.fallback_chain("c") == ["c"]
+    file.write_text('[profiles.main]\nfallback_profiles = ["gone"]\n')
+    from coordinator import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=rf"SUBQ_PROFILES_FILE: {file}: profile 'main': fallback_profiles names 'gone'"
+    ):
+        load_settings(profiles_file=file)

@@ -8,44 +8,37 @@ this part reads and writes them atomically: `endpoint_gate.lua` before a request
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
-
 from coordinator.ids import root_of
 from coordinator.store.base import Part, ScriptArg, _str_map, _strs, translate_redis_errors
 from coordinator.store.fields import TaskField
 
-__all__ = ["EndpointStore", "Gate"]
+__all__ = ["EndpointStore"]
 
-
-class Gate(NamedTuple):
-    """What the fleet knows of an endpoint: the ms to wait before sending (0: send now), the
-    failures in a row, the last error line ('' while it is up)."""
-
-    wait_ms: int
-    failures: int
-    error: str
+# What the fleet knows of an endpoint (coordinator/endpoints.py's `Gate`): the ms to wait before
+# sending (0: send now), the failures in a row, the last error line ('' while it is up).
+GateReply = tuple[int, int, str]
 
 
 class EndpointStore(Part):
     """One hash per endpoint (`keys.endpoint`), the runs parked on it, and a parked task's first wait."""
 
     @translate_redis_errors
-    def gate(self, endpoint: str, token: str, probe_lease_ms: int, recheck_ms: int) -> Gate:
+    def gate(self, endpoint: str, token: str, probe_lease_ms: int, recheck_ms: int) -> GateReply:
         """Whether a request to `endpoint` may go now; the run `token` becomes its probe if it is due one."""
         args: list[ScriptArg] = [_now_ms(), token, probe_lease_ms, recheck_ms]
         wait_ms, failures, error = self.scripts.endpoint_gate(keys=[self.keys.endpoint(endpoint)], args=args)
-        return Gate(int(wait_ms), int(failures), str(error))
+        return int(wait_ms), int(failures), str(error)
 
     @translate_redis_errors
     def failed(
         self, endpoint: str, error: str, *, base_ms: int, cap_ms: int, jitter: float, asked_ms: int | None, keep_ms: int
-    ) -> Gate:
+    ) -> GateReply:
         """Mark `endpoint` down after a transient error; the wait before it may be tried again."""
         args: list[ScriptArg] = [
             _now_ms(), base_ms, cap_ms, jitter, -1 if asked_ms is None else asked_ms, error, keep_ms,
         ]  # fmt: skip
         wait_ms, failures = self.scripts.endpoint_failed(keys=[self.keys.endpoint(endpoint)], args=args)
-        return Gate(int(wait_ms), int(failures), error)
+        return int(wait_ms), int(failures), error
 
     @translate_redis_errors
     def recovered(self, endpoint: str) -> list[str]:

@@ -68,8 +68,7 @@ from pydantic_ai.providers.openai import OpenAIProvider
 from pydantic_ai.settings import ModelSettings
 
 from coordinator import OFFLINE_PROFILE, STANDARD_KEYS, Profile, ProfileError, Settings
-from coordinator.endpoints import Gate
-from coordinator.runs import Released
+from coordinator.runs import Gate, Released
 from workers.runtime.offline import OfflineModel
 
 __all__ = [
