@@ -20,7 +20,9 @@ from typing import Any
 
 import pytest
 
-from coordinator import ConfigError, Profile, RunCommand, Settings, load_settings
+from coordinator import ConfigError, Profile, RunCommand, Settings, TaskStatus, load_settings
+from tests.agents import agent, call, reply
+from tests.conftest import dedicated_fleet
 from tests.helpers import assert_worker_refuses, subq_tools
 from workers.runtime import commands
 from workers.runtime.sandbox import NEEDS, Sandbox, SandboxUnavailable, probe
@@ -218,3 +220,40 @@ def test_hidden_paths_must_be_absolute() -> None:
     with pytest.raises(ConfigError, match="^Invalid setting SUBQ_SANDBOX_HIDDEN_PATHS: every path must be absolute$"):
         load_settings(sandbox_hidden_paths="relative/secrets:/abs")
     assert load_settings(sandbox_hidden_paths="/a:/b").sandbox_hidden_paths == [Path("/a"), Path("/b")]
+
+
+def test_a_workers_commands_run_confined_under_an_allow_everything_policy(
+    settings: Settings, tmp_path: Path, listener: tuple[int, list[object]]
+) -> None:
+    """The acceptance run: a real worker, a profile that allows every command, and what the sandbox still stops."""
+    port, accepted = listener
+    work = tmp_path / "work"
+    work.mkdir()
+    secret = tmp_path / "profiles-secret.toml"  # as the worker's own settings file would be
+    secret.write_text("api_key = 'sk-do-not-read'\n")
+    outside = Path(tempfile.mkdtemp(prefix="subq-outside-", dir="/var/tmp"))
+    anything = Profile(run_command=RunCommand(cwd=work), approval_tools=[])  # no rule, no decision: all runs
+    own = settings.model_copy(
+        update={"profiles": {**settings.profiles, "anything": anything}, "sandbox_hidden_paths": [secret]}
+    )
+    commands_run = [
+        "sh -c 'echo made > inside.txt'",
+        f"touch {outside / 'escaped'}",
+        f"cat {secret}",
+        CONNECT.format(port=port),
+    ]
+    steps = [call("run_command", command=command) for command in commands_run]
+    try:
+        with dedicated_fleet(own, tmp_path / "logs", 1, queue="subq-sandbox") as (coord, _fleet):
+            task = coord.create_task(agent(*steps, reply("tried")), profile="anything", run=True)
+            assert coord.wait(task.id, 90).status == TaskStatus.COMPLETED
+            returns = [p["content"] for m in coord.messages(task.id, kind="api") for p in m["parts"]
+                       if p.get("part_kind") == "tool-return"]  # fmt: skip
+    finally:
+        escaped = (outside / "escaped").exists()
+        shutil.rmtree(outside)
+    wrote, touched, read, connected = returns
+    assert wrote == "exit 0\n" and (work / "inside.txt").read_text() == "made\n", "it writes in its cwd"
+    assert touched.startswith("exit 1\n") and "Read-only file system" in touched and not escaped
+    assert "sk-do-not-read" not in read, "the hidden file cannot be read"
+    assert connected.startswith("exit 1\n") and "ConnectionRefusedError" in connected and accepted == []

@@ -45,7 +45,8 @@ def settings_env(settings: Settings) -> dict[str, str]:
         if isinstance(value, SecretStr):
             value = value.get_secret_value()
         # pydantic-settings reads complex values (dicts, lists) from the environment as JSON.
-        env[f"SUBQ_{name.upper()}"] = json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+        # default=str: paths in a list (SUBQ_SANDBOX_HIDDEN_PATHS, which `subq up` sets) as their text.
+        env[f"SUBQ_{name.upper()}"] = json.dumps(value, default=str) if isinstance(value, (dict, list)) else str(value)
     if settings.profiles:
         env["SUBQ_PROFILES"] = _profiles_json(settings)
     return env
