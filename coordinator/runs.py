@@ -425,7 +425,7 @@ class Run:
         path costs nothing), and a run that had given its worker back to wait forgets when its wait began."""
         if was_down:
             endpoints.recovered(self._plane, endpoint)
-        if self._provider_wait_since_ms:
+        if self._provider_wait_since_ms != 0:  # unknown (a run woken from a park may not have read it) or set
             self._plane.store.endpoints.clear_wait_since(self.task.id)
         self._provider_wait_since_ms = 0
 

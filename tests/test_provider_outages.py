@@ -334,3 +334,60 @@ def test_a_chain_lists_each_fallback_after_its_profile_once(tmp_path: Path) -> N
         ConfigError, match=rf"SUBQ_PROFILES_FILE: {file}: profile 'main': fallback_profiles names 'gone'"
     ):
         load_settings(profiles_file=file)
+
+
+# -- a parked run: saved, its worker given back, woken, and stopped while it waits ----------------
+
+
+@pytest.mark.parametrize("then", ["wake", "cancel"])
+def test_a_long_wait_parks_the_run_on_a_timer_and_the_task_goes_on_or_stops_from_there(
+    settings: Settings, primary: ModelServer, then: str
+) -> None:
+    from coordinator import endpoints
+
+    local = in_process(settings, {"main": profile(primary.base_url, primary.key, model_retry_for_s=120)}, f"park{then}")
+    coord = Coordinator(local)
+    coord.client.delete("subq-nobody")
+    # Longer than a run waits inside itself: the run gives its worker back at once.
+    primary.fail(503, times=1, headers={"Retry-After": "30"})
+    task = coord.create_task("Look and report.", profile="main", run=True)
+    runtime = build_runtime(local, make_app(local))
+
+    parked = run_child(runtime, task.id)
+
+    assert parked.status == "queued", "to Celery the run is queued again, with a delay"
+    timer = endpoints.timer(task.id)
+    due = dict(coord.client.zrange(coord.store.keys.timers(), 0, -1, withscores=True))
+    assert 25 < due[timer] - time.time() <= 30, "woken when the endpoint may be tried"
+    assert task.id not in coord.store.convergence.watched(), "no lost run for the reconciler to publish"
+    assert not coord.store.convergence.triage([task.id])[0].leased, "the worker is given back"
+    assert _live_state(coord, task.id) == "waiting_provider"
+    record = coord.get_task(task.id)
+    assert record.status == TaskStatus.ACTIVE and record.timeline is not None
+    assert record.timeline.m[-1][1] == "wait:provider"
+    assert coord.store.endpoints.wait_since_ms(task.id) is not None
+    assert len(coord.messages(task.id, kind="api")) == 1, "its request is kept for the run that goes on"
+    queued_before = coord.client.llen("subq-nobody")
+
+    if then == "cancel":
+        coord.cancel(task.id, "not needed any more")
+        endpoints.wake(coord.plane, task.id)  # its timer comes due
+        assert coord.client.llen("subq-nobody") == queued_before, "a stopped task is not run again"
+        assert coord.get_task(task.id).status == TaskStatus.CANCELLED
+    else:
+        # Another run's probe finds the endpoint back: the parked run's timer comes due now, not in 30 s.
+        endpoints.recovered(coord.plane, f"127.0.0.1:{primary.port}")
+        assert timer in coord.store.convergence.due_timers(1000)
+        endpoints.wake(coord.plane, task.id)  # the reconciler serves it
+        assert coord.client.llen("subq-nobody") == queued_before + 1, "its run is published again"
+        assert task.id in coord.store.convergence.watched(), "watched again, should that message be lost"
+        done = run_child(runtime, task.id)  # the worker that takes the message
+        assert done.status == "completed" and done.summary == "all done"
+        assert [s.status for s in primary.seen] == [503, 200, 200]
+        assert coord.store.endpoints.wait_since_ms(task.id) is None, "its wait is over"
+        record = coord.get_task(task.id)
+        assert record.requests == 2 and record.times is not None
+        assert record.times.wait_by_reason_ms.get("provider", 0) > 0
+    coord.client.delete("subq-nobody")
+    coord.store.convergence.remove_timers([timer])
+    coord.close()
