@@ -90,12 +90,16 @@ class AuditSink(Protocol):
     def add(self, actor: Actor, action: Action, target: str, *, reason: str = "", detail: str = "") -> None: ...
 
 
-# A detail is for reading at a glance, not a copy of the input.
+# A detail is for reading at a glance, not a copy of the input; a target is an id or a request's
+# path, which a caller chooses: both are cut, so no request writes more than a line to the log.
 MAX_DETAIL_CHARS = 500
+MAX_TARGET_CHARS = 300
 
 
 def record(sink: AuditSink, actor: Actor, action: Action, target: str, *, reason: str = "", detail: str = "") -> None:
     """Put one step on record (the entry and, for a refusal, its reason's counter, in one transaction)."""
     if len(detail) > MAX_DETAIL_CHARS:
         detail = detail[:MAX_DETAIL_CHARS] + "…"
+    if len(target) > MAX_TARGET_CHARS:
+        target = target[:MAX_TARGET_CHARS] + "…"
     sink.add(actor, action, target, reason=reason, detail=detail)

@@ -740,3 +740,20 @@ def test_subq_up_hands_the_keys_to_the_api_it_starts(tmp_path: Path, monkeypatch
             monkeypatch.setenv(name, value)
     started = load_settings()
     assert started.api_keys == given.api_keys and started.api_keys_file == keys_file
+
+
+def test_refusals_on_record_are_bounded(sec_coord: Coordinator) -> None:
+    """A caller chooses a refused request's path and how many it sends: neither can fill the log."""
+    root = sec_coord.create_task("Bounded", run=False).id
+    with _server(sec_coord, api_auth_attempts_per_min=3) as api, httpx.Client(base_url=api.url) as http:
+        long_path = "/v1/tasks/" + "x" * 5000
+        assert http.get(long_path).status_code == 401
+        [entry] = sec_coord.audit(1)[0]
+        assert (entry.reason, entry.actor) == ("missing_token", "") and len(entry.target) < 400
+        assert entry.target.startswith(f"GET {long_path[:100]}") and entry.target.endswith("…")
+        # Cookie-less web requests count as sign-in attempts: past the limit a 429, not on record.
+        fragment = f"/ui/tasks/{root}/fragment"
+        codes = [http.get(fragment).status_code for _ in range(3)]
+        assert codes == [401, 401, 429]
+        newest = sec_coord.audit(3)[0]
+        assert [e.reason for e in newest] == ["not_signed_in", "not_signed_in", "missing_token"]

@@ -113,12 +113,18 @@ def _router(coord: Coordinator, auth: WebAuth, auth_attempts: RateLimiter) -> AP
         return RedirectResponse(f"{WEB_PATH}/login?{urlencode({'next': target})}", status_code=303)
 
     def signed_in(request: Request) -> Principal:
-        """For fragments, streams and actions: the session's key, or a JSON 401 on record (pages redirect)."""
+        """For fragments, streams and actions: the session's key, or a JSON 401 on record (pages redirect).
+
+        A refusal counts against the address's sign-in attempts, as a missing bearer token does: past
+        the limit it is a 429, not recorded, so a flood of cookie-less requests cannot fill the log."""
         key = auth.principal(request)
         if key is None:
-            actor = Actor("", client_address(request.scope), "web")
+            address = client_address(request.scope)
+            if wait_s := auth_attempts.wait_s(address):
+                raise too_many_attempts(auth_attempts, wait_s)
+            auth_attempts.take(address)
             target = f"{request.method} {request.url.path}"
-            coord.record(actor, "refused", target, reason="not_signed_in")
+            coord.record(Actor("", address, "web"), "refused", target, reason="not_signed_in")
             raise HttpError(401, UNAUTHORIZED, "Not signed in to the web view: sign in at /ui/login", field=COOKIE)
         return key
 
