@@ -15,104 +15,125 @@ This surface, `coordinator.runs` (the run-lifecycle seam) and
 worker package imports.
 """
 
+# ruff: noqa: I001 (isort would split the `X as X` imports below into one statement per name)
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from coordinator.deadletters import dead_letter
+    # For type checkers only (`X as X`: re-exported); at run time `__getattr__` imports each on first use.
+    from coordinator.deadletters import (
+        dead_letter as dead_letter,
+    )
     from coordinator.errors import (
-        BrokerError,
-        ConfigError,
-        ConflictError,
-        CorruptError,
-        NotFoundError,
-        ProfileError,
-        ScriptError,
-        StateError,
-        StoreError,
-        SubqError,
-        TodoError,
-        ValidationError,
-        WaitTimeout,
+        BrokerError as BrokerError,
+        ConfigError as ConfigError,
+        ConflictError as ConflictError,
+        CorruptError as CorruptError,
+        NotFoundError as NotFoundError,
+        ProfileError as ProfileError,
+        ScriptError as ScriptError,
+        StateError as StateError,
+        StoreError as StoreError,
+        SubqError as SubqError,
+        TodoError as TodoError,
+        ValidationError as ValidationError,
+        WaitTimeout as WaitTimeout,
     )
-    from coordinator.ids import is_batch_id, is_task_id, task_of_run_id
-    from coordinator.inputs import SubmitInput, one_line
+    from coordinator.ids import (
+        is_batch_id as is_batch_id,
+        is_task_id as is_task_id,
+        task_of_run_id as task_of_run_id,
+    )
+    from coordinator.inputs import (
+        SubmitInput as SubmitInput,
+        one_line as one_line,
+    )
     from coordinator.models import (
-        Batch,
-        SubtaskResult,
-        SubtaskSpec,
-        TaskRecord,
-        TaskStatus,
-        TodoItem,
-        TodoStatus,
-        Usage,
-        format_usd,
-        usd_to_micros,
+        Batch as Batch,
+        SubtaskResult as SubtaskResult,
+        SubtaskSpec as SubtaskSpec,
+        TaskRecord as TaskRecord,
+        TaskStatus as TaskStatus,
+        TodoItem as TodoItem,
+        TodoStatus as TodoStatus,
+        Usage as Usage,
+        format_usd as format_usd,
+        usd_to_micros as usd_to_micros,
     )
-    from coordinator.redis_clients import redis_client
-    from coordinator.service import Coordinator
-    from coordinator.settings import OFFLINE_PROFILE, STANDARD_KEYS, Price, Profile, RunCommand, Settings, load_settings
-    from coordinator.todos import IgnoredLine, ignored_lines, parse_markdown, render_markdown
-    from coordinator.tracing import current_trace_id
+    from coordinator.redis_clients import (
+        redis_client as redis_client,
+    )
+    from coordinator.service import (
+        Coordinator as Coordinator,
+    )
+    from coordinator.settings import (
+        OFFLINE_PROFILE as OFFLINE_PROFILE,
+        STANDARD_KEYS as STANDARD_KEYS,
+        McpServer as McpServer,
+        Price as Price,
+        Profile as Profile,
+        RunCommand as RunCommand,
+        Settings as Settings,
+        load_settings as load_settings,
+    )
+    from coordinator.todos import (
+        IgnoredLine as IgnoredLine,
+        ignored_lines as ignored_lines,
+        parse_markdown as parse_markdown,
+        render_markdown as render_markdown,
+    )
+    from coordinator.tracing import (
+        current_trace_id as current_trace_id,
+    )
 
-# name -> the module that defines it
+# The public surface, each name with the module that defines it: the one list of it (`__all__` too).
 _EXPORTS = {
-    **dict.fromkeys(
-        (
-            "BrokerError",
-            "ConfigError",
-            "ConflictError",
-            "CorruptError",
-            "NotFoundError",
-            "ProfileError",
-            "RunCommand",
-            "ScriptError",
-            "StateError",
-            "StoreError",
-            "SubqError",
-            "TodoError",
-            "ValidationError",
-            "WaitTimeout",
-        ),
-        "coordinator.errors",
-    ),
-    **dict.fromkeys(
-        (
-            "Batch",
-            "SubtaskResult",
-            "SubtaskSpec",
-            "TaskRecord",
-            "TaskStatus",
-            "TodoItem",
-            "TodoStatus",
-            "Usage",
-            "format_usd",
-            "usd_to_micros",
-        ),
-        "coordinator.models",
-    ),
+    "dead_letter": "coordinator.deadletters",
+    "BrokerError": "coordinator.errors",
+    "ConfigError": "coordinator.errors",
+    "ConflictError": "coordinator.errors",
+    "CorruptError": "coordinator.errors",
+    "NotFoundError": "coordinator.errors",
+    "ProfileError": "coordinator.errors",
+    "ScriptError": "coordinator.errors",
+    "StateError": "coordinator.errors",
+    "StoreError": "coordinator.errors",
+    "SubqError": "coordinator.errors",
+    "TodoError": "coordinator.errors",
+    "ValidationError": "coordinator.errors",
+    "WaitTimeout": "coordinator.errors",
+    "is_batch_id": "coordinator.ids",
+    "is_task_id": "coordinator.ids",
+    "task_of_run_id": "coordinator.ids",
+    "SubmitInput": "coordinator.inputs",
+    "one_line": "coordinator.inputs",
+    "Batch": "coordinator.models",
+    "SubtaskResult": "coordinator.models",
+    "SubtaskSpec": "coordinator.models",
+    "TaskRecord": "coordinator.models",
+    "TaskStatus": "coordinator.models",
+    "TodoItem": "coordinator.models",
+    "TodoStatus": "coordinator.models",
+    "Usage": "coordinator.models",
+    "format_usd": "coordinator.models",
+    "usd_to_micros": "coordinator.models",
+    "redis_client": "coordinator.redis_clients",
     "Coordinator": "coordinator.service",
     "OFFLINE_PROFILE": "coordinator.settings",
     "STANDARD_KEYS": "coordinator.settings",
+    "McpServer": "coordinator.settings",
     "Price": "coordinator.settings",
     "Profile": "coordinator.settings",
     "RunCommand": "coordinator.settings",
     "Settings": "coordinator.settings",
     "load_settings": "coordinator.settings",
-    "is_task_id": "coordinator.ids",
-    "is_batch_id": "coordinator.ids",
-    "task_of_run_id": "coordinator.ids",
-    "dead_letter": "coordinator.deadletters",
-    "one_line": "coordinator.inputs",
-    "SubmitInput": "coordinator.inputs",
-    "render_markdown": "coordinator.todos",
-    "parse_markdown": "coordinator.todos",
-    "ignored_lines": "coordinator.todos",
     "IgnoredLine": "coordinator.todos",
+    "ignored_lines": "coordinator.todos",
+    "parse_markdown": "coordinator.todos",
+    "render_markdown": "coordinator.todos",
     "current_trace_id": "coordinator.tracing",
-    "redis_client": "coordinator.redis_clients",
 }
 
 # The top-level modules of the `server` extra (pyproject.toml) that subq imports and a client-only
@@ -138,51 +159,7 @@ def missing_server_module(exc: ImportError) -> str | None:
     return top if isinstance(exc, ModuleNotFoundError) and top in SERVER_MODULES else None
 
 
-__all__ = [
-    "OFFLINE_PROFILE",
-    "STANDARD_KEYS",
-    "Batch",
-    "BrokerError",
-    "ConfigError",
-    "ConflictError",
-    "Coordinator",
-    "CorruptError",
-    "IgnoredLine",
-    "NotFoundError",
-    "Price",
-    "Profile",
-    "ProfileError",
-    "RunCommand",
-    "ScriptError",
-    "Settings",
-    "StateError",
-    "StoreError",
-    "SubmitInput",
-    "SubqError",
-    "SubtaskResult",
-    "SubtaskSpec",
-    "TaskRecord",
-    "TaskStatus",
-    "TodoError",
-    "TodoItem",
-    "TodoStatus",
-    "Usage",
-    "ValidationError",
-    "WaitTimeout",
-    "current_trace_id",
-    "dead_letter",
-    "format_usd",
-    "ignored_lines",
-    "is_batch_id",
-    "is_task_id",
-    "load_settings",
-    "one_line",
-    "parse_markdown",
-    "redis_client",
-    "render_markdown",
-    "task_of_run_id",
-    "usd_to_micros",
-]
+__all__ = [*_EXPORTS]
 
 
 def __getattr__(name: str) -> Any:

@@ -41,14 +41,14 @@ from collections.abc import Coroutine, Mapping
 from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TextIO, TypeVar
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from pydantic_ai import RunContext
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.toolsets import AbstractToolset
 from pydantic_ai.toolsets.abstract import ToolsetTool
 
-from coordinator import ConfigError, Profile, one_line
+from coordinator import ConfigError, McpServer, Profile, one_line
 from workers.runtime.approval_policy import Verdict, verdict
 from workers.runtime.sandbox import Sandbox
 from workers.runtime.tools import CallFailed
@@ -86,47 +86,18 @@ STOP_S = 10.0
 CONNECTION_CLOSED = -32000
 
 
-class McpServerConfig(Protocol):
-    """What this module reads of a profile's `McpServer` (coordinator/settings.py)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def command(self) -> str | None: ...
-    @property
-    def args(self) -> list[str]: ...
-    @property
-    def env(self) -> dict[str, str]: ...
-    @property
-    def cwd(self) -> Path | None: ...
-    @property
-    def url(self) -> str | None: ...
-    @property
-    def headers(self) -> dict[str, str]: ...
-    @property
-    def prefix(self) -> str | None: ...
-    @property
-    def timeout_s(self) -> float: ...
-    @property
-    def sandbox(self) -> bool: ...
-    @property
-    def writable(self) -> list[Path]: ...
-    @property
-    def network(self) -> bool: ...
-
-
-def source_of(server: McpServerConfig) -> str:
+def source_of(server: McpServer) -> str:
     """Where a server's tools come from, as `subq tools` shows it."""
     return f"mcp:{server.name}"
 
 
-def _fail(profile: str, server: McpServerConfig, why: str) -> ConfigError:
+def _fail(profile: str, server: McpServer, why: str) -> ConfigError:
     return ConfigError(f"Invalid profile {profile!r}: mcp_servers entry {server.name!r}: {why}", field="profile")
 
 
 def resolve_secrets(
     profile: str,
-    server: McpServerConfig,
+    server: McpServer,
     values: Mapping[str, str],
     what: str,
     environ: Mapping[str, str] | None = None,
@@ -146,7 +117,7 @@ def resolve_secrets(
     return resolved
 
 
-def _build(profile: str, server: McpServerConfig, hidden: Sandbox) -> MCPToolset[Any]:
+def _build(profile: str, server: McpServer, hidden: Sandbox) -> MCPToolset[Any]:
     """A fresh pydantic-ai toolset for the server (not started): one per start of its process; a sandboxed
     one never sees what `hidden` names."""
     from fastmcp.client.transports import StdioTransport
@@ -200,7 +171,7 @@ def _leaf(exc: BaseException) -> BaseException:
     return exc
 
 
-def _why_not_started(server: McpServerConfig, exc: BaseException) -> str:
+def _why_not_started(server: McpServer, exc: BaseException) -> str:
     exc = _leaf(exc)
     cause = exc.__cause__
     if isinstance(exc, OSError) or isinstance(cause, OSError):
@@ -241,7 +212,7 @@ def _definition(tool: Any) -> ToolDefinition:
     )
 
 
-async def _list_once(profile: str, server: McpServerConfig, hidden: Sandbox) -> dict[str, ToolDefinition]:
+async def _list_once(profile: str, server: McpServer, hidden: Sandbox) -> dict[str, ToolDefinition]:
     toolset = _build(profile, server, hidden)
     try:
         await asyncio.wait_for(toolset.__aenter__(), server.timeout_s + STOP_S)
@@ -278,7 +249,7 @@ _checked: dict[tuple[str, str], dict[str, ToolDefinition]] = {}
 _checked_lock = threading.Lock()
 
 
-def checked_tools(profile: str, server: McpServerConfig, hidden: Sandbox | None = None) -> dict[str, ToolDefinition]:
+def checked_tools(profile: str, server: McpServer, hidden: Sandbox | None = None) -> dict[str, ToolDefinition]:
     """The server's tools (unprefixed names): started, listed within its `timeout_s`, stopped.
 
     Once per process for each profile's server (a worker's start lists them; its runs
@@ -334,9 +305,7 @@ class SharedServer(AbstractToolset[Any]):
     server has a prefix, else under their own names.
     """
 
-    def __init__(
-        self, profile: str, server: McpServerConfig, checked: dict[str, ToolDefinition], hidden: Sandbox
-    ) -> None:
+    def __init__(self, profile: str, server: McpServer, checked: dict[str, ToolDefinition], hidden: Sandbox) -> None:
         self.profile = profile
         self.server = server
         self._hidden = hidden  # what the server never sees, when it runs in the sandbox
@@ -536,7 +505,7 @@ _shared_lock = threading.Lock()
 
 
 def shared_server(
-    profile: str, server: McpServerConfig, checked: dict[str, ToolDefinition], hidden: Sandbox | None = None
+    profile: str, server: McpServer, checked: dict[str, ToolDefinition], hidden: Sandbox | None = None
 ) -> SharedServer:
     """The process's one `SharedServer` for a profile's server."""
     key = (os.getpid(), profile, repr(server))

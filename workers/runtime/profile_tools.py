@@ -47,7 +47,16 @@ from pydantic_ai import ApprovalRequired, CallDeferred, ModelRetry, RunContext, 
 from pydantic_ai.toolsets import AbstractToolset, CombinedToolset, FunctionToolset, WrapperToolset
 from pydantic_ai.toolsets.abstract import ToolsetTool
 
-from coordinator import ConfigError, Profile, ProfileError, Settings, load_settings, one_line, usd_to_micros
+from coordinator import (
+    ConfigError,
+    McpServer,
+    Profile,
+    ProfileError,
+    Settings,
+    load_settings,
+    one_line,
+    usd_to_micros,
+)
 from coordinator.runs import Run
 from coordinator.tracing import span
 from workers import observe
@@ -348,7 +357,7 @@ def _offered(name: str, allowed: list[str] | None, disallowed: list[str]) -> boo
 
 
 def _mcp_server(
-    profile: str, server: mcp_servers.McpServerConfig, sources: dict[str, str], hidden: sandbox.Sandbox
+    profile: str, server: McpServer, sources: dict[str, str], hidden: sandbox.Sandbox
 ) -> AbstractToolset[Any]:
     """A profile's MCP server: listed by the check (started, listed, stopped), its names added to
     `sources` (`mcp:<name>`); the process's one shared server, started by the first run that uses it."""
