@@ -24,7 +24,7 @@ from coordinator.models import TaskRecord, format_usd
 if TYPE_CHECKING:
     from coordinator.plane import Plane
 
-__all__ = ["check_within", "exhausted", "left_over", "stop", "to_micros"]
+__all__ = ["check_within", "left_over", "stop", "to_micros"]
 
 
 def left_over(plane: Plane, parent: TaskRecord) -> int | None:
@@ -46,11 +46,6 @@ def check_within(remaining_micros: int | None, child_budgets_micros: Sequence[in
                 f"({format_usd(remaining_micros)})",
                 field=field,
             )
-
-
-def exhausted(plane: Plane, task: TaskRecord) -> str | None:
-    """The task or ancestor nearest the root whose budget its subtree has reached, if any."""
-    return plane.store.runs.budget_exhausted(task.id, task.ancestors)
 
 
 def stop(plane: Plane, holder_id: str) -> None:

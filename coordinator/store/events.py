@@ -29,14 +29,6 @@ class EventStore(Part):
         newest: Any = self.client.xrevrange(self.keys.events(root_id), count=1)
         return str(newest[0][0]) if newest else "0-0"
 
-    @translate_redis_errors
-    def wait_for_event(self, root_id: str, after_id: str, block_ms: int) -> str:
-        """Block until the tree's stream has an entry after `after_id`; returns the newest id seen."""
-        reply: Any = self.client.xread({self.keys.events(root_id): after_id}, block=block_ms)
-        if not reply:
-            return after_id
-        return str(reply[0][1][-1][0])
-
     def wait_for_event_of(self, task_id: str, root_id: str, after_id: str, until_s: float) -> str:
         """Read the tree's stream until an event that may settle `task_id`, or until `until_s`
         (monotonic); returns the last id read.

@@ -248,14 +248,6 @@ class RecordStore(Part):
         return messages
 
     @translate_redis_errors
-    def append_ui_message(self, task_id: str, message: dict[str, Any]) -> None:
-        key = self.keys.ui_messages(root_of(task_id), task_id)
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.rpush(key, json.dumps(message))
-            pipe.expire(key, self.retention_s)
-            pipe.execute()
-
-    @translate_redis_errors
     def append_conversation(self, task_id: str, entries: Sequence[str], lease_token: str | None = None) -> bool:
         """Append model messages (one JSON entry each) to the task's conversation, atomically.
 

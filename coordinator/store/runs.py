@@ -290,21 +290,6 @@ class RunStore(Part):
         recorded, exhausted = self.scripts.record_usage(keys=keys, args=args)
         return int(recorded), (str(exhausted) or None)
 
-    @translate_redis_errors
-    def budget_exhausted(self, task_id: str, ancestors: Sequence[str]) -> str | None:
-        """The task or ancestor nearest the root whose budget its subtree has reached, if any."""
-        root = root_of(task_id)
-        chain = [task_id, *reversed(ancestors)]
-        with self.client.pipeline(transaction=False) as pipe:
-            for tid in chain:
-                pipe.hmget(self.keys.task(root, tid), [TaskField.BUDGET_MICROS, TaskField.TOTAL_COST_MICROS])
-            replies = pipe.execute()
-        found = None
-        for tid, (budget, total) in zip(chain, replies, strict=True):
-            if int(budget or 0) > 0 and int(total or 0) >= int(budget):
-                found = tid
-        return found
-
     # -- the tool-call journal ---------------------------------------------------------
 
     @translate_redis_errors
