@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, computed_field, field_validator, model_validator
 
-from coordinator.timeline import TaskTimes, Timeline, ToolCallSpan, times_of, tool_calls_of
+from coordinator.timeline import TaskTimes, Timeline, ToolCallSpan, times_of, tool_calls_of, waiting_for
 
 __all__ = [
     "AdmissionLimits",
@@ -237,6 +237,13 @@ class TaskRecord(BaseModel):
         as of its last mark, so two reads of an unchanged task agree (a live view passes its now to
         `times_of`). Sent with the record; never stored (the marks are)."""
         return times_of(self.timeline)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def waiting_for(self) -> str | None:
+        """What it waits for now, one word (`approval`, `children`, `admission`, `rate_limit`, `tool_limit`,
+        `provider`), read from its timeline's last mark; None while it is queued, runs, or has ended."""
+        return waiting_for(self.timeline)
 
 
 class SubtaskResult(BaseModel):

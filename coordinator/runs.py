@@ -312,33 +312,42 @@ class Run:
 
     def rate_wait_ms(self, provider: str) -> int:
         wait_ms = admission.wait_for_rate(self._plane, provider)
-        self._note_wait("rate_limit", f"rate:{provider}", waiting=wait_ms > 0)
+        if self._note_wait("rate_limit", f"rate:{provider}", waiting=wait_ms > 0):
+            self.flush()  # written as the wait begins and ends: the task says what it waits for while it does
         return wait_ms
 
     def tool_rate_wait_ms(self, pattern: str, rpm: int) -> int:
         """0 when a call of the tool glob `pattern` may start now under its fleet-wide `rpm`, else the ms to wait."""
         wait_ms = admission.wait_for_tool_rate(self._plane, pattern, rpm)
-        self._note_wait("tool_limit", f"tool:{pattern}", waiting=wait_ms > 0)
+        if self._note_wait("tool_limit", f"tool:{pattern}", waiting=wait_ms > 0):
+            self.flush()  # written as the wait begins and ends: the task says what it waits for while it does
         return wait_ms
 
     def take_tool_slot(self, pattern: str, limit: int, lease_s: float, tool_call_id: str) -> bool:
         """A fleet-wide slot of the tool glob `pattern` for this call, held until `free_tool_slot` or the lease."""
         member = f"{self.task.id}:{tool_call_id}"
         taken = admission.take_tool_slot(self._plane, pattern, limit, lease_s, member)
-        self._note_wait("tool_limit", f"slot:{member}", waiting=not taken)
+        if self._note_wait("tool_limit", f"slot:{member}", waiting=not taken):
+            self.flush()  # written as the wait begins and ends: the task says what it waits for while it does
         return taken
 
-    def _note_wait(self, reason: str, what: str, *, waiting: bool) -> None:
+    def _note_wait(self, reason: str, what: str, *, waiting: bool) -> bool:
         """Note a wait inside the run on its task's timeline: the first refusal opens it, the answer that lets
-        it go on closes it (both marks go with the next step: no round trip of their own). Waits that
-        overlap (parallel tool calls) are one wait, from the first to open to the last to close."""
+        it go on closes it (both marks go with the next step). Waits that overlap (parallel tool calls) are
+        one wait, from the first to open to the last to close. True when this call opened or closed the wait:
+        the caller writes the step then, so `waiting_for` is true while the wait lasts, and only then (two
+        round trips a wait, none for a call that did not wait)."""
         now_ms = int(time.time() * 1000)
         if waiting and what not in self._waits:
-            if not self._waits:
+            opened = not self._waits
+            if opened:
                 self.writes.marks.append((now_ms, f"{WAIT_PREFIX}{reason}"))
             self._waits[what] = now_ms
-        elif not waiting and self._waits.pop(what, None) is not None and not self._waits:
+            return opened
+        if not waiting and self._waits.pop(what, None) is not None and not self._waits:
             self.writes.marks.append((now_ms, "running"))
+            return True
+        return False
 
     def free_tool_slot(self, pattern: str, tool_call_id: str) -> None:
         admission.free_tool_slot(self._plane, pattern, f"{self.task.id}:{tool_call_id}")

@@ -15,6 +15,7 @@ in the same call, so recording costs no Redis round trip of its own (docs/archit
 | `wait:admission`   | waiting for a run slot (per parent, per tree) or a start stagger  |
 | `wait:rate_limit`  | inside a run: waiting for the provider's fleet-wide rate limit    |
 | `wait:tool_limit`  | inside a run: waiting for a tool's fleet-wide limit               |
+| `wait:provider`    | waiting for its model's provider to come back (an outage, a 429)  |
 | `wait:provider`    | waiting for its model's provider to come back (an outage, a 429): |
 |                    | inside the run, or with its worker given back (coordinator/endpoints.py) |
 | an outcome         | `completed`, `failed` or `cancelled`: the end; nothing follows it |
@@ -26,6 +27,11 @@ It is bounded: past `MAX_MARKS` marks the oldest `FOLD_MARKS` are folded into `f
 lengths by state) and `n`, so a task that waited thousands of times keeps its totals and its
 latest intervals, never an unbounded field. Times are the writer's clock in ms, the clock
 `created_at` and `finished_at` are written with.
+
+A task that is not ended and whose last mark is a wait says what it waits for:
+`waiting_for(timeline)`, one word (`approval`, `children`, `admission`, `rate_limit`,
+`tool_limit`, `provider`), shown as `waiting_for` by the API, `subq status`, `subq tree` and
+the web view. A wait inside a run writes its mark as it begins, so the word is true while it lasts.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ __all__ = [
     "critical_path",
     "times_of",
     "tool_calls_of",
+    "waiting_for",
 ]
 
 # Marks kept before the oldest are folded (also in hashes.lua): a few hundred bytes a task in
@@ -195,6 +202,15 @@ def _split(state: str) -> tuple[str, str | None]:
     if state.startswith(WAIT_PREFIX):
         return "waiting", state[len(WAIT_PREFIX) :]
     return state, None
+
+
+def waiting_for(timeline: Timeline) -> str | None:
+    """What a task waits for now, one word of WAIT_REASONS: its last mark's, when that is a wait (None while
+    it is queued, runs, or has ended: an outcome is always its last mark)."""
+    if not timeline.m:
+        return None
+    state = timeline.m[-1][1]
+    return state[len(WAIT_PREFIX) :] if state.startswith(WAIT_PREFIX) else None
 
 
 def times_of(timeline: Timeline, now_ms: int | None = None) -> TaskTimes:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from coordinator.models import TaskStatus, TodoItem, ToolUse, format_usd
-from coordinator.timeline import TaskTimes, Timeline, ToolCallSpan, times_of
+from coordinator.timeline import TaskTimes, Timeline, ToolCallSpan, times_of, waiting_for
 
 if TYPE_CHECKING:
     from coordinator.models import TaskRecord
@@ -64,6 +64,12 @@ class TreeNode(BaseModel):
     @property
     def times(self) -> TaskTimes:
         return times_of(self.timeline)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def waiting_for(self) -> str | None:
+        """What it waits for now, one word (as `TaskRecord.waiting_for`)."""
+        return waiting_for(self.timeline)
 
 
 class TaskReader(Protocol):
@@ -136,11 +142,16 @@ def _below(node: TreeNode, prefix: str, notes: dict[str, str]) -> list[str]:
 def _task_line(node: TreeNode, notes: dict[str, str] | None) -> str:
     note = f"  {notes[node.id]}" if notes and node.id in notes else ""
     return (
-        f"{node.id}  {node.status.value}  {describe(node)}  "
+        f"{node.id}  {node.status.value}{waiting_note(node.waiting_for)}  {describe(node)}  "
         f"own {node.tokens} tokens {format_usd(node.cost_micros)}, "
         f"total {node.total_tokens} tokens {format_usd(node.total_cost_micros)}, "
         f"wall {duration(times_of(node.timeline, int(time.time() * 1000)).wall_ms)}{note}"
     )
+
+
+def waiting_note(reason: str | None) -> str:
+    """What a task waits for, after its status: ` waiting_for approval` (the API's field and word)."""
+    return f" waiting_for {reason}" if reason else ""
 
 
 def tools_line(tool_use: dict[str, ToolUse]) -> str:

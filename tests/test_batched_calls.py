@@ -10,18 +10,25 @@ runs go through a real worker process, the decisions through the coordinator.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import httpx
 import pytest
 
 from coordinator import Coordinator, Profile, RunCommand, Settings, TaskStatus
-from coordinator.settings import McpServer
+from coordinator.api import create_app
+from coordinator.cli.views import status_lines
+from coordinator.local.fleet import settings_env
+from coordinator.settings import McpServer, ToolLimit
+from coordinator.tree import render_tree
 from tests.agents import agent, call, calls, reply
 from tests.conftest import dedicated_fleet
-from tests.helpers import eventually
+from tests.helpers import TOKEN, ApiServer, api_settings, eventually
 from tests.mcp_kit import server
 
 
@@ -29,6 +36,7 @@ class Batched(NamedTuple):
     coord: Coordinator
     folder: Path  # run_command's working directory
     repo: Path  # the MCP git server's repository
+    api: ApiServer  # the HTTP API and web view on the same Redis
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -51,10 +59,47 @@ def batched(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Ite
         "guarded": Profile(run_command=RunCommand(cwd=folder), deny=["run_command:rm"]),
         "tooled": Profile(tools=["tests.tool_kit:add_numbers"]),
         "git": Profile(mcp_servers=[McpServer(name="git", command=command, args=args)], approval_tools=[]),
+        # One call of `crowd` at a time, fleet-wide: a second waits for the first's slot.
+        "limited": Profile(tools=["tests.tool_kit:crowd"], tool_limits={"crowd": ToolLimit(concurrency=1)}),
     }
     own = settings.model_copy(update={"profiles": {**settings.profiles, **profiles}})
-    with dedicated_fleet(own, tmp_path_factory.mktemp("batched"), 1, queue="subq-batched") as (coord, _):
-        yield Batched(coord, folder, repo)
+    os.environ["TOOL_KIT_MARKS"] = str(tmp_path_factory.mktemp("marks"))  # the worker inherits it (crowd's folder)
+    try:
+        with dedicated_fleet(own, tmp_path_factory.mktemp("batched"), 1, queue="subq-batched") as (coord, _):
+            api_coord = Coordinator(api_settings(coord.settings))
+            try:
+                with ApiServer(create_app(coordinator=api_coord)) as api:
+                    yield Batched(coord, folder, repo, api)
+            finally:
+                api_coord.close()
+    finally:
+        del os.environ["TOOL_KIT_MARKS"]
+
+
+def _subq(coord: Coordinator, *args: str) -> subprocess.CompletedProcess[str]:
+    """The `subq` command, as a user runs it, on the coordinator's Redis."""
+    env = settings_env(coord.settings)
+    return subprocess.run([sys.executable, "-m", "coordinator", *args], env=env, capture_output=True, text=True)
+
+
+def _waiting_everywhere(batched: Batched, task_id: str) -> dict[str, object]:
+    """What each face says the task waits for: the record, `subq status`, `subq tree`, the API, the web view."""
+    coord = batched.coord
+    with httpx.Client(base_url=batched.api.url, timeout=30) as http:
+        api = http.get(f"/v1/tasks/{task_id}", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        assert http.post("/ui/login", data={"token": TOKEN, "next": "/ui/"}).status_code == 303
+        page = http.get(f"/ui/tasks/{task_id}/fragment").text
+    status = _subq(coord, "status", task_id)
+    tree = _subq(coord, "tree", task_id)
+    return {
+        "record": coord.get_task(task_id).waiting_for,
+        "status": "waiting_for approval" in status.stdout.splitlines()[0],
+        "status_lines": "waiting_for approval" in status_lines(coord.get_task(task_id))[0],
+        "tree": "waiting_for approval" in tree.stdout.splitlines()[0],
+        "drawn": "waiting_for approval" in render_tree(coord.tree(task_id))[0],
+        "api": api["waiting_for"],
+        "web": 'data-field="waiting_for"' in page and "waiting_for approval" in page,
+    }
 
 
 def _says(coord: Coordinator, task_id: str, kind: str) -> list[str]:
@@ -90,6 +135,13 @@ def test_a_batched_completion_waits_for_an_approved_call_which_runs_once(batched
     assert not waiting.status.terminal, "the completion did not end the task while a call waited"
     assert not (folder / "approved").exists(), "nothing ran before the decision"
     assert _says(coord, task_id, "completion_not_taken") == ["attempt_completion waits for run_command"]
+    assert _waiting_everywhere(batched, task_id) == {
+        "record": "approval", "status": True, "status_lines": True, "tree": True, "drawn": True, "api": "approval",
+        "web": True,
+    }  # fmt: skip
+    no_result = _subq(coord, "result", task_id)
+    assert no_result.returncode == 1 and no_result.stdout == ""
+    assert no_result.stderr == f"subq: task {task_id} is active waiting_for approval: no result yet\n"
     coord.decide(approval_id, "approve")
     done = coord.wait(task_id, 60)
     assert done.status == TaskStatus.COMPLETED, done.error
@@ -108,6 +160,11 @@ def test_a_batched_completion_waits_for_an_approved_call_which_runs_once(batched
     command_result = next(p for p in parts if p.get("tool_name") == "run_command" and p["part_kind"] == "tool-return")
     assert parts.index(command_result) < parts.index(last_call)
     assert coord.get_task(task_id).requests == 2
+    assert done.waiting_for is None
+    result = _subq(coord, "result", task_id)
+    assert (result.returncode, result.stdout) == (0, "done after reading the command's result\n"), result.stderr
+    record = _subq(coord, "result", task_id, "--json")
+    assert json.loads(record.stdout)["summary"] == done.summary and json.loads(record.stdout)["id"] == task_id
 
 
 def test_a_batched_completion_after_a_denied_call_lets_the_model_read_the_denial(batched: Batched) -> None:
@@ -128,6 +185,8 @@ def test_a_batched_completion_after_a_denied_call_lets_the_model_read_the_denial
     assert (denial["content"], denial["outcome"]) == ("not on a Friday", "denied")
     last_call = [p for p in parts if p["part_kind"] == "tool-call"][-1]
     assert parts.index(denial) < parts.index(last_call), "the model read the denial before it completed"
+    result = _subq(coord, "result", task_id)
+    assert (result.returncode, result.stdout) == (0, "done after reading the command's result\n")
 
 
 def test_a_completion_beside_calls_that_run_at_once_is_asked_again_with_their_results(batched: Batched) -> None:
@@ -188,3 +247,40 @@ def test_a_failed_mcp_call_counts_as_an_error_with_its_line(batched: Batched) ->
     assert line.startswith("git_show: Error: ") and "no-such-revision" in line
     (result,) = [p["content"] for p in _parts(coord, task.id) if p["part_kind"] == "tool-return"]
     assert result.startswith("Error: ")
+
+
+def test_a_task_waiting_for_a_tools_limit_says_so_while_it_waits(batched: Batched) -> None:
+    coord = batched.coord
+    steps = (calls(("crowd", {"seconds": 5}), ("crowd", {"seconds": 5})), reply("both ran"))
+    task = coord.create_task(agent(*steps), profile="limited", run=True)
+    # Written as the wait begins: seen while the first call still runs (nothing counted yet), not after it.
+    eventually(
+        lambda: (record := coord.get_task(task.id)).waiting_for == "tool_limit" and not record.tool_use,
+        "the task waiting for crowd's limit while the first call runs",
+        60,
+    )
+    done = coord.wait(task.id, 60)
+    assert (done.status, done.waiting_for) == (TaskStatus.COMPLETED, None)
+    assert _outcomes(coord, task.id) == {"crowd": {"ok": 2}}
+    assert "tool_limit" in done.times.wait_by_reason_ms
+
+
+def test_subq_result_of_a_failed_task_is_its_error(batched: Batched) -> None:
+    coord = batched.coord
+    task = coord.create_task(agent({"fail": "the provider refused the request"}), profile="tooled", run=True)
+    assert coord.wait(task.id, 60).status == TaskStatus.FAILED
+    result = _subq(coord, "result", task.id)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.startswith(f"subq: task {task.id} failed, no result: ")
+    assert "the provider refused the request" in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_an_unknown_profile_names_the_known_ones_and_where_they_were_read_from(batched: Batched) -> None:
+    coord = batched.coord
+    refused = _subq(coord, "run", "Total the Q3 sales", "--profile", "demo")
+    assert refused.returncode == 1 and refused.stdout == ""
+    line = refused.stderr.strip()
+    assert line.startswith("subq: Invalid profile: demo (known: ") and "\n" not in line
+    # The test's settings give every profile through SUBQ_PROFILES (the built-in offline among them).
+    assert f"{', '.join(sorted(coord.settings.all_profiles()))} (SUBQ_PROFILES)" in line
+    assert line.endswith("SUBQ_PROFILES_FILE is not set)")

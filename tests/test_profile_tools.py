@@ -98,7 +98,12 @@ def test_subq_tools_lists_each_profiles_tools(settings: Settings) -> None:
     assert listed.returncode == 0, listed.stderr
     assert json.loads(listed.stdout) == {"tooled": load_profile("tooled", own).sources}
     unknown = subq_tools(own, "--profile", "nope")
-    assert unknown.returncode == 2 and unknown.stderr == "subq: Invalid profile: nope\n"
+    # It names every profile this process knows and where each was read from (a child process is given
+    # them all in SUBQ_PROFILES).
+    known = ", ".join(sorted(own.all_profiles()))
+    assert unknown.returncode == 2
+    line = f"subq: Invalid profile: nope (known: {known} (SUBQ_PROFILES); SUBQ_PROFILES_FILE is not set)\n"
+    assert unknown.stderr == line
 
 
 class Tooled(NamedTuple):

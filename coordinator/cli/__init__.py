@@ -9,7 +9,7 @@ go through the HTTP API instead of Redis.
 
     common.py   the Typer app, the shared options, settings and the Coordinator
     stack.py    up, worker, tools, api, flower, demo
-    work.py     run (--follow), status, todos, tree, history, export
+    work.py     run (--follow), status, result, todos, tree, history, export
     control.py  cancel, approvals, approve, deny, dead-letters
     views.py    what the read commands print, and `run --follow`'s loop
     live.py     `run --follow`'s terminal view (rich): one table fitted to the width
@@ -57,7 +57,7 @@ else:
     # The commands, in the order `subq --help` lists them.
     COMMANDS = (
         *(stack.up, stack.worker, stack.tools, stack.api, stack.flower, stack.demo),
-        *(work.run, work.status, work.todos, work.tree, work.history, work.export),
+        *(work.run, work.status, work.result, work.todos, work.tree, work.history, work.export),
         *(control.cancel, control.approvals, control.approve, control.deny, control.dead_letters, control.audit),
     )
     for _command in COMMANDS:

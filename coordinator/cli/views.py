@@ -18,7 +18,7 @@ from coordinator.cli.backend import watch as open_watch
 from coordinator.cli.common import say
 from coordinator.deadletters import DeadLetter
 from coordinator.models import MICROS_PER_USD, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem, format_usd
-from coordinator.tree import MARKS, cut, describe, render_tree, walk
+from coordinator.tree import MARKS, cut, describe, render_tree, waiting_note, walk
 
 if TYPE_CHECKING:
     from rich.text import Text
@@ -117,7 +117,8 @@ def _live_note(state: LiveState | None) -> str:
 
 def status_lines(record: TaskRecord) -> list[str]:
     """`subq status`: status, place in the tree, own and total figures, children, error."""
-    lines = [f"{record.id}  {record.status.value}  depth {record.depth}  profile {record.profile}"]
+    waiting = waiting_note(record.waiting_for)
+    lines = [f"{record.id}  {record.status.value}{waiting}  depth {record.depth}  profile {record.profile}"]
     if record.parent_id:
         lines.append(f"  parent {record.parent_id}  todo {record.todo_id or '-'}")
     lines += [

@@ -1,4 +1,4 @@
-"""Commands that start, follow and read work: run (--follow), status, todos, tree, history, export.
+"""Commands that start, follow and read work: run (--follow), status, result, todos, tree, history, export.
 
 What they print is in views.py, imported when a command runs (it loads the
 pydantic models), so that `subq --help` stays light. Plain functions:
@@ -21,7 +21,7 @@ from coordinator.errors import ValidationError
 TIMELINE_MIN_WIDTH = 40
 TIMELINE_MAX_WIDTH = 1000
 
-__all__ = ["export", "history", "run", "status", "todos", "tree"]
+__all__ = ["export", "history", "result", "run", "status", "todos", "tree"]
 
 
 # -- starting and following work ---------------------------------------------------------
@@ -94,6 +94,31 @@ def status(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> 
         return
     for line in status_lines(record):
         say(line)
+
+
+def result(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> None:
+    """Print a completed task's result text (what its parent reads); --json prints its whole record.
+
+    A task that has not ended, or ended failed or cancelled, has no result: one line on stderr says
+    what it is (what it waits for, its error) and the exit code is 1.
+    """
+    from coordinator.tree import waiting_note
+
+    with connect(ctx) as coord:
+        record = coord.get_task(task_id)
+    if as_json:
+        typer.echo(record.model_dump_json(indent=2))
+        return
+    if record.status.value == "completed":
+        say(record.summary)
+        return
+    if record.status.terminal:
+        why = f"{record.error_class}: {record.error}" if record.error else "no detail"
+        say(f"subq: task {record.id} {record.status.value}, no result: {why}", err=True)
+    else:
+        waiting = waiting_note(record.waiting_for)
+        say(f"subq: task {record.id} is {record.status.value}{waiting}: no result yet", err=True)
+    raise typer.Exit(1)
 
 
 def todos(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> None:
