@@ -74,6 +74,7 @@ OPERATIONS = [
     "POST /v1/approvals/{approval_id}",
     "GET /v1/dead-letters",
     "DELETE /v1/dead-letters",
+    "GET /v1/audit",
     "GET /healthz",
     "GET /livez",
     "GET /readyz",

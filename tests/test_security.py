@@ -559,6 +559,9 @@ def test_the_audit_log_pages_newest_first_and_keeps_only_the_retention(sec_coord
         assert all(e.actor == "pager" and e.address == "192.0.2.1" for e in first + second + last)
         with pytest.raises(ValidationError, match="before must be an entry id"):
             coord.audit(2, "not-an-id")
+        with pytest.raises(ValidationError, match="before must be an entry id"):
+            coord.audit(2, f"{2**64}-0")  # past a stream id's 64 bits
+        assert coord.audit(2, "00-0") == ([], None)  # nothing is older than the first id (the fuzzer's find)
     finally:
         for key in coord.client.scan_iter(f"{PREFIX}-audit:*"):
             coord.client.delete(key)

@@ -46,6 +46,8 @@ class AuditLog(Part):
         """Up to `limit` entries newest first, older than the entry `before`; and the next page's cursor or None."""
         if before is not None and not _is_stream_id(before):
             raise ValidationError(f"before must be an entry id as <ms>-<n>, not {before!r}", field="before")
+        if before is not None and _id_value(before) == (0, 0):
+            return [], None  # nothing is older than the first id (and Redis refuses the range `(0-0`)
         high = f"({before}" if before is not None else "+"
         oldest_kept_ms = int((time.time() - self.retention_s) * 1000)
         raw = cast(
@@ -67,6 +69,17 @@ class AuditLog(Part):
         return {reason: int(count) for reason, count in _str_map(self.client.hgetall(self.keys.refused())).items()}
 
 
+# A stream id's parts are unsigned 64-bit integers.
+_MAX_ID_PART = 2**64 - 1
+
+
 def _is_stream_id(value: str) -> bool:
     ms, dash, seq = value.partition("-")
-    return bool(dash) and ms.isdigit() and seq.isdigit() and len(ms) <= 20 and len(seq) <= 20
+    if not (dash and ms.isdigit() and seq.isdigit() and ms.isascii() and seq.isascii()):
+        return False
+    return int(ms) <= _MAX_ID_PART and int(seq) <= _MAX_ID_PART
+
+
+def _id_value(value: str) -> tuple[int, int]:
+    ms, _, seq = value.partition("-")
+    return int(ms), int(seq)
