@@ -368,7 +368,7 @@ def test_a_long_wait_parks_the_run_on_a_timer_and_the_task_goes_on_or_stops_from
     assert _live_state(coord, task.id) == "waiting_provider"
     record = coord.get_task(task.id)
     assert record.status == TaskStatus.ACTIVE and record.timeline is not None
-    assert record.timeline.m[-1][1] == "wait:provider"
+    assert record.timeline.m[-1][1] == "wait:provider" and record.waiting_for == "provider"
     assert coord.store.endpoints.wait_since_ms(task.id) is not None
     assert len(coord.messages(task.id, kind="api")) == 1, "its request is kept for the run that goes on"
     queued_before = coord.client.llen("subq-nobody")
@@ -390,7 +390,7 @@ def test_a_long_wait_parks_the_run_on_a_timer_and_the_task_goes_on_or_stops_from
         assert [s.status for s in primary.seen] == [503, 200, 200]
         assert coord.store.endpoints.wait_since_ms(task.id) is None, "its wait is over"
         record = coord.get_task(task.id)
-        assert record.requests == 2 and record.times is not None
+        assert record.requests == 2 and record.times is not None and record.waiting_for is None
         assert record.times.wait_by_reason_ms.get("provider", 0) > 0
     coord.client.delete("subq-nobody")
     coord.store.convergence.remove_timers([timer])
