@@ -23,6 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     # For type checkers only (`X as X`: re-exported); at run time `__getattr__` imports each on first use.
+    from coordinator.access import (
+        Scope as Scope,
+        token_sha256 as token_sha256,
+    )
+    from coordinator.audit import (
+        Actor as Actor,
+        AuditEntry as AuditEntry,
+    )
     from coordinator.deadletters import (
         dead_letter as dead_letter,
     )
@@ -31,6 +39,7 @@ if TYPE_CHECKING:
         ConfigError as ConfigError,
         ConflictError as ConflictError,
         CorruptError as CorruptError,
+        ForbiddenError as ForbiddenError,
         NotFoundError as NotFoundError,
         ProfileError as ProfileError,
         ScriptError as ScriptError,
@@ -90,11 +99,16 @@ if TYPE_CHECKING:
 
 # The public surface, each name with the module that defines it: the one list of it (`__all__` too).
 _EXPORTS = {
+    "Scope": "coordinator.access",
+    "token_sha256": "coordinator.access",
+    "Actor": "coordinator.audit",
+    "AuditEntry": "coordinator.audit",
     "dead_letter": "coordinator.deadletters",
     "BrokerError": "coordinator.errors",
     "ConfigError": "coordinator.errors",
     "ConflictError": "coordinator.errors",
     "CorruptError": "coordinator.errors",
+    "ForbiddenError": "coordinator.errors",
     "NotFoundError": "coordinator.errors",
     "ProfileError": "coordinator.errors",
     "ScriptError": "coordinator.errors",
