@@ -29,7 +29,7 @@ from coordinator.api import create_app
 from coordinator.api.limits import RateLimiter, is_open_route
 from coordinator.api.security import STRICT_CSP, csp_with_inline_scripts
 from coordinator.audit import Actor
-from coordinator.errors import ConfigError, NotFoundError, ValidationError
+from coordinator.errors import ConfigError, ForbiddenError, NotFoundError, ValidationError
 from coordinator.models import Approval
 from coordinator.settings import load_settings
 from coordinator.web.auth import COOKIE
@@ -760,3 +760,23 @@ def test_refusals_on_record_are_bounded(sec_coord: Coordinator) -> None:
         assert codes == [401, 401, 429]
         newest = sec_coord.audit(3)[0]
         assert [e.reason for e in newest] == ["not_signed_in", "not_signed_in", "missing_token"]
+
+
+def test_the_python_client_takes_a_key_as_it_takes_the_token(sec_coord: Coordinator) -> None:
+    from coordinator.client import SubqClient
+
+    with _server(sec_coord, api_keys=keys_setting()) as api:
+        with SubqClient(api.url, token=KEY_TOKENS["alice"]) as alice, SubqClient(api.url, KEY_TOKENS["bob"]) as bob:
+            root = alice.create_task("Alice's by the client")
+            assert root.owner == "alice" and alice.get_task(root.id).id == root.id
+            with pytest.raises(NotFoundError, match=f"Unknown task: {root.id}"):
+                bob.get_task(root.id)
+            approval = park_approval(sec_coord, root.id)
+            with pytest.raises(ForbiddenError, match="needs scope 'decide'"):
+                alice.decide(approval.id, "approve")
+            with pytest.raises(ForbiddenError, match="needs scope 'operate'"):
+                alice.audit()
+        with SubqClient(api.url, token=KEY_TOKENS["carol"]) as carol, SubqClient(api.url, KEY_TOKENS["ops"]) as ops:
+            assert carol.decide(approval.id, "deny", "not today").decided_by == "carol"
+            entries, _ = ops.audit(limit=1)
+            assert (entries[0].actor, entries[0].action, entries[0].target) == ("carol", "deny", approval.id)
