@@ -127,8 +127,7 @@ def bearer_auth(settings: Settings, auth_attempts: RateLimiter, coord: Coordinat
             raise await refuse(
                 request,
                 "missing_token",
-                "Missing bearer token: send 'Authorization: Bearer <token>' (an API key's token, or the server's "
-                "SUBQ_API_TOKEN)",
+                "Missing bearer token: send 'Authorization: Bearer <token>' (the server's SUBQ_API_TOKEN)",
             )
         # The keys file is stat'ed here (and read again only if it changed): a thread, not the event loop.
         key = await anyio.to_thread.run_sync(ring.find, credentials.credentials)
