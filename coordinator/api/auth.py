@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import anyio.to_thread
 from fastapi import Depends, Request, Security
@@ -164,7 +164,8 @@ class Gate:
             return
         self.forbid(request, key, scopes, why)
 
-    def forbid(self, request: Request, key: Principal, scopes: tuple[Scope, ...], why: str = "") -> None:
+    def forbid(self, request: Request, key: Principal, scopes: tuple[Scope, ...], why: str = "") -> NoReturn:
+        """A 403 naming the scopes that would do, on record as the key's refusal."""
         names = " or ".join(f"'{s.value}'" for s in scopes)
         detail = f"needs scope {names}" + (f" ({why})" if why else "")
         target = f"{request.method} {request.url.path}"
