@@ -52,12 +52,15 @@ __all__ = [
     "RUN_WAITS",
     "WAIT_PREFIX",
     "WAIT_REASONS",
+    "CriticalStep",
     "Interval",
     "TaskTimes",
     "Timed",
     "Timeline",
     "ToolCallSpan",
     "critical_path",
+    "critical_steps",
+    "held_longest",
     "times_of",
     "tool_calls_of",
     "waiting_for",
@@ -252,10 +255,28 @@ def times_of(timeline: Timeline, now_ms: int | None = None) -> TaskTimes:
     )  # fmt: skip
 
 
-def critical_path(records: Sequence[Timed], ends_ms: Mapping[str, int] | None = None) -> list[str]:
-    """The chain of tasks that set the tree's wall time, root first: from the root, each step goes to
-    the child that ended last (a parent resumes only when its last child ends), until a task without
-    children. `ends_ms` may give each task's end (default: its outcome's mark, or now while open)."""
+# A child's end and its parent's resume are written by one script on one clock; a batch closed by
+# another path (the reconciler) may mark the parent a little later: a child that ended this long
+# before its parent's wait for children ended still closed it.
+CLOSE_SLACK_MS = 1000
+
+
+class CriticalStep(BaseModel):
+    """One stretch of the critical path: a task's own interval that the tree's wall time waited on."""
+
+    model_config = ConfigDict(frozen=True)
+
+    task_id: str
+    interval: Interval
+
+
+def critical_steps(records: Sequence[Timed], ends_ms: Mapping[str, int] | None = None) -> list[CriticalStep]:
+    """What held the tree, in time order: walking the top task's intervals, each of its own (running, queued,
+    waiting for a person, a limit, its provider) is a step; each wait for children is covered by the child
+    that ended last within it (the one that closed the batch), whose own intervals are walked the same way.
+    So a sequential delegation puts each step's child on the path, and a parent's own approval wait is a
+    step of its own, not hidden behind the child that happened to end last. `ends_ms` may give each task's
+    end (default: its outcome's mark, or now while open)."""
     if not records:
         return []
     now = int(time.time() * 1000)
@@ -263,7 +284,6 @@ def critical_path(records: Sequence[Timed], ends_ms: Mapping[str, int] | None = 
     for record in records:
         if record.parent_id:
             by_parent.setdefault(record.parent_id, []).append(record)
-
     ends = dict(ends_ms or {})
 
     def end_of(record: Timed) -> int:
@@ -272,10 +292,48 @@ def critical_path(records: Sequence[Timed], ends_ms: Mapping[str, int] | None = 
             ends[record.id] = ended if ended is not None else now
         return ends[record.id]
 
-    root = next((r for r in records if r.parent_id is None), records[0])
-    path = [root.id]
-    current = root
-    while children := by_parent.get(current.id):
-        current = max(children, key=end_of)
-        path.append(current.id)
+    steps: list[CriticalStep] = []
+
+    def walk(record: Timed, seen: set[str]) -> None:
+        seen.add(record.id)
+        children = [c for c in by_parent.get(record.id, []) if c.id not in seen]
+        intervals = times_of(record.timeline, now).intervals
+        for interval in intervals:
+            if interval.reason != "children":
+                steps.append(CriticalStep(task_id=record.id, interval=interval))
+                continue
+            until = interval.end_ms if interval.end_ms is not None else now
+            closing = [c for c in children if interval.start_ms <= end_of(c) <= until] or [
+                c for c in children if interval.start_ms <= end_of(c) <= until + CLOSE_SLACK_MS
+            ]
+            if closing:
+                walk(max(closing, key=end_of), seen)
+            else:  # its children are not among the records read: the wait itself is the step
+                steps.append(CriticalStep(task_id=record.id, interval=interval))
+        if children and not any(i.reason == "children" for i in intervals):
+            # Marks without its waits for children (folded away, or a record from before timelines): the
+            # child that ended last is what it waited on, as a parent resumes only when its last child ends.
+            walk(max(children, key=end_of), seen)
+
+    walk(next((r for r in records if r.parent_id is None), records[0]), set())
+    return steps
+
+
+def critical_path(records: Sequence[Timed], ends_ms: Mapping[str, int] | None = None) -> list[str]:
+    """The tasks on the critical path (`critical_steps`), top first, each once: the top task and every child
+    that closed a batch it waited on, recursively."""
+    if not records:
+        return []
+    top = next((r for r in records if r.parent_id is None), records[0])
+    path = [top.id]
+    for step in critical_steps(records, ends_ms):
+        if step.task_id not in path:
+            path.append(step.task_id)
     return path
+
+
+def held_longest(records: Sequence[Timed], ends_ms: Mapping[str, int] | None = None) -> CriticalStep | None:
+    """The longest step of the critical path that is not work: a wait (a person, a limit, a provider) or time
+    in the queue; None when the tree only ran. What a reader asks first of a slow tree: what held it."""
+    waits = [s for s in critical_steps(records, ends_ms) if s.interval.state != "running"]
+    return max(waits, key=lambda s: s.interval.ms, default=None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -165,6 +166,16 @@ def test_a_batched_completion_waits_for_an_approved_call_which_runs_once(batched
     assert (result.returncode, result.stdout) == (0, "done after reading the command's result\n"), result.stderr
     record = _subq(coord, "result", task_id, "--json")
     assert json.loads(record.stdout)["summary"] == done.summary and json.loads(record.stdout)["id"] == task_id
+    # The web timeline names what held the tree: the longest of its waits (the API's intervals say which).
+    waits = [i for i in done.times.intervals if i.state != "running"]
+    longest = max(waits, key=lambda i: i.ms)
+    with httpx.Client(base_url=batched.api.url, timeout=30) as http:
+        assert http.post("/ui/login", data={"token": TOKEN, "next": "/ui/"}).status_code == 303
+        page = http.get(f"/ui/tasks/{task_id}/fragment").text
+    held = re.search(r'class="tl-held" data-task-id="([^"]+)" data-state="([^"]+)" data-ms="(\d+)"', page)
+    assert held, page
+    assert held.groups() == (task_id, longest.reason or longest.state, str(longest.ms))
+    assert 'class="seg wait-approval held"' in page or longest.reason != "approval"
 
 
 def test_a_batched_completion_after_a_denied_call_lets_the_model_read_the_denial(batched: Batched) -> None:

@@ -214,7 +214,7 @@ def timeline_text(node: TreeNode, width: int, now_ms: int | None = None) -> Text
     the task was in then (TIMELINE_GLYPHS), the critical path starred, each task's wall time at the end."""
     from rich.text import Text
 
-    from coordinator.timeline import critical_path, times_of
+    from coordinator.timeline import critical_path, held_longest, times_of
     from coordinator.tree import duration
 
     now = int(time.time() * 1000) if now_ms is None else now_ms
@@ -252,6 +252,10 @@ def timeline_text(node: TreeNode, width: int, now_ms: int | None = None) -> Text
         ended = times[task.id].outcome
         out.append(f" {duration(times[task.id].wall_ms):>{TIMELINE_LENGTH_CHARS - 1}}", style="bold" if ended else "")
         out.append("\n")
+    held = held_longest(nodes, {i: t.ended_at_ms if t.ended_at_ms is not None else now for i, t in times.items()})
+    if held is not None:
+        what = f"waiting: {held.interval.reason}" if held.interval.reason else held.interval.state
+        out.append(f"held longest by {held.task_id}, {what}: {duration(held.interval.ms)}\n", style="bold")
     legend = " ".join(f"{glyph} {state.removeprefix('wait:')}" for state, (glyph, _) in TIMELINE_GLYPHS.items())
     out.append(f"{legend} * critical path", style="dim")
     return out

@@ -17,7 +17,7 @@ from coordinator.errors import ValidationError
 from coordinator.inputs import visible_text
 from coordinator.models import Approval, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem
 from coordinator.service import MAX_PAGE, Coordinator
-from coordinator.timeline import WAIT_REASONS, TaskTimes, critical_path, times_of
+from coordinator.timeline import WAIT_REASONS, CriticalStep, TaskTimes, critical_path, held_longest, times_of
 from coordinator.tree import duration
 
 __all__ = [
@@ -238,6 +238,7 @@ class Segment:
     open: bool  # still going on (its end is now)
     x: float
     width: float
+    held: bool = False  # the critical path's longest wait: what held the tree
 
     @property
     def label(self) -> str:
@@ -303,6 +304,15 @@ class TimelineView:
     items: list[TimelineRow | TimelineGroup]
     critical: list[str]
     wall_ms: int
+    held: CriticalStep | None = None  # the critical path's longest wait (timeline.held_longest)
+
+    @property
+    def held_label(self) -> str:
+        """`waiting: approval` (or `queued`): what held the tree, as a segment of its kind is labelled."""
+        if self.held is None:
+            return ""
+        interval = self.held.interval
+        return f"waiting: {interval.reason.replace('_', ' ')}" if interval.reason else interval.state
 
     @property
     def reasons(self) -> list[str]:
@@ -328,6 +338,7 @@ def read_timeline(
     span = t1 - t0
     ends = {i: t.ended_at_ms if t.ended_at_ms is not None else now for i, t in times.items()}
     critical = critical_path(records, ends)
+    held = held_longest(records, ends)
 
     def x_of(t_ms: int) -> float:
         return round((t_ms - t0) / span * AXIS_UNITS, 2)
@@ -340,7 +351,8 @@ def read_timeline(
             x = x_of(interval.start_ms)
             state = interval.state if interval.reason is None else f"wait-{interval.reason}"
             width = max(MIN_SEGMENT_UNITS, x_of(end) - x)
-            segments.append(Segment(state, interval.start_ms, end, interval.end_ms is None, x, width))
+            holds = held is not None and held.task_id == record.id and held.interval.start_ms == interval.start_ms
+            segments.append(Segment(state, interval.start_ms, end, interval.end_ms is None, x, width, holds))
         end_x = x_of(task_times.ended_at_ms) if task_times.ended_at_ms is not None else None
         tools = [
             ToolMark(c.tool, c.outcome, c.start_ms, c.end_ms, x_of(c.start_ms),
@@ -382,7 +394,7 @@ def read_timeline(
 
     place(records[0])
     ticks = [(round(AXIS_UNITS * n / AXIS_TICKS, 2), duration(span * n // AXIS_TICKS)) for n in range(AXIS_TICKS + 1)]
-    return TimelineView(t0, span, now, ticks, items, critical, span)
+    return TimelineView(t0, span, now, ticks, items, critical, span, held)
 
 
 def read_tree(coord: Coordinator, task_id: str) -> TreeView:
