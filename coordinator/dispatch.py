@@ -7,11 +7,13 @@ store no Celery result (`ignore_result`): the system of record is the task's
 record in Redis. A Celery chord would store every child's result and count it in
 a join, about 4.4 Redis round trips and 10 server commands per child
 (bench/overhead.py), for a callback that found the batch already closed.
-A sequential delegation is a chain built a step at a time: each step is
-`subq.run_task` followed by `subq.advance`, its own write-back, which publishes
-the next step once this one's child has ended. (A child that itself delegates
-releases its worker and ends later, so the next step cannot be queued up front;
-see docs/architecture.md.)
+A sequential delegation is a chain built a step at a time: each step is one
+`subq.run_task`, and the run that ends the step's child writes it back and
+publishes the next step (coordinator/runs.py, `Run.end`). (A child that itself
+delegates releases its worker and ends later, so the next step cannot be queued
+up front; see docs/architecture.md.) Each step was once followed by a chained
+`subq.advance` that wrote the same step back a second time; it is still
+registered for such messages published before, and never published now.
 
 The Celery task id of a task's first run is the task id, of its n-th
 resume `<task id>-r<n>`, of a restart after a wait `<task id>-q<hex>`, and of a
@@ -25,12 +27,12 @@ import logging
 import secrets
 from typing import Any
 
-from celery import Celery, chain, group
+from celery import Celery, group
 from celery.canvas import Signature
 from celery.events import EventDispatcher
 
 from coordinator import tracing
-from coordinator.celery_app import ADVANCE, RUN_TASK
+from coordinator.celery_app import RUN_TASK
 from coordinator.models import Batch, TaskRecord
 
 __all__ = [
@@ -100,7 +102,7 @@ def publish_batch(app: Celery, batch: Batch, children: list[TaskRecord]) -> None
         if batch.mode == "parallel":
             publish_group(app, [run_signature(app, child) for child in children])
         else:
-            publish_step(app, batch, children[0], 0)
+            publish_step(app, children[0])
 
 
 def publish_group(app: Celery, signatures: list[Signature]) -> None:
@@ -154,11 +156,7 @@ class SentEvents(EventDispatcher):  # type: ignore[misc]  # Celery ships no type
             log.warning("subq: could not send %d task-sent events: %s", len(sent), exc)
 
 
-def publish_step(app: Celery, batch: Batch, child: TaskRecord, index: int) -> None:
-    """One step of a sequential batch: the child's run, then its write-back."""
-    note = f"batch={batch.id} step={index + 1}/{len(batch.child_ids)} parent={batch.parent_id}"
-    write_back = app.signature(
-        ADVANCE, kwargs={"batch_id": batch.id}, task_id=f"{batch.id}-step{index}", kwargsrepr=note,
-        argsrepr="(the step's result)",
-    )  # fmt: skip
-    chain(run_signature(app, child), write_back).apply_async()
+def publish_step(app: Celery, child: TaskRecord) -> None:
+    """One step of a sequential batch: the child's run, which writes the step back when its child ends
+    (a process that dies before that leaves the step on the due list, for the reconciler)."""
+    run_signature(app, child).apply_async()

@@ -67,7 +67,7 @@ def write_back(plane: Plane, batch_id: str, ended: TaskRecord | None = None) -> 
                 [child.id], plane.settings.reconcile_grace_s
             )  # first: a lost step is published again
             if store.runs.claim_step_publish(child.id):
-                dispatch.publish_step(plane.app, batch, child, index)
+                dispatch.publish_step(plane.app, child)
             return False
         if child.status != TaskStatus.COMPLETED:
             reason = f"not run: step {index + 1} of the chain ended {child.status.value}"

@@ -39,18 +39,16 @@ TREE = agent(
 # The spans of that tree, by name. The root delegates twice (A and B in parallel, then C as a
 # one-step chain) and so runs three times, one model request each; each child makes one.
 # Write-backs: A's and B's ends; C's end (end_run.lua, then its chain's write-back, which
-# closes the batch and resumes the root) and its chain step `subq.advance`, which finds it closed.
+# closes the batch and resumes the root), once: a chain step has no write-back task of its own.
 EXPECTED = {
     "subq.submit": 1,
     "subq.delegate": 2,
     "subq.publish": 2,
-    "subq.write_back": 5,
+    "subq.write_back": 4,
     "subq.resume": 2,
     "subq.end_run": 1,
     "apply_async/subq.run_task": 6,
     "run/subq.run_task": 6,
-    "apply_async/subq.advance": 1,
-    "run/subq.advance": 1,
     "chat offline": 6,
 }
 
@@ -205,8 +203,6 @@ def test_one_tree_gives_one_connected_trace(traced_tree: dict[str, Any]) -> None
     assert ancestors(resumed)[:3] == ["apply_async/subq.run_task", "subq.resume", "run/subq.run_task"]
     assert lineage(resumed)[2] in (runs[a], runs[b])
     assert runs[c] in lineage(last) and "subq.write_back" in ancestors(last)
-    (step,) = [s for s in spans if s["name"] == "run/subq.advance"]
-    assert lineage(step)[1] is runs[c]
     assert ancestors(last)[-1] == "subq.submit"
     # Every model request is inside a run, and no prompt or reply text is in any span.
     assert all("run/subq.run_task" in ancestors(s) for s in spans if s["name"] == "chat offline")
