@@ -8,6 +8,7 @@ this part reads and writes them atomically: `endpoint_gate.lua` before a request
 from __future__ import annotations
 
 import time
+
 from coordinator.ids import root_of
 from coordinator.store.base import Part, ScriptArg, _str_map, _strs, translate_redis_errors
 from coordinator.store.fields import TaskField
