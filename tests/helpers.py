@@ -254,3 +254,18 @@ def assert_worker_refuses(settings: Settings, log_dir: Path, line: str) -> None:
     finally:
         fleet.stop()
     assert line in fleet.logs[0].read_text(errors="replace")
+
+
+def processes_with(argument: str) -> list[int]:
+    """The live pids (zombies left out) whose command line holds `argument`, read from /proc; a
+    sandboxed command's own pids are its namespace's, so a test finds its processes this way."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            words = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # not a process, or it ended meanwhile
+        if argument.encode() in words and state not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found

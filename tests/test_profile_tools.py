@@ -24,7 +24,7 @@ from coordinator.tree import render_tree
 from tests.agents import STEP_COST_MICROS, agent, call, reply
 from tests.conftest import dedicated_fleet
 from tests.event_tap import EventTap
-from tests.helpers import assert_worker_refuses, eventually, subq_tools
+from tests.helpers import assert_worker_refuses, eventually, processes_with, subq_tools
 from workers.runtime.profile_tools import load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -232,29 +232,16 @@ def test_subq_tools_warns_of_an_unguarded_run_command(settings: Settings, tmp_pa
     ]
 
 
-def _processes_with(argument: str) -> list[int]:
-    """The pids whose command line holds `argument` (read from /proc: no library needed)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            words = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue  # not a process, or it ended meanwhile
-        if argument.encode() in words:
-            found.append(int(entry.name))
-    return found
-
-
 def test_a_cancel_stops_a_long_tool_call_and_its_process(tooled: Tooled) -> None:
     coord = tooled.coord
     seconds = "61.73"  # a sleep no other test starts, found by its argument
     task = coord.create_task(
         agent(call("run_command", command=f"sleep {seconds}"), reply("slept")), profile="commander", run=True
     )
-    eventually(lambda: _processes_with(seconds) != [], "the command is running", 60)
+    eventually(lambda: processes_with(seconds) != [], "the command is running", 60)
     cancelled_at = time.monotonic()
     coord.cancel(task.id, "no need to wait")
-    eventually(lambda: _processes_with(seconds) == [], "the command's process is gone", 5)
+    eventually(lambda: processes_with(seconds) == [], "the command's process is gone", 5)
     gone_s = time.monotonic() - cancelled_at
     print(f"the command's process was gone {gone_s:.3f} s after the cancel")
     # 1 s is the promise (a stop watch poll is 0.25 s); the bound leaves a loaded CI host room.

@@ -16,6 +16,7 @@ from pydantic_ai.models.test import TestModel
 from pydantic_ai.usage import RunUsage
 
 from coordinator import Profile, RunCommand
+from tests.helpers import processes_with
 from workers.runtime import commands
 from workers.runtime.tools import CallAnswered, RunState, run_command
 
@@ -25,15 +26,6 @@ GONE_WITHIN_S = 5.0
 
 def _run(command: str, cwd: Path, **config: Any) -> commands.CommandResult:
     return asyncio.run(commands.run(command, RunCommand(cwd=cwd, **config)))
-
-
-def _alive(pid: int) -> bool:
-    """Whether the process runs (a zombie, killed and not yet reaped, does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 def test_a_command_runs_in_the_profiles_directory_and_reports_its_exit_code(tmp_path: Path) -> None:
@@ -66,22 +58,9 @@ def test_the_output_is_capped_with_what_was_cut_said(tmp_path: Path) -> None:
     assert flood.output.startswith("y\n" * 25) and flood.output.endswith("y\n" * 25)
 
 
-def _processes_with(argument: str) -> list[int]:
-    """The host pids whose command line holds `argument` (a sandboxed command's own pids are its namespace's)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            words = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue  # not a process, or it ended meanwhile
-        if argument.encode() in words and _alive(int(entry.name)):
-            found.append(int(entry.name))
-    return found
-
-
 def _none_left(argument: str) -> bool:
     deadline = time.monotonic() + GONE_WITHIN_S
-    while _processes_with(argument):
+    while processes_with(argument):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
@@ -120,7 +99,7 @@ def test_a_cancel_kills_the_process_group_and_propagates(tmp_path: Path, sandbox
         while not (marker.exists() and marker.read_text().endswith("\n")):
             assert time.monotonic() < deadline, "the command did not start"
             await asyncio.sleep(0.05)
-        assert _processes_with("30.31"), "it runs"
+        assert processes_with("30.31"), "it runs"
         running.cancel()
         with pytest.raises(asyncio.CancelledError):
             await running
