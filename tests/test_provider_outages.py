@@ -97,6 +97,8 @@ def test_a_connection_failure_names_the_profile_model_and_port_and_fails_within_
     # Within seconds: its retry time, counted from the first failure, plus a run's start and end.
     assert record.finished_at is not None and record.finished_at - record.created_at < 3 + 10
     assert int(coord.store.records.task_field(task.id, "transient_errors") or 0) >= 2, "it was retried"
+    retries = [m["text"] for m in coord.messages(task.id) if m.get("say") == "retry"]
+    assert retries and all(f"endpoint 127.0.0.1:{port}" in line and "retrying (attempt" in line for line in retries)
     coord.close()
 
 

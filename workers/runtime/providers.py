@@ -461,8 +461,8 @@ class Route:
         spent_s = (now_ms - self._since_ms) / 1000
         if spent_s + wait_s > self.retry_for_s:
             raise self._give_up(error, spent_s)
-        if real:  # it will be retried: counted on the task, told in its UI messages
-            self.run.transient_error(type(real[-1]).__name__, attempt)
+        if real:  # it will be retried: counted on the task, told in its UI messages (the line says where)
+            self.run.transient_error(str(real[-1]), attempt)
         self._waiting_on.add(endpoint)
         if hop.endpoint and self._in_run_wait_s + wait_s > IN_RUN_WAIT_S:
             raise ProviderWait(self.run.wait_for_provider(hop.endpoint, time.time() + wait_s, self._since_ms))
