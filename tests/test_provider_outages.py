@@ -163,6 +163,26 @@ def test_a_request_the_provider_keeps_failing_or_refuses_goes_to_the_fallback_pr
     coord.close()
 
 
+def test_a_refused_model_waits_for_its_fallback_to_come_back(
+    settings: Settings, primary: ModelServer, backup: ModelServer
+) -> None:
+    profiles = {
+        "main": profile(primary.base_url, primary.key, price=PRIMARY_PRICE, fallback_profiles=["backup"]),
+        "backup": profile(backup.base_url, backup.key, price=BACKUP_PRICE),
+    }
+    local = in_process(settings, profiles, "fbwait")
+    coord = Coordinator(local)
+    primary.fail(401)  # for good
+    backup.fail(503, times=4)  # past the fallback threshold: every profile of the chain fails at once
+
+    result = run_child(build_runtime(local, make_app(local)), coord.create_task("Look.", profile="main", run=True).id)
+
+    assert result.status == "completed", result.error
+    assert backup.statuses() == [503] * 4 + [200, 200]
+    assert result.cost_micros == micros(BACKUP_PRICE, 2)
+    coord.close()
+
+
 def test_a_refusal_the_fallbacks_share_fails_the_task_naming_the_last_profile(
     settings: Settings, primary: ModelServer, backup: ModelServer
 ) -> None:

@@ -446,10 +446,11 @@ class Route:
     async def after_error(self, exc: Exception, attempt: int) -> None:
         """After a transient error (or a gate that said wait): sleep through a short wait, give the worker
         back for a long one (`ProviderWait`), or raise the last error once `model_retry_for_s` is spent.
-        A fallback chain that failed for good raises its last refusal (which names its profile)."""
+        A chain whose every profile refused raises the last refusal (which names its profile); one with a
+        profile that may come back waits for it."""
         waits, refusal = _waits_of(exc)
-        if refusal is not None:
-            raise refusal
+        if not waits:
+            raise refusal or exc  # nothing to wait for (a transient error no endpoint marked is raised as is)
         wait_s, hop, error = min(waits, key=lambda w: w[0])
         endpoint = hop.endpoint or OFFLINE_PROFILE
         now_ms = int(time.time() * 1000)
