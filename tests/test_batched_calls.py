@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -25,12 +26,14 @@ from coordinator import Coordinator, Profile, RunCommand, Settings, TaskStatus
 from coordinator.api import create_app
 from coordinator.cli.views import status_lines
 from coordinator.local.fleet import settings_env
-from coordinator.settings import McpServer, ToolLimit
+from coordinator.settings import McpServer, Price, ToolLimit
 from coordinator.tree import render_tree
 from tests.agents import agent, call, calls, reply
 from tests.conftest import dedicated_fleet
 from tests.helpers import TOKEN, ApiServer, api_settings, eventually
 from tests.mcp_kit import server
+from tests.model_server import ModelServer, Turn
+from tests.model_server import call as batched_call
 
 
 class Batched(NamedTuple):
@@ -38,6 +41,16 @@ class Batched(NamedTuple):
     folder: Path  # run_command's working directory
     repo: Path  # the MCP git server's repository
     api: ApiServer  # the HTTP API and web view on the same Redis
+    provider: ModelServer  # an OpenAI-compatible server on loopback that batches its calls
+
+
+# What a real model did (Qwen2.5-Coder on llama.cpp's server): a guarded call and the completion in one
+# response; asked again, the completion alone.
+PROVIDER_TURNS = [
+    Turn(calls=[batched_call("run_command", command="mkdir from-provider"),
+                batched_call("attempt_completion", result="committed (claimed before it ran)")]),
+    Turn(calls=[batched_call("attempt_completion", result="created from-provider")]),
+]  # fmt: skip
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -55,6 +68,7 @@ def batched(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Ite
     _git(repo, "add", "README.md")
     _git(repo, "commit", "-q", "-m", "first commit")
     command, args = server(tmp_path_factory.mktemp("pids") / "pids", repo)
+    provider = ModelServer(PROVIDER_TURNS).start()
     profiles = {
         # run_command guarded by approval_tools (the default), one deny rule.
         "guarded": Profile(run_command=RunCommand(cwd=folder), deny=["run_command:rm"]),
@@ -62,6 +76,14 @@ def batched(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Ite
         "git": Profile(mcp_servers=[McpServer(name="git", command=command, args=args)], approval_tools=[]),
         # One call of `crowd` at a time, fleet-wide: a second waits for the first's slot.
         "limited": Profile(tools=["tests.tool_kit:crowd"], tool_limits={"crowd": ToolLimit(concurrency=1)}),
+        # A hosted-style model on an OpenAI-compatible endpoint, run_command guarded as by default.
+        "hosted": Profile(
+            model="openai:test-model",
+            base_url=provider.base_url,
+            api_key=provider.key,
+            price=Price(input_per_mtok=Decimal(3), output_per_mtok=Decimal(15)),
+            run_command=RunCommand(cwd=folder),
+        ),
     }
     own = settings.model_copy(update={"profiles": {**settings.profiles, **profiles}})
     os.environ["TOOL_KIT_MARKS"] = str(tmp_path_factory.mktemp("marks"))  # the worker inherits it (crowd's folder)
@@ -70,11 +92,12 @@ def batched(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Ite
             api_coord = Coordinator(api_settings(coord.settings))
             try:
                 with ApiServer(create_app(coordinator=api_coord)) as api:
-                    yield Batched(coord, folder, repo, api)
+                    yield Batched(coord, folder, repo, api, provider)
             finally:
                 api_coord.close()
     finally:
         del os.environ["TOOL_KIT_MARKS"]
+        provider.stop()
 
 
 def _subq(coord: Coordinator, *args: str) -> subprocess.CompletedProcess[str]:
@@ -295,3 +318,24 @@ def test_an_unknown_profile_names_the_known_ones_and_where_they_were_read_from(b
     # The test's settings give every profile through SUBQ_PROFILES (the built-in offline among them).
     assert f"{', '.join(sorted(coord.settings.all_profiles()))} (SUBQ_PROFILES)" in line
     assert line.endswith("SUBQ_PROFILES_FILE is not set)")
+
+
+def test_a_provider_that_batches_gets_a_result_for_every_call_of_its_response(batched: Batched) -> None:
+    """Over an OpenAI-compatible API: the approval is queued, and the request after it carries a result for
+    each call of the batched response (the providers' APIs require one), the completion's saying not taken."""
+    coord, folder, provider = batched.coord, batched.folder, batched.provider
+    task = coord.create_task("Make the folder from-provider.", profile="hosted", run=True)
+    approvals = eventually(lambda: coord.list_approvals(task.root_id) or None, "the call waits for a decision", 60)
+    assert [(a.tool, a.args) for a in approvals] == [("run_command", {"command": "mkdir from-provider"})]
+    assert coord.get_task(task.id).waiting_for == "approval" and not (folder / "from-provider").exists()
+    coord.decide(approvals[0].id, "approve")
+    done = coord.wait(task.id, 60)
+    assert (done.status, done.summary) == (TaskStatus.COMPLETED, "created from-provider"), done.error
+    assert (folder / "from-provider").is_dir() and _says(coord, task.id, "command") == ["mkdir from-provider"]
+    assert _outcomes(coord, task.id) == {"run_command": {"ok": 1}}
+    answered = [s for s in provider.seen if s.status == 200]
+    assert len(answered) == 2, "one request for the batch, one after every call of it was answered"
+    results = {m["tool_call_id"]: m["content"] for m in answered[1].body["messages"] if m.get("role") == "tool"}
+    assert set(results) == {"call_0_0", "call_0_1"}
+    assert results["call_0_0"].startswith("exit 0")
+    assert "Not taken: this response also called run_command" in results["call_0_1"]
