@@ -54,9 +54,9 @@ log = logging.getLogger(__name__)
 
 # The timer kind of a parked run (`provider-wait:<task id>`), served by the reconciler.
 PROVIDER_TIMER = "provider-wait"
-# A probe holds the endpoint's one try at most this long: a probe lost with its worker, or stuck
-# in a long generation, lets another run try after it.
-PROBE_LEASE_MS = 120_000
+# A probe holds the endpoint's one try at most this long: a probe lost with its worker, or stopped
+# mid-request, lets another run try after it (a long generation may then see a second probe).
+PROBE_LEASE_MS = 30_000
 # Runs waiting for another run's probe ask again this often (a probe's answer takes one request).
 PROBE_RECHECK_MS = 1_000
 # An endpoint's state outlives its last wait by an hour, then it is forgotten (as up): a provider

@@ -430,11 +430,15 @@ class Run:
         return endpoints.failed(self._plane, endpoint, error, asked_s)
 
     def endpoint_answered(self, endpoint: str, *, was_down: bool) -> None:
-        """A request to `endpoint` succeeded: the fleet forgets its failures (only if it had some: the healthy
-        path costs nothing), and a run that had given its worker back to wait forgets when its wait began."""
+        """`endpoint` answered a request (a response, or a refusal): the fleet forgets its failures (only if
+        it had some: the healthy path costs nothing), and wakes the runs parked on it."""
         if was_down:
             endpoints.recovered(self._plane, endpoint)
-        if self._provider_wait_since_ms != 0:  # unknown (a run woken from a park may not have read it) or set
+
+    def provider_wait_over(self) -> None:
+        """A response arrived: a task whose run had given its worker back to wait forgets when its wait began
+        (once a run: a run woken from a park may not have read it)."""
+        if self._provider_wait_since_ms != 0:
             self._plane.store.endpoints.clear_wait_since(self.task.id)
         self._provider_wait_since_ms = 0
 

@@ -287,6 +287,8 @@ class RunPort(Protocol):
 
     def endpoint_answered(self, endpoint: str, *, was_down: bool) -> None: ...
 
+    def provider_wait_over(self) -> None: ...
+
     def provider_wait_since_ms(self) -> int | None: ...
 
     def provider_waiting(self, endpoint: str, *, waiting: bool) -> None: ...
@@ -391,6 +393,10 @@ class GatedModel(WrapperModel):
             marked: Any = exc  # the route reads what the fleet's view said of it
             marked.subq_marked = Marked(self.hop, gate.wait_ms / 1000, gate.failures)
             raise
+        except ModelAPIError:
+            # A refusal (400, 401, 404, ...) is an answer: the endpoint is up, and a probe's turn is over.
+            self.view.answered(was_down=bool(gate.failures))
+            raise
         self.view.answered(was_down=bool(gate.failures))
         self.route.answered = self.hop
         return response
@@ -437,10 +443,12 @@ class Route:
         return self.answered is not self.hops[0]
 
     def succeeded(self) -> None:
-        """A response arrived: the request's waits are over."""
+        """A response arrived: the request's waits are over (the offline model's are the run's alone)."""
         for endpoint in self._waiting_on:
             self.run.provider_waiting(endpoint, waiting=False)
         self._waiting_on.clear()
+        if self.answered.endpoint:
+            self.run.provider_wait_over()
         self._since_ms, self._in_run_wait_s, self._last_error = None, 0.0, None
 
     async def after_error(self, exc: Exception, attempt: int) -> None:
