@@ -72,7 +72,7 @@ def batched(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Ite
     profiles = {
         # run_command guarded by approval_tools (the default), one deny rule.
         "guarded": Profile(run_command=RunCommand(cwd=folder), deny=["run_command:rm"]),
-        "tooled": Profile(tools=["tests.tool_kit:add_numbers"]),
+        "tooled": Profile(tools=["tests.tool_kit:add_numbers", "tests.tool_kit:even_only"]),
         "git": Profile(mcp_servers=[McpServer(name="git", command=command, args=args)], approval_tools=[]),
         # One call of `crowd` at a time, fleet-wide: a second waits for the first's slot.
         "limited": Profile(tools=["tests.tool_kit:crowd"], tool_limits={"crowd": ToolLimit(concurrency=1)}),
@@ -211,9 +211,7 @@ def test_a_batched_completion_after_a_denied_call_lets_the_model_read_the_denial
     assert not (folder / "denied").exists(), "a denied call never runs"
     assert _says(coord, task_id, "command") == []
     assert _outcomes(coord, task_id) == {"run_command": {"denied": 1}}
-    assert _says(coord, task_id, "tool_denied") == [
-        'run_command({"command": "mkdir denied"}): denied by a person: not on a Friday'
-    ]
+    assert _says(coord, task_id, "tool_denied") == ['run_command({"command": "mkdir denied"}): denied: not on a Friday']
     parts = _parts(coord, task_id)
     denial = next(p for p in parts if p["part_kind"] == "tool-return" and p["tool_name"] == "run_command")
     assert (denial["content"], denial["outcome"]) == ("not on a Friday", "denied")
@@ -339,3 +337,13 @@ def test_a_provider_that_batches_gets_a_result_for_every_call_of_its_response(ba
     assert set(results) == {"call_0_0", "call_0_1"}
     assert results["call_0_0"].startswith("exit 0")
     assert "Not taken: this response also called run_command" in results["call_0_1"]
+
+
+def test_a_tool_that_asks_the_model_to_call_again_counts_that_call_as_an_error(batched: Batched) -> None:
+    coord = batched.coord
+    steps = (call("even_only", n=3), call("even_only", n=4), reply("four"))
+    task = coord.create_task(agent(*steps), profile="tooled", run=True)
+    done = coord.wait(task.id, 60)
+    assert (done.status, done.summary) == (TaskStatus.COMPLETED, "four"), done.error
+    assert _outcomes(coord, task.id) == {"even_only": {"error": 1, "ok": 1}}
+    assert _says(coord, task.id, "tool_error") == ["even_only: 3 is odd: call even_only with an even number"]

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from pydantic_ai import RunContext, ToolReturn
+from pydantic_ai import ModelRetry, RunContext, ToolReturn
 from pydantic_ai.toolsets import FunctionToolset
 
 from workers.runtime.profile_tools import idempotency_key
@@ -107,3 +107,10 @@ def confused_bill(query: str) -> ToolReturn:
 def charge_card(ctx: RunContext[object], amount: int) -> str:
     """Call a payment API with the call's idempotency key, as a tool with an external effect should."""
     return f"charged {amount} with key {idempotency_key(ctx)}"
+
+
+def even_only(n: int) -> str:
+    """Take an even number; an odd one asks the model to call again (pydantic-ai's ModelRetry)."""
+    if n % 2:
+        raise ModelRetry(f"{n} is odd: call even_only with an even number")
+    return f"{n} is even"

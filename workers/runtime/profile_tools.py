@@ -253,7 +253,8 @@ class PolicyToolset(WrapperToolset[RunState]):
             run.say("tool_denied" if outcome == "denied" else "tool_error", f"{name}: {result}")
         except ModelRetry as retry:  # the tool asks the model to call again: this call failed
             run.say("tool_error", f"{name}: {one_line(str(retry))}")
-            _done(ctx, name, "error", f"Error: {one_line(str(retry))}", time.monotonic() - started_s)
+            ran_s = time.monotonic() - started_s if started_s else None
+            _done(ctx, name, "error", f"Error: {one_line(str(retry))}", ran_s)
             raise
         except (ApprovalRequired, CallDeferred):
             raise  # pydantic-ai's own signals: wait for a decision, defer (answered when they resolve)

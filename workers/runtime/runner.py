@@ -354,7 +354,7 @@ def _answers(
             # run applies it (pydantic-ai answers a ToolDenied without calling the toolset).
             denial = ToolDenied(message=decisions[call_id].feedback)
             approvals[call_id] = denial
-            line = f"{describe_call(call)}: denied by a person: {denial.message}"
+            line = f"{describe_call(call)}: denied: {denial.message}"  # by a person, or its approval expired
             answer_without_running(state, call_id, call.tool_name, "denied", line)
         elif call.tool_name in offered and call.tool_name not in OWN_STATE_TOOLS | OUTPUT_TOOLS:
             approvals[call_id] = ToolApproved()
