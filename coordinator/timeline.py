@@ -15,7 +15,6 @@ in the same call, so recording costs no Redis round trip of its own (docs/archit
 | `wait:admission`   | waiting for a run slot (per parent, per tree) or a start stagger  |
 | `wait:rate_limit`  | inside a run: waiting for the provider's fleet-wide rate limit    |
 | `wait:tool_limit`  | inside a run: waiting for a tool's fleet-wide limit               |
-| `wait:provider`    | waiting for its model's provider to come back (an outage, a 429)  |
 | `wait:provider`    | waiting for its model's provider to come back (an outage, a 429): |
 |                    | inside the run, or with its worker given back (coordinator/endpoints.py) |
 | an outcome         | `completed`, `failed` or `cancelled`: the end; nothing follows it |
