@@ -41,6 +41,7 @@ __all__ = [
     "publish_batch",
     "publish_group",
     "publish_restart",
+    "publish_retry",
     "publish_run",
     "publish_step",
     "run_signature",
@@ -94,6 +95,13 @@ def publish_again(app: Celery, task: TaskRecord, attempt: int) -> None:
     """
     signature = run_signature(app, task)
     signature.set(task_id=f"{task.id}-x{attempt}")
+    signature.apply_async()
+
+
+def publish_retry(app: Celery, task: TaskRecord, retry_no: int) -> None:
+    """A failed task's run once more, as a person asked (coordinator/retry.py): `<task>-t<n>`, the n-th retry."""
+    signature = run_signature(app, task)
+    signature.set(task_id=f"{task.id}-t{retry_no}")
     signature.apply_async()
 
 

@@ -3,6 +3,7 @@
     CreateTaskInput   POST /v1/tasks, `subq run`            CancelInput     a cancel's reason
     SubmitInput       the Celery task `subq.submit`        DecisionInput   an approval's decision
     DelegateInput     POST /v1/tasks/{id}/subtasks         TodosInput      a todo list's replacement
+    RetryInput        POST /v1/tasks/{id}/retry, `subq retry`: alone, or every failed task of the tree
 
 Each model is the one definition of its operation's input: the HTTP API reads its
 request body with it, `subq.submit` its message, and the CLI and the Python client
@@ -41,6 +42,7 @@ __all__ = [
     "DecisionInput",
     "DelegateInput",
     "OperationInput",
+    "RetryInput",
     "SubmitInput",
     "TodoUpdate",
     "TodosInput",
@@ -275,6 +277,15 @@ class CancelInput(OperationInput):
     """Cancel a task and its whole subtree."""
 
     reason: Reason = Field(description="Why: the parent and the history read it")
+
+
+class RetryInput(OperationInput):
+    """Retry a failed task, or every failed task of its tree (coordinator/retry.py). An empty body retries the task alone."""
+
+    failed: StrictBool = Field(
+        default=False,
+        description="Retry every failed task of the task's subtree, children before parents, not the task alone",
+    )
 
 
 class DecisionInput(OperationInput):

@@ -26,6 +26,11 @@ __all__ = [
     "DelegationMode",
     "HistoryItem",
     "LiveState",
+    "Retried",
+    "RetryBatch",
+    "RetryRefused",
+    "RetrySkip",
+    "RetryTask",
     "RunWrites",
     "SubtaskResult",
     "SubtaskSpec",
@@ -198,6 +203,8 @@ class TaskRecord(BaseModel):
     budget_micros: int = 0
     number: int = 0
     completed_by_child_id: str | None = None
+    # Times a person retried it after it failed (coordinator/retry.py); its spend before each stays counted.
+    retries: int = 0
     created_at: float
     updated_at: float
     finished_at: float | None = None
@@ -358,6 +365,58 @@ class Batch(BaseModel):
     tool_call_id: str = ""
     created_at: float
     finished_at: float | None = None
+
+
+@dataclass(frozen=True)
+class RetryTask:
+    """One failed task of a retry's plan (coordinator/retry.py, store.retries): `run` (active again, its run published next) or `wait` (delegated
+    again on the batch re-opened for it, its conversation cut to its first `keep` messages of `length`)."""
+
+    task_id: str
+    role: Literal["run", "wait"]
+    slot: str | None = None  # the batch whose slot it takes again (its own batch), if any
+    keep: int = 0
+    length: int = 0
+
+
+@dataclass(frozen=True)
+class RetryBatch:
+    """A batch of the plan: `open` (running: a slot of it is opened again) or `closed` (re-opened)."""
+
+    batch_id: str
+    state: Literal["open", "closed"]
+    parent_id: str
+
+
+@dataclass(frozen=True)
+class RetryRefused:
+    """The script found a part of the plan no longer true: nothing was written."""
+
+    target: str  # the task or batch id
+    why: str  # missing|status|caller|budget|leased|conversation|batch|chain
+    detail: str
+
+
+class RetrySkip(BaseModel):
+    """A failed task a tree's retry left as it is, and why (its parent went on with its result, ...)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    task_id: str
+    reason: str
+
+
+class Retried(BaseModel):
+    """What a retry did (POST /v1/tasks/{id}/retry, `subq retry`): the tasks it sent to run again, children
+    before parents; the parents that wait again on a re-opened batch, to resume with the new results; and,
+    for a tree's retry, the failed tasks it left, each with why."""
+
+    model_config = ConfigDict(frozen=True)
+
+    task: TaskRecord  # the task named, as it is after the retry
+    retried: list[str] = Field(default_factory=list)
+    reopened: list[str] = Field(default_factory=list)
+    skipped: list[RetrySkip] = Field(default_factory=list)
 
 
 class Approval(BaseModel):

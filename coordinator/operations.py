@@ -1,7 +1,7 @@
 """The operator's operations, defined once: what the Coordinator and the HTTP client both answer.
 
     Operations   create, read (a task, its plan, its tree, its messages, the history, the live
-                 state), cancel, approvals and their decision, dead letters, the audit log; then close
+                 state), cancel, retry, approvals and their decision, dead letters, the audit log; then close
 
 `Coordinator` (on Redis) and `coordinator.client.SubqClient` (over the HTTP
 API) each satisfy it, with the same models and the same errors: the client reads
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 if TYPE_CHECKING:
     from coordinator.audit import AuditEntry
     from coordinator.deadletters import DeadLetter
-    from coordinator.models import Approval, HistoryItem, LiveState, TaskRecord, TodoItem
+    from coordinator.models import Approval, HistoryItem, LiveState, Retried, TaskRecord, TodoItem
     from coordinator.tree import TreeNode
 
 __all__ = ["Operations"]
@@ -47,6 +47,7 @@ class Operations(Protocol):
     ) -> tuple[list[HistoryItem], int | None]: ...
     def snapshot(self, root_id: str, /) -> dict[str, LiveState]: ...
     def cancel(self, task_id: str, reason: str, /) -> TaskRecord: ...
+    def retry(self, task_id: str, /, *, failed: bool = False) -> Retried: ...
     def list_approvals(self, root_id: str | None = None, /) -> list[Approval]: ...
     def decide(
         self, approval_id: str, decision: Literal["approve", "deny"], feedback: str | None = None, /

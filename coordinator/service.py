@@ -9,6 +9,7 @@ operations are thin calls into their rooms:
 
     delegation.py   check, commit, publish a delegation; a submission's checks and its delegation
     control.py      cancel a subtree, stop one, the live snapshot
+    retry.py        run failed tasks again (alone, or every failed task of a tree)
     approvals.py    park, decide, expire tool approvals
     budgets.py      budgets in micro-USD, what remains, the stop when spent
     admission.py    run slots, start stagger, provider rate limits (used by runs.py)
@@ -34,6 +35,7 @@ from celery import Celery
 
 from coordinator import approvals, budgets, control, delegation, dispatch, ids, todo_links, tracing
 from coordinator import audit as audit_log
+from coordinator import retry as retry_room
 from coordinator import todos as todo_lists
 from coordinator.audit import LOCAL, Action, Actor, AuditEntry
 from coordinator.deadletters import DeadLetter
@@ -54,6 +56,7 @@ from coordinator.models import (
     DelegationMode,
     HistoryItem,
     LiveState,
+    Retried,
     SubtaskSpec,
     TaskRecord,
     TaskStatus,
@@ -310,6 +313,21 @@ class Coordinator:
         record = control.cancel(self.plane, task_id, reason)
         self.record(actor, "cancel", task_id, detail=reason)
         return record
+
+    def retry(self, task_id: str, *, failed: bool = False, actor: Actor = LOCAL) -> Retried:
+        """Run a failed task again from its kept conversation and tool journal (coordinator/retry.py).
+
+        Its spend stays counted and the new spend adds to it; its finished tool calls are not run
+        again. With `failed`, every failed task of its subtree, children before parents: a parent
+        whose failed children's batch is re-opened resumes with their new results. A task that is
+        not failed, failed on its budget, or whose parent already went on with its result is refused
+        (StateError, naming why), and nothing changes. The retry is on record as `actor`'s.
+        """
+        if not isinstance(failed, bool):
+            raise ValidationError("failed must be true or false", field="failed")
+        done = retry_room.retry(self.plane, task_id, failed=failed)
+        self.record(actor, "retry", task_id, detail=f"retried {', '.join(done.retried + done.reopened)}")
+        return done
 
     def snapshot(self, task_id: str) -> dict[str, LiveState]:
         """The live state of every task of the tree rooted at `task_id`."""

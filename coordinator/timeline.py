@@ -17,6 +17,8 @@ in the same call, so recording costs no Redis round trip of its own (docs/archit
 | `wait:tool_limit`  | inside a run: waiting for a tool's fleet-wide limit               |
 | `wait:provider`    | waiting for its model's provider to come back (an outage, a 429): |
 |                    | inside the run, or with its worker given back (coordinator/endpoints.py) |
+| `wait:retry`       | failed, until a person retried it: its `failed` mark, turned into |
+|                    | this wait by the retry (coordinator/retry.py)                     |
 | an outcome         | `completed`, `failed` or `cancelled`: the end; nothing follows it |
 
 The stored form (`TaskField.TIMELINE`, a field of the task hash) is a small JSON object,
@@ -71,7 +73,8 @@ MAX_MARKS = 200
 # How many of the oldest marks one fold takes: half, so a fold happens once per 100 marks.
 FOLD_MARKS = 100
 OUTCOMES = ("completed", "failed", "cancelled")
-WAIT_REASONS = ("children", "approval", "admission", "rate_limit", "tool_limit", "provider")
+# `retry`: from a failure to the retry a person made (retry.lua turns the `failed` mark into it).
+WAIT_REASONS = ("children", "approval", "admission", "rate_limit", "tool_limit", "provider", "retry")
 # Waits inside a run: the run goes on after them (they do not start a new run). A provider wait
 # may give the worker back, and the run that goes on after it is the same run to a reader.
 RUN_WAITS = ("rate_limit", "tool_limit", "provider")

@@ -1,9 +1,9 @@
-"""The control endpoints: cancel a subtree, the approvals queue, a tree's live snapshot, dead letters.
+"""The control endpoints: cancel a subtree, retry failed work, the approvals queue, a tree's live snapshot, dead letters.
 
 Thin calls into the Coordinator (docs/control.md), which validates before it
 writes; errors come back in the API's one shape. Each asks the `Gate` first
 (coordinator/api/auth.py), and each decision, cancel and purge is on the audit
-log as the caller's key.
+log as the caller's key (a retry too).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from coordinator.api.auth import Caller, Gate, actor_of
 from coordinator.api.errors import error_responses
 from coordinator.api.routes import ROOT_ID_PATTERN, TaskId
 from coordinator.api.schemas import ApprovalList, DeadLetterList, DeadLettersPurged, Snapshot
-from coordinator.inputs import CancelInput, DecisionInput
-from coordinator.models import Approval, TaskRecord
+from coordinator.inputs import CancelInput, DecisionInput, RetryInput
+from coordinator.models import Approval, Retried, TaskRecord
 from coordinator.service import DEFAULT_PAGE, MAX_PAGE, Coordinator
 
 __all__ = ["control_routes"]
@@ -42,6 +42,21 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         409 when the task has already ended. Scope `operate`, or `submit` in a tree the key created."""
         gate.write_tree(request, key, task_id, others=Scope.OPERATE)
         return coord.cancel(task_id, body.reason, actor=actor_of(request, key))
+
+    @router.post(
+        "/tasks/{task_id}/retry",
+        response_model=Retried,
+        responses=error_responses(*denied, 404, 409, 413, 422, 503),
+        summary="Run a failed task again from its conversation, or every failed task of its tree",
+    )
+    def retry(request: Request, key: Caller, task_id: TaskId, body: RetryInput | None = None) -> Retried:
+        """The task goes on from its kept conversation; finished tool calls are not run again; its spend
+        stays and the new spend adds to it. `{"failed": true}`: every failed task of its subtree,
+        children before parents. 409 when the task is not failed, failed on its budget, or its parent
+        already went on with its result. Scope `operate`, or `submit` in a tree the key created."""
+        gate.write_tree(request, key, task_id, others=Scope.OPERATE)
+        failed = body.failed if body is not None else False
+        return coord.retry(task_id, failed=failed, actor=actor_of(request, key))
 
     @router.get(
         "/tasks/{task_id}/snapshot",

@@ -10,7 +10,7 @@ go through the HTTP API instead of Redis.
     common.py   the Typer app, the shared options, settings and the Coordinator
     stack.py    up, worker, tools, api, flower, demo
     work.py     run (--follow), status, result, todos, tree, history, export
-    control.py  cancel, approvals, approve, deny, dead-letters
+    control.py  cancel, retry, approvals, approve, deny, dead-letters
     views.py    what the read commands print, and `run --follow`'s loop
     live.py     `run --follow`'s terminal view (rich): one table fitted to the width
     backend.py  what the operator commands reach: Redis (the Coordinator) or the HTTP API (the client)
@@ -58,7 +58,7 @@ else:
     COMMANDS = (
         *(stack.up, stack.worker, stack.tools, stack.api, stack.flower, stack.demo),
         *(work.run, work.status, work.result, work.todos, work.tree, work.history, work.export),
-        *(control.cancel, control.approvals, control.approve, control.deny, control.dead_letters, control.audit),
+        *(control.cancel, control.retry, control.approvals, control.approve, control.deny, control.dead_letters, control.audit),
     )
     for _command in COMMANDS:
         app.command()(_command)

@@ -1,4 +1,4 @@
-"""Control commands: cancel a subtree; list, approve or deny tool calls waiting for a decision; dead letters;
+"""Control commands: cancel a subtree; retry failed work; list, approve or deny tool calls waiting for a decision; dead letters;
 the audit log.
 
 Plain functions: coordinator/cli/__init__.py adds them to the app.
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from coordinator.models import Approval
     from coordinator.tree import TreeNode
 
-__all__ = ["approvals", "approve", "audit", "cancel", "dead_letters", "deny"]
+__all__ = ["approvals", "approve", "audit", "cancel", "dead_letters", "deny", "retry"]
 
 # A screenful; the service takes up to 500 at once.
 DEAD_LETTERS_SHOWN = 20
@@ -64,6 +64,41 @@ def _cancelled_below(node: TreeNode, task_id: str) -> int:
         for task in walk(node)
         if task.id != task_id and task.status == TaskStatus.CANCELLED and stopped_by in task.error
     )
+
+
+def retry(
+    ctx: typer.Context,
+    task_id: TaskId,
+    failed: Annotated[
+        bool,
+        typer.Option(
+            "--failed",
+            help="Retry every failed task of the task's tree, children before parents (its parents resume with "
+            "the new results), not the task alone.",
+        ),
+    ] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Run a failed task again from its conversation: finished tool calls are not run again, its spend stays.
+
+    Only a failed task can be retried; one that failed on its budget, or whose parent already went on with
+    its result, is refused with why (with --failed on the root, such a parent takes the new results when
+    it failed too and had not gone further). Follow it with `subq status ID` or `subq result ID`.
+    """
+    from coordinator.inputs import RetryInput
+
+    given = RetryInput.parse({"failed": failed})
+    with connect(ctx) as coord:
+        done = coord.retry(task_id, failed=given.failed)
+    if as_json:
+        typer.echo(done.model_dump_json(indent=2))
+        return
+    for retried in done.retried:
+        typer.echo(f"Retried {retried}: it runs again from its conversation.")
+    for reopened in done.reopened:
+        typer.echo(f"Retried {reopened}: it waits on its retried children and resumes with their new results.")
+    for skipped in done.skipped:
+        say(f"Left {skipped.task_id}: {skipped.reason}")
 
 
 def approvals(

@@ -24,6 +24,7 @@ from coordinator.models import (
     DelegationMode,
     HistoryItem,
     LiveState,
+    Retried,
     SubtaskSpec,
     TaskRecord,
     TaskStatus,
@@ -88,6 +89,10 @@ class AsyncSubqClient:
 
     async def cancel(self, task_id: str, reason: str) -> TaskRecord:
         return await self._send(calls.cancel(task_id, reason))
+
+    async def retry(self, task_id: str, *, failed: bool = False) -> Retried:
+        """Run the failed task again, or with `failed` every failed task of its tree (SubqClient.retry)."""
+        return await self._send(calls.retry(task_id, failed))
 
     async def snapshot(self, root_id: str) -> dict[str, LiveState]:
         return await self._send(calls.snapshot(root_id))

@@ -41,6 +41,7 @@ from coordinator.inputs import (
     DecisionInput,
     DelegateInput,
     OperationInput,
+    RetryInput,
     TodosInput,
     check_dead_letter_limit,
     check_history_query,
@@ -50,6 +51,7 @@ from coordinator.models import (
     DelegationMode,
     HistoryItem,
     LiveState,
+    Retried,
     SubtaskSpec,
     TaskRecord,
     TaskStatus,
@@ -107,6 +109,7 @@ _APPROVAL = TypeAdapter(Approval)
 _DEAD_LETTERS = TypeAdapter(DeadLetterList)
 _PURGED = TypeAdapter(DeadLettersPurged)
 _AUDIT = TypeAdapter(AuditPage)
+_RETRIED = TypeAdapter(Retried)
 
 
 def task_path(task_id: str, suffix: str = "") -> str:
@@ -144,6 +147,10 @@ def create_task(
 
 def cancel(task_id: str, reason: str) -> Call[TaskRecord]:
     return Call("POST", task_path(task_id, "/cancel"), _TASK, json=_body(CancelInput, {"reason": reason}))
+
+
+def retry(task_id: str, failed: bool) -> Call[Retried]:
+    return Call("POST", task_path(task_id, "/retry"), _RETRIED, json=_body(RetryInput, {"failed": failed}))
 
 
 def snapshot(root_id: str) -> Call[dict[str, LiveState]]:

@@ -22,6 +22,7 @@ from coordinator.models import (
     DelegationMode,
     HistoryItem,
     LiveState,
+    Retried,
     SubtaskSpec,
     TaskRecord,
     TaskStatus,
@@ -93,6 +94,11 @@ class SubqClient:
     def cancel(self, task_id: str, reason: str) -> TaskRecord:
         """Cancel the task and its subtree (docs/control.md); ConflictError-style 409 if it has ended."""
         return self._send(calls.cancel(task_id, reason))
+
+    def retry(self, task_id: str, *, failed: bool = False) -> Retried:
+        """Run the failed task again from its conversation (docs/control.md, "Retry"); with `failed`, every
+        failed task of its tree, children before parents. StateError (409) naming why it cannot be retried."""
+        return self._send(calls.retry(task_id, failed))
 
     def snapshot(self, root_id: str) -> dict[str, LiveState]:
         """The live state of every task of the tree."""

@@ -34,6 +34,7 @@ reads through another is handed it (`RunStore(core, records)`).
 | `store.endpoints`    | `EndpointStore`    | `endpoints.py`   | provider endpoints as the fleet sees them: down or up,    |
 |                      |                    |                  | the one probe, the runs parked on each                    |
 | `store.audit`        | `AuditLog`         | `audit.py`       | the audit log and the count of refused requests by reason |
+| `store.retries`      | `RetryStore`       | `retries.py`     | failed tasks made to run again, and batches re-opened     |
 
 and the modules the parts share:
 
@@ -62,6 +63,7 @@ from coordinator.store.events import EventStore
 from coordinator.store.keys import Keys
 from coordinator.store.metrics import LATENCY_BUCKETS_MS, FleetGauges, MetricStore
 from coordinator.store.records import RecordStore
+from coordinator.store.retries import RetryStore
 from coordinator.store.runs import RunStore
 from coordinator.store.sessions import WebSessions
 
@@ -103,3 +105,4 @@ class Store:
         self.sessions = WebSessions(core)
         self.endpoints = EndpointStore(core)
         self.audit = AuditLog(core)
+        self.retries = RetryStore(core)

@@ -157,10 +157,10 @@ def _decode_record(raw: dict[str, str], child_ids: list[str], awaiting_ids: list
 
 # The scripts whose step a caller sees, and would see undone by a failover: a run's end and
 # write-back (end_run, settle_child, apply_children, close_batch, finish_task), a decision (decide),
-# a cancel or a budget stop (stop_tasks). A run's per-step writes (usage, conversation, tool results)
+# a cancel or a budget stop (stop_tasks), a retry (retry). A run's per-step writes (usage, conversation, tool results)
 # are not: a run resumed from a replica a step behind takes that step again, as after a worker's death.
 ACKNOWLEDGED = frozenset(
-    {"end_run", "settle_child", "apply_children", "close_batch", "finish_task", "decide", "stop_tasks"}
+    {"end_run", "settle_child", "apply_children", "close_batch", "finish_task", "decide", "stop_tasks", "retry"}
 )
 
 
@@ -287,6 +287,7 @@ class Scripts:
         self.unwatch = client.register_script(_load_script("unwatch.lua"))
         self.endpoint_gate = client.register_script(_load_script("endpoint_gate.lua"))
         self.endpoint_failed = client.register_script(_load_script("endpoint_failed.lua"))
+        self.retry = client.register_script(_load_script("retry.lua"))
 
 
 class StoreCore:

@@ -67,6 +67,7 @@ class TaskField:
     BUDGET_MICROS: Final = "budget_micros"  # the subtree's cap, micro-USD; 0: none (read by record_usage)
     NUMBER: Final = "number"  # the history number, given at creation
     COMPLETED_BY_CHILD_ID: Final = "completed_by_child_id"  # the child whose end closed its last batch (finish_batch)
+    RETRIES: Final = "retries"  # times the failed task was retried by a person (retry)
     CREATED_AT: Final = "created_at"  # epoch seconds
     UPDATED_AT: Final = "updated_at"  # epoch seconds of the last change (every task script)
     FINISHED_AT: Final = "finished_at"  # epoch seconds it ended; '' while running (finish_task, stop_tasks)
@@ -163,7 +164,7 @@ class LatencyField:
 INT_FIELDS = (
     TaskField.DEPTH, TaskField.TOKENS_IN, TaskField.TOKENS_OUT, TaskField.CACHE_READS, TaskField.CACHE_WRITES,
     TaskField.COST_MICROS, TaskField.REQUESTS, TaskField.TOTAL_TOKENS, TaskField.TOTAL_COST_MICROS, TaskField.NUMBER,
-    TaskField.BUDGET_MICROS, TaskField.UNLINKED_TOKENS, TaskField.UNLINKED_COST_MICROS,
+    TaskField.BUDGET_MICROS, TaskField.UNLINKED_TOKENS, TaskField.UNLINKED_COST_MICROS, TaskField.RETRIES,
 )  # fmt: skip
 # Task fields where '' means None.
 OPTIONAL_FIELDS = (

@@ -1,0 +1,235 @@
+"""Retry of failed work: a failed task runs again from its kept conversation and tool journal.
+
+Only a `failed` task is retried, by an agent (a caller's task has no run to go on with), and
+not one that failed on its budget (it would hit the same budget). Its spend stays counted and
+the new spend adds to it; its finished tool calls are answered from the journal, not run again.
+
+    retry(plane, task_id)                 the task alone
+    retry(plane, task_id, failed=True)    every failed task of its subtree, children before parents
+
+Where a task stands decides what a retry does (docs/control.md, "Retry"):
+- a root, or a child whose batch is still open (its parent still waits on it): back to
+  `active`, its run published as `<task>-t<n>`; a child's slot in its batch is opened again
+  (`retry.lua`: its line removed, awaited again, its figures taken back out of the parent's
+  unlinked spend if they went there), so its next end writes it back once, and the batch
+  closes when its last child ends;
+- a child whose batch closed (its parent went on with its result): refused alone. In a tree's
+  retry, where the parent failed too and its conversation has not gone past the response that
+  made the delegation call (no model response after that call's answer), the batch is
+  re-opened: the parent goes back to `delegated` on it, its conversation cut back to that
+  response (the spend of what is dropped stays counted), the failed children are retried, and
+  when the last of them ends the batch closes again and the parent resumes with the new
+  combined result. Where the parent went further, the child is left, and the parent is retried
+  alone from its conversation (it read the old result);
+- a step of a sequential delegation: a failed step stopped its chain and cancelled the steps
+  after it; a stopped chain is not re-opened (refused, and left in a tree's retry).
+
+The plan is made here from the records; `retry.lua` checks every part of it again and writes
+all of it or nothing, before any run is published. A retried task is on the due list before
+its run is published, so a process that dies between the two leaves it to the reconciler.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from coordinator import dispatch, faults
+from coordinator.errors import ConflictError, StateError
+from coordinator.models import Batch, Retried, RetryBatch, RetryRefused, RetrySkip, RetryTask, TaskRecord, TaskStatus
+
+if TYPE_CHECKING:
+    from coordinator.plane import Plane
+
+__all__ = ["retry"]
+
+# The error class a budget stop gives the task whose budget was spent (coordinator/budgets.py).
+BUDGET_CLASS = "BudgetExhausted"
+
+
+@dataclass
+class _Plan:
+    tasks: list[RetryTask] = field(default_factory=list)
+    batches: dict[str, RetryBatch] = field(default_factory=dict)
+    skipped: list[RetrySkip] = field(default_factory=list)
+
+
+def retry(plane: Plane, task_id: str, *, failed: bool = False) -> Retried:
+    """Retry the failed task `task_id`, or with `failed` every failed task of its subtree; what was done."""
+    top = plane.store.records.get_task(task_id)
+    plan = _plan_tree(plane, top) if failed else _plan_one(plane, top)
+    if not plan.tasks:
+        reasons = "; ".join(skip.reason for skip in plan.skipped)
+        raise StateError(f"no failed task of the tree of {top.id} can be retried: {reasons}", field="task_id")
+    done = plane.store.retries.retry(
+        top.root_id, plan.tasks, list(plan.batches.values()), plane.settings.reconcile_grace_s
+    )
+    if isinstance(done, RetryRefused):
+        raise _refused(plane, done)
+    # Committed: every task to run is on the due list, so a process that dies before it has
+    # published them all leaves the rest to the reconciler (`run-lost`).
+    faults.crash_point(plane.settings, "after-retry")
+    runs = [(task, n) for task, n in zip(plan.tasks, done, strict=True) if task.role == "run"]
+    records = plane.store.records.get_records([task.task_id for task, _ in runs])
+    for record, (_, retry_no) in zip(records, runs, strict=True):
+        dispatch.publish_retry(plane.app, record, retry_no)
+    return Retried(
+        task=plane.store.records.get_task(top.id),
+        retried=[task.task_id for task, _ in runs],
+        reopened=[task.task_id for task in plan.tasks if task.role == "wait"],
+        skipped=plan.skipped,
+    )
+
+
+def _plan_one(plane: Plane, task: TaskRecord) -> _Plan:
+    """The task alone: a root, or a child whose batch still waits on it; anything else is refused."""
+    if task.status != TaskStatus.FAILED:
+        raise StateError(f"task {task.id} is {task.status.value}: only a failed task can be retried", field="task_id")
+    refusal = _own_refusal(task)
+    if refusal:
+        raise StateError(refusal, field="task_id")
+    plan = _Plan()
+    if task.batch_id:
+        batch = plane.store.batches.get_batch(task.batch_id)
+        if batch.mode == "sequential":
+            raise StateError(_chain_refusal(plane, task, batch), field="task_id")
+        if batch.status == "done":
+            raise StateError(_moved_on(plane, task, batch), field="task_id")
+        plan.batches[batch.id] = RetryBatch(batch.id, "open", batch.parent_id)
+    plan.tasks.append(RetryTask(task.id, "run", slot=task.batch_id))
+    return plan
+
+
+def _plan_tree(plane: Plane, top: TaskRecord) -> _Plan:
+    """Every failed task of the subtree of `top` that can run again; the others skipped, with why."""
+    records = plane.store.records.get_records(plane.store.records.subtree_ids(top.id))
+    by_id = {record.id: record for record in records}
+    failed = [record for record in records if record.status == TaskStatus.FAILED]  # parents first
+    if not failed:
+        raise StateError(
+            f"no task of the tree of {top.id} has failed ({top.id} is {top.status.value}): nothing to retry",
+            field="task_id",
+        )
+    batches: dict[str, Batch] = {}
+    plan = _Plan()
+    fit: dict[str, str | None] = {}  # task id -> the batch its slot is in (None: none), for those retried
+    reopen: dict[str, tuple[Batch, int, int]] = {}  # parent id -> the batch re-opened for it, keep, length
+    for task in failed:
+        refusal = _own_refusal(task)
+        if not refusal and task.batch_id:
+            batch = batches.get(task.batch_id) or plane.store.batches.get_batch(task.batch_id)
+            batches[batch.id] = batch
+            parent = by_id.get(batch.parent_id) if task.id != top.id else None
+            if batch.mode == "sequential":
+                refusal = _chain_refusal(plane, task, batch)
+            elif batch.status == "done":
+                point = _reopen_point(plane, parent, batch, fit, reopen)
+                if point is None:
+                    refusal = _moved_on(plane, task, batch, in_tree=True)
+                else:
+                    reopen[batch.parent_id] = (batch, *point)
+        if refusal:
+            plan.skipped.append(RetrySkip(task_id=task.id, reason=refusal))
+        else:
+            fit[task.id] = task.batch_id
+    for task in reversed(failed):  # children before parents
+        if task.id not in fit:
+            continue
+        slot = fit[task.id]
+        if slot and slot not in plan.batches:
+            batch = batches[slot]
+            plan.batches[slot] = RetryBatch(slot, "closed" if batch.status == "done" else "open", batch.parent_id)
+        if task.id in reopen:
+            batch, keep, length = reopen[task.id]
+            plan.batches[batch.id] = RetryBatch(batch.id, "closed", task.id)
+            plan.tasks.append(RetryTask(task.id, "wait", slot=slot, keep=keep, length=length))
+        else:
+            plan.tasks.append(RetryTask(task.id, "run", slot=slot))
+    return plan
+
+
+def _reopen_point(
+    plane: Plane,
+    parent: TaskRecord | None,
+    batch: Batch,
+    fit: dict[str, str | None],
+    reopen: dict[str, tuple[Batch, int, int]],
+) -> tuple[int, int] | None:
+    """(messages to keep, messages now) of the parent's conversation when its closed `batch` can be re-opened:
+    the parent is retried in this same plan, and no model response followed its delegation call's answer."""
+    if parent is None or parent.id not in fit or not batch.tool_call_id:
+        return None
+    if parent.id in reopen:  # a sibling re-opened it already; a parent waits on one batch at a time
+        batch_then, keep, length = reopen[parent.id]
+        return (keep, length) if batch_then.id == batch.id else None
+    conversation = plane.store.records.conversation(parent.id)
+    at = _delegation_response(conversation, batch.tool_call_id)
+    return None if at is None else (at + 1, len(conversation))
+
+
+def _delegation_response(conversation: list[str], tool_call_id: str) -> int | None:
+    """The index of the model response that made the call `tool_call_id`, or None: absent, or a model
+    response follows it (the parent went further after reading that call's answer)."""
+    at = None
+    for index, entry in enumerate(conversation):
+        try:
+            message = json.loads(entry)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(message, dict) or message.get("kind") != "response":
+            continue
+        if at is not None:
+            return None
+        parts = message.get("parts") or []
+        if any(isinstance(p, dict) and p.get("tool_call_id") == tool_call_id for p in parts):
+            at = index
+    return at
+
+
+def _own_refusal(task: TaskRecord) -> str:
+    """Why the failed task cannot run again whatever its place in the tree ('' if it can)."""
+    if task.runner != "agent":
+        return f"task {task.id} is run by its caller, not by an agent on the fleet: there is no run to go on with"
+    if task.error_class == BUDGET_CLASS:
+        return f"task {task.id} failed on its budget ({task.error}): retrying it would hit the same budget"
+    return ""
+
+
+def _moved_on(plane: Plane, task: TaskRecord, batch: Batch, *, in_tree: bool = False) -> str:
+    parent = plane.store.records.get_task(batch.parent_id)
+    if in_tree or parent.status != TaskStatus.FAILED:
+        return (
+            f"task {task.id} cannot be retried: its parent {parent.id} already went on with its result "
+            f"(the parent is {parent.status.value})"
+        )
+    return (
+        f"task {task.id} cannot be retried alone: its parent {parent.id} already went on with its result; "
+        f"retry the tree: subq retry {task.root_id} --failed"
+    )
+
+
+def _chain_refusal(plane: Plane, task: TaskRecord, batch: Batch) -> str:
+    step = batch.child_ids.index(task.id) + 1 if task.id in batch.child_ids else 0
+    return (
+        f"task {task.id} is step {step} of a sequential delegation of {batch.parent_id}, which stopped at it "
+        "and cancelled the steps after it: a stopped chain is not re-opened; retry its parent, which read "
+        "what the chain did, or delegate the steps again"
+    )
+
+
+def _refused(plane: Plane, refused: RetryRefused) -> StateError | ConflictError:
+    """The script's refusal (the state changed since the plan was made) in the planner's words."""
+    target = refused.target
+    if refused.why == "status":
+        return StateError(f"task {target} is {refused.detail}: only a failed task can be retried", field="task_id")
+    if refused.why == "leased":
+        return ConflictError(f"a run of task {target} is still ending; try again in a moment", field="task_id")
+    if refused.why == "budget":
+        return StateError(
+            f"task {target} failed on its budget ({refused.detail}): retrying it would hit the same budget",
+            field="task_id",
+        )
+    if refused.why == "caller":
+        return StateError(_own_refusal(plane.store.records.get_task(target)), field="task_id")
+    return ConflictError(f"the tree of {target} changed while subq retried it; try again", field="task_id")
