@@ -11,7 +11,9 @@ it was the last; what the end sends, the next chain step, the parent's resume, t
 runs a freed slot admitted, not yet sent),
 `after-commit` (a delegation is committed, not yet published),
 `after-close` (a batch is closed, its parent's resume not yet published),
-`after-claim-publish` (a batch is claimed for publishing, not yet published).
+`after-claim-publish` (a batch is claimed for publishing, not yet published),
+`after-retry` (a retry is committed: its tasks active again and on the due list, their runs
+not yet published).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ __all__ = ["POINTS", "crash_point"]
 
 log = logging.getLogger(__name__)
 
-POINTS = ("after-end", "after-commit", "after-close", "after-claim-publish")
+POINTS = ("after-end", "after-commit", "after-close", "after-claim-publish", "after-retry")
 
 
 def crash_point(settings: Settings, name: str) -> None:

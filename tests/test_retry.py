@@ -157,3 +157,108 @@ def test_tasks_failed_by_a_400_complete_when_retried_from_the_cli_and_the_api(
         assert len(server.seen) == refused_before + 4, "each retried task asked twice, nothing more"
         retries = [e for e in coord.audit(50)[0] if e.action == "retry"]
         assert {e.target for e in retries} == {by_cli.id, by_api.id}
+
+
+# -- a child whose batch is still open: its slot opened again ---------------------------------------
+
+
+@pytest.fixture
+def steady() -> Iterator[ModelServer]:
+    with ModelServer(TURNS) as running:
+        yield running
+
+
+@pytest.mark.parametrize("unlinked", [False, True], ids=["on-its-row", "unlinked"])
+def test_a_failed_child_of_an_open_batch_is_awaited_again_and_written_back_once(
+    settings: Settings, server: ModelServer, steady: ModelServer, unlinked: bool
+) -> None:
+    local = in_process(settings, server, f"open{int(unlinked)}")
+    local = local.model_copy(update={"profiles": {**local.profiles, "steady": profile(steady)}})
+    coord = Coordinator(local)
+    runtime = build_runtime(local, make_app(local))
+    root = coord.create_task("Two parts.", todos="[ ] flaky part\n[ ] steady part")
+    batch = coord.delegate(root.id, [
+        {"description": "flaky part", "message": "Look at the flaky part.", "profile": "main"},
+        {"description": "steady part", "message": "Look at the steady part.", "profile": "steady"},
+    ])  # fmt: skip
+    flaky, sibling = batch.child_ids
+    server.fail(400)
+
+    assert run_child(runtime, flaky).status == "failed"
+    assert coord.get_task(root.id).awaiting_ids == [sibling], "written back; the batch waits on its sibling"
+    if unlinked:  # the plan is rewritten without its row: its figures are the parent's unlinked spend
+        coord.update_todos(root.id, "[-] steady part")
+        assert coord.get_task(root.id).unlinked_cost_micros == 0  # it had spent nothing on its refused request
+    server.heal()
+    server.script([200, 400])  # the retry's run spends a response, then fails again: spend on the record
+    coord.retry(flaky)
+    assert run_child(runtime, flaky).status == "failed"
+    spent = coord.get_task(flaky).total_cost_micros
+    assert spent == micros(1)
+    if unlinked:
+        assert coord.get_task(root.id).unlinked_cost_micros == spent
+
+    server.heal()
+    done = coord.retry(flaky)
+
+    assert done.retried == [flaky] and done.task.retries == 2
+    parent = coord.get_task(root.id)
+    assert sorted(parent.awaiting_ids) == sorted([flaky, sibling]), "awaited again"
+    assert parent.status == TaskStatus.DELEGATED
+    assert parent.unlinked_cost_micros == 0, "its figures are taken back out until it is written back again"
+    assert run_child(runtime, flaky).status == "completed"
+    assert coord.get_task(root.id).status == TaskStatus.DELEGATED, "the batch still waits on the sibling"
+    assert run_child(runtime, sibling).status == "completed"
+
+    parent = coord.get_task(root.id)
+    assert parent.status == TaskStatus.ACTIVE and parent.awaiting_ids == []
+    result = coord.get_batch(batch.id).result
+    assert result.startswith("Subtask results (parallel, 2 of 2 completed)") and "[failed]" not in result, result
+    flaky_total = coord.get_task(flaky).total_cost_micros
+    # The second run's response and the third's (which went on from it): each request counted once.
+    assert flaky_total == micros(2) and coord.get_task(flaky).requests == 2
+    items = coord.get_todos(root.id)
+    assert parent.total_cost_micros == request_costs(coord, [root.id, flaky, sibling]) == flaky_total + micros(2)
+    assert sum(item.cost_micros for item in items) + parent.unlinked_cost_micros == parent.total_cost_micros
+    if unlinked:
+        assert parent.unlinked_cost_micros == flaky_total and [i.content for i in items] == ["steady part"]
+    else:
+        assert [(i.content, i.cost_micros, i.status.value) for i in items] == [
+            ("flaky part", flaky_total, "completed"), ("steady part", micros(2), "completed")
+        ]  # fmt: skip
+    coord.close()
+
+
+# -- a process that dies between the retry's commit and its publish --------------------------------
+
+
+def test_a_retry_whose_process_dies_before_the_publish_is_run_by_the_reconciler(
+    settings: Settings, server: ModelServer, tmp_path: Path
+) -> None:
+    import signal
+
+    from tests.test_cli import subq
+
+    own = {
+        "queue": "subq-retrykill",
+        "key_prefix": "subqretrykill",
+        "reconcile_interval_s": 0.5,
+        "reconcile_grace_s": 3,
+    }
+    profiles = {**settings.profiles, "main": profile(server)}
+    with dedicated_fleet(settings, tmp_path, 1, profiles=profiles, **own) as (coord, _fleet):
+        server.fail(400)
+        task = coord.create_task("Look and report.", profile="main", run=True)
+        assert coord.wait(task.id, WAIT_S).status == TaskStatus.FAILED
+        server.heal()
+        env = {"SUBQ_REDIS_URL": settings.redis_url or "", "SUBQ_KEY_PREFIX": own["key_prefix"],
+               "SUBQ_QUEUE": own["queue"], "SUBQ_FAULT_CRASH_AT": "after-retry"}  # fmt: skip
+
+        killed = subq("retry", task.id, env=env)
+
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        assert coord.get_task(task.id).status == TaskStatus.ACTIVE, "committed before it died"
+        done = coord.wait(task.id, WAIT_S)
+        assert done.status == TaskStatus.COMPLETED and done.cost_micros == micros(2), done.error
+        assert coord.repairs().get("run-lost", 0) >= 1, "the reconciler published the run the retry never sent"
+        assert task.id not in coord.store.convergence.watched()
