@@ -10,6 +10,7 @@ make it in this process (`run_child`, the function the worker runs); the accepta
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -262,3 +263,151 @@ def test_a_retry_whose_process_dies_before_the_publish_is_run_by_the_reconciler(
         assert done.status == TaskStatus.COMPLETED and done.cost_micros == micros(2), done.error
         assert coord.repairs().get("run-lost", 0) >= 1, "the reconciler published the run the retry never sent"
         assert task.id not in coord.store.convergence.watched()
+
+
+# -- a tree: children before parents, the parent resuming with the new results -----------------------
+
+KIDS = [
+    {"description": "part one", "message": "Do part one.", "profile": "kid"},
+    {"description": "part two", "message": "Do part two.", "profile": "kid"},
+]
+
+
+@pytest.mark.parametrize("went_further", [False, True], ids=["reopened", "parent-went-further"])
+def test_a_tree_retry_runs_failed_children_first_and_their_parent_resumes_with_the_new_results(
+    settings: Settings, server: ModelServer, steady: ModelServer, went_further: bool
+) -> None:
+    # The root (on `server`) delegates two children (on `steady`), then, resumed, answers (or first
+    # rewrites its plan: it went further after reading the children's results).
+    server.turns = [Turn(calls=[call("run_subagents", tasks=KIDS)])]
+    if went_further:
+        server.turns.append(Turn(calls=[call("update_todo_list", todos="[x] part one\n[x] part two")]))
+    server.turns.append(Turn(text="root done"))
+    steady.turns = [Turn(text="part done")]
+    local = in_process(settings, server, f"tree{int(went_further)}")
+    local = local.model_copy(update={"profiles": {**local.profiles, "kid": profile(steady)}})
+    coord = Coordinator(local)
+    runtime = build_runtime(local, make_app(local))
+    root = coord.create_task("Do both parts.", profile="main", run=True, todos="[ ] part one\n[ ] part two")
+    assert run_child(runtime, root.id).status == "delegated"
+    first, second = coord.get_task(root.id).child_ids
+    steady.script([400])
+    assert run_child(runtime, first).status == "failed"
+    assert run_child(runtime, second).status == "completed"
+    assert "1 of 2 completed" in coord.get_batch(coord.get_task(first).batch_id or "").result
+    server.script([200] * (1 if went_further else 0) + [400])  # the resumed root fails
+    assert run_child(runtime, root.id).status == "failed"
+    with pytest.raises(StateError, match=f"its parent {root.id} already went on with its result; retry the tree"):
+        coord.retry(first)
+    server.heal()
+    steady.heal()
+
+    done = coord.retry(root.id, failed=True)
+
+    # A second retry of the same tree: what was retried is not failed now, and the rest is left again, saying why.
+    nothing = "no failed task of the tree of .* can be retried: .* already went on" if went_further else "has failed"
+    with pytest.raises(StateError, match=nothing):
+        coord.retry(root.id, failed=True)
+    if went_further:
+        assert done.retried == [root.id] and done.reopened == []
+        assert [s.task_id for s in done.skipped] == [first]
+        assert "already went on with its result" in done.skipped[0].reason
+        assert coord.get_task(first).status == TaskStatus.FAILED, "left as it was"
+        assert run_child(runtime, root.id).status == "completed"
+        assert "1 of 2 completed" in json.dumps(server.seen[-1].body), "the parent read the old result"
+    else:
+        assert (done.retried, done.reopened, done.skipped) == ([first], [root.id], [])
+        assert done.task.status == TaskStatus.DELEGATED and done.task.awaiting_ids == [first]
+        assert run_child(runtime, first).status == "completed"
+        assert coord.get_task(root.id).status == TaskStatus.ACTIVE, "the batch closed again: the parent resumes"
+        assert run_child(runtime, root.id).status == "completed"
+        last = json.dumps(server.seen[-1].body)
+        assert "2 of 2 completed" in last and "1 of 2 completed" not in last, "it read the new combined result"
+    record = coord.get_task(root.id)
+    assert record.summary == "root done" and record.retries == 1
+    tree = [root.id, first, second]
+    assert record.total_cost_micros == request_costs(coord, tree), "Σ request costs == the root's total"
+    answered = len(server.answered()) + len(steady.answered())
+    assert record.total_cost_micros == micros(answered), "each answered request counted once, none twice"
+    items = coord.get_todos(root.id)
+    assert (
+        sum(i.cost_micros for i in items) + record.unlinked_cost_micros == record.total_cost_micros - record.cost_micros
+    )
+    coord.close()
+
+
+# -- what makes no sense is refused with why, and changes nothing ------------------------------------
+
+
+def test_retries_that_make_no_sense_are_refused_with_why_and_change_nothing(
+    settings: Settings, server: ModelServer
+) -> None:
+    from coordinator import ValidationError
+    from coordinator.api import create_app
+    from coordinator.client import SubqClient
+    from tests.helpers import TOKEN, ApiServer, state
+    from tests.test_cli import cli
+
+    local = in_process(settings, server, "refused")
+    coord = Coordinator(local)
+    runtime = build_runtime(local, make_app(local))
+    completed = coord.create_task("Look and report.", profile="main", run=True)
+    assert run_child(runtime, completed.id).status == "completed"
+    # A budget below one response's cost: its first response spends it, and the task fails on it.
+    broke = coord.create_task("Look and report.", profile="main", run=True, budget_usd="0.000001")
+    assert run_child(runtime, broke.id).status == "failed"
+    assert coord.get_task(broke.id).error_class == "BudgetExhausted"
+    # A chain whose first step fails: the steps after it are cancelled, the batch closes.
+    chain_root = coord.create_task("Two steps.")
+    chain = coord.delegate(chain_root.id, [dict(k, profile="main") for k in KIDS], mode="sequential")
+    server.script([400])
+    assert run_child(runtime, chain.child_ids[0]).status == "failed"
+    assert coord.get_task(chain.child_ids[1]).status == TaskStatus.CANCELLED
+
+    refusals = [
+        (completed.id, {}, f"task {completed.id} is completed: only a failed task can be retried"),
+        (broke.id, {}, f"task {broke.id} failed on its budget (budget of $0.000001 exhausted"),
+        (chain.child_ids[0], {}, "a stopped chain is not re-opened"),
+        (chain.child_ids[1], {}, f"task {chain.child_ids[1]} is cancelled: only a failed task can be retried"),
+        (completed.id, {"failed": True}, f"no task of the tree of {completed.id} has failed"),
+        (broke.id, {"failed": True}, "retrying it would hit the same budget"),
+    ]
+    roots = (completed.id, broke.id, chain_root.id)
+    before = state(coord, *roots)
+    api_coord = Coordinator(api_settings(local))
+    env = {"SUBQ_REDIS_URL": settings.redis_url or "", "SUBQ_KEY_PREFIX": local.key_prefix, "SUBQ_QUEUE": local.queue}
+    with ApiServer(create_app(coordinator=api_coord)) as api, api.client() as http:
+        client = SubqClient(api.url, TOKEN)
+        for task_id, body, why in refusals:
+            with pytest.raises(StateError) as direct:
+                coord.retry(task_id, **body)
+            assert why in str(direct.value)
+            answer = http.post(f"/v1/tasks/{task_id}/retry", json=body)
+            assert (answer.status_code, answer.json()["code"], answer.json()["field"]) == (
+                409,
+                "wrong_state",
+                "task_id",
+            )
+            assert why in answer.json()["message"]
+            with pytest.raises(StateError) as by_client:
+                client.retry(task_id, **body)
+            assert why in str(by_client.value)
+            shown = cli("retry", task_id, *(["--failed"] if body else []), env=env)
+            assert shown.returncode == 1 and shown.stdout == "" and why in shown.stderr
+            assert shown.stderr.startswith("subq: ") and shown.stderr.count("\n") == 1
+        # Malformed input: the body's field, and an unknown field, named; nothing sent by the client.
+        for body, field, words in [
+            ({"failed": "yes"}, "failed", "Input should be a valid boolean"),
+            ({"failed": False, "reason": "x"}, "reason", "Extra inputs are not permitted"),
+        ]:
+            answer = http.post(f"/v1/tasks/{completed.id}/retry", json=body)
+            assert (answer.status_code, answer.json()["field"]) == (422, field), answer.text
+            assert words in answer.json()["message"]
+        with pytest.raises(ValidationError, match="failed: Input should be a valid boolean"):
+            client.retry(completed.id, failed="yes")  # type: ignore[arg-type]
+        unknown = http.post(f"/v1/tasks/{completed.id[:16]}-000000000000/retry")
+        assert unknown.status_code == 404 and unknown.json()["code"] == "not_found"
+        client.close()
+    api_coord.close()
+    assert state(coord, *roots) == before, "a refused retry changed Redis or published a message"
+    coord.close()
