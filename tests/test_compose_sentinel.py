@@ -223,9 +223,9 @@ def test_compose_with_sentinel_comes_up_runs_a_tree_fails_over_and_takes_its_old
         with httpx.Client(
             base_url=services.api_url, headers={"Authorization": f"Bearer {API_TOKEN}"}, timeout=HTTP_TIMEOUT_S
         ) as http:
-            # The worker's own check imports subq's app and waits on Celery: 8 s of CPU on a 2-core host,
-            # 15 s when no node answers yet, slowing the worker's own start. Docker runs a first check only
-            # after `interval` (30 s); here it runs once the API sees the worker's heartbeat.
+            # The worker's own check waits 5 s for an answer when no node answers yet, on a host the
+            # worker's own start keeps busy. Docker runs a first check only after `interval` (30 s);
+            # here it runs once the API sees the worker's heartbeat.
             _wait_for_workers(http, 1)
             _healthy(*worker)
             _run_tree(http)

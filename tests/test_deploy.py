@@ -69,8 +69,8 @@ def test_every_service_is_health_checked_restarted_and_waits_for_redis() -> None
         assert service["healthcheck"]["test"][0] in ("CMD", "CMD-SHELL"), name
     for name in SUBQ_SERVICES:
         assert services[name]["depends_on"] == {"redis": {"condition": "service_healthy"}}, name
-    # The worker's check pings its own Celery node, by its container's host name.
-    assert "inspect ping" in services["worker"]["healthcheck"]["test"][1]
+    # The worker's check pings its own Celery node, by its container's host name (tests/test_worker_probe.py runs it).
+    assert "python -m coordinator.worker_ping" in services["worker"]["healthcheck"]["test"][1]
     assert "celery@$$HOSTNAME" in services["worker"]["healthcheck"]["test"][1]
     assert "/readyz" in " ".join(services["api"]["healthcheck"]["test"])
 
@@ -195,8 +195,8 @@ def test_the_sentinel_variants_subq_services_follow_the_sentinels() -> None:
         assert settings.min_replicas() == 1 and settings.sentinel_addresses()[0] == ("sentinel-1", 26379)
         for sentinel in SENTINEL_SERVICES:
             assert services[name]["depends_on"][sentinel] == {"condition": "service_healthy"}, name
-    # Celery's own ping cannot name the master (a transport option): the variant's uses subq's app.
-    assert "-A workers.app inspect ping" in services["worker"]["healthcheck"]["test"][1]
+    # The worker's check is docker-compose.yml's: it reads the sentinels from the settings above.
+    assert services["worker"]["healthcheck"] == compose_file.load()["services"]["worker"]["healthcheck"]
 
 
 def test_a_worker_container_may_start_the_command_sandbox() -> None:
