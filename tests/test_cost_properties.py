@@ -5,8 +5,8 @@ Hypothesis writes programs of operations on one tree in a real Redis: delegate
 (drop, duplicate, reorder, reword, flip, unicode, whitespace), spend (a model
 request's tokens and cost, or a priced tool call's cost, replayed or not), end a
 child (completed or failed; written back by the batch's settle or by a
-redelivered run), cancel a subtree, stop one for a spent budget, and settle
-a batch again. The steps are
+redelivered run), cancel a subtree, stop one for a spent budget, retry a failed
+task (alone, or every failed task of the tree), and settle a batch again. The steps are
 the real ones: the store's transactions and Lua, the merge rules, the
 write-back. After every operation, for every task of the tree:
 
@@ -52,6 +52,7 @@ OPS = st.one_of(
     st.tuples(st.just("cancel"), st.integers(1, 9)),
     st.tuples(st.just("settle"), st.integers(0, 9)),
     st.tuples(st.just("budget_stop"), st.integers(0, 9)),
+    st.tuples(st.just("retry"), st.integers(0, 9), st.booleans()),
 )  # fmt: skip
 
 
@@ -148,6 +149,15 @@ class Tree:
         if not task.status.terminal:
             budgets.stop(self.coord.plane, task.id)
 
+    def retry(self, n: int, tree: bool) -> None:
+        """A person retries a failed task, or every failed task of the tree (coordinator/retry.py): each is
+        active again, its spend kept; a child's slot in its open batch is opened again, so it counts as in
+        flight until it ends again and is written back once more. Refused as a whole when it makes no sense."""
+        if tree:
+            self.coord.retry(self.root, failed=True)
+        elif self.coord.get_task(self.pick(n)).status == TaskStatus.FAILED:
+            self.coord.retry(self.pick(n))
+
     def settle(self, n: int) -> None:
         if self.batches:
             self.lifecycle.settle_batch(self.batches[n % len(self.batches)])
@@ -223,6 +233,18 @@ REWRITES_OF_FINISHED_WORK = st.lists(
         ("delegate", 0, 1, "parallel", False),
         ("delegate", 8, 1, "parallel", False),
         ("cancel", 1),
+    ]
+)
+# A failed child retried in its open batch, failing again with more spend, retried again, then ended.
+@example(
+    program=[
+        ("delegate", 0, 2, "parallel", True),
+        ("end", 1, "failed", False, 700),
+        ("rewrite", 0, "drop", 0),
+        ("retry", 1, False),
+        ("end", 1, "failed", True, 300),
+        ("retry", 0, True),
+        ("spend", 1, 50),
     ]
 )
 def test_every_plan_adds_up_after_every_step(

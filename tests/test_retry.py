@@ -207,6 +207,8 @@ def test_a_failed_child_of_an_open_batch_is_awaited_again_and_written_back_once(
     assert sorted(parent.awaiting_ids) == sorted([flaky, sibling]), "awaited again"
     assert parent.status == TaskStatus.DELEGATED
     assert parent.unlinked_cost_micros == 0, "its figures are taken back out until it is written back again"
+    stored = coord.store.records.get_todos(root.id)
+    assert [i.cost_micros for i in stored] == [0] * len(stored), "and off its row: it is in flight again"
     assert run_child(runtime, flaky).status == "completed"
     assert coord.get_task(root.id).status == TaskStatus.DELEGATED, "the batch still waits on the sibling"
     assert run_child(runtime, sibling).status == "completed"

@@ -3,10 +3,10 @@
 -- and onto the due list (its caller publishes its run after this call); a task to `wait` goes
 -- back to `delegated` on the batch it is re-opened for, its conversation cut back to the
 -- response that made the delegation call. A task of a batch gets its slot there again: its
--- line of the combined result removed, awaited again, and its figures taken back out of the
--- parent's unlinked spend if they went there (no row carries its link), since its next
--- write-back counts them again (apply_children.lua sets a linked item's figures, but adds
--- unlinked ones). A closed batch of a task to `wait` is re-opened: running, no result.
+-- line of the combined result removed, awaited again, and its figures taken back off where its
+-- write-back put them (its row back to the earlier children's figures, or out of the parent's
+-- unlinked spend when no row carries its link), since its next write-back puts them there
+-- again (apply_children.lua sets a linked item's figures, but adds unlinked ones). A closed batch of a task to `wait` is re-opened: running, no result.
 -- KEYS[1] the due list   KEYS[2] tree live hash   KEYS[3] tree events stream
 -- then 4 keys per task: task hash, its UI messages, its lease, its conversation
 -- then 5 keys per batch: batch hash, batch lines, parent hash, parent awaiting set, parent todos
@@ -87,24 +87,30 @@ local function timeline_again(key, state)
   hash_set(key, 'timeline', again or cjson.encode(tl))
 end
 
--- The item carrying the child's link, as apply_children.lua finds it; nil when no row does.
-local function carried(todos, child_id, todo_id)
+-- The item carrying the child's link, as apply_children.lua finds it: its id and item, or nil.
+local function carrier(todos, child_id, todo_id)
   if todo_id and todo_id ~= '' then
     local raw = redis.call('HGET', todos, todo_id)
-    if raw and cjson.decode(raw)['subtask_id'] == child_id then
-      return true
+    if raw then
+      local item = cjson.decode(raw)
+      if item['subtask_id'] == child_id then
+        return todo_id, item
+      end
     end
   end
   local order = redis.call('HGET', todos, 'order')
   if order then
     for _, id in ipairs(cjson.decode(order)) do
       local raw = redis.call('HGET', todos, id)
-      if raw and cjson.decode(raw)['subtask_id'] == child_id then
-        return true
+      if raw then
+        local item = cjson.decode(raw)
+        if item['subtask_id'] == child_id then
+          return id, item
+        end
       end
     end
   end
-  return false
+  return nil, nil
 end
 
 for _, b in ipairs(batches) do
@@ -126,10 +132,19 @@ for i, t in ipairs(tasks) do
   hash_expire_later(t.key, retention)
   if t.slot > 0 then
     local b = batches[t.slot]
-    if redis.call('HDEL', b.lines, t.id) == 1 and not carried(b.todos, t.id, f[7]) then
-      -- Its figures went to the parent's unlinked spend; its next write-back adds them again.
-      hash_incr(b.parent, 'unlinked_tokens', -(tonumber(f[5] or '0') or 0))
-      hash_incr(b.parent, 'unlinked_cost_micros', -(tonumber(f[6] or '0') or 0))
+    if redis.call('HDEL', b.lines, t.id) == 1 then
+      -- It was written back: its figures come off where they went, as if it had not been yet (its
+      -- subtree total counts as in flight meanwhile), and its next write-back puts them back once.
+      local id, item = carrier(b.todos, t.id, f[7])
+      if id then
+        item['tokens'] = tonumber(item['prior_tokens']) or 0
+        item['cost_micros'] = tonumber(item['prior_cost_micros']) or 0
+        redis.call('HSET', b.todos, id, cjson.encode(item))
+        hash_incr(b.parent, 'todos_version', 1)
+      else
+        hash_incr(b.parent, 'unlinked_tokens', -(tonumber(f[5] or '0') or 0))
+        hash_incr(b.parent, 'unlinked_cost_micros', -(tonumber(f[6] or '0') or 0))
+      end
     end
     redis.call('SADD', b.awaiting, t.id)
   end
