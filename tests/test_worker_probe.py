@@ -41,12 +41,14 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from coordinator import worker_ping
+from coordinator import Settings, worker_ping
 from coordinator.local.embedded_redis import free_port, local_redis
+from coordinator.local.fleet import WorkerFleet, settings_env
 from tests import compose_file
 from tests.compose_file import Localizer
 from tests.sentinel_kit import MASTER_NAME, SentinelSet, sentinel_set
 from tests.test_kubernetes import _kustomize, _one, _project
+from tests.tls_kit import make_tls
 
 # A worker pod's name as its ReplicaSet makes it: the pod's HOSTNAME, and its Celery node's host.
 POD = "subq-worker-7c9d5b8f4-q2x8z"
@@ -294,6 +296,23 @@ def test_under_sentinel_the_checks_pass_while_the_pods_worker_answers_through_a_
             sentinel.stop()
         # No sentinel left to name the master: each says so, rather than waiting for an answer.
         _each_fails_in_one_line(checks, tmp_path, "no sentinel of SUBQ_REDIS_SENTINELS answers")
+
+
+def test_the_check_reaches_a_worker_through_sentinels_that_speak_tls_only(settings: Settings, tmp_path: Path) -> None:
+    """SUBQ_REDIS_TLS and its files reach the check's broker and its questions to the sentinels, as the worker's."""
+    with sentinel_set(tmp_path / "sentinels", replicas=1, tls=make_tls(tmp_path / "tls")) as kit:
+        own = kit.settings(settings, key_prefix="subqprobetls", queue="subq-probe-tls")
+        with WorkerFleet(own, 1, tmp_path / "workers") as fleet:
+            fleet.wait_ready()
+            (node,) = fleet.nodes
+            answers = [node, "celery@no-such-pod"]
+            argv = [sys.executable, "-m", "coordinator.worker_ping"]
+            env = settings_env(own)
+            done = [subprocess.run([*argv, n], env=env, capture_output=True, text=True, timeout=60) for n in answers]
+    assert (done[0].returncode, done[0].stdout, done[0].stderr) == (0, f"{node}: pong\n", ""), done[0]
+    assert done[1].returncode == 1 and done[1].stdout == "", done[1]
+    assert done[1].stderr.count("\n") == 1 and "celery@no-such-pod did not answer" in done[1].stderr, done[1]
+    assert "(TLS) of the sentinels" in done[1].stderr, "the broker named as subq's settings give it"
 
 
 @pytest.mark.parametrize(
