@@ -1,6 +1,6 @@
 """subq's web view: the operator's view of trees in a browser, served by `subq api` under /ui.
 
-    routes.py     the pages, the live fragment and stream, the actions (approve, deny, cancel)
+    routes.py     the pages, the live fragment and stream, the actions (approve, deny, cancel, retry)
     views.py      what a page shows, read through the Coordinator (roots, a tree)
     auth.py       the session cookie, signed in with SUBQ_API_TOKEN
     templates/    Jinja2 templates (server-rendered HTML)

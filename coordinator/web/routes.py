@@ -6,6 +6,7 @@
     GET  /ui/tasks/{id}/events         the tree's event stream (SSE), as GET /v1/tasks/{id}/events
     GET  /ui/tasks/{id}/conversation   a task's UI messages and model conversation
     POST /ui/actions/tasks/{id}/cancel        {reason}: cancel a subtree
+    POST /ui/actions/tasks/{id}/retry         {failed?}: retry a failed task (with failed: its tree's failed tasks)
     POST /ui/actions/approvals/{id}           {decision, feedback?}: approve or deny
     GET|POST /ui/login, POST /ui/logout
 
@@ -13,7 +14,8 @@ Pages answer errors as HTML pages with the API's status for the error; actions
 answer JSON in the API's one error shape, which the page shows as it is.
 Every page, fragment, stream and action is the signed-in key's (coordinator/web/auth.py),
 checked by the API's own `Gate`: a tree the key may not read is a 404, and a
-page offers only the actions the key's scopes allow (no Approve without `decide`).
+page offers only the actions the key's scopes allow (no Approve without `decide`; Cancel and
+Retry only where the key may write the tree).
 Handlers are plain `def`s where they call the Coordinator (synchronous Redis),
 so they run in FastAPI's thread pool, as the API's do.
 """
@@ -44,7 +46,8 @@ from coordinator.api.routes import TaskId
 from coordinator.api.schemas import CancelInput, DecisionInput
 from coordinator.audit import Actor
 from coordinator.errors import SubqError, ValidationError
-from coordinator.models import Approval, TaskRecord, TaskStatus, format_usd
+from coordinator.inputs import RetryInput
+from coordinator.models import Approval, Retried, TaskRecord, TaskStatus, format_usd
 from coordinator.service import Coordinator
 from coordinator.settings import Settings
 from coordinator.tree import duration
@@ -207,6 +210,11 @@ def _router(coord: Coordinator, auth: WebAuth, auth_attempts: RateLimiter) -> AP
     def cancel(request: Request, task_id: TaskId, body: CancelInput, key: Principal = Depends(signed_in)) -> TaskRecord:
         gate.write_tree(request, key, task_id, others=Scope.OPERATE)
         return coord.cancel(task_id, body.reason, actor=actor_of(request, key, "web"))
+
+    @router.post("/actions/tasks/{task_id}/retry", dependencies=[Depends(json_body)])
+    def retry(request: Request, task_id: TaskId, body: RetryInput, key: Principal = Depends(signed_in)) -> Retried:
+        gate.write_tree(request, key, task_id, others=Scope.OPERATE)
+        return coord.retry(task_id, failed=body.failed, actor=actor_of(request, key, "web"))
 
     @router.post("/actions/approvals/{approval_id}", dependencies=[Depends(json_body)])
     def decide(

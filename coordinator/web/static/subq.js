@@ -1,7 +1,7 @@
 // subq web view: keeps the tree page live and sends the operator's actions.
 // The server renders every piece of HTML; this script only (1) listens to the
 // tree's event stream and, on an event, swaps in the tree fragment the server
-// renders again, and (2) posts approve / deny / cancel after a confirmation,
+// renders again, and (2) posts approve / deny / cancel / retry after a confirmation,
 // showing the server's error when it refuses. No polling: nothing is fetched
 // unless the stream says something changed.
 "use strict";
@@ -66,25 +66,31 @@
     if (focused) { const el = document.getElementById(focused); if (el) el.focus(); }
   }
 
-  const stream = new EventSource(tree.dataset.eventsUrl);
-  stream.onopen = () => setLive("open", "live: updating as the tree's events arrive");
-  stream.onmessage = () => { refresh(); };
-  stream.addEventListener("end", (event) => {
-    stream.close();  // else EventSource reconnects to a stream that has ended
-    const status = JSON.parse(event.data).status;
-    setLive("ended", "settled (" + status + "): the live stream has ended");
-    refresh();
-  });
-  stream.addEventListener("error", (event) => {
-    if (event.data) {  // the server's own error event: {code, message, field}
-      stream.close();
-      setLive("failed", "the live stream failed: " + JSON.parse(event.data).message);
-    } else if (stream.readyState === EventSource.CONNECTING) {
-      setLive("reconnecting", "reconnecting to the live stream…");
-    } else if (stream.readyState === EventSource.CLOSED) {
-      setLive("failed", "the live stream closed; reload the page to reconnect");
-    }
-  });
+  // The tree's stream ends once the tree has settled; a retry makes it go on, so the page listens again.
+  let stream = null;
+  function listen() {
+    const source = new EventSource(tree.dataset.eventsUrl);
+    stream = source;
+    source.onopen = () => setLive("open", "live: updating as the tree's events arrive");
+    source.onmessage = () => { refresh(); };
+    source.addEventListener("end", (event) => {
+      source.close();  // else EventSource reconnects to a stream that has ended
+      const status = JSON.parse(event.data).status;
+      setLive("ended", "settled (" + status + "): the live stream has ended");
+      refresh();
+    });
+    source.addEventListener("error", (event) => {
+      if (event.data) {  // the server's own error event: {code, message, field}
+        source.close();
+        setLive("failed", "the live stream failed: " + JSON.parse(event.data).message);
+      } else if (source.readyState === EventSource.CONNECTING) {
+        setLive("reconnecting", "reconnecting to the live stream…");
+      } else if (source.readyState === EventSource.CLOSED) {
+        setLive("failed", "the live stream closed; reload the page to reconnect");
+      }
+    });
+  }
+  listen();
 
   // -- actions --------------------------------------------------------------------
   async function errorText(response) {
@@ -96,7 +102,7 @@
     }
   }
 
-  async function post(url, body) {
+  async function post(url, body, wakes) {
     showError("");
     const response = await fetch(url, {
       method: "POST",
@@ -105,6 +111,8 @@
       body: JSON.stringify(body),
     });
     if (!response.ok) { showError(await errorText(response)); return; }
+    // A retried tree runs again: listen again if its stream had ended.
+    if (wakes && stream.readyState === EventSource.CLOSED) listen();
     refresh();
   }
 
@@ -118,6 +126,14 @@
       const reason = window.prompt("Cancel task " + id + " and its whole subtree?\nReason:", "cancelled from the web view");
       if (reason === null) return;
       post(ui + "/actions/tasks/" + encodeURIComponent(id) + "/cancel", { reason: reason });
+    } else if (action === "retry") {
+      const id = button.dataset.taskId;
+      const tree = button.dataset.tree === "true";
+      const question = tree
+        ? "Retry task " + id + " and every failed task below it (children first), from their conversations?"
+        : "Retry task " + id + " from its conversation? Its finished tool calls are not run again.";
+      if (!window.confirm(question)) return;
+      post(ui + "/actions/tasks/" + encodeURIComponent(id) + "/retry", { failed: tree }, true);
     } else if (action === "approve" || action === "deny") {
       const id = button.dataset.approvalId;
       const feedback = (document.getElementById("feedback-" + id) || {}).value || "";
