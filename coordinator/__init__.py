@@ -61,6 +61,8 @@ if TYPE_CHECKING:
     )
     from coordinator.models import (
         Batch as Batch,
+        Retried as Retried,
+        RetrySkip as RetrySkip,
         SubtaskResult as SubtaskResult,
         SubtaskSpec as SubtaskSpec,
         TaskRecord as TaskRecord,
@@ -124,6 +126,8 @@ _EXPORTS = {
     "SubmitInput": "coordinator.inputs",
     "one_line": "coordinator.inputs",
     "Batch": "coordinator.models",
+    "Retried": "coordinator.models",
+    "RetrySkip": "coordinator.models",
     "SubtaskResult": "coordinator.models",
     "SubtaskSpec": "coordinator.models",
     "TaskRecord": "coordinator.models",

@@ -69,6 +69,7 @@ OPERATIONS = [
     "GET /v1/tasks/{task_id}/messages",
     "GET /v1/tasks/{task_id}/events",
     "POST /v1/tasks/{task_id}/cancel",
+    "POST /v1/tasks/{task_id}/retry",
     "GET /v1/tasks/{task_id}/snapshot",
     "GET /v1/approvals",
     "POST /v1/approvals/{approval_id}",

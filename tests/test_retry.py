@@ -10,6 +10,7 @@ make it in this process (`run_child`, the function the worker runs); the accepta
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from decimal import Decimal
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import Coordinator, Settings, StateError, TaskStatus
+from coordinator import Coordinator, Retried, Settings, StateError, TaskStatus
 from coordinator.celery_app import make_app
 from coordinator.settings import Price, Profile
 from tests.conftest import dedicated_fleet
@@ -366,15 +367,19 @@ def test_retries_that_make_no_sense_are_refused_with_why_and_change_nothing(
     assert run_child(runtime, chain.child_ids[0]).status == "failed"
     assert coord.get_task(chain.child_ids[1]).status == TaskStatus.CANCELLED
 
+    # A caller's root that failed (a submission whose publish failed ends its root so): no run to go on with.
+    callers = coord.create_task("Driven by its caller.")
+    coord.store.runs.finish_task(callers.id, "failed", "", "the broker refused the publish")
     refusals = [
         (completed.id, {}, f"task {completed.id} is completed: only a failed task can be retried"),
+        (callers.id, {}, f"task {callers.id} is run by its caller, not by an agent on the fleet"),
         (broke.id, {}, f"task {broke.id} failed on its budget (budget of $0.000001 exhausted"),
         (chain.child_ids[0], {}, "a stopped chain is not re-opened"),
         (chain.child_ids[1], {}, f"task {chain.child_ids[1]} is cancelled: only a failed task can be retried"),
         (completed.id, {"failed": True}, f"no task of the tree of {completed.id} has failed"),
         (broke.id, {"failed": True}, "retrying it would hit the same budget"),
     ]
-    roots = (completed.id, broke.id, chain_root.id)
+    roots = (completed.id, broke.id, chain_root.id, callers.id)
     before = state(coord, *roots)
     api_coord = Coordinator(api_settings(local))
     env = {"SUBQ_REDIS_URL": settings.redis_url or "", "SUBQ_KEY_PREFIX": local.key_prefix, "SUBQ_QUEUE": local.queue}
@@ -394,9 +399,13 @@ def test_retries_that_make_no_sense_are_refused_with_why_and_change_nothing(
             with pytest.raises(StateError) as by_client:
                 client.retry(task_id, **body)
             assert why in str(by_client.value)
-            shown = cli("retry", task_id, *(["--failed"] if body else []), env=env)
-            assert shown.returncode == 1 and shown.stdout == "" and why in shown.stderr
-            assert shown.stderr.startswith("subq: ") and shown.stderr.count("\n") == 1
+            with pytest.raises(StateError) as by_async:
+                asyncio.run(_retry_async(api.url, task_id, body.get("failed", False)))
+            assert why in str(by_async.value)
+            for reach in (env, {"SUBQ_API_URL": api.url, "SUBQ_API_TOKEN": TOKEN}):  # on Redis, and through the API
+                shown = cli("retry", task_id, *(["--failed"] if body else []), env=reach)
+                assert shown.returncode == 1 and shown.stdout == "" and why in shown.stderr
+                assert shown.stderr.startswith("subq: ") and shown.stderr.count("\n") == 1
         # Malformed input: the body's field, and an unknown field, named; nothing sent by the client.
         for body, field, words in [
             ({"failed": "yes"}, "failed", "Input should be a valid boolean"),
@@ -407,9 +416,43 @@ def test_retries_that_make_no_sense_are_refused_with_why_and_change_nothing(
             assert words in answer.json()["message"]
         with pytest.raises(ValidationError, match="failed: Input should be a valid boolean"):
             client.retry(completed.id, failed="yes")  # type: ignore[arg-type]
+        with pytest.raises(ValidationError, match="failed: Input should be a valid boolean"):
+            asyncio.run(_retry_async(api.url, completed.id, "yes"))  # type: ignore[arg-type]
         unknown = http.post(f"/v1/tasks/{completed.id[:16]}-000000000000/retry")
         assert unknown.status_code == 404 and unknown.json()["code"] == "not_found"
         client.close()
     api_coord.close()
     assert state(coord, *roots) == before, "a refused retry changed Redis or published a message"
+    coord.close()
+
+
+async def _retry_async(url: str, task_id: str, failed: bool) -> object:
+    from coordinator.client import AsyncSubqClient
+    from tests.helpers import TOKEN
+
+    async with AsyncSubqClient(url, TOKEN) as client:
+        return await client.retry(task_id, failed=failed)
+
+
+def test_the_python_clients_retry_sync_and_async(settings: Settings, server: ModelServer) -> None:
+    from coordinator.api import create_app
+    from coordinator.client import SubqClient
+    from tests.helpers import TOKEN, ApiServer
+
+    local = in_process(settings, server, "clients")
+    coord = Coordinator(local)
+    runtime = build_runtime(local, make_app(local))
+    server.fail(400)
+    tasks = [coord.create_task(f"Look and report ({face}).", profile="main", run=True) for face in ("sync", "async")]
+    assert [run_child(runtime, task.id).status for task in tasks] == ["failed", "failed"]
+    server.heal()
+    api_coord = Coordinator(api_settings(local))
+    with ApiServer(create_app(coordinator=api_coord)) as api, SubqClient(api.url, TOKEN) as client:
+        by_sync = client.retry(tasks[0].id)
+        by_async = asyncio.run(_retry_async(api.url, tasks[1].id, False))
+    api_coord.close()
+    for done, task in ((by_sync, tasks[0]), (by_async, tasks[1])):
+        assert isinstance(done, Retried) and done.retried == [task.id] and done.task.status == TaskStatus.ACTIVE
+        assert run_child(runtime, task.id).status == "completed"
+        assert coord.get_task(task.id).cost_micros == micros(2)
     coord.close()
