@@ -456,3 +456,35 @@ def test_the_python_clients_retry_sync_and_async(settings: Settings, server: Mod
         assert run_child(runtime, task.id).status == "completed"
         assert coord.get_task(task.id).cost_micros == micros(2)
     coord.close()
+
+
+def test_a_tool_call_that_returned_before_the_failure_is_not_run_again(
+    settings: Settings, server: ModelServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("TOOL_KIT_MARKS", str(marks))
+    server.turns = [Turn(calls=[call("leave_mark", label="once")]), Turn(text="all done")]
+    local = in_process(settings, server, "journal")
+    local = local.model_copy(
+        update={"profiles": {**local.profiles, "main": profile(server, tools=["tests.tool_kit:leave_mark"])}}
+    )
+    coord = Coordinator(local)
+    runtime = build_runtime(local, make_app(local))
+    server.script([200, 400])  # the tool's call is answered and runs; the next request is refused
+    task = coord.create_task("Leave a mark, then report.", profile="main", run=True)
+    assert run_child(runtime, task.id).status == "failed"
+    (mark,) = marks.glob("once.*")
+    written_ns = mark.stat().st_mtime_ns
+    assert coord.get_task(task.id).tool_use["leave_mark"].outcomes == {"ok": 1}
+
+    coord.retry(task.id)
+    result = run_child(runtime, task.id)
+
+    record = coord.get_task(task.id)
+    assert result.status == "completed" and record.summary == "all done", record.error
+    assert [s.status for s in server.seen] == [200, 400, 200], "the call's response was not asked for again"
+    assert list(marks.glob("once.*")) == [mark] and mark.stat().st_mtime_ns == written_ns, "the tool ran once"
+    assert record.tool_use["leave_mark"].outcomes == {"ok": 1}, "counted once"
+    assert record.cost_micros == micros(2)
+    coord.close()
