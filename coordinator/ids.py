@@ -19,8 +19,9 @@ TASK_ID_RE = re.compile(rf"^({_ROOT})(?:-[0-9a-f]{{12}})?\Z")
 BATCH_ID_RE = re.compile(rf"^({_ROOT})-b[0-9a-f]{{12}}\Z")
 APPROVAL_ID_RE = re.compile(rf"^({_ROOT})-a[0-9a-f]{{12}}\Z")
 # The Celery id of a run: the task id, then `-r<n>` (a resume), `-q<hex>` (a restart after a
-# wait) or `-x<n>` (a run the reconciler published again); see coordinator/dispatch.py.
-RUN_ID_RE = re.compile(rf"^({_ROOT}(?:-[0-9a-f]{{12}})?)(?:-[rqx][0-9a-f]+)?\Z")
+# wait), `-t<n>` (a person's n-th retry of the failed task) or `-x<n>` (a run the reconciler
+# published again); see coordinator/dispatch.py.
+RUN_ID_RE = re.compile(rf"^({_ROOT}(?:-[0-9a-f]{{12}})?)(?:-[rqtx][0-9a-f]+)?\Z")
 
 
 def new_root_id() -> str:

@@ -488,3 +488,12 @@ def test_a_tool_call_that_returned_before_the_failure_is_not_run_again(
     assert record.tool_use["leave_mark"].outcomes == {"ok": 1}, "counted once"
     assert record.cost_micros == micros(2)
     coord.close()
+
+
+def test_a_retrys_celery_id_names_its_task() -> None:
+    """The reconciler finds a run in the queue by the task its Celery id names, and Flower shows its record."""
+    from coordinator import task_of_run_id
+
+    child = "0123456789abcdef-0123456789ab"
+    assert task_of_run_id(f"{child}-t1") == child and task_of_run_id("0123456789abcdef-t12") == "0123456789abcdef"
+    assert task_of_run_id(f"{child}-t") is None
