@@ -125,8 +125,8 @@ def _plan_tree(plane: Plane, top: TaskRecord) -> _Plan:
                 refusal = _chain_refusal(plane, task, batch)
             elif batch.status == "done":
                 point = _reopen_point(plane, parent, batch, fit, reopen)
-                if point is None:
-                    refusal = _moved_on(plane, task, batch, in_tree=True)
+                if point is None:  # the named task's parent is outside its subtree: the hint names the root
+                    refusal = _moved_on(plane, task, batch, in_tree=task.id != top.id)
                 else:
                     reopen[batch.parent_id] = (batch, *point)
         if refusal:

@@ -300,8 +300,9 @@ def test_a_tree_retry_runs_failed_children_first_and_their_parent_resumes_with_t
     assert "1 of 2 completed" in coord.get_batch(coord.get_task(first).batch_id or "").result
     server.script([200] * (1 if went_further else 0) + [400])  # the resumed root fails
     assert run_child(runtime, root.id).status == "failed"
-    with pytest.raises(StateError, match=f"its parent {root.id} already went on with its result; retry the tree"):
-        coord.retry(first)
+    for alone in (False, True):  # the child's own subtree is the child: its parent is not in it
+        with pytest.raises(StateError, match=f"its parent {root.id} already went on with its result; retry the tree"):
+            coord.retry(first, failed=alone)
     server.heal()
     steady.heal()
 
