@@ -369,8 +369,9 @@ class Batch(BaseModel):
 
 @dataclass(frozen=True)
 class RetryTask:
-    """One failed task of a retry's plan (coordinator/retry.py, store.retries): `run` (active again, its run published next) or `wait` (delegated
-    again on the batch re-opened for it, its conversation cut to its first `keep` messages of `length`)."""
+    """One failed task of a retry's plan (coordinator/retry.py, store.retries): `run` (active again, its
+    run published next) or `wait` (delegated again on the batch re-opened for it, its conversation cut
+    to its first `keep` messages of `length`)."""
 
     task_id: str
     role: Literal["run", "wait"]

@@ -6,7 +6,8 @@
 -- line of the combined result removed, awaited again, and its figures taken back off where its
 -- write-back put them (its row back to the earlier children's figures, or out of the parent's
 -- unlinked spend when no row carries its link), since its next write-back puts them there
--- again (apply_children.lua sets a linked item's figures, but adds unlinked ones). A closed batch of a task to `wait` is re-opened: running, no result.
+-- again (apply_children.lua sets a linked item's figures, but adds unlinked ones). The closed
+-- batch a task waits on again is re-opened: running, with no result.
 -- KEYS[1] the due list   KEYS[2] tree live hash   KEYS[3] tree events stream
 -- then 4 keys per task: task hash, its UI messages, its lease, its conversation
 -- then 5 keys per batch: batch hash, batch lines, parent hash, parent awaiting set, parent todos
