@@ -498,3 +498,43 @@ def test_a_retrys_celery_id_names_its_task() -> None:
     child = "0123456789abcdef-0123456789ab"
     assert task_of_run_id(f"{child}-t1") == child and task_of_run_id("0123456789abcdef-t12") == "0123456789abcdef"
     assert task_of_run_id(f"{child}-t") is None
+
+
+def test_a_tree_retry_reopens_each_level_a_failure_climbed(
+    settings: Settings, server: ModelServer, steady: ModelServer
+) -> None:
+    """A leaf's failure failed its parent, and that one's its root: each level's batch is re-opened in one
+    step, the leaf runs again, and each parent resumes in turn with the new result."""
+    mid = {"description": "middle", "message": "Ask the leaf.", "profile": "mid"}
+    leaf = {"description": "leaf", "message": "Answer.", "profile": "leaf"}
+    server.turns = [Turn(calls=[call("run_subagents", tasks=[mid])]), Turn(text="root done")]
+    steady.turns = [Turn(calls=[call("run_subagents", tasks=[leaf])]), Turn(text="middle done")]
+    with ModelServer([Turn(text="leaf done")]) as leaf_server:
+        local = in_process(settings, server, "levels")
+        local = local.model_copy(
+            update={"profiles": {**local.profiles, "mid": profile(steady), "leaf": profile(leaf_server)}}
+        )
+        coord = Coordinator(local)
+        runtime = build_runtime(local, make_app(local))
+        root = coord.create_task("Ask down the tree.", profile="main", run=True)
+        assert run_child(runtime, root.id).status == "delegated"
+        (middle,) = coord.get_task(root.id).child_ids
+        assert run_child(runtime, middle).status == "delegated"
+        (bottom,) = coord.get_task(middle).child_ids
+        for failing in (leaf_server, steady, server):
+            failing.fail(400, times=1)
+        for task_id in (bottom, middle, root.id):  # each failure reaches the parent, which fails on it
+            assert run_child(runtime, task_id).status == "failed", task_id
+
+        done = coord.retry(root.id, failed=True)
+
+        assert (done.retried, done.reopened) == ([bottom], [middle, root.id])
+        assert [coord.get_task(t).status for t in (bottom, middle, root.id)] == ["active", "delegated", "delegated"]
+        for task_id in (bottom, middle, root.id):
+            assert run_child(runtime, task_id).status == "completed", coord.get_task(task_id).error
+        record = coord.get_task(root.id)
+        assert record.summary == "root done"
+        assert "1 of 1 completed" in json.dumps(server.seen[-1].body)
+        answered = len(server.answered()) + len(steady.answered()) + len(leaf_server.answered())
+        assert record.total_cost_micros == request_costs(coord, [root.id, middle, bottom]) == micros(answered)
+        coord.close()
