@@ -58,7 +58,8 @@ else:
     COMMANDS = (
         *(stack.up, stack.worker, stack.tools, stack.api, stack.flower, stack.demo),
         *(work.run, work.status, work.result, work.todos, work.tree, work.history, work.export),
-        *(control.cancel, control.retry, control.approvals, control.approve, control.deny, control.dead_letters, control.audit),
+        *(control.cancel, control.retry, control.approvals, control.approve, control.deny),
+        *(control.dead_letters, control.audit),
     )
     for _command in COMMANDS:
         app.command()(_command)
