@@ -436,6 +436,7 @@ GUARDED = [
     ("GET", "/v1/tasks/{id}/events", None),
     ("GET", "/v1/tasks", None),
     ("POST", "/v1/tasks/{id}/cancel", {"reason": "x"}),
+    ("POST", "/v1/tasks/{id}/retry", {"failed": False}),
     ("GET", "/v1/tasks/{id}/snapshot", None),
     ("GET", "/v1/approvals", None),
     # 404 of an unknown approval: tests/test_api_control.py

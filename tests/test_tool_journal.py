@@ -129,7 +129,8 @@ def test_an_approved_call_cut_off_while_it_ran_is_not_run_again_unless_idempoten
     with crashing_worker(settings, tmp_path, guarded=guarded) as (coord, kill_and_resume):
         task = coord.create_task(
             agent(
-                calls(("slow_mark", {"label": "slow", "seconds": 20}), ("settle", {"label": "idem", "seconds": 4})),
+                # Long enough that both still run when the worker is killed, on a loaded host too.
+                calls(("slow_mark", {"label": "slow", "seconds": 30}), ("settle", {"label": "idem", "seconds": 15})),
                 reply("both handled"),
             ),
             profile="guarded",
@@ -143,12 +144,16 @@ def test_an_approved_call_cut_off_while_it_ran_is_not_run_again_unless_idempoten
         for approval in approvals:
             coord.decide(approval.id, "approve")
         journal = coord.store.keys.tool_results(task.root_id, task.id)
-        # A wait of its own: on a loaded host the approvals may have taken most of the first one.
+        # A wait of its own: on a loaded host the approvals may have taken most of the first one. Each
+        # call's start is written with the run's next step, so wait for both, not for any two entries.
         deadline = time.monotonic() + 60
-        while len(coord.client.hkeys(journal)) < 2 and time.monotonic() < deadline:
+
+        def started() -> list[str]:
+            return sorted(f for f in coord.client.hkeys(journal) if f.startswith("started:"))
+
+        while len(started()) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
-        started = sorted(coord.client.hkeys(journal))
-        assert len(started) == 2 and all(f.startswith("started:") for f in started), started
+        assert len(started()) == 2, sorted(coord.client.hkeys(journal))
         assert _count(marks, "slow") == _count(marks, "idem") == 0, "both approved calls are still running"
         kill_and_resume()
         done = coord.wait(task.id, 90)
@@ -156,6 +161,6 @@ def test_an_approved_call_cut_off_while_it_ran_is_not_run_again_unless_idempoten
         assert _count(marks, "slow") == 0, "the approved call that is not idempotent never ran again"
         assert _count(marks, "idem") == 1, "the approved idempotent call ran once more, to its end"
         says = [(m["say"], m["text"]) for m in coord.messages(task.id) if m.get("type") == "say"]
-        assert ("tool_interrupted", 'slow_mark({"label": "slow", "seconds": 20.0})') in says
+        assert ("tool_interrupted", 'slow_mark({"label": "slow", "seconds": 30.0})') in says
         assert [kind for kind, _ in says].count("approval_request") == 2, "no one was asked again"
         assert coord.list_approvals(task.root_id) == []
