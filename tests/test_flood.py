@@ -39,8 +39,9 @@ FLOOD_REQUESTS = 120
 FLOOD_TIMEOUT_S = 20.0
 # What a flooded open route may answer: served, Redis down, or rate limited.
 FLOOD_STATUSES = {200, 503, 429}
-# An authenticated read must not be starved by the flood of another kind of request.
-V1_ANSWER_S = 1.0
+# An authenticated read must not be starved by the flood of another kind of request (starved, it hung
+# for the flood's whole length). Milliseconds on an idle host; 1.3 s was seen with both cores held busy.
+V1_ANSWER_S = 5.0
 # High enough that the per-address limit of the open routes never answers for the
 # handlers: these tests flood the handlers themselves.
 UNLIMITED_PER_MIN = 10**9

@@ -1,7 +1,7 @@
 """Every input path is linear in its size: long runs of whitespace, brackets and newlines at the size limit.
 
 A body of the API's limit (1 MiB), a task message of the same size, an
-offline-model script: each is refused or accepted within a second, never with a
+offline-model script: each is refused or accepted within seconds, never with a
 5xx, a RecursionError or minutes of CPU. (The todo grammar's own cases are in
 tests/test_todos.py; a queue entry nested too deeply is dead-lettered, in
 tests/test_poison.py.)
@@ -25,7 +25,9 @@ from workers.runtime.offline import final_reply, parse_script
 from workers.submit import submit
 
 LIMIT = 1 << 20
-BUDGET_S = 1.0
+# Linear, not quadratic: a quadratic path at this size takes minutes. Well under a second on an idle
+# 2-core host; 2.1 s was seen with both cores held busy beside the suite, so the bound has room for that.
+BUDGET_S = 5.0
 FENCE = "```subq-script\n"
 
 RUNS: dict[str, str] = {
