@@ -12,13 +12,13 @@ from coordinator.models import Approval
 from coordinator.store.base import (
     EVENTS_MAXLEN,
     Part,
-    ScriptArg,
     _encode_record,
     _str_map,
     _strs,
     translate_redis_errors,
 )
 from coordinator.store.fields import APPROVAL_OPTIONAL_FIELDS, ApprovalField
+from coordinator.store.protocol import Decide
 
 __all__ = ["ApprovalStore"]
 
@@ -53,9 +53,11 @@ class ApprovalStore(Part):
     def decide(self, approval_id: str, status: str, feedback: str, decided_by: str = "") -> str:
         """Decide a pending approval once, naming who decided; 'ok', or its status when it was not pending."""
         root = root_of(approval_id)
-        keys = [self.keys.approval(root, approval_id), self.keys.approvals(), self.keys.events(root)]
-        args: list[ScriptArg] = [
-            approval_id, status, feedback, time.time(), EVENTS_MAXLEN, self.keys.task(root, ""), self.keys.approval(root, ""),
-            decided_by,
-        ]  # fmt: skip
-        return str(self.scripts.decide(keys=keys, args=args))
+        return self.scripts(
+            Decide(
+                approval=self.keys.approval(root, approval_id), pending=self.keys.approvals(),
+                events=self.keys.events(root), approval_id=approval_id, status=status, feedback=feedback,
+                now=time.time(), events_maxlen=EVENTS_MAXLEN, task_prefix=self.keys.task(root, ""),
+                approval_prefix=self.keys.approval(root, ""), decided_by=decided_by,
+            )
+        )  # fmt: skip

@@ -38,8 +38,18 @@ from coordinator.errors import ConflictError, CorruptError, StoreError
 from coordinator.models import TaskRecord, TodoItem
 from coordinator.store.fields import INT_FIELDS, OPTIONAL_FIELDS, TaskField
 from coordinator.store.keys import Keys
+from coordinator.store.protocol import CALLS, Call, ScriptArg
 
-__all__ = ["ACKNOWLEDGED", "EVENTS_MAXLEN", "Part", "ReplicaWait", "Scripts", "StoreCore", "translate_redis_errors"]
+__all__ = [
+    "ACKNOWLEDGED",
+    "EVENTS_MAXLEN",
+    "Part",
+    "ReplicaWait",
+    "ScriptArg",
+    "Scripts",
+    "StoreCore",
+    "translate_redis_errors",
+]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +65,6 @@ R = TypeVar("R")
 T = TypeVar("T")
 
 HashMapping = dict[FieldT, EncodableT]
-ScriptArg = str | int | float
 
 
 def translate_redis_errors(fn: Callable[P, R]) -> Callable[P, R]:
@@ -155,13 +164,12 @@ def _decode_record(raw: dict[str, str], child_ids: list[str], awaiting_ids: list
         raise CorruptError(f"Task record {raw.get(TaskField.ID, '?')} is corrupt: {exc}") from None
 
 
-# The scripts whose step a caller sees, and would see undone by a failover: a run's end and
-# write-back (end_run, settle_child, apply_children, close_batch, finish_task), a decision (decide),
-# a cancel or a budget stop (stop_tasks), a retry (retry). A run's per-step writes (usage, conversation, tool results)
-# are not: a run resumed from a replica a step behind takes that step again, as after a worker's death.
-ACKNOWLEDGED = frozenset(
-    {"end_run", "settle_child", "apply_children", "close_batch", "finish_task", "decide", "stop_tasks", "retry"}
-)
+# The scripts whose step a caller sees, and would see undone by a failover (`acknowledged=True` in the
+# protocol table): a run's end and write-back (end_run, settle_child, apply_children, close_batch,
+# finish_task), a decision (decide), a cancel or a budget stop (stop_tasks), a retry (retry). A run's
+# per-step writes (usage, conversation, tool results) are not: a run resumed from a replica a step behind
+# takes that step again, as after a worker's death.
+ACKNOWLEDGED = frozenset(name for name, call in CALLS.items() if call.acknowledged)
 
 
 @dataclass(frozen=True)
@@ -242,52 +250,31 @@ class AcknowledgedTransaction(Pipeline):
 
 
 class Scripts:
-    """Every Lua script of `lua/`, loaded once and registered on one client.
+    """Every script of the protocol table (protocol.py), loaded once and registered on one client.
 
-    A part calls one as `self.scripts.end_run(keys=..., args=...)`; the attribute is
-    the script's file name, and a script that `uses` others has them inlined. With a
-    `ReplicaWait`, each script of `ACKNOWLEDGED` is an `AcknowledgedScript`.
+    A part calls one as `self.scripts(EndRun(...))`: the call's fields are packed as KEYS and
+    ARGV, and its reply comes back typed. Each script is registered with the scripts it `uses`
+    inlined; with a `ReplicaWait`, each `acknowledged` one is sent as an `AcknowledgedScript`.
     """
 
     def __init__(
         self, client: redis.Redis, replicas: ReplicaWait | None = None, shortfalls: ReplicaShortfalls | None = None
     ) -> None:
-        self._register(client)
-        if replicas is not None:
-            shortfalls = shortfalls or ReplicaShortfalls()
-            for name in ACKNOWLEDGED:
-                setattr(self, name, AcknowledgedScript(client, getattr(self, name), name, replicas, shortfalls))
+        shortfalls = shortfalls or ReplicaShortfalls()
+        self._send: dict[str, Callable[..., Any]] = {}
+        for name, call in CALLS.items():
+            if not call.standalone:
+                continue
+            script = client.register_script(_load_script(f"{name}.lua", *(f"{used}.lua" for used in call.uses)))
+            if replicas is not None and call.acknowledged:
+                self._send[name] = AcknowledgedScript(client, script, name, replicas, shortfalls)
+            else:
+                self._send[name] = script
 
-    def _register(self, client: redis.Redis) -> None:
-        self.record_usage = client.register_script(_load_script("record_usage.lua"))
-        self.finish_task = client.register_script(_load_script("finish_task.lua"))
-        self.apply_children = client.register_script(_load_script("apply_children.lua"))
-        self.close_batch = client.register_script(_load_script("close_batch.lua", "finish_batch.lua"))
-        self.settle_child = client.register_script(
-            _load_script("settle_child.lua", "apply_children.lua", "finish_batch.lua", "close_batch.lua")
-        )
-        self.start_run = client.register_script(_load_script("start_run.lua", "admit.lua"))
-        self.flush_run = client.register_script(_load_script("flush_run.lua", "record_usage.lua"))
-        self.record_tool = client.register_script(_load_script("record_tool.lua", "record_usage.lua", "flush_run.lua"))
-        self.end_run = client.register_script(
-            _load_script(
-                "end_run.lua", "record_usage.lua", "flush_run.lua", "finish_task.lua", "release_lease.lua",
-                "apply_children.lua", "finish_batch.lua", "close_batch.lua", "settle_child.lua", "release_slot.lua",
-            )
-        )  # fmt: skip
-        self.stop_tasks = client.register_script(_load_script("stop_tasks.lua"))
-        self.release_slot = client.register_script(_load_script("release_slot.lua"))
-        self.rate_limit = client.register_script(_load_script("rate_limit.lua"))
-        self.tool_slot = client.register_script(_load_script("tool_slot.lua"))
-        self.decide = client.register_script(_load_script("decide.lua"))
-        self.release_lease = client.register_script(_load_script("release_lease.lua"))
-        self.renew_leases = client.register_script(_load_script("renew_leases.lua"))
-        self.lead = client.register_script(_load_script("lead.lua"))
-        self.append_if_leased = client.register_script(_load_script("append_if_leased.lua"))
-        self.unwatch = client.register_script(_load_script("unwatch.lua"))
-        self.endpoint_gate = client.register_script(_load_script("endpoint_gate.lua"))
-        self.endpoint_failed = client.register_script(_load_script("endpoint_failed.lua"))
-        self.retry = client.register_script(_load_script("retry.lua"))
+    def __call__(self, call: Call[R]) -> R:
+        """Send one call of a script (one EVALSHA, with its WAIT when acknowledged) and type its reply."""
+        script_keys, script_args = call.pack()
+        return call.decode(self._send[call.script](keys=script_keys, args=script_args))
 
 
 class StoreCore:

@@ -21,8 +21,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, cast
 
 from coordinator.ids import root_of, task_of_run_id
-from coordinator.store.base import Part, ScriptArg, _str_map, _strs, translate_redis_errors
+from coordinator.store.base import Part, _str_map, _strs, translate_redis_errors
 from coordinator.store.fields import TaskField
+from coordinator.store.protocol import Lead, RenewLeases, Unwatch
 
 __all__ = ["QUEUE_SCAN_LIMIT", "ConvergenceStore", "Triage"]
 
@@ -68,10 +69,8 @@ class ConvergenceStore(Part):
         end takes its task off in the same step as it frees the lease.
         """
         if task_ids:
-            keys = [self.keys.due()]
-            for task_id in task_ids:
-                keys += [self.keys.lease(root_of(task_id), task_id), self.keys.task(root_of(task_id), task_id)]
-            self.scripts.unwatch(keys=keys, args=[while_status, *task_ids])
+            tasks = [(self.keys.lease(root_of(t), t), self.keys.task(root_of(t), t)) for t in task_ids]
+            self.scripts(Unwatch(due=self.keys.due(), tasks=tasks, while_status=while_status, task_ids=task_ids))
 
     @translate_redis_errors
     def due_tasks(self, limit: int) -> list[str]:
@@ -157,10 +156,14 @@ class ConvergenceStore(Part):
             pipe.execute()
         if not leases:
             return []
-        keys = [self.keys.lease(root_of(task_id), task_id) for task_id, _ in leases]
-        args: list[ScriptArg] = [int(ttl_s * 1000), *(token for _, token in leases)]
-        lost = self.scripts.renew_leases(keys=keys, args=args)
-        return [leases[int(i) - 1][0] for i in lost]
+        lost = self.scripts(
+            RenewLeases(
+                leases=[self.keys.lease(root_of(task_id), task_id) for task_id, _ in leases],
+                lease_ms=int(ttl_s * 1000),
+                tokens=[token for _, token in leases],
+            )
+        )
+        return [leases[i - 1][0] for i in lost]
 
     @translate_redis_errors
     def workers(self) -> dict[str, float]:
@@ -175,7 +178,7 @@ class ConvergenceStore(Part):
     @translate_redis_errors
     def lead(self, candidate: str, ttl_s: float) -> bool:
         """Take or keep the reconciler's leader lease; True while `candidate` leads."""
-        return bool(self.scripts.lead(keys=[self.keys.leader()], args=[candidate, int(ttl_s * 1000)]))
+        return self.scripts(Lead(lease=self.keys.leader(), candidate=candidate, lease_ms=int(ttl_s * 1000)))
 
     @translate_redis_errors
     def leader(self) -> str | None:

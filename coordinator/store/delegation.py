@@ -21,7 +21,6 @@ from coordinator.models import Batch, BatchRef, TaskRecord, TaskStatus, TodoItem
 from coordinator.store.base import (
     EVENTS_MAXLEN,
     Part,
-    ScriptArg,
     _decode_record,
     _encode_record,
     _str_map,
@@ -29,6 +28,7 @@ from coordinator.store.base import (
     translate_redis_errors,
 )
 from coordinator.store.fields import BatchField, TaskField
+from coordinator.store.protocol import ApplyChildren, CloseBatch, SettleChild, StopTasks
 from coordinator.store.records import NOT_STORED, opening_marks
 from coordinator.todo_links import Merged
 
@@ -189,14 +189,15 @@ class DelegationStore(Part):
         """
         if not child_ids:
             return 0
-        root, k = batch.root_id, self.keys
-        keys = [
-            k.task(root, batch.parent_id), k.todos(root, batch.parent_id), k.awaiting(root, batch.parent_id),
-            k.events(root), k.batch_lines(root, batch.id),
-            *(k.task(root, c) for c in child_ids),
-        ]  # fmt: skip
-        args: list[ScriptArg] = [time.time(), self.retention_s, EVENTS_MAXLEN, *child_ids]
-        return int(self.scripts.apply_children(keys=keys, args=args))
+        root, k, parent = batch.root_id, self.keys, batch.parent_id
+        return self.scripts(
+            ApplyChildren(
+                parent=k.task(root, parent), todos=k.todos(root, parent), awaiting=k.awaiting(root, parent),
+                events=k.events(root), lines=k.batch_lines(root, batch.id),
+                children=[k.task(root, c) for c in child_ids], now=time.time(), retention_s=self.retention_s,
+                events_maxlen=EVENTS_MAXLEN, child_ids=child_ids,
+            )
+        )  # fmt: skip
 
     @translate_redis_errors
     def settle_child(self, batch_id: str, child: TaskRecord, resume_grace_s: float) -> tuple[str, int, bool]:
@@ -207,16 +208,18 @@ class DelegationStore(Part):
         left alone: its caller writes the chain back.
         """
         root, k, parent = child.root_id, self.keys, child.parent_id or child.id
-        keys = [
-            k.task(root, parent), k.todos(root, parent), k.awaiting(root, parent), k.events(root),
-            k.batch_lines(root, batch_id), k.task(root, child.id), k.batch(root, batch_id),
-            k.ui_messages(root, parent), k.due(),
-        ]  # fmt: skip
-        args: list[ScriptArg] = [time.time(), self.retention_s, EVENTS_MAXLEN, child.id, resume_grace_s, ""]
-        mode, resumes, resume = self.scripts.settle_child(keys=keys, args=args)
+        mode, resumes, resume = self.scripts(
+            SettleChild(
+                parent=k.task(root, parent), todos=k.todos(root, parent), awaiting=k.awaiting(root, parent),
+                events=k.events(root), lines=k.batch_lines(root, batch_id), child=k.task(root, child.id),
+                batch=k.batch(root, batch_id), parent_ui=k.ui_messages(root, parent), due=k.due(), now=time.time(),
+                retention_s=self.retention_s, events_maxlen=EVENTS_MAXLEN, child_id=child.id,
+                resume_grace_s=resume_grace_s, mode="",
+            )
+        )  # fmt: skip
         if not mode:
             raise NotFoundError(f"Unknown batch: {batch_id}", field="batch_id")
-        return str(mode), int(resumes), bool(int(resume))
+        return mode, resumes, resume
 
     @translate_redis_errors
     def close_batch(self, batch: Batch | BatchRef, resume_grace_s: float) -> tuple[int, bool]:
@@ -225,15 +228,15 @@ class DelegationStore(Part):
         Returns (the parent's resume count when this call closed it, else 0; whether the
         caller must publish the parent's resumed run, which is watched already).
         """
-        root, k = batch.root_id, self.keys
-        keys = [
-            k.batch(root, batch.id), k.task(root, batch.parent_id), k.ui_messages(root, batch.parent_id),
-            k.awaiting(root, batch.parent_id), k.events(root), k.batch_lines(root, batch.id), k.due(),
-            k.todos(root, batch.parent_id),
-        ]  # fmt: skip
-        args: list[ScriptArg] = [time.time(), self.retention_s, EVENTS_MAXLEN, resume_grace_s]
-        resumes, resume = self.scripts.close_batch(keys=keys, args=args)
-        return int(resumes), bool(resume)
+        root, k, parent = batch.root_id, self.keys, batch.parent_id
+        return self.scripts(
+            CloseBatch(
+                batch=k.batch(root, batch.id), parent=k.task(root, parent), parent_ui=k.ui_messages(root, parent),
+                awaiting=k.awaiting(root, parent), events=k.events(root), lines=k.batch_lines(root, batch.id),
+                due=k.due(), todos=k.todos(root, parent), now=time.time(), retention_s=self.retention_s,
+                events_maxlen=EVENTS_MAXLEN, resume_grace_s=resume_grace_s,
+            )
+        )  # fmt: skip
 
     # -- stopping a subtree ------------------------------------------------------------
 
@@ -253,11 +256,13 @@ class DelegationStore(Part):
         if not task_ids:
             return []
         root = root_of(task_ids[0])
-        keys = [self.keys.events(root), self.keys.live(root), *(self.keys.task(root, t) for t in task_ids)]
-        args: list[ScriptArg] = [
-            top_status, status, top_error, error, top_class, error_class, time.time(), self.retention_s, EVENTS_MAXLEN,
-        ]  # fmt: skip
-        stopped = _strs(self.scripts.stop_tasks(keys=keys, args=args))
+        stopped = self.scripts(
+            StopTasks(
+                events=self.keys.events(root), live=self.keys.live(root), tasks=[self.keys.task(root, t) for t in task_ids],
+                top_status=top_status, status=status, top_error=top_error, error=error, top_class=top_class,
+                error_class=error_class, now=time.time(), retention_s=self.retention_s, events_maxlen=EVENTS_MAXLEN,
+            )
+        )  # fmt: skip
         if stopped:
             # After the stop is persisted, so a watch that sees the count move reads the new
             # statuses. Outside the script: the counter is not of this tree's cluster slot. A

@@ -10,8 +10,9 @@ from __future__ import annotations
 import time
 
 from coordinator.ids import root_of
-from coordinator.store.base import Part, ScriptArg, _str_map, _strs, translate_redis_errors
+from coordinator.store.base import Part, _str_map, _strs, translate_redis_errors
 from coordinator.store.fields import TaskField
+from coordinator.store.protocol import EndpointFailed, EndpointGate
 
 __all__ = ["EndpointStore"]
 
@@ -26,20 +27,25 @@ class EndpointStore(Part):
     @translate_redis_errors
     def gate(self, endpoint: str, token: str, probe_lease_ms: int, recheck_ms: int) -> GateReply:
         """Whether a request to `endpoint` may go now; the run `token` becomes its probe if it is due one."""
-        args: list[ScriptArg] = [_now_ms(), token, probe_lease_ms, recheck_ms]
-        wait_ms, failures, error = self.scripts.endpoint_gate(keys=[self.keys.endpoint(endpoint)], args=args)
-        return int(wait_ms), int(failures), str(error)
+        return self.scripts(
+            EndpointGate(
+                endpoint=self.keys.endpoint(endpoint), now_ms=_now_ms(), token=token, probe_lease_ms=probe_lease_ms,
+                recheck_ms=recheck_ms,
+            )
+        )  # fmt: skip
 
     @translate_redis_errors
     def failed(
         self, endpoint: str, error: str, *, base_ms: int, cap_ms: int, jitter: float, asked_ms: int | None, keep_ms: int
     ) -> GateReply:
         """Mark `endpoint` down after a transient error; the wait before it may be tried again."""
-        args: list[ScriptArg] = [
-            _now_ms(), base_ms, cap_ms, jitter, -1 if asked_ms is None else asked_ms, error, keep_ms,
-        ]  # fmt: skip
-        wait_ms, failures = self.scripts.endpoint_failed(keys=[self.keys.endpoint(endpoint)], args=args)
-        return int(wait_ms), int(failures), error
+        wait_ms, failures = self.scripts(
+            EndpointFailed(
+                endpoint=self.keys.endpoint(endpoint), now_ms=_now_ms(), base_ms=base_ms, cap_ms=cap_ms, jitter=jitter,
+                asked_ms=-1 if asked_ms is None else asked_ms, error=error, keep_ms=keep_ms,
+            )
+        )  # fmt: skip
+        return wait_ms, failures, error
 
     @translate_redis_errors
     def recovered(self, endpoint: str) -> list[str]:

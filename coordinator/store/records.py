@@ -15,7 +15,6 @@ from coordinator.ids import root_of
 from coordinator.models import TaskRecord, TodoItem
 from coordinator.store.base import (
     Part,
-    ScriptArg,
     _decode_record,
     _encode_record,
     _str_map,
@@ -23,6 +22,7 @@ from coordinator.store.base import (
     translate_redis_errors,
 )
 from coordinator.store.fields import TaskField
+from coordinator.store.protocol import AppendIfLeased
 
 __all__ = ["RecordStore"]
 
@@ -259,8 +259,12 @@ class RecordStore(Part):
         root = root_of(task_id)
         key = self.keys.conversation(root, task_id)
         if lease_token is not None:
-            args: list[ScriptArg] = [lease_token, self.retention_s, *entries]
-            return bool(self.scripts.append_if_leased(keys=[self.keys.lease(root, task_id), key], args=args))
+            return self.scripts(
+                AppendIfLeased(
+                    lease=self.keys.lease(root, task_id), conversation=key, token=lease_token,
+                    retention_s=self.retention_s, messages=entries,
+                )
+            )  # fmt: skip
         with self.client.pipeline(transaction=True) as pipe:
             pipe.rpush(key, *entries)
             pipe.expire(key, self.retention_s)

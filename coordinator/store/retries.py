@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from coordinator.ids import root_of
 from coordinator.models import RetryBatch, RetryRefused, RetryTask
-from coordinator.store.base import EVENTS_MAXLEN, Part, ScriptArg, translate_redis_errors
+from coordinator.store.base import EVENTS_MAXLEN, Part, translate_redis_errors
+from coordinator.store.protocol import Retry
 
 __all__ = ["RetryStore"]
 
@@ -26,29 +27,24 @@ class RetryStore(Part):
         self, root_id: str, tasks: Sequence[RetryTask], batches: Sequence[RetryBatch], due_after_s: float
     ) -> list[int] | RetryRefused:
         """Apply the plan; each task's retry count, in order, or why nothing was written."""
-        keys, now = self.keys, time.time()
+        k, now = self.keys, time.time()
         index = {batch.batch_id: n for n, batch in enumerate(batches, start=1)}
-        script_keys: list[str] = [keys.due(), keys.live(root_id), keys.events(root_id)]
-        args: list[ScriptArg] = [now, now + due_after_s, self.retention_s, EVENTS_MAXLEN, len(tasks), len(batches)]
-        for task in tasks:
-            root = root_of(task.task_id)
-            script_keys += [
-                keys.task(root, task.task_id),
-                keys.ui_messages(root, task.task_id),
-                keys.lease(root, task.task_id),
-                keys.conversation(root, task.task_id),
-            ]
-            args += [task.task_id, task.role, index[task.slot] if task.slot else 0, task.keep, task.length]
-        for batch in batches:
-            script_keys += [
-                keys.batch(root_id, batch.batch_id),
-                keys.batch_lines(root_id, batch.batch_id),
-                keys.task(root_id, batch.parent_id),
-                keys.awaiting(root_id, batch.parent_id),
-                keys.todos(root_id, batch.parent_id),
-            ]
-            args += [batch.batch_id, batch.state, batch.parent_id]
-        reply = self.scripts.retry(keys=script_keys, args=args)
-        if reply[0] == "refused":
-            return RetryRefused(str(reply[1]), str(reply[2]), str(reply[3]))
-        return [int(n) for n in reply[1]]
+        return self.scripts(
+            Retry(
+                due=k.due(), live=k.live(root_id), events=k.events(root_id),
+                task_keys=[
+                    (k.task(root, t.task_id), k.ui_messages(root, t.task_id), k.lease(root, t.task_id),
+                     k.conversation(root, t.task_id))
+                    for t in tasks
+                    for root in (root_of(t.task_id),)
+                ],
+                batch_keys=[
+                    (k.batch(root_id, b.batch_id), k.batch_lines(root_id, b.batch_id), k.task(root_id, b.parent_id),
+                     k.awaiting(root_id, b.parent_id), k.todos(root_id, b.parent_id))
+                    for b in batches
+                ],
+                now=now, look_at=now + due_after_s, retention_s=self.retention_s, events_maxlen=EVENTS_MAXLEN,
+                tasks=[(t.task_id, t.role, index[t.slot] if t.slot else 0, t.keep, t.length) for t in tasks],
+                batches=[(b.batch_id, b.state, b.parent_id) for b in batches],
+            )
+        )  # fmt: skip

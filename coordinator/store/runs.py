@@ -8,41 +8,45 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from coordinator.errors import NotFoundError
 from coordinator.ids import root_of
 from coordinator.models import AdmissionLimits, RunWrites, TaskRecord, ToolCallDone, Usage
-from coordinator.store.base import (
-    EVENTS_MAXLEN,
-    Part,
-    ScriptArg,
-    StoreCore,
-    _decode_record,
-    _strs,
-    tool_field,
-    translate_redis_errors,
-)
+from coordinator.store.base import EVENTS_MAXLEN, Part, StoreCore, _decode_record, tool_field, translate_redis_errors
 from coordinator.store.fields import TaskField
 from coordinator.store.metrics import latency_bucket
+from coordinator.store.protocol import (
+    Ending,
+    EndRun,
+    FinishTask,
+    FlushRun,
+    RateLimit,
+    RecordTool,
+    RecordUsage,
+    ReleaseLease,
+    ReleaseSlot,
+    RunKeys,
+    StartRun,
+    Stepped,
+    StepWrites,
+    ToolSlot,
+)
 from coordinator.store.records import RecordStore
 
 __all__ = ["ADMISSION_SCAN", "Ending", "RunStore", "Started"]
 
 
-def _writes_args(writes: RunWrites) -> list[ScriptArg]:
-    """flush_run.lua's ARGV from its sixth on: counts, then the messages, usage records, latencies and marks."""
-    args: list[ScriptArg] = [
-        writes.live, len(writes.conversation), len(writes.ui_messages), len(writes.usage), len(writes.latencies_ms),
-        *writes.conversation, *writes.ui_messages,
-    ]  # fmt: skip
-    for key, usage, cost_micros, source in writes.usage:
-        args += [key, usage.tokens_in, usage.tokens_out, usage.cache_reads, usage.cache_writes, cost_micros, source]
-    for latency_ms in writes.latencies_ms:
-        args += [latency_bucket(latency_ms), latency_ms]
-    for t_ms, state in writes.marks:  # to the end: the script reads marks while ARGV lasts
-        args += [t_ms, state]
-    return args
+def _step_writes(writes: RunWrites) -> StepWrites:
+    """What a run did since its last step, as flush_run.lua (and end_run.lua after its own ARGV) reads it."""
+    return StepWrites(
+        live=writes.live, conversation=writes.conversation, ui_messages=writes.ui_messages,
+        usage=[
+            (key, usage.tokens_in, usage.tokens_out, usage.cache_reads, usage.cache_writes, cost_micros, source)
+            for key, usage, cost_micros, source in writes.usage
+        ],
+        latencies=[(latency_bucket(latency_ms), latency_ms) for latency_ms in writes.latencies_ms],
+        marks=writes.marks,
+    )  # fmt: skip
 
 
 # The journal field that says a human-approved call started (`started:<tool call id>`).
@@ -65,25 +69,6 @@ class Started:
     delay_ms: int = 0
 
 
-@dataclass(frozen=True)
-class Ending:
-    """What `end_run` did: `kind` 'ended', 'fenced' (nothing written) or 'exhausted' (`holder`'s budget)."""
-
-    kind: str
-    holder: str | None = None
-    status: str = ""
-    summary: str = ""
-    error: str = ""
-    error_class: str = ""
-    usage: Usage = field(default_factory=Usage)
-    cost_micros: int = 0
-    closed: bool = False
-    resumes: int = 0
-    resume: bool = False
-    batch_mode: str = ""
-    admitted: list[str] = field(default_factory=list)  # waiting tasks given the freed slot: publish their runs
-
-
 class RunStore(Part):
     """What one run of a task reads and writes, from its start to its terminal status.
 
@@ -103,48 +88,51 @@ class RunStore(Part):
     ) -> Started:
         """Start an agent task's run in one step (start_run.lua): admit, lease, count, due list, live status."""
         root, k = root_of(task_id), self.keys
-        keys = [
-            k.task(root, task_id), k.lease(root, task_id), k.due(), k.live(root), k.events(root),
-            k.conversation(root, task_id), k.ui_messages(root, task_id), k.running(root), k.admission(root),
-            k.last_start(root),
-        ]  # fmt: skip
         now = time.time()
-        args: list[ScriptArg] = [
-            token, lease_s, now + look_again_s, now, EVENTS_MAXLEN, k.task(root, ""),
-            limits.per_parent, limits.per_tree, limits.stagger_ms, int(now * 1000), self.retention_s,
-            k.running_children(root, ""),
-        ]  # fmt: skip
-        verdict, raw, counts, conversation = self.scripts.start_run(keys=keys, args=args)
-        if verdict == "missing":
+        started = self.scripts(
+            StartRun(
+                task=k.task(root, task_id), lease=k.lease(root, task_id), due=k.due(), live=k.live(root),
+                events=k.events(root), conversation=k.conversation(root, task_id),
+                ui_messages=k.ui_messages(root, task_id), running=k.running(root), admission=k.admission(root),
+                last_start=k.last_start(root), token=token, lease_s=lease_s, look_at=now + look_again_s, now=now,
+                events_maxlen=EVENTS_MAXLEN, task_prefix=k.task(root, ""), per_parent=limits.per_parent,
+                per_tree=limits.per_tree, stagger_ms=limits.stagger_ms, now_ms=int(now * 1000),
+                retention_s=self.retention_s, running_children_prefix=k.running_children(root, ""),
+            )
+        )  # fmt: skip
+        if started.verdict == "missing":
             raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
-        fields = dict(zip(raw[0::2], raw[1::2], strict=True))
-        record = _decode_record(fields, [], [])
-        if verdict in ("wait", "delay"):
-            return Started(str(verdict), record, delay_ms=int(counts[0]))
-        if verdict != "run":
-            return Started(str(verdict), record)
-        deliveries, run_seq, exhausted = counts
-        return Started("run", record, int(deliveries), int(run_seq), str(exhausted) or None, _strs(conversation))
+        record = _decode_record(started.fields, [], [])
+        if started.verdict in ("wait", "delay"):
+            return Started(started.verdict, record, delay_ms=started.delay_ms)
+        if started.verdict != "run":
+            return Started(started.verdict, record)
+        return Started("run", record, started.deliveries, started.run_seq, started.exhausted, started.conversation)
 
-    def _run_keys(self, record: TaskRecord) -> list[str]:
+    def _run_keys(self, record: TaskRecord) -> RunKeys:
         root, k, task_id = record.root_id, self.keys, record.id
-        return [
-            k.lease(root, task_id), k.task(root, task_id), k.conversation(root, task_id),
-            k.ui_messages(root, task_id), k.latency_histogram(), k.live(root), k.events(root),
-        ]  # fmt: skip
+        return RunKeys(
+            lease=k.lease(root, task_id), task=k.task(root, task_id), conversation=k.conversation(root, task_id),
+            ui_messages=k.ui_messages(root, task_id), latency=k.latency_histogram(), live=k.live(root),
+            events=k.events(root),
+        )  # fmt: skip
 
-    def _flush_args(self, token: str, writes: RunWrites) -> list[ScriptArg]:
-        """flush_run.lua's ARGV for a step of its own (not end_run's)."""
-        return [token, self.retention_s, time.time(), EVENTS_MAXLEN, 0, *_writes_args(writes)]
+    def _flush(self, record: TaskRecord, token: str, writes: RunWrites) -> FlushRun:
+        """flush_run.lua's call for a step of its own (not end_run's)."""
+        return FlushRun(
+            run=self._run_keys(record), ancestors=self._ancestor_keys(record), token=token,
+            retention_s=self.retention_s, now=time.time(), events_maxlen=EVENTS_MAXLEN, by_end_run=0,
+            writes=_step_writes(writes),
+        )  # fmt: skip
+
+    def _ancestor_keys(self, record: TaskRecord) -> list[str]:
+        """The ancestors' hashes, parent first, root last (the order the usage roll-up walks)."""
+        return [self.keys.task(record.root_id, a) for a in reversed(record.ancestors)]
 
     @translate_redis_errors
-    def flush_run(self, record: TaskRecord, token: str, writes: RunWrites) -> tuple[bool, str, str | None]:
+    def flush_run(self, record: TaskRecord, token: str, writes: RunWrites) -> Stepped:
         """Write a run's step (flush_run.lua): (still leased, the task's status, the topmost budget reached)."""
-        keys = self._run_keys(record) + [self.keys.task(record.root_id, a) for a in reversed(record.ancestors)]
-        reply = self.scripts.flush_run(keys=keys, args=self._flush_args(token, writes))
-        if int(reply[0]) == 0:
-            return False, "", None
-        return True, str(reply[1]), str(reply[2]) or None
+        return self.scripts(self._flush(record, token, writes))
 
     @translate_redis_errors
     def end_run(
@@ -163,55 +151,31 @@ class RunStore(Part):
 
         With `stop_on_budget`, a budget found reached ends nothing: the caller stops its holder's subtree first.
         """
-        root, k = record.root_id, self.keys
+        root, k, own = record.root_id, self.keys, self.keys.task(record.root_id, record.id)
+        # Without a batch, the batch's keys are the task's own hash again (end_run.lua reads none of them);
+        # without admission limits, so are the run slot's.
+        parent = batch = ""
         if record.batch_id and record.parent_id:
             parent, batch = record.parent_id, record.batch_id
-            batch_keys = [
-                k.task(root, parent), k.todos(root, parent), k.awaiting(root, parent), k.batch(root, batch),
-                k.ui_messages(root, parent), k.batch_lines(root, batch),
-            ]  # fmt: skip
-        else:
-            batch_keys = [k.task(root, record.id)] * 6
         admitted = limits.applies_to(record)
-        if admitted:
-            slot_keys = [k.running(root), k.admission(root), k.running_children(root, record.parent_id or record.id)]
-        else:
-            slot_keys = [k.task(root, record.id)] * 3
-        keys = [
-            *self._run_keys(record), k.due(), *batch_keys, *slot_keys,
-            *(k.task(root, a) for a in reversed(record.ancestors)),
-        ]  # fmt: skip
+        slot_parent = record.parent_id or record.id
         status, summary, error, error_class = outcome
-        args: list[ScriptArg] = [
-            token, self.retention_s, time.time(), EVENTS_MAXLEN, status, summary, error, error_class, resume_grace_s,
-            int(stop_on_budget), int(admitted), limits.per_parent, limits.per_tree, k.task(root, ""),
-            k.running_children(root, ""), ADMISSION_SCAN, *_writes_args(writes),
-        ]  # fmt: skip
-        reply: list[Any] = self.scripts.end_run(keys=keys, args=args)
-        if reply[0] != "ended":
-            return Ending(str(reply[0]), holder=str(reply[1]) if len(reply) > 1 else None)
-        (
-            _,
-            status,
-            summary,
-            error,
-            error_class,
-            t_in,
-            t_out,
-            c_reads,
-            c_writes,
-            cost,
-            closed,
-            resumes,
-            resume,
-            mode,
-            admitted_ids,
-        ) = reply
-        return Ending(
-            "ended", status=str(status), summary=str(summary), error=str(error), error_class=str(error_class),
-            usage=Usage(tokens_in=int(t_in), tokens_out=int(t_out), cache_reads=int(c_reads), cache_writes=int(c_writes)),
-            cost_micros=int(cost), closed=bool(int(closed)), resumes=int(resumes), resume=bool(int(resume)),
-            batch_mode=str(mode), admitted=_strs(admitted_ids),
+        return self.scripts(
+            EndRun(
+                run=self._run_keys(record), due=k.due(),
+                parent=k.task(root, parent) if parent else own, todos=k.todos(root, parent) if parent else own,
+                awaiting=k.awaiting(root, parent) if parent else own, batch=k.batch(root, batch) if batch else own,
+                parent_ui=k.ui_messages(root, parent) if parent else own,
+                lines=k.batch_lines(root, batch) if batch else own,
+                running=k.running(root) if admitted else own, admission=k.admission(root) if admitted else own,
+                parent_running=k.running_children(root, slot_parent) if admitted else own,
+                ancestors=self._ancestor_keys(record), token=token, retention_s=self.retention_s, now=time.time(),
+                events_maxlen=EVENTS_MAXLEN, status=status, summary=summary, error=error, error_class=error_class,
+                resume_grace_s=resume_grace_s, stop_on_budget=int(stop_on_budget), free_slot=int(admitted),
+                per_parent=limits.per_parent, per_tree=limits.per_tree, task_prefix=k.task(root, ""),
+                running_children_prefix=k.running_children(root, ""), admission_scan=ADMISSION_SCAN,
+                writes=_step_writes(writes),
+            )
         )  # fmt: skip
 
     # -- starting a run ----------------------------------------------------------------
@@ -222,7 +186,7 @@ class RunStore(Part):
 
     @translate_redis_errors
     def release_lease(self, task_id: str, token: str) -> None:
-        self.scripts.release_lease(keys=[self.keys.lease(root_of(task_id), task_id)], args=[token])
+        self.scripts(ReleaseLease(lease=self.keys.lease(root_of(task_id), task_id), token=token))
 
     @translate_redis_errors
     def claim_resume(self, task_id: str, reason_id: str) -> bool:
@@ -282,33 +246,29 @@ class RunStore(Part):
         root = root_of(task_id)
         if ancestors is None:
             ancestors = self.records.ancestors(task_id)
-        keys = [self.keys.task(root, task_id), *(self.keys.task(root, a) for a in reversed(ancestors))]
-        args: list[ScriptArg] = [
-            request_key, usage.tokens_in, usage.tokens_out, usage.cache_reads, usage.cache_writes,
-            cost_micros, cost_source, time.time(), self.retention_s,
-        ]  # fmt: skip
-        recorded, exhausted = self.scripts.record_usage(keys=keys, args=args)
-        return int(recorded), (str(exhausted) or None)
+        return self.scripts(
+            RecordUsage(
+                task=self.keys.task(root, task_id), ancestors=[self.keys.task(root, a) for a in reversed(ancestors)],
+                request_key=request_key, tokens_in=usage.tokens_in, tokens_out=usage.tokens_out,
+                cache_reads=usage.cache_reads, cache_writes=usage.cache_writes, cost_micros=cost_micros,
+                cost_source=cost_source, now=time.time(), retention_s=self.retention_s,
+            )
+        )  # fmt: skip
 
     # -- the tool-call journal ---------------------------------------------------------
 
     @translate_redis_errors
-    def record_tool_call(
-        self, record: TaskRecord, token: str, writes: RunWrites, call: ToolCallDone
-    ) -> tuple[bool, str, str | None]:
+    def record_tool_call(self, record: TaskRecord, token: str, writes: RunWrites, call: ToolCallDone) -> Stepped:
         """A tool call returned: keep its result (when it has one to keep) the moment it did, count it on its
         task (`tool:<tool>:<outcome>`, `tool:<tool>:ms`), and write the run's step (record_tool.lua): one round
         trip, answered as `flush_run` is."""
-        keys = [self.keys.tool_results(record.root_id, record.id), *self._run_keys(record)]
-        keys += [self.keys.task(record.root_id, a) for a in reversed(record.ancestors)]
-        args: list[ScriptArg] = [
-            call.tool_call_id, call.result_json or "", tool_field(call.tool, call.outcome), tool_field(call.tool, "ms"),
-            call.ms, *self._flush_args(token, writes),
-        ]  # fmt: skip
-        reply = self.scripts.record_tool(keys=keys, args=args)
-        if int(reply[0]) == 0:
-            return False, "", None
-        return True, str(reply[1]), str(reply[2]) or None
+        return self.scripts(
+            RecordTool(
+                results=self.keys.tool_results(record.root_id, record.id), tool_call_id=call.tool_call_id,
+                result=call.result_json or "", outcome_field=tool_field(call.tool, call.outcome),
+                ms_field=tool_field(call.tool, "ms"), ms=call.ms, flush=self._flush(record, token, writes),
+            )
+        )  # fmt: skip
 
     @translate_redis_errors
     def mark_tool_started(self, task_id: str, tool_call_id: str) -> None:
@@ -343,12 +303,16 @@ class RunStore(Part):
     def finish_task(self, task_id: str, status: str, summary: str = "", error: str = "", error_class: str = "") -> str:
         """Make a task terminal once; returns its status after the call."""
         root = root_of(task_id)
-        keys = [self.keys.task(root, task_id), self.keys.events(root), self.keys.live(root)]
-        args: list[ScriptArg] = [status, summary, error, error_class, time.time(), self.retention_s, EVENTS_MAXLEN]
-        result = self.scripts.finish_task(keys=keys, args=args)
+        result = self.scripts(
+            FinishTask(
+                task=self.keys.task(root, task_id), events=self.keys.events(root), live=self.keys.live(root),
+                status=status, summary=summary, error=error, error_class=error_class, now=time.time(),
+                retention_s=self.retention_s, events_maxlen=EVENTS_MAXLEN,
+            )
+        )  # fmt: skip
         if result is None:
             raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
-        return str(result)
+        return result
 
     # -- admission and rate limits -----------------------------------------------------
 
@@ -356,12 +320,15 @@ class RunStore(Part):
     def release_slot(self, record: TaskRecord, limits: AdmissionLimits) -> list[str]:
         """Free the task's run slot and admit waiting tasks that now fit (release_slot.lua); the admitted ids."""
         root, k = record.root_id, self.keys
-        keys = [k.running(root), k.admission(root), k.running_children(root, record.parent_id or record.id)]
-        args: list[ScriptArg] = [
-            record.id, limits.per_parent, limits.per_tree, self.retention_s, k.task(root, ""),
-            k.running_children(root, ""), ADMISSION_SCAN, time.time(),
-        ]  # fmt: skip
-        return _strs(self.scripts.release_slot(keys=keys, args=args))
+        return self.scripts(
+            ReleaseSlot(
+                running=k.running(root), admission=k.admission(root),
+                parent_running=k.running_children(root, record.parent_id or record.id), task_id=record.id,
+                per_parent=limits.per_parent, per_tree=limits.per_tree, retention_s=self.retention_s,
+                task_prefix=k.task(root, ""), running_children_prefix=k.running_children(root, ""),
+                admission_scan=ADMISSION_SCAN, now=time.time(),
+            )
+        )  # fmt: skip
 
     @translate_redis_errors
     def in_flight(self, root_id: str) -> dict[str, int]:
@@ -382,8 +349,12 @@ class RunStore(Part):
     @translate_redis_errors
     def take_tool_slot(self, pattern: str, limit: int, lease_s: float, member: str) -> bool:
         """Take one of the `limit` fleet-wide slots of the tool glob `pattern` (tool_slot.lua); False: none free."""
-        args: list[ScriptArg] = [limit, int(time.time() * 1000), int(lease_s * 1000), member]
-        return bool(int(self.scripts.tool_slot(keys=[self.keys.tool_slots(pattern)], args=args)))
+        return self.scripts(
+            ToolSlot(
+                slots=self.keys.tool_slots(pattern), limit=limit, now_ms=int(time.time() * 1000),
+                lease_ms=int(lease_s * 1000), member=member,
+            )
+        )  # fmt: skip
 
     @translate_redis_errors
     def free_tool_slot(self, pattern: str, member: str) -> None:
@@ -393,6 +364,6 @@ class RunStore(Part):
     def wait_for_rate(self, provider: str, rpm: int) -> int:
         """0 when a request to `provider` may start now (and is counted), else the ms to wait."""
         member = f"{time.time_ns()}-{os.getpid()}-{threading.get_ident()}"
-        return int(
-            self.scripts.rate_limit(keys=[self.keys.rate(provider)], args=[rpm, int(time.time() * 1000), member])
+        return self.scripts(
+            RateLimit(requests=self.keys.rate(provider), rpm=rpm, now_ms=int(time.time() * 1000), member=member)
         )

@@ -1,9 +1,15 @@
 -- Admission control: may this task's run start now? At most N children of one parent
 -- and M tasks of one tree run at once; the rest wait in order, holding no worker.
--- KEYS[1] the tree's running set   KEYS[2] the parent's running-children set
--- KEYS[3] the tree's admission list   KEYS[4] the tree's last-start time
--- ARGV[1] task id   ARGV[2] per-parent limit (0: none)   ARGV[3] per-tree limit (0: none)
--- ARGV[4] stagger ms (0: none)   ARGV[5] now ms   ARGV[6] retention seconds
+-- KEYS[1] the tree's running set
+-- KEYS[2] the parent's running-children set
+-- KEYS[3] the tree's admission list
+-- KEYS[4] the tree's last-start time
+-- ARGV[1] str: task id
+-- ARGV[2] int: per-parent limit (0: none)
+-- ARGV[3] int: per-tree limit (0: none)
+-- ARGV[4] int: stagger ms (0: none)
+-- ARGV[5] int: now ms
+-- ARGV[6] int: retention seconds
 -- Returns {'run', 0}, {'wait', 0} (queued in the admission list), or {'delay', ms}.
 local id = ARGV[1]
 if redis.call('SISMEMBER', KEYS[1], id) == 1 then

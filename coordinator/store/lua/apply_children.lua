@@ -4,14 +4,20 @@
 -- a hash of item id -> JSON), so a wide fan-out stays linear. The batch lines and the
 -- todos keep the retention their delegation gave them (delegation.py) until the batch
 -- closes (close_batch.lua), so a child's write-back refreshes neither.
--- KEYS[1] parent hash   KEYS[2] parent todos (hash: item id -> JSON, order -> ids)
--- KEYS[3] parent awaiting set   KEYS[4] tree events stream   KEYS[5] batch lines (hash: child id -> line)
+-- KEYS[1] parent hash
+-- KEYS[2] parent todos (hash: item id -> JSON, order -> ids)
+-- KEYS[3] parent awaiting set
+-- KEYS[4] tree events stream
+-- KEYS[5] batch lines (hash: child id -> line)
 -- KEYS[6..] child hashes
--- ARGV[1] now   ARGV[2] retention seconds   ARGV[3] events max length
--- ARGV[4..] child ids, in the order of KEYS[6..]
+-- ARGV[1] float: now
+-- ARGV[2] int: retention seconds
+-- ARGV[3] int: events max length
+-- ARGV[4..] each str: child ids, in the order of their hashes in KEYS
+-- Returns how many were applied now.
 -- A child that has not ended (no terminal status) is skipped. A child no row carries adds its
 -- figures to the parent's unlinked spend. The batch lines hold each applied child's line, so
--- closing the batch reads no sibling. Returns how many were applied now.
+-- closing the batch reads no sibling.
 local function terminal(status)
   return status == 'completed' or status == 'failed' or status == 'cancelled'
 end

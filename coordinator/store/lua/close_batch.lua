@@ -3,11 +3,20 @@
 -- dispatch order, no sibling is read. Watches an agent parent that will be resumed (the due
 -- list) before it closes, so a resume lost after the close is published by the reconciler;
 -- then closes with finish_batch.
--- KEYS[1] batch hash   KEYS[2] parent hash   KEYS[3] parent UI messages   KEYS[4] parent awaiting set
--- KEYS[5] tree events stream   KEYS[6] batch lines   KEYS[7] the due list   KEYS[8] parent todos
--- ARGV[1] now   ARGV[2] retention seconds   ARGV[3] events max length   ARGV[4] resume grace seconds
--- Returns {resumes, resume}: the parent's resume count when closed now (0: closed before) and
--- 1 when the caller must publish the parent's resumed run.
+-- KEYS[1] batch hash
+-- KEYS[2] parent hash
+-- KEYS[3] parent UI messages
+-- KEYS[4] parent awaiting set
+-- KEYS[5] tree events stream
+-- KEYS[6] batch lines
+-- KEYS[7] the due list
+-- KEYS[8] parent todos
+-- ARGV[1] float: now
+-- ARGV[2] int: retention seconds
+-- ARGV[3] int: events max length
+-- ARGV[4] float: resume grace seconds
+-- Returns {resumes, resume}: the parent's resume count when closed now (0: closed before) and 1 when the
+--   caller must publish the parent's resumed run.
 -- What this and finish_batch read of the batch, in one HMGET.
 if hash_get(KEYS[1], 'status', 'mode', 'child_ids', 'id')[1] == 'done' then
   return {0, 0}

@@ -1,13 +1,19 @@
 -- Decide a pending approval once: approve, deny, or expire. A second decision changes nothing.
--- KEYS[1] the approval hash   KEYS[2] the pending-approvals zset   KEYS[3] tree events stream
--- ARGV[1] approval id   ARGV[2] new status (approved|denied|expired)   ARGV[3] feedback
--- ARGV[4] now   ARGV[5] events max length   ARGV[6] the prefix of the tree's task hashes
--- ARGV[7] the prefix of its approval hashes (the task's hash and its other approvals are named
---   from the approval's record, as start_run reads ancestors: a tree's keys share one prefix)
--- ARGV[8] who decided: the API key's name ('' for an expiry), written with the decision
+-- KEYS[1] the approval hash
+-- KEYS[2] the pending-approvals zset
+-- KEYS[3] tree events stream
+-- ARGV[1] str: approval id
+-- ARGV[2] str: new status (approved|denied|expired)
+-- ARGV[3] str: feedback
+-- ARGV[4] float: now
+-- ARGV[5] int: events max length
+-- ARGV[6] str: the prefix of the tree's task hashes
+-- ARGV[7] str: the prefix of its approval hashes (the task's hash and its other approvals are named from
+--   the approval's record, as start_run reads ancestors: a tree's keys share one prefix)
+-- ARGV[8] str: who decided: the API key's name ('' for an expiry), written with the decision
+-- Returns 'ok', or the approval's status when it was not pending (or 'missing').
 -- The decision that leaves the task no pending approval ends its wait: its timeline marks its
 -- resume `queued` now (coordinator/timeline.py).
--- Returns 'ok', or the approval's status when it was not pending (or 'missing').
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then
   return 'missing'

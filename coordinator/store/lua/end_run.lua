@@ -6,26 +6,42 @@
 -- caller to write back and start the next step: a process that dies before that leaves it
 -- to the reconciler.
 -- KEYS[1..7] as flush_run (lease, task, conversation, UI, latency, live, events)
--- KEYS[8] the due list   KEYS[9] parent hash   KEYS[10] parent todos   KEYS[11] parent awaiting set
--- KEYS[12] batch hash   KEYS[13] parent UI messages   KEYS[14] batch lines
--- KEYS[15] the tree's running set   KEYS[16] its admission list   KEYS[17] the parent's running-children set
+-- KEYS[8] the due list
+-- KEYS[9] parent hash
+-- KEYS[10] parent todos
+-- KEYS[11] parent awaiting set
+-- KEYS[12] batch hash
+-- KEYS[13] parent UI messages
+-- KEYS[14] batch lines
+-- KEYS[15] the tree's running set
+-- KEYS[16] its admission list
+-- KEYS[17] the parent's running-children set
 -- KEYS[18..] ancestor hashes (parent first, root last)
+-- ARGV[1] str: token
+-- ARGV[2] int: retention seconds
+-- ARGV[3] float: now
+-- ARGV[4] int: events max length
+-- ARGV[5] str: status
+-- ARGV[6] str: summary
+-- ARGV[7] str: error
+-- ARGV[8] str: error class
+-- ARGV[9] float: resume grace seconds
+-- ARGV[10] int: 1: end on the budget check (a run that completed)
+-- ARGV[11] int: 1: free a run slot (admission limits set, a child)
+-- ARGV[12] int: per-parent limit
+-- ARGV[13] int: per-tree limit
+-- ARGV[14] str: the prefix of the tree's task hashes
+-- ARGV[15] str: the prefix of its running-children sets
+-- ARGV[16] int: how many waiting tasks to look at
+-- ARGV[17..] flush_run's ARGV from its sixth (what the run did since its last step)
+-- Returns {'fenced'} (nothing written), {'exhausted', holder} (the flush was written; the caller stops the
+--   holder's subtree and ends the run again), or {'ended', status, summary, error, error class, tokens in,
+--   tokens out, cache reads, cache writes, cost micro-USD, closed, resumes, resume, batch mode, admitted
+--   ids}: `closed` 1 when this call closed the batch, `resume` 1 when the caller must publish the parent's
+--   resume, `batch mode` 'sequential' when the caller must write the chain step back itself, `admitted
+--   ids` the waiting tasks given the freed slot, whose runs the caller publishes.
 -- (KEYS[9..14] are the task's own hash again when it has no batch, and KEYS[15..17] when
 -- admission does not apply to it.)
--- ARGV[1] token   ARGV[2] retention seconds   ARGV[3] now   ARGV[4] events max length
--- ARGV[5] status   ARGV[6] summary   ARGV[7] error   ARGV[8] error class
--- ARGV[9] resume grace seconds   ARGV[10] 1: end on the budget check (a run that completed)
--- ARGV[11] 1: free a run slot (admission limits set, a child)   ARGV[12] per-parent limit
--- ARGV[13] per-tree limit   ARGV[14] the prefix of the tree's task hashes
--- ARGV[15] the prefix of its running-children sets   ARGV[16] how many waiting tasks to look at
--- ARGV[17..] flush_run's ARGV[5..]
--- Returns {'fenced'} (nothing written), {'exhausted', holder} (the flush was written; the
--- caller stops the holder's subtree and ends the run again), or
--- {'ended', status, summary, error, error class, tokens in, tokens out, cache reads,
---  cache writes, cost micro-USD, closed, resumes, resume, batch mode, admitted ids}: `closed` 1
--- when this call closed the batch, `resume` 1 when the caller must publish the parent's
--- resume, `batch mode` 'sequential' when the caller must write the chain step back itself,
--- `admitted ids` the waiting tasks given the freed slot, whose runs the caller publishes.
 -- Every field of the task and of its parent that any part below reads, in one HMGET each
 -- (hashes.lua): the parts read and write them through the cache, written once at the end.
 hash_prefetch(KEYS[2], fields_and(USAGE_FIELDS, {'summary', 'error', 'error_class', 'batch_id', 'batch_mode',

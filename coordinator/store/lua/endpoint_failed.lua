@@ -1,8 +1,12 @@
 -- A request to a provider's endpoint failed with a transient error: mark the endpoint down, for the fleet.
 -- KEYS[1] the endpoint's hash
--- ARGV[1] now ms   ARGV[2] backoff base ms   ARGV[3] backoff cap ms   ARGV[4] jitter, in [0, 1)
--- ARGV[5] the wait the provider asked for (Retry-After, retry-after-ms), ms; -1: none
--- ARGV[6] the error line   ARGV[7] how long the hash outlives the endpoint's wait, ms
+-- ARGV[1] int: now ms
+-- ARGV[2] int: backoff base ms
+-- ARGV[3] int: backoff cap ms
+-- ARGV[4] float: jitter, in [0, 1)
+-- ARGV[5] int: the wait the provider asked for (Retry-After, retry-after-ms), ms; -1: none
+-- ARGV[6] str: the error line
+-- ARGV[7] int: how long the hash outlives the endpoint's wait, ms
 -- Returns {ms until the endpoint may be tried again, failures in a row}.
 -- Only a failure of an endpoint that was up, or whose wait was over (a probe), counts: the requests in
 -- flight as it went down all fail together, and the backoff must grow with the probes that fail, not

@@ -1,7 +1,9 @@
 -- May a request go to a provider's endpoint now? The fleet's one view of it (coordinator/endpoints.py).
 -- KEYS[1] the endpoint's hash
--- ARGV[1] now ms   ARGV[2] the asking run's token   ARGV[3] the probe's lease ms
--- ARGV[4] how long to wait, at most, before asking again while another run's probe is out (ms)
+-- ARGV[1] int: now ms
+-- ARGV[2] str: the asking run's token
+-- ARGV[3] int: the probe's lease ms
+-- ARGV[4] int: how long to wait, at most, before asking again while another run's probe is out (ms)
 -- Returns {wait ms (0: send it now), failures in a row, the last error line}.
 -- Not down: send. Down until a time still to come: wait for it. Its time come: the first run to ask
 -- sends one request, the probe, and holds the endpoint's one try for the lease; the others wait for

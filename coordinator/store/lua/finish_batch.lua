@@ -1,11 +1,18 @@
 -- Close a delegation once: store the combined result, set the parent active again,
 -- append the result to the parent's UI messages, and announce it on the tree's stream.
--- KEYS[1] batch hash   KEYS[2] parent hash   KEYS[3] parent UI messages
--- KEYS[4] parent awaiting set   KEYS[5] tree events stream
--- ARGV[1] combined result text   ARGV[2] UI message JSON   ARGV[3] now
--- ARGV[4] retention seconds   ARGV[5] events max length   ARGV[6] the child that completed it
--- Returns the parent's resume count when closed now (the caller then resumes the
--- parent under that number, so a resume is published once), 0 when closed before.
+-- KEYS[1] batch hash
+-- KEYS[2] parent hash
+-- KEYS[3] parent UI messages
+-- KEYS[4] parent awaiting set
+-- KEYS[5] tree events stream
+-- ARGV[1] str: combined result text
+-- ARGV[2] str: UI message JSON
+-- ARGV[3] float: now
+-- ARGV[4] int: retention seconds
+-- ARGV[5] int: events max length
+-- ARGV[6] str: the child that completed it
+-- Returns the parent's resume count when closed now (the caller then resumes the parent under that number,
+--   so a resume is published once), 0 when closed before.
 if hash_get(KEYS[1], 'status')[1] == 'done' then
   return 0
 end

@@ -1,11 +1,18 @@
 -- Move a task to a terminal status once (its timeline's last mark); a later call leaves the first outcome.
--- KEYS[1] task hash   KEYS[2] tree events stream   KEYS[3] tree live hash
--- ARGV[1] status (completed|failed|cancelled)   ARGV[2] summary   ARGV[3] error
--- ARGV[4] error class   ARGV[5] now   ARGV[6] retention seconds   ARGV[7] events max length
--- ARGV[8] (optional) the run's latest live status JSON, which the terminal one is made from
---   (without it, the stored one is read)
--- Returns the task's status after the call (the earlier one if it was already terminal),
--- or false when the task does not exist.
+-- KEYS[1] task hash
+-- KEYS[2] tree events stream
+-- KEYS[3] tree live hash
+-- ARGV[1] str: status (completed|failed|cancelled)
+-- ARGV[2] str: summary
+-- ARGV[3] str: error
+-- ARGV[4] str: error class
+-- ARGV[5] float: now
+-- ARGV[6] int: retention seconds
+-- ARGV[7] int: events max length
+-- ARGV[8] (optional) str: the run's latest live status JSON, which the terminal one is made from (without
+--   it, the stored one is read)
+-- Returns the task's status after the call (the earlier one if it was already terminal), or false when the
+--   task does not exist.
 local task = hash_get(KEYS[1], 'status', 'id')
 local status, id = task[1], task[2]
 if not status then

@@ -2,19 +2,34 @@
 -- conversation messages, UI messages, each response's usage (record_usage.lua, once per
 -- request key, rolled up the ancestors), its latency, and its live status. Then the checks
 -- a run makes before its next model request: its status, and the topmost budget reached.
--- KEYS[1] lease   KEYS[2] task hash   KEYS[3] conversation   KEYS[4] UI messages
--- KEYS[5] latency histogram   KEYS[6] tree live hash   KEYS[7] tree events
+-- KEYS[1] lease
+-- KEYS[2] task hash
+-- KEYS[3] conversation
+-- KEYS[4] UI messages
+-- KEYS[5] latency histogram
+-- KEYS[6] tree live hash
+-- KEYS[7] tree events
 -- KEYS[8..] ancestor hashes (parent first, root last)
--- ARGV[1] token   ARGV[2] retention seconds   ARGV[3] now   ARGV[4] events max length
--- ARGV[5] '1' when end_run calls it: the task's status is not read back, and the task
---   hash's retention is left to the end (it refreshes each key it writes once)
--- ARGV[6] live status JSON, or ''   ARGV[7] conversation messages   ARGV[8] UI messages
--- ARGV[9] usage records   ARGV[10] latencies; then the conversation messages, the UI messages,
--- 7 values per usage record (request key, tokens in, tokens out, cache reads, cache writes,
--- cost micro-USD, cost source), 2 per latency (histogram field, ms), and to the end 2 per
--- timeline mark the run took between steps (t ms, state: coordinator/timeline.py).
--- Returns {1, status, exhausted} (status '' when ARGV[5] is '1'), or {0} when the lease is
--- not this run's (nothing written).
+-- ARGV[1] str: token
+-- ARGV[2] int: retention seconds
+-- ARGV[3] float: now
+-- ARGV[4] int: events max length
+-- ARGV[5] int: 1 when end_run calls it: the task's status is not read back, and the task hash's retention
+--   is left to the end (it refreshes each key it writes once)
+-- ARGV[6] str: live status JSON, or ''
+-- ARGV[7] int: how many conversation messages
+-- ARGV[8] int: how many UI messages
+-- ARGV[9] int: how many usage records
+-- ARGV[10] int: how many latencies
+-- ARGV[11..] each str: the conversation messages
+-- ARGV[..] each str: then the UI messages
+-- ARGV[..] then 7 values per usage record (request key, tokens in, tokens out, cache reads, cache writes,
+--   cost micro-USD, cost source)
+-- ARGV[..] then 2 per latency (histogram field, ms)
+-- ARGV[..] then, to the end, 2 per timeline mark the run took between steps (t ms, state:
+--   coordinator/timeline.py)
+-- Returns {1, status, exhausted} (status '' when called by end_run), or {0} when the lease is not this
+--   run's (nothing written).
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return {0}
 end

@@ -1,5 +1,7 @@
 -- Take or keep a leader lease: the holder renews it, anyone takes it once it has lapsed.
--- KEYS[1] the lease   ARGV[1] this candidate's id   ARGV[2] the lease time, ms
+-- KEYS[1] the lease
+-- ARGV[1] str: this candidate's id
+-- ARGV[2] int: the lease time, ms
 -- Returns 1 when the candidate leads now, 0 when another does.
 local holder = redis.call('GET', KEYS[1])
 if holder == ARGV[1] then

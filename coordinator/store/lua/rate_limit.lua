@@ -1,6 +1,8 @@
 -- A fleet-wide requests-per-minute limit for one model provider (a sliding window).
 -- KEYS[1] the provider's request-times zset
--- ARGV[1] limit per minute   ARGV[2] now ms   ARGV[3] a unique member for this request
+-- ARGV[1] int: limit per minute
+-- ARGV[2] int: now ms
+-- ARGV[3] str: a unique member for this request
 -- Returns 0 when the request may start now (it is counted), else the ms to wait.
 local now = tonumber(ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 60000)

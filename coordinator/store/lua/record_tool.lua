@@ -2,15 +2,18 @@
 -- task, and write the run's step with it (flush_run), in one round trip. The result is kept
 -- the moment the call returns, so a run resumed after its worker died replays it instead of
 -- calling the tool again; the step's checks (the task's status, the topmost budget reached)
--- serve as the check before the run's next model request.
--- KEYS[1] the task's tool-results hash   KEYS[2..] flush_run's KEYS
--- ARGV[1] tool call id   ARGV[2] the result (JSON) to keep, or '' to keep none
--- ARGV[3] the counter field of the outcome (`tool:<tool>:<outcome>`)
--- ARGV[4] the time field (`tool:<tool>:ms`)   ARGV[5] the call's ms (0: not added)
--- ARGV[6..] flush_run's ARGV (its now ends a call that ran: the call is kept as a span,
---   `tool_calls`, the task's newest 100)
--- Returns flush_run's reply: {1, status, exhausted}, or {0} when the lease is not this
--- run's (nothing written: another run owns the task and answers the call itself).
+-- serve as the check before the run's next model request. flush_run's now ends a call that ran:
+-- the call is kept as a span (`tool_calls`, the task's newest 100).
+-- KEYS[1] the task's tool-results hash
+-- KEYS[2..] flush_run's KEYS
+-- ARGV[1] str: tool call id
+-- ARGV[2] str: the result (JSON) to keep, or '' to keep none
+-- ARGV[3] str: the counter field of the outcome (`tool:<tool>:<outcome>`)
+-- ARGV[4] str: the time field (`tool:<tool>:ms`)
+-- ARGV[5] int: the call's ms (0: not added)
+-- ARGV[6..] flush_run's ARGV
+-- Returns flush_run's reply: {1, status, exhausted}, or {0} when the lease is not this run's (nothing
+--   written: another run owns the task and answers the call itself).
 local flush_keys, flush_argv = {}, {}
 for i = 2, #KEYS do
   flush_keys[#flush_keys + 1] = KEYS[i]

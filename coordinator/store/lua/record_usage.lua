@@ -1,19 +1,23 @@
 -- Record one model request's usage on the task that made it, once, and roll the
 -- spend up into the subtree totals of the task and every ancestor; then say whether
 -- a budget on the way up is exhausted. Each hash is read once and written once (hashes.lua).
--- KEYS[1]  task hash (its `usage_keys` field lists the request keys already recorded,
---          space-separated: read and written with the figures, no key of its own)
+-- KEYS[1] task hash (its `usage_keys` field lists the request keys already recorded, space-separated: read
+--   and written with the figures, no key of its own)
 -- KEYS[2..] ancestor task hashes (parent first, root last)
--- ARGV[1] request key (unique per request of the task, no spaces; `tool:<call id>` for a tool
---   call's price, which is spend but no model request: it counts no request and keeps the source)
--- ARGV[2] tokens_in
--- ARGV[3] tokens_out   ARGV[4] cache_reads   ARGV[5] cache_writes
--- ARGV[6] cost_micros  ARGV[7] cost source   ARGV[8] now   ARGV[9] retention seconds
--- ARGV[10] (optional) '0': leave the task hash's retention to the caller (end_run refreshes it once)
--- Returns {recorded, exhausted}: recorded is 1, 0 (this request was recorded before) or
--- -1 (the task has ended, e.g. was cancelled: nothing is recorded after a stop);
--- exhausted is the id of the topmost task (nearest the root) whose budget the subtree
--- total has reached, or ''.
+-- ARGV[1] str: request key (unique per request of the task, no spaces; `tool:<call id>` for a tool call's
+--   price, which is spend but no model request: it counts no request and keeps the source)
+-- ARGV[2] int: tokens in
+-- ARGV[3] int: tokens out
+-- ARGV[4] int: cache reads
+-- ARGV[5] int: cache writes
+-- ARGV[6] int: cost micro-USD
+-- ARGV[7] str: cost source
+-- ARGV[8] float: now
+-- ARGV[9] int: retention seconds
+-- ARGV[10] (optional) str: '0': leave the task hash's retention to the caller (end_run refreshes it once)
+-- Returns {recorded, exhausted}: recorded is 1, 0 (this request was recorded before) or -1 (the task has
+--   ended, e.g. was cancelled: nothing is recorded after a stop); exhausted is the id of the topmost task
+--   (nearest the root) whose budget the subtree total has reached, or ''.
 local own = hash_get(KEYS[1], unpack(USAGE_FIELDS))
 local status = own[1]
 if status == 'completed' or status == 'failed' or status == 'cancelled' then

@@ -2,14 +2,20 @@
 -- waiting tasks that now fit. The caller publishes a run for each admitted id. A run's end
 -- calls it inside end_run.lua; a run that releases its worker (delegated, waiting for a
 -- decision, handed back) and a redelivery of an ended task through `store.release_slot`.
--- KEYS[1] the tree's running set   KEYS[2] the tree's admission list
+-- KEYS[1] the tree's running set
+-- KEYS[2] the tree's admission list
 -- KEYS[3] the task's parent's running-children set
--- ARGV[1] task id   ARGV[2] per-parent limit   ARGV[3] per-tree limit   ARGV[4] retention seconds
--- ARGV[5] the prefix of the tree's task hashes   ARGV[6] the prefix of its running-children sets
--- ARGV[7] how many waiting tasks to look at, from the list's head   ARGV[8] now (epoch s)
+-- ARGV[1] str: task id
+-- ARGV[2] int: per-parent limit
+-- ARGV[3] int: per-tree limit
+-- ARGV[4] int: retention seconds
+-- ARGV[5] str: the prefix of the tree's task hashes
+-- ARGV[6] str: the prefix of its running-children sets
+-- ARGV[7] int: how many waiting tasks to look at, from the list's head
+-- ARGV[8] float: now (epoch s)
+-- Returns the ids admitted now (removed from the list, added to the running sets).
 -- (A waiting task's parent, and so its running-children set, is read from its record here:
 -- a tree's keys share one prefix and hash tag, and subq runs on one Redis primary.)
--- Returns the ids admitted now (removed from the list, added to the running sets).
 redis.call('SREM', KEYS[1], ARGV[1])
 redis.call('SREM', KEYS[3], ARGV[1])
 local per_parent, per_tree = tonumber(ARGV[2]), tonumber(ARGV[3])

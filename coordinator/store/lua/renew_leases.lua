@@ -1,5 +1,7 @@
 -- Renew leases that their holder still holds (compare and pexpire), in one call.
--- KEYS[i] a lease   ARGV[1] the lease time, ms   ARGV[i+1] the holder's token for KEYS[i]
+-- KEYS[1..] the leases
+-- ARGV[1] int: the lease time, ms
+-- ARGV[2..] each str: the holder's token of each lease, in the order of KEYS
 -- Returns the indexes (1-based) of the leases that were lost: lapsed, or taken by another.
 local lost = {}
 for i, key in ipairs(KEYS) do

@@ -8,18 +8,24 @@
 -- unlinked spend when no row carries its link), since its next write-back puts them there
 -- again (apply_children.lua sets a linked item's figures, but adds unlinked ones). The closed
 -- batch a task waits on again is re-opened: running, with no result.
--- KEYS[1] the due list   KEYS[2] tree live hash   KEYS[3] tree events stream
--- then 4 keys per task: task hash, its UI messages, its lease, its conversation
--- then 5 keys per batch: batch hash, batch lines, parent hash, parent awaiting set, parent todos
--- ARGV[1] now (epoch s)   ARGV[2] when the reconciler looks (epoch s)   ARGV[3] retention seconds
--- ARGV[4] events max length   ARGV[5] number of tasks   ARGV[6] number of batches
--- then 5 per task: id, 'run' or 'wait', the index (1-based) of the batch its slot is in (0: none),
+-- KEYS[1] the due list
+-- KEYS[2] tree live hash
+-- KEYS[3] tree events stream
+-- KEYS[4..] 4 keys per task: task hash, its UI messages, its lease, its conversation
+-- KEYS[..] then 5 keys per batch: batch hash, batch lines, parent hash, parent awaiting set, parent todos
+-- ARGV[1] float: now (epoch s)
+-- ARGV[2] float: when the reconciler looks (epoch s)
+-- ARGV[3] int: retention seconds
+-- ARGV[4] int: events max length
+-- ARGV[5] int: number of tasks
+-- ARGV[6] int: number of batches
+-- ARGV[7..] 5 per task: id, 'run' or 'wait', the index (1-based) of the batch its slot is in (0: none),
 --   for 'wait' how many conversation messages to keep and how many it must have now (else 0, 0)
--- then 3 per batch: batch id, 'open' (still running: its slot is re-opened) or 'closed' (re-opened
---   for its parent, a task to 'wait' here), the parent id
--- Returns {'retried', {retry count of each task, in order}} or {'refused', id, why, detail}:
--- why is 'missing', 'status' (detail: the status), 'caller', 'budget' (detail: the error),
--- 'leased', 'batch' (detail: the batch's status), 'chain' or 'conversation' (it changed).
+-- ARGV[..] then 3 per batch: batch id, 'open' (still running: its slot is re-opened) or 'closed' (re-
+--   opened for its parent, a task to 'wait' here), the parent id
+-- Returns {'retried', {retry count of each task, in order}} or {'refused', id, why, detail}: why is
+--   'missing', 'status' (detail: the status), 'caller', 'budget' (detail: the error), 'leased', 'batch'
+--   (detail: the batch's status), 'chain' or 'conversation' (it changed).
 local now, due_at, retention, maxlen = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local n_tasks, n_batches = tonumber(ARGV[5]), tonumber(ARGV[6])
 local first_batch_key = 4 + 4 * n_tasks

@@ -4,13 +4,23 @@
 -- implementation of "apply a child and close its batch": a run's end calls it inside
 -- end_run.lua, and every other caller (a redelivery, the reconciler) through
 -- `store.settle_child`. A sequential batch is left to its caller, who starts the next step.
--- KEYS[1] parent hash   KEYS[2] parent todos   KEYS[3] parent awaiting set   KEYS[4] tree events stream
--- KEYS[5] batch lines   KEYS[6] child hash   KEYS[7] batch hash   KEYS[8] parent UI messages
+-- KEYS[1] parent hash
+-- KEYS[2] parent todos
+-- KEYS[3] parent awaiting set
+-- KEYS[4] tree events stream
+-- KEYS[5] batch lines
+-- KEYS[6] child hash
+-- KEYS[7] batch hash
+-- KEYS[8] parent UI messages
 -- KEYS[9] the due list
--- ARGV[1] now   ARGV[2] retention seconds   ARGV[3] events max length   ARGV[4] child id
--- ARGV[5] resume grace seconds   ARGV[6] the batch's mode when the caller knows it ('' if not)
--- Returns {mode, resumes, resume}: `resumes` the parent's resume count when this call closed
--- the batch (0 otherwise), `resume` 1 when the caller must publish the parent's resumed run.
+-- ARGV[1] float: now
+-- ARGV[2] int: retention seconds
+-- ARGV[3] int: events max length
+-- ARGV[4] str: child id
+-- ARGV[5] float: resume grace seconds
+-- ARGV[6] str: the batch's mode when the caller knows it ('' if not)
+-- Returns {mode, resumes, resume}: `resumes` the parent's resume count when this call closed the batch (0
+--   otherwise), `resume` 1 when the caller must publish the parent's resumed run.
 local mode = ARGV[6]
 if mode == '' then
   mode = hash_get(KEYS[7], 'mode')[1] or ''

@@ -4,22 +4,35 @@
 -- it on the due list while it runs, publish its live status, and return its conversation and
 -- whether a budget over it is spent already; a first run (no conversation yet) also says the
 -- task's prompt as its first UI message.
--- KEYS[1] task hash   KEYS[2] lease   KEYS[3] the due list   KEYS[4] tree live hash
--- KEYS[5] tree events stream   KEYS[6] conversation   KEYS[7] UI messages
--- ARGV[1] token   ARGV[2] lease seconds   ARGV[3] when the reconciler looks next (epoch s)
--- KEYS[8] the tree's running set   KEYS[9] the tree's admission list   KEYS[10] its last-start time
--- ARGV[4] now   ARGV[5] events max length
--- ARGV[6] the prefix of the tree's task hashes (the budget check reads the ancestors' with a
---   budget, `budget_chain`, or every ancestor's on a record without it: a tree's keys share
---   one prefix, and subq runs on one Redis, so reading keys named in the task's own record
---   is safe here)
--- ARGV[7] per-parent run limit   ARGV[8] per-tree run limit   ARGV[9] start stagger ms (0: none)
--- ARGV[10] now in ms   ARGV[11] retention seconds   ARGV[12] the prefix of the tree's
---   running-children sets (the parent's is read from the record, as the ancestors' above)
+-- KEYS[1] task hash
+-- KEYS[2] lease
+-- KEYS[3] the due list
+-- KEYS[4] tree live hash
+-- KEYS[5] tree events stream
+-- KEYS[6] conversation
+-- KEYS[7] UI messages
+-- KEYS[8] the tree's running set
+-- KEYS[9] the tree's admission list
+-- KEYS[10] its last-start time
+-- ARGV[1] str: token
+-- ARGV[2] int: lease seconds
+-- ARGV[3] float: when the reconciler looks next (epoch s)
+-- ARGV[4] float: now
+-- ARGV[5] int: events max length
+-- ARGV[6] str: the prefix of the tree's task hashes (the budget check reads the ancestors' with a budget,
+--   `budget_chain`, or every ancestor's on a record without it: a tree's keys share one prefix, and subq
+--   runs on one Redis, so reading keys named in the task's own record is safe here)
+-- ARGV[7] int: per-parent run limit
+-- ARGV[8] int: per-tree run limit
+-- ARGV[9] int: start stagger ms (0: none)
+-- ARGV[10] int: now in ms
+-- ARGV[11] int: retention seconds
+-- ARGV[12] str: the prefix of the tree's running-children sets (the parent's is read from the record, as
+--   the ancestors' above)
 -- Returns {verdict, the task hash as a flat list, {deliveries, run sequence, exhausted}, conversation}:
--- verdict 'run' (the lease is this run's), 'missing', 'other' (not an agent's, ended or
--- delegated: the caller takes its slow path), 'leased' (another run holds the lease),
--- 'wait' (queued on the admission list for a slot) or 'delay' (the counts are {ms to wait}).
+--   verdict 'run' (the lease is this run's), 'missing', 'other' (not an agent's, ended or delegated: the
+--   caller takes its slow path), 'leased' (another run holds the lease), 'wait' (queued on the admission
+--   list for a slot) or 'delay' (the counts are {ms to wait}).
 local raw = redis.call('HGETALL', KEYS[1])
 if #raw == 0 then
   return {'missing', {}, {}, {}}

@@ -1,10 +1,17 @@
 -- Stop tasks that have not ended, all at once: a cancel of a subtree, or a subtree
 -- whose budget ran out. A task that had ended keeps its outcome.
--- KEYS[1] tree events stream   KEYS[2] tree live hash   KEYS[3..] task hashes (the
--- subtree's top first)
--- ARGV[1] status of the top   ARGV[2] status of the rest   ARGV[3] error of the top
--- ARGV[4] error of the rest   ARGV[5] error class of the top   ARGV[6] error class of the rest
--- ARGV[7] now   ARGV[8] retention seconds   ARGV[9] events max length
+-- KEYS[1] tree events stream
+-- KEYS[2] tree live hash
+-- KEYS[3..] task hashes (the subtree's top first)
+-- ARGV[1] str: status of the top
+-- ARGV[2] str: status of the rest
+-- ARGV[3] str: error of the top
+-- ARGV[4] str: error of the rest
+-- ARGV[5] str: error class of the top
+-- ARGV[6] str: error class of the rest
+-- ARGV[7] float: now
+-- ARGV[8] int: retention seconds
+-- ARGV[9] int: events max length
 -- Returns the ids of the tasks stopped now.
 local stopped = {}
 for i = 3, #KEYS do

@@ -2,7 +2,10 @@
 -- slot if one is free. Each slot is held until the call releases it (ZREM) or its lease ends (a
 -- worker that died mid-call frees its slots that way).
 -- KEYS[1] the glob's slots zset (member: the call, score: when its lease ends, ms)
--- ARGV[1] the limit   ARGV[2] now ms   ARGV[3] lease ms   ARGV[4] the call's member
+-- ARGV[1] int: the limit
+-- ARGV[2] int: now ms
+-- ARGV[3] int: lease ms
+-- ARGV[4] str: the call's member
 -- Returns 1 when the call holds a slot now, else 0 (it waits and asks again).
 local now = tonumber(ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)

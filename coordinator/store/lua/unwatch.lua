@@ -7,8 +7,10 @@
 -- when the message is lost or the worker dies. A run holds the lease from its start
 -- (start_run.lua puts it on the list in the same call) until its end (end_run.lua takes it
 -- off in the same call as it frees the lease).
--- KEYS[1] the due list   KEYS[2i] the lease of ARGV[1 + i]   KEYS[2i + 1] its task hash
--- ARGV[1] the status the task must still have to be taken off ('' for any)   ARGV[1 + i] task ids
+-- KEYS[1] the due list
+-- KEYS[2..] 2 keys per task id of ARGV, in its order: its lease, its task hash
+-- ARGV[1] str: the status the task must still have to be taken off ('' for any)
+-- ARGV[2..] each str: task ids
 -- Returns how many were taken off.
 local removed = 0
 local wanted = ARGV[1]

@@ -1,0 +1,968 @@
+"""The step protocol: every Lua script's KEYS, ARGV and reply, declared once.
+
+A script's call is a frozen dataclass here (`EndRun`, `StartRun`, ...): its fields, in
+order, are the script's KEYS and ARGV, each with the line its `.lua` header says of it.
+From that one declaration come
+
+- the registration: `Scripts` (base.py) registers each `Call` subclass's script, with
+  the scripts it `uses` inlined, and sends it with its WAIT when it is `acknowledged`;
+- the packing: `call.pack()` lays the fields out as KEYS and ARGV (a `count_of` field is
+  the length of the tail it counts, so no caller counts by hand);
+- the typed reply: `call.decode(raw)` turns the script's reply into a typed value;
+- the header: `render_header(Call)` is what the script's `.lua` header must say of its
+  KEYS, ARGV and reply, line for line (tests/test_protocol.py holds every file to it).
+
+A store part calls a script as `self.scripts(FinishTask(task=..., events=..., ...))`.
+
+Fields are declared with `key`, `keys` (a variadic tail of keys), `arg`, `args` (a tail
+of arguments; a tail's items may be tuples, laid out flat: `retry`'s 5 values per task),
+`count` (an argument that is a tail's length) and `splice` (a `Group` of keys and
+arguments several scripts share, laid out where it stands: `RunKeys`, `StepWrites`, or
+a whole call one script makes inside another, as `record_tool` makes `flush_run`'s).
+A tail comes last among the KEYS or the ARGV, after it only other tails.
+
+To add a script: write `lua/<name>.lua` with its prose header, declare its `Call` here
+(`script=`, `uses=`, `returns=`, `acknowledged=` for a step a caller sees), print
+`render_header(<Call>)` into the header, and call it through `self.scripts(...)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar, cast
+
+from coordinator.models import RetryRefused, Usage
+
+__all__ = [
+    "CALLS",
+    "Call",
+    "Ending",
+    "Group",
+    "ScriptArg",
+    "StartReply",
+    "Stepped",
+    "render_header",
+]
+
+ScriptArg = str | int | float
+R = TypeVar("R")
+
+# Width of a rendered header line: a wrapped description goes on in lines that start `--   `.
+HEADER_WIDTH = 110
+
+
+# -- declaring fields ---------------------------------------------------------------------
+
+
+def key(doc: str) -> Any:
+    """One key: KEYS[i]."""
+    return field(metadata={"slot": "key", "doc": doc})
+
+
+def keys(doc: str) -> Any:
+    """A variadic tail of keys: KEYS[i..]."""
+    return field(metadata={"slot": "keys", "doc": doc})
+
+
+def arg(doc: str, *, optional: bool = False) -> Any:
+    """One argument: ARGV[i]. An optional one (None) is left off the end of ARGV."""
+    if optional:
+        return field(default=None, metadata={"slot": "arg", "doc": doc, "optional": True})
+    return field(metadata={"slot": "arg", "doc": doc})
+
+
+def args(doc: str) -> Any:
+    """A variadic tail of arguments: ARGV[i..]; tuples among its items are laid out flat."""
+    return field(metadata={"slot": "args", "doc": doc})
+
+
+def count(doc: str, of: str) -> Any:
+    """An argument that is the length of the tail `of`, computed when packed."""
+    return field(init=False, default=0, metadata={"slot": "arg", "doc": doc, "count_of": of})
+
+
+def splice(doc: str, *, expand: bool = False) -> Any:
+    """A `Group`'s keys and arguments, laid out here: in the header, one line per side (its `doc`),
+    or, with `expand`, each of its own lines."""
+    return field(metadata={"slot": "splice", "doc": doc, "expand": expand})
+
+
+# -- groups and calls ---------------------------------------------------------------------
+
+
+class Group:
+    """Keys and arguments declared as dataclass fields (see the module's docstring)."""
+
+    def pack(self) -> tuple[list[str], list[ScriptArg]]:
+        """This group's KEYS and ARGV, in declaration order."""
+        out_keys: list[str] = []
+        out_args: list[ScriptArg] = []
+        for f in dataclasses.fields(cast(Any, self)):
+            slot, value = f.metadata["slot"], getattr(self, f.name)
+            if slot == "key":
+                out_keys.append(value)
+            elif slot == "keys":
+                for item in value:
+                    out_keys.extend(item) if isinstance(item, tuple) else out_keys.append(item)
+            elif slot == "arg":
+                if "count_of" in f.metadata:
+                    out_args.append(len(getattr(self, f.metadata["count_of"])))
+                elif value is not None or not f.metadata.get("optional"):
+                    out_args.append(value)
+            elif slot == "args":
+                for item in value:
+                    out_args.extend(item) if isinstance(item, tuple) else out_args.append(item)
+            else:
+                sub_keys, sub_args = cast(Group, value).pack()
+                out_keys += sub_keys
+                out_args += sub_args
+        return out_keys, out_args
+
+
+class Call(Group, Generic[R]):
+    """One call of one script: its fields are the script's KEYS and ARGV; `decode` types its reply."""
+
+    script: ClassVar[str] = ""
+    uses: ClassVar[tuple[str, ...]] = ()
+    returns: ClassVar[str] = ""
+    acknowledged: ClassVar[bool] = False
+    standalone: ClassVar[bool] = True
+
+    def __init_subclass__(
+        cls,
+        *,
+        script: str = "",
+        uses: tuple[str, ...] = (),
+        returns: str = "",
+        acknowledged: bool = False,
+        standalone: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.script, cls.uses, cls.returns = script, uses, returns
+        cls.acknowledged, cls.standalone = acknowledged, standalone
+        if script:
+            if script in CALLS:
+                raise TypeError(f"{script}.lua is declared twice: {CALLS[script].__name__} and {cls.__name__}")
+            CALLS[script] = cls
+
+    @classmethod
+    def decode(cls, raw: Any) -> R:
+        """The script's reply, typed; a script only other scripts call has no Python reply."""
+        raise NotImplementedError(f"{cls.script}.lua is called only from other scripts")
+
+
+# Every script of lua/ (hashes.lua is the prelude of all, not a script), by file name.
+CALLS: dict[str, type[Call[Any]]] = {}
+
+
+# -- rendering a header -------------------------------------------------------------------
+
+
+def _typed(f: dataclasses.Field[Any], doc: str) -> str:
+    """An argument's line: its Python type, then what it is (a tail of tuples: what its doc says)."""
+    name = str(f.type).removesuffix(" | None")
+    if f.metadata["slot"] == "args":
+        item = name.removeprefix("Sequence[").removesuffix("]")
+        return f"each {item}: {doc}" if item in ("str", "int", "float") else doc
+    return f"{name}: {doc}"
+
+
+def _layout(group: type[Group]) -> tuple[list[tuple[int, int | None, str]], list[tuple[int, int | None, str]]]:
+    """Each line of the group's KEYS and ARGV: (first index, last index or None for a tail, text)."""
+    sides: dict[str, list[tuple[int, int | None, str]]] = {"key": [], "arg": []}
+    at = {"key": 1, "arg": 1}
+    tail = {"key": False, "arg": False}
+
+    def put(side: str, width: int | None, text: str) -> None:
+        if tail[side] and width is not None:
+            raise TypeError(f"{group.__name__}: a fixed {side} after a tail")
+        last = None if width is None else at[side] + width - 1
+        sides[side].append((at[side], last, text))
+        if width is None:
+            tail[side] = True
+        else:
+            at[side] += width
+
+    for f in dataclasses.fields(cast(Any, group)):
+        slot, doc = f.metadata["slot"], f.metadata["doc"]
+        if slot == "key":
+            put("key", 1, doc)
+        elif slot == "keys":
+            put("key", None, doc)
+        elif slot == "arg":
+            optional = "(optional) " if f.metadata.get("optional") else ""
+            put("arg", 1, optional + _typed(f, doc))
+        elif slot == "args":
+            put("arg", None, _typed(f, doc))
+        else:
+            inner = _splice_type(group, f)
+            inner_keys, inner_args = _layout(inner)
+            for side, lines in (("key", inner_keys), ("arg", inner_args)):
+                if not lines:
+                    continue
+                if f.metadata["expand"]:
+                    for first, last, text in lines:
+                        put(side, None if last is None else last - first + 1, text)
+                else:
+                    fixed = all(last is not None for _, last, _ in lines)
+                    width = sum(cast(int, last) - first + 1 for first, last, _ in lines) if fixed else None
+                    put(side, width, doc.format(side="KEYS" if side == "key" else "ARGV"))
+    return sides["key"], sides["arg"]
+
+
+def _splice_type(group: type[Group], f: dataclasses.Field[Any]) -> type[Group]:
+    found = globals().get(str(f.type))
+    if not (isinstance(found, type) and issubclass(found, Group)):
+        raise TypeError(f"{group.__name__}.{f.name}: a splice must be a Group of this module, not {f.type}")
+    return found
+
+
+def _index(name: str, first: int, last: int | None, tail_seen: bool) -> str:
+    if last is None:
+        return f"{name}[..]" if tail_seen else f"{name}[{first}..]"
+    return f"{name}[{first}]" if first == last else f"{name}[{first}..{last}]"
+
+
+def _wrapped(text: str) -> list[str]:
+    return textwrap.wrap(text, HEADER_WIDTH - 3, initial_indent="-- ", subsequent_indent="--   ")
+
+
+def render_header(call: type[Call[Any]]) -> list[str]:
+    """The lines a script's `.lua` header must hold, in order: each KEYS and ARGV line, then Returns."""
+    lines: list[str] = []
+    for name, side in zip(("KEYS", "ARGV"), _layout(call), strict=True):
+        tail_seen = False
+        for first, last, text in side:
+            lines += _wrapped(f"{_index(name, first, last, tail_seen)} {text}")
+            tail_seen = tail_seen or last is None
+    return lines + _wrapped(f"Returns {call.returns}")
+
+
+def declared_header(lua_text: str) -> list[str]:
+    """The KEYS, ARGV and Returns lines of a `.lua` file's opening comment (each with its `--   ` lines)."""
+    out: list[str] = []
+    going_on = False
+    for line in lua_text.splitlines():
+        if not line.startswith("--"):
+            break
+        if line.startswith(("-- KEYS[", "-- ARGV[", "-- Returns ")):
+            out.append(line)
+            going_on = True
+        elif going_on and line.startswith("--   "):
+            out.append(line)
+        else:
+            going_on = False
+    return out
+
+
+# -- typed replies --------------------------------------------------------------------------
+
+
+def _strs(reply: Any) -> list[str]:
+    # The client decodes replies (decode_responses=True): a Lua string comes back a str.
+    return [str(item) for item in reply]
+
+
+class Stepped(NamedTuple):
+    """A run's step (flush_run, record_tool): still leased, the task's status, the topmost budget reached."""
+
+    leased: bool
+    status: str
+    exhausted: str | None
+
+
+def _stepped(raw: Any) -> Stepped:
+    if int(raw[0]) == 0:
+        return Stepped(False, "", None)
+    return Stepped(True, str(raw[1]), str(raw[2]) or None)
+
+
+class StartReply(NamedTuple):
+    """start_run's reply: the verdict, the task's hash as read, and what the verdict brings."""
+
+    verdict: str
+    fields: dict[str, str]
+    deliveries: int
+    run_seq: int
+    exhausted: str | None
+    delay_ms: int
+    conversation: list[str]
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What `end_run` did: `kind` 'ended', 'fenced' (nothing written) or 'exhausted' (`holder`'s budget)."""
+
+    kind: str
+    holder: str | None = None
+    status: str = ""
+    summary: str = ""
+    error: str = ""
+    error_class: str = ""
+    usage: Usage = field(default_factory=Usage)
+    cost_micros: int = 0
+    closed: bool = False
+    resumes: int = 0
+    resume: bool = False
+    batch_mode: str = ""
+    admitted: list[str] = field(default_factory=list)  # waiting tasks given the freed slot: publish their runs
+
+
+# -- groups several scripts share ----------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunKeys(Group):
+    """The keys of a run's step (flush_run's first seven; end_run's and record_tool's too)."""
+
+    lease: str = key("lease")
+    task: str = key("task hash")
+    conversation: str = key("conversation")
+    ui_messages: str = key("UI messages")
+    latency: str = key("latency histogram")
+    live: str = key("tree live hash")
+    events: str = key("tree events")
+
+
+# Each response's usage: request key, tokens in, tokens out, cache reads, cache writes, cost micro-USD, source.
+UsageArgs = tuple[str, int, int, int, int, int, str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepWrites(Group):
+    """What a run did since its last step (flush_run's ARGV from its sixth; end_run's from its 17th)."""
+
+    live: str = arg("live status JSON, or ''")
+    n_conversation: int = count("how many conversation messages", of="conversation")
+    n_ui: int = count("how many UI messages", of="ui_messages")
+    n_usage: int = count("how many usage records", of="usage")
+    n_latencies: int = count("how many latencies", of="latencies")
+    conversation: Sequence[str] = args("the conversation messages")
+    ui_messages: Sequence[str] = args("then the UI messages")
+    usage: Sequence[UsageArgs] = args(
+        "then 7 values per usage record (request key, tokens in, tokens out, cache reads, cache writes, "
+        "cost micro-USD, cost source)"
+    )
+    latencies: Sequence[tuple[str, float]] = args("then 2 per latency (histogram field, ms)")
+    marks: Sequence[tuple[int, str]] = args(
+        "then, to the end, 2 per timeline mark the run took between steps (t ms, state: coordinator/timeline.py)"
+    )
+
+
+# -- the scripts ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Admit(
+    Call[None],
+    script="admit",
+    standalone=False,
+    returns="{'run', 0}, {'wait', 0} (queued in the admission list), or {'delay', ms}.",
+):
+    running: str = key("the tree's running set")
+    parent_running: str = key("the parent's running-children set")
+    admission: str = key("the tree's admission list")
+    last_start: str = key("the tree's last-start time")
+    task_id: str = arg("task id")
+    per_parent: int = arg("per-parent limit (0: none)")
+    per_tree: int = arg("per-tree limit (0: none)")
+    stagger_ms: int = arg("stagger ms (0: none)")
+    now_ms: int = arg("now ms")
+    retention_s: int = arg("retention seconds")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AppendIfLeased(
+    Call[bool],
+    script="append_if_leased",
+    returns="1 when appended, 0 when the lease is no longer this run's.",
+):
+    lease: str = key("the lease")
+    conversation: str = key("the conversation list")
+    token: str = arg("the run's token")
+    retention_s: int = arg("retention, s")
+    messages: Sequence[str] = args("the messages")
+
+    @classmethod
+    def decode(cls, raw: Any) -> bool:
+        return bool(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApplyChildren(
+    Call[int],
+    script="apply_children",
+    acknowledged=True,
+    returns="how many were applied now.",
+):
+    parent: str = key("parent hash")
+    todos: str = key("parent todos (hash: item id -> JSON, order -> ids)")
+    awaiting: str = key("parent awaiting set")
+    events: str = key("tree events stream")
+    lines: str = key("batch lines (hash: child id -> line)")
+    children: Sequence[str] = keys("child hashes")
+    now: float = arg("now")
+    retention_s: int = arg("retention seconds")
+    events_maxlen: int = arg("events max length")
+    child_ids: Sequence[str] = args("child ids, in the order of their hashes in KEYS")
+
+    @classmethod
+    def decode(cls, raw: Any) -> int:
+        return int(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinishBatch(
+    Call[None],
+    script="finish_batch",
+    standalone=False,
+    returns="the parent's resume count when closed now (the caller then resumes the parent under that number, "
+    "so a resume is published once), 0 when closed before.",
+):
+    batch: str = key("batch hash")
+    parent: str = key("parent hash")
+    parent_ui: str = key("parent UI messages")
+    awaiting: str = key("parent awaiting set")
+    events: str = key("tree events stream")
+    result: str = arg("combined result text")
+    ui_message: str = arg("UI message JSON")
+    now: float = arg("now")
+    retention_s: int = arg("retention seconds")
+    events_maxlen: int = arg("events max length")
+    closer: str = arg("the child that completed it")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CloseBatch(
+    Call[tuple[int, bool]],
+    script="close_batch",
+    uses=("finish_batch",),
+    acknowledged=True,
+    returns="{resumes, resume}: the parent's resume count when closed now (0: closed before) and 1 when the "
+    "caller must publish the parent's resumed run.",
+):
+    batch: str = key("batch hash")
+    parent: str = key("parent hash")
+    parent_ui: str = key("parent UI messages")
+    awaiting: str = key("parent awaiting set")
+    events: str = key("tree events stream")
+    lines: str = key("batch lines")
+    due: str = key("the due list")
+    todos: str = key("parent todos")
+    now: float = arg("now")
+    retention_s: int = arg("retention seconds")
+    events_maxlen: int = arg("events max length")
+    resume_grace_s: float = arg("resume grace seconds")
+
+    @classmethod
+    def decode(cls, raw: Any) -> tuple[int, bool]:
+        return int(raw[0]), bool(raw[1])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decide(
+    Call[str],
+    script="decide",
+    acknowledged=True,
+    returns="'ok', or the approval's status when it was not pending (or 'missing').",
+):
+    approval: str = key("the approval hash")
+    pending: str = key("the pending-approvals zset")
+    events: str = key("tree events stream")
+    approval_id: str = arg("approval id")
+    status: str = arg("new status (approved|denied|expired)")
+    feedback: str = arg("feedback")
+    now: float = arg("now")
+    events_maxlen: int = arg("events max length")
+    task_prefix: str = arg("the prefix of the tree's task hashes")
+    approval_prefix: str = arg(
+        "the prefix of its approval hashes (the task's hash and its other approvals are named from the "
+        "approval's record, as start_run reads ancestors: a tree's keys share one prefix)"
+    )
+    decided_by: str = arg("who decided: the API key's name ('' for an expiry), written with the decision")
+
+    @classmethod
+    def decode(cls, raw: Any) -> str:
+        return str(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EndpointFailed(
+    Call[tuple[int, int]],
+    script="endpoint_failed",
+    returns="{ms until the endpoint may be tried again, failures in a row}.",
+):
+    endpoint: str = key("the endpoint's hash")
+    now_ms: int = arg("now ms")
+    base_ms: int = arg("backoff base ms")
+    cap_ms: int = arg("backoff cap ms")
+    jitter: float = arg("jitter, in [0, 1)")
+    asked_ms: int = arg("the wait the provider asked for (Retry-After, retry-after-ms), ms; -1: none")
+    error: str = arg("the error line")
+    keep_ms: int = arg("how long the hash outlives the endpoint's wait, ms")
+
+    @classmethod
+    def decode(cls, raw: Any) -> tuple[int, int]:
+        return int(raw[0]), int(raw[1])
+
+
+@dataclass(frozen=True, kw_only=True)
+class EndpointGate(
+    Call[tuple[int, int, str]],
+    script="endpoint_gate",
+    returns="{wait ms (0: send it now), failures in a row, the last error line}.",
+):
+    endpoint: str = key("the endpoint's hash")
+    now_ms: int = arg("now ms")
+    token: str = arg("the asking run's token")
+    probe_lease_ms: int = arg("the probe's lease ms")
+    recheck_ms: int = arg("how long to wait, at most, before asking again while another run's probe is out (ms)")
+
+    @classmethod
+    def decode(cls, raw: Any) -> tuple[int, int, str]:
+        return int(raw[0]), int(raw[1]), str(raw[2])
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinishTask(
+    Call[str | None],
+    script="finish_task",
+    acknowledged=True,
+    returns="the task's status after the call (the earlier one if it was already terminal), or false when the "
+    "task does not exist.",
+):
+    task: str = key("task hash")
+    events: str = key("tree events stream")
+    live: str = key("tree live hash")
+    status: str = arg("status (completed|failed|cancelled)")
+    summary: str = arg("summary")
+    error: str = arg("error")
+    error_class: str = arg("error class")
+    now: float = arg("now")
+    retention_s: int = arg("retention seconds")
+    events_maxlen: int = arg("events max length")
+    live_status: str | None = arg(
+        "the run's latest live status JSON, which the terminal one is made from (without it, the stored one is read)",
+        optional=True,
+    )
+
+    @classmethod
+    def decode(cls, raw: Any) -> str | None:
+        return None if raw is None else str(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlushRun(
+    Call[Stepped],
+    script="flush_run",
+    uses=("record_usage",),
+    returns="{1, status, exhausted} (status '' when called by end_run), or {0} when the lease is not this "
+    "run's (nothing written).",
+):
+    run: RunKeys = splice("the run's keys", expand=True)
+    ancestors: Sequence[str] = keys("ancestor hashes (parent first, root last)")
+    token: str = arg("token")
+    retention_s: int = arg("retention seconds")
+    now: float = arg("now")
+    events_maxlen: int = arg("events max length")
+    by_end_run: int = arg(
+        "1 when end_run calls it: the task's status is not read back, and the task hash's retention is left "
+        "to the end (it refreshes each key it writes once)"
+    )
+    writes: StepWrites = splice("what the run did since its last step", expand=True)
+
+    @classmethod
+    def decode(cls, raw: Any) -> Stepped:
+        return _stepped(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EndRun(
+    Call[Ending],
+    script="end_run",
+    uses=(
+        "record_usage",
+        "flush_run",
+        "finish_task",
+        "release_lease",
+        "apply_children",
+        "finish_batch",
+        "close_batch",
+        "settle_child",
+        "release_slot",
+    ),
+    acknowledged=True,
+    returns="{'fenced'} (nothing written), {'exhausted', holder} (the flush was written; the caller stops the "
+    "holder's subtree and ends the run again), or {'ended', status, summary, error, error class, tokens in, "
+    "tokens out, cache reads, cache writes, cost micro-USD, closed, resumes, resume, batch mode, admitted "
+    "ids}: `closed` 1 when this call closed the batch, `resume` 1 when the caller must publish the parent's "
+    "resume, `batch mode` 'sequential' when the caller must write the chain step back itself, `admitted "
+    "ids` the waiting tasks given the freed slot, whose runs the caller publishes.",
+):
+    run: RunKeys = splice("as flush_run (lease, task, conversation, UI, latency, live, events)")
+    due: str = key("the due list")
+    parent: str = key("parent hash")
+    todos: str = key("parent todos")
+    awaiting: str = key("parent awaiting set")
+    batch: str = key("batch hash")
+    parent_ui: str = key("parent UI messages")
+    lines: str = key("batch lines")
+    running: str = key("the tree's running set")
+    admission: str = key("its admission list")
+    parent_running: str = key("the parent's running-children set")
+    ancestors: Sequence[str] = keys("ancestor hashes (parent first, root last)")
+    token: str = arg("token")
+    retention_s: int = arg("retention seconds")
+    now: float = arg("now")
+    events_maxlen: int = arg("events max length")
+    status: str = arg("status")
+    summary: str = arg("summary")
+    error: str = arg("error")
+    error_class: str = arg("error class")
+    resume_grace_s: float = arg("resume grace seconds")
+    stop_on_budget: int = arg("1: end on the budget check (a run that completed)")
+    free_slot: int = arg("1: free a run slot (admission limits set, a child)")
+    per_parent: int = arg("per-parent limit")
+    per_tree: int = arg("per-tree limit")
+    task_prefix: str = arg("the prefix of the tree's task hashes")
+    running_children_prefix: str = arg("the prefix of its running-children sets")
+    admission_scan: int = arg("how many waiting tasks to look at")
+    writes: StepWrites = splice("flush_run's ARGV from its sixth (what the run did since its last step)")
+
+    @classmethod
+    def decode(cls, raw: Any) -> Ending:
+        if raw[0] != "ended":
+            return Ending(str(raw[0]), holder=str(raw[1]) if len(raw) > 1 else None)
+        (_, status, summary, error, error_class, t_in, t_out, c_reads, c_writes, cost, closed, resumes, resume,
+         mode, admitted_ids) = raw  # fmt: skip
+        return Ending(
+            "ended", status=str(status), summary=str(summary), error=str(error), error_class=str(error_class),
+            usage=Usage(tokens_in=int(t_in), tokens_out=int(t_out), cache_reads=int(c_reads), cache_writes=int(c_writes)),
+            cost_micros=int(cost), closed=bool(int(closed)), resumes=int(resumes), resume=bool(int(resume)),
+            batch_mode=str(mode), admitted=_strs(admitted_ids),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lead(Call[bool], script="lead", returns="1 when the candidate leads now, 0 when another does."):
+    lease: str = key("the lease")
+    candidate: str = arg("this candidate's id")
+    lease_ms: int = arg("the lease time, ms")
+
+    @classmethod
+    def decode(cls, raw: Any) -> bool:
+        return bool(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RateLimit(
+    Call[int],
+    script="rate_limit",
+    returns="0 when the request may start now (it is counted), else the ms to wait.",
+):
+    requests: str = key("the provider's request-times zset")
+    rpm: int = arg("limit per minute")
+    now_ms: int = arg("now ms")
+    member: str = arg("a unique member for this request")
+
+    @classmethod
+    def decode(cls, raw: Any) -> int:
+        return int(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordTool(
+    Call[Stepped],
+    script="record_tool",
+    uses=("record_usage", "flush_run"),
+    returns="flush_run's reply: {1, status, exhausted}, or {0} when the lease is not this run's (nothing "
+    "written: another run owns the task and answers the call itself).",
+):
+    results: str = key("the task's tool-results hash")
+    tool_call_id: str = arg("tool call id")
+    result: str = arg("the result (JSON) to keep, or '' to keep none")
+    outcome_field: str = arg("the counter field of the outcome (`tool:<tool>:<outcome>`)")
+    ms_field: str = arg("the time field (`tool:<tool>:ms`)")
+    ms: int = arg("the call's ms (0: not added)")
+    flush: FlushRun = splice("flush_run's {side}")
+
+    @classmethod
+    def decode(cls, raw: Any) -> Stepped:
+        return _stepped(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordUsage(
+    Call[tuple[int, str | None]],
+    script="record_usage",
+    returns="{recorded, exhausted}: recorded is 1, 0 (this request was recorded before) or -1 (the task has "
+    "ended, e.g. was cancelled: nothing is recorded after a stop); exhausted is the id of the topmost task "
+    "(nearest the root) whose budget the subtree total has reached, or ''.",
+):
+    task: str = key(
+        "task hash (its `usage_keys` field lists the request keys already recorded, space-separated: read and "
+        "written with the figures, no key of its own)"
+    )
+    ancestors: Sequence[str] = keys("ancestor task hashes (parent first, root last)")
+    request_key: str = arg(
+        "request key (unique per request of the task, no spaces; `tool:<call id>` for a tool call's price, "
+        "which is spend but no model request: it counts no request and keeps the source)"
+    )
+    tokens_in: int = arg("tokens in")
+    tokens_out: int = arg("tokens out")
+    cache_reads: int = arg("cache reads")
+    cache_writes: int = arg("cache writes")
+    cost_micros: int = arg("cost micro-USD")
+    cost_source: str = arg("cost source")
+    now: float = arg("now")
+    retention_s: int = arg("retention seconds")
+    refresh_task: str | None = arg(
+        "'0': leave the task hash's retention to the caller (end_run refreshes it once)", optional=True
+    )
+
+    @classmethod
+    def decode(cls, raw: Any) -> tuple[int, str | None]:
+        return int(raw[0]), str(raw[1]) or None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReleaseLease(
+    Call[bool],
+    script="release_lease",
+    returns="1 when released, 0 when the lease was another run's or had lapsed.",
+):
+    lease: str = key("the task's lease")
+    token: str = arg("this run's token")
+
+    @classmethod
+    def decode(cls, raw: Any) -> bool:
+        return bool(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReleaseSlot(
+    Call[list[str]],
+    script="release_slot",
+    returns="the ids admitted now (removed from the list, added to the running sets).",
+):
+    running: str = key("the tree's running set")
+    admission: str = key("the tree's admission list")
+    parent_running: str = key("the task's parent's running-children set")
+    task_id: str = arg("task id")
+    per_parent: int = arg("per-parent limit")
+    per_tree: int = arg("per-tree limit")
+    retention_s: int = arg("retention seconds")
+    task_prefix: str = arg("the prefix of the tree's task hashes")
+    running_children_prefix: str = arg("the prefix of its running-children sets")
+    admission_scan: int = arg("how many waiting tasks to look at, from the list's head")
+    now: float = arg("now (epoch s)")
+
+    @classmethod
+    def decode(cls, raw: Any) -> list[str]:
+        return _strs(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RenewLeases(
+    Call[list[int]],
+    script="renew_leases",
+    returns="the indexes (1-based) of the leases that were lost: lapsed, or taken by another.",
+):
+    leases: Sequence[str] = keys("the leases")
+    lease_ms: int = arg("the lease time, ms")
+    tokens: Sequence[str] = args("the holder's token of each lease, in the order of KEYS")
+
+    @classmethod
+    def decode(cls, raw: Any) -> list[int]:
+        return [int(i) for i in raw]
+
+
+# A task to retry: id, 'run' or 'wait', the index (1-based) of the batch its slot is in (0: none), and for
+# 'wait' how many conversation messages to keep and how many it must have now (else 0, 0).
+RetryTaskArgs = tuple[str, str, int, int, int]
+# A batch a retry re-opens: its id, 'open' or 'closed', its parent's id.
+RetryBatchArgs = tuple[str, str, str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Retry(
+    Call[list[int] | RetryRefused],
+    script="retry",
+    acknowledged=True,
+    returns="{'retried', {retry count of each task, in order}} or {'refused', id, why, detail}: why is "
+    "'missing', 'status' (detail: the status), 'caller', 'budget' (detail: the error), 'leased', 'batch' "
+    "(detail: the batch's status), 'chain' or 'conversation' (it changed).",
+):
+    due: str = key("the due list")
+    live: str = key("tree live hash")
+    events: str = key("tree events stream")
+    task_keys: Sequence[tuple[str, str, str, str]] = keys(
+        "4 keys per task: task hash, its UI messages, its lease, its conversation"
+    )
+    batch_keys: Sequence[tuple[str, str, str, str, str]] = keys(
+        "then 5 keys per batch: batch hash, batch lines, parent hash, parent awaiting set, parent todos"
+    )
+    now: float = arg("now (epoch s)")
+    look_at: float = arg("when the reconciler looks (epoch s)")
+    retention_s: int = arg("retention seconds")
+    events_maxlen: int = arg("events max length")
+    n_tasks: int = count("number of tasks", of="tasks")
+    n_batches: int = count("number of batches", of="batches")
+    tasks: Sequence[RetryTaskArgs] = args(
+        "5 per task: id, 'run' or 'wait', the index (1-based) of the batch its slot is in (0: none), for "
+        "'wait' how many conversation messages to keep and how many it must have now (else 0, 0)"
+    )
+    batches: Sequence[RetryBatchArgs] = args(
+        "then 3 per batch: batch id, 'open' (still running: its slot is re-opened) or 'closed' (re-opened for "
+        "its parent, a task to 'wait' here), the parent id"
+    )
+
+    @classmethod
+    def decode(cls, raw: Any) -> list[int] | RetryRefused:
+        if raw[0] == "refused":
+            return RetryRefused(str(raw[1]), str(raw[2]), str(raw[3]))
+        return [int(n) for n in raw[1]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SettleChild(
+    Call[tuple[str, int, bool]],
+    script="settle_child",
+    uses=("apply_children", "finish_batch", "close_batch"),
+    acknowledged=True,
+    returns="{mode, resumes, resume}: `resumes` the parent's resume count when this call closed the batch (0 "
+    "otherwise), `resume` 1 when the caller must publish the parent's resumed run.",
+):
+    parent: str = key("parent hash")
+    todos: str = key("parent todos")
+    awaiting: str = key("parent awaiting set")
+    events: str = key("tree events stream")
+    lines: str = key("batch lines")
+    child: str = key("child hash")
+    batch: str = key("batch hash")
+    parent_ui: str = key("parent UI messages")
+    due: str = key("the due list")
+    now: float = arg("now")
+    retention_s: int = arg("retention seconds")
+    events_maxlen: int = arg("events max length")
+    child_id: str = arg("child id")
+    resume_grace_s: float = arg("resume grace seconds")
+    mode: str = arg("the batch's mode when the caller knows it ('' if not)")
+
+    @classmethod
+    def decode(cls, raw: Any) -> tuple[str, int, bool]:
+        return str(raw[0] or ""), int(raw[1]), bool(int(raw[2]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartRun(
+    Call[StartReply],
+    script="start_run",
+    uses=("admit",),
+    returns="{verdict, the task hash as a flat list, {deliveries, run sequence, exhausted}, conversation}: "
+    "verdict 'run' (the lease is this run's), 'missing', 'other' (not an agent's, ended or delegated: the "
+    "caller takes its slow path), 'leased' (another run holds the lease), 'wait' (queued on the admission "
+    "list for a slot) or 'delay' (the counts are {ms to wait}).",
+):
+    task: str = key("task hash")
+    lease: str = key("lease")
+    due: str = key("the due list")
+    live: str = key("tree live hash")
+    events: str = key("tree events stream")
+    conversation: str = key("conversation")
+    ui_messages: str = key("UI messages")
+    running: str = key("the tree's running set")
+    admission: str = key("the tree's admission list")
+    last_start: str = key("its last-start time")
+    token: str = arg("token")
+    lease_s: int = arg("lease seconds")
+    look_at: float = arg("when the reconciler looks next (epoch s)")
+    now: float = arg("now")
+    events_maxlen: int = arg("events max length")
+    task_prefix: str = arg(
+        "the prefix of the tree's task hashes (the budget check reads the ancestors' with a budget, "
+        "`budget_chain`, or every ancestor's on a record without it: a tree's keys share one prefix, and subq "
+        "runs on one Redis, so reading keys named in the task's own record is safe here)"
+    )
+    per_parent: int = arg("per-parent run limit")
+    per_tree: int = arg("per-tree run limit")
+    stagger_ms: int = arg("start stagger ms (0: none)")
+    now_ms: int = arg("now in ms")
+    retention_s: int = arg("retention seconds")
+    running_children_prefix: str = arg(
+        "the prefix of the tree's running-children sets (the parent's is read from the record, as the ancestors' above)"
+    )
+
+    @classmethod
+    def decode(cls, raw: Any) -> StartReply:
+        verdict, flat, counts, conversation = str(raw[0]), raw[1], raw[2], raw[3]
+        fields = dict(zip(_strs(flat[0::2]), _strs(flat[1::2]), strict=True))
+        if verdict == "run":
+            deliveries, run_seq, exhausted = counts
+            return StartReply(
+                verdict, fields, int(deliveries), int(run_seq), str(exhausted) or None, 0, _strs(conversation)
+            )
+        delay_ms = int(counts[0]) if verdict in ("wait", "delay") else 0
+        return StartReply(verdict, fields, 0, 0, None, delay_ms, [])
+
+
+@dataclass(frozen=True, kw_only=True)
+class StopTasks(
+    Call[list[str]],
+    script="stop_tasks",
+    acknowledged=True,
+    returns="the ids of the tasks stopped now.",
+):
+    events: str = key("tree events stream")
+    live: str = key("tree live hash")
+    tasks: Sequence[str] = keys("task hashes (the subtree's top first)")
+    top_status: str = arg("status of the top")
+    status: str = arg("status of the rest")
+    top_error: str = arg("error of the top")
+    error: str = arg("error of the rest")
+    top_class: str = arg("error class of the top")
+    error_class: str = arg("error class of the rest")
+    now: float = arg("now")
+    retention_s: int = arg("retention seconds")
+    events_maxlen: int = arg("events max length")
+
+    @classmethod
+    def decode(cls, raw: Any) -> list[str]:
+        return _strs(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolSlot(
+    Call[bool],
+    script="tool_slot",
+    returns="1 when the call holds a slot now, else 0 (it waits and asks again).",
+):
+    slots: str = key("the glob's slots zset (member: the call, score: when its lease ends, ms)")
+    limit: int = arg("the limit")
+    now_ms: int = arg("now ms")
+    lease_ms: int = arg("lease ms")
+    member: str = arg("the call's member")
+
+    @classmethod
+    def decode(cls, raw: Any) -> bool:
+        return bool(int(raw))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unwatch(
+    Call[int],
+    script="unwatch",
+    returns="how many were taken off.",
+):
+    due: str = key("the due list")
+    tasks: Sequence[tuple[str, str]] = keys("2 keys per task id of ARGV, in its order: its lease, its task hash")
+    while_status: str = arg("the status the task must still have to be taken off ('' for any)")
+    task_ids: Sequence[str] = args("task ids")
+
+    @classmethod
+    def decode(cls, raw: Any) -> int:
+        return int(raw)

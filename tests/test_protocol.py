@@ -1,0 +1,185 @@
+"""The step protocol's one table (coordinator/store/protocol.py) against the Lua files it declares.
+
+Every script's header must say, line for line, what the table declares of its KEYS, ARGV and
+reply; every KEYS[n] and ARGV[n] its body reads must be declared; and the table's packing must
+lay the fields out where the header says. A header edited without the table (or the table
+without the header) fails here, before a step sends a key to the wrong place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from importlib import resources
+from typing import Any
+
+import pytest
+
+from coordinator.store import protocol
+from coordinator.store.base import ACKNOWLEDGED
+from coordinator.store.protocol import (
+    CALLS,
+    EndRun,
+    FinishTask,
+    FlushRun,
+    Lead,
+    RecordTool,
+    Retry,
+    RunKeys,
+    StepWrites,
+    Unwatch,
+    arg,
+    declared_header,
+    render_header,
+)
+
+LUA = resources.files("coordinator.store").joinpath("lua")
+# The prelude every script is sent with (base.py), not a script of its own.
+PRELUDE = "hashes.lua"
+
+
+def lua_text(script: str) -> str:
+    return LUA.joinpath(f"{script}.lua").read_text(encoding="utf-8")
+
+
+def test_every_lua_file_is_declared_once_and_every_declaration_has_its_file() -> None:
+    files = {p.name.removesuffix(".lua") for p in LUA.iterdir() if p.name.endswith(".lua") and p.name != PRELUDE}
+    assert files == set(CALLS)
+    for call in CALLS.values():
+        assert set(call.uses) <= set(CALLS), f"{call.script} uses an undeclared script"
+
+
+@pytest.mark.parametrize("script", sorted(CALLS))
+def test_each_lua_header_says_what_the_table_declares(script: str) -> None:
+    assert declared_header(lua_text(script)) == render_header(CALLS[script])
+
+
+def _declared_range(call: type[protocol.Call[Any]], side: str) -> tuple[int, bool]:
+    """How many fixed KEYS or ARGV the call declares, and whether a tail follows them."""
+    lines = protocol._layout(call)[0 if side == "KEYS" else 1]
+    fixed = max((last for _, last, _ in lines if last is not None), default=0)
+    return fixed, any(last is None for _, last, _ in lines)
+
+
+@pytest.mark.parametrize("script", sorted(CALLS))
+def test_each_index_a_script_body_reads_is_declared(script: str) -> None:
+    text = lua_text(script)
+    body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--"))
+    for side in ("KEYS", "ARGV"):
+        fixed, tail = _declared_range(CALLS[script], side)
+        used = {int(n) for n in re.findall(rf"\b{side}\[(\d+)\]", body)}
+        beyond = sorted(n for n in used if n > fixed)
+        assert tail or not beyond, f"{script}.lua reads {side}{beyond}, beyond the {fixed} declared"
+
+
+def test_a_changed_header_line_fails_the_check() -> None:
+    text = lua_text("end_run")
+    assert declared_header(text) == render_header(EndRun)
+    renamed = text.replace("-- KEYS[8] the due list", "-- KEYS[8] the due set", 1)
+    moved = text.replace("-- ARGV[12] int: per-parent limit", "-- ARGV[13] int: per-parent limit", 1)
+    dropped = text.replace("-- ARGV[16] int: how many waiting tasks to look at\n", "", 1)
+    for changed in (renamed, moved, dropped):
+        assert changed != text
+        assert declared_header(changed) != render_header(EndRun)
+
+
+def test_a_changed_table_fails_the_check() -> None:
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class LeadWithMore(Lead):
+        also: int = arg("one argument more")
+
+    LeadWithMore.returns = Lead.returns
+    assert declared_header(lua_text("lead")) == render_header(Lead)
+    assert declared_header(lua_text("lead")) != render_header(LeadWithMore)
+
+
+def test_acknowledged_scripts_are_those_the_table_marks() -> None:
+    assert {name for name, call in CALLS.items() if call.acknowledged} == ACKNOWLEDGED
+    assert "end_run" in ACKNOWLEDGED and "flush_run" not in ACKNOWLEDGED
+
+
+def _run_keys(task: str) -> RunKeys:
+    return RunKeys(
+        lease=f"lease:{task}", task=f"task:{task}", conversation="conv", ui_messages="ui", latency="lat",
+        live="live", events="events",
+    )  # fmt: skip
+
+
+def _writes() -> StepWrites:
+    return StepWrites(
+        live="{}", conversation=["m1", "m2"], ui_messages=["u1"],
+        usage=[("req-1", 10, 5, 0, 0, 123, "provider")], latencies=[("le:100", 80)], marks=[(1000, "running")],
+    )  # fmt: skip
+
+
+def test_end_run_packs_its_keys_and_arguments_where_its_header_says() -> None:
+    call = EndRun(
+        run=_run_keys("t"), due="due", parent="p", todos="todos", awaiting="await", batch="b", parent_ui="pui",
+        lines="lines", running="running", admission="adm", parent_running="prun", ancestors=["task:p", "task:root"],
+        token="tok", retention_s=60, now=1.5, events_maxlen=100, status="completed", summary="s", error="",
+        error_class="", resume_grace_s=2.0, stop_on_budget=1, free_slot=0, per_parent=3, per_tree=9,
+        task_prefix="pre:", running_children_prefix="rc:", admission_scan=50, writes=_writes(),
+    )  # fmt: skip
+    keys, args = call.pack()
+    assert keys[:2] == ["lease:t", "task:t"] and keys[7] == "due" and keys[16] == "prun"  # KEYS[1], [2], [8], [17]
+    assert keys[17:] == ["task:p", "task:root"]  # KEYS[18..]: the ancestors
+    assert args[0] == "tok" and args[15] == 50  # ARGV[1], ARGV[16]
+    # ARGV[17..]: flush_run's from its sixth: live, the four counts, then each tail laid out flat.
+    assert args[16:21] == ["{}", 2, 1, 1, 1]
+    assert args[21:] == ["m1", "m2", "u1", "req-1", 10, 5, 0, 0, 123, "provider", "le:100", 80, 1000, "running"]
+
+
+def test_a_spliced_call_packs_as_the_script_it_calls_reads_it() -> None:
+    flush = FlushRun(
+        run=_run_keys("t"), ancestors=["task:p"], token="tok", retention_s=60, now=1.5, events_maxlen=100,
+        by_end_run=0, writes=_writes(),
+    )  # fmt: skip
+    tool = RecordTool(
+        results="results", tool_call_id="c1", result="", outcome_field="tool:x:ok", ms_field="tool:x:ms", ms=7,
+        flush=flush,
+    )  # fmt: skip
+    flush_keys, flush_args = flush.pack()
+    keys, args = tool.pack()
+    # record_tool.lua hands flush_run its KEYS[2..] and ARGV[6..].
+    assert keys == ["results", *flush_keys] and args[5:] == flush_args
+
+
+def test_counts_are_packed_from_their_tails_and_groups_laid_out_flat() -> None:
+    call = Retry(
+        due="due", live="live", events="events",
+        task_keys=[("t1", "u1", "l1", "c1"), ("t2", "u2", "l2", "c2")], batch_keys=[("b", "bl", "p", "pa", "pt")],
+        now=1.0, look_at=2.0, retention_s=60, events_maxlen=100,
+        tasks=[("t1", "run", 0, 0, 0), ("t2", "wait", 1, 3, 4)], batches=[("b", "closed", "p")],
+    )  # fmt: skip
+    keys, args = call.pack()
+    assert keys == ["due", "live", "events", "t1", "u1", "l1", "c1", "t2", "u2", "l2", "c2", "b", "bl", "p", "pa", "pt"]
+    assert args[4:6] == [2, 1]  # ARGV[5], ARGV[6]: the counts
+    assert args[6:] == ["t1", "run", 0, 0, 0, "t2", "wait", 1, 3, 4, "b", "closed", "p"]
+    unwatch = Unwatch(due="due", tasks=[("l1", "t1")], while_status="", task_ids=["a"])
+    assert unwatch.pack() == (["due", "l1", "t1"], ["", "a"])
+
+
+def test_an_optional_argument_left_unset_is_left_off_argv() -> None:
+    base: dict[str, Any] = dict(
+        task="t", events="e", live="l", status="failed", summary="", error="x", error_class="", now=1.0,
+        retention_s=60, events_maxlen=100,
+    )  # fmt: skip
+    assert len(FinishTask(**base).pack()[1]) == 7
+    assert FinishTask(**base, live_status="{}").pack()[1][-1] == "{}"
+
+
+def test_typed_replies() -> None:
+    assert EndRun.decode(["fenced"]).kind == "fenced"
+    ended = EndRun.decode(
+        ["ended", "completed", "s", "", "", 10, 5, 1, 2, 300, 1, 2, 1, "parallel", ["t9"]],
+    )
+    assert (ended.usage.tokens_in, ended.cost_micros, ended.closed, ended.resumes, ended.resume) == (
+        10,
+        300,
+        True,
+        2,
+        True,
+    )
+    assert ended.admitted == ["t9"]
+    assert FlushRun.decode([0]) == (False, "", None)
+    assert FlushRun.decode([1, "active", "root"]) == (True, "active", "root")
