@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, computed_field, field_validator, model_validator
 
@@ -24,6 +24,7 @@ __all__ = [
     "Approval",
     "Batch",
     "DelegationMode",
+    "Ending",
     "HistoryItem",
     "LiveState",
     "Retried",
@@ -32,6 +33,7 @@ __all__ = [
     "RetrySkip",
     "RetryTask",
     "RunWrites",
+    "Stepped",
     "SubtaskResult",
     "SubtaskSpec",
     "TaskRecord",
@@ -517,6 +519,33 @@ class RunWrites:
     def clear(self) -> None:
         self.conversation, self.ui_messages, self.usage, self.latencies_ms, self.live = [], [], [], [], ""
         self.marks = []
+
+
+class Stepped(NamedTuple):
+    """A run's step (store/protocol.py: flush_run, record_tool): still leased, the task's status, the topmost budget reached."""
+
+    leased: bool
+    status: str
+    exhausted: str | None
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What a run's end did (store/protocol.py: end_run): `kind` 'ended', 'fenced' (nothing written) or 'exhausted' (`holder`'s budget)."""
+
+    kind: str
+    holder: str | None = None
+    status: str = ""
+    summary: str = ""
+    error: str = ""
+    error_class: str = ""
+    usage: Usage = field(default_factory=Usage)
+    cost_micros: int = 0
+    closed: bool = False
+    resumes: int = 0
+    resume: bool = False
+    batch_mode: str = ""
+    admitted: list[str] = field(default_factory=list)  # waiting tasks given the freed slot: publish their runs
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,9 @@ from coordinator.heartbeat import Heartbeat
 from coordinator.models import (
     Batch,
     DelegationMode,
+    Ending,
     RunWrites,
+    Stepped,
     SubtaskResult,
     SubtaskSpec,
     TaskRecord,
@@ -150,6 +152,62 @@ LIVE_TEXT_CHARS = 200
 LIVE_EVERY_S = 0.25
 
 
+@dataclass
+class StepState:
+    """What a run's last step already did: one small state, changed by each step's typed reply
+    (store/protocol.py's `Stepped`, `Ending`) and by what the run does between steps, and read by the
+    check before its next model request (`Run.check_stop`) and by `keep_calls`.
+    """
+
+    # The checks the last step made that the next request may take as its own (the status and the
+    # topmost budget reached): the start's, or the step that kept the last tool call's result. A
+    # response makes them stale (its usage must be written and the budgets checked first).
+    checks: Stepped | None = None
+    # A response recorded since the last step (its calls are kept by a step before they run).
+    response_unwritten: bool = False
+    # A tool of subq's own wrote state since the last full check: its answer has no journal, so the
+    # check before the next request writes a step (the tool step's checks do not serve).
+    own_state_written: bool = False
+    # The start said the task's prompt as its first UI message.
+    announced: bool = False
+    # The lease was lost: a step's reply said so, or the heartbeat did. Nothing is written after.
+    fenced: bool = False
+
+    @classmethod
+    def started(cls, status: str, exhausted: str | None) -> StepState:
+        """A run started in one step (start_run.lua), which read the status and the budgets a moment ago."""
+        return cls(checks=Stepped(True, status, exhausted), announced=True)
+
+    def stepped(self, reply: Stepped, *, keep: bool) -> None:
+        """A step was written (or refused: the lease is another run's); `keep`: its checks serve the next request."""
+        self.response_unwritten = False
+        if not reply.leased:
+            self.fenced = True
+        elif keep:
+            self.checks = reply
+
+    def responded(self) -> None:
+        self.checks, self.response_unwritten = None, True
+
+    def wrote_own_state(self) -> None:
+        self.own_state_written = True
+
+    def take_checks(self) -> Stepped | None:
+        """The checks the next request may take as its own, once; None: it must write a step and check."""
+        if self.checks is None or self.own_state_written:
+            return None
+        checks, self.checks = self.checks, None
+        return checks
+
+    def checked(self) -> None:
+        """A full check was written: what subq's own tools answered is saved with it."""
+        self.own_state_written = False
+
+    def ended(self, ending: Ending) -> None:
+        if ending.kind == "fenced":
+            self.fenced = True
+
+
 class Run:
     """One run of one task, holding its lease; ended once by `end` (or `abandon` on a store failure)."""
 
@@ -172,16 +230,10 @@ class Run:
         # What the run did since its last step: written by the next one (a check before a
         # model request, a tool that writes state, the end), in the same round trip.
         self.writes = RunWrites()
-        # Read by the start already, so the first history() and check_stop() make no call.
+        # Read by the start already, so the first history() makes no call.
         self._conversation = conversation
-        self._started_in_one_step = conversation is not None
-        self._checked_at_start: tuple[str | None] | None = (exhausted,) if conversation is not None else None
-        # The checks of the last tool call's step, when no response came since and no tool of
-        # subq's own wrote state: the check before the next model request reads them, and
-        # writes what is pending with the step after (the journal answers those calls on resume).
-        self._checked_by_tool: tuple[str, str | None] | None = None
-        self._own_state_written = False
-        self._response_unwritten = False  # a response recorded since the last step
+        # What the last step already did: the start's reply first (its checks serve the first request).
+        self.step = StepState.started(task.status.value, exhausted) if conversation is not None else StepState()
         # Live status is written at most every LIVE_EVERY_S (and always at the end).
         self._live_at_s = time.monotonic()
         self._live: dict[str, Any] | None = None  # the latest response's tool and text, until written
@@ -191,8 +243,6 @@ class Run:
         # Runs of this task ever: request keys `<run_seq>:<request no>` stay unique across resumes.
         self.run_seq = 0
         self.delegation: tuple[Batch, list[TaskRecord]] | None = None
-        # Set by the heartbeat when the lease was lost: the run must not write again.
-        self.fenced = False
         # The waits inside the run now open (a rate limit, a tool's limit), by what waits, since when (ms).
         self._waits: dict[str, int] = {}
         # When the task began waiting for its provider across runs (ms; 0: not waiting), read on first need.
@@ -201,6 +251,15 @@ class Run:
     @property
     def task_id(self) -> str:
         return self.task.id
+
+    @property
+    def fenced(self) -> bool:
+        """The lease was lost (a step's reply said so, or the heartbeat did): the run must not write again."""
+        return self.step.fenced
+
+    @fenced.setter
+    def fenced(self, value: bool) -> None:
+        self.step.fenced = value
 
     @property
     def lost_too_often(self) -> Ended | None:
@@ -237,7 +296,7 @@ class Run:
 
     def announce_task(self) -> None:
         """A first run's opening UI message, the task's prompt (the start wrote it already, if it ran)."""
-        if not self._started_in_one_step:
+        if not self.step.announced:
             self.say("task", self.task.prompt)
 
     def say(self, kind: str, text: str) -> None:
@@ -249,22 +308,22 @@ class Run:
 
         Raises `LeaseLost` (nothing written) when another run owns the task now.
         """
-        return self._stepped(self._plane.store.runs.flush_run(self.task, self.token, self.writes))
+        reply = self._stepped(self._plane.store.runs.flush_run(self.task, self.token, self.writes), keep=False)
+        return reply.status, reply.exhausted
 
-    def _stepped(self, reply: tuple[bool, str, str | None]) -> tuple[str, str | None]:
-        held, status, exhausted = reply
+    def _stepped(self, reply: Stepped, *, keep: bool) -> Stepped:
+        """A step was sent: what it wrote is gone from `writes`, and its reply is the run's state."""
         self.writes.clear()
-        self._response_unwritten = False
-        if not held:
-            self.fenced = True
+        self.step.stepped(reply, keep=keep)
+        if not reply.leased:
             raise LeaseLost(self.task.id)
-        return status, exhausted
+        return reply
 
     def keep_calls(self) -> None:
         """Write the step that keeps the latest response before its tool calls run, unless a step did since
         (its live figures too, shown while the calls run): a run resumed after this worker dies finds the
         calls, and replays each that returned."""
-        if not self._response_unwritten:
+        if not self.step.response_unwritten:
             return
         if self._live is not None:
             self._write_live()
@@ -292,23 +351,15 @@ class Run:
             raise HandBack(self.task.id)
         if self._heartbeat.out_of_grace():
             return True, None
-        if self._checked_at_start is not None:
-            # The start read the status and the budgets a moment ago: the first request goes now.
-            (holder,), self._checked_at_start = self._checked_at_start, None
-            return holder is not None, holder
-        if self._checked_by_tool is not None and not self._own_state_written:
-            # The step that kept the last tool call's result made these checks as the call returned.
-            (status, holder), self._checked_by_tool = self._checked_by_tool, None
-            if TaskStatus(status).terminal:
-                return True, None
-            return holder is not None, holder
-        if self._live is not None:
-            self._write_live()  # the figures so far stay on show while the model thinks
-        status, holder = self.flush()
-        self._own_state_written = False  # the answers of subq's own tools are saved now
-        if TaskStatus(status).terminal:
+        checks = self.step.take_checks()
+        if checks is None:
+            if self._live is not None:
+                self._write_live()  # the figures so far stay on show while the model thinks
+            checks = self._stepped(self._plane.store.runs.flush_run(self.task, self.token, self.writes), keep=False)
+            self.step.checked()  # the answers of subq's own tools are saved now
+        if TaskStatus(checks.status).terminal:
             return True, None
-        return holder is not None, holder
+        return checks.exhausted is not None, checks.exhausted
 
     def rate_wait_ms(self, provider: str) -> int:
         wait_ms = admission.wait_for_rate(self._plane, provider)
@@ -365,8 +416,7 @@ class Run:
     ) -> None:
         """One response's usage and cost (recorded once per request key at the next step), and live status."""
         self.writes.usage.append((f"{self.run_seq}:{request_no}", usage, cost_micros, cost_source))
-        self._checked_by_tool = None  # its usage must be written, and the budgets checked, before the next request
-        self._response_unwritten = True
+        self.step.responded()
         self.writes.latencies_ms.append(latency_ms)
         self._requests += 1
         self._total_cost_micros += cost_micros
@@ -394,9 +444,7 @@ class Run:
         """
         kept = None if outcome in ("denied", "interrupted") else ANY_RESULT.dump_json(result, fallback=str).decode()
         done = ToolCallDone(tool_call_id, tool, outcome, kept, ms)
-        self._checked_by_tool = self._stepped(
-            self._plane.store.runs.record_tool_call(self.task, self.token, self.writes, done)
-        )
+        self._stepped(self._plane.store.runs.record_tool_call(self.task, self.token, self.writes, done), keep=True)
 
     def record_tool_cost(self, tool_call_id: str, tool: str, cost_micros: int) -> None:
         """A call's price: the task's own spend (recorded once per call, at the next step, as a response's is)."""
@@ -475,8 +523,7 @@ class Run:
     def update_todos(self, update: str | Sequence[object]) -> list[TodoItem]:
         self._flush_unless_stopped()  # the conversation that asked for it is saved first
         updated = self._coord.update_todos(self.task.id, update)
-        # Its answer has no journal: the step before the next request saves it.
-        self._own_state_written = True
+        self.step.wrote_own_state()  # its answer has no journal: the step before the next request saves it
         return updated
 
     def delegate(
@@ -549,8 +596,8 @@ class Run:
                 self._limits, stop_on_budget=outcome.status == "completed",
             )  # fmt: skip
         self.writes.clear()
+        self.step.ended(ending)
         if ending.kind == "fenced":
-            self.fenced = True
             raise LeaseLost(task_id)
         if ending.kind == "exhausted":
             # Its last response reached a budget: the holder's subtree is stopped, this run with it.

@@ -67,8 +67,9 @@ __all__ = [
     "waiting_for",
 ]
 
-# Marks kept before the oldest are folded (also in hashes.lua): a few hundred bytes a task in
-# the common case, at most some 6 KiB, which the run's start reads with the record.
+# Marks kept before the oldest are folded (hashes.lua's fold takes these too, put in as its scripts
+# are loaded): a few hundred bytes a task in the common case, at most some 6 KiB, which the run's
+# start reads with the record.
 MAX_MARKS = 200
 # How many of the oldest marks one fold takes: half, so a fold happens once per 100 marks.
 FOLD_MARKS = 100
@@ -104,7 +105,11 @@ class Timeline(BaseModel):
         return cls(m=[(t_ms, state)])
 
     def marked(self, t_ms: int, state: str) -> Timeline:
-        """This timeline with one more mark, as `timeline_add` in hashes.lua makes it (tests hold the two equal)."""
+        """This timeline with one more mark, as `timeline_add` in hashes.lua makes it (tests hold the two equal).
+
+        Scripts fold in Lua, atomically with the state change they mark; this is for the one mark a
+        Python transaction writes (a caller's delegation commit, store/delegation.py).
+        """
         marks = list(self.m)
         if marks:
             last_t, last_state = marks[-1]

@@ -15,8 +15,10 @@ from typing import Any
 
 import pytest
 
+from coordinator.models import Ending, Stepped
+from coordinator.runs import StepState
 from coordinator.store import protocol
-from coordinator.store.base import ACKNOWLEDGED
+from coordinator.store.base import ACKNOWLEDGED, _load_script
 from coordinator.store.protocol import (
     CALLS,
     EndRun,
@@ -32,6 +34,7 @@ from coordinator.store.protocol import (
     declared_header,
     render_header,
 )
+from coordinator.timeline import FOLD_MARKS, MAX_MARKS, OUTCOMES
 
 LUA = resources.files("coordinator.store").joinpath("lua")
 # The prelude every script is sent with (base.py), not a script of its own.
@@ -183,3 +186,39 @@ def test_typed_replies() -> None:
     assert ended.admitted == ["t9"]
     assert FlushRun.decode([0]) == (False, "", None)
     assert FlushRun.decode([1, "active", "root"]) == (True, "active", "root")
+
+
+# -- a run's one state of "what the last step already did", updated by each step's typed reply ------
+
+
+def test_a_runs_step_state_follows_each_reply() -> None:
+    state = StepState.started("active", exhausted="holder")
+    assert state.announced and state.take_checks() == (True, "active", "holder")
+    assert state.take_checks() is None, "the start's checks serve the first request only"
+
+    state.responded()
+    assert state.response_unwritten and state.take_checks() is None
+    state.stepped(Stepped(True, "active", None), keep=True)  # the step that kept a tool call's result
+    assert not state.response_unwritten
+    state.wrote_own_state()
+    assert state.take_checks() is None, "a tool of subq's own wrote state: the next request writes a step"
+    state.checked()
+    assert state.take_checks() == (True, "active", None)
+
+    state.stepped(Stepped(True, "cancelled", None), keep=False)  # a flush's checks are not kept
+    assert state.take_checks() is None and not state.fenced
+    state.stepped(Stepped(False, "", None), keep=True)
+    assert state.fenced and state.take_checks() is None
+
+    ended = StepState()
+    ended.ended(Ending("ended"))
+    assert not ended.fenced
+    ended.ended(Ending("fenced"))
+    assert ended.fenced
+
+
+def test_the_lua_timeline_fold_takes_its_bound_and_outcomes_from_python() -> None:
+    prelude = _load_script("lead.lua")
+    assert f"local TIMELINE_MAX, TIMELINE_FOLD = {MAX_MARKS}, {FOLD_MARKS}\n" in prelude
+    assert "local TIMELINE_ENDS = {" + ", ".join(f"{o} = true" for o in OUTCOMES) + "}\n" in prelude
+    assert "{MAX_MARKS}" not in prelude and "{OUTCOMES}" not in prelude

@@ -39,6 +39,7 @@ from coordinator.models import TaskRecord, TodoItem
 from coordinator.store.fields import INT_FIELDS, OPTIONAL_FIELDS, TaskField
 from coordinator.store.keys import Keys
 from coordinator.store.protocol import CALLS, Call, ScriptArg
+from coordinator.timeline import FOLD_MARKS, MAX_MARKS, OUTCOMES
 
 __all__ = [
     "ACKNOWLEDGED",
@@ -92,6 +93,16 @@ def _str_map(reply: Any) -> dict[str, str]:
     return cast(dict[str, str], reply)
 
 
+def _timeline_bound(prelude: str) -> str:
+    """hashes.lua with coordinator/timeline.py's bound and outcomes put in: declared there once, for both folds."""
+    outcomes = "{" + ", ".join(f"{outcome} = true" for outcome in OUTCOMES) + "}"
+    return (
+        prelude.replace("{MAX_MARKS}", str(MAX_MARKS))
+        .replace("{FOLD_MARKS}", str(FOLD_MARKS))
+        .replace("{OUTCOMES}", outcomes)
+    )
+
+
 def _load_script(name: str, *uses: str) -> str:
     """A script of lua/, with the scripts it `uses` defined first as local functions.
 
@@ -106,7 +117,7 @@ def _load_script(name: str, *uses: str) -> str:
     def function(used: str, body_of: str) -> str:
         return f"local function {used}(KEYS, ARGV)\n{lua.joinpath(body_of).read_text(encoding='utf-8')}end\n"
 
-    prelude = lua.joinpath("hashes.lua").read_text(encoding="utf-8")
+    prelude = _timeline_bound(lua.joinpath("hashes.lua").read_text(encoding="utf-8"))
     functions = [function(used.removesuffix(".lua"), used) for used in uses]
     main = "local reply = main(KEYS, ARGV)\nhash_flush()\nreturn reply\n"
     return prelude + "".join(functions) + function("main", name) + main

@@ -34,16 +34,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, NamedTuple, TypeVar, cast
 
-from coordinator.models import RetryRefused, Usage
+from coordinator.models import Ending, RetryRefused, Stepped, Usage
 
 __all__ = [
     "CALLS",
     "Call",
-    "Ending",
     "Group",
     "ScriptArg",
     "StartReply",
-    "Stepped",
     "render_header",
 ]
 
@@ -267,14 +265,6 @@ def _strs(reply: Any) -> list[str]:
     return [str(item) for item in reply]
 
 
-class Stepped(NamedTuple):
-    """A run's step (flush_run, record_tool): still leased, the task's status, the topmost budget reached."""
-
-    leased: bool
-    status: str
-    exhausted: str | None
-
-
 def _stepped(raw: Any) -> Stepped:
     if int(raw[0]) == 0:
         return Stepped(False, "", None)
@@ -291,25 +281,6 @@ class StartReply(NamedTuple):
     exhausted: str | None
     delay_ms: int
     conversation: list[str]
-
-
-@dataclass(frozen=True)
-class Ending:
-    """What `end_run` did: `kind` 'ended', 'fenced' (nothing written) or 'exhausted' (`holder`'s budget)."""
-
-    kind: str
-    holder: str | None = None
-    status: str = ""
-    summary: str = ""
-    error: str = ""
-    error_class: str = ""
-    usage: Usage = field(default_factory=Usage)
-    cost_micros: int = 0
-    closed: bool = False
-    resumes: int = 0
-    resume: bool = False
-    batch_mode: str = ""
-    admitted: list[str] = field(default_factory=list)  # waiting tasks given the freed slot: publish their runs
 
 
 # -- groups several scripts share ----------------------------------------------------------

@@ -11,12 +11,11 @@ from dataclasses import dataclass, field
 
 from coordinator.errors import NotFoundError
 from coordinator.ids import root_of
-from coordinator.models import AdmissionLimits, RunWrites, TaskRecord, ToolCallDone, Usage
+from coordinator.models import AdmissionLimits, Ending, RunWrites, Stepped, TaskRecord, ToolCallDone, Usage
 from coordinator.store.base import EVENTS_MAXLEN, Part, StoreCore, _decode_record, tool_field, translate_redis_errors
 from coordinator.store.fields import TaskField
 from coordinator.store.metrics import latency_bucket
 from coordinator.store.protocol import (
-    Ending,
     EndRun,
     FinishTask,
     FlushRun,
@@ -27,7 +26,6 @@ from coordinator.store.protocol import (
     ReleaseSlot,
     RunKeys,
     StartRun,
-    Stepped,
     StepWrites,
     ToolSlot,
 )

@@ -124,9 +124,14 @@ end
 -- {t_ms, state} appended, or nil when it changes nothing (the same state again, or after an
 -- outcome). A mark earlier than the last is moved up to it (two writers' clocks). Past
 -- TIMELINE_MAX marks the oldest TIMELINE_FOLD are folded into `f` (ms by state) and `n`,
--- so the field stays small whatever the task does. Timeline.marked in Python is the same.
-local TIMELINE_MAX, TIMELINE_FOLD = 200, 100
-local TIMELINE_ENDS = {completed = true, failed = true, cancelled = true}
+-- so the field stays small whatever the task does. The bound and the outcomes are declared once,
+-- in coordinator/timeline.py (MAX_MARKS, FOLD_MARKS, OUTCOMES): base.py's `_load_script` puts them
+-- in below as it loads this prelude. The fold is here because a script must fold atomically with
+-- the state change it marks; Timeline.marked folds the same way for the one mark a Python
+-- transaction writes (a caller's delegation commit, WATCH/MULTI, where no script runs), and
+-- tests/test_timeline.py holds the two equal over hundreds of marks.
+local TIMELINE_MAX, TIMELINE_FOLD = {MAX_MARKS}, {FOLD_MARKS}
+local TIMELINE_ENDS = {OUTCOMES}
 local function timeline_add(text, t_ms, state)
   local tl = (text and text ~= '') and cjson.decode(text) or {}
   local m = tl['m'] or {}
