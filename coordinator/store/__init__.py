@@ -45,7 +45,9 @@ and the modules the parts share:
 | `base.py`  | shared plumbing: error translation, casts, `Scripts`, `StoreCore` (the client,   |
 |            | keys, retention and scripts; the WATCH/MULTI transaction helper, the todo-list   |
 |            | and history writes), `Part`, record encode/decode                                |
-| `lua/*.lua`| the atomic steps, each documenting its KEYS and ARGV                             |
+| `protocol.py`| the step protocol: each script's KEYS, ARGV (typed) and reply, declared once;  |
+|            | `Scripts` registers, packs and types every call from it                          |
+| `lua/*.lua`| the atomic steps; each header says its KEYS, ARGV and reply as protocol.py does  |
 """
 
 from __future__ import annotations

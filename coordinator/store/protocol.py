@@ -21,9 +21,13 @@ arguments several scripts share, laid out where it stands: `RunKeys`, `StepWrite
 a whole call one script makes inside another, as `record_tool` makes `flush_run`'s).
 A tail comes last among the KEYS or the ARGV, after it only other tails.
 
-To add a script: write `lua/<name>.lua` with its prose header, declare its `Call` here
-(`script=`, `uses=`, `returns=`, `acknowledged=` for a step a caller sees), print
-`render_header(<Call>)` into the header, and call it through `self.scripts(...)`.
+To add a script: write `lua/<name>.lua` with its prose header; declare its `Call` here
+(`script=`, `uses=` for the scripts it calls, `returns=`, `acknowledged=True` for a step a
+caller sees, and `decode` for its typed reply); put its rendered lines into the header below
+the prose (`python -c "from coordinator.store.protocol import CALLS, render_header;
+print(*render_header(CALLS['<name>']), sep='\\n')"`); and send it from its store part as
+`self.scripts(<Call>(...))`. tests/test_protocol.py then checks the header, the indexes the
+body reads, and that every file of lua/ is declared.
 """
 
 from __future__ import annotations
