@@ -74,39 +74,12 @@ if #applied == 0 then
   return 0
 end
 
--- The item a child serves: the one its record names, if it is still linked to the
--- child; else (the list was rewritten since) the item that carries the child's link.
-local function item_of(child_id, todo_id)
-  if todo_id and todo_id ~= '' then
-    local raw = redis.call('HGET', KEYS[2], todo_id)
-    if raw then
-      local item = cjson.decode(raw)
-      if item['subtask_id'] == child_id then
-        return todo_id, item
-      end
-    end
-  end
-  local order = redis.call('HGET', KEYS[2], 'order')
-  if order then
-    for _, id in ipairs(cjson.decode(order)) do
-      local raw = redis.call('HGET', KEYS[2], id)
-      if raw then
-        local item = cjson.decode(raw)
-        if item['subtask_id'] == child_id then
-          return id, item
-        end
-      end
-    end
-  end
-  return nil, nil
-end
-
 local changed = false
 for i = 4, #ARGV do
   local child_id = ARGV[i]
   local got = figures[child_id]
   if got then
-    local id, item = item_of(child_id, got.todo_id)
+    local id, item = linked_item(KEYS[2], child_id, got.todo_id)
     if id then
       -- A retried item shows its earlier children's figures too (prior_*), and this child's.
       item['tokens'] = (tonumber(item['prior_tokens']) or 0) + got.tokens

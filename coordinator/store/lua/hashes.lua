@@ -169,3 +169,32 @@ local function timeline_mark(key, now_s, state)
     hash_set(key, 'timeline', text)
   end
 end
+
+-- The todo item a child serves, in the todos hash `todos` (item id -> JSON, 'order' -> ids): the
+-- one its record names if that item is still linked to it, else (the list was rewritten since)
+-- the item that carries its link; nil when none does. Shared by the write-back (apply_children)
+-- and a retry, which takes the child's figures back off the same item.
+local function linked_item(todos, child_id, todo_id)
+  if todo_id and todo_id ~= '' then
+    local raw = redis.call('HGET', todos, todo_id)
+    if raw then
+      local item = cjson.decode(raw)
+      if item['subtask_id'] == child_id then
+        return todo_id, item
+      end
+    end
+  end
+  local order = redis.call('HGET', todos, 'order')
+  if order then
+    for _, id in ipairs(cjson.decode(order)) do
+      local raw = redis.call('HGET', todos, id)
+      if raw then
+        local item = cjson.decode(raw)
+        if item['subtask_id'] == child_id then
+          return id, item
+        end
+      end
+    end
+  end
+  return nil, nil
+end

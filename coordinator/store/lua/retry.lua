@@ -94,6 +94,30 @@ local function timeline_again(key, state)
   hash_set(key, 'timeline', again or cjson.encode(tl))
 end
 
+for _, b in ipairs(batches) do
+  local f = hash_get(b.key, 'status', 'mode')
+  if f[2] ~= 'parallel' then
+    return {'refused', b.id, 'chain', ''}
+  end
+  if (b.state == 'open') == (f[1] == 'done') then
+    return {'refused', b.id, 'batch', f[1] or 'missing'}
+  end
+end
+
+-- The failed stretch reads as a wait for the retry, and the task goes on after it (an outcome
+-- mark would end its timeline: coordinator/timeline.py).
+local function timeline_again(key, state)
+  local text = hash_get(key, 'timeline')[1]
+  local tl = (text and text ~= '') and cjson.decode(text) or {}
+  local m = tl['m'] or {}
+  if #m > 0 and (m[#m][2] == 'failed') then
+    m[#m][2] = 'wait:retry'
+  end
+  tl['m'] = m
+  local again = timeline_add(cjson.encode(tl), math.floor(tonumber(now) * 1000 + 0.5), state)
+  hash_set(key, 'timeline', again or cjson.encode(tl))
+end
+
 -- The item carrying the child's link, as apply_children.lua finds it: its id and item, or nil.
 local function carrier(todos, child_id, todo_id)
   if todo_id and todo_id ~= '' then
@@ -142,7 +166,7 @@ for i, t in ipairs(tasks) do
     if redis.call('HDEL', b.lines, t.id) == 1 then
       -- It was written back: its figures come off where they went, as if it had not been yet (its
       -- subtree total counts as in flight meanwhile), and its next write-back puts them back once.
-      local id, item = carrier(b.todos, t.id, f[7])
+      local id, item = linked_item(b.todos, t.id, f[7])
       if id then
         item['tokens'] = tonumber(item['prior_tokens']) or 0
         item['cost_micros'] = tonumber(item['prior_cost_micros']) or 0
