@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Iterable, Sequence
@@ -87,6 +88,11 @@ class Sandbox:
         bwrap = shutil.which(BWRAP) or BWRAP
         wrapped = [bwrap, "--die-with-parent", "--unshare-all", *(["--share-net"] if network else [])]
         wrapped += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+        # The worker's own Python stays readable where the private /tmp would hide it (a checkout in
+        # /tmp: an MCP server started from its virtual environment exited before it answered).
+        for prefix in dict.fromkeys(Path(p).absolute() for p in (sys.prefix, sys.base_prefix)):
+            if prefix.is_relative_to("/tmp"):
+                wrapped += ["--ro-bind", str(prefix), str(prefix)]
         # Hidden first, then the writable folders (one inside a hidden folder stays reachable),
         # then what is hidden inside a writable folder again.
         wrapped += self._hide(path for path in self.hidden)
