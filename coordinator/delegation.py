@@ -30,7 +30,7 @@ import pydantic
 from coordinator import budgets, dispatch, faults, ids, todo_links
 from coordinator import todos as todo_lists
 from coordinator.errors import BrokerError, StateError, SubqError, ValidationError
-from coordinator.inputs import one_line
+from coordinator.inputs import error_message, error_path, one_line
 from coordinator.models import Batch, DelegationMode, SubtaskSpec, TaskRecord, TaskStatus, TodoItem
 
 if TYPE_CHECKING:
@@ -85,8 +85,8 @@ def check_subtasks(plane: Plane, subtasks: Sequence[SubtaskSpec | dict[str, Any]
             parsed = spec if isinstance(spec, SubtaskSpec) else SubtaskSpec.model_validate(spec)
         except pydantic.ValidationError as exc:
             err = exc.errors()[0]
-            path = ".".join(str(p) for p in ("subtasks", index, *err["loc"]))
-            raise ValidationError(f"{path}: {err['msg']}", field=path) from None
+            path = error_path(err, ("subtasks", index))
+            raise ValidationError(f"{path}: {error_message(err)}", field=path) from None
         if parsed.profile is not None:
             try:
                 plane.settings.profile(parsed.profile)
@@ -137,6 +137,7 @@ def commit(
                 runner="agent",
                 budget_micros=budget_micros,
                 owner=parent.owner,
+                output_schema=spec.output_schema,
                 created_at=now,
                 updated_at=now,
             )

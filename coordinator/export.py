@@ -5,6 +5,8 @@
     <dir>/<task_id>/history_item.json               the task's summary line
     <dir>/<task_id>/todos.json                      the plan, with each row's child and figures
     <dir>/<task_id>/timeline.json                   where its time went: the marks, intervals and figures
+    <dir>/<task_id>/output.json                     its typed result: the schema, the validated data, the
+                                                    invalid answers before it (nulls and 0 for a task without)
 
 One folder per task of the subtree, so a run can be opened elsewhere.
 
@@ -30,7 +32,10 @@ from coordinator.models import HistoryItem, TaskRecord, TodoItem
 __all__ = ["FILE_NAMES", "TaskReader", "export_tree"]
 
 # The files of each task's folder, in the order they are written.
-FILE_NAMES = ("api_conversation_history.json", "ui_messages.json", "history_item.json", "todos.json", "timeline.json")
+FILE_NAMES = (
+    "api_conversation_history.json", "ui_messages.json", "history_item.json", "todos.json", "timeline.json",
+    "output.json",
+)  # fmt: skip
 
 
 class TaskReader(Protocol):
@@ -73,6 +78,12 @@ def export_tree(coord: TaskReader, task_id: str, directory: Path) -> list[Path]:
             "timeline.json": {
                 "marks": record.timeline.model_dump(mode="json"),
                 "times": record.times.model_dump(mode="json"),
+            },
+            # What a program reads of a typed task (docs/agents.md, "Typed results").
+            "output.json": {
+                "output_schema": record.output_schema,
+                "output": record.output,
+                "invalid_outputs": record.invalid_outputs,
             },
         }
         folder.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from coordinator import ids
 from coordinator.errors import ValidationError
 from coordinator.models import DelegationMode, SubtaskSpec, TaskStatus, TodoStatus, usd_to_micros
+from coordinator.output_schema import NO_RUN_NO_OUTPUT, OutputSchema, SchemaProblem
 
 __all__ = [
     "DEFAULT_PAGE",
@@ -48,6 +49,8 @@ __all__ = [
     "TodosInput",
     "check_dead_letter_limit",
     "check_history_query",
+    "error_message",
+    "error_path",
     "input_error",
     "one_line",
     "text_field",
@@ -140,11 +143,31 @@ def to_micros(value: object, field: str) -> int:
 # -- the operations' inputs ----------------------------------------------------------------
 
 
+def _schema_problem(error: Mapping[str, Any]) -> SchemaProblem | None:
+    cause = (error.get("ctx") or {}).get("error")
+    return cause if isinstance(cause, SchemaProblem) else None
+
+
+def error_path(error: Mapping[str, Any], prefix: tuple[str | int, ...] = ()) -> str:
+    """Where one of pydantic's errors is, dotted (`subtasks.1.message`); an output schema's problem goes on
+    into the schema (`output_schema.properties.total.type`, coordinator/output_schema.py)."""
+    parts = [str(part) for part in (*prefix, *error["loc"])]
+    problem = _schema_problem(error)
+    return ".".join([*parts, problem.where] if problem is not None and problem.where else parts)
+
+
+def error_message(error: Mapping[str, Any]) -> str:
+    """What one of pydantic's errors says (an output schema's problem in its own words, without pydantic's
+    `Value error, `)."""
+    problem = _schema_problem(error)
+    return problem.reason if problem is not None else str(error["msg"])
+
+
 def input_error(exc: pydantic.ValidationError) -> ValidationError:
     """pydantic's first error as the service's: `path: message`, naming the path, as the HTTP API words it."""
     error = exc.errors()[0]
-    path = ".".join(str(part) for part in error["loc"])
-    return ValidationError(f"{path}: {error['msg']}" if path else error["msg"], field=path or None)
+    path, message = error_path(error), error_message(error)
+    return ValidationError(f"{path}: {message}" if path else message, field=path or None)
 
 
 class OperationInput(BaseModel):
@@ -230,6 +253,13 @@ class CreateTaskInput(OperationInput):
         description="Most the whole tree may spend, in US dollars; it stops there (docs/control.md)",
     )  # fmt: skip
     idempotency_key: IdempotencyKey | None = Field(default=None, description=_KEY)
+    output_schema: OutputSchema = None
+
+    @pydantic.model_validator(mode="after")
+    def _a_schema_needs_a_run(self) -> Self:
+        if self.output_schema is not None and not self.run:
+            raise ValidationError(NO_RUN_NO_OUTPUT, field="output_schema")
+        return self
 
 
 class SubmitInput(OperationInput):
@@ -245,9 +275,12 @@ class SubmitInput(OperationInput):
     subtasks: Subtasks | None = None
     mode: DelegationMode | None = Field(default=None, description=_MODE)
     idempotency_key: IdempotencyKey | None = Field(default=None, description=_KEY)
+    output_schema: OutputSchema = None
 
     @pydantic.model_validator(mode="after")
     def _subtasks_need_a_caller_owned_root(self) -> Self:
+        if self.output_schema is not None and not self.run:
+            raise ValidationError(NO_RUN_NO_OUTPUT, field="output_schema")
         if self.subtasks is None and self.mode is not None:
             raise ValidationError("mode applies only together with subtasks", field="mode")
         if self.subtasks is not None and self.run:

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, computed_field, field_validator, model_validator
 
+from coordinator.output_schema import OutputSchema
 from coordinator.timeline import TaskTimes, Timeline, ToolCallSpan, times_of, tool_calls_of, waiting_for
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "Ending",
     "HistoryItem",
     "LiveState",
+    "Outcome",
     "Retried",
     "RetryBatch",
     "RetryRefused",
@@ -135,6 +137,8 @@ class SubtaskSpec(BaseModel):
     todo_id: str | None = None
     profile: str | None = None
     budget_usd: Decimal | None = Field(default=None, gt=0, max_digits=12, decimal_places=6)
+    # The JSON Schema the child's result data is held to (coordinator/output_schema.py); None: its profile's, if any.
+    output_schema: OutputSchema = None
 
 
 # How a tool call ended: it ran (ok, error, timeout), or it was answered without running (denied by a
@@ -219,6 +223,14 @@ class TaskRecord(BaseModel):
     timeline: Timeline = Field(default_factory=Timeline)
     # Its latest tool calls that ran, each a span of its timeline (the newest MAX_TOOL_CALLS).
     tool_calls: list[ToolCallSpan] = Field(default_factory=list)
+    # The JSON Schema its result's data is held to, given when it was created (None: none of its own;
+    # its profile's `output_schema` then applies, if any). Stored as compact JSON text.
+    output_schema: dict[str, Any] | None = None
+    # The validated data of a completed task with a schema: a JSON value (stored as compact JSON text),
+    # written atomically with its completed status; None for a task without one.
+    output: Any = None
+    # Its model's attempt_completion answers whose data broke the schema, each sent back with the errors.
+    invalid_outputs: int = 0
 
     @field_validator("tool_calls", mode="before")
     @classmethod
@@ -273,6 +285,8 @@ class SubtaskResult(BaseModel):
     cost_micros: int = Field(default=0, ge=0)
     error: str | None = None
     error_class: str | None = None
+    # A completed task's validated result data (its `output_schema`'s), a JSON value; None without one.
+    output: Any = None
 
 
 class UiMessage(BaseModel):
@@ -527,6 +541,17 @@ class Stepped(NamedTuple):
     leased: bool
     status: str
     exhausted: str | None
+
+
+class Outcome(NamedTuple):
+    """How a run ends its task, as its end writes it (store/protocol.py: end_run)."""
+
+    status: str
+    summary: str = ""
+    error: str = ""
+    error_class: str = ""
+    output_json: str = ""  # a completed typed task's data, compact JSON; '' for none
+    invalid_outputs: int = 0
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ from coordinator.models import (
     Batch,
     DelegationMode,
     Ending,
+    Outcome,
     RunWrites,
     Stepped,
     SubtaskResult,
@@ -129,6 +130,10 @@ class Ended:
     error: str = ""
     error_class: str = ""
     error_detail: str = ""  # a failed model request's raw error body, kept on the record
+    # A typed task's validated data, compact JSON ('' for none): its record's `output`, written with the end.
+    output_json: str = ""
+    # Its model's answers that broke the output schema (each sent back with the errors), kept on the record.
+    invalid_outputs: int = 0
 
 
 @dataclass(frozen=True)
@@ -616,6 +621,7 @@ class Run:
             plane.store.convergence.unwatch([task_id])  # end_run.lua left it on the due list until the chain moved on
         elif ending.closed and self.task.parent_id:
             writeback.resumed(plane, self.task.parent_id, ending.resumes, ending.resume)
+        taken = ending.status == "completed" and outcome.status == "completed" and outcome.output_json
         return SubtaskResult(
             child_id=task_id,
             status=ending.status,  # type: ignore[arg-type]
@@ -624,6 +630,7 @@ class Run:
             cost_micros=ending.cost_micros,
             error=ending.error or None,
             error_class=ending.error_class or None,
+            output=json.loads(outcome.output_json) if taken else None,
         )
 
     def lost(self) -> SubtaskResult:
@@ -663,8 +670,12 @@ class Run:
         admission.release(self._plane, self.task)
 
 
-def _outcome_fields(outcome: Ended) -> tuple[str, str, str, str]:
-    return outcome.status, outcome.summary[:MAX_SUMMARY_CHARS], outcome.error, outcome.error_class
+def _outcome_fields(outcome: Ended) -> Outcome:
+    output = outcome.output_json if outcome.status == "completed" else ""  # only a completed task has data
+    return Outcome(
+        outcome.status, outcome.summary[:MAX_SUMMARY_CHARS], outcome.error, outcome.error_class, output,
+        outcome.invalid_outputs,
+    )  # fmt: skip
 
 
 # -- what a process attaches to a run's life ------------------------------------------------

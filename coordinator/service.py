@@ -62,6 +62,7 @@ from coordinator.models import (
     TaskStatus,
     TodoItem,
 )
+from coordinator.output_schema import NO_RUN_NO_OUTPUT, check_schema
 from coordinator.plane import Plane
 from coordinator.redis_clients import redis_client
 from coordinator.settings import Settings, load_settings
@@ -124,6 +125,7 @@ class Coordinator:
         idempotency_key: str | None = None,
         *,
         owner: str = "",
+        output_schema: dict[str, Any] | None = None,
     ) -> TaskRecord:
         """Create a root task.
 
@@ -132,8 +134,13 @@ class Coordinator:
         and completes), and `wait()` returns when it has ended. With an
         `idempotency_key`, a second call with the same key returns the first root.
         `owner` is the API key whose caller creates it (docs/security.md): the tree is theirs.
+        With an `output_schema` (a JSON Schema object; coordinator/output_schema.py bounds it), an agent
+        task ends with `attempt_completion(result, data)`, `data` held to it, and the validated object is
+        its record's `output`; a bad schema is refused (ValidationError naming the path) and nothing is written.
         """
-        return self.create_task_once(prompt, todos, profile, run, budget_usd, idempotency_key, owner=owner)[0]
+        return self.create_task_once(
+            prompt, todos, profile, run, budget_usd, idempotency_key, owner=owner, output_schema=output_schema
+        )[0]
 
     def create_task_once(
         self,
@@ -145,11 +152,16 @@ class Coordinator:
         idempotency_key: str | None = None,
         *,
         owner: str = "",
+        output_schema: dict[str, Any] | None = None,
     ) -> tuple[TaskRecord, bool]:
         """`create_task`, and whether this call created the root (False: the key's first call did)."""
         prompt = text_field(prompt, "prompt", MAX_PROMPT_CHARS)
         if not isinstance(run, bool):
             raise ValidationError("run must be true or false", field="run")
+        if output_schema is not None:
+            check_schema(output_schema)
+            if not run:
+                raise ValidationError(NO_RUN_NO_OUTPUT, field="output_schema")
         profile_name = profile or self.settings.default_profile
         self.settings.profile(profile_name)
         budget_micros = budgets.to_micros(budget_usd, "budget_usd")
@@ -174,6 +186,7 @@ class Coordinator:
             runner="agent" if run else "caller",
             budget_micros=budget_micros,
             owner=owner,
+            output_schema=output_schema,
             number=self.store.records.next_numbers(1),
             created_at=now,
             updated_at=now,
@@ -283,6 +296,7 @@ class Coordinator:
         mode: DelegationMode | str = "parallel",
         budget_usd: Decimal | float | str | None = None,
         idempotency_key: str | None = None,
+        output_schema: dict[str, Any] | None = None,
     ) -> delegation.Submission:
         """Create a caller-owned root and delegate `subtasks` to it in one operation (`subq.submit`).
 
@@ -293,10 +307,14 @@ class Coordinator:
         it created. With an `idempotency_key`, a repeated submission returns what the
         first made: its root and batch (or delegates now, if the first died before it could).
         """
+        if output_schema is not None:  # with the rest, before the root exists
+            check_schema(output_schema)
+            raise ValidationError(NO_RUN_NO_OUTPUT, field="output_schema")
         checked_mode, checked = delegation.check_submission(self.plane, subtasks, mode, todos, budget_usd)
         parent, created = self.create_task_once(
-            prompt, todos=todos, profile=profile, run=False, budget_usd=budget_usd, idempotency_key=idempotency_key
-        )
+            prompt, todos=todos, profile=profile, run=False, budget_usd=budget_usd, idempotency_key=idempotency_key,
+            output_schema=output_schema,
+        )  # fmt: skip
         return delegation.submit_to(self.plane, parent, created, checked, checked_mode)
 
     # -- control (coordinator/control.py, approvals.py) ---------------------------------

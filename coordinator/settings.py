@@ -7,6 +7,7 @@ turns a validation failure into one `ConfigError` line naming the variable.
 
 from __future__ import annotations
 
+import importlib
 import ipaddress
 import json
 import os
@@ -21,6 +22,7 @@ from urllib.parse import urlsplit
 import pydantic
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -33,6 +35,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from coordinator.access import ApiKeySpec, check_distinct, parse_keys, read_keys_file
 from coordinator.errors import ConfigError, ProfileError
+from coordinator.output_schema import schema_problem
 
 __all__ = [
     "DEFAULT_PRICED_AS",
@@ -257,6 +260,41 @@ class ToolLimit(BaseModel):
     rpm: int | None = Field(default=None, ge=1)
 
 
+# A model that breaks the schema three times running is not converging: fail with its errors
+# rather than spend more requests (each invalid answer is one request more).
+DEFAULT_MAX_INVALID_OUTPUTS = 3
+
+
+def _profile_output_schema(value: object) -> object:
+    """A profile's `output_schema`: a JSON Schema table, or `package.module:Model` read as that pydantic
+    model's JSON Schema; either checked as every output schema is (coordinator/output_schema.py)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = _model_schema(value)
+    problem = schema_problem(value)
+    if problem is not None:
+        where, reason = problem
+        raise ValueError(".".join(["output_schema", *map(str, where)]) + f": {reason}")
+    return value
+
+
+def _model_schema(path: str) -> dict[str, Any]:
+    """The JSON Schema of the pydantic model `package.module:Model`, or a ValueError saying why not."""
+    if not re.fullmatch(TOOL_PATH_PATTERN, path):
+        raise ValueError(f"output_schema must be a JSON Schema table or 'package.module:Model', not {path!r}")
+    module_name, _, attr = path.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except Exception as exc:  # an import runs the module: any error is the profile's to report
+        raise ValueError(f"output_schema {path!r} does not import: {type(exc).__name__}: {exc}") from None
+    if not (isinstance(target, type) and issubclass(target, BaseModel)):
+        raise ValueError(f"output_schema {path!r} is not a pydantic model class")
+    return target.model_json_schema()
+
+
 class Profile(BaseModel):
     """A model configuration a task runs with, and the tools it offers the model (docs/tools.md).
 
@@ -274,6 +312,12 @@ class Profile(BaseModel):
     priced_as: str | None = None
     price: Price | None = None
     system_prompt: str = "You are a focused subagent. Do the task you are given and report the result briefly."
+    # The JSON Schema its tasks' result data is held to when a task has none of its own: a table, or
+    # `package.module:Model` naming a pydantic model, read as its JSON Schema when the settings load.
+    output_schema: Annotated[dict[str, Any] | None, BeforeValidator(_profile_output_schema)] = None
+    # How many answers of a typed task's model may break its schema: each is sent back with its errors,
+    # and the last fails the task (`OutputInvalid`).
+    max_invalid_outputs: int = Field(default=DEFAULT_MAX_INVALID_OUTPUTS, ge=1, le=100)
     max_requests: int = Field(default=DEFAULT_MAX_REQUESTS, ge=1)
     # Tools whose calls need a decision, and the policy that decides where it can:
     # a rule is "tool" or "tool:argument prefix" (run_command:npm test allows

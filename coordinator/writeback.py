@@ -12,6 +12,21 @@ child's line of the combined result is stored as it is applied, and the close
 joins the lines in dispatch order. The call that closes it resumes an agent
 parent under a numbered Celery task id.
 
+The combined result a parent reads (the answer to its delegation call) is one
+header line, then each child's line in dispatch order, numbered:
+
+    Subtask results (parallel, 2 of 3 completed):
+    1. [completed] <description> (task <id>, todo <todo id>): <summary> (<tokens> tokens, $<cost>)
+    2. [completed] ... (...) Output (JSON): {"total":3}
+    3. [failed] <description> (task <id>): <error class>: <error> (<tokens> tokens, $<cost>)
+
+A completed child with an output schema has its validated data appended to its
+line as compact JSON (`Output (JSON): ...`, one line), up to OUTPUT_IN_LINE_BYTES;
+a larger output is named instead (`Output: N bytes of JSON, ...`), and the
+parent's caller reads it from the child's record. The lines are written by
+`apply_children.lua`, the header by `close_batch.lua` (`Stopped: ...` first
+when the parent was stopped meanwhile).
+
 Callers, all in the coordinator: a run's end for a step of a chain (`end_run.lua`
 writes a parallel child back itself), a redelivery of an ended task and the
 reconciler, `subq.advance` (a chain step); and a cancel or budget stop
@@ -32,7 +47,12 @@ from coordinator.models import Batch, BatchRef, SubtaskResult, TaskRecord, TaskS
 if TYPE_CHECKING:
     from coordinator.plane import Plane
 
-__all__ = ["close_batch", "result_of", "resumed", "write_back"]
+__all__ = ["OUTPUT_IN_LINE_BYTES", "close_batch", "result_of", "resumed", "write_back"]
+
+# The most of a child's output (compact JSON) its line of the combined result carries: a parent of
+# fifty typed children reads fifty objects, each within a few thousand tokens (apply_children.lua's
+# OUTPUT_IN_LINE is this number).
+OUTPUT_IN_LINE_BYTES = 16384
 
 
 @tracing.traced("subq.write_back")
@@ -120,4 +140,5 @@ def result_of(record: TaskRecord, pending: str = "delegated") -> SubtaskResult:
         cost_micros=record.cost_micros,
         error=record.error or None,
         error_class=record.error_class or None,
+        output=record.output if record.status == TaskStatus.COMPLETED else None,
     )

@@ -121,15 +121,17 @@ def test_end_run_packs_its_keys_and_arguments_where_its_header_says() -> None:
         lines="lines", running="running", admission="adm", parent_running="prun", ancestors=["task:p", "task:root"],
         token="tok", retention_s=60, now=1.5, events_maxlen=100, status="completed", summary="s", error="",
         error_class="", resume_grace_s=2.0, stop_on_budget=1, free_slot=0, per_parent=3, per_tree=9,
-        task_prefix="pre:", running_children_prefix="rc:", admission_scan=50, writes=_writes(),
+        task_prefix="pre:", running_children_prefix="rc:", admission_scan=50, output='{"total":3}',
+        invalid_outputs=2, writes=_writes(),
     )  # fmt: skip
     keys, args = call.pack()
     assert keys[:2] == ["lease:t", "task:t"] and keys[7] == "due" and keys[16] == "prun"  # KEYS[1], [2], [8], [17]
     assert keys[17:] == ["task:p", "task:root"]  # KEYS[18..]: the ancestors
     assert args[0] == "tok" and args[15] == 50  # ARGV[1], ARGV[16]
-    # ARGV[17..]: flush_run's from its sixth: live, the four counts, then each tail laid out flat.
-    assert args[16:21] == ["{}", 2, 1, 1, 1]
-    assert args[21:] == ["m1", "m2", "u1", "req-1", 10, 5, 0, 0, 123, "provider", "le:100", 80, 1000, "running"]
+    assert args[16:18] == ['{"total":3}', 2]  # ARGV[17], ARGV[18]: the typed task's output, its invalid answers
+    # ARGV[19..]: flush_run's from its sixth: live, the four counts, then each tail laid out flat.
+    assert args[18:23] == ["{}", 2, 1, 1, 1]
+    assert args[23:] == ["m1", "m2", "u1", "req-1", 10, 5, 0, 0, 123, "provider", "le:100", 80, 1000, "running"]
 
 
 def test_a_spliced_call_packs_as_the_script_it_calls_reads_it() -> None:

@@ -1,7 +1,7 @@
 """`subq.submit`: start a run from any Celery producer that knows only the task name.
 
     send_task("subq.submit", kwargs={"prompt": ..., "todos"?, "profile"?, "run"?,
-                                     "subtasks"?, "mode"?}, queue=<SUBQ_QUEUE>)
+                                     "subtasks"?, "mode"?, "output_schema"?}, queue=<SUBQ_QUEUE>)
 
 The contract (kwargs, result, error codes) is docs/celery-contract.md. The task
 is thin: `submit()` below reads the message with `SubmitInput`
@@ -67,8 +67,9 @@ def _submit(
     ignored = {"ignored_todo_lines": near_misses} if near_misses else {}
     if given.subtasks is None:
         task = coord.create_task(
-            given.prompt, todos=given.todos, profile=given.profile, run=given.run, idempotency_key=key
-        )
+            given.prompt, todos=given.todos, profile=given.profile, run=given.run, idempotency_key=key,
+            output_schema=given.output_schema,
+        )  # fmt: skip
         return {"task_id": task.id, **ignored}
     done = coord.submit(
         given.prompt,

@@ -32,6 +32,7 @@ from coordinator.errors import (
     ValidationError,
     WaitTimeout,
 )
+from coordinator.inputs import error_message, error_path
 
 __all__ = [
     "BODY_TOO_LARGE",
@@ -130,8 +131,9 @@ def _validation_body(exc: RequestValidationError) -> tuple[str, str | None]:
     if err.get("type") == "json_invalid":
         detail = (err.get("ctx") or {}).get("error", "")
         return f"The request body is not valid JSON{f': {detail}' if detail else ''}", None
-    field = ".".join(str(part) for part in loc) or None
-    return f"{field or source or 'request'}: {err.get('msg', 'invalid')}", field
+    # An output schema's problem goes on into the schema (`output_schema.properties.total.type`).
+    field = error_path({**err, "loc": loc}) or None
+    return f"{field or source or 'request'}: {error_message(err) if 'msg' in err else 'invalid'}", field
 
 
 async def _on_subq_error(request: Request, exc: Exception) -> JSONResponse:

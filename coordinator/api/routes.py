@@ -82,6 +82,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
             budget_usd=body.budget_usd,
             idempotency_key=body.idempotency_key,
             owner=key.name,
+            output_schema=body.output_schema,
         )
         return CreatedTask(**dict(record), ignored_todo_lines=ignored_lines(body.todos))
 

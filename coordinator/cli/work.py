@@ -41,6 +41,13 @@ def run(
     budget: Annotated[
         str | None, typer.Option(help="Most the whole tree may spend, in US dollars (e.g. 0.50); it stops there.")
     ] = None,
+    output_schema: Annotated[
+        Path | None,
+        typer.Option(
+            help="A file with a JSON Schema (an object) the result's data is held to: the agent ends with "
+            "attempt_completion(result, data), and `subq result ID --json` shows the data as `output`; '-' reads stdin."
+        ),
+    ] = None,
 ) -> None:
     """Start a root agent on the fleet and print its id.
 
@@ -49,11 +56,15 @@ def run(
     from coordinator.inputs import CreateTaskInput  # on use: `subq --help` loads no models
 
     todo_text = _read_todos(todos) if todos is not None else None
-    # The API's model of the operation, so a bad prompt or budget reads the same either
+    schema = _read_schema(output_schema) if output_schema is not None else None
+    # The API's model of the operation, so a bad prompt, budget or schema reads the same either
     # way, and is refused before anything is reached.
     given = CreateTaskInput.parse(
-        {"prompt": prompt, "todos": todo_text, "profile": profile, "run": True, "budget_usd": budget}
-    )
+        {
+            "prompt": prompt, "todos": todo_text, "profile": profile, "run": True, "budget_usd": budget,
+            "output_schema": schema,
+        }
+    )  # fmt: skip
     with connect(ctx) as coord:
         record = coord.create_task(**dict(given))
         typer.echo(record.id)
@@ -80,6 +91,20 @@ def _read_todos(path: Path) -> str:
         raise ValidationError(f"Cannot read --todos {path}: {reason}", field="todos") from None
 
 
+def _read_schema(path: Path) -> object:
+    """The JSON in `--output-schema FILE` ('-': stdin); CreateTaskInput then checks it is a usable schema."""
+    try:
+        text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValidationError(f"Cannot read --output-schema {path}: {reason}", field="output_schema") from None
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        why = f"{exc.msg} (line {exc.lineno})" if isinstance(exc, json.JSONDecodeError) else "nested too deep"
+        raise ValidationError(f"--output-schema {path} is not JSON: {why}", field="output_schema") from None
+
+
 # -- reading -----------------------------------------------------------------------------
 
 
@@ -97,7 +122,8 @@ def status(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> 
 
 
 def result(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> None:
-    """Print a completed task's result text (what its parent reads); --json prints its whole record.
+    """Print a completed task's result text (what its parent reads), then its output as JSON when it has an
+    output schema; --json prints its whole record (its data is `output`).
 
     A task that has not ended, or ended failed or cancelled, has no result: one line on stderr says
     what it is (what it waits for, its error) and the exit code is 1.
@@ -111,6 +137,8 @@ def result(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> 
         return
     if record.status.value == "completed":
         say(record.summary)
+        if record.output is not None:  # a typed task's data, after its words: JSON a program can read
+            say(json.dumps(record.output, indent=2, ensure_ascii=False))
         return
     if record.status.terminal:
         why = f"{record.error_class}: {record.error}" if record.error else "no detail"

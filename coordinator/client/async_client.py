@@ -84,8 +84,11 @@ class AsyncSubqClient:
         run: bool = False,
         budget_usd: Decimal | float | str | None = None,
         idempotency_key: str | None = None,
+        output_schema: Mapping[str, Any] | None = None,
     ) -> TaskRecord:
-        return await self._send(calls.create_task(prompt, todos, profile, run, budget_usd, idempotency_key))
+        return await self._send(
+            calls.create_task(prompt, todos, profile, run, budget_usd, idempotency_key, output_schema)
+        )
 
     async def cancel(self, task_id: str, reason: str) -> TaskRecord:
         return await self._send(calls.cancel(task_id, reason))

@@ -128,6 +128,7 @@ def create_task(
     run: bool,
     budget_usd: Decimal | float | str | None,
     idempotency_key: str | None = None,
+    output_schema: Mapping[str, Any] | None = None,
 ) -> Call[TaskRecord]:
     # The body is read with the API's own model before sending: a bad input is refused
     # here in the server's words (the service's, for a blank prompt or a bad budget), and nothing is sent.
@@ -140,6 +141,7 @@ def create_task(
             "run": run,
             "budget_usd": budget_usd,
             "idempotency_key": idempotency_key,
+            "output_schema": output_schema,
         },
     )
     return Call("POST", "/v1/tasks", _TASK, json=body, ok=(201,))

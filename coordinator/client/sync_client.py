@@ -84,12 +84,15 @@ class SubqClient:
         run: bool = False,
         budget_usd: Decimal | float | str | None = None,
         idempotency_key: str | None = None,
+        output_schema: Mapping[str, Any] | None = None,
     ) -> TaskRecord:
         """A root task: caller-owned (`run=False`, you delegate) or an agent on the fleet (`run=True`).
 
         A retry with the same `idempotency_key` returns the first call's root, never a second one.
+        With an `output_schema` (a JSON Schema object; `run=True`), the agent ends with data held to it,
+        its record's `output`; a bad schema is refused here (ValidationError naming the path) and nothing is sent.
         """
-        return self._send(calls.create_task(prompt, todos, profile, run, budget_usd, idempotency_key))
+        return self._send(calls.create_task(prompt, todos, profile, run, budget_usd, idempotency_key, output_schema))
 
     def cancel(self, task_id: str, reason: str) -> TaskRecord:
         """Cancel the task and its subtree (docs/control.md); ConflictError-style 409 if it has ended."""

@@ -21,7 +21,6 @@ from coordinator.models import Batch, BatchRef, TaskRecord, TaskStatus, TodoItem
 from coordinator.store.base import (
     EVENTS_MAXLEN,
     Part,
-    _decode_record,
     _encode_record,
     _str_map,
     _strs,
@@ -29,7 +28,7 @@ from coordinator.store.base import (
 )
 from coordinator.store.fields import BatchField, TaskField
 from coordinator.store.protocol import ApplyChildren, CloseBatch, SettleChild, StopTasks
-from coordinator.store.records import NOT_STORED, opening_marks
+from coordinator.store.records import decode_record, opening_marks, stored_fields
 from coordinator.todo_links import Merged
 
 __all__ = ["DelegationStore"]
@@ -100,7 +99,7 @@ class DelegationStore(Part):
             pipe.multi()
             for child in children:
                 child_key = k.task(root, child.id)
-                fields = child.model_dump(exclude=NOT_STORED)
+                fields = stored_fields(child)
                 marks = {TaskField.TIMELINE: opening_marks(child)}
                 pipe.hset(child_key, mapping=_encode_record({**fields, **extra, **marks}))
                 pipe.expire(child_key, self.retention_s)
@@ -148,7 +147,7 @@ class DelegationStore(Part):
         child_ids = _strs(pipe.lrange(self.keys.children(root, task_id), 0, -1))
         awaiting = set(_strs(pipe.smembers(self.keys.awaiting(root, task_id))))
         todos_raw = _str_map(pipe.hgetall(self.keys.todos(root, task_id)))
-        record = _decode_record(raw, child_ids, [c for c in child_ids if c in awaiting])
+        record = decode_record(raw, child_ids, [c for c in child_ids if c in awaiting])
         return record, todo_lists.from_hash(todos_raw)
 
     # -- batches -----------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Final
 __all__ = [
     "APPROVAL_OPTIONAL_FIELDS",
     "INT_FIELDS",
+    "JSON_FIELDS",
     "OPTIONAL_FIELDS",
     "ApprovalField",
     "BatchField",
@@ -79,6 +80,13 @@ class TaskField:
     # JSON list of its newest tool calls that ran, `[start_ms, end_ms, tool, outcome]`, at most
     # MAX_TOOL_CALLS (coordinator/timeline.py), appended by the step that keeps each (record_tool).
     TOOL_CALLS: Final = "tool_calls"
+    # Compact JSON text of the JSON Schema its result data is held to, '' for none; written at creation.
+    OUTPUT_SCHEMA: Final = "output_schema"
+    # Compact JSON text of a completed task's validated data, '' for none; written with the completed
+    # status by the run's end (end_run), read into its parent's line of the combined result (apply_children).
+    OUTPUT: Final = "output"
+    # How many of its model's answers broke its output schema (end_run).
+    INVALID_OUTPUTS: Final = "invalid_outputs"
 
     # -- bookkeeping only in Redis -----------------------------------------------------
     TODOS_VERSION: Final = "todos_version"  # bumped on every change of the todo list (apply_children)
@@ -165,7 +173,10 @@ INT_FIELDS = (
     TaskField.DEPTH, TaskField.TOKENS_IN, TaskField.TOKENS_OUT, TaskField.CACHE_READS, TaskField.CACHE_WRITES,
     TaskField.COST_MICROS, TaskField.REQUESTS, TaskField.TOTAL_TOKENS, TaskField.TOTAL_COST_MICROS, TaskField.NUMBER,
     TaskField.BUDGET_MICROS, TaskField.UNLINKED_TOKENS, TaskField.UNLINKED_COST_MICROS, TaskField.RETRIES,
+    TaskField.INVALID_OUTPUTS,
 )  # fmt: skip
+# Task fields stored as compact JSON text ('' or missing: None), read back as the JSON value.
+JSON_FIELDS = (TaskField.OUTPUT_SCHEMA, TaskField.OUTPUT)
 # Task fields where '' means None.
 OPTIONAL_FIELDS = (
     TaskField.PARENT_ID, TaskField.TODO_ID, TaskField.BATCH_ID, TaskField.WAITING_BATCH_ID, TaskField.FINISHED_AT,

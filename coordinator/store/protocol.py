@@ -309,7 +309,7 @@ UsageArgs = tuple[str, int, int, int, int, int, str]
 
 @dataclass(frozen=True, kw_only=True)
 class StepWrites(Group):
-    """What a run did since its last step (flush_run's ARGV from its sixth; end_run's from its 17th)."""
+    """What a run did since its last step (flush_run's ARGV from its sixth; end_run's from its 19th)."""
 
     live: str = arg("live status JSON, or ''")
     n_conversation: int = count("how many conversation messages", of="conversation")
@@ -606,6 +606,10 @@ class EndRun(
     task_prefix: str = arg("the prefix of the tree's task hashes")
     running_children_prefix: str = arg("the prefix of its running-children sets")
     admission_scan: int = arg("how many waiting tasks to look at")
+    output: str = arg(
+        "a completed typed task's data, compact JSON ('' for none): its `output`, written with the status"
+    )
+    invalid_outputs: int = arg("its model's answers that broke its output schema (kept on the record when above 0)")
     writes: StepWrites = splice("flush_run's ARGV from its sixth (what the run did since its last step)")
 
     @classmethod

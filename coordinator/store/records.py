@@ -13,6 +13,7 @@ from coordinator import todos as todo_lists
 from coordinator.errors import CorruptError, NotFoundError
 from coordinator.ids import root_of
 from coordinator.models import TaskRecord, TodoItem
+from coordinator.output_schema import compact
 from coordinator.store.base import (
     Part,
     _decode_record,
@@ -21,16 +22,36 @@ from coordinator.store.base import (
     _strs,
     translate_redis_errors,
 )
-from coordinator.store.fields import TaskField
+from coordinator.store.fields import JSON_FIELDS, TaskField
 from coordinator.store.protocol import AppendIfLeased
 
-__all__ = ["RecordStore"]
+__all__ = ["RecordStore", "decode_record", "stored_fields"]
 
 
 # What a record's dump holds that is not a field of its hash: the children and those awaited
 # have keys of their own, `times` is read from the marks, the marks are written as text, and
 # tool calls only by the step that keeps each (record_tool.lua).
 NOT_STORED: set[str] = {"child_ids", "awaiting_ids", "times", "timeline", "tool_calls"}
+
+
+def stored_fields(record: TaskRecord) -> dict[str, Any]:
+    """A new record's fields as its hash holds them (before `_encode_record`): the JSON fields as compact text."""
+    fields = record.model_dump(exclude=NOT_STORED)
+    for name in JSON_FIELDS:
+        fields[name] = "" if fields.get(name) is None else compact(fields[name])
+    return fields
+
+
+def decode_record(raw: dict[str, str], child_ids: list[str], awaiting_ids: list[str]) -> TaskRecord:
+    """A task record from its hash: `_decode_record`, the JSON fields read back as their values first."""
+    decoded: dict[str, Any] = dict(raw)
+    for name in JSON_FIELDS:
+        text = raw.get(name)
+        try:
+            decoded[name] = json.loads(text) if text else None
+        except json.JSONDecodeError:
+            raise CorruptError(f"Task record {raw.get(TaskField.ID, '?')} is corrupt: {name} is not JSON") from None
+    return _decode_record(cast(dict[str, str], decoded), child_ids, awaiting_ids)
 
 
 def opening_marks(record: TaskRecord) -> str:
@@ -57,7 +78,7 @@ class RecordStore(Part):
         root = root_of(task_id)
         child_ids = _strs(self.client.lrange(self.keys.children(root, task_id), 0, -1))
         awaiting = set(_strs(self.client.smembers(self.keys.awaiting(root, task_id))))
-        return _decode_record(raw, child_ids, [c for c in child_ids if c in awaiting])
+        return decode_record(raw, child_ids, [c for c in child_ids if c in awaiting])
 
     def ancestors(self, task_id: str) -> list[str]:
         """The task's ancestors, root first."""
@@ -148,7 +169,7 @@ class RecordStore(Part):
             if not raw:
                 raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
             child_ids, awaiting = (_strs(lists[0]), set(_strs(lists[1]))) if whole else ([], set())
-            records.append(_decode_record(_str_map(raw), child_ids, [c for c in child_ids if c in awaiting]))
+            records.append(decode_record(_str_map(raw), child_ids, [c for c in child_ids if c in awaiting]))
         return records
 
     @translate_redis_errors
@@ -191,7 +212,7 @@ class RecordStore(Part):
         task_key, todos_key = self.keys.task(root, record.id), self.keys.todos(root, record.id)
         fields = _encode_record(
             {
-                **record.model_dump(exclude=NOT_STORED),
+                **stored_fields(record),
                 TaskField.ANCESTORS: [],
                 TaskField.TIMELINE: opening_marks(record),
             }

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from coordinator.errors import NotFoundError
 from coordinator.ids import root_of
-from coordinator.models import AdmissionLimits, Ending, RunWrites, Stepped, TaskRecord, ToolCallDone, Usage
-from coordinator.store.base import EVENTS_MAXLEN, Part, StoreCore, _decode_record, tool_field, translate_redis_errors
+from coordinator.models import AdmissionLimits, Ending, Outcome, RunWrites, Stepped, TaskRecord, ToolCallDone, Usage
+from coordinator.store.base import EVENTS_MAXLEN, Part, StoreCore, tool_field, translate_redis_errors
 from coordinator.store.fields import TaskField
 from coordinator.store.metrics import latency_bucket
 from coordinator.store.protocol import (
@@ -29,7 +29,7 @@ from coordinator.store.protocol import (
     StepWrites,
     ToolSlot,
 )
-from coordinator.store.records import RecordStore
+from coordinator.store.records import RecordStore, decode_record
 
 __all__ = ["ADMISSION_SCAN", "Ending", "RunStore", "Started"]
 
@@ -100,7 +100,7 @@ class RunStore(Part):
         )  # fmt: skip
         if started.verdict == "missing":
             raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
-        record = _decode_record(started.fields, [], [])
+        record = decode_record(started.fields, [], [])
         if started.verdict in ("wait", "delay"):
             return Started(started.verdict, record, delay_ms=started.delay_ms)
         if started.verdict != "run":
@@ -138,7 +138,7 @@ class RunStore(Part):
         record: TaskRecord,
         token: str,
         writes: RunWrites,
-        outcome: tuple[str, str, str, str],
+        outcome: Outcome,
         resume_grace_s: float,
         limits: AdmissionLimits,
         *,
@@ -157,7 +157,6 @@ class RunStore(Part):
             parent, batch = record.parent_id, record.batch_id
         admitted = limits.applies_to(record)
         slot_parent = record.parent_id or record.id
-        status, summary, error, error_class = outcome
         return self.scripts(
             EndRun(
                 run=self._run_keys(record), due=k.due(),
@@ -168,11 +167,11 @@ class RunStore(Part):
                 running=k.running(root) if admitted else own, admission=k.admission(root) if admitted else own,
                 parent_running=k.running_children(root, slot_parent) if admitted else own,
                 ancestors=self._ancestor_keys(record), token=token, retention_s=self.retention_s, now=time.time(),
-                events_maxlen=EVENTS_MAXLEN, status=status, summary=summary, error=error, error_class=error_class,
-                resume_grace_s=resume_grace_s, stop_on_budget=int(stop_on_budget), free_slot=int(admitted),
+                events_maxlen=EVENTS_MAXLEN, status=outcome.status, summary=outcome.summary, error=outcome.error,
+                error_class=outcome.error_class, resume_grace_s=resume_grace_s, stop_on_budget=int(stop_on_budget), free_slot=int(admitted),
                 per_parent=limits.per_parent, per_tree=limits.per_tree, task_prefix=k.task(root, ""),
                 running_children_prefix=k.running_children(root, ""), admission_scan=ADMISSION_SCAN,
-                writes=_step_writes(writes),
+                output=outcome.output_json, invalid_outputs=outcome.invalid_outputs, writes=_step_writes(writes),
             )
         )  # fmt: skip
 

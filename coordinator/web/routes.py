@@ -52,7 +52,7 @@ from coordinator.service import Coordinator
 from coordinator.settings import Settings
 from coordinator.tree import duration
 from coordinator.web.auth import COOKIE, WebAuth
-from coordinator.web.views import call_text, find_roots, parse_root_filter, read_tree
+from coordinator.web.views import call_text, data_text, find_roots, parse_root_filter, read_tree
 
 __all__ = ["WEB_PATH", "install_web"]
 
@@ -70,6 +70,7 @@ def _templates() -> Jinja2Templates:
     templates.env.filters["when"] = _when
     templates.env.filters["call"] = call_text
     templates.env.filters["duration"] = duration
+    templates.env.filters["data"] = data_text
     templates.env.globals["ui"] = WEB_PATH
     templates.env.globals["statuses"] = [s.value for s in TaskStatus]
     return templates

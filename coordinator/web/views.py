@@ -30,6 +30,7 @@ __all__ = [
     "TimelineView",
     "TreeView",
     "call_text",
+    "data_text",
     "find_roots",
     "parse_root_filter",
     "read_timeline",
@@ -141,6 +142,12 @@ def call_text(approval: Approval, max_chars: int = MAX_CALL_CHARS) -> str:
     if len(text) > max_chars:
         text = text[:max_chars] + f" … ({len(text) - max_chars} more characters not shown)"
     return text
+
+
+def data_text(value: object) -> str:
+    """A typed task's output as the page shows it: JSON, indented, every string's hidden characters escaped
+    (`visible_text`); the template escapes it for HTML, so a `<script>` in the data is text on the page."""
+    return visible_text(json.dumps(value, indent=2, ensure_ascii=False))
 
 
 def find_roots(coord: Coordinator, wanted: RootFilter, owner: str | None = None) -> RootPage:

@@ -40,11 +40,13 @@ from pydantic_ai import (
     ToolOutput,
 )
 from pydantic_ai.capabilities import Hooks
+from pydantic_ai.exceptions import UnexpectedModelBehavior
 from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.usage import UsageLimits
 
 from coordinator import CorruptError, Profile, StoreError, SubtaskResult, Usage, one_line
+from coordinator.output_schema import completion_parameters
 from coordinator.runs import (
     Ended,
     HandBack,
@@ -70,11 +72,17 @@ from workers.runtime.profile_tools import (
 from workers.runtime.providers import ProviderWait, Route
 from workers.runtime.tools import (
     ORCHESTRATION_PROMPT,
+    OutputInvalid,
     RunState,
+    TypedResult,
     attempt_completion,
+    check_completion,
     describe_call,
+    invalid_answers,
     offline_plan_toolset,
     plans_offline,
+    typed_completion,
+    typed_parameters,
 )
 
 __all__ = ["INTERRUPTED", "Progress", "RunInProgress", "run_child"]
@@ -86,6 +94,8 @@ INTERRUPTED = "Task was interrupted before this tool call could be completed."
 # before pydantic-ai fails the run: high, as each is an ordinary turn of the conversation, and a
 # model that batches its completion every time is still bounded by the profile's `max_requests`.
 COMPLETION_RETRIES = 100
+# A typed task that fails on its data keeps its last errors in `error`: every one of them, within reason.
+MAX_OUTPUT_ERROR_CHARS = 4000
 MESSAGE = pydantic.TypeAdapter(ModelMessage)
 
 Progress = Callable[[dict[str, Any]], None]
@@ -181,7 +191,7 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
     if not history:
         run.announce_task()
     elif isinstance(history[-1], ModelResponse) and not _calls_without_result(history):
-        return Ended("completed", summary=_text_of(history[-1]))  # it had ended; only the status was lost
+        return _ended_before(history, task.output_schema or profile.output_schema)
     saved = len(history)
     request_no = 0
     unsent: dict[str, Any] | None = None  # the latest response's progress, not yet sent
@@ -256,6 +266,15 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
     pending = _calls_without_result(history)
     results = _answers(run, state, pending, offered) if pending else None
     agent: Agent[RunState, Any] = rt.toolbox.agent(task.profile, plans_offline(profile, task.prompt), build_agent)
+    # A task with an output schema (its own, else its profile's) ends only with attempt_completion(result, data),
+    # built for this run: no plain text ends it, and pydantic-ai asks a model that answers without a call again
+    # (as often as the profile allows invalid answers).
+    schema = task.output_schema or profile.output_schema
+    typed: dict[str, Any] = {}
+    if schema is not None:
+        state.completion_parameters = completion_parameters(schema)
+        completion = typed_completion(schema, profile.max_invalid_outputs, COMPLETION_RETRIES)
+        typed = {"output_type": [completion, DeferredToolRequests], "retries": {"output": profile.max_invalid_outputs}}
     async with agent.iter(
         None if history else task.prompt,
         model=model,
@@ -263,6 +282,7 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
         deferred_tool_results=results,
         deps=state,
         usage_limits=UsageLimits(request_limit=profile.max_requests),
+        **typed,
     ) as agent_run:
         try:
             async for _node in agent_run:
@@ -272,9 +292,23 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
         except ProviderWait as wait:  # its provider is down: the run gives its worker back, its request kept
             _save_new(run, agent_run.all_messages(), saved)
             return wait.released
+        except OutputInvalid as refused:  # its last allowed answer broke the schema too
+            _save_new(run, agent_run.all_messages(), saved)
+            return Ended(
+                "failed", error=str(refused)[:MAX_OUTPUT_ERROR_CHARS], error_class="OutputInvalid",
+                invalid_outputs=invalid_answers(agent_run.all_messages()) + 1,
+            )  # fmt: skip
+        except UnexpectedModelBehavior as exc:
+            messages = agent_run.all_messages()
+            _save_new(run, messages, saved)
+            if schema is None or not _answered_without_a_call(messages):
+                raise
+            error = f"{invalid_answers(messages) + 1} answers had no attempt_completion call: {exc}"
+            return Ended("failed", error=error, error_class="OutputInvalid", invalid_outputs=invalid_answers(messages))
         _save_new(run, agent_run.all_messages(), saved)
         assert agent_run.result is not None
         output = agent_run.result.output
+        invalid = invalid_answers(agent_run.all_messages())
     if state.tool_calls and unsent is None:
         unsent = {"task_id": task.id, "request": request_no, "cost_micros": 0, "tool": None, "latency_ms": 0}
     send_progress()  # the run's last figures (sent within LIVE_EVERY_S: a run that answers at once sends one)
@@ -288,6 +322,8 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
         if run.delegation is None:
             return Ended("failed", error="the run deferred a call that is not a delegation", error_class="Deferred")
         return Released("delegated")
+    if isinstance(output, TypedResult):
+        return Ended("completed", summary=output.result, output_json=output.data_json, invalid_outputs=invalid)
     return Ended("completed", summary=str(output))
 
 
@@ -301,7 +337,7 @@ def build_agent(tools: ProfileTools, with_planner: bool) -> Agent[RunState, Any]
         output_type=[str, completion, DeferredToolRequests],
         system_prompt=f"{tools.system_prompt}\n\n{ORCHESTRATION_PROMPT}",
         toolsets=[tools.toolset, offline_plan_toolset] if with_planner else [tools.toolset],
-        capabilities=[Hooks(tool_validate_error=_invalid_arguments)],
+        capabilities=[Hooks(tool_validate_error=_invalid_arguments, prepare_output_tools=typed_parameters)],
     )
 
 
@@ -315,6 +351,29 @@ async def _invalid_arguments(
         line = f"{call.tool_name}: invalid arguments: {why}"
         answer_without_running(ctx.deps, call.tool_call_id, call.tool_name, "error", line)
     raise error
+
+
+def _ended_before(history: Sequence[ModelMessage], schema: dict[str, Any] | None) -> Ended:
+    """A run that had ended (only its status was lost): its last response is its completion. A typed task's
+    is the data of its attempt_completion call, checked again: the run ended before it was written."""
+    last = history[-1]
+    assert isinstance(last, ModelResponse)
+    if schema is None:
+        return Ended("completed", summary=_text_of(last))
+    calls = [p for p in last.parts if isinstance(p, ToolCallPart) and p.tool_name == "attempt_completion"]
+    taken, errors = check_completion(schema, calls[-1].args_as_dict()) if calls else (None, ["no attempt_completion"])
+    if taken is None:
+        error = "its run ended on an answer that broke the output schema: " + "; ".join(errors)
+        return Ended("failed", error=error[:MAX_OUTPUT_ERROR_CHARS], error_class="OutputInvalid")
+    invalid = invalid_answers(history)
+    return Ended("completed", summary=taken.result, output_json=taken.data_json, invalid_outputs=invalid)
+
+
+def _answered_without_a_call(messages: Sequence[ModelMessage]) -> bool:
+    """Whether the conversation's last response called no tool: a typed task's model that kept answering in
+    plain text (pydantic-ai gives up once its output retries are spent)."""
+    last = next((m for m in reversed(messages) if isinstance(m, ModelResponse)), None)
+    return last is not None and not any(isinstance(p, ToolCallPart) for p in last.parts)
 
 
 def _tool_call(call: ToolCallPart, requests: DeferredToolRequests) -> ToolCall:

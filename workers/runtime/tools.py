@@ -9,7 +9,10 @@
 - `attempt_completion(result)`: ends the task with its result (an output tool), taken only
   when it is the one call of its response besides other completions: called beside other
   tools, it is answered "not taken" and the model is asked again once every other call of
-  the response has its result (docs/agents.md, "Several calls in one response").
+  the response has its result (docs/agents.md, "Several calls in one response"). A task with
+  an output schema gets `attempt_completion(result, data)` instead (`typed_completion`), built
+  for its run: `data`'s parameter schema is the task's, and data that breaks it is sent back
+  with every error, a bounded number of times (docs/agents.md, "Typed results").
 - `run_command(command)`: runs one command line for real (workers/runtime/commands.py:
   argv without a shell, in the profile's folder, timed out, output capped), only
   for a profile with a `run_command` table; every call needs a decision under
@@ -32,16 +35,23 @@ it as `denied` or `error`, so the count is set by the code that decided it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict
-from pydantic_ai import ApprovalRequired, CallDeferred, ModelRetry, RunContext
-from pydantic_ai.messages import ModelResponse, ToolCallPart
+import pydantic
+from pydantic import BaseModel, ConfigDict, GetCoreSchemaHandler, GetJsonSchemaHandler
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_ai import ApprovalRequired, CallDeferred, ModelRetry, RunContext, ToolOutput
+from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, RetryFeedbackPart, ToolCallPart
+from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.toolsets import FunctionToolset
 
 from coordinator import OFFLINE_PROFILE, Profile, SubqError, SubtaskSpec, ignored_lines, render_markdown
+from coordinator.inputs import error_message, error_path
+from coordinator.output_schema import compact, output_errors
 from coordinator.runs import Run
 from workers.runtime import commands
 from workers.runtime.approval_policy import Verdict, verdict
@@ -53,11 +63,19 @@ __all__ = [
     "COMPLETION_NOT_TAKEN",
     "NEW_TASK_NOT_LAST",
     "ORCHESTRATION_PROMPT",
+    "OUTPUT_INVALID",
+    "PLACEHOLDER_PARAMETERS",
     "CallAnswered",
     "CallDenied",
     "CallFailed",
+    "OutputInvalid",
     "RunState",
+    "TypedResult",
+    "check_completion",
+    "invalid_answers",
     "orchestration_tools",
+    "typed_completion",
+    "typed_parameters",
 ]
 
 ORCHESTRATION_PROMPT = """
@@ -91,6 +109,9 @@ class RunState:
     calls_at_once: asyncio.Semaphore = field(init=False)
     # The tool calls answered since the run's last progress event (tool, outcome, ms), for the next one.
     tool_calls: list[dict[str, Any]] = field(init=False, default_factory=list)
+    # A typed run's attempt_completion parameters (`completion_parameters`): what `typed_parameters` gives
+    # the model as the output tool's schema. None: an untyped run.
+    completion_parameters: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.calls_at_once = asyncio.Semaphore(self.profile.max_tool_calls_at_once)
@@ -133,6 +154,8 @@ class SubtaskInput(BaseModel):
     message: str
     todo_id: str | None = None
     profile: str | None = None
+    # A JSON Schema the child's result data is held to (checked by SubtaskSpec, as the API's subtasks are).
+    output_schema: dict[str, Any] | None = None
 
 
 def _after_new_task(ctx: RunContext[RunState]) -> bool:
@@ -150,11 +173,16 @@ def _after_new_task(ctx: RunContext[RunState]) -> bool:
 def _delegate(ctx: RunContext[RunState], specs: list[SubtaskInput], mode: str) -> str:
     run = ctx.deps.run
     try:
-        checked = [SubtaskSpec.model_validate(s.model_dump()) for s in specs] if specs else []
+        checked = []
+        for index, spec in enumerate(specs):
+            try:
+                checked.append(SubtaskSpec.model_validate(spec.model_dump()))
+            except pydantic.ValidationError as exc:  # a spec pydantic refused (an empty message, a bad schema)
+                error = exc.errors()[0]
+                where = error_path(error, ("tasks", index) if mode == "parallel" else ())
+                return f"Error: {where}: {error_message(error)} (no subtask was created)"
         batch, children = run.delegate(checked, mode, tool_call_id=ctx.tool_call_id or "")
     except SubqError as exc:
-        return f"Error: {exc} (no subtask was created)"
-    except ValueError as exc:  # a spec pydantic refused (e.g. an empty message)
         return f"Error: {exc} (no subtask was created)"
     run.say("subtasks", f"Delegated {len(children)} {mode} subtask(s): " + ", ".join(c.id for c in children))
     raise CallDeferred(metadata={"batch_id": batch.id})
@@ -204,18 +232,27 @@ def update_todo_list(ctx: RunContext[RunState], todos: str | list[TodoInput]) ->
 
 @orchestration_tools.tool
 def new_task(
-    ctx: RunContext[RunState], message: str, description: str, todo_id: str | None = None, profile: str | None = None
+    ctx: RunContext[RunState],
+    message: str,
+    description: str,
+    todo_id: str | None = None,
+    profile: str | None = None,
+    output_schema: dict[str, Any] | None = None,
 ) -> str:
-    """Delegate one subtask and wait for its result before going on. Must be your last tool call."""
+    """Delegate one subtask and wait for its result before going on. Must be your last tool call.
+    With `output_schema` (a JSON Schema object), the subtask returns data in that shape, which you get as JSON."""
     if _after_new_task(ctx):
         return NEW_TASK_NOT_LAST
-    spec = SubtaskInput(description=description, message=message, todo_id=todo_id, profile=profile)
+    spec = SubtaskInput(
+        description=description, message=message, todo_id=todo_id, profile=profile, output_schema=output_schema
+    )
     return _delegate(ctx, [spec], "sequential")
 
 
 @orchestration_tools.tool
 def run_subagents(ctx: RunContext[RunState], tasks: list[SubtaskInput]) -> str:
-    """Delegate independent subtasks to run in parallel; you get all their results together."""
+    """Delegate independent subtasks to run in parallel; you get all their results together. A task's
+    `output_schema` (a JSON Schema object) makes it return data in that shape, which you get as JSON."""
     if _after_new_task(ctx):
         return NEW_TASK_NOT_LAST
     return _delegate(ctx, tasks, "parallel")
@@ -292,3 +329,129 @@ def _other_calls(ctx: RunContext[RunState]) -> list[str]:
 def describe_call(part: ToolCallPart) -> str:
     args = part.args if isinstance(part.args, str) else json.dumps(part.args)
     return f"{part.tool_name}({args[:500]})"
+
+
+# -- typed results: attempt_completion(result, data) ----------------------------------------
+
+# How the answer to data that broke the schema begins: what the model reads, and how a run counts the
+# invalid answers made so far from its history (so a resumed run counts those of the runs before it).
+OUTPUT_INVALID = "Invalid data: "
+
+
+class OutputInvalid(Exception):
+    """A typed task's model gave invalid data as often as allowed: the task fails, with the last errors."""
+
+    def __init__(self, answers: int, errors: Sequence[str]) -> None:
+        self.errors = list(errors)
+        super().__init__(f"{answers} answers broke the output schema; the last: " + "; ".join(self.errors))
+
+
+@dataclass(frozen=True)
+class TypedResult:
+    """A typed task's accepted completion: its result in words, and its data as compact JSON text."""
+
+    result: str
+    data_json: str
+
+
+# The typed completion's schema as pydantic-ai builds it (without the task's schema, which `typed_parameters`
+# puts in before each request).
+PLACEHOLDER_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"result": {"type": "string"}, "data": {}},
+    "required": ["result", "data"],
+}
+
+
+def typed_parameters(ctx: RunContext[RunState], tool_defs: list[ToolDefinition]) -> list[ToolDefinition]:
+    """Before each request (pydantic-ai's `prepare_output_tools` hook): a typed run's attempt_completion is
+    given its whole schema, `data`'s being the task's (`completion_parameters`)."""
+    parameters = ctx.deps.completion_parameters
+    if parameters is None:
+        return tool_defs
+    return [
+        dataclasses.replace(d, parameters_json_schema=parameters) if d.name == "attempt_completion" else d
+        for d in tool_defs
+    ]
+
+
+def invalid_answers(messages: Sequence[ModelMessage]) -> int:
+    """How many answers of this conversation were refused as invalid output: data that broke the schema
+    (each answered with OUTPUT_INVALID), and responses with no call where a typed completion was due."""
+    count = 0
+    for message in messages:
+        if not isinstance(message, ModelRequest):
+            continue
+        for part in message.parts:
+            if isinstance(part, RetryFeedbackPart):
+                count += part.retry.cause == "no_output"
+            elif getattr(part, "tool_name", None) == "attempt_completion":
+                content = getattr(part, "content", None)
+                count += isinstance(content, str) and content.startswith(OUTPUT_INVALID)
+    return count
+
+
+def check_completion(schema: Mapping[str, Any], args: Mapping[str, Any]) -> tuple[TypedResult | None, list[str]]:
+    """A typed completion's arguments checked: (the result, []) when they hold, else (None, every error)."""
+    result, errors = args.get("result"), []
+    if not isinstance(result, str):
+        errors.append("result: a string is required")
+    unknown = sorted(set(args) - {"result", "data"})
+    if unknown:
+        errors.append(f"unknown argument(s): {', '.join(unknown)} (attempt_completion takes result and data)")
+    if "data" in args:
+        errors += output_errors(schema, args["data"])
+    else:
+        errors.append("data: required: your result as JSON in the shape of the task's schema")
+    if errors:
+        return None, errors
+    return TypedResult(str(result), compact(args["data"])), []
+
+
+def typed_completion(schema: Mapping[str, Any], max_invalid: int, max_retries: int) -> ToolOutput[TypedResult]:
+    """The `attempt_completion(result, data)` output tool of one typed run: `data`'s parameter schema is the
+    task's `schema`, so a tool-calling model is held to it. The `max_invalid`-th answer whose data breaks it
+    fails the task (OutputInvalid); each one before is sent back with every error (`max_retries` bounds the
+    retries pydantic-ai allows the tool, "not taken" answers included)."""
+
+    class CompletionArgs(dict[str, Any]):
+        """The tool's arguments as the model sent them; checked below, against the task's own schema."""
+
+        # The tool's parameter schema is this type's (pydantic-ai's single model-like argument).
+        __is_model_like__ = True
+
+        @classmethod
+        def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> Any:
+            return handler.generate_schema(dict[str, Any])
+
+        @classmethod
+        def __get_pydantic_json_schema__(cls, schema: Any, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+            # pydantic resolves every `$ref` of a schema it generates against its own definitions, and a
+            # task's schema has its own: the model is given the whole of it by `typed_parameters`.
+            return dict(PLACEHOLDER_PARAMETERS)
+
+    def attempt_completion(ctx: RunContext[RunState], completion: CompletionArgs) -> TypedResult:
+        """Finish your task: `result` says it in a few sentences, and `data` is your result as JSON in the shape
+        its schema gives. Call it on its own, after you have read every tool result."""
+        others = _other_calls(ctx)
+        if others:  # as the untyped completion (above)
+            ctx.deps.run.say("completion_not_taken", f"attempt_completion waits for {', '.join(others)}")
+            raise ModelRetry(COMPLETION_NOT_TAKEN.format(others=", ".join(others)))
+        taken, errors = check_completion(schema, completion)
+        if taken is not None:
+            return taken
+        answers = invalid_answers(ctx.messages) + 1
+        ctx.deps.run.say("output_invalid", f"answer {answers} of at most {max_invalid}: " + "; ".join(errors))
+        if answers >= max_invalid:
+            raise OutputInvalid(answers, errors)
+        left = max_invalid - answers
+        raise ModelRetry(
+            f"{OUTPUT_INVALID}{'; '.join(errors)}. Call attempt_completion again with data that fits the schema "
+            f"({left} more invalid answer{'s fail' if left != 1 else ' fails'} the task)."
+        )
+
+    # Annotations as objects: the function is made per run, its argument type with it.
+    attempt_completion.__annotations__ = {
+        "ctx": RunContext[RunState], "completion": CompletionArgs, "return": TypedResult,
+    }  # fmt: skip
+    return ToolOutput(attempt_completion, name="attempt_completion", max_retries=max_retries)

@@ -24,6 +24,8 @@ end
 
 -- The child's line of the combined result (writeback.combined_result has the format; the
 -- number is its place in the batch, added when the batch closes).
+-- The most of a child's output its line carries (writeback.py: OUTPUT_IN_LINE_BYTES, the same number).
+local OUTPUT_IN_LINE = 16384
 local function usd(micros)
   local sign = micros < 0 and '-' or ''
   micros = math.abs(micros)
@@ -47,7 +49,18 @@ local function line_of(child_id, got)
     local err = (got.error and got.error ~= '') and got.error or 'no detail'
     body = class .. ': ' .. err
   end
-  return head .. ': ' .. body .. ' (' .. got.tokens .. ' tokens, ' .. usd(got.cost) .. ')'
+  local line = head .. ': ' .. body .. ' (' .. got.tokens .. ' tokens, ' .. usd(got.cost) .. ')'
+  -- A completed typed child's data, as its compact JSON (one line: JSON escapes every line break),
+  -- up to OUTPUT_IN_LINE bytes; a larger one is named, for the parent to read from the record.
+  if got.status == 'completed' and got.output and got.output ~= '' then
+    if #got.output <= OUTPUT_IN_LINE then
+      line = line .. ' Output (JSON): ' .. got.output
+    else
+      line = line .. ' Output: ' .. #got.output .. ' bytes of JSON, more than the ' .. OUTPUT_IN_LINE ..
+        ' shown here: it is the output of task ' .. child_id
+    end
+  end
+  return line
 end
 
 local figures = {}
@@ -56,13 +69,13 @@ for i = 4, #ARGV do
   local child_id = ARGV[i]
   local key = KEYS[i + 2]
   local f = hash_get(key, 'status', 'total_tokens', 'total_cost_micros', 'todo_id', 'description',
-    'summary', 'error_class', 'error')
+    'summary', 'error_class', 'error', 'output')
   if terminal(f[1]) then
     -- The item shows the child's subtree totals, read from the child record (the
     -- system of record), never from a message, so a stale result cannot skew them.
     local got = {
       status = f[1], tokens = tonumber(f[2] or '0'), cost = tonumber(f[3] or '0'), todo_id = f[4],
-      description = f[5], summary = f[6], error_class = f[7], error = f[8],
+      description = f[5], summary = f[6], error_class = f[7], error = f[8], output = f[9],
     }
     if redis.call('HSETNX', KEYS[5], child_id, line_of(child_id, got)) == 1 then
       figures[child_id] = got

@@ -33,7 +33,10 @@
 -- ARGV[14] str: the prefix of the tree's task hashes
 -- ARGV[15] str: the prefix of its running-children sets
 -- ARGV[16] int: how many waiting tasks to look at
--- ARGV[17..] flush_run's ARGV from its sixth (what the run did since its last step)
+-- ARGV[17] str: a completed typed task's data, compact JSON ('' for none): its `output`, written with the
+--   status
+-- ARGV[18] int: its model's answers that broke its output schema (kept on the record when above 0)
+-- ARGV[19..] flush_run's ARGV from its sixth (what the run did since its last step)
 -- Returns {'fenced'} (nothing written), {'exhausted', holder} (the flush was written; the caller stops the
 --   holder's subtree and ends the run again), or {'ended', status, summary, error, error class, tokens in,
 --   tokens out, cache reads, cache writes, cost micro-USD, closed, resumes, resume, batch mode, admitted
@@ -45,7 +48,7 @@
 -- Every field of the task and of its parent that any part below reads, in one HMGET each
 -- (hashes.lua): the parts read and write them through the cache, written once at the end.
 hash_prefetch(KEYS[2], fields_and(USAGE_FIELDS, {'summary', 'error', 'error_class', 'batch_id', 'batch_mode',
-  'todo_id', 'description', 'timeline'}))
+  'todo_id', 'description', 'timeline', 'output'}))
 if KEYS[9] ~= KEYS[2] then
   hash_prefetch(KEYS[9], {'id', 'total_tokens', 'total_cost_micros', 'budget_micros', 'todos_version', 'status',
     'runner', 'error_class', 'error', 'waiting_batch_id', 'resumes', 'timeline'})
@@ -56,12 +59,12 @@ for i = 18, #KEYS do
 end
 -- The live status goes to finish_task, which makes the terminal one from it, and the UI
 -- messages go with the outcome's own, after it (one write each, not two).
-local live = ARGV[17]
-local n_conv, n_ui = tonumber(ARGV[18]), tonumber(ARGV[19])
-local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], '1', '', ARGV[18], '0', ARGV[20], ARGV[21]}
+local live = ARGV[19]
+local n_conv, n_ui = tonumber(ARGV[20]), tonumber(ARGV[21])
+local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], '1', '', ARGV[20], '0', ARGV[22], ARGV[23]}
 local ui = {}
-local first_ui = 22 + n_conv
-for i = 22, #ARGV do
+local first_ui = 24 + n_conv
+for i = 24, #ARGV do
   if i >= first_ui and i < first_ui + n_ui then
     ui[#ui + 1] = ARGV[i]
   else
@@ -83,7 +86,17 @@ if flushed[3] ~= '' and ARGV[10] == '1' then
   return {'exhausted', flushed[3]}
 end
 local now, retention, maxlen = ARGV[3], ARGV[2], ARGV[4]
+local before = hash_get(KEYS[2], 'status')[1]
 finish_task({KEYS[2], KEYS[7], KEYS[6]}, {ARGV[5], ARGV[6], ARGV[7], ARGV[8], now, retention, maxlen, live})
+-- A typed task's data is its record's `output` from the step that completes it, never after (a task
+-- stopped before its end keeps none); the count of invalid answers stays whatever the outcome.
+if ARGV[17] ~= '' and ARGV[5] == 'completed' and before ~= 'completed' and before ~= 'failed'
+    and before ~= 'cancelled' then
+  hash_set(KEYS[2], 'output', ARGV[17])
+end
+if tonumber(ARGV[18]) > 0 then
+  hash_set(KEYS[2], 'invalid_outputs', ARGV[18])
+end
 redis.call('DEL', KEYS[1])  -- the lease: flush_run found it this run's, in this same call
 local f = hash_get(KEYS[2], 'id', 'status', 'summary', 'error', 'error_class', 'tokens_in',
   'tokens_out', 'cache_reads', 'cache_writes', 'cost_micros', 'batch_id', 'batch_mode')

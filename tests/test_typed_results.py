@@ -1,0 +1,355 @@
+"""Typed results: a task's `output_schema`, its model held to it, and the validated object on the record.
+
+The runs go through real `celery worker` processes whose models are OpenAI-compatible servers on
+loopback (tests/model_server.py), or the offline model playing a script. The bad schemas go in
+through every face (the HTTP API, the Python client, `subq run`, `subq.submit`, a delegation tool,
+a profile), each refused with the path of the problem and nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import httpx
+import pytest
+
+from coordinator import Coordinator, Profile, Settings, TaskStatus
+from coordinator.api import create_app
+from coordinator.client import SubqClient
+from coordinator.errors import ValidationError
+from coordinator.local.fleet import settings_env
+from coordinator.output_schema import MAX_SCHEMA_BYTES, check_schema, completion_parameters, output_errors
+from tests.agents import call as script_call
+from tests.conftest import dedicated_fleet
+from tests.helpers import TOKEN, ApiServer, api_settings, script, state
+from tests.model_server import ModelServer, Turn, call
+from tests.test_bad_input import NO_TREE
+from workers.submit import submit
+
+WAIT_S = 90
+
+# What a program reads of a count: the total and one row per item.
+COUNT = {
+    "type": "object",
+    "properties": {
+        "total": {"type": "integer", "minimum": 0},
+        "rows": {"type": "array", "items": {"$ref": "#/$defs/Row"}},
+    },
+    "required": ["total", "rows"],
+    "additionalProperties": False,
+    "$defs": {"Row": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}},
+}
+VALID = {"total": 2, "rows": [{"name": "a"}, {"name": "b"}]}
+# Breaks it twice: a total that is no integer, a row without its name.
+INVALID = {"total": "two", "rows": [{"nom": "a"}]}
+INVALID_ERRORS = ["data.rows.0: 'name' is a required property", "data.total: 'two' is not of type 'integer'"]
+
+
+def _nested(levels: int) -> dict[str, Any]:
+    """A schema `levels` objects deep."""
+    schema: dict[str, Any] = {}
+    for _ in range(levels):
+        schema = {"not": schema}
+    return schema
+
+
+_LARGE = {"type": "object", "description": "x" * MAX_SCHEMA_BYTES}
+# Schemas no face may take, each with what its error says (the path into the schema first).
+BAD_SCHEMAS: list[tuple[str, object, str]] = [
+    ("not an object", ["type", "object"], "output_schema: must be a JSON Schema object, not list"),
+    ("a bad type", {"type": "object", "properties": {"total": {"type": "integr"}}},
+     "output_schema.properties.total.type: 'integr' is not valid under any of the given schemas"),
+    ("a remote ref", {"type": "object", "properties": {"x": {"$ref": "https://example.invalid/s.json"}}},
+     "output_schema.properties.x.$ref: only local references ('#/...') are allowed"),
+    ("a dangling ref", {"$ref": "#/$defs/Missing"}, "output_schema.$ref: '#/$defs/Missing' names nothing in the schema"),
+    ("too deep", _nested(40), "output_schema" + ".not" * 32 + ": nested deeper than 32 levels"),
+    ("too large", _LARGE, f"output_schema: {len(json.dumps(_LARGE, separators=(',', ':')))} bytes as compact JSON; "
+     f"the limit is {MAX_SCHEMA_BYTES}"),
+]  # fmt: skip
+
+
+class Typed(NamedTuple):
+    coord: Coordinator
+    api: ApiServer
+    retrying: ModelServer  # invalid data, then valid data
+    refusing: ModelServer  # invalid data every time
+    parent: ModelServer  # delegates one typed child, then completes
+    child: ModelServer  # the child: valid data at once
+
+
+@pytest.fixture(scope="module")
+def typed(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Typed]:
+    servers = {
+        "retrying": ModelServer([
+            Turn(calls=[call("attempt_completion", result="counted (wrong)", data=INVALID)]),
+            Turn(calls=[call("attempt_completion", result="counted two", data=VALID)]),
+        ]),
+        "refusing": ModelServer([Turn(calls=[call("attempt_completion", result="counted", data=INVALID)])]),
+        "parent": ModelServer([
+            Turn(calls=[call("run_subagents", tasks=[
+                {"description": "count the rows", "message": "Count the rows.", "profile": "child",
+                 "output_schema": COUNT},
+            ])]),
+            Turn(calls=[call("attempt_completion", result="the child counted")]),
+        ]),
+        "child": ModelServer([Turn(calls=[call("attempt_completion", result="two rows", data=VALID)])]),
+    }  # fmt: skip
+    for server in servers.values():
+        server.start()
+
+    def hosted(server: ModelServer, **more: Any) -> Profile:
+        return Profile(model="openai:test-model", base_url=server.base_url, api_key=server.key, **more)
+
+    profiles = {name: hosted(server) for name, server in servers.items()}
+    profiles["offline-typed"] = Profile(output_schema=COUNT)  # the offline model, the schema the profile's
+    own = settings.model_copy(update={"profiles": {**settings.profiles, **profiles}})
+    try:
+        with dedicated_fleet(own, tmp_path_factory.mktemp("typed"), 1, queue="subq-typed") as (coord, _):
+            api_coord = Coordinator(api_settings(coord.settings))
+            try:
+                with ApiServer(create_app(coordinator=api_coord)) as api:
+                    yield Typed(coord, api, **servers)
+            finally:
+                api_coord.close()
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def _requests_of(server: ModelServer) -> list[list[dict[str, Any]]]:
+    """The messages of each request the server answered, in order."""
+    return [seen.body.get("messages", []) for seen in server.answered()]
+
+
+def _tool_texts(messages: list[dict[str, Any]]) -> list[str]:
+    return [str(m.get("content")) for m in messages if m.get("role") == "tool"]
+
+
+def _says(coord: Coordinator, task_id: str, kind: str) -> list[str]:
+    return [m["text"] for m in coord.messages(task_id) if m.get("say") == kind]
+
+
+# -- the schema's checks and the tool's parameters (pure) ------------------------------------------
+
+
+@pytest.mark.parametrize(("schema", "message"), [c[1:] for c in BAD_SCHEMAS], ids=[c[0] for c in BAD_SCHEMAS])
+def test_a_bad_schema_is_refused_naming_the_path(schema: object, message: str) -> None:
+    with pytest.raises(ValidationError) as refused:
+        check_schema(schema)
+    assert message in refused.value.message
+
+
+def test_every_error_of_an_output_is_named_by_its_path() -> None:
+    assert output_errors(COUNT, INVALID) == INVALID_ERRORS
+    assert output_errors(COUNT, VALID) == []
+
+
+def test_the_completion_tool_is_given_the_schema_with_its_references_rebased() -> None:
+    parameters = completion_parameters(COUNT)
+    assert parameters["required"] == ["result", "data"]
+    data = parameters["properties"]["data"]
+    assert data["properties"]["rows"]["items"] == {"$ref": "#/$defs/Row"}  # $defs moved to the tool's root
+    assert parameters["$defs"]["Row"] == COUNT["$defs"]["Row"]  # type: ignore[index]
+    rooted = completion_parameters({"type": "object", "properties": {"self": {"$ref": "#"}}})
+    assert rooted["properties"]["data"]["properties"]["self"] == {"$ref": "#/properties/data"}
+
+
+# -- acceptance: against an OpenAI-compatible server on loopback -----------------------------------
+
+
+def test_invalid_data_goes_back_with_its_errors_and_the_valid_object_is_the_output(
+    typed: Typed, tmp_path: Path
+) -> None:
+    coord = typed.coord
+    root = coord.create_task("Count the rows.", profile="retrying", run=True, output_schema=COUNT)
+    done = coord.wait(root.id, timeout_s=WAIT_S)
+    assert done.status == TaskStatus.COMPLETED, (done.error_class, done.error)
+    assert done.output == VALID
+    assert done.summary == "counted two"
+    assert done.output_schema == COUNT
+    assert done.invalid_outputs == 1
+    requests = _requests_of(typed.retrying)
+    assert len(requests) == 2, "the model was asked once more after its invalid data"
+    # The request after the invalid answer carries every validation error, by path.
+    answer = _tool_texts(requests[1])[-1]
+    assert "Invalid data: " in answer
+    assert all(error in answer for error in INVALID_ERRORS), answer
+    # The tool the model was given holds `data` to the schema, and no plain text ends the task.
+    sent = typed.retrying.answered()[0].body
+    tool = next(t for t in sent["tools"] if t["function"]["name"] == "attempt_completion")
+    assert tool["function"]["parameters"]["properties"]["data"]["required"] == ["total", "rows"]
+    assert sent.get("tool_choice") == "required"
+    invalid = _says(coord, root.id, "output_invalid")
+    assert len(invalid) == 1 and "data.total" in invalid[0]
+    # Seen the same on every face: the API's record, `subq result` (its words, then the JSON), the export.
+    with typed.api.client() as http:
+        assert http.get(f"/v1/tasks/{root.id}").json()["output"] == VALID
+    env = settings_env(coord.settings)
+    shown = subprocess.run(
+        [sys.executable, "-m", "coordinator", "result", root.id], env=env, capture_output=True, text=True, timeout=60
+    )
+    words, _, data = shown.stdout.partition("\n")
+    assert shown.returncode == 0 and words == "counted two" and json.loads(data) == VALID, shown
+    shown = subprocess.run(
+        [sys.executable, "-m", "coordinator", "result", root.id, "--json"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert json.loads(shown.stdout)["output"] == VALID
+    (written,) = [p for p in coord.export_tree(root.id, tmp_path) if p.name == "output.json"]
+    assert json.loads(written.read_text()) == {"output_schema": COUNT, "output": VALID, "invalid_outputs": 1}
+
+
+def test_a_model_that_never_gives_valid_data_fails_with_the_last_errors(typed: Typed) -> None:
+    coord = typed.coord
+    root = coord.create_task("Count the rows.", profile="refusing", run=True, output_schema=COUNT)
+    done = coord.wait(root.id, timeout_s=WAIT_S)
+    assert done.status == TaskStatus.FAILED
+    assert done.error_class == "OutputInvalid"
+    assert all(error in done.error for error in INVALID_ERRORS), done.error
+    assert done.output is None
+    bound = coord.settings.profile("refusing").max_invalid_outputs
+    assert done.invalid_outputs == bound == 3
+    assert len(typed.refusing.answered()) == bound, "one request per invalid answer, and none after the last"
+    assert len(_says(coord, root.id, "output_invalid")) == bound
+
+
+def test_a_parent_reads_its_typed_childs_object_as_json(typed: Typed) -> None:
+    coord = typed.coord
+    root = coord.create_task("Have the rows counted.", profile="parent", run=True)
+    done = coord.wait(root.id, timeout_s=WAIT_S)
+    assert done.status == TaskStatus.COMPLETED, (done.error_class, done.error)
+    (child,) = coord.get_children(root.id)
+    assert child.output_schema == COUNT
+    assert child.output == VALID
+    # The parent's resumed request answers its delegation with the child's line, the object as compact JSON.
+    resumed = _requests_of(typed.parent)[-1]
+    line = next(text for text in _tool_texts(resumed) if child.id in text)
+    assert 'Output (JSON): {"total":2,"rows":[{"name":"a"},{"name":"b"}]}' in line
+    # The tree and the parent's stored conversation hold it too.
+    contents = [str(p.get("content")) for m in coord.messages(root.id, "api") for p in m.get("parts", [])]
+    assert any(json.dumps(VALID, separators=(",", ":")) in content for content in contents)
+    with typed.api.client() as http:
+        tree = http.get(f"/v1/tasks/{root.id}/tree").json()
+    assert tree["children"][0]["id"] == child.id
+
+
+def test_the_offline_model_completes_a_task_with_its_profiles_schema(typed: Typed) -> None:
+    coord = typed.coord
+    prompt = script(script_call("attempt_completion", result="two rows", data=VALID), text="Count the rows.")
+    root = coord.create_task(prompt, profile="offline-typed", run=True)
+    done = coord.wait(root.id, timeout_s=WAIT_S)
+    assert done.status == TaskStatus.COMPLETED, (done.error_class, done.error)
+    assert done.output == VALID and done.output_schema is None  # the profile's schema held it
+
+
+# -- bad schemas on every input path: a clear error, and nothing written -----------------------------
+
+
+@pytest.mark.parametrize(("schema", "message"), [c[1:] for c in BAD_SCHEMAS], ids=[c[0] for c in BAD_SCHEMAS])
+def test_a_bad_schema_is_refused_on_every_face_and_nothing_is_written(
+    typed: Typed, tmp_path: Path, schema: object, message: str
+) -> None:
+    coord = typed.coord
+    parent = coord.create_task("Hold the children.", run=False)  # for the API's subtasks
+    before = state(coord, NO_TREE)
+    # The service, as a Python caller uses it.
+    with pytest.raises(ValidationError) as refused:
+        coord.create_task("Count.", run=True, output_schema=schema)  # type: ignore[arg-type]
+    assert message in refused.value.message
+    # The HTTP API: 422, naming the path.
+    with typed.api.client() as http:
+        answer = http.post("/v1/tasks", json={"prompt": "Count.", "run": True, "output_schema": schema})
+        assert answer.status_code == 422, answer.text
+        assert message in answer.json()["message"], answer.json()
+        before_parent = state(coord, parent.root_id)
+        spec = {"description": "count", "message": "Count.", "output_schema": schema}
+        answer = http.post(f"/v1/tasks/{parent.id}/subtasks", json={"subtasks": [spec]})
+        assert answer.status_code == 422, answer.text
+        assert answer.json()["message"].startswith("subtasks.0." + message), answer.json()
+        assert state(coord, parent.root_id) == before_parent
+    # The Python client refuses before it sends anything.
+    with SubqClient(typed.api.url, TOKEN) as client, pytest.raises(ValidationError) as refused:
+        client.create_task("Count.", run=True, output_schema=schema)  # type: ignore[arg-type]
+    assert message in refused.value.message
+    # `subq run --output-schema FILE`: one line, exit 1.
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    env = settings_env(coord.settings)
+    ran = subprocess.run(
+        [sys.executable, "-m", "coordinator", "run", "Count.", "--output-schema", str(path)],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert ran.returncode != 0 and message in ran.stderr, ran.stderr
+    # `subq.submit`, the function the Celery task runs.
+    result = submit(coord, (), {"prompt": "Count.", "output_schema": schema})
+    assert result["error"]["code"] == "invalid_input" and message in result["error"]["message"], result
+    assert state(coord, NO_TREE) == before
+
+
+def test_a_schema_on_a_caller_owned_task_is_refused(typed: Typed) -> None:
+    before = state(typed.coord, NO_TREE)
+    with pytest.raises(ValidationError, match="output_schema applies to an agent task"):
+        typed.coord.create_task("Hold.", run=False, output_schema=COUNT)
+    with typed.api.client() as http:
+        answer = http.post("/v1/tasks", json={"prompt": "Hold.", "output_schema": COUNT})
+    assert answer.status_code == 422 and "run=true" in answer.json()["message"]
+    assert state(typed.coord, NO_TREE) == before
+
+
+def test_a_profile_whose_schema_does_not_import_is_refused_when_settings_load() -> None:
+    with pytest.raises(ValueError, match="output_schema 'tests.nowhere:Count' does not import"):
+        Profile(output_schema="tests.nowhere:Count")
+    with pytest.raises(ValueError, match=r"output_schema\.properties\.total\.type"):
+        Profile(output_schema={"type": "object", "properties": {"total": {"type": "integr"}}})
+    schema = Profile(output_schema="coordinator.models:Usage").output_schema
+    assert schema is not None and schema["properties"]["tokens_in"]["type"] == "integer"
+
+
+def test_a_delegation_tool_with_a_bad_schema_creates_no_child(typed: Typed) -> None:
+    coord = typed.coord
+    bad = {"type": "object", "properties": {"total": {"type": "integr"}}}
+    child = {"description": "count", "message": "Count.", "output_schema": bad}
+    prompt = script(script_call("run_subagents", tasks=[child]), text="Delegate a count.")
+    root = coord.create_task(prompt, run=True)
+    done = coord.wait(root.id, timeout_s=WAIT_S)
+    assert done.status == TaskStatus.COMPLETED and done.child_ids == []
+    parts = [p for m in coord.messages(root.id, "api") for p in m.get("parts", []) if p.get("tool_name")]
+    answer = next(p["content"] for p in parts if p["tool_name"] == "run_subagents" and "content" in p)
+    assert "tasks.0.output_schema.properties.total.type: 'integr' is not valid" in answer, answer
+    assert "no subtask was created" in answer
+
+
+def test_a_typed_output_is_shown_escaped_in_the_web_view(typed: Typed) -> None:
+    coord = typed.coord
+    hostile = {"total": 1, "rows": [{"name": "<script>alert(1)</script>"}]}
+    prompt = script(script_call("attempt_completion", result="one", data=hostile), text="Count the rows.")
+    root = coord.create_task(prompt, profile="offline-typed", run=True)
+    assert coord.wait(root.id, timeout_s=WAIT_S).output == hostile
+    with httpx.Client(base_url=typed.api.url, timeout=30) as http:
+        assert http.post("/ui/login", data={"token": TOKEN, "next": "/ui/"}).status_code == 303
+        page = http.get(f"/ui/tasks/{root.id}/fragment").text
+    assert "<script>alert(1)</script>" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert 'data-field="output"' in page
+
+
+def test_the_offline_models_typed_child_example_runs_as_written(typed: Typed) -> None:
+    """docs/offline-model.md's "A typed child", as a task's message: the child's object, and the root reads it."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "offline-model.md").read_text()
+    section = doc[doc.index("## A typed child") : doc.index("## A task that ends with a tool call")]
+    message = section.split("````markdown\n", 1)[1].split("\n````", 1)[0]
+    coord = typed.coord
+    root = coord.create_task(message, run=True)
+    done = coord.wait(root.id, timeout_s=WAIT_S)
+    assert done.status == TaskStatus.COMPLETED, (done.error_class, done.error)
+    (child,) = coord.get_children(root.id)
+    assert child.output == {"open": 3, "labels": ["bug", "bug", "docs"]}
+    promised = 'Output (JSON): {"open":3,"labels":["bug","bug","docs"]}'
+    assert promised in section
+    contents = [str(p.get("content")) for m in coord.messages(root.id, "api") for p in m.get("parts", [])]
+    assert any(promised in content for content in contents)
