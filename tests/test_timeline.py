@@ -143,6 +143,18 @@ def _watch_commands(coord: Coordinator, key: str, seen: list[tuple[int, str]]) -
     return stop
 
 
+def _stamps(command: str, at_ms: int) -> bool:
+    """Whether one of a command's arguments is the moment `at_ms` (as epoch seconds or milliseconds)."""
+    for word in command.replace("'", " ").replace('"', " ").split():
+        try:
+            value = float(word)
+        except ValueError:
+            continue
+        if abs(value * 1000 - at_ms) <= 1 or abs(value - at_ms) <= 1:
+            return True
+    return False
+
+
 def _one_wait(times_json: dict[str, object], reason: str) -> dict[str, int]:
     found = [i for i in times_json["intervals"] if i["reason"] == reason]  # type: ignore[attr-defined]
     assert len(found) == 1, (reason, times_json)
@@ -210,7 +222,13 @@ def test_each_wait_is_recorded_with_its_reason_and_length(
     released_ms = next(
         ms for ms, e in events if e.get("task_id") == first and released in (e.get("status"), e.get("state"))
     )
-    assert abs(slot["end_ms"] - released_ms) <= WITHIN_MS
+    # Its end is the moment the first's release step stamped (a script naming the admission list and the
+    # first's id, carrying that moment as an argument: Redis's MONITOR shows it), not a bound on the
+    # time between two steps, which a loaded host stretches (seen: 61 ms).
+    admission = coord.store.keys.admission(root.id)
+    releases = [text for ms, text in seen if admission in text and first in text and "EVALSHA" in text.upper()]
+    assert any(_stamps(text, slot["end_ms"]) for text in releases), (slot, releases)
+    assert slot["end_ms"] <= released_ms + WITHIN_MS
     # Its start: its run's first start (start_run.lua, the first script naming its lease), which found no slot.
     lease = coord.store.keys.lease(root.id, other)
     starts_ms = [ms for ms, text in seen if lease in text and "EVALSHA" in text.upper()]
