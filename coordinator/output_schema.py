@@ -166,10 +166,26 @@ def schema_problem(schema: object) -> tuple[list[Any], str] | None:
     from jsonschema import validators  # on use: importing the client's models loads no validator
     from jsonschema.exceptions import best_match
 
-    cls = validators.validator_for(schema, default=validators.Draft202012Validator)
-    error = best_match(cls(cls.META_SCHEMA).iter_errors(schema))
+    draft = schema.get("$schema")
+    if draft is not None and not isinstance(draft, str):
+        return ["$schema"], f"must be a string naming a JSON Schema draft, not {type(draft).__name__}"
+    cls = validators.validator_for(schema, default=None)
+    if cls is None:
+        if draft is not None:
+            return ["$schema"], f"{draft!r} names no JSON Schema draft this validator knows"
+        cls = validators.Draft202012Validator
+    # With the format checker: a `pattern` must be a regular expression the validator can compile.
+    error = best_match(cls(cls.META_SCHEMA, format_checker=cls.FORMAT_CHECKER).iter_errors(schema))
     if error is not None:
         return list(error.path), _message(error)
+    probes: tuple[object, ...] = (None, {}, [])
+    for probe in probes:  # a `$ref` that leads back to itself without end is found before any run
+        try:
+            any(True for _ in cls(schema).iter_errors(probe))
+        except RecursionError:
+            return [], "its references lead back to themselves without end"
+        except Exception as exc:  # the validator could not apply it: it is no schema to hold a model to
+            return [], f"cannot be applied: {type(exc).__name__}: {exc}"
     return None
 
 
@@ -243,7 +259,10 @@ def output_errors(schema: Mapping[str, Any], data: Any, field: str = "data") -> 
     from jsonschema import validators
 
     cls = validators.validator_for(schema, default=validators.Draft202012Validator)
-    found = sorted(cls(schema).iter_errors(data), key=lambda e: [str(p) for p in e.path])
+    try:
+        found = sorted(cls(schema).iter_errors(data), key=lambda e: [str(p) for p in e.path])
+    except RecursionError:
+        return [f"{field}: the schema's references lead back to themselves without end for this data"]
     shown = [f"{_path(field, e.path)}: {_message(e)}" for e in found[:MAX_ERRORS_SHOWN]]
     if len(found) > MAX_ERRORS_SHOWN:
         shown.append(f"... and {len(found) - MAX_ERRORS_SHOWN} more")

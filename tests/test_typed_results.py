@@ -137,7 +137,17 @@ def _says(coord: Coordinator, task_id: str, kind: str) -> list[str]:
 # -- the schema's checks and the tool's parameters (pure) ------------------------------------------
 
 
-@pytest.mark.parametrize(("schema", "message"), [c[1:] for c in BAD_SCHEMAS], ids=[c[0] for c in BAD_SCHEMAS])
+# More that only the check itself is given (each face runs the same check on BAD_SCHEMAS above).
+MORE_BAD_SCHEMAS: list[tuple[str, object, str]] = [
+    ("a bad pattern", {"type": "string", "pattern": "("}, "output_schema.pattern: '(' is not a 'regex'"),
+    ("an unknown draft", {"$schema": "https://example.invalid/draft"}, "output_schema.$schema: 'https://example.invalid/draft' names no JSON Schema draft"),
+    ("a loop", {"$ref": "#"}, "output_schema: its references lead back to themselves without end"),
+    ("a value JSON cannot carry", {"type": "number", "maximum": float("nan")}, "output_schema: not JSON"),
+]  # fmt: skip
+ALL_BAD = [*BAD_SCHEMAS, *MORE_BAD_SCHEMAS]
+
+
+@pytest.mark.parametrize(("schema", "message"), [c[1:] for c in ALL_BAD], ids=[c[0] for c in ALL_BAD])
 def test_a_bad_schema_is_refused_naming_the_path(schema: object, message: str) -> None:
     with pytest.raises(ValidationError) as refused:
         check_schema(schema)
