@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
@@ -51,6 +51,9 @@ class TreeNode(BaseModel):
     unlinked_tokens: int = 0
     unlinked_cost_micros: int = 0
     summary: str
+    # The validated object of a task that had an output schema (docs/agents.md, "Typed results"); None otherwise.
+    output: Any = None
+    invalid_outputs: int = 0
     error: str
     todos: list[TodoItem]
     children: list[TreeNode]
@@ -96,6 +99,8 @@ def build_tree(coord: TaskReader, task_id: str) -> TreeNode:
         unlinked_tokens=record.unlinked_tokens,
         unlinked_cost_micros=record.unlinked_cost_micros,
         summary=record.summary,
+        output=record.output,
+        invalid_outputs=record.invalid_outputs,
         error=f"{record.error_class}: {record.error}" if record.error else "",
         todos=coord.get_todos(record.id),
         children=[build_tree(coord, child) for child in record.child_ids],

@@ -316,10 +316,18 @@ def test_results_and_abort_answer(listening: str, coordinator_for_module: Coordi
         record = coord.get_task(done.id)
         assert answer.json() == {
             "task-id": done.id, "state": "SUCCESS",
-            "result": {"task_id": done.id, "status": "completed", "summary": record.summary, "error": None,
-                       "tokens": record.total_tokens, "cost_micros": record.total_cost_micros},
+            "result": {"task_id": done.id, "status": "completed", "summary": record.summary, "output": None,
+                       "error": None, "tokens": record.total_tokens, "cost_micros": record.total_cost_micros},
         }  # fmt: skip
         assert record.summary
+
+        # A typed task's result carries its validated data.
+        data = {"open": 3}
+        step = {"tool_calls": [{"name": "attempt_completion", "args": {"result": "counted", "data": data}}]}
+        schema = {"type": "object", "properties": {"open": {"type": "integer"}}, "required": ["open"]}
+        typed = coord.create_task(agent(step, text="Count"), run=True, output_schema=schema)
+        coord.wait(typed.id, 60)
+        assert flower.get(f"{url}/api/task/result/{typed.id}").json()["result"]["output"] == data
 
         # Abort of a run cancels its task's subtree.
         slow = coord.create_task(

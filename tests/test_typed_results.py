@@ -199,6 +199,8 @@ def test_invalid_data_goes_back_with_its_errors_and_the_valid_object_is_the_outp
     # Seen the same on every face: the API's record, `subq result` (its words, then the JSON), the export.
     with typed.api.client() as http:
         assert http.get(f"/v1/tasks/{root.id}").json()["output"] == VALID
+        tree = http.get(f"/v1/tasks/{root.id}/tree").json()
+        assert tree["output"] == VALID and tree["invalid_outputs"] == 1
     env = settings_env(coord.settings)
     shown = subprocess.run(
         [sys.executable, "-m", "coordinator", "result", root.id], env=env, capture_output=True, text=True, timeout=60

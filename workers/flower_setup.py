@@ -89,6 +89,7 @@ def run_meta(record: TaskRecord) -> dict[str, Any]:
         "task_id": record.id,
         "status": record.status.value,
         "summary": record.summary,
+        "output": record.output,  # a typed task's validated data (None for a task with no output schema)
         "error": record.error or None,
         "tokens": record.total_tokens,
         "cost_micros": record.total_cost_micros,
