@@ -1,0 +1,50 @@
+"""A typed task's output in the web view, in a real browser (Playwright driving /usr/bin/chromium): the
+validated object is shown as data, and markup a model put inside it never runs. Set WEB_SCREENSHOTS_DIR
+to keep the screenshot.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from playwright.sync_api import Browser, Dialog, expect
+
+from tests.agents import call as script_call
+from tests.helpers import TOKEN, script
+from tests.test_typed_results import WAIT_S, Typed
+from tests.test_typed_results import typed as typed  # the module's fleet and API, used here too
+from tests.test_web_browser import WAIT_MS, _shot
+from tests.test_web_browser import browser as browser  # the module's browser fixture, used here too
+
+
+def test_a_typed_output_is_data_on_the_page(typed: Typed, browser: Browser, tmp_path: Path) -> None:
+    hostile = {"total": 2, "rows": [{"name": "<img src=x onerror=alert(1)>"}, {"name": "<script>alert(2)</script>"}]}
+    prompt = script(script_call("attempt_completion", result="two rows", data=hostile), text="Count the rows.")
+    root = typed.coord.create_task(prompt, profile="offline-typed", run=True)
+    assert typed.coord.wait(root.id, timeout_s=WAIT_S).output == hostile
+
+    dialogs: list[str] = []
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    page = context.new_page()
+    page.set_default_timeout(WAIT_MS)
+
+    def seen(dialog: Dialog) -> None:
+        dialogs.append(dialog.message)
+        dialog.dismiss()
+
+    page.on("dialog", seen)
+    page.goto(f"{typed.api.url}/ui/login")
+    page.fill("input[name=token]", TOKEN)
+    page.click("form.login button[type=submit]")
+    page.goto(f"{typed.api.url}/ui/tasks/{root.id}")
+    shown = page.locator(f"#task-{root.id} [data-field=output] pre")
+    expect(shown).to_be_visible()
+    # The page shows the object itself, as JSON text: what a program reads back is what a person sees.
+    assert json.loads(shown.inner_text()) == hostile
+    assert page.locator(f"#task-{root.id} [data-field=output] img").count() == 0
+    assert page.locator(f"#task-{root.id} [data-field=output] script").count() == 0
+    page.wait_for_timeout(300)  # an onerror handler would have fired by now
+    assert dialogs == []
+    _shot(page, tmp_path, "typed-output.png")
+    context.close()
