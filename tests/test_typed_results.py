@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import httpx
 import pytest
+from pydantic import BaseModel
 
 from coordinator import Coordinator, Profile, Settings, TaskStatus
 from coordinator.api import create_app
@@ -48,6 +49,17 @@ VALID = {"total": 2, "rows": [{"name": "a"}, {"name": "b"}]}
 # Breaks it twice: a total that is no integer, a row without its name.
 INVALID = {"total": "two", "rows": [{"nom": "a"}]}
 INVALID_ERRORS = ["data.rows.0: 'name' is a required property", "data.total: 'two' is not of type 'integer'"]
+
+
+class Row(BaseModel):
+    name: str
+
+
+class CountModel(BaseModel):
+    """A profile's schema named as a pydantic model (`tests.test_typed_results:CountModel`)."""
+
+    total: int
+    rows: list[Row]
 
 
 def _nested(levels: int) -> dict[str, Any]:
@@ -107,6 +119,7 @@ def typed(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
     profiles = {name: hosted(server) for name, server in servers.items()}
     profiles["offline-typed"] = Profile(output_schema=COUNT)  # the offline model, the schema the profile's
+    profiles["offline-pydantic"] = Profile(output_schema="tests.test_typed_results:CountModel")
     own = settings.model_copy(update={"profiles": {**settings.profiles, **profiles}})
     try:
         with dedicated_fleet(own, tmp_path_factory.mktemp("typed"), 1, queue="subq-typed") as (coord, _):
@@ -257,6 +270,21 @@ def test_the_offline_model_completes_a_task_with_its_profiles_schema(typed: Type
     done = coord.wait(root.id, timeout_s=WAIT_S)
     assert done.status == TaskStatus.COMPLETED, (done.error_class, done.error)
     assert done.output == VALID and done.output_schema is None  # the profile's schema held it
+
+
+def test_a_profiles_schema_named_as_a_pydantic_model_holds_its_tasks(typed: Typed) -> None:
+    coord = typed.coord
+    assert coord.settings.profile("offline-pydantic").output_schema == CountModel.model_json_schema()
+    broken = {"total": "two", "rows": [{"name": "a"}]}
+    steps = [
+        script_call("attempt_completion", result="wrong", data=broken),
+        script_call("attempt_completion", result="two rows", data=VALID),
+    ]
+    root = coord.create_task(script(*steps, text="Count the rows."), profile="offline-pydantic", run=True)
+    done = coord.wait(root.id, timeout_s=WAIT_S)
+    assert done.status == TaskStatus.COMPLETED, (done.error_class, done.error)
+    assert done.output == VALID and done.invalid_outputs == 1
+    assert CountModel.model_validate(done.output).total == 2
 
 
 # -- bad schemas on every input path: a clear error, and nothing written -----------------------------
