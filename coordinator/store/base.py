@@ -272,11 +272,14 @@ class Scripts:
         self, client: redis.Redis, replicas: ReplicaWait | None = None, shortfalls: ReplicaShortfalls | None = None
     ) -> None:
         shortfalls = shortfalls or ReplicaShortfalls()
+        self._client = client
         self._send: dict[str, Callable[..., Any]] = {}
+        self._scripts: dict[str, Script] = {}
         for name, call in CALLS.items():
             if not call.standalone:
                 continue
             script = client.register_script(_load_script(f"{name}.lua", *(f"{used}.lua" for used in call.uses)))
+            self._scripts[name] = script
             if replicas is not None and call.acknowledged:
                 self._send[name] = AcknowledgedScript(client, script, name, replicas, shortfalls)
             else:
@@ -286,6 +289,32 @@ class Scripts:
         """Send one call of a script (one EVALSHA, with its WAIT when acknowledged) and type its reply."""
         script_keys, script_args = call.pack()
         return call.decode(self._send[call.script](keys=script_keys, args=script_args))
+
+    def then_read(self, call: Call[R], reads: Callable[[Pipeline], object]) -> tuple[R, list[Any]]:
+        """One call of a script (not an acknowledged one), then `reads` queued on the same transaction: one
+        MULTI/EXEC, one round trip, nothing between, so the reads see the state the script left.
+
+        For a step whose caller needs a whole record: read by the script, each field would become a Lua
+        string and then a reply again, which cost start_run more than the rest of its work
+        (docs/benchmarks.md). A server that does not know the script (restarted, or a replica just
+        promoted) answers NOSCRIPT inside the transaction, where nothing of the script ran: it is
+        loaded and the transaction sent again.
+        """
+        if CALLS[call.script].acknowledged:
+            raise TypeError(f"{call.script}.lua is acknowledged: send it alone, with its WAIT")
+        script = self._scripts[call.script]
+        script_keys, script_args = call.pack()
+        for _ in range(2):
+            with self._client.pipeline(transaction=True) as pipe:
+                pipe.evalsha(script.sha, len(script_keys), *script_keys, *script_args)
+                reads(pipe)
+                try:
+                    reply, *read = pipe.execute()
+                except redis.exceptions.NoScriptError:
+                    self._client.script_load(script.script)
+                    continue
+            return call.decode(reply), read
+        raise redis.exceptions.NoScriptError(f"{call.script}: the server forgot the script as soon as it was loaded")
 
 
 class StoreCore:

@@ -276,15 +276,14 @@ def _stepped(raw: Any) -> Stepped:
 
 
 class StartReply(NamedTuple):
-    """start_run's reply: the verdict, the task's hash as read, and what the verdict brings."""
+    """start_run's reply: the verdict and what it brings (the caller reads the record and the conversation
+    in the same transaction, `Scripts.then_read`)."""
 
     verdict: str
-    fields: dict[str, str]
     deliveries: int
     run_seq: int
     exhausted: str | None
     delay_ms: int
-    conversation: list[str]
 
 
 # -- groups several scripts share ----------------------------------------------------------
@@ -521,7 +520,8 @@ class FinishTask(
     retention_s: int = arg("retention seconds")
     events_maxlen: int = arg("events max length")
     live_status: str | None = arg(
-        "the run's latest live status JSON, which the terminal one is made from (without it, the stored one is read)",
+        "the terminal live status JSON (state: the status above, ts: now), written as it is (without it, the "
+        "stored one is read and made terminal)",
         optional=True,
     )
 
@@ -842,10 +842,10 @@ class StartRun(
     Call[StartReply],
     script="start_run",
     uses=("admit",),
-    returns="{verdict, the task hash as a flat list, {deliveries, run sequence, exhausted}, conversation}: "
-    "verdict 'run' (the lease is this run's), 'missing', 'other' (not an agent's, ended or delegated: the "
-    "caller takes its slow path), 'leased' (another run holds the lease), 'wait' (queued on the admission "
-    "list for a slot) or 'delay' (the counts are {ms to wait}).",
+    returns="{verdict, {deliveries, run sequence, exhausted}}: verdict 'run' (the lease is this run's), "
+    "'missing', 'other' (not an agent's, ended or delegated: the caller takes its slow path), 'leased' (another "
+    "run holds the lease), 'wait' (queued on the admission list for a slot) or 'delay' (the counts are {ms to "
+    "wait}).",
 ):
     task: str = key("task hash")
     lease: str = key("lease")
@@ -878,15 +878,12 @@ class StartRun(
 
     @classmethod
     def decode(cls, raw: Any) -> StartReply:
-        verdict, flat, counts, conversation = str(raw[0]), raw[1], raw[2], raw[3]
-        fields = dict(zip(_strs(flat[0::2]), _strs(flat[1::2]), strict=True))
+        verdict, counts = str(raw[0]), raw[1]
         if verdict == "run":
             deliveries, run_seq, exhausted = counts
-            return StartReply(
-                verdict, fields, int(deliveries), int(run_seq), str(exhausted) or None, 0, _strs(conversation)
-            )
+            return StartReply(verdict, int(deliveries), int(run_seq), str(exhausted) or None, 0)
         delay_ms = int(counts[0]) if verdict in ("wait", "delay") else 0
-        return StartReply(verdict, fields, 0, 0, None, delay_ms, [])
+        return StartReply(verdict, 0, 0, None, delay_ms)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -9,10 +10,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from redis.client import Pipeline
+
 from coordinator.errors import NotFoundError
 from coordinator.ids import root_of
 from coordinator.models import AdmissionLimits, Ending, Outcome, RunWrites, Stepped, TaskRecord, ToolCallDone, Usage
-from coordinator.store.base import EVENTS_MAXLEN, Part, StoreCore, tool_field, translate_redis_errors
+from coordinator.store.base import EVENTS_MAXLEN, Part, StoreCore, _str_map, _strs, tool_field, translate_redis_errors
 from coordinator.store.fields import TaskField
 from coordinator.store.metrics import latency_bucket
 from coordinator.store.protocol import (
@@ -87,25 +90,33 @@ class RunStore(Part):
         """Start an agent task's run in one step (start_run.lua): admit, lease, count, due list, live status."""
         root, k = root_of(task_id), self.keys
         now = time.time()
-        started = self.scripts(
+        task_key, conversation_key = k.task(root, task_id), k.conversation(root, task_id)
+
+        def record_and_conversation(pipe: Pipeline) -> None:
+            pipe.hgetall(task_key)
+            pipe.lrange(conversation_key, 0, -1)
+
+        started, (fields, conversation) = self.scripts.then_read(
             StartRun(
-                task=k.task(root, task_id), lease=k.lease(root, task_id), due=k.due(), live=k.live(root),
-                events=k.events(root), conversation=k.conversation(root, task_id),
+                task=task_key, lease=k.lease(root, task_id), due=k.due(), live=k.live(root),
+                events=k.events(root), conversation=conversation_key,
                 ui_messages=k.ui_messages(root, task_id), running=k.running(root), admission=k.admission(root),
                 last_start=k.last_start(root), token=token, lease_s=lease_s, look_at=now + look_again_s, now=now,
                 events_maxlen=EVENTS_MAXLEN, task_prefix=k.task(root, ""), per_parent=limits.per_parent,
                 per_tree=limits.per_tree, stagger_ms=limits.stagger_ms, now_ms=int(now * 1000),
                 retention_s=self.retention_s, running_children_prefix=k.running_children(root, ""),
-            )
+            ),
+            record_and_conversation,
         )  # fmt: skip
         if started.verdict == "missing":
             raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
-        record = decode_record(started.fields, [], [])
+        # The record as the step left it (its delivery counted, its timeline marked).
+        record = decode_record(_str_map(fields), [], [])
         if started.verdict in ("wait", "delay"):
             return Started(started.verdict, record, delay_ms=started.delay_ms)
         if started.verdict != "run":
             return Started(started.verdict, record)
-        return Started("run", record, started.deliveries, started.run_seq, started.exhausted, started.conversation)
+        return Started("run", record, started.deliveries, started.run_seq, started.exhausted, _strs(conversation))
 
     def _run_keys(self, record: TaskRecord) -> RunKeys:
         root, k, task_id = record.root_id, self.keys, record.id
@@ -157,6 +168,13 @@ class RunStore(Part):
             parent, batch = record.parent_id, record.batch_id
         admitted = limits.applies_to(record)
         slot_parent = record.parent_id or record.id
+        now = time.time()
+        steps = _step_writes(writes)
+        if steps.live:
+            # The run's latest live status made terminal here, so end_run.lua writes it as it is (JSON
+            # decoded and encoded again in Lua cost a run's end about a tenth of its Redis CPU).
+            live = {**json.loads(steps.live), "state": outcome.status, "ts": now}
+            steps = dataclasses.replace(steps, live=json.dumps(live))
         return self.scripts(
             EndRun(
                 run=self._run_keys(record), due=k.due(),
@@ -166,12 +184,12 @@ class RunStore(Part):
                 lines=k.batch_lines(root, batch) if batch else own,
                 running=k.running(root) if admitted else own, admission=k.admission(root) if admitted else own,
                 parent_running=k.running_children(root, slot_parent) if admitted else own,
-                ancestors=self._ancestor_keys(record), token=token, retention_s=self.retention_s, now=time.time(),
+                ancestors=self._ancestor_keys(record), token=token, retention_s=self.retention_s, now=now,
                 events_maxlen=EVENTS_MAXLEN, status=outcome.status, summary=outcome.summary, error=outcome.error,
                 error_class=outcome.error_class, resume_grace_s=resume_grace_s, stop_on_budget=int(stop_on_budget), free_slot=int(admitted),
                 per_parent=limits.per_parent, per_tree=limits.per_tree, task_prefix=k.task(root, ""),
                 running_children_prefix=k.running_children(root, ""), admission_scan=ADMISSION_SCAN,
-                output=outcome.output_json, invalid_outputs=outcome.invalid_outputs, writes=_step_writes(writes),
+                output=outcome.output_json, invalid_outputs=outcome.invalid_outputs, writes=steps,
             )
         )  # fmt: skip
 

@@ -47,8 +47,9 @@
 -- admission does not apply to it.)
 -- Every field of the task and of its parent that any part below reads, in one HMGET each
 -- (hashes.lua): the parts read and write them through the cache, written once at the end.
-hash_prefetch(KEYS[2], fields_and(USAGE_FIELDS, {'summary', 'error', 'error_class', 'batch_id', 'batch_mode',
-  'todo_id', 'description', 'timeline', 'output'}))
+-- (Not the outcome's fields, which finish_task writes: read only if the task had ended before.)
+hash_prefetch(KEYS[2], fields_and(USAGE_FIELDS, {'batch_id', 'batch_mode', 'todo_id', 'description', 'timeline',
+  'output'}))
 if KEYS[9] ~= KEYS[2] then
   hash_prefetch(KEYS[9], {'id', 'total_tokens', 'total_cost_micros', 'budget_micros', 'todos_version', 'status',
     'runner', 'error_class', 'error', 'waiting_batch_id', 'resumes', 'timeline'})
@@ -57,8 +58,9 @@ local flush_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7
 for i = 18, #KEYS do
   flush_keys[#flush_keys + 1] = KEYS[i]
 end
--- The live status goes to finish_task, which makes the terminal one from it, and the UI
--- messages go with the outcome's own, after it (one write each, not two).
+-- The live status (ARGV[19]: here the terminal one, made by the caller, store/runs.py) goes to
+-- finish_task, which writes it as it is, and the UI messages go with the outcome's own, after it
+-- (one write each, not two).
 local live = ARGV[19]
 local n_conv, n_ui = tonumber(ARGV[20]), tonumber(ARGV[21])
 local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], '1', '', ARGV[20], '0', ARGV[22], ARGV[23]}

@@ -9,8 +9,8 @@
 -- ARGV[5] float: now
 -- ARGV[6] int: retention seconds
 -- ARGV[7] int: events max length
--- ARGV[8] (optional) str: the run's latest live status JSON, which the terminal one is made from (without
---   it, the stored one is read)
+-- ARGV[8] (optional) str: the terminal live status JSON (state: the status above, ts: now), written as it
+--   is (without it, the stored one is read and made terminal)
 -- Returns the task's status after the call (the earlier one if it was already terminal), or false when the
 --   task does not exist.
 local task = hash_get(KEYS[1], 'status', 'id')
@@ -25,11 +25,15 @@ hash_set(KEYS[1], 'status', ARGV[1], 'summary', ARGV[2], 'error', ARGV[3],
   'error_class', ARGV[4], 'updated_at', ARGV[5], 'finished_at', ARGV[5])
 timeline_mark(KEYS[1], ARGV[5], ARGV[1])
 hash_expire_later(KEYS[1], ARGV[6])
-local raw = (ARGV[8] and ARGV[8] ~= '') and ARGV[8] or redis.call('HGET', KEYS[3], id)
-local live = raw and cjson.decode(raw) or {task_id = id}
-live['state'] = ARGV[1]
-live['ts'] = tonumber(ARGV[5])
-redis.call('HSET', KEYS[3], id, cjson.encode(live))
+if ARGV[8] and ARGV[8] ~= '' then
+  redis.call('HSET', KEYS[3], id, ARGV[8])  -- made terminal by the caller: no JSON here
+else
+  local raw = redis.call('HGET', KEYS[3], id)
+  local live = raw and cjson.decode(raw) or {task_id = id}
+  live['state'] = ARGV[1]
+  live['ts'] = tonumber(ARGV[5])
+  redis.call('HSET', KEYS[3], id, cjson.encode(live))
+end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'type', 'task_status', 'task_id', id, 'status', ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[6])
 return ARGV[1]

@@ -9,9 +9,11 @@
 local hash_cache, hash_dirty, hash_order, hash_expire = {}, {}, {}, {}
 
 -- What a read of `value` gives back once written: Redis stores a Lua number as its digits.
+-- (These helpers run on every step: they use arithmetic and numeric loops, not math.floor or
+-- ipairs, each a C call per value in Lua 5.1; docs/benchmarks.md has what a step costs.)
 local function hash_text(value)
   if type(value) == 'number' then
-    if value == math.floor(value) and math.abs(value) < 1e15 then
+    if value % 1 == 0 and value < 1e15 and value > -1e15 then
       return string.format('%d', value)
     end
     return string.format('%.17g', value)
@@ -22,20 +24,22 @@ end
 -- Read `fields` of `key` into the cache, those not there yet, in one HMGET.
 local function hash_prefetch(key, fields)
   local have = hash_cache[key]
-  if not have then
+  local missing = fields
+  if have then
+    missing = {}
+    for i = 1, #fields do
+      if have[fields[i]] == nil then
+        missing[#missing + 1] = fields[i]
+      end
+    end
+  else
     have = {}
     hash_cache[key] = have
   end
-  local missing = {}
-  for _, name in ipairs(fields) do
-    if have[name] == nil then
-      missing[#missing + 1] = name
-    end
-  end
   if #missing > 0 then
     local got = redis.call('HMGET', key, unpack(missing))
-    for i, name in ipairs(missing) do
-      have[name] = got[i]  -- false when the field is absent, as HMGET gives it
+    for i = 1, #missing do
+      have[missing[i]] = got[i]  -- false when the field is absent, as HMGET gives it
     end
   end
   return have
@@ -44,29 +48,50 @@ end
 -- As redis.call('HMGET', key, ...): false for an absent field.
 local function hash_get(key, ...)
   local fields = {...}
-  local have = hash_prefetch(key, fields)
+  local have = hash_cache[key]
   local out = {}
-  for i, name in ipairs(fields) do
-    out[i] = have[name]
+  if have then
+    for i = 1, #fields do
+      local value = have[fields[i]]
+      if value == nil then
+        out = nil
+        break
+      end
+      out[i] = value
+    end
+    if out then
+      return out  -- every field cached: no HMGET, no second table
+    end
+    out = {}
+  end
+  have = hash_prefetch(key, fields)
+  for i = 1, #fields do
+    out[i] = have[fields[i]]
   end
   return out
 end
 
--- As redis.call('HSET', key, field, value, ...), sent by hash_flush.
+-- As redis.call('HSET', key, field, value, ...), sent by hash_flush. A field set to the value it
+-- has (read, or set earlier in this call) is left out of the write: it would change nothing.
 local function hash_set(key, ...)
   local args = {...}
-  local have = hash_cache[key] or {}
-  hash_cache[key] = have
-  local dirty = hash_dirty[key]
-  if not dirty then
-    dirty = {}
-    hash_dirty[key] = dirty
-    hash_order[#hash_order + 1] = key
+  local have = hash_cache[key]
+  if not have then
+    have = {}
+    hash_cache[key] = have
   end
+  local dirty = hash_dirty[key]
   for i = 1, #args, 2 do
-    local value = hash_text(args[i + 1])
-    have[args[i]] = value
-    dirty[args[i]] = value
+    local name, value = args[i], hash_text(args[i + 1])
+    if have[name] ~= value then
+      if not dirty then
+        dirty = {}
+        hash_dirty[key] = dirty
+        hash_order[#hash_order + 1] = key
+      end
+      have[name] = value
+      dirty[name] = value
+    end
   end
 end
 
@@ -87,7 +112,8 @@ end
 
 local function hash_flush()
   local done = {}
-  for _, key in ipairs(hash_order) do
+  for i = 1, #hash_order do
+    local key = hash_order[i]
     if not done[key] then
       done[key] = true
       local dirty = hash_dirty[key]
@@ -114,8 +140,8 @@ local USAGE_FIELDS = {'status', 'tokens_in', 'tokens_out', 'cache_reads', 'cache
 -- `fields` and `more` as one list.
 local function fields_and(fields, more)
   local out = {unpack(fields)}
-  for _, name in ipairs(more) do
-    out[#out + 1] = name
+  for i = 1, #more do
+    out[#out + 1] = more[i]
   end
   return out
 end
@@ -132,7 +158,8 @@ end
 -- tests/test_timeline.py holds the two equal over hundreds of marks.
 local TIMELINE_MAX, TIMELINE_FOLD = {MAX_MARKS}, {FOLD_MARKS}
 local TIMELINE_ENDS = {OUTCOMES}
-local function timeline_add(text, t_ms, state)
+-- The whole fold: the stored JSON decoded, marked, folded and encoded again.
+local function timeline_fold(text, t_ms, state)
   local tl = (text and text ~= '') and cjson.decode(text) or {}
   local m = tl['m'] or {}
   local last = m[#m]
@@ -160,6 +187,30 @@ local function timeline_add(text, t_ms, state)
   end
   tl['m'] = m
   return cjson.encode(tl)
+end
+-- A mark is appended to the text as text where nothing was folded yet (`{"m":[...]}` alone, as
+-- both writers store it then) and the marks stay within the bound: no decode, no encode, the
+-- same text cjson would write (its numbers are %.14g, and a time in ms has 13 digits). A
+-- state is [a-z:_], so it needs no escaping. Anything else takes the whole fold above.
+local function timeline_add(text, t_ms, state)
+  if not text or text == '' then
+    return '{"m":[[' .. string.format('%d', t_ms) .. ',"' .. state .. '"]]}'
+  end
+  if string.sub(text, 1, 6) == '{"m":[' and string.sub(text, -3) == ']]}' then
+    local last_t, last_state = string.match(text, '^.*%[(%d+),"([^"]*)"%]%]}$')
+    local _, marks = string.gsub(text, '"%]', '')
+    if last_t and marks < TIMELINE_MAX then
+      if TIMELINE_ENDS[last_state] or last_state == state then
+        return nil
+      end
+      last_t = tonumber(last_t)
+      if t_ms < last_t then
+        t_ms = last_t
+      end
+      return string.sub(text, 1, -3) .. ',[' .. string.format('%d', t_ms) .. ',"' .. state .. '"]]}'
+    end
+  end
+  return timeline_fold(text, t_ms, state)
 end
 
 -- Mark the task of hash `key` (read and written through the cache above); `now_s` in epoch seconds.

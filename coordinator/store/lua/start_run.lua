@@ -1,9 +1,11 @@
 -- Start a run of an agent task in one step: read the task, admit it (admit.lua: a child
 -- may have to wait for a run slot, or start after a stagger), take its lease, count the
 -- delivery, mark its timeline (`running`, or `wait:admission`: coordinator/timeline.py), put
--- it on the due list while it runs, publish its live status, and return its conversation and
--- whether a budget over it is spent already; a first run (no conversation yet) also says the
--- task's prompt as its first UI message.
+-- it on the due list while it runs, publish its live status, and say whether a budget over it
+-- is spent already; a first run (no conversation yet) also says the task's prompt as its first
+-- UI message. The caller reads the task's record and its conversation in the same transaction,
+-- right after this call (`Scripts.then_read`): read here, each of the record's fields would be
+-- made a Lua string and back, the largest part of this step's cost (docs/benchmarks.md).
 -- KEYS[1] task hash
 -- KEYS[2] lease
 -- KEYS[3] the due list
@@ -29,84 +31,82 @@
 -- ARGV[11] int: retention seconds
 -- ARGV[12] str: the prefix of the tree's running-children sets (the parent's is read from the record, as
 --   the ancestors' above)
--- Returns {verdict, the task hash as a flat list, {deliveries, run sequence, exhausted}, conversation}:
---   verdict 'run' (the lease is this run's), 'missing', 'other' (not an agent's, ended or delegated: the
---   caller takes its slow path), 'leased' (another run holds the lease), 'wait' (queued on the admission
---   list for a slot) or 'delay' (the counts are {ms to wait}).
-local raw = redis.call('HGETALL', KEYS[1])
-if #raw == 0 then
-  return {'missing', {}, {}, {}}
+-- Returns {verdict, {deliveries, run sequence, exhausted}}: verdict 'run' (the lease is this run's),
+--   'missing', 'other' (not an agent's, ended or delegated: the caller takes its slow path), 'leased'
+--   (another run holds the lease), 'wait' (queued on the admission list for a slot) or 'delay' (the counts
+--   are {ms to wait}).
+-- Only the fields this step decides on (the record goes to the caller by its own read, see above).
+local task = redis.call('HMGET', KEYS[1], 'id', 'status', 'runner', 'parent_id', 'depth', 'deliveries', 'run_seq',
+  'timeline', 'budget_micros', 'total_cost_micros', 'budget_chain', 'ancestors', 'prompt')
+local id, status, parent_id = task[1], task[2], task[4]
+if not id then
+  return {'missing', {}}
 end
-local task = {}
-for i = 1, #raw, 2 do
-  task[raw[i]] = raw[i + 1]
-end
-local status = task['status']
-if task['runner'] ~= 'agent' or status == 'completed' or status == 'failed' or status == 'cancelled'
+if task[3] ~= 'agent' or status == 'completed' or status == 'failed' or status == 'cancelled'
     or status == 'delegated' then
-  return {'other', raw, {}, {}}
+  return {'other', {}}
 end
-local parent_id = task['parent_id']
 local per_parent, per_tree, stagger = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 if parent_id and parent_id ~= '' and (per_parent > 0 or per_tree > 0 or stagger > 0) then
   -- A root always runs; with no limit set nothing of admission is read.
   local admitted = admit({KEYS[8], ARGV[12] .. parent_id, KEYS[9], KEYS[10]},
-    {task['id'], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]})
+    {id, ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]})
   if admitted[1] ~= 'run' then
     -- Its timeline waits from now until a slot (or the stagger) lets it start.
-    local waited = timeline_add(task['timeline'], tonumber(ARGV[10]), 'wait:admission')
+    local waited = timeline_add(task[8], tonumber(ARGV[10]), 'wait:admission')
     if waited then
       redis.call('HSET', KEYS[1], 'timeline', waited)
     end
-    return {admitted[1], raw, {admitted[2]}, {}}
+    return {admitted[1], {admitted[2]}}
   end
 end
 if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'EX', ARGV[2]) then
-  return {'leased', raw, {}, {}}
+  return {'leased', {}}
 end
 -- From now on the reconciler looks every tick: a lapsed lease is a dead worker. Added, not
 -- only moved (no XX): the entry an earlier step left may be gone (a parent's publish that
 -- unwatched it after its batch had closed and watched it for this resume), and a running task
 -- that is not on the due list is never published again when its worker dies. No ended task
 -- comes back by this: its status was checked above, and this run holds the lease.
-redis.call('ZADD', KEYS[3], ARGV[3], task['id'])
-local deliveries = (tonumber(task['deliveries'] or '0') or 0) + 1
-local run_seq = (tonumber(task['run_seq'] or '0') or 0) + 1
-local started = timeline_add(task['timeline'], tonumber(ARGV[10]), 'running')
+redis.call('ZADD', KEYS[3], ARGV[3], id)
+local deliveries = (tonumber(task[6] or '0') or 0) + 1
+local run_seq = (tonumber(task[7] or '0') or 0) + 1
+local started = timeline_add(task[8], tonumber(ARGV[10]), 'running')
 if started then
   redis.call('HSET', KEYS[1], 'deliveries', deliveries, 'run_seq', run_seq, 'timeline', started)
 else
   redis.call('HSET', KEYS[1], 'deliveries', deliveries, 'run_seq', run_seq)
 end
-local live = cjson.encode({
-  task_id = task['id'], parent_id = (parent_id and parent_id ~= '') and parent_id or cjson.null,
-  depth = tonumber(task['depth'] or '0'), state = 'running', ts = tonumber(ARGV[4]),
-})
+-- The live status (models.live_status's form), written as text: ids are [0-9a-z-] and the times
+-- are the caller's numbers as it sent them, so nothing in it needs cjson's escaping.
+local live = '{"task_id":"' .. id .. '","parent_id":'
+  .. ((parent_id and parent_id ~= '') and ('"' .. parent_id .. '"') or 'null')
+  .. ',"depth":' .. (tonumber(task[5] or '0') or 0) .. ',"state":"running","ts":' .. ARGV[4] .. '}'
 -- The live hash's retention was set when the task was queued, and is refreshed by its steps.
-redis.call('HSET', KEYS[4], task['id'], live)
-redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'type', 'live', 'task_id', task['id'], 'state', 'running')
+redis.call('HSET', KEYS[4], id, live)
+redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'type', 'live', 'task_id', id, 'state', 'running')
 local exhausted = ''
-local own_budget = tonumber(task['budget_micros'] or '0') or 0
-if own_budget > 0 and (tonumber(task['total_cost_micros'] or '0') or 0) >= own_budget then
-  exhausted = task['id']
+local own_budget = tonumber(task[9] or '0') or 0
+if own_budget > 0 and (tonumber(task[10] or '0') or 0) >= own_budget then
+  exhausted = id
 end
-local chain = {}
-local budgeted = task['budget_chain']
-local ancestors = cjson.decode((budgeted and budgeted ~= '') and budgeted or task['ancestors'] or '[]')
-for i = #ancestors, 1, -1 do
-  chain[#chain + 1] = ancestors[i]
-end
-for _, id in ipairs(chain) do
-  local f = redis.call('HMGET', ARGV[6] .. id, 'budget_micros', 'total_cost_micros')
-  local budget = tonumber(f[1] or '0') or 0
-  if budget > 0 and (tonumber(f[2] or '0') or 0) >= budget then
-    exhausted = id
+local budgeted = task[11]
+if budgeted ~= '[]' then
+  -- The ancestors with a budget (`budget_chain`), or every ancestor on a record without it; none
+  -- (the common case, '[]') reads nothing.
+  local ancestors = cjson.decode((budgeted and budgeted ~= '') and budgeted or task[12] or '[]')
+  for i = #ancestors, 1, -1 do
+    local f = redis.call('HMGET', ARGV[6] .. ancestors[i], 'budget_micros', 'total_cost_micros')
+    local budget = tonumber(f[1] or '0') or 0
+    if budget > 0 and (tonumber(f[2] or '0') or 0) >= budget then
+      exhausted = ancestors[i]
+    end
   end
 end
-local conversation = redis.call('LRANGE', KEYS[6], 0, -1)
-if #conversation == 0 then
+if redis.call('EXISTS', KEYS[6]) == 0 then
   -- A first run opens the task's UI messages with its prompt, as AI coding tools show a task.
   -- Its retention is set by the run's end, which writes the list again (end_run.lua).
-  redis.call('RPUSH', KEYS[7], cjson.encode({ts = tonumber(ARGV[4]), type = 'say', say = 'task', text = task['prompt']}))
+  local say = {ts = tonumber(ARGV[4]), type = 'say', say = 'task', text = task[13]}
+  redis.call('RPUSH', KEYS[7], cjson.encode(say))
 end
-return {'run', raw, {deliveries, run_seq, exhausted}, conversation}
+return {'run', {deliveries, run_seq, exhausted}}

@@ -1,0 +1,213 @@
+"""What one child's start_run and end_run cost the Redis server, in instructions (callgrind).
+
+    python bench/script_cost.py [--repeats 3] [--redis-server PATH]
+
+Time measured on a shared 2-core host moves by half with the other work on it (the
+slowlog's microseconds of one script did between two runs); instructions do not. This
+runs one child of a 20-wide delegation in-process (the worker's own `run_child`, on a
+private Redis), keeping each of its two script calls with every key of the database as it
+was just before the call; then, on a redis-server run under `valgrind --tool=callgrind`,
+it restores that state and sends the same EVALSHA (the checkout's Lua), `--repeats` times
+each, and reports the fewest instructions the server spent handling it (the inclusive cost
+of `processInputBuffer`: parsing, the script, its commands, their AOF feed; not the reply's
+write nor the server's clock-driven work). A call the store sends with reads in one
+transaction (`Scripts.then_read`: start_run and the record it returns) is replayed so, and
+counted with them. The first call of each warms the server up.
+
+Needs valgrind (`callgrind_control`, `callgrind_annotate`) and a redis-server on PATH (or
+`--redis-server`). docs/benchmarks.md has the figures and what each part of a step costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import redis  # noqa: E402
+
+from bench.run import child_message  # noqa: E402
+from coordinator import Coordinator, Settings  # noqa: E402
+from coordinator.celery_app import make_app  # noqa: E402
+from coordinator.local.embedded_redis import local_redis  # noqa: E402
+from coordinator.store import base  # noqa: E402
+from coordinator.store.protocol import CALLS, Call  # noqa: E402
+from workers.runtime.context import build_runtime  # noqa: E402
+from workers.runtime.runner import run_child  # noqa: E402
+
+SCRIPTS = ("start_run", "end_run")
+WIDTH = 20
+# Under valgrind the server starts in seconds, not milliseconds.
+START_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Captured:
+    """One script call and the database as it was just before it."""
+
+    script: str
+    keys: list[str]
+    args: list[str]
+    state: list[tuple[bytes, bytes, int]]  # key, DUMP, PTTL
+    reads: list[tuple[Any, ...]]  # the commands read in its transaction (`Scripts.then_read`), if any
+
+
+def capture() -> list[Captured]:
+    """Run one child of a delegation in-process, keeping its start_run and end_run calls."""
+    captured: list[Captured] = []
+    send = base.Scripts.__call__
+    then_read = getattr(base.Scripts, "then_read", None)  # absent on a checkout from before it
+    watching: dict[str, Any] = {}
+
+    def keep(call: Call[Any], reads: Any = None) -> None:
+        client = watching.get("client")
+        if client is None or call.script not in SCRIPTS:
+            return
+        state = [(k, client.dump(k), int(client.pttl(k))) for k in client.scan_iter("*")]
+        keys, args = call.pack()
+        queued: list[tuple[Any, ...]] = []
+        if reads is not None:
+            with client.pipeline(transaction=True) as pipe:
+                reads(pipe)
+                queued = [command[0] for command in pipe.command_stack]
+        captured.append(Captured(call.script, [str(k) for k in keys], [str(a) for a in args], state, queued))
+
+    def sent(self: base.Scripts, call: Call[Any]) -> Any:
+        keep(call)
+        return send(self, call)
+
+    def sent_then_read(self: base.Scripts, call: Call[Any], reads: Any) -> Any:
+        keep(call, reads)
+        assert then_read is not None
+        return then_read(self, call, reads)
+
+    base.Scripts.__call__ = sent  # type: ignore[method-assign]
+    if then_read is not None:
+        base.Scripts.then_read = sent_then_read  # type: ignore[method-assign]
+    try:
+        with local_redis() as url:
+            settings = Settings(redis_url=url, max_fanout=256, queue="bench-script-cost")
+            app = make_app(settings)
+            coord = Coordinator(settings, app=app)
+            runtime = build_runtime(settings, app)
+            todos = "\n".join(f"[ ] item {index}" for index in range(WIDTH))
+            parent = coord.create_task("Benchmark parent: delegate every item.", todos=todos)
+            specs = [{"description": f"item {index}", "message": child_message()} for index in range(WIDTH)]
+            batch = coord.delegate(parent.id, specs)
+            for child_id in batch.child_ids[:5]:  # the scripts loaded, the due list and streams made
+                run_child(runtime, child_id)
+            watching["client"] = redis.Redis.from_url(url)
+            run_child(runtime, batch.child_ids[5])
+            watching["client"].close()
+            runtime.coordinator.close()
+            coord.close()
+    finally:
+        base.Scripts.__call__ = send  # type: ignore[method-assign]
+        if then_read is not None:
+            base.Scripts.then_read = then_read  # type: ignore[method-assign]
+    return captured
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def replay(captured: list[Captured], repeats: int, server: str) -> dict[str, list[int]]:
+    """Each captured call on a callgrind redis-server: instructions of each repeat, by script."""
+    port, workdir, dumps = free_port(), tempfile.mkdtemp(), tempfile.mkdtemp()
+    proc = subprocess.Popen(
+        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={dumps}/cg.%p", server, "--port", str(port),
+         "--bind", "127.0.0.1", "--dir", workdir, "--appendonly", "yes", "--save", "", "--loglevel", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+    def control(*args: str) -> None:
+        subprocess.run(["callgrind_control", *args, str(proc.pid)], check=True, stdout=subprocess.DEVNULL)
+
+    client = redis.Redis(port=port)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        for call in captured:
+            uses = CALLS[call.script].uses
+            sha = client.script_load(base._load_script(f"{call.script}.lua", *(f"{used}.lua" for used in uses)))
+            for repeat in range(repeats + 1):
+                client.flushall()
+                with client.pipeline(transaction=False) as pipe:
+                    for key, dumped, ttl in call.state:
+                        pipe.restore(key, max(ttl, 0), dumped, replace=True)
+                    pipe.execute()
+                control("-z")
+                if call.reads:  # sent as the store sends it: one MULTI/EXEC with its reads
+                    with client.pipeline(transaction=True) as pipe:
+                        pipe.evalsha(sha, len(call.keys), *call.keys, *call.args)
+                        for command in call.reads:
+                            pipe.execute_command(*command)
+                        pipe.execute()
+                else:
+                    client.evalsha(sha, len(call.keys), *call.keys, *call.args)
+                control("-d", f"s{repeat}-{call.script}")
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+    counts: dict[str, list[int]] = {}
+    for path in glob.glob(f"{dumps}/cg.*.*"):
+        text = Path(path).read_text(errors="replace")
+        named = re.search(r"^desc: Trigger: dump s(\d+)-(\S+)", text, re.M)
+        if not named or named.group(1) == "0":  # the warm-up call
+            continue
+        annotated = subprocess.run(["callgrind_annotate", "--inclusive=yes", path], capture_output=True, text=True)
+        found = re.search(r"^\s*([\d,]+) .*:processInputBuffer ", annotated.stdout, re.M)
+        if found:
+            counts.setdefault(named.group(2), []).append(int(found.group(1).replace(",", "")))
+    shutil.rmtree(dumps, ignore_errors=True)
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench/script_cost.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="replays of each call (3); the fewest is reported")
+    parser.add_argument("--redis-server", default=shutil.which("redis-server") or "", help="the server to profile")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be 1 or more")
+    if not args.redis_server or not shutil.which("valgrind"):
+        parser.error("needs valgrind and a redis-server (on PATH, or --redis-server)")
+    counts = replay(capture(), args.repeats, args.redis_server)
+    for script in SCRIPTS:
+        runs = sorted(counts.get(script, []))
+        if not runs:
+            print(f"{script}: no figure (callgrind wrote no dump)", file=sys.stderr)
+            return 1
+        print(
+            f"{script:10} {runs[0] / 1000:8.1f} K instructions  (repeats: {', '.join(f'{r / 1000:.0f}' for r in runs)})"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
