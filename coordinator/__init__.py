@@ -57,6 +57,8 @@ if TYPE_CHECKING:
     )
     from coordinator.inputs import (
         SubmitInput as SubmitInput,
+        error_message as error_message,
+        error_path as error_path,
         one_line as one_line,
     )
     from coordinator.models import (
@@ -72,6 +74,11 @@ if TYPE_CHECKING:
         Usage as Usage,
         format_usd as format_usd,
         usd_to_micros as usd_to_micros,
+    )
+    from coordinator.output_schema import (
+        compact as compact,
+        completion_parameters as completion_parameters,
+        output_errors as output_errors,
     )
     from coordinator.redis_clients import (
         redis_client as redis_client,
@@ -124,6 +131,8 @@ _EXPORTS = {
     "is_task_id": "coordinator.ids",
     "task_of_run_id": "coordinator.ids",
     "SubmitInput": "coordinator.inputs",
+    "error_message": "coordinator.inputs",
+    "error_path": "coordinator.inputs",
     "one_line": "coordinator.inputs",
     "Batch": "coordinator.models",
     "Retried": "coordinator.models",
@@ -137,6 +146,9 @@ _EXPORTS = {
     "Usage": "coordinator.models",
     "format_usd": "coordinator.models",
     "usd_to_micros": "coordinator.models",
+    "compact": "coordinator.output_schema",
+    "completion_parameters": "coordinator.output_schema",
+    "output_errors": "coordinator.output_schema",
     "redis_client": "coordinator.redis_clients",
     "Coordinator": "coordinator.service",
     "OFFLINE_PROFILE": "coordinator.settings",
