@@ -48,6 +48,8 @@ COUNT = {
 VALID = {"total": 2, "rows": [{"name": "a"}, {"name": "b"}]}
 # Breaks it twice: a total that is no integer, a row without its name.
 INVALID = {"total": "two", "rows": [{"nom": "a"}]}
+# attempt_completion's arguments as a JSON list, not the object of its named arguments.
+NOT_AN_OBJECT = {"name": "attempt_completion", "arguments": ["counted", VALID]}
 INVALID_ERRORS = ["data.rows.0: 'name' is a required property", "data.total: 'two' is not of type 'integer'"]
 
 
@@ -92,6 +94,9 @@ class Typed(NamedTuple):
     refusing: ModelServer  # invalid data every time
     parent: ModelServer  # delegates one typed child, then completes
     child: ModelServer  # the child: valid data at once
+    mixed: ModelServer  # an invalid answer of each kind: plain text, arguments that are no object, bad data
+    recovering: ModelServer  # plain text, arguments that are no object, then valid data
+    anything: ModelServer  # plain text, then any JSON as data (for the schema `{}`)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +115,21 @@ def typed(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Itera
             Turn(calls=[call("attempt_completion", result="the child counted")]),
         ]),
         "child": ModelServer([Turn(calls=[call("attempt_completion", result="two rows", data=VALID)])]),
+        "mixed": ModelServer([
+            Turn(text="There are two rows."),
+            Turn(calls=[NOT_AN_OBJECT]),
+            Turn(calls=[call("attempt_completion", result="counted", data=INVALID)]),
+            Turn(calls=[call("attempt_completion", result="counted two", data=VALID)]),  # never asked for
+        ]),
+        "recovering": ModelServer([
+            Turn(text="There are two rows."),
+            Turn(calls=[{"name": "attempt_completion", "arguments": '{"result": "counted"}'}]),  # a JSON string
+            Turn(calls=[call("attempt_completion", result="counted two", data=VALID)]),
+        ]),
+        "anything": ModelServer([
+            Turn(text="Done."),
+            Turn(calls=[call("attempt_completion", result="said it", data=["any", {"json": None}])]),
+        ]),
     }  # fmt: skip
     for server in servers.values():
         server.start()
@@ -141,6 +161,11 @@ def _requests_of(server: ModelServer) -> list[list[dict[str, Any]]]:
 
 def _tool_texts(messages: list[dict[str, Any]]) -> list[str]:
     return [str(m.get("content")) for m in messages if m.get("role") == "tool"]
+
+
+def _last_request_text(messages: list[dict[str, Any]]) -> str:
+    """What the model read last in a request: its last message's text."""
+    return str(messages[-1].get("content"))
 
 
 def _says(coord: Coordinator, task_id: str, kind: str) -> list[str]:
@@ -241,6 +266,52 @@ def test_a_model_that_never_gives_valid_data_fails_with_the_last_errors(typed: T
     assert done.invalid_outputs == bound == 3
     assert len(typed.refusing.answered()) == bound, "one request per invalid answer, and none after the last"
     assert len(_says(coord, root.id, "output_invalid")) == bound
+
+
+def test_every_kind_of_invalid_answer_counts_once_against_one_bound(typed: Typed) -> None:
+    # Plain text, arguments that are no object, data that breaks the schema: answers 1, 2 and 3 of at most 3,
+    # and the third fails the task; the fourth turn (valid) is never asked for.
+    coord = typed.coord
+    root = coord.create_task("Count the rows.", profile="mixed", run=True, output_schema=COUNT)
+    done = coord.wait(root.id, timeout_s=WAIT_S)
+    assert done.status == TaskStatus.FAILED and done.error_class == "OutputInvalid", (done.error_class, done.error)
+    assert done.invalid_outputs == 3
+    assert done.error.startswith("3 invalid answers; the last: ") and INVALID_ERRORS[1] in done.error, done.error
+    assert len(typed.mixed.answered()) == 3
+    lines = _says(coord, root.id, "output_invalid")
+    assert [line.split(":")[0] for line in lines] == [f"answer {n} of at most 3" for n in (1, 2, 3)]
+    assert "no attempt_completion call" in lines[0]
+    assert "attempt_completion's arguments are no JSON object" in lines[1]
+    assert INVALID_ERRORS[0] in lines[2]
+    # What the model read after each invalid answer: what was wrong, and how many more fail the task.
+    after_text, after_list = (_last_request_text(r) for r in _requests_of(typed.mixed)[1:])
+    assert "Invalid answer: no attempt_completion call" in after_text and "(2 more invalid answers fail" in after_text
+    assert "no JSON object" in after_list and "(1 more invalid answer fails the task)" in after_list
+
+
+def test_a_task_recovers_from_invalid_answers_of_every_kind_within_the_bound(typed: Typed) -> None:
+    coord = typed.coord
+    root = coord.create_task("Count the rows.", profile="recovering", run=True, output_schema=COUNT)
+    done = coord.wait(root.id, timeout_s=WAIT_S)
+    assert done.status == TaskStatus.COMPLETED, (done.error_class, done.error)
+    assert done.output == VALID and done.invalid_outputs == 2
+    assert len(typed.recovering.answered()) == 3
+    lines = _says(coord, root.id, "output_invalid")
+    assert len(lines) == 2 and "Input should be an object" in lines[1], lines
+
+
+def test_an_empty_schema_types_the_task(typed: Typed) -> None:
+    # `{}` holds any JSON: the task is typed all the same (plain text does not end it; its data is its output).
+    coord = typed.coord
+    root = coord.create_task("Say anything.", profile="anything", run=True, output_schema={})
+    done = coord.wait(root.id, timeout_s=WAIT_S)
+    assert done.status == TaskStatus.COMPLETED, (done.error_class, done.error)
+    assert done.output_schema == {}
+    assert done.output == ["any", {"json": None}] and done.summary == "said it"
+    assert done.invalid_outputs == 1 and len(typed.anything.answered()) == 2
+    sent = typed.anything.answered()[0].body
+    tool = next(t for t in sent["tools"] if t["function"]["name"] == "attempt_completion")
+    assert tool["function"]["parameters"]["required"] == ["result", "data"]
 
 
 def test_a_parent_reads_its_typed_childs_object_as_json(typed: Typed) -> None:

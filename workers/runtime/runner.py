@@ -76,6 +76,7 @@ from workers.runtime.tools import (
     RunState,
     TypedResult,
     attempt_completion,
+    bound_invalid_answers,
     check_completion,
     describe_call,
     invalid_answers,
@@ -191,7 +192,7 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
     if not history:
         run.announce_task()
     elif isinstance(history[-1], ModelResponse) and not _calls_without_result(history):
-        return _ended_before(history, task.output_schema or profile.output_schema)
+        return _ended_before(history, _schema_of(task.output_schema, profile))
     saved = len(history)
     request_no = 0
     unsent: dict[str, Any] | None = None  # the latest response's progress, not yet sent
@@ -267,14 +268,15 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
     results = _answers(run, state, pending, offered) if pending else None
     agent: Agent[RunState, Any] = rt.toolbox.agent(task.profile, plans_offline(profile, task.prompt), build_agent)
     # A task with an output schema (its own, else its profile's) ends only with attempt_completion(result, data),
-    # built for this run: no plain text ends it, and pydantic-ai asks a model that answers without a call again
-    # (as often as the profile allows invalid answers).
-    schema = task.output_schema or profile.output_schema
+    # built for this run: no plain text ends it. Its invalid answers are bounded by `bound_invalid_answers`, so
+    # pydantic-ai's own retries are set past that bound, "not taken" answers aside (COMPLETION_RETRIES).
+    schema = _schema_of(task.output_schema, profile)
     typed: dict[str, Any] = {}
     if schema is not None:
         state.completion_parameters = completion_parameters(schema)
-        completion = typed_completion(schema, profile.max_invalid_outputs, COMPLETION_RETRIES)
-        typed = {"output_type": [completion, DeferredToolRequests], "retries": {"output": profile.max_invalid_outputs}}
+        retries = COMPLETION_RETRIES + profile.max_invalid_outputs
+        completion = typed_completion(schema, retries)
+        typed = {"output_type": [completion, DeferredToolRequests], "retries": {"output": retries}}
     async with agent.iter(
         None if history else task.prompt,
         model=model,
@@ -292,19 +294,15 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
         except ProviderWait as wait:  # its provider is down: the run gives its worker back, its request kept
             _save_new(run, agent_run.all_messages(), saved)
             return wait.released
-        except OutputInvalid as refused:  # its last allowed answer broke the schema too
+        except OutputInvalid as refused:  # its `max_invalid_outputs`-th invalid answer (bound_invalid_answers)
             _save_new(run, agent_run.all_messages(), saved)
             return Ended(
                 "failed", error=str(refused)[:MAX_OUTPUT_ERROR_CHARS], error_class="OutputInvalid",
-                invalid_outputs=invalid_answers(agent_run.all_messages()) + 1,
+                invalid_outputs=refused.answers,
             )  # fmt: skip
-        except UnexpectedModelBehavior as exc:
-            messages = agent_run.all_messages()
-            _save_new(run, messages, saved)
-            if schema is None or not _answered_without_a_call(messages):
-                raise
-            error = f"{invalid_answers(messages) + 1} answers had no attempt_completion call: {exc}"
-            return Ended("failed", error=error, error_class="OutputInvalid", invalid_outputs=invalid_answers(messages))
+        except UnexpectedModelBehavior:
+            _save_new(run, agent_run.all_messages(), saved)
+            raise
         _save_new(run, agent_run.all_messages(), saved)
         assert agent_run.result is not None
         output = agent_run.result.output
@@ -337,7 +335,13 @@ def build_agent(tools: ProfileTools, with_planner: bool) -> Agent[RunState, Any]
         output_type=[str, completion, DeferredToolRequests],
         system_prompt=f"{tools.system_prompt}\n\n{ORCHESTRATION_PROMPT}",
         toolsets=[tools.toolset, offline_plan_toolset] if with_planner else [tools.toolset],
-        capabilities=[Hooks(tool_validate_error=_invalid_arguments, prepare_output_tools=typed_parameters)],
+        capabilities=[
+            Hooks(
+                tool_validate_error=_invalid_arguments,
+                prepare_output_tools=typed_parameters,
+                after_node_run=bound_invalid_answers,
+            )
+        ],
     )
 
 
@@ -369,11 +373,9 @@ def _ended_before(history: Sequence[ModelMessage], schema: dict[str, Any] | None
     return Ended("completed", summary=taken.result, output_json=taken.data_json, invalid_outputs=invalid)
 
 
-def _answered_without_a_call(messages: Sequence[ModelMessage]) -> bool:
-    """Whether the conversation's last response called no tool: a typed task's model that kept answering in
-    plain text (pydantic-ai gives up once its output retries are spent)."""
-    last = next((m for m in reversed(messages) if isinstance(m, ModelResponse)), None)
-    return last is not None and not any(isinstance(p, ToolCallPart) for p in last.parts)
+def _schema_of(own: dict[str, Any] | None, profile: Profile) -> dict[str, Any] | None:
+    """A task's output schema: its own, else its profile's. `{}` is a schema (any JSON is valid), not none."""
+    return own if own is not None else profile.output_schema
 
 
 def _tool_call(call: ToolCallPart, requests: DeferredToolRequests) -> ToolCall:

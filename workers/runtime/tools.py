@@ -12,7 +12,8 @@
   the response has its result (docs/agents.md, "Several calls in one response"). A task with
   an output schema gets `attempt_completion(result, data)` instead (`typed_completion`), built
   for its run: `data`'s parameter schema is the task's, and data that breaks it is sent back
-  with every error, a bounded number of times (docs/agents.md, "Typed results").
+  with every error; every invalid answer (bad data, arguments that are no object, no call at
+  all) is counted and bounded in one place, `bound_invalid_answers` (docs/agents.md, "Typed results").
 - `run_command(command)`: runs one command line for real (workers/runtime/commands.py:
   argv without a shell, in the profile's folder, timed out, output capped), only
   for a profile with a `run_command` table; every call needs a decision under
@@ -39,17 +40,32 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, GetCoreSchemaHandler, GetJsonSchemaHandler
 from pydantic.json_schema import JsonSchemaValue
-from pydantic_ai import ApprovalRequired, CallDeferred, ModelRetry, RunContext, ToolOutput
-from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, RetryFeedbackPart, ToolCallPart
+from pydantic_ai import (
+    ApprovalRequired,
+    CallDeferred,
+    CallToolsNode,
+    ModelRequestNode,
+    ModelRetry,
+    RunContext,
+    ToolOutput,
+)
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelRequest,
+    ModelResponse,
+    RetryFeedbackPart,
+    ToolCallPart,
+    ToolReturnPart,
+)
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.toolsets import FunctionToolset
 
-from coordinator import OFFLINE_PROFILE, Profile, SubqError, SubtaskSpec, ignored_lines, render_markdown
+from coordinator import OFFLINE_PROFILE, Profile, SubqError, SubtaskSpec, ignored_lines, one_line, render_markdown
 from coordinator.inputs import error_message, error_path
 from coordinator.output_schema import compact, output_errors
 from coordinator.runs import Run
@@ -71,6 +87,7 @@ __all__ = [
     "OutputInvalid",
     "RunState",
     "TypedResult",
+    "bound_invalid_answers",
     "check_completion",
     "invalid_answers",
     "orchestration_tools",
@@ -333,17 +350,25 @@ def describe_call(part: ToolCallPart) -> str:
 
 # -- typed results: attempt_completion(result, data) ----------------------------------------
 
-# How the answer to data that broke the schema begins: what the model reads, and how a run counts the
-# invalid answers made so far from its history (so a resumed run counts those of the runs before it).
+# How the answer to data that broke the schema begins (the model reads it; `invalid_answers` knows it by it).
 OUTPUT_INVALID = "Invalid data: "
+# What the model reads after an answer with no attempt_completion call, and after one whose arguments are no
+# JSON object of named arguments (each followed by how many more invalid answers fail the task).
+DATA_AGAIN = ". Call attempt_completion again with data that fits the schema"
+NO_COMPLETION = (
+    "Invalid answer: no attempt_completion call. This task ends only with attempt_completion(result, data), "
+    "data in the shape of its schema"
+)
+BAD_ARGUMENTS = "Invalid answer: {errors}. Call attempt_completion again with a JSON object of result and data"
 
 
 class OutputInvalid(Exception):
-    """A typed task's model gave invalid data as often as allowed: the task fails, with the last errors."""
+    """A typed task's model gave its `max_invalid_outputs`-th invalid answer: the task fails, with its errors."""
 
     def __init__(self, answers: int, errors: Sequence[str]) -> None:
+        self.answers = answers
         self.errors = list(errors)
-        super().__init__(f"{answers} answers broke the output schema; the last: " + "; ".join(self.errors))
+        super().__init__(f"{answers} invalid answers; the last: " + "; ".join(self.errors))
 
 
 @dataclass(frozen=True)
@@ -375,20 +400,71 @@ def typed_parameters(ctx: RunContext[RunState], tool_defs: list[ToolDefinition])
     ]
 
 
-def invalid_answers(messages: Sequence[ModelMessage]) -> int:
-    """How many answers of this conversation were refused as invalid output: data that broke the schema
-    (each answered with OUTPUT_INVALID), and responses with no call where a typed completion was due."""
-    count = 0
-    for message in messages:
-        if not isinstance(message, ModelRequest):
+class _Invalid(NamedTuple):
+    """One part of a request that answers an invalid answer: where it is, its errors, what the model reads."""
+
+    at: int
+    errors: str
+    text: str
+
+
+def _invalid_parts(request: ModelRequest) -> list[_Invalid]:
+    """The parts of a request that answer an invalid answer of a typed run: a response with no call
+    (pydantic-ai's `no_output` feedback), attempt_completion arguments that are no JSON object (its
+    `validation_error` retry: the tool's parameter is any object, so nothing else fails there), and data that
+    broke the schema (the tool's OUTPUT_INVALID retry). A "not taken" completion is none of them."""
+    found = []
+    for index, part in enumerate(request.parts):
+        if isinstance(part, RetryFeedbackPart) and part.retry.cause == "no_output":
+            found.append(_Invalid(index, "no attempt_completion call (an answer without a tool call)", NO_COMPLETION))
+        elif not isinstance(part, ToolReturnPart) or part.tool_name != "attempt_completion":
             continue
-        for part in message.parts:
-            if isinstance(part, RetryFeedbackPart):
-                count += part.retry.cause == "no_output"
-            elif getattr(part, "tool_name", None) == "attempt_completion":
-                content = getattr(part, "content", None)
-                count += isinstance(content, str) and content.startswith(OUTPUT_INVALID)
-    return count
+        elif isinstance(part.content, str) and part.content.startswith(OUTPUT_INVALID):
+            said = part.content.removeprefix(OUTPUT_INVALID)
+            errors, again, _ = said.rpartition(DATA_AGAIN)
+            found.append(_Invalid(index, errors if again else said, f"{OUTPUT_INVALID}{errors}{DATA_AGAIN}"))
+        elif part.retry is not None and part.retry.cause == "validation_error":
+            content = part.content if isinstance(part.content, list) else [part.content]
+            said = "; ".join(str(e.get("msg", e) if isinstance(e, dict) else e) for e in content)
+            errors = "attempt_completion's arguments are no JSON object: " + one_line(said)[:500]
+            found.append(_Invalid(index, errors, BAD_ARGUMENTS.format(errors=errors)))
+    return found
+
+
+def invalid_answers(messages: Sequence[ModelMessage]) -> int:
+    """How many answers of this conversation were invalid (`_invalid_parts`): one per request that answers
+    one, so a resumed run counts those of the runs before it."""
+    return sum(1 for m in messages if isinstance(m, ModelRequest) and _invalid_parts(m))
+
+
+def bound_invalid_answers(ctx: RunContext[RunState], /, *, node: Any, result: Any) -> Any:
+    """After each step (pydantic-ai's `after_node_run` hook), in a typed run: a step that answers an invalid
+    answer (`_invalid_parts`) is counted with those of the whole conversation, shown as an `output_invalid`
+    line, and the `max_invalid_outputs`-th fails the task (OutputInvalid); before it, the model reads what was
+    wrong and how many more invalid answers fail the task. One count for every kind, checked on each."""
+    # Only the step that handled a response makes a new request from it (a resumed run's first step sends
+    # the last request of its history, counted already).
+    if ctx.deps.completion_parameters is None or not isinstance(node, CallToolsNode):
+        return result
+    if not isinstance(result, ModelRequestNode) or any(m is result.request for m in ctx.messages):
+        return result
+    request = result.request
+    found = _invalid_parts(request)
+    if not found:
+        return result
+    answers = invalid_answers([*ctx.messages, request])
+    bound = ctx.deps.profile.max_invalid_outputs
+    errors = [invalid.errors for invalid in found]
+    ctx.deps.run.say("output_invalid", f"answer {answers} of at most {bound}: " + "; ".join(errors))
+    if answers >= bound:
+        raise OutputInvalid(answers, errors)
+    left = bound - answers
+    warning = f" ({left} more invalid answer{'s fail' if left != 1 else ' fails'} the task)."
+    for invalid in found:  # the parts of the request the model is asked with next, made for it by this step
+        part = request.parts[invalid.at]
+        assert isinstance(part, RetryFeedbackPart | ToolReturnPart)
+        part.content = invalid.text + warning
+    return result
 
 
 def check_completion(schema: Mapping[str, Any], args: Mapping[str, Any]) -> tuple[TypedResult | None, list[str]]:
@@ -408,11 +484,11 @@ def check_completion(schema: Mapping[str, Any], args: Mapping[str, Any]) -> tupl
     return TypedResult(str(result), compact(args["data"])), []
 
 
-def typed_completion(schema: Mapping[str, Any], max_invalid: int, max_retries: int) -> ToolOutput[TypedResult]:
+def typed_completion(schema: Mapping[str, Any], max_retries: int) -> ToolOutput[TypedResult]:
     """The `attempt_completion(result, data)` output tool of one typed run: `data`'s parameter schema is the
-    task's `schema`, so a tool-calling model is held to it. The `max_invalid`-th answer whose data breaks it
-    fails the task (OutputInvalid); each one before is sent back with every error (`max_retries` bounds the
-    retries pydantic-ai allows the tool, "not taken" answers included)."""
+    task's `schema`, so a tool-calling model is held to it. Data that breaks it is answered OUTPUT_INVALID with
+    every error, an invalid answer that `bound_invalid_answers` counts and bounds (`max_retries` bounds the
+    retries pydantic-ai allows the tool, "not taken" answers included: set above that bound)."""
 
     class CompletionArgs(dict[str, Any]):
         """The tool's arguments as the model sent them; checked below, against the task's own schema."""
@@ -440,15 +516,7 @@ def typed_completion(schema: Mapping[str, Any], max_invalid: int, max_retries: i
         taken, errors = check_completion(schema, completion)
         if taken is not None:
             return taken
-        answers = invalid_answers(ctx.messages) + 1
-        ctx.deps.run.say("output_invalid", f"answer {answers} of at most {max_invalid}: " + "; ".join(errors))
-        if answers >= max_invalid:
-            raise OutputInvalid(answers, errors)
-        left = max_invalid - answers
-        raise ModelRetry(
-            f"{OUTPUT_INVALID}{'; '.join(errors)}. Call attempt_completion again with data that fits the schema "
-            f"({left} more invalid answer{'s fail' if left != 1 else ' fails'} the task)."
-        )
+        raise ModelRetry(f"{OUTPUT_INVALID}{'; '.join(errors)}{DATA_AGAIN}")
 
     # Annotations as objects: the function is made per run, its argument type with it.
     attempt_completion.__annotations__ = {
