@@ -21,9 +21,11 @@ checks a schema with it before it sends one.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from urllib.parse import unquote
 
 from pydantic import BeforeValidator, WithJsonSchema
 
@@ -31,6 +33,7 @@ from coordinator.errors import ValidationError as SubqValidationError
 
 if TYPE_CHECKING:
     from jsonschema.exceptions import SchemaError, ValidationError
+    from referencing import Registry
 
 __all__ = [
     "MAX_ERRORS_SHOWN",
@@ -95,46 +98,97 @@ def _too_deep(value: Any, limit: int) -> list[Any] | None:
     return None
 
 
-def _refs(node: Any, where: list[Any]) -> Iterator[tuple[list[Any], Any]]:
-    """Every `$ref` of a schema (its path, its value), walking every object and array of it."""
-    if isinstance(node, Mapping):
-        for key, child in node.items():
-            if key == "$ref":
-                yield [*where, key], child
-            else:
-                yield from _refs(child, [*where, key])
-    elif isinstance(node, list):
-        for index, child in enumerate(node):
-            yield from _refs(child, [*where, index])
+# The keywords that name another schema by URI: each must be local (`#...`) and resolve. An unknown one is
+# never fetched either way (every validator's registry refuses to retrieve), but a schema is held to
+# what it can be validated against: its own document.
+REFERENCE_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
+# Keywords whose value is data (an instance to compare with), not a schema: nothing in them is a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords whose value maps names (a property's, a definition's) to schemas: a name is never a keyword.
+_SCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
+)
 
 
-def _resolves(schema: Mapping[str, Any], ref: str) -> bool:
-    """Whether the local reference `#/a/b` (or an anchor `#name`) names a place in `schema`."""
-    pointer = ref[1:]
-    if not pointer:
-        return True
-    if not pointer.startswith("/"):  # an `$anchor` (or a draft-4 `id`) of a subschema
-        return any(
-            isinstance(node, Mapping) and pointer in (node.get("$anchor"), node.get("$dynamicAnchor"))
-            for node in _subschemas(schema)
+def _children(node: Mapping[str, Any], where: list[Any]) -> Iterator[tuple[list[Any], Any]]:
+    """The schemas directly inside the schema `node` (with their paths): every object or array in it but
+    the data of `const`, `enum`, `default` and `examples`; an array's items are schemas (`anyOf`)."""
+    for key, value in node.items():
+        if key in _DATA_KEYWORDS:
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, Mapping):
+            found: Iterator[tuple[Any, Any]] = iter(value.items())
+            yield from (([*where, key, name], child) for name, child in found if isinstance(child, Mapping | list))
+        elif isinstance(value, Mapping):
+            yield [*where, key], value
+        elif isinstance(value, list):
+            yield from (
+                ([*where, key, index], item) for index, item in enumerate(value) if isinstance(item, Mapping | list)
+            )
+
+
+def _subschemas(node: Any, where: list[Any]) -> Iterator[tuple[list[Any], Mapping[str, Any]]]:
+    """Every schema object of the document `node`, the root first, each with its path."""
+    if isinstance(node, list):
+        for index, item in enumerate(node):
+            yield from _subschemas(item, [*where, index])
+    elif isinstance(node, Mapping):
+        yield where, node
+        for child_where, child in _children(node, where):
+            yield from _subschemas(child, child_where)
+
+
+def _refs(schema: Mapping[str, Any]) -> Iterator[tuple[list[Any], Any]]:
+    """Every reference of a schema (its path, its value), in schema positions only (not in `const` data)."""
+    for where, node in _subschemas(schema, []):
+        for keyword in REFERENCE_KEYWORDS:
+            if keyword in node:
+                yield [*where, keyword], node[keyword]
+
+
+def _target(schema: Mapping[str, Any], ref: str) -> tuple[list[Any], Any] | None:
+    """The place (path, value) the local reference `#/a/b` (a JSON pointer, percent-encoded or not) or
+    `#name` (an `$anchor`, a `$dynamicAnchor`, a draft-6/7 `$id: "#name"`, a draft-4 `id`) names, or None."""
+    fragment = ref[1:]
+    if not fragment:
+        return [], schema
+    if not fragment.startswith("/"):
+        name = unquote(fragment)
+        return next(
+            (
+                (where, node)
+                for where, node in _subschemas(schema, [])
+                if any(node.get(k) in (name, f"#{name}") for k in ("$anchor", "$dynamicAnchor", "$id", "id"))
+            ),
+            None,
         )
     node: Any = schema
-    for raw in pointer[1:].split("/"):
-        part = raw.replace("%25", "%").replace("~1", "/").replace("~0", "~")
+    where: list[Any] = []
+    for raw in fragment[1:].split("/"):  # each token percent-decoded, then unescaped (`~1` is `/`)
+        part = unquote(raw).replace("~1", "/").replace("~0", "~")
         if isinstance(node, Mapping) and part in node:
-            node = node[part]
+            node, where = node[part], [*where, part]
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
+            node, where = node[int(part)], [*where, int(part)]
         else:
-            return False
-    return True
+            return None
+    return where, node
 
 
-def _subschemas(node: Any) -> Iterator[Any]:
-    yield node
-    children = node.values() if isinstance(node, Mapping) else node if isinstance(node, list) else ()
-    for child in children:
-        yield from _subschemas(child)
+def _no_retrieval(uri: str) -> NoReturn:
+    """Every validator's registry retrieves with this: a reference to anything outside the schema fails
+    (a validation error of its own), and nothing, on any host, is ever fetched."""
+    from referencing.exceptions import NoSuchResource
+
+    raise NoSuchResource(uri)
+
+
+@functools.cache
+def _registry() -> Registry[Any]:
+    from referencing import Registry
+
+    # `retrieve` is an attrs alias (of `_retrieve`), which mypy's attrs support does not see.
+    return Registry(retrieve=_no_retrieval)  # type: ignore[call-arg]
 
 
 def schema_problem(schema: object) -> tuple[list[Any], str] | None:
@@ -156,12 +210,12 @@ def schema_problem(schema: object) -> tuple[list[Any], str] | None:
     size = len(text.encode())
     if size > MAX_SCHEMA_BYTES:
         return [], f"{size} bytes as compact JSON; the limit is {MAX_SCHEMA_BYTES}"
-    for where, ref in _refs(schema, []):
+    for where, ref in _refs(schema):
         if not isinstance(ref, str):
             continue  # the metaschema says what is wrong with it, below
         if not ref.startswith("#"):
             return where, f"only local references ('#/...') are allowed, not {ref!r}"
-        if not _resolves(schema, ref):
+        if _target(schema, ref) is None:
             return where, f"{ref!r} names nothing in the schema"
     from jsonschema import validators  # on use: importing the client's models loads no validator
     from jsonschema.exceptions import best_match
@@ -175,17 +229,18 @@ def schema_problem(schema: object) -> tuple[list[Any], str] | None:
             return ["$schema"], f"{draft!r} names no JSON Schema draft this validator knows"
         cls = validators.Draft202012Validator
     # With the format checker: a `pattern` must be a regular expression the validator can compile.
-    error = best_match(cls(cls.META_SCHEMA, format_checker=cls.FORMAT_CHECKER).iter_errors(schema))
+    checker = cls(cls.META_SCHEMA, format_checker=cls.FORMAT_CHECKER, registry=_registry())
+    error = best_match(checker.iter_errors(schema))
     if error is not None:
         return list(error.path), _message(error)
     probes: tuple[object, ...] = (None, {}, [])
     for probe in probes:  # a `$ref` that leads back to itself without end is found before any run
         try:
-            any(True for _ in cls(schema).iter_errors(probe))
+            any(True for _ in cls(schema, registry=_registry()).iter_errors(probe))
         except RecursionError:
             return [], "its references lead back to themselves without end"
         except Exception as exc:  # the validator could not apply it: it is no schema to hold a model to
-            return [], f"cannot be applied: {type(exc).__name__}: {exc}"
+            return [], f"cannot be applied: {type(exc).__name__}: {_one_line(str(exc))}"
     return None
 
 
@@ -234,10 +289,15 @@ OutputSchema = Annotated[
 ]
 
 
-def _message(error: ValidationError | SchemaError) -> str:
-    """jsonschema's message, on one line and bounded (it quotes the offending value whole)."""
-    line = " ".join(str(error.message).split())
+def _one_line(text: str) -> str:
+    """`text` on one line and bounded (a message may quote the offending value whole)."""
+    line = " ".join(text.split())
     return line if len(line) <= 300 else line[:299] + "…"
+
+
+def _message(error: ValidationError | SchemaError) -> str:
+    """jsonschema's message, on one line and bounded."""
+    return _one_line(str(error.message))
 
 
 def schema_text(schema: Mapping[str, Any] | None) -> str:
@@ -260,9 +320,11 @@ def output_errors(schema: Mapping[str, Any], data: Any, field: str = "data") -> 
 
     cls = validators.validator_for(schema, default=validators.Draft202012Validator)
     try:
-        found = sorted(cls(schema).iter_errors(data), key=lambda e: [str(p) for p in e.path])
+        found = sorted(cls(schema, registry=_registry()).iter_errors(data), key=lambda e: [str(p) for p in e.path])
     except RecursionError:
         return [f"{field}: the schema's references lead back to themselves without end for this data"]
+    except Exception as exc:  # a reference that resolves nowhere (nothing is fetched): the schema, not the data
+        return [f"{field}: the schema cannot be applied: {type(exc).__name__}: {_one_line(str(exc))}"]
     shown = [f"{_path(field, e.path)}: {_message(e)}" for e in found[:MAX_ERRORS_SHOWN]]
     if len(found) > MAX_ERRORS_SHOWN:
         shown.append(f"... and {len(found) - MAX_ERRORS_SHOWN} more")
