@@ -449,6 +449,32 @@ def test_a_typed_output_is_shown_escaped_in_the_web_view(typed: Typed) -> None:
     assert 'data-field="output"' in page
 
 
+def test_a_typed_output_is_printed_as_valid_json_with_no_raw_control_character(typed: Typed) -> None:
+    # A C1 CSI, a soft hyphen, a tag character, a bidi override, an ESC sequence, a DEL: each reaches the
+    # terminal only as a JSON escape, and what is printed reads back as the output.
+    coord = typed.coord
+    name = "\u009b2J soft\u00adhyphen tag\U000e0041 rtl\u202eabc esc\x1b[2J del\x7f"
+    hostile = {"total": 1, "rows": [{"name": name}]}
+    prompt = script(script_call("attempt_completion", result="one", data=hostile), text="Count the rows.")
+    root = coord.create_task(prompt, profile="offline-typed", run=True)
+    assert coord.wait(root.id, timeout_s=WAIT_S).output == hostile
+    env = settings_env(coord.settings)
+
+    def printed(*args: str) -> str:
+        shown = subprocess.run(
+            [sys.executable, "-m", "coordinator", *args], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert shown.returncode == 0, shown
+        assert all(ch == "\n" or " " <= ch <= "~" for ch in shown.stdout), ascii(shown.stdout)
+        return shown.stdout
+
+    words, _, data = printed("result", root.id).partition("\n")
+    assert words == "one" and json.loads(data) == hostile
+    assert json.loads(printed("result", root.id, "--json"))["output"] == hostile
+    assert json.loads(printed("status", root.id, "--json"))["output"] == hostile
+    assert json.loads(printed("tree", root.id, "--json"))["output"] == hostile
+
+
 def test_the_offline_models_typed_child_example_runs_as_written(typed: Typed) -> None:
     """docs/offline-model.md's "A typed child", as a task's message: the child's object, and the root reads it."""
     doc = (Path(__file__).resolve().parent.parent / "docs" / "offline-model.md").read_text()

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from coordinator.operations import Operations
     from coordinator.settings import Settings
 
-__all__ = ["Host", "JsonOption", "Port", "TaskId", "app", "connect", "settings_of"]
+__all__ = ["Host", "JsonOption", "Port", "TaskId", "app", "connect", "say_json", "settings_of"]
 
 app = typer.Typer(
     name="subq",
@@ -59,6 +59,18 @@ def shared_options(
     """Options shared by every command; each falls back to its SUBQ_ variable."""
     given = {"redis_url": redis_url, "key_prefix": key_prefix, "queue": queue, "api_url": api_url}
     ctx.obj = {name: value for name, value in given.items() if value is not None}
+
+
+def say_json(value: object) -> None:
+    """Print JSON (a record, or a JSON value) for a program to read, indented, every non-ASCII character
+    escaped (`\\u009b`): valid JSON, and no model's control character (a C1 CSI, a bidi override, a DEL)
+    reaches the terminal raw. (`visible_text` would write Python's escapes, `\\x9b`, which JSON refuses.)"""
+    import json
+
+    from pydantic import BaseModel  # on use, as in `say`
+
+    dumped = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+    typer.echo(json.dumps(dumped, indent=2, ensure_ascii=True))
 
 
 def say(text: str, err: bool = False) -> None:

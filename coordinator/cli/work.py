@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from coordinator.cli.common import JsonOption, TaskId, connect, say
+from coordinator.cli.common import JsonOption, TaskId, connect, say, say_json
 from coordinator.errors import ValidationError
 
 # The widths a timeline is drawn at (views.py draws it; the bounds are checked before connecting).
@@ -115,7 +115,7 @@ def status(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> 
     with connect(ctx) as coord:
         record = coord.get_task(task_id)
     if as_json:
-        typer.echo(record.model_dump_json(indent=2))
+        say_json(record)
         return
     for line in status_lines(record):
         say(line)
@@ -133,12 +133,12 @@ def result(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> 
     with connect(ctx) as coord:
         record = coord.get_task(task_id)
     if as_json:
-        typer.echo(record.model_dump_json(indent=2))
+        say_json(record)
         return
     if record.status.value == "completed":
         say(record.summary)
         if record.output is not None:  # a typed task's data, after its words: JSON a program can read
-            say(json.dumps(record.output, indent=2, ensure_ascii=False))
+            say_json(record.output)
         return
     if record.status.terminal:
         why = f"{record.error_class}: {record.error}" if record.error else "no detail"
@@ -195,7 +195,7 @@ def tree(
     with connect(ctx) as coord:
         node = coord.tree(task_id)
     if as_json:
-        typer.echo(node.model_dump_json(indent=2))
+        say_json(node)
     elif timeline:
         from rich.console import Console
 
