@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from coordinator.cli.common import JsonOption, TaskId, connect, say
+from coordinator.cli.common import JsonOption, TaskId, connect, say, say_json
 from coordinator.errors import ValidationError
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def cancel(
     with connect(ctx) as coord:
         record = coord.cancel(task_id, given.reason)
         if as_json:
-            typer.echo(record.model_dump_json(indent=2))
+            say_json(record)
             return
         below = _cancelled_below(coord.tree(task_id), task_id)
     reason_given = record.error.removeprefix(CANCELLED_PREFIX)
@@ -91,7 +91,7 @@ def retry(
     with connect(ctx) as coord:
         done = coord.retry(task_id, failed=given.failed)
     if as_json:
-        typer.echo(done.model_dump_json(indent=2))
+        say_json(done)
         return
     for retried in done.retried:
         typer.echo(f"Retried {retried}: it runs again from its conversation.")
