@@ -21,11 +21,12 @@ header line, then each child's line in dispatch order, numbered:
     3. [failed] <description> (task <id>): <error class>: <error> (<tokens> tokens, $<cost>)
 
 A completed child with an output schema has its validated data appended to its
-line as compact JSON (`Output (JSON): ...`, one line), up to OUTPUT_IN_LINE_BYTES;
-a larger output is named instead (`Output: N bytes of JSON, ...`), and the
-parent's caller reads it from the child's record. The lines are written by
-`apply_children.lua`, the header by `close_batch.lua` (`Stopped: ...` first
-when the parent was stopped meanwhile).
+line as compact JSON (`Output (JSON): ...`, one line), up to OUTPUT_IN_LINE_BYTES
+(an output's own bound, so every valid one fits). The whole is at most
+COMBINED_RESULT_BYTES: past it, each later line keeps its head and names the
+child whose record has the rest (`[cut: ...]`). The lines are written by
+`apply_children.lua`, the header and the cut by `close_batch.lua` (`Stopped: ...`
+first when the parent was stopped meanwhile).
 
 Callers, all in the coordinator: a run's end for a step of a chain (`end_run.lua`
 writes a parallel child back itself), a redelivery of an ended task and the
@@ -47,12 +48,15 @@ from coordinator.models import Batch, BatchRef, SubtaskResult, TaskRecord, TaskS
 if TYPE_CHECKING:
     from coordinator.plane import Plane
 
-__all__ = ["OUTPUT_IN_LINE_BYTES", "close_batch", "result_of", "resumed", "write_back"]
+__all__ = ["COMBINED_RESULT_BYTES", "OUTPUT_IN_LINE_BYTES", "close_batch", "result_of", "resumed", "write_back"]
 
 # The most of a child's output (compact JSON) its line of the combined result carries: a parent of
 # fifty typed children reads fifty objects, each within a few thousand tokens (apply_children.lua's
 # OUTPUT_IN_LINE is this number).
 OUTPUT_IN_LINE_BYTES = 16384
+# The most the whole combined result carries (close_batch.lua's COMBINED_RESULT_BYTES, the same number): past
+# it, each later child's line keeps its first 300 bytes (status, description, task id) and names its record.
+COMBINED_RESULT_BYTES = 262144
 
 
 @tracing.traced("subq.write_back")

@@ -25,6 +25,7 @@ from coordinator.client import SubqClient
 from coordinator.errors import ValidationError
 from coordinator.local.fleet import settings_env
 from coordinator.output_schema import MAX_SCHEMA_BYTES, check_schema, completion_parameters, output_errors
+from coordinator.writeback import COMBINED_RESULT_BYTES, OUTPUT_IN_LINE_BYTES
 from tests.agents import call as script_call
 from tests.conftest import dedicated_fleet
 from tests.helpers import TOKEN, ApiServer, api_settings, script, state
@@ -332,6 +333,38 @@ def test_a_parent_reads_its_typed_childs_object_as_json(typed: Typed) -> None:
     with typed.api.client() as http:
         tree = http.get(f"/v1/tasks/{root.id}/tree").json()
     assert tree["children"][0]["id"] == child.id
+
+
+def test_a_wide_fan_out_of_large_outputs_is_bounded_as_one_result(typed: Typed) -> None:
+    """Twenty children of 15 KB outputs: the combined result the parent reads stays within its bound, the
+    first lines whole, the later ones cut to their head and naming the child whose record has the rest."""
+    coord = typed.coord
+    big = {"total": 1, "rows": [{"name": "x" * 15_000}]}
+    steps = [script_call("attempt_completion", result="one long row", data=big)]
+    specs = [
+        {"description": f"row {n}", "message": script(*steps, text=f"Row {n}."), "output_schema": COUNT}
+        for n in range(20)
+    ]
+    root = coord.create_task("Collect the rows.", todos="\n".join(f"[ ] row {n}" for n in range(20)))
+    batch = coord.delegate(root.id, specs)
+    coord.wait(root.id, timeout_s=WAIT_S)
+    result = coord.get_batch(batch.id).result
+    assert len(result.encode()) <= COMBINED_RESULT_BYTES + 20 * 400  # each cut line's note included
+    lines = result.splitlines()[1:]
+    assert len(lines) == 20
+    whole = [line for line in lines if json.dumps(big, separators=(",", ":")) in line]
+    cut = [line for line in lines if "[cut: this combined result reached its limit of 262144 bytes" in line]
+    assert len(whole) + len(cut) == 20 and 10 <= len(whole) < 20, (len(whole), len(cut))
+    assert all(line.startswith(f"{n + 1}. ") for n, line in enumerate(lines))
+    for line, child_id in zip(lines[len(whole) :], batch.child_ids[len(whole) :], strict=True):
+        assert line.endswith(f"the whole result is the record of task {child_id}]")
+    assert all(coord.get_task(child_id).output == big for child_id in batch.child_ids)
+
+
+def test_the_lua_bounds_of_a_childs_line_equal_pythons() -> None:
+    lua = Path(__file__).resolve().parent.parent / "coordinator" / "store" / "lua"
+    assert f"local OUTPUT_IN_LINE = {OUTPUT_IN_LINE_BYTES}\n" in (lua / "apply_children.lua").read_text()
+    assert f"local COMBINED_RESULT_BYTES = {COMBINED_RESULT_BYTES}\n" in (lua / "close_batch.lua").read_text()
 
 
 def test_the_offline_model_completes_a_task_with_its_profiles_schema(typed: Typed) -> None:

@@ -32,13 +32,27 @@ for first = 1, #child_ids, 500 do
     lines[first + j - 1] = got[j]
   end
 end
+-- The most the combined result carries, in bytes (writeback.py: COMBINED_RESULT_BYTES, the same number): the
+-- parent's model reads it whole as one tool result. Past it, each later line keeps its first LINE_HEAD_BYTES
+-- (status, description, task id) and says where the rest is, so 256 children of 16 KiB outputs stay readable.
+local COMBINED_RESULT_BYTES = 262144
+local LINE_HEAD_BYTES = 300
 local done = 0
 local out = {}
+local used = 0
 for i, child_id in ipairs(child_ids) do
   local line = lines[i] or ('[unknown] (task ' .. child_id .. '): not written back')
   if string.sub(line, 1, 11) == '[completed]' then
     done = done + 1
   end
+  if used + #line > COMBINED_RESULT_BYTES then
+    local keep = math.max(LINE_HEAD_BYTES, COMBINED_RESULT_BYTES - used)
+    if keep < #line then
+      line = string.sub(line, 1, keep) .. ' [cut: this combined result reached its limit of ' ..
+        COMBINED_RESULT_BYTES .. ' bytes; the whole result is the record of task ' .. child_id .. ']'
+    end
+  end
+  used = used + #line
   out[i] = i .. '. ' .. line
 end
 local combined = 'Subtask results (' .. batch[1] .. ', ' .. done .. ' of ' .. #child_ids .. ' completed):\n'
