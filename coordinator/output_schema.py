@@ -23,7 +23,8 @@ from __future__ import annotations
 import copy
 import functools
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 from urllib.parse import unquote
 
@@ -36,11 +37,14 @@ if TYPE_CHECKING:
     from referencing import Registry
 
 __all__ = [
+    "MAX_CHECK_STEPS",
     "MAX_ERRORS_SHOWN",
     "MAX_OUTPUT_BYTES",
     "MAX_OUTPUT_DEPTH",
+    "MAX_OUTPUT_STEPS",
     "MAX_SCHEMA_BYTES",
     "MAX_SCHEMA_DEPTH",
+    "MAX_SCHEMA_EXPANSION",
     "NO_RUN_NO_OUTPUT",
     "OutputSchema",
     "SchemaProblem",
@@ -58,6 +62,27 @@ MAX_SCHEMA_BYTES = 32 * 1024
 # Deeper than any real result's shape; the bound keeps a hostile schema from exhausting the
 # recursive validators (jsonschema's and the provider's).
 MAX_SCHEMA_DEPTH = 32
+# The work a schema can cause, not only its size: each subschema is counted once for every path to
+# it through references and combinators (a reference back to a schema on the path counts once, so a
+# tree's recursive schema passes). Real schemas, reused definitions included, stay in the hundreds;
+# a 2 KB chain of `anyOf`s that doubles at each reference passes 2**16 and took minutes to check.
+MAX_SCHEMA_EXPANSION = 10_000
+# How many subschemas deep references may lead (the validator recurses a few frames for each).
+MAX_SCHEMA_EXPANSION_DEPTH = 64
+# Validation steps (one a keyword applied; a regular expression's search counts its text's bytes
+# times its program's size over REGEX_UNITS_PER_STEP). A step costs up to ~20 µs of CPU (a failing
+# `anyOf` under recursion, measured), so checking a schema against the empty probes stops within
+# about 0.4 s on the API, and validating an output within about 5 s on a worker; a real output
+# (thousands of rows of a few fields each) takes tens of thousands of steps.
+MAX_CHECK_STEPS = 20_000
+MAX_OUTPUT_STEPS = 250_000
+# `pattern` and `patternProperties` run on RE2, which matches in time linear in the text (no
+# backtracking); its worst case is the text's bytes times the program's instructions, at a few
+# nanoseconds each: a thousand of those are about a step of the validator.
+REGEX_UNITS_PER_STEP = 1_000
+# RE2's memory for one expression (its program and its matching cache: its own default); a
+# program bigger than this does not compile, and the schema is refused naming the pattern.
+REGEX_MAX_MEM_BYTES = 8 << 20
 # A caller-owned task (run=false) has no model to hold to a schema: it never ends with data.
 NO_RUN_NO_OUTPUT = (
     "output_schema applies to an agent task (run=true): a caller-owned task has no model to hold to it "
@@ -191,6 +216,183 @@ def _registry() -> Registry[Any]:
     return Registry(retrieve=_no_retrieval)  # type: ignore[call-arg]
 
 
+class _TooMuchWork(Exception):
+    """Validation ran out of its steps (MAX_CHECK_STEPS, MAX_OUTPUT_STEPS)."""
+
+
+class _Steps:
+    __slots__ = ("left",)
+
+    def __init__(self, left: int) -> None:
+        self.left = left
+
+    def spend(self, steps: int = 1) -> None:
+        self.left -= steps
+        if self.left < 0:
+            raise _TooMuchWork
+
+
+# The steps of the validation running in this context (one thread's call of _validate).
+_steps: ContextVar[_Steps | None] = ContextVar("output_schema_steps", default=None)
+
+
+def _spend(steps: int = 1) -> None:
+    budget = _steps.get()
+    if budget is not None:
+        budget.spend(steps)
+
+
+@functools.lru_cache(maxsize=512)
+def _regex(pattern: str) -> Any:
+    """`pattern` compiled by RE2 (linear-time matching), or re2.error; compiled once per process."""
+    import re2
+
+    options = re2.Options()
+    options.max_mem = REGEX_MAX_MEM_BYTES
+    options.log_errors = False  # its reason is raised; RE2 would also print it to stderr
+    return re2.compile(pattern.encode("utf-8", "surrogatepass"), options)
+
+
+def _search(pattern: str, text: str) -> bool:
+    """Whether `pattern` matches somewhere in `text` (JSON Schema's `pattern` is unanchored), on RE2."""
+    regex = _regex(pattern)
+    data = text.encode("utf-8", "surrogatepass")
+    _spend(1 + len(data) * regex.programsize // REGEX_UNITS_PER_STEP)
+    return regex.search(data) is not None
+
+
+def _regex_problem(pattern: str) -> str | None:
+    try:
+        _regex(pattern)
+    except Exception as exc:  # re2.error, or a pattern no UTF-8 can carry
+        return f"{pattern!r} is not a regular expression RE2 accepts: {_one_line(str(exc))}"
+    return None
+
+
+def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Iterator[Any]:
+    from jsonschema.exceptions import ValidationError
+
+    if validator.is_type(instance, "string") and not _search(pattern, instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _pattern_properties(validator: Any, patterns: Mapping[str, Any], instance: Any, schema: Any) -> Iterator[Any]:
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for key, value in instance.items():
+            if _search(pattern, key):
+                yield from validator.descend(value, subschema, path=key, schema_path=pattern)
+
+
+def _additional_properties(validator: Any, additional: Any, instance: Any, schema: Any) -> Iterator[Any]:
+    """jsonschema's own, its properties matched against patternProperties on RE2 (its joins them for `re`)."""
+    from jsonschema.exceptions import ValidationError
+
+    if not validator.is_type(instance, "object"):
+        return
+    named = schema.get("properties", {})
+    patterns = list(schema.get("patternProperties", {}))
+    extras = {k for k in instance if k not in named and not any(_search(p, k) for p in patterns)}
+    if validator.is_type(additional, "object"):
+        for extra in extras:
+            yield from validator.descend(instance[extra], additional, path=extra)
+    elif not additional and extras:
+        if patterns:
+            verb = "does" if len(extras) == 1 else "do"
+            joined = ", ".join(repr(each) for each in sorted(extras))
+            yield ValidationError(
+                f"{joined} {verb} not match any of the regexes: {', '.join(map(repr, sorted(patterns)))}"
+            )
+        else:
+            listed = ", ".join(repr(each) for each in sorted(extras, key=str))
+            verb = "was" if len(extras) == 1 else "were"
+            yield ValidationError(f"Additional properties are not allowed ({listed} {verb} unexpected)")
+
+
+# The keywords whose regular expressions RE2 evaluates instead of Python's backtracking `re`.
+_ON_RE2 = {
+    "pattern": _pattern,
+    "patternProperties": _pattern_properties,
+    "additionalProperties": _additional_properties,
+}
+
+
+def _counted(keyword: Callable[..., Any]) -> Callable[..., Any]:
+    def apply(validator: Any, value: Any, instance: Any, schema: Any) -> Any:
+        _spend()
+        return keyword(validator, value, instance, schema)
+
+    return apply
+
+
+@functools.cache
+def _engine(draft: Any) -> Any:  # a jsonschema validator class (a protocol's type is no cache key for mypy)
+    """`draft`'s validator with every keyword counted against the running validation's steps and the
+    regular expressions on RE2; built once per draft."""
+    from jsonschema import validators
+
+    keywords = {name: _ON_RE2.get(name, function) for name, function in draft.VALIDATORS.items()}
+    return validators.extend(draft, {name: _counted(function) for name, function in keywords.items()})
+
+
+def _validate(draft: Any, schema: Mapping[str, Any], instance: Any, steps: int) -> list[Any]:
+    """Every error of `instance` under `schema`; _TooMuchWork past `steps` steps."""
+    token = _steps.set(_Steps(steps))
+    try:
+        return list(_engine(draft)(schema, registry=_registry()).iter_errors(instance))
+    finally:
+        _steps.reset(token)
+
+
+class _Expansion(Exception):
+    def __init__(self, where: list[Any], reason: str) -> None:
+        self.where, self.reason = where, reason
+
+
+def _expansion_problem(schema: Mapping[str, Any]) -> tuple[list[Any], str] | None:
+    """Where `schema` expands past MAX_SCHEMA_EXPANSION subschemas (each counted once for every path to it
+    through references and combinators, a reference back to a schema on the path once) or references
+    lead deeper than MAX_SCHEMA_EXPANSION_DEPTH, or None. Linear in the schema: each size is kept."""
+    sizes: dict[int, int] = {}
+    path: list[int] = []
+
+    def size(node: Any, where: list[Any]) -> int:
+        if isinstance(node, list):
+            return sum(size(item, [*where, index]) for index, item in enumerate(node))
+        if not isinstance(node, Mapping):
+            return 0
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in path:
+            return 1
+        if len(path) >= MAX_SCHEMA_EXPANSION_DEPTH:
+            raise _Expansion(where, f"its references lead more than {MAX_SCHEMA_EXPANSION_DEPTH} subschemas deep")
+        path.append(key)
+        total = 1 + sum(size(child, child_where) for child_where, child in _children(node, where))
+        for keyword in REFERENCE_KEYWORDS:
+            ref = node.get(keyword)
+            target = _target(schema, ref) if isinstance(ref, str) and ref.startswith("#") else None
+            if target is not None:
+                total += size(target[1], target[0])
+        path.pop()
+        if total > MAX_SCHEMA_EXPANSION:
+            raise _Expansion(
+                where,
+                f"expands to {total} subschemas through its references and combinators (each counted once "
+                f"for every path to it); the limit is {MAX_SCHEMA_EXPANSION}",
+            )
+        sizes[key] = total
+        return total
+
+    try:
+        size(schema, [])
+    except _Expansion as exc:
+        return exc.where, exc.reason
+    return None
+
+
 def schema_problem(schema: object) -> tuple[list[Any], str] | None:
     """What makes `schema` unusable as an output schema (the path inside it, the reason), or None.
 
@@ -204,10 +406,9 @@ def schema_problem(schema: object) -> tuple[list[Any], str] | None:
     if deep is not None:
         return deep, f"nested deeper than {MAX_SCHEMA_DEPTH} levels"
     try:
-        text = compact(schema)
-    except (TypeError, ValueError) as exc:  # a value JSON cannot carry (NaN, a non-string key)
+        size = len(compact(schema).encode())
+    except (TypeError, ValueError) as exc:  # a value JSON cannot carry (NaN, a non-string key, a lone surrogate)
         return [], f"not JSON: {exc}"
-    size = len(text.encode())
     if size > MAX_SCHEMA_BYTES:
         return [], f"{size} bytes as compact JSON; the limit is {MAX_SCHEMA_BYTES}"
     for where, ref in _refs(schema):
@@ -217,7 +418,7 @@ def schema_problem(schema: object) -> tuple[list[Any], str] | None:
             return where, f"only local references ('#/...') are allowed, not {ref!r}"
         if _target(schema, ref) is None:
             return where, f"{ref!r} names nothing in the schema"
-    from jsonschema import validators  # on use: importing the client's models loads no validator
+    from jsonschema import FormatChecker, validators  # on use: importing the client's models loads no validator
     from jsonschema.exceptions import best_match
 
     draft = schema.get("$schema")
@@ -228,20 +429,42 @@ def schema_problem(schema: object) -> tuple[list[Any], str] | None:
         if draft is not None:
             return ["$schema"], f"{draft!r} names no JSON Schema draft this validator knows"
         cls = validators.Draft202012Validator
-    # With the format checker: a `pattern` must be a regular expression the validator can compile.
-    checker = cls(cls.META_SCHEMA, format_checker=cls.FORMAT_CHECKER, registry=_registry())
+    # With the format checker: a `pattern` must be a regular expression RE2 compiles (the metaschema's
+    # `format: regex`, here RE2's and not Python's `re`: RE2 is what evaluates it).
+    formats = FormatChecker(())
+    formats.checkers = {**cls.FORMAT_CHECKER.checkers, "regex": (_is_regex, Exception)}
+    checker = cls(cls.META_SCHEMA, format_checker=formats, registry=_registry())
     error = best_match(checker.iter_errors(schema))
     if error is not None:
         return list(error.path), _message(error)
+    for where, node in _subschemas(schema, []):  # older drafts' metaschemas check no patternProperties name
+        for pattern in node.get("patternProperties", {}):
+            reason = _regex_problem(pattern)
+            if reason is not None:
+                return [*where, "patternProperties", pattern], reason
+    if any("unevaluatedProperties" in node for _, node in _subschemas(schema, [])):
+        with_patterns = next((w for w, node in _subschemas(schema, []) if "patternProperties" in node), None)
+        if with_patterns is not None:
+            # jsonschema finds the properties patternProperties evaluated with Python's backtracking `re`.
+            return [*with_patterns, "patternProperties"], "cannot be combined with unevaluatedProperties"
+    expansion = _expansion_problem(schema)
+    if expansion is not None:
+        return expansion
     probes: tuple[object, ...] = (None, {}, [])
     for probe in probes:  # a `$ref` that leads back to itself without end is found before any run
         try:
-            any(True for _ in cls(schema, registry=_registry()).iter_errors(probe))
+            _validate(cls, schema, probe, MAX_CHECK_STEPS)
         except RecursionError:
             return [], "its references lead back to themselves without end"
+        except _TooMuchWork:
+            return [], f"validating even {compact(probe)} takes more than {MAX_CHECK_STEPS} steps"
         except Exception as exc:  # the validator could not apply it: it is no schema to hold a model to
             return [], f"cannot be applied: {type(exc).__name__}: {_one_line(str(exc))}"
     return None
+
+
+def _is_regex(instance: object) -> bool:
+    return not isinstance(instance, str) or _regex(instance) is not None
 
 
 def check_schema(schema: object, field: str = "output_schema") -> dict[str, Any]:
@@ -320,7 +543,9 @@ def output_errors(schema: Mapping[str, Any], data: Any, field: str = "data") -> 
 
     cls = validators.validator_for(schema, default=validators.Draft202012Validator)
     try:
-        found = sorted(cls(schema, registry=_registry()).iter_errors(data), key=lambda e: [str(p) for p in e.path])
+        found = sorted(_validate(cls, schema, data, MAX_OUTPUT_STEPS), key=lambda e: [str(p) for p in e.path])
+    except _TooMuchWork:
+        return [f"{field}: validating it against the schema takes more than {MAX_OUTPUT_STEPS} steps"]
     except RecursionError:
         return [f"{field}: the schema's references lead back to themselves without end for this data"]
     except Exception as exc:  # a reference that resolves nowhere (nothing is fetched): the schema, not the data

@@ -19,7 +19,14 @@ from typing import Any, TypeVar
 import pytest
 
 from coordinator.errors import ValidationError
-from coordinator.output_schema import check_schema, output_errors, schema_problem
+from coordinator.output_schema import (
+    MAX_OUTPUT_STEPS,
+    MAX_SCHEMA_EXPANSION,
+    check_schema,
+    output_errors,
+    schema_problem,
+)
+from tests.test_typed_results import COUNT, INVALID, INVALID_ERRORS, VALID
 
 T = TypeVar("T")
 
@@ -149,3 +156,107 @@ def test_a_pointer_to_a_missing_place_is_still_refused() -> None:
     with pytest.raises(ValidationError) as refused:
         check_schema({"$defs": {"x": {}}, "properties": {"d": {"$ref": "#/%24defs/y"}}})
     assert refused.value.message == "output_schema.properties.d.$ref: '#/%24defs/y' names nothing in the schema"
+
+
+# -- 2. the work a schema can cause is bounded ------------------------------------------------------
+
+
+def _doubling_chain(links: int) -> dict[str, Any]:
+    """`a{i}` is anyOf two references to `a{i+1}`: 2**links paths to the last, in under 2 KB."""
+    defs: dict[str, Any] = {f"a{i}": {"anyOf": [{"$ref": f"#/$defs/a{i + 1}"}] * 2} for i in range(links)}
+    defs[f"a{links}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/a0"}
+
+
+# A tree: each node names its children by a reference back to the root.
+TREE = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#"}}},
+    "required": ["name"],
+}
+
+
+def test_a_schema_that_doubles_at_each_reference_is_refused_at_once() -> None:
+    with pytest.raises(ValidationError) as refused:
+        check_schema(_doubling_chain(16))
+    assert refused.value.message == (
+        "output_schema.$defs.a4: expands to 16381 subschemas through its references and combinators "
+        f"(each counted once for every path to it); the limit is {MAX_SCHEMA_EXPANSION}"
+    )
+    start = time.process_time()
+    assert schema_problem(_doubling_chain(16)) is not None
+    assert time.process_time() - start < AT_ONCE_CPU_S
+
+
+def test_recursive_and_reused_schemas_pass() -> None:
+    assert schema_problem(TREE) is None
+    assert schema_problem(COUNT) is None
+    assert schema_problem(_doubling_chain(8)) is None  # 2**8 paths: within the bound
+    tree = {"name": "root", "children": [{"name": "a", "children": [{"name": "b"}]}, {"name": "c"}]}
+    assert output_errors(TREE, tree) == []
+    assert output_errors(TREE, {"name": "root", "children": [{"children": []}]}) == [
+        "data.children.0: 'name' is a required property"
+    ]
+    assert output_errors(COUNT, INVALID) == INVALID_ERRORS
+    assert output_errors(COUNT, VALID) == []
+
+
+def test_data_that_doubles_the_work_at_each_level_is_cut_off() -> None:
+    """Two alternatives, both recursing into the same child: nested data fails both at every level (2**60)."""
+    branch = {"type": "object", "properties": {"c": {"$ref": "#"}}, "required": ["c"]}
+    schema = {"anyOf": [branch, {**branch, "minProperties": 1}]}
+    assert schema_problem(schema) is None  # each subschema counted once: the cycle is the data's
+    data: Any = {}
+    for _ in range(60):
+        data = {"c": data}
+    errors, cpu_s = cpu_seconds(lambda: output_errors(schema, data))
+    assert errors == [f"data: validating it against the schema takes more than {MAX_OUTPUT_STEPS} steps"]
+    assert cpu_s < 60  # MAX_OUTPUT_STEPS steps: seconds (about 5 alone), not the age of the universe
+
+
+# -- 3. regular expressions run in linear time -----------------------------------------------------
+
+
+def test_a_catastrophic_pattern_is_evaluated_at_once() -> None:
+    schema = {"type": "object", "properties": {"x": {"type": "string", "pattern": "^(a+)+$"}}}
+    assert schema_problem(schema) is None
+    errors, cpu_s = cpu_seconds(lambda: output_errors(schema, {"x": "a" * 30 + "!"}))
+    assert errors == ["data.x: 'aaaaaaaaaaaaaaaaaaaaaaaaaaaaaa!' does not match '^(a+)+$'"]
+    assert cpu_s < AT_ONCE_CPU_S
+    assert output_errors(schema, {"x": "a" * 30}) == []
+
+
+def test_catastrophic_property_patterns_are_evaluated_at_once() -> None:
+    key = "a" * 28 + "!"
+    named = {"patternProperties": {"^(a|a)*$": {"type": "integer"}}, "additionalProperties": False}
+    assert schema_problem(named) is None
+    errors, cpu_s = cpu_seconds(lambda: output_errors(named, {key: 1, "aaa": "x"}))
+    assert errors == [
+        f"data: '{key}' does not match any of the regexes: '^(a|a)*$'",
+        "data.aaa: 'x' is not of type 'integer'",
+    ]
+    assert cpu_s < AT_ONCE_CPU_S
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        (
+            {"properties": {"x": {"pattern": "(?=a)"}}},
+            "output_schema.properties.x.pattern: '(?=a)' is not a 'regex'",
+        ),
+        (
+            {"$schema": "http://json-schema.org/draft-04/schema#", "patternProperties": {"(a)\\1": {}}},
+            "output_schema.patternProperties.(a)\\1: '(a)\\\\1' is not a regular expression RE2 accepts: ",
+        ),
+        (
+            {"properties": {"x": {"patternProperties": {"^a": {}}}}, "unevaluatedProperties": False},
+            "output_schema.properties.x.patternProperties: cannot be combined with unevaluatedProperties",
+        ),
+    ],
+    ids=["lookahead", "backreference (draft 4)", "unevaluatedProperties"],
+)
+def test_a_pattern_re2_cannot_run_is_refused_naming_its_path(schema: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError) as refused:
+        check_schema(schema)
+    assert refused.value.message.startswith(message), refused.value.message
