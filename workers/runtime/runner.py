@@ -45,8 +45,7 @@ from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, Text
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.usage import UsageLimits
 
-from coordinator import CorruptError, Profile, StoreError, SubtaskResult, Usage, one_line
-from coordinator.output_schema import completion_parameters
+from coordinator import CorruptError, Profile, StoreError, SubtaskResult, Usage, completion_parameters, one_line
 from coordinator.runs import (
     Ended,
     HandBack,

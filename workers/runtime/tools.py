@@ -65,9 +65,19 @@ from pydantic_ai.messages import (
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.toolsets import FunctionToolset
 
-from coordinator import OFFLINE_PROFILE, Profile, SubqError, SubtaskSpec, ignored_lines, one_line, render_markdown
-from coordinator.inputs import error_message, error_path
-from coordinator.output_schema import compact, output_errors
+from coordinator import (
+    OFFLINE_PROFILE,
+    Profile,
+    SubqError,
+    SubtaskSpec,
+    compact,
+    error_message,
+    error_path,
+    ignored_lines,
+    one_line,
+    output_errors,
+    render_markdown,
+)
 from coordinator.runs import Run
 from workers.runtime import commands
 from workers.runtime.approval_policy import Verdict, verdict
