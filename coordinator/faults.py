@@ -13,7 +13,9 @@ runs a freed slot admitted, not yet sent),
 `after-close` (a batch is closed, its parent's resume not yet published),
 `after-claim-publish` (a batch is claimed for publishing, not yet published),
 `after-retry` (a retry is committed: its tasks active again and on the due list, their runs
-not yet published).
+not yet published),
+`after-compaction` (a run's compaction record is kept with its journal, the request it was
+made for not yet sent).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ __all__ = ["POINTS", "crash_point"]
 
 log = logging.getLogger(__name__)
 
-POINTS = ("after-end", "after-commit", "after-close", "after-claim-publish", "after-retry")
+POINTS = ("after-end", "after-commit", "after-close", "after-claim-publish", "after-retry", "after-compaction")
 
 
 def crash_point(settings: Settings, name: str) -> None:

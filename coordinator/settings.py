@@ -131,6 +131,16 @@ DEFAULT_MAX_REQUESTS = 25
 DEFAULT_TOOL_TIMEOUT_S = 300.0
 # One response of a model may call many tools; a run makes at most this many calls at once.
 DEFAULT_MAX_TOOL_CALLS_AT_ONCE = 8
+# A run compacts its conversation before a request that would pass this share of the model's context
+# window (docs/context.md): the rest is room for the answer and for the estimate being short.
+DEFAULT_COMPACT_AT_SHARE = 0.8
+# The most of one tool result the model reads (its beginning and its end): about 5,000 tokens, so a
+# `git log` or a whole file cannot fill a 128k window in a few calls, and most results pass whole.
+DEFAULT_MAX_TOOL_OUTPUT_CHARS = 20_000
+# Below this a window holds no more than the system prompt and the tools' schemas.
+MIN_CONTEXT_WINDOW = 1_000
+# A cut result keeps at least this much of its beginning and end together: less says nothing.
+MIN_TOOL_OUTPUT_CHARS = 200
 
 
 class Price(BaseModel):
@@ -354,6 +364,15 @@ class Profile(BaseModel):
     # failing or refuses the model (each checked against the profiles when settings load).
     model_retry_for_s: float = Field(default=DEFAULT_MODEL_RETRY_FOR_S, ge=0)
     fallback_profiles: list[str] = Field(default_factory=list)
+    # A context that never overflows (docs/context.md): the model's window in tokens (unset: what
+    # genai-prices or pydantic-ai know of the model; none known, a run compacts only when the provider
+    # refuses a request as too long), the share of it past which a run compacts before a request, the
+    # most of one tool result the model reads, and the profile whose model writes the summary of older
+    # turns (unset: this one's; checked against the profiles when settings load).
+    context_window: int | None = Field(default=None, ge=MIN_CONTEXT_WINDOW)
+    compact_at_share: float = Field(default=DEFAULT_COMPACT_AT_SHARE, gt=0, le=0.95)
+    max_tool_output_chars: int = Field(default=DEFAULT_MAX_TOOL_OUTPUT_CHARS, ge=MIN_TOOL_OUTPUT_CHARS)
+    compaction_profile: str | None = Field(default=None, min_length=1)
 
     @field_validator("mcp_servers")
     @classmethod
@@ -598,6 +617,7 @@ class Settings(BaseSettings):
         read_from_file = from_file if self.profiles_file is not None else {}
         self._from_file = frozenset(name for name, p in read_from_file.items() if self.profiles.get(name) is p)
         self._check_fallbacks(set(self._from_file))
+        self._check_compaction_profiles(set(self._from_file))
         return self
 
     def _check_fallbacks(self, from_file: set[str]) -> None:
@@ -615,6 +635,18 @@ class Settings(BaseSettings):
             if cycle:
                 raise ValueError(
                     f"{variable}: profile {name!r}: fallback_profiles go round in a cycle ({' -> '.join(cycle)})"
+                )
+
+    def _check_compaction_profiles(self, from_file: set[str]) -> None:
+        """Each `compaction_profile` names a known profile (its model writes the summaries)."""
+        profiles = self.all_profiles()
+        for name, profile in profiles.items():
+            wanted = profile.compaction_profile
+            if wanted is not None and wanted not in profiles:
+                variable = f"SUBQ_PROFILES_FILE: {self.profiles_file}" if name in from_file else "SUBQ_PROFILES"
+                raise ValueError(
+                    f"{variable}: profile {name!r}: compaction_profile names {wanted!r}, which is not a profile "
+                    f"(known: {', '.join(sorted(profiles))})"
                 )
 
     def fallback_chain(self, name: str) -> list[str]:

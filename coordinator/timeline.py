@@ -21,6 +21,11 @@ in the same call, so recording costs no Redis round trip of its own (docs/archit
 |                    | this wait by the retry (coordinator/retry.py)                     |
 | an outcome         | `completed`, `failed` or `cancelled`: the end; nothing follows it |
 
+A point mark says something happened without changing the state: `compacted` (the run compacted
+its conversation to fit its model's context window, docs/context.md) is written with the record
+and followed by `running` again, at the same ms. `times_of` counts them (`compactions_ms`) and
+reads the intervals as if they were not there.
+
 The stored form (`TaskField.TIMELINE`, a field of the task hash) is a small JSON object,
 written by the Lua scripts (`timeline_add` in store/lua/hashes.lua) and by the Python that
 creates records: `{"m": [[t_ms, state], ...], "f": {state: ms}, "n": folded, "t0": t_ms}`.
@@ -50,6 +55,7 @@ __all__ = [
     "MAX_MARKS",
     "MAX_TOOL_CALLS",
     "OUTCOMES",
+    "POINT_MARKS",
     "RUN_WAITS",
     "WAIT_PREFIX",
     "WAIT_REASONS",
@@ -74,6 +80,8 @@ MAX_MARKS = 200
 # How many of the oldest marks one fold takes: half, so a fold happens once per 100 marks.
 FOLD_MARKS = 100
 OUTCOMES = ("completed", "failed", "cancelled")
+# Marks of a moment within a state, not a state of their own (keep_compaction.lua writes `compacted`).
+POINT_MARKS = ("compacted",)
 # `retry`: from a failure to the retry a person made (retry.lua turns the `failed` mark into it).
 WAIT_REASONS = ("children", "approval", "admission", "rate_limit", "tool_limit", "provider", "retry")
 # Waits inside a run: the run goes on after them (they do not start a new run). A provider wait
@@ -205,6 +213,7 @@ class TaskTimes(BaseModel):
     wait_by_reason_ms: dict[str, int] = Field(default_factory=dict)
     wall_ms: int = 0  # from its first mark to its end (or now)
     folded_marks: int = 0  # marks folded away (their lengths are in the totals, not the intervals)
+    compactions_ms: list[int] = Field(default_factory=list)  # when its runs compacted their conversation
     intervals: list[Interval] = Field(default_factory=list)
 
 
@@ -234,7 +243,8 @@ def times_of(timeline: Timeline, now_ms: int | None = None) -> TaskTimes:
     if not timeline.m:
         return TaskTimes()
     now = max(timeline.m[-1][0], timeline.m[-1][0] if now_ms is None else now_ms)
-    marks = timeline.m
+    points = [t for t, state in timeline.m if state in POINT_MARKS]
+    marks = _states(timeline.m)
     totals: dict[str, int] = dict(timeline.f)
     intervals: list[Interval] = []
     runs, started, ended, outcome = 0, None, None, None
@@ -258,8 +268,17 @@ def times_of(timeline: Timeline, now_ms: int | None = None) -> TaskTimes:
         as_of_ms=now, queued_at_ms=first, started_at_ms=started, ended_at_ms=ended, outcome=outcome, runs=runs,
         queue_ms=totals.get("queued", 0), run_ms=totals.get("running", 0), wait_ms=sum(by_reason.values()),
         wait_by_reason_ms=by_reason, wall_ms=max(0, (ended if ended is not None else now) - first),
-        folded_marks=timeline.n, intervals=intervals,
+        folded_marks=timeline.n, compactions_ms=points, intervals=intervals,
     )  # fmt: skip
+
+
+def _states(marks: Sequence[tuple[int, str]]) -> list[tuple[int, str]]:
+    """The marks that change the state: point marks left out, and a mark that repeats the state before it."""
+    out: list[tuple[int, str]] = []
+    for t, state in marks:
+        if state not in POINT_MARKS and not (out and out[-1][1] == state):
+            out.append((t, state))
+    return out
 
 
 # A child's end and its parent's resume are written by one script on one clock; a batch closed by

@@ -17,11 +17,25 @@ A failure takes the place of the answer while it lasts (for `for_s` seconds, or
 `times` requests, or both: whichever ends first); failures queue in the order
 given, `status=0` closes the connection without an answer, and `status=200`
 answers as usual (so `script([503, 200, 404])` scripts the next three requests).
+
+A context window, as a hosted model has one (tests of compaction, docs/context.md):
+
+    ModelServer(turns, max_prompt_tokens=6000, by_call_ids=True, summary="...")
+
+- `max_prompt_tokens`: a request whose prompt counts more tokens is refused as OpenAI refuses it
+  (400, code `context_length_exceeded`); every answer reports the prompt's count as its prompt
+  tokens. A prompt counts `PROMPT_CHARS_PER_TOKEN` characters of its messages' and tools' JSON a token.
+- `by_call_ids`: the answer is the turn after the highest `call_<n>_...` id among the request's
+  assistant tool calls (the first turn when it has none), not the count of its assistant messages,
+  which a compacted conversation no longer holds.
+- A request that offers no tools is a summariser's: it is answered `summary`, not a turn.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import socket
 import threading
 import time
@@ -31,10 +45,18 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-__all__ = ["USAGE", "Failure", "ModelServer", "Seen", "Turn", "call", "free_port"]
+__all__ = ["PROMPT_CHARS_PER_TOKEN", "USAGE", "Failure", "ModelServer", "Seen", "Turn", "call", "free_port"]
 
 # Each answer's usage, so a test can work out its price: (prompt tokens, completion tokens).
 USAGE = (1000, 50)
+# How a server with a window counts a prompt: characters of its messages' and tools' JSON a token (about
+# what a BPE tokenizer gives for English and JSON; subq's own estimate must count more, never fewer).
+PROMPT_CHARS_PER_TOKEN = 4
+# What a summariser's request (one that offers no tools) is answered, and its completion tokens.
+SUMMARY = "Summary: the earlier turns read data and noted it; nothing else is pending."
+SUMMARY_TOKENS = 40
+# An assistant tool call's id, as this server makes them: call_<turn>_<index>.
+CALL_ID = re.compile(r"^call_(\d+)_\d+$")
 # The placeholder key a keyless local server takes (the profile still needs one).
 KEY = "model-server-key"
 # Error bodies as OpenAI sends them, by status.
@@ -81,10 +103,23 @@ class Seen:
     wall_s: float
     status: int
     body: dict[str, Any]
+    prompt_tokens: int = 0  # as the server counted the prompt (`prompt_tokens_of`)
+    usage: tuple[int, int] = (0, 0)  # the answer's (prompt, completion) tokens; (0, 0) when not answered
 
     @property
     def model(self) -> str:
         return str(self.body.get("model", ""))
+
+    @property
+    def summarising(self) -> bool:
+        """A summariser's request: it offers the model no tools."""
+        return not self.body.get("tools")
+
+
+def prompt_tokens_of(body: dict[str, Any]) -> int:
+    """The prompt's tokens as a server with a window counts them: its messages' and tools' JSON characters."""
+    chars = len(json.dumps(body.get("messages", []))) + len(json.dumps(body.get("tools", [])))
+    return math.ceil(chars / PROMPT_CHARS_PER_TOKEN)
 
 
 def free_port() -> int:
@@ -97,10 +132,22 @@ def free_port() -> int:
 class ModelServer:
     """A scriptable OpenAI-compatible server; start with `with`, or `start()` and `stop()`."""
 
-    def __init__(self, turns: list[Turn] | None = None, *, key: str = KEY, latency_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        turns: list[Turn] | None = None,
+        *,
+        key: str = KEY,
+        latency_s: float = 0.0,
+        max_prompt_tokens: int | None = None,
+        by_call_ids: bool = False,
+        summary: str = SUMMARY,
+    ) -> None:
         self.turns = turns or [Turn(text="done")]
         self.key = key
         self.latency_s = latency_s
+        self.max_prompt_tokens = max_prompt_tokens
+        self.by_call_ids = by_call_ids
+        self.summary = summary
         self.seen: list[Seen] = []
         self._failures: list[Failure] = []
         self._lock = threading.Lock()
@@ -184,14 +231,35 @@ class ModelServer:
                 failure.times -= 1
             return None if failure.status == 200 else failure
 
-    def _record(self, status: int, body: dict[str, Any]) -> None:
+    def _record(self, status: int, body: dict[str, Any], usage: tuple[int, int] = (0, 0)) -> None:
         with self._lock:
-            self.seen.append(Seen(time.monotonic(), time.time(), status, body))
+            self.seen.append(Seen(time.monotonic(), time.time(), status, body, prompt_tokens_of(body), usage))
 
-    def _answer(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _turn_no(self, messages: list[dict[str, Any]]) -> int:
+        assistant = [m for m in messages if m.get("role") == "assistant"]
+        if not self.by_call_ids:
+            return len(assistant)
+        numbers = [
+            int(found.group(1))
+            for m in assistant
+            for c in m.get("tool_calls") or []
+            if (found := CALL_ID.match(str(c.get("id", "")))) is not None
+        ]
+        return max(numbers) + 1 if numbers else 0
+
+    def _usage(self, body: dict[str, Any], completion: int) -> tuple[int, int]:
+        """What an answer reports: the counted prompt where the server has a window, else the fixed USAGE."""
+        return (prompt_tokens_of(body) if self.max_prompt_tokens is not None else USAGE[0]), completion
+
+    def _answer(self, body: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, int]]:
         messages = body.get("messages", [])
-        turn_no = sum(1 for m in messages if m.get("role") == "assistant")
-        turn = self.turns[min(turn_no, len(self.turns) - 1)]
+        if not body.get("tools"):  # a summariser's request
+            turn_no, turn = -1, Turn(text=self.summary)
+            usage = self._usage(body, SUMMARY_TOKENS)
+        else:
+            turn_no = self._turn_no(messages)
+            turn = self.turns[min(turn_no, len(self.turns) - 1)]
+            usage = self._usage(body, USAGE[1])
         message: dict[str, Any] = {"role": "assistant", "content": turn.text}
         if turn.calls:
             message["tool_calls"] = [
@@ -202,13 +270,13 @@ class ModelServer:
                 }
                 for index, c in enumerate(turn.calls)
             ]
-        prompt, completion = USAGE
+        prompt, completion = usage
         return {
             "id": f"chatcmpl-{len(self.seen)}", "object": "chat.completion", "created": int(time.time()),
             "model": body.get("model", ""),
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
             "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if turn.calls else "stop"}],
-        }  # fmt: skip
+        }, usage  # fmt: skip
 
 
 class _Http(ThreadingHTTPServer):
@@ -245,10 +313,22 @@ class _Handler(BaseHTTPRequestHandler):
             kind, message = ERRORS.get(failure.status, ("error", f"HTTP {failure.status}"))
             self._reply(failure.status, {"error": {"message": message, "type": kind, "code": kind}}, failure.headers)
             return
+        limit, counted = model_server.max_prompt_tokens, prompt_tokens_of(body)
+        if limit is not None and counted > limit:
+            model_server._record(400, body)
+            message = (
+                f"This model's maximum context length is {limit} tokens. However, your messages resulted in "
+                f"{counted} tokens. Please reduce the length of the messages."
+            )
+            error = {"message": message, "type": "invalid_request_error", "param": "messages",
+                     "code": "context_length_exceeded"}  # fmt: skip
+            self._reply(400, {"error": error})
+            return
         if model_server.latency_s:
             time.sleep(model_server.latency_s)
-        model_server._record(200, body)
-        self._reply(200, model_server._answer(body))
+        answer, usage = model_server._answer(body)
+        model_server._record(200, body, usage)
+        self._reply(200, answer)
 
     def _reply(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
         data = json.dumps(payload).encode()

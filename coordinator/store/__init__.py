@@ -35,6 +35,7 @@ reads through another is handed it (`RunStore(core, records)`).
 |                      |                    |                  | the one probe, the runs parked on each                    |
 | `store.audit`        | `AuditLog`         | `audit.py`       | the audit log and the count of refused requests by reason |
 | `store.retries`      | `RetryStore`       | `retries.py`     | failed tasks made to run again, and batches re-opened     |
+| `store.compaction`   | `CompactionStore`  | `compaction.py`  | a task's compaction records, beside its journal           |
 
 and the modules the parts share:
 
@@ -57,6 +58,7 @@ import redis
 from coordinator.store.approvals import ApprovalStore
 from coordinator.store.audit import AuditLog
 from coordinator.store.base import EVENTS_MAXLEN, ReplicaWait, StoreCore, translate_redis_errors
+from coordinator.store.compaction import CompactionStore
 from coordinator.store.convergence import ConvergenceStore
 from coordinator.store.deadletters import DeadLetterStore
 from coordinator.store.delegation import DelegationStore
@@ -108,3 +110,4 @@ class Store:
         self.endpoints = EndpointStore(core)
         self.audit = AuditLog(core)
         self.retries = RetryStore(core)
+        self.compaction = CompactionStore(core)

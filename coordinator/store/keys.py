@@ -22,6 +22,11 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 |                                       |        | worker died replays it instead of calling again;   |          |
 |                                       |        | `started:<call id>` -> 1 as a call a human         |          |
 |                                       |        | approved starts (a resume must not rerun it)       |          |
+| `<p>:{root}:compactions:<id>`         | list   | the task's compaction records, oldest first (JSON: | retention |
+|                                       |        | which journal messages the model no longer reads   |          |
+|                                       |        | whole, the summary, tokens before and after),      |          |
+|                                       |        | written while its run holds the lease; the journal |          |
+|                                       |        | stays whole (docs/context.md)                      |          |
 | `<p>:{root}:tasks`                    | zset   | every task id of the tree, scored by creation time | retention |
 | `<p>:{root}:live`                     | hash   | task id -> live status JSON (state, tool, cost)    | retention |
 | `<p>:{root}:running`                  | set    | tasks of the tree holding a run slot (in flight)   | emptied as runs end |
@@ -107,6 +112,9 @@ class Keys:
 
     def tool_results(self, root_id: str, task_id: str) -> str:
         return f"{self._tree(root_id)}:tool-results:{task_id}"
+
+    def compactions(self, root_id: str, task_id: str) -> str:
+        return f"{self._tree(root_id)}:compactions:{task_id}"
 
     def lease(self, root_id: str, task_id: str) -> str:
         return f"{self._tree(root_id)}:lease:{task_id}"

@@ -942,3 +942,27 @@ class Unwatch(
     @classmethod
     def decode(cls, raw: Any) -> int:
         return int(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeepCompaction(
+    Call[str],
+    script="keep_compaction",
+    acknowledged=True,
+    returns="'kept', 'fenced' when the lease is not this run's, or 'kept_before' when the task has a compaction of "
+    "that number already (nothing written).",
+):
+    lease: str = key("lease")
+    task: str = key("task hash")
+    compactions: str = key("the task's compaction records")
+    ui_messages: str = key("UI messages")
+    token: str = arg("the run's token")
+    number: int = arg("the record's number (1 for the task's first)")
+    record: str = arg("the record (JSON)")
+    ui_message: str = arg("the context_compacted UI message (JSON)")
+    now: float = arg("now")
+    retention_s: int = arg("retention seconds")
+
+    @classmethod
+    def decode(cls, raw: Any) -> str:
+        return str(raw)

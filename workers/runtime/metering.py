@@ -13,6 +13,11 @@
 - Every attempt is counted in the worker's own metrics by its outcome (ok,
   transient_error, error, cancelled), with the latency of those answered, under
   `labels` (provider, model): workers/observe.py, in memory, no Redis.
+- With a `compactor` (workers/runtime/compaction.py), what is sent is the
+  compacted view of the messages, compacted further when the request would
+  pass its share of the context window; a provider's refusal of a request as
+  too long compacts and sends it once more, instead of failing the run. The
+  messages themselves (the run's history) are never changed.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.settings import ModelSettings
 
 from workers import observe
+from workers.runtime.compaction import Compactor, is_context_overflow
 from workers.runtime.providers import TRANSIENT_ERRORS, EndpointDown
 
 __all__ = ["TRANSIENT_ERRORS", "MeteredModel", "ResponseHook"]
@@ -53,12 +59,14 @@ class MeteredModel(WrapperModel):
         before: Callable[[], Awaitable[None]] = _nothing,
         after_error: Callable[[Exception, int], Awaitable[None]] = _give_up,
         labels: tuple[str, str] = ("", ""),
+        compactor: Compactor | None = None,
     ) -> None:
         super().__init__(wrapped)
         self._on_response = on_response
         self._before = before
         self._after_error = after_error
         self._labels = labels
+        self.compactor = compactor
 
     async def request(
         self,
@@ -67,11 +75,15 @@ class MeteredModel(WrapperModel):
         model_request_parameters: ModelRequestParameters,
     ) -> ModelResponse:
         attempt = 0
+        sent = messages
+        overflowed = False  # the provider refused it as too long once: compacted and sent again
+        if self.compactor is not None:
+            sent = await self.compactor.view(messages, model_request_parameters)
         while True:
             await self._before()
             started = time.perf_counter()
             try:
-                response = await super().request(messages, model_settings, model_request_parameters)
+                response = await super().request(sent, model_settings, model_request_parameters)
             except (*TRANSIENT_ERRORS, FallbackExceptionGroup) as exc:
                 if not isinstance(exc, EndpointDown):  # held back by its gate, it was never sent
                     observe.model_request(*self._labels, "transient_error")
@@ -81,10 +93,16 @@ class MeteredModel(WrapperModel):
             except asyncio.CancelledError:  # a stop abandoned the request in flight
                 observe.model_request(*self._labels, "cancelled")
                 raise
-            except Exception:
+            except Exception as exc:
                 observe.model_request(*self._labels, "error")
+                if self.compactor is not None and not overflowed and is_context_overflow(exc):
+                    overflowed = True
+                    again = await self.compactor.after_overflow(messages, model_request_parameters, sent)
+                    if again is not None:
+                        sent = again
+                        continue
                 raise
             latency_s = time.perf_counter() - started
             observe.model_request(*self._labels, "ok", latency_s)
-            self._on_response(messages, response, latency_s * 1000)
+            self._on_response(sent, response, latency_s * 1000)
             return response

@@ -19,6 +19,11 @@ Request number *n* of the conversation (counted as the `ModelResponse`
 messages already in the history, so the count survives persisting and resuming
 a task) plays step *n*. Without a script, and after the last step, the model
 answers `Done: <first line of the task>` so every agent run ends.
+
+Compaction (workers/runtime/compaction.py): a compacted conversation's first
+request says how many responses it folded, and they count among the steps
+played; a summariser's request is answered with notes made from its transcript
+(the tool calls it names), not a step of the script.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from pydantic_ai.settings import ModelSettings
 from pydantic_ai.usage import RequestUsage
 
 from coordinator import OFFLINE_PROFILE
+from workers.runtime.compaction import folded_responses, is_summary_request
 from workers.runtime.planner import next_step, read_plan
 from workers.runtime.script import (
     MAX_LATENCY_MS,
@@ -152,9 +158,12 @@ class OfflineModel(Model):
         yield CompletedStreamedResponse(response, model_request_parameters=model_request_parameters, replay_events=True)
 
     async def _respond(self, messages: list[ModelMessage], params: ModelRequestParameters) -> ModelResponse:
+        if is_summary_request(messages):
+            return _notes(messages, params)
         message = task_message(messages)
         script = parse_script(message)
-        index = sum(isinstance(m, ModelResponse) for m in messages)
+        # The steps played: the responses in the history, and those a compaction folded away.
+        index = folded_responses(messages) + sum(isinstance(m, ModelResponse) for m in messages)
         step = script.steps[index] if script is not None and index < len(script.steps) else None
 
         if step is not None and step.latency_ms:
@@ -215,6 +224,34 @@ _TRANSIENT: dict[str, type[ModelAPIError]] = {
     "server": ModelServerError,
     "timeout": ModelTimeoutError,
 }
+
+
+# The notes the offline model writes for a summariser: at most this many of the calls it read, each cut.
+NOTES_CALLS = 30
+NOTE_CHARS = 120
+
+
+def _notes(messages: Sequence[ModelMessage], params: ModelRequestParameters) -> ModelResponse:
+    """A summariser's answer: the tool calls its transcript names (compaction.py writes them one a line)."""
+    transcript = "\n".join(
+        _user_prompt_text(part) for m in messages if isinstance(m, ModelRequest) for part in m.parts
+        if isinstance(part, UserPromptPart)
+    )  # fmt: skip
+    calls = [line[len("[agent calls] ") :] for line in transcript.splitlines() if line.startswith("[agent calls] ")]
+    shown = [call if len(call) <= NOTE_CHARS else call[: NOTE_CHARS - 1] + "…" for call in calls[-NOTES_CALLS:]]
+    earlier = f" ({len(calls) - len(shown)} earlier ones left out)" if len(calls) > len(shown) else ""
+    text = f"Notes (offline model): the agent made {len(calls)} tool calls{earlier}:\n" + "\n".join(shown)
+    parts: list[ModelResponsePart] = [TextPart(content=text)]
+    return ModelResponse(
+        parts=parts,
+        usage=RequestUsage(
+            input_tokens=estimate_tokens(_request_text(messages, params)), output_tokens=estimate_tokens(text)
+        ),
+        model_name=OFFLINE_PROFILE,
+        provider_name=OFFLINE_PROFILE,
+        provider_response_id="offline-notes",
+        finish_reason="stop",
+    )
 
 
 def offline_model() -> OfflineModel:

@@ -12,7 +12,11 @@ pydantic-ai's `RunContext` first) or a pydantic-ai `FunctionToolset`. Then:
 - every call goes through the profile's approval policy (`PolicyToolset`,
   workers/runtime/approval_policy.py), whatever the tool: a call the policy
   asks about ends the run and waits for a human decision, as `run_command`'s
-  always did; a denied call gets the denial as its result and never runs.
+  always did; a denied call gets the denial as its result and never runs;
+- the model reads at most the profile's `max_tool_output_chars` of one result
+  (its beginning and its end, with a line saying how much was cut between
+  them): a `git log` or a whole file cannot fill the context window at once
+  (docs/context.md); the journal keeps what the model read.
 
 A tool is offered under its own name; two tools of one name in a profile are an
 error. Every bad entry (an import path that does not import, an attribute that
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib
 import inspect
 import itertools
@@ -43,7 +48,10 @@ from decimal import Decimal
 from fnmatch import fnmatchcase
 from typing import Any
 
+import pydantic
+import pydantic_core
 from pydantic_ai import ApprovalRequired, CallDeferred, ModelRetry, RunContext, ToolReturn
+from pydantic_ai.messages import AudioUrl, BinaryContent, DocumentUrl, ImageUrl, VideoUrl
 from pydantic_ai.toolsets import AbstractToolset, CombinedToolset, FunctionToolset, WrapperToolset
 from pydantic_ai.toolsets.abstract import ToolsetTool
 
@@ -62,6 +70,7 @@ from coordinator.tracing import span
 from workers import observe
 from workers.runtime import mcp_servers, sandbox
 from workers.runtime.approval_policy import unguarded_command
+from workers.runtime.compaction import cap_text
 from workers.runtime.pricing import parse_usd
 from workers.runtime.tools import SELF_GUARDED, CallAnswered, RunState, apply_verdict, orchestration_tools
 
@@ -77,6 +86,7 @@ __all__ = [
     "ProfileTools",
     "Toolbox",
     "answer_without_running",
+    "capped",
     "check",
     "idempotency_key",
     "idempotent",
@@ -264,9 +274,35 @@ class PolicyToolset(WrapperToolset[RunState]):
             run.say("tool_error", f"{name}: {result}")
         ran_s = time.monotonic() - started_s if started_s and outcome != "denied" else None
         charge(run, ctx.deps.profile, name, call_id, reported_cost(name, result))
+        result = capped(result, ctx.deps.profile.max_tool_output_chars, name)
         # A ToolReturn's value is what the model reads: the journal keeps that for a replay.
         _done(ctx, name, outcome, result.return_value if isinstance(result, ToolReturn) else result, ran_s)
         return result
+
+
+# What a tool may return that is not text to cut (an image, a file): the model reads it as it is.
+_MEDIA = (AudioUrl, BinaryContent, DocumentUrl, ImageUrl, VideoUrl)
+
+
+def capped(result: Any, max_chars: int, tool: str) -> Any:
+    """What the model reads of a call's result: the result, or where its text (a structured result's JSON, as
+    pydantic-ai sends it) is longer than `max_chars`, its beginning and end with a line saying how much was cut."""
+    if isinstance(result, ToolReturn):
+        value = capped(result.return_value, max_chars, tool)
+        return result if value is result.return_value else dataclasses.replace(result, return_value=value)
+    if isinstance(result, str):
+        text = result
+    elif isinstance(result, dict | list | tuple | pydantic.BaseModel) and not _has_media(result):
+        text = pydantic_core.to_json(result, fallback=str).decode()
+    else:
+        return result  # a number, None, media: short, or not text to cut
+    if len(text) <= max_chars:
+        return result
+    return cap_text(text, max_chars, f"{tool}'s result (max_tool_output_chars is {max_chars:,})")
+
+
+def _has_media(result: object) -> bool:
+    return isinstance(result, list | tuple) and any(isinstance(item, _MEDIA) for item in result)
 
 
 def _done(

@@ -15,7 +15,9 @@ holds its lease, records each response, and ends it in the right order. A run:
    spent budget) and the provider's fleet-wide rate limit, transient model
    errors retried with backoff, each response's usage recorded atomically and
    every new message appended to the conversation; a cancel also abandons the
-   request in flight;
+   request in flight; what each request sends is the conversation compacted to
+   fit the model's context window (workers/runtime/compaction.py: the run's
+   `Compaction`), the summariser's requests recorded as the task's own;
 4. ends completed, failed, cancelled, delegated (children published after the
    state is saved) or waiting for approval, through `Run.end`.
 It never raises for an agent-level failure: every outcome is a `SubtaskResult`.
@@ -26,7 +28,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import pydantic
@@ -42,10 +45,22 @@ from pydantic_ai import (
 from pydantic_ai.capabilities import Hooks
 from pydantic_ai.exceptions import UnexpectedModelBehavior
 from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, TextPart, ToolCallPart
+from pydantic_ai.models import ModelRequestParameters
+from pydantic_ai.settings import ModelSettings
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.usage import UsageLimits
 
-from coordinator import CorruptError, Profile, StoreError, SubtaskResult, Usage, completion_parameters, one_line
+from coordinator import (
+    CorruptError,
+    Profile,
+    StoreError,
+    SubtaskResult,
+    Usage,
+    completion_parameters,
+    faults,
+    one_line,
+    render_markdown,
+)
 from coordinator.runs import (
     Ended,
     HandBack,
@@ -57,6 +72,7 @@ from coordinator.runs import (
     ToolCall,
 )
 from workers import observe
+from workers.runtime.compaction import CompactionRecord, Compactor, load_records, summary_request
 from workers.runtime.context import Runtime
 from workers.runtime.metering import MeteredModel
 from workers.runtime.pricing import cost_of, reported_cost_usd
@@ -207,19 +223,18 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
     # Its profile's model, then its fallbacks', each behind its endpoint's gate, and its patience.
     route = Route(rt.settings, run, task.profile or rt.settings.default_profile)
 
-    def on_response(messages: list[ModelMessage], response: ModelResponse, latency_ms: float) -> None:
+    def record(response: ModelResponse, latency_ms: float, via: Route, *, tool: str | None, text: str) -> int:
+        """A response's usage and cost on the task, priced at the profile whose model answered it."""
         nonlocal request_no
         request_no += 1
         usage = response.usage
-        route.succeeded()
+        via.succeeded()
         # Priced at the profile whose model answered, which a fallback names in the source and the UI.
-        answered = route.answered
+        answered = via.answered
         cost_micros, source = cost_of(usage, answered.profile, reported_cost_usd(response))
-        if route.fell_back:
+        if via.fell_back:
             source = f"{source} (fallback: profile {answered.name!r}, {answered.profile.model})"
             run.say("fallback", f"answered by profile {answered.name!r} ({answered.profile.model})")
-        text = " ".join(p.content for p in response.parts if isinstance(p, TextPart)).strip()
-        tool = next((p.tool_name for p in response.parts if isinstance(p, ToolCallPart)), None)
         used = Usage(
             tokens_in=usage.input_tokens,
             tokens_out=usage.output_tokens,
@@ -227,7 +242,15 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
             cache_writes=usage.cache_write_tokens,
         )
         run.record_response(request_no, used, cost_micros, source, latency_ms=latency_ms, tool=tool, text=text)
-        observe.response(profile.model, task.profile, used, cost_micros)  # this worker's counters, in memory
+        observe.response(
+            via.hops[0].profile.model, task.profile, used, cost_micros
+        )  # this worker's counters, in memory
+        return cost_micros
+
+    def on_response(messages: list[ModelMessage], response: ModelResponse, latency_ms: float) -> None:
+        text = " ".join(p.content for p in response.parts if isinstance(p, TextPart)).strip()
+        tool = next((p.tool_name for p in response.parts if isinstance(p, ToolCallPart)), None)
+        cost_micros = record(response, latency_ms, route, tool=tool, text=text)
         for part in response.parts:
             if isinstance(part, TextPart) and part.content.strip():
                 run.say("text", part.content)
@@ -261,7 +284,7 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
 
     model = MeteredModel(
         route.model, on_response, labels=(profile.provider, profile.model), before=before_request,
-        after_error=route.after_error,
+        after_error=route.after_error, compactor=_compactor(rt, run, profile, route, record, before_request, history),
     )  # fmt: skip
     pending = _calls_without_result(history)
     results = _answers(run, state, pending, offered) if pending else None
@@ -322,6 +345,72 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
     if isinstance(output, TypedResult):
         return Ended("completed", summary=output.result, output_json=output.data_json, invalid_outputs=invalid)
     return Ended("completed", summary=str(output))
+
+
+class Compaction:
+    """What a run's compaction needs of it (compaction.CompactionPort): the task's plan, and keeping a record."""
+
+    def __init__(self, rt: Runtime, run: Run) -> None:
+        self.rt, self.run = rt, run
+
+    def plan(self) -> str:
+        items = self.run.todos()
+        return render_markdown(items) if items else ""
+
+    def keep(self, record: CompactionRecord, ui_text: str) -> None:
+        # The journal the record covers and the summariser's usage are written first: a record never names
+        # messages a resumed run cannot find, and a summary is never paid for without being counted.
+        self.run.flush()
+        ui = json.dumps({"ts": time.time(), "type": "say", "say": "context_compacted", "text": ui_text})
+        store = self.rt.coordinator.plane.store.compaction
+        kept = store.keep(self.run.task, self.run.token, record.number, record.model_dump_json(), ui)
+        if kept == "fenced":
+            self.run.fenced = True
+            raise LeaseLost(self.run.task_id)
+        if kept == "kept_before":  # only a second live run could have: the lease says there is none
+            log.warning("subq: compaction %d of %s was kept already", record.number, self.run.task_id)
+        faults.crash_point(self.rt.settings, "after-compaction")
+
+
+def _compactor(
+    rt: Runtime,
+    run: Run,
+    profile: Profile,
+    route: Route,
+    record: Callable[..., int],
+    before: Callable[[], Awaitable[None]],
+    history: Sequence[ModelMessage],
+) -> Compactor:
+    """The run's compaction: its window (the profiles' `context_window`, else what pydantic-ai and genai-prices
+    know of the models, the smallest of a fallback chain's), and its summariser: `compaction_profile`'s route
+    (its fallbacks and its endpoint's gate), or the run's own, each summary recorded as one of the run's
+    responses. A resumed run (one with a conversation) reads the records its task kept."""
+    windows = [hop.profile.context_window for hop in route.hops if hop.profile.context_window]
+    window = min(windows) if windows else route.model.context_window
+    name = profile.compaction_profile or run.task.profile or rt.settings.default_profile
+    own = name == (run.task.profile or rt.settings.default_profile)
+    via = route if own else Route(rt.settings, run, name)
+    summariser = via.hops[0].profile
+
+    def on_summary(messages: list[ModelMessage], response: ModelResponse, latency_ms: float) -> None:
+        record(response, latency_ms, via, tool=None, text="")
+
+    model = MeteredModel(
+        via.model, on_summary, labels=(summariser.provider, summariser.model), before=before,
+        after_error=via.after_error,
+    )  # fmt: skip
+
+    async def summarise(transcript: str, max_tokens: int) -> str:
+        settings = ModelSettings(max_tokens=max_tokens)
+        response = await model.request([summary_request(transcript)], settings, ModelRequestParameters())
+        return "\n".join(p.content for p in response.parts if isinstance(p, TextPart))
+
+    kept = load_records(rt.coordinator.plane.store.compaction.records(run.task_id)) if history else []
+    windows = [hop.profile.context_window for hop in via.hops if hop.profile.context_window]
+    return Compactor(
+        Compaction(rt, run), summarise, window=window, share=profile.compact_at_share, summariser_name=name,
+        summariser_window=min(windows) if windows else via.model.context_window, records=kept,
+    )  # fmt: skip
 
 
 def build_agent(tools: ProfileTools, with_planner: bool) -> Agent[RunState, Any]:

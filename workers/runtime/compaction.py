@@ -1,0 +1,560 @@
+"""A context that never overflows: what a run's model is sent once its conversation nears the window.
+
+The run's own message history and its journal in Redis stay whole (the original
+transcript, for the export and the UI); compaction changes only what each request
+SENDS, in the model wrapper every request goes through (workers/runtime/metering.py).
+docs/context.md is the user's guide. Before a request whose estimated size passes
+`compact_at_share` of the profile's `context_window`:
+
+1. old tool results are elided (a line saying what was there takes each one's
+   place), the newest turns' kept whole;
+2. if that is not enough, the older turns are folded into a summary that a
+   summariser request writes (the profile's model, or `compaction_profile`'s),
+   put after the task's instruction together with the task's plan as it stands.
+
+The task's instruction (the first request: system prompt and task message) and
+the last turns are always kept, and a turn is never split: a response's tool
+calls and their results are folded, elided or kept together. A compaction aims
+at `TARGET_SHARE` of the threshold, so it is not needed again at the next request.
+A provider's refusal of a request as too long (OpenAI's `context_length_exceeded`,
+Anthropic's "prompt is too long": pydantic-ai's `ModelContextWindowExceededError`)
+compacts the same way, towards half the refused request's size, and the request
+is sent once more.
+
+Each compaction is a record (`CompactionRecord`) kept beside the journal, while the
+run holds its lease (coordinator/store/compaction.py): which journal messages are
+folded (`folded_upto`) and whose tool results are elided (`elided_upto`), the
+summary, the plan, and the tokens before and after. A record is cumulative (the
+latest says it all), so a run resumed anywhere rebuilds the same view from the
+journal and the latest record, and never compacts the same turns twice.
+
+The estimate is conservative: the characters of what a request carries (every
+part's text, tool calls' arguments, instructions, the tools' schemas), at
+`CHARS_PER_TOKEN_ESTIMATE` a token, fewer than providers' tokenizers average, so
+it counts more tokens than the provider will.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Protocol
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_ai.exceptions import ModelContextWindowExceededError, ModelHTTPError
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelRequest,
+    ModelResponse,
+    ModelResponsePart,
+    RetryPromptPart,
+    SystemPromptPart,
+    TextPart,
+    ThinkingPart,
+    ToolCallPart,
+    ToolReturnPart,
+    UserPromptPart,
+)
+from pydantic_ai.models import ModelRequestParameters
+
+__all__ = [
+    "CHARS_PER_TOKEN_ESTIMATE",
+    "KEEP_TURNS",
+    "METADATA_KEY",
+    "TARGET_SHARE",
+    "CompactionPort",
+    "CompactionRecord",
+    "Compactor",
+    "Summariser",
+    "cap_text",
+    "compacted_view",
+    "estimate_tokens",
+    "folded_responses",
+    "is_context_overflow",
+    "is_summary_request",
+    "summary_request",
+]
+
+log = logging.getLogger(__name__)
+
+# Characters a token, for the estimate: providers' tokenizers average about 4 for English and 3.3 for
+# JSON and code; counting 3 overstates a request's tokens, so a compaction comes early, never late.
+CHARS_PER_TOKEN_ESTIMATE = 3.0
+# What each part costs beside its text (role, ids, separators), in characters.
+PART_OVERHEAD_CHARS = 16
+# The newest turns a compaction keeps whole (a turn: a response and the results of its calls); 1 where
+# two do not fit.
+KEEP_TURNS = 2
+# A compaction aims at this share of the threshold: room for several more turns before the next one.
+TARGET_SHARE = 0.6
+# After a provider refused a request as too long, the retry aims at this share of its estimate.
+OVERFLOW_SHARE = 0.5
+# Of each tool result, what the summariser reads (its beginning and end).
+SUMMARY_RESULT_CHARS = 1_500
+# The summary's length in tokens: an eighth of the window, within these bounds.
+SUMMARY_MIN_TOKENS, SUMMARY_MAX_TOKENS = 256, 4_096
+# What the summariser reads at most when its model's window is not known (about 20k tokens).
+SUMMARY_INPUT_CHARS_UNKNOWN_WINDOW = 60_000
+# The key of a request's metadata that marks a compacted view's first request (how many responses it
+# folded: the offline model counts its script's steps with them) and a summariser's request.
+METADATA_KEY = "subq_compaction"
+
+SUMMARISER_PROMPT = (
+    "You compact the conversation of an AI agent that is working on a task, so that it can go on within its "
+    "model's context window. Write the agent's working notes from the transcript below: what it has done, what "
+    "it found (facts, figures, names, paths, ids, errors, tool results it relied on), the decisions it made and "
+    "why, and what it was about to do next. Be specific and brief; no preamble. The task's instruction and plan "
+    "are kept apart from your notes: do not repeat them."
+)
+
+
+class CompactionRecord(BaseModel):
+    """One compaction of a task's conversation, as kept in Redis (`compactions:<task id>`, JSON).
+
+    Cumulative: the latest record says which journal messages the model reads folded into its summary
+    (`[1, folded_upto)`) and whose tool results it reads elided (`[0, elided_upto)`). `fingerprint` is
+    a hash of the last journal message it covers: a journal that no longer holds that message (a retry
+    cut it back) does not take the record.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    number: int = Field(ge=1)
+    at: float
+    reason: Literal["window", "provider"]
+    folded_upto: int = Field(ge=0)
+    elided_upto: int = Field(ge=0)
+    folded_responses: int = Field(ge=0)
+    summary: str = ""
+    plan: str = ""
+    tokens_before: int = Field(ge=0)
+    tokens_after: int = Field(ge=0)
+    window: int | None = None
+    summariser: str = ""  # the profile whose model wrote the summary ('' when nothing was folded)
+    fingerprint: str
+
+    @property
+    def covers(self) -> int:
+        """How many journal messages from the start it covers."""
+        return max(self.folded_upto, self.elided_upto)
+
+
+RECORD = pydantic.TypeAdapter(CompactionRecord)
+MESSAGE: pydantic.TypeAdapter[ModelMessage] = pydantic.TypeAdapter(ModelMessage)
+
+
+class Summariser(Protocol):
+    """Writes a summary of a transcript: a request to a model, metered and priced as the run's own."""
+
+    async def __call__(self, transcript: str, max_tokens: int) -> str: ...
+
+
+class CompactionPort(Protocol):
+    """What a compaction needs of its run."""
+
+    def plan(self) -> str:
+        """The task's plan (todo list) as it stands, rendered ('' when it has none)."""
+        ...
+
+    def keep(self, record: CompactionRecord, ui_text: str) -> None:
+        """Keep the record with the run's journal, with its UI line and timeline mark (raises `LeaseLost`)."""
+        ...
+
+
+# -- the estimate -----------------------------------------------------------------------------
+
+
+def estimate_tokens(messages: Sequence[ModelMessage], params: ModelRequestParameters | None = None) -> int:
+    """A request's size in tokens, overstated (see the module's docstring)."""
+    chars = 0
+    requests = [m for m in messages if isinstance(m, ModelRequest)]
+    if requests and requests[-1].instructions:
+        chars += len(requests[-1].instructions)  # sent once, though every request records them
+    for message in messages:
+        for part in message.parts:
+            chars += PART_OVERHEAD_CHARS + len(_part_text(part))
+    if params is not None:
+        for tool in [*params.function_tools, *params.output_tools]:
+            chars += len(json.dumps([tool.name, tool.description, tool.parameters_json_schema]))
+    return math.ceil(chars / CHARS_PER_TOKEN_ESTIMATE)
+
+
+def _part_text(part: Any) -> str:
+    if isinstance(part, SystemPromptPart):
+        return part.content
+    if isinstance(part, UserPromptPart):
+        return part.content if isinstance(part.content, str) else " ".join(str(c) for c in part.content)
+    if isinstance(part, ToolReturnPart):
+        return part.tool_name + part.tool_call_id + part.model_response_str()
+    if isinstance(part, RetryPromptPart):
+        return part.model_response()
+    if isinstance(part, TextPart | ThinkingPart):
+        return part.content
+    if isinstance(part, ToolCallPart):
+        return part.tool_name + part.tool_call_id + part.args_as_json_str()
+    content = getattr(part, "content", None)
+    if isinstance(content, str):
+        return content
+    try:
+        return json.dumps(content, default=str)
+    except (TypeError, ValueError):
+        return str(content)
+
+
+# -- the view ---------------------------------------------------------------------------------
+
+
+def cap_text(text: str, max_chars: int, what: str) -> str:
+    """`text`, or its beginning and its end with a line saying how much of `what` was cut between them."""
+    if len(text) <= max_chars:
+        return text
+    cut = len(text) - max_chars
+    head = max_chars * 2 // 3
+    tail = max_chars - head
+    line = f"\n[... {cut:,} of {len(text):,} characters of {what} cut here ...]\n"
+    return text[:head] + line + (text[-tail:] if tail else "")
+
+
+def _elided(part: ToolReturnPart) -> ToolReturnPart:
+    chars = len(part.model_response_str())
+    note = (
+        f"[result elided to keep the conversation within the model's context window: {chars:,} characters "
+        f"of {part.tool_name}'s result; call the tool again if it is still needed]"
+    )
+    return replace(part, content=note)
+
+
+def folded_responses(messages: Sequence[ModelMessage]) -> int:
+    """How many responses a compacted view's first request says it folded (0 for any other history)."""
+    first = messages[0] if messages else None
+    if not isinstance(first, ModelRequest) or not first.metadata:
+        return 0
+    marked = first.metadata.get(METADATA_KEY)
+    return int(marked.get("folded_responses", 0)) if isinstance(marked, dict) else 0
+
+
+def _fingerprint(message: ModelMessage) -> str:
+    return hashlib.sha256(MESSAGE.dump_json(message)).hexdigest()[:16]
+
+
+def fits(messages: Sequence[ModelMessage], record: CompactionRecord) -> bool:
+    """Whether the journal still holds the messages `record` covers, as they were."""
+    covers = record.covers
+    if covers < 1 or covers > len(messages) or not isinstance(messages[0], ModelRequest):
+        return False
+    if record.folded_upto > 1 and not isinstance(messages[record.folded_upto], ModelResponse):
+        return False
+    return _fingerprint(messages[covers - 1]) == record.fingerprint
+
+
+def compacted_view(messages: Sequence[ModelMessage], record: CompactionRecord | None) -> list[ModelMessage]:
+    """What the model is sent of `messages` under `record` (a copy: no message of the history is changed)."""
+    if record is None or not fits(messages, record):
+        return list(messages)
+    head = messages[0]
+    assert isinstance(head, ModelRequest)
+    start = 1
+    if record.folded_upto > 1:
+        start = record.folded_upto
+        marked = {**(head.metadata or {}), METADATA_KEY: {"folded_responses": record.folded_responses}}
+        head = replace(head, parts=[*head.parts, UserPromptPart(_summary_block(record))], metadata=marked)
+    view: list[ModelMessage] = [head]
+    for index in range(start, len(messages)):
+        message = messages[index]
+        if index < record.elided_upto and isinstance(message, ModelRequest):
+            message = _with_results_elided(message)
+        view.append(message)
+    return view
+
+
+def _with_results_elided(request: ModelRequest) -> ModelRequest:
+    if not any(isinstance(p, ToolReturnPart) for p in request.parts):
+        return request
+    return replace(request, parts=[_elided(p) if isinstance(p, ToolReturnPart) else p for p in request.parts])
+
+
+def _summary_block(record: CompactionRecord) -> str:
+    plan = f"\n\nThe task's plan as it stood then:\n{record.plan}" if record.plan else ""
+    return (
+        f"[Context compacted: the {record.folded_upto - 1} messages of the conversation that came here "
+        f"({record.folded_responses} of your responses and what they were answered) were folded into these "
+        f"notes, to stay within the model's context window.]\n\n{record.summary}{plan}"
+    )
+
+
+# -- the summariser's request -----------------------------------------------------------------
+
+
+def summary_request(transcript: str) -> ModelRequest:
+    """A summariser's request: its instructions and the transcript, marked for the offline model."""
+    return ModelRequest(
+        parts=[SystemPromptPart(SUMMARISER_PROMPT), UserPromptPart(transcript)],
+        metadata={METADATA_KEY: {"summarise": True}},
+    )
+
+
+def is_summary_request(messages: Sequence[ModelMessage]) -> bool:
+    first = messages[0] if messages else None
+    if not isinstance(first, ModelRequest) or not first.metadata:
+        return False
+    marked = first.metadata.get(METADATA_KEY)
+    return isinstance(marked, dict) and bool(marked.get("summarise"))
+
+
+def _transcript(
+    messages: Sequence[ModelMessage], start: int, end: int, previous: CompactionRecord | None, max_chars: int
+) -> str:
+    """The turns `[start, end)` as text for the summariser, after the notes so far; at most `max_chars`."""
+    lines: list[str] = []
+    if previous is not None and previous.summary and previous.folded_upto > 1:
+        lines.append(f"Notes so far (from earlier turns):\n{previous.summary}\n")
+    lines.append("Transcript of the turns to fold:")
+    for message in messages[start:end]:
+        for part in message.parts:
+            lines.append(_transcript_line(part))
+    text = "\n".join(line for line in lines if line)
+    return cap_text(text, max_chars, "the transcript")
+
+
+def _transcript_line(part: ModelResponsePart | Any) -> str:
+    if isinstance(part, TextPart) and part.content.strip():
+        return f"[agent] {part.content.strip()}"
+    if isinstance(part, ToolCallPart):
+        return f"[agent calls] {part.tool_name}({part.args_as_json_str()})"
+    if isinstance(part, ToolReturnPart):
+        result = cap_text(part.model_response_str(), SUMMARY_RESULT_CHARS, "this result")
+        return f"[{part.tool_name} returned] {result}"
+    if isinstance(part, RetryPromptPart):
+        return f"[told the agent] {part.model_response()}"
+    if isinstance(part, UserPromptPart):
+        return f"[user] {_part_text(part)}"
+    return ""
+
+
+# -- choosing and making a compaction ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One way to compact: elide the tool results before `boundary`, and fold the turns before it or not."""
+
+    boundary: int
+    fold: bool
+
+
+def _turn_starts(messages: Sequence[ModelMessage]) -> list[int]:
+    """The index of each response after the first request: where each turn starts."""
+    return [i for i in range(1, len(messages)) if isinstance(messages[i], ModelResponse)]
+
+
+def is_context_overflow(exc: BaseException) -> bool:
+    """Whether a provider refused a request because it passes the model's context window."""
+    if isinstance(exc, ModelContextWindowExceededError):
+        return True
+    if isinstance(exc, ModelHTTPError) and exc.status_code in (400, 413):
+        body: Any = exc.body
+        inner = body.get("error", body) if isinstance(body, dict) else body
+        if isinstance(inner, dict):
+            if inner.get("code") == "context_length_exceeded":
+                return True
+            message = str(inner.get("message") or "").lower()
+        else:
+            message = str(inner or "").lower()
+        return "prompt is too long" in message or "maximum context length" in message
+    return False
+
+
+class Compactor:
+    """One run's compaction: the view each request sends, and a compaction when one is due.
+
+    `window` None: no compaction before a request (only after a provider's refusal). `records`: the
+    task's kept records, oldest first (a resumed run's; a new run has none).
+    """
+
+    def __init__(
+        self,
+        port: CompactionPort,
+        summarise: Summariser,
+        *,
+        window: int | None,
+        share: float,
+        summariser_name: str,
+        summariser_window: int | None,
+        records: Sequence[CompactionRecord] = (),
+    ) -> None:
+        self.port = port
+        self.summarise = summarise
+        self.window = window
+        self.share = share
+        self.summariser_name = summariser_name
+        self.summariser_window = summariser_window
+        self.latest: CompactionRecord | None = records[-1] if records else None
+        self.number = max((r.number for r in records), default=0)
+
+    @property
+    def threshold(self) -> int | None:
+        return None if self.window is None else int(self.window * self.share)
+
+    async def view(self, messages: Sequence[ModelMessage], params: ModelRequestParameters) -> list[ModelMessage]:
+        """What to send for `messages`: the view under the latest record, compacted further when it is due."""
+        record = self.latest if self.latest is not None and fits(messages, self.latest) else None
+        if self.latest is not None and record is None:
+            log.warning("subq: compaction %d no longer fits the conversation; not applied", self.latest.number)
+        current = compacted_view(messages, record)
+        threshold = self.threshold
+        if threshold is None:
+            return current
+        tokens = estimate_tokens(current, params)
+        if tokens <= threshold:
+            return current
+        made = await self._compact(messages, params, record, tokens, int(threshold * TARGET_SHARE), threshold)
+        return current if made is None else made
+
+    async def after_overflow(
+        self, messages: Sequence[ModelMessage], params: ModelRequestParameters, sent: Sequence[ModelMessage]
+    ) -> list[ModelMessage] | None:
+        """The view to send once more after the provider refused `sent` as too long; None when nothing more
+        can be compacted (the refusal stands)."""
+        record = self.latest if self.latest is not None and fits(messages, self.latest) else None
+        tokens = estimate_tokens(sent, params)
+        target = int(tokens * OVERFLOW_SHARE)
+        if self.threshold is not None:
+            target = min(target, int(self.threshold * TARGET_SHARE))
+        return await self._compact(messages, params, record, tokens, target, target, reason="provider")
+
+    def _plans(self, messages: Sequence[ModelMessage], record: CompactionRecord | None) -> list[_Plan]:
+        """The ways to compact further, least lost first: elide keeping 2 turns, then 1; fold keeping 2, then 1."""
+        starts = _turn_starts(messages)
+        folded = record.folded_upto if record is not None else 0
+        elided = record.elided_upto if record is not None else 0
+        plans: list[_Plan] = []
+        for fold in (False, True):
+            for keep in (KEEP_TURNS, 1):
+                if len(starts) < keep:
+                    continue
+                boundary = starts[-keep]
+                if fold and boundary > max(folded, 1) and boundary > 1:
+                    plans.append(_Plan(boundary, fold=True))
+                elif not fold and boundary > elided and _has_results(messages, max(elided, folded, 1), boundary):
+                    plans.append(_Plan(boundary, fold=False))
+        return plans
+
+    def _summary_tokens(self) -> int:
+        window = self.summariser_window or self.window
+        if window is None:
+            return SUMMARY_MAX_TOKENS
+        return max(SUMMARY_MIN_TOKENS, min(SUMMARY_MAX_TOKENS, window // 8))
+
+    async def _compact(
+        self,
+        messages: Sequence[ModelMessage],
+        params: ModelRequestParameters,
+        record: CompactionRecord | None,
+        tokens_before: int,
+        target: int,
+        threshold: int,
+        reason: Literal["window", "provider"] = "window",
+    ) -> list[ModelMessage] | None:
+        plans = self._plans(messages, record)
+        if not plans:
+            return None
+        summary_chars = int(self._summary_tokens() * CHARS_PER_TOKEN_ESTIMATE)
+        plan_text = self.port.plan() if any(p.fold for p in plans) else ""
+        placeholder = "x" * summary_chars  # a summary as long as one may be, to size a fold before asking for it
+        sized = [
+            (plan, estimate_tokens(compacted_view(messages, self._draft(messages, record, plan, placeholder, plan_text,
+                                                                        reason)), params))
+            for plan in plans
+        ]  # fmt: skip
+        chosen = next((p for p, t in sized if t <= target), None) or next((p for p, t in sized if t <= threshold), None)
+        if chosen is None:
+            chosen = min(sized, key=lambda pt: pt[1])[0]
+        summary = ""
+        if chosen.fold:
+            start = max(record.folded_upto if record is not None else 1, 1)
+            transcript = _transcript(messages, start, chosen.boundary, record, self._transcript_chars())
+            summary = (await self.summarise(transcript, self._summary_tokens())).strip() or "(no notes were written)"
+            summary = cap_text(summary, summary_chars, "the notes")
+        draft = self._draft(messages, record, chosen, summary, plan_text, reason)
+        view = compacted_view(messages, draft)
+        final = draft.model_copy(update={"tokens_before": tokens_before, "tokens_after": estimate_tokens(view, params)})
+        self.port.keep(final, _ui_line(final, record))
+        self.latest, self.number = final, final.number
+        return view
+
+    def _draft(
+        self,
+        messages: Sequence[ModelMessage],
+        record: CompactionRecord | None,
+        plan: _Plan,
+        summary: str,
+        plan_text: str,
+        reason: Literal["window", "provider"],
+    ) -> CompactionRecord:
+        """The record `plan` makes on top of `record` (its tokens are filled in once it is chosen)."""
+        if plan.fold:
+            folded, summariser = plan.boundary, self.summariser_name
+        else:  # the summary and plan of the latest record stand
+            folded = record.folded_upto if record is not None else 0
+            summary = record.summary if record is not None else ""
+            plan_text = record.plan if record is not None else ""
+            summariser = record.summariser if record is not None else ""
+        elided = max(plan.boundary, record.elided_upto if record is not None else 0)
+        covers = max(folded, elided)
+        return CompactionRecord(
+            number=self.number + 1, at=time.time(), reason=reason, folded_upto=folded, elided_upto=elided,
+            folded_responses=sum(isinstance(m, ModelResponse) for m in messages[1:folded]) if folded > 1 else 0,
+            summary=summary, plan=plan_text, tokens_before=0, tokens_after=0, window=self.window,
+            summariser=summariser, fingerprint=_fingerprint(messages[covers - 1]),
+        )  # fmt: skip
+
+    def _transcript_chars(self) -> int:
+        window = self.summariser_window or self.window
+        if window is None:
+            return SUMMARY_INPUT_CHARS_UNKNOWN_WINDOW
+        room = int(window * self.share) - self._summary_tokens() - estimate_tokens([summary_request("")])
+        return max(1_000, int(room * CHARS_PER_TOKEN_ESTIMATE))
+
+
+def _has_results(messages: Sequence[ModelMessage], start: int, end: int) -> bool:
+    return any(
+        isinstance(m, ModelRequest) and any(isinstance(p, ToolReturnPart) for p in m.parts) for m in messages[start:end]
+    )
+
+
+def _ui_line(record: CompactionRecord, previous: CompactionRecord | None) -> str:
+    """The `context_compacted` line: tokens before and after, why, and what was done."""
+    done: list[str] = []
+    if record.elided_upto > (previous.elided_upto if previous is not None else 0):
+        done.append("older tool results elided")
+    if record.folded_upto > (previous.folded_upto if previous is not None else 0):
+        done.append(f"{record.folded_upto - 1} older messages summarised by profile {record.summariser!r}")
+    if record.reason == "provider":
+        why = "the provider refused the request as too long"
+    else:
+        why = f"the model's context window is {record.window:,} tokens" if record.window else ""
+    return (
+        f"context compacted: ~{record.tokens_before:,} -> ~{record.tokens_after:,} tokens (estimated"
+        f"{'; ' + why if why else ''}): {'; '.join(done) or 'nothing more to fold'}"
+    )
+
+
+def load_records(entries: Sequence[str]) -> list[CompactionRecord]:
+    """The kept records (JSON), oldest first; one that cannot be read is left out, with a warning."""
+    records = []
+    for entry in entries:
+        try:
+            records.append(RECORD.validate_json(entry))
+        except pydantic.ValidationError:
+            log.warning("subq: a compaction record could not be read; left out")
+    return records
+
+
+# A summariser as the runner makes one: a coroutine function of (transcript, max tokens).
+SummariserFn = Callable[[str, int], Awaitable[str]]
