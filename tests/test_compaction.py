@@ -8,28 +8,61 @@ count what reached it from the outside: the requests it recorded, each with the 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import pydantic
 import pytest
+from pydantic_ai import ToolReturn
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelRequest,
+    ModelResponse,
+    SystemPromptPart,
+    TextPart,
+    ToolCallPart,
+    ToolReturnPart,
+    UserPromptPart,
+)
+from pydantic_ai.models import ModelRequestParameters
 
 from coordinator import Coordinator, Settings, TaskStatus
+from coordinator.celery_app import make_app
 from coordinator.local.fleet import WorkerFleet
 from coordinator.settings import Price, Profile
-from tests.compaction_kit import CHUNK_BYTES
+from coordinator.timeline import Timeline, times_of
+from tests.compaction_kit import CHUNK_BYTES, read_chunk
 from tests.conftest import dedicated_fleet
-from tests.model_server import ModelServer, Seen, Turn, call
+from tests.model_server import ModelServer, Seen, Turn, call, prompt_tokens_of
+from workers.runtime.compaction import (
+    CompactionRecord,
+    Compactor,
+    compacted_view,
+    estimate_tokens,
+    fingerprint_of,
+    folded_responses,
+    summary_request,
+)
+from workers.runtime.context import build_runtime
+from workers.runtime.offline import OfflineModel
+from workers.runtime.profile_tools import capped
+from workers.runtime.runner import run_child
+from workers.runtime.script import script_message
 
 # Issue 34's figures: six results of 8 KB, on a model whose server refuses prompts over 6,000 tokens.
 WINDOW = 6_000
 CHUNKS = 6
 PRICE = Price(input_per_mtok=Decimal(3), output_per_mtok=Decimal(15))
+# The offline profile's window: two 8 KB results and the script's message pass its threshold.
+OFFLINE_WINDOW = 8_000
+MESSAGES: pydantic.TypeAdapter[list[ModelMessage]] = pydantic.TypeAdapter(list[ModelMessage])
 # What the model says beside each call: an agent's notes, which compaction must fold (not only elide).
 NOTES = "Noted the figures of this chunk; they go into the report's table. " * 20
 
@@ -64,7 +97,7 @@ def fleet(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Itera
     profiles = {
         "windowed": windowed(server),
         # The offline model with a small window: a long script compacts (docs/offline-model.md).
-        "offline-small": Profile(tools=["tests.compaction_kit:read_chunk"], context_window=4_000),
+        "offline-small": Profile(tools=["tests.compaction_kit:read_chunk"], context_window=OFFLINE_WINDOW),
     }
     own = settings.model_copy(update={"profiles": {**settings.profiles, **profiles}})
     try:
@@ -125,6 +158,48 @@ def test_a_child_whose_tool_results_pass_the_window_completes_within_it_and_pays
     assert record.times.runs == 1, "a compaction is a point of its run, not a new one"
 
 
+def test_the_offline_model_compacts_a_long_script_and_plays_every_step_in_order(fleet: Fleet) -> None:
+    coord = fleet.coord
+    steps = [
+        {"tool_calls": [{"name": "update_todo_list", "args": {"todos": PLAN}}]},
+        *({"tool_calls": [{"name": "read_chunk", "args": {"n": n}}]} for n in range(CHUNKS)),
+        {"tool_calls": [{"name": "attempt_completion", "args": {"result": "all chunks read"}}]},
+    ]
+    task = coord.create_task(script_message("Read the chunks.", steps), profile="offline-small", run=True)
+
+    done = coord.wait(task.id, 120)
+
+    assert done.status == TaskStatus.COMPLETED and done.summary == "all chunks read", done.error
+    records = _records(coord, task.id)
+    assert records and len(_compacted(coord, task.id)) == len(records)
+    assert all(r["tokens_after"] < r["tokens_before"] for r in records)
+    calls = [m["text"] for m in coord.messages(task.id) if m.get("say") == "tool"]
+    assert [c for c in calls if c.startswith("read_chunk")] == [f'read_chunk({{"n": {n}}})' for n in range(CHUNKS)]
+    # Its usage is estimated from what it was sent: the requests after a compaction were smaller.
+    assert done.requests == len(steps) + sum(1 for r in records if r["folded_upto"] > 1)
+
+
+def test_the_offline_model_counts_folded_responses_among_its_steps_and_writes_notes_for_a_summariser() -> None:
+    steps = [{"tool_calls": [{"name": "read_chunk", "args": {"n": n}}]} for n in range(4)] + [{"reply": "done"}]
+    history = _conversation(0)
+    history[0] = ModelRequest(parts=[UserPromptPart(script_message("Read.", steps))])
+    for _ in range(4):
+        history += _conversation(1)[1:]
+    record = CompactionRecord(
+        number=1, at=0.0, reason="window", folded_upto=5, elided_upto=5, folded_responses=2, summary="notes",
+        tokens_before=10, tokens_after=5, fingerprint="",
+    )  # fmt: skip
+    view = compacted_view(history, record.model_copy(update={"fingerprint": fingerprint_of(history[4])}))
+    assert len(view) < len(history) and folded_responses(view) == 2
+    answer = asyncio.run(OfflineModel().request(view, None, ModelRequestParameters()))
+    assert answer.parts == [TextPart("done")], "step 4 (two responses folded, two sent) is played: the reply"
+
+    transcript = 'Transcript:\n[agent calls] read_chunk({"n": 0})\n[read_chunk returned] chunk 0: ...'
+    notes = asyncio.run(OfflineModel().request([summary_request(transcript)], None, ModelRequestParameters()))
+    (part,) = notes.parts
+    assert isinstance(part, TextPart) and 'read_chunk({"n": 0})' in part.content and notes.usage.input_tokens > 0
+
+
 # -- a worker killed right after a compaction -------------------------------------------------------------
 
 LAPSE_S = 3
@@ -174,12 +249,12 @@ def test_a_worker_killed_right_after_a_compaction_leaves_a_run_that_goes_on_from
                 later["elided_upto"] > earlier["elided_upto"] or later["folded_upto"] > earlier["folded_upto"]
                 for earlier, later in itertools.pairwise(records)
             ), "each compaction folds or elides turns no earlier one had"
-            # The rescuer's first request is the compacted view the dead worker kept: the results before its
-            # boundary elided, and no request over the window ever reached the server.
+            # The rescuer's first request is built on the compaction the dead worker kept: the first chunk's
+            # result, which that compaction elided, is not sent whole again; no request over the window was sent.
             after = [s for s in server.seen[asked_before:] if not s.summarising]
             assert after and after[0].at_s >= died_at
             sent = json.dumps(after[0].body["messages"])
-            assert "[result elided to keep the conversation within the model's context window" in sent
+            assert '"content": "chunk 0: ' not in sent, "what the kept compaction took out is not sent again"
             assert all(s.prompt_tokens <= WINDOW for s in server.seen)
             # The plan is kept: in the journal as the model wrote it, on the task, and in every folded view sent.
             assert [i.content for i in coord.get_todos(task.id)] == ["read the chunks", "write the table"]
@@ -189,3 +264,232 @@ def test_a_worker_killed_right_after_a_compaction_leaves_a_run_that_goes_on_from
             assert len(_compacted(coord, task.id)) == len(records)
             assert finished.cost_micros == micros(server.seen)
             coord.close()
+
+
+# -- the provider refuses a request as too long -----------------------------------------------------------
+
+
+def _in_process(settings: Settings, profile: Profile, prefix: str) -> tuple[Coordinator, Settings]:
+    """A coordinator of runs made in this process: a queue no worker reads, keys no session reconciler serves."""
+    local = settings.model_copy(
+        update={
+            "queue": "subq-nobody",
+            "key_prefix": f"subqcomp{prefix}",
+            "profiles": {**settings.profiles, "w": profile},
+        }
+    )
+    return Coordinator(local), local
+
+
+def test_a_request_the_provider_refuses_as_too_long_is_compacted_and_sent_once_more(settings: Settings) -> None:
+    """No window known to subq (none set, none the libraries know of `test-model`): the provider's refusal is
+    the only sign, and each refused request is compacted and sent again, once; the task completes."""
+    with ModelServer(turns(), max_prompt_tokens=WINDOW, by_call_ids=True) as server:
+        coord, local = _in_process(settings, windowed(server, context_window=None), "refused")
+        task = coord.create_task("Read the report's chunks.", profile="w", run=True)
+
+        result = run_child(build_runtime(local, make_app(local)), task.id)
+
+        assert result.status == "completed", result.error
+        statuses = [s.status for s in server.seen if not s.summarising]
+        refused = [i for i, status in enumerate(statuses) if status == 400]
+        assert refused, "the server's window was passed"
+        assert all(statuses[i + 1] == 200 for i in refused), "each refused request was answered once compacted"
+        records = _records(coord, task.id)
+        assert records and {r["reason"] for r in records} == {"provider"} and len(records) == len(refused)
+        assert all("the provider refused the request as too long" in line for line in _compacted(coord, task.id))
+        assert coord.get_task(task.id).cost_micros == micros(server.seen), "refused requests cost nothing"
+        coord.close()
+
+
+def test_a_request_still_too_long_once_compacted_fails_the_task_with_the_providers_error(settings: Settings) -> None:
+    """Exactly one retry: a server whose window cannot hold the last turn refuses the compacted request too."""
+    with ModelServer(turns(), max_prompt_tokens=3_500, by_call_ids=True) as server:
+        coord, local = _in_process(settings, windowed(server, context_window=None), "twice")
+        task = coord.create_task("Read the report's chunks.", profile="w", run=True)
+
+        result = run_child(build_runtime(local, make_app(local)), task.id)
+
+        assert result.status == "failed" and "maximum context length is 3500 tokens" in (result.error or "")
+        statuses = [s.status for s in server.seen if not s.summarising]
+        assert statuses[-2:] == [400, 400] and statuses.count(400) == 2, statuses
+        record = coord.get_task(task.id)
+        assert record.error_class == "ModelContextWindowExceededError"
+        assert len(_records(coord, task.id)) == 1
+        coord.close()
+
+
+# -- the view, the choice, the estimate (pure) ------------------------------------------------------------
+
+
+def _conversation(chunks: int) -> list[ModelMessage]:
+    """A run's history: the instruction, then a turn per chunk (notes and a call, then its 8 KB result)."""
+    messages: list[ModelMessage] = [
+        ModelRequest(parts=[SystemPromptPart("You are a subagent."), UserPromptPart("Read the chunks.")])
+    ]
+    for n in range(chunks):
+        messages.append(ModelResponse(parts=[TextPart(NOTES), ToolCallPart("read_chunk", {"n": n}, f"c{n}")]))
+        messages.append(ModelRequest(parts=[ToolReturnPart("read_chunk", read_chunk(n), f"c{n}")]))
+    return messages
+
+
+class Kept:
+    """A compaction's port in memory: the plan it reads, the records and lines it keeps."""
+
+    def __init__(self) -> None:
+        self.records: list[CompactionRecord] = []
+        self.lines: list[str] = []
+
+    def plan(self) -> str:
+        return PLAN
+
+    def keep(self, record: CompactionRecord, ui_text: str) -> None:
+        self.records.append(record)
+        self.lines.append(ui_text)
+
+
+def _compactor(kept: Kept, asked: list[str], records: Sequence[CompactionRecord] = ()) -> Compactor:
+    async def summarise(transcript: str, max_tokens: int) -> str:
+        asked.append(transcript)
+        return "The agent read the chunks and noted their figures."
+
+    return Compactor(kept, summarise, window=WINDOW, share=0.8, summariser_name="w", summariser_window=None,
+                     records=records)  # fmt: skip
+
+
+def _pairs_whole(view: Sequence[ModelMessage]) -> bool:
+    """Every tool call sent has its result in the next message, and every result its call just before."""
+    for i, message in enumerate(view):
+        if isinstance(message, ModelResponse):
+            calls = {p.tool_call_id for p in message.parts if isinstance(p, ToolCallPart)}
+            after = view[i + 1] if i + 1 < len(view) else None
+            answered = {p.tool_call_id for p in after.parts if isinstance(p, ToolReturnPart)} if after else set()
+            if calls and after is not None and calls != answered:
+                return False
+        elif isinstance(message, ModelRequest) and any(isinstance(p, ToolReturnPart) for p in message.parts):
+            answers_a_response = i > 0 and isinstance(view[i - 1], ModelResponse)
+            if not answers_a_response:
+                return False
+    return True
+
+
+def test_a_compaction_elides_old_results_first_then_folds_older_turns_and_keeps_the_instruction_and_last_turn() -> None:
+    kept, asked = Kept(), []
+    compactor = _compactor(kept, asked)
+    history = _conversation(2)
+    view = asyncio.run(compactor.view(history, ModelRequestParameters()))
+    assert kept.records[0].folded_upto == 0 and kept.records[0].elided_upto == 3 and not asked, "elided, no summary"
+    assert view[0] is history[0] and view[-1] is history[-1] and _pairs_whole(view)
+    assert "[result elided" in json.dumps(MESSAGES.dump_python(view, mode="json"))
+    assert history[2].parts[0].content == read_chunk(0), "the history itself is never changed"  # type: ignore[union-attr]
+
+    longer = _conversation(5)
+    view = asyncio.run(compactor.view(longer, ModelRequestParameters()))
+    latest = kept.records[-1]
+    assert latest.number == 2 and latest.folded_upto > 1 and asked, "the notes pass too: older turns are folded"
+    assert latest.plan == PLAN and latest.summariser == "w" and _pairs_whole(view)
+    first = view[0]
+    assert isinstance(first, ModelRequest) and first.parts[:2] == longer[0].parts, "the instruction is kept"
+    assert PLAN in str(first.parts[-1].content) and folded_responses(view) == latest.folded_responses
+    assert view[-1] is longer[-1], "the last turn is kept whole"
+    assert compactor.threshold is not None and estimate_tokens(view) <= compactor.threshold
+    assert f"{latest.folded_upto - 1} older messages summarised by profile 'w'" in kept.lines[-1]
+
+    # The same history again: the latest record's view is sent, nothing compacted twice.
+    again = asyncio.run(_compactor(kept, asked, kept.records).view(longer, ModelRequestParameters()))
+    assert len(kept.records) == 2 and _contents(again) == _contents(view)
+
+
+def _contents(view: Sequence[ModelMessage]) -> list[list[object]]:
+    return [[getattr(p, "content", None) for p in m.parts] for m in view]
+
+
+def test_a_record_whose_messages_the_journal_no_longer_holds_is_not_applied() -> None:
+    kept, asked = Kept(), []
+    history = _conversation(5)
+    asyncio.run(_compactor(kept, asked).view(history, ModelRequestParameters()))
+    (record,) = kept.records
+    assert compacted_view(history, record) != history
+    cut_back = _conversation(1)  # a retry cut the conversation back below what the record covers
+    assert compacted_view(cut_back, record) == cut_back
+    regrown = [*history[:3], *_conversation(5)[3:]]
+    regrown[record.covers - 1] = ModelRequest(parts=[ToolReturnPart("read_chunk", "another result", "cx")])
+    assert compacted_view(regrown, record) == regrown, "a journal that grew again differently does not take it"
+
+
+def test_the_estimate_counts_more_tokens_than_the_servers_count_of_the_same_request() -> None:
+    history = _conversation(3)
+    body = {"messages": [{"role": "user", "content": _part_text_all(m)} for m in history]}
+    assert estimate_tokens(history) > prompt_tokens_of(body)
+
+
+def _part_text_all(message: ModelMessage) -> str:
+    return "".join(str(getattr(p, "content", "")) + str(getattr(p, "args", "")) for p in message.parts)
+
+
+def test_a_long_tool_result_is_cut_to_its_beginning_and_end_with_what_was_cut_said() -> None:
+    text = "A" * 15_000 + "B" * 15_000
+    cut = capped(text, 20_000, "git_log")
+    assert len(cut) < 20_200 and cut.startswith("A" * 13_000) and cut.endswith("B" * 6_000)
+    assert "10,000 of 30,000 characters of git_log's result (max_tool_output_chars is 20,000) cut here" in cut
+    assert capped("short", 20_000, "t") == "short" and capped(7, 200, "t") == 7
+    data = {"rows": ["x" * 100] * 50}
+    assert isinstance(capped(data, 1_000, "t"), str) and capped(data, 100_000, "t") is data
+    returned = ToolReturn(return_value="y" * 5_000, metadata={"cost_usd": "0.01"})
+    assert len(capped(returned, 1_000, "t").return_value) < 1_200 and capped(returned, 10_000, "t") is returned
+
+
+def test_a_compacted_mark_is_a_point_of_its_run_not_a_state() -> None:
+    timeline = Timeline(m=[(0, "queued"), (10, "running"), (50, "compacted"), (50, "running"), (90, "completed")])
+    times = times_of(timeline)
+    assert times.compactions_ms == [50] and times.runs == 1 and times.run_ms == 80
+    assert [i.state for i in times.intervals] == ["queued", "running"]
+
+
+# -- bad settings, and the record's step ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("profiles", "error"),
+    [
+        ({"main": {"context_window": 10}}, "SUBQ_PROFILES (main.context_window): Input should be greater than or equal to 1000"),
+        ({"main": {"context_window": "big"}}, "SUBQ_PROFILES (main.context_window): Input should be a valid integer"),
+        ({"main": {"compact_at_share": 1.5}}, "SUBQ_PROFILES (main.compact_at_share): Input should be less than or equal to 0.95"),
+        ({"main": {"compact_at_share": 0}}, "SUBQ_PROFILES (main.compact_at_share): Input should be greater than 0"),
+        ({"main": {"max_tool_output_chars": 5}}, "SUBQ_PROFILES (main.max_tool_output_chars): Input should be greater than or equal to 200"),
+        ({"main": {"compaction_profile": "nope"}}, "SUBQ_PROFILES: profile 'main': compaction_profile names 'nope', which is not a profile (known: main, offline)"),
+        ({"main": {"compaction_profile": ""}}, "SUBQ_PROFILES (main.compaction_profile): String should have at least 1 character"),
+    ],
+    ids=["window-small", "window-text", "share-high", "share-zero", "output-small", "unknown-profile", "empty-profile"],
+)  # fmt: skip
+def test_a_bad_compaction_setting_is_one_line_naming_the_profile_and_field(
+    profiles: dict[str, object], error: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from coordinator import ConfigError
+    from coordinator.settings import load_settings
+
+    monkeypatch.setenv("SUBQ_PROFILES", json.dumps(profiles))
+    with pytest.raises(ConfigError) as caught:
+        load_settings()
+    assert error in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_compaction_is_kept_only_while_the_run_holds_the_lease_and_once_a_number(
+    idle_coordinator: Coordinator,
+) -> None:
+    coord = idle_coordinator
+    task = coord.create_task("Read the chunks.")
+    store, keys = coord.store.compaction, coord.store.keys
+    coord.client.set(keys.lease(task.root_id, task.id), "run-token")
+    line = json.dumps({"ts": 1.0, "type": "say", "say": "context_compacted", "text": "context compacted: ~9 -> ~3"})
+    messages_before = coord.messages(task.id)
+
+    assert store.keep(task, "another-run", 1, '{"number": 1}', line) == "fenced"
+    assert store.records(task.id) == [] and coord.messages(task.id) == messages_before, "nothing written"
+    assert store.keep(task, "run-token", 1, '{"number": 1}', line) == "kept"
+    assert store.keep(task, "run-token", 1, '{"number": 1, "again": true}', line) == "kept_before"
+    assert store.records(task.id) == ['{"number": 1}']
+    assert [m["say"] for m in coord.messages(task.id)][-1:] == ["context_compacted"]
+    record = coord.get_task(task.id)
+    assert record.timeline is not None and record.timeline.m[-2][1] == "compacted" and record.times is not None
+    assert len(record.times.compactions_ms) == 1

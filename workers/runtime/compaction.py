@@ -75,6 +75,7 @@ __all__ = [
     "cap_text",
     "compacted_view",
     "estimate_tokens",
+    "fingerprint_of",
     "folded_responses",
     "is_context_overflow",
     "is_summary_request",
@@ -239,7 +240,8 @@ def folded_responses(messages: Sequence[ModelMessage]) -> int:
     return int(marked.get("folded_responses", 0)) if isinstance(marked, dict) else 0
 
 
-def _fingerprint(message: ModelMessage) -> str:
+def fingerprint_of(message: ModelMessage) -> str:
+    """A short hash of one journal message, as a record names the last message it covers."""
     return hashlib.sha256(MESSAGE.dump_json(message)).hexdigest()[:16]
 
 
@@ -250,7 +252,7 @@ def fits(messages: Sequence[ModelMessage], record: CompactionRecord) -> bool:
         return False
     if record.folded_upto > 1 and not isinstance(messages[record.folded_upto], ModelResponse):
         return False
-    return _fingerprint(messages[covers - 1]) == record.fingerprint
+    return fingerprint_of(messages[covers - 1]) == record.fingerprint
 
 
 def compacted_view(messages: Sequence[ModelMessage], record: CompactionRecord | None) -> list[ModelMessage]:
@@ -511,7 +513,7 @@ class Compactor:
             number=self.number + 1, at=time.time(), reason=reason, folded_upto=folded, elided_upto=elided,
             folded_responses=sum(isinstance(m, ModelResponse) for m in messages[1:folded]) if folded > 1 else 0,
             summary=summary, plan=plan_text, tokens_before=0, tokens_after=0, window=self.window,
-            summariser=summariser, fingerprint=_fingerprint(messages[covers - 1]),
+            summariser=summariser, fingerprint=fingerprint_of(messages[covers - 1]),
         )  # fmt: skip
 
     def _transcript_chars(self) -> int:
