@@ -407,7 +407,9 @@ class Compactor:
         """What to send for `messages`: the view under the latest record, compacted further when it is due."""
         record = self.latest if self.latest is not None and fits(messages, self.latest) else None
         if self.latest is not None and record is None:
+            # A retry cut the conversation back below it: the run compacts afresh when it needs to.
             log.warning("subq: compaction %d no longer fits the conversation; not applied", self.latest.number)
+            self.latest = None
         current = compacted_view(messages, record)
         threshold = self.threshold
         if threshold is None:

@@ -242,9 +242,8 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
             cache_writes=usage.cache_write_tokens,
         )
         run.record_response(request_no, used, cost_micros, source, latency_ms=latency_ms, tool=tool, text=text)
-        observe.response(
-            via.hops[0].profile.model, task.profile, used, cost_micros
-        )  # this worker's counters, in memory
+        # This worker's counters, in memory, under the model of the route's profile.
+        observe.response(via.hops[0].profile.model, task.profile, used, cost_micros)
         return cost_micros
 
     def on_response(messages: list[ModelMessage], response: ModelResponse, latency_ms: float) -> None:
