@@ -14,7 +14,7 @@ import json
 import signal
 import time
 from collections.abc import Iterator, Sequence
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -74,9 +74,10 @@ def turns(chunks: int = CHUNKS) -> list[Turn]:
 
 
 def micros(seen: list[Seen], price: Price = PRICE) -> int:
-    """The cost of every answered request at `price`, from what the server billed."""
-    total = sum(s.usage[0] * price.input_per_mtok + s.usage[1] * price.output_per_mtok for s in seen if s.status == 200)
-    return int(Decimal(total).quantize(Decimal(1)))
+    """The cost of every answered request at `price`, from what the server billed (each priced to the micro-USD,
+    rounding half up, as it is recorded)."""
+    each = [s.usage[0] * price.input_per_mtok + s.usage[1] * price.output_per_mtok for s in seen if s.status == 200]
+    return sum(int(Decimal(m).quantize(Decimal(1), rounding=ROUND_HALF_UP)) for m in each)  # to the micro each
 
 
 def windowed(server: ModelServer, **fields: Any) -> Profile:
@@ -316,6 +317,56 @@ def test_a_request_still_too_long_once_compacted_fails_the_task_with_the_provide
         record = coord.get_task(task.id)
         assert record.error_class == "ModelContextWindowExceededError"
         assert len(_records(coord, task.id)) == 1
+        coord.close()
+
+
+def test_the_summaries_of_a_compaction_profile_go_to_its_model_and_are_priced_there(settings: Settings) -> None:
+    cheap = Price(input_per_mtok=Decimal("0.5"), output_per_mtok=Decimal(2))
+    with (
+        ModelServer(turns(), max_prompt_tokens=WINDOW, by_call_ids=True) as server,
+        ModelServer(summary="Notes from the cheap model.", max_prompt_tokens=WINDOW) as summariser,
+    ):
+        coord, local = _in_process(settings, windowed(server, compaction_profile="notes"), "other")
+        local = local.model_copy(update={"profiles": {
+            **local.profiles,
+            "notes": Profile(model="openai:notes-model", base_url=summariser.base_url, api_key=summariser.key,
+                             price=cheap),
+        }})  # fmt: skip
+        coord = Coordinator(local)
+        task = coord.create_task("Read the report's chunks.", profile="w", run=True)
+
+        result = run_child(build_runtime(local, make_app(local)), task.id)
+
+        assert result.status == "completed", result.error
+        assert not any(s.summarising for s in server.seen), "the task's own model wrote no summary"
+        assert summariser.answered() and all(s.summarising for s in summariser.seen)
+        assert any("Notes from the cheap model." in json.dumps(s.body["messages"]) for s in server.seen)
+        records = _records(coord, task.id)
+        assert any(r["summariser"] == "notes" for r in records)
+        record = coord.get_task(task.id)
+        assert record.cost_micros == micros(server.seen) + micros(summariser.seen, cheap)
+        assert record.requests == len(server.answered()) + len(summariser.answered())
+        coord.close()
+
+
+def test_a_tool_result_past_max_tool_output_chars_reaches_the_model_and_the_journal_cut(settings: Settings) -> None:
+    with ModelServer(turns(1), by_call_ids=True) as server:
+        coord, local = _in_process(settings, windowed(server, context_window=None, max_tool_output_chars=1_000), "cap")
+        task = coord.create_task("Read one chunk.", profile="w", run=True)
+
+        assert run_child(build_runtime(local, make_app(local)), task.id).status == "completed"
+
+        results = [m for s in server.seen for m in s.body["messages"] if m.get("role") == "tool"]
+        # The first 1,000 characters of the result, and a line saying how much was cut.
+        assert results and all(len(m["content"]) < 1_000 + 150 for m in results)
+        cut = results[-1]["content"]
+        assert (
+            cut.startswith("chunk 0: ") and "characters of read_chunk's result (max_tool_output_chars is 1,000)" in cut
+        )
+        journal = [p for m in coord.messages(task.id, kind="api") for p in m.get("parts", [])]
+        assert [
+            p["content"] for p in journal if p.get("part_kind") == "tool-return" and p["tool_name"] == "read_chunk"
+        ] == [cut]
         coord.close()
 
 
