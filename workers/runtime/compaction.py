@@ -450,7 +450,9 @@ class Compactor:
         return plans
 
     def _summary_tokens(self) -> int:
-        window = self.summariser_window or self.window
+        """How long the notes may be: the task's model reads them, so an eighth of its window (the summariser's
+        where the task's is not known)."""
+        window = self.window or self.summariser_window
         if window is None:
             return SUMMARY_MAX_TOKENS
         return max(SUMMARY_MIN_TOKENS, min(SUMMARY_MAX_TOKENS, window // 8))
