@@ -484,6 +484,8 @@ def test_a_long_tool_result_is_cut_to_its_beginning_and_end_with_what_was_cut_sa
     assert len(cut) < 20_200 and cut.startswith("A" * 13_000) and cut.endswith("B" * 6_000)
     assert "10,000 of 30,000 characters of git_log's result (max_tool_output_chars is 20,000) cut here" in cut
     assert capped("short", 20_000, "t") == "short" and capped(7, 200, "t") == 7
+    own_cut = "exit 0\n" + "z" * 20_000 + "\n[... 81 characters cut ...]\n"  # run_command cut it to the same cap
+    assert capped(own_cut, 20_000, "run_command") == own_cut, "not cut twice"
     data = {"rows": ["x" * 100] * 50}
     assert isinstance(capped(data, 1_000, "t"), str) and capped(data, 100_000, "t") is data
     returned = ToolReturn(return_value="y" * 5_000, metadata={"cost_usd": "0.01"})

@@ -282,11 +282,15 @@ class PolicyToolset(WrapperToolset[RunState]):
 
 # What a tool may return that is not text to cut (an image, a file): the model reads it as it is.
 _MEDIA = (AudioUrl, BinaryContent, DocumentUrl, ImageUrl, VideoUrl)
+# A result this little over the cap is left whole: it is a result its tool cut itself, to the same cap, with
+# its own line saying so (run_command's `max_output_chars`, 20,000 too by default); cut again, it read twice cut.
+CAP_SLACK_CHARS = 200
 
 
 def capped(result: Any, max_chars: int, tool: str) -> Any:
     """What the model reads of a call's result: the result, or where its text (a structured result's JSON, as
-    pydantic-ai sends it) is longer than `max_chars`, its beginning and end with a line saying how much was cut."""
+    pydantic-ai sends it) is longer than `max_chars` (and `CAP_SLACK_CHARS`), its beginning and end with a line
+    saying how much was cut."""
     if isinstance(result, ToolReturn):
         value = capped(result.return_value, max_chars, tool)
         return result if value is result.return_value else dataclasses.replace(result, return_value=value)
@@ -296,7 +300,7 @@ def capped(result: Any, max_chars: int, tool: str) -> Any:
         text = pydantic_core.to_json(result, fallback=str).decode()
     else:
         return result  # a number, None, media: short, or not text to cut
-    if len(text) <= max_chars:
+    if len(text) <= max_chars + CAP_SLACK_CHARS:
         return result
     return cap_text(text, max_chars, f"{tool}'s result (max_tool_output_chars is {max_chars:,})")
 
