@@ -8,6 +8,7 @@ touches shared state is one call here, in this order:
     run.check_stop() / run.rate_wait_ms() before each model request: a stop or spent budget, the rate limit
     run.record_response(...)             after each: usage and cost (once per request key), live status
     run.save(...) / run.say(...)         new conversation messages, UI messages
+    run.keep_compaction(...)             a compaction of what the model reads, kept beside the journal
     run.keep_calls() / record_tool_call  a response kept before a call that must not run twice; each result as it returns
     run.update_todos / run.delegate      the orchestration tools
     run.park(calls)                      tool calls that wait for a human decision
@@ -466,6 +467,29 @@ class Run:
         """A human-approved call starts: a resume after this worker dies must not take the approval as leave
         to run it again (one round trip, only for calls a human approved)."""
         self._plane.store.runs.mark_tool_started(self.task.id, tool_call_id)
+
+    # -- compaction: what the model reads of the conversation (docs/context.md) --------------
+
+    def compactions(self) -> list[str]:
+        """The task's compaction records (JSON), oldest first: a resumed run sends the view they make."""
+        return self._plane.store.compaction.records(self.task.id)
+
+    def keep_compaction(self, number: int, record: str, text: str) -> bool:
+        """Keep compaction `number` beside the journal, with its `context_compacted` UI line and its timeline
+        mark, in one step that writes only while the run holds its lease. What the run did since its last
+        step is written first: the journal the record covers, and the summariser's usage (a summary is never
+        paid for without being counted). False when that number was kept already (nothing written).
+
+        Raises `LeaseLost` (nothing written) when another run owns the task now.
+        """
+        self.flush()
+        ui = json.dumps({"ts": time.time(), "type": "say", "say": "context_compacted", "text": text})
+        kept = self._plane.store.compaction.keep(self.task, self.token, number, record, ui)
+        if kept == "fenced":
+            self.fenced = True
+            raise LeaseLost(self.task.id)
+        faults.crash_point(self._plane.settings, "after-compaction")
+        return kept == "kept"
 
     def transient_error(self, what: str, attempt: int) -> None:
         self.flush()

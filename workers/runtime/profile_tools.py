@@ -49,7 +49,6 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 import pydantic
-import pydantic_core
 from pydantic_ai import ApprovalRequired, CallDeferred, ModelRetry, RunContext, ToolReturn
 from pydantic_ai.messages import AudioUrl, BinaryContent, DocumentUrl, ImageUrl, VideoUrl
 from pydantic_ai.toolsets import AbstractToolset, CombinedToolset, FunctionToolset, WrapperToolset
@@ -280,6 +279,8 @@ class PolicyToolset(WrapperToolset[RunState]):
         return result
 
 
+# Any result as the JSON pydantic-ai sends the model.
+_JSON: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(Any)
 # What a tool may return that is not text to cut (an image, a file): the model reads it as it is.
 _MEDIA = (AudioUrl, BinaryContent, DocumentUrl, ImageUrl, VideoUrl)
 # A result this little over the cap is left whole: it is a result its tool cut itself, to the same cap, with
@@ -297,7 +298,7 @@ def capped(result: Any, max_chars: int, tool: str) -> Any:
     if isinstance(result, str):
         text = result
     elif isinstance(result, dict | list | tuple | pydantic.BaseModel) and not _has_media(result):
-        text = pydantic_core.to_json(result, fallback=str).decode()
+        text = _JSON.dump_json(result, fallback=str).decode()
     else:
         return result  # a number, None, media: short, or not text to cut
     if len(text) <= max_chars + CAP_SLACK_CHARS:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -50,17 +49,7 @@ from pydantic_ai.settings import ModelSettings
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.usage import UsageLimits
 
-from coordinator import (
-    CorruptError,
-    Profile,
-    StoreError,
-    SubtaskResult,
-    Usage,
-    completion_parameters,
-    faults,
-    one_line,
-    render_markdown,
-)
+from coordinator import CorruptError, Profile, StoreError, SubtaskResult, Usage, completion_parameters, one_line, render_markdown
 from coordinator.runs import (
     Ended,
     HandBack,
@@ -349,26 +338,17 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
 class Compaction:
     """What a run's compaction needs of it (compaction.CompactionPort): the task's plan, and keeping a record."""
 
-    def __init__(self, rt: Runtime, run: Run) -> None:
-        self.rt, self.run = rt, run
+    def __init__(self, run: Run) -> None:
+        self.run = run
 
     def plan(self) -> str:
         items = self.run.todos()
         return render_markdown(items) if items else ""
 
     def keep(self, record: CompactionRecord, ui_text: str) -> None:
-        # The journal the record covers and the summariser's usage are written first: a record never names
-        # messages a resumed run cannot find, and a summary is never paid for without being counted.
-        self.run.flush()
-        ui = json.dumps({"ts": time.time(), "type": "say", "say": "context_compacted", "text": ui_text})
-        store = self.rt.coordinator.plane.store.compaction
-        kept = store.keep(self.run.task, self.run.token, record.number, record.model_dump_json(), ui)
-        if kept == "fenced":
-            self.run.fenced = True
-            raise LeaseLost(self.run.task_id)
-        if kept == "kept_before":  # only a second live run could have: the lease says there is none
+        if not self.run.keep_compaction(record.number, record.model_dump_json(), ui_text):
+            # Only a second live run could have kept it: the lease says there is none.
             log.warning("subq: compaction %d of %s was kept already", record.number, self.run.task_id)
-        faults.crash_point(self.rt.settings, "after-compaction")
 
 
 def _compactor(
@@ -404,10 +384,10 @@ def _compactor(
         response = await model.request([summary_request(transcript)], settings, ModelRequestParameters())
         return "\n".join(p.content for p in response.parts if isinstance(p, TextPart))
 
-    kept = load_records(rt.coordinator.plane.store.compaction.records(run.task_id)) if history else []
+    kept = load_records(run.compactions()) if history else []
     windows = [hop.profile.context_window for hop in via.hops if hop.profile.context_window]
     return Compactor(
-        Compaction(rt, run), summarise, window=window, share=profile.compact_at_share, summariser_name=name,
+        Compaction(run), summarise, window=window, share=profile.compact_at_share, summariser_name=name,
         summariser_window=min(windows) if windows else via.model.context_window, records=kept,
     )  # fmt: skip
 
