@@ -49,7 +49,16 @@ from pydantic_ai.settings import ModelSettings
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.usage import UsageLimits
 
-from coordinator import CorruptError, Profile, StoreError, SubtaskResult, Usage, completion_parameters, one_line, render_markdown
+from coordinator import (
+    CorruptError,
+    Profile,
+    StoreError,
+    SubtaskResult,
+    Usage,
+    completion_parameters,
+    one_line,
+    render_markdown,
+)
 from coordinator.runs import (
     Ended,
     HandBack,
