@@ -88,8 +88,9 @@ NO_RUN_NO_OUTPUT = (
     "output_schema applies to an agent task (run=true): a caller-owned task has no model to hold to it "
     "(give each subtask its own output_schema instead)"
 )
-# A result, not a data set: the object is kept on the record and handed to the parent's model.
-MAX_OUTPUT_BYTES = 64 * 1024
+# A result, not a data set: the object is kept on the record and handed to the parent's model, whole, in its
+# line of the combined result (writeback.OUTPUT_IN_LINE_BYTES, the same number: every valid output fits).
+MAX_OUTPUT_BYTES = 16 * 1024
 # An output nests no deeper than this: its validation recurses once per level.
 MAX_OUTPUT_DEPTH = 64
 # How many of an invalid output's errors the model (and the record's error) is told, sorted by path.

@@ -148,10 +148,11 @@ def test_every_import_is_declared_and_the_server_ones_name_the_extra() -> None:
     imported = {module: {canonicalize_name(d) for d in distributions.get(module, [])} for module in _imported_modules()}
     undeclared = sorted(module for module, dists in imported.items() if not dists & (base | server | otel))
     assert undeclared == [], "imported by subq but named by no dependency set in pyproject.toml"
-    # What the client alone has is httpx, pydantic and jsonschema (a task's output_schema is checked
-    # before it is sent); every module subq imports from the server extra alone must be one that a
-    # client-only install answers with the server's install command.
-    assert base == {"httpx", "pydantic", "jsonschema"}
+    # What the client alone has is httpx, pydantic, jsonschema with referencing (its registry, which
+    # fetches nothing) and google-re2 (a schema's patterns, in linear time): a task's output_schema is
+    # checked before it is sent. Every module subq imports from the server extra alone must be one that
+    # a client-only install answers with the server's install command.
+    assert base == {"httpx", "pydantic", "jsonschema", "referencing", "google-re2"}
     # A module the otel extra names is answered by its own message, whichever extra also brings part
     # of it (FastMCP, of the server extra, brings OpenTelemetry's API along).
     server_side = {m for m, dists in imported.items() if dists & server and not dists & (base | otel)}
