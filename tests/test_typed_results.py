@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -23,7 +24,7 @@ from coordinator import Coordinator, Profile, Settings, TaskStatus
 from coordinator.api import create_app
 from coordinator.client import SubqClient
 from coordinator.errors import ValidationError
-from coordinator.local.fleet import settings_env
+from coordinator.local.fleet import WorkerFleet, settings_env
 from coordinator.output_schema import (
     MAX_OUTPUT_BYTES,
     MAX_SCHEMA_BYTES,
@@ -32,6 +33,7 @@ from coordinator.output_schema import (
     output_errors,
 )
 from coordinator.writeback import COMBINED_RESULT_BYTES, OUTPUT_IN_LINE_BYTES
+from tests import helpers
 from tests.agents import call as script_call
 from tests.conftest import dedicated_fleet
 from tests.helpers import TOKEN, ApiServer, api_settings, script, state
@@ -530,3 +532,59 @@ def test_the_offline_models_typed_child_example_runs_as_written(typed: Typed) ->
     assert promised in section
     contents = [str(p.get("content")) for m in coord.messages(root.id, "api") for p in m.get("parts", [])]
     assert any(promised in content for content in contents)
+
+
+# -- a worker killed while its model is asked again ---------------------------------------------------------
+
+LAPSE_S = 3
+# A rescuer takes the run over when its worker's lease lapses (the reconciler, not the broker's redelivery).
+FAULT_SETTINGS = {
+    "heartbeat_lapse_s": LAPSE_S, "reconcile_interval_s": 0.5, "reconcile_grace_s": 3, "task_time_limit_s": 60,
+    "visibility_timeout_s": 300,
+}  # fmt: skip
+# Each answer takes this long: the worker is killed while the request that asks again waits for its answer.
+ANSWER_S = 4.0
+
+
+def test_a_worker_killed_while_its_model_is_asked_again_leaves_a_run_that_asks_again(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """The invalid answer is the journal's last message (the request asking again is saved with its own
+    answer): the run that goes on asks the model again, counts the answer once, and completes."""
+    assert settings.redis_url
+    turns = [
+        Turn(calls=[call("attempt_completion", result="counted (wrong)", data=INVALID)]),
+        Turn(calls=[call("attempt_completion", result="counted two", data=VALID)]),
+    ]
+    with ModelServer(turns, latency_s=ANSWER_S) as server:
+        hosted = Profile(model="openai:test-model", base_url=server.base_url, api_key=server.key, output_schema=COUNT)
+        own = settings.model_copy(update={
+            **FAULT_SETTINGS, "redis_url": settings.redis_url.rsplit("/", 1)[0] + "/4", "queue": "subq-tfault",
+            "profiles": {**settings.profiles, "typed": hosted},
+        })  # fmt: skip
+        dying = WorkerFleet(own, 1, tmp_path, name="dying")
+        coord = Coordinator(own)
+        try:
+            dying.wait_ready()
+            task = coord.create_task("Count the rows.", profile="typed", run=True)
+
+            def answered_once() -> bool:
+                kept = [m for m in coord.messages(task.id, "api") if m.get("kind") == "response"]
+                return len(kept) == 1 and len(server.seen) == 1
+
+            helpers.eventually(answered_once, "the invalid answer answered and kept", timeout_s=60)
+            time.sleep(ANSWER_S / 4)  # its run is asking again now: the request waits on its answer
+            assert len(server.seen) == 1
+            dying.procs[0].kill()
+            dying.procs[0].wait(timeout=30)
+            with dedicated_fleet(own, tmp_path / "rescuer", 1, queue="subq-trescue"):
+                done = coord.wait(task.id, 90)
+        finally:
+            dying.stop()
+            coord.close()
+    assert done.status == TaskStatus.COMPLETED, (done.error_class, done.error)
+    assert done.output == VALID and done.invalid_outputs == 1
+    assert len(_says(coord, task.id, "output_invalid")) >= 1
+    # The rescuer's request carries the errors of the answer the dead worker's run never answered.
+    resumed = server.answered()[-1].body["messages"]
+    assert any(all(error in text for error in INVALID_ERRORS) for text in _tool_texts(resumed)), resumed

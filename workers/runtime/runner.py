@@ -43,7 +43,17 @@ from pydantic_ai import (
 )
 from pydantic_ai.capabilities import Hooks
 from pydantic_ai.exceptions import UnexpectedModelBehavior
-from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, TextPart, ToolCallPart
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelRequest,
+    ModelRequestPart,
+    ModelResponse,
+    RetryFeedbackPart,
+    RetryInfo,
+    TextPart,
+    ToolCallPart,
+    ToolReturnPart,
+)
 from pydantic_ai.models import ModelRequestParameters
 from pydantic_ai.settings import ModelSettings
 from pydantic_ai.tools import ToolDefinition
@@ -84,7 +94,10 @@ from workers.runtime.profile_tools import (
 )
 from workers.runtime.providers import ProviderWait, Route
 from workers.runtime.tools import (
+    DATA_AGAIN,
+    NO_COMPLETION,
     ORCHESTRATION_PROMPT,
+    OUTPUT_INVALID,
     OutputInvalid,
     RunState,
     TypedResult,
@@ -204,9 +217,11 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
     history = _load_history(run)
     if not history:
         run.announce_task()
-    elif isinstance(history[-1], ModelResponse) and not _calls_without_result(history):
-        return _ended_before(history, _schema_of(task.output_schema, profile))
-    saved = len(history)
+    saved = len(history)  # the messages the journal holds
+    if history and isinstance(history[-1], ModelResponse) and not _calls_without_result(history):
+        ended = _ended_before(run, history, _schema_of(task.output_schema, profile), profile.max_invalid_outputs)
+        if ended is not None:
+            return ended
     request_no = 0
     unsent: dict[str, Any] | None = None  # the latest response's progress, not yet sent
     run_key = f"{task.id}:{run.token}"
@@ -433,20 +448,37 @@ async def _invalid_arguments(
     raise error
 
 
-def _ended_before(history: Sequence[ModelMessage], schema: dict[str, Any] | None) -> Ended:
-    """A run that had ended (only its status was lost): its last response is its completion. A typed task's
-    is the data of its attempt_completion call, checked again: the run ended before it was written."""
+def _ended_before(run: Run, history: list[ModelMessage], schema: dict[str, Any] | None, bound: int) -> Ended | None:
+    """The last response of a resumed run whose calls all have results: its completion (the run had ended, only
+    its status was lost), checked again for a typed task. A typed task's invalid answer is its run's last
+    message when its worker died before the next request was saved (it is saved with that request's answer):
+    below the bound, the request that asks again is appended to `history` (None: the run goes on from it);
+    at the bound, the task fails as the answer's own run would have failed it."""
     last = history[-1]
     assert isinstance(last, ModelResponse)
     if schema is None:
         return Ended("completed", summary=_text_of(last))
     calls = [p for p in last.parts if isinstance(p, ToolCallPart) and p.tool_name == "attempt_completion"]
     taken, errors = check_completion(schema, calls[-1].args_as_dict()) if calls else (None, ["no attempt_completion"])
-    if taken is None:
-        error = "its run ended on an answer that broke the output schema: " + "; ".join(errors)
-        return Ended("failed", error=error[:MAX_OUTPUT_ERROR_CHARS], error_class="OutputInvalid")
     invalid = invalid_answers(history)
-    return Ended("completed", summary=taken.result, output_json=taken.data_json, invalid_outputs=invalid)
+    if taken is not None:
+        return Ended("completed", summary=taken.result, output_json=taken.data_json, invalid_outputs=invalid)
+    answers = invalid + 1
+    run.say("output_invalid", f"answer {answers} of at most {bound}: " + "; ".join(errors))
+    if answers >= bound:
+        refused = OutputInvalid(answers, errors)
+        return Ended(
+            "failed", error=str(refused)[:MAX_OUTPUT_ERROR_CHARS], error_class="OutputInvalid", invalid_outputs=answers
+        )
+    left = bound - answers
+    warning = f" ({left} more invalid answer{'s fail' if left != 1 else ' fails'} the task)."
+    if calls:
+        text = f"{OUTPUT_INVALID}{'; '.join(errors)}{DATA_AGAIN}{warning}"
+        ask: ModelRequestPart = ToolReturnPart("attempt_completion", text, calls[-1].tool_call_id, outcome="retried")
+    else:
+        ask = RetryFeedbackPart(NO_COMPLETION + warning, retry=RetryInfo("no_output"))
+    history.append(ModelRequest(parts=[ask]))
+    return None
 
 
 def _schema_of(own: dict[str, Any] | None, profile: Profile) -> dict[str, Any] | None:
