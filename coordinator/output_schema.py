@@ -576,16 +576,23 @@ def completion_parameters(schema: Mapping[str, Any]) -> dict[str, Any]:
     for key in ("$schema", "$id"):  # about the document, which is the tool's schema now
         data.pop(key, None)
 
+    def rebased(ref: str) -> str:
+        # A pointer's `$` may come percent-encoded (`#/%24defs/x`): compared decoded, as it resolves.
+        decoded = unquote(ref)
+        for prefix, to in moved.items():
+            if decoded.startswith(prefix):
+                return to + decoded[len(prefix) :]
+            if decoded == prefix.rstrip("/"):  # the definitions themselves
+                return to.rstrip("/")
+        return "#/properties/data" + ref[1:] if ref == "#" or ref.startswith("#/") else ref
+
     def rebase(node: Any) -> Any:
         if isinstance(node, dict):
             out = {k: rebase(v) for k, v in node.items()}
-            ref = out.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#"):
-                prefix = next((p for p in moved if ref.startswith(p)), None)
-                if prefix is not None:
-                    out["$ref"] = moved[prefix] + ref[len(prefix) :]
-                elif ref == "#" or ref.startswith("#/"):
-                    out["$ref"] = "#/properties/data" + ref[1:]
+            for keyword in ("$ref", "$dynamicRef", "$recursiveRef"):
+                ref = out.get(keyword)
+                if isinstance(ref, str) and ref.startswith("#"):
+                    out[keyword] = rebased(ref)
             return out
         if isinstance(node, list):
             return [rebase(item) for item in node]

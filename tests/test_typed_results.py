@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import httpx
+import jsonschema
 import pytest
 from pydantic import BaseModel
 
@@ -214,6 +215,20 @@ def test_the_completion_tool_is_given_the_schema_with_its_references_rebased() -
     assert parameters["$defs"]["Row"] == COUNT["$defs"]["Row"]  # type: ignore[index]
     rooted = completion_parameters({"type": "object", "properties": {"self": {"$ref": "#"}}})
     assert rooted["properties"]["data"]["properties"]["self"] == {"$ref": "#/properties/data"}
+
+
+@pytest.mark.parametrize("ref", ["#/$defs/X", "#/%24defs/X", "#/definitions/X"])
+def test_every_spelling_of_a_local_definition_still_resolves_in_the_completion_tool(ref: str) -> None:
+    """The tool's schema, as the model is given it, holds data to the task's schema: a reference to a
+    definition that moved to the tool's root (percent-encoded, or draft 7's `definitions`) follows it."""
+    defs = "definitions" if "definitions" in ref else "$defs"
+    schema = {"type": "object", "properties": {"x": {"$ref": ref}}, defs: {"X": {"type": "integer"}}}
+    check_schema(schema)
+    tool = jsonschema.Draft202012Validator(completion_parameters(schema))
+    assert [e.message for e in tool.iter_errors({"result": "r", "data": {"x": "no"}})] == [
+        "'no' is not of type 'integer'"
+    ]
+    assert list(tool.iter_errors({"result": "r", "data": {"x": 1}})) == []
 
 
 # -- acceptance: against an OpenAI-compatible server on loopback -----------------------------------
