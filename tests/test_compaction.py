@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import pydantic
 import pytest
-from pydantic_ai import ToolReturn
+from pydantic_ai import BinaryContent, ImageUrl, ToolReturn
 from pydantic_ai.messages import (
     ModelMessage,
     ModelRequest,
@@ -38,22 +38,27 @@ from coordinator.celery_app import make_app
 from coordinator.local.fleet import WorkerFleet
 from coordinator.settings import Price, Profile
 from coordinator.timeline import Timeline, times_of
+from tests import agents
 from tests.compaction_kit import CHUNK_BYTES, read_chunk
 from tests.conftest import dedicated_fleet
 from tests.model_server import ModelServer, Seen, Turn, call, prompt_tokens_of
 from workers.runtime.compaction import (
+    MEDIA_TOKENS,
     CompactionRecord,
     Compactor,
+    ContextTooSmall,
     compacted_view,
     estimate_tokens,
     fingerprint_of,
+    fits,
     folded_responses,
     summary_request,
 )
 from workers.runtime.context import build_runtime
 from workers.runtime.offline import OfflineModel
 from workers.runtime.profile_tools import capped
-from workers.runtime.runner import run_child
+from workers.runtime.providers import Route
+from workers.runtime.runner import chain_window, run_child
 from workers.runtime.script import script_message
 
 # Issue 34's figures: six results of 8 KB, on a model whose server refuses prompts over 6,000 tokens.
@@ -99,6 +104,8 @@ def fleet(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "windowed": windowed(server),
         # The offline model with a small window: a long script compacts (docs/offline-model.md).
         "offline-small": Profile(tools=["tests.compaction_kit:read_chunk"], context_window=OFFLINE_WINDOW),
+        # The offline model reading at most 200 characters of a result: its children's combined one is cut.
+        "offline-capped": Profile(max_tool_output_chars=200),
     }
     own = settings.model_copy(update={"profiles": {**settings.profiles, **profiles}})
     try:
@@ -399,13 +406,15 @@ class Kept:
         self.lines.append(ui_text)
 
 
-def _compactor(kept: Kept, asked: list[str], records: Sequence[CompactionRecord] = ()) -> Compactor:
+def _compactor(
+    kept: Kept, asked: list[str], records: Sequence[CompactionRecord] = (), window: int = WINDOW
+) -> Compactor:
     async def summarise(transcript: str, max_tokens: int) -> str:
         asked.append(transcript)
         return "The agent read the chunks and noted their figures."
 
-    return Compactor(kept, summarise, window=WINDOW, share=0.8, summariser_name="w", summariser_window=None,
-                     records=records)  # fmt: skip
+    return Compactor(kept, summarise, window=window, share=0.8, summariser_name="w", summariser_window=None,
+                     records=records, window_of="profile 'w'")  # fmt: skip
 
 
 def _pairs_whole(view: Sequence[ModelMessage]) -> bool:
@@ -546,3 +555,140 @@ def test_a_compaction_is_kept_only_while_the_run_holds_the_lease_and_once_a_numb
     record = coord.get_task(task.id)
     assert record.timeline is not None and record.timeline.m[-2][1] == "compacted" and record.times is not None
     assert len(record.times.compactions_ms) == 1
+
+
+# -- images and files, a window too small, a record past the journal (review of issue 34) -----------------
+
+
+def test_an_image_counts_a_fixed_cost_in_a_prompt_and_in_a_tool_result_not_its_bytes() -> None:
+    image = BinaryContent(data=bytes(range(256)) * 1_200, media_type="image/png")  # 300 KB
+    url = ImageUrl(url="https://example.com/" + "p" * 280 + ".png")
+    in_prompt = estimate_tokens([ModelRequest(parts=[UserPromptPart(["Look:", image])])])
+    in_result = estimate_tokens([ModelRequest(parts=[ToolReturnPart("screenshot", [image], "c1")])])
+    by_url = estimate_tokens([ModelRequest(parts=[UserPromptPart(["Look:", url])])])
+    assert MEDIA_TOKENS <= in_prompt < MEDIA_TOKENS + 50 and MEDIA_TOKENS <= in_result < MEDIA_TOKENS + 50
+    assert by_url >= MEDIA_TOKENS + len(url.url) // 3, "a URL counts its characters too"
+
+    # Six turns each with a 100 KB screenshot fit a 128k window easily: no compaction, no summary paid.
+    kept, asked = Kept(), []
+    compactor = _compactor(kept, asked, window=128_000)
+    history: list[ModelMessage] = [ModelRequest(parts=[SystemPromptPart("You are a subagent."), UserPromptPart("Go.")])]
+    for n in range(6):
+        history.append(ModelResponse(parts=[TextPart(NOTES), ToolCallPart("screenshot", {}, f"c{n}")]))
+        shot = BinaryContent(data=bytes(range(256)) * 400, media_type="image/png")
+        history.append(ModelRequest(parts=[ToolReturnPart("screenshot", "see the image", f"c{n}"),
+                                           UserPromptPart(["image:", shot])]))  # fmt: skip
+        assert asyncio.run(compactor.view(history, ModelRequestParameters())) == history
+    assert kept.records == [] and asked == []
+
+    # Folded, a turn's image reaches the summariser as what it is, not as its bytes.
+    kept, asked = Kept(), []
+    small = _compactor(kept, asked, window=4 * MEDIA_TOKENS)
+    asyncio.run(small.view(history, ModelRequestParameters()))
+    assert asked and all("[binary]" in t and "\\x00" not in t and len(t) < 20_000 for t in asked)
+
+
+def test_a_window_the_instruction_nearly_fills_keeps_no_record_and_fails_past_the_window() -> None:
+    kept, asked = Kept(), []
+    compactor = _compactor(kept, asked, window=1_000)
+    instruction = ModelRequest(parts=[SystemPromptPart("S" * 2_000), UserPromptPart("do it " * 100)])
+    history: list[ModelMessage] = [instruction]
+    for n in range(10):
+        history.append(ModelResponse(parts=[TextPart(f"step {n}"), ToolCallPart("t", {"i": n}, f"c{n}")]))
+        history.append(ModelRequest(parts=[ToolReturnPart("t", "r" * 300, f"c{n}")]))
+        try:
+            view = asyncio.run(compactor.view(history, ModelRequestParameters()))
+        except ContextTooSmall as exc:
+            error = str(exc)
+            break
+        # Over the threshold, no compaction under it: sent as it is while it fits the window.
+        assert view == history and estimate_tokens(view) <= 1_000
+    else:
+        raise AssertionError("a request past the window was sent")
+    assert n == 1 and kept.records == [] and kept.lines == [] and asked == [], "no record, no summary paid"
+    assert error.startswith("the task's instruction, tools and last turn are ~1,0"), error
+    assert "tokens (estimated), over context_window 1,000 of profile 'w'" in error
+
+
+def test_a_task_whose_instruction_passes_its_window_fails_naming_the_figures(settings: Settings) -> None:
+    profile = Profile(context_window=1_000)  # the offline model: its first request is the instruction alone
+    coord, local = _in_process(settings, profile, "small")
+    task = coord.create_task("Read this. " * 400, profile="w", run=True)
+
+    result = run_child(build_runtime(local, make_app(local)), task.id)
+
+    assert result.status == "failed" and result.error_class == "ContextTooSmall"
+    assert "instruction, tools and last turn are ~" in (result.error or "")
+    assert "over context_window 1,000 of profile 'w'" in (result.error or "")
+    assert coord.get_task(task.id).requests == 0 and _records(coord, task.id) == []
+    coord.close()
+
+
+def test_a_record_that_folds_past_the_end_of_the_journal_does_not_fit() -> None:
+    history = _conversation(1)
+    record = CompactionRecord(
+        number=1, at=0.0, reason="window", folded_upto=len(history), elided_upto=len(history), folded_responses=1,
+        tokens_before=1, tokens_after=1, fingerprint=fingerprint_of(history[-1]),
+    )  # fmt: skip
+    assert not fits(history, record) and compacted_view(history, record) == history
+
+
+def test_a_fallback_chains_window_is_the_smallest_of_its_hops_set_or_known(settings: Settings) -> None:
+    profiles = {
+        "big": Profile(model="openai:gpt-4o", api_key="k", context_window=500_000, fallback_profiles=["known"]),
+        "known": Profile(model="openai:gpt-4o", api_key="k"),  # no setting: its model's window, 128,000
+        "unknown": Profile(model="openai:no-such-model", api_key="k", base_url="http://127.0.0.1:9/v1"),
+    }
+    local = settings.model_copy(update={"profiles": {**settings.profiles, **profiles}})
+    # A route is only built here (nothing is sent): no run is asked for anything.
+    assert chain_window(Route(local, None, "big")) == (128_000, "profile 'known'")  # type: ignore[arg-type]
+    assert chain_window(Route(local, None, "known")) == (128_000, "profile 'known'")  # type: ignore[arg-type]
+    assert chain_window(Route(local, None, "unknown")) == (None, "")  # type: ignore[arg-type]
+
+
+def test_a_summariser_on_another_provider_is_held_to_its_own_providers_rate_limit(settings: Settings) -> None:
+    """The task's model is on `openai`, its summariser the offline model: each request is counted against its own
+    provider's fleet-wide limit (Redis keeps the requests of the last minute of each)."""
+    with ModelServer(turns(), max_prompt_tokens=WINDOW, by_call_ids=True) as server:
+        coord, local = _in_process(settings, windowed(server, compaction_profile="notes"), "rate")
+        local = local.model_copy(update={
+            "profiles": {**local.profiles, "notes": Profile()}, "provider_rpm": {"offline": 1_000, "openai": 1_000},
+        })  # fmt: skip
+        coord = Coordinator(local)
+        task = coord.create_task("Read the report's chunks.", profile="w", run=True)
+
+        result = run_child(build_runtime(local, make_app(local)), task.id)
+
+        assert result.status == "completed", result.error
+        records = _records(coord, task.id)
+        # A record is cumulative: each that folds further than the one before was a summary.
+        before = [0, *(r["folded_upto"] for r in records)][:-1]
+        summaries = [r for r, folded in zip(records, before, strict=True) if r["folded_upto"] > folded]
+        assert summaries and all(r["summariser"] == "notes" for r in summaries)
+        assert not any(s.summarising for s in server.seen), "the task's own model wrote no summary"
+        counted = {p: coord.client.zcard(coord.store.keys.rate(p)) for p in ("offline", "openai")}
+        assert counted == {"offline": len(summaries), "openai": len(server.seen)}, counted
+        coord.close()
+
+
+def test_a_delegations_combined_result_is_capped_like_a_tool_result(fleet: Fleet) -> None:
+    coord = fleet.coord
+    long = "figure " * 200
+    steps = [
+        agents.call(
+            "run_subagents",
+            tasks=[agents.subtask("A", agents.reply("A: " + long)), agents.subtask("B", agents.reply("B: " + long))],
+        ),
+        agents.call("attempt_completion", result="both read"),
+    ]
+    task = coord.create_task(script_message("Read both.", steps), profile="offline-capped", run=True)
+
+    done = coord.wait(task.id, 120)
+
+    assert done.status == TaskStatus.COMPLETED, done.error
+    journal = [p for m in coord.messages(task.id, kind="api") for p in m.get("parts", [])]
+    (answer,) = [
+        p["content"] for p in journal if p.get("part_kind") == "tool-return" and p["tool_name"] == "run_subagents"
+    ]
+    assert "characters of run_subagents's result (max_tool_output_chars is 200) cut here" in answer
+    assert len(answer) < 200 + 150

@@ -31,7 +31,15 @@ journal and the latest record, and never compacts the same turns twice.
 The estimate is conservative: the characters of what a request carries (every
 part's text, tool calls' arguments, instructions, the tools' schemas), at
 `CHARS_PER_TOKEN_ESTIMATE` a token, fewer than providers' tokenizers average, so
-it counts more tokens than the provider will.
+it counts more tokens than the provider will (except for scripts of about a
+character a token, as Chinese or Japanese: the compaction after a refusal is their
+guard); an image or a file counts `MEDIA_TOKENS`, not its bytes.
+
+A window the task's instruction, tools and last turn alone (nearly) fill cannot be
+helped by compacting: a request no compaction brings under the threshold is sent as
+it is while it fits the window, with no record kept and no summary paid for; past
+the window, the smallest compaction is made if it fits, and where none does the
+task fails (`ContextTooSmall`), naming the figures.
 """
 
 from __future__ import annotations
@@ -49,12 +57,15 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_ai.exceptions import ModelContextWindowExceededError, ModelHTTPError
 from pydantic_ai.messages import (
+    MULTI_MODAL_CONTENT_TYPES,
+    CachePoint,
     ModelMessage,
     ModelRequest,
     ModelResponse,
     ModelResponsePart,
     RetryPromptPart,
     SystemPromptPart,
+    TextContent,
     TextPart,
     ThinkingPart,
     ToolCallPart,
@@ -66,11 +77,13 @@ from pydantic_ai.models import ModelRequestParameters
 __all__ = [
     "CHARS_PER_TOKEN_ESTIMATE",
     "KEEP_TURNS",
+    "MEDIA_TOKENS",
     "METADATA_KEY",
     "TARGET_SHARE",
     "CompactionPort",
     "CompactionRecord",
     "Compactor",
+    "ContextTooSmall",
     "Summariser",
     "cap_text",
     "compacted_view",
@@ -89,6 +102,11 @@ log = logging.getLogger(__name__)
 CHARS_PER_TOKEN_ESTIMATE = 3.0
 # What each part costs beside its text (role, ids, separators), in characters.
 PART_OVERHEAD_CHARS = 16
+# What one image, audio clip, video or document costs, in tokens, wherever it is (a user prompt, a tool's
+# result), whatever its bytes: providers bill an image by its pixels, not its bytes (OpenAI: at most 1,105 for a
+# 2048x768 image in high detail; Anthropic: about 1,600 for the 1.15-megapixel images it keeps whole), so
+# counting its bytes made a 100 KB screenshot ~30k tokens. A file given by URL counts its URL's characters too.
+MEDIA_TOKENS = 1_600
 # The newest turns a compaction keeps whole (a turn: a response and the results of its calls); 1 where
 # two do not fit.
 KEEP_TURNS = 2
@@ -113,6 +131,10 @@ SUMMARISER_PROMPT = (
     "why, and what it was about to do next. Be specific and brief; no preamble. The task's instruction and plan "
     "are kept apart from your notes: do not repeat them."
 )
+
+
+class ContextTooSmall(Exception):
+    """No compaction brings the request within its model's context window: the task fails with this."""
 
 
 class CompactionRecord(BaseModel):
@@ -173,26 +195,58 @@ class CompactionPort(Protocol):
 
 def estimate_tokens(messages: Sequence[ModelMessage], params: ModelRequestParameters | None = None) -> int:
     """A request's size in tokens, overstated (see the module's docstring)."""
-    chars = 0
+    chars, media = 0, 0
     requests = [m for m in messages if isinstance(m, ModelRequest)]
     if requests and requests[-1].instructions:
         chars += len(requests[-1].instructions)  # sent once, though every request records them
     for message in messages:
         for part in message.parts:
             chars += PART_OVERHEAD_CHARS + len(_part_text(part))
+            media += len(_media_of(part))
     if params is not None:
         for tool in [*params.function_tools, *params.output_tools]:
             chars += len(json.dumps([tool.name, tool.description, tool.parameters_json_schema]))
-    return math.ceil(chars / CHARS_PER_TOKEN_ESTIMATE)
+    return math.ceil(chars / CHARS_PER_TOKEN_ESTIMATE) + media * MEDIA_TOKENS
+
+
+def _media_of(part: Any) -> list[Any]:
+    """The images and files a part carries (each counts `MEDIA_TOKENS`)."""
+    if isinstance(part, UserPromptPart) and not isinstance(part.content, str):
+        return [c for c in part.content if isinstance(c, MULTI_MODAL_CONTENT_TYPES)]
+    if isinstance(part, ToolReturnPart):
+        return list(part.files)
+    return []
+
+
+def _media_label(item: Any) -> str:
+    """An image's or a file's place in the text: its kind, and its URL if it has one (counted by its length)."""
+    url = getattr(item, "url", None)
+    return f"[{item.kind} {url}]" if isinstance(url, str) else f"[{item.kind}]"
+
+
+def _content_text(item: Any) -> str:
+    if isinstance(item, str):
+        return item
+    if isinstance(item, TextContent):
+        return item.content
+    if isinstance(item, MULTI_MODAL_CONTENT_TYPES):
+        return _media_label(item)
+    if isinstance(item, CachePoint):
+        return ""
+    try:
+        return json.dumps(item, default=str)
+    except (TypeError, ValueError):
+        return str(item)
 
 
 def _part_text(part: Any) -> str:
     if isinstance(part, SystemPromptPart):
         return part.content
     if isinstance(part, UserPromptPart):
-        return part.content if isinstance(part.content, str) else " ".join(str(c) for c in part.content)
+        return part.content if isinstance(part.content, str) else " ".join(_content_text(c) for c in part.content)
     if isinstance(part, ToolReturnPart):
-        return part.tool_name + part.tool_call_id + part.model_response_str()
+        files = "".join(_media_label(f) for f in part.files)
+        return part.tool_name + part.tool_call_id + part.model_response_str() + files
     if isinstance(part, RetryPromptPart):
         return part.model_response()
     if isinstance(part, TextPart | ThinkingPart):
@@ -223,9 +277,10 @@ def cap_text(text: str, max_chars: int, what: str) -> str:
 
 
 def _elided(part: ToolReturnPart) -> ToolReturnPart:
-    chars = len(part.model_response_str())
+    chars, files = len(part.model_response_str()), len(part.files)
+    with_files = f" and {files} file{'s' if files != 1 else ''}" if files else ""
     note = (
-        f"[result elided to keep the conversation within the model's context window: {chars:,} characters "
+        f"[result elided to keep the conversation within the model's context window: {chars:,} characters{with_files} "
         f"of {part.tool_name}'s result; call the tool again if it is still needed]"
     )
     return replace(part, content=note)
@@ -250,7 +305,9 @@ def fits(messages: Sequence[ModelMessage], record: CompactionRecord) -> bool:
     covers = record.covers
     if covers < 1 or covers > len(messages) or not isinstance(messages[0], ModelRequest):
         return False
-    if record.folded_upto > 1 and not isinstance(messages[record.folded_upto], ModelResponse):
+    if record.folded_upto > 1 and (
+        record.folded_upto >= len(messages) or not isinstance(messages[record.folded_upto], ModelResponse)
+    ):
         return False
     return fingerprint_of(messages[covers - 1]) == record.fingerprint
 
@@ -376,7 +433,8 @@ class Compactor:
     """One run's compaction: the view each request sends, and a compaction when one is due.
 
     `window` None: no compaction before a request (only after a provider's refusal). `records`: the
-    task's kept records, oldest first (a resumed run's; a new run has none).
+    task's kept records, oldest first (a resumed run's; a new run has none). `view` raises
+    `ContextTooSmall` where no compaction brings the request within the window.
     """
 
     def __init__(
@@ -389,6 +447,7 @@ class Compactor:
         summariser_name: str,
         summariser_window: int | None,
         records: Sequence[CompactionRecord] = (),
+        window_of: str = "the task's profile",
     ) -> None:
         self.port = port
         self.summarise = summarise
@@ -396,6 +455,7 @@ class Compactor:
         self.share = share
         self.summariser_name = summariser_name
         self.summariser_window = summariser_window
+        self.window_of = window_of  # whose `context_window` it is, for an error: "profile 'main'"
         self.latest: CompactionRecord | None = records[-1] if records else None
         self.number = max((r.number for r in records), default=0)
 
@@ -417,8 +477,29 @@ class Compactor:
         tokens = estimate_tokens(current, params)
         if tokens <= threshold:
             return current
-        made = await self._compact(messages, params, record, tokens, int(threshold * TARGET_SHARE), threshold)
-        return current if made is None else made
+        plans = self._plans(messages, record)
+        plan_text = self.port.plan() if any(p.fold for p in plans) else ""
+        sized = self._sized(messages, params, record, plans, plan_text, "window")
+        chosen = next((p for p, t in sized if t <= int(threshold * TARGET_SHARE)), None) or next(
+            (p for p, t in sized if t <= threshold), None
+        )
+        if chosen is None:
+            # No compaction brings it under the threshold: one made anyway would be made again at every request,
+            # each with a summary paid for. The request goes as it is while it fits the window; past it, the
+            # smallest compaction, if that fits (sized with the longest summary: the real one may be shorter).
+            assert self.window is not None
+            if tokens <= self.window:
+                log.info("subq: no compaction brings ~%d tokens under %d; sent as it is", tokens, threshold)
+                return current
+            smallest = min(sized, key=lambda pt: pt[1], default=None)
+            if smallest is None or smallest[1] > self.window:
+                least = min(tokens, smallest[1]) if smallest is not None else tokens
+                raise ContextTooSmall(
+                    f"the task's instruction, tools and last turn are ~{least:,} tokens (estimated), over "
+                    f"context_window {self.window:,} of {self.window_of}: no compaction can make the request fit"
+                )
+            chosen = smallest[0]
+        return await self._make(messages, params, record, chosen, plan_text, tokens, "window")
 
     async def after_overflow(
         self, messages: Sequence[ModelMessage], params: ModelRequestParameters, sent: Sequence[ModelMessage]
@@ -430,7 +511,14 @@ class Compactor:
         target = int(tokens * OVERFLOW_SHARE)
         if self.threshold is not None:
             target = min(target, int(self.threshold * TARGET_SHARE))
-        return await self._compact(messages, params, record, tokens, target, target, reason="provider")
+        plans = self._plans(messages, record)
+        if not plans:
+            return None
+        plan_text = self.port.plan() if any(p.fold for p in plans) else ""
+        sized = self._sized(messages, params, record, plans, plan_text, "provider")
+        # The first that reaches the target, else the smallest: the provider's refusal is the only sign here.
+        chosen = next((p for p, t in sized if t <= target), None) or min(sized, key=lambda pt: pt[1])[0]
+        return await self._make(messages, params, record, chosen, plan_text, tokens, "provider")
 
     def _plans(self, messages: Sequence[ModelMessage], record: CompactionRecord | None) -> list[_Plan]:
         """The ways to compact further, least lost first: elide keeping 2 turns, then 1; fold keeping 2, then 1."""
@@ -457,36 +545,41 @@ class Compactor:
             return SUMMARY_MAX_TOKENS
         return max(SUMMARY_MIN_TOKENS, min(SUMMARY_MAX_TOKENS, window // 8))
 
-    async def _compact(
+    def _sized(
         self,
         messages: Sequence[ModelMessage],
         params: ModelRequestParameters,
         record: CompactionRecord | None,
-        tokens_before: int,
-        target: int,
-        threshold: int,
-        reason: Literal["window", "provider"] = "window",
-    ) -> list[ModelMessage] | None:
-        plans = self._plans(messages, record)
-        if not plans:
-            return None
-        summary_chars = int(self._summary_tokens() * CHARS_PER_TOKEN_ESTIMATE)
-        plan_text = self.port.plan() if any(p.fold for p in plans) else ""
-        placeholder = "x" * summary_chars  # a summary as long as one may be, to size a fold before asking for it
-        sized = [
+        plans: Sequence[_Plan],
+        plan_text: str,
+        reason: Literal["window", "provider"],
+    ) -> list[tuple[_Plan, int]]:
+        """Each plan with the tokens of the view it makes, a fold's summary sized as long as one may be (it is
+        not asked for before it is chosen)."""
+        placeholder = "x" * int(self._summary_tokens() * CHARS_PER_TOKEN_ESTIMATE)
+        return [
             (plan, estimate_tokens(compacted_view(messages, self._draft(messages, record, plan, placeholder, plan_text,
                                                                         reason)), params))
             for plan in plans
         ]  # fmt: skip
-        chosen = next((p for p, t in sized if t <= target), None) or next((p for p, t in sized if t <= threshold), None)
-        if chosen is None:
-            chosen = min(sized, key=lambda pt: pt[1])[0]
+
+    async def _make(
+        self,
+        messages: Sequence[ModelMessage],
+        params: ModelRequestParameters,
+        record: CompactionRecord | None,
+        chosen: _Plan,
+        plan_text: str,
+        tokens_before: int,
+        reason: Literal["window", "provider"],
+    ) -> list[ModelMessage]:
+        """The compaction `chosen`: its summary asked for (a fold), its record kept, its view."""
         summary = ""
         if chosen.fold:
             start = max(record.folded_upto if record is not None else 1, 1)
             transcript = _transcript(messages, start, chosen.boundary, record, self._transcript_chars())
             summary = (await self.summarise(transcript, self._summary_tokens())).strip() or "(no notes were written)"
-            summary = cap_text(summary, summary_chars, "the notes")
+            summary = cap_text(summary, int(self._summary_tokens() * CHARS_PER_TOKEN_ESTIMATE), "the notes")
         draft = self._draft(messages, record, chosen, summary, plan_text, reason)
         view = compacted_view(messages, draft)
         final = draft.model_copy(update={"tokens_before": tokens_before, "tokens_after": estimate_tokens(view, params)})

@@ -9,7 +9,7 @@ holds its lease, records each response, and ends it in the right order. A run:
    delegated, or waits for a run slot);
 2. loads the persisted conversation and goes on from it, answering the calls of
    its last response that have no result: a delegation with the batch's
-   combined result, an approval with the human's decision, anything else with
+   combined result (capped as a tool's result is), an approval with the human's decision, anything else with
    `INTERRUPTED`;
 3. runs the agent, with, before each model request, a stop check (cancel, a
    spent budget) and the provider's fleet-wide rate limit, transient model
@@ -55,6 +55,7 @@ from pydantic_ai.messages import (
     ToolReturnPart,
 )
 from pydantic_ai.models import ModelRequestParameters
+from pydantic_ai.models.fallback import FallbackModel
 from pydantic_ai.settings import ModelSettings
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.usage import UsageLimits
@@ -91,8 +92,9 @@ from workers.runtime.profile_tools import (
     OWN_STATE_TOOLS,
     ProfileTools,
     answer_without_running,
+    capped,
 )
-from workers.runtime.providers import ProviderWait, Route
+from workers.runtime.providers import GatedModel, ProviderWait, Route
 from workers.runtime.tools import (
     DATA_AGAIN,
     NO_COMPLETION,
@@ -226,12 +228,7 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
     unsent: dict[str, Any] | None = None  # the latest response's progress, not yet sent
     run_key = f"{task.id}:{run.token}"
 
-    async def before_request() -> None:
-        stopped, holder = run.check_stop()
-        if stopped:
-            raise StopRun(holder)
-        while wait_ms := run.rate_wait_ms(profile.provider):
-            await asyncio.sleep(wait_ms / 1000)
+    before_request = _before_request(run, profile.provider)
 
     # Its profile's model, then its fallbacks', each behind its endpoint's gate, and its patience.
     route = Route(rt.settings, run, task.profile or rt.settings.default_profile)
@@ -296,7 +293,7 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
 
     model = MeteredModel(
         route.model, on_response, labels=(profile.provider, profile.model), before=before_request,
-        after_error=route.after_error, compactor=_compactor(rt, run, profile, route, record, before_request, history),
+        after_error=route.after_error, compactor=_compactor(rt, run, profile, route, record, history),
     )  # fmt: skip
     pending = _calls_without_result(history)
     results = _answers(run, state, pending, offered) if pending else None
@@ -359,6 +356,37 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
     return Ended("completed", summary=str(output))
 
 
+def _before_request(run: Run, provider: str) -> Callable[[], Awaitable[None]]:
+    """What runs before each request to `provider`'s model: the run's stop check, then `provider`'s fleet-wide
+    rate limit (a summariser on another provider waits on its own)."""
+
+    async def before_request() -> None:
+        stopped, holder = run.check_stop()
+        if stopped:
+            raise StopRun(holder)
+        while wait_ms := run.rate_wait_ms(provider):
+            await asyncio.sleep(wait_ms / 1000)
+
+    return before_request
+
+
+def chain_window(route: Route) -> tuple[int | None, str]:
+    """The context window a route's requests must fit, and whose it is: each hop's `context_window`, else what
+    pydantic-ai and genai-prices know of its model, the smallest of them (any hop may answer); None where no hop's
+    is known."""
+    models = route.model.models if isinstance(route.model, FallbackModel) else [route.model]
+    known: list[tuple[int, str]] = []
+    for model in models:
+        assert isinstance(model, GatedModel)
+        window = model.hop.profile.context_window or model.context_window
+        if window:
+            known.append((window, model.hop.name))
+    if not known:
+        return None, ""
+    window, name = min(known)
+    return window, f"profile {name!r}"
+
+
 class Compaction:
     """What a run's compaction needs of it (compaction.CompactionPort): the task's plan, and keeping a record."""
 
@@ -381,15 +409,12 @@ def _compactor(
     profile: Profile,
     route: Route,
     record: Callable[..., int],
-    before: Callable[[], Awaitable[None]],
     history: Sequence[ModelMessage],
 ) -> Compactor:
-    """The run's compaction: its window (the profiles' `context_window`, else what pydantic-ai and genai-prices
-    know of the models, the smallest of a fallback chain's), and its summariser: `compaction_profile`'s route
-    (its fallbacks and its endpoint's gate), or the run's own, each summary recorded as one of the run's
-    responses. A resumed run (one with a conversation) reads the records its task kept."""
-    windows = [hop.profile.context_window for hop in route.hops if hop.profile.context_window]
-    window = min(windows) if windows else route.model.context_window
+    """The run's compaction: its window (`chain_window`), and its summariser: `compaction_profile`'s route
+    (its fallbacks and its endpoint's gate, its provider's rate limit), or the run's own, each summary recorded as
+    one of the run's responses. A resumed run (one with a conversation) reads the records its task kept."""
+    window, window_of = chain_window(route)
     name = profile.compaction_profile or run.task.profile or rt.settings.default_profile
     own = name == (run.task.profile or rt.settings.default_profile)
     via = route if own else Route(rt.settings, run, name)
@@ -399,7 +424,8 @@ def _compactor(
         record(response, latency_ms, via, tool=None, text="")
 
     model = MeteredModel(
-        via.model, on_summary, labels=(summariser.provider, summariser.model), before=before,
+        via.model, on_summary, labels=(summariser.provider, summariser.model),
+        before=_before_request(run, summariser.provider),
         after_error=via.after_error,
     )  # fmt: skip
 
@@ -409,10 +435,9 @@ def _compactor(
         return "\n".join(p.content for p in response.parts if isinstance(p, TextPart))
 
     kept = load_records(run.compactions()) if history else []
-    windows = [hop.profile.context_window for hop in via.hops if hop.profile.context_window]
     return Compactor(
         Compaction(run), summarise, window=window, share=profile.compact_at_share, summariser_name=name,
-        summariser_window=min(windows) if windows else via.model.context_window, records=kept,
+        summariser_window=chain_window(via)[0], records=kept, window_of=window_of,
     )  # fmt: skip
 
 
@@ -512,7 +537,9 @@ def _answers(
             run.say("tool_replayed", describe_call(call))
             observe.tool_call(call.tool_name, "replayed")  # counted on the task once already, as it returned
         elif batch is not None and batch.tool_call_id == call_id:
-            calls[call_id] = batch.result
+            # The children's combined result (up to 256 KiB) is a tool result like any other: capped at
+            # `max_tool_output_chars`, and the conversation keeps what the model read.
+            calls[call_id] = capped(batch.result, state.profile.max_tool_output_chars, call.tool_name)
         elif call_id in decisions and decisions[call_id].approved and call_id in started:
             approvals[call_id] = ToolApproved()  # approved, and running when its worker died
             metadata[call_id] = {CUT_OFF: True, APPROVED_BY_HUMAN: True}
