@@ -43,10 +43,13 @@ from tests.compaction_kit import CHUNK_BYTES, read_chunk
 from tests.conftest import dedicated_fleet
 from tests.model_server import ModelServer, Seen, Turn, call, prompt_tokens_of
 from workers.runtime.compaction import (
+    CHARS_PER_TOKEN_ESTIMATE,
+    COMBINED_RESULT_SHARE,
     MEDIA_TOKENS,
     CompactionRecord,
     Compactor,
     ContextTooSmall,
+    combined_result_chars,
     compacted_view,
     estimate_tokens,
     fingerprint_of,
@@ -104,7 +107,7 @@ def fleet(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "windowed": windowed(server),
         # The offline model with a small window: a long script compacts (docs/offline-model.md).
         "offline-small": Profile(tools=["tests.compaction_kit:read_chunk"], context_window=OFFLINE_WINDOW),
-        # The offline model reading at most 200 characters of a result: its children's combined one is cut.
+        # The offline model reading at most 200 characters of a tool's result (not of its children's).
         "offline-capped": Profile(max_tool_output_chars=200),
     }
     own = settings.model_copy(update={"profiles": {**settings.profiles, **profiles}})
@@ -671,7 +674,9 @@ def test_a_summariser_on_another_provider_is_held_to_its_own_providers_rate_limi
         coord.close()
 
 
-def test_a_delegations_combined_result_is_capped_like_a_tool_result(fleet: Fleet) -> None:
+def test_a_delegations_combined_result_is_read_whole_where_no_window_asks_for_a_cut(fleet: Fleet) -> None:
+    """A parent's children's results are what it delegated for: a 200-character tool cap does not cut them
+    (`combined_result_chars`); with no window known, the combined result's own bound is the only one."""
     coord = fleet.coord
     long = "figure " * 200
     steps = [
@@ -690,5 +695,16 @@ def test_a_delegations_combined_result_is_capped_like_a_tool_result(fleet: Fleet
     (answer,) = [
         p["content"] for p in journal if p.get("part_kind") == "tool-return" and p["tool_name"] == "run_subagents"
     ]
-    assert "characters of run_subagents's result (max_tool_output_chars is 200) cut here" in answer
-    assert len(answer) < 200 + 150
+    assert "cut here" not in answer
+    assert ("A: " + long).strip() in answer and ("B: " + long).strip() in answer
+
+
+def test_a_combined_result_is_cut_at_half_its_parents_window_never_below_the_tool_cap() -> None:
+    assert combined_result_chars(None, 200) is None
+    assert combined_result_chars(10_000, 200) == int(10_000 * CHARS_PER_TOKEN_ESTIMATE * COMBINED_RESULT_SHARE)
+    assert combined_result_chars(100, 20_000) == 20_000
+    limit = combined_result_chars(4_000, 200)
+    assert limit is not None
+    text = "x" * (limit * 2)
+    cut = capped(text, limit, "run_subagents")
+    assert isinstance(cut, str) and len(cut) < limit + 200 and "cut here" in cut

@@ -76,6 +76,7 @@ from pydantic_ai.models import ModelRequestParameters
 
 __all__ = [
     "CHARS_PER_TOKEN_ESTIMATE",
+    "COMBINED_RESULT_SHARE",
     "KEEP_TURNS",
     "MEDIA_TOKENS",
     "METADATA_KEY",
@@ -86,6 +87,7 @@ __all__ = [
     "ContextTooSmall",
     "Summariser",
     "cap_text",
+    "combined_result_chars",
     "compacted_view",
     "estimate_tokens",
     "fingerprint_of",
@@ -100,6 +102,8 @@ log = logging.getLogger(__name__)
 # Characters a token, for the estimate: providers' tokenizers average about 4 for English and 3.3 for
 # JSON and code; counting 3 overstates a request's tokens, so a compaction comes early, never late.
 CHARS_PER_TOKEN_ESTIMATE = 3.0
+# The share of a parent's window its children's combined result may fill (`combined_result_chars`).
+COMBINED_RESULT_SHARE = 0.5
 # What each part costs beside its text (role, ids, separators), in characters.
 PART_OVERHEAD_CHARS = 16
 # What one image, audio clip, video or document costs, in tokens, wherever it is (a user prompt, a tool's
@@ -191,6 +195,16 @@ class CompactionPort(Protocol):
 
 
 # -- the estimate -----------------------------------------------------------------------------
+
+
+def combined_result_chars(window: int | None, max_tool_output_chars: int) -> int | None:
+    """The most a parent's model reads of its children's combined result, in characters: half its window (as
+    the estimate counts characters), never less than one tool result's cap; None where no window is known (the
+    combined result's own bound, 256 KiB, holds). Not the tool cap alone: fifty typed children's objects are
+    what the parent delegated for, and a 20,000-character cut would drop most of them."""
+    if window is None:
+        return None
+    return max(max_tool_output_chars, int(window * CHARS_PER_TOKEN_ESTIMATE * COMBINED_RESULT_SHARE))
 
 
 def estimate_tokens(messages: Sequence[ModelMessage], params: ModelRequestParameters | None = None) -> int:

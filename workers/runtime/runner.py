@@ -81,7 +81,13 @@ from coordinator.runs import (
     ToolCall,
 )
 from workers import observe
-from workers.runtime.compaction import CompactionRecord, Compactor, load_records, summary_request
+from workers.runtime.compaction import (
+    CompactionRecord,
+    Compactor,
+    combined_result_chars,
+    load_records,
+    summary_request,
+)
 from workers.runtime.context import Runtime
 from workers.runtime.metering import MeteredModel
 from workers.runtime.pricing import cost_of, reported_cost_usd
@@ -296,7 +302,7 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
         after_error=route.after_error, compactor=_compactor(rt, run, profile, route, record, history),
     )  # fmt: skip
     pending = _calls_without_result(history)
-    results = _answers(run, state, pending, offered) if pending else None
+    results = _answers(run, state, pending, offered, chain_window(route)[0]) if pending else None
     agent: Agent[RunState, Any] = rt.toolbox.agent(task.profile, plans_offline(profile, task.prompt), build_agent)
     # A task with an output schema (its own, else its profile's) ends only with attempt_completion(result, data),
     # built for this run: no plain text ends it. Its invalid answers are bounded by `bound_invalid_answers`, so
@@ -519,7 +525,7 @@ def _tool_call(call: ToolCallPart, requests: DeferredToolRequests) -> ToolCall:
 
 
 def _answers(
-    run: Run, state: RunState, pending: Sequence[ToolCallPart], offered: frozenset[str]
+    run: Run, state: RunState, pending: Sequence[ToolCallPart], offered: frozenset[str], window: int | None
 ) -> DeferredToolResults:
     """Results for the calls of the last response that have none: the kept result of a call that
     returned (replayed; its cost was recorded with it), a batch's, a decision; a tool's call that may
@@ -537,9 +543,11 @@ def _answers(
             run.say("tool_replayed", describe_call(call))
             observe.tool_call(call.tool_name, "replayed")  # counted on the task once already, as it returned
         elif batch is not None and batch.tool_call_id == call_id:
-            # The children's combined result (up to 256 KiB) is a tool result like any other: capped at
-            # `max_tool_output_chars`, and the conversation keeps what the model read.
-            calls[call_id] = capped(batch.result, state.profile.max_tool_output_chars, call.tool_name)
+            # The children's combined result (up to 256 KiB): what the parent delegated for, typed outputs
+            # among it, so it is cut only where the parent's window asks (`combined_result_chars`); the
+            # conversation keeps what the model read.
+            limit = combined_result_chars(window, state.profile.max_tool_output_chars)
+            calls[call_id] = batch.result if limit is None else capped(batch.result, limit, call.tool_name)
         elif call_id in decisions and decisions[call_id].approved and call_id in started:
             approvals[call_id] = ToolApproved()  # approved, and running when its worker died
             metadata[call_id] = {CUT_OFF: True, APPROVED_BY_HUMAN: True}
