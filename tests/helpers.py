@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import pytest
 import redis
 import uvicorn
 from fastapi import FastAPI
@@ -269,3 +271,16 @@ def processes_with(argument: str) -> list[int]:
         if argument.encode() in words and state not in ("Z", "X"):
             found.append(int(entry.name))
     return found
+
+
+def profiles_refused(profiles: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> str:
+    """The one line settings refuse `SUBQ_PROFILES=profiles` with (it fails the test if they take them)."""
+    from coordinator import ConfigError
+    from coordinator.settings import load_settings
+
+    monkeypatch.setenv("SUBQ_PROFILES", json.dumps(profiles))
+    with pytest.raises(ConfigError) as caught:
+        load_settings()
+    message = str(caught.value)
+    assert "\n" not in message, message
+    return message
