@@ -275,6 +275,8 @@ class TimelineRow:
     segments: list[Segment]
     end_x: float | None  # where its outcome's mark is drawn, once it ended
     tools: list[ToolMark] = field(default_factory=list)
+    # Where its runs compacted their conversation to fit the model's window (times.compactions_ms): (ms, x).
+    compactions: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def start_ms(self) -> int:
@@ -366,8 +368,9 @@ def read_timeline(
                      max(MIN_SEGMENT_UNITS, x_of(c.end_ms) - x_of(c.start_ms)))
             for c in record.tool_calls
         ]  # fmt: skip
+        compactions = [(ms, x_of(ms)) for ms in task_times.compactions_ms]
         return TimelineRow(record, task_times, states.get(record.id, record.status.value), record.id in critical,
-                           segments, end_x, tools)  # fmt: skip
+                           segments, end_x, tools, compactions)  # fmt: skip
 
     by_parent: dict[str, list[TaskRecord]] = {}
     for record in records[1:]:
