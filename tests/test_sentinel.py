@@ -31,6 +31,7 @@ from coordinator.api.ops import SubqCollector
 from coordinator.celery_app import make_app
 from coordinator.redis_clients import FollowingConnection, redis_client
 from tests.agents import agent, call, reply
+from tests.helpers import eventually
 from tests.sentinel_kit import SentinelSet, sentinel_set, wait_replicated
 from workers import observe
 from workers.runtime.context import build_runtime
@@ -126,7 +127,19 @@ def test_a_command_in_flight_when_the_master_dies_is_sent_again_to_the_promoted_
         assert time.monotonic() - started < 15, "sent again to the promoted master, not the dead one until given up"
         assert client.connection_pool.connection_class is FollowingConnection
         assert new != old and client.set("subqsentinel:after", "1")
-        assert kit.master_client().get("subqsentinel:after") == "1", "written on the master the sentinels name"
+
+        def on_the_named_master() -> bool | None:
+            # Read through the first live sentinel, whose view may lag the others' for a moment after a
+            # failover (seen once under load: it named a node the write had not reached yet).
+            master = kit.master_client()
+            try:
+                return master.get("subqsentinel:after") == "1" or None
+            except redis.RedisError:
+                return None
+            finally:
+                master.close()
+
+        eventually(on_the_named_master, "the write on the master the sentinels name", timeout_s=10)
     finally:
         client.close()
 
