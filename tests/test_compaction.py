@@ -67,6 +67,7 @@ from workers.runtime.script import script_message
 # Issue 34's figures: six results of 8 KB, on a model whose server refuses prompts over 6,000 tokens.
 WINDOW = 6_000
 CHUNKS = 6
+PLAN = "[-] read the chunks\n[ ] write the table"
 PRICE = Price(input_per_mtok=Decimal(3), output_per_mtok=Decimal(15))
 # The offline profile's window: two 8 KB results and the script's message pass its threshold.
 OFFLINE_WINDOW = 8_000
@@ -169,13 +170,17 @@ def test_a_child_whose_tool_results_pass_the_window_completes_within_it_and_pays
     assert record.times.runs == 1, "a compaction is a point of its run, not a new one"
 
 
+# The offline model's long script: its plan, a chunk read per step, its completion (docs/offline-model.md).
+LONG_SCRIPT = [
+    {"tool_calls": [{"name": "update_todo_list", "args": {"todos": PLAN}}]},
+    *({"tool_calls": [{"name": "read_chunk", "args": {"n": n}}]} for n in range(CHUNKS)),
+    {"tool_calls": [{"name": "attempt_completion", "args": {"result": "all chunks read"}}]},
+]
+
+
 def test_the_offline_model_compacts_a_long_script_and_plays_every_step_in_order(fleet: Fleet) -> None:
     coord = fleet.coord
-    steps = [
-        {"tool_calls": [{"name": "update_todo_list", "args": {"todos": PLAN}}]},
-        *({"tool_calls": [{"name": "read_chunk", "args": {"n": n}}]} for n in range(CHUNKS)),
-        {"tool_calls": [{"name": "attempt_completion", "args": {"result": "all chunks read"}}]},
-    ]
+    steps = LONG_SCRIPT
     task = coord.create_task(script_message("Read the chunks.", steps), profile="offline-small", run=True)
 
     done = coord.wait(task.id, 120)
@@ -218,7 +223,6 @@ FAULT_SETTINGS = {
     "heartbeat_lapse_s": LAPSE_S, "reconcile_interval_s": 0.5, "reconcile_grace_s": 3, "task_time_limit_s": 60,
     "visibility_timeout_s": 300,  # far beyond the test: the reconciler, not the broker, gives the run to the rescuer
 }  # fmt: skip
-PLAN = "[-] read the chunks\n[ ] write the table"
 
 
 def test_a_worker_killed_right_after_a_compaction_leaves_a_run_that_goes_on_from_the_compacted_context(

@@ -12,7 +12,7 @@ from playwright.sync_api import Browser, expect
 from coordinator import Coordinator, TaskStatus
 from coordinator.api import create_app
 from tests.helpers import TOKEN, ApiServer, api_settings
-from tests.test_compaction import CHUNKS, PLAN, Fleet
+from tests.test_compaction import LONG_SCRIPT, Fleet
 from tests.test_compaction import fleet as fleet  # the module's fleet, used here too
 from tests.test_web_browser import WAIT_MS, _shot
 from tests.test_web_browser import browser as browser  # the module's browser fixture, used here too
@@ -21,12 +21,7 @@ from workers.runtime.script import script_message
 
 def test_a_compacted_run_shows_its_compactions_on_the_timeline(fleet: Fleet, browser: Browser, tmp_path: Path) -> None:
     coord = fleet.coord
-    steps = [
-        {"tool_calls": [{"name": "update_todo_list", "args": {"todos": PLAN}}]},
-        *({"tool_calls": [{"name": "read_chunk", "args": {"n": n}}]} for n in range(CHUNKS)),
-        {"tool_calls": [{"name": "attempt_completion", "args": {"result": "all chunks read"}}]},
-    ]
-    task = coord.create_task(script_message("Read the chunks.", steps), profile="offline-small", run=True)
+    task = coord.create_task(script_message("Read the chunks.", LONG_SCRIPT), profile="offline-small", run=True)
     done = coord.wait(task.id, 120)
     assert done.status == TaskStatus.COMPLETED, done.error
     compacted_ms = done.times.compactions_ms if done.times else []

@@ -95,56 +95,6 @@ local function timeline_again(key, state)
 end
 
 for _, b in ipairs(batches) do
-  local f = hash_get(b.key, 'status', 'mode')
-  if f[2] ~= 'parallel' then
-    return {'refused', b.id, 'chain', ''}
-  end
-  if (b.state == 'open') == (f[1] == 'done') then
-    return {'refused', b.id, 'batch', f[1] or 'missing'}
-  end
-end
-
--- The failed stretch reads as a wait for the retry, and the task goes on after it (an outcome
--- mark would end its timeline: coordinator/timeline.py).
-local function timeline_again(key, state)
-  local text = hash_get(key, 'timeline')[1]
-  local tl = (text and text ~= '') and cjson.decode(text) or {}
-  local m = tl['m'] or {}
-  if #m > 0 and (m[#m][2] == 'failed') then
-    m[#m][2] = 'wait:retry'
-  end
-  tl['m'] = m
-  local again = timeline_add(cjson.encode(tl), math.floor(tonumber(now) * 1000 + 0.5), state)
-  hash_set(key, 'timeline', again or cjson.encode(tl))
-end
-
--- The item carrying the child's link, as apply_children.lua finds it: its id and item, or nil.
-local function carrier(todos, child_id, todo_id)
-  if todo_id and todo_id ~= '' then
-    local raw = redis.call('HGET', todos, todo_id)
-    if raw then
-      local item = cjson.decode(raw)
-      if item['subtask_id'] == child_id then
-        return todo_id, item
-      end
-    end
-  end
-  local order = redis.call('HGET', todos, 'order')
-  if order then
-    for _, id in ipairs(cjson.decode(order)) do
-      local raw = redis.call('HGET', todos, id)
-      if raw then
-        local item = cjson.decode(raw)
-        if item['subtask_id'] == child_id then
-          return id, item
-        end
-      end
-    end
-  end
-  return nil, nil
-end
-
-for _, b in ipairs(batches) do
   if b.state == 'closed' then
     hash_set(b.key, 'status', 'running', 'result', '', 'finished_at', '')
     hash_expire_later(b.key, retention)
