@@ -11,10 +11,11 @@ from playwright.sync_api import Browser, expect
 
 from coordinator import Coordinator, TaskStatus
 from coordinator.api import create_app
-from tests.helpers import TOKEN, ApiServer, api_settings
+from tests.helpers import ApiServer, api_settings
 from tests.test_compaction import LONG_SCRIPT, Fleet
 from tests.test_compaction import fleet as fleet  # the module's fleet, used here too
-from tests.test_web_browser import WAIT_MS, _shot
+from tests.test_timeline_browser import _signed_in
+from tests.test_web_browser import _shot
 from tests.test_web_browser import browser as browser  # the module's browser fixture, used here too
 from workers.runtime.script import script_message
 
@@ -30,12 +31,7 @@ def test_a_compacted_run_shows_its_compactions_on_the_timeline(fleet: Fleet, bro
     api_coord = Coordinator(api_settings(coord.settings))
     try:
         with ApiServer(create_app(coordinator=api_coord)) as api:
-            context = browser.new_context(viewport={"width": 1280, "height": 700})
-            page = context.new_page()
-            page.set_default_timeout(WAIT_MS)
-            page.goto(f"{api.url}/ui/login")
-            page.fill("input[name=token]", TOKEN)
-            page.click("form.login button[type=submit]")
+            page = _signed_in(browser, api.url, height=700)
             page.goto(f"{api.url}/ui/tasks/{task.id}")
             row = page.locator(f'#timeline .tl-row[data-task-id="{task.id}"]')
             expect(row).to_have_attribute("data-state", "completed")
@@ -49,6 +45,6 @@ def test_a_compacted_run_shows_its_compactions_on_the_timeline(fleet: Fleet, bro
             expect(page.locator("#timeline .tl-legend")).to_contain_text("context compacted")
             row.locator(".tl-link").hover()
             _shot(page, tmp_path, "timeline-compacted.png")
-            context.close()
+            page.context.close()
     finally:
         api_coord.close()

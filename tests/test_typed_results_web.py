@@ -11,10 +11,11 @@ from pathlib import Path
 from playwright.sync_api import Browser, Dialog, expect
 
 from tests.agents import call as script_call
-from tests.helpers import TOKEN, script
+from tests.helpers import script
+from tests.test_timeline_browser import _signed_in
 from tests.test_typed_results import WAIT_S, Typed
 from tests.test_typed_results import typed as typed  # the module's fleet and API, used here too
-from tests.test_web_browser import WAIT_MS, _shot
+from tests.test_web_browser import _shot
 from tests.test_web_browser import browser as browser  # the module's browser fixture, used here too
 
 
@@ -25,18 +26,13 @@ def test_a_typed_output_is_data_on_the_page(typed: Typed, browser: Browser, tmp_
     assert typed.coord.wait(root.id, timeout_s=WAIT_S).output == hostile
 
     dialogs: list[str] = []
-    context = browser.new_context(viewport={"width": 1280, "height": 800})
-    page = context.new_page()
-    page.set_default_timeout(WAIT_MS)
+    page = _signed_in(browser, typed.api.url, height=800)
 
     def seen(dialog: Dialog) -> None:
         dialogs.append(dialog.message)
         dialog.dismiss()
 
-    page.on("dialog", seen)
-    page.goto(f"{typed.api.url}/ui/login")
-    page.fill("input[name=token]", TOKEN)
-    page.click("form.login button[type=submit]")
+    page.on("dialog", seen)  # before the page that shows the data
     page.goto(f"{typed.api.url}/ui/tasks/{root.id}")
     shown = page.locator(f"#task-{root.id} [data-field=output] pre")
     expect(shown).to_be_visible()
@@ -47,4 +43,4 @@ def test_a_typed_output_is_data_on_the_page(typed: Typed, browser: Browser, tmp_
     page.wait_for_timeout(300)  # an onerror handler would have fired by now
     assert dialogs == []
     _shot(page, tmp_path, "typed-output.png")
-    context.close()
+    page.context.close()
