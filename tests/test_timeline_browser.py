@@ -112,6 +112,11 @@ def test_bars_appear_live_and_equal_the_apis(
                   .reduce((w, r) => w + Number(r.getAttribute('width')), 0) > {first} + 1"""
     )
     expect(page.locator(f"#task-{root}")).to_have_attribute("data-state", "completed", timeout=WAIT_MS)
+    # The timeline is redrawn by its own refresh, which may come a moment after the tree's (seen once under
+    # load: a row still without its end): every bar has ended before they are compared with the API.
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('.tl-row')].every(r => r.getAttribute('data-end-ms'))", timeout=WAIT_MS
+    )
     assert page.evaluate("window.subqNoReload") is True, "the page was reloaded"
     api_tree = live_http.get(f"/v1/tasks/{root}/tree").json()
     assert _assert_bars_equal_api(page, api_tree) == 4
