@@ -137,6 +137,7 @@ def commit(
                 runner="agent",
                 budget_micros=budget_micros,
                 owner=parent.owner,
+                metadata=parent.metadata,  # the tree's tags, on every task of it (a history filter reads them)
                 output_schema=spec.output_schema,
                 created_at=now,
                 updated_at=now,

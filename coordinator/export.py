@@ -2,7 +2,7 @@
 
     <dir>/<task_id>/api_conversation_history.json   the model conversation
     <dir>/<task_id>/ui_messages.json                the UI messages
-    <dir>/<task_id>/history_item.json               the task's summary line
+    <dir>/<task_id>/history_item.json               the task's summary line, with its tree's metadata
     <dir>/<task_id>/todos.json                      the plan, with each row's child and figures
     <dir>/<task_id>/timeline.json                   where its time went: the marks, intervals and figures
     <dir>/<task_id>/output.json                     its typed result: the schema, the validated data, the

@@ -21,7 +21,8 @@ installs with httpx and pydantic only.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from decimal import Decimal, DecimalException, InvalidOperation
 from typing import Annotated, Any, Literal, Self
 
@@ -36,12 +37,17 @@ from coordinator.output_schema import NO_RUN_NO_OUTPUT, OutputSchema, SchemaProb
 __all__ = [
     "DEFAULT_PAGE",
     "MAX_ERROR_CHARS",
+    "MAX_METADATA_KEYS",
+    "MAX_METADATA_KEY_CHARS",
+    "MAX_METADATA_VALUE_CHARS",
     "MAX_PAGE",
     "MAX_PROMPT_CHARS",
+    "META_PREFIX",
     "CancelInput",
     "CreateTaskInput",
     "DecisionInput",
     "DelegateInput",
+    "Metadata",
     "OperationInput",
     "RetryInput",
     "SubmitInput",
@@ -49,9 +55,12 @@ __all__ = [
     "TodosInput",
     "check_dead_letter_limit",
     "check_history_query",
+    "check_metadata",
     "error_message",
     "error_path",
     "input_error",
+    "meta_filter",
+    "meta_pairs",
     "one_line",
     "text_field",
     "to_micros",
@@ -71,6 +80,18 @@ MAX_PAGE = 500
 
 # One line of an error is enough to act on; no traceback crosses over.
 MAX_ERROR_CHARS = 300
+
+# A tree's caller metadata (`metadata`: the caller's job id, customer, ticket) is a few tags, not a
+# document: every record of the tree carries a copy, and every history line shows it.
+MAX_METADATA_KEYS = 16
+# Keys are names (`customer`, `job.id`): no `=`, space or `&`, so `--meta customer=acme` and
+# `?meta.customer=acme` split at the first `=` with no quoting, whatever the value holds.
+MAX_METADATA_KEY_CHARS = 64
+METADATA_KEY_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# An id, a name or a short label fits; a value is not where a caller keeps a document.
+MAX_METADATA_VALUE_CHARS = 256
+# A history filter on a metadata value: `meta.<key>=<value>` (GET /v1/tasks?meta.customer=acme).
+META_PREFIX = "meta."
 
 
 def text_field(value: object, field: str, max_chars: int) -> str:
@@ -102,8 +123,80 @@ def visible_text(text: str) -> str:
     return "".join(ch if ch == "\n" or ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
-def check_history_query(status: str | None, root_id: str | None, limit: int, cursor: int) -> None:
-    """A history query's filters and page, or a ValidationError naming the first bad one."""
+def _shown_key(key: str) -> str:
+    """A refused key as an error names it: visible, and cut (it is the caller's text, of any length)."""
+    shown = visible_text(key)
+    return shown if len(shown) <= MAX_METADATA_KEY_CHARS else shown[:MAX_METADATA_KEY_CHARS] + "…"
+
+
+def _metadata_value(value: object, field: str) -> str:
+    if not isinstance(value, str):
+        raise ValidationError(f"{field} must be a string, not {type(value).__name__}", field=field)
+    if not value or len(value) > MAX_METADATA_VALUE_CHARS:
+        raise ValidationError(
+            f"{field} is {len(value)} characters; a value is 1 to {MAX_METADATA_VALUE_CHARS}", field=field
+        )
+    # A tag is shown on terminals and pages and matched exactly by a filter: a control character (an ESC,
+    # a new line), a bidi override or a zero-width character would make two tags read alike or break a line.
+    hidden = next((ch for ch in value if not ch.isprintable()), None)
+    if hidden is not None:
+        raise ValidationError(
+            f"{field} holds the non-printable character {hidden!a}: a value is printable text", field=field
+        )
+    return value
+
+
+def _metadata_key(key: object, prefix: str) -> str:
+    if not isinstance(key, str) or not METADATA_KEY_RE.fullmatch(key):
+        shown = _shown_key(key) if isinstance(key, str) else repr(key)
+        raise ValidationError(
+            f"{prefix}: the key {shown!r} is not 1 to {MAX_METADATA_KEY_CHARS} characters of A-Z a-z 0-9 _ . -",
+            field=f"{prefix}.{shown}" if isinstance(key, str) and key else prefix,
+        )
+    return key
+
+
+def check_metadata(value: object, field: str = "metadata") -> dict[str, str]:
+    """A tree's caller metadata: at most MAX_METADATA_KEYS string keys (`[A-Za-z0-9_.-]`, 1 to 64) each
+    with a string value (1 to 256 printable characters), or a ValidationError naming `metadata.<key>`."""
+    if not isinstance(value, Mapping):
+        raise ValidationError(f"{field} must be an object of string keys and values", field=field)
+    if len(value) > MAX_METADATA_KEYS:
+        raise ValidationError(f"{field} has {len(value)} keys; the limit is {MAX_METADATA_KEYS}", field=field)
+    return {_metadata_key(key, field): _metadata_value(item, f"{field}.{key}") for key, item in value.items()}
+
+
+def meta_filter(pairs: Iterable[tuple[str, str]], option: str = META_PREFIX.rstrip(".")) -> dict[str, str]:
+    """Key/value pairs a history must match (`?meta.customer=acme`) as one map, checked as a tree's metadata
+    is (`meta.<key>` named); a key given twice is refused rather than one of its values silently dropped."""
+    found: dict[str, str] = {}
+    for key, value in pairs:
+        if key in found:
+            raise ValidationError(f"{option} names the key {_shown_key(key)!r} twice", field=f"{META_PREFIX}{key}")
+        found[key] = value
+    return check_metadata(found, "meta")
+
+
+def meta_pairs(words: Iterable[str], option: str) -> dict[str, str]:
+    """`KEY=VALUE` words (`subq run --meta`, `subq history --meta`, the web view's filter) as a metadata map,
+    split at the first `=` (a key holds none) and checked as `check_metadata` checks a tree's."""
+    pairs = []
+    for word in words:
+        key, sep, value = word.partition("=")
+        if not sep:
+            raise ValidationError(f"{option} {_shown_key(word)!r} is not KEY=VALUE (e.g. customer=acme)", field="meta")
+        pairs.append((key, value))
+    return meta_filter(pairs, option)
+
+
+def check_history_query(
+    status: str | None, root_id: str | None, limit: int, cursor: int, metadata: Mapping[str, str] | None = None
+) -> None:
+    """A history query's filters and page, or a ValidationError naming the first bad one.
+
+    `metadata`: only the tasks whose tree carries every one of these key/value pairs (`meta.<key>`)."""
+    if metadata is not None:
+        check_metadata(metadata, "meta")
     if status is not None and status not in {s.value for s in TaskStatus}:
         allowed = ", ".join(s.value for s in TaskStatus)
         raise ValidationError(f"status must be one of {allowed}, not {status!r}", field="status")
@@ -233,6 +326,35 @@ Reason = Annotated[
 ]
 Subtasks = Annotated[list[SubtaskSpec], Field(min_length=1)]
 
+
+def _metadata_or_none(value: object) -> object:
+    return None if value is None else check_metadata(value)
+
+
+# Checked in the service's words (`metadata.customer is 300 characters; ...`), whichever face it came from.
+Metadata = Annotated[
+    dict[str, str] | None,
+    BeforeValidator(_metadata_or_none),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "maxProperties": MAX_METADATA_KEYS,
+                    "propertyNames": {"pattern": f"^{METADATA_KEY_RE.pattern}$"},
+                    "additionalProperties": {"type": "string", "minLength": 1, "maxLength": MAX_METADATA_VALUE_CHARS},
+                    "examples": [{"customer": "acme", "ticket": "T-1234"}],
+                },
+                {"type": "null"},
+            ],
+            "description": (
+                "The caller's tags for the tree (a job id, a customer, a ticket; values printable text): every "
+                "task of the tree carries them, and the history filters by them (`meta.<key>=<value>`)"
+            ),
+        }
+    ),
+]
+
 _PROFILE = "A configured model profile; the default when omitted"
 _KEY = "A key of the caller's choosing: a retried request with the same key returns the first root"
 _MODE = "parallel (all at once) or sequential (a chain)"
@@ -254,6 +376,7 @@ class CreateTaskInput(OperationInput):
     )  # fmt: skip
     idempotency_key: IdempotencyKey | None = Field(default=None, description=_KEY)
     output_schema: OutputSchema = None
+    metadata: Metadata = None
 
     @pydantic.model_validator(mode="after")
     def _a_schema_needs_a_run(self) -> Self:
@@ -276,6 +399,7 @@ class SubmitInput(OperationInput):
     mode: DelegationMode | None = Field(default=None, description=_MODE)
     idempotency_key: IdempotencyKey | None = Field(default=None, description=_KEY)
     output_schema: OutputSchema = None
+    metadata: Metadata = None
 
     @pydantic.model_validator(mode="after")
     def _subtasks_need_a_caller_owned_root(self) -> Self:

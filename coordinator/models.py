@@ -231,6 +231,15 @@ class TaskRecord(BaseModel):
     output: Any = None
     # Its model's attempt_completion answers whose data broke the schema, each sent back with the errors.
     invalid_outputs: int = 0
+    # The caller's tags for the tree (a job id, a customer), given with its root and copied to every
+    # child as it is made, so a task read alone names its tree's (coordinator/inputs.py bounds them).
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _no_metadata(cls, value: Any) -> Any:
+        # A record stored before metadata was kept (or a tree given none) reads as no tags.
+        return {} if value is None else value
 
     @field_validator("tool_calls", mode="before")
     @classmethod
@@ -327,6 +336,8 @@ class HistoryItem(BaseModel):
     awaiting_ids: list[str]
     completed_by_child_id: str | None
     completion_result_summary: str
+    # The tree's caller metadata (TaskRecord.metadata); a default, so an older server's page still reads.
+    metadata: dict[str, str] = Field(default_factory=dict)
 
     @classmethod
     def of(cls, record: TaskRecord) -> HistoryItem:
@@ -352,6 +363,7 @@ class HistoryItem(BaseModel):
             awaiting_ids=record.awaiting_ids,
             completed_by_child_id=record.completed_by_child_id,
             completion_result_summary=record.summary,
+            metadata=record.metadata,
         )
 
 

@@ -13,7 +13,7 @@ The type checker holds both to it (`coordinator/cli/backend.py`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -37,13 +37,21 @@ class Operations(Protocol):
         run: bool = False,
         budget_usd: Decimal | float | str | None = None,
         idempotency_key: str | None = None,
+        *,
+        metadata: Mapping[str, str] | None = None,
     ) -> TaskRecord: ...
     def get_task(self, task_id: str, /) -> TaskRecord: ...
     def get_todos(self, task_id: str, /) -> list[TodoItem]: ...
     def tree(self, task_id: str, /) -> TreeNode: ...
     def messages(self, task_id: str, kind: Literal["ui", "api"], /) -> list[dict[str, Any]]: ...
     def list_tasks(
-        self, *, status: str | None = None, root_id: str | None = None, limit: int = ..., cursor: int = 0
+        self,
+        *,
+        status: str | None = None,
+        root_id: str | None = None,
+        limit: int = ...,
+        cursor: int = 0,
+        metadata: Mapping[str, str] | None = None,
     ) -> tuple[list[HistoryItem], int | None]: ...
     def snapshot(self, root_id: str, /) -> dict[str, LiveState]: ...
     def cancel(self, task_id: str, reason: str, /) -> TaskRecord: ...

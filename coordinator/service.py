@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ from coordinator.inputs import (
     MAX_PROMPT_CHARS,
     check_dead_letter_limit,
     check_history_query,
+    check_metadata,
     text_field,
 )
 from coordinator.models import (
@@ -126,6 +127,7 @@ class Coordinator:
         *,
         owner: str = "",
         output_schema: dict[str, Any] | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> TaskRecord:
         """Create a root task.
 
@@ -137,10 +139,13 @@ class Coordinator:
         With an `output_schema` (a JSON Schema object; coordinator/output_schema.py bounds it), an agent
         task ends with `attempt_completion(result, data)`, `data` held to it, and the validated object is
         its record's `output`; a bad schema is refused (ValidationError naming the path) and nothing is written.
+        `metadata` is the caller's tags for the tree (a job id, a customer: coordinator/inputs.py bounds them):
+        every task of the tree carries them, and `list_tasks(metadata=...)` finds the tree by them.
         """
         return self.create_task_once(
-            prompt, todos, profile, run, budget_usd, idempotency_key, owner=owner, output_schema=output_schema
-        )[0]
+            prompt, todos, profile, run, budget_usd, idempotency_key, owner=owner, output_schema=output_schema,
+            metadata=metadata,
+        )[0]  # fmt: skip
 
     def create_task_once(
         self,
@@ -153,9 +158,11 @@ class Coordinator:
         *,
         owner: str = "",
         output_schema: dict[str, Any] | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> tuple[TaskRecord, bool]:
         """`create_task`, and whether this call created the root (False: the key's first call did)."""
         prompt = text_field(prompt, "prompt", MAX_PROMPT_CHARS)
+        tags = check_metadata(metadata) if metadata is not None else {}
         if not isinstance(run, bool):
             raise ValidationError("run must be true or false", field="run")
         if output_schema is not None:
@@ -187,6 +194,7 @@ class Coordinator:
             budget_micros=budget_micros,
             owner=owner,
             output_schema=output_schema,
+            metadata=tags,
             number=self.store.records.next_numbers(1),
             created_at=now,
             updated_at=now,
@@ -246,11 +254,15 @@ class Coordinator:
         limit: int = DEFAULT_PAGE,
         cursor: int = 0,
         owner: str | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> tuple[list[HistoryItem], int | None]:
         """Tasks by recency (newest first) with their figures; returns (page, next cursor or None).
 
-        With `owner`, only the tasks of the trees that key created (a `read` key's history)."""
-        check_history_query(status, root_id, limit, cursor)
+        With `owner`, only the tasks of the trees that key created (a `read` key's history). With
+        `metadata`, only the tasks whose tree carries every one of those key/value pairs. Like a status,
+        it filters the scan of the history index: a page of a rare tag reads every record until it fills."""
+        check_history_query(status, root_id, limit, cursor, metadata)
+        wanted = dict(metadata or {}).items()
         items: list[HistoryItem] = []
         offset = cursor
         while len(items) < limit:
@@ -262,7 +274,11 @@ class Coordinator:
                     record = self.store.records.get_task(task_id)
                 except NotFoundError:  # expired since it was indexed
                     continue
-                if (status is None or record.status.value == status) and (owner is None or record.owner == owner):
+                if (
+                    (status is None or record.status.value == status)
+                    and (owner is None or record.owner == owner)
+                    and wanted <= record.metadata.items()
+                ):
                     items.append(HistoryItem.of(record))
                     if len(items) == limit:
                         return items, n + 1
@@ -297,6 +313,7 @@ class Coordinator:
         budget_usd: Decimal | float | str | None = None,
         idempotency_key: str | None = None,
         output_schema: dict[str, Any] | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> delegation.Submission:
         """Create a caller-owned root and delegate `subtasks` to it in one operation (`subq.submit`).
 
@@ -306,14 +323,17 @@ class Coordinator:
         waiting, and the error is returned beside it, so the caller can name the root
         it created. With an `idempotency_key`, a repeated submission returns what the
         first made: its root and batch (or delegates now, if the first died before it could).
+        The root's `metadata`, checked with the rest first, is every child's.
         """
+        if metadata is not None:
+            check_metadata(metadata)
         if output_schema is not None:  # with the rest, before the root exists
             check_schema(output_schema)
             raise ValidationError(NO_RUN_NO_OUTPUT, field="output_schema")
         checked_mode, checked = delegation.check_submission(self.plane, subtasks, mode, todos, budget_usd)
         parent, created = self.create_task_once(
             prompt, todos=todos, profile=profile, run=False, budget_usd=budget_usd, idempotency_key=idempotency_key,
-            output_schema=output_schema,
+            output_schema=output_schema, metadata=metadata,
         )  # fmt: skip
         return delegation.submit_to(self.plane, parent, created, checked, checked_mode)
 

@@ -27,6 +27,7 @@ __all__ = [
     "cut",
     "describe",
     "duration",
+    "metadata_line",
     "render_tree",
     "tools_line",
     "unlinked_line",
@@ -55,6 +56,8 @@ class TreeNode(BaseModel):
     output: Any = None
     invalid_outputs: int = 0
     error: str
+    # The tree's caller metadata (the same on every task of it: TaskRecord.metadata).
+    metadata: dict[str, str] = Field(default_factory=dict)
     todos: list[TodoItem]
     children: list[TreeNode]
     # The task's own tool calls by tool: how each ended, and the time of those that ran.
@@ -102,6 +105,7 @@ def build_tree(coord: TaskReader, task_id: str) -> TreeNode:
         output=record.output,
         invalid_outputs=record.invalid_outputs,
         error=f"{record.error_class}: {record.error}" if record.error else "",
+        metadata=record.metadata,
         todos=coord.get_todos(record.id),
         children=[build_tree(coord, child) for child in record.child_ids],
         tool_use=record.tool_use,
@@ -119,8 +123,16 @@ TODO_CHARS = 40
 
 
 def render_tree(node: TreeNode, notes: dict[str, str] | None = None) -> list[str]:
-    """An indented tree: each task with own/total figures, its todo items under it, then its children."""
-    return [_task_line(node, notes), *_below(node, "", notes or {})]
+    """An indented tree: each task with own/total figures, its todo items under it, then its children.
+
+    The tree's metadata is drawn once, under the top task: every task below carries the same."""
+    tags = [f"{'|   ' if node.children else '    '}metadata: {metadata_line(node.metadata)}"] if node.metadata else []
+    return [_task_line(node, notes), *tags, *_below(node, "", notes or {})]
+
+
+def metadata_line(metadata: dict[str, str]) -> str:
+    """A tree's metadata on one line, keys in order: `customer=acme, ticket=T-1234` (--json has it exactly)."""
+    return ", ".join(f"{key}={value}" for key, value in sorted(metadata.items()))
 
 
 def _below(node: TreeNode, prefix: str, notes: dict[str, str]) -> list[str]:

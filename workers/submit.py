@@ -1,7 +1,8 @@
 """`subq.submit`: start a run from any Celery producer that knows only the task name.
 
     send_task("subq.submit", kwargs={"prompt": ..., "todos"?, "profile"?, "run"?,
-                                     "subtasks"?, "mode"?, "output_schema"?}, queue=<SUBQ_QUEUE>)
+                                     "subtasks"?, "mode"?, "output_schema"?, "metadata"?},
+              queue=<SUBQ_QUEUE>)
 
 The contract (kwargs, result, error codes) is docs/celery-contract.md. The task
 is thin: `submit()` below reads the message with `SubmitInput`
@@ -68,7 +69,7 @@ def _submit(
     if given.subtasks is None:
         task = coord.create_task(
             given.prompt, todos=given.todos, profile=given.profile, run=given.run, idempotency_key=key,
-            output_schema=given.output_schema,
+            output_schema=given.output_schema, metadata=given.metadata,
         )  # fmt: skip
         return {"task_id": task.id, **ignored}
     done = coord.submit(
@@ -78,6 +79,7 @@ def _submit(
         subtasks=given.subtasks,
         mode=given.mode or "parallel",
         idempotency_key=key,
+        metadata=given.metadata,
     )
     if done.error is not None:
         return error_result(done.error, task_id=done.task.id)

@@ -21,7 +21,7 @@ from coordinator.api.auth import Caller, Gate
 from coordinator.api.errors import error_responses
 from coordinator.api.schemas import CreatedTask, DelegationResult, HistoryPage, MessageList, TodoList, TodosUpdated
 from coordinator.errors import ValidationError
-from coordinator.inputs import CreateTaskInput, DelegateInput, TodosInput
+from coordinator.inputs import META_PREFIX, CreateTaskInput, DelegateInput, TodosInput, meta_filter
 from coordinator.models import TaskRecord, TaskStatus
 from coordinator.service import DEFAULT_PAGE, MAX_PAGE, Coordinator
 from coordinator.todos import ignored_lines
@@ -29,6 +29,9 @@ from coordinator.tree import TreeNode
 
 __all__ = ["ROOT_ID_PATTERN", "TaskId", "reject_unknown_query", "task_routes"]
 
+# The routes that take `meta.<key>=<value>` filters besides their declared parameters (their names are
+# the caller's own keys, so OpenAPI cannot list them): the history.
+META_FILTERED_ROUTES = frozenset({"list_tasks"})
 # A root id is 16 hex digits (coordinator/ids.py); the history filter takes only roots.
 ROOT_ID_PATTERN = r"^[0-9a-f]{16}$"
 # Cursors are offsets into a Redis sorted set: keep them within a JSON-safe integer
@@ -50,9 +53,10 @@ async def reject_unknown_query(request: Request) -> None:
     if not isinstance(route, APIRoute):
         return
     allowed = {param.alias for param in route.dependant.query_params}
+    meta = route.name in META_FILTERED_ROUTES
     for name in request.query_params:
-        if name not in allowed:
-            takes = ", ".join(sorted(allowed)) or "no query parameters"
+        if name not in allowed and not (meta and name.startswith(META_PREFIX)):
+            takes = ", ".join([*sorted(allowed), *([f"{META_PREFIX}<key>"] if meta else [])]) or "no query parameters"
             raise ValidationError(f"{name}: unknown query parameter (this endpoint takes {takes})", field=name)
 
 
@@ -83,6 +87,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
             idempotency_key=body.idempotency_key,
             owner=key.name,
             output_schema=body.output_schema,
+            metadata=body.metadata,
         )
         return CreatedTask(**dict(record), ignored_todo_lines=ignored_lines(body.todos))
 
@@ -165,6 +170,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
 
     @router.get(
         "/tasks",
+        name="list_tasks",
         response_model=HistoryPage,
         responses=error_responses(*denied, 422, 503),
         summary="The history: tasks newest first, with their figures",
@@ -181,11 +187,20 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
             int, Query(ge=0, le=MAX_CURSOR, description="`next_cursor` of the previous page; 0 for the first")
         ] = 0,
     ) -> HistoryPage:
-        """A key with `read` (not `read_all`) sees the tasks of the trees it created."""
+        """A key with `read` (not `read_all`) sees the tasks of the trees it created.
+
+        `meta.<key>=<value>` (repeatable, one per key): only the tasks of trees whose metadata holds every
+        one of those pairs, e.g. `?meta.customer=acme&meta.ticket=T-1234`."""
         owner = gate.history_owner(request, key)
+        pairs = [
+            (name.removeprefix(META_PREFIX), value)
+            for name, value in request.query_params.multi_items()
+            if name.startswith(META_PREFIX)
+        ]
         items, next_cursor = coord.list_tasks(
-            status=status.value if status else None, root_id=root_id, limit=limit, cursor=cursor, owner=owner
-        )
+            status=status.value if status else None, root_id=root_id, limit=limit, cursor=cursor, owner=owner,
+            metadata=meta_filter(pairs) if pairs else None,
+        )  # fmt: skip
         return HistoryPage(items=items, next_cursor=next_cursor)
 
     return router

@@ -18,7 +18,7 @@ from coordinator.cli.backend import watch as open_watch
 from coordinator.cli.common import say
 from coordinator.deadletters import DeadLetter
 from coordinator.models import MICROS_PER_USD, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem, format_usd
-from coordinator.tree import MARKS, cut, describe, render_tree, waiting_note, walk
+from coordinator.tree import MARKS, cut, describe, metadata_line, render_tree, waiting_note, walk
 
 if TYPE_CHECKING:
     from rich.text import Text
@@ -121,6 +121,8 @@ def status_lines(record: TaskRecord) -> list[str]:
     lines = [f"{record.id}  {record.status.value}{waiting}  depth {record.depth}  profile {record.profile}"]
     if record.parent_id:
         lines.append(f"  parent {record.parent_id}  todo {record.todo_id or '-'}")
+    if record.metadata:
+        lines.append(f"  metadata: {metadata_line(record.metadata)}")
     lines += [
         f"  own:   {record.tokens} tokens  {format_usd(record.cost_micros)}",
         f"  total: {record.total_tokens} tokens  {format_usd(record.total_cost_micros)}",

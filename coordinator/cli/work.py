@@ -48,13 +48,24 @@ def run(
             "attempt_completion(result, data), and `subq result ID --json` shows the data as `output`; '-' reads stdin."
         ),
     ] = None,
+    meta: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--meta",
+            metavar="KEY=VALUE",
+            help="Tag the tree with your own data (repeatable): a job id, a customer, a ticket. Every task of the "
+            "tree carries it, and `subq history --meta KEY=VALUE` finds it. At most 16 keys of 1-64 characters "
+            "A-Z a-z 0-9 _ . -, each value 1-256 printable characters.",
+        ),
+    ] = None,
 ) -> None:
     """Start a root agent on the fleet and print its id.
 
     The agent plans with its todo list, delegates to subagents and completes.
     """
-    from coordinator.inputs import CreateTaskInput  # on use: `subq --help` loads no models
+    from coordinator.inputs import CreateTaskInput, meta_pairs  # on use: `subq --help` loads no models
 
+    metadata = meta_pairs(meta, "--meta") if meta else None
     todo_text = _read_todos(todos) if todos is not None else None
     schema = _read_schema(output_schema) if output_schema is not None else None
     # The API's model of the operation, so a bad prompt, budget or schema reads the same either
@@ -62,7 +73,7 @@ def run(
     given = CreateTaskInput.parse(
         {
             "prompt": prompt, "todos": todo_text, "profile": profile, "run": True, "budget_usd": budget,
-            "output_schema": schema,
+            "output_schema": schema, "metadata": metadata,
         }
     )  # fmt: skip
     with connect(ctx) as coord:
@@ -215,13 +226,23 @@ def history(
     root: Annotated[str | None, typer.Option(help="Only the tasks of this root's tree.")] = None,
     limit: Annotated[int, typer.Option(help="Most tasks to show (1-500).")] = 20,
     cursor: Annotated[int, typer.Option(help="Where to go on from, as the previous page printed.")] = 0,
+    meta: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--meta",
+            metavar="KEY=VALUE",
+            help="Only the tasks of trees tagged with this (`subq run --meta`); repeat it to need every one.",
+        ),
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
-    """List tasks, newest first, with their own and subtree figures."""
+    """List tasks, newest first, with their own and subtree figures (and their tree's metadata)."""
     from coordinator.cli.views import history_lines
+    from coordinator.inputs import meta_pairs
 
+    wanted = meta_pairs(meta, "--meta") if meta else None  # refused before anything is reached
     with connect(ctx) as coord:
-        items, next_cursor = coord.list_tasks(status=status, root_id=root, limit=limit, cursor=cursor)
+        items, next_cursor = coord.list_tasks(status=status, root_id=root, limit=limit, cursor=cursor, metadata=wanted)
     if as_json:
         page = {"items": [i.model_dump(mode="json") for i in items], "next_cursor": next_cursor}
         typer.echo(json.dumps(page, indent=2))

@@ -85,9 +85,10 @@ class AsyncSubqClient:
         budget_usd: Decimal | float | str | None = None,
         idempotency_key: str | None = None,
         output_schema: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> TaskRecord:
         return await self._send(
-            calls.create_task(prompt, todos, profile, run, budget_usd, idempotency_key, output_schema)
+            calls.create_task(prompt, todos, profile, run, budget_usd, idempotency_key, output_schema, metadata)
         )
 
     async def cancel(self, task_id: str, reason: str) -> TaskRecord:
@@ -145,9 +146,15 @@ class AsyncSubqClient:
         return await self._send(calls.messages(task_id, kind))
 
     async def list_tasks(
-        self, *, status: TaskStatus | str | None = None, root_id: str | None = None, limit: int = 50, cursor: int = 0
+        self,
+        *,
+        status: TaskStatus | str | None = None,
+        root_id: str | None = None,
+        limit: int = 50,
+        cursor: int = 0,
+        metadata: Mapping[str, str] | None = None,
     ) -> tuple[list[HistoryItem], int | None]:
-        return await self._send(calls.list_tasks(status, root_id, limit, cursor))
+        return await self._send(calls.list_tasks(status, root_id, limit, cursor, metadata))
 
     async def wait(self, task_id: str, timeout_s: float) -> TaskRecord:
         return await self._drive(calls.wait(task_id, timeout_s))

@@ -36,6 +36,7 @@ from coordinator.client.errors import ApiError, error_of
 from coordinator.deadletters import DeadLetter
 from coordinator.errors import ValidationError, WaitTimeout
 from coordinator.inputs import (
+    META_PREFIX,
     CancelInput,
     CreateTaskInput,
     DecisionInput,
@@ -129,6 +130,7 @@ def create_task(
     budget_usd: Decimal | float | str | None,
     idempotency_key: str | None = None,
     output_schema: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, str] | None = None,
 ) -> Call[TaskRecord]:
     # The body is read with the API's own model before sending: a bad input is refused
     # here in the server's words (the service's, for a blank prompt or a bad budget), and nothing is sent.
@@ -142,6 +144,7 @@ def create_task(
             "budget_usd": budget_usd,
             "idempotency_key": idempotency_key,
             "output_schema": output_schema,
+            "metadata": metadata,
         },
     )
     return Call("POST", "/v1/tasks", _TASK, json=body, ok=(201,))
@@ -221,11 +224,17 @@ def messages(task_id: str, kind: Literal["ui", "api"]) -> Call[list[dict[str, An
 
 
 def list_tasks(
-    status: TaskStatus | str | None, root_id: str | None, limit: int, cursor: int
+    status: TaskStatus | str | None,
+    root_id: str | None,
+    limit: int,
+    cursor: int,
+    metadata: Mapping[str, str] | None = None,
 ) -> Call[tuple[list[HistoryItem], int | None]]:
     status_text = status.value if isinstance(status, TaskStatus) else status
-    check_history_query(status_text, root_id, limit, cursor)
+    check_history_query(status_text, root_id, limit, cursor, metadata)
     params: dict[str, str | int] = {"limit": limit, "cursor": cursor}
+    # One `meta.<key>` parameter per pair, all to match (the keys need no quoting: coordinator/inputs.py).
+    params |= {f"{META_PREFIX}{key}": value for key, value in (metadata or {}).items()}
     if status_text is not None:
         params["status"] = status_text
     if root_id is not None:

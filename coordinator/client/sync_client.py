@@ -85,14 +85,19 @@ class SubqClient:
         budget_usd: Decimal | float | str | None = None,
         idempotency_key: str | None = None,
         output_schema: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> TaskRecord:
         """A root task: caller-owned (`run=False`, you delegate) or an agent on the fleet (`run=True`).
 
         A retry with the same `idempotency_key` returns the first call's root, never a second one.
         With an `output_schema` (a JSON Schema object; `run=True`), the agent ends with data held to it,
         its record's `output`; a bad schema is refused here (ValidationError naming the path) and nothing is sent.
+        `metadata` (string keys and values: a job id, a customer) tags the tree: every task of it carries them,
+        and `list_tasks(metadata=...)` finds them; bad metadata is refused here too (`metadata.<key>`).
         """
-        return self._send(calls.create_task(prompt, todos, profile, run, budget_usd, idempotency_key, output_schema))
+        return self._send(
+            calls.create_task(prompt, todos, profile, run, budget_usd, idempotency_key, output_schema, metadata)
+        )
 
     def cancel(self, task_id: str, reason: str) -> TaskRecord:
         """Cancel the task and its subtree (docs/control.md); ConflictError-style 409 if it has ended."""
@@ -151,10 +156,17 @@ class SubqClient:
         return self._send(calls.messages(task_id, kind))
 
     def list_tasks(
-        self, *, status: TaskStatus | str | None = None, root_id: str | None = None, limit: int = 50, cursor: int = 0
+        self,
+        *,
+        status: TaskStatus | str | None = None,
+        root_id: str | None = None,
+        limit: int = 50,
+        cursor: int = 0,
+        metadata: Mapping[str, str] | None = None,
     ) -> tuple[list[HistoryItem], int | None]:
-        """Tasks newest first: (page, next cursor or None), as Coordinator.list_tasks."""
-        return self._send(calls.list_tasks(status, root_id, limit, cursor))
+        """Tasks newest first: (page, next cursor or None), as Coordinator.list_tasks; with `metadata`, only
+        those of trees that carry every one of its key/value pairs."""
+        return self._send(calls.list_tasks(status, root_id, limit, cursor, metadata))
 
     def wait(self, task_id: str, timeout_s: float) -> TaskRecord:
         """Poll until the task settles (Coordinator.wait's rule); WaitTimeout after timeout_s."""

@@ -87,6 +87,9 @@ class TaskField:
     OUTPUT: Final = "output"
     # How many of its model's answers broke its output schema (end_run).
     INVALID_OUTPUTS: Final = "invalid_outputs"
+    # Compact JSON object of the tree's caller metadata (string keys and values), '{}' for none; written
+    # at creation, the root's copied to each child as it is made; missing on records older than it.
+    METADATA: Final = "metadata"
 
     # -- bookkeeping only in Redis -----------------------------------------------------
     TODOS_VERSION: Final = "todos_version"  # bumped on every change of the todo list (apply_children)
@@ -175,8 +178,8 @@ INT_FIELDS = (
     TaskField.BUDGET_MICROS, TaskField.UNLINKED_TOKENS, TaskField.UNLINKED_COST_MICROS, TaskField.RETRIES,
     TaskField.INVALID_OUTPUTS,
 )  # fmt: skip
-# Task fields stored as compact JSON text ('' or missing: None), read back as the JSON value.
-JSON_FIELDS = (TaskField.OUTPUT_SCHEMA, TaskField.OUTPUT)
+# Task fields stored as compact JSON text ('' or missing: None; metadata then reads as {}), read back as the JSON value.
+JSON_FIELDS = (TaskField.OUTPUT_SCHEMA, TaskField.OUTPUT, TaskField.METADATA)
 # Task fields where '' means None.
 OPTIONAL_FIELDS = (
     TaskField.PARENT_ID, TaskField.TODO_ID, TaskField.BATCH_ID, TaskField.WAITING_BATCH_ID, TaskField.FINISHED_AT,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from coordinator import ids
 from coordinator.errors import ValidationError
-from coordinator.inputs import visible_text
+from coordinator.inputs import meta_pairs, visible_text
 from coordinator.models import Approval, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem
 from coordinator.service import MAX_PAGE, Coordinator
 from coordinator.timeline import WAIT_REASONS, CriticalStep, TaskTimes, critical_path, held_longest, times_of
@@ -47,7 +47,7 @@ MAX_TEXT_CHARS = 200
 # A tool call as the approval box and its confirmation show it: long enough for any
 # command an operator should approve by reading it; past it, a marker says how much is cut.
 MAX_CALL_CHARS = 2_000
-ROOT_FILTER_PARAMS = ("status", "q", "since", "until", "cursor", "limit")
+ROOT_FILTER_PARAMS = ("status", "q", "meta", "since", "until", "cursor", "limit")
 # The history index holds cursor offsets; above this an offset cannot be a real position.
 MAX_CURSOR = 2**53
 
@@ -56,6 +56,8 @@ MAX_CURSOR = 2**53
 class RootFilter:
     status: TaskStatus | None = None
     text: str = ""
+    # One `key=value` the root's metadata must hold (the API's `meta.<key>`; one field in the form).
+    meta: tuple[str, str] | None = None
     since: dt.date | None = None  # inclusive, UTC
     until: dt.date | None = None  # inclusive, UTC
     cursor: int = 0
@@ -66,12 +68,18 @@ class RootFilter:
         params = {
             "status": self.status.value if self.status else "",
             "q": self.text,
+            "meta": self.meta_text,
             "since": self.since.isoformat() if self.since else "",
             "until": self.until.isoformat() if self.until else "",
             "limit": str(self.limit) if self.limit != DEFAULT_ROOTS_PER_PAGE else "",
             "cursor": str(cursor) if cursor else "",
         }
         return {name: value for name, value in params.items() if value}
+
+    @property
+    def meta_text(self) -> str:
+        """The metadata filter as the form's field holds it: `key=value`, or '' for none."""
+        return f"{self.meta[0]}={self.meta[1]}" if self.meta else ""
 
 
 @dataclass(frozen=True)
@@ -98,12 +106,14 @@ def parse_root_filter(params: Mapping[str, str]) -> RootFilter:
     text = params.get("q", "").strip()
     if len(text) > MAX_TEXT_CHARS:
         raise ValidationError(f"q: at most {MAX_TEXT_CHARS} characters", field="q")
+    meta_text = params.get("meta", "").strip()
+    meta = next(iter(meta_pairs([meta_text], "meta").items())) if meta_text else None
     since, until = _date(params, "since"), _date(params, "until")
     if since and until and since > until:
         raise ValidationError(f"since ({since}) is after until ({until})", field="since")
     cursor = _integer(params, "cursor", 0, 0, MAX_CURSOR)
     limit = _integer(params, "limit", DEFAULT_ROOTS_PER_PAGE, 1, MAX_ROOTS_PER_PAGE)
-    return RootFilter(status=status, text=text, since=since, until=until, cursor=cursor, limit=limit)
+    return RootFilter(status=status, text=text, meta=meta, since=since, until=until, cursor=cursor, limit=limit)
 
 
 def _date(params: Mapping[str, str], name: str) -> dt.date | None:
@@ -157,10 +167,14 @@ def find_roots(coord: Coordinator, wanted: RootFilter, owner: str | None = None)
     before_s = _day_start_s(wanted.until + dt.timedelta(days=1)) if wanted.until else None
     text = wanted.text.casefold()
     status = wanted.status.value if wanted.status else None
+    # Matched in the history's own scan, as a status is (its children carry it too, and are skipped below).
+    metadata = dict([wanted.meta]) if wanted.meta else None
     found: list[HistoryItem] = []
     cursor, scanned = wanted.cursor, 0
     while True:
-        items, next_cursor = coord.list_tasks(status=status, limit=MAX_PAGE, cursor=cursor, owner=owner)
+        items, next_cursor = coord.list_tasks(
+            status=status, limit=MAX_PAGE, cursor=cursor, owner=owner, metadata=metadata
+        )
         for n, item in enumerate(items):
             if since_s is not None and item.ts < since_s:
                 return RootPage(found, None)  # the history is newest first: all the rest is older
@@ -171,7 +185,8 @@ def find_roots(coord: Coordinator, wanted: RootFilter, owner: str | None = None)
             found.append(item)
             if len(found) == wanted.limit:
                 # The cursor just past this item, counted as list_tasks counts (it skips expired tasks).
-                return RootPage(found, coord.list_tasks(status=status, limit=n + 1, cursor=cursor, owner=owner)[1])
+                after = coord.list_tasks(status=status, limit=n + 1, cursor=cursor, owner=owner, metadata=metadata)
+                return RootPage(found, after[1])
         scanned += len(items)
         if next_cursor is None:
             return RootPage(found, None)
