@@ -21,13 +21,21 @@ TLS under Sentinel, which has no URL to carry it, comes from the SUBQ_REDIS_TLS
 settings (`tls_options`): the same options for subq's clients, for Celery's
 `broker_use_ssl` and `redis_backend_use_ssl` (`celery_tls`), and for the
 sentinels themselves (`sentinel_kwargs`).
+
+SUBQ_REDIS_URL is checked here before any client reads it (`redis_url`): redis-py's
+own errors for a malformed URL quote the part they could not read, which for a
+password holding `/`, `?` or `#` is a piece of the password, and a password
+holding `#` or `?` made redis-py connect to localhost without a word. A Redis
+reached without a password is named by `password_warning`, which a worker logs
+at its start (issue 39: a sandboxed command allowed the network wrote to a
+Redis that had none).
 """
 
 from __future__ import annotations
 
 import socket
 from typing import Any, cast
-from urllib.parse import quote
+from urllib.parse import SplitResult, quote, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -40,6 +48,7 @@ from redis.sentinel import (
     SentinelManagedSSLConnection,
 )
 
+from coordinator.errors import ConfigError
 from coordinator.settings import Settings
 
 __all__ = [
@@ -54,7 +63,9 @@ __all__ = [
     "celery_url",
     "describe",
     "failover_retry",
+    "password_warning",
     "redis_client",
+    "redis_url",
     "sentinel_transport_options",
     "tls_options",
 ]
@@ -170,7 +181,7 @@ def redis_client(
     if max_connections is not None:
         pool_options["max_connections"] = max_connections
     if settings.redis_sentinels is None:
-        url = settings.require_redis_url()
+        url = redis_url(settings)
         if pool_timeout_s is None:
             return redis.Redis.from_url(url, decode_responses=decode_responses, **pool_options, **options)
         pool = redis.BlockingConnectionPool.from_url(
@@ -197,6 +208,88 @@ def redis_client(
     assert master is not None  # Settings requires it with the sentinels
     client = sentinel.master_for(master, decode_responses=decode_responses, **pool_options, **data)  # type: ignore[no-untyped-call]
     return cast(redis.Redis, client)
+
+
+# The schemes of one Redis's URL that name a host (unix:// names a socket's path).
+HOST_SCHEMES = ("redis", "rediss")
+# What an operator can do about a password that broke the URL apart.
+QUOTE_HINT = (
+    "percent-encode each character of the password but letters, digits and -._~ (urllib.parse.quote(password, safe=''))"
+)
+
+
+def redis_url(settings: Settings) -> str:
+    """SUBQ_REDIS_URL, checked (`check_redis_url`); a ConfigError without it, or under Sentinel."""
+    url = settings.require_redis_url()
+    check_redis_url(url)
+    return url
+
+
+def check_redis_url(url: str) -> None:
+    """A ConfigError naming what is wrong with a redis:// or rediss:// URL, and never quoting its password.
+
+    Other schemes are left to redis-py and kombu, whose errors for them quote nothing of the URL.
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in HOST_SCHEMES:
+        return
+    where = "Invalid setting SUBQ_REDIS_URL"
+    rest = f"{parts.path}?{parts.query}#{parts.fragment}"
+    if parts.fragment or ("@" in rest and "@" not in parts.netloc):
+        # A `#`, `?` or `/` in the password ends the host part early: what follows it, the
+        # host included, became a fragment, a query or a path.
+        raise ConfigError(
+            f"{where}: its password holds a '/', '?' or '#', which ends the host part early; {QUOTE_HINT}",
+            field="SUBQ_REDIS_URL",
+        )
+    if not parts.hostname:
+        raise ConfigError(f"{where}: no host after the '//'", field="SUBQ_REDIS_URL")
+    if not _port_ok(parts):
+        raise ConfigError(
+            f"{where}: its port is not a number from 1 to 65535; if the password holds ':' or '@', {QUOTE_HINT}",
+            field="SUBQ_REDIS_URL",
+        )
+    if parts.path not in ("", "/") and not parts.path[1:].isdigit():
+        raise ConfigError(f"{where}: the database after the host must be a number, as in /0", field="SUBQ_REDIS_URL")
+
+
+def _port_ok(parts: SplitResult) -> bool:
+    try:
+        port = parts.port
+    except ValueError:  # its message quotes what followed the ':'
+        return False
+    return port is None or port > 0
+
+
+def password_warning(settings: Settings) -> str | None:
+    """One line when subq's Redis is reached without a password (else None): a worker logs it at its start.
+
+    Without one, any process that can open a connection to Redis (a local user, a sandboxed
+    command allowed the network) can read and change every task. A unix socket is no
+    exception: a command's read-only view of the filesystem still lets it connect to one.
+    """
+    if settings.redis_sentinels is not None:
+        if settings.redis_password is not None and settings.redis_password.get_secret_value():
+            return None
+        given = "SUBQ_REDIS_PASSWORD is not set"
+    else:
+        url = redis_url(settings)
+        if _url_password(url):
+            return None
+        given = f"SUBQ_REDIS_URL ({describe(settings)}) carries no password"
+    return (
+        f"{given}: anything that can connect to that Redis, a sandboxed command allowed the network "
+        'included, can read and change every task (docs/deploy.md, "Redis\'s password")'
+    )
+
+
+def _url_password(url: str) -> str | None:
+    """The password redis-py sends for `url`: in its user part, or its `?password=` query."""
+    try:
+        password = redis.connection.parse_url(url).get("password")  # type: ignore[no-untyped-call]
+    except ValueError:  # a URL redis-py cannot read: the client made from it says so
+        return None
+    return str(password) if password else None
 
 
 def _keepalive_options() -> dict[int, int]:
@@ -263,7 +356,7 @@ def celery_url(settings: Settings) -> str:
     """
     settings.require_redis()
     if settings.redis_sentinels is None:
-        return settings.require_redis_url()
+        return redis_url(settings)
     auth = ""
     if settings.redis_password is not None:
         auth = f":{quote(settings.redis_password.get_secret_value(), safe='')}@"

@@ -21,8 +21,10 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import urlsplit
 
 import httpx
+import psutil
 import pytest
 import redis
 
@@ -135,12 +137,15 @@ def test_up_serves_a_run_from_another_terminal_and_ctrl_c_leaves_nothing(marker:
         assert stat.S_IMODE(credentials.stat().st_mode) == 0o600
         assert credentials.stat().st_uid == os.getuid()
         exported, password = _load(credentials)
-        assert exported["SUBQ_REDIS_URL"] == redis_url and set(exported) == {
-            "SUBQ_REDIS_URL", "SUBQ_API_URL", "SUBQ_API_TOKEN"
-        }  # fmt: skip
+        assert set(exported) == {"SUBQ_REDIS_URL", "SUBQ_API_URL", "SUBQ_API_TOKEN"}
+        # The embedded Redis has a password (issue 39): in the file's URL, masked in the banner.
+        redis_password = urlsplit(exported["SUBQ_REDIS_URL"]).password or ""
+        assert exported["SUBQ_REDIS_URL"].replace(redis_password, "***") == redis_url
         # The secrets are in the file only: not on stdout, where scrollback and logs keep them.
-        for secret in (exported["SUBQ_API_TOKEN"], password):
+        for secret in (exported["SUBQ_API_TOKEN"], password, redis_password):
             assert len(secret) >= 20 and secret not in banner, banner
+        redis_port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+        _check_redis_password(exported["SUBQ_REDIS_URL"], redis_port)
 
         # A second terminal, with only the printed environment.
         run = subq("run", tree_root(), "--follow", env=exported)
@@ -166,6 +171,17 @@ def test_up_serves_a_run_from_another_terminal_and_ctrl_c_leaves_nothing(marker:
         assert all(v["args"].startswith(f"task={k.split('-r')[0]} ") for k, v in runs.items())
         assert httpx.get(f"{flower_url}/api/tasks", timeout=10).status_code == 401
 
+        # Flower's broker page and a worker's page (its configuration) name Redis, not its password.
+        def flower_workers() -> dict[str, Any] | None:
+            listed = httpx.get(f"{flower_url}/api/workers?refresh=1", auth=(user, password), timeout=20)
+            return listed.json() or None
+
+        worker = next(iter(eventually(flower_workers, "the workers in Flower", SEEN_TIMEOUT_S, every_s=0.5)))
+        for page in ("broker", f"worker/{worker}"):
+            shown = httpx.get(f"{flower_url}/{page}", auth=(user, password), timeout=10)
+            assert shown.status_code == 200 and f"127.0.0.1:{redis_port}" in shown.text, page
+            assert redis_password not in shown.text, page
+
         api_url = _find(r"^  API      (http://\S+)  \(token: SUBQ_API_TOKEN in the credentials file\)$", banner)
         token = exported["SUBQ_API_TOKEN"]
         url = f"{api_url}/v1/tasks/{root_id}/tree"
@@ -186,6 +202,14 @@ def test_up_serves_a_run_from_another_terminal_and_ctrl_c_leaves_nothing(marker:
         with httpx.Client(timeout=10, follow_redirects=True) as browser:
             signed_in = browser.post(f"{web_url}login", data={"token": token, "next": f"/ui/tasks/{root_id}"})
             assert signed_in.status_code == 200 and f'id="task-{root_id}"' in signed_in.text
+            assert redis_password not in signed_in.text
+        # Every log of the stack (Celery's banners, Flower's and uvicorn's lines) and no process's command line.
+        log_dir = Path(_find(r"^  Logs     (/\S+)  \(removed when subq up stops\)$", banner))
+        logs = [log for log in log_dir.iterdir() if log != credentials]
+        assert logs and not [log.name for log in logs if redis_password in log.read_text(errors="replace")]
+        assert not [
+            p.pid for p in psutil.process_iter(["cmdline"]) if redis_password in " ".join(p.info["cmdline"] or [])
+        ]
     finally:
         code = up.interrupt(signal.SIGINT)
         up.kill()
@@ -194,10 +218,21 @@ def test_up_serves_a_run_from_another_terminal_and_ctrl_c_leaves_nothing(marker:
     assert exported["SUBQ_API_TOKEN"] not in "\n".join(up.seen) and password not in "\n".join(up.seen)
     assert not credentials.exists()
     assert processes_marked("UP_TEST_MARKER", marker) == []
-    for port in (flower_port, api_port, int(redis_url.rsplit(":", 1)[1].split("/")[0])):
+    for port in (flower_port, api_port, redis_port):
         assert not _answers(port), f"port {port} still answers"
     with pytest.raises(redis.ConnectionError):
-        redis.Redis.from_url(redis_url, socket_connect_timeout=1).ping()
+        redis.Redis.from_url(exported["SUBQ_REDIS_URL"], socket_connect_timeout=1).ping()
+
+
+def _check_redis_password(url: str, port: int) -> None:
+    """`subq up`'s Redis refuses a client without its password (the incident's `SET pwned yes` included)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"SET pwned yes\r\n")
+        assert sock.recv(200).startswith(b"-NOAUTH")
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=2).ping()
+    with redis.Redis.from_url(url, socket_connect_timeout=2) as client:
+        assert client.ping() and client.get("pwned") is None
 
 
 def test_sigterm_while_starting_stops_what_was_started(marker: str, tmp_path: Path) -> None:

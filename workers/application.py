@@ -5,19 +5,44 @@ here to register on it; `workers.app`, the module `celery -A workers.app worker`
 names, imports this and then those modules. So the app never imports the
 modules that import it back (no import cycle), and an invalid setting still
 stops the worker at start with one line naming the variable.
+
+A worker whose Redis has no password (SUBQ_REDIS_URL without one, or no
+SUBQ_REDIS_PASSWORD under Sentinel) says so in one warning line at its start
+(`coordinator.redis_clients.password_warning`, issue 39): its runs' commands may
+be allowed the network, and such a Redis takes orders from any of them.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
+from celery.signals import worker_init
+
 from coordinator import ConfigError, load_settings
 from coordinator.celery_app import make_app
+from coordinator.redis_clients import password_warning
 from workers import observe
 
 __all__ = ["app", "settings"]
+
+log = logging.getLogger(__name__)
 
 try:
     settings = load_settings()
     app = make_app(settings)
     observe.install(settings.log_format)  # before Celery sets up the worker's loggers
+    unprotected = password_warning(settings)
 except ConfigError as exc:
     raise SystemExit(f"subq worker: {exc}") from None
+
+
+def _warn_unprotected_redis(**_: Any) -> None:
+    # At worker_init, not at import: Flower and `subq tools` import this module too, and
+    # the line belongs to the worker's start, once per worker (its main process).
+    if unprotected is not None:
+        log.warning("subq worker: warning: %s", unprotected)
+
+
+# By call, not decorator: Celery's decorators are untyped (mypy --strict); weak=False keeps it alive.
+worker_init.connect(_warn_unprotected_redis, weak=False)

