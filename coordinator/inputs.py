@@ -1,4 +1,5 @@
-"""The operations' inputs, one pydantic model each, and the checks they share (a prompt, a reason, a page, a budget).
+"""The operations' inputs, one pydantic model each, and the checks they share (a prompt, a reason, a page, a budget,
+a tree's metadata and a history's filter on it).
 
     CreateTaskInput   POST /v1/tasks, `subq run`            CancelInput     a cancel's reason
     SubmitInput       the Celery task `subq.submit`        DecisionInput   an approval's decision
