@@ -227,10 +227,17 @@ def sentinel_set(workdir: Path, replicas: int = 2, sentinels: int = 3, tls: Tls 
         kit.stop()
 
 
-def knows_everyone(sentinel_ports: list[int], replicas: int, tls: Tls | None = None) -> bool:
-    """Whether each sentinel knows the master's `replicas` replicas (linked, up) and every other sentinel."""
+def knows_everyone(
+    sentinel_ports: list[int], replicas: int, tls: Tls | None = None, password: str | None = None
+) -> bool:
+    """Whether each sentinel knows the master's `replicas` replicas (linked, up) and every other sentinel.
+
+    `password`: the sentinels' own, where they have one (deploy/'s start scripts give them the set's).
+    """
     for port in sentinel_ports:
-        client = redis.Redis(port=port, decode_responses=True, socket_timeout=2, **_client_options(tls))
+        client = redis.Redis(
+            port=port, password=password, decode_responses=True, socket_timeout=2, **_client_options(tls)
+        )
         try:
             known_replicas = [r for r in client.execute_command("SENTINEL", "replicas", MASTER_NAME) if _up(r)]
             others = client.execute_command("SENTINEL", "sentinels", MASTER_NAME)

@@ -35,6 +35,7 @@ pytestmark = pytest.mark.timeout(600)
 
 API_TOKEN = "compose-test-token"
 FLOWER_PASSWORD = "compose-test-flower-password"
+REDIS_PASSWORD = "compose-test-redis-password"
 # Few threads per replica: the test host runs two workers, the API and Flower at once.
 WORKER_CONCURRENCY = "2"
 # Docker's start_period and retries give a cold container a minute or more; a loaded CI host needs as long.
@@ -49,7 +50,10 @@ def _env_file(project: Path) -> None:
     """The operator's step: copy .env.example to .env and fill in the secrets."""
     values = compose_file.read_env_file(ROOT / ".env.example")
     values.update(
-        SUBQ_API_TOKEN=API_TOKEN, SUBQ_FLOWER_PASSWORD=FLOWER_PASSWORD, SUBQ_WORKER_CONCURRENCY=WORKER_CONCURRENCY
+        SUBQ_API_TOKEN=API_TOKEN,
+        SUBQ_FLOWER_PASSWORD=FLOWER_PASSWORD,
+        SUBQ_WORKER_CONCURRENCY=WORKER_CONCURRENCY,
+        SUBQ_COMPOSE_REDIS_PASSWORD=REDIS_PASSWORD,
     )
     (project / ".env").write_text("".join(f"{key}={value}\n" for key, value in values.items()))
 

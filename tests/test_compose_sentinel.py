@@ -43,7 +43,15 @@ from tests import compose_file
 from tests.compose_file import Localizer
 from tests.helpers import eventually
 from tests.sentinel_kit import DOWN_AFTER_MS, FAILOVER_TIMEOUT_MS, knows_everyone
-from tests.test_compose import API_TOKEN, HTTP_TIMEOUT_S, _env_file, _run_tree, _wait_for_workers, wait_healthy
+from tests.test_compose import (
+    API_TOKEN,
+    HTTP_TIMEOUT_S,
+    REDIS_PASSWORD,
+    _env_file,
+    _run_tree,
+    _wait_for_workers,
+    wait_healthy,
+)
 from tests.wheel_env import Service, Venv, started
 
 # Building the wheel and its venv (once per run) can take minutes on a cold pip cache.
@@ -95,7 +103,8 @@ def _waves(services: dict[str, Any]) -> list[list[str]]:
 
 def _role(port: int) -> tuple[str, int | None]:
     """(master or slave, for a replica the port of its master once the link is up)."""
-    client = redis.Redis(port=port, decode_responses=True, socket_timeout=REDIS_TIMEOUT_S)
+    # Every node and sentinel has .env's SUBQ_COMPOSE_REDIS_PASSWORD (tests/test_compose.py writes it).
+    client = redis.Redis(port=port, password=REDIS_PASSWORD, decode_responses=True, socket_timeout=REDIS_TIMEOUT_S)
     try:
         role = client.execute_command("ROLE")
     finally:
@@ -181,7 +190,9 @@ class SentinelStack:
         """The node the sentinels name as the master now (the first live sentinel to answer)."""
         by_port = {self.port[name]: name for name in self.node_names}
         for name in self.sentinel_names:
-            client = redis.Redis(port=self.port[name], decode_responses=True, socket_timeout=REDIS_TIMEOUT_S)
+            client = redis.Redis(
+                port=self.port[name], password=REDIS_PASSWORD, decode_responses=True, socket_timeout=REDIS_TIMEOUT_S
+            )
             try:
                 _host, port = client.execute_command("SENTINEL", "get-master-addr-by-name", self.master_name)
                 return by_port[int(port)]
@@ -233,7 +244,11 @@ def test_compose_with_sentinel_comes_up_runs_a_tree_fails_over_and_takes_its_old
             # The sentinels can fail over only once each knows the replicas and the other sentinels.
             sentinel_ports = [services.port[name] for name in services.sentinel_names]
             replicas = len(services.node_names) - 1
-            eventually(lambda: knows_everyone(sentinel_ports, replicas), "every sentinel to know the set", 30)
+            eventually(
+                lambda: knows_everyone(sentinel_ports, replicas, password=REDIS_PASSWORD),
+                "every sentinel to know the set",
+                30,
+            )
             first_master = services.master()  # "redis", unless the sentinels have failed over already
             killed = services.running[first_master]
             os.killpg(killed.proc.pid, signal.SIGKILL)  # the container killed: no shutdown, nothing flushed

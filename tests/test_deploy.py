@@ -23,6 +23,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from coordinator.redis_clients import password_warning
 from coordinator.settings import DEFAULT_SHUTDOWN_GRACE_S, Settings
 from tests import compose_file
 
@@ -91,18 +92,50 @@ def test_settings_come_from_the_env_file_by_subq_names_and_no_secret_is_written_
     example = compose_file.read_env_file(ROOT / ".env.example")
     assert example, ".env.example documents the settings"
     known = {f"SUBQ_{name.upper()}" for name in Settings.model_fields} | {"SUBQ_FLOWER_USER", "SUBQ_FLOWER_PASSWORD"}
+    known.add(REDIS_PASSWORD_VARIABLE)
     assert set(example) <= known, f"not subq settings: {set(example) - known}"
     for name in SUBQ_SERVICES:
         service = services[name]
         assert service["env_file"] == ".env", name
         assert set(service["environment"]) <= known, name
-        assert service["environment"]["SUBQ_REDIS_URL"] == "redis://redis:6379/0"
+        assert service["environment"]["SUBQ_REDIS_URL"] == f"redis://:{REDIS_PASSWORD}@redis:6379/0"
         # No password, token or ${...} of one on a command line, where `ps` shows it to any local user.
         assert not re.search(r"password|token|secret|\$\{", " ".join(service["command"]), re.I), name
     text = compose_file.COMPOSE_FILE.read_text()
     assert "FLOWER_PASSWORD" not in text.replace("SUBQ_FLOWER_PASSWORD", ""), "one naming scheme: SUBQ_"
     gitignore = (ROOT / ".gitignore").read_text().split("\n")
     assert ".env" in gitignore, "the operator's .env holds secrets: never committed"
+
+
+# Redis's password (issue 39): one variable of .env, which Compose refuses to start without. It is
+# a SUBQ_ variable, so run_command strips it from a command's environment, and no setting of
+# Settings, which ignores it.
+REDIS_PASSWORD_VARIABLE = "SUBQ_COMPOSE_REDIS_PASSWORD"
+REDIS_PASSWORD = "${SUBQ_COMPOSE_REDIS_PASSWORD:?set SUBQ_COMPOSE_REDIS_PASSWORD in .env}"
+
+
+def test_redis_has_a_password_from_the_env_file_and_not_on_a_command_line() -> None:
+    compose = compose_file.load()
+    redis = compose["services"]["redis"]
+    assert REDIS_PASSWORD_VARIABLE not in {f"SUBQ_{name.upper()}" for name in Settings.model_fields}
+    assert redis["environment"] == {"REDISCLI_AUTH": REDIS_PASSWORD}, "redis-cli and the start read it there"
+    # The password reaches redis-server as a config line on its stdin ("-"), not as an argument.
+    shell, flag, script, *argv = redis["command"]
+    assert (shell, flag) == ("sh", "-c") and argv[0] == "redis-server" and "$" not in " ".join(argv)
+    assert 'exec redis-server "$$@" - <<CONF\nrequirepass $$REDISCLI_AUTH\nCONF' in script
+    # A refusal fails the healthcheck: redis-cli exits 0 on an error reply unless given -e.
+    assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "-e", "-p", "6379", "ping"]
+    # Compose refuses to start without the password, naming it; with one, every service has it.
+    with pytest.raises(ValueError, match=f"^{REDIS_PASSWORD_VARIABLE}: set {REDIS_PASSWORD_VARIABLE} in .env$"):
+        compose_file.interpolate(REDIS_PASSWORD, {})
+    for name in SUBQ_SERVICES:
+        url = compose_file.interpolate(compose["services"][name]["environment"]["SUBQ_REDIS_URL"], {
+            REDIS_PASSWORD_VARIABLE: "pw-1_x"
+        })  # fmt: skip
+        assert url == "redis://:pw-1_x@redis:6379/0"
+        assert password_warning(Settings(redis_url=url)) is None, name
+    example = compose_file.read_env_file(ROOT / ".env.example")
+    assert example[REDIS_PASSWORD_VARIABLE] == "change-me", ".env.example names it, for the operator to fill in"
 
 
 def test_workers_scale_and_have_time_to_hand_their_runs_back() -> None:
@@ -191,10 +224,17 @@ def test_the_sentinel_variants_subq_services_follow_the_sentinels() -> None:
         assert env["SUBQ_REDIS_URL"] == "", f"{name}: an empty SUBQ_REDIS_URL is unset"
         assert env["SUBQ_REDIS_SENTINELS"] == expected, name
         assert env["SUBQ_REDIS_SENTINEL_MASTER"] == sentinel_env["SENTINEL_MASTER"] == node_env["SENTINEL_MASTER"]
-        settings = Settings(**{k.removeprefix("SUBQ_").lower(): v for k, v in env.items()})
+        assert env["SUBQ_REDIS_PASSWORD"] == env["SUBQ_REDIS_SENTINEL_PASSWORD"] == REDIS_PASSWORD, name
+        given = {k: compose_file.interpolate(v, {REDIS_PASSWORD_VARIABLE: "pw"}) for k, v in env.items()}
+        settings = Settings(**{k.removeprefix("SUBQ_").lower(): v for k, v in given.items()})
         assert settings.min_replicas() == 1 and settings.sentinel_addresses()[0] == ("sentinel-1", 26379)
+        assert password_warning(settings) is None, name
         for sentinel in SENTINEL_SERVICES:
             assert services[name]["depends_on"][sentinel] == {"condition": "service_healthy"}, name
+    # Every node and sentinel has the same password (their scripts write it into their config files).
+    for name in (*REDIS_NODES, *SENTINEL_SERVICES):
+        assert services[name]["environment"]["REDISCLI_AUTH"] == REDIS_PASSWORD, name
+        assert "-e" in services[name]["healthcheck"]["test"], f"{name}: a refusal must fail the check"
     # The worker's check is docker-compose.yml's: it reads the sentinels from the settings above.
     assert services["worker"]["healthcheck"] == compose_file.load()["services"]["worker"]["healthcheck"]
 

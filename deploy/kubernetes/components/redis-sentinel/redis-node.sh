@@ -11,6 +11,8 @@
 #   SENTINELS           the sentinels, "host:port host:port host:port"
 #   SENTINEL_MASTER     the name the sentinels know the master by (subq)
 #   HAND_OVER_WAIT_S    how long to wait for a replica's promotion before starting as the master (30)
+#   REDISCLI_AUTH       the set's password (issue 39): this node's requirepass, the masterauth it
+#                       replicates with, and what redis-cli sends to the nodes and sentinels; unset: none
 set -eu
 port="${REDIS_PORT:-6379}"
 . "$(dirname "$0")/ask-master.sh"
@@ -51,7 +53,13 @@ fi
 # rewrites the running node's config (CONFIG REWRITE), which must neither fail on a read-only
 # mount nor carry an old master's address into the next start.
 conf="$(pwd)/redis-node.conf"
+# Owner only: the password goes into it, never onto the command line (`ps` shows that to everyone).
+umask 077
+rm -f "$conf"
 cp "$REDIS_CONF" "$conf"
+if [ -n "${REDISCLI_AUTH:-}" ]; then
+    printf 'requirepass %s\nmasterauth %s\n' "$REDISCLI_AUTH" "$REDISCLI_AUTH" >> "$conf"
+fi
 set -- redis-server "$conf" --port "$port" --replica-announce-ip "$REDIS_NODE" --replica-announce-port "$port"
 if [ "$master" != "$REDIS_NODE:$port" ]; then
     set -- "$@" --replicaof "${master%:*}" "${master##*:}"
