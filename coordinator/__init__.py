@@ -95,6 +95,7 @@ if TYPE_CHECKING:
         RunCommand as RunCommand,
         Settings as Settings,
         load_settings as load_settings,
+        network_label as network_label,
     )
     from coordinator.todos import (
         IgnoredLine as IgnoredLine,
@@ -159,6 +160,7 @@ _EXPORTS = {
     "RunCommand": "coordinator.settings",
     "Settings": "coordinator.settings",
     "load_settings": "coordinator.settings",
+    "network_label": "coordinator.settings",
     "IgnoredLine": "coordinator.todos",
     "ignored_lines": "coordinator.todos",
     "parse_markdown": "coordinator.todos",

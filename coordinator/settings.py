@@ -48,6 +48,7 @@ __all__ = [
     "Settings",
     "ToolLimit",
     "load_settings",
+    "network_label",
 ]
 
 # A week: long enough to inspect yesterday's runs, short enough that Redis memory stays bounded.
@@ -169,6 +170,41 @@ COMMAND_MEMORY_MB = 4096
 COMMAND_CPU_TIME_S = 600
 
 
+# A host a sandboxed command may reach (`network = ["docs.example.org", "*.example.com"]`): a DNS
+# name (or an IPv4 address), or `*.` and a name for every name under it (workers/runtime/egress.py).
+NETWORK_HOST_PATTERN = (
+    r"^(\*\.)?([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)*[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$"
+)
+# An allow list longer than this is a sign of wanting `network = true` (each name is checked per connection).
+MAX_NETWORK_HOSTS = 256
+
+
+def _check_network(value: object) -> bool | list[str]:
+    """`network` as false, true or a list of host names; one line naming the bad entry otherwise."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, list) or not value:
+        raise ValueError("give false (no network), true (public hosts) or a list of host names, e.g. ['pypi.org']")
+    if len(value) > MAX_NETWORK_HOSTS:
+        raise ValueError(f"at most {MAX_NETWORK_HOSTS} hosts (true allows every public host)")
+    for host in value:
+        if not isinstance(host, str) or len(host) > 253 or not re.match(NETWORK_HOST_PATTERN, host):
+            raise ValueError(f"{host!r} is not a host name (a DNS name, or *. and a name for every name under it)")
+    return [host.lower() for host in value]
+
+
+# What a sandbox may reach: false (nothing), true (public hosts: never the host's own loopback or its
+# private, link-local and metadata ranges), or the hosts it may reach through subq's filtering proxy.
+Network = Annotated[bool | list[str], BeforeValidator(_check_network)]
+
+
+def network_label(network: bool | list[str]) -> str:
+    """A sandbox's network in words: none, public, or the hosts (as `subq tools` shows it)."""
+    if network is True:
+        return "public"
+    return "hosts " + ", ".join(network) if network else "none"
+
+
 class RunCommand(BaseModel):
     """How `run_command` runs a command for a profile that enables it (docs/tools.md).
 
@@ -186,7 +222,7 @@ class RunCommand(BaseModel):
     timeout_s: float = Field(default=60.0, gt=0)
     max_output_chars: int = Field(default=20_000, ge=1)
     sandbox: bool = True
-    network: bool = False
+    network: Network = False
     max_processes: int = Field(default=MAX_COMMAND_PROCESSES, ge=1)
     memory_mb: int = Field(default=COMMAND_MEMORY_MB, ge=16)
     cpu_time_s: int = Field(default=COMMAND_CPU_TIME_S, ge=1)
@@ -225,7 +261,7 @@ class McpServer(BaseModel):
     # in the `writable` folders (absolute) and a private /tmp, and reaches the network only with `network`.
     sandbox: bool = False
     writable: list[Path] = Field(default_factory=list)
-    network: bool = False
+    network: Network = False
 
     @model_validator(mode="before")
     @classmethod
@@ -500,6 +536,10 @@ class Settings(BaseSettings):
     # the API keys file, the Redis TLS key): absolute, separated by ':' as in PATH. `subq up`
     # adds its log folder, where it writes its credentials file (workers/runtime/sandbox.py).
     sandbox_hidden_paths: Annotated[list[Path], NoDecode] = Field(default_factory=list)
+    # Names the sandbox's filtering proxy resolves to a fixed address before DNS, as curl's --resolve
+    # does (a JSON object {"name": "address"}): a split-horizon name, or a test's host. Each address is
+    # still checked against the ranges no sandbox reaches (docs/security.md).
+    sandbox_resolve: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
     openai_api_key: SecretStr | None = Field(default=None, validation_alias="OPENAI_API_KEY")
     anthropic_api_key: SecretStr | None = Field(default=None, validation_alias="ANTHROPIC_API_KEY")
 
@@ -511,6 +551,25 @@ class Settings(BaseSettings):
         if isinstance(value, list) and any(not Path(str(path)).is_absolute() for path in value):
             raise ValueError("every path must be absolute")
         return value
+
+    @field_validator("sandbox_resolve", mode="before")
+    @classmethod
+    def _check_sandbox_resolve(cls, value: object) -> object:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ValueError(f'not JSON ({exc.msg}); give {{"name": "address"}}') from None
+        if not isinstance(value, dict):
+            raise ValueError('give a JSON object {"name": "address"}')
+        for name, address in value.items():
+            if not isinstance(name, str) or not re.match(NETWORK_HOST_PATTERN, name) or name.startswith("*."):
+                raise ValueError(f"{name!r} is not a host name")
+            try:
+                ipaddress.ip_address(str(address))
+            except ValueError:
+                raise ValueError(f"{name}: {address!r} is not an IP address") from None
+        return {name.lower(): str(address) for name, address in value.items()}
 
     @field_validator("traces_exporter")
     @classmethod
