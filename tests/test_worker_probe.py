@@ -193,9 +193,16 @@ def _pod_checks(container: dict[str, Any], env: dict[str, str]) -> list[Check]:
     return checks
 
 
-def _compose_check(project: Path, compose: dict[str, Any], addresses: dict[str, str]) -> Check:
-    """The Compose worker's healthcheck, in its own environment (`.env`, then `environment`), Redis rewritten."""
+def _compose_check(
+    project: Path, compose: dict[str, Any], addresses: dict[str, str], redis_password: str | None = None
+) -> Check:
+    """The Compose worker's healthcheck, in its own environment (`.env`, then `environment`), Redis rewritten.
+
+    `redis_password`: the local Redis's, as the operator's .env gives it (SUBQ_COMPOSE_REDIS_PASSWORD).
+    """
     env_file = compose_file.read_env_file(compose_file.ROOT / ".env.example")  # the operator's copy
+    if redis_password is not None:
+        env_file["SUBQ_COMPOSE_REDIS_PASSWORD"] = redis_password
     (project / ".env").write_text("".join(f"{key}={value}\n" for key, value in env_file.items()))
     service = compose_file.Service.of("worker", project, Localizer(addresses=addresses), compose)
     env = {**_base_env(), **service.environment, "HOSTNAME": POD}  # the container's host name
@@ -271,11 +278,13 @@ def test_with_one_redis_the_checks_pass_while_the_pods_worker_answers_and_fail_o
     with local_redis() as url:
         env = {**_base_env(), **_in_cluster_redis(docs, _pod_env(docs, container), url)}
         compose = compose_file.load()
-        local = urlsplit(url).netloc
-        checks = [*_pod_checks(container, env), _compose_check(tmp_path, compose, {"redis:6379": local})]
+        parts = urlsplit(url)  # the embedded Redis has a password (issue 39)
+        local = f"{parts.hostname}:{parts.port}"
+        compose_check = _compose_check(tmp_path, compose, {"redis:6379": local}, parts.password)
+        checks = [*_pod_checks(container, env), compose_check]
         _pass_while_up_fail_once_stopped(checks, container, env, tmp_path)
-    # Redis gone as well: each says the broker is unreachable, rather than waiting for an answer.
-    _each_fails_in_one_line(checks, tmp_path, f"the broker ({url}) is unreachable")
+    # Redis gone as well: each says the broker is unreachable (where, not its password), rather than waiting.
+    _each_fails_in_one_line(checks, tmp_path, f"the broker (redis://{local}/0) is unreachable")
 
 
 def test_under_sentinel_the_checks_pass_while_the_pods_worker_answers_through_a_failover_and_fail_once_it_stops(
