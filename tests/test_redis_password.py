@@ -17,9 +17,11 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
 import psutil
 import pytest
 import redis
+from pydantic import SecretStr
 
 from coordinator import ConfigError, Settings
 from coordinator.local.embedded_redis import find_redis_server, free_port, local_redis
@@ -213,3 +215,40 @@ def test_a_malformed_url_stops_the_worker_and_the_cli_with_one_line() -> None:
     )
     for out in (worker.stdout + worker.stderr, cli.stderr):
         assert not any(piece in out for piece in SECRET_PIECES), out
+
+
+def _api_start_log(url: str, tmp_path: Path) -> str:
+    """What `subq api` writes from its start until it answers /livez, then a SIGTERM (its whole log)."""
+    port = free_port()
+    env = settings_env(Settings(redis_url=url, api_token=SecretStr("api-warning-test-token")))
+    log = tmp_path / f"api-{port}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "api", "--host", "127.0.0.1", "--port", str(port)],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+
+        def live() -> bool:
+            assert proc.poll() is None, log.read_text()
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/livez", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        eventually(live, "subq api to answer /livez", 60, every_s=0.1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return log.read_text()
+
+
+def test_an_api_on_a_redis_without_a_password_warns_in_one_line(tmp_path: Path) -> None:
+    """`subq api` says it once at its start, beside the worker's line; nothing where the URL has a password."""
+    with _redis_without_password() as bare_url, local_redis() as guarded_url:
+        bare, guarded = _api_start_log(bare_url, tmp_path), _api_start_log(guarded_url, tmp_path)
+    warnings = [line for line in bare.splitlines() if NO_PASSWORD in line]
+    assert warnings == [f"subq api: warning: SUBQ_REDIS_URL ({bare_url}) carries no password: {WHY}"], bare
+    assert NO_PASSWORD not in guarded, guarded
+    password = urlsplit(guarded_url).password
+    assert password is not None and password not in guarded

@@ -13,6 +13,7 @@ validates everything again before it writes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -30,6 +31,7 @@ from coordinator.api.limits import BodyLimit, OpenRouteLimit, RateLimiter
 from coordinator.api.ops import ops_routes
 from coordinator.api.routes import reject_unknown_query, task_routes
 from coordinator.api.security import SecurityHeaders
+from coordinator.redis_clients import password_warning
 from coordinator.service import Coordinator
 from coordinator.settings import Settings, load_settings
 from coordinator.web import install_web
@@ -71,6 +73,10 @@ def create_app(settings: Settings | None = None, coordinator: Coordinator | None
     coord = coordinator if coordinator is not None else Coordinator(settings)
     guard = bearer_auth(settings, auth_attempts, coord, ring)
     auth_on = ring is not None
+    if (unprotected := password_warning(settings)) is not None:
+        # Beside bearer_auth's warning when auth is off: a Redis without a password takes orders from
+        # anything that reaches it, a sandboxed command allowed the network included (issue 39).
+        logging.getLogger("coordinator.api").warning("subq api: warning: %s", unprotected)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
