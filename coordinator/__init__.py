@@ -174,8 +174,8 @@ _EXPORTS = {
 SERVER_MODULES = frozenset(
     {
         *("anthropic", "anyio", "celery", "fastapi", "fastapi_offline", "fastmcp", "flower", "genai_prices", "kombu"),
-        *("openai", "prometheus_client", "pydantic_ai", "pydantic_settings", "pythonjsonlogger", "redis"),
-        *("rich", "sse_starlette", "starlette", "tornado", "typer", "uvicorn", "vine"),
+        *("mcp", "openai", "prometheus_client", "pydantic_ai", "pydantic_settings", "pythonjsonlogger"),
+        *("redis", "rich", "sse_starlette", "starlette", "tornado", "typer", "uvicorn", "vine"),
     }
 )
 SERVER_INSTALL = 'pip install "subagent-queue[server]"'

@@ -28,6 +28,7 @@ from coordinator.api.control import control_routes
 from coordinator.api.errors import install_error_handlers
 from coordinator.api.events import event_routes
 from coordinator.api.limits import BodyLimit, OpenRouteLimit, RateLimiter
+from coordinator.api.mcp import install_mcp
 from coordinator.api.ops import ops_routes
 from coordinator.api.routes import reject_unknown_query, task_routes
 from coordinator.api.security import SecurityHeaders
@@ -114,4 +115,5 @@ def create_app(settings: Settings | None = None, coordinator: Coordinator | None
     app.include_router(audit_routes(coord, auth=auth_on), dependencies=dependencies)
     app.include_router(ops_routes(coord))
     install_web(app, coord, settings, auth_attempts)  # /ui: the operator's view in a browser (docs/web.md)
+    install_mcp(app, coord, guard, auth=auth_on)  # /mcp: subq as an MCP server, under the same keys (docs/mcp.md)
     return app

@@ -13,6 +13,7 @@ go through the HTTP API instead of Redis.
     control.py  cancel, retry, approvals, approve, deny, dead-letters
     views.py    what the read commands print, and `run --follow`'s loop
     live.py     `run --follow`'s terminal view (rich): one table fitted to the width
+    mcp.py      `subq mcp`: subq's MCP tools over stdio, through the API (docs/mcp.md)
     backend.py  what the operator commands reach: Redis (the Coordinator) or the HTTP API (the client)
     entry.py    run_cli and main: failures as one line and an exit code
 
@@ -38,6 +39,7 @@ try:
     from coordinator.cli import control, stack, work
     from coordinator.cli.common import app
     from coordinator.cli.entry import main, run_cli
+    from coordinator.cli.mcp import mcp as mcp_command
 except ModuleNotFoundError as _exc:
     # `pip install subagent-queue` (the client alone) installs the `subq` script too, but not
     # Typer: the script's `main` then says what to install, in one line, instead of a traceback.
@@ -60,6 +62,7 @@ else:
         *(work.run, work.status, work.result, work.todos, work.tree, work.history, work.export),
         *(control.cancel, control.retry, control.approvals, control.approve, control.deny),
         *(control.dead_letters, control.audit),
+        mcp_command,
     )
     for _command in COMMANDS:
         app.command()(_command)

@@ -1,0 +1,213 @@
+"""`/mcp` on the API: subq as an MCP server over Streamable HTTP, under the same keys, scopes and ownership.
+
+    install_mcp(app, coord, guard)      one line in create_app: the route and its session manager's lifespan
+
+Every request to /mcp goes through the /v1 routes' bearer guard first (the same
+keys, the same 401 and rate limit on wrong tokens, the same audit entries). The
+tools (coordinator/mcp_tools.py) then call the service through `KeyedOperations`:
+each operation asks the same `Gate` questions as the HTTP route it mirrors, as the
+caller's key, before it calls the Coordinator. So a missing scope is an error naming
+it and on the audit log (its target `POST /mcp/<tool>`), a tree the key may not read
+does not exist for it ("Unknown task"), and a tree it creates is its own (`owner`).
+A tree it may not read is also put on the audit log by this face, with the reason
+`not_found`: a model probing ids is worth an operator's look.
+
+Stateless Streamable HTTP (no MCP session kept between requests): every API replica
+serves any request, as for the /v1 routes, and a tool's progress notifications ride
+on its own request's response stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.security import HTTPAuthorizationCredentials
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from coordinator.access import Principal
+from coordinator.access import Scope as KeyScope
+from coordinator.api.auth import Gate, actor_of
+from coordinator.api.errors import HttpError, error_response
+from coordinator.mcp_tools import McpOperations, Session, build_server
+from coordinator.service import Coordinator
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from mcp.server.context import ServerRequestContext
+
+    from coordinator.models import Approval, Retried, TaskRecord, TodoItem
+    from coordinator.tree import TreeNode
+
+__all__ = ["MCP_PATH", "KeyedOperations", "McpEndpoint", "install_mcp"]
+
+MCP_PATH = "/mcp"
+
+Guard = Callable[..., Awaitable[Principal]]
+
+
+class KeyedOperations:
+    """The service as one key may use it: the HTTP routes' gate questions, then the Coordinator's call.
+
+    `request` is the /mcp request, `tool` the tool called (the audit log's target names it).
+    """
+
+    def __init__(self, coord: Coordinator, request: Request, key: Principal, tool: str) -> None:
+        self.coord = coord
+        self.key = key
+        self.gate = Gate(coord)
+        # The audit log names a refused call `POST /mcp/<tool>`: the tool, not only the endpoint.
+        self.request = Request({**request.scope, "path": f"{MCP_PATH}/{tool}", "raw_path": b""})
+
+    def create_task(
+        self,
+        prompt: str,
+        todos: str | Sequence[Any] | None = None,
+        profile: str | None = None,
+        run: bool = False,
+        budget_usd: Decimal | float | str | None = None,
+        idempotency_key: str | None = None,
+        *,
+        output_schema: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> TaskRecord:
+        self.gate.need(self.request, self.key, KeyScope.SUBMIT)
+        return self.coord.create_task(
+            prompt, todos=todos, profile=profile, run=run, budget_usd=budget_usd, idempotency_key=idempotency_key,
+            owner=self.key.name, output_schema=dict(output_schema) if output_schema is not None else None,
+            metadata=metadata,
+        )  # fmt: skip
+
+    def get_task(self, task_id: str, /) -> TaskRecord:
+        self.gate.need(self.request, self.key, KeyScope.READ, KeyScope.READ_ALL)
+        record = self.coord.get_task(task_id)
+        self.gate.readable(self.key, task_id, record.owner)
+        return record
+
+    def get_todos(self, task_id: str, /) -> list[TodoItem]:
+        self.gate.read_tree(self.request, self.key, task_id)
+        return self.coord.get_todos(task_id)
+
+    def tree(self, task_id: str, /) -> TreeNode:
+        self.gate.read_tree(self.request, self.key, task_id)
+        return self.coord.tree(task_id)
+
+    def messages(self, task_id: str, kind: Literal["ui", "api"], /) -> list[dict[str, Any]]:
+        self.gate.read_tree(self.request, self.key, task_id)
+        return self.coord.messages(task_id, kind)
+
+    def cancel(self, task_id: str, reason: str, /) -> TaskRecord:
+        self.gate.write_tree(self.request, self.key, task_id, others=KeyScope.OPERATE)
+        return self.coord.cancel(task_id, reason, actor=actor_of(self.request, self.key))
+
+    def retry(self, task_id: str, /, *, failed: bool = False) -> Retried:
+        self.gate.write_tree(self.request, self.key, task_id, others=KeyScope.OPERATE)
+        return self.coord.retry(task_id, failed=failed, actor=actor_of(self.request, self.key))
+
+    def list_approvals(self, root_id: str | None = None, /) -> list[Approval]:
+        """As GET /v1/approvals: every waiting call with `decide` or `read_all`; with `read`, its own trees'."""
+        if self.key.has_any(KeyScope.DECIDE, KeyScope.READ_ALL):
+            return self.coord.list_approvals(root_id)
+        self.gate.need(self.request, self.key, KeyScope.DECIDE, KeyScope.READ, KeyScope.READ_ALL)
+        if root_id is not None:
+            self.gate.read_tree(self.request, self.key, root_id)
+        owners: dict[str, str] = {}
+        mine = []
+        for approval in self.coord.list_approvals(root_id):
+            if approval.root_id not in owners:
+                owners[approval.root_id] = self.coord.owner_of(approval.root_id)
+            if self.key.may_read(owners[approval.root_id]):
+                mine.append(approval)
+        return mine
+
+    def decide(
+        self, approval_id: str, decision: Literal["approve", "deny"], feedback: str | None = None, /
+    ) -> Approval:
+        self.gate.need(self.request, self.key, KeyScope.DECIDE)
+        return self.coord.decide(approval_id, decision, feedback, actor=actor_of(self.request, self.key))
+
+    def not_found(self, tool: str, detail: str) -> None:
+        """Put a call about a tree the key may not read (or no tree at all) on the audit log."""
+        self.coord.record(
+            actor_of(self.request, self.key), "refused", f"POST {MCP_PATH}/{tool}", reason="not_found", detail=detail
+        )
+
+
+if TYPE_CHECKING:
+
+    def _keyed_is_mcp_operations(ops: KeyedOperations) -> McpOperations:
+        """The type checker's proof that the gated service answers what the tools call."""
+        return ops
+
+
+def _credentials(scope: Scope) -> HTTPAuthorizationCredentials | None:
+    """`Authorization: Bearer <token>` as FastAPI's HTTPBearer reads it; None when there is none."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            kind, _, token = value.decode("latin-1").partition(" ")
+            if kind.lower() == "bearer" and token.strip():
+                return HTTPAuthorizationCredentials(scheme=kind, credentials=token.strip())
+    return None
+
+
+class McpEndpoint:
+    """The ASGI endpoint of /mcp: the bearer guard, then the MCP SDK's Streamable HTTP transport."""
+
+    def __init__(self, coord: Coordinator, guard: Guard, auth: bool, version: str) -> None:
+        self.coord = coord
+        self.guard = guard
+        self.auth = auth
+        self.server = build_server(self._session_of, version)
+        self.manager: Any = None  # the SDK's session manager, made anew by each lifespan (one run() each)
+
+    async def _session_of(self, ctx: ServerRequestContext[Any, Any]) -> Session:
+        request = ctx.request
+        key = getattr(request.state, "principal", None) if isinstance(request, Request) else None
+        if not isinstance(request, Request) or not isinstance(key, Principal):  # never served without the guard
+            raise HttpError(401, "unauthorized", "Not authenticated")
+        tool = str((ctx.params or {}).get("name", ctx.method)) if ctx.method == "tools/call" else ctx.method
+        ops = KeyedOperations(self.coord, request, key, tool)
+        return Session(ops=ops, scopes=key.scopes, web_url=str(request.base_url), on_not_found=ops.not_found)
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+
+        self.manager = StreamableHTTPSessionManager(app=self.server, stateless=True)
+        async with self.manager.run():
+            yield
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        try:
+            if self.auth:
+                await self.guard(request, _credentials(scope))
+            else:
+                await self.guard(request)
+        except HttpError as exc:
+            await error_response(exc.status_code, exc.code, exc.message, exc.field, exc.headers)(scope, receive, send)
+            return
+        if self.manager is None:  # the app's lifespan did not run (a test client without it)
+            response = error_response(503, "mcp_unavailable", "The MCP endpoint starts with the app's lifespan")
+            await response(scope, receive, send)
+            return
+        await self.manager.handle_request(scope, receive, send)
+
+
+def install_mcp(app: FastAPI, coord: Coordinator, guard: Guard, *, auth: bool) -> None:
+    """Serve /mcp on `app` (Streamable HTTP), its session manager running with the app's lifespan."""
+    endpoint = McpEndpoint(coord, guard, auth, app.version)
+    app.router.routes.append(Route(MCP_PATH, endpoint=endpoint, methods=["GET", "POST", "DELETE"]))
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(started: Any) -> AsyncIterator[Any]:
+        async with endpoint.running(), inner(started) as state:
+            yield state
+
+    app.router.lifespan_context = lifespan

@@ -1,0 +1,276 @@
+"""subq as an MCP server (issue 41): /mcp on the real API over real HTTP, and `subq mcp` over real stdio,
+with the official `mcp` client, against a real Redis and real `celery worker` processes.
+
+Each scenario is one client session (tools/list, run_task, wait_task with progress, the figures against
+GET /v1/tasks/{id}, scopes and ownership, the audit log, an approval decided, bad input) run through both
+faces: the tools are one definition (coordinator/mcp_tools.py), so both must answer alike.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import anyio
+import httpx
+import httpx2
+import pytest
+from mcp import Client, StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+
+from coordinator import Coordinator, Settings
+from coordinator.access import ApiKeySpec, Scope, token_sha256
+from coordinator.api import create_app
+from coordinator.inputs import MAX_PROMPT_CHARS
+from coordinator.local.fleet import WorkerFleet
+from tests.agents import call, reply, subtask
+from tests.helpers import ApiServer, api_settings, script
+
+KEYS: dict[str, tuple[str, ...]] = {
+    "team": ("submit", "read"),
+    "other": ("submit", "read"),
+    "viewer": ("read",),
+    "oncall": ("decide", "read_all", "operate"),
+}
+TOKENS = {name: f"mcp-test-token-of-{name}-0123456789" for name in KEYS}
+PLAN = "[ ] Collect the sales figures\n[ ] Summarise customer feedback\n[ ] Then write the executive summary"
+SUBMIT_READ_TOOLS = {"run_task", "get_task", "wait_task", "get_tree", "cancel_task", "retry_task", "list_approvals"}
+
+Connect = Callable[[str], AbstractAsyncContextManager[Client]]
+
+
+def keys() -> dict[str, ApiKeySpec]:
+    return {
+        name: ApiKeySpec(token_sha256=token_sha256(TOKENS[name]), scopes=[Scope(s) for s in scopes])
+        for name, scopes in KEYS.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def stack(settings: Settings, workers: WorkerFleet) -> Iterator[tuple[Coordinator, ApiServer]]:
+    coord = Coordinator(api_settings(settings, api_keys=keys()))
+    with ApiServer(create_app(coordinator=coord)) as api:
+        yield coord, api
+    coord.close()
+
+
+def over_http(api: ApiServer) -> Connect:
+    @asynccontextmanager
+    async def connect(name: str) -> AsyncIterator[Client]:
+        headers = {"Authorization": f"Bearer {TOKENS[name]}"}
+        async with (
+            httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(60)) as http,
+            Client(streamable_http_client(f"{api.url}/mcp", http_client=http)) as client,
+        ):
+            yield client
+
+    return connect
+
+
+def over_stdio(api: ApiServer) -> Connect:
+    @asynccontextmanager
+    async def connect(name: str) -> AsyncIterator[Client]:
+        env = {"PATH": os.environ["PATH"], "SUBQ_API_URL": api.url, "SUBQ_API_TOKEN": TOKENS[name]}
+        params = StdioServerParameters(command=sys.executable, args=["-m", "coordinator", "mcp"], env=env)
+        async with Client(params) as client:
+            yield client
+
+    return connect
+
+
+@pytest.fixture(params=["http", "stdio"])
+def face(request: pytest.FixtureRequest, stack: tuple[Coordinator, ApiServer]) -> tuple[str, Connect]:
+    _coord, api = stack
+    return request.param, (over_http(api) if request.param == "http" else over_stdio(api))
+
+
+def data(result: Any) -> dict[str, Any]:
+    assert not result.is_error, result.content
+    value: dict[str, Any] = result.structured_content
+    return value
+
+
+def refusal(result: Any) -> dict[str, Any]:
+    assert result.is_error, result.structured_content
+    value: dict[str, Any] = result.structured_content
+    assert result.content[0].text == value["message"]
+    return value
+
+
+def audit(api: ApiServer) -> list[dict[str, Any]]:
+    with api.client() as http:
+        entries: list[dict[str, Any]] = http.get("/v1/audit", params={"limit": 50}).json()["entries"]
+    return entries
+
+
+def test_tools_list_follows_the_keys_scopes(stack: tuple[Coordinator, ApiServer]) -> None:
+    _coord, api = stack
+    connect = over_http(api)
+
+    async def main() -> None:
+        async with connect("team") as client:
+            names = {tool.name for tool in (await client.list_tools()).tools}
+            assert names == SUBMIT_READ_TOOLS
+            assert "decide_approval" not in names
+        async with connect("oncall") as client:
+            names = {tool.name for tool in (await client.list_tools()).tools}
+            assert {"decide_approval", "list_approvals", "get_task", "cancel_task"} <= names
+            assert "run_task" not in names
+        async with connect("viewer") as client:
+            names = {tool.name for tool in (await client.list_tools()).tools}
+            assert names == {"get_task", "wait_task", "get_tree", "list_approvals"}
+
+    anyio.run(main)
+
+
+def test_a_missing_token_is_refused_as_on_v1(stack: tuple[Coordinator, ApiServer]) -> None:
+    _coord, api = stack
+    response = httpx.post(f"{api.url}/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
+    assert response.status_code == 401
+    assert response.json()["code"] == "unauthorized"
+    assert response.headers["www-authenticate"] == "Bearer"
+
+
+def test_run_wait_and_read_a_plan(face: tuple[str, Connect], stack: tuple[Coordinator, ApiServer]) -> None:
+    name, connect = face
+    _coord, api = stack
+
+    async def main() -> None:
+        async with connect("team") as client:
+            started = time.monotonic()
+            run = data(await client.call_tool("run_task", {"prompt": "Prepare the Q3 report", "todos": PLAN}))
+            assert time.monotonic() - started < 1.0
+            assert run["status"] in {"active", "queued", "running"} and run["id"] == run["root_id"]
+            assert run["link"] == f"{api.url}/ui/tasks/{run['id']}"
+
+            told: list[tuple[float, float | None, str | None]] = []
+
+            async def progress(done: float, total: float | None, message: str | None) -> None:
+                told.append((done, total, message))
+
+            done = data(
+                await client.call_tool("wait_task", {"task_id": run["id"], "timeout_s": 60}, progress_callback=progress)
+            )
+            assert done["status"] == "completed" and done["settled"], done
+            assert told, "no progress notification"
+
+            with api.client({"Authorization": f"Bearer {TOKENS['team']}"}) as http:
+                record = http.get(f"/v1/tasks/{run['id']}").json()
+            assert record["owner"] == "team"
+            for field, theirs in (
+                ("result", "summary"), ("output", "output"), ("tokens", None), ("cost_micros", "cost_micros"),
+                ("total_tokens", "total_tokens"), ("total_cost_micros", "total_cost_micros"),
+            ):  # fmt: skip
+                expected = record["tokens_in"] + record["tokens_out"] if theirs is None else record[theirs]
+                assert done[field] == expected, field
+            assert data(await client.call_tool("get_task", {"task_id": run["id"]})) == done
+
+            tree = data(await client.call_tool("get_tree", {"task_id": run["id"]}))
+            assert [item["content"] for item in tree["todos"]] == PLAN.replace("[ ] ", "").splitlines()
+            assert all(item["subtask_id"] and item["tokens"] > 0 and item["cost_micros"] > 0 for item in tree["todos"])
+            assert tree["metadata"] == {} and tree["total_cost_micros"] == record["total_cost_micros"]
+
+            conversation = await client.read_resource(f"subq://tasks/{run['id']}/conversation")
+            assert '"ui_messages"' in conversation.contents[0].text
+            exported = await client.read_resource(f"subq://tasks/{run['id']}/export")
+            assert exported.contents[0].text.count('"history_item"') == 1 + len(tree["children"])
+
+    anyio.run(main)
+    del name
+
+
+def test_scopes_and_ownership_on_the_audit_log(face: tuple[str, Connect], stack: tuple[Coordinator, ApiServer]) -> None:
+    name, connect = face
+    coord, api = stack
+    theirs = coord.create_task("Another team's tree", owner="other").id
+
+    async def main() -> None:
+        async with connect("viewer") as client:
+            refused = refusal(await client.call_tool("run_task", {"prompt": "Not mine to start"}))
+            assert refused["code"] == "forbidden"
+            assert refused["message"] == "The API key 'viewer' lacks the scope this needs: needs scope 'submit'"
+        async with connect("team") as client:
+            for tool in ("get_task", "get_tree", "wait_task"):
+                missing = refusal(await client.call_tool(tool, {"task_id": theirs}))
+                assert missing == {"code": "not_found", "message": f"Unknown task: {theirs}", "field": "task_id"}
+            with pytest.raises(MCPError, match=f"Unknown task: {theirs}"):
+                await client.read_resource(f"subq://tasks/{theirs}/tree")
+
+    anyio.run(main)
+    entries = audit(api)
+    scope_refusals = [e for e in entries if e["actor"] == "viewer" and e["reason"] == "missing_scope"]
+    assert scope_refusals and "needs scope 'submit'" in scope_refusals[0]["detail"]
+    if name == "http":  # the in-process face names the tool; over stdio the API logs the route it mirrors
+        assert scope_refusals[0]["target"] == "POST /mcp/run_task"
+        hidden = [e for e in entries if e["actor"] == "team" and e["reason"] == "not_found"]
+        assert hidden and hidden[0]["target"].startswith("POST /mcp/") and theirs in hidden[0]["detail"]
+    else:
+        assert scope_refusals[0]["target"] == "POST /v1/tasks"
+
+
+def test_bad_input_gets_the_apis_words_and_writes_nothing(
+    face: tuple[str, Connect], stack: tuple[Coordinator, ApiServer]
+) -> None:
+    _name, connect = face
+    coord, api = stack
+    bad_schema = {"type": "object", "properties": {"total": {"type": "integr"}}}
+    cases = [
+        {"prompt": "A typo", "promt": "x"},
+        {"prompt": "x" * (MAX_PROMPT_CHARS + 1)},
+        {"prompt": "A bad schema", "output_schema": bad_schema},
+    ]
+    before = coord.list_tasks(limit=1)[0]
+
+    async def main() -> None:
+        async with connect("team") as client:
+            for args in cases:
+                refused = refusal(await client.call_tool("run_task", args))
+                with api.client({"Authorization": f"Bearer {TOKENS['team']}"}) as http:
+                    response = http.post("/v1/tasks", json={**args, "run": True})
+                assert response.status_code == 422
+                assert refused == response.json(), args
+
+    anyio.run(main)
+    assert coord.list_tasks(limit=1)[0] == before
+
+
+def test_an_approval_waits_and_is_decided(face: tuple[str, Connect], stack: tuple[Coordinator, ApiServer]) -> None:
+    _name, connect = face
+    child = subtask("Clean the build", call("run_command", command="echo cleaned"), reply("Cleaned."))
+    prompt = script(call("new_task", **child), call("attempt_completion", result="Build cleaned"), text="Clean up.")
+
+    async def main() -> None:
+        async with connect("team") as client:
+            root = data(await client.call_tool("run_task", {"prompt": prompt}))["id"]
+            child_id = ""
+            deadline = time.monotonic() + 30
+            while (
+                not child_id
+                or data(await client.call_tool("get_task", {"task_id": child_id}))["waiting_for"] != "approval"
+            ):
+                assert time.monotonic() < deadline, "the child never waited for approval"
+                children = data(await client.call_tool("get_tree", {"task_id": root}))["children"]
+                child_id = children[0]["id"] if children else ""
+                await anyio.sleep(0.2)
+            mine = data(await client.call_tool("list_approvals", {"root_id": root}))["approvals"]
+            assert [a["task_id"] for a in mine] == [child_id]
+            refused = refusal(
+                await client.call_tool("decide_approval", {"approval_id": mine[0]["id"], "decision": "approve"})
+            )
+            assert "needs scope 'decide'" in refused["message"]
+        async with connect("oncall") as client:
+            decided = data(
+                await client.call_tool("decide_approval", {"approval_id": mine[0]["id"], "decision": "approve"})
+            )
+            assert decided["status"] == "approved" and decided["decided_by"] == "oncall"
+        async with connect("team") as client:
+            done = data(await client.call_tool("wait_task", {"task_id": root, "timeout_s": 60}))
+            assert done["status"] == "completed", done
+            assert data(await client.call_tool("get_task", {"task_id": child_id}))["status"] == "completed"
+
+    anyio.run(main)
