@@ -243,4 +243,9 @@ def test_a_worker_container_may_start_the_command_sandbox() -> None:
     # bwrap needs unshare and mount (Docker's seccomp and AppArmor defaults forbid both) and an unmasked /proc.
     worker = compose_file.load()["services"]["worker"]
     assert set(worker["security_opt"]) == {"seccomp=unconfined", "apparmor=unconfined", "systempaths=unconfined"}
-    assert "apt-get install -y --no-install-recommends bubblewrap" in (ROOT / "deploy" / "Dockerfile").read_text()
+    assert (
+        "apt-get install -y --no-install-recommends bubblewrap passt iproute2"
+        in (ROOT / "deploy" / "Dockerfile").read_text()
+    )
+    # pasta gives a sandbox with the network its way out through a tap device.
+    assert worker["devices"] == ["/dev/net/tun:/dev/net/tun"]

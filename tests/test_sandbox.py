@@ -39,8 +39,9 @@ def workdir(tmp_path: Path) -> Path:
 
 
 def test_the_sandbox_starts_here() -> None:
-    probe()  # scripts/os-packages installs bubblewrap; without it every test below would fail
+    probe()  # scripts/os-packages installs bubblewrap and passt; without them every test below would fail
     probe(network=True)
+    probe(network=["pypi.org"])
 
 
 def test_a_command_writes_in_its_cwd_and_nowhere_else(tmp_path: Path, workdir: Path) -> None:
@@ -114,13 +115,15 @@ def listener() -> Iterator[tuple[int, list[object]]]:
 CONNECT = "python3 -c 'import socket,sys; socket.create_connection((\"127.0.0.1\", int(sys.argv[1])), 5)' {port}"
 
 
-def test_no_network_unless_the_profile_says_so(workdir: Path, listener: tuple[int, list[object]]) -> None:
+def test_no_network_and_not_the_hosts_loopback_with_it(workdir: Path, listener: tuple[int, list[object]]) -> None:
     port, accepted = listener
     refused = _run(CONNECT.format(port=port), workdir)
     assert refused.exit_code != 0 and "ConnectionRefusedError" in refused.output
+    # With the network it reaches public hosts (tests/test_sandbox_network.py), never the host's loopback.
+    assert _run(CONNECT.format(port=port), workdir, network=True).exit_code != 0
     assert accepted == [], "the listener counted no connection"
-    assert _run(CONNECT.format(port=port), workdir, network=True).text() == "exit 0\n"
-    assert len(accepted) == 1
+    assert _run(CONNECT.format(port=port), workdir, sandbox=False).text() == "exit 0\n"
+    assert len(accepted) == 1, "the same command unconfined connects"
 
 
 def test_cpu_time_and_memory_are_capped(workdir: Path) -> None:

@@ -269,6 +269,12 @@ TOOL_CALLS = _counter(
     "tool",
     "outcome",
 )
+NETWORK_REFUSED = _counter(
+    "subq_sandbox_network_refused",
+    "Connections a sandboxed command or MCP server asked for that its allow list refused, by source "
+    "(run_command, or mcp:<server>: configured names, so the label stays bounded)",
+    "source",
+)
 TOOL_DURATION = Histogram(
     "subq_tool_call_duration_seconds",
     "How long this worker's tool calls ran (those that ran: ok, error, timeout)",
@@ -324,6 +330,11 @@ def tool_call(tool: str, outcome: str, duration_s: float | None = None) -> None:
     TOOL_CALLS.labels(tool, outcome).inc()
     if duration_s is not None:
         TOOL_DURATION.labels(tool).observe(duration_s)
+
+
+def network_refused(source: str, count: int) -> None:
+    """`count` connections of `source` (run_command, mcp:<server>) its network allow list refused."""
+    NETWORK_REFUSED.labels(source).inc(count)
 
 
 def model_request(provider: str, model: str, outcome: str, latency_s: float | None = None) -> None:

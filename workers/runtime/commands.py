@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import dataclasses
 import os
 import shlex
 import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +93,7 @@ class CommandResult:
     cut: int = 0
     timed_out_after_s: float | None = None
     error: str | None = None  # it did not start: why
+    refused: tuple[str, ...] = ()  # `host:port` of each connection the sandbox's proxy refused, in order
 
     @property
     def status(self) -> str:
@@ -197,11 +200,29 @@ async def run(
         return CommandResult(command, error=f"the working directory {cwd} does not exist")
     env = command_env(environ)
     confined = config.sandbox
-    if confined:
-        # Inside the sandbox a program that cannot start is the sandbox's own error: say it as unconfined.
-        if why := _cannot_start(argv[0], cwd, env):
-            return CommandResult(command, error=f"{argv[0]}: {why}")
-        argv = (sandbox or Sandbox()).wrap(argv, cwd, network=config.network, limits=config)
+    # Inside the sandbox a program that cannot start is the sandbox's own error: say it as unconfined.
+    if confined and (why := _cannot_start(argv[0], cwd, env)):
+        return CommandResult(command, error=f"{argv[0]}: {why}")
+    # A proxied sandbox's refusals land in a folder of the worker's (the command's /tmp is its own).
+    folder = Path(tempfile.mkdtemp(prefix="subq-command-")) if confined and isinstance(config.network, list) else None
+    refusals = folder / "refused" if folder is not None else None
+    try:
+        if confined:
+            argv = (sandbox or Sandbox()).wrap(argv, cwd, network=config.network, limits=config, refusals=refusals)
+        result = await _run(command, argv, cwd, env, config, confined)
+        if refusals is not None and refusals.exists():
+            refused = tuple(line for line in refusals.read_text(errors="replace").splitlines() if line)
+            result = dataclasses.replace(result, refused=refused)
+        return result
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+async def _run(
+    command: str, argv: list[str], cwd: Path, env: Mapping[str, str], config: RunCommand, confined: bool
+) -> CommandResult:
+    """Start `argv` (the command, perhaps wrapped by the sandbox) and see it to its end."""
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv,

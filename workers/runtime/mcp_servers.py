@@ -35,6 +35,7 @@ import logging
 import os
 import re
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Coroutine, Mapping
@@ -51,7 +52,7 @@ from pydantic_ai.toolsets.abstract import ToolsetTool
 from coordinator import ConfigError, McpServer, Profile, one_line
 from workers.runtime.approval_policy import Verdict, verdict
 from workers.runtime.sandbox import Sandbox
-from workers.runtime.tools import CallFailed
+from workers.runtime.tools import CallFailed, report_refused
 
 if TYPE_CHECKING:
     from pydantic_ai.mcp import MCPToolset
@@ -117,9 +118,9 @@ def resolve_secrets(
     return resolved
 
 
-def _build(profile: str, server: McpServer, hidden: Sandbox) -> MCPToolset[Any]:
+def _build(profile: str, server: McpServer, hidden: Sandbox, refusals: Path | None = None) -> MCPToolset[Any]:
     """A fresh pydantic-ai toolset for the server (not started): one per start of its process; a sandboxed
-    one never sees what `hidden` names."""
+    one never sees what `hidden` names, and a proxied one's refused connections are lines in `refusals`."""
     from fastmcp.client.transports import StdioTransport
     from pydantic_ai.mcp import MCPToolset
 
@@ -130,7 +131,9 @@ def _build(profile: str, server: McpServer, hidden: Sandbox) -> MCPToolset[Any]:
         command, args = server.command, list(server.args)
         if server.sandbox:  # writes only where the entry says (workers/runtime/sandbox.py)
             cwd = server.cwd or (server.writable[0] if server.writable else Path("/"))
-            wrapped = hidden.wrap([command, *args], cwd, network=server.network, writable=server.writable)
+            wrapped = hidden.wrap(
+                [command, *args], cwd, network=server.network, writable=server.writable, refusals=refusals
+            )
             command, args = wrapped[0], wrapped[1:]
         transport = StdioTransport(
             command=command,
@@ -320,6 +323,11 @@ class SharedServer(AbstractToolset[Any]):
         self._stopping = False
         self._last_error = ""
         self.starts = 0  # how often this process started the server (its first start included)
+        # Where the sandbox's proxy writes each connection it refused (an allow list only), and how far
+        # the calls have read: each refusal is told to the run whose call to this server ends next.
+        proxied = server.sandbox and isinstance(server.network, list)
+        self._refusals = Path(tempfile.mkdtemp(prefix="subq-mcp-")) / "refused" if proxied else None
+        self._refusals_read = 0
 
     @property
     def id(self) -> str:
@@ -355,7 +363,7 @@ class SharedServer(AbstractToolset[Any]):
             started = time.monotonic()
             toolset: MCPToolset[Any] | None = None
             try:
-                toolset = _build(self.profile, self.server, self._hidden)
+                toolset = _build(self.profile, self.server, self._hidden, self._refusals)
                 await asyncio.wait_for(toolset.__aenter__(), self.server.timeout_s + STOP_S)
                 await asyncio.wait_for(toolset.list_tools(), self.server.timeout_s)
             except Exception as exc:
@@ -470,6 +478,22 @@ class SharedServer(AbstractToolset[Any]):
                 stopped = f"Error: MCP server {self.server.name!r} stopped during the call; it is being restarted"
                 raise CallFailed(stopped) from None
             raise CallFailed(f"Error: {one_line(str(exc)) or type(exc).__name__}") from None
+        finally:
+            report_refused(ctx.deps.run, source_of(self.server), self._new_refusals())
+
+    def _new_refusals(self) -> list[str]:
+        """The connections the proxy refused since the last call read them (whole lines only)."""
+        if self._refusals is None:
+            return []
+        try:
+            with self._refusals.open("rb") as written:
+                written.seek(self._refusals_read)
+                data = written.read()
+        except FileNotFoundError:
+            return []
+        whole = data[: data.rfind(b"\n") + 1]
+        self._refusals_read += len(whole)
+        return [line for line in whole.decode(errors="replace").splitlines() if line]
 
     def _lost(self, toolset: MCPToolset[Any], exc: BaseException) -> bool:
         """Whether a failure means the server is gone; if so, the supervisor restarts it."""

@@ -59,8 +59,10 @@ from coordinator import (
     McpServer,
     Profile,
     ProfileError,
+    RunCommand,
     Settings,
     load_settings,
+    network_label,
     one_line,
     usd_to_micros,
 )
@@ -383,7 +385,7 @@ def _import(profile: str, path: str) -> FunctionToolset[Any]:
     raise _fail(profile, f"tools entry {path!r}", f"is a {kind}, neither a function nor a pydantic-ai FunctionToolset")
 
 
-def _check_sandbox(profile: str, entry: str, network: bool) -> None:
+def _check_sandbox(profile: str, entry: str, network: bool | list[str]) -> None:
     """The profile's commands run confined: the sandbox must start on this machine, or the worker refuses."""
     try:
         sandbox.probe(network)
@@ -485,13 +487,28 @@ class Toolbox:
             return self._agents[key]
 
 
-def _describe(loaded: dict[str, ProfileTools]) -> list[str]:
+def networks(profile: Profile) -> list[str]:
+    """What each program the profile runs may reach: run_command's and each stdio MCP server's network
+    (none, public, or the hosts), or `unconfined` where it runs without the sandbox."""
+    confined: list[tuple[str, RunCommand | McpServer]] = (
+        [("run_command", profile.run_command)] if profile.run_command is not None else []
+    )
+    confined += [(mcp_servers.source_of(server), server) for server in profile.mcp_servers if server.command]
+    return [
+        f"{what}: {network_label(entry.network) if entry.sandbox else 'unconfined (sandbox = false)'}"
+        for what, entry in confined
+    ]
+
+
+def _describe(loaded: dict[str, ProfileTools], settings: Settings) -> list[str]:
     lines = []
     for name, tools in loaded.items():
         lines.append(f"{name}:")
         width = max(len(tool) for tool in [*tools.sources, *OUTPUT_TOOLS])
         lines += [f"  {tool:<{width}}  {source}" for tool, source in tools.sources.items()]
         lines += [f"  {tool:<{width}}  {BUILT_IN} (ends the task)" for tool in sorted(OUTPUT_TOOLS)]
+        if reach := networks(settings.profile(name)):
+            lines.append(f"  network: {'; '.join(reach)}")
     return lines
 
 
@@ -515,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({name: tools.sources for name, tools in loaded.items()}))
     else:
-        print("\n".join(_describe(loaded)))
+        print("\n".join(_describe(loaded, settings)))
     return 0
 
 

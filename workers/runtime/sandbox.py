@@ -14,8 +14,11 @@ and no rule over argv can know them all. The sandbox bounds whatever gets past t
   processes, and so their environment (`/proc/<pid>/environ`, with the Redis URL and the
   API token), cannot be read; when the command's first process exits, every process it
   left behind is killed with the namespace.
-- **Network**: none (a network namespace with only its own loopback) unless the profile
-  says `network = true`.
+- **Network**: a network namespace of its own. With `network = false` (the default) it has
+  only its own loopback. With `network = true` it reaches public hosts and never the host's
+  loopback (Redis, the API, Flower) nor its private, link-local and metadata ranges; with
+  `network = ["docs.example.org", "*.example.com"]` it reaches only those hosts, through a
+  filtering proxy that records each refusal (workers/runtime/egress.py, which runs bwrap then).
 - **Limits**: at most `max_processes` processes of the worker's user (RLIMIT_NPROC; the
   kernel does not apply it to root, so a worker run as root, unlike the image's, gets no
   process cap), `memory_mb` of data (RLIMIT_DATA) and `cpu_time_s` of CPU (RLIMIT_CPU),
@@ -41,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator import RunCommand, Settings
+from workers.runtime import egress
 
 __all__ = ["BWRAP", "NEEDS", "PRLIMIT", "Sandbox", "SandboxUnavailable", "probe"]
 
@@ -50,7 +54,8 @@ PRLIMIT = "prlimit"
 NEEDS = (
     "bubblewrap (bwrap) and util-linux's prlimit installed, user namespaces allowed and /proc mountable "
     "(Docker: security_opt seccomp=unconfined, apparmor=unconfined, systempaths=unconfined; Kubernetes: "
-    "seccompProfile and appArmorProfile Unconfined, procMount Unmasked)"
+    "seccompProfile and appArmorProfile Unconfined, procMount Unmasked); with the network, "
+    f"{egress.NEEDS} and the device /dev/net/tun"
 )
 # How long the start probe may take: bwrap starts in milliseconds; a loaded machine is slow.
 PROBE_TIMEOUT_S = 20.0
@@ -65,28 +70,39 @@ class Sandbox:
     """The paths a process's sandboxed commands never see; `wrap` gives the argv that runs one confined."""
 
     hidden: tuple[Path, ...] = ()
+    # Names the filtering proxy resolves to a fixed address (SUBQ_SANDBOX_RESOLVE).
+    resolve: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def of(cls, settings: Settings) -> Sandbox:
         known = (settings.profiles_file, settings.api_keys_file, settings.redis_tls_key_file)
         paths = [Path(path).absolute() for path in (*known, *settings.sandbox_hidden_paths) if path is not None]
-        return cls(tuple(dict.fromkeys(paths)))
+        return cls(tuple(dict.fromkeys(paths)), tuple(settings.sandbox_resolve.items()))
 
     def wrap(
         self,
         argv: Sequence[str],
         cwd: Path,
         *,
-        network: bool,
+        network: bool | Sequence[str],
         writable: Sequence[Path] | None = None,
         limits: RunCommand | None = None,
+        refusals: Path | None = None,
     ) -> list[str]:
         """`argv` run by bwrap in `cwd`: read-only but for `writable` (None: `cwd`) and a private /tmp;
-        subq's files hidden."""
+        subq's files hidden; the network as `network` says (egress.py runs bwrap when there is one),
+        each connection the proxy refused a line `host:port` in `refusals`."""
         cwd = cwd.absolute()
         own = [path.absolute() for path in ([cwd] if writable is None else writable)]
         bwrap = shutil.which(BWRAP) or BWRAP
-        wrapped = [bwrap, "--die-with-parent", "--unshare-all", *(["--share-net"] if network else [])]
+        if network is True:
+            wrapped = egress.launcher("public", refusals=refusals)
+        elif network:
+            wrapped = egress.launcher("hosts", allow=network, resolve=dict(self.resolve), refusals=refusals)
+        else:
+            wrapped = []
+        # Never --share-net: with the network, egress.py gives the namespace its own way out.
+        wrapped += [bwrap, "--die-with-parent", "--unshare-all"]
         wrapped += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
         # The worker's own Python stays readable where the private /tmp would hide it (a checkout in
         # /tmp: an MCP server started from its virtual environment exited before it answered).
@@ -121,24 +137,31 @@ class Sandbox:
         return args
 
 
-_probed: dict[bool, str | None] = {}
+_probed: dict[str, str | None] = {}
 _probe_lock = threading.Lock()
+# The allow list the probe of a proxied sandbox starts with (a name that never resolves: nothing is asked).
+PROBE_HOSTS = ("probe.invalid",)
 
 
-def probe(network: bool = False) -> None:
-    """Start the sandbox once (cached per process and network setting); SandboxUnavailable says why not."""
+def probe(network: bool | Sequence[str] = False) -> None:
+    """Start the sandbox once (cached per process and kind of network: none, public, hosts);
+    SandboxUnavailable says why not."""
+    kind = "public" if network is True else "hosts" if network else "none"
     with _probe_lock:
-        if network not in _probed:
-            _probed[network] = _try(network)
-        why = _probed[network]
+        if kind not in _probed:
+            _probed[kind] = _try(True if kind == "public" else PROBE_HOSTS if kind == "hosts" else False)
+        why = _probed[kind]
     if why is not None:
         raise SandboxUnavailable(why)
 
 
-def _try(network: bool) -> str | None:
-    for program in (BWRAP, PRLIMIT):
+def _try(network: bool | Sequence[str]) -> str | None:
+    programs = (BWRAP, PRLIMIT, *((egress.PASTA, egress.IP) if network else ()))
+    for program in programs:
         if shutil.which(program) is None:
             return f"{program} is not installed"
+    if network and not Path("/dev/net/tun").exists():
+        return "/dev/net/tun is missing (pasta connects the sandbox's network through it)"
     with tempfile.TemporaryDirectory(prefix="subq-sandbox-probe-") as folder:
         argv = Sandbox().wrap(["true"], Path(folder), network=network, limits=RunCommand(cwd=Path(folder)))
         try:
@@ -149,5 +172,5 @@ def _try(network: bool) -> str | None:
             return f"bwrap did not start: {exc}"
     if done.returncode != 0:
         said = " ".join(done.stderr.split()) or f"exit {done.returncode}"
-        return f"bwrap cannot start here: {said}"
+        return f"{'its network' if done.returncode == egress.SETUP_FAILED else 'bwrap'} cannot start here: {said}"
     return None

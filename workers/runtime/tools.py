@@ -79,6 +79,7 @@ from coordinator import (
     render_markdown,
 )
 from coordinator.runs import Run
+from workers import observe
 from workers.runtime import commands
 from workers.runtime.approval_policy import Verdict, verdict
 from workers.runtime.planner import plan_instructions
@@ -326,8 +327,25 @@ async def run_command(ctx: RunContext[RunState], command: str) -> str:
     run = ctx.deps.run
     run.say("command", command)
     result = await commands.run(command, config, sandbox=ctx.deps.sandbox)
+    report_refused(run, "run_command", result.refused)
     run.say("command_result", result.excerpt())
     return result.text()
+
+
+# A command that retries a refused host in a loop would fill the UI: the lines of one call stop here.
+MAX_REFUSED_LINES = 20
+
+
+def report_refused(run: Run, source: str, refused: Sequence[str]) -> None:
+    """Each connection the sandbox's proxy refused (`host:port`): a `network_refused` UI line on the task
+    (at most MAX_REFUSED_LINES a call, then how many more) and the worker's metric."""
+    if not refused:
+        return
+    for address in refused[:MAX_REFUSED_LINES]:
+        run.say("network_refused", address)
+    if len(refused) > MAX_REFUSED_LINES:
+        run.say("network_refused", f"... and {len(refused) - MAX_REFUSED_LINES} more refused connections")
+    observe.network_refused(source, len(refused))
 
 
 def attempt_completion(ctx: RunContext[RunState], result: str) -> str:

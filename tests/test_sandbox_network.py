@@ -1,0 +1,370 @@
+"""A sandbox's network (workers/runtime/egress.py): real bubblewrap, real pasta, a real proxy, real Redis.
+
+The reproduction this answers: a command with `network = true` opened a connection to subq's own
+Redis on 127.0.0.1 and sent `SET pwned yes`. Now `network = true` reaches public hosts and never
+the host's loopback, its own addresses or the private, link-local and metadata ranges; and
+`network = [hosts]` reaches only those hosts, through a proxy that records each refusal.
+
+"A public host" is a web server in a network namespace this file makes (`ip netns`, a veth
+pair, TEST-NET-2 addresses: 198.51.100.0/30), which the host reaches over the veth: nothing
+leaves the machine. Making one needs root (as CI and ./scripts/test run); elsewhere the tests
+that need it are skipped, saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from coordinator import ConfigError, McpServer, Profile, RunCommand, Settings, TaskStatus, load_settings
+from tests.agents import agent, call, reply
+from tests.conftest import dedicated_fleet
+from tests.helpers import assert_worker_refuses, subq_tools
+from workers.runtime import commands, egress
+from workers.runtime.sandbox import Sandbox
+
+# The "public host": its address and the host's end of the veth (one of the host's own addresses then).
+PUBLIC, HOST_END = "198.51.100.2", "198.51.100.1"
+MARKER = "a page from the public host"
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None, reason="making a network namespace needs root and iproute2"
+)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def public_host() -> Iterator[str]:
+    """A web server at PUBLIC:80 in a network namespace of its own, serving `/marker` (MARKER)."""
+    name = f"subqpub{uuid.uuid4().hex[:6]}"
+    outer, inner = f"{name}h", f"{name}p"
+    _ip("netns", "add", name)
+    server: subprocess.Popen[bytes] | None = None
+    try:
+        _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+        _ip("link", "set", inner, "netns", name)
+        _ip("addr", "add", f"{HOST_END}/30", "dev", outer)
+        _ip("link", "set", outer, "up")
+        for args in (
+            ("addr", "add", f"{PUBLIC}/30", "dev", inner),
+            ("link", "set", inner, "up"),
+            ("link", "set", "lo", "up"),
+        ):
+            _ip("netns", "exec", name, "ip", *args)
+        site = Path(f"/tmp/{name}-site")
+        site.mkdir()
+        (site / "marker").write_text(MARKER)
+        server = subprocess.Popen(
+            ["ip", "netns", "exec", name, sys.executable, "-m", "http.server", "80", "--bind", PUBLIC, "-d", str(site)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        _until_answers(PUBLIC, 80)
+        yield PUBLIC
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+        subprocess.run(["ip", "link", "del", outer], capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        shutil.rmtree(f"/tmp/{name}-site", ignore_errors=True)
+
+
+def _until_answers(address: str, port: int) -> None:
+    for _ in range(500):
+        try:
+            socket.create_connection((address, port), 0.1).close()
+            return
+        except OSError:
+            threading.Event().wait(0.02)
+    raise AssertionError(f"{address}:{port} never answered")
+
+
+@pytest.fixture
+def listener() -> Iterator[tuple[int, list[object]]]:
+    """A TCP listener on every address of this host (0.0.0.0) that counts the connections it accepts."""
+    server = socket.create_server(("0.0.0.0", 0))
+    accepted: list[object] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+            conn.close()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield server.getsockname()[1], accepted
+    finally:
+        server.close()
+
+
+def _run(command: str, cwd: Path, hiding: Sandbox | None = None, **config: Any) -> commands.CommandResult:
+    return asyncio.run(commands.run(command, RunCommand(cwd=cwd, **config), sandbox=hiding))
+
+
+# A client that sends Redis commands over a raw socket, as the reproduction's command did.
+REDIS_SET = (
+    "python3 -c 'import socket,sys; s=socket.create_connection((sys.argv[1], int(sys.argv[2])), 5); "
+    'pw=sys.argv[3]; s.sendall((f"AUTH {{pw}}\\r\\n" if pw else "").encode() + b"SET pwned yes\\r\\n"); '
+    "print(s.recv(100))' {host} {port} {password}"
+)
+# A real MCP server nobody here wrote (the `dev` extra), that fetches URLs.
+FETCH_SERVER = str(Path(sys.executable).parent / "mcp-server-fetch")
+CONNECT = "python3 -c 'import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), 5); print(\"connected\")' {host} {port}"
+CURL = "curl -fsS -m 10 {flags} http://{target}/marker"
+
+
+def _own_address() -> str:
+    """An address of this host's own that is not loopback (a service bound to 0.0.0.0 answers on it)."""
+    found = sorted(str(ip) for ip in egress.own_addresses() if ip.version == 4 and not ip.is_loopback)
+    assert found, "this host has an IPv4 address besides loopback"
+    return found[0]
+
+
+def test_the_allow_list_matches_names_and_names_under_a_wildcard() -> None:
+    names = ["docs.example.org", "*.example.com"]
+    assert egress.allowed("docs.example.org", names) and egress.allowed("DOCS.example.org.", names)
+    assert egress.allowed("a.example.com", names) and egress.allowed("a.b.example.com", names)
+    assert not egress.allowed("example.com", names), "*.x names what is under x, not x"
+    assert not egress.allowed("evil-example.com", names) and not egress.allowed("example.org", names)
+    assert not egress.allowed("docs.example.org.evil.net", names)
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["127.0.0.1", "127.1.2.3", "10.0.0.1", "172.16.5.4", "192.168.1.1", "100.64.0.1", "169.254.169.254", "0.0.0.0",
+     "::1", "fd00:ec2::254", "fe80::1", "::ffff:127.0.0.1", "::ffff:10.0.0.1", "not an address"],
+)  # fmt: skip
+def test_loopback_private_link_local_and_metadata_addresses_are_blocked(address: str) -> None:
+    assert egress.blocked(address)
+
+
+def test_public_addresses_are_not_blocked_but_the_hosts_own_are() -> None:
+    assert not egress.blocked("198.51.100.2") and not egress.blocked("2001:db8::1")
+    own = _own_address()
+    assert egress.blocked(own, egress.own_addresses()) and not egress.blocked(own, set())
+
+
+def test_public_reaches_no_service_of_the_host(
+    tmp_path: Path, redis_url: str, listener: tuple[int, list[object]]
+) -> None:
+    """The reproduction, and every other way to the host's services: each fails, and nothing changed."""
+    port, accepted = listener
+    client = redis.Redis.from_url(redis_url)
+    client.delete("pwned")
+    parts = redis.connection.parse_url(redis_url)
+    password = parts.get("password") or ""
+    for host in ("127.0.0.1", "localhost", _own_address()):
+        tried = _run(REDIS_SET.format(host=host, port=parts["port"], password=password), tmp_path, network=True)
+        assert tried.exit_code != 0 and "Error" in tried.output, tried.text()
+    assert client.get("pwned") is None, "Redis is unchanged"
+    for host in ("127.0.0.1", _own_address(), "169.254.169.254", "10.0.0.1"):
+        tried = _run(CONNECT.format(host=host, port=port), tmp_path, network=True, timeout_s=20)
+        assert tried.exit_code != 0 and "connected" not in tried.output, (host, tried.text())
+    assert accepted == [], "the listener on every address of the host counted no connection"
+    unconfined = _run(CONNECT.format(host="127.0.0.1", port=port), tmp_path, sandbox=False)
+    assert unconfined.text() == "exit 0\nconnected\n" and len(accepted) == 1, "the same command outside the sandbox"
+    client.close()
+
+
+@needs_root
+def test_public_reaches_a_public_host_and_none_has_no_network(tmp_path: Path, public_host: str) -> None:
+    reached = _run(CURL.format(flags="", target=public_host), tmp_path, network=True)
+    assert reached.text() == f"exit 0\n{MARKER}", reached.text()
+    assert _run(CURL.format(flags="", target=public_host), tmp_path, network=False).exit_code != 0
+    # The host's end of the veth is one of the host's own addresses: a service bound to 0.0.0.0 is there.
+    assert _run(CURL.format(flags="", target=HOST_END), tmp_path, network=True).exit_code != 0
+
+
+@needs_root
+def test_an_allow_list_reaches_its_hosts_through_the_proxy_and_nothing_else(
+    tmp_path: Path, public_host: str, listener: tuple[int, list[object]]
+) -> None:
+    port, accepted = listener
+    proxied = Sandbox(resolve=(("allowed.test", public_host), ("other.test", public_host)))
+    allow = ["allowed.test"]
+    reached = _run(CURL.format(flags="", target="allowed.test"), tmp_path, proxied, network=allow)
+    assert reached.text() == f"exit 0\n{MARKER}" and reached.refused == (), reached.text()
+    other = _run(CURL.format(flags="", target="other.test"), tmp_path, proxied, network=allow)
+    assert other.exit_code != 0 and other.refused == ("other.test:80",), other.text()
+    tunnel = _run("curl -fsS -m 10 https://other.test/", tmp_path, proxied, network=allow)
+    assert tunnel.exit_code != 0 and tunnel.refused == ("other.test:443",), tunnel.text()
+    direct = _run(CURL.format(flags="--noproxy '*'", target=public_host), tmp_path, proxied, network=allow)
+    assert direct.exit_code != 0 and direct.refused == (), "no route but the proxy's"
+    # A listed name whose address is the host's own loopback is refused too (DNS pointing home).
+    home = Sandbox(resolve=(("allowed.test", "127.0.0.1"),))
+    pointed = _run(CURL.format(flags="", target=f"allowed.test:{port}"), tmp_path, home, network=allow)
+    assert pointed.exit_code != 0 and pointed.refused == (f"allowed.test:{port}",) and accepted == []
+
+
+@pytest.mark.parametrize(
+    ("table", "error"),
+    [
+        ({"network": "sometimes"}, "give false (no network), true (public hosts) or a list of host names"),
+        ({"network": []}, "give false (no network), true (public hosts) or a list of host names"),
+        ({"network": ["pypi.org", "bad host"]}, "'bad host' is not a host name"),
+        ({"network": ["*"]}, "'*' is not a host name"),
+        ({"network": ["http://pypi.org/"]}, "'http://pypi.org/' is not a host name"),
+    ],
+)
+def test_a_bad_network_setting_is_one_line_naming_the_entry(
+    tmp_path: Path, table: dict[str, object], error: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(profiles={"builder": {"run_command": {"cwd": str(tmp_path), **table}}})
+    assert str(caught.value).startswith(f"Invalid setting SUBQ_PROFILES (builder.run_command.network): {error}")
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ('{"allowed.test": "nowhere"}', "allowed.test: 'nowhere' is not an IP address"),
+        ('{"*.test": "198.51.100.2"}', "'*.test' is not a host name"),
+        ("allowed.test=198.51.100.2", 'not JSON (Expecting value); give {"name": "address"}'),
+        ('["allowed.test"]', 'give a JSON object {"name": "address"}'),
+    ],
+)
+def test_a_bad_sandbox_resolve_is_one_line(value: str, error: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(sandbox_resolve=value)
+    assert str(caught.value) == f"Invalid setting SUBQ_SANDBOX_RESOLVE: {error}"
+
+
+def test_a_worker_refuses_a_network_it_cannot_give(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """bubblewrap and prlimit are there; pasta is not: a profile with the network is refused in one line."""
+    # Outside /tmp: the sandbox's /tmp is its own, and prlimit and `true` run inside it.
+    bin_dir = Path(tempfile.mkdtemp(prefix="subq-bin-", dir="/var/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(bin_dir, ignore_errors=True))
+    for program in ("bwrap", "prlimit", "ip", "true"):
+        found = shutil.which(program)
+        assert found, program
+        (bin_dir / program).symlink_to(found)
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{bin_dir}")
+    builder = Profile(run_command=RunCommand(cwd=tmp_path, network=["pypi.org"]))
+    own = settings.model_copy(update={"profiles": {"builder": builder}})
+    from workers.runtime.sandbox import NEEDS
+
+    line = (
+        "Invalid profile 'builder': run_command: its OS sandbox cannot start here (pasta is not installed); "
+        f"the worker needs {NEEDS}, or set sandbox = false"
+    )
+    assert_worker_refuses(own, tmp_path / "refused", line)
+    offline = own.model_copy(update={"profiles": {"builder": Profile(run_command=RunCommand(cwd=tmp_path))}})
+    assert subq_tools(offline).returncode == 0, "without the network, pasta is not needed"
+
+
+def test_subq_tools_shows_each_programs_network(settings: Settings, tmp_path: Path) -> None:
+    fetch = McpServer(name="fetch", command=FETCH_SERVER, sandbox=True, network=["docs.example.org"])
+    profiles = {
+        "quiet": Profile(run_command=RunCommand(cwd=tmp_path)),
+        "public": Profile(run_command=RunCommand(cwd=tmp_path, network=True)),
+        "listed": Profile(
+            run_command=RunCommand(cwd=tmp_path, network=["pypi.org", "*.example.com"]), mcp_servers=[fetch]
+        ),
+        "loose": Profile(run_command=RunCommand(cwd=tmp_path, sandbox=False)),
+    }
+    listed = subq_tools(settings.model_copy(update={"profiles": profiles}))
+    assert listed.returncode == 0, listed.stderr
+    out = listed.stdout
+    assert "quiet:" in out and "  network: run_command: none\n" in out
+    assert "  network: run_command: public\n" in out
+    assert "  network: run_command: hosts pypi.org, *.example.com; mcp:fetch: hosts docs.example.org\n" in out
+    assert "  network: run_command: unconfined (sandbox = false)\n" in out
+
+
+def _returns_and_ui(coord: Any, task_id: str) -> tuple[list[Any], list[tuple[str, str]]]:
+    returns = [p["content"] for m in coord.messages(task_id, kind="api") for p in m["parts"]
+               if p.get("part_kind") == "tool-return"]  # fmt: skip
+    ui = [(m.get("say", ""), m.get("text", "")) for m in coord.messages(task_id)]
+    return returns, ui
+
+
+@needs_root
+def test_a_workers_commands_with_the_network_reach_what_the_profile_says(
+    settings: Settings, tmp_path: Path, public_host: str, listener: tuple[int, list[object]]
+) -> None:
+    """The acceptance run: a real worker, commands that run without a decision, Redis with its password given."""
+    port, accepted = listener
+    work = tmp_path / "work"
+    work.mkdir()
+    parts = redis.connection.parse_url(settings.redis_url or "")
+    public = Profile(run_command=RunCommand(cwd=work, network=True), approval_tools=[])
+    listed = Profile(run_command=RunCommand(cwd=work, network=["allowed.test"]), approval_tools=[])
+    own = settings.model_copy(
+        update={
+            "profiles": {**settings.profiles, "public": public, "listed": listed},
+            "sandbox_resolve": {"allowed.test": public_host},
+        }
+    )
+    redis_set = REDIS_SET.format(host="127.0.0.1", port=parts["port"], password=parts.get("password") or "")
+    client = redis.Redis.from_url(settings.redis_url or "")
+    client.delete("pwned")
+    with dedicated_fleet(own, tmp_path / "logs", 1, queue="subq-network") as (coord, _fleet):
+        wide = [redis_set, CONNECT.format(host="127.0.0.1", port=port), CURL.format(flags="", target=public_host)]
+        task = coord.create_task(
+            agent(*[call("run_command", command=c) for c in wide], reply("tried")), profile="public", run=True
+        )
+        assert coord.wait(task.id, 120).status == TaskStatus.COMPLETED
+        (to_redis, to_listener, to_public), _ = _returns_and_ui(coord, task.id)
+        narrow = [CURL.format(flags="", target="allowed.test"), CURL.format(flags="", target="other.test"),
+                  CURL.format(flags="--noproxy '*'", target=public_host)]  # fmt: skip
+        proxied = coord.create_task(
+            agent(*[call("run_command", command=c) for c in narrow], reply("tried")), profile="listed", run=True
+        )
+        assert coord.wait(proxied.id, 120).status == TaskStatus.COMPLETED
+        (allowed, other, direct), ui = _returns_and_ui(coord, proxied.id)
+    assert not to_redis.startswith("exit 0") and client.get("pwned") is None, to_redis
+    assert not to_listener.startswith("exit 0") and accepted == [], to_listener
+    assert to_public == f"exit 0\n{MARKER}", to_public
+    assert allowed == f"exit 0\n{MARKER}", allowed
+    assert not other.startswith("exit 0") and not direct.startswith("exit 0")
+    assert [text for kind, text in ui if kind == "network_refused"] == ["other.test:80"], ui
+    client.close()
+
+
+@needs_root
+def test_a_sandboxed_mcp_server_with_an_allow_list(settings: Settings, tmp_path: Path, public_host: str) -> None:
+    """mcp-server-fetch (nobody's here) in the sandbox: it fetches from a listed host, and not from another."""
+    fetch = McpServer(
+        name="fetch", command=FETCH_SERVER, args=["--ignore-robots-txt"],
+        sandbox=True, network=["allowed.test"], timeout_s=60,
+    )  # fmt: skip
+    profile = Profile(mcp_servers=[fetch], approval_tools=[])
+    own = settings.model_copy(
+        update={
+            "profiles": {**settings.profiles, "fetcher": profile},
+            "sandbox_resolve": {"allowed.test": public_host, "other.test": public_host},
+        }
+    )
+    steps = [
+        call("fetch", url="http://allowed.test/marker", raw=True),
+        call("fetch", url="http://other.test/marker", raw=True),
+    ]
+    with dedicated_fleet(own, tmp_path / "logs", 1, queue="subq-network-mcp") as (coord, _fleet):
+        task = coord.create_task(agent(*steps, reply("fetched")), profile="fetcher", run=True)
+        assert coord.wait(task.id, 120).status == TaskStatus.COMPLETED
+        (allowed, other), ui = _returns_and_ui(coord, task.id)
+    assert MARKER in str(allowed), allowed
+    assert MARKER not in str(other), other
+    assert [text for kind, text in ui if kind == "network_refused"] == ["other.test:80"], ui

@@ -1,0 +1,491 @@
+"""A sandboxed process's way out to the network: public hosts without the host's own, or named hosts through a proxy.
+
+A command (or a stdio MCP server) with `network = true` must reach the internet, and must not
+reach subq's own control plane: Redis, the API and Flower listen on the host's loopback, and a
+host's private networks hold other services and the cloud's metadata address. bwrap's
+`--share-net` gave the command the host's network as it is, loopback included (a model's
+command sent `SET pwned yes` to the local Redis). This program runs between the worker and
+bwrap and gives the sandbox's network namespace of its own one of two ways out:
+
+    egress.py public [--refusals FILE] -- bwrap ARGS...
+    egress.py hosts --allow NAME [--allow NAME ...] [--resolve NAME=ADDR ...] [--refusals FILE] -- bwrap ARGS...
+
+- **public** (`network = true`): pasta (Debian's `passt`), user-mode networking, connects the
+  namespace to the outside through sockets of its own on the host, with no port of the host's
+  loopback forwarded in (`-T none`) and the gateway not mapped to the host (`--no-map-gw`).
+  Before the command starts, the namespace's routing table refuses ("prohibit") the loopback,
+  private, shared, link-local (the cloud metadata address 169.254.169.254 among them),
+  multicast and reserved ranges and each address of the host's own interfaces. IPv4 only:
+  IPv6 gets no route. DNS goes through pasta's forwarder to the host's resolver.
+- **hosts** (`network = ["docs.example.org", "*.example.com"]`): the namespace has no route
+  at all. This program runs an HTTP proxy (CONNECT and plain HTTP) on the host's loopback;
+  pasta forwards that one port of the namespace's loopback to it, and the command finds it in
+  `HTTP_PROXY`/`HTTPS_PROXY`. The proxy lets a request through only to a listed name (`*.x`
+  matches every name under x, not x itself) whose addresses are none of the ranges above;
+  every refused connection is a line `host:port` appended to `--refusals`, which the worker
+  turns into a `network_refused` UI line on the task and a metric.
+
+It uses the standard library alone and is started as `python -I -S egress.py`: it starts with
+every sandboxed command, so it imports nothing of subq's. bwrap is started with `--info-fd`
+(its child's PID) and `--block-fd` (the command waits until the network is ready). pasta runs
+in the foreground as this program's child, in its process group, and is ended with it: a
+daemonised pasta attached to a PID outlives the namespace's last process.
+
+Exit status: the command's (bwrap's); 125 and one line on stderr when the network could not be
+set up (pasta missing, a namespace that did not come up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import fcntl
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from urllib.parse import urlsplit
+
+__all__ = [
+    "BLOCKED_NETWORKS",
+    "IP",
+    "NEEDS",
+    "PASTA",
+    "SETUP_FAILED",
+    "allowed",
+    "blocked",
+    "launcher",
+    "missing_programs",
+]
+
+PASTA = "pasta"
+IP = "ip"
+# What a machine needs for a sandbox with the network (the worker's refusal names them; docs/deploy.md).
+NEEDS = "pasta (Debian's passt) and ip (iproute2)"
+# The exit status when the network could not be set up (as `env` says for a command it cannot run).
+SETUP_FAILED = 125
+# Never reached from a sandbox: the host's loopback, the private and shared ranges (RFC 1918, RFC 6598),
+# link-local (the cloud metadata address 169.254.169.254 is in it), "this network", multicast and
+# reserved; for IPv6 (the proxy's connections) loopback, unique-local (AWS's fd00:ec2::254 metadata
+# address is in it), link-local, multicast and the IPv4-mapped form of the ranges above.
+BLOCKED_NETWORKS = tuple(
+    ipaddress.ip_network(net)
+    for net in (
+        "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+        "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4",
+        "::/128", "::1/128", "fc00::/7", "fe80::/10", "ff00::/8",
+    )
+)  # fmt: skip
+# The namespace's own address and gateway (public): IETF protocol assignments (RFC 6890), where no
+# public host lives, so no destination is hidden behind them. The gateway answers DNS (pasta forwards it).
+NS_ADDRESS, NS_PREFIX, NS_GATEWAY = "192.0.0.2", "30", "192.0.0.1"
+# How long pasta may take to bring the namespace's network up: milliseconds on a quiet machine.
+READY_TIMEOUT_S = 15.0
+# ioctl(2) on a namespace file: the user namespace that owns it (linux/nsfs.h); setns(2)'s kinds.
+NS_GET_USERNS = 0xB701
+CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+READY_POLL_S = 0.005
+# The proxy: a request head larger than this is refused; a connection to a listed host that does not
+# open within CONNECT_TIMEOUT_S is a 504.
+MAX_HEAD_BYTES = 64 * 1024
+CONNECT_TIMEOUT_S = 10.0
+PIPE_CHUNK = 64 * 1024
+
+
+def missing_programs() -> list[str]:
+    """The programs a sandbox with the network needs that are not installed here."""
+    return [program for program in (PASTA, IP) if shutil.which(program) is None]
+
+
+def launcher(
+    mode: str, allow: Sequence[str] = (), resolve: dict[str, str] | None = None, refusals: Path | None = None
+) -> list[str]:
+    """The argv that runs this program in `mode` ('public' or 'hosts'), to be followed by bwrap's argv."""
+    argv = [sys.executable, "-I", "-S", str(Path(__file__).resolve()), mode]
+    for name in allow:
+        argv += ["--allow", name]
+    for name, address in (resolve or {}).items():
+        argv += ["--resolve", f"{name}={address}"]
+    if refusals is not None:
+        argv += ["--refusals", str(refusals)]
+    return [*argv, "--"]
+
+
+def allowed(host: str, names: Iterable[str]) -> bool:
+    """Whether `host` is on the allow list: equal to a name, or under a `*.` name (not the name itself)."""
+    host = host.lower().rstrip(".")
+    for name in names:
+        name = name.lower().rstrip(".")
+        if name.startswith("*."):
+            if host.endswith(name[1:]) and len(host) > len(name) - 1:
+                return True
+        elif host == name:
+            return True
+    return False
+
+
+def own_addresses() -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """Every address of this host's interfaces (a public one reaches services bound to 0.0.0.0)."""
+    found: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
+    with contextlib.suppress(OSError):  # /proc/net/fib_trie: "|-- 192.0.2.2" then "/32 host LOCAL"
+        last = ""
+        for line in Path("/proc/net/fib_trie").read_text().splitlines():
+            text = line.strip()
+            if text.startswith("|--"):
+                last = text[3:].strip()
+            elif text == "/32 host LOCAL" and last:
+                with contextlib.suppress(ValueError):
+                    found.add(ipaddress.ip_address(last))
+    with contextlib.suppress(OSError):  # /proc/net/if_inet6: 32 hex digits, then the interface's fields
+        for line in Path("/proc/net/if_inet6").read_text().splitlines():
+            digits = line.split()[0] if line.split() else ""
+            with contextlib.suppress(ValueError):
+                found.add(ipaddress.ip_address(":".join(digits[i : i + 4] for i in range(0, 32, 4))))
+    return found
+
+
+def blocked(address: str, own: set[ipaddress.IPv4Address | ipaddress.IPv6Address] | None = None) -> bool:
+    """Whether a sandbox may never reach `address` (a range above, or one of the host's own addresses)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return True
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if own is not None and ip in own:
+        return True
+    return any(ip.version == net.version and ip in net for net in BLOCKED_NETWORKS)
+
+
+# -- the proxy (hosts) --------------------------------------------------------------------
+
+
+class Proxy:
+    """An HTTP proxy that opens connections only to the listed hosts, and records each refusal."""
+
+    def __init__(self, names: Sequence[str], resolve: dict[str, str], refusals: Path | None) -> None:
+        self.names = tuple(names)
+        self.resolve = {name.lower().rstrip("."): address for name, address in resolve.items()}
+        self.refusals = refusals
+        self.own = own_addresses()
+
+    def refuse(self, host: str, port: int) -> None:
+        if self.refusals is not None:
+            with contextlib.suppress(OSError), self.refusals.open("a") as out:
+                out.write(f"{host}:{port}\n")
+
+    async def addresses(self, host: str, port: int) -> list[str]:
+        """Where `host` may be reached: its addresses, less every blocked one."""
+        fixed = self.resolve.get(host.lower().rstrip("."))
+        if fixed is not None:
+            found = [fixed]
+        else:
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError:
+                return []
+            found = [str(info[4][0]) for info in infos]
+        return [address for address in dict.fromkeys(found) if not blocked(address, self.own)]
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await self._serve(reader, writer)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+            pass
+        finally:
+            writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        request_line, _, rest = head.partition(b"\r\n")
+        method, target, version = request_line.decode("latin-1").split(" ", 2)
+        if method.upper() == "CONNECT":
+            host, _, port_text = target.rpartition(":")
+            host, port = host.strip("[]"), int(port_text)
+            forward = b""
+        else:
+            parts = urlsplit(target)
+            if parts.scheme != "http" or not parts.hostname:
+                await _answer(writer, 400, "a proxy request names an absolute http:// URL")
+                return
+            host, port = parts.hostname, parts.port or 80
+            path = parts.path or "/"
+            if parts.query:
+                path += "?" + parts.query
+            headers = [line for line in rest.split(b"\r\n") if not line.lower().startswith(b"proxy-")]
+            forward = f"{method} {path} {version}\r\n".encode("latin-1") + b"\r\n".join(headers)
+        if not allowed(host, self.names):
+            self.refuse(host, port)
+            await _answer(writer, 403, f"subq sandbox: {host}:{port} is not on this profile's network allow list")
+            return
+        addresses = await self.addresses(host, port)
+        if not addresses:
+            self.refuse(host, port)
+            await _answer(writer, 403, f"subq sandbox: {host} resolves to no public address")
+            return
+        upstream_reader, upstream_writer = await _open(addresses, port)
+        if upstream_writer is None or upstream_reader is None:
+            await _answer(writer, 504, f"subq sandbox: {host}:{port} did not accept a connection")
+            return
+        if forward:
+            upstream_writer.write(forward)
+        else:
+            writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
+        await asyncio.gather(_pipe(reader, upstream_writer), _pipe(upstream_reader, writer))
+
+
+async def _open(addresses: Sequence[str], port: int) -> tuple[asyncio.StreamReader | None, asyncio.StreamWriter | None]:
+    for address in addresses:
+        try:
+            return await asyncio.wait_for(asyncio.open_connection(address, port), CONNECT_TIMEOUT_S)
+        except (OSError, TimeoutError):
+            continue
+    return None, None
+
+
+async def _answer(writer: asyncio.StreamWriter, status: int, text: str) -> None:
+    reason = {400: "Bad Request", 403: "Forbidden", 504: "Gateway Timeout"}[status]
+    body = (text + "\n").encode()
+    writer.write(
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n".encode()
+        + body
+    )
+    with contextlib.suppress(OSError):
+        await writer.drain()
+
+
+async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+    try:
+        while chunk := await source.read(PIPE_CHUNK):
+            sink.write(chunk)
+            await sink.drain()
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            if sink.can_write_eof():
+                sink.write_eof()
+
+
+def _serve_forever(proxy: Proxy, listener: socket.socket) -> None:
+    async def main() -> None:
+        server = await asyncio.start_server(proxy.handle, sock=listener, limit=MAX_HEAD_BYTES)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+# -- the namespace ------------------------------------------------------------------------
+
+
+class SetupFailed(Exception):
+    """The sandbox's network could not be set up: why, in one line."""
+
+
+def _read_all(fd: int) -> bytes:
+    data = b""
+    while chunk := os.read(fd, 4096):
+        data += chunk
+    return data
+
+
+def _wait_until(watched: Sequence[subprocess.Popen[bytes]], ready: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not ready():
+        for proc in watched:
+            if proc.poll() is not None:
+                raise SetupFailed(f"{what}: a process it needs exited ({proc.returncode})")
+        if time.monotonic() > deadline:
+            raise SetupFailed(f"{what}: not ready within {READY_TIMEOUT_S:g}s")
+        time.sleep(READY_POLL_S)
+
+
+def _routed(pid: int) -> bool:
+    """Whether pasta has given the namespace its default route (/proc/<pid>/net/route is the namespace's)."""
+    try:
+        lines = Path(f"/proc/{pid}/net/route").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    return any(line.split()[1] == "00000000" for line in lines if len(line.split()) > 1)
+
+
+def _listening(pid: int, port: int) -> bool:
+    """Whether pasta listens on `port` in the namespace (its forward of the proxy's port)."""
+    try:
+        lines = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    return any(f":{port:04X}" in line.split()[1] and line.split()[3] == "0A" for line in lines if len(line.split()) > 3)
+
+
+def _enter_network(pid: int) -> tuple[Callable[[], None], tuple[int, int]]:
+    """What a child process runs before `ip`: enter the sandbox's network namespace, through the user
+    namespace that owns it when that is not ours (an unprivileged worker's bwrap makes one).
+
+    nsenter cannot do this: bwrap (with `--dev`) puts its process in a second user namespace, nested in
+    the one that owns the network namespace, and only the owner gives the capability to change routes.
+    NS_GET_USERNS on the network namespace names its owner.
+    """
+    net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    owner = fcntl.ioctl(net, NS_GET_USERNS)
+    ours = os.stat("/proc/self/ns/user").st_ino
+    foreign = os.fstat(owner).st_ino != ours
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def enter() -> None:  # in the child, single-threaded, between fork and exec
+        for fd, kind in ((owner, CLONE_NEWUSER), (net, CLONE_NEWNET)):
+            if (kind == CLONE_NEWNET or foreign) and libc.setns(fd, kind) != 0:
+                raise OSError(ctypes.get_errno(), f"setns: {os.strerror(ctypes.get_errno())}")
+
+    return enter, (net, owner)
+
+
+def _prohibit(pid: int) -> None:
+    """Refuse every blocked IPv4 range, and each of the host's own addresses, in the namespace's routing."""
+    nets = {str(net) for net in BLOCKED_NETWORKS if net.version == 4}
+    nets |= {f"{ip}/32" for ip in own_addresses() if ip.version == 4}
+    batch = "".join(f"route add prohibit {net}\n" for net in sorted(nets))
+    enter, fds = _enter_network(pid)
+    try:
+        done = subprocess.run(
+            [shutil.which(IP) or IP, "-batch", "-"], input=batch.encode(), capture_output=True, preexec_fn=enter
+        )
+    finally:
+        for fd in fds:
+            os.close(fd)
+    if done.returncode != 0:
+        raise SetupFailed(f"routes: {' '.join(done.stderr.decode(errors='replace').split())[:300]}")
+
+
+def _pasta(pid: int, public: bool, port: int | None, log: Path) -> subprocess.Popen[bytes]:
+    argv = [shutil.which(PASTA) or PASTA, "--foreground", "--quiet", "--log-file", str(log), "--ipv4-only"]
+    # pasta started as root would become nobody, who may not enter a namespace of root's.
+    argv += [f"--runas={os.getuid()}:{os.getgid()}", "--no-map-gw", "-t", "none", "-u", "none", "-U", "none"]
+    argv += ["-T", str(port) if port is not None else "none"]
+    if public:
+        argv += ["--config-net", "-a", NS_ADDRESS, "-n", NS_PREFIX, "-g", NS_GATEWAY, "--dns-forward", NS_GATEWAY]
+    return subprocess.Popen(
+        [*argv, str(pid)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+def run(args: argparse.Namespace, bwrap: list[str]) -> int:
+    if missing := missing_programs():
+        raise SetupFailed(f"{', '.join(missing)} not installed (a sandbox with the network needs {NEEDS})")
+    public = args.mode == "public"
+    listener: socket.socket | None = None
+    extra: list[str] = []
+    keep: list[int] = []
+    if public:
+        resolv_r, resolv_w = os.pipe()
+        os.write(resolv_w, f"nameserver {NS_GATEWAY}\n".encode())
+        os.close(resolv_w)
+        extra += ["--ro-bind-data", str(resolv_r), "/etc/resolv.conf"]
+        keep.append(resolv_r)
+    else:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        proxy_url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+            extra += ["--setenv", name, proxy_url]
+        extra += ["--unsetenv", "no_proxy", "--unsetenv", "NO_PROXY", "--unsetenv", "ALL_PROXY"]
+    info_r, info_w = os.pipe()
+    block_r, block_w = os.pipe()
+    extra += ["--info-fd", str(info_w), "--block-fd", str(block_r)]
+    # Before bwrap's own `--`, after its mounts: a mount given before `--ro-bind / /` would be hidden by it.
+    split = bwrap.index("--") if "--" in bwrap else len(bwrap)
+    sandbox = subprocess.Popen([*bwrap[:split], *extra, *bwrap[split:]], pass_fds=(info_w, block_r, *keep))
+    for fd in (info_w, block_r, *keep):
+        os.close(fd)
+    pasta: subprocess.Popen[bytes] | None = None
+
+    def end(signum: int, _frame: object) -> None:
+        for proc in (sandbox, pasta):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        os._exit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, end)
+    with tempfile.TemporaryDirectory(prefix="subq-egress-") as folder:
+        log = Path(folder) / "pasta.log"
+        try:
+            try:
+                info = json.loads(_read_all(info_r) or b"{}")
+            finally:
+                os.close(info_r)
+            pid = int(info.get("child-pid", 0))
+            if not pid:
+                raise SetupFailed("bwrap reported no sandbox process")
+            port = listener.getsockname()[1] if listener is not None else None
+            pasta = _pasta(pid, public, port, log)
+            if public:
+                _wait_until([pasta, sandbox], lambda: _routed(pid), "pasta")
+                _prohibit(pid)
+            else:
+                assert listener is not None and port is not None
+                _wait_until([pasta, sandbox], lambda: _listening(pid, port), "pasta")
+                proxy = Proxy(args.allow, dict(pair.split("=", 1) for pair in args.resolve), args.refusals)
+                threading.Thread(target=_serve_forever, args=(proxy, listener), daemon=True).start()
+        except (SetupFailed, OSError, ValueError) as exc:
+            said = " ".join(log.read_text(errors="replace").split())[:300] if log.exists() else ""
+            # The command waits on `block_w`, and an end of file would start it: end it before that closes.
+            with contextlib.suppress(OSError, UnboundLocalError):
+                os.kill(pid, signal.SIGKILL)
+            sandbox.kill()
+            sandbox.wait()
+            if pasta is not None:
+                pasta.kill()
+            print(
+                f"subq sandbox: the network could not be set up: {exc}{f' ({said})' if said else ''}", file=sys.stderr
+            )
+            return SETUP_FAILED
+        os.write(block_w, b"go")
+        os.close(block_w)
+        code = sandbox.wait()
+        pasta.kill()
+        pasta.wait()
+    return code if code >= 0 else 128 - code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        print(
+            "usage: egress.py public|hosts [--allow NAME]... [--resolve NAME=ADDR]... [--refusals FILE] -- bwrap ARGS",
+            file=sys.stderr,
+        )
+        return 2
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(prog="egress.py")
+    parser.add_argument("mode", choices=("public", "hosts"))
+    parser.add_argument("--allow", action="append", default=[])
+    parser.add_argument("--resolve", action="append", default=[])
+    parser.add_argument("--refusals", type=Path)
+    args = parser.parse_args(argv[:split])
+    bwrap = argv[split + 1 :]
+    if not bwrap:
+        parser.error("no bwrap command after --")
+    try:
+        return run(args, bwrap)
+    except SetupFailed as exc:
+        print(f"subq sandbox: the network could not be set up: {exc}", file=sys.stderr)
+        return SETUP_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
