@@ -9,10 +9,12 @@ faces: the tools are one definition (coordinator/mcp_tools.py), so both must ans
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -26,6 +28,8 @@ from mcp.shared.exceptions import MCPError
 from coordinator import Coordinator, Settings
 from coordinator.access import ApiKeySpec, Scope, token_sha256
 from coordinator.api import create_app
+from coordinator.cli import run_cli
+from coordinator.cli.mcp import read_credentials
 from coordinator.inputs import MAX_PROMPT_CHARS
 from coordinator.local.fleet import WorkerFleet
 from tests.agents import call, reply, subtask
@@ -274,3 +278,25 @@ def test_an_approval_waits_and_is_decided(face: tuple[str, Connect], stack: tupl
             assert data(await client.call_tool("get_task", {"task_id": child_id}))["status"] == "completed"
 
     anyio.run(main)
+
+
+def test_subq_mcp_needs_an_api(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Without SUBQ_API_URL or --credentials, one line naming both; a credentials file gives the API's two values."""
+    assert run_cli(["mcp"]) == 1
+    said = capsys.readouterr().err.strip()
+    assert said.count("\n") == 0 and "SUBQ_API_URL" in said and "--credentials" in said, said
+
+    file = tmp_path / "credentials.env"
+    file.write_text(
+        "# The credentials of the stack `subq up` started\n"
+        "export SUBQ_REDIS_URL='redis://:secret@127.0.0.1:6379/0'\n"
+        f"export SUBQ_API_URL={shlex.quote('http://127.0.0.1:8000')}\n"
+        f"export SUBQ_API_TOKEN={shlex.quote('a token; with $ and spaces')}\n"
+        "subq_flower_password='not this'\n"
+    )
+    assert read_credentials(file) == {
+        "SUBQ_API_URL": "http://127.0.0.1:8000",
+        "SUBQ_API_TOKEN": "a token; with $ and spaces",
+    }
+    assert run_cli(["mcp", "--credentials", str(tmp_path / "missing.env")]) == 1
+    assert "cannot read it" in capsys.readouterr().err
