@@ -196,6 +196,8 @@ class ToolDef:
     read_only: bool = True
 
 
+# The fields of CreateTaskInput run_task passes by name; any other one it passes on as it is (`Tools._run_task`).
+_NAMED_RUN_FIELDS = {"prompt", "todos", "profile", "run", "budget_usd", "idempotency_key", "output_schema", "metadata"}
 _READS = (Scope.READ, Scope.READ_ALL)
 TOOLS: tuple[ToolDef, ...] = (
     ToolDef(
@@ -373,6 +375,9 @@ class Tools:
         if "run" in args:  # run_task always starts an agent: `run` is no argument of it
             raise ValidationError("run: Extra inputs are not permitted", field="run")
         given = CreateTaskInput.parse({**args, "run": True})
+        # A field of POST /v1/tasks this face does not name (the tree's webhooks and on_complete, issue 40) is
+        # passed on as given, in its JSON form, under its own name: the service and the client take it so.
+        more = given.model_dump(mode="json", include=set(given.model_fields_set) - _NAMED_RUN_FIELDS)
         record = await _call(
             self.ops.create_task,
             given.prompt,
@@ -383,6 +388,7 @@ class Tools:
             idempotency_key=given.idempotency_key,
             output_schema=given.output_schema,
             metadata=given.metadata,
+            **more,
         )
         return task_view(record, self.session)
 

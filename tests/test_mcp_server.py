@@ -300,3 +300,26 @@ def test_subq_mcp_needs_an_api(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     }
     assert run_cli(["mcp", "--credentials", str(tmp_path / "missing.env")]) == 1
     assert "cannot read it" in capsys.readouterr().err
+
+
+def test_cancel_and_retry_answer_as_the_api(stack: tuple[Coordinator, ApiServer]) -> None:
+    _coord, api = stack
+    connect = over_http(api)
+    waits = script(call("run_command", command="echo waiting"), reply("Ran."), text="Wait for a person.")
+
+    async def main() -> None:
+        async with connect("team") as client:
+            root = data(await client.call_tool("run_task", {"prompt": waits}))["id"]
+            blank = refusal(await client.call_tool("cancel_task", {"task_id": root, "reason": " "}))
+            assert blank == {"code": "invalid_input", "message": "reason must be a non-empty string", "field": "reason"}
+            cancelled = data(await client.call_tool("cancel_task", {"task_id": root, "reason": "Not needed"}))
+            assert cancelled["status"] == "cancelled" and cancelled["settled"]
+            refused = refusal(await client.call_tool("retry_task", {"task_id": root}))
+            with api.client({"Authorization": f"Bearer {TOKENS['team']}"}) as http:
+                response = http.post(f"/v1/tasks/{root}/retry", json={})
+            assert response.status_code == 409 and refused == response.json()
+        async with connect("other") as client:
+            hidden = refusal(await client.call_tool("cancel_task", {"task_id": root, "reason": "Not mine"}))
+            assert hidden["message"] == f"Unknown task: {root}"
+
+    anyio.run(main)

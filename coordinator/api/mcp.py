@@ -75,12 +75,15 @@ class KeyedOperations:
         *,
         output_schema: Mapping[str, Any] | None = None,
         metadata: Mapping[str, str] | None = None,
+        **more: Any,
     ) -> TaskRecord:
+        """As POST /v1/tasks: scope `submit`, the tree the key's; `more` is what the route also passes on
+        (coordinator/mcp_tools.py names what it does not)."""
         self.gate.need(self.request, self.key, KeyScope.SUBMIT)
         return self.coord.create_task(
             prompt, todos=todos, profile=profile, run=run, budget_usd=budget_usd, idempotency_key=idempotency_key,
             owner=self.key.name, output_schema=dict(output_schema) if output_schema is not None else None,
-            metadata=metadata,
+            metadata=metadata, **more,
         )  # fmt: skip
 
     def get_task(self, task_id: str, /) -> TaskRecord:
