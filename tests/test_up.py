@@ -113,6 +113,35 @@ def _marked_pids(marker: str) -> list[int]:
     return pids
 
 
+# The reproduction of issue 39: a raw `SET pwned yes` (after AUTH, the password given on the command line).
+SANDBOXED_SET = (
+    'python3 -c \'import socket,sys; s=socket.create_connection(("127.0.0.1", int(sys.argv[1])), 5); '
+    's.sendall(f"AUTH {{sys.argv[2]}}\\r\\nSET pwned yes\\r\\n".encode()); print(s.recv(100))\' {port} {password}'
+)
+
+
+def _sandbox_reaches_none_of(redis_url: str, ports: list[int]) -> None:
+    """A command with `network = true`, in the real sandbox, reaches none of the stack's ports (its 127.0.0.1 is
+    its own loopback, where nothing listens): Redis is unchanged."""
+    import asyncio
+    import tempfile
+
+    from coordinator import RunCommand
+    from workers.runtime import commands
+
+    password = urlsplit(redis_url).password or ""
+    with tempfile.TemporaryDirectory() as folder:
+        config = RunCommand(cwd=Path(folder), network=True)
+        for port in ports:
+            tried = asyncio.run(commands.run(SANDBOXED_SET.format(port=port, password=password), config))
+            assert tried.exit_code not in (None, 0) and "ConnectionRefusedError" in tried.output, (port, tried.text())
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert client.get("pwned") is None
+    finally:
+        client.close()
+
+
 def _answers(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1):
@@ -189,6 +218,8 @@ def test_up_serves_a_run_from_another_terminal_and_ctrl_c_leaves_nothing(marker:
         assert answer.status_code == 200, answer.text
         assert answer.json()["total_cost_micros"] == 11 * STEP_COST_MICROS
         assert httpx.get(url, timeout=10).status_code == 401
+        _sandbox_reaches_none_of(exported["SUBQ_REDIS_URL"], [redis_port, int(urlsplit(api_url).port or 0),
+                                 int(urlsplit(flower_url).port or 0)])  # fmt: skip
         # Each worker's own counters, at the ports printed: together, the tree's spend.
         ports = _find(r"^  Metrics  http://\S+  \(each worker's counters: ports (.+)\)$", banner).split(", ")
         assert ports == [str(metrics_port), str(metrics_port + 1)]
