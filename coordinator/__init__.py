@@ -175,7 +175,7 @@ SERVER_MODULES = frozenset(
     {
         *("anthropic", "anyio", "celery", "fastapi", "fastapi_offline", "fastmcp", "flower", "genai_prices", "kombu"),
         *("mcp", "openai", "prometheus_client", "pydantic_ai", "pydantic_settings", "pythonjsonlogger"),
-        *("redis", "rich", "sse_starlette", "starlette", "tornado", "typer", "uvicorn", "vine"),
+        *("redis", "rich", "sse_starlette", "standardwebhooks", "starlette", "tornado", "typer", "uvicorn", "vine"),
     }
 )
 SERVER_INSTALL = 'pip install "subagent-queue[server]"'

@@ -78,6 +78,12 @@ def describe_kwargs(kwargs: Mapping[str, Any]) -> str:
             parts.append(f"todos=<{lines} items>")
         elif name == "subtasks":
             parts.append(f"subtasks=<{len(value) if isinstance(value, list) else '?'}>")
+        elif name == "webhooks":
+            # Never a URL (it may carry a token) nor a secret: how many, as for subtasks.
+            parts.append(f"webhooks=<{len(value) if isinstance(value, list) else '?'}>")
+        elif name == "on_complete":
+            task = value.get("task") if isinstance(value, dict) else value
+            parts.append(f"on_complete={str(task)[:PROFILE_REPR_CHARS]!r}")
         elif name in ("profile", "run", "mode", "idempotency_key"):
             shown = value if isinstance(value, bool) or value is None else str(value)[:PROFILE_REPR_CHARS]
             parts.append(f"{name}={shown!r}")

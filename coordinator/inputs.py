@@ -34,6 +34,7 @@ from coordinator import ids
 from coordinator.errors import ValidationError
 from coordinator.models import DelegationMode, SubtaskSpec, TaskStatus, TodoStatus, usd_to_micros
 from coordinator.output_schema import NO_RUN_NO_OUTPUT, OutputSchema, SchemaProblem
+from coordinator.subscriptions import CeleryCallback, OnComplete, Webhook, Webhooks
 
 __all__ = [
     "DEFAULT_PAGE",
@@ -57,6 +58,7 @@ __all__ = [
     "check_dead_letter_limit",
     "check_history_query",
     "check_metadata",
+    "check_subscriptions",
     "error_message",
     "error_path",
     "input_error",
@@ -361,6 +363,18 @@ _KEY = "A key of the caller's choosing: a retried request with the same key retu
 _MODE = "parallel (all at once) or sequential (a chain)"
 
 
+class _Subscriptions(OperationInput):
+    webhooks: Webhooks = None
+    on_complete: OnComplete = None
+
+
+def check_subscriptions(webhooks: object, on_complete: object) -> tuple[list[Webhook] | None, CeleryCallback | None]:
+    """A root's `webhooks` and `on_complete` as the service takes them from Python (models or plain dicts),
+    read with the API's own shapes, or a ValidationError naming the field (`webhooks.0.url`)."""
+    given = _Subscriptions.parse({"webhooks": webhooks, "on_complete": on_complete})
+    return given.webhooks, given.on_complete
+
+
 class CreateTaskInput(OperationInput):
     """Create a root task. New optional fields (e.g. `budget_usd`) slot in as defaults, keeping old inputs valid."""
 
@@ -378,6 +392,8 @@ class CreateTaskInput(OperationInput):
     idempotency_key: IdempotencyKey | None = Field(default=None, description=_KEY)
     output_schema: OutputSchema = None
     metadata: Metadata = None
+    webhooks: Webhooks = None
+    on_complete: OnComplete = None
 
     @pydantic.model_validator(mode="after")
     def _a_schema_needs_a_run(self) -> Self:
@@ -401,6 +417,8 @@ class SubmitInput(OperationInput):
     idempotency_key: IdempotencyKey | None = Field(default=None, description=_KEY)
     output_schema: OutputSchema = None
     metadata: Metadata = None
+    webhooks: Webhooks = None
+    on_complete: OnComplete = None
 
     @pydantic.model_validator(mode="after")
     def _subtasks_need_a_caller_owned_root(self) -> Self:

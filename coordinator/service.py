@@ -49,6 +49,7 @@ from coordinator.inputs import (
     check_dead_letter_limit,
     check_history_query,
     check_metadata,
+    check_subscriptions,
     text_field,
 )
 from coordinator.models import (
@@ -68,6 +69,7 @@ from coordinator.plane import Plane
 from coordinator.redis_clients import redis_client
 from coordinator.settings import Settings, load_settings
 from coordinator.store import LATENCY_BUCKETS_MS, FleetGauges, Keys, ReplicaWait, Store
+from coordinator.subscriptions import CeleryCallback, Webhook, subscriptions
 from coordinator.tree import TreeNode, build_tree
 
 __all__ = ["DEFAULT_PAGE", "MAX_PAGE", "Coordinator"]
@@ -128,6 +130,8 @@ class Coordinator:
         owner: str = "",
         output_schema: dict[str, Any] | None = None,
         metadata: Mapping[str, str] | None = None,
+        webhooks: Sequence[Webhook | Mapping[str, Any]] | None = None,
+        on_complete: CeleryCallback | Mapping[str, Any] | str | None = None,
     ) -> TaskRecord:
         """Create a root task.
 
@@ -141,10 +145,13 @@ class Coordinator:
         its record's `output`; a bad schema is refused (ValidationError naming the path) and nothing is written.
         `metadata` is the caller's tags for the tree (a job id, a customer: coordinator/inputs.py bounds them):
         every task of the tree carries them, and `list_tasks(metadata=...)` finds the tree by them.
+        `webhooks` (`[{url, secret?, events?}]`) and `on_complete` (a Celery task's name, or `{task, queue}`)
+        are where the tree's events go (docs/webhooks.md): a URL that may not be reached is refused
+        (ValidationError naming it) and nothing is written; a secret is never returned.
         """
         return self.create_task_once(
             prompt, todos, profile, run, budget_usd, idempotency_key, owner=owner, output_schema=output_schema,
-            metadata=metadata,
+            metadata=metadata, webhooks=webhooks, on_complete=on_complete,
         )[0]  # fmt: skip
 
     def create_task_once(
@@ -159,10 +166,14 @@ class Coordinator:
         owner: str = "",
         output_schema: dict[str, Any] | None = None,
         metadata: Mapping[str, str] | None = None,
+        webhooks: Sequence[Webhook | Mapping[str, Any]] | None = None,
+        on_complete: CeleryCallback | Mapping[str, Any] | str | None = None,
     ) -> tuple[TaskRecord, bool]:
         """`create_task`, and whether this call created the root (False: the key's first call did)."""
         prompt = text_field(prompt, "prompt", MAX_PROMPT_CHARS)
         tags = check_metadata(metadata) if metadata is not None else {}
+        hooks, callback = check_subscriptions(webhooks, on_complete)
+        targets = subscriptions(hooks, callback, self.settings.webhook_allow)
         if not isinstance(run, bool):
             raise ValidationError("run must be true or false", field="run")
         if output_schema is not None:
@@ -201,7 +212,11 @@ class Coordinator:
         )
         if run:  # first: a run whose message is lost is published again by the reconciler
             self.store.convergence.watch([root_id], self.settings.reconcile_grace_s)
-        if not self.store.records.create_root(record, items):
+        settings = self.settings
+        hooks_hash = self.store.outbox.hooks_mapping(
+            root_id, targets, settings.webhook_tree_cap, settings.webhook_outbox_cap
+        )
+        if not self.store.records.create_root(record, items, hooks_hash):
             return self.store.records.get_task(root_id), False
         if run:
             dispatch.publish_run(self.app, record)
@@ -314,6 +329,8 @@ class Coordinator:
         idempotency_key: str | None = None,
         output_schema: dict[str, Any] | None = None,
         metadata: Mapping[str, str] | None = None,
+        webhooks: Sequence[Webhook | Mapping[str, Any]] | None = None,
+        on_complete: CeleryCallback | Mapping[str, Any] | str | None = None,
     ) -> delegation.Submission:
         """Create a caller-owned root and delegate `subtasks` to it in one operation (`subq.submit`).
 
@@ -333,7 +350,7 @@ class Coordinator:
         checked_mode, checked = delegation.check_submission(self.plane, subtasks, mode, todos, budget_usd)
         parent, created = self.create_task_once(
             prompt, todos=todos, profile=profile, run=False, budget_usd=budget_usd, idempotency_key=idempotency_key,
-            output_schema=output_schema, metadata=metadata,
+            output_schema=output_schema, metadata=metadata, webhooks=webhooks, on_complete=on_complete,
         )  # fmt: skip
         return delegation.submit_to(self.plane, parent, created, checked, checked_mode)
 

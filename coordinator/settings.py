@@ -451,6 +451,41 @@ class Profile(BaseModel):
 # where users already keep them, for every tool that calls these APIs.
 STANDARD_KEYS = {"openai": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY"}
 
+# -- outbound events (docs/webhooks.md, coordinator/outbound.py) ---------------------------------------
+# A receiver down for a night's maintenance still gets the event in the morning; past a day nobody waits.
+DEFAULT_WEBHOOK_RETRY_FOR_S = 24 * 3600.0
+# One attempt: a receiver should answer at once and work later; a slow one holds a delivery slot this long.
+DEFAULT_WEBHOOK_TIMEOUT_S = 10.0
+# Backoff between attempts: doubling from the base, capped, each one jittered (a random 50 to 100 %).
+DEFAULT_WEBHOOK_RETRY_BASE_S = 2.0
+DEFAULT_WEBHOOK_RETRY_MAX_S = 600.0
+# Deliveries one worker process makes at once (threads of their own, not run slots): a slow or dead
+# receiver holds at most these, never a subagent's slot.
+DEFAULT_WEBHOOK_CONCURRENCY = 8
+# The most deliveries one tree's outbox holds (a 1,000-wide fan-out with `child.*` is 1,001), and the
+# most pending ones of all trees together (a day of a dead receiver's events); past them an event is
+# counted as dropped, not written, so a dead receiver cannot grow Redis without bound.
+DEFAULT_WEBHOOK_TREE_CAP = 5_000
+DEFAULT_WEBHOOK_OUTBOX_CAP = 100_000
+_HOST_NAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
+
+
+def _webhook_allow(value: object) -> object:
+    """`SUBQ_WEBHOOK_ALLOW`: host names and addresses or networks (`127.0.0.1`, `10.0.0.0/8`, `hooks.corp`),
+    comma-separated or a JSON list, that a webhook may reach although private."""
+    if isinstance(value, str):
+        value = json.loads(value) if value.lstrip().startswith("[") else [w.strip() for w in value.split(",")]
+    if not isinstance(value, list):
+        return value
+    entries = [str(entry).strip() for entry in value if str(entry).strip()]
+    for entry in entries:
+        try:
+            ipaddress.ip_network(entry.strip("[]"), strict=False)
+        except ValueError:
+            if not _HOST_NAME_RE.match(entry):
+                raise ValueError(f"{entry[:80]!r} is neither a host name nor an address or network") from None
+    return entries
+
 
 class Settings(BaseSettings):
     # populate_by_name: the provider keys are read from their own variables (aliases),
@@ -542,6 +577,16 @@ class Settings(BaseSettings):
     sandbox_resolve: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
     openai_api_key: SecretStr | None = Field(default=None, validation_alias="OPENAI_API_KEY")
     anthropic_api_key: SecretStr | None = Field(default=None, validation_alias="ANTHROPIC_API_KEY")
+    # Outbound events (docs/webhooks.md): what a webhook may reach besides public addresses, how long and
+    # how often a delivery is tried, and the caps that bound a dead receiver's cost (constants above).
+    webhook_allow: Annotated[list[str], NoDecode, BeforeValidator(_webhook_allow)] = Field(default_factory=list)
+    webhook_retry_for_s: float = Field(default=DEFAULT_WEBHOOK_RETRY_FOR_S, gt=0)
+    webhook_timeout_s: float = Field(default=DEFAULT_WEBHOOK_TIMEOUT_S, gt=0, le=300)
+    webhook_retry_base_s: float = Field(default=DEFAULT_WEBHOOK_RETRY_BASE_S, gt=0)
+    webhook_retry_max_s: float = Field(default=DEFAULT_WEBHOOK_RETRY_MAX_S, gt=0)
+    webhook_concurrency: int = Field(default=DEFAULT_WEBHOOK_CONCURRENCY, ge=1, le=256)
+    webhook_tree_cap: int = Field(default=DEFAULT_WEBHOOK_TREE_CAP, ge=1)
+    webhook_outbox_cap: int = Field(default=DEFAULT_WEBHOOK_OUTBOX_CAP, ge=1)
 
     @field_validator("sandbox_hidden_paths", mode="before")
     @classmethod

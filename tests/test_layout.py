@@ -20,6 +20,7 @@ WORKER_SEAMS = {
     "coordinator.runs",
     "coordinator.celery_app",
     "coordinator.reconciler",
+    "coordinator.outbound",
     "coordinator.tracing",
 }
 # The one module outside the store package that builds a Store.

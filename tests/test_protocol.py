@@ -25,6 +25,7 @@ from coordinator.store.protocol import (
     FinishTask,
     FlushRun,
     Lead,
+    OutboxKeys,
     RecordTool,
     Retry,
     RunKeys,
@@ -108,6 +109,9 @@ def _run_keys(task: str) -> RunKeys:
     )  # fmt: skip
 
 
+_OUTBOX = OutboxKeys(hooks="hooks", outbox="outbox", pending="pending")
+
+
 def _writes() -> StepWrites:
     return StepWrites(
         live="{}", conversation=["m1", "m2"], ui_messages=["u1"],
@@ -118,7 +122,8 @@ def _writes() -> StepWrites:
 def test_end_run_packs_its_keys_and_arguments_where_its_header_says() -> None:
     call = EndRun(
         run=_run_keys("t"), due="due", parent="p", todos="todos", awaiting="await", batch="b", parent_ui="pui",
-        lines="lines", running="running", admission="adm", parent_running="prun", ancestors=["task:p", "task:root"],
+        lines="lines", running="running", admission="adm", parent_running="prun", outbox=_OUTBOX,
+        ancestors=["task:p", "task:root"],
         token="tok", retention_s=60, now=1.5, events_maxlen=100, status="completed", summary="s", error="",
         error_class="", resume_grace_s=2.0, stop_on_budget=1, free_slot=0, per_parent=3, per_tree=9,
         task_prefix="pre:", running_children_prefix="rc:", admission_scan=50, output='{"total":3}',
@@ -126,7 +131,8 @@ def test_end_run_packs_its_keys_and_arguments_where_its_header_says() -> None:
     )  # fmt: skip
     keys, args = call.pack()
     assert keys[:2] == ["lease:t", "task:t"] and keys[7] == "due" and keys[16] == "prun"  # KEYS[1], [2], [8], [17]
-    assert keys[17:] == ["task:p", "task:root"]  # KEYS[18..]: the ancestors
+    assert keys[17:20] == ["hooks", "outbox", "pending"]  # KEYS[18..20]: the tree's outbox
+    assert keys[20:] == ["task:p", "task:root"]  # KEYS[21..]: the ancestors
     assert args[0] == "tok" and args[15] == 50  # ARGV[1], ARGV[16]
     assert args[16:18] == ['{"total":3}', 2]  # ARGV[17], ARGV[18]: the typed task's output, its invalid answers
     # ARGV[19..]: flush_run's from its sixth: live, the four counts, then each tail laid out flat.
@@ -166,7 +172,7 @@ def test_counts_are_packed_from_their_tails_and_groups_laid_out_flat() -> None:
 
 def test_an_optional_argument_left_unset_is_left_off_argv() -> None:
     base: dict[str, Any] = dict(
-        task="t", events="e", live="l", status="failed", summary="", error="x", error_class="", now=1.0,
+        task="t", events="e", live="l", outbox=_OUTBOX, status="failed", summary="", error="x", error_class="", now=1.0,
         retention_s=60, events_maxlen=100,
     )  # fmt: skip
     assert len(FinishTask(**base).pack()[1]) == 7

@@ -7,7 +7,7 @@ the worker's signal handlers on it.
 
 from __future__ import annotations
 
-from workers import maintenance, tasks  # noqa: F401  (registers the subq.* tasks and signals)
+from workers import maintenance, outbound, tasks  # noqa: F401  (registers the subq.* tasks and signals)
 from workers.application import app, settings
 
 __all__ = ["app", "settings"]

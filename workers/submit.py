@@ -1,7 +1,8 @@
 """`subq.submit`: start a run from any Celery producer that knows only the task name.
 
     send_task("subq.submit", kwargs={"prompt": ..., "todos"?, "profile"?, "run"?,
-                                     "subtasks"?, "mode"?, "output_schema"?, "metadata"?},
+                                     "subtasks"?, "mode"?, "output_schema"?, "metadata"?,
+                                     "webhooks"?, "on_complete"?},
               queue=<SUBQ_QUEUE>)
 
 The contract (kwargs, result, error codes) is docs/celery-contract.md. The task
@@ -69,7 +70,8 @@ def _submit(
     if given.subtasks is None:
         task = coord.create_task(
             given.prompt, todos=given.todos, profile=given.profile, run=given.run, idempotency_key=key,
-            output_schema=given.output_schema, metadata=given.metadata,
+            output_schema=given.output_schema, metadata=given.metadata, webhooks=given.webhooks,
+            on_complete=given.on_complete,
         )  # fmt: skip
         return {"task_id": task.id, **ignored}
     done = coord.submit(
@@ -80,6 +82,8 @@ def _submit(
         mode=given.mode or "parallel",
         idempotency_key=key,
         metadata=given.metadata,
+        webhooks=given.webhooks,
+        on_complete=given.on_complete,
     )
     if done.error is not None:
         return error_result(done.error, task_id=done.task.id)

@@ -88,6 +88,8 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
             owner=key.name,
             output_schema=body.output_schema,
             metadata=body.metadata,
+            webhooks=body.webhooks,
+            on_complete=body.on_complete,
         )
         return CreatedTask(**dict(record), ignored_todo_lines=ignored_lines(body.todos))
 

@@ -8,9 +8,10 @@ coordinator/cli/__init__.py adds them to the app.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -58,6 +59,42 @@ def run(
             "A-Z a-z 0-9 _ . -, each value 1-256 printable characters.",
         ),
     ] = None,
+    webhook: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--webhook",
+            metavar="URL",
+            help="POST the tree's events there (repeatable, at most 5): its end, approvals, budget warnings, "
+            "signed per Standard Webhooks (docs/webhooks.md). Public addresses only, unless SUBQ_WEBHOOK_ALLOW "
+            "names the host.",
+        ),
+    ] = None,
+    webhook_secret_env: Annotated[
+        str | None,
+        typer.Option(
+            "--webhook-secret-env",
+            metavar="VAR",
+            help="The environment variable holding the webhooks' signing secret (whsec_...): a secret is never "
+            "given on the command line, where `ps` shows it.",
+        ),
+    ] = None,
+    webhook_event: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--webhook-event",
+            metavar="EVENT",
+            help="The events the webhooks get (repeatable; default task.* approval.* budget.*; child.* adds "
+            "every child's end).",
+        ),
+    ] = None,
+    on_complete: Annotated[
+        str | None,
+        typer.Option(
+            "--on-complete",
+            metavar="TASK",
+            help="A Celery task sent by name (queue `celery`) with the finished root's record (docs/celery-contract.md).",
+        ),
+    ] = None,
 ) -> None:
     """Start a root agent on the fleet and print its id.
 
@@ -66,6 +103,7 @@ def run(
     from coordinator.inputs import CreateTaskInput, meta_pairs  # on use: `subq --help` loads no models
 
     metadata = meta_pairs(meta, "--meta") if meta else None
+    webhooks = _webhooks(webhook or [], webhook_secret_env, webhook_event or [])
     todo_text = _read_todos(todos) if todos is not None else None
     schema = _read_schema(output_schema) if output_schema is not None else None
     # The API's model of the operation, so a bad prompt, budget or schema reads the same either
@@ -73,7 +111,7 @@ def run(
     given = CreateTaskInput.parse(
         {
             "prompt": prompt, "todos": todo_text, "profile": profile, "run": True, "budget_usd": budget,
-            "output_schema": schema, "metadata": metadata,
+            "output_schema": schema, "metadata": metadata, "webhooks": webhooks, "on_complete": on_complete,
         }
     )  # fmt: skip
     with connect(ctx) as coord:
@@ -84,6 +122,24 @@ def run(
             from coordinator.cli.views import follow_run
 
             raise typer.Exit(follow_run(coord, record.id))
+
+
+def _webhooks(urls: list[str], secret_env: str | None, events: list[str]) -> list[dict[str, Any]] | None:
+    """`--webhook` URLs with the secret `--webhook-secret-env` names and the `--webhook-event` events."""
+    if not urls:
+        if secret_env or events:
+            raise ValidationError("--webhook-secret-env and --webhook-event need a --webhook URL", field="webhook")
+        return None
+    secret = None
+    if secret_env:
+        # A variable the caller names on the command line, read as the argument it stands for (not a
+        # subq setting): the secret itself never appears in the process list or the shell's history.
+        secret = os.environ.get(secret_env)
+        if not secret:
+            raise ValidationError(f"--webhook-secret-env: ${secret_env} is not set", field="webhook_secret_env")
+    return [
+        {"url": url, **({"secret": secret} if secret else {}), **({"events": events} if events else {})} for url in urls
+    ]
 
 
 def _warn_ignored_lines(todo_text: str | None) -> None:

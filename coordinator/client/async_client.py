@@ -86,9 +86,13 @@ class AsyncSubqClient:
         idempotency_key: str | None = None,
         output_schema: Mapping[str, Any] | None = None,
         metadata: Mapping[str, str] | None = None,
+        webhooks: Sequence[Mapping[str, Any]] | None = None,
+        on_complete: Mapping[str, Any] | str | None = None,
     ) -> TaskRecord:
         return await self._send(
-            calls.create_task(prompt, todos, profile, run, budget_usd, idempotency_key, output_schema, metadata)
+            calls.create_task(
+                prompt, todos, profile, run, budget_usd, idempotency_key, output_schema, metadata, webhooks, on_complete
+            )
         )
 
     async def cancel(self, task_id: str, reason: str) -> TaskRecord:

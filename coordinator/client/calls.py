@@ -131,6 +131,8 @@ def create_task(
     idempotency_key: str | None = None,
     output_schema: Mapping[str, Any] | None = None,
     metadata: Mapping[str, str] | None = None,
+    webhooks: Sequence[Mapping[str, Any]] | None = None,
+    on_complete: Mapping[str, Any] | str | None = None,
 ) -> Call[TaskRecord]:
     # The body is read with the API's own model before sending: a bad input is refused
     # here in the server's words (the service's, for a blank prompt or a bad budget), and nothing is sent.
@@ -145,6 +147,8 @@ def create_task(
             "idempotency_key": idempotency_key,
             "output_schema": output_schema,
             "metadata": metadata,
+            "webhooks": webhooks,
+            "on_complete": on_complete,
         },
     )
     return Call("POST", "/v1/tasks", _TASK, json=body, ok=(201,))

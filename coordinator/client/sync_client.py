@@ -86,6 +86,8 @@ class SubqClient:
         idempotency_key: str | None = None,
         output_schema: Mapping[str, Any] | None = None,
         metadata: Mapping[str, str] | None = None,
+        webhooks: Sequence[Mapping[str, Any]] | None = None,
+        on_complete: Mapping[str, Any] | str | None = None,
     ) -> TaskRecord:
         """A root task: caller-owned (`run=False`, you delegate) or an agent on the fleet (`run=True`).
 
@@ -94,9 +96,14 @@ class SubqClient:
         its record's `output`; a bad schema is refused here (ValidationError naming the path) and nothing is sent.
         `metadata` (string keys and values: a job id, a customer) tags the tree: every task of it carries them,
         and `list_tasks(metadata=...)` finds them; bad metadata is refused here too (`metadata.<key>`).
+        `webhooks` (`[{"url", "secret"?, "events"?}]`) and `on_complete` (a Celery task's name, or
+        `{"task", "queue"}`) are where the tree's events go (docs/webhooks.md); a malformed one is refused
+        here (`webhooks.0.url`) and nothing is sent.
         """
         return self._send(
-            calls.create_task(prompt, todos, profile, run, budget_usd, idempotency_key, output_schema, metadata)
+            calls.create_task(
+                prompt, todos, profile, run, budget_usd, idempotency_key, output_schema, metadata, webhooks, on_complete
+            )
         )
 
     def cancel(self, task_id: str, reason: str) -> TaskRecord:

@@ -36,6 +36,8 @@ reads through another is handed it (`RunStore(core, records)`).
 | `store.audit`        | `AuditLog`         | `audit.py`       | the audit log and the count of refused requests by reason |
 | `store.retries`      | `RetryStore`       | `retries.py`     | failed tasks made to run again, and batches re-opened     |
 | `store.compaction`   | `CompactionStore`  | `compaction.py`  | a task's compaction records, beside its journal           |
+| `store.outbox`       | `OutboxStore`      | `outbox.py`      | a tree's event subscriptions, its deliveries, the pending |
+|                      |                    |                  | index and its claims (coordinator/outbound.py delivers)   |
 
 and the modules the parts share:
 
@@ -66,6 +68,7 @@ from coordinator.store.endpoints import EndpointStore
 from coordinator.store.events import EventStore
 from coordinator.store.keys import Keys
 from coordinator.store.metrics import LATENCY_BUCKETS_MS, FleetGauges, MetricStore
+from coordinator.store.outbox import OutboxStore
 from coordinator.store.records import RecordStore
 from coordinator.store.retries import RetryStore
 from coordinator.store.runs import RunStore
@@ -111,3 +114,4 @@ class Store:
         self.audit = AuditLog(core)
         self.retries = RetryStore(core)
         self.compaction = CompactionStore(core)
+        self.outbox = OutboxStore(core)

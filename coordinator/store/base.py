@@ -38,7 +38,7 @@ from coordinator.errors import ConflictError, CorruptError, StoreError
 from coordinator.models import TaskRecord, TodoItem
 from coordinator.store.fields import INT_FIELDS, OPTIONAL_FIELDS, TaskField
 from coordinator.store.keys import Keys
-from coordinator.store.protocol import CALLS, Call, ScriptArg
+from coordinator.store.protocol import CALLS, Call, OutboxKeys, ScriptArg
 from coordinator.timeline import FOLD_MARKS, MAX_MARKS, OUTCOMES
 
 __all__ = [
@@ -87,6 +87,11 @@ def translate_redis_errors(fn: Callable[P, R]) -> Callable[P, R]:
 # types them as bytes | str, and these casts say so once, at the boundary.
 def _strs(reply: Any) -> list[str]:
     return cast(list[str], reply)
+
+
+def outbox_keys(keys: Keys, root_id: str) -> OutboxKeys:
+    """The tree's outbox, as every step that can cause an event names it (coordinator/outbound.py)."""
+    return OutboxKeys(hooks=keys.hooks(root_id), outbox=keys.outbox(root_id), pending=keys.outbox_pending())
 
 
 def _str_map(reply: Any) -> dict[str, str]:

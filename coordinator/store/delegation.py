@@ -24,6 +24,7 @@ from coordinator.store.base import (
     _encode_record,
     _str_map,
     _strs,
+    outbox_keys,
     translate_redis_errors,
 )
 from coordinator.store.fields import BatchField, TaskField
@@ -257,7 +258,7 @@ class DelegationStore(Part):
         root = root_of(task_ids[0])
         stopped = self.scripts(
             StopTasks(
-                events=self.keys.events(root), live=self.keys.live(root), tasks=[self.keys.task(root, t) for t in task_ids],
+                events=self.keys.events(root), live=self.keys.live(root), outbox=outbox_keys(self.keys, root), tasks=[self.keys.task(root, t) for t in task_ids],
                 top_status=top_status, status=status, top_error=top_error, error=error, top_class=top_class,
                 error_class=error_class, now=time.time(), retention_s=self.retention_s, events_maxlen=EVENTS_MAXLEN,
             )

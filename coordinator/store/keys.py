@@ -40,6 +40,15 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 |                                       |        | with a line is applied, and never again); `~batch` | delegation |
 |                                       |        | -> the batch id, written with the delegation       | and close  |
 | `<p>:{root}:events`                   | stream | the tree's events (status changes, batch done)     | capped length, retention |
+| `<p>:{root}:hooks`                    | hash   | the tree's event subscriptions (coordinator/       | retention  |
+|                                       |        | outbound.py): `h:<n>` -> its event patterns, `s:<n>`|            |
+|                                       |        | -> its target JSON (a URL and its write-only secret,|            |
+|                                       |        | or a Celery task and queue); `~root`, `~tree_cap`, |            |
+|                                       |        | `~cap`, `~seq` (the last event number), `~dropped` |            |
+|                                       |        | (events past a cap); absent without subscriptions  |            |
+| `<p>:{root}:outbox`                   | hash   | delivery id (`<event id>.<n>`) -> its state JSON   | retention, |
+|                                       |        | (event, type, task, attempts, next time, last      | at most    |
+|                                       |        | answer), written in the step that causes the event | SUBQ_WEBHOOK_TREE_CAP |
 | `<p>:roots`                           | zset   | root ids scored by creation time (history index)   | pruned to retention |
 | `<p>:tasks`                           | zset   | every task id scored by creation time (history)    | pruned to retention |
 | `<p>:task-number`                     | string | the last task number given (history numbering)     | permanent |
@@ -60,6 +69,9 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 |                                       |        | was made with (a changed token revokes it)         | (a day); deleted at sign-out |
 | `<p>:due`                             | zset   | tasks a message should move on, scored by when the | removed when the task's run ends |
 |                                       |        | reconciler looks at them if none has (convergence) |          |
+| `<p>:outbox`                          | zset   | every tree's deliveries not yet settled (`<root>   | removed when delivered |
+|                                       |        | <delivery id>`), scored by when they are due (ms); | or given up; at most   |
+|                                       |        | a claim moves the score to its lease's end         | SUBQ_WEBHOOK_OUTBOX_CAP |
 | `<p>:timers`                          | zset   | delayed actions (`<kind>:<id>`) scored by due time | removed when done |
 | `<p>:stops`                           | string | how many stops have been made (each `stop_tasks`   | permanent |
 |                                       |        | that stopped a task adds one): the stop watches'   |          |
@@ -73,6 +85,7 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:audit`                           | stream | the audit log: every decision, control action,     | retention (trimmed by id |
 |                                       |        | sign-in and refused request, one entry each (who,  | at each write), and at   |
 |                                       |        | what, target, when, from where; coordinator/audit) | most the newest 100,000  |
+| `<p>:metrics:webhooks`                | hash   | delivery attempts by `<event type> <outcome>`      | permanent |
 | `<p>:metrics:refused`                 | hash   | refused requests (401/403) counted by reason       | permanent |
 """
 
@@ -148,6 +161,18 @@ class Keys:
 
     def events(self, root_id: str) -> str:
         return f"{self._tree(root_id)}:events"
+
+    def hooks(self, root_id: str) -> str:
+        return f"{self._tree(root_id)}:hooks"
+
+    def outbox(self, root_id: str) -> str:
+        return f"{self._tree(root_id)}:outbox"
+
+    def outbox_pending(self) -> str:
+        return f"{self.prefix}:outbox"
+
+    def webhook_counts(self) -> str:
+        return f"{self.prefix}:metrics:webhooks"
 
     def roots(self) -> str:
         return f"{self.prefix}:roots"

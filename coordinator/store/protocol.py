@@ -302,6 +302,15 @@ class RunKeys(Group):
     events: str = key("tree events")
 
 
+@dataclass(frozen=True, kw_only=True)
+class OutboxKeys(Group):
+    """A tree's outbox (outbox_add's KEYS), in every step that can cause an event (coordinator/outbound.py)."""
+
+    hooks: str = key("the tree's hooks hash")
+    outbox: str = key("the tree's outbox hash")
+    pending: str = key("the pending deliveries of every tree")
+
+
 # Each response's usage: request key, tokens in, tokens out, cache reads, cache writes, cost micro-USD, source.
 UsageArgs = tuple[str, int, int, int, int, int, str]
 
@@ -505,6 +514,7 @@ class EndpointGate(
 class FinishTask(
     Call[str | None],
     script="finish_task",
+    uses=("outbox_add",),
     acknowledged=True,
     returns="the task's status after the call (the earlier one if it was already terminal), or false when the "
     "task does not exist.",
@@ -512,6 +522,7 @@ class FinishTask(
     task: str = key("task hash")
     events: str = key("tree events stream")
     live: str = key("tree live hash")
+    outbox: OutboxKeys = splice("the tree's outbox (outbox_add's {side})")
     status: str = arg("status (completed|failed|cancelled)")
     summary: str = arg("summary")
     error: str = arg("error")
@@ -562,6 +573,7 @@ class EndRun(
     uses=(
         "record_usage",
         "flush_run",
+        "outbox_add",
         "finish_task",
         "release_lease",
         "apply_children",
@@ -589,6 +601,7 @@ class EndRun(
     running: str = key("the tree's running set")
     admission: str = key("its admission list")
     parent_running: str = key("the parent's running-children set")
+    outbox: OutboxKeys = splice("the tree's outbox (outbox_add's {side})")
     ancestors: Sequence[str] = keys("ancestor hashes (parent first, root last)")
     token: str = arg("token")
     retention_s: int = arg("retention seconds")
@@ -890,11 +903,13 @@ class StartRun(
 class StopTasks(
     Call[list[str]],
     script="stop_tasks",
+    uses=("outbox_add",),
     acknowledged=True,
     returns="the ids of the tasks stopped now.",
 ):
     events: str = key("tree events stream")
     live: str = key("tree live hash")
+    outbox: OutboxKeys = splice("the tree's outbox (outbox_add's {side})")
     tasks: Sequence[str] = keys("task hashes (the subtree's top first)")
     top_status: str = arg("status of the top")
     status: str = arg("status of the rest")
@@ -909,6 +924,64 @@ class StopTasks(
     @classmethod
     def decode(cls, raw: Any) -> list[str]:
         return _strs(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutboxAdd(
+    Call[int],
+    script="outbox_add",
+    returns="how many deliveries were written.",
+):
+    outbox: OutboxKeys = splice("the tree's outbox", expand=True)
+    task_id: str = arg("the task id")
+    event_type: str = arg("the event type; `task.<x>` of a task other than the root is `child.<x>`")
+    now: float = arg("now")
+    retention_s: int = arg("retention seconds")
+    fields: str = arg("the event's own fields, a JSON object ('' for none: an end's are read from its record)")
+
+    @classmethod
+    def decode(cls, raw: Any) -> int:
+        return int(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClaimDeliveries(
+    Call[list[str]],
+    script="claim_deliveries",
+    returns="the members claimed (`<root id> <delivery id>`), oldest first.",
+):
+    pending: str = key("the pending deliveries of every tree (member `<root id> <delivery id>`, score: due ms)")
+    now_ms: int = arg("now ms")
+    lease_ms: int = arg("how long a claim holds a delivery, ms: past it (its worker died) another takes it")
+    limit: int = arg("the most to claim")
+
+    @classmethod
+    def decode(cls, raw: Any) -> list[str]:
+        return _strs(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SettleDelivery(
+    Call[str],
+    script="settle_delivery",
+    returns="the delivery's state after the call, or '' when it is gone (its tree expired).",
+):
+    outbox: OutboxKeys = splice("the tree's outbox", expand=True)
+    counts: str = key("the attempts' outcomes counted by `<event type> <outcome>` (the metrics)")
+    delivery_id: str = arg("the delivery id")
+    member: str = arg("its member of the pending deliveries")
+    state: str = arg(
+        "pending (redeliver: due now, attempts from 0), retrying, delivered, gone (a 410: its subscription "
+        "ends) or given_up"
+    )
+    next_at: float = arg("when to try again, epoch seconds (retrying)")
+    last: str = arg("the attempt's answer, one line ('' for none)")
+    now: float = arg("now")
+    retention_s: int = arg("retention seconds")
+
+    @classmethod
+    def decode(cls, raw: Any) -> str:
+        return str(raw or "")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from redis.client import Pipeline
@@ -15,6 +15,7 @@ from coordinator.ids import root_of
 from coordinator.models import TaskRecord, TodoItem
 from coordinator.output_schema import compact
 from coordinator.store.base import (
+    HashMapping,
     Part,
     _decode_record,
     _encode_record,
@@ -206,8 +207,13 @@ class RecordStore(Part):
     # -- creation and history numbers --------------------------------------------------
 
     @translate_redis_errors
-    def create_root(self, record: TaskRecord, todos: Sequence[TodoItem]) -> bool:
-        """Write a new root, or nothing when a task of that id exists (an idempotent retry); True if written."""
+    def create_root(
+        self, record: TaskRecord, todos: Sequence[TodoItem], hooks: Mapping[str, str] | None = None
+    ) -> bool:
+        """Write a new root, or nothing when a task of that id exists (an idempotent retry); True if written.
+
+        `hooks` is the tree's subscriptions hash (store.outbox.hooks_mapping), written in the same MULTI: no
+        event of the tree can be caused before its subscriptions exist."""
         root = record.root_id
         task_key, todos_key = self.keys.task(root, record.id), self.keys.todos(root, record.id)
         fields = _encode_record(
@@ -227,6 +233,9 @@ class RecordStore(Part):
             self.core.write_todos(pipe, todos_key, todos)
             pipe.zadd(self.keys.tree_tasks(root), {record.id: record.created_at})
             pipe.expire(self.keys.tree_tasks(root), self.retention_s)
+            if hooks:
+                pipe.hset(self.keys.hooks(root), mapping=cast(HashMapping, dict(hooks)))
+                pipe.expire(self.keys.hooks(root), self.retention_s)
             pipe.execute()
             return True
 

@@ -15,7 +15,16 @@ from redis.client import Pipeline
 from coordinator.errors import NotFoundError
 from coordinator.ids import root_of
 from coordinator.models import AdmissionLimits, Ending, Outcome, RunWrites, Stepped, TaskRecord, ToolCallDone, Usage
-from coordinator.store.base import EVENTS_MAXLEN, Part, StoreCore, _str_map, _strs, tool_field, translate_redis_errors
+from coordinator.store.base import (
+    EVENTS_MAXLEN,
+    Part,
+    StoreCore,
+    _str_map,
+    _strs,
+    outbox_keys,
+    tool_field,
+    translate_redis_errors,
+)
 from coordinator.store.fields import TaskField
 from coordinator.store.metrics import latency_bucket
 from coordinator.store.protocol import (
@@ -183,7 +192,7 @@ class RunStore(Part):
                 parent_ui=k.ui_messages(root, parent) if parent else own,
                 lines=k.batch_lines(root, batch) if batch else own,
                 running=k.running(root) if admitted else own, admission=k.admission(root) if admitted else own,
-                parent_running=k.running_children(root, slot_parent) if admitted else own,
+                parent_running=k.running_children(root, slot_parent) if admitted else own, outbox=outbox_keys(k, root),
                 ancestors=self._ancestor_keys(record), token=token, retention_s=self.retention_s, now=now,
                 events_maxlen=EVENTS_MAXLEN, status=outcome.status, summary=outcome.summary, error=outcome.error,
                 error_class=outcome.error_class, resume_grace_s=resume_grace_s, stop_on_budget=int(stop_on_budget), free_slot=int(admitted),
@@ -321,7 +330,7 @@ class RunStore(Part):
         result = self.scripts(
             FinishTask(
                 task=self.keys.task(root, task_id), events=self.keys.events(root), live=self.keys.live(root),
-                status=status, summary=summary, error=error, error_class=error_class, now=time.time(),
+                outbox=outbox_keys(self.keys, root), status=status, summary=summary, error=error, error_class=error_class, now=time.time(),
                 retention_s=self.retention_s, events_maxlen=EVENTS_MAXLEN,
             )
         )  # fmt: skip

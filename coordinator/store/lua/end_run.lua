@@ -16,7 +16,8 @@
 -- KEYS[15] the tree's running set
 -- KEYS[16] its admission list
 -- KEYS[17] the parent's running-children set
--- KEYS[18..] ancestor hashes (parent first, root last)
+-- KEYS[18..20] the tree's outbox (outbox_add's KEYS)
+-- KEYS[21..] ancestor hashes (parent first, root last)
 -- ARGV[1] str: token
 -- ARGV[2] int: retention seconds
 -- ARGV[3] float: now
@@ -55,7 +56,7 @@ if KEYS[9] ~= KEYS[2] then
     'runner', 'error_class', 'error', 'waiting_batch_id', 'resumes', 'timeline'})
 end
 local flush_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]}
-for i = 18, #KEYS do
+for i = 21, #KEYS do
   flush_keys[#flush_keys + 1] = KEYS[i]
 end
 -- The live status (ARGV[19]: here the terminal one, made by the caller, store/runs.py) goes to
@@ -89,7 +90,7 @@ if flushed[3] ~= '' and ARGV[10] == '1' then
 end
 local now, retention, maxlen = ARGV[3], ARGV[2], ARGV[4]
 local before = hash_get(KEYS[2], 'status')[1]
-finish_task({KEYS[2], KEYS[7], KEYS[6]}, {ARGV[5], ARGV[6], ARGV[7], ARGV[8], now, retention, maxlen, live})
+finish_task({KEYS[2], KEYS[7], KEYS[6], KEYS[18], KEYS[19], KEYS[20]}, {ARGV[5], ARGV[6], ARGV[7], ARGV[8], now, retention, maxlen, live})
 -- A typed task's data is its record's `output` from the step that completes it, never after (a task
 -- stopped before its end keeps none); the count of invalid answers stays whatever the outcome.
 if ARGV[17] ~= '' and ARGV[5] == 'completed' and before ~= 'completed' and before ~= 'failed'

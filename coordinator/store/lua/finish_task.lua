@@ -1,7 +1,9 @@
 -- Move a task to a terminal status once (its timeline's last mark); a later call leaves the first outcome.
+-- Its `task.<status>` event goes into the tree's outbox in this same step (outbox_add).
 -- KEYS[1] task hash
 -- KEYS[2] tree events stream
 -- KEYS[3] tree live hash
+-- KEYS[4..6] the tree's outbox (outbox_add's KEYS)
 -- ARGV[1] str: status (completed|failed|cancelled)
 -- ARGV[2] str: summary
 -- ARGV[3] str: error
@@ -36,4 +38,5 @@ else
 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'type', 'task_status', 'task_id', id, 'status', ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[6])
+outbox_add({KEYS[4], KEYS[5], KEYS[6]}, {id, 'task.' .. ARGV[1], ARGV[5], ARGV[6], ''})
 return ARGV[1]

@@ -1,8 +1,10 @@
 -- Stop tasks that have not ended, all at once: a cancel of a subtree, or a subtree
--- whose budget ran out. A task that had ended keeps its outcome.
+-- whose budget ran out. A task that had ended keeps its outcome; each one stopped now has its
+-- `task.<status>` event in the tree's outbox from this same step (outbox_add).
 -- KEYS[1] tree events stream
 -- KEYS[2] tree live hash
--- KEYS[3..] task hashes (the subtree's top first)
+-- KEYS[3..5] the tree's outbox (outbox_add's KEYS)
+-- KEYS[6..] task hashes (the subtree's top first)
 -- ARGV[1] str: status of the top
 -- ARGV[2] str: status of the rest
 -- ARGV[3] str: error of the top
@@ -14,11 +16,11 @@
 -- ARGV[9] int: events max length
 -- Returns the ids of the tasks stopped now.
 local stopped = {}
-for i = 3, #KEYS do
+for i = 6, #KEYS do
   local key = KEYS[i]
   local status = redis.call('HGET', key, 'status')
   if status and status ~= 'completed' and status ~= 'failed' and status ~= 'cancelled' then
-    local top = (i == 3)
+    local top = (i == 6)
     local new_status = top and ARGV[1] or ARGV[2]
     redis.call('HSET', key, 'status', new_status, 'error', top and ARGV[3] or ARGV[4],
       'error_class', top and ARGV[5] or ARGV[6], 'updated_at', ARGV[7], 'finished_at', ARGV[7])
@@ -36,6 +38,7 @@ for i = 3, #KEYS do
     redis.call('HSET', KEYS[2], id, cjson.encode(live))
     redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[9], '*', 'type', 'task_status', 'task_id', id,
       'status', new_status)
+    outbox_add({KEYS[3], KEYS[4], KEYS[5]}, {id, 'task.' .. new_status, ARGV[7], ARGV[8], ''})
     stopped[#stopped + 1] = id
   end
 end

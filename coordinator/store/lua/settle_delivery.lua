@@ -1,0 +1,53 @@
+-- Record an attempt's outcome on a delivery (or an operator's redeliver), and take it off the pending
+-- deliveries or put it back at its next time. A delivery already delivered stays so (a claim that
+-- outlived its lease and was taken twice). A 410 ends its subscription: no event is written for it again.
+-- KEYS[1] the tree's hooks hash
+-- KEYS[2] the tree's outbox hash
+-- KEYS[3] the pending deliveries of every tree
+-- KEYS[4] the attempts' outcomes counted by `<event type> <outcome>` (the metrics)
+-- ARGV[1] str: the delivery id
+-- ARGV[2] str: its member of the pending deliveries
+-- ARGV[3] str: pending (redeliver: due now, attempts from 0), retrying, delivered, gone (a 410: its
+--   subscription ends) or given_up
+-- ARGV[4] float: when to try again, epoch seconds (retrying)
+-- ARGV[5] str: the attempt's answer, one line ('' for none)
+-- ARGV[6] float: now
+-- ARGV[7] int: retention seconds
+-- Returns the delivery's state after the call, or '' when it is gone (its tree expired).
+local raw = redis.call('HGET', KEYS[2], ARGV[1])
+if not raw then
+  redis.call('ZREM', KEYS[3], ARGV[2])
+  return ''
+end
+local entry = cjson.decode(raw)
+local state = ARGV[3]
+if entry['state'] == 'delivered' and state ~= 'pending' then
+  redis.call('ZREM', KEYS[3], ARGV[2])
+  return 'delivered'
+end
+local now = tonumber(ARGV[6])
+if state == 'pending' then
+  entry['attempts'] = 0
+  entry['next_at'] = now
+  entry['since'] = now  -- a redeliver's bounded time counts from it
+  redis.call('ZADD', KEYS[3], math.floor(now * 1000), ARGV[2])
+else
+  entry['attempts'] = (tonumber(entry['attempts']) or 0) + 1
+  redis.call('HINCRBY', KEYS[4], entry['type'] .. ' ' .. state, 1)
+  entry['last'] = ARGV[5]
+  entry['last_at'] = now
+  if state == 'retrying' then
+    entry['next_at'] = tonumber(ARGV[4])
+    redis.call('ZADD', KEYS[3], math.floor(tonumber(ARGV[4]) * 1000), ARGV[2])
+  else
+    entry['next_at'] = cjson.null
+    redis.call('ZREM', KEYS[3], ARGV[2])
+  end
+  if state == 'gone' and redis.call('HEXISTS', KEYS[1], 'h:' .. entry['hook']) == 1 then
+    redis.call('HSET', KEYS[1], 'h:' .. entry['hook'], '')
+  end
+end
+entry['state'] = state
+redis.call('HSET', KEYS[2], ARGV[1], cjson.encode(entry))
+redis.call('EXPIRE', KEYS[2], ARGV[7])
+return state

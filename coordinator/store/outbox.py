@@ -1,0 +1,120 @@
+"""store.outbox: a tree's event subscriptions, its outbox of deliveries, and the pending index.
+
+- `<p>:{root}:hooks` is written with the root (`create_root`'s MULTI) and never
+  read back by a face: it holds the subscriptions' secrets. Its `h:<n>` fields are
+  what `outbox_add.lua` matches an event against; `s:<n>` is the target the
+  deliverer reads.
+- `<p>:{root}:outbox` holds each delivery's state; an event is written into it by
+  the very script that makes the state change (finish_task, stop_tasks, ...), so
+  the two commit together or not at all.
+- `<p>:outbox` is every tree's pending deliveries by due time; a claim moves one to
+  the end of its lease (`claim_deliveries.lua`), a settle takes it off or puts it
+  back at its next time (`settle_delivery.lua`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from coordinator.store.base import Part, _str_map, outbox_keys, translate_redis_errors
+from coordinator.store.protocol import ClaimDeliveries, OutboxAdd, SettleDelivery
+
+__all__ = ["OutboxStore"]
+
+
+class OutboxStore(Part):
+    """Subscriptions, deliveries and their claims."""
+
+    def hooks_mapping(
+        self, root_id: str, targets: Mapping[str, tuple[str, str]], tree_cap: int, cap: int
+    ) -> dict[str, str]:
+        """The hooks hash of a new root: subscription n -> (event patterns, target JSON); empty for none."""
+        if not targets:
+            return {}
+        fields = {"~root": root_id, "~tree_cap": str(tree_cap), "~cap": str(cap), "~seq": "0"}
+        for n, (patterns, target) in targets.items():
+            fields[f"h:{n}"], fields[f"s:{n}"] = patterns, target
+        return fields
+
+    @translate_redis_errors
+    def add_event(self, root_id: str, task_id: str, event_type: str, fields: Mapping[str, Any]) -> int:
+        """An event not tied to a script's step (none yet: approvals and budgets go through their own)."""
+        return self.scripts(
+            OutboxAdd(
+                outbox=outbox_keys(self.keys, root_id), task_id=task_id, event_type=event_type, now=time.time(),
+                retention_s=self.retention_s, fields=json.dumps(dict(fields)) if fields else "",
+            )
+        )  # fmt: skip
+
+    @translate_redis_errors
+    def claim(self, limit: int, lease_ms: int) -> list[tuple[str, str]]:
+        """Up to `limit` due deliveries, each as (root id, delivery id), held for `lease_ms`."""
+        if limit <= 0:
+            return []
+        members = self.scripts(
+            ClaimDeliveries(
+                pending=self.keys.outbox_pending(), now_ms=int(time.time() * 1000), lease_ms=lease_ms, limit=limit
+            )
+        )
+        return [(root, delivery) for root, _, delivery in (member.partition(" ") for member in members)]
+
+    @translate_redis_errors
+    def delivery(self, root_id: str, delivery_id: str) -> dict[str, Any] | None:
+        raw = self.client.hget(self.keys.outbox(root_id), delivery_id)
+        return None if raw is None else dict(json.loads(raw))
+
+    @translate_redis_errors
+    def deliveries(self, root_id: str) -> list[dict[str, Any]]:
+        """Every delivery of the tree, oldest event first."""
+        raw = _str_map(self.client.hgetall(self.keys.outbox(root_id)))
+        found = [dict(json.loads(value)) for value in raw.values()]
+        return sorted(found, key=lambda d: (float(d.get("ts") or 0), str(d.get("id"))))
+
+    @translate_redis_errors
+    def target(self, root_id: str, hook: str) -> tuple[str, dict[str, Any]] | None:
+        """A subscription's event patterns ('' once ended by a 410) and its target, or None when gone."""
+        patterns, target = self.client.hmget(self.keys.hooks(root_id), [f"h:{hook}", f"s:{hook}"])
+        if patterns is None or target is None:
+            return None
+        return str(patterns), dict(json.loads(target))
+
+    @translate_redis_errors
+    def dropped(self, root_id: str) -> int:
+        """Events the tree's subscriptions asked for but a cap kept out of the outbox."""
+        return int(self.client.hget(self.keys.hooks(root_id), "~dropped") or 0)
+
+    @translate_redis_errors
+    def settle(self, root_id: str, delivery_id: str, state: str, *, next_at: float = 0.0, last: str = "") -> str:
+        """Record an attempt's outcome (or a redeliver: `pending`); the delivery's state after it."""
+        return self.scripts(
+            SettleDelivery(
+                outbox=outbox_keys(self.keys, root_id), counts=self.keys.webhook_counts(), delivery_id=delivery_id, member=f"{root_id} {delivery_id}",
+                state=state, next_at=next_at, last=last, now=time.time(), retention_s=self.retention_s,
+            )
+        )  # fmt: skip
+
+    @translate_redis_errors
+    def forget(self, root_id: str, delivery_id: str) -> None:
+        """Take a settled (or expired) delivery off the pending index."""
+        self.client.zrem(self.keys.outbox_pending(), f"{root_id} {delivery_id}")
+
+    @translate_redis_errors
+    def counts(self) -> dict[tuple[str, str], int]:
+        """Attempts made by every process, by (event type, outcome): the metrics' counter."""
+        raw = _str_map(self.client.hgetall(self.keys.webhook_counts()))
+        return {(name.partition(" ")[0], name.partition(" ")[2]): int(n) for name, n in raw.items()}
+
+    @translate_redis_errors
+    def pending_count(self) -> int:
+        return int(self.client.zcard(self.keys.outbox_pending()))
+
+    @translate_redis_errors
+    def oldest_due_s(self) -> float:
+        """How long the most overdue pending delivery has waited past its time (0 for none); claimed ones count."""
+        first = self.client.zrange(self.keys.outbox_pending(), 0, 0, withscores=True)
+        if not first:
+            return 0.0
+        return max(0.0, time.time() - float(first[0][1]) / 1000)

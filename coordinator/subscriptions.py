@@ -1,0 +1,281 @@
+"""Where a tree's events go, as a caller gives it with the root (docs/webhooks.md).
+
+    webhooks:    [{url, secret?, events?}]          signed HTTP POSTs (Standard Webhooks)
+    on_complete: "myapp.tasks.tree_done" | {task, queue?}   a Celery task sent by name with the record
+
+The shapes are light (pydantic and the standard library), so the Python client
+checks them before it sends anything, in the words the API answers with.
+
+The safe-target rule is the server's (`subscriptions()`, at creation; the
+deliverer, coordinator/outbound.py, at each connect): an HTTP subscription's host
+must resolve to public addresses only (not loopback, private, link-local, shared,
+multicast, reserved, nor a cloud's metadata address, 169.254.169.254), unless
+`SUBQ_WEBHOOK_ALLOW` names the host or a network holding the address.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import ipaddress
+import json
+import re
+import socket
+from collections.abc import Sequence
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    WithJsonSchema,
+    field_serializer,
+)
+
+from coordinator.errors import ValidationError
+
+__all__ = [
+    "CALLBACK_HOOK",
+    "DEFAULT_CALLBACK_QUEUE",
+    "DEFAULT_EVENTS",
+    "EVENT_PATTERNS",
+    "MAX_SECRET_CHARS",
+    "MAX_URL_CHARS",
+    "MAX_WEBHOOKS",
+    "CeleryCallback",
+    "OnComplete",
+    "UnsafeTarget",
+    "Webhook",
+    "Webhooks",
+    "check_target",
+    "resolve_safe",
+    "subscriptions",
+]
+
+# A root's own subscriptions: a service and a person or two, not a fan-out of its own; each one is a
+# delivery per event, so the count bounds how much one end writes.
+MAX_WEBHOOKS = 5
+# Longer than any real endpoint with a path and a token in its query; a URL is not where data goes.
+MAX_URL_CHARS = 2048
+# Standard Webhooks secrets are `whsec_` and the base64 of 24 to 64 random bytes (about 92 characters).
+MAX_SECRET_CHARS = 100
+SECRET_BYTES = (24, 64)
+# Every event a subscription may name; `x.*` names every event of its family, `*` every event.
+EVENT_TYPES = (
+    "task.completed",
+    "task.failed",
+    "task.cancelled",
+    "child.completed",
+    "child.failed",
+    "child.cancelled",
+    "approval.requested",
+    "approval.decided",
+    "budget.warning",
+)
+EVENT_PATTERNS = frozenset({*EVENT_TYPES, "*", "task.*", "child.*", "approval.*", "budget.*"})
+# The root's own events; a child's ends only when asked (`child.*`): a wide fan-out would be a delivery a child.
+DEFAULT_EVENTS = ("task.*", "approval.*", "budget.*")
+# Celery's own default queue: the one a plain `@app.task` is consumed from.
+DEFAULT_CALLBACK_QUEUE = "celery"
+# The subscription number of a root's `on_complete` in its hooks hash (its webhooks are 0 to 4).
+CALLBACK_HOOK = "c"
+_TASK_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,199}")
+_QUEUE_RE = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
+
+
+def _check_url(url: str) -> str:
+    if len(url) > MAX_URL_CHARS:
+        raise ValueError(f"is {len(url)} characters; the limit is {MAX_URL_CHARS}")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (a bad port raises here)
+    except ValueError:
+        raise ValueError("is not a URL") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError("must be an http:// or https:// URL")
+    if not parts.hostname:
+        raise ValueError("must name a host")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("must not carry a user or password (sign with `secret`)")
+    if parts.fragment:
+        raise ValueError("must not have a #fragment")
+    return url
+
+
+def _check_secret(secret: SecretStr) -> SecretStr:
+    text = secret.get_secret_value()
+    if len(text) > MAX_SECRET_CHARS:
+        raise ValueError(f"is {len(text)} characters; the limit is {MAX_SECRET_CHARS}")
+    try:
+        raw = base64.b64decode(text.removeprefix("whsec_"), validate=True)
+    except (binascii.Error, ValueError):
+        raw = b""
+    if not SECRET_BYTES[0] <= len(raw) <= SECRET_BYTES[1]:
+        # The value itself is never in the message: it is a secret even when malformed.
+        raise ValueError(
+            f"must be `whsec_` and the base64 of {SECRET_BYTES[0]} to {SECRET_BYTES[1]} random bytes "
+            '(Standard Webhooks: `"whsec_" + base64(os.urandom(32))`)'
+        )
+    return secret
+
+
+def _check_events(events: list[str]) -> list[str]:
+    for n, name in enumerate(events):
+        if name not in EVENT_PATTERNS:
+            raise ValueError(f"{n}: {name[:64]!r} is no event; one of {', '.join(sorted(EVENT_PATTERNS))}")
+    return list(dict.fromkeys(events))
+
+
+class Webhook(BaseModel):
+    """One HTTP subscription: every event it names is POSTed to `url`, signed with `secret` when given."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: Annotated[str, AfterValidator(_check_url)] = Field(
+        description="http(s) URL that receives the events (no loopback, private or metadata address)",
+        json_schema_extra={"maxLength": MAX_URL_CHARS},
+    )
+    secret: Annotated[SecretStr, AfterValidator(_check_secret)] | None = Field(
+        default=None,
+        description="Standard Webhooks signing secret (`whsec_...`), write-only: never returned nor logged",
+        json_schema_extra={"writeOnly": True, "maxLength": MAX_SECRET_CHARS},
+    )
+    events: Annotated[list[str], AfterValidator(_check_events)] = Field(
+        default_factory=lambda: list(DEFAULT_EVENTS),
+        min_length=1,
+        max_length=len(EVENT_PATTERNS),
+        description="Event types or families (`task.*`, `child.*`, `approval.*`, `budget.*`, `*`)",
+    )
+
+    @field_serializer("secret", when_used="json")
+    def _sent(self, secret: SecretStr | None) -> str | None:
+        # As JSON only: the clients send the body they read with this model (coordinator/client/calls.py),
+        # and a masked secret would sign nothing. A repr, a log line or a Python dump keeps it masked.
+        return None if secret is None else secret.get_secret_value()
+
+
+Webhooks = Annotated[
+    list[Webhook] | None,
+    Field(max_length=MAX_WEBHOOKS, description="Where the tree's events are POSTed (docs/webhooks.md)"),
+]
+
+
+class CeleryCallback(BaseModel):
+    """A Celery task sent by name, with the finished root's record (JSON) as its one argument."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    task: str = Field(pattern=f"^{_TASK_NAME_RE.pattern}$", description="The task's registered name")
+    queue: str = Field(default=DEFAULT_CALLBACK_QUEUE, pattern=f"^{_QUEUE_RE.pattern}$", description="Its queue")
+
+
+def _callback(value: Any) -> Any:
+    return {"task": value} if isinstance(value, str) else value
+
+
+OnComplete = Annotated[
+    CeleryCallback | None,
+    BeforeValidator(_callback),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "pattern": f"^{_TASK_NAME_RE.pattern}$"},
+                {
+                    "type": "object",
+                    "properties": {"task": {"type": "string"}, "queue": {"type": "string"}},
+                    "required": ["task"],
+                    "additionalProperties": False,
+                },
+                {"type": "null"},
+            ],
+            "description": "A Celery task sent by name when the root ends, with its record (docs/celery-contract.md)",
+        }
+    ),
+]
+
+
+# -- the safe-target rule (the server's) -------------------------------------------------------------
+
+
+class UnsafeTarget(Exception):
+    """A webhook's host resolves to an address no webhook may reach (or to none)."""
+
+
+def _allowed(address: ipaddress.IPv4Address | ipaddress.IPv6Address, allow: Sequence[str]) -> bool:
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    for entry in allow:
+        try:
+            if address in ipaddress.ip_network(entry.strip("[]"), strict=False):
+                return True
+        except ValueError:
+            continue  # a host name: matched by name, not here
+    # `is_global` is false for loopback, private, link-local (169.254.169.254, the clouds' metadata
+    # address), shared (100.64/10: Alibaba's metadata), unspecified, reserved and documentation ranges.
+    return address.is_global and not address.is_multicast
+
+
+def _host_allowed(host: str, allow: Sequence[str]) -> bool:
+    return host.lower().rstrip(".") in {entry.lower().rstrip(".") for entry in allow}
+
+
+def resolve_safe(host: str, port: int, allow: Sequence[str]) -> str:
+    """The address to connect to for `host`: every address it resolves to must be allowed; UnsafeTarget if not."""
+    try:
+        literal = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        literal = None
+    if literal is not None:
+        if _allowed(literal, allow):
+            return str(literal)
+        raise UnsafeTarget(f"{literal} is a loopback, private, link-local or metadata address")
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise UnsafeTarget(f"{host} does not resolve ({exc.strerror or exc})") from None
+    addresses = list(dict.fromkeys(str(info[4][0]) for info in found))
+    if _host_allowed(host, allow):
+        return addresses[0]
+    for text in addresses:
+        if not _allowed(ipaddress.ip_address(text.split("%")[0]), allow):
+            raise UnsafeTarget(f"{host} resolves to {text}, a loopback, private, link-local or metadata address")
+    return addresses[0]
+
+
+def check_target(url: str, allow: Sequence[str], field: str) -> None:
+    """At creation: a URL whose host is, or resolves to, an address no webhook may reach is a 422 naming `field`.
+
+    A host that does not resolve yet is accepted: each attempt checks again, and a name may be
+    the receiver's own to publish later (its attempts retry meanwhile)."""
+    parts = urlsplit(url)
+    try:
+        resolve_safe(parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80), allow)
+    except UnsafeTarget as exc:
+        if "does not resolve" in str(exc):
+            return
+        raise ValidationError(
+            f"{field}: {exc}; a webhook goes to public addresses only (SUBQ_WEBHOOK_ALLOW names exceptions)",
+            field=field,
+        ) from None
+
+
+def subscriptions(
+    webhooks: Sequence[Webhook] | None, on_complete: CeleryCallback | None, allow: Sequence[str]
+) -> dict[str, tuple[str, str]]:
+    """A root's subscriptions as the hooks hash keeps them: number -> (event patterns, target JSON).
+
+    Every URL is checked here, before anything is written."""
+    targets: dict[str, tuple[str, str]] = {}
+    for n, hook in enumerate(webhooks or ()):
+        check_target(hook.url, allow, f"webhooks.{n}.url")
+        secret = hook.secret.get_secret_value() if hook.secret is not None else ""
+        target = {"kind": "webhook", "url": hook.url, "secret": secret}
+        targets[str(n)] = (" ".join(hook.events), json.dumps(target))
+    if on_complete is not None:
+        target = {"kind": "celery", "task": on_complete.task, "queue": on_complete.queue}
+        targets[CALLBACK_HOOK] = ("task.*", json.dumps(target))
+    return targets

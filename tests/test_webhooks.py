@@ -1,0 +1,213 @@
+"""Outbound events (issue 40): a tree's end reaches its webhook, signed, once per event id, surviving a
+killed worker; a webhook to a private address is refused; bad subscriptions are refused on every face.
+
+Real Redis, real `celery worker` processes (a fleet of their own, with `SUBQ_WEBHOOK_ALLOW=127.0.0.1`
+and a short backoff) and a real HTTP receiver on 127.0.0.1 (tests/webhook_kit.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from standardwebhooks.webhooks import Webhook as Verifier
+
+from coordinator import Coordinator, Settings, ValidationError
+from coordinator.api import create_app
+from coordinator.local.fleet import WorkerFleet
+from tests.conftest import dedicated_fleet
+from tests.helpers import TOKEN, ApiServer, api_settings, eventually
+from tests.webhook_kit import Receiver
+
+SECRET = "whsec_" + base64.b64encode(b"k" * 32).decode()
+PREFIX = "subqwh"
+QUEUE = "subq-wh"
+FLEET: dict[str, Any] = dict(
+    key_prefix=PREFIX, queue=QUEUE, webhook_allow=["127.0.0.1"], webhook_retry_base_s=0.3,
+    webhook_retry_max_s=1.5, webhook_timeout_s=3.0,
+)  # fmt: skip
+WAIT_S = 60
+
+
+def _clean(coord: Coordinator, prefix: str) -> None:
+    for key in coord.client.scan_iter(f"{prefix}:*"):
+        coord.client.delete(key)
+
+
+@pytest.fixture
+def fleet(settings: Settings, tmp_path: Path) -> Iterator[tuple[Coordinator, WorkerFleet]]:
+    with dedicated_fleet(settings, tmp_path / "workers", 1, **FLEET) as (coord, workers):
+        yield coord, workers
+        _clean(coord, PREFIX)
+
+
+def _verified(got: Any) -> dict[str, Any]:
+    return dict(Verifier(SECRET).verify(got.body, got.headers))
+
+
+def test_a_roots_end_reaches_its_webhook_once_signed_with_the_records_figures(
+    fleet: tuple[Coordinator, WorkerFleet],
+) -> None:
+    coord, _ = fleet
+    with Receiver() as receiver:
+        root = coord.create_task(
+            "Say hello.", run=True, metadata={"customer": "acme"},
+            webhooks=[{"url": receiver.url, "secret": SECRET}],
+        )  # fmt: skip
+        done = coord.wait(root.id, timeout_s=WAIT_S)
+        got = eventually(lambda: receiver.of_type("task.completed"), "task.completed delivered", timeout_s=WAIT_S)
+        time.sleep(2.0)  # a second copy would come within the backoff
+        assert len(receiver.of_type("task.completed")) == 1 == len(receiver.got)
+        event = _verified(got[0])
+        record = coord.get_task(root.id)
+        assert got[0].headers["webhook-id"] == event["id"]
+        assert event["type"] == "task.completed" and done.status.value == "completed"
+        data = event["data"]
+        assert data["task_id"] == data["tree_id"] == root.id
+        assert data["metadata"] == {"customer": "acme"}
+        assert data["total_cost_micros"] == record.total_cost_micros and data["output"] == record.output
+        assert data["status"] == "completed" and data["result"] == record.summary
+        delivery = coord.store.outbox.deliveries(root.id)
+        assert [(d["type"], d["state"], d["attempts"]) for d in delivery] == [("task.completed", "delivered", 1)]
+        # The secret is write-only: nowhere in what a read returns.
+        assert SECRET not in coord.get_task(root.id).model_dump_json()
+
+
+def test_a_cancel_sends_task_cancelled_and_children_only_when_asked(fleet: tuple[Coordinator, WorkerFleet]) -> None:
+    coord, _ = fleet
+    with Receiver() as everything, Receiver() as root_only:
+        root = coord.create_task("Plan.", webhooks=[{"url": everything.url, "events": ["*"]}, {"url": root_only.url}])
+        coord.delegate(root.id, [{"description": "a", "message": "Wait."}])
+        coord.cancel(root.id, "no longer needed")
+        eventually(lambda: everything.of_type("task.cancelled"), "task.cancelled", timeout_s=WAIT_S)
+        # The child ends one way or the other (cancelled, or done before the cancel reached it): its end is sent.
+        eventually(
+            lambda: [g for g in everything.got if g.json["type"].startswith("child.")],
+            "a child's end",
+            timeout_s=WAIT_S,
+        )
+        eventually(lambda: root_only.of_type("task.cancelled"), "task.cancelled", timeout_s=WAIT_S)
+        time.sleep(1.0)
+        assert [g.json["type"] for g in root_only.got] == ["task.cancelled"]
+        assert "webhook-signature" not in root_only.got[0].headers  # no secret, no signature
+        assert everything.of_type("task.cancelled")[0].json["data"]["error"]
+
+
+def test_a_delivery_survives_a_refusing_receiver_and_a_killed_worker(settings: Settings, tmp_path: Path) -> None:
+    receiver = Receiver(start=False)  # nobody listens: every connection is refused
+    with dedicated_fleet(settings, tmp_path / "first", 1, **FLEET) as (coord, workers):
+        root = coord.create_task("Plan.", webhooks=[{"url": receiver.url, "secret": SECRET}])
+        coord.cancel(root.id, "done with it")
+
+        def tried() -> bool:
+            entries = coord.store.outbox.deliveries(root.id)
+            return bool(entries) and entries[0]["attempts"] >= 2
+
+        eventually(tried, "two refused attempts", timeout_s=WAIT_S)
+        entry = coord.store.outbox.deliveries(root.id)[0]
+        assert entry["state"] == "retrying" and "ConnectError" in entry["last"]
+        for proc in workers.procs:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    receiver.start()
+    try:
+        with dedicated_fleet(settings, tmp_path / "second", 1, **FLEET) as (coord, _):
+            got = eventually(lambda: receiver.of_type("task.cancelled"), "delivered after restart", timeout_s=WAIT_S)
+            time.sleep(2.0)
+            assert len(receiver.got) == 1
+            assert got[0].headers["webhook-id"] == entry["event_id"] == _verified(got[0])["id"]
+            assert coord.store.outbox.deliveries(root.id)[0]["state"] == "delivered"
+            _clean(coord, PREFIX)
+    finally:
+        receiver.stop()
+
+
+# -- refused at creation ------------------------------------------------------------------------------
+
+PRIVATE = [
+    "http://127.0.0.1/hook",
+    "http://10.0.0.1/hook",
+    "http://169.254.169.254/latest/meta-data",
+    "http://[::1]/hook",
+    "http://localhost:8080/hook",  # a name that resolves to 127.0.0.1
+]
+
+
+@pytest.fixture(scope="module")
+def idle(settings: Settings) -> Iterator[Coordinator]:
+    """A coordinator with no webhook allowed past the public internet, on keys no worker reads."""
+    coord = Coordinator(api_settings(settings, key_prefix="subqwhidle", queue="subq-wh-idle"))
+    yield coord
+    _clean(coord, "subqwhidle")
+    coord.close()
+
+
+def _nothing_written(coord: Coordinator) -> bool:
+    return not list(coord.client.scan_iter("subqwhidle:*"))
+
+
+@pytest.mark.parametrize("url", PRIVATE)
+def test_a_private_target_is_refused_with_422_unless_allowed(idle: Coordinator, url: str) -> None:
+    with pytest.raises(ValidationError) as refused:
+        idle.create_task("x", webhooks=[{"url": url}])
+    assert refused.value.field == "webhooks.0.url" and "public addresses only" in str(refused.value)
+    assert _nothing_written(idle)
+    with ApiServer(create_app(coordinator=idle)) as server, server.client({"authorization": f"Bearer {TOKEN}"}) as http:
+        answer = http.post("/v1/tasks", json={"prompt": "x", "webhooks": [{"url": url}]})
+        assert answer.status_code == 422 and "webhooks.0.url" in answer.text, answer.text
+    assert _nothing_written(idle)
+    allowed = Coordinator(
+        idle.settings.model_copy(
+            update={"webhook_allow": ["127.0.0.0/8", "10.0.0.0/8", "169.254.0.0/16", "::1", "localhost"]}
+        )
+    )
+    try:
+        assert allowed.create_task("x", webhooks=[{"url": url}]).id
+    finally:
+        allowed.close()
+        _clean(idle, "subqwhidle")
+
+
+BAD = [
+    ("not a list", {"url": "https://example.com"}, "webhooks", "valid list"),
+    ("not http", [{"url": "ftp://example.com/x"}], "webhooks.0.url", "http:// or https://"),
+    ("no url", [{"secret": SECRET}], "webhooks.0.url", "Field required"),
+    ("oversize secret", [{"url": "https://example.com", "secret": "whsec_" + "A" * 200}], "webhooks.0.secret",
+     "the limit is 100"),
+    ("bad secret", [{"url": "https://example.com", "secret": "hunter2"}], "webhooks.0.secret", "whsec_"),
+    ("unknown event", [{"url": "https://example.com", "events": ["task.done"]}], "webhooks.0.events", "no event"),
+    ("unknown field", [{"url": "https://example.com", "hmac": "x"}], "webhooks.0.hmac", "Extra inputs"),
+    ("too many", [{"url": f"https://example.com/{n}"} for n in range(6)], "webhooks", "at most 5"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("given", "field", "words"), [case[1:] for case in BAD], ids=[case[0] for case in BAD])
+def test_a_malformed_subscription_is_refused_on_every_face(
+    idle: Coordinator, given: Any, field: str, words: str
+) -> None:
+    from coordinator.client import SubqClient
+
+    with pytest.raises(ValidationError) as refused:
+        idle.create_task("x", webhooks=given)
+    assert refused.value.field == field and words in str(refused.value), str(refused.value)
+    assert "hunter2" not in str(refused.value) and "AAAA" not in str(refused.value)
+    with ApiServer(create_app(coordinator=idle)) as server:
+        with server.client({"authorization": f"Bearer {TOKEN}"}) as http:
+            answer = http.post("/v1/tasks", json={"prompt": "x", "webhooks": given})
+            assert answer.status_code == 422 and field in answer.text and words in answer.text, answer.text
+        with SubqClient(server.url, token=TOKEN) as client, pytest.raises(ValidationError) as refused:
+            client.create_task("x", webhooks=given)
+        assert refused.value.field == field
+    assert _nothing_written(idle)
+
+
+def test_a_bad_on_complete_is_refused(idle: Coordinator) -> None:
+    with pytest.raises(ValidationError) as refused:
+        idle.create_task("x", on_complete="not a task name")
+    assert refused.value.field == "on_complete.task" and _nothing_written(idle)
