@@ -28,6 +28,7 @@ from mcp.shared.exceptions import MCPError
 from coordinator import Coordinator, Settings
 from coordinator.access import ApiKeySpec, Scope, token_sha256
 from coordinator.api import create_app
+from coordinator.api.limits import is_open_route
 from coordinator.cli import run_cli
 from coordinator.cli.mcp import read_credentials
 from coordinator.inputs import MAX_PROMPT_CHARS
@@ -138,6 +139,8 @@ def test_a_missing_token_is_refused_as_on_v1(stack: tuple[Coordinator, ApiServer
     assert response.status_code == 401
     assert response.json()["code"] == "unauthorized"
     assert response.headers["www-authenticate"] == "Bearer"
+    # Not an open route: an agent's calls are not counted against SUBQ_API_OPEN_REQUESTS_PER_MIN with the probes'.
+    assert not is_open_route("/mcp")
 
 
 def test_run_wait_and_read_a_plan(face: tuple[str, Connect], stack: tuple[Coordinator, ApiServer]) -> None:

@@ -132,8 +132,8 @@ def retry_after(wait_s: float) -> dict[str, str]:
 
 
 def is_open_route(path: str) -> bool:
-    """A route that answers without a token: everything but /v1 and the web view's signed-in pages."""
-    if path == "/v1" or path.startswith("/v1/"):
+    """A route that answers without a token: everything but /v1, /mcp and the web view's signed-in pages."""
+    if path == "/v1" or path.startswith("/v1/") or path == "/mcp":  # /mcp: the same bearer guard as /v1
         return False
     if path == "/ui" or path.startswith("/ui/"):
         return path == "/ui/login" or path.startswith("/ui/static/")
