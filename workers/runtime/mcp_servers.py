@@ -34,6 +34,7 @@ import concurrent.futures
 import logging
 import os
 import re
+import shutil
 import sys
 import tempfile
 import threading
@@ -414,6 +415,8 @@ class SharedServer(AbstractToolset[Any]):
         if self._supervisor is not None:
             with suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(self._supervisor, STOP_S)
+        if self._refusals is not None:
+            shutil.rmtree(self._refusals.parent, ignore_errors=True)
 
     # --- the toolset every run sees ---
 
