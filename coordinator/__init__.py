@@ -174,7 +174,7 @@ _EXPORTS = {
 SERVER_MODULES = frozenset(
     {
         *("anthropic", "anyio", "celery", "fastapi", "fastapi_offline", "fastmcp", "flower", "genai_prices", "kombu"),
-        *("mcp", "openai", "prometheus_client", "pydantic_ai", "pydantic_settings", "pythonjsonlogger"),
+        *("httpx2", "mcp", "openai", "prometheus_client", "pydantic_ai", "pydantic_settings", "pythonjsonlogger"),
         *("redis", "rich", "sse_starlette", "standardwebhooks", "starlette", "tornado", "typer", "uvicorn", "vine"),
     }
 )

@@ -14,8 +14,9 @@ written. A refusal is a tool result with `isError` (the calling model reads it a
 can correct itself), carrying the API's error body `{code, message, field}`.
 
 `tools/list` offers a key only the tools its scopes allow (`Tools.offered`): the
-in-process face knows the key's scopes; the stdio face does not (the API does not
-say), so it lists every tool and the API refuses what the key may not do.
+in-process face knows the key's scopes; the stdio face asks the API's /mcp which
+tools the key has (and lists every tool when the API cannot say); either way the
+service refuses, naming the scope, a call the key may not make.
 """
 
 from __future__ import annotations
@@ -104,11 +105,15 @@ class Session:
     scopes: frozenset[Scope] | None
     web_url: str | None
     on_not_found: Callable[[str, str], None] | None = None  # (tool, detail): a tree the key may not read
+    # The tools a face was told the key has, where it cannot know the scopes (`subq mcp` asks the API's /mcp).
+    names: frozenset[str] | None = None
 
-    def allows(self, needs: tuple[Scope, ...]) -> bool:
-        if self.scopes is None or not needs:
+    def allows(self, tool: ToolDef) -> bool:
+        if self.names is not None and tool.name not in self.names:
+            return False
+        if self.scopes is None or not tool.needs:
             return True
-        return Scope.ADMIN in self.scopes or any(scope in self.scopes for scope in needs)
+        return Scope.ADMIN in self.scopes or any(scope in self.scopes for scope in tool.needs)
 
     def link(self, task_id: str, root_id: str) -> str | None:
         """The web view's page of the task's tree, where a person can watch it, approve and cancel."""
@@ -355,7 +360,7 @@ class Tools:
                 annotations=types.ToolAnnotations(read_only_hint=tool.read_only, open_world_hint=False),
             )
             for tool in TOOLS
-            if self.session.allows(tool.needs)
+            if self.session.allows(tool)
         ]
 
     async def call(self, name: str, arguments: Mapping[str, Any], progress: Progress | None) -> types.CallToolResult:

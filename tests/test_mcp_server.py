@@ -113,9 +113,8 @@ def audit(api: ApiServer) -> list[dict[str, Any]]:
     return entries
 
 
-def test_tools_list_follows_the_keys_scopes(stack: tuple[Coordinator, ApiServer]) -> None:
-    _coord, api = stack
-    connect = over_http(api)
+def test_tools_list_follows_the_keys_scopes(face: tuple[str, Connect]) -> None:
+    _name, connect = face
 
     async def main() -> None:
         async with connect("team") as client:

@@ -4,7 +4,8 @@ The tools are /mcp's (coordinator/mcp_tools.py), called through the HTTP client 
 a subq API: SUBQ_API_URL and SUBQ_API_TOKEN from the environment, as every command
 that goes through the API reads them, or from `--credentials`, the file `subq up`
 writes. So the API enforces the key's scopes and ownership exactly as for any other
-client. Nothing but MCP goes to stdout: it is the protocol's channel.
+client; `tools/list` shows what the API's /mcp shows the key. Nothing but MCP goes to
+stdout: it is the protocol's channel.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ WANTED = ("SUBQ_API_URL", "SUBQ_API_TOKEN")
 # An agent's task may take minutes to plan: wait_task holds a call up to MAX_WAIT_S, and each HTTP request of
 # the client is short, so the client's own timeout only bounds one request.
 CLIENT_TIMEOUT_S = 60.0
+# How long `tools/list` waits for the API's /mcp to say which tools the key has.
+LIST_TIMEOUT_S = 10.0
 
 
 def read_credentials(path: Path) -> dict[str, str]:
@@ -92,11 +95,14 @@ def serve(url: str, token: str | None) -> None:
     from coordinator.mcp_tools import Session, build_server
 
     client = SubqClient(url, token, timeout_s=CLIENT_TIMEOUT_S)
-    # The API does not say which scopes a token has: every tool is listed, and the API refuses what it may not do.
     session = Session(ops=client, scopes=None, web_url=url)
 
-    async def session_of(_ctx: ServerRequestContext[Any, Any]) -> Session:
-        return session
+    async def session_of(ctx: ServerRequestContext[Any, Any]) -> Session:
+        if ctx.method != "tools/list":
+            return session
+        # /v1 does not say which scopes a token has; the API's /mcp lists the tools they allow, at this moment
+        # (a key's scopes change without a restart). An older API, or none: every tool, and the API refuses.
+        return Session(ops=client, scopes=None, web_url=url, names=await offered_by_api(url, token))
 
     server = build_server(session_of, _version())
 
@@ -108,3 +114,20 @@ def serve(url: str, token: str | None) -> None:
         anyio.run(main)
     finally:
         client.close()
+
+
+async def offered_by_api(url: str, token: str | None) -> frozenset[str] | None:
+    """The names of the tools the API's /mcp offers this token (it knows the key's scopes); None if it cannot say."""
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        async with (
+            httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(LIST_TIMEOUT_S)) as http,
+            Client(streamable_http_client(f"{url.rstrip('/')}/mcp", http_client=http), cache=None) as listing,
+        ):
+            return frozenset(tool.name for tool in (await listing.list_tools()).tools)
+    except Exception:  # unreachable, refused, no /mcp: the API refuses each call itself, naming why
+        return None
