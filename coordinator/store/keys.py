@@ -58,12 +58,18 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:rate:tool:<glob>`                | zset   | start times of the calls of a tool glob, last 60 s | a minute |
 | `<p>:tool-slots:<glob>`               | zset   | the calls of a tool glob running now, scored by    | a call's |
 |                                       |        | when each one's lease ends (a dead worker's lapse) | lease    |
-| `<p>:endpoint:<host:port>`            | hash   | a provider endpoint as the fleet sees it           | deleted when a request |
-|                                       |        | (coordinator/endpoints.py): `failures` in a row,   | succeeds; an hour after |
-|                                       |        | `down_until_ms`, the `probe` run's token and its   | its last failure |
+| `<p>:endpoint:{<host:port>}`          | hash   | a provider endpoint's host as the fleet sees it    | deleted when a request |
+|                                       |        | (coordinator/endpoints.py): refused or dropped     | to it is answered; an  |
+|                                       |        | connections, timeouts. `failures` in a row,        | hour after its last    |
+|                                       |        | `down_until_ms`, the `probe` run's token and its   | failure                |
 |                                       |        | `probe_until_ms`, the last `error` line            |          |
-| `<p>:endpoint-parked:<host:port>`     | zset   | tasks whose runs gave their worker back to wait    | deleted when the endpoint |
-|                                       |        | for the endpoint, scored by when they wake         | is back; an hour |
+| `<p>:endpoint:{<host:port>}:model:<model>` | hash | one model of that endpoint as the fleet sees it: | deleted when the model |
+|                                       |        | what its provider said of it (429, 5xx, 529, a     | answers; an hour after |
+|                                       |        | Retry-After); the same fields. Hash-tagged by the  | its last failure       |
+|                                       |        | endpoint, so its gate reads both in one script     |          |
+| `<p>:endpoint-parked:{<host:port>}`   | zset   | tasks whose runs gave their worker back to wait    | deleted when the host |
+|                                       |        | for the host, scored by when they wake             | is back; an hour |
+| `<p>:endpoint-parked:{<host:port>}:model:<model>` | zset | the same, waiting for that model         | deleted when the model is back; an hour |
 | `<p>:idempotency:<sha256 of the key>`| string | the root id a create call with that key made       | retention |
 | `<p>:web-session:<sha256 of the id>`  | string | a web sign-in: the fingerprint of the API token it | the session's age |
 |                                       |        | was made with (a changed token revokes it)         | (a day); deleted at sign-out |
@@ -192,11 +198,13 @@ class Keys:
     def tool_slots(self, pattern: str) -> str:
         return f"{self.prefix}:tool-slots:{pattern}"
 
-    def endpoint(self, endpoint: str) -> str:
-        return f"{self.prefix}:endpoint:{endpoint}"
+    def endpoint(self, endpoint: str, model: str = "") -> str:
+        """The fleet's view of `endpoint`'s host, or of one `model` it serves (hash-tagged by the endpoint)."""
+        return f"{self.prefix}:endpoint:{{{endpoint}}}" + (f":model:{model}" if model else "")
 
-    def endpoint_parked(self, endpoint: str) -> str:
-        return f"{self.prefix}:endpoint-parked:{endpoint}"
+    def endpoint_parked(self, endpoint: str, model: str = "") -> str:
+        """The tasks parked on that view of `endpoint` (its host's, or one `model`'s)."""
+        return f"{self.prefix}:endpoint-parked:{{{endpoint}}}" + (f":model:{model}" if model else "")
 
     def task_number(self) -> str:
         return f"{self.prefix}:task-number"
