@@ -10,7 +10,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -284,3 +285,26 @@ def profiles_refused(profiles: dict[str, object], monkeypatch: pytest.MonkeyPatc
     message = str(caught.value)
     assert "\n" not in message, message
     return message
+
+
+@contextmanager
+def counting_listener(host: str = "127.0.0.1") -> Iterator[tuple[int, list[object]]]:
+    """A TCP listener on `host` (0.0.0.0: every address of this machine) that counts the connections it
+    accepts: (its port, the accepted connections)."""
+    server = socket.create_server((host, 0))
+    accepted: list[object] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+            conn.close()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield server.getsockname()[1], accepted
+    finally:
+        server.close()

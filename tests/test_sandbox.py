@@ -9,11 +9,9 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ import pytest
 from coordinator import ConfigError, Profile, RunCommand, Settings, TaskStatus, load_settings
 from tests.agents import agent, call, reply
 from tests.conftest import dedicated_fleet
-from tests.helpers import assert_worker_refuses, subq_tools
+from tests.helpers import assert_worker_refuses, counting_listener, subq_tools
 from workers.runtime import commands
 from workers.runtime.sandbox import NEEDS, Sandbox, SandboxUnavailable, probe
 
@@ -93,23 +91,8 @@ def test_the_workers_environment_cannot_be_read(workdir: Path) -> None:
 @pytest.fixture
 def listener() -> Iterator[tuple[int, list[object]]]:
     """A TCP listener on 127.0.0.1 that counts the connections it accepts."""
-    server = socket.create_server(("127.0.0.1", 0))
-    accepted: list[object] = []
-
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            accepted.append(conn)
-            conn.close()
-
-    threading.Thread(target=accept, daemon=True).start()
-    try:
-        yield server.getsockname()[1], accepted
-    finally:
-        server.close()
+    with counting_listener("127.0.0.1") as counted:
+        yield counted
 
 
 CONNECT = "python3 -c 'import socket,sys; socket.create_connection((\"127.0.0.1\", int(sys.argv[1])), 5)' {port}"

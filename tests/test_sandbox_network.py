@@ -32,7 +32,7 @@ import redis
 from coordinator import ConfigError, McpServer, Profile, RunCommand, Settings, TaskStatus, load_settings
 from tests.agents import agent, call, reply
 from tests.conftest import dedicated_fleet
-from tests.helpers import assert_worker_refuses, subq_tools
+from tests.helpers import assert_worker_refuses, counting_listener, subq_tools
 from workers.runtime import commands, egress
 from workers.runtime.sandbox import Sandbox
 
@@ -98,23 +98,8 @@ def _until_answers(address: str, port: int) -> None:
 @pytest.fixture
 def listener() -> Iterator[tuple[int, list[object]]]:
     """A TCP listener on every address of this host (0.0.0.0) that counts the connections it accepts."""
-    server = socket.create_server(("0.0.0.0", 0))
-    accepted: list[object] = []
-
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            accepted.append(conn)
-            conn.close()
-
-    threading.Thread(target=accept, daemon=True).start()
-    try:
-        yield server.getsockname()[1], accepted
-    finally:
-        server.close()
+    with counting_listener("0.0.0.0") as counted:
+        yield counted
 
 
 def _run(command: str, cwd: Path, hiding: Sandbox | None = None, **config: Any) -> commands.CommandResult:
