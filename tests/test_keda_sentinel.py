@@ -62,7 +62,7 @@ from coordinator.local.fleet import WorkerFleet
 from tests.agents import agent, reply
 from tests.helpers import eventually
 from tests.sentinel_kit import MASTER_NAME, SentinelSet, sentinel_set, wait_replicated
-from tests.test_kubernetes import _kustomize, _one, _project
+from tests.test_kubernetes import REDIS_PASSWORD_KEY, _kustomize, _one, _project, secret_data
 
 # KEDA v2.16.0's script (pkg/scalers/redis_scaler.go:123), word for word.
 KEDA_LIST_LENGTH_LUA = """
@@ -344,6 +344,10 @@ def test_kedas_steps_measure_the_subq_queue_on_the_master_the_sentinels_name(
     same_password = trigger.password == env.get("SUBQ_REDIS_PASSWORD", "")
     same_sentinel_password = trigger.sentinel_password == env.get("SUBQ_REDIS_SENTINEL_PASSWORD", "")
     assert same_password and same_sentinel_password, "KEDA must authenticate as subq's pods do"
+    # Both the Secret's one key, which every node and sentinel requires (issue 39). The kit's set has
+    # no password, and this Redis answers AUTH with any password there: the polls below show KEDA's
+    # steps, not a refusal (tests/test_kubernetes.py runs the in-cluster Redis's refusal for real).
+    assert trigger.password == trigger.sentinel_password == secret_data(ha, "subq-secrets")[REDIS_PASSWORD_KEY] != ""
     # A pod's share is its SUBQ_WORKER_CONCURRENCY, and 100 waiting make 4 pods (docs/deploy.md, "Scale").
     assert trigger.list_length == int(env["SUBQ_WORKER_CONCURRENCY"]) and pods(100, trigger) == 4
     bounds = scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]

@@ -7,16 +7,20 @@ kubernetes-validate), and KEDA's resources against the schemas of KEDA's own CRD
 (tests/schemas/keda/, copied from KEDA v2.16.0, the oldest release whose
 metrics-api scaler reads Prometheus text by a selector). Then what no schema
 knows: every name a manifest refers to exists, the ScaledObject scales the worker
-Deployment on subq's queue and on a metric the API really exports, and a worker
-pod is given time to hand its runs back.
+Deployment on subq's queue and on a metric the API really exports, a worker
+pod is given time to hand its runs back, and every Redis and every client of it
+has the password of Secret subq-secrets (issue 39), which no other manifest and
+no command line holds; the in-cluster Redis's own start runs here for real.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from functools import cache
@@ -34,7 +38,10 @@ from pydantic import SecretStr
 from coordinator import Coordinator, Settings
 from coordinator.api import create_app
 from coordinator.api.ops import SubqCollector
+from coordinator.local.embedded_redis import free_port
+from coordinator.redis_clients import password_warning
 from coordinator.settings import DEFAULT_SHUTDOWN_GRACE_S
+from tests.helpers import eventually
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBERNETES = ROOT / "deploy" / "kubernetes"
@@ -47,6 +54,13 @@ KUBECTL = Path(sys.executable).parent / "kubectl"
 RENDER_TIMEOUT_S = 60
 # Celery's warm shutdown after the runs are handed back, and the process exit.
 STOP_MARGIN_S = 5
+# Redis's password in the overlays with Redis in the cluster (issue 39): this key of Secret subq-secrets.
+REDIS_PASSWORD_KEY = "SUBQ_KUBERNETES_REDIS_PASSWORD"
+# Every workload that talks to Redis: subq's pods, and under Sentinel the nodes and sentinels themselves.
+SUBQ_WORKLOADS = ("subq-worker", "subq-api", "subq-flower")
+REDIS_WORKLOADS = ("subq-redis", "subq-redis-node", "subq-sentinel")
+# A pod's name, for the fieldRef metadata.name a container's environment may read.
+POD_NAME = "subq-pod-0"
 
 
 def _project(dest: Path) -> Path:
@@ -209,6 +223,81 @@ def _name_like(docs: list[dict[str, Any]], prefix: str) -> str:
     return name
 
 
+def secret_data(docs: list[dict[str, Any]], name: str) -> dict[str, str]:
+    """Secret `name` (a generated one by its prefix) decoded, as a container reads it."""
+    data: dict[str, str] = _one(docs, "Secret", _name_like(docs, name)).get("data", {})
+    return {key: base64.b64decode(value).decode() for key, value in data.items()}
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion of an env value, command or argument (kubelet's third_party expansion):
+    $(NAME) of a variable defined before it becomes its value, an unknown one stays as written, $$ is $."""
+    out, i = [], 0
+    while i < len(value):
+        if value.startswith("$$", i):
+            out.append("$")
+            i += 2
+        elif value.startswith("$(", i) and (end := value.find(")", i + 2)) != -1:
+            name = value[i + 2 : end]
+            out.append(env.get(name, value[i : end + 1]))
+            i = end + 1
+        else:
+            out.append(value[i])
+            i += 1
+    return "".join(out)
+
+
+def pod_env(
+    docs: list[dict[str, Any]], container: dict[str, Any], secrets: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: each envFrom source in order, then each env
+    entry (a value expanded with the variables before it, or a Secret's or ConfigMap's key, or the pod's
+    name or namespace). `secrets`: keys of every Secret replaced, as an operator's secrets.env gives them."""
+
+    def source(kind: str, name: str) -> dict[str, str]:
+        if kind == "Secret":
+            return {**secret_data(docs, name), **(secrets or {})}
+        data: dict[str, str] = _one(docs, kind, name).get("data", {})
+        return data
+
+    env: dict[str, str] = {}
+    for ref in container.get("envFrom", []):
+        kind, field = ("ConfigMap", "configMapRef") if "configMapRef" in ref else ("Secret", "secretRef")
+        env.update({ref.get("prefix", "") + k: v for k, v in source(kind, ref[field]["name"]).items()})
+    for variable in container.get("env", []):
+        given = variable.get("valueFrom", {})
+        if "value" in variable:
+            env[variable["name"]] = expand(variable["value"], env)
+        elif "secretKeyRef" in given or "configMapKeyRef" in given:
+            kind, field = ("Secret", "secretKeyRef") if "secretKeyRef" in given else ("ConfigMap", "configMapKeyRef")
+            data = source(kind, given[field]["name"])
+            # Not optional: a missing key keeps the container from starting (CreateContainerConfigError).
+            assert given[field]["key"] in data, f"{variable['name']}: no key {given[field]['key']} in {kind}"
+            env[variable["name"]] = data[given[field]["key"]]
+        else:
+            path = given["fieldRef"]["fieldPath"]
+            env[variable["name"]] = {"metadata.name": POD_NAME, "metadata.namespace": "subq"}[path]
+    return env
+
+
+def _containers(docs: list[dict[str, Any]], names: tuple[str, ...]) -> list[tuple[str, dict[str, Any]]]:
+    """(workload, container) of each Deployment and StatefulSet named."""
+    return [
+        (d["metadata"]["name"], c)
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet") and d["metadata"]["name"] in names
+        for c in d["spec"]["template"]["spec"]["containers"]
+    ]
+
+
+def _from_secret(container: dict[str, Any], name: str) -> dict[str, str]:
+    """The Secret key env entry `name` of `container` takes its value from (never a value written in it)."""
+    (variable,) = [e for e in container.get("env", []) if e["name"] == name]
+    assert set(variable) == {"name", "valueFrom"}, f"{name} must come from the Secret: {variable}"
+    ref: dict[str, str] = variable["valueFrom"]["secretKeyRef"]
+    return ref
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_keda_scales_the_worker_deployment_on_the_subq_queue(
     rendered: dict[str, list[dict[str, Any]]], overlay: str
@@ -233,7 +322,10 @@ def test_keda_scales_the_worker_deployment_on_the_subq_queue(
         assert "SUBQ_REDIS_URL" not in settings
     elif "address" in queued["metadata"]:  # Redis in the cluster; KEDA's operator runs in another namespace
         assert queued["metadata"]["address"] == f"subq-redis.{namespace}.svc.cluster.local:6379"
-        assert settings["SUBQ_REDIS_URL"] == "redis://subq-redis:6379/0"
+        password = secret_data(docs, "subq-secrets")[REDIS_PASSWORD_KEY]
+        (container,) = worker["spec"]["template"]["spec"]["containers"]
+        assert pod_env(docs, container)["SUBQ_REDIS_URL"] == f"redis://:{password}@subq-redis:6379/0"
+        assert "SUBQ_REDIS_URL" not in settings, "the URL holds the password: the pod makes it from the Secret"
     else:  # an external Redis: its address and credentials come from a TriggerAuthentication
         auth = _one(docs, "TriggerAuthentication", queued["authenticationRef"]["name"])
         assert {ref["parameter"] for ref in auth["spec"]["secretTargetRef"]} >= {
@@ -320,7 +412,7 @@ def test_prometheus_scrapes_every_worker_and_the_api(rendered: dict[str, list[di
     docs = rendered[overlay]
     worker = _one(docs, "Deployment", "subq-worker")["spec"]["template"]
     (container,) = worker["spec"]["containers"]
-    env = {e["name"]: e["value"] for e in container.get("env", [])}
+    env = _env(container)
     port = env["SUBQ_WORKER_METRICS_PORT"]
     assert Settings(worker_metrics_port=port).worker_metrics_port == int(port), "a port the worker accepts"
     assert {"name": "metrics", "containerPort": int(port)} in container["ports"]
@@ -338,12 +430,33 @@ def test_secrets_stay_in_secrets_and_flower_needs_its_password(
     rendered: dict[str, list[dict[str, Any]]], overlay: str
 ) -> None:
     docs = rendered[overlay]
-    secret = _one(docs, "Secret", _name_like(docs, "subq-secrets"))
-    assert {"SUBQ_API_TOKEN", "SUBQ_FLOWER_PASSWORD"} <= set(secret["data"])
+    assert {"SUBQ_API_TOKEN", "SUBQ_FLOWER_PASSWORD"} <= set(secret_data(docs, "subq-secrets"))
+    # Every password, token and URL (an external Redis's holds its password) of every Secret, as given.
+    secrets = {
+        value
+        for doc in docs
+        if doc["kind"] == "Secret"
+        for key, value in secret_data(docs, doc["metadata"]["name"]).items()
+        if re.search(r"password|token|url", key, re.I)
+    }
+    assert "change-me" in secrets, "the examples' placeholders, as an operator's copy holds them before filling in"
     for doc in docs:
-        if doc["kind"] in ("ConfigMap", "Deployment", "StatefulSet", "ScaledObject"):
-            text = json.dumps(doc)
-            assert not re.search(r"PASSWORD|TOKEN|change-me", text), doc["metadata"]["name"]
+        if doc["kind"] == "Secret":
+            continue
+        text = json.dumps(doc)
+        assert not any(value in text for value in secrets), (
+            f"a secret written in {doc['kind']}/{doc['metadata']['name']}"
+        )
+        if doc["kind"] in ("ConfigMap", "ScaledObject"):
+            assert not re.search(r"PASSWORD|TOKEN|REDIS_URL", text), doc["metadata"]["name"]
+    # A container reads a password or token from the Secret (envFrom, or a key), never from a value of its own;
+    # the one value that holds one, SUBQ_REDIS_URL, names it by reference.
+    for workload, container in _containers(docs, (*SUBQ_WORKLOADS, *REDIS_WORKLOADS)):
+        for variable in container.get("env", []):
+            if re.search(r"PASSWORD|TOKEN|AUTH", variable["name"]):
+                _from_secret(container, variable["name"])
+            if variable["name"] == "SUBQ_REDIS_URL":
+                assert variable["value"] == f"redis://:$({REDIS_PASSWORD_KEY})@subq-redis:6379/0", workload
     flower = _one(docs, "Deployment", "subq-flower")["spec"]["template"]["spec"]["containers"][0]
     assert flower["command"][:2] == ["subq", "flower"] and "--no-auth" not in flower["command"]
 
@@ -359,7 +472,8 @@ def test_the_in_cluster_redis_keeps_aof_on_a_volume_claim(rendered: dict[str, li
     assert conf == (ROOT / "deploy" / "redis.conf").read_text()
     assert "appendonly yes" in conf.split("\n")
     assert all(d["kind"] not in ("StatefulSet", "NetworkPolicy") for d in rendered["production"]), "external Redis"
-    # Redis has no password in the cluster: its NetworkPolicy admits subq's pods, and KEDA's operator.
+    # Its NetworkPolicy admits subq's pods, and KEDA's operator. The worker pods are among them, and a
+    # command allowed the network runs in one: the password keeps it out (test_every_redis_...), not this.
     policy = _one(docs, "NetworkPolicy", "subq-redis")
     (rule,) = policy["spec"]["ingress"]
     admitted = [peer["podSelector"]["matchLabels"] for peer in rule["from"] if "podSelector" in peer]
@@ -367,6 +481,135 @@ def test_the_in_cluster_redis_keeps_aof_on_a_volume_claim(rendered: dict[str, li
         labels = _one(docs, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
         assert any(selector.items() <= labels.items() for selector in admitted), name
     assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}}} in rule["from"]
+
+
+def _settings_from(env: dict[str, str]) -> Settings:
+    """subq's Settings from a container's environment (its SUBQ_ variables; others it ignores)."""
+    return Settings(**{k.removeprefix("SUBQ_").lower(): v for k, v in env.items() if k.startswith("SUBQ_")})
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_redis_and_every_client_of_it_has_the_password_of_the_secret(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str
+) -> None:
+    """Issue 39: a worker pod's command allowed the network reaches Redis, NetworkPolicy or not; a password
+    keeps it out. Every Redis server requires the Secret's, and every client (subq's pods, KEDA) sends it."""
+    docs = rendered[overlay]
+    secret = secret_data(docs, "subq-secrets")
+    from_secret = {"name": _name_like(docs, "subq-secrets"), "key": REDIS_PASSWORD_KEY}
+    servers = _containers(docs, REDIS_WORKLOADS)
+    queued = _trigger(_one(docs, "ScaledObject"), "queued")
+    auth = _one(docs, "TriggerAuthentication", queued["authenticationRef"]["name"])
+    refs = {ref["parameter"]: {"name": ref["name"], "key": ref["key"]} for ref in auth["spec"]["secretTargetRef"]}
+    if overlay == "production":
+        # An external Redis: the operator's SUBQ_REDIS_URL, with its own password, reaches subq's pods
+        # through envFrom; the base's entries (which would win over it) are gone.
+        assert servers == [] and REDIS_PASSWORD_KEY not in secret
+        for workload, container in _containers(docs, SUBQ_WORKLOADS):
+            assert not {e["name"] for e in container.get("env", [])} & {REDIS_PASSWORD_KEY, "SUBQ_REDIS_URL"}, workload
+            env = pod_env(docs, container)
+            assert env["SUBQ_REDIS_URL"] == secret["SUBQ_REDIS_URL"], workload
+            assert password_warning(_settings_from(env)) is None, workload
+        assert refs["password"] == {"name": _name_like(docs, "subq-keda-redis"), "key": "password"}
+        return
+    password = secret[REDIS_PASSWORD_KEY]
+    # Each Redis server (the one, or every node and sentinel) reads it from the Secret as REDISCLI_AUTH,
+    # and its probe fails on a refusal (redis-cli -e).
+    expected = {"dev": {"subq-redis"}, "ha": {"subq-redis-node", "subq-sentinel"}}[overlay]
+    assert {workload for workload, _ in servers} == expected
+    for workload, container in servers:
+        assert _from_secret(container, "REDISCLI_AUTH") == from_secret, workload
+        env = pod_env(docs, container)
+        assert env["REDISCLI_AUTH"] == password, workload
+        probe = container["readinessProbe"]["exec"]["command"]
+        assert probe[:2] == ["redis-cli", "-e"] and probe[-1] == "ping", workload
+        # Never on a command line (a node's `ps` shows it to every user there), not even through a
+        # $(VAR) the kubelet would expand into one.
+        argv = [*container.get("command", []), *container.get("args", [])]
+        assert not any(password in expand(arg, env) for arg in argv), workload
+        assert not any("$(" in arg for arg in argv), workload
+    # subq's pods: the URL made from the Secret's key, or under Sentinel both of subq's passwords.
+    for workload, container in _containers(docs, SUBQ_WORKLOADS):
+        wanted = ("SUBQ_REDIS_PASSWORD", "SUBQ_REDIS_SENTINEL_PASSWORD") if overlay == "ha" else (REDIS_PASSWORD_KEY,)
+        for name in wanted:
+            assert _from_secret(container, name) == from_secret, (workload, name)
+        settings = _settings_from(pod_env(docs, container))
+        assert password_warning(settings) is None, workload
+        if overlay == "ha":
+            assert settings.redis_password is not None and settings.redis_sentinel_password is not None
+            given = (settings.redis_password.get_secret_value(), settings.redis_sentinel_password.get_secret_value())
+            assert given == (password, password), workload
+        else:
+            assert settings.redis_url == f"redis://:{password}@subq-redis:6379/0", workload
+    # KEDA: the nodes' password, and under Sentinel the sentinels' (the same key).
+    assert refs == (
+        {"password": from_secret, "sentinelPassword": from_secret} if overlay == "ha" else {"password": from_secret}
+    )
+
+
+def _raw(port: int, command: bytes) -> bytes:
+    """Redis's answer to `command` on a fresh connection, sent as a sandboxed command would (no client library)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(command)
+        return sock.recv(200)
+
+
+# The redis:7.4-alpine image's binaries: Debian's redis-server package is Redis 7 too (a config on
+# stdin after a config file needs 7.0), and brings redis-cli.
+REDIS_BINARIES = (Path("/usr/bin/redis-server"), Path("/usr/bin/redis-cli"))
+
+
+def test_the_in_cluster_redis_takes_its_password_on_stdin_and_refuses_a_client_without_it(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """The Redis container's own args, run for real in its environment as the Secret gives it; the only
+    rewrites are where it listens (a free port on 127.0.0.1) and its redis.conf (the ConfigMap's, here)."""
+    if not all(binary.exists() for binary in REDIS_BINARIES):
+        pytest.skip("Debian's redis-server and redis-cli (Redis 7) are not installed")
+    docs = rendered["dev"]
+    (container,) = _one(docs, "StatefulSet", "subq-redis")["spec"]["template"]["spec"]["containers"]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for binary in REDIS_BINARIES:
+        (bin_dir / binary.name).symlink_to(binary)
+    conf = tmp_path / "redis.conf"
+    conf.write_text(_one(docs, "ConfigMap", _name_like(docs, "subq-redis-conf"))["data"]["redis.conf"])
+    port = free_port()
+    where = {"/usr/local/etc/redis/redis.conf": str(conf), "6379": str(port)}
+    base = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+    def start(password: str) -> subprocess.Popen[str]:
+        env = pod_env(docs, container, {REDIS_PASSWORD_KEY: password})
+        argv = [
+            where.get(arg, arg) for arg in (expand(a, env) for a in [*container.get("command", []), *container["args"]])
+        ]
+        argv += ["--bind", "127.0.0.1"]
+        return subprocess.Popen(
+            argv, env={**base, **env}, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    def probe(**env: str) -> subprocess.CompletedProcess[str]:
+        argv = [where.get(arg, arg) for arg in container["readinessProbe"]["exec"]["command"]]
+        return subprocess.run(argv, env={**base, **env}, capture_output=True, text=True, timeout=10)
+
+    # An empty password stops the start, naming the key to set, before any redis-server runs.
+    empty = start("")
+    _out, err = empty.communicate(timeout=10)
+    assert empty.returncode != 0 and REDIS_PASSWORD_KEY in err and "redis-server" not in _out, err
+    password = "pw-" + "k8s-test-9f3a"
+    server = start(password)
+    try:
+        eventually(lambda: probe(REDISCLI_AUTH=password).returncode == 0, "the probe to pass", 10, every_s=0.05)
+        assert probe(REDISCLI_AUTH=password).stdout.strip() == "PONG"
+        # The incident's command, refused; the probe fails without the password or with a wrong one.
+        assert _raw(port, b"SET pwned yes\r\n").startswith(b"-NOAUTH")
+        assert probe().returncode != 0 and probe(REDISCLI_AUTH="not-it").returncode != 0
+        # Not on the command line: the shell exec'ed redis-server, whose argv every local user can read.
+        assert password.encode() not in Path(f"/proc/{server.pid}/cmdline").read_bytes()
+        assert b"redis-server" in Path(f"/proc/{server.pid}/cmdline").read_bytes()
+    finally:
+        server.terminate()
+        server.communicate(timeout=10)
 
 
 @pytest.mark.parametrize("name", ["subq-worker", "subq-api", "subq-flower"])
@@ -427,7 +670,8 @@ def test_the_sentinel_component_runs_three_nodes_with_aof_and_three_sentinels(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:
     docs = rendered["ha"]
-    assert all(d["metadata"]["name"] != "subq-redis" for d in docs), "the base's one Redis is gone"
+    gone = [d["kind"] for d in docs if d["metadata"]["name"] == "subq-redis"]
+    assert gone == ["TriggerAuthentication"], "the base's one Redis is gone (KEDA's credentials for it stay)"
     nodes, sentinels = _one(docs, "StatefulSet", "subq-redis-node"), _one(docs, "StatefulSet", "subq-sentinel")
     assert nodes["spec"]["replicas"] == 3 and sentinels["spec"]["replicas"] == 3
     # AOF on each node's own claim: deploy/redis.conf, and a PersistentVolumeClaim template.
@@ -461,7 +705,8 @@ def test_the_sentinel_component_runs_three_nodes_with_aof_and_three_sentinels(
     service = _one(docs, "Service", "subq-sentinel")
     assert service["spec"]["clusterIP"] == "None" and sentinels["spec"]["serviceName"] == "subq-sentinel"
     assert service["spec"]["ports"][0]["port"] == 26379
-    # No password in the cluster: each NetworkPolicy admits subq's pods (the nodes and sentinels too) and KEDA.
+    # Each NetworkPolicy admits subq's pods (the nodes and sentinels too) and KEDA; the password keeps a
+    # worker pod's commands out (test_every_redis_and_every_client_of_it_has_the_password_of_the_secret).
     labels = [d["spec"]["template"]["metadata"]["labels"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
     for name in ("subq-redis-node", "subq-sentinel"):
         (rule,) = _one(docs, "NetworkPolicy", name)["spec"]["ingress"]

@@ -3,7 +3,9 @@
 Kubernetes: overlays/dev (one Redis, SUBQ_REDIS_URL) and overlays/ha (Redis Sentinel,
 SUBQ_REDIS_SENTINELS and SUBQ_REDIS_SENTINEL_MASTER) are rendered by `kubectl kustomize`
 as tests/test_kubernetes.py renders them. The worker pod's own command (`subq worker`)
-runs in the pod's own environment (its envFrom ConfigMap and Secret, then its env), and
+runs in the pod's own environment (its envFrom ConfigMap and Secret, then its env, each
+Secret key resolved and each $(VAR) expanded as the kubelet does; Redis's password, the
+Secret's SUBQ_KUBERNETES_REDIS_PASSWORD, the local Redis's), and
 its startupProbe and livenessProbe commands run as the kubelet runs an exec probe: the
 argv as rendered, in that environment, with HOSTNAME the pod's name, within the probe's
 timeoutSeconds. Compose: the worker's healthcheck of docker-compose.yml, alone and
@@ -25,7 +27,6 @@ PATH starts with this environment's bin folder, as the image's has subq's Python
 
 from __future__ import annotations
 
-import base64
 import os
 import signal
 import subprocess
@@ -47,7 +48,7 @@ from coordinator.local.fleet import WorkerFleet, settings_env
 from tests import compose_file
 from tests.compose_file import Localizer
 from tests.sentinel_kit import MASTER_NAME, SentinelSet, sentinel_set
-from tests.test_kubernetes import _kustomize, _one, _project
+from tests.test_kubernetes import REDIS_PASSWORD_KEY, _kustomize, _one, _project, pod_env
 from tests.tls_kit import make_tls
 
 # A worker pod's name as its ReplicaSet makes it: the pod's HOSTNAME, and its Celery node's host.
@@ -149,27 +150,22 @@ def _worker_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return container
 
 
-def _pod_env(docs: list[dict[str, Any]], container: dict[str, Any]) -> dict[str, str]:
-    """The container's environment as the kubelet builds it: each envFrom source in order, then its env."""
-    env: dict[str, str] = {}
-    for source in container.get("envFrom", []):
-        kind, ref = ("ConfigMap", "configMapRef") if "configMapRef" in source else ("Secret", "secretRef")
-        data: dict[str, str] = _one(docs, kind, source[ref]["name"]).get("data", {})
-        if kind == "Secret":
-            data = {name: base64.b64decode(value).decode() for name, value in data.items()}
-        env.update({source.get("prefix", "") + name: value for name, value in data.items()})
-    for variable in container.get("env", []):
-        assert "value" in variable, f"a reference this test does not resolve: {variable}"
-        env[variable["name"]] = variable["value"]
-    return env
+def _pod_env(docs: list[dict[str, Any]], container: dict[str, Any], redis_password: str) -> dict[str, str]:
+    """The container's environment as the kubelet builds it (tests/test_kubernetes.py's pod_env: envFrom,
+    then env, Secret keys resolved and $(VAR) expanded), with Redis's password as the operator's
+    secrets.env gives it: the local Redis's."""
+    return pod_env(docs, container, {REDIS_PASSWORD_KEY: redis_password})
 
 
 def _in_cluster_redis(docs: list[dict[str, Any]], env: dict[str, str], local_url: str) -> dict[str, str]:
-    """SUBQ_REDIS_URL names Service subq-redis on its port; here the local Redis on its own."""
-    url = urlsplit(env["SUBQ_REDIS_URL"])
+    """SUBQ_REDIS_URL names Service subq-redis on its port; here the local Redis on its own. The password
+    stays the one the pod made from the Secret, which must be the local Redis's."""
+    url, local = urlsplit(env["SUBQ_REDIS_URL"]), urlsplit(local_url)
     service = _one(docs, "Service", url.hostname)
     assert url.port in [port["port"] for port in service["spec"]["ports"]], env["SUBQ_REDIS_URL"]
-    return {**env, "SUBQ_REDIS_URL": url._replace(netloc=urlsplit(local_url).netloc).geturl()}
+    assert url.password == local.password, "the URL carries the Secret's password"
+    netloc = url.netloc.rsplit("@", 1)[0] + f"@{local.hostname}:{local.port}"
+    return {**env, "SUBQ_REDIS_URL": url._replace(netloc=netloc).geturl()}
 
 
 def _in_cluster_sentinels(docs: list[dict[str, Any]], env: dict[str, str], kit: SentinelSet) -> dict[str, str]:
@@ -276,9 +272,10 @@ def test_with_one_redis_the_checks_pass_while_the_pods_worker_answers_and_fail_o
     docs = overlays["dev"]
     container = _worker_container(docs)
     with local_redis() as url:
-        env = {**_base_env(), **_in_cluster_redis(docs, _pod_env(docs, container), url)}
-        compose = compose_file.load()
         parts = urlsplit(url)  # the embedded Redis has a password (issue 39)
+        assert parts.password
+        env = {**_base_env(), **_in_cluster_redis(docs, _pod_env(docs, container, parts.password), url)}
+        compose = compose_file.load()
         local = f"{parts.hostname}:{parts.port}"
         compose_check = _compose_check(tmp_path, compose, {"redis:6379": local}, parts.password)
         checks = [*_pod_checks(container, env), compose_check]
@@ -292,9 +289,13 @@ def test_under_sentinel_the_checks_pass_while_the_pods_worker_answers_through_a_
 ) -> None:
     docs = overlays["ha"]
     container = _worker_container(docs)
-    assert "SUBQ_REDIS_URL" not in _pod_env(docs, container), "the ha overlay names the sentinels alone"
+    # tests/sentinel_kit.py's set has no password: the Secret's is empty here (SUBQ_REDIS_PASSWORD and
+    # SUBQ_REDIS_SENTINEL_PASSWORD come from it; test_kubernetes checks they do, and that KEDA's match).
+    given = _pod_env(docs, container, "")
+    assert "SUBQ_REDIS_URL" not in given, "the ha overlay names the sentinels alone"
+    assert given["SUBQ_REDIS_PASSWORD"] == given["SUBQ_REDIS_SENTINEL_PASSWORD"] == ""
     with sentinel_set(tmp_path / "redis") as kit:
-        env = {**_base_env(), **_in_cluster_sentinels(docs, _pod_env(docs, container), kit)}
+        env = {**_base_env(), **_in_cluster_sentinels(docs, given, kit)}
         compose = compose_file.load(compose_file.SENTINEL_FILE)
         named = compose["services"]["worker"]["environment"]["SUBQ_REDIS_SENTINELS"].split(",")
         assert len(named) == len(kit.sentinels), named
