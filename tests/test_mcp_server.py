@@ -325,3 +325,21 @@ def test_cancel_and_retry_answer_as_the_api(stack: tuple[Coordinator, ApiServer]
             assert hidden["message"] == f"Unknown task: {root}"
 
     anyio.run(main)
+
+
+def test_an_idempotency_key_and_metadata_as_through_v1(stack: tuple[Coordinator, ApiServer]) -> None:
+    coord, api = stack
+    connect = over_http(api)
+    key = f"mcp-{time.monotonic_ns()}"
+    args = {"prompt": "Write a haiku about queues", "idempotency_key": key, "metadata": {"ticket": "T-41"}}
+
+    async def main() -> None:
+        async with connect("team") as client:
+            first = data(await client.call_tool("run_task", args))
+            again = data(await client.call_tool("run_task", {**args, "prompt": "Something else"}))
+            assert again["id"] == first["id"] and first["metadata"] == {"ticket": "T-41"}
+        async with connect("other") as client:  # idempotency keys are per API key: another key's is its own tree
+            assert data(await client.call_tool("run_task", args))["id"] != first["id"]
+        assert coord.wait(first["id"], 60).metadata == {"ticket": "T-41"}
+
+    anyio.run(main)
