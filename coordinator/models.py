@@ -211,6 +211,9 @@ class TaskRecord(BaseModel):
     completed_by_child_id: str | None = None
     # Times a person retried it after it failed (coordinator/retry.py); its spend before each stays counted.
     retries: int = 0
+    # Its model requests that failed transiently (429, 5xx, a refused connection...) and were waited out and
+    # sent again, across every run of it, parks included (docs/providers.md); none of them cost anything.
+    transient_errors: int = 0
     created_at: float
     updated_at: float
     finished_at: float | None = None

@@ -100,6 +100,9 @@ class TaskField:
     RESUME_BATCH_ID: Final = "resume_batch_id"  # the batch whose result the resumed run answers (finish_batch)
     WAITING_APPROVAL_IDS: Final = "waiting_approval_ids"  # JSON list of the approvals its last run asked for
     TRANSIENT_ERRORS: Final = "transient_errors"  # provider errors retried so far (a count)
+    # The failed attempts of the request now in flight (a count), kept across parks for the `retry` UI
+    # line's attempt number; deleted when a request is answered (coordinator/endpoints.py).
+    PROVIDER_ATTEMPTS: Final = "provider_attempts"
     # When its run began waiting for its provider (ms), kept while the run gives its worker back, so
     # `model_retry_for_s` counts from the first failure, not from each wake (coordinator/endpoints.py).
     PROVIDER_WAIT_SINCE_MS: Final = "provider_wait_since_ms"
@@ -176,7 +179,7 @@ INT_FIELDS = (
     TaskField.DEPTH, TaskField.TOKENS_IN, TaskField.TOKENS_OUT, TaskField.CACHE_READS, TaskField.CACHE_WRITES,
     TaskField.COST_MICROS, TaskField.REQUESTS, TaskField.TOTAL_TOKENS, TaskField.TOTAL_COST_MICROS, TaskField.NUMBER,
     TaskField.BUDGET_MICROS, TaskField.UNLINKED_TOKENS, TaskField.UNLINKED_COST_MICROS, TaskField.RETRIES,
-    TaskField.INVALID_OUTPUTS,
+    TaskField.INVALID_OUTPUTS, TaskField.TRANSIENT_ERRORS,
 )  # fmt: skip
 # Task fields stored as compact JSON text ('' or missing: None; metadata then reads as {}), read back as the JSON value.
 JSON_FIELDS = (TaskField.OUTPUT_SCHEMA, TaskField.OUTPUT, TaskField.METADATA)

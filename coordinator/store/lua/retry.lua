@@ -109,7 +109,7 @@ for i, t in ipairs(tasks) do
   counts[i] = retries
   local status = t.role == 'wait' and 'delegated' or 'active'
   hash_set(t.key, 'status', status, 'error', '', 'error_class', '', 'error_detail', '', 'summary', '',
-    'finished_at', '', 'updated_at', now, 'deliveries', 0, 'provider_wait_since_ms', '')
+    'finished_at', '', 'updated_at', now, 'deliveries', 0, 'provider_wait_since_ms', '', 'provider_attempts', 0)
   hash_expire_later(t.key, retention)
   if t.slot > 0 then
     local b = batches[t.slot]
