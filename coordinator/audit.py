@@ -42,7 +42,9 @@ ENTRY_ID_PATTERN = r"^\d{1,20}-\d{1,20}$"
 # in the metric regardless) cannot grow Redis without bound within the retention.
 AUDIT_MAX_ENTRIES = 100_000
 
-Action = Literal["approve", "deny", "cancel", "retry", "purge_dead_letters", "sign_in", "sign_out", "refused"]
+Action = Literal[
+    "approve", "deny", "cancel", "retry", "redeliver", "purge_dead_letters", "sign_in", "sign_out", "refused"
+]
 Via = Literal["api", "web", "local"]
 # Why a request was refused (401 or 403): the metric's label and the entry's `reason`.
 RefusalReason = Literal[

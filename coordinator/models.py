@@ -25,6 +25,7 @@ __all__ = [
     "Approval",
     "Batch",
     "DelegationMode",
+    "Delivery",
     "Ending",
     "HistoryItem",
     "LiveState",
@@ -436,6 +437,29 @@ class RetrySkip(BaseModel):
 
     task_id: str
     reason: str
+
+
+DeliveryState = Literal["pending", "retrying", "delivered", "gone", "given_up"]
+
+
+class Delivery(BaseModel):
+    """One event's delivery to one subscription (GET /v1/tasks/{id}/deliveries, `subq deliveries`,
+    docs/webhooks.md): where it goes (a URL without its query, or `celery:<task>@<queue>`; never a
+    secret), its state, its attempts, the next one's time and the last answer."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str  # `<event id>.<subscription>`
+    event_id: str  # the `webhook-id` a receiver sees; the same on every attempt
+    type: str
+    task_id: str
+    target: str
+    state: DeliveryState
+    attempts: int = 0
+    created_at: float
+    next_at: float | None = None
+    last: str = ""
+    last_at: float | None = None
 
 
 class Retried(BaseModel):

@@ -1,7 +1,8 @@
 """The operator's operations, defined once: what the Coordinator and the HTTP client both answer.
 
     Operations   create, read (a task, its plan, its tree, its messages, the history, the live
-                 state), cancel, retry, approvals and their decision, dead letters, the audit log; then close
+                 state), cancel, retry, approvals and their decision, dead letters, the audit log, a tree's
+                 deliveries of outbound events and a redeliver; then close
 
 `Coordinator` (on Redis) and `coordinator.client.SubqClient` (over the HTTP
 API) each satisfy it, with the same models and the same errors: the client reads
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 if TYPE_CHECKING:
     from coordinator.audit import AuditEntry
     from coordinator.deadletters import DeadLetter
-    from coordinator.models import Approval, HistoryItem, LiveState, Retried, TaskRecord, TodoItem
+    from coordinator.models import Approval, Delivery, HistoryItem, LiveState, Retried, TaskRecord, TodoItem
     from coordinator.tree import TreeNode
 
 __all__ = ["Operations"]
@@ -54,6 +55,8 @@ class Operations(Protocol):
         metadata: Mapping[str, str] | None = None,
     ) -> tuple[list[HistoryItem], int | None]: ...
     def snapshot(self, root_id: str, /) -> dict[str, LiveState]: ...
+    def deliveries(self, task_id: str, /) -> list[Delivery]: ...
+    def redeliver(self, task_id: str, delivery_id: str, /) -> Delivery: ...
     def cancel(self, task_id: str, reason: str, /) -> TaskRecord: ...
     def retry(self, task_id: str, /, *, failed: bool = False) -> Retried: ...
     def list_approvals(self, root_id: str | None = None, /) -> list[Approval]: ...

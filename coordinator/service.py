@@ -56,6 +56,7 @@ from coordinator.models import (
     Approval,
     Batch,
     DelegationMode,
+    Delivery,
     HistoryItem,
     LiveState,
     Retried,
@@ -69,7 +70,7 @@ from coordinator.plane import Plane
 from coordinator.redis_clients import redis_client
 from coordinator.settings import Settings, load_settings
 from coordinator.store import LATENCY_BUCKETS_MS, FleetGauges, Keys, ReplicaWait, Store
-from coordinator.subscriptions import CeleryCallback, Webhook, subscriptions
+from coordinator.subscriptions import CeleryCallback, Webhook, shown_target, subscriptions
 from coordinator.tree import TreeNode, build_tree
 
 __all__ = ["DEFAULT_PAGE", "MAX_PAGE", "Coordinator"]
@@ -383,6 +384,49 @@ class Coordinator:
         done = retry_room.retry(self.plane, task_id, failed=failed)
         self.record(actor, "retry", task_id, detail=f"retried {', '.join(done.retried + done.reopened)}")
         return done
+
+    # -- outbound events (docs/webhooks.md) --------------------------------------------
+
+    def deliveries(self, task_id: str) -> list[Delivery]:
+        """Every delivery of the task's tree, oldest event first: where each goes (never a secret), its
+        state, its attempts, the next one's time and the last answer."""
+        root_id = ids.root_of(task_id)
+        self.store.records.task_fields(task_id)  # NotFoundError for an unknown task
+        targets: dict[str, str] = {}
+        found = []
+        for entry in self.store.outbox.deliveries(root_id):
+            hook = str(entry["hook"])
+            if hook not in targets:
+                target = self.store.outbox.target(root_id, hook)
+                targets[hook] = shown_target(target[1]) if target else ""
+            found.append(
+                Delivery(
+                    id=entry["id"], event_id=entry["event_id"], type=entry["type"], task_id=entry["task_id"],
+                    target=targets[hook], state=entry["state"], attempts=int(entry.get("attempts") or 0),
+                    created_at=float(entry["ts"]), next_at=entry.get("next_at"), last=str(entry.get("last") or ""),
+                    last_at=entry.get("last_at"),
+                )
+            )  # fmt: skip
+        return found
+
+    def delivery_counts(self) -> dict[tuple[str, str], int]:
+        """Delivery attempts of every process by (event type, outcome): the metrics' counter."""
+        return self.store.outbox.counts()
+
+    def oldest_delivery_wait_s(self) -> float:
+        """How long the most overdue pending delivery has waited past its time (0 for none)."""
+        return self.store.outbox.oldest_due_s()
+
+    def redeliver(self, task_id: str, delivery_id: str, *, actor: Actor = LOCAL) -> Delivery:
+        """Send a delivery of the task's tree again now, whatever its state (a receiver that lost it, one
+        given up on): its attempts start again from 0 and its bounded time from now. On record as `actor`'s."""
+        root_id = ids.root_of(task_id)
+        self.store.records.task_fields(task_id)  # NotFoundError for an unknown task
+        if self.store.outbox.delivery(root_id, delivery_id) is None:
+            raise NotFoundError(f"Unknown delivery {delivery_id!r} of task {task_id}", field="delivery_id")
+        self.store.outbox.settle(root_id, delivery_id, "pending")
+        self.record(actor, "redeliver", delivery_id, detail=f"of {root_id}")
+        return next(d for d in self.deliveries(root_id) if d.id == delivery_id)
 
     def snapshot(self, task_id: str) -> dict[str, LiveState]:
         """The live state of every task of the tree rooted at `task_id`."""

@@ -21,9 +21,9 @@ import ipaddress
 import json
 import re
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import (
     AfterValidator,
@@ -53,6 +53,7 @@ __all__ = [
     "Webhooks",
     "check_target",
     "resolve_safe",
+    "shown_target",
     "subscriptions",
 ]
 
@@ -279,3 +280,12 @@ def subscriptions(
         target = {"kind": "celery", "task": on_complete.task, "queue": on_complete.queue}
         targets[CALLBACK_HOOK] = ("task.*", json.dumps(target))
     return targets
+
+
+def shown_target(target: Mapping[str, Any]) -> str:
+    """A subscription's target as a read shows it: a URL without its query (it may carry a token) nor
+    any secret, or `celery:<task>@<queue>`."""
+    if target.get("kind") == "celery":
+        return f"celery:{target.get('task')}@{target.get('queue')}"
+    parts = urlsplit(str(target.get("url") or ""))
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))

@@ -424,6 +424,8 @@ def test_events_end_with_an_error_event_when_redis_fails_mid_stream(idle: Coordi
 
 # -- errors --------------------------------------------------------------------------------
 
+# A well-formed delivery id (GET /v1/tasks/{id}/deliveries lists real ones).
+DELIVERY_ID = "evt_0123456789abcdef_1.0"
 # Every operation behind the token, with a body that would succeed.
 GUARDED = [
     ("POST", "/v1/tasks", {"prompt": "x"}),
@@ -438,6 +440,8 @@ GUARDED = [
     ("POST", "/v1/tasks/{id}/cancel", {"reason": "x"}),
     ("POST", "/v1/tasks/{id}/retry", {"failed": False}),
     ("GET", "/v1/tasks/{id}/snapshot", None),
+    ("GET", "/v1/tasks/{id}/deliveries", None),
+    ("POST", "/v1/tasks/{id}/deliveries/{delivery_id}/redeliver", None),
     ("GET", "/v1/approvals", None),
     # 404 of an unknown approval: tests/test_api_control.py
     ("POST", "/v1/approvals/{approval_id}", {"decision": "approve"}),
@@ -478,7 +482,7 @@ def test_401_without_the_right_token(
 ) -> None:
     headers = {"Authorization": authorization} if authorization else {}
     response = assert_refused(
-        idle, anon_http, method, path.format(id=parent.id, approval_id=f"{parent.id}-a0123456789ab"), 401, "unauthorized", "Authorization", message,
+        idle, anon_http, method, path.format(id=parent.id, approval_id=f"{parent.id}-a0123456789ab", delivery_id=DELIVERY_ID), 401, "unauthorized", "Authorization", message,
         json=body, headers=headers,
     )  # fmt: skip
     assert response.headers["www-authenticate"] == "Bearer"
@@ -501,7 +505,10 @@ def test_open_endpoints_need_no_token(anon_http: httpx.Client, path: str) -> Non
 def test_404_for_unknown_ids(
     idle: Coordinator, idle_http: httpx.Client, method: str, path: str, body: Any, task_id: str, message: str
 ) -> None:
-    assert_refused(idle, idle_http, method, path.format(id=task_id), 404, "not_found", "task_id", message, json=body)
+    assert_refused(
+        idle, idle_http, method, path.format(id=task_id, delivery_id=DELIVERY_ID), 404, "not_found", "task_id", message,
+        json=body,
+    )  # fmt: skip
 
 
 def test_404_and_405_for_unknown_routes(idle: Coordinator, idle_http: httpx.Client) -> None:

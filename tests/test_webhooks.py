@@ -211,3 +211,44 @@ def test_a_bad_on_complete_is_refused(idle: Coordinator) -> None:
     with pytest.raises(ValidationError) as refused:
         idle.create_task("x", on_complete="not a task name")
     assert refused.value.field == "on_complete.task" and _nothing_written(idle)
+
+
+def test_deliveries_are_visible_and_an_operator_redelivers_on_record(
+    fleet: tuple[Coordinator, WorkerFleet],
+) -> None:
+    from tests.test_cli import cli
+
+    coord, _ = fleet
+    api = Coordinator(api_settings(coord.settings))
+    with Receiver() as receiver, ApiServer(create_app(coordinator=api)) as server:
+        root = coord.create_task("Plan.", webhooks=[{"url": receiver.url + "?token=abc", "secret": SECRET}])
+        coord.cancel(root.id, "enough")
+        eventually(lambda: receiver.of_type("task.cancelled"), "task.cancelled", timeout_s=WAIT_S)
+        with server.client({"authorization": f"Bearer {TOKEN}"}) as http:
+            listed = eventually(
+                lambda: [d for d in http.get(f"/v1/tasks/{root.id}/deliveries").json()["deliveries"]
+                         if d["state"] == "delivered"],
+                "the delivery settled",
+            )  # fmt: skip
+            answer = http.get(f"/v1/tasks/{root.id}/deliveries")
+            assert SECRET not in answer.text and "token=abc" not in answer.text
+            (delivery,) = listed
+            assert delivery["target"] == receiver.url and delivery["attempts"] == 1
+            assert delivery["last"] == "HTTP 204" and delivery["type"] == "task.cancelled"
+            again = http.post(f"/v1/tasks/{root.id}/deliveries/{delivery['id']}/redeliver")
+            assert again.status_code == 200 and again.json()["state"] == "pending", again.text
+            got = eventually(lambda: receiver.got[1:], "the redelivery")
+            assert got[0].headers["webhook-id"] == receiver.got[0].headers["webhook-id"]
+            assert _verified(got[0])["id"] == delivery["event_id"]
+            audit = http.get("/v1/audit").json()["entries"]
+            assert any(e["action"] == "redeliver" and e["target"] == delivery["id"] for e in audit)
+            metrics = http.get("/metrics").text
+            assert 'subq_webhook_deliveries_total{event="task.cancelled",outcome="delivered"}' in metrics
+            assert "subq_webhook_oldest_pending_seconds" in metrics
+            unknown = http.post(f"/v1/tasks/{root.id}/deliveries/evt_{root.id}_99.0/redeliver")
+            assert unknown.status_code == 404, unknown.text
+        env = {"SUBQ_REDIS_URL": coord.settings.redis_url or "", "SUBQ_KEY_PREFIX": PREFIX, "SUBQ_QUEUE": QUEUE}
+        shown = cli("deliveries", root.id, env=env)
+        assert shown.returncode == 0 and delivery["id"] in shown.stdout and "task.cancelled" in shown.stdout
+        assert SECRET not in shown.stdout and "token=abc" not in shown.stdout
+    api.close()

@@ -16,13 +16,20 @@ from coordinator.access import Scope
 from coordinator.api.auth import Caller, Gate, actor_of
 from coordinator.api.errors import error_responses
 from coordinator.api.routes import ROOT_ID_PATTERN, TaskId
-from coordinator.api.schemas import ApprovalList, DeadLetterList, DeadLettersPurged, Snapshot
+from coordinator.api.schemas import ApprovalList, DeadLetterList, DeadLettersPurged, DeliveryList, Snapshot
 from coordinator.inputs import CancelInput, DecisionInput, RetryInput
-from coordinator.models import Approval, Retried, TaskRecord
+from coordinator.models import Approval, Delivery, Retried, TaskRecord
 from coordinator.service import DEFAULT_PAGE, MAX_PAGE, Coordinator
 
 __all__ = ["control_routes"]
 
+DeliveryId = Annotated[
+    str,
+    Path(
+        pattern=r"^evt_[A-Za-z0-9_-]{1,80}_[0-9]{1,12}\.[0-9a-z]{1,4}$",
+        description="A delivery id, `<event id>.<subscription>`, as GET /v1/tasks/{id}/deliveries lists it",
+    ),
+]
 ApprovalId = Annotated[str, Path(description="An approval id, `<root>-a<12 hex>`, as GET /v1/approvals lists it")]
 
 
@@ -69,6 +76,31 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         return Snapshot(root_id=task_id, tasks=coord.snapshot(task_id))
 
     @router.get(
+        "/tasks/{task_id}/deliveries",
+        response_model=DeliveryList,
+        responses=error_responses(*denied, 404, 422, 503),
+        summary="The tree's deliveries of outbound events: each one's target, state, attempts and last answer",
+    )
+    def deliveries(request: Request, key: Caller, task_id: TaskId) -> DeliveryList:
+        """Every delivery of the task's tree (webhooks and Celery callbacks), oldest event first: pending,
+        retrying (with its next time and last answer), delivered, gone (410) or given up. No secret, and a
+        URL without its query. Scope `read` (a tree the key created) or `read_all`."""
+        gate.read_tree(request, key, task_id)
+        return DeliveryList(deliveries=coord.deliveries(task_id))
+
+    @router.post(
+        "/tasks/{task_id}/deliveries/{delivery_id}/redeliver",
+        response_model=Delivery,
+        responses=error_responses(*denied, 404, 422, 503),
+        summary="Send a delivery again now, whatever its state",
+    )
+    def redeliver(request: Request, key: Caller, task_id: TaskId, delivery_id: DeliveryId) -> Delivery:
+        """Its attempts start again from 0 and its bounded time from now; the receiver sees the same
+        `webhook-id`. Scope `operate`; on the audit log."""
+        gate.need(request, key, Scope.OPERATE)
+        return coord.redeliver(task_id, delivery_id, actor=actor_of(request, key))
+
+    @router.get(
         "/approvals",
         response_model=ApprovalList,
         responses=error_responses(*denied, 404, 422, 503),
@@ -80,19 +112,7 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         root_id: Annotated[str | None, Query(pattern=ROOT_ID_PATTERN, description="Only this root's tree")] = None,
     ) -> ApprovalList:
         """Every waiting call with `decide` or `read_all`; with `read` alone, those of the trees the key created."""
-        if key.has_any(Scope.DECIDE, Scope.READ_ALL):
-            return ApprovalList(approvals=coord.list_approvals(root_id))
-        gate.need(request, key, Scope.DECIDE, Scope.READ, Scope.READ_ALL)
-        if root_id is not None:
-            gate.read_tree(request, key, root_id)
-        owners: dict[str, str] = {}
-        mine = []
-        for approval in coord.list_approvals(root_id):
-            if approval.root_id not in owners:
-                owners[approval.root_id] = coord.owner_of(approval.root_id)
-            if key.may_read(owners[approval.root_id]):
-                mine.append(approval)
-        return ApprovalList(approvals=mine)
+        return ApprovalList(approvals=gate.approvals(request, key, root_id))
 
     @router.post(
         "/approvals/{approval_id}",

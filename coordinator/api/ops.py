@@ -269,6 +269,20 @@ class SubqCollector(Collector):
         for reason, count in sorted(self.coord.refused_counts().items()):
             refused.add_metric([reason], count)
         yield refused
+        deliveries = CounterMetricFamily(
+            "subq_webhook_deliveries",
+            "Attempts to deliver outbound events (webhooks, Celery callbacks), by event type and outcome: "
+            "delivered, retrying, gone (410), given_up; fleet-wide (docs/webhooks.md)",
+            labels=["event", "outcome"],
+        )
+        for (event, outcome), count in sorted(self.coord.delivery_counts().items()):
+            deliveries.add_metric([event, outcome], count)
+        yield deliveries
+        yield GaugeMetricFamily(
+            "subq_webhook_oldest_pending_seconds",
+            "How long the most overdue pending delivery has waited past its time (0: none is late)",
+            value=self.coord.oldest_delivery_wait_s(),
+        )
         yield CounterMetricFamily(
             "subq_replica_shortfalls",
             "Steps this API process acknowledged whose WAIT heard from fewer replicas than SUBQ_REDIS_MIN_REPLICAS "

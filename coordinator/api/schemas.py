@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from coordinator.audit import AuditEntry
 from coordinator.deadletters import DeadLetter
 from coordinator.inputs import CancelInput, CreateTaskInput, DecisionInput, DelegateInput, TodosInput
-from coordinator.models import Approval, DelegationMode, HistoryItem, LiveState, TaskRecord, TodoItem
+from coordinator.models import Approval, DelegationMode, Delivery, HistoryItem, LiveState, TaskRecord, TodoItem
 from coordinator.todos import IgnoredLine
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "DecisionInput",
     "DelegateInput",
     "DelegationResult",
+    "DeliveryList",
     "ErrorBody",
     "Health",
     "HistoryPage",
@@ -64,6 +65,14 @@ class ApprovalList(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     approvals: list[Approval]
+
+
+class DeliveryList(BaseModel):
+    """A tree's deliveries of outbound events, oldest event first (docs/webhooks.md)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    deliveries: list[Delivery]
 
 
 class DeadLetterList(BaseModel):

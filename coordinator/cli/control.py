@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from coordinator.models import Approval
     from coordinator.tree import TreeNode
 
-__all__ = ["approvals", "approve", "audit", "cancel", "dead_letters", "deny", "retry"]
+__all__ = ["approvals", "approve", "audit", "cancel", "dead_letters", "deliveries", "deny", "redeliver", "retry"]
 
 # A screenful; the service takes up to 500 at once.
 DEAD_LETTERS_SHOWN = 20
@@ -143,6 +143,39 @@ def _decide(ctx: typer.Context, approval_id: str, decision: dict[str, str | None
     given = DecisionInput.parse(decision)
     with connect(ctx) as coord:
         return coord.decide(approval_id, given.decision, given.feedback)
+
+
+def deliveries(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> None:
+    """List the tree's deliveries of outbound events (webhooks, Celery callbacks): each one's event, target,
+    state, attempts, next try and last answer (docs/webhooks.md)."""
+    import time
+
+    with connect(ctx) as coord:
+        found = coord.deliveries(task_id)
+    if as_json:
+        say_json([d.model_dump(mode="json") for d in found])
+        return
+    if not found:
+        typer.echo("No deliveries.")
+    for d in found:
+        when = f" next in {max(0.0, d.next_at - time.time()):.0f}s" if d.next_at and d.state == "retrying" else ""
+        last = f" ({d.last})" if d.last else ""
+        say(f"{d.id}  {d.type:<18} {d.state:<9} {d.attempts} attempt(s){when}{last}  -> {d.target}")
+
+
+def redeliver(
+    ctx: typer.Context,
+    task_id: TaskId,
+    delivery_id: Annotated[str, typer.Argument(help="As `subq deliveries` prints it.")],
+    as_json: JsonOption = False,
+) -> None:
+    """Send a delivery of the task's tree again now, whatever its state (scope operate; on the audit log)."""
+    with connect(ctx) as coord:
+        done = coord.redeliver(task_id, delivery_id)
+    if as_json:
+        say_json(done)
+        return
+    say(f"Redelivering {done.id} ({done.type}) to {done.target}")
 
 
 def dead_letters(

@@ -22,6 +22,7 @@ from coordinator.deadletters import DeadLetter
 from coordinator.models import (
     Approval,
     DelegationMode,
+    Delivery,
     HistoryItem,
     LiveState,
     Retried,
@@ -101,6 +102,14 @@ class AsyncSubqClient:
     async def retry(self, task_id: str, *, failed: bool = False) -> Retried:
         """Run the failed task again, or with `failed` every failed task of its tree (SubqClient.retry)."""
         return await self._send(calls.retry(task_id, failed))
+
+    async def deliveries(self, task_id: str) -> list[Delivery]:
+        """The tree's deliveries of outbound events, oldest event first (docs/webhooks.md)."""
+        return await self._send(calls.deliveries(task_id))
+
+    async def redeliver(self, task_id: str, delivery_id: str) -> Delivery:
+        """Send a delivery of the task's tree again now (scope `operate`; on the audit log)."""
+        return await self._send(calls.redeliver(task_id, delivery_id))
 
     async def snapshot(self, root_id: str) -> dict[str, LiveState]:
         return await self._send(calls.snapshot(root_id))

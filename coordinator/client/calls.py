@@ -25,6 +25,7 @@ from coordinator.api.schemas import (
     DeadLetterList,
     DeadLettersPurged,
     DelegationResult,
+    DeliveryList,
     Health,
     HistoryPage,
     MessageList,
@@ -50,6 +51,7 @@ from coordinator.inputs import (
 from coordinator.models import (
     Approval,
     DelegationMode,
+    Delivery,
     HistoryItem,
     LiveState,
     Retried,
@@ -111,6 +113,8 @@ _DEAD_LETTERS = TypeAdapter(DeadLetterList)
 _PURGED = TypeAdapter(DeadLettersPurged)
 _AUDIT = TypeAdapter(AuditPage)
 _RETRIED = TypeAdapter(Retried)
+_DELIVERIES = TypeAdapter(DeliveryList)
+_DELIVERY = TypeAdapter(Delivery)
 
 
 def task_path(task_id: str, suffix: str = "") -> str:
@@ -160,6 +164,14 @@ def cancel(task_id: str, reason: str) -> Call[TaskRecord]:
 
 def retry(task_id: str, failed: bool) -> Call[Retried]:
     return Call("POST", task_path(task_id, "/retry"), _RETRIED, json=_body(RetryInput, {"failed": failed}))
+
+
+def deliveries(task_id: str) -> Call[list[Delivery]]:
+    return Call("GET", task_path(task_id, "/deliveries"), _DELIVERIES, unwrap=lambda page: page.deliveries)
+
+
+def redeliver(task_id: str, delivery_id: str) -> Call[Delivery]:
+    return Call("POST", task_path(task_id, f"/deliveries/{quote(delivery_id, safe='')}/redeliver"), _DELIVERY)
 
 
 def snapshot(root_id: str) -> Call[dict[str, LiveState]]:

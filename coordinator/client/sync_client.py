@@ -20,6 +20,7 @@ from coordinator.deadletters import DeadLetter
 from coordinator.models import (
     Approval,
     DelegationMode,
+    Delivery,
     HistoryItem,
     LiveState,
     Retried,
@@ -114,6 +115,14 @@ class SubqClient:
         """Run the failed task again from its conversation (docs/control.md, "Retry"); with `failed`, every
         failed task of its tree, children before parents. StateError (409) naming why it cannot be retried."""
         return self._send(calls.retry(task_id, failed))
+
+    def deliveries(self, task_id: str) -> list[Delivery]:
+        """The tree's deliveries of outbound events, oldest event first (docs/webhooks.md)."""
+        return self._send(calls.deliveries(task_id))
+
+    def redeliver(self, task_id: str, delivery_id: str) -> Delivery:
+        """Send a delivery of the task's tree again now (scope `operate`; on the audit log)."""
+        return self._send(calls.redeliver(task_id, delivery_id))
 
     def snapshot(self, root_id: str) -> dict[str, LiveState]:
         """The live state of every task of the tree."""
