@@ -37,6 +37,7 @@ from coordinator.api.errors import RATE_LIMITED, UNAUTHORIZED, HttpError
 from coordinator.api.limits import RateLimiter, client_address, retry_after
 from coordinator.audit import Actor, RefusalReason, Via
 from coordinator.errors import ConfigError, ForbiddenError, NotFoundError
+from coordinator.models import Approval
 from coordinator.service import Coordinator
 from coordinator.settings import Settings
 
@@ -200,6 +201,23 @@ class Gate:
         if not key.may_read(owner):
             raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
         self.forbid(request, key, (others,), "scope 'submit' covers only the trees this key created")
+
+    def approvals(self, request: Request, key: Principal, root_id: str | None) -> list[Approval]:
+        """The waiting calls `key` may see (of one root's tree, or all): every one with `decide` or `read_all`;
+        with `read` alone, those of the trees it created (GET /v1/approvals, and /mcp's list_approvals)."""
+        if key.has_any(Scope.DECIDE, Scope.READ_ALL):
+            return self.coord.list_approvals(root_id)
+        self.need(request, key, Scope.DECIDE, Scope.READ, Scope.READ_ALL)
+        if root_id is not None:
+            self.read_tree(request, key, root_id)
+        owners: dict[str, str] = {}
+        mine = []
+        for approval in self.coord.list_approvals(root_id):
+            if approval.root_id not in owners:
+                owners[approval.root_id] = self.coord.owner_of(approval.root_id)
+            if key.may_read(owners[approval.root_id]):
+                mine.append(approval)
+        return mine
 
     def history_owner(self, request: Request, key: Principal) -> str | None:
         """Whose trees the caller's history shows: every tree (None) with read_all, else its own."""

@@ -113,20 +113,7 @@ class KeyedOperations:
         return self.coord.retry(task_id, failed=failed, actor=actor_of(self.request, self.key))
 
     def list_approvals(self, root_id: str | None = None, /) -> list[Approval]:
-        """As GET /v1/approvals: every waiting call with `decide` or `read_all`; with `read`, its own trees'."""
-        if self.key.has_any(KeyScope.DECIDE, KeyScope.READ_ALL):
-            return self.coord.list_approvals(root_id)
-        self.gate.need(self.request, self.key, KeyScope.DECIDE, KeyScope.READ, KeyScope.READ_ALL)
-        if root_id is not None:
-            self.gate.read_tree(self.request, self.key, root_id)
-        owners: dict[str, str] = {}
-        mine = []
-        for approval in self.coord.list_approvals(root_id):
-            if approval.root_id not in owners:
-                owners[approval.root_id] = self.coord.owner_of(approval.root_id)
-            if self.key.may_read(owners[approval.root_id]):
-                mine.append(approval)
-        return mine
+        return self.gate.approvals(self.request, self.key, root_id)
 
     def decide(
         self, approval_id: str, decision: Literal["approve", "deny"], feedback: str | None = None, /
