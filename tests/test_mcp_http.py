@@ -8,6 +8,7 @@ starts again on the same port. The runs go through a real worker process.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -29,12 +30,20 @@ from tests.agents import agent, call, reply
 from tests.conftest import dedicated_fleet
 from tests.helpers import assert_worker_refuses, eventually, subq_tools
 from tests.test_mcp import GIT_TOOLS, _git, _repository, _results, _settings
-from workers.runtime.mcp_servers import checked_tools
+from workers.runtime.mcp_servers import BACKOFF_MAX_S, checked_tools
 from workers.runtime.profile_tools import load_profile
 
 # The header's value, read from the worker's environment (`${VAR}`); never a SUBQ_ name (tests drop those).
 TOKEN_VAR = "MCP_HTTP_TEST_TOKEN"
-START_S = 30
+# How long `fastmcp run` may take to serve MCP: beside two busy loops on 2 cores it imports for some
+# 10 s, and its first session starts mcp-server-git for some 10 s more (issue 43).
+START_S = 90
+# The flaky server's `timeout_s`: the bound of the worker's initialize (of a server already serving, see
+# `ready`) and how long a run waits for it while it is down. 3 s was missed on a loaded host (issue 43).
+FLAKY_TIMEOUT_S = 10.0
+# How long a restarted server may take to be reached again: the worker's supervisor tries again at most
+# BACKOFF_MAX_S after its last try, and each run that probes waits up to FLAKY_TIMEOUT_S for it.
+REACHED_AGAIN_S = BACKOFF_MAX_S + 6 * FLAKY_TIMEOUT_S
 # What a call gets while its server is down (workers/runtime/mcp_servers.py `SharedServer.call_tool`).
 DOWN = r"Error: MCP server 'git' (is not running \(.+\)|stopped during the call); it is being restarted"
 
@@ -71,17 +80,27 @@ class HttpServer:
             self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
-    def listening(self) -> HttpServer:
-        """Once it takes connections (`fastmcp run` imports for a second or two first)."""
+    def ready(self) -> HttpServer:
+        """Once it answers an MCP session that lists its tools: `fastmcp run` imports for a second or two
+        before it listens, and its first session starts mcp-server-git. A worker's bound (`timeout_s`)
+        then measures the worker, not this server's start."""
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
             assert self.proc is not None and self.proc.poll() is None, f"it exited:\n{self.log.read_text()}"
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return self
             except OSError:
                 time.sleep(0.05)
-        raise AssertionError(f"the MCP server did not listen within {START_S}s:\n{self.log.read_text()}")
+                continue
+            asyncio.run(self._list_tools(deadline - time.monotonic()))
+            return self
+        raise AssertionError(f"the MCP server did not serve within {START_S}s:\n{self.log.read_text()}")
+
+    async def _list_tools(self, timeout_s: float) -> None:
+        from fastmcp import Client
+
+        async with Client(self.url, timeout=timeout_s, init_timeout=timeout_s) as client:
+            assert await client.list_tools(), f"it listed no tools:\n{self.log.read_text()}"
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -110,13 +129,13 @@ def kit(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     headers = {"Authorization": f"${{{TOKEN_VAR}}}"}
     profiles = {
         "web": Profile(mcp_servers=[_http("git", steady, headers=headers, prefix="web")]),
-        # A short timeout_s: a run waits that long for a server that is down before its call fails.
-        "flaky": Profile(mcp_servers=[_http("git", flaky, prefix="flaky", timeout_s=3)]),
+        # A run waits timeout_s for a server that is down before its call fails.
+        "flaky": Profile(mcp_servers=[_http("git", flaky, prefix="flaky", timeout_s=FLAKY_TIMEOUT_S)]),
     }
     os.environ[TOKEN_VAR] = "Bearer mcp-http-test"  # the worker and `subq tools` inherit it
     try:
         steady.start(), flaky.start()  # at once: each takes a second or two to import
-        steady.listening(), flaky.listening()
+        steady.ready(), flaky.ready()
         own = _settings(settings, **profiles)
         with dedicated_fleet(own, folder / "logs", 1, queue="subq-mcp-http") as (coord, _fleet):
             yield Kit(coord, own, repo, steady, flaky)
@@ -166,13 +185,13 @@ def test_a_stopped_server_is_an_error_result_and_a_later_task_reaches_it_again(k
         # Whether the worker saw it go before the call (the session's stream ended) or during it.
         assert re.fullmatch(DOWN, down), down
     finally:
-        kit.flaky.start().listening()
+        kit.flaky.start().ready()
 
     def reached() -> bool:
         _, (again,) = _run(kit, "flaky", call("flaky_git_status", repo_path=repo))
         return str(again).startswith("Repository status:")
 
-    eventually(reached, "a call reach the server again", 30, every_s=0.5)
+    eventually(reached, "a call reach the server again", REACHED_AGAIN_S, every_s=0.5)
 
 
 # --- bad config ---
