@@ -46,8 +46,13 @@ def _raw(port: int, command: bytes) -> bytes:
         return sock.recv(200)
 
 
-def _redis_servers_of_this_process() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if "redis-server" in p.name()]
+def _redis_servers_of_this_process(port: int) -> list[psutil.Process]:
+    """This process's redis-server children listening on `port` (the session's own Redis may run beside it)."""
+    return [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if "redis-server" in p.name() and any(c.laddr.port == port for c in p.net_connections(kind="tcp"))
+    ]
 
 
 def test_the_embedded_redis_refuses_a_client_without_its_password() -> None:
@@ -65,7 +70,7 @@ def test_the_embedded_redis_refuses_a_client_without_its_password() -> None:
         with redis.Redis.from_url(url) as client:
             assert client.ping() and client.get("pwned") is None
         # Not on redis-server's command line, which every local user can read.
-        (server,) = _redis_servers_of_this_process()
+        (server,) = _redis_servers_of_this_process(port)
         for pid in (server.pid, *(p.pid for p in server.children(recursive=True))):
             assert password.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
         # In a config file only this user can read, in a folder only this user can enter: the
