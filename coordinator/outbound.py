@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from coordinator.service import Coordinator
 
-__all__ = ["MAX_RESULT_CHARS", "Deliverer", "payload"]
+__all__ = ["MAX_RESULT_CHARS", "Deliverer", "payload", "slack_line"]
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ POLL_S = 0.25
 USER_AGENT = "subq-webhooks"
 
 
-def payload(entry: Mapping[str, Any], record: Mapping[str, Any]) -> dict[str, Any]:
+def payload(entry: Mapping[str, Any], record: Mapping[str, Any], api_url: str | None = None) -> dict[str, Any]:
     """An event's body: its id, type and time, the tree and task, the metadata, and an end's outcome and figures.
 
     `record` is the task's record as GET /v1/tasks/{id} returns it; the event's own status (an end's) is
@@ -67,6 +67,8 @@ def payload(entry: Mapping[str, Any], record: Mapping[str, Any]) -> dict[str, An
         "tree_id": record.get("root_id"),
         "task_id": entry["task_id"],
         "metadata": record.get("metadata") or {},
+        # The task in the web view (SUBQ_API_URL: the address people reach the API at), where a person decides.
+        "link": f"{api_url.rstrip('/')}/ui/tasks/{entry['task_id']}" if api_url else None,
     }
     family, _, what = event_type.partition(".")
     if family in ("task", "child"):
@@ -86,6 +88,27 @@ def payload(entry: Mapping[str, Any], record: Mapping[str, Any]) -> dict[str, An
     data.update(entry.get("fields") or {})
     stamp = datetime.fromtimestamp(float(entry["ts"]), UTC).isoformat().replace("+00:00", "Z")
     return {"id": entry["event_id"], "type": event_type, "timestamp": stamp, "data": data}
+
+
+def _slack_text(text: str) -> str:
+    # Slack's mrkdwn reads these three as markup (a link, a mention); escaped, a model's text stays text.
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def slack_line(body: Mapping[str, Any]) -> str:
+    """An event as one line of a Slack incoming-webhook message, with a link to the item in the web view."""
+    data = body["data"]
+    what = str(body["type"])
+    if what == "approval.requested":
+        text = f"approval waiting: {data.get('tool')} {one_line(str(data.get('arguments') or ''), 200)}"
+    elif what == "approval.decided":
+        text = f"approval {data.get('status')} by {data.get('decided_by') or 'its deadline'}: {data.get('tool')}"
+    elif what == "budget.warning":
+        text = f"budget {data.get('share_percent')}% spent"
+    else:
+        text = f"{what}: {data.get('status')}"
+    line = f"subq: {_slack_text(text)} (task {data.get('task_id')})"
+    return f"{line} <{data['link']}|open in subq>" if data.get("link") else line
 
 
 class Attempt:
@@ -169,7 +192,7 @@ class Deliverer:
             record = self.records.get_task(str(entry["task_id"])).model_dump(mode="json")
         except NotFoundError:
             return self.outbox.settle(root_id, delivery_id, "given_up", last="the task has expired")
-        body = payload(entry, record)
+        body = payload(entry, record, self.settings.api_url)
         if target.get("kind") == "celery":
             attempt = self._send_celery(target, record, delivery_id)
         else:
@@ -212,7 +235,8 @@ class Deliverer:
             return Attempt("retrying", one_line(f"refused: {exc}"))
         shown = f"[{address}]" if ":" in address else address
         direct = urlunsplit((parts.scheme, f"{shown}:{port}", parts.path or "/", parts.query, ""))
-        data = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+        sent = {"text": slack_line(body)} if target.get("format") == "slack" else body
+        data = json.dumps(sent, separators=(",", ":"), ensure_ascii=False)
         now = datetime.now(UTC)
         headers = {
             "host": parts.netloc,

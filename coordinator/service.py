@@ -174,7 +174,7 @@ class Coordinator:
         prompt = text_field(prompt, "prompt", MAX_PROMPT_CHARS)
         tags = check_metadata(metadata) if metadata is not None else {}
         hooks, callback = check_subscriptions(webhooks, on_complete)
-        targets = subscriptions(hooks, callback, self.settings.webhook_allow)
+        targets = subscriptions(hooks, callback, self.settings.webhook_allow, self.settings.notify)
         if not isinstance(run, bool):
             raise ValidationError("run must be true or false", field="run")
         if output_schema is not None:

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import pydantic
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -36,6 +37,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from coordinator.access import ApiKeySpec, check_distinct, parse_keys, read_keys_file
 from coordinator.errors import ConfigError, ProfileError
 from coordinator.output_schema import schema_problem
+from coordinator.subscriptions import check_webhook_events, check_webhook_secret, check_webhook_url
 
 __all__ = [
     "DEFAULT_PRICED_AS",
@@ -470,6 +472,26 @@ DEFAULT_WEBHOOK_OUTBOX_CAP = 100_000
 _HOST_NAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
 
 
+class NotifySink(BaseModel):
+    """An operator's sink (SUBQ_NOTIFY): the approvals and budget warnings of every tree go there, as the signed
+    payload (`json`) or a Slack incoming-webhook body (`slack`: one line with a link to the web view)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: Annotated[str, AfterValidator(check_webhook_url)]
+    format: Literal["json", "slack"] = "json"
+    secret: Annotated[SecretStr, AfterValidator(check_webhook_secret)] | None = None
+    events: Annotated[list[str], AfterValidator(check_webhook_events)] = Field(
+        default_factory=lambda: ["approval.*", "budget.*"], min_length=1
+    )
+
+
+def _notify(value: object) -> object:
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip() else []
+    return value
+
+
 def _webhook_allow(value: object) -> object:
     """`SUBQ_WEBHOOK_ALLOW`: host names and addresses or networks (`127.0.0.1`, `10.0.0.0/8`, `hooks.corp`),
     comma-separated or a JSON list, that a webhook may reach although private."""
@@ -587,6 +609,7 @@ class Settings(BaseSettings):
     webhook_concurrency: int = Field(default=DEFAULT_WEBHOOK_CONCURRENCY, ge=1, le=256)
     webhook_tree_cap: int = Field(default=DEFAULT_WEBHOOK_TREE_CAP, ge=1)
     webhook_outbox_cap: int = Field(default=DEFAULT_WEBHOOK_OUTBOX_CAP, ge=1)
+    notify: Annotated[list[NotifySink], NoDecode, BeforeValidator(_notify)] = Field(default_factory=list, max_length=10)
 
     @field_validator("sandbox_hidden_paths", mode="before")
     @classmethod

@@ -52,6 +52,9 @@ __all__ = [
     "Webhook",
     "Webhooks",
     "check_target",
+    "check_webhook_events",
+    "check_webhook_secret",
+    "check_webhook_url",
     "resolve_safe",
     "shown_target",
     "subscriptions",
@@ -88,7 +91,7 @@ _TASK_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,199}")
 _QUEUE_RE = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
 
 
-def _check_url(url: str) -> str:
+def check_webhook_url(url: str) -> str:
     if len(url) > MAX_URL_CHARS:
         raise ValueError(f"is {len(url)} characters; the limit is {MAX_URL_CHARS}")
     try:
@@ -107,7 +110,7 @@ def _check_url(url: str) -> str:
     return url
 
 
-def _check_secret(secret: SecretStr) -> SecretStr:
+def check_webhook_secret(secret: SecretStr) -> SecretStr:
     text = secret.get_secret_value()
     if len(text) > MAX_SECRET_CHARS:
         raise ValueError(f"is {len(text)} characters; the limit is {MAX_SECRET_CHARS}")
@@ -124,7 +127,7 @@ def _check_secret(secret: SecretStr) -> SecretStr:
     return secret
 
 
-def _check_events(events: list[str]) -> list[str]:
+def check_webhook_events(events: list[str]) -> list[str]:
     for n, name in enumerate(events):
         if name not in EVENT_PATTERNS:
             raise ValueError(f"{n}: {name[:64]!r} is no event; one of {', '.join(sorted(EVENT_PATTERNS))}")
@@ -136,16 +139,16 @@ class Webhook(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    url: Annotated[str, AfterValidator(_check_url)] = Field(
+    url: Annotated[str, AfterValidator(check_webhook_url)] = Field(
         description="http(s) URL that receives the events (no loopback, private or metadata address)",
         json_schema_extra={"maxLength": MAX_URL_CHARS},
     )
-    secret: Annotated[SecretStr, AfterValidator(_check_secret)] | None = Field(
+    secret: Annotated[SecretStr, AfterValidator(check_webhook_secret)] | None = Field(
         default=None,
         description="Standard Webhooks signing secret (`whsec_...`), write-only: never returned nor logged",
         json_schema_extra={"writeOnly": True, "maxLength": MAX_SECRET_CHARS},
     )
-    events: Annotated[list[str], AfterValidator(_check_events)] = Field(
+    events: Annotated[list[str], AfterValidator(check_webhook_events)] = Field(
         default_factory=lambda: list(DEFAULT_EVENTS),
         min_length=1,
         max_length=len(EVENT_PATTERNS),
@@ -265,20 +268,29 @@ def check_target(url: str, allow: Sequence[str], field: str) -> None:
 
 
 def subscriptions(
-    webhooks: Sequence[Webhook] | None, on_complete: CeleryCallback | None, allow: Sequence[str]
+    webhooks: Sequence[Webhook] | None,
+    on_complete: CeleryCallback | None,
+    allow: Sequence[str],
+    sinks: Sequence[Any] = (),
 ) -> dict[str, tuple[str, str]]:
     """A root's subscriptions as the hooks hash keeps them: number -> (event patterns, target JSON).
 
-    Every URL is checked here, before anything is written."""
+    The caller's webhooks (0 to 4) are checked here, before anything is written; its Celery callback is
+    `c`; the operator's SUBQ_NOTIFY sinks (`n0`, ...: each with a url, format, secret and events) are the
+    operator's own and checked at each connect only."""
     targets: dict[str, tuple[str, str]] = {}
     for n, hook in enumerate(webhooks or ()):
         check_target(hook.url, allow, f"webhooks.{n}.url")
         secret = hook.secret.get_secret_value() if hook.secret is not None else ""
-        target = {"kind": "webhook", "url": hook.url, "secret": secret}
+        target = {"kind": "webhook", "url": hook.url, "secret": secret, "format": "json"}
         targets[str(n)] = (" ".join(hook.events), json.dumps(target))
     if on_complete is not None:
         target = {"kind": "celery", "task": on_complete.task, "queue": on_complete.queue}
         targets[CALLBACK_HOOK] = ("task.*", json.dumps(target))
+    for n, sink in enumerate(sinks):
+        secret = sink.secret.get_secret_value() if sink.secret is not None else ""
+        target = {"kind": "webhook", "url": sink.url, "secret": secret, "format": sink.format}
+        targets[f"n{n}"] = (" ".join(sink.events), json.dumps(target))
     return targets
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -22,10 +23,11 @@ def free_port() -> int:
 
 
 class Got:
-    """One request as it arrived: its path, headers (lower-case names) and body."""
+    """One request as it arrived: its path, headers (lower-case names), body and time."""
 
     def __init__(self, path: str, headers: dict[str, str], body: bytes) -> None:
         self.path, self.headers, self.body = path, headers, body
+        self.at = time.time()
 
     @property
     def json(self) -> Any:

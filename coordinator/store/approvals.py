@@ -6,6 +6,8 @@ import json
 import time
 from typing import Any
 
+from redis.client import Pipeline
+
 from coordinator.errors import NotFoundError
 from coordinator.ids import root_of
 from coordinator.models import Approval
@@ -15,12 +17,17 @@ from coordinator.store.base import (
     _encode_record,
     _str_map,
     _strs,
+    outbox_keys,
     translate_redis_errors,
 )
 from coordinator.store.fields import APPROVAL_OPTIONAL_FIELDS, ApprovalField
-from coordinator.store.protocol import Decide
+from coordinator.store.protocol import Decide, OutboxAdd
 
-__all__ = ["ApprovalStore"]
+__all__ = ["MAX_EVENT_ARGS_CHARS", "ApprovalStore"]
+
+# A tool call's arguments in an `approval.requested` event, as JSON text: enough to decide from a phone;
+# the whole call is in the web view the event links to.
+MAX_EVENT_ARGS_CHARS = 2000
 
 
 class ApprovalStore(Part):
@@ -28,12 +35,27 @@ class ApprovalStore(Part):
 
     @translate_redis_errors
     def save_approval(self, approval: Approval) -> None:
+        """The approval, on the pending list, and its `approval.requested` event in the tree's outbox, in one
+        MULTI: a waiting approval is never without its notice (docs/webhooks.md)."""
         key = self.keys.approval(approval.root_id, approval.id)
-        with self.client.pipeline(transaction=True) as pipe:
+
+        def writes(pipe: Pipeline) -> None:
             pipe.hset(key, mapping=_encode_record(approval.model_dump()))
             pipe.expire(key, self.retention_s)
             pipe.zadd(self.keys.approvals(), {approval.id: approval.created_at})
-            pipe.execute()
+
+        arguments = json.dumps(approval.args, ensure_ascii=False)
+        if len(arguments) > MAX_EVENT_ARGS_CHARS:
+            arguments = arguments[: MAX_EVENT_ARGS_CHARS - 1] + "…"
+        fields = {
+            "approval_id": approval.id, "tool": approval.tool, "arguments": arguments,
+            "deadline": approval.deadline, "todo": approval.todo_content,
+        }  # fmt: skip
+        event = OutboxAdd(
+            outbox=outbox_keys(self.keys, approval.root_id), task_id=approval.task_id, event_type="approval.requested",
+            now=approval.created_at, retention_s=self.retention_s, fields=json.dumps(fields),
+        )  # fmt: skip
+        self.scripts.then_read(event, writes)
 
     @translate_redis_errors
     def get_approval(self, approval_id: str) -> Approval:
@@ -59,5 +81,6 @@ class ApprovalStore(Part):
                 events=self.keys.events(root), approval_id=approval_id, status=status, feedback=feedback,
                 now=time.time(), events_maxlen=EVENTS_MAXLEN, task_prefix=self.keys.task(root, ""),
                 approval_prefix=self.keys.approval(root, ""), decided_by=decided_by,
+                outbox=outbox_keys(self.keys, root), retention_s=self.retention_s,
             )
         )  # fmt: skip

@@ -450,12 +450,14 @@ class CloseBatch(
 class Decide(
     Call[str],
     script="decide",
+    uses=("outbox_add",),
     acknowledged=True,
     returns="'ok', or the approval's status when it was not pending (or 'missing').",
 ):
     approval: str = key("the approval hash")
     pending: str = key("the pending-approvals zset")
     events: str = key("tree events stream")
+    outbox: OutboxKeys = splice("the tree's outbox (outbox_add's {side})")
     approval_id: str = arg("approval id")
     status: str = arg("new status (approved|denied|expired)")
     feedback: str = arg("feedback")
@@ -467,6 +469,7 @@ class Decide(
         "approval's record, as start_run reads ancestors: a tree's keys share one prefix)"
     )
     decided_by: str = arg("who decided: the API key's name ('' for an expiry), written with the decision")
+    retention_s: int = arg("retention seconds")
 
     @classmethod
     def decode(cls, raw: Any) -> str:
