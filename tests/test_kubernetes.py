@@ -592,10 +592,6 @@ def test_the_in_cluster_redis_takes_its_password_on_stdin_and_refuses_a_client_w
         argv = [where.get(arg, arg) for arg in container["readinessProbe"]["exec"]["command"]]
         return subprocess.run(argv, env={**base, **env}, capture_output=True, text=True, timeout=10)
 
-    # An empty password stops the start, naming the key to set, before any redis-server runs.
-    empty = start("")
-    _out, err = empty.communicate(timeout=10)
-    assert empty.returncode != 0 and REDIS_PASSWORD_KEY in err and "redis-server" not in _out, err
     password = "pw-" + "k8s-test-9f3a"
     server = start(password)
     try:
@@ -610,6 +606,24 @@ def test_the_in_cluster_redis_takes_its_password_on_stdin_and_refuses_a_client_w
     finally:
         server.terminate()
         server.communicate(timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("overlay", "workload"), [("dev", "subq-redis"), ("ha", "subq-redis-node"), ("ha", "subq-sentinel")]
+)
+def test_a_redis_server_with_an_empty_password_stops_at_start_naming_the_key(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str, workload: str
+) -> None:
+    """An empty SUBQ_KUBERNETES_REDIS_PASSWORD never starts a Redis without a password: the container's own
+    command, run in its environment as the Secret gives it, exits with one line naming the key."""
+    docs = rendered[overlay]
+    (container,) = _one(docs, "StatefulSet", workload)["spec"]["template"]["spec"]["containers"]
+    env = pod_env(docs, container, {REDIS_PASSWORD_KEY: ""})
+    argv = [expand(arg, env) for arg in [*container.get("command", []), *container.get("args", [])]]
+    done = subprocess.run(argv, env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True, timeout=10)
+    assert done.returncode != 0 and done.stdout == "", done
+    (line,) = done.stderr.splitlines()
+    assert line.endswith(f"REDISCLI_AUTH: is empty: set {REDIS_PASSWORD_KEY} in the overlay's secrets.env"), line
 
 
 @pytest.mark.parametrize("name", ["subq-worker", "subq-api", "subq-flower"])
@@ -686,8 +700,13 @@ def test_the_sentinel_component_runs_three_nodes_with_aof_and_three_sentinels(
     for name in ("ask-master.sh", "redis-node.sh", "sentinel.sh"):
         assert scripts[name] == (SENTINEL_SCRIPTS / name).read_text(), name
     (sentinel,) = sentinels["spec"]["template"]["spec"]["containers"]
-    assert node["command"] == ["sh", "/usr/local/etc/redis-sentinel/redis-node.sh"]
-    assert sentinel["command"] == ["sh", "/usr/local/etc/redis-sentinel/sentinel.sh"]
+    # Each runs its script once its password is known not to be empty (the scripts start without one then).
+    for container, script in ((node, "redis-node.sh"), (sentinel, "sentinel.sh")):
+        shell, flag, line = container["command"]
+        assert (shell, flag) == ("sh", "-c") and "args" not in container
+        check, run = line.strip().split("\n")
+        assert check.startswith(': "${REDISCLI_AUTH:?') and REDIS_PASSWORD_KEY in check
+        assert run == f"exec sh /usr/local/etc/redis-sentinel/{script}"
     # Nodes and sentinels agree on the master's name, the first master and where the sentinels are.
     node_env, sentinel_env = _env(node), _env(sentinel)
     for name in ("SENTINELS", "SENTINEL_MASTER", "REDIS_FIRST_MASTER"):
