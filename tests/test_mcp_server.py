@@ -343,3 +343,28 @@ def test_an_idempotency_key_and_metadata_as_through_v1(stack: tuple[Coordinator,
         assert coord.wait(first["id"], 60).metadata == {"ticket": "T-41"}
 
     anyio.run(main)
+
+
+def test_webhooks_are_passed_on_as_through_v1(face: tuple[str, Connect], stack: tuple[Coordinator, ApiServer]) -> None:
+    """run_task takes POST /v1/tasks' webhooks and on_complete (issue 40) and hands them to the service as they are."""
+    _name, connect = face
+    coord, api = stack
+    private = {"prompt": "Tell the intranet", "webhooks": [{"url": "http://10.0.0.7/hook"}]}
+
+    async def main() -> str:
+        async with connect("team") as client:
+            refused = refusal(await client.call_tool("run_task", private))
+            with api.client({"Authorization": f"Bearer {TOKENS['team']}"}) as http:
+                response = http.post("/v1/tasks", json={**private, "run": True})
+            assert response.status_code == 422 and refused == response.json()
+            called = await client.call_tool("run_task", {"prompt": "Call back", "on_complete": "billing.task_done"})
+            return str(data(called)["id"])
+
+    root = anyio.run(main)
+    coord.wait(root, 60)
+    deadline = time.monotonic() + 20
+    with api.client({"Authorization": f"Bearer {TOKENS['team']}"}) as http:
+        while not (deliveries := http.get(f"/v1/tasks/{root}/deliveries").json()["deliveries"]):
+            assert time.monotonic() < deadline, "the tree's end was never handed to its on_complete"
+            time.sleep(0.2)
+    assert deliveries, deliveries
