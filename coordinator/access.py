@@ -40,7 +40,10 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import ValidationError as PydanticError
+
+from coordinator.subscriptions import MAX_WEBHOOKS, Webhook
 
 __all__ = [
     "ADMIN_KEY",
@@ -86,19 +89,22 @@ class ApiKeySpec(BaseModel):
 
     token_sha256: str
     scopes: list[Scope]
+    webhooks: list[Webhook] = Field(default_factory=list, max_length=MAX_WEBHOOKS)
 
 
 @dataclass(frozen=True)
 class ApiKey:
-    """One key as configured: its name, its token's SHA-256 (lower-case hex) and its scopes."""
+    """One key as configured: its name, its token's SHA-256 (lower-case hex), its scopes, and the webhooks
+    every tree it creates sends its events to (docs/webhooks.md): a service configures them once."""
 
     name: str
     token_sha256: str
     scopes: frozenset[Scope]
+    webhooks: tuple[Webhook, ...] = ()
 
     def as_setting(self) -> ApiKeySpec:
         """The key as the Settings class holds it (and SUBQ_API_KEYS writes it)."""
-        return ApiKeySpec(token_sha256=self.token_sha256, scopes=sorted(self.scopes))
+        return ApiKeySpec(token_sha256=self.token_sha256, scopes=sorted(self.scopes), webhooks=list(self.webhooks))
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,7 @@ class Principal:
 
     name: str
     scopes: frozenset[Scope]
+    webhooks: tuple[Webhook, ...] = ()  # the key's own subscriptions, for every tree it creates
 
     def has(self, scope: Scope) -> bool:
         return Scope.ADMIN in self.scopes or scope in self.scopes
@@ -156,12 +163,12 @@ def _parse_key(name: str, spec: object, where: str) -> ApiKey:
     if isinstance(spec, ApiKey):
         return spec
     if isinstance(spec, ApiKeySpec):
-        spec = spec.model_dump(mode="json")
+        spec = {**spec.model_dump(mode="json", exclude={"webhooks"}), "webhooks": spec.webhooks}
     if not isinstance(spec, Mapping):
         raise ValueError(f'{at}: must be a table {{"token_sha256": "<hex>", "scopes": [...]}}')
-    unknown = sorted(set(map(str, spec)) - {"token_sha256", "scopes"})
+    unknown = sorted(set(map(str, spec)) - {"token_sha256", "scopes", "webhooks"})
     if unknown:
-        raise ValueError(f"{at}: unknown field {unknown[0]!r} (a key has token_sha256 and scopes)")
+        raise ValueError(f"{at}: unknown field {unknown[0]!r} (a key has token_sha256, scopes and webhooks)")
     for field in ("token_sha256", "scopes"):
         if field not in spec:
             raise ValueError(f"{at}: missing field {field!r}")
@@ -177,7 +184,25 @@ def _parse_key(name: str, spec: object, where: str) -> ApiKey:
     for scope in scopes:
         if scope not in Scope.__members__.values():
             raise ValueError(f"{at}: unknown scope {scope!r} (one of {', '.join(Scope)})")
-    return ApiKey(name, digest.lower(), frozenset(Scope(s) for s in scopes))
+    return ApiKey(name, digest.lower(), frozenset(Scope(s) for s in scopes), _key_webhooks(spec.get("webhooks"), at))
+
+
+_WEBHOOKS = TypeAdapter(list[Webhook])
+
+
+def _key_webhooks(given: object, at: str) -> tuple[Webhook, ...]:
+    """A key's `webhooks` ([{url, secret?, events?}], at most 5), or a ValueError naming the key and the field."""
+    if given is None:
+        return ()
+    try:
+        hooks = _WEBHOOKS.validate_python(given)
+    except PydanticError as exc:
+        error = exc.errors()[0]
+        where = ".".join(["webhooks", *(str(part) for part in error["loc"])])
+        raise ValueError(f"{at}: {where}: {error['msg']}") from None
+    if len(hooks) > MAX_WEBHOOKS:
+        raise ValueError(f"{at}: webhooks: at most {MAX_WEBHOOKS}")
+    return tuple(hooks)
 
 
 def read_keys_file(path: Path) -> dict[str, ApiKey]:

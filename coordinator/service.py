@@ -133,6 +133,7 @@ class Coordinator:
         metadata: Mapping[str, str] | None = None,
         webhooks: Sequence[Webhook | Mapping[str, Any]] | None = None,
         on_complete: CeleryCallback | Mapping[str, Any] | str | None = None,
+        key_webhooks: Sequence[Webhook] = (),
     ) -> TaskRecord:
         """Create a root task.
 
@@ -148,11 +149,12 @@ class Coordinator:
         every task of the tree carries them, and `list_tasks(metadata=...)` finds the tree by them.
         `webhooks` (`[{url, secret?, events?}]`) and `on_complete` (a Celery task's name, or `{task, queue}`)
         are where the tree's events go (docs/webhooks.md): a URL that may not be reached is refused
-        (ValidationError naming it) and nothing is written; a secret is never returned.
+        (ValidationError naming it) and nothing is written; a secret is never returned. `key_webhooks` are
+        the creating API key's own (the keys file's `webhooks`): every tree the key creates sends there too.
         """
         return self.create_task_once(
             prompt, todos, profile, run, budget_usd, idempotency_key, owner=owner, output_schema=output_schema,
-            metadata=metadata, webhooks=webhooks, on_complete=on_complete,
+            metadata=metadata, webhooks=webhooks, on_complete=on_complete, key_webhooks=key_webhooks,
         )[0]  # fmt: skip
 
     def create_task_once(
@@ -169,12 +171,13 @@ class Coordinator:
         metadata: Mapping[str, str] | None = None,
         webhooks: Sequence[Webhook | Mapping[str, Any]] | None = None,
         on_complete: CeleryCallback | Mapping[str, Any] | str | None = None,
+        key_webhooks: Sequence[Webhook] = (),
     ) -> tuple[TaskRecord, bool]:
         """`create_task`, and whether this call created the root (False: the key's first call did)."""
         prompt = text_field(prompt, "prompt", MAX_PROMPT_CHARS)
         tags = check_metadata(metadata) if metadata is not None else {}
         hooks, callback = check_subscriptions(webhooks, on_complete)
-        targets = subscriptions(hooks, callback, self.settings.webhook_allow, self.settings.notify)
+        targets = subscriptions(hooks, callback, self.settings.webhook_allow, self.settings.notify, key_webhooks)
         if not isinstance(run, bool):
             raise ValidationError("run must be true or false", field="run")
         if output_schema is not None:

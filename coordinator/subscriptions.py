@@ -272,12 +272,13 @@ def subscriptions(
     on_complete: CeleryCallback | None,
     allow: Sequence[str],
     sinks: Sequence[Any] = (),
+    key_webhooks: Sequence[Webhook] = (),
 ) -> dict[str, tuple[str, str]]:
     """A root's subscriptions as the hooks hash keeps them: number -> (event patterns, target JSON).
 
     The caller's webhooks (0 to 4) are checked here, before anything is written; its Celery callback is
-    `c`; the operator's SUBQ_NOTIFY sinks (`n0`, ...: each with a url, format, secret and events) are the
-    operator's own and checked at each connect only."""
+    `c`; the operator's SUBQ_NOTIFY sinks (`n0`, ...: each with a url, format, secret and events) and the
+    creating API key's webhooks (`k0`, ...) are the operator's own and checked at each connect only."""
     targets: dict[str, tuple[str, str]] = {}
     for n, hook in enumerate(webhooks or ()):
         check_target(hook.url, allow, f"webhooks.{n}.url")
@@ -291,6 +292,10 @@ def subscriptions(
         secret = sink.secret.get_secret_value() if sink.secret is not None else ""
         target = {"kind": "webhook", "url": sink.url, "secret": secret, "format": sink.format}
         targets[f"n{n}"] = (" ".join(sink.events), json.dumps(target))
+    for n, hook in enumerate(key_webhooks):
+        secret = hook.secret.get_secret_value() if hook.secret is not None else ""
+        target = {"kind": "webhook", "url": hook.url, "secret": secret, "format": "json"}
+        targets[f"k{n}"] = (" ".join(hook.events), json.dumps(target))
     return targets
 
 

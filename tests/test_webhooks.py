@@ -252,3 +252,28 @@ def test_deliveries_are_visible_and_an_operator_redelivers_on_record(
         assert shown.returncode == 0 and delivery["id"] in shown.stdout and "task.cancelled" in shown.stdout
         assert SECRET not in shown.stdout and "token=abc" not in shown.stdout
     api.close()
+
+
+def test_an_api_keys_webhooks_get_every_tree_it_creates(fleet: tuple[Coordinator, WorkerFleet]) -> None:
+    from coordinator.access import ApiKeySpec, parse_keys, token_sha256
+    from coordinator.subscriptions import Webhook
+
+    coord, _ = fleet
+    with Receiver() as receiver:
+        hook = Webhook(url=receiver.url, secret=SECRET, events=["task.*"])
+        keys = {"svc": ApiKeySpec(token_sha256=token_sha256("svc-token"), scopes=["submit", "read"], webhooks=[hook])}
+        api = Coordinator(api_settings(coord.settings, api_keys=keys))
+        with (
+            ApiServer(create_app(coordinator=api)) as server,
+            server.client({"authorization": "Bearer svc-token"}) as http,
+        ):
+            made = http.post("/v1/tasks", json={"prompt": "Plan."})
+            assert made.status_code == 201, made.text
+            root_id = made.json()["id"]
+            assert http.post(f"/v1/tasks/{root_id}/cancel", json={"reason": "done"}).status_code == 200
+            got = eventually(lambda: receiver.of_type("task.cancelled"), "the key's webhook told", timeout_s=WAIT_S)
+            assert _verified(got[0])["data"]["task_id"] == root_id
+            assert SECRET not in http.get(f"/v1/tasks/{root_id}/deliveries").text
+        api.close()
+    with pytest.raises(ValueError, match=r"key 'svc': webhooks.0.url: .*http:// or https://"):
+        parse_keys({"svc": {"token_sha256": "a" * 64, "scopes": ["submit"], "webhooks": [{"url": "ftp://x"}]}})

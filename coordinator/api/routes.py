@@ -90,6 +90,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
             metadata=body.metadata,
             webhooks=body.webhooks,
             on_complete=body.on_complete,
+            key_webhooks=key.webhooks,
         )
         return CreatedTask(**dict(record), ignored_todo_lines=ignored_lines(body.todos))
 
