@@ -277,3 +277,37 @@ def test_an_api_keys_webhooks_get_every_tree_it_creates(fleet: tuple[Coordinator
         api.close()
     with pytest.raises(ValueError, match=r"key 'svc': webhooks.0.url: .*http:// or https://"):
         parse_keys({"svc": {"token_sha256": "a" * 64, "scopes": ["submit"], "webhooks": [{"url": "ftp://x"}]}})
+
+
+def test_a_410_ends_the_subscription_and_a_dead_receiver_is_given_up_in_bounded_time(
+    settings: Settings, tmp_path: Path
+) -> None:
+    bounded = {**FLEET, "webhook_retry_for_s": 2.0}
+    with (
+        dedicated_fleet(settings, tmp_path / "w", 1, **bounded) as (coord, _),
+        Receiver(status=410) as gone,
+    ):
+        dead = Receiver(start=False)
+        root = coord.create_task(
+            "Plan.", webhooks=[{"url": gone.url, "events": ["*"]}, {"url": dead.url, "events": ["task.*"]}]
+        )
+        coord.delegate(root.id, [{"description": "a", "message": "Wait."}])
+
+        def states() -> dict[str, str]:
+            return {d.target + " " + d.type: d.state for d in coord.deliveries(root.id)}
+
+        # The first event to reach the 410 receiver ends its subscription: no later event is written for it.
+        eventually(lambda: "gone" in states().values(), "a delivery answered 410", timeout_s=WAIT_S)
+        coord.cancel(root.id, "enough")
+        eventually(
+            lambda: [d for d in coord.deliveries(root.id) if d.target == dead.url and d.state == "given_up"],
+            "the dead receiver given up", timeout_s=WAIT_S,
+        )  # fmt: skip
+        to_gone = [d for d in coord.deliveries(root.id) if d.target == gone.url]
+        assert len(gone.got) == 1 and [d.state for d in to_gone] == ["gone"]
+        given_up = next(d for d in coord.deliveries(root.id) if d.target == dead.url)
+        assert given_up.attempts >= 2 and "ConnectError" in given_up.last and given_up.type == "task.cancelled"
+        counts = coord.delivery_counts()
+        assert counts[("task.cancelled", "given_up")] >= 1 and counts[("task.cancelled", "retrying")] >= 1
+        assert any(outcome == "gone" for _, outcome in counts)
+        _clean(coord, PREFIX)
