@@ -746,3 +746,7 @@ def test_a_worker_pod_may_start_the_command_sandbox(rendered: dict[str, list[dic
     }
     assert pod["securityContext"]["runAsNonRoot"] is True, "still the image's user"
     assert "bubblewrap" in (ROOT / "deploy" / "Dockerfile").read_text()
+    # A profile with the network: pasta's tap device, from the node.
+    (tun,) = [volume for volume in pod["volumes"] if volume["name"] == "dev-net-tun"]
+    assert tun["hostPath"] == {"path": "/dev/net/tun", "type": "CharDevice"}
+    assert {"name": "dev-net-tun", "mountPath": "/dev/net/tun"} in pod["containers"][0]["volumeMounts"]
