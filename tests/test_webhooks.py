@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from standardwebhooks.webhooks import Webhook as Verifier
 
@@ -247,6 +248,13 @@ def test_deliveries_are_visible_and_an_operator_redelivers_on_record(
             assert "subq_webhook_oldest_pending_seconds" in metrics
             unknown = http.post(f"/v1/tasks/{root.id}/deliveries/evt_{root.id}_99.0/redeliver")
             assert unknown.status_code == 404, unknown.text
+        with httpx.Client(base_url=server.url, timeout=30) as browser:
+            page = browser.post(
+                "/ui/login", data={"token": TOKEN, "next": f"/ui/tasks/{root.id}"}, follow_redirects=True
+            )
+            assert page.status_code == 200 and "Deliveries (1)" in page.text
+            assert f'id="delivery-{delivery["id"]}"' in page.text
+            assert receiver.url in page.text and "token=abc" not in page.text and SECRET not in page.text
         env = {"SUBQ_REDIS_URL": coord.settings.redis_url or "", "SUBQ_KEY_PREFIX": PREFIX, "SUBQ_QUEUE": QUEUE}
         shown = cli("deliveries", root.id, env=env)
         assert shown.returncode == 0 and delivery["id"] in shown.stdout and "task.cancelled" in shown.stdout

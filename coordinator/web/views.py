@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from coordinator import ids
 from coordinator.errors import ValidationError
 from coordinator.inputs import meta_pairs, visible_text
-from coordinator.models import Approval, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem
+from coordinator.models import Approval, Delivery, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem
 from coordinator.service import MAX_PAGE, Coordinator
 from coordinator.timeline import WAIT_REASONS, CriticalStep, TaskTimes, critical_path, held_longest, times_of
 from coordinator.tree import duration
@@ -234,6 +234,12 @@ class TreeView:
     top: TaskView
     approvals: list[Approval]
     timeline: TimelineView | None = None
+    # The tree's deliveries of outbound events, newest first, at most DELIVERIES_SHOWN (docs/webhooks.md).
+    deliveries: list[Delivery] = field(default_factory=list)
+
+
+# The deliveries panel shows the newest ones; `subq deliveries` and the API list them all.
+DELIVERIES_SHOWN = 50
 
 
 # -- the timeline: every task of the tree on one time axis ------------------------------------
@@ -460,9 +466,11 @@ def read_tree(coord: Coordinator, task_id: str) -> TreeView:
         return TaskView(record, todos, states[record.id], waiting.get(record.id, []), children, hidden)
 
     top = view(top_record)
+    deliveries = coord.deliveries(root_id)[::-1][:DELIVERIES_SHOWN]
     return TreeView(
-        root_id=root_id, top=top, approvals=[a for a in approvals if a.task_id in _ids(top)], timeline=timeline
-    )
+        root_id=root_id, top=top, approvals=[a for a in approvals if a.task_id in _ids(top)], timeline=timeline,
+        deliveries=deliveries,
+    )  # fmt: skip
 
 
 def _ids(node: TaskView) -> set[str]:
