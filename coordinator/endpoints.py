@@ -1,26 +1,38 @@
 """A provider endpoint's health, one view for the whole fleet: runs wait out an outage together.
 
 An endpoint is a provider's `host:port` (the worker names it from the profile's
-`base_url`, workers/runtime/providers.py). What the fleet knows of it lives in
-Redis (`keys.endpoint`, coordinator/store/endpoints.py), so every run of every
-worker process reads the same answer:
+`base_url`, workers/runtime/providers.py), and one endpoint serves many models
+(OpenAI's, OpenRouter's, a LiteLLM proxy's, an Ollama server's). What the fleet
+knows of it lives in Redis (`keys.endpoint`, coordinator/store/endpoints.py) as
+two kinds of view, so every run of every worker process reads the same answer
+and one model's outage is not its host's:
 
-- before each request a run asks the gate: the endpoint is up (send), down until
-  a time still to come (wait for it), or its wait is over: the first run to ask
-  sends one request, the probe, and the others wait for its answer;
-- a transient error (429, 5xx, overloaded, a timeout, a refused connection)
-  marks it down for an exponential backoff with jitter, from
-  `SUBQ_MODEL_RETRY_BASE_S` up to `SUBQ_MODEL_RETRY_MAX_S`, or for as long as
-  the provider asked (`Retry-After`, `retry-after-ms`) when that is longer;
-- a success forgets the failures and wakes the runs parked on it.
+- the host's: what the transport says (a refused or dropped connection, a
+  timeout): no request to any model of the endpoint goes while it is down;
+- one per model: what the provider answers of that model (429, 5xx, 529 and
+  the Retry-After that comes with them): only that model's requests wait, so a
+  fallback to another model on the same endpoint is sent at once.
+
+Before each request a run asks the gate, which reads both views of its model
+in one step: both up (send), either down until a time still to come (wait for
+it), or a view's wait over: the first run to ask sends one request, that view's
+probe, and the others wait for its answer. A transient error marks its view
+down for an exponential backoff with jitter, from `SUBQ_MODEL_RETRY_BASE_S` up
+to `SUBQ_MODEL_RETRY_MAX_S`, or for as long as the provider asked when that is
+longer (the rule is `endpoint_failed.lua`'s; this module reads its answer). An
+answer (a response, or a refusal) clears the host's view and its model's, and
+wakes the runs parked on them; an HTTP error clears the host's view too (the
+host answered), while it marks the model's.
 
 A run whose wait is short sleeps through it; a longer one gives its worker back
 (`park`): its conversation is saved, its lease and run slot are freed, and a timer
 (`provider-wait:<task id>`, served by the reconciler like an approval's deadline)
-publishes its run again when the endpoint may be tried, or at once when another
-run finds the endpoint back. How long a run keeps waiting before it fails is its
-profile's `model_retry_for_s`, counted from its first failure (kept on the task
-across parks). The worker's side of this is workers/runtime/providers.py.
+publishes its run again when the view it waits for may be tried, or at once when
+another run finds that view back. How long a run keeps waiting before it fails is
+its profile's `model_retry_for_s`, counted from its first failure (kept on the
+task across parks, as are its failed attempts: `transient_errors` on the record,
+and the attempt number of the `retry` line). The worker's side of this is
+workers/runtime/providers.py.
 """
 
 from __future__ import annotations
@@ -37,7 +49,9 @@ if TYPE_CHECKING:
     from coordinator.plane import Plane
 
 __all__ = [
+    "HOST",
     "KEEP_MS",
+    "MODEL",
     "PROBE_LEASE_MS",
     "PROBE_RECHECK_MS",
     "PROVIDER_TIMER",
@@ -64,30 +78,39 @@ PROBE_RECHECK_MS = 1_000
 KEEP_MS = 3_600_000
 
 
+# The views of an endpoint a Gate names (`view`): its host's, or the model's.
+HOST = "host"
+MODEL = "model"
+
+
 class Gate(NamedTuple):
-    """What the fleet knows of an endpoint: the ms to wait before sending (0: send now), the failures
-    in a row, the last error line ('' while it is up)."""
+    """What the fleet knows of a model's endpoint: the ms to wait before sending (0: send now), the failures
+    in a row, the last error line ('' while it is up), and the view they are of: `HOST`, `MODEL`, or ''
+    while both are up (when sending, the view whose probe this request is)."""
 
     wait_ms: int
     failures: int
     error: str
+    view: str = ""
 
 
 def timer(task_id: str) -> str:
     return f"{PROVIDER_TIMER}:{task_id}"
 
 
-def gate(plane: Plane, endpoint: str, token: str) -> Gate:
-    """Whether a request to `endpoint` may go now; the run `token` becomes the probe when one is due."""
-    return Gate(*plane.store.endpoints.gate(endpoint, token, PROBE_LEASE_MS, PROBE_RECHECK_MS))
+def gate(plane: Plane, endpoint: str, model: str, token: str) -> Gate:
+    """Whether a request to `model` at `endpoint` may go now; the run `token` becomes the probe when one is due."""
+    return Gate(*plane.store.endpoints.gate(endpoint, model, token, PROBE_LEASE_MS, PROBE_RECHECK_MS))
 
 
-def failed(plane: Plane, endpoint: str, error: str, asked_s: float | None) -> Gate:
-    """Mark `endpoint` down after a transient error (`asked_s`: the provider's Retry-After); the wait."""
+def failed(plane: Plane, endpoint: str, model: str, error: str, asked_s: float | None) -> Gate:
+    """Mark a view of `endpoint` down after a transient error: `model`'s, or with "" its host's (`asked_s`:
+    the provider's Retry-After); the wait, as endpoint_failed.lua decided it."""
     settings = plane.settings
     return Gate(
         *plane.store.endpoints.failed(
             endpoint,
+            model,
             error,
             base_ms=max(1, int(settings.model_retry_base_s * 1000)),
             cap_ms=max(1, int(settings.model_retry_max_s * 1000)),
@@ -98,18 +121,20 @@ def failed(plane: Plane, endpoint: str, error: str, asked_s: float | None) -> Ga
     )
 
 
-def recovered(plane: Plane, endpoint: str) -> None:
-    """A request to `endpoint` succeeded: forget its failures, and wake the runs parked on it now."""
-    parked = plane.store.endpoints.recovered(endpoint)
+def recovered(plane: Plane, endpoint: str, model: str = "") -> None:
+    """`endpoint` answered a request of `model` (with "": it answered, of a model whose own view stays as
+    it is): forget those views' failures, and wake the runs parked on them now."""
+    parked = plane.store.endpoints.recovered(endpoint, model)
     if parked:
         plane.store.endpoints.wake_now([timer(task_id) for task_id in parked])
-        log.info("subq: %s is back; waking %d parked runs", endpoint, len(parked))
+        log.info("subq: %s%s is back; waking %d parked runs", endpoint, f" ({model})" if model else "", len(parked))
 
 
-def park(plane: Plane, task: TaskRecord, endpoint: str, wake_at_s: float, since_ms: int) -> None:
-    """Before a run gives its worker back to wait for `endpoint`: its timer, and its first wait's time."""
+def park(plane: Plane, task: TaskRecord, endpoint: str, model: str, wake_at_s: float, since_ms: int) -> None:
+    """Before a run gives its worker back to wait for a view of `endpoint` (`model`'s, or with "" its
+    host's): its timer, and its first wait's time."""
     keep_s = KEEP_MS / 1000 + max(0.0, wake_at_s - since_ms / 1000)
-    plane.store.endpoints.park(endpoint, task.id, timer(task.id), wake_at_s, since_ms, keep_s)
+    plane.store.endpoints.park(endpoint, model, task.id, timer(task.id), wake_at_s, since_ms, keep_s)
 
 
 def wake(plane: Plane, task_id: str) -> None:

@@ -61,7 +61,7 @@ from pydantic import TypeAdapter
 
 from coordinator import admission, approvals, budgets, delegation, dispatch, endpoints, faults, writeback
 from coordinator.approvals import ToolCall
-from coordinator.endpoints import Gate
+from coordinator.endpoints import HOST, MODEL, Gate
 from coordinator.errors import NotFoundError, StoreError
 from coordinator.heartbeat import Heartbeat
 from coordinator.models import (
@@ -87,8 +87,10 @@ if TYPE_CHECKING:
     from coordinator.service import Coordinator
 
 __all__ = [
+    "HOST",
     "LIVE_EVERY_S",
     "MAX_SUMMARY_CHARS",
+    "MODEL",
     "Ended",
     "Gate",
     "HandBack",
@@ -253,6 +255,8 @@ class Run:
         self._waits: dict[str, int] = {}
         # When the task began waiting for its provider across runs (ms; 0: not waiting), read on first need.
         self._provider_wait_since_ms: int | None = None
+        # The failed attempts of the request in flight, as counted on the task by this run (0: none).
+        self._provider_attempts = 0
 
     @property
     def task_id(self) -> str:
@@ -491,33 +495,43 @@ class Run:
         faults.crash_point(self._plane.settings, "after-compaction")
         return kept == "kept"
 
-    def transient_error(self, what: str, attempt: int) -> None:
+    def transient_errors(self, lines: Sequence[str]) -> None:
+        """Requests sent and failed transiently, to be sent again: each counted on the task (`transient_errors`)
+        and told in a `retry` UI line with the request's attempt number, both kept on the task across parks."""
+        if not lines:
+            return
         self.flush()
-        self._plane.store.runs.count_transient_error(self.task.id)
-        self.say("retry", f"{what}: retrying (attempt {attempt})")
+        _, attempts = self._plane.store.endpoints.count_transient_errors(self.task.id, len(lines))
+        self._provider_attempts = attempts
+        for number, what in enumerate(lines, start=attempts - len(lines) + 1):
+            self.say("retry", f"{what}: retrying (attempt {number})")
 
     # -- the provider's endpoint, as the fleet sees it (coordinator/endpoints.py) -------------
 
-    def endpoint_gate(self, endpoint: str) -> Gate:
-        """Whether the next request may go to `endpoint` now (one round trip); this run may become its probe."""
-        return endpoints.gate(self._plane, endpoint, self.token)
+    def endpoint_gate(self, endpoint: str, model: str) -> Gate:
+        """Whether the next request to `model` may go to `endpoint` now (its host's view and the model's, one
+        round trip); this run may become a view's probe."""
+        return endpoints.gate(self._plane, endpoint, model, self.token)
 
-    def endpoint_failed(self, endpoint: str, error: str, asked_s: float | None) -> Gate:
-        """A request to `endpoint` failed transiently: it is down for the fleet; how long to wait."""
-        return endpoints.failed(self._plane, endpoint, error, asked_s)
+    def endpoint_failed(self, endpoint: str, model: str, error: str, asked_s: float | None) -> Gate:
+        """A request to `endpoint` failed transiently: the view it marks (`model`'s, or with "" the host's) is
+        down for the fleet; how long to wait."""
+        return endpoints.failed(self._plane, endpoint, model, error, asked_s)
 
-    def endpoint_answered(self, endpoint: str, *, was_down: bool) -> None:
-        """`endpoint` answered a request (a response, or a refusal): the fleet forgets its failures (only if
-        it had some: the healthy path costs nothing), and wakes the runs parked on it."""
+    def endpoint_answered(self, endpoint: str, model: str, *, was_down: bool) -> None:
+        """`endpoint` answered a request to `model` (with "": answered, of a model whose view stays down): the
+        fleet forgets those views' failures (only if they had some: the healthy path costs nothing), and wakes
+        the runs parked on them."""
         if was_down:
-            endpoints.recovered(self._plane, endpoint)
+            endpoints.recovered(self._plane, endpoint, model)
 
     def provider_wait_over(self) -> None:
-        """A response arrived: a task whose run had given its worker back to wait forgets when its wait began
-        (once a run: a run woken from a park may not have read it)."""
-        if self._provider_wait_since_ms != 0:
-            self._plane.store.endpoints.clear_wait_since(self.task.id)
+        """A response arrived: a task whose run had given its worker back to wait forgets when its wait began,
+        and its request's failed attempts (once a run: a run woken from a park may not have read them)."""
+        if self._provider_wait_since_ms != 0 or self._provider_attempts:
+            self._plane.store.endpoints.clear_wait(self.task.id)
         self._provider_wait_since_ms = 0
+        self._provider_attempts = 0
 
     def provider_wait_since_ms(self) -> int | None:
         """When this task began waiting for its provider, if an earlier run of it gave its worker back to wait."""
@@ -536,11 +550,12 @@ class Run:
             )  # fmt: skip
             self.flush()
 
-    def wait_for_provider(self, endpoint: str, wake_at_s: float, since_ms: int) -> Released:
-        """The run gives its worker back until `wake_at_s` (or until `endpoint` is back): its timer is set
-        first, then `end` saves it and frees its lease and slot."""
+    def wait_for_provider(self, endpoint: str, model: str, wake_at_s: float, since_ms: int) -> Released:
+        """The run gives its worker back until `wake_at_s` (or until the view of `endpoint` it waits for,
+        `model`'s or with "" its host's, is back): its timer is set first, then `end` saves it and frees its
+        lease and slot."""
         self.provider_waiting(endpoint, waiting=True)
-        endpoints.park(self._plane, self.task, endpoint, wake_at_s, since_ms)
+        endpoints.park(self._plane, self.task, endpoint, model, wake_at_s, since_ms)
         return Released("waiting_provider", wake_at_s=wake_at_s)
 
     # -- the orchestration tools --------------------------------------------------------

@@ -17,6 +17,10 @@ A failure takes the place of the answer while it lasts (for `for_s` seconds, or
 `times` requests, or both: whichever ends first); failures queue in the order
 given, `status=0` closes the connection without an answer, and `status=200`
 answers as usual (so `script([503, 200, 404])` scripts the next three requests).
+One server serves any model name a request asks for, as a hosted endpoint or a
+proxy serves many; a failure given a `model` takes the place of that model's
+answers only (`server.fail(503, model="primary-model")`: the other models of the
+same host and port answer as usual).
 
 A context window, as a hosted model has one (tests of compaction, docs/context.md):
 
@@ -93,6 +97,7 @@ class Failure:
     until: float | None = None
     times: int | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    model: str | None = None  # only the requests for this model name; None: every request
 
 
 @dataclass(frozen=True)
@@ -141,7 +146,9 @@ class ModelServer:
         max_prompt_tokens: int | None = None,
         by_call_ids: bool = False,
         summary: str = SUMMARY,
+        port: int = 0,
     ) -> None:
+        """`port`: 0 for a free one; a given port starts a server again where one was stopped (a restart)."""
         self.turns = turns or [Turn(text="done")]
         self.key = key
         self.latency_s = latency_s
@@ -151,7 +158,7 @@ class ModelServer:
         self.seen: list[Seen] = []
         self._failures: list[Failure] = []
         self._lock = threading.Lock()
-        self._http = _Http(("127.0.0.1", 0), _Handler)
+        self._http = _Http(("127.0.0.1", port), _Handler)
         self._http.model_server = self
         self._thread = threading.Thread(target=self._http.serve_forever, daemon=True, name="model-server")
 
@@ -168,8 +175,17 @@ class ModelServer:
         return self
 
     def stop(self) -> None:
+        """Stop as a killed server stops: no new connection is taken, and every open one is dropped (a client's
+        kept-alive connection would otherwise go on being served by its handler's thread)."""
         self._http.shutdown()
         self._http.server_close()
+        with self._lock:
+            connections = list(self._http.open_connections)
+        for connection in connections:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # closed already
 
     def __enter__(self) -> ModelServer:
         return self.start()
@@ -184,12 +200,13 @@ class ModelServer:
         for_s: float | None = None,
         times: int | None = None,
         headers: dict[str, str] | None = None,
+        model: str | None = None,
     ) -> None:
         """Answer `status` (0: drop the connection) for `for_s` seconds from now and/or `times` requests;
-        with neither, for good (until `heal`)."""
+        with neither, for good (until `heal`). With `model`, only the requests for that model name."""
         until = None if for_s is None else time.monotonic() + for_s
         with self._lock:
-            self._failures.append(Failure(status, until, times, dict(headers or {})))
+            self._failures.append(Failure(status, until, times, dict(headers or {}), model))
 
     def script(self, statuses: list[int]) -> None:
         """The next requests' statuses in order, one each (200: answered as usual); then as before."""
@@ -218,15 +235,15 @@ class ModelServer:
         with self._lock:
             return [s for s in self.seen if s.status == 200]
 
-    def _failure_now(self) -> Failure | None:
+    def _failure_now(self, model: str) -> Failure | None:
         with self._lock:
             now = time.monotonic()
             self._failures = [
                 f for f in self._failures if (f.until is None or now < f.until) and (f.times is None or f.times > 0)
             ]
-            if not self._failures:
+            failure = next((f for f in self._failures if f.model is None or f.model == model), None)
+            if failure is None:
                 return None
-            failure = self._failures[0]
             if failure.times is not None:
                 failure.times -= 1
             return None if failure.status == 200 else failure
@@ -283,10 +300,23 @@ class _Http(ThreadingHTTPServer):
     daemon_threads = True
     model_server: ModelServer
 
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(address, handler)
+        self.open_connections: set[socket.socket] = set()
+
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Http
     protocol_version = "HTTP/1.1"
+
+    def handle(self) -> None:
+        with self.server.model_server._lock:
+            self.server.open_connections.add(self.connection)
+        try:
+            super().handle()
+        finally:
+            with self.server.model_server._lock:
+                self.server.open_connections.discard(self.connection)
 
     def do_POST(self) -> None:
         model_server = self.server.model_server
@@ -302,7 +332,7 @@ class _Handler(BaseHTTPRequestHandler):
             model_server._record(401, body)
             self._reply(401, {"error": {"message": "Incorrect API key provided.", "type": "invalid_api_key"}})
             return
-        failure = model_server._failure_now()
+        failure = model_server._failure_now(str(body.get("model", "")))
         if failure is not None and failure.status == 0:
             model_server._record(0, body)
             self.close_connection = True

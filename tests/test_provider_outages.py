@@ -36,6 +36,8 @@ WORKER_SLOTS = 2
 # Prices in USD per million tokens: the primary's and the backup's differ, so a cost says which answered.
 PRIMARY_PRICE = Price(input_per_mtok=Decimal(3), output_per_mtok=Decimal(15))
 BACKUP_PRICE = Price(input_per_mtok=Decimal("0.5"), output_per_mtok=Decimal(2))
+# Two models one endpoint serves (the views of the fleet's gate tests).
+MODEL_A, MODEL_B = "openai:model-a", "openai:model-b"
 # Two turns: a tool call, then the answer (each response has USAGE).
 TURNS = [Turn(calls=[call("update_todo_list", todos="[-] look")]), Turn(text="all done")]
 
@@ -281,42 +283,42 @@ def test_an_endpoint_is_down_for_the_whole_fleet_and_one_probe_decides_when_it_i
     # Waits of a second or two: a loaded host takes tens of milliseconds between two steps of this test, and
     # a wait that ran out between them would read as "up" (seen with a 50 ms base under two busy cores).
     backoff: dict[str, Any] = {"base_ms": 1000, "cap_ms": 2000, "jitter": 0.0, "asked_ms": None, "keep_ms": 60_000}
-    assert gate(endpoint, "run-a", 10_000, 1000) == (0, 0, ""), "an endpoint nobody saw fail is up"
+    assert gate(endpoint, MODEL_A, "run-a", 10_000, 1000) == (0, 0, "", ""), "an endpoint nobody saw fail is up"
 
-    first = mark(endpoint, "HTTP 503 server_error: down", **backoff)
+    first = mark(endpoint, "", "HTTP 503 server_error: down", **backoff)
     assert (first.failures, 500 <= first.wait_ms <= 1000) == (1, True), first
     # The requests in flight as it went down fail too: they do not count again, nor shorten the wait.
-    again = mark(endpoint, "HTTP 503 server_error: down", **backoff)
+    again = mark(endpoint, "", "HTTP 503 server_error: down", **backoff)
     assert again.failures == 1 and again.wait_ms <= first.wait_ms
-    waiting = gate(endpoint, "run-b", 10_000, 1000)
+    waiting = gate(endpoint, MODEL_A, "run-b", 10_000, 1000)
     assert waiting.wait_ms > 0 and waiting.error == "HTTP 503 server_error: down", "every run waits, none sends"
 
     time.sleep(first.wait_ms / 1000 + 0.02)
-    assert gate(endpoint, "run-a", 10_000, 1000).wait_ms == 0, "the first to ask once it is due probes"
-    held = gate(endpoint, "run-b", 10_000, 1000)
+    assert gate(endpoint, MODEL_A, "run-a", 10_000, 1000).wait_ms == 0, "the first to ask once it is due probes"
+    held = gate(endpoint, MODEL_A, "run-b", 10_000, 1000)
     assert 0 < held.wait_ms <= 1000, "the others wait for the probe's answer"
-    assert gate(endpoint, "run-a", 10_000, 1000).wait_ms == 0, "the probe may send again"
-    probe_failed = mark(endpoint, "HTTP 503 server_error: still down", **backoff)
+    assert gate(endpoint, MODEL_A, "run-a", 10_000, 1000).wait_ms == 0, "the probe may send again"
+    probe_failed = mark(endpoint, "", "HTTP 503 server_error: still down", **backoff)
     assert probe_failed.failures == 2 and probe_failed.wait_ms >= 1000, "a failed probe backs off further"
 
     for _ in range(6):  # the backoff is capped
-        time.sleep(gate(endpoint, "run-a", 10_000, 1000).wait_ms / 1000 + 0.01)
-        gate(endpoint, "run-a", 10_000, 1000)
-        capped = mark(endpoint, "HTTP 503 server_error: still down", **backoff)
+        time.sleep(gate(endpoint, MODEL_A, "run-a", 10_000, 1000).wait_ms / 1000 + 0.01)
+        gate(endpoint, MODEL_A, "run-a", 10_000, 1000)
+        capped = mark(endpoint, "", "HTTP 503 server_error: still down", **backoff)
     assert capped.failures == 8 and capped.wait_ms <= 2000
-    asked = mark(endpoint, "HTTP 429", **{**backoff, "asked_ms": 4000})
+    asked = mark(endpoint, "", "HTTP 429", **{**backoff, "asked_ms": 4000})
     assert asked.wait_ms >= 4000, "a Retry-After longer than the backoff is honoured"
 
     parked = idle_coordinator.create_task("parked while its provider is down")
     timer = f"provider-wait:{parked.id}"
-    store.park(endpoint, parked.id, timer, time.time() + 3600, 1234, 60)
+    store.park(endpoint, "", parked.id, timer, time.time() + 3600, 1234, 60)
     assert store.wait_since_ms(parked.id) == 1234, "its first wait is kept on the task, across runs"
     assert timer not in idle_coordinator.store.convergence.due_timers(100)
-    woken = store.recovered(endpoint)
+    woken = store.recovered(endpoint, MODEL_A)
     assert woken == [parked.id] and store.state(endpoint) == {}, "a success clears it, and finds who waits"
     store.wake_now([f"provider-wait:{task_id}" for task_id in woken])
     assert timer in idle_coordinator.store.convergence.due_timers(100), "woken now, not at its timer's time"
-    assert store.recovered(endpoint) == [], "once"
+    assert store.recovered(endpoint, MODEL_A) == [], "once"
     idle_coordinator.store.convergence.remove_timers([timer])
 
 
@@ -400,7 +402,7 @@ def test_a_long_wait_parks_the_run_on_a_timer_and_the_task_goes_on_or_stops_from
         assert coord.get_task(task.id).status == TaskStatus.CANCELLED
     else:
         # Another run's probe finds the endpoint back: the parked run's timer comes due now, not in 30 s.
-        endpoints.recovered(coord.plane, f"127.0.0.1:{primary.port}")
+        endpoints.recovered(coord.plane, f"127.0.0.1:{primary.port}", "openai:test-model")
         assert timer in coord.store.convergence.due_timers(1000)
         endpoints.wake(coord.plane, task.id)  # the reconciler serves it
         assert coord.client.llen("subq-nobody") == queued_before + 1, "its run is published again"

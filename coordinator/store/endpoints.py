@@ -1,8 +1,12 @@
 """Provider endpoints as the fleet sees them: down or up, the one probe, and the runs parked on each.
 
+Each endpoint has two kinds of view: its host's (`keys.endpoint(endpoint)`: refused or dropped
+connections, timeouts) and one per model it serves (`keys.endpoint(endpoint, model)`: what the
+provider said of that model). `model=""` names the host's view wherever a view is named.
 The rules (when to wait, who probes, how long to back off) are coordinator/endpoints.py's;
-this part reads and writes them atomically: `endpoint_gate.lua` before a request,
-`endpoint_failed.lua` after a transient error, and a delete once a request succeeds.
+this part reads and writes them atomically: `endpoint_gate.lua` before a request (both views
+of it, in one step), `endpoint_failed.lua` after a transient error, and a delete once a
+request is answered.
 """
 
 from __future__ import annotations
@@ -17,57 +21,76 @@ from coordinator.store.protocol import EndpointFailed, EndpointGate
 __all__ = ["EndpointStore"]
 
 # What the fleet knows of an endpoint (coordinator/endpoints.py's `Gate`): the ms to wait before
-# sending (0: send now), the failures in a row, the last error line ('' while it is up).
-GateReply = tuple[int, int, str]
+# sending (0: send now), the failures in a row, the last error line ('' while it is up), and the
+# view they are of ('host', 'model'; '' while both are up).
+GateReply = tuple[int, int, str, str]
 
 
 class EndpointStore(Part):
-    """One hash per endpoint (`keys.endpoint`), the runs parked on it, and a parked task's first wait."""
+    """Two kinds of hash per endpoint (its host's, one per model), the runs parked on each, and a parked
+    task's first wait."""
 
     @translate_redis_errors
-    def gate(self, endpoint: str, token: str, probe_lease_ms: int, recheck_ms: int) -> GateReply:
-        """Whether a request to `endpoint` may go now; the run `token` becomes its probe if it is due one."""
+    def gate(self, endpoint: str, model: str, token: str, probe_lease_ms: int, recheck_ms: int) -> GateReply:
+        """Whether a request to `model` at `endpoint` may go now (its host's view and the model's); the run
+        `token` becomes the probe of each view that is due one."""
         return self.scripts(
             EndpointGate(
-                endpoint=self.keys.endpoint(endpoint), now_ms=_now_ms(), token=token, probe_lease_ms=probe_lease_ms,
-                recheck_ms=recheck_ms,
+                endpoint=self.keys.endpoint(endpoint), model=self.keys.endpoint(endpoint, model), now_ms=_now_ms(),
+                token=token, probe_lease_ms=probe_lease_ms, recheck_ms=recheck_ms,
             )
         )  # fmt: skip
 
     @translate_redis_errors
     def failed(
-        self, endpoint: str, error: str, *, base_ms: int, cap_ms: int, jitter: float, asked_ms: int | None, keep_ms: int
+        self,
+        endpoint: str,
+        model: str,
+        error: str,
+        *,
+        base_ms: int,
+        cap_ms: int,
+        jitter: float,
+        asked_ms: int | None,
+        keep_ms: int,
     ) -> GateReply:
-        """Mark `endpoint` down after a transient error; the wait before it may be tried again."""
+        """Mark a view of `endpoint` down after a transient error (`model`'s, or with "" its host's); the
+        wait before it may be tried again."""
         wait_ms, failures = self.scripts(
             EndpointFailed(
-                endpoint=self.keys.endpoint(endpoint), now_ms=_now_ms(), base_ms=base_ms, cap_ms=cap_ms, jitter=jitter,
-                asked_ms=-1 if asked_ms is None else asked_ms, error=error, keep_ms=keep_ms,
+                endpoint=self.keys.endpoint(endpoint, model), now_ms=_now_ms(), base_ms=base_ms, cap_ms=cap_ms,
+                jitter=jitter, asked_ms=-1 if asked_ms is None else asked_ms, error=error, keep_ms=keep_ms,
             )
         )  # fmt: skip
-        return wait_ms, failures, error
+        return wait_ms, failures, error, "model" if model else "host"
 
     @translate_redis_errors
-    def recovered(self, endpoint: str) -> list[str]:
-        """A request to `endpoint` succeeded: forget its failures; returns the tasks parked on it.
+    def recovered(self, endpoint: str, model: str = "") -> list[str]:
+        """A request to `endpoint` was answered: forget its host's failures, and `model`'s when given (an
+        answer about another model says nothing of it); returns the tasks parked on those views.
 
-        Two steps, not one script: the endpoint's hash and the fleet's timers are global keys of
+        Two steps, not one script: the endpoint's hashes and the fleet's timers are global keys of
         different slots, and both steps are idempotent (a task parked between them wakes by its timer).
         """
-        if not self.client.delete(self.keys.endpoint(endpoint)):
-            return []  # it was up: nothing parked on it (one command on the healthy path)
-        parked = self.keys.endpoint_parked(endpoint)
+        views = [""] + ([model] if model else [])
+        if not self.client.delete(*(self.keys.endpoint(endpoint, m) for m in views)):
+            return []  # it was up: nothing parked on it (one command)
+        parked = [self.keys.endpoint_parked(endpoint, m) for m in views]
         with self.client.pipeline(transaction=True) as pipe:
-            pipe.zrange(parked, 0, -1)
-            pipe.delete(parked)
-            task_ids, _ = pipe.execute()
-        return _strs(task_ids)
+            for key in parked:
+                pipe.zrange(key, 0, -1)
+            pipe.delete(*parked)
+            *lists, _ = pipe.execute()
+        return [task_id for found in lists for task_id in _strs(found)]
 
     @translate_redis_errors
-    def park(self, endpoint: str, task_id: str, timer: str, wake_at_s: float, since_ms: int, keep_s: float) -> None:
-        """A run gives its worker back until `wake_at_s`: its timer, its place on the endpoint's parked
-        list, and when its wait began (kept on the task, so its `model_retry_for_s` counts from there)."""
-        parked = self.keys.endpoint_parked(endpoint)
+    def park(
+        self, endpoint: str, model: str, task_id: str, timer: str, wake_at_s: float, since_ms: int, keep_s: float
+    ) -> None:
+        """A run gives its worker back until `wake_at_s`: its timer, its place on the parked list of the
+        view it waits for (`model`'s, or with "" its host's), and when its wait began (kept on the task,
+        so its `model_retry_for_s` counts from there)."""
+        parked = self.keys.endpoint_parked(endpoint, model)
         task = self.keys.task(root_of(task_id), task_id)
         with self.client.pipeline(transaction=True) as pipe:
             pipe.zadd(self.keys.timers(), {timer: wake_at_s})  # first: a crash after it still wakes the task
@@ -90,13 +113,27 @@ class EndpointStore(Part):
         return int(str(value)) if value else None
 
     @translate_redis_errors
-    def clear_wait_since(self, task_id: str) -> None:
-        self.client.hdel(self.keys.task(root_of(task_id), task_id), TaskField.PROVIDER_WAIT_SINCE_MS)
+    def clear_wait(self, task_id: str) -> None:
+        """A request of the task was answered: its wait, and its failed attempts' count, are over."""
+        self.client.hdel(
+            self.keys.task(root_of(task_id), task_id), TaskField.PROVIDER_WAIT_SINCE_MS, TaskField.PROVIDER_ATTEMPTS
+        )
 
     @translate_redis_errors
-    def state(self, endpoint: str) -> dict[str, str]:
-        """The endpoint's hash as stored ({} while it is up): tests and operators."""
-        return _str_map(self.client.hgetall(self.keys.endpoint(endpoint)))
+    def count_transient_errors(self, task_id: str, errors: int) -> tuple[int, int]:
+        """`errors` more requests of the task failed transiently: (its transient errors in all, the failed
+        attempts of the request now in flight), both kept on the task, so they go on across parks."""
+        task = self.keys.task(root_of(task_id), task_id)
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.hincrby(task, TaskField.TRANSIENT_ERRORS, errors)
+            pipe.hincrby(task, TaskField.PROVIDER_ATTEMPTS, errors)
+            total, attempts = pipe.execute()
+        return int(total), int(attempts)
+
+    @translate_redis_errors
+    def state(self, endpoint: str, model: str = "") -> dict[str, str]:
+        """A view's hash as stored (its host's, or `model`'s; {} while it is up): tests and operators."""
+        return _str_map(self.client.hgetall(self.keys.endpoint(endpoint, model)))
 
 
 def _now_ms() -> int:

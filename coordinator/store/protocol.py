@@ -482,7 +482,7 @@ class EndpointFailed(
     script="endpoint_failed",
     returns="{ms until the endpoint may be tried again, failures in a row}.",
 ):
-    endpoint: str = key("the endpoint's hash")
+    endpoint: str = key("the hash of the endpoint's view the error marks (its host's, or a model's)")
     now_ms: int = arg("now ms")
     base_ms: int = arg("backoff base ms")
     cap_ms: int = arg("backoff cap ms")
@@ -498,19 +498,20 @@ class EndpointFailed(
 
 @dataclass(frozen=True, kw_only=True)
 class EndpointGate(
-    Call[tuple[int, int, str]],
+    Call[tuple[int, int, str, str]],
     script="endpoint_gate",
-    returns="{wait ms (0: send it now), failures in a row, the last error line}.",
+    returns="{wait ms (0: send it now), failures in a row, the last error line, the view ('host', 'model'; '': up)}.",
 ):
-    endpoint: str = key("the endpoint's hash")
+    endpoint: str = key("the endpoint host's hash")
+    model: str = key("the hash of the model's view of the endpoint")
     now_ms: int = arg("now ms")
     token: str = arg("the asking run's token")
     probe_lease_ms: int = arg("the probe's lease ms")
     recheck_ms: int = arg("how long to wait, at most, before asking again while another run's probe is out (ms)")
 
     @classmethod
-    def decode(cls, raw: Any) -> tuple[int, int, str]:
-        return int(raw[0]), int(raw[1]), str(raw[2])
+    def decode(cls, raw: Any) -> tuple[int, int, str, str]:
+        return int(raw[0]), int(raw[1]), str(raw[2]), str(raw[3])
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -244,10 +244,6 @@ class RunStore(Part):
         value = self.client.hget(self.keys.task(root_of(task_id), task_id), TaskField.WAITING_APPROVAL_IDS)
         return list(json.loads(str(value))) if value else []
 
-    @translate_redis_errors
-    def count_transient_error(self, task_id: str) -> int:
-        return int(self.client.hincrby(self.keys.task(root_of(task_id), task_id), TaskField.TRANSIENT_ERRORS, 1))
-
     # -- usage, budgets and the end of a run -------------------------------------------
 
     @translate_redis_errors

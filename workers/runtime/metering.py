@@ -12,7 +12,10 @@
   request in flight, and spend is never counted twice (each request has a key).
 - Every attempt is counted in the worker's own metrics by its outcome (ok,
   transient_error, error, cancelled), with the latency of those answered, under
-  `labels` (provider, model): workers/observe.py, in memory, no Redis.
+  `labels` (provider, model): workers/observe.py, in memory, no Redis. A
+  fallback chain's failed attempt counts each request it sent that failed
+  transiently (`sent_errors`), and a request its gate held back counts none:
+  the same requests the task counts as `transient_errors`.
 - With a `compactor` (workers/runtime/compaction.py), what is sent is the
   compacted view of the messages, compacted further when the request would
   pass its share of the context window; a provider's refusal of a request as
@@ -34,7 +37,7 @@ from pydantic_ai.settings import ModelSettings
 
 from workers import observe
 from workers.runtime.compaction import Compactor, is_context_overflow
-from workers.runtime.providers import TRANSIENT_ERRORS, EndpointDown
+from workers.runtime.providers import TRANSIENT_ERRORS, sent_errors
 
 __all__ = ["TRANSIENT_ERRORS", "MeteredModel", "ResponseHook"]
 
@@ -46,7 +49,7 @@ async def _nothing() -> None:
     return None
 
 
-async def _give_up(exc: Exception, attempt: int) -> None:
+async def _give_up(exc: Exception) -> None:
     raise exc
 
 
@@ -57,7 +60,7 @@ class MeteredModel(WrapperModel):
         on_response: ResponseHook,
         *,
         before: Callable[[], Awaitable[None]] = _nothing,
-        after_error: Callable[[Exception, int], Awaitable[None]] = _give_up,
+        after_error: Callable[[Exception], Awaitable[None]] = _give_up,
         labels: tuple[str, str] = ("", ""),
         compactor: Compactor | None = None,
     ) -> None:
@@ -74,7 +77,6 @@ class MeteredModel(WrapperModel):
         model_settings: ModelSettings | None,
         model_request_parameters: ModelRequestParameters,
     ) -> ModelResponse:
-        attempt = 0
         sent = messages
         overflowed = False  # the provider refused it as too long once: compacted and sent again
         if self.compactor is not None:
@@ -85,10 +87,9 @@ class MeteredModel(WrapperModel):
             try:
                 response = await super().request(sent, model_settings, model_request_parameters)
             except (*TRANSIENT_ERRORS, FallbackExceptionGroup) as exc:
-                if not isinstance(exc, EndpointDown):  # held back by its gate, it was never sent
+                for _ in sent_errors(exc):  # one held back by its gate was never sent
                     observe.model_request(*self._labels, "transient_error")
-                    attempt += 1
-                await self._after_error(exc, attempt)
+                await self._after_error(exc)
                 continue
             except asyncio.CancelledError:  # a stop abandoned the request in flight
                 observe.model_request(*self._labels, "cancelled")

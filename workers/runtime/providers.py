@@ -16,9 +16,14 @@ error), then the profile, the model and the endpoint's host and port, never a
 key; the raw body is kept on the exception (`body`).
 
 A task's `Route` is its profile's model, then its `fallback_profiles`' (pydantic-ai's
-`FallbackModel`), each behind the fleet's one view of its endpoint
-(coordinator/endpoints.py: a run waits while the endpoint is down instead of
-sending, and one probe decides when it is back). After a transient error the
+`FallbackModel`), each behind the fleet's views of its endpoint
+(coordinator/endpoints.py: a run waits while the endpoint's host, or its model
+there, is down instead of sending, and one probe decides when it is back). Which
+view a transient error marks is decided here, once (`view_of`): a transport's
+failure (a refused or dropped connection, a timeout) is the host's; anything
+the provider answered (429, 5xx, 529, with their Retry-After) is the model's, so
+a fallback to another model of the same endpoint goes while the first is down.
+After a transient error the
 route's `Patience` decides: wait inside the run (a wait of at most
 `IN_RUN_WAIT_S`), give the worker back until the endpoint may be tried
 (`ProviderWait`, which the runner turns into a parked run), or, past the
@@ -68,7 +73,7 @@ from pydantic_ai.providers.openai import OpenAIProvider
 from pydantic_ai.settings import ModelSettings
 
 from coordinator import OFFLINE_PROFILE, STANDARD_KEYS, Profile, ProfileError, Settings
-from coordinator.runs import Gate, Released
+from coordinator.runs import HOST, MODEL, Gate, Released
 from workers.runtime.offline import OfflineModel
 
 __all__ = [
@@ -84,6 +89,8 @@ __all__ = [
     "build_model",
     "endpoint_of",
     "error_line",
+    "sent_errors",
+    "view_of",
 ]
 
 # The vendors' public endpoints, passed explicitly so the SDKs never read
@@ -105,13 +112,15 @@ FALLBACK_AFTER_FAILURES = 3
 
 
 class EndpointDown(ModelUnavailableError):
-    """The fleet knows the endpoint is down: the request was not sent. `wait_s`: until it may be tried."""
+    """The fleet knows the endpoint (its host, or the model there) is down: the request was not sent.
+    `wait_s`: until it may be tried; `view`: the model's view of the endpoint it waits for, '' for its host's."""
 
-    def __init__(self, model_name: str, message: str, *, wait_s: float, failures: int, hop: Hop) -> None:
+    def __init__(self, model_name: str, message: str, *, wait_s: float, failures: int, hop: Hop, view: str) -> None:
         super().__init__(model_name, message)
         self.wait_s = wait_s
         self.failures = failures
         self.subq_hop = hop
+        self.view = view
 
 
 class ProviderWait(Exception):
@@ -268,24 +277,32 @@ def _field(name: str | None, field: str) -> str:
 # -- the endpoint's view, and what a route needs of its run --------------------------------
 
 
+def view_of(exc: Exception) -> str:
+    """Which view of its endpoint a transient error marks: `HOST` for what the transport says (a refused or
+    dropped connection, a timeout: no answer came), `MODEL` for what the provider answered of the model (429,
+    5xx, 529 and their Retry-After): one model's outage is not its host's."""
+    return HOST if isinstance(exc, ModelConnectionError) else MODEL
+
+
 class EndpointView(Protocol):
-    """What the fleet knows of one endpoint: the gate before a request, a failure, a success."""
+    """What the fleet knows of one model's endpoint: the gate before a request, a failure (of the `view` it
+    marks), an answer (`host_only`: the host answered, of a model whose own view stays down)."""
 
     def gate(self) -> Gate: ...
 
-    def failed(self, line: str, asked_s: float | None) -> Gate: ...
+    def failed(self, line: str, asked_s: float | None, view: str) -> Gate: ...
 
-    def answered(self, *, was_down: bool) -> None: ...
+    def answered(self, *, was_down: bool, host_only: bool = False) -> None: ...
 
 
 class RunPort(Protocol):
     """The run's steps a route takes (coordinator.runs.Run has them)."""
 
-    def endpoint_gate(self, endpoint: str) -> Gate: ...
+    def endpoint_gate(self, endpoint: str, model: str) -> Gate: ...
 
-    def endpoint_failed(self, endpoint: str, error: str, asked_s: float | None) -> Gate: ...
+    def endpoint_failed(self, endpoint: str, model: str, error: str, asked_s: float | None) -> Gate: ...
 
-    def endpoint_answered(self, endpoint: str, *, was_down: bool) -> None: ...
+    def endpoint_answered(self, endpoint: str, model: str, *, was_down: bool) -> None: ...
 
     def provider_wait_over(self) -> None: ...
 
@@ -293,28 +310,29 @@ class RunPort(Protocol):
 
     def provider_waiting(self, endpoint: str, *, waiting: bool) -> None: ...
 
-    def wait_for_provider(self, endpoint: str, wake_at_s: float, since_ms: int) -> Released: ...
+    def wait_for_provider(self, endpoint: str, model: str, wake_at_s: float, since_ms: int) -> Released: ...
 
-    def transient_error(self, what: str, attempt: int) -> None: ...
+    def transient_errors(self, lines: Sequence[str]) -> None: ...
 
     def say(self, kind: str, text: str) -> None: ...
 
 
 class SharedEndpoint:
-    """A real provider's endpoint: the fleet's one view of it, in Redis, through the run."""
+    """A real provider's endpoint: the fleet's views of it (its host's, and `model`'s), in Redis, through the run."""
 
-    def __init__(self, run: RunPort, endpoint: str) -> None:
+    def __init__(self, run: RunPort, endpoint: str, model: str) -> None:
         self.run = run
         self.endpoint = endpoint
+        self.model = model
 
     def gate(self) -> Gate:
-        return self.run.endpoint_gate(self.endpoint)
+        return self.run.endpoint_gate(self.endpoint, self.model)
 
-    def failed(self, line: str, asked_s: float | None) -> Gate:
-        return self.run.endpoint_failed(self.endpoint, line, asked_s)
+    def failed(self, line: str, asked_s: float | None, view: str) -> Gate:
+        return self.run.endpoint_failed(self.endpoint, self.model if view == MODEL else "", line, asked_s)
 
-    def answered(self, *, was_down: bool) -> None:
-        self.run.endpoint_answered(self.endpoint, was_down=was_down)
+    def answered(self, *, was_down: bool, host_only: bool = False) -> None:
+        self.run.endpoint_answered(self.endpoint, "" if host_only else self.model, was_down=was_down)
 
 
 class LocalEndpoint:
@@ -327,9 +345,9 @@ class LocalEndpoint:
 
     def gate(self) -> Gate:
         wait_s = self.down_until_s - time.time()
-        return Gate(max(0, int(wait_s * 1000)) if wait_s > 0 else 0, self.failures, "")
+        return Gate(max(0, int(wait_s * 1000)) if wait_s > 0 else 0, self.failures, "", MODEL if self.failures else "")
 
-    def failed(self, line: str, asked_s: float | None) -> Gate:
+    def failed(self, line: str, asked_s: float | None, view: str) -> Gate:
         now = time.time()
         if now >= self.down_until_s:  # as endpoint_failed.lua: exponential, equal jitter, a cap
             self.failures += 1
@@ -337,19 +355,22 @@ class LocalEndpoint:
             self.down_until_s = now + backoff_s * (0.5 + random.random() / 2)
         if asked_s is not None:
             self.down_until_s = max(self.down_until_s, now + asked_s)
-        return Gate(int((self.down_until_s - now) * 1000), self.failures, line)
+        return Gate(int((self.down_until_s - now) * 1000), self.failures, line, MODEL)
 
-    def answered(self, *, was_down: bool) -> None:
-        self.down_until_s, self.failures = 0.0, 0
+    def answered(self, *, was_down: bool, host_only: bool = False) -> None:
+        if not host_only:
+            self.down_until_s, self.failures = 0.0, 0
 
 
 @dataclass(frozen=True)
 class Marked:
-    """What marking its endpoint down said of a transient error: the hop, the wait (s), the failures in a row."""
+    """What marking its endpoint down said of a transient error: the hop, the wait (s), the failures in a row,
+    and the view it marked (the model's, or '' for the host's)."""
 
     hop: Hop
     wait_s: float
     failures: int
+    view: str
 
 
 @dataclass(frozen=True)
@@ -378,26 +399,35 @@ class GatedModel(WrapperModel):
         gate = self.view.gate()
         if gate.wait_ms:
             line = gate.error or "the provider failed"
+            down = "the endpoint is down" if gate.view == HOST else "the model is down at its endpoint"
             raise EndpointDown(
                 self.hop.profile.model,
-                f"not sent, the endpoint is down: {line} ({_where(self.hop.profile, self.hop.name)})",
+                f"not sent, {down}: {line} ({_where(self.hop.profile, self.hop.name)})",
                 wait_s=gate.wait_ms / 1000,
                 failures=gate.failures,
                 hop=self.hop,
+                view=self.hop.profile.model if gate.view == MODEL else "",
             )
         try:
             response = await super().request(messages, model_settings, model_request_parameters)
         except TRANSIENT_ERRORS as exc:
             line = str(getattr(exc, "subq_line", None) or error_line(exc))
-            gate = self.view.failed(line, exc.retry_after)
+            view = view_of(exc)
+            if view == MODEL and gate.view == HOST:
+                self.view.answered(was_down=True, host_only=True)  # the host answered: runs parked on it go on
+            marked_gate = self.view.failed(line, exc.retry_after, view)
             marked: Any = exc  # the route reads what the fleet's view said of it
-            marked.subq_marked = Marked(self.hop, gate.wait_ms / 1000, gate.failures)
+            marked.subq_marked = Marked(
+                self.hop, marked_gate.wait_ms / 1000, marked_gate.failures,
+                self.hop.profile.model if view == MODEL else "",
+            )  # fmt: skip
             raise
         except ModelAPIError:
-            # A refusal (400, 401, 404, ...) is an answer: the endpoint is up, and a probe's turn is over.
-            self.view.answered(was_down=bool(gate.failures))
+            # A refusal (400, 401, 404, ...) is an answer: the endpoint and the model are up, and a probe's
+            # turn is over.
+            self.view.answered(was_down=bool(gate.view))
             raise
-        self.view.answered(was_down=bool(gate.failures))
+        self.view.answered(was_down=bool(gate.view))
         self.route.answered = self.hop
         return response
 
@@ -418,6 +448,7 @@ class Route:
         self._in_run_wait_s = 0.0  # how long the request has waited inside the run so far
         self._last_error: Exception | None = None
         self._waiting_on: set[str] = set()
+        self._counted = False  # the request in flight has failed attempts counted on the task
         self.model = self._model()
 
     def _hop(self, name: str) -> Hop:
@@ -429,7 +460,7 @@ class Route:
         for hop in self.hops:
             view: EndpointView
             if hop.endpoint:
-                view = SharedEndpoint(self.run, hop.endpoint)
+                view = SharedEndpoint(self.run, hop.endpoint, hop.profile.model)
             else:
                 view = LocalEndpoint(self.settings.model_retry_base_s, self.settings.model_retry_max_s)
             models.append(GatedModel(hop, view, self))
@@ -447,11 +478,12 @@ class Route:
         for endpoint in self._waiting_on:
             self.run.provider_waiting(endpoint, waiting=False)
         self._waiting_on.clear()
-        if self.answered.endpoint:
+        if self.answered.endpoint or self._counted:
             self.run.provider_wait_over()
         self._since_ms, self._in_run_wait_s, self._last_error = None, 0.0, None
+        self._counted = False
 
-    async def after_error(self, exc: Exception, attempt: int) -> None:
+    async def after_error(self, exc: Exception) -> None:
         """After a transient error (or a gate that said wait): sleep through a short wait, give the worker
         back for a long one (`ProviderWait`), or raise the last error once `model_retry_for_s` is spent.
         A chain whose every profile refused raises the last refusal (which names its profile); one with a
@@ -459,22 +491,23 @@ class Route:
         waits, refusal = _waits_of(exc)
         if not waits:
             raise refusal or exc  # nothing to wait for (a transient error no endpoint marked is raised as is)
-        wait_s, hop, error = min(waits, key=lambda w: w[0])
+        wait_s, hop, error, view = min(waits, key=lambda w: w[0])
         endpoint = hop.endpoint or OFFLINE_PROFILE
         now_ms = int(time.time() * 1000)
         if self._since_ms is None:
             self._since_ms = self.run.provider_wait_since_ms() or now_ms
-        real = [e for _, _, e in waits if not isinstance(e, EndpointDown)]
+        real = sent_errors(exc)
         if real:
             self._last_error = real[-1]
         spent_s = (now_ms - self._since_ms) / 1000
         if spent_s + wait_s > self.retry_for_s:
             raise self._give_up(error, spent_s)
-        if real:  # it will be retried: counted on the task, told in its UI messages (the line says where)
-            self.run.transient_error(str(real[-1]), attempt)
+        if real:  # each will be retried: counted on the task, told in its UI messages (each line says where)
+            self.run.transient_errors([str(e) for e in real])
+            self._counted = True
         self._waiting_on.add(endpoint)
         if hop.endpoint and self._in_run_wait_s + wait_s > IN_RUN_WAIT_S:
-            raise ProviderWait(self.run.wait_for_provider(hop.endpoint, time.time() + wait_s, self._since_ms))
+            raise ProviderWait(self.run.wait_for_provider(hop.endpoint, view, time.time() + wait_s, self._since_ms))
         self.run.provider_waiting(endpoint, waiting=True)
         self._in_run_wait_s += wait_s
         await asyncio.sleep(wait_s)
@@ -488,18 +521,28 @@ class Route:
         return last
 
 
-def _waits_of(exc: Exception) -> tuple[list[tuple[float, Hop, Exception]], Exception | None]:
-    """(wait in s, the hop, the error) for each transient error in `exc` (one, or a fallback chain's group),
-    and the last error that is no wait at all (a refusal the run fails with), if any."""
-    errors: Sequence[BaseException] = exc.exceptions if isinstance(exc, FallbackExceptionGroup) else [exc]
-    waits: list[tuple[float, Hop, Exception]] = []
+def _errors_of(exc: BaseException) -> Sequence[BaseException]:
+    """The errors of one request: `exc`, or each of a fallback chain's group."""
+    return exc.exceptions if isinstance(exc, FallbackExceptionGroup) else [exc]
+
+
+def sent_errors(exc: BaseException) -> list[Exception]:
+    """The transient errors in `exc` of requests that were sent (not those a gate held back): what the task
+    counts as `transient_errors`, and a worker's metrics as `transient_error`."""
+    return [e for e in _errors_of(exc) if isinstance(e, TRANSIENT_ERRORS) and not isinstance(e, EndpointDown)]
+
+
+def _waits_of(exc: Exception) -> tuple[list[tuple[float, Hop, Exception, str]], Exception | None]:
+    """(wait in s, the hop, the error, the view it waits for) for each transient error in `exc` (one, or a
+    fallback chain's group), and the last error that is no wait at all (a refusal the run fails with), if any."""
+    waits: list[tuple[float, Hop, Exception, str]] = []
     refusal: Exception | None = None
-    for error in errors:
+    for error in _errors_of(exc):
         marked = getattr(error, "subq_marked", None)
         if isinstance(error, EndpointDown):
-            waits.append((error.wait_s, error.subq_hop, error))
+            waits.append((error.wait_s, error.subq_hop, error, error.view))
         elif isinstance(error, TRANSIENT_ERRORS) and isinstance(marked, Marked):
-            waits.append((marked.wait_s, marked.hop, error))
+            waits.append((marked.wait_s, marked.hop, error, marked.view))
         elif isinstance(error, Exception):
             refusal = error
     return waits, refusal

@@ -1,5 +1,6 @@
--- A request to a provider's endpoint failed with a transient error: mark the endpoint down, for the fleet.
--- KEYS[1] the endpoint's hash
+-- A request to a provider's endpoint failed with a transient error: mark one of the endpoint's views down for
+-- the fleet, its host's (a refused or dropped connection, a timeout) or its model's (429, 5xx, 529).
+-- KEYS[1] the hash of the endpoint's view the error marks (its host's, or a model's)
 -- ARGV[1] int: now ms
 -- ARGV[2] int: backoff base ms
 -- ARGV[3] int: backoff cap ms
