@@ -240,6 +240,9 @@ def test_a_model_server_killed_and_restarted_under_a_running_task(settings: Sett
             lambda: int(coord.store.records.task_field(task.id, "run_seq") or 0) > runs_before,
             "the run gave its worker back and was woken again", timeout_s=60,
         )  # fmt: skip
+        endpoint = f"127.0.0.1:{port}"
+        assert int(coord.store.endpoints.state(endpoint).get("failures", 0)) >= 1, "refused connections: the host"
+        assert coord.store.endpoints.state(endpoint, "openai:local") == {}, "nothing was said of the model"
         with ModelServer(TURNS, port=port) as again:
             done = coord.wait(task.id, timeout_s=60)
             assert done.status == TaskStatus.COMPLETED, done.error
@@ -247,4 +250,4 @@ def test_a_model_server_killed_and_restarted_under_a_running_task(settings: Sett
         attempts = retry_attempts(coord, task.id)
         assert len(attempts) >= 2 and attempts == list(range(1, len(attempts) + 1)), attempts
         assert done.transient_errors == len(attempts), "the record counts what the UI shows"
-        assert coord.store.endpoints.state(f"127.0.0.1:{port}") == {}, "back: the host's view is clear"
+        assert coord.store.endpoints.state(endpoint) == {}, "back: the host's view is clear"
