@@ -29,6 +29,7 @@ from pydantic import (
     PrivateAttr,
     SecretStr,
     StringConstraints,
+    field_serializer,
     field_validator,
     model_validator,
 )
@@ -484,6 +485,12 @@ class NotifySink(BaseModel):
     events: Annotated[list[str], AfterValidator(check_webhook_events)] = Field(
         default_factory=lambda: ["approval.*", "budget.*"], min_length=1
     )
+
+    @field_serializer("secret")
+    def _passed_on(self, secret: SecretStr | None) -> str | None:
+        # As a Webhook's: the settings reach a worker or `subq up`'s processes as JSON, and a masked secret
+        # would sign nothing there. A repr or a log line keeps it masked.
+        return None if secret is None else secret.get_secret_value()
 
 
 def _notify(value: object) -> object:

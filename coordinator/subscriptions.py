@@ -155,10 +155,11 @@ class Webhook(BaseModel):
         description="Event types or families (`task.*`, `child.*`, `approval.*`, `budget.*`, `*`)",
     )
 
-    @field_serializer("secret", when_used="json")
+    @field_serializer("secret")
     def _sent(self, secret: SecretStr | None) -> str | None:
-        # As JSON only: the clients send the body they read with this model (coordinator/client/calls.py),
-        # and a masked secret would sign nothing. A repr, a log line or a Python dump keeps it masked.
+        # A dump is for sending it on: the clients send the body they read with this model
+        # (coordinator/client/calls.py), and a process's settings pass a key's webhooks to its children as
+        # JSON; a masked secret would sign nothing. A repr or a log line keeps it masked.
         return None if secret is None else secret.get_secret_value()
 
 
