@@ -39,6 +39,33 @@ def eventually(probe: Callable[[], T | None], what: str, timeout_s: float = 30.0
     raise AssertionError(f"never saw {what} within {timeout_s:g}s")
 
 
+# A tree's whole event stream in one read (its cap, store/base.py EVENTS_MAXLEN).
+EVENTS_READ = 10_000
+
+
+def most_at_once(coord: Coordinator, root_id: str, tasks: set[str]) -> int:
+    """The most of `tasks` in flight at once, by the order of the tree's event stream: a task is in flight
+    from its run's start (a `live` event, `running`) to its end (`task_status`).
+
+    A poll of the live states sees what is running only when it looks, and a loaded host can
+    miss a short run; the stream holds every start and end in the order Redis took them.
+    """
+    started: set[str] = set()
+    ended: set[str] = set()
+    most = 0
+    for _, event in coord.read_events(root_id, count=EVENTS_READ):
+        task = event.get("task_id")
+        if task not in tasks or task in ended:
+            continue
+        if event["type"] == "task_status":
+            started.discard(task)
+            ended.add(task)
+        elif event["type"] == "live" and event.get("state") == "running":
+            started.add(task)
+            most = max(most, len(started))
+    return most
+
+
 def quiet(coord: Coordinator, *roots: str, still_s: float = 0.5, timeout_s: float = 15.0) -> None:
     """Wait until the trees stop changing (runs that were stopped have finished unwinding)."""
     deadline = time.monotonic() + timeout_s
