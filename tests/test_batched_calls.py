@@ -31,7 +31,7 @@ from coordinator.tree import render_tree
 from tests.agents import agent, call, calls, reply
 from tests.conftest import dedicated_fleet
 from tests.helpers import TOKEN, ApiServer, api_settings, eventually
-from tests.mcp_kit import server
+from tests.mcp_kit import START_S, server
 from tests.model_server import ModelServer, Turn
 from tests.model_server import call as batched_call
 
@@ -73,7 +73,9 @@ def batched(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Ite
         # run_command guarded by approval_tools (the default), one deny rule.
         "guarded": Profile(run_command=RunCommand(cwd=folder), deny=["run_command:rm"]),
         "tooled": Profile(tools=["tests.tool_kit:add_numbers", "tests.tool_kit:even_only"]),
-        "git": Profile(mcp_servers=[McpServer(name="git", command=command, args=args)], approval_tools=[]),
+        "git": Profile(
+            mcp_servers=[McpServer(name="git", command=command, args=args, timeout_s=START_S)], approval_tools=[]
+        ),
         # One call of `crowd` at a time, fleet-wide: a second waits for the first's slot.
         "limited": Profile(tools=["tests.tool_kit:crowd"], tool_limits={"crowd": ToolLimit(concurrency=1)}),
         # A hosted-style model on an OpenAI-compatible endpoint, run_command guarded as by default.

@@ -25,7 +25,7 @@ from coordinator.settings import McpServer
 from tests.agents import agent, call, reply
 from tests.conftest import dedicated_fleet
 from tests.helpers import assert_worker_refuses, eventually
-from tests.mcp_kit import server, started
+from tests.mcp_kit import START_S, server, started
 from workers.runtime.mcp_servers import checked_tools, hinted_verdict, needs_decision_by_hint
 from workers.runtime.profile_tools import load_profile
 
@@ -51,7 +51,7 @@ def _repository(folder: Path) -> Path:
 
 def _git_server(name: str, repo: Path, pids: Path, **extra: Any) -> McpServer:
     command, args = server(pids, repo)
-    return McpServer(name=name, command=command, args=args, **extra)
+    return McpServer(name=name, command=command, args=args, **{"timeout_s": START_S, **extra})
 
 
 def _settings(settings: Settings, **profiles: Profile) -> Settings:
