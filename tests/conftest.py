@@ -45,6 +45,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 WORKER_PROCESSES = 2
 FAN_OUT_PROCESSES = 4
 WORKER_THREADS = 16
+# How long a fleet may take to be ready: a worker checks each MCP server of its profiles at its start,
+# and beside two busy loops on 2 cores one with two HTTP servers took 50 s and a stdio mcp-server-git
+# 3 to 12 s each (issue 43), past the 90 s WorkerFleet waits by default.
+FLEET_START_S = 300
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -90,7 +94,7 @@ def settings(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Settin
 @pytest.fixture(scope="session")
 def workers(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerFleet]:
     with WorkerFleet(settings, WORKER_PROCESSES, tmp_path_factory.mktemp("workers")) as fleet:
-        fleet.wait_ready()
+        fleet.wait_ready(FLEET_START_S)
         yield fleet
 
 
@@ -101,7 +105,7 @@ def dedicated_fleet(
     """Worker processes with settings of their own (a queue of their own, limits, timeouts)."""
     own = settings.model_copy(update=updates)
     with WorkerFleet(own, processes, log_dir) as fleet:
-        fleet.wait_ready()
+        fleet.wait_ready(FLEET_START_S)
         coord = Coordinator(own)
         try:
             yield coord, fleet

@@ -159,6 +159,10 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+# How long a worker or `subq tools` that the tests start may take to check its settings and stop:
+# beside two busy loops on 2 cores, each took 40 s to refuse a profile whose MCP server is down (issue 43).
+CHECK_TIMEOUT_S = 180
+
 TOKEN = "test-token-5f0c"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 START_TIMEOUT_S = 15
@@ -258,7 +262,7 @@ def start_worker_with(settings: Settings, **subq: str) -> subprocess.CompletedPr
     env |= {"SUBQ_REDIS_URL": settings.redis_url or "", **subq}
     return subprocess.run(
         [sys.executable, "-m", "celery", "-A", "workers.app", "worker"],
-        cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=60,
+        cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S,
     )  # fmt: skip
 
 
@@ -268,7 +272,7 @@ def subq_tools(settings: Settings, *args: str) -> subprocess.CompletedProcess[st
 
     return subprocess.run(
         [sys.executable, "-m", "coordinator", "tools", *args], env=settings_env(settings),
-        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120,
+        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S,
     )  # fmt: skip
 
 
@@ -280,7 +284,7 @@ def assert_worker_refuses(settings: Settings, log_dir: Path, line: str) -> None:
     assert checked.returncode == 2 and checked.stderr == f"subq: {line}\n", checked.stderr
     fleet = WorkerFleet(settings, 1, log_dir)
     try:
-        assert fleet.procs[0].wait(timeout=60) != 0, "the worker refused to start"
+        assert fleet.procs[0].wait(timeout=CHECK_TIMEOUT_S) != 0, "the worker refused to start"
     finally:
         fleet.stop()
     assert line in fleet.logs[0].read_text(errors="replace")
