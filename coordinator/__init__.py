@@ -81,6 +81,7 @@ if TYPE_CHECKING:
         output_errors as output_errors,
     )
     from coordinator.redis_clients import (
+        password_warning as password_warning,
         redis_client as redis_client,
     )
     from coordinator.service import (
@@ -150,6 +151,7 @@ _EXPORTS = {
     "compact": "coordinator.output_schema",
     "completion_parameters": "coordinator.output_schema",
     "output_errors": "coordinator.output_schema",
+    "password_warning": "coordinator.redis_clients",
     "redis_client": "coordinator.redis_clients",
     "Coordinator": "coordinator.service",
     "OFFLINE_PROFILE": "coordinator.settings",

@@ -8,8 +8,8 @@ stops the worker at start with one line naming the variable.
 
 A worker whose Redis has no password (SUBQ_REDIS_URL without one, or no
 SUBQ_REDIS_PASSWORD under Sentinel) says so in one warning line at its start
-(`coordinator.redis_clients.password_warning`, issue 39): its runs' commands may
-be allowed the network, and such a Redis takes orders from any of them.
+(`coordinator.password_warning`, issue 39): its runs' commands may
+run unconfined (sandbox = false), and such a Redis takes orders from any local process.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from typing import Any
 
 from celery.signals import worker_init
 
-from coordinator import ConfigError, load_settings
+from coordinator import ConfigError, load_settings, password_warning
 from coordinator.celery_app import make_app
-from coordinator.redis_clients import password_warning
 from workers import observe
 
 __all__ = ["app", "settings"]
