@@ -191,7 +191,7 @@ def _check_network(value: object) -> bool | list[str]:
     if len(value) > MAX_NETWORK_HOSTS:
         raise ValueError(f"at most {MAX_NETWORK_HOSTS} hosts (true allows every public host)")
     for host in value:
-        if not isinstance(host, str) or len(host) > 253 or not re.match(NETWORK_HOST_PATTERN, host):
+        if not isinstance(host, str) or len(host) > 253 or not re.fullmatch(NETWORK_HOST_PATTERN, host):
             raise ValueError(f"{host!r} is not a host name (a DNS name, or *. and a name for every name under it)")
     return [host.lower() for host in value]
 
@@ -638,7 +638,7 @@ class Settings(BaseSettings):
         if not isinstance(value, dict):
             raise ValueError('give a JSON object {"name": "address"}')
         for name, address in value.items():
-            if not isinstance(name, str) or not re.match(NETWORK_HOST_PATTERN, name) or name.startswith("*."):
+            if not isinstance(name, str) or not re.fullmatch(NETWORK_HOST_PATTERN, name) or name.startswith("*."):
                 raise ValueError(f"{name!r} is not a host name")
             try:
                 ipaddress.ip_address(str(address))

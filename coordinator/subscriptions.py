@@ -34,6 +34,7 @@ from pydantic import (
     SecretStr,
     WithJsonSchema,
     field_serializer,
+    field_validator,
 )
 
 from coordinator.errors import ValidationError
@@ -87,6 +88,8 @@ DEFAULT_EVENTS = ("task.*", "approval.*", "budget.*")
 DEFAULT_CALLBACK_QUEUE = "celery"
 # The subscription number of a root's `on_complete` in its hooks hash (its webhooks are 0 to 4).
 CALLBACK_HOOK = "c"
+# The first part of a task name an on_complete may not name: subq's tasks (subq.*) and Celery's (celery.*).
+RESERVED_TASK_PREFIXES = frozenset({"subq", "celery"})
 _TASK_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,199}")
 _QUEUE_RE = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
 
@@ -176,6 +179,15 @@ class CeleryCallback(BaseModel):
 
     task: str = Field(pattern=f"^{_TASK_NAME_RE.pattern}$", description="The task's registered name")
     queue: str = Field(default=DEFAULT_CALLBACK_QUEUE, pattern=f"^{_QUEUE_RE.pattern}$", description="Its queue")
+
+    @field_validator("task")
+    @classmethod
+    def _not_ours(cls, task: str) -> str:
+        # A caller with `submit` names any task: never subq's own (a callback must not drive another tree's
+        # run or purge dead letters) nor Celery's built-ins (chord_unlock, backend_cleanup).
+        if task.split(".", 1)[0] in RESERVED_TASK_PREFIXES:
+            raise ValueError(f"{task!r} is a task of subq's or Celery's own; name a task of your application")
+        return task
 
 
 def _callback(value: Any) -> Any:

@@ -14,6 +14,7 @@ that need it are skipped, saying so.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
@@ -32,7 +33,7 @@ import redis
 from coordinator import ConfigError, McpServer, Profile, RunCommand, Settings, TaskStatus, load_settings
 from tests.agents import agent, call, reply
 from tests.conftest import dedicated_fleet
-from tests.helpers import assert_worker_refuses, counting_listener, subq_tools
+from tests.helpers import assert_worker_refuses, counting_listener, eventually, subq_tools
 from workers.runtime import commands, egress
 from workers.runtime.sandbox import Sandbox
 
@@ -353,3 +354,111 @@ def test_a_sandboxed_mcp_server_with_an_allow_list(settings: Settings, tmp_path:
     assert MARKER in str(allowed), allowed
     assert MARKER not in str(other), other
     assert [text for kind, text in ui if kind == "network_refused"] == ["other.test:80"], ui
+
+
+def test_a_command_has_no_capability_even_when_the_worker_is_root(tmp_path: Path) -> None:
+    """bwrap started by root keeps every capability for the command unless told not to: with them, a
+    command could delete its namespace's routes or unmount what hides subq's files (--cap-drop ALL)."""
+    tried = _run(
+        "sh -c 'grep CapEff /proc/self/status; ip route del prohibit 10.0.0.0/8 && echo DELETED; "
+        "umount /tmp && echo UNMOUNTED; exit 0'",
+        tmp_path,
+        network=True,
+    )
+    assert "CapEff:\t0000000000000000" in tried.output, tried.text()
+    assert "DELETED" not in tried.output and "UNMOUNTED" not in tried.output, tried.text()
+
+
+# A command run the way a worker not run as root runs it (the image's user): from a process of `nobody`.
+AS_NOBODY = """
+import asyncio, sys
+from pathlib import Path
+from coordinator import RunCommand
+from workers.runtime import commands
+config = RunCommand(cwd=Path(sys.argv[1]), network=True)
+print(asyncio.run(commands.run(sys.argv[2], config)).text())
+"""
+
+
+@needs_root
+def test_an_unprivileged_worker_gives_the_same_network(public_host: str) -> None:
+    workdir = Path(tempfile.mkdtemp(prefix="subq-nobody-"))  # in /tmp itself: pytest's folders are root's only
+    workdir.chmod(0o777)
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+    root = Path(__file__).resolve().parent.parent
+
+    def run(command: str) -> str:
+        argv = [*nobody, sys.executable, "-c", AS_NOBODY, str(workdir), command]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=root)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    try:
+        assert run(CURL.format(flags="", target=public_host)) == f"exit 0\n{MARKER}\n"
+        refused = run(CONNECT.format(host=_own_address(), port=9))
+        assert refused.startswith("exit 1") and "PermissionError" in refused, refused
+        assert "DELETED" not in run("sh -c 'ip route del prohibit 10.0.0.0/8 && echo DELETED; exit 0'")
+    finally:
+        shutil.rmtree(workdir)
+
+
+def test_the_proxy_names_no_forged_target_and_writes_a_bounded_list(tmp_path: Path) -> None:
+    """A target that is no host name is a 400 and no refusal line (a newline in it once forged lines); a
+    command that loops on refused hosts writes at most egress.MAX_REFUSALS lines."""
+    forge = (
+        'python3 -c \'import os,socket; p=int(os.environ["HTTP_PROXY"].rsplit(":",1)[1]); '
+        's=socket.create_connection(("127.0.0.1",p)); '
+        's.sendall(b"CONNECT evil.example\\nINJECTED:1\\nother:2 HTTP/1.1\\r\\n\\r\\n"); print(s.recv(200))\''
+    )
+    forged = _run(forge, tmp_path, network=["allowed.test"])
+    assert "400 Bad Request" in forged.output and forged.refused == (), forged.text()
+    loop = (
+        'python3 -c \'import os,socket; p=int(os.environ["HTTP_PROXY"].rsplit(":",1)[1])\n'
+        "for n in range({n}):\n"
+        ' s=socket.create_connection(("127.0.0.1",p)); s.sendall(b"CONNECT h%d.test:443 HTTP/1.1\\r\\n\\r\\n" % n); '
+        "s.recv(200); s.close()'"
+    )
+    flood = _run(loop.format(n=egress.MAX_REFUSALS + 50), tmp_path, network=["allowed.test"], timeout_s=120)
+    assert flood.exit_code == 0, flood.text()
+    assert len(flood.refused) == egress.MAX_REFUSALS and flood.refused[0] == "h0.test:443"
+
+
+# A worker stand-in: it starts a command with the network, says so, and waits to be killed.
+DIES = """
+import asyncio, sys
+from pathlib import Path
+from coordinator import RunCommand
+from workers.runtime import commands
+print("started", flush=True)
+asyncio.run(commands.run(sys.argv[2], RunCommand(cwd=Path(sys.argv[1]), network=True, timeout_s=600)))
+"""
+
+
+def test_a_worker_killed_with_sigkill_takes_its_sandboxed_command_along(tmp_path: Path) -> None:
+    """egress.py, bwrap, pasta and the command all end with the worker, as bwrap alone did before it."""
+    import psutil
+
+    command = f"sleep 333.{uuid.uuid4().int % 100_000}"  # ours alone
+    worker = subprocess.Popen(
+        [sys.executable, "-c", DIES, str(tmp_path), command],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent, start_new_session=True,
+    )  # fmt: skip
+    assert worker.stdout is not None and worker.stdout.readline().strip() == "started"
+
+    def alive(pids: set[int]) -> list[str]:
+        lines = []
+        for pid in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    lines.append(" ".join(psutil.Process(pid).cmdline()))
+        return lines
+
+    def started() -> set[int] | None:
+        pids = {p.pid for p in psutil.Process(worker.pid).children(recursive=True)}
+        lines = alive(pids)
+        return pids if any(command in line for line in lines) and any("pasta" in line for line in lines) else None
+
+    pids = eventually(started, "the command and pasta to run", timeout_s=60, every_s=0.05)
+    worker.kill()  # SIGKILL to the worker alone, not its process group: as the kernel's OOM killer does
+    worker.wait()
+    eventually(lambda: not alive(pids) or None, "every process the worker started to end", timeout_s=10, every_s=0.05)

@@ -208,10 +208,14 @@ def test_a_malformed_subscription_is_refused_on_every_face(
     assert _nothing_written(idle)
 
 
-def test_a_bad_on_complete_is_refused(idle: Coordinator) -> None:
+@pytest.mark.parametrize("task", ["not a task name", "subq.submit", "subq.run_task", "celery.chord_unlock"])
+def test_a_bad_on_complete_is_refused(idle: Coordinator, task: str) -> None:
+    """A task name, never one of subq's own tasks or Celery's built-ins (a `submit` key names any task)."""
     with pytest.raises(ValidationError) as refused:
-        idle.create_task("x", on_complete="not a task name")
+        idle.create_task("x", on_complete=task)
     assert refused.value.field == "on_complete.task" and _nothing_written(idle)
+    if "." in task:
+        assert "is a task of subq's or Celery's own" in str(refused.value)
 
 
 def test_deliveries_are_visible_and_an_operator_redelivers_on_record(

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator import STANDARD_KEYS, RunCommand
+from workers.runtime import egress
 from workers.runtime.sandbox import Sandbox
 
 __all__ = ["MAX_COMMAND_CHARS", "CommandResult", "command_env", "parse", "run"]
@@ -211,8 +212,11 @@ async def run(
             argv = (sandbox or Sandbox()).wrap(argv, cwd, network=config.network, limits=config, refusals=refusals)
         result = await _run(command, argv, cwd, env, config, confined)
         if refusals is not None and refusals.exists():
-            refused = tuple(line for line in refusals.read_text(errors="replace").splitlines() if line)
-            result = dataclasses.replace(result, refused=refused)
+            with refusals.open("rb") as written:  # bounded: the proxy writes at most egress.MAX_REFUSALS lines
+                refused = tuple(
+                    line for line in written.read(egress.MAX_REFUSALS_BYTES).decode(errors="replace").splitlines()
+                )
+            result = dataclasses.replace(result, refused=tuple(line for line in refused if line))
         return result
     finally:
         if folder is not None:

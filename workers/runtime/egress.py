@@ -45,6 +45,7 @@ import fcntl
 import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -54,12 +55,14 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 __all__ = [
     "BLOCKED_NETWORKS",
     "IP",
+    "MAX_REFUSALS_BYTES",
     "NEEDS",
     "PASTA",
     "SETUP_FAILED",
@@ -76,15 +79,17 @@ NEEDS = "pasta (Debian's passt) and ip (iproute2)"
 # The exit status when the network could not be set up (as `env` says for a command it cannot run).
 SETUP_FAILED = 125
 # Never reached from a sandbox: the host's loopback, the private and shared ranges (RFC 1918, RFC 6598),
-# link-local (the cloud metadata address 169.254.169.254 is in it), "this network", multicast and
-# reserved; for IPv6 (the proxy's connections) loopback, unique-local (AWS's fd00:ec2::254 metadata
-# address is in it), link-local, multicast and the IPv4-mapped form of the ranges above.
+# link-local (the cloud metadata address 169.254.169.254 is in it), "this network", IETF protocol
+# assignments (the namespace's own /30 is more specific: its gateway answers DNS), benchmarking,
+# multicast and reserved; for IPv6 (the proxy's connections) loopback, NAT64 and 6to4 (each can carry
+# an IPv4 address of the ranges above), unique-local (AWS's fd00:ec2::254 metadata address is in it),
+# link-local and site-local, multicast, and the IPv4-mapped form of the ranges above.
 BLOCKED_NETWORKS = tuple(
     ipaddress.ip_network(net)
     for net in (
         "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
-        "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4",
-        "::/128", "::1/128", "fc00::/7", "fe80::/10", "ff00::/8",
+        "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4",
+        "::/128", "::1/128", "64:ff9b::/96", "2002::/16", "fc00::/7", "fe80::/10", "fec0::/10", "ff00::/8",
     )
 )  # fmt: skip
 # The namespace's own address and gateway (public): IETF protocol assignments (RFC 6890), where no
@@ -95,10 +100,21 @@ READY_TIMEOUT_S = 15.0
 # ioctl(2) on a namespace file: the user namespace that owns it (linux/nsfs.h); setns(2)'s kinds.
 NS_GET_USERNS = 0xB701
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+# prctl(2): the signal a process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
+LIBC = ctypes.CDLL(None, use_errno=True)
 READY_POLL_S = 0.005
 # The proxy: a request head larger than this is refused; a connection to a listed host that does not
 # open within CONNECT_TIMEOUT_S is a 504.
 MAX_HEAD_BYTES = 64 * 1024
+# A target the proxy reads: a DNS name (letters, digits, '-' and '.') or an IP address, at most 253
+# characters; anything else is a 400, never a refusal line (a line is `host:port`, nothing a command forged).
+HOST_NAME = re.compile(r"[A-Za-z0-9.-]{1,253}")
+# The refusals one sandboxed process may write: a command that loops on a refused host must not fill
+# the worker's disk, memory or the task's UI (the worker shows 20 a call, and counts what it reads).
+MAX_REFUSALS = 1000
+# What the worker reads of a refusals file, at most: that many lines of a name and a port.
+MAX_REFUSALS_BYTES = MAX_REFUSALS * len("x" * 253 + ":65535\n")
 CONNECT_TIMEOUT_S = 10.0
 PIPE_CHUNK = 64 * 1024
 
@@ -179,9 +195,11 @@ class Proxy:
         self.resolve = {name.lower().rstrip("."): address for name, address in resolve.items()}
         self.refusals = refusals
         self.own = own_addresses()
+        self.refused = 0
 
     def refuse(self, host: str, port: int) -> None:
-        if self.refusals is not None:
+        self.refused += 1
+        if self.refusals is not None and self.refused <= MAX_REFUSALS:
             with contextlib.suppress(OSError), self.refusals.open("a") as out:
                 out.write(f"{host}:{port}\n")
 
@@ -225,6 +243,9 @@ class Proxy:
                 path += "?" + parts.query
             headers = [line for line in rest.split(b"\r\n") if not line.lower().startswith(b"proxy-")]
             forward = f"{method} {path} {version}\r\n".encode("latin-1") + b"\r\n".join(headers)
+        if not _target(host) or not 0 < port < 65536:
+            await _answer(writer, 400, "subq sandbox: the target is not a host name or an IP address and a port")
+            return
         if not allowed(host, self.names):
             self.refuse(host, port)
             await _answer(writer, 403, f"subq sandbox: {host}:{port} is not on this profile's network allow list")
@@ -243,6 +264,17 @@ class Proxy:
         else:
             writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
         await asyncio.gather(_pipe(reader, upstream_writer), _pipe(upstream_reader, writer))
+
+
+def _target(host: str) -> bool:
+    """Whether `host` is a DNS name or an IP address (what a refusal line may name)."""
+    if HOST_NAME.fullmatch(host):
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 async def _open(addresses: Sequence[str], port: int) -> tuple[asyncio.StreamReader | None, asyncio.StreamWriter | None]:
@@ -331,46 +363,65 @@ def _listening(pid: int, port: int) -> bool:
     return any(f":{port:04X}" in line.split()[1] and line.split()[3] == "0A" for line in lines if len(line.split()) > 3)
 
 
-def _enter_network(pid: int) -> tuple[Callable[[], None], tuple[int, int]]:
-    """What a child process runs before `ip`: enter the sandbox's network namespace, through the user
-    namespace that owns it when that is not ours (an unprivileged worker's bwrap makes one).
+@dataclass
+class Sandboxed:
+    """The sandbox's network namespace, open, and the user namespace that owns it.
 
-    nsenter cannot do this: bwrap (with `--dev`) puts its process in a second user namespace, nested in
-    the one that owns the network namespace, and only the owner gives the capability to change routes.
-    NS_GET_USERNS on the network namespace names its owner.
+    bwrap (with `--dev`) puts its process in a second user namespace, nested in the one that owns the
+    network namespace, and only the owner gives the right to join it and change its routes: neither
+    nsenter (it enters the process's own) nor pasta given the PID (it joins the same) can. NS_GET_USERNS
+    on the network namespace names its owner; where that is this process's own (a worker run as root),
+    only the network namespace is entered.
     """
-    net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    owner = fcntl.ioctl(net, NS_GET_USERNS)
-    ours = os.stat("/proc/self/ns/user").st_ino
-    foreign = os.fstat(owner).st_ino != ours
-    libc = ctypes.CDLL(None, use_errno=True)
 
-    def enter() -> None:  # in the child, single-threaded, between fork and exec
-        for fd, kind in ((owner, CLONE_NEWUSER), (net, CLONE_NEWNET)):
-            if (kind == CLONE_NEWNET or foreign) and libc.setns(fd, kind) != 0:
+    net: int
+    owner: int
+    foreign: bool
+
+    @classmethod
+    def of(cls, pid: int) -> Sandboxed:
+        net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        owner = fcntl.ioctl(net, NS_GET_USERNS)
+        os.set_inheritable(owner, False)
+        return cls(net, owner, os.fstat(owner).st_ino != os.stat("/proc/self/ns/user").st_ino)
+
+    def close(self) -> None:
+        for fd in (self.net, self.owner):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def pasta_args(self) -> list[str]:
+        """pasta's arguments that name the namespaces (their descriptors, passed to it)."""
+        if self.foreign:
+            return ["--userns", f"/proc/self/fd/{self.owner}", "--netns", f"/proc/self/fd/{self.net}"]
+        return ["--netns-only", "--netns", f"/proc/self/fd/{self.net}"]
+
+    def enter(self) -> None:
+        """In a child, between fork and exec: enter the namespace (through its owner where that is not ours)."""
+        _die_with_parent()
+        for fd, kind in ((self.owner, CLONE_NEWUSER), (self.net, CLONE_NEWNET)):
+            if (kind == CLONE_NEWNET or self.foreign) and LIBC.setns(fd, kind) != 0:
                 raise OSError(ctypes.get_errno(), f"setns: {os.strerror(ctypes.get_errno())}")
 
-    return enter, (net, owner)
+
+def _die_with_parent() -> None:
+    """This process is killed when its parent dies (a worker killed with SIGKILL takes its sandboxes along)."""
+    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _prohibit(pid: int) -> None:
+def _prohibit(space: Sandboxed) -> None:
     """Refuse every blocked IPv4 range, and each of the host's own addresses, in the namespace's routing."""
     nets = {str(net) for net in BLOCKED_NETWORKS if net.version == 4}
     nets |= {f"{ip}/32" for ip in own_addresses() if ip.version == 4}
     batch = "".join(f"route add prohibit {net}\n" for net in sorted(nets))
-    enter, fds = _enter_network(pid)
-    try:
-        done = subprocess.run(
-            [shutil.which(IP) or IP, "-batch", "-"], input=batch.encode(), capture_output=True, preexec_fn=enter
-        )
-    finally:
-        for fd in fds:
-            os.close(fd)
+    done = subprocess.run(
+        [shutil.which(IP) or IP, "-batch", "-"], input=batch.encode(), capture_output=True, preexec_fn=space.enter
+    )
     if done.returncode != 0:
         raise SetupFailed(f"routes: {' '.join(done.stderr.decode(errors='replace').split())[:300]}")
 
 
-def _pasta(pid: int, public: bool, port: int | None, log: Path) -> subprocess.Popen[bytes]:
+def _pasta(space: Sandboxed, public: bool, port: int | None, log: Path) -> subprocess.Popen[bytes]:
     argv = [shutil.which(PASTA) or PASTA, "--foreground", "--quiet", "--log-file", str(log), "--ipv4-only"]
     # pasta started as root would become nobody, who may not enter a namespace of root's.
     argv += [f"--runas={os.getuid()}:{os.getgid()}", "--no-map-gw", "-t", "none", "-u", "none", "-U", "none"]
@@ -378,13 +429,24 @@ def _pasta(pid: int, public: bool, port: int | None, log: Path) -> subprocess.Po
     if public:
         argv += ["--config-net", "-a", NS_ADDRESS, "-n", NS_PREFIX, "-g", NS_GATEWAY, "--dns-forward", NS_GATEWAY]
     return subprocess.Popen(
-        [*argv, str(pid)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [*argv, *space.pasta_args()],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        pass_fds=(space.net, space.owner),
+        preexec_fn=_die_with_parent,
     )
 
 
 def run(args: argparse.Namespace, bwrap: list[str]) -> int:
     if missing := missing_programs():
         raise SetupFailed(f"{', '.join(missing)} not installed (a sandbox with the network needs {NEEDS})")
+    # Started by a worker that may die with SIGKILL: this program, and so bwrap (--die-with-parent) and
+    # pasta (its own death signal), go with it, rather than leave the command running unwatched.
+    parent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != parent:
+        return SETUP_FAILED
     public = args.mode == "public"
     listener: socket.socket | None = None
     extra: list[str] = []
@@ -412,6 +474,7 @@ def run(args: argparse.Namespace, bwrap: list[str]) -> int:
     for fd in (info_w, block_r, *keep):
         os.close(fd)
     pasta: subprocess.Popen[bytes] | None = None
+    space: Sandboxed | None = None
 
     def end(signum: int, _frame: object) -> None:
         for proc in (sandbox, pasta):
@@ -432,10 +495,11 @@ def run(args: argparse.Namespace, bwrap: list[str]) -> int:
             if not pid:
                 raise SetupFailed("bwrap reported no sandbox process")
             port = listener.getsockname()[1] if listener is not None else None
-            pasta = _pasta(pid, public, port, log)
+            space = Sandboxed.of(pid)
+            pasta = _pasta(space, public, port, log)
             if public:
                 _wait_until([pasta, sandbox], lambda: _routed(pid), "pasta")
-                _prohibit(pid)
+                _prohibit(space)
             else:
                 assert listener is not None and port is not None
                 _wait_until([pasta, sandbox], lambda: _listening(pid, port), "pasta")
@@ -450,10 +514,14 @@ def run(args: argparse.Namespace, bwrap: list[str]) -> int:
             sandbox.wait()
             if pasta is not None:
                 pasta.kill()
+                pasta.wait()
+            if space is not None:
+                space.close()
             print(
                 f"subq sandbox: the network could not be set up: {exc}{f' ({said})' if said else ''}", file=sys.stderr
             )
             return SETUP_FAILED
+        space.close()
         os.write(block_w, b"go")
         os.close(block_w)
         code = sandbox.wait()

@@ -52,6 +52,7 @@ from pydantic_ai.toolsets.abstract import ToolsetTool
 
 from coordinator import ConfigError, McpServer, Profile, one_line
 from workers.runtime.approval_policy import Verdict, verdict
+from workers.runtime.egress import MAX_REFUSALS_BYTES
 from workers.runtime.sandbox import Sandbox
 from workers.runtime.tools import CallFailed, report_refused
 
@@ -491,7 +492,7 @@ class SharedServer(AbstractToolset[Any]):
         try:
             with self._refusals.open("rb") as written:
                 written.seek(self._refusals_read)
-                data = written.read()
+                data = written.read(MAX_REFUSALS_BYTES)
         except FileNotFoundError:
             return []
         whole = data[: data.rfind(b"\n") + 1]

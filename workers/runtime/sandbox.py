@@ -102,7 +102,9 @@ class Sandbox:
         else:
             wrapped = []
         # Never --share-net: with the network, egress.py gives the namespace its own way out.
-        wrapped += [bwrap, "--die-with-parent", "--unshare-all"]
+        # --cap-drop ALL: bwrap started by root keeps every capability for the command otherwise, and a
+        # command root in its namespaces could unmount what hides subq's files and delete its routes.
+        wrapped += [bwrap, "--die-with-parent", "--unshare-all", "--cap-drop", "ALL"]
         wrapped += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
         # The worker's own Python stays readable where the private /tmp would hide it (a checkout in
         # /tmp: an MCP server started from its virtual environment exited before it answered).
