@@ -104,6 +104,7 @@ class Coordinator:
             client,
             Keys(self.settings.key_prefix),
             self.settings.result_retention_s,
+            budget_warn_at=self.settings.budget_warn_at,
             replicas=replica_wait(self.settings),
         )
         self.sessions = self.store.sessions  # the web view's sign-ins: only its auth reads them

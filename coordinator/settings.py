@@ -470,6 +470,9 @@ DEFAULT_WEBHOOK_CONCURRENCY = 8
 # counted as dropped, not written, so a dead receiver cannot grow Redis without bound.
 DEFAULT_WEBHOOK_TREE_CAP = 5_000
 DEFAULT_WEBHOOK_OUTBOX_CAP = 100_000
+# The share of a budget whose crossing sends `budget.warning` (issue 40's default): a fifth of it left is
+# time for a person or a service to act before the budget stop.
+DEFAULT_BUDGET_WARN_AT = 0.8
 _HOST_NAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
 
 
@@ -617,6 +620,9 @@ class Settings(BaseSettings):
     webhook_tree_cap: int = Field(default=DEFAULT_WEBHOOK_TREE_CAP, ge=1)
     webhook_outbox_cap: int = Field(default=DEFAULT_WEBHOOK_OUTBOX_CAP, ge=1)
     notify: Annotated[list[NotifySink], NoDecode, BeforeValidator(_notify)] = Field(default_factory=list, max_length=10)
+    # The share of a budget whose crossing sends the budgeted task's `budget.warning`, once, from the step
+    # that records the spend (the workers' setting: their steps record it).
+    budget_warn_at: float = Field(default=DEFAULT_BUDGET_WARN_AT, gt=0, lt=1)
 
     @field_validator("sandbox_hidden_paths", mode="before")
     @classmethod

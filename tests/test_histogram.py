@@ -14,7 +14,7 @@ from coordinator.store import LATENCY_BUCKETS_MS, Keys, Store
 
 @pytest.fixture
 def store() -> Store:
-    return Store(fakeredis.FakeRedis(decode_responses=True), Keys("unit"), retention_s=60)
+    return Store(fakeredis.FakeRedis(decode_responses=True), Keys("unit"), retention_s=60, budget_warn_at=0.8)
 
 
 def test_buckets_are_cumulative_with_count_and_sum(store: Store) -> None:

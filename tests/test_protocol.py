@@ -127,7 +127,7 @@ def test_end_run_packs_its_keys_and_arguments_where_its_header_says() -> None:
         token="tok", retention_s=60, now=1.5, events_maxlen=100, status="completed", summary="s", error="",
         error_class="", resume_grace_s=2.0, stop_on_budget=1, free_slot=0, per_parent=3, per_tree=9,
         task_prefix="pre:", running_children_prefix="rc:", admission_scan=50, output='{"total":3}',
-        invalid_outputs=2, writes=_writes(),
+        invalid_outputs=2, budget_warn_at=0.8, writes=_writes(),
     )  # fmt: skip
     keys, args = call.pack()
     assert keys[:2] == ["lease:t", "task:t"] and keys[7] == "due" and keys[16] == "prun"  # KEYS[1], [2], [8], [17]
@@ -135,15 +135,16 @@ def test_end_run_packs_its_keys_and_arguments_where_its_header_says() -> None:
     assert keys[20:] == ["task:p", "task:root"]  # KEYS[21..]: the ancestors
     assert args[0] == "tok" and args[15] == 50  # ARGV[1], ARGV[16]
     assert args[16:18] == ['{"total":3}', 2]  # ARGV[17], ARGV[18]: the typed task's output, its invalid answers
-    # ARGV[19..]: flush_run's from its sixth: live, the four counts, then each tail laid out flat.
-    assert args[18:23] == ["{}", 2, 1, 1, 1]
-    assert args[23:] == ["m1", "m2", "u1", "req-1", 10, 5, 0, 0, 123, "provider", "le:100", 80, 1000, "running"]
+    assert args[18] == 0.8  # ARGV[19]: the budget's warning share
+    # ARGV[20..]: flush_run's from its seventh: live, the four counts, then each tail laid out flat.
+    assert args[19:24] == ["{}", 2, 1, 1, 1]
+    assert args[24:] == ["m1", "m2", "u1", "req-1", 10, 5, 0, 0, 123, "provider", "le:100", 80, 1000, "running"]
 
 
 def test_a_spliced_call_packs_as_the_script_it_calls_reads_it() -> None:
     flush = FlushRun(
-        run=_run_keys("t"), ancestors=["task:p"], token="tok", retention_s=60, now=1.5, events_maxlen=100,
-        by_end_run=0, writes=_writes(),
+        run=_run_keys("t"), outbox=_OUTBOX, ancestors=["task:p"], token="tok", retention_s=60, now=1.5,
+        events_maxlen=100, by_end_run=0, budget_warn_at=0.8, writes=_writes(),
     )  # fmt: skip
     tool = RecordTool(
         results="results", tool_call_id="c1", result="", outcome_field="tool:x:ok", ms_field="tool:x:ms", ms=7,
@@ -153,6 +154,18 @@ def test_a_spliced_call_packs_as_the_script_it_calls_reads_it() -> None:
     keys, args = tool.pack()
     # record_tool.lua hands flush_run its KEYS[2..] and ARGV[6..].
     assert keys == ["results", *flush_keys] and args[5:] == flush_args
+    # flush_run.lua hands record_usage its task, the outbox (KEYS[8..10]) and the ancestors (KEYS[11..]).
+    assert flush_keys[7:] == ["hooks", "outbox", "pending", "task:p"] and flush_args[5:7] == [0.8, "{}"]
+
+
+def test_a_script_is_sent_with_what_the_scripts_it_uses_use_defined_first() -> None:
+    # base.py defines each used script as a local function in the order of `uses`: one that calls another
+    # (record_usage calls outbox_add) must come after it, or Lua reads an undefined global.
+    for call in CALLS.values():
+        for at, used in enumerate(call.uses):
+            before = call.uses[:at]
+            missing = [inner for inner in CALLS[used].uses if inner not in before]
+            assert not missing, f"{call.script}: {used} uses {missing}, not defined before it"
 
 
 def test_counts_are_packed_from_their_tails_and_groups_laid_out_flat() -> None:

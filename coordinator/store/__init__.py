@@ -86,23 +86,30 @@ __all__ = [
 
 
 class Store:
-    """subq state in Redis, for one key prefix: `Store(client, keys, retention_s)`.
+    """subq state in Redis, for one key prefix: `Store(client, keys, retention_s, budget_warn_at=...)`.
 
     A plain object of named parts (the table above), each built once on one core;
     `client`, `keys` and `retention_s` are the core's, for tests and tools that read Redis
     beside the store. With `replicas`, each step a caller sees waits for that many replicas
-    (`base.ReplicaWait`, SUBQ_REDIS_MIN_REPLICAS).
+    (`base.ReplicaWait`, SUBQ_REDIS_MIN_REPLICAS). `budget_warn_at` (SUBQ_BUDGET_WARN_AT) is
+    the runs part's: the share of a budget whose crossing sends `budget.warning`.
     """
 
     def __init__(
-        self, client: redis.Redis, keys: Keys, retention_s: int, *, replicas: ReplicaWait | None = None
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        retention_s: int,
+        *,
+        budget_warn_at: float,
+        replicas: ReplicaWait | None = None,
     ) -> None:
         self.core = core = StoreCore(client, keys, retention_s, replicas)
         self.client = client
         self.keys = keys
         self.retention_s = retention_s
         self.records = RecordStore(core)
-        self.runs = RunStore(core, self.records)
+        self.runs = RunStore(core, self.records, budget_warn_at)
         self.batches = DelegationStore(core)
         self.approvals = ApprovalStore(core)
         self.convergence = ConvergenceStore(core)

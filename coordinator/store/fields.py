@@ -112,6 +112,10 @@ class TaskField:
     # JSON list of the ancestors with a budget, root first; absent on records written before
     # it was kept (then every ancestor is read). The run's start reads only these (start_run).
     BUDGET_CHAIN: Final = "budget_chain"
+    # The shares of its budget (SUBQ_BUDGET_WARN_AT) whose `budget.warning` its subtree's spend has sent,
+    # space-separated ('0.8'): a step that crosses one again (redelivered, repeated) sends nothing
+    # (record_usage). Only a task with a budget has it.
+    BUDGET_WARNED: Final = "budget_warned"
 
     @staticmethod
     def resumed(reason_id: str) -> str:

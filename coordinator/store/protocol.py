@@ -317,7 +317,7 @@ UsageArgs = tuple[str, int, int, int, int, int, str]
 
 @dataclass(frozen=True, kw_only=True)
 class StepWrites(Group):
-    """What a run did since its last step (flush_run's ARGV from its sixth; end_run's from its 19th)."""
+    """What a run did since its last step (flush_run's ARGV from its seventh; end_run's from its 20th)."""
 
     live: str = arg("live status JSON, or ''")
     n_conversation: int = count("how many conversation messages", of="conversation")
@@ -549,11 +549,12 @@ class FinishTask(
 class FlushRun(
     Call[Stepped],
     script="flush_run",
-    uses=("record_usage",),
+    uses=("outbox_add", "record_usage"),
     returns="{1, status, exhausted} (status '' when called by end_run), or {0} when the lease is not this "
     "run's (nothing written).",
 ):
     run: RunKeys = splice("the run's keys", expand=True)
+    outbox: OutboxKeys = splice("the tree's outbox (outbox_add's {side}: a budget warning, record_usage)")
     ancestors: Sequence[str] = keys("ancestor hashes (parent first, root last)")
     token: str = arg("token")
     retention_s: int = arg("retention seconds")
@@ -563,6 +564,7 @@ class FlushRun(
         "1 when end_run calls it: the task's status is not read back, and the task hash's retention is left "
         "to the end (it refreshes each key it writes once)"
     )
+    budget_warn_at: float = arg("the share of a budget whose crossing sends `budget.warning` (record_usage)")
     writes: StepWrites = splice("what the run did since its last step", expand=True)
 
     @classmethod
@@ -575,9 +577,9 @@ class EndRun(
     Call[Ending],
     script="end_run",
     uses=(
+        "outbox_add",
         "record_usage",
         "flush_run",
-        "outbox_add",
         "finish_task",
         "release_lease",
         "apply_children",
@@ -627,7 +629,8 @@ class EndRun(
         "a completed typed task's data, compact JSON ('' for none): its `output`, written with the status"
     )
     invalid_outputs: int = arg("its model's answers that broke its output schema (kept on the record when above 0)")
-    writes: StepWrites = splice("flush_run's ARGV from its sixth (what the run did since its last step)")
+    budget_warn_at: float = arg("the share of a budget whose crossing sends `budget.warning` (record_usage)")
+    writes: StepWrites = splice("flush_run's ARGV from its seventh (what the run did since its last step)")
 
     @classmethod
     def decode(cls, raw: Any) -> Ending:
@@ -674,7 +677,7 @@ class RateLimit(
 class RecordTool(
     Call[Stepped],
     script="record_tool",
-    uses=("record_usage", "flush_run"),
+    uses=("outbox_add", "record_usage", "flush_run"),
     returns="flush_run's reply: {1, status, exhausted}, or {0} when the lease is not this run's (nothing "
     "written: another run owns the task and answers the call itself).",
 ):
@@ -695,6 +698,7 @@ class RecordTool(
 class RecordUsage(
     Call[tuple[int, str | None]],
     script="record_usage",
+    uses=("outbox_add",),
     returns="{recorded, exhausted}: recorded is 1, 0 (this request was recorded before) or -1 (the task has "
     "ended, e.g. was cancelled: nothing is recorded after a stop); exhausted is the id of the topmost task "
     "(nearest the root) whose budget the subtree total has reached, or ''.",
@@ -703,6 +707,7 @@ class RecordUsage(
         "task hash (its `usage_keys` field lists the request keys already recorded, space-separated: read and "
         "written with the figures, no key of its own)"
     )
+    outbox: OutboxKeys = splice("the tree's outbox (outbox_add's {side}: a budget warning)")
     ancestors: Sequence[str] = keys("ancestor task hashes (parent first, root last)")
     request_key: str = arg(
         "request key (unique per request of the task, no spaces; `tool:<call id>` for a tool call's price, "
@@ -716,6 +721,10 @@ class RecordUsage(
     cost_source: str = arg("cost source")
     now: float = arg("now")
     retention_s: int = arg("retention seconds")
+    budget_warn_at: float = arg(
+        "the share of a budget (0 < share < 1) whose crossing sends the budgeted task's `budget.warning`, once: "
+        "its `budget_warned` field keeps the shares warned"
+    )
     refresh_task: str | None = arg(
         "'0': leave the task hash's retention to the caller (end_run refreshes it once)", optional=True
     )

@@ -82,13 +82,16 @@ class Started:
 class RunStore(Part):
     """What one run of a task reads and writes, from its start to its terminal status.
 
-    It reads through the records part it is handed (`RunStore(core, records)`): the usage
-    roll-up reads the ancestors, and the in-flight figures walk the tree's tasks.
+    It reads through the records part it is handed (`RunStore(core, records, budget_warn_at)`): the usage
+    roll-up reads the ancestors, and the in-flight figures walk the tree's tasks. `budget_warn_at`
+    (SUBQ_BUDGET_WARN_AT) is the share of a budget whose crossing the step that records the spend
+    sends as `budget.warning` (record_usage.lua).
     """
 
-    def __init__(self, core: StoreCore, records: RecordStore) -> None:
+    def __init__(self, core: StoreCore, records: RecordStore, budget_warn_at: float) -> None:
         super().__init__(core)
         self.records = records
+        self.budget_warn_at = budget_warn_at
 
     # -- a run's hot path: start, steps, end, one round trip each -----------------------
 
@@ -138,8 +141,9 @@ class RunStore(Part):
     def _flush(self, record: TaskRecord, token: str, writes: RunWrites) -> FlushRun:
         """flush_run.lua's call for a step of its own (not end_run's)."""
         return FlushRun(
-            run=self._run_keys(record), ancestors=self._ancestor_keys(record), token=token,
-            retention_s=self.retention_s, now=time.time(), events_maxlen=EVENTS_MAXLEN, by_end_run=0,
+            run=self._run_keys(record), outbox=outbox_keys(self.keys, record.root_id),
+            ancestors=self._ancestor_keys(record), token=token, retention_s=self.retention_s, now=time.time(),
+            events_maxlen=EVENTS_MAXLEN, by_end_run=0, budget_warn_at=self.budget_warn_at,
             writes=_step_writes(writes),
         )  # fmt: skip
 
@@ -198,7 +202,8 @@ class RunStore(Part):
                 error_class=outcome.error_class, resume_grace_s=resume_grace_s, stop_on_budget=int(stop_on_budget), free_slot=int(admitted),
                 per_parent=limits.per_parent, per_tree=limits.per_tree, task_prefix=k.task(root, ""),
                 running_children_prefix=k.running_children(root, ""), admission_scan=ADMISSION_SCAN,
-                output=outcome.output_json, invalid_outputs=outcome.invalid_outputs, writes=steps,
+                output=outcome.output_json, invalid_outputs=outcome.invalid_outputs,
+                budget_warn_at=self.budget_warn_at, writes=steps,
             )
         )  # fmt: skip
 
@@ -256,7 +261,8 @@ class RunStore(Part):
         cost_source: str,
         ancestors: Sequence[str] | None = None,
     ) -> tuple[int, str | None]:
-        """Record one request's usage on the task and roll it up the ancestors, once per key.
+        """Record one request's usage on the task and roll it up the ancestors, once per key; a budget of the
+        chain whose warning share it crosses has its `budget.warning` written in the same step.
 
         Returns (recorded, exhausted): recorded is 1, 0 (a repeat of this key) or -1 (the
         task had ended: nothing is recorded after a stop); exhausted is the id of the
@@ -268,10 +274,11 @@ class RunStore(Part):
             ancestors = self.records.ancestors(task_id)
         return self.scripts(
             RecordUsage(
-                task=self.keys.task(root, task_id), ancestors=[self.keys.task(root, a) for a in reversed(ancestors)],
-                request_key=request_key, tokens_in=usage.tokens_in, tokens_out=usage.tokens_out,
-                cache_reads=usage.cache_reads, cache_writes=usage.cache_writes, cost_micros=cost_micros,
-                cost_source=cost_source, now=time.time(), retention_s=self.retention_s,
+                task=self.keys.task(root, task_id), outbox=outbox_keys(self.keys, root),
+                ancestors=[self.keys.task(root, a) for a in reversed(ancestors)], request_key=request_key,
+                tokens_in=usage.tokens_in, tokens_out=usage.tokens_out, cache_reads=usage.cache_reads,
+                cache_writes=usage.cache_writes, cost_micros=cost_micros, cost_source=cost_source, now=time.time(),
+                retention_s=self.retention_s, budget_warn_at=self.budget_warn_at,
             )
         )  # fmt: skip
 

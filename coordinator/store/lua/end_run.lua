@@ -37,7 +37,8 @@
 -- ARGV[17] str: a completed typed task's data, compact JSON ('' for none): its `output`, written with the
 --   status
 -- ARGV[18] int: its model's answers that broke its output schema (kept on the record when above 0)
--- ARGV[19..] flush_run's ARGV from its sixth (what the run did since its last step)
+-- ARGV[19] float: the share of a budget whose crossing sends `budget.warning` (record_usage)
+-- ARGV[20..] flush_run's ARGV from its seventh (what the run did since its last step)
 -- Returns {'fenced'} (nothing written), {'exhausted', holder} (the flush was written; the caller stops the
 --   holder's subtree and ends the run again), or {'ended', status, summary, error, error class, tokens in,
 --   tokens out, cache reads, cache writes, cost micro-USD, closed, resumes, resume, batch mode, admitted
@@ -55,19 +56,19 @@ if KEYS[9] ~= KEYS[2] then
   hash_prefetch(KEYS[9], {'id', 'total_tokens', 'total_cost_micros', 'budget_micros', 'todos_version', 'status',
     'runner', 'error_class', 'error', 'waiting_batch_id', 'resumes', 'timeline'})
 end
-local flush_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]}
+local flush_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[18], KEYS[19], KEYS[20]}
 for i = 21, #KEYS do
   flush_keys[#flush_keys + 1] = KEYS[i]
 end
--- The live status (ARGV[19]: here the terminal one, made by the caller, store/runs.py) goes to
+-- The live status (ARGV[20]: here the terminal one, made by the caller, store/runs.py) goes to
 -- finish_task, which writes it as it is, and the UI messages go with the outcome's own, after it
 -- (one write each, not two).
-local live = ARGV[19]
-local n_conv, n_ui = tonumber(ARGV[20]), tonumber(ARGV[21])
-local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], '1', '', ARGV[20], '0', ARGV[22], ARGV[23]}
+local live = ARGV[20]
+local n_conv, n_ui = tonumber(ARGV[21]), tonumber(ARGV[22])
+local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], '1', ARGV[19], '', ARGV[21], '0', ARGV[23], ARGV[24]}
 local ui = {}
-local first_ui = 24 + n_conv
-for i = 24, #ARGV do
+local first_ui = 25 + n_conv
+for i = 25, #ARGV do
   if i >= first_ui and i < first_ui + n_ui then
     ui[#ui + 1] = ARGV[i]
   else

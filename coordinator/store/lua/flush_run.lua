@@ -1,6 +1,7 @@
 -- What a run did since its last step, written at once while it still holds its lease:
 -- conversation messages, UI messages, each response's usage (record_usage.lua, once per
--- request key, rolled up the ancestors), its latency, and its live status. Then the checks
+-- request key, rolled up the ancestors, with the `budget.warning` of a budget whose warning
+-- share it crosses), its latency, and its live status. Then the checks
 -- a run makes before its next model request: its status, and the topmost budget reached.
 -- KEYS[1] lease
 -- KEYS[2] task hash
@@ -9,19 +10,21 @@
 -- KEYS[5] latency histogram
 -- KEYS[6] tree live hash
 -- KEYS[7] tree events
--- KEYS[8..] ancestor hashes (parent first, root last)
+-- KEYS[8..10] the tree's outbox (outbox_add's KEYS: a budget warning, record_usage)
+-- KEYS[11..] ancestor hashes (parent first, root last)
 -- ARGV[1] str: token
 -- ARGV[2] int: retention seconds
 -- ARGV[3] float: now
 -- ARGV[4] int: events max length
 -- ARGV[5] int: 1 when end_run calls it: the task's status is not read back, and the task hash's retention
 --   is left to the end (it refreshes each key it writes once)
--- ARGV[6] str: live status JSON, or ''
--- ARGV[7] int: how many conversation messages
--- ARGV[8] int: how many UI messages
--- ARGV[9] int: how many usage records
--- ARGV[10] int: how many latencies
--- ARGV[11..] each str: the conversation messages
+-- ARGV[6] float: the share of a budget whose crossing sends `budget.warning` (record_usage)
+-- ARGV[7] str: live status JSON, or ''
+-- ARGV[8] int: how many conversation messages
+-- ARGV[9] int: how many UI messages
+-- ARGV[10] int: how many usage records
+-- ARGV[11] int: how many latencies
+-- ARGV[12..] each str: the conversation messages
 -- ARGV[..] each str: then the UI messages
 -- ARGV[..] then 7 values per usage record (request key, tokens in, tokens out, cache reads, cache writes,
 --   cost micro-USD, cost source)
@@ -35,8 +38,8 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then
 end
 local retention, now, in_end = ARGV[2], ARGV[3], ARGV[5] == '1'
 hash_prefetch(KEYS[2], USAGE_FIELDS)  -- with the status and budget read below: one HMGET
-local n_conv, n_ui, n_usage, n_latency = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-local at = 11
+local n_conv, n_ui, n_usage, n_latency = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
+local at = 12
 if n_conv > 0 then
   redis.call('RPUSH', KEYS[3], unpack(ARGV, at, at + n_conv - 1))
   redis.call('EXPIRE', KEYS[3], retention)
@@ -47,15 +50,16 @@ if n_ui > 0 then
   redis.call('EXPIRE', KEYS[4], retention)
   at = at + n_ui
 end
-local usage_keys = {KEYS[2]}
-for i = 8, #KEYS do
+-- record_usage's KEYS: the task, the tree's outbox (a budget warning), the ancestors.
+local usage_keys = {KEYS[2], KEYS[8], KEYS[9], KEYS[10]}
+for i = 11, #KEYS do
   usage_keys[#usage_keys + 1] = KEYS[i]
 end
 -- record_usage says which budget a recorded request reached; with none recorded, the chain is read below.
 local exhausted, recorded = '', false
 for _ = 1, n_usage do
   local got = record_usage(usage_keys, {ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4],
-    ARGV[at + 5], ARGV[at + 6], now, retention, in_end and '0' or '1'})
+    ARGV[at + 5], ARGV[at + 6], now, retention, ARGV[6], in_end and '0' or '1'})
   if got[1] == 1 then
     recorded, exhausted = true, got[2]
   end
@@ -74,9 +78,9 @@ while at < #ARGV do
   end
   at = at + 2
 end
-if ARGV[6] ~= '' then
-  local live = cjson.decode(ARGV[6])
-  redis.call('HSET', KEYS[6], live['task_id'], ARGV[6])
+if ARGV[7] ~= '' then
+  local live = cjson.decode(ARGV[7])
+  redis.call('HSET', KEYS[6], live['task_id'], ARGV[7])
   redis.call('EXPIRE', KEYS[6], retention)
   redis.call('XADD', KEYS[7], 'MAXLEN', '~', ARGV[4], '*', 'type', 'live', 'task_id', live['task_id'],
     'state', live['state'])
@@ -84,7 +88,7 @@ end
 if not recorded then
   -- The topmost task of the chain whose budget its subtree has reached (later keys are nearer the root).
   local chain = {KEYS[2]}
-  for i = 8, #KEYS do
+  for i = 11, #KEYS do
     chain[#chain + 1] = KEYS[i]
   end
   for _, key in ipairs(chain) do
