@@ -53,7 +53,7 @@ RefusalReason = Literal[
     "missing_scope",  # 403: the key lacks the scope the route needs
     "not_signed_in",  # 401: a web view fragment, stream or action without a valid session
     "wrong_sign_in",  # 401: a sign-in with a token no key has
-    "not_found",  # an MCP call about a tree the key may not read, or no tree (coordinator/api/mcp.py)
+    "not_found",  # a read of a tree the key may not read (the API, the web view), or an MCP call about one or no tree
 ]
 
 

@@ -217,6 +217,8 @@ def test_scopes_and_ownership_on_the_audit_log(face: tuple[str, Connect], stack:
         assert hidden and hidden[0]["target"].startswith("POST /mcp/") and theirs in hidden[0]["detail"]
     else:
         assert scope_refusals[0]["target"] == "POST /v1/tasks"
+        hidden = [e for e in entries if e["actor"] == "team" and e["reason"] == "not_found"]
+        assert hidden and hidden[0]["target"].startswith("GET /v1/tasks/") and theirs in hidden[0]["detail"]
 
 
 def test_bad_input_gets_the_apis_words_and_writes_nothing(

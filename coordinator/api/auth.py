@@ -155,9 +155,12 @@ Caller = Annotated[Principal, Depends(caller)]
 class Gate:
     """What a route asks before it acts: scopes, and whether the caller may read or change a tree."""
 
-    def __init__(self, coord: Coordinator, via: Via = "api") -> None:
+    def __init__(self, coord: Coordinator, via: Via = "api", record_unreadable: bool = True) -> None:
         self.coord = coord
         self.via: Via = via
+        # A key asking for a tree it may not read is on record as a refusal (`not_found`): a model probing
+        # ids is worth an operator's look (issue 41). /mcp records its own, naming the tool.
+        self.record_unreadable = record_unreadable
 
     def need(self, request: Request, key: Principal, *scopes: Scope, why: str = "") -> None:
         """Go on if `key` has one of `scopes` (admin has all); else a 403 naming them, on record."""
@@ -177,8 +180,16 @@ class Gate:
         """The owner of the task's tree, if `key` may read it; a 404 as for an unknown task if not."""
         self.need(request, key, Scope.READ, Scope.READ_ALL)
         owner = self.coord.owner_of(task_id)
-        self.readable(key, task_id, owner)
+        self.readable_on_record(request, key, task_id, owner)
         return owner
+
+    def readable_on_record(self, request: Request, key: Principal, task_id: str, owner: str) -> None:
+        """`readable`, with a refused read on the audit log (unless this gate's face records its own)."""
+        if self.record_unreadable and not key.may_read(owner):
+            target = f"{request.method} {request.url.path}"
+            detail = f"Unknown task: {task_id}"
+            self.coord.record(actor_of(request, key, self.via), "refused", target, reason="not_found", detail=detail)
+        self.readable(key, task_id, owner)
 
     @staticmethod
     def readable(key: Principal, task_id: str, owner: str) -> None:

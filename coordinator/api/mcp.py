@@ -60,7 +60,7 @@ class KeyedOperations:
     def __init__(self, coord: Coordinator, request: Request, key: Principal, tool: str) -> None:
         self.coord = coord
         self.key = key
-        self.gate = Gate(coord)
+        self.gate = Gate(coord, record_unreadable=False)  # a refused read is recorded by not_found, naming the tool
         # The audit log names a refused call `POST /mcp/<tool>`: the tool, not only the endpoint.
         self.request = Request({**request.scope, "path": f"{MCP_PATH}/{tool}", "raw_path": b""})
 

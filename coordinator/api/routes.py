@@ -119,7 +119,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         """Own usage (`tokens_in`, `tokens_out`, `cost_micros`) and the subtree's (`total_tokens`, `total_cost_micros`)."""
         gate.need(request, key, Scope.READ, Scope.READ_ALL)
         record = coord.get_task(task_id)  # the record names its owner: no second read
-        gate.readable(key, task_id, record.owner)
+        gate.readable_on_record(request, key, task_id, record.owner)
         return record
 
     @router.get(
