@@ -71,6 +71,8 @@ OPERATIONS = [
     "POST /v1/tasks/{task_id}/cancel",
     "POST /v1/tasks/{task_id}/retry",
     "GET /v1/tasks/{task_id}/snapshot",
+    "GET /v1/tasks/{task_id}/deliveries",
+    "POST /v1/tasks/{task_id}/deliveries/{delivery_id}/redeliver",
     "GET /v1/approvals",
     "POST /v1/approvals/{approval_id}",
     "GET /v1/dead-letters",
