@@ -100,8 +100,13 @@ def test_a_cancel_sends_task_cancelled_and_children_only_when_asked(fleet: tuple
         assert everything.of_type("task.cancelled")[0].json["data"]["error"]
 
 
+# How long the receiver refuses every connection, the worker that would deliver killed meanwhile (issue 40).
+REFUSED_S = 30.0
+
+
 def test_a_delivery_survives_a_refusing_receiver_and_a_killed_worker(settings: Settings, tmp_path: Path) -> None:
     receiver = Receiver(start=False)  # nobody listens: every connection is refused
+    back_at = time.monotonic() + REFUSED_S
     with dedicated_fleet(settings, tmp_path / "first", 1, **FLEET) as (coord, workers):
         root = coord.create_task("Plan.", webhooks=[{"url": receiver.url, "secret": SECRET}])
         coord.cancel(root.id, "done with it")
@@ -116,6 +121,7 @@ def test_a_delivery_survives_a_refusing_receiver_and_a_killed_worker(settings: S
         for proc in workers.procs:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    time.sleep(max(0.0, back_at - time.monotonic()))
     receiver.start()
     try:
         with dedicated_fleet(settings, tmp_path / "second", 1, **FLEET) as (coord, _):

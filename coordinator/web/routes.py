@@ -7,6 +7,7 @@
     GET  /ui/tasks/{id}/conversation   a task's UI messages and model conversation
     POST /ui/actions/tasks/{id}/cancel        {reason}: cancel a subtree
     POST /ui/actions/tasks/{id}/retry         {failed?}: retry a failed task (with failed: its tree's failed tasks)
+    POST /ui/actions/tasks/{id}/deliveries/{delivery}/redeliver   {}: send an outbound event again (scope operate)
     POST /ui/actions/approvals/{id}           {decision, feedback?}: approve or deny
     GET|POST /ui/login, POST /ui/logout
 
@@ -39,6 +40,7 @@ from sse_starlette import EventSourceResponse
 
 from coordinator.access import Principal, Scope
 from coordinator.api.auth import Gate, actor_of, too_many_attempts
+from coordinator.api.control import DeliveryId
 from coordinator.api.errors import UNAUTHORIZED, HttpError, status_of
 from coordinator.api.events import KEEPALIVE_S, STREAM_ID_PATTERN, StreamThreads, tree_events
 from coordinator.api.limits import RateLimiter, client_address
@@ -47,7 +49,7 @@ from coordinator.api.schemas import CancelInput, DecisionInput
 from coordinator.audit import Actor
 from coordinator.errors import SubqError, ValidationError
 from coordinator.inputs import RetryInput
-from coordinator.models import Approval, Retried, TaskRecord, TaskStatus, format_usd
+from coordinator.models import Approval, Delivery, Retried, TaskRecord, TaskStatus, format_usd
 from coordinator.service import Coordinator
 from coordinator.settings import Settings
 from coordinator.tree import duration
@@ -216,6 +218,13 @@ def _router(coord: Coordinator, auth: WebAuth, auth_attempts: RateLimiter) -> AP
     def retry(request: Request, task_id: TaskId, body: RetryInput, key: Principal = Depends(signed_in)) -> Retried:
         gate.write_tree(request, key, task_id, others=Scope.OPERATE)
         return coord.retry(task_id, failed=body.failed, actor=actor_of(request, key, "web"))
+
+    @router.post("/actions/tasks/{task_id}/deliveries/{delivery_id}/redeliver", dependencies=[Depends(json_body)])
+    def redeliver(
+        request: Request, task_id: TaskId, delivery_id: DeliveryId, key: Principal = Depends(signed_in)
+    ) -> Delivery:
+        gate.need(request, key, Scope.OPERATE)
+        return coord.redeliver(task_id, delivery_id, actor=actor_of(request, key, "web"))
 
     @router.post("/actions/approvals/{approval_id}", dependencies=[Depends(json_body)])
     def decide(

@@ -1,7 +1,7 @@
 // subq web view: keeps the tree page live and sends the operator's actions.
 // The server renders every piece of HTML; this script only (1) listens to the
 // tree's event stream and, on an event, swaps in the tree fragment the server
-// renders again, and (2) posts approve / deny / cancel / retry after a confirmation,
+// renders again, and (2) posts approve / deny / cancel / retry / redeliver after a confirmation,
 // showing the server's error when it refuses. No polling: nothing is fetched
 // unless the stream says something changed.
 "use strict";
@@ -134,6 +134,11 @@
         : "Retry task " + id + " from its conversation? Its finished tool calls are not run again.";
       if (!window.confirm(question)) return;
       post(ui + "/actions/tasks/" + encodeURIComponent(id) + "/retry", { failed: tree }, true);
+    } else if (action === "redeliver") {
+      const id = button.dataset.taskId;
+      const delivery = button.dataset.deliveryId;
+      if (!window.confirm("Send " + button.dataset.type + " (" + delivery + ") again now, with the same webhook-id?")) return;
+      post(ui + "/actions/tasks/" + encodeURIComponent(id) + "/deliveries/" + encodeURIComponent(delivery) + "/redeliver", {});
     } else if (action === "approve" || action === "deny") {
       const id = button.dataset.approvalId;
       const feedback = (document.getElementById("feedback-" + id) || {}).value || "";
