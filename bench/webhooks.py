@@ -1,0 +1,159 @@
+"""What outbound events cost a wide tree: the same fan-out with and without a subscription to every end.
+
+    python bench/webhooks.py [--width 1000] [--repeats 3] [--workers 2] [--concurrency 16] [--answer-ms 200]
+
+One private embedded Redis, one fleet of real `celery worker` processes, and a receiver on 127.0.0.1 that
+takes `--answer-ms` to answer each POST (a slow service). Each run is a root agent on the offline model that
+fans out `--width` one-step children (run_subagents) and completes; with a subscription, the root is
+created with `webhooks=[{url, events: [task.*, child.*]}]`, so every end (the children's and the root's) is
+a delivery. The two take turns, `--repeats` times each, after one warm-up of each.
+
+Reported per mode: the tree's wall time (create to the root's end, the median), and with a subscription how
+long after the root's end the last delivery arrived, how many event ids arrived, and how many arrived twice
+after a 2xx. The run fails (exit 1) if an end is missing or delivered twice. docs/benchmarks.md reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from coordinator import Coordinator, Settings, TaskStatus  # noqa: E402
+from coordinator.local.embedded_redis import local_redis  # noqa: E402
+from coordinator.local.fleet import WorkerFleet  # noqa: E402
+from coordinator.settings import DEFAULT_MAX_FANOUT  # noqa: E402
+from workers.runtime.script import script_message  # noqa: E402
+
+USAGE = {"input": 1000, "output": 500}
+RUN_TIMEOUT_S = 900.0
+# How long after the root's end every delivery may take to arrive (a slow receiver, a few workers).
+DELIVERED_WITHIN_S = 600.0
+
+
+def root_message(width: int) -> str:
+    """A root that fans out `width` children of one step each, then completes."""
+    child = {"reply": "done", "usage": USAGE}
+    tasks = [{"description": f"item {n}", "message": script_message(f"item {n}", [child])} for n in range(width)]
+    steps = [
+        {"tool_calls": [{"name": "run_subagents", "args": {"tasks": tasks}}], "usage": USAGE},
+        {"tool_calls": [{"name": "attempt_completion", "args": {"result": "all done"}}], "usage": USAGE},
+    ]
+    return script_message("Fan the items out.", steps)
+
+
+class Receiver(http.server.ThreadingHTTPServer):
+    """A slow webhook receiver on 127.0.0.1: each POST is answered 204 after `answer_s`; ids counted."""
+
+    daemon_threads = True
+
+    def __init__(self, answer_s: float) -> None:
+        self.answer_s = answer_s
+        self.ids: Counter[str] = Counter()
+        self.last_s = 0.0
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                time.sleep(receiver.answer_s)
+                with receiver.lock:
+                    receiver.ids[self.headers.get("webhook-id", "")] += 1
+                    receiver.last_s = time.perf_counter()
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/hook"
+
+
+def one_tree(coord: Coordinator, width: int, receiver: Receiver | None) -> dict[str, float]:
+    webhooks = [{"url": receiver.url, "events": ["task.*", "child.*"]}] if receiver is not None else None
+    before = sum(receiver.ids.values()) if receiver is not None else 0
+    started_s = time.perf_counter()
+    root = coord.create_task(root_message(width), run=True, webhooks=webhooks)
+    record = coord.wait(root.id, RUN_TIMEOUT_S)
+    ended_s = time.perf_counter()
+    if record.status != TaskStatus.COMPLETED:
+        raise SystemExit(f"the tree {root.id} is {record.status.value}: {record.error}")
+    figures = {"wall_s": ended_s - started_s}
+    if receiver is not None:
+        deadline = time.monotonic() + DELIVERED_WITHIN_S
+        while sum(receiver.ids.values()) - before < width + 1:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{sum(receiver.ids.values()) - before} of {width + 1} ends delivered")
+            time.sleep(0.1)
+        time.sleep(2.0)  # a second copy, if any, would come now
+        mine = {i: n for i, n in receiver.ids.items() if root.id in i}
+        figures |= {
+            "delivered_after_end_s": receiver.last_s - ended_s,
+            "event_ids": len(mine),
+            "twice": sum(1 for n in mine.values() if n > 1),
+        }
+        if len(mine) != width + 1 or figures["twice"]:
+            raise SystemExit(f"{len(mine)} event ids of {width + 1}; {figures['twice']} delivered twice")
+    return figures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--width", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2, help="worker processes")
+    parser.add_argument("--concurrency", type=int, default=16, help="threads a process")
+    parser.add_argument("--answer-ms", type=int, default=200, help="how long the receiver takes to answer")
+    args = parser.parse_args()
+    receiver = Receiver(args.answer_ms / 1000)
+    runs: dict[str, list[dict[str, float]]] = {"without": [], "with": []}
+    with local_redis() as redis_url, tempfile.TemporaryDirectory() as logs:
+        settings = Settings(
+            redis_url=redis_url, queue="bench-webhooks", worker_concurrency=args.concurrency,
+            max_fanout=max(DEFAULT_MAX_FANOUT, args.width), webhook_allow=["127.0.0.1"],
+        )  # fmt: skip
+        with WorkerFleet(settings, args.workers, Path(logs)) as fleet:
+            fleet.wait_ready()
+            coord = Coordinator(settings)
+            try:
+                for mode in ("without", "with"):  # warm-up
+                    one_tree(coord, min(args.width, 100), receiver if mode == "with" else None)
+                for repeat in range(args.repeats):
+                    for mode in ("without", "with"):
+                        figures = one_tree(coord, args.width, receiver if mode == "with" else None)
+                        runs[mode].append(figures)
+                        print(f"{mode} subscriptions, run {repeat + 1}: {json.dumps(figures)}", file=sys.stderr)
+            finally:
+                coord.close()
+    receiver.shutdown()
+    without = statistics.median(r["wall_s"] for r in runs["without"])
+    with_ = statistics.median(r["wall_s"] for r in runs["with"])
+    print(f"width {args.width}, {args.workers} x {args.concurrency} threads, receiver {args.answer_ms} ms an answer")
+    print(f"tree wall time, median of {args.repeats}: without {without:.2f} s, with {with_:.2f} s "
+          f"(ratio {with_ / without:.3f})")  # fmt: skip
+    after = statistics.median(r["delivered_after_end_s"] for r in runs["with"])
+    print(f"every end delivered {after:.1f} s after the root's end (median); "
+          f"{runs['with'][0]['event_ids']:.0f} event ids a tree, none twice")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
