@@ -138,6 +138,8 @@ def commit(
                 budget_micros=budget_micros,
                 owner=parent.owner,
                 metadata=parent.metadata,  # the tree's tags, on every task of it (a history filter reads them)
+                tenant=parent.tenant,  # whom the tree runs for, and its priority: admission reads both
+                priority=parent.priority,
                 output_schema=spec.output_schema,
                 created_at=now,
                 updated_at=now,

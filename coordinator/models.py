@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, computed_field, field_validator, model_validator
 
 from coordinator.output_schema import OutputSchema
+from coordinator.tenants import DEFAULT_PRIORITY, DEFAULT_TENANT
 from coordinator.timeline import TaskTimes, Timeline, ToolCallSpan, times_of, tool_calls_of, waiting_for
 
 __all__ = [
@@ -238,6 +239,12 @@ class TaskRecord(BaseModel):
     # The caller's tags for the tree (a job id, a customer), given with its root and copied to every
     # child as it is made, so a task read alone names its tree's (coordinator/inputs.py bounds them).
     metadata: dict[str, str] = Field(default_factory=dict)
+    # Whom the tree runs for (coordinator/tenants.py): its owner key's tenant, else the key's name, else the
+    # `tenant` given to subq.submit, else SUBQ_DEFAULT_TENANT; set on the root, copied to every child.
+    tenant: str = DEFAULT_TENANT
+    # The root's priority, 1-5 (5 starts first within its tenant's share), capped at the tenant's
+    # `max_priority`; copied to every child. Records older than it read as the default.
+    priority: int = DEFAULT_PRIORITY
 
     @field_validator("metadata", mode="before")
     @classmethod
@@ -342,6 +349,9 @@ class HistoryItem(BaseModel):
     completion_result_summary: str
     # The tree's caller metadata (TaskRecord.metadata); a default, so an older server's page still reads.
     metadata: dict[str, str] = Field(default_factory=dict)
+    # The tree's tenant and priority (TaskRecord's); defaults, so an older server's page still reads.
+    tenant: str = DEFAULT_TENANT
+    priority: int = DEFAULT_PRIORITY
 
     @classmethod
     def of(cls, record: TaskRecord) -> HistoryItem:
@@ -368,6 +378,8 @@ class HistoryItem(BaseModel):
             completed_by_child_id=record.completed_by_child_id,
             completion_result_summary=record.summary,
             metadata=record.metadata,
+            tenant=record.tenant,
+            priority=record.priority,
         )
 
 

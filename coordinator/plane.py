@@ -18,6 +18,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from coordinator.celery_app import make_app
+from coordinator.tenants import TenantBook, Tenants
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -41,3 +42,15 @@ class Plane:
     def app(self) -> Celery:
         """The Celery app used to publish work, built on first use."""
         return self.given_app if self.given_app is not None else make_app(self.settings)
+
+    @cached_property
+    def tenant_book(self) -> TenantBook:
+        """SUBQ_TENANTS over SUBQ_TENANTS_FILE, the file read again whenever it changes (coordinator/tenants.py)."""
+        settings = self.settings
+        has_default = "*" in settings.tenants
+        return TenantBook(settings.tenants_inline(), settings.tenants_file, has_default)
+
+    @property
+    def tenants(self) -> Tenants:
+        """The tenants table now: each tenant's shares, priority cap and quotas."""
+        return self.tenant_book.current()

@@ -39,6 +39,15 @@ from coordinator.access import ApiKeySpec, check_distinct, parse_keys, read_keys
 from coordinator.errors import ConfigError, ProfileError
 from coordinator.output_schema import schema_problem
 from coordinator.subscriptions import check_webhook_events, check_webhook_secret, check_webhook_url
+from coordinator.tenants import (
+    DEFAULT_POLICY_NAME,
+    DEFAULT_TENANT,
+    TenantPolicy,
+    Tenants,
+    check_tenant_name,
+    parse_tenants,
+    read_tenants_file,
+)
 
 __all__ = [
     "DEFAULT_PRICED_AS",
@@ -623,6 +632,13 @@ class Settings(BaseSettings):
     # The share of a budget whose crossing sends the budgeted task's `budget.warning`, once, from the step
     # that records the spend (the workers' setting: their steps record it).
     budget_warn_at: float = Field(default=DEFAULT_BUDGET_WARN_AT, gt=0, lt=1)
+    # Tenants (coordinator/tenants.py, docs/tenants.md): {"<tenant>": {max_running, weight, max_priority,
+    # submits_per_minute, max_running_roots, max_cost_usd_per_day}, "*": {...the rest's...}} as JSON, and/or a
+    # TOML or JSON file of the same table, read again whenever it changes; and the tenant of a tree that no
+    # key or argument names.
+    tenants: Annotated[dict[str, TenantPolicy], NoDecode] = Field(default_factory=dict)
+    tenants_file: Path | None = None
+    default_tenant: str = DEFAULT_TENANT
 
     @field_validator("sandbox_hidden_paths", mode="before")
     @classmethod
@@ -672,6 +688,36 @@ class Settings(BaseSettings):
                 raise ValueError(f"not valid JSON: {exc}") from None
         keys = parse_keys(value, "")
         return {name: key.as_setting() for name, key in keys.items()}
+
+    @field_validator("tenants", mode="before")
+    @classmethod
+    def _parse_tenants(cls, value: object) -> object:
+        # Parsed here, not by pydantic-settings' JSON decoding, so a bad value is one line naming the tenant.
+        if isinstance(value, str):
+            if not value.strip():
+                return {}
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not valid JSON: {exc}") from None
+        table = parse_tenants(value, "")
+        given = dict(table.listed)
+        if isinstance(value, dict) and DEFAULT_POLICY_NAME in value:
+            given[DEFAULT_POLICY_NAME] = table.default
+        return given
+
+    @field_validator("default_tenant")
+    @classmethod
+    def _check_default_tenant(cls, name: str) -> str:
+        try:
+            return check_tenant_name(name, "SUBQ_DEFAULT_TENANT")
+        except Exception as exc:  # a ValidationError: pydantic wants a ValueError
+            raise ValueError(str(exc).removeprefix("SUBQ_DEFAULT_TENANT: ")) from None
+
+    def tenants_inline(self) -> Tenants:
+        """SUBQ_TENANTS as a table (without the file's)."""
+        listed = {name: p for name, p in self.tenants.items() if name != DEFAULT_POLICY_NAME}
+        return Tenants(listed, self.tenants.get(DEFAULT_POLICY_NAME, TenantPolicy()))
 
     @field_validator("api_url")
     @classmethod
@@ -751,6 +797,8 @@ class Settings(BaseSettings):
         keys_from_file = read_keys_file(self.api_keys_file) if self.api_keys_file is not None else {}
         legacy_token = self.api_token.get_secret_value() if self.api_token is not None else None
         check_distinct(self.api_keys, keys_from_file, legacy_token or None)
+        if self.tenants_file is not None:  # read at start, so a bad one stops the start (then again on each change)
+            read_tenants_file(self.tenants_file)
         if self.default_profile not in self.all_profiles():
             raise ValueError(f"SUBQ_DEFAULT_PROFILE: {self.default_profile!r} is not a defined profile")
         # Named by where each profile was read from: the file's, unless SUBQ_PROFILES gave one of that name.

@@ -90,6 +90,12 @@ class TaskField:
     # Compact JSON object of the tree's caller metadata (string keys and values), '{}' for none; written
     # at creation, the root's copied to each child as it is made; missing on records older than it.
     METADATA: Final = "metadata"
+    # The tree's tenant (coordinator/tenants.py), written at creation, the root's copied to each child as it
+    # is made; missing on records older than it (read as SUBQ's `default`).
+    TENANT: Final = "tenant"
+    # The tree's priority, 1-5, as decimal text: written at creation, the root's copied to each child; missing
+    # on records older than it (read as 3). Not an INT_FIELD: a missing one reads as the default, not 0.
+    PRIORITY: Final = "priority"
 
     # -- bookkeeping only in Redis -----------------------------------------------------
     TODOS_VERSION: Final = "todos_version"  # bumped on every change of the todo list (apply_children)

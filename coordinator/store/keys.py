@@ -93,6 +93,24 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 |                                       |        | what, target, when, from where; coordinator/audit) | most the newest 100,000  |
 | `<p>:metrics:webhooks`                | hash   | delivery attempts by `<event type> <outcome>`      | permanent |
 | `<p>:metrics:refused`                 | hash   | refused requests (401/403) counted by reason       | permanent |
+
+Per-tenant keys (coordinator/tenants.py) are not under a tree's hash tag: each is tagged by its
+tenant, `<p>:tenant:{<tenant>}:...`, so one tenant's keys share a slot (the quota check reads them
+in one script) and a tree's step that counts spend names one key of another slot, as the latency
+histogram is.
+
+| key                                   | type   | holds                                              | lifetime |
+|---------------------------------------|--------|----------------------------------------------------|----------|
+| `<p>:tenant:{<t>}:submits`            | zset   | the roots the tenant created in the last minute,   | a minute after its |
+|                                       |        | scored by when (ms); a root id counts once, so a   | last submit        |
+|                                       |        | retried submit of the same root counts nothing     |          |
+| `<p>:tenant:{<t>}:roots`              | zset   | the tenant's roots now running, scored by creation | a day after its last |
+|                                       |        | (ms); an ended root is taken out by the next check | change |
+| `<p>:tenant:{<t>}:spend`              | hash   | micro-USD its trees spent, by hour (`<epoch hour>` | 25 hours after its  |
+|                                       |        | -> micros). Hours older than 24 are deleted as     | last spend          |
+|                                       |        | each spend is counted                              |          |
+| `<p>:tenants`                         | zset   | every tenant that created a root, scored by its    | pruned to retention |
+|                                       |        | last submit (s): the tenants view lists them       |          |
 """
 
 from __future__ import annotations
@@ -241,6 +259,21 @@ class Keys:
 
     def refused(self) -> str:
         return f"{self.prefix}:metrics:refused"
+
+    def _tenant(self, tenant: str) -> str:
+        return f"{self.prefix}:tenant:{{{tenant}}}"
+
+    def tenant_submits(self, tenant: str) -> str:
+        return f"{self._tenant(tenant)}:submits"
+
+    def tenant_roots(self, tenant: str) -> str:
+        return f"{self._tenant(tenant)}:roots"
+
+    def tenant_spend(self, tenant: str) -> str:
+        return f"{self._tenant(tenant)}:spend"
+
+    def tenants(self) -> str:
+        return f"{self.prefix}:tenants"
 
     def all_pattern(self) -> str:
         """A SCAN pattern matching every key of this prefix (tests, cleanup)."""
