@@ -17,6 +17,15 @@ the new master rather than failing its task. Every step subq sends is
 idempotent (guarded in its Lua script or re-validated by its transaction), so
 one sent twice, once to the old master and once to the new, changes nothing.
 
+A connection to the master is checked to be one (`ROLE`) before its first command:
+right after a switch a sentinel may still name the old master, now a replica, and
+a transaction that met its READONLY would otherwise try again at once, on the
+same stale answer, until its attempts ran out. A master that refuses a write for
+lack of replicas (`NOREPLICAS`, its `min-replicas-to-write`: the old master of a
+switch once its replicas follow the new one) is left the same way as one that
+answers READONLY: the command is sent again, to the master the sentinels name
+(docs/deploy.md, "A planned switch").
+
 TLS under Sentinel, which has no URL to carry it, comes from the SUBQ_REDIS_TLS
 settings (`tls_options`): the same options for subq's clients, for Celery's
 `broker_use_ssl` and `redis_backend_use_ssl` (`celery_tls`), and for the
@@ -34,6 +43,7 @@ Redis that had none).
 from __future__ import annotations
 
 import socket
+import time
 from typing import Any, cast
 from urllib.parse import SplitResult, quote, urlsplit
 
@@ -47,6 +57,7 @@ from redis.sentinel import (
     SentinelManagedConnection,
     SentinelManagedSSLConnection,
 )
+from redis.utils import str_if_bytes
 
 from coordinator.errors import ConfigError
 from coordinator.settings import Settings
@@ -80,6 +91,10 @@ FAILOVER_BACKOFF_BASE_S = 0.05
 # sentinel connection already turns the replies it reads itself into a ConnectionError; this covers
 # any other path, and each retry reconnects, to the master the sentinels name by then.
 FAILOVER_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError)
+# The error code of a master with fewer good replicas than its min-replicas-to-write (Redis's own words).
+NOREPLICAS = "NOREPLICAS "
+# A connection's refusals this far apart are a new streak, whose backoff starts again at the base.
+REFUSALS_FORGOTTEN_S = 5.0
 
 
 def failover_retry() -> Retry:
@@ -103,13 +118,23 @@ class BlockingSentinelConnectionPool(SentinelConnectionPool, redis.BlockingConne
 
 
 class FollowingConnection(SentinelManagedConnection):
-    """redis-py's sentinel-managed connection, which asks the sentinels where the master is on every reconnect.
+    """redis-py's sentinel-managed connection, which asks the sentinels where the master is on every reconnect,
+    takes only a master, and leaves one that refuses writes for lack of replicas.
 
     redis-py asks them only in `connect()`, which a pool calls for a new connection. A
     command whose connection was lost is sent again on the same connection, which
     reconnects through `connect_check_health` to the address it had: the dead master,
     refused until the command's retries run out (redis-py issue 3874, open in 8.1).
     Here that reconnect goes through `connect()` as well.
+
+    The server they name must answer `ROLE` as a master: a sentinel that has not yet heard
+    of a switch names the old master, already a replica (seen in tests/test_sentinel.py's
+    planned switch: a transaction met READONLY on each of its 50 attempts within a few
+    milliseconds, and its caller was told of a conflict). Refused, the connect is tried again
+    with the failover backoff, asking the sentinels each time. A master's `NOREPLICAS`
+    (fewer replicas than its `min-replicas-to-write`) is a ConnectionError, as redis-py makes
+    of READONLY: nothing of the command was written, so it is sent again, after a reconnect
+    that asks the sentinels.
     """
 
     _asking_sentinels = False
@@ -121,11 +146,63 @@ class FollowingConnection(SentinelManagedConnection):
         finally:
             self._asking_sentinels = False
 
+    def _connect_retry(self) -> None:
+        """One try of `connect()` (redis-py retries it with the connection's backoff): the named master, if it is one."""
+        if self._sock is not None:
+            return
+        super()._connect_retry()  # type: ignore[no-untyped-call]
+        if self.connection_pool.is_master and not self._is_master():
+            where = f"{self.host}:{self.port}"
+            self.disconnect()  # type: ignore[no-untyped-call]
+            raise redis.ConnectionError(f"the sentinels named {where} the master, and it is a replica now")
+
+    def _is_master(self) -> bool:
+        self.send_command("ROLE")  # type: ignore[no-untyped-call]
+        role = self.read_response()
+        return bool(role) and str_if_bytes(role[0]) == "master"
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().read_response(*args, **kwargs)
+        except redis.ResponseError as exc:
+            if not (self.connection_pool.is_master and _refused_for_replicas(exc)):
+                raise
+            where = f"{self.host}:{self.port}"
+            self.disconnect()  # type: ignore[no-untyped-call]
+            self._back_off()
+            raise redis.ConnectionError(
+                f"the master {where} refuses writes: fewer replicas than its min-replicas-to-write"
+            ) from exc
+
+    _refusals = 0
+    _refused_until = 0.0
+
+    def _back_off(self) -> None:
+        """Wait before the refused command is sent again: the failover backoff, over this connection's refusals.
+
+        A transaction's command is not retried by the connection: redis-py makes its ConnectionError a
+        WatchError, and the store's transaction tries again at once; without this pause its attempts
+        would all be spent in the moment between a switch and the sentinels naming the new master.
+        """
+        now = time.monotonic()
+        if now - self._refused_until > REFUSALS_FORGOTTEN_S:
+            self._refusals = 0
+        delay_s = min(FAILOVER_BACKOFF_CAP_S, FAILOVER_BACKOFF_BASE_S * 2**self._refusals)
+        self._refusals += 1
+        self._refused_until = now + delay_s
+        time.sleep(delay_s)
+
     def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
         if self._asking_sentinels or self._sock is not None:
             super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
         else:
             self.connect()
+
+
+def _refused_for_replicas(exc: redis.ResponseError) -> bool:
+    """Redis's NOREPLICAS, alone (a command, a transaction's) or inside a script's error (6.2 wraps it in ERR)."""
+    message = str(exc)
+    return message.startswith(NOREPLICAS) or f"-{NOREPLICAS}" in message
 
 
 class FollowingSSLConnection(FollowingConnection, SentinelManagedSSLConnection):

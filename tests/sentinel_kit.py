@@ -5,8 +5,15 @@ ships, run as `redis-server <conf> --sentinel` for a sentinel; with `tls`, Debia
 every port TLS only), waits until each
 sentinel knows the master, both replicas and the other sentinels, and stops
 them all at the end. `kill_master()` SIGKILLs whichever process is the master
-now; `wait_promoted(old)` waits for the sentinels to name another. The
+now; `wait_promoted(old)` waits for the sentinels to name another;
+`planned_switch()` moves the master away as docs/deploy.md says (writes paused,
+`SENTINEL FAILOVER`, the old master made a replica, writes resumed). The
 sentinels decide fast: a master silent for `DOWN_AFTER_MS` is down.
+
+With `password`, every node (`requirepass`, `masterauth`) and sentinel (`sentinel
+auth-pass`, its own `requirepass`) has it, in the config file each reads, as
+deploy/'s start scripts write it; with `min_replicas_to_write`, each node has that
+`min-replicas-to-write`, the safeguard docs/deploy.md asks for.
 """
 
 from __future__ import annotations
@@ -34,6 +41,11 @@ DOWN_AFTER_MS = 1000
 # A failover that stalls is tried again after twice this; a healthy one takes well under it.
 FAILOVER_TIMEOUT_MS = 3000
 QUORUM = 2
+# A planned switch holds writes at most this long: a healthy one takes a second or two, a loaded host
+# several; writes released before the old master is a replica would be lost, so it is generous.
+SWITCH_PAUSE_MS = 60_000
+# How long a replica may stay silent and still count for min-replicas-to-write (Redis's default).
+MIN_REPLICAS_MAX_LAG_S = 10
 
 
 @dataclass
@@ -68,11 +80,12 @@ class SentinelSet:
     data: dict[int, Server] = field(default_factory=dict)
     sentinels: list[Server] = field(default_factory=list)
     tls: Tls | None = None
+    password: str | None = None
 
     @property
     def client_options(self) -> dict[str, Any]:
-        """redis-py's options for a client of any server here (TLS ones when the set speaks TLS)."""
-        return _client_options(self.tls)
+        """redis-py's options for a client of any server here (TLS ones when the set speaks TLS, its password)."""
+        return _client_options(self.tls, self.password)
 
     def client(self, port: int, timeout_s: float = 2) -> redis.Redis:
         """A client of the server on `port` (data node or sentinel)."""
@@ -89,6 +102,8 @@ class SentinelSet:
         fields.update(redis_sentinels=self.addresses, redis_sentinel_master=MASTER_NAME)
         if self.tls is not None:
             fields.update(self.tls.settings())
+        if self.password is not None:
+            fields.update(redis_password=self.password, redis_sentinel_password=self.password)
         fields.update(updates)
         return Settings(**fields)
 
@@ -137,13 +152,43 @@ class SentinelSet:
 
         return int(eventually(promoted, "the sentinels to promote a replica", timeout_s=timeout_s, every_s=0.05))
 
+    def planned_switch(self, timeout_s: float = 30) -> tuple[int, int]:
+        """Move the master away as docs/deploy.md's "A planned switch" does; (old port, new port).
+
+        Writes are paused on the master (`CLIENT PAUSE WRITE`), so nothing is written there
+        that the promoted replica lacks; once every replica has the master's whole stream,
+        `SENTINEL FAILOVER`; once the sentinels name the promoted replica, the old master is
+        made its replica (the sentinels would do it themselves only about ten seconds later,
+        and what it took meanwhile would be lost) and its writes are resumed: each paused
+        command is answered READONLY, and its client sends it to the new master.
+        """
+        old = self.master_port()
+        master = self.client(old, timeout_s=5)
+        try:
+            master.execute_command("CLIENT", "PAUSE", SWITCH_PAUSE_MS, "WRITE")
+            try:
+                wait_replicated(self, timeout_s)
+                sentinel = self.sentinel_client()
+                try:
+                    assert sentinel.execute_command("SENTINEL", "FAILOVER", MASTER_NAME) in ("OK", True)
+                finally:
+                    sentinel.close()
+                new = self.wait_promoted(old, timeout_s)
+                master.execute_command("REPLICAOF", "127.0.0.1", new)
+            finally:
+                master.execute_command("CLIENT", "UNPAUSE")
+        finally:
+            master.close()
+        return old, new
+
     def stop(self) -> None:
         for server in [*self.sentinels, *self.data.values()]:
             server.stop()
 
 
-def _client_options(tls: Tls | None) -> dict[str, Any]:
-    return {} if tls is None else tls.client_options()
+def _client_options(tls: Tls | None, password: str | None = None) -> dict[str, Any]:
+    options = {} if tls is None else tls.client_options()
+    return options if password is None else {**options, "password": password}
 
 
 def _listen_args(port: int, tls: Tls | None) -> list[str]:
@@ -157,10 +202,10 @@ def _binary(tls: Tls | None) -> str:
     return find_redis_server() if tls is None else TLS_REDIS_SERVER
 
 
-def _start(argv: list[str], port: int, tls: Tls | None) -> Server:
+def _start(argv: list[str], port: int, tls: Tls | None, password: str | None) -> Server:
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     server = Server(port, proc)
-    client = redis.Redis(port=port, socket_timeout=1, **_client_options(tls))
+    client = redis.Redis(port=port, socket_timeout=1, **_client_options(tls, password))
     try:
         eventually(lambda: _pings(client), f"redis-server on port {port} to answer", timeout_s=10, every_s=0.05)
     finally:
@@ -175,53 +220,79 @@ def _pings(client: redis.Redis) -> bool:
         return False
 
 
-def _data_server(workdir: Path, port: int, master_port: int | None, tls: Tls | None) -> Server:
+def _private_conf(path: Path, text: str) -> Path:
+    """A config file only its owner reads: a password in it is not on any command line."""
+    path.touch(mode=0o600)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _data_server(
+    workdir: Path, port: int, master_port: int | None, tls: Tls | None, password: str | None, min_replicas_to_write: int
+) -> Server:
     folder = workdir / f"redis-{port}"
     folder.mkdir(parents=True)
+    own = f"requirepass {password}\nmasterauth {password}\n" if password is not None else ""
+    if min_replicas_to_write:
+        own += f"min-replicas-to-write {min_replicas_to_write}\nmin-replicas-max-lag {MIN_REPLICAS_MAX_LAG_S}\n"
     argv = [
-        _binary(tls), *_listen_args(port, tls), "--bind", "127.0.0.1", "--dir", str(folder),
+        _binary(tls), str(_private_conf(folder / "redis.conf", own)), *_listen_args(port, tls), "--bind", "127.0.0.1",
+        "--dir", str(folder),
         "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--loglevel", "warning",
         "--logfile", str(folder / "redis.log"),
     ]  # fmt: skip
     if master_port is not None:
         argv += ["--replicaof", "127.0.0.1", str(master_port)]
-    return _start(argv, port, tls)
+    return _start(argv, port, tls, password)
 
 
-def _sentinel(workdir: Path, port: int, master_port: int, tls: Tls | None) -> Server:
+def _sentinel(workdir: Path, port: int, master_port: int, tls: Tls | None, password: str | None) -> Server:
     folder = workdir / f"sentinel-{port}"
     folder.mkdir(parents=True)
     conf = folder / "sentinel.conf"  # a sentinel rewrites its own file as it learns: one file each
     args = _listen_args(port, tls)
     listen = "\n".join(f"{name.removeprefix('--')} {value}" for name, value in zip(args[::2], args[1::2], strict=True))
-    conf.write_text(
+    # Its own password, and the set's to ask the nodes and the other sentinels (auth-pass), as deploy/'s sentinel.sh.
+    auth = f"requirepass {password}\nsentinel auth-pass {MASTER_NAME} {password}\n" if password is not None else ""
+    _private_conf(
+        conf,
         f"{listen}\nbind 127.0.0.1\ndir {folder}\nlogfile {folder / 'sentinel.log'}\n"
-        f"sentinel monitor {MASTER_NAME} 127.0.0.1 {master_port} {QUORUM}\n"
+        f"sentinel monitor {MASTER_NAME} 127.0.0.1 {master_port} {QUORUM}\n{auth}"
         f"sentinel down-after-milliseconds {MASTER_NAME} {DOWN_AFTER_MS}\n"
         f"sentinel failover-timeout {MASTER_NAME} {FAILOVER_TIMEOUT_MS}\n"
         f"sentinel parallel-syncs {MASTER_NAME} 2\n",
-        encoding="utf-8",
     )
-    return _start([_binary(tls), str(conf), "--sentinel"], port, tls)
+    return _start([_binary(tls), str(conf), "--sentinel"], port, tls, password)
 
 
 @contextmanager
-def sentinel_set(workdir: Path, replicas: int = 2, sentinels: int = 3, tls: Tls | None = None) -> Iterator[SentinelSet]:
+def sentinel_set(
+    workdir: Path,
+    replicas: int = 2,
+    sentinels: int = 3,
+    tls: Tls | None = None,
+    password: str | None = None,
+    min_replicas_to_write: int = 0,
+) -> Iterator[SentinelSet]:
     """A master with `replicas` replicas and `sentinels` sentinels, each known to every sentinel; stopped at the end.
 
-    With `tls` every server listens on TLS only, replicates and is watched over TLS.
+    With `tls` every server listens on TLS only, replicates and is watched over TLS; with
+    `password` every node and sentinel requires it; with `min_replicas_to_write` a master
+    with fewer replicas refuses writes (NOREPLICAS).
     """
-    kit = SentinelSet(workdir, tls=tls)
+    kit = SentinelSet(workdir, tls=tls, password=password)
     try:
         master_port = free_port()
-        kit.data[master_port] = _data_server(workdir, master_port, None, tls)
+        kit.data[master_port] = _data_server(workdir, master_port, None, tls, password, min_replicas_to_write)
         for _ in range(replicas):
             port = free_port()
-            kit.data[port] = _data_server(workdir, port, master_port, tls)
+            kit.data[port] = _data_server(workdir, port, master_port, tls, password, min_replicas_to_write)
         for _ in range(sentinels):
-            kit.sentinels.append(_sentinel(workdir, free_port(), master_port, tls))
+            kit.sentinels.append(_sentinel(workdir, free_port(), master_port, tls, password))
         ports = [sentinel.port for sentinel in kit.sentinels]
-        eventually(lambda: knows_everyone(ports, replicas, tls), "every sentinel to know the set", timeout_s=30)
+        eventually(
+            lambda: knows_everyone(ports, replicas, tls, password), "every sentinel to know the set", timeout_s=30
+        )
         yield kit
     finally:
         kit.stop()
