@@ -19,6 +19,18 @@ runs. This module holds what the start and end hand back to Python: the limits,
 the waiting run's live status, the restarts, and the slot a run frees when it
 releases its worker without ending (delegated, waiting for a decision, handed
 back) or when an ended task's write-back is repaired.
+
+Fair shares between tenants (docs/architecture.md, "Fair shares between tenants") are on when some tenant
+policy caps `max_running` or weighs other than 1 (coordinator/tenants.py). Then every run, a root's too,
+takes a fleet slot of its tenant at its start (`fair_admit.lua`, inside start_run) after its tree's own
+admission, and frees it at its end or release (`fair_release.lua`). A run that may not start is parked in its
+tenant's sorted set (priority first, then arrival; live `queued` with `waiting_for` `admission` and the tenant
+as the `reason`) and its worker goes back to the broker at once; a freed slot goes to the parked run of the
+tenant furthest below its weighted share, `(running + 1) / weight` lowest, as long as the runs holding a slot
+stay below the fleet's capacity (the live workers' concurrency, which each worker's beat writes with the
+tenants table: `beat`). Runs published in a batch or as a root are announced first (`announce`): a tenant's
+runs still in Celery's FIFO queue behind another's flood count as its demand, so the other's are parked as
+they come and the queue drains at the speed of a park.
 """
 
 from __future__ import annotations
@@ -28,14 +40,21 @@ from typing import TYPE_CHECKING
 
 from coordinator import dispatch
 from coordinator.models import AdmissionLimits, TaskRecord
+from coordinator.store.fair import NO_FAIR_SHARES, FairShares
+from coordinator.tenants import DEFAULT_POLICY_NAME
 
 if TYPE_CHECKING:
     from coordinator.plane import Plane
 
 __all__ = [
+    "PARKED_FOR",
+    "announce",
+    "beat",
+    "fair",
     "free_tool_slot",
     "limits",
     "must_wait",
+    "parked",
     "release",
     "started_again",
     "take_tool_slot",
@@ -49,11 +68,36 @@ def limits(plane: Plane) -> AdmissionLimits:
     return AdmissionLimits(s.max_running_per_parent, s.max_running_per_root, s.start_stagger_ms)
 
 
-def must_wait(plane: Plane, task: TaskRecord, delay_ms: int) -> None:
-    """The start found no slot ('wait': it is on the admission list) or a stagger (`delay_ms`: restart it then)."""
+# Why a run was parked for a fleet slot of its tenant (fair_admit.lua's word), as its live status says it.
+PARKED_FOR = {
+    "max_running": "holds its max_running",
+    "share": "is at its weighted share while other tenants wait",
+    "fleet": "waits for a free slot of the fleet",
+}
+
+
+def fair(plane: Plane) -> FairShares:
+    """Whether fair shares are on now (the tenants table, read again when its file changed), and this process's
+    concurrency: the fleet's capacity until a worker's beat has counted it."""
+    if not plane.tenants.fair_shares:
+        return NO_FAIR_SHARES
+    return FairShares(on=True, capacity=plane.settings.worker_concurrency)
+
+
+def must_wait(
+    plane: Plane, task: TaskRecord, delay_ms: int, parked_for: str = "", admitted: Sequence[str] = ()
+) -> None:
+    """The start found no slot ('wait': it is on its tree's admission list; 'park': among its tenant's parked
+    runs, `parked_for` why, and `admitted` the parked runs given the slot instead) or a stagger (`delay_ms`:
+    restart it then)."""
     if delay_ms:
         dispatch.publish_restart(plane.app, task, countdown_s=delay_ms / 1000)
-    plane.store.events.set_live(task, "queued")
+    if parked_for:
+        reason = f"tenant {task.tenant} {PARKED_FOR.get(parked_for, parked_for)}"
+        plane.store.events.set_live(task, "queued", waiting_for="admission", reason=reason)
+    else:
+        plane.store.events.set_live(task, "queued")
+    started_again(plane, admitted)
 
 
 def started_again(plane: Plane, admitted: Sequence[str]) -> None:
@@ -63,10 +107,39 @@ def started_again(plane: Plane, admitted: Sequence[str]) -> None:
 
 
 def release(plane: Plane, task: TaskRecord) -> None:
-    """Free the task's run slot and start the waiting tasks that now fit."""
+    """Free the task's run slot (its tree's, and its tenant's fleet slot) and start the waiting tasks that now fit."""
     own = limits(plane)
+    admitted: list[str] = []
     if own.applies_to(task):
-        started_again(plane, plane.store.runs.release_slot(task, own))
+        admitted += plane.store.runs.release_slot(task, own)
+    shares = fair(plane)
+    if shares.on:
+        admitted += plane.store.fair.release(task.id, shares)
+    started_again(plane, admitted)
+
+
+def announce(plane: Plane, tenant: str, task_ids: Sequence[str]) -> None:
+    """Runs of `tenant` are about to be published: its demand while their messages wait in the broker's queue."""
+    if task_ids and plane.tenants.fair_shares:
+        plane.store.fair.announce(tenant, task_ids)
+
+
+def parked(plane: Plane, task_id: str) -> bool:
+    """Whether the task's run waits among its tenant's parked runs (the reconciler leaves it to a freed slot)."""
+    if not plane.tenants.fair_shares:
+        return False
+    return plane.store.fair.is_parked(task_id, plane.store.records.get_task(task_id).tenant)
+
+
+def beat(plane: Plane, worker: str) -> None:
+    """A worker process's beat: its concurrency (the fleet's capacity is their sum) and the tenants table it
+    reads, which the admission steps read for any tenant they meet."""
+    tenants = plane.tenants
+    if not tenants.fair_shares:
+        return
+    table = {name: (policy.weight, policy.max_running) for name, policy in tenants.listed.items()}
+    table[DEFAULT_POLICY_NAME] = (tenants.default.weight, tenants.default.max_running)
+    plane.store.fair.beat(worker, plane.settings.worker_concurrency, plane.settings.heartbeat_lapse_s, table)
 
 
 def take_tool_slot(plane: Plane, pattern: str, limit: int, lease_s: float, member: str) -> bool:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import pydantic
 
-from coordinator import budgets, dispatch, faults, ids, todo_links
+from coordinator import admission, budgets, dispatch, faults, ids, todo_links
 from coordinator import todos as todo_lists
 from coordinator.errors import BrokerError, StateError, SubqError, ValidationError
 from coordinator.inputs import error_message, error_path, one_line
@@ -197,6 +197,7 @@ def publish(plane: Plane, batch: Batch, children: list[TaskRecord]) -> None:
         if batch.mode == "sequential":
             store.runs.claim_step_publish(children[0].id)
         try:
+            admission.announce(plane, children[0].tenant, [c.id for c in starting])  # its tenant's demand (fair shares)
             dispatch.publish_batch(plane.app, batch, children)
         except Exception as exc:  # kombu's errors, whatever the transport
             store.batches.unclaim_batch_publish(batch.id)

@@ -64,6 +64,7 @@ class Reconciler:
     def beat(self) -> None:
         """This worker's heartbeat, whether or not it runs anything or leads."""
         self.plane.store.convergence.renew_leases([], self.plane.settings.heartbeat_lapse_s, self.name)
+        admission.beat(self.plane, self.name)  # its concurrency and the tenants table (fair shares)
 
     def tick(self) -> Counter[str] | None:
         """One round; the repairs made by reason, or None when another process leads."""
@@ -141,7 +142,7 @@ class Reconciler:
             return None
         if self._queued is None:
             self._queued = store.convergence.queued_task_ids(settings.queue)
-        if task_id in self._queued or store.convergence.in_admission(task_id):
+        if task_id in self._queued or store.convergence.in_admission(task_id) or admission.parked(plane, task_id):
             self._later[settings.reconcile_grace_s].append(task_id)
             return None
         if store.convergence.triage([task_id])[0].leased:

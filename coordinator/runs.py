@@ -637,7 +637,7 @@ class Run:
         with self._hooks.span("subq.write_back" if self.task.batch_id else "subq.end_run", task_id=task_id):
             ending = plane.store.runs.end_run(
                 self.task, self.token, self.writes, _outcome_fields(outcome), plane.settings.reconcile_grace_s,
-                self._limits, stop_on_budget=outcome.status == "completed",
+                self._limits, stop_on_budget=outcome.status == "completed", fair=admission.fair(plane),
             )  # fmt: skip
         self.writes.clear()
         self.step.ended(ending)
@@ -758,16 +758,17 @@ class RunLifecycle:
         plane = self.plane
         token = secrets.token_hex(8)
         try:
+            lapse_s, look_again_s = plane.settings.heartbeat_lapse_s, plane.settings.reconcile_interval_s
             started = plane.store.runs.begin_run(
-                task_id, token, plane.settings.heartbeat_lapse_s, plane.settings.reconcile_interval_s, self.limits
+                task_id, token, lapse_s, look_again_s, self.limits, admission.fair(plane)
             )
         except NotFoundError as exc:
             return _unknown(task_id, exc)
         assert started.record is not None
         if started.verdict == "other":
             return self._nothing_to_run(started.record)
-        if started.verdict in ("wait", "delay"):
-            admission.must_wait(plane, started.record, started.delay_ms)
+        if started.verdict in ("wait", "delay", "park"):
+            admission.must_wait(plane, started.record, started.delay_ms, started.parked_for, started.admitted)
             return writeback.result_of(started.record, pending="queued")
         if started.verdict == "leased":
             # A live run holds it and will end it; a dead one's lease lapses and the

@@ -33,7 +33,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from coordinator import approvals, budgets, control, delegation, dispatch, ids, todo_links, tracing
+from coordinator import admission, approvals, budgets, control, delegation, dispatch, ids, todo_links, tracing
 from coordinator import audit as audit_log
 from coordinator import retry as retry_room
 from coordinator import todos as todo_lists
@@ -224,6 +224,7 @@ class Coordinator:
         if not self.store.records.create_root(record, items, hooks_hash):
             return self.store.records.get_task(root_id), False
         if run:
+            admission.announce(self.plane, record.tenant, [root_id])  # its tenant's demand (fair shares)
             dispatch.publish_run(self.app, record)
         return record, True
 

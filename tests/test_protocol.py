@@ -19,9 +19,12 @@ from coordinator.models import Ending, Stepped
 from coordinator.runs import StepState
 from coordinator.store import protocol
 from coordinator.store.base import ACKNOWLEDGED, _load_script
+from coordinator.store.fair import FairShares, fair_args
+from coordinator.store.keys import Keys
 from coordinator.store.protocol import (
     CALLS,
     EndRun,
+    FairKeys,
     FinishTask,
     FlushRun,
     Lead,
@@ -123,22 +126,26 @@ def test_end_run_packs_its_keys_and_arguments_where_its_header_says() -> None:
     call = EndRun(
         run=_run_keys("t"), due="due", parent="p", todos="todos", awaiting="await", batch="b", parent_ui="pui",
         lines="lines", running="running", admission="adm", parent_running="prun", outbox=_OUTBOX,
-        ancestors=["task:p", "task:root"],
+        fair=FairKeys(wanting="want", policies="pol", holding="hold", capacity="cap"), ancestors=["task:p", "task:root"],
         token="tok", retention_s=60, now=1.5, events_maxlen=100, status="completed", summary="s", error="",
         error_class="", resume_grace_s=2.0, stop_on_budget=1, free_slot=0, per_parent=3, per_tree=9,
         task_prefix="pre:", running_children_prefix="rc:", admission_scan=50, output='{"total":3}',
-        invalid_outputs=2, budget_warn_at=0.8, writes=_writes(),
+        invalid_outputs=2, budget_warn_at=0.8, fair_args=fair_args(Keys("p"), FairShares(on=True, capacity=16)),
+        writes=_writes(),
     )  # fmt: skip
     keys, args = call.pack()
     assert keys[:2] == ["lease:t", "task:t"] and keys[7] == "due" and keys[16] == "prun"  # KEYS[1], [2], [8], [17]
     assert keys[17:20] == ["hooks", "outbox", "pending"]  # KEYS[18..20]: the tree's outbox
-    assert keys[20:] == ["task:p", "task:root"]  # KEYS[21..]: the ancestors
+    assert keys[20:24] == ["want", "pol", "hold", "cap"]  # KEYS[21..24]: fair shares' fleet-wide keys
+    assert keys[24:] == ["task:p", "task:root"]  # KEYS[25..]: the ancestors
     assert args[0] == "tok" and args[15] == 50  # ARGV[1], ARGV[16]
     assert args[16:18] == ['{"total":3}', 2]  # ARGV[17], ARGV[18]: the typed task's output, its invalid answers
     assert args[18] == 0.8  # ARGV[19]: the budget's warning share
-    # ARGV[20..]: flush_run's from its seventh: live, the four counts, then each tail laid out flat.
-    assert args[19:24] == ["{}", 2, 1, 1, 1]
-    assert args[24:] == ["m1", "m2", "u1", "req-1", 10, 5, 0, 0, 123, "provider", "le:100", 80, 1000, "running"]
+    # ARGV[20..31]: how fair shares are read (on, the tenant keys' head and tails, ...).
+    assert args[19:22] == [1, "p:tenant:{", "}:running"] and args[27] == 16  # ARGV[28]: the capacity
+    # ARGV[32..]: flush_run's from its seventh: live, the four counts, then each tail laid out flat.
+    assert args[31:36] == ["{}", 2, 1, 1, 1]
+    assert args[36:] == ["m1", "m2", "u1", "req-1", 10, 5, 0, 0, 123, "provider", "le:100", 80, 1000, "running"]
 
 
 def test_a_spliced_call_packs_as_the_script_it_calls_reads_it() -> None:

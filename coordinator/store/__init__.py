@@ -38,6 +38,8 @@ reads through another is handed it (`RunStore(core, records)`).
 | `store.compaction`   | `CompactionStore`  | `compaction.py`  | a task's compaction records, beside its journal           |
 | `store.outbox`       | `OutboxStore`      | `outbox.py`      | a tree's event subscriptions, its deliveries, the pending |
 |                      |                    |                  | index and its claims (coordinator/outbound.py delivers)   |
+| `store.fair`         | `FairStore`        | `fair.py`        | fair shares between tenants: fleet slots, parked and      |
+|                      |                    |                  | announced runs, capacity, policies (coordinator/admission)|
 
 and the modules the parts share:
 
@@ -66,6 +68,7 @@ from coordinator.store.deadletters import DeadLetterStore
 from coordinator.store.delegation import DelegationStore
 from coordinator.store.endpoints import EndpointStore
 from coordinator.store.events import EventStore
+from coordinator.store.fair import FairStore
 from coordinator.store.keys import Keys
 from coordinator.store.metrics import LATENCY_BUCKETS_MS, FleetGauges, MetricStore
 from coordinator.store.outbox import OutboxStore
@@ -122,3 +125,4 @@ class Store:
         self.retries = RetryStore(core)
         self.compaction = CompactionStore(core)
         self.outbox = OutboxStore(core)
+        self.fair = FairStore(core)

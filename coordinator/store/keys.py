@@ -109,8 +109,25 @@ histogram is.
 | `<p>:tenant:{<t>}:spend`              | hash   | micro-USD its trees spent, by hour (`<epoch hour>` | 25 hours after its  |
 |                                       |        | -> micros). Hours older than 24 are deleted as     | last spend          |
 |                                       |        | each spend is counted                              |          |
+| `<p>:tenant:{<t>}:spent`              | zset   | `<task id>:<request key>` of each cost counted     | 25 hours after its  |
+|                                       |        | into `spend`, scored by when (ms): a request is    | last spend          |
+|                                       |        | counted once however often its step is repeated    |          |
 | `<p>:tenants`                         | zset   | every tenant that created a root, scored by its    | pruned to retention |
 |                                       |        | last submit (s): the tenants view lists them       |          |
+| `<p>:tenant:{<t>}:running`            | set    | the tenant's runs holding a fleet slot (fair       | emptied as runs end; |
+|                                       |        | shares, coordinator/admission.py): started, or     | retention after its  |
+|                                       |        | given a slot and published                         | last change          |
+| `<p>:tenant:{<t>}:parked`             | zset   | its runs waiting for a slot, holding no worker,    | emptied as slots free; |
+|                                       |        | scored by -priority * 1e13 + arrival ms            | retention             |
+| `<p>:tenant:{<t>}:queued`             | zset   | its runs published and not yet taken by a worker,  | as messages arrive, or |
+|                                       |        | scored by publish ms: demand in the broker's queue | FAIR_QUEUED_S after   |
+| `<p>:fair:wanting`                    | zset   | tenants with runs parked or queued, scored by      | a tenant leaves when  |
+|                                       |        | (running + 1) / weight, `inf` at its max_running   | it wants nothing      |
+| `<p>:fair:holding`                    | hash   | task id -> tenant, every run holding a fleet slot  | emptied as runs end   |
+| `<p>:fair:policies`                   | hash   | tenant (or `*`) -> `weight max_running`, as the    | rewritten each beat   |
+|                                       |        | workers' tenants table says                        |          |
+| `<p>:fair:capacity`                   | string | the sum of the live workers' concurrency           | 3 heartbeat lapses    |
+| `<p>:worker-slots`                    | hash   | worker process -> its concurrency                  | a process gone is dropped at the next beat |
 """
 
 from __future__ import annotations
@@ -272,8 +289,35 @@ class Keys:
     def tenant_spend(self, tenant: str) -> str:
         return f"{self._tenant(tenant)}:spend"
 
+    def tenant_spent(self, tenant: str) -> str:
+        return f"{self._tenant(tenant)}:spent"
+
     def tenants(self) -> str:
         return f"{self.prefix}:tenants"
+
+    def tenant_running(self, tenant: str) -> str:
+        return f"{self._tenant(tenant)}:running"
+
+    def tenant_parked(self, tenant: str) -> str:
+        return f"{self._tenant(tenant)}:parked"
+
+    def tenant_queued(self, tenant: str) -> str:
+        return f"{self._tenant(tenant)}:queued"
+
+    def fair_wanting(self) -> str:
+        return f"{self.prefix}:fair:wanting"
+
+    def fair_holding(self) -> str:
+        return f"{self.prefix}:fair:holding"
+
+    def fair_policies(self) -> str:
+        return f"{self.prefix}:fair:policies"
+
+    def fair_capacity(self) -> str:
+        return f"{self.prefix}:fair:capacity"
+
+    def worker_slots(self) -> str:
+        return f"{self.prefix}:worker-slots"
 
     def all_pattern(self) -> str:
         """A SCAN pattern matching every key of this prefix (tests, cleanup)."""

@@ -284,6 +284,8 @@ class StartReply(NamedTuple):
     run_seq: int
     exhausted: str | None
     delay_ms: int
+    parked_for: str = ""  # 'park': why its tenant's slot was refused ('max_running', 'share', 'fleet')
+    admitted: tuple[str, ...] = ()  # 'park': the parked run given the slot instead (the caller publishes it)
 
 
 # -- groups several scripts share ----------------------------------------------------------
@@ -515,6 +517,160 @@ class EndpointGate(
 
 
 @dataclass(frozen=True, kw_only=True)
+class FairKeys(Group):
+    """The fleet-wide keys of fair shares between tenants (coordinator/admission.py): start_run's, end_run's and
+    fair_release's."""
+
+    wanting: str = key("the tenants that want a slot")
+    policies: str = key("the tenants' policies")
+    holding: str = key("the runs holding a slot, fleet-wide")
+    capacity: str = key("the fleet's capacity")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FairArgs(Group):
+    """How fair shares between tenants are read (the tenant keys' names, the bounds): start_run's, end_run's and
+    fair_release's, after their own."""
+
+    on: int = arg("1: fair shares between tenants are on (nothing below is read when 0)")
+    tenant_head: str = arg("a tenant key's head (the keys module's name up to the tenant)")
+    running_tail: str = arg("the tail of a tenant's running set")
+    parked_tail: str = arg("the tail of its parked runs")
+    queued_tail: str = arg("the tail of its announced runs")
+    task_head: str = arg("a task hash key's head (up to the root id)")
+    task_middle: str = arg("its middle (between the root id and the task id)")
+    queued_ms: int = arg("how long an announced run counts as queued, ms")
+    capacity: int = arg("the fleet's capacity while no heartbeat has counted it (this worker's concurrency)")
+    fill: int = arg("how many parked runs one freed slot may give a slot (more when the fleet grew)")
+    default_tenant: str = arg("the tenant of a record without one")
+    default_priority: int = arg("the priority of a record without one")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FairAdmit(
+    Call[None],
+    script="fair_admit",
+    standalone=False,
+    uses=("fair_score", "fair_take"),
+    returns="{'run', ''} (it holds a slot of its tenant) or {'wait', reason, the task id given the slot or ''}.",
+):
+    wanting: str = key("the tenants that want a slot")
+    policies: str = key("the tenants' policies")
+    holding: str = key("the runs holding a slot, fleet-wide")
+    capacity_key: str = key("the fleet's capacity")
+    task_id: str = arg("task id")
+    tenant: str = arg("its tenant")
+    priority: int = arg("its priority")
+    now_ms: int = arg("now ms")
+    tenant_head: str = arg("a tenant key's head")
+    running_tail: str = arg("the tail of a tenant's running set")
+    parked_tail: str = arg("the tail of its parked runs")
+    queued_tail: str = arg("the tail of its announced runs")
+    queued_ms: int = arg("how long an announced run counts as queued, ms")
+    capacity: int = arg("the fleet's capacity while no heartbeat has counted it (this worker's concurrency)")
+    retention_s: int = arg("retention seconds")
+    task_head: str = arg("a task hash key's head")
+    task_middle: str = arg("its middle")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FairAnnounce(
+    Call[None],
+    script="fair_announce",
+    uses=("fair_score",),
+    returns="nothing.",
+):
+    wanting: str = key("the tenants that want a slot")
+    policies: str = key("the tenants' policies")
+    running: str = key("the tenant's running set")
+    parked: str = key("its parked runs")
+    queued: str = key("its announced runs")
+    tenant: str = arg("the tenant")
+    now_ms: int = arg("now ms")
+    queued_ms: int = arg("how long an announced run counts as queued, ms")
+    retention_s: int = arg("retention seconds")
+    task_ids: Sequence[str] = args("the runs published now")
+
+    @classmethod
+    def decode(cls, raw: Any) -> None:
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FairBeat(Call[int], script="fair_beat", returns="the fleet's capacity."):
+    workers: str = key("the worker processes by their last heartbeat")
+    slots: str = key("each process's concurrency")
+    capacity: str = key("the fleet's capacity")
+    policies: str = key("the tenants' policies")
+    worker: str = arg("this process")
+    concurrency: int = arg("its concurrency")
+    live_since: float = arg("the oldest heartbeat that is still live (epoch s)")
+    capacity_ttl_s: int = arg("how long the capacity stands without a beat, seconds")
+    table: Sequence[tuple[str, str]] = args("then 2 per tenant (name, 'weight max_running'), `*` among them")
+
+    @classmethod
+    def decode(cls, raw: Any) -> int:
+        return int(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FairRelease(
+    Call[list[str]],
+    script="fair_release",
+    uses=("fair_score", "fair_take"),
+    returns="the ids given a slot (the caller publishes their runs).",
+):
+    fair: FairKeys = splice("the fleet-wide keys of fair shares", expand=True)
+    task_id: str = arg("task id")
+    now_ms: int = arg("now ms")
+    retention_s: int = arg("retention seconds")
+    args: FairArgs = splice("how fair shares are read", expand=True)
+
+    @classmethod
+    def decode(cls, raw: Any) -> list[str]:
+        return _strs(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FairScore(
+    Call[None],
+    script="fair_score",
+    standalone=False,
+    returns="its score now (a number, or '+inf'), or false when it wants nothing.",
+):
+    wanting: str = key("the tenants that want a slot (zset)")
+    policies: str = key("the tenants' policies (hash)")
+    running: str = key("the tenant's running set")
+    parked: str = key("its parked runs")
+    queued: str = key("its runs announced in the broker's queue")
+    tenant: str = arg("tenant")
+    now_ms: int = arg("now ms")
+    queued_ms: int = arg("how long an announced run counts as queued, ms")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FairTake(
+    Call[None],
+    script="fair_take",
+    standalone=False,
+    uses=("fair_score",),
+    returns="the task id given the slot, or false.",
+):
+    wanting: str = key("the tenants that want a slot")
+    policies: str = key("the tenants' policies")
+    holding: str = key("the runs holding a slot, fleet-wide (hash: task id -> tenant)")
+    tenant_head: str = arg("a tenant key's head (the keys module's name up to the tenant)")
+    running_tail: str = arg("the tail of a tenant's running set")
+    parked_tail: str = arg("the tail of its parked runs")
+    queued_tail: str = arg("the tail of its announced runs")
+    now_ms: int = arg("now ms")
+    queued_ms: int = arg("how long an announced run counts as queued, ms")
+    retention_s: int = arg("retention seconds")
+    task_head: str = arg("a task hash key's head (up to the root id)")
+    task_middle: str = arg("its middle (between the root id and the task id)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class FinishTask(
     Call[str | None],
     script="finish_task",
@@ -587,6 +743,9 @@ class EndRun(
         "close_batch",
         "settle_child",
         "release_slot",
+        "fair_score",
+        "fair_take",
+        "fair_release",
     ),
     acknowledged=True,
     returns="{'fenced'} (nothing written), {'exhausted', holder} (the flush was written; the caller stops the "
@@ -608,6 +767,7 @@ class EndRun(
     admission: str = key("its admission list")
     parent_running: str = key("the parent's running-children set")
     outbox: OutboxKeys = splice("the tree's outbox (outbox_add's {side})")
+    fair: FairKeys = splice("the fleet-wide keys of fair shares (fair_release's)")
     ancestors: Sequence[str] = keys("ancestor hashes (parent first, root last)")
     token: str = arg("token")
     retention_s: int = arg("retention seconds")
@@ -630,6 +790,7 @@ class EndRun(
     )
     invalid_outputs: int = arg("its model's answers that broke its output schema (kept on the record when above 0)")
     budget_warn_at: float = arg("the share of a budget whose crossing sends `budget.warning` (record_usage)")
+    fair_args: FairArgs = splice("how fair shares are read (fair_release's, after its own three)")
     writes: StepWrites = splice("flush_run's ARGV from its seventh (what the run did since its last step)")
 
     @classmethod
@@ -867,11 +1028,12 @@ class SettleChild(
 class StartRun(
     Call[StartReply],
     script="start_run",
-    uses=("admit",),
+    uses=("admit", "fair_score", "fair_take", "fair_admit"),
     returns="{verdict, {deliveries, run sequence, exhausted}}: verdict 'run' (the lease is this run's), "
     "'missing', 'other' (not an agent's, ended or delegated: the caller takes its slow path), 'leased' (another "
-    "run holds the lease), 'wait' (queued on the admission list for a slot) or 'delay' (the counts are {ms to "
-    "wait}).",
+    "run holds the lease), 'wait' (queued on the admission list for a slot), 'delay' (the counts are {ms to "
+    "wait}) or 'park' (parked for a slot of its tenant; the counts are {0, why: 'max_running', 'share' or "
+    "'fleet', the task id given the slot instead or ''}).",
 ):
     task: str = key("task hash")
     lease: str = key("lease")
@@ -883,6 +1045,7 @@ class StartRun(
     running: str = key("the tree's running set")
     admission: str = key("the tree's admission list")
     last_start: str = key("its last-start time")
+    fair: FairKeys = splice("the fleet-wide keys of fair shares", expand=True)
     token: str = arg("token")
     lease_s: int = arg("lease seconds")
     look_at: float = arg("when the reconciler looks next (epoch s)")
@@ -901,6 +1064,7 @@ class StartRun(
     running_children_prefix: str = arg(
         "the prefix of the tree's running-children sets (the parent's is read from the record, as the ancestors' above)"
     )
+    fair_args: FairArgs = splice("how fair shares are read", expand=True)
 
     @classmethod
     def decode(cls, raw: Any) -> StartReply:
@@ -908,6 +1072,8 @@ class StartRun(
         if verdict == "run":
             deliveries, run_seq, exhausted = counts
             return StartReply(verdict, int(deliveries), int(run_seq), str(exhausted) or None, 0)
+        if verdict == "park":
+            return StartReply(verdict, 0, 0, None, 0, str(counts[1]), tuple(str(i) for i in counts[2:] if i))
         delay_ms = int(counts[0]) if verdict in ("wait", "delay") else 0
         return StartReply(verdict, 0, 0, None, delay_ms)
 

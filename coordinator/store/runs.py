@@ -25,6 +25,7 @@ from coordinator.store.base import (
     tool_field,
     translate_redis_errors,
 )
+from coordinator.store.fair import NO_FAIR_SHARES, FairShares, fair_args, fair_keys
 from coordinator.store.fields import TaskField
 from coordinator.store.metrics import latency_bucket
 from coordinator.store.protocol import (
@@ -68,7 +69,8 @@ ADMISSION_SCAN = 50
 @dataclass(frozen=True)
 class Started:
     """What `begin_run` found: `verdict` 'run' (the lease is the caller's), 'missing', 'other', 'leased',
-    'wait' (queued for a run slot) or 'delay' (admitted after `delay_ms`: the caller restarts it then)."""
+    'wait' (queued for a run slot of its tree), 'park' (parked for a fleet slot of its tenant: fair shares) or
+    'delay' (admitted after `delay_ms`: the caller restarts it then)."""
 
     verdict: str
     record: TaskRecord | None = None
@@ -77,6 +79,8 @@ class Started:
     exhausted: str | None = None
     conversation: list[str] = field(default_factory=list)
     delay_ms: int = 0
+    parked_for: str = ""  # 'park': why its tenant's fleet slot was refused (max_running, share, fleet)
+    admitted: list[str] = field(default_factory=list)  # 'park': the parked runs given the slot instead
 
 
 class RunStore(Part):
@@ -97,7 +101,13 @@ class RunStore(Part):
 
     @translate_redis_errors
     def begin_run(
-        self, task_id: str, token: str, lease_s: int, look_again_s: float, limits: AdmissionLimits
+        self,
+        task_id: str,
+        token: str,
+        lease_s: int,
+        look_again_s: float,
+        limits: AdmissionLimits,
+        fair: FairShares = NO_FAIR_SHARES,
     ) -> Started:
         """Start an agent task's run in one step (start_run.lua): admit, lease, count, due list, live status."""
         root, k = root_of(task_id), self.keys
@@ -113,10 +123,11 @@ class RunStore(Part):
                 task=task_key, lease=k.lease(root, task_id), due=k.due(), live=k.live(root),
                 events=k.events(root), conversation=conversation_key,
                 ui_messages=k.ui_messages(root, task_id), running=k.running(root), admission=k.admission(root),
-                last_start=k.last_start(root), token=token, lease_s=lease_s, look_at=now + look_again_s, now=now,
+                last_start=k.last_start(root), fair=fair_keys(k), token=token, lease_s=lease_s, look_at=now + look_again_s, now=now,
                 events_maxlen=EVENTS_MAXLEN, task_prefix=k.task(root, ""), per_parent=limits.per_parent,
                 per_tree=limits.per_tree, stagger_ms=limits.stagger_ms, now_ms=int(now * 1000),
                 retention_s=self.retention_s, running_children_prefix=k.running_children(root, ""),
+                fair_args=fair_args(k, fair),
             ),
             record_and_conversation,
         )  # fmt: skip
@@ -124,8 +135,11 @@ class RunStore(Part):
             raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
         # The record as the step left it (its delivery counted, its timeline marked).
         record = decode_record(_str_map(fields), [], [])
-        if started.verdict in ("wait", "delay"):
-            return Started(started.verdict, record, delay_ms=started.delay_ms)
+        if started.verdict in ("wait", "delay", "park"):
+            return Started(
+                started.verdict, record, delay_ms=started.delay_ms, parked_for=started.parked_for,
+                admitted=list(started.admitted),
+            )  # fmt: skip
         if started.verdict != "run":
             return Started(started.verdict, record)
         return Started("run", record, started.deliveries, started.run_seq, started.exhausted, _strs(conversation))
@@ -167,6 +181,7 @@ class RunStore(Part):
         limits: AdmissionLimits,
         *,
         stop_on_budget: bool,
+        fair: FairShares = NO_FAIR_SHARES,
     ) -> Ending:
         """End a run in one step (end_run.lua): write, finish, release the lease and the slot, write back,
         close the batch if last.
@@ -197,13 +212,14 @@ class RunStore(Part):
                 lines=k.batch_lines(root, batch) if batch else own,
                 running=k.running(root) if admitted else own, admission=k.admission(root) if admitted else own,
                 parent_running=k.running_children(root, slot_parent) if admitted else own, outbox=outbox_keys(k, root),
+                fair=fair_keys(k),
                 ancestors=self._ancestor_keys(record), token=token, retention_s=self.retention_s, now=now,
                 events_maxlen=EVENTS_MAXLEN, status=outcome.status, summary=outcome.summary, error=outcome.error,
                 error_class=outcome.error_class, resume_grace_s=resume_grace_s, stop_on_budget=int(stop_on_budget), free_slot=int(admitted),
                 per_parent=limits.per_parent, per_tree=limits.per_tree, task_prefix=k.task(root, ""),
                 running_children_prefix=k.running_children(root, ""), admission_scan=ADMISSION_SCAN,
                 output=outcome.output_json, invalid_outputs=outcome.invalid_outputs,
-                budget_warn_at=self.budget_warn_at, writes=steps,
+                budget_warn_at=self.budget_warn_at, fair_args=fair_args(k, fair), writes=steps,
             )
         )  # fmt: skip
 

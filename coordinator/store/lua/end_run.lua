@@ -17,7 +17,8 @@
 -- KEYS[16] its admission list
 -- KEYS[17] the parent's running-children set
 -- KEYS[18..20] the tree's outbox (outbox_add's KEYS)
--- KEYS[21..] ancestor hashes (parent first, root last)
+-- KEYS[21..24] the fleet-wide keys of fair shares (fair_release's)
+-- KEYS[25..] ancestor hashes (parent first, root last)
 -- ARGV[1] str: token
 -- ARGV[2] int: retention seconds
 -- ARGV[3] float: now
@@ -38,7 +39,8 @@
 --   status
 -- ARGV[18] int: its model's answers that broke its output schema (kept on the record when above 0)
 -- ARGV[19] float: the share of a budget whose crossing sends `budget.warning` (record_usage)
--- ARGV[20..] flush_run's ARGV from its seventh (what the run did since its last step)
+-- ARGV[20..31] how fair shares are read (fair_release's, after its own three)
+-- ARGV[32..] flush_run's ARGV from its seventh (what the run did since its last step)
 -- Returns {'fenced'} (nothing written), {'exhausted', holder} (the flush was written; the caller stops the
 --   holder's subtree and ends the run again), or {'ended', status, summary, error, error class, tokens in,
 --   tokens out, cache reads, cache writes, cost micro-USD, closed, resumes, resume, batch mode, admitted
@@ -57,18 +59,18 @@ if KEYS[9] ~= KEYS[2] then
     'runner', 'error_class', 'error', 'waiting_batch_id', 'resumes', 'timeline'})
 end
 local flush_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[18], KEYS[19], KEYS[20]}
-for i = 21, #KEYS do
+for i = 25, #KEYS do
   flush_keys[#flush_keys + 1] = KEYS[i]
 end
--- The live status (ARGV[20]: here the terminal one, made by the caller, store/runs.py) goes to
+-- The live status (ARGV[32]: here the terminal one, made by the caller, store/runs.py) goes to
 -- finish_task, which writes it as it is, and the UI messages go with the outcome's own, after it
 -- (one write each, not two).
-local live = ARGV[20]
-local n_conv, n_ui = tonumber(ARGV[21]), tonumber(ARGV[22])
-local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], '1', ARGV[19], '', ARGV[21], '0', ARGV[23], ARGV[24]}
+local live = ARGV[32]
+local n_conv, n_ui = tonumber(ARGV[33]), tonumber(ARGV[34])
+local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], '1', ARGV[19], '', ARGV[33], '0', ARGV[35], ARGV[36]}
 local ui = {}
-local first_ui = 25 + n_conv
-for i = 25, #ARGV do
+local first_ui = 37 + n_conv
+for i = 37, #ARGV do
   if i >= first_ui and i < first_ui + n_ui then
     ui[#ui + 1] = ARGV[i]
   else
@@ -131,6 +133,17 @@ local admitted = {}
 if ARGV[11] == '1' then
   admitted = release_slot({KEYS[15], KEYS[16], KEYS[17]},
     {f[1], ARGV[12], ARGV[13], retention, ARGV[14], ARGV[15], ARGV[16], now})
+end
+if ARGV[20] == '1' then
+  -- Its tenant's fleet slot (fair shares), whoever its parent: given to the neediest tenant's parked run.
+  local fair_argv = {f[1], math.floor(tonumber(now) * 1000), retention}
+  for i = 20, 31 do
+    fair_argv[#fair_argv + 1] = ARGV[i]
+  end
+  local taken = fair_release({KEYS[21], KEYS[22], KEYS[23], KEYS[24]}, fair_argv)
+  for i = 1, #taken do
+    admitted[#admitted + 1] = taken[i]
+  end
 end
 return {'ended', f[2], f[3] or '', f[4] or '', f[5] or '', f[6] or '0', f[7] or '0', f[8] or '0', f[9] or '0',
   f[10] or '0', closed, resumes, resume, mode, admitted}

@@ -16,6 +16,10 @@
 -- KEYS[8] the tree's running set
 -- KEYS[9] the tree's admission list
 -- KEYS[10] its last-start time
+-- KEYS[11] the tenants that want a slot
+-- KEYS[12] the tenants' policies
+-- KEYS[13] the runs holding a slot, fleet-wide
+-- KEYS[14] the fleet's capacity
 -- ARGV[1] str: token
 -- ARGV[2] int: lease seconds
 -- ARGV[3] float: when the reconciler looks next (epoch s)
@@ -31,16 +35,33 @@
 -- ARGV[11] int: retention seconds
 -- ARGV[12] str: the prefix of the tree's running-children sets (the parent's is read from the record, as
 --   the ancestors' above)
+-- ARGV[13] int: 1: fair shares between tenants are on (nothing below is read when 0)
+-- ARGV[14] str: a tenant key's head (the keys module's name up to the tenant)
+-- ARGV[15] str: the tail of a tenant's running set
+-- ARGV[16] str: the tail of its parked runs
+-- ARGV[17] str: the tail of its announced runs
+-- ARGV[18] str: a task hash key's head (up to the root id)
+-- ARGV[19] str: its middle (between the root id and the task id)
+-- ARGV[20] int: how long an announced run counts as queued, ms
+-- ARGV[21] int: the fleet's capacity while no heartbeat has counted it (this worker's concurrency)
+-- ARGV[22] int: how many parked runs one freed slot may give a slot (more when the fleet grew)
+-- ARGV[23] str: the tenant of a record without one
+-- ARGV[24] int: the priority of a record without one
 -- Returns {verdict, {deliveries, run sequence, exhausted}}: verdict 'run' (the lease is this run's),
 --   'missing', 'other' (not an agent's, ended or delegated: the caller takes its slow path), 'leased'
---   (another run holds the lease), 'wait' (queued on the admission list for a slot) or 'delay' (the counts
---   are {ms to wait}).
+--   (another run holds the lease), 'wait' (queued on the admission list for a slot), 'delay' (the counts
+--   are {ms to wait}) or 'park' (parked for a slot of its tenant; the counts are {0, why: 'max_running',
+--   'share' or 'fleet', the task id given the slot instead or ''}).
 -- Only the fields this step decides on (the record goes to the caller by its own read, see above).
 local task = redis.call('HMGET', KEYS[1], 'id', 'status', 'runner', 'parent_id', 'depth', 'deliveries', 'run_seq',
-  'timeline', 'budget_micros', 'total_cost_micros', 'budget_chain', 'ancestors', 'prompt')
+  'timeline', 'budget_micros', 'total_cost_micros', 'budget_chain', 'ancestors', 'prompt', 'tenant', 'priority')
 local id, status, parent_id = task[1], task[2], task[4]
 if not id then
   return {'missing', {}}
+end
+local fair, tenant = ARGV[13] == '1', (task[14] and task[14] ~= '') and task[14] or ARGV[23]
+if fair then
+  redis.call('ZREM', ARGV[14] .. tenant .. ARGV[17], id)  -- its message has come: no longer queued in the broker
 end
 if task[3] ~= 'agent' or status == 'completed' or status == 'failed' or status == 'cancelled'
     or status == 'delegated' then
@@ -58,6 +79,19 @@ if parent_id and parent_id ~= '' and (per_parent > 0 or per_tree > 0 or stagger 
       redis.call('HSET', KEYS[1], 'timeline', waited)
     end
     return {admitted[1], {admitted[2]}}
+  end
+end
+if fair then
+  -- Fair shares between tenants (fair_admit.lua), roots included: a run holds a worker whoever made it.
+  local priority = tonumber(task[15] or '') or ARGV[24]
+  local shared = fair_admit({KEYS[11], KEYS[12], KEYS[13], KEYS[14]}, {id, tenant, priority, ARGV[10], ARGV[14],
+    ARGV[15], ARGV[16], ARGV[17], ARGV[20], ARGV[21], ARGV[11], ARGV[18], ARGV[19]})
+  if shared[1] ~= 'run' then
+    local waited = timeline_add(task[8], tonumber(ARGV[10]), 'wait:admission')
+    if waited then
+      redis.call('HSET', KEYS[1], 'timeline', waited)
+    end
+    return {'park', {0, shared[2], shared[3]}}
   end
 end
 if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'EX', ARGV[2]) then

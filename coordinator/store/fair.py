@@ -1,0 +1,158 @@
+"""Fair shares between tenants in Redis: the slots each tenant's runs hold fleet-wide, its parked and announced
+runs, the queue of tenants that want a slot, the fleet's capacity and the tenants' policies (coordinator/
+admission.py says how they are used; docs/architecture.md, "Fair shares between tenants", why).
+
+A run's start and end take their part of it inside start_run.lua and end_run.lua (`FairShares` is what they
+are handed); this part holds the rest: a publish's announcement, a release of a slot outside a run's end, the
+worker's beat (its concurrency, the policies), and the reads of the tenants view and of the reconciler.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from coordinator.store.base import Part, translate_redis_errors
+from coordinator.store.keys import Keys
+from coordinator.store.protocol import FairAnnounce, FairArgs, FairBeat, FairKeys, FairRelease
+from coordinator.tenants import DEFAULT_PRIORITY, DEFAULT_TENANT
+
+__all__ = [
+    "FAIR_FILL",
+    "FAIR_QUEUED_S",
+    "NO_FAIR_SHARES",
+    "FairCounts",
+    "FairShares",
+    "FairStore",
+    "fair_args",
+    "fair_keys",
+]
+
+# How long a published run counts as its tenant's demand while its message waits in the broker. A tenant
+# that holds the head of the queue with runs still in the broker makes a freed slot wait for them, so a
+# message that never comes (lost with a Redis restart, a publish that failed after its announcement) may
+# hold the others back this long at most; a real one reaches a worker far sooner, as every run of a
+# tenant above its share ahead of it is parked in a few ms.
+FAIR_QUEUED_S = 30
+# How many parked runs one freed slot may start: one, and more only when the fleet grew (its capacity went up)
+# or a policy changed; a bound so that a step's cost stays small.
+FAIR_FILL = 8
+
+_MARK = "\0"
+
+
+@dataclass(frozen=True)
+class FairShares:
+    """What a run's start and end are told of fair shares: `on` (some tenant policy caps `max_running` or
+    weighs other than 1), and this worker's concurrency, the fleet's capacity until a beat has counted it."""
+
+    on: bool = False
+    capacity: int = 1
+
+
+# Fair shares off: a run's start and end read nothing of them.
+NO_FAIR_SHARES = FairShares()
+
+
+@dataclass(frozen=True)
+class FairCounts:
+    """One tenant's runs: holding a fleet slot, parked for one, announced in the broker's queue."""
+
+    running: int = 0
+    parked: int = 0
+    queued: int = 0
+
+
+def _split(key: str) -> tuple[str, str]:
+    head, _, tail = key.partition(_MARK)
+    return head, tail
+
+
+def fair_keys(keys: Keys) -> FairKeys:
+    """The fleet-wide keys a run's start and end splice in."""
+    return FairKeys(
+        wanting=keys.fair_wanting(), policies=keys.fair_policies(), holding=keys.fair_holding(),
+        capacity=keys.fair_capacity(),
+    )  # fmt: skip
+
+
+def fair_args(keys: Keys, shares: FairShares) -> FairArgs:
+    """How the scripts name a tenant's keys and a task's hash (the keys module's names, cut where the tenant or
+    the ids go), and the bounds."""
+    head, running_tail = _split(keys.tenant_running(_MARK))
+    _, parked_tail = _split(keys.tenant_parked(_MARK))
+    _, queued_tail = _split(keys.tenant_queued(_MARK))
+    task_head, rest = _split(keys.task(_MARK, _MARK))
+    task_middle, _ = _split(rest)
+    return FairArgs(
+        on=int(shares.on), tenant_head=head, running_tail=running_tail, parked_tail=parked_tail,
+        queued_tail=queued_tail, task_head=task_head, task_middle=task_middle, queued_ms=FAIR_QUEUED_S * 1000,
+        capacity=shares.capacity, fill=FAIR_FILL, default_tenant=DEFAULT_TENANT, default_priority=DEFAULT_PRIORITY,
+    )  # fmt: skip
+
+
+class FairStore(Part):
+    """The fleet-wide state of fair shares outside a run's start and end (which splice in `fair_keys` and
+    `fair_args`)."""
+
+    @translate_redis_errors
+    def announce(self, tenant: str, task_ids: Sequence[str]) -> None:
+        """Runs of `tenant` were published: its demand in the broker's queue until each reaches a worker."""
+        if not task_ids:
+            return
+        k = self.keys
+        self.scripts(
+            FairAnnounce(
+                wanting=k.fair_wanting(), policies=k.fair_policies(), running=k.tenant_running(tenant),
+                parked=k.tenant_parked(tenant), queued=k.tenant_queued(tenant), tenant=tenant,
+                now_ms=int(time.time() * 1000), queued_ms=FAIR_QUEUED_S * 1000, retention_s=self.retention_s,
+                task_ids=list(task_ids),
+            )
+        )  # fmt: skip
+
+    @translate_redis_errors
+    def release(self, task_id: str, shares: FairShares) -> list[str]:
+        """Free the run's fleet slot, if it holds one, and give free slots to parked runs; the ids given one."""
+        return self.scripts(
+            FairRelease(
+                fair=fair_keys(self.keys), task_id=task_id, now_ms=int(time.time() * 1000),
+                retention_s=self.retention_s, args=fair_args(self.keys, shares),
+            )
+        )  # fmt: skip
+
+    @translate_redis_errors
+    def beat(self, worker: str, concurrency: int, live_s: float, policies: Mapping[str, tuple[int, int]]) -> int:
+        """This process's concurrency, and the tenants table it reads (name -> (weight, max_running)); the
+        fleet's capacity, the concurrency of the processes whose heartbeat is younger than `live_s`."""
+        k = self.keys
+        return self.scripts(
+            FairBeat(
+                workers=k.workers(), slots=k.worker_slots(), capacity=k.fair_capacity(), policies=k.fair_policies(),
+                worker=worker, concurrency=concurrency, live_since=time.time() - live_s,
+                capacity_ttl_s=max(1, int(3 * live_s)),
+                table=[(name, f"{weight} {cap}") for name, (weight, cap) in policies.items()],
+            )
+        )  # fmt: skip
+
+    @translate_redis_errors
+    def is_parked(self, task_id: str, tenant: str) -> bool:
+        """Whether the run waits among its tenant's parked runs for a fleet slot."""
+        return self.client.zscore(self.keys.tenant_parked(tenant), task_id) is not None
+
+    @translate_redis_errors
+    def counts(self, tenant: str) -> FairCounts:
+        """The tenant's runs holding a slot, parked and announced (the tenants view; tests)."""
+        k = self.keys
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.scard(k.tenant_running(tenant))
+            pipe.zcard(k.tenant_parked(tenant))
+            pipe.zcard(k.tenant_queued(tenant))
+            running, parked, queued = pipe.execute()
+        return FairCounts(int(running), int(parked), int(queued))
+
+    @translate_redis_errors
+    def capacity(self) -> int | None:
+        """The fleet's capacity as the last beat summed it (None: no beat within its time)."""
+        value = self.client.get(self.keys.fair_capacity())
+        return int(value) if value is not None else None

@@ -1,0 +1,36 @@
+-- Fair shares: a worker process's beat writes its concurrency, the fleet's capacity (the sum over the
+-- processes whose heartbeat is recent; one not counted yet counts as this one), and the policies of the
+-- tenants table it reads (each tenant's 'weight max_running', `*` for the rest), which the admission steps
+-- read for any tenant they meet. Every process writes the same sums from the same entries, so the last
+-- writer's are as good as any; a process gone drops out of the sum once its heartbeat is old.
+-- KEYS[1] the worker processes by their last heartbeat
+-- KEYS[2] each process's concurrency
+-- KEYS[3] the fleet's capacity
+-- KEYS[4] the tenants' policies
+-- ARGV[1] str: this process
+-- ARGV[2] int: its concurrency
+-- ARGV[3] float: the oldest heartbeat that is still live (epoch s)
+-- ARGV[4] int: how long the capacity stands without a beat, seconds
+-- ARGV[5..] then 2 per tenant (name, 'weight max_running'), `*` among them
+-- Returns the fleet's capacity.
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+local live = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[3], '+inf')
+local capacity, seen = 0, {}
+for _, worker in ipairs(live) do
+  seen[worker] = true
+  capacity = capacity + (tonumber(redis.call('HGET', KEYS[2], worker) or ARGV[2]) or 0)
+end
+if not seen[ARGV[1]] then
+  capacity = capacity + tonumber(ARGV[2])
+end
+for _, worker in ipairs(redis.call('HKEYS', KEYS[2])) do
+  if not seen[worker] and worker ~= ARGV[1] then
+    redis.call('HDEL', KEYS[2], worker)
+  end
+end
+redis.call('SET', KEYS[3], capacity, 'EX', ARGV[4])
+redis.call('DEL', KEYS[4])
+if #ARGV > 4 then
+  redis.call('HSET', KEYS[4], unpack(ARGV, 5))
+end
+return capacity

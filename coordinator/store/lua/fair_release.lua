@@ -1,0 +1,48 @@
+-- Fair shares: a run frees its tenant's slot (its end, or a release of its worker: delegated, waiting for a
+-- decision or its provider, handed back), and the free slots of the fleet are given, one at a time, to the
+-- neediest tenant's parked runs (fair_take.lua) while the runs holding a slot stay below the fleet's capacity.
+-- end_run.lua calls it in the step that ends the run; `store.runs.release_slot` for a release. A second call
+-- for the same run frees nothing (the slot's owner is read from the fleet-wide hash).
+-- KEYS[1] the tenants that want a slot
+-- KEYS[2] the tenants' policies
+-- KEYS[3] the runs holding a slot, fleet-wide
+-- KEYS[4] the fleet's capacity
+-- ARGV[1] str: task id
+-- ARGV[2] int: now ms
+-- ARGV[3] int: retention seconds
+-- ARGV[4] int: 1: fair shares between tenants are on (nothing below is read when 0)
+-- ARGV[5] str: a tenant key's head (the keys module's name up to the tenant)
+-- ARGV[6] str: the tail of a tenant's running set
+-- ARGV[7] str: the tail of its parked runs
+-- ARGV[8] str: the tail of its announced runs
+-- ARGV[9] str: a task hash key's head (up to the root id)
+-- ARGV[10] str: its middle (between the root id and the task id)
+-- ARGV[11] int: how long an announced run counts as queued, ms
+-- ARGV[12] int: the fleet's capacity while no heartbeat has counted it (this worker's concurrency)
+-- ARGV[13] int: how many parked runs one freed slot may give a slot (more when the fleet grew)
+-- ARGV[14] str: the tenant of a record without one
+-- ARGV[15] int: the priority of a record without one
+-- Returns the ids given a slot (the caller publishes their runs).
+local id, head = ARGV[1], ARGV[5]
+local tenant = redis.call('HGET', KEYS[3], id)
+if tenant then
+  redis.call('HDEL', KEYS[3], id)
+  local running = head .. tenant .. ARGV[6]
+  redis.call('SREM', running, id)
+  fair_score({KEYS[1], KEYS[2], running, head .. tenant .. ARGV[7], head .. tenant .. ARGV[8]},
+    {tenant, ARGV[2], ARGV[11]})
+end
+local capacity = tonumber(redis.call('GET', KEYS[4]) or ARGV[12])
+local admitted = {}
+for _ = 1, tonumber(ARGV[13]) do
+  if redis.call('HLEN', KEYS[3]) >= capacity then
+    break
+  end
+  local taken = fair_take({KEYS[1], KEYS[2], KEYS[3]}, {head, ARGV[6], ARGV[7], ARGV[8], ARGV[2], ARGV[11], ARGV[3],
+    ARGV[9], ARGV[10]})
+  if not taken then
+    break
+  end
+  admitted[#admitted + 1] = taken
+end
+return admitted

@@ -1,0 +1,50 @@
+-- Fair shares: give one run slot to the waiting run of the tenant furthest below its weighted share (the head of
+-- the wanting queue, fair_score.lua), its parked run of the highest priority, then the earliest. When that
+-- tenant's runs are in the broker's queue, not parked, nothing is taken: the worker that freed the slot takes
+-- the next message, and the runs of tenants above their share before it are parked as they come (a tenant's
+-- flood in Celery's FIFO queue drains at the speed of a park). Tenants whose announced runs have all gone by
+-- are taken out as they are met. The caller publishes the taken run (it stays on the due list until it
+-- starts, so a process that dies first leaves it to the reconciler: coordinator/reconciler.py).
+-- KEYS[1] the tenants that want a slot
+-- KEYS[2] the tenants' policies
+-- KEYS[3] the runs holding a slot, fleet-wide (hash: task id -> tenant)
+-- ARGV[1] str: a tenant key's head (the keys module's name up to the tenant)
+-- ARGV[2] str: the tail of a tenant's running set
+-- ARGV[3] str: the tail of its parked runs
+-- ARGV[4] str: the tail of its announced runs
+-- ARGV[5] int: now ms
+-- ARGV[6] int: how long an announced run counts as queued, ms
+-- ARGV[7] int: retention seconds
+-- ARGV[8] str: a task hash key's head (up to the root id)
+-- ARGV[9] str: its middle (between the root id and the task id)
+-- Returns the task id given the slot, or false.
+local head = ARGV[1]
+for _ = 1, 8 do  -- a few tenants found to want nothing any more (or scored stale), then the next
+  local top = redis.call('ZRANGE', KEYS[1], 0, 0)
+  if #top == 0 then
+    return false  -- none waits
+  end
+  local tenant = top[1]
+  local running, parked, queued = head .. tenant .. ARGV[2], head .. tenant .. ARGV[3], head .. tenant .. ARGV[4]
+  fair_score({KEYS[1], KEYS[2], running, parked, queued}, {tenant, ARGV[5], ARGV[6]})
+  local now_top = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  if #now_top == 0 or now_top[2] == 'inf' then
+    return false  -- none waits, or every tenant waiting holds its max_running
+  end
+  if now_top[1] == tenant then
+    local first = redis.call('ZPOPMIN', parked)
+    if #first == 0 then
+      return false  -- its runs are in the broker's queue: the freed worker reaches them
+    end
+    local id = first[1]
+    redis.call('SADD', running, id)
+    redis.call('EXPIRE', running, ARGV[7])
+    redis.call('HSET', KEYS[3], id, tenant)
+    fair_score({KEYS[1], KEYS[2], running, parked, queued}, {tenant, ARGV[5], ARGV[6]})
+    -- Its wait for a slot ends now: its run is queued again (the caller publishes it).
+    timeline_mark(ARGV[8] .. string.sub(id, 1, 16) .. ARGV[9] .. id, tonumber(ARGV[5]) / 1000, 'queued')
+    return id
+  end
+  -- Its score was stale (its announced runs had gone by): the head is another tenant now.
+end
+return false

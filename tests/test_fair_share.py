@@ -1,0 +1,142 @@
+"""Fair shares between tenants, step by step on a real Redis: the start's park and the end's hand-over
+(fair_admit.lua, fair_release.lua, fair_take.lua), priority within a tenant, and the fleet's capacity.
+
+The fleet-wide behaviour on real workers is in tests/test_fair_share_fleet.py.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+
+import pytest
+
+from coordinator import Coordinator
+from coordinator.models import AdmissionLimits
+from coordinator.store import Store
+from coordinator.store.fair import FairShares
+from coordinator.store.fields import TaskField
+from coordinator.store.runs import Started
+
+SHARES = FairShares(on=True, capacity=8)
+
+
+@pytest.fixture
+def fair(idle_coordinator: Coordinator) -> Iterator[Coordinator]:
+    """A coordinator of its own key prefix, whose fleet (one worker of `SHARES.capacity`) reads two tenants:
+    `a` (weight 3, max_running 2) and `b` (weight 1), and the default for the rest."""
+    coord = Coordinator(idle_coordinator.settings.model_copy(update={"key_prefix": f"subqfair{secrets.token_hex(3)}"}))
+    beat(coord.store, {"a": (3, 2), "b": (1, 0), "*": (1, 0)})
+    yield coord
+    for key in coord.client.scan_iter(coord.store.keys.all_pattern()):
+        coord.client.delete(key)
+    coord.close()
+
+
+def beat(store: Store, table: dict[str, tuple[int, int]], concurrency: int = SHARES.capacity) -> int:
+    store.convergence.renew_leases([], 30, "w1")
+    return store.fair.beat("w1", concurrency, 30, table)
+
+
+def children(coord: Coordinator, tenant: str, n: int, priority: int = 3) -> list[str]:
+    """`n` children of a fresh caller's root of `tenant` (set on the root as its creation would, and copied
+    to each child by the delegation)."""
+    root = coord.create_task(f"{tenant} root")
+    coord.client.hset(
+        coord.store.keys.task(root.id, root.id), mapping={TaskField.TENANT: tenant, TaskField.PRIORITY: priority}
+    )
+    ids = coord.delegate(root.id, [{"description": f"{tenant}{i}", "message": "m"} for i in range(n)]).child_ids
+    assert all(coord.get_task(i).tenant == tenant for i in ids)
+    return ids
+
+
+def start(store: Store, task_id: str, shares: FairShares = SHARES) -> Started:
+    return store.runs.begin_run(task_id, secrets.token_hex(4), 60, 30, AdmissionLimits(), shares)
+
+
+def test_a_tenant_at_its_max_running_parks_and_its_freed_slot_starts_the_next(fair: Coordinator) -> None:
+    store = fair.store
+    a1, a2, a3, a4 = children(fair, "a", 4)
+    assert [start(store, t).verdict for t in (a1, a2)] == ["run", "run"]
+    parked = start(store, a3)
+    assert (parked.verdict, parked.parked_for, parked.admitted) == ("park", "max_running", [])
+    assert start(store, a4).verdict == "park"
+    task = fair.get_task(a3)
+    assert task.waiting_for == "admission", "its timeline says it waits for a slot"
+    assert store.fair.counts("a").running == 2 and store.fair.counts("a").parked == 2
+    assert store.fair.release(a1, SHARES) == [a3], "the freed slot goes to the first parked run"
+    assert store.fair.release(a1, SHARES) == [], "a second release of one run frees nothing"
+    assert start(store, a3).verdict == "run", "given the slot: its restart runs"
+    assert fair.get_task(a3).waiting_for is None
+
+
+def test_priority_first_then_arrival_within_a_tenant(fair: Coordinator) -> None:
+    store = fair.store
+    first, second = children(fair, "a", 2)
+    low = children(fair, "a", 2, priority=3)
+    high = children(fair, "a", 1, priority=5)
+    assert [start(store, t).verdict for t in (first, second, *low, *high)] == ["run", "run", "park", "park", "park"]
+    assert store.fair.release(first, SHARES) == high, "priority 5, parked last, starts first"
+    assert store.fair.release(second, SHARES) == low[:1], "then the earliest of priority 3"
+
+
+def test_a_lone_tenant_uses_the_whole_fleet_and_the_fleet_caps_it(fair: Coordinator) -> None:
+    store = fair.store
+    ids = children(fair, "solo", SHARES.capacity + 1)
+    assert [start(store, t).verdict for t in ids[:-1]] == ["run"] * SHARES.capacity
+    last = start(store, ids[-1])
+    assert (last.verdict, last.parked_for) == ("park", "fleet"), "every slot of the fleet is promised"
+    assert store.fair.release(ids[0], SHARES) == [ids[-1]]
+
+
+def test_a_tenant_over_its_share_gives_the_slot_to_the_neediest(fair: Coordinator) -> None:
+    """b (weight 1) holds 3 slots; a (weight 3) holds none, its runs parked: b's next arrival parks, and the
+    slot goes to a's parked run in the same step."""
+    store = fair.store
+    beat(store, {"a": (3, 0), "b": (1, 0), "*": (1, 0)})
+    b_runs = children(fair, "b", 5)
+    assert [start(store, t).verdict for t in b_runs[:3]] == ["run"] * 3
+    a_runs = children(fair, "a", 2)
+    store.fair.announce("a", a_runs)  # published: a's demand while its messages wait in the broker
+    assert store.fair.counts("a").queued == 2
+    b4 = start(store, b_runs[3])
+    assert (b4.verdict, b4.parked_for, b4.admitted) == ("park", "share", []), "a's runs are still in the broker"
+    assert start(store, a_runs[0]).verdict == "run", "a is furthest below its share: it runs as it comes"
+    assert store.fair.counts("a").queued == 1
+    # a holds 1 (score 2/3) and wants more; b would hold 4 (score 4): b's arrival parks, a's parked run is
+    # given the slot instead (none parked yet: it waits in the broker, so nothing is given).
+    a_parked = children(fair, "a", 1)
+    store.client.zadd(store.keys.tenant_parked("a"), {a_parked[0]: 0})  # as a's start parks it
+    b5 = start(store, b_runs[4])
+    assert (b5.verdict, b5.parked_for, b5.admitted) == ("park", "share", a_parked)
+    assert store.fair.counts("a").running == 2 and store.fair.counts("b").running == 3
+
+
+def test_announced_runs_count_until_they_come_or_age_out(fair: Coordinator) -> None:
+    store = fair.store
+    ids = children(fair, "b", 2)
+    store.fair.announce("b", ids)
+    assert store.client.zscore(store.keys.fair_wanting(), "b") == 1.0, "(0 running + 1) / weight 1"
+    store.client.zadd(store.keys.tenant_queued("b"), {ids[1]: 0})  # announced long ago: its message is lost
+    start(store, ids[0])
+    assert store.fair.counts("b").queued == 0 and store.client.zscore(store.keys.fair_wanting(), "b") is None
+
+
+def test_the_capacity_is_the_live_workers_concurrency(fair: Coordinator) -> None:
+    store = fair.store
+    assert beat(store, {"*": (1, 0)}, concurrency=8) == 8
+    store.convergence.renew_leases([], 30, "w2")
+    store.fair.beat("w2", 4, 30, {"*": (1, 0)})
+    assert store.fair.capacity() == 12
+    store.client.zadd(store.keys.workers(), {"w2": 1.0})  # its heartbeat is old: gone
+    assert beat(store, {"*": (1, 0)}, concurrency=8) == 8
+    assert store.client.hkeys(store.keys.worker_slots()) == ["w1"]
+
+
+def test_with_fair_shares_off_nothing_of_them_is_written(fair: Coordinator) -> None:
+    store = fair.store
+    (one,) = children(fair, "a", 1)
+    before = set(store.client.scan_iter(f"{store.keys.prefix}:fair:*"))
+    assert start(store, one, FairShares()).verdict == "run"
+    assert store.fair.counts("a").running == 0
+    assert set(store.client.scan_iter(f"{store.keys.prefix}:fair:*")) == before
