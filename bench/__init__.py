@@ -12,6 +12,8 @@ NOOP = "bench.noop"
 TOOL_PATH = "bench:lookup"
 # The environment variable that tells the bare worker to offer it too.
 TOOLS_ENV = "BENCH_TOOLS"
+# The environment variable that stretches a subq worker's own clocks by its factor (bench/subq_worker.py).
+STRETCH_ENV = "BENCH_STRETCH"
 AGENT = "bench.agent"
 JOIN = "bench.join"
 

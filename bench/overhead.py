@@ -61,7 +61,7 @@ if str(ROOT) not in sys.path:
 import redis  # noqa: E402
 from celery import chord  # noqa: E402
 
-from bench import AGENT, JOIN, NOOP, TOOL_PATH, TOOLS_ENV  # noqa: E402
+from bench import AGENT, JOIN, NOOP, STRETCH_ENV, TOOL_PATH, TOOLS_ENV  # noqa: E402
 from bench.probe import read_counts  # noqa: E402
 from bench.run import (  # noqa: E402
     RUN_TIMEOUT_S,
@@ -81,6 +81,7 @@ from coordinator import Coordinator, Profile, Settings, SubqError  # noqa: E402
 from coordinator.celery_app import make_app  # noqa: E402
 from coordinator.local.embedded_redis import local_redis  # noqa: E402
 from coordinator.local.fleet import WorkerFleet  # noqa: E402
+from coordinator.settings import DEFAULT_HEARTBEAT_LAPSE_S, DEFAULT_RECONCILE_INTERVAL_S  # noqa: E402
 
 MODES = ("noop", "agent", "subq")
 DEFAULT_WIDTHS = (100, 1000)
@@ -90,6 +91,8 @@ DEFAULT_REPEATS = 3
 DEFAULT_CONCURRENCY = 16
 # The worker's probe writes its counts every 100 ms; wait for the write after a run.
 PROBE_SETTLE_S = 0.3
+# --processes: both fleets idle this long after their runs, to take their own clocks' cost out of a child's.
+DEFAULT_IDLE_S = 5.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -140,6 +143,8 @@ class Modes:
         latency_ms: int = 0,
         tool_calls: int = 0,
         tool_idempotent: bool = True,
+        processes: int = 1,
+        stretch: float = 1.0,
     ) -> None:
         # Every child waits this long on its model (noop: sleeps it), the same message in every mode;
         # with `tool_calls`, it first calls a function tool that many times, one response each.
@@ -151,20 +156,33 @@ class Modes:
         self.probe_dir = probe_dir
         base = {"redis_url": redis_url, "worker_concurrency": concurrency, "max_fanout": max(256, max_width)}
         self.bare_settings = Settings(**base, queue="bench-bare")
+        # --stretch: subq's clocks (the reconciler, lease renewal, and in the worker the stop watch, the
+        # deliverer's poll and the progress pacer: bench/subq_worker.py) run that many times slower.
+        timers: dict[str, Any] = {}
+        if stretch != 1.0:
+            timers = {
+                "reconcile_interval_s": min(60.0, DEFAULT_RECONCILE_INTERVAL_S * stretch),
+                "heartbeat_lapse_s": round(DEFAULT_HEARTBEAT_LAPSE_S * stretch),
+            }
+            os.environ[STRETCH_ENV] = str(stretch)
         # The tool-calling children's profile offers the same function tool as the bare agent, declared
         # idempotent (a lookup is) unless told otherwise: a response is then kept with its call's result,
         # not also before the call (docs/tools.md, section 11).
         idempotent = ["lookup"] if tool_idempotent else []
         tools = {"profiles": {"offline": Profile(tools=[TOOL_PATH], idempotent_tools=idempotent)}} if tool_calls else {}
-        self.subq_settings = Settings(**base, **tools, queue="bench-subq")
+        self.subq_settings = Settings(**base, **tools, **timers, queue="bench-subq")
         if tool_calls:
             os.environ[TOOLS_ENV] = "1"  # the bare worker offers the tool too, inherited at spawn
         self.bare_app, self.subq_app = make_app(self.bare_settings), make_app(self.subq_settings)
         self.coord = Coordinator(self.subq_settings, app=self.subq_app)
         os.environ["BENCH_PROBE_DIR"] = str(probe_dir)  # read by the workers' probe, inherited at spawn
         quiet = {"loglevel": "WARNING"}
-        self.bare = WorkerFleet(self.bare_settings, 1, log_dir / "bare", app_module="bench.bare", name="bare", **quiet)
-        self.subq = WorkerFleet(self.subq_settings, 1, log_dir / "subq", app_module="bench.subq_worker", **quiet)
+        self.bare = WorkerFleet(
+            self.bare_settings, processes, log_dir / "bare", app_module="bench.bare", name="bare", **quiet
+        )
+        self.subq = WorkerFleet(
+            self.subq_settings, processes, log_dir / "subq", app_module="bench.subq_worker", **quiet
+        )
         self.bare.wait_ready(ping=self.bare_app)
         self.subq.wait_ready(ping=self.subq_app)
 
@@ -176,19 +194,45 @@ class Modes:
         self.bare_app.close()
         self.subq_app.close()
 
-    def run(self, mode: str, width: int) -> Sample:
-        pid = (self.subq if mode == "subq" else self.bare).procs[0].pid
+    def pids(self, mode: str) -> list[int]:
+        return [proc.pid for proc in (self.subq if mode == "subq" else self.bare).procs]
+
+    def trips(self, pids: Sequence[int]) -> Counter[str]:
+        return sum((read_counts(self.probe_dir, pid) for pid in pids), Counter())
+
+    def idle(self, seconds: float) -> Idle:
+        """Both fleets idle for `seconds`: what each costs on its own clocks, per second."""
         time.sleep(PROBE_SETTLE_S)
-        trips_before, cpu_before = read_counts(self.probe_dir, pid), process_cpu_s(pid)
+        subq, bare = self.pids("subq"), self.pids("agent")
+        trips_before, commands_before = self.trips(subq), server_commands(self.client)
+        cpu_before = {pid: process_cpu_s(pid) for pid in (*subq, *bare)}
+        redis_before, started_s = server_cpu_s(self.client), time.perf_counter()
+        time.sleep(seconds)
+        elapsed_s = time.perf_counter() - started_s
+        redis_cpu_s, commands = server_cpu_s(self.client) - redis_before, server_commands(self.client) - commands_before
+        time.sleep(PROBE_SETTLE_S)
+        trips = self.trips(subq) - trips_before
+        return Idle(
+            redis_cpu_ms_per_s=redis_cpu_s * 1000 / elapsed_s,
+            subq_cpu_ms_per_s=sum(process_cpu_s(pid) - cpu_before[pid] for pid in subq) * 1000 / elapsed_s,
+            bare_cpu_ms_per_s=sum(process_cpu_s(pid) - cpu_before[pid] for pid in bare) * 1000 / elapsed_s,
+            subq_trips_per_s={name: round(n / elapsed_s, 2) for name, n in trips.most_common(20)},
+            commands_per_s={name: round(n / elapsed_s, 2) for name, n in commands.most_common(20)},
+        )
+
+    def run(self, mode: str, width: int) -> Sample:
+        pids = self.pids(mode)
+        time.sleep(PROBE_SETTLE_S)
+        trips_before, cpu_before = self.trips(pids), sum(process_cpu_s(pid) for pid in pids)
         commands_before, redis_cpu_before = server_commands(self.client), server_cpu_s(self.client)
         started_s, caller_before_s = time.perf_counter(), time.process_time()
         joined = self._subq(width) if mode == "subq" else self._chord(mode, width)
         wall_s, caller_cpu_s = time.perf_counter() - started_s, time.process_time() - caller_before_s
         time.sleep(PROBE_SETTLE_S)
-        trips = read_counts(self.probe_dir, pid) - trips_before
+        trips = self.trips(pids) - trips_before
         # Counted before the check below: its reads verify the run, they are not part of it.
         commands = server_commands(self.client) - commands_before
-        worker_cpu_s = process_cpu_s(pid) - cpu_before
+        worker_cpu_s = sum(process_cpu_s(pid) for pid in pids) - cpu_before
         redis_cpu_s = server_cpu_s(self.client) - redis_cpu_before
         resumed_after_ms = joined() if callable(joined) else joined
         return Sample(
@@ -239,6 +283,17 @@ class Modes:
             return (closed - max(ended)) * 1000
 
         return check
+
+
+@dataclass
+class Idle:
+    """Both fleets with nothing to do, per second: Redis's CPU, each fleet's, subq's round trips and the commands."""
+
+    redis_cpu_ms_per_s: float
+    subq_cpu_ms_per_s: float
+    bare_cpu_ms_per_s: float
+    subq_trips_per_s: dict[str, float]
+    commands_per_s: dict[str, float]
 
 
 def measure(
@@ -335,6 +390,98 @@ def print_report(rows: list[dict[str, Any]], scale: dict[str, float], facts: dic
         print(f"scale {mode}: time({DEFAULT_SCALE[1]})/time({DEFAULT_SCALE[0]}) = {ratio:.2f}")
 
 
+def sweep(
+    url: str, tmp: Path, args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], dict[int, Idle], dict[str, int]]:
+    """Each mode at each width on fleets of each of `args.processes` processes; rows carry `processes`."""
+    rows: list[dict[str, Any]] = []
+    idles: dict[int, Idle] = {}
+    repairs: Counter[str] = Counter()
+    for processes in args.processes:
+        progress(f"{processes} process(es) a fleet: starting")
+        modes = Modes(
+            url, args.concurrency, max(args.widths), tmp / "probe", tmp / "logs" / str(processes), args.latency_ms,
+            args.tool_calls, tool_idempotent=not args.tool_not_idempotent, processes=processes, stretch=args.stretch,
+        )  # fmt: skip
+        try:
+            samples = measure(modes, args.modes, args.widths, args.repeats, warmup=args.concurrency * 2 * processes)
+            idles[processes] = idle = modes.idle(args.idle_s)
+            progress(
+                f"{processes} process(es) idle: Redis {idle.redis_cpu_ms_per_s:.1f} ms/s, subq's fleet "
+                f"{idle.subq_cpu_ms_per_s:.1f} ms/s, its round trips {idle.subq_trips_per_s}"
+            )
+            repairs += modes.coord.store.convergence.repairs()
+        finally:
+            modes.close()
+        for row in summarise(samples):
+            # The Redis CPU both idle fleets cost over the run's wall time, taken out: a child's own.
+            idle_ms = idle.redis_cpu_ms_per_s * row["wall_ms"] / 1000 / row["width"]
+            row["processes"] = processes
+            row["redis_cpu_ms_per_child_net"] = round(row["redis_cpu_ms_per_child"] - idle_ms, 2)
+            rows.append(row)
+    return rows, idles, dict(repairs)
+
+
+def print_sweep(rows: list[dict[str, Any]], idles: dict[int, Idle], facts: dict[str, Any]) -> None:
+    """The issue's table: (b) against subq a process count, CPU per child as workers + Redis."""
+    for name, value in facts.items():
+        print(f"{name + ':':16} {value}")
+    by = {(r["processes"], r["mode"], r["width"]): r for r in rows}
+    for width in sorted({r["width"] for r in rows}):
+        print(f"\nwidth {width}: CPU per child as workers + Redis (Redis net of both idle fleets' own)")
+        header = (
+            f"{'processes':>9} | {'(b) ch/s':>8} {'(b) CPU ms':>14} | {'subq ch/s':>9} {'subq CPU ms':>14} | "
+            f"{'noop Redis':>10} {'subq/noop Redis':>15} | {'idle Redis ms/s':>15} {'idle subq ms/s':>14}"
+        )
+        print(header)
+        print("-" * len(header))
+        for processes in sorted(idles):
+            agent, subq, noop = (by.get((processes, mode, width)) for mode in ("agent", "subq", "noop"))
+            idle = idles[processes]
+
+            def cpu(row: dict[str, Any] | None) -> str:
+                if row is None:
+                    return "-"
+                return f"{row['worker_cpu_ms_per_child']:.1f} + {row['redis_cpu_ms_per_child_net']:.2f}"
+
+            ratio = (
+                f"{subq['redis_cpu_ms_per_child_net'] / noop['redis_cpu_ms_per_child_net']:.2f}x"
+                if subq and noop and noop["redis_cpu_ms_per_child_net"] > 0
+                else "-"
+            )
+            print(
+                f"{processes:>9} | {agent['children_per_s'] if agent else '-':>8} {cpu(agent):>14} | "
+                f"{subq['children_per_s'] if subq else '-':>9} {cpu(subq):>14} | "
+                f"{noop['redis_cpu_ms_per_child_net'] if noop else '-':>10} {ratio:>15} | "
+                f"{idle.redis_cpu_ms_per_s:>15.1f} {idle.subq_cpu_ms_per_s:>14.1f}"
+            )
+        first, last = min(idles), max(idles)
+
+        def total(processes: int, mode: str, width: int = width) -> float | None:
+            row = by.get((processes, mode, width))
+            return None if row is None else row["worker_cpu_ms_per_child"] + row["redis_cpu_ms_per_child_net"]
+
+        subq_first, subq_last, agent_first = total(first, "subq"), total(last, "subq"), total(first, "agent")
+        if subq_first and agent_first:
+            print(f"subq / (b) CPU per child at {first} process(es): {subq_first / agent_first:.2f}x (target 1.2x)")
+        if subq_first and subq_last:
+            print(f"subq CPU per child at {last} / at {first}: {subq_last / subq_first:.2f}x (target 1.1x)")
+        subq_row, agent_row = by.get((last, "subq", width)), by.get((last, "agent", width))
+        if subq_row and agent_row:
+            print(
+                f"subq / (b) throughput at {last}: {subq_row['children_per_s'] / agent_row['children_per_s']:.2f}x "
+                "(target 1.0x)"
+            )
+    for processes, idle in sorted(idles.items()):
+        print(
+            f"idle, {processes} process(es): subq's round trips/s {idle.subq_trips_per_s}; commands/s {idle.commands_per_s}"
+        )
+
+
+def processes_arg(text: str) -> tuple[int, ...]:
+    return widths_arg(text)
+
+
 def modes_arg(text: str) -> tuple[str, ...]:
     names = tuple(name.strip() for name in text.split(","))
     if not names or any(name not in MODES for name in names):
@@ -363,12 +510,33 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         action="store_true",
         help="subq's profile does not declare the tool idempotent: each response is also kept before its call",
     )
+    parser.add_argument(
+        "--processes",
+        type=processes_arg,
+        default=None,
+        help="worker processes a fleet, one fleet size after the other (1,2,4,8): the CPU a child costs as the "
+        "fleet grows, with each fleet's idle cost; runs --widths only (no scale runs)",
+    )
+    parser.add_argument(
+        "--idle-s",
+        type=float,
+        default=DEFAULT_IDLE_S,
+        help="with --processes: how long the idle fleets are measured (5)",
+    )
+    parser.add_argument(
+        "--stretch",
+        type=float,
+        default=1.0,
+        help="subq's own clocks (reconciler, heartbeat, stop watch, deliverer, pacer) this many times slower (1)",
+    )
     parser.add_argument("--json", action="store_true", help="also print every figure as one JSON object")
     args = parser.parse_args(argv)
     if args.tool_calls < 0:
         parser.error("--tool-calls must be 0 or more")
     if args.latency_ms < 0:
         parser.error("--latency-ms must be 0 or more")
+    if args.stretch <= 0 or args.idle_s <= 0:
+        parser.error("--stretch and --idle-s must be above 0")
     if len(args.scale) != 2:
         parser.error("--scale takes exactly two widths")
     return args
@@ -380,6 +548,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     clean_start()
     command = shlex.join(["python", "bench/overhead.py", *argv])
     busy_before_s, own_before_s, started_s = machine_busy_s(), own_cpu_s(), time.monotonic()
+    if args.processes:
+        return main_sweep(args, command, busy_before_s, own_before_s, started_s)
     max_width = max(*args.widths, *args.scale)
     with local_redis() as url, tempfile.TemporaryDirectory(prefix="subq-overhead-") as tmp:
         (Path(tmp) / "probe").mkdir()
@@ -422,6 +592,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_report(rows, scale, facts)
     if args.json:
         print(json.dumps({"facts": facts, "results": rows, "scale": scale}, indent=2))
+    return 0
+
+
+def main_sweep(
+    args: argparse.Namespace, command: str, busy_before_s: float | None, own_before_s: float, started_s: float
+) -> int:
+    uptime_before = Path("/proc/loadavg").read_text().split()[:3]
+    with local_redis() as url, tempfile.TemporaryDirectory(prefix="subq-overhead-") as tmp:
+        (Path(tmp) / "probe").mkdir()
+        try:
+            rows, idles, repairs = sweep(url, Path(tmp), args)
+        except (BenchError, SubqError, redis.RedisError) as exc:
+            traceback.print_exc()
+            print(f"bench: error: {exc}", file=sys.stderr)
+            return 1
+    facts = {
+        "command": command,
+        "cpu": f"{cpu_model()}, {os.cpu_count()} cores",
+        "workers": f"{','.join(map(str, args.processes))} processes a fleet, pool threads, concurrency "
+        f"{args.concurrency}, prefetch 1" + (f", subq's clocks {args.stretch:g}x slower" if args.stretch != 1 else ""),
+        "other work": other_work(busy_before_s, own_before_s, time.monotonic() - started_s),
+        "load average": f"{' '.join(uptime_before)} before, {' '.join(Path('/proc/loadavg').read_text().split()[:3])} after",
+        "repairs": ", ".join(f"{reason} {count}" for reason, count in sorted(repairs.items())) or "none",
+    }
+    print_sweep(rows, idles, facts)
+    if args.json:
+        print(json.dumps({"facts": facts, "results": rows, "idle": {n: vars(i) for n, i in idles.items()}}, indent=2))
     return 0
 
 

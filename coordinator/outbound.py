@@ -135,6 +135,9 @@ class Deliverer:
         self.slots = plane.settings.webhook_concurrency
         self._busy = 0
         self._lock = threading.Lock()
+        # How long an idle loop waits before it looks again: a worker paces it by its fleet's size
+        # (workers/outbound.py), so a fleet of any size looks about every POLL_S.
+        self.idle_wait_s: Callable[[], float] = lambda: POLL_S
         self._pool = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix="subq-delivery")
         self._client: httpx.Client | None = None
 
@@ -148,7 +151,7 @@ class Deliverer:
                 log.exception("subq deliveries: a claim failed")
                 claimed = 0
             if not claimed:
-                stop.wait(POLL_S)
+                stop.wait(self.idle_wait_s())
 
     def step(self) -> int:
         """Claim due deliveries for the free slots and start their attempts; how many were claimed."""

@@ -1,7 +1,9 @@
 """The reconciler: finds tree states that no message will move on any more, and moves them on.
 
-It runs inside the worker fleet (a thread of each worker process; one leader at
-a time through a Redis lease, `lead.lua`), every `SUBQ_RECONCILE_INTERVAL_S`.
+It runs inside the worker fleet (a thread of each worker process, `run_forever`; one
+leader at a time through a Redis lease, `lead.lua`), every `SUBQ_RECONCILE_INTERVAL_S`.
+The others bid for the lead at the fleet's pace, and every process beats its heartbeat
+every third of `SUBQ_HEARTBEAT_LAPSE_S`, counting the fleet as it does.
 Each tick it
 1. serves due timers (an approval's deadline: `approvals.expire`; a run parked while its
    provider was down: `endpoints.wake`);
@@ -31,8 +33,10 @@ changes nothing. Each repair is counted (`Store.convergence.repairs`) and logged
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from coordinator import admission, approvals, delegation, dispatch, endpoints, writeback
@@ -42,7 +46,7 @@ from coordinator.models import TaskStatus
 if TYPE_CHECKING:
     from coordinator.service import Coordinator
 
-__all__ = ["TICK_LIMIT", "Reconciler"]
+__all__ = ["BEATS_PER_LAPSE", "TICK_LIMIT", "Reconciler", "fleet_paced_s"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,21 @@ log = logging.getLogger(__name__)
 TICK_LIMIT = 500
 # A task that changed this recently is left to the normal path, which is on its next step.
 SETTLE_S = 3.0
+# The leader's lease lasts at least this long: a tick that a loaded host slows does not lose it.
+MIN_LEASE_S = 5.0
+# A process beats this many times within a lapse (as a run's lease is renewed, coordinator/heartbeat.py):
+# one beat missed under load does not make it look gone.
+BEATS_PER_LAPSE = 3
+
+
+def fleet_paced_s(every_s: float, most_s: float, fleet_size: int) -> float:
+    """How long one process waits between two turns of a clock it keeps for the whole fleet.
+
+    The fleet should turn it every `every_s`: each of its `fleet_size` processes waits that many times
+    as long, at most `most_s`, and never less than `every_s`. An idle fleet of eight cost Redis and its
+    runs' interpreters eight times what one did, for nothing (bench/overhead.py --processes).
+    """
+    return max(every_s, min(every_s * fleet_size, most_s))
 
 
 class Reconciler:
@@ -60,16 +79,54 @@ class Reconciler:
         self.name = name
         self._queued: set[str] | None = None
         self._later: defaultdict[float, list[str]] = defaultdict(list)  # delay -> tasks to look at again then
+        # The worker processes whose reconcilers beat within a lapse, this one included, as of its last beat:
+        # the clocks each keeps for the whole fleet run that many times slower (workers/maintenance.py).
+        self.fleet_size = 1
+
+    @property
+    def lease_s(self) -> float:
+        """How long the leader's lease lasts past its last tick (a few ticks: a slow tick does not lose it)."""
+        return max(3 * self.plane.settings.reconcile_interval_s, MIN_LEASE_S)
 
     def beat(self) -> None:
-        """This worker's heartbeat, whether or not it runs anything or leads."""
-        self.plane.store.convergence.renew_leases([], self.plane.settings.heartbeat_lapse_s, self.name)
-        admission.beat(self.plane, self.name)  # its concurrency and the tenants table (fair shares)
+        """This worker's heartbeat, whether or not it runs anything or leads; it counts the fleet too."""
+        live = self.plane.store.convergence.beat(self.name, self.plane.settings.heartbeat_lapse_s)
+        # A node's reconciler beats as `<node>:<pid>` (`<name>@<host>`); a run's heartbeat has no `@`.
+        self.fleet_size = max(1, sum(1 for member in live if "@" in member.rpartition(":")[0]))
+
+    def run_forever(self, stop: threading.Event, clock: Callable[[], float] = time.monotonic) -> None:
+        """Beat, and tick while leading or bid for the lead, until `stop` is set (never, in a worker).
+
+        The beat every third of a lapse; the leader's tick every `SUBQ_RECONCILE_INTERVAL_S`; the others'
+        bids for the lead at the fleet's pace (`fleet_paced_s`), at most half the lease apart, so one of
+        them takes a lapsed lease within about an interval.
+        """
+        interval_s = self.plane.settings.reconcile_interval_s
+        beat_every_s = self.plane.settings.heartbeat_lapse_s / BEATS_PER_LAPSE
+        # The first beat at once, not after a tick's wait: a worker that answers pings counts as
+        # present on /readyz from its start (a fresh fleet read `degraded` for its first tick).
+        next_beat = next_tick = clock()
+        while True:
+            started = clock()
+            try:
+                if started >= next_beat:
+                    self.beat()
+                    next_beat = started + beat_every_s
+                if started >= next_tick:
+                    leads = self.tick() is not None
+                    wait_s = interval_s if leads else fleet_paced_s(interval_s, self.lease_s / 2, self.fleet_size)
+                    next_tick = started + wait_s
+            except Exception:  # Redis down, a bad record: log it and try both again after an interval
+                log.exception("subq reconciler: a tick failed")
+                next_beat, next_tick = max(next_beat, started + interval_s), started + interval_s
+            if clock() - started > interval_s:
+                log.warning("subq reconciler: a tick took %.1f s", clock() - started)
+            if stop.wait(max(0.0, min(next_beat, next_tick) - clock())):
+                return
 
     def tick(self) -> Counter[str] | None:
         """One round; the repairs made by reason, or None when another process leads."""
-        settings = self.plane.settings
-        if not self.plane.store.convergence.lead(self.name, max(3 * settings.reconcile_interval_s, 5.0)):
+        if not self.plane.store.convergence.lead(self.name, self.lease_s):
             return None
         repairs: Counter[str] = Counter()
         self._timers()
@@ -142,7 +199,7 @@ class Reconciler:
             return None
         if self._queued is None:
             self._queued = store.convergence.queued_task_ids(settings.queue)
-        if task_id in self._queued or store.convergence.in_admission(task_id) or admission.parked(plane, task_id):
+        if task_id in self._queued or store.convergence.in_admission(task_id):
             self._later[settings.reconcile_grace_s].append(task_id)
             return None
         if store.convergence.triage([task_id])[0].leased:

@@ -2,10 +2,19 @@
 
 Hooked on Celery's worker signals, in the worker's main process (the default
 threads pool runs the subagents in that process too):
-- `worker_ready`: a daemon thread runs `Reconciler.tick` every
+- `worker_ready`: a daemon thread runs the reconciler: the leader ticks every
   `SUBQ_RECONCILE_INTERVAL_S`; every worker runs one and the leader lease lets
-  one of them work at a time, so no extra service is deployed. Each tick also
-  beats the process's heartbeat (`<p>:workers`), idle or not.
+  one of them work at a time, so no extra service is deployed. The thread also
+  beats the process's heartbeat (`<p>:workers`), idle or not, every third of
+  `SUBQ_HEARTBEAT_LAPSE_S` (as a run's lease is renewed), and counts the fleet.
+- Clocks kept for the whole fleet run slower as it grows (`fleet_paced_s`,
+  coordinator/reconciler.py): a
+  non-leader's bid for the lead, and the webhook deliverer's idle poll
+  (workers/outbound.py). Each process of N keeps them N times slower, so the
+  fleet as a whole keeps the rate of one process whatever its size: an idle
+  fleet of 8 made 8 times the claims and bids of one, each a round trip and
+  the interpreter's lock taken from the runs (bench/overhead.py --processes,
+  docs/benchmarks.md).
 - `worker_ready` also tunes the garbage collector for many runs in flight
   (`workers/runtime/agent_loop.py`).
 - `worker_init`: every profile's tools are imported and checked (workers/runtime/profile_tools.py),
@@ -25,7 +34,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from typing import Any
 
 from celery.signals import (
@@ -45,34 +53,25 @@ from workers.runtime import mcp_servers, profile_tools
 from workers.runtime.agent_loop import tune_gc
 from workers.runtime.context import get_runtime
 
-__all__ = ["reconcile_forever"]
+__all__ = ["fleet_size"]
 
 log = logging.getLogger(__name__)
 
+# This process's reconciler, once started: it knows the fleet's size as of its last beat.
+_reconciler: Reconciler | None = None
 
-def reconcile_forever(reconciler: Reconciler, interval_s: float, stop: threading.Event | None = None) -> None:
-    """Tick until `stop` is set (never, in a worker: the thread dies with the process)."""
-    stop = stop or threading.Event()
-    # The first beat at once, not after a tick's wait: a worker that answers pings counts as
-    # present on /readyz from its start (a fresh fleet read `degraded` for its first tick).
-    while True:
-        started = time.monotonic()
-        try:
-            reconciler.beat()
-            reconciler.tick()
-        except Exception:  # Redis down, a bad record: log it and try again next tick
-            log.exception("subq reconciler: a tick failed")
-        if time.monotonic() - started > interval_s:
-            log.warning("subq reconciler: a tick took %.1f s", time.monotonic() - started)
-        if stop.wait(interval_s):
-            return
+
+def fleet_size() -> int:
+    """The worker processes of this one's fleet as of its reconciler's last beat (1 before the first)."""
+    return _reconciler.fleet_size if _reconciler is not None else 1
 
 
 def _start_reconciler(sender: Any = None, **_: Any) -> None:
+    global _reconciler
     name = f"{getattr(sender, 'hostname', 'worker')}:{os.getpid()}"
-    reconciler = Reconciler(get_runtime(settings, app).coordinator, name)
+    reconciler = _reconciler = Reconciler(get_runtime(settings, app).coordinator, name)
     threading.Thread(
-        target=reconcile_forever, args=(reconciler, settings.reconcile_interval_s), name="subq-reconciler", daemon=True
+        target=reconciler.run_forever, args=(threading.Event(),), name="subq-reconciler", daemon=True
     ).start()
 
 

@@ -165,7 +165,7 @@ def _discard(waiter: asyncio.Future[Any]) -> None:
 def _node_of(member: str) -> str | None:
     """The Celery node of a heartbeat entry, or None for an entry that is not a node's.
 
-    A worker's reconciler beats as `<node>:<pid>` every SUBQ_RECONCILE_INTERVAL_S
+    A worker's reconciler beats as `<node>:<pid>` every third of SUBQ_HEARTBEAT_LAPSE_S
     (workers/maintenance.py), and a node's name is `<name>@<host>`; the runs'
     own heartbeats (`<host>:<pid>`, coordinator/runs.py) have no `@`. A node
     restarted under the same name counts once.

@@ -147,6 +147,16 @@ class ConvergenceStore(Part):
     # -- leases, heartbeats and the leader ---------------------------------------------
 
     @translate_redis_errors
+    def beat(self, worker: str, live_s: float) -> list[str]:
+        """Beat this worker's heartbeat and read who beat within `live_s`: one round trip."""
+        with self.client.pipeline(transaction=False) as pipe:
+            now = time.time()
+            pipe.zadd(self.keys.workers(), {worker: now})
+            pipe.zremrangebyscore(self.keys.workers(), "-inf", now - WORKER_FORGET_S)
+            pipe.zrangebyscore(self.keys.workers(), now - live_s, "+inf")
+            return _strs(pipe.execute()[2])
+
+    @translate_redis_errors
     def renew_leases(self, leases: Sequence[tuple[str, str]], ttl_s: float, worker: str) -> list[str]:
         """Renew the (task id, token) leases this worker holds and beat its heartbeat; returns the lost ones."""
         with self.client.pipeline(transaction=False) as pipe:

@@ -198,6 +198,10 @@ class StopWatch:
 
     def _poll_forever(self) -> None:
         while True:
+            with self._lock:
+                if not self._watched:  # an idle process keeps no clock: `watch` starts the thread again
+                    self._thread = None
+                    return
             started = time.monotonic()
             try:
                 self.poll()

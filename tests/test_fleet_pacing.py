@@ -1,0 +1,108 @@
+"""A worker's clocks kept for the whole fleet run slower as the fleet grows (workers/maintenance.py).
+
+Each of a fleet's N processes bids for the reconciler's lead, and its idle webhook
+deliverer polls, N times less often than one process alone would, so an idle fleet
+costs Redis and the runs' interpreters the same whatever its size; its heartbeat is
+beaten every third of a lapse, as a run's lease is renewed. The count of the fleet is
+read with the beat, in the same round trip (a real Redis here).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from types import SimpleNamespace
+from typing import Any, cast
+
+from coordinator import Coordinator
+from coordinator.reconciler import BEATS_PER_LAPSE, Reconciler, fleet_paced_s
+
+
+def test_a_fleet_clock_runs_as_many_times_slower_as_there_are_processes_up_to_its_bound() -> None:
+    assert fleet_paced_s(0.25, 2.0, 1) == 0.25
+    assert fleet_paced_s(0.25, 2.0, 4) == 1.0
+    assert fleet_paced_s(0.25, 2.0, 100) == 2.0
+    assert fleet_paced_s(3.0, 2.0, 1) == 3.0, "never faster than the fleet's own rate"
+
+
+def test_a_beat_counts_the_worker_processes_of_the_fleet_and_not_the_runs_heartbeats(
+    idle_coordinator: Coordinator,
+) -> None:
+    coord = idle_coordinator
+    first = Reconciler(coord, "pacing-a@host:1")
+    first.beat()
+    alone = first.fleet_size  # other tests' workers may have beaten within the lapse
+    second = Reconciler(coord, "pacing-b@host:2")
+    second.beat()
+    assert second.fleet_size == alone + 1
+    # A run's heartbeat (coordinator/heartbeat.py) beats as `<host>:<pid>`: not another process.
+    coord.store.convergence.renew_leases([], coord.settings.heartbeat_lapse_s, "host:2")
+    first.beat()
+    assert first.fleet_size == alone + 1
+
+
+class FakeClock:
+    """Time that passes only while the loop waits; the loop stops once `until_s` is reached."""
+
+    def __init__(self, until_s: float) -> None:
+        self.now_s, self.until_s = 0.0, until_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.now_s += timeout or 0.0
+        return self.now_s >= self.until_s
+
+
+class Counted(Reconciler):
+    """A reconciler whose beats and ticks are counted, not sent (leading or not, as told)."""
+
+    def __init__(self, *, leads: bool, fleet_size: int, fail: bool = False) -> None:
+        settings = SimpleNamespace(heartbeat_lapse_s=15, reconcile_interval_s=1.0)
+        super().__init__(cast(Coordinator, SimpleNamespace(plane=SimpleNamespace(settings=settings))), "counted")
+        self.leads, self.fail, self.fleet_size = leads, fail, fleet_size
+        self.beats = self.ticks = 0
+
+    def beat(self) -> None:
+        self.beats += 1
+        if self.fail:
+            raise ConnectionError("Redis is down")
+
+    def tick(self) -> Counter[str] | None:
+        self.ticks += 1
+        return Counter() if self.leads else None
+
+
+def run_for(reconciler: Counted, seconds: float) -> Counted:
+    clock = FakeClock(seconds)
+    reconciler.run_forever(cast(threading.Event, clock), clock=clock)
+    return reconciler
+
+
+def test_the_leader_ticks_every_interval_and_beats_every_third_of_a_lapse() -> None:
+    leader = run_for(Counted(leads=True, fleet_size=8), 60)
+    assert leader.beats == 60 / (15 / BEATS_PER_LAPSE)
+    assert leader.ticks == 60 / 1.0
+
+
+def test_the_others_bid_for_the_lead_at_the_fleets_pace() -> None:
+    assert run_for(Counted(leads=False, fleet_size=1), 60).ticks == 60, "a lone process bids every interval"
+    assert run_for(Counted(leads=False, fleet_size=2), 60).ticks == 30, "each of two every second interval"
+    # Eight: at most half the leader's lease (5 s) apart, so one takes a lapsed lease within about that.
+    assert run_for(Counted(leads=False, fleet_size=8), 60).ticks == 24
+
+
+def test_a_failed_beat_is_tried_again_after_an_interval_not_at_once() -> None:
+    assert run_for(Counted(leads=True, fleet_size=1, fail=True), 20).beats == 20
+
+
+def test_an_idle_stop_watch_keeps_no_thread() -> None:
+    from workers.runtime.agent_loop import StopWatch
+
+    watch = StopWatch(cast(Any, SimpleNamespace()), poll_s=0.01)
+    thread = watch._thread = threading.Thread(target=watch._poll_forever)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert watch._thread is None
