@@ -64,6 +64,7 @@ from coordinator.settings import Settings
 
 __all__ = [
     "FAILOVER_RETRIES",
+    "ROLE_CHECK_INTERVAL_S",
     "SENTINEL_ASK_TIMEOUT_S",
     "SENTINEL_CONNECT_TIMEOUT_S",
     "BlockingSentinelConnectionPool",
@@ -93,6 +94,8 @@ FAILOVER_BACKOFF_BASE_S = 0.05
 FAILOVER_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError)
 # The error code of a master with fewer good replicas than its min-replicas-to-write (Redis's own words).
 NOREPLICAS = "NOREPLICAS "
+# ... and of a replica asked to write (a master the sentinels replaced, once it follows the new one).
+READONLY = "READONLY "
 # A connection's refusals this far apart are a new streak, whose backoff starts again at the base.
 REFUSALS_FORGOTTEN_S = 5.0
 
@@ -103,6 +106,9 @@ def failover_retry() -> Retry:
     return Retry(backoff, FAILOVER_RETRIES, FAILOVER_ERRORS)
 
 
+# A connection idle this long asks its server's ROLE before its next command (FollowingConnection.check_health):
+# after a switch, idle pooled connections still lead to the old master; one busy is seldom idle, and pays nothing.
+ROLE_CHECK_INTERVAL_S = 1.0
 # A new connection to a master whose machine died waits this long before the next try.
 SENTINEL_CONNECT_TIMEOUT_S = 5.0
 # A sentinel on the same network answers in a millisecond; one silent this long is passed over.
@@ -134,7 +140,8 @@ class FollowingConnection(SentinelManagedConnection):
     with the failover backoff, asking the sentinels each time. A master's `NOREPLICAS`
     (fewer replicas than its `min-replicas-to-write`) is a ConnectionError, as redis-py makes
     of READONLY: nothing of the command was written, so it is sent again, after a reconnect
-    that asks the sentinels.
+    that asks the sentinels. So is a script's READONLY, which redis-py misses on Redis 6.2
+    (wrapped in "Error running script"; seen as a submit's error right after a planned switch).
     """
 
     _asking_sentinels = False
@@ -156,8 +163,24 @@ class FollowingConnection(SentinelManagedConnection):
             self.disconnect()  # type: ignore[no-untyped-call]
             raise redis.ConnectionError(f"the sentinels named {where} the master, and it is a replica now")
 
+    def check_health(self) -> None:
+        """Before a command on a connection idle for `health_check_interval`: its server still a master (ROLE).
+
+        Each process's pool keeps connections to the old master across a switch, and a script
+        sent there first meets NOSCRIPT, is loaded there, then meets READONLY, and the new master
+        answers NOSCRIPT again: the step failed ("the master forgot the script"). Not redis-py's
+        PING with its own retry, which would reconnect in the middle of a WATCH and lose it:
+        a ConnectionError here is the command's, and a watched transaction starts again.
+        """
+        if not (self.health_check_interval and time.monotonic() > self.next_health_check):
+            return
+        if self.connection_pool.is_master and not self._is_master():
+            where = f"{self.host}:{self.port}"
+            self.disconnect()  # type: ignore[no-untyped-call]
+            raise redis.ConnectionError(f"{where}, named the master, is a replica now")
+
     def _is_master(self) -> bool:
-        self.send_command("ROLE")  # type: ignore[no-untyped-call]
+        self.send_command("ROLE", check_health=False)  # type: ignore[no-untyped-call]
         role = self.read_response()
         return bool(role) and str_if_bytes(role[0]) == "master"
 
@@ -165,9 +188,15 @@ class FollowingConnection(SentinelManagedConnection):
         try:
             return super().read_response(*args, **kwargs)
         except redis.ResponseError as exc:
-            if not (self.connection_pool.is_master and _refused_for_replicas(exc)):
+            if not self.connection_pool.is_master:
                 raise
             where = f"{self.host}:{self.port}"
+            if _refused(exc, READONLY):
+                # redis-py's own conversion misses a script's: Redis 6.2 wraps it in ERR ("Error running script").
+                self.disconnect()  # type: ignore[no-untyped-call]
+                raise redis.ConnectionError(f"{where}, named the master, is a replica now") from exc
+            if not _refused(exc, NOREPLICAS):
+                raise
             self.disconnect()  # type: ignore[no-untyped-call]
             self._back_off()
             raise redis.ConnectionError(
@@ -199,10 +228,10 @@ class FollowingConnection(SentinelManagedConnection):
             self.connect()
 
 
-def _refused_for_replicas(exc: redis.ResponseError) -> bool:
-    """Redis's NOREPLICAS, alone (a command, a transaction's) or inside a script's error (6.2 wraps it in ERR)."""
+def _refused(exc: redis.ResponseError, code: str) -> bool:
+    """Redis's error `code`, alone (a command, a transaction's) or inside a script's error (6.2 wraps it in ERR)."""
     message = str(exc)
-    return message.startswith(NOREPLICAS) or f"-{NOREPLICAS}" in message
+    return message.startswith(code) or f"-{code}" in message
 
 
 class FollowingSSLConnection(FollowingConnection, SentinelManagedSSLConnection):
@@ -272,6 +301,7 @@ def redis_client(
         "socket_keepalive": True,
         "socket_keepalive_options": _keepalive_options(),
         "retry": failover_retry(),
+        "health_check_interval": ROLE_CHECK_INTERVAL_S,
         **options,
     }
     if settings.redis_password is not None:
