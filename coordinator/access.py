@@ -2,8 +2,9 @@
 
 A key is a name, the SHA-256 of its token (the token itself is never stored) and
 its scopes. Keys come from SUBQ_API_KEYS (JSON) and SUBQ_API_KEYS_FILE (TOML or
-JSON), both `{"<name>": {"token_sha256": "<hex>", "scopes": [...]}}`; the legacy
-SUBQ_API_TOKEN is the key `admin` with every scope.
+JSON), both `{"<name>": {"token_sha256": "<hex>", "scopes": [...], "tenant"?: "<tenant>"}}`; the legacy
+SUBQ_API_TOKEN is the key `admin` with every scope. A key's `tenant` (coordinator/tenants.py) is whom
+the trees it creates run for: several keys may name one; a key that names none is its own tenant.
 
 | scope      | allows                                                                     |
 |------------|----------------------------------------------------------------------------|
@@ -44,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from pydantic import ValidationError as PydanticError
 
 from coordinator.subscriptions import MAX_WEBHOOKS, Webhook
+from coordinator.tenants import TENANT_NAME_PATTERN
 
 __all__ = [
     "ADMIN_KEY",
@@ -90,6 +92,7 @@ class ApiKeySpec(BaseModel):
     token_sha256: str
     scopes: list[Scope]
     webhooks: list[Webhook] = Field(default_factory=list, max_length=MAX_WEBHOOKS)
+    tenant: str | None = None
 
 
 @dataclass(frozen=True)
@@ -101,10 +104,17 @@ class ApiKey:
     token_sha256: str
     scopes: frozenset[Scope]
     webhooks: tuple[Webhook, ...] = ()
+    tenant: str | None = None  # whom its trees run for; None: the key's own name
 
     def as_setting(self) -> ApiKeySpec:
         """The key as the Settings class holds it (and SUBQ_API_KEYS writes it)."""
-        return ApiKeySpec(token_sha256=self.token_sha256, scopes=sorted(self.scopes), webhooks=list(self.webhooks))
+        return ApiKeySpec(
+            token_sha256=self.token_sha256, scopes=sorted(self.scopes), webhooks=list(self.webhooks), tenant=self.tenant
+        )
+
+    def principal(self) -> Principal:
+        """The caller this key names."""
+        return Principal(self.name, self.scopes, self.webhooks, self.tenant or self.name)
 
 
 @dataclass(frozen=True)
@@ -114,6 +124,8 @@ class Principal:
     name: str
     scopes: frozenset[Scope]
     webhooks: tuple[Webhook, ...] = ()  # the key's own subscriptions, for every tree it creates
+    # The tenant its trees run for (the key's `tenant`, else its name); None: SUBQ_DEFAULT_TENANT (open access).
+    tenant: str | None = None
 
     def has(self, scope: Scope) -> bool:
         return Scope.ADMIN in self.scopes or scope in self.scopes
@@ -163,12 +175,13 @@ def _parse_key(name: str, spec: object, where: str) -> ApiKey:
     if isinstance(spec, ApiKey):
         return spec
     if isinstance(spec, ApiKeySpec):
-        spec = {**spec.model_dump(mode="json", exclude={"webhooks"}), "webhooks": spec.webhooks}
+        given = {"tenant": spec.tenant} if spec.tenant is not None else {}
+        spec = {**spec.model_dump(mode="json", exclude={"webhooks", "tenant"}), "webhooks": spec.webhooks, **given}
     if not isinstance(spec, Mapping):
         raise ValueError(f'{at}: must be a table {{"token_sha256": "<hex>", "scopes": [...]}}')
-    unknown = sorted(set(map(str, spec)) - {"token_sha256", "scopes", "webhooks"})
+    unknown = sorted(set(map(str, spec)) - {"token_sha256", "scopes", "webhooks", "tenant"})
     if unknown:
-        raise ValueError(f"{at}: unknown field {unknown[0]!r} (a key has token_sha256, scopes and webhooks)")
+        raise ValueError(f"{at}: unknown field {unknown[0]!r} (a key has token_sha256, scopes, webhooks and tenant)")
     for field in ("token_sha256", "scopes"):
         if field not in spec:
             raise ValueError(f"{at}: missing field {field!r}")
@@ -184,7 +197,11 @@ def _parse_key(name: str, spec: object, where: str) -> ApiKey:
     for scope in scopes:
         if scope not in Scope.__members__.values():
             raise ValueError(f"{at}: unknown scope {scope!r} (one of {', '.join(Scope)})")
-    return ApiKey(name, digest.lower(), frozenset(Scope(s) for s in scopes), _key_webhooks(spec.get("webhooks"), at))
+    tenant = spec.get("tenant")
+    if tenant is not None and (not isinstance(tenant, str) or not TENANT_NAME_PATTERN.match(tenant)):
+        raise ValueError(f"{at}: tenant: 1 to 64 letters, digits, '_', '.', '@' or '-', not {str(tenant)[:80]!r}")
+    hooks = _key_webhooks(spec.get("webhooks"), at)
+    return ApiKey(name, digest.lower(), frozenset(Scope(s) for s in scopes), hooks, tenant)
 
 
 _WEBHOOKS = TypeAdapter(list[Webhook])

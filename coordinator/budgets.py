@@ -9,6 +9,9 @@
   that has is stopped with its subtree, and the error reports the figures.
   A request in flight when the budget is crossed still completes (its cost is
   known only once it ends), so a subtree can overshoot by the requests in flight.
+- A tenant's day of spend (`max_cost_usd_per_day`, coordinator/quotas.py) stops a tree the same way:
+  a run whose response took its tenant's rolling day to the quota names its root as the holder, and
+  the stop names the tenant's quota instead of a budget.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from coordinator import control
+from coordinator import control, quotas
 from coordinator.errors import ValidationError
 from coordinator.inputs import to_micros
 from coordinator.models import TaskRecord, format_usd
@@ -51,6 +54,11 @@ def check_within(remaining_micros: int | None, child_budgets_micros: Sequence[in
 def stop(plane: Plane, holder_id: str) -> None:
     """The subtree of `holder_id` has spent its budget: stop it, reporting the figures."""
     holder = plane.store.records.get_task(holder_id)
+    if not 0 < holder.budget_micros <= holder.total_cost_micros:  # no budget of its own spent: its tenant's day
+        day_micros = quotas.over_day_spend(plane, holder)
+        if day_micros is not None:
+            quotas.stop_over_day(plane, holder, day_micros)
+            return
     children = plane.store.records.get_records(holder.child_ids)
     spent = ", ".join(f"{c.description or c.id} {format_usd(c.total_cost_micros)}" for c in children)
     control.stop_subtree(

@@ -10,6 +10,7 @@
     ├── ForbiddenError             the caller's API key lacks the scope this needs (names it)
     ├── StateError                 the task is not in a state that allows this
     ├── ConflictError              shared state kept changing under a transaction
+    ├── QuotaExceeded              a tenant's quota refuses a new root (names the tenant, the quota, the reset)
     ├── WaitTimeout                wait() gave up before the task settled
     ├── StoreError                 Redis is unreachable or refused a command (retried)
     │   ├── BrokerError            the broker refused or dropped a publish (retried)
@@ -34,6 +35,7 @@ __all__ = [
     "ForbiddenError",
     "NotFoundError",
     "ProfileError",
+    "QuotaExceeded",
     "ScriptError",
     "StateError",
     "StoreError",
@@ -92,6 +94,27 @@ class StateError(SubqError):
 
 class ConflictError(SubqError):
     code = "conflict"
+
+
+class QuotaExceeded(SubqError):
+    """A tenant's quota (coordinator/quotas.py) refuses a new root: HTTP 429 with Retry-After, the same text on
+    every face. `retry_after_s` is when the quota resets (a running root's end: a guess, see the message)."""
+
+    code = "quota_exceeded"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        tenant: str = "",
+        quota: str = "",
+        retry_after_s: int = 0,
+    ) -> None:
+        super().__init__(message, field=field)
+        self.tenant = tenant
+        self.quota = quota or (field or "")
+        self.retry_after_s = retry_after_s
 
 
 class WaitTimeout(SubqError):

@@ -35,6 +35,14 @@ from coordinator.errors import ValidationError
 from coordinator.models import DelegationMode, SubtaskSpec, TaskStatus, TodoStatus, usd_to_micros
 from coordinator.output_schema import NO_RUN_NO_OUTPUT, OutputSchema, SchemaProblem
 from coordinator.subscriptions import CeleryCallback, OnComplete, Webhook, Webhooks
+from coordinator.tenants import (
+    DEFAULT_PRIORITY,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    TENANT_NAME_PATTERN,
+    check_priority,
+    check_tenant_name,
+)
 
 __all__ = [
     "DEFAULT_PAGE",
@@ -358,6 +366,35 @@ Metadata = Annotated[
     ),
 ]
 
+
+def _priority_or_none(value: object) -> object:
+    return None if value is None else check_priority(value)
+
+
+def _tenant_or_none(value: object) -> object:
+    return None if value is None else check_tenant_name(value)
+
+
+# A root's priority, checked in the service's words (`priority must be an integer from 1 to 5 ...`).
+Priority = Annotated[
+    int | None,
+    BeforeValidator(_priority_or_none),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer", "minimum": PRIORITY_MIN, "maximum": PRIORITY_MAX}, {"type": "null"}],
+            "description": (
+                f"{PRIORITY_MIN}-{PRIORITY_MAX} (default {DEFAULT_PRIORITY}): within its tenant's share, a higher "
+                "priority starts first; cut to the tenant's max_priority (docs/tenants.md)"
+            ),
+        }
+    ),
+]
+TenantName = Annotated[
+    str | None,
+    BeforeValidator(_tenant_or_none),
+    WithJsonSchema({"anyOf": [{"type": "string", "pattern": TENANT_NAME_PATTERN.pattern[2:-2]}, {"type": "null"}]}),
+]
+
 _PROFILE = "A configured model profile; the default when omitted"
 _KEY = "A key of the caller's choosing: a retried request with the same key returns the first root"
 _MODE = "parallel (all at once) or sequential (a chain)"
@@ -394,6 +431,7 @@ class CreateTaskInput(OperationInput):
     metadata: Metadata = None
     webhooks: Webhooks = None
     on_complete: OnComplete = None
+    priority: Priority = None
 
     @pydantic.model_validator(mode="after")
     def _a_schema_needs_a_run(self) -> Self:
@@ -419,6 +457,9 @@ class SubmitInput(OperationInput):
     metadata: Metadata = None
     webhooks: Webhooks = None
     on_complete: OnComplete = None
+    priority: Priority = None
+    # Whom the tree runs for (a producer without an API key names it here; None: SUBQ_DEFAULT_TENANT).
+    tenant: TenantName = None
 
     @pydantic.model_validator(mode="after")
     def _subtasks_need_a_caller_owned_root(self) -> Self:

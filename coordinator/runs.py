@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter
 
-from coordinator import admission, approvals, budgets, delegation, dispatch, endpoints, faults, writeback
+from coordinator import admission, approvals, budgets, delegation, dispatch, endpoints, faults, quotas, writeback
 from coordinator.approvals import ToolCall
 from coordinator.endpoints import HOST, MODEL, Gate
 from coordinator.errors import NotFoundError, StoreError
@@ -250,6 +250,8 @@ class Run:
         self.deliveries = 0
         # Runs of this task ever: request keys `<run_seq>:<request no>` stay unique across resumes.
         self.run_seq = 0
+        # Its tenant's day of spend reached its quota with one of its responses: it stops its tree next.
+        self.tenant_over_day = False
         self.delegation: tuple[Batch, list[TaskRecord]] | None = None
         # The waits inside the run now open (a rate limit, a tool's limit), by what waits, since when (ms).
         self._waits: dict[str, int] = {}
@@ -361,6 +363,8 @@ class Run:
             raise HandBack(self.task.id)
         if self._heartbeat.out_of_grace():
             return True, None
+        if self.tenant_over_day:  # budgets.stop names the tenant's quota when no budget of the tree is spent
+            return True, self.task.root_id
         checks = self.step.take_checks()
         if checks is None:
             if self._live is not None:
@@ -425,7 +429,10 @@ class Run:
         text: str,
     ) -> None:
         """One response's usage and cost (recorded once per request key at the next step), and live status."""
-        self.writes.usage.append((f"{self.run_seq}:{request_no}", usage, cost_micros, cost_source))
+        key = f"{self.run_seq}:{request_no}"
+        self.writes.usage.append((key, usage, cost_micros, cost_source))
+        if quotas.count_spend(self._plane, self.task, key, cost_micros):
+            self.tenant_over_day = True  # its tenant's max_cost_usd_per_day: stop the tree before the next request
         self.step.responded()
         self.writes.latencies_ms.append(latency_ms)
         self._requests += 1

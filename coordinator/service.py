@@ -33,7 +33,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from coordinator import admission, approvals, budgets, control, delegation, dispatch, ids, todo_links, tracing
+from coordinator import admission, approvals, budgets, control, delegation, dispatch, ids, quotas, todo_links, tracing
 from coordinator import audit as audit_log
 from coordinator import retry as retry_room
 from coordinator import todos as todo_lists
@@ -71,6 +71,7 @@ from coordinator.redis_clients import redis_client
 from coordinator.settings import Settings, load_settings
 from coordinator.store import LATENCY_BUCKETS_MS, FleetGauges, Keys, ReplicaWait, Store
 from coordinator.subscriptions import CeleryCallback, Webhook, shown_target, subscriptions
+from coordinator.tenants import TenantState, check_priority, check_tenant_name
 from coordinator.tree import TreeNode, build_tree
 
 __all__ = ["DEFAULT_PAGE", "MAX_PAGE", "Coordinator"]
@@ -135,6 +136,8 @@ class Coordinator:
         webhooks: Sequence[Webhook | Mapping[str, Any]] | None = None,
         on_complete: CeleryCallback | Mapping[str, Any] | str | None = None,
         key_webhooks: Sequence[Webhook] = (),
+        tenant: str | None = None,
+        priority: int | None = None,
     ) -> TaskRecord:
         """Create a root task.
 
@@ -152,10 +155,14 @@ class Coordinator:
         are where the tree's events go (docs/webhooks.md): a URL that may not be reached is refused
         (ValidationError naming it) and nothing is written; a secret is never returned. `key_webhooks` are
         the creating API key's own (the keys file's `webhooks`): every tree the key creates sends there too.
+        `tenant` is whom the tree runs for (the creating key's tenant; None: SUBQ_DEFAULT_TENANT) and `priority`
+        its 1-5 (None: 3), cut to the tenant's `max_priority` (coordinator/tenants.py). A root over a quota of
+        its tenant is refused with QuotaExceeded (coordinator/quotas.py) and nothing is written.
         """
         return self.create_task_once(
             prompt, todos, profile, run, budget_usd, idempotency_key, owner=owner, output_schema=output_schema,
             metadata=metadata, webhooks=webhooks, on_complete=on_complete, key_webhooks=key_webhooks,
+            tenant=tenant, priority=priority,
         )[0]  # fmt: skip
 
     def create_task_once(
@@ -173,9 +180,14 @@ class Coordinator:
         webhooks: Sequence[Webhook | Mapping[str, Any]] | None = None,
         on_complete: CeleryCallback | Mapping[str, Any] | str | None = None,
         key_webhooks: Sequence[Webhook] = (),
+        tenant: str | None = None,
+        priority: int | None = None,
     ) -> tuple[TaskRecord, bool]:
         """`create_task`, and whether this call created the root (False: the key's first call did)."""
         prompt = text_field(prompt, "prompt", MAX_PROMPT_CHARS)
+        tenant_name = check_tenant_name(tenant) if tenant is not None else self.settings.default_tenant
+        policy = self.plane.tenants.policy(tenant_name)
+        wanted_priority = min(check_priority(priority), policy.max_priority)
         tags = check_metadata(metadata) if metadata is not None else {}
         hooks, callback = check_subscriptions(webhooks, on_complete)
         targets = subscriptions(hooks, callback, self.settings.webhook_allow, self.settings.notify, key_webhooks)
@@ -199,6 +211,7 @@ class Coordinator:
             root_id = self.store.records.claim_idempotency(f"{owner}\n{key}" if owner else key, root_id)
             if self.store.records.task_exists(root_id):
                 return self.store.records.get_task(root_id), False
+        quotas.check_root(self.plane, tenant_name, root_id, policy)  # QuotaExceeded: nothing counted or written
         now = time.time()
         record = TaskRecord(
             id=root_id,
@@ -211,6 +224,8 @@ class Coordinator:
             owner=owner,
             output_schema=output_schema,
             metadata=tags,
+            tenant=tenant_name,
+            priority=wanted_priority,
             number=self.store.records.next_numbers(1),
             created_at=now,
             updated_at=now,
@@ -276,6 +291,7 @@ class Coordinator:
         cursor: int = 0,
         owner: str | None = None,
         metadata: Mapping[str, str] | None = None,
+        tenant: str | None = None,
     ) -> tuple[list[HistoryItem], int | None]:
         """Tasks by recency (newest first) with their figures; returns (page, next cursor or None).
 
@@ -283,6 +299,8 @@ class Coordinator:
         `metadata`, only the tasks whose tree carries every one of those key/value pairs. Like a status,
         it filters the scan of the history index: a page of a rare tag reads every record until it fills."""
         check_history_query(status, root_id, limit, cursor, metadata)
+        if tenant is not None:
+            check_tenant_name(tenant)
         wanted = dict(metadata or {}).items()
         items: list[HistoryItem] = []
         offset = cursor
@@ -299,6 +317,7 @@ class Coordinator:
                     (status is None or record.status.value == status)
                     and (owner is None or record.owner == owner)
                     and wanted <= record.metadata.items()
+                    and (tenant is None or record.tenant == tenant)
                 ):
                     items.append(HistoryItem.of(record))
                     if len(items) == limit:
@@ -337,6 +356,8 @@ class Coordinator:
         metadata: Mapping[str, str] | None = None,
         webhooks: Sequence[Webhook | Mapping[str, Any]] | None = None,
         on_complete: CeleryCallback | Mapping[str, Any] | str | None = None,
+        tenant: str | None = None,
+        priority: int | None = None,
     ) -> delegation.Submission:
         """Create a caller-owned root and delegate `subtasks` to it in one operation (`subq.submit`).
 
@@ -357,6 +378,7 @@ class Coordinator:
         parent, created = self.create_task_once(
             prompt, todos=todos, profile=profile, run=False, budget_usd=budget_usd, idempotency_key=idempotency_key,
             output_schema=output_schema, metadata=metadata, webhooks=webhooks, on_complete=on_complete,
+            tenant=tenant, priority=priority,
         )  # fmt: skip
         return delegation.submit_to(self.plane, parent, created, checked, checked_mode)
 
@@ -413,6 +435,11 @@ class Coordinator:
                 )
             )  # fmt: skip
         return found
+
+    def tenants(self) -> list[TenantState]:
+        """Every tenant the tenants table names or that created a root within the retention: its running and
+        waiting tasks, roots running, submits in the last minute and spend in the rolling day, with its policy."""
+        return quotas.states(self.plane)
 
     def delivery_counts(self) -> dict[tuple[str, str], int]:
         """Delivery attempts of every process by (event type, outcome): the metrics' counter."""

@@ -716,8 +716,7 @@ class Settings(BaseSettings):
 
     def tenants_inline(self) -> Tenants:
         """SUBQ_TENANTS as a table (without the file's)."""
-        listed = {name: p for name, p in self.tenants.items() if name != DEFAULT_POLICY_NAME}
-        return Tenants(listed, self.tenants.get(DEFAULT_POLICY_NAME, TenantPolicy()))
+        return parse_tenants(self.tenants, "SUBQ_TENANTS")  # policies as given (model_copy does not validate)
 
     @field_validator("api_url")
     @classmethod

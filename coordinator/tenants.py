@@ -50,7 +50,9 @@ __all__ = [
     "PRIORITY_MIN",
     "TENANT_NAME_PATTERN",
     "TenantBook",
+    "TenantList",
     "TenantPolicy",
+    "TenantState",
     "Tenants",
     "check_priority",
     "check_tenant_name",
@@ -115,6 +117,29 @@ def _usd_to_micros_exactly(given: object) -> int:
     if micros != micros.to_integral_value():
         raise ValueError(f"max_cost_usd_per_day: {given!r} is finer than one micro-dollar (0.000001)")
     return int(micros)
+
+
+class TenantState(BaseModel):
+    """One tenant as `subq tenants` and GET /v1/tenants show it: what it runs and spends against its policy."""
+
+    model_config = ConfigDict(frozen=True)
+
+    tenant: str
+    listed: bool  # named in SUBQ_TENANTS / SUBQ_TENANTS_FILE (else the `*` policy applies)
+    running: int  # its tasks running on a worker now
+    waiting: int  # its tasks queued: published, waiting for a worker or for admission
+    roots_running: int
+    submits_last_minute: int
+    spent_micros_day: int  # micro-USD its trees spent in the rolling day (24 hourly buckets)
+    policy: TenantPolicy
+
+
+class TenantList(BaseModel):
+    """GET /v1/tenants: every tenant the table names or that created a root within the retention."""
+
+    model_config = ConfigDict(frozen=True)
+
+    tenants: list[TenantState]
 
 
 @dataclass(frozen=True)

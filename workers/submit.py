@@ -2,7 +2,7 @@
 
     send_task("subq.submit", kwargs={"prompt": ..., "todos"?, "profile"?, "run"?,
                                      "subtasks"?, "mode"?, "output_schema"?, "metadata"?,
-                                     "webhooks"?, "on_complete"?},
+                                     "webhooks"?, "on_complete"?, "priority"?, "tenant"?},
               queue=<SUBQ_QUEUE>)
 
 The contract (kwargs, result, error codes) is docs/celery-contract.md. The task
@@ -71,7 +71,7 @@ def _submit(
         task = coord.create_task(
             given.prompt, todos=given.todos, profile=given.profile, run=given.run, idempotency_key=key,
             output_schema=given.output_schema, metadata=given.metadata, webhooks=given.webhooks,
-            on_complete=given.on_complete,
+            on_complete=given.on_complete, tenant=given.tenant, priority=given.priority,
         )  # fmt: skip
         return {"task_id": task.id, **ignored}
     done = coord.submit(
@@ -84,6 +84,8 @@ def _submit(
         metadata=given.metadata,
         webhooks=given.webhooks,
         on_complete=given.on_complete,
+        tenant=given.tenant,
+        priority=given.priority,
     )
     if done.error is not None:
         return error_result(done.error, task_id=done.task.id)

@@ -134,7 +134,7 @@ def bearer_auth(settings: Settings, auth_attempts: RateLimiter, coord: Coordinat
         key = await anyio.to_thread.run_sync(ring.find, credentials.credentials)
         if key is None:
             raise await refuse(request, "invalid_token", "Invalid bearer token")
-        principal = Principal(key.name, key.scopes, key.webhooks)
+        principal = key.principal()
         request.state.principal = principal
         return principal
 

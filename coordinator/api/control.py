@@ -20,6 +20,7 @@ from coordinator.api.schemas import ApprovalList, DeadLetterList, DeadLettersPur
 from coordinator.inputs import CancelInput, DecisionInput, RetryInput
 from coordinator.models import Approval, Delivery, Retried, TaskRecord
 from coordinator.service import DEFAULT_PAGE, MAX_PAGE, Coordinator
+from coordinator.tenants import TenantList
 
 __all__ = ["control_routes"]
 
@@ -140,6 +141,18 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         """Each with the time, the queue, the reason, the task name and id when known, and the raw message."""
         gate.need(request, key, Scope.OPERATE)
         return DeadLetterList(count=coord.count_dead_letters(), dead_letters=coord.dead_letters(limit))
+
+    @router.get(
+        "/tenants",
+        response_model=TenantList,
+        responses=error_responses(*denied, 503),
+        summary="Every tenant: what it runs, submits and spends against its quotas",
+    )
+    def list_tenants(request: Request, key: Caller) -> TenantList:
+        """Per tenant: tasks running and waiting, roots running, submits in the last minute, micro-USD spent in
+        the rolling day, and its policy (shares, priority cap, quotas; docs/tenants.md). Scope `operate`."""
+        gate.need(request, key, Scope.OPERATE)
+        return TenantList(tenants=coord.tenants())
 
     @router.delete(
         "/dead-letters",

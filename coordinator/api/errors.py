@@ -26,6 +26,7 @@ from coordinator.errors import (
     CorruptError,
     ForbiddenError,
     NotFoundError,
+    QuotaExceeded,
     StateError,
     StoreError,
     SubqError,
@@ -60,6 +61,7 @@ _STATUS_OF_ERROR: tuple[tuple[type[SubqError], int], ...] = (
     (StateError, 409),
     (ConflictError, 409),
     (ValidationError, 422),
+    (QuotaExceeded, 429),
     (WaitTimeout, 504),
     (CorruptError, 500),
     (StoreError, 503),  # Redis unreachable: the client may retry
@@ -73,7 +75,8 @@ _DESCRIPTIONS = {
     404: "Unknown task id, well-formed or not (code not_found)",
     409: "The task is not in a state that allows this (codes wrong_state, conflict)",
     413: "The request body is over SUBQ_API_MAX_BODY_BYTES (code body_too_large)",
-    429: "Too many requests or sign-in attempts from this address (code rate_limited; see Retry-After)",
+    429: "Too many requests or sign-in attempts from this address (code rate_limited), or a tenant's quota "
+    "refuses a new root (code quota_exceeded, naming the tenant, the quota and when it resets); see Retry-After",
     422: "Invalid input, with the field path (codes invalid_input, invalid_todos, invalid_profile, ...)",
     503: "Redis is unreachable (code store_error)",
 }
@@ -141,7 +144,8 @@ async def _on_subq_error(request: Request, exc: Exception) -> JSONResponse:
     status = status_of(exc)
     if status >= 500:
         logger.warning("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc.message)
-    return error_response(status, exc.code, exc.message, exc.field)
+    headers = {"Retry-After": str(max(1, exc.retry_after_s))} if isinstance(exc, QuotaExceeded) else None
+    return error_response(status, exc.code, exc.message, exc.field, headers)
 
 
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:

@@ -86,6 +86,8 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
             budget_usd=body.budget_usd,
             idempotency_key=body.idempotency_key,
             owner=key.name,
+            tenant=key.tenant,
+            priority=body.priority,
             output_schema=body.output_schema,
             metadata=body.metadata,
             webhooks=body.webhooks,
@@ -189,6 +191,9 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         cursor: Annotated[
             int, Query(ge=0, le=MAX_CURSOR, description="`next_cursor` of the previous page; 0 for the first")
         ] = 0,
+        tenant: Annotated[
+            str | None, Query(max_length=64, description="Only tasks of trees run for this tenant (docs/tenants.md)")
+        ] = None,
     ) -> HistoryPage:
         """A key with `read` (not `read_all`) sees the tasks of the trees it created.
 
@@ -202,7 +207,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         ]
         items, next_cursor = coord.list_tasks(
             status=status.value if status else None, root_id=root_id, limit=limit, cursor=cursor, owner=owner,
-            metadata=meta_filter(pairs) if pairs else None,
+            metadata=meta_filter(pairs) if pairs else None, tenant=tenant,
         )  # fmt: skip
         return HistoryPage(items=items, next_cursor=next_cursor)
 

@@ -10,7 +10,7 @@ go through the HTTP API instead of Redis.
     common.py   the Typer app, the shared options, settings and the Coordinator
     stack.py    up, worker, tools, api, flower, demo
     work.py     run (--follow), status, result, todos, tree, history, export
-    control.py  cancel, retry, approvals, approve, deny, dead-letters, audit, deliveries, redeliver
+    control.py  cancel, retry, approvals, approve, deny, dead-letters, audit, deliveries, redeliver, tenants
     views.py    what the read commands print, and `run --follow`'s loop
     live.py     `run --follow`'s terminal view (rich): one table fitted to the width
     mcp.py      `subq mcp`: subq's MCP tools over stdio, through the API (docs/mcp.md)
@@ -61,7 +61,7 @@ else:
         *(stack.up, stack.worker, stack.tools, stack.api, stack.flower, stack.demo),
         *(work.run, work.status, work.result, work.todos, work.tree, work.history, work.export),
         *(control.cancel, control.retry, control.approvals, control.approve, control.deny),
-        *(control.dead_letters, control.audit, control.deliveries, control.redeliver),
+        *(control.dead_letters, control.audit, control.deliveries, control.redeliver, control.tenants),
         mcp_command,
     )
     for _command in COMMANDS:

@@ -18,7 +18,18 @@ if TYPE_CHECKING:
     from coordinator.models import Approval
     from coordinator.tree import TreeNode
 
-__all__ = ["approvals", "approve", "audit", "cancel", "dead_letters", "deliveries", "deny", "redeliver", "retry"]
+__all__ = [
+    "approvals",
+    "approve",
+    "audit",
+    "cancel",
+    "dead_letters",
+    "deliveries",
+    "deny",
+    "redeliver",
+    "retry",
+    "tenants",
+]
 
 # A screenful; the service takes up to 500 at once.
 DEAD_LETTERS_SHOWN = 20
@@ -207,6 +218,22 @@ def dead_letters(
         say(line)
     if count > len(shown):
         typer.echo(f"({count - len(shown)} older: subq dead-letters --limit {min(count, 500)})", err=True)
+
+
+def tenants(ctx: typer.Context, as_json: JsonOption = False) -> None:
+    """Each tenant: tasks running and waiting, roots running, submits this minute and today's spend against its
+    quotas (scope operate; docs/tenants.md)."""
+    with connect(ctx) as coord:
+        found = coord.tenants()
+    if as_json:
+        typer.echo(json.dumps([state.model_dump(mode="json") for state in found], indent=2))
+        return
+    from coordinator.cli.views import tenant_lines
+
+    if not found:
+        typer.echo("No tenants yet.")
+    for line in tenant_lines(found):
+        say(line)
 
 
 # A screenful of the audit log; the service takes up to 500 at once.

@@ -10,7 +10,7 @@ import typer
 
 from coordinator import SERVER_INSTALL, missing_server_module
 from coordinator.cli.common import app
-from coordinator.errors import SubqError
+from coordinator.errors import QuotaExceeded, SubqError
 
 __all__ = ["main", "run_cli"]
 
@@ -28,6 +28,10 @@ _CLICK_ERROR = _click_class("ClickException")
 _USAGE_ERROR = _click_class("UsageError")
 
 
+# A submit a tenant's quota refused (sysexits' EX_TEMPFAIL: a temporary failure, try again later).
+QUOTA_EXIT_CODE = 75
+
+
 def run_cli(args: Sequence[str]) -> int:
     """Run the CLI on `args`; every failure is one line on stderr and an exit code."""
     command = typer.main.get_command(app)
@@ -38,6 +42,10 @@ def run_cli(args: Sequence[str]) -> int:
     except typer.Abort:
         typer.echo("subq: aborted", err=True)
         return 1
+    except QuotaExceeded as exc:
+        # A tenant's quota: the same line as any error, and EX_TEMPFAIL, so a script knows to try again later.
+        typer.echo(f"subq: {_one_line(str(exc))}", err=True)
+        return QUOTA_EXIT_CODE
     except SubqError as exc:
         # One line, always: an error's message can come from an API server (or a model's text
         # inside it), and a new line or a terminal escape in it must not draw on the terminal.

@@ -18,6 +18,7 @@ from coordinator.cli.backend import watch as open_watch
 from coordinator.cli.common import say
 from coordinator.deadletters import DeadLetter
 from coordinator.models import MICROS_PER_USD, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem, format_usd
+from coordinator.tenants import TenantState
 from coordinator.tree import MARKS, cut, describe, metadata_line, render_tree, waiting_note, walk
 
 if TYPE_CHECKING:
@@ -27,7 +28,15 @@ if TYPE_CHECKING:
     from coordinator.operations import Operations
     from coordinator.tree import TreeNode
 
-__all__ = ["dead_letter_lines", "follow_run", "history_lines", "status_lines", "timeline_text", "todo_lines"]
+__all__ = [
+    "dead_letter_lines",
+    "follow_run",
+    "history_lines",
+    "status_lines",
+    "tenant_lines",
+    "timeline_text",
+    "todo_lines",
+]
 
 # Long descriptions and todo items are cut so one task stays on one line.
 HISTORY_TASK_CHARS = 50
@@ -165,6 +174,26 @@ def history_lines(items: Sequence[HistoryItem]) -> list[str]:
             f"{item.number:>5}  {item.id:29}  {item.status.value:9}  {item.depth:>5}  "
             f"{format_usd(item.total_cost_micros):>10}  {item.total_tokens:>12}  {format_usd(subtree_micros):>10}  "
             f"{cut(first_line, HISTORY_TASK_CHARS)}"
+        )
+    return lines
+
+
+def _of(used: int, limit: int) -> str:
+    return f"{used}/{limit}" if limit else f"{used}"
+
+
+def tenant_lines(states: Sequence[TenantState]) -> list[str]:
+    """`subq tenants`: a header and one line per tenant, each figure against its quota (`used/quota`; none: no
+    quota), spend in US dollars; a tenant the table does not name (the `*` policy) is marked `*`."""
+    lines = [f"{'tenant':24}  {'running':>7}  {'waiting':>7}  {'roots':>7}  {'submits/min':>11}  spend today"]
+    for s in states:
+        p = s.policy
+        quota = f" / {format_usd(p.max_cost_micros_per_day)}" if p.max_cost_micros_per_day else ""
+        spend = format_usd(s.spent_micros_day) + quota
+        name = s.tenant if s.listed else f"{s.tenant} *"
+        lines.append(
+            f"{cut(name, 24):24}  {_of(s.running, p.max_running):>7}  {s.waiting:>7}  "
+            f"{_of(s.roots_running, p.max_running_roots):>7}  {_of(s.submits_last_minute, p.submits_per_minute):>11}  {spend}"
         )
     return lines
 

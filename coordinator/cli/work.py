@@ -87,6 +87,13 @@ def run(
             "every child's end).",
         ),
     ] = None,
+    priority: Annotated[
+        int | None,
+        typer.Option(
+            help="1-5 (default 3): within its tenant's share, a higher priority starts first; cut to the "
+            "tenant's max_priority (docs/tenants.md).",
+        ),
+    ] = None,
     on_complete: Annotated[
         str | None,
         typer.Option(
@@ -112,6 +119,7 @@ def run(
         {
             "prompt": prompt, "todos": todo_text, "profile": profile, "run": True, "budget_usd": budget,
             "output_schema": schema, "metadata": metadata, "webhooks": webhooks, "on_complete": on_complete,
+            "priority": priority,
         }
     )  # fmt: skip
     with connect(ctx) as coord:
@@ -290,6 +298,7 @@ def history(
             help="Only the tasks of trees tagged with this (`subq run --meta`); repeat it to need every one.",
         ),
     ] = None,
+    tenant: Annotated[str | None, typer.Option(help="Only the tasks of trees run for this tenant.")] = None,
     as_json: JsonOption = False,
 ) -> None:
     """List tasks, newest first, with their own and subtree figures (and their tree's metadata)."""
@@ -298,7 +307,9 @@ def history(
 
     wanted = meta_pairs(meta, "--meta") if meta else None  # refused before anything is reached
     with connect(ctx) as coord:
-        items, next_cursor = coord.list_tasks(status=status, root_id=root, limit=limit, cursor=cursor, metadata=wanted)
+        items, next_cursor = coord.list_tasks(
+            status=status, root_id=root, limit=limit, cursor=cursor, metadata=wanted, tenant=tenant
+        )
     if as_json:
         page = {"items": [i.model_dump(mode="json") for i in items], "next_cursor": next_cursor}
         typer.echo(json.dumps(page, indent=2))

@@ -31,6 +31,7 @@ from coordinator.models import (
     TaskStatus,
     TodoItem,
 )
+from coordinator.tenants import TenantState
 from coordinator.tree import TreeNode
 
 __all__ = ["AsyncSubqClient"]
@@ -89,12 +90,13 @@ class AsyncSubqClient:
         metadata: Mapping[str, str] | None = None,
         webhooks: Sequence[Mapping[str, Any]] | None = None,
         on_complete: Mapping[str, Any] | str | None = None,
+        priority: int | None = None,
     ) -> TaskRecord:
-        return await self._send(
-            calls.create_task(
-                prompt, todos, profile, run, budget_usd, idempotency_key, output_schema, metadata, webhooks, on_complete
-            )
-        )
+        call = calls.create_task(
+            prompt, todos, profile, run, budget_usd, idempotency_key, output_schema, metadata, webhooks, on_complete,
+            priority,
+        )  # fmt: skip
+        return await self._send(call)
 
     async def cancel(self, task_id: str, reason: str) -> TaskRecord:
         return await self._send(calls.cancel(task_id, reason))
@@ -125,6 +127,10 @@ class AsyncSubqClient:
     async def dead_letters(self, limit: int = 50) -> list[DeadLetter]:
         """Messages no worker could decode or validate, newest first (docs/api.md)."""
         return await self._send(calls.dead_letters(limit))
+
+    async def tenants(self) -> list[TenantState]:
+        """Every tenant: tasks running and waiting, roots running, submits and spend against its quotas (operate)."""
+        return await self._send(calls.tenants())
 
     async def count_dead_letters(self) -> int:
         """How many dead letters are kept."""
@@ -166,8 +172,9 @@ class AsyncSubqClient:
         limit: int = 50,
         cursor: int = 0,
         metadata: Mapping[str, str] | None = None,
+        tenant: str | None = None,
     ) -> tuple[list[HistoryItem], int | None]:
-        return await self._send(calls.list_tasks(status, root_id, limit, cursor, metadata))
+        return await self._send(calls.list_tasks(status, root_id, limit, cursor, metadata, tenant))
 
     async def wait(self, task_id: str, timeout_s: float) -> TaskRecord:
         return await self._drive(calls.wait(task_id, timeout_s))

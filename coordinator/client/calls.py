@@ -60,6 +60,7 @@ from coordinator.models import (
     TaskStatus,
     TodoItem,
 )
+from coordinator.tenants import TenantList, TenantState, check_tenant_name
 from coordinator.tree import TreeNode
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Call", "Sleep"]
@@ -105,6 +106,7 @@ _BATCH = TypeAdapter(DelegationResult)
 _TREE = TypeAdapter(TreeNode)
 _MESSAGES = TypeAdapter(MessageList)
 _HISTORY = TypeAdapter(HistoryPage)
+_TENANTS = TypeAdapter(TenantList)
 _HEALTH = TypeAdapter(Health)
 _SNAPSHOT = TypeAdapter(Snapshot)
 _APPROVALS = TypeAdapter(ApprovalList)
@@ -137,6 +139,7 @@ def create_task(
     metadata: Mapping[str, str] | None = None,
     webhooks: Sequence[Mapping[str, Any]] | None = None,
     on_complete: Mapping[str, Any] | str | None = None,
+    priority: int | None = None,
 ) -> Call[TaskRecord]:
     # The body is read with the API's own model before sending: a bad input is refused
     # here in the server's words (the service's, for a blank prompt or a bad budget), and nothing is sent.
@@ -153,6 +156,7 @@ def create_task(
             "metadata": metadata,
             "webhooks": webhooks,
             "on_complete": on_complete,
+            "priority": priority,
         },
     )
     return Call("POST", "/v1/tasks", _TASK, json=body, ok=(201,))
@@ -197,6 +201,10 @@ def dead_letters(limit: int) -> Call[list[DeadLetter]]:
 def count_dead_letters() -> Call[int]:
     # The list's answer carries the count of every kept entry; one entry is the least it sends.
     return Call("GET", "/v1/dead-letters", _DEAD_LETTERS, unwrap=lambda page: page.count, params={"limit": 1})
+
+
+def tenants() -> Call[list[TenantState]]:
+    return Call("GET", "/v1/tenants", _TENANTS, unwrap=lambda page: page.tenants)
 
 
 def purge_dead_letters() -> Call[int]:
@@ -245,9 +253,12 @@ def list_tasks(
     limit: int,
     cursor: int,
     metadata: Mapping[str, str] | None = None,
+    tenant: str | None = None,
 ) -> Call[tuple[list[HistoryItem], int | None]]:
     status_text = status.value if isinstance(status, TaskStatus) else status
     check_history_query(status_text, root_id, limit, cursor, metadata)
+    if tenant is not None:
+        check_tenant_name(tenant)
     params: dict[str, str | int] = {"limit": limit, "cursor": cursor}
     # One `meta.<key>` parameter per pair, all to match (the keys need no quoting: coordinator/inputs.py).
     params |= {f"{META_PREFIX}{key}": value for key, value in (metadata or {}).items()}
@@ -255,6 +266,8 @@ def list_tasks(
         params["status"] = status_text
     if root_id is not None:
         params["root_id"] = root_id
+    if tenant is not None:
+        params["tenant"] = tenant
     return Call("GET", "/v1/tasks", _HISTORY, unwrap=lambda page: (page.items, page.next_cursor), params=params)
 
 

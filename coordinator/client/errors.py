@@ -48,7 +48,11 @@ def error_of(response: httpx.Response) -> SubqError:
         body = response.json()
     except ValueError:
         body = None
-    return error_from(body, response.status_code, f"HTTP {response.status_code}: {response.text[:200]}")
+    error = error_from(body, response.status_code, f"HTTP {response.status_code}: {response.text[:200]}")
+    if isinstance(error, error_tree.QuotaExceeded):  # the quota's reset, as the server's Retry-After says
+        after = response.headers.get("Retry-After", "")
+        error.retry_after_s = int(after) if after.isdigit() else 0
+    return error
 
 
 def error_from(body: Any, status_code: int | None, fallback: str) -> SubqError:

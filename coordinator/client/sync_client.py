@@ -29,6 +29,7 @@ from coordinator.models import (
     TaskStatus,
     TodoItem,
 )
+from coordinator.tenants import TenantState
 from coordinator.tree import TreeNode
 
 __all__ = ["SubqClient"]
@@ -89,6 +90,7 @@ class SubqClient:
         metadata: Mapping[str, str] | None = None,
         webhooks: Sequence[Mapping[str, Any]] | None = None,
         on_complete: Mapping[str, Any] | str | None = None,
+        priority: int | None = None,
     ) -> TaskRecord:
         """A root task: caller-owned (`run=False`, you delegate) or an agent on the fleet (`run=True`).
 
@@ -101,11 +103,11 @@ class SubqClient:
         `{"task", "queue"}`) are where the tree's events go (docs/webhooks.md); a malformed one is refused
         here (`webhooks.0.url`) and nothing is sent.
         """
-        return self._send(
-            calls.create_task(
-                prompt, todos, profile, run, budget_usd, idempotency_key, output_schema, metadata, webhooks, on_complete
-            )
-        )
+        call = calls.create_task(
+            prompt, todos, profile, run, budget_usd, idempotency_key, output_schema, metadata, webhooks, on_complete,
+            priority,
+        )  # fmt: skip
+        return self._send(call)
 
     def cancel(self, task_id: str, reason: str) -> TaskRecord:
         """Cancel the task and its subtree (docs/control.md); ConflictError-style 409 if it has ended."""
@@ -138,6 +140,10 @@ class SubqClient:
     def dead_letters(self, limit: int = 50) -> list[DeadLetter]:
         """Messages no worker could decode or validate, newest first (docs/api.md)."""
         return self._send(calls.dead_letters(limit))
+
+    def tenants(self) -> list[TenantState]:
+        """Every tenant: tasks running and waiting, roots running, submits and spend against its quotas (operate)."""
+        return self._send(calls.tenants())
 
     def count_dead_letters(self) -> int:
         """How many dead letters are kept."""
@@ -179,10 +185,11 @@ class SubqClient:
         limit: int = 50,
         cursor: int = 0,
         metadata: Mapping[str, str] | None = None,
+        tenant: str | None = None,
     ) -> tuple[list[HistoryItem], int | None]:
         """Tasks newest first: (page, next cursor or None), as Coordinator.list_tasks; with `metadata`, only
         those of trees that carry every one of its key/value pairs."""
-        return self._send(calls.list_tasks(status, root_id, limit, cursor, metadata))
+        return self._send(calls.list_tasks(status, root_id, limit, cursor, metadata, tenant))
 
     def wait(self, task_id: str, timeout_s: float) -> TaskRecord:
         """Poll until the task settles (Coordinator.wait's rule); WaitTimeout after timeout_s."""

@@ -38,6 +38,7 @@ reads through another is handed it (`RunStore(core, records)`).
 | `store.compaction`   | `CompactionStore`  | `compaction.py`  | a task's compaction records, beside its journal           |
 | `store.outbox`       | `OutboxStore`      | `outbox.py`      | a tree's event subscriptions, its deliveries, the pending |
 |                      |                    |                  | index and its claims (coordinator/outbound.py delivers)   |
+| `store.quotas`       | `QuotaStore`       | `quotas.py`      | tenants' quotas: submits, running roots, rolling-day spend|
 | `store.fair`         | `FairStore`        | `fair.py`        | fair shares between tenants: fleet slots, parked and      |
 |                      |                    |                  | announced runs, capacity, policies (coordinator/admission)|
 
@@ -72,6 +73,7 @@ from coordinator.store.fair import FairStore
 from coordinator.store.keys import Keys
 from coordinator.store.metrics import LATENCY_BUCKETS_MS, FleetGauges, MetricStore
 from coordinator.store.outbox import OutboxStore
+from coordinator.store.quotas import QuotaStore
 from coordinator.store.records import RecordStore
 from coordinator.store.retries import RetryStore
 from coordinator.store.runs import RunStore
@@ -125,4 +127,5 @@ class Store:
         self.retries = RetryStore(core)
         self.compaction = CompactionStore(core)
         self.outbox = OutboxStore(core)
+        self.quotas = QuotaStore(core)
         self.fair = FairStore(core)

@@ -44,6 +44,7 @@ __all__ = [
     "CALLS",
     "Call",
     "Group",
+    "QuotaVerdict",
     "ScriptArg",
     "StartReply",
     "render_header",
@@ -1218,3 +1219,55 @@ class KeepCompaction(
     @classmethod
     def decode(cls, raw: Any) -> str:
         return str(raw)
+
+
+class QuotaVerdict(NamedTuple):
+    """tenant_submit's reply: whether the root was counted, else the quota it would break (coordinator/quotas.py)."""
+
+    accepted: bool
+    quota: str = ""  # submits_per_minute | max_running_roots | max_cost_usd_per_day
+    used: int = 0  # submits in the last minute, roots running, or micro-USD spent in the rolling day
+    limit: int = 0
+    retry_after_ms: int = 0  # when it resets; 0: not known (a running root must end)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TenantSubmit(
+    Call[QuotaVerdict],
+    script="tenant_submit",
+    acknowledged=True,
+    returns="{1} when the root is counted (or was before: a retried submit of the same root), or {0, quota, "
+    "used, limit, retry after ms} when a quota refuses it (nothing written).",
+):
+    submits: str = key("the tenant's submits zset (root id -> ms)")
+    roots: str = key("the tenant's running roots zset (root id -> ms)")
+    spend: str = key("the tenant's spend hash (epoch hour -> micro-USD)")
+    root_id: str = arg("the new root's id")
+    now_ms: int = arg("now ms")
+    submits_per_minute: int = arg("submits per minute (0: no quota)")
+    max_running_roots: int = arg("roots running at once (0: no quota)")
+    max_cost_micros_per_day: int = arg("micro-USD per rolling day (0: no quota)")
+    retention_s: int = arg("retention seconds (the running roots zset's lifetime)")
+
+    @classmethod
+    def decode(cls, raw: Any) -> QuotaVerdict:
+        if int(raw[0]) == 1:
+            return QuotaVerdict(True)
+        return QuotaVerdict(False, str(raw[1]), int(raw[2]), int(raw[3]), int(raw[4]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TenantSpend(
+    Call[int],
+    script="tenant_spend",
+    returns="the tenant's micro-USD in the rolling day, this cost included.",
+):
+    spend: str = key("the tenant's spend hash (epoch hour -> micro-USD)")
+    counted: str = key("the tenant's counted requests zset (`<task id>:<request key>` -> ms)")
+    request: str = arg("the request (`<task id>:<request key>`)")
+    cost_micros: int = arg("cost micro-USD")
+    now_ms: int = arg("now ms")
+
+    @classmethod
+    def decode(cls, raw: Any) -> int:
+        return int(raw)

@@ -108,7 +108,7 @@ class WebAuth:
         key = self.ring.named(name)
         if key is None or not hmac.compare_digest(fingerprint.encode(), _fingerprint(key).encode()):
             return None
-        return Principal(key.name, key.scopes)
+        return Principal(key.name, key.scopes, tenant=key.tenant or key.name)
 
     def signed_in(self, request: Request) -> bool:
         return self.principal(request) is not None

@@ -1,0 +1,162 @@
+"""Tenants' quotas in Redis: `store.quotas`, the submits, running roots and rolling-day spend of each tenant.
+
+A root is checked and counted in one script (tenant_submit.lua) as it is created; each
+cost is counted as the run takes its response (tenant_spend.lua, into the tenant's hourly
+buckets, once per request key). Roots that ended are taken out of the running set lazily, before
+each check and each read: a root's end happens inside its tree's scripts, in another
+slot, and an ended root never runs again, so taking it out late only delays a place
+being freed until the next submit or read looks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import NamedTuple
+
+from coordinator.store.base import Part, translate_redis_errors
+from coordinator.store.fields import TaskField
+from coordinator.store.protocol import QuotaVerdict, TenantSpend, TenantSubmit
+
+__all__ = ["HOUR_MS", "QuotaStore", "TenantUsage"]
+
+HOUR_MS = 3_600_000
+# The rolling day: 24 hourly buckets, the current one included.
+DAY_HOURS = 24
+# A spend hash outlives its newest bucket by the day plus an hour, then goes with nothing left to count.
+SPEND_TTL_S = (DAY_HOURS + 1) * 3600
+_ENDED = frozenset({"completed", "failed", "cancelled"})
+
+
+class TenantUsage(NamedTuple):
+    """What a tenant uses now, as its quotas count it."""
+
+    submits_last_minute: int
+    roots_running: int
+    spent_micros_day: int
+
+
+def spent_in_day(buckets: dict[str, str], now_ms: int) -> int:
+    """Micro-USD in the hourly buckets of the rolling day ending now."""
+    hour = now_ms // HOUR_MS
+    total = 0
+    for name, micros in buckets.items():
+        if name.isdigit() and int(name) > hour - DAY_HOURS:
+            total += int(micros or 0)
+    return total
+
+
+def _state_of(live_json: str) -> str:
+    try:
+        found = json.loads(live_json)
+    except ValueError:
+        return ""
+    return str(found.get("state", "")) if isinstance(found, dict) else ""
+
+
+class QuotaStore(Part):
+    """Per-tenant quota state: `store.quotas`, `QuotaStore(core)`."""
+
+    @translate_redis_errors
+    def count_root(
+        self,
+        tenant: str,
+        root_id: str,
+        *,
+        submits_per_minute: int,
+        max_running_roots: int,
+        max_cost_micros_per_day: int,
+        now_ms: int | None = None,
+    ) -> QuotaVerdict:
+        """Check the tenant's quotas for a new root and count it, atomically; a refusal writes nothing."""
+        if max_running_roots > 0:
+            self.prune_roots(tenant)
+        keys = self.keys
+        verdict = self.scripts(
+            TenantSubmit(
+                submits=keys.tenant_submits(tenant),
+                roots=keys.tenant_roots(tenant),
+                spend=keys.tenant_spend(tenant),
+                root_id=root_id,
+                now_ms=now_ms if now_ms is not None else int(time.time() * 1000),
+                submits_per_minute=submits_per_minute,
+                max_running_roots=max_running_roots,
+                max_cost_micros_per_day=max_cost_micros_per_day,
+                retention_s=self.retention_s,
+            )
+        )
+        if verdict.accepted:
+            # The tenants view lists every tenant that created a root (another slot: written apart).
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zadd(keys.tenants(), {tenant: time.time()})
+            pipe.zremrangebyscore(keys.tenants(), "-inf", time.time() - self.retention_s)
+            pipe.execute()
+        return verdict
+
+    @translate_redis_errors
+    def count_spend(self, tenant: str, request: str, cost_micros: int, now_ms: int | None = None) -> int:
+        """Count one cost (`<task id>:<request key>`, once however often it is sent) into the tenant's rolling
+        day; the day's micro-USD, this cost included."""
+        return self.scripts(
+            TenantSpend(
+                spend=self.keys.tenant_spend(tenant),
+                counted=self.keys.tenant_spent(tenant),
+                request=request,
+                cost_micros=cost_micros,
+                now_ms=now_ms if now_ms is not None else int(time.time() * 1000),
+            )
+        )
+
+    @translate_redis_errors
+    def prune_roots(self, tenant: str) -> int:
+        """Take the tenant's roots that ended (or expired) out of its running set; how many still run."""
+        key = self.keys.tenant_roots(tenant)
+        roots = [str(r) for r in self.client.zrange(key, 0, -1)]
+        if not roots:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        for root in roots:
+            pipe.hget(self.keys.task(root, root), TaskField.STATUS)
+        statuses = pipe.execute()
+        ended = [root for root, status in zip(roots, statuses, strict=True) if status is None or status in _ENDED]
+        if ended:
+            self.client.zrem(key, *ended)
+        return len(roots) - len(ended)
+
+    @translate_redis_errors
+    def usage(self, tenant: str, now_ms: int | None = None) -> TenantUsage:
+        """The tenant's submits in the last minute, roots running and micro-USD spent in the rolling day."""
+        now_ms = now_ms if now_ms is not None else int(time.time() * 1000)
+        running = self.prune_roots(tenant)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zcount(self.keys.tenant_submits(tenant), f"({now_ms - 60_000}", "+inf")
+        pipe.hgetall(self.keys.tenant_spend(tenant))
+        submits, buckets = pipe.execute()
+        return TenantUsage(int(submits), running, spent_in_day(buckets, now_ms))
+
+    @translate_redis_errors
+    def live_counts(self, root_ids: list[str]) -> tuple[int, int]:
+        """(running, queued) tasks of these trees, from their live hashes."""
+        if not root_ids:
+            return 0, 0
+        pipe = self.client.pipeline(transaction=False)
+        for root in root_ids:
+            pipe.hvals(self.keys.live(root))
+        running = queued = 0
+        for values in pipe.execute():
+            for text in values:
+                state = _state_of(str(text))
+                running += state == "running"
+                queued += state == "queued"
+        return running, queued
+
+    @translate_redis_errors
+    def running_roots(self, tenant: str) -> list[str]:
+        """The tenant's roots not yet ended (the ended ones taken out first)."""
+        self.prune_roots(tenant)
+        return [str(root) for root in self.client.zrange(self.keys.tenant_roots(tenant), 0, -1)]
+
+    @translate_redis_errors
+    def known(self) -> list[str]:
+        """Every tenant that created a root within the retention, by name."""
+        return sorted(str(name) for name in self.client.zrange(self.keys.tenants(), 0, -1))

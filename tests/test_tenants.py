@@ -1,0 +1,286 @@
+"""Tenants and their quotas (issue 42, points 1, 4 and 6), on a real Redis.
+
+The tenant of a tree (the key's `tenant` in the keys file, else the key's name, else the `tenant` of
+`subq.submit`, else SUBQ_DEFAULT_TENANT) and its priority are on every task of it; a tenant's
+quotas (submits per minute, running roots, spend per rolling day) refuse a new root with
+QuotaExceeded (HTTP 429 and Retry-After), writing nothing; a bad setting, key or priority is one
+clear error naming the field, and changes nothing. The acceptance test on real `celery worker`
+processes is in tests/test_tenants_fleet.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from coordinator import Coordinator, Settings
+from coordinator.access import read_keys_file, token_sha256
+from coordinator.api import create_app
+from coordinator.errors import ConfigError, QuotaExceeded, ValidationError
+from coordinator.settings import load_settings
+from coordinator.tenants import DEFAULT_TENANT, TenantBook, Tenants, read_tenants_file
+from tests.helpers import ApiServer
+from workers.submit import submit
+
+PREFIX = "subqtenants"
+TOKEN_A1, TOKEN_A2, TOKEN_B, TOKEN_OPS = "tok-a1-" + "x" * 20, "tok-a2-" + "x" * 20, "tok-b-" + "x" * 20, "t-ops" * 5
+
+
+def _clean(coord: Coordinator) -> None:
+    for key in coord.client.scan_iter(f"{PREFIX}:*"):
+        coord.client.delete(key)
+
+
+def _keys_file(path: Path) -> Path:
+    path.write_text(
+        json.dumps(
+            {
+                "a1": {"token_sha256": token_sha256(TOKEN_A1), "scopes": ["submit", "read"], "tenant": "acme"},
+                "a2": {"token_sha256": token_sha256(TOKEN_A2), "scopes": ["submit", "read"], "tenant": "acme"},
+                "b": {"token_sha256": token_sha256(TOKEN_B), "scopes": ["submit", "read"]},
+                "ops": {"token_sha256": token_sha256(TOKEN_OPS), "scopes": ["operate", "read_all"]},
+            }
+        )
+    )
+    return path
+
+
+@pytest.fixture
+def coord(settings: Settings, tmp_path: Path) -> Iterator[Coordinator]:
+    """A Coordinator of its own prefix whose queue no worker reads: acme may submit 2 a minute."""
+    own = settings.model_copy(
+        update={
+            "key_prefix": PREFIX,
+            "queue": "subq-tenants-idle",
+            "tenants": {"acme": {"submits_per_minute": 2, "max_priority": 4}},
+            "api_keys_file": _keys_file(tmp_path / "keys.json"),
+        }
+    )
+    coordinator = Coordinator(own)
+    _clean(coordinator)
+    yield coordinator
+    _clean(coordinator)
+    coordinator.close()
+
+
+def _snapshot(coord: Coordinator) -> dict[str, object]:
+    """Every key of the prefix with its value's type and size: what a refusal must leave as it was."""
+    out: dict[str, object] = {}
+    for key in sorted(coord.client.scan_iter(f"{PREFIX}:*")):
+        kind = coord.client.type(key)
+        size = {
+            "hash": coord.client.hlen, "zset": coord.client.zcard, "list": coord.client.llen, "set": coord.client.scard,
+            "stream": coord.client.xlen,
+        }.get(kind, coord.client.strlen)(key)  # fmt: skip
+        out[key] = (kind, size)
+    return out
+
+
+# -- who a tree runs for -------------------------------------------------------------------------
+
+
+def test_a_tree_runs_for_the_tenant_given_and_every_child_carries_it_with_the_priority(coord: Coordinator) -> None:
+    root = coord.create_task("Plan.", tenant="acme", priority=2)
+    (child,) = coord.delegate(root.id, [{"description": "c", "message": "m"}]).child_ids
+    assert (root.tenant, root.priority) == ("acme", 2)
+    assert (coord.get_task(child).tenant, coord.get_task(child).priority) == ("acme", 2)
+    plain = coord.create_task("No tenant.")
+    assert (plain.tenant, plain.priority) == (DEFAULT_TENANT, 3)
+    capped = coord.create_task("Urgent.", tenant="acme", priority=5)
+    assert capped.priority == 4, "acme's max_priority cuts it"
+    # The history filters by tenant.
+    items, _ = coord.list_tasks(tenant="acme")
+    assert {item.id for item in items} == {root.id, child, capped.id}
+    assert all(item.tenant == "acme" for item in items)
+
+
+@pytest.mark.parametrize("priority", [0, 6, "high", True, 2.5])
+def test_a_bad_priority_is_refused_naming_it_and_writes_nothing(coord: Coordinator, priority: object) -> None:
+    before = _snapshot(coord)
+    with pytest.raises(ValidationError) as caught:
+        coord.create_task("x", priority=priority)  # type: ignore[arg-type]
+    assert caught.value.field == "priority" and "from 1 to 5" in caught.value.message
+    assert _snapshot(coord) == before
+
+
+def test_subq_submit_takes_a_tenant_and_a_priority_and_refuses_bad_ones(coord: Coordinator) -> None:
+    done = submit(coord, (), {"prompt": "From Celery.", "run": False, "tenant": "acme", "priority": 1}, "m-1")
+    assert "error" not in done
+    record = coord.get_task(done["task_id"])
+    assert (record.tenant, record.priority) == ("acme", 1)
+    before = _snapshot(coord)
+    for bad, field in (({"tenant": "a b"}, "tenant"), ({"priority": 9}, "priority")):
+        got = submit(coord, (), {"prompt": "Bad.", "run": False, **bad}, f"m-{field}")
+        assert got["error"]["field"] == field and got["error"]["code"] == "invalid_input"
+    assert _snapshot(coord) == before
+
+
+# -- settings, the tenants file and the keys file ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ('{"acme": {"weight": 0}}', "tenant 'acme': weight"),
+        ('{"acme": {"submits": 3}}', "tenant 'acme': submits: Extra inputs are not permitted"),
+        ('{"ac me": {}}', "tenant 'ac me': a tenant is 1 to 64"),
+        ('{"acme": {"max_cost_usd_per_day": "lots"}}', "max_cost_usd_per_day must be a number"),
+        ('{"acme": {"max_cost_usd_per_day": 0.0000001}}', "finer than one micro-dollar"),
+        ('{"acme": {"max_priority": 6}}', "tenant 'acme': max_priority"),
+        ("[1, 2]", "must be a table of tenants"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_a_malformed_subq_tenants_is_one_line_naming_the_tenant_and_the_field(value: str, says: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(tenants=value)
+    assert caught.value.field == "SUBQ_TENANTS" and says in str(caught.value), str(caught.value)
+
+
+def test_max_cost_usd_per_day_is_kept_exactly_in_micro_usd() -> None:
+    settings = load_settings(tenants='{"acme": {"max_cost_usd_per_day": 0.05}, "*": {"max_cost_usd_per_day": "12.5"}}')
+    assert settings.tenants["acme"].max_cost_micros_per_day == 50_000
+    assert settings.tenants_inline().policy("anyone").max_cost_micros_per_day == 12_500_000
+
+
+def test_a_bad_default_tenant_or_tenants_file_stops_the_start(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(default_tenant="no spaces")
+    assert caught.value.field == "SUBQ_DEFAULT_TENANT"
+    bad = tmp_path / "tenants.toml"
+    bad.write_text("[acme]\nweight = -1\n")
+    with pytest.raises(ConfigError) as caught:
+        load_settings(tenants_file=bad)
+    assert caught.value.field == "SUBQ_TENANTS_FILE" and "tenant 'acme': weight" in str(caught.value)
+
+
+def test_the_tenants_file_is_read_again_when_it_changes_and_a_broken_edit_keeps_the_last_table(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "tenants.toml"
+    path.write_text('[acme]\nsubmits_per_minute = 5\n\n["*"]\nweight = 2\n')
+    book = TenantBook(Tenants(), path)
+    assert book.current().policy("acme").submits_per_minute == 5
+    assert book.current().policy("other").weight == 2 and book.current().fair_shares
+    path.write_text("[acme]\nsubmits_per_minute = 7\n")
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 1_000_000))
+    assert book.current().policy("acme").submits_per_minute == 7
+    path.write_text("[acme]\nsubmits_per_minute = 'many'\n")  # a botched edit: the last good table stays
+    assert book.current().policy("acme").submits_per_minute == 7
+    with pytest.raises(ValueError, match=r"SUBQ_TENANTS_FILE: .*tenant 'acme': submits_per_minute"):
+        read_tenants_file(path)
+
+
+def test_a_keys_file_may_give_several_keys_one_tenant_and_refuses_a_bad_one(tmp_path: Path) -> None:
+    keys = read_keys_file(_keys_file(tmp_path / "keys.json"))
+    assert keys["a1"].principal().tenant == keys["a2"].principal().tenant == "acme"
+    assert keys["b"].principal().tenant == "b", "a key that names none is its own tenant"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"k": {"token_sha256": token_sha256("t" * 20), "scopes": ["submit"], "tenant": "x y"}}))
+    with pytest.raises(ValueError, match=r"key 'k': tenant: 1 to 64 letters"):
+        read_keys_file(bad)
+
+
+# -- quotas -------------------------------------------------------------------------------------
+
+
+def test_submits_per_minute_refuse_the_next_root_naming_the_tenant_and_writing_nothing(coord: Coordinator) -> None:
+    coord.create_task("one", tenant="acme")
+    coord.create_task("two", tenant="acme")
+    before = _snapshot(coord)
+    with pytest.raises(QuotaExceeded) as caught:
+        coord.create_task("three", tenant="acme")
+    error = caught.value
+    assert (error.tenant, error.quota, error.field) == ("acme", "submits_per_minute", "submits_per_minute")
+    assert "Quota exceeded: tenant 'acme' created 2 roots in the last minute" in error.message
+    assert 1 <= error.retry_after_s <= 60 and "it resets in" in error.message
+    assert _snapshot(coord) == before, "a refused submit changes nothing"
+    assert coord.create_task("another tenant's", tenant="globex").tenant == "globex"
+
+
+def test_a_retried_submit_of_the_same_root_counts_once(coord: Coordinator) -> None:
+    first = coord.create_task("once", tenant="acme", idempotency_key="k-1")
+    again = coord.create_task("once", tenant="acme", idempotency_key="k-1")
+    assert again.id == first.id
+    assert coord.store.quotas.usage("acme").submits_last_minute == 1
+
+
+def test_running_roots_and_the_day_spend_refuse_until_they_free(settings: Settings) -> None:
+    own = settings.model_copy(
+        update={
+            "key_prefix": PREFIX,
+            "queue": "subq-tenants-idle",
+            "tenants": {"acme": {"max_running_roots": 1, "max_cost_usd_per_day": 0.05}},
+        }
+    )
+    coord = Coordinator(own)
+    _clean(coord)
+    try:
+        first = coord.create_task("running", tenant="acme")
+        with pytest.raises(QuotaExceeded) as caught:
+            coord.create_task("second", tenant="acme")
+        assert caught.value.quota == "max_running_roots" and "when one of them ends" in caught.value.message
+        coord.cancel(first.id, "make room")
+        second = coord.create_task("second", tenant="acme")
+        # The day's spend: counted once per request, however often its step is repeated.
+        assert coord.store.quotas.count_spend("acme", f"{second.id}:1:1", 30_000) == 30_000
+        assert coord.store.quotas.count_spend("acme", f"{second.id}:1:1", 30_000) == 30_000
+        assert coord.store.quotas.count_spend("acme", f"{second.id}:1:2", 30_000) == 60_000
+        coord.cancel(second.id, "make room")
+        coord.store.quotas.usage("acme")  # takes the ended roots out, as every check does first
+        before = _snapshot(coord)
+        with pytest.raises(QuotaExceeded) as caught:
+            coord.create_task("third", tenant="acme")
+        error = caught.value
+        assert error.quota == "max_cost_usd_per_day" and error.tenant == "acme"
+        assert "spent $0.060000 in the last 24 h; its max_cost_usd_per_day is $0.050000" in error.message
+        assert 3600 * 23 < error.retry_after_s <= 24 * 3600, "the spend leaves the day 24 h after its hour"
+        assert _snapshot(coord) == before
+        assert coord.create_task("B's", tenant="globex").tenant == "globex"
+        # Spend older than the day no longer counts.
+        old_ms = int(time.time() * 1000) - 25 * 3600 * 1000
+        coord.client.delete(coord.store.keys.tenant_spend("globex"))
+        coord.store.quotas.count_spend("globex", "old:1", 99_000, now_ms=old_ms)
+        assert coord.store.quotas.usage("globex").spent_micros_day == 0
+    finally:
+        _clean(coord)
+        coord.close()
+
+
+# -- the faces ----------------------------------------------------------------------------------
+
+
+def test_the_api_names_each_keys_tenant_refuses_over_quota_with_429_and_shows_tenants(coord: Coordinator) -> None:
+    with ApiServer(create_app(coord.settings, coordinator=coord)) as api:
+        a1, a2, b, ops = (
+            httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {token}"})
+            for token in (TOKEN_A1, TOKEN_A2, TOKEN_B, TOKEN_OPS)
+        )
+        made = a1.post("/v1/tasks", json={"prompt": "A1's", "priority": 5})
+        assert made.status_code == 201, made.text
+        record = a1.get(f"/v1/tasks/{made.json()['id']}").json()
+        assert (record["tenant"], record["priority"]) == ("acme", 4)
+        assert a2.post("/v1/tasks", json={"prompt": "A2's"}).status_code == 201
+        refused = a2.post("/v1/tasks", json={"prompt": "A2's second"})
+        assert refused.status_code == 429
+        body = refused.json()
+        assert body["code"] == "quota_exceeded" and body["field"] == "submits_per_minute"
+        assert "tenant 'acme'" in body["message"] and "it resets in" in body["message"]
+        assert 1 <= int(refused.headers["Retry-After"]) <= 60
+        assert b.post("/v1/tasks", json={"prompt": "B's"}).json()["tenant"] == "b"
+        bad = b.post("/v1/tasks", json={"prompt": "B's", "priority": 0})
+        assert bad.status_code == 422 and bad.json()["field"] == "priority"
+        # The history filter, and the operator's view.
+        listed = ops.get("/v1/tasks", params={"tenant": "acme"}).json()["items"]
+        assert len(listed) == 2 and {item["tenant"] for item in listed} == {"acme"}
+        assert b.get("/v1/tenants").status_code == 403
+        tenants = {t["tenant"]: t for t in ops.get("/v1/tenants").json()["tenants"]}
+        assert tenants["acme"]["listed"] and tenants["acme"]["submits_last_minute"] == 2
+        assert tenants["acme"]["roots_running"] == 2 and tenants["acme"]["policy"]["submits_per_minute"] == 2
+        assert tenants["b"]["roots_running"] == 1 and not tenants["b"]["listed"]
