@@ -1,7 +1,7 @@
 -- Fair shares: a worker process's beat writes its concurrency, the fleet's capacity (the sum over the
--- processes whose heartbeat is recent; one not counted yet counts as this one), and the policies of the
--- tenants table it reads (each tenant's 'weight max_running', `*` for the rest), which the admission steps
--- read for any tenant they meet. Every process writes the same sums from the same entries, so the last
+-- processes whose heartbeat is recent and that beat here: one counts from its first beat), and the policies
+-- of the tenants table it reads (each tenant's 'weight max_running', `*` for the rest), which the admission
+-- steps read for any tenant they meet. Every process writes the same sums from the same entries, so the last
 -- writer's are as good as any; a process gone drops out of the sum once its heartbeat is old.
 -- KEYS[1] the worker processes by their last heartbeat
 -- KEYS[2] each process's concurrency
@@ -18,7 +18,8 @@ local live = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[3], '+inf')
 local capacity, seen = 0, {}
 for _, worker in ipairs(live) do
   seen[worker] = true
-  capacity = capacity + (tonumber(redis.call('HGET', KEYS[2], worker) or ARGV[2]) or 0)
+  -- Only the processes that beat here count: a run's own heartbeat names its process a second time.
+  capacity = capacity + (tonumber(redis.call('HGET', KEYS[2], worker) or '0') or 0)
 end
 if not seen[ARGV[1]] then
   capacity = capacity + tonumber(ARGV[2])
