@@ -52,6 +52,7 @@ from coordinator.errors import StoreError
 from coordinator.models import TaskStatus
 from coordinator.redis_clients import redis_client
 from coordinator.service import Coordinator
+from coordinator.tenants import TenantState
 
 __all__ = [
     "HEALTH_CACHE_TTL_S",
@@ -86,6 +87,9 @@ METRICS_WAIT_S = 5.0
 # Task counts and spend are read over this many most recent tasks of the history
 # index, so a scrape stays cheap however long the retention is.
 METRICS_RECENT_TASKS = 1000
+# The label of every tenant the tenants table does not name: their number is the callers', not the operator's,
+# so each gets no series of its own (a metric's labels must stay few).
+OTHER_TENANTS = "other"
 
 
 class RefreshPending(StoreError):
@@ -290,6 +294,45 @@ class SubqCollector(Collector):
             value=self.coord.replica_shortfalls(),
         )
         yield self._latency()
+        yield from self._tenants()
+
+    def _tenants(self) -> Iterator[Metric]:
+        """Per tenant, with bounded labels: a tenant the tenants table names has its own; every other tenant (a
+        key's name, a `subq.submit` argument: as many as callers make) is added up under `other`."""
+        figures: dict[str, tuple[str, Callable[[TenantState], int]]] = {
+            "subq_tenant_running": ("Tasks of the tenant running on a worker", lambda s: s.running),
+            "subq_tenant_waiting": ("Tasks of the tenant queued (for a worker or for admission)", lambda s: s.waiting),
+            "subq_tenant_roots_running": ("Roots of the tenant not yet ended", lambda s: s.roots_running),
+            "subq_tenant_submits_last_minute": (
+                "Roots the tenant created in the last 60 s",
+                lambda s: s.submits_last_minute,
+            ),
+            "subq_tenant_spend_day_micro_usd": (
+                "Micro-USD the tenant's trees spent in the rolling day (24 hourly buckets)",
+                lambda s: s.spent_micros_day,
+            ),
+        }
+        states = self.coord.tenants()
+        for name, (text, of) in figures.items():
+            family = GaugeMetricFamily(
+                name, f"{text}; tenants not in SUBQ_TENANTS are summed as `other`", labels=["tenant"]
+            )
+            by_label: dict[str, int] = {}
+            for state in states:
+                label = state.tenant if state.listed else OTHER_TENANTS
+                by_label[label] = by_label.get(label, 0) + of(state)
+            for label, value in sorted(by_label.items()):
+                family.add_metric([label], value)
+            yield family
+        quota = GaugeMetricFamily(
+            "subq_tenant_spend_quota_micro_usd",
+            "A listed tenant's max_cost_usd_per_day in micro-USD (0: no quota)",
+            labels=["tenant"],
+        )
+        for state in states:
+            if state.listed:
+                quota.add_metric([state.tenant], state.policy.max_cost_micros_per_day)
+        yield quota
 
     def _latency(self) -> HistogramMetricFamily:
         raw = self.coord.latency_histogram()
