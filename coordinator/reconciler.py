@@ -46,7 +46,7 @@ from coordinator.models import TaskStatus
 if TYPE_CHECKING:
     from coordinator.service import Coordinator
 
-__all__ = ["BEATS_PER_LAPSE", "TICK_LIMIT", "Reconciler", "fleet_paced_s"]
+__all__ = ["BEATS_PER_LAPSE", "TICK_LIMIT", "IdlePace", "Reconciler", "fleet_paced_s"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,41 @@ def fleet_paced_s(every_s: float, most_s: float, fleet_size: int) -> float:
     runs' interpreters eight times what one did, for nothing (bench/overhead.py --processes).
     """
     return max(every_s, min(every_s * fleet_size, most_s))
+
+
+class IdlePace:
+    """The waits of a loop that polls while idle (the webhook deliverer): longer the longer it stays idle.
+
+    `wait_s()` is called after each poll that found nothing. The first wait is `every_s`; each next one
+    of an unbroken idle spell doubles, up to `quiet_s`; then each is paced by the fleet's size
+    (`fleet_paced_s`, at most `most_s`). A call that comes later than the last wait could explain means
+    the loop found work between the two: the spell is over and the waits start again at `every_s`. An
+    idle worker of one process looked 4 times a second and spent 2.5 ms of CPU a second on it.
+    """
+
+    def __init__(
+        self,
+        every_s: float,
+        quiet_s: float,
+        most_s: float,
+        fleet_size: Callable[[], int],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.every_s, self.quiet_s, self.most_s, self.fleet_size, self.clock = (
+            every_s, quiet_s, most_s, fleet_size, clock
+        )  # fmt: skip
+        self._base_s = every_s
+        self._due_s: float | None = None  # when the next call is expected, were the loop still idle
+
+    def wait_s(self) -> float:
+        now = self.clock()
+        if self._due_s is None or now > self._due_s + self.every_s:
+            self._base_s = self.every_s  # work was found since: a new spell
+        else:
+            self._base_s = min(self._base_s * 2, self.quiet_s)
+        wait_s = fleet_paced_s(self._base_s, max(self.most_s, self._base_s), self.fleet_size())
+        self._due_s = now + wait_s
+        return wait_s
 
 
 class Reconciler:

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 from coordinator import Coordinator
-from coordinator.reconciler import BEATS_PER_LAPSE, Reconciler, fleet_paced_s
+from coordinator.reconciler import BEATS_PER_LAPSE, IdlePace, Reconciler, fleet_paced_s
 
 
 def test_a_fleet_clock_runs_as_many_times_slower_as_there_are_processes_up_to_its_bound() -> None:
@@ -106,3 +106,18 @@ def test_an_idle_stop_watch_keeps_no_thread() -> None:
     thread.join(timeout=60)
     assert not thread.is_alive()
     assert watch._thread is None
+
+
+def test_an_idle_poll_slows_down_over_a_quiet_spell_and_starts_again_after_work() -> None:
+    clock, fleet = FakeClock(3600), {"size": 1}
+    pace = IdlePace(0.25, 1.0, 2.0, lambda: fleet["size"], clock=clock)
+    waits = []
+    for _ in range(5):  # an unbroken idle spell: each wait follows the last at once
+        waits.append(pace.wait_s())
+        clock.wait(waits[-1])
+    assert waits == [0.25, 0.5, 1.0, 1.0, 1.0]
+    clock.wait(10)  # the loop found work and was busy: a new spell
+    assert pace.wait_s() == 0.25
+    fleet["size"] = 8  # a fleet of eight: each process N times slower, at most 2 s
+    clock.wait(10)
+    assert pace.wait_s() == 2.0
