@@ -84,7 +84,7 @@ def describe_kwargs(kwargs: Mapping[str, Any]) -> str:
         elif name == "on_complete":
             task = value.get("task") if isinstance(value, dict) else value
             parts.append(f"on_complete={str(task)[:PROFILE_REPR_CHARS]!r}")
-        elif name in ("profile", "run", "mode", "idempotency_key"):
+        elif name in ("profile", "run", "mode", "idempotency_key", "tenant", "priority"):
             shown = value if isinstance(value, bool) or value is None else str(value)[:PROFILE_REPR_CHARS]
             parts.append(f"{name}={shown!r}")
         else:

@@ -60,6 +60,8 @@ DESCRIPTION_REPR_CHARS = 60
 def run_signature(app: Celery, task: TaskRecord, run_no: int = 0) -> Signature:
     # Never the prompt: a root has no description, and then shows none.
     argsrepr = f"task={task.id} parent={task.parent_id or '-'} todo={task.todo_id or '-'}"
+    # Whom it runs for, and its priority: a checked name and a digit, safe to show (coordinator/tenants.py).
+    argsrepr += f" tenant={task.tenant} priority={task.priority}"
     if task.description:
         argsrepr += f" desc={task.description[:DESCRIPTION_REPR_CHARS]!r}"
     if run_no:

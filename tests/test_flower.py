@@ -139,7 +139,9 @@ def test_a_delegation_is_visible_by_name_with_ids_and_live_progress(
         return done if len(done) == 2 else None
 
     runs = eventually(ended, "both children succeeded")
-    assert runs[collect]["args"] == (f"task={collect} parent={parent.id} todo={items[0].id} desc='Collect figures'")
+    assert runs[collect]["args"] == (
+        f"task={collect} parent={parent.id} todo={items[0].id} tenant=default priority=3 desc='Collect figures'"
+    )
     assert runs[summarise]["args"].startswith(f"task={summarise} parent={parent.id} todo={items[1].id} ")
     for shown in runs.values():
         assert secret not in f"{shown['args']} {shown['kwargs']}", "Flower shows a prompt or a message"
