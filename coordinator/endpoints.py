@@ -39,10 +39,11 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from coordinator import dispatch
 from coordinator.errors import NotFoundError
+from coordinator.replies import HOST, MODEL, EndpointState
 
 if TYPE_CHECKING:
     from coordinator.models import TaskRecord
@@ -55,7 +56,7 @@ __all__ = [
     "PROBE_LEASE_MS",
     "PROBE_RECHECK_MS",
     "PROVIDER_TIMER",
-    "Gate",
+    "EndpointState",
     "failed",
     "gate",
     "park",
@@ -78,46 +79,28 @@ PROBE_RECHECK_MS = 1_000
 KEEP_MS = 3_600_000
 
 
-# The views of an endpoint a Gate names (`view`): its host's, or the model's.
-HOST = "host"
-MODEL = "model"
-
-
-class Gate(NamedTuple):
-    """What the fleet knows of a model's endpoint: the ms to wait before sending (0: send now), the failures
-    in a row, the last error line ('' while it is up), and the view they are of: `HOST`, `MODEL`, or ''
-    while both are up (when sending, the view whose probe this request is)."""
-
-    wait_ms: int
-    failures: int
-    error: str
-    view: str = ""
-
-
 def timer(task_id: str) -> str:
     return f"{PROVIDER_TIMER}:{task_id}"
 
 
-def gate(plane: Plane, endpoint: str, model: str, token: str) -> Gate:
+def gate(plane: Plane, endpoint: str, model: str, token: str) -> EndpointState:
     """Whether a request to `model` at `endpoint` may go now; the run `token` becomes the probe when one is due."""
-    return Gate(*plane.store.endpoints.gate(endpoint, model, token, PROBE_LEASE_MS, PROBE_RECHECK_MS))
+    return plane.store.endpoints.gate(endpoint, model, token, PROBE_LEASE_MS, PROBE_RECHECK_MS)
 
 
-def failed(plane: Plane, endpoint: str, model: str, error: str, asked_s: float | None) -> Gate:
+def failed(plane: Plane, endpoint: str, model: str, error: str, asked_s: float | None) -> EndpointState:
     """Mark a view of `endpoint` down after a transient error: `model`'s, or with "" its host's (`asked_s`:
     the provider's Retry-After); the wait, as endpoint_failed.lua decided it."""
     settings = plane.settings
-    return Gate(
-        *plane.store.endpoints.failed(
-            endpoint,
-            model,
-            error,
-            base_ms=max(1, int(settings.model_retry_base_s * 1000)),
-            cap_ms=max(1, int(settings.model_retry_max_s * 1000)),
-            jitter=random.random(),
-            asked_ms=None if asked_s is None else max(0, int(asked_s * 1000)),
-            keep_ms=KEEP_MS,
-        )
+    return plane.store.endpoints.failed(
+        endpoint,
+        model,
+        error,
+        base_ms=max(1, int(settings.model_retry_base_s * 1000)),
+        cap_ms=max(1, int(settings.model_retry_max_s * 1000)),
+        jitter=random.random(),
+        asked_ms=None if asked_s is None else max(0, int(asked_s * 1000)),
+        keep_ms=KEEP_MS,
     )
 
 

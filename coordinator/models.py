@@ -27,9 +27,9 @@ __all__ = [
     "Batch",
     "DelegationMode",
     "Delivery",
-    "Ending",
     "HistoryItem",
     "LiveState",
+    "Mark",
     "Outcome",
     "Retried",
     "RetryBatch",
@@ -37,7 +37,7 @@ __all__ = [
     "RetrySkip",
     "RetryTask",
     "RunWrites",
-    "Stepped",
+    "Spend",
     "SubtaskResult",
     "SubtaskSpec",
     "TaskRecord",
@@ -564,6 +564,22 @@ class AdmissionLimits:
         return record.parent_id is not None and bool(self.per_parent or self.per_tree or self.stagger_ms)
 
 
+class Spend(NamedTuple):
+    """One response's usage and cost (or a tool call's price), as a run keeps it until its next step."""
+
+    request_key: str  # unique per request of the task: `<run seq>:<request no>`, or `tool:<call id>`
+    usage: Usage
+    cost_micros: int
+    cost_source: str
+
+
+class Mark(NamedTuple):
+    """A timeline mark a run's own clock took between steps (coordinator/timeline.py)."""
+
+    t_ms: int
+    state: str
+
+
 @dataclass
 class RunWrites:
     """What a run did since its last step, written at its next one in the same round trip.
@@ -574,24 +590,16 @@ class RunWrites:
 
     conversation: list[str] = field(default_factory=list)  # model messages, one JSON entry each
     ui_messages: list[str] = field(default_factory=list)  # JSON
-    usage: list[tuple[str, Usage, int, str]] = field(default_factory=list)  # (request key, usage, micro-USD, source)
+    usage: list[Spend] = field(default_factory=list)
     latencies_ms: list[float] = field(default_factory=list)
     live: str = ""  # the latest live status (JSON), or '' when unchanged
     # Timeline marks (t ms, state) the run's own clock took between steps: a wait inside the run
     # (a rate or tool limit) and its end, the wait the run leaves its task in (coordinator/timeline.py).
-    marks: list[tuple[int, str]] = field(default_factory=list)
+    marks: list[Mark] = field(default_factory=list)
 
     def clear(self) -> None:
         self.conversation, self.ui_messages, self.usage, self.latencies_ms, self.live = [], [], [], [], ""
         self.marks = []
-
-
-class Stepped(NamedTuple):
-    """A run's step (store/protocol.py: flush_run, record_tool): still leased, the task's status, the topmost budget reached."""
-
-    leased: bool
-    status: str
-    exhausted: str | None
 
 
 class Outcome(NamedTuple):
@@ -603,25 +611,6 @@ class Outcome(NamedTuple):
     error_class: str = ""
     output_json: str = ""  # a completed typed task's data, compact JSON; '' for none
     invalid_outputs: int = 0
-
-
-@dataclass(frozen=True)
-class Ending:
-    """What a run's end did (store/protocol.py: end_run): `kind` 'ended', 'fenced' (nothing written) or 'exhausted' (`holder`'s budget)."""
-
-    kind: str
-    holder: str | None = None
-    status: str = ""
-    summary: str = ""
-    error: str = ""
-    error_class: str = ""
-    usage: Usage = field(default_factory=Usage)
-    cost_micros: int = 0
-    closed: bool = False
-    resumes: int = 0
-    resume: bool = False
-    batch_mode: str = ""
-    admitted: list[str] = field(default_factory=list)  # waiting tasks given the freed slot: publish their runs
 
 
 @dataclass(frozen=True)

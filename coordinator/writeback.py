@@ -73,9 +73,9 @@ def write_back(plane: Plane, batch_id: str, ended: TaskRecord | None = None) -> 
     """
     store = plane.store
     if ended is not None:
-        mode, resumes, resume = store.batches.settle_child(batch_id, ended, plane.settings.reconcile_grace_s)
-        if mode == "parallel":
-            return bool(resumes) and resumed(plane, ended.parent_id or "", resumes, resume)
+        settled = store.batches.settle_child(batch_id, ended, plane.settings.reconcile_grace_s)
+        if settled.mode == "parallel":
+            return bool(settled.resumes) and resumed(plane, ended.parent_id or "", settled.resumes, settled.resume)
     batch = store.batches.get_batch(batch_id)
     if batch.status == "done":
         return False
@@ -114,8 +114,8 @@ def write_back(plane: Plane, batch_id: str, ended: TaskRecord | None = None) -> 
 
 def close_batch(plane: Plane, batch: Batch | BatchRef) -> bool:
     """Close the batch (once) and publish its agent parent's resume; True when this call closed it."""
-    resumes, resume = plane.store.batches.close_batch(batch, plane.settings.reconcile_grace_s)
-    return bool(resumes) and resumed(plane, batch.parent_id, resumes, resume)
+    closed = plane.store.batches.close_batch(batch, plane.settings.reconcile_grace_s)
+    return bool(closed.resumes) and resumed(plane, batch.parent_id, closed.resumes, closed.resume)
 
 
 def resumed(plane: Plane, parent_id: str, resumes: int, resume: bool) -> bool:

@@ -642,9 +642,9 @@ def test_a_fallback_chains_window_is_the_smallest_of_its_hops_set_or_known(setti
     }
     local = settings.model_copy(update={"profiles": {**settings.profiles, **profiles}})
     # A route is only built here (nothing is sent): no run is asked for anything.
-    assert chain_window(Route(local, None, "big")) == (128_000, "profile 'known'")  # type: ignore[arg-type]
-    assert chain_window(Route(local, None, "known")) == (128_000, "profile 'known'")  # type: ignore[arg-type]
-    assert chain_window(Route(local, None, "unknown")) == (None, "")  # type: ignore[arg-type]
+    assert chain_window(Route(local, None, "big", task_id="t")) == (128_000, "profile 'known'")  # type: ignore[arg-type]
+    assert chain_window(Route(local, None, "known", task_id="t")) == (128_000, "profile 'known'")  # type: ignore[arg-type]
+    assert chain_window(Route(local, None, "unknown", task_id="t")) == (None, "")  # type: ignore[arg-type]
 
 
 def test_a_summariser_on_another_provider_is_held_to_its_own_providers_rate_limit(settings: Settings) -> None:

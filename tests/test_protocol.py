@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.models import Ending, Stepped
+from coordinator.replies import Ending, Stepped
 from coordinator.runs import StepState
 from coordinator.store import protocol
 from coordinator.store.base import ACKNOWLEDGED, _load_script
@@ -212,8 +212,8 @@ def test_typed_replies() -> None:
         True,
     )
     assert ended.admitted == ["t9"]
-    assert FlushRun.decode([0]) == (False, "", None)
-    assert FlushRun.decode([1, "active", "root"]) == (True, "active", "root")
+    assert FlushRun.decode([0]) == Stepped(False, "", None)
+    assert FlushRun.decode([1, "active", "root"]) == Stepped(True, "active", "root")
 
 
 # -- a run's one state of "what the last step already did", updated by each step's typed reply ------
@@ -221,7 +221,7 @@ def test_typed_replies() -> None:
 
 def test_a_runs_step_state_follows_each_reply() -> None:
     state = StepState.started("active", exhausted="holder")
-    assert state.announced and state.take_checks() == (True, "active", "holder")
+    assert state.announced and state.take_checks() == Stepped(True, "active", "holder")
     assert state.take_checks() is None, "the start's checks serve the first request only"
 
     state.responded()
@@ -231,7 +231,7 @@ def test_a_runs_step_state_follows_each_reply() -> None:
     state.wrote_own_state()
     assert state.take_checks() is None, "a tool of subq's own wrote state: the next request writes a step"
     state.checked()
-    assert state.take_checks() == (True, "active", None)
+    assert state.take_checks() == Stepped(True, "active", None)
 
     state.stepped(Stepped(True, "cancelled", None), keep=False)  # a flush's checks are not kept
     assert state.take_checks() is None and not state.fenced

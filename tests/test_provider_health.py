@@ -24,7 +24,7 @@ import pytest
 
 from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.celery_app import make_app
-from coordinator.endpoints import HOST, MODEL, Gate
+from coordinator.endpoints import HOST, MODEL, EndpointState
 from coordinator.settings import Price, Profile
 from tests.conftest import dedicated_fleet
 from tests.helpers import eventually
@@ -136,17 +136,17 @@ def test_a_models_outage_is_not_its_hosts_and_a_hosts_is_every_models(idle_coord
     model_a, model_b = "openai:model-a", "openai:model-b"
     backoff: dict[str, Any] = {"base_ms": 2000, "cap_ms": 4000, "jitter": 0.0, "asked_ms": None, "keep_ms": 60_000}
 
-    def gate(model: str, token: str = "run-a") -> Gate:
-        return Gate(*store.gate(endpoint, model, token, 10_000, 1000))
+    def gate(model: str, token: str = "run-a") -> EndpointState:
+        return store.gate(endpoint, model, token, 10_000, 1000)
 
-    marked = Gate(*store.failed(endpoint, model_a, "HTTP 503 server_error: overloaded", **backoff))
+    marked = store.failed(endpoint, model_a, "HTTP 503 server_error: overloaded", **backoff)
     assert (marked.failures, marked.view) == (1, MODEL)
     assert gate(model_a).view == MODEL and gate(model_a).wait_ms > 0, "the model waits"
     assert gate(model_a).error == "HTTP 503 server_error: overloaded"
-    assert gate(model_b) == (0, 0, "", ""), "another model of the same host is sent at once"
+    assert gate(model_b) == EndpointState(0, 0, "", ""), "another model of the same host is sent at once"
     assert store.state(endpoint) == {}, "the host is up"
 
-    host = Gate(*store.failed(endpoint, "", "ModelConnectionError: Connection error.", **{**backoff, "asked_ms": 6000}))
+    host = store.failed(endpoint, "", "ModelConnectionError: Connection error.", **{**backoff, "asked_ms": 6000})
     assert host.view == HOST
     held = gate(model_b)
     assert (held.view, held.error) == (HOST, "ModelConnectionError: Connection error."), (
@@ -161,7 +161,7 @@ def test_a_models_outage_is_not_its_hosts_and_a_hosts_is_every_models(idle_coord
     # Model b answers: the host is back (and b), model a is still down, and only the host's waiters wake.
     assert store.recovered(endpoint, model_b) == [parked_host.id]
     assert store.state(endpoint) == {} and gate(model_a).view == MODEL and gate(model_b).wait_ms == 0
-    assert store.recovered(endpoint, model_a) == [parked_a.id] and gate(model_a) == (0, 0, "", "")
+    assert store.recovered(endpoint, model_a) == [parked_a.id] and gate(model_a) == EndpointState(0, 0, "", "")
     idle_coordinator.store.convergence.remove_timers([f"provider-wait:{t.id}" for t in (parked_a, parked_host)])
 
 
@@ -174,10 +174,10 @@ def test_a_probe_is_taken_only_by_a_run_that_sends(idle_coordinator: Coordinator
     store.failed(endpoint, "", "ModelConnectionError: Connection error.", **quick)
     store.failed(endpoint, "openai:slow", "HTTP 429 rate_limit_exceeded: slow down", **{**quick, "asked_ms": 30_000})
     time.sleep(0.15)  # the host's wait is over
-    waiting = Gate(*store.gate(endpoint, "openai:slow", "run-a", 10_000, 1000))
+    waiting = store.gate(endpoint, "openai:slow", "run-a", 10_000, 1000)
     assert waiting.view == MODEL and waiting.wait_ms > 20_000
     assert "probe" not in store.state(endpoint), "it does not send, so it holds no probe"
-    probe = Gate(*store.gate(endpoint, "openai:other", "run-b", 10_000, 1000))
+    probe = store.gate(endpoint, "openai:other", "run-b", 10_000, 1000)
     assert (probe.wait_ms, probe.view) == (0, HOST), "another model's request probes the host"
     assert store.state(endpoint)["probe"] == "run-b"
 

@@ -20,7 +20,7 @@ import pytest
 
 from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.celery_app import make_app
-from coordinator.endpoints import Gate
+from coordinator.endpoints import EndpointState
 from coordinator.settings import Price, Profile
 from tests import helpers
 from tests.conftest import dedicated_fleet
@@ -273,17 +273,19 @@ def test_an_endpoint_is_down_for_the_whole_fleet_and_one_probe_decides_when_it_i
 ) -> None:
     store = idle_coordinator.store.endpoints
 
-    def gate(*args: object) -> Gate:
-        return Gate(*store.gate(*args))  # type: ignore[arg-type]
+    def gate(*args: object) -> EndpointState:
+        return store.gate(*args)  # type: ignore[arg-type]
 
-    def mark(*args: object, **kwargs: object) -> Gate:
-        return Gate(*store.failed(*args, **kwargs))  # type: ignore[arg-type]
+    def mark(*args: object, **kwargs: object) -> EndpointState:
+        return store.failed(*args, **kwargs)  # type: ignore[arg-type]
 
     endpoint = f"10.0.0.1:{time.time_ns() % 60000}"
     # Waits of a second or two: a loaded host takes tens of milliseconds between two steps of this test, and
     # a wait that ran out between them would read as "up" (seen with a 50 ms base under two busy cores).
     backoff: dict[str, Any] = {"base_ms": 1000, "cap_ms": 2000, "jitter": 0.0, "asked_ms": None, "keep_ms": 60_000}
-    assert gate(endpoint, MODEL_A, "run-a", 10_000, 1000) == (0, 0, "", ""), "an endpoint nobody saw fail is up"
+    assert gate(endpoint, MODEL_A, "run-a", 10_000, 1000) == EndpointState(0, 0, "", ""), (
+        "an endpoint nobody saw fail is up"
+    )
 
     first = mark(endpoint, "", "HTTP 503 server_error: down", **backoff)
     assert (first.failures, 500 <= first.wait_ms <= 1000) == (1, True), first

@@ -151,7 +151,7 @@ def test_a_tool_of_a_run_whose_task_was_stopped_writes_nothing(idle_coordinator:
     before = coord.store.metrics.snapshot()
 
     with pytest.raises(RunStopped):
-        run.update_todos("[ ] written after the stop")
+        run.plan.update_todos("[ ] written after the stop")
 
     assert coord.store.metrics.snapshot() == before, "the plan of a stopped task is not written"
     assert run.stopped(None).status == "cancelled"

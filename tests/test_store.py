@@ -16,6 +16,7 @@ import pytest
 
 from coordinator import Coordinator, CorruptError, NotFoundError, Settings, StoreError, TodoStatus, Usage
 from coordinator.models import AdmissionLimits, TaskRecord
+from coordinator.replies import UsageRecorded
 from coordinator.store import Store
 from coordinator.store.runs import Started
 from tests.helpers import script, usage_step
@@ -57,14 +58,14 @@ def test_usage_rolls_up_every_ancestor_exactly_under_concurrency(idle_coordinato
     def record(n: int) -> None:
         for i in range(per_thread):
             task = grandchild if i % 2 else child
-            assert store.runs.record_usage(task.id, f"t{n}:{i}", usage, 210, "test") == (1, None)
+            assert store.runs.record_usage(task.id, f"t{n}:{i}", usage, 210, "test") == UsageRecorded(1, None)
 
     _run_threads(THREADS, record)
     # Every request key again: nothing is counted twice.
     for n in range(THREADS):
         for i in range(per_thread):
             task = grandchild if i % 2 else child
-            assert store.runs.record_usage(task.id, f"t{n}:{i}", usage, 210, "test") == (0, None)
+            assert store.runs.record_usage(task.id, f"t{n}:{i}", usage, 210, "test") == UsageRecorded(0, None)
 
     half = THREADS * per_thread // 2
     g, c, r = (idle_coordinator.get_task(t.id) for t in (grandchild, child, root))

@@ -19,6 +19,7 @@ from standardwebhooks.webhooks import Webhook as Verifier
 
 from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.models import Usage
+from coordinator.replies import UsageRecorded
 from coordinator.settings import NotifySink
 from tests.agents import STEP_COST_MICROS, agent, call, reply
 from tests.conftest import dedicated_fleet
@@ -64,9 +65,11 @@ def test_the_step_that_crosses_the_share_writes_one_warning_per_threshold(idle: 
         webhooks=[{"url": HOOK}, {"url": HOOK, "events": ["task.*"]}, {"url": HOOK, "events": ["budget.warning"]}],
     )  # fmt: skip
     (child,) = idle.delegate(root.id, [{"description": "spender", "message": "Spend."}]).child_ids
-    assert _spend(idle, child, "r:1", 70_000) == (1, None)
+    assert _spend(idle, child, "r:1", 70_000) == UsageRecorded(1, None)
     assert _warnings(idle, root.id) == [], "70 % crosses nothing"
-    assert _spend(idle, child, "r:2", 15_000) == (1, None)  # 85 %: the child's step crosses the root's 80 %
+    assert _spend(idle, child, "r:2", 15_000) == UsageRecorded(
+        1, None
+    )  # 85 %: the child's step crosses the root's 80 %
     warned = _warnings(idle, root.id)
     # One delivery to each subscription that asks for budget.* (the default, and by name), none to task.*.
     assert sorted(d["hook"] for d in warned) == ["0", "2"] and len({d["event_id"] for d in warned}) == 1
@@ -77,9 +80,9 @@ def test_the_step_that_crosses_the_share_writes_one_warning_per_threshold(idle: 
     assert idle.client.hget(idle.store.keys.task(root.id, root.id), "budget_warned") == "0.8"
 
     # The same request again, another below the budget, another past it: no second warning.
-    assert _spend(idle, child, "r:2", 15_000) == (0, None)
-    assert _spend(idle, child, "r:3", 10_000) == (1, None)
-    assert _spend(idle, child, "r:4", 10_000) == (1, root.id)
+    assert _spend(idle, child, "r:2", 15_000) == UsageRecorded(0, None)
+    assert _spend(idle, child, "r:3", 10_000) == UsageRecorded(1, None)
+    assert _spend(idle, child, "r:4", 10_000) == UsageRecorded(1, root.id)
     assert len(_warnings(idle, root.id)) == 2
     # A lower threshold later (another SUBQ_BUDGET_WARN_AT) is another threshold: a tree that has passed it
     # crossed it before and is not warned; one whose step crosses it is, once.
@@ -102,10 +105,10 @@ def test_a_jump_past_the_share_and_the_budget_warns_once_and_each_budget_of_the_
     root = idle.create_task("Plan.", budget_usd="0.10", webhooks=[{"url": HOOK}])
     (child,) = idle.delegate(root.id, [{"description": "c", "message": "m", "budget_usd": 0.02}]).child_ids
     # 25,000 of the child's 20,000: past its 80 % and its 100 % in one step; 25 % of the root's.
-    assert _spend(idle, child, "r:1", 25_000) == (1, child)
+    assert _spend(idle, child, "r:1", 25_000) == UsageRecorded(1, child)
     warned = _warnings(idle, root.id)
     assert [(d["task_id"], d["fields"]["total_cost_micros"]) for d in warned] == [(child, 25_000)]
-    assert _spend(idle, child, "r:2", 60_000) == (1, child)  # 85,000: the root's 80 % now
+    assert _spend(idle, child, "r:2", 60_000) == UsageRecorded(1, child)  # 85,000: the root's 80 % now
     assert [(d["task_id"], d["fields"]["budget_micros"]) for d in _warnings(idle, root.id)] == [
         (child, 20_000),
         (root.id, 100_000),
@@ -118,7 +121,7 @@ def test_a_tree_without_a_budget_or_without_subscriptions_writes_nothing_of_it(i
     assert idle.store.outbox.deliveries(plain.id) == []
     assert idle.client.hget(idle.store.keys.task(plain.id, plain.id), "budget_warned") is None
     quiet = idle.create_task("Plan.", budget_usd="0.10")
-    assert _spend(idle, quiet.id, "r:1", 90_000) == (1, None)
+    assert _spend(idle, quiet.id, "r:1", 90_000) == UsageRecorded(1, None)
     assert not idle.client.exists(idle.store.keys.outbox(quiet.id), idle.store.keys.hooks(quiet.id))
 
 

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, cast
 from coordinator.ids import root_of, task_of_run_id
 from coordinator.store.base import Part, _str_map, _strs, translate_redis_errors
 from coordinator.store.fields import TaskField
-from coordinator.store.protocol import Lead, RenewLeases, Unwatch
+from coordinator.store.protocol import Lead, RenewLeases, Unwatch, UnwatchKeys
 
 __all__ = ["QUEUE_SCAN_LIMIT", "ConvergenceStore", "Triage"]
 
@@ -69,7 +69,9 @@ class ConvergenceStore(Part):
         end takes its task off in the same step as it frees the lease.
         """
         if task_ids:
-            tasks = [(self.keys.lease(root_of(t), t), self.keys.task(root_of(t), t)) for t in task_ids]
+            tasks = [
+                UnwatchKeys(lease=self.keys.lease(root_of(t), t), task=self.keys.task(root_of(t), t)) for t in task_ids
+            ]
             self.scripts(Unwatch(due=self.keys.due(), tasks=tasks, while_status=while_status, task_ids=task_ids))
 
     @translate_redis_errors

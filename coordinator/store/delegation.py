@@ -18,6 +18,7 @@ from coordinator import todos as todo_lists
 from coordinator.errors import NotFoundError
 from coordinator.ids import root_of
 from coordinator.models import Batch, BatchRef, TaskRecord, TaskStatus, TodoItem
+from coordinator.replies import BatchClosed, ChildSettled
 from coordinator.store.base import (
     EVENTS_MAXLEN,
     Part,
@@ -200,15 +201,15 @@ class DelegationStore(Part):
         )  # fmt: skip
 
     @translate_redis_errors
-    def settle_child(self, batch_id: str, child: TaskRecord, resume_grace_s: float) -> tuple[str, int, bool]:
+    def settle_child(self, batch_id: str, child: TaskRecord, resume_grace_s: float) -> ChildSettled:
         """Apply an ended child of a parallel batch and close the batch if it was the last (settle_child.lua).
 
-        Returns (the batch's mode, the parent's resume count when this call closed it, else 0,
-        whether the caller must publish the parent's resumed run). A sequential batch is
+        Returns the batch's mode, the parent's resume count when this call closed it (else 0),
+        and whether the caller must publish the parent's resumed run. A sequential batch is
         left alone: its caller writes the chain back.
         """
         root, k, parent = child.root_id, self.keys, child.parent_id or child.id
-        mode, resumes, resume = self.scripts(
+        settled = self.scripts(
             SettleChild(
                 parent=k.task(root, parent), todos=k.todos(root, parent), awaiting=k.awaiting(root, parent),
                 events=k.events(root), lines=k.batch_lines(root, batch_id), child=k.task(root, child.id),
@@ -217,16 +218,16 @@ class DelegationStore(Part):
                 resume_grace_s=resume_grace_s, mode="",
             )
         )  # fmt: skip
-        if not mode:
+        if not settled.mode:
             raise NotFoundError(f"Unknown batch: {batch_id}", field="batch_id")
-        return mode, resumes, resume
+        return settled
 
     @translate_redis_errors
-    def close_batch(self, batch: Batch | BatchRef, resume_grace_s: float) -> tuple[int, bool]:
+    def close_batch(self, batch: Batch | BatchRef, resume_grace_s: float) -> BatchClosed:
         """Close a batch once from its stored lines and set its parent active (close_batch.lua).
 
-        Returns (the parent's resume count when this call closed it, else 0; whether the
-        caller must publish the parent's resumed run, which is watched already).
+        Returns the parent's resume count when this call closed it (else 0), and whether the
+        caller must publish the parent's resumed run, which is watched already.
         """
         root, k, parent = batch.root_id, self.keys, batch.parent_id
         return self.scripts(

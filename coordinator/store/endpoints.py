@@ -11,19 +11,16 @@ request is answered.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from coordinator.ids import root_of
+from coordinator.replies import HOST, MODEL, EndpointState, TransientCount
 from coordinator.store.base import Part, _str_map, _strs, translate_redis_errors
 from coordinator.store.fields import TaskField
 from coordinator.store.protocol import EndpointFailed, EndpointGate
 
 __all__ = ["EndpointStore"]
-
-# What the fleet knows of an endpoint (coordinator/endpoints.py's `Gate`): the ms to wait before
-# sending (0: send now), the failures in a row, the last error line ('' while it is up), and the
-# view they are of ('host', 'model'; '' while both are up).
-GateReply = tuple[int, int, str, str]
 
 
 class EndpointStore(Part):
@@ -31,7 +28,7 @@ class EndpointStore(Part):
     task's first wait."""
 
     @translate_redis_errors
-    def gate(self, endpoint: str, model: str, token: str, probe_lease_ms: int, recheck_ms: int) -> GateReply:
+    def gate(self, endpoint: str, model: str, token: str, probe_lease_ms: int, recheck_ms: int) -> EndpointState:
         """Whether a request to `model` at `endpoint` may go now (its host's view and the model's); the run
         `token` becomes the probe of each view that is due one."""
         return self.scripts(
@@ -53,16 +50,16 @@ class EndpointStore(Part):
         jitter: float,
         asked_ms: int | None,
         keep_ms: int,
-    ) -> GateReply:
+    ) -> EndpointState:
         """Mark a view of `endpoint` down after a transient error (`model`'s, or with "" its host's); the
         wait before it may be tried again."""
-        wait_ms, failures = self.scripts(
+        marked = self.scripts(
             EndpointFailed(
                 endpoint=self.keys.endpoint(endpoint, model), now_ms=_now_ms(), base_ms=base_ms, cap_ms=cap_ms,
                 jitter=jitter, asked_ms=-1 if asked_ms is None else asked_ms, error=error, keep_ms=keep_ms,
             )
         )  # fmt: skip
-        return wait_ms, failures, error, "model" if model else "host"
+        return dataclasses.replace(marked, error=error, view=MODEL if model else HOST)
 
     @translate_redis_errors
     def recovered(self, endpoint: str, model: str = "") -> list[str]:
@@ -120,15 +117,15 @@ class EndpointStore(Part):
         )
 
     @translate_redis_errors
-    def count_transient_errors(self, task_id: str, errors: int) -> tuple[int, int]:
-        """`errors` more requests of the task failed transiently: (its transient errors in all, the failed
-        attempts of the request now in flight), both kept on the task, so they go on across parks."""
+    def count_transient_errors(self, task_id: str, errors: int) -> TransientCount:
+        """`errors` more requests of the task failed transiently: its transient errors in all, and the failed
+        attempts of the request now in flight, both kept on the task, so they go on across parks."""
         task = self.keys.task(root_of(task_id), task_id)
         with self.client.pipeline(transaction=True) as pipe:
             pipe.hincrby(task, TaskField.TRANSIENT_ERRORS, errors)
             pipe.hincrby(task, TaskField.PROVIDER_ATTEMPTS, errors)
             total, attempts = pipe.execute()
-        return int(total), int(attempts)
+        return TransientCount(total=int(total), attempts=int(attempts))
 
     @translate_redis_errors
     def state(self, endpoint: str, model: str = "") -> dict[str, str]:

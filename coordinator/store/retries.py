@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from coordinator.ids import root_of
 from coordinator.models import RetryBatch, RetryRefused, RetryTask
 from coordinator.store.base import EVENTS_MAXLEN, Part, translate_redis_errors
-from coordinator.store.protocol import Retry
+from coordinator.store.protocol import Retry, RetryBatchArgs, RetryBatchKeys, RetryTaskArgs, RetryTaskKeys
 
 __all__ = ["RetryStore"]
 
@@ -33,18 +33,29 @@ class RetryStore(Part):
             Retry(
                 due=k.due(), live=k.live(root_id), events=k.events(root_id),
                 task_keys=[
-                    (k.task(root, t.task_id), k.ui_messages(root, t.task_id), k.lease(root, t.task_id),
-                     k.conversation(root, t.task_id))
+                    RetryTaskKeys(
+                        task=k.task(root, t.task_id), ui_messages=k.ui_messages(root, t.task_id),
+                        lease=k.lease(root, t.task_id), conversation=k.conversation(root, t.task_id),
+                    )
                     for t in tasks
                     for root in (root_of(t.task_id),)
                 ],
                 batch_keys=[
-                    (k.batch(root_id, b.batch_id), k.batch_lines(root_id, b.batch_id), k.task(root_id, b.parent_id),
-                     k.awaiting(root_id, b.parent_id), k.todos(root_id, b.parent_id))
+                    RetryBatchKeys(
+                        batch=k.batch(root_id, b.batch_id), lines=k.batch_lines(root_id, b.batch_id),
+                        parent=k.task(root_id, b.parent_id), awaiting=k.awaiting(root_id, b.parent_id),
+                        todos=k.todos(root_id, b.parent_id),
+                    )
                     for b in batches
                 ],
                 now=now, look_at=now + due_after_s, retention_s=self.retention_s, events_maxlen=EVENTS_MAXLEN,
-                tasks=[(t.task_id, t.role, index[t.slot] if t.slot else 0, t.keep, t.length) for t in tasks],
-                batches=[(b.batch_id, b.state, b.parent_id) for b in batches],
+                tasks=[
+                    RetryTaskArgs(
+                        task_id=t.task_id, role=t.role, batch_index=index[t.slot] if t.slot else 0, keep=t.keep,
+                        length=t.length,
+                    )
+                    for t in tasks
+                ],
+                batches=[RetryBatchArgs(batch_id=b.batch_id, state=b.state, parent_id=b.parent_id) for b in batches],
             )
         )  # fmt: skip

@@ -14,7 +14,8 @@ from redis.client import Pipeline
 
 from coordinator.errors import NotFoundError
 from coordinator.ids import root_of
-from coordinator.models import AdmissionLimits, Ending, Outcome, RunWrites, Stepped, TaskRecord, ToolCallDone, Usage
+from coordinator.models import AdmissionLimits, Outcome, RunWrites, TaskRecord, ToolCallDone, Usage
+from coordinator.replies import Ending, Stepped, UsageRecorded
 from coordinator.store.base import (
     EVENTS_MAXLEN,
     Part,
@@ -32,6 +33,7 @@ from coordinator.store.protocol import (
     EndRun,
     FinishTask,
     FlushRun,
+    LatencyArgs,
     RateLimit,
     RecordTool,
     RecordUsage,
@@ -41,6 +43,7 @@ from coordinator.store.protocol import (
     StartRun,
     StepWrites,
     ToolSlot,
+    UsageArgs,
 )
 from coordinator.store.records import RecordStore, decode_record
 
@@ -51,11 +54,8 @@ def _step_writes(writes: RunWrites) -> StepWrites:
     """What a run did since its last step, as flush_run.lua (and end_run.lua after its own ARGV) reads it."""
     return StepWrites(
         live=writes.live, conversation=writes.conversation, ui_messages=writes.ui_messages,
-        usage=[
-            (key, usage.tokens_in, usage.tokens_out, usage.cache_reads, usage.cache_writes, cost_micros, source)
-            for key, usage, cost_micros, source in writes.usage
-        ],
-        latencies=[(latency_bucket(latency_ms), latency_ms) for latency_ms in writes.latencies_ms],
+        usage=[UsageArgs.of(s.request_key, s.usage, s.cost_micros, s.cost_source) for s in writes.usage],
+        latencies=[LatencyArgs(bucket=latency_bucket(ms), ms=ms) for ms in writes.latencies_ms],
         marks=writes.marks,
     )  # fmt: skip
 
@@ -276,11 +276,11 @@ class RunStore(Part):
         cost_micros: int,
         cost_source: str,
         ancestors: Sequence[str] | None = None,
-    ) -> tuple[int, str | None]:
+    ) -> UsageRecorded:
         """Record one request's usage on the task and roll it up the ancestors, once per key; a budget of the
         chain whose warning share it crosses has its `budget.warning` written in the same step.
 
-        Returns (recorded, exhausted): recorded is 1, 0 (a repeat of this key) or -1 (the
+        Returns `recorded` and `exhausted`: recorded is 1, 0 (a repeat of this key) or -1 (the
         task had ended: nothing is recorded after a stop); exhausted is the id of the
         task nearest the root whose budget the subtree has now reached, or None.
         `ancestors` (root first) may be passed by a caller that has the record, to save a read.

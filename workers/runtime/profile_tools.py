@@ -151,7 +151,7 @@ async def _fleet_limit(ctx: RunContext[RunState], tool: str, timeout_s: float) -
             said = True
 
     if limit.rpm:
-        while wait_ms := run.tool_rate_wait_ms(pattern, limit.rpm):
+        while wait_ms := run.limits.tool_rate_wait_ms(pattern, limit.rpm):
             waiting()
             await asyncio.sleep(wait_ms / 1000)
     if not limit.concurrency:
@@ -159,14 +159,14 @@ async def _fleet_limit(ctx: RunContext[RunState], tool: str, timeout_s: float) -
         return
     lease_s = timeout_s + SLOT_LEASE_MARGIN_S
     for attempt in itertools.count():
-        if run.take_tool_slot(pattern, limit.concurrency, lease_s, call_id):
+        if run.limits.take_tool_slot(pattern, limit.concurrency, lease_s, call_id):
             break
         waiting()
         await asyncio.sleep(SLOT_WAITS_S[min(attempt, len(SLOT_WAITS_S) - 1)])
     try:
         yield
     finally:
-        run.free_tool_slot(pattern, call_id)
+        run.limits.free_tool_slot(pattern, call_id)
 
 
 # The key of a `ToolReturn`'s metadata by which a tool reports what its call cost, in USD.
@@ -191,7 +191,7 @@ def charge(run: Run, profile: Profile, tool: str, tool_call_id: str, reported_us
     price = next((usd for pattern, usd in profile.tool_prices.items() if fnmatchcase(tool, pattern)), None)
     usd = reported_usd if reported_usd is not None else price
     if usd:
-        run.record_tool_cost(tool_call_id, tool, usd_to_micros(usd))
+        run.journal.cost(tool_call_id, tool, usd_to_micros(usd))
 
 
 def idempotency_key(ctx: RunContext[Any]) -> str:
@@ -244,9 +244,9 @@ class PolicyToolset(WrapperToolset[RunState]):
             # The response is kept before a call that must not run twice starts: a run resumed after
             # this worker dies finds the call, and does not ask the model again (which might repeat it).
             # A response of idempotent calls only is kept by the step of its first call's result.
-            run.keep_calls()
+            run.journal.keep_calls()
         if ctx.tool_call_approved and not cut_off:
-            run.mark_tool_started(call_id)  # a human approved it: a resume must know it may have run
+            run.journal.mark_started(call_id)  # a human approved it: a resume must know it may have run
         timeout_s = timeout_of(ctx.deps.profile, name)
         outcome, started_s = "ok", 0.0
         try:
@@ -320,7 +320,7 @@ def _done(
     ms = round((ran_s or 0) * 1000)
     observe.tool_call(tool, outcome, ran_s)
     ctx.deps.tool_calls.append({"tool": tool, "outcome": outcome, "ms": ms})
-    ctx.deps.run.record_tool_call(ctx.tool_call_id or "", tool, outcome, result, ms)
+    ctx.deps.run.journal.record(ctx.tool_call_id or "", tool, outcome, result, ms)
 
 
 def answer_without_running(
@@ -332,7 +332,7 @@ def answer_without_running(
     run_state.run.say(kind or ("tool_denied" if outcome == "denied" else "tool_error"), line)
     observe.tool_call(tool, outcome, None)
     run_state.tool_calls.append({"tool": tool, "outcome": outcome, "ms": 0})
-    run_state.run.record_tool_call(tool_call_id, tool, outcome, None if outcome == "denied" else line)
+    run_state.run.journal.record(tool_call_id, tool, outcome, None if outcome == "denied" else line)
 
 
 @dataclass(frozen=True)

@@ -34,13 +34,14 @@ longer than `IN_RUN_WAIT_S`. Each response is priced at the profile that
 answered it (`Route.answered`).
 
 The offline model has no endpoint to share: its scripted failures belong to one
-task, so its view is the run's own (`LocalEndpoint`), with the same rules.
+task, so its view is the task's own (`LocalEndpoint`: the endpoint `offline/<task id>`),
+marked down by the same script, so the backoff is written once, in
+`endpoint_failed.lua`; only its gate is answered in the process, from that answer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -73,7 +74,7 @@ from pydantic_ai.providers.openai import OpenAIProvider
 from pydantic_ai.settings import ModelSettings
 
 from coordinator import OFFLINE_PROFILE, STANDARD_KEYS, Profile, ProfileError, Settings
-from coordinator.runs import HOST, MODEL, Gate, Released
+from coordinator.runs import HOST, MODEL, EndpointState, Released
 from workers.runtime.offline import OfflineModel
 
 __all__ = [
@@ -288,77 +289,73 @@ class EndpointView(Protocol):
     """What the fleet knows of one model's endpoint: the gate before a request, a failure (of the `view` it
     marks), an answer (`host_only`: the host answered, of a model whose own view stays down)."""
 
-    def gate(self) -> Gate: ...
+    def gate(self) -> EndpointState: ...
 
-    def failed(self, line: str, asked_s: float | None, view: str) -> Gate: ...
+    def failed(self, line: str, asked_s: float | None, view: str) -> EndpointState: ...
 
     def answered(self, *, was_down: bool, host_only: bool = False) -> None: ...
 
 
-class RunPort(Protocol):
-    """The run's steps a route takes (coordinator.runs.Run has them)."""
+class ProviderPort(Protocol):
+    """What a route needs of its run: the run's provider port (coordinator/ports/provider.py)."""
 
-    def endpoint_gate(self, endpoint: str, model: str) -> Gate: ...
+    def gate(self, endpoint: str, model: str) -> EndpointState: ...
 
-    def endpoint_failed(self, endpoint: str, model: str, error: str, asked_s: float | None) -> Gate: ...
+    def failed(self, endpoint: str, model: str, error: str, asked_s: float | None) -> EndpointState: ...
 
-    def endpoint_answered(self, endpoint: str, model: str, *, was_down: bool) -> None: ...
+    def answered(self, endpoint: str, model: str, *, was_down: bool) -> None: ...
 
-    def provider_wait_over(self) -> None: ...
+    def wait_over(self) -> None: ...
 
-    def provider_wait_since_ms(self) -> int | None: ...
+    def wait_since_ms(self) -> int | None: ...
 
-    def provider_waiting(self, endpoint: str, *, waiting: bool) -> None: ...
+    def waiting(self, endpoint: str, *, waiting: bool) -> None: ...
 
-    def wait_for_provider(self, endpoint: str, model: str, wake_at_s: float, since_ms: int) -> Released: ...
+    def park(self, endpoint: str, model: str, wake_at_s: float, since_ms: int) -> Released: ...
 
     def transient_errors(self, lines: Sequence[str]) -> None: ...
-
-    def say(self, kind: str, text: str) -> None: ...
 
 
 class SharedEndpoint:
     """A real provider's endpoint: the fleet's views of it (its host's, and `model`'s), in Redis, through the run."""
 
-    def __init__(self, run: RunPort, endpoint: str, model: str) -> None:
-        self.run = run
+    def __init__(self, port: ProviderPort, endpoint: str, model: str) -> None:
+        self.port = port
         self.endpoint = endpoint
         self.model = model
 
-    def gate(self) -> Gate:
-        return self.run.endpoint_gate(self.endpoint, self.model)
+    def gate(self) -> EndpointState:
+        return self.port.gate(self.endpoint, self.model)
 
-    def failed(self, line: str, asked_s: float | None, view: str) -> Gate:
-        return self.run.endpoint_failed(self.endpoint, self.model if view == MODEL else "", line, asked_s)
+    def failed(self, line: str, asked_s: float | None, view: str) -> EndpointState:
+        return self.port.failed(self.endpoint, self.model if view == MODEL else "", line, asked_s)
 
     def answered(self, *, was_down: bool, host_only: bool = False) -> None:
-        self.run.endpoint_answered(self.endpoint, "" if host_only else self.model, was_down=was_down)
+        self.port.answered(self.endpoint, "" if host_only else self.model, was_down=was_down)
 
 
-class LocalEndpoint:
-    """The offline model's: its failures are one task's script, so its view is the run's own (same rules)."""
+class LocalEndpoint(SharedEndpoint):
+    """The offline model's: its failures are one task's script, so its view is the task's own (the endpoint
+    `offline/<task id>`), marked down by the fleet's rule (endpoint_failed.lua) and gated in the process
+    from that answer: a request of the offline model costs no round trip while it is up."""
 
-    def __init__(self, base_s: float, cap_s: float) -> None:
-        self.base_s, self.cap_s = base_s, cap_s
+    def __init__(self, port: ProviderPort, task_id: str, model: str) -> None:
+        super().__init__(port, f"{OFFLINE_PROFILE}/{task_id}", model)
         self.down_until_s = 0.0
         self.failures = 0
 
-    def gate(self) -> Gate:
-        wait_s = self.down_until_s - time.time()
-        return Gate(max(0, int(wait_s * 1000)) if wait_s > 0 else 0, self.failures, "", MODEL if self.failures else "")
+    def gate(self) -> EndpointState:
+        wait_ms = int((self.down_until_s - time.time()) * 1000)
+        return EndpointState(max(0, wait_ms), self.failures, view=MODEL if self.failures else "")
 
-    def failed(self, line: str, asked_s: float | None, view: str) -> Gate:
-        now = time.time()
-        if now >= self.down_until_s:  # as endpoint_failed.lua: exponential, equal jitter, a cap
-            self.failures += 1
-            backoff_s = min(self.cap_s, self.base_s * 2 ** (self.failures - 1))
-            self.down_until_s = now + backoff_s * (0.5 + random.random() / 2)
-        if asked_s is not None:
-            self.down_until_s = max(self.down_until_s, now + asked_s)
-        return Gate(int((self.down_until_s - now) * 1000), self.failures, line, MODEL)
+    def failed(self, line: str, asked_s: float | None, view: str) -> EndpointState:
+        marked = super().failed(line, asked_s, MODEL)  # its script marks the model's view: no host to refuse it
+        self.down_until_s, self.failures = time.time() + marked.wait_ms / 1000, marked.failures
+        return marked
 
     def answered(self, *, was_down: bool, host_only: bool = False) -> None:
         if not host_only:
+            super().answered(was_down=was_down)
             self.down_until_s, self.failures = 0.0, 0
 
 
@@ -438,9 +435,10 @@ class GatedModel(WrapperModel):
 class Route:
     """The models a task's requests go to (its profile's, then its fallbacks'), and its patience."""
 
-    def __init__(self, settings: Settings, run: RunPort, name: str) -> None:
+    def __init__(self, settings: Settings, port: ProviderPort, name: str, *, task_id: str) -> None:
         self.settings = settings
-        self.run = run
+        self.port = port
+        self.task_id = task_id
         self.hops = [self._hop(n) for n in settings.fallback_chain(name)]
         self.answered = self.hops[0]  # the profile whose model answered the latest response
         self.retry_for_s = self.hops[0].profile.model_retry_for_s
@@ -460,9 +458,9 @@ class Route:
         for hop in self.hops:
             view: EndpointView
             if hop.endpoint:
-                view = SharedEndpoint(self.run, hop.endpoint, hop.profile.model)
+                view = SharedEndpoint(self.port, hop.endpoint, hop.profile.model)
             else:
-                view = LocalEndpoint(self.settings.model_retry_base_s, self.settings.model_retry_max_s)
+                view = LocalEndpoint(self.port, self.task_id, hop.profile.model)
             models.append(GatedModel(hop, view, self))
         if len(models) == 1:
             return models[0]
@@ -476,10 +474,10 @@ class Route:
     def succeeded(self) -> None:
         """A response arrived: the request's waits are over (the offline model's are the run's alone)."""
         for endpoint in self._waiting_on:
-            self.run.provider_waiting(endpoint, waiting=False)
+            self.port.waiting(endpoint, waiting=False)
         self._waiting_on.clear()
         if self.answered.endpoint or self._counted:
-            self.run.provider_wait_over()
+            self.port.wait_over()
         self._since_ms, self._in_run_wait_s, self._last_error = None, 0.0, None
         self._counted = False
 
@@ -495,7 +493,7 @@ class Route:
         endpoint = hop.endpoint or OFFLINE_PROFILE
         now_ms = int(time.time() * 1000)
         if self._since_ms is None:
-            self._since_ms = self.run.provider_wait_since_ms() or now_ms
+            self._since_ms = self.port.wait_since_ms() or now_ms
         real = sent_errors(exc)
         if real:
             self._last_error = real[-1]
@@ -503,12 +501,12 @@ class Route:
         if spent_s + wait_s > self.retry_for_s:
             raise self._give_up(error, spent_s)
         if real:  # each will be retried: counted on the task, told in its UI messages (each line says where)
-            self.run.transient_errors([str(e) for e in real])
+            self.port.transient_errors([str(e) for e in real])
             self._counted = True
         self._waiting_on.add(endpoint)
         if hop.endpoint and self._in_run_wait_s + wait_s > IN_RUN_WAIT_S:
-            raise ProviderWait(self.run.wait_for_provider(hop.endpoint, view, time.time() + wait_s, self._since_ms))
-        self.run.provider_waiting(endpoint, waiting=True)
+            raise ProviderWait(self.port.park(hop.endpoint, view, time.time() + wait_s, self._since_ms))
+        self.port.waiting(endpoint, waiting=True)
         self._in_run_wait_s += wait_s
         await asyncio.sleep(wait_s)
 

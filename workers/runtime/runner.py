@@ -34,6 +34,7 @@ from typing import Any
 import pydantic
 from pydantic_ai import (
     Agent,
+    AgentRun,
     DeferredToolRequests,
     DeferredToolResults,
     RunContext,
@@ -48,6 +49,7 @@ from pydantic_ai.messages import (
     ModelRequest,
     ModelRequestPart,
     ModelResponse,
+    ModelResponsePart,
     RetryFeedbackPart,
     RetryInfo,
     TextPart,
@@ -219,30 +221,44 @@ async def _run_agent(rt: Runtime, run: Run, profile: Profile, progress: Progress
 
 
 async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | None) -> Ended | Released:
-    task = run.task
-    state = RunState(run, profile, sandbox=rt.sandbox)
-    offered = rt.toolbox.tools(task.profile).names
+    """The agent's run: from its persisted conversation (or its prompt) to its outcome."""
     history = _load_history(run)
     if not history:
         run.announce_task()
-    saved = len(history)  # the messages the journal holds
+    schema = _schema_of(run.task.output_schema, profile)
     if history and isinstance(history[-1], ModelResponse) and not _calls_without_result(history):
-        ended = _ended_before(run, history, _schema_of(task.output_schema, profile), profile.max_invalid_outputs)
+        ended = _ended_before(run, history, schema, profile.max_invalid_outputs)
         if ended is not None:
             return ended
-    request_no = 0
-    unsent: dict[str, Any] | None = None  # the latest response's progress, not yet sent
-    run_key = f"{task.id}:{run.token}"
+    return await _Drive(rt, run, profile, progress, history).drive(schema)
 
-    before_request = _before_request(run, profile.provider)
 
-    # Its profile's model, then its fallbacks', each behind its endpoint's gate, and its patience.
-    route = Route(rt.settings, run, task.profile or rt.settings.default_profile)
+class _Drive:
+    """One run of the agent: its model behind its route, each response recorded, its progress paced,
+    and the messages it adds saved (`saved`: how many of them the journal holds)."""
 
-    def record(response: ModelResponse, latency_ms: float, via: Route, *, tool: str | None, text: str) -> int:
+    def __init__(
+        self, rt: Runtime, run: Run, profile: Profile, progress: Progress | None, history: list[ModelMessage]
+    ) -> None:
+        self.rt, self.run, self.profile, self.progress = rt, run, profile, progress
+        self.task = run.task
+        self.state = RunState(run, profile, sandbox=rt.sandbox)
+        self.offered = rt.toolbox.tools(self.task.profile).names
+        self.history = history
+        self.saved = len(history)
+        self.request_no = 0
+        self.unsent: dict[str, Any] | None = None  # the latest response's progress, not yet sent
+        self.run_key = f"{self.task.id}:{run.token}"
+        # Its profile's model, then its fallbacks', each behind its endpoint's gate, and its patience.
+        self.route = Route(
+            rt.settings, run.provider, self.task.profile or rt.settings.default_profile, task_id=self.task.id
+        )
+
+    # -- each response ------------------------------------------------------------------
+
+    def record(self, response: ModelResponse, latency_ms: float, via: Route, *, tool: str | None, text: str) -> int:
         """A response's usage and cost on the task, priced at the profile whose model answered it."""
-        nonlocal request_no
-        request_no += 1
+        self.request_no += 1
         usage = response.usage
         via.succeeded()
         # Priced at the profile whose model answered, which a fallback names in the source and the UI.
@@ -250,116 +266,143 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
         cost_micros, source = cost_of(usage, answered.profile, reported_cost_usd(response))
         if via.fell_back:
             source = f"{source} (fallback: profile {answered.name!r}, {answered.profile.model})"
-            run.say("fallback", f"answered by profile {answered.name!r} ({answered.profile.model})")
+            self.run.say("fallback", f"answered by profile {answered.name!r} ({answered.profile.model})")
         used = Usage(
             tokens_in=usage.input_tokens,
             tokens_out=usage.output_tokens,
             cache_reads=usage.cache_read_tokens,
             cache_writes=usage.cache_write_tokens,
         )
-        run.record_response(request_no, used, cost_micros, source, latency_ms=latency_ms, tool=tool, text=text)
+        self.run.record_response(
+            self.request_no, used, cost_micros, source, latency_ms=latency_ms, tool=tool, text=text
+        )
         # This worker's counters, in memory, under the model of the route's profile.
-        observe.response(via.hops[0].profile.model, task.profile, used, cost_micros)
+        observe.response(via.hops[0].profile.model, self.task.profile, used, cost_micros)
         return cost_micros
 
-    def on_response(messages: list[ModelMessage], response: ModelResponse, latency_ms: float) -> None:
+    def on_response(self, messages: list[ModelMessage], response: ModelResponse, latency_ms: float) -> None:
         text = " ".join(p.content for p in response.parts if isinstance(p, TextPart)).strip()
         tool = next((p.tool_name for p in response.parts if isinstance(p, ToolCallPart)), None)
-        cost_micros = record(response, latency_ms, route, tool=tool, text=text)
+        cost_micros = self.record(response, latency_ms, self.route, tool=tool, text=text)
         for part in response.parts:
-            if isinstance(part, TextPart) and part.content.strip():
-                run.say("text", part.content)
-            elif isinstance(part, ToolCallPart) and part.tool_name not in offered:
-                # pydantic-ai answers it "Unknown tool name" and runs nothing: never shown as if it ran,
-                # and counted as the error it is.
-                line = f"not run: {part.tool_name} is not a tool of this task: {describe_call(part)}"
-                answer_without_running(state, part.tool_call_id, part.tool_name, "error", line, kind="error")
-            elif isinstance(part, ToolCallPart):
-                run.say("tool", describe_call(part))
-        nonlocal unsent
-        unsent = {
-            "task_id": task.id, "request": request_no, "cost_micros": cost_micros, "tool": tool,
+            self._say_part(part)
+        self.unsent = {
+            "task_id": self.task.id, "request": self.request_no, "cost_micros": cost_micros, "tool": tool,
             "latency_ms": round(latency_ms),
         }  # fmt: skip
-        send_progress()
+        self.send_progress()
 
-    def send_progress() -> None:
+    def _say_part(self, part: ModelResponsePart) -> None:
+        if isinstance(part, TextPart) and part.content.strip():
+            self.run.say("text", part.content)
+        elif isinstance(part, ToolCallPart) and part.tool_name not in self.offered:
+            # pydantic-ai answers it "Unknown tool name" and runs nothing: never shown as if it ran,
+            # and counted as the error it is.
+            line = f"not run: {part.tool_name} is not a tool of this task: {describe_call(part)}"
+            answer_without_running(self.state, part.tool_call_id, part.tool_name, "error", line, kind="error")
+        elif isinstance(part, ToolCallPart):
+            self.run.say("tool", describe_call(part))
+
+    def send_progress(self) -> None:
         # Due on the process's pacer: sent with every other run's at most every LIVE_EVERY_S (the
         # latest figures then, naming the tool calls answered since the last, for Flower).
-        if progress is not None and unsent is not None:
-            rt.progress_pacer.due(run_key, send_latest)
+        if self.progress is not None and self.unsent is not None:
+            self.rt.progress_pacer.due(self.run_key, self._send_latest)
 
-    def send_latest() -> None:
-        nonlocal unsent
-        if progress is None or unsent is None:
+    def _send_latest(self) -> None:
+        if self.progress is None or self.unsent is None:
             return
-        unsent["tool_calls"], state.tool_calls = state.tool_calls, []
-        progress(unsent)
-        unsent = None
+        self.unsent["tool_calls"], self.state.tool_calls = self.state.tool_calls, []
+        self.progress(self.unsent)
+        self.unsent = None
 
-    model = MeteredModel(
-        route.model, on_response, labels=(profile.provider, profile.model), before=before_request,
-        after_error=route.after_error, compactor=_compactor(rt, run, profile, route, record, history),
-    )  # fmt: skip
-    pending = _calls_without_result(history)
-    results = _answers(run, state, pending, offered, chain_window(route)[0]) if pending else None
-    agent: Agent[RunState, Any] = rt.toolbox.agent(task.profile, plans_offline(profile, task.prompt), build_agent)
-    # A task with an output schema (its own, else its profile's) ends only with attempt_completion(result, data),
-    # built for this run: no plain text ends it. Its invalid answers are bounded by `bound_invalid_answers`, so
-    # pydantic-ai's own retries are set past that bound, "not taken" answers aside (COMPLETION_RETRIES).
-    schema = _schema_of(task.output_schema, profile)
-    typed: dict[str, Any] = {}
-    if schema is not None:
-        state.completion_parameters = completion_parameters(schema)
-        retries = COMPLETION_RETRIES + profile.max_invalid_outputs
-        completion = typed_completion(schema, retries)
-        typed = {"output_type": [completion, DeferredToolRequests], "retries": {"output": retries}}
-    async with agent.iter(
-        None if history else task.prompt,
-        model=model,
-        message_history=history or None,
-        deferred_tool_results=results,
-        deps=state,
-        usage_limits=UsageLimits(request_limit=profile.max_requests),
-        **typed,
-    ) as agent_run:
+    # -- the run ------------------------------------------------------------------------
+
+    async def drive(self, schema: dict[str, Any] | None) -> Ended | Released:
+        rt, run, profile, task, history = self.rt, self.run, self.profile, self.task, self.history
+        model = MeteredModel(
+            self.route.model, self.on_response, labels=(profile.provider, profile.model),
+            before=_before_request(run, profile.provider), after_error=self.route.after_error,
+            compactor=_compactor(rt, run, profile, self.route, self.record, history),
+        )  # fmt: skip
+        pending = _calls_without_result(history)
+        results = _answers(run, self.state, pending, self.offered, chain_window(self.route)[0]) if pending else None
+        agent: Agent[RunState, Any] = rt.toolbox.agent(task.profile, plans_offline(profile, task.prompt), build_agent)
+        async with agent.iter(
+            None if history else task.prompt,
+            model=model,
+            message_history=history or None,
+            deferred_tool_results=results,
+            deps=self.state,
+            usage_limits=UsageLimits(request_limit=profile.max_requests),
+            **_typed(schema, profile, self.state),
+        ) as agent_run:
+            ended = await self._iterate(agent_run)
+            if ended is not None:
+                return ended
+            assert agent_run.result is not None
+            output = agent_run.result.output
+            invalid = invalid_answers(agent_run.all_messages())
+        if self.state.tool_calls and self.unsent is None:
+            self.unsent = {
+                "task_id": task.id,
+                "request": self.request_no,
+                "cost_micros": 0,
+                "tool": None,
+                "latency_ms": 0,
+            }
+        self.send_progress()  # the run's last figures (sent within LIVE_EVERY_S: a run that answers at once sends one)
+        return self._outcome(output, invalid)
+
+    async def _iterate(self, agent_run: AgentRun[RunState, Any]) -> Ended | Released | None:
+        """Each node of the agent's run, its messages saved as they come; an outcome when the run ends early."""
         try:
             async for _node in agent_run:
                 # The response is among the messages before its calls run: the step that keeps it
                 # (`PolicyToolset`: before a call that must not run twice, or with a result) writes it.
-                saved = _save_new(run, agent_run.all_messages(), saved)
+                self.saved = _save_new(self.run, agent_run.all_messages(), self.saved)
         except ProviderWait as wait:  # its provider is down: the run gives its worker back, its request kept
-            _save_new(run, agent_run.all_messages(), saved)
+            _save_new(self.run, agent_run.all_messages(), self.saved)
             return wait.released
         except OutputInvalid as refused:  # its `max_invalid_outputs`-th invalid answer (bound_invalid_answers)
-            _save_new(run, agent_run.all_messages(), saved)
+            _save_new(self.run, agent_run.all_messages(), self.saved)
             return Ended(
                 "failed", error=str(refused)[:MAX_OUTPUT_ERROR_CHARS], error_class="OutputInvalid",
                 invalid_outputs=refused.answers,
             )  # fmt: skip
         except UnexpectedModelBehavior:
-            _save_new(run, agent_run.all_messages(), saved)
+            _save_new(self.run, agent_run.all_messages(), self.saved)
             raise
-        _save_new(run, agent_run.all_messages(), saved)
-        assert agent_run.result is not None
-        output = agent_run.result.output
-        invalid = invalid_answers(agent_run.all_messages())
-    if state.tool_calls and unsent is None:
-        unsent = {"task_id": task.id, "request": request_no, "cost_micros": 0, "tool": None, "latency_ms": 0}
-    send_progress()  # the run's last figures (sent within LIVE_EVERY_S: a run that answers at once sends one)
-    if isinstance(output, DeferredToolRequests):
-        if output.approvals:
-            approval_ids = run.park([_tool_call(call, output) for call in output.approvals])
-            for approval_id, call in zip(approval_ids, output.approvals, strict=True):
-                args = _tool_call(call, output).args
-                run.say("approval_request", f"{approval_id}: {call.tool_name} {json.dumps(args)}")
-            return Released("waiting_approval")
-        if run.delegation is None:
-            return Ended("failed", error="the run deferred a call that is not a delegation", error_class="Deferred")
-        return Released("delegated")
-    if isinstance(output, TypedResult):
-        return Ended("completed", summary=output.result, output_json=output.data_json, invalid_outputs=invalid)
-    return Ended("completed", summary=str(output))
+        _save_new(self.run, agent_run.all_messages(), self.saved)
+        return None
+
+    def _outcome(self, output: object, invalid: int) -> Ended | Released:
+        run = self.run
+        if isinstance(output, DeferredToolRequests):
+            if output.approvals:
+                approval_ids = run.approvals.park([_tool_call(call, output) for call in output.approvals])
+                for approval_id, call in zip(approval_ids, output.approvals, strict=True):
+                    args = _tool_call(call, output).args
+                    run.say("approval_request", f"{approval_id}: {call.tool_name} {json.dumps(args)}")
+                return Released("waiting_approval")
+            if run.plan.delegation is None:
+                return Ended("failed", error="the run deferred a call that is not a delegation", error_class="Deferred")
+            return Released("delegated")
+        if isinstance(output, TypedResult):
+            return Ended("completed", summary=output.result, output_json=output.data_json, invalid_outputs=invalid)
+        return Ended("completed", summary=str(output))
+
+
+def _typed(schema: dict[str, Any] | None, profile: Profile, state: RunState) -> dict[str, Any]:
+    """A task with an output schema (its own, else its profile's) ends only with attempt_completion(result, data),
+    built for this run: no plain text ends it. Its invalid answers are bounded by `bound_invalid_answers`, so
+    pydantic-ai's own retries are set past that bound, "not taken" answers aside (COMPLETION_RETRIES)."""
+    if schema is None:
+        return {}
+    state.completion_parameters = completion_parameters(schema)
+    retries = COMPLETION_RETRIES + profile.max_invalid_outputs
+    completion = typed_completion(schema, retries)
+    return {"output_type": [completion, DeferredToolRequests], "retries": {"output": retries}}
 
 
 def _before_request(run: Run, provider: str) -> Callable[[], Awaitable[None]]:
@@ -367,10 +410,10 @@ def _before_request(run: Run, provider: str) -> Callable[[], Awaitable[None]]:
     rate limit (a summariser on another provider waits on its own)."""
 
     async def before_request() -> None:
-        stopped, holder = run.check_stop()
-        if stopped:
-            raise StopRun(holder)
-        while wait_ms := run.rate_wait_ms(provider):
+        check = run.check_stop()
+        if check.stopped:
+            raise StopRun(check.budget_holder)
+        while wait_ms := run.limits.rate_wait_ms(provider):
             await asyncio.sleep(wait_ms / 1000)
 
     return before_request
@@ -400,11 +443,11 @@ class Compaction:
         self.run = run
 
     def plan(self) -> str:
-        items = self.run.todos()
+        items = self.run.plan.todos()
         return render_markdown(items) if items else ""
 
     def keep(self, record: CompactionRecord, ui_text: str) -> None:
-        if not self.run.keep_compaction(record.number, record.model_dump_json(), ui_text):
+        if not self.run.compaction.keep(record.number, record.model_dump_json(), ui_text):
             # Only a second live run could have kept it: the lease says there is none.
             log.warning("subq: compaction %d of %s was kept already", record.number, self.run.task_id)
 
@@ -423,7 +466,7 @@ def _compactor(
     window, window_of = chain_window(route)
     name = profile.compaction_profile or run.task.profile or rt.settings.default_profile
     own = name == (run.task.profile or rt.settings.default_profile)
-    via = route if own else Route(rt.settings, run, name)
+    via = route if own else Route(rt.settings, run.provider, name, task_id=run.task.id)
     summariser = via.hops[0].profile
 
     def on_summary(messages: list[ModelMessage], response: ModelResponse, latency_ms: float) -> None:
@@ -440,7 +483,7 @@ def _compactor(
         response = await model.request([summary_request(transcript)], settings, ModelRequestParameters())
         return "\n".join(p.content for p in response.parts if isinstance(p, TextPart))
 
-    kept = load_records(run.compactions()) if history else []
+    kept = load_records(run.compaction.records()) if history else []
     return Compactor(
         Compaction(run), summarise, window=window, share=profile.compact_at_share, summariser_name=name,
         summariser_window=chain_window(via)[0], records=kept, window_of=window_of,
@@ -534,8 +577,10 @@ def _answers(
     calls: dict[str, Any] = {}
     approvals: dict[str, Any] = {}
     metadata: dict[str, dict[str, Any]] = {}
-    batch, decisions = run.answers()
-    kept, started = run.tool_results([c.tool_call_id for c in pending if c.tool_name not in OWN_STATE_TOOLS])
+    answers = run.approvals.answers()
+    batch, decisions = answers.batch, answers.decisions
+    journal = run.journal.kept([c.tool_call_id for c in pending if c.tool_name not in OWN_STATE_TOOLS])
+    kept, started = journal.results, journal.started
     for call in pending:
         call_id = call.tool_call_id
         if call_id in kept:

@@ -209,7 +209,7 @@ def _delegate(ctx: RunContext[RunState], specs: list[SubtaskInput], mode: str) -
                 error = exc.errors()[0]
                 where = error_path(error, ("tasks", index) if mode == "parallel" else ())
                 return f"Error: {where}: {error_message(error)} (no subtask was created)"
-        batch, children = run.delegate(checked, mode, tool_call_id=ctx.tool_call_id or "")
+        batch, children = run.plan.delegate(checked, mode, tool_call_id=ctx.tool_call_id or "")
     except SubqError as exc:
         return f"Error: {exc} (no subtask was created)"
     run.say("subtasks", f"Delegated {len(children)} {mode} subtask(s): " + ", ".join(c.id for c in children))
@@ -228,7 +228,7 @@ offline_plan_toolset: FunctionToolset[RunState] = FunctionToolset()
 @offline_plan_toolset.instructions
 def offline_plan(ctx: RunContext[RunState]) -> str | None:
     """An offline task's plan, before each request: the offline model's planner carries it out."""
-    items = ctx.deps.run.todos()
+    items = ctx.deps.run.plan.todos()
     return plan_instructions(items) if items else None
 
 
@@ -246,7 +246,7 @@ def update_todo_list(ctx: RunContext[RunState], todos: str | list[TodoInput]) ->
     run = ctx.deps.run
     update: str | list[object] = todos if isinstance(todos, str) else [t.model_dump() for t in todos]
     try:
-        items = run.update_todos(update)
+        items = run.plan.update_todos(update)
     except SubqError as exc:
         return f"Error: {exc}"
     rendered = render_markdown(items)
