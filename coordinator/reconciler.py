@@ -128,6 +128,7 @@ class Reconciler:
         live = self.plane.store.convergence.beat(self.name, self.plane.settings.heartbeat_lapse_s)
         # A node's reconciler beats as `<node>:<pid>` (`<name>@<host>`); a run's heartbeat has no `@`.
         self.fleet_size = max(1, sum(1 for member in live if "@" in member.rpartition(":")[0]))
+        admission.beat(self.plane, self.name)  # its concurrency and the tenants table (fair shares)
 
     def run_forever(self, stop: threading.Event, clock: Callable[[], float] = time.monotonic) -> None:
         """Beat, and tick while leading or bid for the lead, until `stop` is set (never, in a worker).
@@ -234,7 +235,7 @@ class Reconciler:
             return None
         if self._queued is None:
             self._queued = store.convergence.queued_task_ids(settings.queue)
-        if task_id in self._queued or store.convergence.in_admission(task_id):
+        if task_id in self._queued or store.convergence.in_admission(task_id) or admission.parked(plane, task_id):
             self._later[settings.reconcile_grace_s].append(task_id)
             return None
         if store.convergence.triage([task_id])[0].leased:
