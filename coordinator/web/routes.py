@@ -154,7 +154,9 @@ def _router(coord: Coordinator, auth: WebAuth, auth_attempts: RateLimiter) -> AP
         except SubqError as exc:
             return error_page(request, exc, key)
         next_query = urlencode(wanted.query(found.next_cursor)) if found.next_cursor is not None else None
-        return page(request, "roots.html", key=key, wanted=wanted, found=found, next_query=next_query)
+        # An operator sees each tenant's running, waiting and spend against its quotas (docs/tenants.md).
+        tenants = coord.tenants() if key.has(Scope.OPERATE) else None
+        return page(request, "roots.html", key=key, wanted=wanted, found=found, next_query=next_query, tenants=tenants)
 
     @router.get("/tasks/{task_id}", response_class=HTMLResponse)
     def tree_page(request: Request, task_id: TaskId) -> Response:

@@ -17,6 +17,7 @@ from coordinator.errors import ValidationError
 from coordinator.inputs import meta_pairs, visible_text
 from coordinator.models import Approval, Delivery, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem
 from coordinator.service import MAX_PAGE, Coordinator
+from coordinator.tenants import check_tenant_name
 from coordinator.timeline import WAIT_REASONS, CriticalStep, TaskTimes, critical_path, held_longest, times_of
 from coordinator.tree import duration
 
@@ -47,7 +48,7 @@ MAX_TEXT_CHARS = 200
 # A tool call as the approval box and its confirmation show it: long enough for any
 # command an operator should approve by reading it; past it, a marker says how much is cut.
 MAX_CALL_CHARS = 2_000
-ROOT_FILTER_PARAMS = ("status", "q", "meta", "since", "until", "cursor", "limit")
+ROOT_FILTER_PARAMS = ("status", "q", "meta", "tenant", "since", "until", "cursor", "limit")
 # The history index holds cursor offsets; above this an offset cannot be a real position.
 MAX_CURSOR = 2**53
 
@@ -58,6 +59,7 @@ class RootFilter:
     text: str = ""
     # One `key=value` the root's metadata must hold (the API's `meta.<key>`; one field in the form).
     meta: tuple[str, str] | None = None
+    tenant: str = ""  # only the trees run for this tenant ('' for any)
     since: dt.date | None = None  # inclusive, UTC
     until: dt.date | None = None  # inclusive, UTC
     cursor: int = 0
@@ -69,6 +71,7 @@ class RootFilter:
             "status": self.status.value if self.status else "",
             "q": self.text,
             "meta": self.meta_text,
+            "tenant": self.tenant,
             "since": self.since.isoformat() if self.since else "",
             "until": self.until.isoformat() if self.until else "",
             "limit": str(self.limit) if self.limit != DEFAULT_ROOTS_PER_PAGE else "",
@@ -108,12 +111,17 @@ def parse_root_filter(params: Mapping[str, str]) -> RootFilter:
         raise ValidationError(f"q: at most {MAX_TEXT_CHARS} characters", field="q")
     meta_text = params.get("meta", "").strip()
     meta = next(iter(meta_pairs([meta_text], "meta").items())) if meta_text else None
+    tenant = params.get("tenant", "").strip()
+    if tenant:
+        check_tenant_name(tenant)
     since, until = _date(params, "since"), _date(params, "until")
     if since and until and since > until:
         raise ValidationError(f"since ({since}) is after until ({until})", field="since")
     cursor = _integer(params, "cursor", 0, 0, MAX_CURSOR)
     limit = _integer(params, "limit", DEFAULT_ROOTS_PER_PAGE, 1, MAX_ROOTS_PER_PAGE)
-    return RootFilter(status=status, text=text, meta=meta, since=since, until=until, cursor=cursor, limit=limit)
+    return RootFilter(
+        status=status, text=text, meta=meta, tenant=tenant, since=since, until=until, cursor=cursor, limit=limit
+    )
 
 
 def _date(params: Mapping[str, str], name: str) -> dt.date | None:
@@ -169,11 +177,12 @@ def find_roots(coord: Coordinator, wanted: RootFilter, owner: str | None = None)
     status = wanted.status.value if wanted.status else None
     # Matched in the history's own scan, as a status is (its children carry it too, and are skipped below).
     metadata = dict([wanted.meta]) if wanted.meta else None
+    tenant = wanted.tenant or None
     found: list[HistoryItem] = []
     cursor, scanned = wanted.cursor, 0
     while True:
         items, next_cursor = coord.list_tasks(
-            status=status, limit=MAX_PAGE, cursor=cursor, owner=owner, metadata=metadata
+            status=status, limit=MAX_PAGE, cursor=cursor, owner=owner, metadata=metadata, tenant=tenant
         )
         for n, item in enumerate(items):
             if since_s is not None and item.ts < since_s:
@@ -185,7 +194,9 @@ def find_roots(coord: Coordinator, wanted: RootFilter, owner: str | None = None)
             found.append(item)
             if len(found) == wanted.limit:
                 # The cursor just past this item, counted as list_tasks counts (it skips expired tasks).
-                after = coord.list_tasks(status=status, limit=n + 1, cursor=cursor, owner=owner, metadata=metadata)
+                after = coord.list_tasks(
+                    status=status, limit=n + 1, cursor=cursor, owner=owner, metadata=metadata, tenant=tenant
+                )
                 return RootPage(found, after[1])
         scanned += len(items)
         if next_cursor is None:
