@@ -9,6 +9,7 @@ worker's beat (its concurrency, the policies), and the reads of the tenants view
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -77,6 +78,7 @@ def fair_keys(keys: Keys) -> FairKeys:
     )  # fmt: skip
 
 
+@functools.lru_cache(maxsize=64)  # one per deployment and setting: built once, not at every run's start and end
 def fair_args(keys: Keys, shares: FairShares) -> FairArgs:
     """How the scripts name a tenant's keys and a task's hash (the keys module's names, cut where the tenant or
     the ids go), and the bounds."""
