@@ -38,7 +38,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, NamedTuple, TypeVar, cast
 
-from coordinator.models import Ending, RetryRefused, Stepped, Usage
+from coordinator.models import Mark, RetryRefused, Usage
+from coordinator.replies import (
+    BatchClosed,
+    ChildSettled,
+    Ending,
+    EndpointState,
+    StartReply,
+    Stepped,
+    UsageRecorded,
+)
 
 __all__ = [
     "CALLS",
@@ -272,21 +281,8 @@ def _strs(reply: Any) -> list[str]:
 
 def _stepped(raw: Any) -> Stepped:
     if int(raw[0]) == 0:
-        return Stepped(False, "", None)
-    return Stepped(True, str(raw[1]), str(raw[2]) or None)
-
-
-class StartReply(NamedTuple):
-    """start_run's reply: the verdict and what it brings (the caller reads the record and the conversation
-    in the same transaction, `Scripts.then_read`)."""
-
-    verdict: str
-    deliveries: int
-    run_seq: int
-    exhausted: str | None
-    delay_ms: int
-    parked_for: str = ""  # 'park': why its tenant's slot was refused ('max_running', 'share', 'fleet')
-    admitted: tuple[str, ...] = ()  # 'park': the parked run given the slot instead (the caller publishes it)
+        return Stepped(leased=False, status="", exhausted=None)
+    return Stepped(leased=True, status=str(raw[1]), exhausted=str(raw[2]) or None)
 
 
 # -- groups several scripts share ----------------------------------------------------------
@@ -314,8 +310,34 @@ class OutboxKeys(Group):
     pending: str = key("the pending deliveries of every tree")
 
 
-# Each response's usage: request key, tokens in, tokens out, cache reads, cache writes, cost micro-USD, source.
-UsageArgs = tuple[str, int, int, int, int, int, str]
+# -- argument tuples: a tail's items, built by name and laid out flat by `pack` ---------------------
+
+
+class UsageArgs(NamedTuple):
+    """Each response's usage (or a tool call's price), as flush_run reads it: 7 values."""
+
+    request_key: str
+    tokens_in: int
+    tokens_out: int
+    cache_reads: int
+    cache_writes: int
+    cost_micros: int
+    cost_source: str
+
+    @classmethod
+    def of(cls, request_key: str, usage: Usage, cost_micros: int, cost_source: str) -> UsageArgs:
+        return cls(
+            request_key=request_key, tokens_in=usage.tokens_in, tokens_out=usage.tokens_out,
+            cache_reads=usage.cache_reads, cache_writes=usage.cache_writes, cost_micros=cost_micros,
+            cost_source=cost_source,
+        )  # fmt: skip
+
+
+class LatencyArgs(NamedTuple):
+    """A response's latency, as flush_run reads it: its histogram field, and the ms."""
+
+    bucket: str
+    ms: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -333,8 +355,8 @@ class StepWrites(Group):
         "then 7 values per usage record (request key, tokens in, tokens out, cache reads, cache writes, "
         "cost micro-USD, cost source)"
     )
-    latencies: Sequence[tuple[str, float]] = args("then 2 per latency (histogram field, ms)")
-    marks: Sequence[tuple[int, str]] = args(
+    latencies: Sequence[LatencyArgs] = args("then 2 per latency (histogram field, ms)")
+    marks: Sequence[Mark] = args(
         "then, to the end, 2 per timeline mark the run took between steps (t ms, state: coordinator/timeline.py)"
     )
 
@@ -424,7 +446,7 @@ class FinishBatch(
 
 @dataclass(frozen=True, kw_only=True)
 class CloseBatch(
-    Call[tuple[int, bool]],
+    Call[BatchClosed],
     script="close_batch",
     uses=("finish_batch",),
     acknowledged=True,
@@ -445,8 +467,8 @@ class CloseBatch(
     resume_grace_s: float = arg("resume grace seconds")
 
     @classmethod
-    def decode(cls, raw: Any) -> tuple[int, bool]:
-        return int(raw[0]), bool(raw[1])
+    def decode(cls, raw: Any) -> BatchClosed:
+        return BatchClosed(resumes=int(raw[0]), resume=bool(raw[1]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -481,7 +503,7 @@ class Decide(
 
 @dataclass(frozen=True, kw_only=True)
 class EndpointFailed(
-    Call[tuple[int, int]],
+    Call[EndpointState],
     script="endpoint_failed",
     returns="{ms until the endpoint may be tried again, failures in a row}.",
 ):
@@ -495,13 +517,13 @@ class EndpointFailed(
     keep_ms: int = arg("how long the hash outlives the endpoint's wait, ms")
 
     @classmethod
-    def decode(cls, raw: Any) -> tuple[int, int]:
-        return int(raw[0]), int(raw[1])
+    def decode(cls, raw: Any) -> EndpointState:
+        return EndpointState(wait_ms=int(raw[0]), failures=int(raw[1]))
 
 
 @dataclass(frozen=True, kw_only=True)
 class EndpointGate(
-    Call[tuple[int, int, str, str]],
+    Call[EndpointState],
     script="endpoint_gate",
     returns="{wait ms (0: send it now), failures in a row, the last error line, the view ('host', 'model'; '': up)}.",
 ):
@@ -513,8 +535,8 @@ class EndpointGate(
     recheck_ms: int = arg("how long to wait, at most, before asking again while another run's probe is out (ms)")
 
     @classmethod
-    def decode(cls, raw: Any) -> tuple[int, int, str, str]:
-        return int(raw[0]), int(raw[1]), str(raw[2]), str(raw[3])
+    def decode(cls, raw: Any) -> EndpointState:
+        return EndpointState(wait_ms=int(raw[0]), failures=int(raw[1]), error=str(raw[2]), view=str(raw[3]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -858,7 +880,7 @@ class RecordTool(
 
 @dataclass(frozen=True, kw_only=True)
 class RecordUsage(
-    Call[tuple[int, str | None]],
+    Call[UsageRecorded],
     script="record_usage",
     uses=("outbox_add",),
     returns="{recorded, exhausted}: recorded is 1, 0 (this request was recorded before) or -1 (the task has "
@@ -892,8 +914,8 @@ class RecordUsage(
     )
 
     @classmethod
-    def decode(cls, raw: Any) -> tuple[int, str | None]:
-        return int(raw[0]), str(raw[1]) or None
+    def decode(cls, raw: Any) -> UsageRecorded:
+        return UsageRecorded(recorded=int(raw[0]), exhausted=str(raw[1]) or None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -948,11 +970,41 @@ class RenewLeases(
         return [int(i) for i in raw]
 
 
-# A task to retry: id, 'run' or 'wait', the index (1-based) of the batch its slot is in (0: none), and for
-# 'wait' how many conversation messages to keep and how many it must have now (else 0, 0).
-RetryTaskArgs = tuple[str, str, int, int, int]
-# A batch a retry re-opens: its id, 'open' or 'closed', its parent's id.
-RetryBatchArgs = tuple[str, str, str]
+class RetryTaskKeys(NamedTuple):
+    """A task a retry touches: 4 keys."""
+
+    task: str
+    ui_messages: str
+    lease: str
+    conversation: str
+
+
+class RetryBatchKeys(NamedTuple):
+    """A batch a retry re-opens: 5 keys."""
+
+    batch: str
+    lines: str
+    parent: str
+    awaiting: str
+    todos: str
+
+
+class RetryTaskArgs(NamedTuple):
+    """A task to retry: 5 values."""
+
+    task_id: str
+    role: str  # 'run' or 'wait'
+    batch_index: int  # the index (1-based) of the batch its slot is in (0: none)
+    keep: int  # for 'wait', how many conversation messages to keep (else 0)
+    length: int  # for 'wait', how many it must have now (else 0)
+
+
+class RetryBatchArgs(NamedTuple):
+    """A batch a retry re-opens: 3 values."""
+
+    batch_id: str
+    state: str  # 'open' or 'closed'
+    parent_id: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -967,10 +1019,10 @@ class Retry(
     due: str = key("the due list")
     live: str = key("tree live hash")
     events: str = key("tree events stream")
-    task_keys: Sequence[tuple[str, str, str, str]] = keys(
+    task_keys: Sequence[RetryTaskKeys] = keys(
         "4 keys per task: task hash, its UI messages, its lease, its conversation"
     )
-    batch_keys: Sequence[tuple[str, str, str, str, str]] = keys(
+    batch_keys: Sequence[RetryBatchKeys] = keys(
         "then 5 keys per batch: batch hash, batch lines, parent hash, parent awaiting set, parent todos"
     )
     now: float = arg("now (epoch s)")
@@ -997,7 +1049,7 @@ class Retry(
 
 @dataclass(frozen=True, kw_only=True)
 class SettleChild(
-    Call[tuple[str, int, bool]],
+    Call[ChildSettled],
     script="settle_child",
     uses=("apply_children", "finish_batch", "close_batch"),
     acknowledged=True,
@@ -1021,8 +1073,8 @@ class SettleChild(
     mode: str = arg("the batch's mode when the caller knows it ('' if not)")
 
     @classmethod
-    def decode(cls, raw: Any) -> tuple[str, int, bool]:
-        return str(raw[0] or ""), int(raw[1]), bool(int(raw[2]))
+    def decode(cls, raw: Any) -> ChildSettled:
+        return ChildSettled(mode=str(raw[0] or ""), resumes=int(raw[1]), resume=bool(int(raw[2])))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1072,11 +1124,12 @@ class StartRun(
         verdict, counts = str(raw[0]), raw[1]
         if verdict == "run":
             deliveries, run_seq, exhausted = counts
-            return StartReply(verdict, int(deliveries), int(run_seq), str(exhausted) or None, 0)
+            return StartReply(
+                verdict, deliveries=int(deliveries), run_seq=int(run_seq), exhausted=str(exhausted) or None
+            )
         if verdict == "park":
-            return StartReply(verdict, 0, 0, None, 0, str(counts[1]), tuple(str(i) for i in counts[2:] if i))
-        delay_ms = int(counts[0]) if verdict in ("wait", "delay") else 0
-        return StartReply(verdict, 0, 0, None, delay_ms)
+            return StartReply(verdict, parked_for=str(counts[1]), admitted=tuple(str(i) for i in counts[2:] if i))
+        return StartReply(verdict, delay_ms=int(counts[0]) if verdict in ("wait", "delay") else 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1181,6 +1234,13 @@ class ToolSlot(
         return bool(int(raw))
 
 
+class UnwatchKeys(NamedTuple):
+    """A task the due list may forget: 2 keys."""
+
+    lease: str
+    task: str
+
+
 @dataclass(frozen=True, kw_only=True)
 class Unwatch(
     Call[int],
@@ -1188,7 +1248,7 @@ class Unwatch(
     returns="how many were taken off.",
 ):
     due: str = key("the due list")
-    tasks: Sequence[tuple[str, str]] = keys("2 keys per task id of ARGV, in its order: its lease, its task hash")
+    tasks: Sequence[UnwatchKeys] = keys("2 keys per task id of ARGV, in its order: its lease, its task hash")
     while_status: str = arg("the status the task must still have to be taken off ('' for any)")
     task_ids: Sequence[str] = args("task ids")
 
