@@ -333,7 +333,12 @@ def test_an_idempotency_key_and_metadata_as_through_v1(stack: tuple[Coordinator,
     coord, api = stack
     connect = over_http(api)
     key = f"mcp-{time.monotonic_ns()}"
-    args = {"prompt": "Write a haiku about queues", "idempotency_key": key, "metadata": {"ticket": "T-41"}}
+    args = {
+        "prompt": "Write a haiku about queues",
+        "idempotency_key": key,
+        "metadata": {"ticket": "T-41"},
+        "priority": 5,
+    }
 
     async def main() -> None:
         async with connect("team") as client:
@@ -342,7 +347,9 @@ def test_an_idempotency_key_and_metadata_as_through_v1(stack: tuple[Coordinator,
             assert again["id"] == first["id"] and first["metadata"] == {"ticket": "T-41"}
         async with connect("other") as client:  # idempotency keys are per API key: another key's is its own tree
             assert data(await client.call_tool("run_task", args))["id"] != first["id"]
-        assert coord.wait(first["id"], 60).metadata == {"ticket": "T-41"}
+        done = coord.wait(first["id"], 60)
+        assert done.metadata == {"ticket": "T-41"}
+        assert (done.tenant, done.priority) == ("team", 5), "the key's tenant, as through /v1 (issue 42)"
 
     anyio.run(main)
 

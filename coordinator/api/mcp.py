@@ -83,7 +83,7 @@ class KeyedOperations:
         return self.coord.create_task(
             prompt, todos=todos, profile=profile, run=run, budget_usd=budget_usd, idempotency_key=idempotency_key,
             owner=self.key.name, output_schema=dict(output_schema) if output_schema is not None else None,
-            metadata=metadata, key_webhooks=self.key.webhooks, **more,
+            metadata=metadata, key_webhooks=self.key.webhooks, tenant=self.key.tenant, **more,
         )  # fmt: skip
 
     def get_task(self, task_id: str, /) -> TaskRecord:
