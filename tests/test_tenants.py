@@ -289,3 +289,33 @@ def test_the_api_names_each_keys_tenant_refuses_over_quota_with_429_and_shows_te
         assert 'subq_tenant_roots_running{tenant="acme"} 2.0' in metrics
         assert 'subq_tenant_submits_last_minute{tenant="other"} 1.0' in metrics
         assert 'tenant="b"' not in metrics
+
+
+def test_the_cli_shows_tenants_takes_a_priority_and_exits_75_over_a_quota(coord: Coordinator) -> None:
+    from tests.test_cli import cli
+
+    env = {
+        "SUBQ_REDIS_URL": str(coord.settings.redis_url),
+        "SUBQ_KEY_PREFIX": PREFIX,
+        "SUBQ_QUEUE": "subq-tenants-idle",
+        "SUBQ_TENANTS": json.dumps({"acme": {"submits_per_minute": 2, "max_cost_usd_per_day": 0.05}}),
+        "SUBQ_DEFAULT_TENANT": "acme",
+    }
+    made = cli("run", "First.", "--priority", "5", env=env)
+    assert made.returncode == 0, made.stderr
+    assert (coord.get_task(made.stdout.strip()).tenant, coord.get_task(made.stdout.strip()).priority) == ("acme", 5)
+    bad = cli("run", "Bad.", "--priority", "9", env=env)
+    assert bad.returncode == 1 and "priority must be an integer from 1 to 5" in bad.stderr
+    assert cli("run", "Second.", env=env).returncode == 0
+    refused = cli("run", "Third.", env=env)
+    assert refused.returncode == 75
+    assert refused.stderr.startswith("subq: Quota exceeded: tenant 'acme' created 2 roots in the last minute")
+    shown = cli("tenants", env=env)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0].split() == ["tenant", "running", "waiting", "roots", "submits/min", "spend", "today"]
+    assert lines[1].split() == ["acme", "0", "0", "2", "2/2", "$0.000000", "/", "$0.050000"]
+    listed = json.loads(cli("tenants", "--json", env=env).stdout)
+    assert listed[0]["tenant"] == "acme" and listed[0]["policy"]["max_cost_micros_per_day"] == 50_000
+    history = json.loads(cli("history", "--tenant", "acme", "--json", env=env).stdout)
+    assert len(history["items"]) == 2 and {i["tenant"] for i in history["items"]} == {"acme"}
