@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter
 
+from coordinator import quotas
 from coordinator.models import Spend, ToolCallDone, Usage
 from coordinator.ports.steps import Steps
 
@@ -68,6 +69,8 @@ class ToolJournal:
         )
         self._run.writes.usage.append(spend)
         self._run.live.cost_micros += cost_micros
+        if quotas.count_spend(self._plane, self._run.task, spend.request_key, cost_micros):
+            self._run.tenant_over_day = True  # its tenant's max_cost_usd_per_day: stop before the next request
 
     def kept(self, tool_call_ids: Sequence[str]) -> KeptCalls:
         """The kept results of these calls, for those that returned before the run's last worker died; and

@@ -196,6 +196,9 @@ class Waits:
 class Steps(Protocol):
     """The part of a run a port may touch: what its next step writes, and writing it."""
 
+    # Set when a cost it recorded took its tenant's day to the quota (coordinator/quotas.py): it stops next.
+    tenant_over_day: bool
+
     @property
     def task(self) -> TaskRecord: ...
 
