@@ -295,6 +295,34 @@ class Scripts:
         script_keys, script_args = call.pack()
         return call.decode(self._send[call.script](keys=script_keys, args=script_args))
 
+    def many(self, calls: Sequence[Call[Any]]) -> list[Any]:
+        """Several calls (none acknowledged) in one pipeline, one round trip: each atomic on its own, as if
+        sent one by one (the deliverer settles a batch of attempts so, coordinator/outbound.py). A call the
+        server answers NOSCRIPT did not run: its script is loaded and that call alone sent again."""
+        replies: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for _ in range(2):
+            with self._client.pipeline(transaction=False) as pipe:
+                for n in todo:
+                    if CALLS[calls[n].script].acknowledged:
+                        raise TypeError(f"{calls[n].script}.lua is acknowledged: send it alone, with its WAIT")
+                    script_keys, script_args = calls[n].pack()
+                    pipe.evalsha(self._scripts[calls[n].script].sha, len(script_keys), *script_keys, *script_args)
+                answers = pipe.execute(raise_on_error=False)
+            missing = []
+            for n, answer in zip(todo, answers, strict=True):
+                if isinstance(answer, redis.exceptions.NoScriptError):
+                    self._client.script_load(self._scripts[calls[n].script].script)
+                    missing.append(n)
+                elif isinstance(answer, Exception):
+                    raise answer
+                else:
+                    replies[n] = calls[n].decode(answer)
+            if not missing:
+                return replies
+            todo = missing
+        raise redis.exceptions.NoScriptError("the server forgot a script as soon as it was loaded")
+
     def then_read(self, call: Call[R], reads: Callable[[Pipeline], object]) -> tuple[R, list[Any]]:
         """One call of a script (not an acknowledged one), then `reads` queued on the same transaction: one
         MULTI/EXEC, one round trip, nothing between, so the reads see the state the script left.

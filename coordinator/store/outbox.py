@@ -16,13 +16,25 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from coordinator.store.base import Part, _str_map, outbox_keys, translate_redis_errors
-from coordinator.store.protocol import ClaimDeliveries, OutboxAdd, SettleDelivery
+from coordinator.store.protocol import Call, ClaimDeliveries, OutboxAdd, SettleDelivery
 
-__all__ = ["OutboxStore"]
+__all__ = ["OutboxStore", "Settled"]
+
+
+@dataclass(frozen=True)
+class Settled:
+    """An attempt's outcome to record (`OutboxStore.settle_and_claim`): as `settle`'s arguments."""
+
+    root_id: str
+    delivery_id: str
+    state: str
+    last: str = ""
+    next_at: float = 0.0
 
 
 class OutboxStore(Part):
@@ -67,6 +79,29 @@ class OutboxStore(Part):
         return None if raw is None else dict(json.loads(raw))
 
     @translate_redis_errors
+    def claimed(
+        self, claimed: Sequence[tuple[str, str]]
+    ) -> list[tuple[dict[str, Any] | None, tuple[str, dict[str, Any]] | None]]:
+        """Each claimed delivery's entry (None once its tree expired) and its subscription's `target`, in one
+        round trip: a delivery id ends with its subscription's number (`<event id>.<n>`, outbox_add.lua),
+        and each subscription of the claim is read once."""
+        hooks = list(dict.fromkeys((root_id, delivery_id.rpartition(".")[2]) for root_id, delivery_id in claimed))
+        with self.client.pipeline(transaction=False) as pipe:
+            for root_id, delivery_id in claimed:
+                pipe.hget(self.keys.outbox(root_id), delivery_id)
+            for root_id, hook in hooks:
+                pipe.hmget(self.keys.hooks(root_id), [f"h:{hook}", f"s:{hook}"])
+            replies = pipe.execute()
+        targets = {
+            hook: None if patterns is None or target is None else (str(patterns), dict(json.loads(target)))
+            for hook, (patterns, target) in zip(hooks, replies[len(claimed) :], strict=True)
+        }
+        return [
+            (None if raw is None else dict(json.loads(raw)), targets[(root_id, delivery_id.rpartition(".")[2])])
+            for (root_id, delivery_id), raw in zip(claimed, replies, strict=False)
+        ]
+
+    @translate_redis_errors
     def deliveries(self, root_id: str) -> list[dict[str, Any]]:
         """Every delivery of the tree, oldest event first."""
         raw = _str_map(self.client.hgetall(self.keys.outbox(root_id)))
@@ -95,6 +130,37 @@ class OutboxStore(Part):
                 state=state, next_at=next_at, last=last, now=time.time(), retention_s=self.retention_s,
             )
         )  # fmt: skip
+
+    @translate_redis_errors
+    def settle_and_claim(self, outcomes: Sequence[Settled], limit: int, lease_ms: int) -> list[tuple[str, str]]:
+        """`settle` each outcome, then `claim`, in one round trip (each script atomic on its own): the
+        deliverer's step (coordinator/outbound.py)."""
+        now, counts = time.time(), self.keys.webhook_counts()
+        calls: list[Call[Any]] = [
+            SettleDelivery(
+                outbox=outbox_keys(self.keys, o.root_id),
+                counts=counts,
+                delivery_id=o.delivery_id,
+                member=f"{o.root_id} {o.delivery_id}",
+                state=o.state,
+                next_at=o.next_at,
+                last=o.last,
+                now=now,
+                retention_s=self.retention_s,
+            )
+            for o in outcomes
+        ]
+        if limit > 0:
+            calls.append(
+                ClaimDeliveries(
+                    pending=self.keys.outbox_pending(), now_ms=int(now * 1000), lease_ms=lease_ms, limit=limit
+                )
+            )
+        if not calls:
+            return []
+        replies = self.scripts.many(calls)
+        members: list[str] = replies[-1] if limit > 0 else []
+        return [(root, delivery) for root, _, delivery in (member.partition(" ") for member in members)]
 
     @translate_redis_errors
     def forget(self, root_id: str, delivery_id: str) -> None:
