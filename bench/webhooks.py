@@ -1,6 +1,7 @@
 """What outbound events cost a wide tree: the same fan-out with and without a subscription to every end.
 
     python bench/webhooks.py [--width 1000] [--repeats 3] [--workers 2] [--concurrency 16] [--answer-ms 200]
+    python bench/webhooks.py --deliverer-only 1000 [--answer-ms 200]
 
 One private embedded Redis, one fleet of real `celery worker` processes, and a receiver on 127.0.0.1 that
 takes `--answer-ms` to answer each POST (a slow service). Each run is a root agent on the offline model that
@@ -10,7 +11,12 @@ a delivery. The two take turns, `--repeats` times each, after one warm-up of eac
 
 Reported per mode: the tree's wall time (create to the root's end, the median), and with a subscription how
 long after the root's end the last delivery arrived, how many event ids arrived, and how many arrived twice
-after a 2xx. The run fails (exit 1) if an end is missing or delivered twice. docs/benchmarks.md reads it.
+after a 2xx; and the CPU seconds the workers, Redis and this process (the receiver) took during the tree,
+and Redis's commands a task (those of scripts counted), figures a loaded machine blurs less than wall time.
+The run fails (exit 1) if an end is missing or delivered twice. docs/benchmarks.md reads it.
+
+`--deliverer-only N` times the deliverer alone (coordinator/outbound.py) in this process: N deliveries of
+one root's events, no workers; the CPU its threads took a delivery.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import http.server
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -26,6 +33,9 @@ import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+import psutil
+import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -67,6 +77,8 @@ class Receiver(http.server.ThreadingHTTPServer):
         receiver = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as any production server answers
+
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("content-length") or 0))
                 time.sleep(receiver.answer_s)
@@ -87,16 +99,42 @@ class Receiver(http.server.ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}/hook"
 
 
-def one_tree(coord: Coordinator, width: int, receiver: Receiver | None) -> dict[str, float]:
+class Meter:
+    """CPU seconds (user + system) of the worker processes, Redis and this process (the receiver), and the
+    commands Redis ran: what a tree costs, whatever else the machine runs meanwhile."""
+
+    def __init__(self, fleet: WorkerFleet, redis_url: str) -> None:
+        self.client = redis.Redis.from_url(redis_url)
+        info = self.client.info("server")
+        self.processes = {
+            "workers": [psutil.Process(proc.pid) for proc in fleet.procs],
+            "redis": [psutil.Process(int(info["process_id"]))],
+            "receiver": [psutil.Process()],
+        }
+
+    def read(self) -> dict[str, float]:
+        figures: dict[str, float] = {}
+        for name, processes in self.processes.items():
+            figures[f"cpu_{name}_s"] = sum(sum(p.cpu_times()[:2]) for p in processes)
+        stats = self.client.info("commandstats")
+        figures["redis_calls"] = float(sum(int(v["calls"]) for v in stats.values()))
+        return figures
+
+
+def one_tree(coord: Coordinator, width: int, receiver: Receiver | None, meter: Meter) -> dict[str, float]:
     webhooks = [{"url": receiver.url, "events": ["task.*", "child.*"]}] if receiver is not None else None
     before = sum(receiver.ids.values()) if receiver is not None else 0
+    started = meter.read()
     started_s = time.perf_counter()
     root = coord.create_task(root_message(width), run=True, webhooks=webhooks)
     record = coord.wait(root.id, RUN_TIMEOUT_S)
     ended_s = time.perf_counter()
+    ended = meter.read()
     if record.status != TaskStatus.COMPLETED:
         raise SystemExit(f"the tree {root.id} is {record.status.value}: {record.error}")
     figures = {"wall_s": ended_s - started_s}
+    figures |= {name: round(ended[name] - started[name], 2) for name in ended if name.startswith("cpu_")}
+    figures["redis_calls_a_task"] = round((ended["redis_calls"] - started["redis_calls"]) / (width + 1), 1)
     if receiver is not None:
         deadline = time.monotonic() + DELIVERED_WITHIN_S
         while sum(receiver.ids.values()) - before < width + 1:
@@ -104,6 +142,12 @@ def one_tree(coord: Coordinator, width: int, receiver: Receiver | None) -> dict[
                 raise SystemExit(f"{sum(receiver.ids.values()) - before} of {width + 1} ends delivered")
             time.sleep(0.1)
         time.sleep(2.0)  # a second copy, if any, would come now
+        delivered = meter.read()
+        figures |= {
+            f"{name}_to_delivered": round(delivered[name] - started[name], 2)
+            for name in delivered
+            if name.startswith("cpu_")
+        }
         mine = {i: n for i, n in receiver.ids.items() if root.id in i}
         figures |= {
             "delivered_after_end_s": receiver.last_s - ended_s,
@@ -115,6 +159,38 @@ def one_tree(coord: Coordinator, width: int, receiver: Receiver | None) -> dict[
     return figures
 
 
+def deliverer_cpu(deliveries: int, answer_s: float) -> None:
+    """The deliverer alone, in this process: `deliveries` events of one root (no workers, no runs) sent to
+    the receiver; the CPU seconds its threads took a delivery (per-thread, /proc), whatever else runs."""
+    from coordinator.outbound import Deliverer
+
+    receiver = Receiver(answer_s)
+    with local_redis() as redis_url:
+        coord = Coordinator(Settings(redis_url=redis_url, webhook_allow=["127.0.0.1"]))
+        root = coord.create_task("Say hello.", run=False, webhooks=[{"url": receiver.url, "events": ["*"]}])
+        for _ in range(deliveries):
+            coord.store.outbox.add_event(root.id, root.id, "task.completed", {})
+        deliverer = Deliverer(coord, lambda *_: None)
+        stop = threading.Event()
+        loop = threading.Thread(target=deliverer.run_forever, args=(stop,), name="subq-deliveries", daemon=True)
+        started_s = time.perf_counter()
+        loop.start()
+        while sum(receiver.ids.values()) < deliveries or coord.store.outbox.pending_count() or not deliverer.idle():
+            time.sleep(0.1)
+        wall_s = time.perf_counter() - started_s
+        cpu_s = 0.0
+        for thread in threading.enumerate():
+            if thread.name.startswith("subq-deliver"):
+                stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+                cpu_s += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+        stop.set()
+        twice = sum(1 for n in receiver.ids.values() if n > 1)
+        coord.close()
+    receiver.shutdown()
+    print(f"{deliveries} deliveries, receiver {answer_s * 1000:.0f} ms an answer: {wall_s:.1f} s, "
+          f"the deliverer's threads {cpu_s / deliveries * 1e6:.0f} us of CPU a delivery; {twice} twice")  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--width", type=int, default=1000)
@@ -122,7 +198,14 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2, help="worker processes")
     parser.add_argument("--concurrency", type=int, default=16, help="threads a process")
     parser.add_argument("--answer-ms", type=int, default=200, help="how long the receiver takes to answer")
+    parser.add_argument(
+        "--deliverer-only", type=int, default=0, metavar="N",
+        help="time the deliverer alone: N deliveries in this process, its threads' CPU a delivery",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.deliverer_only:
+        deliverer_cpu(args.deliverer_only, args.answer_ms / 1000)
+        return 0
     receiver = Receiver(args.answer_ms / 1000)
     runs: dict[str, list[dict[str, float]]] = {"without": [], "with": []}
     with local_redis() as redis_url, tempfile.TemporaryDirectory() as logs:
@@ -133,12 +216,13 @@ def main() -> int:
         with WorkerFleet(settings, args.workers, Path(logs)) as fleet:
             fleet.wait_ready()
             coord = Coordinator(settings)
+            meter = Meter(fleet, redis_url)
             try:
                 for mode in ("without", "with"):  # warm-up
-                    one_tree(coord, min(args.width, 100), receiver if mode == "with" else None)
+                    one_tree(coord, min(args.width, 100), receiver if mode == "with" else None, meter)
                 for repeat in range(args.repeats):
                     for mode in ("without", "with"):
-                        figures = one_tree(coord, args.width, receiver if mode == "with" else None)
+                        figures = one_tree(coord, args.width, receiver if mode == "with" else None, meter)
                         runs[mode].append(figures)
                         print(f"{mode} subscriptions, run {repeat + 1}: {json.dumps(figures)}", file=sys.stderr)
             finally:
@@ -149,6 +233,11 @@ def main() -> int:
     print(f"width {args.width}, {args.workers} x {args.concurrency} threads, receiver {args.answer_ms} ms an answer")
     print(f"tree wall time, median of {args.repeats}: without {without:.2f} s, with {with_:.2f} s "
           f"(ratio {with_ / without:.3f})")  # fmt: skip
+    for name in ("workers", "redis", "receiver"):
+        cpu = {mode: statistics.median(r[f"cpu_{name}_s"] for r in runs[mode]) for mode in runs}
+        print(f"CPU of the {name} during the tree, median: without {cpu['without']:.2f} s, with {cpu['with']:.2f} s")
+    calls = {mode: statistics.median(r["redis_calls_a_task"] for r in runs[mode]) for mode in runs}
+    print(f"Redis commands a task (scripts' own counted): without {calls['without']:.1f}, with {calls['with']:.1f}")
     after = statistics.median(r["delivered_after_end_s"] for r in runs["with"])
     print(f"every end delivered {after:.1f} s after the root's end (median); "
           f"{runs['with'][0]['event_ids']:.0f} event ids a tree, none twice")  # fmt: skip
