@@ -31,14 +31,14 @@ pytest_plugins = ["tests.wheel_env"]
 # The order comes from each file's wall time in a full run (issue 43: every test's start and end
 # recorded on each xdist worker, on a loaded 2-core host, so the order counts, not the seconds);
 # files not named here (each under about 70 s there) follow in collection order. The files after
-# test_output_schema_limits.py up to test_compaction.py were not reached by that run: placed by
+# test_redis_tls.py up to test_compaction.py were not reached by that run: placed by
 # their fleets and kills. A file that grows past its neighbours should move up.
 LONGEST_FIRST = (
-    "test_cost_properties.py", "test_wheel.py", "test_api_fuzz.py", "test_mcp.py", "test_compose.py",
-    "test_faults.py", "test_profile_tools.py", "test_mcp_server.py", "test_batched_calls.py", "test_flower.py",
+    "test_cost_properties.py", "test_wheel.py", "test_api_fuzz.py", "test_mcp.py", "test_profile_tools.py",
+    "test_compose.py", "test_faults.py", "test_mcp_server.py", "test_batched_calls.py", "test_flower.py",
     "test_mcp_http.py", "test_cli.py", "test_kubernetes.py", "test_redis_password.py", "test_docs_examples.py",
     "test_metrics.py", "test_provider_outages.py", "test_first_run.py", "test_provider_health.py", "test_api.py",
-    "test_flood.py", "test_pricing.py", "test_output_schema_limits.py",
+    "test_flood.py", "test_pricing.py", "test_output_schema_limits.py", "test_redis_tls.py",
     "test_retry.py", "test_typed_results.py", "test_webhooks.py", "test_sandbox_network.py", "test_tool_journal.py",
     "test_shutdown.py", "test_sandbox.py",
     "test_compaction.py", "test_in_flight.py", "test_client_install.py", "test_logs.py", "test_pipeline.py",
