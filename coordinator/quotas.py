@@ -22,7 +22,7 @@ from coordinator.tenants import TenantPolicy, TenantState
 
 if TYPE_CHECKING:
     from coordinator.plane import Plane
-    from coordinator.store.protocol import QuotaVerdict
+    from coordinator.replies import QuotaVerdict
 
 __all__ = [
     "ROOTS_RETRY_AFTER_S",

@@ -13,6 +13,7 @@ no `decode` returns a tuple, and no code outside protocol.py unpacks a script's 
     BatchClosed     close_batch: the parent's resume count, whether its resume must be published
     ChildSettled    settle_child: the batch's mode, then as BatchClosed
     EndpointState   endpoint_gate (and endpoint_failed, completed by its store part): the wait, the view
+    QuotaVerdict    tenant_submit: whether a root was counted, else the quota it would break
     TransientCount  a task's transient errors counted (a store part's transaction, read by name as well)
 
 The module sits beside models.py rather than inside store/: the rooms that read these replies
@@ -33,6 +34,7 @@ __all__ = [
     "ChildSettled",
     "Ending",
     "EndpointState",
+    "QuotaVerdict",
     "StartReply",
     "Stepped",
     "TransientCount",
@@ -134,3 +136,14 @@ class TransientCount:
 
     total: int
     attempts: int
+
+
+@dataclass(frozen=True)
+class QuotaVerdict:
+    """tenant_submit's reply: whether the root was counted, else the quota it would break (coordinator/quotas.py)."""
+
+    accepted: bool
+    quota: str = ""  # submits_per_minute | max_running_roots | max_cost_usd_per_day
+    used: int = 0  # submits in the last minute, roots running, or micro-USD spent in the rolling day
+    limit: int = 0
+    retry_after_ms: int = 0  # when it resets; 0: not known (a running root must end)

@@ -44,6 +44,7 @@ from coordinator.replies import (
     ChildSettled,
     Ending,
     EndpointState,
+    QuotaVerdict,
     StartReply,
     Stepped,
     UsageRecorded,
@@ -1281,16 +1282,6 @@ class KeepCompaction(
         return str(raw)
 
 
-class QuotaVerdict(NamedTuple):
-    """tenant_submit's reply: whether the root was counted, else the quota it would break (coordinator/quotas.py)."""
-
-    accepted: bool
-    quota: str = ""  # submits_per_minute | max_running_roots | max_cost_usd_per_day
-    used: int = 0  # submits in the last minute, roots running, or micro-USD spent in the rolling day
-    limit: int = 0
-    retry_after_ms: int = 0  # when it resets; 0: not known (a running root must end)
-
-
 @dataclass(frozen=True, kw_only=True)
 class TenantSubmit(
     Call[QuotaVerdict],
@@ -1312,8 +1303,10 @@ class TenantSubmit(
     @classmethod
     def decode(cls, raw: Any) -> QuotaVerdict:
         if int(raw[0]) == 1:
-            return QuotaVerdict(True)
-        return QuotaVerdict(False, str(raw[1]), int(raw[2]), int(raw[3]), int(raw[4]))
+            return QuotaVerdict(accepted=True)
+        return QuotaVerdict(
+            accepted=False, quota=str(raw[1]), used=int(raw[2]), limit=int(raw[3]), retry_after_ms=int(raw[4])
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

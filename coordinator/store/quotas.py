@@ -14,9 +14,10 @@ import json
 import time
 from typing import NamedTuple
 
+from coordinator.replies import QuotaVerdict
 from coordinator.store.base import Part, translate_redis_errors
 from coordinator.store.fields import TaskField
-from coordinator.store.protocol import QuotaVerdict, TenantSpend, TenantSubmit
+from coordinator.store.protocol import TenantSpend, TenantSubmit
 
 __all__ = ["HOUR_MS", "QuotaStore", "TenantUsage"]
 
