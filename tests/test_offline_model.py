@@ -32,9 +32,9 @@ from workers.runtime.offline import (
     MAX_SUMMARY_CHARS,
     OfflineModel,
     Script,
-    estimate_tokens,
     offline_model,
     parse_script,
+    text_tokens,
 )
 from workers.runtime.providers import build_model
 
@@ -166,7 +166,7 @@ def test_estimated_usage_is_deterministic_and_grows_with_the_text() -> None:
     (a,), (b,), (c,) = (responses(r.all_messages()) for r in (short, again, longer))
     assert (a.usage.input_tokens, a.usage.output_tokens) == (b.usage.input_tokens, b.usage.output_tokens)
     assert a.usage.input_tokens >= 1
-    assert a.usage.output_tokens == estimate_tokens("Done: Summarise the log")
+    assert a.usage.output_tokens == text_tokens("Done: Summarise the log")
     assert c.usage.input_tokens > a.usage.input_tokens + 200
     assert a.usage.cache_read_tokens == a.usage.cache_write_tokens == 0
 
@@ -175,14 +175,14 @@ def test_a_step_without_usage_gets_an_estimate() -> None:
     result = make_agent().run_sync(scripted([{"tool_calls": [{"name": "lookup", "args": {"q": "x"}}]}]))
     first, _final = responses(result.all_messages())
     assert first.usage.input_tokens >= 1
-    assert first.usage.output_tokens == estimate_tokens('lookup{"q":"x"}')
+    assert first.usage.output_tokens == text_tokens('lookup{"q":"x"}')
 
 
 def test_estimate_tokens() -> None:
-    assert estimate_tokens("") == 1
-    assert estimate_tokens("abcd") == 1
-    assert estimate_tokens("abcde") == 2
-    assert estimate_tokens("x" * 400) == 100
+    assert text_tokens("") == 1
+    assert text_tokens("abcd") == 1
+    assert text_tokens("abcde") == 2
+    assert text_tokens("x" * 400) == 100
 
 
 # --- latency ---------------------------------------------------------------

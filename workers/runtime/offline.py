@@ -85,11 +85,11 @@ __all__ = [
     "ScriptUsage",
     "Step",
     "ToolCall",
-    "estimate_tokens",
     "final_reply",
     "offline_model",
     "parse_script",
     "task_message",
+    "text_tokens",
 ]
 
 # A rough, common rule of thumb for English text with BPE tokenizers; only needs
@@ -97,8 +97,9 @@ __all__ = [
 CHARS_PER_TOKEN = 4
 
 
-def estimate_tokens(text: str) -> int:
-    """A deterministic token estimate: about four characters a token, and at least one."""
+def text_tokens(text: str) -> int:
+    """The tokens the offline model reports for `text`: about four characters a token, and at least one
+    (deterministic; what a request sends is counted for its window by compaction.estimate_tokens)."""
     return max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
 
 
@@ -205,8 +206,8 @@ class OfflineModel(Model):
             usage = step.usage.request_usage()
         else:
             usage = RequestUsage(
-                input_tokens=estimate_tokens(_request_text(messages, params)),
-                output_tokens=estimate_tokens(_response_text(parts)),
+                input_tokens=text_tokens(_request_text(messages, params)),
+                output_tokens=text_tokens(_response_text(parts)),
             )
         return ModelResponse(
             parts=parts,
@@ -244,9 +245,7 @@ def _notes(messages: Sequence[ModelMessage], params: ModelRequestParameters) -> 
     parts: list[ModelResponsePart] = [TextPart(content=text)]
     return ModelResponse(
         parts=parts,
-        usage=RequestUsage(
-            input_tokens=estimate_tokens(_request_text(messages, params)), output_tokens=estimate_tokens(text)
-        ),
+        usage=RequestUsage(input_tokens=text_tokens(_request_text(messages, params)), output_tokens=text_tokens(text)),
         model_name=OFFLINE_PROFILE,
         provider_name=OFFLINE_PROFILE,
         provider_response_id="offline-notes",
