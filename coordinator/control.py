@@ -95,6 +95,9 @@ def snapshot(plane: Plane, task_id: str) -> dict[str, LiveState]:
                 "text": state.get("text"),
                 "requests": task.requests,
                 "cost_micros": task.total_cost_micros,
+                # What it waits for and why (a parked run: its tenant's share), while it has not ended.
+                "waiting_for": None if ended else (state.get("waiting_for") or task.waiting_for),
+                "reason": None if ended else state.get("reason"),
             }
         )
     return out

@@ -526,6 +526,10 @@ class LiveState(BaseModel):
     text: str | None = None
     requests: int = 0
     cost_micros: int = 0
+    # What a queued or parked task waits for (`admission`, `provider`) and why, in words (for admission:
+    # `tenant <name> is at its weighted share while other tenants wait`, coordinator/admission.py).
+    waiting_for: str | None = None
+    reason: str | None = None
 
 
 def usd_to_micros(usd: Decimal) -> int:

@@ -142,3 +142,23 @@ def test_with_fair_shares_off_nothing_of_them_is_written(fair: Coordinator) -> N
     assert start(store, one, FairShares()).verdict == "run"
     assert store.fair.counts("a").running == 0
     assert set(store.client.scan_iter(f"{store.keys.prefix}:fair:*")) == before
+
+
+def test_a_parked_run_says_what_it_waits_for_and_why_on_every_face(fair: Coordinator) -> None:
+    """The live snapshot (the API's tree, the web view, `subq run --follow`) carries the parked run's
+    `waiting_for` and `reason`, not only its state."""
+    from coordinator import admission
+    from coordinator.cli.views import _live_note
+
+    store = fair.store
+    a1, a2, a3 = children(fair, "a", 3)
+    assert [start(store, t).verdict for t in (a1, a2)] == ["run", "run"]
+    parked = start(store, a3)
+    assert parked.verdict == "park" and parked.record is not None
+    admission.must_wait(fair.plane, parked.record, 0, parked.parked_for, parked.admitted)
+    live = fair.snapshot(fair.get_task(a3).root_id)[a3]
+    assert (live.state, live.waiting_for, live.reason) == ("queued", "admission", "tenant a holds its max_running")
+    assert "waiting for admission: tenant a holds its max_running" in _live_note(live)
+    assert live.model_dump()["reason"] == "tenant a holds its max_running", "the API's body carries it"
+    running = fair.snapshot(fair.get_task(a1).root_id)[a1]
+    assert running.waiting_for is None and running.reason is None

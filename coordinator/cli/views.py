@@ -121,7 +121,9 @@ def _live_note(state: LiveState | None) -> str:
         return ""
     requests = f"{state.requests} request{'' if state.requests == 1 else 's'}"
     tool = f", tool {state.tool}" if state.tool else ""
-    return f"  ({requests}{tool}, {format_usd(state.cost_micros)})"
+    why = f": {state.reason}" if state.reason else ""
+    waiting = f", waiting for {state.waiting_for}{why}" if state.waiting_for else ""
+    return f"  ({requests}{tool}, {format_usd(state.cost_micros)}{waiting})"
 
 
 def status_lines(record: TaskRecord) -> list[str]:
