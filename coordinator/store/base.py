@@ -220,12 +220,50 @@ class ReplicaShortfalls:
         )  # fmt: skip
 
 
+def queue_script(pipe: Pipeline, script: Script, keys: Sequence[ScriptArg], args: Sequence[ScriptArg], *,
+                 by_text: bool) -> None:  # fmt: skip
+    """Queue one call of `script`: by its SHA (EVALSHA), or by its text (EVAL), after the server answered NOSCRIPT.
+
+    EVAL runs the script and keeps it, so the next EVALSHA finds it; nothing of a call answered NOSCRIPT
+    ran, so the text goes in its place. Not `SCRIPT LOAD`, then EVALSHA again: the load took one connection
+    of the pool and the call another, which across a failover can lead to another server, and `end_run`
+    once met NOSCRIPT on both of its two tries during a kill-based failover under load (1 run in 4).
+    """
+    if by_text:
+        pipe.eval(_text(script), len(keys), *keys, *args)
+    else:
+        pipe.evalsha(script.sha, len(keys), *keys, *args)
+
+
+def _text(script: Script) -> str:
+    """A script's Lua source (redis-py types it as any encodable; `_load_script` made it a str)."""
+    return cast(str, script.script)
+
+
+class TextOnNoScript:
+    """A script of no acknowledged step, sent alone: EVALSHA, and its text (EVAL) if the server answers NOSCRIPT.
+
+    redis-py's `Script` loads it (SCRIPT LOAD) and sends EVALSHA once more, each on a connection of
+    its own (`queue_script` says why that is not enough).
+    """
+
+    def __init__(self, client: redis.Redis, script: Script) -> None:
+        self.client = client
+        self.script = script
+
+    def __call__(self, keys: Sequence[ScriptArg], args: Sequence[ScriptArg]) -> Any:
+        try:
+            return self.client.evalsha(self.script.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            return self.client.eval(_text(self.script), len(keys), *keys, *args)
+
+
 class AcknowledgedScript:
     """A script of a step a caller sees, sent with its WAIT in one round trip (one pipeline, one connection).
 
     WAIT counts the replicas that have every write of its own connection, so it goes on the
     connection that ran the script. The script goes by EVALSHA; a master that does not know
-    it (a replica just promoted: scripts are not replicated) gets it loaded, and it is sent again.
+    it (a replica just promoted: scripts are not replicated) gets it again by its text (`queue_script`).
     """
 
     def __init__(
@@ -238,18 +276,17 @@ class AcknowledgedScript:
         self.shortfalls = shortfalls
 
     def __call__(self, keys: Sequence[ScriptArg], args: Sequence[ScriptArg]) -> Any:
-        for _ in range(2):
+        for by_text in (False, True):
             with self.client.pipeline(transaction=False) as pipe:
-                pipe.evalsha(self.script.sha, len(keys), *keys, *args)
+                queue_script(pipe, self.script, keys, args, by_text=by_text)
                 pipe.execute_command("WAIT", self.wait.replicas, self.wait.timeout_ms)  # type: ignore[no-untyped-call]
                 try:
                     reply, acked = pipe.execute()
                 except redis.exceptions.NoScriptError:
-                    self.client.script_load(self.script.script)
-                    continue
+                    continue  # nothing of it ran: sent again by its text, which no server can forget
             self.shortfalls.note(self.name, int(acked), self.wait)
             return reply
-        raise redis.exceptions.NoScriptError(f"{self.name}: the master forgot the script as soon as it was loaded")
+        raise AssertionError("unreachable: EVAL never answers NOSCRIPT")
 
 
 class AcknowledgedTransaction(Pipeline):
@@ -288,7 +325,7 @@ class Scripts:
             if replicas is not None and call.acknowledged:
                 self._send[name] = AcknowledgedScript(client, script, name, replicas, shortfalls)
             else:
-                self._send[name] = script
+                self._send[name] = TextOnNoScript(client, script)
 
     def __call__(self, call: Call[R]) -> R:
         """Send one call of a script (one EVALSHA, with its WAIT when acknowledged) and type its reply."""
@@ -298,21 +335,20 @@ class Scripts:
     def many(self, calls: Sequence[Call[Any]]) -> list[Any]:
         """Several calls (none acknowledged) in one pipeline, one round trip: each atomic on its own, as if
         sent one by one (the deliverer settles a batch of attempts so, coordinator/outbound.py). A call the
-        server answers NOSCRIPT did not run: its script is loaded and that call alone sent again."""
+        server answers NOSCRIPT did not run: that call alone is sent again, by its script's text (`queue_script`)."""
         replies: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
-        for _ in range(2):
+        for by_text in (False, True):
             with self._client.pipeline(transaction=False) as pipe:
                 for n in todo:
                     if CALLS[calls[n].script].acknowledged:
                         raise TypeError(f"{calls[n].script}.lua is acknowledged: send it alone, with its WAIT")
                     script_keys, script_args = calls[n].pack()
-                    pipe.evalsha(self._scripts[calls[n].script].sha, len(script_keys), *script_keys, *script_args)
+                    queue_script(pipe, self._scripts[calls[n].script], script_keys, script_args, by_text=by_text)
                 answers = pipe.execute(raise_on_error=False)
             missing = []
             for n, answer in zip(todo, answers, strict=True):
                 if isinstance(answer, redis.exceptions.NoScriptError):
-                    self._client.script_load(self._scripts[calls[n].script].script)
                     missing.append(n)
                 elif isinstance(answer, Exception):
                     raise answer
@@ -321,7 +357,7 @@ class Scripts:
             if not missing:
                 return replies
             todo = missing
-        raise redis.exceptions.NoScriptError("the server forgot a script as soon as it was loaded")
+        raise AssertionError("unreachable: EVAL never answers NOSCRIPT")
 
     def then_read(self, call: Call[R], reads: Callable[[Pipeline], object]) -> tuple[R, list[Any]]:
         """One call of a script (not an acknowledged one), then `reads` queued on the same transaction: one
@@ -330,24 +366,23 @@ class Scripts:
         For a step whose caller needs a whole record: read by the script, each field would become a Lua
         string and then a reply again, which cost start_run more than the rest of its work
         (docs/benchmarks.md). A server that does not know the script (restarted, or a replica just
-        promoted) answers NOSCRIPT inside the transaction, where nothing of the script ran: it is
-        loaded and the transaction sent again.
+        promoted) answers NOSCRIPT inside the transaction, where nothing of the script ran: the
+        transaction is sent again with the script's text (`queue_script`).
         """
         if CALLS[call.script].acknowledged:
             raise TypeError(f"{call.script}.lua is acknowledged: send it alone, with its WAIT")
         script = self._scripts[call.script]
         script_keys, script_args = call.pack()
-        for _ in range(2):
+        for by_text in (False, True):
             with self._client.pipeline(transaction=True) as pipe:
-                pipe.evalsha(script.sha, len(script_keys), *script_keys, *script_args)
+                queue_script(pipe, script, script_keys, script_args, by_text=by_text)
                 reads(pipe)
                 try:
                     reply, *read = pipe.execute()
                 except redis.exceptions.NoScriptError:
-                    self._client.script_load(script.script)
                     continue
             return call.decode(reply), read
-        raise redis.exceptions.NoScriptError(f"{call.script}: the server forgot the script as soon as it was loaded")
+        raise AssertionError("unreachable: EVAL never answers NOSCRIPT")
 
 
 class StoreCore:
