@@ -305,44 +305,51 @@ def critical_steps(records: Sequence[Timed], ends_ms: Mapping[str, int] | None =
     end (default: its outcome's mark, or now while open)."""
     if not records:
         return []
-    now = int(time.time() * 1000)
-    by_parent: dict[str, list[Timed]] = {}
-    for record in records:
-        if record.parent_id:
-            by_parent.setdefault(record.parent_id, []).append(record)
-    ends = dict(ends_ms or {})
+    walk = _CriticalWalk(records, ends_ms)
+    walk.walk(next((r for r in records if r.parent_id is None), records[0]), set())
+    return walk.steps
 
-    def end_of(record: Timed) -> int:
-        if record.id not in ends:
-            ended = times_of(record.timeline, now).ended_at_ms
-            ends[record.id] = ended if ended is not None else now
-        return ends[record.id]
 
-    steps: list[CriticalStep] = []
+class _CriticalWalk:
+    """`critical_steps`' walk of a tree's records: the steps found so far, and each task's end (read once)."""
 
-    def walk(record: Timed, seen: set[str]) -> None:
+    def __init__(self, records: Sequence[Timed], ends_ms: Mapping[str, int] | None) -> None:
+        self.now = int(time.time() * 1000)
+        self.by_parent: dict[str, list[Timed]] = {}
+        for record in records:
+            if record.parent_id:
+                self.by_parent.setdefault(record.parent_id, []).append(record)
+        self.ends = dict(ends_ms or {})
+        self.steps: list[CriticalStep] = []
+
+    def end_of(self, record: Timed) -> int:
+        if record.id not in self.ends:
+            ended = times_of(record.timeline, self.now).ended_at_ms
+            self.ends[record.id] = ended if ended is not None else self.now
+        return self.ends[record.id]
+
+    def walk(self, record: Timed, seen: set[str]) -> None:
         seen.add(record.id)
-        children = [c for c in by_parent.get(record.id, []) if c.id not in seen]
-        intervals = times_of(record.timeline, now).intervals
+        children = [c for c in self.by_parent.get(record.id, []) if c.id not in seen]
+        intervals = times_of(record.timeline, self.now).intervals
         for interval in intervals:
-            if interval.reason != "children":
-                steps.append(CriticalStep(task_id=record.id, interval=interval))
-                continue
-            until = interval.end_ms if interval.end_ms is not None else now
-            closing = [c for c in children if interval.start_ms <= end_of(c) <= until] or [
-                c for c in children if interval.start_ms <= end_of(c) <= until + CLOSE_SLACK_MS
-            ]
-            if closing:
-                walk(max(closing, key=end_of), seen)
-            else:  # its children are not among the records read: the wait itself is the step
-                steps.append(CriticalStep(task_id=record.id, interval=interval))
+            closing = self._closing(children, interval) if interval.reason == "children" else None
+            if closing is not None:
+                self.walk(closing, seen)
+            else:  # its own interval; or its children are not among the records read: the wait itself is the step
+                self.steps.append(CriticalStep(task_id=record.id, interval=interval))
         if children and not any(i.reason == "children" for i in intervals):
             # Marks without its waits for children (folded away, or a record from before timelines): the
             # child that ended last is what it waited on, as a parent resumes only when its last child ends.
-            walk(max(children, key=end_of), seen)
+            self.walk(max(children, key=self.end_of), seen)
 
-    walk(next((r for r in records if r.parent_id is None), records[0]), set())
-    return steps
+    def _closing(self, children: Sequence[Timed], interval: Interval) -> Timed | None:
+        """The child that closed a wait for children: the last to end within it (or just after, by the slack)."""
+        until = interval.end_ms if interval.end_ms is not None else self.now
+        closing = [c for c in children if interval.start_ms <= self.end_of(c) <= until] or [
+            c for c in children if interval.start_ms <= self.end_of(c) <= until + CLOSE_SLACK_MS
+        ]
+        return max(closing, key=self.end_of) if closing else None
 
 
 def critical_path(records: Sequence[Timed], ends_ms: Mapping[str, int] | None = None) -> list[str]:
