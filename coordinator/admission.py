@@ -39,7 +39,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from coordinator import dispatch
+from coordinator.errors import NotFoundError
 from coordinator.models import AdmissionLimits, TaskRecord
+from coordinator.replies import FairHealed
 from coordinator.store.fair import NO_FAIR_SHARES, FairShares
 from coordinator.tenants import DEFAULT_POLICY_NAME
 
@@ -52,6 +54,7 @@ __all__ = [
     "beat",
     "fair",
     "free_tool_slot",
+    "heal",
     "limits",
     "must_wait",
     "parked",
@@ -129,6 +132,23 @@ def parked(plane: Plane, task_id: str) -> bool:
     if not plane.tenants.fair_shares:
         return False
     return plane.store.fair.is_parked(task_id, plane.store.records.get_task(task_id).tenant)
+
+
+def heal(plane: Plane, limit: int) -> FairHealed:
+    """The reconciler's pass over fair shares (fair_heal.lua), whether they are on or not: free the fleet slots
+    of runs whose task is gone, ended or delegated (no slot leaks); on, give free slots to parked runs (a
+    `max_running` raised, a weight changed, the fleet grown); off, release up to `limit` parked runs (none is
+    stranded when the tenants table turns fair shares off). Publishes the runs it started or released."""
+    shares = fair(plane)
+    if not shares.on:
+        shares = FairShares(on=False, capacity=plane.settings.worker_concurrency)
+    healed = plane.store.fair.heal(shares, plane.settings.reconcile_grace_s, limit)
+    for task_id in healed.started:
+        try:
+            dispatch.publish_restart(plane.app, plane.store.records.get_task(task_id))
+        except NotFoundError:
+            pass  # its tree is gone: nothing to run (its slot, if it took one, is freed by the next pass)
+    return healed
 
 
 def beat(plane: Plane, worker: str) -> None:

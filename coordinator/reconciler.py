@@ -26,6 +26,10 @@ Each tick it
    `run-lost` covers a run whose worker died (its lease lapsed with the
    worker's heartbeat), a resume never published after its batch closed, and a
    message lost in the broker (a Redis restart).
+3. passes over fair shares between tenants (`admission.heal`, fair_heal.lua): a fleet
+   slot whose run's task is gone, ended or delegated is freed (`fair-slot-leaked`); with
+   fair shares on, free slots go to parked runs (a `max_running` raised); with them off,
+   every parked run is published again (`parked-released`), none left stranded.
 Every step is idempotent, so a repair done twice, or beside the normal path,
 changes nothing. Each repair is counted (`Store.convergence.repairs`) and logged with its reason.
 """
@@ -166,6 +170,7 @@ class Reconciler:
             return None
         repairs: Counter[str] = Counter()
         self._timers()
+        self._fair_shares(repairs)
         self._queued = None  # the broker's queue is read at most once a tick, and only if needed
         self._later = defaultdict(list)
         due = self.plane.store.convergence.due_tasks(TICK_LIMIT)
@@ -181,6 +186,17 @@ class Reconciler:
         for after_s, task_ids in self._later.items():
             self.plane.store.convergence.watch(task_ids, after_s, only_if_watched=True)
         return repairs
+
+    def _fair_shares(self, repairs: Counter[str]) -> None:
+        """Fair shares' pass (admission.heal): a slot whose run's task is gone, ended or delegated is freed
+        (`fair-slot-leaked`); with fair shares off, parked runs are published again (`parked-released`)."""
+        healed = admission.heal(self.plane, TICK_LIMIT)
+        released = [] if self.plane.tenants.fair_shares else healed.started
+        for reason, task_ids in (("fair-slot-leaked", healed.freed), ("parked-released", released)):
+            for task_id in task_ids:
+                repairs[reason] += 1
+                self.plane.store.convergence.count_repair(reason)
+                log.warning("subq reconciler: %s: %s", reason, task_id)
 
     def _timers(self) -> None:
         done = []

@@ -13,6 +13,7 @@ no `decode` returns a tuple, and no code outside protocol.py unpacks a script's 
     BatchClosed     close_batch: the parent's resume count, whether its resume must be published
     ChildSettled    settle_child: the batch's mode, then as BatchClosed
     EndpointState   endpoint_gate (and endpoint_failed, completed by its store part): the wait, the view
+    FairHealed      fair_heal: the slots it freed, the parked runs to publish again
     QuotaVerdict    tenant_submit: whether a root was counted, else the quota it would break
     TransientCount  a task's transient errors counted (a store part's transaction, read by name as well)
 
@@ -34,6 +35,7 @@ __all__ = [
     "ChildSettled",
     "Ending",
     "EndpointState",
+    "FairHealed",
     "QuotaVerdict",
     "StartReply",
     "Stepped",
@@ -136,6 +138,15 @@ class TransientCount:
 
     total: int
     attempts: int
+
+
+@dataclass(frozen=True)
+class FairHealed:
+    """fair_heal's reply: the runs whose fleet slot it freed (their task gone, ended or delegated), and the parked
+    runs whose restart the caller publishes (given a free slot, or released while fair shares are off)."""
+
+    freed: list[str] = field(default_factory=list)
+    started: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

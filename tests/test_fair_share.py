@@ -7,14 +7,17 @@ The fleet-wide behaviour on real workers is in tests/test_fair_share_fleet.py.
 from __future__ import annotations
 
 import secrets
+import time
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
 
 from coordinator import Coordinator
 from coordinator.models import AdmissionLimits
+from coordinator.replies import FairHealed
 from coordinator.store import Store
-from coordinator.store.fair import FairShares
+from coordinator.store.fair import FairCounts, FairShares
 from coordinator.store.fields import TaskField
 from coordinator.store.runs import Started
 
@@ -162,3 +165,52 @@ def test_a_parked_run_says_what_it_waits_for_and_why_on_every_face(fair: Coordin
     assert live.model_dump()["reason"] == "tenant a holds its max_running", "the API's body carries it"
     running = fair.snapshot(fair.get_task(a1).root_id)[a1]
     assert running.waiting_for is None and running.reason is None
+
+
+def test_the_pass_frees_a_slot_whose_task_is_gone_or_ended_and_gives_it_on(fair: Coordinator) -> None:
+    """A run whose tree was deleted (or expired), or that ended while fair shares were off, keeps no slot:
+    the reconciler's pass (fair_heal.lua) frees it and gives it to the parked run."""
+    store = fair.store
+    a1, a2, a3, a4 = children(fair, "a", 4)
+    assert [start(store, t).verdict for t in (a1, a2, a3, a4)] == ["run", "run", "park", "park"]
+    assert store.fair.heal(SHARES, 30, 100) == FairHealed(), "every slot's task is live: nothing to do"
+    fair.client.delete(store.keys.task(fair.get_task(a1).root_id, a1))  # its tree deleted under it
+    healed = store.fair.heal(SHARES, 30, 100)
+    assert (healed.freed, healed.started) == ([a1], [a3])
+    fair.client.hset(store.keys.task(fair.get_task(a2).root_id, a2), TaskField.STATUS, "completed")  # ended, off
+    healed = store.fair.heal(SHARES, 30, 100)
+    assert (healed.freed, healed.started) == ([a2], [a4])
+    assert store.fair.counts("a") == FairCounts(running=2, parked=0, queued=0)
+    assert sorted(store.client.hkeys(store.keys.fair_holding())) == sorted([a3, a4])
+
+
+def test_a_raised_max_running_admits_what_now_fits(fair: Coordinator) -> None:
+    store = fair.store
+    ids = children(fair, "a", 5)
+    assert [start(store, t).verdict for t in ids] == ["run", "run", "park", "park", "park"]
+    beat(store, {"a": (3, 4), "b": (1, 0), "*": (1, 0)})  # the tenants table now lets a run 4
+    assert store.fair.heal(SHARES, 30, 100).started == ids[2:4]
+    assert store.fair.counts("a") == FairCounts(running=4, parked=1, queued=0)
+
+
+def test_with_fair_shares_off_the_pass_releases_every_parked_run(fair: Coordinator) -> None:
+    """The tenants table turned fair shares off while runs were parked: the reconciler's tick publishes each
+    again (its restart in the queue), from the due list so a crash before the publish is covered."""
+    from coordinator.reconciler import Reconciler
+
+    store = fair.store
+    ids = children(fair, "a", 4)
+    assert [start(store, t).verdict for t in ids] == ["run", "run", "park", "park"]
+    store.fair.announce("a", ["announced-not-arrived"])
+    queue = fair.settings.queue
+    before = fair.client.llen(queue)
+    assert not fair.plane.tenants.fair_shares, "this coordinator's tenants table has fair shares off"
+    repairs = Reconciler(fair, "n@host:1").tick()
+    assert repairs is not None and repairs["parked-released"] == 2
+    assert fair.client.llen(queue) == before + 2, "each parked run's restart was published"
+    assert store.fair.counts("a") == FairCounts(running=2, parked=0, queued=0)
+    assert store.client.zscore(store.keys.fair_wanting(), "a") is None
+    due = store.convergence.watched()
+    assert all(due[i] > time.time() for i in ids[2:]), "on the due list: a restart lost is published again"
+    assert Reconciler(fair, "n@host:1").tick() == Counter(), "a second pass finds nothing"
+    assert fair.get_task(ids[2]).waiting_for is None, "its timeline left the wait"

@@ -14,9 +14,10 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from coordinator.replies import FairHealed
 from coordinator.store.base import Part, translate_redis_errors
 from coordinator.store.keys import Keys
-from coordinator.store.protocol import FairAnnounce, FairArgs, FairBeat, FairKeys, FairRelease
+from coordinator.store.protocol import FairAnnounce, FairArgs, FairBeat, FairHeal, FairKeys, FairRelease
 from coordinator.tenants import DEFAULT_PRIORITY, DEFAULT_TENANT
 
 __all__ = [
@@ -120,6 +121,19 @@ class FairStore(Part):
             FairRelease(
                 fair=fair_keys(self.keys), task_id=task_id, now_ms=int(time.time() * 1000),
                 retention_s=self.retention_s, args=fair_args(self.keys, shares),
+            )
+        )  # fmt: skip
+
+    @translate_redis_errors
+    def heal(self, shares: FairShares, look_after_s: float, limit: int) -> FairHealed:
+        """The reconciler's pass (fair_heal.lua): free the slots whose run's task is gone, ended or delegated;
+        with fair shares on, give free slots to parked runs; off, release up to `limit` parked runs (each put
+        on the due list to be looked at in `look_after_s`). The caller publishes `started`."""
+        now = time.time()
+        return self.scripts(
+            FairHeal(
+                fair=fair_keys(self.keys), due=self.keys.due(), now_ms=int(now * 1000), look_at=now + look_after_s,
+                limit=limit, retention_s=self.retention_s, args=fair_args(self.keys, shares),
             )
         )  # fmt: skip
 

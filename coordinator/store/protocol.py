@@ -44,6 +44,7 @@ from coordinator.replies import (
     ChildSettled,
     Ending,
     EndpointState,
+    FairHealed,
     QuotaVerdict,
     StartReply,
     Stepped,
@@ -653,6 +654,26 @@ class FairRelease(
     @classmethod
     def decode(cls, raw: Any) -> list[str]:
         return _strs(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FairHeal(
+    Call[FairHealed],
+    script="fair_heal",
+    uses=("fair_score", "fair_take"),
+    returns="{the runs whose slot was freed, the runs to publish again}.",
+):
+    fair: FairKeys = splice("the fleet-wide keys of fair shares", expand=True)
+    due: str = key("the due list")
+    now_ms: int = arg("now ms")
+    look_at: float = arg("when the reconciler looks at a released run (epoch s)")
+    limit: int = arg("how many parked runs one call releases while fair shares are off")
+    retention_s: int = arg("retention seconds")
+    args: FairArgs = splice("how fair shares are read", expand=True)
+
+    @classmethod
+    def decode(cls, raw: Any) -> FairHealed:
+        return FairHealed(freed=_strs(raw[0]), started=_strs(raw[1]))
 
 
 @dataclass(frozen=True, kw_only=True)
