@@ -75,3 +75,36 @@ def test_a_slot_given_to_a_parked_run_survives_the_death_of_the_worker_that_gave
     assert repairs.get("run-lost", 0) > before.get("run-lost", 0), "the reconciler published the second again"
     eventually(lambda: coord.store.fair.counts("a").running == 0, "the tenant's slot to be free", 10)
     coord.close()
+
+
+def test_runs_parked_when_fair_shares_are_turned_off_run_on_a_real_worker(settings: Settings, tmp_path: Path) -> None:
+    """The tenants table turned fair shares off while runs were parked (their messages long gone from the
+    broker): the fleet's reconciler releases them (`parked-released`) and its worker runs them to the batch's
+    close; nothing is left in the tenant's parked set."""
+    assert settings.redis_url
+    off = settings.model_copy(
+        update={
+            **{k: v for k, v in SETTINGS.items() if k != "tenants"},
+            "queue": "subq-fairoff",
+            "key_prefix": "subqfairoff",
+            "redis_url": settings.redis_url.rsplit("/", 1)[0] + "/3",
+        }
+    )
+    coord = Coordinator(off)
+    assert not coord.plane.tenants.fair_shares
+    root = coord.create_task("Parked while fair shares were on", tenant="a")
+    fast = agent({"reply": "done", "usage": USAGE})
+    children = list(coord.delegate(root.id, [{"description": f"p{n}", "message": fast} for n in range(3)]).child_ids)
+    coord.client.delete(off.queue)  # their messages reached a worker of the old table, which parked them
+    keys = coord.store.keys
+    coord.client.zadd(keys.tenant_parked("a"), {c: n for n, c in enumerate(children)})
+    coord.client.zadd(keys.fair_wanting(), {"a": 1})
+    before = coord.store.convergence.repairs()
+    with WorkerFleet(off, 1, tmp_path / "off", name="off") as fleet:
+        fleet.wait_ready()
+        assert coord.wait(root.id, CONVERGE_S).status == TaskStatus.ACTIVE, "the batch closed"
+    assert all(r.status == TaskStatus.COMPLETED for r in coord.store.records.get_records(children))
+    assert coord.store.fair.counts("a").parked == 0
+    released = coord.store.convergence.repairs().get("parked-released", 0) - before.get("parked-released", 0)
+    assert released == 3, f"{released} released by the reconciler's pass"
+    coord.close()
