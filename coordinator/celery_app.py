@@ -12,15 +12,24 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import redis
 from celery import Celery
 from celery.app.amqp import AMQP
 from celery.backends.redis import RedisBackend, SentinelBackend
-from kombu.connection import Connection, ConnectionPool
+from kombu.connection import Connection, ConnectionPool, PooledConnection
 from kombu.pools import ProducerPool
+from kombu.transport import redis as kombu_redis
 
 from coordinator import tracing
 from coordinator.errors import BrokerError
-from coordinator.redis_clients import celery_tls, celery_url, sentinel_transport_options
+from coordinator.redis_clients import (
+    ROLE_CHECK_INTERVAL_S,
+    FollowingConnection,
+    FollowingSSLConnection,
+    celery_tls,
+    celery_url,
+    sentinel_transport_options,
+)
 from coordinator.settings import Settings
 
 __all__ = [
@@ -31,6 +40,9 @@ __all__ = [
     "BoundedConnectionPool",
     "BoundedProducerPool",
     "BrokerPoolExhausted",
+    "FollowingSentinelBackend",
+    "FollowingSentinelChannel",
+    "FollowingSentinelTransport",
     "PublishOnlyRedisBackend",
     "PublishOnlySentinelBackend",
     "SubqCelery",
@@ -120,8 +132,22 @@ class PublishOnlyRedisBackend(RedisBackend):  # type: ignore[misc]
         return None
 
 
-class PublishOnlySentinelBackend(PublishOnlyRedisBackend, SentinelBackend):  # type: ignore[misc]
-    """`PublishOnlyRedisBackend` on the master Redis Sentinel names (Celery's `SentinelBackend`)."""
+class FollowingSentinelBackend(SentinelBackend):  # type: ignore[misc]
+    """Celery's `SentinelBackend`, whose connections follow a switch as subq's own do (`FollowingConnection`).
+
+    Celery's takes redis-py's sentinel-managed connection, which reconnects to the address it had
+    (redis-py issue 3874) and takes a master's NOREPLICAS for a failed command.
+    """
+
+    connection_class_ssl = FollowingSSLConnection
+
+    def _get_pool(self, **params: Any) -> Any:
+        params.setdefault("connection_class", FollowingConnection)  # TLS sets connection_class_ssl's
+        return super()._get_pool(**params)
+
+
+class PublishOnlySentinelBackend(PublishOnlyRedisBackend, FollowingSentinelBackend):
+    """`PublishOnlyRedisBackend` on the master Redis Sentinel names (`FollowingSentinelBackend`)."""
 
 
 def result_backend_url(settings: Settings, on_redis: type[RedisBackend], on_sentinel: type[SentinelBackend]) -> str:
@@ -156,6 +182,11 @@ class BoundedConnectionPool(ConnectionPool):
     def acquire(self, block: bool = False, timeout: float | None = None) -> Any:
         return _bounded(super().acquire, "connection", self, block, timeout)
 
+    def new(self) -> Any:
+        # kombu's makes each a PooledConnection, whatever the pool's connection class: a publish
+        # after a planned switch went to the old master through one (READONLY, the batch refused).
+        return PooledBrokerConnection(self, **dict(self.connection._info(resolve=False)))  # type: ignore[no-untyped-call]
+
 
 class BoundedProducerPool(ProducerPool):
     """kombu's producer pool over a `BoundedConnectionPool`, whose own acquire ends the same way."""
@@ -181,17 +212,78 @@ def _bounded(acquire: Any, what: str, pool: Any, block: bool, timeout: float | N
         ) from None
 
 
+class FollowingSentinelChannel(kombu_redis.SentinelChannel):
+    """kombu's sentinel channel, on subq's `FollowingConnection`: a broker connection follows a switch.
+
+    kombu's takes redis-py's sentinel-managed connection, which reconnects to the address it had
+    without asking the sentinels (redis-py issue 3874). After a planned switch a worker's consumer
+    stayed on the old master, now a replica, restoring its unacknowledged messages there, and in 3
+    of 5 runs no worker took new work within 120 s; a BRPOP that met the old master's NOREPLICAS
+    (min-replicas-to-write) ended the worker ("Unrecoverable error"). Here each reconnect asks the
+    sentinels and takes only a master, and NOREPLICAS is a lost connection, which the consumer
+    survives by reconnecting (tests/test_sentinel_fleet.py, the planned switch).
+    """
+
+    connection_class = FollowingConnection
+    connection_class_ssl = FollowingSSLConnection  # type: ignore[assignment]  # kombu's is its base
+
+    def _connparams(self, asynchronous: bool = False) -> Any:
+        params = super()._connparams(asynchronous=asynchronous)  # type: ignore[no-untyped-call]
+        if not asynchronous:  # the consumer's own BRPOP connection raises: kombu re-registers a new socket
+            ssl = issubclass(params["connection_class"], FollowingSSLConnection)
+            params["connection_class"] = BrokerFollowingSSLConnection if ssl else BrokerFollowingConnection
+        return params
+
+
+class BrokerFollowingConnection(FollowingConnection):
+    """`FollowingConnection` for kombu's commands (a publish, an ack): one that finds its server a replica
+    now reconnects through the sentinels before sending, rather than failing the command.
+
+    kombu sends a batch of messages once only, never again (its delivery would be uncertain), so a
+    publish after a planned switch on a pooled connection to the old master was refused (a BrokerError
+    to the caller) though nothing of it had been sent. subq's own clients raise instead, which starts a
+    watched transaction again; kombu watches no key.
+    """
+
+    def check_health(self) -> None:
+        try:
+            super().check_health()
+        except redis.ConnectionError:
+            self.connect()  # asks the sentinels; a master only
+
+
+class BrokerFollowingSSLConnection(BrokerFollowingConnection, FollowingSSLConnection):
+    """`BrokerFollowingConnection` over TLS."""
+
+
+class FollowingSentinelTransport(kombu_redis.SentinelTransport):
+    """kombu's sentinel transport (`sentinel://`) with `FollowingSentinelChannel`s."""
+
+    Channel = FollowingSentinelChannel
+
+
 class BrokerConnection(Connection):
-    """kombu's broker connection, which under Sentinel is tried again at most a second apart when lost.
+    """kombu's broker connection, which under Sentinel is tried again at most a second apart when lost,
+    on `FollowingSentinelTransport`.
 
     A worker's consumer reconnects through `ensure_connection` (Celery passes no intervals),
-    and so takes new messages again within a second of a promotion.
+    and so takes new messages again within a second of a promotion. The transport is chosen
+    here, each time one is made, rather than by a `transport` argument: kombu resets that to
+    the URL's scheme when a lost connection moves on to the next sentinel's address (`switch`).
     """
+
+    def get_transport_cls(self) -> Any:
+        transport = super().get_transport_cls()  # type: ignore[no-untyped-call]
+        return FollowingSentinelTransport if transport is kombu_redis.SentinelTransport else transport
 
     def ensure_connection(self, *args: Any, **kwargs: Any) -> Any:
         if self.transport_cls == "sentinel" and len(args) <= 2:  # the intervals not given positionally
             kwargs = {**SENTINEL_RECONNECT_S, **kwargs}
         return super().ensure_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+
+class PooledBrokerConnection(PooledConnection, BrokerConnection):
+    """A connection of the app's broker pool (`BoundedConnectionPool`): kombu's pooled one, a `BrokerConnection`."""
 
 
 class SubqAMQP(AMQP):  # type: ignore[misc]  # Celery ships no type hints
@@ -262,6 +354,13 @@ def make_app(settings: Settings) -> Celery:
         "unacked_restore_interval": settings.restore_interval_s,
         "unacked_restore_throttle": 1,
     }
+    if settings.redis_sentinels is not None:
+        # A broker connection idle this long asks ROLE before its next command (FollowingConnection): after a
+        # planned switch, a publish on a pooled connection to the old master met READONLY, and kombu sends a
+        # batch once only (delivery uncertain), so its delegation was refused. kombu's own checks of the
+        # consumer's BRPOP and pub/sub connections run as often: a PING, or a look at a socket.
+        broker_transport["health_check_interval"] = ROLE_CHECK_INTERVAL_S
+        app.conf.redis_backend_health_check_interval = ROLE_CHECK_INTERVAL_S
     app.conf.update(
         task_serializer="json",
         result_serializer="json",

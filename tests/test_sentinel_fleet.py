@@ -9,10 +9,16 @@ totals, no child's request counted twice, and the agent resumed once; the
 consumers, reconnected through kombu's sentinel transport, still dead-letter an
 unreadable entry. The time from the promotion until a task published after it
 has run is printed: the "serving again" figure of docs/deploy.md.
+
+Then docs/deploy.md's planned switch, made mid fan-out under two workers: the
+workers' broker connections follow it (no restart), the tree completes with
+each child run once, and a delegation made right after it runs within the same
+bound.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +38,8 @@ CHAIN_STEPS = 4
 CHILD_LATENCY_MS = 700
 # The issue's bound: workers serve again within this of the promotion.
 SERVING_AGAIN_S = 15
+# A planned switch's children: a fifth have ended when it starts, the rest run across it.
+SWITCH_CHILDREN = 40
 WAIT_S = 120
 
 
@@ -116,3 +124,53 @@ def test_a_failover_mid_fan_out_chain_and_cancel_converges(
         line for log in fleet.logs for line in log.read_text(errors="replace").splitlines() if "Retry in" in line
     ]
     print(f"tasks Celery retried across the failover: {len(retried)}", *retried[:5], sep="\n")
+
+
+def test_the_workers_follow_a_planned_switch(settings: Settings, tmp_path: Path) -> None:
+    """docs/deploy.md's planned switch mid fan-out: the workers' consumers follow it, without a restart.
+
+    kombu's broker connections reconnected to the old master, now a replica (redis-py issue 3874): a
+    consumer stayed there restoring its unacknowledged messages, or met its NOREPLICAS and ended, and
+    in 3 of 5 runs no worker took new work within 120 s (coordinator/celery_app.py,
+    `FollowingSentinelChannel`). Every node and sentinel has a password, every node min-replicas-to-write 1.
+    """
+    with sentinel_set(tmp_path / "sentinels", password=secrets.token_urlsafe(16), min_replicas_to_write=1) as kit:
+        names = {"key_prefix": "subqswitch", "queue": "subq-switch", "visibility_timeout_s": 300}
+        with fleet_on(kit, settings, 2, tmp_path / "workers", **names) as (_own, coord, fleet):
+            children = [
+                {"description": f"c{n}", "message": _slow(f"c{n} done", CHILD_LATENCY_MS)}
+                for n in range(SWITCH_CHILDREN)
+            ]
+            fan_out = coord.create_task(
+                agent(call("run_subagents", tasks=children), reply("all done"), text="Fan out."), run=True
+            )
+            eventually(
+                lambda: sum(c.status.terminal for c in coord.get_children(fan_out.id)) >= SWITCH_CHILDREN // 5 or None,
+                "a fifth of the children to end",
+                WAIT_S,
+            )
+            old, new = kit.planned_switch()
+            switched_at = time.monotonic()
+
+            # Serving again: a task published after the switch runs.
+            probe = coord.create_task("A probe")
+            coord.delegate(probe.id, [{"description": "p", "message": agent(reply("p done"))}])
+            coord.wait(probe.id, WAIT_S)
+            serving_again_s = time.monotonic() - switched_at
+            print(f"\nplanned switch {old} -> {new}: serving again {serving_again_s:.1f} s after")
+            assert serving_again_s < SERVING_AGAIN_S
+
+            done = coord.wait(fan_out.id, WAIT_S)
+            assert done.status == TaskStatus.COMPLETED and done.summary == "all done"
+            for root in (fan_out.id, probe.id):
+                assert_converged(coord, root)
+            kids = coord.get_children(fan_out.id)
+            assert len(kids) == SWITCH_CHILDREN and all(k.status == TaskStatus.COMPLETED for k in kids)
+            assert {(k.requests, k.cost_micros) for k in kids} == {(1, STEP_COST_MICROS)}, "every child ran once"
+            assert coord.get_task(fan_out.id).requests == 2, "the agent resumed once"
+            assert [m.get("say") for m in coord.messages(fan_out.id)].count("subtask_result") == 1
+
+            # No worker ended across it: before, a BRPOP that met the old master's NOREPLICAS ended its worker.
+            assert all(proc.poll() is None for proc in fleet.procs), "a worker ended across the switch"
+            logs = "\n".join(log.read_text(errors="replace") for log in fleet.logs)
+            assert "Unrecoverable error" not in logs

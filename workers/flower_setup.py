@@ -41,11 +41,10 @@ import flower.events
 import flower.views.monitor
 import tornado.web
 from celery import Celery, states
-from celery.backends.redis import SentinelBackend
 from celery.contrib.abortable import ABORTED
 
 from coordinator import Coordinator, NotFoundError, SubqError, TaskRecord, task_of_run_id
-from coordinator.celery_app import PublishOnlyRedisBackend, result_backend_url
+from coordinator.celery_app import FollowingSentinelBackend, PublishOnlyRedisBackend, result_backend_url
 
 __all__ = [
     "ABORT_REASON",
@@ -137,8 +136,8 @@ class RunResultBackend(PublishOnlyRedisBackend):
         return result
 
 
-class RunResultSentinelBackend(RunResultBackend, SentinelBackend):  # type: ignore[misc]
-    """`RunResultBackend` on the master Redis Sentinel names (Celery's `SentinelBackend`)."""
+class RunResultSentinelBackend(RunResultBackend, FollowingSentinelBackend):
+    """`RunResultBackend` on the master Redis Sentinel names (`FollowingSentinelBackend`)."""
 
 
 def install(app: Celery) -> None:

@@ -39,6 +39,7 @@ from kombu.utils.json import dumps, loads
 from vine import promise
 
 from coordinator import Coordinator, Settings, StoreError, dead_letter, load_settings
+from coordinator.celery_app import FollowingSentinelChannel
 
 __all__ = ["DeadLetterChannel", "DeadLetters", "PoisonSafeConsumer", "UnreadableMessage", "task_problem"]
 
@@ -221,16 +222,18 @@ class DeadLetterChannel(OneClientPerPool, kombu_redis.Channel):
             raise
 
 
-class DeadLetterSentinelChannel(DeadLetterChannel, kombu_redis.SentinelChannel):
-    """`DeadLetterChannel` on kombu's sentinel transport (SUBQ_REDIS_SENTINELS): the master the sentinels name."""
+class DeadLetterSentinelChannel(DeadLetterChannel, FollowingSentinelChannel):
+    """`DeadLetterChannel` on subq's sentinel transport (SUBQ_REDIS_SENTINELS): the master the sentinels name."""
 
 
 def install_channel(transport: Any, dead_letters: DeadLetters) -> None:
     """Make `transport` (a connection's own, before it opens a channel) dead-letter unreadable entries."""
     transport.subq_dead_letters = dead_letters
+    if issubclass(transport.Channel, DeadLetterChannel):  # installed already (a connection's second look)
+        return
     if transport.Channel is kombu_redis.Channel:  # redis:// and rediss://; other brokers keep their own
         transport.Channel = DeadLetterChannel
-    elif transport.Channel is kombu_redis.SentinelChannel:  # sentinel://
+    elif transport.Channel is FollowingSentinelChannel:  # sentinel:// (coordinator/celery_app.py's transport)
         transport.Channel = DeadLetterSentinelChannel
     else:
         log.warning("subq: %s is not kombu's Redis channel: unreadable list entries are not dead-lettered",
