@@ -100,7 +100,8 @@ def must_wait(
         plane.store.events.set_live(task, "queued", waiting_for="admission", reason=reason)
     else:
         plane.store.events.set_live(task, "queued")
-    started_again(plane, admitted)
+    if admitted:
+        started_again(plane, admitted)
 
 
 def started_again(plane: Plane, admitted: Sequence[str]) -> None:

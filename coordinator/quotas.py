@@ -84,7 +84,10 @@ def count_spend(plane: Plane, record: TaskRecord, request_key: str, cost_micros:
     """Count one response's (or a tool call's) cost into its tenant's day; True when the day's quota is reached
     (the run then stops its tree before its next request, as a budget stops it)."""
     limit = plane.tenants.policy(record.tenant).max_cost_micros_per_day
-    if cost_micros <= 0 and limit <= 0:
+    if cost_micros <= 0 or limit <= 0:
+        # Counted only against a quota: the count is a round trip of its own at every priced response, which a
+        # tenant with no day quota (every tenant of a deployment without tenants) does not pay
+        # (tests/test_run_steps.py: a child's worker makes two requests, its start and its end).
         return False
     total = plane.store.quotas.count_spend(record.tenant, f"{record.id}:{request_key}", cost_micros)
     return 0 < limit <= total

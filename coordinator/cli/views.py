@@ -190,8 +190,12 @@ def tenant_lines(states: Sequence[TenantState]) -> list[str]:
     lines = [f"{'tenant':24}  {'running':>7}  {'waiting':>7}  {'roots':>7}  {'submits/min':>11}  spend today"]
     for s in states:
         p = s.policy
-        quota = f" / {format_usd(p.max_cost_micros_per_day)}" if p.max_cost_micros_per_day else ""
-        spend = format_usd(s.spent_micros_day) + quota
+        # A day's spend is counted only against a quota (coordinator/quotas.py `count_spend`): none, "-".
+        spend = (
+            f"{format_usd(s.spent_micros_day)} / {format_usd(p.max_cost_micros_per_day)}"
+            if p.max_cost_micros_per_day
+            else "-"
+        )
         name = s.tenant if s.listed else f"{s.tenant} *"
         lines.append(
             f"{cut(name, 24):24}  {_of(s.running, p.max_running):>7}  {s.waiting:>7}  "
