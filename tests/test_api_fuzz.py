@@ -78,6 +78,7 @@ OPERATIONS = [
     "GET /v1/dead-letters",
     "DELETE /v1/dead-letters",
     "GET /v1/audit",
+    "GET /v1/tenants",
     "GET /healthz",
     "GET /livez",
     "GET /readyz",
@@ -90,6 +91,7 @@ WITHOUT_INPUT = {
     "GET /readyz",
     "GET /metrics",
     "DELETE /v1/dead-letters",
+    "GET /v1/tenants",
 }  # nothing to make invalid
 MODES = {"valid": GenerationMode.POSITIVE, "invalid": GenerationMode.NEGATIVE}
 MADE_UP = [
