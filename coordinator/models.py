@@ -37,6 +37,7 @@ __all__ = [
     "RetrySkip",
     "RetryTask",
     "RunWrites",
+    "Settled",
     "Spend",
     "SubtaskResult",
     "SubtaskSpec",
@@ -566,6 +567,17 @@ class AdmissionLimits:
     def applies_to(self, record: TaskRecord) -> bool:
         """Whether a run of `record` is admitted and frees a slot: a child, with some limit set (a root always runs)."""
         return record.parent_id is not None and bool(self.per_parent or self.per_tree or self.stagger_ms)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A delivery attempt's outcome to record (`store.outbox.settle_and_claim`): as `settle`'s arguments."""
+
+    root_id: str
+    delivery_id: str
+    state: str  # delivered, retrying, given_up, gone
+    last: str = ""  # the last answer or error, cut
+    next_at: float = 0.0  # epoch s of the next attempt, when retrying
 
 
 class Spend(NamedTuple):

@@ -40,7 +40,7 @@ from urllib.parse import SplitResult, urlsplit
 
 from coordinator.errors import NotFoundError
 from coordinator.inputs import one_line
-from coordinator.store.outbox import Settled
+from coordinator.models import Settled
 from coordinator.subscriptions import UnsafeTarget, resolve_safe
 
 if TYPE_CHECKING:

@@ -17,24 +17,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from coordinator.models import Settled
 from coordinator.store.base import Part, _str_map, outbox_keys, translate_redis_errors
 from coordinator.store.protocol import Call, ClaimDeliveries, OutboxAdd, SettleDelivery
 
-__all__ = ["OutboxStore", "Settled"]
-
-
-@dataclass(frozen=True)
-class Settled:
-    """An attempt's outcome to record (`OutboxStore.settle_and_claim`): as `settle`'s arguments."""
-
-    root_id: str
-    delivery_id: str
-    state: str
-    last: str = ""
-    next_at: float = 0.0
+__all__ = ["OutboxStore", "Settled"]  # Settled: coordinator.models, named here for the store's callers
 
 
 class OutboxStore(Part):
