@@ -42,8 +42,7 @@ from coordinator import dispatch
 from coordinator.errors import NotFoundError
 from coordinator.models import AdmissionLimits, TaskRecord
 from coordinator.replies import FairHealed
-from coordinator.store.fair import NO_FAIR_SHARES, FairShares
-from coordinator.tenants import DEFAULT_POLICY_NAME
+from coordinator.tenants import DEFAULT_POLICY_NAME, NO_FAIR_SHARES, FairShares
 
 if TYPE_CHECKING:
     from coordinator.plane import Plane

@@ -46,9 +46,11 @@ __all__ = [
     "DEFAULT_POLICY_NAME",
     "DEFAULT_PRIORITY",
     "DEFAULT_TENANT",
+    "NO_FAIR_SHARES",
     "PRIORITY_MAX",
     "PRIORITY_MIN",
     "TENANT_NAME_PATTERN",
+    "FairShares",
     "TenantBook",
     "TenantList",
     "TenantPolicy",
@@ -281,3 +283,16 @@ def _stamp(path: Path) -> tuple[int, int, int]:
     except OSError:
         return _MISSING
     return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+@dataclass(frozen=True)
+class FairShares:
+    """What a run's start and end are told of fair shares: `on` (some tenant policy caps `max_running` or
+    weighs other than 1), and this worker's concurrency, the fleet's capacity until a beat has counted it."""
+
+    on: bool = False
+    capacity: int = 1
+
+
+# Fair shares off: a run's start and end read nothing of them (admission and coordinator/store/fair.py share it).
+NO_FAIR_SHARES = FairShares()

@@ -176,10 +176,12 @@ def test_the_pass_frees_a_slot_whose_task_is_gone_or_ended_and_gives_it_on(fair:
     assert store.fair.heal(SHARES, 30, 100) == FairHealed(), "every slot's task is live: nothing to do"
     fair.client.delete(store.keys.task(fair.get_task(a1).root_id, a1))  # its tree deleted under it
     healed = store.fair.heal(SHARES, 30, 100)
-    assert (healed.freed, healed.started) == ([a1], [a3])
+    # Parked in one ms, a3 and a4 are ordered by id: either is the first given a slot.
+    assert healed.freed == [a1] and len(healed.started) == 1 and healed.started[0] in (a3, a4)
+    (rest,) = {a3, a4} - set(healed.started)
     fair.client.hset(store.keys.task(fair.get_task(a2).root_id, a2), TaskField.STATUS, "completed")  # ended, off
     healed = store.fair.heal(SHARES, 30, 100)
-    assert (healed.freed, healed.started) == ([a2], [a4])
+    assert (healed.freed, healed.started) == ([a2], [rest])
     assert store.fair.counts("a") == FairCounts(running=2, parked=0, queued=0)
     assert sorted(store.client.hkeys(store.keys.fair_holding())) == sorted([a3, a4])
 
@@ -189,7 +191,8 @@ def test_a_raised_max_running_admits_what_now_fits(fair: Coordinator) -> None:
     ids = children(fair, "a", 5)
     assert [start(store, t).verdict for t in ids] == ["run", "run", "park", "park", "park"]
     beat(store, {"a": (3, 4), "b": (1, 0), "*": (1, 0)})  # the tenants table now lets a run 4
-    assert store.fair.heal(SHARES, 30, 100).started == ids[2:4]
+    started = store.fair.heal(SHARES, 30, 100).started
+    assert len(started) == 2 and set(started) < set(ids[2:]), "two more fit"
     assert store.fair.counts("a") == FairCounts(running=4, parked=1, queued=0)
 
 

@@ -18,7 +18,7 @@ from coordinator.replies import FairHealed
 from coordinator.store.base import Part, translate_redis_errors
 from coordinator.store.keys import Keys
 from coordinator.store.protocol import FairAnnounce, FairArgs, FairBeat, FairHeal, FairKeys, FairRelease
-from coordinator.tenants import DEFAULT_PRIORITY, DEFAULT_TENANT
+from coordinator.tenants import DEFAULT_PRIORITY, DEFAULT_TENANT, NO_FAIR_SHARES, FairShares
 
 __all__ = [
     "FAIR_FILL",
@@ -42,19 +42,6 @@ FAIR_QUEUED_S = 30
 FAIR_FILL = 8
 
 _MARK = "\0"
-
-
-@dataclass(frozen=True)
-class FairShares:
-    """What a run's start and end are told of fair shares: `on` (some tenant policy caps `max_running` or
-    weighs other than 1), and this worker's concurrency, the fleet's capacity until a beat has counted it."""
-
-    on: bool = False
-    capacity: int = 1
-
-
-# Fair shares off: a run's start and end read nothing of them.
-NO_FAIR_SHARES = FairShares()
 
 
 @dataclass(frozen=True)
