@@ -456,10 +456,11 @@ def celery_tls(settings: Settings) -> dict[str, Any] | None:
 
 def celery_url(settings: Settings) -> str:
     """Celery's broker and result backend URL: the one Redis's, or
-    `sentinel://[:password@]host:port;sentinel://host:port;...`.
+    `sentinel://[:password@]host:port;sentinel://[:password@]host:port;...`.
 
-    kombu's and Celery's sentinel transports read the data password from the first
-    address (and only the sentinels' addresses from the rest).
+    The data password is in every address: kombu moves to the next address when a
+    sentinel fails and takes that address's password, so one given only in the first
+    was lost there (its master connection then failed `HELLO`/AUTH until it cycled back).
     """
     settings.require_redis()
     if settings.redis_sentinels is None:
@@ -468,8 +469,8 @@ def celery_url(settings: Settings) -> str:
     if settings.redis_password is not None:
         auth = f":{quote(settings.redis_password.get_secret_value(), safe='')}@"
     parts = []
-    for n, (host, port) in enumerate(settings.sentinel_addresses()):
-        parts.append(f"sentinel://{auth if n == 0 else ''}{_bracketed(host)}:{port}")
+    for host, port in settings.sentinel_addresses():
+        parts.append(f"sentinel://{auth}{_bracketed(host)}:{port}")
     return ";".join(parts)
 
 

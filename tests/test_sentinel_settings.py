@@ -110,13 +110,20 @@ def test_celery_is_given_the_sentinel_transport() -> None:
         redis_password=SecretStr("p@ss:w/rd"),
         redis_sentinel_password=SecretStr("sentinel-secret"),
     )
-    assert celery_url(settings) == "sentinel://:p%40ss%3Aw%2Frd@10.0.0.1:26379;sentinel://[fd00::2]:26379"
+    assert (
+        celery_url(settings) == "sentinel://:p%40ss%3Aw%2Frd@10.0.0.1:26379;sentinel://:p%40ss%3Aw%2Frd@[fd00::2]:26379"
+    )
     options = sentinel_transport_options(settings)
     assert options["master_name"] == "subq"
     assert _asking(options) == {"password": "sentinel-secret", "socket_connect_timeout": 1.0, "socket_timeout": 1.0}
     assert options["sentinel_kwargs"]["retry"].get_retries() == 0, "a silent sentinel is passed over at once"
     app = make_app(settings)
     assert app.conf.broker_url == celery_url(settings)
+    broker = app.connection_for_write()
+    for _ in range(2):  # kombu's move to each next sentinel address keeps the data password
+        broker.maybe_switch_next()
+        assert broker.password == "p@ss:w/rd", broker.hostname
+    broker.release()
     assert app.conf.broker_transport_options.items() >= options.items()
     assert app.conf.result_backend_transport_options.items() >= options.items()
     assert app.conf.result_backend.startswith(
