@@ -68,7 +68,7 @@ def test_a_resumed_run_outlives_its_parents_late_unwatch(
     root = coord.create_task(agent(reply("unused")), run=True)
     first = lifecycle.start(root.id)
     assert isinstance(first, Run)
-    first.delegation = first.delegate([{"description": "a", "message": agent(reply("a done"))}], "parallel", "c0")
+    first.delegation = first.plan.delegate([{"description": "a", "message": agent(reply("a done"))}], "parallel", "c0")
     resumed: list[Run] = []
     publish_batch = dispatch.publish_batch
 

@@ -275,7 +275,7 @@ def test_a_tasks_tool_calls_show_by_tool_with_how_they_ended(
         ToolCallDone("c3", "git_push", "denied"),
         ToolCallDone("c4", "<b>hostile</b>", "error", '"Error: x"', 5),
     ]:
-        assert store.runs.record_tool_call(root, "a-run", RunWrites(), call)[0]
+        assert store.runs.record_tool_call(root, "a-run", RunWrites(), call).leased
     assert web_coord.get_task(root.id).tool_use["git_log"].calls == 2
     page = browser_http.get(f"/ui/tasks/{root.id}/fragment").text
     rows = re.findall(r'<tr data-tool="([^"]*)"><td><code>([^<]*)</code></td><td class="num">(\d+)</td>\s*'

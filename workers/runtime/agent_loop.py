@@ -197,11 +197,7 @@ class StopWatch:
             loop.call_soon_threadsafe(_set, stop)
 
     def _poll_forever(self) -> None:
-        started = time.monotonic()
         while True:
-            # The first look is a poll after the thread starts: the run that started it has just checked its
-            # stop in its start step, and a child that answers at once ends before it (two requests a child).
-            time.sleep(max(0.0, self._poll_s - (time.monotonic() - started)))
             with self._lock:
                 if not self._watched:  # an idle process keeps no clock: `watch` starts the thread again
                     self._thread = None
@@ -211,6 +207,7 @@ class StopWatch:
                 self.poll()
             except Exception:  # never let the watch die: every run in flight relies on it
                 log.exception("subq: the stop watch failed")
+            time.sleep(max(0.0, self._poll_s - (time.monotonic() - started)))
 
 
 class ProgressPacer:
