@@ -448,6 +448,7 @@ GUARDED = [
     ("GET", "/v1/dead-letters", None),
     ("DELETE", "/v1/dead-letters", None),
     ("GET", "/v1/audit", None),
+    ("GET", "/v1/tenants", None),
 ]
 
 
