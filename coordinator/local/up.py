@@ -329,24 +329,10 @@ def _check_options(settings: Settings, options: UpOptions) -> None:
     """
     if options.api and not api_available():
         raise ConfigError(f"The HTTP API is not installed (no module {API_MODULE}); pass --no-api to start without it")
-    ports = {"--flower-port": options.flower_port}
-    if options.api:
-        if options.api_port == options.flower_port:
-            raise ValidationError("--api-port and --flower-port must differ", field="api_port")
-        ports = {"--api-port": options.api_port, **ports}
+    ports = _service_ports(options)
     metrics = _metrics_ports(settings, options.workers)
     for port, what in metrics.items():
-        if port > MAX_PORT:
-            raise ValidationError(
-                f"Port {port} is past {MAX_PORT} ({what}); choose a lower {METRICS_PORT}", field=METRICS_PORT
-            )
-        # Refused whatever the hosts: on a wildcard host the two would collide.
-        for option, taken in ports.items():
-            if port == taken:
-                raise ValidationError(
-                    f"Port {port} is both {option} and {what}; choose another {METRICS_PORT} or {option}",
-                    field=METRICS_PORT,
-                )
+        _check_metrics_port_number(port, what, ports)
     for option, port in ports.items():
         if not port_free(options.host, port):
             raise ValidationError(
@@ -357,6 +343,33 @@ def _check_options(settings: Settings, options: UpOptions) -> None:
         if not port_free(host, port):
             raise ValidationError(
                 f"Port {port} on {host} is in use ({what}); choose another {METRICS_PORT}", field=METRICS_PORT
+            )
+
+
+def _service_ports(options: UpOptions) -> dict[str, int]:
+    """The API's and Flower's ports by the option that sets each (the API's only when it starts); the two must differ."""
+    ports = {"--flower-port": options.flower_port}
+    if not options.api:
+        return ports
+    if options.api_port == options.flower_port:
+        raise ValidationError("--api-port and --flower-port must differ", field="api_port")
+    return {"--api-port": options.api_port, **ports}
+
+
+def _check_metrics_port_number(port: int, what: str, ports: dict[str, int]) -> None:
+    """A worker's metrics port must be a port at all and none of the services' ports.
+
+    Refused whatever the hosts: on a wildcard host the two would collide.
+    """
+    if port > MAX_PORT:
+        raise ValidationError(
+            f"Port {port} is past {MAX_PORT} ({what}); choose a lower {METRICS_PORT}", field=METRICS_PORT
+        )
+    for option, taken in ports.items():
+        if port == taken:
+            raise ValidationError(
+                f"Port {port} is both {option} and {what}; choose another {METRICS_PORT} or {option}",
+                field=METRICS_PORT,
             )
 
 
