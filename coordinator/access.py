@@ -20,7 +20,7 @@ caller may not read is answered as if it did not exist (404), so its existence
 does not leak; a missing scope is a 403 that names the scope.
 
 `KeyRing` answers "whose token is this?" per request. The file is taken up
-without a restart: each lookup stats it (one `stat`, no read) and reads it again
+without a restart (coordinator/config_file.py): each lookup stats it (one `stat`, no read) and reads it again
 only when its modification time, size or inode changed. A file that no longer
 parses revokes every key it held until it parses again (fail closed: a botched
 edit must not keep a revoked key alive); the error is logged once per change.
@@ -29,12 +29,8 @@ edit must not keep a revoked key alive); the error is logged once per change.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
 import re
-import threading
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -44,6 +40,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from pydantic import ValidationError as PydanticError
 
+from coordinator.config_file import ReloadingFile, read_table
 from coordinator.subscriptions import MAX_WEBHOOKS, Webhook
 from coordinator.tenants import TENANT_NAME_PATTERN
 
@@ -169,39 +166,70 @@ def parse_keys(data: object, where: str = "") -> dict[str, ApiKey]:
 
 
 def _parse_key(name: str, spec: object, where: str) -> ApiKey:
+    """One key from its configured form; each check below raises a ValueError naming the key (`at`) and the field."""
     at = f"{where}: key {name!r}" if where else f"key {name!r}"
     if not KEY_NAME_PATTERN.match(name):
         raise ValueError(f"{at}: a name is 1 to 64 letters, digits, '_', '.', '@' or '-'")
     if isinstance(spec, ApiKey):
         return spec
+    fields = _key_fields(spec, at)
+    return ApiKey(
+        name,
+        _key_digest(fields["token_sha256"], at),
+        _key_scopes(fields["scopes"], at),
+        # Arguments are checked left to right: a key's first fault is the one named, the tenant's before the webhooks'.
+        tenant=_key_tenant(fields.get("tenant"), at),
+        webhooks=_key_webhooks(fields.get("webhooks"), at),
+    )
+
+
+_KEY_FIELDS = ("token_sha256", "scopes", "webhooks", "tenant")
+_REQUIRED_KEY_FIELDS = ("token_sha256", "scopes")
+
+
+def _key_fields(spec: object, at: str) -> Mapping[str, Any]:
+    """A key's table (an ApiKeySpec as its fields), with no unknown field and every required one."""
     if isinstance(spec, ApiKeySpec):
         given = {"tenant": spec.tenant} if spec.tenant is not None else {}
         spec = {**spec.model_dump(mode="json", exclude={"webhooks", "tenant"}), "webhooks": spec.webhooks, **given}
     if not isinstance(spec, Mapping):
         raise ValueError(f'{at}: must be a table {{"token_sha256": "<hex>", "scopes": [...]}}')
-    unknown = sorted(set(map(str, spec)) - {"token_sha256", "scopes", "webhooks", "tenant"})
+    unknown = sorted(set(map(str, spec)) - set(_KEY_FIELDS))
     if unknown:
         raise ValueError(f"{at}: unknown field {unknown[0]!r} (a key has token_sha256, scopes, webhooks and tenant)")
-    for field in ("token_sha256", "scopes"):
+    for field in _REQUIRED_KEY_FIELDS:
         if field not in spec:
             raise ValueError(f"{at}: missing field {field!r}")
-    digest = spec["token_sha256"]
+    return spec
+
+
+def _key_digest(digest: object, at: str) -> str:
+    """A key's `token_sha256`, lower-case."""
     if not isinstance(digest, str) or not _HEX64.match(digest):
         raise ValueError(
             f"{at}: token_sha256 must be the token's SHA-256 as 64 hex digits "
             '(e.g. printf %s "$TOKEN" | sha256sum), not the token itself'
         )
-    scopes = spec["scopes"]
+    return digest.lower()
+
+
+def _key_scopes(scopes: object, at: str) -> frozenset[Scope]:
+    """A key's `scopes`: a non-empty list of scope names."""
     if not isinstance(scopes, list) or not scopes or not all(isinstance(s, str) for s in scopes):
         raise ValueError(f"{at}: scopes must be a non-empty list of {', '.join(Scope)}")
     for scope in scopes:
         if scope not in Scope.__members__.values():
             raise ValueError(f"{at}: unknown scope {scope!r} (one of {', '.join(Scope)})")
-    tenant = spec.get("tenant")
-    if tenant is not None and (not isinstance(tenant, str) or not TENANT_NAME_PATTERN.match(tenant)):
+    return frozenset(Scope(s) for s in scopes)
+
+
+def _key_tenant(tenant: object, at: str) -> str | None:
+    """A key's `tenant` (None: the key is its own tenant)."""
+    if tenant is None:
+        return None
+    if not isinstance(tenant, str) or not TENANT_NAME_PATTERN.match(tenant):
         raise ValueError(f"{at}: tenant: 1 to 64 letters, digits, '_', '.', '@' or '-', not {str(tenant)[:80]!r}")
-    hooks = _key_webhooks(spec.get("webhooks"), at)
-    return ApiKey(name, digest.lower(), frozenset(Scope(s) for s in scopes), hooks, tenant)
+    return tenant
 
 
 _WEBHOOKS = TypeAdapter(list[Webhook])
@@ -225,17 +253,7 @@ def _key_webhooks(given: object, at: str) -> tuple[Webhook, ...]:
 def read_keys_file(path: Path) -> dict[str, ApiKey]:
     """The keys of a TOML (`.toml`) or JSON file; a ValueError naming the file and the key otherwise."""
     where = f"SUBQ_API_KEYS_FILE: {path}"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ValueError(f"{where}: cannot read it: {exc.strerror}") from None
-    try:
-        data: Any = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{where}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'}: {exc}") from None
-    if isinstance(data, dict) and isinstance(data.get("keys"), dict) and len(data) == 1:
-        data = data["keys"]  # a `[keys.<name>]` table in TOML reads as well
-    return parse_keys(data, where)
+    return parse_keys(read_table(path, where, wrapper="keys"), where)  # `[keys.<name>]` tables read as well
 
 
 def check_distinct(
@@ -268,28 +286,23 @@ def check_distinct(
         )
 
 
-@dataclass(frozen=True)
-class _FileState:
-    stamp: tuple[int, int, int] | None  # (mtime_ns, size, inode) when read (MISSING: no file); None: never read
-    keys: dict[str, ApiKey]
-
-
-# The stamp of a file that cannot be stat'ed: compared like any other, so a missing file is logged once.
-MISSING = (-1, -1, -1)
-
-
 class KeyRing:
     """Every key of a deployment, looked up by token; the keys file is read again when it changes."""
 
     def __init__(self, inline: Mapping[str, ApiKey], file: Path | None, legacy_token: str | None) -> None:
         self._inline = dict(inline)
-        self._file = file
         self._legacy_token = legacy_token or None
         self._legacy = ApiKey(ADMIN_KEY, token_sha256(legacy_token), frozenset(Scope)) if legacy_token else None
-        self._lock = threading.Lock()
-        self._state = _FileState(None, {})
+        self._file: ReloadingFile[dict[str, ApiKey]] | None = None
         if file is not None:
-            self._state = self._read(file, None)
+            self._file = ReloadingFile(
+                file,
+                self._read,
+                initial={},
+                broken={},  # fail closed: a botched edit must not keep a revoked key alive
+                logger=logger,
+                broken_means="every key of that file is refused until it is fixed",
+            )
 
     @property
     def empty(self) -> bool:
@@ -301,7 +314,7 @@ class KeyRing:
         if self._legacy is not None:
             out[ADMIN_KEY] = self._legacy
         if self._file is not None:
-            for name, key in self._current_file_keys().items():
+            for name, key in self._file.current().items():
                 out.setdefault(name, key)  # a name also given inline stays the inline key
         return out
 
@@ -320,31 +333,7 @@ class KeyRing:
     def named(self, name: str) -> ApiKey | None:
         return self.keys().get(name)
 
-    def _current_file_keys(self) -> dict[str, ApiKey]:
-        assert self._file is not None
-        stamp = _stamp(self._file)
-        if stamp == self._state.stamp:
-            return self._state.keys
-        with self._lock:
-            if stamp != self._state.stamp:
-                self._state = self._read(self._file, self._state.stamp)
-            return self._state.keys
-
-    def _read(self, path: Path, old_stamp: tuple[int, int, int] | None) -> _FileState:
-        stamp = _stamp(path)
-        try:
-            keys = read_keys_file(path)
-            check_distinct(self._inline, keys, self._legacy_token)
-        except ValueError as exc:
-            if stamp != old_stamp:
-                logger.error("%s; every key of that file is refused until it is fixed", exc)
-            return _FileState(stamp, {})
-        return _FileState(stamp, keys)
-
-
-def _stamp(path: Path) -> tuple[int, int, int]:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return MISSING
-    return (st.st_mtime_ns, st.st_size, st.st_ino)
+    def _read(self, path: Path) -> dict[str, ApiKey]:
+        keys = read_keys_file(path)
+        check_distinct(self._inline, keys, self._legacy_token)
+        return keys

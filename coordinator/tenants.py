@@ -18,19 +18,15 @@ Policies come from SUBQ_TENANTS (JSON) and SUBQ_TENANTS_FILE (TOML or JSON), bot
 | `max_cost_usd_per_day`   | what its trees may spend in any 24 h (stored as micro-USD)     | no quota |
 
 A name in the file and in SUBQ_TENANTS takes SUBQ_TENANTS' policy. The file is taken up without
-a restart, as the keys file is (coordinator/access.py): each read stats it and parses it again
+a restart, as the keys file is (coordinator/config_file.py): each read stats it and parses it again
 only when it changed. Unlike the keys file, a file that no longer parses keeps the last table
 that did (a botched edit must not lift every quota at once); the error is logged once per change.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
-import threading
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -40,6 +36,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic import ValidationError as PydanticError
 
+from coordinator.config_file import ReloadingFile, read_table
 from coordinator.errors import ValidationError
 
 __all__ = [
@@ -221,26 +218,12 @@ def parse_tenants(data: object, where: str) -> Tenants:
 def read_tenants_file(path: Path) -> Tenants:
     """The table of a TOML (`.toml`) or JSON file; a ValueError naming the file, the tenant and the field."""
     where = f"SUBQ_TENANTS_FILE: {path}"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ValueError(f"{where}: cannot read it: {exc.strerror}") from None
-    try:
-        data: Any = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{where}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'}: {exc}") from None
-    if isinstance(data, dict) and isinstance(data.get("tenants"), dict) and len(data) == 1:
-        data = data["tenants"]  # `[tenants.<name>]` tables in TOML read as well
-    return parse_tenants(data, where)
+    return parse_tenants(read_table(path, where, wrapper="tenants"), where)  # `[tenants.<name>]` tables read as well
 
 
 def merged(inline: Tenants, from_file: Tenants, inline_has_default: bool) -> Tenants:
     """The file's table with SUBQ_TENANTS' entries over it (SUBQ_TENANTS' `"*"` too, when it gives one)."""
     return Tenants({**from_file.listed, **inline.listed}, inline.default if inline_has_default else from_file.default)
-
-
-# The stamp of a file that cannot be stat'ed (as coordinator/access.py's MISSING).
-_MISSING = (-1, -1, -1)
 
 
 class TenantBook:
@@ -249,40 +232,23 @@ class TenantBook:
     def __init__(self, inline: Tenants, file: Path | None, inline_has_default: bool = False) -> None:
         self._inline = inline
         self._inline_has_default = inline_has_default
-        self._file = file
-        self._lock = threading.Lock()
-        self._stamp: tuple[int, int, int] | None = None
-        self._table = inline
+        self._file: ReloadingFile[Tenants] | None = None
         if file is not None:
-            self._reload()
+            self._file = ReloadingFile(
+                file,
+                self._read,
+                initial=inline,
+                broken=None,  # the last table that parsed: a botched edit must not lift every quota at once
+                logger=logger,
+                broken_means="the tenants table read before stays in force until it is fixed",
+            )
 
     def current(self) -> Tenants:
         """The table now: one `stat` of the file, parsed again only when it changed."""
-        if self._file is not None and _stamp(self._file) != self._stamp:
-            with self._lock:
-                if _stamp(self._file) != self._stamp:
-                    self._reload()
-        return self._table
+        return self._inline if self._file is None else self._file.current()
 
-    def _reload(self) -> None:
-        assert self._file is not None
-        stamp = _stamp(self._file)
-        try:
-            table = merged(self._inline, read_tenants_file(self._file), self._inline_has_default)
-        except ValueError as exc:
-            if stamp != self._stamp:
-                logger.error("%s; the tenants table read before stays in force until it is fixed", exc)
-            self._stamp = stamp
-            return
-        self._stamp, self._table = stamp, table
-
-
-def _stamp(path: Path) -> tuple[int, int, int]:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return _MISSING
-    return (st.st_mtime_ns, st.st_size, st.st_ino)
+    def _read(self, path: Path) -> Tenants:
+        return merged(self._inline, read_tenants_file(path), self._inline_has_default)
 
 
 @dataclass(frozen=True)
