@@ -27,8 +27,10 @@ and followed by `running` again, at the same ms. `times_of` counts them (`compac
 reads the intervals as if they were not there.
 
 The stored form (`TaskField.TIMELINE`, a field of the task hash) is a small JSON object,
-written by the Lua scripts (`timeline_add` in store/lua/hashes.lua) and by the Python that
-creates records: `{"m": [[t_ms, state], ...], "f": {state: ms}, "n": folded, "t0": t_ms}`.
+marked by the Lua scripts alone (`timeline_add` in store/lua/hashes.lua; a Python transaction
+that marks a task queues mark_timeline.lua in its MULTI) and opened by the Python that creates
+records (`Timeline.begin`, one mark, nothing to fold):
+`{"m": [[t_ms, state], ...], "f": {state: ms}, "n": folded, "t0": t_ms}`.
 It is bounded: past `MAX_MARKS` marks the oldest `FOLD_MARKS` are folded into `f` (their
 lengths by state) and `n`, so a task that waited thousands of times keeps its totals and its
 latest intervals, never an unbounded field. Times are the writer's clock in ms, the clock
@@ -42,7 +44,6 @@ the web view. A wait inside a run writes its mark as it begins, so the word is t
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -73,9 +74,9 @@ __all__ = [
     "waiting_for",
 ]
 
-# Marks kept before the oldest are folded (hashes.lua's fold takes these too, put in as its scripts
-# are loaded): a few hundred bytes a task in the common case, at most some 6 KiB, which the run's
-# start reads with the record.
+# Marks kept before the oldest are folded, by hashes.lua's fold alone (declared here, beside the form
+# they bound, and put into the Lua as its scripts are loaded): a few hundred bytes a task in the
+# common case, at most some 6 KiB, which the run's start reads with the record.
 MAX_MARKS = 200
 # How many of the oldest marks one fold takes: half, so a fold happens once per 100 marks.
 FOLD_MARKS = 100
@@ -111,27 +112,6 @@ class Timeline(BaseModel):
     @classmethod
     def begin(cls, t_ms: int, state: str) -> Timeline:
         return cls(m=[(t_ms, state)])
-
-    def marked(self, t_ms: int, state: str) -> Timeline:
-        """This timeline with one more mark, as `timeline_add` in hashes.lua makes it (tests hold the two equal).
-
-        Scripts fold in Lua, atomically with the state change they mark; this is for the one mark a
-        Python transaction writes (a caller's delegation commit, store/delegation.py).
-        """
-        marks = list(self.m)
-        if marks:
-            last_t, last_state = marks[-1]
-            if last_state in OUTCOMES or last_state == state:
-                return self
-            t_ms = max(t_ms, last_t)  # one clock, but two writers' readings may cross by a hair
-        marks.append((t_ms, state))
-        folded, n, t0 = dict(self.f), self.n, self.t0
-        if len(marks) > MAX_MARKS:
-            t0 = marks[0][0] if t0 is None else t0
-            for (t, s), (t_next, _) in itertools.pairwise(marks[: FOLD_MARKS + 1]):
-                folded[s] = folded.get(s, 0) + (t_next - t)
-            marks, n = marks[FOLD_MARKS:], n + FOLD_MARKS
-        return Timeline(m=marks, f=folded, n=n, t0=t0)
 
     def text(self) -> str:
         """The stored form (compact JSON; empty parts left out, as Lua's cjson writes them)."""

@@ -83,6 +83,8 @@ def test_each_step_runs_once_when_the_server_forgot_its_script(
         [{"description": "x", "message": agent(reply("x done"))}, {"description": "y", "message": agent(reply("y"))}],
     )
     first, second = batch.child_ids
+    # The caller's parent waits on them: its mark is mark_timeline.lua, run inside the commit's MULTI by its text.
+    assert coord.get_task(parent.id).waiting_for == "children"
     # A run's start (start_run and its reads in one transaction), its steps, and its end (end_run, acknowledged).
     coord.client.script_flush()
     assert run_child(rt, first).status == "completed"

@@ -52,11 +52,13 @@ WAIT_S = 60
 TOOL_CALL_S = 0.3
 
 
-# -- the stored form: Python's Timeline and Lua's timeline_add agree, and stay bounded -------------
+# -- the stored form: hashes.lua's timeline_add, the one fold, stays bounded and exact ------------------
 
 
-def test_the_lua_and_python_timelines_agree_and_fold_past_the_bound(redis_client: redis.Redis) -> None:
-    """Hundreds of waits: the stored field keeps at most MAX_MARKS marks, and the totals stay exact."""
+def test_the_lua_fold_keeps_every_mark_or_its_length_and_stays_bounded(redis_client: redis.Redis) -> None:
+    """Hundreds of waits through `timeline_add` (the fold is written in Lua alone: Python only reads timelines,
+    and a Python transaction's mark is this fold's, tests/test_delegation_timeline.py): the stored field keeps at
+    most MAX_MARKS marks, each mark added is kept or counted folded, and the totals stay exact."""
     adder = redis_client.register_script(
         _load_script("hashes.lua").replace(
             "local reply = main(KEYS, ARGV)", "local reply = timeline_add(ARGV[1], tonumber(ARGV[2]), ARGV[3])"
@@ -64,28 +66,33 @@ def test_the_lua_and_python_timelines_agree_and_fold_past_the_bound(redis_client
     )
     rng = random.Random(25)
     states = ["queued", "running", "wait:rate_limit", "running", "wait:admission", "wait:approval"]
-    text, model, t_ms, lengths = "", Timeline(), 1_764_000_000_000, dict[str, int]()
+    text, t_ms, lengths, added = "", 1_764_000_000_000, dict[str, int](), 0
+    first, last = t_ms, (0, "")
     for _ in range(2 * MAX_MARKS + 37):
         state = rng.choice(states)
-        step = rng.randrange(0, 5000)
         got = adder(args=[text, t_ms, state])
-        text = str(got) if got is not None else text
-        if model.m and model.m[-1][1] != state:
-            last_t, last_state = model.m[-1]
-            lengths[last_state] = lengths.get(last_state, 0) + (t_ms - last_t)
-        model = model.marked(t_ms, state)
-        assert Timeline.model_validate(text) == model
-        t_ms += step
-    assert len(model.m) <= MAX_MARKS and model.n >= FOLD_MARKS, "folded, never unbounded"
+        if state == last[1]:
+            assert got is None, "the state it has already: nothing to add"
+        else:
+            if added:
+                lengths[last[1]] = lengths.get(last[1], 0) + (t_ms - last[0])
+            text, last, added = str(got), (t_ms, state), added + 1
+        stored = Timeline.model_validate(text)
+        assert stored.m[-1] == last and len(stored.m) <= MAX_MARKS
+        assert len(stored.m) + stored.n == added, "every mark kept, or counted folded"
+        t_ms += rng.randrange(0, 5000)
+    assert stored.n >= FOLD_MARKS and stored.t0 == first, "folded, never unbounded"
     assert len(text) < 8 * 1024
-    times = times_of(model, now_ms=model.m[-1][0])  # the open last state counts 0 ms
+    times = times_of(stored, now_ms=last[0])  # the open last state counts 0 ms
     totals = {"queued": times.queue_ms, "running": times.run_ms}
     totals |= {f"wait:{reason}": ms for reason, ms in times.wait_by_reason_ms.items()}
     assert {k: v for k, v in totals.items() if v} == {k: v for k, v in lengths.items() if v}
-    # An outcome is the end: nothing is added after it, in either.
-    ended = model.marked(t_ms, "completed")
-    assert ended.marked(t_ms + 5, "running") == ended
-    assert adder(args=[ended.text(), t_ms + 5, "running"]) is None
+    # A mark earlier than the last (another writer's clock) is moved up to it.
+    later = Timeline.model_validate(adder(args=[text, last[0] - 10, "wait:tool_limit"]))
+    assert later.m[-1] == (last[0], "wait:tool_limit")
+    # An outcome is the end: nothing is added after it.
+    ended = adder(args=[text, t_ms, "completed"])
+    assert adder(args=[ended, t_ms + 5, "running"]) is None
 
 
 def test_a_timeline_reads_its_intervals_and_figures() -> None:

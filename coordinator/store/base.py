@@ -359,6 +359,18 @@ class Scripts:
             todo = missing
         raise AssertionError("unreachable: EVAL never answers NOSCRIPT")
 
+    def queue_in(self, pipe: Pipeline, call: Call[Any]) -> None:
+        """Queue one call of a script inside the caller's transaction (after its `multi()`), by its text.
+
+        For a WATCH/MULTI step that must write what only a script computes (a timeline mark folded by
+        hashes.lua, store/delegation.py): EXEC runs it in its place, atomically with the rest. Never by
+        its SHA: inside MULTI a NOSCRIPT fails that command alone at EXEC while the others commit
+        (redis-server 7.0; tests/test_delegation_timeline.py shows it), so a server that forgot the
+        script would take the step without it. Its reply is in the transaction's replies, in its place.
+        """
+        script_keys, script_args = call.pack()
+        queue_script(pipe, self._scripts[call.script], script_keys, script_args, by_text=True)
+
     def then_read(self, call: Call[R], reads: Callable[[Pipeline], object]) -> tuple[R, list[Any]]:
         """One call of a script (not an acknowledged one), then `reads` queued on the same transaction: one
         MULTI/EXEC, one round trip, nothing between, so the reads see the state the script left.

@@ -1,7 +1,9 @@
 """Delegation: the todo list, committing a batch, writing children back, closing and stopping.
 
 The delegation commit and todo updates are WATCH/MULTI transactions (validation
-runs on the watched state, so a concurrent change retries it); the write-back
+runs on the watched state, so a concurrent change retries it; a caller's parent is
+marked `wait:children` by mark_timeline.lua queued inside the commit's MULTI, so the
+timeline's fold stays in Lua alone); the write-back
 of children, closing a batch and stopping a subtree are Lua scripts.
 """
 
@@ -29,7 +31,7 @@ from coordinator.store.base import (
     translate_redis_errors,
 )
 from coordinator.store.fields import BatchField, TaskField
-from coordinator.store.protocol import ApplyChildren, CloseBatch, SettleChild, StopTasks
+from coordinator.store.protocol import ApplyChildren, CloseBatch, MarkTimeline, SettleChild, StopTasks
 from coordinator.store.records import decode_record, opening_marks, stored_fields
 from coordinator.todo_links import Merged
 
@@ -120,10 +122,11 @@ class DelegationStore(Part):
             waiting: dict[str, object] = {
                 TaskField.STATUS: TaskStatus.DELEGATED, TaskField.WAITING_BATCH_ID: batch.id, TaskField.UPDATED_AT: now,
             }  # fmt: skip
+            pipe.hset(parent_key, mapping=_encode_record(waiting))
             if parent.runner == "caller":
                 # A caller's task waits on its children from now; an agent's from its run's end (runs.py).
-                waiting[TaskField.TIMELINE] = parent.timeline.marked(int(now * 1000), "wait:children").text()
-            pipe.hset(parent_key, mapping=_encode_record(waiting))
+                # The mark is hashes.lua's fold, run by EXEC in this transaction: it is written in Lua alone.
+                self.scripts.queue_in(pipe, MarkTimeline(task=parent_key, now=now, state="wait:children"))
             pipe.hincrby(parent_key, TaskField.TODOS_VERSION, 1)
             self.core.write_todos(pipe, todos_key, new_todos)
             pipe.xadd(

@@ -864,6 +864,21 @@ class Lead(Call[bool], script="lead", returns="1 when the candidate leads now, 0
 
 
 @dataclass(frozen=True, kw_only=True)
+class MarkTimeline(
+    Call[bool],
+    script="mark_timeline",
+    returns="1 when marked, 0 when the mark changed nothing (the state it has, or after an outcome).",
+):
+    task: str = key("task hash")
+    now: float = arg("now, epoch seconds")
+    state: str = arg("the state marked (coordinator/timeline.py)")
+
+    @classmethod
+    def decode(cls, raw: Any) -> bool:
+        return bool(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
 class RateLimit(
     Call[int],
     script="rate_limit",

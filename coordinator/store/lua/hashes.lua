@@ -152,10 +152,10 @@ end
 -- TIMELINE_MAX marks the oldest TIMELINE_FOLD are folded into `f` (ms by state) and `n`,
 -- so the field stays small whatever the task does. The bound and the outcomes are declared once,
 -- in coordinator/timeline.py (MAX_MARKS, FOLD_MARKS, OUTCOMES): base.py's `_load_script` puts them
--- in below as it loads this prelude. The fold is here because a script must fold atomically with
--- the state change it marks; Timeline.marked folds the same way for the one mark a Python
--- transaction writes (a caller's delegation commit, WATCH/MULTI, where no script runs), and
--- tests/test_timeline.py holds the two equal over hundreds of marks.
+-- in below as it loads this prelude. The fold is written here alone, because a script must fold
+-- atomically with the state change it marks: the one mark a Python transaction writes (a caller's
+-- delegation commit, WATCH/MULTI) is mark_timeline.lua queued inside its MULTI, and Python only
+-- reads timelines (tests/test_timeline.py checks this fold over hundreds of marks).
 local TIMELINE_MAX, TIMELINE_FOLD = {MAX_MARKS}, {FOLD_MARKS}
 local TIMELINE_ENDS = {OUTCOMES}
 -- The whole fold: the stored JSON decoded, marked, folded and encoded again.
@@ -214,11 +214,13 @@ local function timeline_add(text, t_ms, state)
 end
 
 -- Mark the task of hash `key` (read and written through the cache above); `now_s` in epoch seconds.
+-- True when marked, false when the mark changed nothing.
 local function timeline_mark(key, now_s, state)
   local text = timeline_add(hash_get(key, 'timeline')[1], math.floor(tonumber(now_s) * 1000 + 0.5), state)
   if text then
     hash_set(key, 'timeline', text)
   end
+  return text ~= nil
 end
 
 -- The todo item a child serves, in the todos hash `todos` (item id -> JSON, 'order' -> ids): the
