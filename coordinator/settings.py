@@ -505,6 +505,21 @@ class NotifySink(BaseModel):
         return None if secret is None else secret.get_secret_value()
 
 
+def _json_table(value: object) -> object:
+    """SUBQ_API_KEYS' or SUBQ_TENANTS' text as the table it holds ('' or blanks: none), any other value as given.
+
+    Parsed by their own validators, not by pydantic-settings' JSON decoding, so a bad value is one line
+    naming the key or the tenant (and bad JSON one line too)."""
+    if not isinstance(value, str):
+        return value
+    if not value.strip():
+        return {}
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {exc}") from None
+
+
 def _notify(value: object) -> object:
     if isinstance(value, str):
         value = json.loads(value) if value.strip() else []
@@ -678,28 +693,13 @@ class Settings(BaseSettings):
     @field_validator("api_keys", mode="before")
     @classmethod
     def _parse_api_keys(cls, value: object) -> object:
-        # Parsed here, not by pydantic-settings' JSON decoding, so a bad value is one line naming the key.
-        if isinstance(value, str):
-            if not value.strip():
-                return {}
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"not valid JSON: {exc}") from None
-        keys = parse_keys(value, "")
+        keys = parse_keys(_json_table(value), "")
         return {name: key.as_setting() for name, key in keys.items()}
 
     @field_validator("tenants", mode="before")
     @classmethod
     def _parse_tenants(cls, value: object) -> object:
-        # Parsed here, not by pydantic-settings' JSON decoding, so a bad value is one line naming the tenant.
-        if isinstance(value, str):
-            if not value.strip():
-                return {}
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"not valid JSON: {exc}") from None
+        value = _json_table(value)
         table = parse_tenants(value, "")
         given = dict(table.listed)
         if isinstance(value, dict) and DEFAULT_POLICY_NAME in value:
