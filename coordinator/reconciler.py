@@ -21,6 +21,7 @@ Each tick it
    | active, an agent's, leased by a live run      | nothing; look again next tick             |                          |
    | active, waiting for a decision or a run slot, | nothing (the decision, the timer or the   |                          |
    | or with a run message in the broker's queue   | freed slot moves it on)                   |                          |
+   | or held by a live worker (`<p>:reserved`)     |                                           |                          |
    | active, an agent's, nothing of the above      | publish its run again (`-x<n>`)           | `run-lost`               |
 
    `run-lost` covers a run whose worker died (its lease lapsed with the
@@ -40,7 +41,7 @@ import logging
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from coordinator import admission, approvals, delegation, dispatch, endpoints, writeback
@@ -113,9 +114,11 @@ class IdlePace:
 class Reconciler:
     """One per worker process; `tick()` does a round when this process leads, else nothing."""
 
-    def __init__(self, coord: Coordinator, name: str) -> None:
+    def __init__(self, coord: Coordinator, name: str, reserved: Callable[[], Collection[str]] = tuple) -> None:
         self.plane = coord.plane  # the worker builds it with its Coordinator; it works with the plane alone
         self.name = name
+        # The tasks whose run message this process holds, started or not (the worker reads Celery's state).
+        self.reserved = reserved
         self._queued: set[str] | None = None
         self._later: defaultdict[float, list[str]] = defaultdict(list)  # delay -> tasks to look at again then
         # The worker processes whose reconcilers beat within a lapse, this one included, as of its last beat:
@@ -129,7 +132,7 @@ class Reconciler:
 
     def beat(self) -> None:
         """This worker's heartbeat, whether or not it runs anything or leads; it counts the fleet too."""
-        live = self.plane.store.convergence.beat(self.name, self.plane.settings.heartbeat_lapse_s)
+        live = self.plane.store.convergence.beat(self.name, self.plane.settings.heartbeat_lapse_s, self.reserved())
         # A node's reconciler beats as `<node>:<pid>` (`<name>@<host>`); a run's heartbeat has no `@`.
         self.fleet_size = max(1, sum(1 for member in live if "@" in member.rpartition(":")[0]))
         admission.beat(self.plane, self.name)  # its concurrency and the tenants table (fair shares)
@@ -214,6 +217,38 @@ class Reconciler:
             done.append(name)
         self.plane.store.convergence.remove_timers(done)
 
+    def _ended(self, task_id: str) -> str:
+        """An ended task still due: its end was never written back to its parent's batch."""
+        record = self.plane.store.records.get_task(task_id)
+        admission.release(self.plane, record)
+        if record.batch_id:
+            writeback.write_back(self.plane, record.batch_id, ended=record)
+        self.plane.store.convergence.unwatch([task_id])
+        return "ended-not-written-back"
+
+    def _delegated(self, task_id: str) -> str | None:
+        """A delegated task still due: its batch is published, unless that never happened."""
+        store = self.plane.store
+        record = store.records.get_task(task_id)
+        batch = store.batches.get_batch(record.waiting_batch_id) if record.waiting_batch_id else None
+        if batch is not None and not store.batches.batch_published(batch.id):
+            delegation.publish(self.plane, batch, store.records.get_records(batch.child_ids))
+            return "delegation-unpublished"
+        store.convergence.unwatch([task_id], while_status=TaskStatus.DELEGATED.value)  # not once resumed meanwhile
+        return None
+
+    def _waits_to_start(self, task_id: str) -> bool:
+        """Its run message is in the broker's queue or held by a live worker, or it waits for a run slot."""
+        store = self.plane.store
+        if self._queued is None:
+            self._queued = store.convergence.queued_task_ids(self.plane.settings.queue)
+        return (
+            task_id in self._queued
+            or store.convergence.reserved(task_id)
+            or store.convergence.in_admission(task_id)
+            or admission.parked(self.plane, task_id)
+        )
+
     def _look_at(self, task_id: str, triaged: tuple[str, str, float, bool, bool]) -> str | None:
         """One due task, as `convergence.triage` read it: (status, runner, updated_at, leased, asked)."""
         plane, store = self.plane, self.plane.store
@@ -229,29 +264,16 @@ class Reconciler:
             return None
         state = TaskStatus(status)
         if state.terminal:
-            record = store.records.get_task(task_id)
-            admission.release(plane, record)
-            if record.batch_id:
-                writeback.write_back(plane, record.batch_id, ended=record)
-            store.convergence.unwatch([task_id])
-            return "ended-not-written-back"
+            return self._ended(task_id)
         if state == TaskStatus.DELEGATED:
-            record = store.records.get_task(task_id)
-            batch = store.batches.get_batch(record.waiting_batch_id) if record.waiting_batch_id else None
-            if batch is not None and not store.batches.batch_published(batch.id):
-                delegation.publish(plane, batch, store.records.get_records(batch.child_ids))
-                return "delegation-unpublished"
-            store.convergence.unwatch([task_id], while_status=TaskStatus.DELEGATED.value)  # not once resumed meanwhile
-            return None
+            return self._delegated(task_id)
         if runner != "agent":
             store.convergence.unwatch([task_id])
             return None
         if asked and approvals.undecided(plane, task_id):
             store.convergence.unwatch([task_id])  # each decision, or its timer, watches it again
             return None
-        if self._queued is None:
-            self._queued = store.convergence.queued_task_ids(settings.queue)
-        if task_id in self._queued or store.convergence.in_admission(task_id) or admission.parked(plane, task_id):
+        if self._waits_to_start(task_id):
             self._later[settings.reconcile_grace_s].append(task_id)
             return None
         if store.convergence.triage([task_id])[0].leased:

@@ -31,7 +31,7 @@ def coord(idle_coordinator: Coordinator) -> Iterator[Coordinator]:
     """The idle coordinator with no grace, so each watched task is due at once."""
     coord = Coordinator(idle_coordinator.settings.model_copy(update={"reconcile_grace_s": 1}))
     keys = coord.store.keys
-    coord.client.delete(keys.due(), keys.timers(), keys.leader())  # what earlier tests left watched
+    coord.client.delete(keys.due(), keys.timers(), keys.leader(), keys.reserved())  # what earlier tests left
     yield coord
     coord.close()
 
@@ -115,6 +115,46 @@ def test_a_run_whose_message_was_lost_is_published_again(coord: Coordinator) -> 
     assert queued_ids(coord) == [root.id]
     assert coord.store.records.task_field(root.id, "repairs") == "1"
     assert tick(coord) == {}, "its new message is in the queue: nothing more"
+
+
+def test_a_run_whose_message_a_live_worker_holds_is_not_taken_for_lost(coord: Coordinator) -> None:
+    """Taken off the queue by a worker whose threads are all busy: its start waits, however long, while that
+    worker beats (it lists the run messages it holds); once its entry lapses (the worker died), it is lost."""
+    root = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)  # a worker took the message ...
+    Reconciler(coord, "worker@host:1", lambda: [root.id]).beat()  # ... and holds it, its run not started
+    assert tick(coord) == {}, "not published again"
+    assert coord.client.llen(QUEUE) == 0 and root.id in coord.store.convergence.watched()
+    coord.client.zadd(coord.store.keys.reserved(), {root.id: time.time() - 1})  # its worker stopped beating
+    assert tick(coord) == {"run-lost": 1}
+    assert queued_ids(coord) == [root.id]
+
+
+def test_a_beat_drops_the_lapsed_entries_of_held_runs(coord: Coordinator) -> None:
+    keys = coord.store.keys
+    coord.client.zadd(keys.reserved(), {"gone-worker-task": time.time() - 1})
+    Reconciler(coord, "worker@host:2", lambda: ["held-task"]).beat()
+    held = coord.client.zrange(keys.reserved(), 0, -1, withscores=True)
+    assert [name for name, _ in held] == ["held-task"]
+    assert time.time() < held[0][1] <= time.time() + coord.settings.heartbeat_lapse_s
+
+
+def test_a_worker_lists_the_run_messages_it_holds(coord: Coordinator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a worker's beat lists: its Celery state's requests that are runs, by task (not other tasks)."""
+    from celery.worker import state as worker_state
+
+    assert coord.settings.redis_url
+    monkeypatch.setenv("SUBQ_REDIS_URL", coord.settings.redis_url)  # the worker's modules read their settings
+    from workers.maintenance import held_runs
+
+    root = coord.create_task("held")
+    requests = {f"{root.id}-r1": object(), "a-celery-task-of-someone-else": object()}
+    worker_state.requests.update(requests)
+    try:
+        assert held_runs() == [root.id]
+    finally:
+        for request_id in requests:
+            worker_state.requests.pop(request_id, None)
 
 
 def test_an_ended_child_never_written_back_is_applied_once(coord: Coordinator) -> None:

@@ -44,8 +44,10 @@ from celery.signals import (
     worker_shutdown,
     worker_shutting_down,
 )
+from celery.worker import state as worker_state
 
 from coordinator import ConfigError
+from coordinator.ids import task_of_run_id
 from coordinator.reconciler import Reconciler
 from workers import observe
 from workers.application import app, settings
@@ -53,7 +55,7 @@ from workers.runtime import mcp_servers, profile_tools
 from workers.runtime.agent_loop import tune_gc
 from workers.runtime.context import get_runtime
 
-__all__ = ["fleet_size"]
+__all__ = ["fleet_size", "held_runs"]
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +68,22 @@ def fleet_size() -> int:
     return _reconciler.fleet_size if _reconciler is not None else 1
 
 
+def held_runs() -> list[str]:
+    """The tasks whose run message this process holds, started or not (Celery's worker state).
+
+    Its reconciler's beat lists them (`<p>:reserved`): a message taken off the queue sits in the
+    worker's memory until a thread is free to start its run, and on a loaded host that wait
+    outlasted the reconciler's grace, so a run that was never lost was published again.
+    """
+    # `tuple(dict)` copies the keys in one step under the interpreter's lock, while the consumer
+    # thread adds and removes requests.
+    return [task for task in map(task_of_run_id, tuple(worker_state.requests)) if task]
+
+
 def _start_reconciler(sender: Any = None, **_: Any) -> None:
     global _reconciler
     name = f"{getattr(sender, 'hostname', 'worker')}:{os.getpid()}"
-    reconciler = _reconciler = Reconciler(get_runtime(settings, app).coordinator, name)
+    reconciler = _reconciler = Reconciler(get_runtime(settings, app).coordinator, name, held_runs)
     threading.Thread(
         target=reconciler.run_forever, args=(threading.Event(),), name="subq-reconciler", daemon=True
     ).start()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any, NamedTuple, cast
 
 from coordinator.ids import root_of, task_of_run_id
@@ -149,14 +149,28 @@ class ConvergenceStore(Part):
     # -- leases, heartbeats and the leader ---------------------------------------------
 
     @translate_redis_errors
-    def beat(self, worker: str, live_s: float) -> list[str]:
-        """Beat this worker's heartbeat and read who beat within `live_s`: one round trip."""
+    def beat(self, worker: str, live_s: float, reserved: Collection[str] = ()) -> list[str]:
+        """Beat this worker's heartbeat and read who beat within `live_s`: one round trip.
+
+        `reserved`: the tasks whose run message this process holds (taken off the broker's queue,
+        its run maybe not started yet), kept `live_s` in `<p>:reserved`: the reconciler does not take
+        such a run for lost however long its start waits for a thread, and a dead process's entries lapse.
+        """
         with self.client.pipeline(transaction=False) as pipe:
             now = time.time()
             pipe.zadd(self.keys.workers(), {worker: now})
             pipe.zremrangebyscore(self.keys.workers(), "-inf", now - WORKER_FORGET_S)
             pipe.zrangebyscore(self.keys.workers(), now - live_s, "+inf")
+            pipe.zremrangebyscore(self.keys.reserved(), "-inf", now)
+            if reserved:
+                pipe.zadd(self.keys.reserved(), dict.fromkeys(reserved, now + live_s), gt=True)
             return _strs(pipe.execute()[2])
+
+    @translate_redis_errors
+    def reserved(self, task_id: str) -> bool:
+        """Whether a live worker process holds the task's run message (`beat`'s `reserved`)."""
+        lapses_at = self.client.zscore(self.keys.reserved(), task_id)
+        return lapses_at is not None and float(lapses_at) > time.time()
 
     @translate_redis_errors
     def renew_leases(self, leases: Sequence[tuple[str, str]], ttl_s: float, worker: str) -> list[str]:

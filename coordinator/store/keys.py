@@ -84,6 +84,9 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 |                                       |        | one read a poll while nothing is stopped           |          |
 | `<p>:reconciler`                      | string | the worker that leads the reconciler now           | a few ticks, renewed |
 | `<p>:workers`                         | zset   | worker processes scored by their last heartbeat    | pruned after a day |
+| `<p>:reserved`                        | zset   | tasks whose run message a live worker holds (taken | each entry a heartbeat |
+|                                       |        | off the queue, maybe not started), scored by when  | lapse, pruned by beats |
+|                                       |        | the entry lapses (each beat of its process renews) |          |
 | `<p>:metrics:repairs`                 | hash   | repairs the reconciler made, counted by reason     | permanent |
 | `<p>:dead-letters`                    | list   | messages no worker could decode or validate, one   | capped: the newest 10,000 |
 |                                       |        | JSON object each, newest first (ts, queue, reason, |          |
@@ -264,6 +267,9 @@ class Keys:
 
     def workers(self) -> str:
         return f"{self.prefix}:workers"
+
+    def reserved(self) -> str:
+        return f"{self.prefix}:reserved"
 
     def repairs(self) -> str:
         return f"{self.prefix}:metrics:repairs"
