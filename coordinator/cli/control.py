@@ -7,7 +7,8 @@ Plain functions: coordinator/cli/__init__.py adds them to the app.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Annotated
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
@@ -15,7 +16,9 @@ from coordinator.cli.common import JsonOption, TaskId, connect, say, say_json
 from coordinator.errors import ValidationError
 
 if TYPE_CHECKING:
-    from coordinator.models import Approval
+    from pydantic import BaseModel
+
+    from coordinator.models import Approval, Delivery
     from coordinator.tree import TreeNode
 
 __all__ = [
@@ -35,6 +38,22 @@ __all__ = [
 DEAD_LETTERS_SHOWN = 20
 
 ApprovalId = Annotated[str, typer.Argument(help="As `subq approvals` prints it.")]
+
+Entry = TypeVar("Entry", bound="BaseModel")
+
+
+def _say_entries(
+    entries: Sequence[Entry], as_json: bool, none: str, lines: Callable[[Sequence[Entry]], Iterable[str]]
+) -> None:
+    """A listing command's output: the entries as a JSON list with --json, else `none` when there are none and
+    their lines (a model's text in them escaped, as `say` prints)."""
+    if as_json:
+        say_json([entry.model_dump(mode="json") for entry in entries])
+        return
+    if not entries:
+        typer.echo(none)
+    for line in lines(entries):
+        say(line)
 
 
 def cancel(
@@ -120,15 +139,13 @@ def approvals(
     """List tool calls waiting for a decision (oldest first)."""
     with connect(ctx) as coord:
         pending = coord.list_approvals(root)
-    if as_json:
-        typer.echo(json.dumps([a.model_dump(mode="json") for a in pending], indent=2))
-        return
-    if not pending:
-        typer.echo("No tool call is waiting for a decision.")
+    _say_entries(pending, as_json, "No tool call is waiting for a decision.", _approval_lines)
+
+
+def _approval_lines(pending: Sequence[Approval]) -> Iterable[str]:
     for approval in pending:
         todo = f"  for todo '{approval.todo_content}'" if approval.todo_content else ""
-        line = f"{approval.id}  task {approval.task_id}  {approval.tool} {json.dumps(approval.args)}{todo}"
-        say(line)
+        yield f"{approval.id}  task {approval.task_id}  {approval.tool} {json.dumps(approval.args)}{todo}"
 
 
 def approve(ctx: typer.Context, approval_id: ApprovalId) -> None:
@@ -159,19 +176,18 @@ def _decide(ctx: typer.Context, approval_id: str, decision: dict[str, str | None
 def deliveries(ctx: typer.Context, task_id: TaskId, as_json: JsonOption = False) -> None:
     """List the tree's deliveries of outbound events (webhooks, Celery callbacks): each one's event, target,
     state, attempts, next try and last answer (docs/webhooks.md)."""
-    import time
-
     with connect(ctx) as coord:
         found = coord.deliveries(task_id)
-    if as_json:
-        say_json([d.model_dump(mode="json") for d in found])
-        return
-    if not found:
-        typer.echo("No deliveries.")
+    _say_entries(found, as_json, "No deliveries.", _delivery_lines)
+
+
+def _delivery_lines(found: Sequence[Delivery]) -> Iterable[str]:
+    import time
+
     for d in found:
         when = f" next in {max(0.0, d.next_at - time.time()):.0f}s" if d.next_at and d.state == "retrying" else ""
         last = f" ({d.last})" if d.last else ""
-        say(f"{d.id}  {d.type:<18} {d.state:<9} {d.attempts} attempt(s){when}{last}  -> {d.target}")
+        yield f"{d.id}  {d.type:<18} {d.state:<9} {d.attempts} attempt(s){when}{last}  -> {d.target}"
 
 
 def redeliver(
@@ -207,16 +223,10 @@ def dead_letters(
             return
         shown = coord.dead_letters(DEAD_LETTERS_SHOWN if limit is None else limit)
         count = coord.count_dead_letters()
-    if as_json:
-        typer.echo(json.dumps([entry.model_dump(mode="json") for entry in shown], indent=2))
-        return
     from coordinator.cli.views import dead_letter_lines
 
-    if not shown:
-        typer.echo("No dead letters.")
-    for line in dead_letter_lines(shown):
-        say(line)
-    if count > len(shown):
+    _say_entries(shown, as_json, "No dead letters.", dead_letter_lines)
+    if not as_json and count > len(shown):
         typer.echo(f"({count - len(shown)} older: subq dead-letters --limit {min(count, 500)})", err=True)
 
 
@@ -225,15 +235,9 @@ def tenants(ctx: typer.Context, as_json: JsonOption = False) -> None:
     quotas (scope operate; docs/tenants.md)."""
     with connect(ctx) as coord:
         found = coord.tenants()
-    if as_json:
-        typer.echo(json.dumps([state.model_dump(mode="json") for state in found], indent=2))
-        return
     from coordinator.cli.views import tenant_lines
 
-    if not found:
-        typer.echo("No tenants yet.")
-    for line in tenant_lines(found):
-        say(line)
+    _say_entries(found, as_json, "No tenants yet.", tenant_lines)
 
 
 # A screenful of the audit log; the service takes up to 500 at once.
