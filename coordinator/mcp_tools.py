@@ -504,6 +504,38 @@ INSTRUCTIONS = (
 )
 
 
+def _progress_to(ctx: ServerRequestContext[Any, Any]) -> Progress | None:
+    """Where a tool call reports its progress: None unless the client sent a progress token with the call."""
+    from mcp.shared.jsonrpc_dispatcher import progress_token_from_params
+
+    token = progress_token_from_params(ctx.params)  # the raw `_meta.progressToken` the client sent
+    if token is None:
+        return None
+
+    async def progress(done: float, total: float | None, message: str) -> None:
+        # On the call's own stream (related to its request): a stateless /mcp has no other.
+        await ctx.session.send_progress_notification(
+            token, done, total, message, related_request_id=str(ctx.request_id)
+        )
+
+    return progress
+
+
+async def _read_resource(tools: Tools, uri: str) -> str:
+    """A resource's JSON text; a refusal becomes the MCP error a client reads (an unknown one is also told to
+    the session's `on_not_found`)."""
+    from mcp.shared.exceptions import MCPError
+
+    try:
+        return await tools.read(uri)
+    except NotFoundError as exc:
+        if tools.session.on_not_found is not None:
+            await _call(tools.session.on_not_found, "resources/read", exc.message)
+        raise MCPError(code=RESOURCE_NOT_FOUND, message=exc.message) from None
+    except SubqError as exc:
+        raise MCPError(code=types.INVALID_PARAMS, message=exc.message) from None
+
+
 def build_server(session_of: SessionOf, version: str) -> Server[Any]:
     """The MCP server: each request's caller is `session_of(ctx)` (the key's gate, or the stdio face's client)."""
     from mcp.server.lowlevel import Server
@@ -515,19 +547,7 @@ def build_server(session_of: SessionOf, version: str) -> Server[Any]:
         ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams
     ) -> types.CallToolResult:
         tools = Tools(await session_of(ctx))
-        from mcp.shared.jsonrpc_dispatcher import progress_token_from_params
-
-        token = progress_token_from_params(ctx.params)  # the raw `_meta.progressToken` the client sent
-        progress: Progress | None = None
-        if token is not None:
-
-            async def progress(done: float, total: float | None, message: str) -> None:
-                # On the call's own stream (related to its request): a stateless /mcp has no other.
-                await ctx.session.send_progress_notification(
-                    token, done, total, message, related_request_id=str(ctx.request_id)
-                )
-
-        return await tools.call(params.name, params.arguments or {}, progress)
+        return await tools.call(params.name, params.arguments or {}, _progress_to(ctx))
 
     async def list_resources(ctx: ServerRequestContext[Any, Any], _params: Any) -> types.ListResourcesResult:
         return types.ListResourcesResult(resources=[])
@@ -538,18 +558,9 @@ def build_server(session_of: SessionOf, version: str) -> Server[Any]:
     async def read_resource(
         ctx: ServerRequestContext[Any, Any], params: types.ReadResourceRequestParams
     ) -> types.ReadResourceResult:
-        from mcp.shared.exceptions import MCPError
-
         tools = Tools(await session_of(ctx))
         uri = str(params.uri)
-        try:
-            text = await tools.read(uri)
-        except NotFoundError as exc:
-            if tools.session.on_not_found is not None:
-                await _call(tools.session.on_not_found, "resources/read", exc.message)
-            raise MCPError(code=RESOURCE_NOT_FOUND, message=exc.message) from None
-        except SubqError as exc:
-            raise MCPError(code=types.INVALID_PARAMS, message=exc.message) from None
+        text = await _read_resource(tools, uri)
         return types.ReadResourceResult(contents=[types.TextResourceContents(uri=uri, mime_type=JSON_MIME, text=text)])
 
     return Server(
