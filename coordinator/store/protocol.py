@@ -185,47 +185,71 @@ def _typed(f: dataclasses.Field[Any], doc: str) -> str:
     return f"{name}: {doc}"
 
 
-def _layout(group: type[Group]) -> tuple[list[tuple[int, int | None, str]], list[tuple[int, int | None, str]]]:
-    """Each line of the group's KEYS and ARGV: (first index, last index or None for a tail, text)."""
-    sides: dict[str, list[tuple[int, int | None, str]]] = {"key": [], "arg": []}
-    at = {"key": 1, "arg": 1}
-    tail = {"key": False, "arg": False}
+# A header line: its first index, its last (None for a tail, which takes every index from the first on), its text.
+_Line = tuple[int, int | None, str]
+# What one field puts on a header: its side ("key" or "arg"), its width (None for a tail), its text.
+_Entry = tuple[str, int | None, str]
 
-    def put(side: str, width: int | None, text: str) -> None:
-        if tail[side] and width is not None:
-            raise TypeError(f"{group.__name__}: a fixed {side} after a tail")
-        last = None if width is None else at[side] + width - 1
-        sides[side].append((at[side], last, text))
+
+class _Side:
+    """The lines of one side of a header (KEYS or ARGV), numbered as fields fill it: a tail comes last."""
+
+    def __init__(self, group: type[Group], side: str) -> None:
+        self.group, self.side = group, side
+        self.lines: list[_Line] = []
+        self.at = 1
+        self.tail = False
+
+    def put(self, width: int | None, text: str) -> None:
+        if self.tail and width is not None:
+            raise TypeError(f"{self.group.__name__}: a fixed {self.side} after a tail")
+        last = None if width is None else self.at + width - 1
+        self.lines.append((self.at, last, text))
         if width is None:
-            tail[side] = True
+            self.tail = True
         else:
-            at[side] += width
+            self.at += width
 
+
+def _layout(group: type[Group]) -> tuple[list[_Line], list[_Line]]:
+    """Each line of the group's KEYS and ARGV: (first index, last index or None for a tail, text)."""
+    sides = {"key": _Side(group, "key"), "arg": _Side(group, "arg")}
     for f in dataclasses.fields(cast(Any, group)):
-        slot, doc = f.metadata["slot"], f.metadata["doc"]
-        if slot == "key":
-            put("key", 1, doc)
-        elif slot == "keys":
-            put("key", None, doc)
-        elif slot == "arg":
-            optional = "(optional) " if f.metadata.get("optional") else ""
-            put("arg", 1, optional + _typed(f, doc))
-        elif slot == "args":
-            put("arg", None, _typed(f, doc))
+        for side, width, text in _entries(group, f):
+            sides[side].put(width, text)
+    return sides["key"].lines, sides["arg"].lines
+
+
+def _entries(group: type[Group], f: dataclasses.Field[Any]) -> list[_Entry]:
+    """What the field `f` of `group` puts on the header, by its slot."""
+    slot, doc = f.metadata["slot"], f.metadata["doc"]
+    if slot == "key":
+        return [("key", 1, doc)]
+    if slot == "keys":
+        return [("key", None, doc)]
+    if slot == "arg":
+        optional = "(optional) " if f.metadata.get("optional") else ""
+        return [("arg", 1, optional + _typed(f, doc))]
+    if slot == "args":
+        return [("arg", None, _typed(f, doc))]
+    return _spliced_entries(group, f)
+
+
+def _spliced_entries(group: type[Group], f: dataclasses.Field[Any]) -> list[_Entry]:
+    """A splice's lines: each line of its group where it expands, else one line a side standing for them all
+    (its doc naming the side), as wide as they are together or a tail if one of them is."""
+    inner_keys, inner_args = _layout(_splice_type(group, f))
+    entries: list[_Entry] = []
+    for side, lines in (("key", inner_keys), ("arg", inner_args)):
+        if not lines:
+            continue
+        if f.metadata["expand"]:
+            entries += [(side, None if last is None else last - first + 1, text) for first, last, text in lines]
         else:
-            inner = _splice_type(group, f)
-            inner_keys, inner_args = _layout(inner)
-            for side, lines in (("key", inner_keys), ("arg", inner_args)):
-                if not lines:
-                    continue
-                if f.metadata["expand"]:
-                    for first, last, text in lines:
-                        put(side, None if last is None else last - first + 1, text)
-                else:
-                    fixed = all(last is not None for _, last, _ in lines)
-                    width = sum(cast(int, last) - first + 1 for first, last, _ in lines) if fixed else None
-                    put(side, width, doc.format(side="KEYS" if side == "key" else "ARGV"))
-    return sides["key"], sides["arg"]
+            fixed = all(last is not None for _, last, _ in lines)
+            width = sum(cast(int, last) - first + 1 for first, last, _ in lines) if fixed else None
+            entries.append((side, width, f.metadata["doc"].format(side="KEYS" if side == "key" else "ARGV")))
+    return entries
 
 
 def _splice_type(group: type[Group], f: dataclasses.Field[Any]) -> type[Group]:
