@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter, defaultdict, deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from coordinator.errors import TodoError
@@ -81,33 +81,11 @@ def link_children(
     pending one; with none left, `[-] <description>` is appended. Returns the
     new list and, per child, the id of its item.
     """
-    in_flight = frozenset(awaiting)
     result = list(items)
-    index_of: dict[str, int] = {}
-    for position, item in enumerate(result):
-        index_of.setdefault(item.id, position)
     # Explicit ids are claimed first, so an automatic pick for an earlier spec
     # never takes the item a later spec names (which would then be rejected).
-    claimed: set[int] = set()
-    explicit: dict[int, int] = {}
-    for n, (_child_id, wanted, _description) in enumerate(children):
-        if wanted is None:
-            continue
-        index = index_of.get(wanted)
-        field = f"subtasks.{n}.todo_id"
-        if index is None:
-            raise TodoError(f"Unknown todo_id {wanted!r}", field=field)
-        if index in claimed:
-            raise TodoError(f"todo_id {wanted!r} is used by two subtasks", field=field)
-        current = result[index].subtask_id
-        if current is not None and current in in_flight:
-            raise TodoError(
-                f"todo_id {wanted!r} is linked to child {current}, which has not finished: "
-                "name this item again once it has",
-                field=field,
-            )
-        claimed.add(index)
-        explicit[n] = index
+    explicit = _named_rows(result, children, frozenset(awaiting))
+    claimed = set(explicit.values())
     linked: list[str] = []
     # Built once, so linking n children to n rows is linear, not a scan of the list per child.
     free = _free_rows(result)
@@ -117,26 +95,68 @@ def link_children(
         if index is None:
             index = _auto_pick(free, claimed)
         if index is None:
-            content = clean_content(description)
-            if not content:
-                raise TodoError(
-                    f"Subtask {n} has no description to add as a todo item",
-                    field=f"subtasks.{n}.description",
-                )
-            key = normalise(content)
-            result.append(
-                TodoItem(id=todo_id(content, occurrences[key]), content=content, status=TodoStatus.IN_PROGRESS)
-            )
-            occurrences[key] += 1
-            index = len(result) - 1
+            index = _append_row(result, occurrences, n, description)
         claimed.add(index)
         result[index] = _relinked(result[index], child_id)
         linked.append(result[index].id)
     return result, linked
 
 
+def _named_rows(
+    items: Sequence[TodoItem], children: Sequence[tuple[str, str | None, str]], in_flight: Collection[str]
+) -> dict[int, int]:
+    """Per child that names a `todo_id`, the index of its row: refused (naming `subtasks.N.todo_id`) for an
+    unknown id, one named by two children, or a row whose current child has not been written back."""
+    index_of: dict[str, int] = {}
+    for position, item in enumerate(items):
+        index_of.setdefault(item.id, position)
+    explicit: dict[int, int] = {}
+    named: set[int] = set()
+    for n, (_child_id, wanted, _description) in enumerate(children):
+        if wanted is None:
+            continue
+        index = index_of.get(wanted)
+        field = f"subtasks.{n}.todo_id"
+        if index is None:
+            raise TodoError(f"Unknown todo_id {wanted!r}", field=field)
+        if index in named:
+            raise TodoError(f"todo_id {wanted!r} is used by two subtasks", field=field)
+        current = items[index].subtask_id
+        if current is not None and current in in_flight:
+            raise TodoError(
+                f"todo_id {wanted!r} is linked to child {current}, which has not finished: "
+                "name this item again once it has",
+                field=field,
+            )
+        explicit[n] = index
+        named.add(index)
+    return explicit
+
+
+def _append_row(result: list[TodoItem], occurrences: Counter[str], n: int, description: str) -> int:
+    """Appends `[-] <description>` for child `n`, which found no row, and returns its index.
+
+    `occurrences` counts each normalised line, so a repeated description gets the next copy's id."""
+    content = clean_content(description)
+    if not content:
+        raise TodoError(f"Subtask {n} has no description to add as a todo item", field=f"subtasks.{n}.description")
+    key = normalise(content)
+    result.append(TodoItem(id=todo_id(content, occurrences[key]), content=content, status=TodoStatus.IN_PROGRESS))
+    occurrences[key] += 1
+    return len(result) - 1
+
+
 def _continued_rows(old: Sequence[TodoItem], fresh: Sequence[TodoItem]) -> list[int | None]:
     """Rules 1 and 2: per new row, the index of the old row it continues, if any."""
+    source = _continued_by_link(old, fresh)
+    given = {i for i in source if i is not None}
+    for i, j in _continued_by_content(old, fresh, given):
+        source[j] = i
+    return source
+
+
+def _continued_by_link(old: Sequence[TodoItem], fresh: Sequence[TodoItem]) -> list[int | None]:
+    """Rule 1: per new row, the old row that names the same child (the first such, each taken once)."""
     source: list[int | None] = [None] * len(fresh)
     given: set[int] = set()
     row_of_child: dict[str, int] = {}
@@ -148,6 +168,14 @@ def _continued_rows(old: Sequence[TodoItem], fresh: Sequence[TodoItem]) -> list[
         if found is not None and found not in given:
             source[j] = found
             given.add(found)
+    return source
+
+
+def _continued_by_content(
+    old: Sequence[TodoItem], fresh: Sequence[TodoItem], given: Collection[int]
+) -> Iterator[tuple[int, int]]:
+    """Rule 2: (old row, new row) pairs of the same normalised line, copies in order (_kept_copies), among
+    the old rows not `given` by rule 1."""
     old_copies: dict[str, list[int]] = defaultdict(list)
     for i, item in enumerate(old):
         if i not in given:
@@ -159,9 +187,7 @@ def _continued_rows(old: Sequence[TodoItem], fresh: Sequence[TodoItem]) -> list[
         if not _carries(item):
             new_copies[normalise(item.content)].append(j)
     for key, copies in new_copies.items():
-        for i, j in zip(_kept_copies(old, old_copies.get(key, []), len(copies)), copies, strict=False):
-            source[j] = i
-    return source
+        yield from zip(_kept_copies(old, old_copies.get(key, []), len(copies)), copies, strict=False)
 
 
 def _place_vanished(old: Sequence[TodoItem], fresh: Sequence[TodoItem], source: list[int | None]) -> list[TodoItem]:
