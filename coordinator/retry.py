@@ -104,49 +104,73 @@ def _plan_one(plane: Plane, task: TaskRecord) -> _Plan:
 def _plan_tree(plane: Plane, top: TaskRecord) -> _Plan:
     """Every failed task of the subtree of `top` that can run again; the others skipped, with why."""
     records = plane.store.records.get_records(plane.store.records.subtree_ids(top.id))
-    by_id = {record.id: record for record in records}
     failed = [record for record in records if record.status == TaskStatus.FAILED]  # parents first
     if not failed:
         raise StateError(
             f"no task of the tree of {top.id} has failed ({top.id} is {top.status.value}): nothing to retry",
             field="task_id",
         )
-    batches: dict[str, Batch] = {}
-    plan = _Plan()
-    fit: dict[str, str | None] = {}  # task id -> the batch its slot is in (None: none), for those retried
-    reopen: dict[str, tuple[Batch, int, int]] = {}  # parent id -> the batch re-opened for it, keep, length
-    for task in failed:
-        refusal = _own_refusal(task)
-        if not refusal and task.batch_id:
-            batch = batches.get(task.batch_id) or plane.store.batches.get_batch(task.batch_id)
-            batches[batch.id] = batch
-            parent = by_id.get(batch.parent_id) if task.id != top.id else None
-            if batch.mode == "sequential":
-                refusal = _chain_refusal(plane, task, batch)
-            elif batch.status == "done":
-                point = _reopen_point(plane, parent, batch, fit, reopen)
-                if point is None:  # the named task's parent is outside its subtree: the hint names the root
-                    refusal = _moved_on(plane, task, batch, in_tree=task.id != top.id)
-                else:
-                    reopen[batch.parent_id] = (batch, *point)
+    tree = _TreePlan(plane, top, {record.id: record for record in records})
+    for task in failed:  # parents first: whether a closed batch re-opens depends on its parent being retried
+        refusal = tree.refusal(task)
         if refusal:
-            plan.skipped.append(RetrySkip(task_id=task.id, reason=refusal))
+            tree.plan.skipped.append(RetrySkip(task_id=task.id, reason=refusal))
         else:
-            fit[task.id] = task.batch_id
+            tree.fit[task.id] = task.batch_id
     for task in reversed(failed):  # children before parents
-        if task.id not in fit:
-            continue
-        slot = fit[task.id]
-        if slot and slot not in plan.batches:
-            batch = batches[slot]
-            plan.batches[slot] = RetryBatch(slot, "closed" if batch.status == "done" else "open", batch.parent_id)
-        if task.id in reopen:
-            batch, keep, length = reopen[task.id]
-            plan.batches[batch.id] = RetryBatch(batch.id, "closed", task.id)
-            plan.tasks.append(RetryTask(task.id, "wait", slot=slot, keep=keep, length=length))
+        if task.id in tree.fit:
+            tree.add(task)
+    return tree.plan
+
+
+@dataclass
+class _TreePlan:
+    """A subtree's retry plan as it is made, with what deciding each failed task has learnt so far."""
+
+    plane: Plane
+    top: TaskRecord
+    by_id: dict[str, TaskRecord]  # the subtree's records
+    plan: _Plan = field(default_factory=_Plan)
+    batches: dict[str, Batch] = field(default_factory=dict)  # each batch read, read once
+    fit: dict[str, str | None] = field(default_factory=dict)  # task id -> the batch its slot is in (None: none)
+    reopen: dict[str, tuple[Batch, int, int]] = field(default_factory=dict)  # parent id -> batch, keep, length
+
+    def refusal(self, task: TaskRecord) -> str:
+        """Why the failed task cannot run again in this plan ('' if it can); a closed batch that can be
+        re-opened for it is noted in `reopen`."""
+        refusal = _own_refusal(task)
+        if refusal or not task.batch_id:
+            return refusal
+        batch = self._batch(task.batch_id)
+        if batch.mode == "sequential":
+            return _chain_refusal(self.plane, task, batch)
+        if batch.status != "done":
+            return ""
+        parent = self.by_id.get(batch.parent_id) if task.id != self.top.id else None
+        point = _reopen_point(self.plane, parent, batch, self.fit, self.reopen)
+        if point is None:  # the named task's parent is outside its subtree: the hint names the root
+            return _moved_on(self.plane, task, batch, in_tree=task.id != self.top.id)
+        self.reopen[batch.parent_id] = (batch, *point)
+        return ""
+
+    def add(self, task: TaskRecord) -> None:
+        """The retried task into the plan, with the batch its slot is in: it runs again, or (a parent whose
+        closed batch is re-opened) waits on that batch."""
+        slot = self.fit[task.id]
+        if slot and slot not in self.plan.batches:
+            batch = self.batches[slot]
+            self.plan.batches[slot] = RetryBatch(slot, "closed" if batch.status == "done" else "open", batch.parent_id)
+        if task.id in self.reopen:
+            batch, keep, length = self.reopen[task.id]
+            self.plan.batches[batch.id] = RetryBatch(batch.id, "closed", task.id)
+            self.plan.tasks.append(RetryTask(task.id, "wait", slot=slot, keep=keep, length=length))
         else:
-            plan.tasks.append(RetryTask(task.id, "run", slot=slot))
-    return plan
+            self.plan.tasks.append(RetryTask(task.id, "run", slot=slot))
+
+    def _batch(self, batch_id: str) -> Batch:
+        batch = self.batches.get(batch_id) or self.plane.store.batches.get_batch(batch_id)
+        self.batches[batch.id] = batch
+        return batch
 
 
 def _reopen_point(
