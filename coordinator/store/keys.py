@@ -135,6 +135,7 @@ histogram is.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["DEFAULT_PREFIX", "Keys"]
@@ -142,99 +143,125 @@ __all__ = ["DEFAULT_PREFIX", "Keys"]
 DEFAULT_PREFIX = "subq"
 
 
+# -- the shapes of a key: each builds a key builder of `Keys` from the key's own part ----------------
+# A shape's function set in the class body is a method like any `def` (`keys.task(root_id, task_id)`
+# binds `self`, and mypy checks each call's arguments): each key is one line that says its shape,
+# where 58 methods of two lines each said it again.
+
+
+def _in_tree(kind: str) -> Callable[[Keys, str, str], str]:
+    """`<p>:{<root>}:<kind>:<id>`: a key of one task (or batch, approval, parent) of a tree."""
+
+    def key(self: Keys, root_id: str, member_id: str) -> str:
+        return f"{self.prefix}:{{{root_id}}}:{kind}:{member_id}"
+
+    return key
+
+
+def _of_tree(kind: str) -> Callable[[Keys, str], str]:
+    """`<p>:{<root>}:<kind>`: a key of a whole tree."""
+
+    def key(self: Keys, root_id: str) -> str:
+        return f"{self.prefix}:{{{root_id}}}:{kind}"
+
+    return key
+
+
+def _of_tenant(kind: str) -> Callable[[Keys, str], str]:
+    """`<p>:tenant:{<tenant>}:<kind>`: a key of one tenant (hash-tagged by the tenant)."""
+
+    def key(self: Keys, tenant: str) -> str:
+        return f"{self.prefix}:tenant:{{{tenant}}}:{kind}"
+
+    return key
+
+
+def _fleet(kind: str) -> Callable[[Keys], str]:
+    """`<p>:<kind>`: one key of the whole deployment."""
+
+    def key(self: Keys) -> str:
+        return f"{self.prefix}:{kind}"
+
+    return key
+
+
+def _fleet_member(kind: str) -> Callable[[Keys, str], str]:
+    """`<p>:<kind>:<name>`: a key of the deployment, one per name (a provider, a tool glob, a hash)."""
+
+    def key(self: Keys, name: str) -> str:
+        return f"{self.prefix}:{kind}:{name}"
+
+    return key
+
+
 @dataclass(frozen=True)
 class Keys:
+    """Every key name of one deployment (its prefix): `keys.task(root_id, task_id)` and the rest, each a key
+    of the module's table, built by the shape its right-hand side names."""
+
     prefix: str = DEFAULT_PREFIX
 
-    def _tree(self, root_id: str) -> str:
-        return f"{self.prefix}:{{{root_id}}}"
+    # A tree's keys, hash-tagged by its root: one task's (or parent's, approval's, batch's), ...
+    task = _in_tree("task")
+    children = _in_tree("children")
+    awaiting = _in_tree("awaiting")
+    todos = _in_tree("todos")
+    ui_messages = _in_tree("ui")
+    conversation = _in_tree("conversation")
+    tool_results = _in_tree("tool-results")
+    compactions = _in_tree("compactions")
+    lease = _in_tree("lease")
+    running_children = _in_tree("running")
+    approval = _in_tree("approval")
+    batch = _in_tree("batch")
+    batch_lines = _in_tree("batch-lines")
+    # ... and the whole tree's.
+    tree_tasks = _of_tree("tasks")
+    live = _of_tree("live")
+    running = _of_tree("running")
+    admission = _of_tree("admission")
+    last_start = _of_tree("last-start")
+    events = _of_tree("events")
+    hooks = _of_tree("hooks")
+    outbox = _of_tree("outbox")
 
-    def task(self, root_id: str, task_id: str) -> str:
-        return f"{self._tree(root_id)}:task:{task_id}"
+    # The deployment's keys.
+    outbox_pending = _fleet("outbox")
+    webhook_counts = _fleet("metrics:webhooks")
+    roots = _fleet("roots")
+    all_tasks = _fleet("tasks")
+    latency_histogram = _fleet("metrics:model-latency")
+    approvals = _fleet("approvals")
+    rate = _fleet_member("rate")
+    tool_slots = _fleet_member("tool-slots")
+    task_number = _fleet("task-number")
+    idempotency = _fleet_member("idempotency")
+    web_session = _fleet_member("web-session")
+    due = _fleet("due")
+    timers = _fleet("timers")
+    stops = _fleet("stops")
+    leader = _fleet("reconciler")
+    workers = _fleet("workers")
+    reserved = _fleet("reserved")
+    repairs = _fleet("metrics:repairs")
+    dead_letters = _fleet("dead-letters")
+    audit = _fleet("audit")
+    refused = _fleet("metrics:refused")
+    tenants = _fleet("tenants")
+    fair_wanting = _fleet("fair:wanting")
+    fair_holding = _fleet("fair:holding")
+    fair_policies = _fleet("fair:policies")
+    fair_capacity = _fleet("fair:capacity")
+    worker_slots = _fleet("worker-slots")
 
-    def children(self, root_id: str, task_id: str) -> str:
-        return f"{self._tree(root_id)}:children:{task_id}"
-
-    def awaiting(self, root_id: str, task_id: str) -> str:
-        return f"{self._tree(root_id)}:awaiting:{task_id}"
-
-    def todos(self, root_id: str, task_id: str) -> str:
-        return f"{self._tree(root_id)}:todos:{task_id}"
-
-    def ui_messages(self, root_id: str, task_id: str) -> str:
-        return f"{self._tree(root_id)}:ui:{task_id}"
-
-    def conversation(self, root_id: str, task_id: str) -> str:
-        return f"{self._tree(root_id)}:conversation:{task_id}"
-
-    def tool_results(self, root_id: str, task_id: str) -> str:
-        return f"{self._tree(root_id)}:tool-results:{task_id}"
-
-    def compactions(self, root_id: str, task_id: str) -> str:
-        return f"{self._tree(root_id)}:compactions:{task_id}"
-
-    def lease(self, root_id: str, task_id: str) -> str:
-        return f"{self._tree(root_id)}:lease:{task_id}"
-
-    def tree_tasks(self, root_id: str) -> str:
-        return f"{self._tree(root_id)}:tasks"
-
-    def live(self, root_id: str) -> str:
-        return f"{self._tree(root_id)}:live"
-
-    def running(self, root_id: str) -> str:
-        return f"{self._tree(root_id)}:running"
-
-    def running_children(self, root_id: str, parent_id: str) -> str:
-        return f"{self._tree(root_id)}:running:{parent_id}"
-
-    def admission(self, root_id: str) -> str:
-        return f"{self._tree(root_id)}:admission"
-
-    def last_start(self, root_id: str) -> str:
-        return f"{self._tree(root_id)}:last-start"
-
-    def approval(self, root_id: str, approval_id: str) -> str:
-        return f"{self._tree(root_id)}:approval:{approval_id}"
-
-    def batch(self, root_id: str, batch_id: str) -> str:
-        return f"{self._tree(root_id)}:batch:{batch_id}"
-
-    def batch_lines(self, root_id: str, batch_id: str) -> str:
-        return f"{self._tree(root_id)}:batch-lines:{batch_id}"
-
-    def events(self, root_id: str) -> str:
-        return f"{self._tree(root_id)}:events"
-
-    def hooks(self, root_id: str) -> str:
-        return f"{self._tree(root_id)}:hooks"
-
-    def outbox(self, root_id: str) -> str:
-        return f"{self._tree(root_id)}:outbox"
-
-    def outbox_pending(self) -> str:
-        return f"{self.prefix}:outbox"
-
-    def webhook_counts(self) -> str:
-        return f"{self.prefix}:metrics:webhooks"
-
-    def roots(self) -> str:
-        return f"{self.prefix}:roots"
-
-    def all_tasks(self) -> str:
-        return f"{self.prefix}:tasks"
-
-    def latency_histogram(self) -> str:
-        return f"{self.prefix}:metrics:model-latency"
-
-    def approvals(self) -> str:
-        return f"{self.prefix}:approvals"
-
-    def rate(self, provider: str) -> str:
-        return f"{self.prefix}:rate:{provider}"
-
-    def tool_slots(self, pattern: str) -> str:
-        return f"{self.prefix}:tool-slots:{pattern}"
+    # A tenant's keys, hash-tagged by the tenant.
+    tenant_submits = _of_tenant("submits")
+    tenant_roots = _of_tenant("roots")
+    tenant_spend = _of_tenant("spend")
+    tenant_spent = _of_tenant("spent")
+    tenant_running = _of_tenant("running")
+    tenant_parked = _of_tenant("parked")
+    tenant_queued = _of_tenant("queued")
 
     def endpoint(self, endpoint: str, model: str = "") -> str:
         """The fleet's view of `endpoint`'s host, or of one `model` it serves (hash-tagged by the endpoint)."""
@@ -243,87 +270,6 @@ class Keys:
     def endpoint_parked(self, endpoint: str, model: str = "") -> str:
         """The tasks parked on that view of `endpoint` (its host's, or one `model`'s)."""
         return f"{self.prefix}:endpoint-parked:{{{endpoint}}}" + (f":model:{model}" if model else "")
-
-    def task_number(self) -> str:
-        return f"{self.prefix}:task-number"
-
-    def idempotency(self, key_hash: str) -> str:
-        return f"{self.prefix}:idempotency:{key_hash}"
-
-    def web_session(self, id_hash: str) -> str:
-        return f"{self.prefix}:web-session:{id_hash}"
-
-    def due(self) -> str:
-        return f"{self.prefix}:due"
-
-    def timers(self) -> str:
-        return f"{self.prefix}:timers"
-
-    def stops(self) -> str:
-        return f"{self.prefix}:stops"
-
-    def leader(self) -> str:
-        return f"{self.prefix}:reconciler"
-
-    def workers(self) -> str:
-        return f"{self.prefix}:workers"
-
-    def reserved(self) -> str:
-        return f"{self.prefix}:reserved"
-
-    def repairs(self) -> str:
-        return f"{self.prefix}:metrics:repairs"
-
-    def dead_letters(self) -> str:
-        return f"{self.prefix}:dead-letters"
-
-    def audit(self) -> str:
-        return f"{self.prefix}:audit"
-
-    def refused(self) -> str:
-        return f"{self.prefix}:metrics:refused"
-
-    def _tenant(self, tenant: str) -> str:
-        return f"{self.prefix}:tenant:{{{tenant}}}"
-
-    def tenant_submits(self, tenant: str) -> str:
-        return f"{self._tenant(tenant)}:submits"
-
-    def tenant_roots(self, tenant: str) -> str:
-        return f"{self._tenant(tenant)}:roots"
-
-    def tenant_spend(self, tenant: str) -> str:
-        return f"{self._tenant(tenant)}:spend"
-
-    def tenant_spent(self, tenant: str) -> str:
-        return f"{self._tenant(tenant)}:spent"
-
-    def tenants(self) -> str:
-        return f"{self.prefix}:tenants"
-
-    def tenant_running(self, tenant: str) -> str:
-        return f"{self._tenant(tenant)}:running"
-
-    def tenant_parked(self, tenant: str) -> str:
-        return f"{self._tenant(tenant)}:parked"
-
-    def tenant_queued(self, tenant: str) -> str:
-        return f"{self._tenant(tenant)}:queued"
-
-    def fair_wanting(self) -> str:
-        return f"{self.prefix}:fair:wanting"
-
-    def fair_holding(self) -> str:
-        return f"{self.prefix}:fair:holding"
-
-    def fair_policies(self) -> str:
-        return f"{self.prefix}:fair:policies"
-
-    def fair_capacity(self) -> str:
-        return f"{self.prefix}:fair:capacity"
-
-    def worker_slots(self) -> str:
-        return f"{self.prefix}:worker-slots"
 
     def all_pattern(self) -> str:
         """A SCAN pattern matching every key of this prefix (tests, cleanup)."""

@@ -1,0 +1,74 @@
+"""The key names (coordinator/store/keys.py): each builder against the module's table, and the exact names that
+Lua scripts, running deployments and their data depend on (pure logic: no Redis)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+
+import pytest
+
+from coordinator.store import keys as keys_module
+from coordinator.store.keys import DEFAULT_PREFIX, Keys
+
+# A table row whose key a builder makes from another's argument: `rate(f"tool:{glob}")`.
+BUILT_BY_ANOTHER = {"X:rate:tool:X"}
+
+
+def _shape(name: str) -> str:
+    """A key as a shape: each `{hash tag}` is `{X}`, each `<placeholder>` (the prefix too) `X`."""
+    return re.sub(r"<[^>]*>", "X", re.sub(r"\{[^}]*\}", "{X}", name))
+
+
+def _builders() -> dict[str, int]:
+    """Every key builder of Keys, by name, with how many arguments it takes."""
+    keys = Keys("X")
+    return {
+        name: len(inspect.signature(getattr(keys, name)).parameters)
+        for name in dir(Keys)
+        if not name.startswith("_") and callable(getattr(Keys, name)) and name != "all_pattern"
+    }
+
+
+def test_every_key_of_the_table_has_a_builder_and_every_builder_a_row() -> None:
+    table = {_shape(name) for name in re.findall(r"^\| `([^`]+)`", keys_module.__doc__ or "", re.M)}
+    keys = Keys("X")
+    built = {getattr(keys, name)(*["X"] * arity) for name, arity in _builders().items()}
+    built |= {keys.endpoint("X"), keys.endpoint_parked("X")}  # a host's view, without a model
+    assert built - table == set(), "a builder the table does not list"
+    assert table - built == BUILT_BY_ANOTHER, "a row of the table no builder makes"
+
+
+@pytest.mark.parametrize(
+    ("built", "name"),
+    [
+        (lambda k: k.task("r1", "t2"), "p:{r1}:task:t2"),
+        (lambda k: k.ui_messages("r1", "t2"), "p:{r1}:ui:t2"),
+        (lambda k: k.running_children("r1", "t2"), "p:{r1}:running:t2"),
+        (lambda k: k.batch_lines("r1", "b2"), "p:{r1}:batch-lines:b2"),
+        (lambda k: k.tree_tasks("r1"), "p:{r1}:tasks"),
+        (lambda k: k.last_start("r1"), "p:{r1}:last-start"),
+        (lambda k: k.outbox("r1"), "p:{r1}:outbox"),
+        (lambda k: k.outbox_pending(), "p:outbox"),
+        (lambda k: k.all_tasks(), "p:tasks"),
+        (lambda k: k.latency_histogram(), "p:metrics:model-latency"),
+        (lambda k: k.leader(), "p:reconciler"),
+        (lambda k: k.rate("tool:fs.*"), "p:rate:tool:fs.*"),
+        (lambda k: k.web_session("h"), "p:web-session:h"),
+        (lambda k: k.tenant_spend("acme"), "p:tenant:{acme}:spend"),
+        (lambda k: k.fair_capacity(), "p:fair:capacity"),
+        (lambda k: k.endpoint("h:1"), "p:endpoint:{h:1}"),
+        (lambda k: k.endpoint_parked("h:1", "m"), "p:endpoint-parked:{h:1}:model:m"),
+        (lambda k: k.all_pattern(), "p:*"),
+    ],
+)
+def test_names_are_exactly_as_stored(built: object, name: str) -> None:
+    assert callable(built) and built(Keys("p")) == name
+
+
+def test_keys_are_a_frozen_value_of_their_prefix() -> None:
+    assert Keys() == Keys(DEFAULT_PREFIX) and hash(Keys("a")) == hash(Keys("a")) and Keys("a") != Keys("b")
+    assert [f.name for f in dataclasses.fields(Keys)] == ["prefix"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Keys().prefix = "other"  # type: ignore[misc]
