@@ -18,8 +18,9 @@ CAREFUL = Profile(
     allow=["run_command:npm test", "run_command:git status"],
     deny=["run_command:rm -rf", "run_command:git push --force"],
 )
-# How long one verdict on a long command may take: it runs on the process's agent loop.
-LINEAR_BUDGET_S = 1.0
+# How much CPU one verdict on a long command may take (it runs on the process's agent loop); CPU
+# time, which other processes' load does not stretch (a wall-clock bound could fail on a busy host).
+LINEAR_BUDGET_CPU_S = 1.0
 
 
 def run(command: str, profile: Profile = CAREFUL) -> str:
@@ -109,9 +110,9 @@ def _words(command: str) -> list[str] | None:
     ids=["spaces", "spaces and tabs", "pipes", "read spaces", "read pipes", "read script"],
 )
 def test_a_long_command_is_decided_in_linear_time(command: str) -> None:
-    started = time.perf_counter()
+    started_cpu_s = time.process_time()
     run(command)
-    assert time.perf_counter() - started < LINEAR_BUDGET_S
+    assert time.process_time() - started_cpu_s < LINEAR_BUDGET_CPU_S
 
 
 # The example policy of docs/tools.md (section 5), word for word.

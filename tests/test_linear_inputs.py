@@ -25,9 +25,11 @@ from workers.runtime.offline import final_reply, parse_script
 from workers.submit import submit
 
 LIMIT = 1 << 20
-# Linear, not quadratic: a quadratic path at this size takes minutes. Well under a second on an idle
-# 2-core host; 2.1 s was seen with both cores held busy beside the suite, so the bound has room for that.
-BUDGET_S = 5.0
+# Linear, not quadratic: a quadratic path at this size takes minutes of CPU. Measured as this process's
+# CPU time (the API server runs in a thread of it), which other processes' load does not stretch:
+# the wall time was well under a second on an idle 2-core host, 2.1 s with both cores held busy,
+# and 5.15 s once on a CI host loaded further (a wall-clock bound there failed a linear path).
+BUDGET_CPU_S = 5.0
 FENCE = "```subq-script\n"
 
 RUNS: dict[str, str] = {
@@ -42,10 +44,10 @@ RUNS: dict[str, str] = {
 
 
 def within_budget(call: Callable[[], Any]) -> Any:
-    started = time.perf_counter()
+    started_cpu_s, started_s = time.process_time(), time.perf_counter()
     result = call()
-    took_s = time.perf_counter() - started
-    assert took_s < BUDGET_S, f"took {took_s:.2f} s"
+    took_cpu_s, took_s = time.process_time() - started_cpu_s, time.perf_counter() - started_s
+    assert took_cpu_s < BUDGET_CPU_S, f"took {took_cpu_s:.2f} s of CPU ({took_s:.2f} s of wall time)"
     return result
 
 
