@@ -36,8 +36,16 @@ ApprovalId = Annotated[str, Path(description="An approval id, `<root>-a<12 hex>`
 
 def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     router = APIRouter(prefix="/v1", tags=["control"])
-    denied = (401, 403) if auth else ()
+    denied: tuple[int, ...] = (401, 403) if auth else ()  # documented only where a key is asked for
     gate = Gate(coord)
+    _tree_routes(router, coord, gate, denied)
+    _approval_routes(router, coord, gate, denied)
+    _operator_routes(router, coord, gate, denied)
+    return router
+
+
+def _tree_routes(router: APIRouter, coord: Coordinator, gate: Gate, denied: tuple[int, ...]) -> None:
+    """What is done to one tree: cancel, retry, its live snapshot, its outbound deliveries."""
 
     @router.post(
         "/tasks/{task_id}/cancel",
@@ -101,6 +109,10 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         gate.need(request, key, Scope.OPERATE)
         return coord.redeliver(task_id, delivery_id, actor=actor_of(request, key))
 
+
+def _approval_routes(router: APIRouter, coord: Coordinator, gate: Gate, denied: tuple[int, ...]) -> None:
+    """The approvals queue: the tool calls waiting for a person, and the decision on one."""
+
     @router.get(
         "/approvals",
         response_model=ApprovalList,
@@ -126,6 +138,10 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         Scope `decide`; the approval then carries `decided_by`, the key's name."""
         gate.need(request, key, Scope.DECIDE)
         return coord.decide(approval_id, body.decision, body.feedback, actor=actor_of(request, key))
+
+
+def _operator_routes(router: APIRouter, coord: Coordinator, gate: Gate, denied: tuple[int, ...]) -> None:
+    """The operator's views of the whole deployment (scope `operate`): dead letters and tenants."""
 
     @router.get(
         "/dead-letters",
@@ -163,5 +179,3 @@ def control_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     def purge_dead_letters(request: Request, key: Caller) -> DeadLettersPurged:
         gate.need(request, key, Scope.OPERATE)
         return DeadLettersPurged(purged=coord.purge_dead_letters(actor=actor_of(request, key)))
-
-    return router
