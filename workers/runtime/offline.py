@@ -165,43 +165,14 @@ class OfflineModel(Model):
         script = parse_script(message)
         # The steps played: the responses in the history, and those a compaction folded away.
         index = folded_responses(messages) + sum(isinstance(m, ModelResponse) for m in messages)
-        step = script.steps[index] if script is not None and index < len(script.steps) else None
-
-        if step is not None and step.latency_ms:
-            # Awaited, not slept: other subagents on the worker's event loop keep running,
-            # as they would while a real API call is in flight.
-            await asyncio.sleep(step.latency_ms / 1000)
-        if step is not None and step.transient is not None:
-            key = (hash(message), index)
-            attempts = self._attempts.get(key, 0)
-            if attempts < step.transient.times:
-                self._attempts[key] = attempts + 1
-                raise _TRANSIENT[step.transient.kind](self.model_name, f"scripted transient {step.transient.kind}")
-
+        step: Step | None
         if script is None:
-            tools = [tool.name for tool in params.function_tools]
-            planned = next_step(read_plan(_instructions(messages)), message, _last_tool_result(messages), tools)
-            if planned is not None and planned.tool_calls:
-                step = Step(tool_calls=[ToolCall(name=name, args=args) for name, args in planned.tool_calls])
-            elif planned is not None:
-                step = Step(reply=planned.reply)
-
-        parts: list[ModelResponsePart]
-        finish: FinishReason
-        if step is None or step.reply is not None:
-            parts = [TextPart(content=final_reply(message) if step is None else str(step.reply))]
-            finish = "stop"
-        elif step.tool_calls is not None:
-            parts = [
-                ToolCallPart(tool_name=call.name, args=dict(call.args), tool_call_id=f"call_{index}_{i}")
-                for i, call in enumerate(step.tool_calls)
-            ]
-            finish = "tool_call"
+            step = _planned_step(messages, message, params)
         else:
-            # Rejected, not rate-limited/unavailable/5xx: the runtime retries those, and a
-            # scripted failure must fail the same way on every attempt.
-            raise ModelRequestRejectedError(self.model_name, str(step.fail), body={"script_step": index})
-
+            step = script.steps[index] if index < len(script.steps) else None
+            if step is not None:
+                await self._delay_or_fail(step, message, index)
+        parts, finish = _response_parts(step, message, index, self.model_name)
         if step is not None and step.usage is not None:
             usage = step.usage.request_usage()
         else:
@@ -218,6 +189,47 @@ class OfflineModel(Model):
             provider_response_id=f"offline-{index}",
             finish_reason=finish,
         )
+
+    async def _delay_or_fail(self, step: Step, message: str, index: int) -> None:
+        """A scripted step's latency, then its transient failure while it has failed fewer than `times` times."""
+        if step.latency_ms:
+            # Awaited, not slept: other subagents on the worker's event loop keep running,
+            # as they would while a real API call is in flight.
+            await asyncio.sleep(step.latency_ms / 1000)
+        if step.transient is not None:
+            key = (hash(message), index)
+            attempts = self._attempts.get(key, 0)
+            if attempts < step.transient.times:
+                self._attempts[key] = attempts + 1
+                raise _TRANSIENT[step.transient.kind](self.model_name, f"scripted transient {step.transient.kind}")
+
+
+def _planned_step(messages: Sequence[ModelMessage], message: str, params: ModelRequestParameters) -> Step | None:
+    """Without a script: the next step of the plan in the instructions, if any (None: the final reply)."""
+    tools = [tool.name for tool in params.function_tools]
+    planned = next_step(read_plan(_instructions(messages)), message, _last_tool_result(messages), tools)
+    if planned is not None and planned.tool_calls:
+        return Step(tool_calls=[ToolCall(name=name, args=args) for name, args in planned.tool_calls])
+    if planned is not None:
+        return Step(reply=planned.reply)
+    return None
+
+
+def _response_parts(
+    step: Step | None, message: str, index: int, model_name: str
+) -> tuple[list[ModelResponsePart], FinishReason]:
+    """The response a step gives: its reply (no step: the final reply), or its tool calls; a `fail` step raises."""
+    if step is None or step.reply is not None:
+        return [TextPart(content=final_reply(message) if step is None else str(step.reply))], "stop"
+    if step.tool_calls is not None:
+        calls: list[ModelResponsePart] = [
+            ToolCallPart(tool_name=call.name, args=dict(call.args), tool_call_id=f"call_{index}_{i}")
+            for i, call in enumerate(step.tool_calls)
+        ]
+        return calls, "tool_call"
+    # Rejected, not rate-limited/unavailable/5xx: the runtime waits those out, and a
+    # scripted failure must fail the same way on every attempt.
+    raise ModelRequestRejectedError(model_name, str(step.fail), body={"script_step": index})
 
 
 _TRANSIENT: dict[str, type[ModelAPIError]] = {
