@@ -17,8 +17,8 @@ Before each request a run asks the gate, which reads both views of its model
 in one step: both up (send), either down until a time still to come (wait for
 it), or a view's wait over: the first run to ask sends one request, that view's
 probe, and the others wait for its answer. A transient error marks its view
-down for an exponential backoff with jitter, from `SUBQ_MODEL_RETRY_BASE_S` up
-to `SUBQ_MODEL_RETRY_MAX_S`, or for as long as the provider asked when that is
+down for an exponential backoff with jitter, from `SUBQ_MODEL_BACKOFF_BASE_S` up
+to `SUBQ_MODEL_BACKOFF_MAX_S`, or for as long as the provider asked when that is
 longer (the rule is `endpoint_failed.lua`'s; this module reads its answer). An
 answer (a response, or a refusal) clears the host's view and its model's, and
 wakes the runs parked on them; an HTTP error clears the host's view too (the
@@ -29,9 +29,9 @@ A run whose wait is short sleeps through it; a longer one gives its worker back
 (`provider-wait:<task id>`, served by the reconciler like an approval's deadline)
 publishes its run again when the view it waits for may be tried, or at once when
 another run finds that view back. How long a run keeps waiting before it fails is
-its profile's `model_retry_for_s`, counted from its first failure (kept on the
+its profile's `model_wait_out_s`, counted from its first failure (kept on the
 task across parks, as are its failed attempts: `transient_errors` on the record,
-and the attempt number of the `retry` line). The worker's side of this is
+and the attempt number of the `wait_out` line). The worker's side of this is
 workers/runtime/providers.py.
 """
 
@@ -96,8 +96,8 @@ def failed(plane: Plane, endpoint: str, model: str, error: str, asked_s: float |
         endpoint,
         model,
         error,
-        base_ms=max(1, int(settings.model_retry_base_s * 1000)),
-        cap_ms=max(1, int(settings.model_retry_max_s * 1000)),
+        base_ms=max(1, int(settings.model_backoff_base_s * 1000)),
+        cap_ms=max(1, int(settings.model_backoff_max_s * 1000)),
         jitter=random.random(),
         asked_ms=None if asked_s is None else max(0, int(asked_s * 1000)),
         keep_ms=KEEP_MS,

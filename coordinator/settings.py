@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import pydantic
 from pydantic import (
     AfterValidator,
+    AliasChoices,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -90,15 +91,30 @@ DEFAULT_SHUTDOWN_GRACE_S = 25
 DEFAULT_RESTORE_INTERVAL_S = 10
 # An unanswered tool approval counts as a denial after an hour.
 DEFAULT_APPROVAL_TIMEOUT_S = 3600
-# Transient model errors (rate limits, timeouts, 5xx) are retried with exponential backoff from
+# Transient model errors (rate limits, timeouts, 5xx) are waited out with exponential backoff from
 # the base delay (the OpenAI and Anthropic SDKs start at half a second too), capped so that,
 # with one probe for the whole fleet (coordinator/endpoints.py), runs are back within about
 # this long of their provider's return, at the cost of one request to it per cap.
-DEFAULT_MODEL_RETRY_BASE_S = 0.5
-DEFAULT_MODEL_RETRY_MAX_S = 10.0
-# A profile's provider is waited for this long (from a request's first transient error) before
+DEFAULT_MODEL_BACKOFF_BASE_S = 0.5
+DEFAULT_MODEL_BACKOFF_MAX_S = 10.0
+# A profile's provider is waited out this long (from a request's first transient error) before
 # the run fails: ten minutes ride out a restarting model server or a provider's incident.
-DEFAULT_MODEL_RETRY_FOR_S = 600.0
+DEFAULT_MODEL_WAIT_OUT_S = 600.0
+# Settings renamed (new name: old name), each still read under its old one, deprecated (docs/configuration.md):
+# "retry" means running failed work again (`subq retry`), so waiting out a provider took words of its own
+# (docs/architecture.md, "Retry, wait out, backoff").
+RENAMED_SETTINGS = {
+    "SUBQ_MODEL_BACKOFF_BASE_S": "SUBQ_MODEL_RETRY_BASE_S",
+    "SUBQ_MODEL_BACKOFF_MAX_S": "SUBQ_MODEL_RETRY_MAX_S",
+}
+RENAMED_PROFILE_KEYS = {"model_wait_out_s": "model_retry_for_s"}
+
+
+def _renamed(new: str, table: dict[str, str]) -> AliasChoices:
+    """The names a renamed setting is read under: its new one, then its deprecated one (an alias takes no prefix)."""
+    return AliasChoices(new, table[new])
+
+
 # A request body over this is refused with 413 before it is parsed (1 MiB holds
 # a fan-out of 256 long messages).
 DEFAULT_API_MAX_BODY_BYTES = 1024 * 1024
@@ -410,7 +426,9 @@ class Profile(BaseModel):
     # How long transient provider errors are waited out before the run fails (docs/providers.md),
     # and the profiles whose models a request goes to, in order, when this one's provider keeps
     # failing or refuses the model (each checked against the profiles when settings load).
-    model_retry_for_s: float = Field(default=DEFAULT_MODEL_RETRY_FOR_S, ge=0)
+    model_wait_out_s: float = Field(
+        default=DEFAULT_MODEL_WAIT_OUT_S, ge=0, validation_alias=_renamed("model_wait_out_s", RENAMED_PROFILE_KEYS)
+    )
     fallback_profiles: list[str] = Field(default_factory=list)
     # A context that never overflows (docs/context.md): the model's window in tokens (unset: what
     # genai-prices or pydantic-ai know of the model; none known, a run compacts only when the provider
@@ -471,9 +489,10 @@ DEFAULT_WEBHOOK_TIMEOUT_S = 10.0
 # Backoff between attempts: doubling from the base, capped, each one jittered (a random 50 to 100 %).
 DEFAULT_WEBHOOK_RETRY_BASE_S = 2.0
 DEFAULT_WEBHOOK_RETRY_MAX_S = 600.0
-# Deliveries one worker process makes at once (threads of their own, not run slots): a slow or dead
-# receiver holds at most these, never a subagent's slot.
-DEFAULT_WEBHOOK_CONCURRENCY = 8
+# Deliveries one worker process makes at once (sockets of its deliverer's one thread, not run slots): a
+# slow or dead receiver holds at most these, never a subagent's slot; 32 keep up with a 1,000-wide tree's
+# ends at a receiver that takes 200 ms an answer, in large batches (docs/benchmarks.md).
+DEFAULT_WEBHOOK_CONCURRENCY = 32
 # The most deliveries one tree's outbox holds (a 1,000-wide fan-out with `child.*` is 1,001), and the
 # most pending ones of all trees together (a day of a dead receiver's events); past them an event is
 # counted as dropped, not written, so a dead receiver cannot grow Redis without bound.
@@ -598,8 +617,13 @@ class Settings(BaseSettings):
     start_stagger_ms: int = Field(default=0, ge=0)
     # Requests per minute per model provider ("anthropic", "openai", "offline"), fleet-wide.
     provider_rpm: dict[str, int] = Field(default_factory=dict)
-    model_retry_base_s: float = Field(default=DEFAULT_MODEL_RETRY_BASE_S, ge=0)
-    model_retry_max_s: float = Field(default=DEFAULT_MODEL_RETRY_MAX_S, gt=0)
+    # The backoff between two tries of a provider's endpoint (renamed: also read under its old variable).
+    model_backoff_base_s: float = Field(
+        default=DEFAULT_MODEL_BACKOFF_BASE_S, ge=0, validation_alias=_renamed("SUBQ_MODEL_BACKOFF_BASE_S", RENAMED_SETTINGS),
+    )  # fmt: skip
+    model_backoff_max_s: float = Field(
+        default=DEFAULT_MODEL_BACKOFF_MAX_S, gt=0, validation_alias=_renamed("SUBQ_MODEL_BACKOFF_MAX_S", RENAMED_SETTINGS),
+    )  # fmt: skip
     approval_timeout_s: int = Field(default=DEFAULT_APPROVAL_TIMEOUT_S, ge=1)
     api_token: SecretStr | None = None
     # Scoped API keys (coordinator/access.py, docs/security.md): {"<name>": {"token_sha256": "<hex>",
@@ -1049,8 +1073,10 @@ def load_settings(**overrides: Any) -> Settings:
         err = exc.errors()[0]
         loc = [str(p) for p in err["loc"]]
         msg = err["msg"].removeprefix("Value error, ")
-        if loc:
-            name = f"SUBQ_{loc[0].upper()}"
+        if loc:  # a field's name, or its alias (a variable's whole name: SUBQ_MODEL_BACKOFF_BASE_S)
+            name = f"SUBQ_{loc[0].upper()}" if loc[0] in Settings.model_fields else loc[0].upper()
+            if name in RENAMED_SETTINGS:
+                msg = f"{msg} (read from {name} or {RENAMED_SETTINGS[name]}, its deprecated name)"
         else:  # a check across fields names its variable first: "SUBQ_X: why"
             name, _, msg = msg.partition(": ")
         where = f" ({'.'.join(loc[1:])})" if len(loc) > 1 else ""

@@ -99,7 +99,7 @@ def redis_url() -> Iterator[str]:
 
 
 # How long the tests' offline profile waits out its scripted transient errors before the run fails.
-OFFLINE_RETRY_FOR_S = 2.0
+OFFLINE_WAIT_OUT_S = 2.0
 
 
 @pytest.fixture(scope="session")
@@ -112,12 +112,12 @@ def settings(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Settin
         task_time_limit_s=60,
         visibility_timeout_s=120,
         # Transient model errors are retried in tests without real waits.
-        model_retry_base_s=0.05,
+        model_backoff_base_s=0.05,
         # The offline profile runs the commands its scripts approve, in a directory of the session's, and
         # waits out a scripted run of transient errors for 2 s (not the default ten minutes) before failing.
         profiles={
             OFFLINE_PROFILE: Profile(
-                run_command=RunCommand(cwd=tmp_path_factory.mktemp("commands")), model_retry_for_s=OFFLINE_RETRY_FOR_S
+                run_command=RunCommand(cwd=tmp_path_factory.mktemp("commands")), model_wait_out_s=OFFLINE_WAIT_OUT_S
             )
         },
     )

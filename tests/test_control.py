@@ -288,7 +288,7 @@ def test_approval_bad_input_changes_nothing(idle_coordinator: Coordinator) -> No
         assert state(coord, mine.id) == before
 
 
-def test_transient_model_errors_are_retried_and_counted(coordinator: Coordinator) -> None:
+def test_transient_model_errors_are_waited_out_and_counted(coordinator: Coordinator) -> None:
     flaky = agent({"reply": "got through", "usage": USAGE, "transient": {"kind": "rate_limit", "times": 2}})
     hopeless = agent({"reply": "never", "usage": USAGE, "transient": {"kind": "server", "times": 50}})
     parent = coordinator.create_task("p")
@@ -300,9 +300,9 @@ def test_transient_model_errors_are_retried_and_counted(coordinator: Coordinator
     assert ok.status == TaskStatus.COMPLETED and ok.cost_micros == STEP_COST_MICROS
     assert coordinator.store.records.task_field(ok.id, "transient_errors") == "2"
     assert bad.status == TaskStatus.FAILED and bad.error_class == "ModelServerError"
-    # Retried until its profile's model_retry_for_s was spent, each retry counted; the last error is the run's.
+    # Sent again until its profile's model_wait_out_s was spent, each attempt counted; the last error is the run's.
     assert int(coordinator.store.records.task_field(bad.id, "transient_errors") or 0) >= 3
-    assert "gave up after" in (bad.error or "") and "model_retry_for_s=" in (bad.error or "")
+    assert "gave up after" in (bad.error or "") and "model_wait_out_s=" in (bad.error or "")
 
 
 def test_the_provider_rate_limit_is_shared_through_redis(idle_coordinator: Coordinator) -> None:

@@ -314,7 +314,7 @@ def test_every_request_is_priced_at_the_model_that_answered_it(settings: Any, st
         primary.script(statuses)
         profiles = {
             "main": Profile(model="openai:m", base_url=primary.base_url, api_key=primary.key, price=prices["main"],
-                            fallback_profiles=["backup"], model_retry_for_s=60),
+                            fallback_profiles=["backup"], model_wait_out_s=60),
             "backup": Profile(model="openai:b", base_url=backup.base_url, api_key=backup.key, price=prices["backup"]),
         }  # type: ignore[arg-type]  # fmt: skip
         local = settings.model_copy(update={"queue": "subq-nobody", "key_prefix": "subqpropfb", "profiles": profiles})

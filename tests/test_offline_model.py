@@ -114,7 +114,7 @@ def test_fail_step_raises_a_non_transient_model_error_with_its_message() -> None
         agent.run_sync(scripted([{"fail": "quota for the demo is used up"}]))
     assert str(caught.value) == "quota for the demo is used up"
     assert caught.value.model_name == "offline"
-    # The runtime retries these; a scripted failure must not be one of them.
+    # The runtime waits these out; a scripted failure must not be one of them.
     transient = (
         ModelRateLimitError,
         ModelUnavailableError,

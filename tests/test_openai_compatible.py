@@ -172,7 +172,7 @@ BAD_REQUEST = {"message": "Invalid 'messages': empty\n  array.", "type": "invali
 @pytest.mark.parametrize(
     ("status", "error", "attempts", "line", "error_class"),
     [
-        (500, SERVER_ERROR, None, f"HTTP 500 server_error: {SERVER_ERROR['message']} ({WHERE}); gave up after 1 s (model_retry_for_s=1)", "ModelServerError"),
+        (500, SERVER_ERROR, None, f"HTTP 500 server_error: {SERVER_ERROR['message']} ({WHERE}); gave up after 1 s (model_wait_out_s=1)", "ModelServerError"),
         (400, BAD_REQUEST, 1, f"HTTP 400 invalid_request_error: Invalid 'messages': empty array. ({WHERE})", None),
     ],
     ids=["transient-500", "refused-400"],
@@ -187,7 +187,7 @@ def test_a_failing_request_is_sent_once_per_subq_attempt_and_fails_with_one_line
     monkeypatch.setenv("OPENAI_API_KEY", "key-from-the-environment")
     # Its provider is waited for a second (retried with backoff from the tests' 0.05 s), then the run fails.
     profile = Profile(
-        model="openai:local-model", base_url=f"http://{host!s}:{port}/v1", price=PRICE, model_retry_for_s=1
+        model="openai:local-model", base_url=f"http://{host!s}:{port}/v1", price=PRICE, model_wait_out_s=1
     )
     local = load_settings(**{
         **settings.model_dump(exclude={"openai_api_key", "anthropic_api_key"}),

@@ -4,7 +4,7 @@ One endpoint (a host and port) serves many models: OpenAI's, OpenRouter's, a Lit
 Ollama server's. The fleet keeps one view of the host (refused or dropped connections, timeouts) and
 one per model there (what the provider answered of it: 429, 5xx, 529), so a fallback to another model
 on the same endpoint is sent while the first model is down. And a task's `transient_errors` and its
-`retry` lines' attempt numbers go on across the parks of its run, as they did not: a run woken after a
+`wait_out` lines' attempt numbers go on across the parks of its run, as they did not: a run woken after a
 park counted from 1 again, and the record had no `transient_errors` at all.
 
 Each test talks to `tests/model_server.py` servers on loopback through pydantic-ai's OpenAI model, as
@@ -80,10 +80,10 @@ def in_process(settings: Settings, profiles: dict[str, Profile], prefix: str) ->
     )
 
 
-def retry_attempts(coord: Coordinator, task_id: str) -> list[int]:
-    """The attempt numbers of the task's `retry` UI lines, in order."""
-    lines = [m["text"] for m in coord.messages(task_id) if m.get("say") == "retry"]
-    return [int(found.group(1)) for line in lines if (found := re.search(r"retrying \(attempt (\d+)\)$", line))]
+def wait_out_attempts(coord: Coordinator, task_id: str) -> list[int]:
+    """The attempt numbers of the task's `wait_out` UI lines, in order."""
+    lines = [m["text"] for m in coord.messages(task_id) if m.get("say") == "wait_out"]
+    return [int(found.group(1)) for line in lines if (found := re.search(r"waiting it out \(attempt (\d+)\)$", line))]
 
 
 # -- the acceptance: a fallback on the same endpoint ----------------------------------------------
@@ -98,7 +98,7 @@ def test_a_fallback_to_another_model_of_the_same_endpoint_completes_the_task_pri
     server.fail(503, model=PRIMARY_MODEL)  # for good
     with dedicated_fleet(
         settings, tmp_path, 1, queue="subq-same-endpoint", key_prefix="subqsameendpoint",
-        profiles={**settings.profiles, **same_endpoint(server)}, model_retry_base_s=0.5, model_retry_max_s=10,
+        profiles={**settings.profiles, **same_endpoint(server)}, model_backoff_base_s=0.5, model_backoff_max_s=10,
     ) as (coord, _fleet):  # fmt: skip
         task = coord.create_task("Look and report.", profile="main", run=True)
         done = coord.wait(task.id, timeout_s=SAME_ENDPOINT_WITHIN_S * 3)
@@ -111,7 +111,7 @@ def test_a_fallback_to_another_model_of_the_same_endpoint_completes_the_task_pri
         assert [s.model for s in answered] == [BACKUP_MODEL] * 2
         assert {s.model for s in server.seen if s.status == 503} == {PRIMARY_MODEL}
         # Its failed requests before the fallback were waited out and sent again: each counted, none billed.
-        assert done.transient_errors == retry_attempts(coord, task.id)[-1] == 2, coord.messages(task.id)
+        assert done.transient_errors == wait_out_attempts(coord, task.id)[-1] == 2, coord.messages(task.id)
 
         endpoint = f"127.0.0.1:{server.port}"
         views = coord.store.endpoints
@@ -188,9 +188,9 @@ def test_a_probe_is_taken_only_by_a_run_that_sends(idle_coordinator: Coordinator
 def test_transient_errors_and_attempt_numbers_go_on_across_parks(settings: Settings, server: ModelServer) -> None:
     """Each failure asks for a wait longer than a run sleeps inside itself, so the run gives its worker back
     after each; the woken runs go on counting: the record's `transient_errors` is the 503s the provider sent,
-    and the `retry` lines number the attempts 1, 2, 3, not 1, 1, 1."""
+    and the `wait_out` lines number the attempts 1, 2, 3, not 1, 1, 1."""
     local = in_process(
-        settings, {"main": profile(server, PRIMARY_MODEL, price=PRIMARY_PRICE, model_retry_for_s=120)}, "parks"
+        settings, {"main": profile(server, PRIMARY_MODEL, price=PRIMARY_PRICE, model_wait_out_s=120)}, "parks"
     )
     coord = Coordinator(local)
     coord.client.delete("subq-nobody")
@@ -203,7 +203,7 @@ def test_transient_errors_and_attempt_numbers_go_on_across_parks(settings: Setti
         parked = run_child(runtime, task.id)
         assert parked.status == "queued", f"park {park}: the run gave its worker back"
         assert coord.get_task(task.id).transient_errors == park
-        assert retry_attempts(coord, task.id) == list(range(1, park + 1))
+        assert wait_out_attempts(coord, task.id) == list(range(1, park + 1))
         time.sleep(PARKING_RETRY_AFTER_MS / 1000 + 0.1)  # its timer's time (the reconciler would publish it)
     done = run_child(runtime, task.id)
 
@@ -211,7 +211,7 @@ def test_transient_errors_and_attempt_numbers_go_on_across_parks(settings: Setti
     record = coord.get_task(task.id)
     assert server.statuses() == [503] * failures + [200, 200]
     assert record.transient_errors == failures == server.statuses().count(503)
-    assert retry_attempts(coord, task.id) == [1, 2, 3]
+    assert wait_out_attempts(coord, task.id) == [1, 2, 3]
     assert coord.store.records.task_field(task.id, "provider_attempts") is None, "the request was answered"
     assert record.cost_micros == micros(PRIMARY_PRICE, 2) and record.retries == 0
     coord.client.delete("subq-nobody")
@@ -222,15 +222,15 @@ def test_transient_errors_and_attempt_numbers_go_on_across_parks(settings: Setti
 def test_a_model_server_killed_and_restarted_under_a_running_task(settings: Settings, tmp_path: Path) -> None:
     """As with a real llama.cpp server: the server goes away under a running task (refused connections: its
     host is down) for long enough that the run parks, and comes back on the same port. The task completes,
-    and its record's count and its `retry` lines agree, numbered 1..N across the parks."""
+    and its record's count and its `wait_out` lines agree, numbered 1..N across the parks."""
     first = ModelServer(TURNS, latency_s=0.5).start()
     port = first.port
     local = Profile.model_validate(
-        {"model": "openai:local", "base_url": first.base_url, "api_key": first.key, "model_retry_for_s": 120}
+        {"model": "openai:local", "base_url": first.base_url, "api_key": first.key, "model_wait_out_s": 120}
     )
     with dedicated_fleet(
         settings, tmp_path, 1, queue="subq-restart-server", key_prefix="subqrestartserver",
-        profiles={**settings.profiles, "local": local}, model_retry_base_s=1.0, model_retry_max_s=3.0,
+        profiles={**settings.profiles, "local": local}, model_backoff_base_s=1.0, model_backoff_max_s=3.0,
     ) as (coord, _fleet):  # fmt: skip
         task = coord.create_task("Look and report.", profile="local", run=True)
         eventually(lambda: len(first.seen) >= 1, "the task's first request reached the server", timeout_s=30)
@@ -247,7 +247,7 @@ def test_a_model_server_killed_and_restarted_under_a_running_task(settings: Sett
             done = coord.wait(task.id, timeout_s=60)
             assert done.status == TaskStatus.COMPLETED, done.error
             assert again.answered(), "the restarted server answered it"
-        attempts = retry_attempts(coord, task.id)
+        attempts = wait_out_attempts(coord, task.id)
         assert len(attempts) >= 2 and attempts == list(range(1, len(attempts) + 1)), attempts
         assert done.transient_errors == len(attempts), "the record counts what the UI shows"
         assert coord.store.endpoints.state(endpoint) == {}, "back: the host's view is clear"

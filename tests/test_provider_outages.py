@@ -77,12 +77,12 @@ def in_process(settings: Settings, profiles: dict[str, Profile], prefix: str) ->
 # -- 5. errors that say where -----------------------------------------------------------------
 
 
-def test_a_connection_failure_names_the_profile_model_and_port_and_fails_within_its_retry_time(
+def test_a_connection_failure_names_the_profile_model_and_port_and_fails_within_its_wait_out_time(
     settings: Settings,
 ) -> None:
     port = free_port()  # nothing listens there
     local = in_process(
-        settings, {"nowhere": profile(f"http://127.0.0.1:{port}/v1", "sk-secret-key", model_retry_for_s=3)}, "where"
+        settings, {"nowhere": profile(f"http://127.0.0.1:{port}/v1", "sk-secret-key", model_wait_out_s=3)}, "where"
     )
     coord = Coordinator(local)
     task = coord.create_task("Say hello.", profile="nowhere", run=True)
@@ -95,12 +95,12 @@ def test_a_connection_failure_names_the_profile_model_and_port_and_fails_within_
     error = record.error or ""
     assert f"endpoint 127.0.0.1:{port}" in error and "model openai:test-model" in error and "'nowhere'" in error
     assert "sk-secret-key" not in error and "Connection error" in error
-    assert "gave up after" in error and "model_retry_for_s=3" in error
-    # Within seconds: its retry time, counted from the first failure, plus a run's start and end.
+    assert "gave up after" in error and "model_wait_out_s=3" in error
+    # Within seconds: its wait-out time, counted from the first failure, plus a run's start and end.
     assert record.finished_at is not None and record.finished_at - record.created_at < 3 + 10
-    assert int(coord.store.records.task_field(task.id, "transient_errors") or 0) >= 2, "it was retried"
-    retries = [m["text"] for m in coord.messages(task.id) if m.get("say") == "retry"]
-    assert retries and all(f"endpoint 127.0.0.1:{port}" in line and "retrying (attempt" in line for line in retries)
+    assert int(coord.store.records.task_field(task.id, "transient_errors") or 0) >= 2, "it was sent again"
+    waits = [m["text"] for m in coord.messages(task.id) if m.get("say") == "wait_out"]
+    assert waits and all(f"endpoint 127.0.0.1:{port}" in line and "waiting it out (attempt" in line for line in waits)
     coord.close()
 
 
@@ -336,11 +336,13 @@ def test_an_endpoint_is_down_for_the_whole_fleet_and_one_probe_decides_when_it_i
             "SUBQ_PROFILES: profile 'main': fallback_profiles go round in a cycle (main -> b -> c -> main)",
         ),
         ({"main": {"fallback_profiles": ["main"]}}, "profile 'main': fallback_profiles go round in a cycle (main -> main)"),
+        ({"main": {"model_wait_out_s": -1}}, "SUBQ_PROFILES (main.model_wait_out_s): Input should be greater than or equal to 0"),
+        # Its deprecated name is still read, and named as written.
         ({"main": {"model_retry_for_s": -1}}, "SUBQ_PROFILES (main.model_retry_for_s): Input should be greater than or equal to 0"),
     ],
-    ids=["unknown", "cycle", "itself", "negative"],
+    ids=["unknown", "cycle", "itself", "negative", "negative-deprecated-name"],
 )  # fmt: skip
-def test_a_bad_fallback_or_retry_time_is_one_line_naming_the_profile_and_field(
+def test_a_bad_fallback_or_wait_out_time_is_one_line_naming_the_profile_and_field(
     profiles: dict[str, object], error: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert error in helpers.profiles_refused(profiles, monkeypatch)
@@ -373,7 +375,7 @@ def test_a_long_wait_parks_the_run_on_a_timer_and_the_task_goes_on_or_stops_from
 ) -> None:
     from coordinator import endpoints
 
-    local = in_process(settings, {"main": profile(primary.base_url, primary.key, model_retry_for_s=120)}, f"park{then}")
+    local = in_process(settings, {"main": profile(primary.base_url, primary.key, model_wait_out_s=120)}, f"park{then}")
     coord = Coordinator(local)
     coord.client.delete("subq-nobody")
     # Longer than a run waits inside itself: the run gives its worker back at once.

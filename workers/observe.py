@@ -238,7 +238,7 @@ BUDGET_STOPS = _counter(
 )
 MODEL_REQUESTS = _counter(
     "subq_model_requests",
-    "Model requests this worker made, by outcome: ok, transient_error (retried), error, cancelled",
+    "Model requests this worker made, by outcome: ok, transient_error (waited out), error, cancelled",
     "provider",
     "model",
     "outcome",

@@ -51,14 +51,14 @@ class ProviderPort:
 
     def transient_errors(self, lines: Sequence[str]) -> None:
         """Requests sent and failed transiently, to be sent again: each counted on the task (`transient_errors`)
-        and told in a `retry` UI line with the request's attempt number, both kept on the task across parks."""
+        and told in a `wait_out` UI line with the request's attempt number, both kept on the task across parks."""
         if not lines:
             return
         self._run.flush()
         counted = self._plane.store.endpoints.count_transient_errors(self._run.task.id, len(lines))
         self._attempts = counted.attempts
         for number, what in enumerate(lines, start=counted.attempts - len(lines) + 1):
-            self._run.say("retry", f"{what}: retrying (attempt {number})")
+            self._run.say("wait_out", f"{what}: waiting it out (attempt {number})")
 
     def wait_over(self) -> None:
         """A response arrived: a task whose run had given its worker back to wait forgets when its wait began,

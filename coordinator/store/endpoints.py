@@ -86,7 +86,7 @@ class EndpointStore(Part):
     ) -> None:
         """A run gives its worker back until `wake_at_s`: its timer, its place on the parked list of the
         view it waits for (`model`'s, or with "" its host's), and when its wait began (kept on the task,
-        so its `model_retry_for_s` counts from there)."""
+        so its `model_wait_out_s` counts from there)."""
         parked = self.keys.endpoint_parked(endpoint, model)
         task = self.keys.task(root_of(task_id), task_id)
         with self.client.pipeline(transaction=True) as pipe:

@@ -105,12 +105,12 @@ class TaskField:
     RESUMES: Final = "resumes"  # times the task was resumed (finish_batch, next_resume)
     RESUME_BATCH_ID: Final = "resume_batch_id"  # the batch whose result the resumed run answers (finish_batch)
     WAITING_APPROVAL_IDS: Final = "waiting_approval_ids"  # JSON list of the approvals its last run asked for
-    TRANSIENT_ERRORS: Final = "transient_errors"  # provider errors retried so far (a count)
-    # The failed attempts of the request now in flight (a count), kept across parks for the `retry` UI
+    TRANSIENT_ERRORS: Final = "transient_errors"  # provider errors waited out so far (a count)
+    # The failed attempts of the request now in flight (a count), kept across parks for the `wait_out` UI
     # line's attempt number; deleted when a request is answered (coordinator/endpoints.py).
     PROVIDER_ATTEMPTS: Final = "provider_attempts"
     # When its run began waiting for its provider (ms), kept while the run gives its worker back, so
-    # `model_retry_for_s` counts from the first failure, not from each wake (coordinator/endpoints.py).
+    # `model_wait_out_s` counts from the first failure, not from each wake (coordinator/endpoints.py).
     PROVIDER_WAIT_SINCE_MS: Final = "provider_wait_since_ms"
     REPAIRS: Final = "repairs"  # runs the reconciler published again after one was lost (a count)
     RESUMED_PREFIX: Final = "resumed:"  # `resumed:<batch or approval id>`: once-only resume flag per reason

@@ -1,4 +1,4 @@
-"""A model wrapper: gates each request, retries transient errors, reports each response.
+"""A model wrapper: gates each request, waits out transient errors, reports each response.
 
 - Before every request, `before()` runs: the runner stops a cancelled run or a
   spent budget there, and waits for the provider's fleet-wide rate limit.

@@ -27,7 +27,7 @@ After a transient error the
 route's `Patience` decides: wait inside the run (a wait of at most
 `IN_RUN_WAIT_S`), give the worker back until the endpoint may be tried
 (`ProviderWait`, which the runner turns into a parked run), or, past the
-profile's `model_retry_for_s`, fail the run with the last error. A request goes
+profile's `model_wait_out_s`, fail the run with the last error. A request goes
 to the next profile of the chain when its provider refuses the model (401, 403,
 404) or keeps failing: `FALLBACK_AFTER_FAILURES` failures in a row, or a wait
 longer than `IN_RUN_WAIT_S`. Each response is priced at the profile that
@@ -98,7 +98,7 @@ __all__ = [
 # OPENAI_BASE_URL / ANTHROPIC_BASE_URL from the environment behind Settings' back.
 OPENAI_BASE_URL = "https://api.openai.com/v1"
 ANTHROPIC_BASE_URL = "https://api.anthropic.com"
-# Retries happen once, in subq (a route's Patience): the SDKs' own would multiply them.
+# A failed request is sent again by subq alone (a route's Patience): the SDKs' own retries would multiply it.
 SDK_RETRIES = 0
 # A provider's error message is one line of the task's error; longer ones are cut.
 ERROR_MESSAGE_CHARS = 200
@@ -108,7 +108,7 @@ TRANSIENT_ERRORS = (ModelRateLimitError, ModelServerError, ModelConnectionError,
 # costs a saved step, a timer and a new run (about a reconciler tick late), more than a short wait.
 IN_RUN_WAIT_S = 5.0
 # A request goes to the next profile of its chain once its endpoint failed this often in a row
-# (about 3.5 s of backoff with the defaults): a blip is retried, an outage is not waited for.
+# (about 3.5 s of backoff with the defaults): a blip is waited out, an outage is not waited for.
 FALLBACK_AFTER_FAILURES = 3
 
 
@@ -441,7 +441,7 @@ class Route:
         self.task_id = task_id
         self.hops = [self._hop(n) for n in settings.fallback_chain(name)]
         self.answered = self.hops[0]  # the profile whose model answered the latest response
-        self.retry_for_s = self.hops[0].profile.model_retry_for_s
+        self.wait_out_s = self.hops[0].profile.model_wait_out_s
         self._since_ms: int | None = None  # the first transient error of the request now in flight
         self._in_run_wait_s = 0.0  # how long the request has waited inside the run so far
         self._last_error: Exception | None = None
@@ -483,7 +483,7 @@ class Route:
 
     async def after_error(self, exc: Exception) -> None:
         """After a transient error (or a gate that said wait): sleep through a short wait, give the worker
-        back for a long one (`ProviderWait`), or raise the last error once `model_retry_for_s` is spent.
+        back for a long one (`ProviderWait`), or raise the last error once `model_wait_out_s` is spent.
         A chain whose every profile refused raises the last refusal (which names its profile); one with a
         profile that may come back waits for it."""
         waits, refusal = _waits_of(exc)
@@ -498,9 +498,9 @@ class Route:
         if real:
             self._last_error = real[-1]
         spent_s = (now_ms - self._since_ms) / 1000
-        if spent_s + wait_s > self.retry_for_s:
+        if spent_s + wait_s > self.wait_out_s:
             raise self._give_up(error, spent_s)
-        if real:  # each will be retried: counted on the task, told in its UI messages (each line says where)
+        if real:  # each will be sent again: counted on the task, told in its UI messages (each line says where)
             self.port.transient_errors([str(e) for e in real])
             self._counted = True
         self._waiting_on.add(endpoint)
@@ -514,7 +514,7 @@ class Route:
         """The error the run fails with: the last one a request met (a gate's, if none), saying how long it waited."""
         last = self._last_error or error
         if isinstance(last, ModelAPIError):
-            last.message = f"{last.message}; gave up after {spent_s:.0f} s (model_retry_for_s={self.retry_for_s:g})"
+            last.message = f"{last.message}; gave up after {spent_s:.0f} s (model_wait_out_s={self.wait_out_s:g})"
             last.args = (last.message,)
         return last
 

@@ -83,7 +83,7 @@ class ScriptUsage(BaseModel):
 
 
 class TransientFailure(BaseModel):
-    """The first `times` attempts of a step fail with a transient error (retried by the runtime)."""
+    """The first `times` attempts of a step fail with a transient error (waited out by the runtime)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
