@@ -116,7 +116,7 @@ MEDIA_TOKENS = 1_600
 KEEP_TURNS = 2
 # A compaction aims at this share of the threshold: room for several more turns before the next one.
 TARGET_SHARE = 0.6
-# After a provider refused a request as too long, the retry aims at this share of its estimate.
+# After a provider refused a request as too long, the request sent again aims at this share of its estimate.
 OVERFLOW_SHARE = 0.5
 # Of each tool result, what the summariser reads (its beginning and end).
 SUMMARY_RESULT_CHARS = 1_500

@@ -13,7 +13,7 @@ holds its lease, records each response, and ends it in the right order. A run:
    `INTERRUPTED`;
 3. runs the agent, with, before each model request, a stop check (cancel, a
    spent budget) and the provider's fleet-wide rate limit, transient model
-   errors retried with backoff, each response's usage recorded atomically and
+   errors waited out with backoff, each response's usage recorded atomically and
    every new message appended to the conversation; a cancel also abandons the
    request in flight; what each request sends is the conversation compacted to
    fit the model's context window (workers/runtime/compaction.py: the run's
