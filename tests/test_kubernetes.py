@@ -24,6 +24,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -184,29 +185,43 @@ def test_every_name_a_manifest_refers_to_exists(rendered: dict[str, list[dict[st
     docs = rendered[overlay]
     names = {(d["kind"], d["metadata"]["name"]) for d in docs}
     assert {d["metadata"].get("namespace") for d in docs} == {"subq"}, "one namespace, the one KEDA's addresses name"
-    for workload in (d for d in docs if d["kind"] in ("Deployment", "StatefulSet")):
+    for doc in docs:
+        for ref in _references(doc):
+            assert ref in names, (doc["metadata"]["name"], *ref)
+    workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    for workload in workloads:
         pod = workload["spec"]["template"]
         assert workload["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
-        for container in pod["spec"]["containers"]:
-            for source in container.get("envFrom", []):
-                ref = source.get("configMapRef") or source["secretRef"]
-                kind = "ConfigMap" if "configMapRef" in source else "Secret"
-                assert (kind, ref["name"]) in names, (workload["metadata"]["name"], kind, ref["name"])
-        for volume in pod["spec"].get("volumes", []):
-            if "configMap" in volume:
-                assert ("ConfigMap", volume["configMap"]["name"]) in names
-    pods = [d["spec"]["template"]["metadata"]["labels"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    pods = [workload["spec"]["template"]["metadata"]["labels"] for workload in workloads]
     for selecting in (d for d in docs if d["kind"] in ("Service", "PodDisruptionBudget")):
         selector = selecting["spec"]["selector"]
         selector = selector.get("matchLabels", selector)
         assert any(selector.items() <= labels.items() for labels in pods), selecting["metadata"]["name"]
-    for auth in (d for d in docs if d["kind"] == "TriggerAuthentication"):
-        for ref in auth["spec"]["secretTargetRef"]:
-            assert ("Secret", ref["name"]) in names, ref
-    for ingress in (d for d in docs if d["kind"] == "Ingress"):
-        for rule in ingress["spec"]["rules"]:
+
+
+def _references(doc: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """(kind, name) of each object a manifest names: a workload's ConfigMaps and Secrets, a TriggerAuthentication's
+    Secrets, an Ingress's Services."""
+    if doc["kind"] in ("Deployment", "StatefulSet"):
+        yield from _pod_references(doc["spec"]["template"])
+    elif doc["kind"] == "TriggerAuthentication":
+        for ref in doc["spec"]["secretTargetRef"]:
+            yield "Secret", ref["name"]
+    elif doc["kind"] == "Ingress":
+        for rule in doc["spec"]["rules"]:
             for path in rule["http"]["paths"]:
-                assert ("Service", path["backend"]["service"]["name"]) in names
+                yield "Service", path["backend"]["service"]["name"]
+
+
+def _pod_references(pod: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """The ConfigMaps and Secrets a pod template's containers load (envFrom) and its volumes mount."""
+    for container in pod["spec"]["containers"]:
+        for source in container.get("envFrom", []):
+            ref = source.get("configMapRef") or source["secretRef"]
+            yield ("ConfigMap" if "configMapRef" in source else "Secret"), ref["name"]
+    for volume in pod["spec"].get("volumes", []):
+        if "configMap" in volume:
+            yield "ConfigMap", volume["configMap"]["name"]
 
 
 def _trigger(scaled: dict[str, Any], name: str) -> dict[str, Any]:
