@@ -346,15 +346,26 @@ def _validate(draft: Any, schema: Mapping[str, Any], instance: Any, steps: int) 
         _steps.reset(token)
 
 
-class _Expansion(Exception):
+class _Refused(Exception):
+    """A schema found unusable: `where` inside it, and why. Each check raises it; schema_problem returns it."""
+
     def __init__(self, where: list[Any], reason: str) -> None:
         self.where, self.reason = where, reason
 
 
-def _expansion_problem(schema: Mapping[str, Any]) -> tuple[list[Any], str] | None:
-    """Where `schema` expands past MAX_SCHEMA_EXPANSION subschemas (each counted once for every path to it
-    through references and combinators, a reference back to a schema on the path once) or references
-    lead deeper than MAX_SCHEMA_EXPANSION_DEPTH, or None. Linear in the schema: each size is kept."""
+def _local_targets(schema: Mapping[str, Any], node: Mapping[str, Any]) -> Iterator[tuple[list[Any], Any]]:
+    """The places (path, value) in `schema` that `node`'s local references name (those that resolve)."""
+    for keyword in REFERENCE_KEYWORDS:
+        ref = node.get(keyword)
+        target = _target(schema, ref) if isinstance(ref, str) and ref.startswith("#") else None
+        if target is not None:
+            yield target
+
+
+def _check_expansion(schema: Mapping[str, Any]) -> None:
+    """Refuses `schema` where it expands past MAX_SCHEMA_EXPANSION subschemas (each counted once for every
+    path to it through references and combinators, a reference back to a schema on the path once) or
+    references lead deeper than MAX_SCHEMA_EXPANSION_DEPTH. Linear in the schema: each size is kept."""
     sizes: dict[int, int] = {}
     path: list[int] = []
 
@@ -369,17 +380,13 @@ def _expansion_problem(schema: Mapping[str, Any]) -> tuple[list[Any], str] | Non
         if key in path:
             return 1
         if len(path) >= MAX_SCHEMA_EXPANSION_DEPTH:
-            raise _Expansion(where, f"its references lead more than {MAX_SCHEMA_EXPANSION_DEPTH} subschemas deep")
+            raise _Refused(where, f"its references lead more than {MAX_SCHEMA_EXPANSION_DEPTH} subschemas deep")
         path.append(key)
         total = 1 + sum(size(child, child_where) for child_where, child in _children(node, where))
-        for keyword in REFERENCE_KEYWORDS:
-            ref = node.get(keyword)
-            target = _target(schema, ref) if isinstance(ref, str) and ref.startswith("#") else None
-            if target is not None:
-                total += size(target[1], target[0])
+        total += sum(size(target, target_where) for target_where, target in _local_targets(schema, node))
         path.pop()
         if total > MAX_SCHEMA_EXPANSION:
-            raise _Expansion(
+            raise _Refused(
                 where,
                 f"expands to {total} subschemas through its references and combinators (each counted once "
                 f"for every path to it); the limit is {MAX_SCHEMA_EXPANSION}",
@@ -387,80 +394,114 @@ def _expansion_problem(schema: Mapping[str, Any]) -> tuple[list[Any], str] | Non
         sizes[key] = total
         return total
 
+    size(schema, [])
+
+
+def _check_document(schema: object) -> dict[str, Any]:
+    """`schema` if it is a JSON object within MAX_SCHEMA_DEPTH and MAX_SCHEMA_BYTES: checked before
+    anything walks it, so no later check recurses into a hostile depth or size."""
+    if not isinstance(schema, dict):
+        kind = "a string" if isinstance(schema, str) else type(schema).__name__
+        raise _Refused([], f"must be a JSON Schema object, not {kind}")
+    deep = _too_deep(schema, MAX_SCHEMA_DEPTH)
+    if deep is not None:
+        raise _Refused(deep, f"nested deeper than {MAX_SCHEMA_DEPTH} levels")
     try:
-        size(schema, [])
-    except _Expansion as exc:
-        return exc.where, exc.reason
-    return None
+        size = len(compact(schema).encode())
+    except (TypeError, ValueError) as exc:  # a value JSON cannot carry (NaN, a non-string key, a lone surrogate)
+        raise _Refused([], f"not JSON: {exc}") from None
+    if size > MAX_SCHEMA_BYTES:
+        raise _Refused([], f"{size} bytes as compact JSON; the limit is {MAX_SCHEMA_BYTES}")
+    return schema
+
+
+def _check_references(schema: Mapping[str, Any]) -> None:
+    """Every reference is local and resolves: nothing outside the schema is ever fetched."""
+    for where, ref in _refs(schema):
+        if not isinstance(ref, str):
+            continue  # the metaschema says what is wrong with it
+        if not ref.startswith("#"):
+            raise _Refused(where, f"only local references ('#/...') are allowed, not {ref!r}")
+        if _target(schema, ref) is None:
+            raise _Refused(where, f"{ref!r} names nothing in the schema")
+
+
+def _draft(schema: Mapping[str, Any]) -> Any:  # a jsonschema validator class
+    """The validator of the draft `$schema` names, else the newest (2020-12)."""
+    from jsonschema import validators  # on use: importing the client's models loads no validator
+
+    draft = schema.get("$schema")
+    if draft is not None and not isinstance(draft, str):
+        raise _Refused(["$schema"], f"must be a string naming a JSON Schema draft, not {type(draft).__name__}")
+    cls = validators.validator_for(schema, default=None)
+    if cls is not None:
+        return cls
+    if draft is not None:
+        raise _Refused(["$schema"], f"{draft!r} names no JSON Schema draft this validator knows")
+    return validators.Draft202012Validator
+
+
+def _check_metaschema(schema: Mapping[str, Any], draft: Any) -> None:
+    """`schema` is valid under its draft's metaschema; the error shown is jsonschema's best match."""
+    from jsonschema import FormatChecker
+    from jsonschema.exceptions import best_match
+
+    # With the format checker: a `pattern` must be a regular expression RE2 compiles (the metaschema's
+    # `format: regex`, here RE2's and not Python's `re`: RE2 is what evaluates it).
+    formats = FormatChecker(())
+    formats.checkers = {**draft.FORMAT_CHECKER.checkers, "regex": (_is_regex, Exception)}
+    checker = draft(draft.META_SCHEMA, format_checker=formats, registry=_registry())
+    error = best_match(checker.iter_errors(schema))
+    if error is not None:
+        raise _Refused(list(error.path), _message(error))
+
+
+def _check_patterns(schema: Mapping[str, Any]) -> None:
+    """Every patternProperties name compiles on RE2 (older drafts' metaschemas check none), and no
+    schema combines patternProperties with unevaluatedProperties: jsonschema finds the properties
+    patternProperties evaluated with Python's backtracking `re`, not RE2."""
+    for where, node in _subschemas(schema, []):
+        for pattern in node.get("patternProperties", {}):
+            reason = _regex_problem(pattern)
+            if reason is not None:
+                raise _Refused([*where, "patternProperties", pattern], reason)
+    if any("unevaluatedProperties" in node for _, node in _subschemas(schema, [])):
+        with_patterns = next((w for w, node in _subschemas(schema, []) if "patternProperties" in node), None)
+        if with_patterns is not None:
+            raise _Refused([*with_patterns, "patternProperties"], "cannot be combined with unevaluatedProperties")
+
+
+def _check_probes(schema: Mapping[str, Any], draft: Any) -> None:
+    """Validating the empty values against `schema` ends within MAX_CHECK_STEPS: a `$ref` that leads back
+    to itself without end, or a schema the validator cannot apply, is found before any run."""
+    probes: tuple[object, ...] = (None, {}, [])
+    for probe in probes:
+        try:
+            _validate(draft, schema, probe, MAX_CHECK_STEPS)
+        except RecursionError:
+            raise _Refused([], "its references lead back to themselves without end") from None
+        except _TooMuchWork:
+            raise _Refused([], f"validating even {compact(probe)} takes more than {MAX_CHECK_STEPS} steps") from None
+        except Exception as exc:  # the validator could not apply it: it is no schema to hold a model to
+            raise _Refused([], f"cannot be applied: {type(exc).__name__}: {_one_line(str(exc))}") from None
 
 
 def schema_problem(schema: object) -> tuple[list[Any], str] | None:
     """What makes `schema` unusable as an output schema (the path inside it, the reason), or None.
 
     Pure and cheap (no network: a remote `$ref` is refused, never fetched), so every face runs it
-    before it writes or sends anything.
+    before it writes or sends anything. The checks run cheapest first; each assumes the ones before it.
     """
-    if not isinstance(schema, dict):
-        kind = "a string" if isinstance(schema, str) else type(schema).__name__
-        return [], f"must be a JSON Schema object, not {kind}"
-    deep = _too_deep(schema, MAX_SCHEMA_DEPTH)
-    if deep is not None:
-        return deep, f"nested deeper than {MAX_SCHEMA_DEPTH} levels"
     try:
-        size = len(compact(schema).encode())
-    except (TypeError, ValueError) as exc:  # a value JSON cannot carry (NaN, a non-string key, a lone surrogate)
-        return [], f"not JSON: {exc}"
-    if size > MAX_SCHEMA_BYTES:
-        return [], f"{size} bytes as compact JSON; the limit is {MAX_SCHEMA_BYTES}"
-    for where, ref in _refs(schema):
-        if not isinstance(ref, str):
-            continue  # the metaschema says what is wrong with it, below
-        if not ref.startswith("#"):
-            return where, f"only local references ('#/...') are allowed, not {ref!r}"
-        if _target(schema, ref) is None:
-            return where, f"{ref!r} names nothing in the schema"
-    from jsonschema import FormatChecker, validators  # on use: importing the client's models loads no validator
-    from jsonschema.exceptions import best_match
-
-    draft = schema.get("$schema")
-    if draft is not None and not isinstance(draft, str):
-        return ["$schema"], f"must be a string naming a JSON Schema draft, not {type(draft).__name__}"
-    cls = validators.validator_for(schema, default=None)
-    if cls is None:
-        if draft is not None:
-            return ["$schema"], f"{draft!r} names no JSON Schema draft this validator knows"
-        cls = validators.Draft202012Validator
-    # With the format checker: a `pattern` must be a regular expression RE2 compiles (the metaschema's
-    # `format: regex`, here RE2's and not Python's `re`: RE2 is what evaluates it).
-    formats = FormatChecker(())
-    formats.checkers = {**cls.FORMAT_CHECKER.checkers, "regex": (_is_regex, Exception)}
-    checker = cls(cls.META_SCHEMA, format_checker=formats, registry=_registry())
-    error = best_match(checker.iter_errors(schema))
-    if error is not None:
-        return list(error.path), _message(error)
-    for where, node in _subschemas(schema, []):  # older drafts' metaschemas check no patternProperties name
-        for pattern in node.get("patternProperties", {}):
-            reason = _regex_problem(pattern)
-            if reason is not None:
-                return [*where, "patternProperties", pattern], reason
-    if any("unevaluatedProperties" in node for _, node in _subschemas(schema, [])):
-        with_patterns = next((w for w, node in _subschemas(schema, []) if "patternProperties" in node), None)
-        if with_patterns is not None:
-            # jsonschema finds the properties patternProperties evaluated with Python's backtracking `re`.
-            return [*with_patterns, "patternProperties"], "cannot be combined with unevaluatedProperties"
-    expansion = _expansion_problem(schema)
-    if expansion is not None:
-        return expansion
-    probes: tuple[object, ...] = (None, {}, [])
-    for probe in probes:  # a `$ref` that leads back to itself without end is found before any run
-        try:
-            _validate(cls, schema, probe, MAX_CHECK_STEPS)
-        except RecursionError:
-            return [], "its references lead back to themselves without end"
-        except _TooMuchWork:
-            return [], f"validating even {compact(probe)} takes more than {MAX_CHECK_STEPS} steps"
-        except Exception as exc:  # the validator could not apply it: it is no schema to hold a model to
-            return [], f"cannot be applied: {type(exc).__name__}: {_one_line(str(exc))}"
+        document = _check_document(schema)
+        _check_references(document)
+        draft = _draft(document)
+        _check_metaschema(document, draft)
+        _check_patterns(document)
+        _check_expansion(document)
+        _check_probes(document, draft)
+    except _Refused as refused:
+        return refused.where, refused.reason
     return None
 
 
@@ -557,14 +598,10 @@ def output_errors(schema: Mapping[str, Any], data: Any, field: str = "data") -> 
     return shown
 
 
-def completion_parameters(schema: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON Schema of `attempt_completion(result, data)`'s arguments, `data`'s being `schema`.
-
-    `data` sits at `/properties/data` of the tool's schema, so each local `$ref` of the
-    task's schema is rebased there; its `$defs` (and draft-7 `definitions`) move to the
-    root, where providers' schema tools look for them (pydantic-ai's own transformers among them).
-    """
-    data = copy.deepcopy(dict(schema))
+def _hoist_definitions(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Takes `$defs` and draft-7 `definitions` out of `data`: the definitions, and each old pointer
+    prefix (`#/definitions/`) mapped to its new one at the tool's root (`#/$defs/`). A map whose names
+    clash with one already taken stays where it is."""
     hoisted: dict[str, Any] = {}
     moved: dict[str, str] = {}
     for key in ("$defs", "definitions"):
@@ -573,40 +610,56 @@ def completion_parameters(schema: Mapping[str, Any]) -> dict[str, Any]:
             data.pop(key)
             hoisted.update(defs)
             moved[f"#/{key}/"] = "#/$defs/"
+    return hoisted, moved
+
+
+def _rebased_ref(ref: str, moved: Mapping[str, str]) -> str:
+    """The local reference `ref` as the tool's schema resolves it: into a hoisted definition, else under
+    `/properties/data`. A pointer's `$` may come percent-encoded (`#/%24defs/x`): compared decoded, as
+    it resolves."""
+    decoded = unquote(ref)
+    for prefix, to in moved.items():
+        if decoded.startswith(prefix):
+            return to + decoded[len(prefix) :]
+        if decoded == prefix.rstrip("/"):  # the definitions themselves
+            return to.rstrip("/")
+    return "#/properties/data" + ref[1:] if ref == "#" or ref.startswith("#/") else ref
+
+
+def _rebase(node: Any, moved: Mapping[str, str]) -> Any:
+    """A copy of `node` with every local reference rebased (_rebased_ref)."""
+    if isinstance(node, list):
+        return [_rebase(item, moved) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _rebase(v, moved) for k, v in node.items()}
+    for keyword in REFERENCE_KEYWORDS:
+        ref = out.get(keyword)
+        if isinstance(ref, str) and ref.startswith("#"):
+            out[keyword] = _rebased_ref(ref, moved)
+    return out
+
+
+def completion_parameters(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON Schema of `attempt_completion(result, data)`'s arguments, `data`'s being `schema`.
+
+    `data` sits at `/properties/data` of the tool's schema, so each local `$ref` of the
+    task's schema is rebased there; its `$defs` (and draft-7 `definitions`) move to the
+    root, where providers' schema tools look for them (pydantic-ai's own transformers among them).
+    """
+    data = copy.deepcopy(dict(schema))
+    hoisted, moved = _hoist_definitions(data)
     for key in ("$schema", "$id"):  # about the document, which is the tool's schema now
         data.pop(key, None)
-
-    def rebased(ref: str) -> str:
-        # A pointer's `$` may come percent-encoded (`#/%24defs/x`): compared decoded, as it resolves.
-        decoded = unquote(ref)
-        for prefix, to in moved.items():
-            if decoded.startswith(prefix):
-                return to + decoded[len(prefix) :]
-            if decoded == prefix.rstrip("/"):  # the definitions themselves
-                return to.rstrip("/")
-        return "#/properties/data" + ref[1:] if ref == "#" or ref.startswith("#/") else ref
-
-    def rebase(node: Any) -> Any:
-        if isinstance(node, dict):
-            out = {k: rebase(v) for k, v in node.items()}
-            for keyword in ("$ref", "$dynamicRef", "$recursiveRef"):
-                ref = out.get(keyword)
-                if isinstance(ref, str) and ref.startswith("#"):
-                    out[keyword] = rebased(ref)
-            return out
-        if isinstance(node, list):
-            return [rebase(item) for item in node]
-        return node
-
     parameters: dict[str, Any] = {
         "type": "object",
         "properties": {
             "result": {"type": "string", "description": "Your result in a few sentences, for a person to read."},
-            "data": rebase(data),
+            "data": _rebase(data, moved),
         },
         "required": ["result", "data"],
         "additionalProperties": False,
     }
     if hoisted:
-        parameters["$defs"] = rebase(hoisted)
+        parameters["$defs"] = _rebase(hoisted, moved)
     return parameters
