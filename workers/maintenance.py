@@ -46,8 +46,7 @@ from celery.signals import (
 )
 from celery.worker import state as worker_state
 
-from coordinator import ConfigError
-from coordinator.ids import task_of_run_id
+from coordinator import ConfigError, task_of_run_id
 from coordinator.reconciler import Reconciler
 from workers import observe
 from workers.application import app, settings
