@@ -7,6 +7,7 @@ fails here with the module and the import named, before it blurs the rooms.
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -137,44 +138,66 @@ def _import_graph() -> dict[str, set[str]]:
 
 def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
     """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[set[str]] = []
+    search = _Tarjan(graph)
     for start in graph:
-        if start in index:
-            continue
-        work = [(start, iter(sorted(graph[start])))]
-        index[start] = low[start] = len(index)
-        stack.append(start)
-        on_stack.add(start)
+        if start not in search.index:
+            search.from_module(start)
+    return [component for component in search.components if len(component) > 1]
+
+
+class _Tarjan:
+    """Tarjan's search over an import graph: each module's discovery index and low link, the stack of modules
+    whose component is still open, and the components closed so far."""
+
+    def __init__(self, graph: dict[str, set[str]]) -> None:
+        self.graph = graph
+        self.index: dict[str, int] = {}
+        self.low: dict[str, int] = {}
+        self.stack: list[str] = []
+        self.on_stack: set[str] = set()
+        self.components: list[set[str]] = []
+
+    def from_module(self, start: str) -> None:
+        """Depth first from `start`, on a list of (module, edges left) rather than by recursion."""
+        work = [(start, self._enter(start))]
         while work:
             node, edges = work[-1]
-            for target in edges:
-                if target not in index:
-                    index[target] = low[target] = len(index)
-                    stack.append(target)
-                    on_stack.add(target)
-                    work.append((target, iter(sorted(graph[target]))))
-                    break
-                if target in on_stack:
-                    low[node] = min(low[node], index[target])
-            else:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
-                if low[node] == index[node]:
-                    component = set()
-                    while True:
-                        member = stack.pop()
-                        on_stack.discard(member)
-                        component.add(member)
-                        if member == node:
-                            break
-                    if len(component) > 1:
-                        found.append(component)
-    return found
+            target = self._next_unvisited(node, edges)
+            if target is not None:
+                work.append((target, self._enter(target)))
+                continue
+            work.pop()
+            if work:  # the module that reached `node` reaches what it reaches
+                above = work[-1][0]
+                self.low[above] = min(self.low[above], self.low[node])
+            if self.low[node] == self.index[node]:
+                self.components.append(self._close(node))
+
+    def _enter(self, node: str) -> Iterator[str]:
+        self.index[node] = self.low[node] = len(self.index)
+        self.stack.append(node)
+        self.on_stack.add(node)
+        return iter(sorted(self.graph[node]))
+
+    def _next_unvisited(self, node: str, edges: Iterator[str]) -> str | None:
+        """The next module `node` imports that is not visited yet (None: no more); an import of a module whose
+        component is still open lowers `node`'s low link on the way."""
+        for target in edges:
+            if target not in self.index:
+                return target
+            if target in self.on_stack:
+                self.low[node] = min(self.low[node], self.index[target])
+        return None
+
+    def _close(self, node: str) -> set[str]:
+        """The component `node` is the root of: the stack's modules down to it."""
+        component = set()
+        while True:
+            member = self.stack.pop()
+            self.on_stack.discard(member)
+            component.add(member)
+            if member == node:
+                return component
 
 
 def test_the_cycle_finder_finds_cycles() -> None:
