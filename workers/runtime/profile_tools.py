@@ -225,14 +225,8 @@ class PolicyToolset(WrapperToolset[RunState]):
         run, call_id, metadata = ctx.deps.run, ctx.tool_call_id or "", ctx.tool_call_metadata or {}
         cut_off = bool(ctx.tool_call_approved and metadata.get(CUT_OFF))
         asks_policy = not ctx.tool_call_approved or (cut_off and not metadata.get(APPROVED_BY_HUMAN))
-        if asks_policy and name not in SELF_GUARDED:
-            # An MCP tool's hints count where no rule of the profile names it (workers/runtime/mcp_servers.py).
-            decided = mcp_servers.hinted_verdict(ctx.deps.profile, name, tool_args, tool.tool_def)
-            denied = apply_verdict(name, tool_args, decided)  # raises ApprovalRequired to ask
-            if denied:
-                run.say("tool_denied", f"{name}: {denied}")
-                _done(ctx, name, "denied")
-                return denied
+        if asks_policy and name not in SELF_GUARDED and (denied := _policy_denial(ctx, name, tool_args, tool)):
+            return denied
         safe_twice = idempotent(tool, ctx.deps.profile)
         if cut_off and not safe_twice:
             run.say("tool_interrupted", f"{name}({json.dumps(tool_args)})")
@@ -240,13 +234,22 @@ class PolicyToolset(WrapperToolset[RunState]):
             return INTERRUPTED
         if name in OWN_STATE_TOOLS:
             return await super().call_tool(name, tool_args, ctx, tool)  # their refusals are results already
-        if not safe_twice:
-            # The response is kept before a call that must not run twice starts: a run resumed after
-            # this worker dies finds the call, and does not ask the model again (which might repeat it).
-            # A response of idempotent calls only is kept by the step of its first call's result.
-            run.journal.keep_calls()
-        if ctx.tool_call_approved and not cut_off:
-            run.journal.mark_started(call_id)  # a human approved it: a resume must know it may have run
+        _journal_before_running(ctx, safe_twice=safe_twice, cut_off=cut_off)
+        outcome, result, started_s = await self._call_within_limits(name, tool_args, ctx, tool)
+        ran_s = time.monotonic() - started_s if started_s and outcome != "denied" else None
+        charge(run, ctx.deps.profile, name, call_id, reported_cost(name, result))
+        result = capped(result, ctx.deps.profile.max_tool_output_chars, name)
+        # A ToolReturn's value is what the model reads: the journal keeps that for a replay.
+        _done(ctx, name, outcome, result.return_value if isinstance(result, ToolReturn) else result, ran_s)
+        return result
+
+    async def _call_within_limits(
+        self, name: str, tool_args: dict[str, Any], ctx: RunContext[RunState], tool: ToolsetTool[RunState]
+    ) -> tuple[str, Any, float]:
+        """The call, within the worker's and the fleet's limits and its timeout: its outcome, its result (a failure's
+        is the text the model reads) and when it started (0.0: it never did). A tool's failure is a result; a
+        ModelRetry is answered as an error and raised on, and pydantic-ai's own signals are raised on."""
+        run = ctx.deps.run
         timeout_s = timeout_of(ctx.deps.profile, name)
         outcome, started_s = "ok", 0.0
         try:
@@ -273,12 +276,33 @@ class PolicyToolset(WrapperToolset[RunState]):
             log.warning("subq: tool %s failed", name, exc_info=True)  # with the run's fields (workers/observe.py)
             outcome, result = "error", f"Error: {type(exc).__name__}: {one_line(str(exc))}"
             run.say("tool_error", f"{name}: {result}")
-        ran_s = time.monotonic() - started_s if started_s and outcome != "denied" else None
-        charge(run, ctx.deps.profile, name, call_id, reported_cost(name, result))
-        result = capped(result, ctx.deps.profile.max_tool_output_chars, name)
-        # A ToolReturn's value is what the model reads: the journal keeps that for a replay.
-        _done(ctx, name, outcome, result.return_value if isinstance(result, ToolReturn) else result, ran_s)
-        return result
+        return outcome, result, started_s
+
+
+def _policy_denial(
+    ctx: RunContext[RunState], name: str, tool_args: dict[str, Any], tool: ToolsetTool[RunState]
+) -> str | None:
+    """The policy's denial of a call, said and answered as the call's result; None where the call may run (and
+    ApprovalRequired raised where the policy asks a human)."""
+    # An MCP tool's hints count where no rule of the profile names it (workers/runtime/mcp_servers.py).
+    decided = mcp_servers.hinted_verdict(ctx.deps.profile, name, tool_args, tool.tool_def)
+    denied = apply_verdict(name, tool_args, decided)  # raises ApprovalRequired to ask
+    if denied:
+        ctx.deps.run.say("tool_denied", f"{name}: {denied}")
+        _done(ctx, name, "denied")
+    return denied
+
+
+def _journal_before_running(ctx: RunContext[RunState], *, safe_twice: bool, cut_off: bool) -> None:
+    """What a resume must find if this worker dies during the call, written before the call starts."""
+    run = ctx.deps.run
+    if not safe_twice:
+        # The response is kept before a call that must not run twice starts: a run resumed after
+        # this worker dies finds the call, and does not ask the model again (which might repeat it).
+        # A response of idempotent calls only is kept by the step of its first call's result.
+        run.journal.keep_calls()
+    if ctx.tool_call_approved and not cut_off:
+        run.journal.mark_started(ctx.tool_call_id or "")  # a human approved it: a resume must know it may have run
 
 
 # Any result as the JSON pydantic-ai sends the model.
