@@ -189,13 +189,15 @@ def test_estimate_tokens() -> None:
 
 
 def test_latency_is_awaited_so_runs_overlap() -> None:
-    latency_ms = 200
+    # Long enough that a loaded host's delays (well under a second) cannot pass for a second sleep.
+    latency_ms = 1000
     message = scripted([{"reply": "slow", "latency_ms": latency_ms}])
 
     async def two_runs() -> list[str]:
         outputs = await asyncio.gather(make_agent().run(message), make_agent().run(message))
         return [r.output for r in outputs]
 
+    asyncio.run(make_agent().run(scripted([{"reply": "warm"}])))  # the first run's one-off setup is not timed
     started = time.perf_counter()
     assert asyncio.run(two_runs()) == ["slow", "slow"]
     elapsed = time.perf_counter() - started
