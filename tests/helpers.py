@@ -43,6 +43,41 @@ def eventually(probe: Callable[[], T | None], what: str, timeout_s: float = 30.0
 EVENTS_READ = 10_000
 
 
+class HostLag:
+    """How late a thread of this process woke while in the block: the host's load, measured beside a bound.
+
+    A bound on how soon something happens in another process (a cancel reaching a run) holds on an idle
+    host; on a loaded one every process is scheduled late alike. `bound_s(promise_s)` is the promise plus
+    the worst lateness seen while the block ran, twice over (the subject's process wakes late too, at
+    least once more on its way), so the bound measures subq, not the host.
+    """
+
+    TICK_S = 0.01
+
+    def __init__(self) -> None:
+        self.worst_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="host-lag", daemon=True)
+
+    def _watch(self) -> None:
+        while True:
+            asleep_at = time.monotonic()
+            if self._stop.wait(self.TICK_S):
+                return
+            self.worst_s = max(self.worst_s, time.monotonic() - asleep_at - self.TICK_S)
+
+    def __enter__(self) -> HostLag:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def bound_s(self, promise_s: float) -> float:
+        return promise_s + 2 * self.worst_s
+
+
 def most_at_once(coord: Coordinator, root_id: str, tasks: set[str]) -> int:
     """The most of `tasks` in flight at once, by the order of the tree's event stream: a task is in flight
     from its run's start (a `live` event, `running`) to its end (`task_status`).

@@ -15,7 +15,7 @@ from coordinator import Coordinator, NotFoundError, Settings, StateError, TaskSt
 from coordinator.celery_app import make_app
 from tests.agents import STEP_COST_MICROS, USAGE, agent, call, reply
 from tests.conftest import dedicated_fleet
-from tests.helpers import eventually, most_at_once, state
+from tests.helpers import HostLag, eventually, most_at_once, state
 from tests.test_bad_input import NO_TREE
 from workers.runtime.context import build_runtime
 from workers.runtime.runner import run_child
@@ -48,12 +48,15 @@ def test_cancel_a_root_stops_its_running_children_and_keeps_what_finished(coordi
         what="the slow children to wait on their model",
     )
 
-    cancelled_at = time.monotonic()
-    coordinator.cancel(root.id, "operator stop")
-    _until(lambda: coordinator.store.runs.in_flight(root.id)["leases"] == 0, timeout_s=2, what="the runs to stop")
-    stopped_in_s = time.monotonic() - cancelled_at
+    with HostLag() as lag:
+        cancelled_at = time.monotonic()
+        coordinator.cancel(root.id, "operator stop")
+        _until(lambda: coordinator.store.runs.in_flight(root.id)["leases"] == 0, timeout_s=30, what="the runs to stop")
+        stopped_in_s = time.monotonic() - cancelled_at
 
-    assert stopped_in_s < 2
+    # 1 s is the promise (a stop watch poll is 0.25 s), 2 s with the polls around it on an idle host, plus what
+    # the host's load delayed everything by.
+    assert stopped_in_s < lag.bound_s(2.0), f"stopped in {stopped_in_s:.2f} s, the host late by {lag.worst_s:.2f} s"
     done = coordinator.wait(root.id, 5)
     assert done.status == TaskStatus.CANCELLED and done.error == "cancelled: operator stop"
     for slow in (slow1, slow2):
