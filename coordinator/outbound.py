@@ -24,10 +24,14 @@ named task by name, with the root's record (JSON) as its argument and
 
 from __future__ import annotations
 
-import http.client
+import contextlib
+import errno
+import ipaddress
 import json
 import logging
+import os
 import random
+import selectors
 import socket
 import ssl
 import threading
@@ -35,8 +39,8 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
-from urllib.parse import SplitResult, urlsplit
+from typing import TYPE_CHECKING, Any, cast
+from urllib.parse import SplitResult, quote, urlsplit
 
 from coordinator.errors import NotFoundError
 from coordinator.inputs import one_line
@@ -55,13 +59,32 @@ MAX_RESULT_CHARS = 4000
 # A claim outlives an attempt's timeout by this much, so a live attempt is never taken twice.
 CLAIM_MARGIN_S = 30.0
 # How often an idle deliverer looks for due deliveries: an approval reaches its sink within a second or two.
+# A busy one reads its attempts' answers this often.
 POLL_S = 0.25
+# While attempts are in flight (or deliveries were due), a process claims again this often, or sooner once
+# half its slots' attempts have ended: a claim's three round trips are most of what a delivery costs at a
+# tree's pace (12 ends a second a process: 3 a claim every 0.25 s cost 1.1 ms of CPU a delivery, 12 a claim
+# every second 0.43 ms; docs/benchmarks.md), and an event still leaves within a second, as at the idle pace.
+BUSY_TICK_S = 1.0
 USER_AGENT = "subq-webhooks"
 # What of an answer's body is read: a receiver's answer is its status; a longer body closes the connection.
 MAX_ANSWER_BYTES = 64 * 1024
 # An idle keep-alive connection is reused this long: under the usual servers' keep-alive timeout (5 s), so
 # a receiver seldom closes one under an attempt (an attempt on a closed one is made again on a new one).
 KEEP_IDLE_S = 4.0
+# An answer's head longer than this is not a webhook receiver's answer: the attempt fails.
+MAX_HEAD_BYTES = 64 * 1024
+# What one read of a socket takes: a receiver's whole answer, as a rule.
+READ_CHUNK = 64 * 1024
+# A URL's path and query are sent as given but for these: spaces, controls and non-ASCII are %-encoded.
+URL_SAFE = "!#$%&'()*+,/:;=?@[]~"
+# How often `Connections.post` (one POST, waited for) looks for its answer.
+POST_LOOK_S = 0.01
+# Threads for what would block the loop (a host name's resolution, a Celery callback's send): a slow DNS
+# or broker holds these, never the attempts in flight.
+HELPERS = 2
+# Address hosts whose check a deliverer keeps (a host's check is pure): more than any fleet's receivers.
+MOST_LITERALS = 1024
 
 
 def payload(entry: Mapping[str, Any], record: Mapping[str, Any], api_url: str | None = None) -> dict[str, Any]:
@@ -143,131 +166,380 @@ class Claimed:
         )  # fmt: skip
 
 
-class Connections:
-    """Keep-alive HTTP connections, each to one checked address, one attempt on a connection at a time.
+class Exchange:
+    """One POST on one connection, moved on by `Connections` as its socket allows: `connect` (and, over
+    TLS, `handshake`) and `send` are driven as soon as the socket is ready; `read` waits for the answer,
+    read at the deliverer's next tick. `token` is the caller's, handed back with the outcome."""
 
-    An attempt takes an idle connection to the very address it checked, or opens one (the socket goes to
-    that address; the Host header, TLS's SNI and the certificate's check use the host's name), and gives
-    it back once the answer is read whole. The standard library's client: an attempt with httpx took 6
-    times the CPU of one with `http.client` (docs/benchmarks.md), CPU the runs of a busy worker need.
+    __slots__ = (
+        "address", "buffer", "deadline", "key", "out", "request", "reused", "sock", "stage", "tls_host", "token",
+        "watched",
+    )  # fmt: skip
+
+    def __init__(
+        self, token: object, key: tuple[str, str, int, str], request: bytes, deadline: float, tls_host: str | None
+    ) -> None:
+        self.token, self.key, self.deadline, self.tls_host = token, key, deadline, tls_host
+        self.address, self.request = key[3], request
+        self.out = memoryview(request)
+        self.buffer = bytearray()
+        self.reused = False
+        self.sock: socket.socket | None = None
+        self.stage = "connect"
+        self.watched: selectors.BaseSelector | None = None  # the selector its socket is registered with
+
+
+class Connections:
+    """Keep-alive HTTP connections, each to one checked address, and the POSTs in flight on them, all moved
+    on by one thread (the deliverer's loop) over non-blocking sockets: no thread is woken per attempt.
+
+    `start()` begins a POST (on an idle connection to the very address it checked, or a new one: the
+    socket goes to that address; the Host header and TLS's SNI and certificate check use the host's name);
+    `drive(wait_s)` moves on the connects, TLS handshakes and sends as their sockets become ready, for at
+    most `wait_s` (it returns early on `wake()`, from another thread); `collect()` reads the answers that
+    came since, in one wake-up however many, and times out the late. Each returns the POSTs that ended as
+    (token, status, '') on an answer or (token, 0, the failure's line) on none. A connection is kept for
+    the next POST only when its answer was read whole (a Content-Length within MAX_ANSWER_BYTES, HTTP/1.1,
+    no `Connection: close`); a POST on an idle connection the receiver closed meanwhile is made once more
+    on a new one. docs/benchmarks.md: an attempt over the standard library's blocking client in a pool
+    thread cost a busy worker 1 to 3.7 ms of CPU, mostly its thread's wake-ups beside the runs' threads.
     """
 
-    def __init__(self, most_idle: int) -> None:
+    def __init__(self, most_idle: int, tls: ssl.SSLContext | None = None) -> None:
         self.most_idle = most_idle
-        self._idle: dict[tuple[str, str, int, str], list[tuple[http.client.HTTPConnection, float]]] = {}
-        self._lock = threading.Lock()
-        self._tls: ssl.SSLContext | None = None
+        self._idle: dict[tuple[str, str, int, str], list[tuple[socket.socket, float]]] = {}
+        self._urgent = selectors.DefaultSelector()  # connecting, handshaking or sending: driven at once
+        self._answers = selectors.DefaultSelector()  # waiting for an answer: read at a tick
+        self._live: dict[object, Exchange] = {}
+        self._tls = tls  # the system's trust, made at the first https POST (a test hands its own CA's)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._urgent.register(self._wake_r, selectors.EVENT_READ, None)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._live)
+
+    def wake(self) -> None:
+        """End a `drive()` early (any thread): a helper has work for the loop."""
+        with contextlib.suppress(OSError):  # a full pipe is already a wake-up
+            self._wake_w.send(b"\0")
+
+    def start(
+        self,
+        token: object,
+        url: SplitResult,
+        address: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        timeout_s: float,
+    ) -> list[tuple[object, int, str]]:
+        """Begin a POST of `body` to `url` at `address`; what ended already (a send refused at once)."""
+        host = url.hostname or ""
+        port = url.port or (443 if url.scheme == "https" else 80)
+        path = quote((url.path or "/") + (f"?{url.query}" if url.query else ""), safe=URL_SAFE)
+        lines = [f"POST {path} HTTP/1.1"]
+        for name, value in {**headers, "content-length": str(len(body))}.items():
+            if "\r" in value or "\n" in value:
+                return [(token, 0, f"RemoteProtocolError: the {name} header cannot be sent")]
+            lines.append(f"{name}: {value}")
+        try:
+            request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+        except UnicodeEncodeError:
+            return [(token, 0, f"RemoteProtocolError: the URL's host cannot be sent: {url.netloc}")]
+        key = (url.scheme, host, port, address)
+        tls_host = host if url.scheme == "https" else None
+        exchange = Exchange(token, key, request, time.monotonic() + timeout_s, tls_host)
+        self._live[token] = exchange
+        ended: list[tuple[object, int, str]] = []
+        idle = self._take(key)
+        if idle is not None:
+            exchange.sock, exchange.reused, exchange.stage = idle, True, "send"
+            self._send(exchange, ended)
+        else:
+            self._connect(exchange, ended)
+        return ended
+
+    def drive(self, wait_s: float) -> list[tuple[object, int, str]]:
+        """Move on the connects, handshakes and sends for at most `wait_s`, as their sockets allow; returns
+        early, with what ended, once nothing is left to drive or on `wake()`."""
+        ended: list[tuple[object, int, str]] = []
+        until = time.monotonic() + wait_s
+        while True:
+            left = until - time.monotonic()
+            if left <= 0:
+                return ended
+            for selected, _ in self._urgent.select(left):
+                exchange = selected.data
+                if exchange is None:  # the wake pipe
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(4096)
+                    return ended
+                self._move(exchange, ended)
+            if ended:
+                return ended
+
+    def collect(self) -> list[tuple[object, int, str]]:
+        """Read the answers that came (one look at every socket waiting for one), and end the POSTs past
+        their timeout."""
+        ended: list[tuple[object, int, str]] = []
+        for selected, _ in self._answers.select(0):
+            self._read(selected.data, ended)
+        now = time.monotonic()
+        for exchange in [e for e in self._live.values() if e.deadline <= now]:
+            phase = {"connect": "Connect", "handshake": "Connect", "send": "Write"}.get(exchange.stage, "Read")
+            self._end(exchange, ended, 0, f"{phase}Timeout: timed out", keep=False)
+        return ended
 
     def post(
         self, url: SplitResult, address: str, body: bytes, headers: Mapping[str, str], timeout_s: float
     ) -> tuple[int, str]:
-        """POST `body` to `url` at `address`: (status, '') on an answer, (0, the failure's line) on none."""
-        host = url.hostname or ""
-        port = url.port or (443 if url.scheme == "https" else 80)
-        key = (url.scheme, host, port, address)
-        path = (url.path or "/") + (f"?{url.query}" if url.query else "")
-        reused = self._take(key)
-        conn = reused or self._open(url.scheme, host, port, address, timeout_s)
+        """One POST, waited for: (status, '') on an answer, (0, the failure's line) on none."""
+        token = object()
+        ended = self.start(token, url, address, body, headers, timeout_s)
         while True:
-            phase = "Connect"
-            try:
-                if conn.sock is None:
-                    conn.connect()
-                phase = "Write"
-                conn.request("POST", path, body=body, headers=dict(headers))
-                phase = "Read"
-                answer = conn.getresponse()
-                answer.read(MAX_ANSWER_BYTES)
-            except (OSError, http.client.HTTPException) as exc:
-                conn.close()
-                if reused is not None and isinstance(exc, (ConnectionResetError, BrokenPipeError)):
-                    # An idle connection the receiver closed meanwhile (RemoteDisconnected is a reset):
-                    # once more, on a new one. Any other failure is the attempt's.
-                    reused = None
-                    conn = self._open(url.scheme, host, port, address, timeout_s)
-                    continue
-                return 0, one_line(_failure(phase, exc))
-            if answer.will_close or not answer.isclosed():  # closing, or an answer longer than we read
-                conn.close()
+            for done, status, failure in ended:
+                if done is token:
+                    return status, failure
+            ended = self.drive(POST_LOOK_S) + self.collect()
+
+    def close(self) -> None:
+        for exchange in list(self._live.values()):
+            self._end(exchange, [], 0, "closed", keep=False)
+        for idle in self._idle.values():
+            for sock, _ in idle:
+                sock.close()
+        self._idle.clear()
+        self._urgent.close()
+        self._answers.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # -- one exchange's steps ----------------------------------------------------------
+
+    def _connect(self, exchange: Exchange, ended: list[tuple[object, int, str]]) -> None:
+        family = socket.AF_INET6 if ":" in exchange.address else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        exchange.sock, exchange.stage, exchange.reused = sock, "connect", False
+        error = sock.connect_ex((exchange.address, exchange.key[2]))
+        if error not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
+            self._end(exchange, ended, 0, f"ConnectError: [Errno {error}] {os.strerror(error)}", keep=False)
+            return
+        self._watch(exchange, self._urgent, selectors.EVENT_WRITE)
+
+    def _move(self, exchange: Exchange, ended: list[tuple[object, int, str]]) -> None:
+        sock = exchange.sock
+        assert sock is not None
+        if exchange.stage == "connect":
+            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if error:
+                self._end(exchange, ended, 0, f"ConnectError: [Errno {error}] {os.strerror(error)}", keep=False)
+                return
+            if exchange.tls_host is None:
+                exchange.stage = "send"
             else:
-                self._give_back(key, conn)
-            return answer.status, ""
+                self._unwatch(exchange)
+                if self._tls is None:
+                    self._tls = ssl.create_default_context()
+                try:
+                    exchange.sock = self._tls.wrap_socket(
+                        sock, server_hostname=exchange.tls_host, do_handshake_on_connect=False
+                    )
+                except (OSError, ValueError) as exc:
+                    self._end(exchange, ended, 0, one_line(f"ConnectError: {exc}"), keep=False)
+                    return
+                exchange.stage = "handshake"
+                self._watch(exchange, self._urgent, selectors.EVENT_WRITE)
+        if exchange.stage == "handshake":
+            tls = cast(ssl.SSLSocket, exchange.sock)
+            try:
+                tls.do_handshake()
+            except ssl.SSLWantReadError:
+                self._watch(exchange, self._urgent, selectors.EVENT_READ)
+                return
+            except ssl.SSLWantWriteError:
+                self._watch(exchange, self._urgent, selectors.EVENT_WRITE)
+                return
+            except OSError as exc:
+                self._end(exchange, ended, 0, one_line(f"ConnectError: {exc}"), keep=False)
+                return
+            exchange.stage = "send"
+        if exchange.stage == "send":
+            self._send(exchange, ended)
 
-    def _open(self, scheme: str, host: str, port: int, address: str, timeout_s: float) -> http.client.HTTPConnection:
-        if scheme == "https":
-            if self._tls is None:
-                self._tls = ssl.create_default_context()
-            return _PinnedTLS(host, port, address, timeout_s, self._tls)
-        return _Pinned(host, port, address, timeout_s)
+    def _send(self, exchange: Exchange, ended: list[tuple[object, int, str]]) -> None:
+        sock = exchange.sock
+        assert sock is not None
+        while exchange.out:
+            try:
+                exchange.out = exchange.out[sock.send(exchange.out) :]
+            except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError) as exc:
+                events = selectors.EVENT_READ if isinstance(exc, ssl.SSLWantReadError) else selectors.EVENT_WRITE
+                self._watch(exchange, self._urgent, events)
+                return
+            except OSError as exc:
+                if not self._again(exchange, ended):
+                    self._end(exchange, ended, 0, one_line(f"WriteError: {exc}"), keep=False)
+                return
+        exchange.stage = "read"
+        self._watch(exchange, self._answers, selectors.EVENT_READ)
 
-    def _take(self, key: tuple[str, str, int, str]) -> http.client.HTTPConnection | None:
+    def _read(self, exchange: Exchange, ended: list[tuple[object, int, str]]) -> None:
+        sock = exchange.sock
+        assert sock is not None
+        while True:
+            try:
+                data = sock.recv(READ_CHUNK)
+            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                break
+            except OSError as exc:
+                if not exchange.buffer and self._again(exchange, ended):
+                    return
+                self._end(exchange, ended, 0, one_line(f"ReadError: {exc}"), keep=False)
+                return
+            if not data:  # the receiver closed the connection
+                answer = _answer(exchange.buffer, closed=True)
+                if answer is not None:
+                    self._end(exchange, ended, answer[0], "", keep=False)
+                elif not exchange.buffer and self._again(exchange, ended):
+                    pass
+                else:
+                    line = "RemoteProtocolError: the receiver closed the connection without an answer"
+                    self._end(exchange, ended, 0, line, keep=False)
+                return
+            exchange.buffer += data
+            if len(exchange.buffer) > MAX_ANSWER_BYTES + MAX_HEAD_BYTES:
+                break
+        try:
+            answer = _answer(exchange.buffer, closed=False)
+        except ValueError as exc:
+            self._end(exchange, ended, 0, one_line(f"RemoteProtocolError: {exc}"), keep=False)
+            return
+        if answer is not None:
+            self._end(exchange, ended, answer[0], "", keep=answer[1])
+
+    def _again(self, exchange: Exchange, ended: list[tuple[object, int, str]]) -> bool:
+        """An idle connection the receiver closed meanwhile: the POST once more, on a new one. False for
+        a connection of its own (the failure is the attempt's)."""
+        if not exchange.reused:
+            return False
+        self._drop(exchange)
+        exchange.out = memoryview(exchange.request)
+        exchange.buffer.clear()
+        self._connect(exchange, ended)
+        return True
+
+    def _end(
+        self, exchange: Exchange, ended: list[tuple[object, int, str]], status: int, failure: str, *, keep: bool
+    ) -> None:
+        self._live.pop(exchange.token, None)
+        sock = exchange.sock
+        if keep and sock is not None:
+            self._unwatch(exchange)
+            self._give_back(exchange.key, sock)
+            exchange.sock = None
+        else:
+            self._drop(exchange)
+        ended.append((exchange.token, status, failure))
+
+    def _drop(self, exchange: Exchange) -> None:
+        if exchange.sock is not None:
+            self._unwatch(exchange)
+            exchange.sock.close()
+            exchange.sock = None
+
+    @staticmethod
+    def _watch(exchange: Exchange, selector: selectors.BaseSelector, events: int) -> None:
+        assert exchange.sock is not None
+        if exchange.watched is selector:
+            selector.modify(exchange.sock, events, exchange)
+            return
+        Connections._unwatch(exchange)
+        selector.register(exchange.sock, events, exchange)
+        exchange.watched = selector
+
+    @staticmethod
+    def _unwatch(exchange: Exchange) -> None:
+        if exchange.watched is not None and exchange.sock is not None:
+            exchange.watched.unregister(exchange.sock)
+        exchange.watched = None
+
+    def _take(self, key: tuple[str, str, int, str]) -> socket.socket | None:
         now = time.monotonic()
-        with self._lock:
-            idle = self._idle.get(key, [])
-            while idle:
-                conn, since = idle.pop()
-                if now - since < KEEP_IDLE_S:
-                    return conn
-                conn.close()
+        idle = self._idle.get(key, [])
+        while idle:
+            sock, since = idle.pop()
+            if now - since < KEEP_IDLE_S:
+                return sock
+            sock.close()
         return None
 
-    def _give_back(self, key: tuple[str, str, int, str], conn: http.client.HTTPConnection) -> None:
-        with self._lock:
-            idle = self._idle.setdefault(key, [])
-            if len(idle) < self.most_idle:
-                idle.append((conn, time.monotonic()))
-                return
-        conn.close()
+    def _give_back(self, key: tuple[str, str, int, str], sock: socket.socket) -> None:
+        idle = self._idle.setdefault(key, [])
+        if len(idle) < self.most_idle:
+            idle.append((sock, time.monotonic()))
+        else:
+            sock.close()
 
 
-class _Pinned(http.client.HTTPConnection):
-    """A connection named for its host whose socket goes to one checked address (no DNS rebinding)."""
-
-    def __init__(self, host: str, port: int, address: str, timeout_s: float) -> None:
-        super().__init__(host, port, timeout=timeout_s)
-        self.address = address
-
-    def connect(self) -> None:
-        self.sock = socket.create_connection((self.address, self.port), self.timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-class _PinnedTLS(http.client.HTTPSConnection):
-    """As `_Pinned`, over TLS: the certificate is checked against the host's name."""
-
-    def __init__(self, host: str, port: int, address: str, timeout_s: float, tls: ssl.SSLContext) -> None:
-        super().__init__(host, port, timeout=timeout_s, context=tls)
-        self.address, self.tls = address, tls
-
-    def connect(self) -> None:
-        sock = socket.create_connection((self.address, self.port), self.timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock = self.tls.wrap_socket(sock, server_hostname=self.host)
-
-
-def _failure(phase: str, exc: BaseException) -> str:
-    """An attempt that got no answer, in the words a reader of `last` knows: ConnectError, ReadTimeout, ..."""
-    if isinstance(exc, TimeoutError):
-        return f"{phase}Timeout: {exc or 'timed out'}"
-    if isinstance(exc, http.client.HTTPException) and not isinstance(exc, OSError):
-        return f"RemoteProtocolError: {type(exc).__name__}: {exc}"
-    return f"{phase}Error: {exc}"
+def _answer(buffer: bytearray, *, closed: bool) -> tuple[int, bool] | None:
+    """An HTTP answer's (status, whether its connection may serve the next POST) once its head is in (and,
+    to keep the connection, its body whole); None before. Interim (1xx) answers are skipped. ValueError
+    for what is not an HTTP answer."""
+    start = 0
+    while True:
+        end = buffer.find(b"\r\n\r\n", start)
+        if end < 0:
+            if len(buffer) - start > MAX_HEAD_BYTES:
+                raise ValueError("an answer's head past its bound")
+            return None
+        head = bytes(buffer[start:end]).decode("latin-1").split("\r\n")
+        version, _, rest = head[0].partition(" ")
+        code = rest[:3]
+        if not version.startswith("HTTP/1.") or not code.isdigit():
+            raise ValueError(f"not an HTTP answer: {head[0][:80]!r}")
+        status = int(code)
+        if 100 <= status < 200:
+            start = end + 4
+            continue
+        fields = {}
+        for line in head[1:]:
+            name, _, value = line.partition(":")
+            fields[name.strip().lower()] = value.strip().lower()
+        keep = version == "HTTP/1.1" and "close" not in fields.get("connection", "") and not closed
+        if status in (204, 304):
+            length = 0
+        elif "transfer-encoding" in fields or not fields.get("content-length", "").isdigit():
+            return status, False  # a body we do not read to its end: the connection ends with it
+        else:
+            length = int(fields["content-length"])
+        body = len(buffer) - (end + 4)
+        if not keep or length > MAX_ANSWER_BYTES or body > length:
+            return status, False
+        if body < length:
+            return None  # the rest of the body is on its way (the attempt's timeout still holds)
+        return status, True
 
 
 class Deliverer:
     """Claims due deliveries and makes one attempt each, at most `SUBQ_WEBHOOK_CONCURRENCY` at once.
 
-    One per worker process, in a loop thread of its own (`run_forever`), whose `step()` works in batches
-    (docs/benchmarks.md: each round trip and thread wake-up is CPU a busy worker's runs need): in one
-    round trip it records the outcomes of the attempts that ended since the last step and claims as
-    many due deliveries as there are free slots (`settle_and_claim`); in two more it reads what their
-    attempts need (entries and targets, then records); it hands each attempt to the pool, whose threads
-    make only the POST or the Celery send. An attempt's outcome is recorded at the next step: until
-    then its delivery stays claimed, and a worker dying in between has it sent again (at least once;
-    the receiver drops a repeat by its webhook-id). The loop wakes when idle for `idle_wait_s()`, or
-    early once half the slots are free. As the reconciler, the worker builds it with its Coordinator
-    and it works with the plane alone: the outbox and records parts of the store and the settings;
-    `send_task(name, args, task_id, queue)` sends a Celery callback.
+    One per worker process, in a loop thread of its own (`run_forever`) that makes the HTTP attempts too,
+    over non-blocking sockets (`Connections`): each wake-up of a thread beside a busy worker's runs is CPU
+    they need (docs/benchmarks.md), so the loop wakes once a tick (POLL_S) while attempts are in flight,
+    whatever their number, and otherwise as `idle_wait_s()` says. Each tick's `step()` records, in one
+    round trip, the outcomes of the attempts that ended since the last and claims as many due deliveries
+    as there are free slots (`settle_and_claim`); two more read what their attempts need (entries and
+    targets, then records); the loop then sends them, moves on connects and sends as their sockets allow,
+    and reads the answers that came at the tick's end. An attempt's outcome is recorded at the next step:
+    until then its delivery stays claimed, and a worker dying in between has it sent again (at least once;
+    the receiver drops a repeat by its webhook-id). Two helper threads do what would block the loop: a
+    host name's resolution and a Celery callback's send. As the reconciler, the worker builds it with its
+    Coordinator and it works with the plane alone: the outbox and records parts of the store and the
+    settings; `send_task(name, args, task_id, queue)` sends a Celery callback.
     """
 
     def __init__(self, coord: Coordinator, send_task: Callable[[str, list[Any], str, str], None]) -> None:
@@ -276,29 +548,46 @@ class Deliverer:
             plane.store.outbox, plane.store.records, plane.settings, send_task
         )  # fmt: skip
         self.slots = plane.settings.webhook_concurrency
-        self._busy = 0
+        self._busy = 0  # attempts claimed and not yet ended
         self._ended: list[Settled] = []  # attempts made, not yet recorded
+        self._resolved: list[tuple[Claimed, Mapping[str, Any], Mapping[str, Any], SplitResult, str, str]] = []
         self._lock = threading.Lock()
-        self._wake = threading.Event()
         # How long an idle loop waits before it looks again: a worker paces it by its fleet's size
         # (workers/outbound.py), so a fleet of any size looks about every POLL_S.
         self.idle_wait_s: Callable[[], float] = lambda: POLL_S
-        self._pool = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix="subq-delivery")
+        self._helpers = ThreadPoolExecutor(max_workers=HELPERS, thread_name_prefix="subq-delivery")
         self._connections = Connections(self.slots)
+        self._literals: dict[str, tuple[str, str]] = {}  # an address host's (address, refusal), checked
 
     # -- the loop ----------------------------------------------------------------------
 
     def run_forever(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            claimed = 0
-            try:
-                claimed = self.step()
-            except Exception:  # Redis down: log it and look again
-                log.exception("subq deliveries: a claim failed")
-            # A claim took every free slot or every due delivery: the next step waits for half the slots to
-            # free (an attempt's end wakes it), at most POLL_S; an idle loop waits as `idle_wait_s` says.
-            self._wake.wait(POLL_S if claimed else self.idle_wait_s())
-            self._wake.clear()
+        try:
+            while not stop.is_set():
+                claimed = 0
+                try:
+                    claimed = self.step()
+                except Exception:  # Redis down: log it and look again
+                    log.exception("subq deliveries: a claim failed")
+                self.wait(BUSY_TICK_S if claimed or not self.idle() else self.idle_wait_s())
+        finally:
+            self._connections.close()
+
+    def wait(self, span_s: float) -> None:
+        """Until the next step: connects and sends move on as their sockets allow, attempts whose host a
+        helper has resolved start, and the answers that came are read every POLL_S while attempts are in
+        flight (one wake-up however many came). The wait ends early once half the slots' attempts have
+        ended: in a burst, the next claim comes as soon as it is as large as a tick's at a tree's pace."""
+        until = time.monotonic() + span_s
+        while (left := until - time.monotonic()) > 0:
+            look_until = time.monotonic() + (min(left, POLL_S) if self._connections.in_flight else left)
+            while (look_s := look_until - time.monotonic()) > 0:
+                self._answered(self._connections.drive(look_s))
+                self._start_resolved()
+            self._answered(self._connections.collect())
+            with self._lock:
+                if len(self._ended) * 2 >= self.slots:
+                    return
 
     def step(self) -> int:
         """Record the attempts that ended, claim due deliveries for the free slots and start their
@@ -320,7 +609,11 @@ class Deliverer:
         with self._lock:
             self._busy += len(items)
         for item in items:
-            self._pool.submit(self._one, item)
+            try:
+                self._begin(item)
+            except Exception:  # a fault of ours: the claim lapses and the delivery is due again
+                log.exception("subq deliveries: %s failed", item.delivery_id)
+                self._done(None)
         return len(claimed)
 
     def idle(self) -> bool:
@@ -360,41 +653,122 @@ class Deliverer:
                     pass
             return out
 
-    def _one(self, item: Claimed) -> None:
-        try:
-            outcome = self.attempt(item)
-        except Exception:  # a fault of ours: the claim lapses and the delivery is due again
-            log.exception("subq deliveries: %s failed", item.delivery_id)
-            outcome = None
+    def _done(self, outcome: Settled | None) -> None:
+        """An attempt ended (any thread): its outcome is recorded at the next step (None: nothing to record)."""
         with self._lock:
             self._busy -= 1
             if outcome is not None:
                 self._ended.append(outcome)
-            half_free = self.slots - self._busy >= (self.slots + 1) // 2
-        if half_free:
-            self._wake.set()
 
     # -- one attempt -------------------------------------------------------------------
 
-    def attempt(self, item: Claimed) -> Settled | None:
-        """One attempt of a claimed delivery: the outcome to record (None: nothing to record)."""
+    def _begin(self, item: Claimed) -> None:
+        """Start a claimed delivery's attempt: an HTTP POST on the loop's sockets (its host resolved by a
+        helper unless it is an address), a Celery callback's send in a helper."""
         root_id, delivery_id, entry = item.root_id, item.delivery_id, item.entry
         if entry is None or entry.get("state") in ("delivered", "gone", "given_up"):
             self.outbox.forget(root_id, delivery_id)  # settled by an earlier claim that outlived its lease
-            return None
+            self._done(None)
+            return
         if item.found is None or not item.found[0]:
             # Its subscription answered 410 since (or its tree expired): nothing more is sent to it.
-            return Settled(root_id, delivery_id, "gone", last="the subscription has ended")
+            self._done(Settled(root_id, delivery_id, "gone", last="the subscription has ended"))
+            return
         target, record = item.found[1], item.record
         if record is None:
-            return Settled(root_id, delivery_id, "given_up", last="the task has expired")
+            self._done(Settled(root_id, delivery_id, "given_up", last="the task has expired"))
+            return
         body = payload(entry, record, self.settings.api_url)
         if target.get("kind") == "celery":
-            attempt = self._send_celery(target, record, delivery_id)
-        else:
-            attempt = self._post(target, body)
+            self._helpers.submit(self._celery, item, target, record)
+            return
+        url = urlsplit(str(target["url"]))
+        host = url.hostname or ""
+        if host not in self._literals:
+            try:
+                ipaddress.ip_address(host.strip("[]"))
+            except ValueError:  # a name: resolved (and checked) by a helper, which may wait on DNS
+                self._helpers.submit(self._resolve, item, target, body, url)
+                return
+            # An address's check depends on it and the settings alone: made once (a bounded few a process).
+            if len(self._literals) >= MOST_LITERALS:
+                self._literals.clear()
+            self._literals[host] = self._check(url)
+        self._post(item, target, body, url, *self._literals[host])
+
+    def _check(self, url: SplitResult) -> tuple[str, str]:
+        """The address to connect to for the URL's host, checked now ('' and the refusal's line if unsafe)."""
+        port = url.port or (443 if url.scheme == "https" else 80)
+        try:
+            return resolve_safe(url.hostname or "", port, self.settings.webhook_allow), ""
+        except UnsafeTarget as exc:
+            return "", one_line(f"refused: {exc}")
+
+    def _resolve(self, item: Claimed, target: Mapping[str, Any], body: Mapping[str, Any], url: SplitResult) -> None:
+        """(A helper thread.) Resolve and check the host, then hand the attempt back to the loop."""
+        address, refusal = self._check(url)
+        with self._lock:
+            self._resolved.append((item, target, body, url, address, refusal))
+        self._connections.wake()
+
+    def _start_resolved(self) -> None:
+        with self._lock:
+            ready, self._resolved = self._resolved, []
+        for item, target, body, url, address, refusal in ready:
+            try:
+                self._post(item, target, body, url, address, refusal)
+            except Exception:  # a fault of ours: the claim lapses and the delivery is due again
+                log.exception("subq deliveries: %s failed", item.delivery_id)
+                self._done(None)
+
+    def _post(
+        self,
+        item: Claimed,
+        target: Mapping[str, Any],
+        body: Mapping[str, Any],
+        url: SplitResult,
+        address: str,
+        refusal: str,
+    ) -> None:
+        from standardwebhooks.webhooks import Webhook as Signer
+
+        if refusal:
+            self._done(self._settled(item, Attempt("retrying", refusal)))
+            return
+        sent = {"text": slack_line(body)} if target.get("format") == "slack" else body
+        data = json.dumps(sent, separators=(",", ":"), ensure_ascii=False)
+        now = datetime.now(UTC)
+        headers = {
+            "host": url.netloc,
+            "content-type": "application/json",
+            "user-agent": USER_AGENT,
+            "webhook-id": str(body["id"]),
+            "webhook-timestamp": str(int(now.timestamp())),
+        }
+        if target.get("secret"):
+            headers["webhook-signature"] = Signer(str(target["secret"])).sign(str(body["id"]), now, data)
+        self._answered(
+            self._connections.start(item, url, address, data.encode(), headers, self.settings.webhook_timeout_s)
+        )
+
+    def _answered(self, ended: list[tuple[object, int, str]]) -> None:
+        """POSTs that ended: their outcomes, to record at the next step."""
+        for token, status, failure in ended:
+            item = cast(Claimed, token)
+            if not status:
+                attempt = Attempt("retrying", failure)
+            elif 200 <= status < 300:
+                attempt = Attempt("delivered", f"HTTP {status}")
+            elif status == 410:
+                attempt = Attempt("gone", f"HTTP {status}")
+            else:
+                attempt = Attempt("retrying", f"HTTP {status}")
+            self._done(self._settled(item, attempt))
+
+    def _settled(self, item: Claimed, attempt: Attempt) -> Settled:
+        root_id, delivery_id = item.root_id, item.delivery_id
         if attempt.state == "retrying":
-            return self._retry(root_id, delivery_id, entry, attempt.last)
+            return self._retry(root_id, delivery_id, item.entry or {}, attempt.last)
         if attempt.state != "delivered":
             log.warning("subq deliveries: %s %s: %s", delivery_id, attempt.state, attempt.last)
         return Settled(root_id, delivery_id, attempt.state, last=attempt.last)
@@ -410,42 +784,12 @@ class Deliverer:
             return Settled(root_id, delivery_id, "given_up", last=last)
         return Settled(root_id, delivery_id, "retrying", last=last, next_at=time.time() + delay_s)
 
-    def _send_celery(self, target: Mapping[str, Any], record: Mapping[str, Any], delivery_id: str) -> Attempt:
+    def _celery(self, item: Claimed, target: Mapping[str, Any], record: Mapping[str, Any]) -> None:
+        """(A helper thread.) Send a Celery callback by name, with the root's record as its argument."""
         try:
-            self.send_task(str(target["task"]), [dict(record)], f"subq-{delivery_id}", str(target["queue"]))
+            self.send_task(str(target["task"]), [dict(record)], f"subq-{item.delivery_id}", str(target["queue"]))
         except Exception as exc:  # the broker is away: try again later
-            return Attempt("retrying", one_line(f"send failed: {type(exc).__name__}: {exc}"))
-        return Attempt("delivered", f"sent to queue {target['queue']}")
-
-    def _post(self, target: Mapping[str, Any], body: Mapping[str, Any]) -> Attempt:
-        from standardwebhooks.webhooks import Webhook as Signer
-
-        url = urlsplit(str(target["url"]))
-        host = url.hostname or ""
-        try:
-            address = resolve_safe(
-                host, url.port or (443 if url.scheme == "https" else 80), self.settings.webhook_allow
-            )
-        except UnsafeTarget as exc:
-            return Attempt("retrying", one_line(f"refused: {exc}"))
-        sent = {"text": slack_line(body)} if target.get("format") == "slack" else body
-        data = json.dumps(sent, separators=(",", ":"), ensure_ascii=False)
-        now = datetime.now(UTC)
-        headers = {
-            "host": url.netloc,
-            "content-type": "application/json",
-            "user-agent": USER_AGENT,
-            "webhook-id": str(body["id"]),
-            "webhook-timestamp": str(int(now.timestamp())),
-        }
-        if target.get("secret"):
-            headers["webhook-signature"] = Signer(str(target["secret"])).sign(str(body["id"]), now, data)
-        status, failure = self._connections.post(url, address, data.encode(), headers, self.settings.webhook_timeout_s)
-        if not status:
-            return Attempt("retrying", failure)
-        line = f"HTTP {status}"
-        if 200 <= status < 300:
-            return Attempt("delivered", line)
-        if status == 410:
-            return Attempt("gone", line)
-        return Attempt("retrying", line)
+            attempt = Attempt("retrying", one_line(f"send failed: {type(exc).__name__}: {exc}"))
+        else:
+            attempt = Attempt("delivered", f"sent to queue {target['queue']}")
+        self._done(self._settled(item, attempt))

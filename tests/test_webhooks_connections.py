@@ -1,17 +1,24 @@
 """The deliverer's keep-alive connections (coordinator/outbound.py `Connections`), against real sockets on
 127.0.0.1: one connection serves attempt after attempt; one the receiver closed while idle is replaced
 without failing the attempt; the socket goes to the checked address whatever the URL's host; a refused
-connection reads as a ConnectError. No Redis: pure connection handling.
+connection reads as a ConnectError; many POSTs are in flight at once on the one thread; an answer is read
+as HTTP says (a body, `Connection: close`, chunked, an interim 100), a silent receiver is a ReadTimeout and
+a stranger's answer a RemoteProtocolError; over TLS the certificate is checked against the host's name.
+No Redis: pure connection handling.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import ssl
 import threading
+import time
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import pytest
+import trustme
 
 from coordinator.outbound import Connections
 
@@ -22,7 +29,10 @@ class RawReceiver:
     """Answers each request 204 on a keep-alive connection; counts connections; `close_idle()` closes
     every connection it holds, as a server's keep-alive timeout does."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer: bytes = ANSWER, tls: ssl.SSLContext | None = None) -> None:
+        self.answer, self.tls = answer, tls
+        self.release = threading.Event()  # a receiver made with `hold()` answers once it is set
+        self.release.set()
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen()
@@ -44,7 +54,17 @@ class RawReceiver:
                 self.open.append(conn)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
+    def hold(self) -> None:
+        """Answer nothing until `release` is set (the requests are counted meanwhile)."""
+        self.release.clear()
+
     def _serve(self, conn: socket.socket) -> None:
+        if self.tls is not None:
+            try:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+            except (OSError, ssl.SSLError):  # a client that refused our certificate
+                conn.close()
+                return
         buffer = b""
         while True:
             try:
@@ -69,12 +89,17 @@ class RawReceiver:
                 with self.lock:
                     self.requests.append(head)
                 buffer = rest[length:]
-                conn.sendall(ANSWER)
+                self.release.wait()
+                try:
+                    conn.sendall(self.answer)
+                except OSError:
+                    return
 
     def close_idle(self) -> None:
         with self.lock:
             for conn in self.open:
-                conn.shutdown(socket.SHUT_RDWR)
+                with contextlib.suppress(OSError):  # a TLS connection's raw socket is its wrapper's now
+                    conn.shutdown(socket.SHUT_RDWR)
                 conn.close()
             self.open.clear()
 
@@ -90,10 +115,10 @@ def receiver() -> Iterator[RawReceiver]:
     server.stop()
 
 
-def _post(connections: Connections, url: str, address: str = "127.0.0.1") -> tuple[int, str]:
+def _post(connections: Connections, url: str, address: str = "127.0.0.1", timeout_s: float = 5.0) -> tuple[int, str]:
     parts = urlsplit(url)
     headers = {"host": parts.netloc, "content-type": "application/json", "webhook-id": "evt_1"}
-    return connections.post(parts, address, b'{"id":"evt_1"}', headers, 5.0)
+    return connections.post(parts, address, b'{"id":"evt_1"}', headers, timeout_s)
 
 
 def test_one_connection_serves_attempt_after_attempt(receiver: RawReceiver) -> None:
@@ -126,3 +151,80 @@ def test_a_refused_connection_is_a_connect_error() -> None:
         port = int(sock.getsockname()[1])
     status, line = _post(Connections(most_idle=2), f"http://127.0.0.1:{port}/hook")
     assert status == 0 and line.startswith("ConnectError:"), line
+
+
+def test_many_posts_are_in_flight_at_once_on_the_one_thread(receiver: RawReceiver) -> None:
+    connections = Connections(most_idle=10)
+    parts = urlsplit(f"http://127.0.0.1:{receiver.port}/hook")
+    receiver.hold()
+    ended: list[tuple[object, int, str]] = []
+    for n in range(10):
+        headers = {"host": parts.netloc, "webhook-id": f"evt_{n}"}
+        ended += connections.start(n, parts, "127.0.0.1", b"{}", headers, 60.0)
+    # Every request reaches the receiver while none is answered: ten POSTs in flight, no thread each.
+    deadline = time.monotonic() + 60.0
+    while len(receiver.requests) < 10 and time.monotonic() < deadline:
+        ended += connections.drive(0.05) + connections.collect()
+    assert len(receiver.requests) == 10 and not ended and connections.in_flight == 10
+    receiver.release.set()
+    while len(ended) < 10 and time.monotonic() < deadline:
+        ended += connections.drive(0.05) + connections.collect()
+    assert sorted(ended, key=lambda e: int(str(e[0]))) == [(n, 204, "") for n in range(10)]
+    assert receiver.connections == 10 and connections.in_flight == 0
+
+
+@pytest.mark.parametrize(
+    ("answer", "status", "connections"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", 200, 1),  # read whole: the connection serves on
+        (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 202 Accepted\r\nContent-Length: 0\r\n\r\n", 202, 1),
+        (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok", 200, 3),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n", 200, 3),
+        (b"HTTP/1.0 503 Busy\r\nContent-Length: 0\r\n\r\n", 503, 3),
+    ],
+)
+def test_an_answer_is_read_as_http_says(answer: bytes, status: int, connections: int) -> None:
+    receiver = RawReceiver(answer)
+    try:
+        pool = Connections(most_idle=2)
+        url = f"http://127.0.0.1:{receiver.port}/hook"
+        assert [_post(pool, url) for _ in range(3)] == [(status, "")] * 3
+        assert receiver.connections == connections
+    finally:
+        receiver.stop()
+
+
+def test_a_silent_receiver_is_a_read_timeout_and_a_strangers_answer_a_protocol_error() -> None:
+    silent = RawReceiver()
+    silent.hold()
+    stranger = RawReceiver(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+    try:
+        status, line = _post(Connections(most_idle=2), f"http://127.0.0.1:{silent.port}/hook", timeout_s=0.5)
+        assert status == 0 and line.startswith("ReadTimeout:"), line
+        status, line = _post(Connections(most_idle=2), f"http://127.0.0.1:{stranger.port}/hook")
+        assert status == 0 and line.startswith("RemoteProtocolError: not an HTTP answer"), line
+    finally:
+        silent.release.set()
+        silent.stop()
+        stranger.stop()
+
+
+def test_over_tls_the_certificate_is_checked_against_the_hosts_name() -> None:
+    ca = trustme.CA()
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("hooks.example.test").configure_cert(server)
+    receiver = RawReceiver(tls=server)
+    trusting = ssl.create_default_context()
+    ca.configure_trust(trusting)
+    try:
+        url = f"https://hooks.example.test:{receiver.port}/hook"
+        assert [_post(Connections(most_idle=2, tls=trusting), url) for _ in range(2)] == [(204, "")] * 2
+        assert len(receiver.requests) == 2
+        # Another name at the same address: the certificate does not name it.
+        status, line = _post(Connections(most_idle=2, tls=trusting), f"https://other.example.test:{receiver.port}/")
+        assert status == 0 and line.startswith("ConnectError:") and "certificate" in line, line
+        # The system's trust does not know the test's CA.
+        status, line = _post(Connections(most_idle=2), url)
+        assert status == 0 and line.startswith("ConnectError:") and "certificate" in line, line
+    finally:
+        receiver.stop()
