@@ -422,59 +422,77 @@ def sweep(
     return rows, idles, dict(repairs)
 
 
+# A sweep's rows by (processes, mode, width).
+SweepRows = dict[tuple[int, str, int], dict[str, Any]]
+
+
 def print_sweep(rows: list[dict[str, Any]], idles: dict[int, Idle], facts: dict[str, Any]) -> None:
     """The issue's table: (b) against subq a process count, CPU per child as workers + Redis."""
     for name, value in facts.items():
         print(f"{name + ':':16} {value}")
     by = {(r["processes"], r["mode"], r["width"]): r for r in rows}
     for width in sorted({r["width"] for r in rows}):
-        print(f"\nwidth {width}: CPU per child as workers + Redis (Redis net of both idle fleets' own)")
-        header = (
-            f"{'processes':>9} | {'(b) ch/s':>8} {'(b) CPU ms':>14} | {'subq ch/s':>9} {'subq CPU ms':>14} | "
-            f"{'noop Redis':>10} {'subq/noop Redis':>15} | {'idle Redis ms/s':>15} {'idle subq ms/s':>14}"
-        )
-        print(header)
-        print("-" * len(header))
-        for processes in sorted(idles):
-            agent, subq, noop = (by.get((processes, mode, width)) for mode in ("agent", "subq", "noop"))
-            idle = idles[processes]
-
-            def cpu(row: dict[str, Any] | None) -> str:
-                if row is None:
-                    return "-"
-                return f"{row['worker_cpu_ms_per_child']:.1f} + {row['redis_cpu_ms_per_child_net']:.2f}"
-
-            ratio = (
-                f"{subq['redis_cpu_ms_per_child_net'] / noop['redis_cpu_ms_per_child_net']:.2f}x"
-                if subq and noop and noop["redis_cpu_ms_per_child_net"] > 0
-                else "-"
-            )
-            print(
-                f"{processes:>9} | {agent['children_per_s'] if agent else '-':>8} {cpu(agent):>14} | "
-                f"{subq['children_per_s'] if subq else '-':>9} {cpu(subq):>14} | "
-                f"{noop['redis_cpu_ms_per_child_net'] if noop else '-':>10} {ratio:>15} | "
-                f"{idle.redis_cpu_ms_per_s:>15.1f} {idle.subq_cpu_ms_per_s:>14.1f}"
-            )
-        first, last = min(idles), max(idles)
-
-        def total(processes: int, mode: str, width: int = width) -> float | None:
-            row = by.get((processes, mode, width))
-            return None if row is None else row["worker_cpu_ms_per_child"] + row["redis_cpu_ms_per_child_net"]
-
-        subq_first, subq_last, agent_first = total(first, "subq"), total(last, "subq"), total(first, "agent")
-        if subq_first and agent_first:
-            print(f"subq / (b) CPU per child at {first} process(es): {subq_first / agent_first:.2f}x (target 1.2x)")
-        if subq_first and subq_last:
-            print(f"subq CPU per child at {last} / at {first}: {subq_last / subq_first:.2f}x (target 1.1x)")
-        subq_row, agent_row = by.get((last, "subq", width)), by.get((last, "agent", width))
-        if subq_row and agent_row:
-            print(
-                f"subq / (b) throughput at {last}: {subq_row['children_per_s'] / agent_row['children_per_s']:.2f}x "
-                "(target 1.0x)"
-            )
+        _print_width_table(by, idles, width)
+        _print_targets(by, idles, width)
     for processes, idle in sorted(idles.items()):
         print(
             f"idle, {processes} process(es): subq's round trips/s {idle.subq_trips_per_s}; commands/s {idle.commands_per_s}"
+        )
+
+
+def _print_width_table(by: SweepRows, idles: dict[int, Idle], width: int) -> None:
+    """One width's table, a line a process count: (b)'s and subq's children/s and CPU per child, subq's Redis
+    per child against a no-op chord's, and what the idle fleets cost on their own."""
+    print(f"\nwidth {width}: CPU per child as workers + Redis (Redis net of both idle fleets' own)")
+    header = (
+        f"{'processes':>9} | {'(b) ch/s':>8} {'(b) CPU ms':>14} | {'subq ch/s':>9} {'subq CPU ms':>14} | "
+        f"{'noop Redis':>10} {'subq/noop Redis':>15} | {'idle Redis ms/s':>15} {'idle subq ms/s':>14}"
+    )
+    print(header)
+    print("-" * len(header))
+    for processes in sorted(idles):
+        agent, subq, noop = (by.get((processes, mode, width)) for mode in ("agent", "subq", "noop"))
+        idle = idles[processes]
+        print(
+            f"{processes:>9} | {agent['children_per_s'] if agent else '-':>8} {_cpu(agent):>14} | "
+            f"{subq['children_per_s'] if subq else '-':>9} {_cpu(subq):>14} | "
+            f"{noop['redis_cpu_ms_per_child_net'] if noop else '-':>10} {_redis_ratio(subq, noop):>15} | "
+            f"{idle.redis_cpu_ms_per_s:>15.1f} {idle.subq_cpu_ms_per_s:>14.1f}"
+        )
+
+
+def _cpu(row: dict[str, Any] | None) -> str:
+    """A row's CPU per child as `workers + Redis` ms ("-" without the row)."""
+    if row is None:
+        return "-"
+    return f"{row['worker_cpu_ms_per_child']:.1f} + {row['redis_cpu_ms_per_child_net']:.2f}"
+
+
+def _redis_ratio(subq: dict[str, Any] | None, noop: dict[str, Any] | None) -> str:
+    """subq's Redis CPU per child over a no-op chord's ("-" without both, or a no-op's that is not positive)."""
+    if subq and noop and noop["redis_cpu_ms_per_child_net"] > 0:
+        return f"{subq['redis_cpu_ms_per_child_net'] / noop['redis_cpu_ms_per_child_net']:.2f}x"
+    return "-"
+
+
+def _print_targets(by: SweepRows, idles: dict[int, Idle], width: int) -> None:
+    """One width's figures against the issue's targets, from the fewest and the most processes measured."""
+    first, last = min(idles), max(idles)
+
+    def total(processes: int, mode: str) -> float | None:
+        row = by.get((processes, mode, width))
+        return None if row is None else row["worker_cpu_ms_per_child"] + row["redis_cpu_ms_per_child_net"]
+
+    subq_first, subq_last, agent_first = total(first, "subq"), total(last, "subq"), total(first, "agent")
+    if subq_first and agent_first:
+        print(f"subq / (b) CPU per child at {first} process(es): {subq_first / agent_first:.2f}x (target 1.2x)")
+    if subq_first and subq_last:
+        print(f"subq CPU per child at {last} / at {first}: {subq_last / subq_first:.2f}x (target 1.1x)")
+    subq_row, agent_row = by.get((last, "subq", width)), by.get((last, "agent", width))
+    if subq_row and agent_row:
+        print(
+            f"subq / (b) throughput at {last}: {subq_row['children_per_s'] / agent_row['children_per_s']:.2f}x "
+            "(target 1.0x)"
         )
 
 
