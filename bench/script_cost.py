@@ -135,45 +135,63 @@ def replay(captured: list[Captured], repeats: int, server: str) -> dict[str, lis
          "--bind", "127.0.0.1", "--dir", workdir, "--appendonly", "yes", "--save", "", "--loglevel", "warning"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
-
-    def control(*args: str) -> None:
-        subprocess.run(["callgrind_control", *args, str(proc.pid)], check=True, stdout=subprocess.DEVNULL)
-
     client = redis.Redis(port=port)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        _wait_for_ping(client)
         for call in captured:
-            uses = CALLS[call.script].uses
-            sha = client.script_load(base._load_script(f"{call.script}.lua", *(f"{used}.lua" for used in uses)))
-            for repeat in range(repeats + 1):
-                client.flushall()
-                with client.pipeline(transaction=False) as pipe:
-                    for key, dumped, ttl in call.state:
-                        pipe.restore(key, max(ttl, 0), dumped, replace=True)
-                    pipe.execute()
-                control("-z")
-                if call.reads:  # sent as the store sends it: one MULTI/EXEC with its reads
-                    with client.pipeline(transaction=True) as pipe:
-                        pipe.evalsha(sha, len(call.keys), *call.keys, *call.args)
-                        for command in call.reads:
-                            pipe.execute_command(*command)
-                        pipe.execute()
-                else:
-                    client.evalsha(sha, len(call.keys), *call.keys, *call.args)
-                control("-d", f"s{repeat}-{call.script}")
+            _replay_call(client, proc.pid, call, repeats)
     finally:
         client.close()
         proc.terminate()
         proc.wait()
         shutil.rmtree(workdir, ignore_errors=True)
+    counts = _dumped_counts(dumps)
+    shutil.rmtree(dumps, ignore_errors=True)
+    return counts
+
+
+def _wait_for_ping(client: redis.Redis) -> None:
+    """Until the server answers (under callgrind it starts slowly), at most START_TIMEOUT_S."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            client.ping()
+            return
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def _replay_call(client: redis.Redis, pid: int, call: Captured, repeats: int) -> None:
+    """The call `repeats` + 1 times (the first warms up) on the state it found, each counted from zero and
+    dumped as `s<repeat>-<script>`."""
+
+    def control(*args: str) -> None:
+        subprocess.run(["callgrind_control", *args, str(pid)], check=True, stdout=subprocess.DEVNULL)
+
+    uses = CALLS[call.script].uses
+    sha = client.script_load(base._load_script(f"{call.script}.lua", *(f"{used}.lua" for used in uses)))
+    for repeat in range(repeats + 1):
+        client.flushall()
+        with client.pipeline(transaction=False) as pipe:
+            for key, dumped, ttl in call.state:
+                pipe.restore(key, max(ttl, 0), dumped, replace=True)
+            pipe.execute()
+        control("-z")
+        if call.reads:  # sent as the store sends it: one MULTI/EXEC with its reads
+            with client.pipeline(transaction=True) as pipe:
+                pipe.evalsha(sha, len(call.keys), *call.keys, *call.args)
+                for command in call.reads:
+                    pipe.execute_command(*command)
+                pipe.execute()
+        else:
+            client.evalsha(sha, len(call.keys), *call.keys, *call.args)
+        control("-d", f"s{repeat}-{call.script}")
+
+
+def _dumped_counts(dumps: str) -> dict[str, list[int]]:
+    """The instructions of each counted repeat (the warm-up's left out), by script, from callgrind's dumps."""
     counts: dict[str, list[int]] = {}
     for path in glob.glob(f"{dumps}/cg.*.*"):
         text = Path(path).read_text(errors="replace")
@@ -184,7 +202,6 @@ def replay(captured: list[Captured], repeats: int, server: str) -> dict[str, lis
         found = re.search(r"^\s*([\d,]+) .*:processInputBuffer ", annotated.stdout, re.M)
         if found:
             counts.setdefault(named.group(2), []).append(int(found.group(1).replace(",", "")))
-    shutil.rmtree(dumps, ignore_errors=True)
     return counts
 
 
