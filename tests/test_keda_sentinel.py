@@ -47,6 +47,7 @@ import base64
 import math
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -127,35 +128,59 @@ class Poll:
 
 def parse_trigger(metadata: dict[str, str], auth: dict[str, str], env: dict[str, str]) -> SentinelTrigger:
     """`parseRedisMetadata` and `Validate` of KEDA's redis scaler for one trigger."""
+    param = TriggerParams(metadata, auth, env).value
+    list_name = param("listName", METADATA)
+    if not list_name:
+        raise KedaError('missing required parameter "listName" in [triggerMetadata]')
+    addresses = _addresses(param)
+    enable_tls = _enable_tls(param)
+    return SentinelTrigger(
+        addresses=addresses,
+        sentinel_master=param("sentinelMaster", f"{METADATA};{AUTH};{ENV}"),
+        list_name=list_name,
+        list_length=_go_int("listLength", param("listLength", METADATA) or DEFAULT_LIST_LENGTH),
+        activation_list_length=_go_int("activationListLength", param("activationListLength", METADATA) or "0"),
+        database_index=_go_int("databaseIndex", param("databaseIndex", METADATA) or "0"),
+        enable_tls=enable_tls,
+        username=param("username", f"{METADATA};{ENV};{AUTH}"),
+        password=param("password", f"{METADATA};{ENV};{AUTH}"),
+        sentinel_username=param("sentinelUsername", f"{METADATA};{AUTH};{ENV}"),
+        sentinel_password=param("sentinelPassword", f"{METADATA};{AUTH};{ENV}"),
+    )
 
-    def param(names: str, order: str) -> str:
+
+@dataclass(frozen=True)
+class TriggerParams:
+    """A trigger's three sources of parameters: its metadata, the TriggerAuthentication's, the target's environment."""
+
+    metadata: dict[str, str]
+    auth: dict[str, str]
+    env: dict[str, str]
+
+    def value(self, names: str, order: str) -> str:
+        """`configParamValue`: the first non-empty value, trimmed, of `names` (";" between them) in each source of
+        `order` in turn; "" if none has one."""
         for source in order.split(";"):
             for name in names.split(";"):
-                if source == METADATA:
-                    value = metadata.get(name)
-                elif source == AUTH:
-                    value = auth.get(name)
-                else:  # the environment variable that `<name>FromEnv` names
-                    value = env.get(metadata.get(f"{name}FromEnv", ""))
+                value = self._lookup(source, name)
                 if value is not None and value.strip():
                     return value.strip()
         return ""
 
-    def integer(name: str, value: str) -> int:
-        if not GO_JSON_INT.fullmatch(value):
-            raise KedaError(f"unable to set param {name!r} value {value!r}")
-        return int(value)
+    def _lookup(self, source: str, name: str) -> str | None:
+        if source == METADATA:
+            return self.metadata.get(name)
+        if source == AUTH:
+            return self.auth.get(name)
+        return self.env.get(self.metadata.get(f"{name}FromEnv", ""))  # the variable that `<name>FromEnv` names
 
-    def items(value: str) -> list[str]:
-        return [item.strip() for item in value.split(",")] if value else []
 
-    list_name = param("listName", METADATA)
-    if not list_name:
-        raise KedaError('missing required parameter "listName" in [triggerMetadata]')
-    addresses = items(param("address;addresses", f"{METADATA};{AUTH};{ENV}"))
+def _addresses(param: Callable[[str, str], str]) -> list[str]:
+    """`validateRedisAddress`: `address`/`addresses`, then each of `hosts` with its port; at least one."""
+    addresses = _items(param("address;addresses", f"{METADATA};{AUTH};{ENV}"))
     hosts, ports = (
-        items(param("host;hosts", f"{METADATA};{ENV};{AUTH}")),
-        items(param("port;ports", f"{METADATA};{ENV};{AUTH}")),
+        _items(param("host;hosts", f"{METADATA};{ENV};{AUTH}")),
+        _items(param("port;ports", f"{METADATA};{ENV};{AUTH}")),
     )
     if hosts and ports:
         if len(hosts) != len(ports):
@@ -163,6 +188,11 @@ def parse_trigger(metadata: dict[str, str], auth: dict[str, str], env: dict[str,
         addresses += [f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in zip(hosts, ports, strict=True)]
     if not addresses or not addresses[0]:
         raise KedaError("no addresses or hosts given")
+    return addresses
+
+
+def _enable_tls(param: Callable[[str, str], str]) -> bool:
+    """`SetEnableTLS`: the metadata's `enableTLS` (a Go bool) or the authentication's `tls`, not both."""
     tls_metadata, tls_auth = param("enableTLS", METADATA), param("tls", AUTH)
     if tls_metadata and tls_auth:
         raise KedaError("unable to set `tls` in both ScaledObject and TriggerAuthentication together")
@@ -170,19 +200,19 @@ def parse_trigger(metadata: dict[str, str], auth: dict[str, str], env: dict[str,
         raise KedaError(f"EnableTLS parsing error {tls_metadata!r}")
     if tls_auth and tls_auth not in ("enable", "disable"):
         raise KedaError(f"error incorrect TLS value given, got {tls_auth}")
-    return SentinelTrigger(
-        addresses=addresses,
-        sentinel_master=param("sentinelMaster", f"{METADATA};{AUTH};{ENV}"),
-        list_name=list_name,
-        list_length=integer("listLength", param("listLength", METADATA) or DEFAULT_LIST_LENGTH),
-        activation_list_length=integer("activationListLength", param("activationListLength", METADATA) or "0"),
-        database_index=integer("databaseIndex", param("databaseIndex", METADATA) or "0"),
-        enable_tls=tls_metadata in GO_TRUE or tls_auth == "enable",
-        username=param("username", f"{METADATA};{ENV};{AUTH}"),
-        password=param("password", f"{METADATA};{ENV};{AUTH}"),
-        sentinel_username=param("sentinelUsername", f"{METADATA};{AUTH};{ENV}"),
-        sentinel_password=param("sentinelPassword", f"{METADATA};{AUTH};{ENV}"),
-    )
+    return tls_metadata in GO_TRUE or tls_auth == "enable"
+
+
+def _go_int(name: str, value: str) -> int:
+    """An integer parameter, parsed as encoding/json parses a Go int."""
+    if not GO_JSON_INT.fullmatch(value):
+        raise KedaError(f"unable to set param {name!r} value {value!r}")
+    return int(value)
+
+
+def _items(value: str) -> list[str]:
+    """A list parameter: split on ",", each item trimmed."""
+    return [item.strip() for item in value.split(",")] if value else []
 
 
 def poll(trigger: SentinelTrigger, dns: dict[str, list[tuple[str, int]]]) -> Poll:
