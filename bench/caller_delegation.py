@@ -1,0 +1,73 @@
+"""What a caller's delegation commit costs: wall time on the caller, and the Redis server's CPU, per delegation.
+
+    python bench/caller_delegation.py [--delegations 300] [--children 2]
+
+A caller's task (one an external service holds, not an agent's run) delegating is one WATCH/MULTI
+transaction (store/delegation.py); its `wait:children` mark is the one timeline mark a Python transaction
+writes, sent as mark_timeline.lua by its text inside the MULTI (docs/architecture.md, "Where the time
+went"). This makes `--delegations` caller parents on a private Redis, each delegating `--children`
+children to a queue no worker reads, and prints the median and the 90th percentile of `delegate()`'s
+wall time, the server's CPU (INFO cpu, user + sys) per delegation, and the server's own time for each
+EVAL (INFO commandstats: only the mark is sent so). Run it from two checkouts to compare them;
+docs/benchmarks.md has figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from coordinator import Coordinator, Settings  # noqa: E402
+from coordinator.local.embedded_redis import local_redis  # noqa: E402
+
+# Enough delegations that the server's CPU counters (ms resolution) move by hundreds of ms.
+DEFAULT_DELEGATIONS = 300
+DEFAULT_CHILDREN = 2
+# Delegations made first and not counted: the scripts' first calls, the pools' first connections.
+WARM_UP = 20
+
+
+def _server_cpu_s(coord: Coordinator) -> float:
+    info = coord.client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--delegations", type=int, default=DEFAULT_DELEGATIONS)
+    parser.add_argument("--children", type=int, default=DEFAULT_CHILDREN)
+    given = parser.parse_args()
+    with local_redis() as url:
+        coord = Coordinator(Settings(redis_url=url, key_prefix="subqbench", queue="subq-bench-nobody"))
+        specs = [{"description": f"child {n}", "message": "hello"} for n in range(given.children)]
+        parents = [coord.create_task(f"parent {n}", todos="[ ] x") for n in range(WARM_UP + given.delegations)]
+        for parent in parents[:WARM_UP]:
+            coord.delegate(parent.id, specs)
+        walls_ms: list[float] = []
+        cpu_before = _server_cpu_s(coord)
+        for parent in parents[WARM_UP:]:
+            started = time.perf_counter()
+            coord.delegate(parent.id, specs)
+            walls_ms.append((time.perf_counter() - started) * 1000)
+        cpu_ms = (_server_cpu_s(coord) - cpu_before) * 1000 / given.delegations
+        # The mark's script (EVAL: nothing else a caller's delegation sends is one), in the server's own time.
+        evals = coord.client.info("commandstats").get("cmdstat_eval", {"calls": 0, "usec_per_call": 0.0})
+        coord.close()
+    walls_ms.sort()
+    p90 = walls_ms[int(0.9 * (len(walls_ms) - 1))]
+    print(
+        f"{given.delegations} caller delegations of {given.children} children: delegate() median "
+        f"{statistics.median(walls_ms):.2f} ms, p90 {p90:.2f} ms; Redis CPU {cpu_ms:.3f} ms a delegation; "
+        f"EVAL {evals['calls']} calls, {float(evals['usec_per_call']):.1f} us a call"
+    )
+
+
+if __name__ == "__main__":
+    main()
