@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib.resources import files
 from pathlib import Path
 from typing import Annotated, Any
@@ -90,17 +90,28 @@ def install_web(app: FastAPI, coord: Coordinator, settings: Settings, auth_attem
     `auth_attempts` counts sign-ins per client address, shared with the API's wrong bearer tokens.
     """
     app.mount(f"{WEB_PATH}/static", StaticFiles(directory=_HERE / "static"), name="subq-static")
-    auth = WebAuth(settings, coord)
-    app.include_router(_router(coord, auth, auth_attempts))
-
-
-def _router(coord: Coordinator, auth: WebAuth, auth_attempts: RateLimiter) -> APIRouter:
+    web = _Web(coord, WebAuth(settings, coord), auth_attempts)
     router = APIRouter(prefix=WEB_PATH, include_in_schema=False)
-    templates = _templates()
-    threads = StreamThreads()
-    gate = Gate(coord, via="web")
+    _page_routes(router, web)
+    _live_routes(router, web)
+    _action_routes(router, web)
+    _sign_in_routes(router, web)
+    app.include_router(router)
+
+
+class _Web:
+    """What every route of the web view shares: the Coordinator, the sign-in, the templates, the API's Gate."""
+
+    def __init__(self, coord: Coordinator, auth: WebAuth, auth_attempts: RateLimiter) -> None:
+        self.coord = coord
+        self.auth = auth
+        self.auth_attempts = auth_attempts
+        self.templates = _templates()
+        self.threads = StreamThreads()
+        self.gate = Gate(coord, via="web")
 
     def page(
+        self,
         request: Request,
         name: str,
         status_code: int = 200,
@@ -108,155 +119,62 @@ def _router(coord: Coordinator, auth: WebAuth, auth_attempts: RateLimiter) -> AP
         key: Principal | None = None,
         **context: Any,
     ) -> HTMLResponse:
-        context |= {"auth_on": not auth.disabled, "key": key, "can": _abilities(key)}
-        return templates.TemplateResponse(request, name, context, status_code=status_code, headers=headers)
+        context |= {"auth_on": not self.auth.disabled, "key": key, "can": _abilities(key)}
+        return self.templates.TemplateResponse(request, name, context, status_code=status_code, headers=headers)
 
-    def error_page(request: Request, exc: SubqError, key: Principal | None = None) -> HTMLResponse:
-        return page(request, "error.html", status_of(exc), key=key, error=exc)
+    def error_page(self, request: Request, exc: SubqError, key: Principal | None = None) -> HTMLResponse:
+        return self.page(request, "error.html", status_of(exc), key=key, error=exc)
 
-    def to_login(request: Request) -> RedirectResponse:
+    def to_login(self, request: Request) -> RedirectResponse:
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         return RedirectResponse(f"{WEB_PATH}/login?{urlencode({'next': target})}", status_code=303)
 
-    def signed_in(request: Request) -> Principal:
+    def signed_in_page(self, request: Request, name: str, gather: Callable[[Principal], dict[str, Any]]) -> Response:
+        """The page `name` for the session's key, with what `gather` reads for it: a redirect to sign in
+        without a session, and the error page (with the API's status) for an error `gather` raises."""
+        key = self.auth.principal(request)
+        if key is None:
+            return self.to_login(request)
+        try:
+            context = gather(key)
+        except SubqError as exc:
+            return self.error_page(request, exc, key)
+        return self.page(request, name, key=key, **context)
+
+    def signed_in(self, request: Request) -> Principal:
         """For fragments, streams and actions: the session's key, or a JSON 401 on record (pages redirect).
 
         A refusal counts against the address's sign-in attempts, as a missing bearer token does: past
         the limit it is a 429, not recorded, so a flood of cookie-less requests cannot fill the log."""
-        key = auth.principal(request)
+        key = self.auth.principal(request)
         if key is None:
             address = client_address(request.scope)
-            if wait_s := auth_attempts.wait_s(address):
-                raise too_many_attempts(auth_attempts, wait_s)
-            auth_attempts.take(address)
+            if wait_s := self.auth_attempts.wait_s(address):
+                raise too_many_attempts(self.auth_attempts, wait_s)
+            self.auth_attempts.take(address)
             target = f"{request.method} {request.url.path}"
-            coord.record(Actor("", address, "web"), "refused", target, reason="not_signed_in")
+            self.coord.record(Actor("", address, "web"), "refused", target, reason="not_signed_in")
             raise HttpError(401, UNAUTHORIZED, "Not signed in to the web view: sign in at /ui/login", field=COOKIE)
         return key
 
-    async def json_body(content_type: Annotated[str, Header()] = "") -> None:
-        # A cross-site HTML form can only send form or text bodies; JSON needs a CORS preflight.
-        if content_type.split(";")[0].strip().lower() != "application/json":
-            raise HttpError(415, "unsupported_media_type", "Send the action as application/json", field="Content-Type")
-
-    @router.get("", include_in_schema=False)
-    def home() -> RedirectResponse:
-        return RedirectResponse(f"{WEB_PATH}/", status_code=307)
-
-    @router.get("/", response_class=HTMLResponse)
-    def roots(request: Request) -> Response:
-        key = auth.principal(request)
-        if key is None:
-            return to_login(request)
-        try:
-            wanted = parse_root_filter(request.query_params)
-            found = find_roots(coord, wanted, owner=gate.history_owner(request, key))
-        except SubqError as exc:
-            return error_page(request, exc, key)
-        next_query = urlencode(wanted.query(found.next_cursor)) if found.next_cursor is not None else None
-        # An operator sees each tenant's running, waiting and spend against its quotas (docs/tenants.md).
-        tenants = coord.tenants() if key.has(Scope.OPERATE) else None
-        return page(request, "roots.html", key=key, wanted=wanted, found=found, next_query=next_query, tenants=tenants)
-
-    @router.get("/tasks/{task_id}", response_class=HTMLResponse)
-    def tree_page(request: Request, task_id: TaskId) -> Response:
-        key = auth.principal(request)
-        if key is None:
-            return to_login(request)
-        try:
-            _no_query(request)
-            owner = gate.read_tree(request, key, task_id)
-            tree = read_tree(coord, task_id)
-        except SubqError as exc:
-            return error_page(request, exc, key)
-        return page(request, "tree.html", key=key, tree=tree, task_id=task_id, owner=owner)
-
-    @router.get("/tasks/{task_id}/fragment", response_class=HTMLResponse)
-    def tree_fragment(request: Request, task_id: TaskId, key: Principal = Depends(signed_in)) -> Response:
-        _no_query(request)
-        owner = gate.read_tree(request, key, task_id)
-        return page(request, "tree_fragment.html", key=key, tree=read_tree(coord, task_id), owner=owner)
-
-    @router.get("/tasks/{task_id}/events")
-    async def events(
-        request: Request,
-        task_id: TaskId,
-        last_event_id: Annotated[str | None, Header(pattern=STREAM_ID_PATTERN)] = None,
-        key: Principal = Depends(signed_in),
-    ) -> EventSourceResponse:
-        _no_query(request)
-        await threads.run(gate.read_tree, request, key, task_id)
-        await threads.run(coord.settled, task_id)  # an unknown id is a plain 404, not a broken stream
-        return EventSourceResponse(tree_events(coord, threads, task_id, last_event_id or "0-0"), ping=KEEPALIVE_S)
-
-    @router.get("/tasks/{task_id}/conversation", response_class=HTMLResponse)
-    def conversation(request: Request, task_id: TaskId) -> Response:
-        key = auth.principal(request)
-        if key is None:
-            return to_login(request)
-        try:
-            _no_query(request)
-            gate.read_tree(request, key, task_id)
-            record = coord.get_task(task_id)
-            ui_messages = coord.messages(task_id, "ui")
-            model_messages = [_readable(m) for m in coord.messages(task_id, "api")]
-        except SubqError as exc:
-            return error_page(request, exc, key)
-        return page(
-            request,
-            "conversation.html",
-            key=key,
-            task=record,
-            ui_messages=ui_messages,
-            model_messages=model_messages,
-        )
-
-    @router.post("/actions/tasks/{task_id}/cancel", dependencies=[Depends(json_body)])
-    def cancel(request: Request, task_id: TaskId, body: CancelInput, key: Principal = Depends(signed_in)) -> TaskRecord:
-        gate.write_tree(request, key, task_id, others=Scope.OPERATE)
-        return coord.cancel(task_id, body.reason, actor=actor_of(request, key, "web"))
-
-    @router.post("/actions/tasks/{task_id}/retry", dependencies=[Depends(json_body)])
-    def retry(request: Request, task_id: TaskId, body: RetryInput, key: Principal = Depends(signed_in)) -> Retried:
-        gate.write_tree(request, key, task_id, others=Scope.OPERATE)
-        return coord.retry(task_id, failed=body.failed, actor=actor_of(request, key, "web"))
-
-    @router.post("/actions/tasks/{task_id}/deliveries/{delivery_id}/redeliver", dependencies=[Depends(json_body)])
-    def redeliver(
-        request: Request, task_id: TaskId, delivery_id: DeliveryId, key: Principal = Depends(signed_in)
-    ) -> Delivery:
-        gate.need(request, key, Scope.OPERATE)
-        return coord.redeliver(task_id, delivery_id, actor=actor_of(request, key, "web"))
-
-    @router.post("/actions/approvals/{approval_id}", dependencies=[Depends(json_body)])
-    def decide(
-        request: Request, approval_id: str, body: DecisionInput, key: Principal = Depends(signed_in)
-    ) -> Approval:
-        gate.need(request, key, Scope.DECIDE)
-        return coord.decide(approval_id, body.decision, body.feedback, actor=actor_of(request, key, "web"))
-
-    @router.get("/login", response_class=HTMLResponse)
-    def login_form(request: Request, next: str = "") -> HTMLResponse:
-        return page(request, "login.html", next=_local(next), refusal="")
-
-    @router.post("/login", response_class=HTMLResponse)
-    async def login(request: Request) -> Response:
+    async def sign_in(self, request: Request) -> Response:
+        """POST /ui/login: the form's token checked (every attempt counted), the session cookie set, on record."""
         form = _form(await request.body())
         target = _local(form.get("next", ""))
-        if auth.disabled:
+        if self.auth.disabled:
             return RedirectResponse(target, status_code=303)
         # Every attempt counts, the right token too: a guesser gets 10 a minute, not 10 wrong ones.
-        if wait_s := auth_attempts.take(client_address(request.scope)):
-            refusal = too_many_attempts(auth_attempts, wait_s)
-            return page(request, "login.html", 429, next=target, refusal=refusal.message, headers=refusal.headers)
+        if wait_s := self.auth_attempts.take(client_address(request.scope)):
+            refusal = too_many_attempts(self.auth_attempts, wait_s)
+            return self.page(request, "login.html", 429, next=target, refusal=refusal.message, headers=refusal.headers)
         address = client_address(request.scope)
-        key = await anyio.to_thread.run_sync(auth.key_of_token, form.get("token", ""))
+        key = await anyio.to_thread.run_sync(self.auth.key_of_token, form.get("token", ""))
         if key is None:
             refused = Actor("", address, "web")
             await anyio.to_thread.run_sync(
-                lambda: coord.record(refused, "refused", "POST /ui/login", reason="wrong_sign_in")
+                lambda: self.coord.record(refused, "refused", "POST /ui/login", reason="wrong_sign_in")
             )
-            return page(
+            return self.page(
                 request,
                 "login.html",
                 401,
@@ -264,20 +182,138 @@ def _router(coord: Coordinator, auth: WebAuth, auth_attempts: RateLimiter) -> AP
                 refusal="That is not the server's token, nor the token of any API key.",
             )
         response = RedirectResponse(target, status_code=303)
-        await anyio.to_thread.run_sync(auth.sign_in, request, response, key)
+        await anyio.to_thread.run_sync(self.auth.sign_in, request, response, key)
         actor = Actor(key.name, address, "web")
-        await anyio.to_thread.run_sync(lambda: coord.record(actor, "sign_in", "/ui"))
+        await anyio.to_thread.run_sync(lambda: self.coord.record(actor, "sign_in", "/ui"))
         return response
+
+
+async def _json_body(content_type: Annotated[str, Header()] = "") -> None:
+    """The actions' guard: a cross-site HTML form can only send form or text bodies; JSON needs a CORS preflight."""
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        raise HttpError(415, "unsupported_media_type", "Send the action as application/json", field="Content-Type")
+
+
+def _page_routes(router: APIRouter, web: _Web) -> None:
+    """The pages: without a session a redirect to sign in, an error as an HTML page with the API's status."""
+    coord, gate = web.coord, web.gate
+
+    @router.get("", include_in_schema=False)
+    def home() -> RedirectResponse:
+        return RedirectResponse(f"{WEB_PATH}/", status_code=307)
+
+    @router.get("/", response_class=HTMLResponse)
+    def roots(request: Request) -> Response:
+        key = web.auth.principal(request)
+        if key is None:
+            return web.to_login(request)
+        try:
+            wanted = parse_root_filter(request.query_params)
+            found = find_roots(coord, wanted, owner=gate.history_owner(request, key))
+        except SubqError as exc:
+            return web.error_page(request, exc, key)
+        next_query = urlencode(wanted.query(found.next_cursor)) if found.next_cursor is not None else None
+        # An operator sees each tenant's running, waiting and spend against its quotas (docs/tenants.md).
+        tenants = coord.tenants() if key.has(Scope.OPERATE) else None
+        return web.page(
+            request, "roots.html", key=key, wanted=wanted, found=found, next_query=next_query, tenants=tenants
+        )
+
+    @router.get("/tasks/{task_id}", response_class=HTMLResponse)
+    def tree_page(request: Request, task_id: TaskId) -> Response:
+        def gather(key: Principal) -> dict[str, Any]:
+            _no_query(request)
+            owner = gate.read_tree(request, key, task_id)
+            return {"tree": read_tree(coord, task_id), "task_id": task_id, "owner": owner}
+
+        return web.signed_in_page(request, "tree.html", gather)
+
+    @router.get("/tasks/{task_id}/conversation", response_class=HTMLResponse)
+    def conversation(request: Request, task_id: TaskId) -> Response:
+        def gather(key: Principal) -> dict[str, Any]:
+            _no_query(request)
+            gate.read_tree(request, key, task_id)
+            return {
+                "task": coord.get_task(task_id),
+                "ui_messages": coord.messages(task_id, "ui"),
+                "model_messages": [_readable(m) for m in coord.messages(task_id, "api")],
+            }
+
+        return web.signed_in_page(request, "conversation.html", gather)
+
+
+def _live_routes(router: APIRouter, web: _Web) -> None:
+    """What a tree's page fetches to stay live (its fragment, its event stream): a JSON 401 without a session."""
+    coord, gate = web.coord, web.gate
+
+    @router.get("/tasks/{task_id}/fragment", response_class=HTMLResponse)
+    def tree_fragment(request: Request, task_id: TaskId, key: Principal = Depends(web.signed_in)) -> Response:
+        _no_query(request)
+        owner = gate.read_tree(request, key, task_id)
+        return web.page(request, "tree_fragment.html", key=key, tree=read_tree(coord, task_id), owner=owner)
+
+    @router.get("/tasks/{task_id}/events")
+    async def events(
+        request: Request,
+        task_id: TaskId,
+        last_event_id: Annotated[str | None, Header(pattern=STREAM_ID_PATTERN)] = None,
+        key: Principal = Depends(web.signed_in),
+    ) -> EventSourceResponse:
+        _no_query(request)
+        await web.threads.run(gate.read_tree, request, key, task_id)
+        await web.threads.run(coord.settled, task_id)  # an unknown id is a plain 404, not a broken stream
+        return EventSourceResponse(tree_events(coord, web.threads, task_id, last_event_id or "0-0"), ping=KEEPALIVE_S)
+
+
+def _action_routes(router: APIRouter, web: _Web) -> None:
+    """The actions a page's buttons send: JSON in, the API's JSON (or its one error shape) out."""
+    coord, gate = web.coord, web.gate
+
+    @router.post("/actions/tasks/{task_id}/cancel", dependencies=[Depends(_json_body)])
+    def cancel(
+        request: Request, task_id: TaskId, body: CancelInput, key: Principal = Depends(web.signed_in)
+    ) -> TaskRecord:
+        gate.write_tree(request, key, task_id, others=Scope.OPERATE)
+        return coord.cancel(task_id, body.reason, actor=actor_of(request, key, "web"))
+
+    @router.post("/actions/tasks/{task_id}/retry", dependencies=[Depends(_json_body)])
+    def retry(request: Request, task_id: TaskId, body: RetryInput, key: Principal = Depends(web.signed_in)) -> Retried:
+        gate.write_tree(request, key, task_id, others=Scope.OPERATE)
+        return coord.retry(task_id, failed=body.failed, actor=actor_of(request, key, "web"))
+
+    @router.post("/actions/tasks/{task_id}/deliveries/{delivery_id}/redeliver", dependencies=[Depends(_json_body)])
+    def redeliver(
+        request: Request, task_id: TaskId, delivery_id: DeliveryId, key: Principal = Depends(web.signed_in)
+    ) -> Delivery:
+        gate.need(request, key, Scope.OPERATE)
+        return coord.redeliver(task_id, delivery_id, actor=actor_of(request, key, "web"))
+
+    @router.post("/actions/approvals/{approval_id}", dependencies=[Depends(_json_body)])
+    def decide(
+        request: Request, approval_id: str, body: DecisionInput, key: Principal = Depends(web.signed_in)
+    ) -> Approval:
+        gate.need(request, key, Scope.DECIDE)
+        return coord.decide(approval_id, body.decision, body.feedback, actor=actor_of(request, key, "web"))
+
+
+def _sign_in_routes(router: APIRouter, web: _Web) -> None:
+    """Signing in with a token (the server's or an API key's) and out."""
+
+    @router.get("/login", response_class=HTMLResponse)
+    def login_form(request: Request, next: str = "") -> HTMLResponse:
+        return web.page(request, "login.html", next=_local(next), refusal="")
+
+    @router.post("/login", response_class=HTMLResponse)
+    async def login(request: Request) -> Response:
+        return await web.sign_in(request)
 
     @router.post("/logout")
     def logout(request: Request) -> RedirectResponse:
         response = RedirectResponse(f"{WEB_PATH}/login", status_code=303)
-        key = auth.sign_out(request, response)
-        if key is not None and not auth.disabled:
-            coord.record(actor_of(request, key, "web"), "sign_out", "/ui")
+        key = web.auth.sign_out(request, response)
+        if key is not None and not web.auth.disabled:
+            web.coord.record(actor_of(request, key, "web"), "sign_out", "/ui")
         return response
-
-    return router
 
 
 def _abilities(key: Principal | None) -> dict[str, bool]:
