@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import time
+from collections import Counter
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 
@@ -18,7 +19,15 @@ from coordinator.inputs import meta_pairs, visible_text
 from coordinator.models import Approval, Delivery, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem
 from coordinator.service import MAX_PAGE, Coordinator
 from coordinator.tenants import check_tenant_name
-from coordinator.timeline import WAIT_REASONS, CriticalStep, TaskTimes, critical_path, held_longest, times_of
+from coordinator.timeline import (
+    WAIT_REASONS,
+    CriticalStep,
+    Interval,
+    TaskTimes,
+    critical_path,
+    held_longest,
+    times_of,
+)
 from coordinator.tree import duration
 
 __all__ = [
@@ -371,72 +380,115 @@ def read_timeline(
     """The waterfall of `records` (the first is the top of the tree shown, the rest its subtree in tree
     order): each task's intervals placed on one axis, the critical path marked, wide fan-outs grouped
     (a task in `keep`, one waiting for a person, is never folded away)."""
-    now = int(time.time() * 1000) if now_ms is None else now_ms
-    times = {r.id: times_of(r.timeline, now) for r in records}
-    starts = [t.queued_at_ms for t in times.values() if t.queued_at_ms is not None]
-    t0 = min(starts) if starts else now
-    t1 = max([t0 + 1] + [t.ended_at_ms if t.ended_at_ms is not None else now for t in times.values()])
-    span = t1 - t0
-    ends = {i: t.ended_at_ms if t.ended_at_ms is not None else now for i, t in times.items()}
-    critical = critical_path(records, ends)
-    held = held_longest(records, ends)
+    waterfall = _Waterfall(records, states, int(time.time() * 1000) if now_ms is None else now_ms, keep)
+    waterfall.place(records[0])
+    return waterfall.view()
 
-    def x_of(t_ms: int) -> float:
-        return round((t_ms - t0) / span * AXIS_UNITS, 2)
 
-    def row(record: TaskRecord) -> TimelineRow:
-        task_times = times[record.id]
-        segments = []
-        for interval in task_times.intervals:
-            end = interval.end_ms if interval.end_ms is not None else now
-            x = x_of(interval.start_ms)
-            state = interval.state if interval.reason is None else f"wait-{interval.reason}"
-            width = max(MIN_SEGMENT_UNITS, x_of(end) - x)
-            holds = held is not None and held.task_id == record.id and held.interval.start_ms == interval.start_ms
-            segments.append(Segment(state, interval.start_ms, end, interval.end_ms is None, x, width, holds))
-        end_x = x_of(task_times.ended_at_ms) if task_times.ended_at_ms is not None else None
-        tools = [
-            ToolMark(c.tool, c.outcome, c.start_ms, c.end_ms, x_of(c.start_ms),
-                     max(MIN_SEGMENT_UNITS, x_of(c.end_ms) - x_of(c.start_ms)))
-            for c in record.tool_calls
-        ]  # fmt: skip
-        compactions = [(ms, x_of(ms)) for ms in task_times.compactions_ms]
-        return TimelineRow(record, task_times, states.get(record.id, record.status.value), record.id in critical,
-                           segments, end_x, tools, compactions)  # fmt: skip
+class _Waterfall:
+    """One tree's timeline as read_timeline builds it: the axis (from the first queued to the last end), and
+    the rows placed on it in tree order."""
 
-    by_parent: dict[str, list[TaskRecord]] = {}
-    for record in records[1:]:
-        by_parent.setdefault(record.parent_id or "", []).append(record)
-    items: list[TimelineRow | TimelineGroup] = []
+    def __init__(self, records: list[TaskRecord], states: Mapping[str, str], now_ms: int, keep: Set[str]) -> None:
+        self.states, self.now_ms, self.keep = states, now_ms, keep
+        self.times = {r.id: times_of(r.timeline, now_ms) for r in records}
+        # A task that has not ended ends now, on the axis and on the critical path.
+        self.ends = {i: t.ended_at_ms if t.ended_at_ms is not None else now_ms for i, t in self.times.items()}
+        starts = [t.queued_at_ms for t in self.times.values() if t.queued_at_ms is not None]
+        self.t0_ms = min(starts) if starts else now_ms
+        self.span_ms = max([self.t0_ms + 1, *self.ends.values()]) - self.t0_ms
+        self.critical = critical_path(records, self.ends)
+        self.held = held_longest(records, self.ends)
+        self.children_of: dict[str, list[TaskRecord]] = {}
+        for record in records[1:]:
+            self.children_of.setdefault(record.parent_id or "", []).append(record)
+        self.items: list[TimelineRow | TimelineGroup] = []
 
-    def place(record: TaskRecord) -> None:
-        items.append(row(record))
-        children = by_parent.get(record.id, [])
-        if len(children) <= GROUP_AT:
-            for child in children:
-                place(child)
-            return
-        # The critical child and the latest to end stand out; the rest are one group that opens on demand.
-        latest = sorted(children, key=lambda c: ends[c.id], reverse=True)[:SIBLINGS_SHOWN]
-        shown = {c.id for c in latest} | {c.id for c in children if c.id in critical or c.id in keep}
+    def x(self, t_ms: int) -> float:
+        return round((t_ms - self.t0_ms) / self.span_ms * AXIS_UNITS, 2)
+
+    def width(self, start_ms: int, end_ms: int) -> float:
+        """A span's width on the axis, at least MIN_SEGMENT_UNITS so that it can be seen."""
+        return max(MIN_SEGMENT_UNITS, self.x(end_ms) - self.x(start_ms))
+
+    def state_of(self, record: TaskRecord) -> str:
+        return self.states.get(record.id, record.status.value)
+
+    def segment(self, record: TaskRecord, interval: Interval) -> Segment:
+        end_ms = interval.end_ms if interval.end_ms is not None else self.now_ms
+        state = interval.state if interval.reason is None else f"wait-{interval.reason}"
+        held = self.held
+        holds = held is not None and held.task_id == record.id and held.interval.start_ms == interval.start_ms
+        return Segment(
+            state,
+            interval.start_ms,
+            end_ms,
+            interval.end_ms is None,
+            self.x(interval.start_ms),
+            self.width(interval.start_ms, end_ms),
+            holds,
+        )
+
+    def row(self, record: TaskRecord) -> TimelineRow:
+        times = self.times[record.id]
+        return TimelineRow(
+            record,
+            times,
+            self.state_of(record),
+            record.id in self.critical,
+            [self.segment(record, interval) for interval in times.intervals],
+            self.x(times.ended_at_ms) if times.ended_at_ms is not None else None,
+            [
+                ToolMark(c.tool, c.outcome, c.start_ms, c.end_ms, self.x(c.start_ms), self.width(c.start_ms, c.end_ms))
+                for c in record.tool_calls
+            ],
+            [(ms, self.x(ms)) for ms in times.compactions_ms],
+        )
+
+    def place(self, record: TaskRecord) -> None:
+        """`record`'s row, then its children's in order; past GROUP_AT children, those not shown are one group."""
+        self.items.append(self.row(record))
+        children = self.children_of.get(record.id, [])
+        shown = self.shown(children)
         for child in children:
             if child.id in shown:
-                place(child)
+                self.place(child)
         rest = [c for c in children if c.id not in shown]
-        if not rest:  # every one waits for a person: nothing to fold
-            return
-        # A folded child's own subtree is on its page (its bar links there), not in the group.
-        first, last = min(times[c.id].queued_at_ms or t0 for c in rest), max(ends[c.id] for c in rest)
-        counts: dict[str, int] = {}
-        for c in rest:
-            counts[states.get(c.id, c.status.value)] = counts.get(states.get(c.id, c.status.value), 0) + 1
-        items.append(TimelineGroup(record.id, rest[0].depth, len(rest), dict(sorted(counts.items())), x_of(first),
-                                   max(MIN_SEGMENT_UNITS, x_of(last) - x_of(first)), first, last,
-                                   [row(c) for c in rest]))  # fmt: skip
+        if rest:  # none when every one is shown (a narrow fan-out, or every one waits for a person)
+            self.items.append(self.group(record, rest))
 
-    place(records[0])
-    ticks = [(round(AXIS_UNITS * n / AXIS_TICKS, 2), duration(span * n // AXIS_TICKS)) for n in range(AXIS_TICKS + 1)]
-    return TimelineView(t0, span, now, ticks, items, critical, span, held)
+    def shown(self, children: list[TaskRecord]) -> set[str]:
+        """Which of a parent's children get rows of their own: all up to GROUP_AT; past it the critical child,
+        the latest to end and the ones in `keep` stand out, and the rest fold into a group that opens on demand."""
+        if len(children) <= GROUP_AT:
+            return {c.id for c in children}
+        latest = sorted(children, key=lambda c: self.ends[c.id], reverse=True)[:SIBLINGS_SHOWN]
+        return {c.id for c in latest} | {c.id for c in children if c.id in self.critical or c.id in self.keep}
+
+    def group(self, parent: TaskRecord, rest: list[TaskRecord]) -> TimelineGroup:
+        """The folded children's line. A folded child's own subtree is on its page (its bar links there),
+        not in the group."""
+        first_ms = min(self.times[c.id].queued_at_ms or self.t0_ms for c in rest)
+        last_ms = max(self.ends[c.id] for c in rest)
+        by_state = Counter(self.state_of(c) for c in rest)
+        return TimelineGroup(
+            parent.id,
+            rest[0].depth,
+            len(rest),
+            dict(sorted(by_state.items())),
+            self.x(first_ms),
+            self.width(first_ms, last_ms),
+            first_ms,
+            last_ms,
+            [self.row(c) for c in rest],
+        )
+
+    def view(self) -> TimelineView:
+        span_ms = self.span_ms
+        ticks = [
+            (round(AXIS_UNITS * n / AXIS_TICKS, 2), duration(span_ms * n // AXIS_TICKS)) for n in range(AXIS_TICKS + 1)
+        ]
+        return TimelineView(self.t0_ms, span_ms, self.now_ms, ticks, self.items, self.critical, span_ms, self.held)
 
 
 def read_tree(coord: Coordinator, task_id: str) -> TreeView:
