@@ -438,6 +438,120 @@ def _pasta(space: Sandboxed, public: bool, port: int | None, log: Path) -> subpr
     )
 
 
+@dataclass
+class _WayOut:
+    """What bwrap is given for one way out: arguments of its own, the descriptors they name, and (hosts) the
+    proxy's listening socket."""
+
+    args: list[str]
+    fds: list[int]
+    listener: socket.socket | None = None
+
+
+def _public_way_out() -> _WayOut:
+    """The namespace's /etc/resolv.conf names pasta's DNS forwarder (bound read-only from a pipe)."""
+    resolv_r, resolv_w = os.pipe()
+    os.write(resolv_w, f"nameserver {NS_GATEWAY}\n".encode())
+    os.close(resolv_w)
+    return _WayOut(["--ro-bind-data", str(resolv_r), "/etc/resolv.conf"], [resolv_r])
+
+
+def _proxied_way_out() -> _WayOut:
+    """A proxy listening on the host's loopback, which the command finds in its proxy variables (no exceptions)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    proxy_url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    args: list[str] = []
+    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        args += ["--setenv", name, proxy_url]
+    args += ["--unsetenv", "no_proxy", "--unsetenv", "NO_PROXY", "--unsetenv", "ALL_PROXY"]
+    return _WayOut(args, [], listener)
+
+
+def _start_bwrap(bwrap: list[str], way: _WayOut) -> tuple[subprocess.Popen[bytes], int, int]:
+    """bwrap started with the way out's arguments; the read end of its info pipe (its child's PID comes there) and
+    the write end of its block pipe (the command waits until something is written there, or it closes)."""
+    info_r, info_w = os.pipe()
+    block_r, block_w = os.pipe()
+    extra = [*way.args, "--info-fd", str(info_w), "--block-fd", str(block_r)]
+    # Before bwrap's own `--`, after its mounts: a mount given before `--ro-bind / /` would be hidden by it.
+    split = bwrap.index("--") if "--" in bwrap else len(bwrap)
+    sandbox = subprocess.Popen([*bwrap[:split], *extra, *bwrap[split:]], pass_fds=(info_w, block_r, *way.fds))
+    for fd in (info_w, block_r, *way.fds):
+        os.close(fd)
+    return sandbox, info_r, block_w
+
+
+@dataclass
+class _Network:
+    """The sandbox's network as it is set up: bwrap, then its namespace's process and pasta, each once there."""
+
+    sandbox: subprocess.Popen[bytes]
+    pid: int | None = None
+    space: Sandboxed | None = None
+    pasta: subprocess.Popen[bytes] | None = None
+
+    def end_on_signals(self) -> None:
+        """A signal that ends this program kills bwrap and pasta first, rather than leave the command unwatched."""
+
+        def end(signum: int, _frame: object) -> None:
+            for proc in (self.sandbox, self.pasta):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+            os._exit(128 + signum)
+
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, end)
+
+    def connect(self, info_r: int, way: _WayOut, args: argparse.Namespace, log: Path) -> None:
+        """pasta connects the namespace bwrap made, and this returns once the way out is ready (raises if it is not)."""
+        try:
+            info = json.loads(_read_all(info_r) or b"{}")
+        finally:
+            os.close(info_r)
+        self.pid = pid = int(info.get("child-pid", 0))
+        if not pid:
+            raise SetupFailed("bwrap reported no sandbox process")
+        listener = way.listener
+        port = listener.getsockname()[1] if listener is not None else None
+        self.space = Sandboxed.of(pid)
+        self.pasta = _pasta(self.space, listener is None, port, log)
+        if listener is None:
+            _wait_until([self.pasta, self.sandbox], lambda: _routed(pid), "pasta")
+            _prohibit(self.space)
+        else:
+            assert port is not None
+            _wait_until([self.pasta, self.sandbox], lambda: _listening(pid, port), "pasta")
+            proxy = Proxy(args.allow, dict(pair.split("=", 1) for pair in args.resolve), args.refusals)
+            threading.Thread(target=_serve_forever, args=(proxy, listener), daemon=True).start()
+
+    def abandon(self) -> None:
+        """Ends what was started, when the network could not be set up."""
+        # The command waits on the block pipe, and an end of file would start it: end it before that closes.
+        if self.pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, signal.SIGKILL)
+        self.sandbox.kill()
+        self.sandbox.wait()
+        if self.pasta is not None:
+            self.pasta.kill()
+            self.pasta.wait()
+        if self.space is not None:
+            self.space.close()
+
+    def start_command(self, block_w: int) -> int:
+        """Lets the command start, once connected, and waits for it: bwrap's exit status."""
+        assert self.space is not None and self.pasta is not None, "connect() first"
+        self.space.close()
+        os.write(block_w, b"go")
+        os.close(block_w)
+        code = self.sandbox.wait()
+        self.pasta.kill()
+        self.pasta.wait()
+        return code
+
+
 def run(args: argparse.Namespace, bwrap: list[str]) -> int:
     if missing := missing_programs():
         raise SetupFailed(f"{', '.join(missing)} not installed (a sandbox with the network needs {NEEDS})")
@@ -447,86 +561,22 @@ def run(args: argparse.Namespace, bwrap: list[str]) -> int:
     _die_with_parent()
     if os.getppid() != parent:
         return SETUP_FAILED
-    public = args.mode == "public"
-    listener: socket.socket | None = None
-    extra: list[str] = []
-    keep: list[int] = []
-    if public:
-        resolv_r, resolv_w = os.pipe()
-        os.write(resolv_w, f"nameserver {NS_GATEWAY}\n".encode())
-        os.close(resolv_w)
-        extra += ["--ro-bind-data", str(resolv_r), "/etc/resolv.conf"]
-        keep.append(resolv_r)
-    else:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(64)
-        proxy_url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
-            extra += ["--setenv", name, proxy_url]
-        extra += ["--unsetenv", "no_proxy", "--unsetenv", "NO_PROXY", "--unsetenv", "ALL_PROXY"]
-    info_r, info_w = os.pipe()
-    block_r, block_w = os.pipe()
-    extra += ["--info-fd", str(info_w), "--block-fd", str(block_r)]
-    # Before bwrap's own `--`, after its mounts: a mount given before `--ro-bind / /` would be hidden by it.
-    split = bwrap.index("--") if "--" in bwrap else len(bwrap)
-    sandbox = subprocess.Popen([*bwrap[:split], *extra, *bwrap[split:]], pass_fds=(info_w, block_r, *keep))
-    for fd in (info_w, block_r, *keep):
-        os.close(fd)
-    pasta: subprocess.Popen[bytes] | None = None
-    space: Sandboxed | None = None
-
-    def end(signum: int, _frame: object) -> None:
-        for proc in (sandbox, pasta):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-        os._exit(128 + signum)
-
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, end)
+    way = _public_way_out() if args.mode == "public" else _proxied_way_out()
+    sandbox, info_r, block_w = _start_bwrap(bwrap, way)
+    network = _Network(sandbox)
+    network.end_on_signals()
     with tempfile.TemporaryDirectory(prefix="subq-egress-") as folder:
         log = Path(folder) / "pasta.log"
         try:
-            try:
-                info = json.loads(_read_all(info_r) or b"{}")
-            finally:
-                os.close(info_r)
-            pid = int(info.get("child-pid", 0))
-            if not pid:
-                raise SetupFailed("bwrap reported no sandbox process")
-            port = listener.getsockname()[1] if listener is not None else None
-            space = Sandboxed.of(pid)
-            pasta = _pasta(space, public, port, log)
-            if public:
-                _wait_until([pasta, sandbox], lambda: _routed(pid), "pasta")
-                _prohibit(space)
-            else:
-                assert listener is not None and port is not None
-                _wait_until([pasta, sandbox], lambda: _listening(pid, port), "pasta")
-                proxy = Proxy(args.allow, dict(pair.split("=", 1) for pair in args.resolve), args.refusals)
-                threading.Thread(target=_serve_forever, args=(proxy, listener), daemon=True).start()
+            network.connect(info_r, way, args, log)
         except (SetupFailed, OSError, ValueError) as exc:
             said = " ".join(log.read_text(errors="replace").split())[:300] if log.exists() else ""
-            # The command waits on `block_w`, and an end of file would start it: end it before that closes.
-            with contextlib.suppress(OSError, UnboundLocalError):
-                os.kill(pid, signal.SIGKILL)
-            sandbox.kill()
-            sandbox.wait()
-            if pasta is not None:
-                pasta.kill()
-                pasta.wait()
-            if space is not None:
-                space.close()
+            network.abandon()
             print(
                 f"subq sandbox: the network could not be set up: {exc}{f' ({said})' if said else ''}", file=sys.stderr
             )
             return SETUP_FAILED
-        space.close()
-        os.write(block_w, b"go")
-        os.close(block_w)
-        code = sandbox.wait()
-        pasta.kill()
-        pasta.wait()
+        code = network.start_command(block_w)
     return code if code >= 0 else 128 - code
 
 
