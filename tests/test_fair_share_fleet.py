@@ -24,14 +24,16 @@ from tests.helpers import eventually
 PROCESSES, THREADS = 2, 8
 CAP = 4
 WAIT_S = 120
-# The weights' window: until this many runs started in it (a few seconds on a quiet host), and at most the
-# issue's minute (a host loaded many times over its cores runs a slot's turn in seconds, not 300 ms): enough
-# starts that one start more or less of the light tenant moves the ratio by under 3 %.
-WINDOW_STARTS = 160
+# The weights' window: until this many runs started in it (about ten seconds on a quiet host), and at most
+# the issue's minute (a host loaded many times over its cores runs a slot's turn in seconds, not 300 ms):
+# enough starts that the light tenant's share, about 80 starts, is not moved past the 10 % by where its
+# runs' turns fall at the window's edges (a window of 160 once read 141:40, slots held 12:4 throughout).
+WINDOW_STARTS = 320
 WINDOW_MAX_S = 60
-# The fewest starts a window may end with (a tenant running low ends it early): one start of d moves the ratio
-# by under 5 %.
-WINDOW_MIN_STARTS = 100
+# The fewest starts a window may end with (a tenant running low ends it early).
+WINDOW_MIN_STARTS = 200
+# Each tenant's flood: c queues 4 roots of this many children, d 2; both still saturate at the window's end.
+FLOOD_CHILDREN = 120
 
 
 def _slow(latency_ms: int) -> str:
@@ -151,9 +153,9 @@ def test_weights_split_the_fleet_between_two_saturating_tenants(fleet: Coordinat
     c_children: list[str] = []
     d_children: list[str] = []
     for n in range(4):  # interleaved: each tenant's flood behind the other's (tests above: one flood first)
-        c_children += _fan_out(fleet, "c", 80, latency_ms=300)
+        c_children += _fan_out(fleet, "c", FLOOD_CHILDREN, latency_ms=300)
         if n < 2:
-            d_children += _fan_out(fleet, "d", 80, latency_ms=300)
+            d_children += _fan_out(fleet, "d", FLOOD_CHILDREN, latency_ms=300)
     share = PROCESSES * THREADS // 4
 
     def steady() -> bool:
