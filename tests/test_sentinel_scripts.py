@@ -145,6 +145,10 @@ def test_the_scripts_start_a_set_that_fails_over_and_takes_its_old_master_back_a
 ) -> None:
     conf_before = (ROOT / "deploy" / "redis.conf").read_text()
     first, others = _start_set(scripted)
+    for port in scripted.node_ports:  # a master without an answering replica refuses writes (docs/deploy.md)
+        node = redis.Redis(port=port, decode_responses=True)
+        assert node.config_get("min-replicas-*") == {"min-replicas-to-write": "1", "min-replicas-max-lag": "10"}
+        node.close()
 
     scripted.nodes[first].kill()
 

@@ -13,6 +13,9 @@
 #   HAND_OVER_WAIT_S    how long to wait for a replica's promotion before starting as the master (30)
 #   REDISCLI_AUTH       the set's password (issue 39): this node's requirepass, the masterauth it
 #                       replicates with, and what redis-cli sends to the nodes and sentinels; unset: none
+#   MIN_REPLICAS_TO_WRITE  as master, refuse writes while fewer replicas than this answer within
+#                       10 s (min-replicas-to-write; 1): an old master or one cut off from its
+#                       replicas takes no step that no replica has (docs/deploy.md); 0 turns it off
 set -eu
 port="${REDIS_PORT:-6379}"
 . "$(dirname "$0")/ask-master.sh"
@@ -60,6 +63,7 @@ cp "$REDIS_CONF" "$conf"
 if [ -n "${REDISCLI_AUTH:-}" ]; then
     printf 'requirepass %s\nmasterauth %s\n' "$REDISCLI_AUTH" "$REDISCLI_AUTH" >> "$conf"
 fi
+printf 'min-replicas-to-write %s\nmin-replicas-max-lag 10\n' "${MIN_REPLICAS_TO_WRITE:-1}" >> "$conf"
 set -- redis-server "$conf" --port "$port" --replica-announce-ip "$REDIS_NODE" --replica-announce-port "$port"
 if [ "$master" != "$REDIS_NODE:$port" ]; then
     set -- "$@" --replicaof "${master%:*}" "${master##*:}"
