@@ -529,7 +529,7 @@ class _Network:
     def abandon(self) -> None:
         """Ends what was started, when the network could not be set up."""
         # The command waits on the block pipe, and an end of file would start it: end it before that closes.
-        if self.pid is not None:
+        if self.pid:  # 0: bwrap ended before naming its child, and os.kill(0) would kill this whole group
             with contextlib.suppress(OSError):
                 os.kill(self.pid, signal.SIGKILL)
         self.sandbox.kill()
