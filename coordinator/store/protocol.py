@@ -1342,11 +1342,13 @@ class KeepCompaction(
         return str(raw)
 
 
+# Not acknowledged on its own: the root's creation follows it at once with its WAIT, and replicas take the
+# master's writes in one ordered stream, so that WAIT covers this count too (under Sentinel a submit
+# waited for its replicas twice).
 @dataclass(frozen=True, kw_only=True)
 class TenantSubmit(
     Call[QuotaVerdict],
     script="tenant_submit",
-    acknowledged=True,
     returns="{1} when the root is counted (or was before: a retried submit of the same root), or {0, quota, "
     "used, limit, retry after ms} when a quota refuses it (nothing written).",
 ):
