@@ -320,11 +320,19 @@ class Connections:
 
     def _connect(self, exchange: Exchange, ended: list[tuple[object, int, str]]) -> None:
         family = socket.AF_INET6 if ":" in exchange.address else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        exchange.stage, exchange.reused = "connect", False
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as exc:  # out of file descriptors, say: this attempt's failure, not the loop's
+            self._end(exchange, ended, 0, one_line(f"ConnectError: {exc}"), keep=False)
+            return
+        exchange.sock = sock
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        exchange.sock, exchange.stage, exchange.reused = sock, "connect", False
-        error = sock.connect_ex((exchange.address, exchange.key[2]))
+        try:
+            error = sock.connect_ex((exchange.address, exchange.key[2]))
+        except OSError as exc:
+            error = exc.errno or errno.EINVAL
         if error not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
             self._end(exchange, ended, 0, f"ConnectError: [Errno {error}] {os.strerror(error)}", keep=False)
             return

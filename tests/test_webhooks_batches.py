@@ -1,14 +1,21 @@
 """The deliverer's batches on a real Redis (coordinator/outbound.py, OutboxStore.settle_and_claim): the
 outcomes of a batch are recorded once each, even when the server has forgotten the scripts (NOSCRIPT:
-only the calls that did not run are sent again), and a claim takes each due delivery once.
+only the calls that did not run are sent again), and a claim takes each due delivery once; a host name is
+resolved and checked by a helper thread, at each attempt.
 """
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+
 import pytest
 
 from coordinator import Coordinator, Settings
+from coordinator.outbound import Deliverer
 from coordinator.store.outbox import Settled
+from tests.test_webhooks_connections import RawReceiver
 
 LEASE_MS = 60_000
 
@@ -47,3 +54,45 @@ def test_a_batch_is_settled_once_each_even_after_the_scripts_were_forgotten(outb
     for key in coord.client.scan_iter("subqbatch:*"):
         coord.client.delete(key)
     coord.close()
+
+
+def test_a_named_host_is_resolved_by_a_helper_and_checked_at_each_attempt(settings: Settings) -> None:
+    """The deliverer's loop hands a host name to a helper thread (DNS may block), which checks what it
+    resolves to: `localhost` allowed by name is delivered; `localhost` not allowed is refused, retrying."""
+    # Where the deliverer will connect: the first address the name resolves to (127.0.0.1 or ::1).
+    receiver = RawReceiver(host=str(socket.getaddrinfo("localhost", None, type=socket.SOCK_STREAM)[0][4][0]))
+    coord = Coordinator(
+        settings.model_copy(update={"queue": "subq-nobody", "key_prefix": "subqnamed", "webhook_allow": ["localhost"]})
+    )
+    stop = threading.Event()
+    try:
+        allowed = coord.create_task(
+            "Say hello.", webhooks=[{"url": f"http://localhost:{receiver.port}/in", "events": ["*"]}]
+        )
+        for _ in range(3):
+            coord.store.outbox.add_event(allowed.id, allowed.id, "task.completed", {})
+        deliverer = Deliverer(coord, lambda *_: None)
+        threading.Thread(target=deliverer.run_forever, args=(stop,), daemon=True).start()
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline and any(
+            d["state"] != "delivered" for d in coord.store.outbox.deliveries(allowed.id)
+        ):
+            time.sleep(0.1)
+        assert [d["state"] for d in coord.store.outbox.deliveries(allowed.id)] == ["delivered"] * 3
+        assert len(receiver.requests) == 3 and all(b"host: localhost:" in head for head in receiver.requests)
+        # The same name, no longer allowed (the check runs at each attempt, not only at creation).
+        deliverer.settings = deliverer.settings.model_copy(update={"webhook_allow": []})
+        coord.store.outbox.add_event(allowed.id, allowed.id, "task.completed", {})
+        while time.monotonic() < deadline and not any(
+            d["state"] == "retrying" for d in coord.store.outbox.deliveries(allowed.id)
+        ):
+            time.sleep(0.1)
+        refused = [d for d in coord.store.outbox.deliveries(allowed.id) if d["state"] == "retrying"]
+        assert len(refused) == 1 and refused[0]["last"].startswith("refused: localhost resolves to"), refused
+        assert len(receiver.requests) == 3
+    finally:
+        stop.set()
+        receiver.stop()
+        for key in coord.client.scan_iter("subqnamed:*"):
+            coord.client.delete(key)
+        coord.close()

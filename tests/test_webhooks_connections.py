@@ -29,12 +29,12 @@ class RawReceiver:
     """Answers each request 204 on a keep-alive connection; counts connections; `close_idle()` closes
     every connection it holds, as a server's keep-alive timeout does."""
 
-    def __init__(self, answer: bytes = ANSWER, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, answer: bytes = ANSWER, tls: ssl.SSLContext | None = None, host: str = "127.0.0.1") -> None:
         self.answer, self.tls = answer, tls
         self.release = threading.Event()  # a receiver made with `hold()` answers once it is set
         self.release.set()
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.sock.bind((host, 0))
         self.sock.listen()
         self.port = int(self.sock.getsockname()[1])
         self.connections = 0

@@ -1,9 +1,10 @@
 """A worker's deliverer of outbound events (coordinator/outbound.py): one thread per worker process.
 
 Hooked on `worker_ready`, beside the reconciler (coordinator/reconciler.py): the
-thread claims due deliveries from Redis and makes their attempts in a pool of
-`SUBQ_WEBHOOK_CONCURRENCY` threads of its own, so a slow or dead receiver holds
-those and never a subagent's run slot. Everything it works from is in Redis: a
+thread claims due deliveries from Redis and makes up to `SUBQ_WEBHOOK_CONCURRENCY`
+attempts at once on its own non-blocking sockets (two helper threads resolve host
+names and send Celery callbacks), so a slow or dead receiver holds those and never
+a subagent's run slot. Everything it works from is in Redis: a
 worker killed mid-attempt leaves its claims to lapse, and any worker takes them
 then. An idle deliverer looks for due deliveries less often the longer it stays
 idle (from `POLL_S` to `IDLE_QUIET_S`), and at the fleet's pace: each of N processes
