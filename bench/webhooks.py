@@ -1,7 +1,7 @@
 """What outbound events cost a wide tree: the same fan-out with and without a subscription to every end.
 
     python bench/webhooks.py [--width 1000] [--repeats 3] [--workers 2] [--concurrency 16] [--answer-ms 200]
-    python bench/webhooks.py --deliverer-only 1000 [--answer-ms 200]
+    python bench/webhooks.py --deliverer-only 1000 [--answer-ms 200] [--rate 12]
 
 One private embedded Redis, one fleet of real `celery worker` processes, and a receiver on 127.0.0.1 that
 takes `--answer-ms` to answer each POST (a slow service). Each run is a root agent on the offline model that
@@ -16,7 +16,9 @@ and Redis's commands a task (those of scripts counted), figures a loaded machine
 The run fails (exit 1) if an end is missing or delivered twice. docs/benchmarks.md reads it.
 
 `--deliverer-only N` times the deliverer alone (coordinator/outbound.py) in this process: N deliveries of
-one root's events, no workers; the CPU its threads took a delivery.
+one root's events, no workers; the CPU its threads took a delivery. The events are all due at once, or with
+`--rate R` written R a second, as a tree's ends come to one worker process (a 1,000-wide tree of 40 s on two
+processes: about 12 a second each), where a claim finds fewer due at a time.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ import argparse
 import http.server
 import json
 import os
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -99,9 +104,20 @@ class Receiver(http.server.ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}/hook"
 
 
+def deliverer_threads(pid: int) -> set[int]:
+    """A worker's deliverer threads (native ids), named by py-spy's dump; none found without py-spy."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    try:
+        dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {int(m.group(1)) for m in re.finditer(r'^Thread (\d+) \([^)]*\): "subq-deliver', dump, re.MULTILINE)}
+
+
 class Meter:
     """CPU seconds (user + system) of the worker processes, Redis and this process (the receiver), and the
-    commands Redis ran: what a tree costs, whatever else the machine runs meanwhile."""
+    commands Redis ran: what a tree costs, whatever else the machine runs meanwhile. The workers' deliverer
+    threads are counted apart too (`cpu_deliverer_s`): what delivery costs the workers, measured in them."""
 
     def __init__(self, fleet: WorkerFleet, redis_url: str) -> None:
         self.client = redis.Redis.from_url(redis_url)
@@ -111,11 +127,18 @@ class Meter:
             "redis": [psutil.Process(int(info["process_id"]))],
             "receiver": [psutil.Process()],
         }
+        self.deliverers = {p.pid: deliverer_threads(p.pid) for p in self.processes["workers"]}
 
     def read(self) -> dict[str, float]:
         figures: dict[str, float] = {}
         for name, processes in self.processes.items():
             figures[f"cpu_{name}_s"] = sum(sum(p.cpu_times()[:2]) for p in processes)
+        figures["cpu_deliverer_s"] = sum(
+            t.user_time + t.system_time
+            for p in self.processes["workers"]
+            for t in p.threads()
+            if t.id in self.deliverers[p.pid]
+        )
         stats = self.client.info("commandstats")
         figures["redis_calls"] = float(sum(int(v["calls"]) for v in stats.values()))
         return figures
@@ -159,22 +182,27 @@ def one_tree(coord: Coordinator, width: int, receiver: Receiver | None, meter: M
     return figures
 
 
-def deliverer_cpu(deliveries: int, answer_s: float) -> None:
+def deliverer_cpu(deliveries: int, answer_s: float, rate: float) -> None:
     """The deliverer alone, in this process: `deliveries` events of one root (no workers, no runs) sent to
-    the receiver; the CPU seconds its threads took a delivery (per-thread, /proc), whatever else runs."""
+    the receiver, all due at once or `rate` a second; the CPU seconds its threads took a delivery
+    (per-thread, /proc), whatever else runs."""
     from coordinator.outbound import Deliverer
 
     receiver = Receiver(answer_s)
     with local_redis() as redis_url:
         coord = Coordinator(Settings(redis_url=redis_url, webhook_allow=["127.0.0.1"]))
         root = coord.create_task("Say hello.", run=False, webhooks=[{"url": receiver.url, "events": ["*"]}])
-        for _ in range(deliveries):
-            coord.store.outbox.add_event(root.id, root.id, "task.completed", {})
         deliverer = Deliverer(coord, lambda *_: None)
         stop = threading.Event()
         loop = threading.Thread(target=deliverer.run_forever, args=(stop,), name="subq-deliveries", daemon=True)
+        if not rate:
+            for _ in range(deliveries):
+                coord.store.outbox.add_event(root.id, root.id, "task.completed", {})
         started_s = time.perf_counter()
         loop.start()
+        for n in range(deliveries if rate else 0):
+            coord.store.outbox.add_event(root.id, root.id, "task.completed", {})
+            time.sleep(max(0.0, started_s + (n + 1) / rate - time.perf_counter()))
         while sum(receiver.ids.values()) < deliveries or coord.store.outbox.pending_count() or not deliverer.idle():
             time.sleep(0.1)
         wall_s = time.perf_counter() - started_s
@@ -187,7 +215,8 @@ def deliverer_cpu(deliveries: int, answer_s: float) -> None:
         twice = sum(1 for n in receiver.ids.values() if n > 1)
         coord.close()
     receiver.shutdown()
-    print(f"{deliveries} deliveries, receiver {answer_s * 1000:.0f} ms an answer: {wall_s:.1f} s, "
+    pace = f"{rate:g} a second" if rate else "all due at once"
+    print(f"{deliveries} deliveries ({pace}), receiver {answer_s * 1000:.0f} ms an answer: {wall_s:.1f} s, "
           f"the deliverer's threads {cpu_s / deliveries * 1e6:.0f} us of CPU a delivery; {twice} twice")  # fmt: skip
 
 
@@ -202,9 +231,12 @@ def main() -> int:
         "--deliverer-only", type=int, default=0, metavar="N",
         help="time the deliverer alone: N deliveries in this process, its threads' CPU a delivery",
     )  # fmt: skip
+    parser.add_argument(
+        "--rate", type=float, default=0.0, help="with --deliverer-only: events a second (0: all at once)"
+    )
     args = parser.parse_args()
     if args.deliverer_only:
-        deliverer_cpu(args.deliverer_only, args.answer_ms / 1000)
+        deliverer_cpu(args.deliverer_only, args.answer_ms / 1000, args.rate)
         return 0
     receiver = Receiver(args.answer_ms / 1000)
     runs: dict[str, list[dict[str, float]]] = {"without": [], "with": []}
@@ -233,9 +265,13 @@ def main() -> int:
     print(f"width {args.width}, {args.workers} x {args.concurrency} threads, receiver {args.answer_ms} ms an answer")
     print(f"tree wall time, median of {args.repeats}: without {without:.2f} s, with {with_:.2f} s "
           f"(ratio {with_ / without:.3f})")  # fmt: skip
-    for name in ("workers", "redis", "receiver"):
+    for name in ("workers", "deliverer", "redis", "receiver"):
         cpu = {mode: statistics.median(r[f"cpu_{name}_s"] for r in runs[mode]) for mode in runs}
-        print(f"CPU of the {name} during the tree, median: without {cpu['without']:.2f} s, with {cpu['with']:.2f} s")
+        what = "workers' deliverer threads" if name == "deliverer" else name
+        print(f"CPU of the {what} during the tree, median: without {cpu['without']:.2f} s, with {cpu['with']:.2f} s")
+    to_delivered = statistics.median(r["cpu_deliverer_s_to_delivered"] for r in runs["with"])
+    print(f"the workers' deliverer threads until every end was delivered: {to_delivered:.2f} s, "
+          f"{to_delivered / (args.width + 1) * 1e6:.0f} us a delivery (median; 0 without py-spy to name them)")  # fmt: skip
     calls = {mode: statistics.median(r["redis_calls_a_task"] for r in runs[mode]) for mode in runs}
     print(f"Redis commands a task (scripts' own counted): without {calls['without']:.1f}, with {calls['with']:.1f}")
     after = statistics.median(r["delivered_after_end_s"] for r in runs["with"])
