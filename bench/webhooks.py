@@ -269,6 +269,13 @@ def main() -> int:
         cpu = {mode: statistics.median(r[f"cpu_{name}_s"] for r in runs[mode]) for mode in runs}
         what = "workers' deliverer threads" if name == "deliverer" else name
         print(f"CPU of the {what} during the tree, median: without {cpu['without']:.2f} s, with {cpu['with']:.2f} s")
+    others = {mode: statistics.median(r["cpu_workers_s"] - r["cpu_deliverer_s"] for r in runs[mode]) for mode in runs}
+    pairs = [
+        (w["cpu_workers_s"] - w["cpu_deliverer_s"]) - (o["cpu_workers_s"] - o["cpu_deliverer_s"])
+        for o, w in zip(runs["without"], runs["with"], strict=True)
+    ]
+    print(f"CPU of the workers' other threads (the runs'), median: without {others['without']:.2f} s, "
+          f"with {others['with']:.2f} s; pairs with - without: {', '.join(f'{d:+.2f}' for d in pairs)} s")  # fmt: skip
     to_delivered = statistics.median(r["cpu_deliverer_s_to_delivered"] for r in runs["with"])
     print(f"the workers' deliverer threads until every end was delivered: {to_delivered:.2f} s, "
           f"{to_delivered / (args.width + 1) * 1e6:.0f} us a delivery (median; 0 without py-spy to name them)")  # fmt: skip
