@@ -32,6 +32,7 @@ from coordinator.store.protocol import (
     RecordTool,
     Retry,
     RunKeys,
+    StartRun,
     StepWrites,
     Unwatch,
     arg,
@@ -146,6 +147,34 @@ def test_end_run_packs_its_keys_and_arguments_where_its_header_says() -> None:
     # ARGV[32..]: flush_run's from its seventh: live, the four counts, then each tail laid out flat.
     assert args[31:36] == ["{}", 2, 1, 1, 1]
     assert args[36:] == ["m1", "m2", "u1", "req-1", 10, 5, 0, 0, 123, "provider", "le:100", 80, 1000, "running"]
+
+
+def test_with_fair_shares_off_a_runs_start_and_end_leave_their_keys_and_arguments_off() -> None:
+    # Only `on` (0) is sent: each key or argument costs the server a call's work, and neither script reads them
+    # then. end_run.lua finds the ancestors at KEYS[21..] and flush_run's ARGV from ARGV[21].
+    fair = FairKeys(wanting="want", policies="pol", holding="hold", capacity="cap")
+    end = EndRun(
+        run=_run_keys("t"), due="due", parent="p", todos="todos", awaiting="await", batch="b", parent_ui="pui",
+        lines="lines", running="running", admission="adm", parent_running="prun", outbox=_OUTBOX,
+        fair=fair, ancestors=["task:p", "task:root"],
+        token="tok", retention_s=60, now=1.5, events_maxlen=100, status="completed", summary="s", error="",
+        error_class="", resume_grace_s=2.0, stop_on_budget=1, free_slot=0, per_parent=3, per_tree=9,
+        task_prefix="pre:", running_children_prefix="rc:", admission_scan=50, output="",
+        invalid_outputs=0, budget_warn_at=0.8, fair_args=fair_args(Keys("p"), FairShares(on=False, capacity=16)),
+        writes=_writes(),
+    )  # fmt: skip
+    keys, args = end.pack()
+    assert keys[17:20] == ["hooks", "outbox", "pending"] and keys[20:] == ["task:p", "task:root"]
+    assert args[18:20] == [0.8, 0]  # ARGV[19], ARGV[20]: fair shares off
+    assert args[20:25] == ["{}", 2, 1, 1, 1]  # ARGV[21..]: flush_run's from its seventh
+    start = StartRun(
+        task="task:t", lease="lease:t", due="due", live="live", events="ev", conversation="conv", ui_messages="ui",
+        running="running", admission="adm", last_start="last", fair=fair, token="tok", lease_s=15, look_at=2.0,
+        now=1.0, events_maxlen=100, task_prefix="pre:", per_parent=0, per_tree=0, stagger_ms=0, now_ms=1000,
+        retention_s=60, running_children_prefix="rc:", fair_args=fair_args(Keys("p"), FairShares(on=False)),
+    )  # fmt: skip
+    keys, args = start.pack()
+    assert len(keys) == 10 and args[12:] == [0]  # KEYS[1..10], ARGV[13]: fair shares off, nothing after it
 
 
 def test_a_spliced_call_packs_as_the_script_it_calls_reads_it() -> None:

@@ -595,6 +595,11 @@ class FairArgs(Group):
     default_priority: int = arg("the priority of a record without one")
 
 
+# How many keys and arguments fair shares splice in (a start with them off leaves all but `on` off).
+_FAIR_KEYS = dataclasses.fields(FairKeys)
+_FAIR_ARGS = dataclasses.fields(FairArgs)
+
+
 @dataclass(frozen=True, kw_only=True)
 class FairAdmit(
     Call[None],
@@ -861,6 +866,20 @@ class EndRun(
     budget_warn_at: float = arg("the share of a budget whose crossing sends `budget.warning` (record_usage)")
     fair_args: FairArgs = splice("how fair shares are read (fair_release's, after its own three)")
     writes: StepWrites = splice("flush_run's ARGV from its seventh (what the run did since its last step)")
+
+    # Where fair shares' keys and, after their `on`, the rest of their arguments lie: KEYS[21..24], ARGV[21..31].
+    _FAIR_KEYS_AT: ClassVar[int] = 20
+    _FAIR_REST_AT: ClassVar[int] = 20
+
+    def pack(self) -> tuple[list[str], list[ScriptArg]]:
+        """As declared, but with fair shares off only their `on` (0) is sent, not their keys nor the rest of their
+        arguments: end_run.lua then finds the ancestors at KEYS[21..] and flush_run's ARGV from ARGV[21]
+        (each key or argument costs the server about 1 K instructions a call, bench/script_cost.py)."""
+        out_keys, out_args = super().pack()
+        if not self.fair_args.on:
+            del out_keys[self._FAIR_KEYS_AT : self._FAIR_KEYS_AT + len(_FAIR_KEYS)]
+            del out_args[self._FAIR_REST_AT : self._FAIR_REST_AT + len(_FAIR_ARGS) - 1]
+        return out_keys, out_args
 
     @classmethod
     def decode(cls, raw: Any) -> Ending:
@@ -1179,6 +1198,15 @@ class StartRun(
         "the prefix of the tree's running-children sets (the parent's is read from the record, as the ancestors' above)"
     )
     fair_args: FairArgs = splice("how fair shares are read", expand=True)
+
+    def pack(self) -> tuple[list[str], list[ScriptArg]]:
+        """As declared, but with fair shares off only their `on` (0) is sent, not their keys nor the rest of their
+        arguments: start_run.lua reads none of them then, and each key or argument costs the server about 1 K
+        instructions a call (28 K of a start's 364 K, bench/script_cost.py)."""
+        out_keys, out_args = super().pack()
+        if self.fair_args.on:
+            return out_keys, out_args
+        return out_keys[: -len(_FAIR_KEYS)], out_args[: -len(_FAIR_ARGS) + 1]
 
     @classmethod
     def decode(cls, raw: Any) -> StartReply:

@@ -5,6 +5,9 @@
 -- the last (settle_child). A child of a sequential batch stays on the due list, for its
 -- caller to write back and start the next step: a process that dies before that leaves it
 -- to the reconciler.
+-- With fair shares off (ARGV[20] 0) the caller leaves KEYS[21..24] and ARGV[21..31] off: the ancestors
+-- are KEYS[21..] then, and flush_run's ARGV begins at ARGV[21] (each key or argument sent costs the server
+-- about 1 K instructions, docs/benchmarks.md).
 -- KEYS[1..7] as flush_run (lease, task, conversation, UI, latency, live, events)
 -- KEYS[8] the due list
 -- KEYS[9] parent hash
@@ -59,18 +62,21 @@ if KEYS[9] ~= KEYS[2] then
     'runner', 'error_class', 'error', 'waiting_batch_id', 'resumes', 'timeline'})
 end
 local flush_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[18], KEYS[19], KEYS[20]}
-for i = 25, #KEYS do
+local fair = ARGV[20] == '1'
+for i = fair and 25 or 21, #KEYS do
   flush_keys[#flush_keys + 1] = KEYS[i]
 end
--- The live status (ARGV[32]: here the terminal one, made by the caller, store/runs.py) goes to
+-- The live status (ARGV[w]: here the terminal one, made by the caller, store/runs.py) goes to
 -- finish_task, which writes it as it is, and the UI messages go with the outcome's own, after it
 -- (one write each, not two).
-local live = ARGV[32]
-local n_conv, n_ui = tonumber(ARGV[33]), tonumber(ARGV[34])
-local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], '1', ARGV[19], '', ARGV[33], '0', ARGV[35], ARGV[36]}
+-- (w: where flush_run's ARGV begins, ARGV[32] or, with fair shares off, ARGV[21].)
+local w = fair and 32 or 21
+local live = ARGV[w]
+local n_conv, n_ui = tonumber(ARGV[w + 1]), tonumber(ARGV[w + 2])
+local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], '1', ARGV[19], '', ARGV[w + 1], '0', ARGV[w + 3], ARGV[w + 4]}
 local ui = {}
-local first_ui = 37 + n_conv
-for i = 37, #ARGV do
+local first_ui = w + 5 + n_conv
+for i = w + 5, #ARGV do
   if i >= first_ui and i < first_ui + n_ui then
     ui[#ui + 1] = ARGV[i]
   else
@@ -134,7 +140,7 @@ if ARGV[11] == '1' then
   admitted = release_slot({KEYS[15], KEYS[16], KEYS[17]},
     {f[1], ARGV[12], ARGV[13], retention, ARGV[14], ARGV[15], ARGV[16], now})
 end
-if ARGV[20] == '1' then
+if fair then
   -- Its tenant's fleet slot (fair shares), whoever its parent: given to the neediest tenant's parked run.
   local fair_argv = {f[1], math.floor(tonumber(now) * 1000), retention}
   for i = 20, 31 do

@@ -6,6 +6,8 @@
 -- UI message. The caller reads the task's record and its conversation in the same transaction,
 -- right after this call (`Scripts.then_read`): read here, each of the record's fields would be
 -- made a Lua string and back, the largest part of this step's cost (docs/benchmarks.md).
+-- With fair shares off (ARGV[13] 0) the caller leaves KEYS[11..14] and ARGV[14..] off: nothing reads them
+-- then, and each key or argument sent costs the server about 1 K instructions (docs/benchmarks.md).
 -- KEYS[1] task hash
 -- KEYS[2] lease
 -- KEYS[3] the due list
@@ -59,7 +61,8 @@ local id, status, parent_id = task[1], task[2], task[4]
 if not id then
   return {'missing', {}}
 end
-local fair, tenant = ARGV[13] == '1', (task[14] and task[14] ~= '') and task[14] or ARGV[23]
+local fair = ARGV[13] == '1'
+local tenant = fair and ((task[14] and task[14] ~= '') and task[14] or ARGV[23])
 if fair then
   redis.call('ZREM', ARGV[14] .. tenant .. ARGV[17], id)  -- its message has come: no longer queued in the broker
 end
