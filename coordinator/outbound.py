@@ -39,8 +39,10 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 from urllib.parse import SplitResult, quote, urlsplit
+
+import h11
 
 from coordinator.errors import NotFoundError
 from coordinator.inputs import one_line
@@ -172,17 +174,18 @@ class Exchange:
     read at the deliverer's next tick. `token` is the caller's, handed back with the outcome."""
 
     __slots__ = (
-        "address", "buffer", "deadline", "key", "out", "request", "reused", "sock", "stage", "tls_host", "token",
-        "watched",
+        "address", "answer", "deadline", "heard", "key", "out", "post", "reused", "sock", "stage", "tls_host",
+        "token", "watched",
     )  # fmt: skip
 
     def __init__(
-        self, token: object, key: tuple[str, str, int, str], request: bytes, deadline: float, tls_host: str | None
+        self, token: object, key: tuple[str, str, int, str], post: Post, deadline: float, tls_host: str | None
     ) -> None:
         self.token, self.key, self.deadline, self.tls_host = token, key, deadline, tls_host
-        self.address, self.request = key[3], request
-        self.out = memoryview(request)
-        self.buffer = bytearray()
+        self.address, self.post = key[3], post
+        self.answer = Answer(post)
+        self.out = memoryview(self.answer.request)
+        self.heard = False  # any byte of an answer came (a reused connection's failure before that is retried)
         self.reused = False
         self.sock: socket.socket | None = None
         self.stage = "connect"
@@ -199,8 +202,8 @@ class Connections:
     most `wait_s` (it returns early on `wake()`, from another thread); `collect()` reads the answers that
     came since, in one wake-up however many, and times out the late. Each returns the POSTs that ended as
     (token, status, '') on an answer or (token, 0, the failure's line) on none. A connection is kept for
-    the next POST only when its answer was read whole (a Content-Length within MAX_ANSWER_BYTES, HTTP/1.1,
-    no `Connection: close`); a POST on an idle connection the receiver closed meanwhile is made once more
+    the next POST only when its answer was read whole (`Answer`, by h11: a body within MAX_ANSWER_BYTES,
+    HTTP/1.1, no `Connection: close`); a POST on an idle connection the receiver closed meanwhile is made once more
     on a new one. docs/benchmarks.md: an attempt over the standard library's blocking client in a pool
     thread cost a busy worker 1 to 3.7 ms of CPU, mostly its thread's wake-ups beside the runs' threads.
     """
@@ -239,18 +242,16 @@ class Connections:
         host = url.hostname or ""
         port = url.port or (443 if url.scheme == "https" else 80)
         path = quote((url.path or "/") + (f"?{url.query}" if url.query else ""), safe=URL_SAFE)
-        lines = [f"POST {path} HTTP/1.1"]
-        for name, value in {**headers, "content-length": str(len(body))}.items():
-            if "\r" in value or "\n" in value:
-                return [(token, 0, f"RemoteProtocolError: the {name} header cannot be sent")]
-            lines.append(f"{name}: {value}")
-        try:
-            request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
-        except UnicodeEncodeError:
-            return [(token, 0, f"RemoteProtocolError: the URL's host cannot be sent: {url.netloc}")]
+        head = [*headers.items(), ("content-length", str(len(body)))]
         key = (url.scheme, host, port, address)
         tls_host = host if url.scheme == "https" else None
-        exchange = Exchange(token, key, request, time.monotonic() + timeout_s, tls_host)
+        try:
+            if not _sendable(headers):
+                raise h11.LocalProtocolError("a header value with a line break, or not ASCII")
+            post = Post(h11.Request(method="POST", target=path, headers=head), body)
+            exchange = Exchange(token, key, post, time.monotonic() + timeout_s, tls_host)
+        except h11.LocalProtocolError as exc:
+            return [(token, 0, one_line(f"RemoteProtocolError: the request cannot be sent to {url.netloc}: {exc}"))]
         self._live[token] = exchange
         ended: list[tuple[object, int, str]] = []
         idle = self._take(key)
@@ -404,30 +405,25 @@ class Connections:
             except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 break
             except OSError as exc:
-                if not exchange.buffer and self._again(exchange, ended):
+                if not exchange.heard and self._again(exchange, ended):
                     return
                 self._end(exchange, ended, 0, one_line(f"ReadError: {exc}"), keep=False)
                 return
-            if not data:  # the receiver closed the connection
-                answer = _answer(exchange.buffer, closed=True)
-                if answer is not None:
-                    self._end(exchange, ended, answer[0], "", keep=False)
-                elif not exchange.buffer and self._again(exchange, ended):
-                    pass
-                else:
-                    line = "RemoteProtocolError: the receiver closed the connection without an answer"
-                    self._end(exchange, ended, 0, line, keep=False)
+            if not data and not exchange.heard and self._again(exchange, ended):
+                return  # an idle connection the receiver had closed: the POST goes again on a new one
+            exchange.heard = True
+            try:
+                status, keep = exchange.answer.read(data)
+            except h11.RemoteProtocolError as exc:
+                self._end(exchange, ended, 0, one_line(f"RemoteProtocolError: not an HTTP answer: {exc}"), keep=False)
                 return
-            exchange.buffer += data
-            if len(exchange.buffer) > MAX_ANSWER_BYTES + MAX_HEAD_BYTES:
-                break
-        try:
-            answer = _answer(exchange.buffer, closed=False)
-        except ValueError as exc:
-            self._end(exchange, ended, 0, one_line(f"RemoteProtocolError: {exc}"), keep=False)
-            return
-        if answer is not None:
-            self._end(exchange, ended, answer[0], "", keep=answer[1])
+            if status:
+                self._end(exchange, ended, status, "", keep=keep)
+                return
+            if not data:
+                line = "RemoteProtocolError: the receiver closed the connection without an answer"
+                self._end(exchange, ended, 0, line, keep=False)
+                return
 
     def _again(self, exchange: Exchange, ended: list[tuple[object, int, str]]) -> bool:
         """An idle connection the receiver closed meanwhile: the POST once more, on a new one. False for
@@ -435,8 +431,9 @@ class Connections:
         if not exchange.reused:
             return False
         self._drop(exchange)
-        exchange.out = memoryview(exchange.request)
-        exchange.buffer.clear()
+        exchange.answer = Answer(exchange.post)
+        exchange.out = memoryview(exchange.answer.request)
+        exchange.heard = False
         self._connect(exchange, ended)
         return True
 
@@ -493,43 +490,65 @@ class Connections:
             sock.close()
 
 
-def _answer(buffer: bytearray, *, closed: bool) -> tuple[int, bool] | None:
-    """An HTTP answer's (status, whether its connection may serve the next POST) once its head is in (and,
-    to keep the connection, its body whole); None before. Interim (1xx) answers are skipped. ValueError
-    for what is not an HTTP answer."""
-    start = 0
-    while True:
-        end = buffer.find(b"\r\n\r\n", start)
-        if end < 0:
-            if len(buffer) - start > MAX_HEAD_BYTES:
-                raise ValueError("an answer's head past its bound")
-            return None
-        head = bytes(buffer[start:end]).decode("latin-1").split("\r\n")
-        version, _, rest = head[0].partition(" ")
-        code = rest[:3]
-        if not version.startswith("HTTP/1.") or not code.isdigit():
-            raise ValueError(f"not an HTTP answer: {head[0][:80]!r}")
-        status = int(code)
-        if 100 <= status < 200:
-            start = end + 4
-            continue
-        fields = {}
-        for line in head[1:]:
-            name, _, value = line.partition(":")
-            fields[name.strip().lower()] = value.strip().lower()
-        keep = version == "HTTP/1.1" and "close" not in fields.get("connection", "") and not closed
-        if status in (204, 304):
-            length = 0
-        elif "transfer-encoding" in fields or not fields.get("content-length", "").isdigit():
-            return status, False  # a body we do not read to its end: the connection ends with it
-        else:
-            length = int(fields["content-length"])
-        body = len(buffer) - (end + 4)
-        if not keep or length > MAX_ANSWER_BYTES or body > length:
-            return status, False
-        if body < length:
-            return None  # the rest of the body is on its way (the attempt's timeout still holds)
-        return status, True
+class Post(NamedTuple):
+    """What one attempt sends: the request's head (h11's) and its body."""
+
+    head: h11.Request
+    body: bytes
+
+
+def _sendable(headers: Mapping[str, str]) -> bool:
+    """Whether h11 takes these header values (no line break; the Host a URL's host, which may not be ASCII)."""
+    return all(value.isascii() and "\r" not in value and "\n" not in value for value in headers.values())
+
+
+class Answer:
+    """One POST and its answer on one connection, as HTTP/1.1 says (h11, the client's side of the exchange).
+
+    `request` is the POST as sent. Interim (1xx) answers are skipped. The connection serves the next POST
+    only when the answer was read whole, its body within MAX_ANSWER_BYTES, and neither side means to close
+    it; otherwise its status is taken as soon as its head is in, and the connection ends with it.
+    """
+
+    def __init__(self, post: Post) -> None:
+        self._http = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
+        sent = (self._http.send(event) for event in (post.head, h11.Data(data=post.body), h11.EndOfMessage()))
+        self.request = b"".join(part for part in sent if part)
+        self._status = 0
+        self._body_bytes = 0
+
+    def read(self, data: bytes) -> tuple[int, bool]:
+        """Take what came (b'' when the receiver closed): (status, whether the connection serves on) once the
+        answer is in, (0, False) before. h11.RemoteProtocolError for what is not an HTTP answer."""
+        self._http.receive_data(data)
+        while True:
+            event = self._http.next_event()
+            if event is h11.NEED_DATA or isinstance(event, h11.ConnectionClosed):
+                return 0, False
+            if isinstance(event, h11.Response):
+                self._status = event.status_code
+                if not _may_keep(event):
+                    return self._status, False
+            elif isinstance(event, h11.Data):
+                self._body_bytes += len(event.data)
+                if self._body_bytes > MAX_ANSWER_BYTES:
+                    return self._status, False
+            elif isinstance(event, h11.EndOfMessage):
+                keep = self._http.our_state is h11.DONE and self._http.their_state is h11.DONE and bool(data)
+                return self._status, keep
+            # an InformationalResponse (1xx): the answer is still to come
+
+
+def _may_keep(response: h11.Response) -> bool:
+    """Whether an answer's head lets its connection serve the next POST: HTTP/1.1, no `Connection: close`, and
+    a body that ends before the connection does (a Content-Length, chunked, or none: a 204 or 304)."""
+    fields = {name: value.lower() for name, value in response.headers}
+    framed = b"content-length" in fields or b"chunked" in fields.get(b"transfer-encoding", b"")
+    return (
+        response.http_version == b"1.1"
+        and b"close" not in fields.get(b"connection", b"")
+        and (framed or response.status_code in (204, 304))
+    )
 
 
 class Deliverer:
