@@ -38,6 +38,9 @@ PIP_WHEEL = ("-m", "pip", "wheel", "--no-deps")
 BUILD_TIMEOUT_S = 300
 INSTALL_TIMEOUT_S = 420
 COMMAND_TIMEOUT_S = 60
+# A fresh venv installs pip into itself (ensurepip): seconds on an idle host, past a minute beside a
+# loaded suite (CI: `python -m venv --clear` timed out after 60 s).
+VENV_TIMEOUT_S = 300
 # A graceful stop of an idle worker, API or Flower takes a second or two.
 STOP_TIMEOUT_S = 30
 
@@ -141,7 +144,7 @@ def _build_wheel(dest: Path) -> str:
 
 def _install(root: Path, requirement: str) -> str:
     """A fresh venv at `root` with `requirement` (the wheel file, with or without extras); its site-packages."""
-    run_checked([sys.executable, "-m", "venv", "--clear", str(root)], COMMAND_TIMEOUT_S)
+    run_checked([sys.executable, "-m", "venv", "--clear", str(root)], VENV_TIMEOUT_S)
     python = str(root / "bin" / "python")
     # The wheel file itself (not the checkout, not -e), with its runtime dependencies and
     # no dev extras. pip's cache is left on: dependencies come from it when it has them.
