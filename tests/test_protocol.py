@@ -123,17 +123,22 @@ def _writes() -> StepWrites:
     )  # fmt: skip
 
 
-def test_end_run_packs_its_keys_and_arguments_where_its_header_says() -> None:
-    call = EndRun(
+def _end_run(fair_on: bool, output: str = "", invalid_outputs: int = 0) -> EndRun:
+    """An end_run call with every field set, fair shares on or off."""
+    return EndRun(
         run=_run_keys("t"), due="due", parent="p", todos="todos", awaiting="await", batch="b", parent_ui="pui",
         lines="lines", running="running", admission="adm", parent_running="prun", outbox=_OUTBOX,
         fair=FairKeys(wanting="want", policies="pol", holding="hold", capacity="cap"), ancestors=["task:p", "task:root"],
         token="tok", retention_s=60, now=1.5, events_maxlen=100, status="completed", summary="s", error="",
         error_class="", resume_grace_s=2.0, stop_on_budget=1, free_slot=0, per_parent=3, per_tree=9,
-        task_prefix="pre:", running_children_prefix="rc:", admission_scan=50, output='{"total":3}',
-        invalid_outputs=2, budget_warn_at=0.8, fair_args=fair_args(Keys("p"), FairShares(on=True, capacity=16)),
-        writes=_writes(),
+        task_prefix="pre:", running_children_prefix="rc:", admission_scan=50, output=output,
+        invalid_outputs=invalid_outputs, budget_warn_at=0.8,
+        fair_args=fair_args(Keys("p"), FairShares(on=fair_on, capacity=16)), writes=_writes(),
     )  # fmt: skip
+
+
+def test_end_run_packs_its_keys_and_arguments_where_its_header_says() -> None:
+    call = _end_run(fair_on=True, output='{"total":3}', invalid_outputs=2)
     keys, args = call.pack()
     assert keys[:2] == ["lease:t", "task:t"] and keys[7] == "due" and keys[16] == "prun"  # KEYS[1], [2], [8], [17]
     assert keys[17:20] == ["hooks", "outbox", "pending"]  # KEYS[18..20]: the tree's outbox
@@ -153,16 +158,7 @@ def test_with_fair_shares_off_a_runs_start_and_end_leave_their_keys_and_argument
     # Only `on` (0) is sent: each key or argument costs the server a call's work, and neither script reads them
     # then. end_run.lua finds the ancestors at KEYS[21..] and flush_run's ARGV from ARGV[21].
     fair = FairKeys(wanting="want", policies="pol", holding="hold", capacity="cap")
-    end = EndRun(
-        run=_run_keys("t"), due="due", parent="p", todos="todos", awaiting="await", batch="b", parent_ui="pui",
-        lines="lines", running="running", admission="adm", parent_running="prun", outbox=_OUTBOX,
-        fair=fair, ancestors=["task:p", "task:root"],
-        token="tok", retention_s=60, now=1.5, events_maxlen=100, status="completed", summary="s", error="",
-        error_class="", resume_grace_s=2.0, stop_on_budget=1, free_slot=0, per_parent=3, per_tree=9,
-        task_prefix="pre:", running_children_prefix="rc:", admission_scan=50, output="",
-        invalid_outputs=0, budget_warn_at=0.8, fair_args=fair_args(Keys("p"), FairShares(on=False, capacity=16)),
-        writes=_writes(),
-    )  # fmt: skip
+    end = _end_run(fair_on=False)
     keys, args = end.pack()
     assert keys[17:20] == ["hooks", "outbox", "pending"] and keys[20:] == ["task:p", "task:root"]
     assert args[18:20] == [0.8, 0]  # ARGV[19], ARGV[20]: fair shares off
