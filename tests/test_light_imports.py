@@ -52,3 +52,21 @@ def test_subq_help_loads_only_typer() -> None:
     modules = loaded_after(code)
     assert heavy_in(modules, [m for m in HEAVY if m != "typer"]) == []
     assert heavy_in(modules, [*SERVER_SIDE, "coordinator.models"]) == []
+
+
+# The provider SDKs: more than half of a worker's start when imported (their pydantic types).
+PROVIDER_SDKS = ["openai", "anthropic"]
+
+
+def test_a_worker_imports_no_provider_sdk_until_a_profile_names_one() -> None:
+    code = "import os\nos.environ['SUBQ_REDIS_URL'] = 'redis://127.0.0.1:1/0'\nimport workers.app\n"
+    assert heavy_in(loaded_after(code), PROVIDER_SDKS) == []
+    # What the worker's start runs (workers/maintenance.py): the SDKs of the profiles' providers, and no other.
+    code += (
+        "from coordinator import Profile\n"
+        "from workers.runtime.providers import load_sdks\n"
+        "assert load_sdks([Profile(), Profile(model='openai:gpt-4o-mini')]) == ['openai']\n"
+    )
+    modules = loaded_after(code)
+    assert heavy_in(modules, PROVIDER_SDKS) == ["openai"]
+    assert "pydantic_ai.models.openai" in modules

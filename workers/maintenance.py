@@ -50,7 +50,7 @@ from coordinator import ConfigError, task_of_run_id
 from coordinator.reconciler import Reconciler
 from workers import observe
 from workers.application import app, settings
-from workers.runtime import mcp_servers, profile_tools
+from workers.runtime import mcp_servers, profile_tools, providers
 from workers.runtime.agent_loop import tune_gc
 from workers.runtime.context import get_runtime
 
@@ -109,6 +109,8 @@ def _check_tools(**_: Any) -> None:
         raise SystemExit(f"subq worker: {exc}") from None
     for line in profile_tools.policy_warnings(settings):
         log.warning("subq worker: warning: %s", line)
+    # Before the first run, not inside it: a provider's SDK takes seconds to import.
+    providers.load_sdks(list(settings.all_profiles().values()))
 
 
 def _stop_mcp_servers(**_: Any) -> None:

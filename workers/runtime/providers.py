@@ -42,6 +42,7 @@ marked down by the same script, so the backoff is written once, in
 from __future__ import annotations
 
 import asyncio
+import importlib
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -49,8 +50,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from anthropic import AsyncAnthropic
-from openai import AsyncOpenAI
 from pydantic_ai import RunContext
 from pydantic_ai.exceptions import (
     FallbackExceptionGroup,
@@ -65,12 +64,8 @@ from pydantic_ai.exceptions import (
 )
 from pydantic_ai.messages import ModelMessage, ModelResponse
 from pydantic_ai.models import Model, ModelRequestParameters, StreamedResponse
-from pydantic_ai.models.anthropic import AnthropicModel
 from pydantic_ai.models.fallback import FallbackModel
-from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.models.wrapper import WrapperModel
-from pydantic_ai.providers.anthropic import AnthropicProvider
-from pydantic_ai.providers.openai import OpenAIProvider
 from pydantic_ai.settings import ModelSettings
 
 from coordinator import OFFLINE_PROFILE, STANDARD_KEYS, Profile, ProfileError, Settings
@@ -90,6 +85,7 @@ __all__ = [
     "build_model",
     "endpoint_of",
     "error_line",
+    "load_sdks",
     "sent_errors",
     "view_of",
 ]
@@ -140,7 +136,15 @@ def build_model(profile: Profile, *, name: str | None = None) -> Model:
     if profile.model == OFFLINE_PROFILE:
         return OfflineModel()  # no provider: its errors are the lines its script gives
     provider, _, model_name = profile.model.partition(":")
+    # The SDKs are imported here, not at the module's top: together they are more than half
+    # of a worker's start (anthropic's and openai's pydantic types, about 4 s of CPU on 2
+    # cores), and a fleet of offline or one-provider profiles needs neither or one.
+    # `load_sdks` imports the ones the profiles name at the worker's start, not in a run.
     if provider == "openai":
+        from openai import AsyncOpenAI
+        from pydantic_ai.models.openai import OpenAIChatModel
+        from pydantic_ai.providers.openai import OpenAIProvider
+
         openai = AsyncOpenAI(
             api_key=_api_key(profile, name), base_url=profile.base_url or OPENAI_BASE_URL, max_retries=SDK_RETRIES
         )
@@ -148,6 +152,10 @@ def build_model(profile: Profile, *, name: str | None = None) -> Model:
             OpenAIChatModel(model_name, provider=OpenAIProvider(openai_client=openai)), _where(profile, name)
         )
     if provider == "anthropic":
+        from anthropic import AsyncAnthropic
+        from pydantic_ai.models.anthropic import AnthropicModel
+        from pydantic_ai.providers.anthropic import AnthropicProvider
+
         anthropic = AsyncAnthropic(
             api_key=_api_key(profile, name), base_url=profile.base_url or ANTHROPIC_BASE_URL, max_retries=SDK_RETRIES
         )
@@ -156,6 +164,26 @@ def build_model(profile: Profile, *, name: str | None = None) -> Model:
         )
     # Profile validation rejects other providers; this guards a Profile built with model_construct().
     raise ProfileError(f"unknown model provider in {profile.model!r}", field=_field(name, "model"))
+
+
+# The modules `build_model` imports for each provider, the SDK's and pydantic-ai's model for it.
+SDK_MODULES = {
+    "openai": ("openai", "pydantic_ai.models.openai", "pydantic_ai.providers.openai"),
+    "anthropic": ("anthropic", "pydantic_ai.models.anthropic", "pydantic_ai.providers.anthropic"),
+}
+
+
+def load_sdks(profiles: Sequence[Profile]) -> list[str]:
+    """Import the SDKs of the providers `profiles` use, once, at the worker's start; their names.
+
+    So a run's first request does not pay seconds of imports inside the run, and a fleet
+    that uses no provider (the offline model) never imports one.
+    """
+    providers = sorted({p.model.partition(":")[0] for p in profiles} & SDK_MODULES.keys())
+    for provider in providers:
+        for module in SDK_MODULES[provider]:
+            importlib.import_module(module)
+    return providers
 
 
 def endpoint_of(profile: Profile) -> str | None:
