@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -45,6 +47,9 @@ class Heartbeat:
         self.plane = plane
         self.worker_id = worker_id
         self._runs: dict[str, Leased] = {}
+        # Runs inside their end step: the end script checks the lease itself (and deletes it), so
+        # a renewal that finds it gone meanwhile says nothing of a lost lease.
+        self._ending: set[str] = set()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._drain_deadline: float | None = None
@@ -61,6 +66,24 @@ class Heartbeat:
         with self._lock:
             if self._runs.get(run.task_id) is run:
                 del self._runs[run.task_id]
+                self._ending.discard(run.task_id)
+
+    @contextmanager
+    def ending(self, run: Leased) -> Iterator[None]:
+        """`run`'s end step: from here a renewal that finds its lease gone neither fences nor warns.
+
+        The end script checks the lease itself and deletes it, so a renewal racing it (its
+        list read before, its script run after) must not read the deleted lease as lost. It
+        holds until `forget`; an end step that raised leaves the run renewed as before.
+        """
+        with self._lock:
+            self._ending.add(run.task_id)
+        try:
+            yield
+        except BaseException:
+            with self._lock:
+                self._ending.discard(run.task_id)
+            raise
 
     def renew(self) -> None:
         """Renew the leases of this process's runs (and its heartbeat); a lost one fences its run."""
@@ -69,7 +92,8 @@ class Heartbeat:
         for task_id in self.plane.store.convergence.renew_leases(
             held, self.plane.settings.heartbeat_lapse_s, self.worker_id
         ):
-            run = self._runs.get(task_id)
+            with self._lock:
+                run = None if task_id in self._ending else self._runs.get(task_id)
             if run is not None and not run.fenced:
                 run.fenced = True
                 log.warning("subq: the lease of %s lapsed; its run stops and writes nothing more", task_id)

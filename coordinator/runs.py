@@ -312,7 +312,8 @@ class Run:
         self.live.write(self.task, self.writes)  # always the last live status, with the final figures
         plane, task_id = self._plane, self.task.id
         # end_run.lua writes a child back onto its parent (and closes the batch when it is the last).
-        with self._hooks.span("subq.write_back" if self.task.batch_id else "subq.end_run", task_id=task_id):
+        span = self._hooks.span("subq.write_back" if self.task.batch_id else "subq.end_run", task_id=task_id)
+        with span, self._heartbeat.ending(self):
             ending = plane.store.runs.end_run(
                 self.task, self.token, self.writes, _outcome_fields(outcome), plane.settings.reconcile_grace_s,
                 self._admission, stop_on_budget=outcome.status == "completed", fair=admission.fair(plane),

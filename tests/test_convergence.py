@@ -255,6 +255,36 @@ def test_a_run_whose_lease_was_taken_stops_and_writes_nothing(coord: Coordinator
     rt.lifecycle.heartbeat.forget(run)
 
 
+def test_a_renewal_racing_a_runs_end_step_neither_fences_it_nor_warns(
+    coord: Coordinator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The end script deletes the lease; a renewal whose list was read before must not call it lost."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    run = lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    heartbeat = lifecycle.heartbeat
+    lease = coord.store.keys.lease(task.id, task.id)
+    with heartbeat.ending(run):
+        coord.client.delete(lease)  # as end_run.lua does, before the run forgets its lease
+        heartbeat.renew()
+    heartbeat.renew()  # ended, not yet forgotten
+    assert not run.fenced
+    assert "lapsed" not in caplog.text
+    heartbeat.forget(run)
+
+    # An end step that raised (Redis failed under it) leaves the run's lease watched as before.
+    again = coord.create_task(agent(reply("x")), run=True)
+    second = lifecycle.start(again.id)
+    assert isinstance(second, Run)
+    with pytest.raises(RuntimeError), heartbeat.ending(second):
+        raise RuntimeError("the end step failed")
+    coord.client.delete(coord.store.keys.lease(again.id, again.id))
+    heartbeat.renew()
+    assert second.fenced and "lapsed" in caplog.text
+    heartbeat.forget(second)
+
+
 def test_a_save_after_the_lease_lapsed_is_refused_even_before_the_heartbeat_notices(coord: Coordinator) -> None:
     task = coord.create_task(agent(reply("x")), run=True)
     lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
