@@ -58,13 +58,17 @@ def test_a_rolling_sigterm_restart_loses_nothing_and_doubles_nothing(settings: S
         eventually(lambda: coord.store.runs.in_flight(parent.id)["leases"] >= WORKERS or None, "every worker busy")
         handed_back = 0
         for n in range(WORKERS):
+            # As a Deployment's rolling update with a surge of one: the new process starts as the old one is
+            # told to stop, and the next old one is stopped once the new one is ready (issue 43: a worker's
+            # start is some 3 s of CPU, its hand-back a step; one after the other they made the test's wall).
             old = fleets[n]
             os.killpg(old.procs[0].pid, signal.SIGTERM)
+            fleets.append(old)  # stopped at the end too, should it outlive its wait
+            fleets[n] = WorkerFleet(own, 1, tmp_path / f"r{n}", name=f"new{n}")
             old.procs[0].wait(timeout=60)
             log = old.logs[0].read_text(errors="replace")
             assert old.procs[0].returncode == 0, log[-2000:]
             handed_back += log.count("handed ")
-            fleets[n] = WorkerFleet(own, 1, tmp_path / f"r{n}", name=f"new{n}")
             fleets[n].wait_ready()
         coord.wait(parent.id, 120)
         children = coord.get_children(parent.id)
