@@ -416,9 +416,12 @@ PLACEHOLDER_PARAMETERS: dict[str, Any] = {
 }
 
 
-def typed_parameters(ctx: RunContext[RunState], tool_defs: list[ToolDefinition]) -> list[ToolDefinition]:
+async def typed_parameters(ctx: RunContext[RunState], tool_defs: list[ToolDefinition]) -> list[ToolDefinition]:
     """Before each request (pydantic-ai's `prepare_output_tools` hook): a typed run's attempt_completion is
-    given its whole schema, `data`'s being the task's (`completion_parameters`)."""
+    given its whole schema, `data`'s being the task's (`completion_parameters`). A coroutine, as is
+    `bound_invalid_answers`: pydantic-ai runs a plain `def` hook in a thread of the executor, a hop to another
+    thread and back at every request and every step of every run (0.3 to 0.5 ms of a child's CPU in the tool
+    threads alone, docs/benchmarks.md); neither does I/O."""
     parameters = ctx.deps.completion_parameters
     if parameters is None:
         return tool_defs
@@ -465,7 +468,7 @@ def invalid_answers(messages: Sequence[ModelMessage]) -> int:
     return sum(1 for m in messages if isinstance(m, ModelRequest) and _invalid_parts(m))
 
 
-def bound_invalid_answers(ctx: RunContext[RunState], /, *, node: Any, result: Any) -> Any:
+async def bound_invalid_answers(ctx: RunContext[RunState], /, *, node: Any, result: Any) -> Any:
     """After each step (pydantic-ai's `after_node_run` hook), in a typed run: a step that answers an invalid
     answer (`_invalid_parts`) is counted with those of the whole conversation, shown as an `output_invalid`
     line, and the `max_invalid_outputs`-th fails the task (OutputInvalid); before it, the model reads what was
