@@ -50,6 +50,8 @@ from coordinator.models import Settled
 from coordinator.subscriptions import UnsafeTarget, resolve_safe
 
 if TYPE_CHECKING:
+    from standardwebhooks.webhooks import Webhook
+
     from coordinator.service import Coordinator
 
 __all__ = ["MAX_RESULT_CHARS", "Deliverer", "payload", "slack_line"]
@@ -87,13 +89,17 @@ POST_LOOK_S = 0.01
 HELPERS = 2
 # Address hosts whose check a deliverer keeps (a host's check is pure): more than any fleet's receivers.
 MOST_LITERALS = 1024
+# Subscriptions whose parsed URL and signer a deliverer keeps (`Target`): as many, for the same reason.
+MOST_TARGETS = 1024
 
 
 def payload(entry: Mapping[str, Any], record: Mapping[str, Any], api_url: str | None = None) -> dict[str, Any]:
     """An event's body: its id, type and time, the tree and task, the metadata, and an end's outcome and figures.
 
-    `record` is the task's record as GET /v1/tasks/{id} returns it; the event's own status (an end's) is
-    its type's, whatever the record says now (a retry may have moved it on since)."""
+    `record` is the task's record as GET /v1/tasks/{id} returns it, or at least its EVENT_FIELDS (the
+    store's outbox part); the event's own status (an end's) is its type's, whatever the record says now (a
+    retry may have moved it on since). Tokens in and out are the task's own, `tokens` its subtree's (the
+    record's `total_tokens`), as `cost_micros` and `total_cost_micros`."""
     event_type = str(entry["type"])
     data: dict[str, Any] = {
         "tree_id": record.get("root_id"),
@@ -109,8 +115,8 @@ def payload(entry: Mapping[str, Any], record: Mapping[str, Any], api_url: str | 
             status=what,
             result=summary if len(summary) <= MAX_RESULT_CHARS else summary[: MAX_RESULT_CHARS - 1] + "…",
             output=record.get("output"),
-            tokens_in=record.get("total_tokens_in"),
-            tokens_out=record.get("total_tokens_out"),
+            tokens_in=record.get("tokens_in"),
+            tokens_out=record.get("tokens_out"),
             tokens=record.get("total_tokens"),
             total_cost_micros=record.get("total_cost_micros"),
             cost_micros=record.get("cost_micros"),
@@ -166,6 +172,15 @@ class Claimed:
         self.root_id, self.delivery_id, self.entry, self.found, self.record = (
             root_id, delivery_id, entry, found, record
         )  # fmt: skip
+
+
+class Target(NamedTuple):
+    """What a subscription's attempts share, made once a process (`Deliverer._target`): its URL parsed, its
+    signer (None without a secret), and whether it takes Slack's body."""
+
+    url: SplitResult
+    signer: Webhook | None
+    slack: bool
 
 
 class Exchange:
@@ -242,13 +257,15 @@ class Connections:
         host = url.hostname or ""
         port = url.port or (443 if url.scheme == "https" else 80)
         path = quote((url.path or "/") + (f"?{url.query}" if url.query else ""), safe=URL_SAFE)
-        head = [*headers.items(), ("content-length", str(len(body)))]
         key = (url.scheme, host, port, address)
         tls_host = host if url.scheme == "https" else None
         try:
             if not _sendable(headers):
                 raise h11.LocalProtocolError("a header value with a line break, or not ASCII")
-            post = Post(h11.Request(method="POST", target=path, headers=head), body)
+            # As bytes: h11 takes them as they are (str it encodes first, a quarter of a Request's cost).
+            head = [(name.encode(), value.encode()) for name, value in headers.items()]
+            head.append((b"content-length", b"%d" % len(body)))
+            post = Post(h11.Request(method=b"POST", target=path.encode(), headers=head), body)
             exchange = Exchange(token, key, post, time.monotonic() + timeout_s, tls_host)
         except h11.LocalProtocolError as exc:
             return [(token, 0, one_line(f"RemoteProtocolError: the request cannot be sent to {url.netloc}: {exc}"))]
@@ -577,7 +594,7 @@ class Deliverer:
         self.slots = plane.settings.webhook_concurrency
         self._busy = 0  # attempts claimed and not yet ended
         self._ended: list[Settled] = []  # attempts made, not yet recorded
-        self._resolved: list[tuple[Claimed, Mapping[str, Any], Mapping[str, Any], SplitResult, str, str]] = []
+        self._resolved: list[tuple[Claimed, Target, Mapping[str, Any], str, str]] = []
         self._lock = threading.Lock()
         # How long an idle loop waits before it looks again: a worker paces it by its fleet's size
         # (workers/outbound.py), so a fleet of any size looks about every POLL_S.
@@ -585,6 +602,7 @@ class Deliverer:
         self._helpers = ThreadPoolExecutor(max_workers=HELPERS, thread_name_prefix="subq-delivery")
         self._connections = Connections(self.slots)
         self._literals: dict[str, tuple[str, str]] = {}  # an address host's (address, refusal), checked
+        self._targets: dict[tuple[str, str, str], Target] = {}  # a subscription's (url, secret, format)
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -649,33 +667,35 @@ class Deliverer:
             return self._busy == 0 and not self._ended
 
     def read(self, claimed: list[tuple[str, str]]) -> list[Claimed]:
-        """What the claimed deliveries' attempts need: their entries and targets, then their records (with
-        their children's ids only for a Celery callback, which sends the whole record)."""
+        """What the claimed deliveries' attempts need: their entries and targets, then what their payloads
+        read of their tasks' records (the few fields of an event, `event_records`; the whole record, with
+        its children's ids, only for a Celery callback, which sends it)."""
         found = self.outbox.claimed(claimed)
         tasks: dict[str, bool] = {}
         for entry, target in found:
             if entry is not None:
                 whole = target is not None and target[1].get("kind") == "celery"
                 tasks[str(entry["task_id"])] = tasks.get(str(entry["task_id"]), False) or whole
-        records = self._records([t for t, whole in tasks.items() if not whole], whole=False)
-        records |= self._records([t for t, whole in tasks.items() if whole], whole=True)
+        parts = [t for t, whole in tasks.items() if not whole]
+        records = self.outbox.event_records(parts) if parts else {}
+        records |= self._records([t for t, whole in tasks.items() if whole])
         return [
             Claimed(root_id, delivery_id, entry, target, records.get(str(entry["task_id"])) if entry else None)
             for (root_id, delivery_id), (entry, target) in zip(claimed, found, strict=True)
         ]
 
-    def _records(self, task_ids: list[str], *, whole: bool) -> dict[str, dict[str, Any]]:
-        """The tasks' records as GET /v1/tasks/{id} returns them; a task that expired is left out."""
+    def _records(self, task_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """The tasks' whole records as GET /v1/tasks/{id} returns them; a task that expired is left out."""
         if not task_ids:
             return {}
         try:
-            found = self.records.get_records(task_ids, whole=whole)
+            found = self.records.get_records(task_ids, whole=True)
             return {task_id: r.model_dump(mode="json") for task_id, r in zip(task_ids, found, strict=True)}
         except NotFoundError:  # a task of the claim has expired: read them one by one
             out: dict[str, dict[str, Any]] = {}
             for task_id in task_ids:
                 try:
-                    out[task_id] = self.records.get_records([task_id], whole=whole)[0].model_dump(mode="json")
+                    out[task_id] = self.records.get_records([task_id], whole=True)[0].model_dump(mode="json")
                 except NotFoundError:
                     pass
             return out
@@ -709,19 +729,32 @@ class Deliverer:
         if target.get("kind") == "celery":
             self._helpers.submit(self._celery, item, target, record)
             return
-        url = urlsplit(str(target["url"]))
-        host = url.hostname or ""
+        prepared = self._target(target)
+        host = prepared.url.hostname or ""
         if host not in self._literals:
             try:
                 ipaddress.ip_address(host.strip("[]"))
             except ValueError:  # a name: resolved (and checked) by a helper, which may wait on DNS
-                self._helpers.submit(self._resolve, item, target, body, url)
+                self._helpers.submit(self._resolve, item, prepared, body)
                 return
             # An address's check depends on it and the settings alone: made once (a bounded few a process).
             if len(self._literals) >= MOST_LITERALS:
                 self._literals.clear()
-            self._literals[host] = self._check(url)
-        self._post(item, target, body, url, *self._literals[host])
+            self._literals[host] = self._check(prepared.url)
+        self._post(item, prepared, body, *self._literals[host])
+
+    def _target(self, target: Mapping[str, Any]) -> Target:
+        """The subscription's URL parsed and its signer, made at its first attempt in this process."""
+        from standardwebhooks.webhooks import Webhook as Signer
+
+        key = (str(target["url"]), str(target.get("secret") or ""), str(target.get("format") or ""))
+        prepared = self._targets.get(key)
+        if prepared is None:
+            if len(self._targets) >= MOST_TARGETS:
+                self._targets.clear()
+            prepared = Target(urlsplit(key[0]), Signer(key[1]) if key[1] else None, key[2] == "slack")
+            self._targets[key] = prepared
+        return prepared
 
     def _check(self, url: SplitResult) -> tuple[str, str]:
         """The address to connect to for the URL's host, checked now ('' and the refusal's line if unsafe)."""
@@ -731,51 +764,41 @@ class Deliverer:
         except UnsafeTarget as exc:
             return "", one_line(f"refused: {exc}")
 
-    def _resolve(self, item: Claimed, target: Mapping[str, Any], body: Mapping[str, Any], url: SplitResult) -> None:
+    def _resolve(self, item: Claimed, target: Target, body: Mapping[str, Any]) -> None:
         """(A helper thread.) Resolve and check the host, then hand the attempt back to the loop."""
-        address, refusal = self._check(url)
+        address, refusal = self._check(target.url)
         with self._lock:
-            self._resolved.append((item, target, body, url, address, refusal))
+            self._resolved.append((item, target, body, address, refusal))
         self._connections.wake()
 
     def _start_resolved(self) -> None:
         with self._lock:
             ready, self._resolved = self._resolved, []
-        for item, target, body, url, address, refusal in ready:
+        for item, target, body, address, refusal in ready:
             try:
-                self._post(item, target, body, url, address, refusal)
+                self._post(item, target, body, address, refusal)
             except Exception:  # a fault of ours: the claim lapses and the delivery is due again
                 log.exception("subq deliveries: %s failed", item.delivery_id)
                 self._done(None)
 
-    def _post(
-        self,
-        item: Claimed,
-        target: Mapping[str, Any],
-        body: Mapping[str, Any],
-        url: SplitResult,
-        address: str,
-        refusal: str,
-    ) -> None:
-        from standardwebhooks.webhooks import Webhook as Signer
-
+    def _post(self, item: Claimed, target: Target, body: Mapping[str, Any], address: str, refusal: str) -> None:
         if refusal:
             self._done(self._settled(item, Attempt("retrying", refusal)))
             return
-        sent = {"text": slack_line(body)} if target.get("format") == "slack" else body
+        sent = {"text": slack_line(body)} if target.slack else body
         data = json.dumps(sent, separators=(",", ":"), ensure_ascii=False)
         now = datetime.now(UTC)
         headers = {
-            "host": url.netloc,
+            "host": target.url.netloc,
             "content-type": "application/json",
             "user-agent": USER_AGENT,
             "webhook-id": str(body["id"]),
             "webhook-timestamp": str(int(now.timestamp())),
         }
-        if target.get("secret"):
-            headers["webhook-signature"] = Signer(str(target["secret"])).sign(str(body["id"]), now, data)
+        if target.signer is not None:
+            headers["webhook-signature"] = target.signer.sign(str(body["id"]), now, data)
         self._answered(
-            self._connections.start(item, url, address, data.encode(), headers, self.settings.webhook_timeout_s)
+            self._connections.start(item, target.url, address, data.encode(), headers, self.settings.webhook_timeout_s)
         )
 
     def _answered(self, ended: list[tuple[object, int, str]]) -> None:

@@ -13,8 +13,9 @@ import time
 import pytest
 
 from coordinator import Coordinator, Settings
-from coordinator.outbound import Deliverer
-from coordinator.store.outbox import Settled
+from coordinator.models import Usage
+from coordinator.outbound import Deliverer, payload
+from coordinator.store.outbox import EVENT_FIELDS, Settled
 from tests.test_webhooks_connections import RawReceiver
 
 LEASE_MS = 60_000
@@ -96,3 +97,32 @@ def test_a_named_host_is_resolved_by_a_helper_and_checked_at_each_attempt(settin
         for key in coord.client.scan_iter("subqnamed:*"):
             coord.client.delete(key)
         coord.close()
+
+
+def test_an_events_fields_of_a_record_read_as_the_whole_record_reads_them(outbox_coord: Coordinator) -> None:
+    """The deliverer reads a few fields of each task's hash (OutboxStore.event_records), not the whole
+    record: each must read as GET /v1/tasks/{id} returns it, the payload's figures included."""
+    coord = outbox_coord
+    root = coord.create_task("Plan.", metadata={"job": "j-42"})
+    (child,) = coord.delegate(root.id, [{"description": "spender", "message": "Spend."}]).child_ids
+    coord.store.runs.record_usage(child, "r:1", Usage(tokens_in=120, tokens_out=30), 4_100, "test")
+    coord.client.hset(
+        coord.store.keys.task(root.id, child), mapping={"output": '{"total":3,"names":["a"]}', "summary": "<b>x</b>"}
+    )
+    bare = coord.create_task("Say hello.")
+    coord.client.hset(coord.store.keys.task(bare.id, bare.id), mapping={"metadata": "", "output": ""})
+    gone = coord.create_task("Expired.")
+    coord.client.delete(coord.store.keys.task(gone.id, gone.id))
+    found = coord.store.outbox.event_records([root.id, child, bare.id, gone.id])
+    assert sorted(found) == sorted([root.id, child, bare.id]), "a task that expired is left out"
+    for task_id in (root.id, child, bare.id):
+        whole = coord.get_task(task_id).model_dump(mode="json")
+        assert found[task_id] == {name: whole[name] for name in EVENT_FIELDS}, task_id
+    assert found[child]["output"] == {"total": 3, "names": ["a"]} and found[child]["tokens_in"] == 120
+    body = payload({"type": "task.completed", "task_id": child, "event_id": "evt_1", "ts": 1.0}, found[child])
+    assert (body["data"]["tokens_in"], body["data"]["tokens_out"], body["data"]["cost_micros"]) == (120, 30, 4_100)
+    assert body["data"]["tokens"] == found[child]["total_tokens"] == 150
+    assert found[bare.id]["metadata"] == {} and found[bare.id]["output"] is None
+    for key in coord.client.scan_iter("subqbatch:*"):
+        coord.client.delete(key)
+    coord.close()

@@ -19,11 +19,22 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from coordinator.ids import root_of
 from coordinator.models import Settled
 from coordinator.store.base import Part, _str_map, outbox_keys, translate_redis_errors
+from coordinator.store.fields import INT_FIELDS, JSON_FIELDS, TaskField
 from coordinator.store.protocol import Call, ClaimDeliveries, OutboxAdd, SettleDelivery
 
-__all__ = ["OutboxStore", "Settled"]  # Settled: coordinator.models, named here for the store's callers
+__all__ = ["EVENT_FIELDS", "OutboxStore", "Settled"]  # Settled: coordinator.models, named here for the store's callers
+
+# What an event's payload reads of its task's record (coordinator/outbound.py `payload`): a few fields of
+# the hash, not the whole record (a decoded TaskRecord cost the deliverer about 0.25 ms of CPU a delivery
+# in a 1,000-wide tree's ends, each of another task; docs/benchmarks.md).
+EVENT_FIELDS = (
+    TaskField.ROOT_ID, TaskField.METADATA, TaskField.SUMMARY, TaskField.OUTPUT, TaskField.TOKENS_IN,
+    TaskField.TOKENS_OUT, TaskField.TOTAL_TOKENS, TaskField.COST_MICROS, TaskField.TOTAL_COST_MICROS,
+    TaskField.ERROR, TaskField.ERROR_CLASS,
+)  # fmt: skip
 
 
 class OutboxStore(Part):
@@ -89,6 +100,30 @@ class OutboxStore(Part):
             (None if raw is None else dict(json.loads(raw)), targets[(root_id, delivery_id.rpartition(".")[2])])
             for (root_id, delivery_id), raw in zip(claimed, replies, strict=False)
         ]
+
+    @translate_redis_errors
+    def event_records(self, task_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The EVENT_FIELDS of each task's record, in one round trip, each decoded as the whole record reads
+        it (GET /v1/tasks/{id}: records.decode_record; tests/test_webhooks_batches.py holds the two equal);
+        a task that expired is left out."""
+        with self.client.pipeline(transaction=False) as pipe:
+            for task_id in task_ids:
+                pipe.hmget(self.keys.task(root_of(task_id), task_id), list(EVENT_FIELDS))
+            replies = pipe.execute()
+        out: dict[str, dict[str, Any]] = {}
+        for task_id, values in zip(task_ids, replies, strict=True):
+            raw = dict(zip(EVENT_FIELDS, values, strict=True))
+            if raw[TaskField.ROOT_ID] is None:
+                continue
+            fields: dict[str, Any] = {name: str(value or "") for name, value in raw.items()}
+            for name in EVENT_FIELDS:
+                if name in INT_FIELDS:
+                    fields[name] = int(raw[name] or 0)
+                elif name in JSON_FIELDS:
+                    fields[name] = json.loads(raw[name]) if raw[name] else None
+            fields[TaskField.METADATA] = fields[TaskField.METADATA] or {}  # as TaskRecord reads none
+            out[task_id] = fields
+        return out
 
     @translate_redis_errors
     def deliveries(self, root_id: str) -> list[dict[str, Any]]:
