@@ -57,15 +57,15 @@
 -- (Not the outcome's fields, which finish_task writes: read only if the task had ended before.)
 hash_prefetch(KEYS[2], fields_and(USAGE_FIELDS, {'batch_id', 'batch_mode', 'todo_id', 'description', 'timeline',
   'output'}))
+-- The parent's fields every child's end reads (the usage roll-up, the write-back); the ones only the batch's
+-- closer reads (close_batch, finish_batch) are read by it, once a batch, not prefetched by every child.
 if KEYS[9] ~= KEYS[2] then
-  hash_prefetch(KEYS[9], {'id', 'total_tokens', 'total_cost_micros', 'budget_micros', 'todos_version', 'status',
-    'runner', 'error_class', 'error', 'waiting_batch_id', 'resumes', 'timeline'})
+  hash_prefetch(KEYS[9], {'id', 'total_tokens', 'total_cost_micros', 'budget_micros', 'todos_version'})
 end
-local flush_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[18], KEYS[19], KEYS[20]}
 local fair = ARGV[20] == '1'
-for i = fair and 25 or 21, #KEYS do
-  flush_keys[#flush_keys + 1] = KEYS[i]
-end
+-- (Tables built whole, by constructors and `unpack`: a table grown one slot at a time is reallocated as it grows.)
+local flush_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[18], KEYS[19], KEYS[20],
+  unpack(KEYS, fair and 25 or 21)}
 -- The live status (ARGV[w]: here the terminal one, made by the caller, store/runs.py) goes to
 -- finish_task, which writes it as it is, and the UI messages go with the outcome's own, after it
 -- (one write each, not two).
@@ -73,15 +73,14 @@ end
 local w = fair and 32 or 21
 local live = ARGV[w]
 local n_conv, n_ui = tonumber(ARGV[w + 1]), tonumber(ARGV[w + 2])
-local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], '1', ARGV[19], '', ARGV[w + 1], '0', ARGV[w + 3], ARGV[w + 4]}
-local ui = {}
 local first_ui = w + 5 + n_conv
-for i = w + 5, #ARGV do
-  if i >= first_ui and i < first_ui + n_ui then
-    ui[#ui + 1] = ARGV[i]
-  else
-    flush_argv[#flush_argv + 1] = ARGV[i]
-  end
+local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], '1', ARGV[19], '', ARGV[w + 1], '0', ARGV[w + 3], ARGV[w + 4],
+  unpack(ARGV, w + 5, first_ui - 1)}
+local ui = {unpack(ARGV, first_ui, first_ui + n_ui - 1)}
+local at = 11 + n_conv
+for i = first_ui + n_ui, #ARGV do
+  at = at + 1
+  flush_argv[at] = ARGV[i]
 end
 local function say_all()
   if #ui > 0 then
@@ -127,13 +126,14 @@ if mode == 'sequential' then
 else
   redis.call('ZREM', KEYS[8], f[1])
 end
-local say
+-- The outcome's UI message, written as text around its one string, which cjson escapes (a task's summary
+-- is a model's text): a table encoded whole costs three times that.
 if f[2] == 'completed' then
-  say = {ts = tonumber(now), type = 'say', say = 'completion_result', text = f[3] or ''}
+  ui[#ui + 1] = '{"ts":' .. now .. ',"type":"say","say":"completion_result","text":' .. cjson.encode(f[3] or '') .. '}'
 else
-  say = {ts = tonumber(now), type = 'say', say = 'error', text = (f[5] or '') .. ': ' .. (f[4] or '')}
+  ui[#ui + 1] = '{"ts":' .. now .. ',"type":"say","say":"error","text":' .. cjson.encode((f[5] or '') .. ': ' .. (f[4] or ''))
+    .. '}'
 end
-ui[#ui + 1] = cjson.encode(say)
 say_all()
 local admitted = {}
 if ARGV[11] == '1' then

@@ -118,12 +118,12 @@ local function hash_flush()
       done[key] = true
       local dirty = hash_dirty[key]
       if dirty then
-        local args = {}
+        local args, n = {}, 0
         for name, value in pairs(dirty) do
-          args[#args + 1] = name
-          args[#args + 1] = value
+          args[n + 1], args[n + 2] = name, value
+          n = n + 2
         end
-        redis.call('HSET', key, unpack(args))
+        redis.call('HSET', key, unpack(args, 1, n))
       end
       if hash_expire[key] then
         redis.call('EXPIRE', key, hash_expire[key])
@@ -139,9 +139,9 @@ local USAGE_FIELDS = {'status', 'tokens_in', 'tokens_out', 'cache_reads', 'cache
 
 -- `fields` and `more` as one list.
 local function fields_and(fields, more)
-  local out = {unpack(fields)}
+  local out, n = {unpack(fields)}, #fields
   for i = 1, #more do
-    out[#out + 1] = more[i]
+    out[n + i] = more[i]
   end
   return out
 end

@@ -58,9 +58,15 @@ local function warn(key, id, budget, total)
     share_percent = tonumber(share) * 100})})
 end
 hash_set(KEYS[1], 'tokens_in', n(own[2]) + n(ARGV[2]), 'tokens_out', n(own[3]) + n(ARGV[3]),
-  'cache_reads', n(own[4]) + n(ARGV[4]), 'cache_writes', n(own[5]) + n(ARGV[5]), 'cost_micros', n(own[6]) + cost,
-  'total_tokens', n(own[8]) + tokens, 'total_cost_micros', total, 'updated_at', ARGV[8],
-  'usage_keys', recorded == '' and ARGV[1] or (recorded .. ' ' .. ARGV[1]))
+  'cost_micros', n(own[6]) + cost, 'total_tokens', n(own[8]) + tokens, 'total_cost_micros', total,
+  'updated_at', ARGV[8], 'usage_keys', recorded == '' and ARGV[1] or (recorded .. ' ' .. ARGV[1]))
+-- A figure that does not change is not computed (most requests read and write no cache).
+if ARGV[4] ~= '0' then
+  hash_set(KEYS[1], 'cache_reads', n(own[4]) + n(ARGV[4]))
+end
+if ARGV[5] ~= '0' then
+  hash_set(KEYS[1], 'cache_writes', n(own[5]) + n(ARGV[5]))
+end
 if string.sub(ARGV[1], 1, 5) ~= 'tool:' then
   hash_set(KEYS[1], 'requests', n(own[7]) + 1, 'cost_source', ARGV[7])
 end
