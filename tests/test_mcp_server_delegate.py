@@ -13,7 +13,6 @@ from collections.abc import Iterator
 import anyio
 import pytest
 from pydantic_ai import Agent
-from pydantic_ai.mcp import MCPToolset
 
 from coordinator import Coordinator, McpServer, Profile, Settings, TaskStatus
 from coordinator.api import create_app
@@ -45,6 +44,10 @@ def delegated(coord: Coordinator, answer: str) -> str:
 
 
 def test_a_pydantic_ai_agent_delegates_through_the_endpoint(stack: tuple[Coordinator, ApiServer]) -> None:
+    # Imported here: pydantic_ai.mcp (with fastmcp's client) costs 1.3 s of CPU to import, paid by every
+    # pytest-xdist worker that collects this file otherwise (issue 43).
+    from pydantic_ai.mcp import MCPToolset
+
     coord, api = stack
     fleet = MCPToolset(f"{api.url}/mcp", headers={"Authorization": f"Bearer {TOKENS['team']}"})
     agent = Agent(OfflineModel(), toolsets=[fleet])

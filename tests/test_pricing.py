@@ -13,8 +13,6 @@ from genai_prices.data_snapshot import get_snapshot
 from pydantic import SecretStr
 from pydantic_ai import Agent
 from pydantic_ai.messages import ModelResponse, TextPart
-from pydantic_ai.models.anthropic import AnthropicModel
-from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.usage import RequestUsage
 
 from coordinator import usd_to_micros
@@ -238,6 +236,10 @@ def test_build_model_for_each_kind(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ANTHROPIC_BASE_URL", "http://from-the-environment.invalid")
 
     assert isinstance(build_model(Profile()), OfflineModel)
+    # Imported here, not at the top: the SDKs cost 3.9 s of CPU to import, paid by every pytest-xdist
+    # worker that collects this file, not only the one that runs this test (issue 43).
+    from pydantic_ai.models.anthropic import AnthropicModel
+    from pydantic_ai.models.openai import OpenAIChatModel
 
     openai = build_model(Profile(model="openai:gpt-4o-mini", api_key=SecretStr("sk-test")))
     assert isinstance(openai, OneLineErrors) and isinstance(openai.wrapped, OpenAIChatModel)
