@@ -38,6 +38,10 @@ FLOWER_PASSWORD = "compose-test-flower-password"
 REDIS_PASSWORD = "compose-test-redis-password"
 # Few threads per replica: the test host runs two workers, the API and Flower at once.
 WORKER_CONCURRENCY = "2"
+# A worker scaled away drops out of /readyz's count one lapse after its last beat: the default 15 s was
+# the test's longest wait (issue 43). 5 s, not the fault tests' 3 s: a lapse is also a run's lease, and
+# this host runs a whole stack beside the rest of the suite.
+HEARTBEAT_LAPSE_S = "5"
 # Docker's start_period and retries give a cold container a minute or more; a loaded CI host needs as long.
 HEALTHY_TIMEOUT_S = 120
 HEALTHCHECK_EVERY_S = 1.0
@@ -54,6 +58,7 @@ def _env_file(project: Path) -> None:
         SUBQ_FLOWER_PASSWORD=FLOWER_PASSWORD,
         SUBQ_WORKER_CONCURRENCY=WORKER_CONCURRENCY,
         SUBQ_COMPOSE_REDIS_PASSWORD=REDIS_PASSWORD,
+        SUBQ_HEARTBEAT_LAPSE_S=HEARTBEAT_LAPSE_S,
     )
     (project / ".env").write_text("".join(f"{key}={value}\n" for key, value in values.items()))
 
