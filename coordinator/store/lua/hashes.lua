@@ -45,28 +45,25 @@ local function hash_prefetch(key, fields)
   return have
 end
 
--- As redis.call('HMGET', key, ...): false for an absent field.
+-- As redis.call('HMGET', key, ...): false for an absent field. The table of the names asked for becomes the
+-- table of their values (one table a read, not two: every table a step makes is the Lua GC's work later).
 local function hash_get(key, ...)
-  local fields = {...}
+  local out = {...}
+  local n = #out
   local have = hash_cache[key]
-  local out = {}
   if have then
-    for i = 1, #fields do
-      local value = have[fields[i]]
-      if value == nil then
-        out = nil
+    for i = 1, n do
+      if have[out[i]] == nil then
+        have = nil
         break
       end
-      out[i] = value
     end
-    if out then
-      return out  -- every field cached: no HMGET, no second table
-    end
-    out = {}
   end
-  have = hash_prefetch(key, fields)
-  for i = 1, #fields do
-    out[i] = have[fields[i]]
+  if not have then
+    have = hash_prefetch(key, {...})
+  end
+  for i = 1, n do
+    out[i] = have[out[i]]
   end
   return out
 end
