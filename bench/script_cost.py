@@ -1,6 +1,6 @@
 """What one child's start_run and end_run cost the Redis server, in instructions (callgrind).
 
-    python bench/script_cost.py [--repeats 3] [--redis-server PATH]
+    python bench/script_cost.py [--repeats 3] [--split] [--redis-server PATH]
 
 Time measured on a shared 2-core host moves by half with the other work on it (the
 slowlog's microseconds of one script did between two runs); instructions do not. This
@@ -13,6 +13,10 @@ of `processInputBuffer`: parsing, the script, its commands, their AOF feed; not 
 write nor the server's clock-driven work). A call the store sends with reads in one
 transaction (`Scripts.then_read`: start_run and the record it returns) is replayed so, and
 counted with them. The first call of each warms the server up.
+
+`--split` also says where the fewest's instructions went: reading the request, KEYS and ARGV
+made Lua's (and the reply Redis's), the Lua interpreter's own work, the commands the script ran, and
+the AOF feed of its writes.
 
 Needs valgrind (`callgrind_control`, `callgrind_annotate`) and a redis-server on PATH (or
 `--redis-server`). docs/benchmarks.md has the figures and what each part of a step costs.
@@ -190,25 +194,59 @@ def _replay_call(client: redis.Redis, pid: int, call: Captured, repeats: int) ->
         control("-d", f"s{repeat}-{call.script}")
 
 
-def _dumped_counts(dumps: str) -> dict[str, list[int]]:
-    """The instructions of each counted repeat (the warm-up's left out), by script, from callgrind's dumps."""
-    counts: dict[str, list[int]] = {}
+# The server's functions (named so by callgrind_annotate on a stripped redis-server too) whose inclusive
+# instructions split one call: `--split` prints where a step's instructions go.
+SPLIT_FUNCTIONS = (
+    "processInputBuffer",  # the whole handling of the call: the figure reported
+    "processMultibulkBuffer",  # reading the request: each key and argument a string object
+    "luaCallFunction",  # KEYS and ARGV made Lua tables, the script, its reply made Redis's
+    "lua_pcall",  # the script itself
+    "scriptCall",  # the commands it runs (redis.call), their own work
+    "propagatePendingCommands",  # its writes fed to the AOF (and replicas)
+)
+
+
+def _dumped_counts(dumps: str) -> dict[str, list[dict[str, int]]]:
+    """Each counted repeat (the warm-up's left out), by script, from callgrind's dumps: the inclusive
+    instructions of each of SPLIT_FUNCTIONS, `processInputBuffer` the call's whole."""
+    counts: dict[str, list[dict[str, int]]] = {}
     for path in glob.glob(f"{dumps}/cg.*.*"):
         text = Path(path).read_text(errors="replace")
         named = re.search(r"^desc: Trigger: dump s(\d+)-(\S+)", text, re.M)
         if not named or named.group(1) == "0":  # the warm-up call
             continue
         annotated = subprocess.run(["callgrind_annotate", "--inclusive=yes", path], capture_output=True, text=True)
-        found = re.search(r"^\s*([\d,]+) .*:processInputBuffer ", annotated.stdout, re.M)
-        if found:
-            counts.setdefault(named.group(2), []).append(int(found.group(1).replace(",", "")))
+        found = {}
+        for function in SPLIT_FUNCTIONS:
+            got = re.search(rf"^\s*([\d,]+) .*:{function} ", annotated.stdout, re.M)
+            found[function] = int(got.group(1).replace(",", "")) if got else 0
+        if found["processInputBuffer"]:
+            counts.setdefault(named.group(2), []).append(found)
     return counts
+
+
+def split(parts: dict[str, int]) -> str:
+    """Where one call's instructions went, in K: its parts by SPLIT_FUNCTIONS, the rest what none of them holds
+    (the command's dispatch, the reply's buffering, a transaction's reads after the script)."""
+    script, commands = parts["lua_pcall"], parts["scriptCall"]
+    named = {
+        "reading the request": parts["processMultibulkBuffer"],
+        "KEYS, ARGV and the reply to and from Lua": parts["luaCallFunction"] - script,
+        "Lua (interpreter, tables, strings, GC, command arguments and replies)": script - commands,
+        "commands run": commands,
+        "AOF feed": parts["propagatePendingCommands"],
+    }
+    rest = parts["processInputBuffer"] - sum(named.values())
+    return ", ".join(f"{name} {value / 1000:.0f}" for name, value in {**named, "the rest": rest}.items())
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/script_cost.py", description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="replays of each call (3); the fewest is reported")
     parser.add_argument("--redis-server", default=shutil.which("redis-server") or "", help="the server to profile")
+    parser.add_argument(
+        "--split", action="store_true", help="also where the fewest's instructions went (reading, Lua, commands, AOF)"
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be 1 or more")
@@ -216,13 +254,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("needs valgrind and a redis-server (on PATH, or --redis-server)")
     counts = replay(capture(), args.repeats, args.redis_server)
     for script in SCRIPTS:
-        runs = sorted(counts.get(script, []))
-        if not runs:
+        repeats = sorted(counts.get(script, []), key=lambda parts: parts["processInputBuffer"])
+        if not repeats:
             print(f"{script}: no figure (callgrind wrote no dump)", file=sys.stderr)
             return 1
+        runs = [parts["processInputBuffer"] for parts in repeats]
         print(
             f"{script:10} {runs[0] / 1000:8.1f} K instructions  (repeats: {', '.join(f'{r / 1000:.0f}' for r in runs)})"
         )
+        if args.split:
+            print(f"{'':10} K: {split(repeats[0])}")
     return 0
 
 
