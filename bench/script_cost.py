@@ -131,8 +131,8 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def replay(captured: list[Captured], repeats: int, server: str) -> dict[str, list[int]]:
-    """Each captured call on a callgrind redis-server: instructions of each repeat, by script."""
+def replay(captured: list[Captured], repeats: int, server: str) -> dict[str, list[dict[str, int]]]:
+    """Each captured call on a callgrind redis-server: each repeat's instructions (`_dumped_counts`), by script."""
     port, workdir, dumps = free_port(), tempfile.mkdtemp(), tempfile.mkdtemp()
     proc = subprocess.Popen(
         ["valgrind", "--tool=callgrind", f"--callgrind-out-file={dumps}/cg.%p", server, "--port", str(port),
