@@ -173,9 +173,9 @@ def test_the_stop_watch_reads_one_count_a_poll_until_a_stop_moves_it(own_coordin
     watched_keys = {keys.stops(), *(keys.task(run.task.root_id, run.task_id) for run in runs)}
     assert coord.settings.redis_url
     try:
-        # The watch's thread makes its first look (every status) as it starts; on a loaded host that
-        # can come late, so the test waits for it rather than count its reads below.
-        eventually(lambda: watch._stops_seen is not None, "the watch thread's first look", every_s=0.01)
+        # The watch makes its first look (every status) on the loop as the first run is watched; on a
+        # loaded host that can come late, so the test waits for it rather than count its reads below.
+        eventually(lambda: watch._stops_seen is not None, "the watch's first look", every_s=0.01)
         watch.poll()
         with monitored(coord.settings.redis_url) as commands:
             watch.poll()

@@ -9,6 +9,7 @@ read with the beat, in the same round trip (a real Redis here).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import Counter
 from types import SimpleNamespace
@@ -16,6 +17,7 @@ from typing import Any, cast
 
 from coordinator import Coordinator
 from coordinator.reconciler import BEATS_PER_LAPSE, IdlePace, Reconciler, fleet_paced_s
+from tests.helpers import eventually
 
 
 def test_a_fleet_clock_runs_as_many_times_slower_as_there_are_processes_up_to_its_bound() -> None:
@@ -97,15 +99,30 @@ def test_a_failed_beat_is_tried_again_after_an_interval_not_at_once() -> None:
     assert run_for(Counted(leads=True, fleet_size=1, fail=True), 20).beats == 20
 
 
-def test_an_idle_stop_watch_keeps_no_thread() -> None:
-    from workers.runtime.agent_loop import StopWatch
+def test_an_idle_stop_watch_keeps_no_timer() -> None:
+    """The watch polls on the runs' loop while one is watched; the tick that finds none leaves no timer."""
+    from workers.runtime.agent_loop import AgentLoop, StopWatch
 
-    watch = StopWatch(cast(Any, SimpleNamespace()), poll_s=0.01)
-    thread = watch._thread = threading.Thread(target=watch._poll_forever)
-    thread.start()
-    thread.join(timeout=60)
-    assert not thread.is_alive()
-    assert watch._thread is None
+    polls = []
+    lifecycle = SimpleNamespace(
+        stops_so_far=lambda: polls.append(1) or 0, must_stop=lambda runs: [], must_stop_here=lambda runs: []
+    )
+    watch, loop = StopWatch(cast(Any, lifecycle), poll_s=0.01), AgentLoop()
+    run = cast(Any, SimpleNamespace(task_id="t"))
+
+    async def watch_it() -> None:
+        watch.watch(run)
+
+    async def forget_it() -> None:
+        watch.forget(run)
+
+    loop.run(watch_it())
+    eventually(lambda: len(polls) >= 3, "three polls while a run is watched", every_s=0.01)
+    loop.run(forget_it())
+    eventually(lambda: watch._ticking_on is None, "the timer gone once nothing is watched", every_s=0.01)
+    polled = len(polls)
+    loop.run(asyncio.sleep(0.05))
+    assert len(polls) == polled, "no poll without a watched run"
 
 
 def test_an_idle_poll_slows_down_over_a_quiet_spell_and_starts_again_after_work() -> None:

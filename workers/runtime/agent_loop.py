@@ -28,6 +28,12 @@ flight, in one round trip (`RunLifecycle.must_stop`); each run that must stop
 has its model request abandoned at once. A thousand runs in flight that wait
 on their models cost one small read a poll, not a thousand status reads (at
 one read per run a poll, a run that waited 30 s on its model cost 120).
+The poll is a timer of the agents' loop, armed while a run is watched: a
+thread of its own, waking and taking the interpreter lock from the busy loop
+for each step of its read, cost a child 0.66 ms of CPU at 8 processes against
+0.07 at 1 on a busy 2-core host (bench/thread_cpu.py, docs/benchmarks.md); on
+the loop, which is awake anyway, the read is one small blocking call like
+those above.
 """
 
 from __future__ import annotations
@@ -142,7 +148,11 @@ async def _with_sync_calls(coro: Coroutine[Any, Any, T], sync_calls: concurrent.
 
 
 class StopWatch:
-    """The runs of this process that wait on a model, and one poll that stops those whose task was stopped."""
+    """The runs of this process that wait on a model, and one poll that stops those whose task was stopped.
+
+    The poll runs on the loop of the watched runs (`_tick`), at once when the first run is watched, then
+    every `poll_s` while any is; with none watched no timer is left (an idle process keeps no clock).
+    """
 
     def __init__(
         self, lifecycle: RunLifecycle, poll_s: float = CANCEL_POLL_S, full_look_s: float = FULL_LOOK_S
@@ -155,7 +165,8 @@ class StopWatch:
         self._full_look_due = 0.0
         self._lock = threading.Lock()
         self._watched: dict[str, tuple[Run, asyncio.AbstractEventLoop, asyncio.Future[None]]] = {}
-        self._thread: threading.Thread | None = None
+        # The loop whose timer polls, while one is armed (a forked child's new loop arms its own).
+        self._ticking_on: asyncio.AbstractEventLoop | None = None
 
     def watch(self, run: Run) -> asyncio.Future[None]:
         """A future (of the running loop) that is set when `run` must stop; call `forget` when it ends."""
@@ -163,9 +174,11 @@ class StopWatch:
         stop: asyncio.Future[None] = loop.create_future()
         with self._lock:
             self._watched[run.task_id] = (run, loop, stop)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._poll_forever, name="subq-stop-watch", daemon=True)
-                self._thread.start()
+            arm = self._ticking_on is not loop
+            if arm:
+                self._ticking_on = loop
+        if arm:
+            loop.call_soon(self._tick, loop)
         return stop
 
     def forget(self, run: Run) -> None:
@@ -196,18 +209,20 @@ class StopWatch:
             _, loop, stop = watched[run.task_id]
             loop.call_soon_threadsafe(_set, stop)
 
-    def _poll_forever(self) -> None:
-        while True:
-            with self._lock:
-                if not self._watched:  # an idle process keeps no clock: `watch` starts the thread again
-                    self._thread = None
-                    return
-            started = time.monotonic()
-            try:
-                self.poll()
-            except Exception:  # never let the watch die: every run in flight relies on it
-                log.exception("subq: the stop watch failed")
-            time.sleep(max(0.0, self._poll_s - (time.monotonic() - started)))
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A poll on `loop`, then the next one `poll_s` after this one began, while a run is watched."""
+        with self._lock:
+            if self._ticking_on is not loop:
+                return  # a timer left on a loop that is no longer the watch's
+            if not self._watched:  # an idle process keeps no clock: `watch` arms the timer again
+                self._ticking_on = None
+                return
+        started = time.monotonic()
+        try:
+            self.poll()
+        except Exception:  # never let the watch die: every run in flight relies on it
+            log.exception("subq: the stop watch failed")
+        loop.call_later(max(0.0, self._poll_s - (time.monotonic() - started)), self._tick, loop)
 
 
 class ProgressPacer:
