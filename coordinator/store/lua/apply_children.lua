@@ -35,12 +35,7 @@ local function one_line(text)
   return (string.gsub(string.gsub(text or '', '%s+', ' '), '^ ?(.-) ?$', '%1'))
 end
 local function line_of(child_id, got)
-  local head = '[' .. got.status .. '] ' .. (got.description or '') .. ' (task ' .. child_id
-  if got.todo_id and got.todo_id ~= '' then
-    head = head .. ', todo ' .. got.todo_id .. ')'
-  else
-    head = head .. ')'
-  end
+  local todo = (got.todo_id and got.todo_id ~= '') and (', todo ' .. got.todo_id) or ''
   local body
   if got.status == 'completed' then
     body = one_line(got.summary)
@@ -49,7 +44,9 @@ local function line_of(child_id, got)
     local err = (got.error and got.error ~= '') and got.error or 'no detail'
     body = class .. ': ' .. err
   end
-  local line = head .. ': ' .. body .. ' (' .. got.tokens .. ' tokens, ' .. usd(got.cost) .. ')'
+  -- One concatenation, one string (each piece joined apart would be a string of its own).
+  local line = '[' .. got.status .. '] ' .. (got.description or '') .. ' (task ' .. child_id .. todo .. '): ' .. body
+    .. ' (' .. got.tokens .. ' tokens, ' .. usd(got.cost) .. ')'
   -- A completed typed child's data, as its compact JSON (one line: JSON escapes every line break),
   -- up to OUTPUT_IN_LINE bytes; a larger one is named, for the parent to read from the record.
   if got.status == 'completed' and got.output and got.output ~= '' then

@@ -195,7 +195,11 @@ local function timeline_add(text, t_ms, state)
   end
   if string.sub(text, 1, 6) == '{"m":[' and string.sub(text, -3) == ']]}' then
     local last_t, last_state = string.match(text, '^.*%[(%d+),"([^"]*)"%]%]}$')
-    local _, marks = string.gsub(text, '"%]', '')
+    -- A mark takes 8 characters at the least (`[0,"a"],`): a shorter text is within the bound uncounted.
+    local marks = 0
+    if #text >= 8 * TIMELINE_MAX then
+      marks = select(2, string.gsub(text, '"%]', ''))
+    end
     if last_t and marks < TIMELINE_MAX then
       if TIMELINE_ENDS[last_state] or last_state == state then
         return nil

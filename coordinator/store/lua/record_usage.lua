@@ -31,7 +31,7 @@ if status == 'completed' or status == 'failed' or status == 'cancelled' then
   return {-1, ''}
 end
 local recorded = own[12] or ''
-if string.find(' ' .. recorded .. ' ', ' ' .. ARGV[1] .. ' ', 1, true) then
+if recorded ~= '' and string.find(' ' .. recorded .. ' ', ' ' .. ARGV[1] .. ' ', 1, true) then
   return {0, ''}
 end
 local function n(value)
