@@ -154,10 +154,11 @@ def test_installed_api_and_worker_serve(venv: Venv, redis_url: str, tmp_path: Pa
     url = f"http://127.0.0.1:{api_port}"
 
     with _started(venv, ["subq", "api", "--port", str(api_port)], tmp_path, **settings) as api:
-        health = _wait_for_health(url, api)
-        assert health["redis"]["ok"] is True
-
+        # Both start at once, as a deployment starts them (issue 43: one after the other, the API's start
+        # was the worker's wait): its health is read with Redis ok, then with the worker's heartbeat.
         with _started(venv, ["subq", "worker", "--concurrency", "2"], tmp_path, **settings) as worker:
+            health = _wait_for_health(url, api, worker)
+            assert health["redis"]["ok"] is True
             health = _wait_for_health(url, api, worker, want_worker=True)
             assert health["status"] == "ok" and health["workers"]["count"] >= 1
             # The token from SUBQ_API_TOKEN guards the task routes of the installed API.
