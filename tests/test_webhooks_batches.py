@@ -1,7 +1,8 @@
-"""The deliverer's batches on a real Redis (coordinator/outbound.py, OutboxStore.settle_and_claim): the
-outcomes of a batch are recorded once each, even when the server has forgotten the scripts (NOSCRIPT:
-only the calls that did not run are sent again), and a claim takes each due delivery once; a host name is
-resolved and checked by a helper thread, at each attempt.
+"""The deliverer's batches on a real Redis (coordinator/outbound.py, OutboxStore.settle_and_claim: one
+settle_and_claim.lua call a batch): the outcomes of a batch are recorded once each, even when the server
+has forgotten the scripts (NOSCRIPT), and a claim takes each due delivery once; an event's fields of a
+record read as the whole record does; a host name is resolved and checked by a helper thread, at each
+attempt.
 """
 
 from __future__ import annotations

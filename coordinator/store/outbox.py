@@ -23,7 +23,14 @@ from coordinator.ids import root_of
 from coordinator.models import Settled
 from coordinator.store.base import Part, _str_map, outbox_keys, translate_redis_errors
 from coordinator.store.fields import INT_FIELDS, JSON_FIELDS, TaskField
-from coordinator.store.protocol import Call, ClaimDeliveries, OutboxAdd, SettleDelivery
+from coordinator.store.protocol import (
+    ClaimDeliveries,
+    DeliveryOutcome,
+    DeliveryTree,
+    OutboxAdd,
+    SettleAndClaim,
+    SettleDelivery,
+)
 
 __all__ = ["EVENT_FIELDS", "OutboxStore", "Settled"]  # Settled: coordinator.models, named here for the store's callers
 
@@ -157,33 +164,23 @@ class OutboxStore(Part):
 
     @translate_redis_errors
     def settle_and_claim(self, outcomes: Sequence[Settled], limit: int, lease_ms: int) -> list[tuple[str, str]]:
-        """`settle` each outcome, then `claim`, in one round trip (each script atomic on its own): the
-        deliverer's step (coordinator/outbound.py)."""
-        now, counts = time.time(), self.keys.webhook_counts()
-        calls: list[Call[Any]] = [
-            SettleDelivery(
-                outbox=outbox_keys(self.keys, o.root_id),
-                counts=counts,
-                delivery_id=o.delivery_id,
-                member=f"{o.root_id} {o.delivery_id}",
-                state=o.state,
-                next_at=o.next_at,
-                last=o.last,
-                now=now,
-                retention_s=self.retention_s,
-            )
-            for o in outcomes
-        ]
-        if limit > 0:
-            calls.append(
-                ClaimDeliveries(
-                    pending=self.keys.outbox_pending(), now_ms=int(now * 1000), lease_ms=lease_ms, limit=limit
-                )
-            )
-        if not calls:
+        """`settle` each outcome, then `claim`, in one script call (`settle_and_claim.lua`, which runs
+        settle_delivery and claim_deliveries): the deliverer's step (coordinator/outbound.py)."""
+        if not outcomes and limit <= 0:
             return []
-        replies = self.scripts.many(calls)
-        members: list[str] = replies[-1] if limit > 0 else []
+        now = time.time()
+        members = self.scripts(
+            SettleAndClaim(
+                pending=self.keys.outbox_pending(), counts=self.keys.webhook_counts(),
+                trees=[DeliveryTree(self.keys.hooks(o.root_id), self.keys.outbox(o.root_id)) for o in outcomes],
+                now=now, retention_s=self.retention_s, now_ms=int(now * 1000), lease_ms=lease_ms,
+                limit=max(limit, 0),
+                outcomes=[
+                    DeliveryOutcome(o.delivery_id, f"{o.root_id} {o.delivery_id}", o.state, o.next_at, o.last)
+                    for o in outcomes
+                ],
+            )
+        )  # fmt: skip
         return [(root, delivery) for root, _, delivery in (member.partition(" ") for member in members)]
 
     @translate_redis_errors

@@ -1306,6 +1306,49 @@ class SettleDelivery(
         return str(raw or "")
 
 
+class DeliveryTree(NamedTuple):
+    """A settled delivery's tree, as settle_delivery's KEYS[1..2]: 2 keys."""
+
+    hooks: str
+    outbox: str
+
+
+class DeliveryOutcome(NamedTuple):
+    """An attempt's outcome, as settle_delivery's ARGV[1..5]: 5 values."""
+
+    delivery_id: str
+    member: str
+    state: str
+    next_at: float
+    last: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SettleAndClaim(
+    Call[list[str]],
+    script="settle_and_claim",
+    uses=("settle_delivery", "claim_deliveries"),
+    returns="the members claimed (`<root id> <delivery id>`), oldest first; none when the limit is 0.",
+):
+    pending: str = key("the pending deliveries of every tree (member `<root id> <delivery id>`, score: due ms)")
+    counts: str = key("the attempts' outcomes counted by `<event type> <outcome>` (the metrics)")
+    trees: Sequence[DeliveryTree] = keys("2 keys per outcome: its tree's hooks hash, its tree's outbox hash")
+    now: float = arg("now")
+    retention_s: int = arg("retention seconds")
+    now_ms: int = arg("now ms")
+    lease_ms: int = arg("how long a claim holds a delivery, ms: past it (its worker died) another takes it")
+    limit: int = arg("the most to claim (0: none)")
+    n_outcomes: int = count("number of outcomes", of="outcomes")
+    outcomes: Sequence[DeliveryOutcome] = args(
+        "5 per outcome, as settle_delivery takes them: the delivery id, its member of the pending deliveries, "
+        "its state (retrying, delivered, gone or given_up), when to try again (epoch s), the attempt's answer"
+    )
+
+    @classmethod
+    def decode(cls, raw: Any) -> list[str]:
+        return _strs(raw)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ToolSlot(
     Call[bool],
