@@ -38,8 +38,8 @@ FLOWER_PASSWORD = "compose-test-flower-password"
 REDIS_PASSWORD = "compose-test-redis-password"
 # Few threads per replica: the test host runs two workers, the API and Flower at once.
 WORKER_CONCURRENCY = "2"
-# A worker scaled away drops out of /readyz's count one lapse after its last beat: the default 15 s was
-# the test's longest wait (issue 43). 5 s, not the fault tests' 3 s: a lapse is also a run's lease, and
+# A worker scaled away drops out of /readyz's count one lapse after its last beat: the default 15 s was a
+# wait of the test's own (issue 43). 5 s, not the fault tests' 3 s: a lapse is also a run's lease, and
 # this host runs a whole stack beside the rest of the suite.
 HEARTBEAT_LAPSE_S = "5"
 # Docker's start_period and retries give a cold container a minute or more; a loaded CI host needs as long.
@@ -50,15 +50,15 @@ POLL_EVERY_S = 0.25
 HTTP_TIMEOUT_S = 10
 
 
-def _env_file(project: Path) -> None:
-    """The operator's step: copy .env.example to .env and fill in the secrets."""
+def _env_file(project: Path, **settings: str) -> None:
+    """The operator's step: copy .env.example to .env and fill in the secrets (and any `settings`)."""
     values = compose_file.read_env_file(ROOT / ".env.example")
     values.update(
         SUBQ_API_TOKEN=API_TOKEN,
         SUBQ_FLOWER_PASSWORD=FLOWER_PASSWORD,
         SUBQ_WORKER_CONCURRENCY=WORKER_CONCURRENCY,
         SUBQ_COMPOSE_REDIS_PASSWORD=REDIS_PASSWORD,
-        SUBQ_HEARTBEAT_LAPSE_S=HEARTBEAT_LAPSE_S,
+        **settings,
     )
     (project / ".env").write_text("".join(f"{key}={value}\n" for key, value in values.items()))
 
@@ -137,7 +137,7 @@ class Stack:
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
     """The compose project folder: the operator's .env beside the (checked-in) compose file."""
-    _env_file(tmp_path)
+    _env_file(tmp_path, SUBQ_HEARTBEAT_LAPSE_S=HEARTBEAT_LAPSE_S)
     return tmp_path
 
 
