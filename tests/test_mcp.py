@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from tests.conftest import dedicated_fleet
 from tests.helpers import assert_worker_refuses, eventually
 from tests.mcp_kit import START_S, server, started
 from workers.runtime.mcp_servers import checked_tools, hinted_verdict, needs_decision_by_hint
-from workers.runtime.profile_tools import load_profile
+from workers.runtime.profile_tools import check, load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 GIT_TOOLS = {"git_status", "git_log", "git_add", "git_commit", "git_reset", "git_diff", "git_show", "git_branch"}
@@ -83,6 +84,30 @@ def test_a_servers_tools_join_the_profile_with_their_source(settings: Settings, 
     assert len(started(pids)) == 2, "each check started the server once (and stopped it)"
     for pid in started(pids):
         eventually(lambda pid=pid: not Path(f"/proc/{pid}").exists(), f"the checked server {pid} stopped", 15)
+
+
+# How long each server of the next test waits for the other's start before it gives up.
+BARRIER_S = 30
+
+
+def test_a_workers_start_starts_every_profiles_servers_at_once(settings: Settings, tmp_path: Path) -> None:
+    """Each server answers only once the other has started: listed one after another, the first would fail."""
+    repo = _repository(tmp_path / "repo")
+    pids = tmp_path / "pids"
+    command, args = server(pids, repo)
+    started_line, exec_line = args[1].split("; ", 1)
+    wait = (
+        f"for i in $(seq {BARRIER_S * 10}); do [ $(wc -l < {shlex.quote(str(pids))}) -ge 2 ] && break; sleep 0.1; done"
+    )
+    barrier = ["-c", f"{started_line}; {wait}; [ $(wc -l < {shlex.quote(str(pids))}) -ge 2 ] || exit 1; {exec_line}"]
+    servers = {
+        name: Profile(mcp_servers=[McpServer(name="git", command=command, args=barrier, timeout_s=BARRIER_S + START_S)])
+        for name in ("first", "second")
+    }
+    tools = check(_settings(settings, **servers))
+    for name in servers:
+        assert {tool for tool, source in tools[name].sources.items() if source == "mcp:git"} >= GIT_TOOLS
+    assert len(started(pids)) == 2
 
 
 def test_the_servers_hints_decide_where_no_rule_does(tmp_path: Path) -> None:

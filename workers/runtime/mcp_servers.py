@@ -39,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
@@ -63,6 +63,7 @@ __all__ = [
     "SharedServer",
     "checked_tools",
     "hinted_verdict",
+    "list_at_once",
     "needs_decision_by_hint",
     "resolve_secrets",
     "shared_server",
@@ -251,7 +252,46 @@ def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
 
 
 _checked: dict[tuple[str, str], dict[str, ToolDefinition]] = {}
+# A server that `list_at_once` found broken: `checked_tools` raises its error in the check's order.
+_refused: dict[tuple[str, str], ConfigError] = {}
 _checked_lock = threading.Lock()
+
+
+def list_at_once(servers: Sequence[tuple[str, McpServer]], hidden: Sandbox | None = None) -> None:
+    """List every (profile, server) not listed yet, all at once, for `checked_tools` to answer.
+
+    A worker's start checks each profile's servers; one after another, a fleet of five
+    servers waited for five starts (each an interpreter or a `git` checkout). Errors are
+    kept and raised by `checked_tools` in the check's own order, so the line a broken
+    profile gets is the same. A server whose secrets are missing is left to `checked_tools`.
+    """
+    todo = []
+    for profile, server in servers:
+        with _checked_lock:
+            if (profile, repr(server)) in _checked:
+                continue
+        try:
+            resolve_secrets(profile, server, server.env, "env")
+            resolve_secrets(profile, server, server.headers, "header")
+        except ConfigError:
+            continue
+        todo.append((profile, server))
+
+    async def one(profile: str, server: McpServer) -> dict[str, ToolDefinition] | ConfigError:
+        try:
+            return await _list_once(profile, server, hidden or Sandbox())
+        except ConfigError as exc:
+            return exc
+
+    async def every() -> list[dict[str, ToolDefinition] | ConfigError]:
+        return await asyncio.gather(*(one(profile, server) for profile, server in todo))
+
+    for (profile, server), listed in zip(todo, _run_sync(every()), strict=True):
+        with _checked_lock:
+            if isinstance(listed, ConfigError):
+                _refused[(profile, repr(server))] = listed
+            else:
+                _checked[(profile, repr(server))] = listed
 
 
 def checked_tools(profile: str, server: McpServer, hidden: Sandbox | None = None) -> dict[str, ToolDefinition]:
@@ -264,6 +304,9 @@ def checked_tools(profile: str, server: McpServer, hidden: Sandbox | None = None
     with _checked_lock:
         if key in _checked:
             return _checked[key]
+        refused = _refused.pop(key, None)
+    if refused is not None:
+        raise refused
     # Secrets first: a missing variable is named before anything starts.
     resolve_secrets(profile, server, server.env, "env")
     resolve_secrets(profile, server, server.headers, "header")

@@ -466,7 +466,12 @@ def load_profile(name: str, settings: Settings) -> ProfileTools:
 
 def check(settings: Settings) -> dict[str, ProfileTools]:
     """Every profile's tools, imported and checked (a worker's start; `subq tools`)."""
-    return {name: load_profile(name, settings) for name in settings.all_profiles()}
+    # Every profile's MCP servers are started and listed at once first; the loop below checks
+    # them in order from that list, so a start takes the slowest server's time, not their sum.
+    profiles = settings.all_profiles()
+    servers = [(name, server) for name, profile in profiles.items() for server in profile.mcp_servers]
+    mcp_servers.list_at_once(servers, sandbox.Sandbox.of(settings))
+    return {name: load_profile(name, settings) for name in profiles}
 
 
 def policy_warnings(settings: Settings, names: list[str] | None = None) -> list[str]:
