@@ -1,7 +1,7 @@
 """What outbound events cost a wide tree: the same fan-out with and without a subscription to every end.
 
     python bench/webhooks.py [--width 1000] [--repeats 3] [--workers 2] [--concurrency 16] [--answer-ms 200]
-    python bench/webhooks.py --deliverer-only 1000 [--answer-ms 200] [--rate 12]
+    python bench/webhooks.py --deliverer-only 1000 [--answer-ms 200] [--rate 12] [--of-tree]
 
 One private embedded Redis, one fleet of real `celery worker` processes, and a receiver on 127.0.0.1 that
 takes `--answer-ms` to answer each POST (a slow service). Each run is a root agent on the offline model that
@@ -18,7 +18,9 @@ The run fails (exit 1) if an end is missing or delivered twice. docs/benchmarks.
 `--deliverer-only N` times the deliverer alone (coordinator/outbound.py) in this process: N deliveries of
 one root's events, no workers; the CPU its threads took a delivery. The events are all due at once, or with
 `--rate R` written R a second, as a tree's ends come to one worker process (a 1,000-wide tree of 40 s on two
-processes: about 12 a second each), where a claim finds fewer due at a time.
+processes: about 12 a second each), where a claim finds fewer due at a time. With `--of-tree`, the events
+are the ends of a real N-wide tree, run once by one worker beforehand and then sent again: each is another
+task's, whose record the deliverer reads, as in a wide tree.
 """
 
 from __future__ import annotations
@@ -225,28 +227,59 @@ def one_tree(coord: Coordinator, width: int, receiver: Receiver | None, meter: M
     return figures
 
 
-def deliverer_cpu(deliveries: int, answer_s: float, rate: float) -> None:
+def tree_deliveries(coord: Coordinator, width: int, receiver: Receiver) -> tuple[str, list[str]]:
+    """A `width`-wide tree run once by one worker with every end subscribed, its deliveries made: its root
+    and its deliveries' ids, to send again (each end is another task's, as in a wide tree)."""
+    with tempfile.TemporaryDirectory() as logs, WorkerFleet(coord.settings, 1, Path(logs)) as fleet:
+        fleet.wait_ready()
+        root = coord.create_task(root_message(width), run=True, webhooks=[{"url": receiver.url, "events": ["*"]}])
+        coord.wait(root.id, RUN_TIMEOUT_S)
+        while receiver.count() < width + 1:
+            time.sleep(0.1)
+    return root.id, [d.id for d in coord.deliveries(root.id)]
+
+
+def deliverer_cpu(deliveries: int, answer_s: float, rate: float, of_tree: bool) -> None:
     """The deliverer alone, in this process: `deliveries` events of one root (no workers, no runs) sent to
     the receiver, all due at once or `rate` a second; the CPU seconds its threads took a delivery
-    (per-thread, /proc), whatever else runs."""
+    (per-thread, /proc), whatever else runs. `of_tree`: the ends of a real `deliveries`-wide tree instead
+    (`tree_deliveries`), sent again (an operator's redeliver) at that pace."""
     from coordinator.outbound import Deliverer
 
     receiver = Receiver(answer_s)
     with local_redis() as redis_url:
-        coord = Coordinator(Settings(redis_url=redis_url, webhook_allow=["127.0.0.1"]))
-        root = coord.create_task("Say hello.", run=False, webhooks=[{"url": receiver.url, "events": ["*"]}])
+        coord = Coordinator(
+            Settings(
+                redis_url=redis_url, queue="bench-webhooks", webhook_allow=["127.0.0.1"],
+                max_fanout=max(DEFAULT_MAX_FANOUT, deliveries),
+            )
+        )  # fmt: skip
+        if of_tree:
+            root_id, ids = tree_deliveries(coord, deliveries, receiver)
+
+            def release(n: int) -> None:
+                coord.store.outbox.settle(root_id, ids[n], "pending")
+
+            deliveries = len(ids)
+        else:
+            root_id = coord.create_task("Say hello.", run=False, webhooks=[{"url": receiver.url, "events": ["*"]}]).id
+
+            def release(n: int) -> None:
+                coord.store.outbox.add_event(root_id, root_id, "task.completed", {})
+
+        before = receiver.count()
         deliverer = Deliverer(coord, lambda *_: None)
         stop = threading.Event()
         loop = threading.Thread(target=deliverer.run_forever, args=(stop,), name="subq-deliveries", daemon=True)
         if not rate:
-            for _ in range(deliveries):
-                coord.store.outbox.add_event(root.id, root.id, "task.completed", {})
+            for n in range(deliveries):
+                release(n)
         started_s = time.perf_counter()
         loop.start()
         for n in range(deliveries if rate else 0):
-            coord.store.outbox.add_event(root.id, root.id, "task.completed", {})
+            release(n)
             time.sleep(max(0.0, started_s + (n + 1) / rate - time.perf_counter()))
-        while receiver.count() < deliveries or coord.store.outbox.pending_count() or not deliverer.idle():
+        while receiver.count() - before < deliveries or coord.store.outbox.pending_count() or not deliverer.idle():
             time.sleep(0.1)
         wall_s = time.perf_counter() - started_s
         cpu_s = 0.0
@@ -255,10 +288,10 @@ def deliverer_cpu(deliveries: int, answer_s: float, rate: float) -> None:
                 stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
                 cpu_s += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
         stop.set()
-        twice = sum(1 for n in receiver.mine("").values() if n > 1)
+        twice = sum(1 for n in receiver.mine("").values() if n > 1 + of_tree)
         coord.close()
     receiver.shutdown()
-    pace = f"{rate:g} a second" if rate else "all due at once"
+    pace = (f"{rate:g} a second" if rate else "all due at once") + (", a tree's ends" if of_tree else "")
     print(f"{deliveries} deliveries ({pace}), receiver {answer_s * 1000:.0f} ms an answer: {wall_s:.1f} s, "
           f"the deliverer's threads {cpu_s / deliveries * 1e6:.0f} us of CPU a delivery; {twice} twice")  # fmt: skip
 
@@ -277,9 +310,13 @@ def main() -> int:
     parser.add_argument(
         "--rate", type=float, default=0.0, help="with --deliverer-only: events a second (0: all at once)"
     )
+    parser.add_argument(
+        "--of-tree", action="store_true",
+        help="with --deliverer-only N: the ends of a real N-wide tree (run once by one worker), sent again",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.deliverer_only:
-        deliverer_cpu(args.deliverer_only, args.answer_ms / 1000, args.rate)
+        deliverer_cpu(args.deliverer_only, args.answer_ms / 1000, args.rate, args.of_tree)
         return 0
     receiver = Receiver(args.answer_ms / 1000)
     runs: dict[str, list[dict[str, float]]] = {"without": [], "with": []}

@@ -5,9 +5,9 @@ outbox by the very Lua step that makes the state change (`outbox_add.lua`, from
 finish_task, stop_tasks): the two commit together, so no crash between them can
 lose one. Delivery is off the hot path: every worker process runs a
 `Deliverer` in a thread of its own (workers/outbound.py) that claims due
-deliveries from `<p>:outbox` with a lease (`claim_deliveries.lua`), makes one
-attempt each in a bounded pool of threads, and settles it
-(`settle_delivery.lua`): delivered (2xx), retrying at its next time (capped,
+deliveries from `<p>:outbox` with a lease, makes one attempt each on its own
+non-blocking sockets, and settles it (`settle_and_claim.lua` settles a batch and
+claims the next, by settle_delivery's and claim_deliveries' rules): delivered (2xx), retrying at its next time (capped,
 jittered backoff), gone (410: its subscription ends) or given up (past
 `SUBQ_WEBHOOK_RETRY_FOR_S`). A worker killed mid-attempt leaves its claim to
 lapse, and another worker takes the delivery then: at least once, with the same
@@ -159,7 +159,8 @@ class Attempt:
 class Claimed:
     """A claimed delivery with what its attempt needs, read for a whole claim at once (`Deliverer.read`):
     its entry (None once its tree expired), its subscription's (patterns, target) (None when gone) and
-    its task's record as GET /v1/tasks/{id} returns it (None when the task expired)."""
+    what its payload reads of its task's record (None when the task expired): the event's fields of it
+    (OutboxStore.event_records), or for a Celery callback the whole record as GET /v1/tasks/{id} returns it."""
 
     def __init__(
         self,
@@ -577,7 +578,7 @@ class Deliverer:
     whatever their number, and otherwise as `idle_wait_s()` says. Each tick's `step()` records, in one
     round trip, the outcomes of the attempts that ended since the last and claims as many due deliveries
     as there are free slots (`settle_and_claim`); two more read what their attempts need (entries and
-    targets, then records); the loop then sends them, moves on connects and sends as their sockets allow,
+    targets, then the event's fields of their records); the loop then sends them, moves on connects and sends as their sockets allow,
     and reads the answers that came at the tick's end. An attempt's outcome is recorded at the next step:
     until then its delivery stays claimed, and a worker dying in between has it sent again (at least once;
     the receiver drops a repeat by its webhook-id). Two helper threads do what would block the loop: a
