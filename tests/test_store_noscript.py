@@ -19,7 +19,7 @@ import redis
 from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.celery_app import make_app
 from coordinator.store.outbox import Settled
-from coordinator.store.protocol import SettleDelivery
+from coordinator.store.protocol import SettleAndClaim
 from tests.agents import agent, reply
 from workers.runtime.context import Runtime, build_runtime
 from workers.runtime.runner import run_child
@@ -95,7 +95,7 @@ def test_each_step_runs_once_when_the_server_forgot_its_script(
     coord.client.script_flush()
     coord.cancel(parent.id, "stopped by the test")
     assert coord.get_task(second).status == TaskStatus.CANCELLED
-    # The deliverer's batch: a claim, then outcomes settled in one pipeline (Scripts.many).
+    # The deliverer's step: a claim, then its outcomes settled with the next claim (settle_and_claim.lua).
     outbox = coord.store.outbox
     claimed = [c for c in outbox.settle_and_claim([], 10, LEASE_MS) if c[0] == parent.id]
     assert claimed, "the tree's events were queued for its webhook"
@@ -104,4 +104,4 @@ def test_each_step_runs_once_when_the_server_forgot_its_script(
     assert {d["state"] for d in outbox.deliveries(parent.id)} == {"gone"}
     assert [loader.loads for loader in loaders] == [0, 0], "each call went by its text, not SCRIPT LOAD"
     # EVAL keeps what it ran: the next call of a script finds it by its SHA.
-    assert coord.client.script_exists(coord.store.core.scripts._scripts[SettleDelivery.script].sha) == [True]
+    assert coord.client.script_exists(coord.store.core.scripts._scripts[SettleAndClaim.script].sha) == [True]

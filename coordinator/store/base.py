@@ -332,33 +332,6 @@ class Scripts:
         script_keys, script_args = call.pack()
         return call.decode(self._send[call.script](keys=script_keys, args=script_args))
 
-    def many(self, calls: Sequence[Call[Any]]) -> list[Any]:
-        """Several calls (none acknowledged) in one pipeline, one round trip: each atomic on its own, as if
-        sent one by one (the deliverer settles a batch of attempts so, coordinator/outbound.py). A call the
-        server answers NOSCRIPT did not run: that call alone is sent again, by its script's text (`queue_script`)."""
-        replies: list[Any] = [None] * len(calls)
-        todo = list(range(len(calls)))
-        for by_text in (False, True):
-            with self._client.pipeline(transaction=False) as pipe:
-                for n in todo:
-                    if CALLS[calls[n].script].acknowledged:
-                        raise TypeError(f"{calls[n].script}.lua is acknowledged: send it alone, with its WAIT")
-                    script_keys, script_args = calls[n].pack()
-                    queue_script(pipe, self._scripts[calls[n].script], script_keys, script_args, by_text=by_text)
-                answers = pipe.execute(raise_on_error=False)
-            missing = []
-            for n, answer in zip(todo, answers, strict=True):
-                if isinstance(answer, redis.exceptions.NoScriptError):
-                    missing.append(n)
-                elif isinstance(answer, Exception):
-                    raise answer
-                else:
-                    replies[n] = calls[n].decode(answer)
-            if not missing:
-                return replies
-            todo = missing
-        raise AssertionError("unreachable: EVAL never answers NOSCRIPT")
-
     def queue_in(self, pipe: Pipeline, call: Call[Any]) -> None:
         """Queue one call of a script inside the caller's transaction (after its `multi()`), by its text.
 
