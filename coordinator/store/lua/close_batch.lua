@@ -57,6 +57,9 @@ for i, child_id in ipairs(child_ids) do
 end
 local combined = 'Subtask results (' .. batch[1] .. ', ' .. done .. ' of ' .. #child_ids .. ' completed):\n'
   .. table.concat(out, '\n')
+-- Every field of the parent the close reads, here and in finish_batch, in one HMGET: end_run leaves them to
+-- the batch's closer (every other child's end reads only what its write-back needs).
+hash_prefetch(KEYS[2], {'id', 'status', 'runner', 'error_class', 'error', 'waiting_batch_id', 'resumes', 'timeline'})
 local parent = hash_get(KEYS[2], 'id', 'status', 'runner', 'error_class', 'error')
 if parent[2] == 'completed' or parent[2] == 'failed' or parent[2] == 'cancelled' then
   -- Stopped meanwhile: its caller reads why, then what had finished.
