@@ -129,7 +129,11 @@ def wake(plane: Plane, task_id: str) -> None:
     if record.status.terminal:
         return  # stopped while it waited: the stop ended it
     if plane.store.convergence.triage([task_id])[0].leased:
-        return  # a run of it is running already (woken twice)
+        # A run of it holds the lease: one woken twice, or the run that parked it and has not let its
+        # lease go yet. Watched, so that in the second case the reconciler runs it after the grace
+        # (a parked run is not watched); a run that parks again or ends unwatches it.
+        plane.store.convergence.watch([task_id], plane.settings.reconcile_grace_s)
+        return
     plane.store.convergence.watch([task_id], plane.settings.reconcile_grace_s)  # first: a lost publish is redone
     dispatch.publish_restart(plane.app, record)
     plane.store.events.set_live(record, "queued")

@@ -202,8 +202,8 @@ class Reconciler:
                 log.warning("subq reconciler: %s: %s", reason, task_id)
 
     def _timers(self) -> None:
-        done = []
-        for name in self.plane.store.convergence.due_timers(TICK_LIMIT):
+        due = self.plane.store.convergence.due_timer_times(TICK_LIMIT)
+        for name in due:
             kind, _, subject = name.partition(":")
             if kind == approvals.EXPIRY_TIMER:
                 try:
@@ -214,8 +214,8 @@ class Reconciler:
                 endpoints.wake(self.plane, subject)  # a run parked while its provider was down
             else:
                 log.error("subq reconciler: unknown timer %r dropped", name)
-            done.append(name)
-        self.plane.store.convergence.remove_timers(done)
+        # Only those still set for the time they were read at: one its run set again meanwhile is new.
+        self.plane.store.convergence.remove_served_timers(due)
 
     def _ended(self, task_id: str) -> str:
         """An ended task still due: its end was never written back to its parent's batch."""

@@ -223,6 +223,37 @@ def test_an_approval_deadline_is_a_timer_not_a_broker_countdown(coord: Coordinat
     assert queued_ids(coord) == [root.id], "the task resumes once, with the denial"
 
 
+def test_a_timer_set_again_while_the_tick_served_it_is_kept(coord: Coordinator) -> None:
+    """The tick serves a due timer; meanwhile the run it woke parks again under the same name."""
+    convergence = coord.store.convergence
+    convergence.add_timer("provider-wait:again", time.time() - 5)
+    convergence.add_timer("provider-wait:served", time.time() - 5)
+    due = convergence.due_timer_times(100)
+    assert set(due) == {"provider-wait:again", "provider-wait:served"}
+    wake_at = time.time() + 8
+    convergence.add_timer("provider-wait:again", wake_at)  # parked again, before the tick removes what it served
+    convergence.remove_served_timers(due)
+    left = dict(coord.client.zrange(coord.store.keys.timers(), 0, -1, withscores=True))
+    assert left == {"provider-wait:again": pytest.approx(wake_at)}, "the new timer stays, the served one goes"
+
+
+def test_a_parked_run_woken_while_its_lease_lingers_is_watched_not_dropped(coord: Coordinator) -> None:
+    """Its timer fired before the run that parked it let its lease go: the reconciler runs it later."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    convergence = coord.store.convergence
+    convergence.unwatch([task.id])  # parked: not watched, its timer serves it
+    convergence.add_timer(f"provider-wait:{task.id}", time.time() - 1)
+    lease = coord.store.keys.lease(task.id, task.id)
+    coord.client.set(lease, "the-parking-run", ex=60)
+    Reconciler(coord, "test").tick()
+    assert queued_ids(coord) == [], "a run holds the lease: not published now"
+    assert task.id in convergence.watched(), "but watched, not dropped"
+    coord.client.delete(lease)  # the parking run let it go
+    tick(coord)
+    assert queued_ids(coord) == [task.id], "published again after the grace"
+
+
 def test_one_leader_at_a_time(coord: Coordinator) -> None:
     first, second = Reconciler(coord, "first"), Reconciler(coord, "second")
     coord.client.delete(coord.store.keys.leader())

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, cast
+
+from redis.client import Pipeline
 
 from coordinator.ids import root_of, task_of_run_id
 from coordinator.store.base import Part, _str_map, _strs, translate_redis_errors
@@ -138,7 +140,37 @@ class ConvergenceStore(Part):
 
     @translate_redis_errors
     def due_timers(self, limit: int) -> list[str]:
-        return _strs(self.client.zrangebyscore(self.keys.timers(), "-inf", time.time(), start=0, num=limit))
+        return list(self.due_timer_times(limit))
+
+    @translate_redis_errors
+    def due_timer_times(self, limit: int) -> dict[str, float]:
+        """The due timers, each with the time it was set for (what `remove_served_timers` compares)."""
+        due = cast(
+            "list[tuple[str | bytes, float]]",
+            self.client.zrangebyscore(self.keys.timers(), "-inf", time.time(), start=0, num=limit, withscores=True),
+        )
+        return {name.decode() if isinstance(name, bytes) else str(name): float(at) for name, at in due}
+
+    @translate_redis_errors
+    def remove_served_timers(self, served: Mapping[str, float]) -> None:
+        """Remove the timers served, each only while it is still set for the time it was read at.
+
+        A timer set again meanwhile is a new one: a parked run woken by this tick, run at once and
+        parked again under the same name before the tick ended, has its new timer kept (removed by
+        name, it was lost, and its task waited for nothing).
+        """
+        if not served:
+            return
+        key, names = self.keys.timers(), list(served)
+
+        def remove(pipe: Pipeline) -> None:
+            now_at = pipe.zmscore(key, names)
+            gone = [name for name, at in zip(names, now_at, strict=True) if at is not None and at == served[name]]
+            pipe.multi()
+            if gone:
+                pipe.zrem(key, *gone)
+
+        self.client.transaction(remove, key)
 
     @translate_redis_errors
     def remove_timers(self, names: Iterable[str]) -> None:
