@@ -83,6 +83,26 @@ def test_priority_first_then_arrival_within_a_tenant(fair: Coordinator) -> None:
     assert store.fair.release(second, SHARES) == low[:1], "then the earliest of priority 3"
 
 
+def test_runs_parked_in_one_millisecond_start_in_the_order_they_parked(
+    fair: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parks of one priority stamped with the same millisecond (or an earlier one, by another worker's
+    clock) keep the order they parked in, where equal scores would sort by task id."""
+    store = fair.store
+    running = children(fair, "a", 2)
+    assert [start(store, t).verdict for t in running] == ["run", "run"]
+    waiting = children(fair, "a", 6)
+    frozen = time.time()
+    for step, task_id in enumerate(waiting):
+        # The first three share one millisecond; the last three come stamped a second earlier.
+        monkeypatch.setattr(time, "time", lambda at=frozen - (step >= 3): at)
+        assert start(store, task_id).verdict == "park"
+    monkeypatch.undo()
+    started = [store.fair.release(running[i % 2], SHARES) for i in range(2)]
+    assert started == [waiting[:1], waiting[1:2]], "the first two parked start first, in that order"
+    assert store.client.zrange(store.keys.tenant_parked("a"), 0, -1) == waiting[2:]
+
+
 def test_a_lone_tenant_uses_the_whole_fleet_and_the_fleet_caps_it(fair: Coordinator) -> None:
     store = fair.store
     ids = children(fair, "solo", SHARES.capacity + 1)

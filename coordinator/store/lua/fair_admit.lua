@@ -71,8 +71,14 @@ if not reason then
   rescore(tenant, running, parked, queued)
   return {'run', ''}
 end
--- Priority first (5 before 1), then arrival: a redelivered parked run keeps its place (NX).
-redis.call('ZADD', parked, 'NX', -tonumber(ARGV[3]) * 1e13 + tonumber(ARGV[4]), id)
+-- Priority first (5 before 1), then arrival: a redelivered parked run keeps its place (NX). Arrival is the
+-- order of parking: a run parked in the same millisecond as the last of its priority (or stamped earlier by
+-- another worker's clock) goes after it, where equal scores would sort by task id.
+local score = -tonumber(ARGV[3]) * 1e13 + tonumber(ARGV[4])
+local band_top = -tonumber(ARGV[3]) * 1e13 + 1e13
+local last = redis.call('ZREVRANGEBYSCORE', parked, '(' .. band_top, score, 'WITHSCORES', 'LIMIT', 0, 1)
+if last[2] then score = tonumber(last[2]) + 1 end
+redis.call('ZADD', parked, 'NX', score, id)
 redis.call('EXPIRE', parked, ARGV[11])
 rescore(tenant, running, parked, queued)
 local taken = false
