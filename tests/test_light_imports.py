@@ -70,3 +70,39 @@ def test_a_worker_imports_no_provider_sdk_until_a_profile_names_one() -> None:
     modules = loaded_after(code)
     assert heavy_in(modules, PROVIDER_SDKS) == ["openai"]
     assert "pydantic_ai.models.openai" in modules
+
+
+# The MCP SDK and subq's MCP tools: about 1 s of an API process's start, paid at the first /mcp request.
+MCP_SIDE = ["mcp", "coordinator.mcp_tools", "pydantic_ai"]
+API_CODE = (
+    "import sys\n"
+    "from fastapi.testclient import TestClient\n"
+    "from coordinator import Settings\n"
+    "from coordinator.api import create_app\n"
+    "app = create_app(Settings(redis_url='redis://127.0.0.1:1/0', api_token='t' * 32))\n"
+    "with TestClient(app):\n"  # the app's lifespan, as a served API runs it
+    "    pass\n"
+)
+
+
+def test_an_api_process_loads_the_mcp_sdk_only_when_mcp_is_asked() -> None:
+    assert heavy_in(loaded_after(API_CODE), MCP_SIDE) == []
+
+
+def test_mcp_starts_at_its_first_request_in_each_lifespan() -> None:
+    from fastapi.testclient import TestClient
+
+    from coordinator import Settings
+    from coordinator.api import create_app
+
+    app = create_app(Settings(redis_url="redis://127.0.0.1:1/0", api_token="t" * 32))
+    headers = {"Authorization": "Bearer " + "t" * 32, "Accept": "application/json, text/event-stream"}
+    listing = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+    # Without the app's lifespan there is no session manager to start: refused, as before.
+    assert TestClient(app).post("/mcp", json=listing, headers=headers).status_code == 503
+    for _ in range(2):  # a lifespan's manager stops with it; the next lifespan starts its own
+        with TestClient(app) as client:
+            for _ in range(2):
+                answer = client.post("/mcp", json=listing, headers=headers)
+                assert answer.status_code == 200, answer.text
+                assert '"name":"run_task"' in answer.text

@@ -15,10 +15,18 @@ A tree it may not read is also put on the audit log by this face, with the reaso
 Stateless Streamable HTTP (no MCP session kept between requests): every API replica
 serves any request, as for the /v1 routes, and a tool's progress notifications ride
 on its own request's response stream.
+
+The MCP SDK and the tools (coordinator/mcp_tools.py) are imported, and the server and its
+session manager built and started, at the first /mcp request of an app's lifespan, once a
+process: importing them costs about 1 s of CPU (issue 43, point 5), which an API process
+that never serves /mcp (the CLI's `subq api` in most deployments, and most of the suite's
+API servers) need not pay. The manager runs in a task of its own until the lifespan ends.
 """
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from decimal import Decimal
@@ -33,14 +41,15 @@ from coordinator.access import Principal
 from coordinator.access import Scope as KeyScope
 from coordinator.api.auth import Gate, actor_of
 from coordinator.api.errors import HttpError, error_response
-from coordinator.mcp_tools import McpOperations, Session, build_server
 from coordinator.service import Coordinator
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
     from mcp.server.context import ServerRequestContext
+    from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
+    from coordinator.mcp_tools import McpOperations, Session
     from coordinator.models import Approval, Retried, TaskRecord, TodoItem
     from coordinator.tree import TreeNode
 
@@ -146,16 +155,27 @@ def _credentials(scope: Scope) -> HTTPAuthorizationCredentials | None:
 
 
 class McpEndpoint:
-    """The ASGI endpoint of /mcp: the bearer guard, then the MCP SDK's Streamable HTTP transport."""
+    """The ASGI endpoint of /mcp: the bearer guard, then the MCP SDK's Streamable HTTP transport.
+
+    The SDK's session manager is made and started at the first request of each lifespan
+    (`_started_manager`), not at the app's start: see the module's docstring.
+    """
 
     def __init__(self, coord: Coordinator, guard: Guard, auth: bool, version: str) -> None:
         self.coord = coord
         self.guard = guard
         self.auth = auth
-        self.server = build_server(self._session_of, version)
-        self.manager: Any = None  # the SDK's session manager, made anew by each lifespan (one run() each)
+        self.version = version
+        self.server: Any = None  # the MCP server (mcp_tools.build_server), built at the first request
+        self.manager: StreamableHTTPSessionManager | None = None  # made anew in each lifespan (one run() each)
+        self._live = False  # the app's lifespan is running
+        self._starting: asyncio.Lock | None = None
+        self._stop: asyncio.Event | None = None
+        self._serving: asyncio.Task[None] | None = None
 
     async def _session_of(self, ctx: ServerRequestContext[Any, Any]) -> Session:
+        from coordinator.mcp_tools import Session  # loaded by then: the server that calls this is built from it
+
         request = ctx.request
         key = getattr(request.state, "principal", None) if isinstance(request, Request) else None
         if not isinstance(request, Request) or not isinstance(key, Principal):  # never served without the guard
@@ -166,11 +186,46 @@ class McpEndpoint:
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
-
-        self.manager = StreamableHTTPSessionManager(app=self.server, stateless=True)
-        async with self.manager.run():
+        """The app's lifespan: /mcp serves while it runs; a manager started in it stops with it."""
+        self._starting, self._stop, self._live = asyncio.Lock(), asyncio.Event(), True
+        try:
             yield
+        finally:
+            self._live = False
+            serving, self._serving, self.manager = self._serving, None, None
+            if serving is not None:
+                self._stop.set()
+                await serving
+
+    async def _started_manager(self) -> StreamableHTTPSessionManager:
+        """The lifespan's session manager, made and started by the first request that needs it."""
+        assert self._starting is not None and self._stop is not None  # set by running()
+        async with self._starting:
+            if self.manager is not None:
+                return self.manager
+            if self.server is None:
+                # In a thread: the imports take about a second, which the event loop's other requests need not wait.
+                tools = await asyncio.to_thread(importlib.import_module, "coordinator.mcp_tools")
+                self.server = tools.build_server(self._session_of, self.version)
+            from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+
+            manager = StreamableHTTPSessionManager(app=self.server, stateless=True)
+            ready = asyncio.Event()
+            serving = asyncio.create_task(self._serve(manager, ready, self._stop))
+            waiting = asyncio.create_task(ready.wait())
+            await asyncio.wait({serving, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
+            if serving.done():  # run() failed before it served: raise its error
+                serving.result()
+            self._serving, self.manager = serving, manager
+            return manager
+
+    @staticmethod
+    async def _serve(manager: StreamableHTTPSessionManager, ready: asyncio.Event, stop: asyncio.Event) -> None:
+        # run() enters and leaves its task group in this one task, as anyio requires.
+        async with manager.run():
+            ready.set()
+            await stop.wait()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
@@ -182,11 +237,12 @@ class McpEndpoint:
         except HttpError as exc:
             await error_response(exc.status_code, exc.code, exc.message, exc.field, exc.headers)(scope, receive, send)
             return
-        if self.manager is None:  # the app's lifespan did not run (a test client without it)
+        if not self._live:  # the app's lifespan did not run (a test client without it)
             response = error_response(503, "mcp_unavailable", "The MCP endpoint starts with the app's lifespan")
             await response(scope, receive, send)
             return
-        await self.manager.handle_request(scope, receive, send)
+        manager = await self._started_manager()
+        await manager.handle_request(scope, receive, send)
 
 
 def install_mcp(app: FastAPI, coord: Coordinator, guard: Guard, *, auth: bool) -> None:
