@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from typing import TYPE_CHECKING
 
 from coordinator import dispatch
@@ -130,9 +131,10 @@ def wake(plane: Plane, task_id: str) -> None:
         return  # stopped while it waited: the stop ended it
     if plane.store.convergence.triage([task_id])[0].leased:
         # A run of it holds the lease: one woken twice, or the run that parked it and has not let its
-        # lease go yet. Watched, so that in the second case the reconciler runs it after the grace
-        # (a parked run is not watched); a run that parks again or ends unwatches it.
-        plane.store.convergence.watch([task_id], plane.settings.reconcile_grace_s)
+        # lease go yet. Its timer is set again for after the grace, and the tick keeps it (its time
+        # moved); a watch would not do, as the parking run's release unwatches the task. A run that
+        # ends the task leaves the timer nothing to do; one that parks again sets its own time.
+        plane.store.convergence.add_timer(timer(task_id), time.time() + plane.settings.reconcile_grace_s)
         return
     plane.store.convergence.watch([task_id], plane.settings.reconcile_grace_s)  # first: a lost publish is redone
     dispatch.publish_restart(plane.app, record)

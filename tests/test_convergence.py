@@ -12,10 +12,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from coordinator import BrokerError, Coordinator, TaskStatus, delegation
+from coordinator import BrokerError, Coordinator, TaskStatus, delegation, endpoints
 from coordinator.approvals import ToolCall, expiry_timer, park
 from coordinator.celery_app import make_app
 from coordinator.local.embedded_redis import local_redis
+from coordinator.ports.steps import Released
 from coordinator.reconciler import Reconciler
 from coordinator.runs import Ended, LeaseLost, Run
 from tests.agents import agent, reply, subtask
@@ -237,21 +238,26 @@ def test_a_timer_set_again_while_the_tick_served_it_is_kept(coord: Coordinator) 
     assert left == {"provider-wait:again": pytest.approx(wake_at)}, "the new timer stays, the served one goes"
 
 
-def test_a_parked_run_woken_while_its_lease_lingers_is_watched_not_dropped(coord: Coordinator) -> None:
-    """Its timer fired before the run that parked it let its lease go: the reconciler runs it later."""
+def test_a_parked_run_woken_while_its_lease_lingers_is_woken_again_after_the_grace(coord: Coordinator) -> None:
+    """Its timer fired before the run that parked it let its lease go (the real park: the timer is set,
+    then the run releases its lease and unwatches its task): the timer is set again and runs it later."""
     task = coord.create_task(agent(reply("x")), run=True)
     coord.client.delete(QUEUE)
-    convergence = coord.store.convergence
-    convergence.unwatch([task.id])  # parked: not watched, its timer serves it
-    convergence.add_timer(f"provider-wait:{task.id}", time.time() - 1)
-    lease = coord.store.keys.lease(task.id, task.id)
-    coord.client.set(lease, "the-parking-run", ex=60)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    run = lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    timers, name = coord.store.keys.timers(), endpoints.timer(task.id)
+    # The run parks: its timer first, due at once (its endpoint was back meanwhile) ...
+    endpoints.park(lifecycle.plane, run.task, "api.example:443", "", time.time() - 1, int(time.time() * 1000))
     Reconciler(coord, "test").tick()
-    assert queued_ids(coord) == [], "a run holds the lease: not published now"
-    assert task.id in convergence.watched(), "but watched, not dropped"
-    coord.client.delete(lease)  # the parking run let it go
-    tick(coord)
-    assert queued_ids(coord) == [task.id], "published again after the grace"
+    assert queued_ids(coord) == [], "its run holds the lease: not published now"
+    # ... and the run lets its lease go as a park does.
+    run.end(Released("waiting_provider", wake_at_s=time.time() + 30))
+    assert task.id not in coord.store.convergence.watched(), "a parked run is not watched"
+    assert coord.client.zscore(timers, name) is not None, "its timer is set again, not dropped"
+    coord.client.zadd(timers, {name: time.time() - 1})  # the grace has passed
+    Reconciler(coord, "test").tick()
+    assert queued_ids(coord) == [task.id], "published again"
 
 
 def test_one_leader_at_a_time(coord: Coordinator) -> None:
