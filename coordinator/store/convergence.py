@@ -169,8 +169,11 @@ class ConvergenceStore(Part):
             pipe.multi()
             if gone:
                 pipe.zrem(key, *gone)
+            pipe.execute()
 
-        self.client.transaction(remove, key)
+        # Bounded tries (the store's transaction): every park and approval writes this key, so a busy fleet
+        # could keep redis-py's own retry loop going; past them the tick fails, and the next serves again.
+        self.core.transaction([key], remove)
 
     @translate_redis_errors
     def remove_timers(self, names: Iterable[str]) -> None:
