@@ -1,7 +1,7 @@
 """What outbound events cost a wide tree: the same fan-out with and without a subscription to every end.
 
     python bench/webhooks.py [--width 1000] [--repeats 3] [--workers 2] [--concurrency 16] [--answer-ms 200]
-    python bench/webhooks.py --deliverer-only 1000 [--answer-ms 200] [--rate 12] [--of-tree]
+    python bench/webhooks.py --deliverer-only 1000 [--answer-ms 200] [--rate 12] [--of-tree] [--syscalls]
 
 One private embedded Redis, one fleet of real `celery worker` processes, and a receiver on 127.0.0.1 that
 takes `--answer-ms` to answer each POST (a slow service). Each run is a root agent on the offline model that
@@ -20,7 +20,8 @@ one root's events, no workers; the CPU its threads took a delivery. The events a
 `--rate R` written R a second, as a tree's ends come to one worker process (a 1,000-wide tree of 40 s on two
 processes: about 12 a second each), where a claim finds fewer due at a time. With `--of-tree`, the events
 are the ends of a real N-wide tree, run once by one worker beforehand and then sent again: each is another
-task's, whose record the deliverer reads, as in a wide tree.
+task's, whose record the deliverer reads, as in a wide tree. With `--syscalls`, strace counts the loop
+thread's system calls a delivery, by name (its CPU figure is then strace's, not the deliverer's).
 """
 
 from __future__ import annotations
@@ -239,11 +240,39 @@ def tree_deliveries(coord: Coordinator, width: int, receiver: Receiver) -> tuple
     return root.id, [d.id for d in coord.deliveries(root.id)]
 
 
-def deliverer_cpu(deliveries: int, answer_s: float, rate: float, of_tree: bool) -> None:
+class Syscalls:
+    """`strace -c` attached to threads of this process (harness): the system calls they make, by name.
+
+    Started before the first event is released and stopped once the last is delivered; strace slows the
+    traced threads, so a run with it says nothing of their CPU time."""
+
+    def __init__(self, tids: list[int]) -> None:
+        self.out = tempfile.NamedTemporaryFile(mode="r", suffix=".strace")  # noqa: SIM115 (closed in stop)
+        args = ["strace", "-c", "-o", self.out.name] + [f"-p{tid}" for tid in tids]
+        self.proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
+        assert self.proc.stderr is not None
+        for _ in tids:  # "strace: Process N attached", one line a thread
+            self.proc.stderr.readline()
+
+    def stop(self) -> dict[str, int]:
+        """The calls made since the start, by name."""
+        self.proc.send_signal(2)
+        self.proc.wait()
+        calls: dict[str, int] = {}
+        for line in self.out.read().splitlines():
+            parts = line.split()
+            if len(parts) >= 5 and parts[0][0].isdigit() and parts[-1] != "total":
+                calls[parts[-1]] = int(parts[3])
+        self.out.close()
+        return calls
+
+
+def deliverer_cpu(deliveries: int, answer_s: float, rate: float, of_tree: bool, syscalls: bool = False) -> None:
     """The deliverer alone, in this process: `deliveries` events of one root (no workers, no runs) sent to
     the receiver, all due at once or `rate` a second; the CPU seconds its threads took a delivery
     (per-thread, /proc), whatever else runs. `of_tree`: the ends of a real `deliveries`-wide tree instead
-    (`tree_deliveries`), sent again (an operator's redeliver) at that pace."""
+    (`tree_deliveries`), sent again (an operator's redeliver) at that pace. `syscalls`: with strace on the
+    deliverer's threads, the system calls a delivery instead of its CPU (`Syscalls`)."""
     from coordinator.outbound import Deliverer
 
     receiver = Receiver(answer_s)
@@ -274,26 +303,37 @@ def deliverer_cpu(deliveries: int, answer_s: float, rate: float, of_tree: bool) 
         if not rate:
             for n in range(deliveries):
                 release(n)
-        started_s = time.perf_counter()
         loop.start()
+        # The loop's thread (the helpers resolve names and send Celery callbacks: none here).
+        tracer = Syscalls([loop.native_id or 0]) if syscalls else None
+        started_s = time.perf_counter()
         for n in range(deliveries if rate else 0):
             release(n)
             time.sleep(max(0.0, started_s + (n + 1) / rate - time.perf_counter()))
         while receiver.count() - before < deliveries or coord.store.outbox.pending_count() or not deliverer.idle():
             time.sleep(0.1)
         wall_s = time.perf_counter() - started_s
-        cpu_s = 0.0
+        calls = tracer.stop() if tracer is not None else {}
+        user_s = system_s = 0.0
         for thread in threading.enumerate():
             if thread.name.startswith("subq-deliver"):
                 stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
-                cpu_s += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+                user_s += int(stat[11]) / os.sysconf("SC_CLK_TCK")
+                system_s += int(stat[12]) / os.sysconf("SC_CLK_TCK")
+        cpu_s = user_s + system_s
         stop.set()
         twice = sum(1 for n in receiver.mine("").values() if n > 1 + of_tree)
         coord.close()
     receiver.shutdown()
     pace = (f"{rate:g} a second" if rate else "all due at once") + (", a tree's ends" if of_tree else "")
     print(f"{deliveries} deliveries ({pace}), receiver {answer_s * 1000:.0f} ms an answer: {wall_s:.1f} s, "
-          f"the deliverer's threads {cpu_s / deliveries * 1e6:.0f} us of CPU a delivery; {twice} twice")  # fmt: skip
+          f"the deliverer's threads {cpu_s / deliveries * 1e6:.0f} us of CPU a delivery (user "
+          f"{user_s / deliveries * 1e6:.0f}, system {system_s / deliveries * 1e6:.0f}); {twice} twice")  # fmt: skip
+    if tracer is not None:
+        total = sum(calls.values())
+        each = ", ".join(f"{name} {n / deliveries:.2f}" for name, n in sorted(calls.items(), key=lambda c: -c[1]))
+        print(f"system calls of the loop's thread a delivery (strace -c; its CPU above is strace's): "
+              f"{total / deliveries:.1f}: {each}")  # fmt: skip
 
 
 def main() -> int:
@@ -314,9 +354,13 @@ def main() -> int:
         "--of-tree", action="store_true",
         help="with --deliverer-only N: the ends of a real N-wide tree (run once by one worker), sent again",
     )  # fmt: skip
+    parser.add_argument(
+        "--syscalls", action="store_true",
+        help="with --deliverer-only: count the loop thread's system calls a delivery (strace -c)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.deliverer_only:
-        deliverer_cpu(args.deliverer_only, args.answer_ms / 1000, args.rate, args.of_tree)
+        deliverer_cpu(args.deliverer_only, args.answer_ms / 1000, args.rate, args.of_tree, args.syscalls)
         return 0
     receiver = Receiver(args.answer_ms / 1000)
     runs: dict[str, list[dict[str, float]]] = {"without": [], "with": []}
