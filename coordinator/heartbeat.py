@@ -58,6 +58,9 @@ class Heartbeat:
         """Renew this run's lease from now on (the thread starts with the first run)."""
         with self._lock:
             self._runs[run.task_id] = run
+            # A new run of the task: an earlier run's end-step mark (left by an end that was fenced, whose
+            # `forget` found this run in its place) is not this run's.
+            self._ending.discard(run.task_id)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._beat, name="subq-heartbeat", daemon=True)
                 self._thread.start()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 
@@ -320,6 +321,19 @@ def test_a_renewal_racing_a_runs_end_step_neither_fences_it_nor_warns(
     heartbeat.renew()
     assert second.fenced and "lapsed" in caplog.text
     heartbeat.forget(second)
+
+    # A fenced end step leaves its mark (its `forget` finds another run in its place): a new run of the
+    # same task is not covered by it, and its lost lease still fences it.
+    third = coord.create_task(agent(reply("x")), run=True)
+    fenced_run = lifecycle.start(third.id)
+    assert isinstance(fenced_run, Run)
+    with heartbeat.ending(fenced_run):
+        pass  # end_run.lua answered 'fenced': the run raises LeaseLost, and nothing forgets it
+    newer = SimpleNamespace(task_id=third.id, token="a-newer-run", fenced=False)
+    heartbeat.hold(newer)
+    heartbeat.renew()  # the lease is not the newer run's
+    assert newer.fenced
+    heartbeat.forget(newer)
 
 
 def test_a_save_after_the_lease_lapsed_is_refused_even_before_the_heartbeat_notices(coord: Coordinator) -> None:
