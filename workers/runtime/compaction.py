@@ -44,6 +44,7 @@ task fails (`ContextTooSmall`), naming the figures.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -94,6 +95,7 @@ __all__ = [
     "folded_responses",
     "is_context_overflow",
     "is_summary_request",
+    "message_adapter",
     "summary_request",
 ]
 
@@ -172,8 +174,16 @@ class CompactionRecord(BaseModel):
         return max(self.folded_upto, self.elided_upto)
 
 
-RECORD = pydantic.TypeAdapter(CompactionRecord)
-MESSAGE: pydantic.TypeAdapter[ModelMessage] = pydantic.TypeAdapter(ModelMessage)
+@functools.cache
+def message_adapter() -> pydantic.TypeAdapter[ModelMessage]:
+    """The one JSON form of a journal message, for the runner's conversation and the fingerprints here.
+
+    Built at its first use, once a process: its schema (every message and part type) took about 0.1 s
+    of CPU, paid twice at every worker's import when the runner and this module each built one (issue 43,
+    point 5), and a process that never runs a task (Flower, `subq tools`, a worker that stops at its
+    start) need not build it at all.
+    """
+    return pydantic.TypeAdapter(ModelMessage)
 
 
 class Summariser(Protocol):
@@ -311,7 +321,7 @@ def folded_responses(messages: Sequence[ModelMessage]) -> int:
 
 def fingerprint_of(message: ModelMessage) -> str:
     """A short hash of one journal message, as a record names the last message it covers."""
-    return hashlib.sha256(MESSAGE.dump_json(message)).hexdigest()[:16]
+    return hashlib.sha256(message_adapter().dump_json(message)).hexdigest()[:16]
 
 
 def fits(messages: Sequence[ModelMessage], record: CompactionRecord) -> bool:
@@ -663,7 +673,7 @@ def load_records(entries: Sequence[str]) -> list[CompactionRecord]:
     records = []
     for entry in entries:
         try:
-            records.append(RECORD.validate_json(entry))
+            records.append(CompactionRecord.model_validate_json(entry))
         except pydantic.ValidationError:
             log.warning("subq: a compaction record could not be read; left out")
     return records

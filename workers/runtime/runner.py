@@ -88,6 +88,7 @@ from workers.runtime.compaction import (
     Compactor,
     combined_result_chars,
     load_records,
+    message_adapter,
     summary_request,
 )
 from workers.runtime.context import Runtime
@@ -133,7 +134,6 @@ INTERRUPTED = "Task was interrupted before this tool call could be completed."
 COMPLETION_RETRIES = 100
 # A typed task that fails on its data keeps its last errors in `error`: every one of them, within reason.
 MAX_OUTPUT_ERROR_CHARS = 4000
-MESSAGE = pydantic.TypeAdapter(ModelMessage)
 
 Progress = Callable[[dict[str, Any]], None]
 
@@ -630,9 +630,10 @@ def _calls_without_result(history: Sequence[ModelMessage]) -> list[ToolCallPart]
 
 def _load_history(run: Run) -> list[ModelMessage]:
     messages = []
+    adapter = message_adapter()
     for index, entry in enumerate(run.history()):
         try:
-            messages.append(MESSAGE.validate_json(entry))
+            messages.append(adapter.validate_json(entry))
         except pydantic.ValidationError:
             raise CorruptError(f"Conversation message {index} of task {run.task.id} is corrupt") from None
     return messages
@@ -640,7 +641,8 @@ def _load_history(run: Run) -> list[ModelMessage]:
 
 def _save_new(run: Run, messages: Sequence[ModelMessage], saved: int) -> int:
     """Append the messages not yet persisted; returns how many are persisted now."""
-    run.save([MESSAGE.dump_json(m).decode() for m in messages[saved:]])
+    adapter = message_adapter()
+    run.save([adapter.dump_json(m).decode() for m in messages[saved:]])
     return max(saved, len(messages))
 
 
