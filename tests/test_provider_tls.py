@@ -21,16 +21,21 @@ import trustme
 from tests.model_server import KEY, ModelServer
 
 TIMEOUT_S = 120
-# One run's model built twice, then asked: the two clients share the process's one context.
+# One run's model built twice, then asked: the two clients share the process's one context (a client left
+# to make its own would make a TLS context each: counted as they are made).
 ASK = """
-import sys
+import ssl, sys
 from pydantic import SecretStr
 from pydantic_ai import Agent
 from coordinator import Profile
-from workers.runtime.providers import build_model, tls_context
+from workers.runtime.providers import build_model
+made = []
+make = ssl.SSLContext.__new__
+ssl.SSLContext.__new__ = lambda cls, *args, **kwargs: made.append(cls) or make(cls, *args, **kwargs)
 profile = Profile(model="openai:m", api_key=SecretStr(sys.argv[1]), base_url=sys.argv[2])
 first, second = build_model(profile), build_model(profile)
-assert tls_context() is tls_context()
+ssl.SSLContext.__new__ = make
+assert len(made) == 1, f"{len(made)} TLS contexts for two models"
 try:
     print("answer:", Agent(second).run_sync("hi").output)
 except Exception as exc:
