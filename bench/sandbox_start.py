@@ -3,7 +3,7 @@
     python bench/sandbox_start.py none|public|hosts
 
 Runs `true` through `commands.run` (the path a worker's run_command takes) in a temporary folder, with
-`network = false`, `true` or `["pypi.org"]`, and fails if it did not exit 0. Time it as a whole process,
+`network = false`, `true` or `["packages.example.net"]`, and fails if it did not exit 0. Time it as a whole process,
 paired against `none`, e.g. `hyperfine -N 'python bench/sandbox_start.py none' 'python bench/sandbox_start.py
 public'`; docs/architecture.md ("A sandbox's network") gives the figures.
 """
@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:
 from coordinator import RunCommand  # noqa: E402
 from workers.runtime import commands  # noqa: E402
 
-NETWORKS: dict[str, bool | list[str]] = {"none": False, "public": True, "hosts": ["pypi.org"]}
+NETWORKS: dict[str, bool | list[str]] = {"none": False, "public": True, "hosts": ["packages.example.net"]}
 
 
 def main() -> int:

@@ -212,7 +212,9 @@ def _check_network(value: object) -> bool | list[str]:
     if isinstance(value, bool):
         return value
     if not isinstance(value, list) or not value:
-        raise ValueError("give false (no network), true (public hosts) or a list of host names, e.g. ['pypi.org']")
+        raise ValueError(
+            "give false (no network), true (public hosts) or a list of host names, e.g. ['packages.example.net']"
+        )
     if len(value) > MAX_NETWORK_HOSTS:
         raise ValueError(f"at most {MAX_NETWORK_HOSTS} hosts (true allows every public host)")
     for host in value:

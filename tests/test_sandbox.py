@@ -39,7 +39,7 @@ def workdir(tmp_path: Path) -> Path:
 def test_the_sandbox_starts_here() -> None:
     probe()  # scripts/os-packages installs bubblewrap and passt; without them every test below would fail
     probe(network=True)
-    probe(network=["pypi.org"])
+    probe(network=["packages.example.net"])
 
 
 def test_a_command_writes_in_its_cwd_and_nowhere_else(tmp_path: Path, workdir: Path) -> None:

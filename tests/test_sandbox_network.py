@@ -208,9 +208,9 @@ def test_an_allow_list_reaches_its_hosts_through_the_proxy_and_nothing_else(
     [
         ({"network": "sometimes"}, "give false (no network), true (public hosts) or a list of host names"),
         ({"network": []}, "give false (no network), true (public hosts) or a list of host names"),
-        ({"network": ["pypi.org", "bad host"]}, "'bad host' is not a host name"),
+        ({"network": ["packages.example.net", "bad host"]}, "'bad host' is not a host name"),
         ({"network": ["*"]}, "'*' is not a host name"),
-        ({"network": ["http://pypi.org/"]}, "'http://pypi.org/' is not a host name"),
+        ({"network": ["http://packages.example.net/"]}, "'http://packages.example.net/' is not a host name"),
     ],
 )
 def test_a_bad_network_setting_is_one_line_naming_the_entry(
@@ -248,7 +248,7 @@ def test_a_worker_refuses_a_network_it_cannot_give(
         assert found, program
         (bin_dir / program).symlink_to(found)
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{bin_dir}")
-    builder = Profile(run_command=RunCommand(cwd=tmp_path, network=["pypi.org"]))
+    builder = Profile(run_command=RunCommand(cwd=tmp_path, network=["packages.example.net"]))
     own = settings.model_copy(update={"profiles": {"builder": builder}})
     from workers.runtime.sandbox import NEEDS
 
@@ -267,7 +267,7 @@ def test_subq_tools_shows_each_programs_network(settings: Settings, tmp_path: Pa
         "quiet": Profile(run_command=RunCommand(cwd=tmp_path)),
         "public": Profile(run_command=RunCommand(cwd=tmp_path, network=True)),
         "listed": Profile(
-            run_command=RunCommand(cwd=tmp_path, network=["pypi.org", "*.example.com"]), mcp_servers=[fetch]
+            run_command=RunCommand(cwd=tmp_path, network=["packages.example.net", "*.example.com"]), mcp_servers=[fetch]
         ),
         "loose": Profile(run_command=RunCommand(cwd=tmp_path, sandbox=False)),
     }
@@ -276,7 +276,9 @@ def test_subq_tools_shows_each_programs_network(settings: Settings, tmp_path: Pa
     out = listed.stdout
     assert "quiet:" in out and "  network: run_command: none\n" in out
     assert "  network: run_command: public\n" in out
-    assert "  network: run_command: hosts pypi.org, *.example.com; mcp:fetch: hosts docs.example.org\n" in out
+    assert (
+        "  network: run_command: hosts packages.example.net, *.example.com; mcp:fetch: hosts docs.example.org\n" in out
+    )
     assert "  network: run_command: unconfined (sandbox = false)\n" in out
 
 
