@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
-from coordinator.cli.common import Host, Port, settings_of
+from coordinator.cli.common import Host, Port, loading, settings_of
 from coordinator.errors import ConfigError, ValidationError
 from coordinator.local import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST
 
@@ -85,17 +85,19 @@ def api(ctx: typer.Context, host: Host = DEFAULT_HOST, port: Port = DEFAULT_API_
     """Serve the HTTP API on this machine (uvicorn; clients authenticate with SUBQ_API_TOKEN)."""
     from coordinator.local import up as stack
 
-    settings = settings_of(ctx)
-    settings.require_redis()
-    if not stack.api_available():
-        raise ConfigError(f"The HTTP API is not installed (no module {stack.API_MODULE})")
-    import uvicorn
+    with loading():
+        settings = settings_of(ctx)
+        settings.require_redis()
+        if not stack.api_available():
+            raise ConfigError(f"The HTTP API is not installed (no module {stack.API_MODULE})")
+        import uvicorn
 
-    # Imported by name: the module is optional in this package layout until it ships.
-    create_app: Any = importlib.import_module(stack.API_MODULE).create_app
+        # Imported by name: the module is optional in this package layout until it ships.
+        create_app: Any = importlib.import_module(stack.API_MODULE).create_app
+        served = create_app(settings)
     # proxy_headers off: the app believes X-Forwarded-* only from SUBQ_API_TRUSTED_PROXIES
     # (uvicorn's default would believe them from 127.0.0.1, whatever the settings say).
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="info", proxy_headers=False)
+    uvicorn.run(served, host=host, port=port, log_level="info", proxy_headers=False)
 
 
 def flower(
