@@ -8,6 +8,7 @@ fresh interpreter, since this process has imported everything already.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -138,3 +139,15 @@ def test_python_m_workers_refuses_a_bad_option_naming_it() -> None:
     assert done.returncode == 2, done.stderr
     assert "Invalid value for '-c' / '--concurrency'" in done.stderr and "'many'" in done.stderr
     assert "ready." not in done.stdout + done.stderr  # it never started
+
+
+def test_the_collector_is_off_only_while_a_process_loads() -> None:
+    code = f"import gc, os\nos.environ.update({WORKER_ENV!r})\nimport workers.app\nassert gc.isenabled()\n"
+    loaded_after(code)  # a worker serves with the collector on
+    from coordinator.cli.common import loading
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), loading():
+        assert not gc.isenabled()
+        raise RuntimeError("a command's settings were refused")
+    assert gc.isenabled()
