@@ -580,6 +580,19 @@ class Settled:
     next_at: float = 0.0  # epoch s of the next attempt, when retrying
 
 
+@dataclass(frozen=True, eq=False, slots=True)  # eq=False: an attempt's token, found again by identity
+class ClaimedDelivery:
+    """A claimed delivery with what its attempt needs (`store.outbox.settle_and_claim`): its entry, its
+    subscription's (event patterns, target) (None when gone) and its task's record: the fields an event
+    carries (store.outbox's EVENT_FIELDS; for a Celery callback the whole record); None when it expired."""
+
+    root_id: str
+    delivery_id: str
+    entry: dict[str, Any]
+    found: tuple[str, dict[str, Any]] | None
+    record: dict[str, Any] | None
+
+
 class Spend(NamedTuple):
     """One response's usage and cost (or a tool call's price), as a run keeps it until its next step."""
 

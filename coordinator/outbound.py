@@ -6,8 +6,9 @@ finish_task, stop_tasks): the two commit together, so no crash between them can
 lose one. Delivery is off the hot path: every worker process runs a
 `Deliverer` in a thread of its own (workers/outbound.py) that claims due
 deliveries from `<p>:outbox` with a lease, makes one attempt each on its own
-non-blocking sockets, and settles it (`settle_and_claim.lua` settles a batch and
-claims the next, by settle_delivery's and claim_deliveries' rules): delivered (2xx), retrying at its next time (capped,
+non-blocking sockets, and settles it (`settle_and_claim.lua` settles a batch, claims
+the next and reads what its attempts need, by settle_delivery's, claim_deliveries'
+and read_claimed's rules): delivered (2xx), retrying at its next time (capped,
 jittered backoff), gone (410: its subscription ends) or given up (past
 `SUBQ_WEBHOOK_RETRY_FOR_S`). A worker killed mid-attempt leaves its claim to
 lapse, and another worker takes the delivery then: at least once, with the same
@@ -25,6 +26,7 @@ named task by name, with the root's record (JSON) as its argument and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import ipaddress
 import json
@@ -46,7 +48,7 @@ import h11
 
 from coordinator.errors import NotFoundError
 from coordinator.inputs import one_line
-from coordinator.models import Settled
+from coordinator.models import ClaimedDelivery, Settled
 from coordinator.subscriptions import UnsafeTarget, resolve_safe
 
 if TYPE_CHECKING:
@@ -66,9 +68,9 @@ CLAIM_MARGIN_S = 30.0
 # A busy one reads its attempts' answers this often.
 POLL_S = 0.25
 # While attempts are in flight (or deliveries were due), a process claims again this often, or sooner once
-# half its slots' attempts have ended: a claim's three round trips are most of what a delivery costs at a
-# tree's pace (12 ends a second a process: 3 a claim every 0.25 s cost 1.1 ms of CPU a delivery, 12 a claim
-# every second 0.43 ms; docs/benchmarks.md), and an event still leaves within a second, as at the idle pace.
+# half its slots' attempts have ended: a claim's round trips were most of what a delivery cost at a tree's
+# pace (12 ends a second a process: 3 a claim every 0.25 s cost 1.1 ms of CPU a delivery, 12 a claim every
+# second 0.43 ms; docs/benchmarks.md), and an event still leaves within a second, as at the idle pace.
 BUSY_TICK_S = 1.0
 USER_AGENT = "subq-webhooks"
 # What of an answer's body is read: a receiver's answer is its status; a longer body closes the connection.
@@ -154,25 +156,6 @@ class Attempt:
 
     def __init__(self, state: str, last: str) -> None:
         self.state, self.last = state, last
-
-
-class Claimed:
-    """A claimed delivery with what its attempt needs, read for a whole claim at once (`Deliverer.read`):
-    its entry (None once its tree expired), its subscription's (patterns, target) (None when gone) and
-    what its payload reads of its task's record (None when the task expired): the event's fields of it
-    (OutboxStore.event_records), or for a Celery callback the whole record as GET /v1/tasks/{id} returns it."""
-
-    def __init__(
-        self,
-        root_id: str,
-        delivery_id: str,
-        entry: dict[str, Any] | None,
-        found: tuple[str, dict[str, Any]] | None,
-        record: dict[str, Any] | None,
-    ) -> None:
-        self.root_id, self.delivery_id, self.entry, self.found, self.record = (
-            root_id, delivery_id, entry, found, record
-        )  # fmt: skip
 
 
 class Target(NamedTuple):
@@ -569,6 +552,11 @@ def _may_keep(response: h11.Response) -> bool:
     )
 
 
+def _is_celery(item: ClaimedDelivery) -> bool:
+    """Whether the delivery's subscription is a Celery callback (`on_complete`)."""
+    return item.found is not None and item.found[1].get("kind") == "celery"
+
+
 class Deliverer:
     """Claims due deliveries and makes one attempt each, at most `SUBQ_WEBHOOK_CONCURRENCY` at once.
 
@@ -576,10 +564,10 @@ class Deliverer:
     over non-blocking sockets (`Connections`): each wake-up of a thread beside a busy worker's runs is CPU
     they need (docs/benchmarks.md), so the loop wakes once a tick (POLL_S) while attempts are in flight,
     whatever their number, and otherwise as `idle_wait_s()` says. Each tick's `step()` records, in one
-    round trip, the outcomes of the attempts that ended since the last and claims as many due deliveries
-    as there are free slots (`settle_and_claim`); two more read what their attempts need (entries and
-    targets, then the event's fields of their records); the loop then sends them, moves on connects and sends as their sockets allow,
-    and reads the answers that came at the tick's end. An attempt's outcome is recorded at the next step:
+    round trip, the outcomes of the attempts that ended since the last, claims as many due deliveries as
+    there are free slots and reads what their attempts need (entries, targets and the event's fields of
+    their records: `settle_and_claim`); the loop then sends them, moves on connects and sends as their
+    sockets allow, and reads the answers that came at the tick's end. An attempt's outcome is recorded at the next step:
     until then its delivery stays claimed, and a worker dying in between has it sent again (at least once;
     the receiver drops a repeat by its webhook-id). Two helper threads do what would block the loop: a
     host name's resolution and a Celery callback's send. As the reconciler, the worker builds it with its
@@ -595,7 +583,7 @@ class Deliverer:
         self.slots = plane.settings.webhook_concurrency
         self._busy = 0  # attempts claimed and not yet ended
         self._ended: list[Settled] = []  # attempts made, not yet recorded
-        self._resolved: list[tuple[Claimed, Target, Mapping[str, Any], str, str]] = []
+        self._resolved: list[tuple[ClaimedDelivery, Target, Mapping[str, Any], str, str]] = []
         self._lock = threading.Lock()
         # How long an idle loop waits before it looks again: a worker paces it by its fleet's size
         # (workers/outbound.py), so a fleet of any size looks about every POLL_S.
@@ -651,7 +639,7 @@ class Deliverer:
         if not claimed:
             return 0
         # A read that fails (Redis away) leaves the claims to lapse: the deliveries are due again then.
-        items = self.read(claimed)
+        items = self._whole_records(claimed)
         with self._lock:
             self._busy += len(items)
         for item in items:
@@ -667,22 +655,16 @@ class Deliverer:
         with self._lock:
             return self._busy == 0 and not self._ended
 
-    def read(self, claimed: list[tuple[str, str]]) -> list[Claimed]:
-        """What the claimed deliveries' attempts need: their entries and targets, then what their payloads
-        read of their tasks' records (the few fields of an event, `event_records`; the whole record, with
-        its children's ids, only for a Celery callback, which sends it)."""
-        found = self.outbox.claimed(claimed)
-        tasks: dict[str, bool] = {}
-        for entry, target in found:
-            if entry is not None:
-                whole = target is not None and target[1].get("kind") == "celery"
-                tasks[str(entry["task_id"])] = tasks.get(str(entry["task_id"]), False) or whole
-        parts = [t for t, whole in tasks.items() if not whole]
-        records = self.outbox.event_records(parts) if parts else {}
-        records |= self._records([t for t, whole in tasks.items() if whole])
+    def _whole_records(self, claimed: list[ClaimedDelivery]) -> list[ClaimedDelivery]:
+        """The claim as read with it (the event's fields of each record), but for a Celery callback, which sends
+        its task's whole record, with its children's ids: that one read here (None when the task expired)."""
+        task_ids = [str(item.entry["task_id"]) for item in claimed if _is_celery(item)]
+        if not task_ids:
+            return claimed
+        records = self._records(list(dict.fromkeys(task_ids)))
         return [
-            Claimed(root_id, delivery_id, entry, target, records.get(str(entry["task_id"])) if entry else None)
-            for (root_id, delivery_id), (entry, target) in zip(claimed, found, strict=True)
+            dataclasses.replace(item, record=records.get(str(item.entry["task_id"]))) if _is_celery(item) else item
+            for item in claimed
         ]
 
     def _records(self, task_ids: list[str]) -> dict[str, dict[str, Any]]:
@@ -710,14 +692,10 @@ class Deliverer:
 
     # -- one attempt -------------------------------------------------------------------
 
-    def _begin(self, item: Claimed) -> None:
+    def _begin(self, item: ClaimedDelivery) -> None:
         """Start a claimed delivery's attempt: an HTTP POST on the loop's sockets (its host resolved by a
         helper unless it is an address), a Celery callback's send in a helper."""
         root_id, delivery_id, entry = item.root_id, item.delivery_id, item.entry
-        if entry is None or entry.get("state") in ("delivered", "gone", "given_up"):
-            self.outbox.forget(root_id, delivery_id)  # settled by an earlier claim that outlived its lease
-            self._done(None)
-            return
         if item.found is None or not item.found[0]:
             # Its subscription answered 410 since (or its tree expired): nothing more is sent to it.
             self._done(Settled(root_id, delivery_id, "gone", last="the subscription has ended"))
@@ -765,7 +743,7 @@ class Deliverer:
         except UnsafeTarget as exc:
             return "", one_line(f"refused: {exc}")
 
-    def _resolve(self, item: Claimed, target: Target, body: Mapping[str, Any]) -> None:
+    def _resolve(self, item: ClaimedDelivery, target: Target, body: Mapping[str, Any]) -> None:
         """(A helper thread.) Resolve and check the host, then hand the attempt back to the loop."""
         address, refusal = self._check(target.url)
         with self._lock:
@@ -782,7 +760,7 @@ class Deliverer:
                 log.exception("subq deliveries: %s failed", item.delivery_id)
                 self._done(None)
 
-    def _post(self, item: Claimed, target: Target, body: Mapping[str, Any], address: str, refusal: str) -> None:
+    def _post(self, item: ClaimedDelivery, target: Target, body: Mapping[str, Any], address: str, refusal: str) -> None:
         if refusal:
             self._done(self._settled(item, Attempt("retrying", refusal)))
             return
@@ -805,7 +783,7 @@ class Deliverer:
     def _answered(self, ended: list[tuple[object, int, str]]) -> None:
         """POSTs that ended: their outcomes, to record at the next step."""
         for token, status, failure in ended:
-            item = cast(Claimed, token)
+            item = cast(ClaimedDelivery, token)
             if not status:
                 attempt = Attempt("retrying", failure)
             elif 200 <= status < 300:
@@ -816,10 +794,10 @@ class Deliverer:
                 attempt = Attempt("retrying", f"HTTP {status}")
             self._done(self._settled(item, attempt))
 
-    def _settled(self, item: Claimed, attempt: Attempt) -> Settled:
+    def _settled(self, item: ClaimedDelivery, attempt: Attempt) -> Settled:
         root_id, delivery_id = item.root_id, item.delivery_id
         if attempt.state == "retrying":
-            return self._retry(root_id, delivery_id, item.entry or {}, attempt.last)
+            return self._retry(root_id, delivery_id, item.entry, attempt.last)
         if attempt.state != "delivered":
             log.warning("subq deliveries: %s %s: %s", delivery_id, attempt.state, attempt.last)
         return Settled(root_id, delivery_id, attempt.state, last=attempt.last)
@@ -835,7 +813,7 @@ class Deliverer:
             return Settled(root_id, delivery_id, "given_up", last=last)
         return Settled(root_id, delivery_id, "retrying", last=last, next_at=time.time() + delay_s)
 
-    def _celery(self, item: Claimed, target: Mapping[str, Any], record: Mapping[str, Any]) -> None:
+    def _celery(self, item: ClaimedDelivery, target: Mapping[str, Any], record: Mapping[str, Any]) -> None:
         """(A helper thread.) Send a Celery callback by name, with the root's record as its argument."""
         try:
             self.send_task(str(target["task"]), [dict(record)], f"subq-{item.delivery_id}", str(target["queue"]))

@@ -97,10 +97,10 @@ def test_each_step_runs_once_when_the_server_forgot_its_script(
     assert coord.get_task(second).status == TaskStatus.CANCELLED
     # The deliverer's step: a claim, then its outcomes settled with the next claim (settle_and_claim.lua).
     outbox = coord.store.outbox
-    claimed = [c for c in outbox.settle_and_claim([], 10, LEASE_MS) if c[0] == parent.id]
+    claimed = [c for c in outbox.settle_and_claim([], 10, LEASE_MS) if c.root_id == parent.id]
     assert claimed, "the tree's events were queued for its webhook"
     coord.client.script_flush()
-    outbox.settle_and_claim([Settled(parent.id, c[1], "gone", last="HTTP 410") for c in claimed], 0, LEASE_MS)
+    outbox.settle_and_claim([Settled(parent.id, c.delivery_id, "gone", last="HTTP 410") for c in claimed], 0, LEASE_MS)
     assert {d["state"] for d in outbox.deliveries(parent.id)} == {"gone"}
     assert [loader.loads for loader in loaders] == [0, 0], "each call went by its text, not SCRIPT LOAD"
     # EVAL keeps what it ran: the next call of a script finds it by its SHA.

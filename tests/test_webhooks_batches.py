@@ -1,7 +1,8 @@
 """The deliverer's batches on a real Redis (coordinator/outbound.py, OutboxStore.settle_and_claim: one
 settle_and_claim.lua call a batch): the outcomes of a batch are recorded once each, even when the server
 has forgotten the scripts (NOSCRIPT), and a claim takes each due delivery once; an event's fields of a
-record read as the whole record does; a host name is resolved and checked by a helper thread, at each
+record, read with the claim, read as the whole record does; a claimed delivery already settled or of an
+expired tree leaves the index unread; a host name is resolved and checked by a helper thread, at each
 attempt.
 """
 
@@ -35,24 +36,26 @@ def test_a_batch_is_settled_once_each_even_after_the_scripts_were_forgotten(outb
     root = coord.create_task("Say hello.", webhooks=[{"url": "http://127.0.0.1:9/hook", "events": ["*"]}])
     for _ in range(3):
         outbox.add_event(root.id, root.id, "task.completed", {})
-    claimed = [c for c in outbox.settle_and_claim([], 10, LEASE_MS) if c[0] == root.id]
+    claimed = [c for c in outbox.settle_and_claim([], 10, LEASE_MS) if c.root_id == root.id]
     assert len(claimed) == 3
-    assert [c for c in outbox.settle_and_claim([], 10, LEASE_MS) if c[0] == root.id] == []  # held by the lease
+    assert [c for c in outbox.settle_and_claim([], 10, LEASE_MS) if c.root_id == root.id] == []  # held by the lease
     coord.client.script_flush()  # a restarted server or a promoted replica: NOSCRIPT for every call
     outcomes = [
-        Settled(root.id, claimed[0][1], "delivered", last="HTTP 204"),
-        Settled(root.id, claimed[1][1], "retrying", last="HTTP 503", next_at=0.0),
-        Settled(root.id, claimed[2][1], "gone", last="HTTP 410"),
+        Settled(root.id, claimed[0].delivery_id, "delivered", last="HTTP 204"),
+        Settled(root.id, claimed[1].delivery_id, "retrying", last="HTTP 503", next_at=0.0),
+        Settled(root.id, claimed[2].delivery_id, "gone", last="HTTP 410"),
     ]
     outbox.settle_and_claim(outcomes, 0, LEASE_MS)
     states = {d["id"]: (d["state"], d["attempts"], d["last"]) for d in outbox.deliveries(root.id)}
     assert states == {
-        claimed[0][1]: ("delivered", 1, "HTTP 204"),
-        claimed[1][1]: ("retrying", 1, "HTTP 503"),
-        claimed[2][1]: ("gone", 1, "HTTP 410"),
+        claimed[0].delivery_id: ("delivered", 1, "HTTP 204"),
+        claimed[1].delivery_id: ("retrying", 1, "HTTP 503"),
+        claimed[2].delivery_id: ("gone", 1, "HTTP 410"),
     }
     # The retrying one is due again (next_at 0); the delivered and gone ones are off the pending index.
-    assert [c[1] for c in outbox.settle_and_claim([], 10, LEASE_MS) if c[0] == root.id] == [claimed[1][1]]
+    assert [c.delivery_id for c in outbox.settle_and_claim([], 10, LEASE_MS) if c.root_id == root.id] == [
+        claimed[1].delivery_id
+    ]
     for key in coord.client.scan_iter("subqbatch:*"):
         coord.client.delete(key)
     coord.close()
@@ -100,30 +103,60 @@ def test_a_named_host_is_resolved_by_a_helper_and_checked_at_each_attempt(settin
         coord.close()
 
 
-def test_an_events_fields_of_a_record_read_as_the_whole_record_reads_them(outbox_coord: Coordinator) -> None:
-    """The deliverer reads a few fields of each task's hash (OutboxStore.event_records), not the whole
-    record: each must read as GET /v1/tasks/{id} returns it, the payload's figures included."""
+def test_an_events_fields_of_a_record_are_read_with_its_claim_as_the_whole_record_reads_them(
+    outbox_coord: Coordinator,
+) -> None:
+    """The deliverer's step reads, with its claim, a few fields of each task's hash (read_claimed.lua,
+    OutboxStore.settle_and_claim), not the whole record: each must read as GET /v1/tasks/{id} returns it, the
+    payload's figures included; a task that has expired reads as None."""
     coord = outbox_coord
-    root = coord.create_task("Plan.", metadata={"job": "j-42"})
+    hooks = [{"url": "http://127.0.0.1:9/hook", "events": ["*"]}]
+    root = coord.create_task("Plan.", metadata={"job": "j-42"}, webhooks=hooks)
     (child,) = coord.delegate(root.id, [{"description": "spender", "message": "Spend."}]).child_ids
     coord.store.runs.record_usage(child, "r:1", Usage(tokens_in=120, tokens_out=30), 4_100, "test")
     coord.client.hset(
         coord.store.keys.task(root.id, child), mapping={"output": '{"total":3,"names":["a"]}', "summary": "<b>x</b>"}
     )
-    bare = coord.create_task("Say hello.")
+    bare = coord.create_task("Say hello.", webhooks=hooks)
     coord.client.hset(coord.store.keys.task(bare.id, bare.id), mapping={"metadata": "", "output": ""})
-    gone = coord.create_task("Expired.")
+    gone = coord.create_task("Expired.", webhooks=hooks)
     coord.client.delete(coord.store.keys.task(gone.id, gone.id))
-    found = coord.store.outbox.event_records([root.id, child, bare.id, gone.id])
-    assert sorted(found) == sorted([root.id, child, bare.id]), "a task that expired is left out"
+    for root_id, task_id in ((root.id, root.id), (root.id, child), (bare.id, bare.id), (gone.id, gone.id)):
+        coord.store.outbox.add_event(root_id, task_id, "task.completed", {})
+    claimed = coord.store.outbox.settle_and_claim([], 100, LEASE_MS)
+    found = {str(c.entry["task_id"]): c.record for c in claimed if c.root_id in (root.id, bare.id, gone.id)}
+    assert sorted(found) == sorted([root.id, child, bare.id, gone.id]) and found[gone.id] is None
     for task_id in (root.id, child, bare.id):
         whole = coord.get_task(task_id).model_dump(mode="json")
         assert found[task_id] == {name: whole[name] for name in EVENT_FIELDS}, task_id
-    assert found[child]["output"] == {"total": 3, "names": ["a"]} and found[child]["tokens_in"] == 120
-    body = payload({"type": "task.completed", "task_id": child, "event_id": "evt_1", "ts": 1.0}, found[child])
+    record = found[child]
+    assert record is not None and record["output"] == {"total": 3, "names": ["a"]} and record["tokens_in"] == 120
+    body = payload({"type": "task.completed", "task_id": child, "event_id": "evt_1", "ts": 1.0}, record)
     assert (body["data"]["tokens_in"], body["data"]["tokens_out"], body["data"]["cost_micros"]) == (120, 30, 4_100)
-    assert body["data"]["tokens"] == found[child]["total_tokens"] == 150
-    assert found[bare.id]["metadata"] == {} and found[bare.id]["output"] is None
+    assert body["data"]["tokens"] == record["total_tokens"] == 150
+    bare_record = found[bare.id]
+    assert bare_record is not None and (bare_record["metadata"], bare_record["output"]) == ({}, None)
+    for key in coord.client.scan_iter("subqbatch:*"):
+        coord.client.delete(key)
+    coord.close()
+
+
+def test_a_claimed_delivery_settled_or_of_an_expired_tree_leaves_the_index_unread(outbox_coord: Coordinator) -> None:
+    """A claim that finds a delivery already settled (a claim that outlived its lease, taken twice) or whose
+    tree's outbox has expired takes it off the pending index and hands it to no attempt."""
+    coord = outbox_coord
+    outbox, pending = coord.store.outbox, coord.store.keys.outbox_pending()
+    hooks = [{"url": "http://127.0.0.1:9/hook", "events": ["*"]}]
+    settled, expired, due = (coord.create_task("Say hello.", webhooks=hooks) for _ in range(3))
+    for task in (settled, expired, due):
+        outbox.add_event(task.id, task.id, "task.completed", {})
+    (delivery,) = outbox.deliveries(settled.id)
+    assert outbox.settle(settled.id, delivery["id"], "delivered", last="HTTP 204") == "delivered"
+    coord.client.zadd(pending, {f"{settled.id} {delivery['id']}": 0})  # as a second claim finds it
+    coord.client.delete(coord.store.keys.outbox(expired.id))
+    claimed = outbox.settle_and_claim([], 100, LEASE_MS)
+    assert [c.root_id for c in claimed] == [due.id]
+    assert [m.partition(" ")[0] for m in coord.client.zrange(pending, 0, -1)] == [due.id]
     for key in coord.client.scan_iter("subqbatch:*"):
         coord.client.delete(key)
     coord.close()

@@ -8,23 +8,26 @@
   the very script that makes the state change (finish_task, stop_tasks, ...), so
   the two commit together or not at all.
 - `<p>:outbox` is every tree's pending deliveries by due time; a claim moves one to
-  the end of its lease (`claim_deliveries.lua`), a settle takes it off or puts it
-  back at its next time (`settle_delivery.lua`).
+  the end of its lease (`claim_deliveries.lua`) and reads what its attempt needs
+  (`read_claimed.lua`), a settle takes it off or puts it back at its next time
+  (`settle_delivery.lua`); the deliverer's step does the three in one call
+  (`settle_and_claim.lua`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from coordinator.ids import root_of
-from coordinator.models import Settled
+from coordinator.models import ClaimedDelivery, Settled
 from coordinator.store.base import Part, _str_map, outbox_keys, translate_redis_errors
 from coordinator.store.fields import INT_FIELDS, JSON_FIELDS, TaskField
+from coordinator.store.keys import Keys
 from coordinator.store.protocol import (
-    ClaimDeliveries,
+    ClaimedNames,
     DeliveryOutcome,
     DeliveryTree,
     OutboxAdd,
@@ -32,7 +35,8 @@ from coordinator.store.protocol import (
     SettleDelivery,
 )
 
-__all__ = ["EVENT_FIELDS", "OutboxStore", "Settled"]  # Settled: coordinator.models, named here for the store's callers
+# Settled: coordinator.models, named here for the store's callers.
+__all__ = ["EVENT_FIELDS", "OutboxStore", "Settled", "event_record"]
 
 # What an event's payload reads of its task's record (coordinator/outbound.py `payload`): a few fields of
 # the hash, not the whole record (a decoded TaskRecord cost the deliverer about 0.25 ms of CPU a delivery
@@ -42,6 +46,36 @@ EVENT_FIELDS = (
     TaskField.TOKENS_OUT, TaskField.TOTAL_TOKENS, TaskField.COST_MICROS, TaskField.TOTAL_COST_MICROS,
     TaskField.ERROR, TaskField.ERROR_CLASS,
 )  # fmt: skip
+
+
+# Where `claimed_names` cuts the keys module's names: no id holds it.
+_MARK = "\0"
+
+
+@functools.lru_cache(maxsize=16)  # one a deployment's prefix: cut once, not at every step
+def claimed_names(keys: Keys) -> ClaimedNames:
+    """How read_claimed.lua names a claimed delivery's keys: the keys module's names, cut where the ids go."""
+    tree_head, _, outbox_tail = keys.outbox(_MARK).partition(_MARK)
+    hooks_tail = keys.hooks(_MARK).partition(_MARK)[2]
+    task_middle = keys.task(_MARK, _MARK).split(_MARK)[1]
+    return ClaimedNames(tree_head=tree_head, outbox_tail=outbox_tail, hooks_tail=hooks_tail, task_middle=task_middle)
+
+
+def event_record(values: Sequence[str | None]) -> dict[str, Any] | None:
+    """A task's EVENT_FIELDS (their values in that order, as read_claimed.lua reads them) decoded as the whole
+    record reads them (GET /v1/tasks/{id}: records.decode_record; tests/test_webhooks_batches.py holds the
+    two equal); None when the task has expired."""
+    raw = dict(zip(EVENT_FIELDS, values, strict=True))
+    if raw[TaskField.ROOT_ID] is None:
+        return None
+    fields: dict[str, Any] = {name: str(value or "") for name, value in raw.items()}
+    for name, value in raw.items():
+        if name in INT_FIELDS:
+            fields[name] = int(value or 0)
+        elif name in JSON_FIELDS:
+            fields[name] = json.loads(value) if value else None
+    fields[TaskField.METADATA] = fields[TaskField.METADATA] or {}  # as TaskRecord reads none
+    return fields
 
 
 class OutboxStore(Part):
@@ -69,68 +103,9 @@ class OutboxStore(Part):
         )  # fmt: skip
 
     @translate_redis_errors
-    def claim(self, limit: int, lease_ms: int) -> list[tuple[str, str]]:
-        """Up to `limit` due deliveries, each as (root id, delivery id), held for `lease_ms`."""
-        if limit <= 0:
-            return []
-        members = self.scripts(
-            ClaimDeliveries(
-                pending=self.keys.outbox_pending(), now_ms=int(time.time() * 1000), lease_ms=lease_ms, limit=limit
-            )
-        )
-        return [(root, delivery) for root, _, delivery in (member.partition(" ") for member in members)]
-
-    @translate_redis_errors
     def delivery(self, root_id: str, delivery_id: str) -> dict[str, Any] | None:
         raw = self.client.hget(self.keys.outbox(root_id), delivery_id)
         return None if raw is None else dict(json.loads(raw))
-
-    @translate_redis_errors
-    def claimed(
-        self, claimed: Sequence[tuple[str, str]]
-    ) -> list[tuple[dict[str, Any] | None, tuple[str, dict[str, Any]] | None]]:
-        """Each claimed delivery's entry (None once its tree expired) and its subscription's `target`, in one
-        round trip: a delivery id ends with its subscription's number (`<event id>.<n>`, outbox_add.lua),
-        and each subscription of the claim is read once."""
-        hooks = list(dict.fromkeys((root_id, delivery_id.rpartition(".")[2]) for root_id, delivery_id in claimed))
-        with self.client.pipeline(transaction=False) as pipe:
-            for root_id, delivery_id in claimed:
-                pipe.hget(self.keys.outbox(root_id), delivery_id)
-            for root_id, hook in hooks:
-                pipe.hmget(self.keys.hooks(root_id), [f"h:{hook}", f"s:{hook}"])
-            replies = pipe.execute()
-        targets = {
-            hook: None if patterns is None or target is None else (str(patterns), dict(json.loads(target)))
-            for hook, (patterns, target) in zip(hooks, replies[len(claimed) :], strict=True)
-        }
-        return [
-            (None if raw is None else dict(json.loads(raw)), targets[(root_id, delivery_id.rpartition(".")[2])])
-            for (root_id, delivery_id), raw in zip(claimed, replies, strict=False)
-        ]
-
-    @translate_redis_errors
-    def event_records(self, task_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
-        """The EVENT_FIELDS of each task's record, in one round trip, each decoded as the whole record reads
-        it (GET /v1/tasks/{id}: records.decode_record; tests/test_webhooks_batches.py holds the two equal);
-        a task that expired is left out."""
-        with self.client.pipeline(transaction=False) as pipe:
-            for task_id in task_ids:
-                pipe.hmget(self.keys.task(root_of(task_id), task_id), list(EVENT_FIELDS))
-            replies = pipe.execute()
-        out: dict[str, dict[str, Any]] = {}
-        for task_id, values in zip(task_ids, replies, strict=True):
-            raw = dict(zip(EVENT_FIELDS, values, strict=True))
-            if raw[TaskField.ROOT_ID] is None:
-                continue
-            fields: dict[str, Any] = {name: str(value or "") for name, value in raw.items()}
-            for name in EVENT_FIELDS:
-                if name in INT_FIELDS:
-                    fields[name] = int(raw[name] or 0)
-                elif name in JSON_FIELDS:
-                    fields[name] = json.loads(raw[name]) if raw[name] else None
-            fields[TaskField.METADATA] = fields[TaskField.METADATA] or {}  # as TaskRecord reads none
-            out[task_id] = fields
-        return out
 
     @translate_redis_errors
     def deliveries(self, root_id: str) -> list[dict[str, Any]]:
@@ -163,30 +138,39 @@ class OutboxStore(Part):
         )  # fmt: skip
 
     @translate_redis_errors
-    def settle_and_claim(self, outcomes: Sequence[Settled], limit: int, lease_ms: int) -> list[tuple[str, str]]:
-        """`settle` each outcome, then `claim`, in one script call (`settle_and_claim.lua`, which runs
-        settle_delivery and claim_deliveries): the deliverer's step (coordinator/outbound.py)."""
+    def settle_and_claim(self, outcomes: Sequence[Settled], limit: int, lease_ms: int) -> list[ClaimedDelivery]:
+        """`settle` each outcome, then `claim`, and read what the claimed deliveries' attempts need, in one
+        script call (`settle_and_claim.lua`, which runs settle_delivery, claim_deliveries and read_claimed):
+        the deliverer's step (coordinator/outbound.py). A claimed delivery already settled, or whose tree
+        expired, is taken off the pending index there and not returned."""
         if not outcomes and limit <= 0:
             return []
         now = time.time()
-        members = self.scripts(
+        reads = self.scripts(
             SettleAndClaim(
                 pending=self.keys.outbox_pending(), counts=self.keys.webhook_counts(),
                 trees=[DeliveryTree(self.keys.hooks(o.root_id), self.keys.outbox(o.root_id)) for o in outcomes],
                 now=now, retention_s=self.retention_s, now_ms=int(now * 1000), lease_ms=lease_ms,
-                limit=max(limit, 0),
+                limit=max(limit, 0), names=claimed_names(self.keys),
                 outcomes=[
                     DeliveryOutcome(o.delivery_id, f"{o.root_id} {o.delivery_id}", o.state, o.next_at, o.last)
                     for o in outcomes
                 ],
+                fields=EVENT_FIELDS,
             )
         )  # fmt: skip
-        return [(root, delivery) for root, _, delivery in (member.partition(" ") for member in members)]
-
-    @translate_redis_errors
-    def forget(self, root_id: str, delivery_id: str) -> None:
-        """Take a settled (or expired) delivery off the pending index."""
-        self.client.zrem(self.keys.outbox_pending(), f"{root_id} {delivery_id}")
+        targets: dict[str, dict[str, Any]] = {}  # each subscription's target decoded once a claim
+        claimed = []
+        for read in reads:
+            root_id, _, delivery_id = read.member.partition(" ")
+            found = None
+            if read.patterns is not None and read.target is not None:
+                if read.target not in targets:
+                    targets[read.target] = dict(json.loads(read.target))
+                found = (read.patterns, targets[read.target])
+            entry = dict(json.loads(read.entry))
+            claimed.append(ClaimedDelivery(root_id, delivery_id, entry, found, event_record(read.values)))
+        return claimed
 
     @translate_redis_errors
     def counts(self) -> dict[tuple[str, str], int]:

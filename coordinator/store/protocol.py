@@ -1324,11 +1324,49 @@ class DeliveryOutcome(NamedTuple):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ClaimedNames(Group):
+    """How a claimed delivery's keys are named (read_claimed's ARGV[1..4]): the keys module's names, cut where
+    the root and task ids go."""
+
+    tree_head: str = arg("a tree key's head (up to the root id)")
+    outbox_tail: str = arg("a tree's outbox hash's tail (after the root id)")
+    hooks_tail: str = arg("a tree's hooks hash's tail")
+    task_middle: str = arg("a task hash key's middle (between the root id and the task id)")
+
+
+class ClaimedRead(NamedTuple):
+    """A claimed delivery as read_claimed reads it: its member, its entry (JSON), its subscription's event
+    patterns and target (JSON; None when gone), its task's fields (None each when the task has expired)."""
+
+    member: str
+    entry: str
+    patterns: str | None
+    target: str | None
+    values: list[str | None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadClaimed(
+    Call[None],
+    script="read_claimed",
+    standalone=False,
+    returns="per claimed delivery to attempt, oldest first: {its member, its entry (JSON), its subscription's "
+    "event patterns (false when gone), its target (JSON; false when gone), the fields' values (false for each "
+    "when the task has expired)}.",
+):
+    pending: str = key("the pending deliveries of every tree")
+    names: ClaimedNames = splice("how a claimed delivery's keys are named", expand=True)
+    n_fields: int = count("number of fields", of="fields")
+    fields: Sequence[str] = args("the fields of a task's record an event reads")
+    members: Sequence[str] = args("then the claimed members (`<root id> <delivery id>`)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class SettleAndClaim(
-    Call[list[str]],
+    Call[list[ClaimedRead]],
     script="settle_and_claim",
-    uses=("settle_delivery", "claim_deliveries"),
-    returns="the members claimed (`<root id> <delivery id>`), oldest first; none when the limit is 0.",
+    uses=("settle_delivery", "claim_deliveries", "read_claimed"),
+    returns="per claimed delivery to attempt, as read_claimed reads it; none when the limit is 0.",
 ):
     pending: str = key("the pending deliveries of every tree (member `<root id> <delivery id>`, score: due ms)")
     counts: str = key("the attempts' outcomes counted by `<event type> <outcome>` (the metrics)")
@@ -1338,15 +1376,21 @@ class SettleAndClaim(
     now_ms: int = arg("now ms")
     lease_ms: int = arg("how long a claim holds a delivery, ms: past it (its worker died) another takes it")
     limit: int = arg("the most to claim (0: none)")
+    names: ClaimedNames = splice("how a claimed delivery's keys are named, as read_claimed's {side}[1..4]")
     n_outcomes: int = count("number of outcomes", of="outcomes")
+    n_fields: int = count("number of fields", of="fields")
     outcomes: Sequence[DeliveryOutcome] = args(
         "5 per outcome, as settle_delivery takes them: the delivery id, its member of the pending deliveries, "
         "its state (retrying, delivered, gone or given_up), when to try again (epoch s), the attempt's answer"
     )
+    fields: Sequence[str] = args("then the fields of a task's record an event reads")
 
     @classmethod
-    def decode(cls, raw: Any) -> list[str]:
-        return _strs(raw)
+    def decode(cls, raw: Any) -> list[ClaimedRead]:
+        return [
+            ClaimedRead(str(member), str(entry), patterns, target, list(values))
+            for member, entry, patterns, target, values in raw
+        ]
 
 
 @dataclass(frozen=True, kw_only=True)

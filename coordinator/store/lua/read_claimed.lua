@@ -1,0 +1,39 @@
+-- What the attempts of the deliveries just claimed need (claim_deliveries' members), read in the claim's own
+-- call (settle_and_claim) rather than in two more round trips after it: each delivery's entry, its
+-- subscription (each of a claim read once) and the fields of its task's record that an event carries. A
+-- claimed delivery already settled (a claim that outlived its lease and was taken twice) or whose tree has
+-- expired is taken off the pending index instead, as the deliverer did with its reply. A claimed
+-- delivery's keys are known only here, after the claim: they are the keys module's names, cut where the
+-- root and task ids go (OutboxStore), with the ids put back in, as fair_take builds a tenant's.
+-- KEYS[1] the pending deliveries of every tree
+-- ARGV[1] str: a tree key's head (up to the root id)
+-- ARGV[2] str: a tree's outbox hash's tail (after the root id)
+-- ARGV[3] str: a tree's hooks hash's tail
+-- ARGV[4] str: a task hash key's middle (between the root id and the task id)
+-- ARGV[5] int: number of fields
+-- ARGV[6..] each str: the fields of a task's record an event reads
+-- ARGV[..] each str: then the claimed members (`<root id> <delivery id>`)
+-- Returns per claimed delivery to attempt, oldest first: {its member, its entry (JSON), its subscription's
+--   event patterns (false when gone), its target (JSON; false when gone), the fields' values (false for
+--   each when the task has expired)}.
+local n_fields = tonumber(ARGV[5])
+local fields = {unpack(ARGV, 6, 5 + n_fields)}
+local settled = {delivered = true, gone = true, given_up = true}
+local subscriptions, out = {}, {}
+for i = 6 + n_fields, #ARGV do
+  local member = ARGV[i]
+  local root, delivery_id = string.match(member, '^(%S+) (%S+)$')
+  local raw = root and redis.call('HGET', ARGV[1] .. root .. ARGV[2], delivery_id)
+  local entry = raw and cjson.decode(raw)
+  if not entry or settled[entry['state']] then
+    redis.call('ZREM', KEYS[1], member)
+  else
+    local hook = root .. ' ' .. entry['hook']
+    if not subscriptions[hook] then
+      subscriptions[hook] = redis.call('HMGET', ARGV[1] .. root .. ARGV[3], 'h:' .. entry['hook'], 's:' .. entry['hook'])
+    end
+    local values = redis.call('HMGET', ARGV[1] .. root .. ARGV[4] .. entry['task_id'], unpack(fields))
+    out[#out + 1] = {member, raw, subscriptions[hook][1], subscriptions[hook][2], values}
+  end
+end
+return out
