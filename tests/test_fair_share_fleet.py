@@ -32,7 +32,8 @@ WINDOW_STARTS = 320
 WINDOW_MAX_S = 60
 # The fewest starts a window may end with (a tenant running low ends it early).
 WINDOW_MIN_STARTS = 200
-# Each tenant's flood: c queues 4 roots of this many children, d 2; both still saturate at the window's end.
+# Each tenant's flood: c queues 5 roots of this many children, d 2 (c's 600 outlast the window even after a
+# slow start on a loaded host; the runs left are stopped, not run).
 FLOOD_CHILDREN = 120
 
 
@@ -152,7 +153,7 @@ def test_weights_split_the_fleet_between_two_saturating_tenants(fleet: Coordinat
     split 3:1 within 10 % (the runs seen running, sampled every 100 ms, are printed beside it)."""
     c_children: list[str] = []
     d_children: list[str] = []
-    for n in range(4):  # interleaved: each tenant's flood behind the other's (tests above: one flood first)
+    for n in range(5):  # interleaved: each tenant's flood behind the other's (tests above: one flood first)
         c_children += _fan_out(fleet, "c", FLOOD_CHILDREN, latency_ms=300)
         if n < 2:
             d_children += _fan_out(fleet, "d", FLOOD_CHILDREN, latency_ms=300)
@@ -187,11 +188,15 @@ def test_weights_split_the_fleet_between_two_saturating_tenants(fleet: Coordinat
     c_started, d_started = _started(fleet, c_children), _started(fleet, d_children)
     left = len(c_children) - len(c_started), len(d_children) - len(d_started)
     _stop(fleet, c_children + d_children)
+    # A tenant whose flood ran out between two of the loop's looks (a loaded host starts many runs between
+    # them) saturated until its last run started: the window ends there (that start left out).
+    for started, not_started in ((c_started, left[0]), (d_started, left[1])):
+        if not not_started:
+            window_end = min(window_end, max(started.values()))
     c_n = sum(1 for t in c_started.values() if window_start <= t < window_end)
     d_n = sum(1 for t in d_started.values() if window_start <= t < window_end)
     held = sum(c_held.counts) / max(1, sum(d_held.counts))
     print(f"weights 3:1: c started {c_n}, d {d_n} in the window; slots held {held:.2f}:1; not started {left}")
-    assert min(left) > 0, "both still had runs waiting at the window's end: both saturated it"
     assert c_n + d_n >= WINDOW_MIN_STARTS, f"only {c_n + d_n} runs started in the window"
     assert d_n > 0 and 2.7 <= c_n / d_n <= 3.3, f"c started {c_n} and d {d_n} in the window"
 

@@ -174,7 +174,9 @@ def test_costs_appear_live_and_equal_the_apis(
     expect(page.locator(f"#task-{root}")).to_have_attribute("data-state", "completed", timeout=WAIT_MS)
     expect(page.locator("#live")).to_have_attribute("data-state", "ended")
     assert page.evaluate("window.subqNoReload") is True, "the page was reloaded"
-    assert int(page.locator("#tree").get_attribute("data-refreshes") or 0) > 3
+    # Followed, not reloaded: at least one refresh in place brought the later costs (how many depends on the
+    # host's pace: events that come during a fetch are folded into one more).
+    assert int(page.locator("#tree").get_attribute("data-refreshes") or 0) >= 1
     final = _item_costs(page, root)
     assert all(cost > 0 for cost in final) and sum(final) > sum(first_seen)
     api_tree = live_http.get(f"/v1/tasks/{root}/tree").json()
