@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +39,7 @@ from tests.conftest import dedicated_fleet
 from tests.helpers import TOKEN, ApiServer, api_settings, script, state
 from tests.model_server import ModelServer, Turn, call
 from tests.test_bad_input import NO_TREE
+from tests.test_cli import cli
 from workers.submit import submit
 
 WAIT_S = 90
@@ -178,6 +178,13 @@ def _last_request_text(messages: list[dict[str, Any]]) -> str:
     return str(messages[-1].get("content"))
 
 
+def _subq(coord: Coordinator, *args: str) -> subprocess.CompletedProcess[str]:
+    """`subq <args>` on this coordinator's settings, run in this process (tests/test_cli.py's `cli`: each
+    command's own process cost 1.5 s of CPU on 2 cores, and tests/test_cli.py runs `subq` as a process)."""
+    env = {k: v for k, v in settings_env(coord.settings).items() if k.startswith("SUBQ_")}
+    return cli(*args, env=env)
+
+
 def _says(coord: Coordinator, task_id: str, kind: str) -> list[str]:
     return [m["text"] for m in coord.messages(task_id) if m.get("say") == kind]
 
@@ -263,16 +270,10 @@ def test_invalid_data_goes_back_with_its_errors_and_the_valid_object_is_the_outp
         assert http.get(f"/v1/tasks/{root.id}").json()["output"] == VALID
         tree = http.get(f"/v1/tasks/{root.id}/tree").json()
         assert tree["output"] == VALID and tree["invalid_outputs"] == 1
-    env = settings_env(coord.settings)
-    shown = subprocess.run(
-        [sys.executable, "-m", "coordinator", "result", root.id], env=env, capture_output=True, text=True, timeout=60
-    )
+    shown = _subq(coord, "result", root.id)
     words, _, data = shown.stdout.partition("\n")
     assert shown.returncode == 0 and words == "counted two" and json.loads(data) == VALID, shown
-    shown = subprocess.run(
-        [sys.executable, "-m", "coordinator", "result", root.id, "--json"],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    shown = _subq(coord, "result", root.id, "--json")
     assert json.loads(shown.stdout)["output"] == VALID
     (written,) = [p for p in coord.export_tree(root.id, tmp_path) if p.name == "output.json"]
     assert json.loads(written.read_text()) == {"output_schema": COUNT, "output": VALID, "invalid_outputs": 1}
@@ -447,11 +448,7 @@ def test_a_bad_schema_is_refused_on_every_face_and_nothing_is_written(
     # `subq run --output-schema FILE`: one line, exit 1.
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(schema))
-    env = settings_env(coord.settings)
-    ran = subprocess.run(
-        [sys.executable, "-m", "coordinator", "run", "Count.", "--output-schema", str(path)],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    ran = _subq(coord, "run", "Count.", "--output-schema", str(path))
     assert ran.returncode != 0 and message in ran.stderr, ran.stderr
     # `subq.submit`, the function the Celery task runs.
     result = submit(coord, (), {"prompt": "Count.", "output_schema": schema})
@@ -515,12 +512,9 @@ def test_a_typed_output_is_printed_as_valid_json_with_no_raw_control_character(t
     prompt = script(script_call("attempt_completion", result="one", data=hostile), text="Count the rows.")
     root = coord.create_task(prompt, profile="offline-typed", run=True)
     assert coord.wait(root.id, timeout_s=WAIT_S).output == hostile
-    env = settings_env(coord.settings)
 
     def printed(*args: str) -> str:
-        shown = subprocess.run(
-            [sys.executable, "-m", "coordinator", *args], env=env, capture_output=True, text=True, timeout=60
-        )
+        shown = _subq(coord, *args)
         assert shown.returncode == 0, shown
         assert all(ch == "\n" or " " <= ch <= "~" for ch in shown.stdout), ascii(shown.stdout)
         return shown.stdout
