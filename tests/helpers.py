@@ -301,12 +301,18 @@ def start_worker_with(settings: Settings, **subq: str) -> subprocess.CompletedPr
     )  # fmt: skip
 
 
-def subq_tools(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    """`subq tools` (the check a worker makes at start) with exactly these settings."""
+def subq_tools(settings: Settings, *args: str, through_cli: bool = False) -> subprocess.CompletedProcess[str]:
+    """`subq tools` (the check a worker makes at start) with exactly these settings.
+
+    The command execs `python -m workers.runtime.profile_tools`, which this runs directly unless
+    `through_cli`: the CLI's own process before the exec cost 1.2 s of CPU a call on 2 cores (issue 43),
+    and tests/test_profile_tools.py and tests/test_mcp.py run the whole command.
+    """
     from coordinator.local.fleet import settings_env
 
+    command = ["coordinator", "tools"] if through_cli else ["workers.runtime.profile_tools"]
     return subprocess.run(
-        [sys.executable, "-m", "coordinator", "tools", *args], env=settings_env(settings),
+        [sys.executable, "-m", *command, *args], env=settings_env(settings),
         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S,
     )  # fmt: skip
 

@@ -94,7 +94,7 @@ def test_the_worker_and_subq_tools_refuse_a_bad_entry_with_the_same_line(setting
 
 def test_subq_tools_lists_each_profiles_tools(settings: Settings) -> None:
     own = _settings(settings, tooled=TOOLED)
-    listed = subq_tools(own, "--profile", "tooled", "--json")
+    listed = subq_tools(own, "--profile", "tooled", "--json", through_cli=True)
     assert listed.returncode == 0, listed.stderr
     assert json.loads(listed.stdout) == {"tooled": load_profile("tooled", own).sources}
     unknown = subq_tools(own, "--profile", "nope")
