@@ -28,29 +28,25 @@ pytest_plugins = ["tests.wheel_env"]
 
 # The files that take longest run first, longest first: the suite runs on pytest-xdist workers a
 # file at a time, and a long file started last would leave the others idle while it finishes.
-# The order comes from each file's wall time in a full run (issue 43: every test's start and end
-# recorded on each xdist worker, on a loaded 2-core host, so the order counts, not the seconds);
-# files not named here (each under about 70 s there) follow in collection order. The files after
-# test_redis_tls.py up to test_compaction.py were not reached by that run: placed by
-# their fleets and kills. test_compose_sentinel.py, test_worker_probe.py and the ten from
-# test_security.py on were named later, by their wall with -n 0 at load 5-15 (143 s for the probe,
-# 25 to 65 s the others; unnamed, they ran last, in the alphabet's order, the probe among the very
-# last). A file that grows past its neighbours should move up.
+# The order is each file's wall time (the sum of its tests' setup, call and teardown) in a full run
+# with --durations=0 (issue 43: a fresh clone on a loaded 2-core host, so the order counts, not the
+# seconds): the 60 longest, 256 s (test_sandbox_network.py) down to 30 s; files not named here
+# follow in collection order. A file that grows past its neighbours should move up.
 LONGEST_FIRST = (
-    "test_cost_properties.py", "test_wheel.py", "test_api_fuzz.py", "test_mcp.py", "test_profile_tools.py",
-    "test_compose.py", "test_compose_sentinel.py", "test_faults.py", "test_mcp_server.py", "test_batched_calls.py", "test_flower.py",
-    "test_mcp_http.py", "test_cli.py", "test_kubernetes.py", "test_redis_password.py", "test_docs_examples.py",
-    "test_metrics.py", "test_provider_outages.py", "test_first_run.py", "test_provider_health.py", "test_api.py",
-    "test_flood.py", "test_pricing.py", "test_output_schema_limits.py", "test_redis_tls.py",
-    "test_worker_probe.py",
-    "test_retry.py", "test_typed_results.py", "test_webhooks.py", "test_sandbox_network.py", "test_tool_journal.py",
-    "test_shutdown.py", "test_sandbox.py",
-    "test_security.py", "test_web_security.py", "test_tracing.py", "test_retry_web.py", "test_fair_share_faults.py",
-    "test_compaction.py", "test_in_flight.py", "test_client_install.py", "test_logs.py", "test_pipeline.py",
-    "test_metadata_browser.py", "test_up.py", "test_poison.py", "test_keda_sentinel.py", "test_redis_restart.py",
-    "test_metadata.py", "test_kill_resumed_parent.py", "test_mcp_server_delegate.py", "test_sentinel_fleet.py",
-    "test_restart.py", "test_linear_inputs.py", "test_control.py",
-    "test_sentinel.py", "test_fair_share_fleet.py", "test_webhooks_faces.py", "test_webhooks_browser.py", "test_web_browser.py",
+    "test_sandbox_network.py", "test_typed_results.py", "test_wheel.py", "test_webhooks.py", "test_mcp.py",
+    "test_mcp_server.py", "test_worker_probe.py", "test_profile_tools.py", "test_redis_tls.py", "test_mcp_http.py",
+    "test_batched_calls.py", "test_api_fuzz.py", "test_retry.py", "test_faults.py", "test_flower.py",
+    "test_fair_share_fleet.py", "test_sandbox.py", "test_provider_outages.py", "test_cost_properties.py",
+    "test_kubernetes.py", "test_sentinel.py", "test_api.py", "test_cli.py", "test_compose.py", "test_security.py",
+    "test_tool_journal.py", "test_web_security.py", "test_client_install.py", "test_shutdown.py",
+    "test_sentinel_fleet.py", "test_todo_links.py", "test_docs_examples.py", "test_timeline_browser.py",
+    "test_provider_health.py", "test_redis_password.py", "test_pricing.py", "test_up.py", "test_flood.py",
+    "test_control.py", "test_kill_resumed_parent.py", "test_web_browser.py", "test_compaction.py",
+    "test_compaction_web.py", "test_light_imports.py", "test_webhooks_faces.py", "test_timeline.py",
+    "test_compose_sentinel.py", "test_console_script.py", "test_output_schema_limits.py", "test_first_run.py",
+    "test_tracing.py", "test_cli_control.py", "test_restart.py", "test_retry_web.py", "test_webhooks_browser.py",
+    "test_demo_tool.py", "test_metrics.py", "test_typed_results_web.py", "test_pipeline.py",
+    "test_fair_share_faults.py",
 )  # fmt: skip
 
 
