@@ -13,7 +13,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -34,6 +33,7 @@ from tests.helpers import TOKEN, ApiServer, api_settings, eventually
 from tests.mcp_kit import START_S, server
 from tests.model_server import ModelServer, Turn
 from tests.model_server import call as batched_call
+from tests.test_cli import cli
 
 
 class Batched(NamedTuple):
@@ -103,9 +103,10 @@ def batched(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def _subq(coord: Coordinator, *args: str) -> subprocess.CompletedProcess[str]:
-    """The `subq` command, as a user runs it, on the coordinator's Redis."""
-    env = settings_env(coord.settings)
-    return subprocess.run([sys.executable, "-m", "coordinator", *args], env=env, capture_output=True, text=True)
+    """The `subq` command, as a user runs it, on the coordinator's Redis: run in this process (tests/test_cli.py's
+    `cli`; a process of its own cost each 1.5 s of CPU on 2 cores, and tests/test_cli.py runs `subq` as one)."""
+    env = {k: v for k, v in settings_env(coord.settings).items() if k.startswith("SUBQ_")}
+    return cli(*args, env=env)
 
 
 def _waiting_everywhere(batched: Batched, task_id: str) -> dict[str, object]:
