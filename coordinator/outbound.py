@@ -256,8 +256,8 @@ class Connections:
         self._live[token] = exchange
         ended: list[tuple[object, int, str]] = []
         idle = self._take(key)
-        if idle is not None:
-            exchange.sock, exchange.reused, exchange.stage = idle, True, "send"
+        if idle is not None:  # still registered for reads (`_give_back`): its exchange's now
+            exchange.sock, exchange.reused, exchange.stage, exchange.watched = idle, True, "send", self._answers
             self._send(exchange, ended)
         else:
             self._connect(exchange, ended)
@@ -287,7 +287,10 @@ class Connections:
         their timeout."""
         ended: list[tuple[object, int, str]] = []
         for selected, _ in self._answers.select(0):
-            self._read(selected.data, ended)
+            if isinstance(selected.data, Exchange):
+                self._read(selected.data, ended)
+            else:  # an idle connection the receiver closed (or wrote to unasked): not used again
+                self._close_idle(selected.data, cast(socket.socket, selected.fileobj))
         now = time.monotonic()
         for exchange in [e for e in self._live.values() if e.deadline <= now]:
             phase = {"connect": "Connect", "handshake": "Connect", "send": "Write"}.get(exchange.stage, "Read")
@@ -443,10 +446,9 @@ class Connections:
     ) -> None:
         self._live.pop(exchange.token, None)
         sock = exchange.sock
-        if keep and sock is not None:
-            self._unwatch(exchange)
+        if keep and sock is not None and exchange.watched is self._answers:
             self._give_back(exchange.key, sock)
-            exchange.sock = None
+            exchange.sock, exchange.watched = None, None
         else:
             self._drop(exchange)
         ended.append((exchange.token, status, failure))
@@ -480,15 +482,27 @@ class Connections:
             sock, since = idle.pop()
             if now - since < KEEP_IDLE_S:
                 return sock
+            self._answers.unregister(sock)
             sock.close()
         return None
 
     def _give_back(self, key: tuple[str, str, int, str], sock: socket.socket) -> None:
+        """Keep a connection whose answer was read whole for the next POST to its address. It stays registered
+        for reads, its data its pool's key: an idle connection the receiver closes shows at the next look
+        (`collect`), and one taken again costs no system call to watch (a register and an unregister each
+        POST were a third of the deliverer's system calls, each a hand-off of a busy worker's GIL)."""
         idle = self._idle.setdefault(key, [])
         if len(idle) < self.most_idle:
             idle.append((sock, time.monotonic()))
+            self._answers.modify(sock, selectors.EVENT_READ, key)
         else:
+            self._answers.unregister(sock)
             sock.close()
+
+    def _close_idle(self, key: tuple[str, str, int, str], sock: socket.socket) -> None:
+        self._idle[key] = [(kept, since) for kept, since in self._idle.get(key, []) if kept is not sock]
+        self._answers.unregister(sock)
+        sock.close()
 
 
 class Post(NamedTuple):

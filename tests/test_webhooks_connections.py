@@ -1,9 +1,10 @@
 """The deliverer's keep-alive connections (coordinator/outbound.py `Connections`), against real sockets on
 127.0.0.1: one connection serves attempt after attempt; one the receiver closed while idle is replaced
-without failing the attempt; the socket goes to the checked address whatever the URL's host; a refused
-connection reads as a ConnectError; many POSTs are in flight at once on the one thread; an answer is read
-as HTTP says (h11: a body, `Connection: close`, chunked, an interim 100), a silent receiver is a ReadTimeout and
-a stranger's answer a RemoteProtocolError; over TLS the certificate is checked against the host's name.
+without failing the attempt, and is closed at the next look when it shows meanwhile; the socket goes to
+the checked address whatever the URL's host; a refused connection reads as a ConnectError; many POSTs are
+in flight at once on the one thread; an answer is read as HTTP says (h11: a body, `Connection: close`,
+chunked, an interim 100), a silent receiver is a ReadTimeout and a stranger's answer a
+RemoteProtocolError; over TLS the certificate is checked against the host's name.
 No Redis: pure connection handling.
 """
 
@@ -134,6 +135,23 @@ def test_a_connection_the_receiver_closed_while_idle_is_replaced(receiver: RawRe
     assert _post(connections, url) == (204, "")
     receiver.close_idle()
     assert _post(connections, url) == (204, "")  # not a failed attempt: made again on a new connection
+    assert receiver.connections == 2 and len(receiver.requests) == 2
+
+
+def test_an_idle_connection_the_receiver_closed_is_closed_at_the_next_look(receiver: RawReceiver) -> None:
+    """An idle connection stays watched for reads (no system call to watch it again at its next POST): one
+    the receiver closes shows at the next `collect` and is closed there, not tried by the next POST."""
+    connections = Connections(most_idle=2)
+    url = f"http://127.0.0.1:{receiver.port}/hook"
+    assert _post(connections, url) == (204, "")
+    assert sum(len(idle) for idle in connections._idle.values()) == 1
+    receiver.close_idle()
+    deadline = time.monotonic() + 60.0
+    while any(connections._idle.values()) and time.monotonic() < deadline:
+        assert connections.collect() == []
+        time.sleep(0.01)
+    assert not any(connections._idle.values())
+    assert _post(connections, url) == (204, "")
     assert receiver.connections == 2 and len(receiver.requests) == 2
 
 
