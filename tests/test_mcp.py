@@ -27,6 +27,7 @@ from tests.agents import agent, call, reply
 from tests.conftest import dedicated_fleet
 from tests.helpers import assert_worker_refuses, eventually
 from tests.mcp_kit import START_S, server, started
+from workers.runtime import mcp_servers
 from workers.runtime.mcp_servers import checked_tools, hinted_verdict, needs_decision_by_hint
 from workers.runtime.profile_tools import check, load_profile
 
@@ -90,24 +91,39 @@ def test_a_servers_tools_join_the_profile_with_their_source(settings: Settings, 
 BARRIER_S = 30
 
 
-def test_a_workers_start_starts_every_profiles_servers_at_once(settings: Settings, tmp_path: Path) -> None:
-    """Each server answers only once the other has started: listed one after another, the first would fail."""
-    repo = _repository(tmp_path / "repo")
-    pids = tmp_path / "pids"
+def _waiting_for_each_other(pids: Path, repo: Path, timeout_s: float) -> dict[str, Profile]:
+    """Two profiles, each of one server that answers only once the other server has started."""
     command, args = server(pids, repo)
     started_line, exec_line = args[1].split("; ", 1)
     wait = (
         f"for i in $(seq {BARRIER_S * 10}); do [ $(wc -l < {shlex.quote(str(pids))}) -ge 2 ] && break; sleep 0.1; done"
     )
     barrier = ["-c", f"{started_line}; {wait}; [ $(wc -l < {shlex.quote(str(pids))}) -ge 2 ] || exit 1; {exec_line}"]
-    servers = {
-        name: Profile(mcp_servers=[McpServer(name="git", command=command, args=barrier, timeout_s=BARRIER_S + START_S)])
+    return {
+        name: Profile(mcp_servers=[McpServer(name="git", command=command, args=barrier, timeout_s=timeout_s)])
         for name in ("first", "second")
     }
+
+
+def test_a_workers_start_starts_every_profiles_servers_at_once(settings: Settings, tmp_path: Path) -> None:
+    """Each server answers only once the other has started: listed one after another, the first would fail."""
+    repo = _repository(tmp_path / "repo")
+    pids = tmp_path / "pids"
+    servers = _waiting_for_each_other(pids, repo, BARRIER_S + START_S)
     tools = check(_settings(settings, **servers))
     for name in servers:
         assert {tool for tool, source in tools[name].sources.items() if source == "mcp:git"} >= GIT_TOOLS
     assert len(started(pids)) == 2
+
+
+def test_a_workers_start_lists_at_most_list_at_once_servers_at_a_time(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one at a time, the first of two servers that wait for each other is never answered: the bound holds."""
+    monkeypatch.setattr(mcp_servers, "LIST_AT_ONCE", 1)
+    servers = _waiting_for_each_other(tmp_path / "pids", _repository(tmp_path / "repo"), 2)
+    with pytest.raises(ConfigError, match="did not answer initialize within 2s"):
+        check(_settings(settings, **servers))
 
 
 def test_the_servers_hints_decide_where_no_rule_does(tmp_path: Path) -> None:

@@ -251,6 +251,9 @@ def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
         return pool.submit(asyncio.run, coro).result()
 
 
+# How many servers a worker's start lists at once: each is an interpreter or a checkout starting, and
+# more at once on a small host only race each other's `timeout_s` (each server's own, from its start).
+LIST_AT_ONCE = 4
 _checked: dict[tuple[str, str], dict[str, ToolDefinition]] = {}
 # A server that `list_at_once` found broken: `checked_tools` raises its error in the check's order.
 _refused: dict[tuple[str, str], ConfigError] = {}
@@ -277,13 +280,16 @@ def list_at_once(servers: Sequence[tuple[str, McpServer]], hidden: Sandbox | Non
             continue
         todo.append((profile, server))
 
-    async def one(profile: str, server: McpServer) -> dict[str, ToolDefinition] | ConfigError:
-        try:
-            return await _list_once(profile, server, hidden or Sandbox())
-        except ConfigError as exc:
-            return exc
-
     async def every() -> list[dict[str, ToolDefinition] | ConfigError]:
+        at_once = asyncio.Semaphore(LIST_AT_ONCE)
+
+        async def one(profile: str, server: McpServer) -> dict[str, ToolDefinition] | ConfigError:
+            async with at_once:
+                try:
+                    return await _list_once(profile, server, hidden or Sandbox())
+                except ConfigError as exc:
+                    return exc
+
         return await asyncio.gather(*(one(profile, server) for profile, server in todo))
 
     for (profile, server), listed in zip(todo, _run_sync(every()), strict=True):
