@@ -150,8 +150,17 @@ def _answers(port: int) -> bool:
         return False
 
 
+def free_metrics_ports(workers: int) -> int:
+    """A port free with the next `workers - 1` (worker i serves SUBQ_WORKER_METRICS_PORT + i, on 0.0.0.0): a
+    free port's neighbour may be another process's (CI once: 'Port 45374 on 0.0.0.0 is in use')."""
+    while True:
+        first = free_port()
+        if first + workers <= 65536 and all(port_free("0.0.0.0", first + i) for i in range(workers)):
+            return first
+
+
 def test_up_serves_a_run_from_another_terminal_and_ctrl_c_leaves_nothing(marker: str) -> None:
-    api_port, flower_port, metrics_port = free_port(), free_port(), free_port()
+    api_port, flower_port, metrics_port = free_port(), free_port(), free_metrics_ports(2)
     args = ["--workers", "2", "--api-port", str(api_port), "--flower-port", str(flower_port)]
     up = Up(args, marker, SUBQ_WORKER_METRICS_PORT=str(metrics_port))
     try:
