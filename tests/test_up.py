@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import re
 import signal
 import socket
@@ -150,17 +151,21 @@ def _answers(port: int) -> bool:
         return False
 
 
-def free_metrics_ports(workers: int) -> int:
-    """A port free with the next `workers - 1` (worker i serves SUBQ_WORKER_METRICS_PORT + i, on 0.0.0.0): a
-    free port's neighbour may be another process's (CI once: 'Port 45374 on 0.0.0.0 is in use')."""
+def free_listen_ports(count: int) -> int:
+    """A port free with the next `count - 1` (worker i serves SUBQ_WORKER_METRICS_PORT + i, on 0.0.0.0), below the
+    kernel's ephemeral range: servers' ports, given on their command lines. A port from that range (`free_port`'s)
+    can be taken meanwhile as the local port of any process's outgoing connection (CI twice: 'the port is in use
+    by another process')."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     while True:
-        first = free_port()
-        if first + workers <= 65536 and all(port_free("0.0.0.0", first + i) for i in range(workers)):
+        first = random.randrange(10_000, low - count)
+        if all(port_free("0.0.0.0", first + i) for i in range(count)):
             return first
 
 
 def test_up_serves_a_run_from_another_terminal_and_ctrl_c_leaves_nothing(marker: str) -> None:
-    api_port, flower_port, metrics_port = free_port(), free_port(), free_metrics_ports(2)
+    api_port = free_listen_ports(4)  # then Flower's, and the two workers' metrics ports
+    flower_port, metrics_port = api_port + 1, api_port + 2
     args = ["--workers", "2", "--api-port", str(api_port), "--flower-port", str(flower_port)]
     up = Up(args, marker, SUBQ_WORKER_METRICS_PORT=str(metrics_port))
     try:
