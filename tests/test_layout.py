@@ -23,6 +23,7 @@ WORKER_SEAMS = {
     "coordinator.reconciler",
     "coordinator.outbound",
     "coordinator.tracing",
+    "coordinator.loading",  # how a process loads its modules (the collector off), shared with the CLI
 }
 # The one module outside the store package that builds a Store.
 STORE_BUILDER = "coordinator/service.py"

@@ -15,21 +15,15 @@ which a worker uses.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Sequence
 
-# The cyclic collector stays off while the worker's modules load: they allocate about a million
-# objects that live as long as the process, and the full collections their growth sets off cost
-# about 0.4 s of CPU of a 3.5-s start on 2 cores, collecting nothing (issue 43, point 5). The
-# worker freezes what is loaded at its start (agent_loop.tune_gc), so later collections skip it.
-_collecting = gc.isenabled()
-gc.disable()
-try:
+from coordinator.loading import loading
+
+# The cyclic collector stays off while the worker's modules load (coordinator/loading.py); the worker
+# freezes what is loaded at its start (agent_loop.tune_gc), so later collections skip it.
+with loading():
     from workers import maintenance, outbound, tasks  # noqa: F401  (registers the subq.* tasks and signals)
     from workers.application import app, settings
-finally:
-    if _collecting:
-        gc.enable()
 
 __all__ = ["app", "main", "settings"]
 

@@ -7,7 +7,6 @@ Celery, kombu or redis-py.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Annotated
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from coordinator.errors import ConfigError, SubqError
+from coordinator.loading import loading
 
 # The code of the API's 401 (coordinator/api/errors.py), not imported: that loads the server side.
 UNAUTHORIZED = "unauthorized"
@@ -83,23 +83,6 @@ def say(text: str, err: bool = False) -> None:
     from coordinator.inputs import visible_text  # on use: `subq --help` loads no models
 
     typer.echo(visible_text(text), err=err)
-
-
-@contextmanager
-def loading() -> Iterator[None]:
-    """The cyclic collector off while a command loads the service, its settings or the API.
-
-    Those imports make objects that live as long as the process, and the full collections their
-    growth sets off collect nothing: about a tenth of the CPU of a command's start or of the API's
-    (issue 43, point 5). Never around a command's own work: a long one (`subq api`) collects as usual.
-    """
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def settings_of(ctx: typer.Context) -> Settings:
