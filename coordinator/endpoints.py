@@ -42,8 +42,9 @@ import random
 import time
 from typing import TYPE_CHECKING
 
-from coordinator import dispatch
+from coordinator import approvals, dispatch
 from coordinator.errors import NotFoundError
+from coordinator.models import TaskStatus
 from coordinator.replies import HOST, MODEL, EndpointState
 
 if TYPE_CHECKING:
@@ -122,19 +123,30 @@ def park(plane: Plane, task: TaskRecord, endpoint: str, model: str, wake_at_s: f
 
 
 def wake(plane: Plane, task_id: str) -> None:
-    """A parked run's timer is due: publish its run again (the reconciler's step; idempotent)."""
+    """A parked run's timer is due: publish its run again (the reconciler's step; idempotent).
+
+    The timer acts only while the task still waits for its provider: `provider_wait_since_ms` is set at the
+    park and cleared by the first answer a run of it gets. A timer served twice (a tick that failed after
+    this step and before the served timers were removed) can come due again after the woken run was
+    answered and then parked on an approval or delegated: publishing then would run the task again beside
+    its pending approval (a second approval of the same call), so such a timer is dropped.
+    """
     try:
         record = plane.store.records.get_task(task_id)
     except NotFoundError:
         return  # its tree has expired
-    if record.status.terminal:
-        return  # stopped while it waited: the stop ended it
+    if record.status.terminal or record.status == TaskStatus.DELEGATED:
+        return  # stopped while it waited (the stop ended it), or waits for its children (their batch resumes it)
+    if approvals.undecided(plane, task_id):
+        return  # waits for a person: a decision, or its expiry timer, resumes it
+    if plane.store.endpoints.wait_since_ms(task_id) is None:
+        return  # a run of it was answered since it parked: the wait this timer ends is over
     if plane.store.convergence.triage([task_id])[0].leased:
         # A run of it holds the lease: one woken twice, or the run that parked it and has not let its
         # lease go yet. Its timer is set again for after the grace, and the tick keeps it (its time
-        # moved); a watch would not do, as the parking run's release unwatches the task. A run that
-        # ends the task leaves the timer nothing to do; one that parks again sets its own time.
-        plane.store.convergence.add_timer(timer(task_id), time.time() + plane.settings.reconcile_grace_s)
+        # moved); a watch would not do, as the parking run's release unwatches the task. Never earlier
+        # than it is set: a newer park's later wake time stands.
+        plane.store.convergence.add_timer(timer(task_id), time.time() + plane.settings.reconcile_grace_s, later=True)
         return
     plane.store.convergence.watch([task_id], plane.settings.reconcile_grace_s)  # first: a lost publish is redone
     dispatch.publish_restart(plane.app, record)

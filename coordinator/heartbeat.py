@@ -46,9 +46,11 @@ class Heartbeat:
     def __init__(self, plane: Plane, worker_id: str) -> None:
         self.plane = plane
         self.worker_id = worker_id
+        # By lease token, not task id: a task's newer run (published again while an older run of it
+        # stalled past its lapse) may be held here beside the older one, and each is fenced on its own.
         self._runs: dict[str, Leased] = {}
-        # Runs inside their end step: the end script checks the lease itself (and deletes it), so
-        # a renewal that finds it gone meanwhile says nothing of a lost lease.
+        # The tokens of runs inside their end step: the end script checks the lease itself (and deletes
+        # it), so a renewal that finds it gone meanwhile says nothing of a lost lease.
         self._ending: set[str] = set()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -57,19 +59,16 @@ class Heartbeat:
     def hold(self, run: Leased) -> None:
         """Renew this run's lease from now on (the thread starts with the first run)."""
         with self._lock:
-            self._runs[run.task_id] = run
-            # A new run of the task: an earlier run's end-step mark (left by an end that was fenced, whose
-            # `forget` found this run in its place) is not this run's.
-            self._ending.discard(run.task_id)
+            self._runs[run.token] = run
             if self._thread is None:
                 self._thread = threading.Thread(target=self._beat, name="subq-heartbeat", daemon=True)
                 self._thread.start()
 
     def forget(self, run: Leased) -> None:
         with self._lock:
-            if self._runs.get(run.task_id) is run:
-                del self._runs[run.task_id]
-                self._ending.discard(run.task_id)
+            if self._runs.get(run.token) is run:
+                del self._runs[run.token]
+            self._ending.discard(run.token)
 
     @contextmanager
     def ending(self, run: Leased) -> Iterator[None]:
@@ -80,23 +79,23 @@ class Heartbeat:
         holds until `forget`; an end step that raised leaves the run renewed as before.
         """
         with self._lock:
-            self._ending.add(run.task_id)
+            self._ending.add(run.token)
         try:
             yield
         except BaseException:
             with self._lock:
-                self._ending.discard(run.task_id)
+                self._ending.discard(run.token)
             raise
 
     def renew(self) -> None:
         """Renew the leases of this process's runs (and its heartbeat); a lost one fences its run."""
         with self._lock:
-            held = [(task_id, run.token) for task_id, run in self._runs.items()]
-        for task_id in self.plane.store.convergence.renew_leases(
+            held = [(run.task_id, token) for token, run in self._runs.items()]
+        for task_id, token in self.plane.store.convergence.renew_leases(
             held, self.plane.settings.heartbeat_lapse_s, self.worker_id
         ):
             with self._lock:
-                run = None if task_id in self._ending else self._runs.get(task_id)
+                run = None if token in self._ending else self._runs.get(token)
             if run is not None and not run.fenced:
                 run.fenced = True
                 log.warning("subq: the lease of %s lapsed; its run stops and writes nothing more", task_id)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from coordinator import BrokerError, Coordinator, TaskStatus, delegation, endpoints
-from coordinator.approvals import ToolCall, expiry_timer, park
+from coordinator.approvals import ToolCall, expiry_timer, park, undecided
 from coordinator.celery_app import make_app
 from coordinator.local.embedded_redis import local_redis
 from coordinator.ports.steps import Released
@@ -261,6 +261,48 @@ def test_a_parked_run_woken_while_its_lease_lingers_is_woken_again_after_the_gra
     assert queued_ids(coord) == [task.id], "published again"
 
 
+def test_a_provider_timer_served_twice_never_restarts_a_run_answered_since(coord: Coordinator) -> None:
+    """A provider timer served again (a tick that failed before removing it) while the woken run holds the
+    lease is set again only while that run still waits for its provider; once it was answered and parked
+    on an approval, the timer publishes nothing (a restart would ask for the same call a second time)."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    timers, name = coord.store.keys.timers(), endpoints.timer(task.id)
+    # Parked on its provider by an earlier run, then woken: this run holds the lease, its wait not over yet.
+    endpoints.park(lifecycle.plane, coord.get_task(task.id), "api.example:443", "", time.time() - 1, 1)
+    run = lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    Reconciler(coord, "test").tick()  # the timer, served a second time
+    assert coord.client.zscore(timers, name) is not None, "still waiting for its provider: set again"
+    assert queued_ids(coord) == []
+    # Its provider answers (the wait is over), it asks a person, and releases as waiting_approval.
+    coord.store.endpoints.clear_wait(task.id)
+    (approval,) = park(coord.plane, run.task, [ToolCall("run_command", {"command": "ls"}, "call-1")])
+    run.end(Released("waiting_approval"))
+    coord.client.zadd(timers, {name: time.time() - 1})  # the re-armed timer comes due
+    Reconciler(coord, "test").tick()
+    assert queued_ids(coord) == [], "no restart beside the undecided approval"
+    assert coord.client.zscore(timers, name) is None, "the stale timer is gone"
+    assert undecided(coord.plane, task.id) == [approval.id], "its approval still waits for its person"
+
+
+def test_a_provider_timer_never_restarts_a_task_that_waits_for_a_person(coord: Coordinator) -> None:
+    """Even with its provider wait still on record (a model whose answers do not clear it), a task whose
+    approval is undecided is left to the decision or its expiry."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    run = lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    park(coord.plane, run.task, [ToolCall("run_command", {"command": "ls"}, "call-1")])
+    run.end(Released("waiting_approval"))
+    endpoints.park(lifecycle.plane, coord.get_task(task.id), "api.example:443", "", time.time() - 1, 1)
+    Reconciler(coord, "test").tick()
+    assert queued_ids(coord) == [], "not published"
+    assert coord.client.zscore(coord.store.keys.timers(), endpoints.timer(task.id)) is None
+
+
 def test_one_leader_at_a_time(coord: Coordinator) -> None:
     first, second = Reconciler(coord, "first"), Reconciler(coord, "second")
     coord.client.delete(coord.store.keys.leader())
@@ -334,6 +376,24 @@ def test_a_renewal_racing_a_runs_end_step_neither_fences_it_nor_warns(
     heartbeat.renew()  # the lease is not the newer run's
     assert newer.fenced
     heartbeat.forget(newer)
+
+    # The other order: the newer run is held first (the old one stalled past its lapse and the task was
+    # published again), then the old run's end step is fenced. Each run is renewed and fenced on its own.
+    fourth = coord.create_task(agent(reply("x")), run=True)
+    stalled = lifecycle.start(fourth.id)
+    assert isinstance(stalled, Run)
+    coord.client.delete(coord.store.keys.lease(fourth.id, fourth.id))  # its lease lapsed
+    newest = SimpleNamespace(task_id=fourth.id, token="the-newest-run", fenced=False)
+    heartbeat.hold(newest)
+    heartbeat.renew()  # neither run holds the lease now
+    assert stalled.fenced and newest.fenced, "both runs of the task are fenced, not only the last held"
+    newest.fenced = False
+    with heartbeat.ending(stalled):
+        pass  # the old run's end: end_run.lua answers 'fenced'
+    heartbeat.forget(stalled)
+    heartbeat.renew()
+    assert newest.fenced, "the old run's end-step mark does not cover the newer run"
+    heartbeat.forget(newest)
 
 
 def test_a_save_after_the_lease_lapsed_is_refused_even_before_the_heartbeat_notices(coord: Coordinator) -> None:

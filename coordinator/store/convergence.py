@@ -135,8 +135,9 @@ class ConvergenceStore(Part):
     # -- timers ------------------------------------------------------------------------
 
     @translate_redis_errors
-    def add_timer(self, name: str, due_at: float) -> None:
-        self.client.zadd(self.keys.timers(), {name: due_at})
+    def add_timer(self, name: str, due_at: float, *, later: bool = False) -> None:
+        """Set the timer `name` for `due_at`; with `later`, only if that is later than it is set for (or it is unset)."""
+        self.client.zadd(self.keys.timers(), {name: due_at}, gt=later)
 
     @translate_redis_errors
     def due_timers(self, limit: int) -> list[str]:
@@ -208,7 +209,9 @@ class ConvergenceStore(Part):
         return lapses_at is not None and float(lapses_at) > time.time()
 
     @translate_redis_errors
-    def renew_leases(self, leases: Sequence[tuple[str, str]], ttl_s: float, worker: str) -> list[str]:
+    def renew_leases(
+        self, leases: Sequence[tuple[str, str]], ttl_s: float, worker: str
+    ) -> list[tuple[str, str]]:
         """Renew the (task id, token) leases this worker holds and beat its heartbeat; returns the lost ones."""
         with self.client.pipeline(transaction=False) as pipe:
             now = time.time()
@@ -224,7 +227,7 @@ class ConvergenceStore(Part):
                 tokens=[token for _, token in leases],
             )
         )
-        return [leases[i - 1][0] for i in lost]
+        return [leases[i - 1] for i in lost]
 
     @translate_redis_errors
     def workers(self) -> dict[str, float]:
