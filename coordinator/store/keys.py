@@ -121,7 +121,9 @@ histogram is.
 |                                       |        | shares, coordinator/admission.py): started, or     | retention after its  |
 |                                       |        | given a slot and published                         | last change          |
 | `<p>:tenant:{<t>}:parked`             | zset   | its runs waiting for a slot, holding no worker,    | emptied as slots free; |
-|                                       |        | scored by -priority * 1e13 + arrival ms            | retention             |
+|                                       |        | scored by -priority * 1e13 + arrival ms, or one    | retention             |
+|                                       |        | past the last of its priority if that sorts later  |                       |
+|                                       |        | (fair_admit.lua: the order of parking holds)       |                       |
 | `<p>:tenant:{<t>}:queued`             | zset   | its runs published and not yet taken by a worker,  | as messages arrive, or |
 |                                       |        | scored by publish ms: demand in the broker's queue | FAIR_QUEUED_S after   |
 | `<p>:fair:wanting`                    | zset   | tenants with runs parked or queued, scored by      | a tenant leaves when  |
