@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -133,6 +134,22 @@ class SentinelSet:
         port = self.master_port()
         self.data[port].kill()
         return port
+
+    def kill_master_losing(self, stall_s: float) -> int:
+        """SIGKILL the master after its replicas have stalled (SIGSTOP) for `stall_s` while it took writes;
+        its old port. Whichever replica is promoted lacks those writes: asynchronous replication's window
+        of loss, made certain instead of left to the host's pace."""
+        master = self.master_port()
+        replicas = [server for port, server in self.data.items() if port != master and server.alive()]
+        for server in replicas:
+            os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(stall_s)
+            self.data[master].kill()
+        finally:
+            for server in replicas:
+                os.kill(server.proc.pid, signal.SIGCONT)
+        return master
 
     def wait_promoted(self, old_port: int, timeout_s: float = 30) -> int:
         """Wait until the sentinels name a master other than `old_port`, and it takes writes; its port."""
