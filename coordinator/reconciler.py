@@ -202,20 +202,32 @@ class Reconciler:
                 log.warning("subq reconciler: %s: %s", reason, task_id)
 
     def _timers(self) -> None:
+        """Serve the due timers. One that raises stays set, served again at the next tick, and the others
+        are served and removed all the same: a raise that ended the tick left every timer to be served again
+        (each provider wake published its run again)."""
         due = self.plane.store.convergence.due_timer_times(TICK_LIMIT)
-        for name in due:
-            kind, _, subject = name.partition(":")
-            if kind == approvals.EXPIRY_TIMER:
-                try:
-                    approvals.expire(self.plane, subject)
-                except NotFoundError:
-                    pass  # its tree has expired
-            elif kind == endpoints.PROVIDER_TIMER:
-                endpoints.wake(self.plane, subject)  # a run parked while its provider was down
+        served: dict[str, float] = {}
+        for name, at in due.items():
+            try:
+                self._serve(name)
+            except Exception:  # Redis away, or a bug of ours: this timer only, tried again next tick
+                log.exception("subq reconciler: timer %r failed; it is served again at the next tick", name)
             else:
-                log.error("subq reconciler: unknown timer %r dropped", name)
+                served[name] = at
         # Only those still set for the time they were read at: one its run set again meanwhile is new.
-        self.plane.store.convergence.remove_served_timers(due)
+        self.plane.store.convergence.remove_served_timers(served)
+
+    def _serve(self, name: str) -> None:
+        kind, _, subject = name.partition(":")
+        if kind == approvals.EXPIRY_TIMER:
+            try:
+                approvals.expire(self.plane, subject)
+            except NotFoundError:
+                pass  # its tree has expired
+        elif kind == endpoints.PROVIDER_TIMER:
+            endpoints.wake(self.plane, subject)  # a run parked while its provider was down
+        else:
+            log.error("subq reconciler: unknown timer %r dropped", name)
 
     def _ended(self, task_id: str) -> str:
         """An ended task still due: its end was never written back to its parent's batch."""

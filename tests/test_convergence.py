@@ -239,6 +239,53 @@ def test_a_timer_set_again_while_the_tick_served_it_is_kept(coord: Coordinator) 
     assert left == {"provider-wait:again": pytest.approx(wake_at)}, "the new timer stays, the served one goes"
 
 
+def test_the_served_timers_are_removed_in_one_script_call_that_takes_no_watch(coord: Coordinator) -> None:
+    """A compare-and-remove in Lua: a WATCH on the timers, which every park, approval and wake writes, could
+    run out its tries on a busy fleet, and the whole tick failed (review V4, item 4)."""
+    with local_redis() as url:  # a server of its own: its command counts are this test's alone
+        alone = Coordinator(coord.settings.model_copy(update={"redis_url": url}))
+        try:
+            convergence = alone.store.convergence
+            for n in range(3):
+                convergence.add_timer(f"provider-wait:t{n}", time.time() - 5)
+            due = convergence.due_timer_times(100)
+            convergence.add_timer("provider-wait:t0", time.time() + 8)  # set again meanwhile: kept
+            before = alone.client.info("commandstats")
+            convergence.remove_served_timers(due)
+            after = alone.client.info("commandstats")
+            left = list(alone.client.zrange(alone.store.keys.timers(), 0, -1))
+        finally:
+            alone.close()
+    calls = {name: after[name]["calls"] - before.get(name, {"calls": 0})["calls"] for name in after}
+    assert left == ["provider-wait:t0"]
+    assert not {"cmdstat_watch", "cmdstat_multi", "cmdstat_exec"} & {name for name, n in calls.items() if n}, calls
+    assert calls.get("cmdstat_zmscore", 0) == 0 and calls.get("cmdstat_evalsha", 0) == 1, calls
+
+
+def test_a_timer_that_raises_leaves_the_others_served_and_the_tick_whole(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One timer whose serving raises stays set for the next tick; the others are served once and removed,
+    and the tick's other passes run (a raise there failed the tick, and the next served every timer again)."""
+    convergence, woken = coord.store.convergence, []
+
+    def wake(plane: object, task_id: str) -> None:
+        if task_id == "bad":
+            raise RuntimeError("a bug of ours")
+        woken.append(task_id)
+
+    monkeypatch.setattr(endpoints, "wake", wake)
+    for subject in ("first", "bad", "last"):
+        convergence.add_timer(endpoints.timer(subject), time.time() - 5)
+    root = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)  # its run message lost: the due pass publishes it again
+    assert tick(coord) == {"run-lost": 1}, "the tick went on past the bad timer"
+    assert sorted(woken) == ["first", "last"] and queued_ids(coord) == [root.id]
+    assert list(coord.client.zrange(coord.store.keys.timers(), 0, -1)) == [endpoints.timer("bad")]
+    tick(coord)
+    assert sorted(woken) == ["first", "last"], "the served ones are not served again"
+
+
 def test_a_parked_run_woken_while_its_lease_lingers_is_woken_again_after_the_grace(coord: Coordinator) -> None:
     """Its timer fired before the run that parked it let its lease go (the real park: the timer is set,
     then the run releases its lease and unwatches its task): the timer is set again and runs it later."""

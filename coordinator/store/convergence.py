@@ -20,12 +20,10 @@ import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
-from redis.client import Pipeline
-
 from coordinator.ids import root_of, task_of_run_id
 from coordinator.store.base import Part, _str_map, _strs, translate_redis_errors
 from coordinator.store.fields import TaskField
-from coordinator.store.protocol import Lead, RenewLeases, Unwatch, UnwatchKeys
+from coordinator.store.protocol import Lead, RemoveServedTimers, RenewLeases, Unwatch, UnwatchKeys
 
 __all__ = ["QUEUE_SCAN_LIMIT", "ConvergenceStore", "Triage"]
 
@@ -162,19 +160,10 @@ class ConvergenceStore(Part):
         """
         if not served:
             return
-        key, names = self.keys.timers(), list(served)
-
-        def remove(pipe: Pipeline) -> None:
-            now_at = pipe.zmscore(key, names)
-            gone = [name for name, at in zip(names, now_at, strict=True) if at is not None and at == served[name]]
-            pipe.multi()
-            if gone:
-                pipe.zrem(key, *gone)
-            pipe.execute()
-
-        # Bounded tries (the store's transaction): every park and approval writes this key, so a busy fleet
-        # could keep redis-py's own retry loop going; past them the tick fails, and the next serves again.
-        self.core.transaction([key], remove)
+        # In Lua (remove_served_timers.lua), not a WATCH on this key: every park, approval and wake writes
+        # it, so a busy fleet could run out the transaction's tries; the tick then failed whole, and the next
+        # served every timer again (each provider wake published again).
+        self.scripts(RemoveServedTimers(timers=self.keys.timers(), served=list(served.items())))
 
     @translate_redis_errors
     def remove_timers(self, names: Iterable[str]) -> None:

@@ -1434,6 +1434,20 @@ class Unwatch(
 
 
 @dataclass(frozen=True, kw_only=True)
+class RemoveServedTimers(
+    Call[int],
+    script="remove_served_timers",
+    returns="how many were removed.",
+):
+    timers: str = key("the timers zset (member `<kind>:<id>`, score: due epoch s)")
+    served: Sequence[tuple[str, float]] = args("2 per timer served: its name, the time it was read at (epoch s)")
+
+    @classmethod
+    def decode(cls, raw: Any) -> int:
+        return int(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
 class KeepCompaction(
     Call[str],
     script="keep_compaction",
