@@ -41,11 +41,25 @@ def _clean(coord: Coordinator, prefix: str) -> None:
         coord.client.delete(key)
 
 
-@pytest.fixture
-def fleet(settings: Settings, tmp_path: Path) -> Iterator[tuple[Coordinator, WorkerFleet]]:
-    with dedicated_fleet(settings, tmp_path / "workers", 1, **FLEET) as (coord, workers):
+# The tests that kill their workers or bound the retries start fleets of their own, on keys and a
+# queue of their own, so that the module's fleet never takes their deliveries.
+OWN_PREFIX = "subqwhown"
+OWN_FLEET: dict[str, Any] = {**FLEET, "key_prefix": OWN_PREFIX, "queue": "subq-wh-own"}
+
+
+@pytest.fixture(scope="module")
+def module_fleet(
+    settings: Settings, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Coordinator, WorkerFleet]]:
+    """One worker process for the tests that neither kill nor reconfigure it (a start is 2.5 s of CPU: issue 43)."""
+    with dedicated_fleet(settings, tmp_path_factory.mktemp("wh-workers"), 1, **FLEET) as (coord, workers):
         yield coord, workers
-        _clean(coord, PREFIX)
+
+
+@pytest.fixture
+def fleet(module_fleet: tuple[Coordinator, WorkerFleet]) -> Iterator[tuple[Coordinator, WorkerFleet]]:
+    yield module_fleet
+    _clean(module_fleet[0], PREFIX)
 
 
 def _verified(got: Any) -> dict[str, Any]:
@@ -107,7 +121,7 @@ REFUSED_S = 30.0
 def test_a_delivery_survives_a_refusing_receiver_and_a_killed_worker(settings: Settings, tmp_path: Path) -> None:
     receiver = Receiver(start=False)  # nobody listens: every connection is refused
     back_at = time.monotonic() + REFUSED_S
-    with dedicated_fleet(settings, tmp_path / "first", 1, **FLEET) as (coord, workers):
+    with dedicated_fleet(settings, tmp_path / "first", 1, **OWN_FLEET) as (coord, workers):
         root = coord.create_task("Plan.", webhooks=[{"url": receiver.url, "secret": SECRET}])
         coord.cancel(root.id, "done with it")
 
@@ -124,13 +138,13 @@ def test_a_delivery_survives_a_refusing_receiver_and_a_killed_worker(settings: S
     time.sleep(max(0.0, back_at - time.monotonic()))
     receiver.start()
     try:
-        with dedicated_fleet(settings, tmp_path / "second", 1, **FLEET) as (coord, _):
+        with dedicated_fleet(settings, tmp_path / "second", 1, **OWN_FLEET) as (coord, _):
             got = eventually(lambda: receiver.of_type("task.cancelled"), "delivered after restart", timeout_s=WAIT_S)
             time.sleep(2.0)
             assert len(receiver.got) == 1
             assert got[0].headers["webhook-id"] == entry["event_id"] == _verified(got[0])["id"]
             assert coord.store.outbox.deliveries(root.id)[0]["state"] == "delivered"
-            _clean(coord, PREFIX)
+            _clean(coord, OWN_PREFIX)
     finally:
         receiver.stop()
 
@@ -300,7 +314,7 @@ def test_an_api_keys_webhooks_get_every_tree_it_creates(fleet: tuple[Coordinator
 def test_a_410_ends_the_subscription_and_a_dead_receiver_is_given_up_in_bounded_time(
     settings: Settings, tmp_path: Path
 ) -> None:
-    bounded = {**FLEET, "webhook_retry_for_s": 2.0}
+    bounded = {**OWN_FLEET, "webhook_retry_for_s": 2.0}
     with (
         dedicated_fleet(settings, tmp_path / "w", 1, **bounded) as (coord, _),
         Receiver(status=410) as gone,
@@ -328,4 +342,4 @@ def test_a_410_ends_the_subscription_and_a_dead_receiver_is_given_up_in_bounded_
         counts = coord.delivery_counts()
         assert counts[("task.cancelled", "given_up")] >= 1 and counts[("task.cancelled", "retrying")] >= 1
         assert any(outcome == "gone" for _, outcome in counts)
-        _clean(coord, PREFIX)
+        _clean(coord, OWN_PREFIX)
