@@ -591,6 +591,7 @@ class ClaimedDelivery:
     entry: dict[str, Any]
     found: tuple[str, dict[str, Any]] | None
     record: dict[str, Any] | None
+    refused: str = ""  # what of its stored data did not decode: given up, not attempted ('' when it did)
 
 
 class Spend(NamedTuple):

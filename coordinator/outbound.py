@@ -647,7 +647,10 @@ class Deliverer:
         try:
             claimed = self.outbox.settle_and_claim(ended, free, lease_ms)
         except Exception:
-            with self._lock:  # Redis away: recorded at the next step (their claims hold meanwhile)
+            # Redis away: recorded at the next step (their claims hold meanwhile). Only the call raises here,
+            # never its reply's decoding (a claimed delivery that does not decode comes back `refused`): once
+            # the script has replied, putting them back settled each twice.
+            with self._lock:
                 self._ended[:0] = ended
             raise
         if not claimed:
@@ -710,6 +713,11 @@ class Deliverer:
         """Start a claimed delivery's attempt: an HTTP POST on the loop's sockets (its host resolved by a
         helper unless it is an address), a Celery callback's send in a helper."""
         root_id, delivery_id, entry = item.root_id, item.delivery_id, item.entry
+        if item.refused:  # its stored data does not decode: claimed again at every lease, it would never end
+            last = one_line(item.refused)
+            log.error("subq deliveries: %s given up: %s", delivery_id, last)
+            self._done(Settled(root_id, delivery_id, "given_up", last=last))
+            return
         if item.found is None or not item.found[0]:
             # Its subscription answered 410 since (or its tree expired): nothing more is sent to it.
             self._done(Settled(root_id, delivery_id, "gone", last="the subscription has ended"))

@@ -160,3 +160,44 @@ def test_a_claimed_delivery_settled_or_of_an_expired_tree_leaves_the_index_unrea
     for key in coord.client.scan_iter("subqbatch:*"):
         coord.client.delete(key)
     coord.close()
+
+
+def test_a_claimed_delivery_whose_data_does_not_decode_is_given_up_and_the_batch_settled_once(
+    settings: Settings,
+) -> None:
+    """The claim's reads are decoded after settle_and_claim.lua has settled the step's outcomes: one claimed
+    delivery whose stored data does not decode (here its task's int field) is given up with the reason, the
+    rest of its claim goes on, and the outcomes the script settled are not put back to be settled again
+    (review V4, item 3: they were, each attempt counted twice)."""
+    coord = Coordinator(
+        settings.model_copy(
+            update={"queue": "subq-nobody", "key_prefix": "subqrefused", "webhook_allow": ["127.0.0.1"]}
+        )
+    )
+    outbox, hooks = coord.store.outbox, [{"url": "http://127.0.0.1:9/hook", "events": ["*"]}]
+    deliverer = Deliverer(coord, lambda *_: None)
+    try:
+        first = coord.create_task("Say hello.", webhooks=hooks)
+        outbox.add_event(first.id, first.id, "task.completed", {})
+        (claimed,) = outbox.settle_and_claim([], 10, LEASE_MS)
+        broken = coord.create_task("Broken.", webhooks=hooks)
+        outbox.add_event(broken.id, broken.id, "task.completed", {})
+        coord.client.hset(coord.store.keys.task(broken.id, broken.id), "tokens_in", "1.5")  # not an int
+        retry_at = time.time() + 600
+        deliverer._ended = [Settled(first.id, claimed.delivery_id, "retrying", last="HTTP 503", next_at=retry_at)]
+        assert deliverer.step() == 1, "the step does not raise: the broken delivery is claimed, and given up"
+        assert [e["attempts"] for e in outbox.deliveries(first.id)] == [1]
+        (given_up,) = deliverer._ended
+        assert (given_up.root_id, given_up.state) == (broken.id, "given_up")
+        assert given_up.last.startswith("its stored data does not decode: ValueError"), given_up.last
+        deliverer.step()
+        assert [e["attempts"] for e in outbox.deliveries(first.id)] == [1], "settled once"
+        ((state, attempts, last),) = [(e["state"], e["attempts"], e["last"]) for e in outbox.deliveries(broken.id)]
+        assert (state, attempts, last) == ("given_up", 1, given_up.last)
+        assert outbox.counts() == {("task.completed", "retrying"): 1, ("task.completed", "given_up"): 1}
+        assert deliverer._ended == [] and outbox.settle_and_claim([], 10, LEASE_MS) == [], "nothing left claimed"
+    finally:
+        deliverer._connections.close()
+        for key in coord.client.scan_iter("subqrefused:*"):
+            coord.client.delete(key)
+        coord.close()

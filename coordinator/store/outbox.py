@@ -159,17 +159,24 @@ class OutboxStore(Part):
                 fields=EVENT_FIELDS,
             )
         )  # fmt: skip
+        # The script has committed: from here nothing raises, or the deliverer would put back the outcomes it
+        # settled, settled again at the next step. Each claimed delivery decodes on its own: one whose stored
+        # data does not (a record's int field that does not parse) is returned `refused`, and given up.
         targets: dict[str, dict[str, Any]] = {}  # each subscription's target decoded once a claim
         claimed = []
         for read in reads:
             root_id, _, delivery_id = read.member.partition(" ")
-            found = None
-            if read.patterns is not None and read.target is not None:
-                if read.target not in targets:
-                    targets[read.target] = dict(json.loads(read.target))
-                found = (read.patterns, targets[read.target])
-            entry = dict(json.loads(read.entry))
-            claimed.append(ClaimedDelivery(root_id, delivery_id, entry, found, event_record(read.values)))
+            try:
+                found = None
+                if read.patterns is not None and read.target is not None:
+                    if read.target not in targets:
+                        targets[read.target] = dict(json.loads(read.target))
+                    found = (read.patterns, targets[read.target])
+                entry = dict(json.loads(read.entry))
+                claimed.append(ClaimedDelivery(root_id, delivery_id, entry, found, event_record(read.values)))
+            except Exception as exc:  # any decode error: this delivery alone is given up
+                refused = f"its stored data does not decode: {type(exc).__name__}: {exc}"
+                claimed.append(ClaimedDelivery(root_id, delivery_id, {}, None, None, refused=refused))
         return claimed
 
     @translate_redis_errors
