@@ -38,7 +38,6 @@ from tests.sentinel_kit import SentinelSet, fleet_on, sentinel_set
 from tests.test_faults import assert_converged
 from tests.tls_kit import HOST, TLS_REDIS_SERVER, Tls, make_tls
 
-ROOT = Path(__file__).resolve().parent.parent
 WAIT_S = 120
 FLOWER_USER, FLOWER_PASSWORD = "flower-tls", "flower-tls-password"
 
@@ -62,11 +61,14 @@ def _run_tree(coord: Coordinator) -> str:
 
 
 def _cli_tree(settings: Settings, root_id: str) -> dict[str, object]:
-    """`subq tree ID --json` in its own process, given exactly these settings by its environment."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "coordinator", "tree", root_id, "--json"],
-        env=settings_env(settings), cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    """`subq tree ID --json`, given exactly these settings by its environment.
+
+    It runs in this process (tests/test_cli.py's cli): a CLI process costs 1.5 s of CPU (issue 43).
+    """
+    from tests.test_cli import cli
+
+    env = {name: value for name, value in settings_env(settings).items() if name.startswith("SUBQ_")}
+    proc = cli("tree", root_id, "--json", env=env)
     assert proc.returncode == 0, proc.stderr
     tree: dict[str, object] = json.loads(proc.stdout)
     return tree
