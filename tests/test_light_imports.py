@@ -110,6 +110,61 @@ def test_mcp_starts_at_its_first_request_in_each_lifespan() -> None:
                 assert '"name":"run_task"' in answer.text
 
 
+def test_a_first_mcp_request_importing_while_the_lifespan_ends_starts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first /mcp request imports the MCP side in a thread; if the lifespan ends meanwhile, the request
+    is answered 503 and starts no session manager (it started one that nothing stopped: review V4, item 6)."""
+    import asyncio
+    import importlib
+    import threading
+
+    from coordinator import Settings
+    from coordinator.api import create_app
+    from coordinator.api.mcp import McpEndpoint
+
+    app = create_app(Settings(redis_url="redis://127.0.0.1:1/0", api_token="t" * 32))
+    (endpoint,) = [r.endpoint for r in app.router.routes if isinstance(getattr(r, "endpoint", None), McpEndpoint)]
+    importing, imported = threading.Event(), threading.Event()
+    real_import = importlib.import_module
+
+    def slow_import(name: str, package: str | None = None) -> object:
+        if name == "coordinator.mcp_tools":
+            importing.set()
+            imported.wait(TIMEOUT_S)
+        return real_import(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", slow_import)
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}).encode()
+    headers = [
+        (b"authorization", b"Bearer " + b"t" * 32),
+        (b"accept", b"application/json, text/event-stream"),
+        (b"content-type", b"application/json"),
+    ]
+    scope = {"type": "http", "method": "POST", "path": "/mcp", "raw_path": b"/mcp", "query_string": b"",
+             "headers": headers, "scheme": "http", "server": ("testserver", 80), "client": ("127.0.0.1", 1),
+             "root_path": "", "http_version": "1.1", "app": app}  # fmt: skip
+    sent: list[dict[str, object]] = []
+
+    bodies = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, object]:  # the body, then the client has gone
+        return bodies.pop() if bodies else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    async def the_lifespan_ends_during_the_import() -> list[asyncio.Task[object]]:
+        async with endpoint.running():
+            first = asyncio.create_task(endpoint(scope, receive, send))
+            assert await asyncio.to_thread(importing.wait, TIMEOUT_S)
+        imported.set()  # the import ends after the lifespan did
+        await asyncio.wait_for(first, TIMEOUT_S)
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    left = asyncio.run(the_lifespan_ends_during_the_import())
+    assert sent and sent[0]["status"] == 503, sent
+    assert endpoint.manager is None and left == [], "no session manager started"
+
+
 # What `celery` imports before it reads its arguments (every subcommand, each installed plugin) and a worker never uses.
 CELERY_UMBRELLA = ["celery.bin.celery", "celery.bin.amqp", "flower", "click_repl", "prompt_toolkit"]
 WORKER_ENV = {"SUBQ_REDIS_URL": "redis://127.0.0.1:1/0"}

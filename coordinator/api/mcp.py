@@ -193,30 +193,39 @@ class McpEndpoint:
         finally:
             self._live = False
             serving, self._serving, self.manager = self._serving, None, None
+            self._stop.set()  # also a manager a request is starting now: it stops once started
             if serving is not None:
-                self._stop.set()
                 await serving
 
-    async def _started_manager(self) -> StreamableHTTPSessionManager:
-        """The lifespan's session manager, made and started by the first request that needs it."""
-        assert self._starting is not None and self._stop is not None  # set by running()
-        async with self._starting:
-            if self.manager is not None:
-                return self.manager
+    async def _started_manager(self) -> StreamableHTTPSessionManager | None:
+        """The lifespan's session manager, made and started by the first request that needs it; None when
+        the lifespan this request came in has ended meanwhile (nothing is started then)."""
+        starting, stop = self._starting, self._stop
+        assert starting is not None and stop is not None  # set by running()
+        async with starting:
             if self.server is None:
                 # In a thread: the imports take about a second, which the event loop's other requests need not wait.
                 tools = await asyncio.to_thread(importlib.import_module, "coordinator.mcp_tools")
                 self.server = tools.build_server(self._session_of, self.version)
+            # The lifespan may have ended during the import: running()'s end found no manager to stop then, so
+            # one started now would serve on, stopped by nothing (review V4, item 6).
+            if not self._live or self._stop is not stop:
+                return None
+            if self.manager is not None:
+                return self.manager
             from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
             manager = StreamableHTTPSessionManager(app=self.server, stateless=True)
             ready = asyncio.Event()
-            serving = asyncio.create_task(self._serve(manager, ready, self._stop))
+            serving = asyncio.create_task(self._serve(manager, ready, stop))
             waiting = asyncio.create_task(ready.wait())
             await asyncio.wait({serving, waiting}, return_when=asyncio.FIRST_COMPLETED)
             waiting.cancel()
             if serving.done():  # run() failed before it served: raise its error
                 serving.result()
+            if stop.is_set():  # the lifespan ended while it started: it stops at once
+                await serving
+                return None
             self._serving, self.manager = serving, manager
             return manager
 
@@ -237,11 +246,12 @@ class McpEndpoint:
         except HttpError as exc:
             await error_response(exc.status_code, exc.code, exc.message, exc.field, exc.headers)(scope, receive, send)
             return
-        if not self._live:  # the app's lifespan did not run (a test client without it)
-            response = error_response(503, "mcp_unavailable", "The MCP endpoint starts with the app's lifespan")
+        # Not live: the app's lifespan did not run (a test client without it), or has ended.
+        manager = await self._started_manager() if self._live else None
+        if manager is None:
+            response = error_response(503, "mcp_unavailable", "The MCP endpoint serves only while the app runs")
             await response(scope, receive, send)
             return
-        manager = await self._started_manager()
         await manager.handle_request(scope, receive, send)
 
 
