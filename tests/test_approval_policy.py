@@ -19,11 +19,12 @@ CAREFUL = Profile(
     allow=["run_command:npm test", "run_command:git status"],
     deny=["run_command:rm -rf", "run_command:git push --force"],
 )
-# A verdict on a long command is linear in its length: four times the length costs at most this many times
-# the CPU (linear: 4; quadratic: 16), both measured here and now (this thread's CPU, the least of three
+# A verdict on a long command is linear in its length: eight times the length costs at most this many times
+# the CPU (linear: 8; quadratic: 64), both measured here and now (this thread's CPU, the least of three
 # tries), so a host whose cores are shared many times over slows both alike. (An absolute budget of 1 s,
-# 0.2 s on an idle host, read 1.4 s in CI.)
-LINEAR_RATIO_MOST = 8.0
+# 0.2 s on an idle host, read 1.4 s in CI; four times the length against a bound of 8, linear 4, read 7.83
+# under load: review V4, item 7.)
+LINEAR_RATIO_MOST = 24.0
 # Below this a verdict's CPU is its fixed costs and the clock's grain, not its length.
 LINEAR_FLOOR_CPU_S = 0.02
 
@@ -124,8 +125,8 @@ def _least_cpu_s(command: str) -> float:
     ids=["spaces", "spaces and tabs", "pipes", "read spaces", "read pipes", "read script"],
 )
 def test_a_long_command_is_decided_in_linear_time(shape: Callable[[int], str], length: int) -> None:
-    whole, quarter = _least_cpu_s(shape(length)), _least_cpu_s(shape(length // 4))
-    assert whole < LINEAR_RATIO_MOST * quarter + LINEAR_FLOOR_CPU_S, (whole, quarter)
+    whole, eighth = _least_cpu_s(shape(length)), _least_cpu_s(shape(length // 8))
+    assert whole < LINEAR_RATIO_MOST * eighth + LINEAR_FLOOR_CPU_S, (whole, eighth)
 
 
 # The example policy of docs/tools.md (section 5), word for word.
