@@ -72,3 +72,15 @@ def test_keys_are_a_frozen_value_of_their_prefix() -> None:
     assert [f.name for f in dataclasses.fields(Keys)] == ["prefix"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         Keys().prefix = "other"  # type: ignore[misc]
+
+
+def test_a_name_cut_where_its_ids_go_is_the_name_again_with_the_ids_put_back() -> None:
+    """`cut`: what start_run, fair_take and read_claimed build a key from, as the script joins it with the ids
+    it finds as it runs (store/fair.py's fair_args, store/outbox.py's claimed_names)."""
+    keys = Keys("p")
+    assert keys_module.cut(keys.task, 2) == ["p:{", "}:task:", ""]
+    head, middle, tail = keys_module.cut(keys.task, 2)
+    assert head + "r1" + middle + "t1" + tail == keys.task("r1", "t1")
+    for build in (keys.outbox, keys.hooks, keys.tenant_running, keys.tenant_parked, keys.tenant_queued):
+        head, tail = keys_module.cut(build)
+        assert head + "x" + tail == build("x")

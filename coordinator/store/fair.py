@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from coordinator.replies import FairHealed
 from coordinator.store.base import Part, translate_redis_errors
-from coordinator.store.keys import Keys
+from coordinator.store.keys import Keys, cut
 from coordinator.store.protocol import FairAnnounce, FairArgs, FairBeat, FairHeal, FairKeys, FairRelease
 from coordinator.tenants import DEFAULT_PRIORITY, DEFAULT_TENANT, NO_FAIR_SHARES, FairShares
 
@@ -41,8 +41,6 @@ FAIR_QUEUED_S = 30
 # or a policy changed; a bound so that a step's cost stays small.
 FAIR_FILL = 8
 
-_MARK = "\0"
-
 
 @dataclass(frozen=True)
 class FairCounts:
@@ -51,11 +49,6 @@ class FairCounts:
     running: int = 0
     parked: int = 0
     queued: int = 0
-
-
-def _split(key: str) -> tuple[str, str]:
-    head, _, tail = key.partition(_MARK)
-    return head, tail
 
 
 def fair_keys(keys: Keys) -> FairKeys:
@@ -70,11 +63,9 @@ def fair_keys(keys: Keys) -> FairKeys:
 def fair_args(keys: Keys, shares: FairShares) -> FairArgs:
     """How the scripts name a tenant's keys and a task's hash (the keys module's names, cut where the tenant or
     the ids go), and the bounds."""
-    head, running_tail = _split(keys.tenant_running(_MARK))
-    _, parked_tail = _split(keys.tenant_parked(_MARK))
-    _, queued_tail = _split(keys.tenant_queued(_MARK))
-    task_head, rest = _split(keys.task(_MARK, _MARK))
-    task_middle, _ = _split(rest)
+    head, running_tail = cut(keys.tenant_running)
+    parked_tail, queued_tail = cut(keys.tenant_parked)[1], cut(keys.tenant_queued)[1]
+    task_head, task_middle, _ = cut(keys.task, 2)
     return FairArgs(
         on=int(shares.on), tenant_head=head, running_tail=running_tail, parked_tail=parked_tail,
         queued_tail=queued_tail, task_head=task_head, task_middle=task_middle, queued_ms=FAIR_QUEUED_S * 1000,

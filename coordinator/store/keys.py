@@ -140,9 +140,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_PREFIX", "Keys"]
+__all__ = ["DEFAULT_PREFIX", "Keys", "cut"]
 
 DEFAULT_PREFIX = "subq"
+# Where `cut` cuts a key's name: no id, tenant or prefix holds it.
+CUT_MARK = "\0"
+
+
+def cut(name: Callable[..., str], holes: int = 1) -> list[str]:
+    """A key builder's name cut where its `holes` ids go (`cut(keys.task, 2)`: the head, the middle and the
+    tail around the root and task ids): the parts a Lua script joins with the ids of the keys it finds only
+    as it runs (start_run and fair_take a tenant's, read_claimed a claimed delivery's)."""
+    return name(*[CUT_MARK] * holes).split(CUT_MARK)
 
 
 # -- the shapes of a key: each builds a key builder of `Keys` from the key's own part ----------------

@@ -25,7 +25,7 @@ from typing import Any
 from coordinator.models import ClaimedDelivery, Settled
 from coordinator.store.base import Part, _str_map, outbox_keys, translate_redis_errors
 from coordinator.store.fields import INT_FIELDS, JSON_FIELDS, TaskField
-from coordinator.store.keys import Keys
+from coordinator.store.keys import Keys, cut
 from coordinator.store.protocol import (
     ClaimedNames,
     DeliveryOutcome,
@@ -48,16 +48,11 @@ EVENT_FIELDS = (
 )  # fmt: skip
 
 
-# Where `claimed_names` cuts the keys module's names: no id holds it.
-_MARK = "\0"
-
-
 @functools.lru_cache(maxsize=16)  # one a deployment's prefix: cut once, not at every step
 def claimed_names(keys: Keys) -> ClaimedNames:
     """How read_claimed.lua names a claimed delivery's keys: the keys module's names, cut where the ids go."""
-    tree_head, _, outbox_tail = keys.outbox(_MARK).partition(_MARK)
-    hooks_tail = keys.hooks(_MARK).partition(_MARK)[2]
-    task_middle = keys.task(_MARK, _MARK).split(_MARK)[1]
+    tree_head, outbox_tail = cut(keys.outbox)
+    hooks_tail, task_middle = cut(keys.hooks)[1], cut(keys.task, 2)[1]
     return ClaimedNames(tree_head=tree_head, outbox_tail=outbox_tail, hooks_tail=hooks_tail, task_middle=task_middle)
 
 
