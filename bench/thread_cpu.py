@@ -1,6 +1,6 @@
 """A worker's CPU per child, thread by thread: (b)'s fleet against subq's, width by width.
 
-    python bench/thread_cpu.py [--processes 1] [--width 600] [--modes agent,subq] [--profile DIR]
+    python bench/thread_cpu.py [--processes 1] [--width 600] [--modes agent,subq] [--profile DIR] [--rate HZ]
 
 bench/overhead.py's fleets (one private Redis, a bare fleet and a subq fleet of
 `--processes` processes, 16 threads each); after a warm-up each mode runs one
@@ -74,21 +74,23 @@ def thread_names(pids: Sequence[int]) -> dict[int, str]:
     return names
 
 
-def record(out: Path, pid: int) -> subprocess.Popen[bytes]:
+def record(out: Path, pid: int, rate_hz: int = PROFILE_RATE_HZ) -> subprocess.Popen[bytes]:
     """py-spy sampling `pid`'s threads while they hold the GIL, into collapsed stacks at `out`, until SIGINT."""
-    command = [spy(), "record", "--nonblocking", "--threads", "--gil", "-r", str(PROFILE_RATE_HZ), "-f", "raw"]
+    command = [spy(), "record", "--nonblocking", "--threads", "--gil", "-r", str(rate_hz), "-f", "raw"]
     return subprocess.Popen(
         [*command, "-o", str(out), "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
 
 
-def measure(modes: Modes, mode: str, width: int, profile: Path | None) -> dict[str, float]:
+def measure(
+    modes: Modes, mode: str, width: int, profile: Path | None, rate_hz: int = PROFILE_RATE_HZ
+) -> dict[str, float]:
     """One run of `mode` at `width`: CPU ms per child by thread name."""
     pids = modes.pids(mode)
     spies = []
     if profile is not None:
         profile.mkdir(parents=True, exist_ok=True)
-        spies = [record(profile / f"{mode}-{len(pids)}-{pid}.txt", pid) for pid in pids]
+        spies = [record(profile / f"{mode}-{len(pids)}-{pid}.txt", pid, rate_hz) for pid in pids]
         time.sleep(1.0)  # py-spy attached
     before = threads_cpu_s(pids)
     latest: Threads = dict(before)
@@ -122,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=600, help="children of the measured fan-out (600)")
     parser.add_argument("--modes", type=modes_arg, default=("agent", "subq"), help="agent,subq (the default)")
     parser.add_argument("--profile", type=Path, help="py-spy's GIL samples of each worker process, to this folder")
+    parser.add_argument("--rate", type=int, default=PROFILE_RATE_HZ, help="py-spy's samples a second (100)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp, local_redis() as url:
         modes = Modes(url, 16, args.width, Path(tmp) / "probe", Path(tmp) / "logs", processes=args.processes)
@@ -130,7 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 modes.run(mode, 32 * args.processes)  # warm-up
             for mode in args.modes:
                 load = Path("/proc/loadavg").read_text().split()[:3]
-                for name, ms in sorted(measure(modes, mode, args.width, args.profile).items(), key=lambda i: -i[1]):
+                for name, ms in sorted(
+                    measure(modes, mode, args.width, args.profile, args.rate).items(), key=lambda i: -i[1]
+                ):
                     print(f"{mode:5} {args.processes} process(es) {name:36} {ms:6.2f} ms/child")
                 print(f"{mode:5} load average before: {' '.join(load)}", flush=True)
         finally:
