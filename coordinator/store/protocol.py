@@ -107,24 +107,47 @@ def splice(doc: str, *, expand: bool = False) -> Any:
 # -- groups and calls ---------------------------------------------------------------------
 
 
+class _Packed(NamedTuple):
+    """How `pack` lays out one field, read from its declaration once per class (`Group._plan`)."""
+
+    name: str
+    slot: str
+    count_of: str  # a `count` field's tail, else ""
+    optional: bool
+
+
 class Group:
     """Keys and arguments declared as dataclass fields (see the module's docstring)."""
+
+    # Each class's fields as `pack` lays them out: read from `dataclasses.fields` on the first pack, not on
+    # every one (two packs a run's start and end; the field walk was most of their Python, bench/thread_cpu.py).
+    _plans: ClassVar[dict[type[Group], tuple[_Packed, ...]]] = {}
+
+    @classmethod
+    def _plan(cls) -> tuple[_Packed, ...]:
+        plan = Group._plans.get(cls)
+        if plan is None:
+            plan = Group._plans[cls] = tuple(
+                _Packed(f.name, f.metadata["slot"], f.metadata.get("count_of", ""), bool(f.metadata.get("optional")))
+                for f in dataclasses.fields(cast(Any, cls))
+            )
+        return plan
 
     def pack(self) -> tuple[list[str], list[ScriptArg]]:
         """This group's KEYS and ARGV, in declaration order."""
         out_keys: list[str] = []
         out_args: list[ScriptArg] = []
-        for f in dataclasses.fields(cast(Any, self)):
-            slot, value = f.metadata["slot"], getattr(self, f.name)
+        for name, slot, count_of, optional in self._plan():
+            value = getattr(self, name)
             if slot == "key":
                 out_keys.append(value)
             elif slot == "keys":
                 for item in value:
                     out_keys.extend(item) if isinstance(item, tuple) else out_keys.append(item)
             elif slot == "arg":
-                if "count_of" in f.metadata:
-                    out_args.append(len(getattr(self, f.metadata["count_of"])))
-                elif value is not None or not f.metadata.get("optional"):
+                if count_of:
+                    out_args.append(len(getattr(self, count_of)))
+                elif value is not None or not optional:
                     out_args.append(value)
             elif slot == "args":
                 for item in value:
@@ -1300,6 +1323,7 @@ class SettleDelivery(
     last: str = arg("the attempt's answer, one line ('' for none)")
     now: float = arg("now")
     retention_s: int = arg("retention seconds")
+    attempts: int = arg("the attempts the delivery had when claimed (-1: whatever it has)")
 
     @classmethod
     def decode(cls, raw: Any) -> str:
@@ -1314,13 +1338,14 @@ class DeliveryTree(NamedTuple):
 
 
 class DeliveryOutcome(NamedTuple):
-    """An attempt's outcome, as settle_delivery's ARGV[1..5]: 5 values."""
+    """An attempt's outcome, as settle_delivery's ARGV[1..5] and ARGV[8]: 6 values."""
 
     delivery_id: str
     member: str
     state: str
     next_at: float
     last: str
+    attempts: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1380,8 +1405,9 @@ class SettleAndClaim(
     n_outcomes: int = count("number of outcomes", of="outcomes")
     n_fields: int = count("number of fields", of="fields")
     outcomes: Sequence[DeliveryOutcome] = args(
-        "5 per outcome, as settle_delivery takes them: the delivery id, its member of the pending deliveries, "
-        "its state (retrying, delivered, gone or given_up), when to try again (epoch s), the attempt's answer"
+        "6 per outcome, as settle_delivery takes them: the delivery id, its member of the pending deliveries, "
+        "its state (retrying, delivered, gone or given_up), when to try again (epoch s), the attempt's answer, "
+        "the attempts it had when claimed (-1: any)"
     )
     fields: Sequence[str] = args("then the fields of a task's record an event reads")
 

@@ -446,22 +446,39 @@ def load_profile(name: str, settings: Settings) -> ProfileTools:
         sources["run_command"] = BUILT_IN
         if profile.run_command.sandbox:
             _check_sandbox(name, "run_command", profile.run_command.network)
-    own: list[AbstractToolset[Any]] = []
+    functions: list[FunctionToolset[Any]] = []
     for path in profile.tools:
         toolset = _import(name, path)
         for tool in toolset.tools:
             _claim(name, f"tools entry {path!r}", tool, path, sources)
-        own.append(toolset)
-    for server in profile.mcp_servers:
-        own.append(_mcp_server(name, server, sources, sandbox.Sandbox.of(settings)))
+        functions.append(toolset)
+    servers = [_mcp_server(name, server, sources, sandbox.Sandbox.of(settings)) for server in profile.mcp_servers]
     offered = {
         tool: source
         for tool, source in sources.items()
         if _offered(tool, profile.allowed_tools, profile.disallowed_tools)
     }
-    combined: AbstractToolset[RunState] = CombinedToolset([orchestration_tools, *own])
-    filtered = combined.filtered(lambda _ctx, tool_def: tool_def.name in offered)
-    return ProfileTools(name, profile.system_prompt, PolicyToolset(filtered), offered)
+    return ProfileTools(name, profile.system_prompt, PolicyToolset(_offered_only(functions, servers, offered)), offered)
+
+
+def _offered_only(
+    functions: list[FunctionToolset[Any]], servers: list[AbstractToolset[Any]], offered: dict[str, str]
+) -> AbstractToolset[RunState]:
+    """subq's own tools and the profile's, only those it offers: every step of every run lists them through each
+    layer (each a few hundred calls of a child's ~11,000 in pydantic-ai, bench/thread_cpu.py), so a layer is added
+    only where it hides something. subq's own tools are a toolset of the offered ones (run_command only where the
+    profile enables it); a function toolset keeps its tools as imported unless one is not offered; an MCP
+    server's is always filtered, as it may list a tool later that the worker's start did not check."""
+    own = FunctionToolset([tool for tool_name, tool in orchestration_tools.tools.items() if tool_name in offered])
+    parts: list[AbstractToolset[Any]] = [own]
+    for toolset in functions:
+        parts.append(toolset if offered.keys() >= toolset.tools.keys() else _filtered(toolset, offered))
+    parts += [_filtered(server, offered) for server in servers]
+    return parts[0] if len(parts) == 1 else CombinedToolset(parts)
+
+
+def _filtered(toolset: AbstractToolset[Any], offered: dict[str, str]) -> AbstractToolset[Any]:
+    return toolset.filtered(lambda _ctx, tool_def: tool_def.name in offered)
 
 
 def check(settings: Settings) -> dict[str, ProfileTools]:

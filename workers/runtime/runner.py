@@ -42,7 +42,7 @@ from pydantic_ai import (
     ToolDenied,
     ToolOutput,
 )
-from pydantic_ai.capabilities import Hooks
+from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.exceptions import UnexpectedModelBehavior
 from pydantic_ai.messages import (
     ModelMessage,
@@ -500,14 +500,28 @@ def build_agent(tools: ProfileTools, with_planner: bool) -> Agent[RunState, Any]
         output_type=[str, completion, DeferredToolRequests],
         system_prompt=f"{tools.system_prompt}\n\n{ORCHESTRATION_PROMPT}",
         toolsets=[tools.toolset, offline_plan_toolset] if with_planner else [tools.toolset],
-        capabilities=[
-            Hooks(
-                tool_validate_error=_invalid_arguments,
-                prepare_output_tools=typed_parameters,
-                after_node_run=bound_invalid_answers,
-            )
-        ],
+        capabilities=[_RunChecks()],
     )
+
+
+class _RunChecks(AbstractCapability[RunState]):
+    """subq's three hooks into every run of its agents: a tool call's invalid arguments (`_invalid_arguments`), a
+    typed run's completion schema (`typed_parameters`) and its bound on invalid answers (`bound_invalid_answers`).
+    A capability of its own rather than pydantic-ai's `Hooks`, which looks up a registry of its hooks at each of
+    the ~30 hook points of a run's every step whether it has any there or not (about 100 calls of a child's)."""
+
+    async def on_tool_validate_error(
+        self, ctx: RunContext[RunState], *, call: ToolCallPart, tool_def: ToolDefinition, args: Any, error: Any
+    ) -> Any:
+        return await _invalid_arguments(ctx, call=call, tool_def=tool_def, args=args, error=error)
+
+    async def prepare_output_tools(
+        self, ctx: RunContext[RunState], tool_defs: list[ToolDefinition]
+    ) -> list[ToolDefinition]:
+        return await typed_parameters(ctx, tool_defs)
+
+    async def after_node_run(self, ctx: RunContext[RunState], *, node: Any, result: Any) -> Any:
+        return await bound_invalid_answers(ctx, node=node, result=result)
 
 
 async def _invalid_arguments(
