@@ -578,6 +578,9 @@ class Settled:
     state: str  # delivered, retrying, given_up, gone
     last: str = ""  # the last answer or error, cut
     next_at: float = 0.0  # epoch s of the next attempt, when retrying
+    # The delivery's attempts as its claim read them: an outcome other than delivered is recorded only while
+    # they still are (a call re-sent after its reply was lost records nothing twice); -1: whatever they are.
+    attempts: int = -1
 
 
 @dataclass(frozen=True, eq=False, slots=True)  # eq=False: an attempt's token, found again by identity

@@ -566,6 +566,11 @@ def _may_keep(response: h11.Response) -> bool:
     )
 
 
+def _attempts(entry: Mapping[str, Any]) -> int:
+    """The attempts a claimed delivery had, which its outcome is recorded against (settle_delivery.lua)."""
+    return int(entry.get("attempts") or 0)
+
+
 def _is_celery(item: ClaimedDelivery) -> bool:
     """Whether the delivery's subscription is a Celery callback (`on_complete`)."""
     return item.found is not None and item.found[1].get("kind") == "celery"
@@ -718,13 +723,14 @@ class Deliverer:
             log.error("subq deliveries: %s given up: %s", delivery_id, last)
             self._done(Settled(root_id, delivery_id, "given_up", last=last))
             return
+        claimed = _attempts(entry)
         if item.found is None or not item.found[0]:
             # Its subscription answered 410 since (or its tree expired): nothing more is sent to it.
-            self._done(Settled(root_id, delivery_id, "gone", last="the subscription has ended"))
+            self._done(Settled(root_id, delivery_id, "gone", last="the subscription has ended", attempts=claimed))
             return
         target, record = item.found[1], item.record
         if record is None:
-            self._done(Settled(root_id, delivery_id, "given_up", last="the task has expired"))
+            self._done(Settled(root_id, delivery_id, "given_up", last="the task has expired", attempts=claimed))
             return
         body = payload(entry, record, self.settings.api_url)
         if target.get("kind") == "celery":
@@ -822,18 +828,19 @@ class Deliverer:
             return self._retry(root_id, delivery_id, item.entry, attempt.last)
         if attempt.state != "delivered":
             log.warning("subq deliveries: %s %s: %s", delivery_id, attempt.state, attempt.last)
-        return Settled(root_id, delivery_id, attempt.state, last=attempt.last)
+        return Settled(root_id, delivery_id, attempt.state, last=attempt.last, attempts=_attempts(item.entry))
 
     def _retry(self, root_id: str, delivery_id: str, entry: Mapping[str, Any], last: str) -> Settled:
         settings = self.settings
-        attempts = int(entry.get("attempts") or 0) + 1
+        claimed = _attempts(entry)
+        attempts = claimed + 1
         delay_s = min(settings.webhook_retry_max_s, settings.webhook_retry_base_s * 2 ** min(attempts - 1, 30))
         delay_s *= random.uniform(0.5, 1.0)
         since = float(entry.get("since") or entry["ts"])
         if time.time() + delay_s - since > settings.webhook_retry_for_s:
             log.warning("subq deliveries: %s given up after %d attempts: %s", delivery_id, attempts, last)
-            return Settled(root_id, delivery_id, "given_up", last=last)
-        return Settled(root_id, delivery_id, "retrying", last=last, next_at=time.time() + delay_s)
+            return Settled(root_id, delivery_id, "given_up", last=last, attempts=claimed)
+        return Settled(root_id, delivery_id, "retrying", last=last, next_at=time.time() + delay_s, attempts=claimed)
 
     def _celery(self, item: ClaimedDelivery, target: Mapping[str, Any], record: Mapping[str, Any]) -> None:
         """(A helper thread.) Send a Celery callback by name, with the root's record as its argument."""

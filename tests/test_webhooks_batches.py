@@ -13,8 +13,10 @@ import threading
 import time
 
 import pytest
+import redis
 
 from coordinator import Coordinator, Settings
+from coordinator.errors import StoreError
 from coordinator.models import Usage
 from coordinator.outbound import Deliverer, payload
 from coordinator.store.outbox import EVENT_FIELDS, Settled
@@ -199,5 +201,62 @@ def test_a_claimed_delivery_whose_data_does_not_decode_is_given_up_and_the_batch
     finally:
         deliverer._connections.close()
         for key in coord.client.scan_iter("subqrefused:*"):
+            coord.client.delete(key)
+        coord.close()
+
+
+def test_a_step_sent_again_after_its_reply_was_lost_records_each_outcome_once(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """settle_and_claim.lua ran, and its reply was lost (a failover cut the connection): the deliverer sends its
+    outcomes again at its next step, and each is recorded once, as its claim's attempt (settle_delivery.lua
+    records an outcome only while the delivery has the attempts its claim read). A delivered outcome is
+    recorded over another claim's (a claim that outlived its lease), and a standalone settle as before."""
+    coord = Coordinator(
+        settings.model_copy(update={"queue": "subq-nobody", "key_prefix": "subqresent", "webhook_allow": ["127.0.0.1"]})
+    )
+    outbox, hooks = coord.store.outbox, [{"url": "http://127.0.0.1:9/hook", "events": ["*"]}]
+    deliverer = Deliverer(coord, lambda *_: None)
+    try:
+        root = coord.create_task("Say hello.", webhooks=hooks)
+        for _ in range(2):
+            outbox.add_event(root.id, root.id, "task.completed", {})
+        retried, taken = outbox.settle_and_claim([], 10, LEASE_MS)
+        assert (retried.entry["attempts"], taken.entry["attempts"]) == (0, 0)
+        sent = outbox.scripts
+        lost: list[int] = []
+
+        def reply_lost(call: object) -> object:
+            reply = sent(call)  # type: ignore[arg-type]
+            if not lost:
+                lost.append(1)
+                raise redis.ConnectionError("Connection closed by server.")
+            return reply
+
+        monkeypatch.setattr(outbox, "scripts", reply_lost)
+        retry_at = time.time() + 600
+        deliverer._ended = [
+            Settled(root.id, retried.delivery_id, "retrying", last="HTTP 503", next_at=retry_at, attempts=0),
+            Settled(root.id, taken.delivery_id, "retrying", last="HTTP 502", next_at=retry_at, attempts=0),
+        ]
+        with pytest.raises(StoreError):
+            deliverer.step()
+        assert len(deliverer._ended) == 2, "sent again at the next step: whether they were recorded is unknown"
+        deliverer.step()
+        states = {d["id"]: (d["state"], d["attempts"], d["last"]) for d in outbox.deliveries(root.id)}
+        assert states == {
+            retried.delivery_id: ("retrying", 1, "HTTP 503"),
+            taken.delivery_id: ("retrying", 1, "HTTP 502"),
+        }
+        assert outbox.counts() == {("task.completed", "retrying"): 2}, "each attempt counted once"
+        # A claim that outlived its lease: its delivered outcome is recorded over the other claim's retrying.
+        outbox.settle_and_claim([Settled(root.id, taken.delivery_id, "delivered", last="HTTP 204", attempts=0)], 0, 1)
+        assert [d["state"] for d in outbox.deliveries(root.id) if d["id"] == taken.delivery_id] == ["delivered"]
+        # Without a claim's attempts (an operator's call), an outcome is recorded whatever they are.
+        assert outbox.settle(root.id, retried.delivery_id, "given_up", last="by hand") == "given_up"
+        assert [d["attempts"] for d in outbox.deliveries(root.id) if d["id"] == retried.delivery_id] == [2]
+    finally:
+        deliverer._connections.close()
+        for key in coord.client.scan_iter("subqresent:*"):
             coord.client.delete(key)
         coord.close()

@@ -123,12 +123,15 @@ class OutboxStore(Part):
         return int(self.client.hget(self.keys.hooks(root_id), "~dropped") or 0)
 
     @translate_redis_errors
-    def settle(self, root_id: str, delivery_id: str, state: str, *, next_at: float = 0.0, last: str = "") -> str:
-        """Record an attempt's outcome (or a redeliver: `pending`); the delivery's state after it."""
+    def settle(
+        self, root_id: str, delivery_id: str, state: str, *, next_at: float = 0.0, last: str = "", attempts: int = -1
+    ) -> str:
+        """Record an attempt's outcome (or a redeliver: `pending`); the delivery's state after it. With
+        `attempts` (its claim's), an outcome other than delivered is recorded only while the delivery has them."""
         return self.scripts(
             SettleDelivery(
                 outbox=outbox_keys(self.keys, root_id), counts=self.keys.webhook_counts(), delivery_id=delivery_id, member=f"{root_id} {delivery_id}",
-                state=state, next_at=next_at, last=last, now=time.time(), retention_s=self.retention_s,
+                state=state, next_at=next_at, last=last, now=time.time(), retention_s=self.retention_s, attempts=attempts,
             )
         )  # fmt: skip
 
@@ -148,7 +151,7 @@ class OutboxStore(Part):
                 now=now, retention_s=self.retention_s, now_ms=int(now * 1000), lease_ms=lease_ms,
                 limit=max(limit, 0), names=claimed_names(self.keys),
                 outcomes=[
-                    DeliveryOutcome(o.delivery_id, f"{o.root_id} {o.delivery_id}", o.state, o.next_at, o.last)
+                    DeliveryOutcome(o.delivery_id, f"{o.root_id} {o.delivery_id}", o.state, o.next_at, o.last, o.attempts)
                     for o in outcomes
                 ],
                 fields=EVENT_FIELDS,

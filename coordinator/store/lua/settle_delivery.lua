@@ -1,6 +1,9 @@
 -- Record an attempt's outcome on a delivery (or an operator's redeliver), and take it off the pending
 -- deliveries or put it back at its next time. A delivery already delivered stays so (a claim that
 -- outlived its lease and was taken twice). A 410 ends its subscription: no event is written for it again.
+-- An outcome other than delivered is recorded only while the delivery still has the attempts its claim
+-- read: the deliverer sends its step again when the reply was lost (Sentinel's failover retry), and the
+-- outcomes the first call recorded were each counted again.
 -- KEYS[1] the tree's hooks hash
 -- KEYS[2] the tree's outbox hash
 -- KEYS[3] the pending deliveries of every tree
@@ -13,6 +16,7 @@
 -- ARGV[5] str: the attempt's answer, one line ('' for none)
 -- ARGV[6] float: now
 -- ARGV[7] int: retention seconds
+-- ARGV[8] int: the attempts the delivery had when claimed (-1: whatever it has)
 -- Returns the delivery's state after the call, or '' when it is gone (its tree expired).
 local raw = redis.call('HGET', KEYS[2], ARGV[1])
 if not raw then
@@ -24,6 +28,11 @@ local state = ARGV[3]
 if entry['state'] == 'delivered' and state ~= 'pending' then
   redis.call('ZREM', KEYS[3], ARGV[2])
   return 'delivered'
+end
+local claimed_attempts = tonumber(ARGV[8])
+local other = state ~= 'pending' and state ~= 'delivered'  -- delivered is recorded once: it stays so
+if other and claimed_attempts >= 0 and (tonumber(entry['attempts']) or 0) ~= claimed_attempts then
+  return entry['state']
 end
 local now = tonumber(ARGV[6])
 if state == 'pending' then
