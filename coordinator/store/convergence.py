@@ -198,9 +198,7 @@ class ConvergenceStore(Part):
         return lapses_at is not None and float(lapses_at) > time.time()
 
     @translate_redis_errors
-    def renew_leases(
-        self, leases: Sequence[tuple[str, str]], ttl_s: float, worker: str
-    ) -> list[tuple[str, str]]:
+    def renew_leases(self, leases: Sequence[tuple[str, str]], ttl_s: float, worker: str) -> list[tuple[str, str]]:
         """Renew the (task id, token) leases this worker holds and beat its heartbeat; returns the lost ones."""
         with self.client.pipeline(transaction=False) as pipe:
             now = time.time()
