@@ -168,3 +168,21 @@ def test_a_tool_of_a_run_whose_task_was_stopped_writes_nothing(idle_coordinator:
     assert run.stopped(None).status == "cancelled"
     run.end(run.stopped(None))
     assert "stopped from outside" in coord.get_task(child_id).error
+
+
+def test_a_run_past_its_time_limit_fails_with_the_limit_named(idle_coordinator: Coordinator) -> None:
+    # The threads pool does not enforce Celery's time limit: the runner does (workers/runtime/runner.py).
+    settings = idle_coordinator.settings.model_copy(update={"task_time_limit_s": 1})
+    runtime = build_runtime(settings, make_app(settings))
+    try:
+        parent = idle_coordinator.create_task("one slow child", todos="[ ] a")
+        slow = {**usage_step(), "latency_ms": 30_000}
+        (child_id,) = idle_coordinator.delegate(parent.id, [{"description": "a", "message": script(slow)}]).child_ids
+
+        result = run_child(runtime, child_id)
+
+        assert (result.status, result.error_class) == ("failed", "TimeLimit"), result
+        assert "SUBQ_TASK_TIME_LIMIT_S=1" in (result.error or "")
+        assert idle_coordinator.get_task(child_id).status == TaskStatus.FAILED
+    finally:
+        runtime.coordinator.close()

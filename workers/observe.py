@@ -146,11 +146,11 @@ class WorkerRunHooks(RunHooks):
         context = _current.get()
         if context is not None:
             _current.set(replace(context, root_id=task.root_id, batch_id=task.batch_id, delivery=run.deliveries))
-        RUNS_STARTED.labels(task.profile).inc()
+        _child(RUNS_STARTED, task.profile).inc()
         if run.run_seq == 1:
-            TASKS_STARTED.labels(task.profile).inc()
+            _child(TASKS_STARTED, task.profile).inc()
         if run.deliveries > 1:
-            REDELIVERIES.labels(task.profile).inc()
+            _child(REDELIVERIES, task.profile).inc()
 
     def span(self, name: str, **attributes: str | int | bool) -> AbstractContextManager[object]:
         return span(name, **attributes)
@@ -291,6 +291,21 @@ LATENCY = Histogram(
 )
 
 
+# Each metric's labelled children, once looked up: prometheus_client's `labels()` checks the values and takes a
+# lock at every call, eight a child (a tenth of a millisecond of a child's worker CPU, bench/thread_cpu.py). The
+# values are configured names (profiles, models, tools) and fixed words, so the dict stays small; a metric's
+# children are never removed.
+_children: dict[tuple[Counter | Histogram, tuple[str, ...]], Any] = {}
+
+
+def _child(metric: Counter | Histogram, *values: str) -> Any:
+    """`metric.labels(*values)`, looked up once."""
+    child = _children.get((metric, values))
+    if child is None:
+        child = _children[(metric, values)] = metric.labels(*values)
+    return child
+
+
 class _ReplicaShortfalls(Collector):
     """The steps of this worker acknowledged by fewer replicas than SUBQ_REDIS_MIN_REPLICAS asks for.
 
@@ -322,14 +337,14 @@ def count_replica_shortfalls(read: Callable[[], int]) -> None:
 def run_ended(profile: str, status: str) -> None:
     """A run returned; its task ended if `status` is terminal (a run that released its worker did not)."""
     if status in ENDED_STATUSES:
-        TASKS_ENDED.labels(profile, status).inc()
+        _child(TASKS_ENDED, profile, status).inc()
 
 
 def tool_call(tool: str, outcome: str, duration_s: float | None = None) -> None:
     """One tool call's outcome (its tool is a configured name: the label stays bounded)."""
-    TOOL_CALLS.labels(tool, outcome).inc()
+    _child(TOOL_CALLS, tool, outcome).inc()
     if duration_s is not None:
-        TOOL_DURATION.labels(tool).observe(duration_s)
+        _child(TOOL_DURATION, tool).observe(duration_s)
 
 
 def network_refused(source: str, count: int) -> None:
@@ -338,20 +353,20 @@ def network_refused(source: str, count: int) -> None:
 
 
 def model_request(provider: str, model: str, outcome: str, latency_s: float | None = None) -> None:
-    MODEL_REQUESTS.labels(provider, model, outcome).inc()
+    _child(MODEL_REQUESTS, provider, model, outcome).inc()
     if latency_s is not None:
-        LATENCY.labels(provider, model).observe(latency_s)
+        _child(LATENCY, provider, model).observe(latency_s)
 
 
 def response(model: str, profile: str, usage: Usage, cost_micros: int) -> None:
     """One response's usage and cost, as the run records it on its task."""
-    TOKENS.labels(model, profile, "in").inc(usage.tokens_in)
-    TOKENS.labels(model, profile, "out").inc(usage.tokens_out)
+    _child(TOKENS, model, profile, "in").inc(usage.tokens_in)
+    _child(TOKENS, model, profile, "out").inc(usage.tokens_out)
     if usage.cache_reads:
-        CACHE_TOKENS.labels(model, profile, "read").inc(usage.cache_reads)
+        _child(CACHE_TOKENS, model, profile, "read").inc(usage.cache_reads)
     if usage.cache_writes:
-        CACHE_TOKENS.labels(model, profile, "write").inc(usage.cache_writes)
-    COST.labels(model, profile).inc(cost_micros)
+        _child(CACHE_TOKENS, model, profile, "write").inc(usage.cache_writes)
+    _child(COST, model, profile).inc(cost_micros)
 
 
 def serve(port: int, host: str) -> None:

@@ -179,7 +179,7 @@ def _run(rt: Runtime, run: Run, progress: Progress | None) -> Ended | Released:
         # The threads pool does not enforce Celery's task_time_limit, so the runner does:
         # a run must end before the visibility timeout, or Redis would deliver it again
         # while it still runs (Settings checks visibility_timeout_s > task_time_limit_s).
-        return rt.agent_loop.run(asyncio.wait_for(_run_agent(rt, run, profile, progress), timeout=limit_s))
+        return rt.agent_loop.run(_run_agent(rt, run, profile, progress, limit_s))
     except StopRun as stop:
         return run.stopped(stop.budget_holder)
     except RunStopped:  # a tool found its task stopped: the stop's outcome, written by the stop
@@ -198,13 +198,18 @@ def _run(rt: Runtime, run: Run, progress: Progress | None) -> Ended | Released:
         return Ended("failed", error=one_line(str(exc)), error_class=type(exc).__name__, error_detail=_body_of(exc))
 
 
-async def _run_agent(rt: Runtime, run: Run, profile: Profile, progress: Progress | None) -> Ended | Released:
-    """The agent's run, raced against the process's stop watch, which abandons it when the task is stopped."""
+async def _run_agent(
+    rt: Runtime, run: Run, profile: Profile, progress: Progress | None, limit_s: float
+) -> Ended | Released:
+    """The agent's run, raced against the process's stop watch, which abandons it when the task is stopped, within
+    `limit_s` (TimeoutError). The limit is a scope of this coroutine, not `asyncio.wait_for`, which wraps it in a
+    task of its own on Python 3.11: one task and its steps less for every run."""
     agent_run = asyncio.create_task(_drive(rt, run, profile, progress))
     stop = rt.stop_watch.watch(run)
     try:
         waited: set[asyncio.Future[Any]] = {agent_run, stop}
-        done, _ = await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+        async with asyncio.timeout(limit_s):
+            done, _ = await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:  # the time limit: the agent must not go on after its run has ended
         agent_run.cancel()
         raise
