@@ -1,0 +1,99 @@
+"""Where the Redis server's time per child goes, command by command: a no-op chord against subq.
+
+    python bench/redis_time.py [--width 1000] [--modes noop,subq] [--top 15]
+
+bench/overhead.py's fleets (one private Redis, a bare fleet and a subq fleet of one process,
+16 threads); after a warm-up each mode runs one fan-out of `--width` children while the
+server's own counts are read before and after: `INFO cpu` (user and system time, every
+thread of the server) and `INFO commandstats` (each command's calls and microseconds).
+A script's time includes the commands it runs, and those are counted again on their own
+lines: the total of the lines is not the server's time. What the split shows is how much of
+a child's server time the scripts take, against what the whole of a no-op chord costs
+(issue 43, point 2: Redis CPU per child at most 1.2x a no-op chord's). docs/benchmarks.md
+("Where a child's Redis time goes") has the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.overhead import Modes, modes_arg  # noqa: E402
+from coordinator.local.embedded_redis import local_redis  # noqa: E402
+
+# Children each mode runs first, not counted: the workers' first runs build their caches.
+WARMUP_CHILDREN = 32
+
+
+def server_times(client: Any) -> tuple[float, float, dict[str, tuple[int, int]]]:
+    """(user s, system s, {command: (calls, microseconds)}) the server has spent so far."""
+    cpu = client.info("cpu")
+    stats = {
+        name.removeprefix("cmdstat_"): (int(row["calls"]), int(row["usec"]))
+        for name, row in client.info("commandstats").items()
+    }
+    return float(cpu["used_cpu_user"]), float(cpu["used_cpu_sys"]), stats
+
+
+def measure(modes: Modes, mode: str, width: int) -> dict[str, Any]:
+    """One run of `mode` at `width`: the server's user and system ms per child, and each command's."""
+    user_s, sys_s, before = server_times(modes.client)
+    modes.run(mode, width)
+    user_after_s, sys_after_s, after = server_times(modes.client)
+    commands = {}
+    for name, (calls, usec) in after.items():
+        calls_before, usec_before = before.get(name, (0, 0))
+        if usec > usec_before:
+            commands[name] = ((calls - calls_before) / width, (usec - usec_before) / width)
+    return {
+        "mode": mode,
+        "user_ms": (user_after_s - user_s) * 1000 / width,
+        "system_ms": (sys_after_s - sys_s) * 1000 / width,
+        "commands": dict(sorted(commands.items(), key=lambda item: -item[1][1])),
+    }
+
+
+def report(rows: Sequence[dict[str, Any]], top: int) -> None:
+    for row in rows:
+        total_ms = row["user_ms"] + row["system_ms"]
+        print(
+            f"\n{row['mode']}: Redis {total_ms:.2f} ms a child (user {row['user_ms']:.2f}, system "
+            f"{row['system_ms']:.2f})"
+        )
+        print(f"  {'command':<16} {'calls/child':>11} {'us/child':>9} {'us/call':>8}")
+        for name, (calls, usec) in list(row["commands"].items())[:top]:
+            print(f"  {name:<16} {calls:>11.2f} {usec:>9.1f} {usec / calls if calls else 0:>8.1f}")
+    if len(rows) == 2:
+        first, second = ((r["user_ms"] + r["system_ms"]) for r in rows)
+        print(f"\n{rows[1]['mode']}/{rows[0]['mode']} Redis per child: {second / first:.2f}x")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--width", type=int, default=1000, help="children a run (1000)")
+    parser.add_argument("--modes", type=modes_arg, default=["noop", "subq"], help="modes, in turn (noop,subq)")
+    parser.add_argument("--top", type=int, default=15, help="commands shown a mode (15)")
+    args = parser.parse_args(argv)
+    with local_redis() as url, tempfile.TemporaryDirectory(prefix="subq-redis-time-") as tmp:
+        (Path(tmp) / "probe").mkdir()
+        modes = Modes(url, 16, args.width, Path(tmp) / "probe", Path(tmp) / "logs")
+        try:
+            for mode in args.modes:
+                modes.run(mode, WARMUP_CHILDREN)
+            rows = [measure(modes, mode, args.width) for mode in args.modes]
+        finally:
+            modes.close()
+    report(rows, args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
