@@ -324,7 +324,7 @@ def test_a_provider_timer_served_twice_never_restarts_a_run_answered_since(coord
     assert coord.client.zscore(timers, name) is not None, "still waiting for its provider: set again"
     assert queued_ids(coord) == []
     # Its provider answers (the wait is over), it asks a person, and releases as waiting_approval.
-    coord.store.endpoints.clear_wait(task.id)
+    assert coord.store.endpoints.clear_wait(task.id, run.token)
     (approval,) = park(coord.plane, run.task, [ToolCall("run_command", {"command": "ls"}, "call-1")])
     run.end(Released("waiting_approval"))
     coord.client.zadd(timers, {name: time.time() - 1})  # the re-armed timer comes due
@@ -332,6 +332,26 @@ def test_a_provider_timer_served_twice_never_restarts_a_run_answered_since(coord
     assert queued_ids(coord) == [], "no restart beside the undecided approval"
     assert coord.client.zscore(timers, name) is None, "the stale timer is gone"
     assert undecided(coord.plane, task.id) == [approval.id], "its approval still waits for its person"
+
+
+def test_a_stale_runs_answer_leaves_a_newer_parks_wait_and_its_timer_wakes_the_task(coord: Coordinator) -> None:
+    """A run that stalled past its lapse gets its answer after the newer run of its task parked for its provider:
+    its answer clears nothing (the lease is not its own), so the newer park's timer still wakes the task."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    stale = lifecycle.start(task.id)
+    assert isinstance(stale, Run)
+    coord.client.delete(coord.store.keys.lease(task.id, task.id))  # it stalled past its lapse
+    newer = lifecycle.start(task.id)  # the task published again, and run
+    assert isinstance(newer, Run)
+    endpoints.park(lifecycle.plane, newer.task, "api.example:443", "", time.time() - 1, 1)
+    newer.end(Released("waiting_provider", wake_at_s=time.time() + 30))
+    assert not coord.store.endpoints.clear_wait(task.id, stale.token), "the stale run's answer clears nothing"
+    assert coord.store.endpoints.wait_since_ms(task.id) == 1, "the newer park's wait stands"
+    coord.client.zadd(coord.store.keys.timers(), {endpoints.timer(task.id): time.time() - 1})
+    Reconciler(coord, "test").tick()
+    assert queued_ids(coord) == [task.id], "its timer woke it"
 
 
 def test_a_provider_timer_never_restarts_a_task_that_waits_for_a_person(coord: Coordinator) -> None:

@@ -64,7 +64,7 @@ class ProviderPort:
         """A response arrived: a task whose run had given its worker back to wait forgets when its wait began,
         and its request's failed attempts (once a run: a run woken from a park may not have read them)."""
         if self._wait_since_ms != 0 or self._attempts:
-            self._plane.store.endpoints.clear_wait(self._run.task.id)
+            self._plane.store.endpoints.clear_wait(self._run.task.id, self._run.token)
         self._wait_since_ms = 0
         self._attempts = 0
 

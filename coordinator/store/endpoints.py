@@ -18,7 +18,7 @@ from coordinator.ids import root_of
 from coordinator.replies import HOST, MODEL, EndpointState, TransientCount
 from coordinator.store.base import Part, _str_map, _strs, translate_redis_errors
 from coordinator.store.fields import TaskField
-from coordinator.store.protocol import EndpointFailed, EndpointGate
+from coordinator.store.protocol import ClearWait, EndpointFailed, EndpointGate
 
 __all__ = ["EndpointStore"]
 
@@ -110,10 +110,12 @@ class EndpointStore(Part):
         return int(str(value)) if value else None
 
     @translate_redis_errors
-    def clear_wait(self, task_id: str) -> None:
-        """A request of the task was answered: its wait, and its failed attempts' count, are over."""
-        self.client.hdel(
-            self.keys.task(root_of(task_id), task_id), TaskField.PROVIDER_WAIT_SINCE_MS, TaskField.PROVIDER_ATTEMPTS
+    def clear_wait(self, task_id: str, token: str) -> bool:
+        """A request of the task was answered: its wait, and its failed attempts' count, are over; only while
+        the run of lease `token` holds the task's lease (a fenced run's answer leaves a newer park's wait)."""
+        root = root_of(task_id)
+        return self.scripts(
+            ClearWait(lease=self.keys.lease(root, task_id), task=self.keys.task(root, task_id), token=token)
         )
 
     @translate_redis_errors

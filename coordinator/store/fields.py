@@ -107,10 +107,11 @@ class TaskField:
     WAITING_APPROVAL_IDS: Final = "waiting_approval_ids"  # JSON list of the approvals its last run asked for
     TRANSIENT_ERRORS: Final = "transient_errors"  # provider errors waited out so far (a count)
     # The failed attempts of the request now in flight (a count), kept across parks for the `wait_out` UI
-    # line's attempt number; deleted when a request is answered (coordinator/endpoints.py).
+    # line's attempt number; deleted when a request is answered, by a run that still holds the lease (clear_wait).
     PROVIDER_ATTEMPTS: Final = "provider_attempts"
     # When its run began waiting for its provider (ms), kept while the run gives its worker back, so
-    # `model_wait_out_s` counts from the first failure, not from each wake (coordinator/endpoints.py).
+    # `model_wait_out_s` counts from the first failure, not from each wake (coordinator/endpoints.py); while
+    # set, the task's provider timer may wake it. Cleared with PROVIDER_ATTEMPTS (clear_wait).
     PROVIDER_WAIT_SINCE_MS: Final = "provider_wait_since_ms"
     REPAIRS: Final = "repairs"  # runs the reconciler published again after one was lost (a count)
     RESUMED_PREFIX: Final = "resumed:"  # `resumed:<batch or approval id>`: once-only resume flag per reason

@@ -1474,6 +1474,21 @@ class RemoveServedTimers(
 
 
 @dataclass(frozen=True, kw_only=True)
+class ClearWait(
+    Call[bool],
+    script="clear_wait",
+    returns="1 when cleared, 0 when the lease is not this run's (nothing written).",
+):
+    lease: str = key("lease")
+    task: str = key("task hash")
+    token: str = arg("the run's token")
+
+    @classmethod
+    def decode(cls, raw: Any) -> bool:
+        return bool(int(raw))
+
+
+@dataclass(frozen=True, kw_only=True)
 class KeepCompaction(
     Call[str],
     script="keep_compaction",
