@@ -130,6 +130,34 @@ def test_the_stop_watch_stops_a_waiting_run_soon_after_its_cancel(idle_coordinat
             run.abandon()
 
 
+def test_the_stop_watch_stops_a_fenced_older_run_beside_the_newer_run_of_its_task(
+    idle_coordinator: Coordinator,
+) -> None:
+    """A run that stalled past its lapse and the newer run of its task, both in one process, are watched on
+    their own: the older one, fenced, has its request abandoned; the newer one goes on."""
+    coord = idle_coordinator
+    lifecycle, (older,) = _start_runs(coord, 1)
+    coord.client.delete(coord.store.keys.lease(older.task.root_id, older.task_id))  # it stalled past its lapse
+    newer = lifecycle.start(older.task_id)
+    assert isinstance(newer, Run) and newer.token != older.token
+    older.fenced = True  # as the heartbeat's renewal finds it
+    watch = StopWatch(lifecycle, poll_s=0.05)
+
+    async def both() -> tuple[bool, bool]:
+        old_stop, new_stop = watch.watch(older), watch.watch(newer)
+        watch.poll()
+        await asyncio.sleep(0.05)  # a stop is set on its loop, soon after the poll
+        watch.forget(older)
+        watch.forget(newer)
+        return old_stop.done(), new_stop.done()
+
+    try:
+        assert AgentLoop().run(both()) == (True, False)
+    finally:
+        older.abandon()
+        newer.abandon()
+
+
 def test_a_worker_collects_garbage_less_often_and_never_its_imports() -> None:
     before = gc.get_threshold()
     try:

@@ -164,6 +164,8 @@ class StopWatch:
         self._stops_seen: int | None = None
         self._full_look_due = 0.0
         self._lock = threading.Lock()
+        # By lease token, as the heartbeat keeps them: a task's stalled older run and its newer run may both be
+        # watched in one process, and each is stopped on its own.
         self._watched: dict[str, tuple[Run, asyncio.AbstractEventLoop, asyncio.Future[None]]] = {}
         # The loop whose timer polls, while one is armed (a forked child's new loop arms its own).
         self._ticking_on: asyncio.AbstractEventLoop | None = None
@@ -173,7 +175,7 @@ class StopWatch:
         loop = asyncio.get_running_loop()
         stop: asyncio.Future[None] = loop.create_future()
         with self._lock:
-            self._watched[run.task_id] = (run, loop, stop)
+            self._watched[run.token] = (run, loop, stop)
             arm = self._ticking_on is not loop
             if arm:
                 self._ticking_on = loop
@@ -183,9 +185,9 @@ class StopWatch:
 
     def forget(self, run: Run) -> None:
         with self._lock:
-            watched = self._watched.get(run.task_id)
+            watched = self._watched.get(run.token)
             if watched is not None and watched[0] is run:
-                del self._watched[run.task_id]
+                del self._watched[run.token]
 
     def poll(self) -> None:
         """One look at every watched run: set the stop of each that must stop now."""
@@ -206,7 +208,7 @@ class StopWatch:
             log.warning("subq: the stop check of %d run(s) failed: %s", len(watched), exc)
             return
         for run in stopping:
-            _, loop, stop = watched[run.task_id]
+            _, loop, stop = watched[run.token]
             loop.call_soon_threadsafe(_set, stop)
 
     def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
