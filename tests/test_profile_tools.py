@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import pytest
@@ -25,7 +27,8 @@ from tests.agents import STEP_COST_MICROS, agent, call, reply
 from tests.conftest import dedicated_fleet
 from tests.event_tap import EventTap
 from tests.helpers import HostLag, assert_worker_refuses, eventually, processes_with, subq_tools
-from workers.runtime.profile_tools import load_profile
+from workers import observe
+from workers.runtime.profile_tools import answer_without_running, load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLED = Profile(tools=["tests.tool_kit:add_numbers", "tests.tool_kit:kit", "tests.tool_kit:leave_mark"])
@@ -397,3 +400,23 @@ def test_a_budget_spent_by_tool_calls_stops_the_run_before_its_next_request(tool
     # Two calls at $0.25 cross $0.40 with their results: no third request is made.
     assert done.requests == 2 and done.tool_use["add_numbers"].calls == 2
     assert done.cost_micros == 2 * STEP_COST_MICROS + 2 * 250_000
+
+
+def test_a_call_naming_no_tool_of_its_task_is_counted_under_one_label_not_the_models_name() -> None:
+    """The name is the model's text: a label per made-up name would grow the series without bound."""
+    said: list[str] = []
+    recorded: list[str] = []
+    run = SimpleNamespace(
+        say=lambda kind, line: said.append(line), journal=SimpleNamespace(record=lambda *a: recorded.append(a[1]))
+    )
+    state = SimpleNamespace(run=run, tool_calls=[])
+    made_up = f"made_up_{uuid.uuid4().hex}"
+    counted = observe.TOOL_CALLS.labels(observe.UNKNOWN_TOOL, "error")
+    before = counted._value.get()
+    answer_without_running(state, "call-1", made_up, "error", f"not run: {made_up} is not a tool", known=False)  # type: ignore[arg-type]
+    assert counted._value.get() == before + 1
+    labels = {sample.labels.get("tool") for metric in observe.TOOL_CALLS.collect() for sample in metric.samples}
+    assert made_up not in labels
+    assert recorded == [made_up] and state.tool_calls == [{"tool": made_up, "outcome": "error", "ms": 0}], (
+        "shown as named"
+    )

@@ -340,8 +340,14 @@ def run_ended(profile: str, status: str) -> None:
         _child(TASKS_ENDED, profile, status).inc()
 
 
+# The `tool` label of a call naming no tool of its task: the name is the model's text, and a label per
+# made-up name would grow the series (and this process's cache of them) without bound.
+UNKNOWN_TOOL = "(unknown)"
+
+
 def tool_call(tool: str, outcome: str, duration_s: float | None = None) -> None:
-    """One tool call's outcome (its tool is a configured name: the label stays bounded)."""
+    """One tool call's outcome. `tool` must be a configured name or UNKNOWN_TOOL, never the model's text:
+    each value is a series of its own, kept for the life of the process."""
     _child(TOOL_CALLS, tool, outcome).inc()
     if duration_s is not None:
         _child(TOOL_DURATION, tool).observe(duration_s)

@@ -348,13 +348,20 @@ def _done(
 
 
 def answer_without_running(
-    run_state: RunState, tool_call_id: str, tool: str, outcome: str, line: str, *, kind: str | None = None
+    run_state: RunState,
+    tool_call_id: str,
+    tool: str,
+    outcome: str,
+    line: str,
+    *,
+    kind: str | None = None,
+    known: bool = True,
 ) -> None:
     """A call answered before its tool could run (its arguments failed validation, it names no tool of the
     task, a human denied it): a UI line of its outcome (`kind`, else `tool_error` or `tool_denied`), and counted on its task as `outcome`. An error's line
     is kept as its result, so a run resumed before its conversation was saved answers it the same way."""
     run_state.run.say(kind or ("tool_denied" if outcome == "denied" else "tool_error"), line)
-    observe.tool_call(tool, outcome, None)
+    observe.tool_call(tool if known else observe.UNKNOWN_TOOL, outcome, None)  # (`known`: a tool of the task)
     run_state.tool_calls.append({"tool": tool, "outcome": outcome, "ms": 0})
     run_state.run.journal.record(tool_call_id, tool, outcome, None if outcome == "denied" else line)
 

@@ -304,7 +304,9 @@ class _Drive:
             # pydantic-ai answers it "Unknown tool name" and runs nothing: never shown as if it ran,
             # and counted as the error it is.
             line = f"not run: {part.tool_name} is not a tool of this task: {describe_call(part)}"
-            answer_without_running(self.state, part.tool_call_id, part.tool_name, "error", line, kind="error")
+            answer_without_running(
+                self.state, part.tool_call_id, part.tool_name, "error", line, kind="error", known=False
+            )
         elif isinstance(part, ToolCallPart):
             self.run.say("tool", describe_call(part))
 
