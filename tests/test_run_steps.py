@@ -7,8 +7,11 @@ exactly.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import Counter
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,6 +22,7 @@ from coordinator.celery_app import make_app
 from coordinator.runs import Ended, Run, RunStopped
 from tests.agents import STEP_COST_MICROS, agent, reply
 from tests.helpers import script, usage_step
+from workers.runtime import runner
 from workers.runtime.agent_loop import StopWatch
 from workers.runtime.context import Runtime, build_runtime
 from workers.runtime.runner import run_child
@@ -186,3 +190,34 @@ def test_a_run_past_its_time_limit_fails_with_the_limit_named(idle_coordinator: 
         assert idle_coordinator.get_task(child_id).status == TaskStatus.FAILED
     finally:
         runtime.coordinator.close()
+
+
+def test_a_stopped_run_whose_unwinding_outlasts_the_time_limit_ends_at_the_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The time limit covers a stopped run's unwinding too (a tool's cleanup that awaits): the worker's thread is
+    not held past it, as under asyncio.wait_for."""
+    cleanup_s, limit_s = 30.0, 1.0
+
+    async def slow_to_stop(*_: Any) -> Any:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            await asyncio.sleep(cleanup_s)  # ignores the cancel for a while
+            raise
+
+    class Watch:
+        def watch(self, _run: Any) -> asyncio.Future[None]:
+            stop = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_later(0.1, stop.set_result, None)  # the task is stopped at once
+            return stop
+
+        def forget(self, _run: Any) -> None:
+            pass
+
+    monkeypatch.setattr(runner, "_drive", slow_to_stop)
+    rt = SimpleNamespace(stop_watch=Watch())
+    started = time.monotonic()
+    with pytest.raises(runner.StopRun):
+        asyncio.run(runner._run_agent(rt, SimpleNamespace(), None, None, limit_s))  # type: ignore[arg-type]
+    assert time.monotonic() - started < cleanup_s / 3, "held past the limit by the agent's unwinding"

@@ -203,25 +203,26 @@ async def _run_agent(
 ) -> Ended | Released:
     """The agent's run, raced against the process's stop watch, which abandons it when the task is stopped, within
     `limit_s` (TimeoutError). The limit is a scope of this coroutine, not `asyncio.wait_for`, which wraps it in a
-    task of its own on Python 3.11: one task and its steps less for every run."""
+    task of its own on Python 3.11: one task and its steps less for every run. The scope covers a stopped run's
+    unwinding too (a tool's cleanup that awaits), as `wait_for` did: past the limit the run ends all the same."""
     agent_run = asyncio.create_task(_drive(rt, run, profile, progress))
     stop = rt.stop_watch.watch(run)
     try:
         waited: set[asyncio.Future[Any]] = {agent_run, stop}
         async with asyncio.timeout(limit_s):
             done, _ = await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+            if agent_run in done:
+                return agent_run.result()
+            agent_run.cancel()  # abandons the model call in flight
+            try:
+                await agent_run
+            except (asyncio.CancelledError, Exception):
+                pass  # its unwinding ended, or the limit cut it short: stopped either way
     except BaseException:  # the time limit: the agent must not go on after its run has ended
         agent_run.cancel()
         raise
     finally:
         rt.stop_watch.forget(run)
-    if agent_run in done:
-        return agent_run.result()
-    agent_run.cancel()  # abandons the model call in flight
-    try:
-        await agent_run
-    except (asyncio.CancelledError, Exception):
-        pass
     raise StopRun()
 
 
