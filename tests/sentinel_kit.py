@@ -135,21 +135,23 @@ class SentinelSet:
         self.data[port].kill()
         return port
 
-    def kill_master_losing(self, stall_s: float) -> int:
-        """SIGKILL the master after its replicas have stalled (SIGSTOP) for `stall_s` while it took writes;
-        its old port. Whichever replica is promoted lacks those writes: asynchronous replication's window
-        of loss, made certain instead of left to the host's pace."""
+    def kill_master_losing(self, stall_s: float) -> tuple[int, list[int]]:
+        """SIGKILL the master after its replicas have stalled (SIGSTOP) for `stall_s` while it took writes:
+        its old port, and the bytes of its stream each replica had not acknowledged at the kill (the stalled
+        ones acknowledge nothing). The promoted replica lacks those writes: asynchronous replication's
+        window of loss, made certain instead of left to the host's pace."""
         master = self.master_port()
         replicas = [server for port, server in self.data.items() if port != master and server.alive()]
         for server in replicas:
             os.kill(server.proc.pid, signal.SIGSTOP)
         try:
             time.sleep(stall_s)
+            lost = replica_lag_bytes(self)
             self.data[master].kill()
         finally:
             for server in replicas:
                 os.kill(server.proc.pid, signal.SIGCONT)
-        return master
+        return master, lost
 
     def wait_promoted(self, old_port: int, timeout_s: float = 30) -> int:
         """Wait until the sentinels name a master other than `old_port`, and it takes writes; its port."""

@@ -86,7 +86,8 @@ def test_a_failover_mid_fan_out_chain_and_cancel_converges(
     lag_bytes = replica_lag_bytes(kit)  # what a replica lacks of the master's writes before the stall
     # The replicas stall for LOST_S while the workers write, then the master dies: the promoted one lacks
     # those writes (runs started, ended, written back, messages taken), and the trees converge all the same.
-    old = kit.kill_master_losing(LOST_S)
+    old, lost_bytes = kit.kill_master_losing(LOST_S)
+    assert min(lost_bytes) > 0, f"no write was lost: the replicas lacked {lost_bytes} bytes at the kill"
     killed_at = time.monotonic()
     kit.wait_promoted(old)
     promoted_at = time.monotonic()
@@ -98,7 +99,7 @@ def test_a_failover_mid_fan_out_chain_and_cancel_converges(
     serving_again_s = time.monotonic() - promoted_at
     print(
         f"\nfailover: promoted {promoted_at - killed_at:.1f} s after the kill; serving again {serving_again_s:.1f} s "
-        f"after; the replicas were {lag_bytes} bytes behind before a {LOST_S} s stall, then the kill"
+        f"after; the replicas were {lag_bytes} bytes behind before a {LOST_S} s stall, {lost_bytes} at the kill"
     )
     assert serving_again_s < SERVING_AGAIN_S
 
