@@ -7,7 +7,9 @@ bench/overhead.py's fleets (one private Redis, a bare fleet and a subq fleet of 
 server's own counts are read before and after: `INFO cpu` (user and system time, every
 thread of the server) and `INFO commandstats` (each command's calls and microseconds).
 A script's time includes the commands it runs, and those are counted again on their own
-lines: the total of the lines is not the server's time. What the split shows is how much of
+lines: the total of the lines is not the server's time. Both fleets stay up through each run,
+so their idle clocks' Redis time (measured for IDLE_S first) is taken out of the total, as
+bench/overhead.py does. What the split shows is how much of
 a child's server time the scripts take, against what the whole of a no-op chord costs
 (issue 43, point 2: Redis CPU per child at most 1.2x a no-op chord's). docs/benchmarks.md
 ("Where a child's Redis time goes") has the figures.
@@ -31,6 +33,8 @@ from coordinator.local.embedded_redis import local_redis  # noqa: E402
 
 # Children each mode runs first, not counted: the workers' first runs build their caches.
 WARMUP_CHILDREN = 32
+# How long both fleets are measured idle: their own clocks' Redis time, taken out of each run's.
+IDLE_S = 5.0
 
 
 def server_times(client: Any) -> tuple[float, float, dict[str, tuple[int, int]]]:
@@ -43,10 +47,11 @@ def server_times(client: Any) -> tuple[float, float, dict[str, tuple[int, int]]]
     return float(cpu["used_cpu_user"]), float(cpu["used_cpu_sys"]), stats
 
 
-def measure(modes: Modes, mode: str, width: int) -> dict[str, Any]:
-    """One run of `mode` at `width`: the server's user and system ms per child, and each command's."""
+def measure(modes: Modes, mode: str, width: int, idle_ms_per_s: float) -> dict[str, Any]:
+    """One run of `mode` at `width`: the server's user and system ms per child, and each command's; and the
+    total net of what both idle fleets cost the server over the run's wall time (`idle_ms_per_s`)."""
     user_s, sys_s, before = server_times(modes.client)
-    modes.run(mode, width)
+    wall_s = modes.run(mode, width).wall_s
     user_after_s, sys_after_s, after = server_times(modes.client)
     commands = {}
     for name, (calls, usec) in after.items():
@@ -57,6 +62,7 @@ def measure(modes: Modes, mode: str, width: int) -> dict[str, Any]:
         "mode": mode,
         "user_ms": (user_after_s - user_s) * 1000 / width,
         "system_ms": (sys_after_s - sys_s) * 1000 / width,
+        "idle_ms": idle_ms_per_s * wall_s / width,
         "commands": dict(sorted(commands.items(), key=lambda item: -item[1][1])),
     }
 
@@ -66,14 +72,18 @@ def report(rows: Sequence[dict[str, Any]], top: int) -> None:
         total_ms = row["user_ms"] + row["system_ms"]
         print(
             f"\n{row['mode']}: Redis {total_ms:.2f} ms a child (user {row['user_ms']:.2f}, system "
-            f"{row['system_ms']:.2f})"
+            f"{row['system_ms']:.2f}); net of the idle fleets' {row['idle_ms']:.2f}: {total_ms - row['idle_ms']:.2f}"
         )
         print(f"  {'command':<16} {'calls/child':>11} {'us/child':>9} {'us/call':>8}")
         for name, (calls, usec) in list(row["commands"].items())[:top]:
             print(f"  {name:<16} {calls:>11.2f} {usec:>9.1f} {usec / calls if calls else 0:>8.1f}")
     if len(rows) == 2:
         first, second = ((r["user_ms"] + r["system_ms"]) for r in rows)
-        print(f"\n{rows[1]['mode']}/{rows[0]['mode']} Redis per child: {second / first:.2f}x")
+        net_first, net_second = ((r["user_ms"] + r["system_ms"] - r["idle_ms"]) for r in rows)
+        print(
+            f"\n{rows[1]['mode']}/{rows[0]['mode']} Redis per child: {second / first:.2f}x gross, "
+            f"{net_second / net_first:.2f}x net of the idle fleets"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -88,7 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             for mode in args.modes:
                 modes.run(mode, WARMUP_CHILDREN)
-            rows = [measure(modes, mode, args.width) for mode in args.modes]
+            idle_ms_per_s = modes.idle(IDLE_S).redis_cpu_ms_per_s
+            rows = [measure(modes, mode, args.width, idle_ms_per_s) for mode in args.modes]
         finally:
             modes.close()
     report(rows, args.top)
