@@ -11,6 +11,7 @@ import compileall
 import os
 import re
 import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,23 +77,32 @@ def _rewrite_test_modules(config: pytest.Config) -> None:
     """Each test module's assert-rewritten code, cached where pytest's import hook reads it.
 
     pytest has no public call for this: these are the steps of its hook's exec_module (pytest 9).
-    A module whose cached code is current is left alone; any failure only leaves a module to its hook.
+    A module whose cached code is current is left alone; a module that fails is left to its hook, and the
+    others are cached all the same; if the steps are not there (another pytest), a warning says so.
     """
     try:
         from _pytest.assertion import rewrite
 
         state = config.stash[rewrite.assertstate_key]
-        for source in sorted((ROOT / "tests").glob("*.py")):
-            if not REWRITTEN.search(str(source)):
-                continue  # pytest rewrites test modules, conftest and plugins only (helpers import plainly)
-            pyc = source.parent / "__pycache__" / (source.stem + rewrite.PYC_TAIL)
-            if rewrite._read_pyc(source, pyc, state.trace) is not None:
+        steps = (rewrite.PYC_TAIL, rewrite._read_pyc, rewrite._rewrite_test, rewrite._write_pyc)
+    except (AttributeError, ImportError, KeyError):
+        warnings.warn(
+            "pytest's rewrite steps have changed: each xdist worker rewrites the test modules itself", stacklevel=2
+        )
+        return
+    tail, read_pyc, rewrite_test, write_pyc = steps
+    for source in sorted((ROOT / "tests").glob("*.py")):
+        if not REWRITTEN.search(str(source)):
+            continue  # pytest rewrites test modules, conftest and plugins only (helpers import plainly)
+        try:
+            pyc = source.parent / "__pycache__" / (source.stem + tail)
+            if read_pyc(source, pyc, state.trace) is not None:
                 continue
             pyc.parent.mkdir(exist_ok=True)
-            source_hash, code = rewrite._rewrite_test(source, config)
-            rewrite._write_pyc(state, code, source_hash, pyc)
-    except (AttributeError, ImportError, KeyError, OSError, SyntaxError, TypeError):
-        return  # another pytest's internals, or a file that will not compile: each worker rewrites as it would have
+            source_hash, code = rewrite_test(source, config)
+            write_pyc(state, code, source_hash, pyc)
+        except Exception:  # a file that will not compile or read (mid-edit, a bad byte): left to its own collection
+            continue
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
