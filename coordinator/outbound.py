@@ -721,7 +721,10 @@ class Deliverer:
         if item.refused:  # its stored data does not decode: claimed again at every lease, it would never end
             last = one_line(item.refused)
             log.error("subq deliveries: %s given up: %s", delivery_id, last)
-            self._done(Settled(root_id, delivery_id, "given_up", last=last))
+            # Recorded against its attempts when its entry decoded (a step sent again records it once); -1, any,
+            # when not even that did (its attempts unknown, it must still end).
+            attempts = _attempts(entry) if entry else -1
+            self._done(Settled(root_id, delivery_id, "given_up", last=last, attempts=attempts))
             return
         claimed = _attempts(entry)
         if item.found is None or not item.found[0]:

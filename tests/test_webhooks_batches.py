@@ -192,11 +192,15 @@ def test_a_claimed_delivery_whose_data_does_not_decode_is_given_up_and_the_batch
         (given_up,) = deliverer._ended
         assert (given_up.root_id, given_up.state) == (broken.id, "given_up")
         assert given_up.last.startswith("its stored data does not decode: ValueError"), given_up.last
+        assert given_up.attempts == 0, "recorded against the attempts its claim read (its entry decoded)"
         deliverer.step()
         assert [e["attempts"] for e in outbox.deliveries(first.id)] == [1], "settled once"
         ((state, attempts, last),) = [(e["state"], e["attempts"], e["last"]) for e in outbox.deliveries(broken.id)]
         assert (state, attempts, last) == ("given_up", 1, given_up.last)
         assert outbox.counts() == {("task.completed", "retrying"): 1, ("task.completed", "given_up"): 1}
+        outbox.settle_and_claim([given_up], 10, LEASE_MS)  # the same step sent again, its reply lost
+        assert [e["attempts"] for e in outbox.deliveries(broken.id)] == [1], "given up once"
+        assert outbox.counts()[("task.completed", "given_up")] == 1
         assert deliverer._ended == [] and outbox.settle_and_claim([], 10, LEASE_MS) == [], "nothing left claimed"
     finally:
         deliverer._connections.close()

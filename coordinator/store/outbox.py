@@ -164,17 +164,18 @@ class OutboxStore(Part):
         claimed = []
         for read in reads:
             root_id, _, delivery_id = read.member.partition(" ")
+            entry: dict[str, Any] = {}  # kept when it decodes, even if the rest does not: its attempts
             try:
+                entry = dict(json.loads(read.entry))
                 found = None
                 if read.patterns is not None and read.target is not None:
                     if read.target not in targets:
                         targets[read.target] = dict(json.loads(read.target))
                     found = (read.patterns, targets[read.target])
-                entry = dict(json.loads(read.entry))
                 claimed.append(ClaimedDelivery(root_id, delivery_id, entry, found, event_record(read.values)))
             except Exception as exc:  # any decode error: this delivery alone is given up
                 refused = f"its stored data does not decode: {type(exc).__name__}: {exc}"
-                claimed.append(ClaimedDelivery(root_id, delivery_id, {}, None, None, refused=refused))
+                claimed.append(ClaimedDelivery(root_id, delivery_id, entry, None, None, refused=refused))
         return claimed
 
     @translate_redis_errors
