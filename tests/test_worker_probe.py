@@ -259,9 +259,12 @@ def _pass_while_up_fail_once_stopped(
 ) -> None:
     log = workdir / "worker.log"
     with _pod_worker(container, env, log, workdir) as worker:
-        _ready(worker, log, _startup_allowance_s(container))
-        # As the startup probe does: tried until the worker answers, for as long as the pod is given.
-        outcomes = _until_all_pass(checks, workdir, worker, log, "once started", _startup_allowance_s(container))
+        # As the startup probe does: tried until the worker answers, for as long as the pod is given, all told
+        # (the wait for its log's "ready" line counts against the same allowance).
+        allowance_s, started = _startup_allowance_s(container), time.monotonic()
+        _ready(worker, log, allowance_s)
+        left_s = max(0.0, allowance_s - (time.monotonic() - started))
+        outcomes = _until_all_pass(checks, workdir, worker, log, "once started", left_s)
         for outcome in outcomes:
             assert outcome.stdout.strip() == f"{NODE}: pong", outcome
         if kit is not None:
