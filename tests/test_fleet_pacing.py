@@ -108,7 +108,7 @@ def test_an_idle_stop_watch_keeps_no_timer() -> None:
         stops_so_far=lambda: polls.append(1) or 0, must_stop=lambda runs: [], must_stop_here=lambda runs: []
     )
     watch, loop = StopWatch(cast(Any, lifecycle), poll_s=0.01), AgentLoop()
-    run = cast(Any, SimpleNamespace(task_id="t"))
+    run = cast(Any, SimpleNamespace(task_id="t", token="the-run"))
 
     async def watch_it() -> None:
         watch.watch(run)
