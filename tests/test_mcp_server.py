@@ -1,9 +1,11 @@
 """subq as an MCP server (issue 41): /mcp on the real API over real HTTP, and `subq mcp` over real stdio,
 with the official `mcp` client, against a real Redis and real `celery worker` processes.
 
-Each scenario is one client session (tools/list, run_task, wait_task with progress, the figures against
-GET /v1/tasks/{id}, scopes and ownership, the audit log, an approval decided, bad input) run through both
-faces: the tools are one definition (coordinator/mcp_tools.py), so both must answer alike.
+Each scenario (tools/list, run_task, wait_task with progress, the figures against GET /v1/tasks/{id}, scopes
+and ownership, the audit log, an approval decided, bad input) runs through both faces: the tools are one
+definition (coordinator/mcp_tools.py), so both must answer alike. Over HTTP each scenario opens its own
+sessions; over stdio each API key has one `subq mcp` process for the module, as an agent keeps one for its
+whole session, and every scenario calls through it (a start is 3.5 s of CPU: one a key, not one a scenario).
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, ExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ import anyio
 import httpx
 import httpx2
 import pytest
+from anyio.from_thread import BlockingPortal, start_blocking_portal
 from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
@@ -47,6 +50,8 @@ PLAN = "[ ] Collect the sales figures\n[ ] Summarise customer feedback\n[ ] Then
 SUBMIT_READ_TOOLS = {"run_task", "get_task", "wait_task", "get_tree", "cancel_task", "retry_task", "list_approvals"}
 
 Connect = Callable[[str], AbstractAsyncContextManager[Client]]
+# The keys whose sessions the stdio face opens (each scenario's names).
+STDIO_KEYS = ("team", "oncall", "viewer")
 
 
 def keys() -> dict[str, ApiKeySpec]:
@@ -77,13 +82,30 @@ def over_http(api: ApiServer) -> Connect:
     return connect
 
 
-def over_stdio(api: ApiServer) -> Connect:
+@pytest.fixture(scope="module")
+def portal() -> Iterator[BlockingPortal]:
+    """One event loop (in a thread of its own) for the module's scenarios, so a session outlives a scenario."""
+    with start_blocking_portal() as loop:
+        yield loop
+
+
+@pytest.fixture(scope="module")
+def stdio_sessions(portal: BlockingPortal, stack: tuple[Coordinator, ApiServer]) -> Iterator[dict[str, Client]]:
+    """A `subq mcp` process and its client session for each of STDIO_KEYS, open for the module."""
+    _coord, api = stack
+    with ExitStack() as sessions:
+        opened = {}
+        for name in STDIO_KEYS:
+            env = {"PATH": os.environ["PATH"], "SUBQ_API_URL": api.url, "SUBQ_API_TOKEN": TOKENS[name]}
+            params = StdioServerParameters(command=sys.executable, args=["-m", "coordinator", "mcp"], env=env)
+            opened[name] = sessions.enter_context(portal.wrap_async_context_manager(Client(params)))
+        yield opened
+
+
+def over_stdio(sessions: dict[str, Client]) -> Connect:
     @asynccontextmanager
     async def connect(name: str) -> AsyncIterator[Client]:
-        env = {"PATH": os.environ["PATH"], "SUBQ_API_URL": api.url, "SUBQ_API_TOKEN": TOKENS[name]}
-        params = StdioServerParameters(command=sys.executable, args=["-m", "coordinator", "mcp"], env=env)
-        async with Client(params) as client:
-            yield client
+        yield sessions[name]
 
     return connect
 
@@ -91,7 +113,14 @@ def over_stdio(api: ApiServer) -> Connect:
 @pytest.fixture(params=["http", "stdio"])
 def face(request: pytest.FixtureRequest, stack: tuple[Coordinator, ApiServer]) -> tuple[str, Connect]:
     _coord, api = stack
-    return request.param, (over_http(api) if request.param == "http" else over_stdio(api))
+    if request.param == "http":
+        return request.param, over_http(api)
+    return request.param, over_stdio(request.getfixturevalue("stdio_sessions"))
+
+
+def run_in(portal: BlockingPortal, main: Callable[[], Awaitable[Any]]) -> Any:
+    """Run a scenario on the module's event loop, where the stdio sessions live."""
+    return portal.call(main)
 
 
 def data(result: Any) -> dict[str, Any]:
@@ -113,7 +142,7 @@ def audit(api: ApiServer) -> list[dict[str, Any]]:
     return entries
 
 
-def test_tools_list_follows_the_keys_scopes(face: tuple[str, Connect]) -> None:
+def test_tools_list_follows_the_keys_scopes(face: tuple[str, Connect], portal: BlockingPortal) -> None:
     _name, connect = face
 
     async def main() -> None:
@@ -129,7 +158,7 @@ def test_tools_list_follows_the_keys_scopes(face: tuple[str, Connect]) -> None:
             names = {tool.name for tool in (await client.list_tools()).tools}
             assert names == {"get_task", "wait_task", "get_tree", "list_approvals"}
 
-    anyio.run(main)
+    run_in(portal, main)
 
 
 def test_a_missing_token_is_refused_as_on_v1(stack: tuple[Coordinator, ApiServer]) -> None:
@@ -142,7 +171,9 @@ def test_a_missing_token_is_refused_as_on_v1(stack: tuple[Coordinator, ApiServer
     assert not is_open_route("/mcp")
 
 
-def test_run_wait_and_read_a_plan(face: tuple[str, Connect], stack: tuple[Coordinator, ApiServer]) -> None:
+def test_run_wait_and_read_a_plan(
+    face: tuple[str, Connect], portal: BlockingPortal, stack: tuple[Coordinator, ApiServer]
+) -> None:
     name, connect = face
     _coord, api = stack
 
@@ -186,11 +217,13 @@ def test_run_wait_and_read_a_plan(face: tuple[str, Connect], stack: tuple[Coordi
             exported = await client.read_resource(f"subq://tasks/{run['id']}/export")
             assert exported.contents[0].text.count('"history_item"') == 1 + len(tree["children"])
 
-    anyio.run(main)
+    run_in(portal, main)
     del name
 
 
-def test_scopes_and_ownership_on_the_audit_log(face: tuple[str, Connect], stack: tuple[Coordinator, ApiServer]) -> None:
+def test_scopes_and_ownership_on_the_audit_log(
+    face: tuple[str, Connect], portal: BlockingPortal, stack: tuple[Coordinator, ApiServer]
+) -> None:
     name, connect = face
     coord, api = stack
     theirs = coord.create_task("Another team's tree", owner="other").id
@@ -207,7 +240,7 @@ def test_scopes_and_ownership_on_the_audit_log(face: tuple[str, Connect], stack:
             with pytest.raises(MCPError, match=f"Unknown task: {theirs}"):
                 await client.read_resource(f"subq://tasks/{theirs}/tree")
 
-    anyio.run(main)
+    run_in(portal, main)
     entries = audit(api)
     scope_refusals = [e for e in entries if e["actor"] == "viewer" and e["reason"] == "missing_scope"]
     assert scope_refusals and "needs scope 'submit'" in scope_refusals[0]["detail"]
@@ -222,7 +255,7 @@ def test_scopes_and_ownership_on_the_audit_log(face: tuple[str, Connect], stack:
 
 
 def test_bad_input_gets_the_apis_words_and_writes_nothing(
-    face: tuple[str, Connect], stack: tuple[Coordinator, ApiServer]
+    face: tuple[str, Connect], portal: BlockingPortal, stack: tuple[Coordinator, ApiServer]
 ) -> None:
     _name, connect = face
     coord, api = stack
@@ -243,11 +276,13 @@ def test_bad_input_gets_the_apis_words_and_writes_nothing(
                 assert response.status_code == 422
                 assert refused == response.json(), args
 
-    anyio.run(main)
+    run_in(portal, main)
     assert coord.list_tasks(limit=1)[0] == before
 
 
-def test_an_approval_waits_and_is_decided(face: tuple[str, Connect], stack: tuple[Coordinator, ApiServer]) -> None:
+def test_an_approval_waits_and_is_decided(
+    face: tuple[str, Connect], portal: BlockingPortal, stack: tuple[Coordinator, ApiServer]
+) -> None:
     _name, connect = face
     child = subtask("Clean the build", call("run_command", command="echo cleaned"), reply("Cleaned."))
     prompt = script(call("new_task", **child), call("attempt_completion", result="Build cleaned"), text="Clean up.")
@@ -281,7 +316,7 @@ def test_an_approval_waits_and_is_decided(face: tuple[str, Connect], stack: tupl
             assert done["status"] == "completed", done
             assert data(await client.call_tool("get_task", {"task_id": child_id}))["status"] == "completed"
 
-    anyio.run(main)
+    run_in(portal, main)
 
 
 def test_subq_mcp_needs_an_api(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -354,7 +389,9 @@ def test_an_idempotency_key_and_metadata_as_through_v1(stack: tuple[Coordinator,
     anyio.run(main)
 
 
-def test_webhooks_are_passed_on_as_through_v1(face: tuple[str, Connect], stack: tuple[Coordinator, ApiServer]) -> None:
+def test_webhooks_are_passed_on_as_through_v1(
+    face: tuple[str, Connect], portal: BlockingPortal, stack: tuple[Coordinator, ApiServer]
+) -> None:
     """run_task takes POST /v1/tasks' webhooks and on_complete (issue 40) and hands them to the service as they are."""
     _name, connect = face
     coord, api = stack
@@ -369,7 +406,7 @@ def test_webhooks_are_passed_on_as_through_v1(face: tuple[str, Connect], stack: 
             called = await client.call_tool("run_task", {"prompt": "Call back", "on_complete": "billing.task_done"})
             return str(data(called)["id"])
 
-    root = anyio.run(main)
+    root = run_in(portal, main)
     coord.wait(root, 60)
     deadline = time.monotonic() + 20
     with api.client({"Authorization": f"Bearer {TOKENS['team']}"}) as http:
