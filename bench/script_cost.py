@@ -88,7 +88,9 @@ def capture() -> list[Captured]:
         state = [(k, client.dump(k), int(client.pttl(k))) for k in client.scan_iter("*")]
         keys, args = call.pack()
         queued: list[tuple[Any, ...]] = []
-        if reads is not None:
+        if reads is not None and not callable(reads):  # the commands themselves, as `Scripts.then_read` takes them now
+            queued = [tuple(command) for command in reads]
+        elif reads is not None:  # a checkout from before: a function queueing them on a pipeline
             with client.pipeline(transaction=True) as pipe:
                 reads(pipe)
                 queued = [command[0] for command in pipe.command_stack]

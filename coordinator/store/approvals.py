@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
-
-from redis.client import Pipeline
+from typing import Any, cast
 
 from coordinator.errors import NotFoundError
 from coordinator.ids import root_of
 from coordinator.models import Approval
 from coordinator.store.base import (
     EVENTS_MAXLEN,
+    Command,
     Part,
     _encode_record,
     _str_map,
@@ -21,7 +20,7 @@ from coordinator.store.base import (
     translate_redis_errors,
 )
 from coordinator.store.fields import APPROVAL_OPTIONAL_FIELDS, ApprovalField
-from coordinator.store.protocol import Decide, OutboxAdd
+from coordinator.store.protocol import Decide, OutboxAdd, ScriptArg
 
 __all__ = ["MAX_EVENT_ARGS_CHARS", "ApprovalStore"]
 
@@ -39,10 +38,11 @@ class ApprovalStore(Part):
         MULTI: a waiting approval is never without its notice (docs/webhooks.md)."""
         key = self.keys.approval(approval.root_id, approval.id)
 
-        def writes(pipe: Pipeline) -> None:
-            pipe.hset(key, mapping=_encode_record(approval.model_dump()))
-            pipe.expire(key, self.retention_s)
-            pipe.zadd(self.keys.approvals(), {approval.id: approval.created_at})
+        fields_set = [cast(ScriptArg, part) for pair in _encode_record(approval.model_dump()).items() for part in pair]
+        writes: list[Command] = [
+            ("HSET", key, *fields_set), ("EXPIRE", key, self.retention_s),
+            ("ZADD", self.keys.approvals(), approval.created_at, approval.id),
+        ]  # fmt: skip
 
         arguments = json.dumps(approval.args, ensure_ascii=False)
         if len(arguments) > MAX_EVENT_ARGS_CHARS:

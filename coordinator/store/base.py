@@ -28,6 +28,7 @@ from importlib import resources
 from typing import Any, ParamSpec, TypeVar, cast
 
 import redis
+from hiredis import pack_command
 from redis.client import Pipeline
 from redis.commands.core import Script
 from redis.connection import Connection
@@ -44,11 +45,14 @@ from coordinator.timeline import FOLD_MARKS, MAX_MARKS, OUTCOMES
 __all__ = [
     "ACKNOWLEDGED",
     "EVENTS_MAXLEN",
+    "Command",
     "Part",
     "ReplicaWait",
     "ScriptArg",
     "Scripts",
     "StoreCore",
+    "hash_reply",
+    "round_trip",
     "translate_redis_errors",
 ]
 
@@ -66,6 +70,8 @@ R = TypeVar("R")
 T = TypeVar("T")
 
 HashMapping = dict[FieldT, EncodableT]
+# One Redis command as `round_trip` sends it: its name, then its arguments.
+Command = tuple[ScriptArg, ...]
 
 
 def translate_redis_errors(fn: Callable[P, R]) -> Callable[P, R]:
@@ -145,6 +151,7 @@ def _encode_record(fields: dict[str, Any]) -> HashMapping:
 
 # A task hash's tool-call counters: `tool:<name>:<outcome>` (calls) and `tool:<name>:ms` (time).
 TOOL_FIELD_PREFIX = "tool:"
+_TOOL_PREFIX_CHARS = len(TOOL_FIELD_PREFIX)
 
 
 def tool_field(tool: str, counter: str) -> str:
@@ -154,8 +161,9 @@ def tool_field(tool: str, counter: str) -> str:
 def _tool_use(raw: dict[str, str]) -> dict[str, dict[str, Any]]:
     found: dict[str, dict[str, Any]] = {}
     for name, value in raw.items():
-        if name.startswith(TOOL_FIELD_PREFIX):
-            tool, _, counter = name[len(TOOL_FIELD_PREFIX) :].rpartition(":")
+        # A slice, not `startswith`: a record has some 50 fields, read at every run's start.
+        if name[:_TOOL_PREFIX_CHARS] == TOOL_FIELD_PREFIX:
+            tool, _, counter = name[_TOOL_PREFIX_CHARS:].rpartition(":")
             use = found.setdefault(tool, {"outcomes": {}, "ms": 0})
             if counter == "ms":
                 use["ms"] = int(value)
@@ -164,13 +172,17 @@ def _tool_use(raw: dict[str, str]) -> dict[str, dict[str, Any]]:
     return found
 
 
+_RECORD_FIELDS = frozenset(TaskRecord.model_fields)
+
+
 def _decode_record(raw: dict[str, str], child_ids: list[str], awaiting_ids: list[str]) -> TaskRecord:
-    data: dict[str, Any] = {name: raw.get(name) for name in TaskRecord.model_fields if name in raw}
+    # Written with no method call a field (`in` and indexing, not `get`): a run's start decodes one.
+    data: dict[str, Any] = {name: value for name, value in raw.items() if name in _RECORD_FIELDS}
     for name in OPTIONAL_FIELDS:
-        if not data.get(name):
+        if name not in data or not data[name]:
             data[name] = None
     for name in INT_FIELDS:
-        data[name] = int(data.get(name) or 0)
+        data[name] = int(data[name] or 0) if name in data else 0
     data["child_ids"], data["awaiting_ids"] = child_ids, awaiting_ids
     data["tool_use"] = _tool_use(raw)
     data[TaskField.ANCESTORS] = json.loads(raw.get(TaskField.ANCESTORS) or "[]")
@@ -240,6 +252,73 @@ def _text(script: Script) -> str:
     return cast(str, script.script)
 
 
+def round_trip(client: redis.Redis, commands: Sequence[Command], *, transaction: bool = False) -> list[Any]:
+    """Send `commands` in one write on one connection of `client`'s pool and read every reply (EXEC's
+    when in a `transaction`, which wraps them in MULTI/EXEC): a step of a run's hot path.
+
+    What redis-py's `execute_command` and pipeline do for it, without their command stack, response
+    callbacks and packing of each argument (about 400 calls of a child's, docs/benchmarks.md): the same pooled
+    connection, its health check before the write (`FollowingConnection` asks the server's ROLE), and
+    its retry, which sends the whole round trip again after a connection error, disconnected first (a
+    failover under Sentinel: `failover_retry`). Every reply is read before the first error is raised,
+    inside the retry as redis-py's pipeline raises it (a script's READONLY in EXEC is tried again), so a
+    pooled connection never keeps an unread reply. Replies are as the server sent them: no response
+    callbacks (`hash_reply` makes a dict of an HGETALL's).
+    """
+    if transaction:
+        commands = [("MULTI",), *commands, ("EXEC",)]
+    # hiredis's packing, one write; its stub types a command of one element only.
+    packed = [b"".join([pack_command(command) for command in commands])]  # type: ignore[arg-type]
+    pool = client.connection_pool
+    connection = pool.get_connection()
+    try:
+        replies: list[Any] = connection.retry.call_with_retry(
+            lambda: _exchange(connection, packed, len(commands), transaction),
+            lambda _error: connection.disconnect(),  # type: ignore[no-untyped-call]
+        )
+        return replies
+    finally:
+        pool.release(connection)
+
+
+def _exchange(connection: Connection, packed: list[bytes], count: int, transaction: bool) -> list[Any]:
+    """One write of `packed` and its `count` replies (EXEC's, in a transaction); the first error raised last."""
+    connection.send_packed_command(packed)  # type: ignore[no-untyped-call]
+    replies: list[Any] = []
+    error: redis.ResponseError | None = None
+    for _ in range(count):
+        try:
+            replies.append(connection.read_response())
+        except redis.ResponseError as exc:  # EXECABORT after a command refused when queued: that one is raised
+            error = error or exc
+    if error is not None:
+        raise error
+    if transaction:
+        replies = replies[-1]
+        if replies is None:
+            raise redis.WatchError("EXEC discarded the transaction")  # nothing here WATCHes: not expected
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError):
+                raise reply
+    return replies
+
+
+def script_command(script: Script, keys: Sequence[ScriptArg], args: Sequence[ScriptArg], *, by_text: bool) -> Command:
+    """One call of `script`: by its SHA (EVALSHA), or by its text (EVAL), after the server answered NOSCRIPT
+    (`queue_script` says why)."""
+    if by_text:
+        return ("EVAL", _text(script), len(keys), *keys, *args)
+    return ("EVALSHA", script.sha, len(keys), *keys, *args)
+
+
+def hash_reply(reply: Any) -> dict[str, str]:
+    """HGETALL's reply as `round_trip` reads it (a flat list under RESP2, a map under RESP3) as a dict."""
+    if isinstance(reply, dict):
+        return reply
+    pairs = iter(reply)
+    return dict(zip(pairs, pairs, strict=True))
+
+
 class TextOnNoScript:
     """A script of no acknowledged step, sent alone: EVALSHA, and its text (EVAL) if the server answers NOSCRIPT.
 
@@ -252,14 +331,16 @@ class TextOnNoScript:
         self.script = script
 
     def __call__(self, keys: Sequence[ScriptArg], args: Sequence[ScriptArg]) -> Any:
-        try:
-            return self.client.evalsha(self.script.sha, len(keys), *keys, *args)
-        except redis.exceptions.NoScriptError:
-            return self.client.eval(_text(self.script), len(keys), *keys, *args)
+        for by_text in (False, True):
+            try:
+                return round_trip(self.client, [script_command(self.script, keys, args, by_text=by_text)])[0]
+            except redis.exceptions.NoScriptError:
+                continue  # nothing of it ran: sent again by its text, which no server can forget
+        raise AssertionError("unreachable: EVAL never answers NOSCRIPT")
 
 
 class AcknowledgedScript:
-    """A script of a step a caller sees, sent with its WAIT in one round trip (one pipeline, one connection).
+    """A script of a step a caller sees, sent with its WAIT in one round trip (one write, one connection).
 
     WAIT counts the replicas that have every write of its own connection, so it goes on the
     connection that ran the script. The script goes by EVALSHA; a master that does not know
@@ -277,13 +358,11 @@ class AcknowledgedScript:
 
     def __call__(self, keys: Sequence[ScriptArg], args: Sequence[ScriptArg]) -> Any:
         for by_text in (False, True):
-            with self.client.pipeline(transaction=False) as pipe:
-                queue_script(pipe, self.script, keys, args, by_text=by_text)
-                pipe.execute_command("WAIT", self.wait.replicas, self.wait.timeout_ms)  # type: ignore[no-untyped-call]
-                try:
-                    reply, acked = pipe.execute()
-                except redis.exceptions.NoScriptError:
-                    continue  # nothing of it ran: sent again by its text, which no server can forget
+            call = script_command(self.script, keys, args, by_text=by_text)
+            try:
+                reply, acked = round_trip(self.client, [call, ("WAIT", self.wait.replicas, self.wait.timeout_ms)])
+            except redis.exceptions.NoScriptError:
+                continue  # nothing of it ran: sent again by its text, which no server can forget
             self.shortfalls.note(self.name, int(acked), self.wait)
             return reply
         raise AssertionError("unreachable: EVAL never answers NOSCRIPT")
@@ -344,9 +423,10 @@ class Scripts:
         script_keys, script_args = call.pack()
         queue_script(pipe, self._scripts[call.script], script_keys, script_args, by_text=True)
 
-    def then_read(self, call: Call[R], reads: Callable[[Pipeline], object]) -> tuple[R, list[Any]]:
-        """One call of a script (not an acknowledged one), then `reads` queued on the same transaction: one
-        MULTI/EXEC, one round trip, nothing between, so the reads see the state the script left.
+    def then_read(self, call: Call[R], reads: Sequence[Command]) -> tuple[R, list[Any]]:
+        """One call of a script (not an acknowledged one), then the commands `reads` in the same transaction: one
+        MULTI/EXEC, one round trip (`round_trip`), nothing between, so the reads see the state the script left.
+        Their replies come as the server sent them (`hash_reply` makes a dict of an HGETALL's).
 
         For a step whose caller needs a whole record: read by the script, each field would become a Lua
         string and then a reply again, which cost start_run more than the rest of its work
@@ -359,13 +439,11 @@ class Scripts:
         script = self._scripts[call.script]
         script_keys, script_args = call.pack()
         for by_text in (False, True):
-            with self._client.pipeline(transaction=True) as pipe:
-                queue_script(pipe, script, script_keys, script_args, by_text=by_text)
-                reads(pipe)
-                try:
-                    reply, *read = pipe.execute()
-                except redis.exceptions.NoScriptError:
-                    continue
+            command = script_command(script, script_keys, script_args, by_text=by_text)
+            try:
+                reply, *read = round_trip(self._client, [command, *reads], transaction=True)
+            except redis.exceptions.NoScriptError:
+                continue
             return call.decode(reply), read
         raise AssertionError("unreachable: EVAL never answers NOSCRIPT")
 

@@ -10,8 +10,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from redis.client import Pipeline
-
 from coordinator.errors import NotFoundError
 from coordinator.ids import root_of
 from coordinator.models import AdmissionLimits, Outcome, RunWrites, TaskRecord, ToolCallDone, Usage
@@ -20,8 +18,8 @@ from coordinator.store.base import (
     EVENTS_MAXLEN,
     Part,
     StoreCore,
-    _str_map,
     _strs,
+    hash_reply,
     outbox_keys,
     tool_field,
     translate_redis_errors,
@@ -114,10 +112,6 @@ class RunStore(Part):
         now = time.time()
         task_key, conversation_key = k.task(root, task_id), k.conversation(root, task_id)
 
-        def record_and_conversation(pipe: Pipeline) -> None:
-            pipe.hgetall(task_key)
-            pipe.lrange(conversation_key, 0, -1)
-
         started, (fields, conversation) = self.scripts.then_read(
             StartRun(
                 task=task_key, lease=k.lease(root, task_id), due=k.due(), live=k.live(root),
@@ -129,12 +123,12 @@ class RunStore(Part):
                 retention_s=self.retention_s, running_children_prefix=k.running_children(root, ""),
                 fair_args=fair_args(k, fair),
             ),
-            record_and_conversation,
+            [("HGETALL", task_key), ("LRANGE", conversation_key, 0, -1)],
         )  # fmt: skip
         if started.verdict == "missing":
             raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
         # The record as the step left it (its delivery counted, its timeline marked).
-        record = decode_record(_str_map(fields), [], [])
+        record = decode_record(hash_reply(fields), [], [])
         if started.verdict in ("wait", "delay", "park"):
             return Started(
                 started.verdict, record, delay_ms=started.delay_ms, parked_for=started.parked_for,
