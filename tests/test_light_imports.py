@@ -25,10 +25,17 @@ TIMEOUT_S = 60
 
 def loaded_after(code: str) -> set[str]:
     """The modules a fresh interpreter has loaded after running `code`."""
-    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    (modules,) = loaded_after_each(code)
+    return modules
+
+
+def loaded_after_each(*steps: str) -> list[set[str]]:
+    """The modules one fresh interpreter has loaded after each of `steps`, run one after another in it."""
+    shown = "import json as _json, sys as _sys\nprint(_json.dumps(sorted(_sys.modules)))\n"
+    probe = "".join(f"{step}\n{shown}" for step in steps)
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
     assert done.returncode == 0, done.stderr
-    return set(json.loads(done.stdout.splitlines()[-1]))
+    return [set(json.loads(line)) for line in done.stdout.splitlines()[-len(steps) :]]
 
 
 def heavy_in(modules: set[str], expected: list[str]) -> list[str]:
@@ -61,15 +68,16 @@ PROVIDER_SDKS = ["openai", "anthropic"]
 
 
 def test_a_worker_imports_no_provider_sdk_until_a_profile_names_one() -> None:
-    code = "import os\nos.environ['SUBQ_REDIS_URL'] = 'redis://127.0.0.1:1/0'\nimport workers.app\n"
-    assert heavy_in(loaded_after(code), PROVIDER_SDKS) == []
+    imported = "import os\nos.environ['SUBQ_REDIS_URL'] = 'redis://127.0.0.1:1/0'\nimport workers.app"
     # What the worker's start runs (workers/maintenance.py): the SDKs of the profiles' providers, and no other.
-    code += (
+    # One interpreter, its modules read after each step (a second one importing workers.app again cost 2 s of CPU).
+    started = (
         "from coordinator import Profile\n"
         "from workers.runtime.providers import load_sdks\n"
-        "assert load_sdks([Profile(), Profile(model='openai:gpt-4o-mini')]) == ['openai']\n"
+        "assert load_sdks([Profile(), Profile(model='openai:gpt-4o-mini')]) == ['openai']"
     )
-    modules = loaded_after(code)
+    at_import, modules = loaded_after_each(imported, started)
+    assert "workers.app" in at_import and heavy_in(at_import, PROVIDER_SDKS) == []
     assert heavy_in(modules, PROVIDER_SDKS) == ["openai"]
     assert "pydantic_ai.models.openai" in modules
 
