@@ -42,7 +42,7 @@ from pydantic_ai import (
     ToolDenied,
     ToolOutput,
 )
-from pydantic_ai.capabilities import AbstractCapability
+from pydantic_ai.capabilities._pending_messages import PendingMessageDrainCapability
 from pydantic_ai.exceptions import UnexpectedModelBehavior
 from pydantic_ai.messages import (
     ModelMessage,
@@ -512,11 +512,16 @@ def build_agent(tools: ProfileTools, with_planner: bool) -> Agent[RunState, Any]
     )
 
 
-class _RunChecks(AbstractCapability[RunState]):
+class _RunChecks(PendingMessageDrainCapability):
     """subq's three hooks into every run of its agents: a tool call's invalid arguments (`_invalid_arguments`), a
     typed run's completion schema (`typed_parameters`) and its bound on invalid answers (`bound_invalid_answers`).
     A capability of its own rather than pydantic-ai's `Hooks`, which looks up a registry of its hooks at each of
-    the ~30 hook points of a run's every step whether it has any there or not (about 100 calls of a child's)."""
+    the ~30 hook points of a run's every step whether it has any there or not (about 100 calls of a child's).
+
+    It is pydantic-ai's pending-message drain, which every agent is given unless it holds one, with subq's hooks
+    added: pydantic-ai copies the run's context for each capability at each hook point, overridden there or not
+    (about 700 calls of a child's for a capability of its own, bench/run_calls.py), so subq's agents hold the two
+    (b)'s does. The drain's own hook (`before_model_request`) and its place (outermost) are kept as inherited."""
 
     async def on_tool_validate_error(
         self, ctx: RunContext[RunState], *, call: ToolCallPart, tool_def: ToolDefinition, args: Any, error: Any
