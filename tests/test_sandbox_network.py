@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import redis
 
-from coordinator import ConfigError, McpServer, Profile, RunCommand, Settings, TaskStatus, load_settings
+from coordinator import ConfigError, Coordinator, McpServer, Profile, RunCommand, Settings, TaskStatus, load_settings
 from tests.agents import agent, call, reply
 from tests.conftest import dedicated_fleet
 from tests.helpers import assert_worker_refuses, counting_listener, eventually, subq_tools
@@ -289,40 +289,56 @@ def _returns_and_ui(coord: Any, task_id: str) -> tuple[list[Any], list[tuple[str
     return returns, ui
 
 
-@needs_root
-def test_a_workers_commands_with_the_network_reach_what_the_profile_says(
-    settings: Settings, tmp_path: Path, public_host: str, listener: tuple[int, list[object]]
-) -> None:
-    """The acceptance run: a real worker, commands that run without a decision, Redis with its password given."""
-    port, accepted = listener
-    work = tmp_path / "work"
+@pytest.fixture(scope="module")
+def networked(settings: Settings, tmp_path_factory: pytest.TempPathFactory, public_host: str) -> Iterator[Coordinator]:
+    """One real worker for the two acceptance runs (a start of its own each cost 2.5 s of CPU): commands with the
+    network (public) or an allow list (listed), and a sandboxed MCP server with an allow list (fetcher). Both
+    names resolve to the public host, so a refusal of other.test is the allow list's, not the name's."""
+    folder = tmp_path_factory.mktemp("network")
+    work = folder / "work"
     work.mkdir()
-    parts = redis.connection.parse_url(settings.redis_url or "")
-    public = Profile(run_command=RunCommand(cwd=work, network=True), approval_tools=[])
-    listed = Profile(run_command=RunCommand(cwd=work, network=["allowed.test"]), approval_tools=[])
+    fetch = McpServer(
+        name="fetch", command=FETCH_SERVER, args=["--ignore-robots-txt"],
+        sandbox=True, network=["allowed.test"], timeout_s=60,
+    )  # fmt: skip
+    profiles = {
+        "public": Profile(run_command=RunCommand(cwd=work, network=True), approval_tools=[]),
+        "listed": Profile(run_command=RunCommand(cwd=work, network=["allowed.test"]), approval_tools=[]),
+        "fetcher": Profile(mcp_servers=[fetch], approval_tools=[]),
+    }
     own = settings.model_copy(
         update={
-            "profiles": {**settings.profiles, "public": public, "listed": listed},
-            "sandbox_resolve": {"allowed.test": public_host},
+            "profiles": {**settings.profiles, **profiles},
+            "sandbox_resolve": {"allowed.test": public_host, "other.test": public_host},
         }
     )
+    with dedicated_fleet(own, folder / "logs", 1, queue="subq-network") as (coord, _fleet):
+        yield coord
+
+
+@needs_root
+def test_a_workers_commands_with_the_network_reach_what_the_profile_says(
+    settings: Settings, networked: Coordinator, public_host: str, listener: tuple[int, list[object]]
+) -> None:
+    """The acceptance run: a real worker, commands that run without a decision, Redis with its password given."""
+    coord, (port, accepted) = networked, listener
+    parts = redis.connection.parse_url(settings.redis_url or "")
     redis_set = REDIS_SET.format(host="127.0.0.1", port=parts["port"], password=parts.get("password") or "")
     client = redis.Redis.from_url(settings.redis_url or "")
     client.delete("pwned")
-    with dedicated_fleet(own, tmp_path / "logs", 1, queue="subq-network") as (coord, _fleet):
-        wide = [redis_set, CONNECT.format(host="127.0.0.1", port=port), CURL.format(flags="", target=public_host)]
-        task = coord.create_task(
-            agent(*[call("run_command", command=c) for c in wide], reply("tried")), profile="public", run=True
-        )
-        assert coord.wait(task.id, 120).status == TaskStatus.COMPLETED
-        (to_redis, to_listener, to_public), _ = _returns_and_ui(coord, task.id)
-        narrow = [CURL.format(flags="", target="allowed.test"), CURL.format(flags="", target="other.test"),
-                  CURL.format(flags="--noproxy '*'", target=public_host)]  # fmt: skip
-        proxied = coord.create_task(
-            agent(*[call("run_command", command=c) for c in narrow], reply("tried")), profile="listed", run=True
-        )
-        assert coord.wait(proxied.id, 120).status == TaskStatus.COMPLETED
-        (allowed, other, direct), ui = _returns_and_ui(coord, proxied.id)
+    wide = [redis_set, CONNECT.format(host="127.0.0.1", port=port), CURL.format(flags="", target=public_host)]
+    task = coord.create_task(
+        agent(*[call("run_command", command=c) for c in wide], reply("tried")), profile="public", run=True
+    )
+    assert coord.wait(task.id, 120).status == TaskStatus.COMPLETED
+    (to_redis, to_listener, to_public), _ = _returns_and_ui(coord, task.id)
+    narrow = [CURL.format(flags="", target="allowed.test"), CURL.format(flags="", target="other.test"),
+              CURL.format(flags="--noproxy '*'", target=public_host)]  # fmt: skip
+    proxied = coord.create_task(
+        agent(*[call("run_command", command=c) for c in narrow], reply("tried")), profile="listed", run=True
+    )
+    assert coord.wait(proxied.id, 120).status == TaskStatus.COMPLETED
+    (allowed, other, direct), ui = _returns_and_ui(coord, proxied.id)
     assert not to_redis.startswith("exit 0") and client.get("pwned") is None, to_redis
     assert not to_listener.startswith("exit 0") and accepted == [], to_listener
     assert to_public == f"exit 0\n{MARKER}", to_public
@@ -333,27 +349,16 @@ def test_a_workers_commands_with_the_network_reach_what_the_profile_says(
 
 
 @needs_root
-def test_a_sandboxed_mcp_server_with_an_allow_list(settings: Settings, tmp_path: Path, public_host: str) -> None:
+def test_a_sandboxed_mcp_server_with_an_allow_list(networked: Coordinator) -> None:
     """mcp-server-fetch (nobody's here) in the sandbox: it fetches from a listed host, and not from another."""
-    fetch = McpServer(
-        name="fetch", command=FETCH_SERVER, args=["--ignore-robots-txt"],
-        sandbox=True, network=["allowed.test"], timeout_s=60,
-    )  # fmt: skip
-    profile = Profile(mcp_servers=[fetch], approval_tools=[])
-    own = settings.model_copy(
-        update={
-            "profiles": {**settings.profiles, "fetcher": profile},
-            "sandbox_resolve": {"allowed.test": public_host, "other.test": public_host},
-        }
-    )
+    coord = networked
     steps = [
         call("fetch", url="http://allowed.test/marker", raw=True),
         call("fetch", url="http://other.test/marker", raw=True),
     ]
-    with dedicated_fleet(own, tmp_path / "logs", 1, queue="subq-network-mcp") as (coord, _fleet):
-        task = coord.create_task(agent(*steps, reply("fetched")), profile="fetcher", run=True)
-        assert coord.wait(task.id, 120).status == TaskStatus.COMPLETED
-        (allowed, other), ui = _returns_and_ui(coord, task.id)
+    task = coord.create_task(agent(*steps, reply("fetched")), profile="fetcher", run=True)
+    assert coord.wait(task.id, 120).status == TaskStatus.COMPLETED
+    (allowed, other), ui = _returns_and_ui(coord, task.id)
     assert MARKER in str(allowed), allowed
     assert MARKER not in str(other), other
     assert [text for kind, text in ui if kind == "network_refused"] == ["other.test:80"], ui
