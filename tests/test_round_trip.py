@@ -37,3 +37,22 @@ def test_a_transaction_raises_a_noscript_among_its_replies_and_writes_the_rest(r
     assert hash_reply(read) == {"a": "1", "b": "two"}  # a map under RESP3, a flat list under RESP2
     assert hash_reply(["a", "1", "b", "two"]) == {"a": "1", "b": "two"}
     assert hash_reply({"a": "1"}) == {"a": "1"}
+
+
+def test_a_round_trip_left_mid_read_gives_its_connection_back_closed(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = f"roundtrip:{uuid.uuid4().hex}"
+    pool = redis_client.connection_pool
+    connection = pool.get_connection()
+    pool.release(connection)  # the one the next round trip takes
+
+    def stopped(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("stopped before its replies were read")
+
+    monkeypatch.setattr(connection, "read_response", stopped)
+    with pytest.raises(RuntimeError):
+        round_trip(redis_client, [("SET", key, "a"), ("GET", key)])
+    monkeypatch.undo()
+    # Its two replies were never read: given back open, the next round trip would read the SET's "OK".
+    assert round_trip(redis_client, [("GET", key)]) == ["a"]

@@ -277,6 +277,11 @@ def round_trip(client: redis.Redis, commands: Sequence[Command], *, transaction:
             lambda _error: connection.disconnect(),  # type: ignore[no-untyped-call]
         )
         return replies
+    except redis.ResponseError:
+        raise  # every reply was read (`_exchange`)
+    except BaseException:
+        connection.disconnect()  # type: ignore[no-untyped-call]  # left mid-read: never pooled with a reply unread
+        raise
     finally:
         pool.release(connection)
 
