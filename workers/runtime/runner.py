@@ -42,7 +42,11 @@ from pydantic_ai import (
     ToolDenied,
     ToolOutput,
 )
-from pydantic_ai.capabilities._pending_messages import PendingMessageDrainCapability
+
+try:  # not exported by pydantic-ai: the drain every agent holds unless given one (`_RunChecks` says why)
+    from pydantic_ai.capabilities._pending_messages import PendingMessageDrainCapability as _ChecksBase
+except ImportError:  # moved by a later pydantic-ai: a capability of subq's own, as before (about 700 calls a child)
+    from pydantic_ai.capabilities import AbstractCapability as _ChecksBase  # type: ignore[assignment]
 from pydantic_ai.exceptions import UnexpectedModelBehavior
 from pydantic_ai.messages import (
     ModelMessage,
@@ -512,7 +516,7 @@ def build_agent(tools: ProfileTools, with_planner: bool) -> Agent[RunState, Any]
     )
 
 
-class _RunChecks(PendingMessageDrainCapability):
+class _RunChecks(_ChecksBase):
     """subq's three hooks into every run of its agents: a tool call's invalid arguments (`_invalid_arguments`), a
     typed run's completion schema (`typed_parameters`) and its bound on invalid answers (`bound_invalid_answers`).
     A capability of its own rather than pydantic-ai's `Hooks`, which looks up a registry of its hooks at each of
