@@ -178,7 +178,7 @@ SERVER_MODULES = frozenset(
         *("anthropic", "anyio", "celery", "fastapi", "fastapi_offline", "fastmcp", "flower", "genai_prices", "kombu"),
         *("httpx2", "mcp", "openai", "prometheus_client", "pydantic_ai", "pydantic_settings", "pythonjsonlogger"),
         *("redis", "rich", "sse_starlette", "standardwebhooks", "starlette", "tornado", "typer", "uvicorn", "vine"),
-        "h11",
+        *("h11", "hiredis"),
     }
 )
 SERVER_INSTALL = 'pip install "subagent-queue[server]"'
