@@ -252,9 +252,12 @@ def _text(script: Script) -> str:
     return cast(str, script.script)
 
 
-def round_trip(client: redis.Redis, commands: Sequence[Command], *, transaction: bool = False) -> list[Any]:
+def round_trip(
+    client: redis.Redis, commands: Sequence[Command], *, transaction: bool = False, wait: ReplicaWait | None = None
+) -> list[Any]:
     """Send `commands` in one write on one connection of `client`'s pool and read every reply (EXEC's
-    when in a `transaction`, which wraps them in MULTI/EXEC): a step of a run's hot path.
+    when in a `transaction`, which wraps them in MULTI/EXEC): a step of a run's hot path. With `wait`,
+    the step's WAIT goes last in the same write, and its count is the last reply (`read_wait`).
 
     What redis-py's `execute_command` and pipeline do for it, without their command stack, response
     callbacks and packing of each argument (about 400 calls of a child's, docs/benchmarks.md): the same pooled
@@ -267,18 +270,25 @@ def round_trip(client: redis.Redis, commands: Sequence[Command], *, transaction:
     """
     if transaction:
         commands = [("MULTI",), *commands, ("EXEC",)]
+    step = len(commands)
+    if wait is not None:
+        commands = [*commands, ("WAIT", wait.replicas, wait.timeout_ms)]
     # hiredis's packing, one write; its stub types a command of one element only.
     packed = [b"".join([pack_command(command) for command in commands])]  # type: ignore[arg-type]
     pool = client.connection_pool
     connection = pool.get_connection()
     try:
         replies: list[Any] = connection.retry.call_with_retry(
-            lambda: _exchange(connection, packed, len(commands), transaction),
+            lambda: _exchange(connection, packed, step, transaction),
             lambda _error: connection.disconnect(),  # type: ignore[no-untyped-call]
         )
+        if wait is not None:
+            replies.append(read_wait(connection, wait))  # outside the retry: the step has run
         return replies
     except redis.ResponseError:
-        raise  # every reply was read (`_exchange`)
+        if wait is not None:
+            connection.disconnect()  # type: ignore[no-untyped-call]  # its WAIT's answer is still to come
+        raise  # every reply of the step was read (`_exchange`)
     except BaseException:
         connection.disconnect()  # type: ignore[no-untyped-call]  # left mid-read: never pooled with a reply unread
         raise
@@ -286,8 +296,29 @@ def round_trip(client: redis.Redis, commands: Sequence[Command], *, transaction:
         pool.release(connection)
 
 
+# How long past its own timeout a WAIT's answer may take to arrive (redis-py's default socket timeout): a
+# connection's own timeout, shorter than a long WAIT, would end the read of an answer still to come.
+WAIT_READ_MARGIN_S = 5.0
+
+
+def read_wait(connection: Connection, wait: ReplicaWait) -> int:
+    """The replicas a step's WAIT (sent after it on `connection`) counted; 0 when its answer cannot be read.
+
+    Read once the step's own replies are: the step has run, so an error here (the connection lost, or
+    closed by a switch's `UNBLOCKED`) is a shortfall (`ReplicaShortfalls`), never a reason to send the
+    step again, which would apply its writes twice. The connection is closed then, its answer unread.
+    """
+    try:
+        return int(connection.read_response(timeout=wait.timeout_ms / 1000 + WAIT_READ_MARGIN_S))
+    except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
+        log.warning("subq: a step's WAIT was not answered (%s); the step stands, counted as unacknowledged", exc)
+        connection.disconnect()  # type: ignore[no-untyped-call]
+        return 0
+
+
 def _exchange(connection: Connection, packed: list[bytes], count: int, transaction: bool) -> list[Any]:
-    """One write of `packed` and its `count` replies (EXEC's, in a transaction); the first error raised last."""
+    """One write of `packed` and its first `count` replies (EXEC's, in a transaction); the first error raised
+    last. A WAIT after them is read by the caller (`read_wait`)."""
     connection.send_packed_command(packed)  # type: ignore[no-untyped-call]
     replies: list[Any] = []
     error: redis.ResponseError | None = None
@@ -365,7 +396,7 @@ class AcknowledgedScript:
         for by_text in (False, True):
             call = script_command(self.script, keys, args, by_text=by_text)
             try:
-                reply, acked = round_trip(self.client, [call, ("WAIT", self.wait.replicas, self.wait.timeout_ms)])
+                reply, acked = round_trip(self.client, [call], wait=self.wait)
             except redis.exceptions.NoScriptError:
                 continue  # nothing of it ran: sent again by its text, which no server can forget
             self.shortfalls.note(self.name, int(acked), self.wait)
@@ -381,8 +412,16 @@ class AcknowledgedTransaction(Pipeline):
 
     def _execute_transaction(self, connection: Connection, commands: Any, raise_on_error: bool) -> list[Any]:
         replies: list[Any] = super()._execute_transaction(connection, commands, raise_on_error)
-        connection.send_command("WAIT", self.replica_wait.replicas, self.replica_wait.timeout_ms)  # type: ignore[no-untyped-call]
-        self.shortfalls.note("a transaction", int(connection.read_response()), self.replica_wait)
+        # EXEC has run: past here nothing raises into the pipeline's retry, which would send the body again
+        # with no WATCH (its writes applied twice, unchecked).
+        try:
+            connection.send_command("WAIT", self.replica_wait.replicas, self.replica_wait.timeout_ms)  # type: ignore[no-untyped-call]
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("subq: a transaction's WAIT was not sent (%s); the transaction stands", exc)
+            acked = 0
+        else:
+            acked = read_wait(connection, self.replica_wait)
+        self.shortfalls.note("a transaction", acked, self.replica_wait)
         return replies
 
 
