@@ -20,8 +20,9 @@ the AOF feed of its writes.
 
 `--plain` also prices the same step with no Lua at all: the commands each script ran (read off
 MONITOR in the warm-up replay), sent as plain commands in one MULTI/EXEC on the same restored
-state. That is a floor for any protocol that moves a step's writes out of Lua and keeps them: the
-same writes, none of the reads or checks that decide them.
+state (`plain`), and its writes alone (`writes of`: the commands the server flags `write`). The
+latter is a floor for any protocol that moves a step's writes out of Lua and keeps them: the same
+writes, none of the reads or checks that decide them. A plain command that fails stops the run.
 
 Needs valgrind (`callgrind_control`, `callgrind_annotate`) and a redis-server on PATH (or
 `--redis-server`). docs/benchmarks.md has the figures and what each part of a step costs.
@@ -209,16 +210,25 @@ def _replay_call(client: redis.Redis, port: int, pid: int, call: Captured, repea
         control("-d", f"s{repeat}-{call.script}")
         if watch is not None:
             commands = watch.scripts_commands(client)
-    for repeat in range(repeats + 1 if plain else 0):
-        _restore(client, call)
-        control("-z")
-        with client.pipeline(transaction=True) as pipe:
-            for ran in commands:
-                pipe.execute_command(*ran)
-            for read in call.reads:
-                pipe.execute_command(*read)
-            pipe.execute(raise_on_error=False)
-        control("-d", f"p{repeat}-{call.script}")
+    writes = [ran for ran in commands if _writes(client, ran[0])]
+    for label, sent in (("p", [*commands, *call.reads]), ("w", writes)) if plain else ():
+        for repeat in range(repeats + 1):
+            _restore(client, call)
+            control("-z")
+            with client.pipeline(transaction=True) as pipe:
+                for ran in sent:
+                    pipe.execute_command(*ran)
+                replies = pipe.execute(raise_on_error=False)
+            control("-d", f"{label}{repeat}-{call.script}")
+            failed = [reply for reply in replies if isinstance(reply, Exception)]
+            if failed:  # a command the replay mis-read, or one the restored state refuses: the figure is not the step's
+                raise SystemExit(f"{call.script}: {len(failed)} plain command(s) failed, the first: {failed[0]}")
+
+
+def _writes(client: redis.Redis, command: bytes) -> bool:
+    """Whether the server flags `command` as one that writes (COMMAND INFO)."""
+    (info,) = client.execute_command("COMMAND", "INFO", command).values()  # redis-py's reply: {name: {...}}
+    return "write" in info["flags"]
 
 
 class _Monitor:
@@ -306,7 +316,7 @@ def _dumped_counts(dumps: str) -> dict[str, list[dict[str, int]]]:
     counts: dict[str, list[dict[str, int]]] = {}
     for path in glob.glob(f"{dumps}/cg.*.*"):
         text = Path(path).read_text(errors="replace")
-        named = re.search(r"^desc: Trigger: dump ([sp])(\d+)-(\S+)", text, re.M)
+        named = re.search(r"^desc: Trigger: dump ([spw])(\d+)-(\S+)", text, re.M)
         if not named or named.group(2) == "0":  # the warm-up call
             continue
         annotated = subprocess.run(["callgrind_annotate", "--inclusive=yes", path], capture_output=True, text=True)
@@ -315,7 +325,7 @@ def _dumped_counts(dumps: str) -> dict[str, list[dict[str, int]]]:
             got = re.search(rf"^\s*([\d,]+) .*:{function} ", annotated.stdout, re.M)
             found[function] = int(got.group(1).replace(",", "")) if got else 0
         if found["processInputBuffer"]:
-            script = named.group(3) if named.group(1) == "s" else f"plain {named.group(3)}"
+            script = {"s": "", "p": "plain ", "w": "writes of "}[named.group(1)] + named.group(3)
             counts.setdefault(script, []).append(found)
     return counts
 
@@ -355,17 +365,18 @@ def main(argv: list[str] | None = None) -> int:
     version = subprocess.run([args.redis_server, "--version"], capture_output=True, text=True).stdout.split()
     print(f"{args.redis_server}: {' '.join(word for word in version if word.startswith('v='))}")
     counts = replay(capture(), args.repeats, args.redis_server, args.plain)
-    for script in [*SCRIPTS, *(f"plain {script}" for script in SCRIPTS if args.plain)]:
+    plains = [f"{kind} {script}" for kind in ("plain", "writes of") for script in SCRIPTS] if args.plain else []
+    for script in [*SCRIPTS, *plains]:
         repeats = sorted(counts.get(script, []), key=lambda parts: parts["processInputBuffer"])
         if not repeats:
             print(f"{script}: no figure (callgrind wrote no dump)", file=sys.stderr)
             return 1
         runs = [parts["processInputBuffer"] for parts in repeats]
         print(
-            f"{script:16} {runs[0] / 1000:8.1f} K instructions  (repeats: {', '.join(f'{r / 1000:.0f}' for r in runs)})"
+            f"{script:20} {runs[0] / 1000:8.1f} K instructions  (repeats: {', '.join(f'{r / 1000:.0f}' for r in runs)})"
         )
-        if args.split and not script.startswith("plain"):
-            print(f"{'':16} K: {split(repeats[0])}")
+        if args.split and script in SCRIPTS:
+            print(f"{'':20} K: {split(repeats[0])}")
     return 0
 
 
