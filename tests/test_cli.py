@@ -75,6 +75,7 @@ def cli(
     with (
         _environment(env or {}),
         mock.patch("os.execve", _refuse_exec),
+        mock.patch("uvicorn.run", _refuse_serve),
         mock.patch.object(sys, "stdin", io.StringIO(stdin or "")),
         redirect_stdout(out),
         redirect_stderr(err),
@@ -104,6 +105,11 @@ def _environment(env: dict[str, str]) -> Iterator[None]:
 def _refuse_exec(path: str, argv: list[str], env: object) -> NoReturn:
     """`subq worker` and `subq flower` end in os.execve: here it would replace the test process."""
     raise AssertionError(f"the command would exec {argv!r}")
+
+
+def _refuse_serve(*args: object, **kwargs: object) -> NoReturn:
+    """`subq api` ends in uvicorn.run: here it would serve from the test process until the test's timeout."""
+    raise AssertionError(f"the command would serve {kwargs.get('host')}:{kwargs.get('port')}")
 
 
 def test_demo_runs_on_an_embedded_redis_and_leaves_nothing_behind() -> None:
