@@ -260,7 +260,8 @@ def round_trip(
     the step's WAIT goes last in the same write, and its count is the last reply (`read_wait`).
 
     What redis-py's `execute_command` and pipeline do for it, without their command stack, response
-    callbacks and packing of each argument (about 400 calls of a child's, docs/benchmarks.md): the same pooled
+    callbacks and Python pass over each argument before hiredis packs it (about 400 calls of a child's,
+    docs/benchmarks.md; the bytes sent are the same): the same pooled
     connection, its health check before the write (`FollowingConnection` asks the server's ROLE), and
     its retry, which sends the whole round trip again after a connection error, disconnected first (a
     failover under Sentinel: `failover_retry`). Every reply is read before the first error is raised,
