@@ -12,15 +12,18 @@ start), and a batch of calls in one pipeline (the deliverer's).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
 
 from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.celery_app import make_app
+from coordinator.store import base
 from coordinator.store.outbox import Settled
 from coordinator.store.protocol import SettleAndClaim
 from tests.agents import agent, reply
+from tests.test_security import park_approval
 from workers.runtime.context import Runtime, build_runtime
 from workers.runtime.runner import run_child
 
@@ -105,3 +108,27 @@ def test_each_step_runs_once_when_the_server_forgot_its_script(
     assert [loader.loads for loader in loaders] == [0, 0], "each call went by its text, not SCRIPT LOAD"
     # EVAL keeps what it ran: the next call of a script finds it by its SHA.
     assert coord.client.script_exists(coord.store.core.scripts._scripts[SettleAndClaim.script].sha) == [True]
+
+
+def test_an_approval_and_its_notice_commit_in_one_round_trip_when_the_server_forgot_the_script(
+    forgetful: tuple[Coordinator, Runtime, list[Forgetful]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """save_approval writes beside its script in one MULTI: by SHA, a NOSCRIPT there committed the approval without
+    its `approval.requested` event until a second round trip, which a process that died first never sent."""
+    coord, _, _ = forgetful
+    root = coord.create_task("a root that asks", webhooks=[{"url": "http://127.0.0.1:9/h", "events": ["*"]}])
+    sent: list[int] = []
+    send = base.round_trip
+
+    def counted(*args: Any, **kwargs: Any) -> list[Any]:
+        sent.append(1)
+        return send(*args, **kwargs)
+
+    monkeypatch.setattr(base, "round_trip", counted)
+    coord.client.script_flush()
+    approval = park_approval(coord, root.id)
+    monkeypatch.undo()
+    assert sent == [1], "the approval, its index and its notice went in one round trip, the script by its text"
+    assert coord.store.approvals.get_approval(approval.id).tool == "run_command"
+    events = [e for e in coord.store.outbox.deliveries(root.id) if e["type"] == "approval.requested"]
+    assert len(events) == 1

@@ -55,7 +55,7 @@ class ApprovalStore(Part):
             outbox=outbox_keys(self.keys, approval.root_id), task_id=approval.task_id, event_type="approval.requested",
             now=approval.created_at, retention_s=self.retention_s, fields=json.dumps(fields),
         )  # fmt: skip
-        self.scripts.then_read(event, writes)
+        self.scripts.then_read(event, writes, writes=True)  # never the approval without its notice
 
     @translate_redis_errors
     def get_approval(self, approval_id: str) -> Approval:

@@ -348,6 +348,20 @@ def script_command(script: Script, keys: Sequence[ScriptArg], args: Sequence[Scr
     return ("EVALSHA", script.sha, len(keys), *keys, *args)
 
 
+def by_sha_then_text(send: Callable[[bool], T]) -> T:
+    """`send(False)`, a step with its script by SHA; if the server answers NOSCRIPT, `send(True)`, by its text.
+
+    Nothing of a call answered NOSCRIPT ran, so sending it again by its text (which no server can forget)
+    does it once: a server that does not know the script is one just restarted or promoted (scripts are
+    not replicated). In a transaction only the script's command failed: `Scripts.queue_in` says why a
+    transaction that writes beside it sends the script by its text from the start.
+    """
+    try:
+        return send(False)
+    except redis.exceptions.NoScriptError:
+        return send(True)
+
+
 def hash_reply(reply: Any) -> dict[str, str]:
     """HGETALL's reply as `round_trip` reads it (a flat list under RESP2, a map under RESP3) as a dict."""
     if isinstance(reply, dict):
@@ -368,12 +382,9 @@ class TextOnNoScript:
         self.script = script
 
     def __call__(self, keys: Sequence[ScriptArg], args: Sequence[ScriptArg]) -> Any:
-        for by_text in (False, True):
-            try:
-                return round_trip(self.client, [script_command(self.script, keys, args, by_text=by_text)])[0]
-            except redis.exceptions.NoScriptError:
-                continue  # nothing of it ran: sent again by its text, which no server can forget
-        raise AssertionError("unreachable: EVAL never answers NOSCRIPT")
+        return by_sha_then_text(
+            lambda by_text: round_trip(self.client, [script_command(self.script, keys, args, by_text=by_text)])[0]
+        )
 
 
 class AcknowledgedScript:
@@ -394,15 +405,13 @@ class AcknowledgedScript:
         self.shortfalls = shortfalls
 
     def __call__(self, keys: Sequence[ScriptArg], args: Sequence[ScriptArg]) -> Any:
-        for by_text in (False, True):
-            call = script_command(self.script, keys, args, by_text=by_text)
-            try:
-                reply, acked = round_trip(self.client, [call], wait=self.wait)
-            except redis.exceptions.NoScriptError:
-                continue  # nothing of it ran: sent again by its text, which no server can forget
-            self.shortfalls.note(self.name, int(acked), self.wait)
-            return reply
-        raise AssertionError("unreachable: EVAL never answers NOSCRIPT")
+        reply, acked = by_sha_then_text(
+            lambda by_text: round_trip(
+                self.client, [script_command(self.script, keys, args, by_text=by_text)], wait=self.wait
+            )
+        )
+        self.shortfalls.note(self.name, int(acked), self.wait)
+        return reply
 
 
 class AcknowledgedTransaction(Pipeline):
@@ -468,7 +477,7 @@ class Scripts:
         script_keys, script_args = call.pack()
         queue_script(pipe, self._scripts[call.script], script_keys, script_args, by_text=True)
 
-    def then_read(self, call: Call[R], reads: Sequence[Command]) -> tuple[R, list[Any]]:
+    def then_read(self, call: Call[R], reads: Sequence[Command], *, writes: bool = False) -> tuple[R, list[Any]]:
         """One call of a script (not an acknowledged one), then the commands `reads` in the same transaction: one
         MULTI/EXEC, one round trip (`round_trip`), nothing between, so the reads see the state the script left.
         Their replies come as the server sent them (`hash_reply` makes a dict of an HGETALL's).
@@ -477,20 +486,21 @@ class Scripts:
         string and then a reply again, which cost start_run more than the rest of its work
         (docs/benchmarks.md). A server that does not know the script (restarted, or a replica just
         promoted) answers NOSCRIPT inside the transaction, where nothing of the script ran: the
-        transaction is sent again with the script's text (`queue_script`).
+        transaction is sent again with the script's text (`queue_script`). Commands that `writes` would
+        commit beside that NOSCRIPT, without the script's own writes until the second send: the script
+        goes by its text from the start then, as `queue_in` sends one.
         """
         if CALLS[call.script].acknowledged:
             raise TypeError(f"{call.script}.lua is acknowledged: send it alone, with its WAIT")
         script = self._scripts[call.script]
         script_keys, script_args = call.pack()
-        for by_text in (False, True):
+
+        def send(by_text: bool) -> list[Any]:
             command = script_command(script, script_keys, script_args, by_text=by_text)
-            try:
-                reply, *read = round_trip(self._client, [command, *reads], transaction=True)
-            except redis.exceptions.NoScriptError:
-                continue
-            return call.decode(reply), read
-        raise AssertionError("unreachable: EVAL never answers NOSCRIPT")
+            return round_trip(self._client, [command, *reads], transaction=True)
+
+        reply, *read = send(True) if writes else by_sha_then_text(send)
+        return call.decode(reply), read
 
 
 class StoreCore:
