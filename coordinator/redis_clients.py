@@ -13,9 +13,14 @@ connection asks the sentinels where the master is, so a connection lost in a
 failover reconnects to the replica they promoted. A command that fails with a
 connection error meanwhile is sent again with backoff (`failover_retry`) for
 about as long as a failover takes, so a run in flight carries on with its step on
-the new master rather than failing its task. Every step subq sends is
-idempotent (guarded in its Lua script or re-validated by its transaction), so
-one sent twice, once to the old master and once to the new, changes nothing.
+the new master rather than failing its task. A step sent again after a connection
+error that came before it ran (a refused connect, READONLY, NOREPLICAS, the
+health check) changes nothing; one whose own reply was lost after it ran (the
+master killed right after, a read timeout) runs a second time: a run's end is
+then fenced by its lease, a transaction re-validated by its WATCH, but not every
+step is (a start answers `leased` to its own lease, a flush appends its messages
+again; docs/architecture.md's known gaps). A step's WAIT, read after its reply,
+never sends it again (`store/base.py`'s `read_wait`).
 
 A connection to the master is checked to be one (`ROLE`) before its first command:
 right after a switch a sentinel may still name the old master, now a replica, and
