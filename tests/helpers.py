@@ -197,6 +197,9 @@ def _text(value: object) -> str:
 # How long a worker or `subq tools` that the tests start may take to check its settings and stop:
 # beside two busy loops on 2 cores, each took 40 s to refuse a profile whose MCP server is down (issue 43).
 CHECK_TIMEOUT_S = 180
+# A request to a test's API: httpx's own default is 5 s, which a loaded host's first request to a fresh
+# server (its imports, a uvicorn thread beside a worker fleet) has missed; the answer is checked, not its speed.
+REQUEST_TIMEOUT_S = 30.0
 
 TOKEN = "test-token-5f0c"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -17,7 +17,7 @@ from coordinator import Coordinator, CorruptError, Settings, ValidationError
 from coordinator.api import create_app
 from coordinator.client import SubqClient
 from coordinator.deadletters import MAX_DEAD_LETTERS, MAX_MESSAGE_CHARS, DeadLetter, dead_letter
-from tests.helpers import TOKEN, ApiServer, Transport, api_settings
+from tests.helpers import REQUEST_TIMEOUT_S, TOKEN, ApiServer, Transport, api_settings
 from tests.test_cli import cli
 
 PREFIX = "subqdlq"
@@ -189,7 +189,7 @@ def test_bad_api_queries_are_refused_in_the_usual_shape_and_change_nothing(
 
 def test_the_api_needs_the_token(dlq: Coordinator, server: ApiServer) -> None:
     _bury(dlq, 1)
-    with httpx.Client(base_url=server.url) as anonymous:
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=server.url) as anonymous:
         assert anonymous.get("/v1/dead-letters").status_code == 401
         assert anonymous.delete("/v1/dead-letters").status_code == 401
     assert dlq.count_dead_letters() == 1

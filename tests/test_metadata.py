@@ -24,7 +24,7 @@ from coordinator.api import create_app
 from coordinator.client import AsyncSubqClient, SubqClient
 from coordinator.local.fleet import WorkerFleet
 from tests.agents import agent, call, reply, subtask
-from tests.helpers import TOKEN, ApiServer, Transport, api_settings, script, state, usage_step
+from tests.helpers import REQUEST_TIMEOUT_S, TOKEN, ApiServer, Transport, api_settings, script, state, usage_step
 from tests.test_bad_input import NO_TREE
 from tests.test_cli import cli
 
@@ -102,7 +102,9 @@ def test_the_api_answers_bad_metadata_with_a_422_naming_it(
     idle: Coordinator, idle_url: str, metadata: Any, field: str, message: str
 ) -> None:
     before = state(idle, NO_TREE)
-    with httpx.Client(base_url=idle_url, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+    with httpx.Client(
+        timeout=REQUEST_TIMEOUT_S, base_url=idle_url, headers={"Authorization": f"Bearer {TOKEN}"}
+    ) as http:
         answer = http.post("/v1/tasks", json={"prompt": "p", "metadata": metadata})
     assert answer.status_code == 422, answer.text
     body = answer.json()
@@ -186,7 +188,9 @@ def test_subq_meta_refuses_bad_pairs_in_one_line(idle: Coordinator, args: list[s
 def test_an_api_tree_carries_its_metadata_on_every_task_and_the_history_filters_by_it(
     live_url: str, coordinator: Coordinator, tmp_path: Path
 ) -> None:
-    with httpx.Client(base_url=live_url, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+    with httpx.Client(
+        timeout=REQUEST_TIMEOUT_S, base_url=live_url, headers={"Authorization": f"Bearer {TOKEN}"}
+    ) as http:
         created = http.post("/v1/tasks", json={"prompt": "Q3 report", "metadata": META})
         assert created.status_code == 201, created.text
         root = created.json()

@@ -22,7 +22,7 @@ from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.api import create_app
 from coordinator.celery_app import make_app
 from tests.conftest import dedicated_fleet
-from tests.helpers import TOKEN, ApiServer, api_settings
+from tests.helpers import REQUEST_TIMEOUT_S, TOKEN, ApiServer, api_settings
 from tests.model_server import ModelServer, Turn, call
 from tests.test_retry import KIDS, WAIT_S, in_process, micros, profile
 from tests.test_security import KEY_TOKENS, _sign_in, keys_setting
@@ -122,7 +122,7 @@ def test_the_retry_is_offered_only_to_a_key_that_may_write_the_tree(
     app = create_app(local.model_copy(update={"api_keys": keys_setting()}), coordinator=coord)
     with ApiServer(app) as api:
         for name, offered, status in [("viewer", False, 403), ("bob", False, 404), ("alice", True, 200)]:
-            with httpx.Client(base_url=api.url) as http:
+            with httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as http:
                 assert _sign_in(http, KEY_TOKENS[name]).status_code == 303
                 page = http.get(f"/ui/tasks/{task.id}")
                 assert page.status_code == (404 if name == "bob" else 200)

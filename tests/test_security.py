@@ -31,7 +31,7 @@ from coordinator.models import Approval
 from coordinator.settings import load_settings
 from coordinator.web.auth import COOKIE
 from coordinator.web.views import MAX_CALL_CHARS, call_text
-from tests.helpers import AUTH, TOKEN, ApiServer, api_settings
+from tests.helpers import AUTH, REQUEST_TIMEOUT_S, TOKEN, ApiServer, api_settings
 
 PREFIX = "subqsec"
 # A client address behind the trusted proxy: documentation range (RFC 5737), never dialled.
@@ -64,7 +64,11 @@ def _sessions(coord: Coordinator) -> list[str]:
 
 def test_each_sign_in_is_its_own_session_and_sign_out_revokes_it(sec_coord: Coordinator) -> None:
     root = sec_coord.create_task("Session test", run=False).id
-    with _server(sec_coord) as api, httpx.Client(base_url=api.url) as first, httpx.Client(base_url=api.url) as second:
+    with (
+        _server(sec_coord) as api,
+        httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as first,
+        httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as second,
+    ):
         before = _sessions(sec_coord)
         assert _sign_in(first).status_code == 303 and _sign_in(second).status_code == 303
         one, two = first.cookies[COOKIE], second.cookies[COOKIE]
@@ -88,7 +92,7 @@ def test_each_sign_in_is_its_own_session_and_sign_out_revokes_it(sec_coord: Coor
 
 def test_a_changed_token_revokes_every_session(sec_coord: Coordinator) -> None:
     root = sec_coord.create_task("Token change", run=False).id
-    with _server(sec_coord) as api, httpx.Client(base_url=api.url) as http:
+    with _server(sec_coord) as api, httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as http:
         assert _sign_in(http).status_code == 303
         cookie = http.cookies[COOKIE]
         assert http.get(f"/ui/tasks/{root}/fragment").status_code == 200
@@ -112,14 +116,17 @@ def test_the_cookie_is_secure_when_the_deployment_says_https(sec_coord: Coordina
         assert response.status_code == 303
         return response.headers["set-cookie"].lower()
 
-    with _server(sec_coord) as api, httpx.Client(base_url=api.url) as http:
+    with _server(sec_coord) as api, httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as http:
         assert "secure" not in cookie_header(http)
         # Not from a proxy it trusts: the forwarded scheme is ignored.
         assert "secure" not in cookie_header(http, **{"X-Forwarded-Proto": "https"})
-    with _server(sec_coord, api_https=True) as api, httpx.Client(base_url=api.url) as http:
+    with _server(sec_coord, api_https=True) as api, httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as http:
         assert "; secure" in cookie_header(http)
         assert "max-age=" in http.get("/ui/login").headers["strict-transport-security"]
-    with _server(sec_coord, api_trusted_proxies="127.0.0.1") as api, httpx.Client(base_url=api.url) as http:
+    with (
+        _server(sec_coord, api_trusted_proxies="127.0.0.1") as api,
+        httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as http,
+    ):
         assert "; secure" in cookie_header(http, **{"X-Forwarded-Proto": "https"})
         assert "secure" not in cookie_header(http, **{"X-Forwarded-Proto": "http"})
 
@@ -130,7 +137,7 @@ def test_the_cookie_is_secure_when_the_deployment_says_https(sec_coord: Coordina
 def test_sign_ins_are_rate_limited_per_client_address(sec_coord: Coordinator) -> None:
     with (
         _server(sec_coord, api_auth_attempts_per_min=3, api_trusted_proxies="127.0.0.1") as api,
-        httpx.Client(base_url=api.url) as http,
+        httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as http,
     ):
         for _ in range(3):
             assert _sign_in(http, token="wrong").status_code == 401
@@ -144,7 +151,10 @@ def test_sign_ins_are_rate_limited_per_client_address(sec_coord: Coordinator) ->
         # Another client address (through the trusted proxy) has its own count.
         assert _sign_in(http, **{"X-Forwarded-For": FORWARDED_FOR}).status_code == 303
     # From a peer that is not a trusted proxy, X-Forwarded-For changes nothing.
-    with _server(sec_coord, api_auth_attempts_per_min=2) as api, httpx.Client(base_url=api.url) as http:
+    with (
+        _server(sec_coord, api_auth_attempts_per_min=2) as api,
+        httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as http,
+    ):
         for n in range(2):
             assert _sign_in(http, token="wrong", **{"X-Forwarded-For": f"198.51.100.{n}"}).status_code == 401
         assert _sign_in(http, **{"X-Forwarded-For": FORWARDED_FOR}).status_code == 429
@@ -153,7 +163,7 @@ def test_sign_ins_are_rate_limited_per_client_address(sec_coord: Coordinator) ->
 def test_wrong_bearer_tokens_are_rate_limited(sec_coord: Coordinator) -> None:
     with _server(sec_coord, api_auth_attempts_per_min=3) as api:
         wrong = {"Authorization": "Bearer not-the-token"}
-        with httpx.Client(base_url=api.url) as http:
+        with httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as http:
             assert http.get("/v1/tasks", headers=AUTH).status_code == 200
             for _ in range(3):
                 assert http.get("/v1/tasks", headers=wrong).status_code == 401
@@ -167,7 +177,10 @@ def test_wrong_bearer_tokens_are_rate_limited(sec_coord: Coordinator) -> None:
 
 
 def test_open_routes_are_rate_limited(sec_coord: Coordinator) -> None:
-    with _server(sec_coord, api_open_requests_per_min=5) as api, httpx.Client(base_url=api.url) as http:
+    with (
+        _server(sec_coord, api_open_requests_per_min=5) as api,
+        httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as http,
+    ):
         codes = [http.get("/openapi.json").status_code for _ in range(7)]
         assert codes[:5] == [200] * 5 and codes[5:] == [429, 429]
         limited = http.get("/ui/login")
@@ -211,7 +224,7 @@ def test_which_routes_count_as_open(path: str, is_open: bool) -> None:
 
 def test_every_response_carries_the_security_headers(sec_coord: Coordinator) -> None:
     root = sec_coord.create_task("Headers", run=False).id
-    with _server(sec_coord) as api, httpx.Client(base_url=api.url) as http:
+    with _server(sec_coord) as api, httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as http:
         assert _sign_in(http).status_code == 303
         paths = [
             "/ui/",
@@ -330,7 +343,7 @@ def test_a_hostile_approval_renders_as_text(sec_coord: Coordinator) -> None:
         deadline=time.time() + 600,
     )
     sec_coord.store.approvals.save_approval(approval)
-    with _server(sec_coord) as api, httpx.Client(base_url=api.url) as http:
+    with _server(sec_coord) as api, httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as http:
         assert _sign_in(http).status_code == 303
         for path in (f"/ui/tasks/{root.id}", f"/ui/tasks/{root.id}/fragment", f"/ui/tasks/{root.id}/conversation"):
             page = http.get(path)
@@ -428,7 +441,10 @@ def _audit(http: httpx.Client, name: str = "ops", **params: Any) -> list[dict[st
 
 def test_scoped_keys_over_http(sec_coord: Coordinator) -> None:
     """The acceptance of issue 32, point 3 and 4, over real HTTP against a real Redis."""
-    with _server(sec_coord, api_keys=keys_setting()) as api, httpx.Client(base_url=api.url) as http:
+    with (
+        _server(sec_coord, api_keys=keys_setting()) as api,
+        httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as http,
+    ):
         created = http.post("/v1/tasks", headers=bearer("alice"), json={"prompt": "Alice's tree", "todos": "[ ] a"})
         assert created.status_code == 201 and created.json()["owner"] == "alice"
         root = created.json()["id"]
@@ -575,7 +591,10 @@ def test_the_keys_file_is_taken_up_without_a_restart(sec_coord: Coordinator, tmp
         keys_file.write_text("\n".join(lines) + extra)
 
     write(["alice", "viewer"])
-    with _server(sec_coord, api_keys_file=keys_file) as api, httpx.Client(base_url=api.url) as http:
+    with (
+        _server(sec_coord, api_keys_file=keys_file) as api,
+        httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as http,
+    ):
         assert http.get("/v1/tasks", headers=bearer("alice")).status_code == 200
         assert http.get("/v1/tasks", headers=bearer("bob")).status_code == 401
         # Revoked by editing the file: the next request is refused.
@@ -660,7 +679,7 @@ def test_the_web_view_offers_only_what_the_keys_scopes_allow(sec_coord: Coordina
     root = sec_coord.create_task("Viewed tree", run=False, owner="alice").id
     approval = park_approval(sec_coord, root)
     with _server(sec_coord, api_keys_file=keys_file) as api:
-        with httpx.Client(base_url=api.url) as viewer:
+        with httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as viewer:
             assert _sign_in(viewer, KEY_TOKENS["viewer"]).status_code == 303
             page = viewer.get(f"/ui/tasks/{root}")
             assert page.status_code == 200 and "Signed in as <strong>viewer</strong>" in page.text
@@ -670,17 +689,17 @@ def test_the_web_view_offers_only_what_the_keys_scopes_allow(sec_coord: Coordina
             refused = viewer.post(f"/ui/actions/approvals/{approval.id}", json={"decision": "approve"})
             assert refused.status_code == 403 and "'decide'" in refused.json()["message"]
             assert sec_coord.store.approvals.get_approval(approval.id).status == "pending"
-        with httpx.Client(base_url=api.url) as bob:
+        with httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as bob:
             assert _sign_in(bob, KEY_TOKENS["bob"]).status_code == 303
             assert bob.get(f"/ui/tasks/{root}").status_code == 404
             assert bob.get(f"/ui/tasks/{root}/fragment").status_code == 404
             assert root not in bob.get("/ui/").text
-        with httpx.Client(base_url=api.url) as alice:
+        with httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as alice:
             assert _sign_in(alice, KEY_TOKENS["alice"]).status_code == 303
             page = alice.get(f"/ui/tasks/{root}")
             assert 'data-action="cancel"' in page.text and 'data-action="approve"' not in page.text
             assert root in alice.get("/ui/").text
-        with httpx.Client(base_url=api.url) as carol:
+        with httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as carol:
             assert _sign_in(carol, KEY_TOKENS["carol"]).status_code == 303
             assert 'data-action="approve"' in carol.get(f"/ui/tasks/{root}/fragment").text
             decided = carol.post(f"/ui/actions/approvals/{approval.id}", json={"decision": "deny", "feedback": "no"})
@@ -744,7 +763,10 @@ def test_subq_up_hands_the_keys_to_the_api_it_starts(tmp_path: Path, monkeypatch
 def test_refusals_on_record_are_bounded(sec_coord: Coordinator) -> None:
     """A caller chooses a refused request's path and how many it sends: neither can fill the log."""
     root = sec_coord.create_task("Bounded", run=False).id
-    with _server(sec_coord, api_auth_attempts_per_min=3) as api, httpx.Client(base_url=api.url) as http:
+    with (
+        _server(sec_coord, api_auth_attempts_per_min=3) as api,
+        httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as http,
+    ):
         long_path = "/v1/tasks/" + "x" * 5000
         assert http.get(long_path).status_code == 401
         [entry] = sec_coord.audit(1)[0]

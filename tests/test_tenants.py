@@ -25,7 +25,7 @@ from coordinator.api import create_app
 from coordinator.errors import ConfigError, QuotaExceeded, ValidationError
 from coordinator.settings import load_settings
 from coordinator.tenants import DEFAULT_TENANT, TenantBook, Tenants, read_tenants_file
-from tests.helpers import ApiServer
+from tests.helpers import REQUEST_TIMEOUT_S, ApiServer
 from workers.submit import submit
 
 PREFIX = "subqtenants"
@@ -259,7 +259,7 @@ def test_running_roots_and_the_day_spend_refuse_until_they_free(settings: Settin
 def test_the_api_names_each_keys_tenant_refuses_over_quota_with_429_and_shows_tenants(coord: Coordinator) -> None:
     with ApiServer(create_app(coord.settings, coordinator=coord)) as api:
         a1, a2, b, ops = (
-            httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {token}"})
+            httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url, headers={"Authorization": f"Bearer {token}"})
             for token in (TOKEN_A1, TOKEN_A2, TOKEN_B, TOKEN_OPS)
         )
         made = a1.post("/v1/tasks", json={"prompt": "A1's", "priority": 5})

@@ -20,7 +20,7 @@ from coordinator.api import create_app
 from coordinator.models import RunWrites, ToolCallDone
 from coordinator.web.auth import COOKIE
 from tests.agents import reply, subtask
-from tests.helpers import TOKEN, ApiServer, api_settings, state
+from tests.helpers import REQUEST_TIMEOUT_S, TOKEN, ApiServer, api_settings, state
 from tests.test_unlinked_spend import finish, spend
 
 PROMPTS = ["Write the Q3 report", "Fix the login bug", "Write the release notes", "Plan the offsite", "Audit costs"]
@@ -258,7 +258,10 @@ def _check_unlinked_page(web_coord: Coordinator, browser_http: httpx.Client) -> 
 
 def test_with_auth_disabled_the_view_is_open(settings: Settings, web_coord: Coordinator) -> None:
     open_settings = settings.model_copy(update={"api_auth_disabled": True, "key_prefix": "subqweb"})
-    with ApiServer(create_app(open_settings, coordinator=web_coord)) as api, httpx.Client(base_url=api.url) as anon:
+    with (
+        ApiServer(create_app(open_settings, coordinator=web_coord)) as api,
+        httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as anon,
+    ):
         page = anon.get("/ui/")
         assert page.status_code == 200 and "<h1>Roots</h1>" in page.text and "Sign out" not in page.text
 
