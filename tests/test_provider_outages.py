@@ -29,6 +29,9 @@ from tests.model_server import USAGE, ModelServer, Turn, call, free_port
 from workers.runtime.context import build_runtime
 from workers.runtime.runner import run_child
 
+# A run's start and end around a model's wait-out, on a loaded host (the wait-out's default is 600 s).
+RUN_START_AND_END_S = 30
+
 # The figures of issue 33's acceptance: a 40 s outage, four tasks in flight, a worker of two slots.
 OUTAGE_S = 40.0
 TASKS_IN_FLIGHT = 4
@@ -96,8 +99,9 @@ def test_a_connection_failure_names_the_profile_model_and_port_and_fails_within_
     assert f"endpoint 127.0.0.1:{port}" in error and "model openai:test-model" in error and "'nowhere'" in error
     assert "sk-secret-key" not in error and "Connection error" in error
     assert "gave up after" in error and "model_wait_out_s=3" in error
-    # Within seconds: its wait-out time, counted from the first failure, plus a run's start and end.
-    assert record.finished_at is not None and record.finished_at - record.created_at < 3 + 10
+    # Within seconds: its wait-out time, counted from the first failure, plus a run's start and end; a bound
+    # that a host beside two busy loops keeps (15.7 s was seen against 13), far below the default's 600 s.
+    assert record.finished_at is not None and record.finished_at - record.created_at < 3 + RUN_START_AND_END_S
     assert int(coord.store.records.task_field(task.id, "transient_errors") or 0) >= 2, "it was sent again"
     waits = [m["text"] for m in coord.messages(task.id) if m.get("say") == "wait_out"]
     assert waits and all(f"endpoint 127.0.0.1:{port}" in line and "waiting it out (attempt" in line for line in waits)
