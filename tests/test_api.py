@@ -33,7 +33,7 @@ from coordinator.api.ops import SubqCollector
 from coordinator.local.embedded_redis import free_port, local_redis
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, tree_root
 from tests.conftest import WORKER_PROCESSES
-from tests.helpers import TOKEN, ApiServer, api_settings, script, state, usage_step
+from tests.helpers import REQUEST_TIMEOUT_S, TOKEN, ApiServer, api_settings, script, state, usage_step
 from tests.test_bad_input import NO_TREE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -849,7 +849,10 @@ def test_uvicorn_factory_starts_and_warns_when_auth_is_disabled(redis_url: str) 
             if "Application startup complete" in line or proc.poll() is not None:
                 break
         assert any("SUBQ_API_AUTH_DISABLED=true" in line and "WITHOUT authentication" in line for line in lines), lines
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/tasks", params={"limit": 1}).status_code == 200
+        assert (
+            httpx.get(f"http://127.0.0.1:{port}/v1/tasks", params={"limit": 1}, timeout=REQUEST_TIMEOUT_S).status_code
+            == 200
+        )
     finally:
         proc.terminate()
         proc.wait(10)

@@ -37,7 +37,7 @@ from coordinator.cli.mcp import read_credentials
 from coordinator.inputs import MAX_PROMPT_CHARS
 from coordinator.local.fleet import WorkerFleet
 from tests.agents import call, reply, subtask
-from tests.helpers import ApiServer, api_settings, script
+from tests.helpers import REQUEST_TIMEOUT_S, ApiServer, api_settings, script
 
 KEYS: dict[str, tuple[str, ...]] = {
     "team": ("submit", "read"),
@@ -163,7 +163,9 @@ def test_tools_list_follows_the_keys_scopes(face: tuple[str, Connect], portal: B
 
 def test_a_missing_token_is_refused_as_on_v1(stack: tuple[Coordinator, ApiServer]) -> None:
     _coord, api = stack
-    response = httpx.post(f"{api.url}/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
+    response = httpx.post(
+        f"{api.url}/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"}, timeout=REQUEST_TIMEOUT_S
+    )
     assert response.status_code == 401
     assert response.json()["code"] == "unauthorized"
     assert response.headers["www-authenticate"] == "Bearer"

@@ -34,7 +34,7 @@ from coordinator.errors import FleetError
 from coordinator.local.fleet import WorkerFleet, settings_env
 from coordinator.store import LATENCY_BUCKETS_MS
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, USAGE, agent, call, reply, subtask
-from tests.helpers import ApiServer, api_settings, eventually
+from tests.helpers import REQUEST_TIMEOUT_S, ApiServer, api_settings, eventually
 from workers import observe as metrics
 
 PLAN = """\
@@ -105,7 +105,10 @@ def metered(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Ite
         fleet.wait_ready()
         ports = [first, first + 1]  # a local fleet's process i serves the port + i
         for port in ports:  # each answers, with the families it defines (no series until it counts one)
-            assert "# TYPE subq_tokens_total counter" in httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            assert (
+                "# TYPE subq_tokens_total counter"
+                in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=REQUEST_TIMEOUT_S).text
+            )
         coord = Coordinator(own)
         yield coord, ports
         coord.close()

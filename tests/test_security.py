@@ -81,9 +81,9 @@ def test_each_sign_in_is_its_own_session_and_sign_out_revokes_it(sec_coord: Coor
         assert first.get(fragment).status_code == 200 and second.get(fragment).status_code == 200
         # Signing out revokes the server's session: the old cookie, replayed, is refused.
         assert first.post("/ui/logout").status_code == 303
-        replayed = httpx.get(f"{api.url}{fragment}", cookies={COOKIE: one})
+        replayed = httpx.get(f"{api.url}{fragment}", cookies={COOKIE: one}, timeout=REQUEST_TIMEOUT_S)
         assert replayed.status_code == 401 and replayed.json()["code"] == "unauthorized"
-        page = httpx.get(f"{api.url}/ui/tasks/{root}", cookies={COOKIE: one})
+        page = httpx.get(f"{api.url}/ui/tasks/{root}", cookies={COOKIE: one}, timeout=REQUEST_TIMEOUT_S)
         assert page.status_code == 303 and page.headers["location"].startswith("/ui/login")
         # The other sign-in is untouched.
         assert second.get(fragment).status_code == 200
@@ -98,7 +98,7 @@ def test_a_changed_token_revokes_every_session(sec_coord: Coordinator) -> None:
         assert http.get(f"/ui/tasks/{root}/fragment").status_code == 200
     # The same Redis, a server restarted with a new SUBQ_API_TOKEN: the session is gone.
     with _server(sec_coord, api_token=SecretStr("a-new-token-9d1e")) as api:
-        refused = httpx.get(f"{api.url}/ui/tasks/{root}/fragment", cookies={COOKIE: cookie})
+        refused = httpx.get(f"{api.url}/ui/tasks/{root}/fragment", cookies={COOKIE: cookie}, timeout=REQUEST_TIMEOUT_S)
         assert refused.status_code == 401
 
 
@@ -106,7 +106,9 @@ def test_made_up_and_oversized_cookies_are_refused(sec_coord: Coordinator) -> No
     root = sec_coord.create_task("Forged", run=False).id
     with _server(sec_coord) as api:
         for forged in ("x", "A" * 43, "A" * 5000, ""):
-            response = httpx.get(f"{api.url}/ui/tasks/{root}/fragment", cookies={COOKIE: forged})
+            response = httpx.get(
+                f"{api.url}/ui/tasks/{root}/fragment", cookies={COOKIE: forged}, timeout=REQUEST_TIMEOUT_S
+            )
             assert response.status_code == 401, forged
 
 

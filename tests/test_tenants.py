@@ -285,7 +285,7 @@ def test_the_api_names_each_keys_tenant_refuses_over_quota_with_429_and_shows_te
         assert tenants["acme"]["roots_running"] == 2 and tenants["acme"]["policy"]["submits_per_minute"] == 2
         assert tenants["b"]["roots_running"] == 1 and not tenants["b"]["listed"]
         # Metrics per tenant, with bounded labels: only a listed tenant has its own; the rest are `other`.
-        metrics = httpx.get(f"{api.url}/metrics").text
+        metrics = httpx.get(f"{api.url}/metrics", timeout=REQUEST_TIMEOUT_S).text
         assert 'subq_tenant_roots_running{tenant="acme"} 2.0' in metrics
         assert 'subq_tenant_submits_last_minute{tenant="other"} 1.0' in metrics
         assert 'tenant="b"' not in metrics

@@ -23,7 +23,7 @@ from coordinator.errors import QuotaExceeded
 from coordinator.tenants import TenantPolicy
 from tests.agents import STEP_COST_MICROS, agent, call, reply
 from tests.conftest import dedicated_fleet
-from tests.helpers import ApiServer
+from tests.helpers import REQUEST_TIMEOUT_S, ApiServer
 
 PREFIX = "subqtenantfleet"
 TOKEN_A1, TOKEN_A2, TOKEN_B = "fleet-a1-" + "y" * 20, "fleet-a2-" + "y" * 20, "fleet-b-" + "y" * 20
@@ -76,7 +76,10 @@ def test_a_running_tree_crossing_its_tenants_day_stops_and_the_next_submit_is_a_
 
         # acme's next submit, from its other key, is refused naming the tenant's quota; b's is accepted.
         refused = httpx.post(
-            f"{api.url}/v1/tasks", json={"prompt": "more"}, headers={"Authorization": f"Bearer {TOKEN_A2}"}
+            f"{api.url}/v1/tasks",
+            json={"prompt": "more"},
+            headers={"Authorization": f"Bearer {TOKEN_A2}"},
+            timeout=REQUEST_TIMEOUT_S,
         )
         assert refused.status_code == 429, refused.text
         body = refused.json()
