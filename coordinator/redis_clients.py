@@ -16,11 +16,13 @@ about as long as a failover takes, so a run in flight carries on with its step o
 the new master rather than failing its task. A step sent again after a connection
 error that came before it ran (a refused connect, READONLY, NOREPLICAS, the
 health check) changes nothing; one whose own reply was lost after it ran (the
-master killed right after, a read timeout) runs a second time: a run's end is
-then fenced by its lease, a transaction re-validated by its WATCH, but not every
-step is (a start answers `leased` to its own lease, a flush appends its messages
-again; docs/architecture.md's known gaps). A step's WAIT, read after its reply,
-never sends it again (`store/base.py`'s `read_wait`).
+master killed right after, a read timeout) arrives a second time. A run's steps
+(start, flush, tool step, end) and a decision know their own resend and answer it
+as they did the first time, writing nothing twice (coordinator/store/fields.py:
+`run_token`, `last_step`, `end_reply`; tests/test_resend.py); a transaction is
+re-validated by its WATCH; the steps not covered are docs/architecture.md's known
+gaps. A step's WAIT, read after its reply, never sends it again (`store/base.py`'s
+`read_wait`).
 
 A connection to the master is checked to be one (`ROLE`) before its first command:
 right after a switch a sentinel may still name the old master, now a replica, and

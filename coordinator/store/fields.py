@@ -114,6 +114,13 @@ class TaskField:
     # set, the task's provider timer may wake it. Cleared with PROVIDER_ATTEMPTS (clear_wait).
     PROVIDER_WAIT_SINCE_MS: Final = "provider_wait_since_ms"
     REPAIRS: Final = "repairs"  # runs the reconciler published again after one was lost (a count)
+    # A step sent again by the connection after it ran (its reply lost) knows itself by these, and writes
+    # nothing twice: the token of the run that started last (start_run), the last step a run wrote,
+    # `<token> <now>` (flush_run, record_tool, end_run), and what its end answered that the record does
+    # not say, `<closed>:<resumes>:<resume>:<batch mode>:<admitted ids>` (end_run).
+    RUN_TOKEN: Final = "run_token"
+    LAST_STEP: Final = "last_step"
+    END_REPLY: Final = "end_reply"
     RESUMED_PREFIX: Final = "resumed:"  # `resumed:<batch or approval id>`: once-only resume flag per reason
     BATCH_MODE: Final = "batch_mode"  # a child's batch's mode, written with the child (end_run)
     # JSON list of the ancestors with a budget, root first; absent on records written before

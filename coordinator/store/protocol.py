@@ -555,7 +555,8 @@ class Decide(
     script="decide",
     uses=("outbox_add",),
     acknowledged=True,
-    returns="'ok', or the approval's status when it was not pending (or 'missing').",
+    returns="'ok' (also to this very decision sent again after it ran), or the approval's status when it was "
+    "not pending (or 'missing').",
 ):
     approval: str = key("the approval hash")
     pending: str = key("the pending-approvals zset")
@@ -832,8 +833,8 @@ class FlushRun(
     Call[Stepped],
     script="flush_run",
     uses=("outbox_add", "record_usage"),
-    returns="{1, status, exhausted} (status '' when called by end_run), or {0} when the lease is not this "
-    "run's (nothing written).",
+    returns="{1, status, exhausted, resent} (status '' when called by end_run; resent 1 when this was the same "
+    "step again, nothing written twice), or {0} when the lease is not this run's (nothing written).",
 ):
     run: RunKeys = splice("the run's keys", expand=True)
     outbox: OutboxKeys = splice("the tree's outbox (outbox_add's {side}: a budget warning, record_usage)")
@@ -879,7 +880,8 @@ class EndRun(
     "tokens out, cache reads, cache writes, cost micro-USD, closed, resumes, resume, batch mode, admitted "
     "ids}: `closed` 1 when this call closed the batch, `resume` 1 when the caller must publish the parent's "
     "resume, `batch mode` 'sequential' when the caller must write the chain step back itself, `admitted "
-    "ids` the waiting tasks given the freed slot, whose runs the caller publishes.",
+    "ids` the waiting tasks given the freed slot, whose runs the caller publishes. The same end sent again "
+    "after it ran answers as it did, and writes nothing.",
 ):
     run: RunKeys = splice("as flush_run (lease, task, conversation, UI, latency, live, events)")
     due: str = key("the due list")
@@ -994,7 +996,7 @@ class RecordTool(
     Call[Stepped],
     script="record_tool",
     uses=("outbox_add", "record_usage", "flush_run"),
-    returns="flush_run's reply: {1, status, exhausted}, or {0} when the lease is not this run's (nothing "
+    returns="flush_run's reply: {1, status, exhausted, resent}, or {0} when the lease is not this run's (nothing "
     "written: another run owns the task and answers the call itself).",
 ):
     results: str = key("the task's tool-results hash")
@@ -1214,7 +1216,8 @@ class StartRun(
     Call[StartReply],
     script="start_run",
     uses=("admit", "fair_score", "fair_take", "fair_admit"),
-    returns="{verdict, {deliveries, run sequence, exhausted}}: verdict 'run' (the lease is this run's), "
+    returns="{verdict, {deliveries, run sequence, exhausted}}: verdict 'run' (the lease is this run's; the same "
+    "start sent again after it ran answers so too, from what it wrote), "
     "'missing', 'other' (not an agent's, ended or delegated: the caller takes its slow path), 'leased' (another "
     "run holds the lease), 'wait' (queued on the admission list for a slot), 'delay' (the counts are {ms to "
     "wait}) or 'park' (parked for a slot of its tenant; the counts are {0, why: 'max_running', 'share' or "

@@ -14,14 +14,19 @@
 --   the approval's record, as start_run reads ancestors: a tree's keys share one prefix)
 -- ARGV[8] str: who decided: the API key's name ('' for an expiry), written with the decision
 -- ARGV[9] int: retention seconds
--- Returns 'ok', or the approval's status when it was not pending (or 'missing').
+-- Returns 'ok' (also to this very decision sent again after it ran), or the approval's status when it was
+--   not pending (or 'missing').
 -- The decision that leaves the task no pending approval ends its wait: its timeline marks its
 -- resume `queued` now (coordinator/timeline.py).
-local status = redis.call('HGET', KEYS[1], 'status')
+local was = redis.call('HMGET', KEYS[1], 'status', 'decided_at', 'decided_by')
+local status = was[1]
 if not status then
   return 'missing'
 end
 if status ~= 'pending' then
+  if status == ARGV[2] and was[2] == ARGV[4] and was[3] == (ARGV[8] or '') then
+    return 'ok'  -- this very decision again (its reply was lost and the connection sent it again): it stands
+  end
   return status
 end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'feedback', ARGV[3], 'decided_at', ARGV[4], 'decided_by', ARGV[8] or '')

@@ -49,14 +49,15 @@
 --   tokens out, cache reads, cache writes, cost micro-USD, closed, resumes, resume, batch mode, admitted
 --   ids}: `closed` 1 when this call closed the batch, `resume` 1 when the caller must publish the parent's
 --   resume, `batch mode` 'sequential' when the caller must write the chain step back itself, `admitted
---   ids` the waiting tasks given the freed slot, whose runs the caller publishes.
+--   ids` the waiting tasks given the freed slot, whose runs the caller publishes. The same end sent again
+--   after it ran answers as it did, and writes nothing.
 -- (KEYS[9..14] are the task's own hash again when it has no batch, and KEYS[15..17] when
 -- admission does not apply to it.)
 -- Every field of the task and of its parent that any part below reads, in one HMGET each
 -- (hashes.lua): the parts read and write them through the cache, written once at the end.
 -- (Not the outcome's fields, which finish_task writes: read only if the task had ended before.)
 hash_prefetch(KEYS[2], fields_and(USAGE_FIELDS, {'batch_id', 'batch_mode', 'todo_id', 'description', 'timeline',
-  'output'}))
+  'output', 'last_step'}))
 -- The parent's fields every child's end reads (the usage roll-up, the write-back); the ones only the batch's
 -- closer reads (close_batch, finish_batch) are read by it, once a batch, not prefetched by every child.
 if KEYS[9] ~= KEYS[2] then
@@ -88,12 +89,32 @@ local function say_all()
     redis.call('EXPIRE', KEYS[4], ARGV[2])
   end
 end
+-- The outcome's fields of the reply, read back from the task.
+local function outcome()
+  return hash_get(KEYS[2], 'id', 'status', 'summary', 'error', 'error_class', 'tokens_in',
+    'tokens_out', 'cache_reads', 'cache_writes', 'cost_micros', 'batch_id', 'batch_mode')
+end
 local flushed = flush_run(flush_keys, flush_argv)
 if flushed[1] == 0 then
+  if hash_get(KEYS[2], 'last_step')[1] == ARGV[1] .. ' ' .. ARGV[3] then
+    -- This very end again, after it ran (its reply was lost; the lease it held is gone with it): the same
+    -- answer, from the task and what the end kept of its write-back (`end_reply`), and nothing written twice.
+    local f = outcome()
+    local closed, resumes, resume, mode, admitted = string.match(hash_get(KEYS[2], 'end_reply')[1] or '',
+      '^(%d+):(%d+):(%d+):([^:]*):(.*)$')
+    local ids = {}
+    for admitted_id in string.gmatch(admitted or '', '%S+') do
+      ids[#ids + 1] = admitted_id
+    end
+    return {'ended', f[2], f[3] or '', f[4] or '', f[5] or '', f[6] or '0', f[7] or '0', f[8] or '0', f[9] or '0',
+      f[10] or '0', tonumber(closed or '0'), tonumber(resumes or '0'), tonumber(resume or '0'), mode or '', ids}
+  end
   return {'fenced'}
 end
 if flushed[3] ~= '' and ARGV[10] == '1' then
-  say_all()
+  if flushed[4] == 0 then
+    say_all()  -- (a resend of this step said them the first time)
+  end
   return {'exhausted', flushed[3]}
 end
 local now, retention, maxlen = ARGV[3], ARGV[2], ARGV[4]
@@ -109,8 +130,7 @@ if tonumber(ARGV[18]) > 0 then
   hash_set(KEYS[2], 'invalid_outputs', ARGV[18])
 end
 redis.call('DEL', KEYS[1])  -- the lease: flush_run found it this run's, in this same call
-local f = hash_get(KEYS[2], 'id', 'status', 'summary', 'error', 'error_class', 'tokens_in',
-  'tokens_out', 'cache_reads', 'cache_writes', 'cost_micros', 'batch_id', 'batch_mode')
+local f = outcome()
 local closed, resumes, resume, mode = 0, 0, 0, ''
 if f[11] and f[11] ~= '' then
   -- A child's record names its batch's mode (delegation.py); one written before it did not.
@@ -150,6 +170,11 @@ if fair then
   for i = 1, #taken do
     admitted[#admitted + 1] = taken[i]
   end
+end
+-- What a resend of this end answers, which the task's record does not say (above): kept only when its caller
+-- has something to send (a closed batch, a chain's next step, admitted runs), as most children's ends do not.
+if closed == 1 or mode == 'sequential' or #admitted > 0 then
+  hash_set(KEYS[2], 'end_reply', closed .. ':' .. resumes .. ':' .. resume .. ':' .. mode .. ':' .. table.concat(admitted, ' '))
 end
 return {'ended', f[2], f[3] or '', f[4] or '', f[5] or '', f[6] or '0', f[7] or '0', f[8] or '0', f[9] or '0',
   f[10] or '0', closed, resumes, resume, mode, admitted}

@@ -31,13 +31,50 @@
 -- ARGV[..] then 2 per latency (histogram field, ms)
 -- ARGV[..] then, to the end, 2 per timeline mark the run took between steps (t ms, state:
 --   coordinator/timeline.py)
--- Returns {1, status, exhausted} (status '' when called by end_run), or {0} when the lease is not this
---   run's (nothing written).
+-- Returns {1, status, exhausted, resent} (status '' when called by end_run; resent 1 when this was the
+--   same step again, nothing written twice), or {0} when the lease is not this run's (nothing written).
+-- A step is known by its run's token and its `now` (`last_step` on the task hash): a step whose reply was
+-- lost is sent again by the connection as it was, and finds itself written already.
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return {0}
 end
+-- The checks a run makes before its next request, as this step's reply: the task's status ('' for end_run)
+-- and the topmost budget reached (`exhausted`, when a usage record of this step already said which).
+local function flush_checks(keys, in_end, exhausted, recorded, resent)
+  if not recorded then
+    -- The topmost task of the chain whose budget its subtree has reached (later keys are nearer the root).
+    local chain = {keys[2]}
+    for i = 11, #keys do
+      chain[#chain + 1] = keys[i]
+    end
+    for _, key in ipairs(chain) do
+      local f = hash_get(key, 'budget_micros', 'total_cost_micros', 'id')
+      local budget = tonumber(f[1] or '0') or 0
+      if budget > 0 and (tonumber(f[2] or '0') or 0) >= budget then
+        exhausted = f[3]
+      end
+    end
+  end
+  if in_end then
+    return {1, '', exhausted, resent}
+  end
+  return {1, hash_get(keys[2], 'status')[1], exhausted, resent}
+end
 local retention, now, in_end = ARGV[2], ARGV[3], ARGV[5] == '1'
-hash_prefetch(KEYS[2], USAGE_FIELDS)  -- with the status and budget read below: one HMGET
+-- With the status and budget read below, and the last step written: one HMGET (end_run's own prefetch
+-- has them all).
+if not in_end then
+  hash_prefetch(KEYS[2], fields_and(USAGE_FIELDS, {'last_step'}))
+end
+if in_end or ARGV[7] ~= '' or #ARGV > 11 then
+  -- A step that writes (a check alone writes nothing, and answers a resend as it did the first time).
+  local step = ARGV[1] .. ' ' .. now
+  if hash_get(KEYS[2], 'last_step')[1] == step then
+    -- This very step again: the checks only, as the first one answered them.
+    return flush_checks(KEYS, in_end, '', false, 1)
+  end
+  hash_set(KEYS[2], 'last_step', step)
+end
 local n_conv, n_ui, n_usage, n_latency = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 local at = 12
 if n_conv > 0 then
@@ -85,21 +122,4 @@ if ARGV[7] ~= '' then
   redis.call('XADD', KEYS[7], 'MAXLEN', '~', ARGV[4], '*', 'type', 'live', 'task_id', live['task_id'],
     'state', live['state'])
 end
-if not recorded then
-  -- The topmost task of the chain whose budget its subtree has reached (later keys are nearer the root).
-  local chain = {KEYS[2]}
-  for i = 11, #KEYS do
-    chain[#chain + 1] = KEYS[i]
-  end
-  for _, key in ipairs(chain) do
-    local f = hash_get(key, 'budget_micros', 'total_cost_micros', 'id')
-    local budget = tonumber(f[1] or '0') or 0
-    if budget > 0 and (tonumber(f[2] or '0') or 0) >= budget then
-      exhausted = f[3]
-    end
-  end
-end
-if in_end then
-  return {1, '', exhausted}
-end
-return {1, hash_get(KEYS[2], 'status')[1], exhausted}
+return flush_checks(KEYS, in_end, exhausted, recorded, 0)

@@ -12,8 +12,8 @@
 -- ARGV[4] str: the time field (`tool:<tool>:ms`)
 -- ARGV[5] int: the call's ms (0: not added)
 -- ARGV[6..] flush_run's ARGV
--- Returns flush_run's reply: {1, status, exhausted}, or {0} when the lease is not this run's (nothing
---   written: another run owns the task and answers the call itself).
+-- Returns flush_run's reply: {1, status, exhausted, resent}, or {0} when the lease is not this run's
+--   (nothing written: another run owns the task and answers the call itself).
 local flush_keys, flush_argv = {}, {}
 for i = 2, #KEYS do
   flush_keys[#flush_keys + 1] = KEYS[i]
@@ -26,11 +26,11 @@ end
 local tool, outcome = string.match(ARGV[3], '^tool:(.*):([^:]*)$')
 local ran = outcome ~= nil and outcome ~= 'denied' and outcome ~= 'interrupted'
 if ran then
-  hash_prefetch(KEYS[3], fields_and(USAGE_FIELDS, {'tool_calls'}))
+  hash_prefetch(KEYS[3], fields_and(USAGE_FIELDS, {'tool_calls', 'last_step'}))
 end
 local reply = flush_run(flush_keys, flush_argv)
-if reply[1] == 0 then
-  return reply
+if reply[1] == 0 or reply[4] == 1 then
+  return reply  -- not this run's; or this very step again, its result and counts written the first time
 end
 if ARGV[2] ~= '' then
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])

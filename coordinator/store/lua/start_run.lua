@@ -49,14 +49,16 @@
 -- ARGV[22] int: how many parked runs one freed slot may give a slot (more when the fleet grew)
 -- ARGV[23] str: the tenant of a record without one
 -- ARGV[24] int: the priority of a record without one
--- Returns {verdict, {deliveries, run sequence, exhausted}}: verdict 'run' (the lease is this run's),
---   'missing', 'other' (not an agent's, ended or delegated: the caller takes its slow path), 'leased'
---   (another run holds the lease), 'wait' (queued on the admission list for a slot), 'delay' (the counts
---   are {ms to wait}) or 'park' (parked for a slot of its tenant; the counts are {0, why: 'max_running',
---   'share' or 'fleet', the task id given the slot instead or ''}).
+-- Returns {verdict, {deliveries, run sequence, exhausted}}: verdict 'run' (the lease is this run's; the
+--   same start sent again after it ran answers so too, from what it wrote), 'missing', 'other' (not an
+--   agent's, ended or delegated: the caller takes its slow path), 'leased' (another run holds the lease),
+--   'wait' (queued on the admission list for a slot), 'delay' (the counts are {ms to wait}) or 'park'
+--   (parked for a slot of its tenant; the counts are {0, why: 'max_running', 'share' or 'fleet', the task
+--   id given the slot instead or ''}).
 -- Only the fields this step decides on (the record goes to the caller by its own read, see above).
 local task = redis.call('HMGET', KEYS[1], 'id', 'status', 'runner', 'parent_id', 'depth', 'deliveries', 'run_seq',
-  'timeline', 'budget_micros', 'total_cost_micros', 'budget_chain', 'ancestors', 'prompt', 'tenant', 'priority')
+  'timeline', 'budget_micros', 'total_cost_micros', 'budget_chain', 'ancestors', 'prompt', 'tenant', 'priority',
+  'run_token')
 local id, status, parent_id = task[1], task[2], task[4]
 if not id then
   return {'missing', {}}
@@ -69,6 +71,33 @@ end
 if task[3] ~= 'agent' or status == 'completed' or status == 'failed' or status == 'cancelled'
     or status == 'delegated' then
   return {'other', {}}
+end
+-- The task itself or the topmost ancestor whose budget is spent already, or ''.
+local function budget_reached()
+  local exhausted = ''
+  local own_budget = tonumber(task[9] or '0') or 0
+  if own_budget > 0 and (tonumber(task[10] or '0') or 0) >= own_budget then
+    exhausted = id
+  end
+  local budgeted = task[11]
+  if budgeted ~= '[]' then
+    -- The ancestors with a budget (`budget_chain`), or every ancestor on a record without it; none
+    -- (the common case, '[]') reads nothing.
+    local ancestors = cjson.decode((budgeted and budgeted ~= '') and budgeted or task[12] or '[]')
+    for i = #ancestors, 1, -1 do
+      local f = redis.call('HMGET', ARGV[6] .. ancestors[i], 'budget_micros', 'total_cost_micros')
+      local budget = tonumber(f[1] or '0') or 0
+      if budget > 0 and (tonumber(f[2] or '0') or 0) >= budget then
+        exhausted = ancestors[i]
+      end
+    end
+  end
+  return exhausted
+end
+if task[16] == ARGV[1] and redis.call('GET', KEYS[2]) == ARGV[1] then
+  -- This very start again: its reply was lost and the connection sent it again (a token is one run's). It
+  -- ran: answer it from what it wrote, and write nothing twice (no second delivery, admission or prompt).
+  return {'run', {tonumber(task[6]), tonumber(task[7]), budget_reached()}}
 end
 local per_parent, per_tree, stagger = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 if parent_id and parent_id ~= '' and (per_parent > 0 or per_tree > 0 or stagger > 0) then
@@ -109,10 +138,11 @@ redis.call('ZADD', KEYS[3], ARGV[3], id)
 local deliveries = (tonumber(task[6] or '0') or 0) + 1
 local run_seq = (tonumber(task[7] or '0') or 0) + 1
 local started = timeline_add(task[8], tonumber(ARGV[10]), 'running')
+-- The run's token is kept with its counts: a resend of this step knows itself by it (above).
 if started then
-  redis.call('HSET', KEYS[1], 'deliveries', deliveries, 'run_seq', run_seq, 'timeline', started)
+  redis.call('HSET', KEYS[1], 'deliveries', deliveries, 'run_seq', run_seq, 'run_token', ARGV[1], 'timeline', started)
 else
-  redis.call('HSET', KEYS[1], 'deliveries', deliveries, 'run_seq', run_seq)
+  redis.call('HSET', KEYS[1], 'deliveries', deliveries, 'run_seq', run_seq, 'run_token', ARGV[1])
 end
 -- The live status (models.live_status's form), written as text: ids are [0-9a-z-] and the times
 -- are the caller's numbers as it sent them, so nothing in it needs cjson's escaping.
@@ -122,24 +152,7 @@ local live = '{"task_id":"' .. id .. '","parent_id":'
 -- The live hash's retention was set when the task was queued, and is refreshed by its steps.
 redis.call('HSET', KEYS[4], id, live)
 redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'type', 'live', 'task_id', id, 'state', 'running')
-local exhausted = ''
-local own_budget = tonumber(task[9] or '0') or 0
-if own_budget > 0 and (tonumber(task[10] or '0') or 0) >= own_budget then
-  exhausted = id
-end
-local budgeted = task[11]
-if budgeted ~= '[]' then
-  -- The ancestors with a budget (`budget_chain`), or every ancestor on a record without it; none
-  -- (the common case, '[]') reads nothing.
-  local ancestors = cjson.decode((budgeted and budgeted ~= '') and budgeted or task[12] or '[]')
-  for i = #ancestors, 1, -1 do
-    local f = redis.call('HMGET', ARGV[6] .. ancestors[i], 'budget_micros', 'total_cost_micros')
-    local budget = tonumber(f[1] or '0') or 0
-    if budget > 0 and (tonumber(f[2] or '0') or 0) >= budget then
-      exhausted = ancestors[i]
-    end
-  end
-end
+local exhausted = budget_reached()
 if redis.call('EXISTS', KEYS[6]) == 0 then
   -- A first run opens the task's UI messages with its prompt, as AI coding tools show a task.
   -- Its retention is set by the run's end, which writes the list again (end_run.lua).

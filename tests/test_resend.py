@@ -1,0 +1,221 @@
+"""A step whose reply was lost after it ran, and which the connection sends again, is applied once.
+
+Under Sentinel a client sends a command again after a connection error (`failover_retry`): a
+master killed right after a step ran, or a read slower than the connection's timeout, loses the
+reply of a step that ran, and the step goes again as it was. Each test here loses one step's reply
+for real: the request is sent to a real Redis, which runs it and answers; the answer is read off the
+socket and thrown away, and the socket is shut, so the client's read finds the connection closed and
+its retry sends the same bytes again on a new one. The step must know itself and answer as it did
+(coordinator/store/fields.py: `run_token`, `last_step`, `end_reply`).
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from redis.backoff import NoBackoff
+from redis.connection import AbstractConnection
+from redis.retry import Retry
+
+from coordinator import Coordinator, TaskStatus, ids, writeback
+from coordinator.celery_app import make_app
+from coordinator.models import Approval, RunWrites, ToolCallDone
+from coordinator.ports.steps import Ended
+from coordinator.redis_clients import FAILOVER_ERRORS
+from coordinator.runs import Run
+from coordinator.store import Store
+from tests.agents import STEP_COST_MICROS, agent, reply
+from tests.helpers import script, usage_step
+from workers.runtime.context import Runtime, build_runtime
+from workers.runtime.runner import run_child
+
+# How long the server may take to answer the step whose reply is lost (a loaded host is slow).
+ANSWER_WITHIN_S = 30.0
+
+
+def _retrying(store: Store) -> None:
+    """The store's connections retry as a Sentinel client's do (FAILOVER_ERRORS), from their next connect; and
+    the server knows every script, so a step's first send runs it (a NOSCRIPT, whose loss is harmless, would not)."""
+    pool = store.client.connection_pool
+    pool.connection_kwargs["retry"] = Retry(NoBackoff(), 3, FAILOVER_ERRORS)
+    pool.reset()
+    for known in store.runs.scripts._scripts.values():
+        store.client.script_load(known.script)
+
+
+class LostReplies:
+    """Loses the reply of the next request that carries `marker`, once it is armed (`lose`)."""
+
+    def __init__(self) -> None:
+        self.marker: bytes | None = None
+        self.lost = 0
+
+    def lose(self, marker: str) -> None:
+        self.marker = marker.encode()
+
+    def after_send(self, connection: AbstractConnection, packed: bytes) -> None:
+        if self.marker is None or self.marker not in packed:
+            return
+        self.marker = None
+        sock = connection._sock  # type: ignore[attr-defined]
+        # The server has run the request once its answer arrives; read it all and drop it.
+        readable, _, _ = select.select([sock], [], [], ANSWER_WITHIN_S)
+        assert readable, "the server did not answer the step"
+        while select.select([sock], [], [], 0.2)[0]:
+            if not sock.recv(1 << 20):
+                break
+        sock.shutdown(socket.SHUT_RDWR)
+        self.lost += 1
+
+
+@pytest.fixture
+def lost(monkeypatch: pytest.MonkeyPatch) -> LostReplies:
+    replies = LostReplies()
+    original = AbstractConnection.send_packed_command
+
+    def send(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
+        original(self, command, check_health)
+        packed = command if isinstance(command, bytes) else b"".join(command)
+        replies.after_send(self, bytes(packed))
+
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", send)
+    return replies
+
+
+@pytest.fixture
+def rt(idle_coordinator: Coordinator) -> Iterator[Runtime]:
+    runtime = build_runtime(idle_coordinator.settings, make_app(idle_coordinator.settings))
+    _retrying(runtime.coordinator.store)
+    yield runtime
+    runtime.coordinator.close()
+
+
+def _sha(store: Store, name: str) -> str:
+    return str(store.runs.scripts._scripts[name].sha)
+
+
+def _started(rt: Runtime, task_id: str) -> Run:
+    run = rt.lifecycle.start(task_id)
+    assert isinstance(run, Run), f"the run did not start: {run}"
+    return run
+
+
+def _child(coord: Coordinator, message: str) -> tuple[str, str]:
+    parent = coord.create_task("one child", todos="[ ] a")
+    (child_id,) = coord.delegate(parent.id, [{"description": "a", "message": message}]).child_ids
+    return parent.id, child_id
+
+
+def _ui_texts(coord: Coordinator, task_id: str) -> list[str]:
+    return [str(m.get("text", "")) for m in coord.store.records.ui_messages(task_id)]
+
+
+def test_a_start_sent_again_after_it_ran_starts_the_run_once(
+    idle_coordinator: Coordinator, rt: Runtime, lost: LostReplies
+) -> None:
+    coord = idle_coordinator
+    _, child_id = _child(coord, script(usage_step(), text="The child's prompt."))
+    lost.lose(_sha(rt.coordinator.store, "start_run"))
+
+    run = _started(rt, child_id)  # before, the resend found its own lease and answered 'leased'
+
+    assert lost.lost == 1
+    assert run.deliveries == 1
+    assert coord.store.records.task_fields(child_id)["deliveries"] == "1"
+    assert len([text for text in _ui_texts(coord, child_id) if text.startswith("The child's prompt.")]) == 1
+    run.end(Ended("completed", summary="done"))
+    assert coord.get_task(child_id).status == TaskStatus.COMPLETED
+
+
+def test_a_step_sent_again_after_it_ran_writes_its_messages_once(
+    idle_coordinator: Coordinator, rt: Runtime, lost: LostReplies
+) -> None:
+    coord = idle_coordinator
+    _, child_id = _child(coord, script(usage_step()))
+    run = _started(rt, child_id)
+    writes = RunWrites(conversation=['{"said": "once"}'], ui_messages=['{"ts": 1, "type": "say", "text": "once"}'])
+    lost.lose(_sha(rt.coordinator.store, "flush_run"))
+
+    stepped = rt.coordinator.store.runs.flush_run(run.task, run.token, writes)
+
+    assert lost.lost == 1
+    assert stepped.leased and stepped.status == "active"
+    assert coord.store.records.conversation(child_id) == ['{"said": "once"}']
+    assert _ui_texts(coord, child_id).count("once") == 1
+    # A later step of the same run is written, as any step is.
+    again = RunWrites(conversation=['{"said": "twice"}'])
+    assert rt.coordinator.store.runs.flush_run(run.task, run.token, again).leased
+    assert coord.store.records.conversation(child_id) == ['{"said": "once"}', '{"said": "twice"}']
+
+
+def test_a_tool_step_sent_again_after_it_ran_counts_its_call_once(
+    idle_coordinator: Coordinator, rt: Runtime, lost: LostReplies
+) -> None:
+    coord = idle_coordinator
+    _, child_id = _child(coord, script(usage_step()))
+    run = _started(rt, child_id)
+    call = ToolCallDone(tool_call_id="call-1", tool="lookup", outcome="ok", result_json='"found"', ms=12)
+    lost.lose(_sha(rt.coordinator.store, "record_tool"))
+
+    writes = RunWrites(conversation=['{"a": 1}'])
+    stepped = rt.coordinator.store.runs.record_tool_call(run.task, run.token, writes, call)
+
+    assert lost.lost == 1 and stepped.leased
+    fields = coord.store.records.task_fields(child_id)
+    assert fields["tool:lookup:ok"] == "1" and fields["tool:lookup:ms"] == "12"
+    assert len(json.loads(fields["tool_calls"])) == 1
+    assert coord.store.records.conversation(child_id) == ['{"a": 1}']
+
+
+def test_an_end_sent_again_after_it_ran_answers_as_it_did(
+    idle_coordinator: Coordinator, rt: Runtime, lost: LostReplies, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    coord = idle_coordinator
+    parent_id, child_id = _child(coord, agent(reply("done")))
+    closes: list[str] = []
+    close = writeback.resumed
+
+    def closed(plane: Any, parent: str, resumes: int, resume: bool) -> bool:
+        closes.append(parent)
+        return close(plane, parent, resumes, resume)
+
+    monkeypatch.setattr(writeback, "resumed", closed)
+    lost.lose(_sha(rt.coordinator.store, "end_run"))
+
+    # Before, the resend found the lease gone and answered 'fenced': the run raised LeaseLost, and its
+    # caller never sent what the closed batch needs (the reconciler did, a grace period later).
+    result = run_child(rt, child_id)
+
+    assert lost.lost == 1
+    assert result.status == "completed" and result.cost_micros == STEP_COST_MICROS
+    assert closes == [parent_id], "the end's caller heard the batch closed, and sent what follows"
+    assert coord.get_todos(parent_id)[0].cost_micros == STEP_COST_MICROS, "written back once"
+    assert coord.get_task(parent_id).total_cost_micros == STEP_COST_MICROS
+    assert coord.store.records.task_fields(child_id)["deliveries"] == "1"
+
+
+def test_a_decision_sent_again_after_it_ran_stands_for_its_caller(
+    idle_coordinator: Coordinator, lost: LostReplies
+) -> None:
+    coord = idle_coordinator
+    _retrying(coord.store)
+    root = coord.create_task("asks first", run=False)
+    approval = Approval(  # as a worker parks a risky call
+        id=ids.new_approval_id(root.id), task_id=root.id, root_id=root.id, tool="run_command",
+        args={"command": "make deploy"}, tool_call_id="call-1", created_at=time.time(), deadline=time.time() + 600,
+    )  # fmt: skip
+    coord.store.approvals.save_approval(approval)
+    lost.lose(_sha(coord.store, "decide"))
+
+    decided = coord.decide(approval.id, "approve")  # before: StateError "Approval ... was already approved"
+
+    assert lost.lost == 1
+    assert decided.status == "approved"
+    decisions = [f for _, f in coord.store.events.read_events(root.id) if f.get("type") == "approval"]
+    assert [f["status"] for f in decisions] == ["approved"], "decided once"
