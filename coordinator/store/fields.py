@@ -117,7 +117,8 @@ class TaskField:
     # A step sent again by the connection after it ran (its reply lost) knows itself by these, and writes
     # nothing twice: the token of the run that started last (start_run), the last step a run wrote,
     # `<token> <now>` (flush_run, record_tool, end_run), and what its end answered that the record does
-    # not say, `<closed>:<resumes>:<resume>:<batch mode>:<admitted ids>` (end_run).
+    # not say, `<now>:<closed>:<resumes>:<resume>:<batch mode>:<admitted ids>` (end_run:
+    # that end's `now`, so an earlier end's, of a task retried since, is never read as this one's).
     RUN_TOKEN: Final = "run_token"
     LAST_STEP: Final = "last_step"
     END_REPLY: Final = "end_reply"

@@ -100,8 +100,11 @@ if flushed[1] == 0 then
     -- This very end again, after it ran (its reply was lost; the lease it held is gone with it): the same
     -- answer, from the task and what the end kept of its write-back (`end_reply`), and nothing written twice.
     local f = outcome()
-    local closed, resumes, resume, mode, admitted = string.match(hash_get(KEYS[2], 'end_reply')[1] or '',
-      '^(%d+):(%d+):(%d+):([^:]*):(.*)$')
+    local at, closed, resumes, resume, mode, admitted = string.match(hash_get(KEYS[2], 'end_reply')[1] or '',
+      '^([^:]*):(%d+):(%d+):(%d+):([^:]*):(.*)$')
+    if at ~= ARGV[3] then
+      closed, resumes, resume, mode, admitted = nil, nil, nil, nil, nil  -- none, or an earlier end's (a retried task)
+    end
     local ids = {}
     for admitted_id in string.gmatch(admitted or '', '%S+') do
       ids[#ids + 1] = admitted_id
@@ -174,7 +177,8 @@ end
 -- What a resend of this end answers, which the task's record does not say (above): kept only when its caller
 -- has something to send (a closed batch, a chain's next step, admitted runs), as most children's ends do not.
 if closed == 1 or mode == 'sequential' or #admitted > 0 then
-  hash_set(KEYS[2], 'end_reply', closed .. ':' .. resumes .. ':' .. resume .. ':' .. mode .. ':' .. table.concat(admitted, ' '))
+  hash_set(KEYS[2], 'end_reply', now .. ':' .. closed .. ':' .. resumes .. ':' .. resume .. ':' .. mode .. ':'
+    .. table.concat(admitted, ' '))
 end
 return {'ended', f[2], f[3] or '', f[4] or '', f[5] or '', f[6] or '0', f[7] or '0', f[8] or '0', f[9] or '0',
   f[10] or '0', closed, resumes, resume, mode, admitted}
