@@ -112,6 +112,13 @@ def _child(coord: Coordinator, message: str) -> tuple[str, str]:
     return parent.id, child_id
 
 
+@pytest.fixture
+def running(idle_coordinator: Coordinator, rt: Runtime) -> Run:
+    """A child's run, started."""
+    _, child_id = _child(idle_coordinator, script(usage_step()))
+    return _started(rt, child_id)
+
+
 def _ui_texts(coord: Coordinator, task_id: str) -> list[str]:
     return [str(m.get("text", "")) for m in coord.store.records.ui_messages(task_id)]
 
@@ -134,11 +141,9 @@ def test_a_start_sent_again_after_it_ran_starts_the_run_once(
 
 
 def test_a_step_sent_again_after_it_ran_writes_its_messages_once(
-    idle_coordinator: Coordinator, rt: Runtime, lost: LostReplies
+    idle_coordinator: Coordinator, rt: Runtime, running: Run, lost: LostReplies
 ) -> None:
-    coord = idle_coordinator
-    _, child_id = _child(coord, script(usage_step()))
-    run = _started(rt, child_id)
+    coord, run, child_id = idle_coordinator, running, running.task.id
     writes = RunWrites(conversation=['{"said": "once"}'], ui_messages=['{"ts": 1, "type": "say", "text": "once"}'])
     lost.lose(_sha(rt.coordinator.store, "flush_run"))
 
@@ -155,11 +160,9 @@ def test_a_step_sent_again_after_it_ran_writes_its_messages_once(
 
 
 def test_a_tool_step_sent_again_after_it_ran_counts_its_call_once(
-    idle_coordinator: Coordinator, rt: Runtime, lost: LostReplies
+    idle_coordinator: Coordinator, rt: Runtime, running: Run, lost: LostReplies
 ) -> None:
-    coord = idle_coordinator
-    _, child_id = _child(coord, script(usage_step()))
-    run = _started(rt, child_id)
+    coord, run, child_id = idle_coordinator, running, running.task.id
     call = ToolCallDone(tool_call_id="call-1", tool="lookup", outcome="ok", result_json='"found"', ms=12)
     lost.lose(_sha(rt.coordinator.store, "record_tool"))
 
