@@ -362,6 +362,14 @@ def profiles_refused(profiles: dict[str, object], monkeypatch: pytest.MonkeyPatc
     return message
 
 
+def connections_counted(accepted: list[object], at_least: int) -> int:
+    """How many connections a `counting_listener` has accepted, once it has at least `at_least`: its thread
+    counts one a moment after the client connected, on a loaded host after the client's command has ended.
+    Connections are accepted in the order they came, so one counted late was not lost by an earlier check."""
+    eventually(lambda: len(accepted) >= at_least or None, f"the listener to count {at_least} connection(s)")
+    return len(accepted)
+
+
 @contextmanager
 def counting_listener(host: str = "127.0.0.1") -> Iterator[tuple[int, list[object]]]:
     """A TCP listener on `host` (0.0.0.0: every address of this machine) that counts the connections it
