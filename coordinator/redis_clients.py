@@ -195,20 +195,30 @@ class FollowingConnection(SentinelManagedConnection):
         try:
             return super().read_response(*args, **kwargs)
         except redis.ResponseError as exc:
-            if not self.connection_pool.is_master:
+            refused = self.refusal(exc)
+            if refused is None:
                 raise
-            where = f"{self.host}:{self.port}"
-            if _refused(exc, READONLY):
-                # redis-py's own conversion misses a script's: Redis 6.2 wraps it in ERR ("Error running script").
-                self.disconnect()  # type: ignore[no-untyped-call]
-                raise redis.ConnectionError(f"{where}, named the master, is a replica now") from exc
-            if not _refused(exc, NOREPLICAS):
-                raise
+            raise refused from exc
+
+    def refusal(self, exc: redis.ResponseError) -> redis.ConnectionError | None:
+        """The connection error to raise for `exc`, a master's refusal that a failover explains (READONLY, NOREPLICAS),
+        this connection closed (and, for NOREPLICAS, backed off) so the retry sends the command again where the
+        sentinels say; None for any other error. Also for an error nested in EXEC's reply (a transaction's
+        script), which never passes through `read_response` (`store/base.py`'s `_exchange`)."""
+        if not self.connection_pool.is_master:
+            return None
+        where = f"{self.host}:{self.port}"
+        if _refused(exc, READONLY):
+            # redis-py's own conversion misses a script's: Redis 6.2 wraps it in ERR ("Error running script").
             self.disconnect()  # type: ignore[no-untyped-call]
-            self._back_off()
-            raise redis.ConnectionError(
-                f"the master {where} refuses writes: fewer replicas than its min-replicas-to-write"
-            ) from exc
+            return redis.ConnectionError(f"{where}, named the master, is a replica now")
+        if not _refused(exc, NOREPLICAS):
+            return None
+        self.disconnect()  # type: ignore[no-untyped-call]
+        self._back_off()
+        return redis.ConnectionError(
+            f"the master {where} refuses writes: fewer replicas than its min-replicas-to-write"
+        )
 
     _refusals = 0
     _refused_until = 0.0

@@ -382,6 +382,33 @@ def test_a_master_short_of_replicas_holds_a_step_until_it_has_them(steady: Senti
         coord.close()
 
 
+def test_a_runs_start_short_of_replicas_is_held_until_it_has_them(steady: SentinelSet, settings: Settings) -> None:
+    """A run's start is its script and its reads in one MULTI/EXEC: the script's NOREPLICAS comes back nested in
+    EXEC's reply, not alone, and is held as one that comes alone is (before, it failed the start at once)."""
+    own = _settings(steady, settings)
+    coord = Coordinator(own)
+    rt = build_runtime(own, make_app(own))
+    master = steady.master_client()
+    try:
+        task = coord.create_task("started once the master takes writes", run=True)  # on a queue nobody reads
+        master.config_set("min-replicas-to-write", len(steady.data))  # one more than it has
+        done = threading.Event()
+        started: list[object] = []
+        caller = threading.Thread(target=_then_set, args=(lambda: started.append(rt.lifecycle.start(task.id)), done))
+        caller.start()
+        assert not done.wait(1.5), "a start the master refused went on, or failed"
+        master.config_set("min-replicas-to-write", MIN_REPLICAS_TO_WRITE)
+        assert done.wait(20), "the start was not sent again once the master took writes"
+        caller.join()
+        (run,) = started
+        assert getattr(run, "deliveries", None) == 1, f"the run started once: {run}"
+    finally:
+        master.config_set("min-replicas-to-write", MIN_REPLICAS_TO_WRITE)
+        master.close()
+        rt.coordinator.close()
+        coord.close()
+
+
 class _Lagging:
     """Sentinels that have not heard of a switch yet: they name `stale` first, then `current`."""
 

@@ -265,9 +265,9 @@ def round_trip(
     connection, its health check before the write (`FollowingConnection` asks the server's ROLE), and
     its retry, which sends the whole round trip again after a connection error, disconnected first (a
     failover under Sentinel: `failover_retry`). Every reply is read before the first error is raised,
-    inside the retry as redis-py's pipeline raises it (a script's READONLY in EXEC is tried again), so a
-    pooled connection never keeps an unread reply. Replies are as the server sent them: no response
-    callbacks (`hash_reply` makes a dict of an HGETALL's).
+    inside the retry as redis-py's pipeline raises it (a script's READONLY or NOREPLICAS in EXEC is tried
+    again, on Redis 6.2 as on 7), so a pooled connection never keeps an unread reply. Replies are as the
+    server sent them: no response callbacks (`hash_reply` makes a dict of an HGETALL's).
     """
     if transaction:
         commands = [("MULTI",), *commands, ("EXEC",)]
@@ -336,7 +336,12 @@ def _exchange(connection: Connection, packed: list[bytes], count: int, transacti
             raise redis.WatchError("EXEC discarded the transaction")  # nothing here WATCHes: not expected
         for reply in replies:
             if isinstance(reply, redis.ResponseError):
-                raise reply
+                # A script's refusal by a master a failover explains (NOREPLICAS; READONLY wrapped by Redis 6.2)
+                # comes back nested here: nothing of it was written, and the retry sends the step again
+                # where the sentinels say, as it does a refusal that comes alone (FollowingConnection).
+                refusal = getattr(connection, "refusal", None)
+                refused = refusal(reply) if refusal is not None else None
+                raise refused or reply
     return replies
 
 
