@@ -18,13 +18,13 @@
 --   not pending (or 'missing').
 -- The decision that leaves the task no pending approval ends its wait: its timeline marks its
 -- resume `queued` now (coordinator/timeline.py).
-local was = redis.call('HMGET', KEYS[1], 'status', 'decided_at', 'decided_by')
+local was = redis.call('HMGET', KEYS[1], 'status', 'decided_at', 'decided_by', 'feedback')
 local status = was[1]
 if not status then
   return 'missing'
 end
 if status ~= 'pending' then
-  if status == ARGV[2] and was[2] == ARGV[4] and was[3] == (ARGV[8] or '') then
+  if status == ARGV[2] and was[2] == ARGV[4] and was[3] == (ARGV[8] or '') and was[4] == ARGV[3] then
     return 'ok'  -- this very decision again (its reply was lost and the connection sent it again): it stands
   end
   return status

@@ -25,13 +25,16 @@ end
 -- timeline; the spans are read with what the flush reads of the task, in one HMGET.
 local tool, outcome = string.match(ARGV[3], '^tool:(.*):([^:]*)$')
 local ran = outcome ~= nil and outcome ~= 'denied' and outcome ~= 'interrupted'
-if ran then
-  hash_prefetch(KEYS[3], fields_and(USAGE_FIELDS, {'tool_calls', 'last_step'}))
-end
+hash_prefetch(KEYS[3], fields_and(USAGE_FIELDS, ran and {'tool_calls', 'last_step'} or {'last_step'}))
+-- This very step again (its reply lost, sent again as it was)? Its own mark, whether or not the run had
+-- anything else to write with it (flush_run marks only a step that writes some of its own).
+local step = flush_argv[1] .. ' ' .. flush_argv[3]
+local resent = hash_get(KEYS[3], 'last_step')[1] == step
 local reply = flush_run(flush_keys, flush_argv)
-if reply[1] == 0 or reply[4] == 1 then
+if reply[1] == 0 or resent then
   return reply  -- not this run's; or this very step again, its result and counts written the first time
 end
+hash_set(KEYS[3], 'last_step', step)
 if ARGV[2] ~= '' then
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
   redis.call('EXPIRE', KEYS[1], flush_argv[2])
