@@ -254,6 +254,11 @@ def wait_for(probe: Any, timeout_s: float, what: str) -> Any:
     raise TimeoutError(f"never saw {what} within {timeout_s:g} s")
 
 
+def resumed_start_s(coord: Coordinator, task_id: str) -> float:
+    """When the task's latest run started (epoch s): its timeline's last `running` mark."""
+    return max(t_ms for t_ms, state in coord.get_task(task_id).timeline.m if state == "running") / 1000
+
+
 def run_seq(coord: Coordinator, task_id: str) -> int:
     return int(coord.store.records.task_field(task_id, "run_seq") or 0)
 
@@ -297,14 +302,16 @@ def one_round(coord: Coordinator, fleet: Fleet, index: int, moment: str, deadlin
                 SETUP_TIMEOUT_S,
                 "the resumed run running",
             )
-            started = time.monotonic()
             worker = wait_for(lambda: fleet.holder_of(f"{root.id}-r1"), 10, "the worker of the resumed run")
             delay_s = {
                 "start": 0.0,
                 "mid-wait": RESUMED_STEP_MS / 2000,
                 "before-end": (2 * RESUMED_STEP_MS - BEFORE_END_MS) / 1000,
             }[moment]
-            time.sleep(max(0.0, started + delay_s - time.monotonic()))
+            # From the run's own start (its `running` mark, written by its start step), not from when this
+            # poll saw it: on a loaded host the poll is late by more than BEFORE_END_MS, and a kill timed
+            # from it landed after the run had ended.
+            time.sleep(max(0.0, resumed_start_s(coord, root.id) + delay_s - time.time()))
             killed_seq = run_seq(coord, root.id)
             fleet.kill_and_replace(worker)
             killed_at = time.monotonic()
