@@ -159,38 +159,24 @@ def test_a_step_sent_again_after_it_ran_writes_its_messages_once(
     assert coord.store.records.conversation(child_id) == ['{"said": "once"}', '{"said": "twice"}']
 
 
+# With the run's own writes; and with none, the usual case: the run's writes went out just before a call that
+# must not run twice (the tool journal), and each later call of the same response has only its own result.
+@pytest.mark.parametrize("conversation", [['{"a": 1}'], []], ids=["with-run-writes", "alone"])
 def test_a_tool_step_sent_again_after_it_ran_counts_its_call_once(
-    idle_coordinator: Coordinator, rt: Runtime, running: Run, lost: LostReplies
+    idle_coordinator: Coordinator, rt: Runtime, running: Run, lost: LostReplies, conversation: list[str]
 ) -> None:
     coord, run, child_id = idle_coordinator, running, running.task.id
     call = ToolCallDone(tool_call_id="call-1", tool="lookup", outcome="ok", result_json='"found"', ms=12)
     lost.lose(_sha(rt.coordinator.store, "record_tool"))
 
-    writes = RunWrites(conversation=['{"a": 1}'])
+    writes = RunWrites(conversation=list(conversation))
     stepped = rt.coordinator.store.runs.record_tool_call(run.task, run.token, writes, call)
 
     assert lost.lost == 1 and stepped.leased
     fields = coord.store.records.task_fields(child_id)
     assert fields["tool:lookup:ok"] == "1" and fields["tool:lookup:ms"] == "12"
     assert len(json.loads(fields["tool_calls"])) == 1
-    assert coord.store.records.conversation(child_id) == ['{"a": 1}']
-
-
-def test_a_tool_step_with_nothing_else_to_write_sent_again_counts_its_call_once(
-    idle_coordinator: Coordinator, rt: Runtime, running: Run, lost: LostReplies
-) -> None:
-    # The usual case: the run's writes went out just before a call that must not run twice (the tool journal),
-    # and each later call of the same response has nothing but its own result to write.
-    coord, run, child_id = idle_coordinator, running, running.task.id
-    call = ToolCallDone(tool_call_id="call-2", tool="lookup", outcome="ok", result_json='"found"', ms=7)
-    lost.lose(_sha(rt.coordinator.store, "record_tool"))
-
-    assert rt.coordinator.store.runs.record_tool_call(run.task, run.token, RunWrites(), call).leased
-
-    assert lost.lost == 1
-    fields = coord.store.records.task_fields(child_id)
-    assert fields["tool:lookup:ok"] == "1" and fields["tool:lookup:ms"] == "7"
-    assert len(json.loads(fields["tool_calls"])) == 1
+    assert coord.store.records.conversation(child_id) == conversation
 
 
 def test_an_end_sent_again_after_it_ran_answers_as_it_did(
