@@ -96,7 +96,7 @@ local function outcome()
 end
 local flushed = flush_run(flush_keys, flush_argv)
 if flushed[1] == 0 then
-  if hash_get(KEYS[2], 'last_step')[1] == ARGV[1] .. ' ' .. ARGV[3] then
+  if hash_get(KEYS[2], 'last_step')[1] == run_step(ARGV[1], ARGV[3]) then
     -- This very end again, after it ran (its reply was lost; the lease it held is gone with it): the same
     -- answer, from the task and what the end kept of its write-back (`end_reply`), and nothing written twice.
     local f = outcome()

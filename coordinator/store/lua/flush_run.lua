@@ -68,7 +68,7 @@ if not in_end then
 end
 if in_end or ARGV[7] ~= '' or #ARGV > 11 then
   -- A step that writes (a check alone writes nothing, and answers a resend as it did the first time).
-  local step = ARGV[1] .. ' ' .. now
+  local step = run_step(ARGV[1], now)
   if hash_get(KEYS[2], 'last_step')[1] == step then
     -- This very step again: the checks only, as the first one answered them.
     return flush_checks(KEYS, in_end, '', false, 1)

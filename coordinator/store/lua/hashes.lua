@@ -134,6 +134,12 @@ end
 local USAGE_FIELDS = {'status', 'tokens_in', 'tokens_out', 'cache_reads', 'cache_writes', 'cost_micros', 'requests',
   'total_tokens', 'total_cost_micros', 'budget_micros', 'id', 'usage_keys'}
 
+-- A run's step as the task's `last_step` keeps it (TaskField.LAST_STEP): the run's token and the step's
+-- `now`, which only a resend of that very step carries again (flush_run, record_tool, end_run).
+local function run_step(token, now)
+  return token .. ' ' .. now
+end
+
 -- `fields` and `more` as one list.
 local function fields_and(fields, more)
   local out, n = {unpack(fields)}, #fields

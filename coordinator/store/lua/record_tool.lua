@@ -28,7 +28,7 @@ local ran = outcome ~= nil and outcome ~= 'denied' and outcome ~= 'interrupted'
 hash_prefetch(KEYS[3], fields_and(USAGE_FIELDS, ran and {'tool_calls', 'last_step'} or {'last_step'}))
 -- This very step again (its reply lost, sent again as it was)? Its own mark, whether or not the run had
 -- anything else to write with it (flush_run marks only a step that writes some of its own).
-local step = flush_argv[1] .. ' ' .. flush_argv[3]
+local step = run_step(flush_argv[1], flush_argv[3])
 local resent = hash_get(KEYS[3], 'last_step')[1] == step
 local reply = flush_run(flush_keys, flush_argv)
 if reply[1] == 0 or resent then
