@@ -176,6 +176,6 @@ def _decide(plane: Plane, approval: Approval, status: str, feedback: str, decide
     task = plane.store.records.get_task(approval.task_id)
     waiting = plane.store.runs.waiting_approval_ids(task.id)
     still = [a for a in waiting if a != approval.id and plane.store.approvals.get_approval(a).status == "pending"]
-    if not still and not task.status.terminal and plane.store.runs.claim_resume(task.id, approval.id):
-        dispatch.publish_run(plane.app, task, plane.store.runs.next_resume(task.id))
+    if not still and not task.status.terminal and (resumes := plane.store.runs.claim_resume(task.id, approval.id)):
+        dispatch.publish_run(plane.app, task, resumes)
     return plane.store.approvals.get_approval(approval.id)

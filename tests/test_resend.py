@@ -6,7 +6,8 @@ reply of a step that ran, and the step goes again as it was. Each test here lose
 for real: the request is sent to a real Redis, which runs it and answers; the answer is read off the
 socket and thrown away, and the socket is shut, so the client's read finds the connection closed and
 its retry sends the same bytes again on a new one. The step must know itself and answer as it did
-(coordinator/store/fields.py: `run_token`, `last_step`, `end_reply`).
+(coordinator/store/fields.py: `run_token`, `last_step`, `end_reply`, a claim's token, a close's
+`close_reply`).
 """
 
 from __future__ import annotations
@@ -50,19 +51,19 @@ def _retrying(store: Store) -> None:
 
 
 class LostReplies:
-    """Loses the reply of the next request that carries `marker`, once it is armed (`lose`)."""
+    """Loses the reply of the next request that carries every one of `markers`, once it is armed (`lose`)."""
 
     def __init__(self) -> None:
-        self.marker: bytes | None = None
+        self.markers: list[bytes] = []
         self.lost = 0
 
-    def lose(self, marker: str) -> None:
-        self.marker = marker.encode()
+    def lose(self, *markers: str) -> None:
+        self.markers = [m.encode() for m in markers]
 
     def after_send(self, connection: AbstractConnection, packed: bytes) -> None:
-        if self.marker is None or self.marker not in packed:
+        if not self.markers or not all(m in packed for m in self.markers):
             return
-        self.marker = None
+        self.markers = []
         sock = connection._sock  # type: ignore[attr-defined]
         # The server has run the request once its answer arrives; read it all and drop it.
         readable, _, _ = select.select([sock], [], [], ANSWER_WITHIN_S)
@@ -225,3 +226,111 @@ def test_a_decision_sent_again_after_it_ran_stands_for_its_caller(
     assert decided.status == "approved"
     decisions = [f for _, f in coord.store.events.read_events(root.id) if f.get("type") == "approval"]
     assert [f["status"] for f in decisions] == ["approved"], "decided once"
+
+
+def _closes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, bool]]:
+    """The closes whose caller went on to resume the parent (writeback.resumed), as they were told."""
+    closes: list[tuple[str, int, bool]] = []
+    close = writeback.resumed
+
+    def closed(plane: Any, parent: str, resumes: int, resume: bool) -> bool:
+        closes.append((parent, resumes, resume))
+        return close(plane, parent, resumes, resume)
+
+    monkeypatch.setattr(writeback, "resumed", closed)
+    return closes
+
+
+def test_a_publish_claim_sent_again_after_it_ran_publishes_the_batch(
+    idle_coordinator: Coordinator, lost: LostReplies
+) -> None:
+    coord = idle_coordinator
+    _retrying(coord.store)
+    parent = coord.create_task("two children", todos="[ ] a\n[ ] b")
+    lost.lose("HSETNX", ":batch:", "published")
+
+    # Before, the resend found the claim set and answered 'another publishes it': nothing was sent, and the
+    # children waited for the reconciler.
+    coord.delegate(parent.id, [{"description": "a", "message": "x"}, {"description": "b", "message": "y"}])
+
+    assert lost.lost == 1
+    assert coord.client.llen(coord.settings.queue) == 2, "both children were published, once"
+
+
+def test_a_chain_steps_publish_claim_sent_again_after_it_ran_publishes_the_step(
+    idle_coordinator: Coordinator, rt: Runtime, lost: LostReplies
+) -> None:
+    coord = idle_coordinator
+    parent = coord.create_task("a chain", todos="[ ] a\n[ ] b")
+    steps = [{"description": "a", "message": agent(reply("a done"))}, {"description": "b", "message": "y"}]
+    first, second = coord.delegate(parent.id, steps, mode="sequential").child_ids
+    assert coord.client.llen(coord.settings.queue) == 1, "the chain's first step"
+    lost.lose("HSETNX", second, "published")
+
+    assert run_child(rt, first).status == "completed"  # its end starts the next step
+
+    assert lost.lost == 1
+    assert coord.client.llen(coord.settings.queue) == 2, "the second step was published, once"
+
+
+def test_an_approvals_resume_claim_sent_again_after_it_ran_resumes_the_task_once(
+    idle_coordinator: Coordinator, lost: LostReplies
+) -> None:
+    coord = idle_coordinator
+    _retrying(coord.store)
+    root = coord.create_task("asks first", run=False)
+    approval = Approval(
+        id=ids.new_approval_id(root.id), task_id=root.id, root_id=root.id, tool="run_command",
+        args={"command": "make deploy"}, tool_call_id="call-1", created_at=time.time(), deadline=time.time() + 600,
+    )  # fmt: skip
+    coord.store.approvals.save_approval(approval)
+    lost.lose(_sha(coord.store, "claim_resume"))
+
+    # Before, the claim (HSETNX) answered 'claimed' to its own resend and the resume waited for the
+    # reconciler; and its count (HINCRBY, sent on its own) counted a resend twice.
+    coord.decide(approval.id, "approve")
+
+    assert lost.lost == 1
+    assert coord.client.llen(coord.settings.queue) == 1, "its resumed run was published, once"
+    assert coord.store.records.task_fields(root.id)["resumes"] == "1"
+
+
+def test_a_close_sent_again_after_it_ran_resumes_the_parent(
+    idle_coordinator: Coordinator, rt: Runtime, lost: LostReplies, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chain's last step closes its batch with close_batch alone (not inside the step's end)."""
+    coord = idle_coordinator
+    parent = coord.create_task(agent(reply("resumed")), todos="[ ] a", run=False)
+    (only,) = coord.delegate(
+        parent.id, [{"description": "a", "message": agent(reply("a done"))}], "sequential"
+    ).child_ids
+    closes = _closes(monkeypatch)
+    lost.lose(_sha(rt.coordinator.store, "close_batch"))
+
+    # Before, the resend found the batch done and answered 'closed before': the parent's resume waited for
+    # the reconciler.
+    assert run_child(rt, only).status == "completed"
+
+    assert lost.lost == 1
+    assert [parent_id for parent_id, _, _ in closes] == [parent.id], "the close's caller went on to resume it"
+    assert coord.store.records.task_fields(parent.id)["resumes"] == "1"
+    assert coord.get_task(parent.id).status == TaskStatus.ACTIVE
+
+
+def test_a_settle_sent_again_after_it_ran_closes_the_batch_for_its_caller(
+    idle_coordinator: Coordinator, lost: LostReplies, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child ended outside its run's end (a stop, a redelivery of an ended task) is settled alone."""
+    coord = idle_coordinator
+    _retrying(coord.store)
+    parent_id, child_id = _child(coord, agent(reply("done")))
+    coord.store.client.hset(coord.store.keys.task(parent_id, child_id), "status", "completed")
+    closes = _closes(monkeypatch)
+    lost.lose(_sha(coord.store, "settle_child"))
+
+    batch_id = coord.get_task(parent_id).waiting_batch_id
+    assert batch_id and writeback.write_back(coord.plane, batch_id, ended=coord.get_task(child_id))
+
+    assert lost.lost == 1
+    assert [parent_id for parent_id, _, _ in closes] == [parent_id]
+    assert coord.store.records.task_fields(parent_id)["resumes"] == "1"

@@ -22,6 +22,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -543,6 +544,16 @@ class StoreCore:
                 except redis.WatchError:
                     continue
         raise ConflictError("The task kept changing while subq tried to update it; try again")
+
+    def claim_once(self, key: str, field: str) -> bool:
+        """True for the one caller whose claim set `field` of hash `key` (HSETNX).
+
+        The claim's value is its own token: a claim sent again after its reply was lost (Sentinel's
+        retry of a lost connection) finds its token and is still its caller's, not another's. The
+        second read is made only when the field was set already, so a claim costs one round trip.
+        """
+        token = uuid.uuid4().hex
+        return bool(self.client.hsetnx(key, field, token)) or self.client.hget(key, field) == token
 
     def write_todos(self, pipe: Pipeline, key: str, items: Sequence[TodoItem]) -> None:
         """Queue the replacement of a todo list (in the caller's transaction)."""

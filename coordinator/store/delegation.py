@@ -173,7 +173,7 @@ class DelegationStore(Part):
     @translate_redis_errors
     def claim_batch_publish(self, batch_id: str) -> bool:
         """Once-only: True for the first caller that publishes this batch's work."""
-        return bool(self.client.hsetnx(self.keys.batch(root_of(batch_id), batch_id), BatchField.PUBLISHED, 1))
+        return self.core.claim_once(self.keys.batch(root_of(batch_id), batch_id), BatchField.PUBLISHED)
 
     @translate_redis_errors
     def unclaim_batch_publish(self, batch_id: str) -> None:

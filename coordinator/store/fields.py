@@ -99,10 +99,10 @@ class TaskField:
 
     # -- bookkeeping only in Redis -----------------------------------------------------
     TODOS_VERSION: Final = "todos_version"  # bumped on every change of the todo list (apply_children)
-    PUBLISHED: Final = "published"  # once-only flag: the task's run (a sequential step) was published
+    PUBLISHED: Final = "published"  # once-only claim, its claimer's token: the task's run (a chain step) was published
     DELIVERIES: Final = "deliveries"  # deliveries of the current run; reset to 0 on a batch resume (finish_batch)
     RUN_SEQ: Final = "run_seq"  # runs of the task ever; keeps request keys unique
-    RESUMES: Final = "resumes"  # times the task was resumed (finish_batch, next_resume)
+    RESUMES: Final = "resumes"  # times the task was resumed (finish_batch, claim_resume)
     RESUME_BATCH_ID: Final = "resume_batch_id"  # the batch whose result the resumed run answers (finish_batch)
     WAITING_APPROVAL_IDS: Final = "waiting_approval_ids"  # JSON list of the approvals its last run asked for
     TRANSIENT_ERRORS: Final = "transient_errors"  # provider errors waited out so far (a count)
@@ -122,7 +122,7 @@ class TaskField:
     RUN_TOKEN: Final = "run_token"
     LAST_STEP: Final = "last_step"
     END_REPLY: Final = "end_reply"
-    RESUMED_PREFIX: Final = "resumed:"  # `resumed:<batch or approval id>`: once-only resume flag per reason
+    RESUMED_PREFIX: Final = "resumed:"  # `resumed:<approval id>`: once-only resume claim, "<token> <resumes>"
     BATCH_MODE: Final = "batch_mode"  # a child's batch's mode, written with the child (end_run)
     # JSON list of the ancestors with a budget, root first; absent on records written before
     # it was kept (then every ancestor is read). The run's start reads only these (start_run).
@@ -151,7 +151,10 @@ class BatchField:
     TOOL_CALL_ID: Final = "tool_call_id"  # the agent parent's delegation tool call that `result` answers
     CREATED_AT: Final = "created_at"  # epoch seconds
     FINISHED_AT: Final = "finished_at"  # epoch seconds it closed; '' while running (finish_batch)
-    PUBLISHED: Final = "published"  # once-only flag: the batch's work was published
+    PUBLISHED: Final = "published"  # once-only claim, its claimer's token: the batch's work was published
+    # What the close answered, "<now> <resumes> <resume>" (close_batch): a close sent again with the same `now`
+    # after its reply was lost answers it again.
+    CLOSE_REPLY: Final = "close_reply"
 
     # The batch lines hash (`batch-lines:<id>`: child id -> its line) is made with this
     # field at the delegation, so it has its retention before any child writes a line.

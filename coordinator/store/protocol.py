@@ -1053,6 +1053,21 @@ class RecordUsage(
 
 
 @dataclass(frozen=True, kw_only=True)
+class ClaimResume(
+    Call[int],
+    script="claim_resume",
+    returns="the resume count the caller publishes the task's resumed run under, 0 when another claimed it.",
+):
+    task: str = key("task hash")
+    field: str = arg("the claim's field (`resumed:<reason id>`)")
+    token: str = arg("this claim's token")
+
+    @classmethod
+    def decode(cls, raw: Any) -> int:
+        return int(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ReleaseLease(
     Call[bool],
     script="release_lease",

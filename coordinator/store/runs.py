@@ -7,6 +7,7 @@ import json
 import os
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ from coordinator.store.fair import NO_FAIR_SHARES, FairShares, fair_args, fair_k
 from coordinator.store.fields import TaskField
 from coordinator.store.metrics import latency_bucket
 from coordinator.store.protocol import (
+    ClaimResume,
     EndRun,
     FinishTask,
     FlushRun,
@@ -228,19 +230,16 @@ class RunStore(Part):
         self.scripts(ReleaseLease(lease=self.keys.lease(root_of(task_id), task_id), token=token))
 
     @translate_redis_errors
-    def claim_resume(self, task_id: str, reason_id: str) -> bool:
-        """Once-only guard for resuming a task for one reason (a batch or an approval)."""
+    def claim_resume(self, task_id: str, reason_id: str) -> int:
+        """Once-only: resume a task for one reason (an approval decided). The resume count its resumed
+        run is published under, for the first caller; 0 for any other (claim_resume.lua)."""
         key = self.keys.task(root_of(task_id), task_id)
-        return bool(self.client.hsetnx(key, TaskField.resumed(reason_id), 1))
-
-    @translate_redis_errors
-    def next_resume(self, task_id: str) -> int:
-        return int(self.client.hincrby(self.keys.task(root_of(task_id), task_id), TaskField.RESUMES, 1))
+        return self.scripts(ClaimResume(task=key, field=TaskField.resumed(reason_id), token=uuid.uuid4().hex))
 
     @translate_redis_errors
     def claim_step_publish(self, task_id: str) -> bool:
         """Once-only: True for the first caller that publishes this task's run as a chain step."""
-        return bool(self.client.hsetnx(self.keys.task(root_of(task_id), task_id), TaskField.PUBLISHED, 1))
+        return self.core.claim_once(self.keys.task(root_of(task_id), task_id), TaskField.PUBLISHED)
 
     @translate_redis_errors
     def resume_batch_id(self, task_id: str) -> str | None:

@@ -18,7 +18,14 @@
 -- Returns {resumes, resume}: the parent's resume count when closed now (0: closed before) and 1 when the
 --   caller must publish the parent's resumed run.
 -- What this and finish_batch read of the batch, in one HMGET.
-if hash_get(KEYS[1], 'status', 'mode', 'child_ids', 'id')[1] == 'done' then
+local head = hash_get(KEYS[1], 'status', 'mode', 'child_ids', 'id', 'close_reply')
+if head[1] == 'done' then
+  -- Closed before; by this very call when its `now` is the close's (a call sent again after its reply was
+  -- lost, Sentinel's retry): it answers as it did, so its caller still publishes the parent's resume.
+  local now, resumes, resume = string.match(head[5] or '', '^(%S+) (%d+) (%d)$')
+  if now == ARGV[1] then
+    return {tonumber(resumes), tonumber(resume)}
+  end
   return {0, 0}
 end
 local batch = hash_get(KEYS[1], 'mode', 'child_ids')
@@ -77,5 +84,6 @@ if resumes > 0 then
   -- The children's write-backs left these keys' retention to the close (apply_children.lua).
   redis.call('EXPIRE', KEYS[6], ARGV[2])
   redis.call('EXPIRE', KEYS[8], ARGV[2])
+  hash_set(KEYS[1], 'close_reply', ARGV[1] .. ' ' .. resumes .. ' ' .. resume)
 end
 return {resumes, resume}
