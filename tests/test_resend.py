@@ -334,3 +334,24 @@ def test_a_settle_sent_again_after_it_ran_closes_the_batch_for_its_caller(
     assert lost.lost == 1
     assert [parent_id for parent_id, _, _ in closes] == [parent_id]
     assert coord.store.records.task_fields(parent_id)["resumes"] == "1"
+
+
+def test_an_approvals_request_sent_again_after_it_ran_sends_its_event_once(
+    idle_coordinator: Coordinator, lost: LostReplies
+) -> None:
+    coord = idle_coordinator
+    _retrying(coord.store)
+    root = coord.create_task("asks first", webhooks=[{"url": "https://example.com/hook"}])
+    approval = Approval(  # as a worker parks a risky call
+        id=ids.new_approval_id(root.id), task_id=root.id, root_id=root.id, tool="run_command",
+        args={"command": "make deploy"}, tool_call_id="call-1", created_at=time.time(), deadline=time.time() + 600,
+    )  # fmt: skip
+    lost.lose(_sha(coord.store, "save_approval"))
+
+    coord.store.approvals.save_approval(approval)  # before: a MULTI whose resend wrote the event again
+
+    assert lost.lost == 1
+    requested = [d for d in coord.store.outbox.deliveries(root.id) if d.get("type") == "approval.requested"]
+    assert len(requested) == 1, coord.store.outbox.deliveries(root.id)
+    assert coord.store.approvals.get_approval(approval.id).status == "pending"
+    assert approval.id in coord.store.approvals.pending_approval_ids()

@@ -108,7 +108,7 @@ def test_a_tool_call_left_without_result_is_answered_as_interrupted(idle_coordin
         ModelRequest(parts=[UserPromptPart(content=prompt)]),
         ModelResponse(parts=[ToolCallPart(tool_name="update_todo_list", args={"todos": "[ ] x"}, tool_call_id="c1")]),
     ]
-    coord.store.records.append_conversation(task.id, [MESSAGE.dump_json(m).decode() for m in lost])
+    coord.client.rpush(coord.store.keys.conversation(task.id, task.id), *[MESSAGE.dump_json(m).decode() for m in lost])
 
     result = run_child(build_runtime(coord.settings, make_app(coord.settings)), task.id)
 
@@ -123,7 +123,7 @@ def test_a_tool_call_left_without_result_is_answered_as_interrupted(idle_coordin
 def test_a_corrupt_conversation_fails_the_task_clearly(idle_coordinator: Coordinator) -> None:
     coord = idle_coordinator
     task = coord.create_task(agent(reply("x")), run=True)
-    coord.store.records.append_conversation(task.id, ["{not a message"])
+    coord.client.rpush(coord.store.keys.conversation(task.id, task.id), "{not a message")
     result = run_child(build_runtime(coord.settings, make_app(coord.settings)), task.id)
     assert (result.status, result.error_class) == ("failed", "CorruptError")
     assert result.error == f"Conversation message 0 of task {task.id} is corrupt"

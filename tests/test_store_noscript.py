@@ -110,25 +110,26 @@ def test_each_step_runs_once_when_the_server_forgot_its_script(
     assert coord.client.script_exists(coord.store.core.scripts._scripts[SettleAndClaim.script].sha) == [True]
 
 
-def test_an_approval_and_its_notice_commit_in_one_round_trip_when_the_server_forgot_the_script(
+def test_an_approval_and_its_notice_commit_together_when_the_server_forgot_the_script(
     forgetful: tuple[Coordinator, Runtime, list[Forgetful]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """save_approval writes beside its script in one MULTI: by SHA, a NOSCRIPT there committed the approval without
-    its `approval.requested` event until a second round trip, which a process that died first never sent."""
+    """save_approval.lua writes the approval, its index and its `approval.requested` event in one script: a NOSCRIPT
+    commits none of them, and the call by its text commits all three (before, writes sent beside the script in one
+    MULTI could commit the approval without its event)."""
     coord, _, _ = forgetful
     root = coord.create_task("a root that asks", webhooks=[{"url": "http://127.0.0.1:9/h", "events": ["*"]}])
-    sent: list[int] = []
+    pending_before: list[int] = []
     send = base.round_trip
 
     def counted(*args: Any, **kwargs: Any) -> list[Any]:
-        sent.append(1)
+        pending_before.append(len(coord.store.approvals.pending_approval_ids()))
         return send(*args, **kwargs)
 
     monkeypatch.setattr(base, "round_trip", counted)
     coord.client.script_flush()
     approval = park_approval(coord, root.id)
     monkeypatch.undo()
-    assert sent == [1], "the approval, its index and its notice went in one round trip, the script by its text"
+    assert pending_before == [0, 0], "the NOSCRIPT wrote nothing; the script by its text wrote it all"
     assert coord.store.approvals.get_approval(approval.id).tool == "run_command"
     events = [e for e in coord.store.outbox.deliveries(root.id) if e["type"] == "approval.requested"]
     assert len(events) == 1

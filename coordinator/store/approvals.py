@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, cast
+from typing import Any
 
 from coordinator.errors import NotFoundError
 from coordinator.ids import root_of
 from coordinator.models import Approval
 from coordinator.store.base import (
     EVENTS_MAXLEN,
-    Command,
     Part,
     _encode_record,
     _str_map,
@@ -20,7 +19,7 @@ from coordinator.store.base import (
     translate_redis_errors,
 )
 from coordinator.store.fields import APPROVAL_OPTIONAL_FIELDS, ApprovalField
-from coordinator.store.protocol import Decide, OutboxAdd, ScriptArg
+from coordinator.store.protocol import Decide, SaveApproval
 
 __all__ = ["MAX_EVENT_ARGS_CHARS", "ApprovalStore"]
 
@@ -35,15 +34,8 @@ class ApprovalStore(Part):
     @translate_redis_errors
     def save_approval(self, approval: Approval) -> None:
         """The approval, on the pending list, and its `approval.requested` event in the tree's outbox, in one
-        MULTI: a waiting approval is never without its notice (docs/webhooks.md)."""
-        key = self.keys.approval(approval.root_id, approval.id)
-
-        fields_set = [cast(ScriptArg, part) for pair in _encode_record(approval.model_dump()).items() for part in pair]
-        writes: list[Command] = [
-            ("HSET", key, *fields_set), ("EXPIRE", key, self.retention_s),
-            ("ZADD", self.keys.approvals(), approval.created_at, approval.id),
-        ]  # fmt: skip
-
+        step (save_approval.lua): a waiting approval is never without its notice (docs/webhooks.md), and the
+        same approval saved again (a call sent again after its reply was lost) sends it once."""
         arguments = json.dumps(approval.args, ensure_ascii=False)
         if len(arguments) > MAX_EVENT_ARGS_CHARS:
             arguments = arguments[: MAX_EVENT_ARGS_CHARS - 1] + "…"
@@ -51,11 +43,15 @@ class ApprovalStore(Part):
             "approval_id": approval.id, "tool": approval.tool, "arguments": arguments,
             "deadline": approval.deadline, "todo": approval.todo_content,
         }  # fmt: skip
-        event = OutboxAdd(
-            outbox=outbox_keys(self.keys, approval.root_id), task_id=approval.task_id, event_type="approval.requested",
-            now=approval.created_at, retention_s=self.retention_s, fields=json.dumps(fields),
+        self.scripts(
+            SaveApproval(
+                approval=self.keys.approval(approval.root_id, approval.id), pending=self.keys.approvals(),
+                outbox=outbox_keys(self.keys, approval.root_id), approval_id=approval.id,
+                created_at=approval.created_at, retention_s=self.retention_s, task_id=approval.task_id,
+                event_fields=json.dumps(fields),
+                record=[str(part) for pair in _encode_record(approval.model_dump()).items() for part in pair],
+            )
         )  # fmt: skip
-        self.scripts.then_read(event, writes, writes=True)  # never the approval without its notice
 
     @translate_redis_errors
     def get_approval(self, approval_id: str) -> Approval:

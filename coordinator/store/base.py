@@ -483,7 +483,7 @@ class Scripts:
         script_keys, script_args = call.pack()
         queue_script(pipe, self._scripts[call.script], script_keys, script_args, by_text=True)
 
-    def then_read(self, call: Call[R], reads: Sequence[Command], *, writes: bool = False) -> tuple[R, list[Any]]:
+    def then_read(self, call: Call[R], reads: Sequence[Command]) -> tuple[R, list[Any]]:
         """One call of a script (not an acknowledged one), then the commands `reads` in the same transaction: one
         MULTI/EXEC, one round trip (`round_trip`), nothing between, so the reads see the state the script left.
         Their replies come as the server sent them (`hash_reply` makes a dict of an HGETALL's).
@@ -492,9 +492,9 @@ class Scripts:
         string and then a reply again, which cost start_run more than the rest of its work
         (docs/benchmarks.md). A server that does not know the script (restarted, or a replica just
         promoted) answers NOSCRIPT inside the transaction, where nothing of the script ran: the
-        transaction is sent again with the script's text (`queue_script`). Commands that `writes` would
-        commit beside that NOSCRIPT, without the script's own writes until the second send: the script
-        goes by its text from the start then, as `queue_in` sends one.
+        transaction is sent again with the script's text (`queue_script`). `reads` only read: a write
+        beside the script would commit on that NOSCRIPT without the script's own writes (a step that writes
+        several things writes them all in its script, as save_approval.lua does).
         """
         if CALLS[call.script].acknowledged:
             raise TypeError(f"{call.script}.lua is acknowledged: send it alone, with its WAIT")
@@ -505,7 +505,7 @@ class Scripts:
             command = script_command(script, script_keys, script_args, by_text=by_text)
             return round_trip(self._client, [command, *reads], transaction=True)
 
-        reply, *read = send(True) if writes else by_sha_then_text(send)
+        reply, *read = by_sha_then_text(send)
         return call.decode(reply), read
 
 

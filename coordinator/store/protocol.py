@@ -462,23 +462,6 @@ class Admit(
 
 
 @dataclass(frozen=True, kw_only=True)
-class AppendIfLeased(
-    Call[bool],
-    script="append_if_leased",
-    returns="1 when appended, 0 when the lease is no longer this run's.",
-):
-    lease: str = key("the lease")
-    conversation: str = key("the conversation list")
-    token: str = arg("the run's token")
-    retention_s: int = arg("retention, s")
-    messages: Sequence[str] = args("the messages")
-
-    @classmethod
-    def decode(cls, raw: Any) -> bool:
-        return bool(raw)
-
-
-@dataclass(frozen=True, kw_only=True)
 class ApplyChildren(
     Call[int],
     script="apply_children",
@@ -1065,6 +1048,28 @@ class ClaimResume(
     @classmethod
     def decode(cls, raw: Any) -> int:
         return int(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveApproval(
+    Call[bool],
+    script="save_approval",
+    uses=("outbox_add",),
+    returns="1 when saved, 0 when it was saved before.",
+):
+    approval: str = key("the approval hash")
+    pending: str = key("the pending-approvals zset")
+    outbox: OutboxKeys = splice("the tree's outbox (outbox_add's {side})")
+    approval_id: str = arg("approval id")
+    created_at: float = arg("created at: the event's time and the pending list's score")
+    retention_s: int = arg("retention seconds")
+    task_id: str = arg("the task whose tool call waits")
+    event_fields: str = arg("the event's own fields, a JSON object")
+    record: Sequence[str] = args("the record's fields and values, in pairs")
+
+    @classmethod
+    def decode(cls, raw: Any) -> bool:
+        return bool(raw)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,6 @@ from coordinator.store.base import (
     translate_redis_errors,
 )
 from coordinator.store.fields import JSON_FIELDS, TaskField
-from coordinator.store.protocol import AppendIfLeased
 
 __all__ = ["RecordStore", "decode_record", "stored_fields"]
 
@@ -276,30 +275,6 @@ class RecordStore(Part):
             except json.JSONDecodeError:
                 raise CorruptError(f"UI message {index} of task {task_id} is corrupt") from None
         return messages
-
-    @translate_redis_errors
-    def append_conversation(self, task_id: str, entries: Sequence[str], lease_token: str | None = None) -> bool:
-        """Append model messages (one JSON entry each) to the task's conversation, atomically.
-
-        With `lease_token`, only while that run still holds the task's lease (fencing);
-        returns False when it does not, and nothing is written.
-        """
-        if not entries:
-            return True
-        root = root_of(task_id)
-        key = self.keys.conversation(root, task_id)
-        if lease_token is not None:
-            return self.scripts(
-                AppendIfLeased(
-                    lease=self.keys.lease(root, task_id), conversation=key, token=lease_token,
-                    retention_s=self.retention_s, messages=entries,
-                )
-            )  # fmt: skip
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.rpush(key, *entries)
-            pipe.expire(key, self.retention_s)
-            pipe.execute()
-        return True
 
     @translate_redis_errors
     def conversation(self, task_id: str) -> list[str]:
