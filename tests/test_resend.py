@@ -13,6 +13,7 @@ its retry sends the same bytes again on a new one. The step must know itself and
 from __future__ import annotations
 
 import json
+import secrets
 import select
 import socket
 import time
@@ -26,11 +27,13 @@ from redis.retry import Retry
 
 from coordinator import Coordinator, TaskStatus, ids, writeback
 from coordinator.celery_app import make_app
-from coordinator.models import Approval, RunWrites, ToolCallDone
+from coordinator.models import AdmissionLimits, Approval, RunWrites, ToolCallDone
 from coordinator.ports.steps import Ended
 from coordinator.redis_clients import FAILOVER_ERRORS
 from coordinator.runs import Run
 from coordinator.store import Store
+from coordinator.store.fair import NO_FAIR_SHARES, FairShares
+from coordinator.store.fields import TaskField
 from tests.agents import STEP_COST_MICROS, agent, reply
 from tests.helpers import script, usage_step
 from workers.runtime.context import Runtime, build_runtime
@@ -355,3 +358,71 @@ def test_an_approvals_request_sent_again_after_it_ran_sends_its_event_once(
     assert len(requested) == 1, coord.store.outbox.deliveries(root.id)
     assert coord.store.approvals.get_approval(approval.id).status == "pending"
     assert approval.id in coord.store.approvals.pending_approval_ids()
+
+
+def test_a_delayed_start_sent_again_after_it_ran_reserves_one_stagger(
+    idle_coordinator: Coordinator, lost: LostReplies
+) -> None:
+    coord, stagger = idle_coordinator, AdmissionLimits(stagger_ms=60_000)
+    _retrying(coord.store)
+    parent = coord.create_task("three children", todos="[ ] a\n[ ] b\n[ ] c")
+    specs = [{"description": d, "message": "m"} for d in "abc"]
+    first, second, third = coord.delegate(parent.id, specs).child_ids
+
+    def start(task_id: str) -> Any:
+        return coord.store.runs.begin_run(task_id, secrets.token_hex(8), 60, 30, stagger, NO_FAIR_SHARES)
+
+    assert start(first).verdict == "run"
+    lost.lose(_sha(coord.store, "start_run"))
+
+    # Before, the resend reserved the tree's next start a second time: it waited two staggers, and every later
+    # start of the tree one more.
+    delayed = start(second)
+
+    assert lost.lost == 1
+    assert delayed.verdict == "delay" and 0 < delayed.delay_ms <= 60_000
+    later = start(third)
+    assert later.verdict == "delay" and 60_000 < later.delay_ms <= 120_000, "one stagger after the second"
+
+
+def test_a_parked_start_sent_again_after_it_ran_gives_one_slot_away(
+    idle_coordinator: Coordinator, lost: LostReplies
+) -> None:
+    """b (weight 1) holds 3 slots, a (weight 3) 1 with two parked: b's next arrival parks and gives its slot to
+    a's first parked run, once."""
+    coord = Coordinator(idle_coordinator.settings.model_copy(update={"key_prefix": f"subqfair{secrets.token_hex(3)}"}))
+    store, shares = coord.store, FairShares(on=True, capacity=8)
+    _retrying(store)
+    try:
+        store.convergence.renew_leases([], 30, "w1")
+        store.fair.beat("w1", shares.capacity, 30, {"a": (3, 0), "b": (1, 0), "*": (1, 0)})
+
+        def children(tenant: str, n: int) -> list[str]:
+            root = coord.create_task(f"{tenant} root")
+            coord.client.hset(store.keys.task(root.id, root.id), TaskField.TENANT, tenant)
+            return coord.delegate(
+                root.id, [{"description": f"{tenant}{i}", "message": "m"} for i in range(n)]
+            ).child_ids
+
+        def start(task_id: str) -> Any:
+            return store.runs.begin_run(task_id, secrets.token_hex(8), 60, 30, AdmissionLimits(), shares)
+
+        b_runs = children("b", 4)
+        assert [start(t).verdict for t in b_runs[:3]] == ["run"] * 3
+        a_runs = children("a", 3)
+        store.fair.announce("a", a_runs)  # published: a's demand
+        assert start(a_runs[0]).verdict == "run"
+        store.client.zadd(store.keys.tenant_parked("a"), {a_runs[1]: 0, a_runs[2]: 1})  # as their starts park them
+        lost.lose(_sha(store, "start_run"))
+
+        # Before, the resend parked again and gave a second slot away (a_runs[2]), while the first one given it
+        # went with the lost reply and waited, unpublished, for the reconciler.
+        parked = start(b_runs[3])
+
+        assert lost.lost == 1
+        assert (parked.verdict, parked.parked_for, parked.admitted) == ("park", "share", [a_runs[1]])
+        assert store.fair.counts("a").running == 2, "one slot given away"
+    finally:
+        for key in coord.client.scan_iter(store.keys.all_pattern()):
+            coord.client.delete(key)
+        coord.close()

@@ -115,7 +115,8 @@ class TaskField:
     PROVIDER_WAIT_SINCE_MS: Final = "provider_wait_since_ms"
     REPAIRS: Final = "repairs"  # runs the reconciler published again after one was lost (a count)
     # A step sent again by the connection after it ran (its reply lost) knows itself by these, and writes
-    # nothing twice: the token of the run that started last (start_run), the last step a run wrote,
+    # nothing twice: the token of the run that started last (start_run; `<token> delay <ms>` or
+    # `<token> park 0 <why> <task given the slot>` for a start that waited, its answer), the last step a run wrote,
     # `<token> <now>` (flush_run, record_tool, end_run), and what its end answered that the record does
     # not say, `<now>:<closed>:<resumes>:<resume>:<batch mode>:<admitted ids>` (end_run:
     # that end's `now`, so an earlier end's, of a task retried since, is never read as this one's).

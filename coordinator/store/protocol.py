@@ -1241,7 +1241,7 @@ class StartRun(
     "'missing', 'other' (not an agent's, ended or delegated: the caller takes its slow path), 'leased' (another "
     "run holds the lease), 'wait' (queued on the admission list for a slot), 'delay' (the counts are {ms to "
     "wait}) or 'park' (parked for a slot of its tenant; the counts are {0, why: 'max_running', 'share' or "
-    "'fleet', the task id given the slot instead or ''}).",
+    "'fleet', the task id given the slot instead or ''}); a 'delay' or 'park' sent again answers as it did.",
 ):
     task: str = key("task hash")
     lease: str = key("lease")

@@ -54,7 +54,7 @@
 --   agent's, ended or delegated: the caller takes its slow path), 'leased' (another run holds the lease),
 --   'wait' (queued on the admission list for a slot), 'delay' (the counts are {ms to wait}) or 'park'
 --   (parked for a slot of its tenant; the counts are {0, why: 'max_running', 'share' or 'fleet', the task
---   id given the slot instead or ''}).
+--   id given the slot instead or ''}); a 'delay' or 'park' sent again answers as it did.
 -- Only the fields this step decides on (the record goes to the caller by its own read, see above).
 local task = redis.call('HMGET', KEYS[1], 'id', 'status', 'runner', 'parent_id', 'depth', 'deliveries', 'run_seq',
   'timeline', 'budget_micros', 'total_cost_micros', 'budget_chain', 'ancestors', 'prompt', 'tenant', 'priority',
@@ -94,10 +94,21 @@ local function budget_reached()
   end
   return exhausted
 end
-if task[16] == ARGV[1] and redis.call('GET', KEYS[2]) == ARGV[1] then
-  -- This very start again: its reply was lost and the connection sent it again (a token is one run's). It
-  -- ran: answer it from what it wrote, and write nothing twice (no second delivery, admission or prompt).
-  return {'run', {tonumber(task[6]), tonumber(task[7]), budget_reached()}}
+local held = task[16]
+if held and string.sub(held, 1, #ARGV[1]) == ARGV[1] then
+  -- This very start again: its reply was lost and the connection sent it again (a token is one start's).
+  if held == ARGV[1] then
+    if redis.call('GET', KEYS[2]) == ARGV[1] then
+      -- It ran: answer it from what it wrote, and write nothing twice (no second delivery, admission or prompt).
+      return {'run', {tonumber(task[6]), tonumber(task[7]), budget_reached()}}
+    end
+  else
+    -- It waited (below): the same answer, with no second stagger reserved and no second slot given away.
+    local verdict, count, why, given = string.match(held, '^%S+ (%a+) (%d+) ?(%S*) ?(%S*)$')
+    if verdict then
+      return {verdict, {tonumber(count), why, given}}
+    end
+  end
 end
 local per_parent, per_tree, stagger = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 if parent_id and parent_id ~= '' and (per_parent > 0 or per_tree > 0 or stagger > 0) then
@@ -105,10 +116,18 @@ if parent_id and parent_id ~= '' and (per_parent > 0 or per_tree > 0 or stagger 
   local admitted = admit({KEYS[8], ARGV[12] .. parent_id, KEYS[9], KEYS[10]},
     {id, ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]})
   if admitted[1] ~= 'run' then
-    -- Its timeline waits from now until a slot (or the stagger) lets it start.
+    -- Its timeline waits from now until a slot (or the stagger) lets it start. A delay keeps its answer with
+    -- the start's token (a resend of this step answers it again); a 'wait' is on the admission list once.
     local waited = timeline_add(task[8], tonumber(ARGV[10]), 'wait:admission')
+    local writes = {}
+    if admitted[1] == 'delay' then
+      writes = {'run_token', ARGV[1] .. ' delay ' .. admitted[2]}
+    end
     if waited then
-      redis.call('HSET', KEYS[1], 'timeline', waited)
+      writes[#writes + 1], writes[#writes + 2] = 'timeline', waited
+    end
+    if #writes > 0 then
+      redis.call('HSET', KEYS[1], unpack(writes))
     end
     return {admitted[1], {admitted[2]}}
   end
@@ -120,8 +139,12 @@ if fair then
     ARGV[15], ARGV[16], ARGV[17], ARGV[20], ARGV[21], ARGV[11], ARGV[18], ARGV[19]})
   if shared[1] ~= 'run' then
     local waited = timeline_add(task[8], tonumber(ARGV[10]), 'wait:admission')
+    -- Kept with the token, as a delay: a resend must not give a second parked run the slot.
+    local answer = ARGV[1] .. ' park 0 ' .. shared[2] .. ' ' .. shared[3]
     if waited then
-      redis.call('HSET', KEYS[1], 'timeline', waited)
+      redis.call('HSET', KEYS[1], 'run_token', answer, 'timeline', waited)
+    else
+      redis.call('HSET', KEYS[1], 'run_token', answer)
     end
     return {'park', {0, shared[2], shared[3]}}
   end
