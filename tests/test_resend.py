@@ -123,6 +123,27 @@ def running(idle_coordinator: Coordinator, rt: Runtime) -> Run:
     return _started(rt, child_id)
 
 
+def _risky_call(root_id: str) -> Approval:
+    """An approval of the root's tool call, as a worker parks a risky call."""
+    return Approval(
+        id=ids.new_approval_id(root_id), task_id=root_id, root_id=root_id, tool="run_command",
+        args={"command": "make deploy"}, tool_call_id="call-1", created_at=time.time(), deadline=time.time() + 600,
+    )  # fmt: skip
+
+
+def _closes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, bool]]:
+    """The closes whose caller went on to resume the parent (writeback.resumed), as they were told."""
+    closes: list[tuple[str, int, bool]] = []
+    close = writeback.resumed
+
+    def closed(plane: Any, parent: str, resumes: int, resume: bool) -> bool:
+        closes.append((parent, resumes, resume))
+        return close(plane, parent, resumes, resume)
+
+    monkeypatch.setattr(writeback, "resumed", closed)
+    return closes
+
+
 def _ui_texts(coord: Coordinator, task_id: str) -> list[str]:
     return [str(m.get("text", "")) for m in coord.store.records.ui_messages(task_id)]
 
@@ -188,14 +209,7 @@ def test_an_end_sent_again_after_it_ran_answers_as_it_did(
 ) -> None:
     coord = idle_coordinator
     parent_id, child_id = _child(coord, agent(reply("done")))
-    closes: list[str] = []
-    close = writeback.resumed
-
-    def closed(plane: Any, parent: str, resumes: int, resume: bool) -> bool:
-        closes.append(parent)
-        return close(plane, parent, resumes, resume)
-
-    monkeypatch.setattr(writeback, "resumed", closed)
+    closes = _closes(monkeypatch)
     lost.lose(_sha(rt.coordinator.store, "end_run"))
 
     # Before, the resend found the lease gone and answered 'fenced': the run raised LeaseLost, and its
@@ -204,44 +218,35 @@ def test_an_end_sent_again_after_it_ran_answers_as_it_did(
 
     assert lost.lost == 1
     assert result.status == "completed" and result.cost_micros == STEP_COST_MICROS
-    assert closes == [parent_id], "the end's caller heard the batch closed, and sent what follows"
+    assert [parent for parent, _, _ in closes] == [parent_id], "the end's caller heard the batch closed, and sent on"
     assert coord.get_todos(parent_id)[0].cost_micros == STEP_COST_MICROS, "written back once"
     assert coord.get_task(parent_id).total_cost_micros == STEP_COST_MICROS
     assert coord.store.records.task_fields(child_id)["deliveries"] == "1"
 
 
-def test_a_decision_sent_again_after_it_ran_stands_for_its_caller(
-    idle_coordinator: Coordinator, lost: LostReplies
+# The decision's own step; and the resume's claim it makes next (claim_resume.lua).
+@pytest.mark.parametrize("step", ["decide", "claim_resume"])
+def test_a_decision_sent_again_after_it_ran_stands_and_resumes_the_task_once(
+    idle_coordinator: Coordinator, lost: LostReplies, step: str
 ) -> None:
     coord = idle_coordinator
     _retrying(coord.store)
     root = coord.create_task("asks first", run=False)
-    approval = Approval(  # as a worker parks a risky call
-        id=ids.new_approval_id(root.id), task_id=root.id, root_id=root.id, tool="run_command",
-        args={"command": "make deploy"}, tool_call_id="call-1", created_at=time.time(), deadline=time.time() + 600,
-    )  # fmt: skip
+    approval = _risky_call(root.id)
     coord.store.approvals.save_approval(approval)
-    lost.lose(_sha(coord.store, "decide"))
+    lost.lose(_sha(coord.store, step))
 
-    decided = coord.decide(approval.id, "approve")  # before: StateError "Approval ... was already approved"
+    # Before, a decision's resend answered "already approved" (StateError) to the person who made it; a
+    # claim's (HSETNX) answered 'claimed' to itself and the resume waited for the reconciler, and its count
+    # (HINCRBY, sent on its own) counted a resend twice.
+    decided = coord.decide(approval.id, "approve")
 
     assert lost.lost == 1
     assert decided.status == "approved"
     decisions = [f for _, f in coord.store.events.read_events(root.id) if f.get("type") == "approval"]
     assert [f["status"] for f in decisions] == ["approved"], "decided once"
-
-
-def _closes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, bool]]:
-    """The closes whose caller went on to resume the parent (writeback.resumed), as they were told."""
-    closes: list[tuple[str, int, bool]] = []
-    close = writeback.resumed
-
-    def closed(plane: Any, parent: str, resumes: int, resume: bool) -> bool:
-        closes.append((parent, resumes, resume))
-        return close(plane, parent, resumes, resume)
-
-    monkeypatch.setattr(writeback, "resumed", closed)
-    return closes
+    assert coord.client.llen(coord.settings.queue) == 1, "its resumed run was published, once"
+    assert coord.store.records.task_fields(root.id)["resumes"] == "1"
 
 
 def test_a_publish_claim_sent_again_after_it_ran_publishes_the_batch(
@@ -274,28 +279,6 @@ def test_a_chain_steps_publish_claim_sent_again_after_it_ran_publishes_the_step(
 
     assert lost.lost == 1
     assert coord.client.llen(coord.settings.queue) == 2, "the second step was published, once"
-
-
-def test_an_approvals_resume_claim_sent_again_after_it_ran_resumes_the_task_once(
-    idle_coordinator: Coordinator, lost: LostReplies
-) -> None:
-    coord = idle_coordinator
-    _retrying(coord.store)
-    root = coord.create_task("asks first", run=False)
-    approval = Approval(
-        id=ids.new_approval_id(root.id), task_id=root.id, root_id=root.id, tool="run_command",
-        args={"command": "make deploy"}, tool_call_id="call-1", created_at=time.time(), deadline=time.time() + 600,
-    )  # fmt: skip
-    coord.store.approvals.save_approval(approval)
-    lost.lose(_sha(coord.store, "claim_resume"))
-
-    # Before, the claim (HSETNX) answered 'claimed' to its own resend and the resume waited for the
-    # reconciler; and its count (HINCRBY, sent on its own) counted a resend twice.
-    coord.decide(approval.id, "approve")
-
-    assert lost.lost == 1
-    assert coord.client.llen(coord.settings.queue) == 1, "its resumed run was published, once"
-    assert coord.store.records.task_fields(root.id)["resumes"] == "1"
 
 
 def test_a_close_sent_again_after_it_ran_resumes_the_parent(
@@ -345,10 +328,7 @@ def test_an_approvals_request_sent_again_after_it_ran_sends_its_event_once(
     coord = idle_coordinator
     _retrying(coord.store)
     root = coord.create_task("asks first", webhooks=[{"url": "https://example.com/hook"}])
-    approval = Approval(  # as a worker parks a risky call
-        id=ids.new_approval_id(root.id), task_id=root.id, root_id=root.id, tool="run_command",
-        args={"command": "make deploy"}, tool_call_id="call-1", created_at=time.time(), deadline=time.time() + 600,
-    )  # fmt: skip
+    approval = _risky_call(root.id)
     lost.lose(_sha(coord.store, "save_approval"))
 
     coord.store.approvals.save_approval(approval)  # before: a MULTI whose resend wrote the event again
