@@ -17,11 +17,12 @@ the new master rather than failing its task. A step sent again after a connectio
 error that came before it ran (a refused connect, READONLY, NOREPLICAS, the
 health check) changes nothing; one whose own reply was lost after it ran (the
 master killed right after, a read timeout) arrives a second time. A run's steps
-(start, flush, tool step, end) and a decision know their own resend and answer it
-as they did the first time, writing nothing twice (coordinator/store/fields.py:
-`run_token`, `last_step`, `end_reply`; tests/test_resend.py); a transaction is
-re-validated by its WATCH; the steps not covered are docs/architecture.md's known
-gaps. A step's WAIT, read after its reply, never sends it again (`store/base.py`'s
+(start, flush, tool step, end), a decision, an approval's request, the once-only
+claims, a batch's close, a stop, a retry and a slot's release know their own resend
+and answer it as they did the first time, writing nothing twice
+(coordinator/store/fields.py: `run_token`, `last_step`, `end_reply`, ...;
+tests/test_resend.py); a transaction is re-validated by its WATCH; what is left is
+docs/architecture.md's known gaps. A step's WAIT, read after its reply, never sends it again (`store/base.py`'s
 `read_wait`).
 
 A connection to the master is checked to be one (`ROLE`) before its first command:

@@ -406,3 +406,99 @@ def test_a_parked_start_sent_again_after_it_ran_gives_one_slot_away(
         for key in coord.client.scan_iter(store.keys.all_pattern()):
             coord.client.delete(key)
         coord.close()
+
+
+def test_a_cancel_sent_again_after_it_ran_stops_and_writes_back_its_subtree(
+    idle_coordinator: Coordinator, lost: LostReplies, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    coord = idle_coordinator
+    _retrying(coord.store)
+    parent_id, child_id = _child(coord, agent(reply("never runs")))
+    closes = _closes(monkeypatch)
+    lost.lose(_sha(coord.store, "stop_tasks"))
+
+    # Before, the resend found the child cancelled and answered 'none stopped now': the cancel returned early,
+    # revoked nothing, and its parent's batch was not written back until the reconciler came by.
+    cancelled = coord.cancel(child_id, "not needed")
+
+    assert lost.lost == 1
+    assert cancelled.status == TaskStatus.CANCELLED
+    assert [parent for parent, _, _ in closes] == [parent_id], "the child's batch was closed for its parent"
+    statuses = [f for _, f in coord.store.events.read_events(parent_id) if f.get("type") == "task_status"]
+    assert [(f["task_id"], f["status"]) for f in statuses] == [(child_id, "cancelled")], "stopped once"
+
+
+def test_a_retry_sent_again_after_it_ran_answers_as_it_did(idle_coordinator: Coordinator, lost: LostReplies) -> None:
+    coord = idle_coordinator
+    _retrying(coord.store)
+    root = coord.create_task(agent({"fail": "refused once"}), run=True)
+    runtime = build_runtime(coord.settings, make_app(coord.settings))
+    try:
+        assert run_child(runtime, root.id).status == "failed"
+    finally:
+        runtime.coordinator.close()
+    coord.client.delete(coord.settings.queue)
+    lost.lose(_sha(coord.store, "retry"))
+
+    # Before, the resend found the task active and was refused: the person who retried it read "only a failed
+    # task can be retried", and its run waited for the reconciler.
+    retried = coord.retry(root.id)
+
+    assert lost.lost == 1
+    assert retried.retried == [root.id]
+    assert coord.get_task(root.id).status == TaskStatus.ACTIVE
+    assert coord.store.records.task_fields(root.id)["retries"] == "1", "retried once"
+    assert coord.client.llen(coord.settings.queue) == 1, "its run was published, once"
+
+
+def test_a_slots_release_sent_again_after_it_ran_admits_the_waiting_run_for_its_caller(
+    idle_coordinator: Coordinator, lost: LostReplies
+) -> None:
+    """A run that releases its worker (delegated, waiting for a decision) frees its slot with release_slot alone."""
+    coord, one_each = idle_coordinator, AdmissionLimits(per_parent=1)
+    _retrying(coord.store)
+    parent = coord.create_task("two children", todos="[ ] a\n[ ] b")
+    first, second = coord.delegate(parent.id, [{"description": d, "message": "m"} for d in "ab"]).child_ids
+    runs = coord.store.runs
+    assert runs.begin_run(first, secrets.token_hex(8), 60, 30, one_each, NO_FAIR_SHARES).verdict == "run"
+    assert runs.begin_run(second, secrets.token_hex(8), 60, 30, one_each, NO_FAIR_SHARES).verdict == "wait"
+    lost.lose(_sha(coord.store, "release_slot"))
+
+    # Before, the resend found the waiting run gone from the list and admitted nothing: its run was never
+    # published, and waited for the reconciler.
+    admitted = runs.release_slot(coord.get_task(first), one_each)
+
+    assert lost.lost == 1
+    assert admitted == [second]
+
+
+def test_a_fleet_slots_release_sent_again_after_it_ran_gives_the_parked_run_for_its_caller(
+    idle_coordinator: Coordinator, lost: LostReplies
+) -> None:
+    coord = Coordinator(idle_coordinator.settings.model_copy(update={"key_prefix": f"subqfair{secrets.token_hex(3)}"}))
+    store, shares = coord.store, FairShares(on=True, capacity=1)
+    _retrying(store)
+    try:
+        store.convergence.renew_leases([], 30, "w1")
+        store.fair.beat("w1", shares.capacity, 30, {"*": (1, 0)})
+        root = coord.create_task("a root")
+        first, second = coord.delegate(root.id, [{"description": d, "message": "m"} for d in "ab"]).child_ids
+
+        def start(task_id: str) -> Any:
+            return store.runs.begin_run(task_id, secrets.token_hex(8), 60, 30, AdmissionLimits(), shares)
+
+        assert start(first).verdict == "run"
+        parked = start(second)
+        assert (parked.verdict, parked.parked_for) == ("park", "fleet"), "the fleet's one slot is held"
+        lost.lose(_sha(store, "fair_release"))
+
+        # Before, the resend found the slot already given and gave nothing: the parked run held it, unpublished,
+        # until the reconciler came by.
+        given = store.fair.release(first, shares)
+
+        assert lost.lost == 1
+        assert given == [second]
+    finally:
+        for key in coord.client.scan_iter(store.keys.all_pattern()):
+            coord.client.delete(key)
+        coord.close()

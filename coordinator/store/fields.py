@@ -123,6 +123,11 @@ class TaskField:
     RUN_TOKEN: Final = "run_token"
     LAST_STEP: Final = "last_step"
     END_REPLY: Final = "end_reply"
+    RETRIED_AT: Final = "retried_at"  # the last retry's `now`: the same retry sent again knows itself (retry)
+    # What a release of the task's slot gave to waiting runs, `<now> <id>,<id>...` (release_slot; fair_release,
+    # its `now` in ms): the same release sent again answers the same ids.
+    RELEASE_REPLY: Final = "release_reply"
+    FAIR_RELEASE_REPLY: Final = "fair_release_reply"
     RESUMED_PREFIX: Final = "resumed:"  # `resumed:<approval id>`: once-only resume claim, "<token> <resumes>"
     BATCH_MODE: Final = "batch_mode"  # a child's batch's mode, written with the child (end_run)
     # JSON list of the ancestors with a budget, root first; absent on records written before

@@ -708,7 +708,7 @@ class FairRelease(
     Call[list[str]],
     script="fair_release",
     uses=("fair_score", "fair_take"),
-    returns="the ids given a slot (the caller publishes their runs).",
+    returns="the ids given a slot (the caller publishes their runs; by this very call, when it is sent again).",
 ):
     fair: FairKeys = splice("the fleet-wide keys of fair shares", expand=True)
     task_id: str = arg("task id")
@@ -1090,7 +1090,8 @@ class ReleaseLease(
 class ReleaseSlot(
     Call[list[str]],
     script="release_slot",
-    returns="the ids admitted now (removed from the list, added to the running sets).",
+    returns="the ids admitted now (removed from the list, added to the running sets; by this very call, when it "
+    "is sent again).",
 ):
     running: str = key("the tree's running set")
     admission: str = key("the tree's admission list")
@@ -1166,9 +1167,9 @@ class Retry(
     Call[list[int] | RetryRefused],
     script="retry",
     acknowledged=True,
-    returns="{'retried', {retry count of each task, in order}} or {'refused', id, why, detail}: why is "
-    "'missing', 'status' (detail: the status), 'caller', 'budget' (detail: the error), 'leased', 'batch' "
-    "(detail: the batch's status), 'chain' or 'conversation' (it changed).",
+    returns="{'retried', {retry count of each task, in order}} (also to this very retry sent again after it "
+    "ran) or {'refused', id, why, detail}: why is 'missing', 'status' (detail: the status), 'caller', 'budget' "
+    "(detail: the error), 'leased', 'batch' (detail: the batch's status), 'chain' or 'conversation' (it changed).",
 ):
     due: str = key("the due list")
     live: str = key("tree live hash")
@@ -1302,7 +1303,7 @@ class StopTasks(
     script="stop_tasks",
     uses=("outbox_add",),
     acknowledged=True,
-    returns="the ids of the tasks stopped now.",
+    returns="the ids of the tasks stopped now (by this very call, when it is sent again).",
 ):
     events: str = key("tree events stream")
     live: str = key("tree live hash")

@@ -56,8 +56,16 @@
 -- Every field of the task and of its parent that any part below reads, in one HMGET each
 -- (hashes.lua): the parts read and write them through the cache, written once at the end.
 -- (Not the outcome's fields, which finish_task writes: read only if the task had ended before.)
-hash_prefetch(KEYS[2], fields_and(USAGE_FIELDS, {'batch_id', 'batch_mode', 'todo_id', 'description', 'timeline',
-  'output', 'last_step'}))
+local own_fields = fields_and(USAGE_FIELDS, {'batch_id', 'batch_mode', 'todo_id', 'description', 'timeline',
+  'output', 'last_step'})
+-- (The releases below check what they answered before, when they apply: release_slot, fair_release.)
+if ARGV[11] == '1' then
+  own_fields[#own_fields + 1] = 'release_reply'
+end
+if ARGV[20] == '1' then
+  own_fields[#own_fields + 1] = 'fair_release_reply'
+end
+hash_prefetch(KEYS[2], own_fields)
 -- The parent's fields every child's end reads (the usage roll-up, the write-back); the ones only the batch's
 -- closer reads (close_batch, finish_batch) are read by it, once a batch, not prefetched by every child.
 if KEYS[9] ~= KEYS[2] then

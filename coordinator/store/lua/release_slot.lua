@@ -13,9 +13,21 @@
 -- ARGV[6] str: the prefix of its running-children sets
 -- ARGV[7] int: how many waiting tasks to look at, from the list's head
 -- ARGV[8] float: now (epoch s)
--- Returns the ids admitted now (removed from the list, added to the running sets).
+-- Returns the ids admitted now (removed from the list, added to the running sets; by this very call, when
+--   it is sent again).
 -- (A waiting task's parent, and so its running-children set, is read from its record here:
 -- a tree's keys share one prefix and hash tag, and subq runs on one Redis primary.)
+-- What a release admitted is kept on the released task with its `now` (`release_reply`): this very release sent
+-- again (its reply lost, Sentinel's retry) answers the same ids, so its caller still publishes their runs.
+local own = ARGV[5] .. ARGV[1]
+local kept = hash_get(own, 'release_reply')[1]
+if kept and string.sub(kept, 1, #ARGV[8] + 1) == ARGV[8] .. ' ' then
+  local again = {}
+  for id in string.gmatch(string.sub(kept, #ARGV[8] + 2), '[^,]+') do
+    again[#again + 1] = id
+  end
+  return again
+end
 redis.call('SREM', KEYS[1], ARGV[1])
 redis.call('SREM', KEYS[3], ARGV[1])
 local per_parent, per_tree = tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -41,5 +53,8 @@ for _, id in ipairs(waiting) do
       timeline_mark(ARGV[5] .. id, ARGV[8], 'queued')
     end
   end
+end
+if #admitted > 0 then
+  hash_set(own, 'release_reply', ARGV[8] .. ' ' .. table.concat(admitted, ','))
 end
 return admitted

@@ -23,9 +23,10 @@
 --   for 'wait' how many conversation messages to keep and how many it must have now (else 0, 0)
 -- ARGV[..] then 3 per batch: batch id, 'open' (still running: its slot is re-opened) or 'closed' (re-
 --   opened for its parent, a task to 'wait' here), the parent id
--- Returns {'retried', {retry count of each task, in order}} or {'refused', id, why, detail}: why is
---   'missing', 'status' (detail: the status), 'caller', 'budget' (detail: the error), 'leased', 'batch'
---   (detail: the batch's status), 'chain' or 'conversation' (it changed).
+-- Returns {'retried', {retry count of each task, in order}} (also to this very retry sent again after it
+--   ran) or {'refused', id, why, detail}: why is 'missing', 'status' (detail: the status), 'caller',
+--   'budget' (detail: the error), 'leased', 'batch' (detail: the batch's status), 'chain' or
+--   'conversation' (it changed).
 local now, due_at, retention, maxlen = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local n_tasks, n_batches = tonumber(ARGV[5]), tonumber(ARGV[6])
 local first_batch_key = 4 + 4 * n_tasks
@@ -46,6 +47,21 @@ for j = 1, n_batches do
     key = KEYS[k], lines = KEYS[k + 1], parent = KEYS[k + 2], awaiting = KEYS[k + 3], todos = KEYS[k + 4],
     id = ARGV[a], state = ARGV[a + 1], parent_id = ARGV[a + 2],
   }
+end
+
+-- This very retry again (its reply lost and the call sent again, Sentinel's retry): every task it retried
+-- keeps its `now` (`retried_at`), and it answers as it did, writing nothing twice.
+local again = {}
+for i, t in ipairs(tasks) do
+  local f = hash_get(t.key, 'retried_at', 'retries')
+  if f[1] ~= now then
+    again = nil
+    break
+  end
+  again[i] = tonumber(f[2])
+end
+if again then
+  return {'retried', again}
 end
 
 -- Every check first: a refusal writes nothing.
@@ -109,7 +125,8 @@ for i, t in ipairs(tasks) do
   counts[i] = retries
   local status = t.role == 'wait' and 'delegated' or 'active'
   hash_set(t.key, 'status', status, 'error', '', 'error_class', '', 'error_detail', '', 'summary', '',
-    'finished_at', '', 'updated_at', now, 'deliveries', 0, 'provider_wait_since_ms', '', 'provider_attempts', 0)
+    'finished_at', '', 'updated_at', now, 'deliveries', 0, 'provider_wait_since_ms', '', 'provider_attempts', 0,
+    'retried_at', now)
   hash_expire_later(t.key, retention)
   if t.slot > 0 then
     local b = batches[t.slot]

@@ -14,13 +14,18 @@
 -- ARGV[7] float: now
 -- ARGV[8] int: retention seconds
 -- ARGV[9] int: events max length
--- Returns the ids of the tasks stopped now.
+-- Returns the ids of the tasks stopped now (by this very call, when it is sent again).
 local stopped = {}
 for i = 6, #KEYS do
   local key = KEYS[i]
-  local status = redis.call('HGET', key, 'status')
-  if status and status ~= 'completed' and status ~= 'failed' and status ~= 'cancelled' then
-    local top = (i == 6)
+  local top = (i == 6)
+  local was = redis.call('HMGET', key, 'status', 'finished_at', 'error', 'id')
+  local status = was[1]
+  if was[2] == ARGV[7] and was[3] == (top and ARGV[3] or ARGV[4]) then
+    -- Stopped by this very call (its `now` and its error): sent again after its reply was lost (Sentinel's
+    -- retry), it answers the tasks it stopped, so its caller still revokes them and writes them back.
+    stopped[#stopped + 1] = was[4]
+  elseif status and status ~= 'completed' and status ~= 'failed' and status ~= 'cancelled' then
     local new_status = top and ARGV[1] or ARGV[2]
     redis.call('HSET', key, 'status', new_status, 'error', top and ARGV[3] or ARGV[4],
       'error_class', top and ARGV[5] or ARGV[6], 'updated_at', ARGV[7], 'finished_at', ARGV[7])
@@ -30,7 +35,7 @@ for i = 6, #KEYS do
       redis.call('HSET', key, 'timeline', marked)
     end
     redis.call('EXPIRE', key, ARGV[8])
-    local id = redis.call('HGET', key, 'id')
+    local id = was[4]
     local raw = redis.call('HGET', KEYS[2], id)
     local live = raw and cjson.decode(raw) or {task_id = id}
     live['state'] = new_status
