@@ -10,6 +10,7 @@ worker's beat (its concurrency, the policies), and the reads of the tenants view
 from __future__ import annotations
 
 import functools
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -98,7 +99,7 @@ class FairStore(Part):
         return self.scripts(
             FairRelease(
                 fair=fair_keys(self.keys), task_id=task_id, now_ms=int(time.time() * 1000),
-                retention_s=self.retention_s, args=fair_args(self.keys, shares),
+                retention_s=self.retention_s, args=fair_args(self.keys, shares), call=secrets.token_hex(8),
             )
         )  # fmt: skip
 

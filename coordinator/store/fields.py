@@ -125,7 +125,7 @@ class TaskField:
     END_REPLY: Final = "end_reply"
     RETRIED_AT: Final = "retried_at"  # the last retry's `now`: the same retry sent again knows itself (retry)
     # What a release of the task's slot gave to waiting runs, `<now> <id>,<id>...` (release_slot; fair_release,
-    # its `now` in ms): the same release sent again answers the same ids.
+    # with its call's token for `now`): the same release sent again answers the same ids.
     RELEASE_REPLY: Final = "release_reply"
     FAIR_RELEASE_REPLY: Final = "fair_release_reply"
     RESUMED_PREFIX: Final = "resumed:"  # `resumed:<approval id>`: once-only resume claim, "<token> <resumes>"

@@ -715,6 +715,10 @@ class FairRelease(
     now_ms: int = arg("now ms")
     retention_s: int = arg("retention seconds")
     args: FairArgs = splice("how fair shares are read", expand=True)
+    call: str = arg(
+        "this call's own token, kept with what it gave: only its resend carries it again (none from end_run, whose "
+        "`end_reply` answers its resend)"
+    )
 
     @classmethod
     def decode(cls, raw: Any) -> list[str]:

@@ -58,12 +58,9 @@
 -- (Not the outcome's fields, which finish_task writes: read only if the task had ended before.)
 local own_fields = fields_and(USAGE_FIELDS, {'batch_id', 'batch_mode', 'todo_id', 'description', 'timeline',
   'output', 'last_step'})
--- (The releases below check what they answered before, when they apply: release_slot, fair_release.)
+-- (The slot's release below checks what it answered before, when it applies: release_slot.)
 if ARGV[11] == '1' then
   own_fields[#own_fields + 1] = 'release_reply'
-end
-if ARGV[20] == '1' then
-  own_fields[#own_fields + 1] = 'fair_release_reply'
 end
 hash_prefetch(KEYS[2], own_fields)
 -- The parent's fields every child's end reads (the usage roll-up, the write-back); the ones only the batch's

@@ -22,19 +22,24 @@
 -- ARGV[13] int: how many parked runs one freed slot may give a slot (more when the fleet grew)
 -- ARGV[14] str: the tenant of a record without one
 -- ARGV[15] int: the priority of a record without one
+-- ARGV[16] str: this call's own token, kept with what it gave: only its resend carries it again (none from
+--   end_run, whose `end_reply` answers its resend)
 -- Returns the ids given a slot (the caller publishes their runs; by this very call, when it is sent
 --   again).
-local id, head = ARGV[1], ARGV[5]
--- The runs a release gave a slot are kept on the released task with its `now` (`fair_release_reply`): this
--- very release sent again (its reply lost, Sentinel's retry) answers the same ids, so its caller publishes them.
+local id, head, call = ARGV[1], ARGV[5], ARGV[16] or ''
+-- The runs a release gave a slot are kept on the released task with its call's token (`fair_release_reply`):
+-- this very release sent again (its reply lost, Sentinel's retry) answers the same ids, so its caller
+-- publishes them; a second release of the run, a call of its own, gives nothing more.
 local own = ARGV[9] .. string.sub(id, 1, 16) .. ARGV[10] .. id
-local kept = hash_get(own, 'fair_release_reply')[1]
-if kept and string.sub(kept, 1, #ARGV[2] + 1) == ARGV[2] .. ' ' then
-  local again = {}
-  for given in string.gmatch(string.sub(kept, #ARGV[2] + 2), '[^,]+') do
-    again[#again + 1] = given
+if call ~= '' then
+  local kept = hash_get(own, 'fair_release_reply')[1]
+  if kept and string.sub(kept, 1, #call + 1) == call .. ' ' then
+    local again = {}
+    for given in string.gmatch(string.sub(kept, #call + 2), '[^,]+') do
+      again[#again + 1] = given
+    end
+    return again
   end
-  return again
 end
 local tenant = redis.call('HGET', KEYS[3], id)
 if tenant then
@@ -57,7 +62,7 @@ for _ = 1, tonumber(ARGV[13]) do
   end
   admitted[#admitted + 1] = taken
 end
-if #admitted > 0 then
-  hash_set(own, 'fair_release_reply', ARGV[2] .. ' ' .. table.concat(admitted, ','))
+if call ~= '' and #admitted > 0 then
+  hash_set(own, 'fair_release_reply', call .. ' ' .. table.concat(admitted, ','))
 end
 return admitted
