@@ -469,9 +469,10 @@ def test_a_worker_killed_with_sigkill_takes_its_sandboxed_command_along(tmp_path
         return lines
 
     def started() -> list[psutil.Process] | None:
+        """Every process, once the command itself runs (bwrap's own command line names it from the start)."""
         procs = psutil.Process(worker.pid).children(recursive=True)
         lines = alive(procs)
-        return procs if any(command in line for line in lines) and any("pasta" in line for line in lines) else None
+        return procs if command in lines and any("pasta" in line for line in lines) else None
 
     procs = eventually(started, "the command and pasta to run", timeout_s=60, every_s=0.05)
     worker.kill()  # SIGKILL to the worker alone, not its process group: as the kernel's OOM killer does

@@ -477,7 +477,11 @@ def _start_bwrap(bwrap: list[str], way: _WayOut) -> tuple[subprocess.Popen[bytes
     extra = [*way.args, "--info-fd", str(info_w), "--block-fd", str(block_r)]
     # Before bwrap's own `--`, after its mounts: a mount given before `--ro-bind / /` would be hidden by it.
     split = bwrap.index("--") if "--" in bwrap else len(bwrap)
-    sandbox = subprocess.Popen([*bwrap[:split], *extra, *bwrap[split:]], pass_fds=(info_w, block_r, *way.fds))
+    # Its own death signal from the fork on, as pasta's: bwrap's `--die-with-parent` is set once bwrap runs, and
+    # a SIGKILL of this program before then (a loaded host is slow) left bwrap behind.
+    sandbox = subprocess.Popen(
+        [*bwrap[:split], *extra, *bwrap[split:]], pass_fds=(info_w, block_r, *way.fds), preexec_fn=_die_with_parent
+    )
     for fd in (info_w, block_r, *way.fds):
         os.close(fd)
     return sandbox, info_r, block_w
