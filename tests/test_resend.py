@@ -123,6 +123,16 @@ def running(idle_coordinator: Coordinator, rt: Runtime) -> Run:
     return _started(rt, child_id)
 
 
+@pytest.fixture
+def fair_prefix(idle_coordinator: Coordinator) -> Iterator[Coordinator]:
+    """A coordinator of a key prefix of its own (fair shares' fleet-wide keys are the prefix's), cleaned up after."""
+    coord = Coordinator(idle_coordinator.settings.model_copy(update={"key_prefix": f"subqfair{secrets.token_hex(3)}"}))
+    yield coord
+    for key in coord.client.scan_iter(coord.store.keys.all_pattern()):
+        coord.client.delete(key)
+    coord.close()
+
+
 def _risky_call(root_id: str) -> Approval:
     """An approval of the root's tool call, as a worker parks a risky call."""
     return Approval(
@@ -366,46 +376,39 @@ def test_a_delayed_start_sent_again_after_it_ran_reserves_one_stagger(
 
 
 def test_a_parked_start_sent_again_after_it_ran_gives_one_slot_away(
-    idle_coordinator: Coordinator, lost: LostReplies
+    fair_prefix: Coordinator, lost: LostReplies
 ) -> None:
     """b (weight 1) holds 3 slots, a (weight 3) 1 with two parked: b's next arrival parks and gives its slot to
     a's first parked run, once."""
-    coord = Coordinator(idle_coordinator.settings.model_copy(update={"key_prefix": f"subqfair{secrets.token_hex(3)}"}))
+    coord = fair_prefix
     store, shares = coord.store, FairShares(on=True, capacity=8)
     _retrying(store)
-    try:
-        store.convergence.renew_leases([], 30, "w1")
-        store.fair.beat("w1", shares.capacity, 30, {"a": (3, 0), "b": (1, 0), "*": (1, 0)})
+    store.convergence.renew_leases([], 30, "w1")
+    store.fair.beat("w1", shares.capacity, 30, {"a": (3, 0), "b": (1, 0), "*": (1, 0)})
 
-        def children(tenant: str, n: int) -> list[str]:
-            root = coord.create_task(f"{tenant} root")
-            coord.client.hset(store.keys.task(root.id, root.id), TaskField.TENANT, tenant)
-            return coord.delegate(
-                root.id, [{"description": f"{tenant}{i}", "message": "m"} for i in range(n)]
-            ).child_ids
+    def children(tenant: str, n: int) -> list[str]:
+        root = coord.create_task(f"{tenant} root")
+        coord.client.hset(store.keys.task(root.id, root.id), TaskField.TENANT, tenant)
+        return coord.delegate(root.id, [{"description": f"{tenant}{i}", "message": "m"} for i in range(n)]).child_ids
 
-        def start(task_id: str) -> Any:
-            return store.runs.begin_run(task_id, secrets.token_hex(8), 60, 30, AdmissionLimits(), shares)
+    def start(task_id: str) -> Any:
+        return store.runs.begin_run(task_id, secrets.token_hex(8), 60, 30, AdmissionLimits(), shares)
 
-        b_runs = children("b", 4)
-        assert [start(t).verdict for t in b_runs[:3]] == ["run"] * 3
-        a_runs = children("a", 3)
-        store.fair.announce("a", a_runs)  # published: a's demand
-        assert start(a_runs[0]).verdict == "run"
-        store.client.zadd(store.keys.tenant_parked("a"), {a_runs[1]: 0, a_runs[2]: 1})  # as their starts park them
-        lost.lose(_sha(store, "start_run"))
+    b_runs = children("b", 4)
+    assert [start(t).verdict for t in b_runs[:3]] == ["run"] * 3
+    a_runs = children("a", 3)
+    store.fair.announce("a", a_runs)  # published: a's demand
+    assert start(a_runs[0]).verdict == "run"
+    store.client.zadd(store.keys.tenant_parked("a"), {a_runs[1]: 0, a_runs[2]: 1})  # as their starts park them
+    lost.lose(_sha(store, "start_run"))
 
-        # Before, the resend parked again and gave a second slot away (a_runs[2]), while the first one given it
-        # went with the lost reply and waited, unpublished, for the reconciler.
-        parked = start(b_runs[3])
+    # Before, the resend parked again and gave a second slot away (a_runs[2]), while the first one given it
+    # went with the lost reply and waited, unpublished, for the reconciler.
+    parked = start(b_runs[3])
 
-        assert lost.lost == 1
-        assert (parked.verdict, parked.parked_for, parked.admitted) == ("park", "share", [a_runs[1]])
-        assert store.fair.counts("a").running == 2, "one slot given away"
-    finally:
-        for key in coord.client.scan_iter(store.keys.all_pattern()):
-            coord.client.delete(key)
-        coord.close()
+    assert lost.lost == 1
+    assert (parked.verdict, parked.parked_for, parked.admitted) == ("park", "share", [a_runs[1]])
+    assert store.fair.counts("a").running == 2, "one slot given away"
 
 
 def test_a_cancel_sent_again_after_it_ran_stops_and_writes_back_its_subtree(
@@ -473,32 +476,27 @@ def test_a_slots_release_sent_again_after_it_ran_admits_the_waiting_run_for_its_
 
 
 def test_a_fleet_slots_release_sent_again_after_it_ran_gives_the_parked_run_for_its_caller(
-    idle_coordinator: Coordinator, lost: LostReplies
+    fair_prefix: Coordinator, lost: LostReplies
 ) -> None:
-    coord = Coordinator(idle_coordinator.settings.model_copy(update={"key_prefix": f"subqfair{secrets.token_hex(3)}"}))
+    coord = fair_prefix
     store, shares = coord.store, FairShares(on=True, capacity=1)
     _retrying(store)
-    try:
-        store.convergence.renew_leases([], 30, "w1")
-        store.fair.beat("w1", shares.capacity, 30, {"*": (1, 0)})
-        root = coord.create_task("a root")
-        first, second = coord.delegate(root.id, [{"description": d, "message": "m"} for d in "ab"]).child_ids
+    store.convergence.renew_leases([], 30, "w1")
+    store.fair.beat("w1", shares.capacity, 30, {"*": (1, 0)})
+    root = coord.create_task("a root")
+    first, second = coord.delegate(root.id, [{"description": d, "message": "m"} for d in "ab"]).child_ids
 
-        def start(task_id: str) -> Any:
-            return store.runs.begin_run(task_id, secrets.token_hex(8), 60, 30, AdmissionLimits(), shares)
+    def start(task_id: str) -> Any:
+        return store.runs.begin_run(task_id, secrets.token_hex(8), 60, 30, AdmissionLimits(), shares)
 
-        assert start(first).verdict == "run"
-        parked = start(second)
-        assert (parked.verdict, parked.parked_for) == ("park", "fleet"), "the fleet's one slot is held"
-        lost.lose(_sha(store, "fair_release"))
+    assert start(first).verdict == "run"
+    parked = start(second)
+    assert (parked.verdict, parked.parked_for) == ("park", "fleet"), "the fleet's one slot is held"
+    lost.lose(_sha(store, "fair_release"))
 
-        # Before, the resend found the slot already given and gave nothing: the parked run held it, unpublished,
-        # until the reconciler came by.
-        given = store.fair.release(first, shares)
+    # Before, the resend found the slot already given and gave nothing: the parked run held it, unpublished,
+    # until the reconciler came by.
+    given = store.fair.release(first, shares)
 
-        assert lost.lost == 1
-        assert given == [second]
-    finally:
-        for key in coord.client.scan_iter(store.keys.all_pattern()):
-            coord.client.delete(key)
-        coord.close()
+    assert lost.lost == 1
+    assert given == [second]
