@@ -500,3 +500,21 @@ def test_a_fleet_slots_release_sent_again_after_it_ran_gives_the_parked_run_for_
 
     assert lost.lost == 1
     assert given == [second]
+
+
+def test_a_rate_limits_count_sent_again_after_it_ran_lets_its_request_start(
+    idle_coordinator: Coordinator, lost: LostReplies
+) -> None:
+    coord = idle_coordinator
+    _retrying(coord.store)
+    provider = f"provider-{secrets.token_hex(3)}"
+    lost.lose(_sha(coord.store, "rate_limit"))
+
+    # Before, the resend found the window's one place taken, by this very request, and answered "wait": the
+    # request waited out the window though it was counted.
+    wait_ms = coord.store.runs.wait_for_rate(provider, 1)
+
+    assert lost.lost == 1
+    assert wait_ms == 0
+    assert coord.client.zcard(coord.store.keys.rate(provider)) == 1, "counted once"
+    assert coord.store.runs.wait_for_rate(provider, 1) > 0, "the window's one place is its"
