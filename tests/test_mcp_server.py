@@ -5,7 +5,8 @@ Each scenario (tools/list, run_task, wait_task with progress, the figures agains
 and ownership, the audit log, an approval decided, bad input) runs through both faces: the tools are one
 definition (coordinator/mcp_tools.py), so both must answer alike. Over HTTP each scenario opens its own
 sessions; over stdio each API key has one `subq mcp` process for the module, as an agent keeps one for its
-whole session, and every scenario calls through it (a start is 3.5 s of CPU: one a key, not one a scenario).
+whole session, and every scenario calls through it (a start is 3.5 s of CPU: one a key, not one a scenario);
+a process found dead before a scenario is started again, so one scenario's failure stays its own.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import shlex
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import AbstractAsyncContextManager, ExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, ExitStack, asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -89,17 +90,57 @@ def portal() -> Iterator[BlockingPortal]:
         yield loop
 
 
-@pytest.fixture(scope="module")
-def stdio_sessions(portal: BlockingPortal, stack: tuple[Coordinator, ApiServer]) -> Iterator[dict[str, Client]]:
-    """A `subq mcp` process and its client session for each of STDIO_KEYS, open for the module."""
-    _coord, api = stack
-    with ExitStack() as sessions:
-        opened = {}
+class StdioSessions:
+    """A `subq mcp` process and its client session for each of STDIO_KEYS, open for the module.
+
+    `alive()`, before each scenario, pings every session and opens again one that does not answer: a scenario
+    whose failure took its process down fails alone, and the scenarios after it still test what they say.
+    """
+
+    def __init__(self, portal: BlockingPortal, api_url: str) -> None:
+        self.portal, self.api_url = portal, api_url
+        self.opened: dict[str, tuple[ExitStack, Client]] = {}
+        self.reopened: list[str] = []
         for name in STDIO_KEYS:
-            env = {"PATH": os.environ["PATH"], "SUBQ_API_URL": api.url, "SUBQ_API_TOKEN": TOKENS[name]}
-            params = StdioServerParameters(command=sys.executable, args=["-m", "coordinator", "mcp"], env=env)
-            opened[name] = sessions.enter_context(portal.wrap_async_context_manager(Client(params)))
-        yield opened
+            self._open(name)
+
+    def _open(self, name: str) -> None:
+        env = {"PATH": os.environ["PATH"], "SUBQ_API_URL": self.api_url, "SUBQ_API_TOKEN": TOKENS[name]}
+        params = StdioServerParameters(command=sys.executable, args=["-m", "coordinator", "mcp"], env=env)
+        session = ExitStack()
+        self.opened[name] = session, session.enter_context(self.portal.wrap_async_context_manager(Client(params)))
+
+    def _answers(self, client: Client) -> bool:
+        async def ping() -> None:
+            with anyio.fail_after(REQUEST_TIMEOUT_S):
+                await client.send_ping()
+
+        try:
+            self.portal.call(ping)
+        except Exception:  # a closed stream, a dead process, a timeout: whatever its transport raises
+            return False
+        return True
+
+    def alive(self) -> dict[str, Client]:
+        for name, (session, client) in list(self.opened.items()):
+            if not self._answers(client):
+                with suppress(Exception):  # closing what is already gone
+                    session.close()
+                self.reopened.append(name)
+                self._open(name)
+        return {name: client for name, (_session, client) in self.opened.items()}
+
+    def close(self) -> None:
+        for session, _client in self.opened.values():
+            session.close()
+
+
+@pytest.fixture(scope="module")
+def stdio_sessions(portal: BlockingPortal, stack: tuple[Coordinator, ApiServer]) -> Iterator[StdioSessions]:
+    _coord, api = stack
+    sessions = StdioSessions(portal, api.url)
+    yield sessions
+    sessions.close()
 
 
 def over_stdio(sessions: dict[str, Client]) -> Connect:
@@ -115,7 +156,7 @@ def face(request: pytest.FixtureRequest, stack: tuple[Coordinator, ApiServer]) -
     _coord, api = stack
     if request.param == "http":
         return request.param, over_http(api)
-    return request.param, over_stdio(request.getfixturevalue("stdio_sessions"))
+    return request.param, over_stdio(request.getfixturevalue("stdio_sessions").alive())
 
 
 def run_in(portal: BlockingPortal, main: Callable[[], Awaitable[Any]]) -> Any:
