@@ -126,6 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, help="py-spy's GIL samples of each worker process, to this folder")
     parser.add_argument("--rate", type=int, default=PROFILE_RATE_HZ, help="py-spy's samples a second (100)")
     args = parser.parse_args(argv)
+    if not Path(spy()).exists():  # it names the threads, with or without --profile
+        parser.error("needs py-spy, which names each thread: pip install py-spy (into the venv that runs this)")
     with tempfile.TemporaryDirectory() as tmp, local_redis() as url:
         modes = Modes(url, 16, args.width, Path(tmp) / "probe", Path(tmp) / "logs", processes=args.processes)
         try:
