@@ -55,10 +55,11 @@ def _redis() -> redis.Redis:
 
 # Bound, like subq's own tasks, so both modes pay the same call path.
 @app.task(name=NOOP, bind=True)
-def noop(self: Task, sleep_ms: int = 0) -> float:
+def noop(self: Task, sleep_ms: int = 0) -> list[float]:
+    started = time.time()
     if sleep_ms:  # bare Celery waiting as a subagent waits on its model (bench/overhead.py --latency-ms)
         time.sleep(sleep_ms / 1000)
-    return time.time()
+    return [started, time.time()]
 
 
 @functools.cache
@@ -77,19 +78,24 @@ _model = OfflineModel()
 
 
 @app.task(name=AGENT, bind=True)
-def agent(self: Task, prompt: str) -> float:
+def agent(self: Task, prompt: str) -> list[float]:
+    started = time.time()
     result = _agent().run_sync(prompt, model=_model)
     if not isinstance(result.output, str) or not result.usage.output_tokens:
         raise RuntimeError(f"the baseline agent did not answer: {result.output!r}")
-    return time.time()
+    return [started, time.time()]
 
 
 @app.task(name=JOIN, bind=True, ignore_result=True)
 def join(self: Task, results: Any, done_key: str) -> None:
     # RPUSH what the join saw: the benchmark BLPOPs this key, which wakes it the moment
     # the callback ran, and checks the count; `after_last_ms` is how long after the last
-    # header ended the callback ran (the chord's "parent resumed" latency).
+    # header ended the callback ran (the chord's "parent resumed" latency), and `first_started`
+    # when the first header started (epoch seconds: the bench times it from its own start).
+    # Each header's result is [started, ended].
     now = time.time()
-    ended = [r for r in results if isinstance(r, float)] if isinstance(results, list) else []
-    after_last_ms = (now - max(ended)) * 1000 if ended else -1.0
-    _redis().rpush(done_key, json.dumps({"results": len(ended), "after_last_ms": after_last_ms}))
+    runs = [r for r in results if isinstance(r, list) and len(r) == 2] if isinstance(results, list) else []
+    after_last_ms = (now - max(ended for _, ended in runs)) * 1000 if runs else -1.0
+    first_started = min(started for started, _ in runs) if runs else -1.0
+    done = {"results": len(runs), "after_last_ms": after_last_ms, "first_started": first_started}
+    _redis().rpush(done_key, json.dumps(done))

@@ -108,6 +108,9 @@ class Sample:
     caller_cpu_s: float
     redis_cpu_s: float  # the Redis server's, all of its threads (INFO cpu)
     resumed_after_ms: float
+    # How long after the run's start (before the delegation, or the chord's publish) its first child started:
+    # what the workers wait on before they have work (subq: the delegation's commit; (b): the first message).
+    first_started_ms: float
     by_command: Counter[str] = field(default_factory=Counter)
     server_by_command: Counter[str] = field(default_factory=Counter)
 
@@ -226,6 +229,7 @@ class Modes:
         trips_before, cpu_before = self.trips(pids), sum(process_cpu_s(pid) for pid in pids)
         commands_before, redis_cpu_before = server_commands(self.client), server_cpu_s(self.client)
         started_s, caller_before_s = time.perf_counter(), time.process_time()
+        started_epoch_s = time.time()
         joined = self._subq(width) if mode == "subq" else self._chord(mode, width)
         wall_s, caller_cpu_s = time.perf_counter() - started_s, time.process_time() - caller_before_s
         time.sleep(PROBE_SETTLE_S)
@@ -234,7 +238,7 @@ class Modes:
         commands = server_commands(self.client) - commands_before
         worker_cpu_s = sum(process_cpu_s(pid) for pid in pids) - cpu_before
         redis_cpu_s = server_cpu_s(self.client) - redis_cpu_before
-        resumed_after_ms = joined() if callable(joined) else joined
+        resumed_after_ms, first_started_s = joined() if callable(joined) else joined
         return Sample(
             wall_s=wall_s,
             round_trips=trips.pop("round_trips", 0),
@@ -244,11 +248,13 @@ class Modes:
             caller_cpu_s=caller_cpu_s,
             redis_cpu_s=redis_cpu_s,
             resumed_after_ms=resumed_after_ms,
+            first_started_ms=(first_started_s - started_epoch_s) * 1000,
             by_command=trips,
             server_by_command=commands,
         )
 
-    def _chord(self, mode: str, width: int) -> float:
+    def _chord(self, mode: str, width: int) -> tuple[float, float]:
+        """Publish the chord and wait for its callback; (its resume latency in ms, when its first child started)."""
         done_key = f"bench:done:{uuid.uuid4().hex}"
         if mode == "noop":
             header = [self.bare_app.signature(NOOP, args=(self.latency_ms,), immutable=True) for _ in range(width)]
@@ -261,10 +267,11 @@ class Modes:
         joined = json.loads(reply[1])
         if joined["results"] != width:
             raise BenchError(f"{mode} chord of {width}: the callback saw {joined['results']} results")
-        return float(joined["after_last_ms"])
+        return float(joined["after_last_ms"]), float(joined["first_started"])
 
-    def _subq(self, width: int) -> Callable[[], float]:
-        """Delegate and wait; returns the check (untimed) that gives the resume latency in ms."""
+    def _subq(self, width: int) -> Callable[[], tuple[float, float]]:
+        """Delegate and wait; returns the check (untimed) that gives the resume latency in ms and when the first
+        child started (epoch seconds: its timeline's first `running` mark)."""
         coord = self.coord
         todos = "\n".join(f"[ ] item {index}" for index in range(width))
         parent = coord.create_task("Benchmark parent: delegate every item.", todos=todos)
@@ -272,7 +279,7 @@ class Modes:
         batch = coord.delegate(parent.id, specs)
         status = coord.wait(parent.id, RUN_TIMEOUT_S).status
 
-        def check() -> float:
+        def check() -> tuple[float, float]:
             check_write_back(coord, parent.id, width, status, responses=1 + self.tool_calls)
             ended = [
                 float(coord.store.records.task_field(child_id, "finished_at") or 0) for child_id in batch.child_ids
@@ -280,9 +287,19 @@ class Modes:
             closed = float(self.client.hget(coord.store.keys.batch(parent.root_id, batch.id), "finished_at") or 0)
             if not closed or not all(ended):
                 raise BenchError(f"subq width {width}: the batch or a child has no finished_at")
-            return (closed - max(ended)) * 1000
+            started_ms = [_first_running_ms(coord.store.records.task_field(c, "timeline")) for c in batch.child_ids]
+            return (closed - max(ended)) * 1000, min(started_ms) / 1000
 
         return check
+
+
+def _first_running_ms(timeline: str | None) -> float:
+    """When a task's first run started (epoch ms): its timeline's first `running` mark (coordinator/timeline.py)."""
+    marks = json.loads(timeline or "{}").get("m", [])
+    started = [t_ms for t_ms, state in marks if state == "running"]
+    if not started:
+        raise BenchError("a child's timeline has no running mark")
+    return float(started[0])
 
 
 @dataclass
@@ -311,7 +328,8 @@ def measure(
                 progress(
                     f"{mode}: width {width} run {repeat + 1}/{repeats}: {sample.wall_s * 1000:.0f} ms, "
                     f"{sample.round_trips / width:.1f} round trips/child, {sample.worker_cpu_s * 1000 / width:.2f} "
-                    f"ms CPU/child, resumed {sample.resumed_after_ms:.1f} ms after the last child"
+                    f"ms CPU/child, resumed {sample.resumed_after_ms:.1f} ms after the last child, the first started "
+                    f"{sample.first_started_ms:.0f} ms after the start"
                 )
     return samples
 
@@ -349,6 +367,7 @@ def summarise(samples: dict[str, dict[int, list[Sample]]]) -> list[dict[str, Any
                     "redis_cpu_ms_per_child": round(statistics.median(r.redis_cpu_s for r in runs) * 1000 / width, 2),
                     "resumed_p50_ms": round(percentile([r.resumed_after_ms for r in runs], 0.5), 1),
                     "resumed_p99_ms": round(percentile([r.resumed_after_ms for r in runs], 0.99), 1),
+                    "first_started_ms": round(statistics.median(r.first_started_ms for r in runs), 1),
                     "round_trips_by_command": {name: round(n / width / len(runs), 2) for name, n in top},
                     "server_commands_by_command": {name: round(n / width / len(runs), 2) for name, n in server_top},
                 }
@@ -363,7 +382,8 @@ def print_report(rows: list[dict[str, Any]], scale: dict[str, float], facts: dic
     header = (
         f"{'mode':>6} {'width':>6} {'children/s':>11} {'trips/child':>12} {'by runs':>8} {'timed/s':>8} "
         f"{'cmds/child':>11} "
-        f"{'CPU ms/child':>13} {'caller CPU':>11} {'Redis CPU':>10} {'resumed p50':>12} {'p99 ms':>7}"
+        f"{'CPU ms/child':>13} {'caller CPU':>11} {'Redis CPU':>10} {'resumed p50':>12} {'p99 ms':>7} "
+        f"{'1st start ms':>13}"
     )
     print(header)
     print("-" * len(header))
@@ -373,7 +393,7 @@ def print_report(rows: list[dict[str, Any]], scale: dict[str, float], facts: dic
             f"{r['run_round_trips_per_child']:>8.2f} {r['timed_round_trips_per_s']:>8.1f} "
             f"{r['server_commands_per_child']:>11.1f} {r['worker_cpu_ms_per_child']:>13.2f} "
             f"{r['caller_cpu_ms_per_child']:>11.2f} {r['redis_cpu_ms_per_child']:>10.2f} "
-            f"{r['resumed_p50_ms']:>12.1f} {r['resumed_p99_ms']:>7.1f}"
+            f"{r['resumed_p50_ms']:>12.1f} {r['resumed_p99_ms']:>7.1f} {r['first_started_ms']:>13.1f}"
         )
     print()
     by = {(r["mode"], r["width"]): r for r in rows}
