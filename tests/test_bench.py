@@ -1,0 +1,59 @@
+"""The benchmarks docs/benchmarks.md quotes still run and report what it reads off them.
+
+Each runs as a person runs it, its own command in its own process, at a tiny width, on its own
+embedded Redis and worker fleets. A bench is not run by anything else: `bench/run.py` failed on
+its first chord for as long as the join wrote JSON and the bench read a number, and no one saw.
+The figures themselves are not checked (a test here runs beside the others); that each mode ran
+every child, and the report has its columns, is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+# A bench's fleets start in seconds; a loaded host is given far more.
+BENCH_TIMEOUT_S = 240
+
+
+def run_bench(*args: str) -> dict[str, Any]:
+    """The bench's `--json` object (it follows the printed table), after it exited 0."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("SUBQ_")}
+    done = subprocess.run(
+        [sys.executable, *args, "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S
+    )
+    assert done.returncode == 0, f"{args[0]} failed:\n{done.stderr[-4000:]}"
+    lines = done.stdout.splitlines()
+    start = lines.index("{")  # the JSON object is printed last, indented, from a line of its own
+    report: dict[str, Any] = json.loads("\n".join(lines[start:]))
+    return report
+
+
+def test_overhead_reports_each_mode_and_when_its_first_child_started() -> None:
+    report = run_bench(
+        "bench/overhead.py", "--widths", "16", "--repeats", "1", "--no-scale", "--modes", "noop,agent,subq"
+    )
+
+    rows = {row["mode"]: row for row in report["results"]}
+    assert set(rows) == {"noop", "agent", "subq"}
+    for mode, row in rows.items():
+        assert row["width"] == 16 and row["runs"] == 1, row
+        assert row["children_per_s"] > 0, mode
+        assert row["worker_cpu_ms_per_child"] > 0, mode
+        # Each child's start is after the run's own start: the bench reads it off the child, not its own clock.
+        assert 0 <= row["first_started_ms"] < row["wall_ms"], (mode, row["first_started_ms"], row["wall_ms"])
+    assert rows["subq"]["round_trips_by_command"].get("EVALSHA", 0) >= 1, "a subq child's steps are scripts"
+
+
+def test_run_times_a_bare_chord_and_a_delegation() -> None:
+    report = run_bench("bench/run.py", "--widths", "8", "--repeats", "1", "--workers", "1", "--concurrency", "4")
+
+    (row,) = report["results"]
+    assert row["width"] == 8, row
+    assert row["bare_subtasks_per_s"] > 0 and row["subq_subtasks_per_s"] > 0, row
+    assert len(row["bare_runs_ms"]) == len(row["subq_runs_ms"]) == 1, row
