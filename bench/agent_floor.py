@@ -29,6 +29,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel  # noqa: E402
 from pydantic_ai.usage import RequestUsage  # noqa: E402
 
 from coordinator import Settings  # noqa: E402
+from coordinator.runs import Run  # noqa: E402
 from workers.runtime.agent_loop import tune_gc  # noqa: E402
 from workers.runtime.profile_tools import load_profile  # noqa: E402
 from workers.runtime.runner import build_agent  # noqa: E402
@@ -43,11 +44,14 @@ async def wave(runs: int, latency_s: float) -> None:
         return ModelResponse(parts=[TextPart("done")], usage=RequestUsage(input_tokens=1000, output_tokens=200))
 
     model = FunctionModel(answer)
-    agent = build_agent(load_profile("offline", Settings()), False)
+    settings = Settings()
+    agent = build_agent(load_profile("offline", settings), False)
 
     async def one(n: int) -> None:
-        # No tool is called (the model answers with text at once), so the run needs no state.
-        async with agent.iter(f"Task {n}.", model=model, deps=cast(RunState, None)) as run:
+        # No tool is called (the model answers with text at once), so the run's state has no coordinator's
+        # handle: only what the agent's own hooks read (an untyped run, its profile's limits).
+        state = RunState(run=cast(Run, None), profile=settings.profile("offline"))
+        async with agent.iter(f"Task {n}.", model=model, deps=state) as run:
             async for _ in run:
                 pass
 

@@ -3,8 +3,9 @@
 Each runs as a person runs it, its own command in its own process, at a tiny width, on its own
 embedded Redis and worker fleets. A bench is not run by anything else: `bench/run.py` failed on
 its first chord for as long as the join wrote JSON and the bench read a number, and no one saw.
-The figures themselves are not checked (a test here runs beside the others); that each mode ran
-every child, and the report has its columns, is.
+`bench/agent_floor.py` failed on its first run once the agent's hooks read their run's state. The
+figures themselves are not checked (a test here runs beside the others); that each mode ran every
+child, and the report has its columns, is.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def run_bench(*args: str) -> dict[str, Any]:
     )
     assert done.returncode == 0, f"{args[0]} failed:\n{done.stderr[-4000:]}"
     lines = done.stdout.splitlines()
-    start = lines.index("{")  # the JSON object is printed last, indented, from a line of its own
+    start = next(n for n, line in enumerate(lines) if line.startswith("{"))  # the JSON object is printed last
     report: dict[str, Any] = json.loads("\n".join(lines[start:]))
     return report
 
@@ -57,3 +58,10 @@ def test_run_times_a_bare_chord_and_a_delegation() -> None:
     assert row["width"] == 8, row
     assert row["bare_subtasks_per_s"] > 0 and row["subq_subtasks_per_s"] > 0, row
     assert len(row["bare_runs_ms"]) == len(row["subq_runs_ms"]) == 1, row
+
+
+def test_agent_floor_runs_subqs_agent_without_a_coordinator() -> None:
+    report = run_bench("bench/agent_floor.py", "--runs", "20", "--latency-ms", "10")
+
+    assert report["runs"] == 20, report
+    assert report["cpu_ms_per_run"] > 0, report
