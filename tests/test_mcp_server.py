@@ -111,9 +111,9 @@ class StdioSessions:
         self.opened[name] = session, session.enter_context(self.portal.wrap_async_context_manager(Client(params)))
 
     def _answers(self, client: Client) -> bool:
-        async def ping() -> None:
+        async def ping() -> None:  # a request the server answers (MCP's own ping is deprecated), not the cache
             with anyio.fail_after(REQUEST_TIMEOUT_S):
-                await client.send_ping()
+                await client.list_tools(cache_mode="bypass")
 
         try:
             self.portal.call(ping)
