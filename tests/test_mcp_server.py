@@ -93,14 +93,13 @@ def portal() -> Iterator[BlockingPortal]:
 class StdioSessions:
     """A `subq mcp` process and its client session for each of STDIO_KEYS, open for the module.
 
-    `alive()`, before each scenario, pings every session and opens again one that does not answer: a scenario
-    whose failure took its process down fails alone, and the scenarios after it still test what they say.
+    `alive()`, before each scenario, asks every session for its tools and opens again one that does not answer: a
+    scenario whose failure took its process down fails alone, and the scenarios after it still test what they say.
     """
 
     def __init__(self, portal: BlockingPortal, api_url: str) -> None:
         self.portal, self.api_url = portal, api_url
         self.opened: dict[str, tuple[ExitStack, Client]] = {}
-        self.reopened: list[str] = []
         for name in STDIO_KEYS:
             self._open(name)
 
@@ -126,7 +125,6 @@ class StdioSessions:
             if not self._answers(client):
                 with suppress(Exception):  # closing what is already gone
                     session.close()
-                self.reopened.append(name)
                 self._open(name)
         return {name: client for name, (_session, client) in self.opened.items()}
 
