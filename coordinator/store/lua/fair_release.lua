@@ -32,12 +32,8 @@ local id, head, call = ARGV[1], ARGV[5], ARGV[16] or ''
 -- publishes them; a second release of the run, a call of its own, gives nothing more.
 local own = ARGV[9] .. string.sub(id, 1, 16) .. ARGV[10] .. id
 if call ~= '' then
-  local kept = hash_get(own, 'fair_release_reply')[1]
-  if kept and string.sub(kept, 1, #call + 1) == call .. ' ' then
-    local again = {}
-    for given in string.gmatch(string.sub(kept, #call + 2), '[^,]+') do
-      again[#again + 1] = given
-    end
+  local again = given_before(own, 'fair_release_reply', call)
+  if again then
     return again
   end
 end
@@ -62,7 +58,7 @@ for _ = 1, tonumber(ARGV[13]) do
   end
   admitted[#admitted + 1] = taken
 end
-if call ~= '' and #admitted > 0 then
-  hash_set(own, 'fair_release_reply', call .. ' ' .. table.concat(admitted, ','))
+if call ~= '' then
+  keep_given(own, 'fair_release_reply', call, admitted)
 end
 return admitted

@@ -99,6 +99,27 @@ local function hash_incr(key, name, by)
   return value
 end
 
+-- The ids a step gave (the runs a slot's release admitted), kept on `key`'s `field` as `<mark> <id>,<id>...`
+-- by `keep_given` with a mark of the call's own: this very call sent again (its reply lost, Sentinel's retry)
+-- finds its mark and answers the same ids; any other call finds nil.
+local function given_before(key, field, mark)
+  local kept = hash_get(key, field)[1]
+  if not kept or string.sub(kept, 1, #mark + 1) ~= mark .. ' ' then
+    return nil
+  end
+  local ids = {}
+  for id in string.gmatch(string.sub(kept, #mark + 2), '[^,]+') do
+    ids[#ids + 1] = id
+  end
+  return ids
+end
+
+local function keep_given(key, field, mark, ids)
+  if #ids > 0 then
+    hash_set(key, field, mark .. ' ' .. table.concat(ids, ','))
+  end
+end
+
 -- As redis.call('EXPIRE', key, seconds), sent by hash_flush after the writes (once a key).
 local function hash_expire_later(key, seconds)
   if hash_expire[key] == nil then

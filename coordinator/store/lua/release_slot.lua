@@ -20,12 +20,8 @@
 -- What a release admitted is kept on the released task with its `now` (`release_reply`): this very release sent
 -- again (its reply lost, Sentinel's retry) answers the same ids, so its caller still publishes their runs.
 local own = ARGV[5] .. ARGV[1]
-local kept = hash_get(own, 'release_reply')[1]
-if kept and string.sub(kept, 1, #ARGV[8] + 1) == ARGV[8] .. ' ' then
-  local again = {}
-  for id in string.gmatch(string.sub(kept, #ARGV[8] + 2), '[^,]+') do
-    again[#again + 1] = id
-  end
+local again = given_before(own, 'release_reply', ARGV[8])
+if again then
   return again
 end
 redis.call('SREM', KEYS[1], ARGV[1])
@@ -54,7 +50,5 @@ for _, id in ipairs(waiting) do
     end
   end
 end
-if #admitted > 0 then
-  hash_set(own, 'release_reply', ARGV[8] .. ' ' .. table.concat(admitted, ','))
-end
+keep_given(own, 'release_reply', ARGV[8], admitted)
 return admitted
