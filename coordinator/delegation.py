@@ -160,7 +160,6 @@ def commit(
     plane.store.convergence.watch([task_id], plane.settings.reconcile_grace_s)  # the commit's publish may never come
     batch, children = plane.store.batches.commit_delegation(task_id, plan)
     faults.crash_point(plane.settings, "after-commit")
-    plane.store.events.set_live_many(children, "queued")
     return batch, children
 
 

@@ -163,6 +163,54 @@ def test_keys_live_under_one_hash_tag_per_tree(idle_coordinator: Coordinator) ->
     assert all(0 < ttl <= idle_coordinator.settings.result_retention_s for ttl in ttls), "every tree key expires"
 
 
+def test_a_delegation_commits_its_childrens_queued_live_status_with_them(
+    idle_coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The process dies right after the commit (a SUBQ_FAULT_CRASH_AT point, raised here instead of SIGKILL):
+    # what the commit wrote is all there is, and every child it wrote has its live status and its event.
+    coord = idle_coordinator
+
+    def die(_settings: Settings, name: str) -> None:
+        if name == "after-commit":
+            raise SystemExit("died after the commit")
+
+    monkeypatch.setattr("coordinator.delegation.faults.crash_point", die)
+    root = coord.create_task("root", todos="[ ] a\n[ ] b\n[ ] c")
+    with pytest.raises(SystemExit):
+        coord.delegate(root.id, [{"description": d, "message": "work"} for d in "abc"])
+    children = coord.get_children(root.id)
+    assert len(children) == 3
+    live = coord.store.events.live(root.id)
+    assert {c.id: live[c.id]["state"] for c in children} == dict.fromkeys((c.id for c in children), "queued")
+    events = [fields for _, fields in coord.store.events.read_events(root.id)]
+    queued = [e["task_id"] for e in events if e["type"] == "live" and e["state"] == "queued"]
+    assert queued == [c.id for c in children], "one `queued` event a child, in dispatch order"
+    delegated = next(n for n, e in enumerate(events) if e["type"] == "delegated")
+    assert all(n > delegated for n, e in enumerate(events) if e["type"] == "live"), "after the delegation's event"
+
+
+def test_a_new_record_leaves_what_its_runs_write_out_and_reads_it_as_its_default(
+    idle_coordinator: Coordinator,
+) -> None:
+    coord = idle_coordinator
+    _, _, child = _tree(coord)  # the grandchild: it delegated nothing
+    raw = coord.store.records.task_fields(child.id)
+    left_out = {"tokens_in", "cost_micros", "requests", "summary", "error", "error_class", "finished_at", "output",
+                "retries", "waiting_batch_id", "tool_use", "waiting_for"}  # fmt: skip
+    assert not left_out & set(raw), sorted(left_out & set(raw))
+    assert {"id", "status", "prompt", "total_tokens", "total_cost_micros", "tenant", "priority"} <= set(raw)
+    assert child.tokens_in == child.cost_micros == child.requests == child.retries == 0
+    assert child.summary == child.error == "" and child.finished_at is None and child.output is None
+    # What a run writes reads back as written: one request's usage, then its end.
+    usage = Usage(tokens_in=130, tokens_out=5)
+    assert coord.store.runs.record_usage(child.id, "r1:1", usage, 210, "test") == UsageRecorded(1, None)
+    coord.store.runs.finish_task(child.id, "completed", summary="done")
+    ended = coord.get_task(child.id)
+    assert (ended.status.value, ended.summary, ended.requests) == ("completed", "done", 1)
+    assert (ended.tokens_in, ended.cost_micros, ended.total_cost_micros) == (130, 210, 210)
+    assert ended.finished_at is not None
+
+
 def test_a_script_with_bad_json_fails_the_child_with_a_clear_error(coordinator: Coordinator) -> None:
     parent = coordinator.create_task("p", todos="[ ] a")
     bad = 'Do it.\n\n```subq-script\n{"steps": [\n```\n'

@@ -30,6 +30,7 @@ from coordinator.store.base import (
     outbox_keys,
     translate_redis_errors,
 )
+from coordinator.store.events import queue_live
 from coordinator.store.fields import BatchField, TaskField
 from coordinator.store.protocol import ApplyChildren, CloseBatch, MarkTimeline, SettleChild, StopTasks
 from coordinator.store.records import decode_record, opening_marks, stored_fields
@@ -135,6 +136,8 @@ class DelegationStore(Part):
                 maxlen=EVENTS_MAXLEN,
                 approximate=True,
             )
+            # The children's live status, `queued`, with them: no state in which they exist without it.
+            queue_live(pipe, k, self.retention_s, children, "queued")
             pipe.expire(k.events(root), self.retention_s)
             pipe.execute()
             return batch, children

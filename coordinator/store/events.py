@@ -7,10 +7,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from redis.client import Pipeline
+
 from coordinator.models import TaskRecord, live_status
 from coordinator.store.base import EVENTS_MAXLEN, Part, _str_map, translate_redis_errors
+from coordinator.store.keys import Keys
 
-__all__ = ["EventStore"]
+__all__ = ["EventStore", "queue_live"]
 
 # Events read at once while waiting, and the kinds of a task's own events that cannot settle it.
 WAIT_READ_COUNT = 1000
@@ -19,6 +22,21 @@ QUIET_EVENTS = frozenset({"child_applied", "live"})
 # child, and a read for each cost a Redis command and a wake-up each; the event that settles
 # the task is seen at most this much later.
 WAIT_READ_EVERY_S = 0.01
+
+
+def queue_live(
+    pipe: Pipeline, keys: Keys, retention_s: int, records: Sequence[TaskRecord], state: str, **fields: object
+) -> None:
+    """Queue on `pipe` one live status for tasks of one tree: one write of the live hash and one event a task
+    (`EventStore.set_live_many`, and a delegation's commit, which writes its children's `queued` with them)."""
+    root = records[0].root_id
+    pipe.hset(keys.live(root), mapping={r.id: live_status(r, state, **fields) for r in records})
+    pipe.expire(keys.live(root), retention_s)
+    for record in records:
+        pipe.xadd(
+            keys.events(root), {"type": "live", "task_id": record.id, "state": state}, maxlen=EVENTS_MAXLEN,
+            approximate=True,
+        )  # fmt: skip
 
 
 class EventStore(Part):
@@ -72,17 +90,8 @@ class EventStore(Part):
         one write of the live hash and one event per task."""
         if not records:
             return
-        root = records[0].root_id
         with self.client.pipeline(transaction=False) as pipe:
-            pipe.hset(self.keys.live(root), mapping={r.id: live_status(r, state, **fields) for r in records})
-            pipe.expire(self.keys.live(root), self.retention_s)
-            for record in records:
-                pipe.xadd(
-                    self.keys.events(root),
-                    {"type": "live", "task_id": record.id, "state": state},
-                    maxlen=EVENTS_MAXLEN,
-                    approximate=True,
-                )
+            queue_live(pipe, self.keys, self.retention_s, records, state, **fields)
             pipe.execute()
 
     @translate_redis_errors

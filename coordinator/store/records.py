@@ -29,16 +29,35 @@ __all__ = ["RecordStore", "decode_record", "stored_fields"]
 
 
 # What a record's dump holds that is not a field of its hash: the children and those awaited
-# have keys of their own, `times` is read from the marks, the marks are written as text, and
-# tool calls only by the step that keeps each (record_tool.lua).
-NOT_STORED: set[str] = {"child_ids", "awaiting_ids", "times", "timeline", "tool_calls"}
+# have keys of their own, `times` and `waiting_for` are read from the marks, the marks are written
+# as text, tool calls only by the step that keeps each (record_tool.lua), and `tool_use` is read from
+# the `tool:` counters that step keeps.
+NOT_STORED: set[str] = {"child_ids", "awaiting_ids", "times", "waiting_for", "timeline", "tool_calls", "tool_use"}
+
+# What a new record leaves out of its hash while it holds its default (0, '' or none): what its runs
+# count and how it ended, which its steps write. A missing field reads as its default, in Python
+# (store.fields: INT_FIELDS 0, OPTIONAL_FIELDS and JSON_FIELDS None, the others the model's default)
+# and in Lua (each read has its `or '0'` or `or ''`). A record is written at its creation with half
+# its fields then: half the server's work and memory a task (docs/benchmarks.md). Its subtree
+# totals stay: their presence says "read the child" to a todo item's live figures (RecordStore.todos).
+LEFT_UNSET: frozenset[str] = frozenset({
+    TaskField.TOKENS_IN, TaskField.TOKENS_OUT, TaskField.CACHE_READS, TaskField.CACHE_WRITES, TaskField.COST_MICROS,
+    TaskField.REQUESTS, TaskField.UNLINKED_TOKENS, TaskField.UNLINKED_COST_MICROS, TaskField.SUMMARY, TaskField.ERROR,
+    TaskField.ERROR_CLASS, TaskField.ERROR_DETAIL, TaskField.COST_SOURCE, TaskField.COMPLETED_BY_CHILD_ID,
+    TaskField.RETRIES, TaskField.TRANSIENT_ERRORS, TaskField.FINISHED_AT, TaskField.OUTPUT, TaskField.INVALID_OUTPUTS,
+    TaskField.WAITING_BATCH_ID,
+})  # fmt: skip
 
 
 def stored_fields(record: TaskRecord) -> dict[str, Any]:
-    """A new record's fields as its hash holds them (before `_encode_record`): the JSON fields as compact text."""
+    """A new record's fields as its hash holds them (before `_encode_record`): the JSON fields as compact text,
+    and none of LEFT_UNSET at its default."""
     fields = record.model_dump(exclude=NOT_STORED)
     for name in JSON_FIELDS:
         fields[name] = "" if fields.get(name) is None else compact(fields[name])
+    for name in LEFT_UNSET:
+        if fields.get(name) in (0, "", None):
+            del fields[name]
     return fields
 
 
