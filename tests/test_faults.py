@@ -195,6 +195,9 @@ def test_a_worker_killed_mid_run_resumes_elsewhere_after_the_lapse(
     child = coord.get_task(child_id)
     assert child.status == TaskStatus.COMPLETED and child.summary == "slow done"
     assert coord.store.records.task_field(child_id, "run_seq") == "2", "it ran again, once"
+    # Killed before its first step was saved (no conversation yet): the second run does not say the prompt again.
+    said = [m.get("say") for m in coord.messages(child_id)]
+    assert said.count("task") == 1 and said[-1] == "completion_result", said
     # The lapse, a tick and a grace at most before it runs again, then its 4 s request.
     assert took_s < LAPSE_S + 0.5 + 3 + 4 + 10, f"resumed and finished {took_s:.1f} s after the kill"
     assert_converged(coord, parent.id)

@@ -164,13 +164,13 @@ def test_with_fair_shares_off_a_runs_start_and_end_leave_their_keys_and_argument
     assert args[18:20] == [0.8, 0]  # ARGV[19], ARGV[20]: fair shares off
     assert args[20:25] == ["{}", 2, 1, 1, 1]  # ARGV[21..]: flush_run's from its seventh
     start = StartRun(
-        task="task:t", lease="lease:t", due="due", live="live", events="ev", conversation="conv", ui_messages="ui",
+        task="task:t", lease="lease:t", due="due", live="live", events="ev", ui_messages="ui",
         running="running", admission="adm", last_start="last", fair=fair, token="tok", lease_s=15, look_at=2.0,
         now=1.0, events_maxlen=100, task_prefix="pre:", per_parent=0, per_tree=0, stagger_ms=0, now_ms=1000,
         retention_s=60, running_children_prefix="rc:", fair_args=fair_args(Keys("p"), FairShares(on=False)),
     )  # fmt: skip
     keys, args = start.pack()
-    assert len(keys) == 10 and args[12:] == [0]  # KEYS[1..10], ARGV[13]: fair shares off, nothing after it
+    assert len(keys) == 9 and args[12:] == [0]  # KEYS[1..9], ARGV[13]: fair shares off, nothing after it
 
 
 def test_a_spliced_call_packs_as_the_script_it_calls_reads_it() -> None:

@@ -1253,7 +1253,6 @@ class StartRun(
     due: str = key("the due list")
     live: str = key("tree live hash")
     events: str = key("tree events stream")
-    conversation: str = key("conversation")
     ui_messages: str = key("UI messages")
     running: str = key("the tree's running set")
     admission: str = key("the tree's admission list")

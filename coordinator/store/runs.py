@@ -117,8 +117,7 @@ class RunStore(Part):
         started, (fields, conversation) = self.scripts.then_read(
             StartRun(
                 task=task_key, lease=k.lease(root, task_id), due=k.due(), live=k.live(root),
-                events=k.events(root), conversation=conversation_key,
-                ui_messages=k.ui_messages(root, task_id), running=k.running(root), admission=k.admission(root),
+                events=k.events(root), ui_messages=k.ui_messages(root, task_id), running=k.running(root), admission=k.admission(root),
                 last_start=k.last_start(root), fair=fair_keys(k), token=token, lease_s=lease_s, look_at=now + look_again_s, now=now,
                 events_maxlen=EVENTS_MAXLEN, task_prefix=k.task(root, ""), per_parent=limits.per_parent,
                 per_tree=limits.per_tree, stagger_ms=limits.stagger_ms, now_ms=int(now * 1000),

@@ -2,26 +2,25 @@
 -- may have to wait for a run slot, or start after a stagger), take its lease, count the
 -- delivery, mark its timeline (`running`, or `wait:admission`: coordinator/timeline.py), put
 -- it on the due list while it runs, publish its live status, and say whether a budget over it
--- is spent already; a first run (no conversation yet) also says the task's prompt as its first
+-- is spent already; a first run (its run count 1) also says the task's prompt as its first
 -- UI message. The caller reads the task's record and its conversation in the same transaction,
 -- right after this call (`Scripts.then_read`): read here, each of the record's fields would be
 -- made a Lua string and back, the largest part of this step's cost (docs/benchmarks.md).
--- With fair shares off (ARGV[13] 0) the caller leaves KEYS[11..14] and ARGV[14..] off: nothing reads them
+-- With fair shares off (ARGV[13] 0) the caller leaves KEYS[10..13] and ARGV[14..] off: nothing reads them
 -- then, and each key or argument sent costs the server about 1 K instructions (docs/benchmarks.md).
 -- KEYS[1] task hash
 -- KEYS[2] lease
 -- KEYS[3] the due list
 -- KEYS[4] tree live hash
 -- KEYS[5] tree events stream
--- KEYS[6] conversation
--- KEYS[7] UI messages
--- KEYS[8] the tree's running set
--- KEYS[9] the tree's admission list
--- KEYS[10] its last-start time
--- KEYS[11] the tenants that want a slot
--- KEYS[12] the tenants' policies
--- KEYS[13] the runs holding a slot, fleet-wide
--- KEYS[14] the fleet's capacity
+-- KEYS[6] UI messages
+-- KEYS[7] the tree's running set
+-- KEYS[8] the tree's admission list
+-- KEYS[9] its last-start time
+-- KEYS[10] the tenants that want a slot
+-- KEYS[11] the tenants' policies
+-- KEYS[12] the runs holding a slot, fleet-wide
+-- KEYS[13] the fleet's capacity
 -- ARGV[1] str: token
 -- ARGV[2] int: lease seconds
 -- ARGV[3] float: when the reconciler looks next (epoch s)
@@ -113,7 +112,7 @@ end
 local per_parent, per_tree, stagger = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 if parent_id and parent_id ~= '' and (per_parent > 0 or per_tree > 0 or stagger > 0) then
   -- A root always runs; with no limit set nothing of admission is read.
-  local admitted = admit({KEYS[8], ARGV[12] .. parent_id, KEYS[9], KEYS[10]},
+  local admitted = admit({KEYS[7], ARGV[12] .. parent_id, KEYS[8], KEYS[9]},
     {id, ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]})
   if admitted[1] ~= 'run' then
     -- Its timeline waits from now until a slot (or the stagger) lets it start. A delay keeps its answer with
@@ -135,7 +134,7 @@ end
 if fair then
   -- Fair shares between tenants (fair_admit.lua), roots included: a run holds a worker whoever made it.
   local priority = tonumber(task[15] or '') or ARGV[24]
-  local shared = fair_admit({KEYS[11], KEYS[12], KEYS[13], KEYS[14]}, {id, tenant, priority, ARGV[10], ARGV[14],
+  local shared = fair_admit({KEYS[10], KEYS[11], KEYS[12], KEYS[13]}, {id, tenant, priority, ARGV[10], ARGV[14],
     ARGV[15], ARGV[16], ARGV[17], ARGV[20], ARGV[21], ARGV[11], ARGV[18], ARGV[19]})
   if shared[1] ~= 'run' then
     local waited = timeline_add(task[8], tonumber(ARGV[10]), 'wait:admission')
@@ -176,10 +175,11 @@ local live = '{"task_id":"' .. id .. '","parent_id":'
 redis.call('HSET', KEYS[4], id, live)
 redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'type', 'live', 'task_id', id, 'state', 'running')
 local exhausted = budget_reached()
-if redis.call('EXISTS', KEYS[6]) == 0 then
-  -- A first run opens the task's UI messages with its prompt, as AI coding tools show a task.
-  -- Its retention is set by the run's end, which writes the list again (end_run.lua).
+if run_seq == 1 then
+  -- A first run opens the task's UI messages with its prompt, as AI coding tools show a task. Told by its run
+  -- count, not by a conversation (a run that dies before its first step is saved leaves none, and the next run
+  -- must not say the prompt again). Its retention is set by the run's end, which writes the list again.
   -- Written as text around the prompt's JSON (cjson escapes it): a table encoded whole costs three times that.
-  redis.call('RPUSH', KEYS[7], '{"ts":' .. ARGV[4] .. ',"type":"say","say":"task","text":' .. cjson.encode(task[13]) .. '}')
+  redis.call('RPUSH', KEYS[6], '{"ts":' .. ARGV[4] .. ',"type":"say","say":"task","text":' .. cjson.encode(task[13]) .. '}')
 end
 return {'run', {deliveries, run_seq, exhausted}}
