@@ -79,6 +79,7 @@ from bench.run import (  # noqa: E402
 )
 from coordinator import Coordinator, Profile, Settings, SubqError  # noqa: E402
 from coordinator.celery_app import make_app  # noqa: E402
+from coordinator.loading import freeze_loaded  # noqa: E402
 from coordinator.local.embedded_redis import local_redis  # noqa: E402
 from coordinator.local.fleet import WorkerFleet  # noqa: E402
 from coordinator.settings import DEFAULT_HEARTBEAT_LAPSE_S, DEFAULT_RECONCILE_INTERVAL_S  # noqa: E402
@@ -188,6 +189,9 @@ class Modes:
         )
         self.bare.wait_ready(ping=self.bare_app)
         self.subq.wait_ready(ping=self.subq_app)
+        # This process delegates as `subq api` does, and `subq api` freezes what it has loaded
+        # (coordinator/loading.py); it publishes every mode's fan-outs, so all of them run with it.
+        freeze_loaded()
 
     def close(self) -> None:
         self.bare.stop()

@@ -16,6 +16,7 @@ import typer
 
 from coordinator.cli.common import Host, Port, loading, settings_of
 from coordinator.errors import ConfigError, ValidationError
+from coordinator.loading import freeze_loaded
 from coordinator.local import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST
 
 __all__ = ["api", "demo", "flower", "tools", "up", "worker"]
@@ -95,6 +96,7 @@ def api(ctx: typer.Context, host: Host = DEFAULT_HOST, port: Port = DEFAULT_API_
         # Imported by name: the module is optional in this package layout until it ships.
         create_app: Any = importlib.import_module(stack.API_MODULE).create_app
         served = create_app(settings)
+    freeze_loaded()
     # proxy_headers off: the app believes X-Forwarded-* only from SUBQ_API_TRUSTED_PROXIES
     # (uvicorn's default would believe them from 127.0.0.1, whatever the settings say).
     uvicorn.run(served, host=host, port=port, log_level="info", proxy_headers=False)
