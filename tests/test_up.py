@@ -30,6 +30,7 @@ import pytest
 import redis
 
 from coordinator.local.embedded_redis import free_port
+from coordinator.local.fleet import signal_group
 from coordinator.local.up import port_free, write_private_file
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, tree_root
 from tests.helpers import eventually
@@ -295,6 +296,21 @@ def test_sigterm_while_starting_stops_what_was_started(marker: str, tmp_path: Pa
     assert up.seen[-1] == "subq up: SIGTERM received; everything it started is stopped."
     assert "subq is up" not in "\n".join(up.seen)
     assert processes_marked("UP_TEST_MARKER", marker) == []
+
+
+def test_a_group_already_gone_is_signalled_without_an_error() -> None:
+    """`subq up` stopped while it starts its workers can find a worker's group gone between its check and its signal."""
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        signal_group(alive.pid, signal.SIGTERM)
+        assert alive.wait(timeout=STOP_TIMEOUT_S) == -signal.SIGTERM
+    finally:
+        alive.kill()
+    # No process has the id pid_max (ids stay below it): a group certainly gone, which `os.killpg` refuses.
+    gone = int(Path("/proc/sys/kernel/pid_max").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.killpg(gone, signal.SIGTERM)
+    signal_group(gone, signal.SIGTERM)
 
 
 def _held_port() -> tuple[socket.socket, int]:

@@ -149,13 +149,14 @@ class WorkerFleet:
     def stop(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+                signal_group(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for proc in self.procs:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                signal_group(proc.pid, signal.SIGKILL)
+                proc.kill()  # the leader itself, whatever its group: the wait below must end
                 proc.wait()
 
     def __enter__(self) -> WorkerFleet:
@@ -163,6 +164,19 @@ class WorkerFleet:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def signal_group(leader_pid: int, sig: signal.Signals) -> None:
+    """Signal a process group that may already be gone: then there is nothing left to signal.
+
+    A leader can end between the check that it runs and the signal: a `subq up`
+    stopped while it starts its workers can see one die of the same SIGTERM (a
+    forked child gets its parent's group's signal until it makes its own session).
+    """
+    try:
+        os.killpg(leader_pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _tail(log: Path, chars: int = 3000) -> str:

@@ -42,7 +42,7 @@ from redis.retry import Retry
 from coordinator.errors import ConfigError, FleetError, StoreError, ValidationError
 from coordinator.local import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST
 from coordinator.local.embedded_redis import local_redis
-from coordinator.local.fleet import WorkerFleet, settings_env
+from coordinator.local.fleet import WorkerFleet, settings_env, signal_group
 from coordinator.redis_clients import describe, redis_client
 from coordinator.settings import TLS_FIELDS, Settings
 
@@ -147,17 +147,11 @@ class Service:
 
     def stop(self) -> None:
         if self.proc.returncode is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+            signal_group(self.proc.pid, signal.SIGTERM)
             self._wait_exited(SERVICE_STOP_TIMEOUT_S)
             # The group may outlive its leader (a process it started): end it in any case.
             # The leader is not reaped yet, so its id, the group's, cannot have been reused.
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            signal_group(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
 
     def _wait_exited(self, timeout_s: float) -> None:
