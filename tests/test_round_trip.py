@@ -18,10 +18,12 @@ import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.client import Pipeline
+from redis.connection import HiredisRespSerializer
 from redis.retry import Retry
 
 from coordinator.local.embedded_redis import local_redis
-from coordinator.redis_clients import FAILOVER_ERRORS
+from coordinator.redis_clients import FAILOVER_ERRORS, LeanPacker, redis_client
+from coordinator.settings import Settings
 from coordinator.store.base import (
     AcknowledgedScript,
     ReplicaShortfalls,
@@ -171,3 +173,44 @@ def test_a_wait_longer_than_the_connections_timeout_is_read_to_its_end() -> None
         assert step(["ran"], []) == 1
         assert client.get("ran") == "1"
         assert shortfalls.count == 1  # heard from 0 of 1 replicas: WAIT's own answer, read in full
+
+
+# Commands as subq's store and redis-py's methods send them: names, keys, text, bytes, numbers, a view.
+PACKED_ALIKE: list[tuple[Any, ...]] = [
+    ("HSET", "subq:{t}:task:t-1", "status", "running", "tokens_in", 1000, "cost", 0.1 + 0.2),
+    ("XADD", "subq:{t}:events", "MAXLEN", "~", 10_000, "*", "type", "live", "state", "completed"),
+    ("SET", b"bytes key", b"\x00\xff binary", "NX", "PX", 15_000),
+    ("RPUSH", "ui", "text with \u00e9 and \u4e2d", ""),
+    ("SET", "view", memoryview(b"from a view")),
+    ("CLIENT SETNAME", "subq-worker"),  # a name with a space: redis-py splits it
+    ("SET", "array", bytearray(b"a bytearray")),  # hiredis refuses it: redis-py's way
+    (b"PING",),
+]
+
+
+@pytest.mark.parametrize("command", PACKED_ALIKE, ids=[str(c[0]) + str(i) for i, c in enumerate(PACKED_ALIKE)])
+def test_the_lean_packer_sends_what_redis_py_sends(command: tuple[Any, ...]) -> None:
+    assert LeanPacker().pack(*command) == [b"".join(HiredisRespSerializer().pack(*command))]
+
+
+def test_the_lean_packer_refuses_what_redis_py_refuses() -> None:
+    with pytest.raises(redis.DataError, match="must be str, int, float or bytes"):
+        LeanPacker().pack("SET", "key", None)
+
+
+def test_subqs_clients_pack_with_the_lean_packer_and_read_back_what_they_wrote(redis_url: str) -> None:
+    client = redis_client(Settings(redis_url=redis_url))
+    key = f"packer:{uuid.uuid4().hex}"
+    try:
+        connection = client.connection_pool.get_connection()
+        assert isinstance(connection._command_packer, LeanPacker)
+        client.connection_pool.release(connection)
+        client.hset(key, mapping={"text": "\u00e9t\u00e9", "count": 3, "share": 0.25})
+        with client.pipeline(transaction=True) as pipe:
+            pipe.hincrby(key, "count", 2)
+            pipe.hset(key, "view", memoryview(b"viewed"))  # type: ignore[arg-type]
+            pipe.execute()
+        assert client.hgetall(key) == {"text": "\u00e9t\u00e9", "count": "5", "share": "0.25", "view": "viewed"}
+    finally:
+        client.delete(key)
+        client.close()
