@@ -295,9 +295,9 @@ class LeanPacker(HiredisRespSerializer):
     redis-py splits a command's name at its spaces, then copies each argument through a
     generator that makes a bytearray bytes, before hiredis packs the command: nearly a third
     of the Python calls of a width-1000 delegation's commit were that pass (docs/benchmarks.md).
-    hiredis packs str, bytes, int, float and memoryview itself,
-    into the same bytes; a name with a space, or an argument it refuses (a bytearray, or what
-    redis-py rejects too), goes redis-py's way, with its error.
+    hiredis packs str, bytes, int, float and memoryview itself, into the same bytes; a name with
+    a space, or an argument it refuses (a bytearray, or what redis-py rejects too), goes
+    redis-py's way, with its error.
     """
 
     def pack(self, *args: Any) -> list[bytes]:
