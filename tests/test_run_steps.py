@@ -8,6 +8,7 @@ exactly.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -42,15 +43,24 @@ def rt(idle_coordinator: Coordinator) -> Iterator[Runtime]:
     runtime.coordinator.close()
 
 
+# The threads a child's run sends from: the test's own (the pool thread's part) and the agents' loop.
+# Another thread of the process (a heartbeat's or a reconciler's) writes on its own clock: a fresh
+# clone's suite once counted a ZADD of one that landed inside the child's run.
+RUN_THREADS = ("subq-agents",)
+
+
 @pytest.fixture
 def requests(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """Every request this process writes to Redis, by the first command it carries."""
+    """Every request a child's run writes to Redis from this thread or the agents' loop, by its first command."""
     counts: Counter[str] = Counter()
     original = AbstractConnection.send_packed_command
+    caller = threading.current_thread()
 
     def counted(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
-        head = command if isinstance(command, bytes) else command[0]
-        counts[bytes(head[:40]).split(b"\r\n")[2].decode()] += 1
+        here = threading.current_thread()
+        if here is caller or here.name in RUN_THREADS:
+            head = command if isinstance(command, bytes) else command[0]
+            counts[bytes(head[:40]).split(b"\r\n")[2].decode()] += 1
         original(self, command, check_health)
 
     monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
