@@ -74,12 +74,12 @@ def test_script_costs_split_adds_up_on_redis_7_and_on_6_2() -> None:
     On 6.2 the AOF feed runs inside each `redis.call`, so it is taken out of the commands' part there;
     knowing 7.0's names alone, the split once printed zeros and negative parts on 6.2.
     """
-    from bench.script_cost import AOF_INSIDE_COMMANDS, split
+    from bench.script_cost import AOF_IN_COMMANDS, split
 
     common = {"processInputBuffer": 1_000_000, "processMultibulkBuffer": 30_000, "luaCallFunction": 800_000}
     on_7 = {**common, "lua_pcall": 700_000, "scriptCall": 250_000, "propagatePendingCommands": 100_000}
     # 6.2: the same call, its AOF feed (100 K) counted inside the commands (scriptCall, 350 K).
-    on_6 = {**on_7, "scriptCall": 350_000, f"scriptCall is {AOF_INSIDE_COMMANDS}": 1}
+    on_6 = {**on_7, "scriptCall": 350_000, AOF_IN_COMMANDS: 1}
     for parts in (on_7, on_6):
         said = dict(re.findall(r"(.+?) (-?\d+)(?:, |$)", split(parts)))  # a part's name may hold commas
         assert said["commands run"] == "250" and said["AOF feed"] == "100", said
