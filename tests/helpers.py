@@ -21,6 +21,7 @@ import redis
 import uvicorn
 from fastapi import FastAPI
 from pydantic import SecretStr
+from redis.connection import AbstractConnection
 
 from coordinator import Coordinator, Settings
 from workers.runtime.script import script_message
@@ -391,3 +392,23 @@ def counting_listener(host: str = "127.0.0.1") -> Iterator[tuple[int, list[objec
         yield server.getsockname()[1], accepted
     finally:
         server.close()
+
+
+def requests_sent(monkeypatch: pytest.MonkeyPatch, *thread_names: str) -> list[str]:
+    """The first command of each request written to Redis from now on, in order: from this thread and from
+    the threads named `thread_names` only. Another thread of the process (a heartbeat's, a reconciler's)
+    writes on its own clock: a fresh clone's suite once counted a ZADD of one inside a child's run.
+    `monkeypatch.undo()` stops the count."""
+    sent: list[str] = []
+    original = AbstractConnection.send_packed_command
+    caller = threading.current_thread()
+
+    def counted(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
+        here = threading.current_thread()
+        if here is caller or here.name in thread_names:
+            head = bytes(command if isinstance(command, bytes) else command[0])[:40]
+            sent.append(head.split(b"\r\n")[2].decode())
+        original(self, command, check_health)
+
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
+    return sent

@@ -8,7 +8,6 @@ exactly.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -16,13 +15,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from redis.connection import AbstractConnection
 
 from coordinator import Coordinator, TaskStatus
 from coordinator.celery_app import make_app
 from coordinator.runs import Ended, Run, RunStopped
 from tests.agents import STEP_COST_MICROS, agent, reply
-from tests.helpers import script, usage_step
+from tests.helpers import requests_sent, script, usage_step
 from workers.runtime import runner
 from workers.runtime.agent_loop import StopWatch
 from workers.runtime.context import Runtime, build_runtime
@@ -43,32 +41,15 @@ def rt(idle_coordinator: Coordinator) -> Iterator[Runtime]:
     runtime.coordinator.close()
 
 
-# The threads a child's run sends from: the test's own (the pool thread's part) and the agents' loop.
-# Another thread of the process (a heartbeat's or a reconciler's) writes on its own clock: a fresh
-# clone's suite once counted a ZADD of one that landed inside the child's run.
-RUN_THREADS = ("subq-agents",)
-
-
 @pytest.fixture
-def requests(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """Every request a child's run writes to Redis from this thread or the agents' loop, by its first command."""
-    counts: Counter[str] = Counter()
-    original = AbstractConnection.send_packed_command
-    caller = threading.current_thread()
-
-    def counted(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
-        here = threading.current_thread()
-        if here is caller or here.name in RUN_THREADS:
-            head = command if isinstance(command, bytes) else command[0]
-            counts[bytes(head[:40]).split(b"\r\n")[2].decode()] += 1
-        original(self, command, check_health)
-
-    monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
-    return counts
+def requests(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every request a child's run writes to Redis, by its first command: the test's own thread (the pool
+    thread's part of the run) and the agents' loop."""
+    return requests_sent(monkeypatch, "subq-agents")
 
 
 def test_a_child_that_answers_at_once_costs_its_worker_two_requests(
-    idle_coordinator: Coordinator, rt: Runtime, requests: Counter[str]
+    idle_coordinator: Coordinator, rt: Runtime, requests: list[str]
 ) -> None:
     coord = idle_coordinator
     parent = coord.create_task("two children", todos="[ ] a\n[ ] b")
@@ -85,7 +66,7 @@ def test_a_child_that_answers_at_once_costs_its_worker_two_requests(
 
     assert result.status == "completed"
     # The start is its script and the reads of the record and the conversation, in one MULTI/EXEC.
-    assert requests == {"MULTI": 1, "EVALSHA": 1}, f"start and end only, not {dict(requests)}"
+    assert Counter(requests) == {"MULTI": 1, "EVALSHA": 1}, f"start and end only, not {requests}"
     # ... and those two did everything: the run ended, its item is written, the batch closed.
     item = coord.get_todos(parent.id)[1]
     assert (item.status.value, item.cost_micros) == ("completed", result.cost_micros)
