@@ -1,9 +1,9 @@
 """Where the Redis server's time per child goes, command by command: a no-op chord against subq.
 
-    python bench/redis_time.py [--width 1000] [--modes noop,subq] [--top 15]
+    python bench/redis_time.py [--width 1000] [--modes noop,subq] [--top 15] [--processes 1]
 
-bench/overhead.py's fleets (one private Redis, a bare fleet and a subq fleet of one process,
-16 threads); after a warm-up each mode runs one fan-out of `--width` children while the
+bench/overhead.py's fleets (one private Redis, a bare fleet and a subq fleet of `--processes`
+processes, 16 threads each); after a warm-up each mode runs one fan-out of `--width` children while the
 server's own counts are read before and after: `INFO cpu` (user and system time, every
 thread of the server) and `INFO commandstats` (each command's calls and microseconds).
 A script's time includes the commands it runs, and those are counted again on their own
@@ -91,10 +91,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=1000, help="children a run (1000)")
     parser.add_argument("--modes", type=modes_arg, default=["noop", "subq"], help="modes, in turn (noop,subq)")
     parser.add_argument("--top", type=int, default=15, help="commands shown a mode (15)")
+    parser.add_argument("--processes", type=int, default=1, help="worker processes a fleet (1)")
     args = parser.parse_args(argv)
     with local_redis() as url, tempfile.TemporaryDirectory(prefix="subq-redis-time-") as tmp:
         (Path(tmp) / "probe").mkdir()
-        modes = Modes(url, 16, args.width, Path(tmp) / "probe", Path(tmp) / "logs")
+        modes = Modes(url, 16, args.width, Path(tmp) / "probe", Path(tmp) / "logs", processes=args.processes)
         try:
             for mode in args.modes:
                 modes.run(mode, WARMUP_CHILDREN)
