@@ -28,6 +28,15 @@ writes, none of the reads or checks that decide them. A plain command that fails
 request on the state the ones before it left: what each write of a child costs the server, which is
 what a protocol that records less a child would save.
 
+`--cut SCRIPT:LINE` (repeatable, in the order the step runs them) also replays the step that holds
+SCRIPT (start_run, end_run, or a script they use, such as flush_run) with the step stopped by an error
+just after that line of SCRIPT, and reports its instructions up to there and since the cut before:
+where inside a step its instructions go (Lua has no profiler a script may use). Each cut's replay
+starts on a Lua heap collected whole, so no collection step falls in it: a cut's figure leaves out the
+step's share of Lua's garbage collection (in the step's whole figure), and its deferred hash writes
+(hashes.lua's flush, sent when the script returns). A line that ends inside a statement does not parse,
+which is said.
+
 Needs valgrind (`callgrind_control`, `callgrind_annotate`) and a redis-server on PATH (or
 `--redis-server`). docs/benchmarks.md has the figures and what each part of a step costs.
 """
@@ -43,7 +52,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -146,11 +157,17 @@ def free_port() -> int:
 
 
 def replay(
-    captured: list[Captured], repeats: int, server: str, plain: bool = False, each: bool = False
+    captured: list[Captured],
+    repeats: int,
+    server: str,
+    plain: bool = False,
+    each: bool = False,
+    cuts: Sequence[Cut] = (),
 ) -> tuple[dict[str, list[dict[str, int]]], dict[str, list[list[bytes]]]]:
     """Each captured call on a callgrind redis-server: each repeat's instructions (`_dumped_counts`), by script
     (and, with `plain`, by `plain <script>`: its commands without the script; with `each`, by
-    `each <script>#<n>`: its n-th command alone), and the commands each script ran (with `plain` or `each`)."""
+    `each <script>#<n>`: its n-th command alone; with `cuts`, by `cut <n>`: its step stopped at the n-th cut),
+    and the commands each script ran (with `plain` or `each`)."""
     port, workdir, dumps = free_port(), tempfile.mkdtemp(), tempfile.mkdtemp()
     proc = subprocess.Popen(
         ["valgrind", "--tool=callgrind", f"--callgrind-out-file={dumps}/cg.%p", server, "--port", str(port),
@@ -163,6 +180,9 @@ def replay(
         _wait_for_ping(client)
         for call in captured:
             ran[call.script] = _replay_call(client, port, proc.pid, call, repeats, plain, each)
+        for index, cut in enumerate(cuts):
+            (call,) = [call for call in captured if call.script == cut.step]
+            _replay_cut(client, proc.pid, call, cut, index, repeats)
     finally:
         client.close()
         proc.terminate()
@@ -195,6 +215,75 @@ def _restore(client: redis.Redis, call: Captured) -> None:
         pipe.execute()
 
 
+@dataclass(frozen=True)
+class Cut:
+    """A step (`step`) stopped just after line `line` of `script`, one of the scripts its bundle holds."""
+
+    step: str
+    script: str
+    line: int
+
+    @classmethod
+    def parse(cls, text: str) -> Cut:
+        """`SCRIPT:LINE`, as `--cut` takes it; a ValueError says what is wrong."""
+        script, _, line = text.rpartition(":")
+        script = script.removesuffix(".lua")
+        if not script or not line.isdigit() or int(line) < 1:
+            raise ValueError(f"{text!r} is not SCRIPT:LINE (end_run:102, flush_run.lua:104)")
+        steps = [step for step in SCRIPTS if script == step or script in CALLS[step].uses]
+        if not steps:
+            raise ValueError(f"{script} is neither {' nor '.join(SCRIPTS)} nor a script they use")
+        lines = _source(script).count("\n") + 1
+        if int(line) > lines:
+            raise ValueError(f"{script}.lua has {lines} lines, not {line}")
+        return cls(steps[0], script, int(line))
+
+    def text(self) -> str:
+        """The step's script as the store loads it, with an error raised just after the cut's line."""
+        whole = _step_text(self.step)
+        source = _source(self.script)
+        lines = source.split("\n")
+        cut = "\n".join([*lines[: self.line], "error('script_cost: cut')", *lines[self.line :]])
+        return whole.replace(source, cut, 1)
+
+    def __str__(self) -> str:
+        return f"{self.script}:{self.line}"
+
+
+def _source(script: str) -> str:
+    return resources.files("coordinator.store").joinpath("lua", f"{script}.lua").read_text(encoding="utf-8")
+
+
+def _step_text(step: str) -> str:
+    return base._load_script(f"{step}.lua", *(f"{used}.lua" for used in CALLS[step].uses))
+
+
+def _replay_cut(client: redis.Redis, pid: int, call: Captured, cut: Cut, index: int, repeats: int) -> None:
+    """The call `repeats` + 1 times with its step stopped at `cut`, dumped as `c<repeat>-cut#<index>`."""
+    try:
+        sha = client.script_load(cut.text())
+    except redis.ResponseError as exc:
+        raise SystemExit(f"--cut {cut}: the script does not parse with the cut there: {exc}") from None
+    for repeat in range(repeats + 1):
+        _restore(client, call)
+        # Lua's heap collected whole first: a collection step the replays before left due would land in one
+        # cut's part and not in another's (the parts would not add up).
+        client.eval("collectgarbage('collect')", 0)
+        _control(pid, "-z")
+        with client.pipeline(transaction=bool(call.reads)) as pipe:
+            pipe.evalsha(sha, len(call.keys), *call.keys, *call.args)
+            for command in call.reads:
+                pipe.execute_command(*command)
+            replies = pipe.execute(raise_on_error=False)
+        _control(pid, "-d", f"c{repeat}-cut#{index}")
+        if not (isinstance(replies[0], redis.ResponseError) and "script_cost: cut" in str(replies[0])):
+            raise SystemExit(f"--cut {cut}: the step never reached that line (it answered {replies[0]!r})")
+
+
+def _control(pid: int, *args: str) -> None:
+    subprocess.run(["callgrind_control", *args, str(pid)], check=True, stdout=subprocess.DEVNULL)
+
+
 def _replay_call(
     client: redis.Redis, port: int, pid: int, call: Captured, repeats: int, plain: bool, each: bool
 ) -> list[list[bytes]]:
@@ -204,10 +293,9 @@ def _replay_call(
     (read off MONITOR with `plain` or `each`)."""
 
     def control(*args: str) -> None:
-        subprocess.run(["callgrind_control", *args, str(pid)], check=True, stdout=subprocess.DEVNULL)
+        _control(pid, *args)
 
-    uses = CALLS[call.script].uses
-    sha = client.script_load(base._load_script(f"{call.script}.lua", *(f"{used}.lua" for used in uses)))
+    sha = client.script_load(_step_text(call.script))
     commands: list[list[bytes]] = []
     for repeat in range(repeats + 1):
         _restore(client, call)
@@ -348,7 +436,7 @@ def _dumped_counts(dumps: str) -> dict[str, list[dict[str, int]]]:
     counts: dict[str, list[dict[str, int]]] = {}
     for path in glob.glob(f"{dumps}/cg.*.*"):
         text = Path(path).read_text(errors="replace")
-        named = re.search(r"^desc: Trigger: dump ([spwe])(\d+)-(\S+)", text, re.M)
+        named = re.search(r"^desc: Trigger: dump ([spwec])(\d+)-(\S+)", text, re.M)
         if not named or named.group(2) == "0":  # the warm-up call
             continue
         annotated = subprocess.run(["callgrind_annotate", "--inclusive=yes", path], capture_output=True, text=True)
@@ -363,7 +451,7 @@ def _dumped_counts(dumps: str) -> dict[str, list[dict[str, int]]]:
                         found[AOF_IN_COMMANDS] = 1
                     break
         if found["processInputBuffer"]:
-            script = {"s": "", "p": "plain ", "w": "writes of ", "e": "each "}[named.group(1)] + named.group(3)
+            script = {"s": "", "p": "plain ", "w": "writes of ", "e": "each ", "c": ""}[named.group(1)] + named.group(3)
             counts.setdefault(script, []).append(found)
     return counts
 
@@ -394,7 +482,18 @@ def main(argv: list[str] | None = None) -> int:
         "--plain", action="store_true", help="also each step's commands sent plain, with no script (a floor)"
     )
     parser.add_argument("--each", action="store_true", help="also each command of each step alone, in order")
+    parser.add_argument(
+        "--cut",
+        action="append",
+        default=[],
+        metavar="SCRIPT:LINE",
+        help="also the step stopped just after this line of one of its scripts (repeatable, in the step's order)",
+    )
     args = parser.parse_args(argv)
+    try:
+        cuts = [Cut.parse(text) for text in args.cut]
+    except ValueError as exc:
+        parser.error(f"--cut: {exc}")
     if args.repeats < 1:
         parser.error("--repeats must be 1 or more")
     if not args.redis_server or not shutil.which("valgrind"):
@@ -403,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     # OS's: say which was counted, as the same step differs by some 10% between Redis 6.2 and 7.0.
     version = subprocess.run([args.redis_server, "--version"], capture_output=True, text=True).stdout.split()
     print(f"{args.redis_server}: {' '.join(word for word in version if word.startswith('v='))}")
-    counts, ran = replay(capture(), args.repeats, args.redis_server, args.plain, args.each)
+    counts, ran = replay(capture(), args.repeats, args.redis_server, args.plain, args.each, cuts)
     plains = [f"{kind} {script}" for kind in ("plain", "writes of") for script in SCRIPTS] if args.plain else []
     for script in [*SCRIPTS, *plains]:
         repeats = sorted(counts.get(script, []), key=lambda parts: parts["processInputBuffer"])
@@ -424,6 +523,16 @@ def main(argv: list[str] | None = None) -> int:
             total += fewest
             print(f"  {fewest / 1000:7.1f}  {_shown(command)}")
         print(f"  {total / 1000:7.1f}  in all, {len(ran[script])} commands")
+    if cuts:
+        print(
+            "each step stopped at each cut (K instructions, the fewest of the repeats; its deferred hash writes left out):"
+        )
+    before: dict[str, int] = {}
+    for index, cut in enumerate(cuts):
+        fewest = min(parts["processInputBuffer"] for parts in counts.get(f"cut#{index}", [{"processInputBuffer": 0}]))
+        since = fewest - before.get(cut.step, 0)
+        before[cut.step] = fewest
+        print(f"  {cut.step:10} {cut!s:24} {fewest / 1000:7.1f}  {since / 1000:+7.1f} since its cut before")
     return 0
 
 

@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 # A bench's fleets start in seconds; a loaded host is given far more.
 BENCH_TIMEOUT_S = 240
@@ -84,3 +86,28 @@ def test_script_costs_split_adds_up_on_redis_7_and_on_6_2() -> None:
         said = dict(re.findall(r"(.+?) (-?\d+)(?:, |$)", split(parts)))  # a part's name may hold commas
         assert said["commands run"] == "250" and said["AOF feed"] == "100", said
         assert all(int(value) >= 0 for value in said.values()), said
+
+
+def test_a_script_cost_cut_stops_its_step_just_after_the_line(redis_client: Any) -> None:
+    """`bench/script_cost.py --cut SCRIPT:LINE` replays a step stopped by an error after that line of one of
+    its scripts; a cut it cannot place is refused with what is wrong, before any replay."""
+    import redis
+
+    from bench.script_cost import Cut, _step_text
+
+    cut = Cut.parse("flush_run.lua:1")
+    assert (cut.step, cut.script, cut.line) == ("end_run", "flush_run", 1), "a script end_run uses"
+    text = cut.text()
+    assert text.count("error('script_cost: cut')") == 1 and len(text) > len(_step_text("end_run"))
+    # Loaded as the store loads a step, the cut is where the script stops (end_run's first line: at once).
+    with pytest.raises(redis.ResponseError, match="script_cost: cut"):
+        redis_client.eval(Cut.parse("end_run:1").text(), 0)
+    for wrong, said in [
+        ("end_run", "is not SCRIPT:LINE"),
+        ("end_run:0", "is not SCRIPT:LINE"),
+        ("end_run:x", "is not SCRIPT:LINE"),
+        ("nosuch:3", "nosuch is neither start_run nor end_run nor a script they use"),
+        ("end_run:100000", "end_run.lua has"),
+    ]:
+        with pytest.raises(ValueError, match=said):
+            Cut.parse(wrong)
