@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import gc
+import selectors
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +24,7 @@ from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.runs import Run, RunLifecycle
 from tests.helpers import eventually, script, usage_step
 from tests.test_run_scripts import monitored
-from workers.runtime.agent_loop import GC_GEN0_OBJECTS, AgentLoop, StopWatch, tune_gc
+from workers.runtime.agent_loop import GC_GEN0_OBJECTS, AgentLoop, PacedSelector, StopWatch, tune_gc
 
 CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("caller", default="none")
 
@@ -45,6 +47,50 @@ def test_every_thread_runs_its_coroutine_on_the_one_loop_in_its_own_context() ->
     assert time.monotonic() - started < 2.0, "the coroutines waited at the same time, not one after another"
     assert {name for name, _ in results} == {"subq-agents"}
     assert [caller for _, caller in results] == [f"thread {n}" for n in range(16)]
+
+
+def test_the_loops_selector_skips_a_look_with_no_wait_made_soon_after_the_last() -> None:
+    """A look with no wait (the loop has callbacks ready) within the interval of the last look finds nothing;
+    past the interval, or any look that may wait, finds what is ready."""
+    reader, writer = socket.socketpair()
+    paced = PacedSelector(poll_every_s=0.2)
+    try:
+        paced.register(reader, selectors.EVENT_READ)
+        writer.send(b"x")
+        assert paced.select(0) == [], "looked 0.2 s after its start: skipped"
+        assert [key.fileobj for key, _ in paced.select(5)] == [reader], "a look that may wait always looks"
+        assert paced.select(0) == [], "and counts as the last look"
+        time.sleep(0.25)
+        assert [key.fileobj for key, _ in paced.select(0)] == [reader], "past the interval a look with no wait looks"
+    finally:
+        paced.close()
+        reader.close()
+        writer.close()
+
+
+def test_a_busy_loop_still_sees_its_sockets() -> None:
+    """A coroutine that keeps the agents' loop busy (a callback always ready) does not keep the loop from its
+    I/O: a socket made readable meanwhile is read while the coroutine still runs, not after it."""
+    loop = AgentLoop()
+    reader, writer = socket.socketpair()
+    read = threading.Event()
+
+    async def busy_until_read(limit_s: float) -> bool:
+        asyncio.get_running_loop().add_reader(reader, read.set)
+        try:
+            deadline = time.monotonic() + limit_s
+            while not read.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(0)  # a callback ready at every turn: no look may wait
+            return read.is_set()
+        finally:
+            asyncio.get_running_loop().remove_reader(reader)
+
+    threading.Timer(0.1, writer.send, args=(b"x",)).start()
+    try:
+        assert loop.run(busy_until_read(20.0)), "the socket was not read while the loop was busy"
+    finally:
+        reader.close()
+        writer.close()
 
 
 def test_a_coroutines_exception_reaches_its_caller_and_the_loop_goes_on() -> None:
