@@ -26,9 +26,9 @@ turn: an `epoll_wait` that lets go of the interpreter lock, which one of the poo
 takes, so the loop, where every agent runs, waits for the lock back at every turn. The
 loop's selector (`PacedSelector`) skips such a poll when the last one is under
 `BUSY_POLL_EVERY_S` old: a busy loop still sees its sockets every millisecond, and an idle
-one waits on them as before. Measured (bench/overhead.py, one process, width 1000): a
-child's worker CPU 5.1-5.7 ms against 6.2-6.6, throughput 1.12-1.19x the bare agent's
-against 0.97-1.01x (docs/benchmarks.md).
+one waits on them as before. Measured before and after in turns (bench/overhead.py, one
+process, width 1000): a child's worker CPU 5.3-5.7 ms against 5.9-6.6, throughput
+1.14-1.17x the bare agent's against 0.98-1.05x (docs/benchmarks.md).
 
 The stop watch replaces a poll per run: every `CANCEL_POLL_S` it reads one
 count that every stop moves (`RunLifecycle.stops_so_far`), and only when it
