@@ -412,3 +412,16 @@ def requests_sent(monkeypatch: pytest.MonkeyPatch, *thread_names: str) -> list[s
 
     monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
     return sent
+
+
+def snapshot_of(coord: Coordinator, *roots: str) -> dict[str, object]:
+    """Every key of the prefix with its value (`Metrics.snapshot`: the fleet's shared keys, the due list and the
+    metrics included), less the keys of trees other than `roots`: an earlier test's tree may still settle, or
+    its keys expire, meanwhile (a lease another test left lapsed between two snapshots of a loaded run)."""
+    ours = {f"{coord.settings.key_prefix}:{{{root}}}:" for root in roots}
+    tree_key = re.compile(rf"{re.escape(coord.settings.key_prefix)}:\{{[^}}]*\}}:")
+    return {
+        key: value
+        for key, value in coord.store.metrics.snapshot().items()
+        if not (found := tree_key.match(key)) or found.group(0) in ours
+    }

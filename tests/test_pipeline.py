@@ -15,7 +15,7 @@ import pytest
 from coordinator import Coordinator, Settings, TaskStatus, TodoStatus
 from coordinator.celery_app import make_app
 from tests.conftest import FAN_OUT_PROCESSES, dedicated_fleet
-from tests.helpers import script, usage_step
+from tests.helpers import script, snapshot_of, usage_step
 from workers.runtime.context import build_runtime
 
 ONE_STEP_TOKENS = 13_500
@@ -132,10 +132,10 @@ def test_fifty_children_at_once_nothing_lost_nothing_doubled(fan_out_fleet: Coor
     assert runs == {"1"}, "each child ran exactly once"
 
     # A duplicated chord callback (the same function the worker runs) changes nothing.
-    before = coordinator.store.metrics.snapshot()
+    before = snapshot_of(coordinator, parent.root_id)
     rt = build_runtime(coordinator.settings, make_app(coordinator.settings))
     assert rt.lifecycle.settle_batch(batch.id) is False
-    assert coordinator.store.metrics.snapshot() == before
+    assert snapshot_of(coordinator, parent.root_id) == before
 
 
 def test_sequential_chain_stops_at_a_failed_step(coordinator: Coordinator) -> None:

@@ -20,7 +20,7 @@ from coordinator import Coordinator, TaskStatus
 from coordinator.celery_app import make_app
 from coordinator.runs import Ended, Run, RunStopped
 from tests.agents import STEP_COST_MICROS, agent, reply
-from tests.helpers import requests_sent, script, usage_step
+from tests.helpers import requests_sent, script, snapshot_of, usage_step
 from workers.runtime import runner
 from workers.runtime.agent_loop import StopWatch
 from workers.runtime.context import Runtime, build_runtime
@@ -121,12 +121,12 @@ def test_a_redelivered_end_changes_nothing(idle_coordinator: Coordinator, rt: Ru
     parent = coord.create_task("one child", todos="[ ] a")
     (child_id,) = coord.delegate(parent.id, [{"description": "a", "message": agent(reply("done"))}]).child_ids
     assert run_child(rt, child_id).status == "completed"
-    before = coord.store.metrics.snapshot()
+    before = snapshot_of(coord, parent.root_id)
 
     again = run_child(rt, child_id)  # the message delivered a second time
 
     assert again.status == "completed" and again.cost_micros == STEP_COST_MICROS
-    assert coord.store.metrics.snapshot() == before
+    assert snapshot_of(coord, parent.root_id) == before
 
 
 def test_a_response_that_reaches_the_parents_budget_stops_the_subtree(
@@ -154,12 +154,12 @@ def test_a_tool_of_a_run_whose_task_was_stopped_writes_nothing(idle_coordinator:
     run = rt.lifecycle.start(child_id)
     assert isinstance(run, Run)
     coord.cancel(child_id, reason="stopped from outside")
-    before = coord.store.metrics.snapshot()
+    before = snapshot_of(coord, parent.root_id)
 
     with pytest.raises(RunStopped):
         run.plan.update_todos("[ ] written after the stop")
 
-    assert coord.store.metrics.snapshot() == before, "the plan of a stopped task is not written"
+    assert snapshot_of(coord, parent.root_id) == before, "the plan of a stopped task is not written"
     assert run.stopped(None).status == "cancelled"
     run.end(run.stopped(None))
     assert "stopped from outside" in coord.get_task(child_id).error

@@ -19,7 +19,7 @@ from coordinator.models import AdmissionLimits, TaskRecord
 from coordinator.replies import UsageRecorded
 from coordinator.store import Store
 from coordinator.store.runs import Started
-from tests.helpers import script, usage_step
+from tests.helpers import script, snapshot_of, usage_step
 
 THREADS = 8
 
@@ -113,9 +113,9 @@ def test_write_back_is_idempotent_and_terminal_status_is_first_wins(idle_coordin
     assert store.runs.finish_task(child_id, "completed", summary="second") == "failed"
 
     assert store.batches.apply_children(batch, [child_id]) == 1
-    after_first = store.metrics.snapshot()
+    after_first = snapshot_of(coord, parent.root_id)
     assert store.batches.apply_children(batch, [child_id]) == 0
-    assert store.metrics.snapshot() == after_first
+    assert snapshot_of(coord, parent.root_id) == after_first
     (item,) = coord.get_todos(parent.id)
     assert (item.subtask_id, item.tokens, item.cost_micros) == (child_id, 12, 77)
     assert item.status == TodoStatus.IN_PROGRESS
