@@ -270,14 +270,20 @@ def _replay_cut(client: redis.Redis, pid: int, call: Captured, cut: Cut, index: 
         # cut's part and not in another's (the parts would not add up).
         client.eval("collectgarbage('collect')", 0)
         _control(pid, "-z")
-        with client.pipeline(transaction=bool(call.reads)) as pipe:
-            pipe.evalsha(sha, len(call.keys), *call.keys, *call.args)
-            for command in call.reads:
-                pipe.execute_command(*command)
-            replies = pipe.execute(raise_on_error=False)
+        reply = _send_step(client, sha, call, raise_on_error=False)
         _control(pid, "-d", f"c{repeat}-cut#{index}")
-        if not (isinstance(replies[0], redis.ResponseError) and "script_cost: cut" in str(replies[0])):
-            raise SystemExit(f"--cut {cut}: the step never reached that line (it answered {replies[0]!r})")
+        if not (isinstance(reply, redis.ResponseError) and "script_cost: cut" in str(reply)):
+            raise SystemExit(f"--cut {cut}: the step never reached that line (it answered {reply!r})")
+
+
+def _send_step(client: redis.Redis, sha: str, call: Captured, raise_on_error: bool = True) -> Any:
+    """The captured call's EVALSHA of `sha`, sent as the store sends it (with its reads, one MULTI/EXEC);
+    the script's reply (with `raise_on_error` False, its error as a reply)."""
+    with client.pipeline(transaction=bool(call.reads)) as pipe:
+        pipe.evalsha(sha, len(call.keys), *call.keys, *call.args)
+        for command in call.reads:
+            pipe.execute_command(*command)
+        return pipe.execute(raise_on_error=raise_on_error)[0]
 
 
 def _control(pid: int, *args: str) -> None:
@@ -301,14 +307,7 @@ def _replay_call(
         _restore(client, call)
         watch = _Monitor(port) if (plain or each) and repeat == 0 else None  # feeding a monitor costs the server too
         control("-z")
-        if call.reads:  # sent as the store sends it: one MULTI/EXEC with its reads
-            with client.pipeline(transaction=True) as pipe:
-                pipe.evalsha(sha, len(call.keys), *call.keys, *call.args)
-                for command in call.reads:
-                    pipe.execute_command(*command)
-                pipe.execute()
-        else:
-            client.evalsha(sha, len(call.keys), *call.keys, *call.args)
+        _send_step(client, sha, call)
         control("-d", f"s{repeat}-{call.script}")
         if watch is not None:
             commands = watch.scripts_commands(client)
