@@ -311,29 +311,43 @@ def _replay_call(
         control("-d", f"s{repeat}-{call.script}")
         if watch is not None:
             commands = watch.scripts_commands(client)
+    if plain:
+        _replay_plain(client, pid, call, commands, repeats)
+    if each:
+        _replay_each(client, pid, call, commands, repeats)
+    return commands
+
+
+def _replay_plain(client: redis.Redis, pid: int, call: Captured, commands: list[list[bytes]], repeats: int) -> None:
+    """The script's commands (with its caller's reads) sent in one MULTI with no script, as `p<repeat>-<script>`,
+    then the ones that write alone, as `w<repeat>-<script>`."""
     writes = [ran for ran in commands if _writes(client, ran[0])]
-    for label, sent in (("p", [*commands, *call.reads]), ("w", writes)) if plain else ():
+    for label, sent in (("p", [*commands, *call.reads]), ("w", writes)):
         for repeat in range(repeats + 1):
             _restore(client, call)
-            control("-z")
+            _control(pid, "-z")
             with client.pipeline(transaction=True) as pipe:
                 for ran in sent:
                     pipe.execute_command(*ran)
                 replies = pipe.execute(raise_on_error=False)
-            control("-d", f"{label}{repeat}-{call.script}")
+            _control(pid, "-d", f"{label}{repeat}-{call.script}")
             failed = [reply for reply in replies if isinstance(reply, Exception)]
             if failed:  # a command the replay mis-read, or one the restored state refuses: the figure is not the step's
                 raise SystemExit(f"{call.script}: {len(failed)} plain command(s) failed, the first: {failed[0]}")
-    for repeat in range(repeats + 1) if each else ():
+
+
+def _replay_each(client: redis.Redis, pid: int, call: Captured, commands: list[list[bytes]], repeats: int) -> None:
+    """Each of the script's commands alone, in order, on the state the ones before it left, as
+    `e<repeat>-<script>#<n>`."""
+    for repeat in range(repeats + 1):
         _restore(client, call)
         for index, ran in enumerate(commands):
-            control("-z")
+            _control(pid, "-z")
             try:
                 client.execute_command(*ran)
             except redis.ResponseError as exc:  # as above: the figure would not be the step's
                 raise SystemExit(f"{call.script}: its command {index} failed alone: {exc}") from None
-            control("-d", f"e{repeat}-{call.script}#{index}")
-    return commands
+            _control(pid, "-d", f"e{repeat}-{call.script}#{index}")
 
 
 def _writes(client: redis.Redis, command: bytes) -> bool:
@@ -514,7 +528,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.split and script in SCRIPTS:
             print(f"{'':20} K: {split(repeats[0])}")
-    for script in SCRIPTS if args.each else ():
+    if args.each:
+        _print_each(counts, ran)
+    if cuts:
+        _print_cuts(counts, cuts)
+    return 0
+
+
+def _print_each(counts: dict[str, list[dict[str, int]]], ran: dict[str, list[list[bytes]]]) -> None:
+    for script in SCRIPTS:
         print(f"each command of {script} alone (K instructions, the fewest of the repeats):")
         total = 0
         for index, command in enumerate(ran[script]):
@@ -522,17 +544,18 @@ def main(argv: list[str] | None = None) -> int:
             total += fewest
             print(f"  {fewest / 1000:7.1f}  {_shown(command)}")
         print(f"  {total / 1000:7.1f}  in all, {len(ran[script])} commands")
-    if cuts:
-        print(
-            "each step stopped at each cut (K instructions, the fewest of the repeats; its deferred hash writes left out):"
-        )
+
+
+def _print_cuts(counts: dict[str, list[dict[str, int]]], cuts: list[Cut]) -> None:
+    print(
+        "each step stopped at each cut (K instructions, the fewest of the repeats; its deferred hash writes left out):"
+    )
     before: dict[str, int] = {}
     for index, cut in enumerate(cuts):
         fewest = min(parts["processInputBuffer"] for parts in counts.get(f"cut#{index}", [{"processInputBuffer": 0}]))
         since = fewest - before.get(cut.step, 0)
         before[cut.step] = fewest
         print(f"  {cut.step:10} {cut!s:24} {fewest / 1000:7.1f}  {since / 1000:+7.1f} since its cut before")
-    return 0
 
 
 def _shown(command: list[bytes]) -> str:

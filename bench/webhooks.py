@@ -267,6 +267,19 @@ class Syscalls:
         return calls
 
 
+def _deliverer_threads_cpu_s() -> tuple[float, float, float]:
+    """The CPU seconds of this process's deliverer threads so far: each thread's CPU clock, and its user and
+    system split from /proc (in clock ticks: 10 ms, a coarse split of a few hundred deliveries)."""
+    cpu_s = user_s = system_s = 0.0
+    for thread in threading.enumerate():
+        if thread.name.startswith("subq-deliver") and thread.ident is not None:
+            cpu_s += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+            user_s += int(stat[11]) / os.sysconf("SC_CLK_TCK")
+            system_s += int(stat[12]) / os.sysconf("SC_CLK_TCK")
+    return cpu_s, user_s, system_s
+
+
 def deliverer_cpu(deliveries: int, answer_s: float, rate: float, of_tree: bool, syscalls: bool = False) -> None:
     """The deliverer alone, in this process: `deliveries` events of one root (no workers, no runs) sent to
     the receiver, all due at once or `rate` a second; the CPU seconds its threads took a delivery
@@ -314,15 +327,7 @@ def deliverer_cpu(deliveries: int, answer_s: float, rate: float, of_tree: bool, 
             time.sleep(0.1)
         wall_s = time.perf_counter() - started_s
         calls = tracer.stop() if tracer is not None else {}
-        # Each thread's CPU clock (ns), and its user and system split from /proc (in clock ticks: 10 ms, a
-        # coarse split of a few hundred deliveries).
-        cpu_s = user_s = system_s = 0.0
-        for thread in threading.enumerate():
-            if thread.name.startswith("subq-deliver") and thread.ident is not None:
-                cpu_s += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-                stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
-                user_s += int(stat[11]) / os.sysconf("SC_CLK_TCK")
-                system_s += int(stat[12]) / os.sysconf("SC_CLK_TCK")
+        cpu_s, user_s, system_s = _deliverer_threads_cpu_s()
         stop.set()
         twice = sum(1 for n in receiver.mine("").values() if n > 1 + of_tree)
         coord.close()

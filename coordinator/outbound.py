@@ -344,44 +344,55 @@ class Connections:
         self._watch(exchange, self._urgent, selectors.EVENT_WRITE)
 
     def _move(self, exchange: Exchange, ended: list[tuple[object, int, str]]) -> None:
-        sock = exchange.sock
-        assert sock is not None
-        if exchange.stage == "connect":
-            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if error:
-                self._end(exchange, ended, 0, f"ConnectError: [Errno {error}] {os.strerror(error)}", keep=False)
-                return
-            if exchange.tls_host is None:
-                exchange.stage = "send"
-            else:
-                self._unwatch(exchange)
-                if self._tls is None:
-                    self._tls = ssl.create_default_context()
-                try:
-                    exchange.sock = self._tls.wrap_socket(
-                        sock, server_hostname=exchange.tls_host, do_handshake_on_connect=False
-                    )
-                except (OSError, ValueError) as exc:
-                    self._end(exchange, ended, 0, one_line(f"ConnectError: {exc}"), keep=False)
-                    return
-                exchange.stage = "handshake"
-                self._watch(exchange, self._urgent, selectors.EVENT_WRITE)
-        if exchange.stage == "handshake":
-            tls = cast(ssl.SSLSocket, exchange.sock)
-            try:
-                tls.do_handshake()
-            except ssl.SSLWantReadError:
-                self._watch(exchange, self._urgent, selectors.EVENT_READ)
-                return
-            except ssl.SSLWantWriteError:
-                self._watch(exchange, self._urgent, selectors.EVENT_WRITE)
-                return
-            except OSError as exc:
-                self._end(exchange, ended, 0, one_line(f"ConnectError: {exc}"), keep=False)
-                return
-            exchange.stage = "send"
+        if exchange.stage == "connect" and not self._connected(exchange, ended):
+            return
+        if exchange.stage == "handshake" and not self._shaken(exchange, ended):
+            return
         if exchange.stage == "send":
             self._send(exchange, ended)
+
+    def _connected(self, exchange: Exchange, ended: list[tuple[object, int, str]]) -> bool:
+        """The connect ended: on to `send`, or to `handshake` over TLS. False when it failed (ended)."""
+        sock = exchange.sock
+        assert sock is not None
+        error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if error:
+            self._end(exchange, ended, 0, f"ConnectError: [Errno {error}] {os.strerror(error)}", keep=False)
+            return False
+        if exchange.tls_host is None:
+            exchange.stage = "send"
+            return True
+        self._unwatch(exchange)
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        try:
+            exchange.sock = self._tls.wrap_socket(
+                sock, server_hostname=exchange.tls_host, do_handshake_on_connect=False
+            )
+        except (OSError, ValueError) as exc:
+            self._end(exchange, ended, 0, one_line(f"ConnectError: {exc}"), keep=False)
+            return False
+        exchange.stage = "handshake"
+        self._watch(exchange, self._urgent, selectors.EVENT_WRITE)
+        return True
+
+    def _shaken(self, exchange: Exchange, ended: list[tuple[object, int, str]]) -> bool:
+        """A step of the TLS handshake: True once it is done (on to `send`); False while it waits or when it
+        failed (ended)."""
+        tls = cast(ssl.SSLSocket, exchange.sock)
+        try:
+            tls.do_handshake()
+        except ssl.SSLWantReadError:
+            self._watch(exchange, self._urgent, selectors.EVENT_READ)
+            return False
+        except ssl.SSLWantWriteError:
+            self._watch(exchange, self._urgent, selectors.EVENT_WRITE)
+            return False
+        except OSError as exc:
+            self._end(exchange, ended, 0, one_line(f"ConnectError: {exc}"), keep=False)
+            return False
+        exchange.stage = "send"
+        return True
 
     def _send(self, exchange: Exchange, ended: list[tuple[object, int, str]]) -> None:
         sock = exchange.sock

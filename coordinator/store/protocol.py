@@ -172,15 +172,13 @@ class Group:
                 (out_keys if slot == "key" else out_args).extend(value)
             elif slot == "key":
                 out_keys.append(value)
-            elif slot == "keys":
-                for item in value:
-                    out_keys.extend(item) if isinstance(item, tuple) else out_keys.append(item)
             elif slot == "arg":
                 if value is not None or not optional:
                     out_args.append(value)
-            elif slot == "args":
+            elif slot in ("keys", "args"):  # each item one name or value, or a tuple of them
+                out = out_keys if slot == "keys" else out_args
                 for item in value:
-                    out_args.extend(item) if isinstance(item, tuple) else out_args.append(item)
+                    out.extend(item) if isinstance(item, tuple) else out.append(item)
             else:
                 sub_keys, sub_args = cast(Group, value).pack()
                 out_keys += sub_keys
