@@ -8,7 +8,10 @@ fan-out of `--width` children while every thread's CPU is read from
 /proc/<pid>/task/*/stat every 50 ms (a thread that ends during the run keeps
 its last reading). Threads are named by `py-spy dump` after the run (a pool's
 numbered threads summed under one name; one that ended before it is `?`, such
-as subq's stop watch, which ends with the process's last run). `--profile DIR`
+as subq's stop watch, which ends with the process's last run). Each thread's
+context switches a child, voluntary (it waited: a lock, a socket) and
+involuntary (the kernel pre-empted it), are read from
+/proc/<pid>/task/*/status before and after the run. `--profile DIR`
 also writes py-spy's GIL-holding samples (100 Hz, collapsed stacks) of each
 worker process to DIR, where the Python of each thread's CPU shows.
 docs/benchmarks.md ("Where a child's worker CPU goes") has the figures.
@@ -63,6 +66,23 @@ def threads_cpu_s(pids: Sequence[int]) -> Threads:
     return cpu
 
 
+def threads_switches(pids: Sequence[int]) -> dict[tuple[int, int], tuple[int, int]]:
+    """Each live thread's (voluntary, involuntary) context switches so far, by (pid, tid)."""
+    switches: dict[tuple[int, int], tuple[int, int]] = {}
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            except OSError:
+                continue  # it ended meanwhile
+            counts = dict(line.split(":\t") for line in status.splitlines() if "ctxt_switches" in line)
+            switches[(pid, int(tid))] = (
+                int(counts["voluntary_ctxt_switches"]),
+                int(counts["nonvoluntary_ctxt_switches"]),
+            )
+    return switches
+
+
 def thread_names(pids: Sequence[int]) -> dict[int, str]:
     """Each live thread's Python name (a pool's number dropped), from py-spy's dump."""
     names: dict[int, str] = {}
@@ -82,17 +102,22 @@ def record(out: Path, pid: int, rate_hz: int = PROFILE_RATE_HZ) -> subprocess.Po
     )
 
 
+# A thread name's figures a child: CPU ms, and voluntary and involuntary context switches.
+Row = tuple[float, float, float]
+
+
 def measure(
     modes: Modes, mode: str, width: int, profile: Path | None, rate_hz: int = PROFILE_RATE_HZ
-) -> dict[str, float]:
-    """One run of `mode` at `width`: CPU ms per child by thread name."""
+) -> dict[str, Row]:
+    """One run of `mode` at `width`: CPU ms and context switches per child, by thread name. A thread's
+    switches are read before and after the run (one that ended meanwhile is left out of them)."""
     pids = modes.pids(mode)
     spies = []
     if profile is not None:
         profile.mkdir(parents=True, exist_ok=True)
         spies = [record(profile / f"{mode}-{len(pids)}-{pid}.txt", pid, rate_hz) for pid in pids]
         time.sleep(1.0)  # py-spy attached
-    before = threads_cpu_s(pids)
+    before, switched_before = threads_cpu_s(pids), threads_switches(pids)
     latest: Threads = dict(before)
     done = threading.Event()
 
@@ -106,15 +131,24 @@ def measure(
     done.set()
     sampler.join()
     latest.update(threads_cpu_s(pids))
+    switched = threads_switches(pids)
     for one in spies:
         one.send_signal(signal.SIGINT)
         one.wait()
     names = thread_names(pids)
-    by_name: dict[str, float] = {}
+    by_name: dict[str, Row] = {}
     for (pid, tid), cpu_s in latest.items():
         name = names.get(tid, "?")
-        by_name[name] = by_name.get(name, 0.0) + (cpu_s - before.get((pid, tid), 0.0)) * 1000 / width
-    by_name["(the processes' own count)"] = run.worker_cpu_s * 1000 / width
+        voluntary, involuntary = switched.get((pid, tid), (0, 0))
+        voluntary_before, involuntary_before = switched_before.get((pid, tid), (0, 0))
+        ms, v, i = by_name.get(name, (0.0, 0.0, 0.0))
+        by_name[name] = (
+            ms + (cpu_s - before.get((pid, tid), 0.0)) * 1000 / width,
+            v + (voluntary - voluntary_before) / width if (pid, tid) in switched else v,
+            i + (involuntary - involuntary_before) / width if (pid, tid) in switched else i,
+        )
+    total = [sum(row[n] for row in by_name.values()) for n in (1, 2)]
+    by_name["(the processes' own count)"] = (run.worker_cpu_s * 1000 / width, total[0], total[1])
     return by_name
 
 
@@ -135,10 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 modes.run(mode, 32 * args.processes)  # warm-up
             for mode in args.modes:
                 load = Path("/proc/loadavg").read_text().split()[:3]
-                for name, ms in sorted(
-                    measure(modes, mode, args.width, args.profile, args.rate).items(), key=lambda i: -i[1]
+                print(f"{'':5} {'':14} {'thread':36} {'CPU':>14}  switches a child: voluntary, involuntary")
+                for name, (ms, voluntary, involuntary) in sorted(
+                    measure(modes, mode, args.width, args.profile, args.rate).items(), key=lambda i: -i[1][0]
                 ):
-                    print(f"{mode:5} {args.processes} process(es) {name:36} {ms:6.2f} ms/child")
+                    print(
+                        f"{mode:5} {args.processes} process(es) {name:36} {ms:6.2f} ms/child  "
+                        f"{voluntary:6.2f} {involuntary:6.2f}"
+                    )
                 print(f"{mode:5} load average before: {' '.join(load)}", flush=True)
         finally:
             modes.close()
