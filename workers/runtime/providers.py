@@ -561,7 +561,10 @@ class Route:
         """The error the run fails with: the last one a request met (a gate's, if none), saying how long it waited."""
         last = self._last_error or error
         if isinstance(last, ModelAPIError):
-            last.message = f"{last.message}; gave up after {spent_s:.0f} s (model_wait_out_s={self.wait_out_s:g})"
+            # To a tenth under 10 s: a run gives up before the wait-out when its next wait would end past it
+            # (a jittered backoff), and "after 0 s" said it had not waited at all.
+            waited = f"{spent_s:.1f}" if spent_s < 10 else f"{spent_s:.0f}"
+            last.message = f"{last.message}; gave up after {waited} s (model_wait_out_s={self.wait_out_s:g})"
             last.args = (last.message,)
         return last
 
