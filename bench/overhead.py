@@ -82,7 +82,11 @@ from coordinator.celery_app import make_app  # noqa: E402
 from coordinator.loading import freeze_loaded  # noqa: E402
 from coordinator.local.embedded_redis import local_redis  # noqa: E402
 from coordinator.local.fleet import WorkerFleet  # noqa: E402
-from coordinator.settings import DEFAULT_HEARTBEAT_LAPSE_S, DEFAULT_RECONCILE_INTERVAL_S  # noqa: E402
+from coordinator.settings import (  # noqa: E402
+    DEFAULT_HEARTBEAT_LAPSE_S,
+    DEFAULT_RECONCILE_GRACE_S,
+    DEFAULT_RECONCILE_INTERVAL_S,
+)
 
 MODES = ("noop", "agent", "subq")
 DEFAULT_WIDTHS = (100, 1000)
@@ -149,6 +153,7 @@ class Modes:
         tool_idempotent: bool = True,
         processes: int = 1,
         stretch: float = 1.0,
+        grace_s: int | None = None,
     ) -> None:
         # Every child waits this long on its model (noop: sleeps it), the same message in every mode;
         # with `tool_calls`, it first calls a function tool that many times, one response each.
@@ -169,6 +174,8 @@ class Modes:
                 "heartbeat_lapse_s": round(DEFAULT_HEARTBEAT_LAPSE_S * stretch),
             }
             os.environ[STRETCH_ENV] = str(stretch)
+        if grace_s is not None:  # --grace-s: the reconciler looks at every child queued longer than this
+            timers["reconcile_grace_s"] = grace_s
         # The tool-calling children's profile offers the same function tool as the bare agent, declared
         # idempotent (a lookup is) unless told otherwise: a response is then kept with its call's result,
         # not also before the call (docs/tools.md, section 11).
@@ -426,6 +433,7 @@ def sweep(
         modes = Modes(
             url, args.concurrency, max(args.widths), tmp / "probe", tmp / "logs" / str(processes), args.latency_ms,
             args.tool_calls, tool_idempotent=not args.tool_not_idempotent, processes=processes, stretch=args.stretch,
+            grace_s=args.grace_s,
         )  # fmt: skip
         try:
             samples = measure(modes, args.modes, args.widths, args.repeats, warmup=args.concurrency * 2 * processes)
@@ -571,6 +579,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=1.0,
         help="subq's own clocks (reconciler, heartbeat, stop watch, deliverer, pacer) this many times slower (1)",
     )
+    parser.add_argument(
+        "--grace-s",
+        type=positive_int,
+        default=None,
+        help="subq's SUBQ_RECONCILE_GRACE_S (30): a short one has the reconciler look at each child queued longer "
+        "during a wide run, and the report's repairs say whether it took any for lost",
+    )
     parser.add_argument("--json", action="store_true", help="also print every figure as one JSON object")
     args = parser.parse_args(argv)
     if args.tool_calls < 0:
@@ -597,7 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         (Path(tmp) / "probe").mkdir()
         modes = Modes(
             url, args.concurrency, max_width, Path(tmp) / "probe", Path(tmp) / "logs", args.latency_ms, args.tool_calls,
-            tool_idempotent=not args.tool_not_idempotent,
+            tool_idempotent=not args.tool_not_idempotent, grace_s=args.grace_s,
         )  # fmt: skip
         try:
             samples = measure(modes, args.modes, args.widths, args.repeats, warmup=args.concurrency * 2)
@@ -628,6 +643,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tool calls": f"{args.tool_calls} per child, one response each"
         + (", the tool not declared idempotent" if args.tool_not_idempotent else ", the tool declared idempotent"),
         "other work": other_work(busy_before_s, own_before_s, time.monotonic() - started_s),
+        "reconcile grace": f"{modes.subq_settings.reconcile_grace_s} s",  # what subq's fleet was handed
         "repairs": ", ".join(f"{reason} {count}" for reason, count in sorted(repairs.items())) or "none",
     }
     rows = summarise(samples)
@@ -656,6 +672,7 @@ def main_sweep(
         f"{args.concurrency}, prefetch 1" + (f", subq's clocks {args.stretch:g}x slower" if args.stretch != 1 else ""),
         "other work": other_work(busy_before_s, own_before_s, time.monotonic() - started_s),
         "load average": f"{' '.join(uptime_before)} before, {' '.join(Path('/proc/loadavg').read_text().split()[:3])} after",
+        "reconcile grace": f"{args.grace_s or DEFAULT_RECONCILE_GRACE_S} s",
         "repairs": ", ".join(f"{reason} {count}" for reason, count in sorted(repairs.items())) or "none",
     }
     print_sweep(rows, idles, facts)

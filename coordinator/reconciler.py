@@ -288,9 +288,12 @@ class Reconciler:
         if self._waits_to_start(task_id):
             self._later[settings.reconcile_grace_s].append(task_id)
             return None
-        if store.convergence.triage([task_id])[0].leased:
+        now = store.convergence.triage([task_id])[0]
+        if now.leased or (now.status, now.updated_at) != (status, updated_at):
             # Its message left the queue after the triage and before the queue was read: a worker
-            # took it and its run has started since. Not lost (an extra read, on this branch only).
+            # took it and its run has started, or even ended, since (an end frees the lease and takes
+            # the task off the due list, which "later" does not undo). Not lost: an extra read, on this
+            # branch only.
             self._later[settings.reconcile_interval_s].append(task_id)
             return None
         store.convergence.watch([task_id], settings.reconcile_grace_s)  # first: a lost publish is tried again

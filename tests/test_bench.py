@@ -40,8 +40,12 @@ def run_bench(*args: str) -> dict[str, Any]:
 
 def test_overhead_reports_each_mode_and_when_its_first_child_started() -> None:
     report = run_bench(
-        "bench/overhead.py", "--widths", "16", "--repeats", "1", "--no-scale", "--modes", "noop,agent,subq"
-    )
+        "bench/overhead.py", "--widths", "16", "--repeats", "1", "--no-scale", "--modes", "noop,agent,subq",
+        "--grace-s", "7",
+    )  # fmt: skip
+
+    assert report["facts"]["reconcile grace"] == "7 s", "--grace-s is subq's fleet's SUBQ_RECONCILE_GRACE_S"
+    assert report["facts"]["repairs"] == "none", "no worker died and no message was lost"
 
     rows = {row["mode"]: row for row in report["results"]}
     assert set(rows) == {"noop", "agent", "subq"}

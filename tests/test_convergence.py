@@ -110,6 +110,30 @@ def test_a_run_taken_from_the_queue_while_the_tick_looked_is_not_taken_for_lost(
     assert coord.client.llen(QUEUE) == 0 and root.id in store.watched()
 
 
+def test_a_run_that_ended_while_the_tick_looked_is_not_taken_for_lost(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the tick's triage and its read of the queue, a worker takes the message and runs it to its end:
+    its lease is gone again by the tick's second look, and the task was published again (`run-lost`), then put
+    back on the due list after its end had taken it off. A busy fleet whose children waited past the grace
+    counted a few such repairs in every wide fan-out (bench/overhead.py's 5,000-wide runs)."""
+    root = coord.create_task(agent(reply("x")), run=True)
+    store = coord.store.convergence
+    read_queue = store.queued_task_ids
+    runtime = build_runtime(coord.settings, make_app(coord.settings))
+
+    def a_worker_runs_it_first(queue: str) -> set[str]:
+        coord.client.delete(queue)  # the worker took the message off the ready list ...
+        assert run_child(runtime, root.id).status == "completed"  # ... and its run has started and ended
+        return read_queue(queue)
+
+    monkeypatch.setattr(store, "queued_task_ids", a_worker_runs_it_first)
+    assert tick(coord) == {}, "not published again"
+    assert coord.client.llen(QUEUE) == 0
+    assert root.id not in store.watched(), "its end took it off the due list, and the tick did not put it back"
+    assert coord.store.records.task_field(root.id, "repairs") in (None, "", "0")
+
+
 def test_a_run_whose_message_was_lost_is_published_again(coord: Coordinator) -> None:
     root = coord.create_task(agent(reply("x")), run=True)
     coord.client.delete(QUEUE)  # the broker lost it (a Redis restart)
