@@ -49,7 +49,7 @@ import time
 import traceback
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -599,6 +599,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def convergence_facts(grace_s: int, repairs: Mapping[str, int]) -> dict[str, str]:
+    """The report's lines on the reconciler: the grace it waited, and its repairs by reason (none is expected:
+    no worker dies and no message is lost in these runs)."""
+    return {
+        "reconcile grace": f"{grace_s} s",
+        "repairs": ", ".join(f"{reason} {count}" for reason, count in sorted(repairs.items())) or "none",
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -643,8 +652,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tool calls": f"{args.tool_calls} per child, one response each"
         + (", the tool not declared idempotent" if args.tool_not_idempotent else ", the tool declared idempotent"),
         "other work": other_work(busy_before_s, own_before_s, time.monotonic() - started_s),
-        "reconcile grace": f"{modes.subq_settings.reconcile_grace_s} s",  # what subq's fleet was handed
-        "repairs": ", ".join(f"{reason} {count}" for reason, count in sorted(repairs.items())) or "none",
+        **convergence_facts(modes.subq_settings.reconcile_grace_s, repairs),  # the grace subq's fleet was handed
     }
     rows = summarise(samples)
     print_report(rows, scale, facts)
@@ -672,8 +680,7 @@ def main_sweep(
         f"{args.concurrency}, prefetch 1" + (f", subq's clocks {args.stretch:g}x slower" if args.stretch != 1 else ""),
         "other work": other_work(busy_before_s, own_before_s, time.monotonic() - started_s),
         "load average": f"{' '.join(uptime_before)} before, {' '.join(Path('/proc/loadavg').read_text().split()[:3])} after",
-        "reconcile grace": f"{args.grace_s or DEFAULT_RECONCILE_GRACE_S} s",
-        "repairs": ", ".join(f"{reason} {count}" for reason, count in sorted(repairs.items())) or "none",
+        **convergence_facts(args.grace_s or DEFAULT_RECONCILE_GRACE_S, repairs),
     }
     print_sweep(rows, idles, facts)
     if args.json:
