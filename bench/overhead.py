@@ -89,6 +89,8 @@ from coordinator.settings import (  # noqa: E402
 )
 
 MODES = ("noop", "agent", "subq")
+# How the sweep's report names each mode: (b) is the issue's baseline, the same agent under plain Celery.
+MODE_LABELS = {"noop": "no-op chord", "agent": "(b)", "subq": "subq"}
 DEFAULT_WIDTHS = (100, 1000)
 DEFAULT_SCALE = (1000, 5000)
 DEFAULT_REPEATS = 3
@@ -507,6 +509,18 @@ def _redis_ratio(subq: dict[str, Any] | None, noop: dict[str, Any] | None) -> st
     return "-"
 
 
+def growth_ms(by: SweepRows, width: int, first: int, last: int) -> dict[str, float]:
+    """Each mode's CPU per child (workers + Redis net) at `last` processes less at `first`, for the modes
+    measured at both, in MODES' order."""
+    grown = {}
+    for mode in MODES:
+        rows = by.get((first, mode, width)), by.get((last, mode, width))
+        if rows[0] and rows[1]:
+            at_first, at_last = (row["worker_cpu_ms_per_child"] + row["redis_cpu_ms_per_child_net"] for row in rows)
+            grown[mode] = at_last - at_first
+    return grown
+
+
 def _print_targets(by: SweepRows, idles: dict[int, Idle], width: int) -> None:
     """One width's figures against the issue's targets, from the fewest and the most processes measured."""
     first, last = min(idles), max(idles)
@@ -520,6 +534,14 @@ def _print_targets(by: SweepRows, idles: dict[int, Idle], width: int) -> None:
         print(f"subq / (b) CPU per child at {first} process(es): {subq_first / agent_first:.2f}x (target 1.2x)")
     if subq_first and subq_last:
         print(f"subq CPU per child at {last} / at {first}: {subq_last / subq_first:.2f}x (target 1.1x)")
+    growths = growth_ms(by, width, first, last)
+    if growths:
+        # In ms, beside a no-op chord's: what grows with the processes in Celery's own fleet, which a ratio
+        # to subq's one-process figure hides (docs/benchmarks.md, "What grows is Celery's").
+        print(
+            f"CPU per child from {first} to {last} process(es), ms: "
+            + ", ".join(f"{MODE_LABELS[mode]} {grown:+.2f}" for mode, grown in growths.items())
+        )
     subq_row, agent_row = by.get((last, "subq", width)), by.get((last, "agent", width))
     if subq_row and agent_row:
         print(

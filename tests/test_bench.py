@@ -58,6 +58,31 @@ def test_overhead_reports_each_mode_and_when_its_first_child_started() -> None:
     assert rows["subq"]["round_trips_by_command"].get("EVALSHA", 0) >= 1, "a subq child's steps are scripts"
 
 
+def test_overhead_sweep_reports_each_fleet_size_and_what_grew_between_them() -> None:
+    env = {name: value for name, value in os.environ.items() if not name.startswith("SUBQ_")}
+    args = ["bench/overhead.py", "--processes", "1,2", "--widths", "16", "--repeats", "1", "--idle-s", "1", "--json"]
+    done = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    printed, _, json_text = done.stdout.partition("\n{")
+    report = json.loads("{" + json_text)
+    assert report["facts"]["repairs"] == "none", "no worker died and no message was lost"
+    rows = {(row["processes"], row["mode"]): row for row in report["results"]}
+    assert set(rows) == {(p, mode) for p in (1, 2) for mode in ("noop", "agent", "subq")}
+
+    # Each mode's growth in ms is its own two rows' difference, as the JSON holds them.
+    def total(processes: int, mode: str) -> float:
+        row = rows[(processes, mode)]
+        return float(row["worker_cpu_ms_per_child"] + row["redis_cpu_ms_per_child_net"])
+
+    line = next(line for line in printed.splitlines() if line.startswith("CPU per child from 1 to 2 process(es), ms:"))
+    grown = dict(re.findall(r"(no-op chord|\(b\)|subq) ([+-]\d+\.\d\d)", line))
+    for label, mode in (("no-op chord", "noop"), ("(b)", "agent"), ("subq", "subq")):
+        assert float(grown[label]) == pytest.approx(total(2, mode) - total(1, mode), abs=0.006), (label, line)
+    assert "subq CPU per child at 2 / at 1:" in printed and "subq / (b) throughput at 2:" in printed
+
+
 def test_run_times_a_bare_chord_and_a_delegation() -> None:
     report = run_bench("bench/run.py", "--widths", "8", "--repeats", "1", "--workers", "1", "--concurrency", "4")
 
