@@ -21,7 +21,7 @@ from coordinator import Coordinator
 from coordinator.api import create_app
 from tests.agents import call, reply, subtask
 from tests.helpers import TOKEN, ApiServer, api_settings
-from tests.test_web_browser import SCREENSHOTS, WAIT_MS, _open_tree, _run_root, _shot, _slow, browser
+from tests.test_web_browser import SCREENSHOTS, SLOW_STEP_MS, WAIT_MS, _open_tree, _run_root, _shot, _slow, browser
 
 __all__ = ["browser"]  # the module's browser fixture, shared
 
@@ -60,12 +60,13 @@ def _shot_of(element: Locator, tmp_path: Path, name: str) -> None:
         shutil.copy(path, Path(SCREENSHOTS) / name)
 
 
-def _bar_width(page: Page, task_id: str) -> float:
-    widths = page.eval_on_selector_all(
+def _bar_ms(page: Page, task_id: str) -> int:
+    """The milliseconds a task's bar covers on the page (an open segment ends at the page's now)."""
+    spans = page.eval_on_selector_all(
         f".tl-row[data-task-id='{task_id}'] rect.seg:not(.end):not(.tool)",
-        "rects => rects.map(r => Number(r.getAttribute('width')))",
+        "rects => rects.map(r => Number(r.dataset.endMs) - Number(r.dataset.startMs))",
     )
-    return float(sum(widths))
+    return int(sum(spans))
 
 
 def _assert_bars_equal_api(page: Page, node: dict[str, Any]) -> int:
@@ -91,25 +92,33 @@ def test_bars_appear_live_and_equal_the_apis(
     page: Page, live_api: ApiServer, live_http: httpx.Client, tmp_path: Path
 ) -> None:
     steps = _slow(*[call("update_todo_list", todos=f"[-] step {n}") for n in range(3)], reply("done"))
+    # Review's first call waits for an approval this test gives only once the bars have appeared: the tree is
+    # held open until then, whatever the host's pace ("not completed yet" is not a moment the test can miss).
+    review = subtask("Review", call("run_command", command="echo reviewing"), *steps[1:])
     root = _run_root(
         live_http,
         [
             call("update_todo_list", todos="[ ] Research\n[ ] Draft <script>alert(1)</script>\n[ ] Review"),
-            call("run_subagents", tasks=[subtask("Research", *steps), subtask("Draft <b>x</b>", *steps),
-                                         subtask("Review", *steps[1:])]),
+            call("run_subagents", tasks=[subtask("Research", *steps), subtask("Draft <b>x</b>", *steps), review]),
             call("attempt_completion", result="Report ready"),
         ],
         "Prepare the Q3 report",
     )  # fmt: skip
     _open_tree(page, live_api.url, root)
-    # The children's bars appear while they run, and grow with the next events: no reload.
+    # The children's bars appear while the tree runs, and grow with the next events: no reload.
     page.wait_for_function("() => document.querySelectorAll('.tl-row').length >= 4")
-    child = page.locator(".tl-row").nth(1).get_attribute("data-task-id") or ""
+    expect(page.locator(".approval")).to_have_count(1)
     assert live_http.get(f"/v1/tasks/{root}").json()["status"] != "completed"
-    first = _bar_width(page, child)
+    (approval,) = live_http.get("/v1/approvals", params={"root_id": root}).json()["approvals"]
+    child = approval["task_id"]
+    first_ms = _bar_ms(page, child)
+    decided = live_http.post(f"/v1/approvals/{approval['id']}", json={"decision": "approve"})
+    assert decided.status_code == 200, decided.text
+    # In ms, not in width: a bar's width is its share of a tree that grows too.
     page.wait_for_function(
         f"""() => [...document.querySelectorAll(".tl-row[data-task-id='{child}'] rect.seg:not(.end):not(.tool)")]
-                  .reduce((w, r) => w + Number(r.getAttribute('width')), 0) > {first} + 1"""
+                  .reduce((ms, r) => ms + Number(r.dataset.endMs) - Number(r.dataset.startMs), 0)
+                  >= {first_ms} + {SLOW_STEP_MS}"""
     )
     expect(page.locator(f"#task-{root}")).to_have_attribute("data-state", "completed", timeout=WAIT_MS)
     # The timeline is redrawn by its own refresh, which may come a moment after the tree's (seen once under

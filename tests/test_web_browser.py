@@ -148,28 +148,34 @@ def test_costs_appear_live_and_equal_the_apis(
 ) -> None:
     worker_steps = _slow(*[call("update_todo_list", todos=f"[-] step {n}") for n in range(3)], reply("done"))
     nested = subtask("Draft", call("new_task", **subtask("Draft: figures", *worker_steps)), reply("drafted"))
+    # Review's first call waits for an approval this test gives only once the page has shown a cost: the tree
+    # is held open until then, whatever the host's pace (a loaded host once saw it end before the page's
+    # first update, and "not completed yet" was a moment the test could miss).
+    review = subtask("Review", call("run_command", command="echo reviewing"), *worker_steps)
     root = _run_root(
         live_http,
         [
             call("update_todo_list", todos="[ ] Research\n[ ] Draft\n[ ] Review"),
-            call(
-                "run_subagents",
-                tasks=[subtask("Research", *worker_steps), nested, subtask("Review", *worker_steps)],
-            ),
+            call("run_subagents", tasks=[subtask("Research", *worker_steps), nested, review]),
             call("update_todo_list", todos="[x] Research\n[x] Draft\n[x] Review"),
             call("attempt_completion", result="Report ready"),
         ],
         "Prepare the Q3 report",
     )
     _open_tree(page, live_api.url, root)
-    # An item's cost shows while its child still runs: the root has not completed yet.
+    # An item's cost shows while the tree still runs, with no reload.
     page.wait_for_function(
         f"""() => [...document.querySelectorAll('#task-{root} > table.todos [data-field=item-cost] .usd')]
                   .some(cell => Number(cell.dataset.micros) > 0)"""
     )
-    assert live_http.get(f"/v1/tasks/{root}").json()["status"] != "completed"
     first_seen = _item_costs(page, root)
     assert max(first_seen) > 0
+    assert live_http.get(f"/v1/tasks/{root}").json()["status"] != "completed"
+    expect(page.locator(".approval")).to_have_count(1)  # Review's run may start after the cost showed
+    waiting = live_http.get("/v1/approvals", params={"root_id": root}).json()["approvals"]
+    assert [approval["args"]["command"] for approval in waiting] == ["echo reviewing"], waiting
+    decided = live_http.post(f"/v1/approvals/{waiting[0]['id']}", json={"decision": "approve"})
+    assert decided.status_code == 200, decided.text
     # Then the tree runs to its end, the page following it.
     expect(page.locator(f"#task-{root}")).to_have_attribute("data-state", "completed", timeout=WAIT_MS)
     expect(page.locator("#live")).to_have_attribute("data-state", "ended")
