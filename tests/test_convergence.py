@@ -134,6 +134,35 @@ def test_a_run_that_ended_while_the_tick_looked_is_not_taken_for_lost(
     assert coord.store.records.task_field(root.id, "repairs") in (None, "", "0")
 
 
+def test_a_delivery_that_read_its_task_ended_elsewhere_leaves_it_due_where_it_is_not(coord: Coordinator) -> None:
+    """Under a Sentinel split (a promoted replica, and the old master still taking writes for a few seconds), a
+    worker's pool can hold connections to both: its delivery read the task ended on the old master, and its
+    next step went to the new one, where the task still runs. Taking the task off the due list there left it
+    for no one to publish again (a 100-wide fan-out waited forever on one child, tests/test_sentinel_fleet.py,
+    on a loaded host). Now each step that takes an ended task off does so only while the server it reaches
+    says so too."""
+    root = coord.create_task(agent(reply("x")), run=True)
+    runtime = build_runtime(coord.settings, make_app(coord.settings))
+    assert root.id in coord.store.convergence.watched()
+    read_elsewhere = coord.get_task(root.id).model_copy(update={"status": TaskStatus.COMPLETED})
+
+    result = runtime.lifecycle._nothing_to_run(read_elsewhere)
+
+    assert result.status == "completed", "the delivery answers what it read"
+    assert root.id in coord.store.convergence.watched(), "still due where it has not ended"
+    assert coord.get_task(root.id).status == TaskStatus.ACTIVE
+    coord.client.delete(QUEUE)  # its message is gone with the old master's writes
+    coord.client.zadd(coord.store.keys.due(), {root.id: time.time() - 1})
+    assert tick(coord) == {"run-lost": 1}, "the reconciler publishes it again"
+    assert queued_ids(coord) == [root.id]
+
+    # Where it has ended, the same delivery takes it off, as before.
+    assert run_child(runtime, root.id).status == "completed"
+    coord.store.convergence.watch([root.id], 0)
+    runtime.lifecycle._nothing_to_run(coord.get_task(root.id))
+    assert root.id not in coord.store.convergence.watched()
+
+
 def test_a_run_whose_message_was_lost_is_published_again(coord: Coordinator) -> None:
     root = coord.create_task(agent(reply("x")), run=True)
     coord.client.delete(QUEUE)  # the broker lost it (a Redis restart)
