@@ -50,7 +50,7 @@ import traceback
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +96,7 @@ DEFAULT_SCALE = (1000, 5000)
 DEFAULT_REPEATS = 3
 # The issue's reference setup: one worker process, 16 threads.
 DEFAULT_CONCURRENCY = 16
-# The worker's probe writes its counts every 100 ms; wait for the write after a run.
+# Before a run's counts are read: the workers' last acks and paced event publishes after the join land.
 PROBE_SETTLE_S = 0.3
 # --processes: both fleets idle this long after their runs, to take their own clocks' cost out of a child's.
 DEFAULT_IDLE_S = 5.0
@@ -120,6 +120,8 @@ class Sample:
     first_started_ms: float
     by_command: Counter[str] = field(default_factory=Counter)
     server_by_command: Counter[str] = field(default_factory=Counter)
+    # What both idle fleets cost the Redis server over this run's wall time (--processes, measured after the runs).
+    redis_idle_s: float = 0.0
 
 
 def process_cpu_s(pid: int) -> float:
@@ -378,6 +380,9 @@ def summarise(samples: dict[str, dict[int, list[Sample]]]) -> list[dict[str, Any
                     "worker_cpu_ms_per_child": round(statistics.median(r.worker_cpu_s for r in runs) * 1000 / width, 2),
                     "caller_cpu_ms_per_child": round(statistics.median(r.caller_cpu_s for r in runs) * 1000 / width, 2),
                     "redis_cpu_ms_per_child": round(statistics.median(r.redis_cpu_s for r in runs) * 1000 / width, 2),
+                    "redis_cpu_ms_per_child_net": round(
+                        statistics.median(r.redis_cpu_s - r.redis_idle_s for r in runs) * 1000 / width, 2
+                    ),
                     "resumed_p50_ms": round(percentile([r.resumed_after_ms for r in runs], 0.5), 1),
                     "resumed_p99_ms": round(percentile([r.resumed_after_ms for r in runs], 0.99), 1),
                     "first_started_ms": round(statistics.median(r.first_started_ms for r in runs), 1),
@@ -426,34 +431,59 @@ def print_report(rows: list[dict[str, Any]], scale: dict[str, float], facts: dic
 def sweep(
     url: str, tmp: Path, args: argparse.Namespace
 ) -> tuple[list[dict[str, Any]], dict[int, Idle], dict[str, int]]:
-    """Each mode at each width on fleets of each of `args.processes` processes; rows carry `processes`."""
-    rows: list[dict[str, Any]] = []
-    idles: dict[int, Idle] = {}
+    """Each mode at each width on fleets of each of `args.processes` processes; rows carry `processes`.
+
+    With `args.rounds` above 1 the sizes take turns, a round each (1, 8, 1, 8, ...: fleets started afresh
+    every round), and each row is the median of its runs over the rounds: a spell in which this host runs
+    slower falls on every size, not on one size's whole block of runs (the same code's CPU a child moved
+    from 6.4 to 10.4 ms between two sweeps a few minutes apart, docs/benchmarks.md)."""
+    samples: dict[int, dict[str, dict[int, list[Sample]]]] = {}
+    idle_rounds: dict[int, list[Idle]] = {}
     repairs: Counter[str] = Counter()
-    for processes in args.processes:
-        progress(f"{processes} process(es) a fleet: starting")
-        modes = Modes(
-            url, args.concurrency, max(args.widths), tmp / "probe", tmp / "logs" / str(processes), args.latency_ms,
-            args.tool_calls, tool_idempotent=not args.tool_not_idempotent, processes=processes, stretch=args.stretch,
-            grace_s=args.grace_s,
-        )  # fmt: skip
-        try:
-            samples = measure(modes, args.modes, args.widths, args.repeats, warmup=args.concurrency * 2 * processes)
-            idles[processes] = idle = modes.idle(args.idle_s)
-            progress(
-                f"{processes} process(es) idle: Redis {idle.redis_cpu_ms_per_s:.1f} ms/s, subq's fleet "
-                f"{idle.subq_cpu_ms_per_s:.1f} ms/s, its round trips {idle.subq_trips_per_s}"
-            )
-            repairs += modes.coord.store.convergence.repairs()
-        finally:
-            modes.close()
-        for row in summarise(samples):
-            # The Redis CPU both idle fleets cost over the run's wall time, taken out: a child's own.
-            idle_ms = idle.redis_cpu_ms_per_s * row["wall_ms"] / 1000 / row["width"]
+    for round_index in range(args.rounds):
+        for processes in args.processes:
+            progress(f"{processes} process(es) a fleet: starting (round {round_index + 1}/{args.rounds})")
+            modes = Modes(
+                url, args.concurrency, max(args.widths), tmp / "probe", tmp / "logs" / f"{processes}-{round_index}",
+                args.latency_ms, args.tool_calls, tool_idempotent=not args.tool_not_idempotent, processes=processes,
+                stretch=args.stretch, grace_s=args.grace_s,
+            )  # fmt: skip
+            try:
+                measured = measure(
+                    modes, args.modes, args.widths, args.repeats, warmup=args.concurrency * 2 * processes
+                )
+                idle = modes.idle(args.idle_s)
+                progress(
+                    f"{processes} process(es) idle: Redis {idle.redis_cpu_ms_per_s:.1f} ms/s, subq's fleet "
+                    f"{idle.subq_cpu_ms_per_s:.1f} ms/s, its round trips {idle.subq_trips_per_s}"
+                )
+                repairs += modes.coord.store.convergence.repairs()
+            finally:
+                modes.close()
+            idle_rounds.setdefault(processes, []).append(idle)
+            into = samples.setdefault(processes, {})
+            for mode, by_width in measured.items():
+                for width, runs in by_width.items():
+                    # The Redis CPU both idle fleets cost over each run's wall time, taken out: a child's own.
+                    into.setdefault(mode, {}).setdefault(width, []).extend(
+                        replace(run, redis_idle_s=idle.redis_cpu_ms_per_s * run.wall_s / 1000) for run in runs
+                    )
+    rows = []
+    for processes, by_mode in samples.items():
+        for row in summarise(by_mode):
             row["processes"] = processes
-            row["redis_cpu_ms_per_child_net"] = round(row["redis_cpu_ms_per_child"] - idle_ms, 2)
             rows.append(row)
-    return rows, idles, dict(repairs)
+    return rows, {processes: mean_idle(idles) for processes, idles in idle_rounds.items()}, dict(repairs)
+
+
+def mean_idle(idles: Sequence[Idle]) -> Idle:
+    """One fleet size's idle figures over its rounds: the CPU figures' mean, the last round's counts."""
+    return replace(
+        idles[-1],
+        redis_cpu_ms_per_s=statistics.mean(idle.redis_cpu_ms_per_s for idle in idles),
+        subq_cpu_ms_per_s=statistics.mean(idle.subq_cpu_ms_per_s for idle in idles),
+        bare_cpu_ms_per_s=statistics.mean(idle.bare_cpu_ms_per_s for idle in idles),
+    )
 
 
 # A sweep's rows by (processes, mode, width).
@@ -590,6 +620,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "fleet grows, with each fleet's idle cost; runs --widths only (no scale runs)",
     )
     parser.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="with --processes: the sizes take turns this many times, fleets started afresh each round; each "
+        "figure is the median over the rounds (1)",
+    )
+    parser.add_argument(
         "--idle-s",
         type=float,
         default=DEFAULT_IDLE_S,
@@ -618,6 +655,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("--stretch and --idle-s must be above 0")
     if len(args.scale) != 2:
         parser.error("--scale takes exactly two widths")
+    if args.rounds > 1 and args.processes is None:
+        parser.error("--rounds takes turns between fleet sizes: it needs --processes")
     return args
 
 

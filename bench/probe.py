@@ -5,8 +5,12 @@ bench/subq_worker.py). It counts every request redis-py writes to a socket
 (`send_packed_command`: one per command, one per pipeline or transaction, one per
 script call), by the name of the first command it carries, for every client in the
 process: Celery's broker and result backend (kombu and redis-py) and subq's store
-alike. A thread writes the totals to `<dir>/<pid>.json` every 100 ms, so the
-benchmark reads them without adding a Redis round trip of its own.
+alike. The benchmark reads them without a Redis round trip of its own: it writes a token into
+the process's FIFO, `<dir>/<pid>.ask`, and a thread of the process that waits on it writes the
+totals to `<dir>/<pid>.json` with that token (`read_counts`). The thread costs nothing
+between asks: one that wrote every 100 ms took 4.7 ms of CPU a second in each process, which
+a fleet of eight processes paid eight times over and the benchmark counted as its children's
+(docs/benchmarks.md, "The probe's own clock").
 
 Round trips made on a clock rather than by a run are also counted apart, as
 `timed`: the process's own threads that poll or renew (`TIMED_THREADS`) and the
@@ -17,6 +21,7 @@ without doing more, so a step's own cost is the rest.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -30,7 +35,11 @@ from redis.connection import AbstractConnection
 
 __all__ = ["install", "read_counts"]
 
-FLUSH_S = 0.1
+# How long `read_counts` waits for a process to answer its ask.
+ANSWER_TIMEOUT_S = 5.0
+ANSWER_POLL_S = 0.002
+# The answer's field that says which ask it answers: not a command.
+TOKEN = "_token"
 # BENCH_PROBE_SITES=1 also names the subq function that made each request (slow: diagnosis only).
 SITES = bool(os.environ.get("BENCH_PROBE_SITES"))
 # The worker's threads that make round trips on a clock: lease renewal, the stop watch, the reconciler.
@@ -82,26 +91,60 @@ def install(directory: Path) -> None:
         original(self, command, check_health)
 
     AbstractConnection.send_packed_command = counted  # type: ignore[method-assign]
-    path = directory / f"{os.getpid()}.json"
+    path, ask = directory / f"{os.getpid()}.json", directory / f"{os.getpid()}.ask"
+    directory.mkdir(parents=True, exist_ok=True)
+    ask.unlink(missing_ok=True)  # a process of the same pid before, in the same folder
+    os.mkfifo(ask)
+    # Opened for reading and writing, so that a read waits for an ask instead of seeing no writer as EOF.
+    fd = os.open(ask, os.O_RDWR)
 
-    def flush() -> None:
+    def answer() -> None:
         while True:
+            tokens = os.read(fd, 4096).split()
             with _lock:
-                text = json.dumps(dict(_counts))
+                text = json.dumps({**_counts, TOKEN: int(tokens[-1])})
             tmp = path.with_suffix(".tmp")
             tmp.write_text(text)
             os.replace(tmp, path)
-            time.sleep(FLUSH_S)
 
-    threading.Thread(target=flush, name="bench-probe", daemon=True).start()
+    threading.Thread(target=answer, name="bench-probe", daemon=True).start()
+
+
+_asks = itertools.count(1)
 
 
 def read_counts(directory: Path, pid: int) -> Counter[str]:
-    """The totals a probed process wrote last (empty before its first flush)."""
+    """The totals the probed process `pid` has counted so far: asked for, and waited on."""
+    token = next(_asks)
+    answer = directory / f"{pid}.json"
     try:
-        return Counter(json.loads((directory / f"{pid}.json").read_text()))
+        fd = os.open(directory / f"{pid}.ask", os.O_WRONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return Counter()  # not started yet, or not probed
+    except OSError:  # no reader: the process has ended; what it said when last asked
+        return _answered(answer, None) or Counter()
+    try:
+        os.write(fd, f"{token}\n".encode())
+    finally:
+        os.close(fd)
+    deadline = time.monotonic() + ANSWER_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if (counts := _answered(answer, token)) is not None:
+            return counts
+        time.sleep(ANSWER_POLL_S)
+    raise TimeoutError(f"worker {pid}'s probe did not answer within {ANSWER_TIMEOUT_S:g}s")
+
+
+def _answered(path: Path, token: int | None) -> Counter[str] | None:
+    """The counts in the answer at `path` if it answers `token` (None: whichever ask it answers), else None."""
+    try:
+        counts = json.loads(path.read_text())
     except (OSError, ValueError):
-        return Counter()
+        return None if token is not None else Counter()
+    if token is not None and counts.get(TOKEN) != token:
+        return None
+    counts.pop(TOKEN, None)
+    return Counter(counts)
 
 
 if os.environ.get("BENCH_PROBE_DIR"):

@@ -59,8 +59,12 @@ def test_overhead_reports_each_mode_and_when_its_first_child_started() -> None:
 
 
 def test_overhead_sweep_reports_each_fleet_size_and_what_grew_between_them() -> None:
+    """The sizes take turns, a round each (`--rounds`), and each row is the median of its runs over them."""
     env = {name: value for name, value in os.environ.items() if not name.startswith("SUBQ_")}
-    args = ["bench/overhead.py", "--processes", "1,2", "--widths", "16", "--repeats", "1", "--idle-s", "1", "--json"]
+    args = [
+        "bench/overhead.py", "--processes", "1,2", "--rounds", "2", "--widths", "16", "--repeats", "1",
+        "--idle-s", "1", "--json",
+    ]  # fmt: skip
     done = subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S
     )
@@ -70,6 +74,9 @@ def test_overhead_sweep_reports_each_fleet_size_and_what_grew_between_them() -> 
     assert report["facts"]["repairs"] == "none", "no worker died and no message was lost"
     rows = {(row["processes"], row["mode"]): row for row in report["results"]}
     assert set(rows) == {(p, mode) for p in (1, 2) for mode in ("noop", "agent", "subq")}
+    assert all(row["runs"] == 2 for row in rows.values()), "one run a round"
+    starts = re.findall(r"(\d) process\(es\) a fleet: starting \(round (\d)/2\)", done.stderr)
+    assert starts == [("1", "1"), ("2", "1"), ("1", "2"), ("2", "2")], "the sizes take turns"
 
     # Each mode's growth in ms is its own two rows' difference, as the JSON holds them.
     def total(processes: int, mode: str) -> float:
@@ -81,6 +88,20 @@ def test_overhead_sweep_reports_each_fleet_size_and_what_grew_between_them() -> 
     for label, mode in (("no-op chord", "noop"), ("(b)", "agent"), ("subq", "subq")):
         assert float(grown[label]) == pytest.approx(total(2, mode) - total(1, mode), abs=0.006), (label, line)
     assert "subq CPU per child at 2 / at 1:" in printed and "subq / (b) throughput at 2:" in printed
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["--rounds", "2"], "--rounds takes turns between fleet sizes: it needs --processes"),
+        (["--processes", "1,2", "--rounds", "0"], "argument --rounds: must be at least 1, not 0"),
+    ],
+)
+def test_overhead_refuses_rounds_it_cannot_take(args: list[str], error: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "bench/overhead.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and error in done.stderr, done.stderr
 
 
 def test_run_times_a_bare_chord_and_a_delegation() -> None:
@@ -213,3 +234,42 @@ def test_a_script_cost_cut_stops_its_step_just_after_the_line(redis_client: Any)
     ]:
         with pytest.raises(ValueError, match=said):
             Cut.parse(wrong)
+
+
+def test_the_probe_counts_a_process_round_trips_when_asked_and_not_before(redis_url: str, tmp_path: Path) -> None:
+    """bench/probe.py answers an ask with what its process has sent so far, and writes nothing between asks (a
+    clock that wrote every 100 ms cost each process 4.7 ms of CPU a second, counted as its children's); once
+    the process has ended, an ask gets what it said last."""
+    from bench.probe import read_counts
+
+    script = (
+        "import sys, redis, bench.probe\n"
+        "client = redis.Redis.from_url(sys.argv[1])\n"
+        "for _ in range(3): client.ping()\n"
+        "print('pinged', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "client.set('probe:x', 1)\n"
+        "print('set', flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    env = {**os.environ, "BENCH_PROBE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, redis_url], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline() == "pinged\n"
+        assert not (tmp_path / f"{proc.pid}.json").exists(), "nothing written before an ask"
+        first = read_counts(tmp_path, proc.pid)
+        assert first["PING"] == 3 and first["SET"] == 0, first
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == "set\n"
+        second = read_counts(tmp_path, proc.pid)
+        assert second["PING"] == 3 and second["SET"] == 1 and second["round_trips"] >= 4, second
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=30) == 0
+        assert read_counts(tmp_path, proc.pid) == second, "an ended process: what it said when last asked"
+    finally:
+        proc.kill()
