@@ -238,7 +238,9 @@ class Modes:
             commands_per_s={name: round(n / elapsed_s, 2) for name, n in commands.most_common(20)},
         )
 
-    def run(self, mode: str, width: int) -> Sample:
+    def run(self, mode: str, width: int, on_joined: Callable[[], object] | None = None) -> Sample:
+        """One fan-out of `mode` at `width`, measured; `on_joined` is called where the run's own counts are read,
+        before the bench's check of what the run wrote (its reads are not the run's)."""
         pids = self.pids(mode)
         time.sleep(PROBE_SETTLE_S)
         trips_before, cpu_before = self.trips(pids), sum(process_cpu_s(pid) for pid in pids)
@@ -253,6 +255,8 @@ class Modes:
         commands = server_commands(self.client) - commands_before
         worker_cpu_s = sum(process_cpu_s(pid) for pid in pids) - cpu_before
         redis_cpu_s = server_cpu_s(self.client) - redis_cpu_before
+        if on_joined is not None:
+            on_joined()
         resumed_after_ms, first_started_s = joined() if callable(joined) else joined
         return Sample(
             wall_s=wall_s,

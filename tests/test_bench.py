@@ -104,6 +104,23 @@ def test_overhead_refuses_rounds_it_cannot_take(args: list[str], error: str) -> 
     assert done.returncode == 2 and error in done.stderr, done.stderr
 
 
+def test_redis_time_counts_the_run_and_not_the_benchs_check_of_it() -> None:
+    """bench/redis_time.py reads the server where the run's own counts are read, before the bench reads every
+    child's record to check the run (an HMGET and two HGETs a child, once counted as subq's: 0.05 ms a child)."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("SUBQ_")}
+    done = subprocess.run(
+        [sys.executable, "bench/redis_time.py", "--width", "16", "--top", "40"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    subq = done.stdout.split("\nsubq: Redis ", 1)[1]
+    calls = {name: float(n) for name, n in re.findall(r"^  (\w+) +(\d+\.\d+) ", subq, re.MULTILINE)}
+    assert calls["evalsha"] >= 2, "a child's two steps"
+    # A run of 16 makes 1.1 HGETs a child (the parent's own steps shared among them), the check 2 more.
+    assert calls["hget"] < 2, subq
+    assert "subq/noop Redis per child:" in done.stdout
+
+
 def test_run_times_a_bare_chord_and_a_delegation() -> None:
     report = run_bench("bench/run.py", "--widths", "8", "--repeats", "1", "--workers", "1", "--concurrency", "4")
 
