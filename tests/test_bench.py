@@ -25,14 +25,19 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH_TIMEOUT_S = 240
 
 
-def run_bench(*args: str) -> dict[str, Any]:
-    """The bench's `--json` object (it follows the printed table), after it exited 0."""
+def run_printed(*args: str) -> subprocess.CompletedProcess[str]:
+    """A bench run as a person runs it (its own process, no SUBQ_ setting of this session), after it exited 0."""
     env = {name: value for name, value in os.environ.items() if not name.startswith("SUBQ_")}
     done = subprocess.run(
-        [sys.executable, *args, "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S
     )
     assert done.returncode == 0, f"{args[0]} failed:\n{done.stderr[-4000:]}"
-    lines = done.stdout.splitlines()
+    return done
+
+
+def run_bench(*args: str) -> dict[str, Any]:
+    """The bench's `--json` object (it follows the printed table), after it exited 0."""
+    lines = run_printed(*args, "--json").stdout.splitlines()
     start = next(n for n, line in enumerate(lines) if line.startswith("{"))  # the JSON object is printed last
     report: dict[str, Any] = json.loads("\n".join(lines[start:]))
     return report
@@ -60,15 +65,10 @@ def test_overhead_reports_each_mode_and_when_its_first_child_started() -> None:
 
 def test_overhead_sweep_reports_each_fleet_size_and_what_grew_between_them() -> None:
     """The sizes take turns, a round each (`--rounds`), and each row is the median of its runs over them."""
-    env = {name: value for name, value in os.environ.items() if not name.startswith("SUBQ_")}
-    args = [
+    done = run_printed(
         "bench/overhead.py", "--processes", "1,2", "--rounds", "2", "--widths", "16", "--repeats", "1",
         "--idle-s", "1", "--json",
-    ]  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    )  # fmt: skip
     printed, _, json_text = done.stdout.partition("\n{")
     report = json.loads("{" + json_text)
     assert report["facts"]["repairs"] == "none", "no worker died and no message was lost"
@@ -107,12 +107,7 @@ def test_overhead_refuses_rounds_it_cannot_take(args: list[str], error: str) -> 
 def test_redis_time_counts_the_run_and_not_the_benchs_check_of_it() -> None:
     """bench/redis_time.py reads the server where the run's own counts are read, before the bench reads every
     child's record to check the run (an HMGET and two HGETs a child, once counted as subq's: 0.05 ms a child)."""
-    env = {name: value for name, value in os.environ.items() if not name.startswith("SUBQ_")}
-    done = subprocess.run(
-        [sys.executable, "bench/redis_time.py", "--width", "16", "--top", "40"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = run_printed("bench/redis_time.py", "--width", "16", "--top", "40")
     subq = done.stdout.split("\nsubq: Redis ", 1)[1]
     calls = {name: float(n) for name, n in re.findall(r"^  (\w+) +(\d+\.\d+) ", subq, re.MULTILINE)}
     assert calls["evalsha"] >= 2, "a child's two steps"
@@ -190,12 +185,7 @@ def test_the_device_command_says_what_to_do_when_no_wheels_were_carried(tmp_path
 
 
 def test_thread_cpu_reports_each_threads_cpu_and_switches_a_child() -> None:
-    env = {name: value for name, value in os.environ.items() if not name.startswith("SUBQ_")}
-    done = subprocess.run(
-        [sys.executable, "bench/thread_cpu.py", "--width", "16", "--modes", "subq"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = run_printed("bench/thread_cpu.py", "--width", "16", "--modes", "subq")
     row = re.compile(r"^subq  1 process\(es\) (.+?) +(\d+\.\d\d) ms/child +(\d+\.\d\d) +(\d+\.\d\d)$")
     rows = {
         found[1]: [float(n) for n in found.groups()[1:]]
