@@ -31,8 +31,11 @@ if str(ROOT) not in sys.path:
 from bench.overhead import Modes, modes_arg  # noqa: E402
 from coordinator.local.embedded_redis import local_redis  # noqa: E402
 
-# Children each mode runs first, not counted: the workers' first runs build their caches.
-WARMUP_CHILDREN = 32
+# Children each mode runs first, not counted, for each thread of the fleet: the workers' first runs build their
+# caches and open their connections. Two a thread, as bench/overhead.py warms up: 32 for one process of 16 threads
+# (a fleet of eight warmed with 32 still opened 60 connections during a measured run of 1,000: HELLO 0.06 a child).
+WARMUP_PER_THREAD = 2
+CONCURRENCY = 16
 # How long both fleets are measured idle: their own clocks' Redis time, taken out of each run's.
 IDLE_S = 5.0
 
@@ -98,10 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with local_redis() as url, tempfile.TemporaryDirectory(prefix="subq-redis-time-") as tmp:
         (Path(tmp) / "probe").mkdir()
-        modes = Modes(url, 16, args.width, Path(tmp) / "probe", Path(tmp) / "logs", processes=args.processes)
+        modes = Modes(url, CONCURRENCY, args.width, Path(tmp) / "probe", Path(tmp) / "logs", processes=args.processes)
         try:
             for mode in args.modes:
-                modes.run(mode, WARMUP_CHILDREN)
+                modes.run(mode, WARMUP_PER_THREAD * CONCURRENCY * args.processes)
             idle_ms_per_s = modes.idle(IDLE_S).redis_cpu_ms_per_s
             rows = [measure(modes, mode, args.width, idle_ms_per_s) for mode in args.modes]
         finally:
