@@ -235,8 +235,7 @@ class Reconciler:
         admission.release(self.plane, record)
         if record.batch_id:
             writeback.write_back(self.plane, record.batch_id, ended=record)
-        # Off the list only while the server it goes to still says it ended (the read may be another's).
-        self.plane.store.convergence.unwatch([task_id], while_status=record.status.value)
+        self.plane.store.convergence.unwatch_ended(record)
         return "ended-not-written-back"
 
     def _delegated(self, task_id: str) -> str | None:

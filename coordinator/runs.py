@@ -360,8 +360,7 @@ class Run:
         if ending.batch_mode == "sequential":
             (final,) = plane.store.records.get_records([task_id])
             writeback.write_back(plane, final.batch_id or "", ended=final)
-            # end_run.lua left it on the due list until the chain moved on; off only while it is still ended there.
-            plane.store.convergence.unwatch([task_id], while_status=final.status.value)
+            plane.store.convergence.unwatch_ended(final)  # end_run.lua left it on until the chain moved on
         elif ending.closed and self.task.parent_id:
             writeback.resumed(plane, self.task.parent_id, ending.resumes, ending.resume)
 
@@ -510,10 +509,7 @@ class RunLifecycle:
             admission.release(plane, task)
             if task.batch_id:
                 writeback.write_back(plane, task.batch_id, ended=task)
-            # Only while the server still says it ended: under a Sentinel split (two masters for a moment),
-            # the read above may have come from the old master and this step go to the new one, where the
-            # task has not ended; taken off there, no one would publish it again.
-            plane.store.convergence.unwatch([task.id], while_status=task.status.value)
+            plane.store.convergence.unwatch_ended(task)
             return writeback.result_of(task)
         delegation.publish_waiting(plane, task)  # delegated: a batch a dead run left unpublished
         return writeback.result_of(task)

@@ -21,6 +21,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
 from coordinator.ids import root_of, task_of_run_id
+from coordinator.models import TaskRecord
 from coordinator.store.base import Part, _str_map, _strs, translate_redis_errors
 from coordinator.store.fields import TaskField
 from coordinator.store.protocol import Lead, RemoveServedTimers, RenewLeases, Unwatch, UnwatchKeys
@@ -73,6 +74,14 @@ class ConvergenceStore(Part):
                 UnwatchKeys(lease=self.keys.lease(root_of(t), t), task=self.keys.task(root_of(t), t)) for t in task_ids
             ]
             self.scripts(Unwatch(due=self.keys.due(), tasks=tasks, while_status=while_status, task_ids=task_ids))
+
+    def unwatch_ended(self, record: TaskRecord) -> None:
+        """Take a task read as ended off the due list, only while the server this reaches still says so.
+
+        Under a Sentinel split (two masters for a moment) the read may have come from the old master
+        and this step go to the new one, where the task has not ended: taken off there, no one would
+        publish it again (docs/architecture.md, "Convergence")."""
+        self.unwatch([record.id], while_status=record.status.value)
 
     @translate_redis_errors
     def due_tasks(self, limit: int) -> list[str]:
