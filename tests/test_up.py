@@ -256,6 +256,8 @@ def test_up_serves_a_run_from_another_terminal_and_ctrl_c_leaves_nothing(marker:
         assert not [
             p.pid for p in psutil.process_iter(["cmdline"]) if redis_password in " ".join(p.info["cmdline"] or [])
         ]
+        # The first run the banner suggests, pasted into a shell with the printed environment: its plan fans out.
+        _the_suggested_run_fans_out(_find(r"^  \. \S+\n((?:  .+\n)+)", banner + "\n"), exported)
     finally:
         code = up.interrupt(signal.SIGINT)
         up.kill()
@@ -383,6 +385,22 @@ def test_the_credentials_file_is_private_and_replaces_what_was_there(tmp_path: P
         os.umask(previous)
     assert not path.is_symlink() and stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == "third\n"
     assert elsewhere.read_text() == "not yours\n" and stat.S_IMODE(elsewhere.stat().st_mode) == 0o644
+
+
+def _the_suggested_run_fans_out(pasted: str, exported: dict[str, str]) -> None:
+    """`pasted` run by a POSIX shell, as a user pastes it, with `subq` on PATH and `exported` its only SUBQ_
+    variables: a root whose every plan item is checked and carried out by a child of its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SUBQ_", "FLOWER_"))} | exported
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    shell = subprocess.run(["sh", "-c", pasted], env=env, capture_output=True, text=True, timeout=120)
+    assert shell.returncode == 0, pasted + shell.stdout + shell.stderr
+    root_id = shell.stdout.splitlines()[0]
+    tree = subq("tree", root_id, env=exported)
+    assert tree.returncode == 0, tree.stderr
+    items = [line for line in tree.stdout.splitlines() if re.search(r"\[.\] ", line)]
+    assert len(items) == 3, tree.stdout
+    children = {re.search(rf"\[x\] .* -> ({root_id}-[0-9a-f]{{12}})$", line).group(1) for line in items}  # type: ignore[union-attr]
+    assert len(children) == 3, tree.stdout
 
 
 def _find(pattern: str, text: str, groups: int = 1) -> Any:

@@ -74,6 +74,11 @@ CREDENTIALS_MODE = 0o600
 # The highest TCP port: a worker's metrics port counts up from SUBQ_WORKER_METRICS_PORT.
 MAX_PORT = 65535
 METRICS_PORT = "SUBQ_WORKER_METRICS_PORT"
+# The first run the banner suggests, two lines a POSIX shell takes as one: a three-item plan on stdin.
+UP_PLAN_HINT = (
+    "printf '[ ] %s\\n' 'Collect the sales figures' 'Summarise customer feedback' 'Then write the summary' \\",
+    '| subq run "Plan and write the Q3 report" --todos - --follow',
+)
 
 
 @dataclass(frozen=True)
@@ -297,7 +302,10 @@ def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], s
         "",
         "In another terminal (loading the credentials file):",
         f"  . {shlex.quote(str(credentials))}",
-        '  subq run "Plan and write the Q3 report" --follow',
+        # A plan on stdin, so the first run a newcomer copies fans out (the offline model runs consecutive items
+        # in parallel and a `Then ...` item after them): a prompt alone is one agent with nothing to delegate.
+        f"  {UP_PLAN_HINT[0]}",
+        f"    {UP_PLAN_HINT[1]}",
         "",
         "Press Ctrl-C to stop everything.",
     ]
