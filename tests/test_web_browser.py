@@ -45,6 +45,11 @@ CHROMIUM_ARGS = [
 ]
 # Long enough for a loaded CI host to run a small tree; each wait ends as soon as it holds.
 WAIT_MS = 90_000
+# Playwright's `expect` keeps its own 5-s default, which `page.set_default_timeout` does not change: on a
+# host with both cores busy a cancel took longer than that to reach the page (a root still `delegated` after
+# 5 s, its sibling's run not yet stopped). Every browser test imports this module, so all of them wait as
+# long as a page action does; an expectation that holds returns at once, one that never holds fails later.
+expect.set_options(timeout=WAIT_MS)
 # A child's step takes this long, so the page can be seen changing while children run.
 SLOW_STEP_MS = 700
 SCREENSHOTS = os.environ.get("WEB_SCREENSHOTS_DIR", "")
