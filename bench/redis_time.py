@@ -20,7 +20,6 @@ the figures.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -32,15 +31,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.overhead import Modes, modes_arg  # noqa: E402
-from coordinator.local.embedded_redis import find_redis_server, local_redis  # noqa: E402
+from coordinator.local.embedded_redis import find_redis_server, local_redis, redis_server_version  # noqa: E402
 
 # Children each mode runs first, not counted, for each thread of the fleet: the workers' first runs build their
 # caches and open their connections. Two a thread, as bench/overhead.py warms up: 32 for one process of 16 threads
 # (a fleet of eight warmed with 32 still opened 60 connections during a measured run of 1,000: HELLO 0.06 a child).
 WARMUP_PER_THREAD = 2
 CONCURRENCY = 16
-# `redis-server --version` answers at once; a bound for a loaded host.
-VERSION_TIMEOUT_S = 30.0
 # How long both fleets are measured idle: their own clocks' Redis time, taken out of each run's.
 IDLE_S = 5.0
 
@@ -53,15 +50,6 @@ def server_times(client: Any) -> tuple[float, float, dict[str, tuple[int, int]]]
         for name, row in client.info("commandstats").items()
     }
     return float(cpu["used_cpu_user"]), float(cpu["used_cpu_sys"]), stats
-
-
-def server_version(binary: str) -> str | None:
-    """The version `binary --version` names (`v=7.0.15` -> '7.0.15'); None when it does not run or names none."""
-    try:
-        said = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=VERSION_TIMEOUT_S).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return next((word[2:] for word in said.split() if word.startswith("v=")), None)
 
 
 def measure(modes: Modes, mode: str, width: int, idle_ms_per_s: float) -> dict[str, Any]:
@@ -118,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     binary = args.redis_server or find_redis_server()
     # Refused before anything starts: a path that is no program, or a program that is no redis-server.
-    version = server_version(binary)
+    version = redis_server_version(binary)
     if version is None:
         parser.error(f"--redis-server: {binary!r} is not a redis-server that runs (its --version said no v=)")
     print(f"{binary}: Redis {version}")

