@@ -76,8 +76,8 @@ from coordinator.tree import TreeNode, build_tree
 
 __all__ = ["DEFAULT_PAGE", "MAX_PAGE", "Coordinator"]
 
-# How long one blocking read of the tree's event stream lasts inside wait();
-# short enough to notice a deadline, long enough not to spin.
+# How long wait() listens for its task's settling before it reads the status anyway: a wake-up lost
+# with a dropped connection, or a settle that announced nothing, costs at most this.
 WAIT_SLICE_MS = 1000
 
 
@@ -590,23 +590,18 @@ class Coordinator:
         if timeout_s < 0:
             raise ValidationError("timeout_s must not be negative", field="timeout_s")
         deadline = time.monotonic() + timeout_s
-        root_id = ids.root_of(task_id)
-        # Read the stream position before the status, so an event between the two wakes
-        # the blocking read below instead of being missed.
-        last_id = self.store.events.last_event_id(root_id)
-        while True:
-            if self.settled(task_id)[0]:
-                return self.store.records.get_task(task_id)
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0:
-                record = self.store.records.get_task(task_id)
-                raise WaitTimeout(
-                    f"Task {task_id} is still {record.status.value} after {timeout_s:g}s "
-                    f"({len(record.awaiting_ids)} of {len(record.child_ids)} children outstanding)"
-                )
-            last_id = self.store.events.wait_for_event_of(
-                task_id, root_id, last_id, min(deadline, time.monotonic() + WAIT_SLICE_MS / 1000)
-            )
+        with self.store.events.settle_watch(task_id) as watch:
+            while True:
+                if self.settled(task_id)[0]:
+                    return self.store.records.get_task(task_id)
+                remaining_s = deadline - time.monotonic()
+                if remaining_s <= 0:
+                    record = self.store.records.get_task(task_id)
+                    raise WaitTimeout(
+                        f"Task {task_id} is still {record.status.value} after {timeout_s:g}s "
+                        f"({len(record.awaiting_ids)} of {len(record.child_ids)} children outstanding)"
+                    )
+                watch.wait(min(remaining_s, WAIT_SLICE_MS / 1000))
 
     def close(self) -> None:
         self.client.close()

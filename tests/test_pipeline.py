@@ -8,14 +8,16 @@ cache_read 10000, priced as anthropic claude-sonnet-4-5, is 13500 tokens
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 
-from coordinator import Coordinator, Settings, TaskStatus, TodoStatus
+from coordinator import Coordinator, Settings, TaskRecord, TaskStatus, TodoStatus, ids, service
 from coordinator.celery_app import make_app
 from tests.conftest import FAN_OUT_PROCESSES, dedicated_fleet
-from tests.helpers import script, snapshot_of, usage_step
+from tests.helpers import requests_sent, script, snapshot_of, usage_step
 from workers.runtime.context import build_runtime
 
 ONE_STEP_TOKENS = 13_500
@@ -201,3 +203,103 @@ def test_wait_times_out_with_a_clear_error(idle_coordinator: Coordinator, mode: 
     idle_coordinator.delegate(parent.id, [_spec(0)], mode=mode)
     with pytest.raises(WaitTimeout, match=r"still delegated after 0.2s \(1 of 1 children outstanding\)"):
         idle_coordinator.wait(parent.id, 0.2)
+
+
+def _wait_in_thread(coord: Coordinator, task_id: str) -> tuple[threading.Thread, list[object]]:
+    """`coord.wait(task_id)` on a thread named `waiter`, its record or error put in the list it returns."""
+    got: list[object] = []
+
+    def waiter() -> None:
+        try:
+            got.append(coord.wait(task_id, 600))
+        except Exception as exc:  # the test reads it
+            got.append(exc)
+
+    thread = threading.Thread(target=waiter, name="waiter", daemon=True)
+    thread.start()
+    return thread, got
+
+
+def _listening(coord: Coordinator, task_id: str) -> None:
+    """Until a waiter listens on the task's channel: a steady state, read from the server."""
+    channel = coord.store.keys.settled(ids.root_of(task_id), task_id)
+    until_s = time.monotonic() + WAIT_S
+    while dict(coord.client.pubsub_numsub(channel)).get(channel, 0) < 1:
+        assert time.monotonic() < until_s, "the waiter never subscribed"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("waits_on", ["the caller's parent", "a child"])
+def test_wait_wakes_as_its_task_settles_and_reads_none_of_the_trees_events(
+    coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch, waits_on: str
+) -> None:
+    """A waiter listens on its task's channel, which the step that settles the task announces on: it returns
+    without a slice's re-read of the status (here ten minutes long, against the minute the test waits) and
+    sends the same few commands whatever the tree's width: it reads none of the events its children add."""
+    monkeypatch.setattr(service, "WAIT_SLICE_MS", 600_000)
+    parent = coordinator.create_task("Wait on me", todos="\n".join(f"[ ] t{n}" for n in range(20)))
+    sent = requests_sent(monkeypatch, "waiter")
+    batch = coordinator.delegate(parent.id, [_spec(n) for n in range(20)])
+    task_id = parent.id if waits_on == "the caller's parent" else batch.child_ids[-1]
+    sent.clear()
+    thread, got = _wait_in_thread(coordinator, task_id)
+    thread.join(WAIT_S)
+    assert not thread.is_alive(), "the wait did not wake when its task settled"
+    (record,) = got
+    assert isinstance(record, TaskRecord), record
+    assert record.status == (TaskStatus.ACTIVE if waits_on == "the caller's parent" else TaskStatus.COMPLETED)
+    # Its subscription (its connection's handshake), its status read before the wake-up and after it (one,
+    # if the task had settled already), its record: the same at any width, and no read of the tree's events.
+    assert sent[0] == "SUBSCRIBE" and not {"XREAD", "XREVRANGE"} & set(sent), sent
+    assert sent.count("HMGET") <= 2 and len(sent) <= 10, sent
+
+
+def test_a_waiter_whose_connection_drops_listens_again_and_wakes(
+    idle_coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server drops the waiter's subscription (a failover, a restart): it subscribes again, and the cancel
+    that comes after wakes it; until then it reads the status no more often than its pause allows."""
+    monkeypatch.setattr(service, "WAIT_SLICE_MS", 600_000)
+    parent = idle_coordinator.create_task("Nobody runs this")
+    idle_coordinator.delegate(parent.id, [_spec(0)])
+    thread, got = _wait_in_thread(idle_coordinator, parent.id)
+    _listening(idle_coordinator, parent.id)
+    assert idle_coordinator.client.client_kill_filter(_type="pubsub") >= 1
+    _listening(idle_coordinator, parent.id)
+    idle_coordinator.cancel(parent.id, "no longer needed")
+    thread.join(WAIT_S)
+    assert not thread.is_alive(), "the wait did not wake when its task was cancelled"
+    (record,) = got
+    assert isinstance(record, TaskRecord) and record.status == TaskStatus.CANCELLED, record
+
+
+def test_the_steps_that_settle_a_task_announce_it_on_its_channel(idle_coordinator: Coordinator) -> None:
+    """finish_task (a child's end, here a child failed by hand) and stop_tasks (a cancel) publish on the
+    settled task's channel, in the order they ran; a live status change publishes nothing. (finish_batch, a
+    batch's close, wakes the caller's parent in the test above.)"""
+    coord = idle_coordinator
+    parent = coord.create_task("Announce")
+    first, second = coord.delegate(parent.id, [_spec(0), _spec(1)]).child_ids
+    channels = {coord.store.keys.settled(parent.root_id, task): name for task, name in
+                ((parent.id, "parent"), (first, "first"), (second, "second"))}  # fmt: skip
+    pubsub = coord.client.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(*channels)
+
+    def heard(count: int) -> list[str]:
+        names: list[str] = []
+        until_s = time.monotonic() + WAIT_S
+        while len(names) < count and (left_s := until_s - time.monotonic()) > 0:
+            if (message := pubsub.get_message(timeout=left_s)) is not None:
+                assert message["data"] in (b"", ""), message
+                names.append(channels[message["channel"]])
+        return names
+
+    try:
+        # A message for `second` before `first`'s would say that its live status announced it.
+        coord.store.events.set_live(coord.get_task(second), "running")
+        coord.store.runs.finish_task(first, "failed", error="by hand")
+        assert heard(1) == ["first"]
+        coord.cancel(parent.id, "stop")
+        assert sorted(heard(2)) == ["parent", "second"]
+    finally:
+        pubsub.close()

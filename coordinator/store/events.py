@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
-from redis.client import Pipeline
+import redis
+from redis.client import Pipeline, PubSub
 
+from coordinator.ids import root_of
 from coordinator.models import TaskRecord, live_status
 from coordinator.store.base import EVENTS_MAXLEN, Part, _str_map, translate_redis_errors
 from coordinator.store.keys import Keys
 
-__all__ = ["EventStore", "queue_live"]
+__all__ = ["EventStore", "SettleWatch", "queue_live"]
 
-# Events read at once while waiting, and the kinds of a task's own events that cannot settle it.
-WAIT_READ_COUNT = 1000
-QUIET_EVENTS = frozenset({"child_applied", "live"})
-# A waiter reads the stream at most this often: the events of a wide batch arrive a few per
-# child, and a read for each cost a Redis command and a wake-up each; the event that settles
-# the task is seen at most this much later.
-WAIT_READ_EVERY_S = 0.01
+# How long a waiter whose subscription dropped pauses before its next status read (redis-py subscribes again
+# on the next read of its connection): long enough not to spin while Redis is away, short next to a slice.
+RESUBSCRIBE_PAUSE_S = 0.1
 
 
 def queue_live(
@@ -39,6 +38,28 @@ def queue_live(
         )  # fmt: skip
 
 
+class SettleWatch:
+    """One waiter's subscription to a task's channel: the scripts that may settle the task (finish_task,
+    stop_tasks, finish_batch) publish an empty message on it. A waiter reads no event of the tree: a wide
+    delegation adds a few a child, and a waiter that read them all cost the server a blocking read every
+    10 ms, 60 to 100 us a child (docs/benchmarks.md)."""
+
+    def __init__(self, pubsub: PubSub) -> None:
+        self.pubsub = pubsub
+
+    def wait(self, timeout_s: float) -> None:
+        """Until a wake-up, or `timeout_s`. A dropped connection ends the wait after a pause: the caller's next
+        read of the status says whether Redis is there, and the next wait subscribes again."""
+        until_s = time.monotonic() + timeout_s
+        try:
+            # A read may answer the subscription's own confirmation (None): wait on for the rest.
+            while (left_s := until_s - time.monotonic()) > 0:
+                if self.pubsub.get_message(timeout=left_s) is not None:
+                    return
+        except redis.RedisError:
+            time.sleep(min(RESUBSCRIBE_PAUSE_S, max(0.0, until_s - time.monotonic())))
+
+
 class EventStore(Part):
     """Reading (and blocking on) a tree's event stream; publishing and reading live status."""
 
@@ -47,28 +68,16 @@ class EventStore(Part):
         newest: Any = self.client.xrevrange(self.keys.events(root_id), count=1)
         return str(newest[0][0]) if newest else "0-0"
 
-    def wait_for_event_of(self, task_id: str, root_id: str, after_id: str, until_s: float) -> str:
-        """Read the tree's stream until an event that may settle `task_id`, or until `until_s`
-        (monotonic); returns the last id read.
-
-        The rest of the tree's events (its descendants' runs, each child written back) need
-        no read of the task's status: a wide delegation makes a few events per child, and
-        waking on each cost a waiter as much CPU as a worker. `Coordinator.wait` reads the
-        status after each call anyway, so an event of a kind not named here delays it by
-        one slice at most.
-        """
-        read_at_s = 0.0
-        while (block_ms := int((until_s - time.monotonic()) * 1000)) > 0:
-            if (idle_s := read_at_s + WAIT_READ_EVERY_S - time.monotonic()) > 0:
-                time.sleep(idle_s)
-            read_at_s = time.monotonic()
-            events = self.read_events(root_id, after_id, block_ms=block_ms, count=WAIT_READ_COUNT)
-            if not events:
-                break
-            after_id = events[-1][0]
-            if any(f.get("task_id") == task_id and f.get("type") not in QUIET_EVENTS for _, f in events):
-                break
-        return after_id
+    @contextmanager
+    def settle_watch(self, task_id: str) -> Iterator[SettleWatch]:
+        """Listen for `task_id`'s settling (`Keys.settled`) while the block runs. Subscribe before the first read
+        of the status: a settle between that read and the wait then wakes it instead of being missed."""
+        pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        try:
+            translate_redis_errors(pubsub.subscribe)(self.keys.settled(root_of(task_id), task_id))
+            yield SettleWatch(pubsub)
+        finally:
+            pubsub.close()
 
     @translate_redis_errors
     def read_events(

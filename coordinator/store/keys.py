@@ -40,6 +40,10 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 |                                       |        | with a line is applied, and never again); `~batch` | delegation |
 |                                       |        | -> the batch id, written with the delegation       | and close  |
 | `<p>:{root}:events`                   | stream | the tree's events (status changes, batch done)     | capped length, retention |
+| `<p>:{root}:events:<task_id>`         | channel| no key: a pub/sub channel. An empty message each   | nothing is |
+|                                       |        | time the task may have settled (ended, stopped, or | stored     |
+|                                       |        | its children's batch closed), from the same script |            |
+|                                       |        | that wrote it; `Coordinator.wait` listens on it    |            |
 | `<p>:{root}:hooks`                    | hash   | the tree's event subscriptions (coordinator/       | retention  |
 |                                       |        | outbound.py): `h:<n>` -> its event patterns, `s:<n>`|            |
 |                                       |        | -> its target JSON (a URL and its write-only secret,|            |
@@ -281,6 +285,11 @@ class Keys:
     def endpoint_parked(self, endpoint: str, model: str = "") -> str:
         """The tasks parked on that view of `endpoint` (its host's, or one `model`'s)."""
         return f"{self.prefix}:endpoint-parked:{{{endpoint}}}" + (f":model:{model}" if model else "")
+
+    def settled(self, root_id: str, task_id: str) -> str:
+        """The channel (pub/sub, no key) on which a task's settling is announced: its tree's stream's name and
+        its id. hashes.lua's `wake_waiters` builds the same name from the stream key it is handed."""
+        return f"{self.events(root_id)}:{task_id}"
 
     def all_pattern(self) -> str:
         """A SCAN pattern matching every key of this prefix (tests, cleanup)."""

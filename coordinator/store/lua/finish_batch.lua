@@ -36,5 +36,6 @@ redis.call('DEL', KEYS[4])
 local parent_id = parent[3]
 redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'type', 'batch_done',
   'task_id', parent_id, 'batch_id', batch_id)
+wake_waiters(KEYS[5], parent_id)
 redis.call('EXPIRE', KEYS[5], ARGV[4])
 return resumes

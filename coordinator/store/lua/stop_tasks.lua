@@ -43,6 +43,7 @@ for i = 6, #KEYS do
     redis.call('HSET', KEYS[2], id, cjson.encode(live))
     redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[9], '*', 'type', 'task_status', 'task_id', id,
       'status', new_status)
+    wake_waiters(KEYS[1], id)
     outbox_add({KEYS[3], KEYS[4], KEYS[5]}, {id, 'task.' .. new_status, ARGV[7], ARGV[8], ''})
     stopped[#stopped + 1] = id
   end
