@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import redis
 
 from coordinator import Coordinator, Settings, TaskRecord, TaskStatus, TodoStatus, ids, service
 from coordinator.celery_app import make_app
@@ -303,3 +304,34 @@ def test_the_steps_that_settle_a_task_announce_it_on_its_channel(idle_coordinato
         assert sorted(heard(2)) == ["parent", "second"]
     finally:
         pubsub.close()
+
+
+def test_a_waiter_refused_its_channel_by_an_acl_still_returns_on_its_own_reads(
+    idle_coordinator: Coordinator, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ACL user with no channel access (`resetchannels`): its SUBSCRIBE is refused (NOPERM), and the wait
+    falls back on its once-a-second reads of the status rather than failing or spinning."""
+    admin = idle_coordinator.client
+    admin.execute_command("ACL", "SETUSER", "nochannels", "on", ">nochannels-pw", "~*", "+@all", "resetchannels")
+    settings = idle_coordinator.settings
+    restricted_url = "redis://nochannels:nochannels-pw@" + redis_url.split("@", 1)[1]
+    restricted = Coordinator(settings.model_copy(update={"redis_url": restricted_url}))
+    try:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            restricted.client.publish(restricted.store.keys.settled("r", "t"), "")  # the ACL does refuse it
+        parent = restricted.create_task("Nobody runs this")
+        restricted.delegate(parent.id, [_spec(0)])
+        sent = requests_sent(monkeypatch, "waiter")
+        thread, got = _wait_in_thread(restricted, parent.id)
+        until_s = time.monotonic() + WAIT_S
+        while sent.count("HMGET") < 2:  # it read the status, was refused, and read it again: it is in its loop
+            assert thread.is_alive() and time.monotonic() < until_s, (got, sent)
+            time.sleep(0.01)
+        idle_coordinator.cancel(parent.id, "no longer needed")
+        thread.join(WAIT_S)
+        assert not thread.is_alive(), "the wait did not return"
+        (record,) = got
+        assert isinstance(record, TaskRecord) and record.status == TaskStatus.CANCELLED, record
+    finally:
+        restricted.close()
+        admin.execute_command("ACL", "DELUSER", "nochannels")
