@@ -49,7 +49,8 @@ class SettleWatch:
 
     def wait(self, timeout_s: float) -> None:
         """Until a wake-up, or `timeout_s`. A dropped connection ends the wait after a pause: the caller's next
-        read of the status says whether Redis is there, and the next wait subscribes again."""
+        read of the status says whether Redis is there, and the next wait subscribes again. A refused
+        subscription (an ACL user with no channel access: NOPERM) leaves the caller its reads of the status."""
         until_s = time.monotonic() + timeout_s
         try:
             # A read may answer the subscription's own confirmation (None): wait on for the rest.
@@ -61,7 +62,7 @@ class SettleWatch:
 
 
 class EventStore(Part):
-    """Reading (and blocking on) a tree's event stream; publishing and reading live status."""
+    """Reading a tree's event stream, listening for a task's settling, publishing and reading live status."""
 
     @translate_redis_errors
     def last_event_id(self, root_id: str) -> str:
