@@ -241,8 +241,6 @@ local function timeline_add(text, t_ms, state)
   return timeline_fold(text, t_ms, state)
 end
 
--- Mark the task of hash `key` (read and written through the cache above); `now_s` in epoch seconds.
--- True when marked, false when the mark changed nothing.
 -- Wake whoever waits for the task to settle (Coordinator.wait listens before it reads the status): an empty
 -- message on the channel named by the tree's stream key and the task id (keys.py, `Keys.settled`). With
 -- nobody listening it costs the server one lookup; a wake-up a waiter misses (its connection dropped)
@@ -251,6 +249,8 @@ local function wake_waiters(events_key, task_id)
   redis.call('PUBLISH', events_key .. ':' .. task_id, '')
 end
 
+-- Mark the task of hash `key` (read and written through the cache above); `now_s` in epoch seconds.
+-- True when marked, false when the mark changed nothing.
 local function timeline_mark(key, now_s, state)
   local text = timeline_add(hash_get(key, 'timeline')[1], math.floor(tonumber(now_s) * 1000 + 0.5), state)
   if text then
