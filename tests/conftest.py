@@ -32,24 +32,23 @@ pytest_plugins = ["tests.wheel_env"]
 # The files that take longest run first, longest first: the suite runs on pytest-xdist workers a
 # file at a time, and a long file started last would leave the others idle while it finishes.
 # The order is each file's wall time (the sum of its tests' setup, call and teardown) in a full run
-# with --durations=0 (issue 43: a fresh clone on a loaded 2-core host, so the order counts, not the
-# seconds): the 60 longest, 256 s (test_sandbox_network.py) down to 30 s; files not named here
+# with --durations=0 (issue 43: a fresh clone on a quiet 2-core host, 2026-12-01; the order counts, not
+# the seconds): the 60 longest, 213 s (test_bench.py) down to 14 s; files not named here
 # follow in collection order. A file that grows past its neighbours should move up.
 LONGEST_FIRST = (
-    "test_sandbox_network.py", "test_typed_results.py", "test_wheel.py", "test_webhooks.py", "test_mcp.py",
-    "test_mcp_server.py", "test_worker_probe.py", "test_profile_tools.py", "test_redis_tls.py", "test_mcp_http.py",
-    "test_batched_calls.py", "test_api_fuzz.py", "test_retry.py", "test_faults.py", "test_flower.py",
-    "test_fair_share_fleet.py", "test_sandbox.py", "test_provider_outages.py", "test_cost_properties.py",
-    "test_kubernetes.py", "test_sentinel.py", "test_api.py", "test_cli.py", "test_compose.py", "test_security.py",
-    "test_tool_journal.py", "test_web_security.py", "test_client_install.py", "test_shutdown.py",
-    "test_sentinel_fleet.py", "test_todo_links.py", "test_docs_examples.py", "test_timeline_browser.py",
-    "test_provider_health.py", "test_redis_password.py", "test_pricing.py", "test_up.py", "test_flood.py",
-    "test_control.py", "test_kill_resumed_parent.py", "test_web_browser.py", "test_compaction.py",
-    "test_compaction_web.py", "test_light_imports.py", "test_webhooks_faces.py", "test_timeline.py",
-    "test_compose_sentinel.py", "test_console_script.py", "test_output_schema_limits.py", "test_first_run.py",
-    "test_tracing.py", "test_cli_control.py", "test_restart.py", "test_retry_web.py", "test_webhooks_browser.py",
-    "test_demo_tool.py", "test_metrics.py", "test_typed_results_web.py", "test_pipeline.py",
-    "test_fair_share_faults.py",
+    "test_bench.py", "test_wheel.py", "test_provider_outages.py", "test_worker_probe.py", "test_mcp.py",
+    "test_redis_tls.py", "test_webhooks.py", "test_mcp_http.py", "test_faults.py", "test_retry.py",
+    "test_typed_results.py", "test_api_fuzz.py", "test_cost_properties.py", "test_sandbox_network.py",
+    "test_sentinel_fleet.py", "test_web_security.py", "test_provider_health.py", "test_kill_resumed_parent.py",
+    "test_sentinel.py", "test_tool_journal.py", "test_profile_tools.py", "test_fair_share_fleet.py",
+    "test_mcp_server.py", "test_up.py", "test_compaction.py", "test_cli.py", "test_api.py", "test_security.py",
+    "test_batched_calls.py", "test_shutdown.py", "test_compose.py", "test_restart.py", "test_fair_share_faults.py",
+    "test_web_browser.py", "test_docs_examples.py", "test_light_imports.py", "test_flower.py", "test_todo_links.py",
+    "test_compose_sentinel.py", "test_metrics.py", "test_first_run.py", "test_redis_password.py",
+    "test_client_install.py", "test_typed_results_web.py", "test_provider_tls.py", "test_sandbox.py", "test_flood.py",
+    "test_timeline_browser.py", "test_control.py", "test_compaction_web.py", "test_webhooks_browser.py",
+    "test_kubernetes.py", "test_tracing.py", "test_output_schema_limits.py", "test_pipeline.py", "test_retry_web.py",
+    "test_redis_restart.py", "test_mcp_server_delegate.py", "test_demo_tool.py", "test_cli_control.py",
 )  # fmt: skip
 
 

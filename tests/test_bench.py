@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,22 @@ def run_bench(*args: str) -> dict[str, Any]:
     start = next(n for n, line in enumerate(lines) if line.startswith("{"))  # the JSON object is printed last
     report: dict[str, Any] = json.loads("\n".join(lines[start:]))
     return report
+
+
+def refused(main: Callable[[list[str]], int], args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The last line a bench's `main` wrote when its arguments were refused, as its command would.
+
+    Called in this process: a refusal happens in argument parsing, before a server or fleet starts,
+    and the bench's own process would spend seconds of the suite's CPU importing what it measures.
+    Any line before the error but the usage, such as a bench's `[bench]` progress, fails the test.
+    """
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2, exited.value
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == "" and lines[0].startswith("usage: ") and not any(line.startswith("[bench]") for line in lines), err
+    return lines[-1]
 
 
 def test_overhead_reports_each_mode_and_when_its_first_child_started() -> None:
@@ -99,11 +116,12 @@ def test_overhead_sweep_reports_each_fleet_size_and_what_grew_between_them() -> 
         (["--processes", "1,2", "--rounds", "0"], "argument --rounds: must be at least 1, not 0"),
     ],
 )
-def test_overhead_refuses_rounds_it_cannot_take(args: list[str], error: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "bench/overhead.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 2 and error in done.stderr, done.stderr
+def test_overhead_refuses_rounds_it_cannot_take(
+    args: list[str], error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench import overhead
+
+    assert refused(overhead.main, args, capsys) == f"bench/overhead.py: error: {error}"
 
 
 def test_redis_time_counts_the_run_and_not_the_benchs_check_of_it() -> None:
@@ -129,13 +147,14 @@ def test_redis_time_counts_the_run_and_not_the_benchs_check_of_it() -> None:
         ("/bin/true", "--redis-server: '/bin/true' is not a redis-server that runs"),
     ],
 )
-def test_redis_time_refuses_a_server_that_is_not_one_before_it_starts_anything(server: str, error: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "bench/redis_time.py", "--redis-server", server],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 2 and error in done.stderr, done.stderr
-    assert done.stdout == "", "nothing measured, no fleet started"
+def test_redis_time_refuses_a_server_that_is_not_one_before_it_starts_anything(
+    server: str, error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench import redis_time
+
+    assert refused(redis_time.main, ["--redis-server", server], capsys).endswith(
+        f" error: {error} (its --version said no v=)"
+    )
 
 
 def test_run_times_a_bare_chord_and_a_delegation() -> None:
@@ -180,13 +199,12 @@ def test_scaling_reports_each_fleet_size_against_the_first_and_the_wave() -> Non
         (["--runs", "0"], "argument --runs: must be at least 1, not 0"),
     ],
 )
-def test_scaling_refuses_a_malformed_argument_before_it_starts_anything(args: list[str], error: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "bench/scaling.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 2, done
-    assert f"bench/scaling.py: error: {error}" in done.stderr, done.stderr
-    assert "[bench]" not in done.stderr, "no fleet was started"
+def test_scaling_refuses_a_malformed_argument_before_it_starts_anything(
+    args: list[str], error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench import scaling
+
+    assert refused(scaling.main, args, capsys) == f"bench/scaling.py: error: {error}"
 
 
 def test_the_device_command_says_what_to_do_when_no_wheels_were_carried(tmp_path: Path) -> None:
