@@ -5,7 +5,8 @@ embedded Redis and worker fleets. A bench is not run by anything else: `bench/ru
 its first chord for as long as the join wrote JSON and the bench read a number, and no one saw.
 `bench/agent_floor.py` failed on its first run once the agent's hooks read their run's state. The
 figures themselves are not checked (a test here runs beside the others); that each mode ran every
-child, and the report has its columns, is.
+child, and the report has its columns, is. A refusal of bad arguments is checked by calling the bench's
+`main` in the test's own process (`refused`): it happens before anything starts, in the same code.
 """
 
 from __future__ import annotations
