@@ -223,7 +223,11 @@ def test_an_approval_holds_one_child_while_its_sibling_completes(coordinator: Co
     )
     assert approval.todo_content == "clean the build"
     _until(lambda: coordinator.get_task(batch.child_ids[1]).status == TaskStatus.COMPLETED, what="the sibling")
-    assert coordinator.snapshot(parent.id)[batch.child_ids[0]].state == "waiting_approval"
+    # The approval is saved before the run gives its worker back, so the live state can lag it a moment.
+    _until(
+        lambda: coordinator.snapshot(parent.id)[batch.child_ids[0]].state == "waiting_approval",
+        what="the held child's run to give its worker back",
+    )
     assert coordinator.get_task(parent.id).status == TaskStatus.DELEGATED
     assert build.exists(), "nothing ran before the decision"
 
