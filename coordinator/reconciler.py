@@ -282,9 +282,8 @@ class Reconciler:
         if runner != "agent":
             store.convergence.unwatch([task_id])
             return None
-        if asked and approvals.undecided(plane, task_id):
-            store.convergence.unwatch([task_id])  # each decision, or its timer, watches it again
-            return None
+        if asked and store.convergence.unwatch_parked(task_id):
+            return None  # a call still waits for its person: each decision, or its timer, watches it again
         if self._waits_to_start(task_id):
             self._later[settings.reconcile_grace_s].append(task_id)
             return None

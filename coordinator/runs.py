@@ -340,7 +340,12 @@ class Run:
         self._release()
         if outcome.state == "delegated":
             delegation.publish_waiting(plane, plane.store.records.get_task(task_id))
-        else:  # waiting for a decision or its provider: each decision (or its timer) watches it again
+        elif outcome.state == "waiting_approval":
+            # Off the due list while a call waits for its person (each decision watches it again);
+            # kept on when every call was decided before the lease was freed: that decision's resume
+            # found the lease held and did nothing, so the reconciler publishes it again.
+            plane.store.convergence.unwatch_parked(task_id)
+        else:  # waiting for its provider: its timer publishes it
             plane.store.convergence.unwatch([task_id])
         if outcome.state == "waiting_provider":
             plane.store.events.set_live(self.task, outcome.state, waiting_for="provider", until=outcome.wake_at_s)

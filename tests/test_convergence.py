@@ -423,6 +423,41 @@ def test_a_provider_timer_never_restarts_a_task_that_waits_for_a_person(coord: C
     assert coord.client.zscore(coord.store.keys.timers(), endpoints.timer(task.id)) is None
 
 
+def test_a_decision_made_before_the_parked_run_freed_its_lease_still_resumes_the_task(coord: Coordinator) -> None:
+    """A person decides between the run's park (its approval saved) and its release: the resume the decision
+    publishes is delivered while the lease is still held and does nothing, so the run's release leaves the
+    task on the due list and the reconciler publishes it again."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    rt = build_runtime(coord.settings, make_app(coord.settings))
+    run = rt.lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    (approval,) = park(coord.plane, run.task, [ToolCall("run_command", {"command": "ls"}, "call-1")])
+    assert coord.decide(approval.id, "approve").status == "approved"
+    assert queued_ids(coord) == [task.id], "the decision published the resume"
+    coord.client.delete(QUEUE)  # a worker took the resume's message ...
+    assert run_child(rt, task.id).status == "running", "... and found the parked run still holding the lease"
+    run.end(Released("waiting_approval"))
+    assert task.id in coord.store.convergence.watched(), "decided before the release: still due"
+    assert tick(coord) == {"run-lost": 1}
+    assert queued_ids(coord) == [task.id], "published again"
+
+
+def test_a_parked_run_with_a_pending_approval_leaves_the_due_list(coord: Coordinator) -> None:
+    """The other side: while a call still waits for its person, the released task is not due, and the
+    reconciler leaves it to the decision (or its expiry timer)."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    run = build_runtime(coord.settings, make_app(coord.settings)).lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    park(coord.plane, run.task, [ToolCall("run_command", {"command": "ls"}, "call-1")])
+    run.end(Released("waiting_approval"))
+    assert task.id not in coord.store.convergence.watched()
+    coord.store.convergence.watch([task.id], -10)  # a stale look: the reconciler takes it off again
+    assert tick(coord) == {} and queued_ids(coord) == []
+    assert task.id not in coord.store.convergence.watched()
+
+
 def test_one_leader_at_a_time(coord: Coordinator) -> None:
     first, second = Reconciler(coord, "first"), Reconciler(coord, "second")
     coord.client.delete(coord.store.keys.leader())

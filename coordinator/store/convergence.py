@@ -24,7 +24,7 @@ from coordinator.ids import root_of, task_of_run_id
 from coordinator.models import TaskRecord
 from coordinator.store.base import Part, _str_map, _strs, translate_redis_errors
 from coordinator.store.fields import TaskField
-from coordinator.store.protocol import Lead, RemoveServedTimers, RenewLeases, Unwatch, UnwatchKeys
+from coordinator.store.protocol import Lead, RemoveServedTimers, RenewLeases, Unwatch, UnwatchKeys, UnwatchParked
 
 __all__ = ["QUEUE_SCAN_LIMIT", "ConvergenceStore", "Triage"]
 
@@ -74,6 +74,18 @@ class ConvergenceStore(Part):
                 UnwatchKeys(lease=self.keys.lease(root_of(t), t), task=self.keys.task(root_of(t), t)) for t in task_ids
             ]
             self.scripts(Unwatch(due=self.keys.due(), tasks=tasks, while_status=while_status, task_ids=task_ids))
+
+    def unwatch_parked(self, task_id: str) -> bool:
+        """Take a task parked on approvals off the due list while one of them is still pending, in one
+        step (unwatch_parked.lua); True while one is. A task whose approvals were all decided stays on
+        it: a decision made before its run freed the lease published a resume that did nothing."""
+        root = root_of(task_id)
+        return self.scripts(
+            UnwatchParked(
+                due=self.keys.due(), lease=self.keys.lease(root, task_id), task=self.keys.task(root, task_id),
+                task_id=task_id, approval_prefix=self.keys.approval(root, ""),
+            )
+        )  # fmt: skip
 
     def unwatch_ended(self, record: TaskRecord) -> None:
         """Take a task read as ended off the due list, only while the server this reaches still says so.

@@ -1514,6 +1514,25 @@ class Unwatch(
 
 
 @dataclass(frozen=True, kw_only=True)
+class UnwatchParked(
+    Call[bool],
+    script="unwatch_parked",
+    returns="1 while one of its approvals is pending (taken off unless leased), 0 when none is (nothing written).",
+):
+    due: str = key("the due list")
+    lease: str = key("its lease")
+    task: str = key("its task hash")
+    task_id: str = arg("task id")
+    approval_prefix: str = arg(
+        "the prefix of its tree's approval hashes (named from the task's own record, as decide.lua)"
+    )
+
+    @classmethod
+    def decode(cls, raw: Any) -> bool:
+        return bool(int(raw))
+
+
+@dataclass(frozen=True, kw_only=True)
 class RemoveServedTimers(
     Call[int],
     script="remove_served_timers",

@@ -1,0 +1,26 @@
+-- Take a task whose run parked it on approvals off the due list while one of them is still pending,
+-- except while a live run holds its lease. The decision that leaves none pending watches the task
+-- again before it publishes its resume; a decision made before the parked run freed its lease
+-- published a resume whose delivery found the lease held and did nothing, and its watch is then what
+-- has the reconciler publish the task again. Read and removal are one step, so such a decision,
+-- made between the two, is never taken off with a wait it ended.
+-- KEYS[1] the due list
+-- KEYS[2] its lease
+-- KEYS[3] its task hash
+-- ARGV[1] str: task id
+-- ARGV[2] str: the prefix of its tree's approval hashes (named from the task's own record, as decide.lua)
+-- Returns 1 while one of its approvals is pending (taken off unless leased), 0 when none is (nothing
+--   written).
+local waiting = redis.call('HGET', KEYS[3], 'waiting_approval_ids')
+if not waiting or waiting == '' then
+  return 0
+end
+for _, approval_id in ipairs(cjson.decode(waiting)) do
+  if redis.call('HGET', ARGV[2] .. approval_id, 'status') == 'pending' then
+    if redis.call('EXISTS', KEYS[2]) == 0 then
+      redis.call('ZREM', KEYS[1], ARGV[1])
+    end
+    return 1
+  end
+end
+return 0
