@@ -88,8 +88,14 @@ def test_a_roots_end_reaches_its_webhook_once_signed_with_the_records_figures(
         assert data["metadata"] == {"customer": "acme"}
         assert data["total_cost_micros"] == record.total_cost_micros and data["output"] == record.output
         assert data["status"] == "completed" and data["result"] == record.summary
-        delivery = coord.store.outbox.deliveries(root.id)
-        assert [(d["type"], d["state"], d["attempts"]) for d in delivery] == [("task.completed", "delivered", 1)]
+        # The receiver's answer is recorded at the deliverer's next step, a moment after the receiver saw it.
+        eventually(
+            lambda: (
+                [(d["type"], d["state"], d["attempts"]) for d in coord.store.outbox.deliveries(root.id)]
+                == [("task.completed", "delivered", 1)]
+            ),
+            "the delivery recorded as delivered once",
+        )
         # The secret is write-only: nowhere in what a read returns.
         assert SECRET not in coord.get_task(root.id).model_dump_json()
 
@@ -143,7 +149,7 @@ def test_a_delivery_survives_a_refusing_receiver_and_a_killed_worker(settings: S
             time.sleep(2.0)
             assert len(receiver.got) == 1
             assert got[0].headers["webhook-id"] == entry["event_id"] == _verified(got[0])["id"]
-            assert coord.store.outbox.deliveries(root.id)[0]["state"] == "delivered"
+            eventually(lambda: coord.store.outbox.deliveries(root.id)[0]["state"] == "delivered", "it recorded")
             _clean(coord, OWN_PREFIX)
     finally:
         receiver.stop()
