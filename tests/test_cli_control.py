@@ -148,6 +148,11 @@ def test_follow_on_a_terminal_fits_the_width_and_shows_the_approval_to_give(
     )
     follower.start()
     approval = eventually(lambda: coordinator.list_approvals(), "the child's approval request")[0]
+    # "to approve" is its live state, written as its run gives the worker back, a moment after the request.
+    eventually(
+        lambda: coordinator.snapshot(approval.root_id)[approval.task_id].state == "waiting_approval",
+        "the child's run to give its worker back",
+    )
     time.sleep(1.5)  # at least one redraw with the request shown (the view redraws at least every second)
     assert coordinator.decide(approval.id, "approve").status == "approved"
     follower.join(WAIT_S)
