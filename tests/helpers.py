@@ -40,6 +40,13 @@ def eventually(probe: Callable[[], T | None], what: str, timeout_s: float = 30.0
     raise AssertionError(f"never saw {what} within {timeout_s:g}s")
 
 
+def repairs_reach(count: Callable[[], int], at_least: int, what: str, timeout_s: float = 30.0) -> int:
+    """A reconciler's repair count once it reaches `at_least`: the reconciler counts a repair just after it
+    makes it, so the tree it repaired may end before the count is written."""
+    eventually(lambda: count() >= at_least, what, timeout_s)
+    return count()
+
+
 # A tree's whole event stream in one read (its cap, store/base.py EVENTS_MAXLEN).
 EVENTS_READ = 10_000
 

@@ -19,7 +19,7 @@ from coordinator.local.fleet import WorkerFleet
 from coordinator.tenants import TenantPolicy
 from tests.agents import USAGE, agent
 from tests.conftest import dedicated_fleet
-from tests.helpers import eventually
+from tests.helpers import eventually, repairs_reach
 
 SETTINGS = {
     "queue": "subq-fairfault",
@@ -71,10 +71,10 @@ def test_a_slot_given_to_a_parked_run_survives_the_death_of_the_worker_that_gave
         assert coord.store.fair.counts("a").running == 1 and coord.store.fair.counts("a").parked == 0
         assert coord.wait(root.id, CONVERGE_S).status == TaskStatus.ACTIVE, "the batch closed"
     assert coord.get_task(given.id).status == TaskStatus.COMPLETED and ended.id != given.id
-    eventually(  # counted just after it was sent: the run may have ended between the two
-        lambda: coord.store.convergence.repairs().get("run-lost", 0) > before.get("run-lost", 0),
-        "the reconciler publishing the second again",
-    )
+    repairs_reach(
+        lambda: coord.store.convergence.repairs().get("run-lost", 0) - before.get("run-lost", 0),
+        1, "the reconciler publishing the second again",
+    )  # fmt: skip
     eventually(lambda: coord.store.fair.counts("a").running == 0, "the tenant's slot to be free", 10)
     coord.close()
 
@@ -107,11 +107,9 @@ def test_runs_parked_when_fair_shares_are_turned_off_run_on_a_real_worker(settin
         assert coord.wait(root.id, CONVERGE_S).status == TaskStatus.ACTIVE, "the batch closed"
     assert all(r.status == TaskStatus.COMPLETED for r in coord.store.records.get_records(children))
     assert coord.store.fair.counts("a").parked == 0
-
-    def released() -> int:
-        return coord.store.convergence.repairs().get("parked-released", 0) - before.get("parked-released", 0)
-
-    # Counted just after each was sent: the runs may have ended between the two.
-    eventually(lambda: released() >= 3, "three released by the reconciler's pass", 10)
-    assert released() == 3, f"{released()} released by the reconciler's pass"
+    released = repairs_reach(
+        lambda: coord.store.convergence.repairs().get("parked-released", 0) - before.get("parked-released", 0),
+        3, "three released by the reconciler's pass", 10,
+    )  # fmt: skip
+    assert released == 3, f"{released} released by the reconciler's pass"
     coord.close()

@@ -27,7 +27,7 @@ from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.local.fleet import WorkerFleet
 from tests.agents import STEP_COST_MICROS, agent, call, reply, subtask
 from tests.conftest import dedicated_fleet
-from tests.helpers import eventually
+from tests.helpers import eventually, repairs_reach
 
 LAPSE_S = 3
 FAULT_SETTINGS = {
@@ -126,9 +126,8 @@ def test_a_chain_step_killed_between_its_end_and_the_next_steps_publish(coord: C
     assert [coord.get_task(c).summary for c in batch.child_ids] == ["a done", "b done"]
     assert [t.cost_micros for t in coord.get_todos(parent.id)] == [STEP_COST_MICROS, STEP_COST_MICROS]
     assert_converged(coord, parent.id)
-    # The reconciler counts a repair just after it makes it: the tree may have ended between the two.
-    eventually(lambda: repairs_since(coord, before).get("ended-not-written-back"), "the repair counted")
-    assert repairs_since(coord, before).get("ended-not-written-back") == 1
+    ended = repairs_reach(lambda: repairs_since(coord, before).get("ended-not-written-back", 0), 1, "the repair")
+    assert ended == 1
 
 
 @pytest.mark.parametrize("point", ["after-end", "after-close"])
@@ -150,8 +149,7 @@ def test_a_parent_whose_resume_was_never_published(coord: Coordinator, tmp_path:
     assert done.status == TaskStatus.COMPLETED and done.summary == "ok"
     assert [c.cost_micros for c in coord.get_children(root.id)] == [STEP_COST_MICROS]
     assert_converged(coord, root.id)
-    # The reconciler counts a repair just after it sends it: the parent may have ended between the two.
-    eventually(lambda: repairs_since(coord, before).get("run-lost", 0) >= 1, "the parent's resume published again")
+    repairs_reach(lambda: repairs_since(coord, before).get("run-lost", 0), 1, "the parent's resume published again")
 
 
 @pytest.mark.parametrize("point", ["after-commit", "after-claim-publish"])

@@ -22,7 +22,7 @@ from coordinator import Coordinator, Retried, Settings, StateError, TaskStatus
 from coordinator.celery_app import make_app
 from coordinator.settings import Price, Profile
 from tests.conftest import dedicated_fleet
-from tests.helpers import api_settings, eventually
+from tests.helpers import api_settings, repairs_reach
 from tests.model_server import USAGE, ModelServer, Turn, call
 from workers.runtime.context import build_runtime
 from workers.runtime.runner import run_child
@@ -266,9 +266,7 @@ def test_a_retry_whose_process_dies_before_the_publish_is_run_by_the_reconciler(
         assert coord.get_task(task.id).status == TaskStatus.ACTIVE, "committed before it died"
         done = coord.wait(task.id, WAIT_S)
         assert done.status == TaskStatus.COMPLETED and done.cost_micros == micros(2), done.error
-        eventually(  # counted just after it was sent: the run may have ended between the two
-            lambda: coord.repairs().get("run-lost", 0) >= 1, "the reconciler publishing the run the retry never sent"
-        )
+        repairs_reach(lambda: coord.repairs().get("run-lost", 0), 1, "the run the retry never sent published")
         assert task.id not in coord.store.convergence.watched()
 
 
