@@ -162,20 +162,19 @@ def expire_for(plane: Plane, root_id: str, stopped: set[str]) -> None:
     """The pending approvals of stopped tasks expire: nobody may approve a call of a stopped run."""
     for approval_id in plane.store.approvals.pending_approval_ids():
         if approval_id.startswith(root_id) and plane.store.approvals.get_approval(approval_id).task_id in stopped:
-            plane.store.approvals.decide(approval_id, "expired", "the task was stopped")
+            plane.store.approvals.decide(
+                approval_id, "expired", "the task was stopped", grace_s=plane.settings.reconcile_grace_s
+            )
 
 
 def _decide(plane: Plane, approval: Approval, status: str, feedback: str, decided_by: str = "") -> Approval:
-    plane.store.convergence.watch(
-        [approval.task_id], plane.settings.reconcile_grace_s
-    )  # before: a crash here still resumes
-    outcome = plane.store.approvals.decide(approval.id, status, feedback, decided_by)
-    if outcome != "ok":
+    # decide.lua says whether this decision ended the task's wait (of two made at once, exactly one does), and
+    # watches the task in the same step, so a crash before the publish still resumes it (the reconciler).
+    grace_s = plane.settings.reconcile_grace_s
+    outcome = plane.store.approvals.decide(approval.id, status, feedback, decided_by, grace_s=grace_s)
+    if outcome not in ("ok", "resume"):
         raise StateError(f"Approval {approval.id} was already {outcome}", field="approval_id")
     plane.store.convergence.remove_timers([expiry_timer(approval.id)])
-    task = plane.store.records.get_task(approval.task_id)
-    waiting = plane.store.runs.waiting_approval_ids(task.id)
-    still = [a for a in waiting if a != approval.id and plane.store.approvals.get_approval(a).status == "pending"]
-    if not still and not task.status.terminal and (resumes := plane.store.runs.claim_resume(task.id, approval.id)):
-        dispatch.publish_run(plane.app, task, resumes)
+    if outcome == "resume" and (resumes := plane.store.runs.claim_resume(approval.task_id, approval.id)):
+        dispatch.publish_run(plane.app, plane.store.records.get_task(approval.task_id), resumes)
     return plane.store.approvals.get_approval(approval.id)

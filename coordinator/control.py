@@ -47,17 +47,25 @@ def cancel(plane: Plane, task_id: str, reason: str) -> TaskRecord:
 def stop_subtree(
     plane: Plane, top: TaskRecord, *, top_status: str, top_error: str, top_class: str, error: str
 ) -> list[str]:
-    """Stop `top` and every descendant that has not ended; returns the ids stopped now."""
-    subtree = plane.store.records.subtree_ids(top.id)
-    stopped = plane.store.batches.stop_tasks(
-        subtree,
-        top_status=top_status,
-        status="cancelled",
-        top_error=top_error,
-        error=error,
-        top_class=top_class,
-        error_class="Cancelled",
-    )
+    """Stop `top` and every descendant that has not ended; returns the ids stopped now.
+
+    The subtree is read, then stopped: a run that commits a delegation between the two adds children the
+    stop does not name. So it is read again, and what is new stopped, until a read finds nothing new.
+    That ends: a commit checks under WATCH that its parent is active, so no stopped task adds more."""
+    stopped: list[str] = []
+    named: set[str] = set()
+    while new := [t for t in plane.store.records.subtree_ids(top.id) if t not in named]:
+        named.update(new)
+        stopped += plane.store.batches.stop_tasks(
+            new if top.id in new else [top.id, *new],  # the top first: it takes `top_status` (once)
+            top_status=top_status,
+            status="cancelled",
+            top_error=top_error,
+            error=error,
+            top_class=top_class,
+            error_class="Cancelled",
+        )
+    stopped = list(dict.fromkeys(stopped))  # a pass sent again after its reply was lost names its own again
     if not stopped:
         return []
     plane.app.control.revoke(stopped)  # queued ones never start (the persisted status covers restarts)

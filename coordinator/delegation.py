@@ -210,8 +210,10 @@ def publish(plane: Plane, batch: Batch, children: list[TaskRecord]) -> None:
 
 
 def publish_waiting(plane: Plane, record: TaskRecord) -> None:
-    """Publish the batch a delegated task waits on (its run committed it and may have died before publishing)."""
-    if record.waiting_batch_id:
+    """Publish the batch a delegated task waits on (its run committed it and may have died before publishing).
+
+    Not that of a task stopped since its run committed it: the stop stopped its children too (`stop_subtree`)."""
+    if record.waiting_batch_id and not record.status.terminal:
         batch = plane.store.batches.get_batch(record.waiting_batch_id)
         publish(plane, batch, plane.store.records.get_records(batch.child_ids))
 

@@ -424,9 +424,9 @@ def test_a_provider_timer_never_restarts_a_task_that_waits_for_a_person(coord: C
 
 
 def test_a_decision_made_before_the_parked_run_freed_its_lease_still_resumes_the_task(coord: Coordinator) -> None:
-    """A person decides between the run's park (its approval saved) and its release: the resume the decision
-    publishes is delivered while the lease is still held and does nothing, so the run's release leaves the
-    task on the due list and the reconciler publishes it again."""
+    """A person decides between the run's park (its approval saved) and its release: a resume then would be
+    delivered while the lease is still held and do nothing, so the decision publishes none; it leaves the task
+    on the due list, the run's release leaves it there, and the reconciler publishes it."""
     task = coord.create_task(agent(reply("x")), run=True)
     coord.client.delete(QUEUE)
     rt = build_runtime(coord.settings, make_app(coord.settings))
@@ -434,13 +434,67 @@ def test_a_decision_made_before_the_parked_run_freed_its_lease_still_resumes_the
     assert isinstance(run, Run)
     (approval,) = park(coord.plane, run.task, [ToolCall("run_command", {"command": "ls"}, "call-1")])
     assert coord.decide(approval.id, "approve").status == "approved"
-    assert queued_ids(coord) == [task.id], "the decision published the resume"
-    coord.client.delete(QUEUE)  # a worker took the resume's message ...
-    assert run_child(rt, task.id).status == "running", "... and found the parked run still holding the lease"
+    assert queued_ids(coord) == [], "no resume while the parked run holds the lease"
+    assert run_child(rt, task.id).status == "running", "a delivery now would find the lease held"
     run.end(Released("waiting_approval"))
     assert task.id in coord.store.convergence.watched(), "decided before the release: still due"
     assert tick(coord) == {"run-lost": 1}
-    assert queued_ids(coord) == [task.id], "published again"
+    assert queued_ids(coord) == [task.id], "published by the reconciler"
+
+
+def _parked_on(coord: Coordinator, calls: int) -> tuple[str, list[str]]:
+    """A task whose run parked `calls` tool calls for approval and freed its worker; its id and the approvals'."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    run = build_runtime(coord.settings, make_app(coord.settings)).lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    asked = park(coord.plane, run.task, [ToolCall("run_command", {"n": n}, f"call-{n}") for n in range(calls)])
+    run.end(Released("waiting_approval"))
+    assert queued_ids(coord) == [] and task.id not in coord.store.convergence.watched()
+    return task.id, [a.id for a in asked]
+
+
+def test_two_decisions_made_at_once_publish_one_resume(coord: Coordinator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two people decide a task's two calls at once: each decision's step runs before the other's caller
+    looks, and each sees the other's call decided. Only the step that decided last says to resume."""
+    task_id, (first, second) = _parked_on(coord, 2)
+    store = coord.store.approvals
+    decide = store.decide
+
+    def the_other_decided_meanwhile(approval_id: str, *args: object, **kwargs: object) -> str:
+        outcome = decide(approval_id, *args, **kwargs)  # type: ignore[arg-type]
+        if approval_id == first:
+            monkeypatch.setattr(store, "decide", decide)
+            assert coord.decide(second, "approve").status == "approved"
+        return outcome
+
+    monkeypatch.setattr(store, "decide", the_other_decided_meanwhile)
+    assert coord.decide(first, "deny").status == "denied"
+    assert coord.client.llen(QUEUE) == 1, "one resume, not one a decision"
+    assert queued_ids(coord) == [task_id]
+
+
+def test_a_decision_whose_publish_never_came_still_resumes(coord: Coordinator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decision's watch is made in its own step: a release's or the reconciler's look just before it (a
+    pending approval: off the due list) cannot take it away, and a process that dies before it publishes the
+    resume leaves the task to the reconciler."""
+    task_id, (approval,) = _parked_on(coord, 1)
+    decide = coord.store.approvals.decide
+
+    def looked_at_just_before(*args: object, **kwargs: object) -> str:
+        assert coord.store.convergence.unwatch_parked(task_id), "still pending: taken off"
+        return decide(*args, **kwargs)  # type: ignore[arg-type]
+
+    def dies(*args: object, **kwargs: object) -> None:
+        raise BrokerError("the process died before it published the resume")
+
+    monkeypatch.setattr(coord.store.approvals, "decide", looked_at_just_before)
+    monkeypatch.setattr("coordinator.dispatch.publish_run", dies)
+    with pytest.raises(BrokerError):
+        coord.decide(approval, "approve")
+    assert queued_ids(coord) == [] and task_id in coord.store.convergence.watched()
+    assert tick(coord) == {"run-lost": 1}
+    assert queued_ids(coord) == [task_id], "published by the reconciler"
 
 
 def test_a_parked_run_with_a_pending_approval_leaves_the_due_list(coord: Coordinator) -> None:
@@ -564,3 +618,33 @@ def test_a_save_after_the_lease_lapsed_is_refused_even_before_the_heartbeat_noti
     with pytest.raises(LeaseLost):
         run.save(['{"kind": "request", "parts": []}'])
     lifecycle.heartbeat.forget(run)
+
+
+def test_a_cancel_stops_the_children_a_delegation_committed_while_it_read_the_subtree(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run commits a delegation between the cancel's read of the subtree and its stop: the children it adds
+    are stopped too, and its run's release publishes nothing for the cancelled task."""
+    root = coord.create_task("fan out")
+    (worker_id,) = coord.delegate(root.id, [subtask("works", agent(reply("x")))]).child_ids
+    coord.client.delete(QUEUE)
+    run = build_runtime(coord.settings, make_app(coord.settings)).lifecycle.start(worker_id)
+    assert isinstance(run, Run)
+    records = coord.store.records
+    read = records.subtree_ids
+    added: list[str] = []
+
+    def a_delegation_lands_just_after(task_id: str) -> list[str]:
+        ids = read(task_id)
+        if not added:
+            _, children = delegation.commit(coord.plane, worker_id, [subtask("late", agent(reply("y")))])
+            added.extend(c.id for c in children)
+        return ids
+
+    monkeypatch.setattr(records, "subtree_ids", a_delegation_lands_just_after)
+    coord.cancel(root.id, "enough")
+    assert added and set(added) <= set(records.tree_task_ids(root.id))
+    statuses = {t.id: t.status for t in records.get_records(records.tree_task_ids(root.id))}
+    assert statuses == dict.fromkeys(statuses, TaskStatus.CANCELLED), statuses
+    run.end(Released("delegated"))
+    assert queued_ids(coord) == [], "no child of a cancelled task is published"

@@ -68,15 +68,18 @@ class ApprovalStore(Part):
         return _strs(self.client.zrange(self.keys.approvals(), 0, -1))
 
     @translate_redis_errors
-    def decide(self, approval_id: str, status: str, feedback: str, decided_by: str = "") -> str:
-        """Decide a pending approval once, naming who decided; 'ok', or its status when it was not pending."""
-        root = root_of(approval_id)
+    def decide(self, approval_id: str, status: str, feedback: str, decided_by: str = "", *, grace_s: float) -> str:
+        """Decide a pending approval once, naming who decided (decide.lua): 'resume' when the decision ended its
+        task's wait and the caller publishes the resume, 'ok' when decided otherwise, or its status when it was
+        not pending. A decision that ends the wait puts the task on the due list, to look at in `grace_s`."""
+        root, now = root_of(approval_id), time.time()
         return self.scripts(
             Decide(
                 approval=self.keys.approval(root, approval_id), pending=self.keys.approvals(),
                 events=self.keys.events(root), approval_id=approval_id, status=status, feedback=feedback,
-                now=time.time(), events_maxlen=EVENTS_MAXLEN, task_prefix=self.keys.task(root, ""),
+                now=now, events_maxlen=EVENTS_MAXLEN, task_prefix=self.keys.task(root, ""),
                 approval_prefix=self.keys.approval(root, ""), decided_by=decided_by,
-                outbox=outbox_keys(self.keys, root), retention_s=self.retention_s,
+                outbox=outbox_keys(self.keys, root), retention_s=self.retention_s, due=self.keys.due(),
+                lease_prefix=self.keys.lease(root, ""), look_at=now + grace_s,
             )
         )  # fmt: skip

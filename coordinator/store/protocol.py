@@ -536,13 +536,15 @@ class Decide(
     script="decide",
     uses=("outbox_add",),
     acknowledged=True,
-    returns="'ok' (also to this very decision sent again after it ran), or the approval's status when it was "
-    "not pending (or 'missing').",
+    returns="'resume' when this decision (or this very decision sent again after it ran) ended its task's "
+    "wait and no run holds the task's lease: its caller publishes the resume; 'ok' when it was decided "
+    "otherwise; or the approval's status when it was not pending (or 'missing').",
 ):
     approval: str = key("the approval hash")
     pending: str = key("the pending-approvals zset")
     events: str = key("tree events stream")
     outbox: OutboxKeys = splice("the tree's outbox (outbox_add's {side})")
+    due: str = key("the due list")
     approval_id: str = arg("approval id")
     status: str = arg("new status (approved|denied|expired)")
     feedback: str = arg("feedback")
@@ -555,6 +557,8 @@ class Decide(
     )
     decided_by: str = arg("who decided: the API key's name ('' for an expiry), written with the decision")
     retention_s: int = arg("retention seconds")
+    lease_prefix: str = arg("the prefix of the tree's leases (named from the approval's record, as the task's hash)")
+    look_at: float = arg("when the reconciler looks at the task whose wait this decision ends (epoch s)")
 
     @classmethod
     def decode(cls, raw: Any) -> str:

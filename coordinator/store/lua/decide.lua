@@ -4,6 +4,7 @@
 -- KEYS[2] the pending-approvals zset
 -- KEYS[3] tree events stream
 -- KEYS[4..6] the tree's outbox (outbox_add's KEYS)
+-- KEYS[7] the due list
 -- ARGV[1] str: approval id
 -- ARGV[2] str: new status (approved|denied|expired)
 -- ARGV[3] str: feedback
@@ -14,18 +15,54 @@
 --   the approval's record, as start_run reads ancestors: a tree's keys share one prefix)
 -- ARGV[8] str: who decided: the API key's name ('' for an expiry), written with the decision
 -- ARGV[9] int: retention seconds
--- Returns 'ok' (also to this very decision sent again after it ran), or the approval's status when it was
---   not pending (or 'missing').
--- The decision that leaves the task no pending approval ends its wait: its timeline marks its
--- resume `queued` now (coordinator/timeline.py).
+-- ARGV[10] str: the prefix of the tree's leases (named from the approval's record, as the task's hash)
+-- ARGV[11] float: when the reconciler looks at the task whose wait this decision ends (epoch s)
+-- Returns 'resume' when this decision (or this very decision sent again after it ran) ended its task's
+--   wait and no run holds the task's lease: its caller publishes the resume; 'ok' when it was decided
+--   otherwise; or the approval's status when it was not pending (or 'missing').
+-- The decision that leaves the task no pending approval ends its wait, decided here and nowhere else:
+-- two decisions made at once each see the other's, so exactly one of them ends it. Its timeline marks
+-- its resume `queued` now (coordinator/timeline.py), and the task goes on the due list in this step:
+-- a process that dies before it publishes the resume leaves it to the reconciler, and no step between
+-- (unwatch_parked.lua, run by a release or the reconciler) can take off a watch made before the
+-- decision. While a run holds the lease (the run that parked the task, not released yet) nothing is
+-- to publish: a delivery would find the lease held and do nothing; the release leaves the task on the
+-- due list, and the reconciler publishes it.
 local was = redis.call('HMGET', KEYS[1], 'status', 'decided_at', 'decided_by', 'feedback')
 local status = was[1]
 if not status then
   return 'missing'
 end
+-- Whether the approvals of `task_id` leave its wait ended: none of those it waits on pending, the task
+-- not ended; then 'resume' unless a run holds its lease, else 'ok'. `watch`: put it on the due list too.
+local function ends_wait(task_id, watch)
+  if not task_id or not ARGV[6] then
+    return 'ok'
+  end
+  local task_key = ARGV[6] .. task_id
+  local waiting, task_status = unpack(hash_get(task_key, 'waiting_approval_ids', 'status'))
+  if not task_status or task_status == 'completed' or task_status == 'failed' or task_status == 'cancelled' then
+    return 'ok'
+  end
+  for _, other in ipairs(cjson.decode((waiting and waiting ~= '') and waiting or '[]')) do
+    if other ~= ARGV[1] and redis.call('HGET', ARGV[7] .. other, 'status') == 'pending' then
+      return 'ok'
+    end
+  end
+  if watch then
+    timeline_mark(task_key, ARGV[4], 'queued')
+    redis.call('ZADD', KEYS[7], ARGV[11], task_id)
+  end
+  if redis.call('EXISTS', ARGV[10] .. task_id) == 1 then
+    return 'ok'
+  end
+  return 'resume'
+end
 if status ~= 'pending' then
   if status == ARGV[2] and was[2] == ARGV[4] and was[3] == (ARGV[8] or '') and was[4] == ARGV[3] then
-    return 'ok'  -- this very decision again (its reply was lost and the connection sent it again): it stands
+    -- This very decision again (its reply was lost and the connection sent it again): it stands, and
+    -- answers as it did (its writes were made; the resume's claim keeps a second publish from running).
+    return ends_wait(redis.call('HGET', KEYS[1], 'task_id'), false)
   end
   return status
 end
@@ -37,17 +74,4 @@ outbox_add({KEYS[4], KEYS[5], KEYS[6]}, {task_id, 'approval.decided', ARGV[4], A
   decided_by = ARGV[8]})})
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'type', 'approval', 'approval_id', ARGV[1],
   'task_id', task_id, 'status', ARGV[2])
-if task_id and ARGV[6] then
-  local task_key = ARGV[6] .. task_id
-  local waiting = hash_get(task_key, 'waiting_approval_ids')[1]
-  local still = false
-  for _, other in ipairs(cjson.decode((waiting and waiting ~= '') and waiting or '[]')) do
-    if other ~= ARGV[1] and redis.call('HGET', ARGV[7] .. other, 'status') == 'pending' then
-      still = true
-    end
-  end
-  if not still and hash_get(task_key, 'status')[1] then
-    timeline_mark(task_key, ARGV[4], 'queued')
-  end
-end
-return 'ok'
+return ends_wait(task_id, true)
