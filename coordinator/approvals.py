@@ -6,14 +6,16 @@
    task remembers which approvals it waits on.
 2. A person approves or denies it (`decide`, from the API, the CLI or Python),
    once: a second decision is refused. When the last approval the task waits on
-   is decided, the task is resumed (once per approval, a once-only claim) and
+   is decided, the task is resumed (once per park, a once-only claim) and
    its run answers the call with the decision (`decisions`).
 3. An approval nobody decides expires at its deadline, which counts as a denial
    (`expire`, served by the reconciler from a timer, `expire-approval:<id>`, not by
    a broker countdown); a stopped task's pending approvals expire with it (`expire_for`).
-A decision watches its task before it is written (the due list), so a process
-that dies between the decision and the resume leaves the resume to the reconciler.
-Only that task resumes; its siblings go on meanwhile.
+The decision that leaves the task no pending approval watches it in the same step
+(decide.lua, the due list), so a process that dies between the decision and the
+resume leaves the resume to the reconciler. A decision made while the parking run
+still holds the lease publishes nothing (its delivery would find the lease held);
+that run's release resumes the task. Only that task resumes; its siblings go on.
 """
 
 from __future__ import annotations
@@ -175,6 +177,15 @@ def _decide(plane: Plane, approval: Approval, status: str, feedback: str, decide
     if outcome not in ("ok", "resume"):
         raise StateError(f"Approval {approval.id} was already {outcome}", field="approval_id")
     plane.store.convergence.remove_timers([expiry_timer(approval.id)])
-    if outcome == "resume" and (resumes := plane.store.runs.claim_resume(approval.task_id, approval.id)):
-        dispatch.publish_run(plane.app, plane.store.records.get_task(approval.task_id), resumes)
+    if outcome == "resume":
+        resume(plane, approval.task_id)
     return plane.store.approvals.get_approval(approval.id)
+
+
+def resume(plane: Plane, task_id: str) -> None:
+    """Publish the resume of a task whose approvals are all decided, once per park: the decision that ended the
+    wait and the parked run's release (for a decision made while that run held the lease) claim one field,
+    named after the park's first approval, so whichever comes second publishes nothing."""
+    waiting = plane.store.runs.waiting_approval_ids(task_id)
+    if waiting and (resumes := plane.store.runs.claim_resume(task_id, waiting[0])):
+        dispatch.publish_run(plane.app, plane.store.records.get_task(task_id), resumes)

@@ -283,7 +283,7 @@ class Reconciler:
             store.convergence.unwatch([task_id])
             return None
         if asked and store.convergence.unwatch_parked(task_id):
-            return None  # a call still waits for its person: each decision, or its timer, watches it again
+            return None  # a call still waits for its person: the last decision, or its timer, watches it again
         if self._waits_to_start(task_id):
             self._later[settings.reconcile_grace_s].append(task_id)
             return None

@@ -62,7 +62,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from coordinator import admission, budgets, delegation, dispatch, faults, quotas, writeback
+from coordinator import admission, approvals, budgets, delegation, dispatch, faults, quotas, writeback
 from coordinator.approvals import ToolCall
 from coordinator.errors import NotFoundError, StoreError
 from coordinator.heartbeat import Heartbeat
@@ -341,10 +341,12 @@ class Run:
         if outcome.state == "delegated":
             delegation.publish_waiting(plane, plane.store.records.get_task(task_id))
         elif outcome.state == "waiting_approval":
-            # Off the due list while a call waits for its person (each decision watches it again);
-            # kept on when every call was decided before the lease was freed: that decision's resume
-            # found the lease held and did nothing, so the reconciler publishes it again.
-            plane.store.convergence.unwatch_parked(task_id)
+            # Off the due list while a call waits for its person (the decision that ends the wait watches it
+            # again). Every call decided while this run held the lease: the last decision published nothing
+            # (its delivery would have found the lease held), so the release resumes the task, once per park
+            # with a decision made since the lease was freed (`approvals.resume`).
+            if not plane.store.convergence.unwatch_parked(task_id):
+                approvals.resume(plane, task_id)
         else:  # waiting for its provider: its timer publishes it
             plane.store.convergence.unwatch([task_id])
         if outcome.state == "waiting_provider":

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from coordinator import BrokerError, Coordinator, TaskStatus, delegation, endpoints
+from coordinator import BrokerError, Coordinator, TaskStatus, approvals, delegation, endpoints
 from coordinator.approvals import ToolCall, expiry_timer, park, undecided
 from coordinator.celery_app import make_app
 from coordinator.local.embedded_redis import local_redis
@@ -425,8 +425,9 @@ def test_a_provider_timer_never_restarts_a_task_that_waits_for_a_person(coord: C
 
 def test_a_decision_made_before_the_parked_run_freed_its_lease_still_resumes_the_task(coord: Coordinator) -> None:
     """A person decides between the run's park (its approval saved) and its release: a resume then would be
-    delivered while the lease is still held and do nothing, so the decision publishes none; it leaves the task
-    on the due list, the run's release leaves it there, and the reconciler publishes it."""
+    delivered while the lease is still held and do nothing, so the decision publishes none and leaves the task
+    on the due list; the run's release publishes it, once, and a process that dies before that release leaves
+    it to the reconciler."""
     task = coord.create_task(agent(reply("x")), run=True)
     coord.client.delete(QUEUE)
     rt = build_runtime(coord.settings, make_app(coord.settings))
@@ -436,8 +437,24 @@ def test_a_decision_made_before_the_parked_run_freed_its_lease_still_resumes_the
     assert coord.decide(approval.id, "approve").status == "approved"
     assert queued_ids(coord) == [], "no resume while the parked run holds the lease"
     assert run_child(rt, task.id).status == "running", "a delivery now would find the lease held"
+    assert task.id in coord.store.convergence.watched(), "due: were the run to die now, the reconciler resumes it"
     run.end(Released("waiting_approval"))
-    assert task.id in coord.store.convergence.watched(), "decided before the release: still due"
+    assert queued_ids(coord) == [task.id] and coord.client.llen(QUEUE) == 1, "the release published the resume"
+    approvals.resume(coord.plane, task.id)  # a second claim of the same park (a decision after the release)
+    assert tick(coord) == {} and coord.client.llen(QUEUE) == 1, "published once"
+
+
+def test_a_parked_run_dead_before_its_release_is_resumed_by_the_reconciler(coord: Coordinator) -> None:
+    """Decided while the parking run held its lease, and that run died before its release: the decision's
+    watch has the reconciler publish the task once the lease has lapsed."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    run = build_runtime(coord.settings, make_app(coord.settings)).lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    (approval,) = park(coord.plane, run.task, [ToolCall("run_command", {"command": "ls"}, "call-1")])
+    coord.decide(approval.id, "approve")
+    assert tick(coord) == {} and queued_ids(coord) == [], "the lease is held: left to its run"
+    coord.client.delete(coord.store.keys.lease(task.id, task.id))  # the run died: its lease lapsed
     assert tick(coord) == {"run-lost": 1}
     assert queued_ids(coord) == [task.id], "published by the reconciler"
 

@@ -26,8 +26,7 @@
 -- a process that dies before it publishes the resume leaves it to the reconciler, and no step between
 -- (unwatch_parked.lua, run by a release or the reconciler) can take off a watch made before the
 -- decision. While a run holds the lease (the run that parked the task, not released yet) nothing is
--- to publish: a delivery would find the lease held and do nothing; the release leaves the task on the
--- due list, and the reconciler publishes it.
+-- to publish: a delivery would find the lease held and do nothing; that run's release publishes it.
 local was = redis.call('HMGET', KEYS[1], 'status', 'decided_at', 'decided_by', 'feedback')
 local status = was[1]
 if not status then
@@ -50,7 +49,10 @@ local function ends_wait(task_id, watch)
     end
   end
   if watch then
+    -- Its change time too: a reconciler that read the task before this step looks again later rather
+    -- than publish it beside this decision's resume.
     timeline_mark(task_key, ARGV[4], 'queued')
+    hash_set(task_key, 'updated_at', ARGV[4])
     redis.call('ZADD', KEYS[7], ARGV[11], task_id)
   end
   if redis.call('EXISTS', ARGV[10] .. task_id) == 1 then

@@ -1,9 +1,9 @@
 -- Take a task whose run parked it on approvals off the due list while one of them is still pending,
 -- except while a live run holds its lease. The decision that leaves none pending watches the task
--- again before it publishes its resume; a decision made before the parked run freed its lease
--- published a resume whose delivery found the lease held and did nothing, and its watch is then what
--- has the reconciler publish the task again. Read and removal are one step, so such a decision,
--- made between the two, is never taken off with a wait it ended.
+-- again in its own step (decide.lua); one made before the parked run freed its lease published
+-- nothing, and its watch stays until that run's release (which, told 0 here, publishes the resume)
+-- or the reconciler publishes it. Read and removal are one step, so a decision made between the two
+-- is never taken off with a wait it ended.
 -- KEYS[1] the due list
 -- KEYS[2] its lease
 -- KEYS[3] its task hash
