@@ -493,6 +493,10 @@ class RunLifecycle:
         if started.verdict in ("wait", "delay", "park"):
             admission.must_wait(plane, started.record, started.delay_ms, started.parked_for, started.admitted)
             return writeback.result_of(started.record, pending="queued")
+        if started.verdict == "asked":
+            # Its run parked a call that still waits for a person (this is its message delivered again): the
+            # decision that ends the wait resumes it.
+            return writeback.result_of(started.record, pending="waiting_approval")
         if started.verdict == "leased":
             # A live run holds it and will end it; a dead one's lease lapses and the
             # reconciler publishes the task again, so this delivery has nothing to do.

@@ -665,3 +665,18 @@ def test_a_cancel_stops_the_children_a_delegation_committed_while_it_read_the_su
     assert statuses == dict.fromkeys(statuses, TaskStatus.CANCELLED), statuses
     run.end(Released("delegated"))
     assert queued_ids(coord) == [], "no child of a cancelled task is published"
+
+
+def test_a_parked_tasks_message_delivered_again_starts_no_run(coord: Coordinator) -> None:
+    """Its worker died between the release and the message's ack, so the message comes again while the call
+    still waits for its person: no run starts (it would cut the call off and ask for it again, and a decision
+    on the first would resume nothing), and the decision's resume is what runs it."""
+    task_id, (approval,) = _parked_on(coord, 1)
+    task_key = coord.store.keys.task(task_id[:16], task_id)
+    before = coord.client.hgetall(task_key)
+    rt = build_runtime(coord.settings, make_app(coord.settings))
+    assert run_child(rt, task_id).status == "waiting_approval"
+    assert coord.client.hgetall(task_key) == before, "nothing counted, marked or started"
+    assert [a.id for a in approvals.list_pending(coord.plane, task_id[:16])] == [approval]
+    coord.decide(approval, "approve")
+    assert queued_ids(coord) == [task_id], "the decision resumes it"

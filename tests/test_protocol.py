@@ -167,10 +167,11 @@ def test_with_fair_shares_off_a_runs_start_and_end_leave_their_keys_and_argument
         task="task:t", lease="lease:t", due="due", live="live", events="ev", ui_messages="ui",
         running="running", admission="adm", last_start="last", fair=fair, token="tok", lease_s=15, look_at=2.0,
         now=1.0, events_maxlen=100, task_prefix="pre:", per_parent=0, per_tree=0, stagger_ms=0, now_ms=1000,
-        retention_s=60, running_children_prefix="rc:", fair_args=fair_args(Keys("p"), FairShares(on=False)),
+        retention_s=60, running_children_prefix="rc:", approval_prefix="ap:",
+        fair_args=fair_args(Keys("p"), FairShares(on=False)),
     )  # fmt: skip
     keys, args = start.pack()
-    assert len(keys) == 9 and args[12:] == [0]  # KEYS[1..9], ARGV[13]: fair shares off, nothing after it
+    assert len(keys) == 9 and args[12:] == ["ap:", 0]  # KEYS[1..9], ARGV[14]: fair shares off, nothing after it
 
 
 def test_a_spliced_call_packs_as_the_script_it_calls_reads_it() -> None:

@@ -1246,7 +1246,8 @@ class StartRun(
     returns="{verdict, {deliveries, run sequence, exhausted}}: verdict 'run' (the lease is this run's; the same "
     "start sent again after it ran answers so too, from what it wrote), "
     "'missing', 'other' (not an agent's, ended or delegated: the caller takes its slow path), 'leased' (another "
-    "run holds the lease), 'wait' (queued on the admission list for a slot), 'delay' (the counts are {ms to "
+    "run holds the lease), 'asked' (a call its run parked still waits for a person's decision), 'wait' (queued "
+    "on the admission list for a slot), 'delay' (the counts are {ms to "
     "wait}) or 'park' (parked for a slot of its tenant; the counts are {0, why: 'max_running', 'share' or "
     "'fleet', the task id given the slot instead or ''}); a 'delay' or 'park' sent again answers as it did.",
 ):
@@ -1277,6 +1278,9 @@ class StartRun(
     retention_s: int = arg("retention seconds")
     running_children_prefix: str = arg(
         "the prefix of the tree's running-children sets (the parent's is read from the record, as the ancestors' above)"
+    )
+    approval_prefix: str = arg(
+        "the prefix of the tree's approval hashes (those its record says it waits on, as the ancestors' above)"
     )
     fair_args: FairArgs = splice("how fair shares are read", expand=True)
 

@@ -69,7 +69,7 @@ ADMISSION_SCAN = 50
 @dataclass(frozen=True)
 class Started:
     """What `begin_run` found: `verdict` 'run' (the lease is the caller's), 'missing', 'other', 'leased',
-    'wait' (queued for a run slot of its tree), 'park' (parked for a fleet slot of its tenant: fair shares) or
+    'asked' (a call its run parked waits for a person), 'wait' (queued for a run slot of its tree), 'park' (parked for a fleet slot of its tenant: fair shares) or
     'delay' (admitted after `delay_ms`: the caller restarts it then)."""
 
     verdict: str
@@ -122,7 +122,7 @@ class RunStore(Part):
                 events_maxlen=EVENTS_MAXLEN, task_prefix=k.task(root, ""), per_parent=limits.per_parent,
                 per_tree=limits.per_tree, stagger_ms=limits.stagger_ms, now_ms=int(now * 1000),
                 retention_s=self.retention_s, running_children_prefix=k.running_children(root, ""),
-                fair_args=fair_args(k, fair),
+                approval_prefix=k.approval(root, ""), fair_args=fair_args(k, fair),
             ),
             [("HGETALL", task_key), ("LRANGE", conversation_key, 0, -1)],
         )  # fmt: skip

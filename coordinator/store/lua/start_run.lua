@@ -6,7 +6,7 @@
 -- UI message. The caller reads the task's record and its conversation in the same transaction,
 -- right after this call (`Scripts.then_read`): read here, each of the record's fields would be
 -- made a Lua string and back, the largest part of this step's cost (docs/benchmarks.md).
--- With fair shares off (ARGV[13] 0) the caller leaves KEYS[10..13] and ARGV[14..] off: nothing reads them
+-- With fair shares off (ARGV[14] 0) the caller leaves KEYS[10..13] and ARGV[15..] off: nothing reads them
 -- then, and each key or argument sent costs the server about 1 K instructions (docs/benchmarks.md).
 -- KEYS[1] task hash
 -- KEYS[2] lease
@@ -36,36 +36,39 @@
 -- ARGV[11] int: retention seconds
 -- ARGV[12] str: the prefix of the tree's running-children sets (the parent's is read from the record, as
 --   the ancestors' above)
--- ARGV[13] int: 1: fair shares between tenants are on (nothing below is read when 0)
--- ARGV[14] str: a tenant key's head (the keys module's name up to the tenant)
--- ARGV[15] str: the tail of a tenant's running set
--- ARGV[16] str: the tail of its parked runs
--- ARGV[17] str: the tail of its announced runs
--- ARGV[18] str: a task hash key's head (up to the root id)
--- ARGV[19] str: its middle (between the root id and the task id)
--- ARGV[20] int: how long an announced run counts as queued, ms
--- ARGV[21] int: the fleet's capacity while no heartbeat has counted it (this worker's concurrency)
--- ARGV[22] int: how many parked runs one freed slot may give a slot (more when the fleet grew)
--- ARGV[23] str: the tenant of a record without one
--- ARGV[24] int: the priority of a record without one
+-- ARGV[13] str: the prefix of the tree's approval hashes (those its record says it waits on, as the
+--   ancestors' above)
+-- ARGV[14] int: 1: fair shares between tenants are on (nothing below is read when 0)
+-- ARGV[15] str: a tenant key's head (the keys module's name up to the tenant)
+-- ARGV[16] str: the tail of a tenant's running set
+-- ARGV[17] str: the tail of its parked runs
+-- ARGV[18] str: the tail of its announced runs
+-- ARGV[19] str: a task hash key's head (up to the root id)
+-- ARGV[20] str: its middle (between the root id and the task id)
+-- ARGV[21] int: how long an announced run counts as queued, ms
+-- ARGV[22] int: the fleet's capacity while no heartbeat has counted it (this worker's concurrency)
+-- ARGV[23] int: how many parked runs one freed slot may give a slot (more when the fleet grew)
+-- ARGV[24] str: the tenant of a record without one
+-- ARGV[25] int: the priority of a record without one
 -- Returns {verdict, {deliveries, run sequence, exhausted}}: verdict 'run' (the lease is this run's; the
 --   same start sent again after it ran answers so too, from what it wrote), 'missing', 'other' (not an
 --   agent's, ended or delegated: the caller takes its slow path), 'leased' (another run holds the lease),
---   'wait' (queued on the admission list for a slot), 'delay' (the counts are {ms to wait}) or 'park'
---   (parked for a slot of its tenant; the counts are {0, why: 'max_running', 'share' or 'fleet', the task
---   id given the slot instead or ''}); a 'delay' or 'park' sent again answers as it did.
+--   'asked' (a call its run parked still waits for a person's decision), 'wait' (queued on the admission
+--   list for a slot), 'delay' (the counts are {ms to wait}) or 'park' (parked for a slot of its tenant;
+--   the counts are {0, why: 'max_running', 'share' or 'fleet', the task id given the slot instead or ''});
+--   a 'delay' or 'park' sent again answers as it did.
 -- Only the fields this step decides on (the record goes to the caller by its own read, see above).
 local task = redis.call('HMGET', KEYS[1], 'id', 'status', 'runner', 'parent_id', 'depth', 'deliveries', 'run_seq',
   'timeline', 'budget_micros', 'total_cost_micros', 'budget_chain', 'ancestors', 'prompt', 'tenant', 'priority',
-  'run_token')
+  'run_token', 'waiting_approval_ids')
 local id, status, parent_id = task[1], task[2], task[4]
 if not id then
   return {'missing', {}}
 end
-local fair = ARGV[13] == '1'
-local tenant = fair and ((task[14] and task[14] ~= '') and task[14] or ARGV[23])
+local fair = ARGV[14] == '1'
+local tenant = fair and ((task[14] and task[14] ~= '') and task[14] or ARGV[24])
 if fair then
-  redis.call('ZREM', ARGV[14] .. tenant .. ARGV[17], id)  -- its message has come: no longer queued in the broker
+  redis.call('ZREM', ARGV[15] .. tenant .. ARGV[18], id)  -- its message has come: no longer queued in the broker
 end
 if task[3] ~= 'agent' or status == 'completed' or status == 'failed' or status == 'cancelled'
     or status == 'delegated' then
@@ -109,6 +112,17 @@ if held and string.sub(held, 1, #ARGV[1]) == ARGV[1] then
     end
   end
 end
+-- Parked on a call a person has not decided yet: its message delivered again (its worker died between the
+-- release and the message's ack) would cut the call off and ask for it again, and the decision on the first
+-- would then resume nothing. The decision that ends the wait publishes its resume.
+local waiting = task[17]
+if waiting and waiting ~= '' and waiting ~= '[]' then
+  for _, approval_id in ipairs(cjson.decode(waiting)) do
+    if redis.call('HGET', ARGV[13] .. approval_id, 'status') == 'pending' then
+      return {'asked', {}}
+    end
+  end
+end
 local per_parent, per_tree, stagger = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 if parent_id and parent_id ~= '' and (per_parent > 0 or per_tree > 0 or stagger > 0) then
   -- A root always runs; with no limit set nothing of admission is read.
@@ -133,9 +147,9 @@ if parent_id and parent_id ~= '' and (per_parent > 0 or per_tree > 0 or stagger 
 end
 if fair then
   -- Fair shares between tenants (fair_admit.lua), roots included: a run holds a worker whoever made it.
-  local priority = tonumber(task[15] or '') or ARGV[24]
-  local shared = fair_admit({KEYS[10], KEYS[11], KEYS[12], KEYS[13]}, {id, tenant, priority, ARGV[10], ARGV[14],
-    ARGV[15], ARGV[16], ARGV[17], ARGV[20], ARGV[21], ARGV[11], ARGV[18], ARGV[19]})
+  local priority = tonumber(task[15] or '') or ARGV[25]
+  local shared = fair_admit({KEYS[10], KEYS[11], KEYS[12], KEYS[13]}, {id, tenant, priority, ARGV[10], ARGV[15],
+    ARGV[16], ARGV[17], ARGV[18], ARGV[21], ARGV[22], ARGV[11], ARGV[19], ARGV[20]})
   if shared[1] ~= 'run' then
     local waited = timeline_add(task[8], tonumber(ARGV[10]), 'wait:admission')
     -- Kept with the token, as a delay: a resend must not give a second parked run the slot.
