@@ -178,14 +178,16 @@ def _decide(plane: Plane, approval: Approval, status: str, feedback: str, decide
         raise StateError(f"Approval {approval.id} was already {outcome}", field="approval_id")
     plane.store.convergence.remove_timers([expiry_timer(approval.id)])
     if outcome == "resume":
-        resume(plane, approval.task_id)
+        resume(plane, approval.task_id, approval.id)
     return plane.store.approvals.get_approval(approval.id)
 
 
-def resume(plane: Plane, task_id: str) -> None:
+def resume(plane: Plane, task_id: str, decided_id: str = "") -> None:
     """Publish the resume of a task whose approvals are all decided, once per park: the decision that ended the
     wait and the parked run's release (for a decision made while that run held the lease) claim one field,
-    named after the park's first approval, so whichever comes second publishes nothing."""
+    named after the park's first approval (`decided_id`, the decision's own, for an approval its task does
+    not list), so whichever comes second publishes nothing."""
     waiting = plane.store.runs.waiting_approval_ids(task_id)
-    if waiting and (resumes := plane.store.runs.claim_resume(task_id, waiting[0])):
+    reason = waiting[0] if waiting else decided_id
+    if reason and (resumes := plane.store.runs.claim_resume(task_id, reason)):
         dispatch.publish_run(plane.app, plane.store.records.get_task(task_id), resumes)
