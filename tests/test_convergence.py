@@ -680,3 +680,25 @@ def test_a_parked_tasks_message_delivered_again_starts_no_run(coord: Coordinator
     assert [a.id for a in approvals.list_pending(coord.plane, task_id[:16])] == [approval]
     coord.decide(approval, "approve")
     assert queued_ids(coord) == [task_id], "the decision resumes it"
+
+
+def test_children_a_single_pass_stop_missed_are_stopped_by_their_parents_release(coord: Coordinator) -> None:
+    """A stop that read the subtree once (a coordinator of an earlier version, in a rolling upgrade) missed
+    the children a delegation committed meanwhile: the delegating run's release stops them rather than leave
+    them `active` with nothing to publish them, and closes their batch."""
+    root = coord.create_task("fan out")
+    (worker_id,) = coord.delegate(root.id, [subtask("works", agent(reply("x")))]).child_ids
+    coord.client.delete(QUEUE)
+    run = build_runtime(coord.settings, make_app(coord.settings)).lifecycle.start(worker_id)
+    assert isinstance(run, Run)
+    read_before = coord.store.records.subtree_ids(root.id)
+    batch, children = delegation.commit(coord.plane, worker_id, [subtask("late", agent(reply("y")))])
+    coord.store.batches.stop_tasks(
+        read_before, top_status="cancelled", status="cancelled", top_error="cancelled: old", error="old",
+        top_class="Cancelled", error_class="Cancelled",
+    )  # fmt: skip
+    assert coord.get_task(children[0].id).status == TaskStatus.ACTIVE, "missed by the single pass"
+    run.end(Released("delegated"))
+    assert coord.get_task(children[0].id).status == TaskStatus.CANCELLED
+    assert queued_ids(coord) == [], "nothing published"
+    assert coord.store.batches.get_batch(batch.id).status == "done", "its batch closed"
