@@ -71,10 +71,12 @@ def stop_subtree(
     plane.app.control.revoke(stopped)  # queued ones never start (the persisted status covers restarts)
     approvals.expire_for(plane, top.root_id, set(stopped))
     records = plane.store.records.get_records(stopped)
+    stopped_top = plane.store.records.get_task(top.id)
+    if top.id not in stopped:  # stopped before: the batch it waits on closes with the children stopped now
+        records.insert(0, stopped_top)
     for record in reversed(records):  # deepest first
         if record.waiting_batch_id:
             writeback.write_back(plane, record.waiting_batch_id)
-    stopped_top = plane.store.records.get_task(top.id)
     if stopped_top.status.terminal and stopped_top.batch_id:
         writeback.write_back(plane, stopped_top.batch_id, ended=stopped_top)
     plane.store.convergence.unwatch(stopped)  # written back; a run still going unwatches again as it ends

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import pydantic
 
-from coordinator import admission, budgets, control, dispatch, faults, ids, todo_links, writeback
+from coordinator import admission, budgets, control, dispatch, faults, ids, todo_links
 from coordinator import todos as todo_lists
 from coordinator.errors import BrokerError, StateError, SubqError, ValidationError
 from coordinator.inputs import error_message, error_path, one_line
@@ -213,14 +213,13 @@ def publish_waiting(plane: Plane, record: TaskRecord) -> None:
     """Publish the batch a delegated task waits on (its run committed it and may have died before publishing).
 
     Not that of a task stopped since its run committed it: its children are stopped with it. `stop_subtree`
-    stops children committed while it ran; this stops those a stop that read the subtree only once (a
-    coordinator of an earlier version, in a rolling upgrade) left `active`, unpublished and unwatched."""
+    stops children committed while it ran; this stops (and writes back) those a stop that read the subtree only
+    once (a coordinator of an earlier version, in a rolling upgrade) left `active`, unpublished and unwatched."""
     if record.waiting_batch_id and record.status.terminal:
         control.stop_subtree(
             plane, record, top_status=record.status.value, top_error=record.error or "",
             top_class=record.error_class or "", error=f"stopped with {record.id}, before its delegation was published",
         )  # fmt: skip
-        writeback.write_back(plane, record.waiting_batch_id)  # its children ended: the batch closes
     elif record.waiting_batch_id:
         batch = plane.store.batches.get_batch(record.waiting_batch_id)
         publish(plane, batch, plane.store.records.get_records(batch.child_ids))
