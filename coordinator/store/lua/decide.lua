@@ -43,10 +43,8 @@ local function ends_wait(task_id, watch)
   if not task_status or task_status == 'completed' or task_status == 'failed' or task_status == 'cancelled' then
     return 'ok'
   end
-  for _, other in ipairs(cjson.decode((waiting and waiting ~= '') and waiting or '[]')) do
-    if other ~= ARGV[1] and redis.call('HGET', ARGV[7] .. other, 'status') == 'pending' then
-      return 'ok'
-    end
+  if approval_pending(waiting, ARGV[7], ARGV[1]) then
+    return 'ok'
   end
   if watch then
     -- Its change time too: a reconciler that read the task before this step looks again later rather

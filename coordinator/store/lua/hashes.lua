@@ -287,3 +287,18 @@ local function linked_item(todos, child_id, todo_id)
   end
   return nil, nil
 end
+
+-- Whether one of the approvals a task waits on is pending: `waiting` is its `waiting_approval_ids` (JSON;
+-- nil, false or '' when none), `prefix` names the tree's approval hashes, and `except_id` is left out (the
+-- approval being decided). decide.lua, unwatch_parked.lua and start_run.lua each ask it.
+local function approval_pending(waiting, prefix, except_id)
+  if not waiting or waiting == '' or waiting == '[]' then
+    return false
+  end
+  for _, approval_id in ipairs(cjson.decode(waiting)) do
+    if approval_id ~= except_id and redis.call('HGET', prefix .. approval_id, 'status') == 'pending' then
+      return true
+    end
+  end
+  return false
+end

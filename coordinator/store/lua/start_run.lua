@@ -115,13 +115,8 @@ end
 -- Parked on a call a person has not decided yet: its message delivered again (its worker died between the
 -- release and the message's ack) would cut the call off and ask for it again, and the decision on the first
 -- would then resume nothing. The decision that ends the wait publishes its resume.
-local waiting = task[17]
-if waiting and waiting ~= '' and waiting ~= '[]' then
-  for _, approval_id in ipairs(cjson.decode(waiting)) do
-    if redis.call('HGET', ARGV[13] .. approval_id, 'status') == 'pending' then
-      return {'asked', {}}
-    end
-  end
+if approval_pending(task[17], ARGV[13], nil) then
+  return {'asked', {}}
 end
 local per_parent, per_tree, stagger = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 if parent_id and parent_id ~= '' and (per_parent > 0 or per_tree > 0 or stagger > 0) then

@@ -11,16 +11,10 @@
 -- ARGV[2] str: the prefix of its tree's approval hashes (named from the task's own record, as decide.lua)
 -- Returns 1 while one of its approvals is pending (taken off unless leased), 0 when none is (nothing
 --   written).
-local waiting = redis.call('HGET', KEYS[3], 'waiting_approval_ids')
-if not waiting or waiting == '' then
+if not approval_pending(redis.call('HGET', KEYS[3], 'waiting_approval_ids'), ARGV[2], nil) then
   return 0
 end
-for _, approval_id in ipairs(cjson.decode(waiting)) do
-  if redis.call('HGET', ARGV[2] .. approval_id, 'status') == 'pending' then
-    if redis.call('EXISTS', KEYS[2]) == 0 then
-      redis.call('ZREM', KEYS[1], ARGV[1])
-    end
-    return 1
-  end
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  redis.call('ZREM', KEYS[1], ARGV[1])
 end
-return 0
+return 1
