@@ -128,9 +128,8 @@ class TaskField:
     # with its call's token for `now`): the same release sent again answers the same ids.
     RELEASE_REPLY: Final = "release_reply"
     FAIR_RELEASE_REPLY: Final = "fair_release_reply"
-    RESUMED_PREFIX: Final = (
-        "resumed:"  # `resumed:<a park's first approval id>`: once-only resume claim, "<token> <resumes>"
-    )
+    # `resumed:<a park's first approval id>`: the once-only claim of a park's resume, "<token> <resumes>".
+    RESUMED_PREFIX: Final = "resumed:"
     BATCH_MODE: Final = "batch_mode"  # a child's batch's mode, written with the child (end_run)
     # JSON list of the ancestors with a budget, root first; absent on records written before
     # it was kept (then every ancestor is read). The run's start reads only these (start_run).
