@@ -66,8 +66,12 @@ class Decision:
     feedback: str
 
 
-def park(plane: Plane, task: TaskRecord, calls: Sequence[ToolCall]) -> list[Approval]:
-    """Queue each call for a decision; the task resumes once all are decided."""
+def park(plane: Plane, task: TaskRecord, calls: Sequence[ToolCall]) -> list[Approval] | None:
+    """Queue each call for a decision; the task resumes once all are decided.
+
+    None when the task was stopped before its calls were saved (a cancel between the run's last step and
+    this): a call saved after the stop's mark would wait on a person, and notify one, for a run that is over,
+    so none is saved from there on, and the stop expires those saved before its mark."""
     parent_items = plane.store.records.get_todos(task.parent_id) if task.parent_id else []
     todo = next((t for t in parent_items if t.id == task.todo_id), None)
     now = time.time()
@@ -88,7 +92,8 @@ def park(plane: Plane, task: TaskRecord, calls: Sequence[ToolCall]) -> list[Appr
         )
         # The timer first: a timer whose approval was never saved finds nothing to expire.
         plane.store.convergence.add_timer(expiry_timer(approval.id), approval.deadline)
-        plane.store.approvals.save_approval(approval)
+        if not plane.store.approvals.save_approval(approval):
+            return None
         made.append(approval)
     plane.store.runs.set_waiting_approvals(task.id, [a.id for a in made])
     return made

@@ -13,13 +13,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from coordinator import BrokerError, Coordinator, TaskStatus, approvals, delegation, endpoints
-from coordinator.approvals import ToolCall, expiry_timer, park, undecided
+from coordinator import BrokerError, Coordinator, NotFoundError, TaskStatus, approvals, delegation, endpoints
+from coordinator.approvals import ToolCall, expiry_timer, undecided
 from coordinator.celery_app import make_app
 from coordinator.local.embedded_redis import local_redis
-from coordinator.ports.steps import Released
+from coordinator.models import Approval, TaskRecord
+from coordinator.plane import Plane
+from coordinator.ports.steps import Released, RunStopped
 from coordinator.reconciler import Reconciler
 from coordinator.runs import Ended, LeaseLost, Run
+from coordinator.store.approvals import ApprovalStore
 from tests.agents import agent, reply, subtask
 from tests.helpers import state
 from workers.runtime.context import build_runtime
@@ -51,6 +54,13 @@ def tick(coord: Coordinator, after_s: float = 0) -> dict[str, int]:
 
 def queued_ids(coord: Coordinator) -> list[str]:
     return sorted(coord.store.convergence.queued_task_ids(QUEUE))
+
+
+def park(plane: Plane, task: TaskRecord, calls: list[ToolCall]) -> list[Approval]:
+    """The calls parked for a decision, by a task that has not ended."""
+    made = approvals.park(plane, task, calls)
+    assert made is not None, f"{task.id} had ended"
+    return made
 
 
 def test_a_task_queued_in_the_broker_is_left_alone(coord: Coordinator) -> None:
@@ -665,6 +675,38 @@ def test_a_cancel_stops_the_children_a_delegation_committed_while_it_read_the_su
     assert statuses == dict.fromkeys(statuses, TaskStatus.CANCELLED), statuses
     run.end(Released("delegated"))
     assert queued_ids(coord) == [], "no child of a cancelled task is published"
+
+
+def test_a_call_a_cancel_overtook_never_waits_on_a_person(coord: Coordinator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cancel lands between the parking run's last step (which read its task active) and the save of its
+    calls: the first call, saved before the stop's mark, is expired by the stop; the second, after it, is not
+    saved, and no `approval.requested` goes out for it. The run stops as it does at a step."""
+    task = coord.create_task(agent(reply("x")), run=True, webhooks=[{"url": "https://example.com/hook"}])
+    coord.client.delete(QUEUE)
+    run = build_runtime(coord.settings, make_app(coord.settings)).lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    save = ApprovalStore.save_approval  # the run's own store's (its runtime's coordinator)
+    saved: list[str] = []
+
+    def the_cancel_lands_after_the_first(store: ApprovalStore, approval: Approval) -> bool:
+        if saved:
+            coord.cancel(task.id, "enough")
+        done = save(store, approval)
+        saved.append(approval.id)
+        return done
+
+    monkeypatch.setattr(ApprovalStore, "save_approval", the_cancel_lands_after_the_first)
+    with pytest.raises(RunStopped):
+        run.approvals.park([ToolCall("run_command", {"n": n}, f"call-{n}") for n in range(2)])
+    first, second = saved
+    assert approvals.list_pending(coord.plane, task.root_id) == []
+    assert coord.store.approvals.get_approval(first).status == "expired", "expired by the stop"
+    with pytest.raises(NotFoundError):
+        coord.store.approvals.get_approval(second)
+    assert run.end(run.stopped(None)).status == "cancelled", "the run ends as a stop it read at a step does"
+    assert coord.get_task(task.id).status == TaskStatus.CANCELLED and queued_ids(coord) == []
+    requested = [d for d in coord.store.outbox.deliveries(task.id) if d.get("type") == "approval.requested"]
+    assert [d["fields"]["approval_id"] for d in requested] == [first], "no notice of the call that was not saved"
 
 
 def test_a_parked_tasks_message_delivered_again_starts_no_run(coord: Coordinator) -> None:

@@ -32,10 +32,11 @@ class ApprovalStore(Part):
     """Approval records, the fleet-wide pending list, and deciding one atomically."""
 
     @translate_redis_errors
-    def save_approval(self, approval: Approval) -> None:
+    def save_approval(self, approval: Approval) -> bool:
         """The approval, on the pending list, and its `approval.requested` event in the tree's outbox, in one
         step (save_approval.lua): a waiting approval is never without its notice (docs/webhooks.md), and the
-        same approval saved again (a call sent again after its reply was lost) sends it once."""
+        same approval saved again (a call sent again after its reply was lost) sends it once. False, with
+        nothing written, when its task has ended (stopped since its run's last step)."""
         arguments = json.dumps(approval.args, ensure_ascii=False)
         if len(arguments) > MAX_EVENT_ARGS_CHARS:
             arguments = arguments[: MAX_EVENT_ARGS_CHARS - 1] + "…"
@@ -43,9 +44,10 @@ class ApprovalStore(Part):
             "approval_id": approval.id, "tool": approval.tool, "arguments": arguments,
             "deadline": approval.deadline, "todo": approval.todo_content,
         }  # fmt: skip
-        self.scripts(
+        return self.scripts(
             SaveApproval(
                 approval=self.keys.approval(approval.root_id, approval.id), pending=self.keys.approvals(),
+                task=self.keys.task(approval.root_id, approval.task_id),
                 outbox=outbox_keys(self.keys, approval.root_id), approval_id=approval.id,
                 created_at=approval.created_at, retention_s=self.retention_s, task_id=approval.task_id,
                 event_fields=json.dumps(fields),

@@ -1061,10 +1061,11 @@ class SaveApproval(
     Call[bool],
     script="save_approval",
     uses=("outbox_add",),
-    returns="1 when saved, 0 when it was saved before.",
+    returns="1 when saved, 0 when it was saved before, -1 when its task has ended (nothing written).",
 ):
     approval: str = key("the approval hash")
     pending: str = key("the pending-approvals zset")
+    task: str = key("the task hash of the run whose call waits")
     outbox: OutboxKeys = splice("the tree's outbox (outbox_add's {side})")
     approval_id: str = arg("approval id")
     created_at: float = arg("created at: the event's time and the pending list's score")
@@ -1075,7 +1076,8 @@ class SaveApproval(
 
     @classmethod
     def decode(cls, raw: Any) -> bool:
-        return bool(raw)
+        """False when the task has ended: its run was stopped before its call was saved."""
+        return int(raw) >= 0
 
 
 @dataclass(frozen=True, kw_only=True)

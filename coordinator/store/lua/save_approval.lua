@@ -2,21 +2,29 @@
 -- event in the tree's outbox (outbox_add), in one step: a waiting approval is never without its notice.
 -- The same approval saved again (its reply lost and the call sent again, Sentinel's retry) finds its
 -- record and writes nothing, so its event and its webhooks go out once.
+-- A task that has ended (a cancel landed between its run's last step and this save) gets nothing: the
+-- cancel marks its tasks stopped before it expires their pending approvals, so a call saved before the
+-- mark is expired by it, and one saved after would wait on a person, and notify one, for a run that is over.
 -- KEYS[1] the approval hash
 -- KEYS[2] the pending-approvals zset
--- KEYS[3..5] the tree's outbox (outbox_add's KEYS)
+-- KEYS[3] the task hash of the run whose call waits
+-- KEYS[4..6] the tree's outbox (outbox_add's KEYS)
 -- ARGV[1] str: approval id
 -- ARGV[2] float: created at: the event's time and the pending list's score
 -- ARGV[3] int: retention seconds
 -- ARGV[4] str: the task whose tool call waits
 -- ARGV[5] str: the event's own fields, a JSON object
 -- ARGV[6..] each str: the record's fields and values, in pairs
--- Returns 1 when saved, 0 when it was saved before.
+-- Returns 1 when saved, 0 when it was saved before, -1 when its task has ended (nothing written).
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return 0
+end
+local status = redis.call('HGET', KEYS[3], 'status')
+if status == 'completed' or status == 'failed' or status == 'cancelled' then
+  return -1
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 6))
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
-outbox_add({KEYS[3], KEYS[4], KEYS[5]}, {ARGV[4], 'approval.requested', ARGV[2], ARGV[3], ARGV[5]})
+outbox_add({KEYS[4], KEYS[5], KEYS[6]}, {ARGV[4], 'approval.requested', ARGV[2], ARGV[3], ARGV[5]})
 return 1
