@@ -93,6 +93,7 @@ def park(plane: Plane, task: TaskRecord, calls: Sequence[ToolCall]) -> list[Appr
         # The timer first: a timer whose approval was never saved finds nothing to expire.
         plane.store.convergence.add_timer(expiry_timer(approval.id), approval.deadline)
         if not plane.store.approvals.save_approval(approval):
+            plane.store.convergence.remove_timers([expiry_timer(approval.id)])  # its approval was never saved
             return None
         made.append(approval)
     plane.store.runs.set_waiting_approvals(task.id, [a.id for a in made])

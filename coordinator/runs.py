@@ -336,7 +336,11 @@ class Run:
         plane, task_id = self._plane, self.task.id
         if outcome.state == "delegated":  # it waits on its children from now; its batch is published next
             self.writes.marks.append(Mark(t_ms=int(time.time() * 1000), state=f"{WAIT_PREFIX}children"))
-        self.flush()
+        if TaskStatus(self.flush().status).terminal and outcome.state != "delegated":
+            # Stopped since its last step (a cancel just after its calls were saved, say): it ends as a stop it
+            # reads at a step does, rather than wait (a resume published for it, its live status over the
+            # stop's). A delegation's release stops the children it committed (`publish_waiting`).
+            return self.end(self.stopped(None))
         self._release()
         if outcome.state == "delegated":
             delegation.publish_waiting(plane, plane.store.records.get_task(task_id))

@@ -707,6 +707,25 @@ def test_a_call_a_cancel_overtook_never_waits_on_a_person(coord: Coordinator, mo
     assert coord.get_task(task.id).status == TaskStatus.CANCELLED and queued_ids(coord) == []
     requested = [d for d in coord.store.outbox.deliveries(task.id) if d.get("type") == "approval.requested"]
     assert [d["fields"]["approval_id"] for d in requested] == [first], "no notice of the call that was not saved"
+    timers = coord.client.zrange(coord.store.keys.timers(), 0, -1)
+    assert expiry_timer(second) not in timers, "no deadline for a call never saved"
+
+
+def test_a_parked_run_whose_task_was_cancelled_before_its_release_ends_stopped(coord: Coordinator) -> None:
+    """The cancel lands after the run saved its calls and before its release: the stop expired them, so the
+    release, finding none pending, would have resumed the task and shown it waiting again. It ends stopped."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    run = build_runtime(coord.settings, make_app(coord.settings)).lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    (approval,) = run.approvals.park([ToolCall("run_command", {"command": "ls"}, "call-1")])
+    coord.cancel(task.id, "enough")
+    assert coord.store.approvals.get_approval(approval).status == "expired"
+
+    assert run.end(Released("waiting_approval")).status == "cancelled"
+    assert queued_ids(coord) == [] and coord.client.llen(QUEUE) == 0, "no resume of a cancelled task"
+    assert coord.store.events.live(task.root_id)[task.id]["state"] == "cancelled"
+    assert coord.client.exists(coord.store.keys.lease(task.id, task.id)) == 0, "its lease freed"
 
 
 def test_a_parked_tasks_message_delivered_again_starts_no_run(coord: Coordinator) -> None:
