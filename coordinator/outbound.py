@@ -786,8 +786,15 @@ class Deliverer:
             return "", one_line(f"refused: {exc}")
 
     def _resolve(self, item: ClaimedDelivery, target: Target, body: Mapping[str, Any]) -> None:
-        """(A helper thread.) Resolve and check the host, then hand the attempt back to the loop."""
-        address, refusal = self._check(target.url)
+        """(A helper thread.) Resolve and check the host, then hand the attempt back to the loop.
+
+        Whatever the check raises is the attempt's refusal: an exception left in the helper's future, which no
+        one reads, would leave the delivery's slot taken for good, and each claim of it would take another."""
+        try:
+            address, refusal = self._check(target.url)
+        except Exception as exc:
+            log.exception("subq: checking webhook host %r failed", target.url.hostname)
+            address, refusal = "", one_line(f"refused: the host's check failed: {type(exc).__name__}: {exc}")
         with self._lock:
             self._resolved.append((item, target, body, address, refusal))
         self._connections.wake()

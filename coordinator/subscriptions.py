@@ -106,11 +106,22 @@ def check_webhook_url(url: str) -> str:
         raise ValueError("must be an http:// or https:// URL")
     if not parts.hostname:
         raise ValueError("must name a host")
+    if not _host_name_valid(parts.hostname):
+        raise ValueError(f"names no valid host ({parts.hostname!r}: an empty label, or one over 63 characters)")
     if parts.username is not None or parts.password is not None:
         raise ValueError("must not carry a user or password (sign with `secret`)")
     if parts.fragment:
         raise ValueError("must not have a #fragment")
     return url
+
+
+def _host_name_valid(host: str) -> bool:
+    """Whether `host` is a name the resolver can be asked (as `socket.getaddrinfo` encodes it: IDNA)."""
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        return False
+    return True
 
 
 def check_webhook_secret(secret: SecretStr) -> SecretStr:
@@ -250,6 +261,8 @@ def resolve_safe(host: str, port: int, allow: Sequence[str]) -> str:
         if _allowed(literal, allow):
             return str(literal)
         raise UnsafeTarget(f"{literal} is a loopback, private, link-local or metadata address")
+    if not _host_name_valid(host):  # a subscription stored before its URL's host was checked at creation
+        raise UnsafeTarget(f"{host!r} is not a host name (an empty label, or one over 63 characters)")
     try:
         found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:

@@ -273,6 +273,10 @@ def _tree_of(key: str) -> str | None:
         ),
         ({"SUBQ_DEFAULT_PROFILE": "nope"}, "Invalid setting SUBQ_DEFAULT_PROFILE: 'nope' is not a defined profile"),
         ({"SUBQ_PROFILES": '{"x": {"model": "bogus"}}'}, "Invalid setting SUBQ_PROFILES (x): model must be"),
+        (
+            {"SUBQ_NOTIFY": '[{"url": "https://hooks..example.com/x"}]'},
+            "Invalid setting SUBQ_NOTIFY (0.url): names no valid host ('hooks..example.com'",
+        ),
     ],
 )
 def test_invalid_settings_name_the_variable(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str) -> None:

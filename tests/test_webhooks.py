@@ -204,6 +204,8 @@ def test_a_private_target_is_refused_with_422_unless_allowed(idle: Coordinator, 
 BAD = [
     ("not a list", {"url": "https://example.com"}, "webhooks", "valid list"),
     ("not http", [{"url": "ftp://example.com/x"}], "webhooks.0.url", "http:// or https://"),
+    ("empty label", [{"url": "https://hooks..example.com/x"}], "webhooks.0.url", "names no valid host"),
+    ("long label", [{"url": f"https://{'a' * 64}.example.com/x"}], "webhooks.0.url", "over 63 characters"),
     ("no url", [{"secret": SECRET}], "webhooks.0.url", "Field required"),
     ("oversize secret", [{"url": "https://example.com", "secret": "whsec_" + "A" * 200}], "webhooks.0.secret",
      "the limit is 100"),
@@ -315,6 +317,8 @@ def test_an_api_keys_webhooks_get_every_tree_it_creates(fleet: tuple[Coordinator
         api.close()
     with pytest.raises(ValueError, match=r"key 'svc': webhooks.0.url: .*http:// or https://"):
         parse_keys({"svc": {"token_sha256": "a" * 64, "scopes": ["submit"], "webhooks": [{"url": "ftp://x"}]}})
+    with pytest.raises(ValueError, match=r"key 'svc': webhooks.0.url: .*names no valid host"):
+        parse_keys({"svc": {"token_sha256": "a" * 64, "scopes": ["submit"], "webhooks": [{"url": "https://.x.io"}]}})
 
 
 def test_a_410_ends_the_subscription_and_a_dead_receiver_is_given_up_in_bounded_time(

@@ -8,6 +8,7 @@ attempt.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -101,6 +102,42 @@ def test_a_named_host_is_resolved_by_a_helper_and_checked_at_each_attempt(settin
         stop.set()
         receiver.stop()
         for key in coord.client.scan_iter("subqnamed:*"):
+            coord.client.delete(key)
+        coord.close()
+
+
+def test_a_stored_host_the_resolver_cannot_be_asked_is_refused_and_frees_its_slot(settings: Settings) -> None:
+    """A subscription stored before its URL's host was checked at creation (an empty label: Python's resolver
+    raises UnicodeError, not OSError): each attempt is refused, retrying, with a line that names the host, and
+    gives its slot back. Before, the helper's exception was lost with its future and the slot with it: once
+    every slot was taken so, the deliverer claimed nothing more, for any tree."""
+    coord = Coordinator(settings.model_copy(update={"queue": "subq-nobody", "key_prefix": "subqbadhost"}))
+    deliverer = Deliverer(coord, lambda *_: None)
+    deliverer.slots = 1
+    try:
+        bad = coord.create_task("Say hello.", webhooks=[{"url": "https://example.com/in", "events": ["*"]}])
+        hooks = coord.store.keys.hooks(bad.id)
+        stored = json.loads(coord.client.hget(hooks, "s:0"))
+        coord.client.hset(hooks, "s:0", json.dumps({**stored, "url": "https://hooks..example.com/in"}))
+        fine = coord.create_task("Say hello.", webhooks=[{"url": "https://example.com/in", "events": ["*"]}])
+        coord.store.outbox.add_event(bad.id, bad.id, "task.completed", {})
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline and [d["state"] for d in coord.store.outbox.deliveries(bad.id)] != [
+            "retrying"
+        ]:
+            deliverer.step()
+            deliverer.wait(0.1)
+        ((state, last),) = [(d["state"], d["last"]) for d in coord.store.outbox.deliveries(bad.id)]
+        assert state == "retrying" and "'hooks..example.com' is not a host name" in last, last
+        assert deliverer._busy == 0, "its slot given back"
+        coord.store.outbox.add_event(fine.id, fine.id, "task.completed", {})
+        while time.monotonic() < deadline and [d["attempts"] for d in coord.store.outbox.deliveries(fine.id)] != [1]:
+            deliverer.step()
+            deliverer.wait(0.1)
+        assert [d["attempts"] for d in coord.store.outbox.deliveries(fine.id)] == [1], "the next one is attempted"
+    finally:
+        deliverer._connections.close()
+        for key in coord.client.scan_iter("subqbadhost:*"):
             coord.client.delete(key)
         coord.close()
 
