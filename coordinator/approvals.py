@@ -104,20 +104,28 @@ def expiry_timer(approval_id: str) -> str:
     return f"{EXPIRY_TIMER}:{approval_id}"
 
 
+def _waited_on(plane: Plane, task_id: str) -> list[Approval]:
+    """The approvals the task's last run asked for that are still kept. One expires with its retention, counted
+    from its save, while the task's list of them stays: a task that parks later (on its provider) or resumes
+    late reads it as the scripts do (`approval_pending`), as no longer waited on."""
+    kept = []
+    for approval_id in plane.store.runs.waiting_approval_ids(task_id):
+        try:
+            kept.append(plane.store.approvals.get_approval(approval_id))
+        except NotFoundError:
+            continue
+    return kept
+
+
 def undecided(plane: Plane, task_id: str) -> list[str]:
     """The approvals the task's last run asked for that are still pending."""
-    return [
-        a
-        for a in plane.store.runs.waiting_approval_ids(task_id)
-        if plane.store.approvals.get_approval(a).status == "pending"
-    ]
+    return [a.id for a in _waited_on(plane, task_id) if a.status == "pending"]
 
 
 def decisions(plane: Plane, task_id: str) -> dict[str, Decision]:
     """tool call id -> decision, for the approvals the task waited on that have been decided."""
     out = {}
-    for approval_id in plane.store.runs.waiting_approval_ids(task_id):
-        approval = plane.store.approvals.get_approval(approval_id)
+    for approval in _waited_on(plane, task_id):
         if approval.status != "pending":
             feedback = approval.feedback or f"The call was {approval.status}."
             out[approval.tool_call_id] = Decision(approved=approval.status == "approved", feedback=feedback)

@@ -433,6 +433,28 @@ def test_a_provider_timer_never_restarts_a_task_that_waits_for_a_person(coord: C
     assert coord.client.zscore(coord.store.keys.timers(), endpoints.timer(task.id)) is None
 
 
+def test_a_provider_timer_wakes_a_task_whose_old_approval_has_expired(coord: Coordinator) -> None:
+    """An approval expires with its retention, counted from its save, and its task keeps the list of the
+    approvals its last run asked for: a task that later parks on its provider is still woken by its timer
+    (before, the wake read the expired approval, raised, and the timer stayed, every tick, for good)."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    run = lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    (approval,) = park(coord.plane, run.task, [ToolCall("run_command", {"command": "ls"}, "call-1")])
+    coord.decide(approval.id, "approve")
+    run.end(Released("waiting_approval"))
+    coord.client.delete(QUEUE)
+    coord.client.delete(coord.store.keys.approval(task.root_id, approval.id))  # its retention ran out
+    assert coord.store.runs.waiting_approval_ids(task.id) == [approval.id], "the task's list stays"
+    endpoints.park(lifecycle.plane, coord.get_task(task.id), "api.example:443", "", time.time() - 1, 1)
+    Reconciler(coord, "test").tick()
+    assert queued_ids(coord) == [task.id], "its timer woke it"
+    assert coord.client.zscore(coord.store.keys.timers(), endpoints.timer(task.id)) is None, "served"
+    assert approvals.decisions(coord.plane, task.id) == {}, "a resumed run finds no decision to answer with"
+
+
 def test_a_decision_made_before_the_parked_run_freed_its_lease_still_resumes_the_task(coord: Coordinator) -> None:
     """A person decides between the run's park (its approval saved) and its release: a resume then would be
     delivered while the lease is still held and do nothing, so the decision publishes none and leaves the task
