@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from coordinator import dispatch
 from coordinator.errors import NotFoundError
-from coordinator.models import AdmissionLimits, TaskRecord
+from coordinator.models import AdmissionLimits, TaskRecord, TaskStatus
 from coordinator.replies import FairHealed
 from coordinator.tenants import DEFAULT_POLICY_NAME, NO_FAIR_SHARES, FairShares
 
@@ -119,6 +119,31 @@ def release(plane: Plane, task: TaskRecord) -> None:
     if shares.on:
         admitted += plane.store.fair.release(task.id, shares)
     started_again(plane, admitted)
+
+
+def release_delegated(plane: Plane, task: TaskRecord) -> None:
+    """Free the tree slot of a delegated task whose run died before its release freed it (its fleet slot is
+    `heal`'s): only while the task is still delegated, checked in the step that frees it, so a resumed run of
+    it, which took a slot again, keeps it. Without this its children could wait for good on the slot it held."""
+    own = limits(plane)
+    if own.applies_to(task):
+        started_again(plane, plane.store.runs.release_slot(task, own, while_status=TaskStatus.DELEGATED.value))
+
+
+def release_stopped(plane: Plane, stopped: Sequence[TaskRecord]) -> None:
+    """Free the tree slots that tasks of one stop hold with no run left to free them: a run that died, its lease
+    lapsed, before the reconciler published it again (the stop takes it off the due list, where the
+    reconciler's look would have freed it). A live run frees its own as it ends; fleet slots are `heal`'s."""
+    own = limits(plane)
+    held = [task for task in stopped if own.applies_to(task)]
+    if not held:
+        return
+    running = plane.store.runs.running_ids(held[0].root_id)  # a subtree is within one tree
+    held = [task for task in held if task.id in running]
+    triaged = plane.store.convergence.triage([task.id for task in held]) if held else []
+    for task, seen in zip(held, triaged, strict=True):
+        if not seen.leased:
+            started_again(plane, plane.store.runs.release_slot(task, own))
 
 
 def announce(plane: Plane, tenant: str, task_ids: Sequence[str]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from coordinator import approvals, writeback
+from coordinator import admission, approvals, writeback
 from coordinator.errors import StateError, ValidationError
 from coordinator.inputs import MAX_REASON_CHARS, text_field
 from coordinator.models import LiveState, TaskRecord, TaskStatus
@@ -71,6 +71,7 @@ def stop_subtree(
     plane.app.control.revoke(stopped)  # queued ones never start (the persisted status covers restarts)
     approvals.expire_for(plane, top.root_id, set(stopped))
     records = plane.store.records.get_records(stopped)
+    admission.release_stopped(plane, records)  # before the unwatch below: a dead run's slot, due no more
     stopped_top = plane.store.records.get_task(top.id)
     if top.id not in stopped:  # stopped before: the batch it waits on closes with the children stopped now
         records.insert(0, stopped_top)

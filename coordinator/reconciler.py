@@ -242,6 +242,7 @@ class Reconciler:
         """A delegated task still due: its batch is published, unless that never happened."""
         store = self.plane.store
         record = store.records.get_task(task_id)
+        admission.release_delegated(self.plane, record)  # its run died before its release freed the slot
         batch = store.batches.get_batch(record.waiting_batch_id) if record.waiting_batch_id else None
         if batch is not None and not store.batches.batch_published(batch.id):
             delegation.publish(self.plane, batch, store.records.get_records(batch.child_ids))

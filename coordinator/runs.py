@@ -526,7 +526,8 @@ class RunLifecycle:
                 writeback.write_back(plane, task.batch_id, ended=task)
             plane.store.convergence.unwatch_ended(task)
             return writeback.result_of(task)
-        delegation.publish_waiting(plane, task)  # delegated: a batch a dead run left unpublished
+        admission.release_delegated(plane, task)  # delegated: a dead run left its slot taken,
+        delegation.publish_waiting(plane, task)  # and perhaps its batch unpublished
         return writeback.result_of(task)
 
     def must_stop(self, runs: Sequence[Run]) -> list[Run]:

@@ -13,7 +13,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from coordinator import BrokerError, Coordinator, NotFoundError, TaskStatus, approvals, delegation, endpoints
+from coordinator import (
+    BrokerError,
+    Coordinator,
+    NotFoundError,
+    TaskStatus,
+    admission,
+    approvals,
+    delegation,
+    endpoints,
+)
 from coordinator.approvals import ToolCall, expiry_timer, undecided
 from coordinator.celery_app import make_app
 from coordinator.local.embedded_redis import local_redis
@@ -748,6 +757,63 @@ def test_a_parked_run_whose_task_was_cancelled_before_its_release_ends_stopped(c
     assert queued_ids(coord) == [] and coord.client.llen(QUEUE) == 0, "no resume of a cancelled task"
     assert coord.store.events.live(task.root_id)[task.id]["state"] == "cancelled"
     assert coord.client.exists(coord.store.keys.lease(task.id, task.id)) == 0, "its lease freed"
+
+
+@pytest.fixture
+def limited(coord: Coordinator) -> Iterator[Coordinator]:
+    """The convergence coordinator with one run slot a tree and one a parent."""
+    limited = Coordinator(coord.settings.model_copy(update={"max_running_per_root": 1, "max_running_per_parent": 1}))
+    yield limited
+    limited.close()
+
+
+def test_a_delegating_run_dead_before_its_release_frees_its_slot_for_its_children(limited: Coordinator) -> None:
+    """A child's run commits a delegation and dies before its release freed its tree slot: the reconciler, which
+    publishes the batch, frees the slot too (while the task is still delegated), or its children wait for it
+    for good; a redelivery of its message does the same."""
+    coord = limited
+    root = coord.create_task("fan out")
+    (worker_id,) = coord.delegate(root.id, [subtask("works", agent(reply("x")))]).child_ids
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    assert isinstance(lifecycle.start(worker_id), Run), "it holds the tree's one slot"
+    _, (late,) = delegation.commit(coord.plane, worker_id, [subtask("late", agent(reply("y")))])
+    coord.client.delete(coord.store.keys.lease(root.id, worker_id))  # the run died: its lease lapsed
+    assert tick(coord) == {"delegation-unpublished": 1}
+    assert worker_id not in coord.store.runs.running_ids(root.id), "its slot freed"
+    assert isinstance(lifecycle.start(late.id), Run), "its child runs"
+    assert run_child(build_runtime(coord.settings, make_app(coord.settings)), worker_id).status == "delegated"
+    assert coord.store.runs.running_ids(root.id) == {late.id}, "a redelivery frees nothing of its child's"
+
+
+def test_a_delegated_tasks_slot_is_not_freed_once_a_resumed_run_took_it(limited: Coordinator) -> None:
+    """The reconciler read the task delegated; its batch closed and a resumed run of it took a slot before the
+    free: the free, checked in its own step, leaves that slot (else a third run would fit the tree's one)."""
+    coord = limited
+    root = coord.create_task("fan out")
+    (worker_id,) = coord.delegate(root.id, [subtask("works", agent(reply("x")))]).child_ids
+    coord.client.delete(QUEUE)
+    assert isinstance(build_runtime(coord.settings, make_app(coord.settings)).lifecycle.start(worker_id), Run)
+    read_delegated = coord.get_task(worker_id).model_copy(update={"status": TaskStatus.DELEGATED})
+    admission.release_delegated(coord.plane, read_delegated)  # it is active, running: not freed
+    assert coord.store.runs.running_ids(root.id) == {worker_id}
+
+
+def test_a_cancel_of_a_run_that_died_frees_its_slot_for_its_siblings(limited: Coordinator) -> None:
+    """A child's run died (its lease lapsed) and is cancelled before the reconciler published it again: the stop
+    takes it off the due list, where the reconciler would have freed its slot, so the stop frees it and
+    admits the sibling that waited for it."""
+    coord = limited
+    root = coord.create_task("fan out")
+    first, second = coord.delegate(root.id, [subtask(n, agent(reply("x"))) for n in ("a", "b")]).child_ids
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    assert isinstance(lifecycle.start(first), Run)
+    assert not isinstance(lifecycle.start(second), Run), "it waits for the parent's one slot"
+    coord.client.delete(coord.store.keys.lease(root.id, first))  # the run died
+    coord.cancel(first, "stuck")
+    assert coord.store.runs.running_ids(root.id) == {second}, "the dead run's slot went to its sibling"
+    assert second in queued_ids(coord), "and its run was published"
 
 
 def test_a_parked_tasks_message_delivered_again_starts_no_run(coord: Coordinator) -> None:

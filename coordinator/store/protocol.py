@@ -1112,6 +1112,9 @@ class ReleaseSlot(
     running_children_prefix: str = arg("the prefix of its running-children sets")
     admission_scan: int = arg("how many waiting tasks to look at, from the list's head")
     now: float = arg("now (epoch s)")
+    while_status: str | None = arg(
+        "only while the task's status is this one: nothing freed nor admitted otherwise", optional=True
+    )
 
     @classmethod
     def decode(cls, raw: Any) -> list[str]:

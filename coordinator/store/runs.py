@@ -352,8 +352,12 @@ class RunStore(Part):
     # -- admission and rate limits -----------------------------------------------------
 
     @translate_redis_errors
-    def release_slot(self, record: TaskRecord, limits: AdmissionLimits) -> list[str]:
-        """Free the task's run slot and admit waiting tasks that now fit (release_slot.lua); the admitted ids."""
+    def release_slot(
+        self, record: TaskRecord, limits: AdmissionLimits, *, while_status: str | None = None
+    ) -> list[str]:
+        """Free the task's run slot and admit waiting tasks that now fit (release_slot.lua); the admitted ids.
+
+        With `while_status`, only while the task's status is that one (checked in the same step)."""
         root, k = record.root_id, self.keys
         return self.scripts(
             ReleaseSlot(
@@ -361,9 +365,14 @@ class RunStore(Part):
                 parent_running=k.running_children(root, record.parent_id or record.id), task_id=record.id,
                 per_parent=limits.per_parent, per_tree=limits.per_tree, retention_s=self.retention_s,
                 task_prefix=k.task(root, ""), running_children_prefix=k.running_children(root, ""),
-                admission_scan=ADMISSION_SCAN, now=time.time(),
+                admission_scan=ADMISSION_SCAN, now=time.time(), while_status=while_status,
             )
         )  # fmt: skip
+
+    @translate_redis_errors
+    def running_ids(self, root_id: str) -> set[str]:
+        """The tasks of the tree that hold a run slot (its running set)."""
+        return set(_strs(self.client.smembers(self.keys.running(root_id))))
 
     @translate_redis_errors
     def in_flight(self, root_id: str) -> dict[str, int]:

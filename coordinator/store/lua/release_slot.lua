@@ -13,6 +13,7 @@
 -- ARGV[6] str: the prefix of its running-children sets
 -- ARGV[7] int: how many waiting tasks to look at, from the list's head
 -- ARGV[8] float: now (epoch s)
+-- ARGV[9] (optional) str: only while the task's status is this one: nothing freed nor admitted otherwise
 -- Returns the ids admitted now (removed from the list, added to the running sets; by this very call, when
 --   it is sent again).
 -- (A waiting task's parent, and so its running-children set, is read from its record here:
@@ -23,6 +24,11 @@ local own = ARGV[5] .. ARGV[1]
 local again = given_before(own, 'release_reply', ARGV[8])
 if again then
   return again
+end
+-- The reconciler frees the slot of a delegated task whose run died before its release: not once its batch
+-- has closed and a resumed run of it took a slot again (checked here, in the step that frees it).
+if ARGV[9] and hash_get(own, 'status')[1] ~= ARGV[9] then
+  return {}
 end
 redis.call('SREM', KEYS[1], ARGV[1])
 redis.call('SREM', KEYS[3], ARGV[1])
