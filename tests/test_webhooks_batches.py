@@ -301,3 +301,46 @@ def test_a_step_sent_again_after_its_reply_was_lost_records_each_outcome_once(
         for key in coord.client.scan_iter("subqresent:*"):
             coord.client.delete(key)
         coord.close()
+
+
+def test_a_root_whose_tree_filled_its_cap_still_tells_its_end(settings: Settings) -> None:
+    """The tree's cap counts every delivery the tree wrote, delivered ones too: past it, its children's events
+    are dropped (counted), and the root's own end is still written, for its webhook and its `on_complete`."""
+    coord = Coordinator(
+        settings.model_copy(
+            update={
+                "queue": "subq-nobody",
+                "key_prefix": "subqcap",
+                "webhook_tree_cap": 3,
+                "webhook_allow": ["127.0.0.1"],
+            }
+        )
+    )
+    outbox = coord.store.outbox
+    try:
+        root = coord.create_task(
+            "fan out", webhooks=[{"url": "http://127.0.0.1:9/in", "events": ["*"]}], on_complete="myapp.tree_done"
+        )
+        children = coord.delegate(root.id, [{"description": f"c{n}", "message": "m"} for n in range(4)]).child_ids
+        for child in children:
+            outbox.add_event(root.id, child, "task.completed", {})
+        assert len(outbox.deliveries(root.id)) == 3 and outbox.dropped(root.id) == 1, "the cap holds for children"
+        outbox.add_event(root.id, root.id, "task.completed", {})
+        ended = [d["hook"] for d in outbox.deliveries(root.id) if d["type"] == "task.completed"]
+        assert sorted(ended) == ["0", "c"], "the root's end, for its webhook and its on_complete"
+    finally:
+        for key in coord.client.scan_iter("subqcap:*"):
+            coord.client.delete(key)
+        coord.close()
+
+
+def test_a_trees_subscriptions_are_kept_while_it_has_events(outbox_coord: Coordinator) -> None:
+    """Written once with the root, the subscriptions are kept for the retention from the tree's last event,
+    one no subscription asks for too: a tree that runs past its retention still tells its root's end."""
+    coord = outbox_coord
+    root = coord.create_task("Plan.", webhooks=[{"url": "http://127.0.0.1:9/in"}])  # the root's own events
+    hooks = coord.store.keys.hooks(root.id)
+    coord.client.expire(hooks, 5)  # most of the retention gone
+    (child,) = coord.delegate(root.id, [{"description": "c", "message": "m"}]).child_ids
+    assert coord.store.outbox.add_event(root.id, child, "task.completed", {}) == 0, "asked for by none"
+    assert coord.client.ttl(hooks) > 60, "kept from the tree's last event"

@@ -29,10 +29,17 @@ for i = 1, #raw, 2 do
     conf[name] = raw[i + 1]
   end
 end
+-- Kept for as long as the tree has events, whichever a subscription asks for: written once with the root, it
+-- must outlive a tree that runs past its retention (a root's end then found no subscription).
+redis.call('EXPIRE', KEYS[1], ARGV[4])
 local etype = ARGV[2]
 if string.sub(etype, 1, 5) == 'task.' and ARGV[1] ~= conf['~root'] then
   etype = 'child.' .. string.sub(etype, 6)
 end
+-- The root's own end (one an end or retry) is not held to the tree's cap, which counts every delivery the tree
+-- ever wrote, delivered ones too: a wide tree's child or approval events would otherwise leave its
+-- `on_complete` and `task.*` unwritten. The fleet's cap still bounds Redis.
+local own_end = string.sub(etype, 1, 5) == 'task.'
 local function wants(patterns)
   for pattern in string.gmatch(patterns, '%S+') do
     if pattern == '*' or pattern == etype then
@@ -59,7 +66,7 @@ local event_id = 'evt_' .. conf['~root'] .. '_' .. seq
 local now = tonumber(ARGV[3])
 local written = 0
 for i = 1, #chosen do
-  if redis.call('HLEN', KEYS[2]) >= tonumber(conf['~tree_cap'] or '0')
+  if (not own_end and redis.call('HLEN', KEYS[2]) >= tonumber(conf['~tree_cap'] or '0'))
       or redis.call('ZCARD', KEYS[3]) >= tonumber(conf['~cap'] or '0') then
     redis.call('HINCRBY', KEYS[1], '~dropped', 1)
   else
@@ -75,5 +82,4 @@ for i = 1, #chosen do
   end
 end
 redis.call('EXPIRE', KEYS[2], ARGV[4])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
 return written
