@@ -106,8 +106,8 @@ def check_webhook_url(url: str) -> str:
         raise ValueError("must be an http:// or https:// URL")
     if not parts.hostname:
         raise ValueError("must name a host")
-    if not _host_name_valid(parts.hostname):
-        raise ValueError(f"names no valid host ({parts.hostname!r}: an empty label, or one over 63 characters)")
+    if problem := _host_name_problem(parts.hostname):
+        raise ValueError(problem)
     if parts.username is not None or parts.password is not None:
         raise ValueError("must not carry a user or password (sign with `secret`)")
     if parts.fragment:
@@ -115,13 +115,15 @@ def check_webhook_url(url: str) -> str:
     return url
 
 
-def _host_name_valid(host: str) -> bool:
-    """Whether `host` is a name the resolver can be asked (as `socket.getaddrinfo` encodes it: IDNA)."""
+def _host_name_problem(host: str) -> str | None:
+    """Why `host` is no name the resolver can be asked (`socket.getaddrinfo` encodes it as IDNA, and raises
+    UnicodeError, not OSError, for an empty label, one over 63 characters, ...); None when it is one."""
     try:
         host.encode("idna")
-    except UnicodeError:
-        return False
-    return True
+    except UnicodeError as exc:
+        reason = str(exc.__cause__ or exc.__context__ or exc)
+        return f"names no valid host ({host!r}: {reason})"
+    return None
 
 
 def check_webhook_secret(secret: SecretStr) -> SecretStr:
@@ -261,8 +263,8 @@ def resolve_safe(host: str, port: int, allow: Sequence[str]) -> str:
         if _allowed(literal, allow):
             return str(literal)
         raise UnsafeTarget(f"{literal} is a loopback, private, link-local or metadata address")
-    if not _host_name_valid(host):  # a subscription stored before its URL's host was checked at creation
-        raise UnsafeTarget(f"{host!r} is not a host name (an empty label, or one over 63 characters)")
+    if problem := _host_name_problem(host):  # a subscription stored before its URL's host was checked at creation
+        raise UnsafeTarget(problem)
     try:
         found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:

@@ -111,15 +111,19 @@ def test_a_stored_host_the_resolver_cannot_be_asked_is_refused_and_frees_its_slo
     raises UnicodeError, not OSError): each attempt is refused, retrying, with a line that names the host, and
     gives its slot back. Before, the helper's exception was lost with its future and the slot with it: once
     every slot was taken so, the deliverer claimed nothing more, for any tree."""
-    coord = Coordinator(settings.model_copy(update={"queue": "subq-nobody", "key_prefix": "subqbadhost"}))
+    coord = Coordinator(
+        settings.model_copy(
+            update={"queue": "subq-nobody", "key_prefix": "subqbadhost", "webhook_allow": ["127.0.0.1"]}
+        )
+    )
     deliverer = Deliverer(coord, lambda *_: None)
     deliverer.slots = 1
     try:
-        bad = coord.create_task("Say hello.", webhooks=[{"url": "https://example.com/in", "events": ["*"]}])
+        bad = coord.create_task("Say hello.", webhooks=[{"url": "http://127.0.0.1:9/in", "events": ["*"]}])
         hooks = coord.store.keys.hooks(bad.id)
         stored = json.loads(coord.client.hget(hooks, "s:0"))
         coord.client.hset(hooks, "s:0", json.dumps({**stored, "url": "https://hooks..example.com/in"}))
-        fine = coord.create_task("Say hello.", webhooks=[{"url": "https://example.com/in", "events": ["*"]}])
+        fine = coord.create_task("Say hello.", webhooks=[{"url": "http://127.0.0.1:9/in", "events": ["*"]}])
         coord.store.outbox.add_event(bad.id, bad.id, "task.completed", {})
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline and [d["state"] for d in coord.store.outbox.deliveries(bad.id)] != [
@@ -128,7 +132,7 @@ def test_a_stored_host_the_resolver_cannot_be_asked_is_refused_and_frees_its_slo
             deliverer.step()
             deliverer.wait(0.1)
         ((state, last),) = [(d["state"], d["last"]) for d in coord.store.outbox.deliveries(bad.id)]
-        assert state == "retrying" and "'hooks..example.com' is not a host name" in last, last
+        assert state == "retrying" and "names no valid host ('hooks..example.com'" in last, last
         assert deliverer._busy == 0, "its slot given back"
         coord.store.outbox.add_event(fine.id, fine.id, "task.completed", {})
         while time.monotonic() < deadline and [d["attempts"] for d in coord.store.outbox.deliveries(fine.id)] != [1]:
@@ -303,6 +307,36 @@ def test_a_step_sent_again_after_its_reply_was_lost_records_each_outcome_once(
         coord.close()
 
 
+def test_a_host_check_that_raises_is_the_attempts_refusal(
+    outbox_coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever a named host's check raises is that attempt's refusal, retrying, and its slot is given back."""
+    coord = outbox_coord
+    deliverer = Deliverer(coord, lambda *_: None)
+
+    def breaks(*_: object) -> str:
+        raise RuntimeError("the resolver broke")
+
+    monkeypatch.setattr("coordinator.outbound.resolve_safe", breaks)
+    try:
+        root = coord.create_task("Say hello.", webhooks=[{"url": "http://localhost:9/in", "events": ["*"]}])
+        coord.store.outbox.add_event(root.id, root.id, "task.completed", {})
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline and [d["state"] for d in coord.store.outbox.deliveries(root.id)] != [
+            "retrying"
+        ]:
+            deliverer.step()
+            deliverer.wait(0.1)
+        ((last,),) = [(d["last"],) for d in coord.store.outbox.deliveries(root.id)]
+        assert last == "refused: the host's check failed: RuntimeError: the resolver broke", last
+        assert deliverer._busy == 0
+    finally:
+        deliverer._connections.close()
+        for key in coord.client.scan_iter("subqbatch:*"):
+            coord.client.delete(key)
+        coord.close()
+
+
 def test_a_root_whose_tree_filled_its_cap_still_tells_its_end(settings: Settings) -> None:
     """The tree's cap counts every delivery the tree wrote, delivered ones too: past it, its children's events
     are dropped (counted), and the root's own end is still written, for its webhook and its `on_complete`."""
@@ -342,5 +376,10 @@ def test_a_trees_subscriptions_are_kept_while_it_has_events(outbox_coord: Coordi
     hooks = coord.store.keys.hooks(root.id)
     coord.client.expire(hooks, 5)  # most of the retention gone
     (child,) = coord.delegate(root.id, [{"description": "c", "message": "m"}]).child_ids
-    assert coord.store.outbox.add_event(root.id, child, "task.completed", {}) == 0, "asked for by none"
-    assert coord.client.ttl(hooks) > 60, "kept from the tree's last event"
+    try:
+        assert coord.store.outbox.add_event(root.id, child, "task.completed", {}) == 0, "asked for by none"
+        assert coord.client.ttl(hooks) > 60, "kept from the tree's last event"
+    finally:
+        for key in coord.client.scan_iter("subqbatch:*"):
+            coord.client.delete(key)
+        coord.close()

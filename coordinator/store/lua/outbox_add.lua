@@ -36,9 +36,10 @@ local etype = ARGV[2]
 if string.sub(etype, 1, 5) == 'task.' and ARGV[1] ~= conf['~root'] then
   etype = 'child.' .. string.sub(etype, 6)
 end
--- The root's own end (one an end or retry) is not held to the tree's cap, which counts every delivery the tree
--- ever wrote, delivered ones too: a wide tree's child or approval events would otherwise leave its
--- `on_complete` and `task.*` unwritten. The fleet's cap still bounds Redis.
+-- The root's own end (written once an end, so once more after each retry) is not held to the tree's
+-- cap, which counts every delivery the tree ever wrote, delivered ones too: a wide tree's child or
+-- approval events would otherwise leave its `on_complete` and `task.*` unwritten. The fleet's cap
+-- still bounds Redis.
 local own_end = string.sub(etype, 1, 5) == 'task.'
 local function wants(patterns)
   for pattern in string.gmatch(patterns, '%S+') do
