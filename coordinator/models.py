@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, computed_f
 
 from coordinator.output_schema import OutputSchema
 from coordinator.tenants import DEFAULT_PRIORITY, DEFAULT_TENANT
-from coordinator.timeline import TaskTimes, Timeline, ToolCallSpan, times_of, tool_calls_of, waiting_for
+from coordinator.timeline import OUTCOMES, TaskTimes, Timeline, ToolCallSpan, times_of, tool_calls_of, waiting_for
 
 __all__ = [
     "AdmissionLimits",
@@ -69,7 +69,7 @@ class TaskStatus(StrEnum):
 
     @property
     def terminal(self) -> bool:
-        return self in (TaskStatus.COMPLETED, TaskStatus.FAILED, TaskStatus.CANCELLED)
+        return self.value in OUTCOMES  # timeline.py declares the ends once, for Python and the Lua
 
 
 class TodoStatus(StrEnum):

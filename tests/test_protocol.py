@@ -274,5 +274,5 @@ def test_a_runs_step_state_follows_each_reply() -> None:
 def test_the_lua_timeline_fold_takes_its_bound_and_outcomes_from_python() -> None:
     prelude = _load_script("lead.lua")
     assert f"local TIMELINE_MAX, TIMELINE_FOLD = {MAX_MARKS}, {FOLD_MARKS}\n" in prelude
-    assert "local TIMELINE_ENDS = {" + ", ".join(f"{o} = true" for o in OUTCOMES) + "}\n" in prelude
+    assert "local ENDED = {" + ", ".join(f"{o} = true" for o in OUTCOMES) + "}\n" in prelude
     assert "{MAX_MARKS}" not in prelude and "{OUTCOMES}" not in prelude

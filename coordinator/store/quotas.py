@@ -18,6 +18,7 @@ from coordinator.replies import QuotaVerdict
 from coordinator.store.base import Part, translate_redis_errors
 from coordinator.store.fields import TaskField
 from coordinator.store.protocol import TenantSpend, TenantSubmit
+from coordinator.timeline import OUTCOMES
 
 __all__ = ["HOUR_MS", "QuotaStore", "TenantUsage"]
 
@@ -26,7 +27,7 @@ HOUR_MS = 3_600_000
 DAY_HOURS = 24
 # A spend hash outlives its newest bucket by the day plus an hour, then goes with nothing left to count.
 SPEND_TTL_S = (DAY_HOURS + 1) * 3600
-_ENDED = frozenset({"completed", "failed", "cancelled"})
+_ENDED = frozenset(OUTCOMES)  # the statuses that end a task, declared once
 
 
 class TenantUsage(NamedTuple):

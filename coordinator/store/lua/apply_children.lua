@@ -18,10 +18,6 @@
 -- A child that has not ended (no terminal status) is skipped. A child no row carries adds its
 -- figures to the parent's unlinked spend. The batch lines hold each applied child's line, so
 -- closing the batch reads no sibling.
-local function terminal(status)
-  return status == 'completed' or status == 'failed' or status == 'cancelled'
-end
-
 -- The child's line of the combined result (writeback.combined_result has the format; the
 -- number is its place in the batch, added when the batch closes).
 -- The most of a child's output its line carries (writeback.py: OUTPUT_IN_LINE_BYTES, the same number).
@@ -67,7 +63,7 @@ for i = 4, #ARGV do
   local key = KEYS[i + 2]
   local f = hash_get(key, 'status', 'total_tokens', 'total_cost_micros', 'todo_id', 'description',
     'summary', 'error_class', 'error', 'output')
-  if terminal(f[1]) then
+  if ENDED[f[1]] then
     -- The item shows the child's subtree totals, read from the child record (the
     -- system of record), never from a message, so a stale result cannot skew them.
     local got = {

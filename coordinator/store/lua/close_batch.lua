@@ -68,7 +68,7 @@ local combined = 'Subtask results (' .. batch[1] .. ', ' .. done .. ' of ' .. #c
 -- the batch's closer (every other child's end reads only what its write-back needs).
 hash_prefetch(KEYS[2], {'id', 'status', 'runner', 'error_class', 'error', 'waiting_batch_id', 'resumes', 'timeline'})
 local parent = hash_get(KEYS[2], 'id', 'status', 'runner', 'error_class', 'error')
-if parent[2] == 'completed' or parent[2] == 'failed' or parent[2] == 'cancelled' then
+if ENDED[parent[2]] then
   -- Stopped meanwhile: its caller reads why, then what had finished.
   combined = 'Stopped: ' .. (parent[4] or '') .. ': ' .. (parent[5] or '') .. '\n' .. combined
 end

@@ -40,7 +40,7 @@ local function ends_wait(task_id, watch)
   end
   local task_key = ARGV[6] .. task_id
   local waiting, task_status = unpack(hash_get(task_key, 'waiting_approval_ids', 'status'))
-  if not task_status or task_status == 'completed' or task_status == 'failed' or task_status == 'cancelled' then
+  if not task_status or ENDED[task_status] then
     return 'ok'
   end
   if approval_pending(waiting, ARGV[7], ARGV[1]) then

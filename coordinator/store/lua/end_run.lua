@@ -130,8 +130,7 @@ local before = hash_get(KEYS[2], 'status')[1]
 finish_task({KEYS[2], KEYS[7], KEYS[6], KEYS[18], KEYS[19], KEYS[20]}, {ARGV[5], ARGV[6], ARGV[7], ARGV[8], now, retention, maxlen, live})
 -- A typed task's data is its record's `output` from the step that completes it, never after (a task
 -- stopped before its end keeps none); the count of invalid answers stays whatever the outcome.
-if ARGV[17] ~= '' and ARGV[5] == 'completed' and before ~= 'completed' and before ~= 'failed'
-    and before ~= 'cancelled' then
+if ARGV[17] ~= '' and ARGV[5] == 'completed' and not ENDED[before] then
   hash_set(KEYS[2], 'output', ARGV[17])
 end
 if tonumber(ARGV[18]) > 0 then

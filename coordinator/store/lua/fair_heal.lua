@@ -37,7 +37,7 @@ local holding = redis.call('HGETALL', KEYS[3])  -- at most the fleet's capacity,
 for i = 1, #holding, 2 do
   local id, tenant = holding[i], holding[i + 1]
   local status = redis.call('HGET', ARGV[10] .. string.sub(id, 1, 16) .. ARGV[11] .. id, 'status')
-  if not status or status == 'completed' or status == 'failed' or status == 'cancelled' or status == 'delegated' then
+  if not status or ENDED[status] or status == 'delegated' then
     redis.call('HDEL', KEYS[3], id)
     redis.call('SREM', head .. tenant .. ARGV[7], id)
     freed[#freed + 1] = id

@@ -20,7 +20,7 @@ local status, id = task[1], task[2]
 if not status then
   return false
 end
-if status == 'completed' or status == 'failed' or status == 'cancelled' then
+if ENDED[status] then
   return status
 end
 hash_set(KEYS[1], 'status', ARGV[1], 'summary', ARGV[2], 'error', ARGV[3],

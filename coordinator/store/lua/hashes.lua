@@ -181,14 +181,16 @@ end
 -- delegation commit, WATCH/MULTI) is mark_timeline.lua queued inside its MULTI, and Python only
 -- reads timelines (tests/test_timeline.py checks this fold over hundreds of marks).
 local TIMELINE_MAX, TIMELINE_FOLD = {MAX_MARKS}, {FOLD_MARKS}
-local TIMELINE_ENDS = {OUTCOMES}
+-- The statuses that end a task (timeline.py's OUTCOMES), as a set: every script asks `ENDED[status]`
+-- (a missing status, false, is not one), the one test of whether a task is over.
+local ENDED = {OUTCOMES}
 -- The whole fold: the stored JSON decoded, marked, folded and encoded again.
 local function timeline_fold(text, t_ms, state)
   local tl = (text and text ~= '') and cjson.decode(text) or {}
   local m = tl['m'] or {}
   local last = m[#m]
   if last then
-    if TIMELINE_ENDS[last[2]] or last[2] == state then
+    if ENDED[last[2]] or last[2] == state then
       return nil
     end
     if t_ms < last[1] then
@@ -228,7 +230,7 @@ local function timeline_add(text, t_ms, state)
       marks = select(2, string.gsub(text, '"%]', ''))
     end
     if last_t and marks < TIMELINE_MAX then
-      if TIMELINE_ENDS[last_state] or last_state == state then
+      if ENDED[last_state] or last_state == state then
         return nil
       end
       last_t = tonumber(last_t)

@@ -27,7 +27,7 @@
 --   (nearest the root) whose budget the subtree total has reached, or ''.
 local own = hash_get(KEYS[1], unpack(USAGE_FIELDS))
 local status = own[1]
-if status == 'completed' or status == 'failed' or status == 'cancelled' then
+if ENDED[status] then
   return {-1, ''}
 end
 local recorded = own[12] or ''

@@ -20,7 +20,7 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return 0
 end
 local status = redis.call('HGET', KEYS[3], 'status')
-if status == 'completed' or status == 'failed' or status == 'cancelled' then
+if ENDED[status] then
   return -1
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 6))

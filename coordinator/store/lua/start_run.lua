@@ -70,8 +70,7 @@ local tenant = fair and ((task[14] and task[14] ~= '') and task[14] or ARGV[24])
 if fair then
   redis.call('ZREM', ARGV[15] .. tenant .. ARGV[18], id)  -- its message has come: no longer queued in the broker
 end
-if task[3] ~= 'agent' or status == 'completed' or status == 'failed' or status == 'cancelled'
-    or status == 'delegated' then
+if task[3] ~= 'agent' or ENDED[status] or status == 'delegated' then
   return {'other', {}}
 end
 -- The task itself or the topmost ancestor whose budget is spent already, or ''.

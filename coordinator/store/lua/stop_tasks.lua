@@ -25,7 +25,7 @@ for i = 6, #KEYS do
     -- Stopped by this very call (its `now` and its error): sent again after its reply was lost (Sentinel's
     -- retry), it answers the tasks it stopped, so its caller still revokes them and writes them back.
     stopped[#stopped + 1] = was[4]
-  elseif status and status ~= 'completed' and status ~= 'failed' and status ~= 'cancelled' then
+  elseif status and not ENDED[status] then
     local new_status = top and ARGV[1] or ARGV[2]
     redis.call('HSET', key, 'status', new_status, 'error', top and ARGV[3] or ARGV[4],
       'error_class', top and ARGV[5] or ARGV[6], 'updated_at', ARGV[7], 'finished_at', ARGV[7])
