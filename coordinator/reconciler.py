@@ -231,11 +231,7 @@ class Reconciler:
 
     def _ended(self, task_id: str) -> str:
         """An ended task still due: its end was never written back to its parent's batch."""
-        record = self.plane.store.records.get_task(task_id)
-        admission.release(self.plane, record)
-        if record.batch_id:
-            writeback.write_back(self.plane, record.batch_id, ended=record)
-        self.plane.store.convergence.unwatch_ended(record)
+        writeback.settle_ended(self.plane, self.plane.store.records.get_task(task_id))
         return "ended-not-written-back"
 
     def _delegated(self, task_id: str) -> str | None:

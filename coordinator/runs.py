@@ -519,12 +519,7 @@ class RunLifecycle:
             log.error("subq.run_task refused: %s", error)
             return SubtaskResult(child_id=task.id, status="failed", error=error, error_class="StateError")
         if task.status.terminal:
-            # Redelivered, duplicated, stopped before it started, or its run died after
-            # ending it: free a slot it may hold, write it back (once: idempotent), forget it.
-            admission.release(plane, task)
-            if task.batch_id:
-                writeback.write_back(plane, task.batch_id, ended=task)
-            plane.store.convergence.unwatch_ended(task)
+            writeback.settle_ended(plane, task)  # redelivered, duplicated, or its run died after its end
             return writeback.result_of(task)
         admission.release_delegated(plane, task)  # delegated: a dead run left its slot taken,
         delegation.publish_waiting(plane, task)  # and perhaps its batch unpublished

@@ -42,13 +42,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from coordinator import dispatch, faults, tracing
+from coordinator import admission, dispatch, faults, tracing
 from coordinator.models import Batch, BatchRef, SubtaskResult, TaskRecord, TaskStatus, Usage
 
 if TYPE_CHECKING:
     from coordinator.plane import Plane
 
-__all__ = ["COMBINED_RESULT_BYTES", "OUTPUT_IN_LINE_BYTES", "close_batch", "result_of", "resumed", "write_back"]
+__all__ = [
+    "COMBINED_RESULT_BYTES",
+    "OUTPUT_IN_LINE_BYTES",
+    "close_batch",
+    "result_of",
+    "resumed",
+    "settle_ended",
+    "write_back",
+]
 
 # The most of a child's output (compact JSON) its line of the combined result carries: a parent of
 # fifty typed children reads fifty objects, each within a few thousand tokens (apply_children.lua's
@@ -126,6 +134,19 @@ def resumed(plane: Plane, parent_id: str, resumes: int, resume: bool) -> bool:
         (parent,) = plane.store.records.get_records([parent_id])
         dispatch.publish_run(plane.app, parent, resumes)
     return True
+
+
+def settle_ended(plane: Plane, record: TaskRecord) -> None:
+    """A task that has ended and is still due, whatever its run did after its end: the one repair.
+
+    Its run died between `end_run.lua` and what the end sends, or its message came again (redelivered,
+    duplicated, stopped before it started): free a run slot it may hold, write it back to its batch (once:
+    idempotent), and take it off the due list. The reconciler and a worker given its message both call this.
+    """
+    admission.release(plane, record)
+    if record.batch_id:
+        write_back(plane, record.batch_id, ended=record)
+    plane.store.convergence.unwatch_ended(record)
 
 
 def result_of(record: TaskRecord, pending: str = "delegated") -> SubtaskResult:

@@ -85,10 +85,11 @@ def test_overhead_reports_each_mode_and_when_its_first_child_started() -> None:
 
 def test_overhead_sweep_reports_each_fleet_size_and_what_grew_between_them() -> None:
     """The sizes take turns, a round each (`--rounds`), and each row is the median of its runs over them."""
+    # 4 threads a process: each fleet's warm-up is 8 children a process, not 32.
     done = run_printed(
         "bench/overhead.py", "--processes", "1,2", "--rounds", "2", "--widths", "16", "--repeats", "1",
         "--idle-s", "1", "--concurrency", "4", "--json",
-    )  # fmt: skip  (4 threads a process: each fleet's warm-up is 8 children a process, not 32)
+    )  # fmt: skip
     printed, _, json_text = done.stdout.partition("\n{")
     report = json.loads("{" + json_text)
     assert report["facts"]["repairs"] == "none", "no worker died and no message was lost"
