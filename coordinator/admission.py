@@ -146,6 +146,21 @@ def release_stopped(plane: Plane, stopped: Sequence[TaskRecord]) -> None:
             started_again(plane, plane.store.runs.release_slot(task, own))
 
 
+def withdraw_stopped(plane: Plane, stopped: Sequence[TaskRecord]) -> None:
+    """Take the tasks of one stop out of their tenant's demand for fleet slots (fair_withdraw.lua), and start the
+    parked runs the slots they no longer want go to. Else a tenant whose freshly published batch was cancelled
+    went on looking the neediest until its announced runs aged out (`FAIR_QUEUED_S`), and every freed slot of
+    the fleet went to nobody meanwhile."""
+    shares = fair(plane)
+    if not shares.on:
+        return
+    by_tenant: dict[str, list[str]] = {}
+    for task in stopped:
+        by_tenant.setdefault(task.tenant, []).append(task.id)
+    for tenant, task_ids in by_tenant.items():
+        started_again(plane, plane.store.fair.withdraw(tenant, task_ids, shares))
+
+
 def announce(plane: Plane, tenant: str, task_ids: Sequence[str]) -> None:
     """Runs of `tenant` are about to be published: its demand while their messages wait in the broker's queue."""
     if task_ids and plane.tenants.fair_shares:

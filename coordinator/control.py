@@ -72,6 +72,7 @@ def stop_subtree(
     approvals.expire_for(plane, top.root_id, set(stopped))
     records = plane.store.records.get_records(stopped)
     admission.release_stopped(plane, records)  # before the unwatch below: a dead run's slot, due no more
+    admission.withdraw_stopped(plane, records)  # their tenant's demand for fleet slots, which none will take now
     stopped_top = plane.store.records.get_task(top.id)
     if top.id not in stopped:  # stopped before: the batch it waits on closes with the children stopped now
         records.insert(0, stopped_top)

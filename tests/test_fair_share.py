@@ -20,6 +20,7 @@ from coordinator.store import Store
 from coordinator.store.fair import FairCounts, FairShares
 from coordinator.store.fields import TaskField
 from coordinator.store.runs import Started
+from coordinator.tenants import TenantPolicy
 
 SHARES = FairShares(on=True, capacity=8)
 
@@ -204,6 +205,55 @@ def test_the_pass_frees_a_slot_whose_task_is_gone_or_ended_and_gives_it_on(fair:
     assert (healed.freed, healed.started) == ([a2], [rest])
     assert store.fair.counts("a") == FairCounts(running=2, parked=0, queued=0)
     assert sorted(store.client.hkeys(store.keys.fair_holding())) == sorted([a3, a4])
+
+
+def test_a_stop_takes_its_runs_out_of_their_tenants_demand_and_gives_the_slots_on(fair: Coordinator) -> None:
+    """A cancelled batch's runs, announced in the broker's queue, want no slot any more. Their messages are
+    revoked and never reach a worker to take them out, so until they aged out (30 s) the stopped tenant looked
+    the neediest, every slot the fleet freed went to nobody, and the other tenant's parked run waited."""
+    store = fair.store
+    shares = FairShares(on=True, capacity=3)
+    beat(store, {"a": (2, 0), "b": (1, 0), "*": (1, 0)}, concurrency=3)
+    a1, a2, a3 = children(fair, "a", 3)
+    assert [start(store, t, shares).verdict for t in (a1, a2)] == ["run", "run"]
+    b_ids = children(fair, "b", 5)
+    store.fair.announce("b", b_ids)  # as the delegation's publish does, fair shares on
+    parked = start(store, a3, shares)
+    assert (parked.verdict, parked.parked_for) == ("park", "share"), "b, holding none, is below its share"
+    # The cancel comes from a caller whose tenants table has fair shares on (as the fleet's does).
+    caller = Coordinator(fair.settings.model_copy(update={"tenants": {"a": TenantPolicy(weight=2)}}))
+    try:
+        assert caller.plane.tenants.fair_shares
+        caller.cancel(fair.get_task(b_ids[0]).root_id, "changed my mind")
+    finally:
+        caller.close()
+    assert store.fair.counts("b") == FairCounts(running=0, parked=0, queued=0), "b wants nothing now"
+    assert store.client.zscore(store.keys.fair_wanting(), "b") is None
+    assert store.fair.counts("a") == FairCounts(running=3, parked=0, queued=0), "the free slot went to a3"
+    assert store.client.hget(store.keys.fair_holding(), a3) == "a"
+    assert fair.client.llen(fair.settings.queue) >= 1, "a3's restart was published"
+
+
+def test_a_parked_run_stopped_or_gone_since_it_parked_is_dropped_and_the_slot_goes_on(fair: Coordinator) -> None:
+    """A stop by a caller whose table has fair shares off (or a park that crossed the stop) leaves stopped runs
+    parked, and a tree deleted under its parked runs leaves them there too: the hand-over drops each rather
+    than give it the slot (a cancelled run's restart would only end and free it again), and writes no mark on a
+    task that is gone (a hash with a timeline alone, which the reconciler could not read)."""
+    store = fair.store
+    shares = FairShares(on=True, capacity=2)
+    beat(store, {"a": (1, 0), "b": (3, 0), "*": (1, 0)}, concurrency=2)
+    b1, b2, b3, b4 = children(fair, "b", 4)
+    assert [start(store, t, shares).verdict for t in (b1, b2, b3, b4)] == ["run", "run", "park", "park"]
+    assert not fair.plane.tenants.fair_shares, "this caller's table has fair shares off: its stop withdraws none"
+    fair.cancel(fair.get_task(b1).root_id, "stop")
+    gone = store.keys.task(fair.get_task(b4).root_id, b4)
+    fair.client.delete(gone)  # b4's tree is gone too, as an expired one is
+    (a1,) = children(fair, "a", 1)
+    assert start(store, a1, shares).parked_for == "fleet"
+    # b (weight 3, one slot held once b1's is freed) is the neediest: its parked runs are met first.
+    assert store.fair.release(b1, shares) == [a1], "the slot goes past the stopped and the gone to a1"
+    assert store.fair.counts("b") == FairCounts(running=1, parked=0, queued=0)
+    assert not fair.client.exists(gone), "no mark was written on the task that is gone"
 
 
 def test_a_raised_max_running_admits_what_now_fits(fair: Coordinator) -> None:

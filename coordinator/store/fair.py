@@ -18,7 +18,15 @@ from dataclasses import dataclass
 from coordinator.replies import FairHealed
 from coordinator.store.base import Part, translate_redis_errors
 from coordinator.store.keys import Keys, cut
-from coordinator.store.protocol import FairAnnounce, FairArgs, FairBeat, FairHeal, FairKeys, FairRelease
+from coordinator.store.protocol import (
+    FairAnnounce,
+    FairArgs,
+    FairBeat,
+    FairHeal,
+    FairKeys,
+    FairRelease,
+    FairWithdraw,
+)
 from coordinator.tenants import DEFAULT_PRIORITY, DEFAULT_TENANT, NO_FAIR_SHARES, FairShares
 
 __all__ = [
@@ -100,6 +108,19 @@ class FairStore(Part):
             FairRelease(
                 fair=fair_keys(self.keys), task_id=task_id, now_ms=int(time.time() * 1000),
                 retention_s=self.retention_s, args=fair_args(self.keys, shares), call=secrets.token_hex(8),
+            )
+        )  # fmt: skip
+
+    @translate_redis_errors
+    def withdraw(self, tenant: str, task_ids: Sequence[str], shares: FairShares) -> list[str]:
+        """Runs of `tenant` were stopped: out of its parked and announced runs (their messages, revoked, reach no
+        worker to take them out), then free slots given to parked runs; the ids given one."""
+        if not task_ids:
+            return []
+        return self.scripts(
+            FairWithdraw(
+                fair=fair_keys(self.keys), tenant=tenant, now_ms=int(time.time() * 1000),
+                retention_s=self.retention_s, shares=fair_args(self.keys, shares), task_ids=list(task_ids),
             )
         )  # fmt: skip
 

@@ -728,6 +728,25 @@ class FairRelease(
 
 
 @dataclass(frozen=True, kw_only=True)
+class FairWithdraw(
+    Call[list[str]],
+    script="fair_withdraw",
+    uses=("fair_score", "fair_take", "fair_release"),
+    returns="the ids given a slot (fair_release's: the caller publishes their runs).",
+):
+    fair: FairKeys = splice("the fleet-wide keys of fair shares", expand=True)
+    tenant: str = arg("the tenant")
+    now_ms: int = arg("now ms")
+    retention_s: int = arg("retention seconds")
+    shares: FairArgs = splice("how fair shares are read", expand=True)
+    task_ids: Sequence[str] = args("the runs stopped")
+
+    @classmethod
+    def decode(cls, raw: Any) -> list[str]:
+        return _strs(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
 class FairHeal(
     Call[FairHealed],
     script="fair_heal",

@@ -4,7 +4,9 @@
 -- the next message, and the runs of tenants above their share before it are parked as they come (a tenant's
 -- flood in Celery's FIFO queue drains at the speed of a park). Tenants whose announced runs have all gone by
 -- are taken out as they are met. The caller publishes the taken run (it stays on the due list until it
--- starts, so a process that dies first leaves it to the reconciler: coordinator/reconciler.py).
+-- starts, so a process that dies first leaves it to the reconciler: coordinator/reconciler.py). A parked run
+-- whose task has ended since it parked (stopped; a stop withdraws its runs, fair_withdraw.lua, but one that
+-- parked as the stop ran is left) or is gone with its tree is dropped, not given the slot.
 -- KEYS[1] the tenants that want a slot
 -- KEYS[2] the tenants' policies
 -- KEYS[3] the runs holding a slot, fleet-wide (hash: task id -> tenant)
@@ -32,18 +34,34 @@ for _ = 1, 8 do  -- a few tenants found to want nothing any more (or scored stal
     return false  -- none waits, or every tenant waiting holds its max_running
   end
   if now_top[1] == tenant then
-    local first = redis.call('ZPOPMIN', parked)
-    if #first == 0 then
+    local id, key, dropped = nil, nil, 0
+    while not id do
+      local first = redis.call('ZPOPMIN', parked)
+      if #first == 0 then
+        break
+      end
+      key = ARGV[8] .. string.sub(first[1], 1, 16) .. ARGV[9] .. first[1]
+      local status = hash_get(key, 'status', 'timeline')[1]  -- (its timeline, marked below, read with it)
+      if status and not ENDED[status] then
+        id = first[1]
+      else
+        dropped = dropped + 1
+      end
+    end
+    if id then
+      redis.call('SADD', running, id)
+      redis.call('EXPIRE', running, ARGV[7])
+      redis.call('HSET', KEYS[3], id, tenant)
+      fair_score({KEYS[1], KEYS[2], running, parked, queued}, {tenant, ARGV[5], ARGV[6]})
+      -- Its wait for a slot ends now: its run is queued again (the caller publishes it).
+      timeline_mark(key, tonumber(ARGV[5]) / 1000, 'queued')
+      return id
+    end
+    if dropped == 0 then
       return false  -- its runs are in the broker's queue: the freed worker reaches them
     end
-    local id = first[1]
-    redis.call('SADD', running, id)
-    redis.call('EXPIRE', running, ARGV[7])
-    redis.call('HSET', KEYS[3], id, tenant)
+    -- Only ended or gone runs were parked: scored again, it may want nothing now, and the next tenant is met.
     fair_score({KEYS[1], KEYS[2], running, parked, queued}, {tenant, ARGV[5], ARGV[6]})
-    -- Its wait for a slot ends now: its run is queued again (the caller publishes it).
-    timeline_mark(ARGV[8] .. string.sub(id, 1, 16) .. ARGV[9] .. id, tonumber(ARGV[5]) / 1000, 'queued')
-    return id
   end
   -- Its score was stale (its announced runs had gone by): the head is another tenant now.
 end
