@@ -408,8 +408,10 @@ class Run:
 
     def _release(self) -> None:
         self._heartbeat.forget(self)
-        self._plane.store.runs.release_lease(self.task.id, self.token)
-        admission.release(self._plane, self.task)
+        if self._plane.store.runs.release_lease(self.task.id, self.token):
+            admission.release(self._plane, self.task)
+        # Else its lease lapsed (a partition, a stall): the task's next run, which took the lease, holds the
+        # slots now (it reuses this run's), or the task's next look frees them; this run frees nothing of theirs.
 
 
 @dataclass(frozen=True)

@@ -767,6 +767,30 @@ def limited(coord: Coordinator) -> Iterator[Coordinator]:
     limited.close()
 
 
+def test_a_run_abandoned_after_its_task_was_taken_over_frees_nothing_of_the_new_runs(limited: Coordinator) -> None:
+    """A run whose lease lapsed (a partition, a stall) while the task's next run took it over, and that then
+    fails on Redis and abandons itself, frees no slot: the slots are the newer run's (it reused them). It freed
+    them, and a sibling started beside the newer run, one past the limit, for as long as that run ran."""
+    coord = limited
+    root = coord.create_task("fan out")
+    first, second = coord.delegate(
+        root.id, [subtask("a", agent(reply("x"))), subtask("b", agent(reply("y")))]
+    ).child_ids
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    older = lifecycle.start(first)
+    assert isinstance(older, Run), "it holds its parent's one slot"
+    assert not isinstance(lifecycle.start(second), Run), "its sibling waits for the slot"
+    coord.client.delete(coord.store.keys.lease(root.id, first))  # its lease lapsed
+    newer = lifecycle.start(first)
+    assert isinstance(newer, Run), "the task's next run, in the slot its task holds"
+    older.abandon()
+    assert coord.store.runs.running_ids(root.id) == {first}, "the slot is still the newer run's"
+    assert coord.client.llen(QUEUE) == 0, "the sibling was not admitted beside it"
+    newer.abandon()
+    assert coord.store.runs.running_ids(root.id) == {second}, "the newer run's release gives the slot on"
+
+
 def test_a_delegating_run_dead_before_its_release_frees_its_slot_for_its_children(limited: Coordinator) -> None:
     """A child's run commits a delegation and dies before its release freed its tree slot: the reconciler, which
     publishes the batch, frees the slot too (while the task is still delegated), or its children wait for it

@@ -225,8 +225,9 @@ class RunStore(Part):
         self.client.hset(self.keys.task(root_of(task_id), task_id), TaskField.DELIVERIES, 0)
 
     @translate_redis_errors
-    def release_lease(self, task_id: str, token: str) -> None:
-        self.scripts(ReleaseLease(lease=self.keys.lease(root_of(task_id), task_id), token=token))
+    def release_lease(self, task_id: str, token: str) -> bool:
+        """Free the run's lease if it still holds it; False when it had lapsed or is another run's."""
+        return self.scripts(ReleaseLease(lease=self.keys.lease(root_of(task_id), task_id), token=token))
 
     @translate_redis_errors
     def claim_resume(self, task_id: str, reason_id: str) -> int:
