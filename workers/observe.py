@@ -65,9 +65,8 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 from pythonjsonlogger.json import JsonFormatter
 
-from coordinator import ConfigError, current_trace_id
+from coordinator import ConfigError, TaskStatus, current_trace_id
 from coordinator.runs import Run, RunHooks
-from coordinator.timeline import OUTCOMES
 from coordinator.tracing import span
 
 if TYPE_CHECKING:
@@ -202,8 +201,8 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 
 # The fleet-wide histogram's bounds (coordinator/store/metrics.py), in seconds, so the two agree.
 LATENCY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-# How a task's own run ended it (timeline.py's OUTCOMES); `delegated` and `waiting_approval` are not ends.
-ENDED_STATUSES = frozenset(OUTCOMES)
+# How a task's own run ended it; `delegated` and `waiting_approval` are not ends.
+ENDED_STATUSES = frozenset(status.value for status in TaskStatus if status.terminal)
 
 
 def _counter(name: str, documentation: str, *labels: str) -> Counter:
