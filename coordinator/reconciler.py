@@ -16,7 +16,8 @@ Each tick it
 
    | the task is                                   | the step                                  | reason counted           |
    |-----------------------------------------------|-------------------------------------------|--------------------------|
-   | ended                                         | write it back (`writeback.write_back`)    | `ended-not-written-back` |
+   | ended                                         | free its slot, write it back, unwatch it  | `ended-not-written-back` |
+   |                                               | (`writeback.settle_ended`)                |                          |
    | delegated, its batch not published            | publish it (`delegation.publish`)         | `delegation-unpublished` |
    | active, an agent's, leased by a live run      | nothing; look again next tick             |                          |
    | active, waiting for a decision or a run slot, | nothing (the decision, the timer or the   |                          |

@@ -220,18 +220,35 @@ def test_a_stop_takes_its_runs_out_of_their_tenants_demand_and_gives_the_slots_o
     store.fair.announce("b", b_ids)  # as the delegation's publish does, fair shares on
     parked = start(store, a3, shares)
     assert (parked.verdict, parked.parked_for) == ("park", "share"), "b, holding none, is below its share"
-    # The cancel comes from a caller whose tenants table has fair shares on (as the fleet's does).
-    caller = Coordinator(fair.settings.model_copy(update={"tenants": {"a": TenantPolicy(weight=2)}}))
-    try:
-        assert caller.plane.tenants.fair_shares
-        caller.cancel(fair.get_task(b_ids[0]).root_id, "changed my mind")
-    finally:
-        caller.close()
+    queued = fair.client.llen(fair.settings.queue)
+    cancel_with_fair_shares_on(fair, b_ids[0])
     assert store.fair.counts("b") == FairCounts(running=0, parked=0, queued=0), "b wants nothing now"
     assert store.client.zscore(store.keys.fair_wanting(), "b") is None
     assert store.fair.counts("a") == FairCounts(running=3, parked=0, queued=0), "the free slot went to a3"
     assert store.client.hget(store.keys.fair_holding(), a3) == "a"
-    assert fair.client.llen(fair.settings.queue) >= 1, "a3's restart was published"
+    assert fair.client.llen(fair.settings.queue) == queued + 1, "a3's restart was published"
+    assert a3 in fair.client.lindex(fair.settings.queue, 0), "the newest message is a3's"
+
+
+def test_a_stop_takes_its_parked_runs_out_of_their_tenants_demand(fair: Coordinator) -> None:
+    store = fair.store
+    shares = FairShares(on=True, capacity=1)
+    beat(store, {"a": (2, 0), "b": (1, 0), "*": (1, 0)}, concurrency=1)
+    b1, b2 = children(fair, "b", 2)
+    assert [start(store, t, shares).verdict for t in (b1, b2)] == ["run", "park"]
+    cancel_with_fair_shares_on(fair, b1)
+    # b1's run still holds its slot until it reads the stop and ends (its end frees it).
+    assert store.fair.counts("b") == FairCounts(running=1, parked=0, queued=0), "b2 is parked no more"
+
+
+def cancel_with_fair_shares_on(fair: Coordinator, task_id: str) -> None:
+    """Cancel the task's tree as a caller whose tenants table has fair shares on (as the fleet's does)."""
+    caller = Coordinator(fair.settings.model_copy(update={"tenants": {"a": TenantPolicy(weight=2)}}))
+    try:
+        assert caller.plane.tenants.fair_shares
+        caller.cancel(fair.get_task(task_id).root_id, "changed my mind")
+    finally:
+        caller.close()
 
 
 def test_a_parked_run_stopped_or_gone_since_it_parked_is_dropped_and_the_slot_goes_on(fair: Coordinator) -> None:

@@ -475,6 +475,29 @@ def test_a_slots_release_sent_again_after_it_ran_admits_the_waiting_run_for_its_
     assert admitted == [second]
 
 
+def test_a_runs_release_sent_again_after_it_ran_still_frees_its_slot(
+    idle_coordinator: Coordinator, lost: LostReplies
+) -> None:
+    """A run frees its slots only when its lease's release says the run was the task's last (a run taken over
+    frees nothing of the newer one's). The release sent again after it ran finds the lease gone, and still says
+    so: else a delegated parent kept its slot while it waited on its children, who waited on the slot."""
+    coord, one_each = idle_coordinator, AdmissionLimits(per_parent=1)
+    _retrying(coord.store)
+    parent = coord.create_task("two children", todos="[ ] a\n[ ] b")
+    first, second = coord.delegate(parent.id, [{"description": d, "message": "m"} for d in "ab"]).child_ids
+    runs, token = coord.store.runs, secrets.token_hex(8)
+    assert runs.begin_run(first, token, 60, 30, one_each, NO_FAIR_SHARES).verdict == "run"
+    lost.lose(_sha(coord.store, "release_lease"))
+
+    assert runs.release_lease(first, token) is True, "this run's own release, answered again"
+    assert lost.lost == 1
+    assert not coord.client.exists(coord.store.keys.lease(parent.id, first))
+    # Once another run of the task has started, a late release of the first answers that it is not the last.
+    assert runs.begin_run(first, secrets.token_hex(8), 60, 30, one_each, NO_FAIR_SHARES).verdict == "run"
+    assert runs.release_lease(first, token) is False
+    assert runs.begin_run(second, secrets.token_hex(8), 60, 30, one_each, NO_FAIR_SHARES).verdict == "wait"
+
+
 def test_a_fleet_slots_release_sent_again_after_it_ran_gives_the_parked_run_for_its_caller(
     fair_prefix: Coordinator, lost: LostReplies
 ) -> None:

@@ -872,7 +872,6 @@ class EndRun(
         "record_usage",
         "flush_run",
         "finish_task",
-        "release_lease",
         "apply_children",
         "finish_batch",
         "close_batch",
@@ -1103,9 +1102,11 @@ class SaveApproval(
 class ReleaseLease(
     Call[bool],
     script="release_lease",
-    returns="1 when released, 0 when the lease was another run's or had lapsed.",
+    returns="1 when released, or gone while this run is still the task's last (its lease lapsed, or this very "
+    "call ran before: its own resend); 0 when another run has started since.",
 ):
     lease: str = key("the task's lease")
+    task: str = key("its task hash")
     token: str = arg("this run's token")
 
     @classmethod

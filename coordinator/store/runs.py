@@ -226,8 +226,12 @@ class RunStore(Part):
 
     @translate_redis_errors
     def release_lease(self, task_id: str, token: str) -> bool:
-        """Free the run's lease if it still holds it; False when it had lapsed or is another run's."""
-        return self.scripts(ReleaseLease(lease=self.keys.lease(root_of(task_id), task_id), token=token))
+        """Free the run's lease if it still holds it; False when another run of the task has started since (the
+        slots are that run's then)."""
+        root = root_of(task_id)
+        return self.scripts(
+            ReleaseLease(lease=self.keys.lease(root, task_id), task=self.keys.task(root, task_id), token=token)
+        )
 
     @translate_redis_errors
     def claim_resume(self, task_id: str, reason_id: str) -> int:

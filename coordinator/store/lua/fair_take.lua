@@ -5,8 +5,8 @@
 -- flood in Celery's FIFO queue drains at the speed of a park). Tenants whose announced runs have all gone by
 -- are taken out as they are met. The caller publishes the taken run (it stays on the due list until it
 -- starts, so a process that dies first leaves it to the reconciler: coordinator/reconciler.py). A parked run
--- whose task has ended since it parked (stopped; a stop withdraws its runs, fair_withdraw.lua, but one that
--- parked as the stop ran is left) or is gone with its tree is dropped, not given the slot.
+-- whose task has ended since it parked (stopped by a caller whose tenants table has fair shares off: a stop
+-- with them on withdraws its runs, fair_withdraw.lua) or is gone with its tree is dropped, not given the slot.
 -- KEYS[1] the tenants that want a slot
 -- KEYS[2] the tenants' policies
 -- KEYS[3] the runs holding a slot, fleet-wide (hash: task id -> tenant)

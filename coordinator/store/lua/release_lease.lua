@@ -1,8 +1,18 @@
--- Release a run lease only if this run still holds it (compare and delete).
+-- Release a run lease only if this run still holds it (compare and delete). A run frees its slots only on a
+-- 1 (coordinator/runs.py): a run whose task another run has taken over frees nothing of that run's.
 -- KEYS[1] the task's lease
+-- KEYS[2] its task hash
 -- ARGV[1] str: this run's token
--- Returns 1 when released, 0 when the lease was another run's or had lapsed.
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
+-- Returns 1 when released, or gone while this run is still the task's last (its lease lapsed, or this very
+--   call ran before: its own resend); 0 when another run has started since.
+local held = redis.call('GET', KEYS[1])
+if held == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+-- Gone: it lapsed, or this call was sent before and its reply lost (Sentinel's resend). The run is still the
+-- task's last unless a start came since: each start writes its own token as `run_token` (start_run.lua).
+if not held and hash_get(KEYS[2], 'run_token')[1] == ARGV[1] then
+  return 1
 end
 return 0
