@@ -525,6 +525,31 @@ def test_a_fleet_slots_release_sent_again_after_it_ran_gives_the_parked_run_for_
     assert given == [second]
 
 
+def test_a_stops_withdrawal_sent_again_after_it_ran_gives_the_parked_run_for_its_caller(
+    fair_prefix: Coordinator, lost: LostReplies
+) -> None:
+    """A stop takes its runs out of their tenant's demand and gives the free slots on (fair_withdraw.lua)."""
+    coord = fair_prefix
+    store, shares = coord.store, FairShares(on=True, capacity=1)
+    _retrying(store)
+    store.convergence.renew_leases([], 30, "w1")
+    store.fair.beat("w1", shares.capacity, 30, {"*": (1, 0)})
+    root = coord.create_task("a root")
+    first, second = coord.delegate(root.id, [{"description": d, "message": "m"} for d in "ab"]).child_ids
+    assert store.runs.begin_run(first, secrets.token_hex(8), 60, 30, AdmissionLimits(), shares).verdict == "run"
+    assert store.runs.begin_run(second, secrets.token_hex(8), 60, 30, AdmissionLimits(), shares).verdict == "park"
+    store.fair.beat("w1", 2, 30, {"*": (1, 0)})  # the fleet grew: a slot is free for the next hand-over
+    stopped = coord.create_task("another root").id
+    lost.lose(_sha(store, "fair_withdraw"))
+
+    # Before, the resend found the slot already given and answered nothing: the run given it held it, unpublished,
+    # until the reconciler came by.
+    given = store.fair.withdraw(coord.get_task(stopped).tenant, [stopped], shares)
+
+    assert lost.lost == 1
+    assert given == [second]
+
+
 def test_a_rate_limits_count_sent_again_after_it_ran_lets_its_request_start(
     idle_coordinator: Coordinator, lost: LostReplies
 ) -> None:

@@ -120,7 +120,8 @@ class FairStore(Part):
         return self.scripts(
             FairWithdraw(
                 fair=fair_keys(self.keys), tenant=tenant, now_ms=int(time.time() * 1000),
-                retention_s=self.retention_s, shares=fair_args(self.keys, shares), task_ids=list(task_ids),
+                retention_s=self.retention_s, shares=fair_args(self.keys, shares), call=secrets.token_hex(8),
+                task_ids=list(task_ids),
             )
         )  # fmt: skip
 

@@ -125,9 +125,11 @@ class TaskField:
     END_REPLY: Final = "end_reply"
     RETRIED_AT: Final = "retried_at"  # the last retry's `now`: the same retry sent again knows itself (retry)
     # What a release of the task's slot gave to waiting runs, `<now> <id>,<id>...` (release_slot; fair_release,
-    # with its call's token for `now`): the same release sent again answers the same ids.
+    # with its call's token for `now`): the same release sent again answers the same ids. A stop's withdrawal
+    # from fair shares keeps its own on the first task it names (fair_withdraw, with its call's token).
     RELEASE_REPLY: Final = "release_reply"
     FAIR_RELEASE_REPLY: Final = "fair_release_reply"
+    FAIR_WITHDRAW_REPLY: Final = "fair_withdraw_reply"
     # `resumed:<a park's first approval id>`: the once-only claim of a park's resume, "<token> <resumes>".
     RESUMED_PREFIX: Final = "resumed:"
     BATCH_MODE: Final = "batch_mode"  # a child's batch's mode, written with the child (end_run)

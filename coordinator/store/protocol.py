@@ -739,6 +739,7 @@ class FairWithdraw(
     now_ms: int = arg("now ms")
     retention_s: int = arg("retention seconds")
     shares: FairArgs = splice("how fair shares are read", expand=True)
+    call: str = arg("this call's own token, kept with what it gave on the first run's task: only its resend carries it")
     task_ids: Sequence[str] = args("the runs stopped")
 
     @classmethod
