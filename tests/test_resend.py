@@ -498,23 +498,27 @@ def test_a_runs_release_sent_again_after_it_ran_still_frees_its_slot(
     assert runs.begin_run(second, secrets.token_hex(8), 60, 30, one_each, NO_FAIR_SHARES).verdict == "wait"
 
 
-def test_a_fleet_slots_release_sent_again_after_it_ran_gives_the_parked_run_for_its_caller(
-    fair_prefix: Coordinator, lost: LostReplies
-) -> None:
-    coord = fair_prefix
-    store, shares = coord.store, FairShares(on=True, capacity=1)
+def _one_running_one_parked(coord: Coordinator, shares: FairShares) -> tuple[str, str]:
+    """Two children on a fleet of `shares.capacity` (1) slot, over connections that resend: the first runs, the
+    second is parked for the slot."""
+    store = coord.store
     _retrying(store)
     store.convergence.renew_leases([], 30, "w1")
     store.fair.beat("w1", shares.capacity, 30, {"*": (1, 0)})
     root = coord.create_task("a root")
     first, second = coord.delegate(root.id, [{"description": d, "message": "m"} for d in "ab"]).child_ids
-
-    def start(task_id: str) -> Any:
-        return store.runs.begin_run(task_id, secrets.token_hex(8), 60, 30, AdmissionLimits(), shares)
-
-    assert start(first).verdict == "run"
-    parked = start(second)
+    assert store.runs.begin_run(first, secrets.token_hex(8), 60, 30, AdmissionLimits(), shares).verdict == "run"
+    parked = store.runs.begin_run(second, secrets.token_hex(8), 60, 30, AdmissionLimits(), shares)
     assert (parked.verdict, parked.parked_for) == ("park", "fleet"), "the fleet's one slot is held"
+    return first, second
+
+
+def test_a_fleet_slots_release_sent_again_after_it_ran_gives_the_parked_run_for_its_caller(
+    fair_prefix: Coordinator, lost: LostReplies
+) -> None:
+    coord, shares = fair_prefix, FairShares(on=True, capacity=1)
+    store = coord.store
+    first, second = _one_running_one_parked(coord, shares)
     lost.lose(_sha(store, "fair_release"))
 
     # Before, the resend found the slot already given and gave nothing: the parked run held it, unpublished,
@@ -529,15 +533,9 @@ def test_a_stops_withdrawal_sent_again_after_it_ran_gives_the_parked_run_for_its
     fair_prefix: Coordinator, lost: LostReplies
 ) -> None:
     """A stop takes its runs out of their tenant's demand and gives the free slots on (fair_withdraw.lua)."""
-    coord = fair_prefix
-    store, shares = coord.store, FairShares(on=True, capacity=1)
-    _retrying(store)
-    store.convergence.renew_leases([], 30, "w1")
-    store.fair.beat("w1", shares.capacity, 30, {"*": (1, 0)})
-    root = coord.create_task("a root")
-    first, second = coord.delegate(root.id, [{"description": d, "message": "m"} for d in "ab"]).child_ids
-    assert store.runs.begin_run(first, secrets.token_hex(8), 60, 30, AdmissionLimits(), shares).verdict == "run"
-    assert store.runs.begin_run(second, secrets.token_hex(8), 60, 30, AdmissionLimits(), shares).verdict == "park"
+    coord, shares = fair_prefix, FairShares(on=True, capacity=1)
+    store = coord.store
+    _, second = _one_running_one_parked(coord, shares)
     store.fair.beat("w1", 2, 30, {"*": (1, 0)})  # the fleet grew: a slot is free for the next hand-over
     stopped = coord.create_task("another root").id
     lost.lose(_sha(store, "fair_withdraw"))
