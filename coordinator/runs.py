@@ -410,8 +410,8 @@ class Run:
         self._heartbeat.forget(self)
         if self._plane.store.runs.release_lease(self.task.id, self.token):
             admission.release(self._plane, self.task)
-        # Else its lease lapsed (a partition, a stall): the task's next run, which took the lease, holds the
-        # slots now (it reuses this run's), or the task's next look frees them; this run frees nothing of theirs.
+        # Else another run of the task started after this one's lease lapsed (a partition, a stall): that run holds
+        # the slots now (it reuses this run's), and this one frees nothing of its.
 
 
 @dataclass(frozen=True)
