@@ -109,15 +109,20 @@ def started_again(plane: Plane, admitted: Sequence[str]) -> None:
         dispatch.publish_restart(plane.app, plane.store.records.get_task(task_id))
 
 
-def release(plane: Plane, task: TaskRecord) -> None:
-    """Free the task's run slot (its tree's, and its tenant's fleet slot) and start the waiting tasks that now fit."""
+def release(plane: Plane, task: TaskRecord, *, while_asked: bool = False) -> None:
+    """Free the task's run slot (its tree's, and its tenant's fleet slot) and start the waiting tasks that now fit.
+
+    With `while_asked`, each slot only while one of the calls the task waits on is still pending, checked in the
+    step that frees it: the reconciler's, for a run that died after it parked calls for a person and before its
+    release freed them. Until the last decision no run of the task starts (`start_run` answers `asked`); once
+    made, its resumed run reuses the slots it finds held."""
     own = limits(plane)
     admitted: list[str] = []
     if own.applies_to(task):
-        admitted += plane.store.runs.release_slot(task, own)
+        admitted += plane.store.runs.release_slot(task, own, while_asked=while_asked)
     shares = fair(plane)
     if shares.on:
-        admitted += plane.store.fair.release(task.id, shares)
+        admitted += plane.store.fair.release(task.id, shares, while_asked=while_asked)
     started_again(plane, admitted)
 
 

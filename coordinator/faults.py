@@ -15,7 +15,9 @@ runs a freed slot admitted, not yet sent),
 `after-retry` (a retry is committed: its tasks active again and on the due list, their runs
 not yet published),
 `after-compaction` (a run's compaction record is kept with its journal, the request it was
-made for not yet sent).
+made for not yet sent),
+`after-park` (a run's calls are saved for a person's decision, its lease and run slots not yet
+freed).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ __all__ = ["POINTS", "crash_point"]
 
 log = logging.getLogger(__name__)
 
-POINTS = ("after-end", "after-commit", "after-close", "after-claim-publish", "after-retry", "after-compaction")
+POINTS = (
+    "after-end", "after-commit", "after-close", "after-claim-publish", "after-retry", "after-compaction", "after-park",
+)  # fmt: skip
 
 
 def crash_point(settings: Settings, name: str) -> None:

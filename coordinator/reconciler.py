@@ -20,9 +20,12 @@ Each tick it
    |                                               | (`writeback.settle_ended`)                |                          |
    | delegated, its batch not published            | publish it (`delegation.publish`)         | `delegation-unpublished` |
    | active, an agent's, leased by a live run      | nothing; look again next tick             |                          |
-   | active, waiting for a decision or a run slot, | nothing (the decision, the timer or the   |                          |
-   | or with a run message in the broker's queue   | freed slot moves it on)                   |                          |
-   | or held by a live worker (`<p>:reserved`)     |                                           |                          |
+   | active, waiting for a decision                | free its slots while the call is pending  |                          |
+   |                                               | (its run died before its release), unwatch|                          |
+   |                                               | it: the decision or the timer moves it on |                          |
+   | active, waiting for a run slot, or with a run | nothing (the freed slot moves it on)      |                          |
+   | message in the broker's queue, or held by a   |                                           |                          |
+   | live worker (`<p>:reserved`)                  |                                           |                          |
    | active, an agent's, nothing of the above      | publish its run again (`-x<n>`)           | `run-lost`               |
 
    `run-lost` covers a run whose worker died (its lease lapsed with the
@@ -281,7 +284,11 @@ class Reconciler:
             store.convergence.unwatch([task_id])
             return None
         if asked and store.convergence.unwatch_parked(task_id):
-            return None  # a call still waits for its person: the last decision, or its timer, watches it again
+            # A call still waits for its person: the last decision, or its timer, watches it again. The run that
+            # parked it died before its release (no lease): its slots are freed while the call is still pending,
+            # or the tree's other runs (and its tenant's) would wait for them until a person decides.
+            admission.release(plane, store.records.get_task(task_id), while_asked=True)
+            return None
         if self._waits_to_start(task_id):
             self._later[settings.reconcile_grace_s].append(task_id)
             return None

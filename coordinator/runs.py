@@ -341,6 +341,8 @@ class Run:
             # reads at a step does, rather than wait (a resume published for it, its live status over the
             # stop's). A delegation's release stops the children it committed (`publish_waiting`).
             return self.end(self.stopped(None))
+        if outcome.state == "waiting_approval":
+            faults.crash_point(plane.settings, "after-park")  # its calls saved, its lease and slots still held
         self._release()
         if outcome.state == "delegated":
             delegation.publish_waiting(plane, plane.store.records.get_task(task_id))

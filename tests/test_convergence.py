@@ -810,6 +810,63 @@ def test_a_delegating_run_dead_before_its_release_frees_its_slot_for_its_childre
     assert coord.store.runs.running_ids(root.id) == {late.id}, "a redelivery frees nothing of its child's"
 
 
+def _asking_beside_a_waiting_sibling(coord: Coordinator) -> tuple[str, str, Approval]:
+    """Two children of a tree with one run slot: the first's run parked a call for a person and died before its
+    release (its lease lapsed), holding the slot; the second waits for it. Their ids and the call's approval."""
+    root = coord.create_task("fan out")
+    asker, sibling = coord.delegate(
+        root.id, [subtask("asks", agent(reply("x"))), subtask("waits", agent(reply("y")))]
+    ).child_ids
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    run = lifecycle.start(asker)
+    assert isinstance(run, Run), "it holds the tree's one slot"
+    assert not isinstance(lifecycle.start(sibling), Run), "its sibling waits for the slot"
+    (approval,) = park(coord.plane, run.task, [ToolCall("run_command", {"command": "ls"}, "call-1")])
+    coord.client.delete(coord.store.keys.lease(root.id, asker))  # the run died: its lease lapsed
+    return asker, sibling, approval
+
+
+def test_a_run_dead_after_it_parked_a_call_frees_its_slot_while_the_call_waits(limited: Coordinator) -> None:
+    """A child's run parks a call for a person and dies before its release freed its tree slot: the reconciler,
+    which takes the task off the due list while the call waits, frees the slot too, and its sibling starts.
+    Before, the sibling waited for the person's decision (or the approval's deadline)."""
+    coord = limited
+    asker, sibling, approval = _asking_beside_a_waiting_sibling(coord)
+    assert tick(coord) == {}
+    assert asker not in coord.store.convergence.watched(), "left to the decision"
+    assert coord.store.runs.running_ids(approval.root_id) == {sibling}, "its slot went to the sibling"
+    assert queued_ids(coord) == [sibling], "whose run was published"
+    assert coord.decide(approval.id, "approve").status == "approved"
+    assert queued_ids(coord) == [asker, sibling], "the decision resumes it"
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    assert not isinstance(lifecycle.start(asker), Run), "its resumed run waits for a slot, the limit kept"
+
+
+def test_a_parked_tasks_slot_is_not_freed_once_a_decision_resumed_it(
+    limited: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reconciler took the task off the due list, its call still pending; before it freed the slot, the
+    decision came and the resumed run took the lease, reusing the slot its task holds: the free, checked in its
+    own step, leaves that slot (else the sibling would run beside it, one past the tree's limit)."""
+    coord = limited
+    asker, sibling, approval = _asking_beside_a_waiting_sibling(coord)
+    unwatch_parked = coord.store.convergence.unwatch_parked
+    resumed: list[object] = []
+
+    def decided_right_after(task_id: str) -> bool:
+        taken_off = unwatch_parked(task_id)
+        assert coord.decide(approval.id, "approve").status == "approved"
+        resumed.append(build_runtime(coord.settings, make_app(coord.settings)).lifecycle.start(asker))
+        return taken_off
+
+    monkeypatch.setattr(coord.store.convergence, "unwatch_parked", decided_right_after)
+    tick(coord)
+    assert isinstance(resumed[0], Run), "the resumed run reused the slot"
+    assert coord.store.runs.running_ids(approval.root_id) == {asker}, "still the resumed run's"
+    assert sibling not in queued_ids(coord), "the sibling still waits"
+
+
 def test_a_delegated_tasks_slot_is_not_freed_once_a_resumed_run_took_it(limited: Coordinator) -> None:
     """The reconciler read the task delegated; its batch closed and a resumed run of it took a slot before the
     free: the free, checked in its own step, leaves that slot (else a third run would fit the tree's one)."""

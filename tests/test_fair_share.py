@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from coordinator import Coordinator
+from coordinator import Coordinator, approvals
+from coordinator.approvals import ToolCall
 from coordinator.models import AdmissionLimits
 from coordinator.replies import FairHealed
 from coordinator.store import Store
@@ -205,6 +206,23 @@ def test_the_pass_frees_a_slot_whose_task_is_gone_or_ended_and_gives_it_on(fair:
     assert (healed.freed, healed.started) == ([a2], [rest])
     assert store.fair.counts("a") == FairCounts(running=2, parked=0, queued=0)
     assert sorted(store.client.hkeys(store.keys.fair_holding())) == sorted([a3, a4])
+
+
+def test_the_slot_of_a_run_dead_after_it_parked_a_call_is_freed_only_while_the_call_waits(fair: Coordinator) -> None:
+    """The reconciler frees the fleet slot of a run that parked a call for a person and died before its release
+    (`while_asked`), checked in the step that frees it: while the call is pending the slot goes to the parked
+    run; once decided, the slot is left to the resumed run, which reuses it."""
+    store = fair.store
+    a1, a2, a3, a4 = children(fair, "a", 4)
+    assert [start(store, t).verdict for t in (a1, a2, a3, a4)] == ["run", "run", "park", "park"]
+    (asked,) = approvals.park(fair.plane, fair.get_task(a1), [ToolCall("run_command", {"command": "ls"}, "c1")]) or []
+    (decided,) = approvals.park(fair.plane, fair.get_task(a2), [ToolCall("run_command", {"command": "ls"}, "c2")]) or []
+    assert fair.decide(decided.id, "approve").status == "approved"
+    assert store.fair.release(a2, SHARES, while_asked=True) == [], "decided: the slot is its resumed run's"
+    assert store.fair.counts("a") == FairCounts(running=2, parked=2, queued=0)
+    given = store.fair.release(a1, SHARES, while_asked=True)
+    assert len(given) == 1 and given[0] in (a3, a4), "pending: freed, and given to a parked run"
+    assert sorted(store.client.hkeys(store.keys.fair_holding())) == sorted([a2, *given])
 
 
 def test_a_stop_takes_its_runs_out_of_their_tenants_demand_and_gives_the_slots_on(fair: Coordinator) -> None:

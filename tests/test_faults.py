@@ -172,6 +172,38 @@ def test_an_agent_killed_between_its_delegation_and_its_publish(coord: Coordinat
     assert_converged(coord, root.id)
 
 
+def test_a_worker_killed_after_parking_a_call_frees_the_slot_its_sibling_waits_for(
+    fault_settings: Settings, tmp_path: Path
+) -> None:
+    """A run parks a call for a person and its worker dies before the release freed the tree's one run slot: once
+    the lease has lapsed the reconciler frees it, the call still pending, and the sibling that waited for it runs;
+    the decision then resumes the first. Before, the sibling waited for the person's decision.
+
+    Keys and a queue of its own, so the module's rescuer, which has no run limit, takes no part."""
+    settings = fault_settings.model_copy(
+        update={"key_prefix": f"subqpark{os.getpid()}", "queue": "subq-park", "max_running_per_root": 1}
+    )
+    coord = Coordinator(settings)
+    fleet = crashing_worker(settings, tmp_path / "crash", "after-park")  # one thread: the children in their order
+    try:
+        parent = coord.create_task("Two children", todos="[ ] check\n[ ] notes")
+        asks = subtask("check", call("run_command", command="true"), reply("checked"))
+        asker, sibling = coord.delegate(parent.id, [asks, subtask("notes", reply("noted"))]).child_ids
+        died(fleet)
+    finally:
+        fleet.stop()
+    (approval,) = coord.list_approvals(parent.id)
+    assert coord.store.runs.running_ids(parent.id) == {asker}, "the dead run holds the tree's one slot"
+    with dedicated_fleet(settings, tmp_path / "after", 1, worker_concurrency=2) as (_, _after):
+        eventually(lambda: coord.get_task(sibling).status == TaskStatus.COMPLETED, "the sibling to run", CONVERGE_S)
+        assert coord.list_approvals(parent.id) == [approval], "while the call still waits for its person"
+        assert coord.decide(approval.id, "approve").status == "approved"
+        coord.wait(parent.id, CONVERGE_S)
+    assert coord.get_task(asker).summary == "checked"
+    assert_converged(coord, parent.id)
+    coord.close()
+
+
 def test_a_worker_killed_mid_run_resumes_elsewhere_after_the_lapse(
     fault_settings: Settings, rescuer: Coordinator, tmp_path: Path
 ) -> None:

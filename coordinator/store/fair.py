@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from coordinator.ids import root_of
 from coordinator.replies import FairHealed
 from coordinator.store.base import Part, translate_redis_errors
 from coordinator.store.keys import Keys, cut
@@ -102,12 +103,16 @@ class FairStore(Part):
         )  # fmt: skip
 
     @translate_redis_errors
-    def release(self, task_id: str, shares: FairShares) -> list[str]:
-        """Free the run's fleet slot, if it holds one, and give free slots to parked runs; the ids given one."""
+    def release(self, task_id: str, shares: FairShares, *, while_asked: bool = False) -> list[str]:
+        """Free the run's fleet slot, if it holds one, and give free slots to parked runs; the ids given one.
+
+        With `while_asked`, only while one of the calls its task waits on is still pending (checked in the same
+        step)."""
         return self.scripts(
             FairRelease(
                 fair=fair_keys(self.keys), task_id=task_id, now_ms=int(time.time() * 1000),
                 retention_s=self.retention_s, args=fair_args(self.keys, shares), call=secrets.token_hex(8),
+                while_asked=self.keys.approval(root_of(task_id), "") if while_asked else None,
             )
         )  # fmt: skip
 

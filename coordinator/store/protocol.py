@@ -721,6 +721,11 @@ class FairRelease(
         "this call's own token, kept with what it gave: only its resend carries it again (none from end_run, whose "
         "`end_reply` answers its resend)"
     )
+    while_asked: str | None = arg(
+        "the prefix of the run's tree's approval hashes: only while one of the calls its task waits on is still "
+        "pending: nothing freed nor given otherwise",
+        optional=True,
+    )
 
     @classmethod
     def decode(cls, raw: Any) -> list[str]:
@@ -1133,8 +1138,13 @@ class ReleaseSlot(
     running_children_prefix: str = arg("the prefix of its running-children sets")
     admission_scan: int = arg("how many waiting tasks to look at, from the list's head")
     now: float = arg("now (epoch s)")
-    while_status: str | None = arg(
-        "only while the task's status is this one: nothing freed nor admitted otherwise", optional=True
+    while_status: str = arg(
+        "only while the task's status is this one ('': whatever it is): nothing freed nor admitted otherwise"
+    )
+    while_asked: str | None = arg(
+        "the prefix of the tree's approval hashes: only while one of the calls the task waits on is still pending: "
+        "nothing freed nor admitted otherwise",
+        optional=True,
     )
 
     @classmethod

@@ -358,11 +358,12 @@ class RunStore(Part):
 
     @translate_redis_errors
     def release_slot(
-        self, record: TaskRecord, limits: AdmissionLimits, *, while_status: str | None = None
+        self, record: TaskRecord, limits: AdmissionLimits, *, while_status: str = "", while_asked: bool = False
     ) -> list[str]:
         """Free the task's run slot and admit waiting tasks that now fit (release_slot.lua); the admitted ids.
 
-        With `while_status`, only while the task's status is that one (checked in the same step)."""
+        With `while_status`, only while the task's status is that one; with `while_asked`, only while one of the
+        calls it waits on is still pending (each checked in the same step)."""
         root, k = record.root_id, self.keys
         return self.scripts(
             ReleaseSlot(
@@ -371,6 +372,7 @@ class RunStore(Part):
                 per_parent=limits.per_parent, per_tree=limits.per_tree, retention_s=self.retention_s,
                 task_prefix=k.task(root, ""), running_children_prefix=k.running_children(root, ""),
                 admission_scan=ADMISSION_SCAN, now=time.time(), while_status=while_status,
+                while_asked=k.approval(root, "") if while_asked else None,
             )
         )  # fmt: skip
 

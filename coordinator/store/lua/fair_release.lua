@@ -24,6 +24,8 @@
 -- ARGV[15] int: the priority of a record without one
 -- ARGV[16] str: this call's own token, kept with what it gave: only its resend carries it again (none from
 --   end_run, whose `end_reply` answers its resend)
+-- ARGV[17] (optional) str: the prefix of the run's tree's approval hashes: only while one of the calls its
+--   task waits on is still pending: nothing freed nor given otherwise
 -- Returns the ids given a slot (the caller publishes their runs; by this very call, when it is sent
 --   again).
 local id, head, call = ARGV[1], ARGV[5], ARGV[16] or ''
@@ -36,6 +38,12 @@ if call ~= '' then
   if again then
     return again
   end
+end
+-- The reconciler frees the slot of a run that died after it parked calls for a person, before its release: only
+-- while one of them is still pending (no run of the task starts before the last decision), not once a decision
+-- resumed it and its run reuses the slot.
+if ARGV[17] and not approval_pending(hash_get(own, 'waiting_approval_ids')[1], ARGV[17], nil) then
+  return {}
 end
 local tenant = redis.call('HGET', KEYS[3], id)
 if tenant then

@@ -13,7 +13,10 @@
 -- ARGV[6] str: the prefix of its running-children sets
 -- ARGV[7] int: how many waiting tasks to look at, from the list's head
 -- ARGV[8] float: now (epoch s)
--- ARGV[9] (optional) str: only while the task's status is this one: nothing freed nor admitted otherwise
+-- ARGV[9] str: only while the task's status is this one ('': whatever it is): nothing freed nor admitted
+--   otherwise
+-- ARGV[10] (optional) str: the prefix of the tree's approval hashes: only while one of the calls the task
+--   waits on is still pending: nothing freed nor admitted otherwise
 -- Returns the ids admitted now (removed from the list, added to the running sets; by this very call, when
 --   it is sent again).
 -- (A waiting task's parent, and so its running-children set, is read from its record here:
@@ -27,7 +30,13 @@ if again then
 end
 -- The reconciler frees the slot of a delegated task whose run died before its release: not once its batch
 -- has closed and a resumed run of it took a slot again (checked here, in the step that frees it).
-if ARGV[9] and hash_get(own, 'status')[1] ~= ARGV[9] then
+if (ARGV[9] or '') ~= '' and hash_get(own, 'status')[1] ~= ARGV[9] then
+  return {}
+end
+-- And the slot of a task whose run died after it parked calls for a person, before its release: only while one
+-- of them is still pending (no run of the task starts before the last decision: start_run answers `asked`), not
+-- once a decision resumed it and its run reuses the slot.
+if ARGV[10] and not approval_pending(hash_get(own, 'waiting_approval_ids')[1], ARGV[10], nil) then
   return {}
 end
 redis.call('SREM', KEYS[1], ARGV[1])
