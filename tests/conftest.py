@@ -22,6 +22,7 @@ import redis
 
 from coordinator import OFFLINE_PROFILE, Coordinator, Profile, RunCommand, Settings
 from coordinator.api import create_app
+from coordinator.heartbeat import Heartbeat, Leased
 from coordinator.local.embedded_redis import local_redis
 from coordinator.local.fleet import WorkerFleet
 from tests.helpers import ApiServer, Transport, api_settings
@@ -288,6 +289,24 @@ def coordinator(settings: Settings, workers: WorkerFleet) -> Iterator[Coordinato
     coord = Coordinator(settings)
     yield coord
     coord.close()
+
+
+@pytest.fixture(autouse=True)
+def runs_left_held(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A run a test starts in its own process and leaves held (one it lets die, or never ends) is renewed no more
+    once the test is over: its heartbeat thread otherwise beat for the rest of the session (27 of them after
+    tests/test_convergence.py alone), and warned "heartbeat failed" at each beat once the session's Redis stopped."""
+    held: list[tuple[Heartbeat, Leased]] = []
+    hold = Heartbeat.hold
+
+    def recorded(heartbeat: Heartbeat, run: Leased) -> None:
+        held.append((heartbeat, run))
+        hold(heartbeat, run)
+
+    monkeypatch.setattr(Heartbeat, "hold", recorded)
+    yield
+    for heartbeat, run in held:
+        heartbeat.forget(run)  # its thread ends at its next beat, with no run left to renew
 
 
 @pytest.fixture
