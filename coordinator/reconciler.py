@@ -20,7 +20,7 @@ Each tick it
    |                                               | (`writeback.settle_ended`)                |                          |
    | delegated, its batch not published            | publish it (`delegation.publish`)         | `delegation-unpublished` |
    | active, an agent's, leased by a live run      | nothing; look again next tick             |                          |
-   | active, waiting for a decision                | free its slots while the call is pending  |                          |
+   | active, a call still pending for a decision   | free its slots while the call is pending  |                          |
    |                                               | (its run died before its release), unwatch|                          |
    |                                               | it: the decision or the timer moves it on |                          |
    | active, waiting for a run slot, or with a run | nothing (the freed slot moves it on)      |                          |
@@ -283,12 +283,13 @@ class Reconciler:
         if runner != "agent":
             store.convergence.unwatch([task_id])
             return None
-        if asked and store.convergence.unwatch_parked(task_id):
-            # A call still waits for its person: the last decision, or its timer, watches it again. The run that
-            # parked it died before its release (no lease): its slots are freed while the call is still pending,
-            # or the tree's other runs (and its tenant's) would wait for them until a person decides.
+        if asked:
+            # The run that parked it on a call for a person died before its release (no lease): its slots are freed
+            # while the call is still pending, or the tree's other runs (and its tenant's) would wait for them
+            # until a person decides. Before it leaves the due list: a process that dies in between looks again.
             admission.release(plane, store.records.get_task(task_id), while_asked=True)
-            return None
+            if store.convergence.unwatch_parked(task_id):
+                return None  # a call still waits: the last decision, or its timer, watches it again
         if self._waits_to_start(task_id):
             self._later[settings.reconcile_grace_s].append(task_id)
             return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -846,21 +847,20 @@ def test_a_run_dead_after_it_parked_a_call_frees_its_slot_while_the_call_waits(l
 def test_a_parked_tasks_slot_is_not_freed_once_a_decision_resumed_it(
     limited: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The reconciler took the task off the due list, its call still pending; before it freed the slot, the
-    decision came and the resumed run took the lease, reusing the slot its task holds: the free, checked in its
-    own step, leaves that slot (else the sibling would run beside it, one past the tree's limit)."""
+    """The reconciler read the task parked, its call pending; before it freed the slot, the decision came and
+    the resumed run took the lease, reusing the slot its task holds: the free, checked in its own step, leaves
+    that slot (else the sibling would run beside it, one past the tree's limit)."""
     coord = limited
     asker, sibling, approval = _asking_beside_a_waiting_sibling(coord)
-    unwatch_parked = coord.store.convergence.unwatch_parked
+    release_slot = coord.store.runs.release_slot
     resumed: list[object] = []
 
-    def decided_right_after(task_id: str) -> bool:
-        taken_off = unwatch_parked(task_id)
+    def decided_just_before(*args: Any, **kwargs: Any) -> list[str]:
         assert coord.decide(approval.id, "approve").status == "approved"
         resumed.append(build_runtime(coord.settings, make_app(coord.settings)).lifecycle.start(asker))
-        return taken_off
+        return release_slot(*args, **kwargs)
 
-    monkeypatch.setattr(coord.store.convergence, "unwatch_parked", decided_right_after)
+    monkeypatch.setattr(coord.store.runs, "release_slot", decided_just_before)
     tick(coord)
     assert isinstance(resumed[0], Run), "the resumed run reused the slot"
     assert coord.store.runs.running_ids(approval.root_id) == {asker}, "still the resumed run's"

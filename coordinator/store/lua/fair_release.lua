@@ -1,7 +1,8 @@
 -- Fair shares: a run frees its tenant's slot (its end, or a release of its worker: delegated, waiting for a
 -- decision or its provider, handed back), and the free slots of the fleet are given, one at a time, to the
 -- neediest tenant's parked runs (fair_take.lua) while the runs holding a slot stay below the fleet's capacity.
--- end_run.lua calls it in the step that ends the run; `store.runs.release_slot` for a release. A second call
+-- end_run.lua calls it in the step that ends the run; `store.fair.release` for a release (the reconciler's too,
+-- for a parked run that died before its release). A second call
 -- for the same run frees nothing (the slot's owner is read from the fleet-wide hash).
 -- KEYS[1] the tenants that want a slot
 -- KEYS[2] the tenants' policies

@@ -1,7 +1,8 @@
 -- A run has ended (or released its worker): free its slot and admit, in order, the
 -- waiting tasks that now fit. The caller publishes a run for each admitted id. A run's end
 -- calls it inside end_run.lua; a run that releases its worker (delegated, waiting for a
--- decision, handed back) and a redelivery of an ended task through `store.release_slot`.
+-- decision, handed back), a redelivery of an ended task, and the reconciler (a delegated task's, a parked
+-- one's whose run died before its release) through `store.release_slot`.
 -- KEYS[1] the tree's running set
 -- KEYS[2] the tree's admission list
 -- KEYS[3] the task's parent's running-children set
