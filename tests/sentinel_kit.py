@@ -365,6 +365,27 @@ def wait_replicated(kit: SentinelSet, timeout_s: float = 10) -> None:
         master.close()
 
 
+def wait_relinked(kit: SentinelSet, replicas: int, timeout_s: float = 30) -> None:
+    """The master the sentinels name has `replicas` replicas linked to it and online. After a failover the
+    sentinels point the surviving replicas at the promoted one within seconds (longer on a loaded host); until
+    then a write stands on the new master alone, and a second failover, which a loaded host can bring about
+    (a master slow to answer for `DOWN_AFTER_MS`), would lose it."""
+
+    def linked() -> bool | None:
+        try:
+            master = kit.master_client()
+        except redis.RedisError:
+            return None
+        try:
+            return sum(replica.get("state") == "online" for replica in _replica_infos(master)) >= replicas or None
+        except redis.RedisError:
+            return None
+        finally:
+            master.close()
+
+    eventually(linked, "the replicas to follow the promoted master", timeout_s=timeout_s)
+
+
 def _replica_infos(master: redis.Redis) -> list[dict[str, str]]:
     info = master.info("replication")
     return [info[f"slave{n}"] for n in range(int(info["connected_slaves"]))]
