@@ -31,7 +31,7 @@ from coordinator.models import Approval, TaskRecord
 from coordinator.plane import Plane
 from coordinator.ports.steps import Released, RunStopped
 from coordinator.reconciler import Reconciler
-from coordinator.runs import Ended, LeaseLost, Run
+from coordinator.runs import Ended, LeaseLost, Run, RunLifecycle
 from coordinator.store.approvals import ApprovalStore
 from tests.agents import agent, reply, subtask
 from tests.helpers import state
@@ -773,23 +773,16 @@ def test_a_run_abandoned_after_its_task_was_taken_over_frees_nothing_of_the_new_
     fails on Redis and abandons itself, frees no slot: the slots are the newer run's (it reused them). It freed
     them, and a sibling started beside the newer run, one past the limit, for as long as that run ran."""
     coord = limited
-    root = coord.create_task("fan out")
-    first, second = coord.delegate(
-        root.id, [subtask("a", agent(reply("x"))), subtask("b", agent(reply("y")))]
-    ).child_ids
-    coord.client.delete(QUEUE)
-    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
-    older = lifecycle.start(first)
-    assert isinstance(older, Run), "it holds its parent's one slot"
-    assert not isinstance(lifecycle.start(second), Run), "its sibling waits for the slot"
-    coord.client.delete(coord.store.keys.lease(root.id, first))  # its lease lapsed
+    lifecycle, older, second = _one_slot_held_one_waiting(coord)
+    root, first = older.task.root_id, older.task.id
+    coord.client.delete(coord.store.keys.lease(root, first))  # its lease lapsed
     newer = lifecycle.start(first)
     assert isinstance(newer, Run), "the task's next run, in the slot its task holds"
     older.abandon()
-    assert coord.store.runs.running_ids(root.id) == {first}, "the slot is still the newer run's"
+    assert coord.store.runs.running_ids(root) == {first}, "the slot is still the newer run's"
     assert coord.client.llen(QUEUE) == 0, "the sibling was not admitted beside it"
     newer.abandon()
-    assert coord.store.runs.running_ids(root.id) == {second}, "the newer run's release gives the slot on"
+    assert coord.store.runs.running_ids(root) == {second}, "the newer run's release gives the slot on"
 
 
 def test_a_delegating_run_dead_before_its_release_frees_its_slot_for_its_children(limited: Coordinator) -> None:
@@ -814,18 +807,25 @@ def test_a_delegating_run_dead_before_its_release_frees_its_slot_for_its_childre
 def _asking_beside_a_waiting_sibling(coord: Coordinator) -> tuple[str, str, Approval]:
     """Two children of a tree with one run slot: the first's run parked a call for a person and died before its
     release (its lease lapsed), holding the slot; the second waits for it. Their ids and the call's approval."""
+    _, run, sibling = _one_slot_held_one_waiting(coord)
+    (approval,) = park(coord.plane, run.task, [ToolCall("run_command", {"command": "ls"}, "call-1")])
+    coord.client.delete(coord.store.keys.lease(run.task.root_id, run.task.id))  # the run died: its lease lapsed
+    return run.task.id, sibling, approval
+
+
+def _one_slot_held_one_waiting(coord: Coordinator) -> tuple[RunLifecycle, Run, str]:
+    """Two children of a tree with one run slot: the first's run holds it, the second waits for it. The lifecycle
+    that started them, the first's run and the second's id."""
     root = coord.create_task("fan out")
-    asker, sibling = coord.delegate(
-        root.id, [subtask("asks", agent(reply("x"))), subtask("waits", agent(reply("y")))]
+    first, second = coord.delegate(
+        root.id, [subtask("a", agent(reply("x"))), subtask("b", agent(reply("y")))]
     ).child_ids
     coord.client.delete(QUEUE)
     lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
-    run = lifecycle.start(asker)
+    run = lifecycle.start(first)
     assert isinstance(run, Run), "it holds the tree's one slot"
-    assert not isinstance(lifecycle.start(sibling), Run), "its sibling waits for the slot"
-    (approval,) = park(coord.plane, run.task, [ToolCall("run_command", {"command": "ls"}, "call-1")])
-    coord.client.delete(coord.store.keys.lease(root.id, asker))  # the run died: its lease lapsed
-    return asker, sibling, approval
+    assert not isinstance(lifecycle.start(second), Run), "its sibling waits for the slot"
+    return lifecycle, run, second
 
 
 def test_a_run_dead_after_it_parked_a_call_frees_its_slot_while_the_call_waits(limited: Coordinator) -> None:
