@@ -114,8 +114,9 @@ def release(plane: Plane, task: TaskRecord, *, while_asked: bool = False) -> Non
 
     With `while_asked`, each slot only while one of the calls the task waits on is still pending, checked in the
     step that frees it: the reconciler's, for a run that died after it parked calls for a person and before its
-    release freed them. Until the last decision no run of the task starts (`start_run` answers `asked`); once
-    made, its resumed run reuses the slots it finds held."""
+    release freed them. Until the last decision no run of the task starts (`start_run` answers `asked`); its
+    resumed run then takes slots again as any resumed run does, and reuses those a decision made before the free
+    left held."""
     own = limits(plane)
     admitted: list[str] = []
     if own.applies_to(task):
