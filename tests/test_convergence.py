@@ -760,6 +760,34 @@ def test_a_parked_run_whose_task_was_cancelled_before_its_release_ends_stopped(c
     assert coord.client.exists(coord.store.keys.lease(task.id, task.id)) == 0, "its lease freed"
 
 
+def test_a_cancel_that_lands_as_a_parked_run_releases_leaves_no_waiting_status_after_it(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cancel lands after the run's release freed its lease and before it said the task waits for a person:
+    the task's live status stays `cancelled` and the stream shows no wait after the stop's event (before, a
+    `waiting_approval` status and event came after it, and a follower saw a cancelled task waiting)."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    run = build_runtime(coord.settings, make_app(coord.settings)).lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    run.approvals.park([ToolCall("run_command", {"command": "ls"}, "call-1")])
+    convergence = run._plane.store.convergence
+    unwatch_parked = convergence.unwatch_parked
+
+    def then_cancelled(task_id: str) -> bool:
+        parked = unwatch_parked(task_id)
+        coord.cancel(task.id, "enough")
+        return parked
+
+    monkeypatch.setattr(convergence, "unwatch_parked", then_cancelled)
+    run.end(Released("waiting_approval"))
+    assert coord.get_task(task.id).status == TaskStatus.CANCELLED
+    assert coord.store.events.live(task.root_id)[task.id]["state"] == "cancelled"
+    events = [fields for _, fields in coord.store.events.read_events(task.root_id)]
+    stop = next(n for n, e in enumerate(events) if e["type"] == "task_status" and e["status"] == "cancelled")
+    assert [e for e in events[stop:] if e["type"] == "live"] == [], "no live status after the stop's"
+
+
 @pytest.fixture
 def limited(coord: Coordinator) -> Iterator[Coordinator]:
     """The convergence coordinator with one run slot a tree and one a parent."""

@@ -15,6 +15,7 @@ from coordinator.ids import root_of
 from coordinator.models import TaskRecord, live_status
 from coordinator.store.base import EVENTS_MAXLEN, Part, _str_map, translate_redis_errors
 from coordinator.store.keys import Keys
+from coordinator.store.protocol import SetLive
 
 __all__ = ["EventStore", "SettleWatch", "queue_live"]
 
@@ -27,7 +28,7 @@ def queue_live(
     pipe: Pipeline, keys: Keys, retention_s: int, records: Sequence[TaskRecord], state: str, **fields: object
 ) -> None:
     """Queue on `pipe` one live status for tasks of one tree: one write of the live hash and one event a task
-    (`EventStore.set_live_many`, and a delegation's commit, which writes its children's `queued` with them)."""
+    (a delegation's commit, which writes its children's `queued` with them: no child has ended before it)."""
     root = records[0].root_id
     pipe.hset(keys.live(root), mapping={r.id: live_status(r, state, **fields) for r in records})
     pipe.expire(keys.live(root), retention_s)
@@ -90,19 +91,19 @@ class EventStore(Part):
             return []
         return [(str(entry_id), _str_map(fields)) for entry_id, fields in reply[0][1]]
 
-    def set_live(self, record: TaskRecord, state: str, **fields: object) -> None:
-        """Publish a task's live status: the tree's live hash and an event on its stream."""
-        self.set_live_many([record], state, **fields)
-
     @translate_redis_errors
-    def set_live_many(self, records: Sequence[TaskRecord], state: str, **fields: object) -> None:
-        """Publish one live status for tasks of one tree (a batch's children) in one round trip:
-        one write of the live hash and one event per task."""
-        if not records:
-            return
-        with self.client.pipeline(transaction=False) as pipe:
-            queue_live(pipe, self.keys, self.retention_s, records, state, **fields)
-            pipe.execute()
+    def set_live(self, record: TaskRecord, state: str, **fields: object) -> bool:
+        """Publish a task's live status, the tree's live hash and an event on its stream, while the task has not
+        ended (checked in the step that writes it: a stop that lands first keeps its own status the last).
+        Whether it was written."""
+        root = record.root_id
+        return self.scripts(
+            SetLive(
+                task=self.keys.task(root, record.id), live=self.keys.live(root), events=self.keys.events(root),
+                task_id=record.id, status=live_status(record, state, **fields), state=state,
+                retention_s=self.retention_s, events_maxlen=EVENTS_MAXLEN,
+            )
+        )  # fmt: skip
 
     @translate_redis_errors
     def live(self, root_id: str) -> dict[str, dict[str, Any]]:

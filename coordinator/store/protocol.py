@@ -1606,6 +1606,26 @@ class ClearWait(
 
 
 @dataclass(frozen=True, kw_only=True)
+class SetLive(
+    Call[bool],
+    script="set_live",
+    returns="1 when written, 0 when the task has ended or is gone (nothing written).",
+):
+    task: str = key("task hash")
+    live: str = key("tree live hash")
+    events: str = key("tree events")
+    task_id: str = arg("task id")
+    status: str = arg("its live status JSON")
+    state: str = arg("its state (the status's `state`)")
+    retention_s: int = arg("retention seconds")
+    events_maxlen: int = arg("events max length")
+
+    @classmethod
+    def decode(cls, raw: Any) -> bool:
+        return bool(int(raw))
+
+
+@dataclass(frozen=True, kw_only=True)
 class KeepCompaction(
     Call[str],
     script="keep_compaction",
