@@ -66,12 +66,15 @@ class Decision:
     feedback: str
 
 
-def park(plane: Plane, task: TaskRecord, calls: Sequence[ToolCall]) -> list[Approval] | None:
+def park(plane: Plane, task: TaskRecord, calls: Sequence[ToolCall], token: str = "") -> list[Approval] | None:
     """Queue each call for a decision; the task resumes once all are decided.
 
     None when the task was stopped before its calls were saved (a cancel between the run's last step and
     this): a call saved after the stop's mark would wait on a person, and notify one, for a run that is over,
-    so none is saved from there on, and the stop expires those saved before its mark."""
+    so none is saved from there on, and the stop expires those saved before its mark. None too when the run
+    of lease `token` lost the lease meanwhile (it stalled past its lapse; a newer run of the task may have
+    started and parked calls of its own): nothing more is saved, and the task's list of the calls its last
+    run asked for stays the newer run's. ('' for a park no run makes: not checked.)"""
     parent_items = plane.store.records.get_todos(task.parent_id) if task.parent_id else []
     todo = next((t for t in parent_items if t.id == task.todo_id), None)
     now = time.time()
@@ -92,11 +95,12 @@ def park(plane: Plane, task: TaskRecord, calls: Sequence[ToolCall]) -> list[Appr
         )
         # The timer first: a timer whose approval was never saved finds nothing to expire.
         plane.store.convergence.add_timer(expiry_timer(approval.id), approval.deadline)
-        if not plane.store.approvals.save_approval(approval):
+        if not plane.store.approvals.save_approval(approval, token):
             plane.store.convergence.remove_timers([expiry_timer(approval.id)])  # its approval was never saved
             return None
         made.append(approval)
-    plane.store.runs.set_waiting_approvals(task.id, [a.id for a in made])
+    if not plane.store.runs.set_waiting_approvals(task.id, [a.id for a in made], token):
+        return None
     return made
 
 

@@ -410,7 +410,7 @@ def test_a_provider_timer_served_twice_never_restarts_a_run_answered_since(coord
 def test_a_stale_runs_answer_leaves_a_newer_parks_wait_and_its_timer_wakes_the_task(coord: Coordinator) -> None:
     """A run that stalled past its lapse gets its answer after the newer run of its task parked for its provider:
     its answer clears nothing (the lease is not its own), so the newer park's timer still wakes the task."""
-    task = coord.create_task(agent(reply("x")), run=True)
+    task = coord.create_task(agent(reply("x")), run=True, webhooks=[{"url": "https://example.com/hook"}])
     coord.client.delete(QUEUE)
     lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
     stale = lifecycle.start(task.id)
@@ -720,10 +720,10 @@ def test_a_call_a_cancel_overtook_never_waits_on_a_person(coord: Coordinator, mo
     save = ApprovalStore.save_approval  # the run's own store's (its runtime's coordinator)
     saved: list[str] = []
 
-    def the_cancel_lands_after_the_first(store: ApprovalStore, approval: Approval) -> bool:
+    def the_cancel_lands_after_the_first(store: ApprovalStore, approval: Approval, token: str = "") -> bool:
         if saved:
             coord.cancel(task.id, "enough")
-        done = save(store, approval)
+        done = save(store, approval, token)
         saved.append(approval.id)
         return done
 
@@ -786,6 +786,35 @@ def test_a_cancel_that_lands_as_a_parked_run_releases_leaves_no_waiting_status_a
     events = [fields for _, fields in coord.store.events.read_events(task.root_id)]
     stop = next(n for n, e in enumerate(events) if e["type"] == "task_status" and e["status"] == "cancelled")
     assert [e for e in events[stop:] if e["type"] == "live"] == [], "no live status after the stop's"
+
+
+def test_a_run_that_lost_its_lease_parks_nothing_beside_the_newer_runs_call(coord: Coordinator) -> None:
+    """A run stalled past its lapse after its last step, and a newer run of its task parked a call of its own;
+    the stale run's calls, parked late, are not saved (no approval, no notice, no deadline) and the task's
+    list of the calls it waits on stays the newer run's (before, the stale run overwrote it: a decision of the
+    newer call then read the list of calls nobody would run)."""
+    task = coord.create_task(agent(reply("x")), run=True, webhooks=[{"url": "https://example.com/hook"}])
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    stale = lifecycle.start(task.id)
+    assert isinstance(stale, Run)
+    coord.client.delete(coord.store.keys.lease(task.id, task.id))  # it stalled past its lapse
+    newer = lifecycle.start(task.id)
+    assert isinstance(newer, Run)
+    (asked,) = newer.approvals.park([ToolCall("run_command", {"command": "ls"}, "call-new")])
+    timers_before = coord.client.zrange(coord.store.keys.timers(), 0, -1)
+
+    late = approvals.park(
+        stale._plane, stale.task, [ToolCall("run_command", {"command": "rm"}, "call-old")], stale.token
+    )
+    assert late is None, "fenced: nothing parked"
+    assert coord.store.runs.waiting_approval_ids(task.id) == [asked], "the newer run's list stands"
+    assert undecided(coord.plane, task.id) == [asked]
+    requested = [d for d in coord.store.outbox.deliveries(task.id) if d.get("type") == "approval.requested"]
+    assert [d["fields"]["approval_id"] for d in requested] == [asked], "one notice: the newer run's call"
+    assert coord.client.zrange(coord.store.keys.timers(), 0, -1) == timers_before, "no deadline left for it"
+    assert not coord.store.runs.set_waiting_approvals(task.id, ["nobody"], stale.token), "the list write is fenced"
+    assert coord.store.runs.waiting_approval_ids(task.id) == [asked]
 
 
 @pytest.fixture

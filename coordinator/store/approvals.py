@@ -32,11 +32,12 @@ class ApprovalStore(Part):
     """Approval records, the fleet-wide pending list, and deciding one atomically."""
 
     @translate_redis_errors
-    def save_approval(self, approval: Approval) -> bool:
+    def save_approval(self, approval: Approval, token: str = "") -> bool:
         """The approval, on the pending list, and its `approval.requested` event in the tree's outbox, in one
         step (save_approval.lua): a waiting approval is never without its notice (docs/webhooks.md), and the
         same approval saved again (a call sent again after its reply was lost) sends it once. False, with
-        nothing written, when its task has ended (stopped since its run's last step)."""
+        nothing written, when its task has ended (stopped since its run's last step), or when the run of lease
+        `token` no longer holds the lease ('' for a save no run makes: not checked)."""
         arguments = json.dumps(approval.args, ensure_ascii=False)
         if len(arguments) > MAX_EVENT_ARGS_CHARS:
             arguments = arguments[: MAX_EVENT_ARGS_CHARS - 1] + "…"
@@ -48,9 +49,10 @@ class ApprovalStore(Part):
             SaveApproval(
                 approval=self.keys.approval(approval.root_id, approval.id), pending=self.keys.approvals(),
                 task=self.keys.task(approval.root_id, approval.task_id),
+                lease=self.keys.lease(approval.root_id, approval.task_id),
                 outbox=outbox_keys(self.keys, approval.root_id), approval_id=approval.id,
                 created_at=approval.created_at, retention_s=self.retention_s, task_id=approval.task_id,
-                event_fields=json.dumps(fields),
+                event_fields=json.dumps(fields), token=token,
                 record=[str(part) for pair in _encode_record(approval.model_dump()).items() for part in pair],
             )
         )  # fmt: skip

@@ -1085,23 +1085,43 @@ class SaveApproval(
     Call[bool],
     script="save_approval",
     uses=("outbox_add",),
-    returns="1 when saved, 0 when it was saved before, -1 when its task has ended (nothing written).",
+    returns="1 when saved, 0 when it was saved before, -1 when its task has ended, -2 when the lease is not the "
+    "run's (nothing written).",
 ):
     approval: str = key("the approval hash")
     pending: str = key("the pending-approvals zset")
     task: str = key("the task hash of the run whose call waits")
+    lease: str = key("its lease")
     outbox: OutboxKeys = splice("the tree's outbox (outbox_add's {side})")
     approval_id: str = arg("approval id")
     created_at: float = arg("created at: the event's time and the pending list's score")
     retention_s: int = arg("retention seconds")
     task_id: str = arg("the task whose tool call waits")
     event_fields: str = arg("the event's own fields, a JSON object")
+    token: str = arg("the token of the run that parks the call, which must hold the lease ('' for a save of no run's)")
     record: Sequence[str] = args("the record's fields and values, in pairs")
 
     @classmethod
     def decode(cls, raw: Any) -> bool:
-        """False when the task has ended: its run was stopped before its call was saved."""
+        """False when the task has ended (its run was stopped before its call was saved), or when the run lost
+        its lease (it stalled past its lapse: a newer run of the task may have started)."""
         return int(raw) >= 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SetWaitingApprovals(
+    Call[bool],
+    script="set_waiting_approvals",
+    returns="1 when written, 0 when the lease is not the run's (nothing written).",
+):
+    lease: str = key("the task's lease")
+    task: str = key("its task hash")
+    token: str = arg("the token of the run that parked the calls ('' for a park of no run's)")
+    approval_ids: str = arg("the approvals it parked, a JSON list")
+
+    @classmethod
+    def decode(cls, raw: Any) -> bool:
+        return bool(int(raw))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -40,6 +40,7 @@ from coordinator.store.protocol import (
     ReleaseLease,
     ReleaseSlot,
     RunKeys,
+    SetWaitingApprovals,
     StartRun,
     StepWrites,
     ToolSlot,
@@ -252,9 +253,16 @@ class RunStore(Part):
         return str(value) if value else None
 
     @translate_redis_errors
-    def set_waiting_approvals(self, task_id: str, approval_ids: Sequence[str]) -> None:
-        key = self.keys.task(root_of(task_id), task_id)
-        self.client.hset(key, TaskField.WAITING_APPROVAL_IDS, json.dumps(list(approval_ids)))
+    def set_waiting_approvals(self, task_id: str, approval_ids: Sequence[str], token: str = "") -> bool:
+        """The approvals a run parked, as the task's list of those its last run asked for: only while the run of
+        lease `token` holds the lease ('' for a park no run makes: not checked). Whether it was written."""
+        root = root_of(task_id)
+        return self.scripts(
+            SetWaitingApprovals(
+                lease=self.keys.lease(root, task_id), task=self.keys.task(root, task_id), token=token,
+                approval_ids=json.dumps(list(approval_ids)),
+            )
+        )  # fmt: skip
 
     @translate_redis_errors
     def waiting_approval_ids(self, task_id: str) -> list[str]:
