@@ -66,7 +66,17 @@ from coordinator import admission, approvals, budgets, delegation, dispatch, fau
 from coordinator.approvals import ToolCall
 from coordinator.errors import NotFoundError, StoreError
 from coordinator.heartbeat import Heartbeat
-from coordinator.models import Mark, Outcome, RunWrites, Spend, SubtaskResult, TaskRecord, TaskStatus, Usage
+from coordinator.models import (
+    Mark,
+    Outcome,
+    RunWrites,
+    Spend,
+    SubtaskResult,
+    TaskRecord,
+    TaskStatus,
+    Usage,
+    live_status,
+)
 from coordinator.ports import (
     ApprovalPort,
     CompactionPort,
@@ -336,6 +346,11 @@ class Run:
         plane, task_id = self._plane, self.task.id
         if outcome.state == "delegated":  # it waits on its children from now; its batch is published next
             self.writes.marks.append(Mark(t_ms=int(time.time() * 1000), state=f"{WAIT_PREFIX}children"))
+        # Its live status says the wait in the step before the release, which writes it only while the run holds
+        # the lease and the task has not ended: said after the release, it could land over a stop or over the
+        # `running` of a newer run of the task (a decision, or its provider back, starts one at once).
+        waiting = {"waiting_for": "provider", "until": outcome.wake_at_s} if outcome.state == "waiting_provider" else {}
+        self.writes.live = live_status(self.task, outcome.state, **waiting)
         if TaskStatus(self.flush().status).terminal and outcome.state != "delegated":
             # Stopped since its last step (a cancel just after its calls were saved, say): it ends as a stop it
             # reads at a step does, rather than wait (a resume published for it, its live status over the
@@ -343,7 +358,8 @@ class Run:
             return self.end(self.stopped(None))
         if outcome.state == "waiting_approval":
             faults.crash_point(plane.settings, "after-park")  # its calls saved, its lease and slots still held
-        self._release()
+        if not self._release():
+            return self.lost()  # a newer run of the task started since its step: the task is that run's
         if outcome.state == "delegated":
             delegation.publish_waiting(plane, plane.store.records.get_task(task_id))
         elif outcome.state == "waiting_approval":
@@ -356,10 +372,8 @@ class Run:
         else:  # waiting for its provider: its timer publishes it
             plane.store.convergence.unwatch([task_id])
         if outcome.state == "waiting_provider":
-            plane.store.events.set_live(self.task, outcome.state, waiting_for="provider", until=outcome.wake_at_s)
             # To Celery it is queued again, with a delay (the timer publishes it).
             return writeback.result_of(plane.store.records.get_task(task_id), pending="queued")
-        plane.store.events.set_live(self.task, outcome.state)
         return writeback.result_of(plane.store.records.get_task(task_id), pending=outcome.state)
 
     def _after_end(self, ending: Ending) -> None:
@@ -386,18 +400,22 @@ class Run:
     def hand_back(self) -> SubtaskResult:
         """Queue the task again for another worker (its conversation is saved) and free this one."""
         plane = self._plane
-        plane.store.convergence.watch(
-            [self.task.id], plane.settings.reconcile_grace_s
-        )  # a lost message is published again
-        plane.store.runs.reset_deliveries(self.task.id)  # handed back is not lost: SUBQ_MAX_DELIVERIES counts losses
-        # Its timeline: this run ends here and the task waits in the queue for the next (a step while the lease holds).
+        # Its timeline and live status: this run ends here and the task waits in the queue for the next, in a step
+        # while the lease holds (a run that lost its lease writes neither, nor anything below: the task is the
+        # newer run's, its delivery count too).
         self.writes.marks.append(Mark(t_ms=int(time.time() * 1000), state="queued"))
-        self.flush()
-        self._release()
+        self.writes.live = live_status(self.task, "queued")
+        try:
+            self.flush()
+        except LeaseLost:
+            return self.lost()
+        plane.store.convergence.watch([self.task.id], plane.settings.reconcile_grace_s)  # a lost message: published
+        plane.store.runs.reset_deliveries(self.task.id)  # handed back is not lost: SUBQ_MAX_DELIVERIES counts losses
+        if not self._release():
+            return self.lost()
         task = plane.store.records.get_task(self.task.id)
         if not task.status.terminal:
             dispatch.publish_again(plane.app, task, plane.store.convergence.next_repair(task.id))
-            plane.store.events.set_live(task, "queued")
             log.warning("subq: handed %s back to the queue", task.id)
         return writeback.result_of(task, pending="queued")
 
@@ -408,12 +426,14 @@ class Run:
         except StoreError as exc:  # the lease lapses with its TTL; the original error is what matters
             log.warning("subq: could not release the run of %s: %s", self.task.id, exc)
 
-    def _release(self) -> None:
+    def _release(self) -> bool:
+        """Free the lease and the run slots; False, freeing nothing, when another run of the task started after
+        this one's lease lapsed (a partition, a stall): that run holds the slots now (it reuses this run's)."""
         self._heartbeat.forget(self)
-        if self._plane.store.runs.release_lease(self.task.id, self.token):
-            admission.release(self._plane, self.task)
-        # Else another run of the task started after this one's lease lapsed (a partition, a stall): that run holds
-        # the slots now (it reuses this run's), and this one frees nothing of its.
+        if not self._plane.store.runs.release_lease(self.task.id, self.token):
+            return False
+        admission.release(self._plane, self.task)
+        return True
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,12 @@ from coordinator import (
 from coordinator.approvals import ToolCall, expiry_timer, undecided
 from coordinator.celery_app import make_app
 from coordinator.local.embedded_redis import local_redis
-from coordinator.models import Approval, TaskRecord
+from coordinator.models import Approval, TaskRecord, live_status
 from coordinator.plane import Plane
 from coordinator.ports.steps import Released, RunStopped
 from coordinator.reconciler import Reconciler
 from coordinator.runs import Ended, LeaseLost, Run, RunLifecycle
+from coordinator.settings import Settings
 from coordinator.store.approvals import ApprovalStore
 from tests.agents import agent, reply, subtask
 from tests.helpers import state
@@ -786,6 +787,55 @@ def test_a_cancel_that_lands_as_a_parked_run_releases_leaves_no_waiting_status_a
     events = [fields for _, fields in coord.store.events.read_events(task.root_id)]
     stop = next(n for n, e in enumerate(events) if e["type"] == "task_status" and e["status"] == "cancelled")
     assert [e for e in events[stop:] if e["type"] == "live"] == [], "no live status after the stop's"
+
+
+def test_a_live_status_a_run_sends_after_a_stop_landed_leaves_the_stops_the_last(coord: Coordinator) -> None:
+    """A cancel lands between a run's steps, with a live status (`running`, its figures) waiting for the next: that
+    step writes the run's usage and reads the stop, and the task's live status stays `cancelled` (before, the
+    step wrote `running` over it, and the run's end, finding the task ended, never wrote it again)."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    run = build_runtime(coord.settings, make_app(coord.settings)).lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    run.writes.live = live_status(run.task, "running", requests=1)
+    coord.cancel(task.id, "enough")
+
+    assert TaskStatus(run.flush().status) == TaskStatus.CANCELLED, "the step reads the stop"
+    assert coord.store.events.live(task.root_id)[task.id]["state"] == "cancelled"
+    events = [fields for _, fields in coord.store.events.read_events(task.root_id)]
+    stop = next(n for n, e in enumerate(events) if e["type"] == "task_status" and e["status"] == "cancelled")
+    assert [e for e in events[stop:] if e["type"] == "live"] == [], "no live status after the stop's"
+
+
+def test_a_parked_runs_wait_never_covers_the_newer_run_a_decision_started(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run parks a call, decided at once; it stalls past its lapse just before its release, and the task's newer
+    run starts. The stale run's release frees nothing and it ends lost: no `waiting_approval` over the newer run's
+    `running`, and no second resume published (before, it said the wait after its release, over the newer run,
+    and published a resume of a task that runs)."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    stale = lifecycle.start(task.id)
+    assert isinstance(stale, Run)
+    (approval,) = stale.approvals.park([ToolCall("run_command", {"command": "ls"}, "call-1")])
+    coord.decide(approval, "approve")
+    newer: list[Run] = []
+
+    def stalls_past_its_lapse(_settings: Settings, name: str) -> None:
+        if name == "after-park":
+            coord.client.delete(coord.store.keys.lease(task.id, task.id))
+            started = lifecycle.start(task.id)
+            assert isinstance(started, Run), "the decided task's newer run starts"
+            newer.append(started)
+
+    monkeypatch.setattr("coordinator.runs.faults.crash_point", stalls_past_its_lapse)
+    stale.end(Released("waiting_approval"))
+    assert newer, "the stale run got past its step to its release"
+    assert coord.store.events.live(task.root_id)[task.id]["state"] == "running", "the newer run's status stands"
+    assert queued_ids(coord) == [] and coord.client.llen(QUEUE) == 0, "no resume of a task that runs"
+    assert coord.client.get(coord.store.keys.lease(task.id, task.id)) == newer[0].token, "its lease the newer run's"
 
 
 def test_a_run_that_lost_its_lease_parks_nothing_beside_the_newer_runs_call(coord: Coordinator) -> None:

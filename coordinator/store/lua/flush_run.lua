@@ -1,7 +1,7 @@
 -- What a run did since its last step, written at once while it still holds its lease:
 -- conversation messages, UI messages, each response's usage (record_usage.lua, once per
 -- request key, rolled up the ancestors, with the `budget.warning` of a budget whose warning
--- share it crosses), its latency, and its live status. Then the checks
+-- share it crosses), its latency, and its live status (while its task has not ended). Then the checks
 -- a run makes before its next model request: its status, and the topmost budget reached.
 -- KEYS[1] lease
 -- KEYS[2] task hash
@@ -115,7 +115,9 @@ while at < #ARGV do
   end
   at = at + 2
 end
-if ARGV[7] ~= '' then
+-- (Not over a stop that landed since the run's last step: the stop's status stays the task's last, in the hash
+-- and on the stream, and the run reads the stop in this step's reply.)
+if ARGV[7] ~= '' and not ENDED[hash_get(KEYS[2], 'status')[1]] then
   local live = cjson.decode(ARGV[7])
   redis.call('HSET', KEYS[6], live['task_id'], ARGV[7])
   redis.call('EXPIRE', KEYS[6], retention)
