@@ -838,6 +838,27 @@ def test_a_parked_runs_wait_never_covers_the_newer_run_a_decision_started(
     assert coord.client.get(coord.store.keys.lease(task.id, task.id)) == newer[0].token, "its lease the newer run's"
 
 
+def test_a_run_that_lost_its_lease_may_not_start_an_approved_call(coord: Coordinator) -> None:
+    """An approved call is run once: a run that stalled past its lapse just before it started the call, while
+    the task's newer run read the journal without its note and may run the call itself, is told here that its
+    lease is lost, and writes no note (before, the note was written blind and both runs ran the call)."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    stale = lifecycle.start(task.id)
+    assert isinstance(stale, Run)
+    coord.client.delete(coord.store.keys.lease(task.id, task.id))  # it stalled past its lapse
+    newer = lifecycle.start(task.id)
+    assert isinstance(newer, Run)
+    assert newer.journal.kept(["call-1"]).started == set(), "the newer run read no note"
+
+    with pytest.raises(LeaseLost):
+        stale.journal.mark_started("call-1")
+    assert stale.fenced and newer.journal.kept(["call-1"]).started == set(), "nothing written"
+    newer.journal.mark_started("call-1")
+    assert stale.journal.kept(["call-1"]).started == {"call-1"}, "the newer run's note"
+
+
 def test_a_run_that_lost_its_lease_parks_nothing_beside_the_newer_runs_call(coord: Coordinator) -> None:
     """A run stalled past its lapse after its last step, and a newer run of its task parked a call of its own;
     the stale run's calls, parked late, are not saved (no approval, no notice, no deadline) and the task's

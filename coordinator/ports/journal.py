@@ -12,7 +12,7 @@ from pydantic import TypeAdapter
 
 from coordinator import quotas
 from coordinator.models import Spend, ToolCallDone, Usage
-from coordinator.ports.steps import Steps
+from coordinator.ports.steps import LeaseLost, Steps
 
 if TYPE_CHECKING:
     from coordinator.plane import Plane
@@ -80,5 +80,11 @@ class ToolJournal:
 
     def mark_started(self, tool_call_id: str) -> None:
         """A human-approved call starts: a resume after this worker dies must not take the approval as leave
-        to run it again (one round trip, only for calls a human approved)."""
-        self._plane.store.runs.mark_tool_started(self._run.task.id, tool_call_id)
+        to run it again (one round trip, only for calls a human approved).
+
+        Raises `LeaseLost` (nothing written) when another run owns the task now: that run read the journal
+        without this note and may run the call itself, so this one must not."""
+        run = self._run
+        if not self._plane.store.runs.mark_tool_started(run.task.id, tool_call_id, run.token):
+            run.step.fenced = True
+            raise LeaseLost(run.task.id)

@@ -1646,6 +1646,23 @@ class SetLive(
 
 
 @dataclass(frozen=True, kw_only=True)
+class MarkToolStarted(
+    Call[bool],
+    script="mark_tool_started",
+    returns="1 when noted, 0 when the lease is not the run's (nothing written).",
+):
+    lease: str = key("the task's lease")
+    journal: str = key("its tool results (the journal)")
+    token: str = arg("the run's token")
+    field_name: str = arg("the call's field (`started:<call id>`)")
+    retention_s: int = arg("retention seconds")
+
+    @classmethod
+    def decode(cls, raw: Any) -> bool:
+        return bool(int(raw))
+
+
+@dataclass(frozen=True, kw_only=True)
 class KeepCompaction(
     Call[str],
     script="keep_compaction",

@@ -34,6 +34,7 @@ from coordinator.store.protocol import (
     FinishTask,
     FlushRun,
     LatencyArgs,
+    MarkToolStarted,
     RateLimit,
     RecordTool,
     RecordUsage,
@@ -319,14 +320,17 @@ class RunStore(Part):
         )  # fmt: skip
 
     @translate_redis_errors
-    def mark_tool_started(self, task_id: str, tool_call_id: str) -> None:
+    def mark_tool_started(self, task_id: str, tool_call_id: str, token: str) -> bool:
         """Note that a human-approved call starts running, so a resume after its worker died knows it may
-        have taken effect (it has no result yet)."""
-        key = self.keys.tool_results(root_of(task_id), task_id)
-        with self.client.pipeline(transaction=False) as pipe:
-            pipe.hset(key, f"{TOOL_STARTED}{tool_call_id}", "1")
-            pipe.expire(key, self.retention_s)
-            pipe.execute()
+        have taken effect (it has no result yet); only while the run of lease `token` holds the lease. False,
+        with nothing written, when it does not: the call must not run."""
+        root = root_of(task_id)
+        return self.scripts(
+            MarkToolStarted(
+                lease=self.keys.lease(root, task_id), journal=self.keys.tool_results(root, task_id), token=token,
+                field_name=f"{TOOL_STARTED}{tool_call_id}", retention_s=self.retention_s,
+            )
+        )  # fmt: skip
 
     @translate_redis_errors
     def tool_results(self, task_id: str, tool_call_ids: Sequence[str]) -> tuple[dict[str, str], set[str]]:
