@@ -102,11 +102,14 @@ def commit(
     subtasks: Sequence[SubtaskSpec | dict[str, Any]],
     mode: DelegationMode | str = "parallel",
     tool_call_id: str = "",
+    token: str = "",
 ) -> tuple[Batch, list[TaskRecord]]:
     """Validate and commit a delegation in one atomic step, without publishing it.
 
     An agent parent commits from its delegation tool, persists its conversation,
     and only then publishes, so no child can finish before the parent's state is saved.
+    Its run passes its lease's `token`: `FencedError`, nothing committed, once another run
+    of the task holds the lease (a run that stalled past its lapse delegates nothing).
     """
     checked_mode = check_mode(mode)
     checked = check_subtasks(plane, subtasks)
@@ -158,7 +161,7 @@ def commit(
         return batch, children, new_items
 
     plane.store.convergence.watch([task_id], plane.settings.reconcile_grace_s)  # the commit's publish may never come
-    batch, children = plane.store.batches.commit_delegation(task_id, plan)
+    batch, children = plane.store.batches.commit_delegation(task_id, plan, token=token)
     faults.crash_point(plane.settings, "after-commit")
     return batch, children
 

@@ -31,6 +31,7 @@ __all__ = [
     "ConfigError",
     "ConflictError",
     "CorruptError",
+    "FencedError",
     "FleetError",
     "ForbiddenError",
     "NotFoundError",
@@ -94,6 +95,11 @@ class StateError(SubqError):
 
 class ConflictError(SubqError):
     code = "conflict"
+
+
+class FencedError(StateError):
+    """A run's write refused because the run no longer holds its task's lease: it stalled past the lease's lapse,
+    and a newer run of the task may own it now. The run stops without writing (`LeaseLost`)."""
 
 
 class QuotaExceeded(SubqError):

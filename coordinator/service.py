@@ -325,10 +325,11 @@ class Coordinator:
             offset += len(page)
         return items, offset
 
-    def update_todos(self, task_id: str, update: str | Sequence[object]) -> list[TodoItem]:
-        """Replace the task's todo list; links and figures of existing items survive."""
+    def update_todos(self, task_id: str, update: str | Sequence[object], *, token: str = "") -> list[TodoItem]:
+        """Replace the task's todo list; links and figures of existing items survive. A run's own update passes
+        its lease's `token`: `FencedError`, nothing written, once another run of the task holds the lease."""
         parsed = todo_lists.parse_update(update)  # a bad update is refused before any read
-        return self.store.batches.update_todos(task_id, lambda _record, old: todo_links.merge(old, parsed))
+        return self.store.batches.update_todos(task_id, lambda _record, old: todo_links.merge(old, parsed), token=token)
 
     # -- delegation (coordinator/delegation.py) ---------------------------------------
 

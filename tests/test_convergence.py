@@ -27,10 +27,11 @@ from coordinator import (
 from coordinator.approvals import ToolCall, expiry_timer, undecided
 from coordinator.celery_app import make_app
 from coordinator.local.embedded_redis import local_redis
-from coordinator.models import Approval, TaskRecord, live_status
+from coordinator.models import Approval, SubtaskSpec, TaskRecord, live_status
 from coordinator.plane import Plane
 from coordinator.ports.steps import Released, RunStopped
 from coordinator.reconciler import Reconciler
+from coordinator.replies import Stepped
 from coordinator.runs import Ended, LeaseLost, Run, RunLifecycle
 from coordinator.settings import Settings
 from coordinator.store.approvals import ApprovalStore
@@ -857,6 +858,38 @@ def test_a_run_that_lost_its_lease_may_not_start_an_approved_call(coord: Coordin
     assert stale.fenced and newer.journal.kept(["call-1"]).started == set(), "nothing written"
     newer.journal.mark_started("call-1")
     assert stale.journal.kept(["call-1"]).started == {"call-1"}, "the newer run's note"
+
+
+def test_a_run_that_lost_its_lease_delegates_nothing_and_leaves_the_plan_alone(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run stalls past its lapse between its step and its delegation's commit (or its plan's update), and the
+    task's newer run starts: the stale run commits nothing and ends lost, leaving the task `active` and its plan
+    the newer run's (before, it committed children the newer run never asked for, and made the task
+    `delegated` under the newer run's feet)."""
+    task = coord.create_task(agent(reply("x")), run=True, todos="[ ] a\n[ ] b")
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    stale = lifecycle.start(task.id)
+    assert isinstance(stale, Run)
+    flush = stale.flush
+
+    def then_a_newer_run_starts(*, or_stop: bool = False) -> Stepped:
+        stepped = flush(or_stop=or_stop)
+        coord.client.delete(coord.store.keys.lease(task.id, task.id))  # it stalled past its lapse
+        assert isinstance(lifecycle.start(task.id), Run), "the task's newer run"
+        return stepped
+
+    monkeypatch.setattr(stale, "flush", then_a_newer_run_starts)
+    with pytest.raises(LeaseLost):
+        stale.plan.delegate([SubtaskSpec(description="a", message="work")], "parallel", "call-1")
+    assert stale.fenced
+    after = coord.get_task(task.id)
+    assert (after.status, after.child_ids) == (TaskStatus.ACTIVE, []), "nothing committed"
+    with pytest.raises(LeaseLost):
+        stale.plan.update_todos("[x] a\n[ ] b\n[ ] c")
+    assert [t.content for t in coord.get_todos(task.id)] == ["a", "b"], "the plan as it was"
+    assert [t.status for t in coord.get_todos(task.id)] == ["pending", "pending"]
 
 
 def test_a_run_that_lost_its_lease_parks_nothing_beside_the_newer_runs_call(coord: Coordinator) -> None:

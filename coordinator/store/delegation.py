@@ -17,7 +17,7 @@ from typing import cast
 from redis.client import Pipeline
 
 from coordinator import todos as todo_lists
-from coordinator.errors import NotFoundError
+from coordinator.errors import FencedError, NotFoundError
 from coordinator.ids import root_of
 from coordinator.models import Batch, BatchRef, TaskRecord, TaskStatus, TodoItem
 from coordinator.replies import BatchClosed, ChildSettled
@@ -45,18 +45,21 @@ class DelegationStore(Part):
     # -- transactions ------------------------------------------------------------------
 
     @translate_redis_errors
-    def update_todos(self, task_id: str, change: Callable[[TaskRecord, list[TodoItem]], Merged]) -> list[TodoItem]:
+    def update_todos(
+        self, task_id: str, change: Callable[[TaskRecord, list[TodoItem]], Merged], *, token: str = ""
+    ) -> list[TodoItem]:
         """Replace a task's todo list with `change(record, old).items`, atomically.
 
         The figures of the old rows that found no new row (`orphans`) move to the
         task's unlinked spend in the same transaction, so no child's cost leaves the
-        plan. `change` may raise to refuse; then nothing is written.
+        plan. `change` may raise to refuse; then nothing is written. A run's own update
+        passes its lease's `token`: `FencedError`, nothing written, once another run holds it.
         """
         root = root_of(task_id)
         task_key, todos_key = self.keys.task(root, task_id), self.keys.todos(root, task_id)
 
         def body(pipe: Pipeline) -> list[TodoItem]:
-            record, old = self._read_watched(pipe, task_id)
+            record, old = self._read_watched(pipe, task_id, token)
             merged = change(record, old)
             pipe.multi()
             self.core.write_todos(pipe, todos_key, merged.items)
@@ -75,18 +78,22 @@ class DelegationStore(Part):
         self,
         parent_id: str,
         plan: Callable[[TaskRecord, list[TodoItem]], tuple[Batch, list[TaskRecord], list[TodoItem]]],
+        *,
+        token: str = "",
     ) -> tuple[Batch, list[TaskRecord]]:
         """Commit a delegation in one transaction, or write nothing.
 
         `plan(parent, todos)` validates against the watched state and returns the
         batch, the child records and the parent's new todo list; it raises to refuse.
+        A run's delegation passes its lease's `token`: `FencedError`, nothing written,
+        once another run holds it.
         """
         root = root_of(parent_id)
         k = self.keys
         parent_key, todos_key = k.task(root, parent_id), k.todos(root, parent_id)
 
         def body(pipe: Pipeline) -> tuple[Batch, list[TaskRecord]]:
-            parent, old_todos = self._read_watched(pipe, parent_id)
+            parent, old_todos = self._read_watched(pipe, parent_id, token)
             batch, children, new_todos = plan(parent, old_todos)
             ancestors_raw, chain_raw = cast(
                 list[str | None], pipe.hmget(parent_key, [TaskField.ANCESTORS, TaskField.BUDGET_CHAIN])
@@ -146,9 +153,14 @@ class DelegationStore(Part):
         self.core.index(children)
         return batch, children
 
-    def _read_watched(self, pipe: Pipeline, task_id: str) -> tuple[TaskRecord, list[TodoItem]]:
+    def _read_watched(self, pipe: Pipeline, task_id: str, token: str = "") -> tuple[TaskRecord, list[TodoItem]]:
         root = root_of(task_id)
         # A watching pipeline runs commands immediately, so these are replies.
+        if token and pipe.get(self.keys.lease(root, task_id)) != token:
+            # The run's lease is gone to a newer run of the task (or lapsed: the newer run may start any moment).
+            # A newer run that starts after this read writes the watched task hash (start_run.lua), so the
+            # transaction's EXEC fails, and this read, made again, refuses it.
+            raise FencedError(f"The run of task {task_id} no longer holds its lease", field="task_id")
         raw = _str_map(pipe.hgetall(self.keys.task(root, task_id)))
         if not raw:
             raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
