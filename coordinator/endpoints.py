@@ -115,11 +115,14 @@ def recovered(plane: Plane, endpoint: str, model: str = "") -> None:
         log.info("subq: %s%s is back; waking %d parked runs", endpoint, f" ({model})" if model else "", len(parked))
 
 
-def park(plane: Plane, task: TaskRecord, endpoint: str, model: str, wake_at_s: float, since_ms: int) -> None:
+def park(
+    plane: Plane, task: TaskRecord, endpoint: str, model: str, wake_at_s: float, since_ms: int, token: str = ""
+) -> bool:
     """Before a run gives its worker back to wait for a view of `endpoint` (`model`'s, or with "" its
-    host's): its timer, and its first wait's time."""
+    host's): its timer, and its first wait's time; only while the run of lease `token` holds the lease ('' for
+    a park no run makes). False, with nothing written, when it does not."""
     keep_s = KEEP_MS / 1000 + max(0.0, wake_at_s - since_ms / 1000)
-    plane.store.endpoints.park(endpoint, model, task.id, timer(task.id), wake_at_s, since_ms, keep_s)
+    return plane.store.endpoints.park(endpoint, model, task.id, timer(task.id), wake_at_s, since_ms, keep_s, token)
 
 
 def wake(plane: Plane, task_id: str) -> None:

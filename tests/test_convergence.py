@@ -892,6 +892,32 @@ def test_a_run_that_lost_its_lease_delegates_nothing_and_leaves_the_plan_alone(
     assert [t.status for t in coord.get_todos(task.id)] == ["pending", "pending"]
 
 
+def test_a_run_that_lost_its_lease_parks_nothing_on_its_provider(coord: Coordinator) -> None:
+    """A run, its provider's wait open, stalls past its lapse just before it parks, and the task's newer run starts: the
+    stale park writes nothing (no timer, no wait's time, no delivery count reset on the newer run's task) and
+    the run ends lost (before, the newer run's next failed request counted its wait from the stale run's time,
+    and could give up at once)."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    stale = lifecycle.start(task.id)
+    assert isinstance(stale, Run)
+    stale.provider.waiting("api.example:443", waiting=True)  # its wait opened, written with a step
+    coord.client.delete(coord.store.keys.lease(task.id, task.id))  # it stalled past its lapse
+    newer = lifecycle.start(task.id)
+    assert isinstance(newer, Run)
+    deliveries = coord.client.hget(coord.store.keys.task(task.id, task.id), "deliveries")
+    timers = coord.client.zrange(coord.store.keys.timers(), 0, -1)
+
+    with pytest.raises(LeaseLost):
+        stale.provider.park("api.example:443", "", time.time() + 30, int(time.time() * 1000) - 600_000)
+    assert stale.fenced
+    assert coord.store.endpoints.wait_since_ms(task.id) is None, "no wait on the newer run's task"
+    assert coord.client.hget(coord.store.keys.task(task.id, task.id), "deliveries") == deliveries
+    assert coord.client.zrange(coord.store.keys.timers(), 0, -1) == timers, "no timer"
+    assert task.id not in coord.client.zrange(coord.store.keys.endpoint_parked("api.example:443", ""), 0, -1)
+
+
 def test_a_run_that_lost_its_lease_parks_nothing_beside_the_newer_runs_call(coord: Coordinator) -> None:
     """A run stalled past its lapse after its last step, and a newer run of its task parked a call of its own;
     the stale run's calls, parked late, are not saved (no approval, no notice, no deadline) and the task's

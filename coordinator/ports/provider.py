@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from coordinator import endpoints
-from coordinator.ports.steps import Released, Steps
+from coordinator.ports.steps import LeaseLost, Released, Steps
 from coordinator.replies import EndpointState
 
 if TYPE_CHECKING:
@@ -87,6 +87,9 @@ class ProviderPort:
         """The run gives its worker back until `wake_at_s` (or until the view of `endpoint` it waits for,
         `model`'s or with "" its host's, is back): its timer is set first, then `end` saves it and frees its
         lease and slot."""
+        run = self._run
         self.waiting(endpoint, waiting=True)
-        endpoints.park(self._plane, self._run.task, endpoint, model, wake_at_s, since_ms)
+        if not endpoints.park(self._plane, run.task, endpoint, model, wake_at_s, since_ms, run.token):
+            run.step.fenced = True  # it stalled past its lease's lapse: the task is its newer run's
+            raise LeaseLost(run.task.id)
         return Released("waiting_provider", wake_at_s=wake_at_s)

@@ -18,7 +18,7 @@ from coordinator.ids import root_of
 from coordinator.replies import HOST, MODEL, EndpointState, TransientCount
 from coordinator.store.base import Part, _str_map, _strs, translate_redis_errors
 from coordinator.store.fields import TaskField
-from coordinator.store.protocol import ClearWait, EndpointFailed, EndpointGate
+from coordinator.store.protocol import ClearWait, EndpointFailed, EndpointGate, EndpointPark
 
 __all__ = ["EndpointStore"]
 
@@ -82,20 +82,29 @@ class EndpointStore(Part):
 
     @translate_redis_errors
     def park(
-        self, endpoint: str, model: str, task_id: str, timer: str, wake_at_s: float, since_ms: int, keep_s: float
-    ) -> None:
+        self,
+        endpoint: str,
+        model: str,
+        task_id: str,
+        timer: str,
+        wake_at_s: float,
+        since_ms: int,
+        keep_s: float,
+        token: str = "",
+    ) -> bool:
         """A run gives its worker back until `wake_at_s`: its timer, its place on the parked list of the
         view it waits for (`model`'s, or with "" its host's), and when its wait began (kept on the task,
-        so its `model_wait_out_s` counts from there)."""
-        parked = self.keys.endpoint_parked(endpoint, model)
-        task = self.keys.task(root_of(task_id), task_id)
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.zadd(self.keys.timers(), {timer: wake_at_s})  # first: a crash after it still wakes the task
-            pipe.zadd(parked, {task_id: wake_at_s})
-            pipe.expire(parked, int(keep_s))
-            # A wait is not a loss: SUBQ_MAX_DELIVERIES counts runs lost with their worker.
-            pipe.hset(task, mapping={TaskField.PROVIDER_WAIT_SINCE_MS: since_ms, TaskField.DELIVERIES: 0})
-            pipe.execute()
+        so its `model_wait_out_s` counts from there), in one step (endpoint_park.lua); only while the run of
+        lease `token` holds the lease ('' for a park no run makes: not checked). False, with nothing written,
+        when it does not."""
+        root = root_of(task_id)
+        return self.scripts(
+            EndpointPark(
+                timers=self.keys.timers(), parked=self.keys.endpoint_parked(endpoint, model),
+                task=self.keys.task(root, task_id), lease=self.keys.lease(root, task_id), timer=timer,
+                wake_at_s=wake_at_s, task_id=task_id, keep_s=int(keep_s), since_ms=since_ms, token=token,
+            )
+        )  # fmt: skip
 
     @translate_redis_errors
     def wake_now(self, timers: list[str]) -> None:

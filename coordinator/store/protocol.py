@@ -1663,6 +1663,28 @@ class MarkToolStarted(
 
 
 @dataclass(frozen=True, kw_only=True)
+class EndpointPark(
+    Call[bool],
+    script="endpoint_park",
+    returns="1 when parked, 0 when the lease is not the run's (nothing written).",
+):
+    timers: str = key("the fleet's timers zset")
+    parked: str = key("the view's parked list")
+    task: str = key("the task hash")
+    lease: str = key("its lease")
+    timer: str = arg("the task's timer")
+    wake_at_s: float = arg("when it wakes (epoch s)")
+    task_id: str = arg("task id")
+    keep_s: int = arg("how long the parked list is kept, seconds")
+    since_ms: int = arg("when its wait began, epoch ms")
+    token: str = arg("the run's token ('' for a park of no run's: not checked)")
+
+    @classmethod
+    def decode(cls, raw: Any) -> bool:
+        return bool(int(raw))
+
+
+@dataclass(frozen=True, kw_only=True)
 class KeepCompaction(
     Call[str],
     script="keep_compaction",
