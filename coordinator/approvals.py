@@ -20,6 +20,7 @@ that run's release resumes the task. Only that task resumes; its siblings go on.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,7 +80,7 @@ def park(plane: Plane, task: TaskRecord, calls: Sequence[ToolCall], token: str =
     todo = next((t for t in parent_items if t.id == task.todo_id), None)
     now = time.time()
     timeout_s = plane.settings.approval_timeout_s
-    made = []
+    made: list[Approval] = []
     for call in calls:
         approval = Approval(
             id=ids.new_approval_id(task.root_id),
@@ -97,11 +98,21 @@ def park(plane: Plane, task: TaskRecord, calls: Sequence[ToolCall], token: str =
         plane.store.convergence.add_timer(expiry_timer(approval.id), approval.deadline)
         if not plane.store.approvals.save_approval(approval, token):
             plane.store.convergence.remove_timers([expiry_timer(approval.id)])  # its approval was never saved
+            _withdraw(plane, made)
             return None
         made.append(approval)
     if not plane.store.runs.set_waiting_approvals(task.id, [a.id for a in made], token):
+        _withdraw(plane, made)
         return None
     return made
+
+
+def _withdraw(plane: Plane, made: Sequence[Approval]) -> None:
+    """A park refused part-way: the calls it saved before expire, so no person decides a call no run will make
+    (a stop expired them already: deciding again changes nothing)."""
+    for approval in made:
+        with contextlib.suppress(StateError):
+            _decide(plane, approval, "expired", "its run stopped before it asked for all its calls")
 
 
 def expiry_timer(approval_id: str) -> str:

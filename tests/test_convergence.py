@@ -918,6 +918,42 @@ def test_a_run_that_lost_its_lease_parks_nothing_on_its_provider(coord: Coordina
     assert task.id not in coord.client.zrange(coord.store.keys.endpoint_parked("api.example:443", ""), 0, -1)
 
 
+def test_a_park_its_run_lost_the_lease_in_the_middle_of_leaves_no_call_waiting(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run parks two calls and stalls past its lapse after saving the first; the task's newer run starts. The
+    second is not saved, and the first, saved while the run held the lease, expires: no person is left to
+    decide a call no run will make, and the newer run is neither resumed nor shown waiting."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    stale = lifecycle.start(task.id)
+    assert isinstance(stale, Run)
+    save = ApprovalStore.save_approval
+    saved: list[str] = []
+
+    def stalls_after_the_first(store: ApprovalStore, approval: Approval, token: str = "") -> bool:
+        if saved:
+            coord.client.delete(coord.store.keys.lease(task.id, task.id))
+            assert isinstance(lifecycle.start(task.id), Run), "the task's newer run"
+        done = save(store, approval, token)
+        saved.append(approval.id)
+        return done
+
+    monkeypatch.setattr(ApprovalStore, "save_approval", stalls_after_the_first)
+    assert approvals.park(stale._plane, stale.task, [ToolCall("run_command", {"n": n}, f"c{n}") for n in range(2)],
+                          stale.token) is None  # fmt: skip
+    first, second = saved
+    assert coord.store.approvals.get_approval(first).status == "expired"
+    with pytest.raises(NotFoundError):
+        coord.store.approvals.get_approval(second)
+    assert approvals.list_pending(coord.plane, task.root_id) == []
+    assert coord.store.runs.waiting_approval_ids(task.id) == [], "the newer run's list, as it was"
+    assert expiry_timer(first) not in coord.client.zrange(coord.store.keys.timers(), 0, -1)
+    assert queued_ids(coord) == [] and coord.client.llen(QUEUE) == 0, "nothing published: the newer run has it"
+    assert coord.store.events.live(task.root_id)[task.id]["state"] == "running"
+
+
 def test_a_run_that_lost_its_lease_parks_nothing_beside_the_newer_runs_call(coord: Coordinator) -> None:
     """A run stalled past its lapse after its last step, and a newer run of its task parked a call of its own;
     the stale run's calls, parked late, are not saved (no approval, no notice, no deadline) and the task's
