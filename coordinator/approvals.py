@@ -20,14 +20,13 @@ that run's release resumes the task. Only that task resumes; its siblings go on.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from coordinator import dispatch, ids
-from coordinator.errors import NotFoundError, StateError, ValidationError
+from coordinator.errors import FencedError, NotFoundError, StateError, ValidationError
 from coordinator.models import Approval, TaskRecord
 
 if TYPE_CHECKING:
@@ -72,10 +71,12 @@ def park(plane: Plane, task: TaskRecord, calls: Sequence[ToolCall], token: str =
 
     None when the task was stopped before its calls were saved (a cancel between the run's last step and
     this): a call saved after the stop's mark would wait on a person, and notify one, for a run that is over,
-    so none is saved from there on, and the stop expires those saved before its mark. None too when the run
-    of lease `token` lost the lease meanwhile (it stalled past its lapse; a newer run of the task may have
-    started and parked calls of its own): nothing more is saved, and the task's list of the calls its last
-    run asked for stays the newer run's. ('' for a park no run makes: not checked.)"""
+    so none is saved from there on, and the stop expires those saved before its mark.
+
+    Raises `FencedError` when the run of lease `token` lost the lease meanwhile (it stalled past its lapse; a
+    newer run of the task may have started and parked calls of its own): nothing more is saved, and the task's
+    list of the calls its last run asked for stays the newer run's. ('' for a park no run makes: not checked.)
+    Either way the calls this park saved before expire, ending no wait (`_withdraw`)."""
     parent_items = plane.store.records.get_todos(task.parent_id) if task.parent_id else []
     todo = next((t for t in parent_items if t.id == task.todo_id), None)
     now = time.time()
@@ -96,23 +97,28 @@ def park(plane: Plane, task: TaskRecord, calls: Sequence[ToolCall], token: str =
         )
         # The timer first: a timer whose approval was never saved finds nothing to expire.
         plane.store.convergence.add_timer(expiry_timer(approval.id), approval.deadline)
-        if not plane.store.approvals.save_approval(approval, token):
+        saved = plane.store.approvals.save_approval(approval, token)
+        if saved in ("ended", "fenced"):
             plane.store.convergence.remove_timers([expiry_timer(approval.id)])  # its approval was never saved
             _withdraw(plane, made)
+            if saved == "fenced":
+                raise FencedError(f"The run of task {task.id} no longer holds its lease", field="task_id")
             return None
         made.append(approval)
     if not plane.store.runs.set_waiting_approvals(task.id, [a.id for a in made], token):
         _withdraw(plane, made)
-        return None
+        raise FencedError(f"The run of task {task.id} no longer holds its lease", field="task_id")
     return made
 
 
 def _withdraw(plane: Plane, made: Sequence[Approval]) -> None:
     """A park refused part-way: the calls it saved before expire, so no person decides a call no run will make
-    (a stop expired them already: deciding again changes nothing)."""
+    (a stop expired them already: deciding again changes nothing). A withdrawal ends no wait of the task (its
+    newer run's, or the reconciler's to publish again), so it resumes nothing."""
+    feedback = "its run stopped before it asked for all its calls"
     for approval in made:
-        with contextlib.suppress(StateError):
-            _decide(plane, approval, "expired", "its run stopped before it asked for all its calls")
+        plane.store.approvals.decide(approval.id, "expired", feedback, grace_s=0, withdraw=True)
+    plane.store.convergence.remove_timers([expiry_timer(a.id) for a in made])
 
 
 def expiry_timer(approval_id: str) -> str:

@@ -26,6 +26,7 @@ from coordinator import (
 )
 from coordinator.approvals import ToolCall, expiry_timer, undecided
 from coordinator.celery_app import make_app
+from coordinator.errors import FencedError
 from coordinator.local.embedded_redis import local_redis
 from coordinator.models import Approval, SubtaskSpec, TaskRecord, live_status
 from coordinator.plane import Plane
@@ -923,7 +924,8 @@ def test_a_park_its_run_lost_the_lease_in_the_middle_of_leaves_no_call_waiting(
 ) -> None:
     """A run parks two calls and stalls past its lapse after saving the first; the task's newer run starts. The
     second is not saved, and the first, saved while the run held the lease, expires: no person is left to
-    decide a call no run will make, and the newer run is neither resumed nor shown waiting."""
+    decide a call no run will make, and the newer run is neither resumed nor shown waiting, nor its timeline
+    marked: the expiry ends no wait of the task. The stale run ends lost."""
     task = coord.create_task(agent(reply("x")), run=True)
     coord.client.delete(QUEUE)
     lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
@@ -931,19 +933,24 @@ def test_a_park_its_run_lost_the_lease_in_the_middle_of_leaves_no_call_waiting(
     assert isinstance(stale, Run)
     save = ApprovalStore.save_approval
     saved: list[str] = []
+    task_key = coord.store.keys.task(task.id, task.id)
+    newer_timeline: list[str] = []
 
-    def stalls_after_the_first(store: ApprovalStore, approval: Approval, token: str = "") -> bool:
+    def stalls_after_the_first(store: ApprovalStore, approval: Approval, token: str = "") -> str:
         if saved:
             coord.client.delete(coord.store.keys.lease(task.id, task.id))
             assert isinstance(lifecycle.start(task.id), Run), "the task's newer run"
+            newer_timeline.append(coord.client.hget(task_key, "timeline"))
         done = save(store, approval, token)
         saved.append(approval.id)
         return done
 
     monkeypatch.setattr(ApprovalStore, "save_approval", stalls_after_the_first)
-    assert approvals.park(stale._plane, stale.task, [ToolCall("run_command", {"n": n}, f"c{n}") for n in range(2)],
-                          stale.token) is None  # fmt: skip
+    with pytest.raises(LeaseLost):
+        stale.approvals.park([ToolCall("run_command", {"n": n}, f"c{n}") for n in range(2)])
+    assert stale.fenced
     first, second = saved
+    assert coord.client.hget(task_key, "timeline") == newer_timeline[0], "the newer run's timeline, unmarked"
     assert coord.store.approvals.get_approval(first).status == "expired"
     with pytest.raises(NotFoundError):
         coord.store.approvals.get_approval(second)
@@ -970,10 +977,8 @@ def test_a_run_that_lost_its_lease_parks_nothing_beside_the_newer_runs_call(coor
     (asked,) = newer.approvals.park([ToolCall("run_command", {"command": "ls"}, "call-new")])
     timers_before = coord.client.zrange(coord.store.keys.timers(), 0, -1)
 
-    late = approvals.park(
-        stale._plane, stale.task, [ToolCall("run_command", {"command": "rm"}, "call-old")], stale.token
-    )
-    assert late is None, "fenced: nothing parked"
+    with pytest.raises(FencedError):
+        approvals.park(stale._plane, stale.task, [ToolCall("run_command", {"command": "rm"}, "call-old")], stale.token)
     assert coord.store.runs.waiting_approval_ids(task.id) == [asked], "the newer run's list stands"
     assert undecided(coord.plane, task.id) == [asked]
     requested = [d for d in coord.store.outbox.deliveries(task.id) if d.get("type") == "approval.requested"]

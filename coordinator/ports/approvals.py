@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from coordinator import approvals
 from coordinator.approvals import Decision, ToolCall
 from coordinator.models import Batch, Mark
-from coordinator.ports.steps import RunStopped, Steps
+from coordinator.ports.steps import RunStopped, Steps, fenced_writes
 from coordinator.timeline import WAIT_PREFIX
 
 if TYPE_CHECKING:
@@ -41,8 +41,9 @@ class ApprovalPort:
         # Its task waits on a person from now (written with this step): a decision may come before the run ends.
         run.writes.marks.append(Mark(t_ms=int(time.time() * 1000), state=f"{WAIT_PREFIX}approval"))
         run.flush(or_stop=True)
-        made = approvals.park(self._plane, run.task, calls, run.token)
-        if made is None:  # stopped after that step, as `flush` says of a stop it reads (or fenced: its end says so)
+        with fenced_writes(run):
+            made = approvals.park(self._plane, run.task, calls, run.token)
+        if made is None:  # stopped after that step: as `flush` says of a stop it reads
             raise RunStopped(run.task.id)
         return [a.id for a in made]
 

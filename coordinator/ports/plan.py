@@ -3,14 +3,13 @@ step, and never after its task was stopped (a stop already shown as final)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
 from coordinator import delegation
-from coordinator.errors import FencedError
 from coordinator.models import Batch, DelegationMode, SubtaskSpec, TaskRecord, TodoItem
-from coordinator.ports.steps import LeaseLost, Steps
+from coordinator.ports.steps import Steps, fenced_writes
 
 if TYPE_CHECKING:
     from coordinator.plane import Plane
@@ -44,7 +43,7 @@ class PlanPort:
         """Replace the task's plan. Raises `LeaseLost` (nothing written) when another run owns the task now."""
         run = self._run
         run.flush(or_stop=True)  # the conversation that asked for it is saved first
-        with _fenced(run):
+        with fenced_writes(run):
             updated = self._coord.update_todos(run.task.id, update, token=run.token)
         run.step.wrote_own_state()  # its answer has no journal: the step before the next request saves it
         return updated
@@ -58,17 +57,9 @@ class PlanPort:
         run = self._run
         run.flush(or_stop=True)  # a resumed run must find the call that made the delegation in its history
         task_id = run.task.id
-        with self._hooks.span("subq.delegate", task_id=task_id, children=len(subtasks), mode=str(mode)), _fenced(run):
+        with (
+            self._hooks.span("subq.delegate", task_id=task_id, children=len(subtasks), mode=str(mode)),
+            fenced_writes(run),
+        ):
             self.delegation = delegation.commit(self._plane, task_id, subtasks, mode, tool_call_id, run.token)
         return self.delegation
-
-
-@contextmanager
-def _fenced(run: Steps) -> Iterator[None]:
-    """A write refused because the run stalled past its lease's lapse (`FencedError`) ends the run as lost: the
-    newer run of its task owns the task, and its plan."""
-    try:
-        yield
-    except FencedError:
-        run.step.fenced = True
-        raise LeaseLost(run.task.id) from None

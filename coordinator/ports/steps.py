@@ -10,9 +10,12 @@ figures, the waits it has open, and `flush` / `stepped`), never the run's life (
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from coordinator.errors import FencedError
 from coordinator.models import Mark, RunWrites, TaskRecord, live_status
 from coordinator.replies import Ending, Stepped
 from coordinator.timeline import WAIT_PREFIX
@@ -29,6 +32,7 @@ __all__ = [
     "StepState",
     "Steps",
     "Waits",
+    "fenced_writes",
 ]
 
 # Live status carries an excerpt of the latest model text, not the whole of it.
@@ -226,3 +230,15 @@ class Steps(Protocol):
         ...
 
     def say(self, kind: str, text: str) -> None: ...
+
+
+@contextmanager
+def fenced_writes(run: Steps) -> Iterator[None]:
+    """A write of the run's own that is not a step, refused because the run stalled past its lease's lapse
+    (`FencedError`: a delegation, a todo update, an approval's park), ends the run as lost: the newer run of its
+    task owns the task now."""
+    try:
+        yield
+    except FencedError:
+        run.step.fenced = True
+        raise LeaseLost(run.task.id) from None

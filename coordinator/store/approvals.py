@@ -32,12 +32,12 @@ class ApprovalStore(Part):
     """Approval records, the fleet-wide pending list, and deciding one atomically."""
 
     @translate_redis_errors
-    def save_approval(self, approval: Approval, token: str = "") -> bool:
+    def save_approval(self, approval: Approval, token: str = "") -> str:
         """The approval, on the pending list, and its `approval.requested` event in the tree's outbox, in one
         step (save_approval.lua): a waiting approval is never without its notice (docs/webhooks.md), and the
-        same approval saved again (a call sent again after its reply was lost) sends it once. False, with
-        nothing written, when its task has ended (stopped since its run's last step), or when the run of lease
-        `token` no longer holds the lease ('' for a save no run makes: not checked)."""
+        same approval saved again (a call sent again after its reply was lost) sends it once ('before'). 'ended',
+        with nothing written, when its task has ended (stopped since its run's last step); 'fenced' when the run
+        of lease `token` no longer holds the lease ('' for a save no run makes: not checked); else 'saved'."""
         arguments = json.dumps(approval.args, ensure_ascii=False)
         if len(arguments) > MAX_EVENT_ARGS_CHARS:
             arguments = arguments[: MAX_EVENT_ARGS_CHARS - 1] + "…"
@@ -72,10 +72,21 @@ class ApprovalStore(Part):
         return _strs(self.client.zrange(self.keys.approvals(), 0, -1))
 
     @translate_redis_errors
-    def decide(self, approval_id: str, status: str, feedback: str, decided_by: str = "", *, grace_s: float) -> str:
+    def decide(
+        self,
+        approval_id: str,
+        status: str,
+        feedback: str,
+        decided_by: str = "",
+        *,
+        grace_s: float,
+        withdraw: bool = False,
+    ) -> str:
         """Decide a pending approval once, naming who decided (decide.lua): 'resume' when the decision ended its
         task's wait and the caller publishes the resume, 'ok' when decided otherwise, or its status when it was
-        not pending. A decision that ends the wait puts the task on the due list, to look at in `grace_s`."""
+        not pending. A decision that ends the wait puts the task on the due list, to look at in `grace_s`.
+        `withdraw`: the expiry of a call whose run stopped before it asked for all its calls, which ends no
+        task's wait ('ok')."""
         root, now = root_of(approval_id), time.time()
         return self.scripts(
             Decide(
@@ -84,6 +95,6 @@ class ApprovalStore(Part):
                 now=now, events_maxlen=EVENTS_MAXLEN, task_prefix=self.keys.task(root, ""),
                 approval_prefix=self.keys.approval(root, ""), decided_by=decided_by,
                 outbox=outbox_keys(self.keys, root), retention_s=self.retention_s, due=self.keys.due(),
-                lease_prefix=self.keys.lease(root, ""), look_at=now + grace_s,
+                lease_prefix=self.keys.lease(root, ""), look_at=now + grace_s, withdraw="1" if withdraw else None,
             )
         )  # fmt: skip

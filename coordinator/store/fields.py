@@ -100,18 +100,22 @@ class TaskField:
     # -- bookkeeping only in Redis -----------------------------------------------------
     TODOS_VERSION: Final = "todos_version"  # bumped on every change of the todo list (apply_children)
     PUBLISHED: Final = "published"  # once-only claim, its claimer's token: the task's run (a chain step) was published
-    DELIVERIES: Final = "deliveries"  # deliveries of the current run; reset to 0 on a batch resume (finish_batch)
+    # Deliveries of the current run; reset to 0 on a batch resume (finish_batch) and a park on the provider
+    # (endpoint_park).
+    DELIVERIES: Final = "deliveries"
     RUN_SEQ: Final = "run_seq"  # runs of the task ever; keeps request keys unique
     RESUMES: Final = "resumes"  # times the task was resumed (finish_batch, claim_resume)
     RESUME_BATCH_ID: Final = "resume_batch_id"  # the batch whose result the resumed run answers (finish_batch)
-    WAITING_APPROVAL_IDS: Final = "waiting_approval_ids"  # JSON list of the approvals its last run asked for
+    # JSON list of the approvals its last run asked for (set_waiting_approvals, while the run holds the lease).
+    WAITING_APPROVAL_IDS: Final = "waiting_approval_ids"
     TRANSIENT_ERRORS: Final = "transient_errors"  # provider errors waited out so far (a count)
     # The failed attempts of the request now in flight (a count), kept across parks for the `wait_out` UI
     # line's attempt number; deleted when a request is answered, by a run that still holds the lease (clear_wait).
     PROVIDER_ATTEMPTS: Final = "provider_attempts"
     # When its run began waiting for its provider (ms), kept while the run gives its worker back, so
     # `model_wait_out_s` counts from the first failure, not from each wake (coordinator/endpoints.py); while
-    # set, the task's provider timer may wake it. Cleared with PROVIDER_ATTEMPTS (clear_wait).
+    # set, the task's provider timer may wake it. Set by endpoint_park, cleared with PROVIDER_ATTEMPTS
+    # (clear_wait), each only while the run holds the lease.
     PROVIDER_WAIT_SINCE_MS: Final = "provider_wait_since_ms"
     REPAIRS: Final = "repairs"  # runs the reconciler published again after one was lost (a count)
     # A step sent again by the connection after it ran (its reply lost) knows itself by these, and writes

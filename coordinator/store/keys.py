@@ -21,7 +21,8 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 |                                       |        | moment the call returned: a run resumed after its  |          |
 |                                       |        | worker died replays it instead of calling again;   |          |
 |                                       |        | `started:<call id>` -> 1 as a call a human         |          |
-|                                       |        | approved starts (a resume must not rerun it)       |          |
+|                                       |        | approved starts (a resume must not rerun it;       |          |
+|                                       |        | mark_tool_started, while the run holds the lease)  |          |
 | `<p>:{root}:compactions:<id>`         | list   | the task's compaction records, oldest first (JSON: | retention |
 |                                       |        | which journal messages the model no longer reads   |          |
 |                                       |        | whole, the summary, tokens before and after),      |          |

@@ -559,6 +559,11 @@ class Decide(
     retention_s: int = arg("retention seconds")
     lease_prefix: str = arg("the prefix of the tree's leases (named from the approval's record, as the task's hash)")
     look_at: float = arg("when the reconciler looks at the task whose wait this decision ends (epoch s)")
+    withdraw: str | None = arg(
+        "'1': a withdrawal, the expiry of a call whose run stopped before it asked for all its calls: it ends no "
+        "task's wait (the task is its newer run's, or the reconciler's)",
+        optional=True,
+    )
 
     @classmethod
     def decode(cls, raw: Any) -> str:
@@ -1082,7 +1087,7 @@ class ClaimResume(
 
 @dataclass(frozen=True, kw_only=True)
 class SaveApproval(
-    Call[bool],
+    Call[str],
     script="save_approval",
     uses=("outbox_add",),
     returns="1 when saved, 0 when it was saved before, -1 when its task has ended, -2 when the lease is not the "
@@ -1102,10 +1107,11 @@ class SaveApproval(
     record: Sequence[str] = args("the record's fields and values, in pairs")
 
     @classmethod
-    def decode(cls, raw: Any) -> bool:
-        """False when the task has ended (its run was stopped before its call was saved), or when the run lost
-        its lease (it stalled past its lapse: a newer run of the task may have started)."""
-        return int(raw) >= 0
+    def decode(cls, raw: Any) -> str:
+        """'saved', 'before' (saved before: this very save sent again), 'ended' (its task has ended: its run was
+        stopped before its call was saved) or 'fenced' (its run lost the lease: it stalled past its lapse, and a
+        newer run of the task may have started)."""
+        return {1: "saved", 0: "before", -1: "ended"}.get(int(raw), "fenced")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,8 @@
 -- ARGV[9] int: retention seconds
 -- ARGV[10] str: the prefix of the tree's leases (named from the approval's record, as the task's hash)
 -- ARGV[11] float: when the reconciler looks at the task whose wait this decision ends (epoch s)
+-- ARGV[12] (optional) str: '1': a withdrawal, the expiry of a call whose run stopped before it asked for
+--   all its calls: it ends no task's wait (the task is its newer run's, or the reconciler's)
 -- Returns 'resume' when this decision (or this very decision sent again after it ran) ended its task's
 --   wait and no run holds the task's lease: its caller publishes the resume; 'ok' when it was decided
 --   otherwise; or the approval's status when it was not pending (or 'missing').
@@ -35,7 +37,7 @@ end
 -- Whether the approvals of `task_id` leave its wait ended: none of those it waits on pending, the task
 -- not ended; then 'resume' unless a run holds its lease, else 'ok'. `watch`: put it on the due list too.
 local function ends_wait(task_id, watch)
-  if not task_id or not ARGV[6] then
+  if not task_id or ARGV[12] == '1' then
     return 'ok'
   end
   local task_key = ARGV[6] .. task_id
