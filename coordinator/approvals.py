@@ -102,12 +102,12 @@ def park(plane: Plane, task: TaskRecord, calls: Sequence[ToolCall], token: str =
             plane.store.convergence.remove_timers([expiry_timer(approval.id)])  # its approval was never saved
             _withdraw(plane, made)
             if saved == "fenced":
-                raise FencedError(f"The run of task {task.id} no longer holds its lease", field="task_id")
+                raise FencedError.of(task.id)
             return None
         made.append(approval)
     if not plane.store.runs.set_waiting_approvals(task.id, [a.id for a in made], token):
         _withdraw(plane, made)
-        raise FencedError(f"The run of task {task.id} no longer holds its lease", field="task_id")
+        raise FencedError.of(task.id)
     return made
 
 

@@ -101,6 +101,10 @@ class FencedError(StateError):
     """A run's write refused because the run no longer holds its task's lease: it stalled past the lease's lapse,
     and a newer run of the task may own it now. The run stops without writing (`LeaseLost`)."""
 
+    @classmethod
+    def of(cls, task_id: str) -> FencedError:
+        return cls(f"The run of task {task_id} no longer holds its lease", field="task_id")
+
 
 class QuotaExceeded(SubqError):
     """A tenant's quota (coordinator/quotas.py) refuses a new root: HTTP 429 with Retry-After, the same text on

@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from coordinator import faults
-from coordinator.ports.steps import LeaseLost, Steps
+from coordinator.ports.steps import Steps, lose_lease
 
 if TYPE_CHECKING:
     from coordinator.plane import Plane
@@ -39,7 +39,6 @@ class CompactionPort:
         ui = json.dumps({"ts": time.time(), "type": "say", "say": "context_compacted", "text": text})
         kept = self._plane.store.compaction.keep(run.task, run.token, number, record, ui)
         if kept == "fenced":
-            run.step.fenced = True
-            raise LeaseLost(run.task.id)
+            lose_lease(run)
         faults.crash_point(self._plane.settings, "after-compaction")
         return kept == "kept"

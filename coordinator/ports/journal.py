@@ -12,7 +12,7 @@ from pydantic import TypeAdapter
 
 from coordinator import quotas
 from coordinator.models import Spend, ToolCallDone, Usage
-from coordinator.ports.steps import LeaseLost, Steps
+from coordinator.ports.steps import Steps, lose_lease
 
 if TYPE_CHECKING:
     from coordinator.plane import Plane
@@ -86,5 +86,4 @@ class ToolJournal:
         without this note and may run the call itself, so this one must not."""
         run = self._run
         if not self._plane.store.runs.mark_tool_started(run.task.id, tool_call_id, run.token):
-            run.step.fenced = True
-            raise LeaseLost(run.task.id)
+            lose_lease(run)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from coordinator import endpoints
-from coordinator.ports.steps import LeaseLost, Released, Steps
+from coordinator.ports.steps import Released, Steps, lose_lease
 from coordinator.replies import EndpointState
 
 if TYPE_CHECKING:
@@ -90,6 +90,5 @@ class ProviderPort:
         run = self._run
         self.waiting(endpoint, waiting=True)
         if not endpoints.park(self._plane, run.task, endpoint, model, wake_at_s, since_ms, run.token):
-            run.step.fenced = True  # it stalled past its lease's lapse: the task is its newer run's
-            raise LeaseLost(run.task.id)
+            lose_lease(run)
         return Released("waiting_provider", wake_at_s=wake_at_s)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from coordinator.errors import FencedError
 from coordinator.models import Mark, RunWrites, TaskRecord, live_status
@@ -33,6 +33,7 @@ __all__ = [
     "Steps",
     "Waits",
     "fenced_writes",
+    "lose_lease",
 ]
 
 # Live status carries an excerpt of the latest model text, not the whole of it.
@@ -232,13 +233,18 @@ class Steps(Protocol):
     def say(self, kind: str, text: str) -> None: ...
 
 
+def lose_lease(run: Steps) -> NoReturn:
+    """A write of the run's own was refused because the run stalled past its lease's lapse: it must not write
+    again, and ends as lost (`LeaseLost`): the newer run of its task owns the task now."""
+    run.step.fenced = True
+    raise LeaseLost(run.task.id)
+
+
 @contextmanager
 def fenced_writes(run: Steps) -> Iterator[None]:
-    """A write of the run's own that is not a step, refused because the run stalled past its lease's lapse
-    (`FencedError`: a delegation, a todo update, an approval's park), ends the run as lost: the newer run of its
-    task owns the task now."""
+    """A write of the run's own that is not a step, refused as `FencedError` (a delegation, a todo update, an
+    approval's park), ends the run as lost (`lose_lease`)."""
     try:
         yield
     except FencedError:
-        run.step.fenced = True
-        raise LeaseLost(run.task.id) from None
+        lose_lease(run)

@@ -160,7 +160,7 @@ class DelegationStore(Part):
             # The run's lease is gone to a newer run of the task (or lapsed: the newer run may start any moment).
             # A newer run that starts after this read writes the watched task hash (start_run.lua), so the
             # transaction's EXEC fails, and this read, made again, refuses it.
-            raise FencedError(f"The run of task {task_id} no longer holds its lease", field="task_id")
+            raise FencedError.of(task_id)
         raw = _str_map(pipe.hgetall(self.keys.task(root, task_id)))
         if not raw:
             raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
