@@ -410,10 +410,10 @@ def test_a_provider_timer_served_twice_never_restarts_a_run_answered_since(coord
     assert undecided(coord.plane, task.id) == [approval.id], "its approval still waits for its person"
 
 
-def test_a_stale_runs_answer_leaves_a_newer_parks_wait_and_its_timer_wakes_the_task(coord: Coordinator) -> None:
-    """A run that stalled past its lapse gets its answer after the newer run of its task parked for its provider:
-    its answer clears nothing (the lease is not its own), so the newer park's timer still wakes the task."""
-    task = coord.create_task(agent(reply("x")), run=True, webhooks=[{"url": "https://example.com/hook"}])
+def _stale_and_newer(coord: Coordinator, **create: Any) -> tuple[TaskRecord, RunLifecycle, Run, Run]:
+    """A task whose run stalled past its lease's lapse (its lease gone) and whose newer run started: the task,
+    the lifecycle that started both, the stale run and the newer one."""
+    task = coord.create_task(agent(reply("x")), run=True, **create)
     coord.client.delete(QUEUE)
     lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
     stale = lifecycle.start(task.id)
@@ -421,6 +421,13 @@ def test_a_stale_runs_answer_leaves_a_newer_parks_wait_and_its_timer_wakes_the_t
     coord.client.delete(coord.store.keys.lease(task.id, task.id))  # it stalled past its lapse
     newer = lifecycle.start(task.id)  # the task published again, and run
     assert isinstance(newer, Run)
+    return task, lifecycle, stale, newer
+
+
+def test_a_stale_runs_answer_leaves_a_newer_parks_wait_and_its_timer_wakes_the_task(coord: Coordinator) -> None:
+    """A run that stalled past its lapse gets its answer after the newer run of its task parked for its provider:
+    its answer clears nothing (the lease is not its own), so the newer park's timer still wakes the task."""
+    task, lifecycle, stale, newer = _stale_and_newer(coord)
     endpoints.park(lifecycle.plane, newer.task, "api.example:443", "", time.time() - 1, 1)
     newer.end(Released("waiting_provider", wake_at_s=time.time() + 30))
     assert not coord.store.endpoints.clear_wait(task.id, stale.token), "the stale run's answer clears nothing"
@@ -844,14 +851,7 @@ def test_a_run_that_lost_its_lease_may_not_start_an_approved_call(coord: Coordin
     """An approved call is run once: a run that stalled past its lapse just before it started the call, while
     the task's newer run read the journal without its note and may run the call itself, is told here that its
     lease is lost, and writes no note (before, the note was written blind and both runs ran the call)."""
-    task = coord.create_task(agent(reply("x")), run=True)
-    coord.client.delete(QUEUE)
-    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
-    stale = lifecycle.start(task.id)
-    assert isinstance(stale, Run)
-    coord.client.delete(coord.store.keys.lease(task.id, task.id))  # it stalled past its lapse
-    newer = lifecycle.start(task.id)
-    assert isinstance(newer, Run)
+    task, _, stale, newer = _stale_and_newer(coord)
     assert newer.journal.kept(["call-1"]).started == set(), "the newer run read no note"
 
     with pytest.raises(LeaseLost):
@@ -966,14 +966,7 @@ def test_a_run_that_lost_its_lease_parks_nothing_beside_the_newer_runs_call(coor
     the stale run's calls, parked late, are not saved (no approval, no notice, no deadline) and the task's
     list of the calls it waits on stays the newer run's (before, the stale run overwrote it: a decision of the
     newer call then read the list of calls nobody would run)."""
-    task = coord.create_task(agent(reply("x")), run=True, webhooks=[{"url": "https://example.com/hook"}])
-    coord.client.delete(QUEUE)
-    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
-    stale = lifecycle.start(task.id)
-    assert isinstance(stale, Run)
-    coord.client.delete(coord.store.keys.lease(task.id, task.id))  # it stalled past its lapse
-    newer = lifecycle.start(task.id)
-    assert isinstance(newer, Run)
+    task, _, stale, newer = _stale_and_newer(coord, webhooks=[{"url": "https://example.com/hook"}])
     (asked,) = newer.approvals.park([ToolCall("run_command", {"command": "ls"}, "call-new")])
     timers_before = coord.client.zrange(coord.store.keys.timers(), 0, -1)
 
