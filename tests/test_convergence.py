@@ -8,7 +8,7 @@ coordinator/reconciler.py is checked on its own, and quickly.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -719,6 +719,23 @@ def test_a_cancel_stops_the_children_a_delegation_committed_while_it_read_the_su
     assert queued_ids(coord) == [], "no child of a cancelled task is published"
 
 
+def _after_the_first_save(monkeypatch: pytest.MonkeyPatch, then: Callable[[], None]) -> list[str]:
+    """Every approval's save (the run's own store's too: its runtime's coordinator) noted in the list returned,
+    with `then` run just before each save after the first."""
+    save = ApprovalStore.save_approval
+    saved: list[str] = []
+
+    def noted(store: ApprovalStore, approval: Approval, token: str = "") -> str:
+        if saved:
+            then()
+        done = save(store, approval, token)
+        saved.append(approval.id)
+        return done
+
+    monkeypatch.setattr(ApprovalStore, "save_approval", noted)
+    return saved
+
+
 def test_a_call_a_cancel_overtook_never_waits_on_a_person(coord: Coordinator, monkeypatch: pytest.MonkeyPatch) -> None:
     """A cancel lands between the parking run's last step (which read its task active) and the save of its
     calls: the first call, saved before the stop's mark, is expired by the stop; the second, after it, is not
@@ -727,17 +744,7 @@ def test_a_call_a_cancel_overtook_never_waits_on_a_person(coord: Coordinator, mo
     coord.client.delete(QUEUE)
     run = build_runtime(coord.settings, make_app(coord.settings)).lifecycle.start(task.id)
     assert isinstance(run, Run)
-    save = ApprovalStore.save_approval  # the run's own store's (its runtime's coordinator)
-    saved: list[str] = []
-
-    def the_cancel_lands_after_the_first(store: ApprovalStore, approval: Approval, token: str = "") -> bool:
-        if saved:
-            coord.cancel(task.id, "enough")
-        done = save(store, approval, token)
-        saved.append(approval.id)
-        return done
-
-    monkeypatch.setattr(ApprovalStore, "save_approval", the_cancel_lands_after_the_first)
+    saved = _after_the_first_save(monkeypatch, lambda: coord.cancel(task.id, "enough"))
     with pytest.raises(RunStopped):
         run.approvals.park([ToolCall("run_command", {"n": n}, f"call-{n}") for n in range(2)])
     first, second = saved
@@ -931,21 +938,15 @@ def test_a_park_its_run_lost_the_lease_in_the_middle_of_leaves_no_call_waiting(
     lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
     stale = lifecycle.start(task.id)
     assert isinstance(stale, Run)
-    save = ApprovalStore.save_approval
-    saved: list[str] = []
     task_key = coord.store.keys.task(task.id, task.id)
     newer_timeline: list[str] = []
 
-    def stalls_after_the_first(store: ApprovalStore, approval: Approval, token: str = "") -> str:
-        if saved:
-            coord.client.delete(coord.store.keys.lease(task.id, task.id))
-            assert isinstance(lifecycle.start(task.id), Run), "the task's newer run"
-            newer_timeline.append(coord.client.hget(task_key, "timeline"))
-        done = save(store, approval, token)
-        saved.append(approval.id)
-        return done
+    def stalls_past_its_lapse() -> None:
+        coord.client.delete(coord.store.keys.lease(task.id, task.id))
+        assert isinstance(lifecycle.start(task.id), Run), "the task's newer run"
+        newer_timeline.append(coord.client.hget(task_key, "timeline"))
 
-    monkeypatch.setattr(ApprovalStore, "save_approval", stalls_after_the_first)
+    saved = _after_the_first_save(monkeypatch, stalls_past_its_lapse)
     with pytest.raises(LeaseLost):
         stale.approvals.park([ToolCall("run_command", {"n": n}, f"c{n}") for n in range(2)])
     assert stale.fenced
