@@ -14,7 +14,7 @@
 -- ARGV[5] int: when its wait began, epoch ms
 -- ARGV[6] str: the run's token ('' for a park of no run's: not checked)
 -- Returns 1 when parked, 0 when the lease is not the run's (nothing written).
-if ARGV[6] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[6] then
+if fenced(KEYS[4], ARGV[6]) then
   return 0
 end
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])

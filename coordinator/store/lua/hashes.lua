@@ -290,6 +290,13 @@ local function linked_item(todos, child_id, todo_id)
   return nil, nil
 end
 
+-- Whether the run of lease token `token` no longer holds its task's lease `lease` (it stalled past the lapse: a
+-- newer run of the task may own it), so the write it asks for must not be made. '' is a write no run makes (an
+-- API's, a test's): never fenced. save_approval.lua, set_waiting_approvals.lua and endpoint_park.lua ask it.
+local function fenced(lease, token)
+  return token ~= '' and redis.call('GET', lease) ~= token
+end
+
 -- Whether one of the approvals a task waits on is pending: `waiting` is its `waiting_approval_ids` (JSON;
 -- nil, false or '' when none), `prefix` names the tree's approval hashes, and `except_id` is left out (the
 -- approval being decided). decide.lua, unwatch_parked.lua and start_run.lua each ask it.

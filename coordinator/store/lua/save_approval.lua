@@ -29,7 +29,7 @@ local status = redis.call('HGET', KEYS[3], 'status')
 if ENDED[status] then
   return -1
 end
-if ARGV[6] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[6] then
+if fenced(KEYS[4], ARGV[6]) then
   return -2
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 7))

@@ -7,7 +7,7 @@
 -- ARGV[1] str: the token of the run that parked the calls ('' for a park of no run's)
 -- ARGV[2] str: the approvals it parked, a JSON list
 -- Returns 1 when written, 0 when the lease is not the run's (nothing written).
-if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then
+if fenced(KEYS[1], ARGV[1]) then
   return 0
 end
 redis.call('HSET', KEYS[2], 'waiting_approval_ids', ARGV[2])
