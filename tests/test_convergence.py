@@ -7,6 +7,7 @@ coordinator/reconciler.py is checked on its own, and quickly.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -924,6 +925,38 @@ def test_a_run_that_lost_its_lease_parks_nothing_on_its_provider(coord: Coordina
     assert coord.client.hget(coord.store.keys.task(task.id, task.id), "deliveries") == deliveries
     assert coord.client.zrange(coord.store.keys.timers(), 0, -1) == timers, "no timer"
     assert task.id not in coord.client.zrange(coord.store.keys.endpoint_parked("api.example:443", ""), 0, -1)
+
+
+def test_a_stale_runs_failed_requests_are_not_counted_on_the_newer_runs_request(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run stalls past its lapse just after the step before its failed requests are counted, and the task's newer
+    run starts and has a request of its own fail: the stale run's failures are not counted on the task (before,
+    they were added to the newer run's failed attempts, which could then give up early), no `wait_out` line is
+    said, and the stale run ends lost."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    stale = lifecycle.start(task.id)
+    assert isinstance(stale, Run)
+    flush = stale.flush
+
+    def then_a_newer_run_starts_and_fails_once(*, or_stop: bool = False) -> Stepped:
+        stepped = flush(or_stop=or_stop)
+        coord.client.delete(coord.store.keys.lease(task.id, task.id))  # it stalled past its lapse
+        newer = lifecycle.start(task.id)
+        assert isinstance(newer, Run), "the task's newer run"
+        newer.provider.transient_errors(["api.example:443 answered 503"])
+        return stepped
+
+    monkeypatch.setattr(stale, "flush", then_a_newer_run_starts_and_fails_once)
+    record = coord.store.keys.task(task.id, task.id)
+    with pytest.raises(LeaseLost):
+        stale.provider.transient_errors(["api.example:443 answered 503", "api.example:443 answered 429"])
+    assert stale.fenced
+    assert coord.client.hmget(record, "transient_errors", "provider_attempts") == ["1", "1"], "the newer run's one"
+    said = [json.loads(line) for line in coord.client.lrange(coord.store.keys.ui_messages(task.id, task.id), 0, -1)]
+    assert not [m for m in said if m.get("say") == "wait_out"], "no stale wait_out line"
 
 
 def test_a_park_its_run_lost_the_lease_in_the_middle_of_leaves_no_call_waiting(

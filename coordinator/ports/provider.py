@@ -55,7 +55,9 @@ class ProviderPort:
         if not lines:
             return
         self._run.flush()
-        counted = self._plane.store.endpoints.count_transient_errors(self._run.task.id, len(lines))
+        counted = self._plane.store.endpoints.count_transient_errors(self._run.task.id, len(lines), self._run.token)
+        if counted is None:
+            lose_lease(self._run)
         self._attempts = counted.attempts
         for number, what in enumerate(lines, start=counted.attempts - len(lines) + 1):
             self._run.say("wait_out", f"{what}: waiting it out (attempt {number})")

@@ -18,7 +18,7 @@ from coordinator.ids import root_of
 from coordinator.replies import HOST, MODEL, EndpointState, TransientCount
 from coordinator.store.base import Part, _str_map, _strs, translate_redis_errors
 from coordinator.store.fields import TaskField
-from coordinator.store.protocol import ClearWait, EndpointFailed, EndpointGate, EndpointPark
+from coordinator.store.protocol import ClearWait, CountTransient, EndpointFailed, EndpointGate, EndpointPark
 
 __all__ = ["EndpointStore"]
 
@@ -128,15 +128,17 @@ class EndpointStore(Part):
         )
 
     @translate_redis_errors
-    def count_transient_errors(self, task_id: str, errors: int) -> TransientCount:
+    def count_transient_errors(self, task_id: str, errors: int, token: str) -> TransientCount | None:
         """`errors` more requests of the task failed transiently: its transient errors in all, and the failed
-        attempts of the request now in flight, both kept on the task, so they go on across parks."""
-        task = self.keys.task(root_of(task_id), task_id)
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.hincrby(task, TaskField.TRANSIENT_ERRORS, errors)
-            pipe.hincrby(task, TaskField.PROVIDER_ATTEMPTS, errors)
-            total, attempts = pipe.execute()
-        return TransientCount(total=int(total), attempts=int(attempts))
+        attempts of the request now in flight, both kept on the task, so they go on across parks; only while the
+        run of lease `token` holds the task's lease (None, nothing written: a fenced run's failures are not the
+        newer run's attempts)."""
+        root = root_of(task_id)
+        return self.scripts(
+            CountTransient(
+                lease=self.keys.lease(root, task_id), task=self.keys.task(root, task_id), token=token, errors=errors
+            )
+        )
 
     @translate_redis_errors
     def state(self, endpoint: str, model: str = "") -> dict[str, str]:

@@ -49,6 +49,7 @@ from coordinator.replies import (
     QuotaVerdict,
     StartReply,
     Stepped,
+    TransientCount,
     UsageRecorded,
 )
 
@@ -1629,6 +1630,25 @@ class ClearWait(
     @classmethod
     def decode(cls, raw: Any) -> bool:
         return bool(int(raw))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CountTransient(
+    Call[TransientCount | None],
+    script="count_transient",
+    returns="{transient errors in all, failed attempts of the request in flight}, or {} when the lease is not this "
+    "run's (nothing written).",
+):
+    lease: str = key("lease")
+    task: str = key("task hash")
+    token: str = arg("the run's token")
+    errors: int = arg("how many more requests failed")
+
+    @classmethod
+    def decode(cls, raw: Any) -> TransientCount | None:
+        if not raw:
+            return None
+        return TransientCount(total=int(raw[0]), attempts=int(raw[1]))
 
 
 @dataclass(frozen=True, kw_only=True)
