@@ -62,7 +62,7 @@ from coordinator.celery_app import RUN_TASK
 from coordinator.local.fleet import WorkerFleet
 from tests.agents import agent, reply
 from tests.helpers import eventually
-from tests.sentinel_kit import MASTER_NAME, SentinelSet, sentinel_set, wait_replicated
+from tests.sentinel_kit import MASTER_NAME, SentinelSet, sentinel_set, wait_relinked, wait_replicated
 from tests.test_kubernetes import REDIS_PASSWORD_KEY, _kustomize, _one, _project, secret_data
 
 # KEDA v2.16.0's script (pkg/scalers/redis_scaler.go:123), word for word.
@@ -414,6 +414,7 @@ def test_kedas_steps_measure_the_subq_queue_on_the_master_the_sentinels_name(
             # The master dies; the same steps find the one the sentinels promote, with the queue on it.
             wait_replicated(kit)
             promoted = kit.wait_promoted(kit.kill_master())
+            wait_relinked(kit, 1)  # what follows stands through a second failover, which a loaded host can bring about
             roots.append(coord.create_task(agent(reply("published after the promotion")), run=True).id)
             waiting += 1
             after = poll(trigger, dns)

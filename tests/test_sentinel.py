@@ -38,7 +38,7 @@ from coordinator.celery_app import make_app
 from coordinator.redis_clients import FollowingConnection, failover_retry, redis_client
 from tests.agents import agent, call, reply
 from tests.helpers import eventually
-from tests.sentinel_kit import MASTER_NAME, SentinelSet, sentinel_set, wait_replicated
+from tests.sentinel_kit import MASTER_NAME, SentinelSet, sentinel_set, wait_relinked, wait_replicated
 from workers import observe
 from workers.runtime.context import build_runtime
 from workers.runtime.runner import run_child
@@ -105,6 +105,7 @@ def test_the_store_follows_a_failover_and_goes_on_writing(kit: SentinelSet, sett
         assert pool_client.incr("subqsentinel:probe") == 2
         new = kit.wait_promoted(old)
         assert new != old
+        wait_relinked(kit, 1)  # a second failover, which a loaded host can bring about, keeps what follows
         after = coord.create_task("after the failover")
         for task in (before, during, after):
             assert coord.get_task(task.id).prompt == task.prompt
@@ -146,6 +147,7 @@ def test_a_command_in_flight_when_the_master_dies_is_sent_again_to_the_promoted_
         assert not reader.is_alive() and outcome and not isinstance(outcome[0], Exception), outcome
         assert time.monotonic() - started < 15, "sent again to the promoted master, not the dead one until given up"
         assert client.connection_pool.connection_class is FollowingConnection
+        wait_relinked(kit, 1)
         assert new != old and client.set("subqsentinel:after", "1")
 
         def on_the_named_master() -> bool | None:
@@ -193,6 +195,7 @@ def test_acknowledged_steps_are_on_the_promoted_replica(kit: SentinelSet, settin
 
         old = kit.kill_master()  # at once: no wait for the replicas beyond what each step waited
         kit.wait_promoted(old)
+        wait_relinked(kit, 1)  # the steps below stand through a second failover
 
         assert coord.store.approvals.get_approval(decided.id).status == "denied"
         assert coord.get_task(submitted.id).prompt == "submitted last"
