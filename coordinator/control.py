@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from coordinator import admission, approvals, writeback
+from coordinator import admission, approvals, faults, writeback
 from coordinator.errors import StateError, ValidationError
 from coordinator.inputs import MAX_REASON_CHARS, text_field
 from coordinator.models import LiveState, TaskRecord, TaskStatus
@@ -64,10 +64,12 @@ def stop_subtree(
             error=error,
             top_class=top_class,
             error_class="Cancelled",
+            watch_s=plane.settings.reconcile_grace_s,  # on the due list till written back, below
         )
     stopped = list(dict.fromkeys(stopped))  # a pass sent again after its reply was lost names its own again
     if not stopped:
         return []
+    faults.crash_point(plane.settings, "after-stop")  # each stopped task on the due list: the reconciler writes it back
     plane.app.control.revoke(stopped)  # queued ones never start (the persisted status covers restarts)
     approvals.expire_for(plane, top.root_id, set(stopped))
     records = plane.store.records.get_records(stopped)

@@ -17,7 +17,9 @@ not yet published),
 `after-compaction` (a run's compaction record is kept with its journal, the request it was
 made for not yet sent),
 `after-park` (a run's calls are saved for a person's decision, its lease and run slots not yet
-freed).
+freed),
+`after-stop` (a cancel or a budget's stop is persisted, `stop_tasks.lua`: the subtree's tasks
+terminal; none revoked, written back into its parent's batch or taken off the due list yet).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 POINTS = (
     "after-end", "after-commit", "after-close", "after-claim-publish", "after-retry", "after-compaction", "after-park",
+    "after-stop",
 )  # fmt: skip
 
 

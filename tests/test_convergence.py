@@ -720,6 +720,37 @@ def test_a_cancel_stops_the_children_a_delegation_committed_while_it_read_the_su
     assert queued_ids(coord) == [], "no child of a cancelled task is published"
 
 
+def test_a_cancel_that_dies_before_its_write_back_leaves_the_parent_to_the_reconciler(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancel of a delegated child dies just after its stop is persisted (the broker's revoke fails, or its
+    process is killed), before it writes the child back into its parent's batch: the child stays on the due
+    list, and the reconciler writes it back, so the batch closes and the parent hears it (before, a delegated
+    or parked child was off the list, and its parent stayed `delegated` for good; a second cancel is refused,
+    the child having ended)."""
+    root = coord.create_task("fan out")
+    (child_id,) = coord.delegate(root.id, [subtask("works", agent(reply("x")))]).child_ids
+    coord.delegate(child_id, [subtask("deeper", agent(reply("y")))])  # the child now waits on its own batch
+    coord.client.delete(QUEUE)
+    assert child_id not in coord.store.convergence.watched(), "a delegated task is off the due list"
+
+    def the_broker_is_away(*_: object, **__: object) -> None:
+        raise ConnectionError("the broker is away")
+
+    monkeypatch.setattr(coord.app.control, "revoke", the_broker_is_away)
+    with pytest.raises(ConnectionError):
+        coord.cancel(child_id, "enough")
+    assert coord.get_task(child_id).status == TaskStatus.CANCELLED, "the stop persisted"
+    assert coord.get_task(root.id).status == TaskStatus.DELEGATED
+    assert child_id in coord.store.convergence.watched(), "left to the reconciler"
+
+    assert tick(coord).get("ended-not-written-back", 0) >= 1
+    batch = coord.store.batches.get_batch(coord.get_task(child_id).batch_id)
+    assert batch.status == "done", "the parent's batch closed"
+    assert coord.get_task(root.id).status != TaskStatus.DELEGATED, "the parent heard its child's end"
+    assert child_id not in coord.store.convergence.watched(), "written back, and off the list"
+
+
 def _after_the_first_save(monkeypatch: pytest.MonkeyPatch, then: Callable[[], None]) -> list[str]:
     """Every approval's save (the run's own store's too: its runtime's coordinator) noted in the list returned,
     with `then` run just before each save after the first."""

@@ -19,6 +19,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,35 @@ def test_a_parent_whose_resume_was_never_published(coord: Coordinator, tmp_path:
     assert [c.cost_micros for c in coord.get_children(root.id)] == [STEP_COST_MICROS]
     assert_converged(coord, root.id)
     repairs_reach(lambda: repairs_since(coord, before).get("run-lost", 0), 1, "the parent's resume published again")
+
+
+def test_a_budget_stop_killed_before_it_writes_the_stopped_child_back(coord: Coordinator, tmp_path: Path) -> None:
+    """A child with a budget delegates; its grandchild's end crosses the budget, and the worker that stops the
+    child's subtree dies once the stop is persisted, before it writes the child back into its parent's batch.
+    The child, delegated, was off the due list: the stop puts it back on in the same step, so the reconciler
+    writes it back and the parent's batch closes (before, the parent waited on it for good)."""
+    fleet = crashing_worker(coord.settings, tmp_path, "after-stop")
+    try:
+        root = coord.create_task("Fan out", todos="[ ] c")
+        budgeted = {
+            "description": "c",
+            "todo_id": coord.get_todos(root.id)[0].id,
+            # Its own step within the budget; its child's end crosses it, while it waits on its batch.
+            "budget_usd": str(Decimal(STEP_COST_MICROS * 3 // 2) / 1_000_000),
+            "message": agent(
+                call("run_subagents", tasks=[subtask("g", reply("g done"))]), call("attempt_completion", result="c")
+            ),
+        }
+        batch = coord.delegate(root.id, [budgeted])
+        died(fleet)
+    finally:
+        fleet.stop()
+    (child_id,) = batch.child_ids
+    assert coord.get_task(child_id).status == TaskStatus.FAILED, "the budget stopped the child"
+    eventually(lambda: coord.get_batch(batch.id).status == "done" or None, "the parent's batch to close", CONVERGE_S)
+    (item,) = coord.get_todos(root.id)
+    assert item.cost_micros == 2 * STEP_COST_MICROS, "the child's subtree written back onto its item"
+    assert_converged(coord, root.id)
 
 
 @pytest.mark.parametrize("point", ["after-commit", "after-claim-publish"])

@@ -270,16 +270,22 @@ class DelegationStore(Part):
         error: str,
         top_class: str,
         error_class: str,
+        watch_s: float | None = None,
     ) -> list[str]:
-        """Stop the tasks that have not ended (the first is the subtree's top); returns those stopped."""
+        """Stop the tasks that have not ended (the first is the subtree's top); returns those stopped. With
+        `watch_s`, each one stopped now is on the due list in `watch_s` (unless it was on it already), in the
+        same step: its caller writes it back and then takes it off, and dies between the two without loss."""
         if not task_ids:
             return []
         root = root_of(task_ids[0])
+        now = time.time()
         stopped = self.scripts(
             StopTasks(
-                events=self.keys.events(root), live=self.keys.live(root), outbox=outbox_keys(self.keys, root), tasks=[self.keys.task(root, t) for t in task_ids],
+                events=self.keys.events(root), live=self.keys.live(root), outbox=outbox_keys(self.keys, root),
+                due=self.keys.due(), tasks=[self.keys.task(root, t) for t in task_ids],
                 top_status=top_status, status=status, top_error=top_error, error=error, top_class=top_class,
-                error_class=error_class, now=time.time(), retention_s=self.retention_s, events_maxlen=EVENTS_MAXLEN,
+                error_class=error_class, now=now, retention_s=self.retention_s, events_maxlen=EVENTS_MAXLEN,
+                due_at=0 if watch_s is None else now + watch_s,
             )
         )  # fmt: skip
         if stopped:

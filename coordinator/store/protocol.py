@@ -1380,6 +1380,7 @@ class StopTasks(
     events: str = key("tree events stream")
     live: str = key("tree live hash")
     outbox: OutboxKeys = splice("the tree's outbox (outbox_add's {side})")
+    due: str = key("the due list")
     tasks: Sequence[str] = keys("task hashes (the subtree's top first)")
     top_status: str = arg("status of the top")
     status: str = arg("status of the rest")
@@ -1390,6 +1391,7 @@ class StopTasks(
     now: float = arg("now")
     retention_s: int = arg("retention seconds")
     events_maxlen: int = arg("events max length")
+    due_at: float = arg("when a task stopped now is due (epoch s; 0: not put on the due list)")
 
     @classmethod
     def decode(cls, raw: Any) -> list[str]:

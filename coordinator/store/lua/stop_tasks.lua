@@ -1,10 +1,15 @@
 -- Stop tasks that have not ended, all at once: a cancel of a subtree, or a subtree
 -- whose budget ran out. A task that had ended keeps its outcome; each one stopped now has its
--- `task.<status>` event in the tree's outbox from this same step (outbox_add).
+-- `task.<status>` event in the tree's outbox from this same step (outbox_add). Each one stopped now
+-- goes on the due list (unless it is there already), in this same step: its caller writes it back
+-- into its parent's batch after this step and then takes it off, and a caller that dies between the
+-- two leaves it to the reconciler (a stopped top that was delegated, or parked, was off the list, and
+-- its parent waited on it for good).
 -- KEYS[1] tree events stream
 -- KEYS[2] tree live hash
 -- KEYS[3..5] the tree's outbox (outbox_add's KEYS)
--- KEYS[6..] task hashes (the subtree's top first)
+-- KEYS[6] the due list
+-- KEYS[7..] task hashes (the subtree's top first)
 -- ARGV[1] str: status of the top
 -- ARGV[2] str: status of the rest
 -- ARGV[3] str: error of the top
@@ -14,11 +19,12 @@
 -- ARGV[7] float: now
 -- ARGV[8] int: retention seconds
 -- ARGV[9] int: events max length
+-- ARGV[10] float: when a task stopped now is due (epoch s; 0: not put on the due list)
 -- Returns the ids of the tasks stopped now (by this very call, when it is sent again).
 local stopped = {}
-for i = 6, #KEYS do
+for i = 7, #KEYS do
   local key = KEYS[i]
-  local top = (i == 6)
+  local top = (i == 7)
   local was = redis.call('HMGET', key, 'status', 'finished_at', 'error', 'id')
   local status = was[1]
   if was[2] == ARGV[7] and was[3] == (top and ARGV[3] or ARGV[4]) then
@@ -47,5 +53,13 @@ for i = 6, #KEYS do
     outbox_add({KEYS[3], KEYS[4], KEYS[5]}, {id, 'task.' .. new_status, ARGV[7], ARGV[8], ''})
     stopped[#stopped + 1] = id
   end
+end
+if tonumber(ARGV[10]) > 0 and #stopped > 0 then
+  local due = {}
+  for _, id in ipairs(stopped) do
+    due[#due + 1] = ARGV[10]
+    due[#due + 1] = id
+  end
+  redis.call('ZADD', KEYS[6], 'NX', unpack(due))
 end
 return stopped
