@@ -1183,6 +1183,39 @@ def test_a_cancel_of_a_run_that_died_frees_its_slot_for_its_siblings(limited: Co
     assert second in queued_ids(coord), "and its run was published"
 
 
+def test_a_freed_slot_goes_past_a_waiting_task_that_was_stopped(limited: Coordinator) -> None:
+    """Two children wait for the tree's one slot, and the first of them is cancelled while it waits: the freed
+    slot goes to the second, and the stopped one leaves the list. Before, the slot went to the stopped task and
+    its run was published to find it ended (a worker that died before that publish left the slot held by a task
+    that had ended, and the tree's later children waiting for it for good)."""
+    coord = limited
+    root = coord.create_task("fan out")
+    first, stopped, second = coord.delegate(root.id, [subtask(n, agent(reply("x"))) for n in ("a", "b", "c")]).child_ids
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    assert isinstance(lifecycle.start(first), Run)
+    assert not isinstance(lifecycle.start(stopped), Run) and not isinstance(lifecycle.start(second), Run)
+    coord.cancel(stopped, "not needed")
+    coord.client.delete(coord.store.keys.lease(root.id, first))  # the first's run died
+    coord.cancel(first, "stuck")  # its slot is freed by the stop
+    assert coord.store.runs.running_ids(root.id) == {second}, "the slot went to the task still waiting"
+    assert queued_ids(coord) == [second]
+    assert coord.client.lrange(coord.store.keys.admission(root.id), 0, -1) == [], "the stopped one left the list"
+
+
+def test_a_waiting_task_started_with_room_leaves_the_admission_list(limited: Coordinator) -> None:
+    """A child waits for the tree's one slot; its message comes again (its worker died before the ack) when there
+    is room by a way that took nothing off the list (here: the running sets emptied by hand), and its run starts:
+    it leaves the list as it takes the slot, so a freed slot later does not admit it a second time."""
+    coord = limited
+    lifecycle, _, waiting = _one_slot_held_one_waiting(coord)
+    root = waiting[:16]
+    assert coord.client.lrange(coord.store.keys.admission(root), 0, -1) == [waiting]
+    coord.client.delete(coord.store.keys.running(root), coord.store.keys.running_children(root, root))
+    assert isinstance(lifecycle.start(waiting), Run), "room: it runs"
+    assert coord.client.lrange(coord.store.keys.admission(root), 0, -1) == [], "and left the list"
+
+
 def test_a_parked_tasks_message_delivered_again_starts_no_run(coord: Coordinator) -> None:
     """Its worker died between the release and the message's ack, so the message comes again while the call
     still waits for its person: no run starts (it would cut the call off and ask for it again, and a decision

@@ -39,4 +39,7 @@ redis.call('SADD', KEYS[1], id)
 redis.call('SADD', KEYS[2], id)
 redis.call('EXPIRE', KEYS[1], ARGV[6])
 redis.call('EXPIRE', KEYS[2], ARGV[6])
+-- Off the list if it waited there (its first start's message came again, after its worker died before the
+-- ack, and found room): a freed slot must not admit it a second time.
+redis.call('LREM', KEYS[3], 1, id)
 return {'run', 0}

@@ -20,6 +20,7 @@
 --   waits on is still pending: nothing freed nor admitted otherwise
 -- Returns the ids admitted now (removed from the list, added to the running sets; by this very call, when
 --   it is sent again).
+-- (A waiting task that has ended, or is gone, is taken off the list and admitted to nothing.)
 -- (A waiting task's parent, and so its running-children set, is read from its record here:
 -- a tree's keys share one prefix and hash tag, and subq runs on one Redis primary.)
 -- What a release admitted is kept on the released task with its `now` (`release_reply`): this very release sent
@@ -49,12 +50,17 @@ for _, id in ipairs(waiting) do
   if per_tree > 0 and redis.call('SCARD', KEYS[1]) >= per_tree then
     break
   end
-  local parent = hash_get(ARGV[5] .. id, 'parent_id', 'timeline')[1]
+  local waiter = hash_get(ARGV[5] .. id, 'parent_id', 'timeline', 'status')
+  local parent = waiter[1]
   if not parent or parent == '' then
     parent = id
   end
   local parent_set = ARGV[6] .. parent
-  if not (per_parent > 0 and redis.call('SCARD', parent_set) >= per_parent) then
+  if not waiter[3] or ENDED[waiter[3]] then
+    -- Stopped while it waited (or its tree expired): off the list, given no slot. Given one, its run was
+    -- published only to find it ended, and a process that died before that publish left the slot held.
+    redis.call('LREM', KEYS[2], 1, id)
+  elseif not (per_parent > 0 and redis.call('SCARD', parent_set) >= per_parent) then
     if redis.call('LREM', KEYS[2], 1, id) == 1 then
       redis.call('SADD', KEYS[1], id)
       redis.call('SADD', parent_set, id)
