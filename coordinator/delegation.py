@@ -284,9 +284,28 @@ def submit_to(
         raise
     except SubqError as exc:
         log.error("subq: delegation of the new root %s failed after it was created: %s", parent.id, exc)
-        plane.store.runs.finish_task(parent.id, "failed", error=str(exc), error_class=type(exc).__name__)
+        _fail_submission(plane, parent.id, exc)
         return Submission(task=parent, error=exc)
     return Submission(task=parent, batch=batch)
+
+
+def _fail_submission(plane: Plane, root_id: str, exc: SubqError) -> None:
+    """End a submission's root `failed`. A delegation committed before the failure (the broker refused its
+    publish) is stopped with it: its children, on the due list, would otherwise be published by the reconciler
+    and run, and spend, under a root its caller was told had failed."""
+    root = plane.store.records.get_task(root_id)
+    if not root.child_ids:
+        plane.store.runs.finish_task(root_id, "failed", error=str(exc), error_class=type(exc).__name__)
+        return
+    try:
+        control.stop_subtree(
+            plane, root, top_status="failed", top_error=str(exc), top_class=type(exc).__name__,
+            error=f"not run: the submission of {root_id} failed",
+        )  # fmt: skip
+    except (
+        Exception
+    ):  # the broker's revoke (kombu's errors), or Redis: the stop is persisted first, the reconciler ends the rest
+        log.exception("subq: the stop of the failed submission %s did not finish", root_id)
 
 
 def _submitted(plane: Plane, parent: TaskRecord) -> Submission | None:

@@ -278,6 +278,23 @@ def test_a_publish_the_broker_refuses_is_given_back(coord: Coordinator) -> None:
     assert len(queued_ids(coord)) == 1
 
 
+def test_a_submission_the_broker_refuses_ends_failed_and_runs_none_of_its_children(coord: Coordinator) -> None:
+    """`submit` commits its delegation and the broker refuses the publish: the root ends `failed` as the caller
+    is told, and its children with it, so the reconciler publishes none of them once the broker is back (before,
+    they stayed `active` on the due list, and ran and spent under a root reported failed)."""
+    dead_broker = make_app(coord.settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"}))
+    refused = Coordinator(coord.settings, app=dead_broker)
+    submission = refused.submit("p", subtasks=[subtask("a", reply("a")), subtask("b", reply("b"))])
+    assert isinstance(submission.error, BrokerError)
+    root = coord.get_task(submission.task.id)
+    assert root.status == TaskStatus.FAILED and "did not take batch" in root.error
+    children = coord.get_children(root.id)
+    assert len(children) == 2 and {c.status for c in children} == {TaskStatus.CANCELLED}, children
+    tick(coord)
+    assert queued_ids(coord) == [], "none of its children published"
+    assert not coord.store.convergence.watched(), "written back, off the due list"
+
+
 def test_run_task_refuses_a_caller_owned_task_and_changes_nothing(coord: Coordinator) -> None:
     root = coord.create_task("owned by its caller", todos="[ ] a")
     before = state(coord, root.id)
