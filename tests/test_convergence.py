@@ -917,14 +917,11 @@ def test_a_run_that_lost_its_lease_may_not_start_an_approved_call(coord: Coordin
     assert stale.journal.kept(["call-1"]).started == {"call-1"}, "the newer run's note"
 
 
-def test_a_run_that_lost_its_lease_delegates_nothing_and_leaves_the_plan_alone(
-    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A run stalls past its lapse between its step and its delegation's commit (or its plan's update), and the
-    task's newer run starts: the stale run commits nothing and ends lost, leaving the task `active` and its plan
-    the newer run's (before, it committed children the newer run never asked for, and made the task
-    `delegated` under the newer run's feet)."""
-    task = coord.create_task(agent(reply("x")), run=True, todos="[ ] a\n[ ] b")
+def _stale_after_its_next_step(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch, task: TaskRecord, then: Callable[[Run], object] | None = None
+) -> Run:
+    """The task's run, which stalls past its lease's lapse just after its next step: the task's newer run starts
+    then (and does `then`), before the stale run goes on."""
     coord.client.delete(QUEUE)
     lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
     stale = lifecycle.start(task.id)
@@ -934,10 +931,25 @@ def test_a_run_that_lost_its_lease_delegates_nothing_and_leaves_the_plan_alone(
     def then_a_newer_run_starts(*, or_stop: bool = False) -> Stepped:
         stepped = flush(or_stop=or_stop)
         coord.client.delete(coord.store.keys.lease(task.id, task.id))  # it stalled past its lapse
-        assert isinstance(lifecycle.start(task.id), Run), "the task's newer run"
+        newer = lifecycle.start(task.id)
+        assert isinstance(newer, Run), "the task's newer run"
+        if then is not None:
+            then(newer)
         return stepped
 
     monkeypatch.setattr(stale, "flush", then_a_newer_run_starts)
+    return stale
+
+
+def test_a_run_that_lost_its_lease_delegates_nothing_and_leaves_the_plan_alone(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run stalls past its lapse between its step and its delegation's commit (or its plan's update), and the
+    task's newer run starts: the stale run commits nothing and ends lost, leaving the task `active` and its plan
+    the newer run's (before, it committed children the newer run never asked for, and made the task
+    `delegated` under the newer run's feet)."""
+    task = coord.create_task(agent(reply("x")), run=True, todos="[ ] a\n[ ] b")
+    stale = _stale_after_its_next_step(coord, monkeypatch, task)
     with pytest.raises(LeaseLost):
         stale.plan.delegate([SubtaskSpec(description="a", message="work")], "parallel", "call-1")
     assert stale.fenced
@@ -983,21 +995,9 @@ def test_a_stale_runs_failed_requests_are_not_counted_on_the_newer_runs_request(
     they were added to the newer run's failed attempts, which could then give up early), no `wait_out` line is
     said, and the stale run ends lost."""
     task = coord.create_task(agent(reply("x")), run=True)
-    coord.client.delete(QUEUE)
-    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
-    stale = lifecycle.start(task.id)
-    assert isinstance(stale, Run)
-    flush = stale.flush
-
-    def then_a_newer_run_starts_and_fails_once(*, or_stop: bool = False) -> Stepped:
-        stepped = flush(or_stop=or_stop)
-        coord.client.delete(coord.store.keys.lease(task.id, task.id))  # it stalled past its lapse
-        newer = lifecycle.start(task.id)
-        assert isinstance(newer, Run), "the task's newer run"
-        newer.provider.transient_errors(["api.example:443 answered 503"])
-        return stepped
-
-    monkeypatch.setattr(stale, "flush", then_a_newer_run_starts_and_fails_once)
+    stale = _stale_after_its_next_step(
+        coord, monkeypatch, task, then=lambda newer: newer.provider.transient_errors(["api.example:443 answered 503"])
+    )
     record = coord.store.keys.task(task.id, task.id)
     with pytest.raises(LeaseLost):
         stale.provider.transient_errors(["api.example:443 answered 503", "api.example:443 answered 429"])
