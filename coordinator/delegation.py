@@ -302,9 +302,10 @@ def _fail_submission(plane: Plane, root_id: str, exc: SubqError) -> None:
             plane, root, top_status="failed", top_error=str(exc), top_class=type(exc).__name__,
             error=f"not run: the submission of {root_id} failed",
         )  # fmt: skip
-    except (
-        Exception
-    ):  # the broker's revoke (kombu's errors), or Redis: the stop is persisted first, the reconciler ends the rest
+    except Exception:  # the broker's revoke (kombu's errors), or Redis
+        if not plane.store.records.get_task(root_id).status.terminal:
+            raise  # the stop was not persisted: the caller hears it
+        # Persisted (its tasks on the due list): the reconciler writes back what the stop did not.
         log.exception("subq: the stop of the failed submission %s did not finish", root_id)
 
 

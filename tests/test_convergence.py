@@ -737,6 +737,24 @@ def test_a_cancel_stops_the_children_a_delegation_committed_while_it_read_the_su
     assert queued_ids(coord) == [], "no child of a cancelled task is published"
 
 
+def test_a_stop_of_thousands_of_tasks_puts_every_one_on_the_due_list(coord: Coordinator) -> None:
+    """A stop names a tree of 4,500 tasks (a wide fan-out's, or a tenant's day quota stopping a whole root): every
+    one is stopped and on the due list, in one step (Lua unpacks no more than about 8,000 values at once)."""
+    root = coord.create_task("a wide tree")
+    ids = [root.id, *(f"{root.id}-{n:012x}" for n in range(4_499))]
+    with coord.client.pipeline(transaction=False) as pipe:
+        for task_id in ids[1:]:
+            pipe.hset(coord.store.keys.task(root.id, task_id), mapping={"id": task_id, "status": "active"})
+        pipe.execute()
+    stopped = coord.store.batches.stop_tasks(
+        ids, top_status="cancelled", status="cancelled", top_error="cancelled: enough", error="enough",
+        top_class="Cancelled", error_class="Cancelled", watch_s=30,
+    )  # fmt: skip
+    assert sorted(stopped) == sorted(ids)
+    assert set(coord.store.convergence.watched()) == set(ids)
+    coord.store.convergence.unwatch(ids)
+
+
 def test_a_cancel_that_dies_before_its_write_back_leaves_the_parent_to_the_reconciler(
     coord: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -54,12 +54,15 @@ for i = 7, #KEYS do
     stopped[#stopped + 1] = id
   end
 end
-if tonumber(ARGV[10]) > 0 and #stopped > 0 then
-  local due = {}
-  for _, id in ipairs(stopped) do
-    due[#due + 1] = ARGV[10]
-    due[#due + 1] = id
+if tonumber(ARGV[10]) > 0 then
+  -- In slices: Lua unpacks no more than about 8,000 values, and a stop may name a tree of thousands.
+  for first = 1, #stopped, 500 do
+    local due = {}
+    for i = first, math.min(first + 499, #stopped) do
+      due[#due + 1] = ARGV[10]
+      due[#due + 1] = stopped[i]
+    end
+    redis.call('ZADD', KEYS[6], 'NX', unpack(due))
   end
-  redis.call('ZADD', KEYS[6], 'NX', unpack(due))
 end
 return stopped
