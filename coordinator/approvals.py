@@ -40,6 +40,7 @@ __all__ = [
     "decisions",
     "expire",
     "expire_for",
+    "expire_waited_on",
     "expiry_timer",
     "list_pending",
     "park",
@@ -193,6 +194,13 @@ def expire(plane: Plane, approval_id: str) -> bool:
     except StateError:
         return False
     return True
+
+
+def expire_waited_on(plane: Plane, task_id: str) -> None:
+    """The calls an ended task's last run asked a person about that are still pending expire: no run of it will
+    make them (a stop expires them itself, `expire_for`; one that died before it did leaves them to this)."""
+    for approval_id in undecided(plane, task_id):
+        plane.store.approvals.decide(approval_id, "expired", "the task was stopped", grace_s=0)
 
 
 def expire_for(plane: Plane, root_id: str, stopped: set[str]) -> None:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from coordinator import admission, dispatch, faults, tracing
+from coordinator import admission, approvals, dispatch, faults, tracing
 from coordinator.models import Batch, BatchRef, SubtaskResult, TaskRecord, TaskStatus, Usage
 
 if TYPE_CHECKING:
@@ -140,10 +140,12 @@ def settle_ended(plane: Plane, record: TaskRecord) -> None:
     """A task that has ended and is still due, whatever its run did after its end: the one repair.
 
     Its run died between `end_run.lua` and what the end sends, or its message came again (redelivered,
-    duplicated, stopped before it started): free a run slot it may hold, write it back to its batch (once:
-    idempotent), and take it off the due list. The reconciler and a worker given its message both call this.
+    duplicated, stopped before it started), or a stop died before it wrote it back: free a run slot it may hold,
+    expire the calls its last run asked a person about that are still pending, write it back to its batch
+    (once: idempotent), and take it off the due list. The reconciler and a worker given its message both call this.
     """
     admission.release(plane, record)
+    approvals.expire_waited_on(plane, record.id)  # a stop that died before it expired them
     if record.batch_id:
         write_back(plane, record.batch_id, ended=record)
     plane.store.convergence.unwatch_ended(record)

@@ -786,6 +786,27 @@ def test_a_cancel_that_dies_before_its_write_back_leaves_the_parent_to_the_recon
     assert child_id not in coord.store.convergence.watched(), "written back, and off the list"
 
 
+def test_a_cancel_that_dies_before_it_expires_a_parked_tasks_calls_leaves_them_to_the_reconciler(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancel of a task parked on a call for a person dies just after its stop is persisted, before it expires
+    the call: the reconciler's look at the stopped task expires it, so no person is left asked about a call no
+    run will make (before, until the approval's deadline)."""
+    task_id, (approval,) = _parked_on(coord, 1)
+
+    def the_broker_is_away(*_: object, **__: object) -> None:
+        raise ConnectionError("the broker is away")
+
+    monkeypatch.setattr(coord.app.control, "revoke", the_broker_is_away)
+    with pytest.raises(ConnectionError):
+        coord.cancel(task_id, "enough")
+    assert coord.store.approvals.get_approval(approval).status == "pending", "the stop died before it expired it"
+    tick(coord)
+    assert coord.store.approvals.get_approval(approval).status == "expired"
+    assert approval not in coord.store.approvals.pending_approval_ids()
+    assert queued_ids(coord) == [], "nothing resumed"
+
+
 def _after_the_first_save(monkeypatch: pytest.MonkeyPatch, then: Callable[[], None]) -> list[str]:
     """Every approval's save (the run's own store's too: its runtime's coordinator) noted in the list returned,
     with `then` run just before each save after the first."""

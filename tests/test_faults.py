@@ -177,6 +177,10 @@ def test_a_budget_stop_killed_before_it_writes_the_stopped_child_back(coord: Coo
     (child_id,) = batch.child_ids
     assert coord.get_task(child_id).status == TaskStatus.FAILED, "the budget stopped the child"
     eventually(lambda: coord.get_batch(batch.id).status == "done" or None, "the parent's batch to close", CONVERGE_S)
+    # And the child's own batch, once its stopped grandchild's run (the dead worker's) lapsed and was written back.
+    own_batch = coord.get_task(child_id).waiting_batch_id
+    assert own_batch
+    eventually(lambda: coord.get_batch(own_batch).status == "done" or None, "the child's batch to close", CONVERGE_S)
     (item,) = coord.get_todos(root.id)
     assert item.cost_micros == 2 * STEP_COST_MICROS, "the child's subtree written back onto its item"
     assert_converged(coord, root.id)
