@@ -200,16 +200,20 @@ def expire_waited_on(plane: Plane, task_id: str) -> None:
     """The calls an ended task's last run asked a person about that are still pending expire: no run of it will
     make them (a stop expires them itself, `expire_for`; one that died before it did leaves them to this)."""
     for approval_id in undecided(plane, task_id):
-        plane.store.approvals.decide(approval_id, "expired", "the task was stopped", grace_s=0)
+        _expire_stopped(plane, approval_id)
 
 
 def expire_for(plane: Plane, root_id: str, stopped: set[str]) -> None:
     """The pending approvals of stopped tasks expire: nobody may approve a call of a stopped run."""
     for approval_id in plane.store.approvals.pending_approval_ids():
         if approval_id.startswith(root_id) and plane.store.approvals.get_approval(approval_id).task_id in stopped:
-            plane.store.approvals.decide(
-                approval_id, "expired", "the task was stopped", grace_s=plane.settings.reconcile_grace_s
-            )
+            _expire_stopped(plane, approval_id)
+
+
+def _expire_stopped(plane: Plane, approval_id: str) -> None:
+    plane.store.approvals.decide(
+        approval_id, "expired", "the task was stopped", grace_s=plane.settings.reconcile_grace_s
+    )
 
 
 def _decide(plane: Plane, approval: Approval, status: str, feedback: str, decided_by: str = "") -> Approval:
