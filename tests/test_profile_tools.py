@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from tests.event_tap import EventTap
 from tests.helpers import HostLag, assert_worker_refuses, eventually, processes_with, subq_tools
 from workers import observe
 from workers.runtime.profile_tools import answer_without_running, load_profile
+from workers.runtime.thread_holds import HoldingExecutor, SlotHold, holding
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLED = Profile(tools=["tests.tool_kit:add_numbers", "tests.tool_kit:kit", "tests.tool_kit:leave_mark"])
@@ -306,6 +308,50 @@ def test_a_fleet_wide_tool_limit_holds_across_processes(
     assert len(at_once) == 10, "every call ran, once"
     assert max(at_once) == 2, f"never more than 2 at once across the fleet, and the limit was used: {at_once}"
     assert waited, "calls over the limit waited, and said so"
+
+
+def test_a_slot_hold_is_freed_once_its_call_and_every_thread_it_started_have_ended() -> None:
+    freed: list[str] = []
+    hold = SlotHold(lambda: freed.append("slot"))
+    gate = threading.Event()
+    with HoldingExecutor(2) as pool:
+        with holding(hold):
+            pool.submit(gate.wait, 10)
+            pool.submit(lambda: None).result()
+        unheld = pool.submit(gate.wait, 10)  # started outside any call's hold
+        assert freed == [], "the call has ended, one of its threads runs on"
+        gate.set()
+        unheld.result()
+    assert freed == ["slot"], "freed once, by its last thread"
+    alone = SlotHold(lambda: freed.append("alone"))
+    with holding(alone):
+        pass
+    assert freed == ["slot", "alone"], "a call that started no thread frees its slot as it ends"
+
+
+def test_a_timed_out_calls_thread_keeps_its_tool_slot_until_it_returns(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain function's call times out, and its run goes on, but its thread runs on (Python cannot stop it): it
+    keeps the call's fleet-wide slot until it returns, so the next call of the tool waits for it. Before, the
+    timeout freed the slot and a second call ran beside the first's thread, past the limit of one."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    limited = Profile(
+        tools=["tests.tool_kit:crowd_in_a_thread"], tool_limits={"crowd*": ToolLimit(concurrency=1)},
+        tool_timeouts={"crowd*": 0.3},
+    )  # fmt: skip
+    own = _settings(settings, limited=limited)
+    monkeypatch.setenv("TOOL_KIT_MARKS", str(marks))  # the workers inherit it
+    with dedicated_fleet(own, tmp_path / "fleet", 1, queue="subq-thread-slots", worker_concurrency=2) as (coord, _):
+        root = coord.create_task("two at once", todos="[ ] one\n[ ] two")
+        child = {"message": agent(call("crowd_in_a_thread", seconds=1.5), reply("done")), "profile": "limited"}
+        batch = coord.delegate(root.id, [{**child, "description": d} for d in ("one", "two")])
+        children = [coord.wait(child_id, 90) for child_id in batch.child_ids]
+        eventually(lambda: not list((marks / "crowd").iterdir()), "the threads to return", 30)
+    assert [c.tool_use["crowd_in_a_thread"].outcomes for c in children] == [{"timeout": 1}] * 2
+    at_once = [int(line) for line in (marks / "crowd.log").read_text().split()]
+    assert at_once == [1, 1], f"the second call started beside the first's thread: {at_once}"
 
 
 def _one_child_on_an_item(coord: Coordinator, item: str, profile: str, message: str) -> tuple[TaskRecord, str]:

@@ -94,6 +94,21 @@ async def crowd(seconds: float) -> str:
     return "done"
 
 
+def crowd_in_a_thread(seconds: float) -> str:
+    """`crowd` as a plain function: it runs on a thread of the worker's pool, which no timeout stops."""
+    folder = Path(os.environ["TOOL_KIT_MARKS"]) / "crowd"
+    folder.mkdir(exist_ok=True)
+    me = folder / f"{os.getpid()}-{time.monotonic_ns()}"
+    me.write_text("1")
+    try:
+        with (folder.parent / "crowd.log").open("a") as log:
+            log.write(f"{len(list(folder.iterdir()))}\n")
+        time.sleep(seconds)
+    finally:
+        me.unlink()
+    return "done"
+
+
 def paid_search(query: str) -> ToolReturn:
     """A search that costs money per call, and says what this call cost (its task's own spend)."""
     return ToolReturn(f"results for {query}", metadata={"cost_usd": "0.0125"})

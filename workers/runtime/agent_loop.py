@@ -63,6 +63,7 @@ from pydantic_ai import Agent
 
 from coordinator import StoreError
 from coordinator.runs import LIVE_EVERY_S, Run, RunLifecycle
+from workers.runtime.thread_holds import HoldingExecutor
 
 __all__ = [
     "BUSY_POLL_EVERY_S",
@@ -145,7 +146,7 @@ class AgentLoop:
                 thread = threading.Thread(target=loop.run_forever, name="subq-agents", daemon=True)
                 thread.start()
                 # A forked child inherits the parent's pool without its threads: it makes its own.
-                sync_calls = concurrent.futures.ThreadPoolExecutor(SYNC_CALL_THREADS, thread_name_prefix="subq-tool")
+                sync_calls = HoldingExecutor(SYNC_CALL_THREADS, thread_name_prefix="subq-tool")
                 self._loop, self._thread, self._sync_calls, self._pid = loop, thread, sync_calls, os.getpid()
             return self._loop, self._sync_calls
 

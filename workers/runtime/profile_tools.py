@@ -69,7 +69,7 @@ from coordinator import (
 from coordinator.runs import Run
 from coordinator.tracing import span
 from workers import observe
-from workers.runtime import mcp_servers, sandbox
+from workers.runtime import mcp_servers, sandbox, thread_holds
 from workers.runtime.approval_policy import unguarded_command
 from workers.runtime.compaction import cap_text
 from workers.runtime.pricing import parse_usd
@@ -163,10 +163,9 @@ async def _fleet_limit(ctx: RunContext[RunState], tool: str, timeout_s: float) -
             break
         waiting()
         await asyncio.sleep(SLOT_WAITS_S[min(attempt, len(SLOT_WAITS_S) - 1)])
-    try:
+    # Freed as the call ends, or, when a sync tool's thread runs on past it (a timeout, a stop), as that ends.
+    with thread_holds.holding(thread_holds.SlotHold(lambda: run.limits.free_tool_slot(pattern, call_id))):
         yield
-    finally:
-        run.limits.free_tool_slot(pattern, call_id)
 
 
 # The key of a `ToolReturn`'s metadata by which a tool reports what its call cost, in USD.
