@@ -109,8 +109,11 @@ def started_again(plane: Plane, admitted: Sequence[str]) -> None:
         dispatch.publish_restart(plane.app, plane.store.records.get_task(task_id))
 
 
-def release(plane: Plane, task: TaskRecord, *, while_asked: bool = False) -> None:
+def release(plane: Plane, task: TaskRecord, *, token: str = "", while_asked: bool = False) -> None:
     """Free the task's run slot (its tree's, and its tenant's fleet slot) and start the waiting tasks that now fit.
+
+    With `token`, a run's release after it freed its lease: only while that run is still the task's last start,
+    checked in the step that frees each slot (a run of the task that started since reuses them).
 
     With `while_asked`, each slot only while one of the calls the task waits on is still pending, checked in the
     step that frees it: the reconciler's, for a run that died after it parked calls for a person and before its
@@ -120,10 +123,10 @@ def release(plane: Plane, task: TaskRecord, *, while_asked: bool = False) -> Non
     own = limits(plane)
     admitted: list[str] = []
     if own.applies_to(task):
-        admitted += plane.store.runs.release_slot(task, own, while_asked=while_asked)
+        admitted += plane.store.runs.release_slot(task, own, while_run=token, while_asked=while_asked)
     shares = fair(plane)
     if shares.on:
-        admitted += plane.store.fair.release(task.id, shares, while_asked=while_asked)
+        admitted += plane.store.fair.release(task.id, shares, while_run=token, while_asked=while_asked)
     started_again(plane, admitted)
 
 
@@ -136,20 +139,26 @@ def release_delegated(plane: Plane, task: TaskRecord) -> None:
         started_again(plane, plane.store.runs.release_slot(task, own, while_status=TaskStatus.DELEGATED.value))
 
 
-def release_stopped(plane: Plane, stopped: Sequence[TaskRecord]) -> None:
+def release_stopped(plane: Plane, stopped: Sequence[TaskRecord]) -> set[str]:
     """Free the tree slots that tasks of one stop hold with no run left to free them: a run that died, its lease
     lapsed, before the reconciler published it again (the stop takes it off the due list, where the
-    reconciler's look would have freed it). A live run frees its own as it ends; fleet slots are `heal`'s."""
+    reconciler's look would have freed it). Returns the ids whose live run still holds its slot: it frees it as
+    it ends, and the stop leaves them on the due list, so that a run that dies first has its slot freed by the
+    reconciler once its lease lapses. Fleet slots are `heal`'s."""
     own = limits(plane)
     held = [task for task in stopped if own.applies_to(task)]
     if not held:
-        return
+        return set()
     running = plane.store.runs.running_ids(held[0].root_id)  # a subtree is within one tree
     held = [task for task in held if task.id in running]
     triaged = plane.store.convergence.triage([task.id for task in held]) if held else []
+    live: set[str] = set()
     for task, seen in zip(held, triaged, strict=True):
-        if not seen.leased:
+        if seen.leased:
+            live.add(task.id)
+        else:
             started_again(plane, plane.store.runs.release_slot(task, own))
+    return live
 
 
 def withdraw_stopped(plane: Plane, stopped: Sequence[TaskRecord]) -> None:

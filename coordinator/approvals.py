@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator import dispatch, ids
 from coordinator.errors import FencedError, NotFoundError, StateError, ValidationError
+from coordinator.faults import crash_point
 from coordinator.models import Approval, TaskRecord
 
 if TYPE_CHECKING:
@@ -76,15 +77,17 @@ def park(plane: Plane, task: TaskRecord, calls: Sequence[ToolCall], token: str =
 
     Raises `FencedError` when the run of lease `token` lost the lease meanwhile (it stalled past its lapse; a
     newer run of the task may have started and parked calls of its own): nothing more is saved, and the task's
-    list of the calls its last run asked for stays the newer run's. ('' for a park no run makes: not checked.)
-    Either way the calls this park saved before expire, ending no wait (`_withdraw`)."""
+    list of the calls its last run asked for is left as it is. Lost before the list was written, the list is
+    the newer run's. Lost after a call was saved, the list is this park's and no newer run has started (a start
+    waits while a listed call is pending: `start_run` answers `asked`): the saved calls stay pending, as after
+    a worker's death there, and their decisions resume the task. ('' for a park no run makes: not checked.)
+    Stopped part-way, the calls this park saved expire, ending no wait (`_withdraw`)."""
     parent_items = plane.store.records.get_todos(task.parent_id) if task.parent_id else []
     todo = next((t for t in parent_items if t.id == task.todo_id), None)
     now = time.time()
     timeout_s = plane.settings.approval_timeout_s
-    made: list[Approval] = []
-    for call in calls:
-        approval = Approval(
+    asked = [
+        Approval(
             id=ids.new_approval_id(task.root_id),
             task_id=task.id,
             root_id=task.root_id,
@@ -96,26 +99,36 @@ def park(plane: Plane, task: TaskRecord, calls: Sequence[ToolCall], token: str =
             created_at=now,
             deadline=now + timeout_s,
         )
+        for call in calls
+    ]
+    # The task's list first, then each approval: a process that dies in between leaves every saved approval
+    # listed (one not saved yet reads as not pending), so the task waits on the calls a person was told of and
+    # a decision on one ends its wait; its next run asks only for the calls no approval was saved for. Saved
+    # first, a death before the list left them on no task's list: the next run asked for them again, and a
+    # decision on the first copy resumed nothing.
+    if not plane.store.runs.set_waiting_approvals(task.id, [a.id for a in asked], token):
+        raise FencedError.of(task.id)
+    made: list[Approval] = []
+    for approval in asked:
         # The timer first: a timer whose approval was never saved finds nothing to expire.
         plane.store.convergence.add_timer(expiry_timer(approval.id), approval.deadline)
         saved = plane.store.approvals.save_approval(approval, token)
         if saved in ("ended", "fenced"):
             plane.store.convergence.remove_timers([expiry_timer(approval.id)])  # its approval was never saved
-            _withdraw(plane, made)
             if saved == "fenced":
                 raise FencedError.of(task.id)
+            _withdraw(plane, made)
             return None
         made.append(approval)
-    if not plane.store.runs.set_waiting_approvals(task.id, [a.id for a in made], token):
-        _withdraw(plane, made)
-        raise FencedError.of(task.id)
+        if len(made) < len(asked):
+            crash_point(plane.settings, "mid-park")
     return made
 
 
 def _withdraw(plane: Plane, made: Sequence[Approval]) -> None:
-    """A park refused part-way: the calls it saved before expire, so no person decides a call no run will make
-    (a stop expired them already: deciding again changes nothing). A withdrawal ends no wait of the task (its
-    newer run's, or the reconciler's to publish again), so it resumes nothing."""
+    """A park a stop overtook part-way: the calls it saved before expire, so no person decides a call no run will
+    make (the stop expired them already, or will: deciding again changes nothing). A withdrawal ends no wait of
+    the task (it has ended), so it resumes nothing."""
     feedback = "its run stopped before it asked for all its calls"
     for approval in made:
         plane.store.approvals.decide(approval.id, "expired", feedback, grace_s=0, withdraw=True)

@@ -73,7 +73,7 @@ def stop_subtree(
     plane.app.control.revoke(stopped)  # queued ones never start (the persisted status covers restarts)
     approvals.expire_for(plane, top.root_id, set(stopped))
     records = plane.store.records.get_records(stopped)
-    admission.release_stopped(plane, records)  # before the unwatch below: a dead run's slot, due no more
+    live = admission.release_stopped(plane, records)  # before the unwatch below: a dead run's slot, due no more
     admission.withdraw_stopped(plane, records)  # their tenant's demand for fleet slots, which none will take now
     stopped_top = plane.store.records.get_task(top.id)
     if top.id not in stopped:  # stopped before: the batch it waits on closes with the children stopped now
@@ -83,7 +83,9 @@ def stop_subtree(
             writeback.write_back(plane, record.waiting_batch_id)
     if stopped_top.status.terminal and stopped_top.batch_id:
         writeback.write_back(plane, stopped_top.batch_id, ended=stopped_top)
-    plane.store.convergence.unwatch(stopped)  # written back; a run still going unwatches again as it ends
+    # Written back. A live run that holds a slot stays due: it unwatches as it ends, and if it dies first the
+    # reconciler frees its slot once its lease lapses (unwatched, the slot stayed held by an ended task).
+    plane.store.convergence.unwatch([t for t in stopped if t not in live])
     return stopped
 
 

@@ -285,7 +285,7 @@ def submit_to(
     except SubqError as exc:
         log.error("subq: delegation of the new root %s failed after it was created: %s", parent.id, exc)
         _fail_submission(plane, parent.id, exc)
-        return Submission(task=parent, error=exc)
+        return Submission(task=_as_it_ended(plane, parent), error=exc)
     return Submission(task=parent, batch=batch)
 
 
@@ -307,6 +307,15 @@ def _fail_submission(plane: Plane, root_id: str, exc: SubqError) -> None:
             raise  # the stop was not persisted: the caller hears it
         # Persisted (its tasks on the due list): the reconciler writes back what the stop did not.
         log.exception("subq: the stop of the failed submission %s did not finish", root_id)
+
+
+def _as_it_ended(plane: Plane, root: TaskRecord) -> TaskRecord:
+    """A failed submission's root as `_fail_submission` left it (`failed`, with the reason); as it was created
+    when Redis cannot say (the error beside it tells the caller why)."""
+    try:
+        return plane.store.records.get_task(root.id)
+    except SubqError:
+        return root
 
 
 def _submitted(plane: Plane, parent: TaskRecord) -> Submission | None:

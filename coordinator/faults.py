@@ -16,6 +16,8 @@ runs a freed slot admitted, not yet sent),
 not yet published),
 `after-compaction` (a run's compaction record is kept with its journal, the request it was
 made for not yet sent),
+`mid-park` (a run that parks two or more calls for a person's decision has saved the first, and its
+task's list of them; the others not yet saved),
 `after-park` (a run's calls are saved for a person's decision, its lease and run slots not yet
 freed),
 `after-stop` (a cancel or a budget's stop is persisted, `stop_tasks.lua`: the subtree's tasks
@@ -35,8 +37,8 @@ __all__ = ["POINTS", "crash_point"]
 log = logging.getLogger(__name__)
 
 POINTS = (
-    "after-end", "after-commit", "after-close", "after-claim-publish", "after-retry", "after-compaction", "after-park",
-    "after-stop",
+    "after-end", "after-commit", "after-close", "after-claim-publish", "after-retry", "after-compaction", "mid-park",
+    "after-park", "after-stop",
 )  # fmt: skip
 
 

@@ -432,7 +432,7 @@ class Run:
         self._heartbeat.forget(self)
         if not self._plane.store.runs.release_lease(self.task.id, self.token):
             return False
-        admission.release(self._plane, self.task)
+        admission.release(self._plane, self.task, token=self.token)
         return True
 
 

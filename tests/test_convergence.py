@@ -288,6 +288,7 @@ def test_a_submission_the_broker_refuses_ends_failed_and_runs_none_of_its_childr
     assert isinstance(submission.error, BrokerError)
     root = coord.get_task(submission.task.id)
     assert root.status == TaskStatus.FAILED and "did not take batch" in root.error
+    assert submission.task == root, "the caller is handed the root as it ended, not as it was created"
     children = coord.get_children(root.id)
     assert len(children) == 2 and {c.status for c in children} == {TaskStatus.CANCELLED}, children
     tick(coord)
@@ -1046,40 +1047,43 @@ def test_a_stale_runs_failed_requests_are_not_counted_on_the_newer_runs_request(
     assert not [m for m in said if m.get("say") == "wait_out"], "no stale wait_out line"
 
 
-def test_a_park_its_run_lost_the_lease_in_the_middle_of_leaves_no_call_waiting(
+def test_a_park_its_run_lost_the_lease_in_the_middle_of_leaves_the_saved_call_to_its_person(
     coord: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A run parks two calls and stalls past its lapse after saving the first; the task's newer run starts. The
-    second is not saved, and the first, saved while the run held the lease, expires: no person is left to
-    decide a call no run will make, and the newer run is neither resumed nor shown waiting, nor its timeline
-    marked: the expiry ends no wait of the task. The stale run ends lost."""
+    """A run parks two calls and stalls past its lapse after saving the first (listed, and notified). The task's
+    next start waits while that call is pending (`asked`), so no newer run asks anything beside it; the second
+    is not saved, the stale run ends lost, and the first stays for its person, as after a worker's death there.
+    The decision resumes the task: its run answers the first call with it. (Before, the list was written after
+    the saves: the first expired unlisted, and the newer run answered both calls as interrupted.)"""
     task = coord.create_task(agent(reply("x")), run=True)
     coord.client.delete(QUEUE)
     lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
     stale = lifecycle.start(task.id)
     assert isinstance(stale, Run)
-    task_key = coord.store.keys.task(task.id, task.id)
-    newer_timeline: list[str] = []
+    started: list[object] = []
 
     def stalls_past_its_lapse() -> None:
         coord.client.delete(coord.store.keys.lease(task.id, task.id))
-        assert isinstance(lifecycle.start(task.id), Run), "the task's newer run"
-        newer_timeline.append(coord.client.hget(task_key, "timeline"))
+        started.append(lifecycle.start(task.id))
 
     saved = _after_the_first_save(monkeypatch, stalls_past_its_lapse)
     with pytest.raises(LeaseLost):
         stale.approvals.park([ToolCall("run_command", {"n": n}, f"c{n}") for n in range(2)])
     assert stale.fenced
+    assert not isinstance(started[0], Run), "no newer run beside the call that waits"
     first, second = saved
-    assert coord.client.hget(task_key, "timeline") == newer_timeline[0], "the newer run's timeline, unmarked"
-    assert coord.store.approvals.get_approval(first).status == "expired"
+    assert coord.store.approvals.get_approval(first).status == "pending"
     with pytest.raises(NotFoundError):
         coord.store.approvals.get_approval(second)
-    assert approvals.list_pending(coord.plane, task.root_id) == []
-    assert coord.store.runs.waiting_approval_ids(task.id) == [], "the newer run's list, as it was"
-    assert expiry_timer(first) not in coord.client.zrange(coord.store.keys.timers(), 0, -1)
-    assert queued_ids(coord) == [] and coord.client.llen(QUEUE) == 0, "nothing published: the newer run has it"
-    assert coord.store.events.live(task.root_id)[task.id]["state"] == "running"
+    assert [a.id for a in approvals.list_pending(coord.plane, task.root_id)] == [first]
+    assert coord.store.runs.waiting_approval_ids(task.id) == [first, second]
+    assert undecided(coord.plane, task.id) == [first]
+    assert expiry_timer(first) in coord.client.zrange(coord.store.keys.timers(), 0, -1)
+    assert coord.decide(first, "approve").status == "approved"
+    assert queued_ids(coord) == [task.id], "the decision resumes it"
+    resumed = lifecycle.start(task.id)
+    assert isinstance(resumed, Run)
+    assert {c: d.approved for c, d in resumed.approvals.answers().decisions.items()} == {"c0": True}
 
 
 def test_a_run_that_lost_its_lease_parks_nothing_beside_the_newer_runs_call(coord: Coordinator) -> None:
@@ -1186,6 +1190,38 @@ def test_a_run_dead_after_it_parked_a_call_frees_its_slot_while_the_call_waits(l
     assert not isinstance(lifecycle.start(asker), Run), "its resumed run waits for a slot, the limit kept"
 
 
+def test_a_parked_runs_release_frees_no_slot_of_the_run_a_decision_started_meanwhile(
+    limited: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run parks a call and releases: between its lease's free and its slot's, the person decides, and the
+    resumed run starts elsewhere, reusing the slot its task holds. The parked run's free, checked in its own
+    step against the task's last start, leaves that slot. Before, it freed it under the resumed run, and the
+    sibling waiting for it started beside, one past the tree's limit."""
+    coord = limited
+    lifecycle, parked, sibling = _one_slot_held_one_waiting(coord)
+    asker = parked.task.id
+    (approval,) = park(coord.plane, parked.task, [ToolCall("run_command", {"command": "ls"}, "call-1")])
+    runs = parked._plane.store.runs
+    release_lease = runs.release_lease
+    resumed: list[Run] = []
+
+    def decided_and_resumed_just_after(task_id: str, token: str) -> bool:
+        freed = release_lease(task_id, token)
+        assert coord.decide(approval.id, "approve").status == "approved"
+        newer = lifecycle.start(asker)  # the resume, delivered to another worker
+        assert isinstance(newer, Run), "the resumed run, in the slot its task holds"
+        resumed.append(newer)
+        return freed
+
+    monkeypatch.setattr(runs, "release_lease", decided_and_resumed_just_after)
+    parked.end(Released("waiting_approval"))
+    assert resumed, "the decision came between the two frees"
+    assert coord.store.runs.running_ids(parked.task.root_id) == {asker}, "the slot is still the resumed run's"
+    assert sibling not in queued_ids(coord), "the sibling was not admitted beside it"
+    assert resumed[0].end(Ended("completed", summary="x")).status == "completed"
+    assert coord.store.runs.running_ids(parked.task.root_id) == {sibling}, "the resumed run's end gives it on"
+
+
 def test_a_parked_tasks_slot_is_not_freed_once_a_decision_resumed_it(
     limited: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1257,6 +1293,34 @@ def test_a_freed_slot_goes_past_a_waiting_task_that_was_stopped(limited: Coordin
     assert coord.store.runs.running_ids(root.id) == {second}, "the slot went to the task still waiting"
     assert queued_ids(coord) == [second]
     assert coord.client.lrange(coord.store.keys.admission(root.id), 0, -1) == [], "the stopped one left the list"
+
+
+def test_a_stopped_runs_slot_is_freed_when_the_run_dies_as_the_stop_goes_on(
+    limited: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child's run is live when a cancel stops it, so the stop leaves its tree slot for the run to free as it
+    ends; the run dies just then, its lease lapsing before the stop's last step. The stop leaves a task whose run
+    held its slot on the due list, so the reconciler frees the slot and the sibling waiting for it starts.
+    Before, the stop's last step found no lease and took it off the list: the slot stayed held by a task that
+    had ended, and its sibling waited for good."""
+    coord = limited
+    _, run, second = _one_slot_held_one_waiting(coord)
+    first, root = run.task.id, run.task.root_id
+    release_stopped = admission.release_stopped
+
+    def then_the_run_dies(plane: Plane, stopped: list[TaskRecord]) -> set[str]:
+        live = release_stopped(plane, stopped)
+        coord.client.delete(coord.store.keys.lease(root, first))  # its lease lapses
+        return live
+
+    monkeypatch.setattr(admission, "release_stopped", then_the_run_dies)
+    coord.cancel(first, "stuck")
+    assert coord.store.runs.running_ids(root) == {first}, "its live run held the slot"
+    assert first in coord.store.convergence.watched()
+    assert tick(coord) == {"ended-not-written-back": 1}
+    assert coord.store.runs.running_ids(root) == {second}, "the slot went to the sibling"
+    assert queued_ids(coord) == [second]
+    assert first not in coord.store.convergence.watched()
 
 
 def test_a_waiting_task_started_with_room_leaves_the_admission_list(limited: Coordinator) -> None:

@@ -225,6 +225,22 @@ def test_the_slot_of_a_run_dead_after_it_parked_a_call_is_freed_only_while_the_c
     assert sorted(store.client.hkeys(store.keys.fair_holding())) == sorted([a2, *given])
 
 
+def test_a_runs_release_frees_no_fleet_slot_of_a_newer_start_of_its_task(fair: Coordinator) -> None:
+    """A run's release frees its fleet slot after its lease, naming its token (`while_run`): a start of the task
+    between the two (a decision's resume) reuses the slot, so the release leaves it; the last start's frees it."""
+    store = fair.store
+    a1, a2, a3 = children(fair, "a", 3)
+    first = secrets.token_hex(4)
+    assert store.runs.begin_run(a1, first, 60, 30, AdmissionLimits(), SHARES).verdict == "run"
+    assert [start(store, t).verdict for t in (a2, a3)] == ["run", "park"]
+    assert store.runs.release_lease(a1, first)
+    newer = secrets.token_hex(4)
+    assert store.runs.begin_run(a1, newer, 60, 30, AdmissionLimits(), SHARES).verdict == "run", "reuses its slot"
+    assert store.fair.release(a1, SHARES, while_run=first) == [], "the newer start holds it"
+    assert sorted(store.client.hkeys(store.keys.fair_holding())) == sorted([a1, a2])
+    assert store.fair.release(a1, SHARES, while_run=newer) == [a3], "its own release gives it on"
+
+
 def test_a_stop_takes_its_runs_out_of_their_tenants_demand_and_gives_the_slots_on(fair: Coordinator) -> None:
     """A cancelled batch's runs, announced in the broker's queue, want no slot any more. Their messages are
     revoked and never reach a worker to take them out, so until they aged out (30 s) the stopped tenant looked

@@ -26,7 +26,7 @@ import pytest
 
 from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.local.fleet import WorkerFleet
-from tests.agents import STEP_COST_MICROS, agent, call, reply, subtask
+from tests.agents import STEP_COST_MICROS, agent, call, calls, reply, subtask
 from tests.conftest import dedicated_fleet
 from tests.helpers import eventually, repairs_reach
 
@@ -236,6 +236,36 @@ def test_a_worker_killed_after_parking_a_call_frees_the_slot_its_sibling_waits_f
     assert coord.get_task(asker).summary == "checked"
     assert_converged(coord, parent.id)
     coord.close()
+
+
+def test_a_decision_on_a_call_saved_before_its_worker_died_mid_park_counts(coord: Coordinator, tmp_path: Path) -> None:
+    """A run parks two calls for a person; its worker dies once the first is saved (and its `approval.requested`
+    sent), before the second. A person approves the first at once: the run resumed elsewhere runs that call,
+    and answers the second, which no person was asked about, as interrupted (as any call cut off by its worker's
+    death). Before, the first was on no task's list: the approval was taken and ignored, and the call answered
+    as interrupted too."""
+    fleet = crashing_worker(coord.settings, tmp_path, "mid-park")
+    try:
+        parent = coord.create_task("One child", todos="[ ] check")
+        asks = subtask(
+            "check", calls(("run_command", {"command": "true"}), ("run_command", {"command": "echo two"})),
+            reply("checked"),
+        )  # fmt: skip
+        (child_id,) = coord.delegate(parent.id, [asks]).child_ids
+        died(fleet)
+    finally:
+        fleet.stop()
+    (first,) = coord.list_approvals(parent.id)
+    assert first.args == {"command": "true"}
+    assert coord.decide(first.id, "approve").status == "approved"
+    coord.wait(parent.id, CONVERGE_S)
+    child = coord.get_task(child_id)
+    assert child.summary == "checked"
+    assert child.tool_use["run_command"].outcomes == {"ok": 1, "interrupted": 1}, child.tool_use
+    said = [(m.get("say"), m.get("text")) for m in coord.messages(child_id)]
+    assert ("command", "true") in said and ("tool_interrupted", 'run_command({"command": "echo two"})') in said
+    assert coord.list_approvals(parent.id) == []
+    assert_converged(coord, parent.id)
 
 
 def test_a_worker_killed_mid_run_resumes_elsewhere_after_the_lapse(

@@ -727,6 +727,10 @@ class FairRelease(
         "this call's own token, kept with what it gave: only its resend carries it again (none from end_run, whose "
         "`end_reply` answers its resend)"
     )
+    while_run: str = arg(
+        "the token of the run that frees its slot: only while it is the task's last start (its `run_token`); "
+        "nothing freed nor given otherwise ('': whichever run)"
+    )
     while_asked: str | None = arg(
         "the prefix of the run's tree's approval hashes: only while one of the calls its task waits on is still "
         "pending: nothing freed nor given otherwise",
@@ -1167,6 +1171,10 @@ class ReleaseSlot(
     now: float = arg("now (epoch s)")
     while_status: str = arg(
         "only while the task's status is this one ('': whatever it is): nothing freed nor admitted otherwise"
+    )
+    while_run: str = arg(
+        "the token of the run that frees its slots: only while it is the task's last start (its `run_token`); "
+        "nothing freed nor admitted otherwise ('': whichever run)"
     )
     while_asked: str | None = arg(
         "the prefix of the tree's approval hashes: only while one of the calls the task waits on is still pending: "

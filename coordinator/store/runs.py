@@ -370,12 +370,19 @@ class RunStore(Part):
 
     @translate_redis_errors
     def release_slot(
-        self, record: TaskRecord, limits: AdmissionLimits, *, while_status: str = "", while_asked: bool = False
+        self,
+        record: TaskRecord,
+        limits: AdmissionLimits,
+        *,
+        while_status: str = "",
+        while_run: str = "",
+        while_asked: bool = False,
     ) -> list[str]:
         """Free the task's run slot and admit waiting tasks that now fit (release_slot.lua); the admitted ids.
 
-        With `while_status`, only while the task's status is that one; with `while_asked`, only while one of the
-        calls it waits on is still pending (each checked in the same step)."""
+        With `while_status`, only while the task's status is that one; with `while_run` (a run's token), only while
+        that run is the task's last start; with `while_asked`, only while one of the calls it waits on is still
+        pending (each checked in the same step)."""
         root, k = record.root_id, self.keys
         return self.scripts(
             ReleaseSlot(
@@ -383,7 +390,7 @@ class RunStore(Part):
                 parent_running=k.running_children(root, record.parent_id or record.id), task_id=record.id,
                 per_parent=limits.per_parent, per_tree=limits.per_tree, retention_s=self.retention_s,
                 task_prefix=k.task(root, ""), running_children_prefix=k.running_children(root, ""),
-                admission_scan=ADMISSION_SCAN, now=time.time(), while_status=while_status,
+                admission_scan=ADMISSION_SCAN, now=time.time(), while_status=while_status, while_run=while_run,
                 while_asked=k.approval(root, "") if while_asked else None,
             )
         )  # fmt: skip

@@ -25,7 +25,9 @@
 -- ARGV[15] int: the priority of a record without one
 -- ARGV[16] str: this call's own token, kept with what it gave: only its resend carries it again (none from
 --   end_run, whose `end_reply` answers its resend)
--- ARGV[17] (optional) str: the prefix of the run's tree's approval hashes: only while one of the calls its
+-- ARGV[17] str: the token of the run that frees its slot: only while it is the task's last start (its
+--   `run_token`); nothing freed nor given otherwise ('': whichever run)
+-- ARGV[18] (optional) str: the prefix of the run's tree's approval hashes: only while one of the calls its
 --   task waits on is still pending: nothing freed nor given otherwise
 -- Returns the ids given a slot (the caller publishes their runs; by this very call, when it is sent
 --   again).
@@ -43,7 +45,12 @@ end
 -- The reconciler frees the slot of a run that died after it parked calls for a person, before its release: only
 -- while one of them is still pending (no run of the task starts before the last decision), not once a decision
 -- resumed it and its run reuses the slot.
-if ARGV[17] and not approval_pending(hash_get(own, 'waiting_approval_ids')[1], ARGV[17], nil) then
+-- A run's release frees its slot after its lease: a run of the task that started between the two (a decision's
+-- resume) holds the slot now (fair_admit.lua: admitted already), so it is not freed here.
+if (ARGV[17] or '') ~= '' and hash_get(own, 'run_token')[1] ~= ARGV[17] then
+  return {}
+end
+if ARGV[18] and not approval_pending(hash_get(own, 'waiting_approval_ids')[1], ARGV[18], nil) then
   return {}
 end
 local tenant = redis.call('HGET', KEYS[3], id)

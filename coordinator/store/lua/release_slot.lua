@@ -16,7 +16,9 @@
 -- ARGV[8] float: now (epoch s)
 -- ARGV[9] str: only while the task's status is this one ('': whatever it is): nothing freed nor admitted
 --   otherwise
--- ARGV[10] (optional) str: the prefix of the tree's approval hashes: only while one of the calls the task
+-- ARGV[10] str: the token of the run that frees its slots: only while it is the task's last start (its
+--   `run_token`); nothing freed nor admitted otherwise ('': whichever run)
+-- ARGV[11] (optional) str: the prefix of the tree's approval hashes: only while one of the calls the task
 --   waits on is still pending: nothing freed nor admitted otherwise
 -- Returns the ids admitted now (removed from the list, added to the running sets; by this very call, when
 --   it is sent again).
@@ -35,10 +37,15 @@ end
 if (ARGV[9] or '') ~= '' and hash_get(own, 'status')[1] ~= ARGV[9] then
   return {}
 end
+-- A run's release frees its slots after its lease, in a step of its own: a run of the task that started between
+-- the two (a decision's resume) reuses the slots the task holds, so they are that run's now, not freed here.
+if (ARGV[10] or '') ~= '' and hash_get(own, 'run_token')[1] ~= ARGV[10] then
+  return {}
+end
 -- And the slot of a task whose run died after it parked calls for a person, before its release: only while one
 -- of them is still pending (no run of the task starts before the last decision: start_run answers `asked`), not
 -- once a decision resumed it and its run reuses the slot.
-if ARGV[10] and not approval_pending(hash_get(own, 'waiting_approval_ids')[1], ARGV[10], nil) then
+if ARGV[11] and not approval_pending(hash_get(own, 'waiting_approval_ids')[1], ARGV[11], nil) then
   return {}
 end
 redis.call('SREM', KEYS[1], ARGV[1])
