@@ -217,13 +217,15 @@ def beat(plane: Plane, worker: str) -> None:
     plane.store.fair.beat(worker, plane.settings.worker_concurrency, plane.settings.heartbeat_lapse_s, table)
 
 
-def take_tool_slot(plane: Plane, pattern: str, limit: int, lease_s: float, member: str) -> bool:
-    """Take a fleet-wide slot of the tool glob `pattern` for the call `member`; False: all `limit` are held."""
+def take_tool_slot(plane: Plane, pattern: str, limit: int, lease_s: float, member: str) -> int:
+    """Take a fleet-wide slot of the tool glob `pattern` for the call `member`: when its lease ends (ms), which
+    `free_tool_slot` is given back; 0: all `limit` are held."""
     return plane.store.runs.take_tool_slot(pattern, limit, lease_s, member)
 
 
-def free_tool_slot(plane: Plane, pattern: str, member: str) -> None:
-    plane.store.runs.free_tool_slot(pattern, member)
+def free_tool_slot(plane: Plane, pattern: str, member: str, lease_ends_ms: int) -> None:
+    """Free the slot the take that said `lease_ends_ms` took, unless the same call has taken it again since."""
+    plane.store.runs.free_tool_slot(pattern, member, lease_ends_ms)
 
 
 def wait_for_tool_rate(plane: Plane, pattern: str, rpm: int) -> int:

@@ -320,6 +320,22 @@ def test_the_provider_rate_limit_is_shared_through_redis(idle_coordinator: Coord
     assert 0 < wait_ms <= 60_000
 
 
+def test_a_tool_slot_taken_again_by_its_call_is_not_freed_by_the_earlier_take(idle_coordinator: Coordinator) -> None:
+    # A new run of a task runs a cut-off call again while the thread of the first take may still run: when that
+    # thread returns, its free must not let a third call in beside the second.
+    store = idle_coordinator.store
+    pattern = f"slot-{time.time_ns()}"
+    slots = store.keys.tool_slots(pattern)
+    first = store.runs.take_tool_slot(pattern, 1, 60, "task:call")
+    again = store.runs.take_tool_slot(pattern, 1, 60, "task:call")
+    assert first and again and again != first
+    assert store.runs.free_tool_slot(pattern, "task:call", first) is False
+    assert store.client.zscore(slots, "task:call") == again
+    assert store.runs.take_tool_slot(pattern, 1, 60, "other:call") == 0, "the slot is the second take's still"
+    assert store.runs.free_tool_slot(pattern, "task:call", again) is True
+    assert store.runs.take_tool_slot(pattern, 1, 60, "other:call") > 0
+
+
 def test_live_status_is_streamed_and_snapshotted(coordinator: Coordinator) -> None:
     parent = coordinator.create_task("p")
     batch = coordinator.delegate(

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pydantic_ai import ModelRetry, RunContext, ToolReturn
@@ -79,8 +81,9 @@ def explode(reason: str) -> str:
     raise ValueError(reason)
 
 
-async def crowd(seconds: float) -> str:
-    """Be one of the calls running now for `seconds`, and note how many ran at once (across processes)."""
+@contextmanager
+def _one_of_the_crowd() -> Iterator[None]:
+    """Be one of the calls running now, and note how many ran at once (across processes)."""
     folder = Path(os.environ["TOOL_KIT_MARKS"]) / "crowd"
     folder.mkdir(exist_ok=True)
     me = folder / f"{os.getpid()}-{time.monotonic_ns()}"
@@ -88,24 +91,22 @@ async def crowd(seconds: float) -> str:
     try:
         with (folder.parent / "crowd.log").open("a") as log:
             log.write(f"{len(list(folder.iterdir()))}\n")
-        await asyncio.sleep(seconds)
+        yield
     finally:
         me.unlink()
+
+
+async def crowd(seconds: float) -> str:
+    """Be one of the calls running now for `seconds`, and note how many ran at once (across processes)."""
+    with _one_of_the_crowd():
+        await asyncio.sleep(seconds)
     return "done"
 
 
 def crowd_in_a_thread(seconds: float) -> str:
     """`crowd` as a plain function: it runs on a thread of the worker's pool, which no timeout stops."""
-    folder = Path(os.environ["TOOL_KIT_MARKS"]) / "crowd"
-    folder.mkdir(exist_ok=True)
-    me = folder / f"{os.getpid()}-{time.monotonic_ns()}"
-    me.write_text("1")
-    try:
-        with (folder.parent / "crowd.log").open("a") as log:
-            log.write(f"{len(list(folder.iterdir()))}\n")
+    with _one_of_the_crowd():
         time.sleep(seconds)
-    finally:
-        me.unlink()
     return "done"
 
 

@@ -33,15 +33,18 @@ class LimitsPort:
         self._note("tool_limit", f"tool:{pattern}", waiting=wait_ms > 0)
         return wait_ms
 
-    def take_tool_slot(self, pattern: str, limit: int, lease_s: float, tool_call_id: str) -> bool:
-        """A fleet-wide slot of the tool glob `pattern` for this call, held until `free_tool_slot` or the lease."""
+    def take_tool_slot(self, pattern: str, limit: int, lease_s: float, tool_call_id: str) -> int:
+        """A fleet-wide slot of the tool glob `pattern` for this call, held until `free_tool_slot` or the lease:
+        when the lease ends (ms), which `free_tool_slot` is given back; 0 when none is free."""
         member = f"{self._run.task.id}:{tool_call_id}"
-        taken = admission.take_tool_slot(self._plane, pattern, limit, lease_s, member)
-        self._note("tool_limit", f"slot:{member}", waiting=not taken)
-        return taken
+        lease_ends_ms = admission.take_tool_slot(self._plane, pattern, limit, lease_s, member)
+        self._note("tool_limit", f"slot:{member}", waiting=not lease_ends_ms)
+        return lease_ends_ms
 
-    def free_tool_slot(self, pattern: str, tool_call_id: str) -> None:
-        admission.free_tool_slot(self._plane, pattern, f"{self._run.task.id}:{tool_call_id}")
+    def free_tool_slot(self, pattern: str, tool_call_id: str, lease_ends_ms: int) -> None:
+        """Free the slot of this call's take that said `lease_ends_ms`: not a later take of the same call's (a new
+        run of the task that runs the call again while the thread of this one runs on)."""
+        admission.free_tool_slot(self._plane, pattern, f"{self._run.task.id}:{tool_call_id}", lease_ends_ms)
 
     def _note(self, reason: str, what: str, *, waiting: bool) -> None:
         run = self._run

@@ -1556,9 +1556,9 @@ class SettleAndClaim(
 
 @dataclass(frozen=True, kw_only=True)
 class ToolSlot(
-    Call[bool],
+    Call[int],
     script="tool_slot",
-    returns="1 when the call holds a slot now, else 0 (it waits and asks again).",
+    returns="when the call's slot lease ends (ms) when it holds a slot now, else 0 (it waits and asks again).",
 ):
     slots: str = key("the glob's slots zset (member: the call, score: when its lease ends, ms)")
     limit: int = arg("the limit")
@@ -1567,8 +1567,23 @@ class ToolSlot(
     member: str = arg("the call's member")
 
     @classmethod
+    def decode(cls, raw: Any) -> int:
+        return int(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FreeToolSlot(
+    Call[bool],
+    script="free_tool_slot",
+    returns="1 when freed; 0 when the call holds it no more (taken again since, or its lease lapsed).",
+):
+    slots: str = key("the glob's slots zset")
+    member: str = arg("the call's member")
+    lease_ends_ms: int = arg("when the take that frees it said its lease ends, ms")
+
+    @classmethod
     def decode(cls, raw: Any) -> bool:
-        return bool(int(raw))
+        return bool(raw)
 
 
 class UnwatchKeys(NamedTuple):

@@ -33,6 +33,7 @@ from coordinator.store.protocol import (
     EndRun,
     FinishTask,
     FlushRun,
+    FreeToolSlot,
     LatencyArgs,
     MarkToolStarted,
     RateLimit,
@@ -417,8 +418,9 @@ class RunStore(Part):
                 "leases": sum(rest[1::2]), "watched": sum(1 for score in due if score is not None)}  # fmt: skip
 
     @translate_redis_errors
-    def take_tool_slot(self, pattern: str, limit: int, lease_s: float, member: str) -> bool:
-        """Take one of the `limit` fleet-wide slots of the tool glob `pattern` (tool_slot.lua); False: none free."""
+    def take_tool_slot(self, pattern: str, limit: int, lease_s: float, member: str) -> int:
+        """Take one of the `limit` fleet-wide slots of the tool glob `pattern` (tool_slot.lua): when its lease
+        ends (ms), which frees it (`free_tool_slot`); 0: none free."""
         return self.scripts(
             ToolSlot(
                 slots=self.keys.tool_slots(pattern), limit=limit, now_ms=int(time.time() * 1000),
@@ -427,8 +429,11 @@ class RunStore(Part):
         )  # fmt: skip
 
     @translate_redis_errors
-    def free_tool_slot(self, pattern: str, member: str) -> None:
-        self.client.zrem(self.keys.tool_slots(pattern), member)
+    def free_tool_slot(self, pattern: str, member: str, lease_ends_ms: int) -> bool:
+        """Free the slot `take_tool_slot` took, unless the call has taken it again since (free_tool_slot.lua)."""
+        return self.scripts(
+            FreeToolSlot(slots=self.keys.tool_slots(pattern), member=member, lease_ends_ms=lease_ends_ms)
+        )
 
     @translate_redis_errors
     def wait_for_rate(self, provider: str, rpm: int) -> int:

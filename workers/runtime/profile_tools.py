@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import importlib
 import inspect
 import itertools
@@ -159,12 +160,13 @@ async def _fleet_limit(ctx: RunContext[RunState], tool: str, timeout_s: float) -
         return
     lease_s = timeout_s + SLOT_LEASE_MARGIN_S
     for attempt in itertools.count():
-        if run.limits.take_tool_slot(pattern, limit.concurrency, lease_s, call_id):
+        if lease_ends_ms := run.limits.take_tool_slot(pattern, limit.concurrency, lease_s, call_id):
             break
         waiting()
         await asyncio.sleep(SLOT_WAITS_S[min(attempt, len(SLOT_WAITS_S) - 1)])
     # Freed as the call ends, or, when a sync tool's thread runs on past it (a timeout, a stop), as that ends.
-    with thread_holds.holding(thread_holds.SlotHold(lambda: run.limits.free_tool_slot(pattern, call_id))):
+    free = functools.partial(run.limits.free_tool_slot, pattern, call_id, lease_ends_ms)
+    with thread_holds.holding(thread_holds.SlotHold(free)):
         yield
 
 

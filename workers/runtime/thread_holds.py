@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextvars
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 __all__ = ["HoldingExecutor", "SlotHold", "holding"]
+
+log = logging.getLogger(__name__)
 
 
 class SlotHold:
@@ -42,7 +45,11 @@ class SlotHold:
             self._threads -= 1
             now = self._let_go and self._threads == 0
         if now:
-            self._free()
+            # Called back by the pool, which would only print what this raised: say what it means.
+            try:
+                self._free()
+            except Exception as exc:
+                log.warning("a tool slot stays held until its lease lapses: its free failed (%s)", exc)
 
     def let_go(self) -> None:
         """The call has ended: free the slot now, or when its last thread ends."""
