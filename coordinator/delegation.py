@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MODES",
+    "PUBLISH_PACE_S",
     "Submission",
     "check_mode",
     "check_submission",
@@ -51,6 +52,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MODES: tuple[DelegationMode, ...] = ("parallel", "sequential")
+
+# The slowest pace at which a batch's run messages are taken to reach the broker, s a message: the reconciler
+# looks at a wide batch's n-th child this much later per child before it (a 5,000-wide publish took 18 s on a
+# loaded 2-core host, 3.6 ms a message; bench/overhead.py --widths 5000 --grace-s 2).
+PUBLISH_PACE_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -193,7 +199,9 @@ def publish(plane: Plane, batch: Batch, children: list[TaskRecord]) -> None:
         store.convergence.unwatch([batch.parent_id], while_status=TaskStatus.DELEGATED.value)
         return
     starting = children if batch.mode == "parallel" else children[:1]  # later steps start as each ends
-    store.convergence.watch([c.id for c in starting], plane.settings.reconcile_grace_s)
+    # Each child a publish's pace later than the one before it: the last of a wide batch's messages reaches the
+    # queue seconds after the first, and looked at before it did, it read as lost and was published again.
+    store.convergence.watch([c.id for c in starting], plane.settings.reconcile_grace_s, spread_s=PUBLISH_PACE_S)
     if store.batches.claim_batch_publish(batch.id):
         faults.crash_point(plane.settings, "after-claim-publish")
         if batch.mode == "sequential":

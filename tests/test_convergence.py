@@ -24,9 +24,11 @@ from coordinator import (
     approvals,
     delegation,
     endpoints,
+    reconciler,
 )
 from coordinator.approvals import ToolCall, expiry_timer, undecided
 from coordinator.celery_app import make_app
+from coordinator.delegation import PUBLISH_PACE_S
 from coordinator.errors import FencedError
 from coordinator.local.embedded_redis import local_redis
 from coordinator.models import Approval, SubtaskSpec, TaskRecord, live_status
@@ -132,6 +134,37 @@ def test_a_run_taken_from_the_queue_while_the_tick_looked_is_not_taken_for_lost(
     monkeypatch.setattr(store, "queued_task_ids", a_worker_takes_it_first)
     assert tick(coord) == {}, "not published again"
     assert coord.client.llen(QUEUE) == 0 and root.id in store.watched()
+
+
+def test_a_wide_batchs_children_are_looked_at_no_sooner_than_its_publish_reaches_each(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's children are watched before its messages are sent, one after another; a wide batch's last
+    reached the queue seconds after the first. Watched all for the same time, they were looked at before
+    their messages were there and published again (`run-lost`: 280 of a 5,000-wide fan-out beside one busy
+    loop, bench/overhead.py --widths 5000 --grace-s 2). Each child is now due a publish's pace later than the
+    one before it."""
+    monkeypatch.setattr(reconciler, "SETTLE_S", 0.0)  # the look that this test is about, not the settling
+    wide = Coordinator(coord.settings.model_copy(update={"max_fanout": 500}))
+    try:
+        _publish_half_and_tick(wide)
+    finally:
+        wide.close()
+
+
+def _publish_half_and_tick(coord: Coordinator) -> None:
+    parent = coord.create_task("fan out")
+    batch = coord.delegate(parent.id, [subtask(f"child {n}", agent(reply("x"))) for n in range(500)])
+    due = coord.store.convergence.watched()
+    times = [due[child] for child in batch.child_ids]
+    assert times == sorted(times) and times[-1] - times[0] == pytest.approx(499 * PUBLISH_PACE_S, abs=0.001)
+    # The last hundred messages have not reached the queue yet (kombu pushes each new one at the list's head).
+    coord.client.ltrim(QUEUE, 100, -1)
+    assert queued_ids(coord) == sorted(batch.child_ids[:400])
+    time.sleep(max(0.0, times[0] - time.time()) + 0.2)  # the first children are due; the last (4 s on) are not
+    repairs = Reconciler(coord, "test").tick()
+    assert repairs == {}, "none of the children on their way was taken for lost"
+    assert coord.client.llen(QUEUE) == 400, "none published again"
 
 
 def test_a_run_that_ended_while_the_tick_looked_is_not_taken_for_lost(

@@ -51,15 +51,20 @@ class ConvergenceStore(Part):
     # -- the due list ------------------------------------------------------------------
 
     @translate_redis_errors
-    def watch(self, task_ids: Sequence[str], after_s: float, *, only_if_watched: bool = False) -> None:
+    def watch(
+        self, task_ids: Sequence[str], after_s: float, *, only_if_watched: bool = False, spread_s: float = 0.0
+    ) -> None:
         """Look at these tasks in `after_s` unless their runs end or release their worker first.
 
         `only_if_watched` moves the time of tasks still watched and adds none (the
         reconciler's "look again later" must not bring back a task whose run just ended).
+        `spread_s`: each task `spread_s` later than the one before it (tasks whose messages are
+        sent one after another, in this order, over a while).
         """
         if task_ids:
             at = time.time() + after_s
-            self.client.zadd(self.keys.due(), dict.fromkeys(task_ids, at), xx=only_if_watched)
+            due = {task_id: at + n * spread_s for n, task_id in enumerate(task_ids)}
+            self.client.zadd(self.keys.due(), due, xx=only_if_watched)
 
     @translate_redis_errors
     def unwatch(self, task_ids: Sequence[str], *, while_status: str = "") -> None:
