@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -68,6 +69,16 @@ def tick(coord: Coordinator, after_s: float = 0) -> dict[str, int]:
     return dict(repairs)
 
 
+@contextmanager
+def settings_of(coord: Coordinator, **update: Any) -> Iterator[Coordinator]:
+    """A coordinator of `coord`'s settings with `update`, closed after."""
+    other = Coordinator(coord.settings.model_copy(update=update))
+    try:
+        yield other
+    finally:
+        other.close()
+
+
 def queued_ids(coord: Coordinator) -> list[str]:
     return sorted(coord.store.convergence.queued_task_ids(QUEUE))
 
@@ -88,12 +99,8 @@ def test_a_task_queued_in_the_broker_is_left_alone(coord: Coordinator) -> None:
 
 def test_a_wave_of_queued_tasks_costs_a_tick_a_few_round_trips(coord: Coordinator) -> None:
     """Each queued task is looked at again later, all in one write: not a round trip or two each."""
-    with local_redis() as url:  # a server of its own: its command counts are this test's alone
-        alone = Coordinator(coord.settings.model_copy(update={"redis_url": url}))
-        try:
-            _tick_a_wave(alone)
-        finally:
-            alone.close()
+    with local_redis() as url, settings_of(coord, redis_url=url) as alone:  # its command counts are its own
+        _tick_a_wave(alone)
 
 
 def _tick_a_wave(coord: Coordinator) -> None:
@@ -145,11 +152,8 @@ def test_a_wide_batchs_children_are_looked_at_no_sooner_than_its_publish_reaches
     loop, bench/overhead.py --widths 5000 --grace-s 2). Each child is now due a publish's pace later than the
     one before it."""
     monkeypatch.setattr(reconciler, "SETTLE_S", 0.0)  # the look that this test is about, not the settling
-    wide = Coordinator(coord.settings.model_copy(update={"max_fanout": 500}))
-    try:
+    with settings_of(coord, max_fanout=500) as wide:
         _publish_half_and_tick(wide)
-    finally:
-        wide.close()
 
 
 def _publish_half_and_tick(coord: Coordinator) -> None:
