@@ -35,7 +35,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from coordinator import dispatch, faults
+from coordinator import delegation, dispatch, faults
 from coordinator.errors import ConflictError, StateError
 from coordinator.models import Batch, Retried, RetryBatch, RetryRefused, RetrySkip, RetryTask, TaskRecord, TaskStatus
 
@@ -63,7 +63,11 @@ def retry(plane: Plane, task_id: str, *, failed: bool = False) -> Retried:
         reasons = "; ".join(skip.reason for skip in plan.skipped)
         raise StateError(f"no failed task of the tree of {top.id} can be retried: {reasons}", field="task_id")
     done = plane.store.retries.retry(
-        top.root_id, plan.tasks, list(plan.batches.values()), plane.settings.reconcile_grace_s
+        top.root_id,
+        plan.tasks,
+        list(plan.batches.values()),
+        plane.settings.reconcile_grace_s,
+        pace_s=delegation.PUBLISH_PACE_S,  # published one by one below, as a wide batch's children are
     )
     if isinstance(done, RetryRefused):
         raise _refused(plane, done)

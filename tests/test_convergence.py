@@ -171,6 +171,33 @@ def _publish_half_and_tick(coord: Coordinator) -> None:
     assert coord.client.llen(QUEUE) == 400, "none published again"
 
 
+def test_a_wide_retrys_runs_are_looked_at_no_sooner_than_its_publish_reaches_each(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tree's retry commits every task it re-runs, then publishes their runs one by one, as a batch does its
+    children: all due at the same time, the last of a wide retry's were looked at before their messages were
+    sent. Each is now due a publish's pace later than the one before it, in the order they are published."""
+    monkeypatch.setattr(reconciler, "SETTLE_S", 0.0)
+    with settings_of(coord, max_fanout=500) as wide:
+        parent = wide.create_task(agent(reply("x")), run=True)
+        batch = wide.delegate(parent.id, [subtask(f"child {n}", agent(reply("x"))) for n in range(500)])
+        wide.client.delete(QUEUE)
+        for child in batch.child_ids:
+            wide.store.runs.finish_task(child, "failed", error="by hand", error_class="ModelHTTPError")
+        wide.store.convergence.unwatch(batch.child_ids)
+
+        retried = wide.retry(parent.id, failed=True)
+
+        assert sorted(retried.retried) == sorted(batch.child_ids)
+        due = wide.store.convergence.watched()
+        times = [due[child] for child in retried.retried]  # the order they were published in
+        assert times == sorted(times) and times[-1] - times[0] == pytest.approx(499 * PUBLISH_PACE_S, abs=0.01)
+        wide.client.ltrim(QUEUE, 100, -1)  # the last hundred messages have not reached the queue yet
+        time.sleep(max(0.0, times[0] - time.time()) + 0.2)
+        assert Reconciler(wide, "test").tick() == {}, "none of the runs on their way was taken for lost"
+        assert wide.client.llen(QUEUE) == 400, "none published again"
+
+
 def test_a_run_that_ended_while_the_tick_looked_is_not_taken_for_lost(
     coord: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

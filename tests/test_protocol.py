@@ -205,13 +205,13 @@ def test_counts_are_packed_from_their_tails_and_groups_laid_out_flat() -> None:
     call = Retry(
         due="due", live="live", events="events",
         task_keys=[("t1", "u1", "l1", "c1"), ("t2", "u2", "l2", "c2")], batch_keys=[("b", "bl", "p", "pa", "pt")],
-        now=1.0, look_at=2.0, retention_s=60, events_maxlen=100,
+        now=1.0, look_at=2.0, pace_s=0.01, retention_s=60, events_maxlen=100,
         tasks=[("t1", "run", 0, 0, 0), ("t2", "wait", 1, 3, 4)], batches=[("b", "closed", "p")],
     )  # fmt: skip
     keys, args = call.pack()
     assert keys == ["due", "live", "events", "t1", "u1", "l1", "c1", "t2", "u2", "l2", "c2", "b", "bl", "p", "pa", "pt"]
-    assert args[4:6] == [2, 1]  # ARGV[5], ARGV[6]: the counts
-    assert args[6:] == ["t1", "run", 0, 0, 0, "t2", "wait", 1, 3, 4, "b", "closed", "p"]
+    assert args[5:7] == [2, 1]  # ARGV[6], ARGV[7]: the counts
+    assert args[7:] == ["t1", "run", 0, 0, 0, "t2", "wait", 1, 3, 4, "b", "closed", "p"]
     unwatch = Unwatch(due="due", tasks=[("l1", "t1")], while_status="", task_ids=["a"])
     assert unwatch.pack() == (["due", "l1", "t1"], ["", "a"])
 

@@ -1258,7 +1258,8 @@ class Retry(
         "then 5 keys per batch: batch hash, batch lines, parent hash, parent awaiting set, parent todos"
     )
     now: float = arg("now (epoch s)")
-    look_at: float = arg("when the reconciler looks (epoch s)")
+    look_at: float = arg("when the reconciler looks at the first task to run (epoch s)")
+    pace_s: float = arg("s: each task to run after it is looked at this much later than the one before it")
     retention_s: int = arg("retention seconds")
     events_maxlen: int = arg("events max length")
     n_tasks: int = count("number of tasks", of="tasks")

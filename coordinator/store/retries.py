@@ -24,9 +24,18 @@ class RetryStore(Part):
 
     @translate_redis_errors
     def retry(
-        self, root_id: str, tasks: Sequence[RetryTask], batches: Sequence[RetryBatch], due_after_s: float
+        self,
+        root_id: str,
+        tasks: Sequence[RetryTask],
+        batches: Sequence[RetryBatch],
+        due_after_s: float,
+        *,
+        pace_s: float = 0.0,
     ) -> list[int] | RetryRefused:
-        """Apply the plan; each task's retry count, in order, or why nothing was written."""
+        """Apply the plan; each task's retry count, in order, or why nothing was written.
+
+        The first task to run is looked at `due_after_s` from now, and each after it `pace_s` later than the
+        one before (their runs are published one by one, in this order)."""
         k, now = self.keys, time.time()
         index = {batch.batch_id: n for n, batch in enumerate(batches, start=1)}
         return self.scripts(
@@ -48,7 +57,7 @@ class RetryStore(Part):
                     )
                     for b in batches
                 ],
-                now=now, look_at=now + due_after_s, retention_s=self.retention_s, events_maxlen=EVENTS_MAXLEN,
+                now=now, look_at=now + due_after_s, pace_s=pace_s, retention_s=self.retention_s, events_maxlen=EVENTS_MAXLEN,
                 tasks=[
                     RetryTaskArgs(
                         task_id=t.task_id, role=t.role, batch_index=index[t.slot] if t.slot else 0, keep=t.keep,

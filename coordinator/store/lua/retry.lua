@@ -14,12 +14,13 @@
 -- KEYS[4..] 4 keys per task: task hash, its UI messages, its lease, its conversation
 -- KEYS[..] then 5 keys per batch: batch hash, batch lines, parent hash, parent awaiting set, parent todos
 -- ARGV[1] float: now (epoch s)
--- ARGV[2] float: when the reconciler looks (epoch s)
--- ARGV[3] int: retention seconds
--- ARGV[4] int: events max length
--- ARGV[5] int: number of tasks
--- ARGV[6] int: number of batches
--- ARGV[7..] 5 per task: id, 'run' or 'wait', the index (1-based) of the batch its slot is in (0: none),
+-- ARGV[2] float: when the reconciler looks at the first task to run (epoch s)
+-- ARGV[3] float: s: each task to run after it is looked at this much later than the one before it
+-- ARGV[4] int: retention seconds
+-- ARGV[5] int: events max length
+-- ARGV[6] int: number of tasks
+-- ARGV[7] int: number of batches
+-- ARGV[8..] 5 per task: id, 'run' or 'wait', the index (1-based) of the batch its slot is in (0: none),
 --   for 'wait' how many conversation messages to keep and how many it must have now (else 0, 0)
 -- ARGV[..] then 3 per batch: batch id, 'open' (still running: its slot is re-opened) or 'closed' (re-
 --   opened for its parent, a task to 'wait' here), the parent id
@@ -27,14 +28,14 @@
 --   ran) or {'refused', id, why, detail}: why is 'missing', 'status' (detail: the status), 'caller',
 --   'budget' (detail: the error), 'leased', 'batch' (detail: the batch's status), 'chain' or
 --   'conversation' (it changed).
-local now, due_at, retention, maxlen = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local n_tasks, n_batches = tonumber(ARGV[5]), tonumber(ARGV[6])
+local now, due_at, pace, retention, maxlen = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
+local n_tasks, n_batches = tonumber(ARGV[6]), tonumber(ARGV[7])
 local first_batch_key = 4 + 4 * n_tasks
-local first_batch_arg = 7 + 5 * n_tasks
+local first_batch_arg = 8 + 5 * n_tasks
 
 local tasks, batches = {}, {}
 for i = 1, n_tasks do
-  local k, a = 4 + 4 * (i - 1), 7 + 5 * (i - 1)
+  local k, a = 4 + 4 * (i - 1), 8 + 5 * (i - 1)
   tasks[i] = {
     key = KEYS[k], ui = KEYS[k + 1], lease = KEYS[k + 2], conversation = KEYS[k + 3],
     id = ARGV[a], role = ARGV[a + 1], slot = tonumber(ARGV[a + 2]), keep = tonumber(ARGV[a + 3]),
@@ -159,8 +160,11 @@ for i, t in ipairs(tasks) do
     timeline_again(t.key, 'wait:children')
     said = 'retried (retry ' .. retries .. '): waits on its failed children, retried; it failed with '
   else
-    -- Its run is published after this call; the reconciler publishes it if that never happens.
+    -- Its run is published after this call; the reconciler publishes it if that never happens. The
+    -- runs are published one by one in this order, so each is looked at a publish's pace after the one
+    -- before it: looked at before its message was sent, it would read as lost (and be sent twice).
     redis.call('ZADD', KEYS[1], due_at, t.id)
+    due_at = due_at + pace
     timeline_again(t.key, 'queued')
     said = 'retried (retry ' .. retries .. '); it failed with '
   end
