@@ -33,7 +33,7 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.models import ModelRequestParameters
 
-from coordinator import Coordinator, Settings, TaskStatus
+from coordinator import Coordinator, Settings, TaskStatus, endpoints
 from coordinator.celery_app import make_app
 from coordinator.local.fleet import WorkerFleet
 from coordinator.settings import Price, Profile
@@ -55,6 +55,8 @@ from workers.runtime.compaction import (
     fingerprint_of,
     fits,
     folded_responses,
+    load_records,
+    message_adapter,
     summary_request,
 )
 from workers.runtime.context import build_runtime
@@ -314,6 +316,47 @@ def test_a_request_the_provider_refuses_as_too_long_is_compacted_and_sent_once_m
         assert records and {r["reason"] for r in records} == {"provider"} and len(records) == len(refused)
         assert all("the provider refused the request as too long" in line for line in _compacted(coord, task.id))
         assert coord.get_task(task.id).cost_micros == micros(server.seen), "refused requests cost nothing"
+        coord.close()
+
+
+def test_a_compaction_made_after_a_provider_wait_is_kept_by_the_next_run_and_not_paid_for_again(
+    settings: Settings,
+) -> None:
+    """A run that parks on a provider wait leaves its unanswered request last in the journal; the next run sends
+    it again as a new copy (a new timestamp and run id). A compaction made on that copy named it by a hash of the
+    copy, which matched no journal: the run after it set the record aside and paid for a summary of the same
+    turns again."""
+    endpoint_model = "openai:test-model"
+    with ModelServer(turns(), max_prompt_tokens=WINDOW, by_call_ids=True) as server:
+        coord, local = _in_process(settings, windowed(server, model_wait_out_s=120), "afterwait")
+        coord.client.delete("subq-nobody")
+        runtime = build_runtime(local, make_app(local))
+        endpoint = f"127.0.0.1:{server.port}"
+
+        def park_after_two_answers() -> None:
+            server.fail(200, times=2)
+            server.fail(503, times=1, headers={"Retry-After": "30"})
+
+        park_after_two_answers()
+        task = coord.create_task("Read the report's chunks.", profile="w", run=True)
+        assert run_child(runtime, task.id).status == "queued", "the first run parks on its third request"
+        park_after_two_answers()
+        endpoints.recovered(coord.plane, endpoint, endpoint_model)
+        endpoints.wake(coord.plane, task.id)
+        assert run_child(runtime, task.id).status == "queued", "the second sends it again, compacts, and parks"
+        kept = load_records(coord.store.compaction.records(task.id))
+        journal = [message_adapter().validate_json(entry) for entry in coord.store.records.conversation(task.id)]
+        assert [r for r in kept if r.folded_upto > 1], "the second run folded turns"
+        endpoints.recovered(coord.plane, endpoint, endpoint_model)
+        endpoints.wake(coord.plane, task.id)
+        asked_before = len(server.seen)
+
+        assert run_child(runtime, task.id).status == "completed"
+
+        assert [fits(journal, record) for record in kept] == [True] * len(kept), "each record fits the journal"
+        assert not server.seen[asked_before].summarising, "the third run went on from the records as kept"
+        assert coord.get_task(task.id).cost_micros == micros(server.seen)
+        coord.client.delete("subq-nobody")
         coord.close()
 
 

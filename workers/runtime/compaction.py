@@ -319,9 +319,22 @@ def folded_responses(messages: Sequence[ModelMessage]) -> int:
     return int(marked.get("folded_responses", 0)) if isinstance(marked, dict) else 0
 
 
+# What a message's fingerprint leaves out: when it is sent. A request that was never answered (its run parked on
+# a provider wait, or ended on bad output) is made again by the next run, with a new timestamp and run id and
+# the same parts, while the journal keeps the first copy. Hashed with them, a record made on the new copy
+# matched no journal, and the run after it compacted the turns that record had folded again, paying for a
+# second summary of them.
+WHEN_SENT = ("timestamp", "run_id")
+
+
 def fingerprint_of(message: ModelMessage) -> str:
-    """A short hash of one journal message, as a record names the last message it covers."""
-    return hashlib.sha256(message_adapter().dump_json(message)).hexdigest()[:16]
+    """A short hash of one journal message's content (not of when it was sent), as a record names the last message
+    it covers."""
+    dumped = message_adapter().dump_python(message, mode="json")
+    for part in dumped.get("parts", ()):
+        part.pop("timestamp", None)
+    content = {name: value for name, value in dumped.items() if name not in WHEN_SENT}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def fits(messages: Sequence[ModelMessage], record: CompactionRecord) -> bool:
