@@ -39,7 +39,7 @@ from coordinator import retry as retry_room
 from coordinator import todos as todo_lists
 from coordinator.audit import LOCAL, Action, Actor, AuditEntry
 from coordinator.deadletters import DeadLetter
-from coordinator.errors import CorruptError, NotFoundError, ValidationError, WaitTimeout
+from coordinator.errors import CorruptError, NotFoundError, QuotaExceeded, ValidationError, WaitTimeout
 from coordinator.export import export_tree
 from coordinator.inputs import (
     DEFAULT_PAGE,
@@ -201,17 +201,24 @@ class Coordinator:
         self.settings.profile(profile_name)
         budget_micros = budgets.to_micros(budget_usd, "budget_usd")
         items = todo_lists.parse_update(todos) if todos is not None else []
-        root_id = ids.new_root_id()
+        root_id = fresh_id = ids.new_root_id()
+        claim = ""
         if idempotency_key is not None:
             # The key names its root before the root exists: a retry after a crash in
             # between creates that same root, and a concurrent duplicate finds it.
             key = text_field(idempotency_key, "idempotency_key", MAX_IDEMPOTENCY_KEY_CHARS)
             # Each API key has its own idempotency keys: another key's same string must not
             # answer with (and so reveal) a tree it may not read.
-            root_id = self.store.records.claim_idempotency(f"{owner}\n{key}" if owner else key, root_id)
+            claim = f"{owner}\n{key}" if owner else key
+            root_id = self.store.records.claim_idempotency(claim, root_id)
             if self.store.records.task_exists(root_id):
                 return self.store.records.get_task(root_id), False
-        quotas.check_root(self.plane, tenant_name, root_id, policy)  # QuotaExceeded: nothing counted or written
+        try:
+            quotas.check_root(self.plane, tenant_name, root_id, policy)  # QuotaExceeded: nothing counted or written
+        except QuotaExceeded:
+            if claim and root_id == fresh_id:  # a refused submit leaves no key behind
+                self.store.records.release_idempotency(claim, root_id, self.store.keys.tenant_submits(tenant_name))
+            raise
         now = time.time()
         record = TaskRecord(
             id=root_id,

@@ -33,7 +33,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic import ValidationError as PydanticError
 
 from coordinator.config_file import ReloadingFile, read_table
@@ -84,6 +84,14 @@ class TenantPolicy(BaseModel):
     submits_per_minute: int = Field(default=0, ge=0)
     max_running_roots: int = Field(default=0, ge=0)
     max_cost_micros_per_day: int = Field(default=0, ge=0)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool(cls, value: Any) -> Any:
+        """`true` is no number of roots or submits (pydantic would read it as 1): a quota of 1 nobody meant."""
+        if isinstance(value, bool):
+            raise ValueError(f"give a whole number, not {str(value).lower()}")
+        return value
 
     @model_validator(mode="before")
     @classmethod

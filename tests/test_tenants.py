@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -133,6 +135,8 @@ def test_subq_submit_takes_a_tenant_and_a_priority_and_refuses_bad_ones(coord: C
         ('{"acme": {"max_cost_usd_per_day": "lots"}}', "max_cost_usd_per_day must be a number"),
         ('{"acme": {"max_cost_usd_per_day": 0.0000001}}', "finer than one micro-dollar"),
         ('{"acme": {"max_priority": 6}}', "tenant 'acme': max_priority"),
+        ('{"acme": {"max_running_roots": true}}', "tenant 'acme': max_running_roots: give a whole number, not true"),
+        ('{"acme": {"weight": false}}', "tenant 'acme': weight: give a whole number, not false"),
         ("[1, 2]", "must be a table of tenants"),
         ("{not json", "not valid JSON"),
     ],
@@ -209,6 +213,60 @@ def test_a_retried_submit_of_the_same_root_counts_once(coord: Coordinator) -> No
     again = coord.create_task("once", tenant="acme", idempotency_key="k-1")
     assert again.id == first.id
     assert coord.store.quotas.usage("acme").submits_last_minute == 1
+
+
+def test_a_refused_submit_with_an_idempotency_key_leaves_no_key_and_its_retry_is_counted_later(
+    coord: Coordinator,
+) -> None:
+    coord.create_task("one", tenant="acme")
+    coord.create_task("two", tenant="acme")
+    before = _snapshot(coord)
+    with pytest.raises(QuotaExceeded):
+        coord.create_task("three", tenant="acme", idempotency_key="job-3")
+    assert _snapshot(coord) == before, "the refused submit's idempotency key is not kept"
+    coord.client.delete(coord.store.keys.tenant_submits("acme"))  # the minute has passed
+    third = coord.create_task("three", tenant="acme", idempotency_key="job-3")
+    assert coord.create_task("three", tenant="acme", idempotency_key="job-3").id == third.id
+
+
+def test_two_submits_at_once_cannot_both_take_the_last_running_root(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A root is counted before its record is written: a second submit in between used to read the first root as
+    ended (no status), take it out of the running set, and take the place too."""
+    own = settings.model_copy(
+        update={"key_prefix": PREFIX, "queue": "subq-tenants-idle", "tenants": {"acme": {"max_running_roots": 1}}}
+    )
+    coord = Coordinator(own)
+    _clean(coord)
+    create_root = coord.store.records.create_root
+    counted, go_on = threading.Event(), threading.Event()
+
+    def first_is_slow(*args: Any, **kwargs: Any) -> bool:
+        if threading.current_thread().name == "first":
+            counted.set()  # counted against the quota; its record not written yet
+            go_on.wait(30)
+        return create_root(*args, **kwargs)
+
+    monkeypatch.setattr(coord.store.records, "create_root", first_is_slow)
+    first = threading.Thread(target=coord.create_task, args=("first",), kwargs={"tenant": "acme"}, name="first")
+    first.start()
+    try:
+        assert counted.wait(30)
+        with pytest.raises(QuotaExceeded) as caught:
+            coord.create_task("second", tenant="acme")
+        assert caught.value.quota == "max_running_roots"
+    finally:
+        go_on.set()
+        first.join(30)
+    try:
+        assert coord.store.quotas.usage("acme").roots_running == 1
+        # A root counted whose submit died before writing it frees its place once it is a minute old.
+        coord.client.zadd(coord.store.keys.tenant_roots("acme"), {"f" * 16: time.time() * 1000 - 61_000})
+        assert coord.store.quotas.usage("acme").roots_running == 1
+    finally:
+        _clean(coord)
+        coord.close()
 
 
 def test_running_roots_and_the_day_spend_refuse_until_they_free(settings: Settings) -> None:

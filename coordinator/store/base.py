@@ -105,6 +105,11 @@ def _str_map(reply: Any) -> dict[str, str]:
     return cast(dict[str, str], reply)
 
 
+def _scored(reply: Any) -> dict[str, float]:
+    """A ZRANGE ... WITHSCORES reply as member -> score."""
+    return {str(member): float(score) for member, score in cast(list[tuple[str, float]], reply)}
+
+
 def _timeline_bound(prelude: str) -> str:
     """hashes.lua with coordinator/timeline.py's bound and outcomes put in: declared there once, for both folds."""
     outcomes = "{" + ", ".join(f"{outcome} = true" for outcome in OUTCOMES) + "}"

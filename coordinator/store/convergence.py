@@ -18,11 +18,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from typing import NamedTuple, cast
 
 from coordinator.ids import root_of, task_of_run_id
 from coordinator.models import TaskRecord
-from coordinator.store.base import Part, _str_map, _strs, translate_redis_errors
+from coordinator.store.base import Part, _scored, _str_map, _strs, translate_redis_errors
 from coordinator.store.fields import TaskField
 from coordinator.store.protocol import Lead, RemoveServedTimers, RenewLeases, Unwatch, UnwatchKeys, UnwatchParked
 
@@ -261,8 +261,3 @@ class ConvergenceStore(Part):
     def leader(self) -> str | None:
         value = self.client.get(self.keys.leader())
         return str(value) if value else None
-
-
-def _scored(reply: Any) -> dict[str, float]:
-    """A ZRANGE ... WITHSCORES reply as member -> score."""
-    return {str(member): float(score) for member, score in cast(list[tuple[str, float]], reply)}

@@ -15,7 +15,7 @@ import time
 from typing import NamedTuple
 
 from coordinator.replies import QuotaVerdict
-from coordinator.store.base import Part, translate_redis_errors
+from coordinator.store.base import Part, _scored, translate_redis_errors
 from coordinator.store.fields import TaskField
 from coordinator.store.protocol import TenantSpend, TenantSubmit
 from coordinator.timeline import OUTCOMES
@@ -28,6 +28,10 @@ DAY_HOURS = 24
 # A spend hash outlives its newest bucket by the day plus an hour, then goes with nothing left to count.
 SPEND_TTL_S = (DAY_HOURS + 1) * 3600
 _ENDED = frozenset(OUTCOMES)  # the statuses that end a task, declared once
+# How long a counted root may have no record before it is taken for one whose submit died: a root is counted
+# before its record is written, and a prune that took a root without a record for ended let a second submit
+# take the place the first had counted (two roots running against max_running_roots 1).
+UNWRITTEN_ROOT_GRACE_MS = 60_000
 
 
 class TenantUsage(NamedTuple):
@@ -111,19 +115,25 @@ class QuotaStore(Part):
 
     @translate_redis_errors
     def prune_roots(self, tenant: str) -> int:
-        """Take the tenant's roots that ended (or expired) out of its running set; how many still run."""
+        """Take the tenant's roots that ended (or expired, or whose submit died before it wrote them) out of its
+        running set; how many still run."""
         key = self.keys.tenant_roots(tenant)
-        roots = [str(r) for r in self.client.zrange(key, 0, -1)]
-        if not roots:
+        counted = _scored(self.client.zrange(key, 0, -1, withscores=True))  # root id -> ms it was counted at
+        if not counted:
             return 0
         pipe = self.client.pipeline(transaction=False)
-        for root in roots:
+        for root in counted:
             pipe.hget(self.keys.task(root, root), TaskField.STATUS)
         statuses = pipe.execute()
-        ended = [root for root, status in zip(roots, statuses, strict=True) if status is None or status in _ENDED]
+        unwritten_before_ms = time.time() * 1000 - UNWRITTEN_ROOT_GRACE_MS
+        ended = [
+            root
+            for (root, counted_ms), status in zip(counted.items(), statuses, strict=True)
+            if status in _ENDED or (status is None and counted_ms < unwritten_before_ms)
+        ]
         if ended:
             self.client.zrem(key, *ended)
-        return len(roots) - len(ended)
+        return len(counted) - len(ended)
 
     @translate_redis_errors
     def usage(self, tenant: str, now_ms: int | None = None) -> TenantUsage:

@@ -277,6 +277,23 @@ class RecordStore(Part):
         return str(owner)
 
     @translate_redis_errors
+    def release_idempotency(self, key: str, root_id: str, counted_in: str) -> bool:
+        """Take back this call's claim of `key` for `root_id`, whose submit was refused: unless a duplicate of
+        the same submit got the root counted meanwhile (`root_id` in the sorted set `counted_in`, the
+        tenant's submits). Whether the claim was taken back."""
+        name = self.keys.idempotency(hashlib.sha256(key.encode()).hexdigest())
+
+        def release(pipe: Pipeline) -> bool:
+            if pipe.get(name) != root_id or pipe.zscore(counted_in, root_id) is not None:
+                return False
+            pipe.multi()
+            pipe.delete(name)
+            pipe.execute()
+            return True
+
+        return self.core.transaction([name, counted_in], release)
+
+    @translate_redis_errors
     def next_numbers(self, count: int) -> int:
         """Reserve `count` history numbers; returns the first."""
         return int(self.client.incrby(self.keys.task_number(), count)) - count + 1
