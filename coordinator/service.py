@@ -71,7 +71,7 @@ from coordinator.redis_clients import redis_client
 from coordinator.settings import Settings, load_settings
 from coordinator.store import LATENCY_BUCKETS_MS, FleetGauges, Keys, ReplicaWait, Store
 from coordinator.subscriptions import CeleryCallback, Webhook, shown_target, subscriptions
-from coordinator.tenants import TenantState, check_priority, check_tenant_name
+from coordinator.tenants import TenantPolicy, TenantState, check_priority, check_tenant_name
 from coordinator.tree import TreeNode, build_tree
 
 __all__ = ["DEFAULT_PAGE", "MAX_PAGE", "Coordinator"]
@@ -165,6 +165,16 @@ class Coordinator:
             tenant=tenant, priority=priority,
         )[0]  # fmt: skip
 
+    def _count_root(self, tenant: str, root_id: str, policy: TenantPolicy, claim: str) -> None:
+        """Count the new root against its tenant's quotas; refused (QuotaExceeded), nothing is counted or written,
+        and the idempotency key this call `claim`ed for it (if any) is given back."""
+        try:
+            quotas.check_root(self.plane, tenant, root_id, policy)
+        except QuotaExceeded:
+            if claim:
+                self.store.records.release_idempotency(claim, root_id, self.store.keys.tenant_submits(tenant))
+            raise
+
     def create_task_once(
         self,
         prompt: str,
@@ -213,12 +223,7 @@ class Coordinator:
             root_id = self.store.records.claim_idempotency(claim, root_id)
             if self.store.records.task_exists(root_id):
                 return self.store.records.get_task(root_id), False
-        try:
-            quotas.check_root(self.plane, tenant_name, root_id, policy)  # QuotaExceeded: nothing counted or written
-        except QuotaExceeded:
-            if claim and root_id == fresh_id:  # a refused submit leaves no key behind
-                self.store.records.release_idempotency(claim, root_id, self.store.keys.tenant_submits(tenant_name))
-            raise
+        self._count_root(tenant_name, root_id, policy, claim if root_id == fresh_id else "")
         now = time.time()
         record = TaskRecord(
             id=root_id,
