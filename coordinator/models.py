@@ -600,7 +600,7 @@ class ClaimedDelivery:
 class Spend(NamedTuple):
     """One response's usage and cost (or a tool call's price), as a run keeps it until its next step."""
 
-    request_key: str  # unique per request of the task: `<run seq>:<request no>`, or `tool:<call id>`
+    request_key: str  # unique per request of the task: `<run seq>:<request no>`, or `tool:<call id, URL-quoted>`
     usage: Usage
     cost_micros: int
     cost_source: str

@@ -281,7 +281,7 @@ class ModelServer:
         if turn.calls:
             message["tool_calls"] = [
                 {
-                    "id": f"call_{turn_no}_{index}",
+                    "id": c.get("id", f"call_{turn_no}_{index}"),  # a call may name its own id
                     "type": "function",
                     "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])},
                 }

@@ -12,6 +12,7 @@ import json
 import re
 import threading
 from collections.abc import Iterator
+from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -20,6 +21,7 @@ import pytest
 from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.celery_app import make_app
 from coordinator.settings import Price, Profile, load_settings
+from tests.model_server import ModelServer, Turn
 from workers.runtime.context import build_runtime
 from workers.runtime.runner import run_child
 
@@ -237,3 +239,34 @@ def test_a_profile_without_a_key_and_no_standard_variable_is_refused_naming_both
     assert keyed.profile("claude").api_key is not None
     assert keyed.profile("claude").api_key.get_secret_value() == "sk-ant-from-env"
     assert keyed.profiles["claude"].api_key is None, "the configured profile itself is unchanged"
+
+
+def test_a_tool_call_id_from_the_model_cannot_hide_a_requests_cost(settings: Settings) -> None:
+    """A priced call's spend is keyed by the call's id, which the model names, among the task's request keys (a
+    space-separated list). An id "x 1:2" put there the key of the run's own second request, whose cost was then
+    never counted: not on the task, its parents, or any budget."""
+    price = Price(input_per_mtok=Decimal(3), output_per_mtok=Decimal(15))
+    priced_call = {"name": "add_numbers", "arguments": {"a": 1, "b": 2}, "id": "x 1:2"}
+    with ModelServer([Turn(calls=[priced_call]), Turn(text="3")]) as server:
+        profile = Profile.model_validate({
+            "model": "openai:test-model", "base_url": server.base_url, "api_key": server.key, "price": price,
+            "tools": ["tests.tool_kit:add_numbers"], "tool_prices": {"add_*": "0.25"},
+        })  # fmt: skip
+        local = settings.model_copy(
+            update={"queue": "subq-nobody", "key_prefix": "subqcallid", "profiles": {**settings.profiles, "p": profile}}
+        )
+        coord = Coordinator(local)
+        task = coord.create_task("Add one and two.", profile="p", run=True)
+
+        assert run_child(build_runtime(local, make_app(local)), task.id).status == "completed"
+
+        answered = [seen.usage for seen in server.seen if seen.status == 200]
+        each = [
+            int(tokens_in * price.input_per_mtok + tokens_out * price.output_per_mtok)
+            for tokens_in, tokens_out in answered
+        ]
+        done = coord.get_task(task.id)
+        assert len(each) == 2 and done.requests == 2, "both of the run's requests are counted"
+        assert done.cost_micros == sum(each) + 250_000, "each request's cost and the call's price"
+        coord.client.delete("subq-nobody")
+        coord.close()

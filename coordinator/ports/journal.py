@@ -4,6 +4,7 @@ calling again (docs/architecture.md, "Tools"), and its price counted as the task
 from __future__ import annotations
 
 import json
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -64,9 +65,11 @@ class ToolJournal:
 
     def cost(self, tool_call_id: str, tool: str, cost_micros: int) -> None:
         """A call's price: the task's own spend (recorded once per call, at the next step, as a response's is)."""
-        spend = Spend(
-            request_key=f"tool:{tool_call_id}", usage=Usage(), cost_micros=cost_micros, cost_source=f"tool:{tool}"
-        )
+        # The call id is the model's text: quoted, as the request keys are a space-separated list on the task (an
+        # id "x 1:2" had put the key of the run's own request 1:2 there, and that request's cost was never
+        # counted, on any budget). Ids of letters, digits and `_.-~` stay as they are.
+        request_key = "tool:" + urllib.parse.quote(tool_call_id, safe="")
+        spend = Spend(request_key=request_key, usage=Usage(), cost_micros=cost_micros, cost_source=f"tool:{tool}")
         self._run.writes.usage.append(spend)
         self._run.live.cost_micros += cost_micros
         if quotas.count_spend(self._plane, self._run.task, spend.request_key, cost_micros):

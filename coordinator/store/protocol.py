@@ -1051,7 +1051,7 @@ class RecordUsage(
     outbox: OutboxKeys = splice("the tree's outbox (outbox_add's {side}: a budget warning)")
     ancestors: Sequence[str] = keys("ancestor task hashes (parent first, root last)")
     request_key: str = arg(
-        "request key (unique per request of the task, no spaces; `tool:<call id>` for a tool call's price, "
+        "request key (unique per request of the task, no spaces; `tool:<call id, URL-quoted>` for a tool call's price, "
         "which is spend but no model request: it counts no request and keeps the source)"
     )
     tokens_in: int = arg("tokens in")

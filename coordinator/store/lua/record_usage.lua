@@ -9,8 +9,8 @@
 --   and written with the figures, no key of its own)
 -- KEYS[2..4] the tree's outbox (outbox_add's KEYS: a budget warning)
 -- KEYS[5..] ancestor task hashes (parent first, root last)
--- ARGV[1] str: request key (unique per request of the task, no spaces; `tool:<call id>` for a tool call's
---   price, which is spend but no model request: it counts no request and keeps the source)
+-- ARGV[1] str: request key (unique per request of the task, no spaces; `tool:<call id, URL-quoted>` for a
+--   tool call's price, which is spend but no model request: it counts no request and keeps the source)
 -- ARGV[2] int: tokens in
 -- ARGV[3] int: tokens out
 -- ARGV[4] int: cache reads
