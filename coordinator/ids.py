@@ -12,9 +12,21 @@ import secrets
 
 from coordinator.errors import NotFoundError
 
-__all__ = ["is_batch_id", "is_task_id", "new_batch_id", "new_child_id", "new_root_id", "root_of", "task_of_run_id"]
+__all__ = [
+    "ROOT_ID_PATTERN",
+    "is_batch_id",
+    "is_task_id",
+    "new_batch_id",
+    "new_child_id",
+    "new_root_id",
+    "root_of",
+    "task_of_run_id",
+]
 
 _ROOT = r"[0-9a-f]{16}"
+# A root id alone, as an input's pattern (the API's `root_id` query, /mcp's list_approvals): a child id there
+# matched no root and answered "nothing", not an error.
+ROOT_ID_PATTERN = rf"^{_ROOT}$"
 TASK_ID_RE = re.compile(rf"^({_ROOT})(?:-[0-9a-f]{{12}})?\Z")
 BATCH_ID_RE = re.compile(rf"^({_ROOT})-b[0-9a-f]{{12}}\Z")
 APPROVAL_ID_RE = re.compile(rf"^({_ROOT})-a[0-9a-f]{{12}}\Z")

@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field, StrictBool
 
 from coordinator.access import Scope
 from coordinator.errors import NotFoundError, SubqError, ValidationError
+from coordinator.ids import ROOT_ID_PATTERN
 from coordinator.inputs import CancelInput, CreateTaskInput, DecisionInput, OperationInput, RetryInput
 
 if TYPE_CHECKING:
@@ -156,7 +157,9 @@ class RetryArgs(OperationInput):
 
 
 class ApprovalsArgs(OperationInput):
-    root_id: str | None = Field(default=None, description="Only this root's tree (16 hex digits)")
+    root_id: str | None = Field(
+        default=None, pattern=ROOT_ID_PATTERN, description="Only this root's tree (16 hex digits)"
+    )
 
 
 class DecideArgs(OperationInput):

@@ -29,7 +29,7 @@ from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
-from coordinator import Coordinator, Settings
+from coordinator import Coordinator, Settings, ids
 from coordinator.access import ApiKeySpec, Scope, token_sha256
 from coordinator.api import create_app
 from coordinator.api.limits import is_open_route
@@ -319,6 +319,25 @@ def test_bad_input_gets_the_apis_words_and_writes_nothing(
 
     run_in(portal, main)
     assert coord.list_tasks(limit=1)[0] == before
+
+
+def test_list_approvals_refuses_a_child_id_as_the_api_does(
+    face: tuple[str, Connect], portal: BlockingPortal, stack: tuple[Coordinator, ApiServer]
+) -> None:
+    """A child id matched no root and answered "nothing waits", while the child's call waited for a person."""
+    _name, connect = face
+    _coord, api = stack
+    child_id = f"{ids.new_root_id()}-{'0' * 12}"
+
+    async def main() -> None:
+        async with connect("team") as client:
+            refused = refusal(await client.call_tool("list_approvals", {"root_id": child_id}))
+        with api.client({"Authorization": f"Bearer {TOKENS['team']}"}) as http:
+            response = http.get("/v1/approvals", params={"root_id": child_id})
+        assert response.status_code == 422
+        assert refused["code"] == response.json()["code"] and refused["field"] == "root_id", refused
+
+    run_in(portal, main)
 
 
 def test_an_approval_waits_and_is_decided(

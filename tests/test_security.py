@@ -541,6 +541,36 @@ def test_scoped_keys_over_http(sec_coord: Coordinator) -> None:
         assert (invalid["actor"], invalid["target"]) == ("", "GET /v1/tasks")
 
 
+def test_a_write_probe_of_another_keys_tree_is_on_record_and_a_lapsed_trees_call_stays_hidden(
+    sec_coord: Coordinator,
+) -> None:
+    with (
+        _server(sec_coord, api_keys=keys_setting()) as api,
+        httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as http,
+    ):
+        alices = http.post("/v1/tasks", headers=bearer("alice"), json={"prompt": "Alice's"}).json()["id"]
+        probes = (
+            ("PUT", f"/v1/tasks/{alices}/todos", {"todos": "[ ] b"}),
+            ("POST", f"/v1/tasks/{alices}/subtasks", {"subtasks": [{"description": "d", "message": "m"}]}),
+            ("POST", f"/v1/tasks/{alices}/cancel", {"reason": "bob's"}),
+            ("POST", f"/v1/tasks/{alices}/retry", {}),
+        )
+        for method, path, body in probes:
+            assert http.request(method, path, headers=bearer("bob"), json=body).status_code == 404, path
+        hidden = {e["target"] for e in _audit(http, limit=50) if e["actor"] == "bob" and e["reason"] == "not_found"}
+        assert {f"{method} {path}" for method, path, _ in probes} <= hidden, "each probe is on record, as a read's"
+
+        # A tree whose root's record lapsed while a child's call still waits: its call is no key's but read_all's,
+        # and its id reaches no other key (the list had failed for every `read` key, naming that root).
+        bobs = http.post("/v1/tasks", headers=bearer("bob"), json={"prompt": "Bob's"}).json()["id"]
+        mine, lapsed = park_approval(sec_coord, bobs), park_approval(sec_coord, alices)
+        sec_coord.client.delete(sec_coord.store.keys.task(alices, alices))
+        listed = http.get("/v1/approvals", headers=bearer("bob"))
+        assert listed.status_code == 200 and alices not in listed.text, listed.text
+        assert mine.id in {a["id"] for a in listed.json()["approvals"]}
+        assert lapsed.id in {a["id"] for a in http.get("/v1/approvals", headers=bearer("carol")).json()["approvals"]}
+
+
 def _entry_order(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq)

@@ -209,8 +209,7 @@ class Gate:
         owner = self.coord.owner_of(task_id)
         if key.has(others) or (key.has(Scope.SUBMIT) and key.owns(owner)):
             return
-        if not key.may_read(owner):
-            raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
+        self.readable_on_record(request, key, task_id, owner)  # a write probe of another key's tree is on record
         self.forbid(request, key, (others,), "scope 'submit' covers only the trees this key created")
 
     def approvals(self, request: Request, key: Principal, root_id: str | None) -> list[Approval]:
@@ -221,14 +220,23 @@ class Gate:
         self.need(request, key, Scope.DECIDE, Scope.READ, Scope.READ_ALL)
         if root_id is not None:
             self.read_tree(request, key, root_id)
-        owners: dict[str, str] = {}
+        owners: dict[str, str | None] = {}
         mine = []
         for approval in self.coord.list_approvals(root_id):
             if approval.root_id not in owners:
-                owners[approval.root_id] = self.coord.owner_of(approval.root_id)
-            if key.may_read(owners[approval.root_id]):
+                owners[approval.root_id] = self._owner_or_none(approval.root_id)
+            owner = owners[approval.root_id]
+            if owner is not None and key.may_read(owner):
                 mine.append(approval)
         return mine
+
+    def _owner_or_none(self, root_id: str) -> str | None:
+        """The tree's owner, or None when its root's record has lapsed (its child's call may still wait): such a
+        tree is readable by no key but `read_all`'s, and its id must not reach another key in an error."""
+        try:
+            return self.coord.owner_of(root_id)
+        except NotFoundError:
+            return None
 
     def history_owner(self, request: Request, key: Principal) -> str | None:
         """Whose trees the caller's history shows: every tree (None) with read_all, else its own."""

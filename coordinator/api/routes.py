@@ -21,19 +21,19 @@ from coordinator.api.auth import Caller, Gate
 from coordinator.api.errors import error_responses
 from coordinator.api.schemas import CreatedTask, DelegationResult, HistoryPage, MessageList, TodoList, TodosUpdated
 from coordinator.errors import ValidationError
+from coordinator.ids import ROOT_ID_PATTERN
 from coordinator.inputs import META_PREFIX, CreateTaskInput, DelegateInput, TodosInput, meta_filter
 from coordinator.models import TaskRecord, TaskStatus
 from coordinator.service import DEFAULT_PAGE, MAX_PAGE, Coordinator
 from coordinator.todos import ignored_lines
 from coordinator.tree import TreeNode
 
-__all__ = ["ROOT_ID_PATTERN", "TaskId", "reject_unknown_query", "task_routes"]
+__all__ = ["ROOT_ID_PATTERN", "TaskId", "reject_unknown_query", "task_routes"]  # ROOT_ID_PATTERN: coordinator/ids.py
 
 # The routes that take `meta.<key>=<value>` filters besides their declared parameters (their names are
 # the caller's own keys, so OpenAPI cannot list them): the history.
 META_FILTERED_ROUTES = frozenset({"list_tasks"})
 # A root id is 16 hex digits (coordinator/ids.py); the history filter takes only roots.
-ROOT_ID_PATTERN = r"^[0-9a-f]{16}$"
 # Cursors are offsets into a Redis sorted set: keep them within a JSON-safe integer
 # (a larger one would reach Redis as an out-of-range index).
 MAX_CURSOR = 2**53
