@@ -51,11 +51,14 @@ def check_within(remaining_micros: int | None, child_budgets_micros: Sequence[in
             )
 
 
-def stop(plane: Plane, holder_id: str) -> None:
-    """The subtree of `holder_id` has spent its budget: stop it, reporting the figures."""
+def stop(plane: Plane, holder_id: str, *, day_spent_micros: int | None = None) -> None:
+    """The subtree of `holder_id` has spent its budget: stop it, reporting the figures.
+
+    `day_spent_micros`: the tenant's day of spend as the run that stops found it over its quota (read again
+    here when not given)."""
     holder = plane.store.records.get_task(holder_id)
     if not 0 < holder.budget_micros <= holder.total_cost_micros:  # no budget of its own spent: its tenant's day
-        day_micros = quotas.over_day_spend(plane, holder)
+        day_micros = day_spent_micros if day_spent_micros is not None else quotas.over_day_spend(plane, holder)
         if day_micros is not None:
             quotas.stop_over_day(plane, holder, day_micros)
             return

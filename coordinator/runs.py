@@ -163,8 +163,10 @@ class Run:
         self.deliveries = 0
         # Runs of this task ever: request keys `<run_seq>:<request no>` stay unique across resumes.
         self.run_seq = 0
-        # Its tenant's day of spend reached its quota with one of its responses: it stops its tree next.
+        # Its tenant's day of spend reached its quota with one of its responses: it stops its tree next, if the
+        # day is still over it then (`day_spent_micros`: the figure its stop names).
         self.tenant_over_day = False
+        self.day_spent_micros: int | None = None
         # The worker's concerns, each a port with its own narrow reach into the store.
         self.provider = ProviderPort(self, plane)
         self.limits = LimitsPort(self, plane)
@@ -262,7 +264,12 @@ class Run:
         if self._heartbeat.out_of_grace():
             return StopCheck(stopped=True)
         if self.tenant_over_day:  # budgets.stop names the tenant's quota when no budget of the tree is spent
-            return StopCheck(stopped=True, budget_holder=self.task.root_id)
+            # Read again: the tool calls since the response may have taken minutes, in which the day's oldest hour
+            # left it or its quota was raised; a stop then fell through to a budget nobody had spent.
+            self.day_spent_micros = quotas.over_day_spend(self._plane, self.task)
+            if self.day_spent_micros is not None:
+                return StopCheck(stopped=True, budget_holder=self.task.root_id)
+            self.tenant_over_day = False
         checks = self.step.take_checks()
         if checks is None:
             self.live.write(self.task, self.writes)  # the figures so far stay on show while the model thinks
@@ -303,7 +310,7 @@ class Run:
             raise HandBack(self.task.id)
         self.flush()  # what it spent before it stopped is recorded
         if budget_holder:
-            budgets.stop(self._plane, budget_holder)
+            budgets.stop(self._plane, budget_holder, day_spent_micros=self.day_spent_micros)
             self._hooks.budget_stopped(self)
         task = self._plane.store.records.get_task(self.task.id)
         return Ended(task.status.value if task.status.terminal else "cancelled", error=task.error)

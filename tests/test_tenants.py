@@ -21,13 +21,19 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator import Coordinator, Settings
+from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.access import read_keys_file, token_sha256
 from coordinator.api import create_app
+from coordinator.celery_app import make_app
 from coordinator.errors import ConfigError, QuotaExceeded, ValidationError
+from coordinator.models import Usage
+from coordinator.runs import Ended, Run
 from coordinator.settings import load_settings
+from coordinator.store.quotas import HOUR_MS
 from coordinator.tenants import DEFAULT_TENANT, TenantBook, Tenants, read_tenants_file
+from tests.agents import agent, reply
 from tests.helpers import REQUEST_TIMEOUT_S, ApiServer
+from workers.runtime.context import build_runtime
 from workers.submit import submit
 
 PREFIX = "subqtenants"
@@ -377,3 +383,49 @@ def test_the_cli_shows_tenants_takes_a_priority_and_exits_75_over_a_quota(coord:
     assert listed[0]["tenant"] == "acme" and listed[0]["policy"]["max_cost_micros_per_day"] == 50_000
     history = json.loads(cli("history", "--tenant", "acme", "--json", env=env).stdout)
     assert len(history["items"]) == 2 and {i["tenant"] for i in history["items"]} == {"acme"}
+
+
+def test_a_run_stops_its_tree_on_its_tenants_day_only_while_the_day_is_still_over(settings: Settings) -> None:
+    """A response takes the tenant's day to its quota; the run stops its tree at its next check, which may come
+    minutes later, after its tool calls. Had the day's oldest hour left it meanwhile, the stop fell through to
+    a budget the tree had not spent (`budget of $0.000000 exhausted`, which `subq retry` then refuses)."""
+    own = settings.model_copy(
+        update={"key_prefix": PREFIX, "queue": "subq-tenants-idle", "tenants": {"acme": {"max_cost_usd_per_day": 1}}}
+    )
+    coord = Coordinator(own)
+    _clean(coord)
+    runtime = build_runtime(own, make_app(own))
+    spend_key = coord.store.keys.tenant_spend("acme")
+    oldest_hour = int(time.time() * 1000) // HOUR_MS - 23  # the next to leave the rolling day
+    try:
+        for still_over in (False, True):
+            task = coord.create_task(agent(reply("x")), run=True, tenant="acme")
+            run = runtime.lifecycle.start(task.id)
+            assert isinstance(run, Run)
+            coord.store.quotas.count_spend("acme", f"old:{still_over}", 900_000, now_ms=oldest_hour * HOUR_MS + 1)
+            run.record_response(
+                1, Usage(tokens_in=10, tokens_out=10), 200_000, "provider", latency_ms=1.0, tool=None, text=""
+            )
+            assert run.tenant_over_day, "the response took the day to $1.10"
+            if not still_over:
+                coord.client.hdel(spend_key, str(oldest_hour))  # its oldest hour left the day
+
+            check = run.check_stop()
+
+            if still_over:
+                assert check.stopped and check.budget_holder == task.id
+                run.stopped(check.budget_holder)
+                stopped = coord.get_task(task.id)
+                assert (stopped.status, stopped.error_class) == (TaskStatus.FAILED, "TenantQuotaExceeded"), (
+                    stopped.error
+                )
+            else:
+                assert not check.stopped, "the day is under its quota again: the run goes on"
+                run.end(Ended("completed", summary="done"))
+                assert coord.get_task(task.id).status == TaskStatus.COMPLETED
+            runtime.lifecycle.heartbeat.forget(run)
+            coord.client.delete(spend_key)
+    finally:
+        runtime.coordinator.close()
+        _clean(coord)
+        coord.close()
