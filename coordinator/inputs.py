@@ -114,6 +114,20 @@ def text_field(value: object, field: str, max_chars: int) -> str:
     return value
 
 
+def idempotency_key(value: object) -> str:
+    """An idempotency key: a non-empty string within its limit, of printable characters.
+
+    A key's claim is `<API key name>` and a line break before it (the key alone for a caller with no API key):
+    a key holding a line break, `ci` and `abc` on two lines, would have been API key ci's `abc`, and answered
+    with its tree."""
+    key = text_field(value, "idempotency_key", MAX_IDEMPOTENCY_KEY_CHARS)
+    if not key.isprintable():
+        raise ValidationError(
+            "idempotency_key must be printable: no line breaks, tabs or control characters", field="idempotency_key"
+        )
+    return key
+
+
 def one_line(text: str, max_chars: int = MAX_ERROR_CHARS) -> str:
     """`text` on one line, whitespace collapsed, cut to `max_chars` with an ellipsis."""
     line = " ".join(text.split())
@@ -327,7 +341,7 @@ Prompt = Annotated[
 ]
 IdempotencyKey = Annotated[
     str,
-    AfterValidator(lambda key: text_field(key, "idempotency_key", MAX_IDEMPOTENCY_KEY_CHARS)),
+    AfterValidator(idempotency_key),
     WithJsonSchema({"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY_CHARS}),
 ]
 Reason = Annotated[

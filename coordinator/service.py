@@ -43,7 +43,6 @@ from coordinator.errors import CorruptError, NotFoundError, QuotaExceeded, Valid
 from coordinator.export import export_tree
 from coordinator.inputs import (
     DEFAULT_PAGE,
-    MAX_IDEMPOTENCY_KEY_CHARS,
     MAX_PAGE,
     MAX_PROMPT_CHARS,
     check_dead_letter_limit,
@@ -52,6 +51,7 @@ from coordinator.inputs import (
     check_subscriptions,
     text_field,
 )
+from coordinator.inputs import idempotency_key as check_idempotency_key
 from coordinator.models import (
     Approval,
     Batch,
@@ -216,7 +216,7 @@ class Coordinator:
         if idempotency_key is not None:
             # The key names its root before the root exists: a retry after a crash in
             # between creates that same root, and a concurrent duplicate finds it.
-            key = text_field(idempotency_key, "idempotency_key", MAX_IDEMPOTENCY_KEY_CHARS)
+            key = check_idempotency_key(idempotency_key)
             # Each API key has its own idempotency keys: another key's same string must not
             # answer with (and so reveal) a tree it may not read.
             claim = f"{owner}\n{key}" if owner else key

@@ -26,7 +26,7 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
-from coordinator import ConfigError, Coordinator, Settings, StoreError, TaskRecord, Usage
+from coordinator import ConfigError, Coordinator, Settings, StoreError, TaskRecord, Usage, ValidationError
 from coordinator.api import create_app
 from coordinator.api import events as api_events
 from coordinator.api.ops import SubqCollector
@@ -608,6 +608,7 @@ CREATE_422 = [
     ({"prompt": "x", "idempotency_key": ""}, "invalid_input", "idempotency_key", "idempotency_key must be a non-empty"),
     ({"prompt": "x", "idempotency_key": "k" * 201}, "invalid_input", "idempotency_key", "is 201 characters; the limit"),
     ({"prompt": "x", "idempotency_key": 7}, "invalid_input", "idempotency_key", "Input should be a valid string"),
+    ({"prompt": "x", "idempotency_key": "ci\nabc"}, "invalid_input", "idempotency_key", "must be printable: no line"),
     ({"prompt": "x", "profile": "gpt-9"}, "invalid_profile", "profile", "Invalid profile: gpt-9"),
     ({"prompt": "x", "todos": "just prose"}, "invalid_todos", "todos", "The todo update has no items"),
     (
@@ -630,6 +631,16 @@ def test_a_retried_create_with_the_same_key_returns_the_first_root(idle: Coordin
     assert idle.client.llen(idle.settings.queue) == queued, "its run was not published a second time"
     other = idle_http.post("/v1/tasks", json={**body, "idempotency_key": body["idempotency_key"] + "-2"})
     assert other.json()["id"] != first.json()["id"]
+
+
+def test_a_key_holding_a_line_break_is_no_other_api_keys_key(idle: Coordinator) -> None:
+    """An API key's idempotency key is claimed as its name, a line break, and the key: a caller with no API key
+    (the Python API, subq.submit) whose key was `ci`, a line break and `abc` was answered with key ci's tree."""
+    theirs = idle.create_task("ci's", idempotency_key="abc", owner="ci")
+    with pytest.raises(ValidationError, match="must be printable") as caught:
+        idle.create_task("not ci's", idempotency_key="ci\nabc")
+    assert caught.value.field == "idempotency_key"
+    assert idle.create_task("not ci's", idempotency_key="abc").id != theirs.id
 
 
 @pytest.mark.parametrize(("body", "code", "field", "message"), CREATE_422)
