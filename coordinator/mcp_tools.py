@@ -409,6 +409,8 @@ class Tools:
         deadline = time.monotonic() + given.timeout_s
         told: tuple[int, int] | None = None
         while True:
+            # Each poll is a read of its own, asked as the key is now (the /mcp face looks the key up again, the
+            # stdio face sends a request): a key revoked during the wait ends it with that refusal.
             record = await _call(self.ops.get_task, given.task_id)
             view = task_view(record, self.session)
             done = len(record.child_ids) - len(record.awaiting_ids)

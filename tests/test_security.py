@@ -11,8 +11,10 @@ from __future__ import annotations
 import html.parser
 import json
 import re
+import threading
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -640,6 +642,155 @@ def test_the_keys_file_is_taken_up_without_a_restart(sec_coord: Coordinator, tmp
         assert http.get("/v1/tasks", headers=AUTH).status_code == 200
         write(["viewer"])
         assert http.get("/v1/tasks", headers=bearer("viewer")).status_code == 200
+
+
+# -- a key revoked while a request that lasts is open: event streams, /mcp's wait_task ------------------
+
+# How a stream ends when its key, or its web session, stops allowing it (coordinator/api/events.py).
+KEY_REVOKED = {
+    "code": "unauthorized",
+    "message": "The API key this stream was opened with was revoked, or may no longer read this tree: the stream ends",
+    "field": "Authorization",
+}
+SESSION_ENDED = {
+    "code": "unauthorized",
+    "message": "The web session this stream was opened with has ended (signed out, or its key revoked or changed): "
+    "sign in again at /ui/login",
+    "field": COOKIE,
+}
+
+
+def _write_keys(keys_file: Path, scopes: dict[str, list[str]]) -> None:
+    """A JSON keys file holding each named key of KEY_TOKENS with the scopes given."""
+    keys = {name: {"token_sha256": token_sha256(KEY_TOKENS[name]), "scopes": given} for name, given in scopes.items()}
+    keys_file.write_text(json.dumps(keys))
+
+
+def _waiting_tree(coord: Coordinator, owner: str) -> str:
+    """A root of `owner` with a child nobody runs (this module's queue has no worker): its stream stays open."""
+    root = coord.create_task("Followed while its key is revoked", run=False, owner=owner).id
+    coord.delegate(root, [{"description": "waits", "message": "Nobody runs this."}])
+    return root
+
+
+def _follow(url: str, first_entry: threading.Event, **client: Any) -> list[dict[str, Any]]:
+    """Every event of the stream at `url` until the server ends it; `first_entry` is set at the first `id:`."""
+    from tests.test_api import iter_sse
+
+    events: list[dict[str, Any]] = []
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S, **client) as http, http.stream("GET", url) as response:
+        assert response.status_code == 200, response.read()
+        for event in iter_sse(response):
+            events.append(event)
+            if event["id"]:
+                first_entry.set()
+    return events
+
+
+def _assert_cut_off(events: list[dict[str, Any]], revoked_after: str, ended_with: dict[str, Any]) -> None:
+    """The stream sent nothing written after the revocation, and ended with the error that says why."""
+    sent = [event["id"] for event in events if event["id"]]
+    assert sent, events
+    late = [entry for entry in sent if _entry_order(entry) > _entry_order(revoked_after)]
+    assert not late, f"events written after the revocation reached the revoked caller: {late}"
+    assert events[-1] == {"id": None, "event": "error", "data": ended_with}
+
+
+@pytest.mark.parametrize(
+    ("revoke", "refused"),
+    [pytest.param({}, 401, id="key-removed"), pytest.param({"alice": ["submit"]}, 403, id="read-dropped")],
+)
+def test_an_open_event_stream_ends_when_its_key_is_revoked(
+    sec_coord: Coordinator, tmp_path: Path, revoke: dict[str, list[str]], refused: int
+) -> None:
+    keys_file = tmp_path / "keys.json"
+    _write_keys(keys_file, {"alice": KEY_SCOPES["alice"]})
+    root = _waiting_tree(sec_coord, owner="alice")
+    first_entry = threading.Event()
+    with (
+        _server(sec_coord, api_keys_file=keys_file) as api,
+        httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as http,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        stream = pool.submit(_follow, f"{api.url}/v1/tasks/{root}/events", first_entry, headers=bearer("alice"))
+        assert first_entry.wait(REQUEST_TIMEOUT_S), stream.result()
+        _write_keys(keys_file, revoke)
+        revoked_after = sec_coord.last_event_id(root)
+        assert http.get(f"/v1/tasks/{root}", headers=bearer("alice")).status_code == refused
+        sec_coord.cancel(root, "written after the key was revoked")  # events the revoked key must not get
+        events = stream.result(timeout=REQUEST_TIMEOUT_S)
+    _assert_cut_off(events, revoked_after, KEY_REVOKED)
+
+
+def test_an_open_web_event_stream_ends_when_its_session_is_signed_out(sec_coord: Coordinator) -> None:
+    root = _waiting_tree(sec_coord, owner="alice")
+    first_entry = threading.Event()
+    with (
+        _server(sec_coord, api_keys=keys_setting(["alice"])) as api,
+        httpx.Client(timeout=REQUEST_TIMEOUT_S, base_url=api.url) as http,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        assert _sign_in(http, KEY_TOKENS["alice"]).status_code == 303
+        cookie = http.cookies[COOKIE]
+        url = f"{api.url}/ui/tasks/{root}/events"
+        stream = pool.submit(_follow, url, first_entry, cookies={COOKIE: cookie})
+        assert first_entry.wait(REQUEST_TIMEOUT_S), stream.result()
+        assert http.post("/ui/logout").status_code == 303
+        revoked_after = sec_coord.last_event_id(root)
+        fragment = httpx.get(f"{api.url}/ui/tasks/{root}/fragment", cookies={COOKIE: cookie}, timeout=REQUEST_TIMEOUT_S)
+        assert fragment.status_code == 401
+        sec_coord.cancel(root, "written after the session was signed out")
+        events = stream.result(timeout=REQUEST_TIMEOUT_S)
+    _assert_cut_off(events, revoked_after, SESSION_ENDED)
+
+
+def test_wait_task_over_mcp_ends_when_its_key_is_revoked(sec_coord: Coordinator, tmp_path: Path) -> None:
+    import anyio
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    keys_file = tmp_path / "keys.json"
+    _write_keys(keys_file, {"alice": KEY_SCOPES["alice"]})
+    root = _waiting_tree(sec_coord, owner="alice")
+
+    async def main(url: str) -> Any:
+        waiting = anyio.Event()
+
+        async def progress(_done: float, _total: float | None, _message: str | None) -> None:
+            waiting.set()  # told at once: the wait is under way, its key checked at the start
+
+        result: Any = None
+
+        async def wait() -> None:
+            nonlocal result
+            args = {"task_id": root, "timeout_s": 60}
+            result = await client.call_tool("wait_task", args, progress_callback=progress)
+
+        async with (
+            httpx2.AsyncClient(headers=bearer("alice"), timeout=httpx2.Timeout(REQUEST_TIMEOUT_S)) as http,
+            Client(streamable_http_client(f"{url}/mcp", http_client=http)) as client,
+            anyio.create_task_group() as group,
+        ):
+            await client.list_tools()  # the client checks a result against the tools it listed: once, now
+            group.start_soon(wait)
+            with anyio.fail_after(REQUEST_TIMEOUT_S):
+                await waiting.wait()
+            _write_keys(keys_file, {})
+            # The tree settles after the revocation: the old wait went on and answered with its end.
+            await anyio.to_thread.run_sync(lambda: sec_coord.cancel(root, "settled after the key was revoked"))
+        return result
+
+    with _server(sec_coord, api_keys_file=keys_file) as api:
+        started = time.monotonic()
+        result = anyio.run(main, api.url)
+    assert result.is_error, result.structured_content
+    assert result.structured_content == {
+        "code": "unauthorized",
+        "message": "The API key 'alice' was revoked, or given a new token, while this call ran",
+        "field": "Authorization",
+    }
+    assert time.monotonic() - started < 30  # ended by the revocation, not by its 60-s timeout
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,10 @@ server is never open by accident. `/livez`, `/readyz`, `/healthz`, `/metrics`,
 (the caller's own tree with `submit`, or any with the scope that covers others').
 Every refusal (401, 403) is on the audit log with its reason and counted.
 
+A request that lasts (an event stream, /mcp's wait_task) asks again while it runs:
+`key_now` looks its token up in the key ring as the keys are now (a `stat` of the
+keys file, no Redis), so a key revoked or changed meanwhile stops being served.
+
 Wrong and missing tokens are counted per client address (`auth_attempts`,
 shared with the web view's sign-in): past SUBQ_API_AUTH_ATTEMPTS_PER_MIN the
 address gets 429 for every request, the right token too, until its bucket
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Annotated, NoReturn
 
 import anyio.to_thread
@@ -36,7 +41,7 @@ from coordinator.access import OPEN, KeyRing, Principal, Scope, parse_keys
 from coordinator.api.errors import RATE_LIMITED, UNAUTHORIZED, HttpError
 from coordinator.api.limits import RateLimiter, client_address, retry_after
 from coordinator.audit import Actor, RefusalReason, Via
-from coordinator.errors import ConfigError, ForbiddenError, NotFoundError
+from coordinator.errors import ConfigError, ForbiddenError, NotFoundError, SubqError
 from coordinator.models import Approval
 from coordinator.service import Coordinator
 from coordinator.settings import Settings
@@ -45,9 +50,11 @@ __all__ = [
     "AUTH_DISABLED_WARNING",
     "Caller",
     "Gate",
+    "KeyRevoked",
     "actor_of",
     "bearer_auth",
     "caller",
+    "key_now",
     "key_ring",
     "too_many_attempts",
 ]
@@ -89,6 +96,32 @@ def key_ring(settings: Settings) -> KeyRing | None:
     return ring
 
 
+class KeyRevoked(SubqError):
+    """The key a request began with was revoked, or given a new token, while the request ran."""
+
+    code = UNAUTHORIZED
+
+
+def _principal_of(ring: KeyRing, token: str) -> Principal | None:
+    """The caller `token` names in the ring as it is now; None once its key is gone."""
+    key = ring.find(token)
+    return key.principal() if key is not None else None
+
+
+def _open_access() -> Principal:
+    return OPEN
+
+
+def key_now(request: Request) -> Principal | None:
+    """The request's caller as the keys are now (None: its key was revoked or its token changed).
+
+    The guard names a caller once, as its request starts; a request that lasts (an event stream, /mcp's
+    wait_task) asks this again while it runs. One `stat` of the keys file (read again only if it changed).
+    """
+    look_up = getattr(request.state, "key_now", None)
+    return look_up() if callable(look_up) else None  # a request the guard never named: refused, never open
+
+
 def actor_of(request: Request, key: Principal, via: Via = "api") -> Actor:
     """The caller of `request` as the audit log names it: the key, the client address, the face."""
     return Actor(key.name, client_address(request.scope), via)
@@ -102,6 +135,7 @@ def bearer_auth(settings: Settings, auth_attempts: RateLimiter, coord: Coordinat
 
         async def open_access(request: Request) -> Principal:
             request.state.principal = OPEN
+            request.state.key_now = _open_access
             return OPEN
 
         return open_access
@@ -136,6 +170,7 @@ def bearer_auth(settings: Settings, auth_attempts: RateLimiter, coord: Coordinat
             raise await refuse(request, "invalid_token", "Invalid bearer token")
         principal = key.principal()
         request.state.principal = principal
+        request.state.key_now = partial(_principal_of, ring, credentials.credentials)
         return principal
 
     return check
@@ -182,6 +217,13 @@ class Gate:
         owner = self.coord.owner_of(task_id)
         self.readable_on_record(request, key, task_id, owner)
         return owner
+
+    @staticmethod
+    def still_reads(request: Request, owner: str) -> bool:
+        """Whether the request's key, as the keys are now, may still read a tree created by `owner`: an event
+        stream asks on each pass of its read loop, so a key revoked while it is open is sent nothing more."""
+        key = key_now(request)
+        return key is not None and key.may_read(owner)
 
     def readable_on_record(self, request: Request, key: Principal, task_id: str, owner: str) -> None:
         """`readable`, with a refused read on the audit log (unless this gate's face records its own)."""

@@ -9,12 +9,17 @@ The stream ends once the task has settled, by `Coordinator.wait`'s rule
 (terminal; or, for a caller-owned task, no longer `delegated`), after every
 event written before that is sent; a last `end` event carries the status. A
 keep-alive comment goes out every KEEPALIVE_S so proxies keep the connection.
+
+The key is checked again on each pass of the read loop (about once a READ_SLICE_MS
+while the tree is quiet), before anything read in that pass is sent: a key revoked,
+or no longer allowed to read the tree, while the stream is open is sent no event
+written after that, and the stream ends with an `error` event (`unauthorized`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Annotated, Any
 
@@ -25,13 +30,13 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from coordinator import ids
 from coordinator.api.auth import Caller, Gate
-from coordinator.api.errors import error_responses
+from coordinator.api.errors import UNAUTHORIZED, error_responses
 from coordinator.api.routes import TaskId
 from coordinator.api.schemas import ErrorBody
 from coordinator.errors import SubqError
 from coordinator.service import Coordinator
 
-__all__ = ["KEEPALIVE_S", "READ_SLICE_MS", "StreamThreads", "event_routes", "tree_events"]
+__all__ = ["KEEPALIVE_S", "KEY_REVOKED", "READ_SLICE_MS", "StreamThreads", "event_routes", "tree_events"]
 
 # Proxies commonly close a connection idle for 30-60 s; a comment every 15 s keeps it open.
 KEEPALIVE_S = 15.0
@@ -43,6 +48,13 @@ READ_BATCH = 500
 STREAM_THREADS = 64
 STREAM_ID_PATTERN = r"^\d+-\d+$"
 
+# How a stream ends when its key was revoked, or may no longer read the tree, while it was open.
+KEY_REVOKED = ErrorBody(
+    code=UNAUTHORIZED,
+    message="The API key this stream was opened with was revoked, or may no longer read this tree: the stream ends",
+    field="Authorization",
+)
+
 # One SSE event (OpenAPI before 3.2 describes each event of a stream with `schema`).
 EVENT_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -52,7 +64,7 @@ EVENT_SCHEMA: dict[str, Any] = {
         "event": {
             "type": "string",
             "enum": ["end", "error"],
-            "description": "Absent for stream entries; `end` last, `error` if the stream failed",
+            "description": "Absent for stream entries; `end` last, `error` if the stream failed or its key was revoked",
         },
         "data": {
             "type": "string",
@@ -77,9 +89,18 @@ class StreamThreads:
 
 
 async def tree_events(
-    coord: Coordinator, threads: StreamThreads, task_id: str, after_id: str
+    coord: Coordinator,
+    threads: StreamThreads,
+    task_id: str,
+    after_id: str,
+    still_allowed: Callable[[], bool],
+    revoked: ErrorBody = KEY_REVOKED,
 ) -> AsyncIterator[ServerSentEvent]:
-    """The SSE events of the task's tree after `after_id`, ending once the task settles (also the web view's)."""
+    """The SSE events of the task's tree after `after_id`, ending once the task settles (also the web view's).
+
+    `still_allowed` says whether the caller may still read the tree (its key, or its web session, as it is
+    now); when it says no, the stream ends with `revoked` as an `error` event.
+    """
     root_id = ids.root_of(task_id)
     try:
         while True:
@@ -93,6 +114,11 @@ async def tree_events(
                 block_ms=None if done else READ_SLICE_MS,  # None: no BLOCK (0 would block forever)
                 count=READ_BATCH,
             )
+            # After the read, before sending it: what the read returned was written before this check, so a
+            # key revoked meanwhile is sent nothing written after its revocation. Once a pass, not per event.
+            if not await threads.run(still_allowed):
+                yield ServerSentEvent(event="error", data=revoked.model_dump_json())
+                return
             for entry_id, fields in entries:
                 yield ServerSentEvent(id=entry_id, data=json.dumps(fields))
                 after_id = entry_id
@@ -133,8 +159,10 @@ def event_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         ] = None,
     ) -> EventSourceResponse:
         # Checked before the response starts, so an unknown id is a plain 404, not a broken stream.
-        await threads.run(gate.read_tree, request, key, task_id)
+        owner = await threads.run(gate.read_tree, request, key, task_id)
         await threads.run(coord.settled, task_id)
-        return EventSourceResponse(tree_events(coord, threads, task_id, last_event_id or "0-0"), ping=KEEPALIVE_S)
+        still_allowed = partial(gate.still_reads, request, owner)
+        stream = tree_events(coord, threads, task_id, last_event_id or "0-0", still_allowed)
+        return EventSourceResponse(stream, ping=KEEPALIVE_S)
 
     return router

@@ -11,6 +11,9 @@ it and on the audit log (its target `POST /mcp/<tool>`), a tree the key may not 
 does not exist for it ("Unknown task"), and a tree it creates is its own (`owner`).
 A tree it may not read is also put on the audit log by this face, with the reason
 `not_found`: a model probing ids is worth an operator's look.
+Each operation asks with the key as the keys are now (`key_now`), not as they were
+when the request came: a call that lasts (wait_task polls for up to 300 s) stops
+serving a key revoked or changed meanwhile, and ends with an `unauthorized` error.
 
 Stateless Streamable HTTP (no MCP session kept between requests): every API replica
 serves any request, as for the /v1 routes, and a tool's progress notifications ride
@@ -39,7 +42,7 @@ from starlette.types import Receive, Scope, Send
 
 from coordinator.access import Principal
 from coordinator.access import Scope as KeyScope
-from coordinator.api.auth import Gate, actor_of
+from coordinator.api.auth import Gate, KeyRevoked, actor_of, key_now
 from coordinator.api.errors import HttpError, error_response
 from coordinator.service import Coordinator
 
@@ -68,10 +71,22 @@ class KeyedOperations:
 
     def __init__(self, coord: Coordinator, request: Request, key: Principal, tool: str) -> None:
         self.coord = coord
-        self.key = key
+        self.caller = key  # as the request named it: the audit log's name for it, even once it is revoked
         self.gate = Gate(coord, record_unreadable=False)  # a refused read is recorded by not_found, naming the tool
         # The audit log names a refused call `POST /mcp/<tool>`: the tool, not only the endpoint.
         self.request = Request({**request.scope, "path": f"{MCP_PATH}/{tool}", "raw_path": b""})
+
+    @property
+    def key(self) -> Principal:
+        """The caller's key as the keys are now, asked at every operation: a call that lasts (wait_task polls
+        for up to 300 s) must stop serving a key revoked meanwhile. One `stat` of the keys file, no Redis."""
+        key = key_now(self.request)
+        if key is None:
+            raise KeyRevoked(
+                f"The API key {self.caller.name!r} was revoked, or given a new token, while this call ran",
+                field="Authorization",
+            )
+        return key
 
     def create_task(
         self,
@@ -88,17 +103,19 @@ class KeyedOperations:
     ) -> TaskRecord:
         """As POST /v1/tasks: scope `submit`, the tree the key's; `more` is what the route also passes on
         (coordinator/mcp_tools.py names what it does not)."""
-        self.gate.need(self.request, self.key, KeyScope.SUBMIT)
+        key = self.key
+        self.gate.need(self.request, key, KeyScope.SUBMIT)
         return self.coord.create_task(
             prompt, todos=todos, profile=profile, run=run, budget_usd=budget_usd, idempotency_key=idempotency_key,
-            owner=self.key.name, output_schema=dict(output_schema) if output_schema is not None else None,
-            metadata=metadata, key_webhooks=self.key.webhooks, tenant=self.key.tenant, **more,
+            owner=key.name, output_schema=dict(output_schema) if output_schema is not None else None,
+            metadata=metadata, key_webhooks=key.webhooks, tenant=key.tenant, **more,
         )  # fmt: skip
 
     def get_task(self, task_id: str, /) -> TaskRecord:
-        self.gate.need(self.request, self.key, KeyScope.READ, KeyScope.READ_ALL)
+        key = self.key  # wait_task calls this at each poll: a key revoked meanwhile is refused here
+        self.gate.need(self.request, key, KeyScope.READ, KeyScope.READ_ALL)
         record = self.coord.get_task(task_id)
-        self.gate.readable(self.key, task_id, record.owner)
+        self.gate.readable(key, task_id, record.owner)
         return record
 
     def get_todos(self, task_id: str, /) -> list[TodoItem]:
@@ -114,12 +131,14 @@ class KeyedOperations:
         return self.coord.messages(task_id, kind)
 
     def cancel(self, task_id: str, reason: str, /) -> TaskRecord:
-        self.gate.write_tree(self.request, self.key, task_id, others=KeyScope.OPERATE)
-        return self.coord.cancel(task_id, reason, actor=actor_of(self.request, self.key))
+        key = self.key
+        self.gate.write_tree(self.request, key, task_id, others=KeyScope.OPERATE)
+        return self.coord.cancel(task_id, reason, actor=actor_of(self.request, key))
 
     def retry(self, task_id: str, /, *, failed: bool = False) -> Retried:
-        self.gate.write_tree(self.request, self.key, task_id, others=KeyScope.OPERATE)
-        return self.coord.retry(task_id, failed=failed, actor=actor_of(self.request, self.key))
+        key = self.key
+        self.gate.write_tree(self.request, key, task_id, others=KeyScope.OPERATE)
+        return self.coord.retry(task_id, failed=failed, actor=actor_of(self.request, key))
 
     def list_approvals(self, root_id: str | None = None, /) -> list[Approval]:
         return self.gate.approvals(self.request, self.key, root_id)
@@ -127,13 +146,14 @@ class KeyedOperations:
     def decide(
         self, approval_id: str, decision: Literal["approve", "deny"], feedback: str | None = None, /
     ) -> Approval:
-        self.gate.need(self.request, self.key, KeyScope.DECIDE)
-        return self.coord.decide(approval_id, decision, feedback, actor=actor_of(self.request, self.key))
+        key = self.key
+        self.gate.need(self.request, key, KeyScope.DECIDE)
+        return self.coord.decide(approval_id, decision, feedback, actor=actor_of(self.request, key))
 
     def not_found(self, tool: str, detail: str) -> None:
         """Put a call about a tree the key may not read (or no tree at all) on the audit log."""
         self.coord.record(
-            actor_of(self.request, self.key), "refused", f"POST {MCP_PATH}/{tool}", reason="not_found", detail=detail
+            actor_of(self.request, self.caller), "refused", f"POST {MCP_PATH}/{tool}", reason="not_found", detail=detail
         )
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections.abc import Callable, Mapping
+from functools import partial
 from importlib.resources import files
 from pathlib import Path
 from typing import Annotated, Any
@@ -45,7 +46,7 @@ from coordinator.api.errors import UNAUTHORIZED, HttpError, status_of
 from coordinator.api.events import KEEPALIVE_S, STREAM_ID_PATTERN, StreamThreads, tree_events
 from coordinator.api.limits import RateLimiter, client_address
 from coordinator.api.routes import TaskId
-from coordinator.api.schemas import CancelInput, DecisionInput
+from coordinator.api.schemas import CancelInput, DecisionInput, ErrorBody
 from coordinator.audit import Actor
 from coordinator.errors import SubqError, ValidationError
 from coordinator.inputs import RetryInput
@@ -63,6 +64,13 @@ _HERE = Path(str(files("coordinator.web")))
 # Conversations are shown whole; a model message longer than this is cut with a note,
 # so one huge tool result cannot make the page unusable.
 MAX_PART_CHARS = 20_000
+# How a tree's event stream ends when its session was signed out, or its key revoked, while it was open.
+SESSION_ENDED = ErrorBody(
+    code=UNAUTHORIZED,
+    message="The web session this stream was opened with has ended (signed out, or its key revoked or changed): "
+    "sign in again at /ui/login",
+    field=COOKIE,
+)
 
 
 def _templates() -> Jinja2Templates:
@@ -140,6 +148,13 @@ class _Web:
         except SubqError as exc:
             return self.error_page(request, exc, key)
         return self.page(request, name, key=key, **context)
+
+    def still_reads(self, request: Request, owner: str) -> bool:
+        """Whether the request's session still names a key that may read a tree created by `owner`: a tree's
+        event stream asks on each pass of its read loop, so a session signed out or revoked meanwhile is sent
+        nothing more (one Redis read of the session a pass, about once a second while the tree is quiet)."""
+        key = self.auth.principal(request)
+        return key is not None and key.may_read(owner)
 
     def signed_in(self, request: Request) -> Principal:
         """For fragments, streams and actions: the session's key, or a JSON 401 on record (pages redirect).
@@ -260,9 +275,11 @@ def _live_routes(router: APIRouter, web: _Web) -> None:
         key: Principal = Depends(web.signed_in),
     ) -> EventSourceResponse:
         _no_query(request)
-        await web.threads.run(gate.read_tree, request, key, task_id)
+        owner = await web.threads.run(gate.read_tree, request, key, task_id)
         await web.threads.run(coord.settled, task_id)  # an unknown id is a plain 404, not a broken stream
-        return EventSourceResponse(tree_events(coord, web.threads, task_id, last_event_id or "0-0"), ping=KEEPALIVE_S)
+        still_allowed = partial(web.still_reads, request, owner)
+        stream = tree_events(coord, web.threads, task_id, last_event_id or "0-0", still_allowed, SESSION_ENDED)
+        return EventSourceResponse(stream, ping=KEEPALIVE_S)
 
 
 def _action_routes(router: APIRouter, web: _Web) -> None:
