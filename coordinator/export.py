@@ -86,11 +86,14 @@ def export_tree(coord: TaskReader, task_id: str, directory: Path) -> list[Path]:
                 "invalid_outputs": record.invalid_outputs,
             },
         }
-        folder.mkdir(parents=True, exist_ok=True)
-        for name in FILE_NAMES:
-            path = folder / name
-            path.write_text(json.dumps(contents[name], indent=2, ensure_ascii=False), encoding="utf-8")
-            written.append(path)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for name in FILE_NAMES:
+                path = folder / name
+                path.write_text(json.dumps(contents[name], indent=2, ensure_ascii=False), encoding="utf-8")
+                written.append(path)
+        except OSError as exc:  # a file where a folder must be, no permission, a full disk: one line, not a traceback
+            raise ValidationError(f"cannot write {exc.filename or folder}: {exc.strerror}", field="directory") from None
     return written
 
 

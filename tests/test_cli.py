@@ -305,6 +305,7 @@ API_REFUSALS = [  # (arguments, environment, the line on stderr); {api} is the i
     (["--api-url", "{api}", "run", "p"], {"SUBQ_API_TOKEN": "wrong"}, "subq: Invalid bearer token; set SUBQ_API_TOKEN to the token of the API at {api}"),
     (["cancel", UNKNOWN, "--reason", "x"], {"SUBQ_API_URL": "{api}", "SUBQ_API_TOKEN": "wrong"}, "subq: Invalid bearer token; set SUBQ_API_TOKEN"),
     (["--api-url", "http://127.0.0.1:1", "run", "p"], {"SUBQ_API_TOKEN": TOKEN}, "subq: The subq API at http://127.0.0.1:1 is unreachable: ConnectError"),
+    (["--api-url", "{api}", "run", "p"], {"SUBQ_API_TOKEN": "tök\u00a0"}, "subq: The API token (SUBQ_API_TOKEN) must be printable ASCII with no spaces: check it was pasted whole"),
 ]  # fmt: skip
 
 
@@ -320,6 +321,17 @@ def test_a_bad_api_url_or_token_is_one_line_and_changes_nothing(
     assert proc.stderr.startswith(message.replace("{api}", idle_api)), proc.stderr
     assert proc.stderr.count("\n") == 1
     assert state(idle_coordinator, NO_TREE) == before, "a refused command changed Redis or published a message"
+
+
+def test_an_export_it_cannot_write_is_one_line(idle_coordinator: Coordinator, tmp_path: Path) -> None:
+    """A folder under a file (or a read-only or full disk) is the error's one line, not a traceback."""
+    root = idle_coordinator.create_task("Export me", run=False)
+    a_file = tmp_path / "report.txt"
+    a_file.write_text("a file")
+    env = {"SUBQ_REDIS_URL": idle_coordinator.settings.redis_url or "", "SUBQ_KEY_PREFIX": "subqidle"}
+    proc = cli("export", root.id, str(a_file / "out"), env=env)
+    assert (proc.returncode, proc.stdout) == (1, ""), proc.stderr
+    assert proc.stderr == f"subq: cannot write {a_file / 'out' / root.id}: Not a directory\n"
 
 
 def test_the_api_needs_no_redis_settings(idle_coordinator: Coordinator, idle_api: str) -> None:

@@ -20,6 +20,7 @@ import pytest
 
 from coordinator import Coordinator, Retried, Settings, StateError, TaskStatus
 from coordinator.celery_app import make_app
+from coordinator.models import RetrySkip
 from coordinator.settings import Price, Profile
 from tests.conftest import dedicated_fleet
 from tests.helpers import api_settings, repairs_reach
@@ -308,7 +309,19 @@ def test_a_tree_retry_runs_failed_children_first_and_their_parent_resumes_with_t
     server.heal()
     steady.heal()
 
-    done = coord.retry(root.id, failed=True)
+    if went_further:  # through the CLI: what runs again on stdout, what it left (and why) on stderr
+        from tests.test_cli import cli
+
+        env = {"SUBQ_REDIS_URL": local.redis_url or "", "SUBQ_KEY_PREFIX": local.key_prefix, "SUBQ_QUEUE": local.queue}
+        printed = cli("retry", root.id, "--failed", env=env)
+        assert printed.returncode == 0, printed.stderr
+        assert printed.stdout.splitlines() == [f"Retried {root.id}: it runs again from its conversation."]
+        assert printed.stderr.startswith(f"Left {first}: ") and "already went on" in printed.stderr
+        done = Retried(
+            task=coord.get_task(root.id), retried=[root.id], skipped=[RetrySkip(task_id=first, reason=printed.stderr)]
+        )
+    else:
+        done = coord.retry(root.id, failed=True)
 
     # A second retry of the same tree: what was retried is not failed now, and the rest is left again, saying why.
     nothing = "no failed task of the tree of .* can be retried: .* already went on" if went_further else "has failed"

@@ -9,6 +9,7 @@ render and live) is tests/test_web_security.py.
 from __future__ import annotations
 
 import html.parser
+import io
 import json
 import re
 import threading
@@ -21,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 from pydantic import SecretStr
+from rich.console import Console
 
 from coordinator import Coordinator, Settings, ids
 from coordinator.access import ApiKeySpec, Scope, token_sha256
@@ -28,6 +30,7 @@ from coordinator.api import create_app
 from coordinator.api.limits import RateLimiter, is_open_route
 from coordinator.api.security import STRICT_CSP, csp_with_inline_scripts
 from coordinator.audit import Actor
+from coordinator.cli.live import tree_view
 from coordinator.errors import ConfigError, ForbiddenError, NotFoundError, ValidationError
 from coordinator.models import Approval
 from coordinator.settings import load_settings
@@ -298,6 +301,9 @@ def test_a_call_reads_as_exactly_what_it_is() -> None:
     assert call_text(_approval(path="café", n=3)) == 'run_command(path="café", n=3)'
     long = call_text(_approval(command="x" * 5000))
     assert len(long) < MAX_CALL_CHARS + 60 and long.endswith("more characters not shown)")
+    # An MCP tool takes any argument names its model sends: a name that is no identifier is written as JSON too.
+    named = call_text(_approval(**{'path="/tmp/scratch")\n\nand after it: run_command(note': "x", "path": "/etc"}))
+    assert named == 'run_command("path=\\"/tmp/scratch\\")\\n\\nand after it: run_command(note"="x", path="/etc")'
 
 
 class _Markup(html.parser.HTMLParser):
@@ -381,12 +387,27 @@ def test_a_models_terminal_escapes_are_text_in_the_cli(sec_coord: Coordinator) -
     root = sec_coord.create_task(f"Release {clear}", todos=f"[ ] Deploy {clipboard} now\r[x] done", run=False)
     sec_coord.cancel(root.id, f"stopped {clear}by a model")
     env = {"SUBQ_REDIS_URL": str(sec_coord.settings.redis_url), "SUBQ_KEY_PREFIX": PREFIX}
-    for command in (["tree", root.id], ["todos", root.id], ["status", root.id], ["history", "--root", root.id]):
+    commands = (
+        ["tree", root.id], ["tree", root.id, "--timeline", "--width", "120"], ["todos", root.id], ["status", root.id],
+        ["history", "--root", root.id],
+    )  # fmt: skip
+    for command in commands:
         proc = cli(*command, env=env)
         assert proc.returncode == 0, (command, proc.stderr)
         assert "\x1b" not in proc.stdout and "\x07" not in proc.stdout and "\r" not in proc.stdout, command
     tree = cli("tree", root.id, env=env).stdout
     assert "Deploy \\x1b]52;c;cm0gLXJmIC8=\\x07 now" in tree and "stopped \\x1b[2J\\x1b[Hby a model" in tree
+
+
+def test_a_models_terminal_escapes_are_text_in_the_followed_view(sec_coord: Coordinator) -> None:
+    """`subq run --follow` on a terminal draws the tree live: its descriptions, errors and plan items as text."""
+    clear, clipboard = "\x1b[2J\x1b[H", "\x1b]52;c;cm0gLXJmIC8=\x07"
+    root = sec_coord.create_task(f"Release {clear}", todos=f"[ ] Deploy {clipboard} now", run=False)
+    sec_coord.cancel(root.id, f"stopped {clear}by a model")
+    drawn = io.StringIO()
+    Console(file=drawn, width=200, color_system=None).print(tree_view(sec_coord.tree(root.id), {}, [], width=200))
+    assert "\x1b" not in drawn.getvalue() and "\x07" not in drawn.getvalue(), repr(drawn.getvalue())
+    assert "Release \\x1b[2J" in drawn.getvalue() and "Deploy \\x1b]52;" in drawn.getvalue()
 
 
 # -- scoped API keys and the audit log -------------------------------------------------------------

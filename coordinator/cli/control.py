@@ -128,7 +128,7 @@ def retry(
     for reopened in done.reopened:
         typer.echo(f"Retried {reopened}: it waits on its retried children and resumes with their new results.")
     for skipped in done.skipped:
-        say(f"Left {skipped.task_id}: {skipped.reason}")
+        say(f"Left {skipped.task_id}: {skipped.reason}", err=True)  # stdout lists only what runs again
 
 
 def approvals(

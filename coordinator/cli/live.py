@@ -17,6 +17,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from coordinator.inputs import visible_text
 from coordinator.models import Approval, LiveState, TaskStatus, format_usd
 from coordinator.tree import MARKS, TreeNode
 
@@ -76,7 +77,7 @@ def tree_view(
         parts.append(
             Text.assemble(
                 ("waiting for approval: ", "bold magenta"),
-                f"{approval.tool} {shown}  (task {approval.task_id})\n",
+                f"{visible_text(approval.tool)} {shown}  (task {approval.task_id})\n",
                 "  approve: ",
                 (f"subq approve {approval.id}", "bold"),
                 "\n  deny:    ",
@@ -101,7 +102,8 @@ def _add_task(rows: list[Row], node: TreeNode, live: dict[str, LiveState], depth
     state = live.get(node.id)
     status = task_status(node, state)
     pad = " " * (INDENT * depth)
-    first_line = (node.description.strip().splitlines() or [""])[0]
+    # A model's words reach the operator's terminal: its escapes are shown as text, never acted on.
+    first_line = visible_text((node.description.strip().splitlines() or [""])[0])
     # A child's id is its root's id and a suffix: the suffix alone tells the rows apart and
     # leaves the width to the description (`subq tree` and the approvals print whole ids).
     shown_id = node.id.removeprefix(node.id.split("-", 1)[0]) if node.parent_id else node.id
@@ -116,12 +118,12 @@ def _add_task(rows: list[Row], node: TreeNode, live: dict[str, LiveState], depth
     )
     inner = " " * (INDENT * (depth + 1))
     if node.error and node.status in (TaskStatus.FAILED, TaskStatus.CANCELLED):
-        rows.append((Text(f"{inner}error: {node.error}", style="red"), Text(), Text(), Text(), Text()))
+        rows.append((Text(f"{inner}error: {visible_text(node.error)}", style="red"), Text(), Text(), Text(), Text()))
     for item in node.todos:
         linked = item.subtask_id is not None
         rows.append(
             (
-                Text(f"{inner}{MARKS[item.status.value]} {item.content}"),
+                Text(f"{inner}{MARKS[item.status.value]} {visible_text(item.content)}"),
                 Text(),
                 Text(),
                 Text(str(item.tokens) if linked else ""),

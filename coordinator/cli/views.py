@@ -17,6 +17,7 @@ from coordinator.audit import AuditEntry
 from coordinator.cli.backend import watch as open_watch
 from coordinator.cli.common import say
 from coordinator.deadletters import DeadLetter
+from coordinator.inputs import visible_text
 from coordinator.models import MICROS_PER_USD, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem, format_usd
 from coordinator.tenants import TenantState
 from coordinator.tree import MARKS, cut, describe, metadata_line, render_tree, waiting_note, walk
@@ -270,7 +271,7 @@ def timeline_text(node: TreeNode, width: int, now_ms: int | None = None) -> Text
     out.append(f"{'task':<{label_chars}} {axis[:bar_chars]}\n", style="bold")
     for task in nodes:
         star = "*" if task.id in critical else " "
-        first_line = (task.description.strip().splitlines() or [""])[0]
+        first_line = visible_text((task.description.strip().splitlines() or [""])[0])  # a model's: escapes as text
         # Below the top, an id's last part tells the tasks of one tree apart (they share the root's).
         shown_id = task.id if task is node else "-" + task.id.rsplit("-", 1)[-1]
         label = cut(f"{star}{'  ' * (task.depth - node.depth)}{shown_id} {first_line}", label_chars)

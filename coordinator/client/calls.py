@@ -35,7 +35,7 @@ from coordinator.api.schemas import (
 from coordinator.audit import AuditEntry
 from coordinator.client.errors import ApiError, error_of
 from coordinator.deadletters import DeadLetter
-from coordinator.errors import ValidationError, WaitTimeout
+from coordinator.errors import ConfigError, ValidationError, WaitTimeout
 from coordinator.inputs import (
     META_PREFIX,
     CancelInput,
@@ -341,6 +341,13 @@ def headers(token: str | None) -> dict[str, str]:
         agent = "subq-client"
     sent = {"User-Agent": agent, "Accept": "application/json"}
     if token:
+        # A header carries ASCII alone: a token pasted with a no-break space or an accented letter was an
+        # encoding error deep in the HTTP client (a traceback from the CLI), not a word on what to fix.
+        if not (token.isascii() and token.isprintable()) or " " in token:
+            raise ConfigError(
+                "The API token (SUBQ_API_TOKEN) must be printable ASCII with no spaces: check it was pasted whole",
+                field="SUBQ_API_TOKEN",
+            )
         sent["Authorization"] = f"Bearer {token}"
     return sent
 

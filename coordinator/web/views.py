@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import time
 from collections import Counter
 from collections.abc import Mapping, Set
@@ -164,11 +165,22 @@ def call_text(approval: Approval, max_chars: int = MAX_CALL_CHARS) -> str:
     (nor break out into text of its own in the confirmation); characters that
     hide or reorder text are escaped too. Cut at `max_chars`, with a marker.
     """
-    inner = ", ".join(f"{name}={json.dumps(value, ensure_ascii=False)}" for name, value in approval.args.items())
+    inner = ", ".join(
+        f"{_arg_name(name)}={json.dumps(value, ensure_ascii=False)}" for name, value in approval.args.items()
+    )
     text = visible_text(f"{approval.tool}({inner})")
     if len(text) > max_chars:
         text = text[:max_chars] + f" … ({len(text) - max_chars} more characters not shown)"
     return text
+
+
+# An argument's name as written bare: an identifier. An MCP tool takes any names its model sends, and a name
+# holding a quote, a parenthesis or a line break (`path="/tmp/x")` and a new line) made the call read as another.
+ARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _arg_name(name: str) -> str:
+    return name if ARG_NAME.fullmatch(name) else json.dumps(name, ensure_ascii=False)
 
 
 def data_text(value: object) -> str:
