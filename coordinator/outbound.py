@@ -46,7 +46,7 @@ from urllib.parse import SplitResult, quote, urlsplit
 
 import h11
 
-from coordinator.errors import NotFoundError
+from coordinator.errors import CorruptError, NotFoundError
 from coordinator.inputs import one_line
 from coordinator.models import ClaimedDelivery, Settled
 from coordinator.subscriptions import UnsafeTarget, resolve_safe
@@ -523,8 +523,20 @@ class Post(NamedTuple):
     body: bytes
 
 
+def _host_header(url: SplitResult) -> str:
+    """A URL's Host header, ASCII as HTTP's must be: an internationalised name as IDNA (`xn--...`, the name the
+    resolver and TLS's SNI were given), an IPv6 address in brackets, and the port when the URL names one. Called
+    once the host's check passed, so its name encodes (the check refuses one that does not)."""
+    host = url.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    elif not host.isascii():
+        host = host.encode("idna").decode("ascii")
+    return host if url.port is None else f"{host}:{url.port}"
+
+
 def _sendable(headers: Mapping[str, str]) -> bool:
-    """Whether h11 takes these header values (no line break; the Host a URL's host, which may not be ASCII)."""
+    """Whether h11 takes these header values (ASCII, no line break)."""
     return all(value.isascii() and "\r" not in value and "\n" not in value for value in headers.values())
 
 
@@ -578,8 +590,12 @@ def _may_keep(response: h11.Response) -> bool:
 
 
 def _attempts(entry: Mapping[str, Any]) -> int:
-    """The attempts a claimed delivery had, which its outcome is recorded against (settle_delivery.lua)."""
-    return int(entry.get("attempts") or 0)
+    """The attempts a claimed delivery had, which its outcome is recorded against (settle_delivery.lua, which
+    reads what is no number as 0: so does this, rather than raise for an entry whose outcome must be recorded)."""
+    try:
+        return int(entry.get("attempts") or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _is_celery(item: ClaimedDelivery) -> bool:
@@ -690,30 +706,40 @@ class Deliverer:
 
     def _whole_records(self, claimed: list[ClaimedDelivery]) -> list[ClaimedDelivery]:
         """The claim as read with it (the event's fields of each record), but for a Celery callback, which sends
-        its task's whole record, with its children's ids: that one read here (None when the task expired)."""
+        its task's whole record, with its children's ids: that one read here (None when the task expired;
+        `refused`, to be given up, when it does not decode)."""
         task_ids = [str(item.entry["task_id"]) for item in claimed if _is_celery(item)]
         if not task_ids:
             return claimed
         records = self._records(list(dict.fromkeys(task_ids)))
-        return [
-            dataclasses.replace(item, record=records.get(str(item.entry["task_id"]))) if _is_celery(item) else item
-            for item in claimed
-        ]
 
-    def _records(self, task_ids: list[str]) -> dict[str, dict[str, Any]]:
-        """The tasks' whole records as GET /v1/tasks/{id} returns them; a task that expired is left out."""
+        def whole(item: ClaimedDelivery) -> ClaimedDelivery:
+            record = records.get(str(item.entry["task_id"]))
+            if isinstance(record, str):  # it does not decode: this callback alone is given up, with why
+                return dataclasses.replace(item, record=None, refused=record)
+            return dataclasses.replace(item, record=record)
+
+        return [whole(item) if _is_celery(item) else item for item in claimed]
+
+    def _records(self, task_ids: list[str]) -> dict[str, dict[str, Any] | str]:
+        """The tasks' whole records as GET /v1/tasks/{id} returns them, or why one does not decode; a task that
+        expired is left out."""
         if not task_ids:
             return {}
         try:
             found = self.records.get_records(task_ids, whole=True)
             return {task_id: r.model_dump(mode="json") for task_id, r in zip(task_ids, found, strict=True)}
-        except NotFoundError:  # a task of the claim has expired: read them one by one
-            out: dict[str, dict[str, Any]] = {}
+        except (NotFoundError, CorruptError, ValueError):
+            # A task of the claim has expired, or its record does not decode: read them one by one, so that it
+            # fails its own delivery alone (a Redis that is away still raises: the claims lapse).
+            out: dict[str, dict[str, Any] | str] = {}
             for task_id in task_ids:
                 try:
                     out[task_id] = self.records.get_records([task_id], whole=True)[0].model_dump(mode="json")
                 except NotFoundError:
                     pass
+                except (CorruptError, ValueError) as exc:
+                    out[task_id] = f"its stored data does not decode: {type(exc).__name__}: {exc}"
             return out
 
     def _done(self, outcome: Settled | None) -> None:
@@ -730,12 +756,9 @@ class Deliverer:
         helper unless it is an address), a Celery callback's send in a helper."""
         root_id, delivery_id, entry = item.root_id, item.delivery_id, item.entry
         if item.refused:  # its stored data does not decode: claimed again at every lease, it would never end
-            last = one_line(item.refused)
-            log.error("subq deliveries: %s given up: %s", delivery_id, last)
             # Recorded against its attempts when its entry decoded (a step sent again records it once); -1, any,
             # when not even that did (its attempts unknown, it must still end).
-            attempts = _attempts(entry) if entry else -1
-            self._done(Settled(root_id, delivery_id, "given_up", last=last, attempts=attempts))
+            self._give_up(item, item.refused, _attempts(entry) if entry else -1)
             return
         claimed = _attempts(entry)
         if item.found is None or not item.found[0]:
@@ -746,11 +769,17 @@ class Deliverer:
         if record is None:
             self._done(Settled(root_id, delivery_id, "given_up", last="the task has expired", attempts=claimed))
             return
-        body = payload(entry, record, self.settings.api_url)
-        if target.get("kind") == "celery":
+        try:
+            body = payload(entry, record, self.settings.api_url)
+            prepared = None if target.get("kind") == "celery" else self._target(target)
+        except Exception as exc:
+            # Its stored data makes no attempt (an entry without its time, fields that are no object, a URL
+            # whose port does not parse): nor will it at the next claim, so it is given up, not left to lapse.
+            self._give_up(item, f"its stored data makes no attempt: {type(exc).__name__}: {exc}", claimed)
+            return
+        if prepared is None:
             self._helpers.submit(self._celery, item, target, record)
             return
-        prepared = self._target(target)
         host = prepared.url.hostname or ""
         if host not in self._literals:
             try:
@@ -764,8 +793,15 @@ class Deliverer:
             self._literals[host] = self._check(prepared.url)
         self._post(item, prepared, body, *self._literals[host])
 
+    def _give_up(self, item: ClaimedDelivery, why: str, attempts: int) -> None:
+        """End a delivery whose stored data makes no attempt (at any claim): given up, `why` its last answer."""
+        last = one_line(why)
+        log.error("subq deliveries: %s given up: %s", item.delivery_id, last)
+        self._done(Settled(item.root_id, item.delivery_id, "given_up", last=last, attempts=attempts))
+
     def _target(self, target: Mapping[str, Any]) -> Target:
-        """The subscription's URL parsed and its signer, made at its first attempt in this process."""
+        """The subscription's URL parsed and its signer, made at its first attempt in this process (ValueError,
+        KeyError, ... when its stored data makes none)."""
         from standardwebhooks.webhooks import Webhook as Signer
 
         key = (str(target["url"]), str(target.get("secret") or ""), str(target.get("format") or ""))
@@ -773,7 +809,9 @@ class Deliverer:
         if prepared is None:
             if len(self._targets) >= MOST_TARGETS:
                 self._targets.clear()
-            prepared = Target(urlsplit(key[0]), Signer(key[1]) if key[1] else None, key[2] == "slack")
+            url = urlsplit(key[0])
+            url.port  # noqa: B018  (a port that does not parse raises here, not at each attempt)
+            prepared = Target(url, Signer(key[1]) if key[1] else None, key[2] == "slack")
             self._targets[key] = prepared
         return prepared
 
@@ -817,7 +855,7 @@ class Deliverer:
         data = json.dumps(sent, separators=(",", ":"), ensure_ascii=False)
         now = datetime.now(UTC)
         headers = {
-            "host": target.url.netloc,
+            "host": _host_header(target.url),
             "content-type": "application/json",
             "user-agent": USER_AGENT,
             "webhook-id": str(body["id"]),

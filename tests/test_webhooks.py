@@ -1,5 +1,7 @@
 """Outbound events (issue 40): a tree's end reaches its webhook, signed, once per event id, surviving a
-killed worker; a webhook to a private address is refused; bad subscriptions are refused on every face.
+killed worker; a webhook to a private address is refused; bad subscriptions are refused on every face; a
+delivery whose stored data makes no attempt is given up at once, its batch going on; a host name that is
+not ASCII is sent as IDNA.
 
 Real Redis, real `celery worker` processes (a fleet of their own, with `SUBQ_WEBHOOK_ALLOW=127.0.0.1`
 and a short backoff) and a real HTTP receiver on 127.0.0.1 (tests/webhook_kit.py).
@@ -8,10 +10,11 @@ and a short backoff) and a real HTTP receiver on 127.0.0.1 (tests/webhook_kit.py
 from __future__ import annotations
 
 import base64
+import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +25,10 @@ from standardwebhooks.webhooks import Webhook as Verifier
 from coordinator import Coordinator, Settings, ValidationError
 from coordinator.api import create_app
 from coordinator.local.fleet import WorkerFleet
+from coordinator.outbound import Deliverer
 from tests.conftest import dedicated_fleet
 from tests.helpers import TOKEN, ApiServer, api_settings, eventually
+from tests.test_webhooks_connections import RawReceiver
 from tests.webhook_kit import Receiver
 
 SECRET = "whsec_" + base64.b64encode(b"k" * 32).decode()
@@ -353,3 +358,161 @@ def test_a_410_ends_the_subscription_and_a_dead_receiver_is_given_up_in_bounded_
         assert counts[("task.cancelled", "given_up")] >= 1 and counts[("task.cancelled", "retrying")] >= 1
         assert any(outcome == "gone" for _, outcome in counts)
         _clean(coord, OWN_PREFIX)
+
+
+# -- stored data that makes no attempt: given up at once, its batch going on ----------------------------
+
+STORED = "subqwhstored"
+LEASE_MS = 60_000
+
+
+@pytest.fixture
+def stored(settings: Settings) -> Iterator[Coordinator]:
+    """A coordinator on keys and a queue no worker reads: its deliverer is stepped by the test, in its thread."""
+    coord = Coordinator(
+        settings.model_copy(update={"queue": "subq-wh-stored", "key_prefix": STORED, "webhook_allow": ["127.0.0.1"]})
+    )
+    yield coord
+    _clean(coord, STORED)
+    coord.close()
+
+
+def _stepped(deliverer: Deliverer, done: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """The deliverer's loop, step by step in the test's thread, until `done` (a loaded host is given time)."""
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        deliverer.step()
+        deliverer.wait(0.1)
+
+
+# An entry as no script writes it: not JSON, JSON that is no object, an object that names no subscription.
+UNDECODABLE = {"not JSON": "{not json", "an array": "[1, 2]", "no hook": json.dumps({"task_id": "x", "attempts": 0})}
+
+
+@pytest.mark.parametrize("stored_entry", list(UNDECODABLE.values()), ids=list(UNDECODABLE))
+def test_an_entry_that_does_not_decode_is_given_up_at_once_and_its_batch_goes_on(
+    stored: Coordinator, stored_entry: str
+) -> None:
+    """read_claimed.lua decoded each claimed entry itself: one that did not decode failed the whole step, the
+    batch's deliveries were left claimed and unattempted, and the entry sank every batch it was claimed in,
+    at each lease. It is given up, once, and still listed."""
+    coord, outbox = stored, stored.store.outbox
+    hooks = [{"url": "http://127.0.0.1:9/hook", "events": ["*"]}]
+    broken, fine = (coord.create_task("Say hello.", webhooks=hooks) for _ in range(2))
+    for root in (broken, fine):
+        outbox.add_event(root.id, root.id, "task.completed", {})
+    (entry,) = outbox.deliveries(broken.id)
+    coord.client.hset(coord.store.keys.outbox(broken.id), entry["id"], stored_entry)
+    deliverer = Deliverer(coord, lambda *_: None)
+    try:
+        assert deliverer.step() == 2, "both claimed, by a step that does not fail"
+        (given_up,) = [outcome for outcome in deliverer._ended if outcome.root_id == broken.id]
+        _stepped(deliverer, lambda: [d["attempts"] for d in outbox.deliveries(fine.id)] == [1])
+        assert [(d["state"], d["last"].partition(":")[0]) for d in outbox.deliveries(fine.id)] == [
+            ("retrying", "ConnectError")
+        ], "the rest of its batch attempted"
+        ((state, attempts, last),) = [(d["state"], d["attempts"], d["last"]) for d in outbox.deliveries(broken.id)]
+        assert (state, attempts) == ("given_up", 1) and last.startswith("its entry does not decode: "), last
+        assert [(d.id, d.state) for d in coord.deliveries(broken.id)] == [(entry["id"], "given_up")]
+        assert coord.client.zscore(coord.store.keys.outbox_pending(), f"{broken.id} {entry['id']}") is None
+        outbox.settle_and_claim([given_up], 0, LEASE_MS)  # the step sent again, its reply lost
+        assert [d["attempts"] for d in outbox.deliveries(broken.id)] == [1], "given up once"
+        assert outbox.counts()[("unknown", "given_up")] == 1
+    finally:
+        deliverer._connections.close()
+
+
+def test_a_callbacks_record_that_does_not_decode_gives_up_that_callback_alone(stored: Coordinator) -> None:
+    """A Celery callback reads its task's whole record after the claim: one that did not decode (here its
+    output_schema) failed the whole step, every delivery of the batch left claimed and unattempted."""
+    coord, outbox = stored, stored.store.outbox
+    sent: list[tuple[Any, ...]] = []
+    hooks = [{"url": "http://127.0.0.1:9/hook"}]
+    broken, fine = (coord.create_task("Say hello.", webhooks=hooks, on_complete="myapp.done") for _ in range(2))
+    for root in (broken, fine):
+        outbox.add_event(root.id, root.id, "task.completed", {})
+    coord.client.hset(coord.store.keys.task(broken.id, broken.id), "output_schema", "{not json")
+    deliverer = Deliverer(coord, lambda *args: sent.append(args))
+
+    def outcomes() -> dict[tuple[str, str], tuple[str, str]]:
+        return {
+            (root.id, d["hook"]): (d["state"], d["last"])
+            for root in (broken, fine)
+            for d in outbox.deliveries(root.id)
+            if d["attempts"]
+        }
+
+    try:
+        assert deliverer.step() == 4, "all four claimed, by a step that does not fail"
+        _stepped(deliverer, lambda: len(outcomes()) == 4)
+        found = outcomes()
+        state, last = found[(broken.id, "c")]
+        assert state == "given_up" and last.startswith("its stored data does not decode: CorruptError: "), last
+        assert "output_schema is not JSON" in last
+        assert found[(fine.id, "c")] == ("delivered", "sent to queue celery")
+        assert [found[(root.id, "0")][0] for root in (broken, fine)] == ["retrying", "retrying"]
+        (callback,) = [d for d in outbox.deliveries(fine.id) if d["hook"] == "c"]
+        assert [(name, task_id) for name, _, task_id, _ in sent] == [("myapp.done", f"subq-{callback['id']}")]
+    finally:
+        deliverer._connections.close()
+
+
+# An entry that decodes but makes no payload: without its time, fields that are no object, without its type.
+NO_PAYLOAD = {
+    "no ts": ({"ts": None}, "KeyError: 'ts'"),
+    "fields not an object": ({"fields": [1, 2]}, "TypeError: "),
+    "no type": ({"type": None}, "KeyError: 'type'"),
+}
+
+
+@pytest.mark.parametrize(("change", "why"), list(NO_PAYLOAD.values()), ids=list(NO_PAYLOAD))
+def test_an_entry_that_makes_no_payload_is_given_up_not_claimed_for_ever(
+    stored: Coordinator, change: dict[str, Any], why: str
+) -> None:
+    """An entry that decodes but lacks what the payload reads made `_begin` raise: the step logged it and left
+    its claim to lapse, so it was claimed again at every lease and never given up."""
+    coord, outbox = stored, stored.store.outbox
+    root = coord.create_task("Say hello.", webhooks=[{"url": "http://127.0.0.1:9/hook", "events": ["*"]}])
+    outbox.add_event(root.id, root.id, "task.completed", {})
+    (entry,) = outbox.deliveries(root.id)
+    changed = {**entry, "attempts": 2, **change}
+    coord.client.hset(
+        coord.store.keys.outbox(root.id), entry["id"], json.dumps({k: v for k, v in changed.items() if v is not None})
+    )
+    deliverer = Deliverer(coord, lambda *_: None)
+    try:
+        assert deliverer.step() == 1
+        deliverer.step()
+        ((state, attempts, last),) = [(d["state"], d["attempts"], d["last"]) for d in outbox.deliveries(root.id)]
+        assert state == "given_up", (state, attempts, last)
+        assert attempts == 3, "recorded against the attempts its claim read"
+        assert last.startswith(f"its stored data makes no attempt: {why}"), last
+        assert coord.client.zscore(coord.store.keys.outbox_pending(), f"{root.id} {entry['id']}") is None
+        assert deliverer._busy == 0 and [d.state for d in coord.deliveries(root.id)] == ["given_up"]
+    finally:
+        deliverer._connections.close()
+
+
+def test_a_webhook_on_an_internationalised_host_is_delivered_with_its_idna_host_header(
+    stored: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A URL on an internationalised host name is accepted at creation; the deliverer sent its Host header as
+    the raw Unicode netloc, which its own check refused before sending: every attempt failed, until given up."""
+    coord = stored
+    receiver = RawReceiver()
+    try:
+        root = coord.create_task("Say hello.", webhooks=[{"url": f"http://bücher.example:{receiver.port}/in"}])
+        coord.store.outbox.add_event(root.id, root.id, "task.completed", {})
+        # Its DNS answers with the receiver's address (a public one in life; no DNS is reachable from the tests).
+        monkeypatch.setattr("coordinator.outbound.resolve_safe", lambda *_: "127.0.0.1")
+        deliverer = Deliverer(coord, lambda *_: None)
+        try:
+            _stepped(deliverer, lambda: coord.store.outbox.deliveries(root.id)[0]["attempts"] > 0)
+        finally:
+            deliverer._connections.close()
+        ((state, last),) = [(d["state"], d["last"]) for d in coord.store.outbox.deliveries(root.id)]
+        assert (state, last) == ("delivered", "HTTP 204"), (state, last)
+        (head,) = receiver.requests
+        assert f"host: xn--bcher-kva.example:{receiver.port}".encode() in head.split(b"\r\n"), head
+    finally:
+        receiver.stop()

@@ -159,11 +159,16 @@ class OutboxStore(Part):
         )  # fmt: skip
         # The script has committed: from here nothing raises, or the deliverer would put back the outcomes it
         # settled, settled again at the next step. Each claimed delivery decodes on its own: one whose stored
-        # data does not (a record's int field that does not parse) is returned `refused`, and given up.
+        # data does not (its entry, read_claimed.lua says; a record's int field that does not parse) is returned
+        # `refused`, and given up.
         targets: dict[str, dict[str, Any]] = {}  # each subscription's target decoded once a claim
         claimed = []
         for read in reads:
             root_id, _, delivery_id = read.member.partition(" ")
+            if read.refused:  # its entry did not decode in the script, which says why and what its attempts read as
+                held_to = {"attempts": read.attempts}  # all its outcome needs of it (settle_delivery.lua)
+                claimed.append(ClaimedDelivery(root_id, delivery_id, held_to, None, None, refused=read.refused))
+                continue
             entry: dict[str, Any] = {}  # kept when it decodes, even if the rest does not: its attempts
             try:
                 entry = dict(json.loads(read.entry))

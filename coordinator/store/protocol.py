@@ -1497,13 +1497,16 @@ class ClaimedNames(Group):
 
 class ClaimedRead(NamedTuple):
     """A claimed delivery as read_claimed reads it: its member, its entry (JSON), its subscription's event
-    patterns and target (JSON; None when gone), its task's fields (None each when the task has expired)."""
+    patterns and target (JSON; None when gone), its task's fields (None each when the task has expired); or,
+    for one whose entry does not decode, `refused` (why) and the attempts settle_delivery reads it to have."""
 
     member: str
     entry: str
     patterns: str | None
     target: str | None
     values: list[str | None]
+    refused: str = ""
+    attempts: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1513,7 +1516,8 @@ class ReadClaimed(
     standalone=False,
     returns="per claimed delivery to attempt, oldest first: {its member, its entry (JSON), its subscription's "
     "event patterns (false when gone), its target (JSON; false when gone), the fields' values (false for each "
-    "when the task has expired)}.",
+    "when the task has expired)}; or, for one whose entry does not decode (not JSON, or without a hook or "
+    "task_id), {its member, why, the attempts settle_delivery reads it to have}.",
 ):
     pending: str = key("the pending deliveries of every tree")
     names: ClaimedNames = splice("how a claimed delivery's keys are named", expand=True)
@@ -1550,8 +1554,10 @@ class SettleAndClaim(
     @classmethod
     def decode(cls, raw: Any) -> list[ClaimedRead]:
         return [
-            ClaimedRead(str(member), str(entry), patterns, target, list(values))
-            for member, entry, patterns, target, values in raw
+            ClaimedRead(str(row[0]), str(row[1]), row[2], row[3], list(row[4]))
+            if len(row) == 5
+            else ClaimedRead(str(row[0]), "", None, None, [], refused=str(row[1]), attempts=int(row[2]))
+            for row in raw
         ]
 
 

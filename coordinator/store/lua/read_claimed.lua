@@ -5,6 +5,9 @@
 -- expired is taken off the pending index instead, as the deliverer did with its reply. A claimed
 -- delivery's keys are known only here, after the claim: they are the keys module's names, cut where the
 -- root and task ids go (OutboxStore), with the ids put back in, as fair_take builds a tenant's.
+-- An entry that does not decode, or names no subscription and task, is returned with why, for the
+-- deliverer to give up: an error here would fail the whole step, and the entry, claimed again at each
+-- lease, every step it was claimed in.
 -- KEYS[1] the pending deliveries of every tree
 -- ARGV[1] str: a tree key's head (up to the root id)
 -- ARGV[2] str: a tree's outbox hash's tail (after the root id)
@@ -15,18 +18,30 @@
 -- ARGV[..] each str: then the claimed members (`<root id> <delivery id>`)
 -- Returns per claimed delivery to attempt, oldest first: {its member, its entry (JSON), its subscription's
 --   event patterns (false when gone), its target (JSON; false when gone), the fields' values (false for
---   each when the task has expired)}.
+--   each when the task has expired)}; or, for one whose entry does not decode (not JSON, or without a hook
+--   or task_id), {its member, why, the attempts settle_delivery reads it to have}.
 local n_fields = tonumber(ARGV[5])
 local fields = {unpack(ARGV, 6, 5 + n_fields)}
 local settled = {delivered = true, gone = true, given_up = true}
 local subscriptions, out = {}, {}
+local function named(id)
+  return type(id) == 'string' and id ~= ''
+end
 for i = 6 + n_fields, #ARGV do
   local member = ARGV[i]
   local root, delivery_id = string.match(member, '^(%S+) (%S+)$')
   local raw = root and redis.call('HGET', ARGV[1] .. root .. ARGV[2], delivery_id)
-  local entry = raw and cjson.decode(raw)
-  if not entry or settled[entry['state']] then
+  local decoded, entry = false, nil
+  if raw then
+    decoded, entry = pcall(cjson.decode, raw)
+  end
+  if not raw or (decoded and type(entry) == 'table' and settled[entry['state']]) then
     redis.call('ZREM', KEYS[1], member)
+  elseif not decoded then
+    out[#out + 1] = {member, 'its entry does not decode: ' .. tostring(entry), 0}
+  elseif type(entry) ~= 'table' or not named(entry['hook']) or not named(entry['task_id']) then
+    local attempts = type(entry) == 'table' and tonumber(entry['attempts']) or 0  -- as settle_delivery reads them
+    out[#out + 1] = {member, 'its entry does not decode: it has no hook or task_id', attempts}
   else
     local hook = root .. ' ' .. entry['hook']
     if not subscriptions[hook] then

@@ -23,7 +23,23 @@ if not raw then
   redis.call('ZREM', KEYS[3], ARGV[2])
   return ''
 end
-local entry = cjson.decode(raw)
+local now = tonumber(ARGV[6])
+-- An entry that does not decode, or lacks what a delivery's listing reads (the deliverer gives it up for
+-- that), is written with what its id says in place of what it lacks, its text kept if it was no object: its
+-- outcome is recorded (once: its attempts read as 0 when they are no number) and the tree's deliveries still
+-- list. An error here would fail every later step, each sending this outcome again.
+local decoded, entry = pcall(cjson.decode, raw)
+if not decoded or type(entry) ~= 'table' then
+  entry = {stored = raw}
+end
+local its_event, its_hook = string.match(ARGV[1], '^(.*)%.([^.]*)$')  -- `<event id>.<subscription>`
+local known = {id = ARGV[1], event_id = its_event or ARGV[1], hook = its_hook or '', type = 'unknown', task_id = '',
+  ts = now}
+for name, value in pairs(known) do
+  if entry[name] == nil then
+    entry[name] = value
+  end
+end
 local state = ARGV[3]
 if entry['state'] == 'delivered' and state ~= 'pending' then
   redis.call('ZREM', KEYS[3], ARGV[2])
@@ -34,7 +50,6 @@ local other = state ~= 'pending' and state ~= 'delivered'  -- delivered is recor
 if other and claimed_attempts >= 0 and (tonumber(entry['attempts']) or 0) ~= claimed_attempts then
   return entry['state']
 end
-local now = tonumber(ARGV[6])
 if state == 'pending' then
   entry['attempts'] = 0
   entry['next_at'] = now
@@ -42,7 +57,8 @@ if state == 'pending' then
   redis.call('ZADD', KEYS[3], math.floor(now * 1000), ARGV[2])
 else
   entry['attempts'] = (tonumber(entry['attempts']) or 0) + 1
-  redis.call('HINCRBY', KEYS[4], entry['type'] .. ' ' .. state, 1)
+  local event_type = type(entry['type']) == 'string' and entry['type'] or 'unknown'  -- not an error
+  redis.call('HINCRBY', KEYS[4], event_type .. ' ' .. state, 1)
   entry['last'] = ARGV[5]
   entry['last_at'] = now
   if state == 'retrying' then
@@ -52,8 +68,9 @@ else
     entry['next_at'] = cjson.null
     redis.call('ZREM', KEYS[3], ARGV[2])
   end
-  if state == 'gone' and redis.call('HEXISTS', KEYS[1], 'h:' .. entry['hook']) == 1 then
-    redis.call('HSET', KEYS[1], 'h:' .. entry['hook'], '')
+  local patterns = type(entry['hook']) == 'string' and 'h:' .. entry['hook']
+  if state == 'gone' and patterns and redis.call('HEXISTS', KEYS[1], patterns) == 1 then
+    redis.call('HSET', KEYS[1], patterns, '')
   end
 end
 entry['state'] = state
