@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import pytest
@@ -25,6 +25,9 @@ from redis.connection import AbstractConnection
 
 from coordinator import Coordinator, Settings
 from workers.runtime.script import script_message
+
+if TYPE_CHECKING:
+    from coordinator.outbound import Deliverer
 
 T = TypeVar("T")
 
@@ -436,3 +439,11 @@ def snapshot_of(coord: Coordinator, *roots: str) -> dict[str, object]:
         for key, value in coord.store.metrics.snapshot().items()
         if (not (found := tree_key.match(key)) or found.group(0) in ours) and not submit_window.match(key)
     }
+
+
+def step_until(deliverer: Deliverer, done: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """The deliverer's loop, step by step in the test's thread, until `done` (a loaded host is given time)."""
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        deliverer.step()
+        deliverer.wait(0.1)

@@ -14,7 +14,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from coordinator.api import create_app
 from coordinator.local.fleet import WorkerFleet
 from coordinator.outbound import Deliverer
 from tests.conftest import dedicated_fleet
-from tests.helpers import TOKEN, ApiServer, api_settings, eventually
+from tests.helpers import TOKEN, ApiServer, api_settings, eventually, step_until
 from tests.test_webhooks_connections import RawReceiver
 from tests.webhook_kit import Receiver
 
@@ -377,14 +377,6 @@ def stored(settings: Settings) -> Iterator[Coordinator]:
     coord.close()
 
 
-def _stepped(deliverer: Deliverer, done: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    """The deliverer's loop, step by step in the test's thread, until `done` (a loaded host is given time)."""
-    deadline = time.monotonic() + timeout_s
-    while not done() and time.monotonic() < deadline:
-        deliverer.step()
-        deliverer.wait(0.1)
-
-
 # An entry as no script writes it: not JSON, JSON that is no object, an object that names no subscription.
 UNDECODABLE = {"not JSON": "{not json", "an array": "[1, 2]", "no hook": json.dumps({"task_id": "x", "attempts": 0})}
 
@@ -407,7 +399,7 @@ def test_an_entry_that_does_not_decode_is_given_up_at_once_and_its_batch_goes_on
     try:
         assert deliverer.step() == 2, "both claimed, by a step that does not fail"
         (given_up,) = [outcome for outcome in deliverer._ended if outcome.root_id == broken.id]
-        _stepped(deliverer, lambda: [d["attempts"] for d in outbox.deliveries(fine.id)] == [1])
+        step_until(deliverer, lambda: [d["attempts"] for d in outbox.deliveries(fine.id)] == [1])
         assert [(d["state"], d["last"].partition(":")[0]) for d in outbox.deliveries(fine.id)] == [
             ("retrying", "ConnectError")
         ], "the rest of its batch attempted"
@@ -444,7 +436,7 @@ def test_a_callbacks_record_that_does_not_decode_gives_up_that_callback_alone(st
 
     try:
         assert deliverer.step() == 4, "all four claimed, by a step that does not fail"
-        _stepped(deliverer, lambda: len(outcomes()) == 4)
+        step_until(deliverer, lambda: len(outcomes()) == 4)
         found = outcomes()
         state, last = found[(broken.id, "c")]
         assert state == "given_up" and last.startswith("its stored data does not decode: CorruptError: "), last
@@ -507,7 +499,7 @@ def test_a_webhook_on_an_internationalised_host_is_delivered_with_its_idna_host_
         monkeypatch.setattr("coordinator.outbound.resolve_safe", lambda *_: "127.0.0.1")
         deliverer = Deliverer(coord, lambda *_: None)
         try:
-            _stepped(deliverer, lambda: coord.store.outbox.deliveries(root.id)[0]["attempts"] > 0)
+            step_until(deliverer, lambda: coord.store.outbox.deliveries(root.id)[0]["attempts"] > 0)
         finally:
             deliverer._connections.close()
         ((state, last),) = [(d["state"], d["last"]) for d in coord.store.outbox.deliveries(root.id)]

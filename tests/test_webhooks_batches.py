@@ -12,7 +12,6 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
 import redis
@@ -22,6 +21,7 @@ from coordinator.errors import StoreError
 from coordinator.models import Usage
 from coordinator.outbound import Deliverer, payload
 from coordinator.store.outbox import EVENT_FIELDS, Settled
+from tests.helpers import step_until
 from tests.test_webhooks_connections import RawReceiver
 
 LEASE_MS = 60_000
@@ -107,14 +107,6 @@ def test_a_named_host_is_resolved_by_a_helper_and_checked_at_each_attempt(settin
         coord.close()
 
 
-def _step_until(deliverer: Deliverer, done: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    """The deliverer's loop, step by step in the test's thread, until `done` (a loaded host is given time)."""
-    deadline = time.monotonic() + timeout_s
-    while not done() and time.monotonic() < deadline:
-        deliverer.step()
-        deliverer.wait(0.1)
-
-
 def test_a_stored_host_the_resolver_cannot_be_asked_is_refused_and_frees_its_slot(settings: Settings) -> None:
     """A subscription stored before its URL's host was checked at creation (an empty label: Python's resolver
     raises UnicodeError, not OSError): each attempt is refused, retrying, with a line that names the host, and
@@ -134,12 +126,12 @@ def test_a_stored_host_the_resolver_cannot_be_asked_is_refused_and_frees_its_slo
         coord.client.hset(hooks, "s:0", json.dumps({**stored, "url": "https://hooks..example.com/in"}))
         fine = coord.create_task("Say hello.", webhooks=[{"url": "http://127.0.0.1:9/in", "events": ["*"]}])
         coord.store.outbox.add_event(bad.id, bad.id, "task.completed", {})
-        _step_until(deliverer, lambda: [d["state"] for d in coord.store.outbox.deliveries(bad.id)] == ["retrying"])
+        step_until(deliverer, lambda: [d["state"] for d in coord.store.outbox.deliveries(bad.id)] == ["retrying"])
         ((state, last),) = [(d["state"], d["last"]) for d in coord.store.outbox.deliveries(bad.id)]
         assert state == "retrying" and "names no valid host ('hooks..example.com'" in last, last
         assert deliverer._busy == 0, "its slot given back"
         coord.store.outbox.add_event(fine.id, fine.id, "task.completed", {})
-        _step_until(deliverer, lambda: [d["attempts"] for d in coord.store.outbox.deliveries(fine.id)] == [1])
+        step_until(deliverer, lambda: [d["attempts"] for d in coord.store.outbox.deliveries(fine.id)] == [1])
         assert [d["attempts"] for d in coord.store.outbox.deliveries(fine.id)] == [1], "the next one is attempted"
     finally:
         deliverer._connections.close()
@@ -323,7 +315,7 @@ def test_a_host_check_that_raises_is_the_attempts_refusal(
     try:
         root = coord.create_task("Say hello.", webhooks=[{"url": "http://localhost:9/in", "events": ["*"]}])
         coord.store.outbox.add_event(root.id, root.id, "task.completed", {})
-        _step_until(deliverer, lambda: [d["state"] for d in coord.store.outbox.deliveries(root.id)] == ["retrying"])
+        step_until(deliverer, lambda: [d["state"] for d in coord.store.outbox.deliveries(root.id)] == ["retrying"])
         ((last,),) = [(d["last"],) for d in coord.store.outbox.deliveries(root.id)]
         assert last == "refused: the host's check failed: RuntimeError: the resolver broke", last
         assert deliverer._busy == 0
