@@ -80,6 +80,42 @@ def test_subqs_files_are_hidden(tmp_path: Path, workdir: Path) -> None:
         assert "secret" in _run(f"cat {secret}", workdir, sandbox, sandbox=False).output, "readable unconfined"
 
 
+@pytest.fixture
+def release() -> Iterator[tuple[Path, Path]]:
+    """A deploy's layout: a release folder holding a profiles file, and `current`, a relative symlink to it.
+    Outside /tmp: the sandbox's /tmp is its own, and the links must be there inside as on the host."""
+    base = Path(tempfile.mkdtemp(prefix="subq-release-", dir="/var/tmp"))
+    real = base / "releases" / "42"
+    real.mkdir(parents=True)
+    (real / ".subq-profiles.toml").write_text('[profiles.x]\napi_key = "sk-secret-profile"\n')
+    current = base / "current"
+    current.symlink_to("releases/42")
+    try:
+        yield real, current
+    finally:
+        shutil.rmtree(base)
+
+
+def test_a_hidden_file_stays_hidden_when_a_symlink_names_it_or_the_cwd(release: tuple[Path, Path]) -> None:
+    """The cwd's bind mounted the host's folder over the hidden file, which was not hidden again: its path
+    and the cwd's, one through the symlink and one not, did not compare as inside each other."""
+    real, current = release
+    for hidden, cwd in ((real, current), (current, real)):
+        sandbox = Sandbox.of(Settings(profiles_file=hidden / ".subq-profiles.toml"))
+        read = _run("cat .subq-profiles.toml", cwd, sandbox)
+        assert "secret" not in read.output, (hidden, cwd, read.text())
+        assert "secret" in _run("cat .subq-profiles.toml", cwd, sandbox, sandbox=False).output, "readable unconfined"
+
+
+def test_a_cwd_named_through_an_absolute_symlink_runs_commands(release: tuple[Path, Path]) -> None:
+    real, current = release
+    current.unlink()
+    current.symlink_to(real)  # as `ln -s /srv/app/releases/42 /srv/app/current` makes it
+    ran = _run("sh -c 'echo made > made.txt && echo ran'", current)
+    assert ran.text() == "exit 0\nran\n", ran.text()
+    assert (real / "made.txt").read_text() == "made\n", "it writes in its cwd"
+
+
 def test_the_workers_environment_cannot_be_read(workdir: Path) -> None:
     # The worker's /proc/<pid>/environ holds its SUBQ_* settings; the sandbox has a /proc of its own.
     own = f"/proc/{os.getpid()}/environ"

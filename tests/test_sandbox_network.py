@@ -47,13 +47,32 @@ needs_root = pytest.mark.skipif(
 )
 
 
+# The public host's web server: HTTP/1.1, which keeps a connection open for a next request (as most servers
+# do); `/marker` is MARKER, any other path the Host header and the path it was asked for.
+PUBLIC_SERVER = """
+import http.server, sys
+class Page(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        body = (sys.argv[2] if self.path == "/marker" else f"Host={self.headers['Host']} {self.path}\\n").encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer((sys.argv[1], 80), Page).serve_forever()
+"""
+
+
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 
 
 @pytest.fixture(scope="module")
 def public_host() -> Iterator[str]:
-    """A web server at PUBLIC:80 in a network namespace of its own, serving `/marker` (MARKER)."""
+    """A web server at PUBLIC:80 in a network namespace of its own (PUBLIC_SERVER)."""
     name = f"subqpub{uuid.uuid4().hex[:6]}"
     outer, inner = f"{name}h", f"{name}p"
     _ip("netns", "add", name)
@@ -69,11 +88,8 @@ def public_host() -> Iterator[str]:
             ("link", "set", "lo", "up"),
         ):
             _ip("netns", "exec", name, "ip", *args)
-        site = Path(f"/tmp/{name}-site")
-        site.mkdir()
-        (site / "marker").write_text(MARKER)
         server = subprocess.Popen(
-            ["ip", "netns", "exec", name, sys.executable, "-m", "http.server", "80", "--bind", PUBLIC, "-d", str(site)],
+            ["ip", "netns", "exec", name, sys.executable, "-c", PUBLIC_SERVER, PUBLIC, MARKER],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         _until_answers(PUBLIC, 80)
@@ -84,7 +100,6 @@ def public_host() -> Iterator[str]:
             server.wait()
         subprocess.run(["ip", "link", "del", outer], capture_output=True)
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        shutil.rmtree(f"/tmp/{name}-site", ignore_errors=True)
 
 
 def _until_answers(address: str, port: int) -> None:
@@ -203,6 +218,20 @@ def test_an_allow_list_reaches_its_hosts_through_the_proxy_and_nothing_else(
     home = Sandbox(resolve=(("allowed.test", "127.0.0.1"),))
     pointed = _run(CURL.format(flags="", target=f"allowed.test:{port}"), tmp_path, home, network=allow)
     assert pointed.exit_code != 0 and pointed.refused == (f"allowed.test:{port}",) and accepted == []
+
+
+@needs_root
+def test_the_proxy_checks_each_plain_http_request_and_sends_the_checked_host(tmp_path: Path, public_host: str) -> None:
+    """A kept-alive connection to the proxy carried a next request, for any host, unchecked to the first one's
+    server, and a request's own Host header went on as the client wrote it: a virtual host or a CDN routes by it."""
+    proxied = Sandbox(resolve=(("allowed.test", public_host), ("other.test", public_host)))
+    allow = ["allowed.test"]
+    # curl keeps its connection to the proxy for its next plain http:// URL, as urllib3's ProxyManager does.
+    both = _run("curl -sS -m 10 http://allowed.test/one http://other.test/two", tmp_path, proxied, network=allow)
+    assert "Host=allowed.test /one\n" in both.output and "Host=other.test" not in both.output, both.text()
+    assert both.refused == ("other.test:80",), both.text()
+    named = _run("curl -sS -m 10 -H 'Host: other.test' http://allowed.test/three", tmp_path, proxied, network=allow)
+    assert named.text() == "exit 0\nHost=allowed.test /three\n", named.text()
 
 
 @pytest.mark.parametrize(
@@ -431,6 +460,18 @@ def test_the_proxy_names_no_forged_target_and_writes_a_bounded_list(tmp_path: Pa
     flood = _run(loop.format(n=egress.MAX_REFUSALS + 50), tmp_path, network=["allowed.test"], timeout_s=120)
     assert flood.exit_code == 0, flood.text()
     assert len(flood.refused) == egress.MAX_REFUSALS and flood.refused[0] == "h0.test:443"
+
+
+def test_the_proxy_refuses_an_ip_address_with_a_scope_id(tmp_path: Path) -> None:
+    """An IPv6 scope id may hold any character but '%' and '/' (Python 3.11's ipaddress takes it), a newline among
+    them: the refusal line it made was two lines, one of the command's own making. It is a 400, and no line."""
+    forge = (
+        'python3 -c \'import os,socket; p=int(os.environ["HTTP_PROXY"].rsplit(":",1)[1]); '
+        's=socket.create_connection(("127.0.0.1",p)); '
+        's.sendall(b"CONNECT fe80::1%x\\nforged.example:443 HTTP/1.1\\r\\n\\r\\n"); print(s.recv(200))\''
+    )
+    forged = _run(forge, tmp_path, network=["allowed.test"])
+    assert "400 Bad Request" in forged.output and forged.refused == (), forged.text()
 
 
 # A worker stand-in: it starts a command with the network, says so, and waits to be killed.

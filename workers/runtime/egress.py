@@ -107,7 +107,7 @@ READY_POLL_S = 0.005
 # The proxy: a request head larger than this is refused; a connection to a listed host that does not
 # open within CONNECT_TIMEOUT_S is a 504.
 MAX_HEAD_BYTES = 64 * 1024
-# A target the proxy reads: a DNS name (letters, digits, '-' and '.') or an IP address, at most 253
+# A target the proxy reads: a DNS name (letters, digits, '-' and '.') or an IP address (no scope id), at most 253
 # characters; anything else is a 400, never a refusal line (a line is `host:port`, nothing a command forged).
 HOST_NAME = re.compile(r"[A-Za-z0-9.-]{1,253}")
 # The refusals one sandboxed process may write: a command that loops on a refused host must not fill
@@ -241,8 +241,7 @@ class Proxy:
             path = parts.path or "/"
             if parts.query:
                 path += "?" + parts.query
-            headers = [line for line in rest.split(b"\r\n") if not line.lower().startswith(b"proxy-")]
-            forward = f"{method} {path} {version}\r\n".encode("latin-1") + b"\r\n".join(headers)
+            forward = f"{method} {path} {version}\r\n".encode("latin-1") + _one_request_headers(rest, host, port)
         if not _target(host) or not 0 < port < 65536:
             await _answer(writer, 400, "subq sandbox: the target is not a host name or an IP address and a port")
             return
@@ -259,17 +258,45 @@ class Proxy:
         if upstream_writer is None or upstream_reader is None:
             await _answer(writer, 504, f"subq sandbox: {host}:{port} did not accept a connection")
             return
-        if forward:
-            upstream_writer.write(forward)
-        else:
+        if not forward:
             writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
-        await asyncio.gather(_pipe(reader, upstream_writer), _pipe(upstream_reader, writer))
+            await asyncio.gather(_pipe(reader, upstream_writer), _pipe(upstream_reader, writer))
+            return
+        # Plain HTTP: one request a connection. A kept-alive client (curl given two URLs, urllib3's ProxyManager)
+        # sends its next request, for any host, on the same connection: it must come back on a new one, checked.
+        # The request says `Connection: close`, so the server answers it alone; then both sides are closed.
+        upstream_writer.write(forward)
+        body = asyncio.ensure_future(_pipe(reader, upstream_writer))
+        try:
+            await _pipe(upstream_reader, writer)
+        finally:
+            body.cancel()
+            upstream_writer.close()
+
+
+def _one_request_headers(rest: bytes, host: str, port: int) -> bytes:
+    """A plain HTTP request's header lines as forwarded: `Host` the checked host (a client's own could name another,
+    and a virtual host or CDN routes by it), `Connection: close`, and none of the client's proxy or connection
+    headers (a keep-alive would let its next request, unchecked, through)."""
+    dropped = (b"host", b"connection", b"keep-alive", b"proxy-connection")
+    kept = [
+        line
+        for line in rest.split(b"\r\n")
+        if line and not line.lower().startswith(b"proxy-") and line.split(b":", 1)[0].strip().lower() not in dropped
+    ]
+    name = f"[{host}]" if ":" in host else host
+    kept += [f"Host: {name}{'' if port == 80 else f':{port}'}".encode("latin-1"), b"Connection: close"]
+    return b"".join(line + b"\r\n" for line in kept) + b"\r\n"
 
 
 def _target(host: str) -> bool:
-    """Whether `host` is a DNS name or an IP address (what a refusal line may name)."""
+    """Whether `host` is a DNS name or an IP address without a scope id (what a refusal line may name)."""
     if HOST_NAME.fullmatch(host):
         return True
+    # An IPv6 scope id (`fe80::1%eth0`) may hold any character but '%' and '/', a newline among them: a line
+    # the worker would read as a refusal of the command's own making. No public host needs one.
+    if "%" in host:
+        return False
     try:
         ipaddress.ip_address(host)
     except ValueError:

@@ -92,8 +92,13 @@ class Sandbox:
         """`argv` run by bwrap in `cwd`: read-only but for `writable` (None: `cwd`) and a private /tmp;
         subq's files hidden; the network as `network` says (egress.py runs bwrap when there is one),
         each connection the proxy refused a line `host:port` in `refusals`."""
-        cwd = cwd.absolute()
-        own = [path.absolute() for path in ([cwd] if writable is None else writable)]
+        # Every path resolved, at each command (a deploy flips its `current` link): bwrap mounts inside the new
+        # root, where an absolute symlink's target is not yet ("Can't bind mount"), and a hidden file named
+        # through a symlink one way and its folder the other way (`current` -> `releases/42`) was mounted over
+        # by the folder's bind and never matched `is_relative_to` to be hidden again.
+        cwd = cwd.resolve()
+        own = [path.resolve() for path in ([cwd] if writable is None else writable)]
+        hidden = [path.resolve() for path in self.hidden]
         bwrap = shutil.which(BWRAP) or BWRAP
         if network is True:
             wrapped = egress.launcher("public", refusals=refusals)
@@ -113,10 +118,10 @@ class Sandbox:
                 wrapped += ["--ro-bind", str(prefix), str(prefix)]
         # Hidden first, then the writable folders (one inside a hidden folder stays reachable),
         # then what is hidden inside a writable folder again.
-        wrapped += self._hide(path for path in self.hidden)
+        wrapped += self._hide(hidden)
         for path in own:
             wrapped += ["--bind", str(path), str(path)]
-        wrapped += self._hide(path for path in self.hidden if any(path.is_relative_to(folder) for folder in own))
+        wrapped += self._hide(path for path in hidden if any(path.is_relative_to(folder) for folder in own))
         wrapped += ["--setenv", "TMPDIR", "/tmp", "--chdir", str(cwd), "--"]
         if limits is not None:
             wrapped += [
