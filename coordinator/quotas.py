@@ -98,7 +98,7 @@ def over_day_spend(plane: Plane, record: TaskRecord) -> int | None:
     limit = plane.tenants.policy(record.tenant).max_cost_micros_per_day
     if limit <= 0:
         return None
-    spent = plane.store.quotas.usage(record.tenant).spent_micros_day
+    spent = plane.store.quotas.day_spend(record.tenant)  # not `usage`, which prunes the tenant's running roots too
     return spent if spent >= limit else None
 
 

@@ -441,16 +441,27 @@ def test_an_unprivileged_worker_gives_the_same_network(public_host: str) -> None
         shutil.rmtree(workdir)
 
 
-def test_the_proxy_names_no_forged_target_and_writes_a_bounded_list(tmp_path: Path) -> None:
-    """A target that is no host name is a 400 and no refusal line (a newline in it once forged lines); a
-    command that loops on refused hosts writes at most egress.MAX_REFUSALS lines."""
+# A CONNECT head a command sends the proxy as it likes: a target that is no host name once forged refusal
+# lines with a newline in it, and an IPv6 scope id (which Python 3.11's ipaddress takes) may hold one too.
+FORGED_TARGETS = {
+    "newlines": "evil.example\\nINJECTED:1\\nother:2",
+    "scope id": "fe80::1%x\\nforged.example:443",
+}
+
+
+@pytest.mark.parametrize("target", FORGED_TARGETS.values(), ids=FORGED_TARGETS.keys())
+def test_a_forged_target_is_a_400_and_no_refusal_line(tmp_path: Path, target: str) -> None:
     forge = (
         'python3 -c \'import os,socket; p=int(os.environ["HTTP_PROXY"].rsplit(":",1)[1]); '
         's=socket.create_connection(("127.0.0.1",p)); '
-        's.sendall(b"CONNECT evil.example\\nINJECTED:1\\nother:2 HTTP/1.1\\r\\n\\r\\n"); print(s.recv(200))\''
+        f's.sendall(b"CONNECT {target} HTTP/1.1\\r\\n\\r\\n"); print(s.recv(200))\''
     )
     forged = _run(forge, tmp_path, network=["allowed.test"])
     assert "400 Bad Request" in forged.output and forged.refused == (), forged.text()
+
+
+def test_a_command_that_loops_on_refused_hosts_writes_a_bounded_list(tmp_path: Path) -> None:
+    """A command that loops on refused hosts writes at most egress.MAX_REFUSALS lines."""
     loop = (
         'python3 -c \'import os,socket; p=int(os.environ["HTTP_PROXY"].rsplit(":",1)[1])\n'
         "for n in range({n}):\n"
@@ -460,18 +471,6 @@ def test_the_proxy_names_no_forged_target_and_writes_a_bounded_list(tmp_path: Pa
     flood = _run(loop.format(n=egress.MAX_REFUSALS + 50), tmp_path, network=["allowed.test"], timeout_s=120)
     assert flood.exit_code == 0, flood.text()
     assert len(flood.refused) == egress.MAX_REFUSALS and flood.refused[0] == "h0.test:443"
-
-
-def test_the_proxy_refuses_an_ip_address_with_a_scope_id(tmp_path: Path) -> None:
-    """An IPv6 scope id may hold any character but '%' and '/' (Python 3.11's ipaddress takes it), a newline among
-    them: the refusal line it made was two lines, one of the command's own making. It is a 400, and no line."""
-    forge = (
-        'python3 -c \'import os,socket; p=int(os.environ["HTTP_PROXY"].rsplit(":",1)[1]); '
-        's=socket.create_connection(("127.0.0.1",p)); '
-        's.sendall(b"CONNECT fe80::1%x\\nforged.example:443 HTTP/1.1\\r\\n\\r\\n"); print(s.recv(200))\''
-    )
-    forged = _run(forge, tmp_path, network=["allowed.test"])
-    assert "400 Bad Request" in forged.output and forged.refused == (), forged.text()
 
 
 # A worker stand-in: it starts a command with the network, says so, and waits to be killed.

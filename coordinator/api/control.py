@@ -15,8 +15,9 @@ from fastapi import APIRouter, Path, Query, Request
 from coordinator.access import Scope
 from coordinator.api.auth import Caller, Gate, actor_of
 from coordinator.api.errors import error_responses
-from coordinator.api.routes import ROOT_ID_PATTERN, TaskId
+from coordinator.api.routes import TaskId
 from coordinator.api.schemas import ApprovalList, DeadLetterList, DeadLettersPurged, DeliveryList, Snapshot
+from coordinator.ids import ROOT_ID_PATTERN
 from coordinator.inputs import CancelInput, DecisionInput, RetryInput
 from coordinator.models import Approval, Delivery, Retried, TaskRecord
 from coordinator.service import DEFAULT_PAGE, MAX_PAGE, Coordinator

@@ -28,7 +28,7 @@ from coordinator.service import DEFAULT_PAGE, MAX_PAGE, Coordinator
 from coordinator.todos import ignored_lines
 from coordinator.tree import TreeNode
 
-__all__ = ["ROOT_ID_PATTERN", "TaskId", "reject_unknown_query", "task_routes"]  # ROOT_ID_PATTERN: coordinator/ids.py
+__all__ = ["TaskId", "reject_unknown_query", "task_routes"]
 
 # The routes that take `meta.<key>=<value>` filters besides their declared parameters (their names are
 # the caller's own keys, so OpenAPI cannot list them): the history.

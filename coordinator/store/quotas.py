@@ -15,7 +15,7 @@ import time
 from typing import NamedTuple
 
 from coordinator.replies import QuotaVerdict
-from coordinator.store.base import Part, _scored, translate_redis_errors
+from coordinator.store.base import Part, _scored, _str_map, translate_redis_errors
 from coordinator.store.fields import TaskField
 from coordinator.store.protocol import TenantSpend, TenantSubmit
 from coordinator.timeline import OUTCOMES
@@ -145,6 +145,12 @@ class QuotaStore(Part):
         pipe.hgetall(self.keys.tenant_spend(tenant))
         submits, buckets = pipe.execute()
         return TenantUsage(int(submits), running, spent_in_day(buckets, now_ms))
+
+    @translate_redis_errors
+    def day_spend(self, tenant: str, now_ms: int | None = None) -> int:
+        """The micro-USD the tenant spent in the rolling day (one read: a run's stop check asks for this alone)."""
+        now_ms = now_ms if now_ms is not None else int(time.time() * 1000)
+        return spent_in_day(_str_map(self.client.hgetall(self.keys.tenant_spend(tenant))), now_ms)
 
     @translate_redis_errors
     def live_counts(self, root_ids: list[str]) -> tuple[int, int]:

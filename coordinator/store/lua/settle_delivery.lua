@@ -32,12 +32,14 @@ local decoded, entry = pcall(cjson.decode, raw)
 if not decoded or type(entry) ~= 'table' then
   entry = {stored = raw}
 end
-local its_event, its_hook = string.match(ARGV[1], '^(.*)%.([^.]*)$')  -- `<event id>.<subscription>`
-local known = {id = ARGV[1], event_id = its_event or ARGV[1], hook = its_hook or '', type = 'unknown', task_id = '',
-  ts = now}
-for name, value in pairs(known) do
-  if entry[name] == nil then
-    entry[name] = value
+if not (entry['hook'] and entry['task_id'] and entry['ts'] and entry['type']) then  -- a well-formed one skips this
+  local its_event, its_hook = string.match(ARGV[1], '^(.*)%.([^.]*)$')  -- `<event id>.<subscription>`
+  local known = {id = ARGV[1], event_id = its_event or ARGV[1], hook = its_hook or '', type = 'unknown',
+    task_id = '', ts = now}
+  for name, value in pairs(known) do
+    if entry[name] == nil then
+      entry[name] = value
+    end
   end
 end
 local state = ARGV[3]
