@@ -420,7 +420,7 @@ def password_warning(settings: Settings) -> str | None:
 
     Without one, any process that can open a connection to Redis (a local user, a sandboxed
     command allowed the network) can read and change every task. A unix socket is no
-    exception: a command's read-only view of the filesystem still lets it connect to one.
+    exception for a local user (the sandbox hides a `unix://` Redis's socket from commands).
     """
     if settings.redis_sentinels is not None:
         if settings.redis_password is not None and settings.redis_password.get_secret_value():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -122,6 +123,30 @@ def test_the_workers_environment_cannot_be_read(workdir: Path) -> None:
     assert _run(f"cat {own}", workdir).exit_code != 0
     assert _run(f"cat {own}", workdir, sandbox=False).exit_code == 0
     assert _run("sh -c 'ls /proc | grep -c ^[0-9]'", workdir).output.strip() in ("1", "2", "3", "4")
+
+
+UNIX_CONNECT = "python3 -c 'import socket,sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])' {path}"
+
+
+def test_a_unix_redis_socket_is_hidden_whatever_the_network(release: tuple[Path, Path], workdir: Path) -> None:
+    """A read-only mount does not stop connect(): a `unix://` Redis's socket was reachable with `network = false`."""
+    real, _ = release  # outside /tmp: the sandbox's /tmp is its own, which would hide the socket anyway
+    path = real / "redis.sock"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(path))
+        server.listen()
+        sandbox = Sandbox.of(Settings(redis_url=f"unix://{path}?db=0"))
+        for network in (False, True):
+            refused = _run(UNIX_CONNECT.format(path=path), workdir, sandbox, network=network)
+            assert refused.exit_code != 0 and "ConnectionRefusedError" in refused.output, (network, refused.text())
+        assert _run(UNIX_CONNECT.format(path=path), workdir, Sandbox.of(Settings())).text() == "exit 0\n", (
+            "a socket subq does not know of stays reachable: the test's command connects"
+        )
+
+
+def test_the_container_engines_sockets_are_hidden() -> None:
+    hidden = {str(path) for path in Sandbox.of(Settings()).hidden}
+    assert {"/run/docker.sock", "/var/run/docker.sock", "/run/containerd/containerd.sock"} <= hidden
 
 
 @pytest.fixture

@@ -154,7 +154,8 @@ def test_the_allow_list_matches_names_and_names_under_a_wildcard() -> None:
 @pytest.mark.parametrize(
     "address",
     ["127.0.0.1", "127.1.2.3", "10.0.0.1", "172.16.5.4", "192.168.1.1", "100.64.0.1", "169.254.169.254", "0.0.0.0",
-     "::1", "fd00:ec2::254", "fe80::1", "::ffff:127.0.0.1", "::ffff:10.0.0.1", "not an address"],
+     "::1", "fd00:ec2::254", "fe80::1", "::ffff:127.0.0.1", "::ffff:10.0.0.1", "not an address",
+     "::7f00:1", "::a00:1", "64:ff9b:1::a00:1", "2001:0:4136:e378:8000:63bf:3fff:fdd2", "100::1"],
 )  # fmt: skip
 def test_loopback_private_link_local_and_metadata_addresses_are_blocked(address: str) -> None:
     assert egress.blocked(address)

@@ -81,15 +81,16 @@ SETUP_FAILED = 125
 # Never reached from a sandbox: the host's loopback, the private and shared ranges (RFC 1918, RFC 6598),
 # link-local (the cloud metadata address 169.254.169.254 is in it), "this network", IETF protocol
 # assignments (the namespace's own /30 is more specific: its gateway answers DNS), benchmarking,
-# multicast and reserved; for IPv6 (the proxy's connections) loopback, NAT64 and 6to4 (each can carry
-# an IPv4 address of the ranges above), unique-local (AWS's fd00:ec2::254 metadata address is in it),
-# link-local and site-local, multicast, and the IPv4-mapped form of the ranges above.
+# multicast and reserved; for IPv6 (the proxy's connections) loopback, the IPv4-compatible form (::/96),
+# NAT64 (well-known and local-use, RFC 8215), 6to4 and Teredo (each can carry an IPv4 address of the ranges
+# above), discard-only (RFC 6666), unique-local (AWS's fd00:ec2::254 metadata address is in it), link-local
+# and site-local, multicast, and the IPv4-mapped form of the ranges above.
 BLOCKED_NETWORKS = tuple(
     ipaddress.ip_network(net)
     for net in (
         "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
         "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4",
-        "::/128", "::1/128", "64:ff9b::/96", "2002::/16", "fc00::/7", "fe80::/10", "fec0::/10", "ff00::/8",
+        "::/96", "::1/128", "64:ff9b::/96", "64:ff9b:1::/48", "100::/64", "2001::/32", "2002::/16", "fc00::/7", "fe80::/10", "fec0::/10", "ff00::/8",
     )
 )  # fmt: skip
 # The namespace's own address and gateway (public): IETF protocol assignments (RFC 6890), where no

@@ -9,7 +9,9 @@ and no rule over argv can know them all. The sandbox bounds whatever gets past t
   folders an MCP entry names) is writable, with a private, empty `/tmp`. subq's own
   files are hidden (an empty file or folder in their place): the profiles file, the API
   keys file, the Redis TLS key, and `SUBQ_SANDBOX_HIDDEN_PATHS` (`subq up` adds the folder of
-  its credentials file).
+  its credentials file). So are the Unix sockets that would let a command past its network
+  namespace: a `unix://` Redis's, and the container engines' (`HOST_SOCKETS`): a read-only
+  mount does not stop `connect()`, and a socket is a file, not the network.
 - **Processes**: a PID namespace of its own, with its own `/proc`, so the worker's
   processes, and so their environment (`/proc/<pid>/environ`, with the Redis URL and the
   API token), cannot be read; when the command's first process exits, every process it
@@ -42,14 +44,20 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from coordinator import RunCommand, Settings
 from workers.runtime import egress
 
-__all__ = ["BWRAP", "NEEDS", "PRLIMIT", "Sandbox", "SandboxUnavailable", "probe"]
+__all__ = ["BWRAP", "HOST_SOCKETS", "NEEDS", "PRLIMIT", "Sandbox", "SandboxUnavailable", "probe"]
 
 BWRAP = "bwrap"
 PRLIMIT = "prlimit"
+# The container engines' control sockets, hidden where they exist: a command connected to one could start a
+# privileged container, whatever its `network` (the socket is a file in the read-only view, not the network).
+HOST_SOCKETS = (
+    "/run/docker.sock", "/var/run/docker.sock", "/run/containerd/containerd.sock", "/run/podman/podman.sock",
+)  # fmt: skip
 # What a worker's machine or pod must give for the sandbox to start (the refusal's line, docs/deploy.md).
 NEEDS = (
     "bubblewrap (bwrap) and util-linux's prlimit installed, user namespaces allowed and /proc mountable "
@@ -75,8 +83,9 @@ class Sandbox:
 
     @classmethod
     def of(cls, settings: Settings) -> Sandbox:
-        known = (settings.profiles_file, settings.api_keys_file, settings.redis_tls_key_file)
-        paths = [Path(path).absolute() for path in (*known, *settings.sandbox_hidden_paths) if path is not None]
+        known = (settings.profiles_file, settings.api_keys_file, settings.redis_tls_key_file, _redis_socket(settings))
+        hidden = (*known, *settings.sandbox_hidden_paths, *HOST_SOCKETS)
+        paths = [Path(path).absolute() for path in hidden if path is not None]
         return cls(tuple(dict.fromkeys(paths)), tuple(settings.sandbox_resolve.items()))
 
     def wrap(
@@ -142,6 +151,12 @@ class Sandbox:
             elif path.exists():
                 args += ["--ro-bind", "/dev/null", str(path)]
         return args
+
+
+def _redis_socket(settings: Settings) -> str | None:
+    """The socket file of a `unix://` Redis URL (`unix:///run/redis/redis.sock?db=0`); None for TCP."""
+    url = urlsplit(settings.redis_url or "")
+    return url.path if url.scheme == "unix" and url.path else None
 
 
 _probed: dict[str, str | None] = {}
