@@ -395,6 +395,7 @@ def test_an_entry_that_does_not_decode_is_given_up_at_once_and_its_batch_goes_on
         outbox.add_event(root.id, root.id, "task.completed", {})
     (entry,) = outbox.deliveries(broken.id)
     coord.client.hset(coord.store.keys.outbox(broken.id), entry["id"], stored_entry)
+    assert coord.deliveries(broken.id) == [], "left out of the listing until given up (it failed the task's page)"
     deliverer = Deliverer(coord, lambda *_: None)
     try:
         assert deliverer.step() == 2, "both claimed, by a step that does not fail"

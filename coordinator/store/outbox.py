@@ -104,9 +104,11 @@ class OutboxStore(Part):
 
     @translate_redis_errors
     def deliveries(self, root_id: str) -> list[dict[str, Any]]:
-        """Every delivery of the tree, oldest event first."""
+        """Every delivery of the tree, oldest event first. An entry as no script writes it (not JSON, or without
+        what a listing reads) is left out until the deliverer gives it up: settle_delivery.lua writes it whole
+        then. Listing it raw failed the task's page and `subq deliveries` meanwhile."""
         raw = _str_map(self.client.hgetall(self.keys.outbox(root_id)))
-        found = [dict(json.loads(value)) for value in raw.values()]
+        found = [entry for entry in map(_listable, raw.values()) if entry is not None]
         return sorted(found, key=lambda d: (float(d.get("ts") or 0), str(d.get("id"))))
 
     @translate_redis_errors
@@ -200,3 +202,18 @@ class OutboxStore(Part):
         if not first:
             return 0.0
         return max(0.0, time.time() - float(first[0][1]) / 1000)
+
+
+# What a delivery's listing reads of an entry (coordinator.service.deliveries).
+LISTED_FIELDS = ("id", "event_id", "type", "task_id", "state", "ts", "hook")
+
+
+def _listable(stored: str) -> dict[str, Any] | None:
+    """A stored entry as a listing reads it; None for one no script wrote (the deliverer gives it up)."""
+    try:
+        entry = json.loads(stored)
+    except ValueError:
+        return None
+    if not isinstance(entry, dict) or any(entry.get(name) is None for name in LISTED_FIELDS):
+        return None
+    return entry
