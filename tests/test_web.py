@@ -211,6 +211,26 @@ def test_the_tree_page_shows_plan_children_and_figures(browser_http: httpx.Clien
     assert browser_http.get(f"/ui/tasks/{child}/conversation").status_code == 200
 
 
+# Characters that hide or reorder text: a right-to-left override, a zero-width space, a terminal's escape.
+HIDING = "\u202e", "\u200b", "\x1b"
+
+
+def test_text_that_hides_or_reorders_itself_shows_as_escapes_on_every_page(
+    browser_http: httpx.Client, web_coord: Coordinator
+) -> None:
+    """Only the call text went through `visible_text`: a prompt, a plan item or a child's description with a
+    bidi override read, in the page, as something other than it was."""
+    said = "Pay \u202egnp.exe\u200b now\x1b[2J"
+    root = web_coord.create_task(said, todos=f"[ ] {said}", run=False).id
+    web_coord.delegate(root, [{"description": said, "message": "do it"}])
+    child = web_coord.tree(root).children[0].id
+    for path in (f"/ui/tasks/{root}", f"/ui/tasks/{child}/conversation", "/ui/?q=Pay"):
+        page = browser_http.get(path)
+        assert page.status_code == 200, (path, page.text)
+        assert not any(ch in page.text for ch in HIDING), path
+        assert "Pay \\u202egnp.exe\\u200b now\\x1b[2J" in page.text, path
+
+
 def test_unlinked_spend_is_its_own_line_and_the_rows_add_up(browser_http: httpx.Client, settings: Settings) -> None:
     # The tree of tests/test_unlinked_spend.py: child c1's row is rewritten away, so its spend has no row.
     # Keys of its own, so the roots tests above see only their five roots whatever the order.

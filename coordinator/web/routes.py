@@ -49,7 +49,7 @@ from coordinator.api.routes import TaskId
 from coordinator.api.schemas import CancelInput, DecisionInput, ErrorBody
 from coordinator.audit import Actor
 from coordinator.errors import SubqError, ValidationError
-from coordinator.inputs import RetryInput
+from coordinator.inputs import RetryInput, visible_text
 from coordinator.models import Approval, Delivery, Retried, TaskRecord, TaskStatus, format_usd
 from coordinator.service import Coordinator
 from coordinator.settings import Settings
@@ -81,9 +81,17 @@ def _templates() -> Jinja2Templates:
     templates.env.filters["call"] = call_text
     templates.env.filters["duration"] = duration
     templates.env.filters["data"] = data_text
+    # Every value a page writes, through `visible_text` before autoescape: a prompt, a plan item or a model's
+    # words with a bidi override or a zero-width character read as something other than they are.
+    templates.env.finalize = _shown
     templates.env.globals["ui"] = WEB_PATH
     templates.env.globals["statuses"] = [s.value for s in TaskStatus]
     return templates
+
+
+def _shown(value: object) -> object:
+    """A page's value as it may be shown (text as `visible_text` writes it); markup and numbers as they are."""
+    return visible_text(value) if type(value) is str else value
 
 
 def _when(ts: float | None) -> str:
