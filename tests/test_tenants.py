@@ -221,6 +221,17 @@ def test_a_retried_submit_of_the_same_root_counts_once(coord: Coordinator) -> No
     assert coord.store.quotas.usage("acme").submits_last_minute == 1
 
 
+def test_a_tenant_without_a_running_roots_quota_keeps_no_root_past_the_retention(coord: Coordinator) -> None:
+    """Nothing pruned the running roots without max_running_roots: a busy tenant's set kept every root it made."""
+    quotas, now_ms = coord.store.quotas, int(time.time() * 1000)
+    retention_ms = coord.settings.result_retention_s * 1000
+    free = {"submits_per_minute": 0, "max_running_roots": 0, "max_cost_micros_per_day": 0}
+    assert quotas.count_root("busy", "old-root", now_ms=now_ms - retention_ms - 1, **free).accepted
+    assert quotas.count_root("busy", "kept-root", now_ms=now_ms - retention_ms + 60_000, **free).accepted
+    assert quotas.count_root("busy", "new-root", now_ms=now_ms, **free).accepted
+    assert coord.client.zrange(coord.store.keys.tenant_roots("busy"), 0, -1) == ["kept-root", "new-root"]
+
+
 def test_a_refused_submit_with_an_idempotency_key_leaves_no_key_and_its_retry_is_counted_later(
     coord: Coordinator,
 ) -> None:

@@ -61,6 +61,9 @@ end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', minute_ago)
 redis.call('ZADD', KEYS[1], now, root)
 redis.call('PEXPIRE', KEYS[1], 60000)
+-- Counted longer ago than the retention: its record is gone or about to be. Without max_running_roots no submit
+-- prunes the set (only `subq tenants` and a metrics scrape do), so an active tenant's set kept every root.
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - tonumber(ARGV[6]) * 1000)
 redis.call('ZADD', KEYS[2], now, root)
 redis.call('EXPIRE', KEYS[2], ARGV[6])
 return {1}
