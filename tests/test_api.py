@@ -817,6 +817,28 @@ def test_auth_disabled_explicitly_works_without_a_token_and_warns(
         )
 
 
+def test_with_auth_disabled_a_request_by_a_name_a_page_could_rebind_is_refused_and_changes_nothing(
+    idle: Coordinator,
+) -> None:
+    """DNS rebinding: a web page whose own name now resolves to 127.0.0.1 sent the browser's requests (a submit,
+    an approval) to an open local server as same-origin ones. They name the page's host; a local one cannot."""
+    open_settings = idle.settings.model_copy(update={"api_token": None, "api_auth_disabled": True})
+    with ApiServer(create_app(open_settings, coordinator=idle)) as server, server.client(headers={}) as http:
+        before = len(idle.list_tasks(limit=100)[0])
+        for path in ("/v1/tasks", "/ui/", "/mcp"):
+            refused = http.post(path, json={"prompt": "rebound"}, headers={"Host": "rebound.example:8000"})
+            assert refused.status_code == 403, (path, refused.text)
+            body = refused.json()
+            assert body["field"] == "Host" and "'rebound.example:8000'" in body["message"], body
+            assert "http://127.0.0.1:<port>" in body["message"]
+        assert len(idle.list_tasks(limit=100)[0]) == before, "nothing submitted"
+        for host in ("localhost:8000", "127.0.0.1:8000", "[::1]:8000", "app.localhost", "10.1.2.3"):
+            assert http.post("/v1/tasks", json={"prompt": "local"}, headers={"Host": host}).status_code == 201, host
+    # With a token, a name is how a deployment is reached: no such check.
+    with ApiServer(create_app(idle.settings, coordinator=idle)) as server, server.client() as http:
+        assert http.get("/v1/tasks", params={"limit": 1}, headers={"Host": "subq.internal"}).status_code == 200
+
+
 @pytest.mark.parametrize("token", [None, ""])
 def test_no_token_and_auth_not_disabled_is_a_config_error(settings: Settings, token: str | None) -> None:
     bare = settings.model_copy(update={"api_token": SecretStr(token) if token is not None else None})

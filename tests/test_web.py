@@ -99,6 +99,30 @@ def test_pages_need_the_token(server: ApiServer, roots: dict[str, str]) -> None:
         assert elsewhere.headers["location"] == "/ui/"
 
 
+@pytest.mark.parametrize(
+    "headers",
+    [{"Sec-Fetch-Site": "cross-site"}, {"Sec-Fetch-Site": "same-site"}, {"Origin": "https://evil.example"},
+     {"Origin": "null"}],
+    ids=["cross-site", "same-site", "other origin", "null origin"],
+)  # fmt: skip
+def test_another_sites_form_cannot_sign_a_browser_in_or_out(
+    server: ApiServer, web_coord: Coordinator, headers: dict[str, str]
+) -> None:
+    """Login CSRF: another site's page posted its own key's token to /ui/login, and the browser was signed in as
+    that key (its trees read and acted on as the user's own); a post to /ui/logout signed the user out."""
+    sessions = lambda: len(list(web_coord.client.scan_iter("subqweb:web-session:*")))  # noqa: E731
+    with httpx.Client(base_url=server.url, timeout=30) as anon:
+        before = sessions()
+        refused = anon.post("/ui/login", data={"token": TOKEN, "next": "/ui/"}, headers=headers)
+        assert refused.status_code == 403 and "form was refused" in refused.text
+        assert COOKIE not in anon.cookies and sessions() == before, "no session made"
+        own = {"Sec-Fetch-Site": "same-origin", "Origin": server.url}
+        assert anon.post("/ui/login", data={"token": TOKEN, "next": "/ui/"}, headers=own).status_code == 303
+        assert anon.post("/ui/logout", headers=headers).status_code == 403
+        assert anon.get("/ui/").status_code == 200, "still signed in"
+        assert anon.post("/ui/logout", headers=own).status_code == 303
+
+
 # -- the roots page ------------------------------------------------------------------------
 
 

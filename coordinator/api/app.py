@@ -31,7 +31,7 @@ from coordinator.api.limits import BodyLimit, OpenRouteLimit, RateLimiter
 from coordinator.api.mcp import install_mcp
 from coordinator.api.ops import ops_routes
 from coordinator.api.routes import reject_unknown_query, task_routes
-from coordinator.api.security import SecurityHeaders
+from coordinator.api.security import LocalHostsOnly, SecurityHeaders
 from coordinator.redis_clients import password_warning
 from coordinator.service import Coordinator
 from coordinator.settings import Settings, load_settings
@@ -104,6 +104,8 @@ def create_app(settings: Settings | None = None, coordinator: Coordinator | None
     app.add_middleware(BodyLimit, max_body_bytes=settings.api_max_body_bytes)
     app.add_middleware(OpenRouteLimit, limiter=RateLimiter(settings.api_open_requests_per_min))
     app.add_middleware(SecurityHeaders, https=settings.api_https)
+    if not auth_on:
+        app.add_middleware(LocalHostsOnly)
     if proxies := settings.trusted_proxy_networks():
         # uvicorn's own parser of X-Forwarded-For/-Proto, believed from these peers only.
         app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=[str(network) for network in proxies])

@@ -16,18 +16,28 @@ origin, no framing (clickjacking an Approve button), no form posting elsewhere.
 | Referrer-Policy             | same-origin                                                      |
 | Cache-Control               | no-store, on the web view's pages (they show task data)          |
 | Strict-Transport-Security   | with SUBQ_API_HTTPS=true only                                    |
+
+`LocalHostsOnly` guards a server run with SUBQ_API_AUTH_DISABLED=true, which is for
+a trusted local machine: any web page the machine's browser opens could otherwise
+drive it by DNS rebinding (its own name made to resolve to 127.0.0.1, so the
+browser sends the page's requests, submits and approvals included, to subq as
+same-origin ones). Such a request names the page's host in `Host`; one addressed
+to an IP address or to `localhost` cannot come from a rebound name.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import ipaddress
 import re
 
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["DOCS_CSP_PATHS", "STRICT_CSP", "SecurityHeaders", "csp_with_inline_scripts"]
+from coordinator.api.errors import error_response
+
+__all__ = ["DOCS_CSP_PATHS", "STRICT_CSP", "LocalHostsOnly", "SecurityHeaders", "csp_with_inline_scripts"]
 
 STRICT_CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
@@ -112,3 +122,43 @@ class SecurityHeaders:
             headers["Cache-Control"] = "no-store"
         if self.https:
             headers["Strict-Transport-Security"] = f"max-age={HSTS_MAX_AGE_S}"
+
+
+def addressed_locally(host: str) -> bool:
+    """Whether a `Host` header (`name[:port]`, `[v6]:port`) names an IP address or localhost: no DNS name that
+    a web page could rebind. An absent one (HTTP/1.0) is local: a browser always sends it."""
+    name = host.strip().lower()
+    if name.startswith("["):
+        name = name[1 : name.find("]")] if "]" in name else name
+    elif name.count(":") == 1:
+        name = name.rsplit(":", 1)[0]
+    if not name or name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+class LocalHostsOnly:
+    """403 for a request addressed by a DNS name other than localhost (with auth disabled: see above)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+            if not addressed_locally(host):
+                response = error_response(
+                    403,
+                    "forbidden",
+                    f"SUBQ_API_AUTH_DISABLED=true: this server answers requests addressed to an IP address or "
+                    f"localhost only, not to the name {host[:100]!r} (a web page could rebind a name to it); "
+                    "use http://127.0.0.1:<port>, or turn authentication on to serve it by name",
+                    field="Host",
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -30,7 +30,7 @@ from functools import partial
 from importlib.resources import files
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import parse_qs, urlencode
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
@@ -184,6 +184,8 @@ class _Web:
         """POST /ui/login: the form's token checked (every attempt counted), the session cookie set, on record."""
         form = _form(await request.body())
         target = _local(form.get("next", ""))
+        if not _same_origin(request):
+            return self.page(request, "login.html", 403, next=target, refusal=CROSS_SITE_REFUSAL)
         if self.auth.disabled:
             return RedirectResponse(target, status_code=303)
         # Every attempt counts, the right token too: a guesser gets 10 a minute, not 10 wrong ones.
@@ -333,12 +335,30 @@ def _sign_in_routes(router: APIRouter, web: _Web) -> None:
         return await web.sign_in(request)
 
     @router.post("/logout")
-    def logout(request: Request) -> RedirectResponse:
+    def logout(request: Request) -> Response:
+        if not _same_origin(request):
+            return web.page(request, "login.html", 403, next="", refusal=CROSS_SITE_REFUSAL)
         response = RedirectResponse(f"{WEB_PATH}/login", status_code=303)
         key = web.auth.sign_out(request, response)
         if key is not None and not web.auth.disabled:
             web.coord.record(actor_of(request, key, "web"), "sign_out", "/ui")
         return response
+
+
+# A sign-in or sign-out another site's page sent: the browser would sign its user in to the other site's key
+# (whose trees the user then reads and acts on as their own), or out.
+CROSS_SITE_REFUSAL = "Signing in or out is done from this server's own page: another site's form was refused."
+
+
+def _same_origin(request: Request) -> bool:
+    """Whether a form post came from this server's own page: the browser's `Sec-Fetch-Site`, else its `Origin`
+    against the request's `Host` (scheme aside: TLS may end at a proxy). A client that sends neither is no
+    browser another site drives."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None:
+        return site in ("same-origin", "none")
+    origin = request.headers.get("origin")
+    return origin is None or urlsplit(origin).netloc.lower() == request.headers.get("host", "").lower()
 
 
 def _abilities(key: Principal | None) -> dict[str, bool]:
