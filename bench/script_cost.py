@@ -68,6 +68,7 @@ from bench.run import child_message  # noqa: E402
 from coordinator import Coordinator, Settings  # noqa: E402
 from coordinator.celery_app import make_app  # noqa: E402
 from coordinator.local.embedded_redis import local_redis, redis_server_version  # noqa: E402
+from coordinator.local.ports import free_port  # noqa: E402
 from coordinator.store import base  # noqa: E402
 from coordinator.store.protocol import CALLS, Call  # noqa: E402
 from workers.runtime.context import build_runtime  # noqa: E402
@@ -148,12 +149,6 @@ def capture() -> list[Captured]:
         if then_read is not None:
             base.Scripts.then_read = then_read  # type: ignore[method-assign]
     return captured
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def replay(

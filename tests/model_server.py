@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from coordinator.local.ports import free_port
+
 __all__ = ["PROMPT_CHARS_PER_TOKEN", "USAGE", "Failure", "ModelServer", "Seen", "Turn", "call", "free_port"]
 
 # Each answer's usage, so a test can work out its price: (prompt tokens, completion tokens).
@@ -125,13 +127,6 @@ def prompt_tokens_of(body: dict[str, Any]) -> int:
     """The prompt's tokens as a server with a window counts them: its messages' and tools' JSON characters."""
     chars = len(json.dumps(body.get("messages", []))) + len(json.dumps(body.get("tools", [])))
     return math.ceil(chars / PROMPT_CHARS_PER_TOKEN)
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on (bound once, then closed)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class ModelServer:

@@ -31,8 +31,9 @@ from typing import Any
 import redis
 
 from coordinator import Coordinator, Settings
-from coordinator.local.embedded_redis import find_redis_server, free_port
+from coordinator.local.embedded_redis import find_redis_server
 from coordinator.local.fleet import WorkerFleet
+from coordinator.local.ports import free_port
 from tests.helpers import eventually
 from tests.tls_kit import TLS_REDIS_SERVER, Tls
 

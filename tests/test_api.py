@@ -30,7 +30,8 @@ from coordinator import ConfigError, Coordinator, Settings, StoreError, TaskReco
 from coordinator.api import create_app
 from coordinator.api import events as api_events
 from coordinator.api.ops import SubqCollector
-from coordinator.local.embedded_redis import free_port, local_redis
+from coordinator.local.embedded_redis import local_redis
+from coordinator.local.ports import free_port
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, tree_root
 from tests.conftest import WORKER_PROCESSES
 from tests.helpers import REQUEST_TIMEOUT_S, TOKEN, ApiServer, api_settings, script, state, usage_step

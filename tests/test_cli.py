@@ -31,7 +31,7 @@ from coordinator import Coordinator, Settings
 from coordinator.cli import run_cli
 from coordinator.export import FILE_NAMES
 from coordinator.local.demo import DEMO_PLAN
-from coordinator.local.embedded_redis import free_port
+from coordinator.local.ports import free_port
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, agent, call, reply, subtask
 from tests.helpers import TOKEN, Transport, script, state, usage_step
 from tests.test_bad_input import NO_TREE

@@ -24,7 +24,7 @@ import httpx
 import psutil
 import pytest
 
-from coordinator.local.embedded_redis import free_port
+from coordinator.local.ports import free_port
 from tests import compose_file
 from tests.agents import STEP_COST_MICROS, TREE_REQUESTS, TREE_TASKS, tree_root
 from tests.compose_file import Localizer

@@ -38,7 +38,7 @@ import pytest
 import redis
 import yaml
 
-from coordinator.local.embedded_redis import free_port
+from coordinator.local.ports import free_port
 from tests import compose_file
 from tests.compose_file import Localizer
 from tests.helpers import eventually

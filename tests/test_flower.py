@@ -21,7 +21,7 @@ from celery import Celery
 
 from coordinator import Coordinator, Settings
 from coordinator.celery_app import describe_kwargs
-from coordinator.local.embedded_redis import free_port
+from coordinator.local.ports import free_port
 from coordinator.local.up import Service
 from tests import helpers
 from tests.agents import USAGE, agent, reply

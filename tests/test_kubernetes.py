@@ -39,7 +39,7 @@ from pydantic import SecretStr
 from coordinator import Coordinator, Settings
 from coordinator.api import create_app
 from coordinator.api.ops import SubqCollector
-from coordinator.local.embedded_redis import free_port
+from coordinator.local.ports import free_port
 from coordinator.redis_clients import password_warning
 from coordinator.settings import DEFAULT_SHUTDOWN_GRACE_S
 from tests.helpers import eventually

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from coordinator import ConfigError, Coordinator, Profile, Settings, TaskStatus
+from coordinator.local.ports import free_port
 from coordinator.settings import McpServer
 from tests.agents import agent, call, reply
 from tests.conftest import dedicated_fleet
@@ -48,13 +49,6 @@ REACHED_AGAIN_S = BACKOFF_MAX_S + 6 * FLAKY_TIMEOUT_S
 DOWN = r"Error: MCP server 'git' (is not running \(.+\)|stopped during the call); it is being restarted"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 class HttpServer:
     """mcp-server-git on `repo`, served over Streamable HTTP by `fastmcp run` on a port of its own.
 
@@ -68,7 +62,7 @@ class HttpServer:
         git = {"command": sys.executable, "args": ["-m", "mcp_server_git", "--repository", str(repo)]}
         self.config.write_text(json.dumps({"mcpServers": {"git": git}}))
         self.log = folder / "server.log"
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/mcp"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -198,7 +192,7 @@ def test_a_stopped_server_is_an_error_result_and_a_later_task_reaches_it_again(k
 
 
 def test_a_url_where_nothing_listens_stops_the_worker_with_one_line(settings: Settings, tmp_path: Path) -> None:
-    url = f"http://127.0.0.1:{_free_port()}/mcp"
+    url = f"http://127.0.0.1:{free_port()}/mcp"
     own = _settings(settings, deaf=Profile(mcp_servers=[McpServer(name="web", url=url)]))
     assert_worker_refuses(
         own,

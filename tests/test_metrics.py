@@ -18,7 +18,6 @@ import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from coordinator.api import create_app
 from coordinator.api.ops import SubqCollector
 from coordinator.errors import FleetError
 from coordinator.local.fleet import WorkerFleet, settings_env
+from coordinator.local.ports import free_port
 from coordinator.store import LATENCY_BUCKETS_MS
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, USAGE, agent, call, reply, subtask
 from tests.helpers import REQUEST_TIMEOUT_S, ApiServer, api_settings, eventually
@@ -46,25 +46,6 @@ TREE_TIMEOUT_S = 120
 Samples = list[tuple[str, dict[str, str], float]]
 # (series name, its labels sorted) -> value, summed over the processes scraped.
 Counts = Counter[tuple[str, tuple[tuple[str, str], ...]]]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def free_ports(count: int) -> int:
-    """The first of `count` consecutive free ports (a local fleet's process i serves the first + i)."""
-    while True:
-        first = free_port()
-        try:
-            with ExitStack() as held:
-                for port in range(first, first + count):
-                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
 
 
 def scrape(url: str) -> Samples:
@@ -96,7 +77,7 @@ def nodes(tree: dict[str, Any]) -> Iterator[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def metered(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Coordinator, list[int]]]:
     """Two worker processes of a queue and prefix of their own, each serving /metrics on its own port."""
-    first = free_ports(2)
+    first = free_port(2)
     own = api_settings(
         settings, queue="subq-metrics-tree", key_prefix="subqmtree", worker_metrics_port=first,
         worker_metrics_host="127.0.0.1",

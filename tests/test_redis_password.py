@@ -24,8 +24,9 @@ import redis
 from pydantic import SecretStr
 
 from coordinator import ConfigError, Settings
-from coordinator.local.embedded_redis import find_redis_server, free_port, local_redis
+from coordinator.local.embedded_redis import find_redis_server, local_redis
 from coordinator.local.fleet import WorkerFleet, settings_env
+from coordinator.local.ports import free_port
 from coordinator.redis_clients import check_redis_url, password_warning, redis_client
 from tests.helpers import eventually
 

@@ -21,8 +21,9 @@ from pathlib import Path
 import redis
 
 from coordinator import Coordinator, Settings
-from coordinator.local.embedded_redis import find_redis_server, free_port
+from coordinator.local.embedded_redis import find_redis_server
 from coordinator.local.fleet import WorkerFleet
+from coordinator.local.ports import free_port
 from tests.agents import agent, reply
 from tests.helpers import eventually
 from tests.test_faults import assert_converged

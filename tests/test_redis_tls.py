@@ -28,8 +28,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from coordinator import Coordinator, Settings, TaskStatus
-from coordinator.local.embedded_redis import free_port
 from coordinator.local.fleet import WorkerFleet, settings_env
+from coordinator.local.ports import free_port
 from coordinator.local.up import Service
 from coordinator.redis_clients import redis_client, tls_options
 from tests.agents import STEP_COST_MICROS, TREE_REQUESTS, TREE_TASKS, tree_root

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from coordinator.local.embedded_redis import find_redis_server, free_port
+from coordinator.local.embedded_redis import find_redis_server
+from coordinator.local.ports import free_port
 from tests.helpers import eventually
 from tests.sentinel_kit import DOWN_AFTER_MS, FAILOVER_TIMEOUT_MS, MASTER_NAME, Server, knows_everyone
 

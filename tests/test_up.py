@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import queue
-import random
 import re
 import signal
 import socket
@@ -29,9 +28,9 @@ import psutil
 import pytest
 import redis
 
-from coordinator.local.embedded_redis import free_port
 from coordinator.local.fleet import signal_group
-from coordinator.local.up import port_free, write_private_file
+from coordinator.local.ports import free_port, port_free
+from coordinator.local.up import write_private_file
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, tree_root
 from tests.helpers import eventually
 from tests.test_cli import processes_marked, subq
@@ -152,20 +151,8 @@ def _answers(port: int) -> bool:
         return False
 
 
-def free_listen_ports(count: int) -> int:
-    """A port free with the next `count - 1` (worker i serves SUBQ_WORKER_METRICS_PORT + i, on 0.0.0.0), below the
-    kernel's ephemeral range: servers' ports, given on their command lines. A port from that range (`free_port`'s)
-    can be taken meanwhile as the local port of any process's outgoing connection (CI twice: 'the port is in use
-    by another process')."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    while True:
-        first = random.randrange(10_000, low - count)
-        if all(port_free("0.0.0.0", first + i) for i in range(count)):
-            return first
-
-
 def test_up_serves_a_run_from_another_terminal_and_ctrl_c_leaves_nothing(marker: str) -> None:
-    api_port = free_listen_ports(4)  # then Flower's, and the two workers' metrics ports
+    api_port = free_port(4)  # below the ephemeral range; then Flower's, and the two workers' metrics ports
     flower_port, metrics_port = api_port + 1, api_port + 2
     args = ["--workers", "2", "--api-port", str(api_port), "--flower-port", str(flower_port)]
     up = Up(args, marker, SUBQ_WORKER_METRICS_PORT=str(metrics_port))

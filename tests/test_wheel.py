@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator.local.embedded_redis import free_port
+from coordinator.local.ports import free_port
 from tests.wheel_env import BUILD_INPUTS, PIP_WHEEL, ROOT, Service, Venv, started
 
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"

@@ -43,8 +43,9 @@ import pytest
 import yaml
 
 from coordinator import Settings, worker_ping
-from coordinator.local.embedded_redis import free_port, local_redis
+from coordinator.local.embedded_redis import local_redis
 from coordinator.local.fleet import WorkerFleet, settings_env
+from coordinator.local.ports import free_port
 from tests import compose_file
 from tests.compose_file import Localizer
 from tests.helpers import eventually

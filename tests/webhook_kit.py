@@ -7,19 +7,14 @@ listens on (connections are refused) until `start()`.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from coordinator.local.ports import free_port
+
 __all__ = ["Got", "Receiver", "free_port"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Got:

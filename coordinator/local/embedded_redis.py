@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 import redis
 
 from coordinator.errors import ConfigError, StoreError
+from coordinator.local.ports import free_port
 
 __all__ = ["find_redis_server", "local_redis", "redis_server_version"]
 
@@ -67,12 +67,6 @@ def redis_server_version(binary: str) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return next((word[2:] for word in said.split() if word.startswith("v=")), None)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextmanager

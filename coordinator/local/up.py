@@ -43,6 +43,7 @@ from coordinator.errors import ConfigError, FleetError, StoreError, ValidationEr
 from coordinator.local import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST
 from coordinator.local.embedded_redis import local_redis
 from coordinator.local.fleet import WorkerFleet, settings_env, signal_group
+from coordinator.local.ports import port_free
 from coordinator.redis_clients import describe, redis_client
 from coordinator.settings import TLS_FIELDS, Settings
 
@@ -400,16 +401,6 @@ def _check_redis(settings: Settings) -> None:
         raise StoreError(f"Redis is unreachable: {exc}") from None
     finally:
         client.close()
-
-
-def port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and Tornado bind
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def _first_dead(fleet: WorkerFleet, services: list[Service]) -> str | None:
