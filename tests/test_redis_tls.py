@@ -88,7 +88,10 @@ def _refuses_clear_text(port: int) -> bool:
 
 @pytest.fixture
 def tls_fleet(settings: Settings, tls: Tls, tmp_path: Path) -> Iterator[tuple[SentinelSet, Settings, Coordinator]]:
-    with sentinel_set(tmp_path / "sentinels", tls=tls) as kit:
+    # Every node refuses writes without a replica, as docs/deploy.md asks: beside two busy loops a sentinel once
+    # took the promoted master for down and promoted the other replica, and the old master went on taking the
+    # tree's steps, alone, until it was made a replica ten seconds later, which dropped them (a child lost).
+    with sentinel_set(tmp_path / "sentinels", tls=tls, min_replicas_to_write=1) as kit:
         with fleet_on(kit, settings, 1, tmp_path / "workers", key_prefix="subqtls", queue="subq-tls") as started:
             own, coord, _fleet = started
             yield kit, own, coord
