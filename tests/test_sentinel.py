@@ -19,6 +19,7 @@ same with real workers. Every node and sentinel here has a password.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -35,6 +36,7 @@ from redis.sentinel import SentinelConnectionPool
 from coordinator import Coordinator, Settings, TaskStatus
 from coordinator.api.ops import SubqCollector
 from coordinator.celery_app import make_app
+from coordinator.local.fleet import WorkerFleet
 from coordinator.redis_clients import FollowingConnection, failover_retry, redis_client
 from tests.agents import agent, call, reply
 from tests.helpers import eventually
@@ -469,3 +471,27 @@ def test_celerys_broker_and_result_backend_reach_the_master(steady: SentinelSet,
     finally:
         master.delete("subq-sentinel-celery", "celery-task-meta-sentinel-result")
         master.close()
+
+
+def test_a_workers_stats_reach_flower_and_carry_no_password(
+    steady: SentinelSet, settings: Settings, tmp_path: Path
+) -> None:
+    """`inspect stats` (Flower's worker page, `celery inspect stats`) answers on Sentinel, with no secret in it.
+
+    The broker's transport options hold the sentinels' client options: a redis-py `Retry`, which no JSON
+    encoder takes (the worker logged "Control command error" and sent nothing), and the sentinels' password.
+    """
+    own = _settings(steady, settings, queue="subq-sentinel-stats")
+    with WorkerFleet(own, 1, tmp_path / "workers") as fleet:
+        fleet.wait_ready()
+        app = make_app(own)
+        inspect = app.control.inspect(destination=fleet.nodes, timeout=2)
+        replies = eventually(inspect.stats, "the worker's stats", timeout_s=20)
+        [(_node, stats)] = replies.items()
+        options = stats["broker"]["transport_options"]
+        assert options["master_name"] == MASTER_NAME and options["sentinel_kwargs"]["password"] == "********", options
+        assert steady.password and steady.password not in json.dumps(replies)
+        conf = inspect.conf()  # Celery's own `conf` reply masks it too
+        assert conf[fleet.nodes[0]]["broker_transport_options"]["master_name"] == MASTER_NAME
+        assert steady.password not in json.dumps(conf)
+        assert "Control command error" not in fleet.logs[0].read_text(errors="replace")

@@ -22,7 +22,7 @@ from coordinator.loading import loading
 # The cyclic collector stays off while the worker's modules load (coordinator/loading.py); the worker
 # freezes what is loaded at its start (agent_loop.tune_gc), so later collections skip it.
 with loading():
-    from workers import maintenance, outbound, tasks  # noqa: F401  (registers the subq.* tasks and signals)
+    from workers import control, maintenance, outbound, tasks  # noqa: F401  (registers the subq.* tasks, signals, stats)
     from workers.application import app, settings
 
 __all__ = ["app", "main", "settings"]
