@@ -40,6 +40,10 @@ from tests.tls_kit import TLS_REDIS_SERVER, Tls
 MASTER_NAME = "subq"
 # A master silent this long is subjectively down (deploy/ uses 5000; a test has no time for that).
 DOWN_AFTER_MS = 1000
+# The same for a set that speaks TLS only. A sentinel opens new links to a master it has just seen promoted,
+# and takes it for down when no PING is answered within down-after of that: on a loaded host a TLS handshake
+# outlasted 1000 ms twice, each time about a second after a failover, and a second failover followed.
+TLS_DOWN_AFTER_MS = 3000
 # A failover that stalls is tried again after twice this; a healthy one takes well under it.
 FAILOVER_TIMEOUT_MS = 3000
 QUORUM = 2
@@ -278,7 +282,7 @@ def _sentinel(workdir: Path, port: int, master_port: int, tls: Tls | None, passw
         conf,
         f"{listen}\nbind 127.0.0.1\ndir {folder}\nlogfile {folder / 'sentinel.log'}\n"
         f"sentinel monitor {MASTER_NAME} 127.0.0.1 {master_port} {QUORUM}\n{auth}"
-        f"sentinel down-after-milliseconds {MASTER_NAME} {DOWN_AFTER_MS}\n"
+        f"sentinel down-after-milliseconds {MASTER_NAME} {TLS_DOWN_AFTER_MS if tls else DOWN_AFTER_MS}\n"
         f"sentinel failover-timeout {MASTER_NAME} {FAILOVER_TIMEOUT_MS}\n"
         f"sentinel parallel-syncs {MASTER_NAME} 2\n",
     )
