@@ -269,7 +269,7 @@ class Sentinels(Sentinel):
 
     def discover_master(self, service_name: str) -> tuple[str, int]:
         try:
-            return cast(tuple[str, int], super().discover_master(service_name))  # type: ignore[no-untyped-call]
+            return cast(tuple[str, int], super().discover_master(service_name))  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis 8.2
         except MasterNotFoundError:
             raise MasterNotFoundError(self._why_no_master(service_name)) from None
 
@@ -310,8 +310,10 @@ class LeanPacker(HiredisRespSerializer):
         return cast(list[bytes], super().pack(*args))
 
 
-# One for every client: the packer keeps no state.
-LEAN_PACKER = LeanPacker()
+# One for every client: the packer keeps no state. Built without redis-py's fallback and
+# encoder (its own packer takes them from redis 8.2 on, untyped): an argument hiredis refuses
+# goes redis-py's plain way, as before 8.2.
+LEAN_PACKER = LeanPacker()  # type: ignore[no-untyped-call, unused-ignore]
 
 
 def redis_client(
@@ -357,10 +359,10 @@ def redis_client(
     if settings.redis_tls:
         data.update(tls_options(settings))
     sentinels = settings.sentinel_addresses()
-    sentinel = Sentinels(sentinels, sentinel_kwargs=_sentinel_kwargs(settings, data))  # type: ignore[no-untyped-call]
+    sentinel = Sentinels(sentinels, sentinel_kwargs=_sentinel_kwargs(settings, data))  # type: ignore[no-untyped-call, unused-ignore]
     master = settings.redis_sentinel_master
     assert master is not None  # Settings requires it with the sentinels
-    client = sentinel.master_for(master, decode_responses=decode_responses, **pool_options, **data)  # type: ignore[no-untyped-call]
+    client = sentinel.master_for(master, decode_responses=decode_responses, **pool_options, **data)  # type: ignore[no-untyped-call, unused-ignore]
     return cast(redis.Redis, client)
 
 
