@@ -160,7 +160,7 @@ class FollowingConnection(SentinelManagedConnection):
     def connect(self) -> None:
         self._asking_sentinels = True  # connect() ends in connect_check_health, to the address they gave
         try:
-            super().connect()  # type: ignore[no-untyped-call]
+            super().connect()  # type: ignore[no-untyped-call, unused-ignore]
         finally:
             self._asking_sentinels = False
 
@@ -168,10 +168,10 @@ class FollowingConnection(SentinelManagedConnection):
         """One try of `connect()` (redis-py retries it with the connection's backoff): the named master, if it is one."""
         if self._sock is not None:
             return
-        super()._connect_retry()  # type: ignore[no-untyped-call]
+        super()._connect_retry()  # type: ignore[no-untyped-call, unused-ignore]
         if self.connection_pool.is_master and not self._is_master():
             where = f"{self.host}:{self.port}"
-            self.disconnect()  # type: ignore[no-untyped-call]
+            self.disconnect()  # type: ignore[no-untyped-call, unused-ignore]
             raise redis.ConnectionError(f"the sentinels named {where} the master, and it is a replica now")
 
     def check_health(self) -> None:
@@ -187,11 +187,11 @@ class FollowingConnection(SentinelManagedConnection):
             return
         if self.connection_pool.is_master and not self._is_master():
             where = f"{self.host}:{self.port}"
-            self.disconnect()  # type: ignore[no-untyped-call]
+            self.disconnect()  # type: ignore[no-untyped-call, unused-ignore]
             raise redis.ConnectionError(f"{where}, named the master, is a replica now")
 
     def _is_master(self) -> bool:
-        self.send_command("ROLE", check_health=False)  # type: ignore[no-untyped-call]
+        self.send_command("ROLE", check_health=False)  # type: ignore[no-untyped-call, unused-ignore]
         role = self.read_response()
         return bool(role) and str_if_bytes(role[0]) == "master"
 
@@ -214,11 +214,11 @@ class FollowingConnection(SentinelManagedConnection):
         where = f"{self.host}:{self.port}"
         if _refused(exc, READONLY):
             # redis-py's own conversion misses a script's: Redis 6.2 wraps it in ERR ("Error running script").
-            self.disconnect()  # type: ignore[no-untyped-call]
+            self.disconnect()  # type: ignore[no-untyped-call, unused-ignore]
             return redis.ConnectionError(f"{where}, named the master, is a replica now")
         if not _refused(exc, NOREPLICAS):
             return None
-        self.disconnect()  # type: ignore[no-untyped-call]
+        self.disconnect()  # type: ignore[no-untyped-call, unused-ignore]
         self._back_off()
         return redis.ConnectionError(
             f"the master {where} refuses writes: fewer replicas than its min-replicas-to-write"
@@ -442,7 +442,7 @@ def password_warning(settings: Settings) -> str | None:
 def _url_password(url: str) -> str | None:
     """The password redis-py sends for `url`: in its user part, or its `?password=` query."""
     try:
-        password = redis.connection.parse_url(url).get("password")  # type: ignore[no-untyped-call]
+        password = redis.connection.parse_url(url).get("password")  # type: ignore[no-untyped-call, unused-ignore]
     except ValueError:  # a URL redis-py cannot read: the client made from it says so
         return None
     return str(password) if password else None
