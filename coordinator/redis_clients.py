@@ -269,7 +269,7 @@ class Sentinels(Sentinel):
 
     def discover_master(self, service_name: str) -> tuple[str, int]:
         try:
-            return cast(tuple[str, int], super().discover_master(service_name))  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis 8.2
+            return cast(tuple[str, int], super().discover_master(service_name))  # type: ignore[no-untyped-call, unused-ignore]
         except MasterNotFoundError:
             raise MasterNotFoundError(self._why_no_master(service_name)) from None
 
