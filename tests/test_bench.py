@@ -322,3 +322,28 @@ def test_the_probe_counts_a_process_round_trips_when_asked_and_not_before(redis_
         assert read_counts(tmp_path, proc.pid) == second, "an ended process: what it said when last asked"
     finally:
         proc.kill()
+
+
+def test_script_cost_without_takes_each_record_out_and_the_steps_still_load(
+    redis_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`bench/script_cost.py --without PART` loads the steps with the Lua that writes that record of a child taken
+    out, and they still load; outside it the store's scripts are whole again; a piece the Lua no longer holds
+    as written stops the run, naming it (the bench would otherwise price the whole step as the lesser one)."""
+    from bench import script_cost
+    from bench.script_cost import WITHOUT, _step_text, _without
+
+    whole = {step: _step_text(step) for step in script_cost.SCRIPTS}
+    for part, pieces in WITHOUT.items():
+        with _without([part]):
+            less = {step: _step_text(step) for step in whole}
+        for step, text in less.items():
+            redis_client.script_load(text)  # a piece cut mid-statement would not parse
+            for _, piece, _ in pieces:
+                assert piece not in text, (part, step, piece)
+        assert sum(map(len, less.values())) < sum(map(len, whole.values())), part
+    assert {step: _step_text(step) for step in whole} == whole, "the store's loader is its own again"
+    monkeypatch.setitem(WITHOUT, "live", (("start_run", "redis.call('NOSUCH')", ""),))
+    with pytest.raises(SystemExit, match=r"--without: start_run.lua no longer holds this piece once.*NOSUCH"):
+        with _without(["live"]):
+            _step_text("start_run")
