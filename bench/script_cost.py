@@ -22,7 +22,10 @@ the AOF feed of its writes.
 MONITOR in the warm-up replay), sent as plain commands in one MULTI/EXEC on the same restored
 state (`plain`), and its writes alone (`writes of`: the commands the server flags `write`). The
 latter is a floor for any protocol that moves a step's writes out of Lua and keeps them: the same
-writes, none of the reads or checks that decide them. A plain command that fails stops the run.
+writes, none of the reads or checks that decide them. And `thin`: every one of those commands run by a
+script that decides nothing (THIN_LUA: each command's words in its ARGV, in order), in the step's place,
+with its caller's reads: a floor for a protocol that keeps one script a step and every command, with the
+step's decisions made by the worker. A plain command that fails stops the run.
 
 `--each` also prices each of those commands alone, in the order the script ran them, each its own
 request on the state the ones before it left: what each write of a child costs the server, which is
@@ -86,6 +89,17 @@ WIDTH = 20
 SHOWN_CHARS = 40
 # Under valgrind the server starts in seconds, not milliseconds.
 START_TIMEOUT_S = 60.0
+# `--plain`'s thin step: a script that runs the commands it is sent and decides nothing. ARGV holds each
+# command as its count of words, then the words.
+THIN_LUA = """
+local at, n = 1, #ARGV
+while at <= n do
+  local words = tonumber(ARGV[at])
+  redis.call(unpack(ARGV, at + 1, at + words))
+  at = at + words + 1
+end
+return 0
+"""
 # `--without PART`: each record of a child, as the pieces of the checkout's Lua that write it, each
 # (script, text, what replaces it). Taken out of every script the store loads (`_without`), so a run
 # prices a tree that records less of each child. The text must be there once, as written here.
@@ -379,9 +393,13 @@ def _replay_call(
 
 def _replay_plain(client: redis.Redis, pid: int, call: Captured, commands: list[list[bytes]], repeats: int) -> None:
     """The script's commands (with its caller's reads) sent in one MULTI with no script, as `p<repeat>-<script>`,
-    then the ones that write alone, as `w<repeat>-<script>`."""
+    then the ones that write alone, as `w<repeat>-<script>`, then all of them run by THIN_LUA in one EVALSHA,
+    with its caller's reads, as `t<repeat>-<script>`."""
     writes = [ran for ran in commands if _writes(client, ran[0])]
-    for label, sent in (("p", [*commands, *call.reads]), ("w", writes)):
+    thin_sha = client.script_load(THIN_LUA)
+    thin_args = [word for ran in commands for word in (str(len(ran)).encode(), *ran)]
+    thin = [("EVALSHA", thin_sha, 0, *thin_args), *call.reads]
+    for label, sent in (("p", [*commands, *call.reads]), ("w", writes), ("t", thin)):
         for repeat in range(repeats + 1):
             _restore(client, call)
             _control(pid, "-z")
@@ -508,7 +526,7 @@ def _dumped_counts(dumps: str) -> dict[str, list[dict[str, int]]]:
     counts: dict[str, list[dict[str, int]]] = {}
     for path in glob.glob(f"{dumps}/cg.*.*"):
         text = Path(path).read_text(errors="replace")
-        named = re.search(r"^desc: Trigger: dump ([spwec])(\d+)-(\S+)", text, re.M)
+        named = re.search(r"^desc: Trigger: dump ([spwtec])(\d+)-(\S+)", text, re.M)
         if not named or named.group(2) == "0":  # the warm-up call
             continue
         annotated = subprocess.run(["callgrind_annotate", "--inclusive=yes", path], capture_output=True, text=True)
@@ -523,7 +541,9 @@ def _dumped_counts(dumps: str) -> dict[str, list[dict[str, int]]]:
                         found[AOF_IN_COMMANDS] = 1
                     break
         if found["processInputBuffer"]:
-            script = {"s": "", "p": "plain ", "w": "writes of ", "e": "each ", "c": ""}[named.group(1)] + named.group(3)
+            script = {"s": "", "p": "plain ", "w": "writes of ", "t": "thin ", "e": "each ", "c": ""}[
+                named.group(1)
+            ] + named.group(3)
             counts.setdefault(script, []).append(found)
     return counts
 
@@ -551,7 +571,9 @@ def main(argv: list[str] | None = None) -> int:
         "--split", action="store_true", help="also where the fewest's instructions went (reading, Lua, commands, AOF)"
     )
     parser.add_argument(
-        "--plain", action="store_true", help="also each step's commands sent plain, with no script (a floor)"
+        "--plain",
+        action="store_true",
+        help="also each step's commands with no script, and run by one that decides nothing (floors)",
     )
     parser.add_argument("--each", action="store_true", help="also each command of each step alone, in order")
     parser.add_argument(
@@ -584,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"without: {', '.join(args.without)} (left out of the Lua, --without)")
     with _without(args.without):
         counts, ran = replay(capture(), args.repeats, args.redis_server, args.plain, args.each, cuts)
-    plains = [f"{kind} {script}" for kind in ("plain", "writes of") for script in SCRIPTS] if args.plain else []
+    plains = [f"{kind} {script}" for kind in ("plain", "writes of", "thin") for script in SCRIPTS] if args.plain else []
     for script in [*SCRIPTS, *plains]:
         repeats = sorted(counts.get(script, []), key=lambda parts: parts["processInputBuffer"])
         if not repeats:

@@ -347,3 +347,16 @@ def test_script_cost_without_takes_each_record_out_and_the_steps_still_load(
     with pytest.raises(SystemExit, match=r"--without: start_run.lua no longer holds this piece once.*NOSUCH"):
         with _without(["live"]):
             _step_text("start_run")
+
+
+def test_script_cost_thin_step_runs_the_commands_it_is_sent_in_order(redis_client: Any) -> None:
+    """`--plain`'s thin step (THIN_LUA) runs each command of its ARGV, a count of words then the words, in
+    order, and nothing else: the floor it prices is a script that decides nothing."""
+    from bench.script_cost import THIN_LUA
+
+    commands = [["SET", "thin:k", "one"], ["RPUSH", "thin:l", "a", "b"], ["SET", "thin:k", "two"]]
+    args = [word for command in commands for word in (str(len(command)), *command)]
+    assert redis_client.eval(THIN_LUA, 0, *args) == 0
+    assert redis_client.get("thin:k") == "two", "the later SET ran last"
+    assert redis_client.lrange("thin:l", 0, -1) == ["a", "b"]
+    assert sorted(redis_client.keys("thin:*")) == ["thin:k", "thin:l"], "and wrote nothing else"
