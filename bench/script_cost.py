@@ -25,7 +25,10 @@ latter is a floor for any protocol that moves a step's writes out of Lua and kee
 writes, none of the reads or checks that decide them. And `thin`: every one of those commands run by a
 script that decides nothing (THIN_LUA: each command's words in its ARGV, in order), in the step's place,
 with its caller's reads: a floor for a protocol that keeps one script a step and every command, with the
-step's decisions made by the worker. A plain command that fails stops the run.
+step's decisions made by the worker. And `watched`: the same commands with no script, made atomic by a
+WATCH, in two requests on one connection: the WATCH of every key the step writes with its reads, then its
+writes (with its caller's reads) in MULTI/EXEC: a floor for a protocol that decides in the worker between
+the two (no retry counted, nor the second request's system time). A plain command that fails stops the run.
 
 `--each` also prices each of those commands alone, in the order the script ran them, each its own
 request on the state the ones before it left: what each write of a child costs the server, which is
@@ -394,8 +397,9 @@ def _replay_call(
 def _replay_plain(client: redis.Redis, pid: int, call: Captured, commands: list[list[bytes]], repeats: int) -> None:
     """The script's commands (with its caller's reads) sent in one MULTI with no script, as `p<repeat>-<script>`,
     then the ones that write alone, as `w<repeat>-<script>`, then all of them run by THIN_LUA in one EVALSHA,
-    with its caller's reads, as `t<repeat>-<script>`."""
+    with its caller's reads, as `t<repeat>-<script>`, then made atomic by a WATCH, as `x<repeat>-<script>`."""
     writes = [ran for ran in commands if _writes(client, ran[0])]
+    _replay_watched(client, pid, call, commands, writes, repeats)
     thin_sha = client.script_load(THIN_LUA)
     thin_args = [word for ran in commands for word in (str(len(ran)).encode(), *ran)]
     thin = [("EVALSHA", thin_sha, 0, *thin_args), *call.reads]
@@ -411,6 +415,50 @@ def _replay_plain(client: redis.Redis, pid: int, call: Captured, commands: list[
             failed = [reply for reply in replies if isinstance(reply, Exception)]
             if failed:  # a command the replay mis-read, or one the restored state refuses: the figure is not the step's
                 raise SystemExit(f"{call.script}: {len(failed)} plain command(s) failed, the first: {failed[0]}")
+
+
+def _replay_watched(
+    client: redis.Redis, pid: int, call: Captured, commands: list[list[bytes]], writes: list[list[bytes]], repeats: int
+) -> None:
+    """The step as a WATCH protocol sends it (`watched_requests`), `repeats` + 1 times: `x<repeat>-<script>`."""
+    requests = watched_requests(commands, writes, call.reads)
+    for repeat in range(repeats + 1):
+        _restore(client, call)
+        _control(pid, "-z")
+        replies = send_in_turn(client, requests)
+        _control(pid, "-d", f"x{repeat}-{call.script}")
+        executed = replies[-1]
+        failed = [reply for reply in [*replies, *(executed or [])] if isinstance(reply, Exception)]
+        if executed is None or failed:  # the EXEC refused (a watched key changed) or a command failed
+            raise SystemExit(f"{call.script}: the watched step did not run whole: {failed[:1] or 'EXEC aborted'}")
+
+
+def watched_requests(
+    commands: Sequence[Sequence[Any]], writes: Sequence[Sequence[Any]], reads_after: Sequence[Sequence[Any]]
+) -> list[list[list[Any]]]:
+    """A step's commands as a WATCH protocol sends them, two requests: the WATCH of every key its writes name
+    with its reads; then its writes, and its caller's reads (`reads_after`), in one MULTI/EXEC."""
+    reads = [list(ran) for ran in commands if ran not in writes]
+    watch = ["WATCH", *sorted({ran[1] for ran in writes})]
+    return [[watch, *reads], [["MULTI"], *map(list, writes), *map(list, reads_after), ["EXEC"]]]
+
+
+def send_in_turn(client: redis.Redis, requests: Sequence[Sequence[Sequence[Any]]]) -> list[Any]:
+    """Each request's commands sent at once on one connection (a WATCH holds for its connection), a request
+    after the one before was answered; every reply, an error as its exception."""
+    connection = client.connection_pool.get_connection()
+    replies: list[Any] = []
+    try:
+        for request in requests:
+            connection.send_packed_command(connection.pack_commands(request))
+            for _ in request:
+                try:
+                    replies.append(connection.read_response())
+                except redis.ResponseError as exc:
+                    replies.append(exc)
+    finally:
+        client.connection_pool.release(connection)
+    return replies
 
 
 def _replay_each(client: redis.Redis, pid: int, call: Captured, commands: list[list[bytes]], repeats: int) -> None:
@@ -526,7 +574,7 @@ def _dumped_counts(dumps: str) -> dict[str, list[dict[str, int]]]:
     counts: dict[str, list[dict[str, int]]] = {}
     for path in glob.glob(f"{dumps}/cg.*.*"):
         text = Path(path).read_text(errors="replace")
-        named = re.search(r"^desc: Trigger: dump ([spwtec])(\d+)-(\S+)", text, re.M)
+        named = re.search(r"^desc: Trigger: dump ([spwtxec])(\d+)-(\S+)", text, re.M)
         if not named or named.group(2) == "0":  # the warm-up call
             continue
         annotated = subprocess.run(["callgrind_annotate", "--inclusive=yes", path], capture_output=True, text=True)
@@ -541,7 +589,7 @@ def _dumped_counts(dumps: str) -> dict[str, list[dict[str, int]]]:
                         found[AOF_IN_COMMANDS] = 1
                     break
         if found["processInputBuffer"]:
-            script = {"s": "", "p": "plain ", "w": "writes of ", "t": "thin ", "e": "each ", "c": ""}[
+            script = {"s": "", "p": "plain ", "w": "writes of ", "t": "thin ", "x": "watched ", "e": "each ", "c": ""}[
                 named.group(1)
             ] + named.group(3)
             counts.setdefault(script, []).append(found)
@@ -606,7 +654,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"without: {', '.join(args.without)} (left out of the Lua, --without)")
     with _without(args.without):
         counts, ran = replay(capture(), args.repeats, args.redis_server, args.plain, args.each, cuts)
-    plains = [f"{kind} {script}" for kind in ("plain", "writes of", "thin") for script in SCRIPTS] if args.plain else []
+    plains = (
+        [f"{kind} {script}" for kind in ("plain", "writes of", "thin", "watched") for script in SCRIPTS]
+        if args.plain
+        else []
+    )
     for script in [*SCRIPTS, *plains]:
         repeats = sorted(counts.get(script, []), key=lambda parts: parts["processInputBuffer"])
         if not repeats:
