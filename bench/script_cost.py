@@ -399,7 +399,6 @@ def _replay_plain(client: redis.Redis, pid: int, call: Captured, commands: list[
     then the ones that write alone, as `w<repeat>-<script>`, then all of them run by THIN_LUA in one EVALSHA,
     with its caller's reads, as `t<repeat>-<script>`, then made atomic by a WATCH, as `x<repeat>-<script>`."""
     writes = [ran for ran in commands if _writes(client, ran[0])]
-    _replay_watched(client, pid, call, commands, writes, repeats)
     thin_sha = client.script_load(THIN_LUA)
     thin_args = [word for ran in commands for word in (str(len(ran)).encode(), *ran)]
     thin = [("EVALSHA", thin_sha, 0, *thin_args), *call.reads]
@@ -415,6 +414,7 @@ def _replay_plain(client: redis.Redis, pid: int, call: Captured, commands: list[
             failed = [reply for reply in replies if isinstance(reply, Exception)]
             if failed:  # a command the replay mis-read, or one the restored state refuses: the figure is not the step's
                 raise SystemExit(f"{call.script}: {len(failed)} plain command(s) failed, the first: {failed[0]}")
+    _replay_watched(client, pid, call, commands, writes, repeats)
 
 
 def _replay_watched(
