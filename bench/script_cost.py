@@ -425,12 +425,11 @@ def _replay_watched(
     for repeat in range(repeats + 1):
         _restore(client, call)
         _control(pid, "-z")
-        replies = send_in_turn(client, requests)
+        try:
+            send_watched(client, requests)
+        except redis.RedisError as exc:  # a command failed, or the EXEC was refused: the figure is not the step's
+            raise SystemExit(f"{call.script}: the watched step did not run whole: {exc}") from None
         _control(pid, "-d", f"x{repeat}-{call.script}")
-        executed = replies[-1]
-        failed = [reply for reply in [*replies, *(executed or [])] if isinstance(reply, Exception)]
-        if executed is None or failed:  # the EXEC refused (a watched key changed) or a command failed
-            raise SystemExit(f"{call.script}: the watched step did not run whole: {failed[:1] or 'EXEC aborted'}")
 
 
 def watched_requests(
@@ -443,22 +442,17 @@ def watched_requests(
     return [[watch, *reads], [["MULTI"], *map(list, writes), *map(list, reads_after), ["EXEC"]]]
 
 
-def send_in_turn(client: redis.Redis, requests: Sequence[Sequence[Sequence[Any]]]) -> list[Any]:
-    """Each request's commands sent at once on one connection (a WATCH holds for its connection), a request
-    after the one before was answered; every reply, an error as its exception."""
+def send_watched(client: redis.Redis, requests: Sequence[Sequence[Sequence[Any]]]) -> list[Any]:
+    """`watched_requests`' two requests on one connection (a WATCH holds for its connection), each sent at once
+    as the store sends a step (`base._exchange`): EXEC's replies, or the first error raised (WatchError when
+    a watched key changed)."""
+    watch, transaction = requests
     connection = client.connection_pool.get_connection()
-    replies: list[Any] = []
     try:
-        for request in requests:
-            connection.send_packed_command(connection.pack_commands(request))
-            for _ in request:
-                try:
-                    replies.append(connection.read_response())
-                except redis.ResponseError as exc:
-                    replies.append(exc)
+        base._exchange(connection, connection.pack_commands(watch), len(watch), transaction=False)
+        return base._exchange(connection, connection.pack_commands(transaction), len(transaction), transaction=True)
     finally:
         client.connection_pool.release(connection)
-    return replies
 
 
 def _replay_each(client: redis.Redis, pid: int, call: Captured, commands: list[list[bytes]], repeats: int) -> None:

@@ -365,14 +365,14 @@ def test_script_cost_thin_step_runs_the_commands_it_is_sent_in_order(redis_clien
 def test_script_cost_watched_step_writes_what_the_plain_step_writes(redis_client: Any) -> None:
     """`--plain`'s watched step (a WATCH of the keys written, with the reads; then the writes in MULTI/EXEC, on
     one connection) runs whole and leaves the database as the same commands in one MULTI do."""
-    from bench.script_cost import send_in_turn, watched_requests
+    from bench.script_cost import send_watched, watched_requests
 
     commands = [["HGET", "w:task", "n"], ["HSET", "w:task", "n", "1"], ["RPUSH", "w:list", "a"], ["SCARD", "w:set"]]
     writes = [commands[1], commands[2]]
     requests = watched_requests(commands, writes, [["HGETALL", "w:task"]])
     assert requests[0][0] == ["WATCH", "w:list", "w:task"] and ["SCARD", "w:set"] in requests[0]
-    replies = send_in_turn(redis_client, requests)
-    assert replies[-1] == [1, 1, {"n": "1"}], replies  # HSET, RPUSH, then the reads after: the EXEC ran whole
+    replies = send_watched(redis_client, requests)
+    assert replies == [1, 1, {"n": "1"}], replies  # HSET, RPUSH, then the reads after: the EXEC ran whole
     watched = {key: redis_client.dump(key) for key in sorted(redis_client.keys("w:*"))}
     redis_client.delete(*watched)
     with redis_client.pipeline(transaction=True) as pipe:

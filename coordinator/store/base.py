@@ -287,17 +287,17 @@ def round_trip(
     try:
         replies: list[Any] = connection.retry.call_with_retry(
             lambda: _exchange(connection, packed, step, transaction),
-            lambda _error: connection.disconnect(),  # type: ignore[no-untyped-call, unused-ignore]
+            lambda _error: connection.disconnect(),
         )
         if wait is not None:
             replies.append(read_wait(connection, wait))  # outside the retry: the step has run
         return replies
     except redis.ResponseError:
         if wait is not None:
-            connection.disconnect()  # type: ignore[no-untyped-call, unused-ignore]  # its WAIT's answer is still to come
+            connection.disconnect()  # its WAIT's answer is still to come
         raise  # every reply of the step was read (`_exchange`)
     except BaseException:
-        connection.disconnect()  # type: ignore[no-untyped-call, unused-ignore]  # left mid-read: never pooled with a reply unread
+        connection.disconnect()  # left mid-read: never pooled with a reply unread
         raise
     finally:
         pool.release(connection)
@@ -319,14 +319,14 @@ def read_wait(connection: Connection, wait: ReplicaWait) -> int:
         return int(connection.read_response(timeout=wait.timeout_ms / 1000 + WAIT_READ_MARGIN_S))
     except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
         log.warning("subq: a step's WAIT was not answered (%s); the step stands, counted as unacknowledged", exc)
-        connection.disconnect()  # type: ignore[no-untyped-call, unused-ignore]
+        connection.disconnect()
         return 0
 
 
 def _exchange(connection: Connection, packed: list[bytes], count: int, transaction: bool) -> list[Any]:
     """One write of `packed` and its first `count` replies (EXEC's, in a transaction); the first error raised
     last. A WAIT after them is read by the caller (`read_wait`)."""
-    connection.send_packed_command(packed)  # type: ignore[no-untyped-call, unused-ignore]
+    connection.send_packed_command(packed)
     replies: list[Any] = []
     error: redis.ResponseError | None = None
     for _ in range(count):
@@ -436,7 +436,7 @@ class AcknowledgedTransaction(Pipeline):
         # EXEC has run: past here nothing raises into the pipeline's retry, which would send the body again
         # with no WATCH (its writes applied twice, unchecked).
         try:
-            connection.send_command("WAIT", self.replica_wait.replicas, self.replica_wait.timeout_ms)  # type: ignore[no-untyped-call, unused-ignore]
+            connection.send_command("WAIT", self.replica_wait.replicas, self.replica_wait.timeout_ms)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.warning("subq: a transaction's WAIT was not sent (%s); the transaction stands", exc)
             acked = 0
@@ -544,7 +544,7 @@ class StoreCore:
         for _ in range(MAX_TRANSACTION_ATTEMPTS):
             with self._pipeline() as pipe:
                 try:
-                    pipe.watch(*watched)  # type: ignore[no-untyped-call, unused-ignore]
+                    pipe.watch(*watched)
                     return body(pipe)
                 except redis.WatchError:
                     continue

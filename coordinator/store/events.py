@@ -74,7 +74,7 @@ class EventStore(Part):
     def settle_watch(self, task_id: str) -> Iterator[SettleWatch]:
         """Listen for `task_id`'s settling (`Keys.settled`) while the block runs. Subscribe before the first read
         of the status: a settle between that read and the wait then wakes it instead of being missed."""
-        pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call, unused-ignore]
+        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
         try:
             translate_redis_errors(pubsub.subscribe)(self.keys.settled(root_of(task_id), task_id))
             yield SettleWatch(pubsub)
