@@ -87,6 +87,10 @@ from workers.runtime.context import build_runtime  # noqa: E402
 from workers.runtime.runner import run_child  # noqa: E402
 
 SCRIPTS = ("start_run", "end_run")
+# What each replay of a step is reported as, by the letter its callgrind dump is named with
+# (`<letter><repeat>-<script>`): the step itself and its cuts, then `--plain`'s floors, then `--each`.
+DUMP_KINDS = {"s": "", "c": "", "p": "plain ", "w": "writes of ", "t": "thin ", "x": "watched ", "e": "each "}
+FLOORS = ("p", "w", "t", "x")
 WIDTH = 20
 # `--each` shows so much of each word of a command.
 SHOWN_CHARS = 40
@@ -568,7 +572,7 @@ def _dumped_counts(dumps: str) -> dict[str, list[dict[str, int]]]:
     counts: dict[str, list[dict[str, int]]] = {}
     for path in glob.glob(f"{dumps}/cg.*.*"):
         text = Path(path).read_text(errors="replace")
-        named = re.search(r"^desc: Trigger: dump ([spwtxec])(\d+)-(\S+)", text, re.M)
+        named = re.search(rf"^desc: Trigger: dump ([{''.join(DUMP_KINDS)}])(\d+)-(\S+)", text, re.M)
         if not named or named.group(2) == "0":  # the warm-up call
             continue
         annotated = subprocess.run(["callgrind_annotate", "--inclusive=yes", path], capture_output=True, text=True)
@@ -583,9 +587,7 @@ def _dumped_counts(dumps: str) -> dict[str, list[dict[str, int]]]:
                         found[AOF_IN_COMMANDS] = 1
                     break
         if found["processInputBuffer"]:
-            script = {"s": "", "p": "plain ", "w": "writes of ", "t": "thin ", "x": "watched ", "e": "each ", "c": ""}[
-                named.group(1)
-            ] + named.group(3)
+            script = DUMP_KINDS[named.group(1)] + named.group(3)
             counts.setdefault(script, []).append(found)
     return counts
 
@@ -648,11 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"without: {', '.join(args.without)} (left out of the Lua, --without)")
     with _without(args.without):
         counts, ran = replay(capture(), args.repeats, args.redis_server, args.plain, args.each, cuts)
-    plains = (
-        [f"{kind} {script}" for kind in ("plain", "writes of", "thin", "watched") for script in SCRIPTS]
-        if args.plain
-        else []
-    )
+    plains = [DUMP_KINDS[kind] + script for kind in FLOORS for script in SCRIPTS] if args.plain else []
     for script in [*SCRIPTS, *plains]:
         repeats = sorted(counts.get(script, []), key=lambda parts: parts["processInputBuffer"])
         if not repeats:
