@@ -12,10 +12,12 @@ private Redis, a bare fleet and a subq fleet of P processes, 16 threads each) ru
 warm-up, one fan-out of `--width` offline children that answer at once, (b) then subq,
 timed from publishing to the parent's resume (the chord's callback, subq's batch closed and
 its parent resumed). A size's speedup is its children per second over the first size's, in
-the same run and mode. Then the wave, once a run: `--wave` children that each wait
-`--wave-latency-ms` on their model, delegated at once to a subq fleet of `--wave-processes`
-processes of `--wave-threads` threads (a warm-up wave of the same shape first, so its threads
-exist): the time from the delegation to the parent's resume. Every subq run checks each todo
+the same run and mode; each row also says how long after the run's start its first child
+started (what a run costs once, whatever its width: subq's delegation, (b)'s publish). Then the
+wave, once a run: `--wave` children that each wait `--wave-latency-ms` on their model, given at
+once to a fleet of `--wave-processes` processes of `--wave-threads` threads, (b) then subq (a
+warm-up wave of the same shape first, so the threads exist): the time from the delegation (or
+the chord's publish) to the parent's resume (the callback). Every subq run checks each todo
 item's write-back (bench/overhead.py).
 
 Issue 43's targets on 16 cores: 1 -> 8 processes at least 7x, 1 -> 14 at least 11x, the
@@ -86,6 +88,11 @@ def scaling_run(url: str, tmp: Path, run: int, processes: Sequence[int], width: 
                         "speedup": round(per_s / first[mode], 2),
                         "worker_cpu_ms_per_child": round(sample.worker_cpu_s * 1000 / width, 2),
                         "redis_cpu_ms_per_child": round(sample.redis_cpu_s * 1000 / width, 2),
+                        # What a run costs once whatever its width: the delegation (or the chord's publish) before
+                        # the first child starts, and the parent's resume after the last child ends.
+                        "first_started_ms": round(sample.first_started_ms, 1),
+                        "resumed_after_ms": round(sample.resumed_after_ms, 1),
+                        "caller_cpu_ms": round(sample.caller_cpu_s * 1000, 1),
                     }
                 )
         finally:
@@ -93,23 +100,30 @@ def scaling_run(url: str, tmp: Path, run: int, processes: Sequence[int], width: 
     return rows
 
 
-def wave_run(url: str, tmp: Path, run: int, children: int, processes: int, threads: int, latency_ms: int) -> float:
-    """The wall seconds of one wave of `children` waiting `latency_ms` each on a fleet of processes x threads."""
+def wave_run(
+    url: str, tmp: Path, run: int, children: int, processes: int, threads: int, latency_ms: int
+) -> dict[str, float]:
+    """The wall seconds, (b)'s and subq's, of one wave of `children` waiting `latency_ms` each on a fleet of
+    processes x threads."""
     progress(f"run {run}: the wave, {children} children x {latency_ms} ms on {processes} x {threads} threads")
     modes = Modes(
         url, threads, children, tmp / "probe", tmp / "logs" / f"{run}-wave", latency_ms=latency_ms, processes=processes
     )
+    walls_s: dict[str, float] = {}
     try:
-        modes.run("subq", children)  # the warm-up wave: the pool's threads and their connections made
-        return modes.run("subq", children).wall_s
+        for mode in SCALING_MODES:
+            modes.run(mode, children)  # the warm-up wave: the pool's threads and their connections made
+            walls_s[mode] = round(modes.run(mode, children).wall_s, 3)
     finally:
         modes.close()
+    return walls_s
 
 
-def report(rows: Sequence[dict[str, Any]], waves: Sequence[float], args: argparse.Namespace) -> None:
+def report(rows: Sequence[dict[str, Any]], waves: Sequence[dict[str, float]], args: argparse.Namespace) -> None:
     print(f"\nwidth {args.width}, {DEFAULT_CONCURRENCY} threads a process")
     print(
-        f"{'run':>3} {'processes':>9} | {'(b) ch/s':>9} {'speedup':>7} | {'subq ch/s':>9} {'speedup':>7} {'target':>7}"
+        f"{'run':>3} {'processes':>9} | {'(b) ch/s':>9} {'speedup':>7} {'1st ms':>6} | "
+        f"{'subq ch/s':>9} {'speedup':>7} {'1st ms':>6} {'target':>7}"
     )
     by = {(row["run"], row["processes"], row["mode"]): row for row in rows}
     for run in range(1, args.runs + 1):
@@ -117,12 +131,17 @@ def report(rows: Sequence[dict[str, Any]], waves: Sequence[float], args: argpars
             bare, subq = by[(run, size, "agent")], by[(run, size, "subq")]
             target = SPEEDUP_TARGETS.get(size) if size != args.processes[0] else None
             print(
-                f"{run:>3} {size:>9} | {bare['children_per_s']:>9.1f} {bare['speedup']:>6.2f}x | "
-                f"{subq['children_per_s']:>9.1f} {subq['speedup']:>6.2f}x {f'>= {target:g}x' if target else '':>7}"
+                f"{run:>3} {size:>9} | {bare['children_per_s']:>9.1f} {bare['speedup']:>6.2f}x "
+                f"{bare['first_started_ms']:>6.0f} | {subq['children_per_s']:>9.1f} {subq['speedup']:>6.2f}x "
+                f"{subq['first_started_ms']:>6.0f} {f'>= {target:g}x' if target else '':>7}"
             )
     shape = f"{args.wave} children x {args.wave_latency_ms} ms on {args.wave_processes} x {args.wave_threads} threads"
-    for run, wall_s in enumerate(waves, 1):
-        print(f"wave {run}: {shape}: {wall_s:.2f} s (target {WAVE_TARGET_S:g} s when it is 2000 x 1000 ms on 8 x 250)")
+    print("1st ms: how long after the run's start its first child started (the delegation, or the chord's publish)")
+    for run, walls_s in enumerate(waves, 1):
+        print(
+            f"wave {run}: {shape}: (b) {walls_s['agent']:.2f} s, subq {walls_s['subq']:.2f} s "
+            f"(subq's target {WAVE_TARGET_S:g} s when it is 2000 x 1000 ms on 8 x 250)"
+        )
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -151,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     clean_start()
     busy_before_s, own_before_s, started_s = machine_busy_s(), own_cpu_s(), time.monotonic()
     rows: list[dict[str, Any]] = []
-    waves: list[float] = []
+    waves: list[dict[str, float]] = []
     with local_redis() as url, tempfile.TemporaryDirectory(prefix="subq-scaling-") as tmp:
         (Path(tmp) / "probe").mkdir()
         try:
@@ -173,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name + ':':<12} {value}")
     report(rows, waves, args)
     if args.json:
-        print(json.dumps({"facts": facts, "results": rows, "waves_s": [round(w, 3) for w in waves]}, indent=2))
+        print(json.dumps({"facts": facts, "results": rows, "waves_s": list(waves)}, indent=2))
     return 0
 
 

@@ -188,8 +188,28 @@ def test_scaling_reports_each_fleet_size_against_the_first_and_the_wave() -> Non
         assert row["children_per_s"] > 0 and row["worker_cpu_ms_per_child"] > 0, row
         expected = 1.0 if size == 1 else round(row["children_per_s"] / rows[(1, mode)]["children_per_s"], 2)
         assert row["speedup"] == pytest.approx(expected, abs=0.011), row
-    (wave_s,) = report["waves_s"]
-    assert wave_s >= 0.05, "each of the wave's children waits 50 ms on its model"
+        assert 0 < row["first_started_ms"] < 1000 * 16 / row["children_per_s"], row
+    (wave,) = report["waves_s"]
+    assert set(wave) == {"agent", "subq"}, wave
+    assert min(wave.values()) >= 0.05, "each of the wave's children waits 50 ms on its model"
+
+
+def test_cpu_ceiling_times_each_count_of_processes_against_the_first() -> None:
+    """`bench/cpu_ceiling.py`: what the machine gives N processes of pure Python, beside bench/scaling.py."""
+    report = run_bench("bench/cpu_ceiling.py", "--processes", "1,2", "--rounds", "20000", "--repeats", "1")
+
+    one, two = report["results"]
+    assert (one["processes"], two["processes"]) == (1, 2), report
+    assert one["speedup"] == 1.0 and one["wall_s"] > 0, one
+    assert two["rounds_per_s"] == pytest.approx(2 * 20000 / two["wall_s"], rel=0.01), two
+    assert two["speedup"] == pytest.approx(two["rounds_per_s"] / one["rounds_per_s"], abs=0.011), two
+
+
+def test_cpu_ceiling_refuses_a_malformed_argument(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import cpu_ceiling
+
+    error = "argument --rounds: must be at least 1, not 0"
+    assert refused(cpu_ceiling.main, ["--rounds", "0"], capsys) == f"bench/cpu_ceiling.py: error: {error}"
 
 
 @pytest.mark.parametrize(
