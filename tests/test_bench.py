@@ -194,6 +194,19 @@ def test_scaling_reports_each_fleet_size_against_the_first_and_the_wave() -> Non
     assert min(wave.values()) >= 0.05, "each of the wave's children waits 50 ms on its model"
 
 
+def test_caller_delegation_times_the_commit_apart_from_the_publish() -> None:
+    """`bench/caller_delegation.py`: a wide fan-out's first child waits on the commit (docs/architecture.md)."""
+    lines = run_printed("bench/caller_delegation.py", "--delegations", "3", "--children", "2").stdout.splitlines()
+
+    assert lines[0].startswith("3 caller delegations of 2 children: delegate() median "), lines
+    found = re.fullmatch(r"of which: commit median (\d+\.\d\d) ms, publish (\d+\.\d\d) ms", lines[1])
+    assert found is not None, lines
+    whole = re.search(r"delegate\(\) median (\d+\.\d\d) ms", lines[0])
+    assert whole is not None, lines
+    # Each delegation's commit and publish are parts of its whole, so their medians are under its median.
+    assert 0 < float(found[1]) < float(whole[1]) and 0 < float(found[2]) < float(whole[1]), lines
+
+
 def test_cpu_ceiling_times_each_count_of_processes_against_the_first() -> None:
     """`bench/cpu_ceiling.py`: what the machine gives N processes of pure Python, beside bench/scaling.py."""
     report = run_bench("bench/cpu_ceiling.py", "--processes", "1,2", "--rounds", "20000", "--repeats", "1")
