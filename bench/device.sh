@@ -19,6 +19,7 @@ fi
   --target "$site" "$wheels"/*.whl || exit 1
 # The wheels first, then the checkout (the fleets' workers import `workers` and `bench` from it).
 export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1
+# The ceiling is context for the figures below: its failure is printed, and the fleets run all the same.
 "$python" bench/cpu_ceiling.py --json 2>&1 | tee "${OUT:-/tmp}/ceiling.txt"
 "$python" bench/scaling.py --json "$@" 2>&1 | tee "${OUT:-/tmp}/scaling.txt"
 exit "${PIPESTATUS[0]}"

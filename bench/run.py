@@ -271,6 +271,11 @@ def cpu_model() -> str:
     return platform.processor() or "?"
 
 
+def cpu_fact() -> str:
+    """The processor and how many of its cores this process may use, as a bench's `cpu` fact says them."""
+    return f"{cpu_model()}, {len(os.sched_getaffinity(0))} cores this process may use"
+
+
 def machine_busy_s() -> float | None:
     """CPU seconds all cores have been busy since boot (Linux /proc/stat), or None elsewhere."""
     try:

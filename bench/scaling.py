@@ -13,7 +13,8 @@ warm-up, one fan-out of `--width` offline children that answer at once, (b) then
 timed from publishing to the parent's resume (the chord's callback, subq's batch closed and
 its parent resumed). A size's speedup is its children per second over the first size's, in
 the same run and mode; each row also says how long after the run's start its first child
-started (what a run costs once, whatever its width: subq's delegation, (b)'s publish). Then the
+started (what is paid before any child runs, so does not spread over processes: subq's parent
+and delegation, (b)'s chord and its publish, and a worker's pick-up). Then the
 wave, once a run: `--wave` children that each wait `--wave-latency-ms` on their model, given at
 once to a fleet of `--wave-processes` processes of `--wave-threads` threads, (b) then subq (a
 warm-up wave of the same shape first, so the threads exist): the time from the delegation (or
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 import tempfile
@@ -48,7 +48,7 @@ from bench.overhead import DEFAULT_CONCURRENCY, Modes, processes_arg  # noqa: E4
 from bench.run import (  # noqa: E402
     BenchError,
     clean_start,
-    cpu_model,
+    cpu_fact,
     machine_busy_s,
     other_work,
     own_cpu_s,
@@ -88,8 +88,8 @@ def scaling_run(url: str, tmp: Path, run: int, processes: Sequence[int], width: 
                         "speedup": round(per_s / first[mode], 2),
                         "worker_cpu_ms_per_child": round(sample.worker_cpu_s * 1000 / width, 2),
                         "redis_cpu_ms_per_child": round(sample.redis_cpu_s * 1000 / width, 2),
-                        # What a run costs once whatever its width: the delegation (or the chord's publish) before
-                        # the first child starts, and the parent's resume after the last child ends.
+                        # What does not spread over processes: what runs before the first child starts (the
+                        # parent and its delegation, or the chord's publish) and the resume after the last ends.
                         "first_started_ms": round(sample.first_started_ms, 1),
                         "resumed_after_ms": round(sample.resumed_after_ms, 1),
                         "caller_cpu_ms": round(sample.caller_cpu_s * 1000, 1),
@@ -185,14 +185,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
     facts = {
         "command": shlex.join(["python", "bench/scaling.py", *argv]),
-        "cpu": f"{cpu_model()}, {len(os.sched_getaffinity(0))} cores this process may use",
+        "cpu": cpu_fact(),
         "other work": other_work(busy_before_s, own_before_s, time.monotonic() - started_s),
     }
     for name, value in facts.items():
         print(f"{name + ':':<12} {value}")
     report(rows, waves, args)
     if args.json:
-        print(json.dumps({"facts": facts, "results": rows, "waves_s": list(waves)}, indent=2))
+        print(json.dumps({"facts": facts, "results": rows, "waves_s": waves}, indent=2))
     return 0
 
 
