@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import shlex
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.overhead import processes_arg  # noqa: E402
-from bench.run import BenchError, cpu_fact, machine_busy_s, other_work, own_cpu_s, positive_int, progress  # noqa: E402
+from bench.run import BenchError, Sitting, positive_int, print_facts, progress  # noqa: E402
 
 # A record the size of a child's usage and item, round-tripped as the work unit.
 RECORD = {"id": "t" * 32, "status": "done", "tokens": {"input": 1200, "output": 340}, "cost_usd": "0.019500"}
@@ -75,7 +74,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    busy_before_s, own_before_s, started_s = machine_busy_s(), own_cpu_s(), time.monotonic()
+    sitting = Sitting()
     rows: list[dict[str, Any]] = []
     first_per_s = 0.0
     for processes in args.processes:
@@ -96,13 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "speedup": speedup,
             }
         )
-    facts = {
-        "command": shlex.join(["python", "bench/cpu_ceiling.py", *argv]),
-        "cpu": cpu_fact(),
-        "other work": other_work(busy_before_s, own_before_s, time.monotonic() - started_s),
-    }
-    for name, value in facts.items():
-        print(f"{name + ':':<12} {value}")
+    facts = sitting.facts("bench/cpu_ceiling.py", argv)
+    print_facts(facts)
     print(f"{'processes':>9} {'wall s':>7} {'speedup':>8}")
     for row in rows:
         print(f"{row['processes']:>9} {row['wall_s']:>7.3f} {row['speedup']:>7.2f}x")

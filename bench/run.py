@@ -302,6 +302,26 @@ def other_work(busy_before_s: float | None, own_before_s: float, wall_s: float) 
     return f"{100 * other_s / (wall_s * (os.cpu_count() or 1)):.0f}% of all cores during the run"
 
 
+class Sitting:
+    """A bench's run from its start: the facts every report begins with (its command, the cores, and what
+    share of the machine other processes used meanwhile)."""
+
+    def __init__(self) -> None:
+        self.busy_before_s, self.own_before_s, self.started_s = machine_busy_s(), own_cpu_s(), time.monotonic()
+
+    def facts(self, script: str, argv: Sequence[str]) -> dict[str, str]:
+        return {
+            "command": shlex.join(["python", script, *argv]),
+            "cpu": cpu_fact(),
+            "other work": other_work(self.busy_before_s, self.own_before_s, time.monotonic() - self.started_s),
+        }
+
+
+def print_facts(facts: dict[str, str]) -> None:
+    for name, value in facts.items():
+        print(f"{name + ':':<12} {value}")
+
+
 def print_table(rows: list[dict[str, Any]], facts: dict[str, Any], command: str, repeats: int) -> None:
     print(f"command: {command}")
     for name, value in facts.items():

@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import tempfile
-import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,12 +45,10 @@ import redis  # noqa: E402
 from bench.overhead import DEFAULT_CONCURRENCY, Modes, processes_arg  # noqa: E402
 from bench.run import (  # noqa: E402
     BenchError,
+    Sitting,
     clean_start,
-    cpu_fact,
-    machine_busy_s,
-    other_work,
-    own_cpu_s,
     positive_int,
+    print_facts,
     progress,
 )
 from coordinator import SubqError  # noqa: E402
@@ -168,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     clean_start()
-    busy_before_s, own_before_s, started_s = machine_busy_s(), own_cpu_s(), time.monotonic()
+    sitting = Sitting()
     rows: list[dict[str, Any]] = []
     waves: list[dict[str, float]] = []
     with local_redis() as url, tempfile.TemporaryDirectory(prefix="subq-scaling-") as tmp:
@@ -183,13 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
             print(f"bench: error: {exc}", file=sys.stderr)
             return 1
-    facts = {
-        "command": shlex.join(["python", "bench/scaling.py", *argv]),
-        "cpu": cpu_fact(),
-        "other work": other_work(busy_before_s, own_before_s, time.monotonic() - started_s),
-    }
-    for name, value in facts.items():
-        print(f"{name + ':':<12} {value}")
+    facts = sitting.facts("bench/scaling.py", argv)
+    print_facts(facts)
     report(rows, waves, args)
     if args.json:
         print(json.dumps({"facts": facts, "results": rows, "waves_s": waves}, indent=2))
