@@ -66,13 +66,11 @@ from bench.probe import read_counts  # noqa: E402
 from bench.run import (  # noqa: E402
     RUN_TIMEOUT_S,
     BenchError,
+    Sitting,
     check_write_back,
     child_message,
     clean_start,
     cpu_model,
-    machine_busy_s,
-    other_work,
-    own_cpu_s,
     positive_int,
     progress,
     widths_arg,
@@ -678,9 +676,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     clean_start()
     command = shlex.join(["python", "bench/overhead.py", *argv])
-    busy_before_s, own_before_s, started_s = machine_busy_s(), own_cpu_s(), time.monotonic()
+    sitting = Sitting()
     if args.processes:
-        return main_sweep(args, command, busy_before_s, own_before_s, started_s)
+        return main_sweep(args, command, sitting)
     max_width = max(*args.widths, *args.scale)
     with local_redis() as url, tempfile.TemporaryDirectory(prefix="subq-overhead-") as tmp:
         (Path(tmp) / "probe").mkdir()
@@ -716,7 +714,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model wait": f"{args.latency_ms} ms per child",
         "tool calls": f"{args.tool_calls} per child, one response each"
         + (", the tool not declared idempotent" if args.tool_not_idempotent else ", the tool declared idempotent"),
-        "other work": other_work(busy_before_s, own_before_s, time.monotonic() - started_s),
+        "other work": sitting.other_work(),
         **convergence_facts(modes.subq_settings.reconcile_grace_s, repairs),  # the grace subq's fleet was handed
     }
     rows = summarise(samples)
@@ -726,9 +724,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def main_sweep(
-    args: argparse.Namespace, command: str, busy_before_s: float | None, own_before_s: float, started_s: float
-) -> int:
+def main_sweep(args: argparse.Namespace, command: str, sitting: Sitting) -> int:
     uptime_before = Path("/proc/loadavg").read_text().split()[:3]
     with local_redis() as url, tempfile.TemporaryDirectory(prefix="subq-overhead-") as tmp:
         (Path(tmp) / "probe").mkdir()
@@ -743,7 +739,7 @@ def main_sweep(
         "cpu": f"{cpu_model()}, {os.cpu_count()} cores",
         "workers": f"{','.join(map(str, args.processes))} processes a fleet, pool threads, concurrency "
         f"{args.concurrency}, prefetch 1" + (f", subq's clocks {args.stretch:g}x slower" if args.stretch != 1 else ""),
-        "other work": other_work(busy_before_s, own_before_s, time.monotonic() - started_s),
+        "other work": sitting.other_work(),
         "load average": f"{' '.join(uptime_before)} before, {' '.join(Path('/proc/loadavg').read_text().split()[:3])} after",
         **convergence_facts(args.grace_s or DEFAULT_RECONCILE_GRACE_S, repairs),
     }

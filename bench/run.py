@@ -293,15 +293,6 @@ def own_cpu_s() -> float:
     return times.user + times.system + times.children_user + times.children_system
 
 
-def other_work(busy_before_s: float | None, own_before_s: float, wall_s: float) -> str:
-    """The share of the machine that other processes used while the benchmark ran."""
-    busy_after_s = machine_busy_s()
-    if busy_before_s is None or busy_after_s is None:
-        return "unknown (no /proc/stat)"
-    other_s = max(busy_after_s - busy_before_s - (own_cpu_s() - own_before_s), 0.0)
-    return f"{100 * other_s / (wall_s * (os.cpu_count() or 1)):.0f}% of all cores during the run"
-
-
 class Sitting:
     """A bench's run from its start: the facts every report begins with (its command, the cores, and what
     share of the machine other processes used meanwhile)."""
@@ -309,12 +300,18 @@ class Sitting:
     def __init__(self) -> None:
         self.busy_before_s, self.own_before_s, self.started_s = machine_busy_s(), own_cpu_s(), time.monotonic()
 
+    def other_work(self) -> str:
+        """The share of the machine that other processes used since the start. Read it once the bench has
+        stopped (and reaped) its workers and Redis, so their CPU counts as the bench's own."""
+        busy_after_s = machine_busy_s()
+        if self.busy_before_s is None or busy_after_s is None:
+            return "unknown (no /proc/stat)"
+        other_s = max(busy_after_s - self.busy_before_s - (own_cpu_s() - self.own_before_s), 0.0)
+        wall_s = time.monotonic() - self.started_s
+        return f"{100 * other_s / (wall_s * (os.cpu_count() or 1)):.0f}% of all cores during the run"
+
     def facts(self, script: str, argv: Sequence[str]) -> dict[str, str]:
-        return {
-            "command": shlex.join(["python", script, *argv]),
-            "cpu": cpu_fact(),
-            "other work": other_work(self.busy_before_s, self.own_before_s, time.monotonic() - self.started_s),
-        }
+        return {"command": shlex.join(["python", script, *argv]), "cpu": cpu_fact(), "other work": self.other_work()}
 
 
 def print_facts(facts: dict[str, str]) -> None:
@@ -416,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     clean_start()
     command = shlex.join(["python", "bench/run.py", *argv])
-    busy_before_s, own_before_s, started_s = machine_busy_s(), own_cpu_s(), time.monotonic()
+    sitting = Sitting()
     with tempfile.TemporaryDirectory(prefix="subq-bench-") as log_dir:
         try:
             runs_s, redis_version = run(args, Path(log_dir))
@@ -429,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"bench: error: {exc}", file=sys.stderr)
             return 1
     # Measured after `run` has stopped (and reaped) every worker and Redis, so their CPU counts as ours.
-    busy_other = other_work(busy_before_s, own_before_s, time.monotonic() - started_s)
+    busy_other = sitting.other_work()
     rows = summarise(runs_s, args.widths)
     facts = machine(args, redis_version, busy_other)
     print_table(rows, facts, command, args.repeats)

@@ -132,7 +132,8 @@ def report(rows: Sequence[dict[str, Any]], waves: Sequence[dict[str, float]], ar
                 f"{subq['first_started_ms']:>6.0f} {f'>= {target:g}x' if target else '':>7}"
             )
     shape = f"{args.wave} children x {args.wave_latency_ms} ms on {args.wave_processes} x {args.wave_threads} threads"
-    print("1st ms: how long after the run's start its first child started (the delegation, or the chord's publish)")
+    print("1st ms: how long after the run's start its first child started (subq: the parent and its delegation;")
+    print("        (b): the chord and its publish; both: a worker's pick-up)")
     for run, walls_s in enumerate(waves, 1):
         print(
             f"wave {run}: {shape}: (b) {walls_s['agent']:.2f} s, subq {walls_s['subq']:.2f} s "
