@@ -31,7 +31,7 @@ from coordinator import admission, budgets, control, dispatch, faults, ids, todo
 from coordinator import todos as todo_lists
 from coordinator.errors import BrokerError, StateError, SubqError, ValidationError
 from coordinator.inputs import error_message, error_path, one_line
-from coordinator.models import Batch, DelegationMode, SubtaskSpec, TaskRecord, TaskStatus, TodoItem
+from coordinator.models import Batch, DelegationMode, NewChildren, SubtaskSpec, TaskRecord, TaskStatus, TodoItem
 
 if TYPE_CHECKING:
     from coordinator.plane import Plane
@@ -123,7 +123,7 @@ def commit(
     child_ids = [ids.new_child_id(root_id) for _ in checked]
     batch_id = ids.new_batch_id(root_id)
 
-    def plan(parent: TaskRecord, items: list[TodoItem]) -> tuple[Batch, list[TaskRecord], list[TodoItem]]:
+    def plan(parent: TaskRecord, items: list[TodoItem]) -> tuple[Batch, NewChildren, list[TodoItem]]:
         _check_parent(plane, parent)
         remaining = budgets.left_over(plane, parent)
         child_budgets = [budgets.to_micros(s.budget_usd, f"subtasks.{n}.budget_usd") for n, s in enumerate(checked)]
@@ -131,30 +131,34 @@ def commit(
         specs = [(cid, spec.todo_id, spec.description) for cid, spec in zip(child_ids, checked, strict=True)]
         new_items, links = todo_links.link_children(items, specs, awaiting=parent.awaiting_ids)
         now = time.time()
-        children = [
-            TaskRecord(
-                id=cid,
-                parent_id=parent.id,
-                root_id=parent.root_id,
-                depth=parent.depth + 1,
-                status=TaskStatus.ACTIVE,
-                prompt=spec.message,
-                description=spec.description,
-                profile=spec.profile or parent.profile,
-                todo_id=todo_id,
-                batch_id=batch_id,
-                runner="agent",
-                budget_micros=budget_micros,
-                owner=parent.owner,
-                metadata=parent.metadata,  # the tree's tags, on every task of it (a history filter reads them)
-                tenant=parent.tenant,  # whom the tree runs for, and its priority: admission reads both
-                priority=parent.priority,
-                output_schema=spec.output_schema,
-                created_at=now,
-                updated_at=now,
-            )
+        own: list[dict[str, Any]] = [
+            {
+                "id": cid,
+                "prompt": spec.message,
+                "description": spec.description,
+                "profile": spec.profile or parent.profile,
+                "todo_id": todo_id,
+                "budget_micros": budget_micros,
+                "output_schema": spec.output_schema,
+            }
             for cid, spec, todo_id, budget_micros in zip(child_ids, checked, links, child_budgets, strict=True)
         ]
+        # What every child shares, validated once; each child's own values above come from specs checked already.
+        shared = TaskRecord(
+            **own[0],
+            parent_id=parent.id,
+            root_id=parent.root_id,
+            depth=parent.depth + 1,
+            status=TaskStatus.ACTIVE,
+            batch_id=batch_id,
+            runner="agent",
+            owner=parent.owner,
+            metadata=parent.metadata,  # the tree's tags, on every task of it (a history filter reads them)
+            tenant=parent.tenant,  # whom the tree runs for, and its priority: admission reads both
+            priority=parent.priority,
+            created_at=now,
+            updated_at=now,
+        )
         batch = Batch(
             id=batch_id,
             parent_id=parent.id,
@@ -164,7 +168,7 @@ def commit(
             tool_call_id=tool_call_id,
             created_at=now,
         )
-        return batch, children, new_items
+        return batch, NewChildren(shared, own), new_items
 
     plane.store.convergence.watch([task_id], plane.settings.reconcile_grace_s)  # the commit's publish may never come
     batch, children = plane.store.batches.commit_delegation(task_id, plan, token=token)

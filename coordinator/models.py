@@ -412,6 +412,33 @@ class Batch(BaseModel):
     finished_at: float | None = None
 
 
+# The fields in which one delegation's children differ; they share every other one (NewChildren).
+CHILD_OWN_FIELDS = ("id", "prompt", "description", "profile", "todo_id", "budget_micros", "output_schema", "number")
+
+
+@dataclass(frozen=True)
+class NewChildren:
+    """A delegation's children before they are written: one record all of them share, validated once,
+    and each child's own values of CHILD_OWN_FIELDS (from subtask specs validated already). A
+    1000-wide delegation builds and stores its children from the shared part instead of making and
+    encoding 1000 records whole, which its first child waits on (docs/architecture.md, "A delegation's
+    commit")."""
+
+    shared: TaskRecord
+    own: list[dict[str, Any]]
+
+    def __post_init__(self) -> None:
+        for values in self.own:
+            if values.keys() - set(CHILD_OWN_FIELDS):
+                raise ValueError(f"a child's own values may only be {CHILD_OWN_FIELDS}: {sorted(values)}")
+
+    def records(self, first_number: int) -> list[TaskRecord]:
+        """The children's records, their history numbers from `first_number` on (taken at the commit)."""
+        return [
+            self.shared.model_copy(update={**values, "number": first_number + n}) for n, values in enumerate(self.own)
+        ]
+
+
 @dataclass(frozen=True)
 class RetryTask:
     """One failed task of a retry's plan (coordinator/retry.py, store.retries): `run` (active again, its

@@ -19,7 +19,7 @@ from redis.client import Pipeline
 from coordinator import todos as todo_lists
 from coordinator.errors import FencedError, NotFoundError
 from coordinator.ids import root_of
-from coordinator.models import Batch, BatchRef, TaskRecord, TaskStatus, TodoItem
+from coordinator.models import Batch, BatchRef, NewChildren, TaskRecord, TaskStatus, TodoItem
 from coordinator.replies import BatchClosed, ChildSettled
 from coordinator.store.base import (
     EVENTS_MAXLEN,
@@ -33,7 +33,7 @@ from coordinator.store.base import (
 from coordinator.store.events import queue_live
 from coordinator.store.fields import BatchField, TaskField
 from coordinator.store.protocol import ApplyChildren, CloseBatch, MarkTimeline, SettleChild, StopTasks
-from coordinator.store.records import decode_record, opening_marks, stored_fields
+from coordinator.store.records import decode_record, new_children
 from coordinator.todo_links import Merged
 
 __all__ = ["DelegationStore"]
@@ -77,14 +77,14 @@ class DelegationStore(Part):
     def commit_delegation(
         self,
         parent_id: str,
-        plan: Callable[[TaskRecord, list[TodoItem]], tuple[Batch, list[TaskRecord], list[TodoItem]]],
+        plan: Callable[[TaskRecord, list[TodoItem]], tuple[Batch, NewChildren, list[TodoItem]]],
         *,
         token: str = "",
     ) -> tuple[Batch, list[TaskRecord]]:
         """Commit a delegation in one transaction, or write nothing.
 
         `plan(parent, todos)` validates against the watched state and returns the
-        batch, the child records and the parent's new todo list; it raises to refuse.
+        batch, the children to make and the parent's new todo list; it raises to refuse.
         A run's delegation passes its lease's `token`: `FencedError`, nothing written,
         once another run holds it.
         """
@@ -94,7 +94,7 @@ class DelegationStore(Part):
 
         def body(pipe: Pipeline) -> tuple[Batch, list[TaskRecord]]:
             parent, old_todos = self._read_watched(pipe, parent_id, token)
-            batch, children, new_todos = plan(parent, old_todos)
+            batch, new, new_todos = plan(parent, old_todos)
             ancestors_raw, chain_raw = cast(
                 list[str | None], pipe.hmget(parent_key, [TaskField.ANCESTORS, TaskField.BUDGET_CHAIN])
             )
@@ -105,15 +105,13 @@ class DelegationStore(Part):
                 extra[TaskField.BUDGET_CHAIN] = budgeted
             # History numbers, taken once the plan is valid (in watch mode this runs now), so
             # each child's is written with it; a commit retried on a conflict leaves a gap.
-            first = int(pipe.incrby(k.task_number(), len(children))) - len(children) + 1
-            children = [c.model_copy(update={"number": first + n}) for n, c in enumerate(children)]
+            first = int(pipe.incrby(k.task_number(), len(new.own))) - len(new.own) + 1
+            children, hashes = new_children(new, first, extra)
             now = time.time()
             pipe.multi()
-            for child in children:
+            for child, mapping in zip(children, hashes, strict=True):
                 child_key = k.task(root, child.id)
-                fields = stored_fields(child)
-                marks = {TaskField.TIMELINE: opening_marks(child)}
-                pipe.hset(child_key, mapping=_encode_record({**fields, **extra, **marks}))
+                pipe.hset(child_key, mapping=mapping)
                 pipe.expire(child_key, self.retention_s)
             ids = [c.id for c in children]
             pipe.zadd(k.tree_tasks(root), {c.id: c.created_at for c in children})

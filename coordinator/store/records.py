@@ -12,7 +12,7 @@ from redis.client import Pipeline
 from coordinator import todos as todo_lists
 from coordinator.errors import CorruptError, NotFoundError
 from coordinator.ids import root_of
-from coordinator.models import TaskRecord, TodoItem
+from coordinator.models import CHILD_OWN_FIELDS, NewChildren, TaskRecord, TodoItem
 from coordinator.output_schema import compact
 from coordinator.store.base import (
     HashMapping,
@@ -25,7 +25,7 @@ from coordinator.store.base import (
 )
 from coordinator.store.fields import JSON_FIELDS, TaskField
 
-__all__ = ["RecordStore", "decode_record", "stored_fields"]
+__all__ = ["RecordStore", "decode_record", "new_children", "stored_fields"]
 
 
 # What a record's dump holds that is not a field of its hash: the children and those awaited
@@ -52,13 +52,34 @@ LEFT_UNSET: frozenset[str] = frozenset({
 def stored_fields(record: TaskRecord) -> dict[str, Any]:
     """A new record's fields as its hash holds them (before `_encode_record`): the JSON fields as compact text,
     and none of LEFT_UNSET at its default."""
-    fields = record.model_dump(exclude=NOT_STORED)
+    return _as_stored(record.model_dump(exclude=NOT_STORED))
+
+
+def _as_stored(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` (some or all of a record's) as its hash holds them: see `stored_fields`."""
     for name in JSON_FIELDS:
-        fields[name] = "" if fields.get(name) is None else compact(fields[name])
+        if name in fields:
+            fields[name] = "" if fields[name] is None else compact(fields[name])
     for name in LEFT_UNSET:
-        if fields.get(name) in (0, "", None):
+        if name in fields and fields[name] in (0, "", None):
             del fields[name]
     return fields
+
+
+def new_children(
+    new: NewChildren, first_number: int, extra: Mapping[str, object]
+) -> tuple[list[TaskRecord], list[HashMapping]]:
+    """A delegation's children (their history numbers from `first_number` on) and each one's hash as
+    `stored_fields` makes it, with `extra` and its opening marks: what they share made and encoded once, each
+    child's own fields (CHILD_OWN_FIELDS, none of them LEFT_UNSET) on top. tests/test_delegation.py holds each
+    hash to the one made from the child's record alone."""
+    children = new.records(first_number)
+    shared = _encode_record({**stored_fields(new.shared), **extra, TaskField.TIMELINE: opening_marks(new.shared)})
+    hashes = [
+        {**shared, **_encode_record(_as_stored({name: getattr(child, name) for name in CHILD_OWN_FIELDS}))}
+        for child in children
+    ]
+    return children, hashes
 
 
 def decode_record(raw: dict[str, str], child_ids: list[str], awaiting_ids: list[str]) -> TaskRecord:

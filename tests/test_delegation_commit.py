@@ -1,0 +1,87 @@
+"""A delegation's commit builds its children from what they share (models.NewChildren), made and encoded once,
+and each child's own values on top (store.records.new_children): on a real Redis, every child's stored hash is the
+one its record alone would give, and reads back as that record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from coordinator import Coordinator, Profile, Settings, delegation
+from coordinator.models import CHILD_OWN_FIELDS, NewChildren, TaskRecord, TaskStatus
+from coordinator.store.base import _encode_record
+from coordinator.store.fields import TaskField
+from coordinator.store.records import LEFT_UNSET, opening_marks, stored_fields
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+
+
+@pytest.fixture
+def coord(settings: Settings) -> Iterator[Coordinator]:
+    """A coordinator no worker serves, with a second profile, so children may differ in theirs."""
+    profiles = {**settings.profiles, "second": Profile()}
+    coord = Coordinator(
+        settings.model_copy(update={"queue": "subq-nobody", "key_prefix": "subqcommit", "profiles": profiles})
+    )
+    yield coord
+    coord.client.delete("subq-nobody")
+    coord.close()
+
+
+def _varied_specs(todo_id: str) -> list[dict[str, Any]]:
+    """Children that differ in every own field a spec gives: message, description, profile, item, budget, schema."""
+    return [
+        {"description": "first", "message": "do the first thing", "todo_id": todo_id},
+        {"description": "second", "message": "do the second", "profile": "second", "budget_usd": "0.25"},
+        {"description": "third", "message": "answer in JSON", "output_schema": SCHEMA, "budget_usd": "0.5"},
+        {"description": "fourth, a row of its own", "message": "the plan has no row left for me"},
+    ]
+
+
+def test_each_child_is_stored_as_its_record_alone_would_be(coord: Coordinator) -> None:
+    parent = coord.create_task("a budgeted parent", todos="[ ] a\n[ ] b\n[ ] c", budget_usd="2", metadata={"job": "7"})
+    items = coord.get_todos(parent.id)
+    batch, children = delegation.commit(coord.plane, parent.id, _varied_specs(items[2].id))
+
+    assert [c.id for c in children] == batch.child_ids
+    assert len({c.number for c in children}) == len(children), "each child has a history number of its own"
+    assert [c.todo_id for c in children[:3]] == [items[2].id, items[0].id, items[1].id]
+    assert [c.profile for c in children] == [parent.profile, "second", parent.profile, parent.profile]
+    assert [c.budget_micros for c in children] == [0, 250_000, 500_000, 0]
+    assert [c.output_schema for c in children] == [None, None, SCHEMA, None]
+    for child in children:
+        stored = coord.client.hgetall(coord.store.keys.task(child.root_id, child.id))
+        # The record leaves its ancestors to the commit (they are the parent's, and the parent).
+        alone = _encode_record({**stored_fields(child), TaskField.TIMELINE: opening_marks(child)})
+        del alone[TaskField.ANCESTORS]
+        assert {name: stored[name] for name in alone} == {name: str(value) for name, value in alone.items()}
+        # Beyond the record: the commit's own fields, the same for every child of the batch.
+        extra = {name: stored[name] for name in stored.keys() - alone.keys()}
+        assert extra == {
+            TaskField.ANCESTORS: f'["{parent.id}"]',
+            TaskField.BATCH_MODE: "parallel",
+            TaskField.BUDGET_CHAIN: f'["{parent.id}"]',
+        }
+        read = coord.get_task(child.id)
+        assert read.model_dump(exclude={"ancestors"}) == child.model_dump(exclude={"ancestors"})
+        assert read.metadata == {"job": "7"} and read.status == TaskStatus.ACTIVE
+
+
+def test_the_own_fields_are_fields_a_new_record_writes() -> None:
+    # A field a new record leaves out at its default (LEFT_UNSET) could not be one a child sets on top of what
+    # its siblings share: left out, the shared value would stand in its place.
+    assert set(CHILD_OWN_FIELDS) <= set(TaskRecord.model_fields)
+    assert not set(CHILD_OWN_FIELDS) & LEFT_UNSET
+
+
+def test_a_value_outside_the_own_fields_is_refused() -> None:
+    shared = TaskRecord(
+        id="r-1", root_id="r", status=TaskStatus.ACTIVE, prompt="p", profile="offline", created_at=1.0, updated_at=1.0
+    )
+    with pytest.raises(ValueError, match="a child's own values may only be"):
+        NewChildren(shared, [{"id": "r-2", "depth": 3}])
+    children = NewChildren(shared, [{"id": "r-2"}, {"id": "r-3", "prompt": "q"}]).records(first_number=10)
+    assert [(c.id, c.prompt, c.number) for c in children] == [("r-2", "p", 10), ("r-3", "q", 11)]
