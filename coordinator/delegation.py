@@ -143,7 +143,8 @@ def commit(
             }
             for cid, spec, todo_id, budget_micros in zip(child_ids, checked, links, child_budgets, strict=True)
         ]
-        # What every child shares, validated once; each child's own values above come from specs checked already.
+        # What every child shares, validated once (its own fields are the first child's, replaced in each);
+        # each child's own values above come from specs checked already.
         shared = TaskRecord(
             **own[0],
             parent_id=parent.id,

@@ -412,8 +412,10 @@ class Batch(BaseModel):
     finished_at: float | None = None
 
 
-# The fields in which one delegation's children differ; they share every other one (NewChildren).
+# The fields in which one delegation's children differ; they share every other one (NewChildren). Each child
+# gives all of them but its history number, which the commit takes (NewChildren.records).
 CHILD_OWN_FIELDS = ("id", "prompt", "description", "profile", "todo_id", "budget_micros", "output_schema", "number")
+_GIVEN_OWN_FIELDS = frozenset(CHILD_OWN_FIELDS) - {"number"}
 
 
 @dataclass(frozen=True)
@@ -421,19 +423,26 @@ class NewChildren:
     """A delegation's children before they are written: one record all of them share, validated once,
     and each child's own values of CHILD_OWN_FIELDS (from subtask specs validated already). A
     1000-wide delegation builds and stores its children from the shared part instead of making and
-    encoding 1000 records whole, which its first child waits on (docs/architecture.md, "A delegation's
-    commit")."""
+    encoding 1000 records whole, which its first child waits on (docs/architecture.md, "A parallel
+    delegation, step by step"). `shared`'s own fields are the first child's, replaced in each child."""
 
     shared: TaskRecord
     own: list[dict[str, Any]]
 
     def __post_init__(self) -> None:
+        # Every own field given, none other: one left out would silently take the first child's value.
         for values in self.own:
-            if values.keys() - set(CHILD_OWN_FIELDS):
-                raise ValueError(f"a child's own values may only be {CHILD_OWN_FIELDS}: {sorted(values)}")
+            if values.keys() != _GIVEN_OWN_FIELDS:
+                raise ValueError(
+                    f"a child's own values are {sorted(_GIVEN_OWN_FIELDS)}, not {sorted(values)}: "
+                    "the commit takes each one's number"
+                )
 
     def records(self, first_number: int) -> list[TaskRecord]:
-        """The children's records, their history numbers from `first_number` on (taken at the commit)."""
+        """The children's records, their history numbers from `first_number` on (taken at the commit).
+
+        Not validated again (their values were), and siblings share what they do not own, nested values
+        included (`metadata`, `ancestors`, `timeline`): a record is never changed in place."""
         return [
             self.shared.model_copy(update={**values, "number": first_number + n}) for n, values in enumerate(self.own)
         ]

@@ -41,18 +41,34 @@ def _varied_specs(todo_id: str) -> list[dict[str, Any]]:
     ]
 
 
-def test_each_child_is_stored_as_its_record_alone_would_be(coord: Coordinator) -> None:
-    parent = coord.create_task("a budgeted parent", todos="[ ] a\n[ ] b\n[ ] c", budget_usd="2", metadata={"job": "7"})
+# A parallel delegation from a root of the default tenant; a sequential one from a root with a tenant, a priority
+# and an owner of its own, which every child shares.
+TREES = [
+    pytest.param("parallel", {}, id="parallel"),
+    pytest.param("sequential", {"tenant": "team-b", "priority": 5, "owner": "key-1"}, id="sequential-tenant"),
+]
+
+
+@pytest.mark.parametrize(("mode", "tree"), TREES)
+def test_each_child_is_stored_as_its_record_alone_would_be(coord: Coordinator, mode: str, tree: dict[str, Any]) -> None:
+    parent = coord.create_task(
+        "a budgeted parent", todos="[ ] a\n[ ] b\n[ ] c", budget_usd="2", metadata={"job": "7"}, **tree
+    )
     items = coord.get_todos(parent.id)
-    batch, children = delegation.commit(coord.plane, parent.id, _varied_specs(items[2].id))
+    specs = _varied_specs(items[2].id)
+    batch, children = delegation.commit(coord.plane, parent.id, specs, mode=mode)
 
     assert [c.id for c in children] == batch.child_ids
+    assert [(c.prompt, c.description) for c in children] == [(s["message"], s["description"]) for s in specs]
     assert len({c.number for c in children}) == len(children), "each child has a history number of its own"
-    assert [c.todo_id for c in children[:3]] == [items[2].id, items[0].id, items[1].id]
+    appended = coord.get_todos(parent.id)[-1]
+    assert appended.content == specs[3]["description"], "the fourth child found no row left: one was appended"
+    assert [c.todo_id for c in children] == [items[2].id, items[0].id, items[1].id, appended.id]
     assert [c.profile for c in children] == [parent.profile, "second", parent.profile, parent.profile]
     assert [c.budget_micros for c in children] == [0, 250_000, 500_000, 0]
     assert [c.output_schema for c in children] == [None, None, SCHEMA, None]
     for child in children:
+        assert (child.tenant, child.priority, child.owner) == (parent.tenant, parent.priority, parent.owner)
         stored = coord.client.hgetall(coord.store.keys.task(child.root_id, child.id))
         # The record leaves its ancestors to the commit (they are the parent's, and the parent).
         alone = _encode_record({**stored_fields(child), TaskField.TIMELINE: opening_marks(child)})
@@ -62,7 +78,7 @@ def test_each_child_is_stored_as_its_record_alone_would_be(coord: Coordinator) -
         extra = {name: stored[name] for name in stored.keys() - alone.keys()}
         assert extra == {
             TaskField.ANCESTORS: f'["{parent.id}"]',
-            TaskField.BATCH_MODE: "parallel",
+            TaskField.BATCH_MODE: mode,
             TaskField.BUDGET_CHAIN: f'["{parent.id}"]',
         }
         read = coord.get_task(child.id)
@@ -77,11 +93,16 @@ def test_the_own_fields_are_fields_a_new_record_writes() -> None:
     assert not set(CHILD_OWN_FIELDS) & LEFT_UNSET
 
 
-def test_a_value_outside_the_own_fields_is_refused() -> None:
+def test_a_child_gives_every_own_value_and_no_other() -> None:
     shared = TaskRecord(
         id="r-1", root_id="r", status=TaskStatus.ACTIVE, prompt="p", profile="offline", created_at=1.0, updated_at=1.0
     )
-    with pytest.raises(ValueError, match="a child's own values may only be"):
-        NewChildren(shared, [{"id": "r-2", "depth": 3}])
-    children = NewChildren(shared, [{"id": "r-2"}, {"id": "r-3", "prompt": "q"}]).records(first_number=10)
-    assert [(c.id, c.prompt, c.number) for c in children] == [("r-2", "p", 10), ("r-3", "q", 11)]
+    given = {"prompt": "q", "description": "", "profile": "offline", "todo_id": None, "budget_micros": 0}
+    given |= {"output_schema": None}
+    with pytest.raises(ValueError, match="a child's own values are .* not .*depth"):
+        NewChildren(shared, [{"id": "r-2", **given, "depth": 3}])
+    # One left out would take the first child's value unseen.
+    with pytest.raises(ValueError, match="a child's own values are .* not"):
+        NewChildren(shared, [{"id": "r-2", **{k: v for k, v in given.items() if k != "prompt"}}])
+    children = NewChildren(shared, [{"id": "r-2", **given}, {"id": "r-3", **given, "prompt": "z"}]).records(10)
+    assert [(c.id, c.prompt, c.number) for c in children] == [("r-2", "q", 10), ("r-3", "z", 11)]

@@ -71,7 +71,7 @@ def new_children(
 ) -> tuple[list[TaskRecord], list[HashMapping]]:
     """A delegation's children (their history numbers from `first_number` on) and each one's hash as
     `stored_fields` makes it, with `extra` and its opening marks: what they share made and encoded once, each
-    child's own fields (CHILD_OWN_FIELDS, none of them LEFT_UNSET) on top. tests/test_delegation.py holds each
+    child's own fields (CHILD_OWN_FIELDS, none of them LEFT_UNSET) on top. tests/test_delegation_commit.py holds each
     hash to the one made from the child's record alone."""
     children = new.records(first_number)
     shared = _encode_record({**stored_fields(new.shared), **extra, TaskField.TIMELINE: opening_marks(new.shared)})
