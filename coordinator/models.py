@@ -433,10 +433,8 @@ class NewChildren:
         # Every own field given, none other: one left out would silently take the first child's value.
         for values in self.own:
             if values.keys() != _GIVEN_OWN_FIELDS:
-                raise ValueError(
-                    f"a child's own values are {sorted(_GIVEN_OWN_FIELDS)}, not {sorted(values)}: "
-                    "the commit takes each one's number"
-                )
+                number = ": the commit takes each one's number" if "number" in values else ""
+                raise ValueError(f"a child's own values are {sorted(_GIVEN_OWN_FIELDS)}, not {sorted(values)}{number}")
 
     def records(self, first_number: int) -> list[TaskRecord]:
         """The children's records, their history numbers from `first_number` on (taken at the commit).

@@ -42,7 +42,7 @@ def _varied_specs(todo_id: str) -> list[dict[str, Any]]:
 
 
 # A parallel delegation from a root of the default tenant; a sequential one from a root with a tenant, a priority
-# and an owner of its own, which every child shares.
+# and an owner of its own, which every child shares (only that case can tell a child's from the default's).
 TREES = [
     pytest.param("parallel", {}, id="parallel"),
     pytest.param("sequential", {"tenant": "team-b", "priority": 5, "owner": "key-1"}, id="sequential-tenant"),
