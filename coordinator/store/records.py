@@ -12,7 +12,7 @@ from redis.client import Pipeline
 from coordinator import todos as todo_lists
 from coordinator.errors import CorruptError, NotFoundError
 from coordinator.ids import root_of
-from coordinator.models import CHILD_OWN_FIELDS, NewChildren, TaskRecord, TodoItem
+from coordinator.models import NewChildren, TaskRecord, TodoItem
 from coordinator.output_schema import compact
 from coordinator.store.base import (
     HashMapping,
@@ -75,9 +75,10 @@ def new_children(
     hash to the one made from the child's record alone."""
     children = new.records(first_number)
     shared = _encode_record({**stored_fields(new.shared), **extra, TaskField.TIMELINE: opening_marks(new.shared)})
+    # Each child's own fields encoded from the values its record was made of, not read back from it.
     hashes = [
-        {**shared, **_encode_record(_as_stored({name: getattr(child, name) for name in CHILD_OWN_FIELDS}))}
-        for child in children
+        {**shared, **_encode_record(_as_stored({**values, "number": child.number}))}
+        for child, values in zip(children, new.own, strict=True)
     ]
     return children, hashes
 
