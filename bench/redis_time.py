@@ -43,12 +43,16 @@ IDLE_S = 5.0
 
 
 def server_times(client: Any) -> tuple[float, float, dict[str, tuple[int, int]]]:
-    """(user s, system s, {command: (calls, microseconds)}) the server has spent so far."""
+    """(user s, system s, {command: (calls, microseconds)}) the server has spent so far. The requests it has read
+    and the replies it has written are two more lines, `(requests)` and `(replies)`, counted in calls."""
     cpu = client.info("cpu")
     stats = {
         name.removeprefix("cmdstat_"): (int(row["calls"]), int(row["usec"]))
         for name, row in client.info("commandstats").items()
     }
+    served = client.info("stats")
+    for line, field in (("(requests)", "total_reads_processed"), ("(replies)", "total_writes_processed")):
+        stats[line] = (int(served.get(field, 0)), 0)
     return float(cpu["used_cpu_user"]), float(cpu["used_cpu_sys"]), stats
 
 
@@ -64,13 +68,15 @@ def measure(modes: Modes, mode: str, width: int, idle_ms_per_s: float) -> dict[s
     commands = {}
     for name, (calls, usec) in after.items():
         calls_before, usec_before = before.get(name, (0, 0))
-        if usec > usec_before:
+        if usec > usec_before or (name.startswith("(") and calls > calls_before):
             commands[name] = ((calls - calls_before) / width, (usec - usec_before) / width)
     return {
         "mode": mode,
         "user_ms": (user_after_s - user_s) * 1000 / width,
         "system_ms": (sys_after_s - sys_s) * 1000 / width,
         "idle_ms": idle_ms_per_s * wall_s / width,
+        "requests": commands.pop("(requests)", (0.0, 0.0))[0],
+        "replies": commands.pop("(replies)", (0.0, 0.0))[0],
         "commands": dict(sorted(commands.items(), key=lambda item: -item[1][1])),
     }
 
@@ -80,7 +86,8 @@ def report(rows: Sequence[dict[str, Any]], top: int) -> None:
         total_ms = row["user_ms"] + row["system_ms"]
         print(
             f"\n{row['mode']}: Redis {total_ms:.2f} ms a child (user {row['user_ms']:.2f}, system "
-            f"{row['system_ms']:.2f}); net of the idle fleets' {row['idle_ms']:.2f}: {total_ms - row['idle_ms']:.2f}"
+            f"{row['system_ms']:.2f}); net of the idle fleets' {row['idle_ms']:.2f}: {total_ms - row['idle_ms']:.2f}; "
+            f"{row['requests']:.2f} requests read and {row['replies']:.2f} replies written a child"
         )
         print(f"  {'command':<16} {'calls/child':>11} {'us/child':>9} {'us/call':>8}")
         for name, (calls, usec) in list(row["commands"].items())[:top]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -9,7 +10,9 @@ import redis
 from kombu import Connection
 
 from coordinator import Settings
+from coordinator.celery_app import RUN_TASK
 from workers.poison import DeadLetterChannel, DeadLetters, install_channel
+from workers.run_acks import RunQoS
 
 QUEUE = "subq-broker-client"
 
@@ -60,4 +63,84 @@ def test_messages_are_delivered_and_acked_through_the_one_client(connection: Con
     finally:
         queue.close()
         client.delete(QUEUE)
+        client.close()
+
+
+def test_a_run_message_is_held_in_memory_and_forgotten_by_its_ack(connection: Connection, settings: Settings) -> None:
+    # A run's redelivery is subq's own (the due list and the reconciler): nothing of it is written to kombu's
+    # unacked hash or its index, while prefetch still counts it; any other message is indexed as before.
+    client = redis.Redis.from_url(settings.require_redis_url())
+    client.delete(QUEUE, "unacked", "unacked_index")
+    queue = connection.SimpleQueue(QUEUE)
+    try:
+        queue.put({"n": 1}, headers={"task": RUN_TASK, "id": "run-1"})
+        queue.put({"n": 2}, headers={"task": "subq.advance", "id": "other-1"})
+        run, other = queue.get(timeout=5), queue.get(timeout=5)
+        qos = connection.default_channel.qos
+        assert isinstance(qos, RunQoS)
+        assert run.headers["task"] == RUN_TASK and run.delivery_tag in qos._delivered
+        assert not client.hexists("unacked", run.delivery_tag)
+        assert client.zscore("unacked_index", run.delivery_tag) is None
+        assert client.hexists("unacked", other.delivery_tag), "a message other than a run lost kombu's backstop"
+        run.ack()
+        other.ack()
+        qos._flush()
+        assert run.delivery_tag not in qos._delivered and other.delivery_tag not in qos._delivered
+        assert client.hlen("unacked") == 0 and client.zcard("unacked_index") == 0
+        assert client.llen(QUEUE) == 0, "an ack put a run message back"
+    finally:
+        queue.close()
+        client.delete(QUEUE, "unacked", "unacked_index")
+        client.close()
+
+
+def test_a_run_message_put_back_goes_where_kombu_puts_one_back(connection: Connection, settings: Settings) -> None:
+    # kombu's reject with requeue puts a message back behind the ones waiting (LPUSH: the consumer pops the
+    # other end), marked redelivered: a run message held in memory goes back the same way, from memory.
+    client = redis.Redis.from_url(settings.require_redis_url())
+    client.delete(QUEUE)
+    queue = connection.SimpleQueue(QUEUE)
+    try:
+        queue.put({"n": 1}, headers={"task": RUN_TASK, "id": "run-1"})
+        queue.put({"n": 2}, headers={"task": RUN_TASK, "id": "run-2"})
+        first = queue.get(timeout=5)
+        assert first.headers["id"] == "run-1"
+        first.reject(requeue=True)
+        assert client.llen(QUEUE) == 2, "a requeued run message was not put back"
+        second = queue.get(timeout=5)
+        again = queue.get(timeout=5)
+        assert second.headers["id"] == "run-2" and again.headers["id"] == "run-1"
+        assert again.payload == {"n": 1} and again.delivery_info.get("redelivered") is True
+        again.ack()
+        second.reject(requeue=False)  # (a dead-lettered run: dropped, not put back)
+        assert client.llen(QUEUE) == 0 and client.hlen("unacked") == 0
+    finally:
+        queue.close()
+        client.delete(QUEUE)
+        client.close()
+
+
+def test_run_messages_still_held_when_the_channel_closes_go_back_on_their_queue(settings: Settings) -> None:
+    # A warm shutdown's restore: kombu restores every message still held when its channel closes, a run message
+    # from the worker's memory, any other from the unacked hash; none is lost and none is restored twice.
+    client = redis.Redis.from_url(settings.require_redis_url())
+    client.delete(QUEUE, "unacked", "unacked_index")
+    conn = Connection(settings.require_redis_url(), transport_options={"visibility_timeout": 60})
+    install_channel(conn.transport, DeadLetters(settings))
+    try:
+        queue = conn.SimpleQueue(QUEUE)
+        queue.put({"n": 1}, headers={"task": RUN_TASK, "id": "run-1"})
+        queue.put({"n": 2}, headers={"task": "subq.advance", "id": "other-1"})
+        queue.put({"n": 3}, headers={"task": RUN_TASK, "id": "run-2"})
+        held = [queue.get(timeout=5) for _ in range(3)]
+        held[2].ack()  # acked before the close: not restored
+        assert client.llen(QUEUE) == 0
+        queue.close()
+        conn.close()
+        entries = [json.loads(raw) for raw in client.lrange(QUEUE, 0, -1)]
+        assert sorted(entry["headers"]["id"] for entry in entries) == ["other-1", "run-1"]
+        assert client.hlen("unacked") == 0
+    finally:
+        conn.close()
+        client.delete(QUEUE, "unacked", "unacked_index")
         client.close()

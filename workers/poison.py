@@ -40,6 +40,7 @@ from vine import promise
 
 from coordinator import Coordinator, Settings, StoreError, dead_letter, load_settings
 from coordinator.celery_app import FollowingSentinelChannel
+from workers.run_acks import RunQoS
 
 __all__ = ["DeadLetterChannel", "DeadLetters", "PoisonSafeConsumer", "UnreadableMessage", "task_problem"]
 
@@ -138,9 +139,11 @@ class OneClientPerPool:
 
 
 class DeadLetterChannel(OneClientPerPool, kombu_redis.Channel):
-    """kombu's Redis channel, which dead-letters a list entry it cannot turn into a message."""
+    """kombu's Redis channel, which dead-letters a list entry it cannot turn into a message, and holds a run
+    message's delivery in memory, not in kombu's unacked hash (`RunQoS`, workers/run_acks.py)."""
 
     Message = CheckedMessage
+    QoS = RunQoS
     # The queue whose entry is being delivered, for a dead letter written by the Celery layer.
     reading_queue: str | None = None
 
@@ -150,9 +153,10 @@ class DeadLetterChannel(OneClientPerPool, kombu_redis.Channel):
         After the broker's socket is lost, kombu's close restores the unacked messages
         through a connection pool it has just torn down, and fails on its missing
         connection info (AttributeError); Celery counts that as unrecoverable and the
-        worker exits, so one Redis restart stopped the whole fleet. The messages stay in
-        kombu's unacked hash (the visibility backstop restores them) and the reconciler
-        publishes their runs again; the consumer reconnects.
+        worker exits, so one Redis restart stopped the whole fleet. The messages other than
+        runs stay in kombu's unacked hash (the visibility backstop restores them); the run
+        messages the worker held are lost with the connection, and the reconciler publishes
+        their runs again, as it does the others'. The consumer reconnects.
         """
         try:
             super().close()  # type: ignore[no-untyped-call]
