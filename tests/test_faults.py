@@ -15,6 +15,7 @@ grace) so that each fault converges in seconds; the defaults scale the same way
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from coordinator import Coordinator, Settings, TaskStatus
+from coordinator.celery_app import RUN_TASK
 from coordinator.local.fleet import WorkerFleet
 from tests.agents import STEP_COST_MICROS, agent, call, calls, reply, subtask
 from tests.conftest import dedicated_fleet
@@ -99,6 +101,11 @@ def assert_converged(coord: Coordinator, root_id: str) -> None:
         f"nothing in flight (now {coord.store.runs.in_flight(root_id)})",
         10,
     )
+
+
+def unacked_tasks(coord: Coordinator) -> list[str]:
+    """The task names of the messages kombu's unacked hash holds (the broker's redelivery backstop)."""
+    return [json.loads(raw)[0]["headers"].get("task") for raw in coord.client.hvals("unacked")]
 
 
 def repairs_since(coord: Coordinator, before: dict[str, int]) -> dict[str, int]:
@@ -283,10 +290,14 @@ def test_a_worker_killed_mid_run_resumes_elsewhere_after_the_lapse(
         deadline = time.monotonic() + 30
         while coord.store.runs.in_flight(parent.id)["leases"] == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
+        # The worker holds the run's message in its memory, not in kombu's unacked hash (workers/run_acks.py):
+        # killed, it leaves no copy for the broker's visibility backstop to deliver again hours later.
+        assert RUN_TASK not in unacked_tasks(coord), "a run message was written to kombu's unacked hash"
         os.kill(fleet.procs[0].pid, signal.SIGKILL)
         killed = time.monotonic()
     finally:
         fleet.stop()
+    assert RUN_TASK not in unacked_tasks(coord)
     coord.wait(parent.id, CONVERGE_S)
     took_s = time.monotonic() - killed
     child = coord.get_task(child_id)
