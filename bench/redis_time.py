@@ -43,15 +43,20 @@ IDLE_S = 5.0
 
 
 def server_times(client: Any) -> tuple[float, float, dict[str, tuple[int, int]]]:
-    """(user s, system s, {command: (calls, microseconds)}) the server has spent so far. The requests it has read
-    and the replies it has written are two more lines, `(requests)` and `(replies)`, counted in calls."""
+    """(user s, system s, {command: (calls, microseconds)}) the server has spent so far. The requests it has read,
+    the replies it has written and its append-only file's size are three more lines, `(requests)`, `(replies)`
+    and `(aof bytes)`, counted in calls (the size is 0 where the server keeps no append-only file)."""
     cpu = client.info("cpu")
     stats = {
         name.removeprefix("cmdstat_"): (int(row["calls"]), int(row["usec"]))
         for name, row in client.info("commandstats").items()
     }
-    served = client.info("stats")
-    for line, field in (("(requests)", "total_reads_processed"), ("(replies)", "total_writes_processed")):
+    served = {**client.info("stats"), **client.info("persistence")}
+    for line, field in (
+        ("(requests)", "total_reads_processed"),
+        ("(replies)", "total_writes_processed"),
+        ("(aof bytes)", "aof_current_size"),
+    ):
         stats[line] = (int(served.get(field, 0)), 0)
     return float(cpu["used_cpu_user"]), float(cpu["used_cpu_sys"]), stats
 
@@ -77,6 +82,8 @@ def measure(modes: Modes, mode: str, width: int, idle_ms_per_s: float) -> dict[s
         "idle_ms": idle_ms_per_s * wall_s / width,
         "requests": commands.pop("(requests)", (0.0, 0.0))[0],
         "replies": commands.pop("(replies)", (0.0, 0.0))[0],
+        # (The file's size is a gauge: a rewrite during the run shrinks it, and the line is then left out.)
+        "aof_bytes": commands.pop("(aof bytes)", (None, 0.0))[0],
         "commands": dict(sorted(commands.items(), key=lambda item: -item[1][1])),
     }
 
@@ -87,7 +94,12 @@ def report(rows: Sequence[dict[str, Any]], top: int) -> None:
         print(
             f"\n{row['mode']}: Redis {total_ms:.2f} ms a child (user {row['user_ms']:.2f}, system "
             f"{row['system_ms']:.2f}); net of the idle fleets' {row['idle_ms']:.2f}: {total_ms - row['idle_ms']:.2f}; "
-            f"{row['requests']:.2f} requests read and {row['replies']:.2f} replies written a child"
+            f"{row['requests']:.2f} requests read, {row['replies']:.2f} replies written and "
+            + (
+                "no AOF figure (none kept, or rewritten during the run)"
+                if row["aof_bytes"] is None
+                else f"{row['aof_bytes']:,.0f} bytes appended to the AOF a child"
+            )
         )
         print(f"  {'command':<16} {'calls/child':>11} {'us/child':>9} {'us/call':>8}")
         for name, (calls, usec) in list(row["commands"].items())[:top]:

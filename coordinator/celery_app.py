@@ -2,9 +2,11 @@
 
 Both planes build their app here from the same `Settings`: the coordinator
 to publish work by task name, `workers.app` to run it. JSON only; late acks
-with prefetch 1 so a task lost with its worker is delivered again; the Redis
-visibility timeout above the task time limit so a slow task is not delivered
-twice; events on so Flower sees every task.
+with prefetch 1, so a worker takes only what its threads can start; the Redis
+visibility timeout above the task time limit, so a slow message other than a
+run is not delivered twice (a worker holds a run message in memory, and the
+reconciler brings a lost run back: workers/run_acks.py); events on so Flower
+sees every task.
 """
 
 from __future__ import annotations

@@ -72,8 +72,9 @@ DEFAULT_CONCURRENCY = 32
 # Six hours: agent runs of several hours are allowed; a dead worker is found by its
 # heartbeat, not by this limit, so a long limit costs nothing when a worker dies.
 DEFAULT_TASK_TIME_LIMIT_S = 6 * 3600
-# Redis redelivers an unacked task after this; it must exceed the longest task or a
-# slow task would be run twice (kombu's visibility_timeout semantics). Only a backstop:
+# Redis redelivers an unacked message after this; it must exceed the longest task or a
+# slow task would be delivered twice (kombu's visibility_timeout semantics). It applies to
+# messages other than runs (a worker holds a run message in memory: workers/run_acks.py);
 # a dead worker's runs are published again by the reconciler within seconds.
 DEFAULT_VISIBILITY_TIMEOUT_S = 7 * 3600
 # A run's lease lapses this long after its worker's last heartbeat (renewed every third
@@ -806,7 +807,7 @@ class Settings(BaseSettings):
         if self.visibility_timeout_s <= self.task_time_limit_s:
             raise ValueError(
                 f"SUBQ_VISIBILITY_TIMEOUT_S: {self.visibility_timeout_s} must be above "
-                f"SUBQ_TASK_TIME_LIMIT_S ({self.task_time_limit_s}), or a running task is delivered twice"
+                f"SUBQ_TASK_TIME_LIMIT_S ({self.task_time_limit_s}), or a task still running is delivered twice"
             )
         if self.profiles_file is not None:
             try:

@@ -133,7 +133,7 @@ class Tree:
         self.coord.store.runs.finish_task(
             task.id, status, "done" if status == "completed" else "", "x" * (status != "completed")
         )
-        if redelivered:  # the run died after ending the task; its message is delivered again
+        if redelivered:  # the run died after ending the task; its run is published again (the reconciler)
             self.lifecycle.start(task.id)
         else:
             self.lifecycle.settle_batch(str(task.batch_id))

@@ -1,8 +1,10 @@
 """Nothing lost when a worker dies: redelivery, resume from the persisted conversation, no double count.
 
 The killed-worker test runs its own fleet on a separate Redis database with a
-short visibility timeout, so a task lost with its worker is delivered again in
-seconds (kombu requeues unacknowledged messages older than the timeout).
+short heartbeat lapse and reconciler tick, so a run lost with its worker is
+published again in seconds: its lease lapses and the reconciler finds it. The
+broker does not deliver a run message again (a worker holds its delivery in
+memory: workers/run_acks.py), whatever the visibility timeout.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from workers.runtime.context import build_runtime
 from workers.runtime.runner import INTERRUPTED, run_child
 
 MESSAGE = pydantic.TypeAdapter(ModelMessage)
-# The killed run's lease (the time limit) must lapse before the redelivery (the visibility timeout).
 TIME_LIMIT_S = 4
-VISIBILITY_S = 6
+# The killed worker's heartbeat lapses after this, and the reconciler looks every half second.
+LAPSE_S = 3
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +42,8 @@ def fragile(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Ite
         redis_url=settings.redis_url.rsplit("/", 1)[0] + "/1",
         queue="subq-kill",
         task_time_limit_s=TIME_LIMIT_S,
-        visibility_timeout_s=VISIBILITY_S,
-        restore_interval_s=1,
+        heartbeat_lapse_s=LAPSE_S,
+        reconcile_interval_s=0.5,
         worker_concurrency=4,
     ) as fleet_and_coord:
         yield fleet_and_coord

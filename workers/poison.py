@@ -154,9 +154,9 @@ class DeadLetterChannel(OneClientPerPool, kombu_redis.Channel):
         through a connection pool it has just torn down, and fails on its missing
         connection info (AttributeError); Celery counts that as unrecoverable and the
         worker exits, so one Redis restart stopped the whole fleet. The messages other than
-        runs stay in kombu's unacked hash (the visibility backstop restores them); the run
-        messages the worker held are lost with the connection, and the reconciler publishes
-        their runs again, as it does the others'. The consumer reconnects.
+        runs stay in kombu's unacked hash (the visibility backstop restores them); a run
+        message the restore could not push back from memory is lost with the connection, and
+        the reconciler publishes its run again. The consumer reconnects.
         """
         try:
             super().close()  # type: ignore[no-untyped-call]
@@ -170,8 +170,8 @@ class DeadLetterChannel(OneClientPerPool, kombu_redis.Channel):
         that the reconnect has closed, whose connection info is gone: kombu fails with an
         AttributeError, which stopped the worker's consumer for good (its tasks then sat
         in the queue). As a connection error it is logged and the consumer goes on; the
-        message stays unacked, is restored and delivered again, and its run, already
-        ended, changes nothing.
+        message stays unacked, is restored and delivered again, and its task, already
+        done, changes nothing. (A run message's ack touches no Redis: workers/run_acks.py.)
         """
         if self.connection is None or getattr(self.connection, "client", None) is None:
             raise redis.exceptions.ConnectionError("the broker channel was closed by a reconnect")
@@ -360,7 +360,8 @@ def precheck(message: Any) -> str | None:
     (and, in prefork, took a pool slot). A 3-item body of the wrong shapes (a 3-letter
     string, [1, 2, 3], an embed that is not an object) fails in the pool before the task
     runs, where nothing acknowledges it: the message stays unacknowledged, holding a
-    prefetch slot, and comes back after the visibility timeout to do it again. The body
+    prefetch slot for good (a run message, held in the worker's memory), or until the
+    visibility timeout brings it back to do it again (any other). The body
     is decoded here once; kombu caches it for Celery's request.
     """
     return _time_limit_problem(message.headers) or _body_problem(message)

@@ -14,13 +14,15 @@ Redis server and two pipelines in the worker (docs/benchmarks.md, "A run
 message acknowledged in the worker").
 
 So `RunQoS` keeps a run message's delivery in the worker's memory only, as
-kombu does for a broker with real acknowledgements: prefetch counts it, an ack
-forgets it, and a message put back (a reject with requeue, and every message
-still held when the channel closes at a warm shutdown) is pushed onto its
-queue again from memory, as kombu would from the hash. A worker killed outright
-loses the run messages it held; their tasks are on the due list, and the
-reconciler publishes them again. Every other message (a batch's advance, a
-submission sent by name) keeps kombu's emulation and its backstop.
+kombu's Redis transport does with its ack emulation off (`virtual.QoS`):
+prefetch counts it, an ack forgets it, and a message put back (a reject with
+requeue, and every message still held when the channel closes at a warm
+shutdown) is pushed onto its queue again from memory, as kombu would from the
+hash. A worker killed outright loses the run messages it held; their tasks are
+on the due list, and the reconciler publishes them again. Every other message
+(`subq.submit` sent by name by another service, whose task may not exist yet;
+an `advance` an older version published) keeps kombu's emulation and its
+backstop.
 """
 
 from __future__ import annotations
@@ -58,17 +60,15 @@ class RunQoS(kombu_redis.QoS):
             super().append(message, delivery_tag)  # type: ignore[no-untyped-call]
 
     def ack(self, delivery_tag: Any) -> None:
-        if delivery_tag in self._in_memory:
-            self._in_memory.discard(delivery_tag)
+        if self._claim(delivery_tag):
             MemoryQoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]
         else:
             super().ack(delivery_tag)  # type: ignore[no-untyped-call]
 
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
-        if delivery_tag in self._in_memory:
+        if self._claim(delivery_tag):
             if requeue:
                 self._put_back(delivery_tag, leftmost=True)
-            self._in_memory.discard(delivery_tag)
             MemoryQoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]  # (kombu's reject forgets it so)
         else:
             super().reject(delivery_tag, requeue=requeue)  # type: ignore[no-untyped-call]
@@ -76,11 +76,19 @@ class RunQoS(kombu_redis.QoS):
     def restore_by_tag(self, tag: Any, client: Any = None, leftmost: bool = False) -> None:
         """Put one held message back on its queue: from memory for a run (a warm shutdown's restore of every
         message still held calls this for each), from the unacked hash for any other."""
-        if tag in self._in_memory:
+        if self._claim(tag):
             self._put_back(tag, client=client, leftmost=leftmost)
-            self._in_memory.discard(tag)
         else:
             super().restore_by_tag(tag, client=client, leftmost=leftmost)  # type: ignore[no-untyped-call]
+
+    def _claim(self, tag: Any) -> bool:
+        """Whether `tag` is a run message held here, taken off the set so that one caller alone puts it back: a
+        pool thread's reject and the consumer thread's restore at close may come at once."""
+        try:
+            self._in_memory.remove(tag)
+        except KeyError:
+            return False
+        return True
 
     def _put_back(self, tag: Any, client: Any = None, leftmost: bool = False) -> None:
         message = self._delivered.get(tag)
@@ -89,6 +97,7 @@ class RunQoS(kombu_redis.QoS):
         delivery = message.delivery_info
         with self.channel.conn_or_acquire(client) as conn:
             # kombu's own restore, given the message it kept in the hash: marked redelivered, onto the
-            # queues its exchange and routing key name, at its priority.
+            # queues its exchange and routing key name, at its priority. (It marks the message's own
+            # headers here, where kombu marks a copy read back from the hash: this one is not used again.)
             self.channel._do_restore_message(message._raw, delivery["exchange"], delivery["routing_key"], conn,
                                              leftmost)  # fmt: skip

@@ -180,9 +180,9 @@ def _run(rt: Runtime, run: Run, progress: Progress | None) -> Ended | Released:
     limit_s = rt.settings.task_time_limit_s
     try:
         profile = run.profile()
-        # The threads pool does not enforce Celery's task_time_limit, so the runner does:
-        # a run must end before the visibility timeout, or Redis would deliver it again
-        # while it still runs (Settings checks visibility_timeout_s > task_time_limit_s).
+        # The threads pool does not enforce Celery's task_time_limit, so the runner does: a
+        # runaway run ends here. (Redis never delivers a run message again, whatever the
+        # visibility timeout: workers/run_acks.py.)
         return rt.agent_loop.run(_run_agent(rt, run, profile, progress, limit_s))
     except StopRun as stop:
         return run.stopped(stop.budget_holder)
