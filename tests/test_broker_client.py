@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -27,6 +28,31 @@ def connection(settings: Settings) -> Iterator[Connection]:
         conn.close()
 
 
+@pytest.fixture
+def client(settings: Settings) -> Iterator[redis.Redis]:
+    """The test's own client, with the test's queue emptied before and after.
+
+    kombu's unacked hash is the database's, which other tests' workers use too: a test reads only its own tags.
+    """
+    client = redis.Redis.from_url(settings.require_redis_url())
+    client.delete(QUEUE)
+    try:
+        yield client
+    finally:
+        client.delete(QUEUE)
+        client.close()
+
+
+@pytest.fixture
+def queue(connection: Connection, client: redis.Redis) -> Iterator[Any]:
+    """kombu's SimpleQueue on the test's queue, through subq's channel."""
+    queue = connection.SimpleQueue(QUEUE)
+    try:
+        yield queue
+    finally:
+        queue.close()
+
+
 def test_the_channel_reuses_one_client_and_makes_a_new_one_with_a_new_pool(connection: Connection) -> None:
     channel = connection.default_channel
     assert isinstance(channel, DeadLetterChannel)
@@ -43,91 +69,68 @@ def test_the_channel_reuses_one_client_and_makes_a_new_one_with_a_new_pool(conne
         assert after.ping()
 
 
-def test_messages_are_delivered_and_acked_through_the_one_client(connection: Connection, settings: Settings) -> None:
-    client = redis.Redis.from_url(settings.require_redis_url())
-    client.delete(QUEUE)
-    queue = connection.SimpleQueue(QUEUE)
-    try:
-        for n in range(3):
-            queue.put({"n": n})
-        received = []
-        for _ in range(3):
-            message = queue.get(timeout=5)
-            # kombu's QoS indexed it as unacked (through the channel's client) until the ack.
-            assert client.hexists("unacked", message.delivery_tag)
-            received.append(message.payload["n"])
-            message.ack()
-            assert not client.hexists("unacked", message.delivery_tag)
-        assert received == [0, 1, 2]
-        assert client.llen(QUEUE) == 0
-    finally:
-        queue.close()
-        client.delete(QUEUE)
-        client.close()
+def test_messages_are_delivered_and_acked_through_the_one_client(queue: Any, client: redis.Redis) -> None:
+    for n in range(3):
+        queue.put({"n": n})
+    received = []
+    for _ in range(3):
+        message = queue.get(timeout=5)
+        # kombu's QoS indexed it as unacked (through the channel's client) until the ack.
+        assert client.hexists("unacked", message.delivery_tag)
+        received.append(message.payload["n"])
+        message.ack()
+        assert not client.hexists("unacked", message.delivery_tag)
+    assert received == [0, 1, 2]
+    assert client.llen(QUEUE) == 0
 
 
-def test_a_run_message_is_held_in_memory_and_forgotten_by_its_ack(connection: Connection, settings: Settings) -> None:
+def test_a_run_message_is_held_in_memory_and_forgotten_by_its_ack(
+    connection: Connection, queue: Any, client: redis.Redis
+) -> None:
     # A run's redelivery is subq's own (the due list and the reconciler): nothing of it is written to kombu's
     # unacked hash or its index, while prefetch still counts it; any other message is indexed as before.
-    # (kombu's unacked hash is the database's, which other tests' workers use too: only this test's tags are read.)
-    client = redis.Redis.from_url(settings.require_redis_url())
-    client.delete(QUEUE)
-    queue = connection.SimpleQueue(QUEUE)
-    try:
-        queue.put({"n": 1}, headers={"task": RUN_TASK, "id": "run-1"})
-        queue.put({"n": 2}, headers={"task": "subq.submit", "id": "other-1"})
-        run, other = queue.get(timeout=5), queue.get(timeout=5)
-        qos = connection.default_channel.qos
-        assert isinstance(qos, RunQoS)
-        assert run.headers["task"] == RUN_TASK and run.delivery_tag in qos._delivered
-        assert not client.hexists("unacked", run.delivery_tag)
-        assert client.zscore("unacked_index", run.delivery_tag) is None
-        assert client.hexists("unacked", other.delivery_tag), "a message other than a run lost kombu's backstop"
-        run.ack()
-        other.ack()
-        qos._flush()
-        assert run.delivery_tag not in qos._delivered and other.delivery_tag not in qos._delivered
-        for tag in (run.delivery_tag, other.delivery_tag):
-            assert not client.hexists("unacked", tag) and client.zscore("unacked_index", tag) is None
-        assert client.llen(QUEUE) == 0, "an ack put a run message back"
-    finally:
-        queue.close()
-        client.delete(QUEUE)
-        client.close()
+    queue.put({"n": 1}, headers={"task": RUN_TASK, "id": "run-1"})
+    queue.put({"n": 2}, headers={"task": "subq.submit", "id": "other-1"})
+    run, other = queue.get(timeout=5), queue.get(timeout=5)
+    qos = connection.default_channel.qos
+    assert isinstance(qos, RunQoS)
+    assert run.headers["task"] == RUN_TASK and run.delivery_tag in qos._delivered
+    assert not client.hexists("unacked", run.delivery_tag)
+    assert client.zscore("unacked_index", run.delivery_tag) is None
+    assert client.hexists("unacked", other.delivery_tag), "a message other than a run lost kombu's backstop"
+    run.ack()
+    other.ack()
+    qos._flush()
+    assert run.delivery_tag not in qos._delivered and other.delivery_tag not in qos._delivered
+    for tag in (run.delivery_tag, other.delivery_tag):
+        assert not client.hexists("unacked", tag) and client.zscore("unacked_index", tag) is None
+    assert client.llen(QUEUE) == 0, "an ack put a run message back"
 
 
-def test_a_run_message_put_back_goes_where_kombu_puts_one_back(connection: Connection, settings: Settings) -> None:
+def test_a_run_message_put_back_goes_where_kombu_puts_one_back(queue: Any, client: redis.Redis) -> None:
     # kombu's reject with requeue puts a message back behind the ones waiting (LPUSH: the consumer pops the
     # other end), marked redelivered: a run message held in memory goes back the same way, from memory.
-    client = redis.Redis.from_url(settings.require_redis_url())
-    client.delete(QUEUE)
-    queue = connection.SimpleQueue(QUEUE)
-    try:
-        queue.put({"n": 1}, headers={"task": RUN_TASK, "id": "run-1"})
-        queue.put({"n": 2}, headers={"task": RUN_TASK, "id": "run-2"})
-        first = queue.get(timeout=5)
-        assert first.headers["id"] == "run-1"
-        first.reject(requeue=True)
-        assert client.llen(QUEUE) == 2, "a requeued run message was not put back"
-        second = queue.get(timeout=5)
-        again = queue.get(timeout=5)
-        assert second.headers["id"] == "run-2" and again.headers["id"] == "run-1"
-        assert again.payload == {"n": 1} and again.delivery_info.get("redelivered") is True
-        again.ack()
-        second.reject(requeue=False)  # (a dead-lettered run: dropped, not put back)
-        assert client.llen(QUEUE) == 0
-        assert not any(client.hexists("unacked", m.delivery_tag) for m in (first, second, again))
-    finally:
-        queue.close()
-        client.delete(QUEUE)
-        client.close()
+    queue.put({"n": 1}, headers={"task": RUN_TASK, "id": "run-1"})
+    queue.put({"n": 2}, headers={"task": RUN_TASK, "id": "run-2"})
+    first = queue.get(timeout=5)
+    assert first.headers["id"] == "run-1"
+    first.reject(requeue=True)
+    assert client.llen(QUEUE) == 2, "a requeued run message was not put back"
+    second = queue.get(timeout=5)
+    again = queue.get(timeout=5)
+    assert second.headers["id"] == "run-2" and again.headers["id"] == "run-1"
+    assert again.payload == {"n": 1} and again.delivery_info.get("redelivered") is True
+    again.ack()
+    second.reject(requeue=False)  # (a dead-lettered run: dropped, not put back)
+    assert client.llen(QUEUE) == 0
+    assert not any(client.hexists("unacked", m.delivery_tag) for m in (first, second, again))
 
 
-def test_run_messages_still_held_when_the_channel_closes_go_back_on_their_queue(settings: Settings) -> None:
+def test_run_messages_still_held_when_the_channel_closes_go_back_on_their_queue(
+    settings: Settings, client: redis.Redis
+) -> None:
     # A warm shutdown's restore: kombu restores every message still held when its channel closes, a run message
     # from the worker's memory, any other from the unacked hash; none is lost and none is restored twice.
-    client = redis.Redis.from_url(settings.require_redis_url())
-    client.delete(QUEUE)
     conn = Connection(settings.require_redis_url(), transport_options={"visibility_timeout": 60})
     install_channel(conn.transport, DeadLetters(settings))
     try:
@@ -145,5 +148,3 @@ def test_run_messages_still_held_when_the_channel_closes_go_back_on_their_queue(
         assert not any(client.hexists("unacked", m.delivery_tag) for m in held)
     finally:
         conn.close()
-        client.delete(QUEUE)
-        client.close()
