@@ -369,7 +369,8 @@ def make_app(settings: Settings) -> Celery:
         accept_content=["json"],
         result_accept_content=["json"],
         task_acks_late=True,
-        # A task whose worker process died is delivered again (bounded: runner counts deliveries).
+        # A task whose pool process died is put back on its queue (prefork; bounded: the runner counts
+        # deliveries). A whole worker lost is the reconciler's to repair: workers/run_acks.py.
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         broker_transport_options=broker_transport,

@@ -87,8 +87,9 @@ DEFAULT_RECONCILE_INTERVAL_S = 2.0
 DEFAULT_RECONCILE_GRACE_S = 30
 # On SIGTERM a worker hands its runs back within this (Kubernetes' default grace is 30 s).
 DEFAULT_SHUTDOWN_GRACE_S = 25
-# How often a worker looks for tasks lost with another worker (older than the
-# visibility timeout) and queues them again; kombu's own default is ~100 s.
+# How often a worker looks for messages other than runs lost with another worker (older
+# than the visibility timeout) and queues them again; kombu's own default is ~100 s. (A
+# lost run is the reconciler's to publish again: workers/run_acks.py.)
 DEFAULT_RESTORE_INTERVAL_S = 10
 # An unanswered tool approval counts as a denial after an hour.
 DEFAULT_APPROVAL_TIMEOUT_S = 3600
@@ -150,7 +151,8 @@ TLS_FIELDS = ("redis_tls", "redis_sentinel_tls", "redis_tls_ca_file", "redis_tls
 SENTINEL_EXAMPLE = "sentinel-0:26379,sentinel-1:26379,sentinel-2:26379"
 DEFAULT_MAX_FANOUT = 256
 DEFAULT_MAX_DEPTH = 3
-# A task lost with its worker is delivered again at most this many times in all.
+# A task lost with its worker is run again (published by the reconciler) at most this many
+# times in all.
 DEFAULT_MAX_DELIVERIES = 3
 # The offline model is priced as a named real model so demo figures are realistic.
 DEFAULT_PRICED_AS = "anthropic:claude-sonnet-4-5"

@@ -148,3 +148,30 @@ def test_run_messages_still_held_when_the_channel_closes_go_back_on_their_queue(
         assert not any(client.hexists("unacked", m.delivery_tag) for m in held)
     finally:
         conn.close()
+
+
+def test_a_run_message_redis_refused_to_put_back_is_put_back_at_close(
+    settings: Settings, client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A requeue that Redis refuses (here, the push itself fails as a lost connection would) leaves the message
+    # held: the restore at the channel's close pushes it from memory, where it would otherwise be lost.
+    conn = Connection(settings.require_redis_url(), transport_options={"visibility_timeout": 60})
+    install_channel(conn.transport, DeadLetters(settings))
+    try:
+        queue = conn.SimpleQueue(QUEUE)
+        queue.put({"n": 1}, headers={"task": RUN_TASK, "id": "run-1"})
+        message = queue.get(timeout=5)
+
+        def refused(*args: Any, **kwargs: Any) -> None:
+            raise redis.ConnectionError("Redis went away")
+
+        monkeypatch.setattr(conn.default_channel, "_do_restore_message", refused)
+        with pytest.raises(redis.ConnectionError):
+            message.reject(requeue=True)
+        monkeypatch.undo()
+        assert client.llen(QUEUE) == 0
+        queue.close()
+        conn.close()
+        assert [json.loads(raw)["headers"]["id"] for raw in client.lrange(QUEUE, 0, -1)] == ["run-1"]
+    finally:
+        conn.close()

@@ -1,8 +1,9 @@
 """Nothing lost when a worker dies: redelivery, resume from the persisted conversation, no double count.
 
 The killed-worker test runs its own fleet on a separate Redis database with a
-short heartbeat lapse and reconciler tick, so a run lost with its worker is
-published again in seconds: its lease lapses and the reconciler finds it. The
+short heartbeat lapse, reconciler tick and grace, so a run lost with its worker
+is published again in seconds: its lease lapses and the reconciler finds it
+(a run still listed as held by the dead worker's last beat waits for the grace). The
 broker does not deliver a run message again (a worker holds its delivery in
 memory: workers/run_acks.py), whatever the visibility timeout.
 """
@@ -27,9 +28,9 @@ from workers.runtime.context import build_runtime
 from workers.runtime.runner import INTERRUPTED, run_child
 
 MESSAGE = pydantic.TypeAdapter(ModelMessage)
-TIME_LIMIT_S = 4
-# The killed worker's heartbeat lapses after this, and the reconciler looks every half second.
-LAPSE_S = 3
+# The killed worker's heartbeat lapses after this (a run on a live worker stalled this long would be fenced:
+# more than the least, 3 s, for a loaded host), and the reconciler looks every half second.
+LAPSE_S = 5
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +42,9 @@ def fragile(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Ite
         2,
         redis_url=settings.redis_url.rsplit("/", 1)[0] + "/1",
         queue="subq-kill",
-        task_time_limit_s=TIME_LIMIT_S,
         heartbeat_lapse_s=LAPSE_S,
         reconcile_interval_s=0.5,
+        reconcile_grace_s=3,
         worker_concurrency=4,
     ) as fleet_and_coord:
         yield fleet_and_coord

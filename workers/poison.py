@@ -171,7 +171,8 @@ class DeadLetterChannel(OneClientPerPool, kombu_redis.Channel):
         AttributeError, which stopped the worker's consumer for good (its tasks then sat
         in the queue). As a connection error it is logged and the consumer goes on; the
         message stays unacked, is restored and delivered again, and its task, already
-        done, changes nothing. (A run message's ack touches no Redis: workers/run_acks.py.)
+        done, changes nothing. (A run message's ack touches no Redis, workers/run_acks.py,
+        unless the close's restore already took it back: then it comes here too.)
         """
         if self.connection is None or getattr(self.connection, "client", None) is None:
             raise redis.exceptions.ConnectionError("the broker channel was closed by a reconnect")

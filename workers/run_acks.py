@@ -91,13 +91,21 @@ class RunQoS(kombu_redis.QoS):
         return True
 
     def _put_back(self, tag: Any, client: Any = None, leftmost: bool = False) -> None:
+        """Push the claimed run message `tag` back onto its queue. If Redis refuses, the claim is given back, so
+        that the restore at the channel's close tries again from memory, as kombu would from its hash."""
         message = self._delivered.get(tag)
-        if message is None or tag in self._dirty:  # acked meanwhile by a pool thread: nothing to put back
+        # Acked meanwhile by a pool thread: nothing to put back. (Not atomic with the push, as kombu's WATCH on its
+        # hash is: an ack between the two sends a finished run back, whose start then finds it ended.)
+        if message is None or tag in self._dirty:
             return
         delivery = message.delivery_info
-        with self.channel.conn_or_acquire(client) as conn:
-            # kombu's own restore, given the message it kept in the hash: marked redelivered, onto the
-            # queues its exchange and routing key name, at its priority. (It marks the message's own
-            # headers here, where kombu marks a copy read back from the hash: this one is not used again.)
-            self.channel._do_restore_message(message._raw, delivery["exchange"], delivery["routing_key"], conn,
-                                             leftmost)  # fmt: skip
+        try:
+            with self.channel.conn_or_acquire(client) as conn:
+                # kombu's own restore, given the message it kept in the hash: marked redelivered, onto the
+                # queues its exchange and routing key name, at its priority. (It marks the message's own
+                # headers here, where kombu marks a copy read back from the hash: this one is not used again.)
+                self.channel._do_restore_message(message._raw, delivery["exchange"], delivery["routing_key"],
+                                                 conn, leftmost)  # fmt: skip
+        except BaseException:
+            self._in_memory.add(tag)
+            raise
