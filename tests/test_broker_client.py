@@ -127,51 +127,41 @@ def test_a_run_message_put_back_goes_where_kombu_puts_one_back(queue: Any, clien
 
 
 def test_run_messages_still_held_when_the_channel_closes_go_back_on_their_queue(
-    settings: Settings, client: redis.Redis
+    connection: Connection, client: redis.Redis
 ) -> None:
     # A warm shutdown's restore: kombu restores every message still held when its channel closes, a run message
     # from the worker's memory, any other from the unacked hash; none is lost and none is restored twice.
-    conn = Connection(settings.require_redis_url(), transport_options={"visibility_timeout": 60})
-    install_channel(conn.transport, DeadLetters(settings))
-    try:
-        queue = conn.SimpleQueue(QUEUE)
-        queue.put({"n": 1}, headers={"task": RUN_TASK, "id": "run-1"})
-        queue.put({"n": 2}, headers={"task": "subq.submit", "id": "other-1"})
-        queue.put({"n": 3}, headers={"task": RUN_TASK, "id": "run-2"})
-        held = [queue.get(timeout=5) for _ in range(3)]
-        held[2].ack()  # acked before the close: not restored
-        assert client.llen(QUEUE) == 0
-        queue.close()
-        conn.close()
-        entries = [json.loads(raw) for raw in client.lrange(QUEUE, 0, -1)]
-        assert sorted(entry["headers"]["id"] for entry in entries) == ["other-1", "run-1"]
-        assert not any(client.hexists("unacked", m.delivery_tag) for m in held)
-    finally:
-        conn.close()
+    queue = connection.SimpleQueue(QUEUE)
+    queue.put({"n": 1}, headers={"task": RUN_TASK, "id": "run-1"})
+    queue.put({"n": 2}, headers={"task": "subq.submit", "id": "other-1"})
+    queue.put({"n": 3}, headers={"task": RUN_TASK, "id": "run-2"})
+    held = [queue.get(timeout=5) for _ in range(3)]
+    held[2].ack()  # acked before the close: not restored
+    assert client.llen(QUEUE) == 0
+    queue.close()
+    connection.close()
+    entries = [json.loads(raw) for raw in client.lrange(QUEUE, 0, -1)]
+    assert sorted(entry["headers"]["id"] for entry in entries) == ["other-1", "run-1"]
+    assert not any(client.hexists("unacked", m.delivery_tag) for m in held)
 
 
 def test_a_run_message_redis_refused_to_put_back_is_put_back_at_close(
-    settings: Settings, client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+    connection: Connection, client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A requeue that Redis refuses (here, the push itself fails as a lost connection would) leaves the message
     # held: the restore at the channel's close pushes it from memory, where it would otherwise be lost.
-    conn = Connection(settings.require_redis_url(), transport_options={"visibility_timeout": 60})
-    install_channel(conn.transport, DeadLetters(settings))
-    try:
-        queue = conn.SimpleQueue(QUEUE)
-        queue.put({"n": 1}, headers={"task": RUN_TASK, "id": "run-1"})
-        message = queue.get(timeout=5)
+    queue = connection.SimpleQueue(QUEUE)
+    queue.put({"n": 1}, headers={"task": RUN_TASK, "id": "run-1"})
+    message = queue.get(timeout=5)
 
-        def refused(*args: Any, **kwargs: Any) -> None:
-            raise redis.ConnectionError("Redis went away")
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise redis.ConnectionError("Redis went away")
 
-        monkeypatch.setattr(conn.default_channel, "_do_restore_message", refused)
-        with pytest.raises(redis.ConnectionError):
-            message.reject(requeue=True)
-        monkeypatch.undo()
-        assert client.llen(QUEUE) == 0
-        queue.close()
-        conn.close()
-        assert [json.loads(raw)["headers"]["id"] for raw in client.lrange(QUEUE, 0, -1)] == ["run-1"]
-    finally:
-        conn.close()
+    monkeypatch.setattr(connection.default_channel, "_do_restore_message", refused)
+    with pytest.raises(redis.ConnectionError):
+        message.reject(requeue=True)
+    monkeypatch.undo()
+    assert client.llen(QUEUE) == 0
+    queue.close()
+    connection.close()
+    assert [json.loads(raw)["headers"]["id"] for raw in client.lrange(QUEUE, 0, -1)] == ["run-1"]
