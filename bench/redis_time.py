@@ -42,48 +42,48 @@ CONCURRENCY = 16
 IDLE_S = 5.0
 
 
-def server_times(client: Any) -> tuple[float, float, dict[str, tuple[int, int]]]:
-    """(user s, system s, {command: (calls, microseconds)}) the server has spent so far. The requests it has read,
-    the replies it has written and its append-only file's size are three more lines, `(requests)`, `(replies)`
-    and `(aof bytes)`, counted in calls (the size is 0 where the server keeps no append-only file)."""
+# What the server has served so far, besides its commands: (INFO field, the report's key).
+SERVED = (
+    ("total_reads_processed", "requests"),
+    ("total_writes_processed", "replies"),
+    ("aof_current_size", "aof_bytes"),
+)
+ServerTimes = tuple[float, float, dict[str, tuple[int, int]], dict[str, int]]
+
+
+def server_times(client: Any) -> ServerTimes:
+    """(user s, system s, {command: (calls, microseconds)}, {served: count}) the server has spent and served so
+    far: the requests it has read, the replies it has written and its append-only file's size (0 with none)."""
     cpu = client.info("cpu")
     stats = {
         name.removeprefix("cmdstat_"): (int(row["calls"]), int(row["usec"]))
         for name, row in client.info("commandstats").items()
     }
-    served = {**client.info("stats"), **client.info("persistence")}
-    for line, field in (
-        ("(requests)", "total_reads_processed"),
-        ("(replies)", "total_writes_processed"),
-        ("(aof bytes)", "aof_current_size"),
-    ):
-        stats[line] = (int(served.get(field, 0)), 0)
-    return float(cpu["used_cpu_user"]), float(cpu["used_cpu_sys"]), stats
+    info = {**client.info("stats"), **client.info("persistence")}
+    served = {key: int(info.get(field, 0)) for field, key in SERVED}
+    return float(cpu["used_cpu_user"]), float(cpu["used_cpu_sys"]), stats, served
 
 
 def measure(modes: Modes, mode: str, width: int, idle_ms_per_s: float) -> dict[str, Any]:
     """One run of `mode` at `width`: the server's user and system ms per child, and each command's; and the
     total net of what both idle fleets cost the server over the run's wall time (`idle_ms_per_s`)."""
-    user_s, sys_s, before = server_times(modes.client)
+    user_s, sys_s, before, served_before = server_times(modes.client)
     # Read where the run's own counts are, before the bench's check of what a subq run wrote: a read of every
     # child's record, once counted here as the run's (0.1 ms a child and more: docs/benchmarks.md).
-    read: list[tuple[float, float, dict[str, tuple[int, int]]]] = []
+    read: list[ServerTimes] = []
     wall_s = modes.run(mode, width, on_joined=lambda: read.append(server_times(modes.client))).wall_s
-    user_after_s, sys_after_s, after = read[0]
+    user_after_s, sys_after_s, after, served_after = read[0]
     commands = {}
     for name, (calls, usec) in after.items():
         calls_before, usec_before = before.get(name, (0, 0))
-        if usec > usec_before or (name.startswith("(") and calls > calls_before):
+        if usec > usec_before:
             commands[name] = ((calls - calls_before) / width, (usec - usec_before) / width)
     return {
         "mode": mode,
         "user_ms": (user_after_s - user_s) * 1000 / width,
         "system_ms": (sys_after_s - sys_s) * 1000 / width,
         "idle_ms": idle_ms_per_s * wall_s / width,
-        "requests": commands.pop("(requests)", (0.0, 0.0))[0],
-        "replies": commands.pop("(replies)", (0.0, 0.0))[0],
-        # (The file's size is a gauge: a rewrite during the run shrinks it, and the line is then left out.)
-        "aof_bytes": commands.pop("(aof bytes)", (None, 0.0))[0],
+        **{key: (served_after[key] - served_before[key]) / width for _, key in SERVED},
         "commands": dict(sorted(commands.items(), key=lambda item: -item[1][1])),
     }
 
@@ -97,7 +97,8 @@ def report(rows: Sequence[dict[str, Any]], top: int) -> None:
             f"{row['requests']:.2f} requests read, {row['replies']:.2f} replies written and "
             + (
                 "no AOF figure (none kept, or rewritten during the run)"
-                if row["aof_bytes"] is None
+                # (The file's size is a gauge: none kept, or a rewrite during the run shrank it.)
+                if row["aof_bytes"] <= 0
                 else f"{row['aof_bytes']:,.0f} bytes appended to the AOF a child"
             )
         )
