@@ -34,10 +34,11 @@ the two (no retry counted, nor the second request's system time). A plain comman
 request on the state the ones before it left: what each write of a child costs the server, which is
 what a protocol that records less a child would save.
 
-`--without PART` (repeatable: live, events, ui, latency, outbox) runs the child and replays its steps with the
+`--without PART` (repeatable: live, events, ui, outbox) runs the child and replays its steps with the
 pieces of the checkout's Lua that write that record of a child taken out (its live status, its three stream
-events with the waiters' wake-up, its UI messages, its latency, its outbox deliveries): what a child would cost
-the server if a tree recorded less of it. A piece no longer in the Lua as written here stops the run.
+events with the waiters' wake-up, its UI messages, its outbox deliveries): what a child would cost the server
+if a tree recorded less of it. A piece no longer in the Lua as written here stops the run. (Its latency, the
+fifth record once, is no longer written by the steps: the worker's heartbeat adds it.)
 
 `--cut SCRIPT:LINE` (repeatable, in the order the step runs them) also replays the step that holds
 SCRIPT (start_run, end_run, or a script they use, such as flush_run) with the step stopped by an error
@@ -130,10 +131,6 @@ WITHOUT: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("start_run", "  redis.call('RPUSH', KEYS[6], '{\"ts\":' .. ARGV[4] .. ',\"type\":\"say\",\"say\":\"task\","
          "\"text\":' .. cjson.encode(task[13]) .. '}')\n", ""),
         ("end_run", "\nsay_all()\nlocal admitted", "\nlocal admitted"),
-    ),
-    "latency": (
-        ("flush_run", "  redis.call('HINCRBY', KEYS[5], ARGV[at], 1)\n"
-         "  redis.call('HINCRBYFLOAT', KEYS[5], 'sum_ms', ARGV[at + 1])\n", ""),
     ),
     "outbox": (
         ("finish_task", "outbox_add({KEYS[4], KEYS[5], KEYS[6]}, {id, 'task.' .. ARGV[1], ARGV[5], ARGV[6], ''})\n",

@@ -1,5 +1,9 @@
 """A worker process's heartbeat: it renews the leases of the runs it holds, and drains them on shutdown.
 
+Each beat also adds the latencies its runs measured since the last one to the fleet's
+model-latency histogram (`LatencyTally`), in one round trip of its own rather than inside
+each run's end.
+
 A run's lease (`<p>:{root}:lease:<task>`) lives `SUBQ_HEARTBEAT_LAPSE_S` and is
 renewed every third of that by one thread per process, for all of its runs at
 once (`renew_leases.lua`), beside the process's entry in `<p>:workers`. A
@@ -21,13 +25,44 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from coordinator.plane import Plane
 
-__all__ = ["HAND_BACK_MARGIN_S", "Heartbeat", "Leased"]
+__all__ = ["HAND_BACK_MARGIN_S", "Heartbeat", "LatencyTally", "Leased"]
 
 log = logging.getLogger(__name__)
 
 # A draining run whose model request is still in flight this close to the end of the grace
 # abandons the request, so that it is handed back before the worker is killed.
 HAND_BACK_MARGIN_S = 3.0
+
+
+class LatencyTally:
+    """The model requests' latencies (ms) one process's runs measured and its heartbeat has not added yet.
+
+    Its runs count each response here, in memory, and the heartbeat adds what it holds to the
+    fleet's histogram at each beat (`MetricStore.add_latencies`, one round trip), not each run's
+    steps: two increments inside a child's end cost the server 3% of the child's two steps
+    (docs/benchmarks.md, "The latency histogram off a child's steps"). So the histogram lags by
+    at most a beat, and a process killed outright loses the latencies of its last beat, as it
+    loses its own Prometheus histogram (workers/observe.py): a monitoring figure, not a task's state.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._latencies_ms: list[float] = []
+
+    def observe(self, latency_ms: float) -> None:
+        with self._lock:
+            self._latencies_ms.append(latency_ms)
+
+    def take(self) -> list[float]:
+        """What it holds, left empty."""
+        with self._lock:
+            taken, self._latencies_ms = self._latencies_ms, []
+        return taken
+
+    def put_back(self, latencies_ms: list[float]) -> None:
+        """What `take` gave and Redis did not take: added with the next beat."""
+        with self._lock:
+            self._latencies_ms.extend(latencies_ms)
 
 
 class Leased(Protocol):
@@ -55,6 +90,7 @@ class Heartbeat:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._drain_deadline: float | None = None
+        self.latencies = LatencyTally()  # its runs' model requests, added to the fleet's histogram at each beat
 
     def hold(self, run: Leased) -> None:
         """Renew this run's lease from now on (the thread starts with the first run)."""
@@ -100,6 +136,17 @@ class Heartbeat:
                 run.fenced = True
                 log.warning("subq: the lease of %s lapsed; its run stops and writes nothing more", task_id)
 
+    def add_latencies(self) -> None:
+        """Add the latencies measured since the last beat to the fleet's histogram; kept for the next on failure."""
+        latencies_ms = self.latencies.take()
+        if not latencies_ms:
+            return
+        try:
+            self.plane.store.metrics.add_latencies(latencies_ms)
+        except Exception as exc:  # Redis is down: the next beat adds them
+            self.latencies.put_back(latencies_ms)
+            log.warning("subq: could not add %d model latencies to the fleet's histogram: %s", len(latencies_ms), exc)
+
     def drain(self, grace_s: float) -> None:
         """The worker is shutting down: every run hands itself back within `grace_s`."""
         self._drain_deadline = time.monotonic() + grace_s
@@ -120,9 +167,14 @@ class Heartbeat:
         while True:
             time.sleep(every_s)
             with self._lock:
-                if not self._runs:
+                last = not self._runs
+                if last:
                     self._thread = None
-                    return
+            # After the decision, so a latency its runs measured before it is added now: a later one is a run's
+            # that `hold` gave a thread of its own.
+            self.add_latencies()
+            if last:
+                return
             try:
                 self.renew()
             except Exception as exc:  # Redis is down: the leases lapse, and the runs are fenced

@@ -658,14 +658,13 @@ class RunWrites:
     conversation: list[str] = field(default_factory=list)  # model messages, one JSON entry each
     ui_messages: list[str] = field(default_factory=list)  # JSON
     usage: list[Spend] = field(default_factory=list)
-    latencies_ms: list[float] = field(default_factory=list)
     live: str = ""  # the latest live status (JSON), or '' when unchanged
     # Timeline marks (t ms, state) the run's own clock took between steps: a wait inside the run
     # (a rate or tool limit) and its end, the wait the run leaves its task in (coordinator/timeline.py).
     marks: list[Mark] = field(default_factory=list)
 
     def clear(self) -> None:
-        self.conversation, self.ui_messages, self.usage, self.latencies_ms, self.live = [], [], [], [], ""
+        self.conversation, self.ui_messages, self.usage, self.live = [], [], [], ""
         self.marks = []
 
 

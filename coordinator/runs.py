@@ -39,9 +39,10 @@ This module holds a run's whole life, so a reader follows it in one file: the
 one. How a run ends (`Ended`, `Released`, or an exception that ends it without
 one) and what it holds between steps are coordinator/ports/steps.py's, shared
 with its ports. What a run does
-between steps (conversation messages, UI messages, each response's usage,
-latency and live status) is kept in `Run.writes` and written by its next step
-in the same round trip: the check before each model request after the first
+between steps (conversation messages, UI messages, each response's usage and
+live status) is kept in `Run.writes` and written by its next step in the same
+round trip (each response's latency goes to the process's heartbeat, which adds
+it to the fleet's histogram at its next beat: coordinator/heartbeat.py): the check before each model request after the first
 (`flush_run.lua`), a tool that writes state, or the end (`end_run.lua`, which
 also makes the task terminal, releases the lease, writes the child back onto
 its parent and closes the batch when it was the last). So a child that answers
@@ -296,7 +297,7 @@ class Run:
         if quotas.count_spend(self._plane, self.task, key, cost_micros):
             self.tenant_over_day = True  # its tenant's max_cost_usd_per_day: stop the tree before the next request
         self.step.responded()
-        self.writes.latencies_ms.append(latency_ms)
+        self._heartbeat.latencies.observe(latency_ms)  # the fleet's histogram, added at the process's next beat
         if self.live.responded(cost_micros, tool, text):
             self.live.write(self.task, self.writes)
 

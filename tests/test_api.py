@@ -1007,6 +1007,31 @@ def test_metrics_report_tasks_spend_queue_and_latency(settings: Settings) -> Non
     coord.close()
 
 
+def test_a_runs_model_latency_reaches_the_fleets_histogram_with_its_workers_next_beat(
+    live: Coordinator, live_http: httpx.Client
+) -> None:
+    """A run's latency is added by its worker's heartbeat, not by its steps (coordinator/store/metrics.py's
+    LatencyTally): /metrics shows it within a beat of the run's end, a third of the lapse, allowed the whole lapse."""
+
+    def half_to_five_s() -> float:
+        """Requests of 0.5 to 5 s (this run's 0.7 s, however late a loaded host's loop answers it)."""
+        samples = _samples(live_http.get("/metrics").text)
+        bucket = {
+            dict(labels)["le"]: v
+            for (name, labels), v in samples.items()
+            if name == "subq_model_request_latency_seconds_bucket"
+        }
+        return bucket["5"] - bucket["0.5"]
+
+    before = half_to_five_s()
+    root = live.create_task(script({**usage_step("timed"), "latency_ms": 700}), run=True)
+    assert live.wait(root.id, WAIT_S).status == "completed"
+    deadline = time.monotonic() + live.settings.heartbeat_lapse_s
+    while half_to_five_s() < before + 1:
+        assert time.monotonic() < deadline, "the run's latency never reached the fleet's histogram"
+        time.sleep(0.2)
+
+
 def generate_latest_of(collector: SubqCollector) -> str:
     from prometheus_client import CollectorRegistry
 

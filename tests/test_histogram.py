@@ -1,4 +1,4 @@
-"""The model-latency histogram's bucketing: pure logic, so a fast unit test on fakeredis.
+"""The model-latency histogram's bucketing and a process's tally of it: pure logic, so fast unit tests on fakeredis.
 
 (Behaviour that needs Redis itself, such as Lua, transactions and TTLs, is tested
 on a real server elsewhere.)
@@ -6,10 +6,18 @@ on a real server elsewhere.)
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, cast
+
 import fakeredis
 import pytest
 
+from coordinator.errors import StoreError
+from coordinator.heartbeat import Heartbeat, LatencyTally
 from coordinator.store import LATENCY_BUCKETS_MS, Keys, Store
+
+if TYPE_CHECKING:
+    from coordinator.plane import Plane
 
 
 @pytest.fixture
@@ -33,3 +41,33 @@ def test_buckets_are_cumulative_with_count_and_sum(store: Store) -> None:
 
 def test_an_empty_histogram_reads_as_nothing(store: Store) -> None:
     assert store.metrics.latency_histogram() == {}
+
+
+def test_a_tally_gives_what_it_holds_once_and_takes_back_what_redis_refused(store: Store) -> None:
+    tally = LatencyTally()
+    for latency_ms in (80, 90, 700):
+        tally.observe(latency_ms)
+    taken = tally.take()
+    assert taken == [80, 90, 700] and tally.take() == [], "taken once"
+    tally.put_back(taken)
+    tally.observe(300)
+    store.metrics.add_latencies(tally.take())
+    store.metrics.add_latencies([])
+    histogram = store.metrics.latency_histogram()
+    assert (histogram["le_100"], histogram["le_500"], histogram["le_1000"], histogram["count"]) == (2, 3, 4, 4)
+    assert histogram["sum_ms"] == pytest.approx(1170)
+
+
+def test_a_heartbeat_keeps_the_latencies_redis_did_not_take_for_its_next_beat(store: Store) -> None:
+    class Refusing:
+        def add_latencies(self, latencies_ms: list[float]) -> None:
+            raise StoreError("Redis is down")
+
+    beat = Heartbeat(cast("Plane", SimpleNamespace(store=SimpleNamespace(metrics=Refusing()))), "w1")
+    beat.latencies.observe(700)
+    beat.add_latencies()
+    assert beat.latencies.take() == [700], "kept for the next beat"
+    beat.latencies.observe(700)
+    beat.plane = cast("Plane", SimpleNamespace(store=store))
+    beat.add_latencies()
+    assert store.metrics.latency_histogram()["le_1000"] == 1 and beat.latencies.take() == []

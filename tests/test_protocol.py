@@ -83,7 +83,7 @@ def test_each_index_a_script_body_reads_is_declared(script: str) -> None:
 def test_a_changed_header_line_fails_the_check() -> None:
     text = lua_text("end_run")
     assert declared_header(text) == render_header(EndRun)
-    renamed = text.replace("-- KEYS[8] the due list", "-- KEYS[8] the due set", 1)
+    renamed = text.replace("-- KEYS[7] the due list", "-- KEYS[7] the due set", 1)
     moved = text.replace("-- ARGV[12] int: per-parent limit", "-- ARGV[13] int: per-parent limit", 1)
     dropped = text.replace("-- ARGV[16] int: how many waiting tasks to look at\n", "", 1)
     for changed in (renamed, moved, dropped):
@@ -108,8 +108,8 @@ def test_acknowledged_scripts_are_those_the_table_marks() -> None:
 
 def _run_keys(task: str) -> RunKeys:
     return RunKeys(
-        lease=f"lease:{task}", task=f"task:{task}", conversation="conv", ui_messages="ui", latency="lat",
-        live="live", events="events",
+        lease=f"lease:{task}", task=f"task:{task}", conversation="conv", ui_messages="ui", live="live",
+        events="events",
     )  # fmt: skip
 
 
@@ -119,7 +119,7 @@ _OUTBOX = OutboxKeys(hooks="hooks", outbox="outbox", pending="pending")
 def _writes() -> StepWrites:
     return StepWrites(
         live="{}", conversation=["m1", "m2"], ui_messages=["u1"],
-        usage=[("req-1", 10, 5, 0, 0, 123, "provider")], latencies=[("le:100", 80)], marks=[(1000, "running")],
+        usage=[("req-1", 10, 5, 0, 0, 123, "provider")], marks=[(1000, "running")],
     )  # fmt: skip
 
 
@@ -140,29 +140,29 @@ def _end_run(fair_on: bool, output: str = "", invalid_outputs: int = 0) -> EndRu
 def test_end_run_packs_its_keys_and_arguments_where_its_header_says() -> None:
     call = _end_run(fair_on=True, output='{"total":3}', invalid_outputs=2)
     keys, args = call.pack()
-    assert keys[:2] == ["lease:t", "task:t"] and keys[7] == "due" and keys[16] == "prun"  # KEYS[1], [2], [8], [17]
-    assert keys[17:20] == ["hooks", "outbox", "pending"]  # KEYS[18..20]: the tree's outbox
-    assert keys[20:24] == ["want", "pol", "hold", "cap"]  # KEYS[21..24]: fair shares' fleet-wide keys
-    assert keys[24:] == ["task:p", "task:root"]  # KEYS[25..]: the ancestors
+    assert keys[:2] == ["lease:t", "task:t"] and keys[6] == "due" and keys[15] == "prun"  # KEYS[1], [2], [7], [16]
+    assert keys[16:19] == ["hooks", "outbox", "pending"]  # KEYS[17..19]: the tree's outbox
+    assert keys[19:23] == ["want", "pol", "hold", "cap"]  # KEYS[20..23]: fair shares' fleet-wide keys
+    assert keys[23:] == ["task:p", "task:root"]  # KEYS[24..]: the ancestors
     assert args[0] == "tok" and args[15] == 50  # ARGV[1], ARGV[16]
     assert args[16:18] == ['{"total":3}', 2]  # ARGV[17], ARGV[18]: the typed task's output, its invalid answers
     assert args[18] == 0.8  # ARGV[19]: the budget's warning share
     # ARGV[20..31]: how fair shares are read (on, the tenant keys' head and tails, ...).
     assert args[19:22] == [1, "p:tenant:{", "}:running"] and args[27] == 16  # ARGV[28]: the capacity
-    # ARGV[32..]: flush_run's from its seventh: live, the four counts, then each tail laid out flat.
-    assert args[31:36] == ["{}", 2, 1, 1, 1]
-    assert args[36:] == ["m1", "m2", "u1", "req-1", 10, 5, 0, 0, 123, "provider", "le:100", 80, 1000, "running"]
+    # ARGV[32..]: flush_run's from its seventh: live, the three counts, then each tail laid out flat.
+    assert args[31:35] == ["{}", 2, 1, 1]
+    assert args[35:] == ["m1", "m2", "u1", "req-1", 10, 5, 0, 0, 123, "provider", 1000, "running"]
 
 
 def test_with_fair_shares_off_a_runs_start_and_end_leave_their_keys_and_arguments_off() -> None:
     # Only `on` (0) is sent: each key or argument costs the server a call's work, and neither script reads them
-    # then. end_run.lua finds the ancestors at KEYS[21..] and flush_run's ARGV from ARGV[21].
+    # then. end_run.lua finds the ancestors at KEYS[20..] and flush_run's ARGV from ARGV[21].
     fair = FairKeys(wanting="want", policies="pol", holding="hold", capacity="cap")
     end = _end_run(fair_on=False)
     keys, args = end.pack()
-    assert keys[17:20] == ["hooks", "outbox", "pending"] and keys[20:] == ["task:p", "task:root"]
+    assert keys[16:19] == ["hooks", "outbox", "pending"] and keys[19:] == ["task:p", "task:root"]
     assert args[18:20] == [0.8, 0]  # ARGV[19], ARGV[20]: fair shares off
-    assert args[20:25] == ["{}", 2, 1, 1, 1]  # ARGV[21..]: flush_run's from its seventh
+    assert args[20:24] == ["{}", 2, 1, 1]  # ARGV[21..]: flush_run's from its seventh
     start = StartRun(
         task="task:t", lease="lease:t", due="due", live="live", events="ev", ui_messages="ui",
         running="running", admission="adm", last_start="last", fair=fair, token="tok", lease_s=15, look_at=2.0,
@@ -187,8 +187,8 @@ def test_a_spliced_call_packs_as_the_script_it_calls_reads_it() -> None:
     keys, args = tool.pack()
     # record_tool.lua hands flush_run its KEYS[2..] and ARGV[6..].
     assert keys == ["results", *flush_keys] and args[5:] == flush_args
-    # flush_run.lua hands record_usage its task, the outbox (KEYS[8..10]) and the ancestors (KEYS[11..]).
-    assert flush_keys[7:] == ["hooks", "outbox", "pending", "task:p"] and flush_args[5:7] == [0.8, "{}"]
+    # flush_run.lua hands record_usage its task, the outbox (KEYS[7..9]) and the ancestors (KEYS[10..]).
+    assert flush_keys[6:] == ["hooks", "outbox", "pending", "task:p"] and flush_args[5:7] == [0.8, "{}"]
 
 
 def test_a_script_is_sent_with_what_the_scripts_it_uses_use_defined_first() -> None:

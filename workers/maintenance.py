@@ -26,7 +26,8 @@ threads pool runs the subagents in that process too):
   (coordinator/runs.py), while Celery's warm shutdown waits for them.
 - `worker_shutdown` (and `worker_process_shutdown` in a prefork child): the
   profiles' MCP servers this process started are stopped
-  (workers/runtime/mcp_servers.py).
+  (workers/runtime/mcp_servers.py), and the model latencies its runs measured
+  since the heartbeat's last beat are added to the fleet's histogram.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from workers import observe
 from workers.application import app, settings
 from workers.runtime import mcp_servers, profile_tools, providers
 from workers.runtime.agent_loop import tune_gc
-from workers.runtime.context import get_runtime
+from workers.runtime.context import built_runtime, get_runtime
 
 __all__ = ["fleet_size", "held_runs"]
 
@@ -118,6 +119,14 @@ def _stop_mcp_servers(**_: Any) -> None:
     mcp_servers.stop_all()
 
 
+def _add_latencies(**_: Any) -> None:
+    """The latencies of the runs since the heartbeat's last beat, which a sleeping beat thread would not add
+    (a process that never built its runtime ran nothing)."""
+    runtime = built_runtime()
+    if runtime is not None:
+        runtime.lifecycle.heartbeat.add_latencies()
+
+
 def _hand_back_runs(**_: Any) -> None:
     get_runtime(settings, app).lifecycle.drain(settings.shutdown_grace_s)
 
@@ -131,4 +140,6 @@ worker_ready.connect(tune_gc, weak=False)
 worker_process_init.connect(tune_gc, weak=False)  # each child of the prefork pool
 worker_shutting_down.connect(_hand_back_runs, weak=False)
 worker_shutdown.connect(_stop_mcp_servers, weak=False)
+worker_shutdown.connect(_add_latencies, weak=False)
 worker_process_shutdown.connect(_stop_mcp_servers, weak=False)  # each child of the prefork pool
+worker_process_shutdown.connect(_add_latencies, weak=False)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from coordinator.store.base import Part, _str_map, _strs, translate_redis_errors
@@ -46,13 +47,22 @@ class FleetGauges(NamedTuple):
 class MetricStore(Part):
     """The latency histogram, and a content snapshot of every key of the prefix."""
 
-    @translate_redis_errors
     def observe_latency(self, latency_ms: float) -> None:
         """Count one model request's latency in the fleet-wide histogram: its one bucket, and the sum."""
+        self.add_latencies([latency_ms])
+
+    @translate_redis_errors
+    def add_latencies(self, latencies_ms: Sequence[float]) -> None:
+        """Count model requests' latencies in the fleet-wide histogram, in one round trip: each bucket's
+        increment, and the sum. A worker's heartbeat sends what its runs measured since its last beat
+        (coordinator/heartbeat.py), not each run's step."""
+        if not latencies_ms:
+            return
         key = self.keys.latency_histogram()
         with self.client.pipeline(transaction=False) as pipe:
-            pipe.hincrby(key, latency_bucket(latency_ms), 1)
-            pipe.hincrbyfloat(key, LatencyField.SUM_MS, latency_ms)
+            for bucket, requests in Counter(map(latency_bucket, latencies_ms)).items():
+                pipe.hincrby(key, bucket, requests)
+            pipe.hincrbyfloat(key, LatencyField.SUM_MS, sum(latencies_ms))
             pipe.execute()
 
     @translate_redis_errors
@@ -66,9 +76,10 @@ class MetricStore(Part):
 
         Not DUMP: a set's serialised order can change on rehashing without any write.
         Liveness is left out: the workers' heartbeats and the reconciler's leader lease
-        change every few seconds whatever else happens.
+        change every few seconds whatever else happens, and so does the latency histogram,
+        which each worker's heartbeat adds to at its beat.
         """
-        liveness = {self.keys.workers(), self.keys.leader()}
+        liveness = {self.keys.workers(), self.keys.leader(), self.keys.latency_histogram()}
         read: dict[str, Callable[[str], object]] = {
             "string": self.client.get,
             "hash": self.client.hgetall,

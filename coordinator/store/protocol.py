@@ -367,13 +367,12 @@ def _stepped(raw: Any) -> Stepped:
 
 @dataclass(frozen=True, kw_only=True)
 class RunKeys(Group):
-    """The keys of a run's step (flush_run's first seven; end_run's and record_tool's too)."""
+    """The keys of a run's step (flush_run's first six; end_run's and record_tool's too)."""
 
     lease: str = key("lease")
     task: str = key("task hash")
     conversation: str = key("conversation")
     ui_messages: str = key("UI messages")
-    latency: str = key("latency histogram")
     live: str = key("tree live hash")
     events: str = key("tree events")
 
@@ -410,13 +409,6 @@ class UsageArgs(NamedTuple):
         )  # fmt: skip
 
 
-class LatencyArgs(NamedTuple):
-    """A response's latency, as flush_run reads it: its histogram field, and the ms."""
-
-    bucket: str
-    ms: float
-
-
 @dataclass(frozen=True, kw_only=True)
 class StepWrites(Group):
     """What a run did since its last step (flush_run's ARGV from its seventh; end_run's from its 20th)."""
@@ -425,14 +417,12 @@ class StepWrites(Group):
     n_conversation: int = count("how many conversation messages", of="conversation")
     n_ui: int = count("how many UI messages", of="ui_messages")
     n_usage: int = count("how many usage records", of="usage")
-    n_latencies: int = count("how many latencies", of="latencies")
     conversation: Sequence[str] = args("the conversation messages")
     ui_messages: Sequence[str] = args("then the UI messages")
     usage: Sequence[UsageArgs] = args(
         "then 7 values per usage record (request key, tokens in, tokens out, cache reads, cache writes, "
         "cost micro-USD, cost source)"
     )
-    latencies: Sequence[LatencyArgs] = args("then 2 per latency (histogram field, ms)")
     marks: Sequence[Mark] = args(
         "then, to the end, 2 per timeline mark the run took between steps (t ms, state: coordinator/timeline.py)"
     )
@@ -906,7 +896,7 @@ class EndRun(
     "ids` the waiting tasks given the freed slot, whose runs the caller publishes. The same end sent again "
     "after it ran answers as it did, and writes nothing.",
 ):
-    run: RunKeys = splice("as flush_run (lease, task, conversation, UI, latency, live, events)")
+    run: RunKeys = splice("as flush_run (lease, task, conversation, UI, live, events)")
     due: str = key("the due list")
     parent: str = key("parent hash")
     todos: str = key("parent todos")
@@ -944,13 +934,13 @@ class EndRun(
     fair_args: FairArgs = splice("how fair shares are read (fair_release's, after its own three)")
     writes: StepWrites = splice("flush_run's ARGV from its seventh (what the run did since its last step)")
 
-    # Where fair shares' keys and, after their `on`, the rest of their arguments lie: KEYS[21..24], ARGV[21..31].
-    _FAIR_KEYS_AT: ClassVar[int] = 20
+    # Where fair shares' keys and, after their `on`, the rest of their arguments lie: KEYS[20..23], ARGV[21..31].
+    _FAIR_KEYS_AT: ClassVar[int] = 19
     _FAIR_REST_AT: ClassVar[int] = 20
 
     def pack(self) -> tuple[list[str], list[ScriptArg]]:
         """As declared, but with fair shares off only their `on` (0) is sent, not their keys nor the rest of their
-        arguments: end_run.lua then finds the ancestors at KEYS[21..] and flush_run's ARGV from ARGV[21]
+        arguments: end_run.lua then finds the ancestors at KEYS[20..] and flush_run's ARGV from ARGV[21]
         (each key or argument costs the server about 1 K instructions a call, bench/script_cost.py)."""
         out_keys, out_args = super().pack()
         if not self.fair_args.on:

@@ -27,14 +27,12 @@ from coordinator.store.base import (
 )
 from coordinator.store.fair import NO_FAIR_SHARES, FairShares, fair_args, fair_keys
 from coordinator.store.fields import TaskField
-from coordinator.store.metrics import latency_bucket
 from coordinator.store.protocol import (
     ClaimResume,
     EndRun,
     FinishTask,
     FlushRun,
     FreeToolSlot,
-    LatencyArgs,
     MarkToolStarted,
     RateLimit,
     RecordTool,
@@ -58,7 +56,6 @@ def _step_writes(writes: RunWrites) -> StepWrites:
     return StepWrites(
         live=writes.live, conversation=writes.conversation, ui_messages=writes.ui_messages,
         usage=[UsageArgs.of(s.request_key, s.usage, s.cost_micros, s.cost_source) for s in writes.usage],
-        latencies=[LatencyArgs(bucket=latency_bucket(ms), ms=ms) for ms in writes.latencies_ms],
         marks=writes.marks,
     )  # fmt: skip
 
@@ -146,8 +143,7 @@ class RunStore(Part):
         root, k, task_id = record.root_id, self.keys, record.id
         return RunKeys(
             lease=k.lease(root, task_id), task=k.task(root, task_id), conversation=k.conversation(root, task_id),
-            ui_messages=k.ui_messages(root, task_id), latency=k.latency_histogram(), live=k.live(root),
-            events=k.events(root),
+            ui_messages=k.ui_messages(root, task_id), live=k.live(root), events=k.events(root),
         )  # fmt: skip
 
     def _flush(self, record: TaskRecord, token: str, writes: RunWrites) -> FlushRun:

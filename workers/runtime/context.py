@@ -18,7 +18,7 @@ from workers.runtime.agent_loop import AgentLoop, ProgressPacer, StopWatch
 from workers.runtime.profile_tools import Toolbox
 from workers.runtime.sandbox import Sandbox
 
-__all__ = ["CONNECTION_WAIT_S", "SPARE_CONNECTIONS", "Runtime", "build_runtime", "get_runtime"]
+__all__ = ["CONNECTION_WAIT_S", "SPARE_CONNECTIONS", "Runtime", "build_runtime", "built_runtime", "get_runtime"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,11 @@ def build_runtime(settings: Settings, app: Celery) -> Runtime:
     coordinator = Coordinator(settings, client=client, app=app)
     count_replica_shortfalls(coordinator.replica_shortfalls)
     return Runtime(settings, coordinator, RunLifecycle(coordinator, hooks=WorkerRunHooks()))
+
+
+def built_runtime() -> Runtime | None:
+    """This process's runtime if a run or the reconciler built it, else None (nothing to hand back or add)."""
+    return _runtime
 
 
 def get_runtime(settings: Settings, app: Celery) -> Runtime:

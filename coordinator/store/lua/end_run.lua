@@ -5,23 +5,23 @@
 -- the last (settle_child). A child of a sequential batch stays on the due list, for its
 -- caller to write back and start the next step: a process that dies before that leaves it
 -- to the reconciler.
--- With fair shares off (ARGV[20] 0) the caller leaves KEYS[21..24] and ARGV[21..31] off: the ancestors
--- are KEYS[21..] then, and flush_run's ARGV begins at ARGV[21] (each key or argument sent costs the server
+-- With fair shares off (ARGV[20] 0) the caller leaves KEYS[20..23] and ARGV[21..31] off: the ancestors
+-- are KEYS[20..] then, and flush_run's ARGV begins at ARGV[21] (each key or argument sent costs the server
 -- about 1 K instructions, docs/benchmarks.md).
--- KEYS[1..7] as flush_run (lease, task, conversation, UI, latency, live, events)
--- KEYS[8] the due list
--- KEYS[9] parent hash
--- KEYS[10] parent todos
--- KEYS[11] parent awaiting set
--- KEYS[12] batch hash
--- KEYS[13] parent UI messages
--- KEYS[14] batch lines
--- KEYS[15] the tree's running set
--- KEYS[16] its admission list
--- KEYS[17] the parent's running-children set
--- KEYS[18..20] the tree's outbox (outbox_add's KEYS)
--- KEYS[21..24] the fleet-wide keys of fair shares (fair_release's)
--- KEYS[25..] ancestor hashes (parent first, root last)
+-- KEYS[1..6] as flush_run (lease, task, conversation, UI, live, events)
+-- KEYS[7] the due list
+-- KEYS[8] parent hash
+-- KEYS[9] parent todos
+-- KEYS[10] parent awaiting set
+-- KEYS[11] batch hash
+-- KEYS[12] parent UI messages
+-- KEYS[13] batch lines
+-- KEYS[14] the tree's running set
+-- KEYS[15] its admission list
+-- KEYS[16] the parent's running-children set
+-- KEYS[17..19] the tree's outbox (outbox_add's KEYS)
+-- KEYS[20..23] the fleet-wide keys of fair shares (fair_release's)
+-- KEYS[24..] ancestor hashes (parent first, root last)
 -- ARGV[1] str: token
 -- ARGV[2] int: retention seconds
 -- ARGV[3] float: now
@@ -51,7 +51,7 @@
 --   resume, `batch mode` 'sequential' when the caller must write the chain step back itself, `admitted
 --   ids` the waiting tasks given the freed slot, whose runs the caller publishes. The same end sent again
 --   after it ran answers as it did, and writes nothing.
--- (KEYS[9..14] are the task's own hash again when it has no batch, and KEYS[15..17] when
+-- (KEYS[8..13] are the task's own hash again when it has no batch, and KEYS[14..16] when
 -- admission does not apply to it.)
 -- Every field of the task and of its parent that any part below reads, in one HMGET each
 -- (hashes.lua): the parts read and write them through the cache, written once at the end.
@@ -65,13 +65,13 @@ end
 hash_prefetch(KEYS[2], own_fields)
 -- The parent's fields every child's end reads (the usage roll-up, the write-back); the ones only the batch's
 -- closer reads (close_batch, finish_batch) are read by it, once a batch, not prefetched by every child.
-if KEYS[9] ~= KEYS[2] then
-  hash_prefetch(KEYS[9], {'id', 'total_tokens', 'total_cost_micros', 'budget_micros', 'todos_version'})
+if KEYS[8] ~= KEYS[2] then
+  hash_prefetch(KEYS[8], {'id', 'total_tokens', 'total_cost_micros', 'budget_micros', 'todos_version'})
 end
 local fair = ARGV[20] == '1'
 -- (Tables built whole, by constructors and `unpack`: a table grown one slot at a time is reallocated as it grows.)
-local flush_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[18], KEYS[19], KEYS[20],
-  unpack(KEYS, fair and 25 or 21)}
+local flush_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[17], KEYS[18], KEYS[19],
+  unpack(KEYS, fair and 24 or 20)}
 -- The live status (ARGV[w]: here the terminal one, made by the caller, store/runs.py) goes to
 -- finish_task, which writes it as it is, and the UI messages go with the outcome's own, after it
 -- (one write each, not two).
@@ -79,11 +79,11 @@ local flush_keys = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7
 local w = fair and 32 or 21
 local live = ARGV[w]
 local n_conv, n_ui = tonumber(ARGV[w + 1]), tonumber(ARGV[w + 2])
-local first_ui = w + 5 + n_conv
-local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], '1', ARGV[19], '', ARGV[w + 1], '0', ARGV[w + 3], ARGV[w + 4],
-  unpack(ARGV, w + 5, first_ui - 1)}
+local first_ui = w + 4 + n_conv
+local flush_argv = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], '1', ARGV[19], '', ARGV[w + 1], '0', ARGV[w + 3],
+  unpack(ARGV, w + 4, first_ui - 1)}
 local ui = {unpack(ARGV, first_ui, first_ui + n_ui - 1)}
-local at = 11 + n_conv
+local at = 10 + n_conv
 for i = first_ui + n_ui, #ARGV do
   at = at + 1
   flush_argv[at] = ARGV[i]
@@ -127,7 +127,7 @@ if flushed[3] ~= '' and ARGV[10] == '1' then
 end
 local now, retention, maxlen = ARGV[3], ARGV[2], ARGV[4]
 local before = hash_get(KEYS[2], 'status')[1]
-finish_task({KEYS[2], KEYS[7], KEYS[6], KEYS[18], KEYS[19], KEYS[20]}, {ARGV[5], ARGV[6], ARGV[7], ARGV[8], now, retention, maxlen, live})
+finish_task({KEYS[2], KEYS[6], KEYS[5], KEYS[17], KEYS[18], KEYS[19]}, {ARGV[5], ARGV[6], ARGV[7], ARGV[8], now, retention, maxlen, live})
 -- A typed task's data is its record's `output` from the step that completes it, never after (a task
 -- stopped before its end keeps none); the count of invalid answers stays whatever the outcome.
 if ARGV[17] ~= '' and ARGV[5] == 'completed' and not ENDED[before] then
@@ -141,7 +141,7 @@ local f = outcome()
 local closed, resumes, resume, mode = 0, 0, 0, ''
 if f[11] and f[11] ~= '' then
   -- A child's record names its batch's mode (delegation.py); one written before it did not.
-  local got = settle_child({KEYS[9], KEYS[10], KEYS[11], KEYS[7], KEYS[14], KEYS[2], KEYS[12], KEYS[13], KEYS[8]},
+  local got = settle_child({KEYS[8], KEYS[9], KEYS[10], KEYS[6], KEYS[13], KEYS[2], KEYS[11], KEYS[12], KEYS[7]},
     {now, retention, maxlen, f[1], ARGV[9], f[12] or ''})
   mode, resumes, resume = got[1], got[2], got[3]
   if resumes > 0 then
@@ -149,9 +149,9 @@ if f[11] and f[11] ~= '' then
   end
 end
 if mode == 'sequential' then
-  redis.call('ZADD', KEYS[8], tonumber(now) + tonumber(ARGV[9]), f[1])
+  redis.call('ZADD', KEYS[7], tonumber(now) + tonumber(ARGV[9]), f[1])
 else
-  redis.call('ZREM', KEYS[8], f[1])
+  redis.call('ZREM', KEYS[7], f[1])
 end
 -- The outcome's UI message, written as text around its one string, which cjson escapes (a task's summary
 -- is a model's text): a table encoded whole costs three times that.
@@ -164,7 +164,7 @@ end
 say_all()
 local admitted = {}
 if ARGV[11] == '1' then
-  admitted = release_slot({KEYS[15], KEYS[16], KEYS[17]},
+  admitted = release_slot({KEYS[14], KEYS[15], KEYS[16]},
     {f[1], ARGV[12], ARGV[13], retention, ARGV[14], ARGV[15], ARGV[16], now})
 end
 if fair then
@@ -173,7 +173,7 @@ if fair then
   for i = 20, 31 do
     fair_argv[#fair_argv + 1] = ARGV[i]
   end
-  local taken = fair_release({KEYS[21], KEYS[22], KEYS[23], KEYS[24]}, fair_argv)
+  local taken = fair_release({KEYS[20], KEYS[21], KEYS[22], KEYS[23]}, fair_argv)
   for i = 1, #taken do
     admitted[#admitted + 1] = taken[i]
   end

@@ -1,17 +1,16 @@
 -- What a run did since its last step, written at once while it still holds its lease:
 -- conversation messages, UI messages, each response's usage (record_usage.lua, once per
 -- request key, rolled up the ancestors, with the `budget.warning` of a budget whose warning
--- share it crosses), its latency, and its live status (while its task has not ended). Then the checks
+-- share it crosses), and its live status (while its task has not ended). Then the checks
 -- a run makes before its next model request: its status, and the topmost budget reached.
 -- KEYS[1] lease
 -- KEYS[2] task hash
 -- KEYS[3] conversation
 -- KEYS[4] UI messages
--- KEYS[5] latency histogram
--- KEYS[6] tree live hash
--- KEYS[7] tree events
--- KEYS[8..10] the tree's outbox (outbox_add's KEYS: a budget warning, record_usage)
--- KEYS[11..] ancestor hashes (parent first, root last)
+-- KEYS[5] tree live hash
+-- KEYS[6] tree events
+-- KEYS[7..9] the tree's outbox (outbox_add's KEYS: a budget warning, record_usage)
+-- KEYS[10..] ancestor hashes (parent first, root last)
 -- ARGV[1] str: token
 -- ARGV[2] int: retention seconds
 -- ARGV[3] float: now
@@ -23,12 +22,10 @@
 -- ARGV[8] int: how many conversation messages
 -- ARGV[9] int: how many UI messages
 -- ARGV[10] int: how many usage records
--- ARGV[11] int: how many latencies
--- ARGV[12..] each str: the conversation messages
+-- ARGV[11..] each str: the conversation messages
 -- ARGV[..] each str: then the UI messages
 -- ARGV[..] then 7 values per usage record (request key, tokens in, tokens out, cache reads, cache writes,
 --   cost micro-USD, cost source)
--- ARGV[..] then 2 per latency (histogram field, ms)
 -- ARGV[..] then, to the end, 2 per timeline mark the run took between steps (t ms, state:
 --   coordinator/timeline.py)
 -- Returns {1, status, exhausted, resent} (status '' when called by end_run; resent 1 when this was the
@@ -44,7 +41,7 @@ local function flush_checks(keys, in_end, exhausted, recorded, resent)
   if not recorded then
     -- The topmost task of the chain whose budget its subtree has reached (later keys are nearer the root).
     local chain = {keys[2]}
-    for i = 11, #keys do
+    for i = 10, #keys do
       chain[#chain + 1] = keys[i]
     end
     for _, key in ipairs(chain) do
@@ -66,7 +63,7 @@ local retention, now, in_end = ARGV[2], ARGV[3], ARGV[5] == '1'
 if not in_end then
   hash_prefetch(KEYS[2], fields_and(USAGE_FIELDS, {'last_step'}))
 end
-if in_end or ARGV[7] ~= '' or #ARGV > 11 then
+if in_end or ARGV[7] ~= '' or #ARGV > 10 then
   -- A step that writes (a check alone writes nothing, and answers a resend as it did the first time).
   local step = run_step(ARGV[1], now)
   if hash_get(KEYS[2], 'last_step')[1] == step then
@@ -75,8 +72,8 @@ if in_end or ARGV[7] ~= '' or #ARGV > 11 then
   end
   hash_set(KEYS[2], 'last_step', step)
 end
-local n_conv, n_ui, n_usage, n_latency = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
-local at = 12
+local n_conv, n_ui, n_usage = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local at = 11
 if n_conv > 0 then
   redis.call('RPUSH', KEYS[3], unpack(ARGV, at, at + n_conv - 1))
   redis.call('EXPIRE', KEYS[3], retention)
@@ -88,8 +85,8 @@ if n_ui > 0 then
   at = at + n_ui
 end
 -- record_usage's KEYS: the task, the tree's outbox (a budget warning), the ancestors.
-local usage_keys = {KEYS[2], KEYS[8], KEYS[9], KEYS[10]}
-for i = 11, #KEYS do
+local usage_keys = {KEYS[2], KEYS[7], KEYS[8], KEYS[9]}
+for i = 10, #KEYS do
   usage_keys[#usage_keys + 1] = KEYS[i]
 end
 -- record_usage says which budget a recorded request reached; with none recorded, the chain is read below.
@@ -101,11 +98,6 @@ for _ = 1, n_usage do
     recorded, exhausted = true, got[2]
   end
   at = at + 7
-end
-for _ = 1, n_latency do
-  redis.call('HINCRBY', KEYS[5], ARGV[at], 1)
-  redis.call('HINCRBYFLOAT', KEYS[5], 'sum_ms', ARGV[at + 1])
-  at = at + 2
 end
 while at < #ARGV do
   -- Its task's timeline is read only when the run has marks to add (a wait within it, its end).
@@ -119,9 +111,9 @@ end
 -- and on the stream, and the run reads the stop in this step's reply.)
 if ARGV[7] ~= '' and not ENDED[hash_get(KEYS[2], 'status')[1]] then
   local live = cjson.decode(ARGV[7])
-  redis.call('HSET', KEYS[6], live['task_id'], ARGV[7])
-  redis.call('EXPIRE', KEYS[6], retention)
-  redis.call('XADD', KEYS[7], 'MAXLEN', '~', ARGV[4], '*', 'type', 'live', 'task_id', live['task_id'],
+  redis.call('HSET', KEYS[5], live['task_id'], ARGV[7])
+  redis.call('EXPIRE', KEYS[5], retention)
+  redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[4], '*', 'type', 'live', 'task_id', live['task_id'],
     'state', live['state'])
 end
 return flush_checks(KEYS, in_end, exhausted, recorded, 0)
