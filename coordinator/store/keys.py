@@ -104,8 +104,8 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 
 Per-tenant keys (coordinator/tenants.py) are not under a tree's hash tag: each is tagged by its
 tenant, `<p>:tenant:{<tenant>}:...`, so one tenant's keys share a slot (the quota check reads them
-in one script) and a tree's step that counts spend names one key of another slot, as the latency
-histogram is.
+in one script) and a tree's step that counts spend names one key of another slot, as the due list
+is.
 
 | key                                   | type   | holds                                              | lifetime |
 |---------------------------------------|--------|----------------------------------------------------|----------|
