@@ -37,12 +37,15 @@ HAND_BACK_MARGIN_S = 3.0
 class LatencyTally:
     """The model requests' latencies (ms) one process's runs measured and its heartbeat has not added yet.
 
-    Its runs count each response here, in memory, and the heartbeat adds what it holds to the
-    fleet's histogram at each beat (`MetricStore.add_latencies`, one round trip), not each run's
-    steps: two increments inside a child's end cost the server 3% of the child's two steps
-    (docs/benchmarks.md, "The latency histogram off a child's steps"). So the histogram lags by
-    at most a beat, and a process killed outright loses the latencies of its last beat, as it
-    loses its own Prometheus histogram (workers/observe.py): a monitoring figure, not a task's state.
+    Its runs count each response here, in memory, and the heartbeat (the thread that renews the
+    runs' leases while the process holds any) adds what it holds to the fleet's histogram at each
+    beat and when it stops (`MetricStore.add_latencies`, one round trip), not each run's steps: two
+    increments inside a child's end were 3.6% of the server's instructions for the child's two steps
+    (docs/benchmarks.md, "The latency histogram off a child's steps"). It is a monitoring figure, not
+    a task's state: it lags by at most a beat; a process killed outright loses the latencies of its
+    last beat, as it loses its own Prometheus histogram (workers/observe.py); an add Redis refused
+    waits for the next beat (or, after the last run, the next run or the worker's shutdown); and an
+    add whose reply was lost and which the connection sends again counts twice.
     """
 
     def __init__(self) -> None:
@@ -170,12 +173,13 @@ class Heartbeat:
                 last = not self._runs
                 if last:
                     self._thread = None
-            # After the decision, so a latency its runs measured before it is added now: a later one is a run's
-            # that `hold` gave a thread of its own.
+            if not last:
+                try:
+                    self.renew()
+                except Exception as exc:  # Redis is down: the leases lapse, and the runs are fenced
+                    log.warning("subq: heartbeat failed: %s", exc)
+            # After the leases (a slow add must not hold a renewal up), and after the decision to end, so a latency
+            # measured before it is added now: a later one is a run's that `hold` gave a thread of its own.
             self.add_latencies()
             if last:
                 return
-            try:
-                self.renew()
-            except Exception as exc:  # Redis is down: the leases lapse, and the runs are fenced
-                log.warning("subq: heartbeat failed: %s", exc)

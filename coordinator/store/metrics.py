@@ -59,7 +59,7 @@ class MetricStore(Part):
         if not latencies_ms:
             return
         key = self.keys.latency_histogram()
-        with self.client.pipeline(transaction=False) as pipe:
+        with self.client.pipeline() as pipe:  # MULTI/EXEC: a scrape never reads the buckets without their sum
             for bucket, requests in Counter(map(latency_bucket, latencies_ms)).items():
                 pipe.hincrby(key, bucket, requests)
             pipe.hincrbyfloat(key, LatencyField.SUM_MS, sum(latencies_ms))

@@ -411,7 +411,8 @@ class UsageArgs(NamedTuple):
 
 @dataclass(frozen=True, kw_only=True)
 class StepWrites(Group):
-    """What a run did since its last step (flush_run's ARGV from its seventh; end_run's from its 20th)."""
+    """What a run did since its last step (flush_run's ARGV from its seventh; end_run's from its 32nd, or its 21st
+    with fair shares off)."""
 
     live: str = arg("live status JSON, or ''")
     n_conversation: int = count("how many conversation messages", of="conversation")
