@@ -18,8 +18,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def json_lines(log: Path) -> list[dict[str, Any]]:
-    """The worker's log lines from its first JSON line on (before it: Celery's banner, on stdout)."""
-    lines = log.read_text().splitlines()
+    """The worker's log lines from its first JSON line on (before it: Celery's banner, on stdout).
+
+    Only whole lines: the worker may be writing its last one as the file is read (its output is
+    flushed a buffer at a time), which on a loaded host left half a JSON object to parse."""
+    text = log.read_text()
+    lines = text.splitlines()[: None if text.endswith("\n") else -1]
     first = next(n for n, line in enumerate(lines) if line.startswith("{"))
     return [json.loads(line) for line in lines[first:] if line.strip()]
 
