@@ -961,8 +961,7 @@ def test_metrics_report_tasks_spend_queue_and_latency(settings: Settings) -> Non
     child = batch.child_ids[0]
     coord.store.runs.record_usage(child, "r:1", Usage(tokens_in=100, tokens_out=10), 1234, "test")
     coord.store.runs.record_usage(first.id, "r:1", Usage(tokens_in=10), 66, "test")
-    for latency_ms in (50, 300, 70_000):
-        coord.store.metrics.observe_latency(latency_ms)
+    coord.store.metrics.add_latencies([50, 300, 70_000])
     for reason in ("run-lost", "run-lost", "ended-not-written-back"):
         coord.store.convergence.count_repair(reason)
     coord.client.lpush(coord.store.keys.dead_letters(), '{"reason": "test"}')

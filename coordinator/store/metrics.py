@@ -47,10 +47,6 @@ class FleetGauges(NamedTuple):
 class MetricStore(Part):
     """The latency histogram, and a content snapshot of every key of the prefix."""
 
-    def observe_latency(self, latency_ms: float) -> None:
-        """Count one model request's latency in the fleet-wide histogram: its one bucket, and the sum."""
-        self.add_latencies([latency_ms])
-
     @translate_redis_errors
     def add_latencies(self, latencies_ms: Sequence[float]) -> None:
         """Count model requests' latencies in the fleet-wide histogram, in one round trip: each bucket's
