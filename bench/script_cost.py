@@ -40,6 +40,10 @@ events with the waiters' wake-up, its UI messages, its outbox deliveries): what 
 if a tree recorded less of it. A piece no longer in the Lua as written here stops the run. (Its latency, the
 fifth record once, is no longer written by the steps: the worker's heartbeat adds it.)
 
+`--keep DIR` also keeps callgrind's dump of each replay in DIR, named by what it counted (`s1-end_run.callgrind`
+is end_run's first counted repeat), for `callgrind_annotate --inclusive=yes` to say which of the server's functions
+the instructions went to (docs/benchmarks.md has what it found inside `end_run`'s Lua).
+
 `--cut SCRIPT:LINE` (repeatable, in the order the step runs them) also replays the step that holds
 SCRIPT (start_run, end_run, or a script they use, such as flush_run) with the step stopped by an error
 just after that line of SCRIPT, and reports its instructions up to there and since the cut before:
@@ -240,6 +244,7 @@ def replay(
     plain: bool = False,
     each: bool = False,
     cuts: Sequence[Cut] = (),
+    keep: Path | None = None,
 ) -> tuple[dict[str, list[dict[str, int]]], dict[str, list[list[bytes]]]]:
     """Each captured call on a callgrind redis-server: each repeat's instructions (`_dumped_counts`), by script
     (and, with `plain`, by `plain <script>`: its commands without the script; with `each`, by
@@ -266,8 +271,20 @@ def replay(
         proc.wait()
         shutil.rmtree(workdir, ignore_errors=True)
     counts = _dumped_counts(dumps)
+    if keep is not None:
+        _keep_dumps(dumps, keep)
     shutil.rmtree(dumps, ignore_errors=True)
     return counts, ran
+
+
+def _keep_dumps(dumps: str, keep: Path) -> None:
+    """Each dump of a replay into `keep`, named by what it counted (`s1-end_run.callgrind`: the first counted
+    repeat of end_run; `s0-` is the warm-up), for `callgrind_annotate --inclusive=yes` to read."""
+    keep.mkdir(parents=True, exist_ok=True)
+    for path in glob.glob(f"{dumps}/cg.*.*"):
+        named = re.search(r"^desc: Trigger: dump (\S+)", Path(path).read_text(errors="replace"), re.M)
+        if named:
+            shutil.copyfile(path, keep / f"{named.group(1).replace('#', '-')}.callgrind")
 
 
 def _wait_for_ping(client: redis.Redis) -> None:
@@ -604,6 +621,14 @@ def split(parts: dict[str, int]) -> str:
     return ", ".join(f"{name} {value / 1000:.0f}" for name, value in {**named, "the rest": rest}.items())
 
 
+def keep_dir(text: str) -> Path:
+    """`--keep`'s DIR: a directory to make, or an empty one (a dump never overwrites a file kept before)."""
+    path = Path(text)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a new or empty directory")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/script_cost.py", description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="replays of each call (3); the fewest is reported")
@@ -631,6 +656,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(WITHOUT),
         help="run with this record of a child left out of the Lua (repeatable): what recording less would save",
     )
+    parser.add_argument(
+        "--keep",
+        type=keep_dir,
+        default=None,
+        metavar="DIR",
+        help="also keep callgrind's dump of each replay in DIR (new or empty), for callgrind_annotate",
+    )
     args = parser.parse_args(argv)
     try:
         cuts = [Cut.parse(text) for text in args.cut]
@@ -646,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.without:
         print(f"without: {', '.join(args.without)} (left out of the Lua, --without)")
     with _without(args.without):
-        counts, ran = replay(capture(), args.repeats, args.redis_server, args.plain, args.each, cuts)
+        counts, ran = replay(capture(), args.repeats, args.redis_server, args.plain, args.each, cuts, args.keep)
     plains = [DUMP_KINDS[kind] + script for kind in FLOORS for script in SCRIPTS] if args.plain else []
     for script in [*SCRIPTS, *plains]:
         repeats = sorted(counts.get(script, []), key=lambda parts: parts["processInputBuffer"])

@@ -131,7 +131,9 @@ def test_redis_time_counts_the_run_and_not_the_benchs_check_of_it() -> None:
     child's record to check the run (an HMGET and two HGETs a child, once counted as subq's: 0.05 ms a child).
     On the Debian redis-server (`--redis-server`), a Redis 7 as a fleet runs on, not the embedded 6.2."""
     version = subprocess.run([TLS_REDIS_SERVER, "--version"], capture_output=True, text=True).stdout
-    done = run_printed("bench/redis_time.py", "--width", "16", "--top", "40", "--redis-server", TLS_REDIS_SERVER)
+    done = run_printed(
+        "bench/redis_time.py", "--width", "16", "--top", "40", "--rounds", "2", "--redis-server", TLS_REDIS_SERVER
+    )
     (named,) = re.findall(r"v=(\S+)", version)
     assert done.stdout.startswith(f"{TLS_REDIS_SERVER}: Redis {named}\n"), done.stdout[:200]
     subq = done.stdout.split("\nsubq: Redis ", 1)[1]
@@ -140,6 +142,39 @@ def test_redis_time_counts_the_run_and_not_the_benchs_check_of_it() -> None:
     # A run of 16 makes 1.1 HGETs a child (the parent's own steps shared among them), the check 2 more.
     assert calls["hget"] < 2, subq
     assert "subq/noop Redis per child:" in done.stdout
+    # Two rounds taking turns, each one's ratio, and their median (of two, their mean) as the run's figure.
+    rounds = re.findall(
+        r"^  round (\d) \((\w+) then (\w+)\): noop (\d+\.\d\d), subq (\d+\.\d\d): (\d+\.\d\d)x$",
+        done.stdout,
+        re.MULTILINE,
+    )
+    assert [(number, first, second) for number, first, second, *_ in rounds] == [
+        ("1", "noop", "subq"),
+        ("2", "subq", "noop"),
+    ], done.stdout
+    for *_, noop, subq, ratio in rounds:
+        assert float(ratio) == pytest.approx(float(subq) / float(noop), abs=0.06), rounds
+    (median,) = re.findall(
+        r"^subq/noop Redis per child net of the idle fleets, median of 2 rounds: (\d+\.\d\d)x",
+        done.stdout,
+        re.MULTILINE,
+    )
+    assert float(median) == pytest.approx(sum(float(r[-1]) for r in rounds) / 2, abs=0.011), done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["--rounds", "0"], "argument --rounds: must be at least 1, not 0"),
+        (["--rounds", "two"], "argument --rounds: invalid positive_int value: 'two'"),
+    ],
+)
+def test_redis_time_refuses_rounds_it_cannot_take(
+    args: list[str], error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench import redis_time
+
+    assert refused(redis_time.main, args, capsys).endswith(f" error: {error}")
 
 
 @pytest.mark.parametrize(
@@ -415,3 +450,30 @@ def test_script_cost_watched_step_writes_what_the_plain_step_writes(redis_client
             pipe.execute_command(*command)
         pipe.execute()
     assert {key: redis_client.dump(key) for key in sorted(redis_client.keys("w:*"))} == watched
+
+
+def test_script_cost_keeps_each_dump_named_by_what_it_counted(tmp_path: Path) -> None:
+    """`--keep DIR` copies each replay's callgrind dump into DIR under the name its trigger gave it (callgrind
+    names the files by pid and part, which says nothing of the step), `#` made `-`; a file with no trigger
+    (the server's own dump at its exit) is left behind."""
+    from bench.script_cost import _keep_dumps
+
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    for part, trigger in enumerate(("Program termination", "dump s1-end_run", "dump e1-end_run#3"), 1):
+        (dumps / f"cg.4242.{part}").write_text(f"version: 1\ncreator: callgrind-3.19.0\ndesc: Trigger: {trigger}\n")
+    kept = tmp_path / "kept" / "here"
+    _keep_dumps(str(dumps), kept)
+    assert sorted(path.name for path in kept.iterdir()) == ["e1-end_run-3.callgrind", "s1-end_run.callgrind"]
+    assert "dump s1-end_run" in (kept / "s1-end_run.callgrind").read_text()
+
+
+def test_script_cost_refuses_to_keep_dumps_where_files_are(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import script_cost
+
+    (tmp_path / "old.callgrind").write_text("")
+    for where in (tmp_path, tmp_path / "old.callgrind"):
+        assert refused(script_cost.main, ["--keep", str(where)], capsys) == (
+            f"bench/script_cost.py: error: argument --keep: {str(where)!r} is not a new or empty directory"
+        )
+    assert [path.name for path in tmp_path.iterdir()] == ["old.callgrind"], "nothing written"
