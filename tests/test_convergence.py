@@ -29,7 +29,6 @@ from coordinator import (
 )
 from coordinator.approvals import ToolCall, expiry_timer, undecided
 from coordinator.celery_app import make_app
-from coordinator.delegation import PUBLISH_PACE_S
 from coordinator.errors import FencedError
 from coordinator.local.embedded_redis import local_redis
 from coordinator.models import Approval, SubtaskSpec, TaskRecord, live_status
@@ -143,6 +142,14 @@ def test_a_run_taken_from_the_queue_while_the_tick_looked_is_not_taken_for_lost(
     assert coord.client.llen(QUEUE) == 0 and root.id in store.watched()
 
 
+# The pace the two tests below give a wide publish, five times the product's (delegation.PUBLISH_PACE_S): each
+# ticks just after its first child is due and checks that the last hundred, whose messages it took off the queue,
+# are not due yet. With the product's pace they were due 4 s after the first, and a loaded host that took longer
+# than that to publish the 500 messages before the tick saw the first of them due (`run-lost`: 20, beside two busy
+# loops). At this pace they are due 20 s after the first.
+TEST_PACE_S = 0.05
+
+
 def test_a_wide_batchs_children_are_looked_at_no_sooner_than_its_publish_reaches_each(
     coord: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -152,6 +159,7 @@ def test_a_wide_batchs_children_are_looked_at_no_sooner_than_its_publish_reaches
     loop, bench/overhead.py --widths 5000 --grace-s 2). Each child is now due a publish's pace later than the
     one before it."""
     monkeypatch.setattr(reconciler, "SETTLE_S", 0.0)  # the look that this test is about, not the settling
+    monkeypatch.setattr(delegation, "PUBLISH_PACE_S", TEST_PACE_S)
     with settings_of(coord, max_fanout=500) as wide:
         _publish_half_and_tick(wide)
 
@@ -161,7 +169,7 @@ def _publish_half_and_tick(coord: Coordinator) -> None:
     batch = coord.delegate(parent.id, [subtask(f"child {n}", agent(reply("x"))) for n in range(500)])
     due = coord.store.convergence.watched()
     times = [due[child] for child in batch.child_ids]
-    assert times == sorted(times) and times[-1] - times[0] == pytest.approx(499 * PUBLISH_PACE_S, abs=0.001)
+    assert times == sorted(times) and times[-1] - times[0] == pytest.approx(499 * TEST_PACE_S, abs=0.001)
     # The last hundred messages have not reached the queue yet (kombu pushes each new one at the list's head).
     coord.client.ltrim(QUEUE, 100, -1)
     assert queued_ids(coord) == sorted(batch.child_ids[:400])
@@ -178,6 +186,7 @@ def test_a_wide_retrys_runs_are_looked_at_no_sooner_than_its_publish_reaches_eac
     children: all due at the same time, the last of a wide retry's were looked at before their messages were
     sent. Each is now due a publish's pace later than the one before it, in the order they are published."""
     monkeypatch.setattr(reconciler, "SETTLE_S", 0.0)
+    monkeypatch.setattr(delegation, "PUBLISH_PACE_S", TEST_PACE_S)
     with settings_of(coord, max_fanout=500) as wide:
         parent = wide.create_task(agent(reply("x")), run=True)
         batch = wide.delegate(parent.id, [subtask(f"child {n}", agent(reply("x"))) for n in range(500)])
@@ -191,7 +200,7 @@ def test_a_wide_retrys_runs_are_looked_at_no_sooner_than_its_publish_reaches_eac
         assert sorted(retried.retried) == sorted(batch.child_ids)
         due = wide.store.convergence.watched()
         times = [due[child] for child in retried.retried]  # the order they were published in
-        assert times == sorted(times) and times[-1] - times[0] == pytest.approx(499 * PUBLISH_PACE_S, abs=0.01)
+        assert times == sorted(times) and times[-1] - times[0] == pytest.approx(499 * TEST_PACE_S, abs=0.01)
         wide.client.ltrim(QUEUE, 100, -1)  # the last hundred messages have not reached the queue yet
         time.sleep(max(0.0, times[0] - time.time()) + 0.2)
         assert Reconciler(wide, "test").tick() == {}, "none of the runs on their way was taken for lost"
