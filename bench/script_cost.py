@@ -40,6 +40,10 @@ events with the waiters' wake-up, its UI messages, its outbox deliveries): what 
 if a tree recorded less of it. A piece no longer in the Lua as written here stops the run. (Its latency, the
 fifth record once, is no longer written by the steps: the worker's heartbeat adds it.)
 
+`--function` also replays each step as the store sends it to a server with functions (Redis 7): FCALL of its
+function in the scripts' library (coordinator/store/library.py), loaded once; the EVALSHA lines are what a
+6.2 server runs. The library is the checkout's Lua as written, so it does not go with `--without`.
+
 `--keep DIR` also keeps callgrind's dump of each replay in DIR, named by what it counted (`s1-end_run.callgrind`
 is end_run's first counted repeat), for `callgrind_annotate --inclusive=yes` to say which of the server's functions
 the instructions went to (docs/benchmarks.md has what it found inside `end_run`'s Lua).
@@ -87,6 +91,7 @@ from coordinator.celery_app import make_app  # noqa: E402
 from coordinator.local.embedded_redis import local_redis, redis_server_version  # noqa: E402
 from coordinator.local.ports import free_port  # noqa: E402
 from coordinator.store import base  # noqa: E402
+from coordinator.store.library import library_text  # noqa: E402
 from coordinator.store.protocol import CALLS, Call  # noqa: E402
 from workers.runtime.context import build_runtime  # noqa: E402
 from workers.runtime.runner import run_child  # noqa: E402
@@ -94,7 +99,9 @@ from workers.runtime.runner import run_child  # noqa: E402
 SCRIPTS = ("start_run", "end_run")
 # What each replay of a step is reported as, by the letter its callgrind dump is named with
 # (`<letter><repeat>-<script>`): the step itself and its cuts, then `--plain`'s floors, then `--each`.
-DUMP_KINDS = {"s": "", "c": "", "p": "plain ", "w": "writes of ", "t": "thin ", "x": "watched ", "e": "each "}
+DUMP_KINDS = {
+    "s": "", "c": "", "f": "function ", "p": "plain ", "w": "writes of ", "t": "thin ", "x": "watched ", "e": "each "
+}  # fmt: skip
 FLOORS = ("p", "w", "t", "x")
 WIDTH = 20
 # `--each` shows so much of each word of a command.
@@ -245,10 +252,12 @@ def replay(
     each: bool = False,
     cuts: Sequence[Cut] = (),
     keep: Path | None = None,
+    function: bool = False,
 ) -> tuple[dict[str, list[dict[str, int]]], dict[str, list[list[bytes]]]]:
     """Each captured call on a callgrind redis-server: each repeat's instructions (`_dumped_counts`), by script
     (and, with `plain`, by `plain <script>`: its commands without the script; with `each`, by
-    `each <script>#<n>`: its n-th command alone; with `cuts`, by `cut <n>`: its step stopped at the n-th cut),
+    `each <script>#<n>`: its n-th command alone; with `cuts`, by `cut <n>`: its step stopped at the n-th cut;
+    with `function`, by `function <script>`: as an FCALL of the scripts' library),
     and the commands each script ran (with `plain` or `each`)."""
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)  # now: a DIR that cannot be made fails before the replays
@@ -262,8 +271,11 @@ def replay(
     ran: dict[str, list[list[bytes]]] = {}
     try:
         _wait_for_ping(client)
+        functions = _load_library(client) if function else {}
         for call in captured:
-            ran[call.script] = _replay_call(client, port, proc.pid, call, repeats, plain, each)
+            ran[call.script] = _replay_call(
+                client, port, proc.pid, call, repeats, plain, each, functions.get(call.script)
+            )
         for index, cut in enumerate(cuts):
             (call,) = [call for call in captured if call.script == cut.step]
             _replay_cut(client, proc.pid, call, cut, index, repeats)
@@ -277,6 +289,17 @@ def replay(
         _keep_dumps(dumps, keep)
     shutil.rmtree(dumps, ignore_errors=True)
     return counts, ran
+
+
+def _load_library(client: redis.Redis) -> dict[str, str]:
+    """The store's library of the checkout's scripts, loaded on the replay's server: each step's function."""
+    standalone = {name: call.uses for name, call in CALLS.items() if call.standalone}
+    text, functions = library_text(base._prelude(), standalone)
+    try:
+        client.function_load(text)
+    except redis.ResponseError as exc:
+        raise SystemExit(f"--function needs a server with functions (Redis 7 or later): {exc}") from None
+    return functions
 
 
 def _dumps(dumps: str) -> Iterator[tuple[str, str]]:
@@ -378,11 +401,16 @@ def _replay_cut(client: redis.Redis, pid: int, call: Captured, cut: Cut, index: 
             raise SystemExit(f"--cut {cut}: the step never reached that line (it answered {reply!r})")
 
 
-def _send_step(client: redis.Redis, sha: str, call: Captured, raise_on_error: bool = True) -> Any:
-    """The captured call's EVALSHA of `sha`, sent as the store sends it (with its reads, one MULTI/EXEC);
-    the script's reply (with `raise_on_error` False, its error as a reply)."""
+def _send_step(
+    client: redis.Redis, sha: str, call: Captured, raise_on_error: bool = True, function: str | None = None
+) -> Any:
+    """The captured call's EVALSHA of `sha` (or FCALL of the library's `function`), sent as the store sends it
+    (with its reads, one MULTI/EXEC); the script's reply (with `raise_on_error` False, its error as a reply)."""
     with client.pipeline(transaction=bool(call.reads)) as pipe:
-        pipe.evalsha(sha, len(call.keys), *call.keys, *call.args)
+        if function is not None:
+            pipe.fcall(function, len(call.keys), *call.keys, *call.args)
+        else:
+            pipe.evalsha(sha, len(call.keys), *call.keys, *call.args)
         for command in call.reads:
             pipe.execute_command(*command)
         return pipe.execute(raise_on_error=raise_on_error)[0]
@@ -393,11 +421,13 @@ def _control(pid: int, *args: str) -> None:
 
 
 def _replay_call(
-    client: redis.Redis, port: int, pid: int, call: Captured, repeats: int, plain: bool, each: bool
-) -> list[list[bytes]]:
+    client: redis.Redis, port: int, pid: int, call: Captured, repeats: int, plain: bool, each: bool,
+    function: str | None = None,
+) -> list[list[bytes]]:  # fmt: skip
     """The call `repeats` + 1 times (the first warms up) on the state it found, each counted from zero and
     dumped as `s<repeat>-<script>`; with `plain`, then its commands without the script, as `p<repeat>-<script>`;
-    with `each`, then each of them alone, as `e<repeat>-<script>#<n>`. Returns the commands the script ran
+    with `each`, then each of them alone, as `e<repeat>-<script>#<n>`; with a library's `function`, the call as an
+    FCALL of it, as `f<repeat>-<script>`. Returns the commands the script ran
     (read off MONITOR with `plain` or `each`)."""
 
     def control(*args: str) -> None:
@@ -413,6 +443,11 @@ def _replay_call(
         control("-d", f"s{repeat}-{call.script}")
         if watch is not None:
             commands = watch.scripts_commands(client)
+    for repeat in range(repeats + 1 if function else 0):
+        _restore(client, call)
+        control("-z")
+        _send_step(client, sha, call, function=function)
+        control("-d", f"f{repeat}-{call.script}")
     if plain:
         _replay_plain(client, pid, call, commands, repeats)
     if each:
@@ -649,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
         help="also each step's commands with no script, and run by one that decides nothing (floors)",
     )
     parser.add_argument("--each", action="store_true", help="also each command of each step alone, in order")
+
     parser.add_argument(
         "--cut",
         action="append",
@@ -656,7 +692,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SCRIPT:LINE",
         help="also the step stopped just after this line of one of its scripts (repeatable, in the step's order)",
     )
-    parser.add_argument(
+    # The library is the checkout's Lua as written: `--function` does not go with `--without`.
+    as_written = parser.add_mutually_exclusive_group()
+    as_written.add_argument(
+        "--function", action="store_true", help="also each step as FCALL of the scripts' library (Redis 7 and later)"
+    )
+    as_written.add_argument(
         "--without",
         action="append",
         default=[],
@@ -685,9 +726,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.without:
         print(f"without: {', '.join(args.without)} (left out of the Lua, --without)")
     with _without(args.without):
-        counts, ran = replay(capture(), args.repeats, args.redis_server, args.plain, args.each, cuts, args.keep)
+        counts, ran = replay(
+            capture(), args.repeats, args.redis_server, args.plain, args.each, cuts, args.keep, args.function
+        )
     plains = [DUMP_KINDS[kind] + script for kind in FLOORS for script in SCRIPTS] if args.plain else []
-    for script in [*SCRIPTS, *plains]:
+    functions = [DUMP_KINDS["f"] + script for script in SCRIPTS] if args.function else []
+    for script in [*SCRIPTS, *functions, *plains]:
         repeats = sorted(counts.get(script, []), key=lambda parts: parts["processInputBuffer"])
         if not repeats:
             print(f"{script}: no figure (callgrind wrote no dump)", file=sys.stderr)

@@ -138,7 +138,7 @@ def test_redis_time_counts_the_run_and_not_the_benchs_check_of_it() -> None:
     assert done.stdout.startswith(f"{TLS_REDIS_SERVER}: Redis {named}\n"), done.stdout[:200]
     subq = done.stdout.split("\nsubq: Redis ", 1)[1].split("\n\n", 1)[0]  # the first round's table
     calls = {name: float(n) for name, n in re.findall(r"^  (\w+) +(\d+\.\d+) ", subq, re.MULTILINE)}
-    assert calls["evalsha"] >= 2, "a child's two steps"
+    assert calls["fcall"] >= 2, "a child's two steps, as the library's functions (Redis 7)"
     # A run of 16 makes 1.1 HGETs a child (the parent's own steps shared among them), the check 2 more.
     assert calls["hget"] < 2, subq
     assert "subq/noop Redis per child:" in done.stdout
@@ -511,3 +511,28 @@ def test_script_cost_refuses_to_keep_dumps_where_files_are(tmp_path: Path, capsy
     (tmp_path / "empty").mkdir()
     for where in (tmp_path / "empty", tmp_path / "new" / "deeper"):
         assert script_cost.keep_dir(str(where)) == where
+
+
+def test_script_cost_replays_the_steps_as_the_librarys_functions_on_redis_7_only(
+    redis_client: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--function` loads the checkout's library where the replay runs: a Redis 7 takes it and names each step's
+    function; the embedded 6.2 (the session's server) has no functions, which stops the run saying so. The
+    library is the Lua as written, so `--function` refuses `--without`."""
+    import redis
+
+    from bench import script_cost
+    from coordinator.local.embedded_redis import local_redis
+
+    with pytest.raises(SystemExit, match=r"^--function needs a server with functions \(Redis 7 or later\): "):
+        script_cost._load_library(redis_client)
+    with local_redis(binary=TLS_REDIS_SERVER) as url:
+        seven = redis.Redis.from_url(url)
+        functions = script_cost._load_library(seven)
+        for step in script_cost.SCRIPTS:
+            assert re.fullmatch(rf"subq_[0-9a-f]{{16}}_{step}", functions[step]), functions[step]
+        assert len(seven.function_list()) == 1
+        seven.close()
+    assert refused(script_cost.main, ["--function", "--without", "live"], capsys) == (
+        "bench/script_cost.py: error: argument --without: not allowed with argument --function"
+    )

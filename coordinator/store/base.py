@@ -25,7 +25,6 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any, ParamSpec, TypeVar, cast
 
 import redis
@@ -40,6 +39,7 @@ from coordinator.errors import ConflictError, CorruptError, StoreError
 from coordinator.models import TaskRecord, TodoItem
 from coordinator.store.fields import INT_FIELDS, OPTIONAL_FIELDS, TaskField
 from coordinator.store.keys import Keys
+from coordinator.store.library import Library, library_text, lua_file, missing_function
 from coordinator.store.protocol import CALLS, Call, OutboxKeys, ScriptArg
 from coordinator.timeline import FOLD_MARKS, MAX_MARKS, OUTCOMES
 
@@ -120,6 +120,11 @@ def _timeline_bound(prelude: str) -> str:
     )
 
 
+def _prelude() -> str:
+    """hashes.lua, the prelude of every script and of the library, with the timeline's bound put in."""
+    return _timeline_bound(lua_file("hashes.lua"))
+
+
 def _load_script(name: str, *uses: str) -> str:
     """A script of lua/, with the scripts it `uses` defined first as local functions.
 
@@ -129,12 +134,11 @@ def _load_script(name: str, *uses: str) -> str:
     them share hashes.lua's cache of hash reads and writes, sent once when the
     script itself returns.
     """
-    lua = resources.files("coordinator.store").joinpath("lua")
 
     def function(used: str, body_of: str) -> str:
-        return f"local function {used}(KEYS, ARGV)\n{lua.joinpath(body_of).read_text(encoding='utf-8')}end\n"
+        return f"local function {used}(KEYS, ARGV)\n{lua_file(body_of)}end\n"
 
-    prelude = _timeline_bound(lua.joinpath("hashes.lua").read_text(encoding="utf-8"))
+    prelude = _prelude()
     functions = [function(used.removesuffix(".lua"), used) for used in uses]
     main = "local reply = main(KEYS, ARGV)\nhash_flush()\nreturn reply\n"
     return prelude + "".join(functions) + function("main", name) + main
@@ -351,25 +355,37 @@ def _exchange(connection: Connection, packed: list[bytes], count: int, transacti
     return replies
 
 
-def script_command(script: Script, keys: Sequence[ScriptArg], args: Sequence[ScriptArg], *, by_text: bool) -> Command:
-    """One call of `script`: by its SHA (EVALSHA), or by its text (EVAL), after the server answered NOSCRIPT
-    (`queue_script` says why)."""
+def script_command(
+    script: Script, keys: Sequence[ScriptArg], args: Sequence[ScriptArg], *, by_text: bool, function: str | None = None
+) -> Command:
+    """One call of `script`: as the library's `function` (FCALL) when there is one, else by its SHA (EVALSHA);
+    or by its text (EVAL), after the server answered NOSCRIPT or "Function not found" (`queue_script` says why)."""
     if by_text:
         return ("EVAL", _text(script), len(keys), *keys, *args)
+    if function is not None:
+        return ("FCALL", function, len(keys), *keys, *args)
     return ("EVALSHA", script.sha, len(keys), *keys, *args)
 
 
-def by_sha_then_text(send: Callable[[bool], T]) -> T:
-    """`send(False)`, a step with its script by SHA; if the server answers NOSCRIPT, `send(True)`, by its text.
+def by_sha_then_text(send: Callable[[bool], T], library: Library | None = None) -> T:
+    """`send(False)`, a step by its function or its script's SHA; if the server answers that it holds neither
+    (NOSCRIPT, "Function not found"), `send(True)`, by its text, and the `library` is loaded again next time.
 
-    Nothing of a call answered NOSCRIPT ran, so sending it again by its text (which no server can forget)
+    Nothing of a call so answered ran, so sending it again by its text (which no server can forget)
     does it once: a server that does not know the script is one just restarted or promoted (scripts are
-    not replicated). In a transaction only the script's command failed: `Scripts.queue_in` says why a
-    transaction that writes beside it sends the script by its text from the start.
+    not replicated; a library is, but a replica promoted before the load reached it lacks it). In a
+    transaction only the script's command failed: `Scripts.queue_in` says why a transaction that writes
+    beside it sends the script by its text from the start.
     """
     try:
         return send(False)
     except redis.exceptions.NoScriptError:
+        return send(True)
+    except redis.ResponseError as exc:
+        if not missing_function(exc):
+            raise
+        if library is not None:
+            library.forget()
         return send(True)
 
 
@@ -388,13 +404,19 @@ class TextOnNoScript:
     its own (`queue_script` says why that is not enough).
     """
 
-    def __init__(self, client: redis.Redis, script: Script) -> None:
+    def __init__(self, client: redis.Redis, script: Script, library: Library | None = None, name: str = "") -> None:
         self.client = client
         self.script = script
+        self.library = library
+        self.name = name
 
     def __call__(self, keys: Sequence[ScriptArg], args: Sequence[ScriptArg]) -> Any:
+        function = self.library.function(self.name) if self.library is not None else None
         return by_sha_then_text(
-            lambda by_text: round_trip(self.client, [script_command(self.script, keys, args, by_text=by_text)])[0]
+            lambda by_text: round_trip(
+                self.client, [script_command(self.script, keys, args, by_text=by_text, function=function)]
+            )[0],
+            self.library,
         )
 
 
@@ -407,19 +429,30 @@ class AcknowledgedScript:
     """
 
     def __init__(
-        self, client: redis.Redis, script: Script, name: str, wait: ReplicaWait, shortfalls: ReplicaShortfalls
+        self,
+        client: redis.Redis,
+        script: Script,
+        name: str,
+        wait: ReplicaWait,
+        shortfalls: ReplicaShortfalls,
+        library: Library | None = None,
     ) -> None:
         self.client = client
         self.script = script
         self.name = name
         self.wait = wait
         self.shortfalls = shortfalls
+        self.library = library
 
     def __call__(self, keys: Sequence[ScriptArg], args: Sequence[ScriptArg]) -> Any:
+        function = self.library.function(self.name) if self.library is not None else None
         reply, acked = by_sha_then_text(
             lambda by_text: round_trip(
-                self.client, [script_command(self.script, keys, args, by_text=by_text)], wait=self.wait
-            )
+                self.client,
+                [script_command(self.script, keys, args, by_text=by_text, function=function)],
+                wait=self.wait,
+            ),
+            self.library,
         )
         self.shortfalls.note(self.name, int(acked), self.wait)
         return reply
@@ -455,21 +488,25 @@ class Scripts:
     """
 
     def __init__(
-        self, client: redis.Redis, replicas: ReplicaWait | None = None, shortfalls: ReplicaShortfalls | None = None
+        self,
+        client: redis.Redis,
+        replicas: ReplicaWait | None = None,
+        shortfalls: ReplicaShortfalls | None = None,
+        libraries_key: str = "subq:libraries",
     ) -> None:
         shortfalls = shortfalls or ReplicaShortfalls()
         self._client = client
         self._send: dict[str, Callable[..., Any]] = {}
         self._scripts: dict[str, Script] = {}
-        for name, call in CALLS.items():
-            if not call.standalone:
-                continue
-            script = client.register_script(_load_script(f"{name}.lua", *(f"{used}.lua" for used in call.uses)))
+        standalone = {name: call.uses for name, call in CALLS.items() if call.standalone}
+        self.library = Library(client, *library_text(_prelude(), standalone), noted_in=libraries_key)
+        for name, uses in standalone.items():
+            script = client.register_script(_load_script(f"{name}.lua", *(f"{used}.lua" for used in uses)))
             self._scripts[name] = script
-            if replicas is not None and call.acknowledged:
-                self._send[name] = AcknowledgedScript(client, script, name, replicas, shortfalls)
+            if replicas is not None and CALLS[name].acknowledged:
+                self._send[name] = AcknowledgedScript(client, script, name, replicas, shortfalls, self.library)
             else:
-                self._send[name] = TextOnNoScript(client, script)
+                self._send[name] = TextOnNoScript(client, script, self.library, name)
 
     def __call__(self, call: Call[R]) -> R:
         """Send one call of a script (one EVALSHA, with its WAIT when acknowledged) and type its reply."""
@@ -506,11 +543,13 @@ class Scripts:
         script = self._scripts[call.script]
         script_keys, script_args = call.pack()
 
+        function = self.library.function(call.script)
+
         def send(by_text: bool) -> list[Any]:
-            command = script_command(script, script_keys, script_args, by_text=by_text)
+            command = script_command(script, script_keys, script_args, by_text=by_text, function=function)
             return round_trip(self._client, [command, *reads], transaction=True)
 
-        reply, *read = by_sha_then_text(send)
+        reply, *read = by_sha_then_text(send, self.library)
         return call.decode(reply), read
 
 
@@ -524,7 +563,7 @@ class StoreCore:
         self.retention_s = retention_s
         self.replicas = replicas
         self.replica_shortfalls = ReplicaShortfalls()
-        self.scripts = Scripts(client, replicas, self.replica_shortfalls)
+        self.scripts = Scripts(client, replicas, self.replica_shortfalls, keys.libraries())
 
     def _pipeline(self) -> Pipeline:
         """A transaction pipeline: redis-py's, or one whose EXEC is followed by its WAIT."""

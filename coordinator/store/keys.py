@@ -138,6 +138,9 @@ is.
 |                                       |        | workers' tenants table says                        |          |
 | `<p>:fair:capacity`                   | string | the sum of the live workers' concurrency           | 3 heartbeat lapses    |
 | `<p>:worker-slots`                    | hash   | worker process -> its concurrency                  | a process gone is dropped at the next beat |
+| `<p>:libraries`                       | hash   | the scripts' function library (Redis 7: store/     | a library is removed a |
+|                                       |        | library.py) -> the epoch second a process last     | week after its last    |
+|                                       |        | loaded it                                          | load                   |
 """
 
 from __future__ import annotations
@@ -269,6 +272,7 @@ class Keys:
     fair_policies = _fleet("fair:policies")
     fair_capacity = _fleet("fair:capacity")
     worker_slots = _fleet("worker-slots")
+    libraries = _fleet("libraries")
 
     # A tenant's keys, hash-tagged by the tenant.
     tenant_submits = _of_tenant("submits")
