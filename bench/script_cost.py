@@ -294,12 +294,14 @@ def replay(
 def _load_library(client: redis.Redis) -> dict[str, str]:
     """The store's library of the checkout's scripts, loaded on the replay's server: each step's function."""
     standalone = {name: call.uses for name, call in CALLS.items() if call.standalone}
-    text, functions = library_text(base._prelude(), standalone)
+    library = library_text(base._prelude(), standalone)
     try:
-        client.function_load(text)
+        client.function_load(library.text)
     except redis.ResponseError as exc:
-        raise SystemExit(f"--function needs a server with functions (Redis 7 or later): {exc}") from None
-    return functions
+        if str(exc).startswith("unknown command"):
+            raise SystemExit(f"--function needs a server with functions (Redis 7 or later): {exc}") from None
+        raise SystemExit(f"--function: the server refused the library: {exc}") from None
+    return library.functions
 
 
 def _dumps(dumps: str) -> Iterator[tuple[str, str]]:
@@ -684,7 +686,6 @@ def main(argv: list[str] | None = None) -> int:
         help="also each step's commands with no script, and run by one that decides nothing (floors)",
     )
     parser.add_argument("--each", action="store_true", help="also each command of each step alone, in order")
-
     parser.add_argument(
         "--cut",
         action="append",

@@ -526,13 +526,11 @@ def test_script_cost_replays_the_steps_as_the_librarys_functions_on_redis_7_only
 
     with pytest.raises(SystemExit, match=r"^--function needs a server with functions \(Redis 7 or later\): "):
         script_cost._load_library(redis_client)
-    with local_redis(binary=TLS_REDIS_SERVER) as url:
-        seven = redis.Redis.from_url(url)
+    with local_redis(binary=TLS_REDIS_SERVER) as url, redis.Redis.from_url(url) as seven:
         functions = script_cost._load_library(seven)
         for step in script_cost.SCRIPTS:
             assert re.fullmatch(rf"subq_[0-9a-f]{{16}}_{step}", functions[step]), functions[step]
         assert len(seven.function_list()) == 1
-        seven.close()
     assert refused(script_cost.main, ["--function", "--without", "live"], capsys) == (
         "bench/script_cost.py: error: argument --without: not allowed with argument --function"
     )

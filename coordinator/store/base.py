@@ -39,7 +39,7 @@ from coordinator.errors import ConflictError, CorruptError, StoreError
 from coordinator.models import TaskRecord, TodoItem
 from coordinator.store.fields import INT_FIELDS, OPTIONAL_FIELDS, TaskField
 from coordinator.store.keys import Keys
-from coordinator.store.library import Library, library_text, lua_file, missing_function
+from coordinator.store.library import Library, as_function, library_text, lua_file, run_and_flush
 from coordinator.store.protocol import CALLS, Call, OutboxKeys, ScriptArg
 from coordinator.timeline import FOLD_MARKS, MAX_MARKS, OUTCOMES
 
@@ -134,14 +134,8 @@ def _load_script(name: str, *uses: str) -> str:
     them share hashes.lua's cache of hash reads and writes, sent once when the
     script itself returns.
     """
-
-    def function(used: str, body_of: str) -> str:
-        return f"local function {used}(KEYS, ARGV)\n{lua_file(body_of)}end\n"
-
-    prelude = _prelude()
-    functions = [function(used.removesuffix(".lua"), used) for used in uses]
-    main = "local reply = main(KEYS, ARGV)\nhash_flush()\nreturn reply\n"
-    return prelude + "".join(functions) + function("main", name) + main
+    functions = [as_function(used.removesuffix(".lua"), lua_file(used)) for used in uses]
+    return _prelude() + "".join(functions) + as_function("main", lua_file(name)) + run_and_flush("main")
 
 
 def _encode_record(fields: dict[str, Any]) -> HashMapping:
@@ -368,8 +362,9 @@ def script_command(
 
 
 def by_sha_then_text(send: Callable[[bool], T], library: Library | None = None) -> T:
-    """`send(False)`, a step by its function or its script's SHA; if the server answers that it holds neither
-    (NOSCRIPT, "Function not found"), `send(True)`, by its text, and the `library` is loaded again next time.
+    """`send(False)`, a step by its script's SHA, or as the `library`'s function when given (FCALL); if the server
+    answers NOSCRIPT, or refuses the FCALL with nothing of it run (`Library.refused`: "Function not found",
+    FCALL not allowed, out of memory), `send(True)`, by its text.
 
     Nothing of a call so answered ran, so sending it again by its text (which no server can forget)
     does it once: a server that does not know the script is one just restarted or promoted (scripts are
@@ -382,10 +377,8 @@ def by_sha_then_text(send: Callable[[bool], T], library: Library | None = None) 
     except redis.exceptions.NoScriptError:
         return send(True)
     except redis.ResponseError as exc:
-        if not missing_function(exc):
+        if library is None or not library.refused(exc):
             raise
-        if library is not None:
-            library.forget()
         return send(True)
 
 
@@ -398,17 +391,18 @@ def hash_reply(reply: Any) -> dict[str, str]:
 
 
 class TextOnNoScript:
-    """A script of no acknowledged step, sent alone: EVALSHA, and its text (EVAL) if the server answers NOSCRIPT.
+    """A script of no acknowledged step, sent alone: FCALL of its function in the `library` where the server has
+    it, else EVALSHA; and its text (EVAL) if the server answers that it holds neither (`by_sha_then_text`).
 
     redis-py's `Script` loads it (SCRIPT LOAD) and sends EVALSHA once more, each on a connection of
     its own (`queue_script` says why that is not enough).
     """
 
-    def __init__(self, client: redis.Redis, script: Script, library: Library | None = None, name: str = "") -> None:
+    def __init__(self, client: redis.Redis, script: Script, name: str, library: Library | None = None) -> None:
         self.client = client
         self.script = script
-        self.library = library
         self.name = name
+        self.library = library
 
     def __call__(self, keys: Sequence[ScriptArg], args: Sequence[ScriptArg]) -> Any:
         function = self.library.function(self.name) if self.library is not None else None
@@ -416,7 +410,7 @@ class TextOnNoScript:
             lambda by_text: round_trip(
                 self.client, [script_command(self.script, keys, args, by_text=by_text, function=function)]
             )[0],
-            self.library,
+            self.library if function is not None else None,
         )
 
 
@@ -424,8 +418,9 @@ class AcknowledgedScript:
     """A script of a step a caller sees, sent with its WAIT in one round trip (one write, one connection).
 
     WAIT counts the replicas that have every write of its own connection, so it goes on the
-    connection that ran the script. The script goes by EVALSHA; a master that does not know
-    it (a replica just promoted: scripts are not replicated) gets it again by its text (`queue_script`).
+    connection that ran the script. The script goes as its function in the `library` (FCALL) where the
+    server has it, else by EVALSHA; a master that does not know it (a replica just promoted: scripts are
+    not replicated) gets it again by its text (`queue_script`, `by_sha_then_text`).
     """
 
     def __init__(
@@ -452,7 +447,7 @@ class AcknowledgedScript:
                 [script_command(self.script, keys, args, by_text=by_text, function=function)],
                 wait=self.wait,
             ),
-            self.library,
+            self.library if function is not None else None,
         )
         self.shortfalls.note(self.name, int(acked), self.wait)
         return reply
@@ -484,32 +479,35 @@ class Scripts:
 
     A part calls one as `self.scripts(EndRun(...))`: the call's fields are packed as KEYS and
     ARGV, and its reply comes back typed. Each script is registered with the scripts it `uses`
-    inlined; with a `ReplicaWait`, each `acknowledged` one is sent as an `AcknowledgedScript`.
+    inlined; with a `ReplicaWait`, each `acknowledged` one is sent as an `AcknowledgedScript`. On a
+    server with functions (Redis 7) all of them are also one library (`library`, noted in the deployment's
+    `libraries_key`), and each is sent as its function there.
     """
 
     def __init__(
         self,
         client: redis.Redis,
+        libraries_key: str,
         replicas: ReplicaWait | None = None,
         shortfalls: ReplicaShortfalls | None = None,
-        libraries_key: str = "subq:libraries",
     ) -> None:
         shortfalls = shortfalls or ReplicaShortfalls()
         self._client = client
         self._send: dict[str, Callable[..., Any]] = {}
         self._scripts: dict[str, Script] = {}
         standalone = {name: call.uses for name, call in CALLS.items() if call.standalone}
-        self.library = Library(client, *library_text(_prelude(), standalone), noted_in=libraries_key)
+        # On a server with functions, each is sent as its function in one library of them all (library.py).
+        self.library = Library(client, library_text(_prelude(), standalone), noted_in=libraries_key)
         for name, uses in standalone.items():
             script = client.register_script(_load_script(f"{name}.lua", *(f"{used}.lua" for used in uses)))
             self._scripts[name] = script
             if replicas is not None and CALLS[name].acknowledged:
                 self._send[name] = AcknowledgedScript(client, script, name, replicas, shortfalls, self.library)
             else:
-                self._send[name] = TextOnNoScript(client, script, self.library, name)
+                self._send[name] = TextOnNoScript(client, script, name, self.library)
 
     def __call__(self, call: Call[R]) -> R:
-        """Send one call of a script (one EVALSHA, with its WAIT when acknowledged) and type its reply."""
+        """Send one call of a script (one FCALL or EVALSHA, with its WAIT when acknowledged) and type its reply."""
         script_keys, script_args = call.pack()
         return call.decode(self._send[call.script](keys=script_keys, args=script_args))
 
@@ -549,7 +547,7 @@ class Scripts:
             command = script_command(script, script_keys, script_args, by_text=by_text, function=function)
             return round_trip(self._client, [command, *reads], transaction=True)
 
-        reply, *read = by_sha_then_text(send, self.library)
+        reply, *read = by_sha_then_text(send, self.library if function is not None else None)
         return call.decode(reply), read
 
 
@@ -563,7 +561,7 @@ class StoreCore:
         self.retention_s = retention_s
         self.replicas = replicas
         self.replica_shortfalls = ReplicaShortfalls()
-        self.scripts = Scripts(client, replicas, self.replica_shortfalls, keys.libraries())
+        self.scripts = Scripts(client, keys.libraries(), replicas, self.replica_shortfalls)
 
     def _pipeline(self) -> Pipeline:
         """A transaction pipeline: redis-py's, or one whose EXEC is followed by its WAIT."""

@@ -8,12 +8,6 @@
 -- stale); other fields of the same hash (a batch's lines) may be written directly.
 local hash_cache, hash_dirty, hash_order, hash_expire = {}, {}, {}, {}
 
--- A new call's empty cache. A script sent by EVALSHA gets one from the line above at every call; in the
--- function library (library.py) this prelude runs once, and each function calls this first.
-local function hash_reset()
-  hash_cache, hash_dirty, hash_order, hash_expire = {}, {}, {}, {}
-end
-
 -- What a read of `value` gives back once written: Redis stores a Lua number as its digits.
 -- (These helpers run on every step: they use arithmetic and numeric loops, not math.floor or
 -- ipairs, each a C call per value in Lua 5.1; docs/benchmarks.md has what a step costs.)
