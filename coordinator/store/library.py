@@ -3,7 +3,7 @@
 A script sent by EVALSHA runs its whole text at every call: hashes.lua's helpers and every script
 it uses are defined again (closures made, constant tables built) before its first line decides
 anything. A library is run once, when it is loaded (`FUNCTION LOAD`), and keeps them: each of
-subq's scripts is then one function of it, called by `FCALL`. That takes 6% off the instructions
+subq's scripts is then one function of it, called by `FCALL`. That takes 5.5% off the instructions
 of a child's two steps on Redis 7.0 (docs/benchmarks.md, "The steps as a function library").
 
 The library is made of the same files as the scripts (`library_text`): hashes.lua, then every file
