@@ -142,14 +142,18 @@ class ModelServer:
         by_call_ids: bool = False,
         summary: str = SUMMARY,
         port: int = 0,
+        killed_after: int | None = None,
     ) -> None:
-        """`port`: 0 for a free one; a given port starts a server again where one was stopped (a restart)."""
+        """`port`: 0 for a free one; a given port starts a server again where one was stopped (a restart).
+        `killed_after`: it stops as `stop` does once it has answered that many requests, before it reads
+        another (a server killed under a running task, at a known step however slowly the test polls)."""
         self.turns = turns or [Turn(text="done")]
         self.key = key
         self.latency_s = latency_s
         self.max_prompt_tokens = max_prompt_tokens
         self.by_call_ids = by_call_ids
         self.summary = summary
+        self.killed_after = killed_after
         self.seen: list[Seen] = []
         self._failures: list[Failure] = []
         self._lock = threading.Lock()
@@ -354,6 +358,9 @@ class _Handler(BaseHTTPRequestHandler):
         answer, usage = model_server._answer(body)
         model_server._record(200, body, usage)
         self._reply(200, answer)
+        if model_server.killed_after is not None and len(model_server.answered()) >= model_server.killed_after:
+            # In this connection's own thread: the client's next request on it is not read before the stop drops it.
+            model_server.stop()
 
     def _reply(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
         data = json.dumps(payload).encode()

@@ -223,7 +223,7 @@ def test_a_model_server_killed_and_restarted_under_a_running_task(settings: Sett
     """As with a real llama.cpp server: the server goes away under a running task (refused connections: its
     host is down) for long enough that the run parks, and comes back on the same port. The task completes,
     and its record's count and its `wait_out` lines agree, numbered 1..N across the parks."""
-    first = ModelServer(TURNS, latency_s=0.5).start()
+    first = ModelServer(TURNS, killed_after=1).start()  # killed just after it answered the first request
     port = first.port
     local = Profile.model_validate(
         {"model": "openai:local", "base_url": first.base_url, "api_key": first.key, "model_wait_out_s": 120}
@@ -234,7 +234,6 @@ def test_a_model_server_killed_and_restarted_under_a_running_task(settings: Sett
     ) as (coord, _fleet):  # fmt: skip
         task = coord.create_task("Look and report.", profile="local", run=True)
         eventually(lambda: len(first.seen) >= 1, "the task's first request reached the server", timeout_s=30)
-        first.stop()  # killed: its connections are refused
         runs_before = int(coord.store.records.task_field(task.id, "run_seq") or 0)
         eventually(
             lambda: int(coord.store.records.task_field(task.id, "run_seq") or 0) > runs_before,

@@ -180,8 +180,9 @@ class Library:
         except redis.ResponseError as exc:
             said = str(exc)
             if isinstance(exc, _NOT_ALLOWED) or said.startswith("unknown command"):
-                # No functions (Redis 6.2), or not subq's user's to load: for good, in this process.
-                log.info("subq: the server runs no functions for subq (%s); the steps go by EVALSHA", exc)
+                # No functions (Redis 6.2), or not subq's user's to load: for good, in this process. (The server's
+                # answer quotes the load's text: the log keeps its first clause.)
+                log.info("subq: the server runs no functions for subq (%s); the steps go by EVALSHA", _clause(said))
                 return False
             if isinstance(exc, _FOR_NOW) or said.startswith(_FOR_NOW_CODES):
                 self._load_later(exc)
@@ -231,6 +232,11 @@ class Library:
                 log.warning("subq: the scripts' old library %s was not unnoted (%s)", name, exc)
                 continue
             log.info("subq: removed the scripts' library %s, noted by no process for a week", name)
+
+
+def _clause(said: str) -> str:
+    """A server's refusal without the arguments it quotes back ("unknown command `FUNCTION`, with args ...")."""
+    return said.split(", with args", 1)[0]
 
 
 def stale(noted: Mapping[bytes | str, bytes | str], now_s: float, own: str) -> Iterable[str]:
