@@ -391,8 +391,9 @@ def hash_reply(reply: Any) -> dict[str, str]:
 
 
 class TextOnNoScript:
-    """A script of no acknowledged step, sent alone: FCALL of its function in the `library` where the server has
-    it, else EVALSHA; and its text (EVAL) if the server answers that it holds neither (`by_sha_then_text`).
+    """A script of no acknowledged step, sent alone: FCALL of its function in the `library` where this process
+    loaded it, else EVALSHA; and its text (EVAL) on NOSCRIPT, or on an FCALL refused with nothing of it run
+    (`by_sha_then_text`).
 
     redis-py's `Script` loads it (SCRIPT LOAD) and sends EVALSHA once more, each on a connection of
     its own (`queue_script` says why that is not enough).
@@ -531,8 +532,9 @@ class Scripts:
         For a step whose caller needs a whole record: read by the script, each field would become a Lua
         string and then a reply again, which cost start_run more than the rest of its work
         (docs/benchmarks.md). A server that does not know the script (restarted, or a replica just
-        promoted) answers NOSCRIPT inside the transaction, where nothing of the script ran: the
-        transaction is sent again with the script's text (`queue_script`). `reads` only read: a write
+        promoted) answers NOSCRIPT inside the transaction, or refuses its FCALL (`Library.refused`), where
+        nothing of the script ran: the transaction is sent again with the script's text (`by_sha_then_text`).
+        `reads` only read: a write
         beside the script would commit on that NOSCRIPT without the script's own writes (a step that writes
         several things writes them all in its script, as save_approval.lua does).
         """

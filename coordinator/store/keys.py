@@ -138,9 +138,9 @@ is.
 |                                       |        | workers' tenants table says                        |          |
 | `<p>:fair:capacity`                   | string | the sum of the live workers' concurrency           | 3 heartbeat lapses    |
 | `<p>:worker-slots`                    | hash   | worker process -> its concurrency                  | a process gone is dropped at the next beat |
-| `<p>:libraries`                       | hash   | the scripts' function library (Redis 7: store/     | a library is removed a |
-|                                       |        | library.py) -> the epoch second a process last     | week after its last    |
-|                                       |        | loaded it                                          | load                   |
+| `<p>:libraries`                       | hash   | the scripts' function library (Redis 7: store/     | removed, with its      |
+|                                       |        | library.py) -> the epoch second a process last     | library, by the first  |
+|                                       |        | noted it (at its load, then daily)                 | load a week after its last note |
 """
 
 from __future__ import annotations

@@ -58,10 +58,10 @@ LOAD_AGAIN_S = 5.0
 RESET_CACHE = "  hash_cache, hash_dirty, hash_order, hash_expire = {}, {}, {}, {}\n"
 # What stands for the library's name in its text while the text is hashed.
 _NAME = "@library@"
-# An FCALL refused with nothing of it run, which the same script by its text may pass: no such library (or
-# no FCALL at all), no right to FCALL, or out of memory (a function is refused before it runs; a script by
-# its text only at its first write, so one that frees memory still runs).
-_NOT_FOUND = ("Function not found", "unknown command 'FCALL'", "unknown command `FCALL`")
+# An FCALL refused with nothing of it run, which the same script by its text may pass: no such library (loaded
+# again), no right to FCALL or no FCALL at all (EVALSHA for good: `refused`), or out of memory (a function is
+# refused before it runs; a script by its text only at its first write, so one that frees memory still runs).
+_NOT_FOUND = ("Function not found",)
 _NOT_ALLOWED = (redis.exceptions.NoPermissionError,)
 _OUT_OF_MEMORY = (redis.exceptions.OutOfMemoryError,)
 # A load refused for now: the next one, LOAD_AGAIN_S later, may pass.
