@@ -382,6 +382,24 @@ def by_sha_then_text(send: Callable[[bool], T], library: Library | None = None) 
         return send(True)
 
 
+def send_step(
+    library: Library | None,
+    name: str,
+    script: Script,
+    keys: Sequence[ScriptArg],
+    args: Sequence[ScriptArg],
+    send: Callable[[Command], T],
+) -> T:
+    """`send` the step's one command: FCALL of `name`'s function where this process loaded the `library`, else
+    EVALSHA of `script`; again by its text when the server holds neither (`by_sha_then_text`). Each way a step is
+    sent (alone, with its WAIT, with its reads) is a `send` of its own."""
+    function = library.function(name) if library is not None else None
+    return by_sha_then_text(
+        lambda by_text: send(script_command(script, keys, args, by_text=by_text, function=function)),
+        library if function is not None else None,
+    )
+
+
 def hash_reply(reply: Any) -> dict[str, str]:
     """HGETALL's reply as `round_trip` reads it (a flat list under RESP2, a map under RESP3) as a dict."""
     if isinstance(reply, dict):
@@ -406,12 +424,8 @@ class TextOnNoScript:
         self.library = library
 
     def __call__(self, keys: Sequence[ScriptArg], args: Sequence[ScriptArg]) -> Any:
-        function = self.library.function(self.name) if self.library is not None else None
-        return by_sha_then_text(
-            lambda by_text: round_trip(
-                self.client, [script_command(self.script, keys, args, by_text=by_text, function=function)]
-            )[0],
-            self.library if function is not None else None,
+        return send_step(
+            self.library, self.name, self.script, keys, args, lambda command: round_trip(self.client, [command])[0]
         )
 
 
@@ -441,15 +455,10 @@ class AcknowledgedScript:
         self.library = library
 
     def __call__(self, keys: Sequence[ScriptArg], args: Sequence[ScriptArg]) -> Any:
-        function = self.library.function(self.name) if self.library is not None else None
-        reply, acked = by_sha_then_text(
-            lambda by_text: round_trip(
-                self.client,
-                [script_command(self.script, keys, args, by_text=by_text, function=function)],
-                wait=self.wait,
-            ),
-            self.library if function is not None else None,
-        )
+        reply, acked = send_step(
+            self.library, self.name, self.script, keys, args,
+            lambda command: round_trip(self.client, [command], wait=self.wait),
+        )  # fmt: skip
         self.shortfalls.note(self.name, int(acked), self.wait)
         return reply
 
@@ -540,16 +549,11 @@ class Scripts:
         """
         if CALLS[call.script].acknowledged:
             raise TypeError(f"{call.script}.lua is acknowledged: send it alone, with its WAIT")
-        script = self._scripts[call.script]
         script_keys, script_args = call.pack()
-
-        function = self.library.function(call.script)
-
-        def send(by_text: bool) -> list[Any]:
-            command = script_command(script, script_keys, script_args, by_text=by_text, function=function)
-            return round_trip(self._client, [command, *reads], transaction=True)
-
-        reply, *read = by_sha_then_text(send, self.library if function is not None else None)
+        reply, *read = send_step(
+            self.library, call.script, self._scripts[call.script], script_keys, script_args,
+            lambda command: round_trip(self._client, [command, *reads], transaction=True),
+        )  # fmt: skip
         return call.decode(reply), read
 
 
