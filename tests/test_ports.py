@@ -39,6 +39,7 @@ def one_candidate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[i
     monkeypatch.setattr(ports, "EPHEMERAL_RANGE_FILE", range_file)
     monkeypatch.setattr(ports, "CHOOSE_FROM", first)
     monkeypatch.setattr(ports, "MAX_TRIES", 5)
+    monkeypatch.setattr(ports, "HOLD_S", 0.0)  # the one candidate may be handed out again at once
     yield first
 
 
@@ -57,3 +58,22 @@ def test_without_the_kernels_range_file_the_default_floor_bounds_the_choice(
 ) -> None:
     monkeypatch.setattr(ports, "EPHEMERAL_RANGE_FILE", tmp_path / "absent")
     assert ports.CHOOSE_FROM <= free_port() < ports.DEFAULT_EPHEMERAL_LOW
+
+
+def test_a_port_handed_out_is_not_handed_out_again_before_its_server_binds_it() -> None:
+    """Two servers of one test were once given the same port (a sentinel's failed on "address in use"):
+    nothing listens on a chosen port until its server starts, so the bind check alone cannot tell."""
+    chosen = [free_port() for _ in range(3000)]  # 3,000 of ~22,000: a repeat is all but certain by chance alone
+    assert len(set(chosen)) == len(chosen)
+    firsts = [free_port(4) for _ in range(200)]
+    taken = [port for first in firsts for port in range(first, first + 4)]
+    assert len(set(taken)) == len(taken) and not set(taken) & set(chosen)
+
+
+def test_a_port_is_handed_out_again_once_its_hold_is_over(one_candidate: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert free_port(2) == one_candidate
+    monkeypatch.setattr(ports, "HOLD_S", 3600.0)  # the candidate, just handed out, is held again
+    with pytest.raises(OSError, match="no 2 consecutive free ports found in 5 tries"):
+        free_port(2)
+    monkeypatch.setattr(ports, "HOLD_S", 0.0)
+    assert free_port(2) == one_candidate

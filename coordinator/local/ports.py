@@ -7,12 +7,20 @@ starting, seconds on a loaded host), any process's connection can take it, and
 the server fails with "address in use" (CI twice, in `subq up`'s test and in
 the metrics test). So `free_port` chooses below that range, where the kernel
 never assigns a port on its own, and checks the port binds.
+
+A check that a port binds says nothing of a port this process chose a moment ago for
+a server that has not bound it yet: two choices in one process could meet (a test's
+node and sentinel both got 19376 once, 1 in about 1,500 for six ports), and the
+second server failed on "address in use". So a port handed out is not chosen again
+by the same process for HOLD_S.
 """
 
 from __future__ import annotations
 
 import random
 import socket
+import threading
+import time
 from pathlib import Path
 
 __all__ = ["free_port", "port_free"]
@@ -24,6 +32,13 @@ DEFAULT_EPHEMERAL_LOW = 32768
 CHOOSE_FROM = 10_000
 # A host with every such port taken is broken; the bound turns a hang into an error.
 MAX_TRIES = 1000
+# How long a port this process handed out is not handed out again: longer than a server takes to bind it
+# on a loaded host (a worker's start, seconds), short next to the 22,000 ports to choose from.
+HOLD_S = 300.0
+
+# The ports this process handed out, with when (monotonic s); free_port runs in threads too.
+_handed_out: dict[int, float] = {}
+_handed_out_lock = threading.Lock()
 
 
 def port_free(host: str, port: int) -> bool:
@@ -48,13 +63,21 @@ def free_port(count: int = 1) -> int:
     """The first of `count` consecutive ports free on every address, below the kernel's ephemeral range.
 
     Free on 0.0.0.0 means free on 127.0.0.1 too, so the port suits a server on either
-    (worker i of a local fleet serves its metrics on the first + i).
+    (worker i of a local fleet serves its metrics on the first + i). None of them was handed out by this
+    process in the last HOLD_S.
     """
     low = _ephemeral_low()
-    for _ in range(MAX_TRIES):
-        first = random.randrange(CHOOSE_FROM, low - count) if low - count > CHOOSE_FROM else _any_port()
-        if all(port_free("0.0.0.0", first + offset) for offset in range(count)):
-            return first
+    with _handed_out_lock:
+        now_s = time.monotonic()
+        for port, at_s in list(_handed_out.items()):
+            if now_s - at_s >= HOLD_S:
+                del _handed_out[port]
+        for _ in range(MAX_TRIES):
+            first = random.randrange(CHOOSE_FROM, low - count) if low - count > CHOOSE_FROM else _any_port()
+            chosen = range(first, first + count)
+            if not any(port in _handed_out for port in chosen) and all(port_free("0.0.0.0", p) for p in chosen):
+                _handed_out.update(dict.fromkeys(chosen, now_s))
+                return first
     raise OSError(f"no {count} consecutive free ports found in {MAX_TRIES} tries")
 
 
