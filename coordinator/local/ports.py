@@ -12,7 +12,8 @@ A check that a port binds says nothing of a port this process chose a moment ago
 a server that has not bound it yet: two choices in one process could meet (a test's
 node and sentinel both got 19376 once, 1 in about 1,500 for six ports), and the
 second server failed on "address in use". So a port handed out is not chosen again
-by the same process for HOLD_S.
+by the same process for HOLD_S. The hold is this process's only: another process choosing
+at the same moment can still meet it, as rarely as any two random picks among ~22,000.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ CHOOSE_FROM = 10_000
 # A host with every such port taken is broken; the bound turns a hang into an error.
 MAX_TRIES = 1000
 # How long a port this process handed out is not handed out again: longer than a server takes to bind it
-# on a loaded host (a worker's start, seconds), short next to the 22,000 ports to choose from.
+# on a loaded host (a worker's start, seconds); few ports are handed out in 300 s next to the ~22,000 to choose from.
 HOLD_S = 300.0
 
 # The ports this process handed out, with when (monotonic s); free_port runs in threads too.
