@@ -234,6 +234,9 @@ def capture() -> list[Captured]:
                 run_child(runtime, child_id)
             watching["client"] = redis.Redis.from_url(url)
             run_child(runtime, batch.child_ids[5])
+            # As a worker's shutdown does (workers/maintenance.py): the runs' latencies added now, while this private
+            # Redis is up, not by the heartbeat thread's last beat after it has stopped.
+            runtime.lifecycle.heartbeat.add_latencies()
             watching["client"].close()
             runtime.coordinator.close()
             coord.close()
