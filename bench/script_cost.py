@@ -124,11 +124,12 @@ return 0
 # prices a tree that records less of each child. The text must be there once, as written here.
 WITHOUT: dict[str, tuple[tuple[str, str, str], ...]] = {
     "live": (
-        ("start_run", "redis.call('HSET', KEYS[4], id, live)\n", ""),
-        ("finish_task", "if ARGV[8] and ARGV[8] ~= '' then\n  redis.call('HSET', KEYS[3], id, ARGV[8])  -- made "
-         "terminal by the caller: no JSON here\nelse\n  local raw = redis.call('HGET', KEYS[3], id)\n  local live = "
-         "raw and cjson.decode(raw) or {task_id = id}\n  live['state'] = ARGV[1]\n  live['ts'] = tonumber(ARGV[5])\n"
-         "  redis.call('HSET', KEYS[3], id, cjson.encode(live))\nend\n", ""),
+        ("start_run", "local made_live = redis.call('HSET', KEYS[4], id, live) == 1\n", "local made_live = false\n"),
+        ("finish_task", "local made_live\nif ARGV[8] and ARGV[8] ~= '' then\n  made_live = redis.call('HSET', KEYS[3], "
+         "id, ARGV[8]) == 1  -- made terminal by the caller: no JSON here\nelse\n  local raw = redis.call('HGET', "
+         "KEYS[3], id)\n  local live = raw and cjson.decode(raw) or {task_id = id}\n  live['state'] = ARGV[1]\n  "
+         "live['ts'] = tonumber(ARGV[5])\n  made_live = redis.call('HSET', KEYS[3], id, cjson.encode(live)) == 1\n"
+         "end\n", "local made_live = false\n"),
     ),
     "events": (
         ("start_run", "redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'type', 'live', 'task_id', id, "
@@ -139,8 +140,8 @@ WITHOUT: dict[str, tuple[tuple[str, str, str], ...]] = {
          "    'task_id', parent[1], 'child_id', child_id, 'status', figures[child_id].status)\n", ""),
     ),
     "ui": (
-        ("start_run", "  redis.call('RPUSH', KEYS[6], '{\"ts\":' .. ARGV[4] .. ',\"type\":\"say\",\"say\":\"task\","
-         "\"text\":' .. cjson.encode(task[13]) .. '}')\n", ""),
+        ("start_run", "  if redis.call('RPUSH', KEYS[6], '{\"ts\":' .. ARGV[4] .. ',\"type\":\"say\",\"say\":\"task\","
+         "\"text\":' .. cjson.encode(task[13]) .. '}') == 1 then\n    redis.call('EXPIRE', KEYS[6], ARGV[11])\n  end\n", ""),
         ("end_run", "\nsay_all()\nlocal admitted", "\nlocal admitted"),
     ),
     "outbox": (

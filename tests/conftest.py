@@ -210,6 +210,8 @@ WORKER_THREADS = 16
 # and beside two busy loops on 2 cores one with two HTTP servers took 50 s and a stdio mcp-server-git
 # 3 to 12 s each (issue 43), past the 90 s WorkerFleet waits by default.
 FLEET_START_S = 300
+# A key of one tree, whatever the key prefix: its root id as the hash tag (coordinator/store/keys.py).
+TREE_KEY = re.compile(r":\{[0-9a-f]{16}\}:")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -227,9 +229,24 @@ def redis_url() -> Iterator[str]:
     url = server.__enter__()
     try:
         yield url
+        # Read once the session's fleets have stopped (their fixtures end first): every key any test's tree was
+        # left with expires (docs/architecture.md, "Redis layout": the step that makes a key gives it its retention).
+        left = keys_without_retention(url)
     finally:
         with _reaped_apart():
             server.__exit__(None, None, None)
+    assert not left, f"{len(left)} tree keys were left with no expiry, such as: {left[:10]}"
+
+
+def keys_without_retention(url: str) -> list[str]:
+    """The keys of a tree (`<prefix>:{<root>}:...`, any prefix) that hold no expiry: each would stay for good."""
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        return sorted(
+            key for key in client.scan_iter("*:{*}:*", count=1000) if TREE_KEY.search(key) and client.ttl(key) == -1
+        )
+    finally:
+        client.close()
 
 
 # How long the tests' offline profile waits out its scripted transient errors before the run fails.

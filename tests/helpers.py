@@ -130,6 +130,14 @@ def script(*steps: dict[str, Any], text: str = "Do the subtask.") -> str:
     return script_message(text, steps)
 
 
+def scripted_children(coord: Coordinator, prompt: str, items: str = "ab") -> tuple[str, list[str]]:
+    """A caller parent with one todo item per letter of `items`, and a child delegated onto each that answers at once
+    (`usage_step`): the parent's id (a root's: its tree's too) and its children's, in order."""
+    parent = coord.create_task(prompt, todos="\n".join(f"[ ] {item}" for item in items))
+    batch = coord.delegate(parent.id, [{"description": item, "message": script(usage_step())} for item in items])
+    return parent.id, list(batch.child_ids)
+
+
 def usage_step(
     reply: str = "done", input: int = 1000, output: int = 500, cache_write: int = 2000, cache_read: int = 10_000
 ) -> dict[str, Any]:

@@ -586,7 +586,7 @@ def test_a_compaction_is_kept_only_while_the_run_holds_the_lease_and_once_a_numb
     coord = idle_coordinator
     task = coord.create_task("Read the chunks.")
     store, keys = coord.store.compaction, coord.store.keys
-    coord.client.set(keys.lease(task.root_id, task.id), "run-token")
+    coord.client.set(keys.lease(task.root_id, task.id), "run-token", ex=60)  # a lease, as a run takes it
     line = json.dumps({"ts": 1.0, "type": "say", "say": "context_compacted", "text": "context compacted: ~9 -> ~3"})
     messages_before = coord.messages(task.id)
 

@@ -126,7 +126,9 @@ def test_a_tool_call_left_without_result_is_answered_as_interrupted(idle_coordin
 def test_a_corrupt_conversation_fails_the_task_clearly(idle_coordinator: Coordinator) -> None:
     coord = idle_coordinator
     task = coord.create_task(agent(reply("x")), run=True)
-    coord.client.rpush(coord.store.keys.conversation(task.id, task.id), "{not a message")
+    conversation = coord.store.keys.conversation(task.id, task.id)
+    coord.client.rpush(conversation, "{not a message")
+    coord.client.expire(conversation, coord.settings.result_retention_s)  # as a run's step writes it
     result = run_child(build_runtime(coord.settings, make_app(coord.settings)), task.id)
     assert (result.status, result.error_class) == ("failed", "CorruptError")
     assert result.error == f"Conversation message 0 of task {task.id} is corrupt"

@@ -20,7 +20,7 @@ from coordinator import Coordinator, TaskStatus
 from coordinator.celery_app import make_app
 from coordinator.runs import Ended, Run, RunStopped
 from tests.agents import STEP_COST_MICROS, agent, reply
-from tests.helpers import requests_sent, script, snapshot_of, usage_step
+from tests.helpers import requests_sent, script, scripted_children, snapshot_of, usage_step
 from workers.runtime import runner
 from workers.runtime.agent_loop import StopWatch
 from workers.runtime.context import Runtime, build_runtime
@@ -52,10 +52,7 @@ def test_a_child_that_answers_at_once_costs_its_worker_two_requests(
     idle_coordinator: Coordinator, rt: Runtime, requests: list[str]
 ) -> None:
     coord = idle_coordinator
-    parent = coord.create_task("two children", todos="[ ] a\n[ ] b")
-    warm_up, child_id = coord.delegate(
-        parent.id, [{"description": d, "message": script(usage_step())} for d in "ab"]
-    ).child_ids
+    parent_id, (warm_up, child_id) = scripted_children(coord, "two children")
     run_child(rt, warm_up)  # connects and loads the scripts, once per process
     # The steps' requests alone: the stop watch's poll (a GET every CANCEL_POLL_S while a run is watched)
     # would come in too on a loaded host, where the child takes longer than a poll.
@@ -68,10 +65,10 @@ def test_a_child_that_answers_at_once_costs_its_worker_two_requests(
     # The start is its script and the reads of the record and the conversation, in one MULTI/EXEC.
     assert Counter(requests) == {"MULTI": 1, "EVALSHA": 1}, f"start and end only, not {requests}"
     # ... and those two did everything: the run ended, its item is written, the batch closed.
-    item = coord.get_todos(parent.id)[1]
+    item = coord.get_todos(parent_id)[1]
     assert (item.status.value, item.cost_micros) == ("completed", result.cost_micros)
-    assert coord.get_task(parent.id).status == TaskStatus.ACTIVE
-    assert coord.store.runs.in_flight(parent.root_id) == {"running": 0, "admission": 0, "awaiting": 0, "leases": 0,
+    assert coord.get_task(parent_id).status == TaskStatus.ACTIVE
+    assert coord.store.runs.in_flight(parent_id) == {"running": 0, "admission": 0, "awaiting": 0, "leases": 0,
                                                      "watched": 0}  # fmt: skip
     says = [m["say"] for m in coord.messages(child_id)]
     assert says[0] == "task" and says[-1] == "completion_result"

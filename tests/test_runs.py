@@ -14,7 +14,7 @@ from coordinator import Coordinator, TaskStatus, admission
 from coordinator.celery_app import make_app
 from coordinator.plane import Plane
 from coordinator.runs import Ended, Run
-from tests.helpers import script, usage_step
+from tests.helpers import scripted_children
 from workers.runtime.context import build_runtime
 from workers.runtime.runner import run_child
 
@@ -32,10 +32,7 @@ def test_a_run_frees_its_slot_only_after_its_outcome_is_recorded(
 ) -> None:
     """A per-parent limit of 1 must never show 2 running: the next child is admitted when
     the slot frees (in the run's end, end_run.lua), so the finished one must already be terminal by then."""
-    parent = limited.create_task("two children, one at a time", todos="[ ] a\n[ ] b")
-    first, second = limited.delegate(
-        parent.id, [{"description": d, "message": script(usage_step())} for d in "ab"]
-    ).child_ids
+    parent_id, (first, second) = scripted_children(limited, "two children, one at a time")
     seen_at_admission: list[tuple[list[str], str]] = []
     real_started_again = admission.started_again
 
@@ -49,11 +46,11 @@ def test_a_run_frees_its_slot_only_after_its_outcome_is_recorded(
     run = rt.lifecycle.start(first)
     assert isinstance(run, Run), run
     assert run_child(rt, second).status == "queued", "the one slot is the first child's"
-    assert limited.snapshot(parent.root_id)[second].state == "queued"
+    assert limited.snapshot(parent_id)[second].state == "queued"
     assert run.end(Ended("completed", summary="a done")).status == "completed"
 
     assert seen_at_admission == [([second], TaskStatus.COMPLETED.value)]
-    assert limited.store.runs.in_flight(parent.root_id)["running"] == 1, "the second child holds the slot now"
+    assert limited.store.runs.in_flight(parent_id)["running"] == 1, "the second child holds the slot now"
     assert run_child(rt, second).status == "completed"
-    assert limited.store.runs.in_flight(parent.root_id)["running"] == 0
-    assert limited.get_task(parent.id).status == TaskStatus.ACTIVE, "the last child's write-back closed the batch"
+    assert limited.store.runs.in_flight(parent_id)["running"] == 0
+    assert limited.get_task(parent_id).status == TaskStatus.ACTIVE, "the last child's write-back closed the batch"

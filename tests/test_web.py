@@ -315,7 +315,7 @@ def test_a_tasks_tool_calls_show_by_tool_with_how_they_ended(
 ) -> None:
     root = web_coord.create_task("Use some tools")
     store = web_coord.store
-    store.client.set(store.keys.lease(root.root_id, root.id), "a-run")  # as a run holding the task's lease
+    store.client.set(store.keys.lease(root.root_id, root.id), "a-run", ex=60)  # as a run holding the task's lease
     for call in [
         ToolCallDone("c1", "git_log", "ok", '"log"', 340),
         ToolCallDone("c2", "git_log", "ok", '"log"', 120),

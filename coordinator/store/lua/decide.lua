@@ -76,4 +76,7 @@ outbox_add({KEYS[4], KEYS[5], KEYS[6]}, {task_id, 'approval.decided', ARGV[4], A
   decided_by = ARGV[8]})})
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'type', 'approval', 'approval_id', ARGV[1],
   'task_id', task_id, 'status', ARGV[2])
+-- The stream this event may have made (one that lapsed while the approval waited): a key made with no
+-- retention would stay for good.
+redis.call('EXPIRE', KEYS[3], ARGV[9])
 return ends_wait(task_id, true)

@@ -27,14 +27,20 @@ hash_set(KEYS[1], 'status', ARGV[1], 'summary', ARGV[2], 'error', ARGV[3],
   'error_class', ARGV[4], 'updated_at', ARGV[5], 'finished_at', ARGV[5])
 timeline_mark(KEYS[1], ARGV[5], ARGV[1])
 hash_expire_later(KEYS[1], ARGV[6])
+local made_live
 if ARGV[8] and ARGV[8] ~= '' then
-  redis.call('HSET', KEYS[3], id, ARGV[8])  -- made terminal by the caller: no JSON here
+  made_live = redis.call('HSET', KEYS[3], id, ARGV[8]) == 1  -- made terminal by the caller: no JSON here
 else
   local raw = redis.call('HGET', KEYS[3], id)
   local live = raw and cjson.decode(raw) or {task_id = id}
   live['state'] = ARGV[1]
   live['ts'] = tonumber(ARGV[5])
-  redis.call('HSET', KEYS[3], id, cjson.encode(live))
+  made_live = redis.call('HSET', KEYS[3], id, cjson.encode(live)) == 1
+end
+if made_live then
+  -- A field made now: the hash may be made now too (a task with no live status before, or a hash that lapsed in a
+  -- long run), and a key made with no retention would stay for good.
+  redis.call('EXPIRE', KEYS[3], ARGV[6])
 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'type', 'task_status', 'task_id', id, 'status', ARGV[1])
 wake_waiters(KEYS[2], id)

@@ -179,15 +179,24 @@ end
 local live = '{"task_id":"' .. id .. '","parent_id":'
   .. ((parent_id and parent_id ~= '') and ('"' .. parent_id .. '"') or 'null')
   .. ',"depth":' .. (tonumber(task[5] or '0') or 0) .. ',"state":"running","ts":' .. ARGV[4] .. '}'
--- The live hash's retention was set when the task was queued, and is refreshed by its steps.
-redis.call('HSET', KEYS[4], id, live)
+-- A child's field was made with the live hash's retention when it was queued (delegation.py); a field made
+-- here is a root's first run's, or one whose hash lapsed in a long run: this step made the hash, and maybe the
+-- events stream, so it gives both their retention (a key made with none would stay for good).
+local made_live = redis.call('HSET', KEYS[4], id, live) == 1
 redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'type', 'live', 'task_id', id, 'state', 'running')
+if made_live then
+  redis.call('EXPIRE', KEYS[4], ARGV[11])
+  redis.call('EXPIRE', KEYS[5], ARGV[11])
+end
 local exhausted = budget_reached()
 if run_seq == 1 then
   -- A first run opens the task's UI messages with its prompt, as AI coding tools show a task. Told by its run
   -- count, not by a conversation (a run that dies before its first step is saved leaves none, and the next run
-  -- must not say the prompt again). Its retention is set by the run's end, which writes the list again.
+  -- must not say the prompt again). The list is made here, with its retention (the run's end refreshes it, but a
+  -- run that never ends, its worker killed and its task stopped meanwhile, would leave it for good).
   -- Written as text around the prompt's JSON (cjson escapes it): a table encoded whole costs three times that.
-  redis.call('RPUSH', KEYS[6], '{"ts":' .. ARGV[4] .. ',"type":"say","say":"task","text":' .. cjson.encode(task[13]) .. '}')
+  if redis.call('RPUSH', KEYS[6], '{"ts":' .. ARGV[4] .. ',"type":"say","say":"task","text":' .. cjson.encode(task[13]) .. '}') == 1 then
+    redis.call('EXPIRE', KEYS[6], ARGV[11])
+  end
 end
 return {'run', {deliveries, run_seq, exhausted}}

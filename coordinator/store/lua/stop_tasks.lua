@@ -54,6 +54,12 @@ for i = 7, #KEYS do
     stopped[#stopped + 1] = id
   end
 end
+if #stopped > 0 then
+  -- The stream and the live hash this call wrote may be its own making (a root stopped before any run or
+  -- delegation wrote them): a key made with no retention would stay for good.
+  redis.call('EXPIRE', KEYS[1], ARGV[8])
+  redis.call('EXPIRE', KEYS[2], ARGV[8])
+end
 if tonumber(ARGV[10]) > 0 then
   -- In slices: Lua unpacks no more than about 8,000 values, and a stop may name a tree of thousands.
   for first = 1, #stopped, 500 do

@@ -1,0 +1,84 @@
+"""Every key a tree's steps make expires: the step that makes a key gives it its retention.
+
+A key written with no expiry stays in Redis for good, so each lifecycle below ends with every
+key of its tree holding a retention (`SUBQ_RESULT_RETENTION_S`). Runs are driven in-process by
+the worker's own `run_child` (or a `Run` started and never ended, as a worker killed mid-run
+leaves it), on a real Redis, with a queue no worker consumes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from coordinator import Coordinator, TaskStatus
+from coordinator.celery_app import make_app
+from coordinator.runs import Ended, Run
+from tests.helpers import script, scripted_children, usage_step
+from workers.runtime.context import Runtime, build_runtime
+from workers.runtime.runner import run_child
+
+
+@pytest.fixture
+def runtime(idle_coordinator: Coordinator) -> Iterator[Runtime]:
+    rt = build_runtime(idle_coordinator.settings, make_app(idle_coordinator.settings))
+    yield rt
+    rt.coordinator.close()
+
+
+def keys_without_retention(coord: Coordinator, root_id: str) -> dict[str, int]:
+    """The tree's keys whose time to live is not within the retention (-1: none), by name."""
+    retention_s = coord.settings.result_retention_s
+    keys = list(coord.client.scan_iter(f"{coord.settings.key_prefix}:{{{root_id}}}:*"))
+    assert keys, f"tree {root_id} has no keys"
+    ttls = {str(key): int(coord.client.ttl(key)) for key in keys}
+    return {key: ttl for key, ttl in ttls.items() if not 0 < ttl <= retention_s}
+
+
+def test_an_agent_root_that_runs_alone_leaves_every_key_with_a_retention(
+    idle_coordinator: Coordinator, runtime: Runtime
+) -> None:
+    # A root that delegates nothing: its first run makes the tree's live hash and events stream.
+    root = idle_coordinator.create_task(script(usage_step()), run=True)
+    assert run_child(runtime, root.id).status == TaskStatus.COMPLETED
+    assert keys_without_retention(idle_coordinator, root.root_id) == {}
+
+
+@pytest.mark.parametrize("when", ["a caller root", "an agent root queued", "an agent root mid-run"])
+def test_a_cancelled_root_leaves_every_key_with_a_retention(
+    idle_coordinator: Coordinator, runtime: Runtime, when: str
+) -> None:
+    coord = idle_coordinator
+    if when == "a caller root":
+        root = coord.create_task("Plan the release.", todos="[ ] notes\n[ ] tag")
+    else:
+        root = coord.create_task(script(usage_step()), run=True)
+    if when == "an agent root mid-run":
+        # Its run started (its first UI message said) and its worker died before the run's end.
+        run = runtime.lifecycle.start(root.id)
+        assert isinstance(run, Run), run
+        runtime.lifecycle.heartbeat.forget(run)
+    assert coord.cancel(root.id, "not needed").status == TaskStatus.CANCELLED
+    assert keys_without_retention(coord, root.root_id) == {}
+
+
+@pytest.mark.parametrize("lapsed_before", ["its start", "its end"])
+def test_a_run_that_outlives_its_trees_live_hash_gives_the_hash_a_retention_again(
+    idle_coordinator: Coordinator, runtime: Runtime, lapsed_before: str
+) -> None:
+    """A run longer than the retention sees the tree's live hash lapse; the step that writes it again makes it."""
+    coord = idle_coordinator
+    parent_id, (first, second) = scripted_children(coord, "Two at once.")
+    live = coord.store.keys.live(parent_id)
+    if lapsed_before == "its start":
+        coord.client.delete(live)
+        assert run_child(runtime, first).status == TaskStatus.COMPLETED
+    else:
+        run = runtime.lifecycle.start(first)
+        assert isinstance(run, Run), run
+        coord.client.delete(live)
+        assert run.end(Ended("completed", summary="a done")).status == TaskStatus.COMPLETED
+    assert 0 < coord.client.ttl(live) <= coord.settings.result_retention_s
+    assert run_child(runtime, second).status == TaskStatus.COMPLETED
+    assert keys_without_retention(coord, parent_id) == {}
