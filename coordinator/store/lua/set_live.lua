@@ -17,4 +17,6 @@ end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[4])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'type', 'live', 'task_id', ARGV[1], 'state', ARGV[3])
+-- The stream this may have made (a root parked at its first start): a key made with no retention would stay for good.
+redis.call('EXPIRE', KEYS[3], ARGV[4])
 return 1
