@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from coordinator import Coordinator, TaskStatus
+from coordinator import Coordinator, TaskStatus, writeback
 from coordinator.celery_app import make_app
 from coordinator.runs import Ended, Run
 from tests.helpers import script, scripted_children, usage_step
@@ -81,4 +81,26 @@ def test_a_run_that_outlives_its_trees_live_hash_gives_the_hash_a_retention_agai
         assert run.end(Ended("completed", summary="a done")).status == TaskStatus.COMPLETED
     assert 0 < coord.client.ttl(live) <= coord.settings.result_retention_s
     assert run_child(runtime, second).status == TaskStatus.COMPLETED
+    assert keys_without_retention(coord, parent_id) == {}
+
+
+def test_a_child_written_back_after_its_trees_stream_lapsed_gives_the_stream_a_retention(
+    idle_coordinator: Coordinator, runtime: Runtime
+) -> None:
+    """The reconciler writes back a child whose stop died before its write-back, long after: the stream it
+    writes the child's `child_applied` event to lapsed meanwhile, and that event makes it again. (Its batch
+    stays open: a closing child's `batch_done` refreshes the stream anyway.)"""
+    coord = idle_coordinator
+    parent_id, (first, second, third) = scripted_children(coord, "Three at once.", items="abc")
+    assert run_child(runtime, first).status == TaskStatus.COMPLETED
+    coord.store.batches.stop_tasks(
+        [second], top_status="cancelled", status="cancelled", top_error="cancelled: not needed", error="not needed",
+        top_class="Cancelled", error_class="Cancelled",
+    )  # fmt: skip
+    events = coord.store.keys.events(parent_id)
+    coord.client.delete(events)
+    writeback.settle_ended(coord.plane, coord.get_task(second))
+    assert [fields["type"] for _, fields in coord.client.xrange(events)] == ["child_applied"]
+    assert keys_without_retention(coord, parent_id) == {}
+    assert run_child(runtime, third).status == TaskStatus.COMPLETED
     assert keys_without_retention(coord, parent_id) == {}

@@ -37,5 +37,5 @@ local parent_id = parent[3]
 redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'type', 'batch_done',
   'task_id', parent_id, 'batch_id', batch_id)
 wake_waiters(KEYS[5], parent_id)
-redis.call('EXPIRE', KEYS[5], ARGV[4])
+hash_expire_later(KEYS[5], ARGV[4])  -- (one EXPIRE a call, with the child's end that closed it)
 return resumes

@@ -44,6 +44,6 @@ if made_live then
 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'type', 'task_status', 'task_id', id, 'status', ARGV[1])
 wake_waiters(KEYS[2], id)
-redis.call('EXPIRE', KEYS[2], ARGV[6])
+hash_expire_later(KEYS[2], ARGV[6])  -- (once a call: a run's end writes its child back there too)
 outbox_add({KEYS[4], KEYS[5], KEYS[6]}, {id, 'task.' .. ARGV[1], ARGV[5], ARGV[6], ''})
 return ARGV[1]
