@@ -179,8 +179,8 @@ def list_pending(plane: Plane, root_id: str | None = None) -> list[Approval]:
         if root_id is None or approval_id.startswith(root_id):
             try:
                 out.append(plane.store.approvals.get_approval(approval_id))
-            except NotFoundError:  # expired with its tree
-                continue
+            except NotFoundError:  # expired with its tree: off the fleet's index too, which has no expiry
+                plane.store.approvals.forget_lapsed(approval_id)
     return out
 
 
@@ -219,7 +219,14 @@ def expire_waited_on(plane: Plane, task_id: str) -> None:
 def expire_for(plane: Plane, root_id: str, stopped: set[str]) -> None:
     """The pending approvals of stopped tasks expire: nobody may approve a call of a stopped run."""
     for approval_id in plane.store.approvals.pending_approval_ids():
-        if approval_id.startswith(root_id) and plane.store.approvals.get_approval(approval_id).task_id in stopped:
+        if not approval_id.startswith(root_id):
+            continue
+        try:
+            approval = plane.store.approvals.get_approval(approval_id)
+        except NotFoundError:  # lapsed before its decision (a retention shorter than the approval timeout)
+            plane.store.approvals.forget_lapsed(approval_id)
+            continue
+        if approval.task_id in stopped:
             _expire_stopped(plane, approval_id)
 
 

@@ -226,8 +226,8 @@ class Reconciler:
         if kind == approvals.EXPIRY_TIMER:
             try:
                 approvals.expire(self.plane, subject)
-            except NotFoundError:
-                pass  # its tree has expired
+            except NotFoundError:  # its tree has expired: off the fleet's pending index too, which has no expiry
+                self.plane.store.approvals.forget_lapsed(subject)
         elif kind == endpoints.PROVIDER_TIMER:
             endpoints.wake(self.plane, subject)  # a run parked while its provider was down
         else:

@@ -567,6 +567,31 @@ def test_a_provider_timer_wakes_a_task_whose_old_approval_has_expired(coord: Coo
     assert approvals.decisions(coord.plane, task.id) == {}, "a resumed run finds no decision to answer with"
 
 
+@pytest.mark.parametrize("found_by", ["its expiry timer", "a listing", "a cancel"])
+def test_an_approval_that_lapsed_undecided_leaves_the_fleets_pending_index(coord: Coordinator, found_by: str) -> None:
+    """A retention no longer than the approval timeout lets an undecided approval's record lapse before its
+    deadline: its id on the fleet-wide pending index (which has no expiry) would stay for good, counted by the
+    waiting gauge and read by every listing and cancel. Whoever finds the record gone takes the id off."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    run = build_runtime(coord.settings, make_app(coord.settings)).lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    (approval,) = park(coord.plane, run.task, [ToolCall("run_command", {"command": "ls"}, "call-1")])
+    run.end(Released("waiting_approval"))
+    pending = coord.store.keys.approvals()
+    assert coord.client.zscore(pending, approval.id) is not None
+    coord.client.delete(coord.store.keys.approval(task.root_id, approval.id))  # its retention ran out first
+    if found_by == "its expiry timer":
+        coord.client.zadd(coord.store.keys.timers(), {expiry_timer(approval.id): time.time() - 1})
+        Reconciler(coord, "test").tick()
+        assert coord.client.zscore(coord.store.keys.timers(), expiry_timer(approval.id)) is None, "served"
+    elif found_by == "a listing":
+        assert coord.list_approvals(task.root_id) == []
+    else:
+        assert coord.cancel(task.id, "not needed").status == TaskStatus.CANCELLED
+    assert coord.client.zscore(pending, approval.id) is None
+
+
 def test_a_decision_made_before_the_parked_run_freed_its_lease_still_resumes_the_task(coord: Coordinator) -> None:
     """A person decides between the run's park (its approval saved) and its release: a resume then would be
     delivered while the lease is still held and do nothing, so the decision publishes none and leaves the task

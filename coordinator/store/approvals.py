@@ -6,6 +6,8 @@ import json
 import time
 from typing import Any
 
+from redis.client import Pipeline
+
 from coordinator.errors import NotFoundError
 from coordinator.ids import root_of
 from coordinator.models import Approval
@@ -70,6 +72,21 @@ class ApprovalStore(Part):
     @translate_redis_errors
     def pending_approval_ids(self) -> list[str]:
         return _strs(self.client.zrange(self.keys.approvals(), 0, -1))
+
+    @translate_redis_errors
+    def forget_lapsed(self, approval_id: str) -> bool:
+        """Take an approval whose record lapsed with its tree off the fleet's pending index, where nothing else
+        would (a decision needs the record); whether it was there. Left alone while the record exists."""
+        record, pending = self.keys.approval(root_of(approval_id), approval_id), self.keys.approvals()
+
+        def forget(pipe: Pipeline) -> bool:
+            if pipe.exists(record):
+                return False
+            pipe.multi()
+            pipe.zrem(pending, approval_id)
+            return bool(pipe.execute()[0])
+
+        return self.core.transaction([record], forget)
 
     @translate_redis_errors
     def decide(
