@@ -336,6 +336,18 @@ def test_a_tool_slot_taken_again_by_its_call_is_not_freed_by_the_earlier_take(id
     assert store.runs.take_tool_slot(pattern, 1, 60, "other:call") > 0
 
 
+def test_a_short_tool_slot_take_keeps_a_longer_held_slot_of_the_same_glob(idle_coordinator: Coordinator) -> None:
+    # Tools of one glob may have different timeouts: a short take after a long one must not make the glob's set
+    # lapse (and with it the long call's slot) before the long lease ends, or a third call gets in over the limit.
+    store = idle_coordinator.store
+    pattern = f"slot-{time.time_ns()}"
+    slots = store.keys.tool_slots(pattern)
+    assert store.runs.take_tool_slot(pattern, 2, 600, "long:call") > 0
+    assert store.runs.take_tool_slot(pattern, 2, 1, "short:call") > 0
+    assert store.client.pttl(slots) > 500_000, "the set outlives the long lease's holder, not the short one's"
+    assert store.runs.take_tool_slot(pattern, 2, 60, "third:call") == 0
+
+
 def test_live_status_is_streamed_and_snapshotted(coordinator: Coordinator) -> None:
     parent = coordinator.create_task("p")
     batch = coordinator.delegate(

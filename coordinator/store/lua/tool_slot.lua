@@ -19,7 +19,10 @@ if held or redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[1]) then
     ends = tonumber(held) + 1
   end
   redis.call('ZADD', KEYS[1], ends, ARGV[4])
-  redis.call('PEXPIRE', KEYS[1], ends - now)
+  -- The set lives as long as its longest lease: tools of one glob may have different timeouts (profiles
+  -- sharing a glob too), and a short take must not let the key lapse under a longer-held slot.
+  local last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
+  redis.call('PEXPIRE', KEYS[1], last - now)
   return ends
 end
 return 0
