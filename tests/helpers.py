@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import httpx
 import pytest
@@ -437,16 +437,23 @@ def snapshot_of(coord: Coordinator, *roots: str) -> dict[str, object]:
     metrics included), less the keys of trees other than `roots`: an earlier test's tree may still settle, or
     its keys expire, meanwhile (a lease another test left lapsed between two snapshots of a loaded run).
     A tenant's submit window is left out too: it lapses a minute after the last submit, on no tree's clock
-    (a fresh clone's slow run once read it before a duplicate callback and not after)."""
+    (a fresh clone's slow run once read it before a duplicate callback and not after). The fleet's `reserved`
+    set keeps only the runs of `roots`: each worker's beat rewrites it on the worker's clock (a quiet fresh
+    clone's run once saw a beat drop another tree's held run between two snapshots)."""
     prefix = re.escape(coord.settings.key_prefix)
     ours = {f"{coord.settings.key_prefix}:{{{root}}}:" for root in roots}
     tree_key = re.compile(rf"{prefix}:\{{[^}}]*\}}:")
     submit_window = re.compile(rf"{prefix}:tenant:\{{[^}}]*\}}:submits$")
-    return {
+    reserved = coord.store.keys.reserved()
+    kept = {
         key: value
         for key, value in coord.store.metrics.snapshot().items()
         if (not (found := tree_key.match(key)) or found.group(0) in ours) and not submit_window.match(key)
     }
+    if reserved in kept:
+        kind, members = cast(tuple[str, list[tuple[str, float]]], kept[reserved])
+        kept[reserved] = (kind, [(m, score) for m, score in members if m.startswith(roots)])
+    return kept
 
 
 def step_until(deliverer: Deliverer, done: Callable[[], bool], timeout_s: float = 30.0) -> None:
