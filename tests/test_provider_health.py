@@ -165,6 +165,31 @@ def test_a_models_outage_is_not_its_hosts_and_a_hosts_is_every_models(idle_coord
     idle_coordinator.store.convergence.remove_timers([f"provider-wait:{t.id}" for t in (parked_a, parked_host)])
 
 
+def test_a_park_drops_from_its_views_list_the_tasks_whose_wake_time_passed(idle_coordinator: Coordinator) -> None:
+    """A view's parked list keeps the tasks still waiting, not every task that parked there in a long outage:
+    one whose wake time has passed (its timer is due, so a recovery has nothing to bring forward for it) leaves
+    the list at the next park, and one still waiting stays."""
+    store = idle_coordinator.store.endpoints
+    endpoint = f"10.0.0.4:{time.time_ns() % 60000}"
+    parked_key = idle_coordinator.store.keys.endpoint_parked(endpoint, "")
+    woken, waiting, late = (idle_coordinator.create_task(f"parked {n}") for n in range(3))
+    timers = [f"provider-wait:{t.id}" for t in (woken, waiting, late)]
+    try:
+        assert store.park(endpoint, "", woken.id, timers[0], time.time() - 1, 1, 60)
+        assert store.park(endpoint, "", waiting.id, timers[1], time.time() + 3600, 1, 60)
+        assert idle_coordinator.client.zrange(parked_key, 0, -1) == [waiting.id], "the past wake left at this park"
+        assert store.park(endpoint, "", late.id, timers[2], time.time() + 1800, 1, 60)
+        assert idle_coordinator.client.zrange(parked_key, 0, -1) == [late.id, waiting.id]
+        assert 0 < idle_coordinator.client.ttl(parked_key) <= 60
+        woken_timer = idle_coordinator.client.zscore(idle_coordinator.store.keys.timers(), timers[0])
+        assert woken_timer is not None and woken_timer < time.time(), "its timer, due, still serves it"
+        store.failed(endpoint, "", "ModelConnectionError: Connection error.", base_ms=100, cap_ms=100, jitter=0.0,
+                     asked_ms=None, keep_ms=60_000)  # fmt: skip
+        assert sorted(store.recovered(endpoint)) == sorted([waiting.id, late.id])
+    finally:
+        idle_coordinator.store.convergence.remove_timers(timers)
+
+
 def test_a_probe_is_taken_only_by_a_run_that_sends(idle_coordinator: Coordinator) -> None:
     """With the host's wait over and its model's not, no run becomes the host's probe: a probe's lease held
     by a run that waits would hold every other model of the host back for the lease."""

@@ -96,13 +96,15 @@ class EndpointStore(Part):
         view it waits for (`model`'s, or with "" its host's), and when its wait began (kept on the task,
         so its `model_wait_out_s` counts from there), in one step (endpoint_park.lua); only while the run of
         lease `token` holds the lease ('' for a park no run makes: not checked). False, with nothing written,
-        when it does not."""
+        when it does not. The tasks on that list whose wake time has passed leave it (their timers serve them), so
+        a long outage keeps on it only the tasks still waiting, not every task that ever parked there."""
         root = root_of(task_id)
         return self.scripts(
             EndpointPark(
                 timers=self.keys.timers(), parked=self.keys.endpoint_parked(endpoint, model),
                 task=self.keys.task(root, task_id), lease=self.keys.lease(root, task_id), timer=timer,
                 wake_at_s=wake_at_s, task_id=task_id, keep_s=int(keep_s), since_ms=since_ms, token=token,
+                now_s=time.time(),
             )
         )  # fmt: skip
 

@@ -73,7 +73,8 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 |                                       |        | Retry-After); the same fields. Hash-tagged by the  | its last failure       |
 |                                       |        | endpoint, so its gate reads both in one script     |          |
 | `<p>:endpoint-parked:{<host:port>}`   | zset   | tasks whose runs gave their worker back to wait    | deleted when the host |
-|                                       |        | for the host, scored by when they wake             | is back; an hour |
+|                                       |        | for the host, scored by when they wake; a task     | is back; an hour |
+|                                       |        | whose wake time passed leaves it at the next park  |          |
 | `<p>:endpoint-parked:{<host:port>}:model:<model>` | zset | the same, waiting for that model         | deleted when the model is back; an hour |
 | `<p>:idempotency:<sha256 of the key>`| string | the root id a create call with that key made       | retention |
 | `<p>:web-session:<sha256 of the id>`  | string | a web sign-in: the fingerprint of the API token it | the session's age |

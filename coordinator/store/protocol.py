@@ -1727,6 +1727,7 @@ class EndpointPark(
     keep_s: int = arg("how long the parked list is kept, seconds")
     since_ms: int = arg("when its wait began, epoch ms")
     token: str = arg("the run's token ('' for a park of no run's: not checked)")
+    now_s: float = arg("now (epoch s)")
 
     @classmethod
     def decode(cls, raw: Any) -> bool:

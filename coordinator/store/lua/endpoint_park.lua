@@ -13,11 +13,16 @@
 -- ARGV[4] int: how long the parked list is kept, seconds
 -- ARGV[5] int: when its wait began, epoch ms
 -- ARGV[6] str: the run's token ('' for a park of no run's: not checked)
+-- ARGV[7] float: now (epoch s)
 -- Returns 1 when parked, 0 when the lease is not the run's (nothing written).
 if fenced(KEYS[4], ARGV[6]) then
   return 0
 end
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+-- The parked whose wake time has passed leave the list first: their timers are due, so a recovery has nothing to
+-- bring forward for them, and a task that ended or moved to another view during a long outage would otherwise
+-- stay on it until the endpoint came back (one entry for each task that ever parked there).
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[7])
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[4])
 redis.call('HSET', KEYS[3], 'provider_wait_since_ms', ARGV[5], 'deliveries', '0')
