@@ -132,14 +132,12 @@ WITHOUT: dict[str, tuple[tuple[str, str, str], ...]] = {
          "end\n", "local made_live = false\n"),
     ),
     "events": (
-        ("start_run", "redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'type', 'live', 'task_id', id, "
-         "'state', 'running')\n", ""),
-        ("finish_task", "redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'type', 'task_status', 'task_id', "
-         "id, 'status', ARGV[1])\nwake_waiters(KEYS[2], id)\nhash_expire_later(KEYS[2], ARGV[6])  -- (once a call: a "
-         "run's end writes its child back there too)\n", ""),
-        ("apply_children", "  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[3], '*', 'type', 'child_applied',\n"
-         "    'task_id', parent[1], 'child_id', child_id, 'status', figures[child_id].status)\n", ""),
-        ("apply_children", "hash_expire_later(KEYS[4], ARGV[2])\n", ""),
+        ("start_run", "event_add(KEYS[5], ARGV[5], made_live and ARGV[11], 'type', 'live', 'task_id', id, 'state', "
+         "'running')\n", ""),
+        ("finish_task", "event_add(KEYS[2], ARGV[7], ARGV[6], 'type', 'task_status', 'task_id', id, 'status', ARGV[1])"
+         "\nwake_waiters(KEYS[2], id)\n", ""),
+        ("apply_children", "  event_add(KEYS[4], ARGV[3], ARGV[2], 'type', 'child_applied', 'task_id', parent[1], "
+         "'child_id', child_id,\n    'status', figures[child_id].status)\n", ""),
     ),
     "ui": (
         ("start_run", "  if redis.call('RPUSH', KEYS[6], '{\"ts\":' .. ARGV[4] .. ',\"type\":\"say\",\"say\":\"task\","

@@ -107,13 +107,11 @@ end
 local parent = hash_get(KEYS[1], 'id', 'todos_version')
 for _, child_id in ipairs(applied) do
   redis.call('SREM', KEYS[3], child_id)
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[3], '*', 'type', 'child_applied',
-    'task_id', parent[1], 'child_id', child_id, 'status', figures[child_id].status)
+  -- (The events may have lapsed since the child's end, a write-back the reconciler makes much later: event_add
+  -- gives the stream its retention. Inside a run's end finish_task's event asks the same: one EXPIRE for both.)
+  event_add(KEYS[4], ARGV[3], ARGV[2], 'type', 'child_applied', 'task_id', parent[1], 'child_id', child_id,
+    'status', figures[child_id].status)
 end
--- The events may have lapsed since the child's end (a write-back the reconciler makes much later): an XADD makes
--- the stream again, and a key made with no retention would stay for good. Inside a run's end, finish_task asked
--- the same, so the call sends one EXPIRE for both.
-hash_expire_later(KEYS[4], ARGV[2])
 if changed then
   hash_set(KEYS[1], 'updated_at', ARGV[1], 'todos_version', (tonumber(parent[2] or '0') or 0) + 1)
 else

@@ -74,9 +74,7 @@ local task_id = redis.call('HGET', KEYS[1], 'task_id')
 outbox_add({KEYS[4], KEYS[5], KEYS[6]}, {task_id, 'approval.decided', ARGV[4], ARGV[9], cjson.encode({
   approval_id = ARGV[1], tool = redis.call('HGET', KEYS[1], 'tool'), status = ARGV[2], feedback = ARGV[3],
   decided_by = ARGV[8]})})
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'type', 'approval', 'approval_id', ARGV[1],
-  'task_id', task_id, 'status', ARGV[2])
--- The stream this event may have made (one that lapsed while the approval waited): a key made with no
--- retention would stay for good.
-redis.call('EXPIRE', KEYS[3], ARGV[9])
+-- (The stream may have lapsed while the approval waited: event_add gives the one it makes again its retention.)
+event_add(KEYS[3], ARGV[5], ARGV[9], 'type', 'approval', 'approval_id', ARGV[1], 'task_id', task_id,
+  'status', ARGV[2])
 return ends_wait(task_id, true)

@@ -34,8 +34,6 @@ redis.call('RPUSH', KEYS[3], ARGV[2])
 redis.call('EXPIRE', KEYS[3], ARGV[4])
 redis.call('DEL', KEYS[4])
 local parent_id = parent[3]
-redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'type', 'batch_done',
-  'task_id', parent_id, 'batch_id', batch_id)
+event_add(KEYS[5], ARGV[5], ARGV[4], 'type', 'batch_done', 'task_id', parent_id, 'batch_id', batch_id)
 wake_waiters(KEYS[5], parent_id)
-hash_expire_later(KEYS[5], ARGV[4])  -- (one EXPIRE a call, with the child's end that closed it)
 return resumes

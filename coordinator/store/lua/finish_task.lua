@@ -42,8 +42,7 @@ if made_live then
   -- long run), and a key made with no retention would stay for good.
   redis.call('EXPIRE', KEYS[3], ARGV[6])
 end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'type', 'task_status', 'task_id', id, 'status', ARGV[1])
+event_add(KEYS[2], ARGV[7], ARGV[6], 'type', 'task_status', 'task_id', id, 'status', ARGV[1])
 wake_waiters(KEYS[2], id)
-hash_expire_later(KEYS[2], ARGV[6])  -- (once a call: a run's end writes its child back there too)
 outbox_add({KEYS[4], KEYS[5], KEYS[6]}, {id, 'task.' .. ARGV[1], ARGV[5], ARGV[6], ''})
 return ARGV[1]

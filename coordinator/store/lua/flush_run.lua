@@ -113,8 +113,6 @@ if ARGV[7] ~= '' and not ENDED[hash_get(KEYS[2], 'status')[1]] then
   local live = cjson.decode(ARGV[7])
   redis.call('HSET', KEYS[5], live['task_id'], ARGV[7])
   redis.call('EXPIRE', KEYS[5], retention)
-  redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[4], '*', 'type', 'live', 'task_id', live['task_id'],
-    'state', live['state'])
-  redis.call('EXPIRE', KEYS[6], retention)  -- the stream this may have made again (lapsed in a long run)
+  event_add(KEYS[6], ARGV[4], retention, 'type', 'live', 'task_id', live['task_id'], 'state', live['state'])
 end
 return flush_checks(KEYS, in_end, exhausted, recorded, 0)

@@ -243,6 +243,17 @@ local function timeline_add(text, t_ms, state)
   return timeline_fold(text, t_ms, state)
 end
 
+-- An event on a tree's stream (`...`: its fields and values), trimmed to about `maxlen` entries, and the stream's
+-- retention, sent once a call by hash_flush however many events the call adds. Every script that writes a stream
+-- writes it here: an XADD makes a stream that lapsed again, and a key made with no retention would stay for good.
+-- `retention_s` false only where the caller knows the stream is there with its retention (start_run.lua says why).
+local function event_add(stream, maxlen, retention_s, ...)
+  redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', ...)
+  if retention_s then
+    hash_expire_later(stream, retention_s)
+  end
+end
+
 -- Wake whoever waits for the task to settle (Coordinator.wait listens before it reads the status): an empty
 -- message on the channel named by the tree's stream key and the task id (keys.py, `Keys.settled`). With
 -- nobody listening it costs the server one lookup; a wake-up a waiter misses (its connection dropped)

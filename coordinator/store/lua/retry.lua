@@ -177,11 +177,10 @@ for i, t in ipairs(tasks) do
     depth = tonumber(f[4] or '0'), state = t.role == 'wait' and 'delegated' or 'queued', ts = tonumber(now),
   })
   redis.call('HSET', KEYS[2], t.id, live)
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', maxlen, '*', 'type', 'task_status', 'task_id', t.id, 'status', status)
+  event_add(KEYS[3], maxlen, retention, 'type', 'task_status', 'task_id', t.id, 'status', status)
 end
 for _, b in ipairs(batches) do
   hash_set(b.parent, 'updated_at', now)
 end
 redis.call('EXPIRE', KEYS[2], retention)
-redis.call('EXPIRE', KEYS[3], retention)
 return {'retried', counts}

@@ -16,7 +16,6 @@ if not status or ENDED[status] then
 end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[4])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*', 'type', 'live', 'task_id', ARGV[1], 'state', ARGV[3])
--- The stream this may have made (a root parked at its first start): a key made with no retention would stay for good.
-redis.call('EXPIRE', KEYS[3], ARGV[4])
+-- (The stream this may make, a root parked at its first start, gets its retention from event_add.)
+event_add(KEYS[3], ARGV[5], ARGV[4], 'type', 'live', 'task_id', ARGV[1], 'state', ARGV[3])
 return 1

@@ -181,12 +181,13 @@ local live = '{"task_id":"' .. id .. '","parent_id":'
   .. ',"depth":' .. (tonumber(task[5] or '0') or 0) .. ',"state":"running","ts":' .. ARGV[4] .. '}'
 -- A child's field was made with the live hash's retention when it was queued (delegation.py); a field made
 -- here is a root's first run's, or one whose hash lapsed in a long run: this step made the hash, and maybe the
--- events stream, so it gives both their retention (a key made with none would stay for good).
+-- events stream, so it gives both their retention (a key made with none would stay for good). A field already
+-- there says the stream is there too, with its retention (every step that refreshes the live hash refreshes the
+-- stream), so a run's start sends no EXPIRE.
 local made_live = redis.call('HSET', KEYS[4], id, live) == 1
-redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'type', 'live', 'task_id', id, 'state', 'running')
+event_add(KEYS[5], ARGV[5], made_live and ARGV[11], 'type', 'live', 'task_id', id, 'state', 'running')
 if made_live then
   redis.call('EXPIRE', KEYS[4], ARGV[11])
-  redis.call('EXPIRE', KEYS[5], ARGV[11])
 end
 local exhausted = budget_reached()
 if run_seq == 1 then

@@ -47,17 +47,15 @@ for i = 7, #KEYS do
     live['state'] = new_status
     live['ts'] = tonumber(ARGV[7])
     redis.call('HSET', KEYS[2], id, cjson.encode(live))
-    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[9], '*', 'type', 'task_status', 'task_id', id,
-      'status', new_status)
+    event_add(KEYS[1], ARGV[9], ARGV[8], 'type', 'task_status', 'task_id', id, 'status', new_status)
     wake_waiters(KEYS[1], id)
     outbox_add({KEYS[3], KEYS[4], KEYS[5]}, {id, 'task.' .. new_status, ARGV[7], ARGV[8], ''})
     stopped[#stopped + 1] = id
   end
 end
 if #stopped > 0 then
-  -- The stream and the live hash this call wrote may be its own making (a root stopped before any run or
-  -- delegation wrote them): a key made with no retention would stay for good.
-  redis.call('EXPIRE', KEYS[1], ARGV[8])
+  -- The live hash this call wrote may be its own making (a root stopped before any run or delegation wrote it):
+  -- a key made with no retention would stay for good (event_add gives the stream its own).
   redis.call('EXPIRE', KEYS[2], ARGV[8])
 end
 if tonumber(ARGV[10]) > 0 then
