@@ -116,6 +116,34 @@ def test_each_function_starts_on_an_empty_cache(client_7: redis.Redis) -> None:
     assert client_7.exists("a") == 0 and client_7.hgetall("b") == {"f": "y"}
 
 
+EVENTS_THEN = """event_add(KEYS[1], 100, ARGV[1], 'type', 'first')
+event_add(KEYS[1], 100, ARGV[1], 'type', 'second')
+if ARGV[2] == 'fail' then
+  error('failed after its events')
+end
+return 1
+"""
+
+
+def test_a_calls_events_send_the_streams_retention_once_and_at_once(client_7: redis.Redis) -> None:
+    """hashes.lua's `event_add`, as a function of the library and as a script by its text: a call's two events on
+    a stream send one EXPIRE, the next call sends its own (each call starts with no mark), and a call that fails
+    after its events leaves the stream its retention (a refresh held to the call's end was lost with it)."""
+    made = library_text(base._prelude(), {"e": ()}, read=lambda _: EVENTS_THEN)
+    client_7.function_load(made.text)
+    by_text = base._prelude() + library.as_function("e", EVENTS_THEN) + library.run_and_flush("e")
+    client_7.config_resetstat()
+    for stream in ("s1", "s2"):
+        assert client_7.fcall(made.functions["e"], 1, stream, 60, "") == 1
+        assert client_7.xlen(stream) == 2 and 0 < client_7.ttl(stream) <= 60
+    assert calls_of(client_7, "xadd", "expire") == {"xadd": 4, "expire": 2}
+    for stream, send in (("s3", lambda: client_7.fcall(made.functions["e"], 1, "s3", 60, "fail")),
+                         ("s4", lambda: client_7.eval(by_text, 1, "s4", 60, "fail"))):  # fmt: skip
+        with pytest.raises(redis.ResponseError, match="failed after its events"):
+            send()
+        assert client_7.xlen(stream) == 2 and 0 < client_7.ttl(stream) <= 60, stream
+
+
 def test_a_childs_steps_go_by_fcall_on_redis_7_and_write_the_tree_back(
     fleet_7: tuple[Coordinator, Runtime],
 ) -> None:

@@ -108,7 +108,7 @@ local parent = hash_get(KEYS[1], 'id', 'todos_version')
 for _, child_id in ipairs(applied) do
   redis.call('SREM', KEYS[3], child_id)
   -- (The events may have lapsed since the child's end, a write-back the reconciler makes much later: event_add
-  -- gives the stream its retention. Inside a run's end finish_task's event asks the same: one EXPIRE for both.)
+  -- gives the stream its retention. Inside a run's end finish_task's event sent it: one EXPIRE for both.)
   event_add(KEYS[4], ARGV[3], ARGV[2], 'type', 'child_applied', 'task_id', parent[1], 'child_id', child_id,
     'status', figures[child_id].status)
 end

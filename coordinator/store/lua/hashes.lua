@@ -244,13 +244,16 @@ local function timeline_add(text, t_ms, state)
 end
 
 -- An event on a tree's stream (`...`: its fields and values), trimmed to about `maxlen` entries, and the stream's
--- retention, sent once a call by hash_flush however many events the call adds. Every script that writes a stream
--- writes it here: an XADD makes a stream that lapsed again, and a key made with no retention would stay for good.
--- `retention_s` false only where the caller knows the stream is there with its retention (start_run.lua says why).
+-- retention. Every script that writes a stream writes it here: an XADD makes a stream that lapsed again, and a key
+-- made with no retention would stay for good. The EXPIRE goes with a call's first event on the stream, at once (a
+-- script that fails later leaves it sent), and its later events send none (the mark is hash_expire's, which every
+-- call starts empty). `retention_s` false only where the caller knows the stream is there with its retention
+-- (start_run.lua says why).
 local function event_add(stream, maxlen, retention_s, ...)
   redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', ...)
-  if retention_s then
-    hash_expire_later(stream, retention_s)
+  if retention_s and hash_expire[stream] == nil then
+    redis.call('EXPIRE', stream, retention_s)
+    hash_expire[stream] = false  -- (sent: hash_flush sends none for a false one)
   end
 end
 
