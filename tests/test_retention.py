@@ -104,3 +104,22 @@ def test_a_child_written_back_after_its_trees_stream_lapsed_gives_the_stream_a_r
     assert keys_without_retention(coord, parent_id) == {}
     assert run_child(runtime, third).status == TaskStatus.COMPLETED
     assert keys_without_retention(coord, parent_id) == {}
+
+
+def test_a_child_that_ends_after_its_parents_keys_lapsed_ends_and_makes_none_of_them_again(
+    idle_coordinator: Coordinator, runtime: Runtime
+) -> None:
+    """A batch open longer than a retention: its parent's record, plan, awaited set, batch and batch lines lapse
+    before the last child ends. That child's end still ends it (its write-back finds its parent gone and writes
+    nothing), and makes none of the lapsed keys again without a retention."""
+    coord = idle_coordinator
+    parent_id, (first, second) = scripted_children(coord, "Two at once.")
+    assert run_child(runtime, first).status == TaskStatus.COMPLETED
+    # Everything of the tree lapses but the last child's record (its run's start refreshes it).
+    kept = coord.store.keys.task(parent_id, second)
+    coord.client.delete(*(k for k in coord.client.scan_iter(match=f"{coord.store.keys.prefix}:{{{parent_id}}}:*")
+                          if k != kept))  # fmt: skip
+    assert run_child(runtime, second).status == TaskStatus.COMPLETED
+    assert coord.get_task(second).status == TaskStatus.COMPLETED
+    assert keys_without_retention(coord, parent_id) == {}
+    assert not coord.client.exists(coord.store.keys.task(parent_id, parent_id)), "the parent is not made again"

@@ -56,6 +56,13 @@ local function line_of(child_id, got)
   return line
 end
 
+-- A parent whose record lapsed (a batch open longer than a retention: its plan and batch lines went with it)
+-- takes no write-back: any write here would make its keys again with no retention. (Inside a run's end the
+-- record is read already, end_run.lua's prefetch.)
+local parent = hash_get(KEYS[1], 'id', 'todos_version')
+if not parent[1] then
+  return 0
+end
 local figures = {}
 local applied = {}
 for i = 4, #ARGV do
@@ -104,7 +111,6 @@ for i = 4, #ARGV do
   end
 end
 
-local parent = hash_get(KEYS[1], 'id', 'todos_version')
 for _, child_id in ipairs(applied) do
   redis.call('SREM', KEYS[3], child_id)
   -- (The events may have lapsed since the child's end, a write-back the reconciler makes much later: event_add

@@ -28,6 +28,11 @@ if head[1] == 'done' then
   end
   return {0, 0}
 end
+if not head[3] then
+  -- Its record lapsed (a batch open longer than a retention): nothing is left to close, and a close would make
+  -- its parent's keys again with no retention.
+  return {0, 0}
+end
 local batch = hash_get(KEYS[1], 'mode', 'child_ids')
 local child_ids = cjson.decode(batch[2])
 -- In slices: unpack() of a whole wide batch would overflow Lua's stack.

@@ -122,7 +122,7 @@ end
 
 -- As redis.call('EXPIRE', key, seconds), sent by hash_flush after the writes (once a key).
 local function hash_expire_later(key, seconds)
-  if hash_expire[key] == nil then
+  if not hash_expire[key] then  -- (nil, or false: sent at once by event_add, and not in the order)
     hash_order[#hash_order + 1] = key
   end
   hash_expire[key] = seconds

@@ -82,13 +82,17 @@ if budget > 0 then
 end
 for i = 5, #KEYS do
   local up = hash_get(KEYS[i], 'total_tokens', 'total_cost_micros', 'budget_micros', 'id')
-  local up_total = n(up[2]) + cost
-  hash_set(KEYS[i], 'total_tokens', n(up[1]) + tokens, 'total_cost_micros', up_total)
-  budget = n(up[3])
-  if budget > 0 then
-    warn(KEYS[i], up[4], budget, up_total)
-    if up_total >= budget then
-      exhausted = up[4]  -- later keys are nearer the root
+  -- (An ancestor whose record lapsed, one waiting longer than a retention, takes no roll-up: the write would make
+  -- its hash again with no retention and only these two fields.)
+  if up[4] then
+    local up_total = n(up[2]) + cost
+    hash_set(KEYS[i], 'total_tokens', n(up[1]) + tokens, 'total_cost_micros', up_total)
+    budget = n(up[3])
+    if budget > 0 then
+      warn(KEYS[i], up[4], budget, up_total)
+      if up_total >= budget then
+        exhausted = up[4]  -- later keys are nearer the root
+      end
     end
   end
 end
