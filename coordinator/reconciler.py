@@ -36,7 +36,9 @@ Each tick it
    fair shares on, free slots go to parked runs (a `max_running` raised); with them off,
    every parked run is published again (`parked-released`), none left stranded.
 Every step is idempotent, so a repair done twice, or beside the normal path,
-changes nothing. Each repair is counted (`Store.convergence.repairs`) and logged with its reason.
+changes nothing. Each repair is counted (`Store.convergence.repairs`) and logged with its reason. A task whose
+look fails (a record that does not read, a fault) is logged and looked at again a grace later: it holds up
+none of the tasks due after it.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from coordinator import admission, approvals, delegation, dispatch, endpoints, writeback
-from coordinator.errors import NotFoundError
+from coordinator.errors import CorruptError, NotFoundError, StoreError
 from coordinator.models import TaskStatus
 
 if TYPE_CHECKING:
@@ -182,7 +184,16 @@ class Reconciler:
         self._later = defaultdict(list)
         due = self.plane.store.convergence.due_tasks(TICK_LIMIT)
         for task_id, triaged in zip(due, self.plane.store.convergence.triage(due), strict=True):
-            reason = self._look_at(task_id, triaged)
+            try:
+                reason = self._look_at(task_id, triaged)
+            except StoreError as exc:
+                if not isinstance(exc, CorruptError):
+                    raise  # Redis away or refusing: every task would fail alike; the tick is tried again
+                self._put_off(task_id)
+                continue
+            except Exception:
+                self._put_off(task_id)
+                continue
             if reason:
                 repairs[reason] += 1
                 self.plane.store.convergence.count_repair(reason)
@@ -193,6 +204,14 @@ class Reconciler:
         for after_s, task_ids in self._later.items():
             self.plane.store.convergence.watch(task_ids, after_s, only_if_watched=True)
         return repairs
+
+    def _put_off(self, task_id: str) -> None:
+        """A task whose look failed (a corrupt record, a fault of this code): logged, and looked at again a grace
+        later, so it holds up none of the tasks due after it. Raised out of the tick, it failed every tick
+        until its record lapsed, and no task due after it was looked at meanwhile."""
+        grace_s = self.plane.settings.reconcile_grace_s
+        log.exception("subq reconciler: looking at %s failed; it is looked at again in %.0f s", task_id, grace_s)
+        self._later[grace_s].append(task_id)
 
     def _fair_shares(self, repairs: Counter[str]) -> None:
         """Fair shares' pass (admission.heal): a slot whose run's task is gone, ended or delegated is freed

@@ -40,13 +40,17 @@ it to the reconciler (coordinator/reconciler.py).
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from coordinator import admission, approvals, dispatch, faults, tracing
+from coordinator.errors import NotFoundError
 from coordinator.models import Batch, BatchRef, SubtaskResult, TaskRecord, TaskStatus, Usage
 
 if TYPE_CHECKING:
     from coordinator.plane import Plane
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "COMBINED_RESULT_BYTES",
@@ -81,7 +85,13 @@ def write_back(plane: Plane, batch_id: str, ended: TaskRecord | None = None) -> 
     """
     store = plane.store
     if ended is not None:
-        settled = store.batches.settle_child(batch_id, ended, plane.settings.reconcile_grace_s)
+        try:
+            settled = store.batches.settle_child(batch_id, ended, plane.settings.reconcile_grace_s)
+        except NotFoundError:
+            # Its batch's record lapsed (a batch open longer than SUBQ_RESULT_RETENTION_S): nothing is left to
+            # write it back to. Raised, it failed a stop of the child, and every reconciler tick that met it.
+            log.warning("subq: %s ended after its batch %s lapsed; nothing is written back", ended.id, batch_id)
+            return False
         if settled.mode == "parallel":
             return bool(settled.resumes) and resumed(plane, ended.parent_id or "", settled.resumes, settled.resume)
     batch = store.batches.get_batch(batch_id)

@@ -96,6 +96,29 @@ def test_a_task_queued_in_the_broker_is_left_alone(coord: Coordinator) -> None:
     assert root.id in coord.store.convergence.watched()
 
 
+def test_a_task_the_reconciler_cannot_look_at_is_put_off_and_holds_up_none_due_after_it(
+    coord: Coordinator,
+) -> None:
+    """A due task whose look raises (here an ended record that no longer reads) is logged and looked at again a
+    grace later; the tick goes on to the tasks due after it. Before, the tick raised on it, every tick, and the
+    lost run behind it was never published again."""
+    poison = coord.create_task(agent(reply("x")), run=True)
+    lost = coord.create_task(agent(reply("y")), run=True)
+    coord.client.delete(QUEUE)  # both messages lost
+    keys = coord.store.keys
+    coord.client.hset(keys.task(poison.root_id, poison.id), mapping={"status": "completed", "depth": "deep"})
+    for order, task in enumerate((poison, lost)):
+        coord.store.convergence.watch([task.id], -20 + order, only_if_watched=True)
+        coord.client.hset(keys.task(task.root_id, task.id), "updated_at", time.time() - 60)
+    try:
+        assert Reconciler(coord, "test").tick() == {"run-lost": 1}
+        assert queued_ids(coord) == [lost.id], "the task due after it was looked at and published again"
+        put_off = coord.client.zscore(keys.due(), poison.id)
+        assert put_off is not None and put_off > time.time(), "looked at again later, not at every tick"
+    finally:  # a record that does not read would break other tests' listings
+        coord.client.hset(keys.task(poison.root_id, poison.id), "depth", "0")
+
+
 def test_a_wave_of_queued_tasks_costs_a_tick_a_few_round_trips(coord: Coordinator) -> None:
     """Each queued task is looked at again later, all in one write: not a round trip or two each."""
     with local_redis() as url, settings_of(coord, redis_url=url) as alone:  # its command counts are its own

@@ -123,3 +123,36 @@ def test_a_child_that_ends_after_its_parents_keys_lapsed_ends_and_makes_none_of_
     assert coord.get_task(second).status == TaskStatus.COMPLETED
     assert keys_without_retention(coord, parent_id) == {}
     assert not coord.client.exists(coord.store.keys.task(parent_id, parent_id)), "the parent is not made again"
+
+
+def test_a_chains_step_that_ends_after_its_callers_record_lapsed_ends_and_makes_it_none_again(
+    idle_coordinator: Coordinator, runtime: Runtime
+) -> None:
+    """A caller's record lapses before its batch's keys (none of its batch's steps refreshes it): the chain's
+    steps still run and end, and neither the write-back nor the close makes the caller's hash again."""
+    coord = idle_coordinator
+    parent = coord.create_task("Two in a row.", todos="[ ] a\n[ ] b")
+    first, second = coord.delegate(
+        parent.id, [{"description": item, "message": script(usage_step())} for item in "ab"], mode="sequential"
+    ).child_ids
+    coord.client.delete(coord.store.keys.task(parent.id, parent.id))
+    assert run_child(runtime, first).status == TaskStatus.COMPLETED
+    assert run_child(runtime, second).status == TaskStatus.COMPLETED
+    assert keys_without_retention(coord, parent.id) == {}
+    assert not coord.client.exists(coord.store.keys.task(parent.id, parent.id)), "the caller is not made again"
+
+
+def test_a_child_stopped_after_its_batch_lapsed_is_stopped_and_leaves_the_due_list(
+    idle_coordinator: Coordinator,
+) -> None:
+    """A cancel of a child whose batch lapsed (running for longer than a retention) stops it and is done with it:
+    there is nothing to write it back to, and neither the cancel nor the reconciler fails on that."""
+    coord = idle_coordinator
+    parent_id, (first, second) = scripted_children(coord, "Two at once.")
+    kept = {coord.store.keys.task(parent_id, child) for child in (first, second)}
+    coord.client.delete(*(k for k in coord.client.scan_iter(match=f"{coord.store.keys.prefix}:{{{parent_id}}}:*")
+                          if k not in kept))  # fmt: skip
+    assert coord.cancel(second, "not needed").status == TaskStatus.CANCELLED
+    assert coord.client.zscore(coord.store.keys.due(), second) is None
+    writeback.settle_ended(coord.plane, coord.get_task(second))  # the reconciler's repair, had the stop died
+    assert keys_without_retention(coord, parent_id) == {}

@@ -138,6 +138,10 @@ def test_corrupt_entries_read_as_clear_errors(idle_coordinator: Coordinator) -> 
     try:
         with pytest.raises(CorruptError, match=f"Task record {task.id} is corrupt"):
             coord.get_task(task.id)
+        for field, value in (("status", "active"), ("depth", "deep")):  # a number that is none reads so too
+            coord.client.hset(keys.task(task.root_id, task.id), field, value)
+        with pytest.raises(CorruptError, match=f"Task record {task.id} is corrupt: invalid literal for int"):
+            coord.get_task(task.id)
     finally:  # a corrupt record left behind would (rightly) break other tests' history listings
         coord.client.delete(*[key for key in coord.store.metrics.snapshot() if f"{{{task.root_id}}}" in key])
         coord.client.zrem(keys.all_tasks(), task.id)

@@ -185,12 +185,12 @@ def _decode_record(raw: dict[str, str], child_ids: list[str], awaiting_ids: list
     for name in OPTIONAL_FIELDS:
         if name not in data or not data[name]:
             data[name] = None
-    for name in INT_FIELDS:
-        data[name] = int(data[name] or 0) if name in data else 0
     data["child_ids"], data["awaiting_ids"] = child_ids, awaiting_ids
-    data["tool_use"] = _tool_use(raw)
-    data[TaskField.ANCESTORS] = json.loads(raw.get(TaskField.ANCESTORS) or "[]")
-    try:
+    try:  # (a JSONDecodeError is a ValueError too)
+        for name in INT_FIELDS:
+            data[name] = int(data[name] or 0) if name in data else 0
+        data["tool_use"] = _tool_use(raw)
+        data[TaskField.ANCESTORS] = json.loads(raw.get(TaskField.ANCESTORS) or "[]")
         return TaskRecord.model_validate(data)
     except ValueError as exc:
         raise CorruptError(f"Task record {raw.get(TaskField.ID, '?')} is corrupt: {exc}") from None

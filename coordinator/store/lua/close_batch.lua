@@ -29,8 +29,7 @@ if head[1] == 'done' then
   return {0, 0}
 end
 if not head[3] then
-  -- Its record lapsed (a batch open longer than a retention): nothing is left to close, and a close would make
-  -- its parent's keys again with no retention.
+  -- Its record lapsed (a batch open longer than a retention): nothing is left to close.
   return {0, 0}
 end
 local batch = hash_get(KEYS[1], 'mode', 'child_ids')
@@ -73,6 +72,11 @@ local combined = 'Subtask results (' .. batch[1] .. ', ' .. done .. ' of ' .. #c
 -- the batch's closer (every other child's end reads only what its write-back needs).
 hash_prefetch(KEYS[2], {'id', 'status', 'runner', 'error_class', 'error', 'waiting_batch_id', 'resumes', 'timeline'})
 local parent = hash_get(KEYS[2], 'id', 'status', 'runner', 'error_class', 'error')
+if not parent[1] then
+  -- The parent's record lapsed before its batch's (a caller's record is refreshed by none of its batch's
+  -- steps): no parent to resume, and a close would make its hash again with only the close's fields.
+  return {0, 0}
+end
 if ENDED[parent[2]] then
   -- Stopped meanwhile: its caller reads why, then what had finished.
   combined = 'Stopped: ' .. (parent[4] or '') .. ': ' .. (parent[5] or '') .. '\n' .. combined
