@@ -38,7 +38,7 @@ Each tick it
 Every step is idempotent, so a repair done twice, or beside the normal path,
 changes nothing. Each repair is counted (`Store.convergence.repairs`) and logged with its reason. A task whose
 look fails (a record that does not read, a fault) is logged and looked at again a grace later: it holds up
-none of the tasks due after it.
+none of the tasks due after it. A store or broker that is away ends the tick (every task would fail alike).
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
+
+import redis
+from kombu.exceptions import OperationalError
 
 from coordinator import admission, approvals, delegation, dispatch, endpoints, writeback
 from coordinator.errors import CorruptError, NotFoundError, StoreError
@@ -191,6 +194,8 @@ class Reconciler:
                     raise  # Redis away or refusing: every task would fail alike; the tick is tried again
                 self._put_off(task_id)
                 continue
+            except (OperationalError, redis.RedisError):
+                raise  # the broker (a publish: kombu's, or redis-py's untranslated): the same, for every task
             except Exception:
                 self._put_off(task_id)
                 continue
@@ -262,7 +267,10 @@ class Reconciler:
         store = self.plane.store
         record = store.records.get_task(task_id)
         admission.release_delegated(self.plane, record)  # its run died before its release freed the slot
-        batch = store.batches.get_batch(record.waiting_batch_id) if record.waiting_batch_id else None
+        try:
+            batch = store.batches.get_batch(record.waiting_batch_id) if record.waiting_batch_id else None
+        except NotFoundError:
+            batch = None  # its batch lapsed (open longer than a retention): nothing is left to publish
         if batch is not None and not store.batches.batch_published(batch.id):
             delegation.publish(self.plane, batch, store.records.get_records(batch.child_ids))
             return "delegation-unpublished"

@@ -110,13 +110,25 @@ def test_a_task_the_reconciler_cannot_look_at_is_put_off_and_holds_up_none_due_a
     for order, task in enumerate((poison, lost)):
         coord.store.convergence.watch([task.id], -20 + order, only_if_watched=True)
         coord.client.hset(keys.task(task.root_id, task.id), "updated_at", time.time() - 60)
+    before_s = time.time()
     try:
         assert Reconciler(coord, "test").tick() == {"run-lost": 1}
         assert queued_ids(coord) == [lost.id], "the task due after it was looked at and published again"
         put_off = coord.client.zscore(keys.due(), poison.id)
-        assert put_off is not None and put_off > time.time(), "looked at again later, not at every tick"
+        assert put_off is not None and put_off > before_s, "looked at again later, not first at every tick"
     finally:  # a record that does not read would break other tests' listings
         coord.client.hset(keys.task(poison.root_id, poison.id), "depth", "0")
+
+
+def test_a_delegated_task_whose_batch_lapsed_leaves_the_due_list(coord: Coordinator) -> None:
+    """A parent still waiting on a batch whose record lapsed (open longer than a retention) has nothing left to
+    publish: the reconciler takes it off the due list, where before it failed on the missing batch."""
+    parent = coord.create_task("fan out")
+    batch = coord.delegate(parent.id, [subtask("child", agent(reply("x")))])
+    coord.client.delete(coord.store.keys.batch(parent.root_id, batch.id))
+    coord.store.convergence.watch([parent.id], 0)
+    assert tick(coord) == {}
+    assert parent.id not in coord.store.convergence.watched()
 
 
 def test_a_wave_of_queued_tasks_costs_a_tick_a_few_round_trips(coord: Coordinator) -> None:

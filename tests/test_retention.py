@@ -154,5 +154,7 @@ def test_a_child_stopped_after_its_batch_lapsed_is_stopped_and_leaves_the_due_li
                           if k not in kept))  # fmt: skip
     assert coord.cancel(second, "not needed").status == TaskStatus.CANCELLED
     assert coord.client.zscore(coord.store.keys.due(), second) is None
-    writeback.settle_ended(coord.plane, coord.get_task(second))  # the reconciler's repair, had the stop died
+    coord.store.convergence.watch([second], 0)  # as if the stop had died before it was done
+    writeback.settle_ended(coord.plane, coord.get_task(second))  # the reconciler's repair
+    assert coord.client.zscore(coord.store.keys.due(), second) is None
     assert keys_without_retention(coord, parent_id) == {}
