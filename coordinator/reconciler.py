@@ -189,13 +189,13 @@ class Reconciler:
         for task_id, triaged in zip(due, self.plane.store.convergence.triage(due), strict=True):
             try:
                 reason = self._look_at(task_id, triaged)
-            except StoreError as exc:
-                if not isinstance(exc, CorruptError):
-                    raise  # Redis away or refusing: every task would fail alike; the tick is tried again
+            except CorruptError:
                 self._put_off(task_id)
                 continue
-            except (OperationalError, redis.RedisError):
-                raise  # the broker (a publish: kombu's, or redis-py's untranslated): the same, for every task
+            except (StoreError, OperationalError, redis.RedisError):
+                # Redis or the broker away or refusing (a publish's error comes as kombu's, or redis-py's own):
+                # every task would fail alike, so the tick ends and is tried again.
+                raise
             except Exception:
                 self._put_off(task_id)
                 continue

@@ -120,6 +120,24 @@ def test_a_task_the_reconciler_cannot_look_at_is_put_off_and_holds_up_none_due_a
         coord.client.hset(keys.task(poison.root_id, poison.id), "depth", "0")
 
 
+def test_a_broker_that_refuses_a_publish_ends_the_tick_and_puts_off_no_task(coord: Coordinator) -> None:
+    """A broker away fails every publish alike: the tick ends at the first, as with the store away, rather than
+    trying each due task in turn (each waiting out its publish's retries); the lost run stays watched."""
+    lost = coord.create_task(agent(reply("y")), run=True)
+    coord.client.delete(QUEUE)  # its message lost
+    coord.store.convergence.watch([lost.id], -10, only_if_watched=True)
+    coord.client.hset(coord.store.keys.task(lost.root_id, lost.id), "updated_at", time.time() - 60)
+    nowhere = coord.settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})
+    broker_away = Coordinator(coord.settings, app=make_app(nowhere))  # its store is there, its broker is not
+    try:
+        with pytest.raises(Exception) as raised:
+            Reconciler(broker_away, "test").tick()
+        assert "127.0.0.1:1" in str(raised.value) or "Connection refused" in str(raised.value), raised.value
+    finally:
+        broker_away.close()
+    assert lost.id in coord.store.convergence.watched(), "watched again first: the next tick tries it again"
+
+
 def test_a_delegated_task_whose_batch_lapsed_leaves_the_due_list(coord: Coordinator) -> None:
     """A parent still waiting on a batch whose record lapsed (open longer than a retention) has nothing left to
     publish: the reconciler takes it off the due list, where before it failed on the missing batch."""
