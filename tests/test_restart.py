@@ -136,3 +136,21 @@ def test_a_corrupt_conversation_fails_the_task_clearly(idle_coordinator: Coordin
     assert record.status == TaskStatus.FAILED and record.requests == 0, "no model request on a corrupt history"
     with pytest.raises(CorruptError, match="Conversation message 0 .* is corrupt"):
         coord.messages(task.id, kind="api")
+
+
+def test_a_run_whose_record_does_not_read_fails_its_delivery_at_once(coordinator: Coordinator) -> None:
+    """A corrupt record is not a passing outage: the delivery fails with the error at once, where Celery's retries
+    would read it the same twenty times over a quarter of an hour (this `get` timed out then), and nothing is
+    written."""
+    coord = coordinator
+    task = coord.create_task(agent(reply("x")))  # not run: only the message below runs it
+    record = coord.store.keys.task(task.root_id, task.id)
+    coord.client.hset(record, "tokens_in", "many")
+    before = coord.client.hgetall(record)
+    try:
+        with pytest.raises(CorruptError, match=f"Task record {task.id} is corrupt"):
+            coord.app.send_task("subq.run_task", args=[task.id]).get(timeout=30)
+        assert coord.client.hgetall(record) == before
+    finally:
+        coord.client.hset(record, "tokens_in", "0")
+        coord.cancel(task.id, "the test is over")  # (nothing of it is left for the session's reconciler)

@@ -12,7 +12,7 @@ from typing import Any
 
 from celery import Task
 
-from coordinator import StoreError, SubtaskResult, is_batch_id, is_task_id
+from coordinator import CorruptError, StoreError, SubtaskResult, is_batch_id, is_task_id
 from coordinator.celery_app import ADVANCE, RUN_TASK
 from coordinator.runs import RunInProgress
 from workers import submit as submission
@@ -29,9 +29,12 @@ log = logging.getLogger(__name__)
 # A Redis blip must not lose a callback (the parent would wait forever) nor fail a
 # chord header, and a second delivery of a running task waits for the first: both
 # are retried with backoff. Every step is idempotent, so running one again is safe.
-# Twenty tries with backoff capped at a minute span about a quarter of an hour.
+# Twenty tries with backoff capped at a minute span about a quarter of an hour. A stored
+# entry that does not read (CorruptError) is no outage: trying again reads it the same, so
+# the delivery fails at once with the error, for an operator to see.
 RETRIED: dict[str, Any] = {
     "autoretry_for": (StoreError, RunInProgress),
+    "dont_autoretry_for": (CorruptError,),
     "retry_backoff": 2,
     "retry_backoff_max": 60,
     "max_retries": 20,
