@@ -191,7 +191,7 @@ class Reconciler:
                 reason = self._look_at(task_id, triaged)
             except CorruptError as exc:
                 # Its message names the entry: a line each grace, not a trace, until an operator mends it.
-                self._put_off(task_id, str(exc))
+                self._put_off(task_id, " ".join(str(exc).split()))
                 continue
             except (StoreError, OperationalError, redis.RedisError):
                 # Redis or the broker away or refusing (a publish's error comes as kombu's, or redis-py's own):

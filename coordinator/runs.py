@@ -112,7 +112,6 @@ __all__ = [
     "Released",
     "Run",
     "RunHooks",
-    "RunInProgress",
     "RunLifecycle",
     "RunStopped",
     "StepState",
@@ -496,10 +495,6 @@ class RunHooks:
 
 
 # -- starting runs ---------------------------------------------------------------------------
-
-
-class RunInProgress(Exception):
-    """Another delivery of this task is running it now; this one is retried later."""
 
 
 class RunLifecycle:

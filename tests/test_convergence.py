@@ -117,8 +117,10 @@ def test_a_task_the_reconciler_cannot_look_at_is_put_off_and_holds_up_none_due_a
             assert Reconciler(coord, "test").tick() == {"run-lost": 1}
         # The record's fault in one line a grace, which names it: no trace for an operator to dig through.
         said = [r for r in caplog.records if poison.id in r.getMessage()]
-        assert [(r.getMessage().startswith(f"subq reconciler: Task record {poison.id} is corrupt"), r.exc_info)
-                for r in said] == [(True, None)], [r.getMessage() for r in said]
+        assert [
+            (r.getMessage().startswith(f"subq reconciler: Task record {poison.id} is corrupt"), r.exc_info)
+            for r in said
+        ] == [(True, None)], [r.getMessage() for r in said]
         assert queued_ids(coord) == [lost.id], "the task due after it was looked at and published again"
         put_off = coord.client.zscore(keys.due(), poison.id)
         assert put_off is not None and put_off > before_s, "looked at again later, not first at every tick"

@@ -136,8 +136,13 @@ def test_corrupt_entries_read_as_clear_errors(idle_coordinator: Coordinator) -> 
         coord.messages(task.id)
     coord.client.hset(keys.task(task.root_id, task.id), "status", "weird")
     try:
-        with pytest.raises(CorruptError, match=f"Task record {task.id} is corrupt"):
+        # In one line, naming the field and what is wrong (a log's line: the reconciler warns with it each grace).
+        with pytest.raises(CorruptError) as raised:
             coord.get_task(task.id)
+        assert str(raised.value) == (
+            f"Task record {task.id} is corrupt: status: Input should be 'active', 'delegated', 'completed', 'failed' "
+            "or 'cancelled'"
+        )
         for field, value in (("status", "active"), ("depth", "deep")):  # a number that is none reads so too
             coord.client.hset(keys.task(task.root_id, task.id), field, value)
         with pytest.raises(CorruptError, match=f"Task record {task.id} is corrupt: invalid literal for int"):

@@ -14,7 +14,6 @@ from celery import Task
 
 from coordinator import CorruptError, StoreError, SubtaskResult, is_batch_id, is_task_id
 from coordinator.celery_app import ADVANCE, RUN_TASK
-from coordinator.runs import RunInProgress
 from workers import submit as submission
 from workers import task_events
 from workers.application import app, settings
@@ -26,14 +25,15 @@ __all__ = ["advance", "progress_sender", "run_task", "submit"]
 
 log = logging.getLogger(__name__)
 
-# A Redis blip must not lose a callback (the parent would wait forever) nor fail a
-# chord header, and a second delivery of a running task waits for the first: both
-# are retried with backoff. Every step is idempotent, so running one again is safe.
-# Twenty tries with backoff capped at a minute span about a quarter of an hour. A stored
-# entry that does not read (CorruptError) is no outage: trying again reads it the same, so
-# the delivery fails at once with the error, for an operator to see.
+# A Redis blip must not lose a run (its parent would wait forever): the delivery is
+# retried with backoff. Every step is idempotent, so running one again is safe.
+# Twenty retries, each wait drawn up to a doubling bound capped at a minute, span up to
+# about a quarter of an hour. (A second delivery of a running task is answered at once:
+# its run's start finds the lease held.) A stored entry that does not read (CorruptError)
+# is no outage: trying again reads it the same, so the delivery fails at once with the
+# error, for an operator to see.
 RETRIED: dict[str, Any] = {
-    "autoretry_for": (StoreError, RunInProgress),
+    "autoretry_for": (StoreError,),
     "dont_autoretry_for": (CorruptError,),
     "retry_backoff": 2,
     "retry_backoff_max": 60,

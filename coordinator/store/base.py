@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar, cast
 
+import pydantic
 import redis
 from hiredis import pack_command
 from redis.client import Pipeline
@@ -193,7 +194,15 @@ def _decode_record(raw: dict[str, str], child_ids: list[str], awaiting_ids: list
         data[TaskField.ANCESTORS] = json.loads(raw.get(TaskField.ANCESTORS) or "[]")
         return TaskRecord.model_validate(data)
     except ValueError as exc:
-        raise CorruptError(f"Task record {raw.get(TaskField.ID, '?')} is corrupt: {exc}") from None
+        raise CorruptError(f"Task record {raw.get(TaskField.ID, '?')} is corrupt: {_one_line(exc)}") from None
+
+
+def _one_line(exc: ValueError) -> str:
+    """What is wrong, in one line for a log's line: a failed validation's fields and messages (pydantic's own text
+    spans lines, and quotes the values), any other error's text."""
+    if isinstance(exc, pydantic.ValidationError):
+        return "; ".join(f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in exc.errors())
+    return " ".join(str(exc).split())
 
 
 # The scripts whose step a caller sees, and would see undone by a failover (`acknowledged=True` in the

@@ -82,7 +82,6 @@ from coordinator.runs import (
     LeaseLost,
     Released,
     Run,
-    RunInProgress,
     RunStopped,
     ToolCall,
 )
@@ -127,7 +126,7 @@ from workers.runtime.tools import (
     typed_parameters,
 )
 
-__all__ = ["INTERRUPTED", "Progress", "RunInProgress", "run_child"]
+__all__ = ["INTERRUPTED", "Progress", "run_child"]
 
 log = logging.getLogger(__name__)
 
