@@ -190,15 +190,14 @@ class Reconciler:
             try:
                 reason = self._look_at(task_id, triaged)
             except CorruptError as exc:
-                # Its message names the entry: a line each grace, not a trace, until an operator mends it.
-                self._put_off(task_id, " ".join(str(exc).split()))
+                self._put_off(task_id, exc)
                 continue
             except (StoreError, OperationalError, redis.RedisError):
                 # Redis or the broker away or refusing (a publish's error comes as kombu's, or redis-py's own):
                 # every task would fail alike, so the tick ends and is tried again.
                 raise
-            except Exception:
-                self._put_off(task_id, "")
+            except Exception as exc:
+                self._put_off(task_id, exc)
                 continue
             if reason:
                 repairs[reason] += 1
@@ -211,13 +210,14 @@ class Reconciler:
             self.plane.store.convergence.watch(task_ids, after_s, only_if_watched=True)
         return repairs
 
-    def _put_off(self, task_id: str, corrupt: str) -> None:
-        """A task whose look failed (a corrupt record, named by `corrupt`, or a fault of this code, logged with
-        its trace): looked at again a grace later, so it holds up none of the tasks due after it. Raised out of
-        the tick, it failed every tick until its record lapsed, and no task due after it was looked at meanwhile."""
+    def _put_off(self, task_id: str, exc: Exception) -> None:
+        """A task whose look failed: looked at again a grace later, so it holds up none of the tasks due after it.
+        Raised out of the tick, it failed every tick until its record lapsed, and no task due after it was looked at
+        meanwhile. A corrupt entry is one line a grace, its error naming what is wrong (until an operator mends
+        it); a fault of this code is logged with its trace."""
         grace_s = self.plane.settings.reconcile_grace_s
-        if corrupt:
-            log.warning("subq reconciler: %s; %s is looked at again in %.0f s", corrupt, task_id, grace_s)
+        if isinstance(exc, CorruptError):
+            log.warning("subq reconciler: %s; %s is looked at again in %.0f s", exc, task_id, grace_s)
         else:
             log.exception("subq reconciler: looking at %s failed; it is looked at again in %.0f s", task_id, grace_s)
         self._later[grace_s].append(task_id)

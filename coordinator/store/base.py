@@ -199,10 +199,10 @@ def _decode_record(raw: dict[str, str], child_ids: list[str], awaiting_ids: list
 
 def _one_line(exc: ValueError) -> str:
     """What is wrong, in one line for a log's line: a failed validation's fields and messages (pydantic's own text
-    spans lines, and quotes the values), any other error's text."""
+    spans lines, and quotes the values); any other error's text (`int()`'s and JSON's are one line)."""
     if isinstance(exc, pydantic.ValidationError):
         return "; ".join(f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in exc.errors())
-    return " ".join(str(exc).split())
+    return str(exc)
 
 
 # The scripts whose step a caller sees, and would see undone by a failover (`acknowledged=True` in the
