@@ -34,7 +34,9 @@ Each tick it
 3. passes over fair shares between tenants (`admission.heal`, fair_heal.lua): a fleet
    slot whose run's task is gone, ended or delegated is freed (`fair-slot-leaked`); with
    fair shares on, free slots go to parked runs (a `max_running` raised); with them off,
-   every parked run is published again (`parked-released`), none left stranded.
+   every parked run is published again (`parked-released`), none left stranded;
+4. keeps the keys of the trees still in flight: a slice of the keyspace a tick, each key of a
+   tree whose root has not ended given its retention again before it lapses (coordinator/keeper.py).
 Every step is idempotent, so a repair done twice, or beside the normal path,
 changes nothing. Each repair is counted (`Store.convergence.repairs`) and logged with its reason. A task whose
 look fails (a record that does not read, a fault) is logged and looked at again a grace later: it holds up
@@ -55,6 +57,7 @@ from kombu.exceptions import OperationalError
 
 from coordinator import admission, approvals, delegation, dispatch, endpoints, writeback
 from coordinator.errors import CorruptError, NotFoundError, StoreError
+from coordinator.keeper import TreeKeeper
 from coordinator.models import TaskStatus
 
 if TYPE_CHECKING:
@@ -133,6 +136,8 @@ class Reconciler:
         # The worker processes whose reconcilers beat within a lapse, this one included, as of its last beat:
         # the clocks each keeps for the whole fleet run that many times slower (workers/maintenance.py).
         self.fleet_size = 1
+        # The trees still in flight keep their keys: a slice of the keyspace a tick (coordinator/keeper.py).
+        self.keeper = TreeKeeper(self.plane.store, self.plane.settings.reconcile_interval_s)
 
     @property
     def lease_s(self) -> float:
@@ -179,6 +184,7 @@ class Reconciler:
     def tick(self) -> Counter[str] | None:
         """One round; the repairs made by reason, or None when another process leads."""
         if not self.plane.store.convergence.lead(self.name, self.lease_s):
+            self.keeper.interrupt()
             return None
         repairs: Counter[str] = Counter()
         self._timers()
@@ -208,6 +214,7 @@ class Reconciler:
         # lock from the runs of the process, bench/overhead.py measured it).
         for after_s, task_ids in self._later.items():
             self.plane.store.convergence.watch(task_ids, after_s, only_if_watched=True)
+        self.keeper.step()
         return repairs
 
     def _put_off(self, task_id: str, exc: Exception) -> None:

@@ -38,6 +38,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from coordinator.access import ApiKeySpec, check_distinct, parse_keys, read_keys_file
 from coordinator.errors import ConfigError, ProfileError
+from coordinator.keeper import PASSES_PER_RETENTION
 from coordinator.output_schema import schema_problem
 from coordinator.subscriptions import check_webhook_events, check_webhook_secret, check_webhook_url
 from coordinator.tenants import (
@@ -806,6 +807,12 @@ class Settings(BaseSettings):
                 "count its runs where the port cannot see them); use the threads pool, or leave the port unset"
             )
         self._check_redis_form()
+        if self.reconcile_interval_s > self.result_retention_s / (2 * PASSES_PER_RETENTION):
+            raise ValueError(
+                f"SUBQ_RECONCILE_INTERVAL_S: {self.reconcile_interval_s} must be at most an eighth of "
+                f"SUBQ_RESULT_RETENTION_S ({self.result_retention_s}): the reconciler keeps the keys of the trees in "
+                "flight a slice a tick, a pass every quarter retention, and a slower tick lets them lapse"
+            )
         if self.visibility_timeout_s <= self.task_time_limit_s:
             raise ValueError(
                 f"SUBQ_VISIBILITY_TIMEOUT_S: {self.visibility_timeout_s} must be above "

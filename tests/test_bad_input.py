@@ -293,6 +293,10 @@ def _without_trees(snapshot: dict[str, Any], trees: set[str | None]) -> dict[str
             {"SUBQ_VISIBILITY_TIMEOUT_S": "10", "SUBQ_TASK_TIME_LIMIT_S": "60"},
             "Invalid setting SUBQ_VISIBILITY_TIMEOUT_S: 10 must be above SUBQ_TASK_TIME_LIMIT_S (60)",
         ),
+        (
+            {"SUBQ_RECONCILE_INTERVAL_S": "10", "SUBQ_RESULT_RETENTION_S": "60"},
+            "Invalid setting SUBQ_RECONCILE_INTERVAL_S: 10.0 must be at most an eighth of SUBQ_RESULT_RETENTION_S (60)",
+        ),
         ({"SUBQ_DEFAULT_PROFILE": "nope"}, "Invalid setting SUBQ_DEFAULT_PROFILE: 'nope' is not a defined profile"),
         ({"SUBQ_PROFILES": '{"x": {"model": "bogus"}}'}, "Invalid setting SUBQ_PROFILES (x): model must be"),
         (

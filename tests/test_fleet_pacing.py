@@ -62,7 +62,8 @@ class Counted(Reconciler):
 
     def __init__(self, *, leads: bool, fleet_size: int, fail: bool = False) -> None:
         settings = SimpleNamespace(heartbeat_lapse_s=15, reconcile_interval_s=1.0)
-        super().__init__(cast(Coordinator, SimpleNamespace(plane=SimpleNamespace(settings=settings))), "counted")
+        plane = SimpleNamespace(settings=settings, store=SimpleNamespace(retention_s=604_800))  # the keeper's retention
+        super().__init__(cast(Coordinator, SimpleNamespace(plane=plane)), "counted")
         self.leads, self.fail, self.fleet_size = leads, fail, fleet_size
         self.beats = self.ticks = 0
 

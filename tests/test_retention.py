@@ -8,12 +8,17 @@ leaves it), on a real Redis, with a queue no worker consumes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 
 import pytest
 
-from coordinator import Coordinator, TaskStatus, writeback
+from coordinator import Coordinator, StoreError, TaskStatus, writeback
 from coordinator.celery_app import make_app
+from coordinator.keeper import TreeKeeper
+from coordinator.local.embedded_redis import local_redis
+from coordinator.models import TodoStatus
+from coordinator.reconciler import Reconciler
 from coordinator.runs import Ended, Run
 from tests.helpers import script, scripted_children, usage_step
 from workers.runtime.context import Runtime, build_runtime
@@ -158,3 +163,176 @@ def test_a_child_stopped_after_its_batch_lapsed_is_stopped_and_leaves_the_due_li
     writeback.settle_ended(coord.plane, coord.get_task(second))  # the reconciler's repair
     assert coord.client.zscore(coord.store.keys.due(), second) is None
     assert keys_without_retention(coord, parent_id) == {}
+
+
+def lapse_soon(coord: Coordinator, root_id: str, left_ms: int) -> dict[str, int]:
+    """Leave each key of the tree that has a retention `left_ms` of it, as if nearly a retention had passed since it
+    was last written; the keys left with none, by name, with their time to live (-1)."""
+    none: dict[str, int] = {}
+    for key in coord.client.scan_iter(match=f"{coord.store.keys.prefix}:{{{root_id}}}:*"):
+        if coord.client.pttl(key) > 0:
+            coord.client.pexpire(key, left_ms)
+        else:
+            none[str(key)] = int(coord.client.ttl(key))
+    return none
+
+
+def keep_one_pass(keeper: TreeKeeper) -> int:
+    """Every step of one pass of the keeper over the keyspace: how many keys it kept."""
+    kept = keeper.step()
+    while keeper.in_pass:
+        kept += keeper.step()
+    return kept
+
+
+def test_a_tree_in_flight_keeps_its_keys_past_their_retention(idle_coordinator: Coordinator, runtime: Runtime) -> None:
+    """A batch open for nearly a retention since its parent's keys were last written: the keeper gives each its
+    retention again, the last child's end writes back onto its item and closes the batch. Without the keeper the
+    parent's record, todo list and batch lapse first, and that end finds nothing to write back to."""
+    coord = idle_coordinator
+    retention_s = coord.settings.result_retention_s
+    parent_id, (first, second) = scripted_children(coord, "Two at once.")
+    assert run_child(runtime, first).status == TaskStatus.COMPLETED
+    assert lapse_soon(coord, parent_id, 1500) == {}, "every key of the tree has a retention"
+
+    keeper = TreeKeeper(coord.store, coord.settings.reconcile_interval_s, min_slice_keys=50)
+    assert keep_one_pass(keeper) > 0
+    time.sleep(2.0)
+    assert keys_without_retention(coord, parent_id) == {}, "each key is there, kept for the retention"
+    ttls = [coord.client.ttl(k) for k in coord.client.scan_iter(match=f"subqidle:{{{parent_id}}}:*")]
+    assert min(ttls) > retention_s - 60
+
+    assert run_child(runtime, second).status == TaskStatus.COMPLETED
+    items = coord.get_todos(parent_id)
+    assert [item.status for item in items] == [TodoStatus.COMPLETED] * 2
+    assert [item.subtask_id for item in items] == [first, second]
+    assert all(item.cost_micros > 0 for item in items)
+    batch = coord.get_batch(coord.get_task(second).batch_id)
+    assert batch.status == "done" and first in batch.result and second in batch.result
+    assert keys_without_retention(coord, parent_id) == {}
+
+
+@pytest.mark.parametrize("settled", ["an agent root ended", "a caller root idle"])
+def test_a_settled_tree_is_not_kept(idle_coordinator: Coordinator, runtime: Runtime, settled: str) -> None:
+    """A tree whose agent root has ended, or whose caller root is not delegated (a caller's root has no end of its
+    own: it waits for its caller), lapses a retention after its last write: the keeper gives none of its keys more."""
+    coord = idle_coordinator
+    if settled == "an agent root ended":
+        root = coord.create_task(script(usage_step()), run=True)
+        assert run_child(runtime, root.id).status == TaskStatus.COMPLETED
+    else:
+        parent_id, children = scripted_children(coord, "Two at once.")
+        for child in children:
+            assert run_child(runtime, child).status == TaskStatus.COMPLETED
+        root = coord.get_task(parent_id)
+        assert root.status == TaskStatus.ACTIVE and root.runner == "caller"
+    assert lapse_soon(coord, root.root_id, 60_000) == {}
+    keep_one_pass(TreeKeeper(coord.store, coord.settings.reconcile_interval_s))
+    ttls = [coord.client.ttl(k) for k in coord.client.scan_iter(match=f"subqidle:{{{root.root_id}}}:*")]
+    assert ttls and all(0 < ttl <= 60 for ttl in ttls)
+
+
+def test_a_runs_lease_is_not_kept(idle_coordinator: Coordinator, runtime: Runtime) -> None:
+    """A run's lease lapses with its worker's heartbeat, which is how the reconciler finds a dead worker's run: the
+    keeper gives it no retention, while the rest of its tree is kept."""
+    coord = idle_coordinator
+    parent_id, (first, _) = scripted_children(coord, "Two at once.")
+    run = runtime.lifecycle.start(first)
+    assert isinstance(run, Run), run
+    runtime.lifecycle.heartbeat.forget(run)  # its worker died: nothing renews the lease
+    lease = coord.store.keys.lease(parent_id, first)
+    assert coord.store.keys.root_of_kept(lease) is None
+    assert coord.store.keys.root_of_kept(coord.store.keys.task(parent_id, first)) == parent_id
+    lapse_soon(coord, parent_id, 5000)
+    keep_one_pass(TreeKeeper(coord.store, coord.settings.reconcile_interval_s))
+    assert 0 < coord.client.pttl(lease) <= 5000
+    assert coord.client.ttl(coord.store.keys.task(parent_id, first)) > coord.settings.result_retention_s - 60
+
+
+@pytest.fixture
+def hour_kept(idle_coordinator: Coordinator) -> Iterator[Coordinator]:
+    """The idle coordinator's deployment with a retention of an hour."""
+    coord = Coordinator(idle_coordinator.settings.model_copy(update={"result_retention_s": 3600}))
+    yield coord
+    coord.close()
+
+
+def test_the_keeper_walks_the_keyspace_a_slice_a_tick_and_a_pass_a_quarter_retention(hour_kept: Coordinator) -> None:
+    """A pass is SCAN steps of a slice each, one a tick; the next pass begins a quarter retention after this one
+    began; a step long after the last (another process led meanwhile) begins a pass anew."""
+    coord = hour_kept
+    parent_id, _ = scripted_children(coord, "Two at once.")
+    root_record = coord.store.keys.task(parent_id, parent_id)
+    now = [1000.0]
+
+    def keeper_pass(keeper: TreeKeeper) -> int:
+        steps = 0
+        while steps == 0 or keeper.in_pass:
+            keeper.step()
+            steps += 1
+            now[0] += 2.0
+        return steps
+
+    keeper = TreeKeeper(coord.store, 2.0, min_slice_keys=10, clock=lambda: now[0])
+    lapse_soon(coord, parent_id, 5000)
+    assert keeper_pass(keeper) > 1, "a pass of a slice of 10 keys takes more than one step"
+    assert keys_without_retention(coord, parent_id) == {}
+    assert 3540 < coord.client.ttl(root_record) <= 3600
+
+    lapse_soon(coord, parent_id, 5000)
+    assert keeper.step() == 0 and not keeper.in_pass, "the next pass is not due yet"
+    assert coord.client.ttl(root_record) <= 5
+    now[0] = 1000.0 + 900.0  # a quarter of the retention after the last pass began
+    keeper_pass(keeper)
+    assert 3540 < coord.client.ttl(root_record) <= 3600
+
+    # The first step of a pass, then the lead lost: its next step begins a pass anew, not from its old cursor.
+    keeper = TreeKeeper(coord.store, 2.0, min_slice_keys=10, clock=lambda: now[0])
+    keeper.step()
+    assert keeper.in_pass
+    keeper.interrupt()
+    assert not keeper.in_pass
+    lapse_soon(coord, parent_id, 5000)
+    keeper_pass(keeper)
+    assert 3540 < coord.client.ttl(root_record) <= 3600
+
+
+def test_a_slice_whose_keep_failed_is_looked_at_again(
+    idle_coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis away in the middle of a step: the next step starts from the same cursor, so no tree of that slice waits
+    for the next pass (three quarters of a retention) to be kept. On a Redis of its own, the tree's keys are all in
+    the pass's first SCAN call, which was the whole pass."""
+    with local_redis() as url:
+        coord = Coordinator(idle_coordinator.settings.model_copy(update={"redis_url": url}))
+        try:
+            parent_id, _ = scripted_children(coord, "Two at once.")
+            lapse_soon(coord, parent_id, 5000)
+            keeper = TreeKeeper(coord.store, coord.settings.reconcile_interval_s)
+            keep = coord.store.convergence.keep_tree
+
+            def away(root_id: str, tree_keys: Sequence[str], floor_s: float) -> int:
+                raise StoreError("Redis is away")
+
+            monkeypatch.setattr(coord.store.convergence, "keep_tree", away)
+            with pytest.raises(StoreError):
+                keeper.step()
+            monkeypatch.setattr(coord.store.convergence, "keep_tree", keep)
+            assert keeper.step() > 0
+            assert coord.client.ttl(coord.store.keys.task(parent_id, parent_id)) > coord.settings.result_retention_s - 60
+        finally:
+            coord.close()
+
+
+def test_the_reconcilers_tick_keeps_the_trees_in_flight(idle_coordinator: Coordinator) -> None:
+    """The leader's tick steps the keeper: ticks until its pass ends keep a tree in flight."""
+    coord = idle_coordinator
+    parent_id, _ = scripted_children(coord, "Two at once.")
+    lapse_soon(coord, parent_id, 5000)
+    reconciler = Reconciler(coord, "test")
+    for _ in range(1000):
+        assert reconciler.tick() is not None, "it leads"
+        if not reconciler.keeper.in_pass:
+            break
+    ttls = [coord.client.ttl(k) for k in coord.client.scan_iter(match=f"subqidle:{{{parent_id}}}:*")]
+    assert min(ttls) > coord.settings.result_retention_s - 60

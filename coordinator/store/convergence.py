@@ -11,6 +11,9 @@
   reconciler instead of broker countdown messages.
 - run leases are renewed by their worker's heartbeat (`renew_leases`); a lease
   that lapses means its worker is gone.
+- the trees' keys, walked a SCAN step at a time (`tree_keys`), and those of a tree
+  whose root has not ended given their retention again (`keep_tree`,
+  coordinator/keeper.py).
 """
 
 from __future__ import annotations
@@ -24,7 +27,15 @@ from coordinator.ids import root_of, task_of_run_id
 from coordinator.models import TaskRecord
 from coordinator.store.base import Part, _scored, _str_map, _strs, translate_redis_errors
 from coordinator.store.fields import TaskField
-from coordinator.store.protocol import Lead, RemoveServedTimers, RenewLeases, Unwatch, UnwatchKeys, UnwatchParked
+from coordinator.store.protocol import (
+    KeepTree,
+    Lead,
+    RemoveServedTimers,
+    RenewLeases,
+    Unwatch,
+    UnwatchKeys,
+    UnwatchParked,
+)
 
 __all__ = ["QUEUE_SCAN_LIMIT", "ConvergenceStore", "Triage"]
 
@@ -196,6 +207,36 @@ class ConvergenceStore(Part):
         names = list(names)
         if names:
             self.client.zrem(self.keys.timers(), *names)
+
+    # -- the trees in flight, kept (coordinator/keeper.py) ------------------------------
+
+    @translate_redis_errors
+    def key_count(self) -> int:
+        """How many keys the database holds (DBSIZE: every prefix's), to size a pass over them."""
+        return int(self.client.dbsize())
+
+    @translate_redis_errors
+    def tree_keys(self, cursor: int, count: int) -> tuple[int, dict[str, list[str]]]:
+        """One SCAN step over the trees' keys from `cursor`, about `count` keys looked at: the next cursor (0: the
+        pass is over) and the keys it found that live their tree's retention, by root (no run's lease)."""
+        cursor, found = self.client.scan(cursor, match=self.keys.trees_pattern(), count=count)
+        by_root: dict[str, list[str]] = {}
+        for key in _strs(found):
+            if (root_id := self.keys.root_of_kept(key)) is not None:
+                by_root.setdefault(root_id, []).append(key)
+        return int(cursor), by_root
+
+    @translate_redis_errors
+    def keep_tree(self, root_id: str, tree_keys: Sequence[str], floor_s: float) -> int:
+        """Give each of `tree_keys` with less than `floor_s` of its retention left the whole retention again, while
+        the tree is in flight (keep_tree.lua: an agent's root not ended, a caller's delegated): how many were; -1
+        when it is not (or is gone)."""
+        return self.scripts(
+            KeepTree(
+                root=self.keys.task(root_id, root_id), tree_keys=tree_keys,
+                retention_ms=self.core.retention_s * 1000, floor_ms=int(floor_s * 1000),
+            )
+        )  # fmt: skip
 
     # -- leases, heartbeats and the leader ---------------------------------------------
 

@@ -103,6 +103,10 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:metrics:webhooks`                | hash   | delivery attempts by `<event type> <outcome>`      | permanent |
 | `<p>:metrics:refused`                 | hash   | refused requests (401/403) counted by reason       | permanent |
 
+A tree's "retention" counts from the key's last write, and holds while its root has not ended: the
+reconciler's leader gives each key of such a tree its retention again before it lapses (`trees_pattern`,
+coordinator/keeper.py), a run's lease excepted (`SHORT_LIVED`).
+
 Per-tenant keys (coordinator/tenants.py) are not under a tree's hash tag: each is tagged by its
 tenant, `<p>:tenant:{<tenant>}:...`, so one tenant's keys share a slot (the quota check reads them
 in one script) and a tree's step that counts spend names one key of another slot, as the due list
@@ -146,14 +150,27 @@ is.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from coordinator.ids import ROOT_ID_PATTERN
 
 __all__ = ["DEFAULT_PREFIX", "Keys", "cut"]
 
 DEFAULT_PREFIX = "subq"
+# A root id (coordinator/ids.py): what a tree's hash tag holds.
+TREE_ROOT = re.compile(ROOT_ID_PATTERN)
+# The kinds of a tree's keys that live less than its retention on purpose: never kept for the tree
+# (coordinator/keeper.py). A run's lease lapses with its worker's heartbeat, which is how a dead worker's run is found.
+SHORT_LIVED = frozenset({"lease"})
 # Where `cut` cuts a key's name: no id, tenant or prefix holds it.
 CUT_MARK = "\0"
+
+
+def _glob_escaped(text: str) -> str:
+    """`text` matched as itself in a SCAN pattern (Redis's glob: `*`, `?`, `[`, `]` and the backslash escaped)."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 def cut(name: Callable[..., str], holes: int = 1) -> list[str]:
@@ -300,3 +317,18 @@ class Keys:
     def all_pattern(self) -> str:
         """A SCAN pattern matching every key of this prefix (tests, cleanup)."""
         return f"{self.prefix}:*"
+
+    def trees_pattern(self) -> str:
+        """A SCAN pattern matching every key of every tree (`<p>:{<root>}:...`), and no key of the fleet's or a
+        tenant's: the prefix's own glob characters are escaped."""
+        return f"{_glob_escaped(self.prefix)}:{{*}}:*"
+
+    def root_of_kept(self, key: str) -> str | None:
+        """The root id of a tree's key that lives the tree's retention; None for a key that is not a tree's, or one
+        of a kind that lives less on purpose (`SHORT_LIVED`: a run's lease lapses with its worker's heartbeat)."""
+        head = f"{self.prefix}:{{"
+        root, closed, rest = key.removeprefix(head).partition("}:")
+        kept = (
+            key.startswith(head) and closed and TREE_ROOT.fullmatch(root) and rest.partition(":")[0] not in SHORT_LIVED
+        )
+        return root if kept else None

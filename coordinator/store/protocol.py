@@ -1584,6 +1584,22 @@ class FreeToolSlot(
         return bool(raw)
 
 
+@dataclass(frozen=True, kw_only=True)
+class KeepTree(
+    Call[int],
+    script="keep_tree",
+    returns="how many keys were given their retention again, or -1 when the tree is not in flight.",
+):
+    root: str = key("the root's task hash")
+    tree_keys: Sequence[str] = keys("keys of the same tree")
+    retention_ms: int = arg("retention ms")
+    floor_ms: int = arg("a key with less than this many ms left is given its retention again")
+
+    @classmethod
+    def decode(cls, raw: Any) -> int:
+        return int(raw)
+
+
 class UnwatchKeys(NamedTuple):
     """A task the due list may forget: 2 keys."""
 
