@@ -37,15 +37,15 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from coordinator.settings import KEEPER_PASSES_PER_RETENTION as PASSES_PER_RETENTION
+
 if TYPE_CHECKING:
-    from coordinator.store import Store
+    from coordinator.plane import Plane
 
 __all__ = ["MIN_SLICE_KEYS", "PASSES_PER_RETENTION", "SCAN_CALL_KEYS", "TreeKeeper"]
 
 log = logging.getLogger(__name__)
 
-# How many passes over the keyspace start within a retention.
-PASSES_PER_RETENTION = 4
 # The fewest keys one tick looks at: a small pass ends in a tick.
 MIN_SLICE_KEYS = 1000
 # The most keys one SCAN call looks at (its COUNT): a large slice is several calls.
@@ -57,16 +57,16 @@ class TreeKeeper:
 
     def __init__(
         self,
-        store: Store,
+        plane: Plane,
         tick_s: float,
         *,
         min_slice_keys: int = MIN_SLICE_KEYS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._store = store
-        self._pass_s = store.retention_s / PASSES_PER_RETENTION
+        self._store = plane.store
+        self._pass_s = plane.store.retention_s / PASSES_PER_RETENTION
         # A key with less than this left is given its retention again: it still has `pass` of it at the next look.
-        self._floor_s = store.retention_s - self._pass_s
+        self._floor_s = plane.store.retention_s - self._pass_s
         self._tick_s = tick_s
         self._min_slice_keys = min_slice_keys
         self._clock = clock

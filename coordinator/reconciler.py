@@ -137,7 +137,7 @@ class Reconciler:
         # the clocks each keeps for the whole fleet run that many times slower (workers/maintenance.py).
         self.fleet_size = 1
         # The trees still in flight keep their keys: a slice of the keyspace a tick (coordinator/keeper.py).
-        self.keeper = TreeKeeper(self.plane.store, self.plane.settings.reconcile_interval_s)
+        self.keeper = TreeKeeper(self.plane, self.plane.settings.reconcile_interval_s)
 
     @property
     def lease_s(self) -> float:

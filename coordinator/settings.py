@@ -38,7 +38,6 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from coordinator.access import ApiKeySpec, check_distinct, parse_keys, read_keys_file
 from coordinator.errors import ConfigError, ProfileError
-from coordinator.keeper import PASSES_PER_RETENTION
 from coordinator.output_schema import schema_problem
 from coordinator.subscriptions import check_webhook_events, check_webhook_secret, check_webhook_url
 from coordinator.tenants import (
@@ -83,6 +82,9 @@ DEFAULT_VISIBILITY_TIMEOUT_S = 7 * 3600
 DEFAULT_HEARTBEAT_LAPSE_S = 15
 # How often the reconciler's leader looks for stuck trees and due timers.
 DEFAULT_RECONCILE_INTERVAL_S = 2.0
+# How many passes over the trees' keys the reconciler's leader starts within a retention (coordinator/keeper.py); its
+# interval is held to half a pass at most, so that a pass ends in time.
+KEEPER_PASSES_PER_RETENTION = 4
 # How long a published run may take to show up (a lease, or its message in the queue)
 # before the reconciler counts it lost; only stragglers wait this long.
 DEFAULT_RECONCILE_GRACE_S = 30
@@ -807,7 +809,7 @@ class Settings(BaseSettings):
                 "count its runs where the port cannot see them); use the threads pool, or leave the port unset"
             )
         self._check_redis_form()
-        if self.reconcile_interval_s > self.result_retention_s / (2 * PASSES_PER_RETENTION):
+        if self.reconcile_interval_s > self.result_retention_s / (2 * KEEPER_PASSES_PER_RETENTION):
             raise ValueError(
                 f"SUBQ_RECONCILE_INTERVAL_S: {self.reconcile_interval_s} must be at most an eighth of "
                 f"SUBQ_RESULT_RETENTION_S ({self.result_retention_s}): the reconciler keeps the keys of the trees in "

@@ -14,6 +14,8 @@ from coordinator.store.keys import DEFAULT_PREFIX, Keys
 
 # A table row whose key a builder makes from another's argument: `rate(f"tool:{glob}")`.
 BUILT_BY_ANOTHER = {"X:rate:tool:X"}
+# Methods of Keys that build no key: SCAN patterns, and the root a tree's key names.
+NOT_BUILDERS = {"all_pattern", "trees_pattern", "root_of_kept"}
 
 
 def _shape(name: str) -> str:
@@ -27,7 +29,7 @@ def _builders() -> dict[str, int]:
     return {
         name: len(inspect.signature(getattr(keys, name)).parameters)
         for name in dir(Keys)
-        if not name.startswith("_") and callable(getattr(Keys, name)) and name != "all_pattern"
+        if not name.startswith("_") and callable(getattr(Keys, name)) and name not in NOT_BUILDERS
     }
 
 
@@ -61,6 +63,7 @@ def test_every_key_of_the_table_has_a_builder_and_every_builder_a_row() -> None:
         (lambda k: k.endpoint("h:1"), "p:endpoint:{h:1}"),
         (lambda k: k.endpoint_parked("h:1", "m"), "p:endpoint-parked:{h:1}:model:m"),
         (lambda k: k.all_pattern(), "p:*"),
+        (lambda k: k.trees_pattern(), "p:{*}:*"),
     ],
 )
 def test_names_are_exactly_as_stored(built: object, name: str) -> None:
@@ -84,3 +87,28 @@ def test_a_name_cut_where_its_ids_go_is_the_name_again_with_the_ids_put_back() -
     for build in (keys.outbox, keys.hooks, keys.tenant_running, keys.tenant_parked, keys.tenant_queued):
         head, tail = keys_module.cut(build)
         assert head + "x" + tail == build("x")
+
+
+ROOT = "0123456789abcdef"
+
+
+@pytest.mark.parametrize(
+    ("key", "root"),
+    [
+        (f"p:{{{ROOT}}}:task:{ROOT}-0123456789ab", ROOT),
+        (f"p:{{{ROOT}}}:batch-lines:{ROOT}-b0123456789ab", ROOT),
+        (f"p:{{{ROOT}}}:events", ROOT),
+        (f"p:{{{ROOT}}}:lease:{ROOT}", None),  # a run's lease lapses with its worker's heartbeat: never kept
+        ("p:tenant:{acme}:spend", None),
+        ("p:endpoint:{h:1}", None),
+        ("p:{not-a-root}:task:x", None),
+        (f"q:{{{ROOT}}}:task:{ROOT}", None),  # another deployment's
+        (f"p:{{{ROOT}}}", None),
+    ],
+)
+def test_the_root_of_a_key_the_keeper_keeps(key: str, root: str | None) -> None:
+    assert Keys("p").root_of_kept(key) == root
+
+
+def test_a_prefixs_glob_characters_match_only_themselves() -> None:
+    assert Keys("a*b[1]?").trees_pattern() == "a\\*b\\[1\\]\\?:{*}:*"

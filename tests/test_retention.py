@@ -195,7 +195,7 @@ def test_a_tree_in_flight_keeps_its_keys_past_their_retention(idle_coordinator: 
     assert run_child(runtime, first).status == TaskStatus.COMPLETED
     assert lapse_soon(coord, parent_id, 1500) == {}, "every key of the tree has a retention"
 
-    keeper = TreeKeeper(coord.store, coord.settings.reconcile_interval_s, min_slice_keys=50)
+    keeper = TreeKeeper(coord.plane, coord.settings.reconcile_interval_s, min_slice_keys=50)
     assert keep_one_pass(keeper) > 0
     time.sleep(2.0)
     assert keys_without_retention(coord, parent_id) == {}, "each key is there, kept for the retention"
@@ -227,7 +227,7 @@ def test_a_settled_tree_is_not_kept(idle_coordinator: Coordinator, runtime: Runt
         root = coord.get_task(parent_id)
         assert root.status == TaskStatus.ACTIVE and root.runner == "caller"
     assert lapse_soon(coord, root.root_id, 60_000) == {}
-    keep_one_pass(TreeKeeper(coord.store, coord.settings.reconcile_interval_s))
+    keep_one_pass(TreeKeeper(coord.plane, coord.settings.reconcile_interval_s))
     ttls = [coord.client.ttl(k) for k in coord.client.scan_iter(match=f"subqidle:{{{root.root_id}}}:*")]
     assert ttls and all(0 < ttl <= 60 for ttl in ttls)
 
@@ -244,7 +244,7 @@ def test_a_runs_lease_is_not_kept(idle_coordinator: Coordinator, runtime: Runtim
     assert coord.store.keys.root_of_kept(lease) is None
     assert coord.store.keys.root_of_kept(coord.store.keys.task(parent_id, first)) == parent_id
     lapse_soon(coord, parent_id, 5000)
-    keep_one_pass(TreeKeeper(coord.store, coord.settings.reconcile_interval_s))
+    keep_one_pass(TreeKeeper(coord.plane, coord.settings.reconcile_interval_s))
     assert 0 < coord.client.pttl(lease) <= 5000
     assert coord.client.ttl(coord.store.keys.task(parent_id, first)) > coord.settings.result_retention_s - 60
 
@@ -273,7 +273,7 @@ def test_the_keeper_walks_the_keyspace_a_slice_a_tick_and_a_pass_a_quarter_reten
             now[0] += 2.0
         return steps
 
-    keeper = TreeKeeper(coord.store, 2.0, min_slice_keys=10, clock=lambda: now[0])
+    keeper = TreeKeeper(coord.plane, 2.0, min_slice_keys=10, clock=lambda: now[0])
     lapse_soon(coord, parent_id, 5000)
     assert keeper_pass(keeper) > 1, "a pass of a slice of 10 keys takes more than one step"
     assert keys_without_retention(coord, parent_id) == {}
@@ -287,7 +287,7 @@ def test_the_keeper_walks_the_keyspace_a_slice_a_tick_and_a_pass_a_quarter_reten
     assert 3540 < coord.client.ttl(root_record) <= 3600
 
     # The first step of a pass, then the lead lost: its next step begins a pass anew, not from its old cursor.
-    keeper = TreeKeeper(coord.store, 2.0, min_slice_keys=10, clock=lambda: now[0])
+    keeper = TreeKeeper(coord.plane, 2.0, min_slice_keys=10, clock=lambda: now[0])
     keeper.step()
     assert keeper.in_pass
     keeper.interrupt()
@@ -308,7 +308,7 @@ def test_a_slice_whose_keep_failed_is_looked_at_again(
         try:
             parent_id, _ = scripted_children(coord, "Two at once.")
             lapse_soon(coord, parent_id, 5000)
-            keeper = TreeKeeper(coord.store, coord.settings.reconcile_interval_s)
+            keeper = TreeKeeper(coord.plane, coord.settings.reconcile_interval_s)
             keep = coord.store.convergence.keep_tree
 
             def away(root_id: str, tree_keys: Sequence[str], floor_s: float) -> int:
@@ -319,7 +319,9 @@ def test_a_slice_whose_keep_failed_is_looked_at_again(
                 keeper.step()
             monkeypatch.setattr(coord.store.convergence, "keep_tree", keep)
             assert keeper.step() > 0
-            assert coord.client.ttl(coord.store.keys.task(parent_id, parent_id)) > coord.settings.result_retention_s - 60
+            assert (
+                coord.client.ttl(coord.store.keys.task(parent_id, parent_id)) > coord.settings.result_retention_s - 60
+            )
         finally:
             coord.close()
 
