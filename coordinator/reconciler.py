@@ -35,8 +35,9 @@ Each tick it
    slot whose run's task is gone, ended or delegated is freed (`fair-slot-leaked`); with
    fair shares on, free slots go to parked runs (a `max_running` raised); with them off,
    every parked run is published again (`parked-released`), none left stranded;
-4. keeps the keys of the trees still in flight: a slice of the keyspace a tick, each key of a
-   tree whose root has not ended given its retention again before it lapses (coordinator/keeper.py).
+4. keeps the keys of the trees in flight: a slice of the keyspace a tick, each key of a tree
+   whose agent root has not ended, or whose caller root is delegated, given its retention again
+   before it lapses (coordinator/keeper.py).
 Every step is idempotent, so a repair done twice, or beside the normal path,
 changes nothing. Each repair is counted (`Store.convergence.repairs`) and logged with its reason. A task whose
 look fails (a record that does not read, a fault) is logged and looked at again a grace later: it holds up

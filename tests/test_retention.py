@@ -8,14 +8,16 @@ leaves it), on a real Redis, with a queue no worker consumes.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import pytest
 
 from coordinator import Coordinator, StoreError, TaskStatus, writeback
 from coordinator.celery_app import make_app
-from coordinator.keeper import TreeKeeper
+from coordinator.keeper import RETRY_S, TreeKeeper
 from coordinator.local.embedded_redis import local_redis
 from coordinator.models import TodoStatus
 from coordinator.reconciler import Reconciler
@@ -177,6 +179,12 @@ def lapse_soon(coord: Coordinator, root_id: str, left_ms: int) -> dict[str, int]
     return none
 
 
+def fresh_keeper(coord: Coordinator, tick_s: float = 2.0, **options: Any) -> TreeKeeper:
+    """A keeper whose walk begins anew: where the last leader's stood (`<p>:keeper`) forgotten."""
+    coord.client.delete(coord.store.keys.keeper())
+    return TreeKeeper(coord.plane, tick_s, **options)
+
+
 def keep_one_pass(keeper: TreeKeeper) -> int:
     """Every step of one pass of the keeper over the keyspace: how many keys it kept."""
     kept = keeper.step()
@@ -195,7 +203,7 @@ def test_a_tree_in_flight_keeps_its_keys_past_their_retention(idle_coordinator: 
     assert run_child(runtime, first).status == TaskStatus.COMPLETED
     assert lapse_soon(coord, parent_id, 1500) == {}, "every key of the tree has a retention"
 
-    keeper = TreeKeeper(coord.plane, coord.settings.reconcile_interval_s, min_slice_keys=50)
+    keeper = fresh_keeper(coord, min_slice_keys=50)
     assert keep_one_pass(keeper) > 0
     time.sleep(2.0)
     assert keys_without_retention(coord, parent_id) == {}, "each key is there, kept for the retention"
@@ -227,7 +235,7 @@ def test_a_settled_tree_is_not_kept(idle_coordinator: Coordinator, runtime: Runt
         root = coord.get_task(parent_id)
         assert root.status == TaskStatus.ACTIVE and root.runner == "caller"
     assert lapse_soon(coord, root.root_id, 60_000) == {}
-    keep_one_pass(TreeKeeper(coord.plane, coord.settings.reconcile_interval_s))
+    keep_one_pass(fresh_keeper(coord))
     ttls = [coord.client.ttl(k) for k in coord.client.scan_iter(match=f"subqidle:{{{root.root_id}}}:*")]
     assert ttls and all(0 < ttl <= 60 for ttl in ttls)
 
@@ -244,7 +252,7 @@ def test_a_runs_lease_is_not_kept(idle_coordinator: Coordinator, runtime: Runtim
     assert coord.store.keys.root_of_kept(lease) is None
     assert coord.store.keys.root_of_kept(coord.store.keys.task(parent_id, first)) == parent_id
     lapse_soon(coord, parent_id, 5000)
-    keep_one_pass(TreeKeeper(coord.plane, coord.settings.reconcile_interval_s))
+    keep_one_pass(fresh_keeper(coord))
     assert 0 < coord.client.pttl(lease) <= 5000
     assert coord.client.ttl(coord.store.keys.task(parent_id, first)) > coord.settings.result_retention_s - 60
 
@@ -273,7 +281,7 @@ def test_the_keeper_walks_the_keyspace_a_slice_a_tick_and_a_pass_a_quarter_reten
             now[0] += 2.0
         return steps
 
-    keeper = TreeKeeper(coord.plane, 2.0, min_slice_keys=10, clock=lambda: now[0])
+    keeper = fresh_keeper(coord, min_slice_keys=10, clock=lambda: now[0])
     lapse_soon(coord, parent_id, 5000)
     assert keeper_pass(keeper) > 1, "a pass of a slice of 10 keys takes more than one step"
     assert keys_without_retention(coord, parent_id) == {}
@@ -286,38 +294,60 @@ def test_the_keeper_walks_the_keyspace_a_slice_a_tick_and_a_pass_a_quarter_reten
     keeper_pass(keeper)
     assert 3540 < coord.client.ttl(root_record) <= 3600
 
-    # The first step of a pass, then the lead lost: its next step begins a pass anew, not from its old cursor.
-    keeper = TreeKeeper(coord.plane, 2.0, min_slice_keys=10, clock=lambda: now[0])
-    keeper.step()
-    assert keeper.in_pass
-    keeper.interrupt()
-    assert not keeper.in_pass
-    lapse_soon(coord, parent_id, 5000)
-    keeper_pass(keeper)
-    assert 3540 < coord.client.ttl(root_record) <= 3600
+
+def test_a_new_leader_goes_on_with_the_pass_where_the_last_one_left_it(
+    hour_kept: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The walk's cursor is kept in Redis (`<p>:keeper`): the process that takes the lead goes on from it, so a
+    fleet whose leader changes every few ticks still ends its passes."""
+    coord = hour_kept
+    scripted_children(coord, "Two at once.")
+    first = fresh_keeper(coord, min_slice_keys=10)
+    first.step()
+    cursor, _ = coord.store.convergence.keeper_walk()
+    assert first.in_pass and cursor != 0
+    first.interrupt()  # it lost the lead
+    scanned_from: list[int] = []
+    tree_keys = coord.store.convergence.tree_keys
+
+    def noted(cursor: int, count: int) -> tuple[int, dict[str, list[str]]]:
+        scanned_from.append(cursor)
+        return tree_keys(cursor, count)
+
+    monkeypatch.setattr(coord.store.convergence, "tree_keys", noted)
+    keep_one_pass(TreeKeeper(coord.plane, 2.0, min_slice_keys=10))
+    assert scanned_from[0] == cursor, "the new leader's first SCAN goes on from the cursor the last one noted"
+    assert coord.store.convergence.keeper_walk()[0] == 0, "and it ends the pass"
 
 
 def test_a_slice_whose_keep_failed_is_looked_at_again(
-    idle_coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
+    idle_coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Redis away in the middle of a step: the next step starts from the same cursor, so no tree of that slice waits
-    for the next pass (three quarters of a retention) to be kept. On a Redis of its own, the tree's keys are all in
-    the pass's first SCAN call, which was the whole pass."""
+    """Redis away in the middle of a step: one line in the log, and the step is made again `RETRY_S` later from the
+    same cursor, so no tree of that slice waits for the next pass (three quarters of a retention) to be kept. On a
+    Redis of its own, the tree's keys are all in the pass's first SCAN call, which was the whole pass."""
     with local_redis() as url:
         coord = Coordinator(idle_coordinator.settings.model_copy(update={"redis_url": url}))
         try:
             parent_id, _ = scripted_children(coord, "Two at once.")
             lapse_soon(coord, parent_id, 5000)
-            keeper = TreeKeeper(coord.plane, coord.settings.reconcile_interval_s)
-            keep = coord.store.convergence.keep_tree
+            now = [time.time()]
+            keeper = TreeKeeper(coord.plane, 2.0, clock=lambda: now[0])
+            keep = coord.store.convergence.keep_trees
 
-            def away(root_id: str, tree_keys: Sequence[str], floor_s: float) -> int:
-                raise StoreError("Redis is away")
+            def away(by_root: Mapping[str, Sequence[str]], floor_s: float) -> int:
+                raise StoreError("Redis is unreachable: gone for a moment")
 
-            monkeypatch.setattr(coord.store.convergence, "keep_tree", away)
-            with pytest.raises(StoreError):
-                keeper.step()
-            monkeypatch.setattr(coord.store.convergence, "keep_tree", keep)
+            monkeypatch.setattr(coord.store.convergence, "keep_trees", away)
+            with caplog.at_level(logging.WARNING, logger="coordinator.keeper"):
+                assert keeper.step() == 0
+            assert [r.getMessage() for r in caplog.records] == [
+                "subq reconciler: keeping the trees in flight failed (Redis is unreachable: gone for a moment); it is "
+                f"tried again in {RETRY_S:.0f} s"
+            ]
+            monkeypatch.setattr(coord.store.convergence, "keep_trees", keep)
+            assert keeper.step() == 0, "not before the wait"
+            now[0] += RETRY_S
             assert keeper.step() > 0
             assert (
                 coord.client.ttl(coord.store.keys.task(parent_id, parent_id)) > coord.settings.result_retention_s - 60
@@ -331,6 +361,7 @@ def test_the_reconcilers_tick_keeps_the_trees_in_flight(idle_coordinator: Coordi
     coord = idle_coordinator
     parent_id, _ = scripted_children(coord, "Two at once.")
     lapse_soon(coord, parent_id, 5000)
+    coord.client.delete(coord.store.keys.keeper())  # its walk begins anew
     reconciler = Reconciler(coord, "test")
     for _ in range(1000):
         assert reconciler.tick() is not None, "it leads"

@@ -11,9 +11,9 @@
   reconciler instead of broker countdown messages.
 - run leases are renewed by their worker's heartbeat (`renew_leases`); a lease
   that lapses means its worker is gone.
-- the trees' keys, walked a SCAN step at a time (`tree_keys`), and those of a tree
-  whose root has not ended given their retention again (`keep_tree`,
-  coordinator/keeper.py).
+- the trees' keys, walked a SCAN call at a time (`tree_keys`), and those of the trees
+  in flight given their retention again (`keep_trees`, coordinator/keeper.py); where
+  the walk stands (`keeper_walk`), for whichever process leads next.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from coordinator.models import TaskRecord
 from coordinator.store.base import Part, _scored, _str_map, _strs, translate_redis_errors
 from coordinator.store.fields import TaskField
 from coordinator.store.protocol import (
-    KeepTree,
+    KeepTrees,
     Lead,
     RemoveServedTimers,
     RenewLeases,
@@ -227,16 +227,30 @@ class ConvergenceStore(Part):
         return int(cursor), by_root
 
     @translate_redis_errors
-    def keep_tree(self, root_id: str, tree_keys: Sequence[str], floor_s: float) -> int:
-        """Give each of `tree_keys` with less than `floor_s` of its retention left the whole retention again, while
-        the tree is in flight (keep_tree.lua: an agent's root not ended, a caller's delegated): how many were; -1
-        when it is not (or is gone)."""
+    def keep_trees(self, by_root: Mapping[str, Sequence[str]], floor_s: float) -> int:
+        """Give each key of these trees (by root) with less than `floor_s` of its retention left the whole retention
+        again, those of a tree in flight only (keep_trees.lua: an agent's root not ended, a caller's delegated), in one
+        call: how many were."""
+        if not by_root:
+            return 0
+        trees_keys = [key for root_id, keys in by_root.items() for key in (self.keys.task(root_id, root_id), *keys)]
         return self.scripts(
-            KeepTree(
-                root=self.keys.task(root_id, root_id), tree_keys=tree_keys,
-                retention_ms=self.core.retention_s * 1000, floor_ms=int(floor_s * 1000),
+            KeepTrees(
+                trees_keys=trees_keys, retention_ms=self.core.retention_s * 1000, floor_ms=int(floor_s * 1000),
+                counts=[len(keys) for keys in by_root.values()],
             )
         )  # fmt: skip
+
+    @translate_redis_errors
+    def keeper_walk(self) -> tuple[int, float]:
+        """Where the keeper's walk stands, as the last leader left it: SCAN's cursor (0 between passes) and when the
+        next pass is due (epoch s; 0: at once, none has begun)."""
+        cursor, next_pass_at = self.client.hmget(self.keys.keeper(), ["cursor", "next_pass_at"])
+        return int(cursor or 0), float(next_pass_at or 0)
+
+    @translate_redis_errors
+    def note_keeper_walk(self, cursor: int, next_pass_at: float) -> None:
+        self.client.hset(self.keys.keeper(), mapping={"cursor": cursor, "next_pass_at": next_pass_at})
 
     # -- leases, heartbeats and the leader ---------------------------------------------
 

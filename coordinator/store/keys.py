@@ -89,6 +89,9 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 |                                       |        | that stopped a task adds one): the stop watches'   |          |
 |                                       |        | one read a poll while nothing is stopped           |          |
 | `<p>:reconciler`                      | string | the worker that leads the reconciler now           | a few ticks, renewed |
+| `<p>:keeper`                          | hash   | the leader's walk over the trees' keys (coordinator| permanent |
+|                                       |        | /keeper.py): `cursor` (SCAN's; 0 between passes)   |          |
+|                                       |        | and `next_pass_at` (epoch s): a new leader goes on |          |
 | `<p>:workers`                         | zset   | worker processes scored by their last heartbeat    | pruned after a day |
 | `<p>:reserved`                        | zset   | tasks whose run message a live worker holds (taken | each entry a heartbeat |
 |                                       |        | off the queue, maybe not started), scored by when  | lapse, pruned by beats |
@@ -103,9 +106,9 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:metrics:webhooks`                | hash   | delivery attempts by `<event type> <outcome>`      | permanent |
 | `<p>:metrics:refused`                 | hash   | refused requests (401/403) counted by reason       | permanent |
 
-A tree's "retention" counts from the key's last write, and holds while its root has not ended: the
-reconciler's leader gives each key of such a tree its retention again before it lapses (`trees_pattern`,
-coordinator/keeper.py), a run's lease excepted (`SHORT_LIVED`).
+A tree's "retention" counts from the key's last write, and holds while the tree is in flight (an agent's root
+not ended, a caller's delegated): the reconciler's leader gives each key of such a tree its retention again before
+it lapses (`trees_pattern`, coordinator/keeper.py), a run's lease excepted (`SHORT_LIVED`).
 
 Per-tenant keys (coordinator/tenants.py) are not under a tree's hash tag: each is tagged by its
 tenant, `<p>:tenant:{<tenant>}:...`, so one tenant's keys share a slot (the quota check reads them
@@ -278,6 +281,7 @@ class Keys:
     timers = _fleet("timers")
     stops = _fleet("stops")
     leader = _fleet("reconciler")
+    keeper = _fleet("keeper")
     workers = _fleet("workers")
     reserved = _fleet("reserved")
     repairs = _fleet("metrics:repairs")

@@ -1585,15 +1585,15 @@ class FreeToolSlot(
 
 
 @dataclass(frozen=True, kw_only=True)
-class KeepTree(
+class KeepTrees(
     Call[int],
-    script="keep_tree",
-    returns="how many keys were given their retention again, or -1 when the tree is not in flight.",
+    script="keep_trees",
+    returns="how many keys were given their retention again.",
 ):
-    root: str = key("the root's task hash")
-    tree_keys: Sequence[str] = keys("keys of the same tree")
+    trees_keys: Sequence[str] = keys("for each tree, in ARGV's order: its root's task hash, then its keys")
     retention_ms: int = arg("retention ms")
     floor_ms: int = arg("a key with less than this many ms left is given its retention again")
+    counts: Sequence[int] = args("how many keys of KEYS are each tree's, its root's hash not counted")
 
     @classmethod
     def decode(cls, raw: Any) -> int:
