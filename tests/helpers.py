@@ -24,6 +24,7 @@ from pydantic import SecretStr
 from redis.connection import AbstractConnection
 
 from coordinator import Coordinator, Settings
+from coordinator.store.keys import glob_escaped
 from workers.runtime.script import script_message
 
 if TYPE_CHECKING:
@@ -161,11 +162,11 @@ def state(coord: Coordinator, *roots: str) -> tuple[dict[str, object], int]:
     prefix = coord.settings.key_prefix
     if roots:
         shared = [f"{prefix}:roots", f"{prefix}:approvals"]
-        trees = [key for root in roots for key in _scan(client, f"{_glob_escape(prefix)}:{{{_glob_escape(root)}}}:*")]
+        trees = [key for root in roots for key in _scan(client, f"{glob_escaped(prefix)}:{{{glob_escaped(root)}}}:*")]
         keys = _read(client, [*shared, *trees])
     else:
         volatile = (f"{prefix}:tasks", f"{prefix}:task-number", f"{prefix}:metrics:", f"{prefix}:rate:")
-        every = _scan(client, f"{_glob_escape(prefix)}:*")
+        every = _scan(client, f"{glob_escaped(prefix)}:*")
         keys = _read(client, [key for key in every if not key.startswith(volatile)])
     return keys, int(client.llen(coord.settings.queue))
 
@@ -180,11 +181,6 @@ _READERS: dict[str, Callable[[Any, str], object]] = {
     "zset": lambda pipe, key: pipe.zrange(key, 0, -1, withscores=True),
     "stream": lambda pipe, key: pipe.xrange(key),
 }
-
-
-def _glob_escape(text: str) -> str:
-    """`text` matched literally in a SCAN pattern."""
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 def _scan(client: redis.Redis, pattern: str) -> set[str]:

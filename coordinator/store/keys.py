@@ -159,7 +159,7 @@ from dataclasses import dataclass
 
 from coordinator.ids import ROOT_ID_PATTERN
 
-__all__ = ["DEFAULT_PREFIX", "Keys", "cut"]
+__all__ = ["DEFAULT_PREFIX", "Keys", "cut", "glob_escaped"]
 
 DEFAULT_PREFIX = "subq"
 # A root id (coordinator/ids.py): what a tree's hash tag holds.
@@ -171,7 +171,7 @@ SHORT_LIVED = frozenset({"lease"})
 CUT_MARK = "\0"
 
 
-def _glob_escaped(text: str) -> str:
+def glob_escaped(text: str) -> str:
     """`text` matched as itself in a SCAN pattern (Redis's glob: `*`, `?`, `[`, `]` and the backslash escaped)."""
     return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
@@ -325,7 +325,7 @@ class Keys:
     def trees_pattern(self) -> str:
         """A SCAN pattern matching every key of every tree (`<p>:{<root>}:...`), and no key of the fleet's or a
         tenant's: the prefix's own glob characters are escaped."""
-        return f"{_glob_escaped(self.prefix)}:{{*}}:*"
+        return f"{glob_escaped(self.prefix)}:{{*}}:*"
 
     def root_of_kept(self, key: str) -> str | None:
         """The root id of a tree's key that lives the tree's retention; None for a key that is not a tree's, or one
