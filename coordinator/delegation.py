@@ -124,7 +124,7 @@ def commit(
     batch_id = ids.new_batch_id(root_id)
 
     def plan(parent: TaskRecord, items: list[TodoItem]) -> tuple[Batch, NewChildren, list[TodoItem]]:
-        _check_parent(plane, parent)
+        _check_parent(plane, parent, token)
         remaining = budgets.left_over(plane, parent)
         child_budgets = [budgets.to_micros(s.budget_usd, f"subtasks.{n}.budget_usd") for n, s in enumerate(checked)]
         budgets.check_within(remaining, child_budgets)
@@ -177,7 +177,16 @@ def commit(
     return batch, children
 
 
-def _check_parent(plane: Plane, parent: TaskRecord) -> None:
+def _check_parent(plane: Plane, parent: TaskRecord, token: str) -> None:
+    if parent.runner == "agent" and not token:
+        # An agent's task delegates from its own run, which then waits on the batch by its tool call's id. One
+        # made from outside (the API, the CLI, a client) left it `delegated` with no call to resume: its queued
+        # run did nothing, and its children's results never reached its model.
+        raise StateError(
+            f"Task {parent.id} is run by its agent: only its own run delegates from it "
+            "(delegate from a task created without run)",
+            field="task_id",
+        )
     if parent.status != TaskStatus.ACTIVE:
         raise StateError(
             f"Task {parent.id} is {parent.status.value}, not active: it cannot delegate now", field="task_id"

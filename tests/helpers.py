@@ -23,7 +23,8 @@ from fastapi import FastAPI
 from pydantic import SecretStr
 from redis.connection import AbstractConnection
 
-from coordinator import Coordinator, Settings
+from coordinator import Coordinator, Settings, delegation, ids
+from coordinator.models import Batch
 from coordinator.store.keys import glob_escaped
 from workers.runtime.script import script_message
 
@@ -124,6 +125,20 @@ def quiet(coord: Coordinator, *roots: str, still_s: float = 0.5, timeout_s: floa
             return
         last = now
     raise AssertionError(f"trees {roots} kept changing for {timeout_s:g}s")
+
+
+def delegate_as_its_run(coord: Coordinator, task_id: str, subtasks: list[Any], mode: str = "parallel") -> Batch:
+    """Delegate from an agent's task as its own run does, under a lease's token: only its run may (a delegation
+    from outside is refused). The lease is given back before the publish, which then takes the task off the due
+    list as a run's end would."""
+    lease = coord.store.keys.lease(ids.root_of(task_id), task_id)
+    coord.client.set(lease, "a-test-run", px=60_000)
+    try:
+        batch, children = delegation.commit(coord.plane, task_id, subtasks, mode, token="a-test-run")
+    finally:
+        coord.client.delete(lease)
+    delegation.publish(coord.plane, batch, children)
+    return batch
 
 
 def script(*steps: dict[str, Any], text: str = "Do the subtask.") -> str:

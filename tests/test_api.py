@@ -534,6 +534,17 @@ def test_409_delegating_from_a_delegated_parent(idle: Coordinator, idle_http: ht
     )
 
 
+def test_409_delegating_into_an_agents_task(idle: Coordinator, idle_http: httpx.Client) -> None:
+    """Only an agent's own run delegates from its task: one from outside would leave it `delegated` with no call
+    to resume, its run doing nothing and its children's results never reaching its model."""
+    agent = idle.create_task("an agent's own plan", todos="[ ] one", run=True)
+    assert_refused(
+        idle, idle_http, "POST", f"/v1/tasks/{agent.id}/subtasks", 409, "wrong_state", "task_id",
+        f"Task {agent.id} is run by its agent: only its own run delegates from it", json={"subtasks": [spec()]},
+    )  # fmt: skip
+    assert idle.get_task(agent.id).status.value == "active"
+
+
 def test_409_at_the_depth_limit(settings: Settings) -> None:
     flat = Coordinator(api_settings(settings, key_prefix="subqapi", queue="subq-api-idle", max_depth=0))
     root = flat.create_task("no subtasks allowed")

@@ -41,7 +41,7 @@ from coordinator.runs import Ended, LeaseLost, Run, RunLifecycle
 from coordinator.settings import Settings
 from coordinator.store.approvals import ApprovalStore
 from tests.agents import agent, reply, subtask
-from tests.helpers import state
+from tests.helpers import delegate_as_its_run, state
 from workers.runtime.context import build_runtime
 from workers.runtime.runner import run_child
 
@@ -255,7 +255,7 @@ def test_a_wide_retrys_runs_are_looked_at_no_sooner_than_its_publish_reaches_eac
     monkeypatch.setattr(delegation, "PUBLISH_PACE_S", TEST_PACE_S)
     with settings_of(coord, max_fanout=500) as wide:
         parent = wide.create_task(agent(reply("x")), run=True)
-        batch = wide.delegate(parent.id, [subtask(f"child {n}", agent(reply("x"))) for n in range(500)])
+        batch = delegate_as_its_run(wide, parent.id, [subtask(f"child {n}", agent(reply("x"))) for n in range(500)])
         wide.client.delete(QUEUE)
         for child in batch.child_ids:
             wide.store.runs.finish_task(child, "failed", error="by hand", error_class="ModelHTTPError")
@@ -889,7 +889,9 @@ def test_a_cancel_stops_the_children_a_delegation_committed_while_it_read_the_su
     def a_delegation_lands_just_after(task_id: str) -> list[str]:
         ids = read(task_id)
         if not added:
-            _, children = delegation.commit(coord.plane, worker_id, [subtask("late", agent(reply("y")))])
+            _, children = delegation.commit(
+                coord.plane, worker_id, [subtask("late", agent(reply("y")))], token=run.token
+            )
             added.extend(c.id for c in children)
         return ids
 
@@ -930,7 +932,7 @@ def test_a_cancel_that_dies_before_its_write_back_leaves_the_parent_to_the_recon
     the child having ended)."""
     root = coord.create_task("fan out")
     (child_id,) = coord.delegate(root.id, [subtask("works", agent(reply("x")))]).child_ids
-    coord.delegate(child_id, [subtask("deeper", agent(reply("y")))])  # the child now waits on its own batch
+    delegate_as_its_run(coord, child_id, [subtask("deeper", agent(reply("y")))])  # the child now waits on its own batch
     coord.client.delete(QUEUE)
     assert child_id not in coord.store.convergence.watched(), "a delegated task is off the due list"
 
@@ -1304,8 +1306,9 @@ def test_a_delegating_run_dead_before_its_release_frees_its_slot_for_its_childre
     (worker_id,) = coord.delegate(root.id, [subtask("works", agent(reply("x")))]).child_ids
     coord.client.delete(QUEUE)
     lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
-    assert isinstance(lifecycle.start(worker_id), Run), "it holds the tree's one slot"
-    _, (late,) = delegation.commit(coord.plane, worker_id, [subtask("late", agent(reply("y")))])
+    run = lifecycle.start(worker_id)
+    assert isinstance(run, Run), "it holds the tree's one slot"
+    _, (late,) = delegation.commit(coord.plane, worker_id, [subtask("late", agent(reply("y")))], token=run.token)
     coord.client.delete(coord.store.keys.lease(root.id, worker_id))  # the run died: its lease lapsed
     assert tick(coord) == {"delegation-unpublished": 1}
     assert worker_id not in coord.store.runs.running_ids(root.id), "its slot freed"
@@ -1525,7 +1528,7 @@ def test_children_a_single_pass_stop_missed_are_stopped_by_their_parents_release
     run = build_runtime(coord.settings, make_app(coord.settings)).lifecycle.start(worker_id)
     assert isinstance(run, Run)
     read_before = coord.store.records.subtree_ids(root.id)
-    batch, children = delegation.commit(coord.plane, worker_id, [subtask("late", agent(reply("y")))])
+    batch, children = delegation.commit(coord.plane, worker_id, [subtask("late", agent(reply("y")))], token=run.token)
     coord.store.batches.stop_tasks(
         read_before, top_status="cancelled", status="cancelled", top_error="cancelled: old", error="old",
         top_class="Cancelled", error_class="Cancelled",

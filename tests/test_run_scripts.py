@@ -24,6 +24,7 @@ from coordinator.errors import SubqError
 from coordinator.models import AdmissionLimits
 from coordinator.store.fields import BatchField, TaskField
 from tests.agents import STEP_COST_MICROS, agent, reply
+from tests.helpers import delegate_as_its_run
 from workers.runtime.context import Runtime, build_runtime
 from workers.runtime.runner import run_child
 
@@ -125,7 +126,7 @@ def test_a_run_reads_only_the_ancestors_with_a_budget(idle_coordinator: Coordina
     root = coord.create_task("a budget on top", todos="[ ] a", budget_usd=1.0)
     (middle,) = coord.delegate(root.id, [{"description": "a", "message": agent(reply("x"))}]).child_ids
     coord.update_todos(middle, "[ ] b")
-    (leaf,) = coord.delegate(middle, [{"description": "b", "message": agent(reply("leaf done"))}]).child_ids
+    (leaf,) = delegate_as_its_run(coord, middle, [{"description": "b", "message": agent(reply("leaf done"))}]).child_ids
     keys = coord.store.keys
     leaf_key = keys.task(root.root_id, leaf)
     assert json.loads(coord.client.hget(leaf_key, TaskField.BUDGET_CHAIN) or "") == [root.id]
@@ -150,7 +151,7 @@ def test_a_childs_budget_joins_the_chain_of_its_children(idle_coordinator: Coord
     spec = {"description": "a", "message": agent(reply("x")), "budget_usd": 0.5}
     (middle,) = coord.delegate(root.id, [spec]).child_ids
     coord.update_todos(middle, "[ ] b")
-    (leaf,) = coord.delegate(middle, [{"description": "b", "message": agent(reply("y"))}]).child_ids
+    (leaf,) = delegate_as_its_run(coord, middle, [{"description": "b", "message": agent(reply("y"))}]).child_ids
 
     chain = coord.client.hget(coord.store.keys.task(root.root_id, leaf), TaskField.BUDGET_CHAIN)
     assert json.loads(chain or "") == [middle]

@@ -19,7 +19,7 @@ from coordinator.models import AdmissionLimits, TaskRecord
 from coordinator.replies import UsageRecorded
 from coordinator.store import Store
 from coordinator.store.runs import Started
-from tests.helpers import script, snapshot_of, usage_step
+from tests.helpers import delegate_as_its_run, script, snapshot_of, usage_step
 
 THREADS = 8
 
@@ -45,7 +45,9 @@ def _tree(coord: Coordinator) -> tuple[TaskRecord, TaskRecord, TaskRecord]:
     """root -> child -> grandchild, with nothing run (the queue has no worker)."""
     root = coord.create_task("root", todos="[ ] a")
     (child_id,) = coord.delegate(root.id, [{"description": "child", "message": "work"}]).child_ids
-    (grandchild_id,) = coord.delegate(child_id, [{"description": "grandchild", "message": "work"}]).child_ids
+    (grandchild_id,) = delegate_as_its_run(
+        coord, child_id, [{"description": "grandchild", "message": "work"}]
+    ).child_ids
     return coord.get_task(root.id), coord.get_task(child_id), coord.get_task(grandchild_id)
 
 
@@ -242,8 +244,8 @@ def test_admission_limits_a_tree_and_starts_the_waiting_in_order(idle_coordinato
     root = coord.create_task("root")
     a, b = coord.delegate(root.id, [{"description": d, "message": "m"} for d in "ab"]).child_ids
     a1, a2, b1 = (
-        *coord.delegate(a, [{"description": d, "message": "m"} for d in ("a1", "a2")]).child_ids,
-        *coord.delegate(b, [{"description": "b1", "message": "m"}]).child_ids,
+        *delegate_as_its_run(coord, a, [{"description": d, "message": "m"} for d in ("a1", "a2")]).child_ids,
+        *delegate_as_its_run(coord, b, [{"description": "b1", "message": "m"}]).child_ids,
     )
     limits = AdmissionLimits(per_tree=2)
     verdicts = [start(store, t, limits).verdict for t in (a1, a2, b1)]
