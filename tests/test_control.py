@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -396,6 +397,19 @@ def test_a_per_parent_limit_holds_under_a_fan_out_of_twenty(limited: Coordinator
     assert all(t.cost_micros == STEP_COST_MICROS for t in todos)
     empty = {"running": 0, "admission": 0, "awaiting": 0, "leases": 0, "watched": 0}
     _until(lambda: limited.store.runs.in_flight(parent.id) == empty, timeout_s=10, what="the in-flight state to empty")
+
+
+def test_a_stagger_spaces_the_starts_and_every_child_runs(settings: Settings, tmp_path: Path) -> None:
+    """With SUBQ_START_STAGGER_MS a delayed child's start comes back at the start it reserved, and runs; before,
+    its own reservation delayed it again at every return, and the tree waited for good."""
+    with dedicated_fleet(settings, tmp_path, 1, queue="subq-stagger", start_stagger_ms=300) as (coord, _):
+        parent = coord.create_task("Three spaced children", todos="[ ] a\n[ ] b\n[ ] c")
+        batch = coord.delegate(parent.id, [{"description": d, "message": agent(reply(f"{d} done"))} for d in "abc"])
+        assert coord.wait(parent.id, WAIT_S).status == TaskStatus.ACTIVE, "every child ran and reported back"
+        children = [coord.get_task(c) for c in batch.child_ids]
+        assert [c.status for c in children] == [TaskStatus.COMPLETED] * 3
+        run_seqs = [coord.store.records.task_field(c.id, "run_seq") for c in children]
+        assert run_seqs == ["1", "1", "1"], "each ran once: a delayed start runs nothing"
 
 
 def test_cancelling_a_throttled_fan_out_leaves_nothing_in_flight(limited: Coordinator) -> None:

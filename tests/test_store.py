@@ -294,3 +294,29 @@ def test_a_stagger_spaces_the_starts_of_a_tree(idle_coordinator: Coordinator) ->
         "a delayed start took no lease and counted no delivery"
     )
     assert not coord.client.exists(store.keys.lease(root.root_id, third.id))
+
+
+def test_a_delayed_start_runs_at_the_start_it_reserved(idle_coordinator: Coordinator) -> None:
+    """A delayed start comes back as a new run (a new token) at the start it reserved, and runs. Before, its own
+    reservation read as the tree's last start, so it was delayed again at every return and never ran."""
+    coord, store = idle_coordinator, idle_coordinator.store
+    root = coord.create_task("root")
+    first, second, third = coord.delegate(
+        root.id, [{"description": f"c{n}", "message": "m"} for n in range(3)]
+    ).child_ids
+    limits = AdmissionLimits(stagger_ms=300)
+    last_start = store.keys.last_start(root.root_id)
+    assert start(store, first, limits).verdict == "run"
+    delayed = start(store, second, limits)
+    assert delayed.verdict == "delay" and 0 < delayed.delay_ms <= 300
+    reserved = coord.client.get(last_start)
+
+    early = start(store, second, limits)  # its restart, before its time: the rest of its wait
+    assert early.verdict == "delay" and early.delay_ms <= delayed.delay_ms
+    assert coord.client.get(last_start) == reserved, "no second reservation"
+    time.sleep(early.delay_ms / 1000)
+    assert start(store, second, limits).verdict == "run", "its own reservation does not delay it again"
+    assert coord.client.get(last_start) == reserved
+
+    later = start(store, third, limits)  # the next start is one stagger after the second's
+    assert later.verdict == "delay" and float(coord.client.get(last_start) or 0) == float(reserved or 0) + 300

@@ -437,7 +437,7 @@ class Admit(
     Call[None],
     script="admit",
     standalone=False,
-    returns="{'run', 0}, {'wait', 0} (queued in the admission list), or {'delay', ms}.",
+    returns="{'run', 0}, {'wait', 0} (queued in the admission list), or {'delay', ms, the start reserved (ms)}.",
 ):
     running: str = key("the tree's running set")
     parent_running: str = key("the parent's running-children set")
@@ -449,6 +449,7 @@ class Admit(
     stagger_ms: int = arg("stagger ms (0: none)")
     now_ms: int = arg("now ms")
     retention_s: int = arg("retention seconds")
+    reserved_ms: int = arg("the start this task's delayed start reserved (ms; 0: none)")
 
 
 @dataclass(frozen=True, kw_only=True)

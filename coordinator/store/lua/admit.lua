@@ -10,7 +10,9 @@
 -- ARGV[4] int: stagger ms (0: none)
 -- ARGV[5] int: now ms
 -- ARGV[6] int: retention seconds
--- Returns {'run', 0}, {'wait', 0} (queued in the admission list), or {'delay', ms}.
+-- ARGV[7] int: the start this task's delayed start reserved (ms; 0: none)
+-- Returns {'run', 0}, {'wait', 0} (queued in the admission list), or {'delay', ms, the start reserved
+--   (ms)}.
 local id = ARGV[1]
 if redis.call('SISMEMBER', KEYS[1], id) == 1 then
   return {'run', 0}  -- admitted already (a redelivery, or a start from the admission list)
@@ -26,12 +28,19 @@ if full then
   return {'wait', 0}
 end
 local stagger = tonumber(ARGV[4])
-if stagger > 0 then
+local reserved = tonumber(ARGV[7]) or 0
+local now = tonumber(ARGV[5])
+if stagger > 0 and reserved > 0 then
+  -- Its delayed start comes back (a new run, a new token): the start it reserved is its own. Read against the
+  -- last start, which is that reservation or a later one, it was delayed again at every return and never ran.
+  if now < reserved then
+    return {'delay', reserved - now, reserved}  -- early: the rest of its wait, no second reservation
+  end
+elseif stagger > 0 then
   local last = tonumber(redis.call('GET', KEYS[4]) or '0')
-  local now = tonumber(ARGV[5])
   if now - last < stagger then
     redis.call('SET', KEYS[4], last + stagger, 'EX', ARGV[6])  -- reserve the next start
-    return {'delay', last + stagger - now}
+    return {'delay', last + stagger - now, last + stagger}
   end
   redis.call('SET', KEYS[4], now, 'EX', ARGV[6])
 end

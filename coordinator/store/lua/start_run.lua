@@ -120,15 +120,18 @@ end
 local per_parent, per_tree, stagger = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 if parent_id and parent_id ~= '' and (per_parent > 0 or per_tree > 0 or stagger > 0) then
   -- A root always runs; with no limit set nothing of admission is read.
+  -- A start delayed before (another token) kept the start it reserved with its answer: it is that start's.
+  local reserved = held and string.match(held, '^%S+ delay %d+ (%d+)$') or '0'
   local admitted = admit({KEYS[7], ARGV[12] .. parent_id, KEYS[8], KEYS[9]},
-    {id, ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]})
+    {id, ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11], reserved})
   if admitted[1] ~= 'run' then
     -- Its timeline waits from now until a slot (or the stagger) lets it start. A delay keeps its answer with
-    -- the start's token (a resend of this step answers it again); a 'wait' is on the admission list once.
+    -- the start's token (a resend of this step answers it again) and the start it reserved (the restart takes
+    -- it); a 'wait' is on the admission list once.
     local waited = timeline_add(task[8], tonumber(ARGV[10]), 'wait:admission')
     local writes = {}
     if admitted[1] == 'delay' then
-      writes = {'run_token', ARGV[1] .. ' delay ' .. admitted[2]}
+      writes = {'run_token', ARGV[1] .. ' delay ' .. admitted[2] .. ' ' .. admitted[3]}
     end
     if waited then
       writes[#writes + 1], writes[#writes + 2] = 'timeline', waited
