@@ -49,6 +49,7 @@ import h11
 from coordinator.errors import CorruptError, NotFoundError
 from coordinator.inputs import one_line
 from coordinator.models import ClaimedDelivery, Settled
+from coordinator.settings import WEBHOOK_CLAIM_MARGIN_S
 from coordinator.subscriptions import UnsafeTarget, resolve_safe
 
 if TYPE_CHECKING:
@@ -62,8 +63,9 @@ log = logging.getLogger(__name__)
 
 # An end's `result` in a payload: enough to read; the whole record is one GET away.
 MAX_RESULT_CHARS = 4000
-# A claim outlives an attempt's timeout by this much, so a live attempt is never taken twice.
-CLAIM_MARGIN_S = 30.0
+# A claim outlives an attempt's timeout by this much, so a live attempt is never taken twice (the settings hold
+# the wait between two attempts under the retention with it).
+CLAIM_MARGIN_S = WEBHOOK_CLAIM_MARGIN_S
 # How often an idle deliverer looks for due deliveries: an approval reaches its sink within a second or two.
 # A busy one reads its attempts' answers this often.
 POLL_S = 0.25

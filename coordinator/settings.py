@@ -39,7 +39,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from coordinator.access import ApiKeySpec, check_distinct, parse_keys, read_keys_file
 from coordinator.errors import ConfigError, ProfileError
 from coordinator.output_schema import schema_problem
-from coordinator.subscriptions import check_webhook_events, check_webhook_secret, check_webhook_url
+from coordinator.subscriptions import HOST_NAME_RE, check_webhook_events, check_webhook_secret, check_webhook_url
 from coordinator.tenants import (
     DEFAULT_POLICY_NAME,
     DEFAULT_TENANT,
@@ -497,6 +497,9 @@ DEFAULT_WEBHOOK_TIMEOUT_S = 10.0
 # Backoff between attempts: doubling from the base, capped, each one jittered (a random 50 to 100 %).
 DEFAULT_WEBHOOK_RETRY_BASE_S = 2.0
 DEFAULT_WEBHOOK_RETRY_MAX_S = 600.0
+# A delivery's claim outlives an attempt's timeout by this much, so a live attempt is never taken twice
+# (coordinator/outbound.py).
+WEBHOOK_CLAIM_MARGIN_S = 30.0
 # Deliveries one worker process makes at once (sockets of its deliverer's one thread, not run slots): a
 # slow or dead receiver holds at most these, never a subagent's slot; 32 keep up with a 1,000-wide tree's
 # ends at a receiver that takes 200 ms an answer, in large batches (docs/benchmarks.md).
@@ -509,7 +512,6 @@ DEFAULT_WEBHOOK_OUTBOX_CAP = 100_000
 # The share of a budget whose crossing sends `budget.warning` (issue 40's default): a fifth of it left is
 # time for a person or a service to act before the budget stop.
 DEFAULT_BUDGET_WARN_AT = 0.8
-_HOST_NAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
 
 
 class NotifySink(BaseModel):
@@ -565,7 +567,7 @@ def _webhook_allow(value: object) -> object:
         try:
             ipaddress.ip_network(entry.strip("[]"), strict=False)
         except ValueError:
-            if not _HOST_NAME_RE.match(entry):
+            if not HOST_NAME_RE.match(entry):
                 raise ValueError(f"{entry[:80]!r} is neither a host name nor an address or network") from None
     return entries
 
@@ -814,6 +816,14 @@ class Settings(BaseSettings):
                 f"SUBQ_RECONCILE_INTERVAL_S: {self.reconcile_interval_s} must be at most an eighth of "
                 f"SUBQ_RESULT_RETENTION_S ({self.result_retention_s}): the reconciler keeps the keys of the trees in "
                 "flight a slice a tick, a pass every quarter retention, and a slower tick lets them lapse"
+            )
+        longest_wait_s = self.webhook_retry_max_s + self.webhook_timeout_s + WEBHOOK_CLAIM_MARGIN_S
+        if longest_wait_s >= self.result_retention_s:
+            raise ValueError(
+                f"SUBQ_WEBHOOK_RETRY_MAX_S: {self.webhook_retry_max_s} plus SUBQ_WEBHOOK_TIMEOUT_S "
+                f"({self.webhook_timeout_s}) and a claim's margin ({WEBHOOK_CLAIM_MARGIN_S:g} s) must be under "
+                f"SUBQ_RESULT_RETENTION_S ({self.result_retention_s}): each attempt keeps what a webhook delivery "
+                "reads for a retention, and a longer wait for the next one finds it lapsed"
             )
         if self.visibility_timeout_s <= self.task_time_limit_s:
             raise ValueError(

@@ -92,6 +92,8 @@ CALLBACK_HOOK = "c"
 RESERVED_TASK_PREFIXES = frozenset({"subq", "celery"})
 _TASK_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,199}")
 _QUEUE_RE = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
+# A host name as DNS spells it (its IDNA form): labels of letters, digits, `-` and `_`, dot-separated.
+HOST_NAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
 
 
 def check_webhook_url(url: str) -> str:
@@ -119,10 +121,18 @@ def _host_name_problem(host: str) -> str | None:
     """Why `host` is no name the resolver can be asked (`socket.getaddrinfo` encodes it as IDNA, and raises
     UnicodeError, not OSError, for an empty label, one over 63 characters, ...); None when it is one."""
     try:
-        host.encode("idna")
+        ascii_name = host.encode("idna").decode("ascii")
     except UnicodeError as exc:
         reason = str(exc.__cause__ or exc.__context__ or exc)
         return f"names no valid host ({host!r}: {reason})"
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    if not HOST_NAME_RE.match(ascii_name):
+        # A space, a NUL, `!`: no such name is ever published, so it would only fail for a day of retries.
+        return f"names no valid host ({host!r}: a host name is letters, digits, '-' and '_', between dots)"
     return None
 
 

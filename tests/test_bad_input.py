@@ -297,6 +297,11 @@ def _without_trees(snapshot: dict[str, Any], trees: set[str | None]) -> dict[str
             {"SUBQ_RECONCILE_INTERVAL_S": "10", "SUBQ_RESULT_RETENTION_S": "60"},
             "Invalid setting SUBQ_RECONCILE_INTERVAL_S: 10.0 must be at most an eighth of SUBQ_RESULT_RETENTION_S (60)",
         ),
+        (
+            {"SUBQ_RESULT_RETENTION_S": "600"},
+            "Invalid setting SUBQ_WEBHOOK_RETRY_MAX_S: 600.0 plus SUBQ_WEBHOOK_TIMEOUT_S (10.0) and a claim's margin "
+            "(30 s) must be under SUBQ_RESULT_RETENTION_S (600)",
+        ),
         ({"SUBQ_DEFAULT_PROFILE": "nope"}, "Invalid setting SUBQ_DEFAULT_PROFILE: 'nope' is not a defined profile"),
         ({"SUBQ_PROFILES": '{"x": {"model": "bogus"}}'}, "Invalid setting SUBQ_PROFILES (x): model must be"),
         (

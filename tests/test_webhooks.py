@@ -211,6 +211,8 @@ BAD = [
     ("not http", [{"url": "ftp://example.com/x"}], "webhooks.0.url", "http:// or https://"),
     ("empty label", [{"url": "https://hooks..example.com/x"}], "webhooks.0.url", "names no valid host"),
     ("long label", [{"url": f"https://{'a' * 64}.example.com/x"}], "webhooks.0.url", "label empty or too long"),
+    ("space in host", [{"url": "http://exa mple.com/in"}], "webhooks.0.url", "a host name is letters, digits"),
+    ("bang in host", [{"url": "http://a_b!.example/in"}], "webhooks.0.url", "a host name is letters, digits"),
     ("no url", [{"secret": SECRET}], "webhooks.0.url", "Field required"),
     ("oversize secret", [{"url": "https://example.com", "secret": "whsec_" + "A" * 200}], "webhooks.0.secret",
      "the limit is 100"),

@@ -65,6 +65,28 @@ def test_a_batch_is_settled_once_each_even_after_the_scripts_were_forgotten(outb
     coord.close()
 
 
+def test_each_claim_keeps_what_the_next_attempt_reads(outbox_coord: Coordinator) -> None:
+    """A delivery retried past its tree's retention (the receiver down, a short SUBQ_RESULT_RETENTION_S, an
+    operator's redeliver) found the subscriptions and the task's record it reads lapsed, and ended `gone` or
+    `given_up` with nothing wrong. Each claim now gives both a retention again."""
+    coord = outbox_coord
+    outbox, keys = coord.store.outbox, coord.store.keys
+    try:
+        root = coord.create_task("Say hello.", webhooks=[{"url": "http://127.0.0.1:9/hook", "events": ["*"]}])
+        outbox.add_event(root.id, root.id, "task.completed", {})
+        hooks, record = keys.hooks(root.id), keys.task(root.id, root.id)
+        for key in (hooks, record):
+            coord.client.expire(key, 5)  # most of the retention gone while the receiver was down
+        (claimed,) = [c for c in outbox.settle_and_claim([], 10, LEASE_MS) if c.root_id == root.id]
+        assert claimed.record is not None and claimed.found is not None
+        retention_s = coord.settings.result_retention_s
+        assert [coord.client.ttl(k) > retention_s - 60 for k in (hooks, record)] == [True, True]
+    finally:
+        for key in coord.client.scan_iter("subqbatch:*"):
+            coord.client.delete(key)
+        coord.close()
+
+
 def test_a_named_host_is_resolved_by_a_helper_and_checked_at_each_attempt(settings: Settings) -> None:
     """The deliverer's loop hands a host name to a helper thread (DNS may block), which checks what it
     resolves to: `localhost` allowed by name is delivered; `localhost` not allowed is refused, retrying."""
@@ -353,6 +375,37 @@ def test_a_root_whose_tree_filled_its_cap_still_tells_its_end(settings: Settings
         assert sorted(ended) == ["0", "c"], "the root's end, for its webhook and its on_complete"
     finally:
         for key in coord.client.scan_iter("subqcap:*"):
+            coord.client.delete(key)
+        coord.close()
+
+
+def test_a_full_fleet_outbox_still_takes_every_roots_end(settings: Settings) -> None:
+    """The fleet's cap bounds what every tree's children and approvals add: one tree whose receiver is down can
+    fill it. A root's own end is written past it, so another tree, another tenant's maybe, still tells its
+    caller it ended (its webhook and its `on_complete`); before, that end was dropped with the rest."""
+    coord = Coordinator(
+        settings.model_copy(
+            update={"queue": "subq-nobody", "key_prefix": "subqfleetcap", "webhook_outbox_cap": 2,
+                    "webhook_allow": ["127.0.0.1"]}
+        )
+    )  # fmt: skip
+    outbox = coord.store.outbox
+    try:
+        down = coord.create_task("fan out", webhooks=[{"url": "http://127.0.0.1:9/in", "events": ["*"]}])
+        children = coord.delegate(down.id, [{"description": f"c{n}", "message": "m"} for n in range(3)]).child_ids
+        for child in children:
+            outbox.add_event(down.id, child, "task.completed", {})
+        assert outbox.dropped(down.id) == 1 and coord.client.zcard(coord.store.keys.outbox_pending()) == 2
+        other = coord.create_task(
+            "another tree", webhooks=[{"url": "http://127.0.0.1:9/other", "events": ["*"]}], on_complete="app.done"
+        )
+        (child,) = coord.delegate(other.id, [{"description": "c", "message": "m"}]).child_ids
+        assert outbox.add_event(other.id, child, "task.completed", {}) == 0, "a child's event is held to the cap"
+        assert outbox.add_event(other.id, other.id, "task.completed", {}) == 2, "the root's end is not"
+        ended = sorted(d["hook"] for d in outbox.deliveries(other.id) if d["type"] == "task.completed")
+        assert ended == ["0", "c"] and outbox.dropped(other.id) == 1
+    finally:
+        for key in coord.client.scan_iter("subqfleetcap:*"):
             coord.client.delete(key)
         coord.close()
 

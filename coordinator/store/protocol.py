@@ -1513,6 +1513,7 @@ class ReadClaimed(
 ):
     pending: str = key("the pending deliveries of every tree")
     names: ClaimedNames = splice("how a claimed delivery's keys are named", expand=True)
+    retention_s: int = arg("retention seconds")
     n_fields: int = count("number of fields", of="fields")
     fields: Sequence[str] = args("the fields of a task's record an event reads")
     members: Sequence[str] = args("then the claimed members (`<root id> <delivery id>`)")

@@ -36,10 +36,11 @@ local etype = ARGV[2]
 if string.sub(etype, 1, 5) == 'task.' and ARGV[1] ~= conf['~root'] then
   etype = 'child.' .. string.sub(etype, 6)
 end
--- The root's own end (written once an end, so once more after each retry) is not held to the tree's
--- cap, which counts every delivery the tree ever wrote, delivered ones too: a wide tree's child or
--- approval events would otherwise leave its `on_complete` and `task.*` unwritten. The fleet's cap
--- still bounds Redis.
+-- The root's own end (written once an end, so once more after each retry) is held to neither cap: the
+-- tree's counts every delivery the tree ever wrote, delivered ones too, so a wide tree's child or approval
+-- events would leave its `on_complete` and `task.*` unwritten; the fleet's, one tree whose receiver is down
+-- fills with its children's events, and every other tree's end, another tenant's too, was dropped. The caps
+-- still bound the rest; a root's ends are bounded by its runs and its (at most five) subscriptions.
 local own_end = string.sub(etype, 1, 5) == 'task.'
 local function wants(patterns)
   for pattern in string.gmatch(patterns, '%S+') do
@@ -67,8 +68,8 @@ local event_id = 'evt_' .. conf['~root'] .. '_' .. seq
 local now = tonumber(ARGV[3])
 local written = 0
 for i = 1, #chosen do
-  if (not own_end and redis.call('HLEN', KEYS[2]) >= tonumber(conf['~tree_cap'] or '0'))
-      or redis.call('ZCARD', KEYS[3]) >= tonumber(conf['~cap'] or '0') then
+  if not own_end and (redis.call('HLEN', KEYS[2]) >= tonumber(conf['~tree_cap'] or '0')
+      or redis.call('ZCARD', KEYS[3]) >= tonumber(conf['~cap'] or '0')) then
     redis.call('HINCRBY', KEYS[1], '~dropped', 1)
   else
     local id = event_id .. '.' .. chosen[i]

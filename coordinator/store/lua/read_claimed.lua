@@ -13,21 +13,22 @@
 -- ARGV[2] str: a tree's outbox hash's tail (after the root id)
 -- ARGV[3] str: a tree's hooks hash's tail
 -- ARGV[4] str: a task hash key's middle (between the root id and the task id)
--- ARGV[5] int: number of fields
--- ARGV[6..] each str: the fields of a task's record an event reads
+-- ARGV[5] int: retention seconds
+-- ARGV[6] int: number of fields
+-- ARGV[7..] each str: the fields of a task's record an event reads
 -- ARGV[..] each str: then the claimed members (`<root id> <delivery id>`)
 -- Returns per claimed delivery to attempt, oldest first: {its member, its entry (JSON), its subscription's
 --   event patterns (false when gone), its target (JSON; false when gone), the fields' values (false for
 --   each when the task has expired)}; or, for one whose entry does not decode (not JSON, or without a hook
 --   or task_id), {its member, why, the attempts settle_delivery reads it to have}.
-local n_fields = tonumber(ARGV[5])
-local fields = {unpack(ARGV, 6, 5 + n_fields)}
+local n_fields = tonumber(ARGV[6])
+local fields = {unpack(ARGV, 7, 6 + n_fields)}
 local settled = {delivered = true, gone = true, given_up = true}
 local subscriptions, out = {}, {}
 local function named(id)
   return type(id) == 'string' and id ~= ''
 end
-for i = 6 + n_fields, #ARGV do
+for i = 7 + n_fields, #ARGV do
   local member = ARGV[i]
   local root, delivery_id = string.match(member, '^(%S+) (%S+)$')
   local raw = root and redis.call('HGET', ARGV[1] .. root .. ARGV[2], delivery_id)
@@ -43,11 +44,18 @@ for i = 6 + n_fields, #ARGV do
     local attempts = type(entry) == 'table' and tonumber(entry['attempts']) or 0  -- as settle_delivery reads them
     out[#out + 1] = {member, 'its entry does not decode: it has no hook or task_id', attempts}
   else
+    -- What an attempt reads lives while it is tried: the hooks hash and the task's record, written last at the
+    -- event, would lapse under a delivery still retrying (the receiver down longer than the retention, or an
+    -- operator's redeliver), which then ended `gone` or `given_up` with nothing wrong but the wait. The gap
+    -- between two attempts is held under the retention (settings.py).
     local hook = root .. ' ' .. entry['hook']
+    local hooks_key, record_key = ARGV[1] .. root .. ARGV[3], ARGV[1] .. root .. ARGV[4] .. entry['task_id']
     if not subscriptions[hook] then
-      subscriptions[hook] = redis.call('HMGET', ARGV[1] .. root .. ARGV[3], 'h:' .. entry['hook'], 's:' .. entry['hook'])
+      subscriptions[hook] = redis.call('HMGET', hooks_key, 'h:' .. entry['hook'], 's:' .. entry['hook'])
+      redis.call('EXPIRE', hooks_key, ARGV[5])
     end
-    local values = redis.call('HMGET', ARGV[1] .. root .. ARGV[4] .. entry['task_id'], unpack(fields))
+    local values = redis.call('HMGET', record_key, unpack(fields))
+    redis.call('EXPIRE', record_key, ARGV[5])
     out[#out + 1] = {member, raw, subscriptions[hook][1], subscriptions[hook][2], values}
   end
 end

@@ -30,7 +30,7 @@ if tonumber(ARGV[5]) <= 0 then
   return {}
 end
 local claimed = claim_deliveries({KEYS[1]}, {ARGV[3], ARGV[4], ARGV[5]})
-local reads = {ARGV[6], ARGV[7], ARGV[8], ARGV[9], n_fields}
+local reads = {ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[2], n_fields}
 for i = 12 + 6 * n_outcomes, 11 + 6 * n_outcomes + n_fields do
   reads[#reads + 1] = ARGV[i]
 end
