@@ -75,6 +75,21 @@ def test_a_tenant_at_its_max_running_parks_and_its_freed_slot_starts_the_next(fa
     assert fair.get_task(a3).waiting_for is None
 
 
+def test_a_parked_run_admitted_by_its_messages_second_delivery_leaves_the_parked_runs(fair: Coordinator) -> None:
+    """A parked run's message delivered again (the reconciler's false `run-lost`) finds room and runs: it leaves
+    its tenant's parked runs there. Left in them, a later release handed it a second slot while it waited on a
+    person or on its children, and the tenant ran one fewer than its share until the slot was healed."""
+    store = fair.store
+    beat(store, {"*": (1, 0)}, concurrency=1)
+    running, parked = children(fair, "b", 2)
+    assert start(store, running).verdict == "run"
+    assert (start(store, parked).verdict, store.fair.counts("b").parked) == ("park", 1)
+    beat(store, {"*": (1, 0)}, concurrency=2)  # the fleet grew
+    assert start(store, parked).verdict == "run", "its second delivery finds room"
+    assert store.fair.counts("b") == FairCounts(running=2, parked=0, queued=0), store.fair.counts("b")
+    assert store.fair.release(running, SHARES) == [], "the slot freed goes to no run that holds one already"
+
+
 def test_priority_first_then_arrival_within_a_tenant(fair: Coordinator) -> None:
     store = fair.store
     first, second = children(fair, "a", 2)

@@ -65,6 +65,9 @@ else
   end
 end
 if not reason then
+  -- Off its tenant's parked runs, if it was parked (its message delivered again found room): left there, a
+  -- release gave it a second slot, held while it waited on a person or its children.
+  redis.call('ZREM', parked, id)
   redis.call('SADD', running, id)
   redis.call('EXPIRE', running, ARGV[11])
   redis.call('HSET', KEYS[3], id, tenant)
