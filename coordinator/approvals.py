@@ -171,9 +171,13 @@ def list_pending(plane: Plane, root_id: str | None = None) -> list[Approval]:
     """Tool calls waiting for a decision, oldest first (of one tree, or all)."""
     if root_id is not None:
         try:
-            plane.store.records.get_task(root_id)
+            record = plane.store.records.get_task(root_id)
         except NotFoundError as exc:
             raise NotFoundError(exc.message, field="root_id") from None
+        if record.root_id != root_id:  # a child's id would match no approval and answer "nothing waits"
+            raise ValidationError(
+                f"root_id: {root_id} is not a root task (its root is {record.root_id})", field="root_id"
+            )
     out = []
     for approval_id in plane.store.approvals.pending_approval_ids():
         if root_id is None or approval_id.startswith(root_id):

@@ -116,6 +116,22 @@ def test_control_commands_refuse_bad_input(
     assert state(idle_coordinator, NO_TREE) == before
 
 
+def test_approvals_of_a_child_id_is_refused_not_empty(settings: Settings, transport: Transport) -> None:
+    """`--root` with a child's id matched no approval and said nothing waits when the CLI reached Redis itself;
+    through the API it was refused. Both refuse it now, naming root_id, and change nothing."""
+    idle = settings.model_copy(update={"queue": "subq-nobody"})
+    coord = Coordinator(idle)
+    try:
+        root = coord.create_task("a root")
+        (child,) = coord.delegate(root.id, [{"description": "c", "message": "m"}]).child_ids
+        before = state(coord, root.id)
+        proc = cli("approvals", "--root", child, env=transport.env(idle))
+        assert proc.returncode == 1 and "root_id" in proc.stderr and proc.stdout == "", proc
+        assert state(coord, root.id) == before
+    finally:
+        coord.close()
+
+
 def test_cancel_requires_a_reason(settings: Settings) -> None:
     proc = cli("cancel", "0123456789abcdef", env={"SUBQ_REDIS_URL": settings.redis_url or ""})
     assert proc.returncode == 2 and "Missing option '--reason'" in proc.stderr

@@ -68,3 +68,35 @@ def test_without_its_profiles_file_the_error_says_what_is_known_and_where(settin
     refused = _bash("\n".join(tools), tmp_path, env)
     assert refused.returncode != 0
     assert refused.stderr == "subq: Invalid profile: demo (known: offline (built in); SUBQ_PROFILES_FILE is not set)\n"
+
+
+def test_the_audit_docs_name_every_action_and_refusal_reason() -> None:
+    """docs/api.md and docs/security.md list the audit log's actions and the refusals' reasons by hand: each
+    value the code records is named where a reader looks for it."""
+    from typing import get_args
+
+    from coordinator.audit import Action, RefusalReason
+
+    api = (ROOT / "docs" / "api.md").read_text()
+    action_line = re.search(r"- `action`: (.*?);\n- ", api, re.S)
+    reason_line = re.search(r"- `reason`, for a refusal: (.*?); `detail`", api, re.S)
+    metric_row = re.search(r"\| `subq_refused_requests_total` \|.*\n", api)
+    security = (ROOT / "docs" / "security.md").read_text()
+    security_line = re.search(r"`subq_refused_requests_total` \((.*?)\), fleet-wide", security, re.S)
+    assert action_line and reason_line and metric_row and security_line
+    for action in get_args(Action):
+        assert f"`{action}`" in action_line.group(1), action
+    for reason in get_args(RefusalReason):
+        for where in (reason_line.group(1), metric_row.group(0), security_line.group(1)):
+            assert f"`{reason}`" in where, (reason, where)
+
+
+def test_the_cli_docs_ids_are_ids_subq_reads() -> None:
+    """An id in docs/cli.md's example commands is one `subq` takes (an approval id with 13 hex digits was not)."""
+    from coordinator import ids
+
+    commands = "\n".join(line for line in (ROOT / "docs" / "cli.md").read_text().splitlines() if "$ subq" in line)
+    examples = set(re.findall(r"\b[0-9a-f]{16}(?:-[0-9a-z]+)?\b", commands))
+    assert examples
+    for example in examples:
+        assert ids.root_of(example) == example[:16], example
