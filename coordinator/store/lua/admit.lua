@@ -30,11 +30,16 @@ end
 local stagger = tonumber(ARGV[4])
 local reserved = tonumber(ARGV[7]) or 0
 local now = tonumber(ARGV[5])
-if stagger > 0 and reserved > 0 then
-  -- Its delayed start comes back (a new run, a new token): the start it reserved is its own. Read against the
-  -- last start, which is that reservation or a later one, it was delayed again at every return and never ran.
+if stagger > 0 and reserved > 0 and now < reserved + stagger then
+  -- Its delayed start comes back (a new run, a new token) within a stagger of the start it reserved: that start
+  -- is its own. Read against the last start, which is that reservation or a later one, it was delayed again at
+  -- every return and never ran. One later than that (its worker died, the reconciler published it again) starts
+  -- as any other below: several such at once would otherwise all run in the same moment, and the next start too.
   if now < reserved then
     return {'delay', reserved - now, reserved}  -- early: the rest of its wait, no second reservation
+  end
+  if now > tonumber(redis.call('GET', KEYS[4]) or '0') then
+    redis.call('SET', KEYS[4], now, 'EX', ARGV[6])
   end
 elseif stagger > 0 then
   local last = tonumber(redis.call('GET', KEYS[4]) or '0')
