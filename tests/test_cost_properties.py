@@ -34,6 +34,7 @@ from coordinator.settings import Price, Profile
 from coordinator.todo_links import Merged
 from coordinator.todos import normalise
 from tests.agents import reply, subtask
+from tests.helpers import delegate_as_its_run
 from workers.runtime.context import build_runtime
 
 EXAMPLES = 300
@@ -84,7 +85,12 @@ class Tree:
             subtask(f"child {k}", reply("done"), todo_id=items[(n + k) % len(items)].id if named and items else None)
             for k in range(width)
         ]
-        batch = self.coord.delegate(parent, specs, mode)
+        # A child is an agent's task: only its run delegates from it, under its lease's token.
+        batch = (
+            self.coord.delegate(parent, specs, mode)
+            if parent == self.root
+            else delegate_as_its_run(self.coord, parent, specs, mode)
+        )
         self.batches.append(batch.id)
         self.tasks += batch.child_ids
 
@@ -251,6 +257,16 @@ def test_every_plan_adds_up_after_every_step(
     idle_coordinator_module: Coordinator, lifecycle: RunLifecycle, program: list[Op]
 ) -> None:
     play(idle_coordinator_module, lifecycle, program)
+
+
+def test_the_trees_played_nest(idle_coordinator_module: Coordinator, lifecycle: RunLifecycle) -> None:
+    """A delegation from a child (its run's) makes a grandchild: the programs above build nested trees, their
+    roll-ups through a middle task included, not only a root's children."""
+    tree = Tree(idle_coordinator_module, lifecycle)
+    for op in [("delegate", 0, 1, "parallel", False), ("delegate", 1, 1, "parallel", False)]:
+        tree.run(op)
+    depths = [r.depth for r in idle_coordinator_module.store.records.get_records(tree.tasks)]
+    assert max(depths) == 2, depths
 
 
 def _losing_merge(old: Any, new: Any) -> Merged:
