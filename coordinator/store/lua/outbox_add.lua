@@ -40,7 +40,7 @@ end
 -- tree's counts every delivery the tree ever wrote, delivered ones too, so a wide tree's child or approval
 -- events would leave its `on_complete` and `task.*` unwritten; the fleet's, one tree whose receiver is down
 -- fills with its children's events, and every other tree's end, another tenant's too, was dropped. The caps
--- still bound the rest; a root's ends are bounded by its runs and its (at most five) subscriptions.
+-- still bound the rest; a root's ends are bounded by the roots: one an end for each of its subscriptions.
 local own_end = string.sub(etype, 1, 5) == 'task.'
 local function wants(patterns)
   for pattern in string.gmatch(patterns, '%S+') do
