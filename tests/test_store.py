@@ -296,15 +296,16 @@ def test_a_stagger_spaces_the_starts_of_a_tree(idle_coordinator: Coordinator) ->
     assert not coord.client.exists(store.keys.lease(root.root_id, third.id))
 
 
+def _three_children(coord: Coordinator) -> tuple[TaskRecord, list[str]]:
+    root = coord.create_task("root")
+    return root, coord.delegate(root.id, [{"description": f"c{n}", "message": "m"} for n in range(3)]).child_ids
+
+
 def test_a_delayed_start_runs_at_the_start_it_reserved(idle_coordinator: Coordinator) -> None:
     """A delayed start comes back as a new run (a new token) at the start it reserved, and runs. Before, its own
     reservation read as the tree's last start, so it was delayed again at every return and never ran."""
-    coord, store = idle_coordinator, idle_coordinator.store
-    root = coord.create_task("root")
-    first, second, third = coord.delegate(
-        root.id, [{"description": f"c{n}", "message": "m"} for n in range(3)]
-    ).child_ids
-    limits = AdmissionLimits(stagger_ms=300)
+    coord, store, limits = idle_coordinator, idle_coordinator.store, AdmissionLimits(stagger_ms=300)
+    root, (first, second, third) = _three_children(coord)
     last_start = store.keys.last_start(root.root_id)
     assert start(store, first, limits).verdict == "run"
     delayed = start(store, second, limits)
@@ -327,12 +328,8 @@ def test_delayed_starts_that_come_back_late_are_spaced_again(idle_coordinator: C
     """Two delayed starts back a whole stagger past their reservations (their worker died and the reconciler
     published them again, or the pool was busy) do not both run at once: the first runs, the second is spaced
     one stagger after it, as a start that reserved nothing."""
-    coord, store = idle_coordinator, idle_coordinator.store
-    root = coord.create_task("root")
-    first, second, third = coord.delegate(
-        root.id, [{"description": f"c{n}", "message": "m"} for n in range(3)]
-    ).child_ids
-    limits = AdmissionLimits(stagger_ms=300)
+    coord, store, limits = idle_coordinator, idle_coordinator.store, AdmissionLimits(stagger_ms=300)
+    root, (first, second, third) = _three_children(coord)
     assert start(store, first, limits).verdict == "run"
     assert [start(store, t, limits).verdict for t in (second, third)] == ["delay", "delay"]  # at +300, +600
     time.sleep(1.0)  # past both reservations by more than a stagger
