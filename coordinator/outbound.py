@@ -63,9 +63,6 @@ log = logging.getLogger(__name__)
 
 # An end's `result` in a payload: enough to read; the whole record is one GET away.
 MAX_RESULT_CHARS = 4000
-# A claim outlives an attempt's timeout by this much, so a live attempt is never taken twice (the settings hold
-# the wait between two attempts under the retention with it).
-CLAIM_MARGIN_S = WEBHOOK_CLAIM_MARGIN_S
 # How often an idle deliverer looks for due deliveries: an approval reaches its sink within a second or two.
 # A busy one reads its attempts' answers this often.
 POLL_S = 0.25
@@ -677,7 +674,8 @@ class Deliverer:
         with self._lock:
             ended, self._ended = self._ended, []
             free = self.slots - self._busy
-        lease_ms = int((self.settings.webhook_timeout_s + CLAIM_MARGIN_S) * 1000)
+        # A claim outlives an attempt's timeout by a margin, so a live attempt is never taken twice.
+        lease_ms = int((self.settings.webhook_timeout_s + WEBHOOK_CLAIM_MARGIN_S) * 1000)
         try:
             claimed = self.outbox.settle_and_claim(ended, free, lease_ms)
         except Exception:
