@@ -24,7 +24,7 @@
 local n_fields = tonumber(ARGV[6])
 local fields = {unpack(ARGV, 7, 6 + n_fields)}
 local settled = {delivered = true, gone = true, given_up = true}
-local subscriptions, out = {}, {}
+local subscriptions, kept, out = {}, {}, {}
 local function named(id)
   return type(id) == 'string' and id ~= ''
 end
@@ -55,7 +55,10 @@ for i = 7 + n_fields, #ARGV do
       redis.call('EXPIRE', hooks_key, ARGV[5])
     end
     local values = redis.call('HMGET', record_key, unpack(fields))
-    redis.call('EXPIRE', record_key, ARGV[5])
+    if not kept[record_key] then  -- once a call: a task's end is one delivery for each of its subscriptions
+      kept[record_key] = true
+      redis.call('EXPIRE', record_key, ARGV[5])
+    end
     out[#out + 1] = {member, raw, subscriptions[hook][1], subscriptions[hook][2], values}
   end
 end
