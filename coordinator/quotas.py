@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ROOTS_RETRY_AFTER_S",
+    "check_retried_root",
     "check_root",
     "count_spend",
     "day_spend_error",
@@ -56,6 +57,18 @@ def check_root(plane: Plane, tenant: str, root_id: str, policy: TenantPolicy) ->
     )
     if not verdict.accepted:
         raise refusal(tenant, verdict)
+
+
+def check_retried_root(plane: Plane, root: TaskRecord) -> None:
+    """Count a root that ended, run again by a retry, among its tenant's running roots, or raise QuotaExceeded
+    (nothing counted): at `max_running_roots`, a retry waits for a root to end as a new root does."""
+    policy = plane.tenants.policy(root.tenant)
+    verdict = plane.store.quotas.count_root(
+        root.tenant, root.id, submits_per_minute=0, max_running_roots=policy.max_running_roots,
+        max_cost_micros_per_day=0, retried=True,
+    )  # fmt: skip
+    if not verdict.accepted:
+        raise refusal(root.tenant, verdict)
 
 
 def refusal(tenant: str, verdict: QuotaVerdict) -> QuotaExceeded:

@@ -35,7 +35,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from coordinator import delegation, dispatch, faults
+from coordinator import delegation, dispatch, faults, quotas
 from coordinator.errors import ConflictError, StateError
 from coordinator.models import Batch, Retried, RetryBatch, RetryRefused, RetrySkip, RetryTask, TaskRecord, TaskStatus
 
@@ -62,6 +62,13 @@ def retry(plane: Plane, task_id: str, *, failed: bool = False) -> Retried:
     if not plan.tasks:
         reasons = "; ".join(skip.reason for skip in plan.skipped)
         raise StateError(f"no failed task of the tree of {top.id} can be retried: {reasons}", field="task_id")
+    # A root that ended runs again: its tenant's max_running_roots counts it first (the tenant's keys are not the
+    # tree's, so not in the retry's step). A refused retry takes it back out; a process that dies between the two
+    # leaves an ended root counted, which the next count takes out (QuotaStore.prune_roots).
+    root = top if top.id == top.root_id else plane.store.records.get_task(top.root_id)
+    recounted = root.status.terminal and any(task.task_id == root.id for task in plan.tasks)
+    if recounted:
+        quotas.check_retried_root(plane, root)
     done = plane.store.retries.retry(
         top.root_id,
         plan.tasks,
@@ -70,6 +77,8 @@ def retry(plane: Plane, task_id: str, *, failed: bool = False) -> Retried:
         pace_s=delegation.PUBLISH_PACE_S,  # published one by one below, as a wide batch's children are
     )
     if isinstance(done, RetryRefused):
+        if recounted:
+            plane.store.quotas.uncount_root(root.tenant, root.id)
         raise _refused(plane, done)
     # Committed: every task to run is on the due list, so a process that dies before it has
     # published them all leaves the rest to the reconciler (`run-lost`).

@@ -240,11 +240,20 @@ class Run:
 
     def stepped(self, reply: Stepped, *, keep: bool) -> Stepped:
         """A step was sent: what it wrote is gone from `writes`, and its reply is the run's state."""
+        spends = self.writes.usage
         self.writes.clear()
         self.step.stepped(reply, keep=keep)
         if not reply.leased:
             raise LeaseLost(self.task.id)
+        if spends and TaskStatus(reply.status).terminal:
+            self._spent_before_the_stop(spends)
         return reply
+
+    def _spent_before_the_stop(self, spends: list[Spend]) -> None:
+        """A step that found its task stopped wrote none of its spend (a stop's figures are final at once), but
+        the provider billed each response the run had: recorded after the stop, once, on the task, its
+        ancestors and the plan items already written back (record_late_spend.lua)."""
+        self._plane.store.runs.record_late_spend(self.task, spends)
 
     # -- each model request -------------------------------------------------------------
 
@@ -335,10 +344,13 @@ class Run:
                 self.task, self.token, self.writes, _outcome_fields(outcome), plane.settings.reconcile_grace_s,
                 self._admission, stop_on_budget=outcome.status == "completed", fair=admission.fair(plane),
             )  # fmt: skip
+        spends = self.writes.usage
         self.writes.clear()
         self.step.ended(ending)
         if ending.kind == "fenced":
             raise LeaseLost(task_id)
+        if spends and ending.kind == "ended" and ending.status != outcome.status:
+            self._spent_before_the_stop(spends)  # a stop landed since its last step: its end wrote no spend
         if ending.kind == "exhausted":
             # Its last response reached a budget: the holder's subtree is stopped, this run with it.
             return self.end(self.stopped(ending.holder))

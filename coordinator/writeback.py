@@ -24,9 +24,10 @@ A completed child with an output schema has its validated data appended to its
 line as compact JSON (`Output (JSON): ...`, one line), up to OUTPUT_IN_LINE_BYTES
 (an output's own bound, so every valid one fits). The whole is at most
 COMBINED_RESULT_BYTES: past it, each later line keeps its head and names the
-child whose record has the rest (`[cut: ...]`). The lines are written by
-`apply_children.lua`, the header and the cut by `close_batch.lua` (`Stopped: ...`
-first when the parent was stopped meanwhile).
+child whose record has the rest (`[cut: ...]`). The lines are made by hashes.lua's
+`line_of` and written by `apply_children.lua` (and again by `record_late_spend.lua`
+with the spend a run made before a stop), the header and the cut by
+`close_batch.lua` (`Stopped: ...` first when the parent was stopped meanwhile).
 
 Callers, all in the coordinator: a run's end for a step of a chain (`end_run.lua`
 writes a parallel child back itself), a redelivery of an ended task and the
@@ -63,8 +64,8 @@ __all__ = [
 ]
 
 # The most of a child's output (compact JSON) its line of the combined result carries: a parent of
-# fifty typed children reads fifty objects, each within a few thousand tokens (apply_children.lua's
-# OUTPUT_IN_LINE is this number).
+# fifty typed children reads fifty objects, each within a few thousand tokens (hashes.lua's OUTPUT_IN_LINE
+# is this number).
 OUTPUT_IN_LINE_BYTES = 16384
 # The most the whole combined result carries (close_batch.lua's COMBINED_RESULT_BYTES, the same number): past
 # it, each later child's line keeps its first 300 bytes (status, description, task id) and names its record.

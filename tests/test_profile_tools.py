@@ -24,7 +24,7 @@ from coordinator import ConfigError, Coordinator, Profile, RunCommand, Settings,
 from coordinator.local.fleet import WorkerFleet
 from coordinator.settings import ToolLimit
 from coordinator.tree import render_tree
-from tests.agents import STEP_COST_MICROS, agent, call, reply
+from tests.agents import STEP_COST_MICROS, agent, call, reply, subtask
 from tests.conftest import dedicated_fleet
 from tests.event_tap import EventTap
 from tests.helpers import HostLag, assert_worker_refuses, eventually, processes_with, subq_tools
@@ -375,6 +375,52 @@ def test_a_tools_price_is_its_tasks_spend_on_the_parents_plan_item(tooled: Toole
     (item,) = coord.get_todos(parent.id)
     assert item.cost_micros == child.total_cost_micros == child.cost_micros
     assert coord.get_task(parent.id).total_cost_micros == child.cost_micros
+
+
+def test_a_response_held_for_its_idempotent_call_is_spend_when_a_stop_lands_during_the_call(tooled: Tooled) -> None:
+    """A response whose calls are all idempotent is written with its first call's result; a cancel of the tree
+    during the call still records it: on the child, on its plan item and on the root's total."""
+    coord, marks = tooled.coord, tooled.marks
+    label = f"held-{uuid.uuid4().hex[:8]}"
+    message = agent(call("linger", label=label, seconds=120), reply("never read"))
+    parent, child_id = _one_child_on_an_item(coord, "linger", "fragile", message)
+    eventually(lambda: (marks / f"{label}.started").exists(), "the idempotent call has started", 60)
+    coord.cancel(parent.id, "stopped during the call")
+    child = coord.wait(child_id, 30)
+    assert child.status == TaskStatus.CANCELLED
+    eventually(lambda: coord.get_task(child_id).requests == 1, "the held response is recorded", 30)
+    child = coord.get_task(child_id)
+    assert child.cost_micros == child.total_cost_micros == STEP_COST_MICROS, "the provider billed the response"
+    (item,) = coord.get_todos(parent.id)
+    assert (item.subtask_id, item.cost_micros) == (child_id, STEP_COST_MICROS), "the plan item shows it too"
+    assert coord.get_task(parent.id).total_cost_micros == STEP_COST_MICROS
+
+
+def test_spend_recorded_after_a_stop_reaches_every_level_already_written_back(tooled: Tooled) -> None:
+    """Root -> middle -> leaf, the leaf's response held for its idempotent call when the root is cancelled: the
+    stop wrote the leaf back onto the middle's item and the middle onto the root's, and both items show the
+    leaf's spend."""
+    coord, marks = tooled.coord, tooled.marks
+    label = f"deep-{uuid.uuid4().hex[:8]}"
+    leaf = subtask("leaf", call("linger", label=label, seconds=120), reply("never read"))
+    middle = agent(call("new_task", **leaf, profile="fragile"), reply("never read"))
+    root, middle_id = _one_child_on_an_item(coord, "delegate deeper", "fragile", middle)
+    eventually(lambda: (marks / f"{label}.started").exists(), "the leaf's idempotent call has started", 60)
+    coord.cancel(root.id, "stopped during the call")
+    (leaf_id,) = coord.get_task(middle_id).child_ids
+    eventually(lambda: coord.get_task(leaf_id).requests == 1, "the leaf's held response is recorded", 30)
+    leaf_record, middle_record = coord.get_task(leaf_id), coord.get_task(middle_id)
+    assert leaf_record.status == middle_record.status == TaskStatus.CANCELLED
+    assert leaf_record.total_cost_micros == STEP_COST_MICROS
+    (leaf_item,) = coord.get_todos(middle_id)  # new_task puts its child on a row of the middle's plan
+    assert (leaf_item.subtask_id, leaf_item.cost_micros) == (leaf_id, STEP_COST_MICROS)
+    assert middle_record.total_cost_micros == middle_record.cost_micros + STEP_COST_MICROS == 2 * STEP_COST_MICROS
+    (item,) = coord.get_todos(root.id)
+    assert (item.subtask_id, item.cost_micros) == (middle_id, middle_record.total_cost_micros)
+    assert coord.get_task(root.id).total_cost_micros == 2 * STEP_COST_MICROS
+    # The middle's line of the root's combined result says the figures its item shows.
+    lines = coord.store.client.hgetall(coord.store.keys.batch_lines(root.id, middle_record.batch_id))
+    assert "$0.042000)" in lines[middle_id], lines
 
 
 def test_a_tool_reports_its_own_cost_and_it_lands_on_the_plan_item(tooled: Tooled) -> None:

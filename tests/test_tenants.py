@@ -440,3 +440,44 @@ def test_a_run_stops_its_tree_on_its_tenants_day_only_while_the_day_is_still_ove
         runtime.coordinator.close()
         _clean(coord)
         coord.close()
+
+
+def test_a_retried_root_counts_against_max_running_roots_again(settings: Settings) -> None:
+    """A retry runs an ended root again: it takes a running place, so a tenant at its limit cannot run one more
+    root by retrying one; a refused retry changes nothing."""
+    own = settings.model_copy(
+        update={"key_prefix": PREFIX, "queue": "subq-tenants-idle", "tenants": {"acme": {"max_running_roots": 1}}}
+    )
+    coord = Coordinator(own)
+    _clean(coord)
+    try:
+        first = coord.create_task("fails", tenant="acme", run=True)  # on a queue no worker reads
+        coord.store.runs.finish_task(first.id, "failed", error="boom", error_class="RuntimeError")
+        second = coord.create_task("runs", tenant="acme")  # the failed root has left the running roots
+        before = _snapshot(coord)
+        with pytest.raises(QuotaExceeded) as caught:
+            coord.retry(first.id)
+        assert caught.value.quota == "max_running_roots" and "has 1 roots running" in caught.value.message
+        assert _snapshot(coord) == before and coord.get_task(first.id).status == TaskStatus.FAILED
+        coord.cancel(second.id, "make room")
+        assert coord.retry(first.id).task.status != TaskStatus.FAILED
+        assert coord.store.quotas.running_roots("acme") == [first.id]
+        with pytest.raises(QuotaExceeded):
+            coord.create_task("third", tenant="acme")
+    finally:
+        _clean(coord)
+        coord.close()
+
+
+def test_a_root_running_longer_than_a_retention_stays_counted(coord: Coordinator) -> None:
+    """A submit drops the roots counted longer ago than a retention; a count of the running roots (every check,
+    `subq tenants`, a scrape) counts a root still running as of now, so a long one is not dropped."""
+    quotas, key = coord.store.quotas, coord.store.keys.tenant_roots("slow")
+    root = coord.create_task("long", tenant="slow")
+    retention_ms = coord.settings.result_retention_s * 1000
+    coord.client.zadd(key, {root.id: time.time() * 1000 - retention_ms + 5_000})  # counted almost a retention ago
+    assert quotas.usage("slow").roots_running == 1
+    later_ms = int(time.time() * 1000) + 10_000  # a submit after the first count's retention
+    free = {"submits_per_minute": 0, "max_running_roots": 0, "max_cost_micros_per_day": 0}
+    assert quotas.count_root("slow", "next-root", now_ms=later_ms, **free).accepted
+    assert sorted(coord.client.zrange(key, 0, -1)) == sorted([root.id, "next-root"])

@@ -388,7 +388,7 @@ def test_a_wide_fan_out_of_large_outputs_is_bounded_as_one_result(typed: Typed) 
 def test_the_lua_bounds_of_a_childs_line_equal_pythons() -> None:
     assert MAX_OUTPUT_BYTES == OUTPUT_IN_LINE_BYTES  # every valid output fits its line whole
     lua = Path(__file__).resolve().parent.parent / "coordinator" / "store" / "lua"
-    assert f"local OUTPUT_IN_LINE = {OUTPUT_IN_LINE_BYTES}\n" in (lua / "apply_children.lua").read_text()
+    assert f"local OUTPUT_IN_LINE = {OUTPUT_IN_LINE_BYTES}\n" in (lua / "hashes.lua").read_text()
     assert f"local COMBINED_RESULT_BYTES = {COMBINED_RESULT_BYTES}\n" in (lua / "close_batch.lua").read_text()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from coordinator import Coordinator, TaskRecord, Usage
 from coordinator.celery_app import make_app
+from coordinator.models import Spend
 from tests.agents import reply, subtask
 from tests.helpers import Transport
 from workers.runtime.context import build_runtime
@@ -144,3 +145,45 @@ def test_a_rewrite_that_drops_a_linked_row_moves_its_child_to_the_next_free_row(
     (row,) = coord.store.records.get_todos(parent.id)
     assert (row.content, row.subtask_id, row.cost_micros, row.tokens) == ("B", c1, 700, 7000)
     assert assert_plan_adds_up(coord, parent.id).unlinked_cost_micros == 0
+
+
+def test_spend_recorded_after_a_stop_keeps_the_plan_adding_up(idle_coordinator: Coordinator) -> None:
+    """A run's response recorded after its task was stopped (record_late_spend.lua): a child written back already
+    moves its parent's unlinked spend or its row, a child not written back yet is read whole when it is; twice
+    is once."""
+    coord = idle_coordinator
+    parent = coord.create_task("p", todos="[ ] A\n[ ] B")
+    a, b = coord.get_todos(parent.id)
+    batch = coord.delegate(parent.id, [subtask("A", reply("a"), todo_id=a.id), subtask("B", reply("b"), todo_id=b.id)])
+    c1, c2 = batch.child_ids
+    coord.update_todos(parent.id, "[ ] B")  # c1 is on no row: its spend is the parent's unlinked spend
+    spend(coord, c1, 700, 7000)
+    coord.cancel(c1, "stopped")  # written back at once, with the 700 it had
+    coord.cancel(c2, "stopped")
+    held = Spend(request_key="1:2", usage=Usage(tokens_in=40, tokens_out=2), cost_micros=90, cost_source="test")
+    for _ in range(2):
+        assert coord.store.runs.record_late_spend(coord.get_task(c1), [held]) in (0, 1)
+        coord.store.runs.record_late_spend(coord.get_task(c2), [held])
+    record = assert_plan_adds_up(coord, parent.id)
+    assert (record.unlinked_cost_micros, record.unlinked_tokens) == (790, 7042)
+    (item,) = coord.store.records.get_todos(parent.id)
+    assert (item.subtask_id, item.cost_micros, item.tokens) == (c2, 90, 42)
+    assert record.total_cost_micros == 880
+    assert (coord.get_task(c1).requests, coord.get_task(c2).requests) == (2, 1), "the held one recorded once each"
+    assert coord.store.runs.record_late_spend(coord.get_task(c2), [held]) == 0
+
+
+def test_spend_recorded_after_a_stop_on_a_child_not_written_back_yet_is_read_by_its_write_back(
+    idle_coordinator: Coordinator,
+) -> None:
+    coord = idle_coordinator
+    parent = coord.create_task("p", todos="[ ] A")
+    (a,) = coord.get_todos(parent.id)
+    batch = coord.delegate(parent.id, [subtask("A", reply("a"), todo_id=a.id)])
+    (c1,) = batch.child_ids
+    coord.store.runs.finish_task(c1, "cancelled", "stopped")  # ended, its write-back still to come
+    held = Spend(request_key="1:1", usage=Usage(tokens_in=10), cost_micros=55, cost_source="test")
+    assert coord.store.runs.record_late_spend(coord.get_task(c1), [held]) == 1
+    build_runtime(coord.settings, make_app(coord.settings)).lifecycle.settle_batch(batch.id)
+    record = assert_plan_adds_up(coord, parent.id)
+    assert (coord.get_todos(parent.id)[0].cost_micros, record.total_cost_micros) == (55, 55)

@@ -70,10 +70,18 @@ async def refresh(ctx: RunContext[object], label: str, seconds: float) -> str:
     return f"refreshed {label}"
 
 
-# A tool kit whose `settle` is declared idempotent, as a deployment declares one (pydantic-ai's tool metadata).
+async def linger(ctx: RunContext[object], label: str, seconds: float) -> str:
+    """Leave a mark as it starts, then wait: declared idempotent (a test stops its run while it waits)."""
+    (Path(os.environ["TOOL_KIT_MARKS"]) / f"{label}.started").write_text("1")
+    await asyncio.sleep(seconds)
+    return f"lingered {label}"
+
+
+# A tool kit whose `settle` and `linger` are declared idempotent, as a deployment declares one (pydantic-ai's tool metadata).
 journal_kit: FunctionToolset[object] = FunctionToolset()
 journal_kit.add_function(slow_mark)
 journal_kit.add_function(settle, metadata={"idempotent": True})
+journal_kit.add_function(linger, metadata={"idempotent": True})
 
 
 def explode(reason: str) -> str:

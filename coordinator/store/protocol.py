@@ -1033,8 +1033,9 @@ class RecordUsage(
     script="record_usage",
     uses=("outbox_add",),
     returns="{recorded, exhausted}: recorded is 1, 0 (this request was recorded before) or -1 (the task has "
-    "ended, e.g. was cancelled: nothing is recorded after a stop); exhausted is the id of the topmost task "
-    "(nearest the root) whose budget the subtree total has reached, or ''.",
+    "ended, e.g. was cancelled, and ARGV[12] is not '1': a step refuses spend after a stop, and its run records it "
+    "by record_late_spend); exhausted is the id of the topmost task (nearest the root) whose budget the subtree "
+    "total has reached, or ''.",
 ):
     task: str = key(
         "task hash (its `usage_keys` field lists the request keys already recorded, space-separated: read and "
@@ -1061,10 +1062,39 @@ class RecordUsage(
     refresh_task: str | None = arg(
         "'0': leave the task hash's retention to the caller (end_run refreshes it once)", optional=True
     )
+    late: str | None = arg(
+        "'1': a response its run had before its task was stopped, recorded after the stop (record_late_spend)",
+        optional=True,
+    )
 
     @classmethod
     def decode(cls, raw: Any) -> UsageRecorded:
         return UsageRecorded(recorded=int(raw[0]), exhausted=str(raw[1]) or None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordLateSpend(
+    Call[int],
+    script="record_late_spend",
+    uses=("outbox_add", "record_usage"),
+    returns="how many of the records were recorded now (a record recorded before is not counted again).",
+):
+    task: str = key("task hash (stopped since its run's last step)")
+    outbox: OutboxKeys = splice("the tree's outbox (outbox_add's {side}: a budget warning, record_usage)")
+    ancestors: Sequence[str] = keys("ancestor hashes (parent first, root last)")
+    now: float = arg("now")
+    retention_s: int = arg("retention seconds")
+    budget_warn_at: float = arg("the share of a budget whose crossing sends `budget.warning` (record_usage)")
+    todos_prefix: str = arg("the prefix of the tree's todo lists")
+    lines_prefix: str = arg("the prefix of the tree's batch lines")
+    usage: Sequence[UsageArgs] = args(
+        "7 values per usage record (request key, tokens in, tokens out, cache reads, cache writes, cost "
+        "micro-USD, cost source)"
+    )
+
+    @classmethod
+    def decode(cls, raw: Any) -> int:
+        return int(raw)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1795,6 +1825,11 @@ class TenantSubmit(
     max_running_roots: int = arg("roots running at once (0: no quota)")
     max_cost_micros_per_day: int = arg("micro-USD per rolling day (0: no quota)")
     retention_s: int = arg("retention seconds (the running roots zset's lifetime)")
+    retried: str | None = arg(
+        "'1': a root that ended, run again by a retry: counted among the running roots again (its submit was "
+        "counted when it was made), under max_running_roots only",
+        optional=True,
+    )
 
     @classmethod
     def decode(cls, raw: Any) -> QuotaVerdict:

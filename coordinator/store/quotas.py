@@ -73,8 +73,11 @@ class QuotaStore(Part):
         max_running_roots: int,
         max_cost_micros_per_day: int,
         now_ms: int | None = None,
+        retried: bool = False,
     ) -> QuotaVerdict:
-        """Check the tenant's quotas for a new root and count it, atomically; a refusal writes nothing."""
+        """Check the tenant's quotas for a new root and count it, atomically; a refusal writes nothing. A
+        `retried` root (one that ended, run again) is counted among the running roots again, under
+        `max_running_roots` alone."""
         if max_running_roots > 0:
             self.prune_roots(tenant)
         keys = self.keys
@@ -89,15 +92,21 @@ class QuotaStore(Part):
                 max_running_roots=max_running_roots,
                 max_cost_micros_per_day=max_cost_micros_per_day,
                 retention_s=self.retention_s,
+                retried="1" if retried else None,
             )
         )
-        if verdict.accepted:
+        if verdict.accepted and not retried:
             # The tenants view lists every tenant that created a root (another slot: written apart).
             pipe = self.client.pipeline(transaction=False)
             pipe.zadd(keys.tenants(), {tenant: time.time()})
             pipe.zremrangebyscore(keys.tenants(), "-inf", time.time() - self.retention_s)
             pipe.execute()
         return verdict
+
+    @translate_redis_errors
+    def uncount_root(self, tenant: str, root_id: str) -> None:
+        """Take a root back out of the tenant's running roots (a retry counted it, then was refused)."""
+        self.client.zrem(self.keys.tenant_roots(tenant), root_id)
 
     @translate_redis_errors
     def count_spend(self, tenant: str, request: str, cost_micros: int, now_ms: int | None = None) -> int:
@@ -131,8 +140,19 @@ class QuotaStore(Part):
             for (root, counted_ms), status in zip(counted.items(), statuses, strict=True)
             if status in _ENDED or (status is None and counted_ms < unwritten_before_ms)
         ]
+        # A root still running is counted as of now: a submit drops the roots counted longer ago than a retention
+        # (tenant_submit.lua), which would drop one that runs longer than that. (XX: one that ended meanwhile and
+        # was taken out stays out.)
+        running = {root: time.time() * 1000 for root, status in zip(counted, statuses, strict=True) if status}
+        for root in ended:
+            running.pop(root, None)
+        pipe = self.client.pipeline(transaction=False)
         if ended:
-            self.client.zrem(key, *ended)
+            pipe.zrem(key, *ended)
+        if running:
+            pipe.zadd(key, running, xx=True)
+            pipe.expire(key, self.retention_s)
+        pipe.execute()
         return len(counted) - len(ended)
 
     @translate_redis_errors

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from coordinator.errors import NotFoundError
 from coordinator.ids import root_of
-from coordinator.models import AdmissionLimits, Outcome, RunWrites, TaskRecord, ToolCallDone, Usage
+from coordinator.models import AdmissionLimits, Outcome, RunWrites, Spend, TaskRecord, ToolCallDone, Usage
 from coordinator.replies import Ending, Stepped, UsageRecorded
 from coordinator.store.base import (
     EVENTS_MAXLEN,
@@ -35,6 +35,7 @@ from coordinator.store.protocol import (
     FreeToolSlot,
     MarkToolStarted,
     RateLimit,
+    RecordLateSpend,
     RecordTool,
     RecordUsage,
     ReleaseLease,
@@ -51,11 +52,16 @@ from coordinator.store.records import RecordStore, decode_record
 __all__ = ["ADMISSION_SCAN", "Ending", "RunStore", "Started"]
 
 
+def _usage_args(spends: Sequence[Spend]) -> list[UsageArgs]:
+    """Each response's usage (or a tool call's price) as the scripts read it."""
+    return [UsageArgs.of(s.request_key, s.usage, s.cost_micros, s.cost_source) for s in spends]
+
+
 def _step_writes(writes: RunWrites) -> StepWrites:
     """What a run did since its last step, as flush_run.lua (and end_run.lua after its own ARGV) reads it."""
     return StepWrites(
         live=writes.live, conversation=writes.conversation, ui_messages=writes.ui_messages,
-        usage=[UsageArgs.of(s.request_key, s.usage, s.cost_micros, s.cost_source) for s in writes.usage],
+        usage=_usage_args(writes.usage),
         marks=writes.marks,
     )  # fmt: skip
 
@@ -298,6 +304,22 @@ class RunStore(Part):
                 tokens_in=usage.tokens_in, tokens_out=usage.tokens_out, cache_reads=usage.cache_reads,
                 cache_writes=usage.cache_writes, cost_micros=cost_micros, cost_source=cost_source, now=time.time(),
                 retention_s=self.retention_s, budget_warn_at=self.budget_warn_at,
+            )
+        )  # fmt: skip
+
+    @translate_redis_errors
+    def record_late_spend(self, record: TaskRecord, spends: Sequence[Spend]) -> int:
+        """Record what a run spent before its task was stopped, which its step refused for the stop
+        (record_late_spend.lua): on the task, up its ancestors, and on each plan item and line of the combined
+        result already written back. Once per request key; how many were recorded now."""
+        root = record.root_id
+        return self.scripts(
+            RecordLateSpend(
+                task=self.keys.task(root, record.id), outbox=outbox_keys(self.keys, root),
+                ancestors=self._ancestor_keys(record), now=time.time(), retention_s=self.retention_s,
+                budget_warn_at=self.budget_warn_at, todos_prefix=self.keys.todos(root, ""),
+                lines_prefix=self.keys.batch_lines(root, ""),
+                usage=_usage_args(spends),
             )
         )  # fmt: skip
 

@@ -18,44 +18,6 @@
 -- A child that has not ended (no terminal status) is skipped. A child no row carries adds its
 -- figures to the parent's unlinked spend. The batch lines hold each applied child's line, so
 -- closing the batch reads no sibling.
--- The child's line of the combined result (writeback.combined_result has the format; the
--- number is its place in the batch, added when the batch closes).
--- The most of a child's output its line carries (writeback.py: OUTPUT_IN_LINE_BYTES, the same number).
-local OUTPUT_IN_LINE = 16384
-local function usd(micros)
-  local sign = micros < 0 and '-' or ''
-  micros = math.abs(micros)
-  return string.format('%s$%d.%06d', sign, math.floor(micros / 1000000), micros % 1000000)
-end
-local function one_line(text)
-  return (string.gsub(string.gsub(text or '', '%s+', ' '), '^ ?(.-) ?$', '%1'))
-end
-local function line_of(child_id, got)
-  local todo = (got.todo_id and got.todo_id ~= '') and (', todo ' .. got.todo_id) or ''
-  local body
-  if got.status == 'completed' then
-    body = one_line(got.summary)
-  else
-    local class = (got.error_class and got.error_class ~= '') and got.error_class or 'Error'
-    local err = (got.error and got.error ~= '') and got.error or 'no detail'
-    body = class .. ': ' .. err
-  end
-  -- One concatenation, one string (each piece joined apart would be a string of its own).
-  local line = '[' .. got.status .. '] ' .. (got.description or '') .. ' (task ' .. child_id .. todo .. '): ' .. body
-    .. ' (' .. got.tokens .. ' tokens, ' .. usd(got.cost) .. ')'
-  -- A completed typed child's data, as its compact JSON (one line: JSON escapes every line break),
-  -- up to OUTPUT_IN_LINE bytes; a larger one is named, for the parent to read from the record.
-  if got.status == 'completed' and got.output and got.output ~= '' then
-    if #got.output <= OUTPUT_IN_LINE then
-      line = line .. ' Output (JSON): ' .. got.output
-    else
-      line = line .. ' Output: ' .. #got.output .. ' bytes of JSON, more than the ' .. OUTPUT_IN_LINE ..
-        ' shown here: it is the output of task ' .. child_id
-    end
-  end
-  return line
-end
-
 -- A parent whose record lapsed (a batch open longer than a retention: its plan and batch lines went with it)
 -- takes no write-back: any write here would make its keys again with no retention. (Inside a run's end the
 -- record is read already, end_run.lua's prefetch.)
@@ -68,15 +30,10 @@ local applied = {}
 for i = 4, #ARGV do
   local child_id = ARGV[i]
   local key = KEYS[i + 2]
-  local f = hash_get(key, 'status', 'total_tokens', 'total_cost_micros', 'todo_id', 'description',
-    'summary', 'error_class', 'error', 'output')
-  if ENDED[f[1]] then
-    -- The item shows the child's subtree totals, read from the child record (the
-    -- system of record), never from a message, so a stale result cannot skew them.
-    local got = {
-      status = f[1], tokens = tonumber(f[2] or '0'), cost = tonumber(f[3] or '0'), todo_id = f[4],
-      description = f[5], summary = f[6], error_class = f[7], error = f[8], output = f[9],
-    }
+  -- The item shows the child's subtree totals, read from the child record (the
+  -- system of record), never from a message, so a stale result cannot skew them.
+  local got = child_figures(key)
+  if ENDED[got.status] then
     if redis.call('HSETNX', KEYS[5], child_id, line_of(child_id, got)) == 1 then
       figures[child_id] = got
       applied[#applied + 1] = child_id
@@ -94,9 +51,7 @@ for i = 4, #ARGV do
   if got then
     local id, item = linked_item(KEYS[2], child_id, got.todo_id)
     if id then
-      -- A retried item shows its earlier children's figures too (prior_*), and this child's.
-      item['tokens'] = (tonumber(item['prior_tokens']) or 0) + got.tokens
-      item['cost_micros'] = (tonumber(item['prior_cost_micros']) or 0) + got.cost
+      item_shows(item, got)
       if got.status == 'completed' then
         item['status'] = 'completed'
       end

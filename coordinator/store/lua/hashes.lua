@@ -275,6 +275,55 @@ local function timeline_mark(key, now_s, state)
   return text ~= nil
 end
 
+-- A child's line of the combined result (writeback.combined_result has the format; the number is its place
+-- in the batch, added when the batch closes): written by its write-back (apply_children), and again with the
+-- spend its run made before a stop and recorded after it (record_late_spend).
+-- The most of a child's output its line carries (writeback.py: OUTPUT_IN_LINE_BYTES, the same number).
+local OUTPUT_IN_LINE = 16384
+local function usd(micros)
+  local sign = micros < 0 and '-' or ''
+  micros = math.abs(micros)
+  return string.format('%s$%d.%06d', sign, math.floor(micros / 1000000), micros % 1000000)
+end
+local function one_line(text)
+  return (string.gsub(string.gsub(text or '', '%s+', ' '), '^ ?(.-) ?$', '%1'))
+end
+local function line_of(child_id, got)
+  local todo = (got.todo_id and got.todo_id ~= '') and (', todo ' .. got.todo_id) or ''
+  local body
+  if got.status == 'completed' then
+    body = one_line(got.summary)
+  else
+    local class = (got.error_class and got.error_class ~= '') and got.error_class or 'Error'
+    local err = (got.error and got.error ~= '') and got.error or 'no detail'
+    body = class .. ': ' .. err
+  end
+  -- One concatenation, one string (each piece joined apart would be a string of its own).
+  local line = '[' .. got.status .. '] ' .. (got.description or '') .. ' (task ' .. child_id .. todo .. '): ' .. body
+    .. ' (' .. got.tokens .. ' tokens, ' .. usd(got.cost) .. ')'
+  -- A completed typed child's data, as its compact JSON (one line: JSON escapes every line break),
+  -- up to OUTPUT_IN_LINE bytes; a larger one is named, for the parent to read from the record.
+  if got.status == 'completed' and got.output and got.output ~= '' then
+    if #got.output <= OUTPUT_IN_LINE then
+      line = line .. ' Output (JSON): ' .. got.output
+    else
+      line = line .. ' Output: ' .. #got.output .. ' bytes of JSON, more than the ' .. OUTPUT_IN_LINE ..
+        ' shown here: it is the output of task ' .. child_id
+    end
+  end
+  return line
+end
+
+-- What a child's line and its plan item show, read from its record (`got` of line_of).
+local function child_figures(key)
+  local f = hash_get(key, 'status', 'total_tokens', 'total_cost_micros', 'todo_id', 'description', 'summary',
+    'error_class', 'error', 'output')
+  return {
+    status = f[1], tokens = tonumber(f[2] or '0'), cost = tonumber(f[3] or '0'), todo_id = f[4],
+    description = f[5], summary = f[6], error_class = f[7], error = f[8], output = f[9],
+  }
+end
+
 -- The todo item a child serves, in the todos hash `todos` (item id -> JSON, 'order' -> ids): the
 -- one its record names if that item is still linked to it, else (the list was rewritten since)
 -- the item that carries its link; nil when none does. Shared by the write-back (apply_children)
@@ -302,6 +351,13 @@ local function linked_item(todos, child_id, todo_id)
     end
   end
   return nil, nil
+end
+
+-- A linked item's figures, from its child's (`got`, child_figures): a retried item shows its earlier children's
+-- figures too (prior_*), and this child's.
+local function item_shows(item, got)
+  item['tokens'] = (tonumber(item['prior_tokens']) or 0) + got.tokens
+  item['cost_micros'] = (tonumber(item['prior_cost_micros']) or 0) + got.cost
 end
 
 -- Whether the run of lease token `token` no longer holds its task's lease `lease` (it stalled past the lapse: a

@@ -22,12 +22,15 @@
 -- ARGV[10] float: the share of a budget (0 < share < 1) whose crossing sends the budgeted task's
 --   `budget.warning`, once: its `budget_warned` field keeps the shares warned
 -- ARGV[11] (optional) str: '0': leave the task hash's retention to the caller (end_run refreshes it once)
+-- ARGV[12] (optional) str: '1': a response its run had before its task was stopped, recorded after the
+--   stop (record_late_spend)
 -- Returns {recorded, exhausted}: recorded is 1, 0 (this request was recorded before) or -1 (the task has
---   ended, e.g. was cancelled: nothing is recorded after a stop); exhausted is the id of the topmost task
---   (nearest the root) whose budget the subtree total has reached, or ''.
+--   ended, e.g. was cancelled, and ARGV[12] is not '1': a step refuses spend after a stop, and its run
+--   records it by record_late_spend); exhausted is the id of the topmost task (nearest the root) whose
+--   budget the subtree total has reached, or ''.
 local own = hash_get(KEYS[1], unpack(USAGE_FIELDS))
 local status = own[1]
-if ENDED[status] then
+if ENDED[status] and ARGV[12] ~= '1' then
   return {-1, ''}
 end
 local recorded = own[12] or ''

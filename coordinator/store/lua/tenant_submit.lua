@@ -11,17 +11,20 @@
 -- ARGV[4] int: roots running at once (0: no quota)
 -- ARGV[5] int: micro-USD per rolling day (0: no quota)
 -- ARGV[6] int: retention seconds (the running roots zset's lifetime)
+-- ARGV[7] (optional) str: '1': a root that ended, run again by a retry: counted among the running roots
+--   again (its submit was counted when it was made), under max_running_roots only
 -- Returns {1} when the root is counted (or was before: a retried submit of the same root), or {0, quota,
 --   used, limit, retry after ms} when a quota refuses it (nothing written).
 local root, now = ARGV[1], tonumber(ARGV[2])
 local per_minute, max_roots, max_spend = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-if redis.call('ZSCORE', KEYS[2], root) or redis.call('ZSCORE', KEYS[1], root) then
+local retried = ARGV[7] == '1'
+if redis.call('ZSCORE', KEYS[2], root) or (not retried and redis.call('ZSCORE', KEYS[1], root)) then
   return {1}
 end
 -- Reads only: a refusal must leave every key as it was (stale entries are dropped once the root is counted).
 local minute_ago = now - 60000
 local submits = redis.call('ZCOUNT', KEYS[1], '(' .. minute_ago, '+inf')
-if per_minute > 0 and submits >= per_minute then
+if per_minute > 0 and not retried and submits >= per_minute then
   -- The window frees a place when the oldest submit inside it turns a minute old.
   local oldest = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. minute_ago, '+inf', 'WITHSCORES', 'LIMIT', 0,
     submits - per_minute + 1)
@@ -33,7 +36,7 @@ if max_roots > 0 then
     return {0, 'max_running_roots', running, max_roots, 0}
   end
 end
-if max_spend > 0 then
+if max_spend > 0 and not retried then
   local hour = math.floor(now / 3600000)
   local hours, spent = {}, 0
   local flat = redis.call('HGETALL', KEYS[3])
@@ -58,9 +61,11 @@ if max_spend > 0 then
     return {0, 'max_cost_usd_per_day', spent, max_spend, math.max(1, reset - now)}
   end
 end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', minute_ago)
-redis.call('ZADD', KEYS[1], now, root)
-redis.call('PEXPIRE', KEYS[1], 60000)
+if not retried then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', minute_ago)
+  redis.call('ZADD', KEYS[1], now, root)
+  redis.call('PEXPIRE', KEYS[1], 60000)
+end
 -- Counted longer ago than the retention: its record is gone or about to be. Without max_running_roots no submit
 -- prunes the set (only `subq tenants` and a metrics scrape do), so an active tenant's set kept every root.
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - tonumber(ARGV[6]) * 1000)
