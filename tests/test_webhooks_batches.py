@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -425,3 +426,44 @@ def test_a_trees_subscriptions_are_kept_while_it_has_events(outbox_coord: Coordi
         for key in coord.client.scan_iter("subqbatch:*"):
             coord.client.delete(key)
         coord.close()
+
+
+def test_an_ends_delivery_sends_the_record_as_it_was_at_the_event_at_every_attempt(
+    outbox_coord: Coordinator,
+) -> None:
+    """An end's delivery keeps the fields of its task's record an event reads as they were at the end (outbox_add,
+    from finish_task and stop_tasks): a retry of the tree, which clears a failed task's error, or spend recorded
+    after a stop, changes no attempt's body; the same webhook-id always carries the same body."""
+    coord = outbox_coord
+    hooks = [{"url": "http://127.0.0.1:9/hook", "events": ["child.*"]}]
+    root = coord.create_task("Plan.", webhooks=hooks)
+    failed, stopped = coord.delegate(root.id, [{"description": d, "message": "Go."} for d in ("f", "s")]).child_ids
+    coord.store.runs.record_usage(failed, "r:1", Usage(tokens_in=120, tokens_out=30), 4_100, "test")
+    coord.store.runs.finish_task(failed, "failed", error="boom", error_class="RuntimeError")
+    coord.cancel(stopped, "not needed")
+    at_event = {t: coord.get_task(t).model_dump(mode="json") for t in (failed, stopped)}
+    outbox = coord.store.outbox
+    try:
+        for attempt in range(2):
+            claimed = [c for c in outbox.settle_and_claim([], 10, LEASE_MS) if c.root_id == root.id]
+            assert sorted(str(c.entry["task_id"]) for c in claimed) == sorted([failed, stopped]), attempt
+            for c in claimed:
+                whole = at_event[str(c.entry["task_id"])]
+                assert c.record == {name: whole[name] for name in EVENT_FIELDS}, attempt
+            # The receiver answered 503, and meanwhile the record changed as a retry and late spend change it.
+            outbox.settle_and_claim(
+                [Settled(root.id, c.delivery_id, "retrying", last="HTTP 503", next_at=0.0) for c in claimed], 0,
+                LEASE_MS,
+            )  # fmt: skip
+            coord.client.hset(coord.store.keys.task(root.id, failed), mapping={"error": "", "error_class": ""})
+            coord.client.hset(coord.store.keys.task(root.id, stopped), mapping={"total_cost_micros": "99"})
+    finally:
+        for key in coord.client.scan_iter("subqbatch:*"):
+            coord.client.delete(key)
+        coord.close()
+
+
+def test_the_fields_an_end_keeps_are_the_fields_an_event_reads() -> None:
+    lua = (Path(__file__).resolve().parent.parent / "coordinator" / "store" / "lua" / "hashes.lua").read_text()
+    block = lua.split("local EVENT_FIELDS = {", 1)[1].split("}", 1)[0]
+    assert tuple(name.strip().strip("'") for name in block.split(",")) == EVENT_FIELDS

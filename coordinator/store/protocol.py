@@ -1441,6 +1441,12 @@ class OutboxAdd(
     now: float = arg("now")
     retention_s: int = arg("retention seconds")
     fields: str = arg("the event's own fields, a JSON object ('' for none: an end's are read from its record)")
+    record_of: str | None = arg(
+        "an end's task hash (finish_task, stop_tasks; called from Lua alone): each delivery keeps the fields of "
+        "the record an event reads (EVENT_FIELDS) as they are now, and every attempt sends them (read_claimed), "
+        "not the record as it is then (a retry of the tree clears a failed task's error)",
+        optional=True,
+    )
 
     @classmethod
     def decode(cls, raw: Any) -> int:

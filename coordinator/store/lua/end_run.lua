@@ -127,12 +127,13 @@ if flushed[3] ~= '' and ARGV[10] == '1' then
 end
 local now, retention, maxlen = ARGV[3], ARGV[2], ARGV[4]
 local before = hash_get(KEYS[2], 'status')[1]
-finish_task({KEYS[2], KEYS[6], KEYS[5], KEYS[17], KEYS[18], KEYS[19]}, {ARGV[5], ARGV[6], ARGV[7], ARGV[8], now, retention, maxlen, live})
 -- A typed task's data is its record's `output` from the step that completes it, never after (a task
--- stopped before its end keeps none); the count of invalid answers stays whatever the outcome.
+-- stopped before its end keeps none); the count of invalid answers stays whatever the outcome. (Written
+-- before the end, whose events take the record as it is then: outbox_add.)
 if ARGV[17] ~= '' and ARGV[5] == 'completed' and not ENDED[before] then
   hash_set(KEYS[2], 'output', ARGV[17])
 end
+finish_task({KEYS[2], KEYS[6], KEYS[5], KEYS[17], KEYS[18], KEYS[19]}, {ARGV[5], ARGV[6], ARGV[7], ARGV[8], now, retention, maxlen, live})
 if tonumber(ARGV[18]) > 0 then
   hash_set(KEYS[2], 'invalid_outputs', ARGV[18])
 end

@@ -44,5 +44,5 @@ if made_live then
 end
 event_add(KEYS[2], ARGV[7], ARGV[6], 'type', 'task_status', 'task_id', id, 'status', ARGV[1])
 wake_waiters(KEYS[2], id)
-outbox_add({KEYS[4], KEYS[5], KEYS[6]}, {id, 'task.' .. ARGV[1], ARGV[5], ARGV[6], ''})
+outbox_add({KEYS[4], KEYS[5], KEYS[6]}, {id, 'task.' .. ARGV[1], ARGV[5], ARGV[6], '', KEYS[1]})
 return ARGV[1]

@@ -275,6 +275,11 @@ local function timeline_mark(key, now_s, state)
   return text ~= nil
 end
 
+-- The fields of a task's record an event of its end carries (store/outbox.py's EVENT_FIELDS, the same names in
+-- the same order): kept with each delivery as they are at the event (outbox_add), read by every attempt.
+local EVENT_FIELDS = {'root_id', 'metadata', 'summary', 'output', 'tokens_in', 'tokens_out', 'total_tokens',
+  'cost_micros', 'total_cost_micros', 'error', 'error_class'}
+
 -- A child's line of the combined result (writeback.combined_result has the format; the number is its place
 -- in the batch, added when the batch closes): written by its write-back (apply_children), and again with the
 -- spend its run made before a stop and recorded after it (record_late_spend).

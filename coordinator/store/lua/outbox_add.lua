@@ -15,6 +15,10 @@
 -- ARGV[3] float: now
 -- ARGV[4] int: retention seconds
 -- ARGV[5] str: the event's own fields, a JSON object ('' for none: an end's are read from its record)
+-- ARGV[6] (optional) str: an end's task hash (finish_task, stop_tasks; called from Lua alone): each
+--   delivery keeps the fields of the record an event reads (EVENT_FIELDS) as they are now, and every
+--   attempt sends them (read_claimed), not the record as it is then (a retry of the tree clears a failed
+--   task's error)
 -- Returns how many deliveries were written.
 local raw = redis.call('HGETALL', KEYS[1])
 if #raw == 0 then
@@ -63,6 +67,16 @@ end
 if #chosen == 0 then
   return 0
 end
+-- The record as at the event (false for a field it lacks: a JSON array keeps its places).
+local record = nil
+if ARGV[6] then
+  record = hash_get(ARGV[6], unpack(EVENT_FIELDS))
+  for i = 1, #EVENT_FIELDS do
+    if not record[i] then
+      record[i] = false
+    end
+  end
+end
 local seq = redis.call('HINCRBY', KEYS[1], '~seq', 1)
 local event_id = 'evt_' .. conf['~root'] .. '_' .. seq
 local now = tonumber(ARGV[3])
@@ -78,6 +92,7 @@ for i = 1, #chosen do
     if ARGV[5] ~= '' then
       entry['fields'] = cjson.decode(ARGV[5])
     end
+    entry['record'] = record
     redis.call('HSET', KEYS[2], id, cjson.encode(entry))
     redis.call('ZADD', KEYS[3], math.floor(now * 1000), conf['~root'] .. ' ' .. id)
     written = written + 1

@@ -54,10 +54,15 @@ for i = 7 + n_fields, #ARGV do
       subscriptions[hook] = redis.call('HMGET', hooks_key, 'h:' .. entry['hook'], 's:' .. entry['hook'])
       redis.call('EXPIRE', hooks_key, ARGV[5])
     end
-    local values = redis.call('HMGET', record_key, unpack(fields))
-    if not kept[record_key] then  -- once a call: a task's end is one delivery for each of its subscriptions
-      kept[record_key] = true
-      redis.call('EXPIRE', record_key, ARGV[5])
+    -- An end's delivery keeps the record's fields as they were at the event (outbox_add); one written without
+    -- them (an approval's, a budget warning's, or an end's by an earlier release) reads the record as it is.
+    local values = entry['record']
+    if type(values) ~= 'table' then
+      values = redis.call('HMGET', record_key, unpack(fields))
+      if not kept[record_key] then  -- once a call: a task's end is one delivery for each of its subscriptions
+        kept[record_key] = true
+        redis.call('EXPIRE', record_key, ARGV[5])
+      end
     end
     out[#out + 1] = {member, raw, subscriptions[hook][1], subscriptions[hook][2], values}
   end

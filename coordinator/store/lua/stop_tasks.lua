@@ -49,7 +49,7 @@ for i = 7, #KEYS do
     redis.call('HSET', KEYS[2], id, cjson.encode(live))
     event_add(KEYS[1], ARGV[9], ARGV[8], 'type', 'task_status', 'task_id', id, 'status', new_status)
     wake_waiters(KEYS[1], id)
-    outbox_add({KEYS[3], KEYS[4], KEYS[5]}, {id, 'task.' .. new_status, ARGV[7], ARGV[8], ''})
+    outbox_add({KEYS[3], KEYS[4], KEYS[5]}, {id, 'task.' .. new_status, ARGV[7], ARGV[8], '', key})
     stopped[#stopped + 1] = id
   end
 end
