@@ -32,6 +32,7 @@ import ipaddress
 import json
 import logging
 import os
+import queue
 import random
 import selectors
 import socket
@@ -85,9 +86,13 @@ READ_CHUNK = 64 * 1024
 URL_SAFE = "!#$%&'()*+,/:;=?@[]~"
 # How often `Connections.post` (one POST, waited for) looks for its answer.
 POST_LOOK_S = 0.01
-# Threads for what would block the loop (a host name's resolution, a Celery callback's send): a slow DNS
-# or broker holds these, never the attempts in flight.
+# Threads for what would block the loop, a Celery callback's send: a slow broker holds these, never the
+# attempts in flight.
 HELPERS = 2
+# Threads that resolve host names, apart from the helpers: a name server that never answers holds one (the
+# attempts of one host share its resolution), never a Celery callback nor another host's attempts while
+# fewer hosts than this hang. Each attempt waits at most its timeout for its host (`_expire_resolving`).
+RESOLVERS = 8
 # Address hosts whose check a deliverer keeps (a host's check is pure): more than any fleet's receivers.
 MOST_LITERALS = 1024
 # Subscriptions whose parsed URL and signer a deliverer keeps (`Target`): as many, for the same reason.
@@ -602,6 +607,16 @@ def _is_celery(item: ClaimedDelivery) -> bool:
     return item.found is not None and item.found[1].get("kind") == "celery"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Waiting:
+    """An attempt waiting for its host name to resolve, until `deadline` (monotonic s): its timeout."""
+
+    item: ClaimedDelivery
+    target: Target
+    body: Mapping[str, Any]
+    deadline: float
+
+
 class Deliverer:
     """Claims due deliveries and makes one attempt each, at most `SUBQ_WEBHOOK_CONCURRENCY` at once.
 
@@ -614,8 +629,9 @@ class Deliverer:
     their records: `settle_and_claim`); the loop then sends them, moves on connects and sends as their
     sockets allow, and reads the answers that came at the tick's end. An attempt's outcome is recorded at the next step:
     until then its delivery stays claimed, and a worker dying in between has it sent again (at least once;
-    the receiver drops a repeat by its webhook-id). Two helper threads do what would block the loop: a
-    host name's resolution and a Celery callback's send. As the reconciler, the worker builds it with its
+    the receiver drops a repeat by its webhook-id). Threads of their own do what would block the loop: a
+    host name's resolution (RESOLVERS; the attempts of one host share one, and each waits at most its timeout)
+    and a Celery callback's send (HELPERS). As the reconciler, the worker builds it with its
     Coordinator and it works with the plane alone: the outbox and records parts of the store and the
     settings; `send_task(name, args, task_id, queue)` sends a Celery callback.
     """
@@ -628,12 +644,20 @@ class Deliverer:
         self.slots = plane.settings.webhook_concurrency
         self._busy = 0  # attempts claimed and not yet ended
         self._ended: list[Settled] = []  # attempts made, not yet recorded
-        self._resolved: list[tuple[ClaimedDelivery, Target, Mapping[str, Any], str, str]] = []
+        self._resolved: list[tuple[ClaimedDelivery, Target, Mapping[str, Any], str, str, float]] = []
+        # A host name's resolution in flight, by (host, port): the attempts waiting on it. It stays while its
+        # thread runs, past its attempts' deadlines too, so that later attempts of a host whose name server
+        # hangs wait on the same resolution, not one thread each.
+        self._resolving: dict[tuple[str, int], list[_Waiting]] = {}
         self._lock = threading.Lock()
         # How long an idle loop waits before it looks again: a worker paces it by its fleet's size
         # (workers/outbound.py), so a fleet of any size looks about every POLL_S.
         self.idle_wait_s: Callable[[], float] = lambda: POLL_S
         self._helpers = ThreadPoolExecutor(max_workers=HELPERS, thread_name_prefix="subq-delivery")
+        # (Daemon threads, started at the first name: a process's exit does not wait on a name server that hangs,
+        # as it would on an executor's threads.)
+        self._to_resolve: queue.SimpleQueue[tuple[tuple[str, int], SplitResult]] = queue.SimpleQueue()
+        self._resolvers: list[threading.Thread] = []
         self._connections = Connections(self.slots)
         self._literals: dict[str, tuple[str, str]] = {}  # an address host's (address, refusal), checked
         self._targets: dict[tuple[str, str, str], Target] = {}  # a subscription's (url, secret, format)
@@ -659,10 +683,12 @@ class Deliverer:
         ended: in a burst, the next claim comes as soon as it is as large as a tick's at a tree's pace."""
         until = time.monotonic() + span_s
         while (left := until - time.monotonic()) > 0:
-            look_until = time.monotonic() + (min(left, POLL_S) if self._connections.in_flight else left)
+            looking = self._connections.in_flight or self._resolving
+            look_until = time.monotonic() + (min(left, POLL_S) if looking else left)
             while (look_s := look_until - time.monotonic()) > 0:
                 self._answered(self._connections.drive(look_s))
                 self._start_resolved()
+            self._expire_resolving()
             self._answered(self._connections.collect())
             with self._lock:
                 if len(self._ended) * 2 >= self.slots:
@@ -784,8 +810,8 @@ class Deliverer:
         if host not in self._literals:
             try:
                 ipaddress.ip_address(host.strip("[]"))
-            except ValueError:  # a name: resolved (and checked) by a helper, which may wait on DNS
-                self._helpers.submit(self._resolve, item, prepared, body)
+            except ValueError:  # a name: resolved (and checked) by a resolver thread, which may wait on DNS
+                self._await_host(_Waiting(item, prepared, body, time.monotonic() + self.settings.webhook_timeout_s))
                 return
             # An address's check depends on it and the settings alone: made once (a bounded few a process).
             if len(self._literals) >= MOST_LITERALS:
@@ -823,31 +849,71 @@ class Deliverer:
         except UnsafeTarget as exc:
             return "", one_line(f"refused: {exc}")
 
-    def _resolve(self, item: ClaimedDelivery, target: Target, body: Mapping[str, Any]) -> None:
-        """(A helper thread.) Resolve and check the host, then hand the attempt back to the loop.
+    def _await_host(self, waiting: _Waiting) -> None:
+        """Wait for the attempt's host name to resolve: on a resolution of it in flight, or on one started now."""
+        url = waiting.target.url
+        host = (url.hostname or "", url.port or (443 if url.scheme == "https" else 80))
+        with self._lock:
+            others = self._resolving.get(host)
+            self._resolving.setdefault(host, []).append(waiting)
+        if others is None:
+            self._to_resolve.put((host, url))
+            if len(self._resolvers) < RESOLVERS:
+                thread = threading.Thread(target=self._resolver, name="subq-resolve", daemon=True)
+                self._resolvers.append(thread)
+                thread.start()
 
-        Whatever the check raises is the attempt's refusal: an exception left in the helper's future, which no
-        one reads, would leave the delivery's slot taken for good, and each claim of it would take another."""
+    def _resolver(self) -> None:
+        while True:
+            self._resolve(*self._to_resolve.get())
+
+    def _resolve(self, host: tuple[str, int], url: SplitResult) -> None:
+        """(A resolver thread.) Resolve and check the host, then hand the attempts waiting on it to the loop.
+
+        Whatever the check raises is the attempts' refusal: an exception left in the thread's future, which no
+        one reads, would leave their slots taken for good, and each claim of them would take another."""
         try:
-            address, refusal = self._check(target.url)
+            address, refusal = self._check(url)
         except Exception as exc:
-            log.exception("subq: checking webhook host %r failed", target.url.hostname)
+            log.exception("subq: checking webhook host %r failed", url.hostname)
             address, refusal = "", one_line(f"refused: the host's check failed: {type(exc).__name__}: {exc}")
         with self._lock:
-            self._resolved.append((item, target, body, address, refusal))
+            for w in self._resolving.pop(host, []):
+                self._resolved.append((w.item, w.target, w.body, address, refusal, w.deadline))
         self._connections.wake()
+
+    def _expire_resolving(self) -> None:
+        """End the attempts whose host has not resolved within their timeout: retrying, each, as a receiver that
+        did not answer (its claim ends before its lease, so no other worker sends it meanwhile)."""
+        now, expired = time.monotonic(), []
+        with self._lock:
+            for waiting in self._resolving.values():
+                expired += [w for w in waiting if w.deadline <= now]
+                waiting[:] = [w for w in waiting if w.deadline > now]
+        for w in expired:
+            why = f"{w.target.url.hostname} did not resolve within {self.settings.webhook_timeout_s:g} s"
+            self._done(self._settled(w.item, Attempt("retrying", why)))
 
     def _start_resolved(self) -> None:
         with self._lock:
             ready, self._resolved = self._resolved, []
-        for item, target, body, address, refusal in ready:
+        for item, target, body, address, refusal, deadline in ready:
             try:
-                self._post(item, target, body, address, refusal)
+                # What its timeout leaves after the resolution: the whole attempt ends within its claim's lease.
+                self._post(item, target, body, address, refusal, max(0.1, deadline - time.monotonic()))
             except Exception:  # a fault of ours: the claim lapses and the delivery is due again
                 log.exception("subq deliveries: %s failed", item.delivery_id)
                 self._done(None)
 
-    def _post(self, item: ClaimedDelivery, target: Target, body: Mapping[str, Any], address: str, refusal: str) -> None:
+    def _post(
+        self,
+        item: ClaimedDelivery,
+        target: Target,
+        body: Mapping[str, Any],
+        address: str,
+        refusal: str,
+        timeout_s: float | None = None,
+    ) -> None:
         if refusal:
             self._done(self._settled(item, Attempt("retrying", refusal)))
             return
@@ -863,9 +929,8 @@ class Deliverer:
         }
         if target.signer is not None:
             headers["webhook-signature"] = target.signer.sign(str(body["id"]), now, data)
-        self._answered(
-            self._connections.start(item, target.url, address, data.encode(), headers, self.settings.webhook_timeout_s)
-        )
+        timeout_s = self.settings.webhook_timeout_s if timeout_s is None else timeout_s
+        self._answered(self._connections.start(item, target.url, address, data.encode(), headers, timeout_s))
 
     def _answered(self, ended: list[tuple[object, int, str]]) -> None:
         """POSTs that ended: their outcomes, to record at the next step."""

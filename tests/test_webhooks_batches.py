@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -22,7 +23,7 @@ from coordinator.errors import StoreError
 from coordinator.models import Usage
 from coordinator.outbound import Deliverer, payload
 from coordinator.store.outbox import EVENT_FIELDS, Settled
-from tests.helpers import step_until
+from tests.helpers import eventually, step_until
 from tests.test_webhooks_connections import RawReceiver
 
 LEASE_MS = 60_000
@@ -467,3 +468,62 @@ def test_the_fields_an_end_keeps_are_the_fields_an_event_reads() -> None:
     lua = (Path(__file__).resolve().parent.parent / "coordinator" / "store" / "lua" / "hashes.lua").read_text()
     block = lua.split("local EVENT_FIELDS = {", 1)[1].split("}", 1)[0]
     assert tuple(name.strip().strip("'") for name in block.split(",")) == EVENT_FIELDS
+
+
+def test_a_host_whose_name_server_hangs_holds_neither_other_hosts_nor_its_claims(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A name server that never answers (no real one can be made to hang here: the system resolver's answer for
+    one name is held back, in this process, until the test lets it go). Its attempts share one resolution, each
+    ends `retrying` within its timeout (before its claim's lease, so no other worker sends it meanwhile), and
+    another tree's delivery to a name that resolves goes out meanwhile. Before, the two helper threads waited
+    on it for good, every other named host's attempt waited behind them, and the claims lapsed."""
+    receiver = RawReceiver(host=str(socket.getaddrinfo("localhost", None, type=socket.SOCK_STREAM)[0][4][0]))
+    own = settings.model_copy(
+        update={
+            "queue": "subq-nobody", "key_prefix": "subqhang", "webhook_allow": ["localhost", "stuck.example"],
+            "webhook_timeout_s": 1.0,
+        }
+    )  # fmt: skip
+    coord = Coordinator(own)
+    real, release, asked = socket.getaddrinfo, threading.Event(), []
+
+    def hanging(host: object, *args: Any, **kwargs: Any) -> Any:
+        if host == "stuck.example":
+            asked.append(host)
+            release.wait(120)
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    stop = threading.Event()
+    try:
+        stuck = coord.create_task("Say hello.", webhooks=[{"url": "http://stuck.example/in", "events": ["*"]}])
+        fine = coord.create_task(
+            "Say hello.", webhooks=[{"url": f"http://localhost:{receiver.port}/in", "events": ["*"]}]
+        )
+        monkeypatch.setattr(socket, "getaddrinfo", hanging)
+        for _ in range(3):
+            coord.store.outbox.add_event(stuck.id, stuck.id, "task.completed", {})
+        deliverer = Deliverer(coord, lambda *_: None)
+        threading.Thread(target=deliverer.run_forever, args=(stop,), daemon=True).start()
+        eventually(lambda: asked, "the stuck name is being resolved", 30)
+        coord.store.outbox.add_event(fine.id, fine.id, "task.completed", {})
+        eventually(
+            lambda: [d["state"] for d in coord.store.outbox.deliveries(fine.id)] == ["delivered"],
+            "the other host's delivery went out while the stuck name hung", 30,
+        )  # fmt: skip
+        eventually(
+            lambda: [d["state"] for d in coord.store.outbox.deliveries(stuck.id)] == ["retrying"] * 3,
+            "each attempt to the stuck name ended within its timeout", 30,
+        )  # fmt: skip
+        lasts = {d["last"] for d in coord.store.outbox.deliveries(stuck.id)}
+        assert lasts == {"stuck.example did not resolve within 1 s"}, lasts
+        assert asked == ["stuck.example"], "the attempts of one host wait on one resolution"
+        assert deliverer._busy == 0, "every slot given back"
+    finally:
+        release.set()
+        stop.set()
+        receiver.stop()
+        for key in coord.client.scan_iter("subqhang:*"):
+            coord.client.delete(key)
+        coord.close()
