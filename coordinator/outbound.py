@@ -683,7 +683,8 @@ class Deliverer:
         ended: in a burst, the next claim comes as soon as it is as large as a tick's at a tree's pace."""
         until = time.monotonic() + span_s
         while (left := until - time.monotonic()) > 0:
-            looking = self._connections.in_flight or self._resolving
+            with self._lock:
+                looking = self._connections.in_flight or any(self._resolving.values())
             look_until = time.monotonic() + (min(left, POLL_S) if looking else left)
             while (look_s := look_until - time.monotonic()) > 0:
                 self._answered(self._connections.drive(look_s))
@@ -891,16 +892,21 @@ class Deliverer:
                 expired += [w for w in waiting if w.deadline <= now]
                 waiting[:] = [w for w in waiting if w.deadline > now]
         for w in expired:
-            why = f"{w.target.url.hostname} did not resolve within {self.settings.webhook_timeout_s:g} s"
-            self._done(self._settled(w.item, Attempt("retrying", why)))
+            self._done(self._settled(w.item, Attempt("retrying", self._unresolved(w.target))))
+
+    def _unresolved(self, target: Target) -> str:
+        return f"{target.url.hostname} did not resolve within {self.settings.webhook_timeout_s:g} s"
 
     def _start_resolved(self) -> None:
         with self._lock:
             ready, self._resolved = self._resolved, []
         for item, target, body, address, refusal, deadline in ready:
+            if (left_s := deadline - time.monotonic()) <= 0:  # resolved just past its time: ended as if not
+                self._done(self._settled(item, Attempt("retrying", self._unresolved(target))))
+                continue
             try:
                 # What its timeout leaves after the resolution: the whole attempt ends within its claim's lease.
-                self._post(item, target, body, address, refusal, max(0.1, deadline - time.monotonic()))
+                self._post(item, target, body, address, refusal, left_s)
             except Exception:  # a fault of ours: the claim lapses and the delivery is due again
                 log.exception("subq deliveries: %s failed", item.delivery_id)
                 self._done(None)

@@ -50,11 +50,13 @@ MODEL = "model"
 
 @dataclass(frozen=True)
 class Stepped:
-    """A run's step (flush_run, record_tool): still leased, the task's status, the topmost budget reached."""
+    """A run's step (flush_run, record_tool): still leased, the task's status, the topmost budget reached, and
+    whether its usage records were refused (its task had ended: the run records them by record_late_spend)."""
 
     leased: bool
     status: str
     exhausted: str | None
+    refused_spend: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class Ending:
     resume: bool = False
     batch_mode: str = ""
     admitted: list[str] = field(default_factory=list)  # waiting tasks given the freed slot: publish their runs
+    refused_spend: bool = False  # its task had ended before: the run's usage records were not written
 
 
 @dataclass(frozen=True)

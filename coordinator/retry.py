@@ -63,8 +63,9 @@ def retry(plane: Plane, task_id: str, *, failed: bool = False) -> Retried:
         reasons = "; ".join(skip.reason for skip in plan.skipped)
         raise StateError(f"no failed task of the tree of {top.id} can be retried: {reasons}", field="task_id")
     # A root that ended runs again: its tenant's max_running_roots counts it first (the tenant's keys are not the
-    # tree's, so not in the retry's step). A refused retry takes it back out; a process that dies between the two
-    # leaves an ended root counted, which the next count takes out (QuotaStore.prune_roots).
+    # tree's, so not in the retry's step), and a count of the running roots meanwhile keeps it (counted after its
+    # end: QuotaStore.prune_roots). A refused retry takes it back out, unless another retry runs it now; a process
+    # that dies between the two leaves an ended root counted, which a count a minute later takes out.
     root = top if top.id == top.root_id else plane.store.records.get_task(top.root_id)
     recounted = root.status.terminal and any(task.task_id == root.id for task in plan.tasks)
     if recounted:
@@ -77,7 +78,7 @@ def retry(plane: Plane, task_id: str, *, failed: bool = False) -> Retried:
         pace_s=delegation.PUBLISH_PACE_S,  # published one by one below, as a wide batch's children are
     )
     if isinstance(done, RetryRefused):
-        if recounted:
+        if recounted and TaskStatus(plane.store.records.status_of(root.id)[0]).terminal:
             plane.store.quotas.uncount_root(root.tenant, root.id)
         raise _refused(plane, done)
     # Committed: every task to run is on the due list, so a process that dies before it has

@@ -245,7 +245,7 @@ class Run:
         self.step.stepped(reply, keep=keep)
         if not reply.leased:
             raise LeaseLost(self.task.id)
-        if spends and TaskStatus(reply.status).terminal:
+        if spends and reply.refused_spend:
             self._spent_before_the_stop(spends)
         return reply
 
@@ -349,7 +349,7 @@ class Run:
         self.step.ended(ending)
         if ending.kind == "fenced":
             raise LeaseLost(task_id)
-        if spends and ending.kind == "ended" and ending.status != outcome.status:
+        if spends and ending.refused_spend:
             self._spent_before_the_stop(spends)  # a stop landed since its last step: its end wrote no spend
         if ending.kind == "exhausted":
             # Its last response reached a budget: the holder's subtree is stopped, this run with it.

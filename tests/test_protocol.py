@@ -228,7 +228,7 @@ def test_an_optional_argument_left_unset_is_left_off_argv() -> None:
 def test_typed_replies() -> None:
     assert EndRun.decode(["fenced"]).kind == "fenced"
     ended = EndRun.decode(
-        ["ended", "completed", "s", "", "", 10, 5, 1, 2, 300, 1, 2, 1, "parallel", ["t9"]],
+        ["ended", "completed", "s", "", "", 10, 5, 1, 2, 300, 1, 2, 1, "parallel", ["t9"], 0],
     )
     assert (ended.usage.tokens_in, ended.cost_micros, ended.closed, ended.resumes, ended.resume) == (
         10,
@@ -237,9 +237,12 @@ def test_typed_replies() -> None:
         2,
         True,
     )
-    assert ended.admitted == ["t9"]
+    assert ended.admitted == ["t9"] and not ended.refused_spend
+    exhausted = EndRun.decode(["exhausted", "root", 1])
+    assert (exhausted.kind, exhausted.holder, exhausted.refused_spend) == ("exhausted", "root", True)
     assert FlushRun.decode([0]) == Stepped(False, "", None)
-    assert FlushRun.decode([1, "active", "root"]) == Stepped(True, "active", "root")
+    assert FlushRun.decode([1, "active", "root", 0, 0]) == Stepped(True, "active", "root")
+    assert FlushRun.decode([1, "cancelled", "", 0, 1]) == Stepped(True, "cancelled", None, refused_spend=True)
 
 
 # -- a run's one state of "what the last step already did", updated by each step's typed reply ------

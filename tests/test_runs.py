@@ -10,11 +10,12 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from coordinator import Coordinator, TaskStatus, admission
+from coordinator import Coordinator, TaskStatus, Usage, admission, budgets
 from coordinator.celery_app import make_app
+from coordinator.models import Spend
 from coordinator.plane import Plane
 from coordinator.runs import Ended, Run
-from tests.helpers import scripted_children
+from tests.helpers import script, scripted_children, usage_step
 from workers.runtime.context import build_runtime
 from workers.runtime.runner import run_child
 
@@ -54,3 +55,51 @@ def test_a_run_frees_its_slot_only_after_its_outcome_is_recorded(
     assert run_child(rt, second).status == "completed"
     assert limited.store.runs.in_flight(parent_id)["running"] == 0
     assert limited.get_task(parent_id).status == TaskStatus.ACTIVE, "the last child's write-back closed the batch"
+
+
+def _held(run: Run, cost_micros: int) -> Spend:
+    """A response the run holds for its next step (as one whose tool calls are all idempotent is held)."""
+    spend = Spend(request_key=f"{run.run_seq}:9", usage=Usage(tokens_in=100, tokens_out=10), cost_micros=cost_micros,
+                  cost_source="test")  # fmt: skip
+    run.writes.usage.append(spend)
+    return spend
+
+
+def test_a_final_response_held_past_a_cancel_is_recorded_by_the_runs_end(idle_coordinator: Coordinator) -> None:
+    """The run's last response has no tool call: only its end writes it. A cancel landed first: the end's step
+    refused the spend (the task had ended), and the run records it after, on its item too."""
+    coord = idle_coordinator
+    parent_id, (child, _) = scripted_children(coord, "a cancel before the end's step")
+    rt = build_runtime(coord.settings, make_app(coord.settings))
+    run = rt.lifecycle.start(child)
+    assert isinstance(run, Run), run
+    _held(run, 7_000)
+    coord.cancel(child, "not needed")
+    assert run.end(Ended("completed", summary="too late")).status == "cancelled"
+    record = coord.get_task(child)
+    assert (record.cost_micros, record.tokens_in) == (7_000, 100), "the provider billed it"
+    item = next(i for i in coord.get_todos(parent_id) if i.subtask_id == child)
+    assert item.cost_micros == 7_000
+    assert coord.get_task(parent_id).total_cost_micros == 7_000
+
+
+def test_a_final_response_held_past_a_budget_stop_is_recorded_and_the_run_stops(
+    idle_coordinator: Coordinator,
+) -> None:
+    """A sibling's spend took the parent's budget: the parent's subtree was stopped before this run's end. The
+    end's step refuses the spend and answers `exhausted` (its own completion is not taken over a budget
+    reached): the run records the spend, then ends as stopped. Before, the spend was dropped with its writes."""
+    coord = idle_coordinator
+    parent = coord.create_task("budgeted", todos="[ ] a\n[ ] b", budget_usd="0.01")
+    batch = coord.delegate(parent.id, [{"description": d, "message": script(usage_step())} for d in "ab"])
+    child, sibling = batch.child_ids
+    rt = build_runtime(coord.settings, make_app(coord.settings))
+    run = rt.lifecycle.start(child)
+    assert isinstance(run, Run), run
+    _held(run, 3_000)
+    coord.store.runs.record_usage(sibling, "1:1", Usage(tokens_in=5), 10_000, "test")  # the budget is spent
+    budgets.stop(coord.plane, parent.id)
+    assert TaskStatus(coord.store.records.status_of(child)[0]).terminal
+    run.end(Ended("completed", summary="too late"))
+    assert coord.get_task(child).cost_micros == 3_000
+    assert coord.get_task(parent.id).total_cost_micros == 13_000

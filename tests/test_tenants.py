@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from coordinator import Coordinator, Settings, TaskStatus
+from coordinator import Coordinator, Settings, TaskStatus, quotas
 from coordinator.access import read_keys_file, token_sha256
 from coordinator.api import create_app
 from coordinator.celery_app import make_app
@@ -464,6 +464,33 @@ def test_a_retried_root_counts_against_max_running_roots_again(settings: Setting
         assert coord.store.quotas.running_roots("acme") == [first.id]
         with pytest.raises(QuotaExceeded):
             coord.create_task("third", tenant="acme")
+    finally:
+        _clean(coord)
+        coord.close()
+
+
+def test_a_retrys_count_holds_until_its_step_and_a_dead_one_lets_go(settings: Settings) -> None:
+    """A retry counts its ended root before its step (the tenant's keys are not the tree's): a count of the
+    running roots in between (another submit, `subq tenants`) keeps it, where it would take it for ended and
+    let the tenant run one over; a count a minute later, the retry having died, lets it go."""
+    own = settings.model_copy(
+        update={"key_prefix": PREFIX, "queue": "subq-tenants-idle", "tenants": {"acme": {"max_running_roots": 1}}}
+    )
+    coord = Coordinator(own)
+    _clean(coord)
+    try:
+        root = coord.create_task("fails", tenant="acme", run=True)
+        task_key = coord.store.keys.task(root.id, root.id)
+        coord.store.runs.finish_task(root.id, "failed", error="boom")
+        coord.client.hset(task_key, "finished_at", str(time.time() - 120))  # it ended two minutes ago,
+        coord.client.zadd(coord.store.keys.tenant_roots("acme"), {root.id: time.time() * 1000 - 180_000})  # made 3
+        assert coord.store.quotas.usage("acme").roots_running == 0
+        quotas.check_retried_root(coord.plane, coord.get_task(root.id))  # the retry's count, its step to come
+        assert coord.store.quotas.usage("acme").roots_running == 1, "held while the retry's step is to come"
+        with pytest.raises(QuotaExceeded):
+            coord.create_task("one more", tenant="acme")
+        coord.client.zadd(coord.store.keys.tenant_roots("acme"), {root.id: time.time() * 1000 - 61_000})
+        assert coord.store.quotas.usage("acme").roots_running == 0, "a retry that died a minute ago lets it go"
     finally:
         _clean(coord)
         coord.close()

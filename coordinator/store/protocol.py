@@ -359,7 +359,7 @@ def _strs(reply: Any) -> list[str]:
 def _stepped(raw: Any) -> Stepped:
     if int(raw[0]) == 0:
         return Stepped(leased=False, status="", exhausted=None)
-    return Stepped(leased=True, status=str(raw[1]), exhausted=str(raw[2]) or None)
+    return Stepped(leased=True, status=str(raw[1]), exhausted=str(raw[2]) or None, refused_spend=bool(int(raw[4])))
 
 
 # -- groups several scripts share ----------------------------------------------------------
@@ -849,8 +849,10 @@ class FlushRun(
     Call[Stepped],
     script="flush_run",
     uses=("outbox_add", "record_usage"),
-    returns="{1, status, exhausted, resent} (status '' when called by end_run; resent 1 when this was the same "
-    "step again, nothing written twice), or {0} when the lease is not this run's (nothing written).",
+    returns="{1, status, exhausted, resent, refused} (status '' when called by end_run; resent 1 when this was the "
+    "same step again, nothing written twice; refused 1 when its task had ended and its usage records were not "
+    "written: the run records them by record_late_spend), or {0} when the lease is not this run's (nothing "
+    "written).",
 ):
     run: RunKeys = splice("the run's keys", expand=True)
     outbox: OutboxKeys = splice("the tree's outbox (outbox_add's {side}: a budget warning, record_usage)")
@@ -890,13 +892,14 @@ class EndRun(
         "fair_release",
     ),
     acknowledged=True,
-    returns="{'fenced'} (nothing written), {'exhausted', holder} (the flush was written; the caller stops the "
-    "holder's subtree and ends the run again), or {'ended', status, summary, error, error class, tokens in, "
-    "tokens out, cache reads, cache writes, cost micro-USD, closed, resumes, resume, batch mode, admitted "
-    "ids}: `closed` 1 when this call closed the batch, `resume` 1 when the caller must publish the parent's "
-    "resume, `batch mode` 'sequential' when the caller must write the chain step back itself, `admitted "
-    "ids` the waiting tasks given the freed slot, whose runs the caller publishes. The same end sent again "
-    "after it ran answers as it did, and writes nothing.",
+    returns="{'fenced'} (nothing written), {'exhausted', holder, refused} (the flush was written; the caller "
+    "stops the holder's subtree and ends the run again), or {'ended', status, summary, error, error class, tokens "
+    "in, tokens out, cache reads, cache writes, cost micro-USD, closed, resumes, resume, batch mode, admitted "
+    "ids, refused}: `closed` 1 when this call closed the batch, `resume` 1 when the caller must publish the "
+    "parent's resume, `batch mode` 'sequential' when the caller must write the chain step back itself, "
+    "`admitted ids` the waiting tasks given the freed slot, whose runs the caller publishes, `refused` 1 when "
+    "the task had ended before and the run's usage records were not written (flush_run's). The same end sent "
+    "again after it ran answers as it did, and writes nothing.",
 ):
     run: RunKeys = splice("as flush_run (lease, task, conversation, UI, live, events)")
     due: str = key("the due list")
@@ -952,15 +955,17 @@ class EndRun(
 
     @classmethod
     def decode(cls, raw: Any) -> Ending:
+        if raw[0] == "exhausted":
+            return Ending("exhausted", holder=str(raw[1]), refused_spend=bool(int(raw[2])))
         if raw[0] != "ended":
-            return Ending(str(raw[0]), holder=str(raw[1]) if len(raw) > 1 else None)
+            return Ending(str(raw[0]))
         (_, status, summary, error, error_class, t_in, t_out, c_reads, c_writes, cost, closed, resumes, resume,
-         mode, admitted_ids) = raw  # fmt: skip
+         mode, admitted_ids, refused) = raw  # fmt: skip
         return Ending(
             "ended", status=str(status), summary=str(summary), error=str(error), error_class=str(error_class),
             usage=Usage(tokens_in=int(t_in), tokens_out=int(t_out), cache_reads=int(c_reads), cache_writes=int(c_writes)),
             cost_micros=int(cost), closed=bool(int(closed)), resumes=int(resumes), resume=bool(int(resume)),
-            batch_mode=str(mode), admitted=_strs(admitted_ids),
+            batch_mode=str(mode), admitted=_strs(admitted_ids), refused_spend=bool(int(refused)),
         )  # fmt: skip
 
 
@@ -1011,7 +1016,7 @@ class RecordTool(
     Call[Stepped],
     script="record_tool",
     uses=("outbox_add", "record_usage", "flush_run"),
-    returns="flush_run's reply: {1, status, exhausted, resent}, or {0} when the lease is not this run's (nothing "
+    returns="flush_run's reply: {1, status, exhausted, resent, refused}, or {0} when the lease is not this run's (nothing "
     "written: another run owns the task and answers the call itself).",
 ):
     results: str = key("the task's tool-results hash")

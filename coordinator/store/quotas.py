@@ -34,6 +34,16 @@ _ENDED = frozenset(OUTCOMES)  # the statuses that end a task, declared once
 UNWRITTEN_ROOT_GRACE_MS = 60_000
 
 
+def _retry_counted(counted_ms: float, finished_at: object, grace_from_ms: float) -> bool:
+    """Whether an ended root was counted after it ended, within the grace: a retry counted it and its step has
+    not run yet (coordinator/retry.py). It holds its place until then; one whose retry died lets it go."""
+    try:
+        finished_ms = float(str(finished_at)) * 1000
+    except ValueError:
+        return False
+    return counted_ms > finished_ms and counted_ms >= grace_from_ms
+
+
 class TenantUsage(NamedTuple):
     """What a tenant uses now, as its quotas count it."""
 
@@ -132,13 +142,15 @@ class QuotaStore(Part):
             return 0
         pipe = self.client.pipeline(transaction=False)
         for root in counted:
-            pipe.hget(self.keys.task(root, root), TaskField.STATUS)
-        statuses = pipe.execute()
+            pipe.hmget(self.keys.task(root, root), TaskField.STATUS, TaskField.FINISHED_AT)
+        found = pipe.execute()
+        statuses = [status for status, _ in found]
         unwritten_before_ms = time.time() * 1000 - UNWRITTEN_ROOT_GRACE_MS
         ended = [
             root
-            for (root, counted_ms), status in zip(counted.items(), statuses, strict=True)
-            if status in _ENDED or (status is None and counted_ms < unwritten_before_ms)
+            for (root, counted_ms), (status, finished_at) in zip(counted.items(), found, strict=True)
+            if (status in _ENDED and not _retry_counted(counted_ms, finished_at, unwritten_before_ms))
+            or (status is None and counted_ms < unwritten_before_ms)
         ]
         # A root still running is counted as of now: a submit drops the roots counted longer ago than a retention
         # (tenant_submit.lua), which would drop one that runs longer than that. (XX: one that ended meanwhile and

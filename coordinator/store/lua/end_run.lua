@@ -44,13 +44,14 @@
 -- ARGV[19] float: the share of a budget whose crossing sends `budget.warning` (record_usage)
 -- ARGV[20..31] how fair shares are read (fair_release's, after its own three)
 -- ARGV[32..] flush_run's ARGV from its seventh (what the run did since its last step)
--- Returns {'fenced'} (nothing written), {'exhausted', holder} (the flush was written; the caller stops the
---   holder's subtree and ends the run again), or {'ended', status, summary, error, error class, tokens in,
---   tokens out, cache reads, cache writes, cost micro-USD, closed, resumes, resume, batch mode, admitted
---   ids}: `closed` 1 when this call closed the batch, `resume` 1 when the caller must publish the parent's
---   resume, `batch mode` 'sequential' when the caller must write the chain step back itself, `admitted
---   ids` the waiting tasks given the freed slot, whose runs the caller publishes. The same end sent again
---   after it ran answers as it did, and writes nothing.
+-- Returns {'fenced'} (nothing written), {'exhausted', holder, refused} (the flush was written; the caller
+--   stops the holder's subtree and ends the run again), or {'ended', status, summary, error, error class,
+--   tokens in, tokens out, cache reads, cache writes, cost micro-USD, closed, resumes, resume, batch mode,
+--   admitted ids, refused}: `closed` 1 when this call closed the batch, `resume` 1 when the caller must
+--   publish the parent's resume, `batch mode` 'sequential' when the caller must write the chain step back
+--   itself, `admitted ids` the waiting tasks given the freed slot, whose runs the caller publishes,
+--   `refused` 1 when the task had ended before and the run's usage records were not written (flush_run's).
+--   The same end sent again after it ran answers as it did, and writes nothing.
 -- (KEYS[8..13] are the task's own hash again when it has no batch, and KEYS[14..16] when
 -- admission does not apply to it.)
 -- Every field of the task and of its parent that any part below reads, in one HMGET each
@@ -115,7 +116,7 @@ if flushed[1] == 0 then
       ids[#ids + 1] = admitted_id
     end
     return {'ended', f[2], f[3] or '', f[4] or '', f[5] or '', f[6] or '0', f[7] or '0', f[8] or '0', f[9] or '0',
-      f[10] or '0', tonumber(closed or '0'), tonumber(resumes or '0'), tonumber(resume or '0'), mode or '', ids}
+      f[10] or '0', tonumber(closed or '0'), tonumber(resumes or '0'), tonumber(resume or '0'), mode or '', ids, 0}
   end
   return {'fenced'}
 end
@@ -123,7 +124,7 @@ if flushed[3] ~= '' and ARGV[10] == '1' then
   if flushed[4] == 0 then
     say_all()  -- (a resend of this step said them the first time)
   end
-  return {'exhausted', flushed[3]}
+  return {'exhausted', flushed[3], flushed[5]}
 end
 local now, retention, maxlen = ARGV[3], ARGV[2], ARGV[4]
 local before = hash_get(KEYS[2], 'status')[1]
@@ -186,4 +187,4 @@ if closed == 1 or mode == 'sequential' or #admitted > 0 then
     .. table.concat(admitted, ' '))
 end
 return {'ended', f[2], f[3] or '', f[4] or '', f[5] or '', f[6] or '0', f[7] or '0', f[8] or '0', f[9] or '0',
-  f[10] or '0', closed, resumes, resume, mode, admitted}
+  f[10] or '0', closed, resumes, resume, mode, admitted, flushed[5]}

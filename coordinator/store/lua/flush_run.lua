@@ -28,8 +28,10 @@
 --   cost micro-USD, cost source)
 -- ARGV[..] then, to the end, 2 per timeline mark the run took between steps (t ms, state:
 --   coordinator/timeline.py)
--- Returns {1, status, exhausted, resent} (status '' when called by end_run; resent 1 when this was the
---   same step again, nothing written twice), or {0} when the lease is not this run's (nothing written).
+-- Returns {1, status, exhausted, resent, refused} (status '' when called by end_run; resent 1 when this
+--   was the same step again, nothing written twice; refused 1 when its task had ended and its usage
+--   records were not written: the run records them by record_late_spend), or {0} when the lease is not
+--   this run's (nothing written).
 -- A step is known by its run's token and its `now` (`last_step` on the task hash): a step whose reply was
 -- lost is sent again by the connection as it was, and finds itself written already.
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
@@ -37,7 +39,7 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then
 end
 -- The checks a run makes before its next request, as this step's reply: the task's status ('' for end_run)
 -- and the topmost budget reached (`exhausted`, when a usage record of this step already said which).
-local function flush_checks(keys, in_end, exhausted, recorded, resent)
+local function flush_checks(keys, in_end, exhausted, recorded, resent, refused)
   if not recorded then
     -- The topmost task of the chain whose budget its subtree has reached (later keys are nearer the root).
     local chain = {keys[2]}
@@ -53,9 +55,9 @@ local function flush_checks(keys, in_end, exhausted, recorded, resent)
     end
   end
   if in_end then
-    return {1, '', exhausted, resent}
+    return {1, '', exhausted, resent, refused}
   end
-  return {1, hash_get(keys[2], 'status')[1], exhausted, resent}
+  return {1, hash_get(keys[2], 'status')[1], exhausted, resent, refused}
 end
 local retention, now, in_end = ARGV[2], ARGV[3], ARGV[5] == '1'
 -- With the status and budget read below, and the last step written: one HMGET (end_run's own prefetch
@@ -68,7 +70,7 @@ if in_end or ARGV[7] ~= '' or #ARGV > 10 then
   local step = run_step(ARGV[1], now)
   if hash_get(KEYS[2], 'last_step')[1] == step then
     -- This very step again: the checks only, as the first one answered them.
-    return flush_checks(KEYS, in_end, '', false, 1)
+    return flush_checks(KEYS, in_end, '', false, 1, 0)
   end
   hash_set(KEYS[2], 'last_step', step)
 end
@@ -90,12 +92,14 @@ for i = 10, #KEYS do
   usage_keys[#usage_keys + 1] = KEYS[i]
 end
 -- record_usage says which budget a recorded request reached; with none recorded, the chain is read below.
-local exhausted, recorded = '', false
+local exhausted, recorded, refused = '', false, 0
 for _ = 1, n_usage do
   local got = record_usage(usage_keys, {ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4],
     ARGV[at + 5], ARGV[at + 6], now, retention, ARGV[6], in_end and '0' or '1'})
   if got[1] == 1 then
     recorded, exhausted = true, got[2]
+  elseif got[1] == -1 then
+    refused = 1  -- a stop landed since the run's last step (record_usage)
   end
   at = at + 7
 end
@@ -115,4 +119,4 @@ if ARGV[7] ~= '' and not ENDED[hash_get(KEYS[2], 'status')[1]] then
   redis.call('EXPIRE', KEYS[5], retention)
   event_add(KEYS[6], ARGV[4], retention, 'type', 'live', 'task_id', live['task_id'], 'state', live['state'])
 end
-return flush_checks(KEYS, in_end, exhausted, recorded, 0)
+return flush_checks(KEYS, in_end, exhausted, recorded, 0, refused)

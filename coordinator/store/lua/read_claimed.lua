@@ -56,13 +56,14 @@ for i = 7 + n_fields, #ARGV do
     end
     -- An end's delivery keeps the record's fields as they were at the event (outbox_add); one written without
     -- them (an approval's, a budget warning's, or an end's by an earlier release) reads the record as it is.
+    -- The record is kept all the same: a Celery callback sends the whole record, read after the claim.
     local values = entry['record']
     if type(values) ~= 'table' then
       values = redis.call('HMGET', record_key, unpack(fields))
-      if not kept[record_key] then  -- once a call: a task's end is one delivery for each of its subscriptions
-        kept[record_key] = true
-        redis.call('EXPIRE', record_key, ARGV[5])
-      end
+    end
+    if not kept[record_key] then  -- once a call: a task's end is one delivery for each of its subscriptions
+      kept[record_key] = true
+      redis.call('EXPIRE', record_key, ARGV[5])
     end
     out[#out + 1] = {member, raw, subscriptions[hook][1], subscriptions[hook][2], values}
   end

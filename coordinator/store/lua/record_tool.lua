@@ -12,8 +12,8 @@
 -- ARGV[4] str: the time field (`tool:<tool>:ms`)
 -- ARGV[5] int: the call's ms (0: not added)
 -- ARGV[6..] flush_run's ARGV
--- Returns flush_run's reply: {1, status, exhausted, resent}, or {0} when the lease is not this run's
---   (nothing written: another run owns the task and answers the call itself).
+-- Returns flush_run's reply: {1, status, exhausted, resent, refused}, or {0} when the lease is not this
+--   run's (nothing written: another run owns the task and answers the call itself).
 local flush_keys, flush_argv = {}, {}
 for i = 2, #KEYS do
   flush_keys[#flush_keys + 1] = KEYS[i]
