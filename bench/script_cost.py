@@ -145,7 +145,7 @@ WITHOUT: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("end_run", "\nsay_all()\nlocal admitted", "\nlocal admitted"),
     ),
     "outbox": (
-        ("finish_task", "outbox_add({KEYS[4], KEYS[5], KEYS[6]}, {id, 'task.' .. ARGV[1], ARGV[5], ARGV[6], ''})\n",
+        ("finish_task", "outbox_add({KEYS[4], KEYS[5], KEYS[6]}, {id, 'task.' .. ARGV[1], ARGV[5], ARGV[6], '', KEYS[1]})\n",
          ""),
     ),
 }  # fmt: skip
