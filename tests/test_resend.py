@@ -25,9 +25,9 @@ from redis.backoff import NoBackoff
 from redis.connection import AbstractConnection
 from redis.retry import Retry
 
-from coordinator import Coordinator, TaskStatus, ids, writeback
+from coordinator import Coordinator, TaskStatus, Usage, ids, writeback
 from coordinator.celery_app import make_app
-from coordinator.models import AdmissionLimits, Approval, RunWrites, ToolCallDone
+from coordinator.models import AdmissionLimits, Approval, RunWrites, Spend, ToolCallDone
 from coordinator.ports.steps import Ended
 from coordinator.redis_clients import FAILOVER_ERRORS
 from coordinator.runs import Run
@@ -192,6 +192,25 @@ def test_a_step_sent_again_after_it_ran_writes_its_messages_once(
     again = RunWrites(conversation=['{"said": "twice"}'])
     assert rt.coordinator.store.runs.flush_run(run.task, run.token, again).leased
     assert coord.store.records.conversation(child_id) == ['{"said": "once"}', '{"said": "twice"}']
+
+
+def test_a_step_that_refused_its_spend_sent_again_still_says_so(
+    idle_coordinator: Coordinator, rt: Runtime, running: Run, lost: LostReplies
+) -> None:
+    """A stop landed before the step that carries a held response: the step refuses its spend, and its reply is
+    lost. The resend finds the step written; it still says the spend was refused, so the run records it after
+    (record_late_spend, once per request key)."""
+    coord, run, child_id = idle_coordinator, running, running.task.id
+    coord.cancel(child_id, "stopped")
+    spend = Spend(request_key=f"{run.run_seq}:1", usage=Usage(tokens_in=40), cost_micros=900, cost_source="test")
+    run.writes.usage.append(spend)
+    lost.lose(_sha(rt.coordinator.store, "flush_run"))
+
+    assert TaskStatus(run.flush().status).terminal
+
+    assert lost.lost == 1
+    record = coord.get_task(child_id)
+    assert (record.cost_micros, record.requests) == (900, 1), "recorded once, after the stop"
 
 
 # With the run's own writes; and with none, the usual case: the run's writes went out just before a call that

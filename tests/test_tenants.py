@@ -486,7 +486,10 @@ def test_a_retrys_count_holds_until_its_step_and_a_dead_one_lets_go(settings: Se
         coord.client.zadd(coord.store.keys.tenant_roots("acme"), {root.id: time.time() * 1000 - 180_000})  # made 3
         assert coord.store.quotas.usage("acme").roots_running == 0
         quotas.check_retried_root(coord.plane, coord.get_task(root.id))  # the retry's count, its step to come
+        key = coord.store.keys.tenant_roots("acme")
+        counted_ms = coord.client.zscore(key, root.id)
         assert coord.store.quotas.usage("acme").roots_running == 1, "held while the retry's step is to come"
+        assert coord.client.zscore(key, root.id) == counted_ms, "not counted anew: held a minute from its count"
         with pytest.raises(QuotaExceeded):
             coord.create_task("one more", tenant="acme")
         coord.client.zadd(coord.store.keys.tenant_roots("acme"), {root.id: time.time() * 1000 - 61_000})

@@ -155,9 +155,12 @@ class QuotaStore(Part):
         # A root still running is counted as of now: a submit drops the roots counted longer ago than a retention
         # (tenant_submit.lua), which would drop one that runs longer than that. (XX: one that ended meanwhile and
         # was taken out stays out.)
-        running = {root: time.time() * 1000 for root, status in zip(counted, statuses, strict=True) if status}
-        for root in ended:
-            running.pop(root, None)
+        # (Not an ended root kept for its retry's step: counted as of now, it would be kept at every count.)
+        running = {
+            root: time.time() * 1000
+            for root, status in zip(counted, statuses, strict=True)
+            if status and status not in _ENDED
+        }
         pipe = self.client.pipeline(transaction=False)
         if ended:
             pipe.zrem(key, *ended)

@@ -116,7 +116,10 @@ if flushed[1] == 0 then
       ids[#ids + 1] = admitted_id
     end
     return {'ended', f[2], f[3] or '', f[4] or '', f[5] or '', f[6] or '0', f[7] or '0', f[8] or '0', f[9] or '0',
-      f[10] or '0', tonumber(closed or '0'), tonumber(resumes or '0'), tonumber(resume or '0'), mode or '', ids, 0}
+      f[10] or '0', tonumber(closed or '0'), tonumber(resumes or '0'), tonumber(resume or '0'), mode or '', ids,
+      -- (Whether the first end refused its usage records is not kept: said refused when it had any, the run
+      -- records them after, once per request key, which writes nothing where the first end wrote them.)
+      tonumber(ARGV[w + 3]) > 0 and 1 or 0}
   end
   return {'fenced'}
 end

@@ -70,7 +70,10 @@ if in_end or ARGV[7] ~= '' or #ARGV > 10 then
   local step = run_step(ARGV[1], now)
   if hash_get(KEYS[2], 'last_step')[1] == step then
     -- This very step again: the checks only, as the first one answered them.
-    return flush_checks(KEYS, in_end, '', false, 1, 0)
+    -- (Its usage records, refused the first time if its task had ended, are said refused again: the run
+    -- records them after, once per request key, record_late_spend.)
+    local refused = (tonumber(ARGV[10]) > 0 and ENDED[hash_get(KEYS[2], 'status')[1]]) and 1 or 0
+    return flush_checks(KEYS, in_end, '', false, 1, refused)
   end
   hash_set(KEYS[2], 'last_step', step)
 end
