@@ -48,7 +48,7 @@ from urllib.parse import SplitResult, quote, urlsplit
 import h11
 
 from coordinator.errors import CorruptError, NotFoundError
-from coordinator.inputs import one_line
+from coordinator.inputs import one_line, visible_text
 from coordinator.models import ClaimedDelivery, Settled
 from coordinator.settings import WEBHOOK_CLAIM_MARGIN_S
 from coordinator.subscriptions import UnsafeTarget, resolve_safe
@@ -135,8 +135,9 @@ def payload(entry: Mapping[str, Any], record: Mapping[str, Any], api_url: str | 
 
 
 def _slack_text(text: str) -> str:
-    # Slack's mrkdwn reads these three as markup (a link, a mention); escaped, a model's text stays text.
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    # Slack's mrkdwn reads these three as markup (a link, a mention); escaped, a model's text stays text. A bidi
+    # override or a zero-width character would make a tool call read as another: written as its escape.
+    return visible_text(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def slack_line(body: Mapping[str, Any]) -> str:

@@ -103,8 +103,15 @@ def compact(value: Any) -> str:
 
 
 def _path(prefix: str, parts: Iterator[Any] | Any) -> str:
-    """`prefix.a.0.b`: a path as the API words one (pydantic's `subtasks.1.message`)."""
-    return ".".join([prefix, *(str(part) for part in parts)])
+    """`prefix.a.0.b`: a path as the API words one (pydantic's `subtasks.1.message`). A key that is not printable
+    text on one line (a model's own, with a line break) is written as its JSON string: it cannot make a line of
+    its own where an error is shown (`subq status`, the tree)."""
+    return ".".join([prefix, *(_part(part) for part in parts)])
+
+
+def _part(part: Any) -> str:
+    text = str(part)
+    return text if text.isprintable() else json.dumps(text)
 
 
 def _too_deep(value: Any, limit: int) -> list[Any] | None:

@@ -603,3 +603,11 @@ def test_a_worker_killed_while_its_model_is_asked_again_leaves_a_run_that_asks_a
     # The rescuer's request carries the errors of the answer the dead worker's run never answered.
     resumed = json.dumps(server.answered()[-1].body["messages"])
     assert all(json.dumps(error)[1:-1] in resumed for error in errors), resumed
+
+
+def test_a_models_key_with_a_line_break_cannot_make_a_line_of_its_own_in_an_error() -> None:
+    """An output's keys are the model's: one with a line break, named in an error's path, would forge a line
+    where the error is shown (`subq status`, `subq tree`); it is written as its JSON string."""
+    schema = {"type": "object", "patternProperties": {".*": {"type": "integer"}}}
+    (error,) = output_errors(schema, {"k\n  total: 0 tokens  $0.00": "s"})
+    assert "\n" not in error and error.startswith('data."k\\n  total: 0 tokens  $0.00": '), error

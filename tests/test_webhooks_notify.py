@@ -16,6 +16,7 @@ from standardwebhooks.webhooks import Webhook as Verifier
 
 from coordinator import Actor, Coordinator, Settings
 from coordinator.local.fleet import WorkerFleet
+from coordinator.outbound import slack_line
 from coordinator.settings import NotifySink
 from tests.agents import agent, call, reply
 from tests.conftest import dedicated_fleet
@@ -77,3 +78,14 @@ def test_an_approval_reaches_the_slack_sink_within_2_s_and_its_decision_names_wh
     coord.wait(root.id, timeout_s=WAIT_S)
     # The root's end is no approval: neither subscription asked for it.
     assert not service.of_type("task.completed") and len(slack.got) == 2
+
+
+def test_a_slack_line_shows_a_bidi_override_and_markup_as_text() -> None:
+    """Slack renders what it is sent: a right-to-left override would show a tool call's file name reversed to
+    the approver, and `<...>` would be a link or a mention."""
+    body = {
+        "type": "approval.requested",
+        "data": {"tool": "run_command", "arguments": '{"cmd": "rm -rf ~/\u202etxt.exe <!channel>"}', "task_id": "t1"},
+    }
+    line = slack_line(body)
+    assert "\u202e" not in line and "\\u202e" in line and "&lt;!channel&gt;" in line, line
