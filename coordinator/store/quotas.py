@@ -144,30 +144,33 @@ class QuotaStore(Part):
         for root in counted:
             pipe.hmget(self.keys.task(root, root), TaskField.STATUS, TaskField.FINISHED_AT)
         found = pipe.execute()
-        statuses = [status for status, _ in found]
-        unwritten_before_ms = time.time() * 1000 - UNWRITTEN_ROOT_GRACE_MS
+        now_ms = time.time() * 1000
+        unwritten_before_ms = now_ms - UNWRITTEN_ROOT_GRACE_MS
         ended = [
             root
             for (root, counted_ms), (status, finished_at) in zip(counted.items(), found, strict=True)
             if (status in _ENDED and not _retry_counted(counted_ms, finished_at, unwritten_before_ms))
             or (status is None and counted_ms < unwritten_before_ms)
         ]
-        # A root still running is counted as of now: a submit drops the roots counted longer ago than a retention
-        # (tenant_submit.lua), which would drop one that runs longer than that. (XX: one that ended meanwhile and
+        # A root still running, counted more than half a retention ago, is counted as of now: a submit drops the
+        # roots counted longer ago than a retention (tenant_submit.lua), which would drop one that runs longer than
+        # that; the rest are left as they are, so a count writes nothing more as a rule. (Not an ended root kept
+        # for its retry's step: counted anew, it would be kept at every count. XX: one that ended meanwhile and
         # was taken out stays out.)
-        # (Not an ended root kept for its retry's step: counted as of now, it would be kept at every count.)
-        running = {
-            root: time.time() * 1000
-            for root, status in zip(counted, statuses, strict=True)
-            if status and status not in _ENDED
+        stale_before_ms = now_ms - self.retention_s * 500
+        long_running = {
+            root: now_ms
+            for (root, counted_ms), (status, _) in zip(counted.items(), found, strict=True)
+            if status and status not in _ENDED and counted_ms < stale_before_ms
         }
-        pipe = self.client.pipeline(transaction=False)
-        if ended:
-            pipe.zrem(key, *ended)
-        if running:
-            pipe.zadd(key, running, xx=True)
-            pipe.expire(key, self.retention_s)
-        pipe.execute()
+        if ended or long_running:
+            pipe = self.client.pipeline(transaction=False)
+            if ended:
+                pipe.zrem(key, *ended)
+            if long_running:
+                pipe.zadd(key, long_running, xx=True)
+                pipe.expire(key, self.retention_s)
+            pipe.execute()
         return len(counted) - len(ended)
 
     @translate_redis_errors
