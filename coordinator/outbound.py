@@ -244,7 +244,7 @@ class Connections:
     ) -> list[tuple[object, int, str]]:
         """Begin a POST of `body` to `url` at `address`; what ended already (a send refused at once)."""
         host = url.hostname or ""
-        port = url.port or (443 if url.scheme == "https" else 80)
+        port = _port(url)
         path = quote((url.path or "/") + (f"?{url.query}" if url.query else ""), safe=URL_SAFE)
         key = (url.scheme, host, port, address)
         tls_host = host if url.scheme == "https" else None
@@ -608,6 +608,11 @@ def _is_celery(item: ClaimedDelivery) -> bool:
     return item.found is not None and item.found[1].get("kind") == "celery"
 
 
+def _port(url: SplitResult) -> int:
+    """The port a URL names, or its scheme's."""
+    return url.port or (443 if url.scheme == "https" else 80)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Waiting:
     """An attempt waiting for its host name to resolve, until `deadline` (monotonic s): its timeout."""
@@ -645,7 +650,7 @@ class Deliverer:
         self.slots = plane.settings.webhook_concurrency
         self._busy = 0  # attempts claimed and not yet ended
         self._ended: list[Settled] = []  # attempts made, not yet recorded
-        self._resolved: list[tuple[ClaimedDelivery, Target, Mapping[str, Any], str, str, float]] = []
+        self._resolved: list[tuple[_Waiting, str, str]] = []  # resolved: each attempt, its address and refusal
         # A host name's resolution in flight, by (host, port): the attempts waiting on it. It stays while its
         # thread runs, past its attempts' deadlines too, so that later attempts of a host whose name server
         # hangs wait on the same resolution, not one thread each.
@@ -845,7 +850,7 @@ class Deliverer:
 
     def _check(self, url: SplitResult) -> tuple[str, str]:
         """The address to connect to for the URL's host, checked now ('' and the refusal's line if unsafe)."""
-        port = url.port or (443 if url.scheme == "https" else 80)
+        port = _port(url)
         try:
             return resolve_safe(url.hostname or "", port, self.settings.webhook_allow), ""
         except UnsafeTarget as exc:
@@ -854,7 +859,7 @@ class Deliverer:
     def _await_host(self, waiting: _Waiting) -> None:
         """Wait for the attempt's host name to resolve: on a resolution of it in flight, or on one started now."""
         url = waiting.target.url
-        host = (url.hostname or "", url.port or (443 if url.scheme == "https" else 80))
+        host = (url.hostname or "", _port(url))
         with self._lock:
             others = self._resolving.get(host)
             self._resolving.setdefault(host, []).append(waiting)
@@ -880,8 +885,7 @@ class Deliverer:
             log.exception("subq: checking webhook host %r failed", url.hostname)
             address, refusal = "", one_line(f"refused: the host's check failed: {type(exc).__name__}: {exc}")
         with self._lock:
-            for w in self._resolving.pop(host, []):
-                self._resolved.append((w.item, w.target, w.body, address, refusal, w.deadline))
+            self._resolved += [(w, address, refusal) for w in self._resolving.pop(host, [])]
         self._connections.wake()
 
     def _expire_resolving(self) -> None:
@@ -901,15 +905,15 @@ class Deliverer:
     def _start_resolved(self) -> None:
         with self._lock:
             ready, self._resolved = self._resolved, []
-        for item, target, body, address, refusal, deadline in ready:
-            if (left_s := deadline - time.monotonic()) <= 0:  # resolved just past its time: ended as if not
-                self._done(self._settled(item, Attempt("retrying", self._unresolved(target))))
+        for w, address, refusal in ready:
+            if (left_s := w.deadline - time.monotonic()) <= 0:  # resolved just past its time: ended as if not
+                self._done(self._settled(w.item, Attempt("retrying", self._unresolved(w.target))))
                 continue
             try:
                 # What its timeout leaves after the resolution: the whole attempt ends within its claim's lease.
-                self._post(item, target, body, address, refusal, left_s)
+                self._post(w.item, w.target, w.body, address, refusal, left_s)
             except Exception:  # a fault of ours: the claim lapses and the delivery is due again
-                log.exception("subq deliveries: %s failed", item.delivery_id)
+                log.exception("subq deliveries: %s failed", w.item.delivery_id)
                 self._done(None)
 
     def _post(
