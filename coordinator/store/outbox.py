@@ -40,7 +40,9 @@ __all__ = ["EVENT_FIELDS", "OutboxStore", "Settled", "event_record"]
 
 # What an event's payload reads of its task's record (coordinator/outbound.py `payload`): a few fields of
 # the hash, not the whole record (a decoded TaskRecord cost the deliverer about 0.25 ms of CPU a delivery
-# in a 1,000-wide tree's ends, each of another task; docs/benchmarks.md).
+# in a 1,000-wide tree's ends, each of another task; docs/benchmarks.md). hashes.lua's EVENT_FIELDS is the same
+# list, which the scripts read (outbox_add keeps them with an end's delivery, read_claimed reads the rest):
+# this one decodes their values (tests/test_webhooks_batches.py holds the two equal).
 EVENT_FIELDS = (
     TaskField.ROOT_ID, TaskField.METADATA, TaskField.SUMMARY, TaskField.OUTPUT, TaskField.TOKENS_IN,
     TaskField.TOKENS_OUT, TaskField.TOTAL_TOKENS, TaskField.COST_MICROS, TaskField.TOTAL_COST_MICROS,
@@ -156,7 +158,6 @@ class OutboxStore(Part):
                     DeliveryOutcome(o.delivery_id, f"{o.root_id} {o.delivery_id}", o.state, o.next_at, o.last, o.attempts)
                     for o in outcomes
                 ],
-                fields=EVENT_FIELDS,
             )
         )  # fmt: skip
         # The script has committed: from here nothing raises, or the deliverer would put back the outcomes it

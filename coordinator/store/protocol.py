@@ -1555,9 +1555,7 @@ class ReadClaimed(
     pending: str = key("the pending deliveries of every tree")
     names: ClaimedNames = splice("how a claimed delivery's keys are named", expand=True)
     retention_s: int = arg("retention seconds")
-    n_fields: int = count("number of fields", of="fields")
-    fields: Sequence[str] = args("the fields of a task's record an event reads")
-    members: Sequence[str] = args("then the claimed members (`<root id> <delivery id>`)")
+    members: Sequence[str] = args("the claimed members (`<root id> <delivery id>`)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1577,13 +1575,11 @@ class SettleAndClaim(
     limit: int = arg("the most to claim (0: none)")
     names: ClaimedNames = splice("how a claimed delivery's keys are named, as read_claimed's {side}[1..4]")
     n_outcomes: int = count("number of outcomes", of="outcomes")
-    n_fields: int = count("number of fields", of="fields")
     outcomes: Sequence[DeliveryOutcome] = args(
         "6 per outcome, as settle_delivery takes them: the delivery id, its member of the pending deliveries, "
         "its state (retrying, delivered, gone or given_up), when to try again (epoch s), the attempt's answer, "
         "the attempts it had when claimed (-1: any)"
     )
-    fields: Sequence[str] = args("then the fields of a task's record an event reads")
 
     @classmethod
     def decode(cls, raw: Any) -> list[ClaimedRead]:

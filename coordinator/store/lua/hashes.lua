@@ -275,8 +275,9 @@ local function timeline_mark(key, now_s, state)
   return text ~= nil
 end
 
--- The fields of a task's record an event of its end carries (store/outbox.py's EVENT_FIELDS, the same names in
--- the same order): kept with each delivery as they are at the event (outbox_add), read by every attempt.
+-- The fields of a task's record an event carries (store/outbox.py's EVENT_FIELDS, the same names in the same
+-- order, which decodes them): kept with an end's delivery as they are at the event (outbox_add), and read from
+-- the record for any other (read_claimed).
 local EVENT_FIELDS = {'root_id', 'metadata', 'summary', 'output', 'tokens_in', 'tokens_out', 'total_tokens',
   'cost_micros', 'total_cost_micros', 'error', 'error_class'}
 

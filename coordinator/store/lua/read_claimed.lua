@@ -14,21 +14,17 @@
 -- ARGV[3] str: a tree's hooks hash's tail
 -- ARGV[4] str: a task hash key's middle (between the root id and the task id)
 -- ARGV[5] int: retention seconds
--- ARGV[6] int: number of fields
--- ARGV[7..] each str: the fields of a task's record an event reads
--- ARGV[..] each str: then the claimed members (`<root id> <delivery id>`)
+-- ARGV[6..] each str: the claimed members (`<root id> <delivery id>`)
 -- Returns per claimed delivery to attempt, oldest first: {its member, its entry (JSON), its subscription's
 --   event patterns (false when gone), its target (JSON; false when gone), the fields' values (false for
 --   each when the task has expired)}; or, for one whose entry does not decode (not JSON, or without a hook
 --   or task_id), {its member, why, the attempts settle_delivery reads it to have}.
-local n_fields = tonumber(ARGV[6])
-local fields = {unpack(ARGV, 7, 6 + n_fields)}
 local settled = {delivered = true, gone = true, given_up = true}
 local subscriptions, kept, out = {}, {}, {}
 local function named(id)
   return type(id) == 'string' and id ~= ''
 end
-for i = 7 + n_fields, #ARGV do
+for i = 6, #ARGV do
   local member = ARGV[i]
   local root, delivery_id = string.match(member, '^(%S+) (%S+)$')
   local raw = root and redis.call('HGET', ARGV[1] .. root .. ARGV[2], delivery_id)
@@ -59,7 +55,7 @@ for i = 7 + n_fields, #ARGV do
     -- The record is kept all the same: a Celery callback sends the whole record, read after the claim.
     local values = entry['record']
     if type(values) ~= 'table' then
-      values = redis.call('HMGET', record_key, unpack(fields))
+      values = redis.call('HMGET', record_key, unpack(EVENT_FIELDS))
     end
     if not kept[record_key] then  -- once a call: a task's end is one delivery for each of its subscriptions
       kept[record_key] = true

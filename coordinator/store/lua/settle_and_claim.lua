@@ -14,15 +14,13 @@
 -- ARGV[5] int: the most to claim (0: none)
 -- ARGV[6..9] how a claimed delivery's keys are named, as read_claimed's ARGV[1..4]
 -- ARGV[10] int: number of outcomes
--- ARGV[11] int: number of fields
--- ARGV[12..] 6 per outcome, as settle_delivery takes them: the delivery id, its member of the pending
+-- ARGV[11..] 6 per outcome, as settle_delivery takes them: the delivery id, its member of the pending
 --   deliveries, its state (retrying, delivered, gone or given_up), when to try again (epoch s), the
 --   attempt's answer, the attempts it had when claimed (-1: any)
--- ARGV[..] each str: then the fields of a task's record an event reads
 -- Returns per claimed delivery to attempt, as read_claimed reads it; none when the limit is 0.
-local n_outcomes, n_fields = tonumber(ARGV[10]), tonumber(ARGV[11])
+local n_outcomes = tonumber(ARGV[10])
 for i = 1, n_outcomes do
-  local k, a = 2 * i + 1, 6 * i + 6
+  local k, a = 2 * i + 1, 6 * i + 5
   settle_delivery({KEYS[k], KEYS[k + 1], KEYS[1], KEYS[2]},
     {ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[1], ARGV[2], ARGV[a + 5]})
 end
@@ -30,10 +28,7 @@ if tonumber(ARGV[5]) <= 0 then
   return {}
 end
 local claimed = claim_deliveries({KEYS[1]}, {ARGV[3], ARGV[4], ARGV[5]})
-local reads = {ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[2], n_fields}
-for i = 12 + 6 * n_outcomes, 11 + 6 * n_outcomes + n_fields do
-  reads[#reads + 1] = ARGV[i]
-end
+local reads = {ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[2]}
 for i = 1, #claimed do
   reads[#reads + 1] = claimed[i]
 end
