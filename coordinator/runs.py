@@ -349,7 +349,8 @@ class Run:
         self.step.ended(ending)
         if ending.kind == "fenced":
             raise LeaseLost(task_id)
-        if spends and ending.refused_spend:
+        late = bool(spends and ending.refused_spend)
+        if late:
             self._spent_before_the_stop(spends)  # a stop landed since its last step: its end wrote no spend
         if ending.kind == "exhausted":
             # Its last response reached a budget: the holder's subtree is stopped, this run with it.
@@ -358,6 +359,8 @@ class Run:
         if outcome.error_detail and ending.status == outcome.status:
             plane.store.runs.set_error_detail(task_id, outcome.error_detail[:MAX_SUMMARY_CHARS])
         self._after_end(ending)
+        if late:  # the end's figures were read before the spend was recorded: the record's have it
+            return writeback.result_of(plane.store.records.get_task(task_id))
         return _result_of(task_id, ending, outcome)
 
     def _release_for(self, outcome: Released) -> SubtaskResult:

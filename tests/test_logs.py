@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from coordinator import ConfigError, Settings, load_settings
+from coordinator import ConfigError, Settings, TaskStatus, load_settings
+from coordinator.settings import Profile
 from tests.conftest import dedicated_fleet
 from tests.helpers import eventually, script, start_worker_with, usage_step
-from workers.observe import RunContextFilter, run_context
+from tests.test_openai_compatible import PRICE, FailingHandler, FailingServer
+from workers.observe import RunContextFilter, VisibleLineFilter, run_context
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,3 +79,69 @@ def test_a_bad_log_format_stops_the_worker_with_one_line(settings: Settings, mon
         "subq worker: Invalid setting SUBQ_LOG_FORMAT: Input should be 'text' or 'json'"
     )
     assert "Traceback" not in proc.stderr
+
+
+# A provider's error as a hostile endpoint (or a model's text quoted in it) may write it: a terminal
+# sequence that writes the operator's clipboard (OSC 52), a line break that forges a log line of its own,
+# a carriage return that overwrites the line, and a bidi override.
+HOSTILE = "\x1b]52;c;cm0gLXJmIH4=\x07bad\nERROR forged line\rover \u202eevil"
+
+
+@pytest.fixture
+def hostile_provider() -> Iterator[FailingServer]:
+    server = FailingServer(("127.0.0.1", 0), FailingHandler)
+    server.attempts, server.status = 0, 400
+    server.error = {"message": HOSTILE, "type": "invalid_request_error"}
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_providers_text_in_a_text_line_is_one_line_of_visible_text(
+    settings: Settings, tmp_path: Path, hostile_provider: FailingServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "key-from-the-environment")  # the key FailingHandler asks for
+    host, port = hostile_provider.server_address[:2]
+    profile = Profile(model="openai:local-model", base_url=f"http://{host!s}:{port}/v1", price=PRICE)
+    updates = {"queue": "subq-logs-text", "key_prefix": "subqlogstext", "profiles": {"local": profile}}
+    with dedicated_fleet(settings, tmp_path, 1, **updates) as (coord, fleet):
+        task = coord.create_task("Read the data and report.", profile="local", run=True)
+        assert coord.wait(task.id, 60).status == TaskStatus.FAILED
+        failed = f"task {task.id} failed:"
+        lines = eventually(
+            lambda: [line for line in fleet.logs[0].read_text().splitlines() if failed in line] or None,
+            "the worker's line for the failed run",
+        )
+    text = fleet.logs[0].read_text()
+    assert hostile_provider.attempts == 1
+    # The error is made one line before it is logged (its breaks as spaces); its escapes are the log's.
+    assert len(lines) == 1 and "\\x1b]52;c;cm0gLXJmIH4=\\x07bad ERROR forged line over \\u202eevil (" in lines[0]
+    assert not any(ch in text for ch in "\x1b\x07\r\u202e"), "a raw control or bidi character reached the log"
+    assert not any(line.startswith("ERROR forged line") for line in text.splitlines())
+
+
+def test_the_visible_line_filter_escapes_a_message_and_a_traceback() -> None:
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.addFilter(VisibleLineFilter())
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logger = logging.getLogger("tests.visible_line")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        logger.warning("said %s and %d%%", "a\nb\x1b[2J", 5)
+        logger.warning("plain %s", "text")
+        try:
+            raise ValueError("bad\x1b]0;title\x07")
+        except ValueError:
+            logger.exception("failed")
+    finally:
+        logger.removeHandler(handler)
+    lines = out.getvalue().splitlines()
+    assert lines[:3] == ["WARNING said a\\nb\\x1b[2J and 5%", "WARNING plain text", "ERROR failed"]
+    assert lines[3] == "Traceback (most recent call last):", "a traceback keeps its line breaks"
+    assert lines[-1] == "ValueError: bad\\x1b]0;title\\x07"
+    assert "\x1b" not in out.getvalue()
+    assert sys.exc_info() == (None, None, None)

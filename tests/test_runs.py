@@ -75,7 +75,8 @@ def test_a_final_response_held_past_a_cancel_is_recorded_by_the_runs_end(idle_co
     assert isinstance(run, Run), run
     _held(run, 7_000)
     coord.cancel(child, "not needed")
-    assert run.end(Ended("completed", summary="too late")).status == "cancelled"
+    result = run.end(Ended("completed", summary="too late"))
+    assert (result.status, result.cost_micros, result.usage.tokens_in) == ("cancelled", 7_000, 100), "its result too"
     record = coord.get_task(child)
     assert (record.cost_micros, record.tokens_in) == (7_000, 100), "the provider billed it"
     item = next(i for i in coord.get_todos(parent_id) if i.subtask_id == child)

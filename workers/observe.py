@@ -13,6 +13,13 @@ thread that runs it, the agent loop included) carries the run's `task_id`,
 `delivery` (1 for a first delivery, 2 for a redelivery, ...) as JSON fields,
 and `trace_id` when traces are on (docs/tracing.md).
 
+A line may carry a model's or a provider's text (a failed run's error, a tool's
+error, an endpoint's answer), which reaches an operator's terminal. A text line
+writes every non-printable character of its message as its escape, the line
+break included, so a message is one line and never a terminal sequence; a
+traceback keeps its line breaks and escapes the rest (`VisibleLineFilter`). A
+JSON line is escaped by its JSON.
+
 The run's ids live in a context variable: `workers/tasks.py` opens it around
 the run, and the run lifecycle's `started` hook adds what only the task's record
 knows (its root, batch and delivery count), through `WorkerRunHooks`.
@@ -66,6 +73,7 @@ from prometheus_client.registry import Collector
 from pythonjsonlogger.json import JsonFormatter
 
 from coordinator import ConfigError, TaskStatus, current_trace_id
+from coordinator.inputs import visible_text
 from coordinator.runs import Run, RunHooks
 from coordinator.tracing import span
 
@@ -89,6 +97,7 @@ __all__ = [
     "TOOL_DURATION",
     "RunContext",
     "RunContextFilter",
+    "VisibleLineFilter",
     "WorkerRunHooks",
     "count_replica_shortfalls",
     "current_run",
@@ -176,6 +185,20 @@ class RunContextFilter(logging.Filter):
         return True
 
 
+class VisibleLineFilter(logging.Filter):
+    """Makes a text line's message one line of visible text, and its traceback visible text (module docstring)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        shown = visible_text(message).replace("\n", "\\n")
+        if shown != message:
+            record.msg, record.args = shown, None  # args None: the handler formats `msg` as it is
+        if record.exc_info and not record.exc_text:
+            # Set once here, the formatter shows it as it is (logging.Formatter.format keeps an `exc_text`).
+            record.exc_text = visible_text(logging.Formatter().formatException(record.exc_info))
+        return True
+
+
 def json_formatter() -> logging.Formatter:
     return JsonFormatter(JSON_FIELDS, style="{", rename_fields=JSON_RENAMES, timestamp=True)
 
@@ -189,6 +212,8 @@ def install(log_format: str) -> None:
                 handler.addFilter(RunContextFilter())
             if log_format == "json":
                 handler.setFormatter(json_formatter())
+            elif not any(isinstance(f, VisibleLineFilter) for f in handler.filters):
+                handler.addFilter(VisibleLineFilter())
 
     # Both signals: Celery's task logger (`celery.task`) has handlers of its own.
     signals.after_setup_logger.connect(configure, weak=False)

@@ -151,7 +151,7 @@ def _approval_lines(pending: Sequence[Approval]) -> Iterable[str]:
 def approve(ctx: typer.Context, approval_id: ApprovalId) -> None:
     """Approve a waiting tool call: only that task goes on."""
     decided = _decide(ctx, approval_id, {"decision": "approve"})
-    typer.echo(f"Approved {decided.id}: {decided.tool} of task {decided.task_id} goes on.")
+    say(f"Approved {decided.id}: {decided.tool} of task {decided.task_id} goes on.")
 
 
 def deny(
@@ -161,7 +161,7 @@ def deny(
 ) -> None:
     """Deny a waiting tool call; the feedback goes back to that task's model."""
     decided = _decide(ctx, approval_id, {"decision": "deny", "feedback": feedback or None})
-    typer.echo(f"Denied {decided.id}: task {decided.task_id} is told: {decided.feedback or 'the call was denied'}")
+    say(f"Denied {decided.id}: task {decided.task_id} is told: {decided.feedback or 'the call was denied'}")
 
 
 def _decide(ctx: typer.Context, approval_id: str, decision: dict[str, str | None]) -> Approval:
