@@ -61,11 +61,11 @@ def check_root(plane: Plane, tenant: str, root_id: str, policy: TenantPolicy) ->
 
 def check_retried_root(plane: Plane, root: TaskRecord) -> None:
     """Count a root that ended, run again by a retry, among its tenant's running roots, or raise QuotaExceeded
-    (nothing counted): at `max_running_roots`, a retry waits for a root to end as a new root does."""
+    (nothing counted): at `max_running_roots`, or over `max_cost_usd_per_day`, a retry waits as a new root does."""
     policy = plane.tenants.policy(root.tenant)
     verdict = plane.store.quotas.count_root(
         root.tenant, root.id, submits_per_minute=0, max_running_roots=policy.max_running_roots,
-        max_cost_micros_per_day=0, retried=True,
+        max_cost_micros_per_day=policy.max_cost_micros_per_day, retried=True,
     )  # fmt: skip
     if not verdict.accepted:
         raise refusal(root.tenant, verdict)

@@ -164,8 +164,10 @@ class Run:
         # Runs of this task ever: request keys `<run_seq>:<request no>` stay unique across resumes.
         self.run_seq = 0
         # Its tenant's day of spend reached its quota with one of its responses: it stops its tree next, if the
-        # day is still over it then (`day_spent_micros`: the figure its stop names).
-        self.tenant_over_day = False
+        # day is still over it then (`day_spent_micros`: the figure its stop names). A tenant with a day quota may
+        # be over it already when the run starts (a retry, or a caller's delegation, of a tree the day stopped):
+        # its first check reads the day before the first request, which would otherwise go ahead.
+        self.tenant_over_day = plane.tenants.policy(task.tenant).max_cost_micros_per_day > 0
         self.day_spent_micros: int | None = None
         # The worker's concerns, each a port with its own narrow reach into the store.
         self.provider = ProviderPort(self, plane)

@@ -442,6 +442,54 @@ def test_a_run_stops_its_tree_on_its_tenants_day_only_while_the_day_is_still_ove
         coord.close()
 
 
+def test_a_retry_or_a_run_that_starts_over_the_tenants_day_makes_no_request(settings: Settings) -> None:
+    """The day stopped a tree: its retry is refused as a new root is, and nothing changes. A run that starts while the
+    day is over (a task retried inside a tree, a caller's delegation: no submit's check sees them) stops its tree
+    before its first request; before, that request went ahead at every retry. A run that starts under it goes on."""
+    own = settings.model_copy(
+        update={"key_prefix": PREFIX, "queue": "subq-tenants-idle", "tenants": {"acme": {"max_cost_usd_per_day": 1}}}
+    )
+    coord = Coordinator(own)
+    _clean(coord)
+    runtime = build_runtime(own, make_app(own))
+    spend_key = coord.store.keys.tenant_spend("acme")
+    try:
+        stopped = coord.create_task("stopped by the day", tenant="acme", run=True)
+        coord.store.runs.finish_task(stopped.id, "failed", error="the day", error_class="TenantQuotaExceeded")
+        coord.store.quotas.count_spend("acme", "spent", 1_200_000)
+        before = _snapshot(coord)
+        with pytest.raises(QuotaExceeded) as caught:
+            coord.retry(stopped.id)
+        assert caught.value.quota == "max_cost_usd_per_day"
+        assert "spent $1.200000 in the last 24 h" in caught.value.message
+        assert _snapshot(coord) == before and coord.get_task(stopped.id).status == TaskStatus.FAILED
+
+        for over in (True, False):
+            coord.client.delete(spend_key)
+            task = coord.create_task(agent(reply("x")), run=True, tenant="acme")  # a submit under the day
+            if over:
+                coord.store.quotas.count_spend("acme", "taken", 1_200_000)  # another tree took the day meanwhile
+            run = runtime.lifecycle.start(task.id)
+            assert isinstance(run, Run)
+            check = run.check_stop()  # what the run asks before its first request
+            if over:
+                assert check.stopped and check.budget_holder == task.id
+                run.stopped(check.budget_holder)
+                ended = coord.get_task(task.id)
+                assert (ended.status, ended.error_class, ended.requests) == (
+                    TaskStatus.FAILED, "TenantQuotaExceeded", 0
+                ), ended.error  # fmt: skip
+            else:
+                assert not check.stopped and not run.tenant_over_day, "under the day: the run goes on"
+                run.end(Ended("completed", summary="done"))
+                assert coord.get_task(task.id).status == TaskStatus.COMPLETED
+            runtime.lifecycle.heartbeat.forget(run)
+    finally:
+        runtime.coordinator.close()
+        _clean(coord)
+        coord.close()
+
+
 def test_a_retried_root_counts_against_max_running_roots_again(settings: Settings) -> None:
     """A retry runs an ended root again: it takes a running place, so a tenant at its limit cannot run one more
     root by retrying one; a refused retry changes nothing."""

@@ -1834,7 +1834,7 @@ class TenantSubmit(
     retention_s: int = arg("retention seconds (the running roots zset's lifetime)")
     retried: str | None = arg(
         "'1': a root that ended, run again by a retry: counted among the running roots again (its submit was "
-        "counted when it was made), under max_running_roots only",
+        "counted when it was made), under max_running_roots and the day's spend",
         optional=True,
     )
 

@@ -12,13 +12,16 @@
 -- ARGV[5] int: micro-USD per rolling day (0: no quota)
 -- ARGV[6] int: retention seconds (the running roots zset's lifetime)
 -- ARGV[7] (optional) str: '1': a root that ended, run again by a retry: counted among the running roots
---   again (its submit was counted when it was made), under max_running_roots only
+--   again (its submit was counted when it was made), under max_running_roots and the day's spend
 -- Returns {1} when the root is counted (or was before: a retried submit of the same root), or {0, quota,
 --   used, limit, retry after ms} when a quota refuses it (nothing written).
 local root, now = ARGV[1], tonumber(ARGV[2])
 local per_minute, max_roots, max_spend = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local retried = ARGV[7] == '1'
-if redis.call('ZSCORE', KEYS[2], root) or (not retried and redis.call('ZSCORE', KEYS[1], root)) then
+-- A retried root still counted as running (it ended a moment ago, or a retry counted it) holds its place, but the
+-- day's spend is checked all the same: a retry must not buy a tree the day stopped one more request.
+local counted = redis.call('ZSCORE', KEYS[2], root)
+if not retried and (counted or redis.call('ZSCORE', KEYS[1], root)) then
   return {1}
 end
 -- Reads only: a refusal must leave every key as it was (stale entries are dropped once the root is counted).
@@ -30,13 +33,13 @@ if per_minute > 0 and not retried and submits >= per_minute then
     submits - per_minute + 1)
   return {0, 'submits_per_minute', submits, per_minute, math.max(1, tonumber(oldest[#oldest]) + 60000 - now)}
 end
-if max_roots > 0 then
+if max_roots > 0 and not counted then
   local running = redis.call('ZCARD', KEYS[2])
   if running >= max_roots then
     return {0, 'max_running_roots', running, max_roots, 0}
   end
 end
-if max_spend > 0 and not retried then
+if max_spend > 0 then
   local hour = math.floor(now / 3600000)
   local hours, spent = {}, 0
   local flat = redis.call('HGETALL', KEYS[3])
@@ -60,6 +63,9 @@ if max_spend > 0 and not retried then
     end
     return {0, 'max_cost_usd_per_day', spent, max_spend, math.max(1, reset - now)}
   end
+end
+if counted then
+  return {1}
 end
 if not retried then
   redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', minute_ago)
