@@ -29,7 +29,7 @@ import pydantic
 
 from coordinator import admission, budgets, control, dispatch, faults, ids, todo_links
 from coordinator import todos as todo_lists
-from coordinator.errors import BrokerError, StateError, SubqError, ValidationError
+from coordinator.errors import BrokerError, ConflictError, NotFoundError, StateError, SubqError, ValidationError
 from coordinator.inputs import error_message, error_path, one_line
 from coordinator.models import Batch, DelegationMode, NewChildren, SubtaskSpec, TaskRecord, TaskStatus, TodoItem
 
@@ -171,8 +171,14 @@ def commit(
         )
         return batch, NewChildren(shared, own), new_items
 
-    plane.store.convergence.watch([task_id], plane.settings.reconcile_grace_s)  # the commit's publish may never come
-    batch, children = plane.store.batches.commit_delegation(task_id, plan, token=token)
+    # Watched before the commit: its publish may never come. A refused delegation changes nothing, the due list
+    # included (a refusal left a task due, or pushed its look later, at each call).
+    due_before = plane.store.convergence.watch_one(task_id, plane.settings.reconcile_grace_s)
+    try:
+        batch, children = plane.store.batches.commit_delegation(task_id, plan, token=token)
+    except (ValidationError, NotFoundError, StateError, ConflictError):  # a refusal: nothing was committed
+        plane.store.convergence.rewatch(task_id, due_before)
+        raise
     faults.crash_point(plane.settings, "after-commit")
     return batch, children
 

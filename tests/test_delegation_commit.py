@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from coordinator import Coordinator, Profile, Settings, delegation
+from coordinator.errors import SubqError
 from coordinator.models import CHILD_OWN_FIELDS, NewChildren, TaskRecord, TaskStatus
 from coordinator.store.base import _encode_record
 from coordinator.store.fields import TaskField
@@ -106,3 +107,31 @@ def test_a_child_gives_every_own_value_and_no_other() -> None:
         NewChildren(shared, [{"id": "r-2", **{k: v for k, v in given.items() if k != "prompt"}}])
     children = NewChildren(shared, [{"id": "r-2", **given}, {"id": "r-3", **given, "prompt": "z"}]).records(10)
     assert [(c.id, c.prompt, c.number) for c in children] == [("r-2", "q", 10), ("r-3", "z", 11)]
+
+
+def test_a_refused_delegation_leaves_the_due_list_as_it_was(coord: Coordinator) -> None:
+    """A delegation watches its parent before its commit (the commit's publish may never come). A refused one changed
+    the due list all the same: it put a task on it that was not (the reconciler then counted a repair for a root it
+    found cancelled), or pushed one's look later at each call. Now the watch is undone with the refusal."""
+    due = coord.store.keys.due()
+    budgeted = coord.create_task("budgeted", todos="[ ] a", budget_usd="1")
+    cancelled = coord.create_task("cancelled", todos="[ ] a")
+    coord.cancel(cancelled.id, "done with it")
+    watched = coord.create_task("watched", todos="[ ] a")
+    coord.client.zadd(due, {watched.id: 1_000.0})  # due long ago: the reconciler's look is due now
+    refusals = [
+        (budgeted.id, {"budget_usd": "5"}, "budget"),
+        (cancelled.id, {}, "cancelled"),
+        (watched.id, {"todo_id": "no-such-item"}, "Unknown todo_id"),
+    ]
+    try:
+        for parent_id, spec, says in refusals:
+            before = coord.client.zrange(due, 0, -1, withscores=True)
+            with pytest.raises(SubqError, match=says):
+                delegation.commit(coord.plane, parent_id, [{"description": "a", "message": "do a", **spec}])
+            assert coord.client.zrange(due, 0, -1, withscores=True) == before, says
+        assert coord.client.zscore(due, watched.id) == 1_000.0 and coord.client.zscore(due, budgeted.id) is None
+        batch, _ = delegation.commit(coord.plane, watched.id, [{"description": "a", "message": "do a"}])
+        assert batch.child_ids and (coord.client.zscore(due, watched.id) or 0) > 1_000.0, "a commit is watched"
+    finally:
+        coord.client.zrem(due, budgeted.id, cancelled.id, watched.id)

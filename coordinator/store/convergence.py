@@ -78,6 +78,24 @@ class ConvergenceStore(Part):
             self.client.zadd(self.keys.due(), due, xx=only_if_watched)
 
     @translate_redis_errors
+    def watch_one(self, task_id: str, after_s: float) -> float | None:
+        """`watch([task_id], after_s)`, answering when the task was due before (None: it was not watched), which
+        `rewatch` puts back when the step the watch was for is refused."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zscore(self.keys.due(), task_id)
+        pipe.zadd(self.keys.due(), {task_id: time.time() + after_s})
+        due_before: float | None = pipe.execute()[0]
+        return due_before
+
+    @translate_redis_errors
+    def rewatch(self, task_id: str, due_before: float | None) -> None:
+        """The task's place on the due list as `watch_one` found it: off it (None), or due when it was."""
+        if due_before is None:
+            self.client.zrem(self.keys.due(), task_id)
+        else:
+            self.client.zadd(self.keys.due(), {task_id: due_before}, xx=True)
+
+    @translate_redis_errors
     def unwatch(self, task_ids: Sequence[str], *, while_status: str = "") -> None:
         """Take these tasks off the due list, except one a live run holds the lease of (unwatch.lua).
 
