@@ -352,7 +352,8 @@ def test_a_host_check_that_raises_is_the_attempts_refusal(
 
 def test_a_root_whose_tree_filled_its_cap_still_tells_its_end(settings: Settings) -> None:
     """The tree's cap counts every delivery the tree wrote, delivered ones too: past it, its children's events
-    are dropped (counted), and the root's own end is still written, for its webhook and its `on_complete`."""
+    are dropped (counted), and the root's own end is still written, for its webhook and its `on_complete`, as are
+    its approvals and budget warnings."""
     coord = Coordinator(
         settings.model_copy(
             update={
@@ -375,6 +376,11 @@ def test_a_root_whose_tree_filled_its_cap_still_tells_its_end(settings: Settings
         outbox.add_event(root.id, root.id, "task.completed", {})
         ended = [d["hook"] for d in outbox.deliveries(root.id) if d["type"] == "task.completed"]
         assert sorted(ended) == ["0", "c"], "the root's end, for its webhook and its on_complete"
+        # A person must hear of a call that waits, and of a budget nearly spent, however wide the tree: before,
+        # both were dropped past the cap, an operator's SUBQ_NOTIFY sink's too.
+        assert outbox.add_event(root.id, children[0], "approval.requested", {"approval_id": "a1"}) == 1
+        assert outbox.add_event(root.id, children[1], "budget.warning", {"share": 0.8}) == 1
+        assert outbox.add_event(root.id, children[0], "task.failed", {}) == 0 and outbox.dropped(root.id) == 2
     finally:
         for key in coord.client.scan_iter("subqcap:*"):
             coord.client.delete(key)
@@ -382,9 +388,10 @@ def test_a_root_whose_tree_filled_its_cap_still_tells_its_end(settings: Settings
 
 
 def test_a_full_fleet_outbox_still_takes_every_roots_end(settings: Settings) -> None:
-    """The fleet's cap bounds what every tree's children and approvals add: one tree whose receiver is down can
-    fill it. A root's own end is written past it, so another tree, another tenant's maybe, still tells its
-    caller it ended (its webhook and its `on_complete`); before, that end was dropped with the rest."""
+    """The fleet's cap bounds what every tree's children add: one tree whose receiver is down can fill it. A root's
+    own end, an approval's events and a budget warning are written past it, so another tree, another tenant's maybe,
+    still tells its caller it ended (its webhook and its `on_complete`) and its approvers that a call waits; before,
+    they were dropped with the rest."""
     coord = Coordinator(
         settings.model_copy(
             update={"queue": "subq-nobody", "key_prefix": "subqfleetcap", "webhook_outbox_cap": 2,
@@ -406,6 +413,9 @@ def test_a_full_fleet_outbox_still_takes_every_roots_end(settings: Settings) -> 
         assert outbox.add_event(other.id, other.id, "task.completed", {}) == 2, "the root's end is not"
         ended = sorted(d["hook"] for d in outbox.deliveries(other.id) if d["type"] == "task.completed")
         assert ended == ["0", "c"] and outbox.dropped(other.id) == 1
+        assert outbox.add_event(other.id, child, "approval.requested", {"approval_id": "a1"}) == 1, "nor a call's wait"
+        assert outbox.add_event(other.id, child, "approval.decided", {"approval_id": "a1"}) == 1
+        assert outbox.add_event(other.id, child, "budget.warning", {"share": 0.8}) == 1
     finally:
         for key in coord.client.scan_iter("subqfleetcap:*"):
             coord.client.delete(key)

@@ -40,12 +40,15 @@ local etype = ARGV[2]
 if string.sub(etype, 1, 5) == 'task.' and ARGV[1] ~= conf['~root'] then
   etype = 'child.' .. string.sub(etype, 6)
 end
--- The root's own end (written once an end, so once more after each retry) is held to neither cap: the
--- tree's counts every delivery the tree ever wrote, delivered ones too, so a wide tree's child or approval
--- events would leave its `on_complete` and `task.*` unwritten; the fleet's, one tree whose receiver is down
--- fills with its children's events, and every other tree's end, another tenant's too, was dropped. The caps
--- still bound the rest; a root's ends are bounded by the roots: one an end for each of its subscriptions.
-local own_end = string.sub(etype, 1, 5) == 'task.'
+-- Only a child's end is held to the caps. The root's own end (written once an end, so once more after each
+-- retry), an approval's events and a budget warning are held to neither: the tree's cap counts every delivery
+-- the tree ever wrote, delivered ones too, so a wide tree's child events would leave its `on_complete` and
+-- `task.*` unwritten, and its approvals told to no one (an operator's `SUBQ_NOTIFY` sink included: the task
+-- then waited out its approval's deadline); the fleet's, one tree whose receiver is down fills with its
+-- children's events, and every other tree's end and approvals, another tenant's too, were dropped. What
+-- the others add is bounded without a cap: a root's ends by the roots, an approval by the tool calls a task
+-- waits on (requested, then decided, once), a budget warning by the budgets (once each).
+local capped = string.sub(etype, 1, 6) == 'child.'
 local function wants(patterns)
   for pattern in string.gmatch(patterns, '%S+') do
     if pattern == '*' or pattern == etype then
@@ -82,7 +85,7 @@ local event_id = 'evt_' .. conf['~root'] .. '_' .. seq
 local now = tonumber(ARGV[3])
 local written = 0
 for i = 1, #chosen do
-  if not own_end and (redis.call('HLEN', KEYS[2]) >= tonumber(conf['~tree_cap'] or '0')
+  if capped and (redis.call('HLEN', KEYS[2]) >= tonumber(conf['~tree_cap'] or '0')
       or redis.call('ZCARD', KEYS[3]) >= tonumber(conf['~cap'] or '0')) then
     redis.call('HINCRBY', KEYS[1], '~dropped', 1)
   else
