@@ -81,6 +81,28 @@ def test_subqs_files_are_hidden(tmp_path: Path, workdir: Path) -> None:
         assert "secret" in _run(f"cat {secret}", workdir, sandbox, sandbox=False).output, "readable unconfined"
 
 
+def test_subq_ups_embedded_redis_folder_is_hidden_wherever_tmpdir_points(workdir: Path) -> None:
+    """`subq up`'s embedded Redis keeps its password (redis.conf) and every tree's state (its append-only file) in
+    a folder of its own. Under TMPDIR=/var/tmp (or any folder but /tmp, which the sandbox replaces with its own)
+    a sandboxed command read both: the stack hid only its log folder."""
+    from coordinator.local.embedded_redis import local_redis
+    from coordinator.local.up import hiding
+
+    parent = Path(tempfile.mkdtemp(prefix="subq-up-redis-", dir="/var/tmp"))  # as `subq up` makes it, not in /tmp
+    try:
+        with local_redis(parent=parent) as url:
+            (folder,) = parent.iterdir()
+            password = url.split(":")[2].split("@")[0]
+            config = folder / "redis.conf"
+            assert password in _run(f"cat {config}", workdir, sandbox=False).output, "readable unconfined"
+            assert password in _run(f"cat {config}", workdir, Sandbox.of(Settings())).output, "and by default"
+            hidden = Sandbox.of(hiding(Settings(), workdir.parent / "logs", parent))
+            for path in (config, folder):
+                assert password not in _run(f"sh -c 'cat {path} {path}/*'", workdir, hidden).output, path
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
 @pytest.fixture
 def release() -> Iterator[tuple[Path, Path]]:
     """A deploy's layout: a release folder holding a profiles file, and `current`, a relative symlink to it.

@@ -70,14 +70,16 @@ def redis_server_version(binary: str) -> str | None:
 
 
 @contextmanager
-def local_redis(port: int | None = None, binary: str | None = None) -> Iterator[str]:
+def local_redis(port: int | None = None, binary: str | None = None, parent: Path | None = None) -> Iterator[str]:
     """Run a private redis-server with a new password; yields its URL, `redis://:<password>@127.0.0.1:<port>/0`.
 
     `binary` is the redis-server to run (a bench's `--redis-server`); by default `find_redis_server()`'s.
+    Its folder (its config with the password, its append-only file) is made in `parent`, by default the
+    temporary folder (`TMPDIR`).
     """
     binary = binary or find_redis_server()
     port = port or free_port()
-    workdir = tempfile.mkdtemp(prefix="subq-redis-")  # mode 0700: mkdtemp makes it so
+    workdir = tempfile.mkdtemp(prefix="subq-redis-", dir=parent)  # mode 0700: mkdtemp makes it so
     try:
         password = secrets.token_hex(PASSWORD_BYTES)
         config = _write_config(Path(workdir), password)

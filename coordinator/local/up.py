@@ -231,13 +231,25 @@ def run_up(settings: Settings, options: UpOptions, say: Callable[[str], None]) -
             return 0
 
 
+def hiding(settings: Settings, *folders: Path) -> Settings:
+    """`settings` whose sandbox hides these folders too (the stack's secrets) from every sandboxed command."""
+    return settings.model_copy(
+        update={"sandbox_hidden_paths": [*settings.sandbox_hidden_paths, *(f.absolute() for f in folders)]}
+    )
+
+
 def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], signals: _Signals,
            stack: ExitStack) -> int:  # fmt: skip
     host = options.host
     local = host if host not in ("0.0.0.0", "::", "") else DEFAULT_HOST
     embedded = not settings.redis_given
+    private: list[Path] = []  # folders of secrets, hidden from the workers' sandboxed commands
     if embedded:
-        url = stack.enter_context(local_redis())
+        # Its folder holds its password and every tree's state: in a folder of its own, which the sandbox hides
+        # (its /tmp is a private one, but TMPDIR may name a folder elsewhere, which the sandbox shows read-only).
+        redis_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="subq-up-redis-")))
+        private.append(redis_dir)
+        url = stack.enter_context(local_redis(parent=redis_dir))
         settings = settings.model_copy(update={"redis_url": url})
     else:
         _check_redis(settings)
@@ -248,8 +260,8 @@ def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], s
     else:
         log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="subq-up-")))
     # The credentials file lands in the log folder: no sandboxed command of the workers may read it.
-    hidden = {"sandbox_hidden_paths": [*settings.sandbox_hidden_paths, log_dir.absolute()]}
-    fleet = stack.enter_context(WorkerFleet(settings.model_copy(update=hidden), options.workers, log_dir))
+    fleet_settings = hiding(settings, log_dir, *private)
+    fleet = stack.enter_context(WorkerFleet(fleet_settings, options.workers, log_dir))
     signals.check()
     token = settings.api_token.get_secret_value() if settings.api_token else secrets.token_urlsafe(SECRET_BYTES)
     api: Service | None = None
