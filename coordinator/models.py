@@ -272,6 +272,11 @@ class TaskRecord(BaseModel):
     def tokens(self) -> int:
         return self.tokens_in + self.tokens_out
 
+    def without_content(self) -> TaskRecord:
+        """The record as a caller that may change its tree but not read it sees it (an `operate` key's cancel or
+        retry): where it stands and what it spent, not what it was asked, answered or tagged with."""
+        return self.model_copy(update=dict(_NO_CONTENT))
+
     @computed_field  # type: ignore[prop-decorator]
     @property
     def times(self) -> TaskTimes:
@@ -286,6 +291,13 @@ class TaskRecord(BaseModel):
         """What it waits for now, one word (`approval`, `children`, `admission`, `rate_limit`, `tool_limit`,
         `provider`), read from its timeline's last mark; None while it is queued, runs, or has ended."""
         return waiting_for(self.timeline)
+
+
+# TaskRecord.without_content: the fields that carry a caller's or a model's words, each as a record without them.
+_NO_CONTENT: dict[str, Any] = {
+    "prompt": "", "description": "", "summary": "", "error": "", "error_detail": "", "output": None,
+    "output_schema": None, "metadata": {}, "tool_use": {}, "tool_calls": [],
+}  # fmt: skip
 
 
 class SubtaskResult(BaseModel):
@@ -520,6 +532,10 @@ class Retried(BaseModel):
     retried: list[str] = Field(default_factory=list)
     reopened: list[str] = Field(default_factory=list)
     skipped: list[RetrySkip] = Field(default_factory=list)
+
+    def without_content(self) -> Retried:
+        """As a caller that may retry the tree but not read it sees it (TaskRecord.without_content)."""
+        return self.model_copy(update={"task": self.task.without_content()})
 
 
 class Approval(BaseModel):

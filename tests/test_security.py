@@ -534,9 +534,13 @@ def test_scoped_keys_over_http(sec_coord: Coordinator) -> None:
 
         # Cancel: not with read_all alone, and any tree with operate (on record as the key's).
         assert http.post(f"/v1/tasks/{root}/cancel", headers=bearer("viewer"), json={"reason": "x"}).status_code == 403
-        other = http.post("/v1/tasks", headers=bearer("bob"), json={"prompt": "Bob's tree"}).json()["id"]
+        other = http.post(
+            "/v1/tasks", headers=bearer("bob"), json={"prompt": "Bob's tree", "metadata": {"deal": "Foo Corp"}}
+        ).json()["id"]
         cancelled = http.post(f"/v1/tasks/{other}/cancel", headers=bearer("ops"), json={"reason": "ops stops it"})
         assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        # operate changes any tree and reads none: the answer says where the tree stands, not what it holds.
+        assert (cancelled.json()["id"], cancelled.json()["prompt"], cancelled.json()["metadata"]) == (other, "", {})
         cancel = _audit(http)[0]
         assert (cancel["actor"], cancel["action"], cancel["target"], cancel["detail"]) == (
             "ops",
@@ -544,6 +548,14 @@ def test_scoped_keys_over_http(sec_coord: Coordinator) -> None:
             other,
             "ops stops it",
         )
+        assert http.get(f"/v1/tasks/{other}", headers=bearer("ops")).status_code == 403, "its reads are refused"
+        failed = http.post("/v1/tasks", headers=bearer("bob"), json={"prompt": "Bob's secret plan"}).json()["id"]
+        sec_coord.store.runs.finish_task(failed, "failed", error="Bob's secret error", error_class="RuntimeError")
+        sec_coord.client.hset(sec_coord.store.keys.task(failed, failed), "runner", "agent")
+        retried = http.post(f"/v1/tasks/{failed}/retry", headers=bearer("ops"), json={})
+        assert retried.status_code == 200 and retried.json()["retried"] == [failed], retried.text
+        assert "Bob's secret" not in retried.text and retried.json()["task"]["status"] != "failed"
+        assert sec_coord.get_task(failed).prompt == "Bob's secret plan", "the record itself is unchanged"
         # Dead letters: operate only.
         assert http.get("/v1/dead-letters", headers=bearer("carol")).status_code == 403
         assert http.delete("/v1/dead-letters", headers=bearer("ops")).status_code == 200
@@ -553,7 +565,8 @@ def test_scoped_keys_over_http(sec_coord: Coordinator) -> None:
         assert http.get(f"/v1/tasks/{root}", headers=AUTH).status_code == 200
         assert http.put(f"/v1/tasks/{root}/todos", headers=AUTH, json={"todos": "[ ] z"}).status_code == 200
         assert http.get("/v1/audit", headers=AUTH).status_code == 200
-        assert http.post(f"/v1/tasks/{root}/cancel", headers=AUTH, json={"reason": "admin"}).status_code == 200
+        by_admin = http.post(f"/v1/tasks/{root}/cancel", headers=AUTH, json={"reason": "admin"})
+        assert by_admin.status_code == 200 and by_admin.json()["prompt"] == "Alice's tree", "a key that reads, reads"
         assert _audit(http)[0]["actor"] == "admin"
 
         # Refusals are counted by reason, fleet-wide.

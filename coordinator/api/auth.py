@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Annotated, NoReturn
+from typing import Annotated, NoReturn, TypeVar
 
 import anyio.to_thread
 from fastapi import Depends, Request, Security
@@ -42,9 +42,12 @@ from coordinator.api.errors import RATE_LIMITED, UNAUTHORIZED, HttpError
 from coordinator.api.limits import RateLimiter, client_address, retry_after
 from coordinator.audit import Actor, RefusalReason, Via
 from coordinator.errors import ConfigError, ForbiddenError, NotFoundError, SubqError
-from coordinator.models import Approval
+from coordinator.models import Approval, Retried, TaskRecord
 from coordinator.service import Coordinator
 from coordinator.settings import Settings
+
+# What a change to a tree answers, shown by Gate.as_read_by.
+Shown = TypeVar("Shown", TaskRecord, Retried)
 
 __all__ = [
     "AUTH_DISABLED_WARNING",
@@ -239,8 +242,8 @@ class Gate:
         if not key.may_read(owner):
             raise NotFoundError(f"Unknown task: {task_id}", field="task_id")
 
-    def write_tree(self, request: Request, key: Principal, task_id: str, others: Scope = Scope.ADMIN) -> None:
-        """Go on if `key` may change the task's tree: its own with `submit`, any with `others`.
+    def write_tree(self, request: Request, key: Principal, task_id: str, others: Scope = Scope.ADMIN) -> str:
+        """Go on if `key` may change the task's tree: its own with `submit`, any with `others`; the tree's owner.
 
         A tree it may not read is a 404, as for an unknown task; one it may read but not change, a 403.
         """
@@ -250,9 +253,15 @@ class Gate:
             self.need(request, key, Scope.SUBMIT, others)
         owner = self.coord.owner_of(task_id)
         if key.has(others) or (key.has(Scope.SUBMIT) and key.owns(owner)):
-            return
+            return owner
         self.readable_on_record(request, key, task_id, owner)  # a write probe of another key's tree is on record
         self.forbid(request, key, (others,), "scope 'submit' covers only the trees this key created")
+
+    @staticmethod
+    def as_read_by(key: Principal, owner: str, done: Shown) -> Shown:
+        """What a change to a tree answers `key`: the whole record where it may read the tree, else the record
+        without its content (`operate` changes any tree, and reads none)."""
+        return done if key.may_read(owner) else done.without_content()
 
     def approvals(self, request: Request, key: Principal, root_id: str | None) -> list[Approval]:
         """The waiting calls `key` may see (of one root's tree, or all): every one with `decide` or `read_all`;

@@ -57,8 +57,8 @@ def _tree_routes(router: APIRouter, coord: Coordinator, gate: Gate, denied: tupl
     def cancel(request: Request, key: Caller, task_id: TaskId, body: CancelInput) -> TaskRecord:
         """Queued children never start, running ones stop at their next step; finished results are kept.
         409 when the task has already ended. Scope `operate`, or `submit` in a tree the key created."""
-        gate.write_tree(request, key, task_id, others=Scope.OPERATE)
-        return coord.cancel(task_id, body.reason, actor=actor_of(request, key))
+        owner = gate.write_tree(request, key, task_id, others=Scope.OPERATE)
+        return gate.as_read_by(key, owner, coord.cancel(task_id, body.reason, actor=actor_of(request, key)))
 
     @router.post(
         "/tasks/{task_id}/retry",
@@ -71,9 +71,9 @@ def _tree_routes(router: APIRouter, coord: Coordinator, gate: Gate, denied: tupl
         stays and the new spend adds to it. `{"failed": true}`: every failed task of its subtree,
         children before parents. 409 when the task is not failed, failed on its budget, or its parent
         already went on with its result. Scope `operate`, or `submit` in a tree the key created."""
-        gate.write_tree(request, key, task_id, others=Scope.OPERATE)
+        owner = gate.write_tree(request, key, task_id, others=Scope.OPERATE)
         failed = body.failed if body is not None else False
-        return coord.retry(task_id, failed=failed, actor=actor_of(request, key))
+        return gate.as_read_by(key, owner, coord.retry(task_id, failed=failed, actor=actor_of(request, key)))
 
     @router.get(
         "/tasks/{task_id}/snapshot",

@@ -132,13 +132,14 @@ class KeyedOperations:
 
     def cancel(self, task_id: str, reason: str, /) -> TaskRecord:
         key = self.key
-        self.gate.write_tree(self.request, key, task_id, others=KeyScope.OPERATE)
-        return self.coord.cancel(task_id, reason, actor=actor_of(self.request, key))
+        owner = self.gate.write_tree(self.request, key, task_id, others=KeyScope.OPERATE)
+        return self.gate.as_read_by(key, owner, self.coord.cancel(task_id, reason, actor=actor_of(self.request, key)))
 
     def retry(self, task_id: str, /, *, failed: bool = False) -> Retried:
         key = self.key
-        self.gate.write_tree(self.request, key, task_id, others=KeyScope.OPERATE)
-        return self.coord.retry(task_id, failed=failed, actor=actor_of(self.request, key))
+        owner = self.gate.write_tree(self.request, key, task_id, others=KeyScope.OPERATE)
+        done = self.coord.retry(task_id, failed=failed, actor=actor_of(self.request, key))
+        return self.gate.as_read_by(key, owner, done)
 
     def list_approvals(self, root_id: str | None = None, /) -> list[Approval]:
         return self.gate.approvals(self.request, self.key, root_id)

@@ -300,13 +300,14 @@ def _action_routes(router: APIRouter, web: _Web) -> None:
     def cancel(
         request: Request, task_id: TaskId, body: CancelInput, key: Principal = Depends(web.signed_in)
     ) -> TaskRecord:
-        gate.write_tree(request, key, task_id, others=Scope.OPERATE)
-        return coord.cancel(task_id, body.reason, actor=actor_of(request, key, "web"))
+        owner = gate.write_tree(request, key, task_id, others=Scope.OPERATE)
+        return gate.as_read_by(key, owner, coord.cancel(task_id, body.reason, actor=actor_of(request, key, "web")))
 
     @router.post("/actions/tasks/{task_id}/retry", dependencies=[Depends(_json_body)])
     def retry(request: Request, task_id: TaskId, body: RetryInput, key: Principal = Depends(web.signed_in)) -> Retried:
-        gate.write_tree(request, key, task_id, others=Scope.OPERATE)
-        return coord.retry(task_id, failed=body.failed, actor=actor_of(request, key, "web"))
+        owner = gate.write_tree(request, key, task_id, others=Scope.OPERATE)
+        done = coord.retry(task_id, failed=body.failed, actor=actor_of(request, key, "web"))
+        return gate.as_read_by(key, owner, done)
 
     @router.post("/actions/tasks/{task_id}/deliveries/{delivery_id}/redeliver", dependencies=[Depends(_json_body)])
     def redeliver(
