@@ -97,6 +97,8 @@ RESOLVERS = 8
 MOST_LITERALS = 1024
 # Subscriptions whose parsed URL and signer a deliverer keeps (`Target`): as many, for the same reason.
 MOST_TARGETS = 1024
+# How a POST that got no answer within its timeout ends its failure's line (`ReadTimeout: timed out`).
+TIMED_OUT = ": timed out"
 
 
 def payload(entry: Mapping[str, Any], record: Mapping[str, Any], api_url: str | None = None) -> dict[str, Any]:
@@ -299,7 +301,7 @@ class Connections:
         now = time.monotonic()
         for exchange in [e for e in self._live.values() if e.deadline <= now]:
             phase = {"connect": "Connect", "handshake": "Connect", "send": "Write"}.get(exchange.stage, "Read")
-            self._end(exchange, ended, 0, f"{phase}Timeout: timed out", keep=False)
+            self._end(exchange, ended, 0, f"{phase}Timeout{TIMED_OUT}", keep=False)
         return ended
 
     def post(
@@ -623,6 +625,13 @@ class _Waiting:
     deadline: float
 
 
+class _Sent(NamedTuple):
+    """A POST in flight: its delivery, and its host (host, port), which its outcome tells about."""
+
+    item: ClaimedDelivery
+    host: tuple[str, int]
+
+
 class Deliverer:
     """Claims due deliveries and makes one attempt each, at most `SUBQ_WEBHOOK_CONCURRENCY` at once.
 
@@ -640,6 +649,11 @@ class Deliverer:
     and a Celery callback's send (HELPERS). As the reconciler, the worker builds it with its
     Coordinator and it works with the plane alone: the outbox and records parts of the store and the
     settings; `send_task(name, args, task_id, queue)` sends a Celery callback.
+
+    A host that answered no attempt within its timeout (a receiver that hangs, a name server that does) is
+    sent one attempt a timeout's span until one is answered; its other deliveries claimed meanwhile end
+    `retrying` at once, without a slot held for the span: else its backlog, due before every other tree's
+    events, held the slots and every other receiver, another tenant's too, waited behind it.
     """
 
     def __init__(self, coord: Coordinator, send_task: Callable[[str, list[Any], str, str], None]) -> None:
@@ -666,6 +680,9 @@ class Deliverer:
         self._resolvers: list[threading.Thread] = []
         self._connections = Connections(self.slots)
         self._literals: dict[str, tuple[str, str]] = {}  # an address host's (address, refusal), checked
+        # A host (host, port) whose last attempt got no answer within its timeout: when (monotonic s) the next
+        # attempt may go to it (one a timeout's span, until one is answered).
+        self._silent: dict[tuple[str, int], float] = {}
         self._targets: dict[tuple[str, str, str], Target] = {}  # a subscription's (url, secret, format)
 
     # -- the loop ----------------------------------------------------------------------
@@ -813,6 +830,9 @@ class Deliverer:
         if prepared is None:
             self._helpers.submit(self._celery, item, target, record)
             return
+        if silent := self._held_back(prepared.url):
+            self._done(self._settled(item, Attempt("retrying", silent)))
+            return
         host = prepared.url.hostname or ""
         if host not in self._literals:
             try:
@@ -825,6 +845,32 @@ class Deliverer:
                 self._literals.clear()
             self._literals[host] = self._check(prepared.url)
         self._post(item, prepared, body, *self._literals[host])
+
+    def _held_back(self, url: SplitResult) -> str:
+        """Why no attempt goes to the URL's host now ('' when one may): it answered none within its timeout
+        lately, and its one attempt of this span has gone (this one goes, and holds the next back)."""
+        host = (url.hostname or "", _port(url))
+        until = self._silent.get(host)
+        if until is None:
+            return ""
+        timeout_s = self.settings.webhook_timeout_s
+        if (now := time.monotonic()) >= until:
+            self._silent[host] = now + timeout_s  # this attempt is the span's one
+            return ""
+        return (
+            f"not sent: {host[0]}:{host[1]} answered no attempt within {timeout_s:g} s lately; one attempt "
+            f"a {timeout_s:g} s goes to it until one is answered"
+        )
+
+    def _heard(self, host: tuple[str, int], answered: bool) -> None:
+        """An attempt to `host` ended: answered (any answer, or a refusal that took no slot's time), or not
+        within its timeout, which holds the host's next attempts back for a timeout's span."""
+        if answered:
+            self._silent.pop(host, None)
+            return
+        if len(self._silent) >= MOST_TARGETS and host not in self._silent:
+            self._silent.clear()
+        self._silent[host] = time.monotonic() + self.settings.webhook_timeout_s
 
     def _give_up(self, item: ClaimedDelivery, why: str, attempts: int) -> None:
         """End a delivery whose stored data makes no attempt (at any claim): given up, `why` its last answer."""
@@ -897,6 +943,7 @@ class Deliverer:
                 expired += [w for w in waiting if w.deadline <= now]
                 waiting[:] = [w for w in waiting if w.deadline > now]
         for w in expired:
+            self._heard((w.target.url.hostname or "", _port(w.target.url)), answered=False)
             self._done(self._settled(w.item, Attempt("retrying", self._unresolved(w.target))))
 
     def _unresolved(self, target: Target) -> str:
@@ -941,12 +988,14 @@ class Deliverer:
         if target.signer is not None:
             headers["webhook-signature"] = target.signer.sign(str(body["id"]), now, data)
         timeout_s = self.settings.webhook_timeout_s if timeout_s is None else timeout_s
-        self._answered(self._connections.start(item, target.url, address, data.encode(), headers, timeout_s))
+        token = _Sent(item, (target.url.hostname or "", _port(target.url)))
+        self._answered(self._connections.start(token, target.url, address, data.encode(), headers, timeout_s))
 
     def _answered(self, ended: list[tuple[object, int, str]]) -> None:
         """POSTs that ended: their outcomes, to record at the next step."""
         for token, status, failure in ended:
-            item = cast(ClaimedDelivery, token)
+            item, host = cast(_Sent, token)
+            self._heard(host, answered=bool(status) or not failure.endswith(TIMED_OUT))
             if not status:
                 attempt = Attempt("retrying", failure)
             elif 200 <= status < 300:

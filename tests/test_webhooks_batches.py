@@ -492,7 +492,7 @@ def test_a_host_whose_name_server_hangs_holds_neither_other_hosts_nor_its_claims
     own = settings.model_copy(
         update={
             "queue": "subq-nobody", "key_prefix": "subqhang", "webhook_allow": ["localhost", "stuck.example"],
-            "webhook_timeout_s": 1.0,
+            "webhook_timeout_s": 1.0, "webhook_retry_base_s": 60.0,  # no retry within the test: its slots read 0
         }
     )  # fmt: skip
     coord = Coordinator(own)
@@ -535,5 +535,54 @@ def test_a_host_whose_name_server_hangs_holds_neither_other_hosts_nor_its_claims
         stop.set()
         receiver.stop()
         for key in coord.client.scan_iter("subqhang:*"):
+            coord.client.delete(key)
+        coord.close()
+
+
+def test_a_receiver_that_never_answers_holds_one_attempt_a_span_not_every_slot(settings: Settings) -> None:
+    """One tree's receiver hangs; its twelve events are due before another tree's one. Before, each claim of the
+    hung host's deliveries held a slot for the whole timeout: the other tree's event, another tenant's maybe, waited
+    behind all twelve (three timeouts here, hours at a fleet's backlog). Now, once an attempt to the host got no
+    answer within its timeout, its next deliveries end `retrying` at once, without a request, but for one attempt a
+    timeout's span; the other tree's goes out. Once that one attempt is answered, the host's deliveries go again."""
+    held, fine = RawReceiver(), RawReceiver()
+    held.hold()
+    own = settings.model_copy(
+        update={
+            "queue": "subq-nobody", "key_prefix": "subqheld", "webhook_allow": ["127.0.0.1"], "webhook_concurrency": 4,
+            "webhook_timeout_s": 1.0, "webhook_retry_base_s": 0.2, "webhook_retry_max_s": 0.5,
+        }
+    )  # fmt: skip
+    coord = Coordinator(own)
+    outbox = coord.store.outbox
+    deliverer = Deliverer(coord, lambda *_: None)
+    try:
+        hung = coord.create_task("fan out", webhooks=[{"url": f"http://127.0.0.1:{held.port}/in", "events": ["*"]}])
+        children = coord.delegate(hung.id, [{"description": f"c{n}", "message": "m"} for n in range(12)]).child_ids
+        for child in children:
+            outbox.add_event(hung.id, child, "task.completed", {})
+        other = coord.create_task("another", webhooks=[{"url": f"http://127.0.0.1:{fine.port}/in", "events": ["*"]}])
+        outbox.add_event(other.id, other.id, "task.completed", {})
+
+        step_until(deliverer, lambda: [d["state"] for d in outbox.deliveries(other.id)] == ["delivered"])
+        assert [d["state"] for d in outbox.deliveries(other.id)] == ["delivered"], "the other tree's event went out"
+        # The first claim's four reached the hung host; after them, one a span at most (a loaded host's steps
+        # may take a span or two). Before, all twelve did before the other tree's turn.
+        assert 4 <= len(held.requests) <= 6, len(held.requests)
+        lasts = [d["last"] for d in outbox.deliveries(hung.id) if d["attempts"]]
+        assert any(last == "ReadTimeout: timed out" for last in lasts), lasts
+        not_sent = f"not sent: 127.0.0.1:{held.port} answered no attempt within 1 s lately; one attempt a 1 s goes"
+        assert any(last.startswith(not_sent) for last in lasts), lasts
+
+        held.release.set()  # it answers again: a span's one attempt is answered, and the rest go
+        step_until(deliverer, lambda: all(d["state"] == "delivered" for d in outbox.deliveries(hung.id)))
+        assert {d["state"] for d in outbox.deliveries(hung.id)} == {"delivered"}
+        assert deliverer._busy == 0 and not deliverer._silent, "every slot given back, and the host heard"
+    finally:
+        held.release.set()
+        deliverer._connections.close()
+        held.stop()
+        fine.stop()
+        for key in coord.client.scan_iter("subqheld:*"):
             coord.client.delete(key)
         coord.close()
