@@ -6,7 +6,6 @@ import io
 import json
 import logging
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from coordinator import ConfigError, Settings, TaskStatus, load_settings
 from coordinator.settings import Profile
 from tests.conftest import dedicated_fleet
 from tests.helpers import eventually, script, start_worker_with, usage_step
-from tests.test_openai_compatible import PRICE, FailingHandler, FailingServer
+from tests.test_openai_compatible import PRICE, FailingHandler, FailingServer, serving
 from workers.observe import RunContextFilter, VisibleLineFilter, run_context
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,11 +91,8 @@ def hostile_provider() -> Iterator[FailingServer]:
     server = FailingServer(("127.0.0.1", 0), FailingHandler)
     server.attempts, server.status = 0, 400
     server.error = {"message": HOSTILE, "type": "invalid_request_error"}
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with serving(server):
+        yield server
 
 
 def test_a_providers_text_in_a_text_line_is_one_line_of_visible_text(

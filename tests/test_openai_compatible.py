@@ -12,9 +12,10 @@ import json
 import re
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -51,6 +52,9 @@ REPLIES: list[dict[str, Any]] = [
 PRICE = Price(input_per_mtok=2, output_per_mtok=8, cache_read_per_mtok="0.5")  # type: ignore[arg-type]
 # (1000 * 2 + 200 * 0.5 + 80 * 8) + (1500 * 2 + 40 * 8) micro-USD
 EXPECTED_COST_MICROS = 2740 + 3320
+
+
+S = TypeVar("S", bound=ThreadingHTTPServer)
 
 
 class JsonHandler(BaseHTTPRequestHandler):
@@ -93,15 +97,24 @@ class Handler(JsonHandler):
         self.reply_json(200, payload)
 
 
+@contextmanager
+def serving(server: S) -> Iterator[S]:
+    """The server answering on a thread of its own until the block ends."""
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.fixture
 def chat_server() -> Iterator[ChatServer]:
     server = ChatServer(("127.0.0.1", 0), Handler)
     server.requests_seen = []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with serving(server):
+        yield server
 
 
 def test_a_tool_calling_agent_against_an_openai_compatible_endpoint(
@@ -159,11 +172,8 @@ class FailingHandler(JsonHandler):
 def failing_server() -> Iterator[FailingServer]:
     server = FailingServer(("127.0.0.1", 0), FailingHandler)
     server.attempts = 0
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with serving(server):
+        yield server
 
 
 # Where each error line says the request went: the profile, the model and the endpoint, never the key.

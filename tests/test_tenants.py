@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from coordinator.store.quotas import HOUR_MS
 from coordinator.tenants import DEFAULT_TENANT, TenantBook, Tenants, read_tenants_file
 from tests.agents import agent, reply
 from tests.helpers import REQUEST_TIMEOUT_S, ApiServer
-from workers.runtime.context import build_runtime
+from workers.runtime.context import Runtime, build_runtime
 from workers.submit import submit
 
 PREFIX = "subqtenants"
@@ -396,19 +397,30 @@ def test_the_cli_shows_tenants_takes_a_priority_and_exits_75_over_a_quota(coord:
     assert len(history["items"]) == 2 and {i["tenant"] for i in history["items"]} == {"acme"}
 
 
-def test_a_run_stops_its_tree_on_its_tenants_day_only_while_the_day_is_still_over(settings: Settings) -> None:
-    """A response takes the tenant's day to its quota; the run stops its tree at its next check, which may come
-    minutes later, after its tool calls. Had the day's oldest hour left it meanwhile, the stop fell through to
-    a budget the tree had not spent (`budget of $0.000000 exhausted`, which `subq retry` then refuses)."""
+@contextmanager
+def _day_quota(settings: Settings) -> Iterator[tuple[Coordinator, Runtime, str]]:
+    """acme with a day quota of $1, on a queue no worker reads: a coordinator, a worker's runtime to start its runs
+    in this process, and the key of acme's day of spend."""
     own = settings.model_copy(
         update={"key_prefix": PREFIX, "queue": "subq-tenants-idle", "tenants": {"acme": {"max_cost_usd_per_day": 1}}}
     )
     coord = Coordinator(own)
     _clean(coord)
     runtime = build_runtime(own, make_app(own))
-    spend_key = coord.store.keys.tenant_spend("acme")
-    oldest_hour = int(time.time() * 1000) // HOUR_MS - 23  # the next to leave the rolling day
     try:
+        yield coord, runtime, coord.store.keys.tenant_spend("acme")
+    finally:
+        runtime.coordinator.close()
+        _clean(coord)
+        coord.close()
+
+
+def test_a_run_stops_its_tree_on_its_tenants_day_only_while_the_day_is_still_over(settings: Settings) -> None:
+    """A response takes the tenant's day to its quota; the run stops its tree at its next check, which may come
+    minutes later, after its tool calls. Had the day's oldest hour left it meanwhile, the stop fell through to
+    a budget the tree had not spent (`budget of $0.000000 exhausted`, which `subq retry` then refuses)."""
+    with _day_quota(settings) as (coord, runtime, spend_key):
+        oldest_hour = int(time.time() * 1000) // HOUR_MS - 23  # the next to leave the rolling day
         for still_over in (False, True):
             task = coord.create_task(agent(reply("x")), run=True, tenant="acme")
             run = runtime.lifecycle.start(task.id)
@@ -436,24 +448,13 @@ def test_a_run_stops_its_tree_on_its_tenants_day_only_while_the_day_is_still_ove
                 assert coord.get_task(task.id).status == TaskStatus.COMPLETED
             runtime.lifecycle.heartbeat.forget(run)
             coord.client.delete(spend_key)
-    finally:
-        runtime.coordinator.close()
-        _clean(coord)
-        coord.close()
 
 
 def test_a_retry_or_a_run_that_starts_over_the_tenants_day_makes_no_request(settings: Settings) -> None:
     """The day stopped a tree: its retry is refused as a new root is, and nothing changes. A run that starts while the
     day is over (a task retried inside a tree, a caller's delegation: no submit's check sees them) stops its tree
     before its first request; before, that request went ahead at every retry. A run that starts under it goes on."""
-    own = settings.model_copy(
-        update={"key_prefix": PREFIX, "queue": "subq-tenants-idle", "tenants": {"acme": {"max_cost_usd_per_day": 1}}}
-    )
-    coord = Coordinator(own)
-    _clean(coord)
-    runtime = build_runtime(own, make_app(own))
-    spend_key = coord.store.keys.tenant_spend("acme")
-    try:
+    with _day_quota(settings) as (coord, runtime, spend_key):
         stopped = coord.create_task("stopped by the day", tenant="acme", run=True)
         coord.store.runs.finish_task(stopped.id, "failed", error="the day", error_class="TenantQuotaExceeded")
         coord.store.quotas.count_spend("acme", "spent", 1_200_000)
@@ -484,10 +485,6 @@ def test_a_retry_or_a_run_that_starts_over_the_tenants_day_makes_no_request(sett
                 run.end(Ended("completed", summary="done"))
                 assert coord.get_task(task.id).status == TaskStatus.COMPLETED
             runtime.lifecycle.heartbeat.forget(run)
-    finally:
-        runtime.coordinator.close()
-        _clean(coord)
-        coord.close()
 
 
 def test_a_retried_root_counts_against_max_running_roots_again(settings: Settings) -> None:
