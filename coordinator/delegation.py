@@ -173,11 +173,11 @@ def commit(
 
     # Watched before the commit: its publish may never come. A refused delegation changes nothing, the due list
     # included (a refusal left a task due, or pushed its look later, at each call).
-    due_before = plane.store.convergence.watch_one(task_id, plane.settings.reconcile_grace_s)
+    watched = plane.store.convergence.watch_one(task_id, plane.settings.reconcile_grace_s)
     try:
         batch, children = plane.store.batches.commit_delegation(task_id, plan, token=token)
     except (ValidationError, NotFoundError, StateError, ConflictError):  # a refusal: nothing was committed
-        plane.store.convergence.rewatch(task_id, due_before)
+        plane.store.convergence.rewatch(watched)  # unless another step watched it since (rewatch.lua)
         raise
     faults.crash_point(plane.settings, "after-commit")
     return batch, children

@@ -272,6 +272,14 @@ class TaskRecord(BaseModel):
     def tokens(self) -> int:
         return self.tokens_in + self.tokens_out
 
+    @property
+    def usage(self) -> Usage:
+        """Its own model requests' tokens, as a run reports them."""
+        return Usage(
+            tokens_in=self.tokens_in, tokens_out=self.tokens_out, cache_reads=self.cache_reads,
+            cache_writes=self.cache_writes,
+        )  # fmt: skip
+
     def without_content(self) -> TaskRecord:
         """The record as a caller that may change its tree but not read it sees it (an `operate` key's cancel or
         retry): where it stands and what it spent, not what it was asked, answered or tagged with."""

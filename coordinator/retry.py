@@ -37,7 +37,17 @@ from typing import TYPE_CHECKING
 
 from coordinator import delegation, dispatch, faults, quotas
 from coordinator.errors import ConflictError, StateError
-from coordinator.models import Batch, Retried, RetryBatch, RetryRefused, RetrySkip, RetryTask, TaskRecord, TaskStatus
+from coordinator.models import (
+    Batch,
+    Retried,
+    RetryBatch,
+    RetryRefused,
+    RetrySkip,
+    RetryTask,
+    TaskRecord,
+    TaskStatus,
+    format_usd,
+)
 
 if TYPE_CHECKING:
     from coordinator.plane import Plane
@@ -230,8 +240,17 @@ def _own_refusal(task: TaskRecord) -> str:
     if task.runner != "agent":
         return f"task {task.id} is run by its caller, not by an agent on the fleet: there is no run to go on with"
     if task.error_class == BUDGET_CLASS:
-        return f"task {task.id} failed on its budget ({task.error}): retrying it would hit the same budget"
+        return _budget_refusal(task)
     return ""
+
+
+def _budget_refusal(task: TaskRecord) -> str:
+    """Why a task that failed on its budget is not retried, in its figures alone: its error names its children's
+    descriptions, which a key that may retry the tree but not read it (`operate`) must not be told."""
+    return (
+        f"task {task.id} failed on its budget (budget of {format_usd(task.budget_micros)} exhausted: the subtree "
+        f"spent {format_usd(task.total_cost_micros)}): retrying it would hit the same budget"
+    )
 
 
 def _moved_on(plane: Plane, task: TaskRecord, batch: Batch, *, in_tree: bool = False) -> str:
@@ -264,10 +283,7 @@ def _refused(plane: Plane, refused: RetryRefused) -> StateError | ConflictError:
     if refused.why == "leased":
         return ConflictError(f"a run of task {target} is still ending; try again in a moment", field="task_id")
     if refused.why == "budget":
-        return StateError(
-            f"task {target} failed on its budget ({refused.detail}): retrying it would hit the same budget",
-            field="task_id",
-        )
+        return StateError(_budget_refusal(plane.store.records.get_task(target)), field="task_id")
     if refused.why == "caller":
         return StateError(_own_refusal(plane.store.records.get_task(target)), field="task_id")
     return ConflictError(f"the tree of {target} changed while subq retried it; try again", field="task_id")

@@ -361,9 +361,12 @@ class Run:
         if outcome.error_detail and ending.status == outcome.status:
             plane.store.runs.set_error_detail(task_id, outcome.error_detail[:MAX_SUMMARY_CHARS])
         self._after_end(ending)
-        if late:  # the end's figures were read before the spend was recorded: the record's have it
-            return writeback.result_of(plane.store.records.get_task(task_id))
-        return _result_of(task_id, ending, outcome)
+        result = _result_of(task_id, ending, outcome)
+        if late:  # the end's figures were read before the spend was recorded: the record's have it (its status
+            # stays the end's: a retry may have run the task again since)
+            record = plane.store.records.get_task(task_id)
+            result = result.model_copy(update={"usage": record.usage, "cost_micros": record.cost_micros})
+        return result
 
     def _release_for(self, outcome: Released) -> SubtaskResult:
         """The run ends before its task: save it, free the lease and the slot, then publish or wait."""

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 from coordinator import admission, approvals, dispatch, faults, tracing
 from coordinator.errors import NotFoundError
-from coordinator.models import Batch, BatchRef, SubtaskResult, TaskRecord, TaskStatus, Usage
+from coordinator.models import Batch, BatchRef, SubtaskResult, TaskRecord, TaskStatus
 
 if TYPE_CHECKING:
     from coordinator.plane import Plane
@@ -169,12 +169,7 @@ def result_of(record: TaskRecord, pending: str = "delegated") -> SubtaskResult:
         child_id=record.id,
         status=status,  # type: ignore[arg-type]
         summary=record.summary,
-        usage=Usage(
-            tokens_in=record.tokens_in,
-            tokens_out=record.tokens_out,
-            cache_reads=record.cache_reads,
-            cache_writes=record.cache_writes,
-        ),
+        usage=record.usage,
         cost_micros=record.cost_micros,
         error=record.error or None,
         error_class=record.error_class or None,

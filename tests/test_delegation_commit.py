@@ -135,3 +135,22 @@ def test_a_refused_delegation_leaves_the_due_list_as_it_was(coord: Coordinator) 
         assert batch.child_ids and (coord.client.zscore(due, watched.id) or 0) > 1_000.0, "a commit is watched"
     finally:
         coord.client.zrem(due, budgeted.id, cancelled.id, watched.id)
+
+
+def test_a_refused_steps_watch_is_undone_only_while_it_is_the_last(coord: Coordinator) -> None:
+    """Two delegations from one caller's task at once: B watches it (it was not listed), A watches it again and
+    commits, B is refused. B's undo took the task off the list, A's too: A's batch committed and unpublished had
+    nothing left to look at it if A's process died. An undo now puts back only its own watch."""
+    due, convergence = coord.store.keys.due(), coord.store.convergence
+    task = coord.create_task("a caller's task", todos="[ ] a")
+    try:
+        b = convergence.watch_one(task.id, 30)
+        a = convergence.watch_one(task.id, 60)
+        assert (b.due_before, a.due_before) == (None, b.at)
+        assert convergence.rewatch(b) is False, "A watched it since: B's undo leaves A's watch"
+        assert coord.client.zscore(due, task.id) == a.at
+        assert convergence.rewatch(a) is True and coord.client.zscore(due, task.id) == b.at, "the last undo is one"
+        assert convergence.rewatch(convergence.watch_one(task.id, 5)) is True
+        assert coord.client.zscore(due, task.id) == b.at
+    finally:
+        coord.client.zrem(due, task.id)

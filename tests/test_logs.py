@@ -141,3 +141,12 @@ def test_the_visible_line_filter_escapes_a_message_and_a_traceback() -> None:
     assert lines[-1] == "ValueError: bad\\x1b]0;title\\x07"
     assert "\x1b" not in out.getvalue()
     assert sys.exc_info() == (None, None, None)
+    # A call whose arguments do not fit its format is the handler's to report, never the caller's exception.
+    reported: list[str] = []
+    handler.handleError = lambda record: reported.append(record.msg)  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        logger.warning("bad %d", "not a number")
+    finally:
+        logger.removeHandler(handler)
+    assert reported == ["bad %d"]

@@ -24,7 +24,7 @@ import pytest
 from pydantic import SecretStr
 from rich.console import Console
 
-from coordinator import Coordinator, Settings, ids
+from coordinator import Coordinator, Settings, budgets, ids
 from coordinator.access import ApiKeySpec, Scope, token_sha256
 from coordinator.api import create_app
 from coordinator.api.limits import RateLimiter, is_open_route
@@ -32,7 +32,7 @@ from coordinator.api.security import STRICT_CSP, csp_with_inline_scripts
 from coordinator.audit import Actor
 from coordinator.cli.live import tree_view
 from coordinator.errors import ConfigError, ForbiddenError, NotFoundError, ValidationError
-from coordinator.models import Approval
+from coordinator.models import Approval, Usage
 from coordinator.settings import load_settings
 from coordinator.web.auth import COOKIE
 from coordinator.web.views import MAX_CALL_CHARS, call_text
@@ -556,6 +556,18 @@ def test_scoped_keys_over_http(sec_coord: Coordinator) -> None:
         assert retried.status_code == 200 and retried.json()["retried"] == [failed], retried.text
         assert "Bob's secret" not in retried.text and retried.json()["task"]["status"] != "failed"
         assert sec_coord.get_task(failed).prompt == "Bob's secret plan", "the record itself is unchanged"
+        # Nor through a refusal: a budget's error names its children, which the refusal no longer repeats.
+        spent = http.post(
+            "/v1/tasks", headers=bearer("bob"), json={"prompt": "Bob's budgeted", "budget_usd": "0.01"}
+        ).json()["id"]
+        (child,) = sec_coord.delegate(spent, [{"description": "Bob's secret child", "message": "m"}]).child_ids
+        sec_coord.client.hset(sec_coord.store.keys.task(spent, spent), "runner", "agent")
+        sec_coord.store.runs.record_usage(child, "1:1", Usage(tokens_in=5), 20_000, "test")
+        budgets.stop(sec_coord.plane, spent)
+        assert "Bob's secret child" in sec_coord.get_task(spent).error
+        refused = http.post(f"/v1/tasks/{spent}/retry", headers=bearer("ops"), json={})
+        assert refused.status_code == 409 and "failed on its budget" in refused.text, refused.text
+        assert "Bob's secret" not in refused.text
         # Dead letters: operate only.
         assert http.get("/v1/dead-letters", headers=bearer("carol")).status_code == 403
         assert http.delete("/v1/dead-letters", headers=bearer("ops")).status_code == 200

@@ -189,7 +189,10 @@ class VisibleLineFilter(logging.Filter):
     """Makes a text line's message one line of visible text, and its traceback visible text (module docstring)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
+        try:
+            message = record.getMessage()
+        except Exception:  # a call whose arguments do not fit its format: the handler's emit reports it
+            return True  # (a filter runs outside the handler's error handling: raising here reached the caller)
         shown = visible_text(message).replace("\n", "\\n")
         if shown != message:
             record.msg, record.args = shown, None  # args None: the handler formats `msg` as it is

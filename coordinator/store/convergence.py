@@ -32,6 +32,7 @@ from coordinator.store.protocol import (
     Lead,
     RemoveServedTimers,
     RenewLeases,
+    Rewatch,
     Unwatch,
     UnwatchKeys,
     UnwatchParked,
@@ -56,6 +57,14 @@ class Triage(NamedTuple):
     asked: bool = False  # its last run asked for decisions (they may all be decided by now)
 
 
+class Watched(NamedTuple):
+    """A task's watch by `watch_one`: the time it wrote, and when the task was due before (None: not listed)."""
+
+    task_id: str
+    at: float
+    due_before: float | None
+
+
 class ConvergenceStore(Part):
     """The due list and timers, run leases and heartbeats, the reconciler's leader lease, repairs."""
 
@@ -78,22 +87,24 @@ class ConvergenceStore(Part):
             self.client.zadd(self.keys.due(), due, xx=only_if_watched)
 
     @translate_redis_errors
-    def watch_one(self, task_id: str, after_s: float) -> float | None:
-        """`watch([task_id], after_s)`, answering when the task was due before (None: it was not watched), which
-        `rewatch` puts back when the step the watch was for is refused."""
+    def watch_one(self, task_id: str, after_s: float) -> Watched:
+        """`watch([task_id], after_s)`, answering what `rewatch` puts back when the step the watch was for is
+        refused: when the task was due before (None: it was not on the list), and the time this watch wrote."""
+        at = time.time() + after_s
         pipe = self.client.pipeline(transaction=False)
         pipe.zscore(self.keys.due(), task_id)
-        pipe.zadd(self.keys.due(), {task_id: time.time() + after_s})
+        pipe.zadd(self.keys.due(), {task_id: at})
         due_before: float | None = pipe.execute()[0]
-        return due_before
+        return Watched(task_id, at, due_before)
 
     @translate_redis_errors
-    def rewatch(self, task_id: str, due_before: float | None) -> None:
-        """The task's place on the due list as `watch_one` found it: off it (None), or due when it was."""
-        if due_before is None:
-            self.client.zrem(self.keys.due(), task_id)
-        else:
-            self.client.zadd(self.keys.due(), {task_id: due_before}, xx=True)
+    def rewatch(self, watched: Watched) -> bool:
+        """The task's place on the due list as `watch_one` found it, unless a step has watched it since
+        (rewatch.lua); whether it was put back."""
+        before = "" if watched.due_before is None else repr(watched.due_before)
+        return self.scripts(
+            Rewatch(due=self.keys.due(), task_id=watched.task_id, watched_at=watched.at, due_before=before)
+        )
 
     @translate_redis_errors
     def unwatch(self, task_ids: Sequence[str], *, while_status: str = "") -> None:

@@ -1663,6 +1663,22 @@ class Unwatch(
 
 
 @dataclass(frozen=True, kw_only=True)
+class Rewatch(
+    Call[bool],
+    script="rewatch",
+    returns="1 when its place was put back, 0 when a step has watched it since this step's watch (left as it is).",
+):
+    due: str = key("the due list")
+    task_id: str = arg("task id")
+    watched_at: float = arg("the time this step's watch wrote")
+    due_before: str = arg("the time it was due before that watch ('' when it was not on the list)")
+
+    @classmethod
+    def decode(cls, raw: Any) -> bool:
+        return bool(int(raw))
+
+
+@dataclass(frozen=True, kw_only=True)
 class UnwatchParked(
     Call[bool],
     script="unwatch_parked",

@@ -46,8 +46,9 @@ end
 -- `task.*` unwritten, and its approvals told to no one (an operator's `SUBQ_NOTIFY` sink included: the task
 -- then waited out its approval's deadline); the fleet's, one tree whose receiver is down fills with its
 -- children's events, and every other tree's end and approvals, another tenant's too, were dropped. What
--- the others add is bounded without a cap: a root's ends by the roots, an approval by the tool calls a task
--- waits on (requested, then decided, once), a budget warning by the budgets (once each).
+-- the others add is bounded otherwise: a root's ends by the roots, an approval by the tool calls that wait
+-- for a person (requested, then decided: two a child of a wide tree whose every child asks), a budget
+-- warning by the budgets (once each).
 local capped = string.sub(etype, 1, 6) == 'child.'
 local function wants(patterns)
   for pattern in string.gmatch(patterns, '%S+') do
