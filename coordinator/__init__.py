@@ -60,6 +60,7 @@ if TYPE_CHECKING:
         error_message as error_message,
         error_path as error_path,
         one_line as one_line,
+        visible_text as visible_text,
     )
     from coordinator.models import (
         Batch as Batch,
@@ -136,6 +137,7 @@ _EXPORTS = {
     "error_message": "coordinator.inputs",
     "error_path": "coordinator.inputs",
     "one_line": "coordinator.inputs",
+    "visible_text": "coordinator.inputs",
     "Batch": "coordinator.models",
     "Retried": "coordinator.models",
     "RetrySkip": "coordinator.models",

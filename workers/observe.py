@@ -72,8 +72,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 from pythonjsonlogger.json import JsonFormatter
 
-from coordinator import ConfigError, TaskStatus, current_trace_id
-from coordinator.inputs import visible_text
+from coordinator import ConfigError, TaskStatus, current_trace_id, visible_text
 from coordinator.runs import Run, RunHooks
 from coordinator.tracing import span
 
