@@ -192,9 +192,8 @@ class VisibleLineFilter(logging.Filter):
             message = record.getMessage()
         except Exception:  # a call whose arguments do not fit its format: the handler's emit reports it
             return True  # (a filter runs outside the handler's error handling: raising here reached the caller)
-        shown = visible_text(message).replace("\n", "\\n")
-        if shown != message:
-            record.msg, record.args = shown, None  # args None: the handler formats `msg` as it is
+        if not message.isprintable():  # (most are: checked in C, where escaping a 1 KB line costs 40 us)
+            record.msg, record.args = visible_text(message).replace("\n", "\\n"), None  # args None: `msg` as is
         if record.exc_info and not record.exc_text:
             # Set once here, the formatter shows it as it is (logging.Formatter.format keeps an `exc_text`).
             record.exc_text = visible_text(logging.Formatter().formatException(record.exc_info))
