@@ -614,6 +614,10 @@ def _port(url: SplitResult) -> int:
     """The port a URL names, or its scheme's."""
     return url.port or (443 if url.scheme == "https" else 80)
 
+def _host_of(url: SplitResult) -> tuple[str, int]:
+    """The URL's host as the deliverer keys it: its name (or address) and port (a resolution's, a hold's)."""
+    return url.hostname or "", _port(url)
+
 
 @dataclasses.dataclass(frozen=True)
 class _Waiting:
@@ -849,7 +853,7 @@ class Deliverer:
     def _held_back(self, url: SplitResult) -> str:
         """Why no attempt goes to the URL's host now ('' when one may): it answered none within its timeout
         lately, and its one attempt of this span has gone (this one goes, and holds the next back)."""
-        host = (url.hostname or "", _port(url))
+        host = _host_of(url)
         until = self._silent.get(host)
         if until is None:
             return ""
@@ -905,7 +909,7 @@ class Deliverer:
     def _await_host(self, waiting: _Waiting) -> None:
         """Wait for the attempt's host name to resolve: on a resolution of it in flight, or on one started now."""
         url = waiting.target.url
-        host = (url.hostname or "", _port(url))
+        host = _host_of(url)
         with self._lock:
             others = self._resolving.get(host)
             self._resolving.setdefault(host, []).append(waiting)
@@ -943,7 +947,7 @@ class Deliverer:
                 expired += [w for w in waiting if w.deadline <= now]
                 waiting[:] = [w for w in waiting if w.deadline > now]
         for w in expired:
-            self._heard((w.target.url.hostname or "", _port(w.target.url)), answered=False)
+            self._heard(_host_of(w.target.url), answered=False)
             self._done(self._settled(w.item, Attempt("retrying", self._unresolved(w.target))))
 
     def _unresolved(self, target: Target) -> str:
@@ -988,7 +992,7 @@ class Deliverer:
         if target.signer is not None:
             headers["webhook-signature"] = target.signer.sign(str(body["id"]), now, data)
         timeout_s = self.settings.webhook_timeout_s if timeout_s is None else timeout_s
-        token = _Sent(item, (target.url.hostname or "", _port(target.url)))
+        token = _Sent(item, _host_of(target.url))
         self._answered(self._connections.start(token, target.url, address, data.encode(), headers, timeout_s))
 
     def _answered(self, ended: list[tuple[object, int, str]]) -> None:
