@@ -614,6 +614,7 @@ def _port(url: SplitResult) -> int:
     """The port a URL names, or its scheme's."""
     return url.port or (443 if url.scheme == "https" else 80)
 
+
 def _host_of(url: SplitResult) -> tuple[str, int]:
     """The URL's host as the deliverer keys it: its name (or address) and port (a resolution's, a hold's)."""
     return url.hostname or "", _port(url)
