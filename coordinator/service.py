@@ -79,6 +79,9 @@ __all__ = ["DEFAULT_PAGE", "MAX_PAGE", "Coordinator"]
 # How long wait() listens for its task's settling before it reads the status anyway: a wake-up lost
 # with a dropped connection, or a settle that announced nothing, costs at most this.
 WAIT_SLICE_MS = 1000
+# Between looks at a settled subtree's runs that may still record spend (a stopped run stops within a quarter
+# second: its stop watch's poll).
+FINISHING_LOOK_S = 0.1
 
 
 def replica_wait(settings: Settings) -> ReplicaWait | None:
@@ -511,6 +514,11 @@ class Coordinator:
         done = TaskStatus(status).terminal or (runner == "caller" and status != TaskStatus.DELEGATED)
         return done, status
 
+    def finishing(self, task_ids: Sequence[str]) -> list[str]:
+        """Those of `task_ids` whose run may still record spend (it holds its lease, or has spend a stop refused
+        to record yet): a stopped tree's figures grow until none is left (its runs' late spend)."""
+        return self.store.records.finishing(task_ids, time.time(), self.settings.heartbeat_lapse_s)
+
     def subtree_ids(self, task_id: str) -> list[str]:
         """The task and all its descendants, top first."""
         return self.store.records.subtree_ids(task_id)
@@ -598,7 +606,9 @@ class Coordinator:
 
         An agent task (started with `run=True`, or any child) settles when it is
         completed, failed or cancelled; a caller-owned task when it is no longer
-        `delegated` (its children have reported back).
+        `delegated` (its children have reported back). After a stop it returns once
+        the stopped runs have recorded their late spend (`let_finish`), so the
+        record's figures are final.
         """
         if timeout_s < 0:
             raise ValidationError("timeout_s must not be negative", field="timeout_s")
@@ -606,6 +616,7 @@ class Coordinator:
         with self.store.events.settle_watch(task_id) as watch:
             while True:
                 if self.settled(task_id)[0]:
+                    self.let_finish(task_id, deadline)
                     return self.store.records.get_task(task_id)
                 remaining_s = deadline - time.monotonic()
                 if remaining_s <= 0:
@@ -615,6 +626,15 @@ class Coordinator:
                         f"({len(record.awaiting_ids)} of {len(record.child_ids)} children outstanding)"
                     )
                 watch.wait(min(remaining_s, WAIT_SLICE_MS / 1000))
+
+    def let_finish(self, task_id: str, deadline: float = float("inf")) -> None:
+        """Wait, until `deadline` and at most a heartbeat lapse, for the runs of a settled task's subtree that may
+        still record spend (`finishing`): after a stop, its figures are then final (the event stream's `end`)."""
+        finish_by = min(deadline, time.monotonic() + self.settings.heartbeat_lapse_s)
+        finishing = self.finishing(self.subtree_ids(task_id))
+        while finishing and time.monotonic() < finish_by:
+            time.sleep(FINISHING_LOOK_S)
+            finishing = self.finishing(finishing)
 
     def close(self) -> None:
         self.client.close()

@@ -30,12 +30,17 @@ from coordinator import ConfigError, Coordinator, Settings, StoreError, TaskReco
 from coordinator.api import create_app
 from coordinator.api import events as api_events
 from coordinator.api.ops import SubqCollector
+from coordinator.celery_app import make_app
 from coordinator.local.embedded_redis import local_redis
 from coordinator.local.ports import free_port
+from coordinator.models import Spend
+from coordinator.ports.steps import Ended
+from coordinator.runs import Run
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, tree_root
 from tests.conftest import WORKER_PROCESSES
 from tests.helpers import REQUEST_TIMEOUT_S, TOKEN, ApiServer, api_settings, script, state, usage_step
 from tests.test_bad_input import NO_TREE
+from workers.runtime.context import build_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE_STEP_TOKENS = 13_500
@@ -381,6 +386,47 @@ def test_events_of_a_settled_caller_task_end_at_once(idle: Coordinator, idle_htt
         events = read_sse(response)
     assert events == [{"id": None, "event": "end", "data": {"task_id": task.id, "status": "active"}}]
     assert time.monotonic() - started < 5
+
+
+def test_a_stopped_trees_events_end_once_its_runs_spend_is_recorded(
+    idle: Coordinator, idle_api: ApiServer, parent: TaskRecord
+) -> None:
+    """A stop lands while a child's run holds a response its provider billed. The stream's `end` waits for the
+    run to record it after the stop (late spend), so the figures a client reads after `end` are final."""
+    (child_id,) = idle.delegate(parent.id, [spec()]).child_ids
+    runtime = build_runtime(idle.settings, make_app(idle.settings))
+    run = runtime.lifecycle.start(child_id)
+    assert isinstance(run, Run), run
+    idle.cancel(parent.id, "stopped")
+    events: list[dict[str, Any]] = []
+
+    def follow() -> None:
+        with idle_api.client() as http, http.stream("GET", f"/v1/tasks/{parent.id}/events", timeout=WAIT_S) as r:
+            events.extend(read_sse(r))
+
+    with ThreadPoolExecutor(1) as pool:
+        followed = pool.submit(follow)
+        time.sleep(2)  # the stream's own look comes within a quarter second; a loaded host only makes it later
+        assert not followed.done(), f"the stream ended while a run of the tree could still record spend: {events}"
+        billed = Spend(request_key=f"{run.run_seq}:1", usage=Usage(tokens_in=40), cost_micros=900, cost_source="test")
+        run.writes.usage.append(billed)
+        # Its end finds the task stopped, lets go of its lease and refuses the spend; the run records it next.
+        # In between, the refusal's mark holds the stream, not the lease.
+        marked: list[list[str]] = []
+        record_late = run._spent_before_the_stop
+
+        def late(spends: list[Spend]) -> None:
+            marked.append(idle.finishing([child_id]))
+            record_late(spends)
+
+        run._spent_before_the_stop = late  # type: ignore[method-assign]
+        run.end(Ended("completed", summary="done"))  # its last response, answered as the stop landed
+        assert marked == [[child_id]]
+        followed.result(timeout=WAIT_S)
+    assert events[-1]["event"] == "end" and events[-1]["data"]["status"] == "cancelled"
+    assert idle.get_task(parent.id).total_cost_micros == 900
+    assert idle.finishing([child_id]) == []
+    runtime.coordinator.close()
 
 
 def test_events_send_keepalive_comments(

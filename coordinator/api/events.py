@@ -7,8 +7,11 @@ reconnects with `Last-Event-ID` resumes after that entry.
 
 The stream ends once the task has settled, by `Coordinator.wait`'s rule
 (terminal; or, for a caller-owned task, no longer `delegated`), after every
-event written before that is sent; a last `end` event carries the status. A
-keep-alive comment goes out every KEEPALIVE_S so proxies keep the connection.
+event written before that is sent, and once no run of its subtree may still
+record spend (`Coordinator.finishing`: a run a stop cut off records what its
+provider billed after the stop, "late spend"; held at most a heartbeat lapse);
+a last `end` event carries the status, and the figures read after it are final.
+A keep-alive comment goes out every KEEPALIVE_S so proxies keep the connection.
 
 The key is checked again on each pass of the read loop (about once a READ_SLICE_MS
 while the tree is quiet), before anything read in that pass is sent: a key revoked,
@@ -102,6 +105,7 @@ async def tree_events(
     now); when it says no, the stream ends with `revoked` as an `error` event.
     """
     root_id = ids.root_of(task_id)
+    finished = False  # once settled: whether the subtree's runs that may still record spend were waited for
     try:
         while True:
             # Status first, then the stream: a settling write and its event are one
@@ -123,6 +127,10 @@ async def tree_events(
                 yield ServerSentEvent(id=entry_id, data=json.dumps(fields))
                 after_id = entry_id
             if done and len(entries) < READ_BATCH:
+                if not finished:  # then read once more: what was written meanwhile goes before `end`
+                    await threads.run(coord.let_finish, task_id)
+                    finished = True
+                    continue
                 yield ServerSentEvent(event="end", data=json.dumps({"task_id": task_id, "status": status}))
                 return
     except SubqError as exc:  # Redis went away or the task expired mid-stream

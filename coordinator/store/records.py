@@ -235,6 +235,23 @@ class RecordStore(Part):
         return out
 
     @translate_redis_errors
+    def finishing(self, task_ids: Sequence[str], now_s: float, lapse_s: float) -> list[str]:
+        """Those of `task_ids` whose run may still record spend: it holds its lease, or a step refused its
+        spend (its task was stopped) and it has not recorded that yet, within a heartbeat lapse (a run that
+        died before it did records nothing). One round trip however many."""
+        with self.client.pipeline(transaction=False) as pipe:
+            for task_id in task_ids:
+                root = root_of(task_id)
+                pipe.exists(self.keys.lease(root, task_id))
+                pipe.hget(self.keys.task(root, task_id), TaskField.LATE_SPEND_AT)
+            replies = pipe.execute()
+        out = []
+        for task_id, leased, late in zip(task_ids, replies[::2], replies[1::2], strict=True):
+            if leased or (late and now_s - float(late) < lapse_s):
+                out.append(task_id)
+        return out
+
+    @translate_redis_errors
     def tree_task_ids(self, root_id: str) -> list[str]:
         return _strs(self.client.zrange(self.keys.tree_tasks(root_id), 0, -1))
 

@@ -106,6 +106,11 @@ for _ = 1, n_usage do
   end
   at = at + 7
 end
+if refused == 1 then
+  -- Its run records that spend next (record_late_spend, which clears this): until then, or a lapse, the
+  -- tree's event stream does not end (coordinator/api/events.py), so its last figures include it.
+  hash_set(KEYS[2], 'late_spend_at', now)
+end
 while at < #ARGV do
   -- Its task's timeline is read only when the run has marks to add (a wait within it, its end).
   local text = timeline_add(hash_get(KEYS[2], 'timeline')[1], tonumber(ARGV[at]), ARGV[at + 1])

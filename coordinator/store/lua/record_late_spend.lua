@@ -17,6 +17,8 @@
 -- ARGV[6..] 7 values per usage record (request key, tokens in, tokens out, cache reads, cache writes, cost
 --   micro-USD, cost source)
 -- Returns how many of the records were recorded now (a record recorded before is not counted again).
+-- The mark of spend still to record (flush_run) goes with this call, whether or not it records anything new.
+hash_set(KEYS[1], 'late_spend_at', '')
 local tokens, cost, recorded = 0, 0, 0
 for at = 6, #ARGV, 7 do
   local got = record_usage(KEYS, {ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4],
