@@ -517,7 +517,18 @@ class Coordinator:
     def finishing(self, task_ids: Sequence[str]) -> list[str]:
         """Those of `task_ids` whose run may still record spend (it holds its lease, or has spend a stop refused
         to record yet): a stopped tree's figures grow until none is left (its runs' late spend)."""
-        return self.store.records.finishing(task_ids, time.time(), self.settings.heartbeat_lapse_s)
+        return self.store.records.finishing(task_ids, self.settings.heartbeat_lapse_s)
+
+    def finishing_after_stop(self, task_id: str, status: str) -> list[str]:
+        """The tasks of a settled task's subtree whose runs may still record spend, when it settled `status`.
+
+        Only a tree that ended `cancelled` or `failed` is looked at: a stop ends a tree so (a cancel, a spent
+        budget, a failure stopping the rest), and a completed tree, or a caller's settled task, costs its
+        waiter nothing more. (A branch cancelled in a tree that completed after it had its late spend recorded
+        while the rest ran on.)"""
+        if status not in (TaskStatus.CANCELLED, TaskStatus.FAILED):
+            return []
+        return self.finishing(self.subtree_ids(task_id))
 
     def subtree_ids(self, task_id: str) -> list[str]:
         """The task and all its descendants, top first."""
@@ -607,17 +618,25 @@ class Coordinator:
         An agent task (started with `run=True`, or any child) settles when it is
         completed, failed or cancelled; a caller-owned task when it is no longer
         `delegated` (its children have reported back). After a stop it returns once
-        the stopped runs have recorded their late spend (`let_finish`), so the
-        record's figures are final.
+        the stopped runs have recorded their late spend (`finishing_after_stop`, for
+        at most a heartbeat lapse and within `timeout_s`), so the record's figures
+        are final.
         """
         if timeout_s < 0:
             raise ValidationError("timeout_s must not be negative", field="timeout_s")
         deadline = time.monotonic() + timeout_s
+        finish_by: float | None = None  # once settled after a stop: how long its stopped runs are waited for
         with self.store.events.settle_watch(task_id) as watch:
             while True:
-                if self.settled(task_id)[0]:
-                    self.let_finish(task_id, deadline)
-                    return self.store.records.get_task(task_id)
+                done, status = self.settled(task_id)
+                if done:
+                    if finish_by is None:
+                        finish_by = min(deadline, time.monotonic() + self.settings.heartbeat_lapse_s)
+                    if time.monotonic() >= finish_by or not self.finishing_after_stop(task_id, status):
+                        return self.store.records.get_task(task_id)
+                    time.sleep(FINISHING_LOOK_S)
+                    continue
+                finish_by = None  # retried meanwhile: it runs again
                 remaining_s = deadline - time.monotonic()
                 if remaining_s <= 0:
                     record = self.store.records.get_task(task_id)
@@ -626,15 +645,6 @@ class Coordinator:
                         f"({len(record.awaiting_ids)} of {len(record.child_ids)} children outstanding)"
                     )
                 watch.wait(min(remaining_s, WAIT_SLICE_MS / 1000))
-
-    def let_finish(self, task_id: str, deadline: float = float("inf")) -> None:
-        """Wait, until `deadline` and at most a heartbeat lapse, for the runs of a settled task's subtree that may
-        still record spend (`finishing`): after a stop, its figures are then final (the event stream's `end`)."""
-        finish_by = min(deadline, time.monotonic() + self.settings.heartbeat_lapse_s)
-        finishing = self.finishing(self.subtree_ids(task_id))
-        while finishing and time.monotonic() < finish_by:
-            time.sleep(FINISHING_LOOK_S)
-            finishing = self.finishing(finishing)
 
     def close(self) -> None:
         self.client.close()

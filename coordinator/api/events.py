@@ -22,10 +22,12 @@ written after that, and the stream ends with an `error` event (`unauthorized`).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Annotated, Any
 
+import anyio
 import anyio.to_thread
 from anyio import CapacityLimiter
 from fastapi import APIRouter, Header, Request
@@ -37,7 +39,7 @@ from coordinator.api.errors import UNAUTHORIZED, error_responses
 from coordinator.api.routes import TaskId
 from coordinator.api.schemas import ErrorBody
 from coordinator.errors import SubqError
-from coordinator.service import Coordinator
+from coordinator.service import FINISHING_LOOK_S, Coordinator
 
 __all__ = ["KEEPALIVE_S", "KEY_REVOKED", "READ_SLICE_MS", "StreamThreads", "event_routes", "tree_events"]
 
@@ -105,12 +107,14 @@ async def tree_events(
     now); when it says no, the stream ends with `revoked` as an `error` event.
     """
     root_id = ids.root_of(task_id)
-    finished = False  # once settled: whether the subtree's runs that may still record spend were waited for
+    finish_by: float | None = None  # once settled after a stop: how long its stopped runs are waited for
     try:
         while True:
             # Status first, then the stream: a settling write and its event are one
             # atomic step, so once `done` is seen every event before it is in the stream.
             done, status = await threads.run(coord.settled, task_id)
+            if not done:
+                finish_by = None  # retried meanwhile: a later stop waits for its runs again
             entries: list[tuple[str, dict[str, str]]] = await threads.run(
                 coord.read_events,
                 root_id,
@@ -127,9 +131,11 @@ async def tree_events(
                 yield ServerSentEvent(id=entry_id, data=json.dumps(fields))
                 after_id = entry_id
             if done and len(entries) < READ_BATCH:
-                if not finished:  # then read once more: what was written meanwhile goes before `end`
-                    await threads.run(coord.let_finish, task_id)
-                    finished = True
+                if finish_by is None:
+                    finish_by = time.monotonic() + coord.settings.heartbeat_lapse_s
+                # A look at a time, holding no thread between: what is written meanwhile still goes before `end`.
+                if time.monotonic() < finish_by and await threads.run(coord.finishing_after_stop, task_id, status):
+                    await anyio.sleep(FINISHING_LOOK_S)
                     continue
                 yield ServerSentEvent(event="end", data=json.dumps({"task_id": task_id, "status": status}))
                 return

@@ -144,9 +144,9 @@ class TaskField:
     # space-separated ('0.8'): a step that crosses one again (redelivered, repeated) sends nothing
     # (record_usage). Only a task with a budget has it.
     BUDGET_WARNED: Final = "budget_warned"
-    # When a step of its run refused that run's spend, its task having been stopped (flush_run): the run records
-    # it next (record_late_spend, which sets it to ''). While set, and younger than a heartbeat lapse, the
-    # tree's event stream holds its end (Records.finishing): its last figures are then final.
+    # When (the Redis server's epoch s) a step of its run refused that run's spend, its task having been stopped
+    # (flush_run): the run records it next (record_late_spend, which sets it to ''). While set, and younger
+    # than a heartbeat lapse, the tree's event stream holds its end (Records.finishing): its figures are final.
     LATE_SPEND_AT: Final = "late_spend_at"
 
     @staticmethod

@@ -235,19 +235,20 @@ class RecordStore(Part):
         return out
 
     @translate_redis_errors
-    def finishing(self, task_ids: Sequence[str], now_s: float, lapse_s: float) -> list[str]:
+    def finishing(self, task_ids: Sequence[str], lapse_s: float) -> list[str]:
         """Those of `task_ids` whose run may still record spend: it holds its lease, or a step refused its
-        spend (its task was stopped) and it has not recorded that yet, within a heartbeat lapse (a run that
-        died before it did records nothing). One round trip however many."""
+        spend (its task was stopped) and it has not recorded that yet, within a heartbeat lapse by the server's
+        clock (a run that died before it did records nothing). One round trip however many."""
         with self.client.pipeline(transaction=False) as pipe:
+            pipe.time()
             for task_id in task_ids:
                 root = root_of(task_id)
                 pipe.exists(self.keys.lease(root, task_id))
                 pipe.hget(self.keys.task(root, task_id), TaskField.LATE_SPEND_AT)
-            replies = pipe.execute()
+            (now_s, _), *replies = pipe.execute()
         out = []
         for task_id, leased, late in zip(task_ids, replies[::2], replies[1::2], strict=True):
-            if leased or (late and now_s - float(late) < lapse_s):
+            if leased or (late and now_s - int(late) < lapse_s):
                 out.append(task_id)
         return out
 

@@ -108,8 +108,9 @@ for _ = 1, n_usage do
 end
 if refused == 1 then
   -- Its run records that spend next (record_late_spend, which clears this): until then, or a lapse, the
-  -- tree's event stream does not end (coordinator/api/events.py), so its last figures include it.
-  hash_set(KEYS[2], 'late_spend_at', now)
+  -- tree's event stream does not end (coordinator/api/events.py), so its last figures include it. The
+  -- server's clock, which the stream's look reads too: a worker's and an API host's may differ.
+  hash_set(KEYS[2], 'late_spend_at', redis.call('TIME')[1])
 end
 while at < #ARGV do
   -- Its task's timeline is read only when the run has marks to add (a wait within it, its end).
