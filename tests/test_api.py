@@ -395,38 +395,42 @@ def test_a_stopped_trees_events_end_once_its_runs_spend_is_recorded(
     run to record it after the stop (late spend), so the figures a client reads after `end` are final."""
     (child_id,) = idle.delegate(parent.id, [spec()]).child_ids
     runtime = build_runtime(idle.settings, make_app(idle.settings))
-    run = runtime.lifecycle.start(child_id)
-    assert isinstance(run, Run), run
-    idle.cancel(parent.id, "stopped")
-    events: list[dict[str, Any]] = []
+    try:
+        run = runtime.lifecycle.start(child_id)
+        assert isinstance(run, Run), run
+        idle.cancel(parent.id, "stopped")
+        events: list[dict[str, Any]] = []
 
-    def follow() -> None:
-        with idle_api.client() as http, http.stream("GET", f"/v1/tasks/{parent.id}/events", timeout=WAIT_S) as r:
-            events.extend(read_sse(r))
+        def follow() -> None:
+            with idle_api.client() as http, http.stream("GET", f"/v1/tasks/{parent.id}/events", timeout=WAIT_S) as r:
+                events.extend(read_sse(r))
 
-    with ThreadPoolExecutor(1) as pool:
-        followed = pool.submit(follow)
-        time.sleep(2)  # the stream's own look comes within a quarter second; a loaded host only makes it later
-        assert not followed.done(), f"the stream ended while a run of the tree could still record spend: {events}"
-        billed = Spend(request_key=f"{run.run_seq}:1", usage=Usage(tokens_in=40), cost_micros=900, cost_source="test")
-        run.writes.usage.append(billed)
-        # Its end finds the task stopped, lets go of its lease and refuses the spend; the run records it next.
-        # In between, the refusal's mark holds the stream, not the lease.
-        marked: list[list[str]] = []
-        record_late = run._spent_before_the_stop
+        with ThreadPoolExecutor(2) as pool:
+            followed, waited = pool.submit(follow), pool.submit(idle.wait, parent.id, WAIT_S)
+            time.sleep(2)  # each one's look comes within a quarter second; a loaded host only makes it later
+            assert not followed.done(), f"the stream ended while a run of the tree could still record spend: {events}"
+            assert not waited.done(), "the wait returned while a run of the tree could still record spend"
+            spent = Spend(request_key=f"{run.run_seq}:1", usage=Usage(tokens_in=40), cost_micros=900, cost_source="t")
+            run.writes.usage.append(spent)
+            # Its end finds the task stopped, lets go of its lease and refuses the spend; the run records it next.
+            # In between, the refusal's mark holds the stream, not the lease.
+            marked: list[list[str]] = []
+            record_late = run._spent_before_the_stop
 
-        def late(spends: list[Spend]) -> None:
-            marked.append(idle.finishing([child_id]))
-            record_late(spends)
+            def late(spends: list[Spend]) -> None:
+                marked.append(idle.finishing([child_id]))
+                record_late(spends)
 
-        run._spent_before_the_stop = late  # type: ignore[method-assign]
-        run.end(Ended("completed", summary="done"))  # its last response, answered as the stop landed
-        assert marked == [[child_id]]
-        followed.result(timeout=WAIT_S)
-    assert events[-1]["event"] == "end" and events[-1]["data"]["status"] == "cancelled"
-    assert idle.get_task(parent.id).total_cost_micros == 900
-    assert idle.finishing([child_id]) == []
-    runtime.coordinator.close()
+            run._spent_before_the_stop = late  # type: ignore[method-assign]
+            run.end(Ended("completed", summary="done"))  # its last response, answered as the stop landed
+            assert marked == [[child_id]]
+            followed.result(timeout=WAIT_S)
+            assert waited.result(timeout=WAIT_S).total_cost_micros == 900
+        assert events[-1]["event"] == "end" and events[-1]["data"]["status"] == "cancelled"
+        assert idle.get_task(parent.id).total_cost_micros == 900
+        assert idle.finishing([child_id]) == []
+    finally:
+        runtime.coordinator.close()
 
 
 def test_events_send_keepalive_comments(
