@@ -171,7 +171,8 @@ def state(coord: Coordinator, *roots: str) -> tuple[dict[str, object], int]:
     last UI message as it unwinds), and must not count as a change made here. Only
     those keys are read (SCAN MATCH per tree), so the cost does not grow with the
     keys earlier tests left. Without `roots`, every key of the prefix, except the
-    counters every delegation bumps (history index, numbering, metrics, rate windows).
+    counters every delegation bumps (history index, numbering, metrics, rate windows) and the tenants'
+    submit windows (each lapses a minute after its last submit).
     """
     client: redis.Redis = coord.client
     prefix = coord.settings.key_prefix
@@ -181,8 +182,10 @@ def state(coord: Coordinator, *roots: str) -> tuple[dict[str, object], int]:
         keys = _read(client, [*shared, *trees])
     else:
         volatile = (f"{prefix}:tasks", f"{prefix}:task-number", f"{prefix}:metrics:", f"{prefix}:rate:")
+        # A tenant's submit window lapses a minute after its last submit, whenever that falls (snapshot_of too).
+        lapsing = re.compile(rf"{re.escape(prefix)}:tenant:\{{[^}}]*\}}:submits$")
         every = _scan(client, f"{glob_escaped(prefix)}:*")
-        keys = _read(client, [key for key in every if not key.startswith(volatile)])
+        keys = _read(client, [key for key in every if not key.startswith(volatile) and not lapsing.match(key)])
     return keys, int(client.llen(coord.settings.queue))
 
 

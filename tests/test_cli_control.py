@@ -169,7 +169,7 @@ def test_follow_on_a_terminal_fits_the_width_and_shows_the_approval_to_give(
         lambda: coordinator.snapshot(approval.root_id)[approval.task_id].state == "waiting_approval",
         "the child's run to give its worker back",
     )
-    time.sleep(1.5)  # at least one redraw with the request shown (the view redraws at least every second)
+    time.sleep(3.0)  # redraws with the request shown (the view redraws at least every second; a loaded host later)
     assert coordinator.decide(approval.id, "approve").status == "approved"
     follower.join(WAIT_S)
     run = result["run"]

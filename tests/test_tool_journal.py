@@ -85,8 +85,9 @@ def test_a_resumed_run_replays_what_returned_and_reruns_only_the_idempotent(
                 calls(
                     ("leave_mark", {"label": "quick"}),
                     ("slow_mark", {"label": "slow", "seconds": 30}),
-                    ("settle", {"label": "idem", "seconds": 4}),
-                    ("refresh", {"label": "declared", "seconds": 4}),
+                    # Long enough that both still run when the worker is killed, on a loaded host too.
+                    ("settle", {"label": "idem", "seconds": 10}),
+                    ("refresh", {"label": "declared", "seconds": 10}),
                 ),
                 reply("all four handled"),
             ),

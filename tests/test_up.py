@@ -53,7 +53,8 @@ class Up:
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
         assert self.proc.stdout is not None
-        threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True).start()
+        self._reader = threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True)
+        self._reader.start()
 
     def _read(self, stream: IO[str]) -> None:
         for line in stream:
@@ -78,7 +79,7 @@ class Up:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
         code = self.proc.wait(timeout=STOP_TIMEOUT_S)
-        time.sleep(0.2)  # let the reader thread drain the last lines
+        self._reader.join(timeout=10)  # its last lines: the reader ends at the pipe's end (a loaded host is slow)
         while not self.lines.empty():
             self.seen.append(self.lines.get())
         return code

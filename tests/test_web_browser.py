@@ -28,7 +28,7 @@ from playwright.sync_api import Browser, Dialog, Page, expect, sync_playwright
 from coordinator import Coordinator
 from coordinator.models import format_usd
 from tests.agents import call, reply, subtask
-from tests.helpers import TOKEN, ApiServer, script
+from tests.helpers import TOKEN, ApiServer, eventually, script
 
 CHROMIUM = "/usr/bin/chromium"
 # Debian's Chromium, headless, as root in a container with no network: no sandbox, no GPU,
@@ -276,7 +276,9 @@ def test_approvals_from_the_page(
     assert page.evaluate("window.subqNoReload") is True
 
 
-def test_cancel_from_the_page_stops_a_subtree(page: Page, live_api: ApiServer, live_http: httpx.Client) -> None:
+def test_cancel_from_the_page_stops_a_subtree(
+    page: Page, live: Coordinator, live_api: ApiServer, live_http: httpx.Client
+) -> None:
     long_steps = _slow(*[call("update_todo_list", todos=f"[-] step {n}") for n in range(40)], reply("done"))
     branch = subtask("Branch", call("new_task", **subtask("Leaf", *long_steps)), reply("branch done"))
     root = _run_root(
@@ -311,6 +313,9 @@ def test_cancel_from_the_page_stops_a_subtree(page: Page, live_api: ApiServer, l
         assert record["status"] == "cancelled" and "stop the branch from the page" in record["error"]
     # The sibling is outside the cancelled subtree: it still runs.
     assert live_http.get(f"/v1/tasks/{sibling_id}").json()["status"] not in ("cancelled", "failed")
+    # A response the leaf's run had in hand as the stop landed is recorded after it (late spend): read its cost
+    # once the run has let go.
+    eventually(lambda: not live.finishing([leaf_id]), "the leaf's stopped run to let go")
     spent = live_http.get(f"/v1/tasks/{leaf_id}").json()["cost_micros"]
 
     page.once("dialog", _accept_with("stop everything"))
@@ -318,6 +323,10 @@ def test_cancel_from_the_page_stops_a_subtree(page: Page, live_api: ApiServer, l
     expect(page.locator(f"#task-{root}")).to_have_attribute("data-state", "cancelled")
     expect(page.locator(f"#task-{sibling_id}")).to_have_attribute("data-state", "cancelled")
     expect(page.locator("#live")).to_have_attribute("data-state", "ended")
+    # The figures are final once the stream has ended: the refresh its end asked for shows them.
+    final_tokens = live_http.get(f"/v1/tasks/{root}").json()["total_tokens"]
+    total = page.locator(f"#task-{root} > table.figures [data-field=total-tokens] [data-tokens]").first
+    expect(total).to_have_attribute("data-tokens", str(final_tokens))
     # Nothing was recorded on the stopped leaf after its stop, and the page shows what the API shows.
     time.sleep(2 * SLOW_STEP_MS / 1000)
     assert live_http.get(f"/v1/tasks/{leaf_id}").json()["cost_micros"] == spent
