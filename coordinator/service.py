@@ -23,6 +23,7 @@ after the commit does it publish work.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -74,7 +75,7 @@ from coordinator.subscriptions import CeleryCallback, Webhook, shown_target, sub
 from coordinator.tenants import TenantPolicy, TenantState, check_priority, check_tenant_name
 from coordinator.tree import TreeNode, build_tree
 
-__all__ = ["DEFAULT_PAGE", "MAX_PAGE", "Coordinator"]
+__all__ = ["DEFAULT_PAGE", "FINISHING_LOOK_S", "MAX_PAGE", "Coordinator", "Finishing"]
 
 # How long wait() listens for its task's settling before it reads the status anyway: a wake-up lost
 # with a dropped connection, or a settle that announced nothing, costs at most this.
@@ -82,6 +83,15 @@ WAIT_SLICE_MS = 1000
 # Between looks at a settled subtree's runs that may still record spend (a stopped run stops within a quarter
 # second: its stop watch's poll).
 FINISHING_LOOK_S = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Finishing:
+    """A look at a settled subtree's stopped runs that may still record spend (`Coordinator.finishing_after_stop`):
+    their task ids, and until when (monotonic s) a waiter waits for them."""
+
+    runs: list[str]
+    until: float
 
 
 def replica_wait(settings: Settings) -> ReplicaWait | None:
@@ -519,16 +529,21 @@ class Coordinator:
         to record yet): a stopped tree's figures grow until none is left (its runs' late spend)."""
         return self.store.records.finishing(task_ids, self.settings.heartbeat_lapse_s)
 
-    def finishing_after_stop(self, task_id: str, status: str) -> list[str]:
-        """The tasks of a settled task's subtree whose runs may still record spend, when it settled `status`.
+    def finishing_after_stop(self, task_id: str, status: str, last: Finishing | None = None) -> Finishing:
+        """The tasks of a settled task's subtree whose runs may still record spend, when it settled `status`,
+        and until when (monotonic) they are waited for: a heartbeat lapse. `last` is the previous look's
+        answer: only its tasks are looked at again (a stopped task starts no new run; a retry starts over).
 
         Only a tree that ended `cancelled` or `failed` is looked at: a stop ends a tree so (a cancel, a spent
         budget, a failure stopping the rest), and a completed tree, or a caller's settled task, costs its
         waiter nothing more. (A branch cancelled in a tree that completed after it had its late spend recorded
         while the rest ran on.)"""
+        if last is not None:
+            return Finishing(self.finishing(last.runs) if last.runs else [], last.until)
+        until = time.monotonic() + self.settings.heartbeat_lapse_s
         if status not in (TaskStatus.CANCELLED, TaskStatus.FAILED):
-            return []
-        return self.finishing(self.subtree_ids(task_id))
+            return Finishing([], until)
+        return Finishing(self.finishing(self.subtree_ids(task_id)), until)
 
     def subtree_ids(self, task_id: str) -> list[str]:
         """The task and all its descendants, top first."""
@@ -625,18 +640,17 @@ class Coordinator:
         if timeout_s < 0:
             raise ValidationError("timeout_s must not be negative", field="timeout_s")
         deadline = time.monotonic() + timeout_s
-        finish_by: float | None = None  # once settled after a stop: how long its stopped runs are waited for
+        finishing: Finishing | None = None  # once settled: its stopped runs that may still record spend
         with self.store.events.settle_watch(task_id) as watch:
             while True:
                 done, status = self.settled(task_id)
                 if done:
-                    if finish_by is None:
-                        finish_by = min(deadline, time.monotonic() + self.settings.heartbeat_lapse_s)
-                    if time.monotonic() >= finish_by or not self.finishing_after_stop(task_id, status):
+                    finishing = self.finishing_after_stop(task_id, status, finishing)
+                    if not finishing.runs or time.monotonic() >= min(deadline, finishing.until):
                         return self.store.records.get_task(task_id)
                     time.sleep(FINISHING_LOOK_S)
                     continue
-                finish_by = None  # retried meanwhile: it runs again
+                finishing = None  # retried meanwhile: it runs again
                 remaining_s = deadline - time.monotonic()
                 if remaining_s <= 0:
                     record = self.store.records.get_task(task_id)

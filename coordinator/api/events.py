@@ -7,9 +7,10 @@ reconnects with `Last-Event-ID` resumes after that entry.
 
 The stream ends once the task has settled, by `Coordinator.wait`'s rule
 (terminal; or, for a caller-owned task, no longer `delegated`), after every
-event written before that is sent, and once no run of its subtree may still
-record spend (`Coordinator.finishing`: a run a stop cut off records what its
-provider billed after the stop, "late spend"; held at most a heartbeat lapse);
+event written before that is sent, and, after a stop, once no run of its
+subtree may still record spend (`Coordinator.finishing_after_stop`: a run a stop
+cut off records what its provider billed after the stop, "late spend"; held at
+most a heartbeat lapse, the subtree walked once);
 a last `end` event carries the status, and the figures read after it are final.
 A keep-alive comment goes out every KEEPALIVE_S so proxies keep the connection.
 
@@ -39,7 +40,7 @@ from coordinator.api.errors import UNAUTHORIZED, error_responses
 from coordinator.api.routes import TaskId
 from coordinator.api.schemas import ErrorBody
 from coordinator.errors import SubqError
-from coordinator.service import FINISHING_LOOK_S, Coordinator
+from coordinator.service import FINISHING_LOOK_S, Coordinator, Finishing
 
 __all__ = ["KEEPALIVE_S", "KEY_REVOKED", "READ_SLICE_MS", "StreamThreads", "event_routes", "tree_events"]
 
@@ -107,14 +108,14 @@ async def tree_events(
     now); when it says no, the stream ends with `revoked` as an `error` event.
     """
     root_id = ids.root_of(task_id)
-    finish_by: float | None = None  # once settled after a stop: how long its stopped runs are waited for
+    finishing: Finishing | None = None  # once settled: its stopped runs that may still record spend
     try:
         while True:
             # Status first, then the stream: a settling write and its event are one
             # atomic step, so once `done` is seen every event before it is in the stream.
             done, status = await threads.run(coord.settled, task_id)
             if not done:
-                finish_by = None  # retried meanwhile: a later stop waits for its runs again
+                finishing = None  # retried meanwhile: a later stop waits for its runs again
             entries: list[tuple[str, dict[str, str]]] = await threads.run(
                 coord.read_events,
                 root_id,
@@ -131,10 +132,9 @@ async def tree_events(
                 yield ServerSentEvent(id=entry_id, data=json.dumps(fields))
                 after_id = entry_id
             if done and len(entries) < READ_BATCH:
-                if finish_by is None:
-                    finish_by = time.monotonic() + coord.settings.heartbeat_lapse_s
                 # A look at a time, holding no thread between: what is written meanwhile still goes before `end`.
-                if time.monotonic() < finish_by and await threads.run(coord.finishing_after_stop, task_id, status):
+                finishing = await threads.run(coord.finishing_after_stop, task_id, status, finishing)
+                if finishing.runs and time.monotonic() < finishing.until:
                     await anyio.sleep(FINISHING_LOOK_S)
                     continue
                 yield ServerSentEvent(event="end", data=json.dumps({"task_id": task_id, "status": status}))
