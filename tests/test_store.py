@@ -266,7 +266,31 @@ def test_admission_limits_children_of_one_parent(idle_coordinator: Coordinator) 
     assert store.runs.release_slot(records[1], limits) == [children[2]]
 
 
-def test_a_stagger_spaces_the_starts_of_a_tree(idle_coordinator: Coordinator) -> None:
+class HandClock:
+    """The store's clock (coordinator/store/runs.py reads `time.time()` for a start's `now`), moved by hand: a
+    stagger's window is then exact, whatever the host's load between two calls."""
+
+    def __init__(self) -> None:
+        self.now_s = time.time()
+
+    def time(self) -> float:
+        return self.now_s
+
+    def time_ns(self) -> int:
+        return int(self.now_s * 1e9)
+
+    def advance(self, span_s: float) -> None:
+        self.now_s += span_s
+
+
+@pytest.fixture
+def hand_clock(monkeypatch: pytest.MonkeyPatch) -> HandClock:
+    clock = HandClock()
+    monkeypatch.setattr("coordinator.store.runs.time", clock)
+    return clock
+
+
+def test_a_stagger_spaces_the_starts_of_a_tree(idle_coordinator: Coordinator, hand_clock: HandClock) -> None:
     coord, store = idle_coordinator, idle_coordinator.store
     root = coord.create_task("root")
     first, second, third = (
@@ -274,22 +298,11 @@ def test_a_stagger_spaces_the_starts_of_a_tree(idle_coordinator: Coordinator) ->
         for c in coord.delegate(root.id, [{"description": f"c{n}", "message": "m"} for n in range(3)]).child_ids
     )
     limits = AdmissionLimits(stagger_ms=500)
-
-    def delay_of(task_id: str) -> tuple[int, float, float]:
-        """The start's delay, and the clock (ms) just before and after it: a loaded host's calls take time."""
-        before_ms = time.time() * 1000
-        started = start(store, task_id, limits)
-        assert started.verdict == "delay", started.verdict
-        return started.delay_ms, before_ms, time.time() * 1000
-
-    first_before_ms = time.time() * 1000
     assert start(store, first.id, limits).verdict == "run"
-    first_after_ms = time.time() * 1000
+    hand_clock.advance(0.1)
     # The second start is reserved 500 ms after the first, the third 500 ms after that.
-    for task_id, reserved_ms in ((second.id, 500), (third.id, 1000)):
-        delay_ms, before_ms, after_ms = delay_of(task_id)
-        earliest, latest = first_before_ms + reserved_ms - after_ms, first_after_ms + reserved_ms - before_ms
-        assert earliest - 1 <= delay_ms <= latest + 1, (task_id, delay_ms, earliest, latest)
+    delays = [start(store, t, limits) for t in (second.id, third.id)]
+    assert [(d.verdict, d.delay_ms) for d in delays] == [("delay", 400), ("delay", 900)]
     assert store.records.task_field(third.id, "deliveries") is None, (
         "a delayed start took no lease and counted no delivery"
     )
@@ -301,21 +314,23 @@ def _three_children(coord: Coordinator) -> tuple[TaskRecord, list[str]]:
     return root, coord.delegate(root.id, [{"description": f"c{n}", "message": "m"} for n in range(3)]).child_ids
 
 
-def test_a_delayed_start_runs_at_the_start_it_reserved(idle_coordinator: Coordinator) -> None:
+def test_a_delayed_start_runs_at_the_start_it_reserved(idle_coordinator: Coordinator, hand_clock: HandClock) -> None:
     """A delayed start comes back as a new run (a new token) at the start it reserved, and runs. Before, its own
     reservation read as the tree's last start, so it was delayed again at every return and never ran."""
     coord, store, limits = idle_coordinator, idle_coordinator.store, AdmissionLimits(stagger_ms=300)
     root, (first, second, third) = _three_children(coord)
     last_start = store.keys.last_start(root.root_id)
     assert start(store, first, limits).verdict == "run"
+    hand_clock.advance(0.05)
     delayed = start(store, second, limits)
-    assert delayed.verdict == "delay" and 0 < delayed.delay_ms <= 300
+    assert (delayed.verdict, delayed.delay_ms) == ("delay", 250)
     reserved = coord.client.get(last_start)
 
+    hand_clock.advance(0.1)
     early = start(store, second, limits)  # its restart, before its time: the rest of its wait
-    assert early.verdict == "delay" and early.delay_ms <= delayed.delay_ms
+    assert (early.verdict, early.delay_ms) == ("delay", 150)
     assert coord.client.get(last_start) == reserved, "no second reservation"
-    time.sleep(early.delay_ms / 1000)
+    hand_clock.advance(0.2)
     assert start(store, second, limits).verdict == "run", "its own reservation does not delay it again"
     started_ms = float(coord.client.get(last_start) or 0)
     assert float(reserved or 0) <= started_ms < float(reserved or 0) + 300, "the last start is when it ran"
@@ -324,7 +339,7 @@ def test_a_delayed_start_runs_at_the_start_it_reserved(idle_coordinator: Coordin
     assert later.verdict == "delay" and float(coord.client.get(last_start) or 0) == started_ms + 300
 
 
-def test_delayed_starts_that_come_back_late_are_spaced_again(idle_coordinator: Coordinator) -> None:
+def test_delayed_starts_that_come_back_late_are_spaced_again(idle_coordinator: Coordinator, hand_clock: HandClock) -> None:
     """Two delayed starts back a whole stagger past their reservations (their worker died and the reconciler
     published them again, or the pool was busy) do not both run at once: the first runs, the second is spaced
     one stagger after it, as a start that reserved nothing."""
@@ -332,7 +347,7 @@ def test_delayed_starts_that_come_back_late_are_spaced_again(idle_coordinator: C
     root, (first, second, third) = _three_children(coord)
     assert start(store, first, limits).verdict == "run"
     assert [start(store, t, limits).verdict for t in (second, third)] == ["delay", "delay"]  # at +300, +600
-    time.sleep(1.0)  # past both reservations by more than a stagger
+    hand_clock.advance(1.0)  # past both reservations by more than a stagger
     assert start(store, second, limits).verdict == "run"
     again = start(store, third, limits)
-    assert again.verdict == "delay" and 0 < again.delay_ms <= 300, again
+    assert (again.verdict, again.delay_ms) == ("delay", 300), again
