@@ -36,12 +36,13 @@ from coordinator.access import Scope
 from coordinator.errors import NotFoundError, SubqError, ValidationError
 from coordinator.ids import ROOT_ID_PATTERN
 from coordinator.inputs import CancelInput, CreateTaskInput, DecisionInput, OperationInput, RetryInput
+from coordinator.models import FINISHING_LOOK_S, StopHold
 
 if TYPE_CHECKING:
     from mcp.server.context import ServerRequestContext
     from mcp.server.lowlevel import Server
 
-    from coordinator.models import Approval, Retried, TaskRecord, TodoItem
+    from coordinator.models import Approval, FinishingRuns, Retried, TaskRecord, TodoItem
     from coordinator.tree import TreeNode
 
 __all__ = [
@@ -88,6 +89,7 @@ class McpOperations(Protocol):
     def get_task(self, task_id: str, /) -> TaskRecord: ...
     def get_todos(self, task_id: str, /) -> list[TodoItem]: ...
     def tree(self, task_id: str, /) -> TreeNode: ...
+    def finishing_runs(self, task_id: str, /) -> FinishingRuns: ...
     def messages(self, task_id: str, kind: Literal["ui", "api"], /) -> list[dict[str, Any]]: ...
     def cancel(self, task_id: str, reason: str, /) -> TaskRecord: ...
     def retry(self, task_id: str, /, *, failed: bool = False) -> Retried: ...
@@ -231,8 +233,9 @@ TOOLS: tuple[ToolDef, ...] = (
         "wait_task",
         _READS,
         "Wait until a task has ended (completed, failed or cancelled), at most timeout_s seconds, with a "
-        "progress notification as its children finish; then answer as get_task does. `settled: false` means "
-        "it is still going: call again, or get_task later.",
+        "progress notification as its children finish; then answer as get_task does, with final figures (after "
+        "a stop it waits for the stopped runs to record their spend). `settled: false` means it is still going: "
+        "call again, or get_task later.",
         _schema(WaitArgs),
     ),
     ToolDef(
@@ -408,6 +411,7 @@ class Tools:
         given = WaitArgs.parse(args)
         deadline = time.monotonic() + given.timeout_s
         told: tuple[int, int] | None = None
+        hold: StopHold | None = None
         while True:
             # Each poll is a read of its own, asked as the key is now (the /mcp face looks the key up again, the
             # stdio face sends a request): a key revoked during the wait ends it with that refusal.
@@ -421,8 +425,16 @@ class Tools:
                 await progress(
                     float(done), total, f"{record.status.value}: {done} of {len(record.child_ids)} children finished"
                 )
+            if view["settled"] and record.status.stopped:
+                # A stop's late spend: the answer waits for the stopped runs to record it (Coordinator.wait's rule).
+                hold = hold or StopHold(deadline)
+                if hold.holds(await _call(self.ops.finishing_runs, record.id)):
+                    await anyio.sleep(FINISHING_LOOK_S)
+                    continue
+                view = task_view(await _call(self.ops.get_task, given.task_id), self.session)  # with that spend
             if view["settled"] or time.monotonic() >= deadline:
                 return view
+            hold = None  # not settled (or retried meanwhile): it runs again
             await anyio.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
 
     async def _get_tree(self, args: dict[str, Any], _progress: Progress | None) -> dict[str, Any]:

@@ -22,11 +22,13 @@ from coordinator.tenants import DEFAULT_PRIORITY, DEFAULT_TENANT
 from coordinator.timeline import OUTCOMES, TaskTimes, Timeline, ToolCallSpan, times_of, tool_calls_of, waiting_for
 
 __all__ = [
+    "FINISHING_LOOK_S",
     "AdmissionLimits",
     "Approval",
     "Batch",
     "DelegationMode",
     "Delivery",
+    "FinishingRuns",
     "HistoryItem",
     "LiveState",
     "Mark",
@@ -39,6 +41,7 @@ __all__ = [
     "RunWrites",
     "Settled",
     "Spend",
+    "StopHold",
     "SubtaskResult",
     "SubtaskSpec",
     "TaskRecord",
@@ -56,6 +59,9 @@ __all__ = [
 ]
 
 MICROS_PER_USD = 1_000_000
+# Between a waiter's looks at a stopped subtree's runs that may still record spend (`FinishingRuns`): a stopped
+# run stops within a quarter second (its stop watch's poll).
+FINISHING_LOOK_S = 0.1
 
 NonEmptyText = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
 
@@ -70,6 +76,13 @@ class TaskStatus(StrEnum):
     @property
     def terminal(self) -> bool:
         return self.value in OUTCOMES  # timeline.py declares the ends once, for Python and the Lua
+
+    @property
+    def stopped(self) -> bool:
+        """Ended by a stop (a cancel, a spent budget, a failure stopping the rest): a run it stopped may record
+        what its provider billed after the task settled (late spend), so a waiter reads the figures once the
+        subtree's `FinishingRuns` is empty. A completed task's runs all ended before it."""
+        return self in (TaskStatus.CANCELLED, TaskStatus.FAILED)
 
 
 class TodoStatus(StrEnum):
@@ -544,6 +557,34 @@ class Retried(BaseModel):
     def without_content(self) -> Retried:
         """As a caller that may retry the tree but not read it sees it (TaskRecord.without_content)."""
         return self.model_copy(update={"task": self.task.without_content()})
+
+
+class FinishingRuns(BaseModel):
+    """The tasks of a subtree whose runs may still record spend (GET /v1/tasks/{id}/finishing): each holds its
+    lease, or has spend a stop refused and not yet recorded. A stopped tree's figures are final once none is
+    left, and at the latest `lapse_s` after the stop (a run whose worker died records nothing)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    task_id: str
+    task_ids: list[str]
+    lapse_s: float  # the heartbeat lapse: how long a stopped run may still take to record its spend
+
+
+@dataclass
+class StopHold:
+    """A polling waiter's hold after a stop, `Coordinator.wait`'s rule for the clients, MCP's `wait_task` and
+    `subq run --follow`: it answers once the subtree's `FinishingRuns` is empty, or its lapse after the first
+    look, and never past the waiter's own `deadline` (monotonic s). A retry meanwhile starts a new one."""
+
+    deadline: float
+    until: float | None = None
+
+    def holds(self, runs: FinishingRuns) -> bool:
+        """Whether to look again (FINISHING_LOOK_S later) before the answer."""
+        if self.until is None:
+            self.until = min(self.deadline, time.monotonic() + runs.lapse_s)
+        return bool(runs.task_ids) and time.monotonic() < self.until
 
 
 class Approval(BaseModel):

@@ -1,7 +1,7 @@
 """The operator's operations, defined once: what the Coordinator and the HTTP client both answer.
 
     Operations   create, read (a task, its plan, its tree, its messages, the history, the live
-                 state), cancel, retry, approvals and their decision, dead letters, the audit log, a tree's
+                 state, the runs that may still record spend), cancel, retry, approvals and their decision, dead letters, the audit log, a tree's
                  deliveries of outbound events and a redeliver; then close
 
 `Coordinator` (on Redis) and `coordinator.client.SubqClient` (over the HTTP
@@ -21,7 +21,16 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 if TYPE_CHECKING:
     from coordinator.audit import AuditEntry
     from coordinator.deadletters import DeadLetter
-    from coordinator.models import Approval, Delivery, HistoryItem, LiveState, Retried, TaskRecord, TodoItem
+    from coordinator.models import (
+        Approval,
+        Delivery,
+        FinishingRuns,
+        HistoryItem,
+        LiveState,
+        Retried,
+        TaskRecord,
+        TodoItem,
+    )
     from coordinator.tenants import TenantState
     from coordinator.tree import TreeNode
 
@@ -58,6 +67,7 @@ class Operations(Protocol):
         tenant: str | None = None,
     ) -> tuple[list[HistoryItem], int | None]: ...
     def snapshot(self, root_id: str, /) -> dict[str, LiveState]: ...
+    def finishing_runs(self, task_id: str, /) -> FinishingRuns: ...
     def deliveries(self, task_id: str, /) -> list[Delivery]: ...
     def redeliver(self, task_id: str, delivery_id: str, /) -> Delivery: ...
     def cancel(self, task_id: str, reason: str, /) -> TaskRecord: ...

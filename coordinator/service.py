@@ -54,10 +54,12 @@ from coordinator.inputs import (
 )
 from coordinator.inputs import idempotency_key as check_idempotency_key
 from coordinator.models import (
+    FINISHING_LOOK_S,
     Approval,
     Batch,
     DelegationMode,
     Delivery,
+    FinishingRuns,
     HistoryItem,
     LiveState,
     Retried,
@@ -75,14 +77,11 @@ from coordinator.subscriptions import CeleryCallback, Webhook, shown_target, sub
 from coordinator.tenants import TenantPolicy, TenantState, check_priority, check_tenant_name
 from coordinator.tree import TreeNode, build_tree
 
-__all__ = ["DEFAULT_PAGE", "FINISHING_LOOK_S", "MAX_PAGE", "Coordinator", "Finishing"]
+__all__ = ["DEFAULT_PAGE", "MAX_PAGE", "Coordinator", "Finishing"]
 
 # How long wait() listens for its task's settling before it reads the status anyway: a wake-up lost
 # with a dropped connection, or a settle that announced nothing, costs at most this.
 WAIT_SLICE_MS = 1000
-# Between looks at a settled subtree's runs that may still record spend (a stopped run stops within a quarter
-# second: its stop watch's poll).
-FINISHING_LOOK_S = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -529,19 +528,27 @@ class Coordinator:
         to record yet): a stopped tree's figures grow until none is left (its runs' late spend)."""
         return self.store.records.finishing(task_ids, self.settings.heartbeat_lapse_s)
 
+    def finishing_runs(self, task_id: str) -> FinishingRuns:
+        """The tasks of the task's subtree whose runs may still record spend (GET /v1/tasks/{id}/finishing): a
+        client's wait holds a stopped task's answer until none is left, as `wait` does here."""
+        self.store.records.status_of(task_id)  # an unknown task is refused (NotFoundError), not an empty answer
+        return FinishingRuns(
+            task_id=task_id, task_ids=self.finishing(self.subtree_ids(task_id)),
+            lapse_s=self.settings.heartbeat_lapse_s,
+        )  # fmt: skip
+
     def finishing_after_stop(self, task_id: str, status: str, last: Finishing | None = None) -> Finishing:
         """The tasks of a settled task's subtree whose runs may still record spend, when it settled `status`,
         and until when (monotonic) they are waited for: a heartbeat lapse. `last` is the previous look's
         answer: only its tasks are looked at again (a stopped task starts no new run; a retry starts over).
 
-        Only a tree that ended `cancelled` or `failed` is looked at: a stop ends a tree so (a cancel, a spent
-        budget, a failure stopping the rest), and a completed tree, or a caller's settled task, costs its
-        waiter nothing more. (A branch cancelled in a tree that completed after it had its late spend recorded
-        while the rest ran on.)"""
+        Only a tree that ended `cancelled` or `failed` is looked at (`TaskStatus.stopped`): a completed tree,
+        or a caller's settled task, costs its waiter nothing more. (A branch cancelled in a tree that completed
+        after it had its late spend recorded while the rest ran on.)"""
         if last is not None:
             return Finishing(self.finishing(last.runs) if last.runs else [], last.until)
         until = time.monotonic() + self.settings.heartbeat_lapse_s
-        if status not in (TaskStatus.CANCELLED, TaskStatus.FAILED):
+        if not TaskStatus(status).stopped:
             return Finishing([], until)
         return Finishing(self.finishing(self.subtree_ids(task_id)), until)
 

@@ -20,8 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
+import httpx2
 import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
@@ -32,9 +36,11 @@ from coordinator.api import events as api_events
 from coordinator.api import ops as api_ops
 from coordinator.api.ops import HEALTH_CACHE_TTL_S, SubqCollector
 from coordinator.celery_app import make_app
+from coordinator.cli.views import follow_run
+from coordinator.client import SubqClient
 from coordinator.local.embedded_redis import local_redis
 from coordinator.local.ports import free_port
-from coordinator.models import Spend
+from coordinator.models import Spend, format_usd
 from coordinator.ports.steps import Ended
 from coordinator.runs import Run
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, tree_root
@@ -389,10 +395,12 @@ def test_events_of_a_settled_caller_task_end_at_once(idle: Coordinator, idle_htt
 
 
 def test_a_stopped_trees_events_end_once_its_runs_spend_is_recorded(
-    idle: Coordinator, idle_api: ApiServer, parent: TaskRecord
+    idle: Coordinator, idle_api: ApiServer, parent: TaskRecord, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A stop lands while a child's run holds a response its provider billed. The stream's `end` waits for the
-    run to record it after the stop (late spend), so the figures a client reads after `end` are final."""
+    """A stop lands while a child's run holds a response its provider billed. Every waiter holds its answer
+    until the run records it after the stop (late spend), so the figures it gives are final: the stream's `end`,
+    `Coordinator.wait`, the HTTP clients' `wait` (GET .../finishing), MCP's `wait_task` over /mcp and the last
+    draw of `subq run --follow`."""
     (child_id,) = idle.delegate(parent.id, [spec()]).child_ids
     runtime = build_runtime(idle.settings, make_app(idle.settings))
     try:
@@ -405,11 +413,29 @@ def test_a_stopped_trees_events_end_once_its_runs_spend_is_recorded(
             with idle_api.client() as http, http.stream("GET", f"/v1/tasks/{parent.id}/events", timeout=WAIT_S) as r:
                 events.extend(read_sse(r))
 
-        with ThreadPoolExecutor(2) as pool:
+        def client_wait() -> TaskRecord:
+            with SubqClient(idle_api.url, token=TOKEN) as client:
+                return client.wait(parent.id, WAIT_S)
+
+        async def mcp_call() -> dict[str, Any]:
+            headers = {"Authorization": f"Bearer {TOKEN}"}
+            async with (
+                httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(WAIT_S)) as http,
+                Client(streamable_http_client(f"{idle_api.url}/mcp", http_client=http)) as mcp,
+            ):
+                done = await mcp.call_tool("wait_task", {"task_id": parent.id, "timeout_s": WAIT_S})
+            assert done.structured_content is not None, done
+            return done.structured_content
+
+        with ThreadPoolExecutor(5) as pool:
             followed, waited = pool.submit(follow), pool.submit(idle.wait, parent.id, WAIT_S)
+            client_waited, mcp_waited = pool.submit(client_wait), pool.submit(anyio.run, mcp_call)
+            viewed = pool.submit(follow_run, idle, parent.id)  # not a terminal: its lines, then the final tree
             time.sleep(2)  # each one's look comes within a quarter second; a loaded host only makes it later
             assert not followed.done(), f"the stream ended while a run of the tree could still record spend: {events}"
-            assert not waited.done(), "the wait returned while a run of the tree could still record spend"
+            for name, waiter in (("wait", waited), ("client", client_waited), ("mcp", mcp_waited), ("view", viewed)):
+                assert not waiter.done(), f"{name} answered while a run of the tree could still record spend"
+            assert idle.finishing_runs(parent.id).task_ids == [child_id]
             spent = Spend(request_key=f"{run.run_seq}:1", usage=Usage(tokens_in=40), cost_micros=900, cost_source="t")
             run.writes.usage.append(spent)
             # Its end finds the task stopped, lets go of its lease and refuses the spend; the run records it next.
@@ -426,11 +452,45 @@ def test_a_stopped_trees_events_end_once_its_runs_spend_is_recorded(
             assert marked == [[child_id]]
             followed.result(timeout=WAIT_S)
             assert waited.result(timeout=WAIT_S).total_cost_micros == 900
+            assert client_waited.result(timeout=WAIT_S).total_cost_micros == 900
+            answered = mcp_waited.result(timeout=WAIT_S)
+            assert (answered["settled"], answered["total_cost_micros"]) == (True, 900), answered
+            assert viewed.result(timeout=WAIT_S) == 1, "a cancelled run's view exits 1"
         assert events[-1]["event"] == "end" and events[-1]["data"]["status"] == "cancelled"
         assert idle.get_task(parent.id).total_cost_micros == 900
-        assert idle.finishing([child_id]) == []
+        assert idle.finishing([child_id]) == [] and idle.finishing_runs(parent.id).task_ids == []
+        final_tree = capsys.readouterr().out.split("\n\n")[-1]
+        assert parent.id in final_tree and format_usd(900) in final_tree, final_tree
     finally:
         runtime.coordinator.close()
+
+
+def test_finishing_names_the_runs_that_may_still_record_spend(
+    idle: Coordinator, idle_http: httpx.Client, parent: TaskRecord
+) -> None:
+    """GET /v1/tasks/{id}/finishing: the subtree's tasks whose run holds its lease, and the lapse that bounds a
+    wait for them; an unknown task is a 404 that changes nothing."""
+    (child_id,) = idle.delegate(parent.id, [spec()]).child_ids
+    lapse_s = idle.settings.heartbeat_lapse_s
+    assert idle_http.get(f"/v1/tasks/{parent.id}/finishing").json() == {
+        "task_id": parent.id, "task_ids": [], "lapse_s": lapse_s,
+    }  # fmt: skip
+    runtime = build_runtime(idle.settings, make_app(idle.settings))
+    try:
+        run = runtime.lifecycle.start(child_id)
+        assert isinstance(run, Run), run
+        for task_id in (parent.id, child_id):
+            answer = idle_http.get(f"/v1/tasks/{task_id}/finishing")
+            assert answer.status_code == 200 and answer.json()["task_ids"] == [child_id], answer.text
+        run.end(Ended("completed", summary="done"))
+        assert idle_http.get(f"/v1/tasks/{parent.id}/finishing").json()["task_ids"] == []
+    finally:
+        runtime.coordinator.close()
+    before = state(idle)
+    unknown = f"{parent.root_id}-{'0' * 12}"
+    missing = idle_http.get(f"/v1/tasks/{unknown}/finishing")
+    assert missing.status_code == 404 and missing.json()["message"] == f"Unknown task: {unknown}", missing.text
+    assert state(idle) == before
 
 
 def test_events_send_keepalive_comments(
@@ -485,6 +545,7 @@ GUARDED = [
     ("GET", "/v1/tasks/{id}/todos", None),
     ("PUT", "/v1/tasks/{id}/todos", {"todos": "[ ] z"}),
     ("GET", "/v1/tasks/{id}/tree", None),
+    ("GET", "/v1/tasks/{id}/finishing", None),
     ("GET", "/v1/tasks/{id}/messages", None),
     ("GET", "/v1/tasks/{id}/events", None),
     ("GET", "/v1/tasks", None),

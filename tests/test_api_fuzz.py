@@ -68,6 +68,7 @@ OPERATIONS = [
     "GET /v1/tasks/{task_id}/todos",
     "PUT /v1/tasks/{task_id}/todos",
     "GET /v1/tasks/{task_id}/tree",
+    "GET /v1/tasks/{task_id}/finishing",
     "GET /v1/tasks/{task_id}/messages",
     "GET /v1/tasks/{task_id}/events",
     "POST /v1/tasks/{task_id}/cancel",

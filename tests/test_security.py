@@ -485,6 +485,7 @@ def test_scoped_keys_over_http(sec_coord: Coordinator) -> None:
         for method, path, body in (
             ("GET", f"/v1/tasks/{root}/messages", None),
             ("GET", f"/v1/tasks/{root}/snapshot", None),
+            ("GET", f"/v1/tasks/{root}/finishing", None),
             ("GET", f"/v1/tasks/{root}/events", None),
             ("PUT", f"/v1/tasks/{root}/todos", {"todos": "[ ] b"}),
             ("POST", f"/v1/tasks/{root}/subtasks", {"subtasks": [{"description": "d", "message": "m"}]}),

@@ -339,7 +339,9 @@ def test_a_delayed_start_runs_at_the_start_it_reserved(idle_coordinator: Coordin
     assert later.verdict == "delay" and float(coord.client.get(last_start) or 0) == started_ms + 300
 
 
-def test_delayed_starts_that_come_back_late_are_spaced_again(idle_coordinator: Coordinator, hand_clock: HandClock) -> None:
+def test_delayed_starts_that_come_back_late_are_spaced_again(
+    idle_coordinator: Coordinator, hand_clock: HandClock
+) -> None:
     """Two delayed starts back a whole stagger past their reservations (their worker died and the reconciler
     published them again, or the pool was busy) do not both run at once: the first runs, the second is spaced
     one stagger after it, as a start that reserved nothing."""

@@ -40,7 +40,8 @@ from coordinator.api.errors import UNAUTHORIZED, error_responses
 from coordinator.api.routes import TaskId
 from coordinator.api.schemas import ErrorBody
 from coordinator.errors import SubqError
-from coordinator.service import FINISHING_LOOK_S, Coordinator, Finishing
+from coordinator.models import FINISHING_LOOK_S
+from coordinator.service import Coordinator, Finishing
 
 __all__ = ["KEEPALIVE_S", "KEY_REVOKED", "READ_SLICE_MS", "StreamThreads", "event_routes", "tree_events"]
 

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
     from coordinator.mcp_tools import McpOperations, Session
-    from coordinator.models import Approval, Retried, TaskRecord, TodoItem
+    from coordinator.models import Approval, FinishingRuns, Retried, TaskRecord, TodoItem
     from coordinator.tree import TreeNode
 
 __all__ = ["MCP_PATH", "KeyedOperations", "McpEndpoint", "install_mcp"]
@@ -125,6 +125,10 @@ class KeyedOperations:
     def tree(self, task_id: str, /) -> TreeNode:
         self.gate.read_tree(self.request, self.key, task_id)
         return self.coord.tree(task_id)
+
+    def finishing_runs(self, task_id: str, /) -> FinishingRuns:
+        self.gate.read_tree(self.request, self.key, task_id)
+        return self.coord.finishing_runs(task_id)
 
     def messages(self, task_id: str, kind: Literal["ui", "api"], /) -> list[dict[str, Any]]:
         self.gate.read_tree(self.request, self.key, task_id)

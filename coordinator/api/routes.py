@@ -23,7 +23,7 @@ from coordinator.api.schemas import CreatedTask, DelegationResult, HistoryPage, 
 from coordinator.errors import ValidationError
 from coordinator.ids import ROOT_ID_PATTERN
 from coordinator.inputs import META_PREFIX, CreateTaskInput, DelegateInput, TodosInput, meta_filter
-from coordinator.models import TaskRecord, TaskStatus
+from coordinator.models import FinishingRuns, TaskRecord, TaskStatus
 from coordinator.service import DEFAULT_PAGE, MAX_PAGE, Coordinator
 from coordinator.todos import ignored_lines
 from coordinator.tree import TreeNode
@@ -157,6 +157,19 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     def tree(request: Request, key: Caller, task_id: TaskId) -> TreeNode:
         gate.read_tree(request, key, task_id)
         return coord.tree(task_id)
+
+    @router.get(
+        "/tasks/{task_id}/finishing",
+        response_model=FinishingRuns,
+        responses=error_responses(*denied, 404, 503),
+        summary="The tasks of the subtree whose runs may still record spend",
+    )
+    def finishing_runs(request: Request, key: Caller, task_id: TaskId) -> FinishingRuns:
+        """A stopped run may record what its provider billed after its task settled (late spend). A tree that
+        ended `cancelled` or `failed` has its final figures once `task_ids` is empty, or `lapse_s` after the stop
+        at the latest; the clients' `wait` and MCP's `wait_task` hold their answer until then."""
+        gate.read_tree(request, key, task_id)
+        return coord.finishing_runs(task_id)
 
     @router.get(
         "/tasks/{task_id}/messages",

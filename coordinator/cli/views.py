@@ -6,6 +6,7 @@ The commands import this module when they run: it loads the pydantic models
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -18,7 +19,17 @@ from coordinator.cli.backend import watch as open_watch
 from coordinator.cli.common import say
 from coordinator.deadletters import DeadLetter
 from coordinator.inputs import visible_text
-from coordinator.models import MICROS_PER_USD, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem, format_usd
+from coordinator.models import (
+    FINISHING_LOOK_S,
+    MICROS_PER_USD,
+    HistoryItem,
+    LiveState,
+    StopHold,
+    TaskRecord,
+    TaskStatus,
+    TodoItem,
+    format_usd,
+)
 from coordinator.tenants import TenantState
 from coordinator.tree import MARKS, cut, describe, metadata_line, render_tree, waiting_note, walk
 
@@ -51,7 +62,8 @@ FOLLOW_POLL_MS = 1000
 def follow_run(coord: Operations, root_id: str) -> int:
     """A live view of the tree until the root ends; 0 if it completed, else 1.
 
-    It redraws on every event of the tree's stream (each model response of any
+    After a stop, the last draw waits for the stopped runs to record their late spend (at most their lapse,
+    `StopHold`), so the figures it leaves on screen are final. It redraws on every event of the tree's stream (each model response of any
     task publishes its live state there) and at least every FOLLOW_POLL_MS. On
     a terminal it is a rich table redrawn in place (coordinator/cli/live.py);
     otherwise (a pipe, a log) it prints one line per task whose live state
@@ -82,6 +94,7 @@ def _follow_on_terminal(coord: Operations, root_id: str, watch: Watch) -> TreeNo
 
     footer = f"Ctrl-C stops following; the run goes on (subq tree {root_id})."
     # Redrawn when the tree changes, not on a timer: auto_refresh would redraw an unchanged view.
+    hold = StopHold(math.inf)
     with Live(console=Console(), auto_refresh=False, vertical_overflow="visible") as view:
         while True:
             node = coord.tree(root_id)
@@ -89,9 +102,10 @@ def _follow_on_terminal(coord: Operations, root_id: str, watch: Watch) -> TreeNo
             live = coord.snapshot(root_id)
             ending = "" if node.status.terminal else footer
             view.update(tree_view(node, live, waiting, width=view.console.width, footer=ending), refresh=True)
-            if node.status.terminal:
+            if _ended(coord, node, hold):
                 return node
-            watch.wait(FOLLOW_POLL_MS / 1000)
+            hold = hold if node.status.terminal else StopHold(math.inf)  # a retry meanwhile: it runs again
+            watch.wait(FINISHING_LOOK_S if node.status.terminal else FOLLOW_POLL_MS / 1000)
 
 
 def _follow_as_lines(coord: Operations, root_id: str, watch: Watch) -> TreeNode:
@@ -99,6 +113,7 @@ def _follow_as_lines(coord: Operations, root_id: str, watch: Watch) -> TreeNode:
     from coordinator.cli.live import task_status
 
     shown: dict[str, str] = {}
+    hold = StopHold(math.inf)
     while True:
         node = coord.tree(root_id)
         live = coord.snapshot(root_id)
@@ -108,12 +123,21 @@ def _follow_as_lines(coord: Operations, root_id: str, watch: Watch) -> TreeNode:
             if shown.get(task.id) != line:
                 shown[task.id] = line
                 say(f"  {line}")
-        if node.status.terminal:
+        if _ended(coord, node, hold):
             break
-        watch.wait(FOLLOW_POLL_MS / 1000)
+        hold = hold if node.status.terminal else StopHold(math.inf)  # a retry meanwhile: it runs again
+        watch.wait(FINISHING_LOOK_S if node.status.terminal else FOLLOW_POLL_MS / 1000)
     typer.echo("")
     say("\n".join(render_tree(node)))
     return node
+
+
+def _ended(coord: Operations, node: TreeNode, hold: StopHold) -> bool:
+    """Whether the view has drawn its last: the root ended, and after a stop its stopped runs have recorded
+    their late spend (or their lapse passed)."""
+    if not node.status.terminal:
+        return False
+    return not node.status.stopped or not hold.holds(coord.finishing_runs(node.id))
 
 
 def _live_note(state: LiveState | None) -> str:

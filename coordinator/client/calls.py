@@ -49,12 +49,15 @@ from coordinator.inputs import (
     check_history_query,
 )
 from coordinator.models import (
+    FINISHING_LOOK_S,
     Approval,
     DelegationMode,
     Delivery,
+    FinishingRuns,
     HistoryItem,
     LiveState,
     Retried,
+    StopHold,
     SubtaskSpec,
     TaskRecord,
     TaskStatus,
@@ -104,6 +107,7 @@ _TASK = TypeAdapter(TaskRecord)
 _TODOS = TypeAdapter(TodoList)
 _BATCH = TypeAdapter(DelegationResult)
 _TREE = TypeAdapter(TreeNode)
+_FINISHING = TypeAdapter(FinishingRuns)
 _MESSAGES = TypeAdapter(MessageList)
 _HISTORY = TypeAdapter(HistoryPage)
 _TENANTS = TypeAdapter(TenantList)
@@ -241,6 +245,10 @@ def tree(task_id: str) -> Call[TreeNode]:
     return Call("GET", task_path(task_id, "/tree"), _TREE)
 
 
+def finishing_runs(task_id: str) -> Call[FinishingRuns]:
+    return Call("GET", task_path(task_id, "/finishing"), _FINISHING)
+
+
 def messages(task_id: str, kind: Literal["ui", "api"]) -> Call[list[dict[str, Any]]]:
     return Call(
         "GET", task_path(task_id, "/messages"), _MESSAGES, unwrap=lambda page: page.messages, params={"kind": kind}
@@ -282,16 +290,31 @@ def _settled(record: TaskRecord) -> bool:
     return record.status.terminal or (record.runner == "caller" and record.status != TaskStatus.DELEGATED)
 
 
-def wait(task_id: str, timeout_s: float) -> Generator[Call[TaskRecord] | Sleep, Any, TaskRecord]:
-    """Poll the task until it settles: yields calls (answered with their result) and sleeps."""
+def wait(task_id: str, timeout_s: float) -> Generator[Call[TaskRecord] | Call[FinishingRuns] | Sleep, Any, TaskRecord]:
+    """Poll the task until it settles: yields calls (answered with their result) and sleeps.
+
+    After a stop (`TaskStatus.stopped`) it answers once the subtree's stopped runs have recorded their late
+    spend (GET .../finishing), for at most their lapse and within `timeout_s`, so the figures are final: the
+    rule of `Coordinator.wait`."""
     if timeout_s < 0:
         raise ValidationError("timeout_s must not be negative", field="timeout_s")
     deadline = time.monotonic() + timeout_s
     delay_s = POLL_FIRST_S
+    hold: StopHold | None = None  # once settled after a stop
     while True:
         record: TaskRecord = yield get_task(task_id)
         if _settled(record):
-            return record
+            if not record.status.stopped:
+                return record
+            hold = hold or StopHold(deadline)
+            if hold.holds((yield finishing_runs(task_id))):
+                yield Sleep(FINISHING_LOOK_S)
+                continue
+            # None is left (or the lapse passed): read it again, so spend recorded since the first read is in.
+            record = yield get_task(task_id)
+            if _settled(record):
+                return record
+        hold = None  # retried meanwhile: it runs again
         remaining_s = deadline - time.monotonic()
         if remaining_s <= 0:
             raise WaitTimeout(

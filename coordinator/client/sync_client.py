@@ -21,6 +21,7 @@ from coordinator.models import (
     Approval,
     DelegationMode,
     Delivery,
+    FinishingRuns,
     HistoryItem,
     LiveState,
     Retried,
@@ -174,6 +175,10 @@ class SubqClient:
     def tree(self, task_id: str) -> TreeNode:
         return self._send(calls.tree(task_id))
 
+    def finishing_runs(self, task_id: str) -> FinishingRuns:
+        """The tasks of the subtree whose runs may still record spend (late spend after a stop)."""
+        return self._send(calls.finishing_runs(task_id))
+
     def messages(self, task_id: str, kind: Literal["ui", "api"] = "ui") -> list[dict[str, Any]]:
         return self._send(calls.messages(task_id, kind))
 
@@ -192,7 +197,8 @@ class SubqClient:
         return self._send(calls.list_tasks(status, root_id, limit, cursor, metadata, tenant))
 
     def wait(self, task_id: str, timeout_s: float) -> TaskRecord:
-        """Poll until the task settles (Coordinator.wait's rule); WaitTimeout after timeout_s."""
+        """Poll until the task settles (Coordinator.wait's rule: after a stop, until its stopped runs have
+        recorded their late spend, at most their lapse); WaitTimeout after timeout_s."""
         return self._drive(calls.wait(task_id, timeout_s))
 
     def health(self) -> Health:
