@@ -562,7 +562,8 @@ class Retried(BaseModel):
 class FinishingRuns(BaseModel):
     """The tasks of a subtree whose runs may still record spend (GET /v1/tasks/{id}/finishing): each holds its
     lease, or has spend a stop refused and not yet recorded. A stopped tree's figures are final once none is
-    left, and at the latest `lapse_s` after the stop (a run whose worker died records nothing)."""
+    left; a waiter waits at most `lapse_s` from its first look (a run whose worker died records nothing, and its
+    lease lapses within that span)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -574,17 +575,25 @@ class FinishingRuns(BaseModel):
 @dataclass
 class StopHold:
     """A polling waiter's hold after a stop, `Coordinator.wait`'s rule for the clients, MCP's `wait_task` and
-    `subq run --follow`: it answers once the subtree's `FinishingRuns` is empty, or its lapse after the first
-    look, and never past the waiter's own `deadline` (monotonic s). A retry meanwhile starts a new one."""
+    `subq run --follow`: it looks at the subtree's `FinishingRuns` until none is left, or for its lapse from the
+    first look, and never past the waiter's own `deadline` (monotonic s); then the waiter reads the task again."""
 
     deadline: float
     until: float | None = None
 
-    def holds(self, runs: FinishingRuns) -> bool:
-        """Whether to look again (FINISHING_LOOK_S later) before the answer."""
+    def holds(self, runs: FinishingRuns | None) -> bool:
+        """Whether to look again (`look_in_s` later) before the answer. None: nothing is known to wait for (an
+        API older than this look, or the task gone meanwhile)."""
+        if runs is None:
+            return False
         if self.until is None:
             self.until = min(self.deadline, time.monotonic() + runs.lapse_s)
         return bool(runs.task_ids) and time.monotonic() < self.until
+
+    def look_in_s(self) -> float:
+        """When the next look is due: FINISHING_LOOK_S, or less at the hold's end."""
+        end = self.deadline if self.until is None else self.until
+        return max(0.0, min(FINISHING_LOOK_S, end - time.monotonic()))
 
 
 class Approval(BaseModel):

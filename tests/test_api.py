@@ -15,10 +15,10 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import httpx
@@ -50,6 +50,7 @@ from tests.test_bad_input import NO_TREE
 from workers.runtime.context import build_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 ONE_STEP_TOKENS = 13_500
 ONE_STEP_COST_MICROS = 21_000
 WAIT_S = 90
@@ -394,8 +395,22 @@ def test_events_of_a_settled_caller_task_end_at_once(idle: Coordinator, idle_htt
     assert time.monotonic() - started < 5
 
 
+def _noting_caller(method: Callable[..., T], callers: set[str]) -> Callable[..., T]:
+    """`method`, noting in `callers` the subq module that called it (`api.routes` for coordinator.api.routes)."""
+
+    def noted(*args: Any, **kwargs: Any) -> T:
+        callers.add(sys._getframe(1).f_globals["__name__"].removeprefix("coordinator."))
+        return method(*args, **kwargs)
+
+    return noted
+
+
 def test_a_stopped_trees_events_end_once_its_runs_spend_is_recorded(
-    idle: Coordinator, idle_api: ApiServer, parent: TaskRecord, capsys: pytest.CaptureFixture[str]
+    idle: Coordinator,
+    idle_api: ApiServer,
+    parent: TaskRecord,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A stop lands while a child's run holds a response its provider billed. Every waiter holds its answer
     until the run records it after the stop (late spend), so the figures it gives are final: the stream's `end`,
@@ -427,11 +442,21 @@ def test_a_stopped_trees_events_end_once_its_runs_spend_is_recorded(
             assert done.structured_content is not None, done
             return done.structured_content
 
+        # Who has looked at the stopped runs, by the module that asked: each waiter is holding once it has.
+        lookers: set[str] = set()
+        for name in ("finishing_runs", "finishing_after_stop"):
+            monkeypatch.setattr(idle, name, _noting_caller(getattr(idle, name), lookers))
         with ThreadPoolExecutor(5) as pool:
             followed, waited = pool.submit(follow), pool.submit(idle.wait, parent.id, WAIT_S)
             client_waited, mcp_waited = pool.submit(client_wait), pool.submit(anyio.run, mcp_call)
             viewed = pool.submit(follow_run, idle, parent.id)  # not a terminal: its lines, then the final tree
-            time.sleep(2)  # each one's look comes within a quarter second; a loaded host only makes it later
+            # The stream looks from a worker thread of anyio's (threads.run): its caller is anyio's.
+            every = {"anyio.to_thread", "service", "api.routes", "api.mcp", "cli.views"}  # in the order above
+            deadline = time.monotonic() + WAIT_S
+            while not every <= {"anyio.to_thread" if name.startswith("anyio") else name for name in lookers}:
+                assert time.monotonic() < deadline, f"only {sorted(lookers)} of {sorted(every)} looked"
+                time.sleep(0.05)
+            time.sleep(0.3)  # a few looks more each: one that did not hold would have answered by now
             assert not followed.done(), f"the stream ended while a run of the tree could still record spend: {events}"
             for name, waiter in (("wait", waited), ("client", client_waited), ("mcp", mcp_waited), ("view", viewed)):
                 assert not waiter.done(), f"{name} answered while a run of the tree could still record spend"

@@ -7,6 +7,7 @@ response must come back as the SubqError subclass of its code.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,8 +31,9 @@ from coordinator import (
     WaitTimeout,
 )
 from coordinator.api import create_app
-from coordinator.client import ApiError, AsyncSubqClient, AuthError, Event, SubqClient
+from coordinator.client import ApiError, AsyncSubqClient, AuthError, Event, SubqClient, calls
 from coordinator.local.fleet import WorkerFleet
+from coordinator.models import FinishingRuns
 from tests.conftest import WORKER_PROCESSES
 from tests.helpers import TOKEN, ApiServer, api_settings, script, state, usage_step
 from tests.test_api import closed_port, spec
@@ -339,3 +341,86 @@ def test_event_stream_parsing_and_a_mid_stream_error() -> None:
             for event in subq.events("0123456789abcdef", last_event_id="0-1"):
                 seen.append(event)
     assert seen == [Event(id="1-0", event="message", data={"type": "delegated", "children": "2"})]
+
+
+# -- wait's hold after a stop, step by step (calls.wait is a generator of requests: no server needed) ------------
+
+TASK_ID = "0123456789abcdef"
+RUNS = FinishingRuns(task_id=TASK_ID, task_ids=[f"{TASK_ID}-000000000001"], lapse_s=15)
+
+
+def _record(status: str, cost_micros: int = 0) -> TaskRecord:
+    return TaskRecord(id=TASK_ID, root_id=TASK_ID, status=TaskStatus(status), prompt="p", profile="offline",
+                      runner="agent", created_at=1.0, updated_at=1.0, total_cost_micros=cost_micros)  # fmt: skip
+
+
+def _asked(step: calls.Call[Any] | calls.Sleep) -> str:
+    """What a step of wait's asks: 'task', 'finishing' or 'sleep'."""
+    if isinstance(step, calls.Sleep):
+        return "sleep"
+    return "finishing" if step.path.endswith("/finishing") else "task"
+
+
+def _drive(steps: Any, answers: dict[str, list[object]]) -> tuple[TaskRecord, list[str]]:
+    """Answer wait's steps in turn from `answers` (by what each asks; a sleep is slept), until it returns."""
+    asked: list[str] = []
+    step = next(steps)
+    try:
+        while True:
+            asked.append(kind := _asked(step))
+            if isinstance(step, calls.Sleep):
+                assert 0 <= step.seconds <= 1.0, step
+                time.sleep(step.seconds)
+                step = steps.send(None)
+            else:
+                queue = answers[kind]
+                step = steps.send(queue.pop(0) if len(queue) > 1 else queue[0])
+    except StopIteration as stop:
+        return stop.value, asked
+
+
+def test_a_completed_tasks_wait_asks_nothing_after_it() -> None:
+    done, asked = _drive(calls.wait(TASK_ID, 60), {"task": [_record("completed")]})
+    assert done == _record("completed") and asked == ["task"], "one read, no look at the finishing runs"
+
+
+def test_a_stopped_tasks_wait_looks_at_its_runs_until_none_is_left_then_reads_it_again() -> None:
+    answers: dict[str, list[object]] = {
+        "task": [_record("cancelled"), _record("cancelled", 900)],
+        "finishing": [RUNS, RUNS.model_copy(update={"task_ids": []})],
+    }
+    done, asked = _drive(calls.wait(TASK_ID, 60), answers)
+    assert done == _record("cancelled", 900), "the record read after the last look, with the late spend"
+    assert asked == ["task", "finishing", "sleep", "finishing", "task"]
+
+
+@pytest.mark.parametrize(("timeout_s", "lapse_s"), [(0.3, 60), (60, 0.3)])
+def test_a_stopped_tasks_wait_holds_no_longer_than_its_timeout_or_the_lapse(timeout_s: float, lapse_s: float) -> None:
+    """Runs that never let go (a lease renewed on): the hold ends at the first of the timeout and the lapse."""
+    runs = RUNS.model_copy(update={"lapse_s": lapse_s})
+    started = time.monotonic()
+    done, asked = _drive(calls.wait(TASK_ID, timeout_s), {"task": [_record("failed")], "finishing": [runs]})
+    held_s = time.monotonic() - started
+    assert done == _record("failed") and asked[-1] == "task" and asked.count("finishing") >= 2, asked
+    # It looks no later than the hold's end (each sleep <= 0.1 s, cut at the end); the upper bound is the host's.
+    assert held_s >= 0.3, held_s
+
+
+def test_a_wait_whose_task_is_retried_during_the_hold_waits_for_it_again() -> None:
+    answers: dict[str, list[object]] = {
+        "task": [_record("cancelled"), _record("active"), _record("completed", 1_500)],
+        "finishing": [RUNS.model_copy(update={"task_ids": []})],
+    }
+    done, asked = _drive(calls.wait(TASK_ID, 60), answers)
+    assert done == _record("completed", 1_500) and asked == ["task", "finishing", "task", "sleep", "task"]
+
+
+def test_an_api_without_the_finishing_route_answers_with_the_record() -> None:
+    """A 404 from /finishing (an API older than this client, or the task gone) reads as None: nothing to wait for."""
+    steps = calls.wait(TASK_ID, 60)
+    next(steps)
+    finishing = steps.send(_record("failed"))
+    assert isinstance(finishing, calls.Call) and 404 in finishing.ok
+    for body in (b'{"detail": "Not Found"}', b'{"code": "not_found", "message": "Unknown task", "field": "task_id"}'):
+        assert finishing.unwrap is not None and finishing.unwrap(finishing.parse.validate_json(body)) is None
+    assert _asked(steps.send(None)) == "task"

@@ -268,10 +268,11 @@ def test_admission_limits_children_of_one_parent(idle_coordinator: Coordinator) 
 
 class HandClock:
     """The store's clock (coordinator/store/runs.py reads `time.time()` for a start's `now`), moved by hand: a
-    stagger's window is then exact, whatever the host's load between two calls."""
+    stagger's window is then exact, whatever the host's load between two calls. It starts on a whole second and
+    moves by binary fractions (1/8 s), so each `int(now * 1000)` is exact."""
 
     def __init__(self) -> None:
-        self.now_s = time.time()
+        self.now_s = float(int(time.time()))
 
     def time(self) -> float:
         return self.now_s
@@ -299,10 +300,10 @@ def test_a_stagger_spaces_the_starts_of_a_tree(idle_coordinator: Coordinator, ha
     )
     limits = AdmissionLimits(stagger_ms=500)
     assert start(store, first.id, limits).verdict == "run"
-    hand_clock.advance(0.1)
+    hand_clock.advance(0.125)
     # The second start is reserved 500 ms after the first, the third 500 ms after that.
     delays = [start(store, t, limits) for t in (second.id, third.id)]
-    assert [(d.verdict, d.delay_ms) for d in delays] == [("delay", 400), ("delay", 900)]
+    assert [(d.verdict, d.delay_ms) for d in delays] == [("delay", 375), ("delay", 875)]
     assert store.records.task_field(third.id, "deliveries") is None, (
         "a delayed start took no lease and counted no delivery"
     )
@@ -321,16 +322,16 @@ def test_a_delayed_start_runs_at_the_start_it_reserved(idle_coordinator: Coordin
     root, (first, second, third) = _three_children(coord)
     last_start = store.keys.last_start(root.root_id)
     assert start(store, first, limits).verdict == "run"
-    hand_clock.advance(0.05)
+    hand_clock.advance(0.125)
     delayed = start(store, second, limits)
-    assert (delayed.verdict, delayed.delay_ms) == ("delay", 250)
+    assert (delayed.verdict, delayed.delay_ms) == ("delay", 175)
     reserved = coord.client.get(last_start)
 
-    hand_clock.advance(0.1)
+    hand_clock.advance(0.125)
     early = start(store, second, limits)  # its restart, before its time: the rest of its wait
-    assert (early.verdict, early.delay_ms) == ("delay", 150)
+    assert (early.verdict, early.delay_ms) == ("delay", 50)
     assert coord.client.get(last_start) == reserved, "no second reservation"
-    hand_clock.advance(0.2)
+    hand_clock.advance(0.125)
     assert start(store, second, limits).verdict == "run", "its own reservation does not delay it again"
     started_ms = float(coord.client.get(last_start) or 0)
     assert float(reserved or 0) <= started_ms < float(reserved or 0) + 300, "the last start is when it ran"

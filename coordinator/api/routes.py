@@ -166,8 +166,8 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     )
     def finishing_runs(request: Request, key: Caller, task_id: TaskId) -> FinishingRuns:
         """A stopped run may record what its provider billed after its task settled (late spend). A tree that
-        ended `cancelled` or `failed` has its final figures once `task_ids` is empty, or `lapse_s` after the stop
-        at the latest; the clients' `wait` and MCP's `wait_task` hold their answer until then."""
+        ended `cancelled` or `failed` has its final figures once `task_ids` is empty; wait at most `lapse_s` from
+        the first look. The clients' `wait` and MCP's `wait_task` hold their answer so."""
         gate.read_tree(request, key, task_id)
         return coord.finishing_runs(task_id)
 

@@ -18,10 +18,11 @@ from coordinator.audit import AuditEntry
 from coordinator.cli.backend import watch as open_watch
 from coordinator.cli.common import say
 from coordinator.deadletters import DeadLetter
+from coordinator.errors import NotFoundError
 from coordinator.inputs import visible_text
 from coordinator.models import (
-    FINISHING_LOOK_S,
     MICROS_PER_USD,
+    FinishingRuns,
     HistoryItem,
     LiveState,
     StopHold,
@@ -62,9 +63,9 @@ FOLLOW_POLL_MS = 1000
 def follow_run(coord: Operations, root_id: str) -> int:
     """A live view of the tree until the root ends; 0 if it completed, else 1.
 
-    After a stop, the last draw waits for the stopped runs to record their late spend (at most their lapse,
-    `StopHold`), so the figures it leaves on screen are final. It redraws on every event of the tree's stream (each model response of any
-    task publishes its live state there) and at least every FOLLOW_POLL_MS. On
+    After a stop, the last draw waits for the stopped runs to record their late spend (`StopHold`), so the
+    figures it leaves on screen are final. It redraws on every event of the tree's stream (each model
+    response of any task publishes its live state there) and at least every FOLLOW_POLL_MS. On
     a terminal it is a rich table redrawn in place (coordinator/cli/live.py);
     otherwise (a pipe, a log) it prints one line per task whose live state
     changed, then the final tree.
@@ -94,7 +95,7 @@ def _follow_on_terminal(coord: Operations, root_id: str, watch: Watch) -> TreeNo
 
     footer = f"Ctrl-C stops following; the run goes on (subq tree {root_id})."
     # Redrawn when the tree changes, not on a timer: auto_refresh would redraw an unchanged view.
-    hold = StopHold(math.inf)
+    held = False
     with Live(console=Console(), auto_refresh=False, vertical_overflow="visible") as view:
         while True:
             node = coord.tree(root_id)
@@ -102,10 +103,9 @@ def _follow_on_terminal(coord: Operations, root_id: str, watch: Watch) -> TreeNo
             live = coord.snapshot(root_id)
             ending = "" if node.status.terminal else footer
             view.update(tree_view(node, live, waiting, width=view.console.width, footer=ending), refresh=True)
-            if _ended(coord, node, hold):
+            if node.status.terminal and (held or not node.status.stopped):
                 return node
-            hold = hold if node.status.terminal else StopHold(math.inf)  # a retry meanwhile: it runs again
-            watch.wait(FINISHING_LOOK_S if node.status.terminal else FOLLOW_POLL_MS / 1000)
+            held = _next_draw(coord, node, watch)
 
 
 def _follow_as_lines(coord: Operations, root_id: str, watch: Watch) -> TreeNode:
@@ -113,7 +113,7 @@ def _follow_as_lines(coord: Operations, root_id: str, watch: Watch) -> TreeNode:
     from coordinator.cli.live import task_status
 
     shown: dict[str, str] = {}
-    hold = StopHold(math.inf)
+    held = False
     while True:
         node = coord.tree(root_id)
         live = coord.snapshot(root_id)
@@ -123,21 +123,34 @@ def _follow_as_lines(coord: Operations, root_id: str, watch: Watch) -> TreeNode:
             if shown.get(task.id) != line:
                 shown[task.id] = line
                 say(f"  {line}")
-        if _ended(coord, node, hold):
+        if node.status.terminal and (held or not node.status.stopped):
             break
-        hold = hold if node.status.terminal else StopHold(math.inf)  # a retry meanwhile: it runs again
-        watch.wait(FINISHING_LOOK_S if node.status.terminal else FOLLOW_POLL_MS / 1000)
+        held = _next_draw(coord, node, watch)
     typer.echo("")
     say("\n".join(render_tree(node)))
     return node
 
 
-def _ended(coord: Operations, node: TreeNode, hold: StopHold) -> bool:
-    """Whether the view has drawn its last: the root ended, and after a stop its stopped runs have recorded
-    their late spend (or their lapse passed)."""
+def _next_draw(coord: Operations, node: TreeNode, watch: Watch) -> bool:
+    """Wait for the view's next draw. True when that draw is its last: the root ended after a stop, and its
+    stopped runs have recorded their late spend (`StopHold`, asking only /finishing while it holds), so the
+    figures of the tree read next are final. A retry meanwhile shows as the root running again."""
     if not node.status.terminal:
+        watch.wait(FOLLOW_POLL_MS / 1000)
         return False
-    return not node.status.stopped or not hold.holds(coord.finishing_runs(node.id))
+    hold = StopHold(math.inf)
+    while hold.holds(_finishing_if_known(coord, node.id)):
+        time.sleep(hold.look_in_s())
+    return True
+
+
+def _finishing_if_known(coord: Operations, task_id: str) -> FinishingRuns | None:
+    """The runs that may still record spend; None when not known (an API older than the route, or the tree
+    gone meanwhile): the view then draws what it has."""
+    try:
+        return coord.finishing_runs(task_id)
+    except NotFoundError:
+        return None
 
 
 def _live_note(state: LiveState | None) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -49,7 +49,6 @@ from coordinator.inputs import (
     check_history_query,
 )
 from coordinator.models import (
-    FINISHING_LOOK_S,
     Approval,
     DelegationMode,
     Delivery,
@@ -108,6 +107,10 @@ _TODOS = TypeAdapter(TodoList)
 _BATCH = TypeAdapter(DelegationResult)
 _TREE = TypeAdapter(TreeNode)
 _FINISHING = TypeAdapter(FinishingRuns)
+# A 404's body is an error (of subq's shape, or of a server without the route): read as a plain object.
+_FINISHING_OR_ERROR: TypeAdapter[FinishingRuns | dict[str, Any]] = TypeAdapter(
+    Annotated[FinishingRuns | dict[str, Any], pydantic.Field(union_mode="left_to_right")]
+)
 _MESSAGES = TypeAdapter(MessageList)
 _HISTORY = TypeAdapter(HistoryPage)
 _TENANTS = TypeAdapter(TenantList)
@@ -249,6 +252,15 @@ def finishing_runs(task_id: str) -> Call[FinishingRuns]:
     return Call("GET", task_path(task_id, "/finishing"), _FINISHING)
 
 
+def _finishing_if_known(task_id: str) -> Call[FinishingRuns | None]:
+    """`finishing_runs` as `wait` asks it: a 404 is None, nothing known to wait for (an API older than the
+    route, or the task gone since it was read), so the wait answers with the record it has."""
+    return Call(
+        "GET", task_path(task_id, "/finishing"), _FINISHING_OR_ERROR, ok=(200, 404),
+        unwrap=lambda body: body if isinstance(body, FinishingRuns) else None,
+    )  # fmt: skip
+
+
 def messages(task_id: str, kind: Literal["ui", "api"]) -> Call[list[dict[str, Any]]]:
     return Call(
         "GET", task_path(task_id, "/messages"), _MESSAGES, unwrap=lambda page: page.messages, params={"kind": kind}
@@ -290,31 +302,29 @@ def _settled(record: TaskRecord) -> bool:
     return record.status.terminal or (record.runner == "caller" and record.status != TaskStatus.DELEGATED)
 
 
-def wait(task_id: str, timeout_s: float) -> Generator[Call[TaskRecord] | Call[FinishingRuns] | Sleep, Any, TaskRecord]:
+def wait(task_id: str, timeout_s: float) -> Generator[Call[Any] | Sleep, Any, TaskRecord]:
     """Poll the task until it settles: yields calls (answered with their result) and sleeps.
 
     After a stop (`TaskStatus.stopped`) it answers once the subtree's stopped runs have recorded their late
-    spend (GET .../finishing), for at most their lapse and within `timeout_s`, so the figures are final: the
-    rule of `Coordinator.wait`."""
+    spend (GET .../finishing, alone while it holds), for at most their lapse and within `timeout_s`, so the
+    figures are final: the rule of `Coordinator.wait` (`StopHold`)."""
     if timeout_s < 0:
         raise ValidationError("timeout_s must not be negative", field="timeout_s")
     deadline = time.monotonic() + timeout_s
     delay_s = POLL_FIRST_S
-    hold: StopHold | None = None  # once settled after a stop
     while True:
         record: TaskRecord = yield get_task(task_id)
         if _settled(record):
             if not record.status.stopped:
                 return record
-            hold = hold or StopHold(deadline)
-            if hold.holds((yield finishing_runs(task_id))):
-                yield Sleep(FINISHING_LOOK_S)
-                continue
-            # None is left (or the lapse passed): read it again, so spend recorded since the first read is in.
+            hold = StopHold(deadline)
+            while hold.holds((yield _finishing_if_known(task_id))):
+                yield Sleep(hold.look_in_s())
+            # None is left (or the lapse passed): read it again, so the spend recorded meanwhile is in.
             record = yield get_task(task_id)
             if _settled(record):
                 return record
-        hold = None  # retried meanwhile: it runs again
+            # Retried meanwhile: it runs again.
         remaining_s = deadline - time.monotonic()
         if remaining_s <= 0:
             raise WaitTimeout(
