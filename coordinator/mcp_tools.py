@@ -427,7 +427,7 @@ class Tools:
             if view["settled"] and record.status.stopped:
                 # A stop's late spend: the answer waits for the stopped runs to record it (Coordinator.wait's rule).
                 hold = StopHold(deadline)
-                while hold.holds(await self._finishing_if_known(record.id)):
+                while hold.due() and hold.holds(await self._finishing_if_known(record.id)):
                     await anyio.sleep(hold.look_in_s())
                 view = task_view(await _call(self.ops.get_task, given.task_id), self.session)  # with that spend
             if view["settled"] or time.monotonic() >= deadline:

@@ -576,7 +576,8 @@ class FinishingRuns(BaseModel):
 class StopHold:
     """A polling waiter's hold after a stop, `Coordinator.wait`'s rule for the clients, MCP's `wait_task` and
     `subq run --follow`: it looks at the subtree's `FinishingRuns` until none is left, or for its lapse from the
-    first look, and never past the waiter's own `deadline` (monotonic s); then the waiter reads the task again."""
+    first look, and never past the waiter's own `deadline` (monotonic s): `while hold.due() and hold.holds(<a
+    look>): <sleep look_in_s()>`; then the waiter reads the task again."""
 
     deadline: float
     until: float | None = None
@@ -589,6 +590,10 @@ class StopHold:
         if self.until is None:
             self.until = min(self.deadline, time.monotonic() + runs.lapse_s)
         return bool(runs.task_ids) and time.monotonic() < self.until
+
+    def due(self) -> bool:
+        """Whether a look is still due: the hold's end (or, before the first look, the deadline) is ahead."""
+        return time.monotonic() < (self.deadline if self.until is None else self.until)
 
     def look_in_s(self) -> float:
         """When the next look is due: FINISHING_LOOK_S, or less at the hold's end."""

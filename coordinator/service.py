@@ -653,9 +653,10 @@ class Coordinator:
                 done, status = self.settled(task_id)
                 if done:
                     finishing = self.finishing_after_stop(task_id, status, finishing)
-                    if not finishing.runs or time.monotonic() >= min(deadline, finishing.until):
+                    end = min(deadline, finishing.until)
+                    if not finishing.runs or time.monotonic() >= end:
                         return self.store.records.get_task(task_id)
-                    time.sleep(FINISHING_LOOK_S)
+                    time.sleep(max(0.0, min(FINISHING_LOOK_S, end - time.monotonic())))
                     continue
                 finishing = None  # retried meanwhile: it runs again
                 remaining_s = deadline - time.monotonic()

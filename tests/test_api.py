@@ -453,7 +453,8 @@ def test_a_stopped_trees_events_end_once_its_runs_spend_is_recorded(
             # The stream looks from a worker thread of anyio's (threads.run): its caller is anyio's.
             every = {"anyio.to_thread", "service", "api.routes", "api.mcp", "cli.views"}  # in the order above
             deadline = time.monotonic() + WAIT_S
-            while not every <= {"anyio.to_thread" if name.startswith("anyio") else name for name in lookers}:
+            # (A copy of the set: the waiters' threads add to it meanwhile.)
+            while not every <= {"anyio.to_thread" if n.startswith("anyio") else n for n in lookers.copy()}:
                 assert time.monotonic() < deadline, f"only {sorted(lookers)} of {sorted(every)} looked"
                 time.sleep(0.05)
             time.sleep(0.3)  # a few looks more each: one that did not hold would have answered by now

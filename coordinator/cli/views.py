@@ -139,7 +139,7 @@ def _next_draw(coord: Operations, node: TreeNode, watch: Watch) -> bool:
         watch.wait(FOLLOW_POLL_MS / 1000)
         return False
     hold = StopHold(math.inf)
-    while hold.holds(_finishing_if_known(coord, node.id)):
+    while hold.due() and hold.holds(_finishing_if_known(coord, node.id)):
         time.sleep(hold.look_in_s())
     return True
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from importlib.metadata import PackageNotFoundError, version
-from typing import Annotated, Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar, cast
 from urllib.parse import quote
 
 import httpx
@@ -95,6 +95,8 @@ class Call(Generic[T]):
     params: Mapping[str, str | int] = field(default_factory=dict)
     # Statuses whose body is the result's shape (the health check answers 503 with a Health).
     ok: tuple[int, ...] = (200,)
+    # Statuses whose result is None, whatever the body (an API without the route answers 404).
+    none_on: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,10 +109,6 @@ _TODOS = TypeAdapter(TodoList)
 _BATCH = TypeAdapter(DelegationResult)
 _TREE = TypeAdapter(TreeNode)
 _FINISHING = TypeAdapter(FinishingRuns)
-# A 404's body is an error (of subq's shape, or of a server without the route): read as a plain object.
-_FINISHING_OR_ERROR: TypeAdapter[FinishingRuns | dict[str, Any]] = TypeAdapter(
-    Annotated[FinishingRuns | dict[str, Any], pydantic.Field(union_mode="left_to_right")]
-)
 _MESSAGES = TypeAdapter(MessageList)
 _HISTORY = TypeAdapter(HistoryPage)
 _TENANTS = TypeAdapter(TenantList)
@@ -255,10 +253,7 @@ def finishing_runs(task_id: str) -> Call[FinishingRuns]:
 def _finishing_if_known(task_id: str) -> Call[FinishingRuns | None]:
     """`finishing_runs` as `wait` asks it: a 404 is None, nothing known to wait for (an API older than the
     route, or the task gone since it was read), so the wait answers with the record it has."""
-    return Call(
-        "GET", task_path(task_id, "/finishing"), _FINISHING_OR_ERROR, ok=(200, 404),
-        unwrap=lambda body: body if isinstance(body, FinishingRuns) else None,
-    )  # fmt: skip
+    return Call("GET", task_path(task_id, "/finishing"), _FINISHING, none_on=(404,))
 
 
 def messages(task_id: str, kind: Literal["ui", "api"]) -> Call[list[dict[str, Any]]]:
@@ -318,7 +313,7 @@ def wait(task_id: str, timeout_s: float) -> Generator[Call[Any] | Sleep, Any, Ta
             if not record.status.stopped:
                 return record
             hold = StopHold(deadline)
-            while hold.holds((yield _finishing_if_known(task_id))):
+            while hold.due() and hold.holds((yield _finishing_if_known(task_id))):
                 yield Sleep(hold.look_in_s())
             # None is left (or the lapse passed): read it again, so the spend recorded meanwhile is in.
             record = yield get_task(task_id)
@@ -352,6 +347,8 @@ def events(task_id: str, last_event_id: str | None) -> tuple[str, dict[str, str]
 
 def result(call: Call[T], response: httpx.Response) -> T:
     """The call's result from its response, or the error the response stands for."""
+    if response.status_code in call.none_on:
+        return cast(T, None)  # such a call's T includes None
     if response.status_code not in call.ok:
         raise error_of(response)
     try:
