@@ -574,19 +574,21 @@ class FinishingRuns(BaseModel):
 
 @dataclass
 class StopHold:
-    """A polling waiter's hold after a stop, `Coordinator.wait`'s rule for the clients, MCP's `wait_task` and
-    `subq run --follow`: it looks at the subtree's `FinishingRuns` until none is left, or for its lapse from the
+    """A waiter's hold after a stop, one rule for `Coordinator.wait`, the event stream, the clients, MCP's
+    `wait_task` and `subq run --follow`: it looks at the subtree's `FinishingRuns` until none is left, or for its lapse from the
     first look, and never past the waiter's own `deadline` (monotonic s): `while hold.due() and hold.holds(<a
     look>): <sleep look_in_s()>`; then the waiter reads the task again."""
 
     deadline: float
     until: float | None = None
+    last: FinishingRuns | None = None  # the last look: a waiter that keeps state looks again among these only
 
     def holds(self, runs: FinishingRuns | None) -> bool:
         """Whether to look again (`look_in_s` later) before the answer. None: nothing is known to wait for (an
         API older than this look, or the task gone meanwhile)."""
         if runs is None:
             return False
+        self.last = runs
         if self.until is None:
             self.until = min(self.deadline, time.monotonic() + runs.lapse_s)
         return bool(runs.task_ids) and time.monotonic() < self.until

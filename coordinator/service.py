@@ -23,7 +23,6 @@ after the commit does it publish work.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -54,7 +53,6 @@ from coordinator.inputs import (
 )
 from coordinator.inputs import idempotency_key as check_idempotency_key
 from coordinator.models import (
-    FINISHING_LOOK_S,
     Approval,
     Batch,
     DelegationMode,
@@ -63,6 +61,7 @@ from coordinator.models import (
     HistoryItem,
     LiveState,
     Retried,
+    StopHold,
     SubtaskSpec,
     TaskRecord,
     TaskStatus,
@@ -77,20 +76,11 @@ from coordinator.subscriptions import CeleryCallback, Webhook, shown_target, sub
 from coordinator.tenants import TenantPolicy, TenantState, check_priority, check_tenant_name
 from coordinator.tree import TreeNode, build_tree
 
-__all__ = ["DEFAULT_PAGE", "MAX_PAGE", "Coordinator", "Finishing"]
+__all__ = ["DEFAULT_PAGE", "MAX_PAGE", "Coordinator"]
 
 # How long wait() listens for its task's settling before it reads the status anyway: a wake-up lost
 # with a dropped connection, or a settle that announced nothing, costs at most this.
 WAIT_SLICE_MS = 1000
-
-
-@dataclasses.dataclass(frozen=True)
-class Finishing:
-    """A look at a settled subtree's stopped runs that may still record spend (`Coordinator.finishing_after_stop`):
-    their task ids, and until when (monotonic s) a waiter waits for them."""
-
-    runs: list[str]
-    until: float
 
 
 def replica_wait(settings: Settings) -> ReplicaWait | None:
@@ -528,29 +518,17 @@ class Coordinator:
         to record yet): a stopped tree's figures grow until none is left (its runs' late spend)."""
         return self.store.records.finishing(task_ids, self.settings.heartbeat_lapse_s)
 
-    def finishing_runs(self, task_id: str) -> FinishingRuns:
+    def finishing_runs(self, task_id: str, among: FinishingRuns | None = None) -> FinishingRuns:
         """The tasks of the task's subtree whose runs may still record spend (GET /v1/tasks/{id}/finishing): a
-        client's wait holds a stopped task's answer until none is left, as `wait` does here."""
+        waiter holds a stopped task's answer until none is left (`StopHold`). `among`, a waiter's last look: only
+        its tasks are looked at again, the subtree not walked (a stopped task starts no new run)."""
+        if among is not None:
+            return among.model_copy(update={"task_ids": self.finishing(among.task_ids) if among.task_ids else []})
         self.store.records.status_of(task_id)  # an unknown task is refused (NotFoundError), not an empty answer
         return FinishingRuns(
             task_id=task_id, task_ids=self.finishing(self.subtree_ids(task_id)),
             lapse_s=self.settings.heartbeat_lapse_s,
         )  # fmt: skip
-
-    def finishing_after_stop(self, task_id: str, status: str, last: Finishing | None = None) -> Finishing:
-        """The tasks of a settled task's subtree whose runs may still record spend, when it settled `status`,
-        and until when (monotonic) they are waited for: a heartbeat lapse. `last` is the previous look's
-        answer: only its tasks are looked at again (a stopped task starts no new run; a retry starts over).
-
-        Only a tree that ended `cancelled` or `failed` is looked at (`TaskStatus.stopped`): a completed tree,
-        or a caller's settled task, costs its waiter nothing more. (A branch cancelled in a tree that completed
-        after it had its late spend recorded while the rest ran on.)"""
-        if last is not None:
-            return Finishing(self.finishing(last.runs) if last.runs else [], last.until)
-        until = time.monotonic() + self.settings.heartbeat_lapse_s
-        if not TaskStatus(status).stopped:
-            return Finishing([], until)
-        return Finishing(self.finishing(self.subtree_ids(task_id)), until)
 
     def subtree_ids(self, task_id: str) -> list[str]:
         """The task and all its descendants, top first."""
@@ -640,25 +618,25 @@ class Coordinator:
         An agent task (started with `run=True`, or any child) settles when it is
         completed, failed or cancelled; a caller-owned task when it is no longer
         `delegated` (its children have reported back). After a stop it returns once
-        the stopped runs have recorded their late spend (`finishing_after_stop`, for
+        the stopped runs have recorded their late spend (`StopHold`, for
         at most a heartbeat lapse and within `timeout_s`), so the record's figures
         are final.
         """
         if timeout_s < 0:
             raise ValidationError("timeout_s must not be negative", field="timeout_s")
         deadline = time.monotonic() + timeout_s
-        finishing: Finishing | None = None  # once settled: its stopped runs that may still record spend
+        hold: StopHold | None = None  # once settled after a stop
         with self.store.events.settle_watch(task_id) as watch:
             while True:
                 done, status = self.settled(task_id)
                 if done:
-                    finishing = self.finishing_after_stop(task_id, status, finishing)
-                    end = min(deadline, finishing.until)
-                    if not finishing.runs or time.monotonic() >= end:
-                        return self.store.records.get_task(task_id)
-                    time.sleep(max(0.0, min(FINISHING_LOOK_S, end - time.monotonic())))
-                    continue
-                finishing = None  # retried meanwhile: it runs again
+                    if TaskStatus(status).stopped:
+                        hold = hold or StopHold(deadline)
+                        if hold.due() and hold.holds(self.finishing_runs(task_id, hold.last)):
+                            time.sleep(hold.look_in_s())
+                            continue
+                    return self.store.records.get_task(task_id)
+                hold = None  # retried meanwhile: it runs again
                 remaining_s = deadline - time.monotonic()
                 if remaining_s <= 0:
                     record = self.store.records.get_task(task_id)

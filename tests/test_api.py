@@ -444,8 +444,7 @@ def test_a_stopped_trees_events_end_once_its_runs_spend_is_recorded(
 
         # Who has looked at the stopped runs, by the module that asked: each waiter is holding once it has.
         lookers: set[str] = set()
-        for name in ("finishing_runs", "finishing_after_stop"):
-            monkeypatch.setattr(idle, name, _noting_caller(getattr(idle, name), lookers))
+        monkeypatch.setattr(idle, "finishing_runs", _noting_caller(idle.finishing_runs, lookers))
         with ThreadPoolExecutor(5) as pool:
             followed, waited = pool.submit(follow), pool.submit(idle.wait, parent.id, WAIT_S)
             client_waited, mcp_waited = pool.submit(client_wait), pool.submit(anyio.run, mcp_call)

@@ -8,9 +8,9 @@ reconnects with `Last-Event-ID` resumes after that entry.
 The stream ends once the task has settled, by `Coordinator.wait`'s rule
 (terminal; or, for a caller-owned task, no longer `delegated`), after every
 event written before that is sent, and, after a stop, once no run of its
-subtree may still record spend (`Coordinator.finishing_after_stop`: a run a stop
-cut off records what its provider billed after the stop, "late spend"; held at
-most a heartbeat lapse, the subtree walked once);
+subtree may still record spend (`StopHold` over `Coordinator.finishing_runs`: a
+run a stop cut off records what its provider billed after the stop, "late
+spend"; held at most a heartbeat lapse, the subtree walked once);
 a last `end` event carries the status, and the figures read after it are final.
 A keep-alive comment goes out every KEEPALIVE_S so proxies keep the connection.
 
@@ -23,7 +23,7 @@ written after that, and the stream ends with an `error` event (`unauthorized`).
 from __future__ import annotations
 
 import json
-import time
+import math
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Annotated, Any
@@ -40,8 +40,8 @@ from coordinator.api.errors import UNAUTHORIZED, error_responses
 from coordinator.api.routes import TaskId
 from coordinator.api.schemas import ErrorBody
 from coordinator.errors import SubqError
-from coordinator.models import FINISHING_LOOK_S
-from coordinator.service import Coordinator, Finishing
+from coordinator.models import StopHold, TaskStatus
+from coordinator.service import Coordinator
 
 __all__ = ["KEEPALIVE_S", "KEY_REVOKED", "READ_SLICE_MS", "StreamThreads", "event_routes", "tree_events"]
 
@@ -109,14 +109,14 @@ async def tree_events(
     now); when it says no, the stream ends with `revoked` as an `error` event.
     """
     root_id = ids.root_of(task_id)
-    finishing: Finishing | None = None  # once settled: its stopped runs that may still record spend
+    hold: StopHold | None = None  # once settled after a stop: its stopped runs that may still record spend
     try:
         while True:
             # Status first, then the stream: a settling write and its event are one
             # atomic step, so once `done` is seen every event before it is in the stream.
             done, status = await threads.run(coord.settled, task_id)
             if not done:
-                finishing = None  # retried meanwhile: a later stop waits for its runs again
+                hold = None  # retried meanwhile: a later stop waits for its runs again
             entries: list[tuple[str, dict[str, str]]] = await threads.run(
                 coord.read_events,
                 root_id,
@@ -134,10 +134,11 @@ async def tree_events(
                 after_id = entry_id
             if done and len(entries) < READ_BATCH:
                 # A look at a time, holding no thread between: what is written meanwhile still goes before `end`.
-                finishing = await threads.run(coord.finishing_after_stop, task_id, status, finishing)
-                if finishing.runs and time.monotonic() < finishing.until:
-                    await anyio.sleep(FINISHING_LOOK_S)
-                    continue
+                if TaskStatus(status).stopped:
+                    hold = hold or StopHold(math.inf)
+                    if hold.due() and hold.holds(await threads.run(coord.finishing_runs, task_id, hold.last)):
+                        await anyio.sleep(hold.look_in_s())
+                        continue
                 yield ServerSentEvent(event="end", data=json.dumps({"task_id": task_id, "status": status}))
                 return
     except SubqError as exc:  # Redis went away or the task expired mid-stream
