@@ -176,6 +176,19 @@ class SentinelSet:
 
         return int(eventually(promoted, "the sentinels to promote a replica", timeout_s=timeout_s, every_s=0.05))
 
+    def switches(self) -> list[str]:
+        """Each switch of master the sentinels logged ("old -> new" ports), first seen first: more than one
+        means a second failover followed the first."""
+        seen: dict[str, str] = {}  # the switch -> its earliest log time; each sentinel logs the same switch
+        for sentinel in self.sentinels:
+            log = self.workdir / f"sentinel-{sentinel.port}" / "sentinel.log"
+            for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+                if "+switch-master" in line:  # "<pid>:X 06 Dec 2026 15:55:46.472 # +switch-master subq h old h new"
+                    words = line.split()
+                    switch, at = f"{words[-3]} -> {words[-1]}", words[4]
+                    seen[switch] = min(seen.get(switch, at), at)
+        return sorted(seen, key=seen.__getitem__)
+
     def planned_switch(self, timeout_s: float = 30) -> tuple[int, int]:
         """Move the master away as docs/deploy.md's "A planned switch" does; (old port, new port).
 

@@ -5,7 +5,9 @@ waiting on their model, a sequential chain, and a tree cancelled just before the
 kill. The replicas stall for half a second before the master dies, so the
 promoted one lacks the master's last writes, as asynchronous replication can
 leave it. The sentinels promote a replica (DOWN_AFTER_MS of silence, then an
-election); the workers' clients, broker and result backend follow it; the
+election); the workers' clients, broker and result backend follow it (every
+node has min-replicas-to-write 1, as docs/deploy.md asks, so the promoted master
+takes writes once a replica follows it); the
 reconciler moves on whatever the switch left or lost. Every tree converges with exact
 totals, no child's request counted twice, and the agent resumed once; the
 consumers, reconnected through kombu's sentinel transport, still dead-letter an
@@ -50,7 +52,11 @@ WAIT_S = 120
 
 @pytest.fixture
 def fleet_on_sentinel(settings: Settings, tmp_path: Path) -> Iterator[tuple[SentinelSet, Coordinator, WorkerFleet]]:
-    with sentinel_set(tmp_path / "sentinels") as kit:
+    # min-replicas-to-write 1, as docs/deploy.md asks of every node: until the surviving replica follows the
+    # promoted master, that master refuses writes (the workers send them again), so none stands on it alone. Without
+    # it a second failover, which a loaded host can bring about (the promoted master slow to answer the sentinels),
+    # promoted a replica that had not followed: CI read the fan-out's root `completed`, then `delegated` again.
+    with sentinel_set(tmp_path / "sentinels", min_replicas_to_write=1) as kit:
         # visibility_timeout_s: the reconciler, not the broker's backstop, must converge it.
         names = {"key_prefix": "subqfailover", "queue": "subq-failover", "visibility_timeout_s": 300}
         with fleet_on(kit, settings, 2, tmp_path / "workers", **names) as (_own, coord, fleet):
@@ -109,6 +115,7 @@ def test_a_failover_mid_fan_out_chain_and_cancel_converges(
         pytest.fail(_why_outstanding(coord, fleet, fan_out.id))
     assert done.status == TaskStatus.COMPLETED and done.summary == "all hundred done"
     coord.wait(chain.id, WAIT_S)
+    print(f"the masters the sentinels named after the kill, in order: {kit.switches()}")  # shown on a failure
     for root in (fan_out.id, chain.id, doomed.id, probe.id):
         assert_converged(coord, root)
 
