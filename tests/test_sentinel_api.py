@@ -34,7 +34,9 @@ WAIT_S = 120
 
 @pytest.fixture
 def api_on_sentinel(settings: Settings, tmp_path: Path) -> Iterator[tuple[SentinelSet, Coordinator, str]]:
-    with sentinel_set(tmp_path / "sentinels") as kit:
+    # min-replicas-to-write 1, as docs/deploy.md asks: no step of the fan-out stands on the promoted master alone,
+    # where a second failover (tests/test_sentinel_fleet.py) would lose it after the stream showed it.
+    with sentinel_set(tmp_path / "sentinels", min_replicas_to_write=1) as kit:
         names = {"key_prefix": "subqfailoverapi", "queue": "subq-failover-api"}
         with fleet_on(kit, api_settings(settings), 1, tmp_path / "workers", **names) as (_own, coord, _fleet):
             with ApiServer(create_app(coordinator=coord)) as server:
