@@ -36,7 +36,7 @@ from coordinator.access import Scope
 from coordinator.errors import NotFoundError, SubqError, ValidationError
 from coordinator.ids import ROOT_ID_PATTERN
 from coordinator.inputs import CancelInput, CreateTaskInput, DecisionInput, OperationInput, RetryInput
-from coordinator.models import StopHold
+from coordinator.models import StopHold, finishing_if_known
 
 if TYPE_CHECKING:
     from mcp.server.context import ServerRequestContext
@@ -427,21 +427,12 @@ class Tools:
             if view["settled"] and record.status.stopped:
                 # A stop's late spend: the answer waits for the stopped runs to record it (Coordinator.wait's rule).
                 hold = StopHold(deadline)
-                while hold.due() and hold.holds(await self._finishing_if_known(record.id)):
+                while hold.due() and hold.holds(await _call(finishing_if_known, self.ops.finishing_runs, record.id)):
                     await anyio.sleep(hold.look_in_s())
                 view = task_view(await _call(self.ops.get_task, given.task_id), self.session)  # with that spend
             if view["settled"] or time.monotonic() >= deadline:
                 return view
             await anyio.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
-
-    async def _finishing_if_known(self, task_id: str) -> FinishingRuns | None:
-        """The subtree's runs that may still record spend; None when not known (an API older than the route,
-        or the task gone since it was read): the wait then answers with what it has."""
-        try:
-            runs: FinishingRuns = await _call(self.ops.finishing_runs, task_id)
-        except NotFoundError:
-            return None
-        return runs
 
     async def _get_tree(self, args: dict[str, Any], _progress: Progress | None) -> dict[str, Any]:
         given = TaskArgs.parse(args)

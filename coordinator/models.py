@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
 from enum import StrEnum
@@ -17,6 +18,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, computed_field, field_validator, model_validator
 
+from coordinator.errors import NotFoundError
 from coordinator.output_schema import OutputSchema
 from coordinator.tenants import DEFAULT_PRIORITY, DEFAULT_TENANT
 from coordinator.timeline import OUTCOMES, TaskTimes, Timeline, ToolCallSpan, times_of, tool_calls_of, waiting_for
@@ -53,6 +55,7 @@ __all__ = [
     "ToolUse",
     "UiMessage",
     "Usage",
+    "finishing_if_known",
     "format_usd",
     "live_status",
     "usd_to_micros",
@@ -601,6 +604,15 @@ class StopHold:
         """When the next look is due: FINISHING_LOOK_S, or less at the hold's end."""
         end = self.deadline if self.until is None else self.until
         return max(0.0, min(FINISHING_LOOK_S, end - time.monotonic()))
+
+
+def finishing_if_known(look: Callable[[str], FinishingRuns], task_id: str) -> FinishingRuns | None:
+    """`look(task_id)`, a `finishing_runs`, as a polling waiter asks it: None when the route or the task is not
+    known (an API older than the route, or the task gone since it was read), so the wait answers with what it has."""
+    try:
+        return look(task_id)
+    except NotFoundError:
+        return None
 
 
 class Approval(BaseModel):

@@ -18,17 +18,16 @@ from coordinator.audit import AuditEntry
 from coordinator.cli.backend import watch as open_watch
 from coordinator.cli.common import say
 from coordinator.deadletters import DeadLetter
-from coordinator.errors import NotFoundError
 from coordinator.inputs import visible_text
 from coordinator.models import (
     MICROS_PER_USD,
-    FinishingRuns,
     HistoryItem,
     LiveState,
     StopHold,
     TaskRecord,
     TaskStatus,
     TodoItem,
+    finishing_if_known,
     format_usd,
 )
 from coordinator.tenants import TenantState
@@ -139,18 +138,9 @@ def _next_draw(coord: Operations, node: TreeNode, watch: Watch) -> bool:
         watch.wait(FOLLOW_POLL_MS / 1000)
         return False
     hold = StopHold(math.inf)
-    while hold.due() and hold.holds(_finishing_if_known(coord, node.id)):
+    while hold.due() and hold.holds(finishing_if_known(coord.finishing_runs, node.id)):
         time.sleep(hold.look_in_s())
     return True
-
-
-def _finishing_if_known(coord: Operations, task_id: str) -> FinishingRuns | None:
-    """The runs that may still record spend; None when not known (an API older than the route, or the tree
-    gone meanwhile): the view then draws what it has."""
-    try:
-        return coord.finishing_runs(task_id)
-    except NotFoundError:
-        return None
 
 
 def _live_note(state: LiveState | None) -> str:
