@@ -110,6 +110,9 @@ class Sample:
     timed_round_trips: int  # made on a clock, not by a run (bench/probe.py)
     server_commands: int
     worker_cpu_s: float
+    # The part of `worker_cpu_s` spent in the kernel: the interpreter lock's futex waits of threads that
+    # contend for it show here, where a process's own Python shows in user time.
+    worker_system_s: float
     caller_cpu_s: float
     redis_cpu_s: float  # the Redis server's, all of its threads (INFO cpu)
     resumed_after_ms: float
@@ -123,8 +126,19 @@ class Sample:
 
 
 def process_cpu_s(pid: int) -> float:
+    return sum(process_user_system_s(pid))
+
+
+def process_user_system_s(pid: int) -> tuple[float, float]:
+    """A process's user and system CPU seconds so far (utime, stime)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
+
+
+def fleet_user_system_s(pids: Sequence[int]) -> tuple[float, float]:
+    """Every process's user and system CPU seconds so far, summed."""
+    split = [process_user_system_s(pid) for pid in pids]
+    return sum(user for user, _ in split), sum(system for _, system in split)
 
 
 def server_cpu_s(client: redis.Redis) -> float:
@@ -241,7 +255,7 @@ class Modes:
         before the bench's check of what the run wrote (its reads are not the run's)."""
         pids = self.pids(mode)
         time.sleep(PROBE_SETTLE_S)
-        trips_before, cpu_before = self.trips(pids), sum(process_cpu_s(pid) for pid in pids)
+        trips_before, (user_before, system_before) = self.trips(pids), fleet_user_system_s(pids)
         commands_before, redis_cpu_before = server_commands(self.client), server_cpu_s(self.client)
         started_s, caller_before_s = time.perf_counter(), time.process_time()
         started_epoch_s = time.time()
@@ -251,7 +265,9 @@ class Modes:
         trips = self.trips(pids) - trips_before
         # Counted before the check below: its reads verify the run, they are not part of it.
         commands = server_commands(self.client) - commands_before
-        worker_cpu_s = sum(process_cpu_s(pid) for pid in pids) - cpu_before
+        user_s, system_s = fleet_user_system_s(pids)
+        worker_system_s = system_s - system_before
+        worker_cpu_s = user_s - user_before + worker_system_s
         redis_cpu_s = server_cpu_s(self.client) - redis_cpu_before
         if on_joined is not None:
             on_joined()
@@ -262,6 +278,7 @@ class Modes:
             timed_round_trips=trips.pop("timed", 0),
             server_commands=sum(commands.values()),
             worker_cpu_s=worker_cpu_s,
+            worker_system_s=worker_system_s,
             caller_cpu_s=caller_cpu_s,
             redis_cpu_s=redis_cpu_s,
             resumed_after_ms=resumed_after_ms,
@@ -380,6 +397,12 @@ def summarise(samples: dict[str, dict[int, list[Sample]]]) -> list[dict[str, Any
                     ),
                     "server_commands_per_child": round(statistics.median(r.server_commands for r in runs) / width, 1),
                     "worker_cpu_ms_per_child": round(statistics.median(r.worker_cpu_s for r in runs) * 1000 / width, 2),
+                    "worker_user_ms_per_child": round(
+                        statistics.median(r.worker_cpu_s - r.worker_system_s for r in runs) * 1000 / width, 2
+                    ),
+                    "worker_system_ms_per_child": round(
+                        statistics.median(r.worker_system_s for r in runs) * 1000 / width, 2
+                    ),
                     "caller_cpu_ms_per_child": round(statistics.median(r.caller_cpu_s for r in runs) * 1000 / width, 2),
                     "redis_cpu_ms_per_child": round(statistics.median(r.redis_cpu_s for r in runs) * 1000 / width, 2),
                     "redis_cpu_ms_per_child_net": round(
@@ -541,15 +564,21 @@ def _redis_ratio(subq: dict[str, Any] | None, noop: dict[str, Any] | None) -> st
     return "-"
 
 
-def growth_ms(by: SweepRows, width: int, first: int, last: int) -> dict[str, float]:
-    """Each mode's CPU per child (workers + Redis net) at `last` processes less at `first`, for the modes
-    measured at both, in MODES' order."""
+def total_ms(row: dict[str, Any]) -> float:
+    """A row's CPU per child: workers + Redis net of the idle fleets."""
+    return float(row["worker_cpu_ms_per_child"] + row["redis_cpu_ms_per_child_net"])
+
+
+def growth_ms(
+    by: SweepRows, width: int, first: int, last: int, figure: Callable[[dict[str, Any]], float] = total_ms
+) -> dict[str, float]:
+    """Each mode's `figure` (CPU per child, workers + Redis net) at `last` processes less at `first`, for the
+    modes measured at both, in MODES' order."""
     grown = {}
     for mode in MODES:
         rows = by.get((first, mode, width)), by.get((last, mode, width))
         if rows[0] and rows[1]:
-            at_first, at_last = (row["worker_cpu_ms_per_child"] + row["redis_cpu_ms_per_child_net"] for row in rows)
-            grown[mode] = at_last - at_first
+            grown[mode] = figure(rows[1]) - figure(rows[0])
     return grown
 
 
@@ -559,7 +588,7 @@ def _print_targets(by: SweepRows, idles: dict[int, Idle], width: int) -> None:
 
     def total(processes: int, mode: str) -> float | None:
         row = by.get((processes, mode, width))
-        return None if row is None else row["worker_cpu_ms_per_child"] + row["redis_cpu_ms_per_child_net"]
+        return None if row is None else total_ms(row)
 
     subq_first, subq_last, agent_first = total(first, "subq"), total(last, "subq"), total(first, "agent")
     if subq_first and agent_first:
@@ -573,6 +602,22 @@ def _print_targets(by: SweepRows, idles: dict[int, Idle], width: int) -> None:
         print(
             f"CPU per child from {first} to {last} process(es), ms: "
             + ", ".join(f"{MODE_LABELS[mode]} {grown:+.2f}" for mode, grown in growths.items())
+        )
+        # The workers' part split: a process's own Python grows in user time; the kernel's share holds the
+        # futex waits of threads contending for one interpreter lock, which (b)'s pool threads pay at one
+        # process and not at eight (docs/benchmarks.md, "User time and system time").
+        for processes in (first, last):
+            split = [
+                f"{MODE_LABELS[mode]} {row['worker_user_ms_per_child']:.2f} / {row['worker_system_ms_per_child']:.2f}"
+                for mode in MODES
+                if (row := by.get((processes, mode, width)))
+            ]
+            print(f"workers' CPU per child at {processes} process(es), user / system, ms: " + ", ".join(split))
+        users = growth_ms(by, width, first, last, lambda row: float(row["worker_user_ms_per_child"]))
+        systems = growth_ms(by, width, first, last, lambda row: float(row["worker_system_ms_per_child"]))
+        print(
+            f"workers' CPU per child from {first} to {last} process(es), user / system, ms: "
+            + ", ".join(f"{MODE_LABELS[mode]} {users[mode]:+.2f} / {systems[mode]:+.2f}" for mode in users)
         )
     subq_row, agent_row = by.get((last, "subq", width)), by.get((last, "agent", width))
     if subq_row and agent_row:

@@ -109,6 +109,26 @@ def test_overhead_sweep_reports_each_fleet_size_and_what_grew_between_them() -> 
     for label, mode in (("no-op chord", "noop"), ("(b)", "agent"), ("subq", "subq")):
         assert float(grown[label]) == pytest.approx(total(2, mode) - total(1, mode), abs=0.006), (label, line)
     assert "subq CPU per child at 2 / at 1:" in printed and "subq / (b) throughput at 2:" in printed
+    # The workers' part, split into user and system time: each size's figures and their growth, as the JSON
+    # holds them; the two parts add up to the workers' CPU (each the median of its own runs: one run a round
+    # and two rounds here, so within rounding of two medians).
+    for row in rows.values():
+        split = row["worker_user_ms_per_child"] + row["worker_system_ms_per_child"]
+        assert split == pytest.approx(row["worker_cpu_ms_per_child"], abs=0.02), row
+        assert row["worker_system_ms_per_child"] >= 0 and row["worker_user_ms_per_child"] > 0, row
+    split_line = next(
+        line for line in printed.splitlines() if line.startswith("workers' CPU per child from 1 to 2 process(es)")
+    )
+    for label, mode in (("no-op chord", "noop"), ("(b)", "agent"), ("subq", "subq")):
+        found = re.search(re.escape(label) + r" ([+-]\d+\.\d\d) / ([+-]\d+\.\d\d)", split_line)
+        assert found, (label, split_line)
+        user, system = found.groups()
+        for part, grew in (("user", user), ("system", system)):
+            key = f"worker_{part}_ms_per_child"
+            assert float(grew) == pytest.approx(rows[(2, mode)][key] - rows[(1, mode)][key], abs=0.006), split_line
+    at_one = next(line for line in printed.splitlines() if line.startswith("workers' CPU per child at 1 process(es)"))
+    subq_one = rows[(1, "subq")]
+    assert f"subq {subq_one['worker_user_ms_per_child']:.2f} / {subq_one['worker_system_ms_per_child']:.2f}" in at_one
 
 
 @pytest.mark.parametrize(
