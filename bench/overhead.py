@@ -110,8 +110,8 @@ class Sample:
     timed_round_trips: int  # made on a clock, not by a run (bench/probe.py)
     server_commands: int
     worker_cpu_s: float
-    # The part of `worker_cpu_s` spent in the kernel: the interpreter lock's futex waits of threads that
-    # contend for it show here, where a process's own Python shows in user time.
+    # The part of `worker_cpu_s` spent in the kernel: where threads that contend for one interpreter lock pay
+    # for handing it over (futex calls, switches), while a process's own Python shows in user time.
     worker_system_s: float
     caller_cpu_s: float
     redis_cpu_s: float  # the Redis server's, all of its threads (INFO cpu)
@@ -604,7 +604,7 @@ def _print_targets(by: SweepRows, idles: dict[int, Idle], width: int) -> None:
             + ", ".join(f"{MODE_LABELS[mode]} {grown:+.2f}" for mode, grown in growths.items())
         )
         # The workers' part split: a process's own Python grows in user time; the kernel's share holds the
-        # futex waits of threads contending for one interpreter lock, which (b)'s pool threads pay at one
+        # hand-overs of one interpreter lock between contending threads, which (b)'s pool threads pay at one
         # process and not at eight (docs/benchmarks.md, "User time and system time").
         for processes in (first, last):
             split = [
