@@ -23,7 +23,7 @@ installs with httpx and pydantic only.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from decimal import Decimal, DecimalException, InvalidOperation
 from typing import Annotated, Any, Literal, Self
 
@@ -32,7 +32,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from coordinator import ids
 from coordinator.errors import ValidationError
-from coordinator.models import DelegationMode, SubtaskSpec, TaskStatus, TodoStatus, usd_to_micros
+from coordinator.models import FINISHING_AMONG_MAX, DelegationMode, SubtaskSpec, TaskStatus, TodoStatus, usd_to_micros
 from coordinator.output_schema import NO_RUN_NO_OUTPUT, OutputSchema, SchemaProblem
 from coordinator.subscriptions import CeleryCallback, OnComplete, Webhook, Webhooks
 from coordinator.tenants import (
@@ -64,11 +64,13 @@ __all__ = [
     "TodoUpdate",
     "TodosInput",
     "check_dead_letter_limit",
+    "check_finishing_among",
     "check_history_query",
     "check_metadata",
     "check_subscriptions",
     "error_message",
     "error_path",
+    "finishing_among",
     "input_error",
     "meta_filter",
     "meta_pairs",
@@ -231,6 +233,25 @@ def check_history_query(
         raise ValidationError("cursor must not be negative", field="cursor")
     if root_id is not None:
         ids.root_of(root_id, field="root_id")
+
+
+def finishing_among(task_id: str, among: str) -> list[str]:
+    """GET .../finishing?among=: the task ids a waiter's last look named, comma-separated, at most
+    FINISHING_AMONG_MAX, each a task of `task_id`'s tree (check_finishing_among), or a ValidationError."""
+    named = among.split(",")
+    if len(named) > FINISHING_AMONG_MAX:
+        raise ValidationError(f"among names {len(named)} task ids; at most {FINISHING_AMONG_MAX}", field="among")
+    check_finishing_among(task_id, named)
+    return named
+
+
+def check_finishing_among(task_id: str, among: Sequence[str]) -> None:
+    """The tasks a waiter's last look named, or a ValidationError naming the first that is not a task of
+    `task_id`'s tree (a key that may read the tree may read each of them)."""
+    root = ids.root_of(task_id)
+    for task in among:
+        if not ids.is_task_id(task) or ids.root_of(task) != root:
+            raise ValidationError(f"among: {task[:64]!r} is not a task of the tree of {task_id}", field="among")
 
 
 def check_dead_letter_limit(limit: object) -> None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
 from enum import StrEnum
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, computed_field, field_validator, model_validator
 
@@ -24,12 +24,14 @@ from coordinator.tenants import DEFAULT_PRIORITY, DEFAULT_TENANT
 from coordinator.timeline import OUTCOMES, TaskTimes, Timeline, ToolCallSpan, times_of, tool_calls_of, waiting_for
 
 __all__ = [
+    "FINISHING_AMONG_MAX",
     "FINISHING_LOOK_S",
     "AdmissionLimits",
     "Approval",
     "Batch",
     "DelegationMode",
     "Delivery",
+    "FinishingLook",
     "FinishingRuns",
     "HistoryItem",
     "LiveState",
@@ -65,6 +67,10 @@ MICROS_PER_USD = 1_000_000
 # Between a waiter's looks at a stopped subtree's runs that may still record spend (`FinishingRuns`): a stopped
 # run stops within a quarter second (its stop watch's poll).
 FINISHING_LOOK_S = 0.1
+# The most tasks a look over HTTP names (GET .../finishing?among=, the tasks a waiter's first look found: the runs
+# a stop caught in flight), so that its URL stays a few KB, which every proxy passes. A client whose first look
+# found more asks for the whole subtree at every look.
+FINISHING_AMONG_MAX = 100
 
 NonEmptyText = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
 
@@ -596,6 +602,12 @@ class StopHold:
             self.until = min(self.deadline, time.monotonic() + runs.lapse_s)
         return bool(runs.task_ids) and time.monotonic() < self.until
 
+    @property
+    def among(self) -> list[str] | None:
+        """What the next look looks at again: the last look's tasks (a stopped task starts no new run, so the
+        subtree is walked once), or None before the first look."""
+        return None if self.last is None else self.last.task_ids
+
     def due(self) -> bool:
         """Whether a look is still due: the hold's end (or, before the first look, the deadline) is ahead."""
         return time.monotonic() < (self.deadline if self.until is None else self.until)
@@ -606,11 +618,19 @@ class StopHold:
         return max(0.0, min(FINISHING_LOOK_S, end - time.monotonic()))
 
 
-def finishing_if_known(look: Callable[[str], FinishingRuns], task_id: str) -> FinishingRuns | None:
-    """`look(task_id)`, a `finishing_runs`, as a polling waiter asks it: None when the route or the task is not
-    known (an API older than the route, or the task gone since it was read), so the wait answers with what it has."""
+class FinishingLook(Protocol):
+    """`finishing_runs` as every face has it: the subtree's runs that may still record spend, or with `among`
+    (a waiter's last look, `StopHold.among`) those of its tasks only."""
+
+    def __call__(self, task_id: str, /, *, among: Sequence[str] | None = None) -> FinishingRuns: ...
+
+
+def finishing_if_known(look: FinishingLook, task_id: str, among: Sequence[str] | None = None) -> FinishingRuns | None:
+    """`look(task_id, among=among)`, a `finishing_runs`, as a polling waiter asks it: None when the route or the
+    task is not known (an API older than the route, or the task gone since it was read), so the wait answers with
+    what it has."""
     try:
-        return look(task_id)
+        return look(task_id, among=among)
     except NotFoundError:
         return None
 

@@ -46,6 +46,7 @@ from coordinator.inputs import (
     MAX_PAGE,
     MAX_PROMPT_CHARS,
     check_dead_letter_limit,
+    check_finishing_among,
     check_history_query,
     check_metadata,
     check_subscriptions,
@@ -518,17 +519,18 @@ class Coordinator:
         to record yet): a stopped tree's figures grow until none is left (its runs' late spend)."""
         return self.store.records.finishing(task_ids, self.settings.heartbeat_lapse_s)
 
-    def finishing_runs(self, task_id: str, among: FinishingRuns | None = None) -> FinishingRuns:
+    def finishing_runs(self, task_id: str, /, *, among: Sequence[str] | None = None) -> FinishingRuns:
         """The tasks of the task's subtree whose runs may still record spend (GET /v1/tasks/{id}/finishing): a
-        waiter holds a stopped task's answer until none is left (`StopHold`). `among`, a waiter's last look: only
-        its tasks are looked at again, the subtree not walked (a stopped task starts no new run)."""
+        waiter holds a stopped task's answer until none is left (`StopHold`). `among`, a waiter's last look
+        (`StopHold.among`): only those tasks are looked at again, the subtree not walked (a stopped task starts no
+        new run); each must be a task of `task_id`'s tree (ValidationError)."""
         if among is not None:
-            return among.model_copy(update={"task_ids": self.finishing(among.task_ids) if among.task_ids else []})
-        self.store.records.status_of(task_id)  # an unknown task is refused (NotFoundError), not an empty answer
-        return FinishingRuns(
-            task_id=task_id, task_ids=self.finishing(self.subtree_ids(task_id)),
-            lapse_s=self.settings.heartbeat_lapse_s,
-        )  # fmt: skip
+            check_finishing_among(task_id, among)
+            found = self.finishing(among) if among else []
+        else:
+            self.store.records.status_of(task_id)  # an unknown task is refused (NotFoundError), not an empty answer
+            found = self.finishing(self.subtree_ids(task_id))
+        return FinishingRuns(task_id=task_id, task_ids=found, lapse_s=self.settings.heartbeat_lapse_s)
 
     def subtree_ids(self, task_id: str) -> list[str]:
         """The task and all its descendants, top first."""
@@ -632,7 +634,7 @@ class Coordinator:
                 if done:
                     if TaskStatus(status).stopped:
                         hold = hold or StopHold(deadline)
-                        if hold.due() and hold.holds(self.finishing_runs(task_id, hold.last)):
+                        if hold.due() and hold.holds(self.finishing_runs(task_id, among=hold.among)):
                             time.sleep(hold.look_in_s())
                             continue
                     return self.store.records.get_task(task_id)

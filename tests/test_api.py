@@ -40,7 +40,7 @@ from coordinator.cli.views import follow_run
 from coordinator.client import SubqClient
 from coordinator.local.embedded_redis import local_redis
 from coordinator.local.ports import free_port
-from coordinator.models import Spend, finishing_if_known, format_usd
+from coordinator.models import FINISHING_AMONG_MAX, Spend, finishing_if_known, format_usd
 from coordinator.ports.steps import Ended
 from coordinator.runs import Run
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, tree_root
@@ -395,15 +395,17 @@ def test_events_of_a_settled_caller_task_end_at_once(idle: Coordinator, idle_htt
     assert time.monotonic() - started < 5
 
 
-def _noting_caller(method: Callable[..., T], callers: set[str]) -> Callable[..., T]:
+def _noting_caller(method: Callable[..., T], callers: set[str], calls: list[str] | None = None) -> Callable[..., T]:
     """`method`, noting in `callers` the subq module that called it (`api.routes` for coordinator.api.routes), past
-    `models.finishing_if_known`, the lookup the polling waiters share."""
+    `models.finishing_if_known`, the lookup the polling waiters share; and each call's first argument in `calls`."""
 
     def noted(*args: Any, **kwargs: Any) -> T:
         frame = sys._getframe(1)
         while frame.f_code is finishing_if_known.__code__ and frame.f_back is not None:
             frame = frame.f_back
         callers.add(frame.f_globals["__name__"].removeprefix("coordinator."))
+        if calls is not None:
+            calls.append(args[0])
         return method(*args, **kwargs)
 
     return noted
@@ -449,6 +451,9 @@ def test_a_stopped_trees_events_end_once_its_runs_spend_is_recorded(
         # Who has looked at the stopped runs, by the module that asked: each waiter is holding once it has.
         lookers: set[str] = set()
         monkeypatch.setattr(idle, "finishing_runs", _noting_caller(idle.finishing_runs, lookers))
+        # Each waiter walks the subtree at its first look, then looks again only among the tasks it found.
+        walks: list[str] = []
+        monkeypatch.setattr(idle, "subtree_ids", _noting_caller(idle.subtree_ids, set(), walks))
         with ThreadPoolExecutor(5) as pool:
             followed, waited = pool.submit(follow), pool.submit(idle.wait, parent.id, WAIT_S)
             client_waited, mcp_waited = pool.submit(client_wait), pool.submit(anyio.run, mcp_call)
@@ -461,6 +466,7 @@ def test_a_stopped_trees_events_end_once_its_runs_spend_is_recorded(
                 assert time.monotonic() < deadline, f"only {sorted(lookers)} of {sorted(every)} looked"
                 time.sleep(0.05)
             time.sleep(0.3)  # a few looks more each: one that did not hold would have answered by now
+            assert len(walks) == len(every), f"{len(walks)} walks of the subtree by {len(every)} waiters"
             assert not followed.done(), f"the stream ended while a run of the tree could still record spend: {events}"
             for name, waiter in (("wait", waited), ("client", client_waited), ("mcp", mcp_waited), ("view", viewed)):
                 assert not waiter.done(), f"{name} answered while a run of the tree could still record spend"
@@ -511,8 +517,19 @@ def test_finishing_names_the_runs_that_may_still_record_spend(
         for task_id in (parent.id, child_id):
             answer = idle_http.get(f"/v1/tasks/{task_id}/finishing")
             assert answer.status_code == 200 and answer.json()["task_ids"] == [child_id], answer.text
+        # A later look names the tasks of the last (`among`): only those are looked at, the subtree not walked.
+        walks: list[str] = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(idle, "subtree_ids", _noting_caller(idle.subtree_ids, set(), walks))
+            for among, found in ((child_id, [child_id]), (parent.id, []), (f"{parent.id},{child_id}", [child_id])):
+                answer = idle_http.get(f"/v1/tasks/{parent.id}/finishing", params={"among": among})
+                assert answer.status_code == 200, answer.text
+                assert answer.json() == {"task_id": parent.id, "task_ids": found, "lapse_s": lapse_s}, among
+        assert walks == [], "a look among named tasks walked the subtree"
         run.end(Ended("completed", summary="done"))
         assert idle_http.get(f"/v1/tasks/{parent.id}/finishing").json()["task_ids"] == []
+        answer = idle_http.get(f"/v1/tasks/{parent.id}/finishing", params={"among": child_id})
+        assert answer.json()["task_ids"] == [], "its run let go of the lease"
     finally:
         runtime.coordinator.close()
     before = state(idle)
@@ -520,6 +537,28 @@ def test_finishing_names_the_runs_that_may_still_record_spend(
     missing = idle_http.get(f"/v1/tasks/{unknown}/finishing")
     assert missing.status_code == 404 and missing.json()["message"] == f"Unknown task: {unknown}", missing.text
     assert state(idle) == before
+
+
+def test_a_look_among_tasks_not_of_the_tree_is_refused_and_changes_nothing(
+    idle: Coordinator, idle_http: httpx.Client, parent: TaskRecord
+) -> None:
+    """`among` names tasks of the path's tree, at most FINISHING_AMONG_MAX of them, or the look is a 422 that
+    names the first that is not, before anything is read."""
+    (child_id,) = idle.delegate(parent.id, [spec()]).child_ids
+    other = idle.create_task("another tree", profile="offline")
+    path = f"/v1/tasks/{parent.id}/finishing"
+    refused = {
+        "": "among: '' is not a task of the tree of",
+        "nope": "among: 'nope' is not a task of the tree of",
+        f"{child_id},": "among: '' is not a task of the tree of",
+        other.id: f"among: '{other.id}' is not a task of the tree of {parent.id}",
+        f"{child_id},{other.id}-{'0' * 12}": f"among: '{other.id}-{'0' * 12}' is not a task of the tree of",
+        f"{parent.id}-b{'0' * 12}": "is not a task of the tree of",  # a batch's id, of the same tree
+        "x" * 5000: "among: '" + "x" * 64 + "' is not",  # shown cut short
+        ",".join([child_id] * (FINISHING_AMONG_MAX + 1)): f"among names 101 task ids; at most {FINISHING_AMONG_MAX}",
+    }
+    for among, message in refused.items():
+        assert_refused(idle, idle_http, "GET", path, 422, "invalid_input", "among", message, params={"among": among})
 
 
 def test_events_send_keepalive_comments(

@@ -33,7 +33,7 @@ from coordinator import (
 from coordinator.api import create_app
 from coordinator.client import ApiError, AsyncSubqClient, AuthError, Event, SubqClient, calls
 from coordinator.local.fleet import WorkerFleet
-from coordinator.models import FinishingRuns
+from coordinator.models import FINISHING_AMONG_MAX, FinishingRuns
 from tests.conftest import WORKER_PROCESSES
 from tests.helpers import TOKEN, ApiServer, api_settings, script, state, usage_step
 from tests.test_api import closed_port, spec
@@ -396,6 +396,24 @@ def test_a_stopped_tasks_wait_looks_at_its_runs_until_none_is_left_then_reads_it
     done, asked = _drive(calls.wait(TASK_ID, 60), answers)
     assert done == _record("cancelled", 900), "the record read after the last look, with the late spend"
     assert asked == ["task", "finishing", "sleep", "finishing", "task"]
+
+
+@pytest.mark.parametrize("found", [1, 2, FINISHING_AMONG_MAX, FINISHING_AMONG_MAX + 1])
+def test_a_stopped_tasks_wait_looks_again_only_among_the_runs_it_found(found: int) -> None:
+    """The first look walks the subtree; each later one names the tasks the last found (`among`), up to
+    FINISHING_AMONG_MAX of them (a URL of a few KB), and asks for the whole subtree again past that."""
+    runs = RUNS.model_copy(update={"task_ids": [f"{TASK_ID}-{n:012x}" for n in range(1, found + 1)]})
+    steps = calls.wait(TASK_ID, 60)
+    next(steps)
+    first = steps.send(_record("cancelled"))
+    assert isinstance(first, calls.Call) and first.path.endswith("/finishing") and first.params == {}, first
+    assert isinstance(steps.send(runs), calls.Sleep)
+    second = steps.send(None)
+    assert isinstance(second, calls.Call) and second.path.endswith("/finishing"), second
+    among = ",".join(runs.task_ids)
+    assert second.params == ({"among": among} if found <= FINISHING_AMONG_MAX else {}), second.params
+    assert len(among) < 4_000
+    assert _asked(steps.send(runs.model_copy(update={"task_ids": []}))) == "task"
 
 
 @pytest.mark.parametrize(("timeout_s", "lapse_s"), [(1.0, 60), (60, 1.0)])

@@ -136,7 +136,9 @@ async def tree_events(
                 # A look at a time, holding no thread between: what is written meanwhile still goes before `end`.
                 if TaskStatus(status).stopped:
                     hold = hold or StopHold(math.inf)
-                    if hold.due() and hold.holds(await threads.run(coord.finishing_runs, task_id, hold.last)):
+                    if hold.due() and hold.holds(
+                        await threads.run(partial(coord.finishing_runs, task_id, among=hold.among))
+                    ):
                         await anyio.sleep(hold.look_in_s())
                         continue
                 yield ServerSentEvent(event="end", data=json.dumps({"task_id": task_id, "status": status}))

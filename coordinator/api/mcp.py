@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Literal
@@ -126,9 +126,9 @@ class KeyedOperations:
         self.gate.read_tree(self.request, self.key, task_id)
         return self.coord.tree(task_id)
 
-    def finishing_runs(self, task_id: str, /) -> FinishingRuns:
+    def finishing_runs(self, task_id: str, /, *, among: Sequence[str] | None = None) -> FinishingRuns:
         self.gate.read_tree(self.request, self.key, task_id)
-        return self.coord.finishing_runs(task_id)
+        return self.coord.finishing_runs(task_id, among=among)
 
     def messages(self, task_id: str, kind: Literal["ui", "api"], /) -> list[dict[str, Any]]:
         self.gate.read_tree(self.request, self.key, task_id)

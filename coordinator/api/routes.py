@@ -22,8 +22,8 @@ from coordinator.api.errors import error_responses
 from coordinator.api.schemas import CreatedTask, DelegationResult, HistoryPage, MessageList, TodoList, TodosUpdated
 from coordinator.errors import ValidationError
 from coordinator.ids import ROOT_ID_PATTERN
-from coordinator.inputs import META_PREFIX, CreateTaskInput, DelegateInput, TodosInput, meta_filter
-from coordinator.models import FinishingRuns, TaskRecord, TaskStatus
+from coordinator.inputs import META_PREFIX, CreateTaskInput, DelegateInput, TodosInput, finishing_among, meta_filter
+from coordinator.models import FINISHING_AMONG_MAX, FinishingRuns, TaskRecord, TaskStatus
 from coordinator.service import DEFAULT_PAGE, MAX_PAGE, Coordinator
 from coordinator.todos import ignored_lines
 from coordinator.tree import TreeNode
@@ -164,12 +164,25 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         responses=error_responses(*denied, 404, 503),
         summary="The tasks of the subtree whose runs may still record spend",
     )
-    def finishing_runs(request: Request, key: Caller, task_id: TaskId) -> FinishingRuns:
+    def finishing_runs(
+        request: Request,
+        key: Caller,
+        task_id: TaskId,
+        among: Annotated[
+            str | None,
+            Query(
+                description="Look only at these tasks of the tree, comma-separated (at most "
+                f"{FINISHING_AMONG_MAX}): the `task_ids` of the last look. Left out, the whole subtree is walked."
+            ),
+        ] = None,
+    ) -> FinishingRuns:
         """A stopped run may record what its provider billed after its task settled (late spend). A tree that
         ended `cancelled` or `failed` has its final figures once `task_ids` is empty; wait at most `lapse_s` from
-        the first look. The clients' `wait` and MCP's `wait_task` hold their answer so."""
+        the first look, and send each later look `among` the last one's tasks (a stopped tree starts no new run).
+        The clients' `wait` and MCP's `wait_task` hold their answer so."""
+        named = None if among is None else finishing_among(task_id, among)  # checked before any read
         gate.read_tree(request, key, task_id)
-        return coord.finishing_runs(task_id)
+        return coord.finishing_runs(task_id, among=named)
 
     @router.get(
         "/tasks/{task_id}/messages",

@@ -138,7 +138,7 @@ def _next_draw(coord: Operations, node: TreeNode, watch: Watch) -> bool:
         watch.wait(FOLLOW_POLL_MS / 1000)
         return False
     hold = StopHold(math.inf)
-    while hold.due() and hold.holds(finishing_if_known(coord.finishing_runs, node.id)):
+    while hold.due() and hold.holds(finishing_if_known(coord.finishing_runs, node.id, hold.among)):
         time.sleep(hold.look_in_s())
     return True
 

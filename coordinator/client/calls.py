@@ -49,6 +49,7 @@ from coordinator.inputs import (
     check_history_query,
 )
 from coordinator.models import (
+    FINISHING_AMONG_MAX,
     Approval,
     DelegationMode,
     Delivery,
@@ -246,14 +247,23 @@ def tree(task_id: str) -> Call[TreeNode]:
     return Call("GET", task_path(task_id, "/tree"), _TREE)
 
 
-def finishing_runs(task_id: str) -> Call[FinishingRuns]:
-    return Call("GET", task_path(task_id, "/finishing"), _FINISHING)
+def finishing_runs(task_id: str, among: Sequence[str] | None = None) -> Call[FinishingRuns]:
+    """`among`: look only at these tasks of the tree (a waiter's last look, `StopHold.among`), when there are at
+    most FINISHING_AMONG_MAX of them; more are not sent, and the server walks the subtree."""
+    return Call("GET", task_path(task_id, "/finishing"), _FINISHING, params=_among(among))
 
 
-def _finishing_if_known(task_id: str) -> Call[FinishingRuns | None]:
+def _finishing_if_known(task_id: str, among: Sequence[str] | None) -> Call[FinishingRuns | None]:
     """`finishing_runs` as `wait` asks it: a 404 is None, nothing known to wait for (an API older than the
-    route, or the task gone since it was read), so the wait answers with the record it has."""
-    return Call("GET", task_path(task_id, "/finishing"), _FINISHING, none_on=(404,))
+    route, or the task gone since it was read), so the wait answers with the record it has. (An API older than
+    `among` leaves it out, and walks the subtree at every look.)"""
+    return Call("GET", task_path(task_id, "/finishing"), _FINISHING, none_on=(404,), params=_among(among))
+
+
+def _among(among: Sequence[str] | None) -> dict[str, str | int]:
+    if among is None or not among or len(among) > FINISHING_AMONG_MAX:
+        return {}
+    return {"among": ",".join(among)}
 
 
 def messages(task_id: str, kind: Literal["ui", "api"]) -> Call[list[dict[str, Any]]]:
@@ -313,7 +323,7 @@ def wait(task_id: str, timeout_s: float) -> Generator[Call[Any] | Sleep, Any, Ta
             if not record.status.stopped:
                 return record
             hold = StopHold(deadline)
-            while hold.due() and hold.holds((yield _finishing_if_known(task_id))):
+            while hold.due() and hold.holds((yield _finishing_if_known(task_id, hold.among))):
                 yield Sleep(hold.look_in_s())
             # None is left (or the lapse passed): read it again, so the spend recorded meanwhile is in.
             record = yield get_task(task_id)

@@ -175,9 +175,10 @@ class SubqClient:
     def tree(self, task_id: str) -> TreeNode:
         return self._send(calls.tree(task_id))
 
-    def finishing_runs(self, task_id: str) -> FinishingRuns:
-        """The tasks of the subtree whose runs may still record spend (late spend after a stop)."""
-        return self._send(calls.finishing_runs(task_id))
+    def finishing_runs(self, task_id: str, /, *, among: Sequence[str] | None = None) -> FinishingRuns:
+        """The tasks of the subtree whose runs may still record spend (late spend after a stop); with `among`
+        (the last look's `task_ids`), those of its tasks only."""
+        return self._send(calls.finishing_runs(task_id, among))
 
     def messages(self, task_id: str, kind: Literal["ui", "api"] = "ui") -> list[dict[str, Any]]:
         return self._send(calls.messages(task_id, kind))
