@@ -294,6 +294,38 @@ def test_caller_delegation_times_the_commit_apart_from_the_publish() -> None:
     assert 0 < float(found[1]) < float(whole[1]) and 0 < float(found[2]) < float(whole[1]), lines
 
 
+def test_finishing_look_prices_a_walk_of_the_subtree_against_a_look_among_named_tasks() -> None:
+    """`bench/finishing_look.py`: a waiter's later looks after a stop read the tasks it names, not the subtree."""
+    lines = run_printed("bench/finishing_look.py", "--width", "20", "--in-flight", "4", "--looks", "20").stdout
+    rows = {
+        found[1]: (float(found[2]), float(found[3]), float(found[4]), float(found[5]))
+        for found in re.finditer(r"^(walk of 21 tasks|among 4) +(\S+) +(\S+) +(\S+) +(\S+)$", lines, re.M)
+    }
+    assert set(rows) == {"walk of 21 tasks", "among 4"}, lines
+    (walk_ms, walk_p90, walk_cpu_ms, walk_calls), (among_ms, _, among_cpu_ms, among_calls) = rows.values()
+    assert 0 < walk_ms <= walk_p90 and among_ms > 0 and walk_cpu_ms >= 0 and among_cpu_ms >= 0, lines
+    # A look among n tasks is the server's clock and two reads a task, in one round trip; a walk reads every task.
+    assert among_calls == 1 + 2 * 4, lines
+    assert walk_calls >= 3 * 21, lines
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["--width", "0"], "argument --width: must be at least 1, not 0"),
+        (["--width", "10001"], "--width must be at most 10000, not 10001"),
+        (["--width", "4", "--in-flight", "5"], "--in-flight must be at most --width (4), not 5"),
+        (["--looks", "x"], "argument --looks: invalid positive_int value: 'x'"),
+    ],
+)
+def test_finishing_look_refuses_a_malformed_argument(
+    args: list[str], error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench import finishing_look
+
+    assert refused(finishing_look.main, args, capsys) == f"bench/finishing_look.py: error: {error}"
+
+
 def test_cpu_ceiling_times_each_count_of_processes_against_the_first() -> None:
     """`bench/cpu_ceiling.py`: what the machine gives N processes of pure Python, beside bench/scaling.py."""
     report = run_bench("bench/cpu_ceiling.py", "--processes", "1,2", "--rounds", "20000", "--repeats", "1")
