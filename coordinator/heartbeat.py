@@ -2,7 +2,8 @@
 
 Each beat also adds the latencies its runs measured since the last one to the fleet's
 model-latency histogram (`LatencyTally`), in one round trip of its own rather than inside
-each run's end.
+each run's end; and records the late spend a stopped run could not record because Redis was
+away (`LateSpends`), until Redis takes it.
 
 A run's lease (`<p>:{root}:lease:<task>`) lives `SUBQ_HEARTBEAT_LAPSE_S` and is
 renewed every third of that by one thread per process, for all of its runs at
@@ -18,20 +19,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
+
+from coordinator.models import Spend, TaskRecord, format_usd
 
 if TYPE_CHECKING:
     from coordinator.plane import Plane
 
-__all__ = ["HAND_BACK_MARGIN_S", "Heartbeat", "LatencyTally", "Leased"]
+__all__ = ["HAND_BACK_MARGIN_S", "LATE_SPEND_KEEP_S", "Heartbeat", "LateSpends", "LatencyTally", "Leased"]
 
 log = logging.getLogger(__name__)
 
 # A draining run whose model request is still in flight this close to the end of the grace
 # abandons the request, so that it is handed back before the worker is killed.
 HAND_BACK_MARGIN_S = 3.0
+# How long a process keeps trying to record a stopped run's late spend that Redis refused: as long as a delivery's
+# retries wait out an outage (workers/tasks.py, about a quarter of an hour). Past it the spend is logged as lost.
+LATE_SPEND_KEEP_S = 900.0
 
 
 class LatencyTally:
@@ -68,6 +75,63 @@ class LatencyTally:
             self._latencies_ms.extend(latencies_ms)
 
 
+@dataclass(frozen=True)
+class _Owed:
+    """A stopped run's late spend that Redis refused, and since when (monotonic s)."""
+
+    task: TaskRecord
+    spends: tuple[Spend, ...]
+    since: float
+
+    def __str__(self) -> str:
+        tokens = sum(spend.usage.tokens_in + spend.usage.tokens_out for spend in self.spends)
+        cost = format_usd(sum(spend.cost_micros for spend in self.spends))
+        return f"{len(self.spends)} response(s) of {self.task.id}, {tokens} tokens, {cost}"
+
+
+class LateSpends:
+    """The late spend of this process's stopped runs that Redis refused (`Run._spent_before_the_stop`), which
+    its heartbeat records at each beat until Redis takes it, for LATE_SPEND_KEEP_S at most.
+
+    A run reads in its step's reply that a stop refused its spend, then records it (record_late_spend.lua, once
+    per request key). When Redis is away just then, the run's delivery is retried, but the retry finds its task
+    stopped and runs nothing: the spend lived only in the run. Kept here, it is recorded once Redis is back, a
+    beat later at most; recording it twice writes it once. A process killed meanwhile loses it, as it loses a
+    response it had not written (docs/architecture.md, "Known gaps")."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owed: list[_Owed] = []
+
+    def owe(self, task: TaskRecord, spends: Sequence[Spend]) -> None:
+        with self._lock:
+            self._owed.append(_Owed(task, tuple(spends), time.monotonic()))
+
+    def __bool__(self) -> bool:
+        with self._lock:
+            return bool(self._owed)
+
+    def record(self, plane: Plane, *, last: bool = False) -> None:
+        """Record what is owed; what Redis refuses is kept for the next beat, or logged as lost when it has been
+        kept LATE_SPEND_KEEP_S, or when this is the process's `last` try (its shutdown)."""
+        with self._lock:
+            owed, self._owed = self._owed, []
+        kept: list[_Owed] = []
+        for item in owed:
+            try:
+                plane.store.runs.record_late_spend(item.task, item.spends)
+            except Exception as exc:  # Redis is still away (or refuses): the next beat tries again
+                if last or time.monotonic() - item.since >= LATE_SPEND_KEEP_S:
+                    log.error("subq: lost the late spend of %s: Redis refused it: %s", item, exc)
+                else:
+                    kept.append(item)
+                    log.warning("subq: could not record the late spend of %s yet: %s", item, exc)
+            else:
+                log.info("subq: recorded the late spend of %s", item)
+        with self._lock:
+            self._owed[:0] = kept
+
+
 class Leased(Protocol):
     """A run as the heartbeat sees it: its task, its lease token, and its fence."""
 
@@ -94,14 +158,25 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         self._drain_deadline: float | None = None
         self.latencies = LatencyTally()  # its runs' model requests, added to the fleet's histogram at each beat
+        self.late_spends = LateSpends()  # stopped runs' spend Redis refused, recorded at each beat
 
     def hold(self, run: Leased) -> None:
         """Renew this run's lease from now on (the thread starts with the first run)."""
         with self._lock:
             self._runs[run.token] = run
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._beat, name="subq-heartbeat", daemon=True)
-                self._thread.start()
+            self._start_beating()
+
+    def owe(self, task: TaskRecord, spends: Sequence[Spend]) -> None:
+        """A stopped run's late spend that Redis refused: recorded at the next beats (the thread beats while any is
+        owed, runs or none)."""
+        self.late_spends.owe(task, spends)
+        with self._lock:
+            self._start_beating()
+
+    def _start_beating(self) -> None:
+        if self._thread is None:  # (under the lock)
+            self._thread = threading.Thread(target=self._beat, name="subq-heartbeat", daemon=True)
+            self._thread.start()
 
     def forget(self, run: Leased) -> None:
         with self._lock:
@@ -165,21 +240,24 @@ class Heartbeat:
         return deadline is not None and time.monotonic() >= deadline - HAND_BACK_MARGIN_S
 
     def _beat(self) -> None:
-        """Renew until no run is held; `hold` starts the thread again with the next run."""
+        """Renew until no run is held and no late spend is owed; `hold` (or `owe`) starts the thread again."""
         every_s = self.plane.settings.heartbeat_lapse_s / 3
         while True:
             time.sleep(every_s)
             with self._lock:
-                last = not self._runs
+                idle = not self._runs
+                last = idle and not self.late_spends
                 if last:
                     self._thread = None
-            if not last:
+            if not idle:
                 try:
                     self.renew()
                 except Exception as exc:  # Redis is down: the leases lapse, and the runs are fenced
                     log.warning("subq: heartbeat failed: %s", exc)
             # After the leases (a slow add must not hold a renewal up), and after the decision to end, so a latency
-            # measured before it is added now: a later one is a run's that `hold` gave a thread of its own.
+            # or a late spend from before it is added now: a later one is a run's that `hold` (or `owe`) gave a
+            # thread of its own.
+            self.late_spends.record(self.plane)
             self.add_latencies()
             if last:
                 return

@@ -254,8 +254,16 @@ class Run:
     def _spent_before_the_stop(self, spends: list[Spend]) -> None:
         """A step that found its task stopped wrote none of its spend (a stop's figures are final at once), but
         the provider billed each response the run had: recorded after the stop, once, on the task, its
-        ancestors and the plan items already written back (record_late_spend.lua)."""
-        self._plane.store.runs.record_late_spend(self.task, spends)
+        ancestors and the plan items already written back (record_late_spend.lua).
+
+        Raises StoreError when Redis refuses it (its delivery is retried, as for any step), after handing the
+        spend to the process's heartbeat, which records it once Redis is back: the retried delivery finds the
+        task stopped and runs nothing, so the spend lives nowhere else."""
+        try:
+            self._plane.store.runs.record_late_spend(self.task, spends)
+        except StoreError:
+            self._heartbeat.owe(self.task, spends)
+            raise
 
     # -- each model request -------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""A Redis crash and restart with AOF `everysec` in the middle of a fan-out: every tree converges.
+"""A Redis crash and restart with AOF `everysec` in the middle of a fan-out: every tree converges. And a
+stopped run's late spend that a Redis away refused is recorded once it is back.
 
 Redis is SIGKILLed (no shutdown, so up to a second of writes is lost), stays
 down three seconds, and comes back from its append-only file on the same port.
@@ -18,15 +19,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import redis
 
-from coordinator import Coordinator, Settings
+from coordinator import Coordinator, Settings, StoreError, TaskRecord, Usage, heartbeat
+from coordinator.celery_app import make_app
+from coordinator.heartbeat import LateSpends
 from coordinator.local.embedded_redis import find_redis_server
 from coordinator.local.fleet import WorkerFleet
 from coordinator.local.ports import free_port
+from coordinator.models import Spend
+from coordinator.ports.steps import Ended
+from coordinator.runs import Run
 from tests.agents import agent, reply
 from tests.helpers import eventually
 from tests.test_faults import assert_converged
+from workers.runtime.context import build_runtime
 
 CHILDREN = 40
 DOWN_S = 3
@@ -55,6 +63,18 @@ class RedisServer:
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+
+    def stop(self) -> None:
+        """A clean stop (SHUTDOWN): every write so far is in the append-only file."""
+        assert self.proc is not None
+        client = redis.Redis.from_url(self.url)
+        try:
+            client.shutdown()
+        except redis.ConnectionError:
+            pass  # the server closed the connection as it went
+        finally:
+            client.close()
+        self.proc.wait(timeout=10)
 
 
 def _pings(client: redis.Redis) -> bool:
@@ -112,3 +132,71 @@ def test_a_redis_crash_mid_fan_out_converges(settings: Settings, tmp_path: Path)
                 assert all(c.status.terminal for c in coord.get_children(parent.id))
             finally:
                 coord.close()
+
+
+def test_a_stopped_runs_late_spend_that_redis_refused_is_recorded_once_it_is_back(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """A stop lands while a run holds a response its provider billed; the run's end reads the stop and records
+    that spend after it (late spend), and Redis is away just then. The run's delivery is retried, finds its task
+    stopped and runs nothing, so the spend lives only in the worker: its heartbeat records it once Redis is back."""
+    with restartable_redis(tmp_path / "redis") as server:
+        own = settings.model_copy(update={"redis_url": server.url, "queue": "subq-late-spend", "heartbeat_lapse_s": 3})
+        coord = Coordinator(own)
+        runtime = build_runtime(own, make_app(own))
+        try:
+            parent = coord.create_task("A parent", todos="[ ] one")
+            (child_id,) = coord.delegate(parent.id, [{"description": "one", "message": "hello"}]).child_ids
+            run = runtime.lifecycle.start(child_id)
+            assert isinstance(run, Run), run
+            coord.cancel(parent.id, "stopped")
+            run.writes.usage.append(
+                Spend(request_key=f"{run.run_seq}:1", usage=Usage(tokens_in=40), cost_micros=900, cost_source="t")
+            )
+            record_late = run._spent_before_the_stop
+
+            def redis_goes_away(spends: list[Spend]) -> None:
+                server.stop()
+                record_late(spends)
+
+            run._spent_before_the_stop = redis_goes_away  # type: ignore[method-assign]
+            with pytest.raises(StoreError):
+                run.end(Ended("completed", summary="done"))  # its last response, answered as the stop landed
+            run.abandon()  # as the runner does when Redis fails a run; its delivery would be retried
+            time.sleep(1.5)  # beats that find Redis still away keep the spend
+            server.start()
+            eventually(lambda: coord.get_task(parent.id).total_cost_micros == 900 or None, "the late spend")
+            assert coord.get_task(child_id).cost_micros == 900 and coord.finishing([child_id]) == []
+            assert coord.get_task(parent.id).status.value == "cancelled"
+            assert not runtime.lifecycle.heartbeat.late_spends, "the spend is recorded, and owed no more"
+        finally:
+            runtime.coordinator.close()
+            coord.close()
+
+
+def test_late_spend_that_redis_keeps_refusing_is_kept_then_logged_as_lost(
+    settings: Settings, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis refuses every try (nothing listens on its port): each beat keeps the spend, with a warning, until
+    LATE_SPEND_KEEP_S has passed or the process's last try (its shutdown), which logs it as lost, with its figures."""
+    gone = Coordinator(settings.model_copy(update={"redis_url": f"redis://127.0.0.1:{free_port()}/0"}))
+    task = TaskRecord(id="0123456789abcdef-000000000001", root_id="0123456789abcdef", status="cancelled", prompt="p",
+                      profile="offline", runner="agent", created_at=1.0, updated_at=1.0)  # fmt: skip
+    spend = Spend(request_key="1:1", usage=Usage(tokens_in=40, tokens_out=2), cost_micros=900, cost_source="t")
+    owed = LateSpends()
+    try:
+        owed.owe(task, [spend])
+        owed.record(gone.plane)
+        assert owed, "kept for the next beat"
+        assert f"could not record the late spend of 1 response(s) of {task.id}, 42 tokens, $0.000900" in caplog.text
+        owed.record(gone.plane, last=True)
+        assert not owed
+        lost = [r for r in caplog.records if r.levelname == "ERROR"]
+        assert len(lost) == 1 and "lost the late spend of 1 response(s)" in lost[0].getMessage(), caplog.text
+        caplog.clear()
+        monkeypatch.setattr(heartbeat, "LATE_SPEND_KEEP_S", 0.0)
+        owed.owe(task, [spend])
+        owed.record(gone.plane)
+        assert not owed and "lost the late spend" in caplog.text, "kept no longer than LATE_SPEND_KEEP_S"
+    finally:
+        gone.close()

@@ -120,11 +120,14 @@ def _stop_mcp_servers(**_: Any) -> None:
 
 
 def _add_latencies(**_: Any) -> None:
-    """The latencies of the runs since the heartbeat's last beat, which a sleeping beat thread would not add
-    (a process that never built its runtime ran nothing)."""
+    """The latencies of the runs since the heartbeat's last beat, which a sleeping beat thread would not add,
+    and the late spend it has not recorded yet, tried a last time (a process that never built its runtime ran
+    nothing)."""
     runtime = built_runtime()
     if runtime is not None:
-        runtime.lifecycle.heartbeat.add_latencies()
+        heartbeat = runtime.lifecycle.heartbeat
+        heartbeat.late_spends.record(heartbeat.plane, last=True)
+        heartbeat.add_latencies()
 
 
 def _hand_back_runs(**_: Any) -> None:
