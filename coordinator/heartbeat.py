@@ -2,8 +2,8 @@
 
 Each beat also adds the latencies its runs measured since the last one to the fleet's
 model-latency histogram (`LatencyTally`), in one round trip of its own rather than inside
-each run's end; and records the late spend a stopped run could not record because Redis was
-away (`LateSpends`), until Redis takes it.
+each run's end; and records the spend its runs could not write because Redis was away
+(`LateSpends`), until Redis takes it.
 
 A run's lease (`<p>:{root}:lease:<task>`) lives `SUBQ_HEARTBEAT_LAPSE_S` and is
 renewed every third of that by one thread per process, for all of its runs at
@@ -90,14 +90,17 @@ class _Owed:
 
 
 class LateSpends:
-    """The late spend of this process's stopped runs that Redis refused (`Run._spent_before_the_stop`), which
-    its heartbeat records at each beat until Redis takes it, for LATE_SPEND_KEEP_S at most.
+    """Spend of this process's runs that Redis refused, which its heartbeat records at each beat until Redis takes
+    it, for LATE_SPEND_KEEP_S at most (record_late_spend.lua, once per request key, on a task stopped or not).
 
-    A run reads in its step's reply that a stop refused its spend, then records it (record_late_spend.lua, once
-    per request key). When Redis is away just then, the run's delivery is retried, but the retry finds its task
-    stopped and runs nothing: the spend lived only in the run. Kept here, it is recorded once Redis is back, a
-    beat later at most; recording it twice writes it once. A process killed meanwhile loses it, as it loses a
-    response it had not written (docs/architecture.md, "Known gaps")."""
+    Two moments leave a run's spend (responses its provider billed) in the worker alone. A stopped run reads in
+    its step's reply that the stop refused the spend, and records it next (`Run._spent_before_the_stop`): with
+    Redis away just then, its retried delivery finds the task stopped and runs nothing. And a step that Redis
+    failed leaves the spend the run held for it (`Run.abandon`): the retried delivery makes those requests again
+    (billed again, recorded again under the new run's keys), knowing nothing of this run's. Kept here, either is
+    recorded once Redis is back, a beat later at most; one its step had written before its reply was lost is
+    written once. A process killed meanwhile loses it, as it loses a response it had not written
+    (docs/architecture.md, "Known gaps")."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -122,12 +125,12 @@ class LateSpends:
                 plane.store.runs.record_late_spend(item.task, item.spends)
             except Exception as exc:  # Redis is still away (or refuses): the next beat tries again
                 if last or time.monotonic() - item.since >= LATE_SPEND_KEEP_S:
-                    log.error("subq: lost the late spend of %s: Redis refused it: %s", item, exc)
+                    log.error("subq: lost the spend of %s: Redis refused it: %s", item, exc)
                 else:
                     kept.append(item)
-                    log.warning("subq: could not record the late spend of %s yet: %s", item, exc)
+                    log.warning("subq: could not record the spend of %s yet: %s", item, exc)
             else:
-                log.info("subq: recorded the late spend of %s", item)
+                log.info("subq: recorded the spend of %s, which Redis had refused", item)
         with self._lock:
             self._owed[:0] = kept
 
@@ -167,8 +170,8 @@ class Heartbeat:
             self._start_beating()
 
     def owe(self, task: TaskRecord, spends: Sequence[Spend]) -> None:
-        """A stopped run's late spend that Redis refused: recorded at the next beats (the thread beats while any is
-        owed, runs or none)."""
+        """Spend of a run that Redis refused: recorded at the next beats (the thread beats while any is owed, runs
+        or none)."""
         self.late_spends.owe(task, spends)
         with self._lock:
             self._start_beating()

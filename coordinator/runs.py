@@ -257,8 +257,9 @@ class Run:
         ancestors and the plan items already written back (record_late_spend.lua).
 
         Raises StoreError when Redis refuses it (its delivery is retried, as for any step), after handing the
-        spend to the process's heartbeat, which records it once Redis is back: the retried delivery finds the
-        task stopped and runs nothing, so the spend lives nowhere else."""
+        spend to the process's heartbeat, which records it once Redis is back (as `abandon` does with the spend
+        of a step Redis failed): the retried delivery finds the task stopped and runs nothing, so the spend lives
+        nowhere else."""
         try:
             self._plane.store.runs.record_late_spend(self.task, spends)
         except StoreError:
@@ -455,7 +456,15 @@ class Run:
         return writeback.result_of(task, pending="queued")
 
     def abandon(self) -> None:
-        """The run failed outside the agent (Redis): free the lease and slot if Redis lets us; retried."""
+        """The run failed outside the agent (Redis): free the lease and slot if Redis lets us; retried.
+
+        The spend it held for its next step (responses the provider billed) goes to the process's heartbeat,
+        which records it once Redis is back: the retried delivery makes those requests again, or finds its task
+        stopped and runs nothing, and either way knows nothing of this run's. A step whose reply was lost after it
+        ran had recorded it: recorded again by its request key, it is written once."""
+        if self.writes.usage:
+            self._heartbeat.owe(self.task, self.writes.usage)
+            self.writes.usage = []
         try:
             self._release()
         except StoreError as exc:  # the lease lapses with its TTL; the original error is what matters

@@ -174,6 +174,41 @@ def test_a_stopped_runs_late_spend_that_redis_refused_is_recorded_once_it_is_bac
             coord.close()
 
 
+def test_the_spend_a_run_held_when_redis_failed_its_step_is_recorded_once_it_is_back(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """A run holds a response's spend for its next step, and Redis is away for that step: the run is abandoned
+    (its delivery retried, which makes the request again) and its heartbeat records the first response's spend
+    once Redis is back, on the task and up its ancestors, once."""
+    with restartable_redis(tmp_path / "redis") as server:
+        own = settings.model_copy(update={"redis_url": server.url, "queue": "subq-held-spend", "heartbeat_lapse_s": 3})
+        coord = Coordinator(own)
+        runtime = build_runtime(own, make_app(own))
+        try:
+            parent = coord.create_task("A parent", todos="[ ] one")
+            (child_id,) = coord.delegate(parent.id, [{"description": "one", "message": "hello"}]).child_ids
+            run = runtime.lifecycle.start(child_id)
+            assert isinstance(run, Run), run
+            spend = Spend(request_key=f"{run.run_seq}:1", usage=Usage(tokens_in=40), cost_micros=900, cost_source="t")
+            run.writes.usage.append(spend)
+            server.stop()
+            with pytest.raises(StoreError):
+                run.flush()  # the check before its next model request
+            run.abandon()  # as the runner does: the delivery is retried
+            assert runtime.lifecycle.heartbeat.late_spends, "owed by the heartbeat"
+            server.start()
+            eventually(lambda: coord.get_task(child_id).cost_micros == 900 or None, "the held spend")
+            assert coord.get_task(parent.id).total_cost_micros == 900
+            assert not coord.get_task(child_id).status.terminal, "left for the retried delivery to run"
+            # Recorded again (a beat that raced a reply lost after the step ran): written once.
+            runtime.lifecycle.heartbeat.owe(run.task, [spend])
+            eventually(lambda: not runtime.lifecycle.heartbeat.late_spends or None, "the second record")
+            assert coord.get_task(parent.id).total_cost_micros == 900
+        finally:
+            runtime.coordinator.close()
+            coord.close()
+
+
 def test_late_spend_that_redis_keeps_refusing_is_kept_then_logged_as_lost(
     settings: Settings, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -188,15 +223,15 @@ def test_late_spend_that_redis_keeps_refusing_is_kept_then_logged_as_lost(
         owed.owe(task, [spend])
         owed.record(gone.plane)
         assert owed, "kept for the next beat"
-        assert f"could not record the late spend of 1 response(s) of {task.id}, 42 tokens, $0.000900" in caplog.text
+        assert f"could not record the spend of 1 response(s) of {task.id}, 42 tokens, $0.000900" in caplog.text
         owed.record(gone.plane, last=True)
         assert not owed
         lost = [r for r in caplog.records if r.levelname == "ERROR"]
-        assert len(lost) == 1 and "lost the late spend of 1 response(s)" in lost[0].getMessage(), caplog.text
+        assert len(lost) == 1 and "lost the spend of 1 response(s)" in lost[0].getMessage(), caplog.text
         caplog.clear()
         monkeypatch.setattr(heartbeat, "LATE_SPEND_KEEP_S", 0.0)
         owed.owe(task, [spend])
         owed.record(gone.plane)
-        assert not owed and "lost the late spend" in caplog.text, "kept no longer than LATE_SPEND_KEEP_S"
+        assert not owed and "lost the spend" in caplog.text, "kept no longer than LATE_SPEND_KEEP_S"
     finally:
         gone.close()
