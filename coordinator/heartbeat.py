@@ -75,13 +75,15 @@ class LatencyTally:
             self._latencies_ms.extend(latencies_ms)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Owed:
-    """A stopped run's late spend that Redis refused, and since when (monotonic s)."""
+    """Spend of a run that Redis refused, and since when (monotonic s)."""
 
     task: TaskRecord
     spends: tuple[Spend, ...]
+    refused: bool  # a stop's refusal (recording it clears the task's mark), or a step Redis failed
     since: float
+    warned: bool = False  # a refusal was logged: once an item, not at every beat
 
     def __str__(self) -> str:
         tokens = sum(spend.usage.tokens_in + spend.usage.tokens_out for spend in self.spends)
@@ -100,39 +102,51 @@ class LateSpends:
     (billed again, recorded again under the new run's keys), knowing nothing of this run's. Kept here, either is
     recorded once Redis is back, a beat later at most; one its step had written before its reply was lost is
     written once. A process killed meanwhile loses it, as it loses a response it had not written
-    (docs/architecture.md, "Known gaps")."""
+    (docs/architecture.md, "Known gaps"). An item stays here until it is recorded or given up, so the process
+    sees it owed while a beat tries it; one `record` at a time, so the shutdown's last try waits for a beat's."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards `_owed`
+        self._recording = threading.Lock()  # one `record` at a time
         self._owed: list[_Owed] = []
 
-    def owe(self, task: TaskRecord, spends: Sequence[Spend]) -> None:
+    def owe(self, task: TaskRecord, spends: Sequence[Spend], *, refused: bool) -> None:
         with self._lock:
-            self._owed.append(_Owed(task, tuple(spends), time.monotonic()))
+            self._owed.append(_Owed(task, tuple(spends), refused, time.monotonic()))
 
     def __bool__(self) -> bool:
         with self._lock:
             return bool(self._owed)
 
     def record(self, plane: Plane, *, last: bool = False) -> None:
-        """Record what is owed; what Redis refuses is kept for the next beat, or logged as lost when it has been
-        kept LATE_SPEND_KEEP_S, or when this is the process's `last` try (its shutdown)."""
-        with self._lock:
-            owed, self._owed = self._owed, []
-        kept: list[_Owed] = []
-        for item in owed:
-            try:
-                plane.store.runs.record_late_spend(item.task, item.spends)
-            except Exception as exc:  # Redis is still away (or refuses): the next beat tries again
+        """Record what is owed, in order, until Redis refuses one (each refusal costs the client's retries, so the
+        rest wait for the next beat with it). An item refused, or left behind a refusal, is kept; or logged as
+        lost when it has been kept LATE_SPEND_KEEP_S, or when this is the process's `last` try (its shutdown)."""
+        with self._recording:
+            with self._lock:
+                owed = list(self._owed)
+            settled: set[int] = set()
+            refusal: Exception | None = None
+            for item in owed:
+                if refusal is None:
+                    try:
+                        plane.store.runs.record_late_spend(item.task, item.spends, refused=item.refused)
+                    except Exception as exc:  # Redis is still away (or refuses): the next beat tries again
+                        refusal = exc
+                    else:
+                        settled.add(id(item))
+                        log.info("subq: recorded the spend of %s, which Redis had refused", item)
+                        continue
                 if last or time.monotonic() - item.since >= LATE_SPEND_KEEP_S:
-                    log.error("subq: lost the spend of %s: Redis refused it: %s", item, exc)
-                else:
-                    kept.append(item)
-                    log.warning("subq: could not record the spend of %s yet: %s", item, exc)
-            else:
-                log.info("subq: recorded the spend of %s, which Redis had refused", item)
-        with self._lock:
-            self._owed[:0] = kept
+                    settled.add(id(item))
+                    log.error("subq: lost the spend of %s: Redis refused it: %s", item, refusal)
+                elif not item.warned:
+                    item.warned = True
+                    log.warning(
+                        "subq: could not record the spend of %s yet, tried again at each beat: %s", item, refusal
+                    )
+            with self._lock:
+                self._owed = [item for item in self._owed if id(item) not in settled]
 
 
 class Leased(Protocol):
@@ -169,10 +183,10 @@ class Heartbeat:
             self._runs[run.token] = run
             self._start_beating()
 
-    def owe(self, task: TaskRecord, spends: Sequence[Spend]) -> None:
+    def owe(self, task: TaskRecord, spends: Sequence[Spend], *, refused: bool) -> None:
         """Spend of a run that Redis refused: recorded at the next beats (the thread beats while any is owed, runs
-        or none)."""
-        self.late_spends.owe(task, spends)
+        or none). `refused`: spend a step refused for a stop (LateSpends)."""
+        self.late_spends.owe(task, spends, refused=refused)
         with self._lock:
             self._start_beating()
 

@@ -591,22 +591,31 @@ class StopHold:
     deadline: float
     until: float | None = None
     last: FinishingRuns | None = None  # the last look: a waiter that keeps state looks again among these only
+    # Whether the next look walks the subtree: the first does, and one more once none of the tasks the walk found
+    # is left, for a run that began since (a child a stop's later pass reached after its run started).
+    walk: bool = True
 
     def holds(self, runs: FinishingRuns | None) -> bool:
         """Whether to look again (`look_in_s` later) before the answer. None: nothing is known to wait for (an
         API older than this look, or the task gone meanwhile)."""
         if runs is None:
             return False
-        self.last = runs
+        walked, self.last = self.walk, runs
         if self.until is None:
             self.until = min(self.deadline, time.monotonic() + runs.lapse_s)
-        return bool(runs.task_ids) and time.monotonic() < self.until
+        if runs.task_ids:
+            self.walk = False
+        elif walked:
+            return False
+        else:
+            self.walk = True
+        return time.monotonic() < self.until
 
     @property
     def among(self) -> list[str] | None:
-        """What the next look looks at again: the last look's tasks (a stopped task starts no new run, so the
-        subtree is walked once), or None before the first look."""
-        return None if self.last is None else self.last.task_ids
+        """What the next look looks at: the tasks the last one found (a stopped subtree starts no run but one a
+        stop's pass had not reached yet, which the walk at the end finds), or None for a walk."""
+        return None if self.walk or self.last is None else self.last.task_ids
 
     def due(self) -> bool:
         """Whether a look is still due: the hold's end (or, before the first look, the deadline) is ahead."""

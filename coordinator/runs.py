@@ -263,7 +263,7 @@ class Run:
         try:
             self._plane.store.runs.record_late_spend(self.task, spends)
         except StoreError:
-            self._heartbeat.owe(self.task, spends)
+            self._heartbeat.owe(self.task, spends, refused=True)
             raise
 
     # -- each model request -------------------------------------------------------------
@@ -463,7 +463,7 @@ class Run:
         stopped and runs nothing, and either way knows nothing of this run's. A step whose reply was lost after it
         ran had recorded it: recorded again by its request key, it is written once."""
         if self.writes.usage:
-            self._heartbeat.owe(self.task, self.writes.usage)
+            self._heartbeat.owe(self.task, self.writes.usage, refused=False)
             self.writes.usage = []
         try:
             self._release()

@@ -45,7 +45,7 @@ from coordinator.ports.steps import Ended
 from coordinator.runs import Run
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, tree_root
 from tests.conftest import WORKER_PROCESSES
-from tests.helpers import REQUEST_TIMEOUT_S, TOKEN, ApiServer, api_settings, script, state, usage_step
+from tests.helpers import REQUEST_TIMEOUT_S, TOKEN, ApiServer, api_settings, eventually, script, state, usage_step
 from tests.test_bad_input import NO_TREE
 from workers.runtime.context import build_runtime
 
@@ -465,6 +465,7 @@ def test_a_stopped_trees_events_end_once_its_runs_spend_is_recorded(
             while not every <= {"anyio.to_thread" if n.startswith("anyio") else n for n in lookers.copy()}:
                 assert time.monotonic() < deadline, f"only {sorted(lookers)} of {sorted(every)} looked"
                 time.sleep(0.05)
+            eventually(lambda: len(walks) >= len(every) or None, "each waiter's first look to walk the subtree")
             time.sleep(0.3)  # a few looks more each: one that did not hold would have answered by now
             assert len(walks) == len(every), f"{len(walks)} walks of the subtree by {len(every)} waiters"
             assert not followed.done(), f"the stream ended while a run of the tree could still record spend: {events}"
@@ -521,7 +522,8 @@ def test_finishing_names_the_runs_that_may_still_record_spend(
         walks: list[str] = []
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(idle, "subtree_ids", _noting_caller(idle.subtree_ids, set(), walks))
-            for among, found in ((child_id, [child_id]), (parent.id, []), (f"{parent.id},{child_id}", [child_id])):
+            looks = ((child_id, [child_id]), (parent.id, []), (f"{parent.id},{child_id}", [child_id]), ("", []))
+            for among, found in looks:
                 answer = idle_http.get(f"/v1/tasks/{parent.id}/finishing", params={"among": among})
                 assert answer.status_code == 200, answer.text
                 assert answer.json() == {"task_id": parent.id, "task_ids": found, "lapse_s": lapse_s}, among
@@ -543,12 +545,11 @@ def test_a_look_among_tasks_not_of_the_tree_is_refused_and_changes_nothing(
     idle: Coordinator, idle_http: httpx.Client, parent: TaskRecord
 ) -> None:
     """`among` names tasks of the path's tree, at most FINISHING_AMONG_MAX of them, or the look is a 422 that
-    names the first that is not, before anything is read."""
+    names the first that is not, and changes nothing."""
     (child_id,) = idle.delegate(parent.id, [spec()]).child_ids
     other = idle.create_task("another tree", profile="offline")
     path = f"/v1/tasks/{parent.id}/finishing"
     refused = {
-        "": "among: '' is not a task of the tree of",
         "nope": "among: 'nope' is not a task of the tree of",
         f"{child_id},": "among: '' is not a task of the tree of",
         other.id: f"among: '{other.id}' is not a task of the tree of {parent.id}",

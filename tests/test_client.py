@@ -395,7 +395,8 @@ def test_a_stopped_tasks_wait_looks_at_its_runs_until_none_is_left_then_reads_it
     }
     done, asked = _drive(calls.wait(TASK_ID, 60), answers)
     assert done == _record("cancelled", 900), "the record read after the last look, with the late spend"
-    assert asked == ["task", "finishing", "sleep", "finishing", "task"]
+    # A walk, a look among the runs it found, and a walk more once none of them is left.
+    assert asked == ["task", "finishing", "sleep", "finishing", "sleep", "finishing", "task"]
 
 
 @pytest.mark.parametrize("found", [1, 2, FINISHING_AMONG_MAX, FINISHING_AMONG_MAX + 1])
@@ -413,6 +414,10 @@ def test_a_stopped_tasks_wait_looks_again_only_among_the_runs_it_found(found: in
     among = ",".join(runs.task_ids)
     assert second.params == ({"among": among} if found <= FINISHING_AMONG_MAX else {}), second.params
     assert len(among) < 4_000
+    # None of them is left: one walk more (a run begun since the first look), then the record.
+    assert isinstance(steps.send(runs.model_copy(update={"task_ids": []})), calls.Sleep)
+    last = steps.send(None)
+    assert isinstance(last, calls.Call) and last.path.endswith("/finishing") and last.params == {}, last
     assert _asked(steps.send(runs.model_copy(update={"task_ids": []}))) == "task"
 
 

@@ -119,7 +119,7 @@ def _stop_mcp_servers(**_: Any) -> None:
     mcp_servers.stop_all()
 
 
-def _add_latencies(**_: Any) -> None:
+def _flush_heartbeat(**_: Any) -> None:
     """The latencies of the runs since the heartbeat's last beat, which a sleeping beat thread would not add,
     and the late spend it has not recorded yet, tried a last time (a process that never built its runtime ran
     nothing)."""
@@ -143,6 +143,6 @@ worker_ready.connect(tune_gc, weak=False)
 worker_process_init.connect(tune_gc, weak=False)  # each child of the prefork pool
 worker_shutting_down.connect(_hand_back_runs, weak=False)
 worker_shutdown.connect(_stop_mcp_servers, weak=False)
-worker_shutdown.connect(_add_latencies, weak=False)
+worker_shutdown.connect(_flush_heartbeat, weak=False)
 worker_process_shutdown.connect(_stop_mcp_servers, weak=False)  # each child of the prefork pool
-worker_process_shutdown.connect(_add_latencies, weak=False)
+worker_process_shutdown.connect(_flush_heartbeat, weak=False)

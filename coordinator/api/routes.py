@@ -161,7 +161,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     @router.get(
         "/tasks/{task_id}/finishing",
         response_model=FinishingRuns,
-        responses=error_responses(*denied, 404, 503),
+        responses=error_responses(*denied, 404, 422, 503),
         summary="The tasks of the subtree whose runs may still record spend",
     )
     def finishing_runs(
@@ -172,7 +172,8 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
             str | None,
             Query(
                 description="Look only at these tasks of the tree, comma-separated (at most "
-                f"{FINISHING_AMONG_MAX}): the `task_ids` of the last look. Left out, the whole subtree is walked."
+                f"{FINISHING_AMONG_MAX}; empty for none): the `task_ids` of the last look. Left out, the whole "
+                "subtree is walked."
             ),
         ] = None,
     ) -> FinishingRuns:
@@ -180,7 +181,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         ended `cancelled` or `failed` has its final figures once `task_ids` is empty; wait at most `lapse_s` from
         the first look, and send each later look `among` the last one's tasks (a stopped tree starts no new run).
         The clients' `wait` and MCP's `wait_task` hold their answer so."""
-        named = None if among is None else finishing_among(task_id, among)  # checked before any read
+        named = None if among is None else finishing_among(among)
         gate.read_tree(request, key, task_id)
         return coord.finishing_runs(task_id, among=named)
 

@@ -164,7 +164,8 @@ class AsyncSubqClient:
 
     async def finishing_runs(self, task_id: str, /, *, among: Sequence[str] | None = None) -> FinishingRuns:
         """The tasks of the subtree whose runs may still record spend (late spend after a stop); with `among`
-        (the last look's `task_ids`), those of its tasks only."""
+        (the last look's `task_ids`), those of its tasks only, when there are at most FINISHING_AMONG_MAX (100)
+        of them: more are not sent, and the server walks the subtree."""
         return await self._send(calls.finishing_runs(task_id, among))
 
     async def messages(self, task_id: str, kind: Literal["ui", "api"] = "ui") -> list[dict[str, Any]]:

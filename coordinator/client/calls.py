@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Generic, Literal, TypeVar, cast
@@ -250,20 +250,16 @@ def tree(task_id: str) -> Call[TreeNode]:
 def finishing_runs(task_id: str, among: Sequence[str] | None = None) -> Call[FinishingRuns]:
     """`among`: look only at these tasks of the tree (a waiter's last look, `StopHold.among`), when there are at
     most FINISHING_AMONG_MAX of them; more are not sent, and the server walks the subtree."""
-    return Call("GET", task_path(task_id, "/finishing"), _FINISHING, params=_among(among))
+    sent = among is not None and len(among) <= FINISHING_AMONG_MAX
+    params: dict[str, str | int] = {"among": ",".join(among or [])} if sent else {}
+    return Call("GET", task_path(task_id, "/finishing"), _FINISHING, params=params)
 
 
 def _finishing_if_known(task_id: str, among: Sequence[str] | None) -> Call[FinishingRuns | None]:
     """`finishing_runs` as `wait` asks it: a 404 is None, nothing known to wait for (an API older than the
     route, or the task gone since it was read), so the wait answers with the record it has. (An API older than
     `among` leaves it out, and walks the subtree at every look.)"""
-    return Call("GET", task_path(task_id, "/finishing"), _FINISHING, none_on=(404,), params=_among(among))
-
-
-def _among(among: Sequence[str] | None) -> dict[str, str | int]:
-    if among is None or not among or len(among) > FINISHING_AMONG_MAX:
-        return {}
-    return {"among": ",".join(among)}
+    return cast("Call[FinishingRuns | None]", replace(finishing_runs(task_id, among), none_on=(404,)))
 
 
 def messages(task_id: str, kind: Literal["ui", "api"]) -> Call[list[dict[str, Any]]]:

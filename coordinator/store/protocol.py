@@ -1084,7 +1084,7 @@ class RecordLateSpend(
     uses=("outbox_add", "record_usage"),
     returns="how many of the records were recorded now (a record recorded before is not counted again).",
 ):
-    task: str = key("task hash (stopped since its run's last step)")
+    task: str = key("task hash (stopped since its run's last step, or one whose step Redis failed)")
     outbox: OutboxKeys = splice("the tree's outbox (outbox_add's {side}: a budget warning, record_usage)")
     ancestors: Sequence[str] = keys("ancestor hashes (parent first, root last)")
     now: float = arg("now")
@@ -1092,6 +1092,10 @@ class RecordLateSpend(
     budget_warn_at: float = arg("the share of a budget whose crossing sends `budget.warning` (record_usage)")
     todos_prefix: str = arg("the prefix of the tree's todo lists")
     lines_prefix: str = arg("the prefix of the tree's batch lines")
+    clears_mark: int = arg(
+        "1: the spend a step refused for a stop, whose mark (`late_spend_at`) this call clears; 0: spend its worker "
+        "kept when Redis failed a step (the heartbeat's), which leaves the mark to the run that set it"
+    )
     usage: Sequence[UsageArgs] = args(
         "7 values per usage record (request key, tokens in, tokens out, cache reads, cache writes, cost "
         "micro-USD, cost source)"

@@ -308,17 +308,19 @@ class RunStore(Part):
         )  # fmt: skip
 
     @translate_redis_errors
-    def record_late_spend(self, record: TaskRecord, spends: Sequence[Spend]) -> int:
+    def record_late_spend(self, record: TaskRecord, spends: Sequence[Spend], *, refused: bool = True) -> int:
         """Record what a run spent before its task was stopped, which its step refused for the stop
         (record_late_spend.lua): on the task, up its ancestors, and on each plan item and line of the combined
-        result already written back. Once per request key; how many were recorded now."""
+        result already written back. Once per request key; how many were recorded now. `refused` False: spend a
+        worker kept when Redis failed the step that would have written it, which leaves the task's mark of spend
+        still to record (`late_spend_at`) to the run that set it."""
         root = record.root_id
         return self.scripts(
             RecordLateSpend(
                 task=self.keys.task(root, record.id), outbox=outbox_keys(self.keys, root),
                 ancestors=self._ancestor_keys(record), now=time.time(), retention_s=self.retention_s,
                 budget_warn_at=self.budget_warn_at, todos_prefix=self.keys.todos(root, ""),
-                lines_prefix=self.keys.batch_lines(root, ""),
+                lines_prefix=self.keys.batch_lines(root, ""), clears_mark=int(refused),
                 usage=_usage_args(spends),
             )
         )  # fmt: skip

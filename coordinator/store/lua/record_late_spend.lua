@@ -2,11 +2,13 @@
 -- task (record_usage), but a response whose tool calls are all idempotent is written with its first call's
 -- result: a stop that lands during the call finds it unwritten, and the provider billed it. The run records
 -- it here once it reads the stop in its step's reply (coordinator/runs.py), once per request key as always.
+-- So does its worker's heartbeat, later, with spend a run held when Redis failed its step (stopped or not:
+-- coordinator/heartbeat.py), and with late spend whose record Redis refused.
 -- Each level of the chain whose child was written back onto its parent before this (its line is in its
 -- batch's lines: apply_children) shows the new figures too: the child's line of the combined result and
 -- its plan item (or the parent's unlinked spend). A level not yet written back reads them from the child's
 -- record when it is.
--- KEYS[1] task hash (stopped since its run's last step)
+-- KEYS[1] task hash (stopped since its run's last step, or one whose step Redis failed)
 -- KEYS[2..4] the tree's outbox (outbox_add's KEYS: a budget warning, record_usage)
 -- KEYS[5..] ancestor hashes (parent first, root last)
 -- ARGV[1] float: now
@@ -14,13 +16,19 @@
 -- ARGV[3] float: the share of a budget whose crossing sends `budget.warning` (record_usage)
 -- ARGV[4] str: the prefix of the tree's todo lists
 -- ARGV[5] str: the prefix of the tree's batch lines
--- ARGV[6..] 7 values per usage record (request key, tokens in, tokens out, cache reads, cache writes, cost
+-- ARGV[6] int: 1: the spend a step refused for a stop, whose mark (`late_spend_at`) this call clears; 0:
+--   spend its worker kept when Redis failed a step (the heartbeat's), which leaves the mark to the run
+--   that set it
+-- ARGV[7..] 7 values per usage record (request key, tokens in, tokens out, cache reads, cache writes, cost
 --   micro-USD, cost source)
 -- Returns how many of the records were recorded now (a record recorded before is not counted again).
--- The mark of spend still to record (flush_run) goes with this call, whether or not it records anything new.
-hash_set(KEYS[1], 'late_spend_at', '')
+-- The mark of spend still to record (flush_run) goes with this call, whether or not it records anything new;
+-- spend a worker kept when Redis failed a step leaves it (a newer run of the task may have set it since).
+if ARGV[6] == '1' then
+  hash_set(KEYS[1], 'late_spend_at', '')
+end
 local tokens, cost, recorded = 0, 0, 0
-for at = 6, #ARGV, 7 do
+for at = 7, #ARGV, 7 do
   local got = record_usage(KEYS, {ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4],
     ARGV[at + 5], ARGV[at + 6], ARGV[1], ARGV[2], ARGV[3], '1', '1'})
   if got[1] == 1 then
