@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 # A draining run whose model request is still in flight this close to the end of the grace
 # abandons the request, so that it is handed back before the worker is killed.
 HAND_BACK_MARGIN_S = 3.0
-# How long a process keeps trying to record a stopped run's late spend that Redis refused: as long as a delivery's
+# How long a process keeps trying to record its runs' spend that Redis refused (LateSpends): as long as a delivery's
 # retries wait out an outage (workers/tasks.py, about a quarter of an hour). Past it the spend is logged as lost.
 LATE_SPEND_KEEP_S = 900.0
 
@@ -175,7 +175,7 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         self._drain_deadline: float | None = None
         self.latencies = LatencyTally()  # its runs' model requests, added to the fleet's histogram at each beat
-        self.late_spends = LateSpends()  # stopped runs' spend Redis refused, recorded at each beat
+        self.late_spends = LateSpends()  # its runs' spend that Redis refused, recorded at each beat
 
     def hold(self, run: Leased) -> None:
         """Renew this run's lease from now on (the thread starts with the first run)."""
@@ -257,7 +257,7 @@ class Heartbeat:
         return deadline is not None and time.monotonic() >= deadline - HAND_BACK_MARGIN_S
 
     def _beat(self) -> None:
-        """Renew until no run is held and no late spend is owed; `hold` (or `owe`) starts the thread again."""
+        """Renew until no run is held and no spend is owed; `hold` (or `owe`) starts the thread again."""
         every_s = self.plane.settings.heartbeat_lapse_s / 3
         while True:
             time.sleep(every_s)

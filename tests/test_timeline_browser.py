@@ -129,12 +129,16 @@ def test_bars_appear_live_and_equal_the_apis(
     assert page.evaluate("window.subqNoReload") is True, "the page was reloaded"
     api_tree = live_http.get(f"/v1/tasks/{root}/tree").json()
     assert _assert_bars_equal_api(page, api_tree) == 4
-    # The critical path: the root and the child that ended last (any of them, when two ended in the same ms).
+    # The critical path: the root and the child that closed its batch, whose end is the root's wait's end (one
+    # script writes both on that child's clock; any of them, when two ended in the same ms). Not always the latest
+    # end: a sibling's end taken a few ms later can run its script first, under load (seen: 747 closed, 749 not).
     ends = {c["id"]: c["times"]["ended_at_ms"] for c in api_tree["children"]}
+    (waited,) = [i for i in api_tree["times"]["intervals"] if i["reason"] == "children"]
+    closers = [child_id for child_id, end_ms in ends.items() if end_ms == waited["end_ms"]]
     stars = page.locator(".tl-row.critical")
     starred = [stars.nth(n).get_attribute("data-task-id") for n in range(stars.count())]
     assert len(starred) == 2 and starred[0] == root, starred
-    assert ends[str(starred[1])] == max(ends.values()), f"starred {starred[1]}, ends {ends}"
+    assert starred[1] in closers, f"starred {starred[1]}, the batch's wait {waited}, ends {ends}"
     # Model text stays text: no element came from it.
     assert page.locator(".timeline script, .timeline b").count() == 0
     expect(page.locator(".tl-row", has_text="Draft <b>x</b>")).to_have_count(1)

@@ -179,8 +179,9 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     ) -> FinishingRuns:
         """A stopped run may record what its provider billed after its task settled (late spend). A tree that
         ended `cancelled` or `failed` has its final figures once `task_ids` is empty; wait at most `lapse_s` from
-        the first look, and send each later look `among` the last one's tasks (a stopped tree starts no new run).
-        The clients' `wait` and MCP's `wait_task` hold their answer so."""
+        the first look, send each later look `among` the last one's tasks (a stopped tree starts no new run), and
+        walk once more when none of them is left (a child a stop's later pass reached after its run began). The
+        clients' `wait` and MCP's `wait_task` hold their answer so."""
         named = None if among is None else finishing_among(among)
         gate.read_tree(request, key, task_id)
         return coord.finishing_runs(task_id, among=named)
