@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.overhead import server_commands, server_cpu_s  # noqa: E402
 from bench.run import positive_int  # noqa: E402
 from coordinator import Coordinator, Settings  # noqa: E402
 from coordinator.local.embedded_redis import local_redis  # noqa: E402
@@ -39,11 +40,9 @@ TURN = 20
 
 
 def _server(coord: Coordinator) -> tuple[float, int]:
-    """The server's CPU seconds (user + sys) and the commands it ran so far, its INFO calls left out."""
-    cpu = coord.client.info("cpu")
-    stats = coord.client.info("commandstats")
-    calls = sum(int(entry["calls"]) for name, entry in stats.items() if name != "cmdstat_info")
-    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), calls
+    """The server's CPU seconds and the commands it ran so far, its INFO calls left out (bench/overhead.py's)."""
+    commands = server_commands(coord.client)
+    return server_cpu_s(coord.client), sum(commands.values()) - commands["info"]
 
 
 def _turn(coord: Coordinator, look: Callable[[], object], walls_ms: list[float], totals: list[float]) -> None:
