@@ -266,6 +266,8 @@ TIMELINE_GLYPHS = {
     "wait:rate_limit": ("R", "red"),
     "wait:tool_limit": ("T", "dark_orange"),
     "wait:provider": ("P", "red3"),
+    # A failed task until a person retried it (retry.lua turns its `failed` mark into this wait).
+    "wait:retry": ("F", "bright_red"),
 }
 # A label takes at most this share of the width, and at most this many columns.
 TIMELINE_LABEL_SHARE = 0.35
