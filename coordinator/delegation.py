@@ -30,7 +30,7 @@ import pydantic
 from coordinator import admission, budgets, control, dispatch, faults, ids, todo_links
 from coordinator import todos as todo_lists
 from coordinator.errors import BrokerError, ConflictError, NotFoundError, StateError, SubqError, ValidationError
-from coordinator.inputs import error_message, error_path, one_line
+from coordinator.inputs import error_message, error_path, one_line, profile_asked
 from coordinator.models import Batch, DelegationMode, NewChildren, SubtaskSpec, TaskRecord, TaskStatus, TodoItem
 
 if TYPE_CHECKING:
@@ -94,6 +94,7 @@ def check_subtasks(plane: Plane, subtasks: Sequence[SubtaskSpec | dict[str, Any]
             path = error_path(err, ("subtasks", index))
             raise ValidationError(f"{path}: {error_message(err)}", field=path) from None
         if parsed.profile is not None:
+            profile_asked(parsed.profile, f"subtasks.{index}.profile")
             try:
                 plane.settings.profile(parsed.profile)
             except ValidationError as exc:

@@ -31,8 +31,17 @@ import pydantic
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, WithJsonSchema
 
 from coordinator import ids
-from coordinator.errors import ValidationError
-from coordinator.models import FINISHING_AMONG_MAX, DelegationMode, SubtaskSpec, TaskStatus, TodoStatus, usd_to_micros
+from coordinator.errors import ProfileError, ValidationError
+from coordinator.models import (
+    FINISHING_AMONG_MAX,
+    MAX_PROMPT_CHARS,
+    DelegationMode,
+    SubtaskSpec,
+    TaskStatus,
+    TodoStatus,
+    lone_surrogate,
+    usd_to_micros,
+)
 from coordinator.output_schema import NO_RUN_NO_OUTPUT, OutputSchema, SchemaProblem
 from coordinator.subscriptions import CeleryCallback, OnComplete, Webhook, Webhooks
 from coordinator.tenants import (
@@ -46,6 +55,7 @@ from coordinator.tenants import (
 
 __all__ = [
     "DEFAULT_PAGE",
+    "MAX_CURSOR",
     "MAX_ERROR_CHARS",
     "MAX_METADATA_KEYS",
     "MAX_METADATA_KEY_CHARS",
@@ -75,12 +85,12 @@ __all__ = [
     "meta_filter",
     "meta_pairs",
     "one_line",
+    "profile_asked",
     "text_field",
     "to_micros",
     "visible_text",
 ]
 
-MAX_PROMPT_CHARS = 200_000
 # An idempotency key is an id the caller chose (a UUID, a message id), and a cancel's reason,
 # read by the parent's model and by people, a paragraph: neither is a document. The service
 # checks them with these too; a denial's feedback is bounded by the API.
@@ -90,6 +100,9 @@ MAX_FEEDBACK_CHARS = 10_000
 # History pages: enough for a screen, bounded so one call stays cheap.
 DEFAULT_PAGE = 50
 MAX_PAGE = 500
+# Cursors are offsets into a Redis sorted set: kept within a JSON-safe integer (a larger one would reach Redis
+# as an out-of-range index, and above it an offset cannot be a real position).
+MAX_CURSOR = 2**53
 
 # One line of an error is enough to act on; no traceback crosses over.
 MAX_ERROR_CHARS = 300
@@ -113,7 +126,18 @@ def text_field(value: object, field: str, max_chars: int) -> str:
         raise ValidationError(f"{field} must be a non-empty string", field=field)
     if len(value) > max_chars:
         raise ValidationError(f"{field} is {len(value)} characters; the limit is {max_chars}", field=field)
+    where = lone_surrogate(value)
+    if where is not None:
+        raise ValidationError(f"{field} holds a lone surrogate {where}, which is no character", field=field)
     return value
+
+
+def profile_asked(profile: str | None, field: str = "profile") -> str | None:
+    """A profile's name as asked, or None for the default; an empty name is a ProfileError naming `field` (it
+    would have read as the default, which the caller did not name)."""
+    if profile is not None and not profile.strip():
+        raise ProfileError(f"{field} must not be empty: leave it out for the default profile", field=field)
+    return profile
 
 
 def idempotency_key(value: object) -> str:
@@ -229,8 +253,8 @@ def check_history_query(
         raise ValidationError(f"status must be one of {allowed}, not {status!r}", field="status")
     if not 1 <= limit <= MAX_PAGE:
         raise ValidationError(f"limit must be between 1 and {MAX_PAGE}", field="limit")
-    if cursor < 0:
-        raise ValidationError("cursor must not be negative", field="cursor")
+    if not 0 <= cursor <= MAX_CURSOR:
+        raise ValidationError(f"cursor must be between 0 and {MAX_CURSOR}", field="cursor")
     if root_id is not None:
         ids.root_of(root_id, field="root_id")
 

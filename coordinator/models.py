@@ -16,7 +16,15 @@ from decimal import ROUND_HALF_UP, Decimal
 from enum import StrEnum
 from typing import Annotated, Any, Literal, NamedTuple, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, computed_field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    computed_field,
+    field_validator,
+    model_validator,
+)
 
 from coordinator.errors import NotFoundError
 from coordinator.output_schema import OutputSchema
@@ -26,6 +34,7 @@ from coordinator.timeline import OUTCOMES, TaskTimes, Timeline, ToolCallSpan, ti
 __all__ = [
     "FINISHING_AMONG_MAX",
     "FINISHING_LOOK_S",
+    "MAX_PROMPT_CHARS",
     "AdmissionLimits",
     "Approval",
     "Batch",
@@ -60,6 +69,7 @@ __all__ = [
     "finishing_if_known",
     "format_usd",
     "live_status",
+    "lone_surrogate",
     "usd_to_micros",
 ]
 
@@ -72,6 +82,22 @@ FINISHING_LOOK_S = 0.1
 # found more asks for the whole subtree at every look.
 FINISHING_AMONG_MAX = 100
 
+# The most characters of a task's own text: a root's prompt, a child's message (a page of instructions, a
+# pasted document; the conversation, not the task's text, holds what a run reads in).
+MAX_PROMPT_CHARS = 200_000
+
+
+def lone_surrogate(text: str) -> str | None:
+    """Where `text` holds a lone surrogate, which JSON's `\\ud800` and a non-UTF-8 argument give Python but no
+    store can hold (Redis takes UTF-8, Lua's cjson refuses it): `'\\ud800' at character 3`; None when it has none."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"{text[exc.start]!a} at character {exc.start + 1}"
+    return None
+
+
+# (pydantic refuses a lone surrogate in a constrained string: "unable to parse raw data as a unicode string".)
 NonEmptyText = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
 
 
@@ -158,7 +184,7 @@ class SubtaskSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     description: NonEmptyText = Field(max_length=500)
-    message: NonEmptyText
+    message: NonEmptyText = Field(max_length=MAX_PROMPT_CHARS)
     todo_id: str | None = None
     profile: str | None = None
     budget_usd: Decimal | None = Field(default=None, gt=0, max_digits=12, decimal_places=6)

@@ -201,7 +201,7 @@ def _target(schema: Mapping[str, Any], ref: str) -> tuple[list[Any], Any] | None
         part = unquote(raw).replace("~1", "/").replace("~0", "~")
         if isinstance(node, Mapping) and part in node:
             node, where = node[part], [*where, part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+        elif isinstance(node, list) and part.isascii() and part.isdigit() and int(part) < len(node):
             node, where = node[int(part)], [*where, int(part)]
         else:
             return None

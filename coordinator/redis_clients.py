@@ -406,7 +406,7 @@ def check_redis_url(url: str) -> None:
             f"{where}: its port is not a number from 1 to 65535; if the password holds ':' or '@', {QUOTE_HINT}",
             field="SUBQ_REDIS_URL",
         )
-    if parts.path not in ("", "/") and not parts.path[1:].isdigit():
+    if parts.path not in ("", "/") and not (parts.path[1:].isascii() and parts.path[1:].isdigit()):
         raise ConfigError(f"{where}: the database after the host must be a number, as in /0", field="SUBQ_REDIS_URL")
 
 

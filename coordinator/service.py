@@ -50,6 +50,7 @@ from coordinator.inputs import (
     check_history_query,
     check_metadata,
     check_subscriptions,
+    profile_asked,
     text_field,
 )
 from coordinator.inputs import idempotency_key as check_idempotency_key
@@ -210,7 +211,7 @@ class Coordinator:
             check_schema(output_schema)
             if not run:
                 raise ValidationError(NO_RUN_NO_OUTPUT, field="output_schema")
-        profile_name = profile or self.settings.default_profile
+        profile_name = profile_asked(profile) or self.settings.default_profile
         self.settings.profile(profile_name)
         budget_micros = budgets.to_micros(budget_usd, "budget_usd")
         items = todo_lists.parse_update(todos) if todos is not None else []

@@ -183,7 +183,8 @@ def check_priority(value: object, field: str = "priority") -> int:
     """A priority (an integer 1 to 5; None: the default, 3), or a ValidationError naming `field`."""
     if value is None:
         return DEFAULT_PRIORITY
-    if isinstance(value, str) and value.strip().isdigit():
+    # (ASCII digits alone: str.isdigit also takes "²", which int() refuses, and "٣", which it reads as 3.)
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
         value = int(value.strip())
     if not isinstance(value, int) or isinstance(value, bool) or not PRIORITY_MIN <= value <= PRIORITY_MAX:
         raise ValidationError(

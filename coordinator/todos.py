@@ -40,6 +40,10 @@ __all__ = [
 ]
 
 TODO_ID_HEX_CHARS = 12  # 48 bits: unique within any plan a person could read
+# A plan is what a person reads and a parent's model keeps in its context: every update is stored whole,
+# and every write-back reads one item of it. Bounded so that one update stays a few MB at the most.
+MAX_TODO_ITEMS = 10_000
+MAX_TODO_CONTENT_CHARS = 2_000
 # The upstream grammar, `^(?:-\s*)?\[\s*([ xX\-~])\s*\]\s+(.+)$`, read in linear time: the
 # mark (group 1) is a letter or sign, or absent when the box holds only spaces, at least one
 # of them a plain space ("[ ]"; "[]" and "[\t]" are not boxes). The upstream pattern gave
@@ -263,7 +267,19 @@ def clean_content(content: str) -> str:
 
 
 def with_ids(parsed: Sequence[tuple[str, TodoStatus]]) -> list[TodoItem]:
-    """Items with ids numbered by occurrence among equal normalised contents."""
+    """Items with ids numbered by occurrence among equal normalised contents; a TodoError past the bounds."""
+    if len(parsed) > MAX_TODO_ITEMS:
+        raise TodoError(
+            f"The todo update has {len(parsed)} items; the limit is {MAX_TODO_ITEMS} (the list was left unchanged)",
+            field="todos",
+        )
+    for index, (content, _) in enumerate(parsed):
+        if len(content) > MAX_TODO_CONTENT_CHARS:
+            raise TodoError(
+                f"Todo item {index} is {len(content)} characters; the limit is {MAX_TODO_CONTENT_CHARS}"
+                " (the list was left unchanged)",
+                field=f"todos.{index}.content",
+            )
     seen: dict[str, int] = {}
     items: list[TodoItem] = []
     for content, status in parsed:

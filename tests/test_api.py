@@ -810,7 +810,16 @@ CREATE_422 = [
         "Todo item 1 has no content",
     ),
     ({"prompt": "x", "todos": {"content": "a"}}, "invalid_todos", "todos", "must be markdown text or a list"),
-]
+    # An empty name read as the default profile, which the caller did not name.
+    ({"prompt": "x", "profile": ""}, "invalid_profile", "profile", "profile must not be empty: leave it out"),
+    # str.isdigit takes these: "٣" was read as 3, and "²" failed int() past the check.
+    ({"prompt": "x", "priority": "٣"}, "invalid_input", "priority", "priority must be an integer from 1 to 5"),
+    ({"prompt": "x", "priority": "²"}, "invalid_input", "priority", "priority must be an integer from 1 to 5"),
+    ({"prompt": "x", "todos": [{"content": "a" * 2001}]}, "invalid_todos", "todos.0.content",
+     "Todo item 0 is 2001 characters; the limit is 2000"),
+    ({"prompt": "x", "todos": "[ ] a\n" * 10_001}, "invalid_todos", "todos",
+     "The todo update has 10001 items; the limit is 10000"),
+]  # fmt: skip
 
 
 def test_a_retried_create_with_the_same_key_returns_the_first_root(idle: Coordinator, idle_http: httpx.Client) -> None:
@@ -870,6 +879,9 @@ DELEGATE_422 = [
     ({"subtasks": [spec(0), spec(1, profile="gpt-9")]}, "invalid_profile", "subtasks.1.profile", "Invalid profile: gpt-9"),
     ({"subtasks": [spec(0), spec(1, todo_id="nope")]}, "invalid_todos", "subtasks.1.todo_id", "Unknown todo_id 'nope'"),
     ({"subtasks": "do it"}, "invalid_input", "subtasks", "Input should be a valid list"),
+    ({"subtasks": [spec(0), spec(1, profile="")]}, "invalid_profile", "subtasks.1.profile", "must not be empty"),
+    ({"subtasks": [spec(0), {"description": "d", "message": "m" * 200_001}]}, "invalid_input", "subtasks.1.message",
+     "subtasks.1.message: String should have at most 200000 characters"),
 ]  # fmt: skip
 
 
@@ -879,6 +891,45 @@ def test_422_delegate(
 ) -> None:
     path = f"/v1/tasks/{parent.id}/subtasks"
     assert_refused(idle, idle_http, "POST", path, 422, code, field, message, json=body)
+
+
+# A lone surrogate is valid JSON ("\\ud800") but no text: no store can hold it, and no JSON encoder writes it back.
+# It was a 500 and, for a prompt, a tenant's root counted for a tree never written (a refused root used up its
+# quota); a profile's error quoting it was a 500 too. Sent as raw bytes: httpx's own encoder cannot write one.
+SURROGATE_422 = [
+    ("POST", "/v1/tasks", b'{"prompt": "a\\ud800b"}', "invalid_input", "prompt",
+     "prompt holds a lone surrogate '\\ud800' at character 2, which is no character"),
+    ("POST", "/v1/tasks", b'{"prompt": "x", "profile": "\\ud800"}', "invalid_profile", "profile",
+     "Invalid profile: \\ud800"),
+    ("POST", "/v1/tasks/{id}/cancel", b'{"reason": "\\udc80 stop"}', "invalid_input", "reason",
+     "reason holds a lone surrogate '\\udc80' at character 1"),
+    ("POST", "/v1/tasks/{id}/subtasks", b'{"subtasks": [{"description": "d", "message": "\\ud800"}]}',
+     "invalid_input", "subtasks.0.message", "unable to parse raw data as a unicode string"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "path", "content", "code", "field", "message"), SURROGATE_422)
+def test_422_for_a_lone_surrogate(
+    idle: Coordinator,
+    idle_http: httpx.Client,
+    parent: TaskRecord,
+    method: str,
+    path: str,
+    content: bytes,
+    code: str,
+    field: str,
+    message: str,
+) -> None:
+    headers = {"Content-Type": "application/json"}
+    url = path.format(id=parent.id)
+    assert_refused(idle, idle_http, method, url, 422, code, field, message, content=content, headers=headers)
+
+
+def test_an_unknown_id_is_shown_cut(idle: Coordinator, idle_http: httpx.Client) -> None:
+    """A refused id is the caller's text, of any length: the error shows its first 80 characters."""
+    response = assert_refused(idle, idle_http, "GET", "/v1/tasks/" + "z" * 5000, 404, "not_found", "task_id")
+    assert f"Unknown id: '{'z' * 80}...' is not a subq task" in response.json()["message"]
+    assert len(response.text) < 400
 
 
 def test_422_delegate_over_the_fanout_limit(idle: Coordinator, idle_http: httpx.Client, parent: TaskRecord) -> None:

@@ -216,7 +216,11 @@ OPERATOR_ERRORS = [  # subq's own validation of an operator command: exit 1, the
     (["tree", "x" * 17], "subq: Unknown id"),
     (["history", "--status", "weird"], "subq: status must be one of active"),
     (["history", "--limit", "0"], "subq: limit must be between 1 and 500"),
-    (["history", "--cursor", "-1"], "subq: cursor must not be negative"),
+    (["history", "--cursor", "-1"], "subq: cursor must be between 0 and 9007199254740992"),
+    (["history", "--cursor", "9" * 30], "subq: cursor must be between 0 and 9007199254740992"),
+    (["run", "p", "--profile", ""], "subq: profile must not be empty: leave it out for the default profile"),
+    # An argument that is not UTF-8 reaches Python as lone surrogates: a traceback, and a tenant's root counted.
+    (["run", "a\udced\udca0\udc80"], "subq: prompt holds a lone surrogate '\\udced' at character 2"),
     (["history", "--root", "nope"], "subq: Unknown id: 'nope'"),
     (["export", UNKNOWN, "{new_dir}"], f"subq: Unknown task: {UNKNOWN}"),
     (["export", "not-an-id", "{new_dir}"], "subq: Unknown id: 'not-an-id'"),

@@ -131,6 +131,12 @@ BAD_SUBMISSIONS: list[tuple[str, tuple[Any, ...], dict[str, Any], str, str, str]
      "invalid_input", "idempotency_key", "idempotency_key: Input should be a valid string"),
     ("idempotency key too long", (), {"prompt": "p", "idempotency_key": "k" * 201},
      "invalid_input", "idempotency_key", "idempotency_key is 201 characters; the limit is 200"),
+    # A lone surrogate (JSON's "\\ud800") is no text: it raised past the result, after a tenant's root was counted.
+    ("prompt with a lone surrogate", (), {"prompt": "a\ud800"},
+     "invalid_input", "prompt", "prompt holds a lone surrogate '\\ud800' at character 2"),
+    ("profile empty", (), {"prompt": "p", "profile": ""}, "invalid_profile", "profile", "profile must not be empty"),
+    ("spec message too long", (), {"prompt": "p", "run": False, "subtasks": [_spec(message="m" * 200_001)]},
+     "invalid_input", "subtasks.0.message", "String should have at most 200000 characters"),
 ]  # fmt: skip
 
 

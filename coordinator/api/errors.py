@@ -33,7 +33,7 @@ from coordinator.errors import (
     ValidationError,
     WaitTimeout,
 )
-from coordinator.inputs import error_message, error_path
+from coordinator.inputs import error_message, error_path, visible_text
 
 __all__ = [
     "BODY_TOO_LARGE",
@@ -112,7 +112,9 @@ def status_of(exc: SubqError) -> int:
 def error_response(
     status_code: int, code: str, message: str, field: str | None = None, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
-    body = ErrorBody(code=code, message=message, field=field)
+    # A message quotes what was refused, which may hold a lone surrogate (JSON's "\\ud800"): no JSON encoder writes
+    # one, so it goes as its escape, as does any other character a terminal would act on.
+    body = ErrorBody(code=code, message=visible_text(message), field=visible_text(field) if field else field)
     return JSONResponse(body.model_dump(mode="json"), status_code=status_code, headers=dict(headers or {}))
 
 

@@ -45,7 +45,7 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+        if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > self.max_body_bytes:
             await self._refuse(scope, receive, send)
             return
         chunks: list[bytes] = []

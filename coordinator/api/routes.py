@@ -22,7 +22,15 @@ from coordinator.api.errors import error_responses
 from coordinator.api.schemas import CreatedTask, DelegationResult, HistoryPage, MessageList, TodoList, TodosUpdated
 from coordinator.errors import ValidationError
 from coordinator.ids import ROOT_ID_PATTERN
-from coordinator.inputs import META_PREFIX, CreateTaskInput, DelegateInput, TodosInput, finishing_among, meta_filter
+from coordinator.inputs import (
+    MAX_CURSOR,
+    META_PREFIX,
+    CreateTaskInput,
+    DelegateInput,
+    TodosInput,
+    finishing_among,
+    meta_filter,
+)
 from coordinator.models import FINISHING_AMONG_MAX, FinishingRuns, TaskRecord, TaskStatus
 from coordinator.service import DEFAULT_PAGE, MAX_PAGE, Coordinator
 from coordinator.todos import ignored_lines
@@ -34,9 +42,6 @@ __all__ = ["TaskId", "reject_unknown_query", "task_routes"]
 # the caller's own keys, so OpenAPI cannot list them): the history.
 META_FILTERED_ROUTES = frozenset({"list_tasks"})
 # A root id is 16 hex digits (coordinator/ids.py); the history filter takes only roots.
-# Cursors are offsets into a Redis sorted set: keep them within a JSON-safe integer
-# (a larger one would reach Redis as an out-of-range index).
-MAX_CURSOR = 2**53
 
 TaskId = Annotated[
     str,

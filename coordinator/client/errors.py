@@ -51,7 +51,7 @@ def error_of(response: httpx.Response) -> SubqError:
     error = error_from(body, response.status_code, f"HTTP {response.status_code}: {response.text[:200]}")
     if isinstance(error, error_tree.QuotaExceeded):  # the quota's reset, as the server's Retry-After says
         after = response.headers.get("Retry-After", "")
-        error.retry_after_s = int(after) if after.isdigit() else 0
+        error.retry_after_s = int(after) if after.isascii() and after.isdigit() else 0
     return error
 
 

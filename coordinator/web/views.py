@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from coordinator import ids
 from coordinator.errors import ValidationError
-from coordinator.inputs import meta_pairs, visible_text
+from coordinator.inputs import MAX_CURSOR, meta_pairs, visible_text
 from coordinator.models import Approval, Delivery, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem
 from coordinator.service import MAX_PAGE, Coordinator
 from coordinator.tenants import check_tenant_name
@@ -58,9 +58,9 @@ MAX_TEXT_CHARS = 200
 # A tool call as the approval box and its confirmation show it: long enough for any
 # command an operator should approve by reading it; past it, a marker says how much is cut.
 MAX_CALL_CHARS = 2_000
+# The first day a filter takes: the epoch's, as the history's times count from it.
+FIRST_DAY = dt.date(1970, 1, 1)
 ROOT_FILTER_PARAMS = ("status", "q", "meta", "tenant", "since", "until", "cursor", "limit")
-# The history index holds cursor offsets; above this an offset cannot be a real position.
-MAX_CURSOR = 2**53
 
 
 @dataclass(frozen=True)
@@ -139,16 +139,23 @@ def _date(params: Mapping[str, str], name: str) -> dt.date | None:
     if not value:
         return None
     try:
-        return dt.date.fromisoformat(value)
+        day = dt.date.fromisoformat(value)
     except ValueError:
         raise ValidationError(f"{name} must be a date as YYYY-MM-DD, not {value!r}", field=name) from None
+    # (A day past the last one Python counts to has no end: `until` reads up to the next day's start.)
+    if not FIRST_DAY <= day < dt.date.max:
+        raise ValidationError(
+            f"{name} must be a date from {FIRST_DAY} to {dt.date.max - dt.timedelta(days=1)}", field=name
+        )
+    return day
 
 
 def _integer(params: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
     value = params.get(name, "").strip()
     if not value:
         return default
-    if not value.isdigit() or not low <= int(value) <= high:
+    # (ASCII digits alone: str.isdigit also takes "²" and "٣", which int() refuses or reads as another number.)
+    if not (value.isascii() and value.isdigit()) or not low <= int(value) <= high:
         raise ValidationError(f"{name} must be a whole number from {low} to {high}, not {value!r}", field=name)
     return int(value)
 
