@@ -1,12 +1,12 @@
 """A configuration file an operator edits while subq runs: SUBQ_API_KEYS_FILE, SUBQ_TENANTS_FILE.
 
-`read_table` reads one as a TOML (`.toml`) or JSON table, its errors one line naming the
-setting and the file. `ReloadingFile` holds what the file parsed to and takes an edit up
-without a restart: each look stats the file (one `stat`, no read) and parses it again only
-when its modification time, size or inode changed, one thread at a time. What a file that no
-longer parses stands for is its owner's choice: the keys file fails closed (no key of it
-holds, coordinator/access.py), the tenants file keeps the last table that parsed
-(coordinator/tenants.py). The error is logged once per change of the file, not at each look.
+`read_table` reads one as a TOML (`.toml`) or JSON table, its errors one line naming the setting
+and the file (one unreadable, not UTF-8, malformed or nested too deep alike). `ReloadingFile` holds
+what the file parsed to and takes an edit up without a restart: each look stats the file (one
+`stat`, no read) and parses it again only when its modification time, size or inode changed, one
+thread at a time. What a file that no longer parses stands for is its owner's choice: the keys file
+fails closed (no key of it holds, coordinator/access.py), the tenants file keeps the last table that
+parsed (coordinator/tenants.py). The error is logged once per change of the file, not at each look.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-__all__ = ["MISSING", "ReloadingFile", "Stamp", "read_table", "stamp_of"]
+__all__ = ["MISSING", "ReloadingFile", "Stamp", "read_data", "read_table", "stamp_of"]
 
 T = TypeVar("T")
 
@@ -40,6 +40,27 @@ def stamp_of(path: Path) -> Stamp:
     return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
+def read_data(path: Path) -> Any:
+    """The data of a TOML (`.toml`) or JSON file, a one-line ValueError saying why not otherwise.
+
+    Every way a file can fail is a ValueError: what calls it (a reload among them) catches that
+    one type, and anything else would pass as a crash (a 500 on each request reading the file).
+    """
+    kind = "TOML" if path.suffix == ".toml" else "JSON"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read it: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})") from None
+    try:
+        return tomllib.loads(text) if kind == "TOML" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not valid {kind}: {exc}") from None
+    except RecursionError:  # both parsers recurse once a level: '[' * 100000 runs out of stack first
+        raise ValueError(f"not valid {kind}: nested too deep") from None
+
+
 def read_table(path: Path, where: str, wrapper: str) -> Any:
     """The data of a TOML (`.toml`) or JSON file, a ValueError starting with `where` otherwise.
 
@@ -47,13 +68,9 @@ def read_table(path: Path, where: str, wrapper: str) -> Any:
     tables in TOML read as well as `[<name>]` ones).
     """
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ValueError(f"{where}: cannot read it: {exc.strerror}") from None
-    try:
-        data: Any = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{where}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'}: {exc}") from None
+        data = read_data(path)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
     if isinstance(data, dict) and isinstance(data.get(wrapper), dict) and len(data) == 1:
         return data[wrapper]
     return data

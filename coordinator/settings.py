@@ -13,7 +13,6 @@ import json
 import os
 import re
 import ssl
-import tomllib
 from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
@@ -37,6 +36,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from coordinator.access import ApiKeySpec, check_distinct, parse_keys, read_keys_file
+from coordinator.config_file import read_data
 from coordinator.errors import ConfigError, ProfileError
 from coordinator.output_schema import schema_problem
 from coordinator.subscriptions import HOST_NAME_RE, check_webhook_events, check_webhook_secret, check_webhook_url
@@ -534,24 +534,34 @@ class NotifySink(BaseModel):
         return None if secret is None else secret.get_secret_value()
 
 
-def _json_table(value: object) -> object:
-    """SUBQ_API_KEYS' or SUBQ_TENANTS' text as the table it holds ('' or blanks: none), any other value as given.
+def _loads(text: str) -> Any:
+    """`json.loads`, with JSON nested too deep for it ('[' * 100000) a ValueError like any other bad JSON:
+    pydantic turns a ValueError into one line naming the setting, and lets a RecursionError out as a traceback."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("not valid JSON: nested too deep") from None
 
-    Parsed by their own validators, not by pydantic-settings' JSON decoding, so a bad value is one line
-    naming the key or the tenant (and bad JSON one line too)."""
+
+def _json_table(value: object) -> object:
+    """A JSON table setting's text (SUBQ_API_KEYS, SUBQ_TENANTS, SUBQ_PROFILES, SUBQ_PROVIDER_RPM) as the table
+    it holds ('' or blanks: none), any other value as given.
+
+    Parsed here, not by pydantic-settings' JSON decoding (NoDecode), whose error on bad JSON is a SettingsError
+    traceback naming no variable: here bad JSON is one line naming the setting, like any other bad value."""
     if not isinstance(value, str):
         return value
     if not value.strip():
         return {}
     try:
-        return json.loads(value)
+        return _loads(value)
     except json.JSONDecodeError as exc:
         raise ValueError(f"not valid JSON: {exc}") from None
 
 
 def _notify(value: object) -> object:
     if isinstance(value, str):
-        value = json.loads(value) if value.strip() else []
+        value = _loads(value) if value.strip() else []
     return value
 
 
@@ -559,7 +569,7 @@ def _webhook_allow(value: object) -> object:
     """`SUBQ_WEBHOOK_ALLOW`: host names and addresses or networks (`127.0.0.1`, `10.0.0.0/8`, `hooks.corp`),
     comma-separated or a JSON list, that a webhook may reach although private."""
     if isinstance(value, str):
-        value = json.loads(value) if value.lstrip().startswith("[") else [w.strip() for w in value.split(",")]
+        value = _loads(value) if value.lstrip().startswith("[") else [w.strip() for w in value.split(",")]
     if not isinstance(value, list):
         return value
     entries = [str(entry).strip() for entry in value if str(entry).strip()]
@@ -625,8 +635,11 @@ class Settings(BaseSettings):
     max_running_per_parent: int = Field(default=0, ge=0)
     max_running_per_root: int = Field(default=0, ge=0)
     start_stagger_ms: int = Field(default=0, ge=0)
-    # Requests per minute per model provider ("anthropic", "openai", "offline"), fleet-wide.
-    provider_rpm: dict[str, int] = Field(default_factory=dict)
+    # Requests per minute per model provider ("anthropic", "openai", "offline"), fleet-wide; 0: no limit
+    # (admission.wait_for_rate). A negative one would break the rate script's arithmetic on every request.
+    provider_rpm: Annotated[dict[str, Annotated[int, Field(ge=0)]], NoDecode, BeforeValidator(_json_table)] = Field(
+        default_factory=dict
+    )
     # The backoff between two tries of a provider's endpoint (renamed: also read under its old variable).
     model_backoff_base_s: float = Field(
         default=DEFAULT_MODEL_BACKOFF_BASE_S, ge=0, validation_alias=_renamed("SUBQ_MODEL_BACKOFF_BASE_S", RENAMED_SETTINGS),
@@ -653,7 +666,7 @@ class Settings(BaseSettings):
     api_open_requests_per_min: int = Field(default=DEFAULT_API_OPEN_REQUESTS_PER_MIN, ge=1)
     api_auth_attempts_per_min: int = Field(default=DEFAULT_API_AUTH_ATTEMPTS_PER_MIN, ge=1)
     default_profile: str = OFFLINE_PROFILE
-    profiles: dict[str, Profile] = Field(default_factory=dict)
+    profiles: Annotated[dict[str, Profile], NoDecode, BeforeValidator(_json_table)] = Field(default_factory=dict)
     profiles_file: Path | None = None
     # The profiles read from profiles_file (and not replaced by SUBQ_PROFILES): where each came from.
     _from_file: frozenset[str] = PrivateAttr(default=frozenset())
@@ -693,7 +706,7 @@ class Settings(BaseSettings):
     @classmethod
     def _split_hidden_paths(cls, value: object) -> object:
         if isinstance(value, str):  # a JSON list (as subq passes settings on to its workers), or a:b:c
-            value = json.loads(value) if value.startswith("[") else [part for part in value.split(os.pathsep) if part]
+            value = _loads(value) if value.startswith("[") else [part for part in value.split(os.pathsep) if part]
         if isinstance(value, list) and any(not Path(str(path)).is_absolute() for path in value):
             raise ValueError("every path must be absolute")
         return value
@@ -703,7 +716,7 @@ class Settings(BaseSettings):
     def _check_sandbox_resolve(cls, value: object) -> object:
         if isinstance(value, str):
             try:
-                value = json.loads(value) if value.strip() else {}
+                value = _loads(value) if value.strip() else {}
             except json.JSONDecodeError as exc:
                 raise ValueError(f'not JSON ({exc.msg}); give {{"name": "address"}}') from None
         if not isinstance(value, dict):
@@ -802,6 +815,14 @@ class Settings(BaseSettings):
     def _unset_port(cls, port: object) -> object:
         return None if isinstance(port, str) and not port.strip() else port  # `VAR=` in an env file: unset
 
+    @field_validator("redis_tls_ca_file", "redis_tls_cert_file", "redis_tls_key_file", mode="wrap")
+    @classmethod
+    def _check_tls_file(cls, path: object, handler: pydantic.ValidatorFunctionWrapHandler) -> object:
+        try:
+            return handler(path)
+        except OSError as exc:  # FilePath's is_file() lets some out (a name too long) where others say "no file"
+            raise ValueError(f"cannot read it: {exc.strerror}") from None
+
     @model_validator(mode="after")
     def _check(self) -> Self:
         if self.worker_metrics_port is not None and self.worker_pool == "prefork":
@@ -837,7 +858,7 @@ class Settings(BaseSettings):
                 err = exc.errors()[0]
                 where = ".".join(str(p) for p in err["loc"])
                 raise ValueError(f"SUBQ_PROFILES_FILE: {self.profiles_file}: {where}: {err['msg']}") from None
-            except (ValueError, tomllib.TOMLDecodeError) as exc:
+            except ValueError as exc:
                 raise ValueError(f"SUBQ_PROFILES_FILE: {self.profiles_file}: {exc}") from None
             object.__setattr__(self, "profiles", {**from_file, **self.profiles})
         # The keys file is read at start, so a bad one stops the start (then again on every change).
@@ -1048,7 +1069,7 @@ def _sentinel_addresses(sentinels: str) -> list[tuple[str, int]]:
     for part in parts:
         host, colon, port = part.rpartition(":")
         host = host.removeprefix("[").removesuffix("]")  # [::1]:26379
-        if not part or not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not part or not colon or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
             raise ValueError(f"{part!r} is not host:port (e.g. {SENTINEL_EXAMPLE})")
         addresses.append((host, int(port)))
     return addresses
@@ -1078,11 +1099,7 @@ def _fallback_cycle(start: str, profiles: dict[str, Profile]) -> list[str]:
 
 
 def _read_profiles_file(path: Path) -> dict[str, Profile]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ValueError(f"cannot read it: {exc.strerror}") from None
-    data: Any = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    data = read_data(path)  # a ValueError for a file unreadable, not UTF-8, malformed or nested too deep
     raw = data.get("profiles", data) if isinstance(data, dict) else data
     if not isinstance(raw, dict):
         raise ValueError("it must hold a table of profiles")
