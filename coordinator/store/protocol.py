@@ -1868,6 +1868,27 @@ class TenantSubmit(
 
 
 @dataclass(frozen=True, kw_only=True)
+class PruneRoots(
+    Call[int],
+    script="prune_roots",
+    returns="how many roots were taken out.",
+):
+    roots: str = key("the tenant's running roots zset (root id -> ms)")
+    tasks: Sequence[str] = keys("the task hash of each root of ARGV's triples, in their order")
+    retention_s: int = arg("retention seconds (the running roots zset's lifetime)")
+    now_ms: float = arg("now ms: the new score of each root counted anew")
+    n_ended: int = count("how many roots the prune read as ended", of="ended")
+    ended: Sequence[tuple[str, float, str]] = args(
+        "3 per root read as ended: its id, its score as read, its status as read ('' for no record)"
+    )
+    long_running: Sequence[str] = args("then the roots read as running, counted long ago: counted anew at now")
+
+    @classmethod
+    def decode(cls, raw: Any) -> int:
+        return int(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
 class TenantSpend(
     Call[int],
     script="tenant_spend",

@@ -5,7 +5,8 @@ cost is counted as the run takes its response (tenant_spend.lua, into the tenant
 buckets, once per request key). Roots that ended are taken out of the running set lazily, before
 each check and each read: a root's end happens inside its tree's scripts, in another
 slot, and an ended root never runs again, so taking it out late only delays a place
-being freed until the next submit or read looks.
+being freed until the next submit or read looks. A retry runs one again, counted again first: the
+removal (prune_roots.lua) takes a root out only while it is still as the prune read it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import NamedTuple
 from coordinator.replies import QuotaVerdict
 from coordinator.store.base import Part, _scored, _str_map, translate_redis_errors
 from coordinator.store.fields import TaskField
-from coordinator.store.protocol import TenantSpend, TenantSubmit
+from coordinator.store.protocol import PruneRoots, TenantSpend, TenantSubmit
 from coordinator.timeline import OUTCOMES
 
 __all__ = ["HOUR_MS", "QuotaStore", "TenantUsage"]
@@ -136,10 +137,18 @@ class QuotaStore(Part):
     def prune_roots(self, tenant: str) -> int:
         """Take the tenant's roots that ended (or expired, or whose submit died before it wrote them) out of its
         running set; how many still run."""
+        counted, prune = self.read_prune(tenant)
+        return counted - (self.apply_prune(prune) if prune else 0)
+
+    @translate_redis_errors
+    def read_prune(self, tenant: str) -> tuple[int, PruneRoots | None]:
+        """The read half of `prune_roots`: how many roots are counted, and the script that takes out those read
+        as ended (None: nothing to write, the common case). The script takes a root out only while its score and
+        status are still as read here: a retry may count it again and run it in between (prune_roots.lua)."""
         key = self.keys.tenant_roots(tenant)
         counted = _scored(self.client.zrange(key, 0, -1, withscores=True))  # root id -> ms it was counted at
         if not counted:
-            return 0
+            return 0, None
         pipe = self.client.pipeline(transaction=False)
         for root in counted:
             pipe.hmget(self.keys.task(root, root), TaskField.STATUS, TaskField.FINISHED_AT)
@@ -147,7 +156,7 @@ class QuotaStore(Part):
         now_ms = time.time() * 1000
         unwritten_before_ms = now_ms - UNWRITTEN_ROOT_GRACE_MS
         ended = [
-            root
+            (root, counted_ms, status or "")
             for (root, counted_ms), (status, finished_at) in zip(counted.items(), found, strict=True)
             if (status in _ENDED and not _retry_counted(counted_ms, finished_at, unwritten_before_ms))
             or (status is None and counted_ms < unwritten_before_ms)
@@ -158,20 +167,26 @@ class QuotaStore(Part):
         # for its retry's step: counted anew, it would be kept at every count. XX: one that ended meanwhile and
         # was taken out stays out.)
         stale_before_ms = now_ms - self.retention_s * 500
-        long_running = {
-            root: now_ms
+        long_running = [
+            root
             for (root, counted_ms), (status, _) in zip(counted.items(), found, strict=True)
             if status and status not in _ENDED and counted_ms < stale_before_ms
-        }
-        if ended or long_running:
-            pipe = self.client.pipeline(transaction=False)
-            if ended:
-                pipe.zrem(key, *ended)
-            if long_running:
-                pipe.zadd(key, long_running, xx=True)
-                pipe.expire(key, self.retention_s)
-            pipe.execute()
-        return len(counted) - len(ended)
+        ]
+        if not ended and not long_running:
+            return len(counted), None
+        return len(counted), PruneRoots(
+            roots=key,
+            tasks=[self.keys.task(root, root) for root, _, _ in ended],
+            retention_s=self.retention_s,
+            now_ms=now_ms,
+            ended=ended,
+            long_running=long_running,
+        )
+
+    @translate_redis_errors
+    def apply_prune(self, prune: PruneRoots) -> int:
+        """The write half of `prune_roots`: how many roots it took out."""
+        return self.scripts(prune)
 
     @translate_redis_errors
     def usage(self, tenant: str, now_ms: int | None = None) -> TenantUsage:
