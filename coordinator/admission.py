@@ -92,13 +92,14 @@ def must_wait(
     """The start found no slot ('wait': it is on its tree's admission list; 'park': among its tenant's parked
     runs, `parked_for` why, and `admitted` the parked runs given the slot instead) or a stagger (`delay_ms`:
     restart it then)."""
-    if delay_ms:
-        dispatch.publish_restart(plane.app, task, countdown_s=delay_ms / 1000)
+    # Said before the restart is published: its run may write `running` first, which a later `queued` would cover.
     if parked_for:
         reason = f"tenant {task.tenant} {PARKED_FOR.get(parked_for, parked_for)}"
         plane.store.events.set_live(task, "queued", waiting_for="admission", reason=reason)
     else:
         plane.store.events.set_live(task, "queued")
+    if delay_ms:
+        dispatch.publish_restart(plane.app, task, countdown_s=delay_ms / 1000)
     if admitted:
         started_again(plane, admitted)
 

@@ -152,5 +152,6 @@ def wake(plane: Plane, task_id: str) -> None:
         plane.store.convergence.add_timer(timer(task_id), time.time() + plane.settings.reconcile_grace_s, later=True)
         return
     plane.store.convergence.watch([task_id], plane.settings.reconcile_grace_s)  # first: a lost publish is redone
-    dispatch.publish_restart(plane.app, record)
+    # Said before the publish: the run it starts may write `running` first, which a later `queued` would cover.
     plane.store.events.set_live(record, "queued")
+    dispatch.publish_restart(plane.app, record)

@@ -375,9 +375,9 @@ def test_a_chain_lists_each_fallback_after_its_profile_once(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("then", ["wake", "cancel"])
 def test_a_long_wait_parks_the_run_on_a_timer_and_the_task_goes_on_or_stops_from_there(
-    settings: Settings, primary: ModelServer, then: str
+    settings: Settings, primary: ModelServer, then: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from coordinator import endpoints
+    from coordinator import dispatch, endpoints
 
     local = in_process(settings, {"main": profile(primary.base_url, primary.key, model_wait_out_s=120)}, f"park{then}")
     coord = Coordinator(local)
@@ -412,7 +412,17 @@ def test_a_long_wait_parks_the_run_on_a_timer_and_the_task_goes_on_or_stops_from
         # Another run's probe finds the endpoint back: the parked run's timer comes due now, not in 30 s.
         endpoints.recovered(coord.plane, f"127.0.0.1:{primary.port}", "openai:test-model")
         assert timer in coord.store.convergence.due_timers(1000)
+        # The run the wake publishes may start and say `running` at once: `queued` must be said before it is sent,
+        # or it lands on top of `running` (the live status read at the publish is kept, and the publish made).
+        publish, live_at_publish = dispatch.publish_restart, []
+
+        def publish_restart(*args: Any, **kwargs: Any) -> Any:
+            live_at_publish.append(_live_state(coord, task.id))
+            return publish(*args, **kwargs)
+
+        monkeypatch.setattr(dispatch, "publish_restart", publish_restart)
         endpoints.wake(coord.plane, task.id)  # the reconciler serves it
+        assert live_at_publish == ["queued"]
         assert coord.client.llen("subq-nobody") == queued_before + 1, "its run is published again"
         assert task.id in coord.store.convergence.watched(), "watched again, should that message be lost"
         done = run_child(runtime, task.id)  # the worker that takes the message
