@@ -91,7 +91,9 @@ class ConvergenceStore(Part):
         """`watch([task_id], after_s)`, answering what `rewatch` puts back when the step the watch was for is
         refused: when the task was due before (None: it was not on the list), and the time this watch wrote."""
         at = time.time() + after_s
-        pipe = self.client.pipeline(transaction=False)
+        # One transaction: another watch of the task between the read and the write (two delegations of one caller
+        # task at once) would leave this one answering a place it did not find, and `rewatch` put back the wrong one.
+        pipe = self.client.pipeline(transaction=True)
         pipe.zscore(self.keys.due(), task_id)
         pipe.zadd(self.keys.due(), {task_id: at})
         due_before: float | None = pipe.execute()[0]
