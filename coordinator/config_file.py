@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-__all__ = ["MISSING", "ReloadingFile", "Stamp", "read_data", "read_table", "stamp_of"]
+__all__ = ["MISSING", "ReloadingFile", "Stamp", "json_value", "read_data", "read_table", "stamp_of"]
 
 T = TypeVar("T")
 
@@ -40,6 +40,15 @@ def stamp_of(path: Path) -> Stamp:
     return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
+def json_value(text: str) -> Any:
+    """`json.loads`, with JSON nested too deep for it ('[' * 100000) a ValueError like any other bad JSON, not a
+    RecursionError, which gets past every caller's `except ValueError` (pydantic's too) as a traceback."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("not valid JSON: nested too deep") from None
+
+
 def read_data(path: Path) -> Any:
     """The data of a TOML (`.toml`) or JSON file, a one-line ValueError saying why not otherwise.
 
@@ -54,10 +63,10 @@ def read_data(path: Path) -> Any:
     except UnicodeDecodeError as exc:
         raise ValueError(f"not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})") from None
     try:
-        return tomllib.loads(text) if kind == "TOML" else json.loads(text)
+        return tomllib.loads(text) if kind == "TOML" else json_value(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"not valid {kind}: {exc}") from None
-    except RecursionError:  # both parsers recurse once a level: '[' * 100000 runs out of stack first
+    except RecursionError:  # tomllib recurses once a level too: '[' * 100000 runs out of stack first
         raise ValueError(f"not valid {kind}: nested too deep") from None
 
 

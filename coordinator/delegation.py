@@ -94,7 +94,7 @@ def check_subtasks(plane: Plane, subtasks: Sequence[SubtaskSpec | dict[str, Any]
             path = error_path(err, ("subtasks", index))
             raise ValidationError(f"{path}: {error_message(err)}", field=path) from None
         if parsed.profile is not None:
-            profile_asked(parsed.profile, f"subtasks.{index}.profile")
+            profile_asked(parsed.profile, f"subtasks.{index}.profile", "the parent's profile")
             try:
                 plane.settings.profile(parsed.profile)
             except ValidationError as exc:

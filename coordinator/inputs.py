@@ -39,7 +39,6 @@ from coordinator.models import (
     SubtaskSpec,
     TaskStatus,
     TodoStatus,
-    lone_surrogate,
     usd_to_micros,
 )
 from coordinator.output_schema import NO_RUN_NO_OUTPUT, OutputSchema, SchemaProblem
@@ -52,6 +51,7 @@ from coordinator.tenants import (
     check_priority,
     check_tenant_name,
 )
+from coordinator.text import lone_surrogate
 
 __all__ = [
     "DEFAULT_PAGE",
@@ -132,11 +132,11 @@ def text_field(value: object, field: str, max_chars: int) -> str:
     return value
 
 
-def profile_asked(profile: str | None, field: str = "profile") -> str | None:
-    """A profile's name as asked, or None for the default; an empty name is a ProfileError naming `field` (it
-    would have read as the default, which the caller did not name)."""
+def profile_asked(profile: str | None, field: str = "profile", left_out: str = "the default profile") -> str | None:
+    """A profile's name as asked, or None when left out (for `left_out`); an empty name is a ProfileError naming
+    `field`: it would have read as `left_out`, which the caller did not name."""
     if profile is not None and not profile.strip():
-        raise ProfileError(f"{field} must not be empty: leave it out for the default profile", field=field)
+        raise ProfileError(f"{field} must not be empty: leave it out for {left_out}", field=field)
     return profile
 
 

@@ -69,7 +69,6 @@ __all__ = [
     "finishing_if_known",
     "format_usd",
     "live_status",
-    "lone_surrogate",
     "usd_to_micros",
 ]
 
@@ -85,17 +84,6 @@ FINISHING_AMONG_MAX = 100
 # The most characters of a task's own text: a root's prompt, a child's message (a page of instructions, a
 # pasted document; the conversation, not the task's text, holds what a run reads in).
 MAX_PROMPT_CHARS = 200_000
-
-
-def lone_surrogate(text: str) -> str | None:
-    """Where `text` holds a lone surrogate, which JSON's `\\ud800` and a non-UTF-8 argument give Python but no
-    store can hold (Redis takes UTF-8, Lua's cjson refuses it): `'\\ud800' at character 3`; None when it has none."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return f"{text[exc.start]!a} at character {exc.start + 1}"
-    return None
-
 
 # (pydantic refuses a lone surrogate in a constrained string: "unable to parse raw data as a unicode string".)
 NonEmptyText = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]

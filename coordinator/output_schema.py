@@ -31,6 +31,7 @@ from urllib.parse import unquote
 from pydantic import BeforeValidator, WithJsonSchema
 
 from coordinator.errors import ValidationError as SubqValidationError
+from coordinator.text import ascii_digits
 
 if TYPE_CHECKING:
     from jsonschema.exceptions import SchemaError, ValidationError
@@ -201,7 +202,7 @@ def _target(schema: Mapping[str, Any], ref: str) -> tuple[list[Any], Any] | None
         part = unquote(raw).replace("~1", "/").replace("~0", "~")
         if isinstance(node, Mapping) and part in node:
             node, where = node[part], [*where, part]
-        elif isinstance(node, list) and part.isascii() and part.isdigit() and int(part) < len(node):
+        elif isinstance(node, list) and ascii_digits(part) and int(part) < len(node):
             node, where = node[int(part)], [*where, int(part)]
         else:
             return None

@@ -71,6 +71,7 @@ from redis.utils import str_if_bytes
 
 from coordinator.errors import ConfigError
 from coordinator.settings import Settings
+from coordinator.text import ascii_digits
 
 __all__ = [
     "FAILOVER_RETRIES",
@@ -406,7 +407,7 @@ def check_redis_url(url: str) -> None:
             f"{where}: its port is not a number from 1 to 65535; if the password holds ':' or '@', {QUOTE_HINT}",
             field="SUBQ_REDIS_URL",
         )
-    if parts.path not in ("", "/") and not (parts.path[1:].isascii() and parts.path[1:].isdigit()):
+    if parts.path not in ("", "/") and not ascii_digits(parts.path[1:]):
         raise ConfigError(f"{where}: the database after the host must be a number, as in /0", field="SUBQ_REDIS_URL")
 
 

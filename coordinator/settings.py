@@ -36,7 +36,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from coordinator.access import ApiKeySpec, check_distinct, parse_keys, read_keys_file
-from coordinator.config_file import read_data
+from coordinator.config_file import json_value, read_data
 from coordinator.errors import ConfigError, ProfileError
 from coordinator.output_schema import schema_problem
 from coordinator.subscriptions import HOST_NAME_RE, check_webhook_events, check_webhook_secret, check_webhook_url
@@ -49,6 +49,7 @@ from coordinator.tenants import (
     parse_tenants,
     read_tenants_file,
 )
+from coordinator.text import ascii_digits
 
 __all__ = [
     "DEFAULT_PRICED_AS",
@@ -534,15 +535,6 @@ class NotifySink(BaseModel):
         return None if secret is None else secret.get_secret_value()
 
 
-def _loads(text: str) -> Any:
-    """`json.loads`, with JSON nested too deep for it ('[' * 100000) a ValueError like any other bad JSON:
-    pydantic turns a ValueError into one line naming the setting, and lets a RecursionError out as a traceback."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ValueError("not valid JSON: nested too deep") from None
-
-
 def _json_table(value: object) -> object:
     """A JSON table setting's text (SUBQ_API_KEYS, SUBQ_TENANTS, SUBQ_PROFILES, SUBQ_PROVIDER_RPM) as the table
     it holds ('' or blanks: none), any other value as given.
@@ -554,14 +546,14 @@ def _json_table(value: object) -> object:
     if not value.strip():
         return {}
     try:
-        return _loads(value)
+        return json_value(value)
     except json.JSONDecodeError as exc:
         raise ValueError(f"not valid JSON: {exc}") from None
 
 
 def _notify(value: object) -> object:
     if isinstance(value, str):
-        value = _loads(value) if value.strip() else []
+        value = json_value(value) if value.strip() else []
     return value
 
 
@@ -569,7 +561,7 @@ def _webhook_allow(value: object) -> object:
     """`SUBQ_WEBHOOK_ALLOW`: host names and addresses or networks (`127.0.0.1`, `10.0.0.0/8`, `hooks.corp`),
     comma-separated or a JSON list, that a webhook may reach although private."""
     if isinstance(value, str):
-        value = _loads(value) if value.lstrip().startswith("[") else [w.strip() for w in value.split(",")]
+        value = json_value(value) if value.lstrip().startswith("[") else [w.strip() for w in value.split(",")]
     if not isinstance(value, list):
         return value
     entries = [str(entry).strip() for entry in value if str(entry).strip()]
@@ -706,7 +698,7 @@ class Settings(BaseSettings):
     @classmethod
     def _split_hidden_paths(cls, value: object) -> object:
         if isinstance(value, str):  # a JSON list (as subq passes settings on to its workers), or a:b:c
-            value = _loads(value) if value.startswith("[") else [part for part in value.split(os.pathsep) if part]
+            value = json_value(value) if value.startswith("[") else [part for part in value.split(os.pathsep) if part]
         if isinstance(value, list) and any(not Path(str(path)).is_absolute() for path in value):
             raise ValueError("every path must be absolute")
         return value
@@ -716,7 +708,7 @@ class Settings(BaseSettings):
     def _check_sandbox_resolve(cls, value: object) -> object:
         if isinstance(value, str):
             try:
-                value = _loads(value) if value.strip() else {}
+                value = json_value(value) if value.strip() else {}
             except json.JSONDecodeError as exc:
                 raise ValueError(f'not JSON ({exc.msg}); give {{"name": "address"}}') from None
         if not isinstance(value, dict):
@@ -1069,7 +1061,7 @@ def _sentinel_addresses(sentinels: str) -> list[tuple[str, int]]:
     for part in parts:
         host, colon, port = part.rpartition(":")
         host = host.removeprefix("[").removesuffix("]")  # [::1]:26379
-        if not part or not colon or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        if not part or not colon or not host or not ascii_digits(port) or not 0 < int(port) < 65536:
             raise ValueError(f"{part!r} is not host:port (e.g. {SENTINEL_EXAMPLE})")
         addresses.append((host, int(port)))
     return addresses

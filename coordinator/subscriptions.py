@@ -38,6 +38,7 @@ from pydantic import (
 )
 
 from coordinator.errors import ValidationError
+from coordinator.text import lone_surrogate
 
 __all__ = [
     "CALLBACK_HOOK",
@@ -99,6 +100,8 @@ HOST_NAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A
 def check_webhook_url(url: str) -> str:
     if len(url) > MAX_URL_CHARS:
         raise ValueError(f"is {len(url)} characters; the limit is {MAX_URL_CHARS}")
+    if (where := lone_surrogate(url)) is not None:  # no request line can carry it, nor a JSON answer show it
+        raise ValueError(f"holds a lone surrogate {where}, which is no character")
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018  (a bad port raises here)

@@ -38,6 +38,7 @@ from pydantic import ValidationError as PydanticError
 
 from coordinator.config_file import ReloadingFile, read_table
 from coordinator.errors import ValidationError
+from coordinator.text import ascii_digits
 
 __all__ = [
     "DEFAULT_POLICY_NAME",
@@ -183,8 +184,7 @@ def check_priority(value: object, field: str = "priority") -> int:
     """A priority (an integer 1 to 5; None: the default, 3), or a ValidationError naming `field`."""
     if value is None:
         return DEFAULT_PRIORITY
-    # (ASCII digits alone: str.isdigit also takes "²", which int() refuses, and "٣", which it reads as 3.)
-    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+    if isinstance(value, str) and ascii_digits(value.strip()):
         value = int(value.strip())
     if not isinstance(value, int) or isinstance(value, bool) or not PRIORITY_MIN <= value <= PRIORITY_MAX:
         raise ValidationError(

@@ -148,7 +148,7 @@ def parse_markdown(text: str) -> list[TodoItem]:
         ignored = ignored_lines(text)
         hint = describe_ignored(ignored) + " (the list was left unchanged)" if ignored else _EMPTY_HINT
         raise TodoError(f"The todo update has no items: {hint}", field="todos")
-    return with_ids(parsed)
+    return with_ids(parsed, markdown=True)
 
 
 def parse_json_items(items: object) -> list[TodoItem]:
@@ -266,8 +266,9 @@ def clean_content(content: str) -> str:
     return " ".join(piece for piece in pieces if piece)
 
 
-def with_ids(parsed: Sequence[tuple[str, TodoStatus]]) -> list[TodoItem]:
-    """Items with ids numbered by occurrence among equal normalised contents; a TodoError past the bounds."""
+def with_ids(parsed: Sequence[tuple[str, TodoStatus]], *, markdown: bool = False) -> list[TodoItem]:
+    """Items with ids numbered by occurrence among equal normalised contents; a TodoError past the bounds, naming
+    the item's `content` in the JSON form, and `todos` in markdown's, which has no such path."""
     if len(parsed) > MAX_TODO_ITEMS:
         raise TodoError(
             f"The todo update has {len(parsed)} items; the limit is {MAX_TODO_ITEMS} (the list was left unchanged)",
@@ -278,7 +279,7 @@ def with_ids(parsed: Sequence[tuple[str, TodoStatus]]) -> list[TodoItem]:
             raise TodoError(
                 f"Todo item {index} is {len(content)} characters; the limit is {MAX_TODO_CONTENT_CHARS}"
                 " (the list was left unchanged)",
-                field=f"todos.{index}.content",
+                field="todos" if markdown else f"todos.{index}.content",
             )
     seen: dict[str, int] = {}
     items: list[TodoItem] = []

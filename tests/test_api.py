@@ -905,6 +905,9 @@ SURROGATE_422 = [
      "reason holds a lone surrogate '\\udc80' at character 1"),
     ("POST", "/v1/tasks/{id}/subtasks", b'{"subtasks": [{"description": "d", "message": "\\ud800"}]}',
      "invalid_input", "subtasks.0.message", "unable to parse raw data as a unicode string"),
+    # Taken, its tree's deliveries could not be listed, and no request line carries it.
+    ("POST", "/v1/tasks", b'{"prompt": "x", "webhooks": [{"url": "https://hooks.example.com/\\ud800"}]}',
+     "invalid_input", "webhooks.0.url", "holds a lone surrogate '\\ud800' at character 27"),
 ]  # fmt: skip
 
 

@@ -344,3 +344,13 @@ def test_worker_with_an_invalid_setting_stops_with_one_line(settings: Settings) 
 def test_no_redis_url_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="Invalid setting SUBQ_REDIS_URL: not set"):
         Coordinator(Settings())
+
+
+def test_an_agents_empty_profile_reads_as_left_out() -> None:
+    """A model fills an optional argument with "" as often as it leaves it out: its child runs on the parent's
+    profile, where a caller of the API or Python who sends "" is refused (tests/test_api.py)."""
+    from workers.runtime.tools import SubtaskInput
+
+    assert SubtaskInput(description="d", message="m", profile="").profile is None
+    assert SubtaskInput(description="d", message="m", profile="  ").profile is None
+    assert SubtaskInput(description="d", message="m", profile="main").profile == "main"

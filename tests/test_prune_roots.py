@@ -71,3 +71,18 @@ def test_a_root_run_again_or_written_since_the_read_stays_and_one_unchanged_goes
     coord.client.hset(coord.store.keys.task(unwritten, unwritten), mapping={"id": unwritten, "status": "active"})
     assert quotas.apply_prune(prune) == 1, f"{left} alone, unchanged since the read, goes"
     assert sorted(coord.client.zrange(key, 0, -1)) == sorted([rerun, unwritten])
+
+
+def test_a_long_running_root_counted_again_since_the_read_keeps_its_later_count(coord: Coordinator) -> None:
+    """A root read as running and counted more than half a retention ago is counted anew at the prune's time;
+    a count written since the read (a retry's, later) stays, not the prune's earlier time (ZADD GT)."""
+    quotas, key = coord.store.quotas, coord.store.keys.tenant_roots("acme")
+    root = coord.create_task("runs long", tenant="acme", run=True).id
+    long_ago_ms = time.time() * 1000 - coord.settings.result_retention_s * 1000
+    coord.client.zadd(key, {root: long_ago_ms})
+    counted, prune = quotas.read_prune("acme")
+    assert counted == 1 and prune is not None and list(prune.long_running) == [root]
+    later_ms = prune.now_ms + 60_000
+    coord.client.zadd(key, {root: later_ms})  # counted again since the read
+    assert quotas.apply_prune(prune) == 0
+    assert coord.client.zscore(key, root) == later_ms

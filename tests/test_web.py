@@ -164,8 +164,7 @@ def test_roots_page_filters(browser_http: httpx.Client, roots: dict[str, str]) -
         ({"since": "22/11/2026"}, "since", "since must be a date as YYYY-MM-DD"),
         ({"until": "tomorrow"}, "until", "until must be a date"),
         # The day after the last one Python counts to has no start: a 500.
-        ({"until": "9999-12-31"}, "until", "until must be a date from 1970-01-01 to 9999-12-30"),
-        ({"since": "0001-01-01"}, "since", "since must be a date from 1970-01-01"),
+        ({"until": "9999-12-31"}, "until", "until must be a date up to 9999-12-30"),
         ({"limit": "²"}, "limit", "limit must be a whole number"),
         ({"since": "2026-11-22", "until": "2026-11-01"}, "since", "is after until"),
         ({"cursor": "-1"}, "cursor", "cursor must be a whole number"),

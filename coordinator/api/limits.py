@@ -27,6 +27,7 @@ from collections import OrderedDict
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from coordinator.api.errors import BODY_TOO_LARGE, RATE_LIMITED, error_response
+from coordinator.text import ascii_digits
 
 __all__ = ["BodyLimit", "OpenRouteLimit", "RateLimiter", "client_address", "is_open_route", "retry_after"]
 
@@ -45,7 +46,7 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > self.max_body_bytes:
+        if declared is not None and ascii_digits(declared) and int(declared) > self.max_body_bytes:
             await self._refuse(scope, receive, send)
             return
         chunks: list[bytes] = []

@@ -8,6 +8,7 @@ import httpx
 
 from coordinator import errors as error_tree
 from coordinator.errors import SubqError
+from coordinator.text import ascii_digits
 
 __all__ = ["ApiError", "AuthError", "error_from", "error_of", "unreachable"]
 
@@ -51,7 +52,7 @@ def error_of(response: httpx.Response) -> SubqError:
     error = error_from(body, response.status_code, f"HTTP {response.status_code}: {response.text[:200]}")
     if isinstance(error, error_tree.QuotaExceeded):  # the quota's reset, as the server's Retry-After says
         after = response.headers.get("Retry-After", "")
-        error.retry_after_s = int(after) if after.isascii() and after.isdigit() else 0
+        error.retry_after_s = int(after) if ascii_digits(after) else 0
     return error
 
 

@@ -10,6 +10,7 @@ import pydantic
 from coordinator.audit import AUDIT_MAX_ENTRIES, Action, Actor, AuditEntry
 from coordinator.errors import CorruptError, ValidationError
 from coordinator.store.base import Part, _str_map, translate_redis_errors
+from coordinator.text import ascii_digits
 
 __all__ = ["AuditLog"]
 
@@ -75,7 +76,7 @@ _MAX_ID_PART = 2**64 - 1
 
 def _is_stream_id(value: str) -> bool:
     ms, dash, seq = value.partition("-")
-    if not (dash and ms.isdigit() and seq.isdigit() and ms.isascii() and seq.isascii()):
+    if not (dash and ascii_digits(ms) and ascii_digits(seq)):
         return False
     return int(ms) <= _MAX_ID_PART and int(seq) <= _MAX_ID_PART
 

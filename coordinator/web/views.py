@@ -20,6 +20,7 @@ from coordinator.inputs import MAX_CURSOR, meta_pairs, visible_text
 from coordinator.models import Approval, Delivery, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem
 from coordinator.service import MAX_PAGE, Coordinator
 from coordinator.tenants import check_tenant_name
+from coordinator.text import ascii_digits
 from coordinator.timeline import (
     WAIT_REASONS,
     CriticalStep,
@@ -58,8 +59,6 @@ MAX_TEXT_CHARS = 200
 # A tool call as the approval box and its confirmation show it: long enough for any
 # command an operator should approve by reading it; past it, a marker says how much is cut.
 MAX_CALL_CHARS = 2_000
-# The first day a filter takes: the epoch's, as the history's times count from it.
-FIRST_DAY = dt.date(1970, 1, 1)
 ROOT_FILTER_PARAMS = ("status", "q", "meta", "tenant", "since", "until", "cursor", "limit")
 
 
@@ -142,11 +141,9 @@ def _date(params: Mapping[str, str], name: str) -> dt.date | None:
         day = dt.date.fromisoformat(value)
     except ValueError:
         raise ValidationError(f"{name} must be a date as YYYY-MM-DD, not {value!r}", field=name) from None
-    # (A day past the last one Python counts to has no end: `until` reads up to the next day's start.)
-    if not FIRST_DAY <= day < dt.date.max:
-        raise ValidationError(
-            f"{name} must be a date from {FIRST_DAY} to {dt.date.max - dt.timedelta(days=1)}", field=name
-        )
+    # (The last day Python counts to has no next day, whose start is where `until` reads up to.)
+    if day == dt.date.max:
+        raise ValidationError(f"{name} must be a date up to {dt.date.max - dt.timedelta(days=1)}", field=name)
     return day
 
 
@@ -154,8 +151,7 @@ def _integer(params: Mapping[str, str], name: str, default: int, low: int, high:
     value = params.get(name, "").strip()
     if not value:
         return default
-    # (ASCII digits alone: str.isdigit also takes "²" and "٣", which int() refuses or reads as another number.)
-    if not (value.isascii() and value.isdigit()) or not low <= int(value) <= high:
+    if not ascii_digits(value) or not low <= int(value) <= high:
         raise ValidationError(f"{name} must be a whole number from {low} to {high}, not {value!r}", field=name)
     return int(value)
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, GetCoreSchemaHandler, GetJsonSchemaHandler
+from pydantic import BaseModel, ConfigDict, GetCoreSchemaHandler, GetJsonSchemaHandler, field_validator
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_ai import (
     ApprovalRequired,
@@ -184,6 +184,13 @@ class SubtaskInput(BaseModel):
     profile: str | None = None
     # A JSON Schema the child's result data is held to (checked by SubtaskSpec, as the API's subtasks are).
     output_schema: dict[str, Any] | None = None
+
+    @field_validator("profile")
+    @classmethod
+    def _blank_is_left_out(cls, profile: str | None) -> str | None:
+        # A model fills an optional argument with "" as often as it leaves it out: both mean the parent's profile.
+        # (A caller of the API or Python who sends "" is refused: coordinator/inputs.py, profile_asked.)
+        return profile if profile and profile.strip() else None
 
 
 def _after_new_task(ctx: RunContext[RunState]) -> bool:
