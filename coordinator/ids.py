@@ -66,7 +66,6 @@ def root_of(any_id: str, field: str = "task_id") -> str:
     """The root id inside a task, batch or approval id; an unknown shape is a NotFoundError naming `field`."""
     match = TASK_ID_RE.match(any_id) or BATCH_ID_RE.match(any_id) or APPROVAL_ID_RE.match(any_id)
     if match is None:
-        # (Cut: the caller's text, of any length, and an id is under 50 characters.)
         shown = any_id if len(any_id) <= SHOWN_ID_CHARS else any_id[:SHOWN_ID_CHARS] + "..."
         raise NotFoundError(f"Unknown id: {shown!r} is not a subq task or batch id", field=field)
     return match.group(1)

@@ -41,7 +41,6 @@ __all__ = ["TaskId", "reject_unknown_query", "task_routes"]
 # The routes that take `meta.<key>=<value>` filters besides their declared parameters (their names are
 # the caller's own keys, so OpenAPI cannot list them): the history.
 META_FILTERED_ROUTES = frozenset({"list_tasks"})
-# A root id is 16 hex digits (coordinator/ids.py); the history filter takes only roots.
 
 TaskId = Annotated[
     str,
