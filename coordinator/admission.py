@@ -110,7 +110,9 @@ def started_again(plane: Plane, admitted: Sequence[str]) -> None:
         dispatch.publish_restart(plane.app, plane.store.records.get_task(task_id))
 
 
-def release(plane: Plane, task: TaskRecord, *, token: str = "", while_asked: bool = False) -> None:
+def release(
+    plane: Plane, task: TaskRecord, *, token: str = "", while_asked: bool = False, while_ended: bool = False
+) -> None:
     """Free the task's run slot (its tree's, and its tenant's fleet slot) and start the waiting tasks that now fit.
 
     With `token`, a run's release after it freed its lease: only while that run is still the task's last start,
@@ -120,14 +122,23 @@ def release(plane: Plane, task: TaskRecord, *, token: str = "", while_asked: boo
     step that frees it: the reconciler's, for a run that died after it parked calls for a person and before its
     release freed them. Until the last decision no run of the task starts (`start_run` answers `asked`); its
     resumed run then takes slots again as any resumed run does, and reuses those a decision made before the free
-    left held."""
+    left held.
+
+    With `while_ended`, each slot only while the task still has the status `task` was read with (an ended one),
+    checked in the step that frees it: a repair's, which read the task ended; a retry since made it active, and
+    the slot its new run took is that run's."""
     own = limits(plane)
+    status = task.status.value if while_ended else ""
     admitted: list[str] = []
     if own.applies_to(task):
-        admitted += plane.store.runs.release_slot(task, own, while_run=token, while_asked=while_asked)
+        admitted += plane.store.runs.release_slot(
+            task, own, while_status=status, while_run=token, while_asked=while_asked
+        )
     shares = fair(plane)
     if shares.on:
-        admitted += plane.store.fair.release(task.id, shares, while_run=token, while_asked=while_asked)
+        admitted += plane.store.fair.release(
+            task.id, shares, while_status=status, while_run=token, while_asked=while_asked
+        )
     started_again(plane, admitted)
 
 
@@ -157,8 +168,8 @@ def release_stopped(plane: Plane, stopped: Sequence[TaskRecord]) -> set[str]:
     for task, seen in zip(held, triaged, strict=True):
         if seen.leased:
             live.add(task.id)
-        else:
-            started_again(plane, plane.store.runs.release_slot(task, own))
+        else:  # only while it is as the stop left it: a retry since gave its new run the slot
+            started_again(plane, plane.store.runs.release_slot(task, own, while_status=task.status.value))
     return live
 
 

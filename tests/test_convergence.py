@@ -27,6 +27,7 @@ from coordinator import (
     delegation,
     endpoints,
     reconciler,
+    writeback,
 )
 from coordinator.approvals import ToolCall, expiry_timer, undecided
 from coordinator.celery_app import make_app
@@ -1423,6 +1424,32 @@ def test_a_delegated_tasks_slot_is_not_freed_once_a_resumed_run_took_it(limited:
     read_delegated = coord.get_task(worker_id).model_copy(update={"status": TaskStatus.DELEGATED})
     admission.release_delegated(coord.plane, read_delegated)  # it is active, running: not freed
     assert coord.store.runs.running_ids(root.id) == {worker_id}
+
+
+def test_a_repair_of_an_ended_task_frees_no_slot_once_a_retry_ran_it_again(coord: Coordinator) -> None:
+    """A repair (the reconciler's, or a redelivered message's) read a child failed and still due; before it freed
+    the child's slot, a retry made the child active and its new run took a slot: the free, checked in its own
+    step against the status it read, leaves that slot (else a fourth child would run beside the retried one, one
+    past the tree's limit)."""
+    two = Coordinator(coord.settings.model_copy(update={"max_running_per_root": 2, "max_running_per_parent": 2}))
+    try:
+        root = two.create_task("fan out")
+        first, second, third = two.delegate(root.id, [subtask(n, agent(reply("x"))) for n in "abc"]).child_ids
+        two.client.delete(QUEUE)
+        lifecycle = build_runtime(two.settings, make_app(two.settings)).lifecycle
+        runs = [lifecycle.start(first), lifecycle.start(second)]
+        assert all(isinstance(run, Run) for run in runs) and not isinstance(lifecycle.start(third), Run)
+        assert runs[0].end(Ended("failed", error="no way", error_class="X")).status == "failed"
+        assert isinstance(lifecycle.start(third), Run), "the failed child's slot went to the third"
+        assert runs[1].end(Ended("completed", summary="x")).status == "completed"
+        read_failed = two.get_task(first)  # the repair's read
+        assert two.retry(first).retried == [first]
+        assert isinstance(lifecycle.start(first), Run), "the retried run takes the free slot"
+        assert two.store.runs.running_ids(root.id) == {first, third}
+        writeback.settle_ended(two.plane, read_failed)
+        assert two.store.runs.running_ids(root.id) == {first, third}, "the retried run keeps its slot"
+    finally:
+        two.close()
 
 
 def test_a_cancel_of_a_run_that_died_frees_its_slot_for_its_siblings(limited: Coordinator) -> None:

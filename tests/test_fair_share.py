@@ -75,6 +75,19 @@ def test_a_tenant_at_its_max_running_parks_and_its_freed_slot_starts_the_next(fa
     assert fair.get_task(a3).waiting_for is None
 
 
+def test_a_release_while_a_status_frees_nothing_once_the_task_has_another(fair: Coordinator) -> None:
+    """A repair read the task ended and frees its fleet slot only while it still is (fair_release.lua checks the
+    status in the step that frees it): a retry since made it active, and its new run's slot stays, nor is the slot
+    given to a parked run."""
+    store = fair.store
+    a1, a2, a3 = children(fair, "a", 3)
+    assert [start(store, t).verdict for t in (a1, a2, a3)] == ["run", "run", "park"]
+    status = fair.get_task(a1).status.value
+    assert store.fair.release(a1, SHARES, while_status="failed") == [], "it is not failed: nothing freed or given"
+    assert store.fair.counts("a") == FairCounts(running=2, parked=1, queued=0), store.fair.counts("a")
+    assert store.fair.release(a1, SHARES, while_status=status) == [a3], "as read: freed, and given on"
+
+
 def test_a_parked_run_admitted_by_its_messages_second_delivery_leaves_the_parked_runs(fair: Coordinator) -> None:
     """A parked run's message delivered again (the reconciler's false `run-lost`) finds room and runs: it leaves
     its tenant's parked runs there. Left in them, a later release handed it a second slot while it waited on a

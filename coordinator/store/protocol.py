@@ -723,6 +723,9 @@ class FairRelease(
         "the token of the run that frees its slot: only while it is the task's last start (its `run_token`); "
         "nothing freed nor given otherwise ('': whichever run)"
     )
+    while_status: str = arg(
+        "only while the task's status is this one ('': whatever it is): nothing freed nor given otherwise"
+    )
     while_asked: str | None = arg(
         "the prefix of the run's tree's approval hashes: only while one of the calls its task waits on is still "
         "pending: nothing freed nor given otherwise",

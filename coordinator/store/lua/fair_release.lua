@@ -27,7 +27,9 @@
 --   end_run, whose `end_reply` answers its resend)
 -- ARGV[17] str: the token of the run that frees its slot: only while it is the task's last start (its
 --   `run_token`); nothing freed nor given otherwise ('': whichever run)
--- ARGV[18] (optional) str: the prefix of the run's tree's approval hashes: only while one of the calls its
+-- ARGV[18] str: only while the task's status is this one ('': whatever it is): nothing freed nor given
+--   otherwise
+-- ARGV[19] (optional) str: the prefix of the run's tree's approval hashes: only while one of the calls its
 --   task waits on is still pending: nothing freed nor given otherwise
 -- Returns the ids given a slot (the caller publishes their runs; by this very call, when it is sent
 --   again).
@@ -50,7 +52,12 @@ end
 if (ARGV[17] or '') ~= '' and hash_get(own, 'run_token')[1] ~= ARGV[17] then
   return {}
 end
-if ARGV[18] and not approval_pending(hash_get(own, 'waiting_approval_ids')[1], ARGV[18], nil) then
+-- A repair frees the slot of a task it read ended: not once a retry made it active again and its new run took a
+-- slot (checked here, in the step that frees it).
+if (ARGV[18] or '') ~= '' and hash_get(own, 'status')[1] ~= ARGV[18] then
+  return {}
+end
+if ARGV[19] and not approval_pending(hash_get(own, 'waiting_approval_ids')[1], ARGV[19], nil) then
   return {}
 end
 local tenant = redis.call('HGET', KEYS[3], id)
