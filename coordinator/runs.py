@@ -446,8 +446,9 @@ class Run:
         except LeaseLost:
             return self.lost()
         plane.store.convergence.watch([self.task.id], plane.settings.reconcile_grace_s)  # a lost message: published
-        plane.store.runs.reset_deliveries(self.task.id)  # handed back is not lost: SUBQ_MAX_DELIVERIES counts losses
-        if not self._release():
+        # Handed back is not lost (SUBQ_MAX_DELIVERIES counts losses): its count starts again in the lease's own
+        # release, where a run that started since (this one's lease lapsed) keeps its own.
+        if not self._release(reset_deliveries=True):
             return self.lost()
         task = plane.store.records.get_task(self.task.id)
         if not task.status.terminal:
@@ -470,11 +471,11 @@ class Run:
         except StoreError as exc:  # the lease lapses with its TTL; the original error is what matters
             log.warning("subq: could not release the run of %s: %s", self.task.id, exc)
 
-    def _release(self) -> bool:
+    def _release(self, *, reset_deliveries: bool = False) -> bool:
         """Free the lease and the run slots; False, freeing nothing, when another run of the task started after
         this one's lease lapsed (a partition, a stall): that run holds the slots now (it reuses this run's)."""
         self._heartbeat.forget(self)
-        if not self._plane.store.runs.release_lease(self.task.id, self.token):
+        if not self._plane.store.runs.release_lease(self.task.id, self.token, reset_deliveries=reset_deliveries):
             return False
         admission.release(self._plane, self.task, token=self.token)
         return True

@@ -1194,6 +1194,42 @@ def test_a_run_that_lost_its_lease_parks_nothing_on_its_provider(coord: Coordina
     assert task.id not in coord.client.zrange(coord.store.keys.endpoint_parked("api.example:443", ""), 0, -1)
 
 
+def test_a_run_handed_back_counts_its_deliveries_anew_but_not_a_newer_runs(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run handed back (its worker shutting down) was not lost: its task's delivery count starts again. Its
+    lease lapsed after its last step and the task's newer run started, just before the release: that run's count
+    stays (reset_deliveries in the lease's release, `release_lease.lua`; before, a plain write after the step set
+    the newer run's count to 0, so a run lost for good was delivered SUBQ_MAX_DELIVERIES times more)."""
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    task_key = coord.store.keys.task
+    handed = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    run = lifecycle.start(handed.id)
+    assert isinstance(run, Run)
+    assert coord.client.hget(task_key(handed.id, handed.id), "deliveries") == "1"
+    assert run.hand_back().status == "queued"
+    assert coord.client.hget(task_key(handed.id, handed.id), "deliveries") == "0", "handed back: counted anew"
+
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    stale = lifecycle.start(task.id)
+    assert isinstance(stale, Run)
+    convergence = lifecycle.plane.store.convergence  # the worker's store, which the run writes through
+    watch = convergence.watch
+    newer: list[object] = []
+
+    def lapsed_and_taken_over(*args: Any, **kwargs: Any) -> None:
+        coord.client.delete(coord.store.keys.lease(task.id, task.id))  # it stalled past its lapse
+        newer.append(lifecycle.start(task.id))
+        watch(*args, **kwargs)
+
+    monkeypatch.setattr(convergence, "watch", lapsed_and_taken_over)
+    assert stale.hand_back().status == "running", "lost: the task is the newer run's"
+    assert isinstance(newer[0], Run)
+    assert coord.client.hget(task_key(task.id, task.id), "deliveries") == "2", "the newer run's count stays"
+
+
 def test_a_stale_runs_failed_requests_are_not_counted_on_the_newer_runs_request(
     coord: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

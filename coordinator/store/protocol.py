@@ -1179,6 +1179,10 @@ class ReleaseLease(
     lease: str = key("the task's lease")
     task: str = key("its task hash")
     token: str = arg("this run's token")
+    reset_deliveries: int = arg(
+        "1: also count the task's deliveries anew (a run handed back to the queue was not lost: "
+        "SUBQ_MAX_DELIVERIES counts losses), in this same step: a run that started since keeps its count"
+    )
 
     @classmethod
     def decode(cls, raw: Any) -> bool:

@@ -226,17 +226,17 @@ class RunStore(Part):
     # -- starting a run ----------------------------------------------------------------
 
     @translate_redis_errors
-    def reset_deliveries(self, task_id: str) -> None:
-        self.client.hset(self.keys.task(root_of(task_id), task_id), TaskField.DELIVERIES, 0)
-
-    @translate_redis_errors
-    def release_lease(self, task_id: str, token: str) -> bool:
+    def release_lease(self, task_id: str, token: str, *, reset_deliveries: bool = False) -> bool:
         """Free the run's lease if it still holds it; False when another run of the task has started since (the
-        slots are that run's then)."""
+        slots are that run's then). With `reset_deliveries`, the task's delivery count starts again, in the same
+        step and only if the run is still the task's last."""
         root = root_of(task_id)
         return self.scripts(
-            ReleaseLease(lease=self.keys.lease(root, task_id), task=self.keys.task(root, task_id), token=token)
-        )
+            ReleaseLease(
+                lease=self.keys.lease(root, task_id), task=self.keys.task(root, task_id), token=token,
+                reset_deliveries=int(reset_deliveries),
+            )
+        )  # fmt: skip
 
     @translate_redis_errors
     def claim_resume(self, task_id: str, reason_id: str) -> int:
