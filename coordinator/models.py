@@ -805,6 +805,7 @@ class Outcome(NamedTuple):
     error_class: str = ""
     output_json: str = ""  # a completed typed task's data, compact JSON; '' for none
     invalid_outputs: int = 0
+    error_detail: str = ""  # an unsuccessful end's raw error body (a failed model request's); '' for none
 
 
 @dataclass(frozen=True)

@@ -367,8 +367,6 @@ class Run:
             # Its last response reached a budget: the holder's subtree is stopped, this run with it.
             return self.end(self.stopped(ending.holder))
         self._heartbeat.forget(self)
-        if outcome.error_detail and ending.status == outcome.status:
-            plane.store.runs.set_error_detail(task_id, outcome.error_detail[:MAX_SUMMARY_CHARS])
         self._after_end(ending)
         result = _result_of(task_id, ending, outcome)
         if late:  # the end's figures were read before the spend was recorded: the record's have it (its status
@@ -506,10 +504,13 @@ def _result_of(task_id: str, ending: Ending, outcome: Ended) -> SubtaskResult:
 
 
 def _outcome_fields(outcome: Ended) -> Outcome:
-    output = outcome.output_json if outcome.status == "completed" else ""  # only a completed task has data
+    completed = outcome.status == "completed"
     return Outcome(
         status=outcome.status, summary=outcome.summary[:MAX_SUMMARY_CHARS], error=outcome.error,
-        error_class=outcome.error_class, output_json=output, invalid_outputs=outcome.invalid_outputs,
+        error_class=outcome.error_class,
+        output_json=outcome.output_json if completed else "",  # only a completed task has data
+        invalid_outputs=outcome.invalid_outputs,
+        error_detail="" if completed else outcome.error_detail[:MAX_SUMMARY_CHARS],
     )  # fmt: skip
 
 

@@ -1230,6 +1230,44 @@ def test_a_run_handed_back_counts_its_deliveries_anew_but_not_a_newer_runs(
     assert coord.client.hget(task_key(task.id, task.id), "deliveries") == "2", "the newer run's count stays"
 
 
+def test_a_failed_runs_error_body_is_written_with_its_end_not_over_a_retry(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed run's raw error body is kept on its record by the step that fails the task (end_run.lua), not by a
+    write after it: a person's retry just after that step clears the failure, and the retried task carries no
+    body of the run before (before, the late write put it on the retried, active task); an end that finds the
+    task ended already (stopped) writes none either."""
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    failed = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    run = lifecycle.start(failed.id)
+    assert isinstance(run, Run)
+    runs = lifecycle.plane.store.runs  # the worker's store, which the run writes through
+    end_run = runs.end_run
+    retried: list[str] = []
+
+    def then_retried(*args: Any, **kwargs: Any) -> Any:
+        ending = end_run(*args, **kwargs)
+        assert coord.get_task(failed.id).error_detail == '{"error": "overloaded"}', "written with the failure"
+        retried.extend(coord.retry(failed.id).retried)
+        return ending
+
+    monkeypatch.setattr(runs, "end_run", then_retried)
+    ended = run.end(Ended("failed", error="no way", error_class="X", error_detail='{"error": "overloaded"}'))
+    assert (ended.status, retried) == ("failed", [failed.id])
+    record = coord.get_task(failed.id)
+    assert (record.status, record.error_detail) == (TaskStatus.ACTIVE, ""), "the retried task has no old body"
+    monkeypatch.undo()
+
+    stopped = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    run = lifecycle.start(stopped.id)
+    assert isinstance(run, Run)
+    coord.cancel(stopped.id, "enough")
+    run.end(Ended("failed", error="no way", error_class="X", error_detail="late"))
+    assert coord.get_task(stopped.id).error_detail == "", "not the stop's: no body"
+
+
 def test_a_stale_runs_failed_requests_are_not_counted_on_the_newer_runs_request(
     coord: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1409,8 +1447,8 @@ def test_a_parked_runs_release_frees_no_slot_of_the_run_a_decision_started_meanw
     release_lease = runs.release_lease
     resumed: list[Run] = []
 
-    def decided_and_resumed_just_after(task_id: str, token: str) -> bool:
-        freed = release_lease(task_id, token)
+    def decided_and_resumed_just_after(task_id: str, token: str, **kwargs: Any) -> bool:
+        freed = release_lease(task_id, token, **kwargs)
         assert coord.decide(approval.id, "approve").status == "approved"
         newer = lifecycle.start(asker)  # the resume, delivered to another worker
         assert isinstance(newer, Run), "the resumed run, in the slot its task holds"

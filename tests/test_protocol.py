@@ -131,7 +131,7 @@ def _end_run(fair_on: bool, output: str = "", invalid_outputs: int = 0) -> EndRu
         fair=FairKeys(wanting="want", policies="pol", holding="hold", capacity="cap"), ancestors=["task:p", "task:root"],
         token="tok", retention_s=60, now=1.5, events_maxlen=100, status="completed", summary="s", error="",
         error_class="", resume_grace_s=2.0, stop_on_budget=1, free_slot=0, per_parent=3, per_tree=9,
-        task_prefix="pre:", running_children_prefix="rc:", admission_scan=50, output=output,
+        task_prefix="pre:", running_children_prefix="rc:", admission_scan=50, kept=output,
         invalid_outputs=invalid_outputs, budget_warn_at=0.8,
         fair_args=fair_args(Keys("p"), FairShares(on=fair_on, capacity=16)), writes=_writes(),
     )  # fmt: skip

@@ -62,7 +62,7 @@ class TaskField:
     SUMMARY: Final = "summary"  # the final answer of a completed task (finish_task)
     ERROR: Final = "error"  # why it failed or was cancelled (finish_task, stop_tasks)
     ERROR_CLASS: Final = "error_class"  # the error's kind, machine-readable (finish_task, stop_tasks)
-    ERROR_DETAIL: Final = "error_detail"  # a failed model request's raw error body (Run.end)
+    ERROR_DETAIL: Final = "error_detail"  # a failed model request's raw error body (end_run.lua)
     COST_SOURCE: Final = "cost_source"  # where the last request's cost came from (record_usage)
     RUNNER: Final = "runner"  # 'caller' (driven by API calls) or 'agent' (run on the fleet)
     BUDGET_MICROS: Final = "budget_micros"  # the subtree's cap, micro-USD; 0: none (read by record_usage)

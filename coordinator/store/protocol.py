@@ -934,8 +934,9 @@ class EndRun(
     task_prefix: str = arg("the prefix of the tree's task hashes")
     running_children_prefix: str = arg("the prefix of its running-children sets")
     admission_scan: int = arg("how many waiting tasks to look at")
-    output: str = arg(
-        "a completed typed task's data, compact JSON ('' for none): its `output`, written with the status"
+    kept: str = arg(
+        "what the end keeps beyond its text, written with the status: a completed typed task's data, compact JSON, "
+        "as its `output`; an unsuccessful end's raw error body as its `error_detail` ('' for none)"
     )
     invalid_outputs: int = arg("its model's answers that broke its output schema (kept on the record when above 0)")
     budget_warn_at: float = arg("the share of a budget whose crossing sends `budget.warning` (record_usage)")

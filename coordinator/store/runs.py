@@ -218,7 +218,8 @@ class RunStore(Part):
                 error_class=outcome.error_class, resume_grace_s=resume_grace_s, stop_on_budget=int(stop_on_budget), free_slot=int(admitted),
                 per_parent=limits.per_parent, per_tree=limits.per_tree, task_prefix=k.task(root, ""),
                 running_children_prefix=k.running_children(root, ""), admission_scan=ADMISSION_SCAN,
-                output=outcome.output_json, invalid_outputs=outcome.invalid_outputs,
+                # (One argument for both: only a completed task has data, only an unsuccessful end an error body.)
+                kept=outcome.output_json or outcome.error_detail, invalid_outputs=outcome.invalid_outputs,
                 budget_warn_at=self.budget_warn_at, fair_args=fair_args(k, fair), writes=steps,
             )
         )  # fmt: skip
@@ -366,11 +367,6 @@ class RunStore(Part):
             call_id: str(value) for call_id, value in zip(ids, found[: len(ids)], strict=True) if value is not None
         }
         return results, {call_id for call_id, value in zip(ids, found[len(ids) :], strict=True) if value is not None}
-
-    @translate_redis_errors
-    def set_error_detail(self, task_id: str, detail: str) -> None:
-        """Keep a failed run's raw error body on its record (only failures have one)."""
-        self.client.hset(self.keys.task(root_of(task_id), task_id), TaskField.ERROR_DETAIL, detail)
 
     @translate_redis_errors
     def finish_task(self, task_id: str, status: str, summary: str = "", error: str = "", error_class: str = "") -> str:

@@ -38,8 +38,9 @@
 -- ARGV[14] str: the prefix of the tree's task hashes
 -- ARGV[15] str: the prefix of its running-children sets
 -- ARGV[16] int: how many waiting tasks to look at
--- ARGV[17] str: a completed typed task's data, compact JSON ('' for none): its `output`, written with the
---   status
+-- ARGV[17] str: what the end keeps beyond its text, written with the status: a completed typed task's
+--   data, compact JSON, as its `output`; an unsuccessful end's raw error body as its `error_detail` (''
+--   for none)
 -- ARGV[18] int: its model's answers that broke its output schema (kept on the record when above 0)
 -- ARGV[19] float: the share of a budget whose crossing sends `budget.warning` (record_usage)
 -- ARGV[20..31] how fair shares are read (fair_release's, after its own three)
@@ -132,10 +133,12 @@ end
 local now, retention, maxlen = ARGV[3], ARGV[2], ARGV[4]
 local before = hash_get(KEYS[2], 'status')[1]
 -- A typed task's data is its record's `output` from the step that completes it, never after (a task
--- stopped before its end keeps none); the count of invalid answers stays whatever the outcome. (Written
--- before the end, whose events take the record as it is then: outbox_add.)
-if ARGV[17] ~= '' and ARGV[5] == 'completed' and not ENDED[before] then
-  hash_set(KEYS[2], 'output', ARGV[17])
+-- stopped before its end keeps none), and a failed run's raw error body its `error_detail` from the step that
+-- fails it (not on a task a stop or an earlier end had ended: it is not that end's error); the count of invalid
+-- answers stays whatever the outcome. (Written before the end, whose events take the record as it is then:
+-- outbox_add.)
+if ARGV[17] ~= '' and not ENDED[before] then
+  hash_set(KEYS[2], ARGV[5] == 'completed' and 'output' or 'error_detail', ARGV[17])
 end
 finish_task({KEYS[2], KEYS[6], KEYS[5], KEYS[17], KEYS[18], KEYS[19]}, {ARGV[5], ARGV[6], ARGV[7], ARGV[8], now, retention, maxlen, live})
 if tonumber(ARGV[18]) > 0 then
