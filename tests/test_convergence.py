@@ -1194,6 +1194,15 @@ def test_a_run_that_lost_its_lease_parks_nothing_on_its_provider(coord: Coordina
     assert task.id not in coord.client.zrange(coord.store.keys.endpoint_parked("api.example:443", ""), 0, -1)
 
 
+def _a_roots_run(coord: Coordinator, lifecycle: RunLifecycle) -> tuple[TaskRecord, Run]:
+    """A fresh root of one offline agent, its message taken off the queue, and its run started by `lifecycle`."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    run = lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    return task, run
+
+
 def test_a_run_handed_back_counts_its_deliveries_anew_but_not_a_newer_runs(
     coord: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1203,18 +1212,12 @@ def test_a_run_handed_back_counts_its_deliveries_anew_but_not_a_newer_runs(
     the newer run's count to 0, so a run lost for good was delivered SUBQ_MAX_DELIVERIES times more)."""
     lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
     task_key = coord.store.keys.task
-    handed = coord.create_task(agent(reply("x")), run=True)
-    coord.client.delete(QUEUE)
-    run = lifecycle.start(handed.id)
-    assert isinstance(run, Run)
+    handed, run = _a_roots_run(coord, lifecycle)
     assert coord.client.hget(task_key(handed.id, handed.id), "deliveries") == "1"
     assert run.hand_back().status == "queued"
     assert coord.client.hget(task_key(handed.id, handed.id), "deliveries") == "0", "handed back: counted anew"
 
-    task = coord.create_task(agent(reply("x")), run=True)
-    coord.client.delete(QUEUE)
-    stale = lifecycle.start(task.id)
-    assert isinstance(stale, Run)
+    task, stale = _a_roots_run(coord, lifecycle)
     convergence = lifecycle.plane.store.convergence  # the worker's store, which the run writes through
     watch = convergence.watch
     newer: list[object] = []
@@ -1238,10 +1241,7 @@ def test_a_failed_runs_error_body_is_written_with_its_end_not_over_a_retry(
     body of the run before (before, the late write put it on the retried, active task); an end that finds the
     task ended already (stopped) writes none either."""
     lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
-    failed = coord.create_task(agent(reply("x")), run=True)
-    coord.client.delete(QUEUE)
-    run = lifecycle.start(failed.id)
-    assert isinstance(run, Run)
+    failed, run = _a_roots_run(coord, lifecycle)
     runs = lifecycle.plane.store.runs  # the worker's store, which the run writes through
     end_run = runs.end_run
     retried: list[str] = []
@@ -1259,10 +1259,7 @@ def test_a_failed_runs_error_body_is_written_with_its_end_not_over_a_retry(
     assert (record.status, record.error_detail) == (TaskStatus.ACTIVE, ""), "the retried task has no old body"
     monkeypatch.undo()
 
-    stopped = coord.create_task(agent(reply("x")), run=True)
-    coord.client.delete(QUEUE)
-    run = lifecycle.start(stopped.id)
-    assert isinstance(run, Run)
+    stopped, run = _a_roots_run(coord, lifecycle)
     coord.cancel(stopped.id, "enough")
     run.end(Ended("failed", error="no way", error_class="X", error_detail="late"))
     assert coord.get_task(stopped.id).error_detail == "", "not the stop's: no body"
