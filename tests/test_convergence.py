@@ -1238,8 +1238,7 @@ def test_a_failed_runs_error_body_is_written_with_its_end_not_over_a_retry(
 ) -> None:
     """A failed run's raw error body is kept on its record by the step that fails the task (end_run.lua), not by a
     write after it: a person's retry just after that step clears the failure, and the retried task carries no
-    body of the run before (before, the late write put it on the retried, active task); an end that finds the
-    task ended already (stopped) writes none either."""
+    body of the run before (before, the late write put it on the retried, active task)."""
     lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
     failed, run = _a_roots_run(coord, lifecycle)
     runs = lifecycle.plane.store.runs  # the worker's store, which the run writes through
@@ -1257,12 +1256,17 @@ def test_a_failed_runs_error_body_is_written_with_its_end_not_over_a_retry(
     assert (ended.status, retried) == ("failed", [failed.id])
     record = coord.get_task(failed.id)
     assert (record.status, record.error_detail) == (TaskStatus.ACTIVE, ""), "the retried task has no old body"
-    monkeypatch.undo()
 
-    stopped, run = _a_roots_run(coord, lifecycle)
-    coord.cancel(stopped.id, "enough")
+
+def test_an_end_that_finds_its_task_failed_meanwhile_keeps_no_error_body(coord: Coordinator) -> None:
+    """Another process failed the task while its run went on (lost past SUBQ_MAX_DELIVERIES): the run's own failed
+    end, the same status, writes no body of its own onto a failure that is not its (before, a write after the end
+    checked only that the statuses matched)."""
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    lost, run = _a_roots_run(coord, lifecycle)
+    coord.store.runs.finish_task(lost.id, "failed", error="lost", error_class="WorkerLost")  # failed meanwhile
     run.end(Ended("failed", error="no way", error_class="X", error_detail="late"))
-    assert coord.get_task(stopped.id).error_detail == "", "not the stop's: no body"
+    assert coord.get_task(lost.id).error_detail == "", "not this run's failure: no body"
 
 
 def test_a_stale_runs_failed_requests_are_not_counted_on_the_newer_runs_request(
@@ -1500,8 +1504,8 @@ def test_a_delegated_tasks_slot_is_not_freed_once_a_resumed_run_took_it(limited:
 def test_a_repair_of_an_ended_task_frees_no_slot_once_a_retry_ran_it_again(coord: Coordinator) -> None:
     """A repair (the reconciler's, or a redelivered message's) read a child failed and still due; before it freed
     the child's slot, a retry made the child active and its new run took a slot: the free, checked in its own
-    step against the status it read, leaves that slot (else a fourth child would run beside the retried one, one
-    past the tree's limit)."""
+    step against the status it read, leaves that slot (else a further child would be admitted beside the retried
+    one, one past the tree's limit); a repair that reads the task again and finds it active does nothing."""
     two = Coordinator(coord.settings.model_copy(update={"max_running_per_root": 2, "max_running_per_parent": 2}))
     try:
         root = two.create_task("fan out")
@@ -1519,6 +1523,9 @@ def test_a_repair_of_an_ended_task_frees_no_slot_once_a_retry_ran_it_again(coord
         assert two.store.runs.running_ids(root.id) == {first, third}
         writeback.settle_ended(two.plane, read_failed)
         assert two.store.runs.running_ids(root.id) == {first, third}, "the retried run keeps its slot"
+        writeback.settle_ended(two.plane, two.get_task(first))  # the reconciler's read after its look
+        assert two.store.runs.running_ids(root.id) == {first, third}
+        assert first in two.store.convergence.watched(), "still due, as the retry left it"
     finally:
         two.close()
 
