@@ -125,10 +125,12 @@ def release(
     left held.
 
     With `while_ended`, each slot only while the task still has the status `task` was read with (an ended one),
-    checked in the step that frees it: a repair's, which read the task ended; a retry since made it active, and
-    the slot its new run took is that run's."""
+    or waits on its children, checked in the step that frees it: a repair's, which read the task ended. A retry
+    since made it active, and the slot its new run took is that run's; or made it wait on its retried children
+    (`delegated`), and no run of it holds a slot while it waits, so the one its dead run held is freed (else its
+    children could wait for it for good)."""
     own = limits(plane)
-    status = task.status.value if while_ended else ""
+    status = f"{task.status.value} {TaskStatus.DELEGATED.value}" if while_ended else ""
     admitted: list[str] = []
     if own.applies_to(task):
         admitted += plane.store.runs.release_slot(

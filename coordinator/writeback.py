@@ -155,6 +155,9 @@ def settle_ended(plane: Plane, record: TaskRecord) -> None:
     expire the calls its last run asked a person about that are still pending, write it back to its batch
     (once: idempotent), and take it off the due list. The reconciler and a worker given its message both call this.
     """
+    if record.status == TaskStatus.DELEGATED:
+        admission.release_delegated(plane, record)  # read after a retry made it wait on its retried children
+        return
     if not record.status.terminal:
         return  # read again after the look that found it ended: a retry since made it active, its new run's to end
     admission.release(plane, record, while_ended=True)  # not a retried run's, should a retry come first

@@ -1530,6 +1530,26 @@ def test_a_repair_of_an_ended_task_frees_no_slot_once_a_retry_ran_it_again(coord
         two.close()
 
 
+def test_a_repair_frees_the_slot_of_a_task_a_retry_made_wait_on_its_children(limited: Coordinator) -> None:
+    """A child's run died holding the tree's one slot and the task was failed (lost past its deliveries); before
+    the repair freed the slot, a retry of its tree made it wait on its retried children (retry.lua's `wait`:
+    `delegated`, on no due list). No run of it holds a slot while it waits, so the repair frees the dead run's,
+    whether it read the task failed or reads it again delegated: left held, its children would wait for it for
+    good."""
+    coord = limited
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    for read_again in (False, True):
+        root = coord.create_task("fan out")
+        (worker_id,) = coord.delegate(root.id, [subtask("works", agent(reply("x")))]).child_ids
+        coord.client.delete(QUEUE)
+        assert isinstance(lifecycle.start(worker_id), Run), "it holds the tree's one slot"
+        coord.store.runs.finish_task(worker_id, "failed", error="lost", error_class="WorkerLost")  # its run died
+        read_failed = coord.get_task(worker_id)
+        coord.client.hset(coord.store.keys.task(root.id, worker_id), "status", "delegated")  # the tree's retry
+        writeback.settle_ended(coord.plane, coord.get_task(worker_id) if read_again else read_failed)
+        assert coord.store.runs.running_ids(root.id) == set(), f"freed (read again: {read_again})"
+
+
 def test_a_cancel_of_a_run_that_died_frees_its_slot_for_its_siblings(limited: Coordinator) -> None:
     """A child's run died (its lease lapsed) and is cancelled before the reconciler published it again: the stop
     takes it off the due list, where the reconciler would have freed its slot, so the stop frees it and

@@ -114,7 +114,7 @@ class FairStore(Part):
     ) -> list[str]:
         """Free the run's fleet slot, if it holds one, and give free slots to parked runs; the ids given one.
 
-        With `while_status`, only while the task's status is that one; with `while_run` (a run's token), only while
+        With `while_status`, only while the task's status is one of those (space-separated); with `while_run` (a run's token), only while
         that run is the task's last start; with `while_asked`, only while one of the calls its task waits on is
         still pending (each checked in the same step)."""
         return self.scripts(

@@ -724,7 +724,8 @@ class FairRelease(
         "nothing freed nor given otherwise ('': whichever run)"
     )
     while_status: str = arg(
-        "only while the task's status is this one ('': whatever it is): nothing freed nor given otherwise"
+        "only while the task's status is one of these, space-separated ('': whatever it is): nothing freed nor "
+        "given otherwise"
     )
     while_asked: str | None = arg(
         "the prefix of the run's tree's approval hashes: only while one of the calls its task waits on is still "
@@ -1209,7 +1210,8 @@ class ReleaseSlot(
     admission_scan: int = arg("how many waiting tasks to look at, from the list's head")
     now: float = arg("now (epoch s)")
     while_status: str = arg(
-        "only while the task's status is this one ('': whatever it is): nothing freed nor admitted otherwise"
+        "only while the task's status is one of these, space-separated ('': whatever it is): nothing freed nor "
+        "admitted otherwise"
     )
     while_run: str = arg(
         "the token of the run that frees its slots: only while it is the task's last start (its `run_token`); "

@@ -27,8 +27,8 @@
 --   end_run, whose `end_reply` answers its resend)
 -- ARGV[17] str: the token of the run that frees its slot: only while it is the task's last start (its
 --   `run_token`); nothing freed nor given otherwise ('': whichever run)
--- ARGV[18] str: only while the task's status is this one ('': whatever it is): nothing freed nor given
---   otherwise
+-- ARGV[18] str: only while the task's status is one of these, space-separated ('': whatever it is):
+--   nothing freed nor given otherwise
 -- ARGV[19] (optional) str: the prefix of the run's tree's approval hashes: only while one of the calls its
 --   task waits on is still pending: nothing freed nor given otherwise
 -- Returns the ids given a slot (the caller publishes their runs; by this very call, when it is sent
@@ -53,8 +53,9 @@ if (ARGV[17] or '') ~= '' and hash_get(own, 'run_token')[1] ~= ARGV[17] then
   return {}
 end
 -- A repair frees the slot of a task it read ended: not once a retry made it active again and its new run took a
--- slot (checked here, in the step that frees it).
-if (ARGV[18] or '') ~= '' and hash_get(own, 'status')[1] ~= ARGV[18] then
+-- slot (checked here, in the step that frees it); still when the retry made it wait on its children.
+if (ARGV[18] or '') ~= '' and not string.find(' ' .. ARGV[18] .. ' ', ' ' .. (hash_get(own, 'status')[1] or '') .. ' ',
+    1, true) then
   return {}
 end
 if ARGV[19] and not approval_pending(hash_get(own, 'waiting_approval_ids')[1], ARGV[19], nil) then

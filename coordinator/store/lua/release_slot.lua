@@ -14,8 +14,8 @@
 -- ARGV[6] str: the prefix of its running-children sets
 -- ARGV[7] int: how many waiting tasks to look at, from the list's head
 -- ARGV[8] float: now (epoch s)
--- ARGV[9] str: only while the task's status is this one ('': whatever it is): nothing freed nor admitted
---   otherwise
+-- ARGV[9] str: only while the task's status is one of these, space-separated ('': whatever it is): nothing
+--   freed nor admitted otherwise
 -- ARGV[10] str: the token of the run that frees its slots: only while it is the task's last start (its
 --   `run_token`); nothing freed nor admitted otherwise ('': whichever run)
 -- ARGV[11] (optional) str: the prefix of the tree's approval hashes: only while one of the calls the task
@@ -34,7 +34,8 @@ if again then
 end
 -- The reconciler frees the slot of a delegated task whose run died before its release: not once its batch
 -- has closed and a resumed run of it took a slot again (checked here, in the step that frees it).
-if (ARGV[9] or '') ~= '' and hash_get(own, 'status')[1] ~= ARGV[9] then
+if (ARGV[9] or '') ~= '' and not string.find(' ' .. ARGV[9] .. ' ', ' ' .. (hash_get(own, 'status')[1] or '') .. ' ', 1,
+    true) then
   return {}
 end
 -- A run's release frees its slots after its lease, in a step of its own: a run of the task that started between
