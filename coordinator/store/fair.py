@@ -114,14 +114,15 @@ class FairStore(Part):
     ) -> list[str]:
         """Free the run's fleet slot, if it holds one, and give free slots to parked runs; the ids given one.
 
-        With `while_status`, only while the task's status is one of those (space-separated); with `while_run` (a run's token), only while
-        that run is the task's last start; with `while_asked`, only while one of the calls its task waits on is
-        still pending (each checked in the same step)."""
+        With `while_status`, only while the task's status is one of those (space-separated); with `while_run` (a
+        run's token), only while that run is the task's last start; with `while_asked`, only while one of the
+        calls its task waits on is still pending (each checked in the same step)."""
         return self.scripts(
             FairRelease(
                 fair=fair_keys(self.keys), task_id=task_id, now_ms=int(time.time() * 1000),
                 retention_s=self.retention_s, args=fair_args(self.keys, shares), call=secrets.token_hex(8),
-                while_status=while_status, while_run=while_run, while_asked=self.keys.approval(root_of(task_id), "") if while_asked else None,
+                while_status=while_status, while_run=while_run,
+                while_asked=self.keys.approval(root_of(task_id), "") if while_asked else None,
             )
         )  # fmt: skip
 

@@ -397,9 +397,9 @@ class RunStore(Part):
     ) -> list[str]:
         """Free the task's run slot and admit waiting tasks that now fit (release_slot.lua); the admitted ids.
 
-        With `while_status`, only while the task's status is one of those (space-separated); with `while_run` (a run's token), only while
-        that run is the task's last start; with `while_asked`, only while one of the calls it waits on is still
-        pending (each checked in the same step)."""
+        With `while_status`, only while the task's status is one of those (space-separated); with `while_run` (a
+        run's token), only while that run is the task's last start; with `while_asked`, only while one of the
+        calls it waits on is still pending (each checked in the same step)."""
         root, k = record.root_id, self.keys
         return self.scripts(
             ReleaseSlot(

@@ -2,8 +2,8 @@
 -- decision or its provider, handed back), and the free slots of the fleet are given, one at a time, to the
 -- neediest tenant's parked runs (fair_take.lua) while the runs holding a slot stay below the fleet's capacity.
 -- end_run.lua calls it in the step that ends the run; `store.fair.release` for a release (the reconciler's too,
--- for a parked run that died before its release, and a repair's of an ended task: writeback.settle_ended). A second call
--- for the same run frees nothing (the slot's owner is read from the fleet-wide hash).
+-- for a parked run that died before its release, and a repair's of an ended task: writeback.settle_ended). A
+-- second call for the same run frees nothing (the slot's owner is read from the fleet-wide hash).
 -- KEYS[1] the tenants that want a slot
 -- KEYS[2] the tenants' policies
 -- KEYS[3] the runs holding a slot, fleet-wide
