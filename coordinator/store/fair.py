@@ -113,10 +113,8 @@ class FairStore(Part):
         while_asked: bool = False,
     ) -> list[str]:
         """Free the run's fleet slot, if it holds one, and give free slots to parked runs; the ids given one.
-
-        With `while_status`, only while the task's status is one of those (space-separated); with `while_run` (a
-        run's token), only while that run is the task's last start; with `while_asked`, only while one of the
-        calls its task waits on is still pending (each checked in the same step)."""
+        Only while the task is as `while_status`, `while_run` and `while_asked` say: the guards of the tree slot's
+        free (`RunStore.release_slot`), checked in the same step."""
         return self.scripts(
             FairRelease(
                 fair=fair_keys(self.keys), task_id=task_id, now_ms=int(time.time() * 1000),
