@@ -54,8 +54,7 @@ if (ARGV[17] or '') ~= '' and hash_get(own, 'run_token')[1] ~= ARGV[17] then
 end
 -- A repair frees the slot of a task it read ended: not once a retry made it active again and its new run took a
 -- slot (checked here, in the step that frees it); still when the retry made it wait on its children.
-if (ARGV[18] or '') ~= '' and not string.find(' ' .. ARGV[18] .. ' ', ' ' .. (hash_get(own, 'status')[1] or '') .. ' ',
-    1, true) then
+if not status_in(own, ARGV[18]) then
   return {}
 end
 if ARGV[19] and not approval_pending(hash_get(own, 'waiting_approval_ids')[1], ARGV[19], nil) then

@@ -99,6 +99,15 @@ local function hash_incr(key, name, by)
   return value
 end
 
+-- Whether the task hash `key`'s status is one of `statuses` (space-separated); '' or nil: whatever it is. A
+-- free that its caller decided on a status read before (a repair, a stop) holds only while it still is.
+local function status_in(key, statuses)
+  if (statuses or '') == '' then
+    return true
+  end
+  return string.find(' ' .. statuses .. ' ', ' ' .. (hash_get(key, 'status')[1] or '') .. ' ', 1, true) ~= nil
+end
+
 -- The ids a step gave (the runs a slot's release admitted), kept on `key`'s `field` as `<mark> <id>,<id>...`
 -- by `keep_given` with a mark of the call's own: this very call sent again (its reply lost, Sentinel's retry)
 -- finds its mark and answers the same ids; any other call finds nil.

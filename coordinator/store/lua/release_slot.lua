@@ -34,8 +34,7 @@ if again then
 end
 -- The reconciler frees the slot of a delegated task whose run died before its release: not once its batch
 -- has closed and a resumed run of it took a slot again (checked here, in the step that frees it).
-if (ARGV[9] or '') ~= '' and not string.find(' ' .. ARGV[9] .. ' ', ' ' .. (hash_get(own, 'status')[1] or '') .. ' ', 1,
-    true) then
+if not status_in(own, ARGV[9]) then
   return {}
 end
 -- A run's release frees its slots after its lease, in a step of its own: a run of the task that started between
