@@ -9,6 +9,9 @@
   that has is stopped with its subtree, and the error reports the figures.
   A request in flight when the budget is crossed still completes (its cost is
   known only once it ends), so a subtree can overshoot by the requests in flight.
+- Spend recorded late (a response its run held when a stop landed, or one Redis refused, which the worker's
+  heartbeat records once it is back: record_late_spend.lua) is a crossing like any other: whoever recorded
+  it stops the subtree whose budget it took over at once, not at the next step of a run in it.
 - A tenant's day of spend (`max_cost_usd_per_day`, coordinator/quotas.py) stops a tree the same way:
   a run whose response took its tenant's rolling day to the quota names its root as the holder, and
   the stop names the tenant's quota instead of a budget.

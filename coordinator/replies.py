@@ -10,6 +10,7 @@ no `decode` returns a tuple, and no code outside protocol.py unpacks a script's 
     StartReply      start_run: the verdict, the delivery and run counts, a budget reached, a delay
     Ending          end_run: what the run's end did (fenced, exhausted, or ended with its figures)
     UsageRecorded   record_usage: recorded or not, the topmost budget reached
+    LateSpendRecorded  record_late_spend: how many records it recorded now, the topmost budget they reached
     BatchClosed     close_batch: the parent's resume count, whether its resume must be published
     ChildSettled    settle_child: the batch's mode, then as BatchClosed
     EndpointState   endpoint_gate (and endpoint_failed, completed by its store part): the wait, the view
@@ -36,6 +37,7 @@ __all__ = [
     "Ending",
     "EndpointState",
     "FairHealed",
+    "LateSpendRecorded",
     "QuotaVerdict",
     "StartReply",
     "Stepped",
@@ -97,6 +99,15 @@ class Ending:
 class UsageRecorded:
     """record_usage's reply: `recorded` 1, 0 (recorded before: once per request key) or -1 (the task has ended);
     `exhausted` the topmost task whose budget the subtree reached, or None."""
+
+    recorded: int
+    exhausted: str | None = None
+
+
+@dataclass(frozen=True)
+class LateSpendRecorded:
+    """record_late_spend's reply: how many of its records were recorded now (one recorded before is not counted
+    again), and the topmost task whose budget the subtree reached with them, or None (none recorded now did)."""
 
     recorded: int
     exhausted: str | None = None

@@ -261,10 +261,12 @@ class Run:
         of a step Redis failed): the retried delivery finds the task stopped and runs nothing, so the spend lives
         nowhere else."""
         try:
-            self._plane.store.runs.record_late_spend(self.task, spends)
+            recorded = self._plane.store.runs.record_late_spend(self.task, spends)
         except StoreError:
             self._heartbeat.owe(self.task, spends, refused=True)
             raise
+        if recorded.exhausted:  # a budget it took over: its subtree is stopped now, not at a sibling's next step
+            budgets.stop(self._plane, recorded.exhausted)
 
     # -- each model request -------------------------------------------------------------
 

@@ -12,6 +12,7 @@ import pytest
 
 from coordinator import Coordinator, TaskStatus, Usage, admission, budgets
 from coordinator.celery_app import make_app
+from coordinator.heartbeat import LateSpends
 from coordinator.models import Spend
 from coordinator.plane import Plane
 from coordinator.runs import Ended, Run
@@ -104,3 +105,55 @@ def test_a_final_response_held_past_a_budget_stop_is_recorded_and_the_run_stops(
     run.end(Ended("completed", summary="too late"))
     assert coord.get_task(child).cost_micros == 3_000
     assert coord.get_task(parent.id).total_cost_micros == 13_000
+
+
+def _budgeted_pair(coord: Coordinator) -> tuple[str, str, str]:
+    """A parent with a budget of $0.01 (10,000 micro-USD) and two children that have spent nothing."""
+    parent = coord.create_task("budgeted", todos="[ ] a\n[ ] b", budget_usd="0.01")
+    batch = coord.delegate(parent.id, [{"description": d, "message": script(usage_step())} for d in "ab"])
+    child, sibling = batch.child_ids
+    return parent.id, child, sibling
+
+
+def _stopped_on_its_budget(coord: Coordinator, parent_id: str, sibling: str) -> None:
+    parent = coord.get_task(parent_id)
+    assert (parent.status, parent.error_class) == (TaskStatus.FAILED, "BudgetExhausted"), parent.error
+    assert "$0.012000" in (parent.error or ""), "the stop reports the figures, the late spend's among them"
+    assert coord.get_task(sibling).status == TaskStatus.CANCELLED, "the sibling is stopped with the subtree"
+
+
+def test_late_spend_that_takes_a_budget_over_stops_the_subtree_at_once(idle_coordinator: Coordinator) -> None:
+    """A child cancelled alone held a response of $0.012; its end records it after the cancel (late spend), which
+    takes its parent's subtree over the parent's $0.01. The subtree is stopped by that record, as a step that
+    crossed the budget would stop it: before, nobody stopped it until the sibling's run took its next step, and
+    a sibling in the middle of a long request went on paying for it."""
+    coord = idle_coordinator
+    parent_id, child, sibling = _budgeted_pair(coord)
+    rt = build_runtime(coord.settings, make_app(coord.settings))
+    run, other = rt.lifecycle.start(child), rt.lifecycle.start(sibling)
+    assert isinstance(run, Run) and isinstance(other, Run), (run, other)
+    _held(run, 12_000)
+    coord.cancel(child, "not needed")
+    assert coord.get_task(parent_id).total_cost_micros == 0, "nothing recorded yet: the budget still holds"
+    run.end(Ended("completed", summary="too late"))
+    assert coord.get_task(child).cost_micros == 12_000, "the provider billed it"
+    _stopped_on_its_budget(coord, parent_id, sibling)  # (its stop watch cancels the request the sibling's run is in)
+
+
+def test_late_spend_a_heartbeat_records_stops_the_subtree_whose_budget_it_takes_over(
+    idle_coordinator: Coordinator,
+) -> None:
+    """The same spend, refused by Redis when its run tried, and kept by the worker's heartbeat (LateSpends) until
+    Redis takes it: the beat that records it stops the subtree it took over the budget."""
+    coord = idle_coordinator
+    parent_id, child, sibling = _budgeted_pair(coord)
+    coord.cancel(child, "not needed")
+    spend = Spend(request_key="1:9", usage=Usage(tokens_in=100, tokens_out=10), cost_micros=12_000,
+                  cost_source="test")  # fmt: skip
+    owed = LateSpends()
+    owed.owe(coord.get_task(child), [spend], refused=True)
+    assert coord.get_task(sibling).status == TaskStatus.ACTIVE
+    owed.record(coord.plane)
+    assert not owed, "recorded, so no longer owed"
+    assert coord.get_task(parent_id).total_cost_micros == 12_000
+    _stopped_on_its_budget(coord, parent_id, sibling)

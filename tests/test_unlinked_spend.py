@@ -162,7 +162,7 @@ def test_spend_recorded_after_a_stop_keeps_the_plan_adding_up(idle_coordinator: 
     coord.cancel(c2, "stopped")
     held = Spend(request_key="1:2", usage=Usage(tokens_in=40, tokens_out=2), cost_micros=90, cost_source="test")
     for _ in range(2):
-        assert coord.store.runs.record_late_spend(coord.get_task(c1), [held]) in (0, 1)
+        assert coord.store.runs.record_late_spend(coord.get_task(c1), [held]).recorded in (0, 1)
         coord.store.runs.record_late_spend(coord.get_task(c2), [held])
     record = assert_plan_adds_up(coord, parent.id)
     assert (record.unlinked_cost_micros, record.unlinked_tokens) == (790, 7042)
@@ -170,7 +170,7 @@ def test_spend_recorded_after_a_stop_keeps_the_plan_adding_up(idle_coordinator: 
     assert (item.subtask_id, item.cost_micros, item.tokens) == (c2, 90, 42)
     assert record.total_cost_micros == 880
     assert (coord.get_task(c1).requests, coord.get_task(c2).requests) == (2, 1), "the held one recorded once each"
-    assert coord.store.runs.record_late_spend(coord.get_task(c2), [held]) == 0
+    assert coord.store.runs.record_late_spend(coord.get_task(c2), [held]).recorded == 0
 
 
 def test_spend_recorded_after_a_stop_on_a_child_not_written_back_yet_is_read_by_its_write_back(
@@ -183,7 +183,7 @@ def test_spend_recorded_after_a_stop_on_a_child_not_written_back_yet_is_read_by_
     (c1,) = batch.child_ids
     coord.store.runs.finish_task(c1, "cancelled", "stopped")  # ended, its write-back still to come
     held = Spend(request_key="1:1", usage=Usage(tokens_in=10), cost_micros=55, cost_source="test")
-    assert coord.store.runs.record_late_spend(coord.get_task(c1), [held]) == 1
+    assert coord.store.runs.record_late_spend(coord.get_task(c1), [held]).recorded == 1
     build_runtime(coord.settings, make_app(coord.settings)).lifecycle.settle_batch(batch.id)
     record = assert_plan_adds_up(coord, parent.id)
     assert (coord.get_todos(parent.id)[0].cost_micros, record.total_cost_micros) == (55, 55)

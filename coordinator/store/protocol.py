@@ -46,6 +46,7 @@ from coordinator.replies import (
     Ending,
     EndpointState,
     FairHealed,
+    LateSpendRecorded,
     QuotaVerdict,
     StartReply,
     Stepped,
@@ -1084,10 +1085,12 @@ class RecordUsage(
 
 @dataclass(frozen=True, kw_only=True)
 class RecordLateSpend(
-    Call[int],
+    Call[LateSpendRecorded],
     script="record_late_spend",
     uses=("outbox_add", "record_usage"),
-    returns="how many of the records were recorded now (a record recorded before is not counted again).",
+    returns="{recorded, exhausted}: how many of the records were recorded now (a record recorded before is not "
+    "counted again), and the id of the topmost task (nearest the root) whose budget the subtree reached with "
+    "them, '' when none recorded now did (its caller stops that subtree, as a step's does).",
 ):
     task: str = key("task hash (stopped since its run's last step, or one whose step Redis failed)")
     outbox: OutboxKeys = splice("the tree's outbox (outbox_add's {side}: a budget warning, record_usage)")
@@ -1107,8 +1110,8 @@ class RecordLateSpend(
     )
 
     @classmethod
-    def decode(cls, raw: Any) -> int:
-        return int(raw)
+    def decode(cls, raw: Any) -> LateSpendRecorded:
+        return LateSpendRecorded(recorded=int(raw[0]), exhausted=str(raw[1]) or None)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from coordinator.errors import NotFoundError
 from coordinator.ids import root_of
 from coordinator.models import AdmissionLimits, Outcome, RunWrites, Spend, TaskRecord, ToolCallDone, Usage
-from coordinator.replies import Ending, Stepped, UsageRecorded
+from coordinator.replies import Ending, LateSpendRecorded, Stepped, UsageRecorded
 from coordinator.store.base import (
     EVENTS_MAXLEN,
     Part,
@@ -309,12 +309,15 @@ class RunStore(Part):
         )  # fmt: skip
 
     @translate_redis_errors
-    def record_late_spend(self, record: TaskRecord, spends: Sequence[Spend], *, refused: bool = True) -> int:
+    def record_late_spend(
+        self, record: TaskRecord, spends: Sequence[Spend], *, refused: bool = True
+    ) -> LateSpendRecorded:
         """Record what a run spent before its task was stopped, which its step refused for the stop
         (record_late_spend.lua): on the task, up its ancestors, and on each plan item and line of the combined
-        result already written back. Once per request key; how many were recorded now. `refused` False: spend a
-        worker kept when Redis failed the step that would have written it, which leaves the task's mark of spend
-        still to record (`late_spend_at`) to the run that set it."""
+        result already written back. Once per request key; how many were recorded now, and the topmost task
+        whose budget they took the subtree to (its caller stops it: `budgets.record_late_spend`). `refused`
+        False: spend a worker kept when Redis failed the step that would have written it, which leaves the
+        task's mark of spend still to record (`late_spend_at`) to the run that set it."""
         root = record.root_id
         return self.scripts(
             RecordLateSpend(

@@ -21,24 +21,29 @@
 --   that set it
 -- ARGV[7..] 7 values per usage record (request key, tokens in, tokens out, cache reads, cache writes, cost
 --   micro-USD, cost source)
--- Returns how many of the records were recorded now (a record recorded before is not counted again).
+-- Returns {recorded, exhausted}: how many of the records were recorded now (a record recorded before is
+--   not counted again), and the id of the topmost task (nearest the root) whose budget the subtree reached
+--   with them, '' when none recorded now did (its caller stops that subtree, as a step's does).
 -- The mark of spend still to record (flush_run) goes with this call, whether or not it records anything new;
 -- spend a worker kept when Redis failed a step leaves it (a newer run of the task may have set it since).
 if ARGV[6] == '1' then
   hash_set(KEYS[1], 'late_spend_at', '')
 end
-local tokens, cost, recorded = 0, 0, 0
+local tokens, cost, recorded, exhausted = 0, 0, 0, ''
 for at = 7, #ARGV, 7 do
   local got = record_usage(KEYS, {ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4],
     ARGV[at + 5], ARGV[at + 6], ARGV[1], ARGV[2], ARGV[3], '1', '1'})
   if got[1] == 1 then
     recorded = recorded + 1
+    if got[2] ~= '' then
+      exhausted = got[2]  -- (totals only grow: a later record's holder is at least as near the root)
+    end
     tokens = tokens + tonumber(ARGV[at + 1]) + tonumber(ARGV[at + 2])
     cost = cost + tonumber(ARGV[at + 5])
   end
 end
 if recorded == 0 then
-  return 0
+  return {0, ''}
 end
 local chain = {KEYS[1], unpack(KEYS, 5)}
 for j = 1, #chain - 1 do
@@ -62,4 +67,4 @@ for j = 1, #chain - 1 do
     end
   end
 end
-return recorded
+return {recorded, exhausted}
