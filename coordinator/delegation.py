@@ -176,7 +176,7 @@ def commit(
     # included (a refusal left a task due, or pushed its look later, at each call).
     watched = plane.store.convergence.watch_one(task_id, plane.settings.reconcile_grace_s)
     try:
-        batch, children = plane.store.batches.commit_delegation(task_id, plan, token=token)
+        batch, children = plane.store.batches.commit_delegation(task_id, batch_id, plan, token=token)
     except (ValidationError, NotFoundError, StateError, ConflictError):  # a refusal: nothing was committed
         plane.store.convergence.rewatch(watched)  # unless another step watched it since (rewatch.lua)
         raise

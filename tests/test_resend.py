@@ -294,6 +294,50 @@ def test_a_publish_claim_sent_again_after_it_ran_publishes_the_batch(
     assert coord.client.llen(coord.settings.queue) == 2, "both children were published, once"
 
 
+def test_a_delegations_commit_whose_reply_was_lost_publishes_its_batch(
+    idle_coordinator: Coordinator, lost: LostReplies
+) -> None:
+    """A delegation's commit is a WATCH/MULTI transaction, which redis-py does not send again: a connection lost
+    while watching raises WatchError (with the client's retries or without), and the store runs the transaction
+    again on the state it finds. Here the commit ran and its reply was lost: the parent it made `delegated` was
+    then validated again and refused ("not active"), so its caller got an error for a delegation that stood,
+    whose batch was never published, and its parent, taken off the due list by the refusal, waited for good."""
+    coord = idle_coordinator
+    parent = coord.create_task("two children", todos="[ ] a\n[ ] b")
+    lost.lose("EXEC", "waiting_batch_id")
+
+    batch = coord.delegate(parent.id, [{"description": "a", "message": "x"}, {"description": "b", "message": "y"}])
+
+    assert lost.lost == 1
+    record = coord.get_task(parent.id)
+    assert (record.status, record.waiting_batch_id) == (TaskStatus.DELEGATED, batch.id)
+    assert record.child_ids == batch.child_ids, "one batch, committed once"
+    assert [i.subtask_id for i in coord.get_todos(parent.id)] == batch.child_ids, "each item linked once"
+    assert coord.client.llen(coord.settings.queue) == 2, "both children were published"
+    keys = coord.store.keys
+    assert all(coord.client.zscore(keys.all_tasks(), c) for c in batch.child_ids), "the children are in the history"
+
+
+def test_a_roots_creation_whose_reply_was_lost_publishes_its_run_and_lists_it(
+    idle_coordinator: Coordinator, lost: LostReplies
+) -> None:
+    """A root's creation is a WATCH/MULTI transaction too: its reply lost after it ran, the transaction ran again,
+    found the task there and answered "not created". Its caller then published no run (the reconciler did, a
+    grace later) and left the root out of the history's indexes for good."""
+    coord = idle_coordinator
+    lost.lose("EXEC", "todos_version")
+
+    record, created = coord.create_task_once("an agent's root", run=True)
+
+    assert lost.lost == 1
+    assert created, "this call wrote it"
+    assert coord.client.llen(coord.settings.queue) == 1, "its run was published at once"
+    keys = coord.store.keys
+    assert coord.client.zscore(keys.all_tasks(), record.id) and coord.client.zscore(keys.roots(), record.id), (
+        "it is in the history, among its roots"
+    )
+
+
 def test_a_chain_steps_publish_claim_sent_again_after_it_ran_publishes_the_step(
     idle_coordinator: Coordinator, rt: Runtime, lost: LostReplies
 ) -> None:

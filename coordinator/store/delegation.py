@@ -77,6 +77,7 @@ class DelegationStore(Part):
     def commit_delegation(
         self,
         parent_id: str,
+        batch_id: str,
         plan: Callable[[TaskRecord, list[TodoItem]], tuple[Batch, NewChildren, list[TodoItem]]],
         *,
         token: str = "",
@@ -84,15 +85,22 @@ class DelegationStore(Part):
         """Commit a delegation in one transaction, or write nothing.
 
         `plan(parent, todos)` validates against the watched state and returns the
-        batch, the children to make and the parent's new todo list; it raises to refuse.
-        A run's delegation passes its lease's `token`: `FencedError`, nothing written,
+        batch (of id `batch_id`, new to this call), the children to make and the parent's new todo list; it
+        raises to refuse. A run's delegation passes its lease's `token`: `FencedError`, nothing written,
         once another run holds it.
+
+        A commit whose reply was lost after it ran (a connection that dropped during EXEC) is this call's, and
+        answers as it would have: redis-py raises WatchError for a connection lost while watching, so the
+        transaction runs again, on the state it wrote. Its batch is there then, and is read back; validated
+        again, the parent (now `delegated`) would refuse it, and the committed batch would never be published.
         """
         root = root_of(parent_id)
         k = self.keys
-        parent_key, todos_key = k.task(root, parent_id), k.todos(root, parent_id)
+        parent_key, todos_key, batch_key = k.task(root, parent_id), k.todos(root, parent_id), k.batch(root, batch_id)
 
-        def body(pipe: Pipeline) -> tuple[Batch, list[TaskRecord]]:
+        def body(pipe: Pipeline) -> tuple[Batch, list[TaskRecord]] | None:
+            if pipe.exists(batch_key):  # this call's commit, made before its reply was lost: read back below
+                return None
             parent, old_todos = self._read_watched(pipe, parent_id, token)
             batch, new, new_todos = plan(parent, old_todos)
             ancestors_raw, chain_raw = cast(
@@ -147,7 +155,15 @@ class DelegationStore(Part):
             pipe.execute()
             return batch, children
 
-        batch, children = self.core.transaction([parent_key, todos_key], body)
+        committed = self.core.transaction([parent_key, todos_key], body)
+        if committed is None:
+            batch = self.get_batch(batch_id)
+            with self.client.pipeline(transaction=False) as reads:
+                for child_id in batch.child_ids:
+                    reads.hgetall(k.task(root, child_id))
+                children = [decode_record(_str_map(raw), [], []) for raw in reads.execute()]
+        else:
+            batch, children = committed
         self.core.index(children)
         return batch, children
 

@@ -268,7 +268,8 @@ class RecordStore(Part):
     def create_root(
         self, record: TaskRecord, todos: Sequence[TodoItem], hooks: Mapping[str, str] | None = None
     ) -> bool:
-        """Write a new root, or nothing when a task of that id exists (an idempotent retry); True if written.
+        """Write a new root, or nothing when a task of that id exists (an idempotent retry); True if written
+        (by this call: one whose reply was lost after it wrote is True too, known by the record's history number).
 
         `hooks` is the tree's subscriptions hash (store.outbox.hooks_mapping), written in the same MULTI: no
         event of the tree can be caused before its subscriptions exist."""
@@ -284,7 +285,11 @@ class RecordStore(Part):
 
         def body(pipe: Pipeline) -> bool:
             if pipe.exists(task_key):
-                return False
+                # Written by this very call when its history number is there: its reply was lost after it ran
+                # (redis-py raises WatchError for a connection lost while watching, and the body runs again).
+                # Its caller then indexes and publishes the root as it would have (said not written, the root
+                # stayed out of the history for good, and its run waited on the reconciler).
+                return pipe.hget(task_key, TaskField.NUMBER) == str(record.number)
             pipe.multi()
             pipe.hset(task_key, mapping={**fields, TaskField.TODOS_VERSION: 0})
             pipe.expire(task_key, self.retention_s)
