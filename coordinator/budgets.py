@@ -10,8 +10,9 @@
   A request in flight when the budget is crossed still completes (its cost is
   known only once it ends), so a subtree can overshoot by the requests in flight.
 - Spend recorded late (a response its run held when a stop landed, or one Redis refused, which the worker's
-  heartbeat records once it is back: record_late_spend.lua) is a crossing like any other: whoever recorded
-  it stops the subtree whose budget it took over at once, not at the next step of a run in it.
+  heartbeat records once it is back: record_late_spend.lua) is spend like any other: whoever records it stops
+  the subtree whose budget is reached then, unless that subtree's top has ended already (`stop_late`), not at
+  the next step of a run in it.
 - A tenant's day of spend (`max_cost_usd_per_day`, coordinator/quotas.py) stops a tree the same way:
   a run whose response took its tenant's rolling day to the quota names its root as the holder, and
   the stop names the tenant's quota instead of a budget.
@@ -19,18 +20,21 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from coordinator import control, quotas
 from coordinator.errors import ValidationError
 from coordinator.inputs import to_micros
-from coordinator.models import TaskRecord, format_usd
+from coordinator.models import TaskRecord, TaskStatus, format_usd
 
 if TYPE_CHECKING:
     from coordinator.plane import Plane
 
-__all__ = ["check_within", "left_over", "stop", "to_micros"]
+log = logging.getLogger(__name__)
+
+__all__ = ["check_within", "left_over", "stop", "stop_late", "to_micros"]
 
 
 def left_over(plane: Plane, parent: TaskRecord) -> int | None:
@@ -80,3 +84,20 @@ def stop(plane: Plane, holder_id: str, *, day_spent_micros: int | None = None) -
         top_class="BudgetExhausted",
         error=f"stopped: the budget of {holder_id} is exhausted",
     )
+
+
+def stop_late(plane: Plane, holder_id: str | None) -> None:
+    """Stop the subtree of `holder_id`, whose budget is reached once late spend was recorded (the run's, or its
+    worker's heartbeat's: record_late_spend.lua), as the step that crossed it would have; nothing when there is
+    none, or when its top has ended (most late spend is that of runs a budget's own stop cancelled: stopped
+    again, the subtree would be read whole for nothing). Best effort: a stop that fails is logged and left to
+    the next step of a run in the subtree, which reads its chain's budgets (the record it follows stands)."""
+    if not holder_id:
+        return
+    try:
+        if TaskStatus(plane.store.records.status_of(holder_id)[0]).terminal:
+            return
+        stop(plane, holder_id)
+    except Exception:  # Redis away again, or the broker's revoke: the subtree's next step stops it
+        log.warning("subq: could not stop the subtree of %s, whose budget late spend reached", holder_id,
+                    exc_info=True)  # fmt: skip

@@ -137,7 +137,7 @@ class LateSpends:
                     else:
                         settled.add(id(item))
                         log.info("subq: recorded the spend of %s, which Redis had refused", item)
-                        _stop_over_budget(plane, recorded.exhausted)
+                        budgets.stop_late(plane, recorded.exhausted)
                         continue
                 if last or time.monotonic() - item.since >= LATE_SPEND_KEEP_S:
                     settled.add(id(item))
@@ -280,15 +280,3 @@ class Heartbeat:
             self.add_latencies()
             if last:
                 return
-
-
-def _stop_over_budget(plane: Plane, holder_id: str | None) -> None:
-    """Stop the subtree whose budget spend recorded late took over, as the step that crossed it would have
-    (budgets.stop). A stop Redis refuses is left to the subtree's next step, which reads its chain's budgets."""
-    if not holder_id:
-        return
-    try:
-        budgets.stop(plane, holder_id)
-    except Exception:  # Redis away again: the next step of a run in the subtree stops it
-        log.warning("subq: could not stop the subtree of %s, whose budget late spend took over", holder_id,
-                    exc_info=True)  # fmt: skip

@@ -107,7 +107,8 @@ class UsageRecorded:
 @dataclass(frozen=True)
 class LateSpendRecorded:
     """record_late_spend's reply: how many of its records were recorded now (one recorded before is not counted
-    again), and the topmost task whose budget the subtree reached with them, or None (none recorded now did)."""
+    again), and the topmost task whose budget its subtree has reached once they were, or None (none was
+    recorded now, or none is reached)."""
 
     recorded: int
     exhausted: str | None = None

@@ -259,14 +259,14 @@ class Run:
         Raises StoreError when Redis refuses it (its delivery is retried, as for any step), after handing the
         spend to the process's heartbeat, which records it once Redis is back (as `abandon` does with the spend
         of a step Redis failed): the retried delivery finds the task stopped and runs nothing, so the spend lives
-        nowhere else."""
+        nowhere else. A budget the record leaves reached stops its subtree (`budgets.stop_late`, which never
+        raises)."""
         try:
             recorded = self._plane.store.runs.record_late_spend(self.task, spends)
         except StoreError:
             self._heartbeat.owe(self.task, spends, refused=True)
             raise
-        if recorded.exhausted:  # a budget it took over: its subtree is stopped now, not at a sibling's next step
-            budgets.stop(self._plane, recorded.exhausted)
+        budgets.stop_late(self._plane, recorded.exhausted)  # now, not at a sibling's next step
 
     # -- each model request -------------------------------------------------------------
 

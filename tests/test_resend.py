@@ -627,3 +627,23 @@ def test_a_rate_limits_count_sent_again_after_it_ran_lets_its_request_start(
     assert wait_ms == 0
     assert coord.client.zcard(coord.store.keys.rate(provider)) == 1, "counted once"
     assert coord.store.runs.wait_for_rate(provider, 1) > 0, "the window's one place is its"
+
+
+def test_a_transient_errors_count_sent_again_after_it_ran_counts_once(
+    idle_coordinator: Coordinator, rt: Runtime, lost: LostReplies
+) -> None:
+    """A run counts its provider's transient errors on its task (count_transient.lua). Before, the resend added
+    them again: the record's `transient_errors`, and the attempt number its wait's message shows, one higher."""
+    coord = idle_coordinator
+    _retrying(coord.store)
+    _, child_id = _child(coord, script(usage_step()))
+    run = _started(rt, child_id)
+    lost.lose(_sha(coord.store, "count_transient"))
+
+    counted = coord.store.endpoints.count_transient_errors(child_id, 1, run.token)
+
+    assert lost.lost == 1
+    assert counted is not None and (counted.total, counted.attempts) == (1, 1), counted
+    assert coord.get_task(child_id).transient_errors == 1, "counted once"
+    again = coord.store.endpoints.count_transient_errors(child_id, 1, run.token)
+    assert again is not None and (again.total, again.attempts) == (2, 2), "a new call counts"

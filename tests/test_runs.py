@@ -140,6 +140,23 @@ def test_late_spend_that_takes_a_budget_over_stops_the_subtree_at_once(idle_coor
     _stopped_on_its_budget(coord, parent_id, sibling)  # (its stop watch cancels the request the sibling's run is in)
 
 
+def test_late_spend_stops_a_reached_budgets_subtree_only_while_its_top_has_not_ended(
+    idle_coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Most late spend is that of runs a budget's own stop cancelled: its record names the holder that stop failed
+    already, and a stop again would read the whole subtree to stop nothing (`budgets.stop_late`)."""
+    coord = idle_coordinator
+    parent_id, _, _ = _budgeted_pair(coord)
+    stops: list[str] = []
+    monkeypatch.setattr(budgets, "stop", lambda plane, holder_id, **_: stops.append(holder_id))
+    budgets.stop_late(coord.plane, None)
+    budgets.stop_late(coord.plane, parent_id)
+    assert stops == [parent_id], "a holder that has not ended is stopped"
+    coord.cancel(parent_id, "done with it")
+    budgets.stop_late(coord.plane, parent_id)
+    assert stops == [parent_id], "one that has ended is not stopped again"
+
+
 def test_late_spend_a_heartbeat_records_stops_the_subtree_whose_budget_it_takes_over(
     idle_coordinator: Coordinator,
 ) -> None:

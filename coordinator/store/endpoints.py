@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import uuid
 
 from coordinator.ids import root_of
 from coordinator.replies import HOST, MODEL, EndpointState, TransientCount
@@ -134,11 +135,15 @@ class EndpointStore(Part):
         """`errors` more requests of the task failed transiently: its transient errors in all, and the failed
         attempts of the request now in flight, both kept on the task, so they go on across parks; only while the
         run of lease `token` holds the task's lease (None, nothing written: a fenced run's failures are not the
-        newer run's attempts)."""
+        newer run's attempts). Counted once when sent again after its reply was lost (its call's mark)."""
         root = root_of(task_id)
         return self.scripts(
             CountTransient(
-                lease=self.keys.lease(root, task_id), task=self.keys.task(root, task_id), token=token, errors=errors
+                lease=self.keys.lease(root, task_id),
+                task=self.keys.task(root, task_id),
+                token=token,
+                errors=errors,
+                call=uuid.uuid4().hex,
             )
         )
 

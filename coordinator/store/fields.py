@@ -112,6 +112,9 @@ class TaskField:
     # The failed attempts of the request now in flight (a count), kept across parks for the `wait_out` UI
     # line's attempt number; deleted when a request is answered, by a run that still holds the lease (clear_wait).
     PROVIDER_ATTEMPTS: Final = "provider_attempts"
+    # The mark of the last call that counted transient errors (count_transient): the same call sent again after its
+    # reply was lost finds it and counts nothing twice.
+    TRANSIENT_CALL: Final = "transient_call"
     # When its run began waiting for its provider (ms), kept while the run gives its worker back, so
     # `model_wait_out_s` counts from the first failure, not from each wake (coordinator/endpoints.py); while
     # set, the task's provider timer may wake it. Set by endpoint_park, cleared with PROVIDER_ATTEMPTS

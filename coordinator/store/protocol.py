@@ -1089,8 +1089,9 @@ class RecordLateSpend(
     script="record_late_spend",
     uses=("outbox_add", "record_usage"),
     returns="{recorded, exhausted}: how many of the records were recorded now (a record recorded before is not "
-    "counted again), and the id of the topmost task (nearest the root) whose budget the subtree reached with "
-    "them, '' when none recorded now did (its caller stops that subtree, as a step's does).",
+    "counted again), and the id of the topmost task (nearest the root) whose budget its subtree has reached once "
+    "they were, '' when none was recorded now or none is reached (its caller stops that subtree unless it has "
+    "ended, as a step's caller does).",
 ):
     task: str = key("task hash (stopped since its run's last step, or one whose step Redis failed)")
     outbox: OutboxKeys = splice("the tree's outbox (outbox_add's {side}: a budget warning, record_usage)")
@@ -1754,6 +1755,10 @@ class CountTransient(
     task: str = key("task hash")
     token: str = arg("the run's token")
     errors: int = arg("how many more requests failed")
+    call: str = arg(
+        "a mark new to this call, kept on the task (`transient_call`): the same call sent again after its reply "
+        "was lost finds it and answers the counts without adding to them"
+    )
 
     @classmethod
     def decode(cls, raw: Any) -> TransientCount | None:

@@ -314,8 +314,8 @@ class RunStore(Part):
     ) -> LateSpendRecorded:
         """Record what a run spent before its task was stopped, which its step refused for the stop
         (record_late_spend.lua): on the task, up its ancestors, and on each plan item and line of the combined
-        result already written back. Once per request key; how many were recorded now, and the topmost task
-        whose budget they took the subtree to (its caller stops it: `budgets.record_late_spend`). `refused`
+        result already written back. Once per request key; how many were recorded now, and, when any was, the
+        topmost task whose budget its subtree has reached (its caller stops it: `budgets.stop_late`). `refused`
         False: spend a worker kept when Redis failed the step that would have written it, which leaves the
         task's mark of spend still to record (`late_spend_at`) to the run that set it."""
         root = record.root_id

@@ -22,8 +22,9 @@
 -- ARGV[7..] 7 values per usage record (request key, tokens in, tokens out, cache reads, cache writes, cost
 --   micro-USD, cost source)
 -- Returns {recorded, exhausted}: how many of the records were recorded now (a record recorded before is
---   not counted again), and the id of the topmost task (nearest the root) whose budget the subtree reached
---   with them, '' when none recorded now did (its caller stops that subtree, as a step's does).
+--   not counted again), and the id of the topmost task (nearest the root) whose budget its subtree has
+--   reached once they were, '' when none was recorded now or none is reached (its caller stops that
+--   subtree unless it has ended, as a step's caller does).
 -- The mark of spend still to record (flush_run) goes with this call, whether or not it records anything new;
 -- spend a worker kept when Redis failed a step leaves it (a newer run of the task may have set it since).
 if ARGV[6] == '1' then
