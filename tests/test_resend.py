@@ -27,7 +27,7 @@ from redis.retry import Retry
 
 from coordinator import Coordinator, TaskStatus, Usage, ids, writeback
 from coordinator.celery_app import make_app
-from coordinator.models import AdmissionLimits, Approval, RunWrites, Spend, ToolCallDone
+from coordinator.models import AdmissionLimits, Approval, RunWrites, Spend, SubtaskSpec, ToolCallDone
 from coordinator.ports.steps import Ended
 from coordinator.redis_clients import FAILOVER_ERRORS
 from coordinator.runs import Run
@@ -316,6 +316,21 @@ def test_a_delegations_commit_whose_reply_was_lost_publishes_its_batch(
     assert coord.client.llen(coord.settings.queue) == 2, "both children were published"
     keys = coord.store.keys
     assert all(coord.client.zscore(keys.all_tasks(), c) for c in batch.child_ids), "the children are in the history"
+
+
+def test_an_agents_delegation_whose_commit_reply_was_lost_is_its_own(rt: Runtime, lost: LostReplies) -> None:
+    """The same from an agent's run (its delegation tool): before, the tool answered the model "no subtask was
+    created" while the child was committed, and the batch stayed unpublished, its child `queued` for good."""
+    coord = rt.coordinator
+    root = coord.create_task("an agent's root", run=True)
+    run = _started(rt, root.id)
+    lost.lose("EXEC", "waiting_batch_id")
+
+    batch, children = run.plan.delegate([SubtaskSpec(description="a", message="do a")], "parallel", "call-1")
+
+    assert lost.lost == 1
+    record = coord.get_task(root.id)
+    assert record.waiting_batch_id == batch.id and record.child_ids == [c.id for c in children] == batch.child_ids
 
 
 def test_a_roots_creation_whose_reply_was_lost_publishes_its_run_and_lists_it(
