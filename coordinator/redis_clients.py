@@ -23,8 +23,8 @@ and answer it as they did the first time, writing nothing twice
 (coordinator/store/fields.py: `run_token`, `last_step`, `end_reply`, ...;
 tests/test_resend.py). A WATCH transaction is never sent again (redis-py raises WatchError for a connection
 lost while watching) but run again on the state it finds, so each knows its own commit (a delegation by its
-batch id, a root by its history number); what is left is docs/architecture.md's known gaps. A step's WAIT, read after its reply, never sends it again (`store/base.py`'s
-`read_wait`).
+batch id, a root by its history number); what is left is docs/architecture.md's known gaps. A step's WAIT, read
+after its reply, never sends it again (`store/base.py`'s `read_wait`).
 
 A connection to the master is checked to be one (`ROLE`) before its first command:
 right after a switch a sentinel may still name the old master, now a replica, and

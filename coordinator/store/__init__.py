@@ -115,7 +115,7 @@ class Store:
         self.retention_s = retention_s
         self.records = RecordStore(core)
         self.runs = RunStore(core, self.records, budget_warn_at)
-        self.batches = DelegationStore(core)
+        self.batches = DelegationStore(core, self.records)
         self.approvals = ApprovalStore(core)
         self.convergence = ConvergenceStore(core)
         self.events = EventStore(core)

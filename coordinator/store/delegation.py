@@ -24,6 +24,7 @@ from coordinator.replies import BatchClosed, ChildSettled
 from coordinator.store.base import (
     EVENTS_MAXLEN,
     Part,
+    StoreCore,
     _encode_record,
     _str_map,
     _strs,
@@ -33,7 +34,7 @@ from coordinator.store.base import (
 from coordinator.store.events import queue_live
 from coordinator.store.fields import BatchField, TaskField
 from coordinator.store.protocol import ApplyChildren, CloseBatch, MarkTimeline, SettleChild, StopTasks
-from coordinator.store.records import decode_record, new_children
+from coordinator.store.records import RecordStore, decode_record, new_children
 from coordinator.todo_links import Merged
 
 __all__ = ["DelegationStore"]
@@ -41,6 +42,10 @@ __all__ = ["DelegationStore"]
 
 class DelegationStore(Part):
     """Todo updates, delegation commits, batches and their write-back, subtree stops."""
+
+    def __init__(self, core: StoreCore, records: RecordStore) -> None:
+        super().__init__(core)
+        self.records = records  # (a commit whose reply was lost reads its children back)
 
     # -- transactions ------------------------------------------------------------------
 
@@ -164,10 +169,7 @@ class DelegationStore(Part):
         committed = self.core.transaction([parent_key, todos_key], body)
         if committed is None:
             batch = self.get_batch(batch_id)
-            with self.client.pipeline(transaction=False) as reads:
-                for child_id in batch.child_ids:
-                    reads.hgetall(k.task(root, child_id))
-                children = [decode_record(_str_map(raw), [], []) for raw in reads.execute()]
+            children = self.records.get_records(batch.child_ids)
         else:
             batch, children = committed
         self.core.index(children)
