@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     )
     from coordinator.deadletters import (
         dead_letter as dead_letter,
+        message_digest as message_digest,
     )
     from coordinator.errors import (
         BrokerError as BrokerError,
@@ -116,6 +117,7 @@ _EXPORTS = {
     "Actor": "coordinator.audit",
     "AuditEntry": "coordinator.audit",
     "dead_letter": "coordinator.deadletters",
+    "message_digest": "coordinator.deadletters",
     "BrokerError": "coordinator.errors",
     "ConfigError": "coordinator.errors",
     "ConflictError": "coordinator.errors",

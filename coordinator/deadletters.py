@@ -9,11 +9,12 @@ producer's bug can be read back and fixed, and a huge message cannot fill Redis.
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["MAX_DEAD_LETTERS", "MAX_MESSAGE_CHARS", "MAX_REASON_CHARS", "DeadLetter", "dead_letter"]
+__all__ = ["MAX_DEAD_LETTERS", "MAX_MESSAGE_CHARS", "MAX_REASON_CHARS", "DeadLetter", "dead_letter", "message_digest"]
 
 # The list keeps the newest this many: enough to read a bad producer's pattern, small enough
 # (at most ~650 MB of raw text in the worst case, far less in practice) to bound Redis memory.
@@ -58,3 +59,11 @@ def dead_letter(
         message=text[:MAX_MESSAGE_CHARS],
         truncated=len(text) > MAX_MESSAGE_CHARS,
     )
+
+
+def message_digest(identity: str | bytes) -> str:
+    """What tells a message from another on the dead-letter list: the digest of its `identity`, kombu's
+    delivery tag for a message kombu delivered (its own, kept when kombu gives the message back, where its
+    text gains `redelivered` and the queue read may differ), else its raw text."""
+    whole = identity if isinstance(identity, bytes) else identity.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(whole).hexdigest()

@@ -21,7 +21,9 @@ task's list of them; the others not yet saved),
 `after-park` (a run's calls are saved for a person's decision, its lease and run slots not yet
 freed),
 `after-stop` (a cancel or a budget's stop is persisted, `stop_tasks.lua`: the subtree's tasks
-terminal; none revoked, written back into its parent's batch or taken off the due list yet).
+terminal; none revoked, written back into its parent's batch or taken off the due list yet),
+`after-dead-letter` (a message no worker can run is on the dead-letter list, not yet acknowledged:
+workers/poison.py).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ log = logging.getLogger(__name__)
 
 POINTS = (
     "after-end", "after-commit", "after-close", "after-claim-publish", "after-retry", "after-compaction", "mid-park",
-    "after-park", "after-stop",
+    "after-park", "after-stop", "after-dead-letter",
 )  # fmt: skip
 
 

@@ -38,7 +38,7 @@ from coordinator import audit as audit_log
 from coordinator import retry as retry_room
 from coordinator import todos as todo_lists
 from coordinator.audit import LOCAL, Action, Actor, AuditEntry
-from coordinator.deadletters import DeadLetter
+from coordinator.deadletters import DeadLetter, message_digest
 from coordinator.errors import CorruptError, NotFoundError, QuotaExceeded, ValidationError, WaitTimeout
 from coordinator.export import export_tree
 from coordinator.inputs import (
@@ -580,9 +580,11 @@ class Coordinator:
 
     # -- dead letters: messages no worker could decode or validate (workers/poison.py) --
 
-    def record_dead_letter(self, entry: DeadLetter) -> None:
-        """Keep a message the worker's consumer took off a queue and could not run (capped list)."""
-        self.store.dead_letters.add_dead_letter(entry)
+    def record_dead_letter(self, entry: DeadLetter, digest: str | None = None) -> bool:
+        """Keep a message the worker's consumer took off a queue and could not run (capped list); False when
+        the same message (`digest`: `message_digest` of what it is, by default of the text kept) is on the list
+        already: it came back after its worker died before acknowledging it."""
+        return self.store.dead_letters.add_dead_letter(entry, digest or message_digest(entry.message))
 
     def dead_letters(self, limit: int = DEFAULT_PAGE) -> list[DeadLetter]:
         """The newest `limit` dead letters, newest first."""

@@ -18,13 +18,16 @@ import copy
 import hashlib
 import inspect
 import json
+import signal
 import subprocess
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from kombu import Connection
 from kombu.transport import redis as kombu_redis
 
 from coordinator import Coordinator, Settings, TaskStatus
@@ -36,6 +39,8 @@ from tests.helpers import eventually
 from workers.poison import DeadLetterChannel
 
 QUEUE = "subq-poison"
+# The queue of a worker that dies after a dead letter (its messages come back to QUEUE, their routing key).
+CRASH_QUEUE = "subq-poison-crash"
 # A queue no worker reads: a real message is published there, then copied and spoiled.
 TEMPLATE_QUEUE = "subq-poison-template"
 WAIT_S = 30
@@ -179,6 +184,39 @@ def test_a_dead_letter_redis_refuses_is_read_again_not_lost(
     assert reason in dead.reason
     assert workers.procs[0].poll() is None
     eventually(lambda: coord.client.llen(QUEUE) == 0 and coord.client.hlen("unacked") == 0, "nothing left", WAIT_S)
+
+
+def test_a_message_back_after_its_worker_died_past_its_dead_letter_is_kept_once(
+    settings: Settings, fleet: tuple[Coordinator, WorkerFleet], template: dict[str, Any], tmp_path: Path
+) -> None:
+    """A worker that dies after the dead letter and before it acknowledged the message leaves the message in
+    kombu's unacknowledged hash. kombu gives it back (the sweep a live worker makes once the visibility timeout
+    has passed, made here at once), and the module's worker dead-letters it again: the list keeps it once."""
+    coord, workers = fleet
+    coord.purge_dead_letters()
+    assert settings.redis_url and coord.settings.redis_url
+    # A task no worker registers: a run message is not kombu's to give back (workers/run_acks.py).
+    _, poison, reason, _, _ = next(p for p in POISON if p[0] == "unknown task name")
+    entry = _entry(template, poison)  # routed to QUEUE, which the module's worker reads, when given back
+    with dedicated_fleet(
+        settings, tmp_path, 1, redis_url=coord.settings.redis_url, queue=CRASH_QUEUE, worker_concurrency=1,
+        fault_crash_at="after-dead-letter",
+    ) as (_, crashing):  # fmt: skip
+        coord.client.lpush(CRASH_QUEUE, entry)
+        crashing.procs[0].wait(timeout=WAIT_S)
+        assert crashing.procs[0].returncode == -signal.SIGKILL, crashing.logs[0].read_text(errors="replace")[-2000:]
+    (dead,) = coord.dead_letters(10)
+    assert reason in dead.reason
+    assert coord.client.hlen("unacked") == 1, "the message is held for a worker to take again"
+    kept_once = workers.logs[0].read_text().count("kept once")
+
+    with Connection(coord.settings.redis_url, transport_options={"visibility_timeout": 0}) as conn:
+        conn.default_channel.qos.restore_visible(num=10, interval=1)
+    eventually(lambda: f"id {dead.id})" in workers.logs[0].read_text(), "the message dead-lettered again", WAIT_S, 0.05)
+    eventually(lambda: coord.client.llen(QUEUE) == 0 and coord.client.hlen("unacked") == 0, "nothing left", WAIT_S)
+    assert [d.id for d in coord.dead_letters(10)] == [dead.id], "one entry for the message"
+    assert workers.logs[0].read_text().count("kept once") == kept_once + 1
+    assert workers.procs[0].poll() is None
 
 
 def test_the_copied_kombu_reader_is_still_kombus() -> None:

@@ -25,7 +25,8 @@ from redis.backoff import NoBackoff
 from redis.connection import AbstractConnection
 from redis.retry import Retry
 
-from coordinator import Coordinator, TaskStatus, Usage, ids, writeback
+from coordinator import Coordinator, TaskStatus, Usage, dead_letter, ids, message_digest, writeback
+from coordinator.audit import Actor
 from coordinator.celery_app import make_app
 from coordinator.models import AdmissionLimits, Approval, RunWrites, Spend, SubtaskSpec, ToolCallDone
 from coordinator.ports.steps import Ended
@@ -662,3 +663,74 @@ def test_a_transient_errors_count_sent_again_after_it_ran_counts_once(
     assert coord.get_task(child_id).transient_errors == 1, "counted once"
     again = coord.store.endpoints.count_transient_errors(child_id, 1, run.token)
     assert again is not None and (again.total, again.attempts) == (2, 2), "a new call counts"
+
+
+def test_an_audit_entry_sent_again_after_its_reply_was_lost_is_kept_once(
+    idle_coordinator: Coordinator, lost: LostReplies
+) -> None:
+    """An audit entry and its refusal's count are one step (audit_add.lua). Before, they were a MULTI with no WATCH,
+    which a Sentinel client sends again whole: the entry was on the log twice, and the refusal counted twice."""
+    coord = idle_coordinator
+    _retrying(coord.store)
+    target = f"resend-{secrets.token_hex(4)}"
+    refused = coord.store.audit.refused_counts().get("bad_token", 0)
+    lost.lose(_sha(coord.store, "audit_add"), target)
+
+    coord.store.audit.add(Actor("someone", "10.0.0.1", "api"), "refused", target, reason="bad_token")
+
+    assert lost.lost == 1
+    entries, _ = coord.store.audit.page(50)
+    assert [e.target for e in entries].count(target) == 1, "on the log once"
+    assert coord.store.audit.refused_counts()["bad_token"] == refused + 1, "counted once"
+    coord.store.audit.add(Actor("someone", "10.0.0.1", "api"), "refused", target, reason="bad_token")
+    entries, _ = coord.store.audit.page(50)
+    assert [e.target for e in entries].count(target) == 2, "a new entry is its own"
+
+
+def test_a_dead_letter_sent_again_after_its_reply_was_lost_is_kept_once(
+    idle_coordinator: Coordinator, lost: LostReplies
+) -> None:
+    """A dead letter was a MULTI with no WATCH, which a Sentinel client sends again whole: the message was on the
+    list twice. Now the list keeps each message once (dead_letter_add.lua)."""
+    coord = idle_coordinator
+    _retrying(coord.store)
+    coord.purge_dead_letters()
+    raw = f'{{"not": "a message {secrets.token_hex(4)}"}}'
+    entry = dead_letter("subq-nobody", "the queue entry is not a kombu message", raw)
+    lost.lose(_sha(coord.store, "dead_letter_add"))
+
+    # (The resend finds the message on the list and answers so: the caller logs that it was kept once.)
+    coord.record_dead_letter(entry, message_digest(raw))
+
+    assert lost.lost == 1
+    assert coord.dead_letters(10) == [entry], "on the list once"
+    later = dead_letter("subq-nobody", "read again", raw)
+    assert not coord.record_dead_letter(later, message_digest(raw)), "the same message, on the list already"
+    other = dead_letter("subq-nobody", "the queue entry is not JSON", raw + " ")
+    assert coord.record_dead_letter(other, message_digest(other.message))
+    assert coord.dead_letters(10) == [other, entry]
+    assert coord.purge_dead_letters() == 2
+    assert coord.record_dead_letter(later, message_digest(raw)), "a purged message is kept again"
+    coord.purge_dead_letters()
+
+
+def test_an_endpoints_recovery_sent_again_after_its_reply_was_lost_wakes_its_parked_runs(
+    idle_coordinator: Coordinator, lost: LostReplies
+) -> None:
+    """A request to a provider that was down was answered: its views are forgotten and the runs parked on them taken
+    off their lists, to wake now (endpoint_recovered.lua). Before, a delete and a MULTI: the resend found the views
+    up and the lists gone, answered no task, and the parked runs waited out their timers though it was back."""
+    coord = idle_coordinator
+    _retrying(coord.store)
+    store = coord.store.endpoints
+    endpoint = f"127.0.0.1:{secrets.randbelow(50_000) + 10_000}"
+    store.failed(endpoint, "", "HTTP 503", base_ms=1000, cap_ms=2000, jitter=0.0, asked_ms=None, keep_ms=60_000)
+    parked = coord.create_task("parked while its provider is down")
+    store.park(endpoint, "", parked.id, f"provider-wait:{parked.id}", time.time() + 3600, 1234, 60)
+    lost.lose(_sha(coord.store, "endpoint_recovered"))
+
+    woken = store.recovered(endpoint, "openai:test-model")
+
+    assert lost.lost == 1
+    assert woken == [parked.id], "the resend answers the tasks the first send took off the list"
+    assert store.state(endpoint) == {} and store.recovered(endpoint) == [], "once"

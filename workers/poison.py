@@ -17,7 +17,8 @@ Two layers, each where its kind of message first fails:
   these, and the message, restored at shutdown, ends the next one too.
 
 Each is written to the dead-letter list with the reason (`coordinator/deadletters.py`),
-then acknowledged, so it is never delivered again, and the consumer goes on. A
+then acknowledged, so it is never delivered again, and the consumer goes on. A message
+that comes back all the same (its worker died between the two) is kept on the list once. A
 valid message costs one try/except and two shape checks (`precheck`).
 """
 
@@ -38,8 +39,9 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 from vine import promise
 
-from coordinator import Coordinator, Settings, StoreError, dead_letter, load_settings
+from coordinator import Coordinator, Settings, StoreError, dead_letter, load_settings, message_digest
 from coordinator.celery_app import FollowingSentinelChannel
+from coordinator.faults import crash_point
 from workers.run_acks import RunQoS
 
 __all__ = ["DeadLetterChannel", "DeadLetters", "PoisonSafeConsumer", "UnreadableMessage", "task_problem"]
@@ -65,8 +67,18 @@ class DeadLetters:
         self.settings = settings
         self._coord: Coordinator | None = None
 
-    def bury(self, queue: str, reason: str, raw: str | bytes, *, task: object = None, task_id: object = None) -> None:
-        """Keep the message on the dead-letter list, or raise ConnectionError if Redis refuses it.
+    def bury(
+        self,
+        queue: str,
+        reason: str,
+        raw: str | bytes,
+        *,
+        task: object = None,
+        task_id: object = None,
+        identity: str | None = None,
+    ) -> None:
+        """Keep the message on the dead-letter list, once (`identity`, `_identity`: kombu's delivery tag; else its
+        raw text), or raise ConnectionError if Redis refuses it.
 
         ConnectionError is one of kombu's connection errors: the consumer reconnects, and a
         message kombu had already handed over is restored to its queue rather than lost.
@@ -77,12 +89,14 @@ class DeadLetters:
         if self._coord is None:
             self._coord = Coordinator(self.settings)
         try:
-            self._coord.record_dead_letter(entry)
+            if not self._coord.record_dead_letter(entry, message_digest(raw if identity is None else identity)):
+                log.info("subq: that message was on the dead-letter list already: kept once")
         except StoreError as exc:
             log.error("subq: the dead letter could not be kept (%s); the message: %s", exc,
                       entry.message[:LOG_MESSAGE_CHARS])  # fmt: skip
             time.sleep(DEAD_LETTER_RETRY_S)
             raise ConnectionError(f"the dead-letter list could not be written: {exc}") from exc
+        crash_point(self.settings, "after-dead-letter")
 
 
 class UnreadableMessage(ValueError):
@@ -311,7 +325,7 @@ class PoisonSafeConsumer(Consumer):  # type: ignore[misc]  # Celery ships no typ
         headers = message.headers if isinstance(message.headers, dict) else {}
         task_id = headers.get("id")
         self.dead_letters.bury(_queue_of(message), reason, _raw_text(message), task=headers.get("task"),
-                               task_id=task_id)  # fmt: skip
+                               task_id=task_id, identity=_identity(message))  # fmt: skip
         if isinstance(task_id, str):
             self._forget_request(task_id, message)
         if not message.acknowledged:
@@ -338,7 +352,8 @@ class PoisonSafeConsumer(Consumer):  # type: ignore[misc]  # Celery ships no typ
         headers = message.headers if isinstance(message.headers, dict) else {}
         name = headers.get("task")
         self.dead_letters.bury(_queue_of(message), f"unknown task name {_quote(name)}: no worker registers it",
-                               _raw_text(message), task=name, task_id=headers.get("id"))  # fmt: skip
+                               _raw_text(message), task=name, task_id=headers.get("id"),
+                               identity=_identity(message))  # fmt: skip
         if isinstance(headers.get("id"), str):  # Celery marks its result failed (NotRegistered) and rejects it
             super().on_unknown_task(body, message, exc)
         else:
@@ -433,6 +448,14 @@ def _queue_of(message: Any) -> str:
     queue = getattr(message.channel, "reading_queue", None)
     info = message.delivery_info if isinstance(message.delivery_info, dict) else {}
     return str(queue or info.get("routing_key") or "?")
+
+
+def _identity(message: Any) -> str | None:
+    """What the message stays when kombu gives it back: its delivery tag (one a publish), if it has one."""
+    tag = getattr(message, "delivery_tag", None)
+    if isinstance(tag, (str, int)) and not isinstance(tag, bool) and tag != "":
+        return f"delivery_tag {tag}"
+    return None
 
 
 def _raw_text(message: Any) -> str:

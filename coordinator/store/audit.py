@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import time
-from typing import Any, cast
+import uuid
+from typing import cast
 
 import pydantic
 
 from coordinator.audit import AUDIT_MAX_ENTRIES, Action, Actor, AuditEntry
 from coordinator.errors import CorruptError, ValidationError
 from coordinator.store.base import Part, _str_map, translate_redis_errors
+from coordinator.store.protocol import AuditAdd
 from coordinator.text import ascii_digits
 
 __all__ = ["AuditLog"]
+
+# How long an entry's mark is kept: longer than a connection's retries of a lost reply go on (a failover is
+# given about 30 s, coordinator/redis_clients.py), short enough that a flood of refused requests leaves few marks behind.
+AUDIT_MARK_S = 120
 
 
 class AuditLog(Part):
@@ -20,7 +26,8 @@ class AuditLog(Part):
 
     @translate_redis_errors
     def add(self, actor: Actor, action: Action, target: str, *, reason: str = "", detail: str = "") -> None:
-        """Append one entry; trim what is past the retention and the cap, and count a refusal, in one transaction."""
+        """Append one entry; trim what is past the retention and the cap, and count a refusal, in one step
+        (audit_add.lua), once: sent again after its reply was lost, the entry finds its own mark."""
         now = time.time()
         fields = {
             "ts": repr(now),
@@ -32,15 +39,13 @@ class AuditLog(Part):
             "reason": reason,
             "detail": detail,
         }
-        key = self.keys.audit()
-        oldest_kept_ms = int((now - self.retention_s) * 1000)
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.xadd(key, cast(Any, fields), maxlen=AUDIT_MAX_ENTRIES, approximate=True)
-            # Kept as long as task history: entries older than the retention go (whole nodes, `~`).
-            pipe.xtrim(key, minid=f"{oldest_kept_ms}-0", approximate=True)
-            if reason:
-                pipe.hincrby(self.keys.refused(), reason, 1)
-            pipe.execute()
+        self.scripts(
+            AuditAdd(
+                stream=self.keys.audit(), refused=self.keys.refused(),
+                mark=self.keys.audit_mark(uuid.uuid4().hex), mark_s=AUDIT_MARK_S, max_entries=AUDIT_MAX_ENTRIES,
+                oldest_kept=f"{int((now - self.retention_s) * 1000)}-0", reason=reason, fields=list(fields.items()),
+            )
+        )  # fmt: skip
 
     @translate_redis_errors
     def page(self, limit: int, before: str | None = None) -> tuple[list[AuditEntry], str | None]:

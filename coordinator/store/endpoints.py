@@ -5,8 +5,8 @@ connections, timeouts) and one per model it serves (`keys.endpoint(endpoint, mod
 provider said of that model). `model=""` names the host's view wherever a view is named.
 The rules (when to wait, who probes, how long to back off) are coordinator/endpoints.py's;
 this part reads and writes them atomically: `endpoint_gate.lua` before a request (both views
-of it, in one step), `endpoint_failed.lua` after a transient error, and a delete once a
-request is answered.
+of it, in one step), `endpoint_failed.lua` after a transient error, and `endpoint_recovered.lua`
+once a request to a view that was down is answered.
 """
 
 from __future__ import annotations
@@ -17,11 +17,22 @@ import uuid
 
 from coordinator.ids import root_of
 from coordinator.replies import HOST, MODEL, EndpointState, TransientCount
-from coordinator.store.base import Part, _str_map, _strs, translate_redis_errors
+from coordinator.store.base import Part, _str_map, translate_redis_errors
 from coordinator.store.fields import TaskField
-from coordinator.store.protocol import ClearWait, CountTransient, EndpointFailed, EndpointGate, EndpointPark
+from coordinator.store.protocol import (
+    ClearWait,
+    CountTransient,
+    EndpointFailed,
+    EndpointGate,
+    EndpointPark,
+    EndpointRecovered,
+)
 
 __all__ = ["EndpointStore"]
+
+# How long a recovery's answer is kept for the same call sent again: longer than a connection's retries of a
+# lost reply go on (a failover is given about 30 s, coordinator/redis_clients.py).
+RECOVERED_MARK_S = 120
 
 
 class EndpointStore(Part):
@@ -65,21 +76,19 @@ class EndpointStore(Part):
     @translate_redis_errors
     def recovered(self, endpoint: str, model: str = "") -> list[str]:
         """A request to `endpoint` was answered: forget its host's failures, and `model`'s when given (an
-        answer about another model says nothing of it); returns the tasks parked on those views.
-
-        Two steps, not one script: the endpoint's hashes and the fleet's timers are global keys of
-        different slots, and both steps are idempotent (a task parked between them wakes by its timer).
+        answer about another model says nothing of it); returns the tasks parked on those views, taken off
+        their lists (endpoint_recovered.lua: the same call sent again after its reply was lost answers them
+        again). The caller wakes them with `wake_now`, a step of its own: the fleet's timers are a key of
+        another slot, and the wake is idempotent (a task parked between the two wakes by its timer).
         """
         views = [""] + ([model] if model else [])
-        if not self.client.delete(*(self.keys.endpoint(endpoint, m) for m in views)):
-            return []  # it was up: nothing parked on it (one command)
-        parked = [self.keys.endpoint_parked(endpoint, m) for m in views]
-        with self.client.pipeline(transaction=True) as pipe:
-            for key in parked:
-                pipe.zrange(key, 0, -1)
-            pipe.delete(*parked)
-            *lists, _ = pipe.execute()
-        return [task_id for found in lists for task_id in _strs(found)]
+        return self.scripts(
+            EndpointRecovered(
+                mark=self.keys.endpoint_recovered(endpoint, uuid.uuid4().hex), mark_s=RECOVERED_MARK_S,
+                views=[self.keys.endpoint(endpoint, m) for m in views]
+                + [self.keys.endpoint_parked(endpoint, m) for m in views],
+            )
+        )  # fmt: skip
 
     @translate_redis_errors
     def park(

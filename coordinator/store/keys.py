@@ -76,6 +76,8 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 |                                       |        | for the host, scored by when they wake; a task     | is back; an hour |
 |                                       |        | whose wake time passed leaves it at the next park  |          |
 | `<p>:endpoint-parked:{<host:port>}:model:<model>` | zset | the same, waiting for that model         | deleted when the model is back; an hour |
+| `<p>:endpoint-recovered:{<host:port>}:<32 hex>` | string | the tasks one recovery took off those | 120 s |
+|                                       |        | lists, for the same call sent again                |          |
 | `<p>:idempotency:<sha256 of the key>`| string | the root id a create call with that key made       | retention |
 | `<p>:web-session:<sha256 of the id>`  | string | a web sign-in: the fingerprint of the API token it | the session's age |
 |                                       |        | was made with (a changed token revokes it)         | (a day); deleted at sign-out |
@@ -100,9 +102,14 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:dead-letters`                    | list   | messages no worker could decode or validate, one   | capped: the newest 10,000 |
 |                                       |        | JSON object each, newest first (ts, queue, reason, |          |
 |                                       |        | task, id, the raw message cut to 64 KiB)           |          |
+| `<p>:dead-letter-marks`               | zset   | the digest of each message on the dead-letter list | as the list: the newest  |
+|                                       |        | (its delivery tag, else its raw text), scored by   | 10,000                   |
+|                                       |        | when it was kept: a message is kept once           |          |
 | `<p>:audit`                           | stream | the audit log: every decision, control action,     | retention (trimmed by id |
 |                                       |        | sign-in and refused request, one entry each (who,  | at each write), and at   |
 |                                       |        | what, target, when, from where; coordinator/audit) | most the newest 100,000  |
+| `<p>:audit-mark:<32 hex>`             | string | an audit entry's own mark, which its write sent    | 120 s    |
+|                                       |        | again after a lost reply finds (audit_add.lua)     |          |
 | `<p>:metrics:webhooks`                | hash   | delivery attempts by `<event type> <outcome>`      | permanent |
 | `<p>:metrics:refused`                 | hash   | refused requests (401/403) counted by reason       | permanent |
 
@@ -286,7 +293,9 @@ class Keys:
     reserved = _fleet("reserved")
     repairs = _fleet("metrics:repairs")
     dead_letters = _fleet("dead-letters")
+    dead_letter_marks = _fleet("dead-letter-marks")
     audit = _fleet("audit")
+    audit_mark = _fleet_member("audit-mark")
     refused = _fleet("metrics:refused")
     tenants = _fleet("tenants")
     fair_wanting = _fleet("fair:wanting")
@@ -312,6 +321,10 @@ class Keys:
     def endpoint_parked(self, endpoint: str, model: str = "") -> str:
         """The tasks parked on that view of `endpoint` (its host's, or one `model`'s)."""
         return f"{self.prefix}:endpoint-parked:{{{endpoint}}}" + (f":model:{model}" if model else "")
+
+    def endpoint_recovered(self, endpoint: str, call: str) -> str:
+        """One recovery's answer, kept for the same call sent again (hash-tagged by the endpoint)."""
+        return f"{self.prefix}:endpoint-recovered:{{{endpoint}}}:{call}"
 
     def settled(self, root_id: str, task_id: str) -> str:
         """The channel (pub/sub, no key) on which a task's settling is announced: its tree's stream's name and

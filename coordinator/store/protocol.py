@@ -434,6 +434,43 @@ class StepWrites(Group):
 
 
 @dataclass(frozen=True, kw_only=True)
+class AuditAdd(
+    Call[bool],
+    script="audit_add",
+    returns="1 when the entry was added, 0 when this very entry had been added before.",
+):
+    stream: str = key("the audit stream")
+    refused: str = key("the refused requests' counts by reason")
+    mark: str = key("this entry's mark")
+    mark_s: int = arg("how long the mark is kept, seconds")
+    max_entries: int = arg("the most entries kept")
+    oldest_kept: str = arg("the oldest entry id kept (`<ms>-0`)")
+    reason: str = arg("the refusal's reason ('' for an entry that is not a refusal)")
+    fields: Sequence[tuple[str, str]] = args("the entry's fields and values")
+
+    @classmethod
+    def decode(cls, raw: Any) -> bool:
+        return bool(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeadLetterAdd(
+    Call[bool],
+    script="dead_letter_add",
+    returns="1 when the entry was kept, 0 when the same message is on the list already.",
+):
+    letters: str = key("the dead-letter list")
+    marks: str = key("the marks of the messages on it (a zset: the message's digest, scored by when it was kept)")
+    entry: str = arg("the entry (JSON)")
+    digest: str = arg("the message's digest (its delivery tag, else its raw text)")
+    max_entries: int = arg("the most entries kept")
+
+    @classmethod
+    def decode(cls, raw: Any) -> bool:
+        return bool(raw)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Admit(
     Call[None],
     script="admit",
@@ -582,6 +619,24 @@ class EndpointFailed(
     @classmethod
     def decode(cls, raw: Any) -> EndpointState:
         return EndpointState(wait_ms=int(raw[0]), failures=int(raw[1]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EndpointRecovered(
+    Call[list[str]],
+    script="endpoint_recovered",
+    returns="the ids of the tasks parked on those views: none when no view was down.",
+):
+    mark: str = key("this call's mark")
+    n_keys: int = count("how many keys follow the mark", of="views")
+    mark_s: int = arg("how long the mark is kept, seconds")
+    views: Sequence[str] = keys(
+        "each view's hash (its host's, then a model's), then each view's parked tasks, in that order"
+    )
+
+    @classmethod
+    def decode(cls, raw: Any) -> list[str]:
+        return [str(task_id) for task_id in raw]
 
 
 @dataclass(frozen=True, kw_only=True)
