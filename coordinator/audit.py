@@ -100,7 +100,7 @@ MAX_TARGET_CHARS = 300
 
 
 def record(sink: AuditSink, actor: Actor, action: Action, target: str, *, reason: str = "", detail: str = "") -> None:
-    """Put one step on record (the entry and, for a refusal, its reason's counter, in one transaction)."""
+    """Put one step on record (the entry and, for a refusal, its reason's counter, in one step)."""
     if len(detail) > MAX_DETAIL_CHARS:
         detail = detail[:MAX_DETAIL_CHARS] + "…"
     if len(target) > MAX_TARGET_CHARS:

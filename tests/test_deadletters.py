@@ -16,7 +16,7 @@ import pytest
 from coordinator import Coordinator, CorruptError, Settings, ValidationError
 from coordinator.api import create_app
 from coordinator.client import SubqClient
-from coordinator.deadletters import MAX_DEAD_LETTERS, MAX_MESSAGE_CHARS, DeadLetter, dead_letter
+from coordinator.deadletters import MAX_DEAD_LETTERS, MAX_MESSAGE_CHARS, DeadLetter, dead_letter, message_digest
 from tests.helpers import REQUEST_TIMEOUT_S, TOKEN, ApiServer, Transport, api_settings
 from tests.test_cli import cli
 
@@ -28,7 +28,7 @@ QUEUE = "subq-dlq-idle"
 def coord(settings: Settings) -> Iterator[Coordinator]:
     coord = Coordinator(api_settings(settings, key_prefix=PREFIX, queue=QUEUE))
     yield coord
-    coord.client.delete(coord.store.keys.dead_letters())
+    coord.purge_dead_letters()
     coord.close()
 
 
@@ -82,6 +82,24 @@ def test_the_list_keeps_only_the_newest(dlq: Coordinator) -> None:
     assert dlq.count_dead_letters() == MAX_DEAD_LETTERS
     assert dlq.dead_letters(3)[:2] == newest[::-1]
     assert dlq.client.lindex(key, -1) == filler
+
+
+def test_the_marks_are_trimmed_with_the_list_in_the_order_kept(dlq: Coordinator) -> None:
+    """Each message on the list has a mark; the newest MAX_DEAD_LETTERS of both are kept, by the order they were
+    kept (not a clock, which may step back): a message trimmed off the list is kept again when it comes back."""
+    key, marks = dlq.store.keys.dead_letters(), dlq.store.keys.dead_letter_marks()
+    filler = dead_letter(QUEUE, "old", "{}").model_dump_json()
+    dlq.client.lpush(key, *[filler] * MAX_DEAD_LETTERS)
+    dlq.client.zadd(marks, {f"old-{n}": n for n in range(1, MAX_DEAD_LETTERS + 1)})
+    (entry,) = _bury(dlq, 1)
+    assert dlq.client.zcard(marks) == dlq.count_dead_letters() == MAX_DEAD_LETTERS
+    assert dlq.client.zscore(marks, "old-1") is None, "the oldest mark went with the oldest entry"
+    newest = dlq.client.zrevrange(marks, 0, 0, withscores=True)
+    assert newest == [(message_digest(entry.message), MAX_DEAD_LETTERS + 1)]
+    assert not dlq.record_dead_letter(entry), "on the list already"
+    assert dlq.purge_dead_letters() == MAX_DEAD_LETTERS
+    assert not dlq.client.exists(marks), "a purge empties both"
+    assert dlq.record_dead_letter(entry), "kept again once purged"
 
 
 @pytest.mark.parametrize("limit", [0, 501, -1, True, "5"])

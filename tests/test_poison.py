@@ -219,6 +219,24 @@ def test_a_message_back_after_its_worker_died_past_its_dead_letter_is_kept_once(
     assert workers.procs[0].poll() is None
 
 
+def test_messages_a_producer_pushed_with_one_delivery_tag_are_each_listed(
+    fleet: tuple[Coordinator, WorkerFleet], template: dict[str, Any]
+) -> None:
+    """A producer that pushes copies of one message of its own may give them all one delivery tag: each is a message
+    of its own (its id and body), listed, not taken for the first one come back."""
+    coord, workers = fleet
+    coord.purge_dead_letters()
+    _, poison, _, _, _ = next(p for p in POISON if p[0] == "unknown task name")
+    entries = [json.loads(_entry(template, poison)) for _ in range(2)]
+    for entry in entries:
+        entry["properties"]["delivery_tag"] = "1"
+        coord.client.lpush(QUEUE, json.dumps(entry))
+    ids = {entry["headers"]["id"] for entry in entries}
+    eventually(lambda: {d.id for d in coord.dead_letters(10)} == ids, "both on the dead-letter list", WAIT_S, 0.05)
+    eventually(lambda: coord.client.llen(QUEUE) == 0 and coord.client.hlen("unacked") == 0, "nothing left", WAIT_S)
+    assert workers.procs[0].poll() is None
+
+
 def test_the_copied_kombu_reader_is_still_kombus() -> None:
     """DeadLetterChannel._brpop_read copies kombu's: a kombu that changed it needs the copy looked at again."""
     source = inspect.getsource(kombu_redis.Channel._brpop_read)

@@ -451,11 +451,15 @@ def _queue_of(message: Any) -> str:
 
 
 def _identity(message: Any) -> str | None:
-    """What the message stays when kombu gives it back: its delivery tag (one a publish), if it has one."""
+    """What the message stays when kombu gives it back (which adds `redelivered` to its text): its delivery tag,
+    task id and body, if it has a tag. kombu makes a tag a publish; a producer that pushes copies of one message
+    of its own onto the list may give them all one, so the id and the body tell such copies apart."""
     tag = getattr(message, "delivery_tag", None)
-    if isinstance(tag, (str, int)) and not isinstance(tag, bool) and tag != "":
-        return f"delivery_tag {tag}"
-    return None
+    if not isinstance(tag, (str, int)) or isinstance(tag, bool) or tag == "":
+        return None
+    headers = message.headers if isinstance(message.headers, dict) else {}
+    body = getattr(message, "body", None)
+    return f"delivery_tag {tag}\nid {headers.get('id')!r}\nbody {body!r}"
 
 
 def _raw_text(message: Any) -> str:

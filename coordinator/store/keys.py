@@ -103,8 +103,8 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 |                                       |        | JSON object each, newest first (ts, queue, reason, |          |
 |                                       |        | task, id, the raw message cut to 64 KiB)           |          |
 | `<p>:dead-letter-marks`               | zset   | the digest of each message on the dead-letter list | as the list: the newest  |
-|                                       |        | (its delivery tag, else its raw text), scored by   | 10,000                   |
-|                                       |        | when it was kept: a message is kept once           |          |
+|                                       |        | (its delivery tag, task id and body; else its raw  | 10,000                   |
+|                                       |        | text), scored in the order kept: kept once         |          |
 | `<p>:audit`                           | stream | the audit log: every decision, control action,     | retention (trimmed by id |
 |                                       |        | sign-in and refused request, one entry each (who,  | at each write), and at   |
 |                                       |        | what, target, when, from where; coordinator/audit) | most the newest 100,000  |

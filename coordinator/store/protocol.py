@@ -460,9 +460,9 @@ class DeadLetterAdd(
     returns="1 when the entry was kept, 0 when the same message is on the list already.",
 ):
     letters: str = key("the dead-letter list")
-    marks: str = key("the marks of the messages on it (a zset: the message's digest, scored by when it was kept)")
+    marks: str = key("the marks of the messages on it (a zset: the message's digest, scored in the order kept)")
     entry: str = arg("the entry (JSON)")
-    digest: str = arg("the message's digest (its delivery tag, else its raw text)")
+    digest: str = arg("the message's digest (its delivery tag, task id and body; else its raw text)")
     max_entries: int = arg("the most entries kept")
 
     @classmethod
