@@ -22,8 +22,8 @@ task's list of them; the others not yet saved),
 freed),
 `after-stop` (a cancel or a budget's stop is persisted, `stop_tasks.lua`: the subtree's tasks
 terminal; none revoked, written back into its parent's batch or taken off the due list yet),
-`after-dead-letter` (a message no worker can run is on the dead-letter list, not yet acknowledged:
-workers/poison.py).
+`after-dead-letter` (a message no worker can run is on the dead-letter list, not yet acknowledged by
+the worker: `Coordinator.record_dead_letter`).
 """
 
 from __future__ import annotations

@@ -33,7 +33,19 @@ from typing import Any
 import redis
 from celery import Celery
 
-from coordinator import admission, approvals, budgets, control, delegation, dispatch, ids, quotas, todo_links, tracing
+from coordinator import (
+    admission,
+    approvals,
+    budgets,
+    control,
+    delegation,
+    dispatch,
+    faults,
+    ids,
+    quotas,
+    todo_links,
+    tracing,
+)
 from coordinator import audit as audit_log
 from coordinator import retry as retry_room
 from coordinator import todos as todo_lists
@@ -584,7 +596,9 @@ class Coordinator:
         """Keep a message the worker's consumer took off a queue and could not run (capped list); False when
         the same message (`digest`: `message_digest` of what it is, by default of the text kept) is on the list
         already: it came back after its worker died before acknowledging it."""
-        return self.store.dead_letters.add_dead_letter(entry, digest or message_digest(entry.message))
+        kept = self.store.dead_letters.add_dead_letter(entry, digest or message_digest(entry.message))
+        faults.crash_point(self.settings, "after-dead-letter")  # the caller acknowledges the message next
+        return kept
 
     def dead_letters(self, limit: int = DEFAULT_PAGE) -> list[DeadLetter]:
         """The newest `limit` dead letters, newest first."""

@@ -41,7 +41,6 @@ from vine import promise
 
 from coordinator import Coordinator, Settings, StoreError, dead_letter, load_settings, message_digest
 from coordinator.celery_app import FollowingSentinelChannel
-from coordinator.faults import crash_point
 from workers.run_acks import RunQoS
 
 __all__ = ["DeadLetterChannel", "DeadLetters", "PoisonSafeConsumer", "UnreadableMessage", "task_problem"]
@@ -96,7 +95,6 @@ class DeadLetters:
                       entry.message[:LOG_MESSAGE_CHARS])  # fmt: skip
             time.sleep(DEAD_LETTER_RETRY_S)
             raise ConnectionError(f"the dead-letter list could not be written: {exc}") from exc
-        crash_point(self.settings, "after-dead-letter")
 
 
 class UnreadableMessage(ValueError):
