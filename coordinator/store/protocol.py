@@ -23,7 +23,7 @@ A tail comes last among the KEYS or the ARGV, after it only other tails.
 
 To add a script: write `lua/<name>.lua` with its prose header; declare its `Call` here
 (`script=`, `uses=` for the scripts it calls, `returns=`, `acknowledged=True` for a step a
-caller sees, and `decode` for its typed reply); put its rendered lines into the header below
+caller sees, and `decode` for its typed reply, or a `Flag` for a script that answers 1 or 0); put its rendered lines into the header below
 the prose (`python -c "from coordinator.store.protocol import CALLS, render_header;
 print(*render_header(CALLS['<name>']), sep='\\n')"`); and send it from its store part as
 `self.scripts(<Call>(...))`. tests/test_protocol.py then checks the header, the indexes the
@@ -219,6 +219,14 @@ class Call(Group, Generic[R]):
     def decode(cls, raw: Any) -> R:
         """The script's reply, typed; a script only other scripts call has no Python reply."""
         raise NotImplementedError(f"{cls.script}.lua is called only from other scripts")
+
+
+class Flag(Call[bool]):
+    """A call whose script answers 1 or 0 (a Lua number, or nil for 0): a bool."""
+
+    @classmethod
+    def decode(cls, raw: Any) -> bool:
+        return bool(raw)
 
 
 # Every script of lua/ (hashes.lua is the prelude of all, not a script), by file name.
@@ -435,7 +443,7 @@ class StepWrites(Group):
 
 @dataclass(frozen=True, kw_only=True)
 class AuditAdd(
-    Call[bool],
+    Flag,
     script="audit_add",
     returns="1 when the entry was added, 0 when this very entry had been added before.",
 ):
@@ -448,14 +456,10 @@ class AuditAdd(
     reason: str = arg("the refusal's reason ('' for an entry that is not a refusal)")
     fields: Sequence[tuple[str, str]] = args("the entry's fields and values")
 
-    @classmethod
-    def decode(cls, raw: Any) -> bool:
-        return bool(raw)
-
 
 @dataclass(frozen=True, kw_only=True)
 class DeadLetterAdd(
-    Call[bool],
+    Flag,
     script="dead_letter_add",
     returns="1 when the entry was kept, 0 when the same message is on the list already.",
 ):
@@ -464,10 +468,6 @@ class DeadLetterAdd(
     entry: str = arg("the entry (JSON)")
     digest: str = arg("the message's digest (its delivery tag, task id and body; else its raw text)")
     max_entries: int = arg("the most entries kept")
-
-    @classmethod
-    def decode(cls, raw: Any) -> bool:
-        return bool(raw)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1031,29 +1031,21 @@ class EndRun(
 
 
 @dataclass(frozen=True, kw_only=True)
-class Lead(Call[bool], script="lead", returns="1 when the candidate leads now, 0 when another does."):
+class Lead(Flag, script="lead", returns="1 when the candidate leads now, 0 when another does."):
     lease: str = key("the lease")
     candidate: str = arg("this candidate's id")
     lease_ms: int = arg("the lease time, ms")
 
-    @classmethod
-    def decode(cls, raw: Any) -> bool:
-        return bool(raw)
-
 
 @dataclass(frozen=True, kw_only=True)
 class MarkTimeline(
-    Call[bool],
+    Flag,
     script="mark_timeline",
     returns="1 when marked, 0 when the mark changed nothing (the state it has, or after an outcome).",
 ):
     task: str = key("task hash")
     now: float = arg("now, epoch seconds")
     state: str = arg("the state marked (coordinator/timeline.py)")
-
-    @classmethod
-    def decode(cls, raw: Any) -> bool:
-        return bool(raw)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1216,7 +1208,7 @@ class SaveApproval(
 
 @dataclass(frozen=True, kw_only=True)
 class SetWaitingApprovals(
-    Call[bool],
+    Flag,
     script="set_waiting_approvals",
     returns="1 when written, 0 when the lease is not the run's (nothing written).",
 ):
@@ -1225,14 +1217,10 @@ class SetWaitingApprovals(
     token: str = arg("the token of the run that parked the calls ('' for a park of no run's)")
     approval_ids: str = arg("the approvals it parked, a JSON list")
 
-    @classmethod
-    def decode(cls, raw: Any) -> bool:
-        return bool(int(raw))
-
 
 @dataclass(frozen=True, kw_only=True)
 class ReleaseLease(
-    Call[bool],
+    Flag,
     script="release_lease",
     returns="1 when released, or gone while this run is still the task's last (its lease lapsed, or this very "
     "call ran before: its own resend); 0 when another run has started since.",
@@ -1244,10 +1232,6 @@ class ReleaseLease(
         "1: also count the task's deliveries anew (a run handed back to the queue was not lost: "
         "SUBQ_MAX_DELIVERIES counts losses), in this same step: a run that started since keeps its count"
     )
-
-    @classmethod
-    def decode(cls, raw: Any) -> bool:
-        return bool(raw)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1683,17 +1667,13 @@ class ToolSlot(
 
 @dataclass(frozen=True, kw_only=True)
 class FreeToolSlot(
-    Call[bool],
+    Flag,
     script="free_tool_slot",
     returns="1 when freed; 0 when the call holds it no more (taken again since, or its lease lapsed).",
 ):
     slots: str = key("the glob's slots zset")
     member: str = arg("the call's member")
     lease_ends_ms: int = arg("when the take that frees it said its lease ends, ms")
-
-    @classmethod
-    def decode(cls, raw: Any) -> bool:
-        return bool(raw)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1737,7 +1717,7 @@ class Unwatch(
 
 @dataclass(frozen=True, kw_only=True)
 class Rewatch(
-    Call[bool],
+    Flag,
     script="rewatch",
     returns="1 when its place was put back, 0 when a step has watched it since this step's watch (left as it is).",
 ):
@@ -1746,14 +1726,10 @@ class Rewatch(
     watched_at: float = arg("the time this step's watch wrote")
     due_before: str = arg("the time it was due before that watch ('' when it was not on the list)")
 
-    @classmethod
-    def decode(cls, raw: Any) -> bool:
-        return bool(int(raw))
-
 
 @dataclass(frozen=True, kw_only=True)
 class UnwatchParked(
-    Call[bool],
+    Flag,
     script="unwatch_parked",
     returns="1 while one of its approvals is pending (taken off unless leased), 0 when none is (nothing written).",
 ):
@@ -1764,10 +1740,6 @@ class UnwatchParked(
     approval_prefix: str = arg(
         "the prefix of its tree's approval hashes (named from the task's own record, as decide.lua)"
     )
-
-    @classmethod
-    def decode(cls, raw: Any) -> bool:
-        return bool(int(raw))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1786,17 +1758,13 @@ class RemoveServedTimers(
 
 @dataclass(frozen=True, kw_only=True)
 class ClearWait(
-    Call[bool],
+    Flag,
     script="clear_wait",
     returns="1 when cleared, 0 when the lease is not this run's (nothing written).",
 ):
     lease: str = key("lease")
     task: str = key("task hash")
     token: str = arg("the run's token")
-
-    @classmethod
-    def decode(cls, raw: Any) -> bool:
-        return bool(int(raw))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1824,7 +1792,7 @@ class CountTransient(
 
 @dataclass(frozen=True, kw_only=True)
 class SetLive(
-    Call[bool],
+    Flag,
     script="set_live",
     returns="1 when written, 0 when the task has ended or is gone (nothing written).",
 ):
@@ -1837,14 +1805,10 @@ class SetLive(
     retention_s: int = arg("retention seconds")
     events_maxlen: int = arg("events max length")
 
-    @classmethod
-    def decode(cls, raw: Any) -> bool:
-        return bool(int(raw))
-
 
 @dataclass(frozen=True, kw_only=True)
 class MarkToolStarted(
-    Call[bool],
+    Flag,
     script="mark_tool_started",
     returns="1 when noted, 0 when the lease is not the run's (nothing written).",
 ):
@@ -1854,14 +1818,10 @@ class MarkToolStarted(
     field_name: str = arg("the call's field (`started:<call id>`)")
     retention_s: int = arg("retention seconds")
 
-    @classmethod
-    def decode(cls, raw: Any) -> bool:
-        return bool(int(raw))
-
 
 @dataclass(frozen=True, kw_only=True)
 class EndpointPark(
-    Call[bool],
+    Flag,
     script="endpoint_park",
     returns="1 when parked, 0 when the lease is not the run's (nothing written).",
 ):
@@ -1876,10 +1836,6 @@ class EndpointPark(
     since_ms: int = arg("when its wait began, epoch ms")
     token: str = arg("the run's token ('' for a park of no run's: not checked)")
     now_s: float = arg("now (epoch s)")
-
-    @classmethod
-    def decode(cls, raw: Any) -> bool:
-        return bool(int(raw))
 
 
 @dataclass(frozen=True, kw_only=True)
