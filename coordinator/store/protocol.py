@@ -636,7 +636,7 @@ class EndpointRecovered(
 
     @classmethod
     def decode(cls, raw: Any) -> list[str]:
-        return [str(task_id) for task_id in raw]
+        return _strs(raw)
 
 
 @dataclass(frozen=True, kw_only=True)
