@@ -682,6 +682,8 @@ def test_an_audit_entry_sent_again_after_its_reply_was_lost_is_kept_once(
     entries, _ = coord.store.audit.page(50)
     assert [e.target for e in entries].count(target) == 1, "on the log once"
     assert coord.store.audit.refused_counts()["bad_token"] == refused + 1, "counted once"
+    marks = coord.client.keys(coord.store.keys.audit_mark("*"))
+    assert marks and not set(marks) & set(coord.store.metrics.snapshot()), "a mark lapses on its own: not state"
     coord.store.audit.add(Actor("someone", "10.0.0.1", "api"), "refused", target, reason="bad_token")
     entries, _ = coord.store.audit.page(50)
     assert [e.target for e in entries].count(target) == 2, "a new entry is its own"

@@ -73,9 +73,12 @@ class MetricStore(Part):
         Not DUMP: a set's serialised order can change on rehashing without any write.
         Liveness is left out: the workers' heartbeats and the reconciler's leader lease
         change every few seconds whatever else happens, and so does the latency histogram,
-        which each worker's heartbeat adds to at its beat.
+        which each worker's heartbeat adds to at its beat. So are the marks a write keeps for its own
+        resend (an audit entry's, an endpoint recovery's), which lapse two minutes after it, on no
+        tree's clock (a loaded run read an audit entry's mark before a step and not after).
         """
         liveness = {self.keys.workers(), self.keys.leader(), self.keys.latency_histogram()}
+        resend_marks = (self.keys.audit_mark(""), self.keys.endpoint_recovered("", "").split("{", 1)[0])
         read: dict[str, Callable[[str], object]] = {
             "string": self.client.get,
             "hash": self.client.hgetall,
@@ -87,7 +90,7 @@ class MetricStore(Part):
         return {
             key: (kind, read[kind](key))
             for key in self.client.scan_iter(self.keys.all_pattern(), count=1000)
-            if key not in liveness and (kind := str(self.client.type(key))) in read
+            if key not in liveness and not key.startswith(resend_marks) and (kind := str(self.client.type(key))) in read
         }
 
     @translate_redis_errors
