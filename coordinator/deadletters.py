@@ -62,8 +62,8 @@ def dead_letter(
 
 
 def message_digest(identity: str | bytes) -> str:
-    """What tells a message from another on the dead-letter list: the digest of its `identity`, kombu's
-    delivery tag for a message kombu delivered (its own, kept when kombu gives the message back, where its
-    text gains `redelivered` and the queue read may differ), else its raw text."""
+    """What tells a message from another on the dead-letter list: the digest of its `identity`, for a message
+    kombu delivered its delivery tag, task id and body (what it keeps when kombu gives it back, where its text
+    gains `redelivered` and the queue read may differ), else its raw text."""
     whole = identity if isinstance(identity, bytes) else identity.encode("utf-8", "surrogatepass")
     return hashlib.sha256(whole).hexdigest()

@@ -76,8 +76,8 @@ class DeadLetters:
         task_id: object = None,
         identity: str | None = None,
     ) -> None:
-        """Keep the message on the dead-letter list, once (`identity`, `_identity`: kombu's delivery tag; else its
-        raw text), or raise ConnectionError if Redis refuses it.
+        """Keep the message on the dead-letter list, once (`identity`, `_identity`: its delivery tag, task id and
+        body; else its raw text), or raise ConnectionError if Redis refuses it.
 
         ConnectionError is one of kombu's connection errors: the consumer reconnects, and a
         message kombu had already handed over is restored to its queue rather than lost.

@@ -10,15 +10,11 @@ import pydantic
 
 from coordinator.audit import AUDIT_MAX_ENTRIES, Action, Actor, AuditEntry
 from coordinator.errors import CorruptError, ValidationError
-from coordinator.store.base import Part, _str_map, translate_redis_errors
+from coordinator.store.base import RESEND_MARK_S, Part, _str_map, translate_redis_errors
 from coordinator.store.protocol import AuditAdd
 from coordinator.text import ascii_digits
 
 __all__ = ["AuditLog"]
-
-# How long an entry's mark is kept: longer than a connection's retries of a lost reply go on (a failover is
-# given about 30 s, coordinator/redis_clients.py), short enough that a flood of refused requests leaves few marks behind.
-AUDIT_MARK_S = 120
 
 
 class AuditLog(Part):
@@ -42,7 +38,7 @@ class AuditLog(Part):
         self.scripts(
             AuditAdd(
                 stream=self.keys.audit(), refused=self.keys.refused(),
-                mark=self.keys.audit_mark(uuid.uuid4().hex), mark_s=AUDIT_MARK_S, max_entries=AUDIT_MAX_ENTRIES,
+                mark=self.keys.audit_mark(uuid.uuid4().hex), mark_s=RESEND_MARK_S, max_entries=AUDIT_MAX_ENTRIES,
                 oldest_kept=f"{int((now - self.retention_s) * 1000)}-0", reason=reason, fields=list(fields.items()),
             )
         )  # fmt: skip

@@ -66,6 +66,10 @@ EVENTS_MAXLEN = 10_000
 # A transaction whose watched keys keep changing is retried this often before
 # the caller is told; each retry re-validates on fresh state.
 MAX_TRANSACTION_ATTEMPTS = 50
+# How long a mark a write keeps for its own resend lives (an audit entry's, an endpoint recovery's): longer than a
+# connection's retries of a lost reply go on (a failover is given about 30 s, coordinator/redis_clients.py), short
+# enough that a flood of writes (refused requests, each on the audit log) leaves few behind.
+RESEND_MARK_S = 120
 
 P = ParamSpec("P")
 R = TypeVar("R")

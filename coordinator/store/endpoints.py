@@ -17,7 +17,7 @@ import uuid
 
 from coordinator.ids import root_of
 from coordinator.replies import HOST, MODEL, EndpointState, TransientCount
-from coordinator.store.base import Part, _str_map, translate_redis_errors
+from coordinator.store.base import RESEND_MARK_S, Part, _str_map, translate_redis_errors
 from coordinator.store.fields import TaskField
 from coordinator.store.protocol import (
     ClearWait,
@@ -29,10 +29,6 @@ from coordinator.store.protocol import (
 )
 
 __all__ = ["EndpointStore"]
-
-# How long a recovery's answer is kept for the same call sent again: longer than a connection's retries of a
-# lost reply go on (a failover is given about 30 s, coordinator/redis_clients.py).
-RECOVERED_MARK_S = 120
 
 
 class EndpointStore(Part):
@@ -84,7 +80,7 @@ class EndpointStore(Part):
         views = [""] + ([model] if model else [])
         return self.scripts(
             EndpointRecovered(
-                mark=self.keys.endpoint_recovered(endpoint, uuid.uuid4().hex), mark_s=RECOVERED_MARK_S,
+                mark=self.keys.endpoint_recovered(endpoint, uuid.uuid4().hex), mark_s=RESEND_MARK_S,
                 views=[self.keys.endpoint(endpoint, m) for m in views]
                 + [self.keys.endpoint_parked(endpoint, m) for m in views],
             )
