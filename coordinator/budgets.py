@@ -86,18 +86,21 @@ def stop(plane: Plane, holder_id: str, *, day_spent_micros: int | None = None) -
     )
 
 
-def stop_late(plane: Plane, holder_id: str | None) -> None:
+def stop_late(plane: Plane, holder_id: str | None) -> bool:
     """Stop the subtree of `holder_id`, whose budget is reached once late spend was recorded (the run's, or its
     worker's heartbeat's: record_late_spend.lua), as the step that crossed it would have; nothing when there is
     none, or when its top has ended (most late spend is that of runs a budget's own stop cancelled: stopped
     again, the subtree would be read whole for nothing). Best effort: a stop that fails is logged and left to
-    the next step of a run in the subtree, which reads its chain's budgets (the record it follows stands)."""
+    the next step of a run in the subtree, which reads its chain's budgets (the record it follows stands).
+    Whether this call stopped it (its caller counts the stop, as a step's is counted: `RunHooks.budget_stopped`)."""
     if not holder_id:
-        return
+        return False
     try:
         if TaskStatus(plane.store.records.status_of(holder_id)[0]).terminal:
-            return
+            return False
         stop(plane, holder_id)
     except Exception:  # Redis away again, or the broker's revoke: the subtree's next step stops it
         log.warning("subq: could not stop the subtree of %s, whose budget late spend reached", holder_id,
                     exc_info=True)  # fmt: skip
+        return False
+    return True

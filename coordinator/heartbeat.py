@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -106,10 +106,12 @@ class LateSpends:
     (docs/architecture.md, "Known gaps"). An item stays here until it is recorded or given up, so the process
     sees it owed while a beat tries it; one `record` at a time, so the shutdown's last try waits for a beat's."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget_stopped: Callable[[TaskRecord], None] | None = None) -> None:
         self._lock = threading.Lock()  # guards `_owed`
         self._recording = threading.Lock()  # one `record` at a time
         self._owed: list[_Owed] = []
+        # Told of each subtree a recorded spend stopped (the worker counts it: `RunHooks.budget_stopped`).
+        self._budget_stopped = budget_stopped or (lambda task: None)
 
     def owe(self, task: TaskRecord, spends: Sequence[Spend], *, refused: bool) -> None:
         with self._lock:
@@ -137,7 +139,8 @@ class LateSpends:
                     else:
                         settled.add(id(item))
                         log.info("subq: recorded the spend of %s, which Redis had refused", item)
-                        budgets.stop_late(plane, recorded.exhausted)
+                        if budgets.stop_late(plane, recorded.exhausted):
+                            self._budget_stopped(item.task)
                         continue
                 if last or time.monotonic() - item.since >= LATE_SPEND_KEEP_S:
                     settled.add(id(item))
@@ -164,7 +167,9 @@ class Leased(Protocol):
 class Heartbeat:
     """The runs one process holds, their lease renewal, and the shutdown deadline."""
 
-    def __init__(self, plane: Plane, worker_id: str) -> None:
+    def __init__(
+        self, plane: Plane, worker_id: str, budget_stopped: Callable[[TaskRecord], None] | None = None
+    ) -> None:
         self.plane = plane
         self.worker_id = worker_id
         # By lease token, not task id: a task's newer run (published again while an older run of it
@@ -177,7 +182,7 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         self._drain_deadline: float | None = None
         self.latencies = LatencyTally()  # its runs' model requests, added to the fleet's histogram at each beat
-        self.late_spends = LateSpends()  # its runs' spend that Redis refused, recorded at each beat
+        self.late_spends = LateSpends(budget_stopped)  # its runs' spend that Redis refused, recorded at each beat
 
     def hold(self, run: Leased) -> None:
         """Renew this run's lease from now on (the thread starts with the first run)."""

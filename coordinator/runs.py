@@ -266,7 +266,8 @@ class Run:
         except StoreError:
             self._heartbeat.owe(self.task, spends, refused=True)
             raise
-        budgets.stop_late(self._plane, recorded.exhausted)  # now, not at a sibling's next step
+        if budgets.stop_late(self._plane, recorded.exhausted):  # now, not at a sibling's next step
+            self._hooks.budget_stopped(self.task)
 
     # -- each model request -------------------------------------------------------------
 
@@ -333,7 +334,7 @@ class Run:
         self.flush()  # what it spent before it stopped is recorded
         if budget_holder:
             budgets.stop(self._plane, budget_holder, day_spent_micros=self.day_spent_micros)
-            self._hooks.budget_stopped(self)
+            self._hooks.budget_stopped(self.task)
         task = self._plane.store.records.get_task(self.task.id)
         return Ended(task.status.value if task.status.terminal else "cancelled", error=task.error)
 
@@ -531,8 +532,9 @@ class RunHooks:
         """Around a step that writes shared state: `subq.delegate`, `subq.end_run`, `subq.write_back`."""
         return nullcontext()
 
-    def budget_stopped(self, run: Run) -> None:
-        """The run's last response reached a budget: its holder's subtree was stopped."""
+    def budget_stopped(self, task: TaskRecord) -> None:
+        """Spend of `task`'s run reached a budget and its holder's subtree was stopped: the run's last response, or
+        a response recorded after its task was stopped (late spend, the run's own or its heartbeat's)."""
 
 
 # -- starting runs ---------------------------------------------------------------------------
@@ -546,7 +548,9 @@ class RunLifecycle:
         self.plane = coord.plane  # what the rooms a run goes through are handed
         self.hooks = hooks or RunHooks()
         self.limits = admission.limits(self.plane)  # the settings' admission limits, read once
-        self.heartbeat = Heartbeat(self.plane, worker_id or f"{socket.gethostname()}:{os.getpid()}")
+        self.heartbeat = Heartbeat(
+            self.plane, worker_id or f"{socket.gethostname()}:{os.getpid()}", budget_stopped=self.hooks.budget_stopped
+        )
 
     def start(self, task_id: str) -> Run | SubtaskResult:
         """A `Run` holding the task's lease, or the result to return when there is nothing to run."""

@@ -12,11 +12,11 @@ import pytest
 
 from coordinator import Coordinator, TaskStatus, Usage, admission, budgets
 from coordinator.celery_app import make_app
-from coordinator.heartbeat import LateSpends
 from coordinator.models import Spend
 from coordinator.plane import Plane
 from coordinator.runs import Ended, Run
 from tests.helpers import script, scripted_children, usage_step
+from workers import observe
 from workers.runtime.context import build_runtime
 from workers.runtime.runner import run_child
 
@@ -115,6 +115,12 @@ def _budgeted_pair(coord: Coordinator) -> tuple[str, str, str]:
     return parent.id, child, sibling
 
 
+def _budget_stops(coord: Coordinator, task_id: str) -> float:
+    """The worker's count of budget stops (subq_budget_stops_total) for the profile of `task_id`."""
+    labels = {"profile": coord.get_task(task_id).profile}
+    return observe.REGISTRY.get_sample_value("subq_budget_stops_total", labels) or 0.0
+
+
 def _stopped_on_its_budget(coord: Coordinator, parent_id: str, sibling: str) -> None:
     parent = coord.get_task(parent_id)
     assert (parent.status, parent.error_class) == (TaskStatus.FAILED, "BudgetExhausted"), parent.error
@@ -135,9 +141,11 @@ def test_late_spend_that_takes_a_budget_over_stops_the_subtree_at_once(idle_coor
     _held(run, 12_000)
     coord.cancel(child, "not needed")
     assert coord.get_task(parent_id).total_cost_micros == 0, "nothing recorded yet: the budget still holds"
+    stops_before = _budget_stops(coord, child)
     run.end(Ended("completed", summary="too late"))
     assert coord.get_task(child).cost_micros == 12_000, "the provider billed it"
     _stopped_on_its_budget(coord, parent_id, sibling)  # (its stop watch cancels the request the sibling's run is in)
+    assert _budget_stops(coord, child) == stops_before + 1, "the worker counts the stop its late spend made"
 
 
 def test_late_spend_stops_a_reached_budgets_subtree_only_while_its_top_has_not_ended(
@@ -149,11 +157,11 @@ def test_late_spend_stops_a_reached_budgets_subtree_only_while_its_top_has_not_e
     parent_id, _, _ = _budgeted_pair(coord)
     stops: list[str] = []
     monkeypatch.setattr(budgets, "stop", lambda plane, holder_id, **_: stops.append(holder_id))
-    budgets.stop_late(coord.plane, None)
-    budgets.stop_late(coord.plane, parent_id)
+    assert not budgets.stop_late(coord.plane, None)
+    assert budgets.stop_late(coord.plane, parent_id), "said stopped, for its caller to count"
     assert stops == [parent_id], "a holder that has not ended is stopped"
     coord.cancel(parent_id, "done with it")
-    budgets.stop_late(coord.plane, parent_id)
+    assert not budgets.stop_late(coord.plane, parent_id)
     assert stops == [parent_id], "one that has ended is not stopped again"
 
 
@@ -167,10 +175,12 @@ def test_late_spend_a_heartbeat_records_stops_the_subtree_whose_budget_it_takes_
     coord.cancel(child, "not needed")
     spend = Spend(request_key="1:9", usage=Usage(tokens_in=100, tokens_out=10), cost_micros=12_000,
                   cost_source="test")  # fmt: skip
-    owed = LateSpends()
+    owed = build_runtime(coord.settings, make_app(coord.settings)).lifecycle.heartbeat.late_spends
     owed.owe(coord.get_task(child), [spend], refused=True)
     assert coord.get_task(sibling).status == TaskStatus.ACTIVE
+    stops_before = _budget_stops(coord, child)
     owed.record(coord.plane)
     assert not owed, "recorded, so no longer owed"
     assert coord.get_task(parent_id).total_cost_micros == 12_000
     _stopped_on_its_budget(coord, parent_id, sibling)
+    assert _budget_stops(coord, child) == stops_before + 1, "the worker counts the stop its heartbeat's record made"

@@ -72,7 +72,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 from pythonjsonlogger.json import JsonFormatter
 
-from coordinator import ConfigError, TaskStatus, current_trace_id, visible_text
+from coordinator import ConfigError, TaskRecord, TaskStatus, current_trace_id, visible_text
 from coordinator.runs import Run, RunHooks
 from coordinator.tracing import span
 
@@ -163,8 +163,8 @@ class WorkerRunHooks(RunHooks):
     def span(self, name: str, **attributes: str | int | bool) -> AbstractContextManager[object]:
         return span(name, **attributes)
 
-    def budget_stopped(self, run: Run) -> None:
-        BUDGET_STOPS.labels(run.task.profile).inc()
+    def budget_stopped(self, task: TaskRecord) -> None:
+        BUDGET_STOPS.labels(task.profile).inc()
 
 
 class RunContextFilter(logging.Filter):
@@ -259,7 +259,7 @@ TASKS_ENDED = _counter(
 )
 BUDGET_STOPS = _counter(
     "subq_budget_stops",
-    "Runs of this worker that found a budget over them spent and stopped its subtree",
+    "Subtrees this worker stopped because a budget over them was spent (by a response, or by late spend)",
     "profile",
 )
 MODEL_REQUESTS = _counter(
