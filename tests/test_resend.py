@@ -25,7 +25,7 @@ from redis.backoff import NoBackoff
 from redis.connection import AbstractConnection
 from redis.retry import Retry
 
-from coordinator import Coordinator, TaskStatus, Usage, dead_letter, ids, message_digest, writeback
+from coordinator import ConflictError, Coordinator, TaskStatus, Usage, dead_letter, ids, message_digest, writeback
 from coordinator.audit import Actor
 from coordinator.celery_app import make_app
 from coordinator.models import AdmissionLimits, Approval, RunWrites, Spend, SubtaskSpec, ToolCallDone
@@ -33,6 +33,7 @@ from coordinator.ports.steps import Ended
 from coordinator.redis_clients import FAILOVER_ERRORS
 from coordinator.runs import Run
 from coordinator.store import Store
+from coordinator.store import base as store_base
 from coordinator.store.fair import NO_FAIR_SHARES, FairShares
 from coordinator.store.fields import TaskField
 from tests.agents import STEP_COST_MICROS, agent, reply
@@ -295,14 +296,24 @@ def test_a_publish_claim_sent_again_after_it_ran_publishes_the_batch(
     assert coord.client.llen(coord.settings.queue) == 2, "both children were published, once"
 
 
+@pytest.fixture(params=["an attempt", "the last attempt"])
+def attempt(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which attempt of a transaction loses its reply: one with attempts after it, or the last (made the first
+    here), after which the store ran no attempt more and said the state kept changing (ConflictError)."""
+    if request.param == "the last attempt":
+        monkeypatch.setattr(store_base, "MAX_TRANSACTION_ATTEMPTS", 1)
+    return str(request.param)
+
+
 def test_a_delegations_commit_whose_reply_was_lost_publishes_its_batch(
-    idle_coordinator: Coordinator, lost: LostReplies
+    idle_coordinator: Coordinator, lost: LostReplies, attempt: str
 ) -> None:
     """A delegation's commit is a WATCH/MULTI transaction, which redis-py does not send again: a connection lost
     while watching raises WatchError (with the client's retries or without), and the store runs the transaction
     again on the state it finds. Here the commit ran and its reply was lost: the parent it made `delegated` was
     then validated again and refused ("not active"), so its caller got an error for a delegation that stood,
-    whose batch was never published, and its parent, taken off the due list by the refusal, waited for good."""
+    whose batch was never published, and its parent, taken off the due list by the refusal, waited for good.
+    On the last attempt the store ran none again and answered ConflictError, with the same outcome."""
     coord = idle_coordinator
     parent = coord.create_task("two children", todos="[ ] a\n[ ] b")
     lost.lose("EXEC", "waiting_batch_id")
@@ -319,7 +330,38 @@ def test_a_delegations_commit_whose_reply_was_lost_publishes_its_batch(
     assert all(coord.client.zscore(keys.all_tasks(), c) for c in batch.child_ids), "the children are in the history"
 
 
-def test_an_agents_delegation_whose_commit_reply_was_lost_is_its_own(rt: Runtime, lost: LostReplies) -> None:
+def test_a_delegation_whose_every_attempt_conflicts_is_refused_and_writes_nothing(
+    idle_coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other side of knowing a lost reply's commit: a delegation whose parent another client changed during
+    each attempt, the last among them, committed nothing, and says so (its batch's id is its own: not there)."""
+    coord = idle_coordinator
+    parent = coord.create_task("two children", todos="[ ] a\n[ ] b")
+    parent_key = coord.store.keys.task(parent.root_id, parent.id)
+    monkeypatch.setattr(store_base, "MAX_TRANSACTION_ATTEMPTS", 2)
+    read = coord.store.batches._read_watched
+    changes: list[int] = []
+
+    def read_then_changed(pipe: Any, task_id: str, token: str = "") -> Any:
+        got = read(pipe, task_id, token)
+        changes.append(int(coord.client.hincrby(parent_key, "conflicts", 1)))  # another client's write, watched
+        return got
+
+    monkeypatch.setattr(coord.store.batches, "_read_watched", read_then_changed)
+
+    with pytest.raises(ConflictError, match="kept changing"):
+        coord.delegate(parent.id, [{"description": "a", "message": "x"}, {"description": "b", "message": "y"}])
+
+    assert changes == [1, 2], "both attempts ran, and each met a change"
+    record = coord.get_task(parent.id)
+    assert (record.status, record.waiting_batch_id, record.child_ids) == (TaskStatus.ACTIVE, None, [])
+    assert [(i.content, i.subtask_id) for i in coord.get_todos(parent.id)] == [("a", None), ("b", None)]
+    assert coord.client.llen(coord.settings.queue) == 0, "no child was published"
+
+
+def test_an_agents_delegation_whose_commit_reply_was_lost_is_its_own(
+    rt: Runtime, lost: LostReplies, attempt: str
+) -> None:
     """The same from an agent's run (its delegation tool): before, the tool answered the model "no subtask was
     created" while the child was committed, and the batch stayed unpublished, its child `queued` for good."""
     coord = rt.coordinator
@@ -335,7 +377,7 @@ def test_an_agents_delegation_whose_commit_reply_was_lost_is_its_own(rt: Runtime
 
 
 def test_a_roots_creation_whose_reply_was_lost_publishes_its_run_and_lists_it(
-    idle_coordinator: Coordinator, lost: LostReplies
+    idle_coordinator: Coordinator, lost: LostReplies, attempt: str
 ) -> None:
     """A root's creation is a WATCH/MULTI transaction too: its reply lost after it ran, the transaction ran again,
     found the task there and answered "not created". Its caller then published no run (the reconciler did, a

@@ -14,10 +14,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import cast
 
+import redis
 from redis.client import Pipeline
 
 from coordinator import todos as todo_lists
-from coordinator.errors import FencedError, NotFoundError
+from coordinator.errors import ConflictError, FencedError, NotFoundError
 from coordinator.ids import root_of
 from coordinator.models import Batch, BatchRef, NewChildren, TaskRecord, TaskStatus, TodoItem
 from coordinator.replies import BatchClosed, ChildSettled
@@ -105,12 +106,15 @@ class DelegationStore(Part):
 
         runs = 0
 
+        def landed(reader: Pipeline | redis.Redis) -> bool:
+            return bool(reader.exists(batch_key))  # the batch's id is new to this call: its commit made it
+
         def body(pipe: Pipeline) -> tuple[Batch, list[TaskRecord]] | None:
             nonlocal runs
             runs += 1
             # Run again (a conflict, or a lost reply): this call's commit may be in, to read back below. (Not
             # asked on the first run, which no batch of this new id can precede: a round trip every commit saved.)
-            if runs > 1 and pipe.exists(batch_key):
+            if runs > 1 and landed(pipe):
                 return None
             parent, old_todos = self._read_watched(pipe, parent_id, token)
             batch, new, new_todos = plan(parent, old_todos)
@@ -166,7 +170,13 @@ class DelegationStore(Part):
             pipe.execute()
             return batch, children
 
-        committed = self.core.transaction([parent_key, todos_key], body)
+        try:
+            committed = self.core.transaction([parent_key, todos_key], body)
+        except ConflictError:
+            # The last attempt's reply may be what was lost (a WatchError, as a conflict's), after its EXEC ran.
+            if not landed(self.client):
+                raise
+            committed = None
         if committed is None:
             batch = self.get_batch(batch_id)
             children = self.records.get_records(batch.child_ids)

@@ -7,10 +7,11 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+import redis
 from redis.client import Pipeline
 
 from coordinator import todos as todo_lists
-from coordinator.errors import CorruptError, NotFoundError
+from coordinator.errors import ConflictError, CorruptError, NotFoundError
 from coordinator.ids import root_of
 from coordinator.models import NewChildren, TaskRecord, TodoItem
 from coordinator.output_schema import compact
@@ -283,13 +284,16 @@ class RecordStore(Part):
             }
         )
 
+        def landed(reader: Pipeline | redis.Redis) -> bool:
+            return reader.hget(task_key, TaskField.NUMBER) == str(record.number)
+
         def body(pipe: Pipeline) -> bool:
             if pipe.exists(task_key):
                 # Written by this very call when its history number is there: its reply was lost after it ran
                 # (redis-py raises WatchError for a connection lost while watching, and the body runs again).
                 # Its caller then indexes and publishes the root as it would have (said not written, the root
                 # stayed out of the history for good, and its run waited on the reconciler).
-                return pipe.hget(task_key, TaskField.NUMBER) == str(record.number)
+                return landed(pipe)
             pipe.multi()
             pipe.hset(task_key, mapping={**fields, TaskField.TODOS_VERSION: 0})
             pipe.expire(task_key, self.retention_s)
@@ -302,7 +306,14 @@ class RecordStore(Part):
             pipe.execute()
             return True
 
-        if not self.core.transaction([task_key], body):
+        try:
+            written = self.core.transaction([task_key], body)
+        except ConflictError:
+            # The last attempt's reply may be what was lost (a WatchError, as a conflict's), after its EXEC ran.
+            if not landed(self.client):
+                raise
+            written = True
+        if not written:
             return False
         self.core.index([record], root=True)
         return True
