@@ -80,6 +80,11 @@ MAX_ANSWER_BYTES = 64 * 1024
 KEEP_IDLE_S = 4.0
 # An answer's head longer than this is not a webhook receiver's answer: the attempt fails.
 MAX_HEAD_BYTES = 64 * 1024
+# Interim (1xx) answers one POST takes before its answer: HTTP/1.1 allows several (a 100 Continue, 103 Early
+# Hints), none sends this many. Each is small and comes at once, so a receiver streaming them without end held
+# the deliverer's one thread in its read (no timeout ends a read that always has data): every attempt of the
+# process, every tenant's, waited on it.
+MAX_INTERIM_ANSWERS = 16
 # What one read of a socket takes: a receiver's whole answer, as a rule.
 READ_CHUNK = 64 * 1024
 # A URL's path and query are sent as given but for these: spaces, controls and non-ASCII are %-encoded.
@@ -446,6 +451,8 @@ class Connections:
                 line = "RemoteProtocolError: the receiver closed the connection without an answer"
                 self._end(exchange, ended, 0, line, keep=False)
                 return
+            if time.monotonic() >= exchange.deadline:
+                return  # a receiver that never stops sending: `collect` ends the attempt at its timeout
 
     def _again(self, exchange: Exchange, ended: list[tuple[object, int, str]]) -> bool:
         """An idle connection the receiver closed meanwhile: the POST once more, on a new one. False for
@@ -550,7 +557,7 @@ def _sendable(headers: Mapping[str, str]) -> bool:
 class Answer:
     """One POST and its answer on one connection, as HTTP/1.1 says (h11, the client's side of the exchange).
 
-    `request` is the POST as sent. Interim (1xx) answers are skipped. The connection serves the next POST
+    `request` is the POST as sent. Interim (1xx) answers are skipped, MAX_INTERIM_ANSWERS at most. The connection serves the next POST
     only when the answer was read whole, its body within MAX_ANSWER_BYTES, and neither side means to close
     it; otherwise its status is taken as soon as its head is in, and the connection ends with it.
     """
@@ -561,6 +568,7 @@ class Answer:
         self.request = b"".join(part for part in sent if part)
         self._status = 0
         self._body_bytes = 0
+        self._interim = 0
 
     def read(self, data: bytes) -> tuple[int, bool]:
         """Take what came (b'' when the receiver closed): (status, whether the connection serves on) once the
@@ -581,7 +589,10 @@ class Answer:
             elif isinstance(event, h11.EndOfMessage):
                 keep = self._http.our_state is h11.DONE and self._http.their_state is h11.DONE and bool(data)
                 return self._status, keep
-            # an InformationalResponse (1xx): the answer is still to come
+            elif isinstance(event, h11.InformationalResponse):  # a 1xx: the answer is still to come
+                self._interim += 1
+                if self._interim > MAX_INTERIM_ANSWERS:
+                    raise h11.RemoteProtocolError(f"more than {MAX_INTERIM_ANSWERS} interim (1xx) answers")
 
 
 def _may_keep(response: h11.Response) -> bool:

@@ -228,6 +228,33 @@ def test_a_silent_receiver_is_a_read_timeout_and_a_strangers_answer_a_protocol_e
         stranger.stop()
 
 
+def test_a_receiver_that_streams_interim_answers_without_end_fails_its_attempt_alone(receiver: RawReceiver) -> None:
+    """A receiver answering with `100 Continue` after `100 Continue`, as fast as it can: each read had data, so the
+    attempt's timeout was never looked at and the deliverer's one thread read it for good, every other attempt of
+    the process (every tenant's) waiting behind it. Now the attempt fails, and an attempt beside it is answered."""
+    flood = RawReceiver(b"HTTP/1.1 100 Continue\r\n\r\n" * 200_000)
+    pool = Connections(most_idle=2)
+    ended: dict[object, tuple[int, str]] = {}
+
+    def deliver() -> None:
+        for token, port in (("flood", flood.port), ("healthy", receiver.port)):
+            parts = urlsplit(f"http://127.0.0.1:{port}/hook")
+            headers = {"host": parts.netloc, "content-type": "application/json", "webhook-id": "evt_1"}
+            pool.start(token, parts, "127.0.0.1", b"{}", headers, 30.0)
+        while len(ended) < 2:
+            ended.update((token, (status, line)) for token, status, line in pool.drive(0.1) + pool.collect())
+
+    try:
+        loop = threading.Thread(target=deliver, daemon=True)  # (held for good before: the test waits outside it)
+        loop.start()
+        loop.join(60)
+        assert not loop.is_alive(), f"the deliverer's loop is still held after 60 s: {ended}"
+        assert ended["healthy"] == (204, ""), "the attempt beside it is answered"
+        assert ended["flood"] == (0, "RemoteProtocolError: not an HTTP answer: more than 16 interim (1xx) answers")
+    finally:
+        flood.stop()
+
+
 def test_over_tls_the_certificate_is_checked_against_the_hosts_name() -> None:
     ca = trustme.CA()
     server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
