@@ -454,7 +454,7 @@ class Coordinator:
             hook = str(entry["hook"])
             if hook not in targets:
                 target = self.store.outbox.target(root_id, hook)
-                targets[hook] = shown_target(target[1]) if target else ""
+                targets[hook] = shown_target(hook, target[1]) if target else ""
             found.append(
                 Delivery(
                     id=entry["id"], event_id=entry["event_id"], type=entry["type"], task_id=entry["task_id"],

@@ -340,10 +340,20 @@ def subscriptions(
     return targets
 
 
-def shown_target(target: Mapping[str, Any]) -> str:
-    """A subscription's target as a read shows it: a URL without its query (it may carry a token) nor
-    any secret, or `celery:<task>@<queue>`."""
+def shown_target(hook: str, target: Mapping[str, Any]) -> str:
+    """Subscription `hook`'s target as a read shows it, never a secret: `celery:<task>@<queue>`; the tree's own
+    webhook's URL without its query nor the user and password before its host (either may carry a token); an
+    operator's sink (`n0`, ...) or the creating key's webhook (`k0`, ...) by its number and its scheme and host
+    alone, as `notify:n0 https://host` or `key:k0 https://host`. Those are the operator's, and their path may be
+    the credential (a Slack incoming webhook's is): a tree's readers, any tenant's, must not learn it."""
     if target.get("kind") == "celery":
         return f"celery:{target.get('task')}@{target.get('queue')}"
     parts = urlsplit(str(target.get("url") or ""))
-    return urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"  # an IPv6 address, bracketed again
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    if hook[:1] in ("n", "k"):
+        return f"{'notify' if hook[0] == 'n' else 'key'}:{hook} {urlunsplit((parts.scheme, host, '', '', ''))}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))

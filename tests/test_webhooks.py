@@ -26,6 +26,8 @@ from coordinator import Coordinator, Settings, ValidationError
 from coordinator.api import create_app
 from coordinator.local.fleet import WorkerFleet
 from coordinator.outbound import Deliverer
+from coordinator.settings import NotifySink
+from coordinator.subscriptions import Webhook, shown_target
 from tests.conftest import dedicated_fleet
 from tests.helpers import TOKEN, ApiServer, api_settings, eventually, step_until
 from tests.test_webhooks_connections import RawReceiver
@@ -511,3 +513,37 @@ def test_a_webhook_on_an_internationalised_host_is_delivered_with_its_idna_host_
         assert f"host: xn--bcher-kva.example:{receiver.port}".encode() in head.split(b"\r\n"), head
     finally:
         receiver.stop()
+
+
+@pytest.mark.parametrize(
+    ("hook", "url", "shown"),
+    [
+        ("0", "https://hooks.example.com/in/T1?token=abc", "https://hooks.example.com/in/T1"),
+        ("1", "https://user:pass@hooks.example.com:8443/in", "https://hooks.example.com:8443/in"),
+        ("2", "http://[2001:db8::1]:8080/in?x=1", "http://[2001:db8::1]:8080/in"),
+        ("n0", "https://hooks.slack.com/services/T0/B0/secret-path", "notify:n0 https://hooks.slack.com"),
+        ("k1", "https://user:pass@ops.example.com/hook/secret", "key:k1 https://ops.example.com"),
+    ],
+)
+def test_a_subscriptions_target_is_shown_without_its_secrets(hook: str, url: str, shown: str) -> None:
+    assert shown_target(hook, {"kind": "webhook", "url": url, "secret": "whsec_x", "format": "json"}) == shown
+
+
+def test_a_tenant_listing_its_deliveries_sees_the_operators_sink_by_its_host_alone(settings: Settings) -> None:
+    """An operator's SUBQ_NOTIFY sink is written into every new tree's subscriptions, and a Slack incoming
+    webhook's path is its credential: a tenant's `read` key listing its own tree's deliveries was shown the URL
+    whole, and could post to the operator's channel. So was the creating key's webhook's path."""
+    sink = "https://hooks.slack.com/services/T0OPERATOR/B0SECRET/xoxSECRETtoken123"
+    coord = Coordinator(
+        settings.model_copy(update={"key_prefix": "subqsinks", "notify": [NotifySink(url=sink, format="slack")]})
+    )
+    try:
+        root = coord.create_task(
+            "a tenant's tree", tenant="a", key_webhooks=[Webhook(url="https://ops.example.com/hook/K3Y")]
+        )
+        assert coord.store.outbox.add_event(root.id, root.id, "approval.requested", {"approval_id": "x"}) == 2
+        shown = sorted(d.target for d in coord.deliveries(root.id))
+        assert shown == ["key:k0 https://ops.example.com", "notify:n0 https://hooks.slack.com"], shown
+    finally:
+        _clean(coord, "subqsinks")
+        coord.close()
