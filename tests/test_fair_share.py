@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from coordinator import Coordinator, approvals
+from coordinator import Coordinator, TaskStatus, approvals
 from coordinator.approvals import ToolCall
 from coordinator.models import AdmissionLimits
 from coordinator.replies import FairHealed
@@ -224,16 +224,36 @@ def test_the_pass_frees_a_slot_whose_task_is_gone_or_ended_and_gives_it_on(fair:
     a1, a2, a3, a4 = children(fair, "a", 4)
     assert [start(store, t).verdict for t in (a1, a2, a3, a4)] == ["run", "run", "park", "park"]
     assert store.fair.heal(SHARES, 30, 100) == FairHealed(), "every slot's task is live: nothing to do"
-    fair.client.delete(store.keys.task(fair.get_task(a1).root_id, a1))  # its tree deleted under it
+    root = fair.get_task(a1).root_id
+    fair.client.delete(store.keys.task(root, a1), store.keys.lease(root, a1))  # its tree deleted under it
     healed = store.fair.heal(SHARES, 30, 100)
     # Parked in one ms, a3 and a4 are ordered by id: either is the first given a slot.
     assert healed.freed == [a1] and len(healed.started) == 1 and healed.started[0] in (a3, a4)
     (rest,) = {a3, a4} - set(healed.started)
-    fair.client.hset(store.keys.task(fair.get_task(a2).root_id, a2), TaskField.STATUS, "completed")  # ended, off
+    fair.client.hset(store.keys.task(root, a2), TaskField.STATUS, "completed")  # ended while fair shares were off
+    fair.client.delete(store.keys.lease(root, a2))  # (its end frees its lease)
     healed = store.fair.heal(SHARES, 30, 100)
     assert (healed.freed, healed.started) == ([a2], [rest])
     assert store.fair.counts("a") == FairCounts(running=2, parked=0, queued=0)
     assert sorted(store.client.hkeys(store.keys.fair_holding())) == sorted([a3, a4])
+
+
+def test_the_pass_leaves_the_slot_of_a_stopped_run_that_still_runs_until_its_lease_is_gone(fair: Coordinator) -> None:
+    """A stopped run goes on until its next step reads the stop (a request in flight, a tool call running), and
+    frees its slot as it ends. The pass freed it at once before, and gave it to a parked run: both ran, over the
+    tenant's max_running and the fleet's capacity. Now it waits for the run's lease: its end, or its lapse."""
+    store = fair.store
+    a1, a2, a3, a4 = children(fair, "a", 4)
+    assert [start(store, t).verdict for t in (a1, a2, a3, a4)] == ["run", "run", "park", "park"]
+    root = fair.get_task(a1).root_id
+    fair.cancel(root, "not needed")  # the stop a caller with fair shares off makes: it withdraws nothing
+    assert {fair.get_task(t).status for t in (a1, a2)} == {TaskStatus.CANCELLED}
+    assert store.fair.heal(SHARES, 30, 100) == FairHealed(), "both runs still hold their leases: still running"
+    assert sorted(store.client.hkeys(store.keys.fair_holding())) == sorted([a1, a2])
+    fair.client.delete(store.keys.lease(root, a1))  # its run died, and its lease lapsed
+    healed = store.fair.heal(SHARES, 30, 100)
+    assert healed.freed == [a1], "no run holds it now: nothing else would free it"
+    assert store.fair.counts("a").running == 1, "the parked runs were stopped too: none took the slot"
 
 
 def test_the_slot_of_a_run_dead_after_it_parked_a_call_is_freed_only_while_the_call_waits(fair: Coordinator) -> None:
@@ -366,3 +386,23 @@ def test_with_fair_shares_off_the_pass_releases_every_parked_run(fair: Coordinat
     assert all(due[i] > time.time() for i in ids[2:]), "on the due list: a restart lost is published again"
     assert Reconciler(fair, "n@host:1").tick() == Counter(), "a second pass finds nothing"
     assert fair.get_task(ids[2]).waiting_for is None, "its timeline left the wait"
+
+
+def test_with_fair_shares_off_the_pass_takes_out_a_parked_run_whose_tree_is_gone(fair: Coordinator) -> None:
+    """A parked run whose tree was deleted (or expired) after fair shares were turned off: the pass marked its
+    timeline on a task hash that was gone, which made it again with that one field and no expiry, and the tick
+    then failed reading it (CorruptError), publishing none of the others. Now it is only taken out."""
+    from coordinator.reconciler import Reconciler
+
+    store = fair.store
+    ids = children(fair, "a", 4)
+    assert [start(store, t).verdict for t in ids] == ["run", "run", "park", "park"]
+    gone, other = ids[2], ids[3]
+    root = fair.get_task(gone).root_id
+    fair.client.delete(store.keys.task(root, gone))
+    before = fair.client.llen(fair.settings.queue)
+    repairs = Reconciler(fair, "n@host:1").tick()
+    assert repairs is not None and repairs["parked-released"] == 1, repairs
+    assert not fair.client.exists(store.keys.task(root, gone)), "no hash made again for the gone task"
+    assert fair.client.llen(fair.settings.queue) == before + 1, "the other parked run's restart was published"
+    assert store.fair.counts("a").parked == 0 and other in store.convergence.watched()

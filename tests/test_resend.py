@@ -31,9 +31,11 @@ from coordinator.celery_app import make_app
 from coordinator.models import AdmissionLimits, Approval, RunWrites, Spend, SubtaskSpec, ToolCallDone
 from coordinator.ports.steps import Ended
 from coordinator.redis_clients import FAILOVER_ERRORS
+from coordinator.replies import FairHealed
 from coordinator.runs import Run
 from coordinator.store import Store
 from coordinator.store import base as store_base
+from coordinator.store.base import RESEND_MARK_S
 from coordinator.store.fair import NO_FAIR_SHARES, FairShares
 from coordinator.store.fields import TaskField
 from tests.agents import STEP_COST_MICROS, agent, reply
@@ -667,6 +669,27 @@ def test_a_stops_withdrawal_sent_again_after_it_ran_gives_the_parked_run_for_its
 
     assert lost.lost == 1
     assert given == [second]
+
+
+def test_the_fair_share_pass_sent_again_after_it_ran_answers_the_runs_it_started(
+    fair_prefix: Coordinator, lost: LostReplies
+) -> None:
+    """The reconciler's pass (fair_heal.lua) gave the fleet's free slot to the parked run and its reply was lost:
+    the resend found nothing parked and answered nothing, so the run held its slot unpublished until the
+    reconciler's grace ran out. The pass keeps its answer under its call's mark for the resend."""
+    coord, shares = fair_prefix, FairShares(on=True, capacity=1)
+    store = coord.store
+    _, second = _one_running_one_parked(coord, shares)
+    store.fair.beat("w1", 2, 30, {"*": (1, 0)})  # the fleet grew: a slot is free for the pass to give
+    lost.lose(_sha(store, "fair_heal"))
+
+    healed = store.fair.heal(shares, 30, 100)
+
+    assert lost.lost == 1
+    assert healed.started == [second]
+    marks = list(coord.client.scan_iter(store.keys.fair_heal_mark("*")))
+    assert len(marks) == 1 and 0 < coord.client.ttl(marks[0]) <= RESEND_MARK_S, "kept for the resend, not for good"
+    assert store.fair.heal(shares, 30, 100) == FairHealed(), "another pass, a call of its own, gives nothing more"
 
 
 def test_a_rate_limits_count_sent_again_after_it_ran_lets_its_request_start(

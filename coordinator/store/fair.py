@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from coordinator.ids import root_of
 from coordinator.replies import FairHealed
-from coordinator.store.base import Part, translate_redis_errors
+from coordinator.store.base import RESEND_MARK_S, Part, translate_redis_errors
 from coordinator.store.keys import Keys, cut
 from coordinator.store.protocol import (
     FairAnnounce,
@@ -146,8 +146,9 @@ class FairStore(Part):
         now = time.time()
         return self.scripts(
             FairHeal(
-                fair=fair_keys(self.keys), due=self.keys.due(), now_ms=int(now * 1000), look_at=now + look_after_s,
-                limit=limit, retention_s=self.retention_s, args=fair_args(self.keys, shares),
+                fair=fair_keys(self.keys), due=self.keys.due(), mark=self.keys.fair_heal_mark(secrets.token_hex(16)),
+                now_ms=int(now * 1000), look_at=now + look_after_s, limit=limit, retention_s=self.retention_s,
+                args=fair_args(self.keys, shares), lease_middle=cut(self.keys.lease, 2)[1], mark_s=RESEND_MARK_S,
             )
         )  # fmt: skip
 

@@ -110,6 +110,9 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 |                                       |        | what, target, when, from where; coordinator/audit) | most the newest 100,000  |
 | `<p>:audit-mark:<32 hex>`             | string | an audit entry's own mark, which its write sent    | 120 s    |
 |                                       |        | again after a lost reply finds (audit_add.lua)     |          |
+| `<p>:fair-heal-mark:<32 hex>`         | string | a fair-share pass's answer (the runs it freed and  | 120 s    |
+|                                       |        | started), which the same call sent again after a   |          |
+|                                       |        | lost reply answers (fair_heal.lua)                 |          |
 | `<p>:metrics:webhooks`                | hash   | delivery attempts by `<event type> <outcome>`      | permanent |
 | `<p>:metrics:refused`                 | hash   | refused requests (401/403) counted by reason       | permanent |
 
@@ -296,6 +299,7 @@ class Keys:
     dead_letter_marks = _fleet("dead-letter-marks")
     audit = _fleet("audit")
     audit_mark = _fleet_member("audit-mark")
+    fair_heal_mark = _fleet_member("fair-heal-mark")
     refused = _fleet("metrics:refused")
     tenants = _fleet("tenants")
     fair_wanting = _fleet("fair:wanting")

@@ -74,11 +74,15 @@ class MetricStore(Part):
         Liveness is left out: the workers' heartbeats and the reconciler's leader lease
         change every few seconds whatever else happens, and so does the latency histogram,
         which each worker's heartbeat adds to at its beat. So are the marks a write keeps for its own
-        resend (an audit entry's, an endpoint recovery's), which lapse two minutes after it, on no
+        resend (an audit entry's, an endpoint recovery's, a fair-share pass's), which lapse two minutes after it, on no
         tree's clock (a loaded run read an audit entry's mark before a step and not after).
         """
         liveness = {self.keys.workers(), self.keys.leader(), self.keys.latency_histogram()}
-        resend_marks = (self.keys.audit_mark(""), self.keys.endpoint_recovered("", "").split("{", 1)[0])
+        resend_marks = (
+            self.keys.audit_mark(""),
+            self.keys.fair_heal_mark(""),
+            self.keys.endpoint_recovered("", "").split("{", 1)[0],
+        )
         read: dict[str, Callable[[str], object]] = {
             "string": self.client.get,
             "hash": self.client.hgetall,

@@ -823,11 +823,14 @@ class FairHeal(
 ):
     fair: FairKeys = splice("the fleet-wide keys of fair shares", expand=True)
     due: str = key("the due list")
+    mark: str = key("this call's mark: what it answered, kept for the same call sent again (its reply lost)")
     now_ms: int = arg("now ms")
     look_at: float = arg("when the reconciler looks at a released run (epoch s)")
     limit: int = arg("how many parked runs one call releases while fair shares are off")
     retention_s: int = arg("retention seconds")
     args: FairArgs = splice("how fair shares are read", expand=True)
+    lease_middle: str = arg("a lease key's middle (between the root id and the task id; its head is a task's)")
+    mark_s: int = arg("how long the mark is kept, seconds")
 
     @classmethod
     def decode(cls, raw: Any) -> FairHealed:
