@@ -556,6 +556,11 @@ class Delivery(BaseModel):
     last: str = ""
     last_at: float | None = None
 
+    def without_content(self) -> Delivery:
+        """As a caller that may redeliver but not read the tree sees it (an `operate` key): its state and
+        attempts, not where it goes nor what the receiver answered (TaskRecord.without_content)."""
+        return self.model_copy(update={"target": "", "last": ""})
+
 
 class Retried(BaseModel):
     """What a retry did (POST /v1/tasks/{id}/retry, `subq retry`): the tasks it sent to run again, children

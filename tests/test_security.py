@@ -464,6 +464,33 @@ def _audit(http: httpx.Client, name: str = "ops", **params: Any) -> list[dict[st
     return entries
 
 
+def test_an_operate_keys_redelivery_answers_where_the_delivery_stands_not_where_it_goes(
+    sec_coord: Coordinator,
+) -> None:
+    """`operate` changes any tree and reads none: a redelivery of another key's tree answered the delivery whole,
+    its target URL's path and the receiver's last answer among it. Now it answers its state and attempts."""
+    root = sec_coord.create_task(
+        "Bob's tree", owner="bob", webhooks=[{"url": "https://bob-receiver.invalid/hooks/B0B-S3CRET"}]
+    )
+    assert sec_coord.store.outbox.add_event(root.id, root.id, "budget.warning", {"share": 0.8}) == 1
+    (delivery,) = sec_coord.deliveries(root.id)
+    sec_coord.store.outbox.settle(root.id, delivery.id, "retrying", last="HTTP 503 Bob's receiver says no")
+    with _server(sec_coord, api_keys=keys_setting()) as api, api.client() as http:
+        url = f"/v1/tasks/{root.id}/deliveries/{delivery.id}/redeliver"
+        assert http.post(url, headers=bearer("alice")).status_code == 403, "submit and read: not another's tree"
+        answer = http.post(url, headers=bearer("ops"))
+        assert answer.status_code == 200, answer.text
+        assert (answer.json()["id"], answer.json()["state"], answer.json()["target"], answer.json()["last"]) == (
+            delivery.id,
+            "pending",
+            "",
+            "",
+        )
+        assert "B0B-S3CRET" not in answer.text and "Bob's receiver" not in answer.text
+    (again,) = sec_coord.deliveries(root.id)
+    assert again.target == "https://bob-receiver.invalid/hooks/B0B-S3CRET", "the tree's own readers still see it"
+
+
 def test_scoped_keys_over_http(sec_coord: Coordinator) -> None:
     """The acceptance of issue 32, point 3 and 4, over real HTTP against a real Redis."""
     with (

@@ -42,12 +42,12 @@ from coordinator.api.errors import RATE_LIMITED, UNAUTHORIZED, HttpError
 from coordinator.api.limits import RateLimiter, client_address, retry_after
 from coordinator.audit import Actor, RefusalReason, Via
 from coordinator.errors import ConfigError, ForbiddenError, NotFoundError, SubqError
-from coordinator.models import Approval, Retried, TaskRecord
+from coordinator.models import Approval, Delivery, Retried, TaskRecord
 from coordinator.service import Coordinator
 from coordinator.settings import Settings
 
 # What a change to a tree answers, shown by Gate.as_read_by.
-Shown = TypeVar("Shown", TaskRecord, Retried)
+Shown = TypeVar("Shown", TaskRecord, Retried, Delivery)
 
 __all__ = [
     "AUTH_DISABLED_WARNING",

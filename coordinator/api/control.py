@@ -106,9 +106,11 @@ def _tree_routes(router: APIRouter, coord: Coordinator, gate: Gate, denied: tupl
     )
     def redeliver(request: Request, key: Caller, task_id: TaskId, delivery_id: DeliveryId) -> Delivery:
         """Its attempts start again from 0 and its bounded time from now; the receiver sees the same
-        `webhook-id`. Scope `operate`; on the audit log."""
+        `webhook-id`. Scope `operate`; on the audit log. A key that may not read the tree is answered the
+        delivery's state without its target nor its last answer (`operate` changes any tree, and reads none)."""
         gate.need(request, key, Scope.OPERATE)
-        return coord.redeliver(task_id, delivery_id, actor=actor_of(request, key))
+        owner = coord.owner_of(task_id)
+        return gate.as_read_by(key, owner, coord.redeliver(task_id, delivery_id, actor=actor_of(request, key)))
 
 
 def _approval_routes(router: APIRouter, coord: Coordinator, gate: Gate, denied: tuple[int, ...]) -> None:
