@@ -256,6 +256,21 @@ def test_the_pass_leaves_the_slot_of_a_stopped_run_that_still_runs_until_its_lea
     assert store.fair.counts("a").running == 1, "the parked runs were stopped too: none took the slot"
 
 
+def test_the_pass_keeps_a_tenants_running_set_while_its_slots_are_held(fair: Coordinator) -> None:
+    """A tenant's running set (what max_running counts) had its expiry renewed only by an admission: long runs that
+    held their slots through a retention with no admission between lost it, and the tenant read none running, over
+    its max_running from then on. The pass puts each held slot back in it and keeps it a retention more."""
+    store = fair.store
+    a1, a2, a3 = children(fair, "a", 3)
+    assert [start(store, t).verdict for t in (a1, a2)] == ["run", "run"]
+    running = store.keys.tenant_running("a")
+    fair.client.delete(running)  # its retention ran out while both ran
+    assert store.fair.heal(SHARES, 30, 100) == FairHealed(), "both tasks live: nothing freed, nothing given"
+    assert sorted(fair.client.smembers(running)) == sorted([a1, a2])
+    assert 0 < fair.client.ttl(running) <= store.retention_s
+    assert start(store, a3).verdict == "park", "max_running 2 still counts both"
+
+
 def test_the_slot_of_a_run_dead_after_it_parked_a_call_is_freed_only_while_the_call_waits(fair: Coordinator) -> None:
     """The reconciler frees the fleet slot of a run that parked a call for a person and died before its release
     (`while_asked`), checked in the step that frees it: while the call is pending the slot goes to the parked

@@ -5,7 +5,8 @@
 -- not yet at the step that reads so) frees its slot as it ends, and one that dies first is freed here once its
 -- lease lapses: freed before, its slot went to a parked run while it still ran, over its tenant's max_running
 -- and the fleet's capacity. A slot held by a live task is left alone, leased or not: one given to a parked
--- run waits for its restart, and one whose worker died for the reconciler's new run. (2) With fair shares on,
+-- run waits for its restart, and one whose worker died for the reconciler's new run; it is put back in its
+-- tenant's running set, whose expiry the pass renews. (2) With fair shares on,
 -- free slots are given to the neediest tenants' parked runs (a max_running raised, a weight changed, the fleet
 -- grown, a slot freed here). (3) With them off, every parked run is released: out of its tenant's set, put on
 -- the due list (a process that dies before publishing leaves it to the reconciler), and returned to publish; one
@@ -55,7 +56,7 @@ end
 local function keys_of(tenant)
   return {KEYS[1], KEYS[2], head .. tenant .. ARGV[7], head .. tenant .. ARGV[8], head .. tenant .. ARGV[9]}
 end
-local freed, started = {}, {}
+local freed, started, kept_running = {}, {}, {}
 local holding = redis.call('HGETALL', KEYS[3])  -- at most the fleet's capacity, and what leaked
 for i = 1, #holding, 2 do
   local id, tenant = holding[i], holding[i + 1]
@@ -67,6 +68,16 @@ for i = 1, #holding, 2 do
     freed[#freed + 1] = id
     if on then
       fair_score(keys_of(tenant), {tenant, now_ms, ARGV[12]})
+    end
+  else
+    -- A slot held is in its tenant's running set too, which max_running counts and whose expiry only an admission
+    -- renewed: a tenant whose long runs held their slots for a retention with no admission between lost the set,
+    -- and read none running. Each pass puts the held slots back in it and keeps it a retention more.
+    local running = head .. tenant .. ARGV[7]
+    redis.call('SADD', running, id)
+    if not kept_running[running] then
+      kept_running[running] = true
+      redis.call('EXPIRE', running, ARGV[4])
     end
   end
 end
