@@ -245,6 +245,13 @@ def _decide(plane: Plane, approval: Approval, status: str, feedback: str, decide
     # watches the task in the same step, so a crash before the publish still resumes it (the reconciler).
     grace_s = plane.settings.reconcile_grace_s
     outcome = plane.store.approvals.decide(approval.id, status, feedback, decided_by, grace_s=grace_s)
+    if outcome == "late":  # an approval at or after the deadline: the call timed out, a denial, made now
+        expire(plane, approval.id)
+        at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(approval.deadline))
+        raise StateError(
+            f"Approval {approval.id} expired at {at}, before this approval: the call was denied as timed out",
+            field="approval_id",
+        )
     if outcome not in ("ok", "resume"):
         raise StateError(f"Approval {approval.id} was already {outcome}", field="approval_id")
     plane.store.convergence.remove_timers([expiry_timer(approval.id)])

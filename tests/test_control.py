@@ -278,6 +278,30 @@ def test_an_unanswered_approval_times_out_as_a_denial(idle_coordinator: Coordina
     assert any("no decision within 1s" in str(r) for r in returns)
 
 
+def test_an_approval_after_its_deadline_is_refused_and_the_call_times_out(idle_coordinator: Coordinator) -> None:
+    """Before the reconciler served the expiry's timer (up to a tick, or while no worker ran), an approval made
+    after the deadline stood, and the resumed run ran the command a person was too late to allow. Now it is
+    refused (409 over the API), the call expires then, and the run goes on without it. A late denial stands."""
+    settings = idle_coordinator.settings.model_copy(update={"approval_timeout_s": 1})
+    coord = Coordinator(settings)
+    rt = build_runtime(settings, make_app(settings))
+    late = coord.create_task(agent(call("run_command", command="touch deployed"), reply("done")), run=True)
+    denied = coord.create_task(agent(call("run_command", command="touch released"), reply("done")), run=True)
+    assert {run_child(rt, t.id).status for t in (late, denied)} == {"waiting_approval"}
+    (approval,), (other,) = coord.list_approvals(late.id), coord.list_approvals(denied.id)
+    time.sleep(max(0.0, approval.deadline - time.time()) + 0.1)  # due, and no reconciler has served its timer
+
+    with pytest.raises(StateError, match=rf"Approval {approval.id} expired at .*: the call was denied as timed out"):
+        coord.decide(approval.id, "approve")
+    assert coord.store.approvals.get_approval(approval.id).status == "expired"
+    assert coord.decide(other.id, "deny", "not today").status == "denied", "a late denial is what an expiry does"
+
+    for task in (late, denied):
+        assert run_child(rt, task.id).status == "completed"  # the resume the expiry (or the denial) published
+        said = [m.get("text", "") for m in coord.messages(task.id) if m.get("say") == "command"]
+        assert said == [], f"no command ran: {said}"
+
+
 def test_approval_bad_input_changes_nothing(idle_coordinator: Coordinator) -> None:
     coord = idle_coordinator
     mine = coord.create_task("a tree of this test")

@@ -569,7 +569,8 @@ class Decide(
     acknowledged=True,
     returns="'resume' when this decision (or this very decision sent again after it ran) ended its task's "
     "wait and no run holds the task's lease: its caller publishes the resume; 'ok' when it was decided "
-    "otherwise; or the approval's status when it was not pending (or 'missing').",
+    "otherwise; 'late', nothing written, for an approval made at or after the approval's deadline (its caller "
+    "expires it); or the approval's status when it was not pending (or 'missing').",
 ):
     approval: str = key("the approval hash")
     pending: str = key("the pending-approvals zset")

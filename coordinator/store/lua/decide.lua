@@ -21,7 +21,8 @@
 --   all its calls: it ends no task's wait (the task is its newer run's, or the reconciler's)
 -- Returns 'resume' when this decision (or this very decision sent again after it ran) ended its task's
 --   wait and no run holds the task's lease: its caller publishes the resume; 'ok' when it was decided
---   otherwise; or the approval's status when it was not pending (or 'missing').
+--   otherwise; 'late', nothing written, for an approval made at or after the approval's deadline (its
+--   caller expires it); or the approval's status when it was not pending (or 'missing').
 -- The decision that leaves the task no pending approval ends its wait, decided here and nowhere else:
 -- two decisions made at once each see the other's, so exactly one of them ends it. Its timeline marks
 -- its resume `queued` now (coordinator/timeline.py), and the task goes on the due list in this step:
@@ -67,6 +68,14 @@ if status ~= 'pending' then
     return ends_wait(redis.call('HGET', KEYS[1], 'task_id'), false)
   end
   return status
+end
+-- A person's approval at or after the deadline is refused, nothing written: the call timed out, which is a
+-- denial (its caller expires it now). Before, it stood while the reconciler had not yet served the expiry's
+-- timer (up to a tick, or while no worker ran), and the resumed run ran a call a person was too late to allow.
+-- (A late denial stands: it is what the expiry would do, with the person's words for the model.)
+local deadline = tonumber(redis.call('HGET', KEYS[1], 'deadline') or '')
+if ARGV[2] == 'approved' and deadline and tonumber(ARGV[4]) >= deadline then
+  return 'late'
 end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'feedback', ARGV[3], 'decided_at', ARGV[4], 'decided_by', ARGV[8] or '')
 redis.call('ZREM', KEYS[2], ARGV[1])
