@@ -246,6 +246,7 @@ class Run:
         self.writes.clear()
         self.step.stepped(reply, keep=keep)
         if not reply.leased:
+            self._owe_billed(spends)
             raise LeaseLost(self.task.id)
         if spends and reply.refused_spend:
             self._spent_before_the_stop(spends)
@@ -428,8 +429,19 @@ class Run:
         elif ending.closed and self.task.parent_id:
             writeback.resumed(plane, self.task.parent_id, ending.resumes, ending.resume)
 
+    def _owe_billed(self, spends: list[Spend]) -> None:
+        """Responses the provider billed that a run which lost its lease holds (its step wrote nothing): its
+        heartbeat records them (record_late_spend.lua, once per request key, this run's own keys), beside what the
+        newer run spends making those requests again. Dropped before: the task's figures missed a billed
+        response each time a lease lapsed under a run mid-request (a Redis outage longer than the lapse, a stall)."""
+        if spends:
+            self._heartbeat.owe(self.task, spends, refused=False)
+
     def lost(self) -> SubtaskResult:
-        """The run lost its lease: another run owns the task; this one leaves everything to it."""
+        """The run lost its lease: another run owns the task; this one leaves everything else to it (its held
+        spend is recorded: `_owe_billed`)."""
+        self._owe_billed(self.writes.usage)
+        self.writes.usage = []
         log.warning("subq: the run of %s lost its lease and stopped without writing", self.task.id)
         self._heartbeat.forget(self)  # its run slot is the task's, which the new run holds now
         return writeback.result_of(self._plane.store.records.get_task(self.task.id), pending="running")

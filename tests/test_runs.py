@@ -14,7 +14,7 @@ from coordinator import Coordinator, TaskStatus, Usage, admission, budgets
 from coordinator.celery_app import make_app
 from coordinator.models import Spend
 from coordinator.plane import Plane
-from coordinator.runs import Ended, Run
+from coordinator.runs import Ended, LeaseLost, Run
 from tests.helpers import script, scripted_children, usage_step
 from workers import observe
 from workers.runtime.context import build_runtime
@@ -64,6 +64,35 @@ def _held(run: Run, cost_micros: int) -> Spend:
                   cost_source="test")  # fmt: skip
     run.writes.usage.append(spend)
     return spend
+
+
+@pytest.mark.parametrize("found_by", ["its step", "its heartbeat"])
+def test_a_response_held_by_a_run_whose_lease_lapsed_is_recorded_once(
+    idle_coordinator: Coordinator, found_by: str
+) -> None:
+    """Redis away longer than the lease's lapse (or a stalled worker): the run's next step finds the lease gone, or
+    its heartbeat did first (the run is fenced). The response it held was billed; it was dropped with the step's
+    writes, and the task never showed it. Its heartbeat now records it, once, under the run's own request key."""
+    coord = idle_coordinator
+    rt = build_runtime(coord.settings, make_app(coord.settings))
+    task = coord.create_task(script(usage_step()), run=True)
+    run = rt.lifecycle.start(task.id)
+    assert isinstance(run, Run), run
+    spend = _held(run, 500_000)
+    coord.client.delete(coord.store.keys.lease(task.id, task.id))  # it lapsed
+    if found_by == "its heartbeat":
+        run.fenced = True
+    with pytest.raises(LeaseLost):
+        run.flush() if found_by == "its step" else run.check_stop()
+    run.lost()
+    owed = rt.lifecycle.heartbeat.late_spends
+    assert owed, "the heartbeat owes it"
+    owed.record(coord.plane)
+    record = coord.get_task(task.id)
+    assert (record.cost_micros, record.usage.tokens_in) == (500_000, spend.usage.tokens_in)
+    owed.owe(record, [spend], refused=False)  # the same response again (a beat's reply lost): written once
+    owed.record(coord.plane)
+    assert coord.get_task(task.id).cost_micros == 500_000
 
 
 def test_a_final_response_held_past_a_cancel_is_recorded_by_the_runs_end(idle_coordinator: Coordinator) -> None:
