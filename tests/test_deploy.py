@@ -23,6 +23,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from coordinator.local.fleet import stop_timeout_s
 from coordinator.redis_clients import password_warning
 from coordinator.settings import DEFAULT_SHUTDOWN_GRACE_S, Settings
 from tests import compose_file
@@ -146,6 +147,14 @@ def test_workers_scale_and_have_time_to_hand_their_runs_back() -> None:
     example = compose_file.read_env_file(ROOT / ".env.example")
     shutdown_grace_s = int(example.get("SUBQ_SHUTDOWN_GRACE_S", DEFAULT_SHUTDOWN_GRACE_S))
     assert grace_s >= max(shutdown_grace_s, DEFAULT_SHUTDOWN_GRACE_S) + STOP_MARGIN_S, (grace_s, shutdown_grace_s)
+
+
+@pytest.mark.parametrize("shutdown_grace_s", [0, DEFAULT_SHUTDOWN_GRACE_S, 300])
+def test_subq_ups_workers_have_time_to_hand_their_runs_back(settings: Settings, shutdown_grace_s: int) -> None:
+    """`subq up` and the demo stop their workers as a container runtime does: a fixed 20 s killed them before a
+    run in a long call was handed back (at the default grace, 25 s, less 3)."""
+    graced = settings.model_copy(update={"shutdown_grace_s": shutdown_grace_s})
+    assert stop_timeout_s(graced) >= shutdown_grace_s + STOP_MARGIN_S
 
 
 def test_every_subq_service_runs_the_image_of_the_wheel() -> None:

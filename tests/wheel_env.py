@@ -42,7 +42,7 @@ COMMAND_TIMEOUT_S = 60
 # (With pip, ensurepip cost 7 s of CPU a venv and past a minute of wall beside a loaded suite.)
 VENV_TIMEOUT_S = 300
 # A graceful stop of an idle worker, API or Flower takes a second or two.
-STOP_TIMEOUT_S = 30
+STOP_TIMEOUT_S = 60  # `subq up` waits its workers' shutdown grace and 10 s (coordinator/local/fleet.py)
 
 
 @dataclass(frozen=True)

@@ -24,14 +24,21 @@ from pydantic import SecretStr
 from coordinator.errors import FleetError
 from coordinator.settings import STANDARD_KEYS, Settings
 
-__all__ = ["WorkerFleet", "settings_env"]
+__all__ = ["WorkerFleet", "settings_env", "stop_timeout_s"]
 
 # A cold worker imports Celery and pydantic-ai in a few seconds; a loaded CI machine may take longer.
 DEFAULT_START_TIMEOUT_S = 90.0
 # How long one readiness ping collects replies; it is repeated until the start timeout.
 PING_TIMEOUT_S = 1.0
-# A warm shutdown finishes the tasks in hand; past this the group is killed.
-STOP_TIMEOUT_S = 20.0
+# A warm shutdown hands its runs back within the workers' SUBQ_SHUTDOWN_GRACE_S; the group is killed this long
+# after it, as a pod's termination grace does (deploy/kubernetes: 25 + 10 s). A fixed 20 s killed the workers
+# before a run in a long call was handed back (at the grace less 3 s), leaving it to its lease's lapse.
+STOP_MARGIN_S = 10.0
+
+
+def stop_timeout_s(settings: Settings) -> float:
+    """How long a fleet's stop waits for its workers' warm shutdown before it kills them."""
+    return settings.shutdown_grace_s + STOP_MARGIN_S
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -97,6 +104,7 @@ class WorkerFleet:
     ) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
+        self.stop_timeout_s = stop_timeout_s(settings)
         # Full node names, so a ping can ask these workers alone (another fleet may share the broker).
         self.nodes = [f"{name}{index}@{socket.gethostname()}" for index in range(processes)]
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -150,7 +158,7 @@ class WorkerFleet:
         for proc in self.procs:
             if proc.poll() is None:
                 signal_group(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+        deadline = time.monotonic() + self.stop_timeout_s
         for proc in self.procs:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
