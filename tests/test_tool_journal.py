@@ -165,3 +165,46 @@ def test_an_approved_call_cut_off_while_it_ran_is_not_run_again_unless_idempoten
         assert ("tool_interrupted", 'slow_mark({"label": "slow", "seconds": 30.0})') in says
         assert [kind for kind, _ in says].count("approval_request") == 2, "no one was asked again"
         assert coord.list_approvals(task.root_id) == []
+
+
+def test_an_approved_call_still_waiting_for_its_slot_when_its_worker_died_runs_on_resume(
+    settings: Settings, marks: Path, tmp_path: Path
+) -> None:
+    """Two approved calls, one at a time (`max_tool_calls_at_once` 1): the second waits for the first's slot. Its
+    journal said it had started, as it was marked before the wait: the resume answered it "interrupted", and the
+    action a person approved was never carried out. A call is marked started once it holds its slot."""
+    one_at_a_time = JOURNALED.model_copy(update={"approval_tools": ["slow_mark"], "max_tool_calls_at_once": 1})
+    with crashing_worker(settings, tmp_path, guarded=one_at_a_time) as (coord, kill_and_resume):
+        task = coord.create_task(
+            agent(
+                calls(
+                    ("slow_mark", {"label": "first", "seconds": 30}), ("slow_mark", {"label": "queued", "seconds": 1})
+                ),
+                reply("both handled"),
+            ),
+            profile="guarded",
+            run=True,
+        )
+        deadline = time.monotonic() + 60
+        while len(coord.list_approvals(task.root_id)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for approval in coord.list_approvals(task.root_id):
+            coord.decide(approval.id, "approve")
+        journal = coord.store.keys.tool_results(task.root_id, task.id)
+
+        def started() -> list[str]:
+            return sorted(f for f in coord.client.hkeys(journal) if f.startswith("started:"))
+
+        deadline = time.monotonic() + 60
+        while not started() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)  # a second mark, written before the wait, would be there by now
+        assert len(started()) == 1, ("only the call that holds the slot started", started())
+        assert _count(marks, "first") == _count(marks, "queued") == 0
+        kill_and_resume()
+        done = coord.wait(task.id, 90)
+        assert done.status == TaskStatus.COMPLETED, done
+        assert _count(marks, "first") == 0, "the call cut off while it ran did not run again"
+        assert _count(marks, "queued") == 1, "the call that had not started ran on resume, once"
+        says = [(m["say"], m["text"]) for m in coord.messages(task.id) if m.get("type") == "say"]
+        assert [kind for kind, _ in says].count("tool_interrupted") == 1, says

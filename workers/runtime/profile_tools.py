@@ -67,7 +67,7 @@ from coordinator import (
     one_line,
     usd_to_micros,
 )
-from coordinator.runs import Run
+from coordinator.runs import LeaseLost, Run
 from coordinator.tracing import span
 from workers import observe
 from workers.runtime import mcp_servers, sandbox, thread_holds
@@ -235,8 +235,17 @@ class PolicyToolset(WrapperToolset[RunState]):
             return INTERRUPTED
         if name in OWN_STATE_TOOLS:
             return await super().call_tool(name, tool_args, ctx, tool)  # their refusals are results already
-        _journal_before_running(ctx, safe_twice=safe_twice, cut_off=cut_off)
-        outcome, result, started_s = await self._call_within_limits(name, tool_args, ctx, tool)
+        if not safe_twice:
+            # The response is kept before a call that must not run twice starts: a run resumed after this
+            # worker dies finds the call, and does not ask the model again (which might repeat it). A response of
+            # idempotent calls only is kept by the step of its first call's result.
+            run.journal.keep_calls()
+        # A call a human approved is marked started once it holds its slots, as it starts: a resume after this
+        # worker dies must not take the approval as leave to run it again. Marked before its wait for a slot (as
+        # it was), a call still queued behind `max_tool_calls_at_once` or a tool limit was answered "interrupted"
+        # by the resume, though it had never run: the approved action was never carried out.
+        approved = bool(ctx.tool_call_approved and not cut_off)
+        outcome, result, started_s = await self._call_within_limits(name, tool_args, ctx, tool, approved=approved)
         ran_s = time.monotonic() - started_s if started_s and outcome != "denied" else None
         charge(run, ctx.deps.profile, name, call_id, reported_cost(name, result))
         result = capped(result, ctx.deps.profile.max_tool_output_chars, name)
@@ -245,16 +254,25 @@ class PolicyToolset(WrapperToolset[RunState]):
         return result
 
     async def _call_within_limits(
-        self, name: str, tool_args: dict[str, Any], ctx: RunContext[RunState], tool: ToolsetTool[RunState]
+        self,
+        name: str,
+        tool_args: dict[str, Any],
+        ctx: RunContext[RunState],
+        tool: ToolsetTool[RunState],
+        *,
+        approved: bool,
     ) -> tuple[str, Any, float]:
         """The call, within the worker's and the fleet's limits and its timeout: its outcome, its result (a failure's
         is the text the model reads) and when it started (0.0: it never did). A tool's failure is a result; a
-        ModelRetry is answered as an error and raised on, and pydantic-ai's own signals are raised on."""
+        ModelRetry is answered as an error and raised on, and pydantic-ai's own signals are raised on. `approved`:
+        a human approved it, and the journal marks it started once it holds its slots."""
         run = ctx.deps.run
         timeout_s = timeout_of(ctx.deps.profile, name)
         outcome, started_s = "ok", 0.0
         try:
             async with ctx.deps.calls_at_once, _fleet_limit(ctx, name, timeout_s):
+                if approved:
+                    run.journal.mark_started(ctx.tool_call_id or "")  # (LeaseLost, raised on below)
                 started_s = time.monotonic()
                 # asyncio.timeout, not wait_for: no task of its own a call (wait_for makes one on 3.11).
                 with span("subq.tool", task_id=run.task_id, tool=name):  # under the run's trace
@@ -271,8 +289,8 @@ class PolicyToolset(WrapperToolset[RunState]):
             ran_s = time.monotonic() - started_s if started_s else None
             _done(ctx, name, "error", f"Error: {one_line(str(retry))}", ran_s)
             raise
-        except (ApprovalRequired, CallDeferred):
-            raise  # pydantic-ai's own signals: wait for a decision, defer (answered when they resolve)
+        except (ApprovalRequired, CallDeferred, LeaseLost):
+            raise  # pydantic-ai's own signals: wait for a decision, defer; a run that lost its lease writes nothing
         except Exception as exc:  # a tool's failure is a result for the model; the run goes on
             log.warning("subq: tool %s failed", name, exc_info=True)  # with the run's fields (workers/observe.py)
             outcome, result = "error", f"Error: {type(exc).__name__}: {one_line(str(exc))}"
@@ -292,18 +310,6 @@ def _policy_denial(
         ctx.deps.run.say("tool_denied", f"{name}: {denied}")
         _done(ctx, name, "denied")
     return denied
-
-
-def _journal_before_running(ctx: RunContext[RunState], *, safe_twice: bool, cut_off: bool) -> None:
-    """What a resume must find if this worker dies during the call, written before the call starts."""
-    run = ctx.deps.run
-    if not safe_twice:
-        # The response is kept before a call that must not run twice starts: a run resumed after
-        # this worker dies finds the call, and does not ask the model again (which might repeat it).
-        # A response of idempotent calls only is kept by the step of its first call's result.
-        run.journal.keep_calls()
-    if ctx.tool_call_approved and not cut_off:
-        run.journal.mark_started(ctx.tool_call_id or "")  # a human approved it: a resume must know it may have run
 
 
 # Any result as the JSON pydantic-ai sends the model.
