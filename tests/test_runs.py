@@ -10,13 +10,14 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from coordinator import Coordinator, TaskStatus, Usage, admission, budgets
+from coordinator import Coordinator, StoreError, TaskStatus, Usage, admission, budgets
 from coordinator.celery_app import make_app
 from coordinator.models import Spend
 from coordinator.plane import Plane
 from coordinator.runs import Ended, LeaseLost, Run
 from tests.helpers import script, scripted_children, usage_step
 from workers import observe
+from workers.runtime import runner
 from workers.runtime.context import build_runtime
 from workers.runtime.runner import run_child
 
@@ -93,6 +94,32 @@ def test_a_response_held_by_a_run_whose_lease_lapsed_is_recorded_once(
     owed.owe(record, [spend], refused=False)  # the same response again (a beat's reply lost): written once
     owed.record(coord.plane)
     assert coord.get_task(task.id).cost_micros == 500_000
+
+
+def test_a_run_whose_hand_back_redis_failed_is_abandoned(
+    idle_coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker shutting down hands its run back; Redis failed that step. The error was raised inside the runner's
+    `except HandBack`, past its other handlers: the run was never abandoned, and the heartbeat renewed the lease
+    of a run that had ended until the process exited. Now its lease is freed and its held spend owed."""
+    coord = idle_coordinator
+    rt = build_runtime(coord.settings, make_app(coord.settings))
+    task = coord.create_task(script(usage_step()), run=True)
+    run = rt.lifecycle.start(task.id)
+    assert isinstance(run, Run), run
+    _held(run, 7_000)
+
+    def refused(**_: object) -> None:
+        raise StoreError("Redis refused a subq command: the test's")
+
+    monkeypatch.setattr(run, "flush", refused)
+    with pytest.raises(StoreError):
+        runner.hand_back(run)
+    assert not coord.client.exists(coord.store.keys.lease(task.id, task.id)), "its lease was freed"
+    owed = rt.lifecycle.heartbeat.late_spends
+    assert owed, "the spend it held is owed"
+    owed.record(coord.plane)
+    assert coord.get_task(task.id).cost_micros == 7_000
 
 
 def test_a_final_response_held_past_a_cancel_is_recorded_by_the_runs_end(idle_coordinator: Coordinator) -> None:

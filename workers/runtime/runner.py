@@ -169,9 +169,21 @@ def run_child(rt: Runtime, task_id: str, progress: Progress | None = None) -> Su
     except LeaseLost:
         return run.lost()  # another run owns the task now (this worker was cut off too long)
     except HandBack:
-        return run.hand_back()  # the worker is shutting down: another worker goes on from here
+        return hand_back(run)  # the worker is shutting down: another worker goes on from here
     except BaseException:
         run.abandon()  # Redis failed, not the agent: the delivery is retried (workers.tasks)
+        raise
+
+
+def hand_back(run: Run) -> SubtaskResult:
+    """Queue the task again for another worker (`Run.hand_back`); one whose hand-back Redis failed is abandoned
+    as any run Redis failed (its lease freed, its held spend owed to the heartbeat), and the error raised on. A
+    handler of its own: raised inside `run_child`'s `except HandBack`, it passed that try's other handlers by,
+    and the heartbeat renewed the lease of a run that had ended until the process exited."""
+    try:
+        return run.hand_back()
+    except BaseException:
+        run.abandon()
         raise
 
 
