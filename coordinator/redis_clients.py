@@ -385,14 +385,20 @@ def redis_url(settings: Settings) -> str:
 
 
 def check_redis_url(url: str) -> None:
-    """A ConfigError naming what is wrong with a redis:// or rediss:// URL, and never quoting its password.
+    """A ConfigError naming what is wrong with a redis://, rediss:// or unix:// URL, and never quoting its password:
+    another scheme, or none, is refused here (kombu's worker met one with a traceback: no such transport).
 
-    Other schemes are left to redis-py and kombu, whose errors for them quote nothing of the URL.
+    A unix:// URL's path is left to redis-py, whose errors for it quote nothing of the URL.
     """
     parts = urlsplit(url)
+    where = "Invalid setting SUBQ_REDIS_URL"
+    if parts.scheme not in (*HOST_SCHEMES, "unix"):
+        raise ConfigError(
+            f"{where}: Redis URL must specify one of the following schemes (redis://, rediss://, unix://)",
+            field="SUBQ_REDIS_URL",
+        )
     if parts.scheme not in HOST_SCHEMES:
         return
-    where = "Invalid setting SUBQ_REDIS_URL"
     rest = f"{parts.path}?{parts.query}#{parts.fragment}"
     if parts.fragment or ("@" in rest and "@" not in parts.netloc):
         # A `#`, `?` or `/` in the password ends the host part early: what follows it, the

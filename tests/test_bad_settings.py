@@ -119,3 +119,14 @@ def test_the_script_stops_with_one_line_and_changes_nothing(
     assert (proc.returncode, proc.stdout) == (1, "")
     assert proc.stderr == f"subq: {line.replace('{tmp}', str(tmp_path))}\n"
     assert state(idle_coordinator, NO_TREE) == before
+
+
+@pytest.mark.parametrize("command", [["worker"], ["api", "--port", "1"], ["flower", "--no-auth"], ["history"]])
+@pytest.mark.parametrize("url", ["nonsense", "http://127.0.0.1:1/0"])
+def test_a_redis_url_of_no_redis_scheme_is_one_line_from_every_command(command: list[str], url: str) -> None:
+    """`subq worker` started Celery on it, which printed a warning that the URL carried no password and then a
+    traceback (no such transport); `subq api` a traceback of its own. Every command refuses it alike."""
+    proc = script(*command, env={"SUBQ_REDIS_URL": url})
+    expected = "Invalid setting SUBQ_REDIS_URL: Redis URL must specify one of the following schemes"
+    assert (proc.returncode, proc.stdout) == (1, ""), proc
+    assert proc.stderr.startswith(f"subq: {expected}") and proc.stderr.count("\n") == 1, proc.stderr

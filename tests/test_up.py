@@ -395,3 +395,25 @@ def _find(pattern: str, text: str, groups: int = 1) -> Any:
     match = re.search(pattern, text, re.MULTILINE)
     assert match is not None, f"{pattern!r} not in:\n{text}"
     return match.group(1) if groups == 1 else match.groups()
+
+
+@pytest.mark.parametrize(
+    ("option", "expected"),
+    [
+        (["--log-dir", "/etc/passwd"], "--log-dir /etc/passwd: not a folder"),
+        (["--log-dir", "/etc/passwd/logs"], "--log-dir /etc/passwd/logs: /etc/passwd is not a folder"),
+        (["--log-dir", "/proc/subq-logs"], "--log-dir /proc/subq-logs: "),  # root may: found as it is made
+        (["--host", "no such host"], "--host 'no such host': no server can listen there"),
+    ],
+)
+def test_a_log_dir_or_host_that_cannot_serve_is_one_line_before_anything_starts(
+    marker: str, option: list[str], expected: str
+) -> None:
+    """Found late, each was a traceback after the embedded Redis had started (a log folder that is a file, or in
+    one), or a line blaming a port nobody held (a host that does not resolve)."""
+    api_port, flower_port = free_port(), free_port()
+    args = ["up", "--workers", "1", "--api-port", str(api_port), "--flower-port", str(flower_port), *option]
+    refused = subq(*args, env={"UP_TEST_MARKER": marker}, timeout_s=START_TIMEOUT_S)
+    assert (refused.returncode, refused.stdout) == (1, ""), refused
+    assert refused.stderr.startswith(f"subq: {expected}") and refused.stderr.count("\n") == 1, refused.stderr
+    assert processes_marked("UP_TEST_MARKER", marker) == []

@@ -18,8 +18,18 @@ from coordinator.cli.common import Host, Port, loading, settings_of
 from coordinator.errors import ConfigError, ValidationError
 from coordinator.loading import freeze_loaded
 from coordinator.local import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST
+from coordinator.settings import Settings
 
 __all__ = ["api", "demo", "flower", "tools", "up", "worker"]
+
+
+def require_redis(settings: Settings) -> None:
+    """A Redis is given, and its URL is one (a process started with another fails later, with a traceback)."""
+    from coordinator.redis_clients import check_redis_url
+
+    settings.require_redis()
+    if settings.redis_url:
+        check_redis_url(settings.redis_url)
 
 
 def up(
@@ -56,7 +66,7 @@ def worker(
     from coordinator.local.fleet import settings_env
 
     settings = settings_of(ctx)
-    settings.require_redis()
+    require_redis(settings)
     argv = [sys.executable, "-m", "workers", "--loglevel", loglevel]  # workers/app.py: Celery's worker command
     if concurrency:
         argv += ["--concurrency", str(concurrency)]
@@ -88,7 +98,7 @@ def api(ctx: typer.Context, host: Host = DEFAULT_HOST, port: Port = DEFAULT_API_
 
     with loading():
         settings = settings_of(ctx)
-        settings.require_redis()
+        require_redis(settings)
         if not stack.api_available():
             raise ConfigError(f"The HTTP API is not installed (no module {stack.API_MODULE})")
         import uvicorn
@@ -118,7 +128,7 @@ def flower(
     from coordinator.local import up as stack
 
     settings = settings_of(ctx)
-    settings.require_redis()
+    require_redis(settings)
     if no_auth and password:
         raise ValidationError("Give either --password or --no-auth, not both", field="password")
     if not no_auth and not password:

@@ -42,6 +42,17 @@ _handed_out: dict[int, float] = {}
 _handed_out_lock = threading.Lock()
 
 
+def cannot_listen_on(host: str) -> str | None:
+    """Why no server could listen on `host` at all (a name that does not resolve, an address of another machine),
+    or None: a port taken there is another matter (`port_free`)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.bind((host, 0))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 def port_free(host: str, port: int) -> bool:
     """Whether a server could listen on `host`:`port` now (bound as servers bind, with SO_REUSEADDR)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:

@@ -43,7 +43,7 @@ from coordinator.errors import ConfigError, FleetError, StoreError, ValidationEr
 from coordinator.local import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST
 from coordinator.local.embedded_redis import local_redis
 from coordinator.local.fleet import WorkerFleet, settings_env, signal_group
-from coordinator.local.ports import port_free
+from coordinator.local.ports import cannot_listen_on, port_free
 from coordinator.redis_clients import describe, redis_client
 from coordinator.settings import TLS_FIELDS, Settings
 
@@ -256,7 +256,11 @@ def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], s
     signals.check()
     if options.log_dir is not None:
         log_dir = options.log_dir
-        log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # what `_check_log_dir` could not tell (a folder root cannot write in either: /proc)
+            why = exc.strerror or str(exc)
+            raise ValidationError(f"--log-dir {log_dir}: cannot make it ({why})", field="log_dir") from None
     else:
         log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="subq-up-")))
     # The credentials file lands in the log folder: no sandboxed command of the workers may read it.
@@ -344,6 +348,9 @@ def _check_options(settings: Settings, options: UpOptions) -> None:
     """
     if options.api and not api_available():
         raise ConfigError(f"The HTTP API is not installed (no module {API_MODULE}); pass --no-api to start without it")
+    _check_log_dir(options.log_dir)
+    if (why := cannot_listen_on(options.host)) is not None:
+        raise ValidationError(f"--host {options.host!r}: no server can listen there ({why})", field="host")
     ports = _service_ports(options)
     metrics = _metrics_ports(settings, options.workers)
     for port, what in metrics.items():
@@ -359,6 +366,21 @@ def _check_options(settings: Settings, options: UpOptions) -> None:
             raise ValidationError(
                 f"Port {port} on {host} is in use ({what}); choose another {METRICS_PORT}", field=METRICS_PORT
             )
+
+
+def _check_log_dir(log_dir: Path | None) -> None:
+    """`--log-dir` must be a folder this user can write in, or one it can make there (made once Redis is up)."""
+    if log_dir is None:
+        return
+    if log_dir.exists() and not log_dir.is_dir():
+        raise ValidationError(f"--log-dir {log_dir}: not a folder", field="log_dir")
+    made = log_dir.absolute()
+    while not made.exists():  # the nearest folder that is there: the rest is made in it
+        made = made.parent
+    if not made.is_dir():
+        raise ValidationError(f"--log-dir {log_dir}: {made} is not a folder", field="log_dir")
+    if not os.access(made, os.W_OK | os.X_OK):
+        raise ValidationError(f"--log-dir {log_dir}: this user cannot write in {made}", field="log_dir")
 
 
 def _service_ports(options: UpOptions) -> dict[str, int]:
