@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import unicodedata
 from collections.abc import Mapping, Sequence
 
 import pydantic
@@ -36,6 +37,7 @@ __all__ = [
     "render_markdown",
     "to_json",
     "todo_id",
+    "visible",
     "with_ids",
 ]
 
@@ -59,6 +61,13 @@ _STATUS_VALUES = frozenset(status.value for status in TodoStatus)
 # substitute `\s*[\r\n]+\s*`: that pattern backtracks over every run of spaces that no
 # line break follows, quadratic in the run (16k spaces took 2.1 s).
 _LINE_BREAKS_RE = re.compile(r"[\r\n]+")
+# Format characters an editor writes unseen at a line's edges: a byte-order mark (a file saved by a Windows editor
+# starts with one), zero-width spaces and joiners. Not whitespace to `str.strip`, one before a line's box hid the
+# box from the grammar, and the item was dropped without a word.
+_UNSEEN_EDGES = "\ufeff\u200b\u200c\u200d\u2060"
+# Unicode's categories that never show a glyph of their own: controls, format characters (bidi marks, zero-width
+# ones), surrogates, and the separators.
+_UNSEEN_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zs", "Zl", "Zp"})
 _EMPTY_HINT = (
     "write one item per line as '[ ] task', '[-] task' or '[x] task', or send a"
     ' JSON list of {"content": ..., "status": ...}; the list was left unchanged'
@@ -100,7 +109,7 @@ def ignored_lines(update: object) -> list[IgnoredLine]:
         return []
     found = []
     for number, line in enumerate(update.split("\n"), start=1):
-        stripped = line.strip()
+        stripped = _trimmed(line)
         match = NEAR_MISS_RE.match(stripped) if "[" in stripped else None
         if match is None:
             continue
@@ -140,9 +149,15 @@ def parse_markdown(text: str) -> list[TodoItem]:
     # Split on "\n" only and trim each line (which drops a CRLF's "\r"):
     # str.splitlines would also break on \x1c, \x85 or \u2028 inside content,
     # so a rendered item would not read back as one item.
-    for line in text.split("\n"):
-        match = LINE_RE.match(line.strip())
+    for number, line in enumerate(text.split("\n"), start=1):
+        match = LINE_RE.match(_trimmed(line))
         if match and (content := clean_content(match.group(2))):
+            if not visible(content):
+                raise TodoError(
+                    f"The todo update's line {number} is an item with no visible text ({content!a}): write what"
+                    " to do after the box (the list was left unchanged)",
+                    field="todos",
+                )
             parsed.append((content, _STATUS_OF_MARK[match.group(1) or " "]))
     if not parsed:
         ignored = ignored_lines(text)
@@ -262,8 +277,22 @@ def clean_content(content: str) -> str:
     they cannot be encoded as UTF-8 for Redis, nor decoded by Lua cjson.
     """
     content = content.encode("utf-8", "replace").decode("utf-8")
-    pieces = (piece.strip() for piece in _LINE_BREAKS_RE.split(content))
+    pieces = (_trimmed(piece) for piece in _LINE_BREAKS_RE.split(content))
     return " ".join(piece for piece in pieces if piece)
+
+
+def _trimmed(text: str) -> str:
+    """`text` without whitespace nor unseen format characters (`_UNSEEN_EDGES`) at either end."""
+    while (trimmed := text.strip().strip(_UNSEEN_EDGES)) != text:
+        text = trimmed
+    return text
+
+
+def visible(content: str) -> bool:
+    """Whether an item's content shows anything: a character that is no space, control or format character. A bidi
+    override or a zero-width character alone made an item no one could read, which a list shown to a person must
+    not hold. (A character this Python's Unicode does not know yet, a newer emoji, may show: it counts.)"""
+    return any(not ch.isspace() and unicodedata.category(ch) not in _UNSEEN_CATEGORIES for ch in content)
 
 
 def with_ids(parsed: Sequence[tuple[str, TodoStatus]], *, markdown: bool = False) -> list[TodoItem]:
@@ -310,6 +339,8 @@ def _json_item(index: int, entry: object) -> tuple[str, TodoStatus]:
         raise bad(f"content must be text, got {_json_kind(content)}", "content")
     if content is None or not (content := clean_content(content)):
         raise bad("has no content", "content")
+    if not visible(content):
+        raise bad(f"has no visible content ({content!a})", "content")
     status = entry.get("status", TodoStatus.PENDING.value)
     if not isinstance(status, str) or status not in _STATUS_VALUES:
         expected = "expected pending, in_progress or completed"

@@ -211,6 +211,8 @@ def test_depth_limit(idle_coordinator: Coordinator) -> None:
         ("just prose, no items\n", "The todo update has no items", "todos"),
         ("", "The todo update has no items", "todos"),
         ([{"content": "ok"}, {"content": "  "}], "Todo item 1 has no content", "todos.1.content"),
+        ([{"content": "ok"}, {"content": "\u202e\u200b"}], "Todo item 1 has no visible content", "todos.1.content"),
+        ("[ ] \u202e\u200b", "The todo update's line 1 is an item with no visible text", "todos"),
         ([{"content": "ok", "status": "done"}], "Todo item 0 has an invalid status 'done'", "todos.0.status"),
     ],
 )

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from coordinator.errors import TodoError
 from coordinator.models import TodoItem, TodoStatus
 from coordinator.todo_links import Merged, link_children, merge
-from coordinator.todos import normalise, parse_markdown, todo_id, with_ids
+from coordinator.todos import clean_content, normalise, parse_markdown, todo_id, visible, with_ids
 from tests.test_todos import item as row
 
 PENDING, IN_PROGRESS, COMPLETED = TodoStatus.PENDING, TodoStatus.IN_PROGRESS, TodoStatus.COMPLETED
@@ -298,8 +298,8 @@ def test_bad_todo_ids_are_refused_with_their_spec_index(
 POOL = ["a", "b", "a  b", "fix tests", "Ünïcode ✓", "日本 語", "e\u0301te\u0301", "🚀 ship"]
 any_text = (
     st.text(st.characters(codec="utf-8", exclude_characters="\r\n"), min_size=1, max_size=12)
-    .map(str.strip)
-    .filter(bool)
+    .map(clean_content)
+    .filter(visible)
 )
 line_texts = st.sampled_from(POOL) | any_text
 statuses = st.sampled_from(list(TodoStatus))

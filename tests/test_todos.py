@@ -33,11 +33,11 @@ from coordinator.todos import (
 PENDING, IN_PROGRESS, COMPLETED = TodoStatus.PENDING, TodoStatus.IN_PROGRESS, TodoStatus.COMPLETED
 EXAMPLES = settings(max_examples=200, deadline=None)
 
-# Contents as the grammar can carry them: one line, trimmed, non-empty, UTF-8.
+# Contents as the grammar can carry them: one line, trimmed, showing something, UTF-8.
 contents = (
     st.text(st.characters(codec="utf-8", exclude_characters="\r\n"), min_size=1, max_size=20)
-    .map(str.strip)
-    .filter(bool)
+    .map(todos.clean_content)
+    .filter(todos.visible)
 )
 # A small alphabet so that generated lists often hold duplicates.
 short_contents = st.sampled_from(["a", "b", "c", "a  b", "fix tests"])
@@ -155,6 +155,26 @@ def test_markdown_ignores_lines_that_do_not_match() -> None:
 def test_markdown_accepts_crlf_and_trims_content() -> None:
     parsed = parse_markdown("[ ]   first  \r\n[x] second\r\n\r\n")
     assert [(x.content, x.status) for x in parsed] == [("first", PENDING), ("second", COMPLETED)]
+
+
+@pytest.mark.parametrize("unseen", ["\ufeff", "\u200b", "\u200b\ufeff ", " \u2060"])
+def test_markdown_reads_a_line_behind_a_byte_order_mark_or_a_zero_width_space(unseen: str) -> None:
+    """A file a Windows editor saved starts with a byte-order mark; a pasted line may hold a zero-width space. Not
+    whitespace to `str.strip`, either hid the line's box: the item was dropped, and nobody was told."""
+    parsed = parse_markdown(f"{unseen}[ ] first{unseen}\n{unseen}[x] second")
+    assert [(x.content, x.status) for x in parsed] == [("first", PENDING), ("second", COMPLETED)]
+    assert parse_update(f"{unseen}[ ] first") == parse_update("[ ] first"), "the same item, the same id"
+
+
+@pytest.mark.parametrize("content", ["\u202e", "\u202e\u200b", "\u200d\u2066"])
+def test_an_item_with_no_visible_text_is_refused_in_either_form(content: str) -> None:
+    """A bidi override or a zero-width character alone made an item no one could read (a whole list of one, put
+    in place of the plan); the JSON form's blank content was refused already, and now so is this."""
+    with pytest.raises(TodoError, match=r"line 2 is an item with no visible text .*the list was left unchanged"):
+        parse_markdown(f"[ ] kept\n[ ] {content}")
+    with pytest.raises(TodoError, match=r"Todo item 1 has no visible content") as refused:
+        parse_update([{"content": "kept"}, {"content": content}])
+    assert refused.value.field == "todos.1.content"
 
 
 def test_render_writes_canonical_marks_one_per_line() -> None:

@@ -255,12 +255,7 @@ def _serve(settings: Settings, options: UpOptions, say: Callable[[str], None], s
         _check_redis(settings)
     signals.check()
     if options.log_dir is not None:
-        log_dir = options.log_dir
-        try:
-            log_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:  # what `_check_log_dir` could not tell (a folder root cannot write in either: /proc)
-            why = exc.strerror or str(exc)
-            raise ValidationError(f"--log-dir {log_dir}: cannot make it ({why})", field="log_dir") from None
+        log_dir = _made(options.log_dir)
     else:
         log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="subq-up-")))
     # The credentials file lands in the log folder: no sandboxed command of the workers may read it.
@@ -381,6 +376,16 @@ def _check_log_dir(log_dir: Path | None) -> None:
         raise ValidationError(f"--log-dir {log_dir}: {made} is not a folder", field="log_dir")
     if not os.access(made, os.W_OK | os.X_OK):
         raise ValidationError(f"--log-dir {log_dir}: this user cannot write in {made}", field="log_dir")
+
+
+def _made(log_dir: Path) -> Path:
+    """`--log-dir`, made if it is not there: a ValidationError for what `_check_log_dir` could not tell before
+    anything started (a folder root cannot write in either: /proc)."""
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValidationError(f"--log-dir {log_dir}: cannot make it ({exc.strerror or exc})", field="log_dir") from None
+    return log_dir
 
 
 def _service_ports(options: UpOptions) -> dict[str, int]:
