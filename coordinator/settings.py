@@ -16,7 +16,7 @@ import ssl
 from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import pydantic
 from pydantic import (
@@ -763,6 +763,12 @@ class Settings(BaseSettings):
         if not url:
             return None
         parts = urlsplit(url)
+        if "@" in parts.netloc:  # a user and password: never echoed, and never sent (they replaced the bearer token)
+            shown = urlunsplit(parts._replace(netloc="<user>@" + parts.netloc.rpartition("@")[2]))
+            raise ValueError(f"{shown!r} carries a user and password: give the API's base URL alone, and its token in "
+                             "SUBQ_API_TOKEN")  # fmt: skip
+        if url != url.strip():
+            raise ValueError(f"{url!r} has spaces around it")
         try:
             parts.port  # noqa: B018 - parsing the port is what checks it
         except ValueError as exc:

@@ -993,10 +993,21 @@ def test_422_bad_query_parameters(
     assert_refused(idle, idle_http, "GET", url.format(id=parent.id), 422, "invalid_input", field, message)
 
 
-def test_422_bad_last_event_id(idle: Coordinator, idle_http: httpx.Client, parent: TaskRecord) -> None:
+@pytest.mark.parametrize(
+    ("event_id", "message"),
+    [
+        ("yesterday", "String should match pattern"),
+        # Past 64 bits it matched the pattern, and the stream began with an `error` event saying Redis had failed.
+        ("99999999999999999999999-0", "last-event-id must be an event id as <ms>-<n>, each part at most 1844"),
+        ("1-18446744073709551616", "last-event-id must be an event id as <ms>-<n>"),
+    ],
+)
+def test_422_bad_last_event_id(
+    idle: Coordinator, idle_http: httpx.Client, parent: TaskRecord, event_id: str, message: str
+) -> None:
     assert_refused(
         idle, idle_http, "GET", f"/v1/tasks/{parent.id}/events", 422, "invalid_input", "last-event-id",
-        "String should match pattern", headers={"Last-Event-ID": "yesterday"},
+        message, headers={"Last-Event-ID": event_id},
     )  # fmt: skip
 
 

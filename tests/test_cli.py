@@ -305,6 +305,12 @@ API_REFUSALS = [  # (arguments, environment, the line on stderr); {api} is the i
     (["run", "p"], {"SUBQ_API_URL": "ftp://h"}, "subq: Invalid setting SUBQ_API_URL: 'ftp://h' is not an http:// or https:// URL"),
     (["--api-url", "http://h:99999", "status", UNKNOWN], {}, "subq: Invalid setting SUBQ_API_URL: 'http://h:99999': Port out of range"),
     (["--api-url", "{api}?x=1", "status", UNKNOWN], {}, "subq: Invalid setting SUBQ_API_URL: '{api}?x=1': give the API's base URL"),
+    # A user and password replaced the bearer token, and the refusal quoted them back; a space got past the check.
+    (["--api-url", "http://ops:s3cr3t@127.0.0.1:1", "run", "p"], {"SUBQ_API_TOKEN": TOKEN}, "subq: Invalid setting SUBQ_API_URL: 'http://<user>@127.0.0.1:1' carries a user and password"),
+    (["--api-url", " {api}", "run", "p"], {"SUBQ_API_TOKEN": TOKEN}, "subq: Invalid setting SUBQ_API_URL: ' {api}' has spaces around it"),
+    # An id of no task's shape: on Redis and over the API alike (it became another path: POST /v1/cancel).
+    (["--api-url", "{api}", "cancel", "..", "--reason", "r"], {"SUBQ_API_TOKEN": TOKEN}, "subq: Unknown id: '..' is not a subq task or batch id"),
+    (["--api-url", "{api}", "status", UNKNOWN + "/todos"], {"SUBQ_API_TOKEN": TOKEN}, f"subq: Unknown id: '{UNKNOWN}/todos' is not a subq task or batch id"),
     (["--api-url", "{api}", "run", "p"], {}, "subq: Missing bearer token: send 'Authorization: Bearer <token>' (the server's SUBQ_API_TOKEN); set SUBQ_API_TOKEN to the token of the API at {api}"),
     (["--api-url", "{api}", "run", "p"], {"SUBQ_API_TOKEN": "wrong"}, "subq: Invalid bearer token; set SUBQ_API_TOKEN to the token of the API at {api}"),
     (["cancel", UNKNOWN, "--reason", "x"], {"SUBQ_API_URL": "{api}", "SUBQ_API_TOKEN": "wrong"}, "subq: Invalid bearer token; set SUBQ_API_TOKEN"),

@@ -282,7 +282,10 @@ def test_health_of_a_server_whose_redis_is_down_is_a_value() -> None:
     assert (health.status, health.redis.ok) == ("down", False)
 
 
-def test_requests_carry_the_token_and_encode_ids() -> None:
+def test_requests_carry_the_token_and_an_id_of_no_tasks_shape_is_sent_nowhere() -> None:
+    """An id of no task's shape is refused as on Redis, before any request: percent-encoded, ".." still became
+    another path (httpx resolves dot segments: `cancel ..` was POST /v1/cancel), and the server decodes "a%2Fb"
+    into a path before it routes ("<root>/todos" reached the todo list's route, and its answer read as broken)."""
     seen: list[httpx.Request] = []
 
     def answer(request: httpx.Request) -> httpx.Response:
@@ -290,10 +293,19 @@ def test_requests_carry_the_token_and_encode_ids() -> None:
         return httpx.Response(404, json={"code": "not_found", "message": "Unknown", "field": "task_id"})
 
     with SubqClient("http://subq.test/", token=TOKEN, transport=httpx.MockTransport(answer)) as subq:
+        for malformed in ("a/b?c", "..", "", "0123456789abcdef/todos"):
+            with pytest.raises(NotFoundError, match="is not a subq task or batch id"):
+                subq.get_todos(malformed)
+            with pytest.raises(NotFoundError, match="is not a subq task or batch id"):
+                subq.cancel(malformed, "r")
+        with pytest.raises(NotFoundError, match="is not a subq task or batch id") as approval:
+            subq.decide("../approvals", "approve")
+        assert approval.value.field == "approval_id"
+        assert seen == [], "no request was sent"
         with pytest.raises(NotFoundError):
-            subq.get_todos("a/b?c")
+            subq.get_todos("0123456789abcdef")
     assert seen[0].headers["authorization"] == f"Bearer {TOKEN}"
-    assert seen[0].url.raw_path == b"/v1/tasks/a%2Fb%3Fc/todos"
+    assert seen[0].url.raw_path == b"/v1/tasks/0123456789abcdef/todos"
 
 
 def test_the_root_filter_is_sent_as_root_id() -> None:

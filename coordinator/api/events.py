@@ -39,9 +39,10 @@ from coordinator.api.auth import Caller, Gate
 from coordinator.api.errors import UNAUTHORIZED, error_responses
 from coordinator.api.routes import TaskId
 from coordinator.api.schemas import ErrorBody
-from coordinator.errors import SubqError
+from coordinator.errors import SubqError, ValidationError
 from coordinator.models import StopHold, TaskStatus
 from coordinator.service import Coordinator
+from coordinator.text import MAX_STREAM_ID_PART, stream_id
 
 __all__ = ["KEEPALIVE_S", "KEY_REVOKED", "READ_SLICE_MS", "StreamThreads", "event_routes", "tree_events"]
 
@@ -176,7 +177,13 @@ def event_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
             Header(pattern=STREAM_ID_PATTERN, description="Resume after this event id (sent by EventSource)"),
         ] = None,
     ) -> EventSourceResponse:
-        # Checked before the response starts, so an unknown id is a plain 404, not a broken stream.
+        # Checked before the response starts, so an unknown id is a plain 404, not a broken stream; and an event id
+        # past what Redis reads a 422, not a stream whose first event says Redis failed (a client would retry it).
+        if last_event_id is not None and not stream_id(last_event_id):
+            raise ValidationError(
+                f"last-event-id must be an event id as <ms>-<n>, each part at most {MAX_STREAM_ID_PART}",
+                field="last-event-id",
+            )
         owner = await threads.run(gate.read_tree, request, key, task_id)
         await threads.run(coord.settled, task_id)
         still_allowed = partial(gate.still_reads, request, owner)

@@ -19,6 +19,7 @@ import httpx
 import pydantic
 from pydantic import TypeAdapter
 
+from coordinator import ids
 from coordinator.api.schemas import (
     ApprovalList,
     AuditPage,
@@ -126,8 +127,11 @@ _DELIVERY = TypeAdapter(Delivery)
 
 
 def task_path(task_id: str, suffix: str = "") -> str:
-    # Percent-encode the id: a malformed one ("a/b", "x?y") must reach the server as
-    # an unknown id (404), not as another path or a query.
+    """The path of a task's route. An id of no task's shape is refused here as on Redis (NotFoundError: "Unknown
+    id: ... is not a subq task or batch id"): percent-encoded, ".." and "" still became another path (httpx
+    resolves dot segments: `cancel ..` asked for POST /v1/cancel), and the server decodes "a%2Fb" into a path
+    before it routes ("<root>/todos" reached the todo list's route)."""
+    ids.root_of(task_id)
     return f"/v1/tasks/{quote(task_id, safe='')}{suffix}"
 
 
@@ -195,6 +199,7 @@ def list_approvals(root_id: str | None) -> Call[list[Approval]]:
 
 def decide(approval_id: str, decision: str, feedback: str | None) -> Call[Approval]:
     body = _body(DecisionInput, {"decision": decision, "feedback": feedback})
+    ids.root_of(approval_id, field="approval_id")  # as `task_path`
     return Call("POST", f"/v1/approvals/{quote(approval_id, safe='')}", _APPROVAL, json=body)
 
 

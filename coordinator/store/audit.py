@@ -12,7 +12,7 @@ from coordinator.audit import AUDIT_MAX_ENTRIES, Action, Actor, AuditEntry
 from coordinator.errors import CorruptError, ValidationError
 from coordinator.store.base import RESEND_MARK_S, Part, _str_map, translate_redis_errors
 from coordinator.store.protocol import AuditAdd
-from coordinator.text import ascii_digits
+from coordinator.text import stream_id
 
 __all__ = ["AuditLog"]
 
@@ -46,7 +46,7 @@ class AuditLog(Part):
     @translate_redis_errors
     def page(self, limit: int, before: str | None = None) -> tuple[list[AuditEntry], str | None]:
         """Up to `limit` entries newest first, older than the entry `before`; and the next page's cursor or None."""
-        if before is not None and not _is_stream_id(before):
+        if before is not None and not stream_id(before):
             raise ValidationError(f"before must be an entry id as <ms>-<n>, not {before!r}", field="before")
         if before is not None and _id_value(before) == (0, 0):
             return [], None  # nothing is older than the first id (and Redis refuses the range `(0-0`)
@@ -69,17 +69,6 @@ class AuditLog(Part):
     def refused_counts(self) -> dict[str, int]:
         """Refused requests (401/403) counted by reason, fleet-wide, since the log began."""
         return {reason: int(count) for reason, count in _str_map(self.client.hgetall(self.keys.refused())).items()}
-
-
-# A stream id's parts are unsigned 64-bit integers.
-_MAX_ID_PART = 2**64 - 1
-
-
-def _is_stream_id(value: str) -> bool:
-    ms, dash, seq = value.partition("-")
-    if not (dash and ascii_digits(ms) and ascii_digits(seq)):
-        return False
-    return int(ms) <= _MAX_ID_PART and int(seq) <= _MAX_ID_PART
 
 
 def _id_value(value: str) -> tuple[int, int]:
