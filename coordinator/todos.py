@@ -161,7 +161,12 @@ def parse_markdown(text: str) -> list[TodoItem]:
             parsed.append((content, _STATUS_OF_MARK[match.group(1) or " "]))
     if not parsed:
         ignored = ignored_lines(text)
-        hint = describe_ignored(ignored) + " (the list was left unchanged)" if ignored else _EMPTY_HINT
+        if ignored:
+            hint = describe_ignored(ignored) + " (the list was left unchanged)"
+        elif (broken := _broken_json(text)) is not None:
+            hint = f"it reads as the JSON form but is not a JSON list: {broken} (the list was left unchanged)"
+        else:
+            hint = _EMPTY_HINT
         raise TodoError(f"The todo update has no items: {hint}", field="todos")
     return with_ids(parsed, markdown=True)
 
@@ -346,6 +351,21 @@ def _json_item(index: int, entry: object) -> tuple[str, TodoStatus]:
         expected = "expected pending, in_progress or completed"
         raise bad(f"has an invalid status {status!r} ({expected})", "status")
     return content, TodoStatus(status)
+
+
+def _broken_json(text: str) -> str | None:
+    """What is wrong with an update that starts as JSON does (`[{`, `["`, `[[`, `[]`, `{`) but is no JSON list, or None
+    for one that does not look like JSON: its error read as "no items" alone, which named no cause."""
+    stripped = text.strip()
+    if not (stripped.startswith("{") or re.match(r"\[\s*+[{\"\[\]]", stripped)):
+        return None
+    try:
+        decoded = json.loads(stripped)
+    except RecursionError:
+        return "nested too deep"
+    except ValueError as exc:
+        return str(exc)
+    return None if isinstance(decoded, list) else f"it is {_json_kind(decoded)}"
 
 
 def _is_json_list(text: str) -> bool:

@@ -265,6 +265,13 @@ def test_unknown_codes_and_bad_answers_are_api_errors() -> None:
         _fake(502, content=b"<html>Bad Gateway</html>").get_task("0123456789abcdef")
     assert (not_json.value.code, not_json.value.status_code) == ("bad_response", 502)
     assert "Bad Gateway" in not_json.value.message
+    assert not_json.value.message.startswith(
+        "HTTP 502 from GET /v1/tasks/0123456789abcdef, which is not an answer of the subq API (is SUBQ_API_URL"
+    ), not_json.value.message
+    with pytest.raises(ApiError) as elsewhere:  # another server at the URL (Flower's port), its page shown as text
+        _fake(404, content=b"<!doctype html>\n<title>\x1b]0;x\x07Flower</title>").get_task("0123456789abcdef")
+    assert "\n" not in elsewhere.value.message and "\x1b" not in elsewhere.value.message
+    assert "<title>\\x1b]0;x\\x07Flower</title>" in elsewhere.value.message, elsewhere.value.message
     with pytest.raises(ApiError) as wrong_shape:
         _fake(200, {"id": "x"}).get_task("0123456789abcdef")
     assert wrong_shape.value.code == "bad_response"

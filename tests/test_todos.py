@@ -177,6 +177,22 @@ def test_an_item_with_no_visible_text_is_refused_in_either_form(content: str) ->
     assert refused.value.field == "todos.1.content"
 
 
+@pytest.mark.parametrize(
+    ("update", "cause"),
+    [
+        ('[{"content": "a"}', "Expecting ',' delimiter: line 1 column 18 (char 17)"),
+        ('{"content": "a"}', "it is an object"),
+        ('["a", ]', "Expecting value"),
+        ("[" * 5000 + "]" * 4999, "nested too deep"),
+    ],
+)
+def test_an_update_that_starts_as_json_but_does_not_parse_says_why(update: str, cause: str) -> None:
+    """It was read as markdown with no items, and refused for that alone: the cause, a JSON error, went unsaid."""
+    with pytest.raises(TodoError, match="it reads as the JSON form but is not a JSON list: ") as refused:
+        parse_update(update)
+    assert cause in refused.value.message and refused.value.message.endswith("(the list was left unchanged)")
+
+
 def test_render_writes_canonical_marks_one_per_line() -> None:
     items = [item("a"), item("b", IN_PROGRESS), item("c", COMPLETED)]
     assert render_markdown(items) == "[ ] a\n[-] b\n[x] c"

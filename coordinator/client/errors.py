@@ -8,6 +8,7 @@ import httpx
 
 from coordinator import errors as error_tree
 from coordinator.errors import SubqError
+from coordinator.inputs import one_line, visible_text
 from coordinator.text import ascii_digits
 
 __all__ = ["ApiError", "AuthError", "error_from", "error_of", "unreachable"]
@@ -49,7 +50,14 @@ def error_of(response: httpx.Response) -> SubqError:
         body = response.json()
     except ValueError:
         body = None
-    error = error_from(body, response.status_code, f"HTTP {response.status_code}: {response.text[:200]}")
+    # Not the API's error body (a proxy's page, another server at SUBQ_API_URL: Flower's port answers HTML), said as
+    # such, on one line, the server's text shown as text (it reaches a terminal).
+    snippet = one_line(visible_text(response.text), 160)
+    fallback = (
+        f"HTTP {response.status_code} from {response.request.method} {response.request.url.path}, which is not an"
+        f" answer of the subq API (is SUBQ_API_URL the API's address?): {snippet}"
+    )
+    error = error_from(body, response.status_code, fallback)
     if isinstance(error, error_tree.QuotaExceeded):  # the quota's reset, as the server's Retry-After says
         after = response.headers.get("Retry-After", "")
         error.retry_after_s = int(after) if ascii_digits(after) else 0
