@@ -10,7 +10,7 @@ import importlib
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -18,7 +18,9 @@ from coordinator.cli.common import Host, Port, loading, settings_of
 from coordinator.errors import ConfigError, ValidationError
 from coordinator.loading import freeze_loaded
 from coordinator.local import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST
-from coordinator.settings import Settings
+
+if TYPE_CHECKING:  # (`subq --help` loads no settings library: tests/test_light_imports.py)
+    from coordinator.settings import Settings
 
 __all__ = ["api", "demo", "flower", "tools", "up", "worker"]
 
