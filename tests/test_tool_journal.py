@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import Coordinator, Profile, Settings, TaskStatus
+from coordinator import Coordinator, Profile, Settings, TaskRecord, TaskStatus
 from coordinator.local.fleet import WorkerFleet
+from coordinator.models import Approval
 from tests.agents import agent, calls, reply
 from workers.runtime.profile_tools import INTERRUPTED
 
@@ -121,6 +122,32 @@ def test_a_resumed_run_replays_what_returned_and_reruns_only_the_idempotent(
         }  # fmt: skip
 
 
+def _approve_both(coord: Coordinator, root_id: str) -> list[Approval]:
+    """Wait for the tree's two calls to ask a person (on a loaded host, their run takes a while), and approve both."""
+    deadline = time.monotonic() + 60
+    while len(coord.list_approvals(root_id)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    approvals = coord.list_approvals(root_id)
+    for approval in approvals:
+        coord.decide(approval.id, "approve")
+    return approvals
+
+
+def _journal(coord: Coordinator, task: TaskRecord) -> str:
+    return coord.store.keys.tool_results(task.root_id, task.id)
+
+
+def _started(coord: Coordinator, task: TaskRecord, at_least: int) -> list[str]:
+    """The task's calls marked started, once `at_least` are (a wait of its own: on a loaded host the approvals
+    may have taken most of the first call), or as they are after 60 s."""
+    deadline = time.monotonic() + 60
+    while True:
+        started = sorted(f for f in coord.client.hkeys(_journal(coord, task)) if f.startswith("started:"))
+        if len(started) >= at_least or time.monotonic() >= deadline:
+            return started
+        time.sleep(0.02)
+
+
 def test_an_approved_call_cut_off_while_it_ran_is_not_run_again_unless_idempotent(
     settings: Settings, marks: Path, tmp_path: Path
 ) -> None:
@@ -137,24 +164,9 @@ def test_an_approved_call_cut_off_while_it_ran_is_not_run_again_unless_idempoten
             profile="guarded",
             run=True,
         )
-        deadline = time.monotonic() + 60
-        while len(coord.list_approvals(task.root_id)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        approvals = coord.list_approvals(task.root_id)
-        assert sorted(a.tool for a in approvals) == ["settle", "slow_mark"]
-        for approval in approvals:
-            coord.decide(approval.id, "approve")
-        journal = coord.store.keys.tool_results(task.root_id, task.id)
-        # A wait of its own: on a loaded host the approvals may have taken most of the first one. Each
-        # call's start is written with the run's next step, so wait for both, not for any two entries.
-        deadline = time.monotonic() + 60
-
-        def started() -> list[str]:
-            return sorted(f for f in coord.client.hkeys(journal) if f.startswith("started:"))
-
-        while len(started()) < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert len(started()) == 2, sorted(coord.client.hkeys(journal))
+        assert sorted(a.tool for a in _approve_both(coord, task.root_id)) == ["settle", "slow_mark"]
+        # Each call's start is written as it starts, so wait for both, not for any two entries.
+        assert len(_started(coord, task, 2)) == 2, sorted(coord.client.hkeys(_journal(coord, task)))
         assert _count(marks, "slow") == _count(marks, "idem") == 0, "both approved calls are still running"
         kill_and_resume()
         done = coord.wait(task.id, 90)
@@ -185,21 +197,11 @@ def test_an_approved_call_still_waiting_for_its_slot_when_its_worker_died_runs_o
             profile="guarded",
             run=True,
         )
-        deadline = time.monotonic() + 60
-        while len(coord.list_approvals(task.root_id)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        for approval in coord.list_approvals(task.root_id):
-            coord.decide(approval.id, "approve")
-        journal = coord.store.keys.tool_results(task.root_id, task.id)
-
-        def started() -> list[str]:
-            return sorted(f for f in coord.client.hkeys(journal) if f.startswith("started:"))
-
-        deadline = time.monotonic() + 60
-        while not started() and time.monotonic() < deadline:
-            time.sleep(0.02)
+        _approve_both(coord, task.root_id)
+        assert _started(coord, task, 1), "the first call started"
         time.sleep(0.5)  # a second mark, written before the wait, would be there by now
-        assert len(started()) == 1, ("only the call that holds the slot started", started())
+        started = _started(coord, task, 1)
+        assert len(started) == 1, ("only the call that holds the slot started", started)
         assert _count(marks, "first") == _count(marks, "queued") == 0
         kill_and_resume()
         done = coord.wait(task.id, 90)
