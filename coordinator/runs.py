@@ -437,11 +437,15 @@ class Run:
         if spends:
             self._heartbeat.owe(self.task, spends, refused=False)
 
-    def lost(self) -> SubtaskResult:
-        """The run lost its lease: another run owns the task; this one leaves everything else to it (its held
-        spend is recorded: `_owe_billed`)."""
+    def _owe_held(self) -> None:
+        """The spend the run holds for its next step, owed to its heartbeat (`_owe_billed`) and held no more."""
         self._owe_billed(self.writes.usage)
         self.writes.usage = []
+
+    def lost(self) -> SubtaskResult:
+        """The run lost its lease: another run owns the task; this one leaves everything else to it (its held
+        spend is recorded: `_owe_held`)."""
+        self._owe_held()
         log.warning("subq: the run of %s lost its lease and stopped without writing", self.task.id)
         self._heartbeat.forget(self)  # its run slot is the task's, which the new run holds now
         return writeback.result_of(self._plane.store.records.get_task(self.task.id), pending="running")
@@ -476,9 +480,7 @@ class Run:
         which records it once Redis is back: the retried delivery makes those requests again, or finds its task
         stopped and runs nothing, and either way knows nothing of this run's. A step whose reply was lost after it
         ran had recorded it: recorded again by its request key, it is written once."""
-        if self.writes.usage:
-            self._heartbeat.owe(self.task, self.writes.usage, refused=False)
-            self.writes.usage = []
+        self._owe_held()
         try:
             self._release()
         except StoreError as exc:  # the lease lapses with its TTL; the original error is what matters
