@@ -464,11 +464,13 @@ def _audit(http: httpx.Client, name: str = "ops", **params: Any) -> list[dict[st
     return entries
 
 
+@pytest.mark.parametrize("face", ["api", "web"])
 def test_an_operate_keys_redelivery_answers_where_the_delivery_stands_not_where_it_goes(
-    sec_coord: Coordinator,
+    sec_coord: Coordinator, face: str
 ) -> None:
     """`operate` changes any tree and reads none: a redelivery of another key's tree answered the delivery whole,
-    its target URL's path and the receiver's last answer among it. Now it answers its state and attempts."""
+    its target URL's path and the receiver's last answer among it. Now it answers its state and attempts, over
+    the API and from the web view's button alike (the web's answered it whole after the API's was mended)."""
     root = sec_coord.create_task(
         "Bob's tree", owner="bob", webhooks=[{"url": "https://bob-receiver.invalid/hooks/B0B-S3CRET"}]
     )
@@ -476,9 +478,14 @@ def test_an_operate_keys_redelivery_answers_where_the_delivery_stands_not_where_
     (delivery,) = sec_coord.deliveries(root.id)
     sec_coord.store.outbox.settle(root.id, delivery.id, "retrying", last="HTTP 503 Bob's receiver says no")
     with _server(sec_coord, api_keys=keys_setting()) as api, api.client() as http:
-        url = f"/v1/tasks/{root.id}/deliveries/{delivery.id}/redeliver"
-        assert http.post(url, headers=bearer("alice")).status_code == 403, "submit and read: not another's tree"
-        answer = http.post(url, headers=bearer("ops"))
+        if face == "api":
+            url = f"/v1/tasks/{root.id}/deliveries/{delivery.id}/redeliver"
+            assert http.post(url, headers=bearer("alice")).status_code == 403, "submit and read: not another's tree"
+            answer = http.post(url, headers=bearer("ops"))
+        else:
+            url = f"/ui/actions/tasks/{root.id}/deliveries/{delivery.id}/redeliver"
+            assert _sign_in(http, KEY_TOKENS["ops"]).status_code == 303
+            answer = http.post(url, json={})
         assert answer.status_code == 200, answer.text
         assert (answer.json()["id"], answer.json()["state"], answer.json()["target"], answer.json()["last"]) == (
             delivery.id,

@@ -304,9 +304,12 @@ def _action_routes(router: APIRouter, web: _Web) -> None:
         return gate.as_read_by(key, owner, coord.cancel(task_id, body.reason, actor=actor_of(request, key, "web")))
 
     @router.post("/actions/tasks/{task_id}/retry", dependencies=[Depends(_json_body)])
-    def retry(request: Request, task_id: TaskId, body: RetryInput, key: Principal = Depends(web.signed_in)) -> Retried:
+    def retry(
+        request: Request, task_id: TaskId, body: RetryInput | None = None, key: Principal = Depends(web.signed_in)
+    ) -> Retried:
         owner = gate.write_tree(request, key, task_id, others=Scope.OPERATE)
-        done = coord.retry(task_id, failed=body.failed, actor=actor_of(request, key, "web"))
+        failed = body.failed if body is not None else False
+        done = coord.retry(task_id, failed=failed, actor=actor_of(request, key, "web"))
         return gate.as_read_by(key, owner, done)
 
     @router.post("/actions/tasks/{task_id}/deliveries/{delivery_id}/redeliver", dependencies=[Depends(_json_body)])
@@ -314,7 +317,8 @@ def _action_routes(router: APIRouter, web: _Web) -> None:
         request: Request, task_id: TaskId, delivery_id: DeliveryId, key: Principal = Depends(web.signed_in)
     ) -> Delivery:
         gate.need(request, key, Scope.OPERATE)
-        return coord.redeliver(task_id, delivery_id, actor=actor_of(request, key, "web"))
+        owner = coord.owner_of(task_id)
+        return gate.as_read_by(key, owner, coord.redeliver(task_id, delivery_id, actor=actor_of(request, key, "web")))
 
     @router.post("/actions/approvals/{approval_id}", dependencies=[Depends(_json_body)])
     def decide(
