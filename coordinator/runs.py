@@ -362,7 +362,8 @@ class Run:
         spends = self.writes.usage
         self.writes.clear()
         self.step.ended(ending)
-        if ending.kind == "fenced":
+        if ending.kind == "fenced":  # its lease lapsed: the end wrote nothing, the spend it held is owed
+            self._owe_billed(spends)
             raise LeaseLost(task_id)
         late = bool(spends and ending.refused_spend)
         if late:

@@ -67,13 +67,14 @@ def _held(run: Run, cost_micros: int) -> Spend:
     return spend
 
 
-@pytest.mark.parametrize("found_by", ["its step", "its heartbeat"])
+@pytest.mark.parametrize("found_by", ["its step", "its heartbeat", "its end"])
 def test_a_response_held_by_a_run_whose_lease_lapsed_is_recorded_once(
     idle_coordinator: Coordinator, found_by: str
 ) -> None:
     """Redis away longer than the lease's lapse (or a stalled worker): the run's next step finds the lease gone, or
-    its heartbeat did first (the run is fenced). The response it held was billed; it was dropped with the step's
-    writes, and the task never showed it. Its heartbeat now records it, once, under the run's own request key."""
+    its heartbeat did first (the run is fenced), or its last step, its end, does. The response it held was billed;
+    it was dropped with the step's writes, and the task never showed it. Its heartbeat now records it, once, under
+    the run's own request key."""
     coord = idle_coordinator
     rt = build_runtime(coord.settings, make_app(coord.settings))
     task = coord.create_task(script(usage_step()), run=True)
@@ -84,7 +85,10 @@ def test_a_response_held_by_a_run_whose_lease_lapsed_is_recorded_once(
     if found_by == "its heartbeat":
         run.fenced = True
     with pytest.raises(LeaseLost):
-        run.flush() if found_by == "its step" else run.check_stop()
+        if found_by == "its end":
+            run.end(Ended("completed", summary="done"))
+        else:
+            run.flush() if found_by == "its step" else run.check_stop()
     run.lost()
     owed = rt.lifecycle.heartbeat.late_spends
     assert owed, "the heartbeat owes it"
