@@ -397,7 +397,9 @@ class Run:
             return self.end(self.stopped(None))
         if outcome.state == "waiting_approval":
             faults.crash_point(plane.settings, "after-park")  # its calls saved, its lease and slots still held
-        if not self._release():
+        # A park on approvals is no loss: its delivery count starts again, as a provider's wait and a delegation
+        # reset it in their own steps (the fourth resume of a task that asked thrice failed it as WorkerLost).
+        if not self._release(reset_deliveries=outcome.state == "waiting_approval"):
             return self.lost()  # a newer run of the task started since its step: the task is that run's
         if outcome.state == "delegated":
             delegation.publish_waiting(plane, plane.store.records.get_task(task_id))

@@ -302,6 +302,25 @@ def test_an_approval_after_its_deadline_is_refused_and_the_call_times_out(idle_c
         assert said == [], f"no command ran: {said}"
 
 
+def test_a_task_that_waits_on_approvals_more_times_than_its_delivery_limit_completes(
+    idle_coordinator: Coordinator,
+) -> None:
+    """A park on approvals freed the lease without resetting the task's delivery count, which counts runs lost
+    with their worker: the fourth resume of a task that never lost one failed it as `WorkerLost` ("lost with its
+    worker 3 times"). A park is not a loss, as a hand-back, a provider's wait and a delegation are not."""
+    coord = idle_coordinator
+    rt = build_runtime(coord.settings, make_app(coord.settings))
+    asks = coord.settings.max_deliveries + 2
+    calls = [call("run_command", command=f"echo step {n}") for n in range(asks)]
+    task = coord.create_task(agent(*calls, reply("all steps done")), run=True)
+    for _ in range(asks):
+        assert run_child(rt, task.id).status == "waiting_approval"
+        (approval,) = coord.list_approvals(task.id)
+        coord.decide(approval.id, "approve")
+    done = run_child(rt, task.id)
+    assert (done.status, done.summary) == ("completed", "all steps done"), done
+
+
 def test_approval_bad_input_changes_nothing(idle_coordinator: Coordinator) -> None:
     coord = idle_coordinator
     mine = coord.create_task("a tree of this test")
