@@ -300,6 +300,17 @@ class McpServer(BaseModel):
     writable: list[Path] = Field(default_factory=list)
     network: Network = False
 
+    @staticmethod
+    def secret_name(value: str) -> str | None:
+        """The variable of the worker's environment a value written `${VAR}` reads; None for a value as it is."""
+        named = re.match(MCP_SECRET_PATTERN, value)
+        return named[1] if named else None
+
+    def secret_names(self) -> list[str]:
+        """The worker's environment variables its `env` and `headers` read."""
+        values = (*self.env.values(), *self.headers.values())
+        return [name for value in values if (name := self.secret_name(value)) is not None]
+
     @model_validator(mode="before")
     @classmethod
     def _known_keys(cls, data: Any) -> Any:

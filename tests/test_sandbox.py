@@ -139,6 +139,70 @@ def test_a_cwd_named_through_an_absolute_symlink_runs_commands(release: tuple[Pa
     assert (real / "made.txt").read_text() == "made\n", "it writes in its cwd"
 
 
+def test_a_hidden_path_cannot_be_moved_from_under_what_hides_it(workdir: Path) -> None:
+    """The hiding is by path, looked up at each command: a command renamed the folder above a hidden file (`mv conf
+    moved`), and its next command read the file at its new path. The folders between the writable folder and the
+    hidden path are mount points now, which cannot be renamed; they stay writable."""
+    conf = workdir / "conf"
+    (conf / "secrets").mkdir(parents=True)
+    (conf / "profiles.toml").write_text("sk-S3CRET-profile")
+    (conf / "secrets" / "credentials.env").write_text("SUBQ_API_TOKEN=S3CRET-token")
+    sandbox = Sandbox.of(Settings(sandbox_hidden_paths=[conf / "profiles.toml", conf / "secrets"]))
+    moved = _run("mv conf moved", workdir, sandbox)
+    assert moved.exit_code != 0 and "busy" in moved.output.lower(), moved.text()
+    read = _run("sh -c 'cat moved/profiles.toml moved/secrets/credentials.env conf/profiles.toml conf/secrets/*'",
+                workdir, sandbox)  # fmt: skip
+    assert "S3CRET" not in read.output, read.text()
+    assert (conf / "profiles.toml").read_text() == "sk-S3CRET-profile", "the file is where it was"
+    assert _run("sh -c 'echo kept > conf/notes.txt'", workdir, sandbox).exit_code == 0, "the folder stays writable"
+    assert (conf / "notes.txt").read_text() == "kept\n"
+    written = _run("sh -c 'echo x > conf/secrets/planted'", workdir, sandbox)
+    assert written.exit_code != 0 and not (conf / "secrets" / "planted").exists(), "a hidden folder is read-only"
+    assert _run("mv conf moved", workdir, sandbox, sandbox=False).exit_code == 0, "unconfined, the move succeeds"
+
+
+def test_tmp_holds_at_most_the_commands_memory(workdir: Path) -> None:
+    """The private /tmp is a tmpfs, memory: it took half the host's RAM whatever `memory_mb` said."""
+    fill = "dd if=/dev/zero of=/tmp/fill bs=1M count=64"
+    bounded = _run(fill, workdir, memory_mb=16)
+    assert bounded.exit_code != 0 and "No space left" in bounded.output, bounded.text()
+    assert _run(fill, workdir, memory_mb=256).exit_code == 0
+
+
+def test_a_commands_environment_holds_no_secret_of_subqs(tmp_path: Path) -> None:
+    """SUBQ_* and the provider keys were left out by their exact names: a setting given in lower case (the settings
+    read names in any case), the trace exporter's headers and an MCP server's `${VAR}` token were passed on."""
+    profiles = tmp_path / "profiles.toml"
+    profiles.write_text(
+        '[profiles.p]\nmodel = "offline"\n[[profiles.p.mcp_servers]]\nname = "search"\nurl = "https://mcp.example.com/"\n'
+        'headers = { Authorization = "${SEARCH_TOKEN}" }\n'
+    )
+    sandbox = Sandbox.of(load_settings(profiles_file=profiles))
+    environ = {
+        "PATH": "/usr/bin:/bin", "HOME": "/home/worker", "LANG": "C.UTF-8", "SEARCH_TOKEN": "Bearer s3cret",
+        "subq_redis_url": "redis://:pw@redis:6379/0", "Openai_Api_Key": "sk-lower",
+        "OTEL_EXPORTER_OTLP_HEADERS": "x-honeycomb-team=KEY", "OTEL_SERVICE_NAME": "subq-worker",
+    }  # fmt: skip
+    assert commands.command_env(environ, sandbox.secrets) == {
+        "PATH": "/usr/bin:/bin", "HOME": "/home/worker", "LANG": "C.UTF-8", "OTEL_SERVICE_NAME": "subq-worker",
+    }  # fmt: skip
+    said = asyncio.run(commands.run("env", RunCommand(cwd=tmp_path), environ, sandbox))
+    assert "s3cret" not in said.output and "pw@" not in said.output and "KEY" not in said.output, said.text()
+
+
+def test_a_program_the_command_wrote_in_its_folder_never_runs_on_the_host(workdir: Path) -> None:
+    """With an empty entry in PATH (`::`, a leading `:`), the sandbox's network helper found `pasta` in the
+    command's own folder, where the sandbox started, and ran what the model wrote there outside the sandbox."""
+    marker = workdir.parent / "ran-on-the-host"
+    planted = workdir / "pasta"
+    planted.write_text(f'#!/bin/sh\ntouch {marker}\nexec /usr/bin/pasta "$@"\n')
+    planted.chmod(0o755)
+    environ = {"PATH": ":/usr/local/bin:/usr/bin:/bin"}
+    ran = asyncio.run(commands.run("true", RunCommand(cwd=workdir, network=True), environ))
+    assert ran.exit_code == 0, ran.text()
+    assert not marker.exists(), "the planted program ran on the host"
+
+
 def test_the_workers_environment_cannot_be_read(workdir: Path) -> None:
     # The worker's /proc/<pid>/environ holds its SUBQ_* settings; the sandbox has a /proc of its own.
     own = f"/proc/{os.getpid()}/environ"

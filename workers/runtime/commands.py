@@ -36,7 +36,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +61,8 @@ SIGNALLED_MIN = 128
 MAX_SIGNAL = 64
 # The providers' key variables: never passed to a command.
 PROVIDER_KEYS = frozenset({"OPENAI_API_KEY", "ANTHROPIC_API_KEY", *STANDARD_KEYS.values()})
+# Nor subq's settings, nor the trace exporter's (its headers carry the backend's key, its endpoint is internal).
+WITHHELD_PREFIXES = ("SUBQ_", "OTEL_EXPORTER_OTLP_")
 
 
 def parse(command: str) -> list[str]:
@@ -78,10 +80,16 @@ def parse(command: str) -> list[str]:
     return argv
 
 
-def command_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment a command runs with: this process's, less SUBQ_* and the provider keys."""
+def command_env(environ: Mapping[str, str] | None = None, secrets: Iterable[str] = ()) -> dict[str, str]:
+    """The environment a command runs with: this process's, less what holds a secret of subq's: SUBQ_*, the
+    provider keys, the trace exporter's (`OTEL_EXPORTER_OTLP_HEADERS` carries a backend's key) and `secrets` (the
+    variables a profile's MCP server reads). Names compared in any case, as the settings read them."""
     source = os.environ if environ is None else environ
-    return {k: v for k, v in source.items() if not k.startswith("SUBQ_") and k not in PROVIDER_KEYS}
+    withheld = PROVIDER_KEYS | {name.upper() for name in secrets}
+    return {
+        k: v for k, v in source.items()
+        if not k.upper().startswith(WITHHELD_PREFIXES) and k.upper() not in withheld
+    }  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -199,7 +207,7 @@ async def run(
     cwd = Path(config.cwd)
     if not cwd.is_dir():
         return CommandResult(command, error=f"the working directory {cwd} does not exist")
-    env = command_env(environ)
+    env = command_env(environ, sandbox.secrets if sandbox is not None else ())
     confined = config.sandbox
     # Inside the sandbox a program that cannot start is the sandbox's own error: say it as unconfined.
     if confined and (why := _cannot_start(argv[0], cwd, env)):
@@ -230,7 +238,9 @@ async def _run(
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv,
-            cwd=cwd,
+            # Confined, the sandbox starts from / (bwrap's --chdir sets the command's own): what it starts on the host
+            # (egress.py, pasta) then finds nothing the command could have written in its folder.
+            cwd=Path("/") if confined else cwd,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,

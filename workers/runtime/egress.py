@@ -68,6 +68,7 @@ __all__ = [
     "SETUP_FAILED",
     "allowed",
     "blocked",
+    "host_program",
     "launcher",
     "missing_programs",
 ]
@@ -120,9 +121,17 @@ CONNECT_TIMEOUT_S = 10.0
 PIPE_CHUNK = 64 * 1024
 
 
+def host_program(name: str) -> str | None:
+    """The program `name` as the host runs it, looked up in the absolute folders of PATH only: an empty or
+    relative entry (`::`, `.`, `node_modules/.bin`) names a folder from the current one, which may be a command's
+    own, where the model could have written a `pasta` or a `bwrap` that would then run outside the sandbox."""
+    folders = [folder for folder in os.environ.get("PATH", os.defpath).split(os.pathsep) if os.path.isabs(folder)]
+    return shutil.which(name, path=os.pathsep.join(folders)) if folders else None
+
+
 def missing_programs() -> list[str]:
     """The programs a sandbox with the network needs that are not installed here."""
-    return [program for program in (PASTA, IP) if shutil.which(program) is None]
+    return [program for program in (PASTA, IP) if host_program(program) is None]
 
 
 def launcher(
@@ -443,14 +452,14 @@ def _prohibit(space: Sandboxed) -> None:
     nets |= {f"{ip}/32" for ip in own_addresses() if ip.version == 4}
     batch = "".join(f"route add prohibit {net}\n" for net in sorted(nets))
     done = subprocess.run(
-        [shutil.which(IP) or IP, "-batch", "-"], input=batch.encode(), capture_output=True, preexec_fn=space.enter
+        [host_program(IP) or IP, "-batch", "-"], input=batch.encode(), capture_output=True, preexec_fn=space.enter
     )
     if done.returncode != 0:
         raise SetupFailed(f"routes: {' '.join(done.stderr.decode(errors='replace').split())[:300]}")
 
 
 def _pasta(space: Sandboxed, public: bool, port: int | None, log: Path) -> subprocess.Popen[bytes]:
-    argv = [shutil.which(PASTA) or PASTA, "--foreground", "--quiet", "--log-file", str(log), "--ipv4-only"]
+    argv = [host_program(PASTA) or PASTA, "--foreground", "--quiet", "--log-file", str(log), "--ipv4-only"]
     # pasta started as root would become nobody, who may not enter a namespace of root's.
     argv += [f"--runas={os.getuid()}:{os.getgid()}", "--no-map-gw", "-t", "none", "-u", "none", "-U", "none"]
     argv += ["-T", str(port) if port is not None else "none"]

@@ -33,7 +33,6 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -75,8 +74,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# `${VAR}`: a value read from the worker's environment when it starts.
-SECRET = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 # How often the supervisor looks whether a running server's session is gone.
 WATCH_S = 1.0
 # Restarts after a failed start or a stop: 0.5 s, doubling, at most 30 s; a server that
@@ -110,13 +107,13 @@ def resolve_secrets(
     environ = os.environ if environ is None else environ
     resolved = {}
     for key, value in values.items():
-        named = SECRET.match(value)
+        named = McpServer.secret_name(value)
         if named is None:
             resolved[key] = value
-        elif named[1] in environ:
-            resolved[key] = environ[named[1]]
+        elif named in environ:
+            resolved[key] = environ[named]
         else:
-            why = f"{what} {key}: ${{{named[1]}}} is not set in the worker's environment"
+            why = f"{what} {key}: ${{{named}}} is not set in the worker's environment"
             raise _fail(profile, server, why)
     return resolved
 

@@ -6,8 +6,10 @@ hundreds of programs run other programs or write files through their own options
 and no rule over argv can know them all. The sandbox bounds whatever gets past the rules:
 
 - **Files**: the whole filesystem is mounted read-only; only the command's `cwd` (and the
-  folders an MCP entry names) is writable, with a private, empty `/tmp`. subq's own
-  files are hidden (an empty file or folder in their place): the profiles file, the API
+  folders an MCP entry names) is writable, with a private, empty `/tmp` (memory: at most the
+  command's `memory_mb`). subq's own files are hidden (an empty file or read-only folder in
+  their place; a folder between `cwd` and a path hidden in it is a mount point, which cannot
+  be renamed to move the path out from under its cover): the profiles file, the API
   keys file, the Redis TLS key, and `SUBQ_SANDBOX_HIDDEN_PATHS` (`subq up` adds the folder of
   its credentials file). So are the Unix sockets that would let a command past its network
   namespace: a `unix://` Redis's, and the container engines' (`HOST_SOCKETS`): a read-only
@@ -36,7 +38,6 @@ with one line saying what the pod needs (docs/deploy.md), unless the profile say
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,7 @@ __all__ = ["BWRAP", "HOST_SOCKETS", "NEEDS", "PRLIMIT", "Sandbox", "SandboxUnava
 
 BWRAP = "bwrap"
 PRLIMIT = "prlimit"
+MIB = 1024 * 1024
 # The container engines' control sockets, hidden where they exist: a command connected to one could start a
 # privileged container, whatever its `network` (the socket is a file in the read-only view, not the network).
 HOST_SOCKETS = (
@@ -80,13 +82,20 @@ class Sandbox:
     hidden: tuple[Path, ...] = ()
     # Names the filtering proxy resolves to a fixed address (SUBQ_SANDBOX_RESOLVE).
     resolve: tuple[tuple[str, str], ...] = ()
+    # The worker's environment variables a profile's MCP server reads as `${VAR}` (its token, say): secrets a
+    # command is never given (commands.command_env), whatever their names.
+    secrets: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, settings: Settings) -> Sandbox:
         known = (settings.profiles_file, settings.api_keys_file, settings.redis_tls_key_file, _redis_socket(settings))
         hidden = (*known, *settings.sandbox_hidden_paths, *HOST_SOCKETS)
         paths = [Path(path).absolute() for path in hidden if path is not None]
-        return cls(tuple(dict.fromkeys(paths)), tuple(settings.sandbox_resolve.items()))
+        secrets = frozenset(
+            name for profile in settings.profiles.values() for server in profile.mcp_servers
+            for name in server.secret_names()
+        )  # fmt: skip
+        return cls(tuple(dict.fromkeys(paths)), tuple(settings.sandbox_resolve.items()), secrets)
 
     def wrap(
         self,
@@ -108,7 +117,7 @@ class Sandbox:
         cwd = cwd.resolve()
         own = [path.resolve() for path in ([cwd] if writable is None else writable)]
         hidden = [path.resolve() for path in self.hidden]
-        bwrap = shutil.which(BWRAP) or BWRAP
+        bwrap = egress.host_program(BWRAP) or BWRAP
         if network is True:
             wrapped = egress.launcher("public", refusals=refusals)
         elif network:
@@ -119,7 +128,10 @@ class Sandbox:
         # --cap-drop ALL: bwrap started by root keeps every capability for the command otherwise, and a
         # command root in its namespaces could unmount what hides subq's files and delete its routes.
         wrapped += [bwrap, "--die-with-parent", "--unshare-all", "--cap-drop", "ALL"]
-        wrapped += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+        wrapped += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+        if limits is not None:  # a tmpfs is memory: /tmp holds at most the command's `memory_mb`, as its data does
+            wrapped += ["--size", str(limits.memory_mb * MIB)]
+        wrapped += ["--tmpfs", "/tmp"]
         # The worker's own Python stays readable where the private /tmp would hide it (a checkout in
         # /tmp: an MCP server started from its virtual environment exited before it answered).
         for prefix in dict.fromkeys(Path(p).absolute() for p in (sys.prefix, sys.base_prefix)):
@@ -130,13 +142,15 @@ class Sandbox:
         wrapped += self._hide(hidden)
         for path in own:
             wrapped += ["--bind", str(path), str(path)]
-        wrapped += self._hide(path for path in hidden if any(path.is_relative_to(folder) for folder in own))
+        inner = [path for path in hidden if any(path.is_relative_to(folder) for folder in own)]
+        wrapped += _pinned(inner, own)
+        wrapped += self._hide(inner)
         wrapped += ["--setenv", "TMPDIR", "/tmp", "--chdir", str(cwd), "--"]
         if limits is not None:
             wrapped += [
-                shutil.which(PRLIMIT) or PRLIMIT,
+                egress.host_program(PRLIMIT) or PRLIMIT,
                 f"--nproc={limits.max_processes}",
-                f"--data={limits.memory_mb * 1024 * 1024}",
+                f"--data={limits.memory_mb * MIB}",
                 f"--cpu={limits.cpu_time_s}",
                 "--",
             ]
@@ -146,11 +160,28 @@ class Sandbox:
     def _hide(paths: Iterable[Path]) -> list[str]:
         args: list[str] = []
         for path in paths:
-            if path.is_dir():
-                args += ["--tmpfs", str(path)]
+            if path.is_dir():  # an empty folder, which the command cannot write in either
+                args += ["--tmpfs", str(path), "--remount-ro", str(path)]
             elif path.exists():
                 args += ["--ro-bind", "/dev/null", str(path)]
         return args
+
+
+def _pinned(hidden: Iterable[Path], writable: Sequence[Path]) -> list[str]:
+    """Each folder between a writable folder and a path hidden inside it, bound onto itself: a mount point
+    cannot be renamed, so a command cannot move the hidden path away from what hides it (`mv conf moved`, then
+    `cat moved/profiles.toml` in its next command: the hiding is by path, and found nothing there). The folders
+    stay writable; the writable folder and the hidden path are mount points already."""
+    folders: set[Path] = set()
+    for path in hidden:
+        for top in writable:
+            if path.is_relative_to(top):
+                folders.update(parent for parent in path.parents if parent.is_relative_to(top) and parent != top)
+    args: list[str] = []
+    for folder in sorted(folders, key=lambda f: len(f.parts)):  # outer first: an inner bind goes on top of it
+        if folder.is_dir():
+            args += ["--bind", str(folder), str(folder)]
+    return args
 
 
 def _redis_socket(settings: Settings) -> str | None:
@@ -180,7 +211,7 @@ def probe(network: bool | Sequence[str] = False) -> None:
 def _try(network: bool | Sequence[str]) -> str | None:
     programs = (BWRAP, PRLIMIT, *((egress.PASTA, egress.IP) if network else ()))
     for program in programs:
-        if shutil.which(program) is None:
+        if egress.host_program(program) is None:
             return f"{program} is not installed"
     if network and not Path("/dev/net/tun").exists():
         return "/dev/net/tun is missing (pasta connects the sandbox's network through it)"
