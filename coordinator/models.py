@@ -521,7 +521,7 @@ class RetryRefused:
     """The script found a part of the plan no longer true: nothing was written."""
 
     target: str  # the task or batch id
-    why: str  # missing|status|caller|budget|leased|conversation|batch|chain
+    why: str  # missing|status|caller|budget|leased|conversation|batch|parent|chain
     detail: str
 
 

@@ -120,6 +120,8 @@ def _plan_one(plane: Plane, task: TaskRecord) -> _Plan:
             raise StateError(_chain_refusal(plane, task, batch), field="task_id")
         if batch.status == "done":
             raise StateError(_moved_on(plane, task, batch), field="task_id")
+        if stopped := _stopped_parent(plane, task, batch):
+            raise StateError(stopped, field="task_id")
         plan.batches[batch.id] = RetryBatch(batch.id, "open", batch.parent_id)
     plan.tasks.append(RetryTask(task.id, "run", slot=task.batch_id))
     return plan
@@ -169,7 +171,7 @@ class _TreePlan:
         if batch.mode == "sequential":
             return _chain_refusal(self.plane, task, batch)
         if batch.status != "done":
-            return ""
+            return _stopped_parent(self.plane, task, batch)
         parent = self.by_id.get(batch.parent_id) if task.id != self.top.id else None
         point = _reopen_point(self.plane, parent, batch, self.fit, self.reopen)
         if point is None:  # the named task's parent is outside its subtree: the hint names the root
@@ -266,6 +268,16 @@ def _moved_on(plane: Plane, task: TaskRecord, batch: Batch, *, in_tree: bool = F
     )
 
 
+def _stopped_parent(plane: Plane, task: TaskRecord, batch: Batch) -> str:
+    """Why a child of a batch still open cannot run again ('' if it can): a stop ended its parent, and the
+    batch has yet to be closed (a cancel between stopping the tree's tasks and writing the batch back, or one
+    that died there). Retried, it ran and spent under a stopped tree whose figures were final."""
+    parent = plane.store.records.get_task(batch.parent_id)
+    if parent.status == TaskStatus.DELEGATED:
+        return ""
+    return f"task {task.id} cannot be retried: its parent {parent.id} is {parent.status.value}"
+
+
 def _chain_refusal(plane: Plane, task: TaskRecord, batch: Batch) -> str:
     step = batch.child_ids.index(task.id) + 1 if task.id in batch.child_ids else 0
     return (
@@ -286,4 +298,6 @@ def _refused(plane: Plane, refused: RetryRefused) -> StateError | ConflictError:
         return StateError(_budget_refusal(plane.store.records.get_task(target)), field="task_id")
     if refused.why == "caller":
         return StateError(_own_refusal(plane.store.records.get_task(target)), field="task_id")
+    if refused.why == "parent":
+        return StateError(f"task {target} is {refused.detail}: its children cannot be retried", field="task_id")
     return ConflictError(f"the tree of {target} changed while subq retried it; try again", field="task_id")

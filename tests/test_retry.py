@@ -236,6 +236,53 @@ def test_a_failed_child_of_an_open_batch_is_awaited_again_and_written_back_once(
     coord.close()
 
 
+def test_a_failed_child_is_not_retried_under_a_parent_a_cancel_stopped_before_its_batch_closed(
+    settings: Settings, server: ModelServer
+) -> None:
+    """A cancel stops the tree's tasks, then closes the batch: between the two (milliseconds, or until the
+    reconciler's grace when the cancelling process died there), a retry of a failed child was accepted. The child
+    ran and spent under a cancelled root whose figures its waiters had been told were final. Now the planner
+    refuses it, and the script does too when the stop lands after the plan was made; nothing is written."""
+    from coordinator import retry as retrying
+    from coordinator.models import RetryRefused
+    from tests.helpers import state
+
+    local = in_process(settings, server, "stopped")
+    coord = Coordinator(local)
+    runtime = build_runtime(local, make_app(local))
+    root = coord.create_task("Two parts.", todos="[ ] flaky part\n[ ] steady part")
+    batch = coord.delegate(root.id, [
+        {"description": "flaky part", "message": "Look at the flaky part.", "profile": "main"},
+        {"description": "steady part", "message": "Look at the steady part.", "profile": "main"},
+    ])  # fmt: skip
+    flaky, sibling = batch.child_ids
+    server.fail(400)
+    assert run_child(runtime, flaky).status == "failed"
+    server.heal()
+    made_before = retrying._plan_one(coord.plane, coord.get_task(flaky))
+    # A cancel's first step (control.stop_subtree), its process dead before the batch's write-back.
+    coord.store.batches.stop_tasks(
+        [root.id, sibling], top_status="cancelled", status="cancelled", top_error="cancelled: stop",
+        error="cancelled: stop", top_class="Cancelled", error_class="Cancelled", watch_s=local.reconcile_grace_s,
+    )  # fmt: skip
+    assert coord.get_batch(batch.id).status == "running"
+    before = state(coord, root.id)
+
+    with pytest.raises(StateError, match=f"task {flaky} cannot be retried: its parent {root.id} is cancelled"):
+        coord.retry(flaky)
+    with pytest.raises(StateError, match=f"no failed task of the tree of {root.id} can be retried: task {flaky}"):
+        coord.retry(root.id, failed=True)
+    refused = coord.store.retries.retry(
+        root.id, made_before.tasks, list(made_before.batches.values()), local.reconcile_grace_s
+    )
+    assert refused == RetryRefused(root.id, "parent", "cancelled"), refused
+    with pytest.raises(StateError, match=f"task {root.id} is cancelled: its children cannot be retried"):
+        raise retrying._refused(coord.plane, refused)
+    assert state(coord, root.id) == before, "a refused retry changed Redis or published a message"
+    assert coord.get_task(flaky).status == TaskStatus.FAILED and len(server.seen) == 1
+    coord.close()
+
+
 # -- a process that dies between the retry's commit and its publish --------------------------------
 
 
@@ -545,6 +592,10 @@ def test_a_tree_retry_reopens_each_level_a_failure_climbed(
 
         assert (done.retried, done.reopened) == ([bottom], [middle, root.id])
         assert [coord.get_task(t).status for t in (bottom, middle, root.id)] == ["active", "delegated", "delegated"]
+        # Each re-opened batch's awaiting set, gone when it closed, is made again with its tree's retention: with
+        # none, a tree that stalled kept it for good (the keeper of trees' keys passes a key with no expiry by).
+        for parent in (middle, root.id):
+            assert coord.client.ttl(coord.store.keys.awaiting(root.id, parent)) > 0, parent
         for task_id in (bottom, middle, root.id):
             assert run_child(runtime, task_id).status == "completed", coord.get_task(task_id).error
         record = coord.get_task(root.id)

@@ -1334,7 +1334,8 @@ class Retry(
     acknowledged=True,
     returns="{'retried', {retry count of each task, in order}} (also to this very retry sent again after it "
     "ran) or {'refused', id, why, detail}: why is 'missing', 'status' (detail: the status), 'caller', 'budget' "
-    "(detail: the error), 'leased', 'batch' (detail: the batch's status), 'chain' or 'conversation' (it changed).",
+    "(detail: the error), 'leased', 'batch' (detail: the batch's status), 'parent' (id: an open batch's parent, "
+    "detail: its status, not 'delegated'), 'chain' or 'conversation' (it changed).",
 ):
     due: str = key("the due list")
     live: str = key("tree live hash")

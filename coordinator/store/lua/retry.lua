@@ -26,8 +26,8 @@
 --   opened for its parent, a task to 'wait' here), the parent id
 -- Returns {'retried', {retry count of each task, in order}} (also to this very retry sent again after it
 --   ran) or {'refused', id, why, detail}: why is 'missing', 'status' (detail: the status), 'caller',
---   'budget' (detail: the error), 'leased', 'batch' (detail: the batch's status), 'chain' or
---   'conversation' (it changed).
+--   'budget' (detail: the error), 'leased', 'batch' (detail: the batch's status), 'parent' (id: an open
+--   batch's parent, detail: its status, not 'delegated'), 'chain' or 'conversation' (it changed).
 local now, due_at, pace, retention, maxlen = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local n_tasks, n_batches = tonumber(ARGV[6]), tonumber(ARGV[7])
 local first_batch_key = 4 + 4 * n_tasks
@@ -95,6 +95,14 @@ for _, b in ipairs(batches) do
   if (b.state == 'open') == (f[1] == 'done') then
     return {'refused', b.id, 'batch', f[1] or 'missing'}
   end
+  -- A batch still open under a parent a stop ended (a cancel between stopping its tasks and closing the batch,
+  -- or one that died there): its children never run again, to spend under a tree whose figures are final.
+  if b.state == 'open' then
+    local parent_status = hash_get(b.parent, 'status')[1]
+    if parent_status ~= 'delegated' then
+      return {'refused', b.parent_id, 'parent', parent_status or 'missing'}
+    end
+  end
 end
 
 -- The failed stretch reads as a wait for the retry, and the task goes on after it (an outcome
@@ -146,6 +154,7 @@ for i, t in ipairs(tasks) do
       end
     end
     redis.call('SADD', b.awaiting, t.id)
+    redis.call('EXPIRE', b.awaiting, retention)  -- made again when its batch had closed (the set emptied)
   end
   local said
   if t.role == 'wait' then
