@@ -132,6 +132,19 @@ def test_the_cli_lists_newest_first_one_line_each(dlq: Coordinator, transport: T
     assert [DeadLetter.model_validate(e) for e in json.loads(full.stdout)] == entries[::-1]
 
 
+def test_a_messages_own_headers_never_make_a_line_of_their_own() -> None:
+    """A dead letter's task name and id are the broken message's headers: anyone who can queue a message wrote
+    them, and a line break there printed a forged entry under the real one in `subq dead-letters`."""
+    from coordinator.cli.views import dead_letter_lines
+
+    forged = "subq.run_task, id x)\n2026-01-01 00:00:00Z  all clear  (queue subq"
+    entry = dead_letter("subq", "no body", "{}", task=forged, task_id="i\r\n\x1b]52;c;AAAA\x07")
+    (line,) = dead_letter_lines([entry])
+    assert "\n" not in line and "\r" not in line
+    assert line.endswith("(queue subq, task subq.run_task, id x) 2026-01-01 00:00:00Z all clear (queue subq, "
+                         "id i \x1b]52;c;AAAA\x07)")  # fmt: skip
+
+
 def test_the_cli_purges(dlq: Coordinator, transport: Transport) -> None:
     _bury(dlq, 2)
     done = cli("dead-letters", "--purge", env=_env(dlq, transport))

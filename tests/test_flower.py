@@ -166,6 +166,15 @@ def test_flower_refuses_requests_without_the_credentials(flower_url: str) -> Non
     assert flower_get(flower_url, "/api/tasks").status_code == 200
 
 
+def test_flowers_pages_refuse_to_be_framed(flower_url: str) -> None:
+    """Its buttons revoke, terminate and abort (a subtree's stop): a page that framed them over a browser keeping
+    the login could have an operator click one. Flower sends neither header; subq's install() adds both."""
+    for path, auth in (("/", (USER, PASSWORD)), ("/api/tasks", (USER, PASSWORD)), ("/", None)):
+        answer = flower_get(flower_url, path, auth=auth)
+        assert answer.headers.get("X-Frame-Options") == "DENY", (path, dict(answer.headers))
+        assert answer.headers.get("Content-Security-Policy") == "frame-ancestors 'none'", path
+
+
 def test_metrics_and_healthcheck_need_the_credentials_too(flower_url: str) -> None:
     """Flower serves both without its login; subq's install() puts them behind it (workers/flower_setup.py)."""
     for path in ("/metrics", "/healthcheck"):

@@ -38,6 +38,7 @@ import threading
 from typing import Any
 
 import flower.events
+import flower.views
 import flower.views.monitor
 import tornado.web
 from celery import Celery, states
@@ -152,6 +153,7 @@ def install(app: Celery) -> None:
     app.set_current()
     _redact_flower_events()
     _require_login(LOGIN_REQUIRED_HANDLERS)
+    _refuse_frames()
 
 
 class RedactedEventsState(flower.events.EventsState):  # type: ignore[misc]  # Flower ships no type hints
@@ -170,6 +172,24 @@ def _redact_flower_events() -> None:
     Flower offers no hook of its own for its events, so the name is rebound.
     """
     flower.events.EventsState = RedactedEventsState
+
+
+def _refuse_frames() -> None:
+    """Flower's pages in no other site's frame: its Revoke, Terminate and Abort buttons (Abort stops a subtree)
+    would be a click away for a page that framed them over a browser that keeps the login (clickjacking).
+    Flower sets neither header; subq's own web view sets both."""
+    base = flower.views.BaseHandler
+    if getattr(base.set_default_headers, _WRAPPED, False):
+        return
+    flowers = base.set_default_headers
+
+    def set_default_headers(handler: Any) -> None:
+        flowers(handler)
+        handler.set_header("X-Frame-Options", "DENY")
+        handler.set_header("Content-Security-Policy", "frame-ancestors 'none'")
+
+    setattr(set_default_headers, _WRAPPED, True)
+    base.set_default_headers = set_default_headers
 
 
 def _require_login(handlers: tuple[type[Any], ...]) -> None:

@@ -238,7 +238,9 @@ def dead_letter_lines(entries: Sequence[DeadLetter]) -> list[str]:
     for entry in entries:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(entry.ts))
         reason = cut(" ".join(entry.reason.split()), DEAD_LETTER_REASON_CHARS)
-        lines.append(f"{when}Z  {reason}  (queue {entry.queue}, task {entry.task or '-'}, id {entry.id or '-'})")
+        # Its task name and id are the broken message's own headers, anyone's words: one line each, as its reason.
+        task, task_id = (" ".join((value or "-").split()) or "-" for value in (entry.task, entry.id))
+        lines.append(f"{when}Z  {reason}  (queue {' '.join(entry.queue.split())}, task {task}, id {task_id})")
     return lines
 
 
