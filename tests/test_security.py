@@ -32,7 +32,7 @@ from coordinator.api.security import STRICT_CSP, csp_with_inline_scripts
 from coordinator.audit import Actor
 from coordinator.cli.live import tree_view
 from coordinator.errors import ConfigError, ForbiddenError, NotFoundError, ValidationError
-from coordinator.models import Approval, Usage
+from coordinator.models import Approval, TaskRecord, Usage
 from coordinator.settings import load_settings
 from coordinator.web.auth import COOKIE
 from coordinator.web.views import MAX_CALL_CHARS, call_text
@@ -462,6 +462,28 @@ def _audit(http: httpx.Client, name: str = "ops", **params: Any) -> list[dict[st
     assert response.status_code == 200, response.text
     entries: list[dict[str, Any]] = response.json()["entries"]
     return entries
+
+
+def test_a_history_filtered_by_another_keys_root_reads_none_of_its_records(
+    sec_coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The page is empty either way, but it was made by reading each record of the tree, then dropping it on its
+    owner: the time taken told a `read` key how big another key's tree was, and let it make the server read it."""
+    root = sec_coord.create_task("Alice's tree", owner="alice").id
+    sec_coord.delegate(root, [{"description": f"part {n}", "message": "m"} for n in range(5)])
+    read: list[str] = []
+    get_task = sec_coord.store.records.get_task
+
+    def counted(task_id: str) -> TaskRecord:
+        read.append(task_id)
+        return get_task(task_id)
+
+    monkeypatch.setattr(sec_coord.store.records, "get_task", counted)
+    assert sec_coord.list_tasks(root_id=root, owner="bob") == ([], None)
+    assert sec_coord.list_tasks(root_id=ids.new_root_id(), owner="bob") == ([], None)
+    assert read == []
+    items, _ = sec_coord.list_tasks(root_id=root, owner="alice")
+    assert len(items) == 6 and len(read) == 6, "its own key's history reads them"
 
 
 @pytest.mark.parametrize("face", ["api", "web"])
