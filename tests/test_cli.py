@@ -102,9 +102,25 @@ def _environment(env: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def _refuse_exec(path: str, argv: list[str], env: object) -> NoReturn:
+# What each command that would have replaced the test process would have run: its argv and environment.
+EXECS: list[tuple[list[str], dict[str, str]]] = []
+
+
+def _refuse_exec(path: str, argv: list[str], env: dict[str, str]) -> NoReturn:
     """`subq worker` and `subq flower` end in os.execve: here it would replace the test process."""
+    EXECS.append((list(argv), dict(env)))
     raise AssertionError(f"the command would exec {argv!r}")
+
+
+def test_a_workers_concurrency_option_is_the_setting_its_processes_read() -> None:
+    """`subq worker --concurrency 64` gave Celery 64 threads, and the worker's settings still said 32: fair shares
+    counted the fleet's capacity from the setting, parking runs while threads sat idle."""
+    EXECS.clear()
+    env = {"SUBQ_REDIS_URL": "redis://127.0.0.1:1/0", "SUBQ_WORKER_CONCURRENCY": "32"}
+    with pytest.raises(AssertionError, match="would exec"):
+        cli("worker", "--concurrency", "64", env=env)
+    ((argv, environ),) = EXECS
+    assert argv[-2:] == ["--concurrency", "64"] and environ["SUBQ_WORKER_CONCURRENCY"] == "64"
 
 
 def _refuse_serve(*args: object, **kwargs: object) -> NoReturn:

@@ -72,6 +72,8 @@ def worker(
     argv = [sys.executable, "-m", "workers", "--loglevel", loglevel]  # workers/app.py: Celery's worker command
     if concurrency:
         argv += ["--concurrency", str(concurrency)]
+        # The setting too: fair shares count the fleet's capacity from what each worker's settings say.
+        settings = settings.model_copy(update={"worker_concurrency": concurrency})
     os.execve(sys.executable, argv, settings_env(settings))
 
 
