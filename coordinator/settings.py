@@ -67,6 +67,10 @@ __all__ = [
 
 # A week: long enough to inspect yesterday's runs, short enough that Redis memory stays bounded.
 DEFAULT_RETENTION_S = 7 * 24 * 3600
+# What the examples' secrets hold until an operator fills them in (.env.example, the overlays' secrets.env.example):
+# refused as a token or a password, so a copy started before it was filled in is not open to anyone who reads them.
+PLACEHOLDER_SECRET = "change-me"
+GENERATE_HINT = 'generate one: python -c "import secrets; print(secrets.token_urlsafe(32))"'
 # Subagents wait on model APIs, not on the CPU: threads let one process run many at once.
 DEFAULT_POOL = "threads"
 DEFAULT_CONCURRENCY = 32

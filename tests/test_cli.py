@@ -246,6 +246,7 @@ SUBQ_ERRORS = [  # subq's own validation of the commands that run on this machin
     (["flower", "--no-auth", "--password", "pw"], "subq: Give either --password or --no-auth, not both"),
     (["flower", "--user", "a:b", "--password", "pw"], "subq: Flower user must be non-empty, without ':' or ','"),
     (["flower", "--password", "a,b"], "subq: Flower password must be non-empty, without ','"),
+    (["flower", "--password", "change-me"], "subq: Flower's password 'change-me' is the example's placeholder"),
     (["api"], "subq: Invalid setting SUBQ_API_TOKEN: not set"),
     (
         ["up", "--no-api", "--flower-port", "{busy}"],
@@ -382,6 +383,11 @@ def test_the_api_needs_no_redis_settings(idle_coordinator: Coordinator, idle_api
         (["api"], {"SUBQ_API_AUTH_ATTEMPTS_PER_MIN": "0"}, "subq: Invalid setting SUBQ_API_AUTH_ATTEMPTS_PER_MIN"),
         (["api"], {"SUBQ_API_OPEN_REQUESTS_PER_MIN": "lots"}, "subq: Invalid setting SUBQ_API_OPEN_REQUESTS_PER_MIN"),
         (["api"], {"SUBQ_API_HTTPS": "maybe"}, "subq: Invalid setting SUBQ_API_HTTPS"),
+        (  # .env.example's value, as a copy holds it before it is filled in
+            ["api"],
+            {"SUBQ_REDIS_URL": "redis://127.0.0.1:1/0", "SUBQ_API_TOKEN": "change-me"},
+            "subq: Invalid setting SUBQ_API_TOKEN: 'change-me' is the example's placeholder, not a token; generate",
+        ),
     ],
 )
 def test_bad_settings_are_one_line(command: list[str], env: dict[str, str], message: str) -> None:

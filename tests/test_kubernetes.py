@@ -422,6 +422,21 @@ def test_the_api_probes_are_liveness_and_readiness(rendered: dict[str, list[dict
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_an_api_behind_the_ingress_knows_it_is_served_over_https_and_who_asks(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str
+) -> None:
+    """The production overlay's Ingress ends TLS: without SUBQ_API_HTTPS the session cookie was not Secure and no
+    HSTS was sent, and without the controller's addresses trusted every client read as the controller, sharing
+    one address's sign-in limit (ten wrong tokens a minute from anyone locked everyone out)."""
+    docs = rendered[overlay]
+    (container,) = _one(docs, "Deployment", "subq-api")["spec"]["template"]["spec"]["containers"]
+    settings = _settings_from(pod_env(docs, container))
+    behind_ingress = any(doc["kind"] == "Ingress" for doc in docs)
+    assert settings.api_https is behind_ingress, overlay
+    assert bool(settings.api_trusted_proxies) is behind_ingress, overlay
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_prometheus_scrapes_every_worker_and_the_api(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
     """Each worker pod serves its own counters on the port its annotations name; the API its fleet figures."""
     docs = rendered[overlay]

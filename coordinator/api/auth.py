@@ -44,7 +44,7 @@ from coordinator.audit import Actor, RefusalReason, Via
 from coordinator.errors import ConfigError, ForbiddenError, NotFoundError, SubqError
 from coordinator.models import Approval, Delivery, Retried, TaskRecord
 from coordinator.service import Coordinator
-from coordinator.settings import Settings
+from coordinator.settings import GENERATE_HINT, PLACEHOLDER_SECRET, Settings
 
 # What a change to a tree answers, shown by Gate.as_read_by.
 Shown = TypeVar("Shown", TaskRecord, Retried, Delivery)
@@ -88,6 +88,12 @@ def key_ring(settings: Settings) -> KeyRing | None:
     if settings.api_auth_disabled:
         return None
     token = settings.api_token.get_secret_value() if settings.api_token is not None else ""
+    if token == PLACEHOLDER_SECRET:
+        raise ConfigError(
+            f"Invalid setting SUBQ_API_TOKEN: {PLACEHOLDER_SECRET!r} is the example's placeholder, not a token; "
+            f"{GENERATE_HINT}",
+            field="SUBQ_API_TOKEN",
+        )
     ring = KeyRing(parse_keys(settings.api_keys, "SUBQ_API_KEYS"), settings.api_keys_file, token or None)
     if ring.empty:
         raise ConfigError(

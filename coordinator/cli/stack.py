@@ -130,6 +130,7 @@ def flower(
 ) -> None:
     """Run Flower, Celery's monitor, with basic auth (it refuses to start open unless --no-auth)."""
     from coordinator.local import up as stack
+    from coordinator.settings import GENERATE_HINT, PLACEHOLDER_SECRET
 
     settings = settings_of(ctx)
     require_redis(settings)
@@ -138,6 +139,12 @@ def flower(
     if not no_auth and not password:
         raise ValidationError(
             "Flower needs basic auth: pass --password (or set SUBQ_FLOWER_PASSWORD), or --no-auth to run it open",
+            field="password",
+        )
+    if password == PLACEHOLDER_SECRET:
+        raise ValidationError(
+            f"Flower's password {PLACEHOLDER_SECRET!r} is the example's placeholder (Flower can revoke tasks); "
+            f"{GENERATE_HINT}",
             field="password",
         )
     auth = None if no_auth else stack.flower_basic_auth(user, password or "")
