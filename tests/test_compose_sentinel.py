@@ -276,6 +276,13 @@ def test_compose_with_sentinel_comes_up_runs_a_tree_fails_over_and_takes_its_old
                 return role == ("slave", services.port[services.master()])
 
             eventually(linked, f"{first_master} to replicate from the master", REPLICA_TIMEOUT_S, POLL_EVERY_S)
-            masters = [name for name in services.node_names if _role(services.port[name])[0] == "master"]
-            assert masters == [services.master()], f"one master, the one the sentinels name: {masters}"
-            assert first_master not in masters
+
+            # A replica promoted and failed over in turn is a master until the sentinels reconfigure it, which a
+            # loaded host delays past the new master's promotion (two masters for that moment, a loaded run saw):
+            # what must hold is that it comes down, to the one master the sentinels name.
+            def masters() -> list[str]:
+                return [name for name in services.node_names if _role(services.port[name])[0] == "master"]
+
+            eventually(lambda: masters() == [services.master()], "one master, the one the sentinels name",
+                       REPLICA_TIMEOUT_S, POLL_EVERY_S)  # fmt: skip
+            assert first_master not in masters()
