@@ -17,7 +17,7 @@ from pydantic_ai.usage import RequestUsage
 
 from coordinator import usd_to_micros
 from coordinator.errors import ProfileError
-from coordinator.settings import Price, Profile
+from coordinator.settings import Price, Profile, Settings
 from workers.runtime.offline import OfflineModel
 from workers.runtime.pricing import _read_token_rates, cost_of, reported_cost_usd
 from workers.runtime.providers import ANTHROPIC_BASE_URL, OPENAI_BASE_URL, OneLineErrors, build_model
@@ -75,6 +75,30 @@ def test_cache_tokens_are_cheaper_than_plain_input() -> None:
 )
 def test_an_unknown_model_costs_zero_and_says_so(priced_as: str, source: str) -> None:
     assert cost_of(acceptance_usage(), Profile(priced_as=priced_as)) == (0, source)
+
+
+def test_a_profile_priced_at_zero_is_warned_of_and_its_first_request_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A model through OpenRouter, Ollama or LiteLLM under a name genai-prices does not know, with no price: every
+    request cost $0, no budget or quota could be reached, and nothing said so but a `cost_source` the next request
+    replaced. A worker's start and `subq tools` now warn of the profile, and the first request of it is logged."""
+    from workers.runtime import pricing
+    from workers.runtime.profile_tools import policy_warnings
+
+    local = Profile(model="openai:llama3.1:8b")
+    settings = Settings(profiles={"local": local, "priced": local.model_copy(update={"price": Price(
+        input_per_mtok=Decimal(1), output_per_mtok=Decimal(2))}), "known": Profile()})  # fmt: skip
+    assert policy_warnings(settings, ["local", "priced", "known"]) == [
+        "profile 'local' has no price, and openai/llama3.1:8b is not in genai-prices: its requests are recorded at "
+        "$0, and no budget or quota counts them (give it a price, or priced_as a model the library knows)"
+    ]
+    pricing._said_unpriced.discard(("openai", "llama3.1:8b"))
+    with caplog.at_level("WARNING", logger="workers.runtime.pricing"):
+        for _ in range(3):
+            assert cost_of(acceptance_usage(), local)[0] == 0
+    said = [r.getMessage() for r in caplog.records if "llama3.1:8b" in r.getMessage()]
+    assert len(said) == 1 and "recorded at $0" in said[0], said
 
 
 def test_inconsistent_usage_costs_zero_rather_than_failing_the_run() -> None:

@@ -8,7 +8,9 @@ Sources, first that applies wins (docs/architecture.md, "Money and tokens"):
    (`"genai-prices 0.2.3: anthropic/claude-sonnet-4-5"`).
 
 A model the price library does not know costs 0 with an `"unpriced: ..."`
-source: a run must not fail because a price is missing.
+source: a run must not fail because a price is missing. It is said where an
+operator looks: a worker's start and `subq tools` warn of each profile priced
+so (`unpriced`), and a worker logs the first such request of each model.
 
 Most models in genai-prices are priced by four token rates (each a number, or
 tiers chosen by the request's input). For those, the rates are read once per
@@ -20,11 +22,14 @@ CPU budget of 0.3 ms; anything else (audio, dated prices, per-request fees)
 still goes through it.
 
 Money is `Decimal` until the one rounding to micros (ROUND_HALF_UP); it never
-passes through float, so a sum of stored costs equals the cost of the sum.
+passes through float. Each request is rounded on its own, so a task's stored
+sum is the sum of its requests' figures, and may differ from the cost of all
+their tokens priced at once by at most half a micro-USD a request.
 """
 
 from __future__ import annotations
 
+import logging
 from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
 from threading import Lock
 
@@ -42,10 +47,25 @@ __all__ = [
     "cost_of",
     "parse_usd",
     "reported_cost_usd",
+    "unpriced",
 ]
 
 PROVIDER_REPORTED_SOURCE = "provider-reported"
 PROFILE_PRICE_SOURCE = "profile price"
+UNPRICED_SOURCE = "unpriced: "
+
+log = logging.getLogger(__name__)
+# The (provider, model) pairs this process has logged a request of at $0 for (once each).
+_said_unpriced: set[tuple[str, str]] = set()
+
+
+def unpriced(profile: Profile) -> str | None:
+    """Why every request of `profile` would be recorded at $0 (no price, and a model the price library does not
+    know), or None when it is priced."""
+    if profile.price is not None:
+        return None
+    _, source = _library_price(RequestUsage(input_tokens=1, output_tokens=1), *profile.price_ref, said=True)
+    return source.removeprefix(UNPRICED_SOURCE) if source.startswith(UNPRICED_SOURCE) else None
 
 
 def cost_of(usage: RequestUsage, profile: Profile, reported_usd: Decimal | None = None) -> tuple[int, str]:
@@ -65,7 +85,9 @@ def cost_of(usage: RequestUsage, profile: Profile, reported_usd: Decimal | None 
 def reported_cost_usd(response: ModelResponse) -> Decimal | None:
     """The cost the provider itself reported in `response`, if it carries one.
 
-    pydantic-ai 2.68 keeps OpenRouter's reported cost in `provider_details["cost"]`.
+    pydantic-ai keeps OpenRouter's reported cost in `provider_details["cost"]`, in its OpenRouter model only;
+    the OpenAI-compatible model subq builds for any `base_url` keeps none, so a profile through OpenRouter is
+    priced by its `price` or `priced_as` (docs/architecture.md, "Money and tokens").
     `response.usage.cost` is deliberately NOT read: the agent loop fills it with
     pydantic-ai's own genai-prices estimate (`fill_response_cost`), priced as the
     model that answered, which for the offline model or a re-priced profile is
@@ -108,18 +130,26 @@ def _token_micros(
     return int(micros.quantize(Decimal(1), rounding=ROUND_HALF_UP))
 
 
-def _library_price(usage: RequestUsage, provider: str, model: str) -> tuple[int, str]:
+def _library_price(usage: RequestUsage, provider: str, model: str, *, said: bool = False) -> tuple[int, str]:
     fast = _fast_library_price(usage, provider, model)
     if fast is not None:
         return fast
     try:
         calc = genai_prices.calc_price(usage, model, provider_id=provider)
     except LookupError:
-        return 0, f"unpriced: {provider}/{model} is not in genai-prices"
+        if not said and (provider, model) not in _said_unpriced:
+            # Once a model and process: the task's `cost_source` says it too, until its next request's replaces it.
+            _said_unpriced.add((provider, model))
+            log.warning(
+                "subq: %s/%s is not in genai-prices: its requests are recorded at $0, and no budget or quota counts "
+                "them; give its profile a price, or priced_as a model the library knows",
+                provider, model,
+            )  # fmt: skip
+        return 0, f"{UNPRICED_SOURCE}{provider}/{model} is not in genai-prices"
     except ValueError as exc:
         # genai-prices rejects inconsistent usage (e.g. more cache reads than input);
         # the run goes on and the source says why it cost nothing.
-        return 0, f"unpriced: {provider}/{model}: {exc}"
+        return 0, f"{UNPRICED_SOURCE}{provider}/{model}: {exc}"
     # The matched ids, not the reference: "claude-sonnet-4-5-20250929" shows what it was priced as.
     source = f"genai-prices {genai_prices.__version__}: {calc.provider.id}/{calc.model.id}"
     return usd_to_micros(calc.total_price), source

@@ -70,7 +70,7 @@ from coordinator import (
 from coordinator.runs import LeaseLost, Run
 from coordinator.tracing import span
 from workers import observe
-from workers.runtime import mcp_servers, sandbox, thread_holds
+from workers.runtime import mcp_servers, pricing, sandbox, thread_holds
 from workers.runtime.approval_policy import unguarded_command
 from workers.runtime.compaction import cap_text
 from workers.runtime.pricing import parse_usd
@@ -517,6 +517,11 @@ def policy_warnings(settings: Settings, names: list[str] | None = None) -> list[
             lines.append(
                 f"profile {name!r} enables run_command and nothing guards it: every command no deny rule "
                 'catches runs without a decision (add "run_command" to approval_tools, with narrow allow rules)'
+            )
+        if (why := pricing.unpriced(profile)) is not None:
+            lines.append(
+                f"profile {name!r} has no price, and {why}: its requests are recorded at $0, and no budget or quota "
+                "counts them (give it a price, or priced_as a model the library knows)"
             )
     return lines
 
