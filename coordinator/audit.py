@@ -27,6 +27,7 @@ __all__ = [
     "AUDIT_MAX_ENTRIES",
     "ENTRY_ID_PATTERN",
     "LOCAL",
+    "REFUSALS_LOGGED_PER_MIN",
     "Action",
     "Actor",
     "AuditEntry",
@@ -41,6 +42,10 @@ ENTRY_ID_PATTERN = r"^\d{1,20}-\d{1,20}$"
 # The newest entries kept whatever their age: a flood of refused requests (each counted
 # in the metric regardless) cannot grow Redis without bound within the retention.
 AUDIT_MAX_ENTRIES = 100_000
+# The refusals of one key (or, for a caller no key names, one address) put on the log each minute; past it they
+# are counted alone (subq_refused_requests_total), after one entry that says so. A key's flood of refused
+# requests would otherwise push the other tenants' decisions and cancels past AUDIT_MAX_ENTRIES.
+REFUSALS_LOGGED_PER_MIN = 60
 
 Action = Literal[
     "approve", "deny", "cancel", "retry", "redeliver", "purge_dead_letters", "sign_in", "sign_out", "refused"

@@ -464,6 +464,29 @@ def _audit(http: httpx.Client, name: str = "ops", **params: Any) -> list[dict[st
     return entries
 
 
+def test_one_keys_flood_of_refusals_cannot_push_the_other_entries_off_the_audit_log(sec_coord: Coordinator) -> None:
+    """Every 403 and refused read of an authenticated key was an entry, at any rate: a `read` key's 100,000 refused
+    requests pushed every other tenant's cancels and approvals past the log's cap. Now a key's refusals are logged
+    up to REFUSALS_LOGGED_PER_MIN a minute, then one entry says the rest are counted alone; they all count."""
+    from coordinator.audit import REFUSALS_LOGGED_PER_MIN
+
+    counted_before = sec_coord.refused_counts().get("missing_scope", 0)
+    if time.time() % 60 > 50:  # the window is the clock's minute: the flood must fall inside one
+        time.sleep(60.5 - time.time() % 60)
+    flood, other = Actor("mallory", "192.0.2.9", "api"), Actor("carol", "192.0.2.7", "api")
+    for n in range(REFUSALS_LOGGED_PER_MIN + 20):
+        sec_coord.record(flood, "refused", f"POST /v1/tasks#{n}", reason="missing_scope", detail="needs scope 'submit'")
+    sec_coord.record(other, "refused", "POST /v1/tasks", reason="missing_scope", detail="needs scope 'submit'")
+    sec_coord.record(flood, "cancel", "t-kept", detail="a step of its own is always logged")
+    entries, _ = sec_coord.audit(limit=500)
+    floods = [e for e in entries if e.actor == "mallory" and e.action == "refused"]
+    assert len(floods) == REFUSALS_LOGGED_PER_MIN + 1, len(floods)
+    assert floods[0].detail.startswith(f"more than {REFUSALS_LOGGED_PER_MIN} refusals this minute")
+    assert floods[0].target == f"POST /v1/tasks#{REFUSALS_LOGGED_PER_MIN}"
+    assert [e.actor for e in entries[:2]] == ["mallory", "carol"] and entries[0].action == "cancel"
+    assert sec_coord.refused_counts()["missing_scope"] == counted_before + REFUSALS_LOGGED_PER_MIN + 21
+
+
 def test_a_history_filtered_by_another_keys_root_reads_none_of_its_records(
     sec_coord: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -8,7 +8,7 @@ from typing import cast
 
 import pydantic
 
-from coordinator.audit import AUDIT_MAX_ENTRIES, Action, Actor, AuditEntry
+from coordinator.audit import AUDIT_MAX_ENTRIES, REFUSALS_LOGGED_PER_MIN, Action, Actor, AuditEntry
 from coordinator.errors import CorruptError, ValidationError
 from coordinator.store.base import RESEND_MARK_S, Part, _str_map, translate_redis_errors
 from coordinator.store.protocol import AuditAdd
@@ -35,11 +35,14 @@ class AuditLog(Part):
             "reason": reason,
             "detail": detail,
         }
+        who = actor.name or f"address {actor.address}"  # a caller no key names counts by its address
         self.scripts(
             AuditAdd(
                 stream=self.keys.audit(), refused=self.keys.refused(),
-                mark=self.keys.audit_mark(uuid.uuid4().hex), mark_s=RESEND_MARK_S, max_entries=AUDIT_MAX_ENTRIES,
-                oldest_kept=f"{int((now - self.retention_s) * 1000)}-0", reason=reason, fields=list(fields.items()),
+                mark=self.keys.audit_mark(uuid.uuid4().hex), window=self.keys.rate(
+                    f"audit-refusals:{who}:{int(now // 60)}"), mark_s=RESEND_MARK_S, max_entries=AUDIT_MAX_ENTRIES,
+                oldest_kept=f"{int((now - self.retention_s) * 1000)}-0", reason=reason,
+                logged_per_min=REFUSALS_LOGGED_PER_MIN, fields=list(fields.items()),
             )
         )  # fmt: skip
 

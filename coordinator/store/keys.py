@@ -61,6 +61,8 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:approvals`                       | zset   | pending approval ids scored by creation time       | removed when decided |
 | `<p>:rate:<provider>`                 | zset   | start times of the provider's requests, last 60 s  | a minute |
 | `<p>:rate:tool:<glob>`                | zset   | start times of the calls of a tool glob, last 60 s | a minute |
+| `<p>:rate:audit-refusals:<who>:<min>` | string | the refusals of a key (or, for none, an address)   | 2 minutes |
+|                                       |        | put on the audit log in that minute (audit_add)    |          |
 | `<p>:tool-slots:<glob>`               | zset   | the calls of a tool glob running now, scored by    | a call's |
 |                                       |        | when each one's lease ends (a dead worker's lapse) | lease    |
 | `<p>:endpoint:{<host:port>}`          | hash   | a provider endpoint's host as the fleet sees it    | deleted when a request |

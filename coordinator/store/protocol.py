@@ -445,15 +445,18 @@ class StepWrites(Group):
 class AuditAdd(
     Flag,
     script="audit_add",
-    returns="1 when the entry was added, 0 when this very entry had been added before.",
+    returns="1 when the entry was added, 0 when this very entry had been added before, 2 when a refusal was "
+    "counted and not logged (its actor's minute was full).",
 ):
     stream: str = key("the audit stream")
     refused: str = key("the refused requests' counts by reason")
     mark: str = key("this entry's mark")
+    window: str = key("the count of its actor's refusals put on the log this minute (a refusal's)")
     mark_s: int = arg("how long the mark is kept, seconds")
     max_entries: int = arg("the most entries kept")
     oldest_kept: str = arg("the oldest entry id kept (`<ms>-0`)")
     reason: str = arg("the refusal's reason ('' for an entry that is not a refusal)")
+    logged_per_min: int = arg("the most refusals of one actor put on the log a minute")
     fields: Sequence[tuple[str, str]] = args("the entry's fields and values")
 
 
