@@ -230,9 +230,15 @@ def test_a_unix_redis_socket_is_hidden_whatever_the_network(release: tuple[Path,
         )
 
 
-def test_the_container_engines_sockets_are_hidden() -> None:
+def test_the_sockets_that_lead_out_of_the_sandbox_are_hidden() -> None:
+    """The container engines', the system bus and systemd's own (a worker run as root reaches them as root), and
+    the login sessions' folders (the session bus, the user's systemd, rootless Docker and Podman)."""
     hidden = {str(path) for path in Sandbox.of(Settings()).hidden}
-    assert {"/run/docker.sock", "/var/run/docker.sock", "/run/containerd/containerd.sock"} <= hidden
+    assert {
+        "/run/docker.sock", "/var/run/docker.sock", "/run/containerd/containerd.sock", "/run/podman/podman.sock",
+        "/run/k3s/containerd/containerd.sock", "/run/crio/crio.sock", "/run/dbus/system_bus_socket",
+        "/run/systemd/private", "/run/user",
+    } <= hidden  # fmt: skip
 
 
 @pytest.fixture

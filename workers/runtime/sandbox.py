@@ -55,10 +55,15 @@ __all__ = ["BWRAP", "HOST_SOCKETS", "NEEDS", "PRLIMIT", "Sandbox", "SandboxUnava
 BWRAP = "bwrap"
 PRLIMIT = "prlimit"
 MIB = 1024 * 1024
-# The container engines' control sockets, hidden where they exist: a command connected to one could start a
-# privileged container, whatever its `network` (the socket is a file in the read-only view, not the network).
+# The sockets that would run a program outside the sandbox, hidden where they exist: a command connected to one
+# could start a privileged container or a unit of the host's systemd, whatever its `network` (a socket is a file
+# in the read-only view, not the network). The container engines' (Docker's, containerd's, k3s's, CRI-O's,
+# Podman's); the system bus and systemd's own (a worker run as root reaches them as root); and the login
+# sessions' folders (`/run/user/<uid>`: the session bus, the user's systemd, rootless Docker and Podman).
 HOST_SOCKETS = (
     "/run/docker.sock", "/var/run/docker.sock", "/run/containerd/containerd.sock", "/run/podman/podman.sock",
+    "/run/k3s/containerd/containerd.sock", "/run/crio/crio.sock", "/run/dbus/system_bus_socket",
+    "/var/run/dbus/system_bus_socket", "/run/systemd/private", "/run/user",
 )  # fmt: skip
 # What a worker's machine or pod must give for the sandbox to start (the refusal's line, docs/deploy.md).
 NEEDS = (
