@@ -77,3 +77,46 @@ def test_an_environment_stamped_before_extras_were_chosen_counts_as_dev(tmp_path
     (venv / ".subq-installed").write_text("an older pyproject.toml server\n")
     assert _boot(venv, "subq", "demo").returncode == 0
     assert _installs(log) == ["server"], "a changed pyproject.toml is installed again"
+
+
+def test_a_failed_install_is_one_line_and_the_next_run_starts_it_over(tmp_path: Path) -> None:
+    """pip's failure (no network, a broken mirror) was a traceback of bootstrap's own; the stamp must not say
+    installed, so the next run tries again."""
+    venv = tmp_path / "venv"
+    log = _stand_ins(venv)
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\necho "$@" >> {log}\ncase "$*" in *" install "*) exit 3;; esac\n')
+    failed = _boot(venv, "subq", "demo")
+    assert failed.returncode == 3 and failed.stdout == ""
+    assert failed.stderr.splitlines()[-1].startswith("subq: installing failed (pip exited 3, saying why above)")
+    assert "Traceback" not in failed.stderr and not (venv / ".subq-installed").exists()
+    python.write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+    assert _boot(venv, "subq", "demo").returncode == 0 and _installs(log) == ["server", "server"]
+
+
+def test_an_environment_that_cannot_be_made_says_why_in_one_line(tmp_path: Path) -> None:
+    """Debian without python3-venv stops the creation half way; so does a path that cannot be a folder. One line
+    saying what to do, and no half-made environment a next run would take as made."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    made = _boot(blocker / "venv", "subq", "demo")
+    assert made.returncode == 1 and made.stdout == ""
+    (line,) = [line for line in made.stderr.splitlines() if "creating" not in line]
+    assert line.startswith(f"subq: cannot create a virtual environment in {blocker / 'venv'} (")
+    assert line.endswith("install python3-venv (apt-get install python3-venv), then run this again")
+
+
+def test_an_environment_without_pip_or_too_old_is_not_taken_as_usable(tmp_path: Path) -> None:
+    """A creation that stopped after copying the interpreter left a python without pip, and every later run
+    failed in pip with a traceback; an environment an older Python made could never install subq."""
+    sys.path.insert(0, str(BOOTSTRAP.parent))
+    try:
+        import bootstrap
+    finally:
+        sys.path.remove(str(BOOTSTRAP.parent))
+    half_made = tmp_path / "python"
+    half_made.write_text('#!/bin/sh\ncase "$*" in *"import sys, pip"*) exit 1;; esac\n')
+    half_made.chmod(0o755)
+    assert not bootstrap.usable(half_made)
+    assert not bootstrap.usable(tmp_path / "missing")
+    assert bootstrap.usable(Path(sys.executable))
