@@ -15,12 +15,13 @@ import json
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from coordinator import Coordinator, Retried, Settings, StateError, TaskStatus
 from coordinator.celery_app import make_app
-from coordinator.models import RetrySkip
+from coordinator.models import Batch, RetrySkip, TaskRecord
 from coordinator.settings import Price, Profile
 from tests.conftest import dedicated_fleet
 from tests.helpers import api_settings, repairs_reach
@@ -173,6 +174,20 @@ def steady() -> Iterator[ModelServer]:
         yield running
 
 
+def _two_parts_the_first_failed(
+    coord: Coordinator, runtime: Any, server: ModelServer, steady: str = "main"
+) -> tuple[TaskRecord, Batch]:
+    """A root whose two-child batch is open: the first child failed on a 400, the second (`steady`'s) not run."""
+    root = coord.create_task("Two parts.", todos="[ ] flaky part\n[ ] steady part")
+    batch = coord.delegate(root.id, [
+        {"description": "flaky part", "message": "Look at the flaky part.", "profile": "main"},
+        {"description": "steady part", "message": "Look at the steady part.", "profile": steady},
+    ])  # fmt: skip
+    server.fail(400)
+    assert run_child(runtime, batch.child_ids[0]).status == "failed"
+    return root, batch
+
+
 @pytest.mark.parametrize("unlinked", [False, True], ids=["on-its-row", "unlinked"])
 def test_a_failed_child_of_an_open_batch_is_awaited_again_and_written_back_once(
     settings: Settings, server: ModelServer, steady: ModelServer, unlinked: bool
@@ -181,15 +196,8 @@ def test_a_failed_child_of_an_open_batch_is_awaited_again_and_written_back_once(
     local = local.model_copy(update={"profiles": {**local.profiles, "steady": profile(steady)}})
     coord = Coordinator(local)
     runtime = build_runtime(local, make_app(local))
-    root = coord.create_task("Two parts.", todos="[ ] flaky part\n[ ] steady part")
-    batch = coord.delegate(root.id, [
-        {"description": "flaky part", "message": "Look at the flaky part.", "profile": "main"},
-        {"description": "steady part", "message": "Look at the steady part.", "profile": "steady"},
-    ])  # fmt: skip
+    root, batch = _two_parts_the_first_failed(coord, runtime, server, steady="steady")
     flaky, sibling = batch.child_ids
-    server.fail(400)
-
-    assert run_child(runtime, flaky).status == "failed"
     assert coord.get_task(root.id).awaiting_ids == [sibling], "written back; the batch waits on its sibling"
     if unlinked:  # the plan is rewritten without its row: its figures are the parent's unlinked spend
         coord.update_todos(root.id, "[-] steady part")
@@ -250,14 +258,8 @@ def test_a_failed_child_is_not_retried_under_a_parent_a_cancel_stopped_before_it
     local = in_process(settings, server, "stopped")
     coord = Coordinator(local)
     runtime = build_runtime(local, make_app(local))
-    root = coord.create_task("Two parts.", todos="[ ] flaky part\n[ ] steady part")
-    batch = coord.delegate(root.id, [
-        {"description": "flaky part", "message": "Look at the flaky part.", "profile": "main"},
-        {"description": "steady part", "message": "Look at the steady part.", "profile": "main"},
-    ])  # fmt: skip
+    root, batch = _two_parts_the_first_failed(coord, runtime, server)
     flaky, sibling = batch.child_ids
-    server.fail(400)
-    assert run_child(runtime, flaky).status == "failed"
     server.heal()
     made_before = retrying._plan_one(coord.plane, coord.get_task(flaky))
     # A cancel's first step (control.stop_subtree), its process dead before the batch's write-back.
