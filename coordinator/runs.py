@@ -399,20 +399,18 @@ class Run:
             faults.crash_point(plane.settings, "after-park")  # its calls saved, its lease and slots still held
         # A park on approvals is no loss: its delivery count starts again, as a provider's wait and a delegation
         # reset it in their own steps (the fourth resume of a task that asked thrice failed it as WorkerLost).
-        if not self._release(reset_deliveries=outcome.state == "waiting_approval"):
+        provider = outcome.state == "waiting_provider"  # its timer publishes it: off the due list with the lease
+        if not self._release(reset_deliveries=outcome.state == "waiting_approval", unwatch=provider):
             return self.lost()  # a newer run of the task started since its step: the task is that run's
         if outcome.state == "delegated":
             delegation.publish_waiting(plane, plane.store.records.get_task(task_id))
-        elif outcome.state == "waiting_approval":
-            # Off the due list while a call waits for its person (the decision that ends the wait watches it
-            # again). Every call decided while this run held the lease: the last decision published nothing
-            # (its delivery would have found the lease held), so the release resumes the task, once per park
-            # with a decision made since the lease was freed (`approvals.resume`).
-            if not plane.store.convergence.unwatch_parked(task_id):
-                approvals.resume(plane, task_id)
-        else:  # waiting for its provider: its timer publishes it
-            plane.store.convergence.unwatch([task_id])
-        if outcome.state == "waiting_provider":
+        # Off the due list while a call waits for its person (the decision that ends the wait watches it again).
+        # Every call decided while this run held the lease: the last decision published nothing (its delivery
+        # would have found the lease held), so the release resumes the task, once per park with a decision made
+        # since the lease was freed (`approvals.resume`).
+        elif outcome.state == "waiting_approval" and not plane.store.convergence.unwatch_parked(task_id):
+            approvals.resume(plane, task_id)
+        if provider:
             # To Celery it is queued again, with a delay (the timer publishes it).
             return writeback.result_of(plane.store.records.get_task(task_id), pending="queued")
         return writeback.result_of(plane.store.records.get_task(task_id), pending=outcome.state)
@@ -489,11 +487,12 @@ class Run:
         except StoreError as exc:  # the lease lapses with its TTL; the original error is what matters
             log.warning("subq: could not release the run of %s: %s", self.task.id, exc)
 
-    def _release(self, *, reset_deliveries: bool = False) -> bool:
+    def _release(self, *, reset_deliveries: bool = False, unwatch: bool = False) -> bool:
         """Free the lease and the run slots; False, freeing nothing, when another run of the task started after
         this one's lease lapsed (a partition, a stall): that run holds the slots now (it reuses this run's)."""
         self._heartbeat.forget(self)
-        if not self._plane.store.runs.release_lease(self.task.id, self.token, reset_deliveries=reset_deliveries):
+        runs = self._plane.store.runs
+        if not runs.release_lease(self.task.id, self.token, reset_deliveries=reset_deliveries, unwatch=unwatch):
             return False
         admission.release(self._plane, self.task, token=self.token)
         return True

@@ -569,6 +569,36 @@ def test_a_provider_timer_served_twice_never_restarts_a_run_answered_since(coord
     assert undecided(coord.plane, task.id) == [approval.id], "its approval still waits for its person"
 
 
+def test_a_provider_timer_served_as_its_run_lets_go_leaves_the_task_watched(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run parking for its provider freed its lease, then took the task off the due list in a step of its own.
+    Its timer served between the two (a short backoff, or its endpoint back) watched and published a new run, and
+    the unwatch then took that watch off: with the new run's message lost (its worker killed), nobody published
+    the task again. The task now leaves the due list in the step that frees the lease."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    run = lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    endpoints.park(lifecycle.plane, run.task, "api.example:443", "", time.time() - 1, int(time.time() * 1000))
+    runs = lifecycle.plane.store.runs
+    release = runs.release_lease
+
+    def then_the_timer(task_id: str, token: str, **how: bool) -> bool:
+        released = release(task_id, token, **how)
+        Reconciler(coord, "test").tick()  # the leader serves the timer the moment the lease is free
+        return released
+
+    monkeypatch.setattr(runs, "release_lease", then_the_timer)
+    run.end(Released("waiting_provider", wake_at_s=time.time()))
+    assert queued_ids(coord) == [task.id], "the timer published it"
+    assert task.id in coord.store.convergence.watched(), "and its watch stands"
+    coord.client.delete(QUEUE)  # the woken run's message lost with the worker that took it
+    tick(coord)
+    assert queued_ids(coord) == [task.id], "the reconciler publishes it again"
+
+
 def _stale_and_newer(coord: Coordinator, **create: Any) -> tuple[TaskRecord, RunLifecycle, Run, Run]:
     """A task whose run stalled past its lease's lapse (its lease gone) and whose newer run started: the task,
     the lifecycle that started both, the stale run and the newer one."""

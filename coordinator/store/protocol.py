@@ -1234,10 +1234,15 @@ class ReleaseLease(
 ):
     lease: str = key("the task's lease")
     task: str = key("its task hash")
+    due: str = key("the due list")
     token: str = arg("this run's token")
     reset_deliveries: int = arg(
         "1: also count the task's deliveries anew (a run handed back to the queue was not lost: "
         "SUBQ_MAX_DELIVERIES counts losses), in this same step: a run that started since keeps its count"
+    )
+    unwatch: str = arg(
+        "the task's id to take off the due list as the lease is freed (a provider's wait, which its timer ends), "
+        "'' for none: never after a lease that lapsed, when its timer may have published it since"
     )
 
 

@@ -227,15 +227,17 @@ class RunStore(Part):
     # -- starting a run ----------------------------------------------------------------
 
     @translate_redis_errors
-    def release_lease(self, task_id: str, token: str, *, reset_deliveries: bool = False) -> bool:
+    def release_lease(self, task_id: str, token: str, *, reset_deliveries: bool = False, unwatch: bool = False) -> bool:
         """Free the run's lease if it still holds it; False when another run of the task has started since (the
         slots are that run's then). With `reset_deliveries`, the task's delivery count starts again, in the same
-        step and only if the run is still the task's last."""
+        step and only if the run is still the task's last; with `unwatch`, the task leaves the due list in the
+        same step as the lease (its timer publishes it: a step after would take off the watch of the run its
+        timer published in between, whose lost message then left the task to nobody)."""
         root = root_of(task_id)
         return self.scripts(
             ReleaseLease(
-                lease=self.keys.lease(root, task_id), task=self.keys.task(root, task_id), token=token,
-                reset_deliveries=int(reset_deliveries),
+                lease=self.keys.lease(root, task_id), task=self.keys.task(root, task_id), due=self.keys.due(),
+                token=token, reset_deliveries=int(reset_deliveries), unwatch=task_id if unwatch else "",
             )
         )  # fmt: skip
 

@@ -2,9 +2,12 @@
 -- 1 (coordinator/runs.py): a run whose task another run has taken over frees nothing of that run's.
 -- KEYS[1] the task's lease
 -- KEYS[2] its task hash
+-- KEYS[3] the due list
 -- ARGV[1] str: this run's token
 -- ARGV[2] int: 1: also count the task's deliveries anew (a run handed back to the queue was not lost:
 --   SUBQ_MAX_DELIVERIES counts losses), in this same step: a run that started since keeps its count
+-- ARGV[3] str: the task's id to take off the due list as the lease is freed (a provider's wait, which its
+--   timer ends), '' for none: never after a lease that lapsed, when its timer may have published it since
 -- Returns 1 when released, or gone while this run is still the task's last (its lease lapsed, or this very
 --   call ran before: its own resend); 0 when another run has started since.
 local function released()
@@ -16,6 +19,9 @@ end
 local held = redis.call('GET', KEYS[1])
 if held == ARGV[1] then
   redis.call('DEL', KEYS[1])
+  if ARGV[3] ~= '' then
+    redis.call('ZREM', KEYS[3], ARGV[3])
+  end
   return released()
 end
 -- Gone: it lapsed, or this call was sent before and its reply lost (Sentinel's resend). The run is still the
