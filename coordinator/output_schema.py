@@ -81,9 +81,22 @@ MAX_OUTPUT_STEPS = 250_000
 # backtracking); its worst case is the text's bytes times the program's instructions, at a few
 # nanoseconds each: a thousand of those are about a step of the validator.
 REGEX_UNITS_PER_STEP = 1_000
-# RE2's memory for one expression (its program and its matching cache: its own default); a
-# program bigger than this does not compile, and the schema is refused naming the pattern.
-REGEX_MAX_MEM_BYTES = 8 << 20
+# RE2's memory for one expression (its program and its matching cache); a program bigger than this (about
+# 56,000 instructions, `.{1000}` seven times) does not compile, and the schema is refused naming the pattern.
+# RE2's own default (8 MiB) let one 350-byte pattern compile for 50 ms into 250 MB kept in the process's cache.
+REGEX_MAX_MEM_BYTES = 1 << 20
+# A schema's expressions compile to at most this many RE2 instructions in all (each distinct one counted once;
+# one that fails to compile counts REGEX_FAILED_COMPILE): about 15 ms of compiling on the API. A real schema's
+# pattern is tens of instructions; the cap is a dozen `.{1000}`s. Without it, a 32 KiB schema held a hundred
+# patterns near RE2's limit: seconds of CPU on the API's request and hundreds of MB a schema.
+MAX_SCHEMA_REGEX_INSTRUCTIONS = 100_000
+REGEX_FAILED_COMPILE = 20_000
+# Compiled expressions kept per process (each at most REGEX_MAX_MEM_BYTES).
+REGEX_CACHE_SIZE = 64
+TOO_MANY_INSTRUCTIONS = (
+    f"its regular expressions (pattern, patternProperties) compile to more than {MAX_SCHEMA_REGEX_INSTRUCTIONS:,} "
+    "RE2 instructions in all"
+)
 # A caller-owned task (run=false) has no model to hold to a schema: it never ends with data.
 NO_RUN_NO_OUTPUT = (
     "output_schema applies to an agent task (run=true): a caller-owned task has no model to hold to it "
@@ -251,7 +264,45 @@ def _spend(steps: int = 1) -> None:
         budget.spend(steps)
 
 
-@functools.lru_cache(maxsize=512)
+class _Compiles:
+    """The RE2 instructions a schema check may still compile, and the patterns it has counted."""
+
+    __slots__ = ("counted", "left")
+
+    def __init__(self, left: int) -> None:
+        self.left = left
+        self.counted: set[str] = set()
+
+
+class _TooManyInstructions(Exception):
+    """A schema's expressions compile to more than MAX_SCHEMA_REGEX_INSTRUCTIONS (a schema check's)."""
+
+
+# The compiling budget of the schema check running in this context (schema_problem's).
+_compiles: ContextVar[_Compiles | None] = ContextVar("output_schema_compiles", default=None)
+
+
+def _compiled(pattern: str) -> Any:
+    """`_regex(pattern)`, counted against the running schema check's budget: _TooManyInstructions once it is
+    spent, before anything more is compiled."""
+    budget = _compiles.get()
+    if budget is None or pattern in budget.counted:
+        return _regex(pattern)
+    if budget.left < 0:
+        raise _TooManyInstructions
+    budget.counted.add(pattern)
+    try:
+        regex = _regex(pattern)
+    except Exception:
+        budget.left -= REGEX_FAILED_COMPILE
+        raise
+    budget.left -= regex.programsize
+    if budget.left < 0:
+        raise _TooManyInstructions
+    return regex
+
+
+@functools.lru_cache(maxsize=REGEX_CACHE_SIZE)
 def _regex(pattern: str) -> Any:
     """`pattern` compiled by RE2 (linear-time matching), or re2.error; compiled once per process."""
     import re2
@@ -272,7 +323,9 @@ def _search(pattern: str, text: str) -> bool:
 
 def _regex_problem(pattern: str) -> str | None:
     try:
-        _regex(pattern)
+        _compiled(pattern)
+    except _TooManyInstructions:
+        raise _Refused([], TOO_MANY_INSTRUCTIONS) from None
     except Exception as exc:  # re2.error, or a pattern no UTF-8 can carry
         return f"{pattern!r} is not a regular expression RE2 accepts: {_one_line(str(exc))}"
     return None
@@ -460,6 +513,9 @@ def _check_metaschema(schema: Mapping[str, Any], draft: Any) -> None:
     formats.checkers = {**draft.FORMAT_CHECKER.checkers, "regex": (_is_regex, Exception)}
     checker = draft(draft.META_SCHEMA, format_checker=formats, registry=_registry())
     error = best_match(checker.iter_errors(schema))
+    budget = _compiles.get()
+    if budget is not None and budget.left < 0:  # the format checker took it as a pattern that is no regex
+        raise _Refused([], TOO_MANY_INSTRUCTIONS)
     if error is not None:
         raise _Refused(list(error.path), _message(error))
 
@@ -500,6 +556,7 @@ def schema_problem(schema: object) -> tuple[list[Any], str] | None:
     Pure and cheap (no network: a remote `$ref` is refused, never fetched), so every face runs it
     before it writes or sends anything. The checks run cheapest first; each assumes the ones before it.
     """
+    budget = _compiles.set(_Compiles(MAX_SCHEMA_REGEX_INSTRUCTIONS))
     try:
         document = _check_document(schema)
         _check_references(document)
@@ -510,11 +567,13 @@ def schema_problem(schema: object) -> tuple[list[Any], str] | None:
         _check_probes(document, draft)
     except _Refused as refused:
         return refused.where, refused.reason
+    finally:
+        _compiles.reset(budget)
     return None
 
 
 def _is_regex(instance: object) -> bool:
-    return not isinstance(instance, str) or _regex(instance) is not None
+    return not isinstance(instance, str) or _compiled(instance) is not None
 
 
 def check_schema(schema: object, field: str = "output_schema") -> dict[str, Any]:

@@ -260,3 +260,35 @@ def test_a_pattern_re2_cannot_run_is_refused_naming_its_path(schema: dict[str, A
     with pytest.raises(ValidationError) as refused:
         check_schema(schema)
     assert refused.value.message.startswith(message), refused.value.message
+
+
+def _patterns(count: int, unit: str) -> dict[str, Any]:
+    """An object schema of `count` string properties, each with a distinct pattern ending in `unit`."""
+    return {
+        "type": "object",
+        "properties": {f"p{n}": {"type": "string", "pattern": f"p{n}{unit}"} for n in range(count)},
+    }
+
+
+def test_a_schema_whose_patterns_compile_to_too_much_is_refused_before_it_compiles_them_all() -> None:
+    """RE2 compiled any pattern under its 8 MiB default: a 32 KiB schema of a hundred `.{1000}` runs took seconds
+    of the API's CPU to accept and kept hundreds of MB a schema in the process's cache. A schema's patterns now
+    compile to at most MAX_SCHEMA_REGEX_INSTRUCTIONS in all, counted as they compile: past it nothing more is."""
+    from coordinator.output_schema import _regex
+
+    compiled_before = _regex.cache_info().misses
+    flood = _patterns(90, ".{1000}" * 6)  # each about 48,000 instructions
+    with pytest.raises(ValidationError) as refused:
+        check_schema(flood)
+    assert refused.value.message == (
+        "output_schema: its regular expressions (pattern, patternProperties) compile to more than 100,000 RE2 "
+        "instructions in all"
+    )
+    assert _regex.cache_info().misses - compiled_before <= 3, "it stopped compiling once the budget was spent"
+    too_big = {"properties": {"x": {"pattern": ".{1000}" * 8}}}
+    with pytest.raises(ValidationError, match=r"output_schema.properties.x.pattern: .* is not a 'regex'"):
+        check_schema(too_big)
+    many_small = _patterns(300, "-[A-Z]{3}-\\d{1,6}$")  # 300 real patterns, the same one repeated too
+    many_small["properties"]["again"] = {"type": "string", "pattern": "p0-[A-Z]{3}-\\d{1,6}$"}
+    assert schema_problem(many_small) is None
+    assert output_errors(many_small, {"p7": "p7-ABC-123", "again": "p0-XYZ-1"}) == []
