@@ -603,6 +603,12 @@ def test_a_worker_killed_while_its_model_is_asked_again_leaves_a_run_that_asks_a
     # The rescuer's request carries the errors of the answer the dead worker's run never answered.
     resumed = json.dumps(server.answered()[-1].body["messages"])
     assert all(json.dumps(error)[1:-1] in resumed for error in errors), resumed
+    # And its journal keeps the request that asked again, with its answer: counted as the bound's, and never a
+    # call without its result, which a later resume would send (a provider answers that with a 400).
+    kept = coord.messages(task.id, "api")
+    kinds = [m.get("kind") for m in kept]
+    assert kinds[:4] == ["request", "response", "request", "response"], kinds  # then the completion's return
+    assert any(json.dumps(error)[1:-1] in json.dumps(kept[2]) for error in errors), kept[2]
 
 
 def test_a_models_key_with_a_line_break_cannot_make_a_line_of_its_own_in_an_error() -> None:

@@ -247,11 +247,12 @@ async def _drive(rt: Runtime, run: Run, profile: Profile, progress: Progress | N
     if not history:
         run.announce_task()
     schema = _schema_of(run.task.output_schema, profile)
+    journal = len(history)  # what the journal holds: a request `_ended_before` adds is saved with its answer
     if history and isinstance(history[-1], ModelResponse) and not _calls_without_result(history):
         ended = _ended_before(run, history, schema, profile.max_invalid_outputs)
         if ended is not None:
             return ended
-    return await _Drive(rt, run, profile, progress, history).drive(schema)
+    return await _Drive(rt, run, profile, progress, history, journal).drive(schema)
 
 
 class _Drive:
@@ -259,14 +260,22 @@ class _Drive:
     and the messages it adds saved (`saved`: how many of them the journal holds)."""
 
     def __init__(
-        self, rt: Runtime, run: Run, profile: Profile, progress: Progress | None, history: list[ModelMessage]
+        self,
+        rt: Runtime,
+        run: Run,
+        profile: Profile,
+        progress: Progress | None,
+        history: list[ModelMessage],
+        saved: int,
     ) -> None:
         self.rt, self.run, self.profile, self.progress = rt, run, profile, progress
         self.task = run.task
         self.state = RunState(run, profile, sandbox=rt.sandbox)
         self.offered = rt.toolbox.tools(self.task.profile).names
         self.history = history
-        self.saved = len(history)
+        # The messages the journal holds: all of `history` but a request that asks a resumed typed run's model
+        # again, which goes with its answer (counted as saved, it never was: a later resume sent its call alone).
+        self.saved = saved
         self.request_no = 0
         self.unsent: dict[str, Any] | None = None  # the latest response's progress, not yet sent
         self.run_key = f"{self.task.id}:{run.token}"
