@@ -423,6 +423,67 @@ def _local_targets(schema: Mapping[str, Any], node: Mapping[str, Any]) -> Iterat
             yield target
 
 
+# Keywords that apply their schemas to the same value as the schema holding them (no step into the data): a
+# cycle of references through these alone never ends, whatever the data.
+_IN_PLACE = frozenset(
+    {"allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas", "dependencies", *REFERENCE_KEYWORDS}
+)
+
+
+def _check_ids(schema: Mapping[str, Any], draft: Any) -> None:
+    """No subschema is a resource of its own: its `$id` (a draft-4 `id`) would be the base its references resolve
+    against, where every other check here resolves them against the document, so a reference checked as sound
+    pointed at nothing once validating (every output refused, the model's retries spent on it). An `$id` of a
+    `#name` form only names it, as `$anchor` does."""
+    keys = ("$id", "id") if draft.__name__ in ("Draft3Validator", "Draft4Validator") else ("$id",)
+    for where, node in _subschemas(schema, []):
+        for key in keys:
+            value = node.get(key)
+            if where and isinstance(value, str) and not value.startswith("#"):
+                raise _Refused(
+                    [*where, key],
+                    f"a subschema's {key} ({value!r}) makes it a resource of its own, which is not supported: "
+                    "name it with $anchor, and reference it as '#name'",
+                )
+
+
+def _check_cycles(schema: Mapping[str, Any]) -> None:
+    """No reference leads back to its own schema through in-place keywords alone (`$ref`, `allOf`, `anyOf`, ...:
+    _IN_PLACE): validating any value that reaches it never ends. A reference back through `properties` or
+    `items` (a tree's schema) reads deeper into the data at each turn, and ends with it."""
+    state: dict[int, int] = {}  # id of a node: 1 on the walk's path, 2 done
+
+    def walk(node: Mapping[str, Any], where: list[Any]) -> None:
+        state[id(node)] = 1
+        for step_where, step in _in_place_steps(schema, node, where):
+            if state.get(id(step)) == 1:
+                raise _Refused(where, "its references lead back to themselves without reading into the data")
+            if id(step) not in state:
+                walk(step, step_where)
+        state[id(node)] = 2
+
+    for where, node in _subschemas(schema, []):
+        if id(node) not in state:
+            walk(node, where)
+
+
+def _in_place_steps(
+    schema: Mapping[str, Any], node: Mapping[str, Any], where: list[Any]
+) -> Iterator[tuple[list[Any], Mapping[str, Any]]]:
+    """The schemas `node` applies to its own value (with their paths): its references' targets, and its
+    in-place keywords' schemas (_IN_PLACE)."""
+    steps: list[tuple[list[Any], Any]] = list(_local_targets(schema, node))
+    for key in _IN_PLACE & node.keys() - set(REFERENCE_KEYWORDS):
+        value = node[key]
+        if key in ("dependentSchemas", "dependencies") and isinstance(value, Mapping):
+            steps += [([*where, key, name], child) for name, child in value.items()]
+        elif isinstance(value, list):
+            steps += [([*where, key, index], child) for index, child in enumerate(value)]
+        else:
+            steps.append(([*where, key], value))
+    return ((step_where, step) for step_where, step in steps if isinstance(step, Mapping))
+
+
 def _check_expansion(schema: Mapping[str, Any]) -> None:
     """Refuses `schema` where it expands past MAX_SCHEMA_EXPANSION subschemas (each counted once for every
     path to it through references and combinators, a reference back to a schema on the path once) or
@@ -561,9 +622,11 @@ def schema_problem(schema: object) -> tuple[list[Any], str] | None:
         document = _check_document(schema)
         _check_references(document)
         draft = _draft(document)
+        _check_ids(document, draft)
         _check_metaschema(document, draft)
         _check_patterns(document)
         _check_expansion(document)
+        _check_cycles(document)  # after the expansion's depth bound: its walk recurses as deep as references lead
         _check_probes(document, draft)
     except _Refused as refused:
         return refused.where, refused.reason

@@ -117,8 +117,8 @@ def test_a_reference_rebased_by_an_id_onto_a_host_is_not_fetched(listener: Liste
         "allOf": [{"$id": "other.json", "$ref": "#/$defs/a"}],
         "$defs": {"a": {"type": "string"}},
     }
-    problem = schema_problem(schema)
-    assert problem is not None and problem[1].startswith("cannot be applied: "), problem
+    problem = schema_problem(schema)  # refused before anything resolves it: a nested $id is no resource here
+    assert problem is not None and problem[0] == ["allOf", 0, "$id"], problem
     assert output_errors(schema, "x")[0].startswith("data: the schema cannot be applied: ")
     assert listener.connections == 0
 
@@ -292,3 +292,53 @@ def test_a_schema_whose_patterns_compile_to_too_much_is_refused_before_it_compil
     many_small["properties"]["again"] = {"type": "string", "pattern": "p0-[A-Z]{3}-\\d{1,6}$"}
     assert schema_problem(many_small) is None
     assert output_errors(many_small, {"p7": "p7-ABC-123", "again": "p0-XYZ-1"}) == []
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        (
+            {"properties": {"a": {"$ref": "#/properties/a"}}},
+            "output_schema.properties.a: its references lead back to themselves without reading into the data",
+        ),
+        (
+            {
+                "properties": {"a": {"$ref": "#/$defs/x"}},
+                "$defs": {"x": {"$ref": "#/$defs/y"}, "y": {"allOf": [{"$ref": "#/$defs/x"}]}},
+            },
+            "output_schema.$defs.y.allOf.0: its references lead back to themselves without reading into the data",
+        ),
+        (
+            {
+                "properties": {"n": {"$ref": "#/$defs/n"}},
+                "$defs": {"n": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/n"}]}},
+            },
+            "output_schema.$defs.n.anyOf.1: its references lead back to themselves without reading into the data",
+        ),
+        (
+            {"properties": {"a": {"$id": "urn:i", "properties": {"b": {"$ref": "#/$defs/n"}}}}, "$defs": {"n": {}}},
+            "output_schema.properties.a.$id: a subschema's $id ('urn:i') makes it a resource of its own",
+        ),
+    ],
+    ids=["itself", "through allOf", "through anyOf", "a nested $id"],
+)
+def test_a_schema_no_data_can_be_validated_against_is_refused_before_any_run(
+    schema: dict[str, Any], message: str
+) -> None:
+    """Each passed the checks (the empty probes never reached the loop, and a nested `$id` moved where its
+    references resolve), and every output with the property then failed, until the task's retries were spent."""
+    with pytest.raises(ValidationError) as refused:
+        check_schema(schema)
+    assert refused.value.message.startswith(message), refused.value.message
+
+
+def test_recursive_schemas_that_read_deeper_at_each_turn_stay_accepted() -> None:
+    tree = {"type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#"}}}}
+    linked = {"$defs": {"node": {"type": "object", "properties": {"next": {"anyOf": [{"type": "null"}, {
+        "$ref": "#/$defs/node"}]}}}}, "$ref": "#/$defs/node"}  # fmt: skip
+    named = {"$schema": "http://json-schema.org/draft-07/schema#", "properties": {"a": {"$ref": "#foo"}},
+             "definitions": {"f": {"$id": "#foo", "type": "integer"}}}  # fmt: skip
+    for schema in (tree, linked, named):
+        assert schema_problem(schema) is None, schema
+    assert output_errors(linked, {"next": {"next": None}}) == []
+    assert output_errors(named, {"a": "x"}) == ["data.a: 'x' is not of type 'integer'"]

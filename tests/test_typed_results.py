@@ -196,7 +196,7 @@ def _says(coord: Coordinator, task_id: str, kind: str) -> list[str]:
 MORE_BAD_SCHEMAS: list[tuple[str, object, str]] = [
     ("a bad pattern", {"type": "string", "pattern": "("}, "output_schema.pattern: '(' is not a 'regex'"),
     ("an unknown draft", {"$schema": "https://example.invalid/draft"}, "output_schema.$schema: 'https://example.invalid/draft' names no JSON Schema draft"),
-    ("a loop", {"$ref": "#"}, "output_schema: its references lead back to themselves without end"),
+    ("a loop", {"$ref": "#"}, "output_schema: its references lead back to themselves without reading into the data"),
     ("a value JSON cannot carry", {"type": "number", "maximum": float("nan")}, "output_schema: not JSON"),
 ]  # fmt: skip
 ALL_BAD = [*BAD_SCHEMAS, *MORE_BAD_SCHEMAS]
