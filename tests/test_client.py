@@ -7,6 +7,8 @@ response must come back as the SubqError subclass of its code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -474,3 +476,124 @@ def test_an_api_without_the_finishing_route_answers_with_the_record() -> None:
         calls.result(finishing, httpx.Response(200, json={"task_ids": "not a list"}))
     assert bad.value.code == "bad_response"
     assert _asked(steps.send(None)) == "task"
+
+
+# -- a stream that closes before its end is opened again from its last event ------------------------------------
+
+
+class CuttingProxy:
+    """A TCP relay to `upstream` that closes the first event stream through it after `cut_s` (an API restarting,
+    a proxy's limit on a response's time); everything else passes."""
+
+    def __init__(self, upstream: str, cut_s: float) -> None:
+        self.upstream_port = int(upstream.rsplit(":", 1)[1])
+        self.cut_s, self.cuts, self.port = cut_s, 0, 0
+        self._ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._serving = self._loop.create_task(self._serve())
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10)
+
+    def _run(self) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            self._loop.run_until_complete(self._serving)
+        self._loop.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _serve(self) -> None:
+        server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        async with server:
+            await server.serve_forever()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        head = await reader.read(65536)
+        up_writer.write(head)
+        cut = b"/events" in head and self.cuts == 0
+        self.cuts += int(cut)
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            sink.close()
+
+        both = asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        if cut:
+            await asyncio.sleep(self.cut_s)
+            both.cancel()
+            writer.close()
+            up_writer.close()
+        else:
+            await both
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._serving.cancel)
+        self._thread.join(10)
+
+
+@pytest.mark.parametrize("face", ["sync", "async"])
+def test_a_stream_cut_before_its_end_is_opened_again_from_its_last_event(
+    idle: Coordinator, idle_url: str, face: str
+) -> None:
+    """A stream closed before its `end` (the API restarting, a proxy's limit) ended the client's iteration as if the
+    tree had: `async for event in subq.events(root)` went on to read figures of a tree still running. It is now
+    opened again from its last event id: every event once, in order, and the `end` last."""
+    root = idle.create_task("Followed through a proxy", todos="[ ] a")
+    idle.delegate(root.id, [{"description": "a", "message": "m"}])
+    proxy = CuttingProxy(idle_url, cut_s=1.0)
+    seen: list[Event] = []
+
+    def cancel_after_the_cut() -> None:
+        time.sleep(2.0)
+        idle.cancel(root.id, "seen through the proxy")
+
+    async def read_async() -> None:
+        async with AsyncSubqClient(proxy.url, token=TOKEN) as client:
+            seen.extend([event async for event in client.events(root.id)])
+
+    stopper = threading.Thread(target=cancel_after_the_cut)
+    stopper.start()
+    try:
+        if face == "sync":
+            with SubqClient(proxy.url, token=TOKEN) as client:
+                seen.extend(client.events(root.id))
+        else:
+            asyncio.run(read_async())
+    finally:
+        stopper.join()
+        proxy.close()
+    assert proxy.cuts == 1
+    assert seen[-1].event == "end" and seen[-1].data["status"] == "cancelled", seen[-1]
+    ids = [event.id for event in seen if event.event != "end"]
+    assert len(ids) == len(set(ids)) >= 2, ids
+    assert ids == sorted(ids, key=lambda i: tuple(int(p) for p in i.split("-")))
+
+
+def test_a_stream_that_keeps_failing_is_given_up_within_the_clients_timeout() -> None:
+    """Opened again while its failures last under the client's timeout, then the last failure is raised."""
+    opened: list[str | None] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        opened.append(request.headers.get("last-event-id"))
+        if len(opened) == 1:
+            body = b'id: 5-0\ndata: {"type": "task_status"}\n\n'
+            return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+        return httpx.Response(502, content=b"<html>Bad Gateway</html>")
+
+    started = time.monotonic()
+    with SubqClient("http://subq.test", timeout_s=2.0, transport=httpx.MockTransport(answer)) as subq:
+        seen = []
+        with pytest.raises(ApiError) as failed:
+            seen.extend(subq.events("0123456789abcdef"))
+    assert [event.id for event in seen] == ["5-0"]
+    assert failed.value.status_code == 502 and "not an answer of the subq API" in failed.value.message
+    assert opened[0] is None and set(opened[1:]) == {"5-0"} and len(opened) >= 3, opened
+    assert time.monotonic() - started < 10

@@ -16,6 +16,7 @@ hears the tree move: the Redis stream, or the API's server-sent events (`watch`)
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import TYPE_CHECKING, Protocol
 
@@ -58,6 +59,9 @@ def watch(ops: Operations, root_id: str) -> Watch:
     return _StreamWatch(ops, root_id)
 
 
+log = logging.getLogger(__name__)
+
+
 class _StreamWatch:
     """Blocking reads of the tree's Redis stream, from its newest entry on."""
 
@@ -86,25 +90,25 @@ class _SseWatch:
     def __init__(self, client: SubqClient, root_id: str) -> None:
         self.client = client
         self.changed = threading.Event()
-        self.failure: BaseException | None = None
         self.closing = False
         self._thread = threading.Thread(target=self._read, args=(root_id,), daemon=True, name="subq-follow")
         self._thread.start()
 
     def _read(self, root_id: str) -> None:
+        # The stream only wakes the view early: the view reads the tree itself at least once a second, and says
+        # what fails there. So a stream that failed past its resumes (a proxy that cuts every long response, say)
+        # leaves the view to its own reads, rather than end a follow whose tree the API still serves.
         try:
             for _event in self.client.events(root_id):
                 self.changed.set()
-        except Exception as exc:  # reported by the next wait(), on the view's thread
-            self.failure = exc
+        except Exception as exc:
+            if not self.closing:
+                log.info("subq: the event stream of %s failed (%s); following by reading the tree", root_id, exc)
         self.changed.set()
 
     def wait(self, timeout_s: float) -> None:
         self.changed.wait(timeout_s)
         self.changed.clear()
-        if self.failure is not None and not self.closing:
-            failure, self.failure = self.failure, None
-            raise failure
 
     def close(self) -> None:
         self.closing = True

@@ -5,7 +5,8 @@ It sends the same `Call`s as `SubqClient` (coordinator/client/calls.py).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Generator, Mapping, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Callable, Generator, Mapping, Sequence
 from decimal import Decimal
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
@@ -16,7 +17,7 @@ from coordinator.api.schemas import DelegationResult, Health
 from coordinator.audit import AuditEntry
 from coordinator.client import calls
 from coordinator.client.calls import DEFAULT_TIMEOUT_S, Call, Sleep
-from coordinator.client.errors import error_of, unreachable
+from coordinator.client.errors import ApiError, error_of, unreachable
 from coordinator.client.sse import Event, SseParser
 from coordinator.deadletters import DeadLetter
 from coordinator.models import (
@@ -59,7 +60,7 @@ class AsyncSubqClient:
     async def _send(self, call: Call[T]) -> T:
         try:
             response = await self._http.request(call.method, call.path, json=call.json, params=call.params)
-        except httpx.TransportError as exc:
+        except httpx.RequestError as exc:
             raise unreachable(exc, self._http.base_url) from exc
         return calls.result(call, response)
 
@@ -190,6 +191,25 @@ class AsyncSubqClient:
         return await self._send(calls.health())
 
     async def events(self, task_id: str, last_event_id: str | None = None) -> AsyncIterator[Event]:
+        """As SubqClient.events: until `end`, opened again from its last event when it closes before."""
+        resume = calls.StreamResume(task_id, last_event_id, self.timeout_s)
+        while True:
+            failure: Exception = resume.ended_early()
+            try:
+                async for event in self._stream(task_id, resume.last_id, resume.opened):
+                    resume.saw(event)
+                    yield event
+                    if event.event == "end":
+                        return
+            except ApiError as exc:
+                if exc.code != "api_unreachable" and exc.status_code not in calls.RESUME_STATUSES:
+                    raise
+                failure = exc
+            await asyncio.sleep(resume.delay(failure))
+
+    async def _stream(
+        self, task_id: str, last_event_id: str | None, opened: Callable[[], None]
+    ) -> AsyncIterator[Event]:
         path, headers = calls.events(task_id, last_event_id)
         parser = SseParser()
         timeout = calls.stream_timeout(self.timeout_s)
@@ -198,10 +218,11 @@ class AsyncSubqClient:
                 if response.status_code != 200:
                     await response.aread()
                     raise error_of(response)
+                opened()
                 async for line in response.aiter_lines():
                     if (event := parser.feed(line)) is not None:
                         yield event
-        except httpx.TransportError as exc:
+        except httpx.RequestError as exc:
             raise unreachable(exc, self._http.base_url) from exc
 
     async def aclose(self) -> None:

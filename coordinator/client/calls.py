@@ -35,6 +35,7 @@ from coordinator.api.schemas import (
 )
 from coordinator.audit import AuditEntry
 from coordinator.client.errors import ApiError, error_of
+from coordinator.client.sse import Event
 from coordinator.deadletters import DeadLetter
 from coordinator.errors import ConfigError, ValidationError, WaitTimeout
 from coordinator.inputs import (
@@ -391,6 +392,49 @@ def headers(token: str | None) -> dict[str, str]:
             )
         sent["Authorization"] = f"Bearer {token}"
     return sent
+
+
+# A stream that closed before its `end` (the API restarting, a proxy's time limit on a response, a dropped
+# connection) is opened again from the last event id it gave: first after RESUME_FIRST_S, doubling to
+# RESUME_MAX_S (an event starts it over), while its failures last less than the client's timeout (an opening
+# answered 200 starts that over); then the failure is raised.
+RESUME_FIRST_S = 0.5
+RESUME_MAX_S = 5.0
+# A restarting API behind a proxy answers these while it is away: waited out as a dropped connection is.
+RESUME_STATUSES = frozenset({502, 503, 504})
+
+
+@dataclass
+class StreamResume:
+    """Where a task's event stream opens again after it closed before its `end`, and when."""
+
+    task_id: str
+    last_id: str | None
+    within_s: float  # how long its failures in a row may last before the last is raised
+    delay_s: float = RESUME_FIRST_S
+    failing_since: float | None = None
+
+    def saw(self, event: Event) -> None:
+        self.last_id = event.id or self.last_id
+        self.delay_s = RESUME_FIRST_S
+
+    def opened(self) -> None:
+        self.failing_since = None
+
+    def ended_early(self) -> ApiError:
+        return ApiError(
+            f"The event stream of {self.task_id} closed before its end event (last event {self.last_id or 'none'})",
+            code="stream_ended",
+        )
+
+    def delay(self, failure: Exception) -> float:
+        """How long to wait before opening it again; `failure` raised instead once that is past `within_s`."""
+        now = time.monotonic()
+        self.failing_since = now if self.failing_since is None else self.failing_since
+        if now - self.failing_since + self.delay_s > self.within_s:
+            raise failure
+        delay, self.delay_s = self.delay_s, min(self.delay_s * 2, RESUME_MAX_S)
+        return delay
 
 
 def stream_timeout(timeout_s: float) -> httpx.Timeout:

@@ -78,5 +78,14 @@ def error_from(body: Any, status_code: int | None, fallback: str) -> SubqError:
     return cls(message, field=where)
 
 
-def unreachable(exc: httpx.TransportError, base_url: httpx.URL) -> ApiError:
-    return ApiError(f"The subq API at {base_url} is unreachable: {type(exc).__name__}: {exc}", code="api_unreachable")
+def unreachable(exc: httpx.RequestError, base_url: httpx.URL) -> ApiError:
+    """A request that got no answer it could read: `api_unreachable` for a connection's failure, `bad_response`
+    for an answer httpx could not read (a body a proxy's compression broke), each in one line."""
+    if isinstance(exc, httpx.TransportError):
+        return ApiError(
+            f"The subq API at {base_url} is unreachable: {type(exc).__name__}: {exc}", code="api_unreachable"
+        )
+    return ApiError(
+        f"The subq API at {base_url} answered with what could not be read: {type(exc).__name__}: {exc}",
+        code="bad_response",
+    )

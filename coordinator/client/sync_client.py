@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from decimal import Decimal
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
@@ -14,7 +14,7 @@ from coordinator.api.schemas import DelegationResult, Health
 from coordinator.audit import AuditEntry
 from coordinator.client import calls
 from coordinator.client.calls import DEFAULT_TIMEOUT_S, Call, Sleep
-from coordinator.client.errors import error_of, unreachable
+from coordinator.client.errors import ApiError, error_of, unreachable
 from coordinator.client.sse import Event, SseParser
 from coordinator.deadletters import DeadLetter
 from coordinator.models import (
@@ -62,7 +62,7 @@ class SubqClient:
     def _send(self, call: Call[T]) -> T:
         try:
             response = self._http.request(call.method, call.path, json=call.json, params=call.params)
-        except httpx.TransportError as exc:
+        except httpx.RequestError as exc:
             raise unreachable(exc, self._http.base_url) from exc
         return calls.result(call, response)
 
@@ -208,7 +208,26 @@ class SubqClient:
         return self._send(calls.health())
 
     def events(self, task_id: str, last_event_id: str | None = None) -> Iterator[Event]:
-        """The task tree's events until the task settles; the last one is `end`."""
+        """The task tree's events until the task settles; the last one is `end`. A stream that closes before
+        it (the API restarting, a proxy's limit, a dropped connection) is opened again from its last event,
+        none given twice, for as long as `timeout_s` since that event (calls.StreamResume)."""
+        resume = calls.StreamResume(task_id, last_event_id, self.timeout_s)
+        while True:
+            failure: Exception = resume.ended_early()
+            try:
+                for event in self._stream(task_id, resume.last_id, resume.opened):
+                    resume.saw(event)
+                    yield event
+                    if event.event == "end":
+                        return
+            except ApiError as exc:
+                if exc.code != "api_unreachable" and exc.status_code not in calls.RESUME_STATUSES:
+                    raise
+                failure = exc
+            time.sleep(resume.delay(failure))
+
+    def _stream(self, task_id: str, last_event_id: str | None, opened: Callable[[], None]) -> Iterator[Event]:
+        """One opening of the task tree's event stream, from after `last_event_id` (`opened` once it answers)."""
         path, headers = calls.events(task_id, last_event_id)
         parser = SseParser()
         timeout = calls.stream_timeout(self.timeout_s)
@@ -217,10 +236,11 @@ class SubqClient:
                 if response.status_code != 200:
                     response.read()
                     raise error_of(response)
+                opened()
                 for line in response.iter_lines():
                     if (event := parser.feed(line)) is not None:
                         yield event
-        except httpx.TransportError as exc:
+        except httpx.RequestError as exc:
             raise unreachable(exc, self._http.base_url) from exc
 
     def close(self) -> None:
