@@ -597,3 +597,17 @@ def test_a_stream_that_keeps_failing_is_given_up_within_the_clients_timeout() ->
     assert failed.value.status_code == 502 and "not an answer of the subq API" in failed.value.message
     assert opened[0] is None and set(opened[1:]) == {"5-0"} and len(opened) >= 3, opened
     assert time.monotonic() - started < 10
+
+
+def test_an_answer_httpx_cannot_read_is_one_error_not_a_traceback() -> None:
+    """A proxy's broken compression (`Content-Encoding: gzip` on a body that is not) raised httpx's DecodingError,
+    which no handler named: the CLI showed a traceback."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b"not gzip at all", headers={"content-encoding": "gzip"})
+
+    with SubqClient("http://subq.test", token=TOKEN, transport=httpx.MockTransport(answer)) as subq:
+        with pytest.raises(ApiError) as failed:
+            subq.get_task("0123456789abcdef")
+    assert failed.value.code == "bad_response"
+    assert failed.value.message.startswith("The subq API at http://subq.test answered with what could not be read")
