@@ -33,7 +33,7 @@ def cancel(plane: Plane, task_id: str, reason: str) -> TaskRecord:
             "can be cancelled",
             field="task_id",
         )
-    stop_subtree(
+    stopped = stop_subtree(
         plane,
         record,
         top_status="cancelled",
@@ -41,7 +41,14 @@ def cancel(plane: Plane, task_id: str, reason: str) -> TaskRecord:
         top_class="Cancelled",
         error=f"cancelled with {task_id}: {reason}",
     )
-    return plane.store.records.get_task(task_id)
+    now = plane.store.records.get_task(task_id)
+    if task_id not in stopped and now.status != TaskStatus.CANCELLED:
+        # Its run ended it between the read above and the stop, which leaves an ended task as it is.
+        raise StateError(
+            f"Task {task_id} ended ({now.status.value}) before the cancel reached it, and keeps that outcome",
+            field="task_id",
+        )
+    return now
 
 
 def stop_subtree(

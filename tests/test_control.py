@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import Coordinator, NotFoundError, Settings, StateError, TaskStatus, ValidationError
+from coordinator import Coordinator, NotFoundError, Settings, StateError, TaskRecord, TaskStatus, ValidationError
 from coordinator.celery_app import make_app
 from tests.agents import STEP_COST_MICROS, USAGE, agent, call, reply
 from tests.conftest import dedicated_fleet
@@ -300,6 +300,33 @@ def test_an_approval_after_its_deadline_is_refused_and_the_call_times_out(idle_c
         assert run_child(rt, task.id).status == "completed"  # the resume the expiry (or the denial) published
         said = [m.get("text", "") for m in coord.messages(task.id) if m.get("say") == "command"]
         assert said == [], f"no command ran: {said}"
+
+
+def test_a_cancel_that_reaches_a_task_after_its_run_ended_it_says_so(
+    idle_coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cancel read the task as not ended, then stopped its subtree, which leaves an ended task as it is: a run
+    that ended it between the two made the cancel answer 200 with the record, and `subq cancel` said "Cancelled"
+    of a task that had completed. It is a 409 now, and the task keeps its outcome."""
+    coord = idle_coordinator
+    rt = build_runtime(coord.settings, make_app(coord.settings))
+    task = coord.create_task(agent(reply("done before the cancel")), run=True)
+    running = coord.get_task(task.id)
+    assert run_child(rt, task.id).status == "completed"
+    reads = coord.store.records.get_task
+    first = [True]
+
+    def as_read_before_it_ended(task_id: str) -> TaskRecord:
+        if first[0] and task_id == task.id:
+            first[0] = False
+            return running
+        return reads(task_id)
+
+    monkeypatch.setattr(coord.store.records, "get_task", as_read_before_it_ended)
+    with pytest.raises(StateError, match=f"Task {task.id} ended \\(completed\\) before the cancel reached it"):
+        coord.cancel(task.id, "too late")
+    monkeypatch.undo()
+    assert coord.get_task(task.id).status == TaskStatus.COMPLETED and coord.get_task(task.id).error == ""
 
 
 def test_a_task_that_waits_on_approvals_more_times_than_its_delivery_limit_completes(

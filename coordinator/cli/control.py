@@ -74,7 +74,7 @@ def cancel(
         below = _cancelled_below(coord.tree(task_id), task_id)
     reason_given = record.error.removeprefix(CANCELLED_PREFIX)
     tasks = f"{below} task{'' if below == 1 else 's'}"
-    typer.echo(f"Cancelled {record.id} and {tasks} below it that had not ended: {reason_given}")
+    say(f"Cancelled {record.id} and {tasks} below it that had not ended: {reason_given}")  # the reason escaped
 
 
 # How the service words a cancelled task's error (coordinator/control.py): the task the
