@@ -606,6 +606,12 @@ class RunLifecycle:
             error = f"task {task.id} is owned by its caller (runner {task.runner!r}), not run by an agent"
             log.error("subq.run_task refused: %s", error)
             return SubtaskResult(child_id=task.id, status="failed", error=error, error_class="StateError")
+        if plane.store.convergence.triage([task.id])[0].leased:
+            # A duplicate while a live run of it holds the lease (it has just delegated, or a stop ended it and it
+            # winds down): that run frees its slot and sends what follows. Freed here, a waiting sibling took the
+            # slot beside the live run, past the per-parent and per-tree limits; should the run die, the
+            # reconciler does this once its lease lapses.
+            return writeback.result_of(task)
         if task.status.terminal:
             writeback.settle_ended(plane, task)  # redelivered, duplicated, or its run died after its end
             return writeback.result_of(task)

@@ -599,6 +599,28 @@ def test_a_provider_timer_served_as_its_run_lets_go_leaves_the_task_watched(
     assert queued_ids(coord) == [task.id], "the reconciler publishes it again"
 
 
+def test_a_duplicate_message_never_frees_the_slot_of_a_run_that_still_holds_its_lease(coord: Coordinator) -> None:
+    """A child's run has committed its delegation (its status `delegated`) and not yet released: a duplicate of its
+    message freed its slot, and its waiting sibling was admitted beside the live run, past the per-parent limit of
+    one. A duplicate now leaves a leased task to its run."""
+    with settings_of(coord, max_running_per_parent=1) as limited:
+        root = limited.create_task(agent(reply("x")), run=True)
+        batch = delegate_as_its_run(limited, root.id, [subtask(agent(reply("a"))), subtask(agent(reply("b")))])
+        first, sibling = batch.child_ids
+        limited.client.delete(QUEUE)
+        lifecycle = build_runtime(limited.settings, make_app(limited.settings)).lifecycle
+        run = lifecycle.start(first)
+        assert isinstance(run, Run)
+        assert lifecycle.start(sibling).status == "queued", "it waits for the one slot"
+        delegation.commit(limited.plane, first, [subtask(agent(reply("g")))], "parallel", token=run.token)
+        assert limited.get_task(first).status == TaskStatus.DELEGATED
+        running = limited.store.keys.running(root.id)
+        duplicate = lifecycle.start(first)  # its message again, in that moment
+        assert duplicate.status == "delegated"
+        assert sorted(limited.client.smembers(running)) == [first], "the live run keeps its slot"
+        assert sibling not in queued_ids(limited), "and the sibling still waits"
+
+
 def _stale_and_newer(coord: Coordinator, **create: Any) -> tuple[TaskRecord, RunLifecycle, Run, Run]:
     """A task whose run stalled past its lease's lapse (its lease gone) and whose newer run started: the task,
     the lifecycle that started both, the stale run and the newer one."""
