@@ -194,18 +194,16 @@ class AsyncSubqClient:
         """As SubqClient.events: until `end`, opened again from its last event when it closes before."""
         resume = calls.StreamResume(task_id, last_event_id, self.timeout_s)
         while True:
-            failure: Exception = resume.ended_early()
             try:
                 async for event in self._stream(task_id, resume.last_id, resume.opened):
                     resume.saw(event)
                     yield event
                     if event.event == "end":
                         return
+                delay = resume.after(None)
             except ApiError as exc:
-                if exc.code != "api_unreachable" and exc.status_code not in calls.RESUME_STATUSES:
-                    raise
-                failure = exc
-            await asyncio.sleep(resume.delay(failure))
+                delay = resume.after(exc)
+            await asyncio.sleep(delay)
 
     async def _stream(
         self, task_id: str, last_event_id: str | None, opened: Callable[[], None]

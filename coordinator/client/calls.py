@@ -421,14 +421,17 @@ class StreamResume:
     def opened(self) -> None:
         self.failing_since = None
 
-    def ended_early(self) -> ApiError:
-        return ApiError(
-            f"The event stream of {self.task_id} closed before its end event (last event {self.last_id or 'none'})",
-            code="stream_ended",
-        )
-
-    def delay(self, failure: Exception) -> float:
-        """How long to wait before opening it again; `failure` raised instead once that is past `within_s`."""
+    def after(self, failure: ApiError | None) -> float:
+        """How long to wait before opening the stream again, after it closed before its `end` (`failure`: how, or
+        None for a close with no error). Raises `failure` when it is no reason to (an error the API itself sent,
+        a `StoreError` among them, is not an ApiError at all), or once failures have lasted past `within_s`."""
+        if failure is None:
+            failure = ApiError(
+                f"The event stream of {self.task_id} closed before its end event (last event {self.last_id or 'none'})",
+                code="stream_ended",
+            )
+        elif failure.code != "api_unreachable" and failure.status_code not in RESUME_STATUSES:
+            raise failure
         now = time.monotonic()
         self.failing_since = now if self.failing_since is None else self.failing_since
         if now - self.failing_since + self.delay_s > self.within_s:

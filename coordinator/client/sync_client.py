@@ -213,18 +213,16 @@ class SubqClient:
         none given twice, for as long as `timeout_s` since that event (calls.StreamResume)."""
         resume = calls.StreamResume(task_id, last_event_id, self.timeout_s)
         while True:
-            failure: Exception = resume.ended_early()
             try:
                 for event in self._stream(task_id, resume.last_id, resume.opened):
                     resume.saw(event)
                     yield event
                     if event.event == "end":
                         return
+                delay = resume.after(None)
             except ApiError as exc:
-                if exc.code != "api_unreachable" and exc.status_code not in calls.RESUME_STATUSES:
-                    raise
-                failure = exc
-            time.sleep(resume.delay(failure))
+                delay = resume.after(exc)
+            time.sleep(delay)
 
     def _stream(self, task_id: str, last_event_id: str | None, opened: Callable[[], None]) -> Iterator[Event]:
         """One opening of the task tree's event stream, from after `last_event_id` (`opened` once it answers)."""
