@@ -161,6 +161,26 @@ def test_a_hidden_path_cannot_be_moved_from_under_what_hides_it(workdir: Path) -
     assert _run("mv conf moved", workdir, sandbox, sandbox=False).exit_code == 0, "unconfined, the move succeeds"
 
 
+def test_a_writable_folder_or_a_hidden_path_inside_a_hidden_folder_still_starts(tmp_path: Path) -> None:
+    """A hidden folder made read-only at once refused the mount points bwrap then made inside it: a cwd under a
+    hidden folder (`SUBQ_SANDBOX_HIDDEN_PATHS=/srv/app`, cwd `/srv/app/work`), or a socket hidden inside a folder
+    hidden before it, and every command failed to start. The folder is made read-only last."""
+    base = Path(tempfile.mkdtemp(prefix="subq-hidden-", dir="/var/tmp"))  # outside the sandbox's own /tmp
+    try:
+        app, work = base / "app", base / "app" / "work"
+        work.mkdir(parents=True)
+        (app / "secret.env").write_text("S3CRET")
+        (app / "conf").mkdir()
+        (app / "conf" / "key.pem").write_text("S3CRET")
+        sandbox = Sandbox(hidden=(app, app / "conf" / "key.pem"))
+        ran = _run("sh -c 'echo made > made.txt; cat ../secret.env ../conf/key.pem; touch ../planted'", work, sandbox)
+        assert ran.exit_code != 0 and "S3CRET" not in ran.output, ran.text()
+        assert (work / "made.txt").read_text() == "made\n", "it writes in its cwd"
+        assert not (app / "planted").exists() and "Read-only file system" in ran.output, ran.text()
+    finally:
+        shutil.rmtree(base)
+
+
 def test_tmp_holds_at_most_the_commands_memory(workdir: Path) -> None:
     """The private /tmp is a tmpfs, memory: it took half the host's RAM whatever `memory_mb` said."""
     fill = "dd if=/dev/zero of=/tmp/fill bs=1M count=64"

@@ -210,7 +210,7 @@ class SubqClient:
     def events(self, task_id: str, last_event_id: str | None = None) -> Iterator[Event]:
         """The task tree's events until the task settles; the last one is `end`. A stream that closes before
         it (the API restarting, a proxy's limit, a dropped connection) is opened again from its last event,
-        none given twice, for as long as `timeout_s` since that event (calls.StreamResume)."""
+        none given twice, while its openings fail for less than `timeout_s` in a row (calls.StreamResume)."""
         resume = calls.StreamResume(task_id, last_event_id, self.timeout_s)
         while True:
             try:

@@ -150,6 +150,11 @@ class Sandbox:
         inner = [path for path in hidden if any(path.is_relative_to(folder) for folder in own)]
         wrapped += _pinned(inner, own)
         wrapped += self._hide(inner)
+        # Each hidden folder read-only last, once everything inside it is mounted: bwrap runs its steps in order,
+        # and a folder made read-only first refused the mount points a writable folder (or a hidden path) inside
+        # it needed. Not recursive: a writable folder mounted inside one stays writable.
+        for path in dict.fromkeys(path for path in hidden if path.is_dir()):
+            wrapped += ["--remount-ro", str(path)]
         wrapped += ["--setenv", "TMPDIR", "/tmp", "--chdir", str(cwd), "--"]
         if limits is not None:
             wrapped += [
@@ -165,8 +170,8 @@ class Sandbox:
     def _hide(paths: Iterable[Path]) -> list[str]:
         args: list[str] = []
         for path in paths:
-            if path.is_dir():  # an empty folder, which the command cannot write in either
-                args += ["--tmpfs", str(path), "--remount-ro", str(path)]
+            if path.is_dir():  # an empty folder, made read-only once all is mounted (`wrap`)
+                args += ["--tmpfs", str(path)]
             elif path.exists():
                 args += ["--ro-bind", "/dev/null", str(path)]
         return args
