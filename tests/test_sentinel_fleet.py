@@ -207,7 +207,13 @@ def test_the_workers_follow_a_planned_switch(settings: Settings, tmp_path: Path)
                 assert_converged(coord, root)
             kids = coord.get_children(fan_out.id)
             assert len(kids) == SWITCH_CHILDREN and all(k.status == TaskStatus.COMPLETED for k in kids)
-            assert {(k.requests, k.cost_micros) for k in kids} == {(1, STEP_COST_MICROS)}, "every child ran once"
+            # A run whose lease lapsed across the switch (3 s here; a loaded host's switch took longer) is run again,
+            # and its provider billed both requests: each is on its child once, the first recorded by its run's
+            # heartbeat when that run's end found its lease gone (dropped before, the child read one request).
+            runs = [(k.requests, k.cost_micros) for k in kids]
+            assert all(cost == requests * STEP_COST_MICROS for requests, cost in runs), runs
+            assert sum(requests > 1 for requests, _ in runs) <= SWITCH_CHILDREN // 10, f"few ran again: {runs}"
+            assert all(requests <= 2 for requests, _ in runs), runs
             assert coord.get_task(fan_out.id).requests == 2, "the agent resumed once"
             assert [m.get("say") for m in coord.messages(fan_out.id)].count("subtask_result") == 1
 

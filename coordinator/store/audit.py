@@ -39,8 +39,7 @@ class AuditLog(Part):
         self.scripts(
             AuditAdd(
                 stream=self.keys.audit(), refused=self.keys.refused(),
-                mark=self.keys.audit_mark(uuid.uuid4().hex), window=self.keys.rate(
-                    f"audit-refusals:{who}:{int(now // 60)}"), mark_s=RESEND_MARK_S, max_entries=AUDIT_MAX_ENTRIES,
+                mark=self.keys.audit_mark(uuid.uuid4().hex), window=self.keys.audit_refusals(who, int(now // 60)), mark_s=RESEND_MARK_S, max_entries=AUDIT_MAX_ENTRIES,
                 oldest_kept=f"{int((now - self.retention_s) * 1000)}-0", reason=reason,
                 logged_per_min=REFUSALS_LOGGED_PER_MIN, fields=list(fields.items()),
             )

@@ -332,6 +332,10 @@ class Keys:
         """One recovery's answer, kept for the same call sent again (hash-tagged by the endpoint)."""
         return f"{self.prefix}:endpoint-recovered:{{{endpoint}}}:{call}"
 
+    def audit_refusals(self, who: str, minute: int) -> str:
+        """`<p>:rate:audit-refusals:<who>:<min>`: the refusals of a key (or an address) logged in that minute."""
+        return self.rate(f"audit-refusals:{who}:{minute}")
+
     def settled(self, root_id: str, task_id: str) -> str:
         """The channel (pub/sub, no key) on which a task's settling is announced: its tree's stream's name and
         its id. hashes.lua's `wake_waiters` builds the same name from the stream key it is handed."""
