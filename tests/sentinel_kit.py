@@ -30,10 +30,11 @@ from typing import Any
 
 import redis
 
-from coordinator import Coordinator, Settings
+from coordinator import Coordinator, Settings, TaskRecord
 from coordinator.local.embedded_redis import find_redis_server
 from coordinator.local.fleet import WorkerFleet
 from coordinator.local.ports import free_port
+from tests.agents import STEP_COST_MICROS
 from tests.helpers import eventually
 from tests.tls_kit import TLS_REDIS_SERVER, Tls
 
@@ -436,3 +437,17 @@ def fleet_on(
             yield own, coord, fleet
         finally:
             coord.close()
+
+
+def assert_each_request_once(parent: TaskRecord, kids: list[TaskRecord]) -> None:
+    """The children of a fan-out across a Redis switch, each making one request a run: each child's figures are
+    its requests', each recorded once, and the fan-out's total is its own and theirs. A child whose run the switch
+    lost (its start or lease not on the master that took over, or its lease lapsed across it) is run again, and
+    its provider billed both runs' requests: the first is recorded by that run's heartbeat when its end finds its
+    lease gone, the second by the new run (before, the first was dropped, and such a child read one request). A
+    switch costs a child one more run at most (a loaded host's sentinels have switched twice: three)."""
+    runs = [(k.requests, k.cost_micros) for k in kids]
+    assert all(cost == requests * STEP_COST_MICROS for requests, cost in runs), runs
+    assert all(1 <= requests <= 3 for requests, _ in runs), runs
+    # And the fan-out's total is its own requests and its children's, each once.
+    assert parent.total_cost_micros == (parent.requests + sum(k.requests for k in kids)) * STEP_COST_MICROS
