@@ -453,7 +453,8 @@ def snapshot_of(coord: Coordinator, *roots: str) -> dict[str, object]:
     A tenant's submit window is left out too: it lapses a minute after the last submit, on no tree's clock
     (a fresh clone's slow run once read it before a duplicate callback and not after). The fleet's `reserved`
     set keeps only the runs of `roots`: each worker's beat rewrites it on the worker's clock (a quiet fresh
-    clone's run once saw a beat drop another tree's held run between two snapshots)."""
+    clone's run once saw a beat drop another tree's held run between two snapshots), and holding none of theirs
+    it counts as absent (another saw the beat take the set's last entry away, and the key with it)."""
     prefix = re.escape(coord.settings.key_prefix)
     ours = {f"{coord.settings.key_prefix}:{{{root}}}:" for root in roots}
     tree_key = re.compile(rf"{prefix}:\{{[^}}]*\}}:")
@@ -466,7 +467,11 @@ def snapshot_of(coord: Coordinator, *roots: str) -> dict[str, object]:
     }
     if reserved in kept:
         kind, members = cast(tuple[str, list[tuple[str, float]]], kept[reserved])
-        kept[reserved] = (kind, [(m, score) for m, score in members if m.startswith(roots)])
+        ours_reserved = [(m, score) for m, score in members if m.startswith(roots)]
+        if ours_reserved:
+            kept[reserved] = (kind, ours_reserved)
+        else:  # only other trees' runs, or none: as absent (a beat that took the last of them away deletes the key)
+            del kept[reserved]
     return kept
 
 
