@@ -269,6 +269,15 @@ class Gate:
         without its content (`operate` changes any tree, and reads none)."""
         return done if key.may_read(owner) else done.without_content()
 
+    def redeliver(self, request: Request, key: Principal, task_id: str, delivery_id: str) -> Delivery:
+        """Send an outbound event again (scope `operate`, on the audit log), answered as `as_read_by` says: a key
+        that may not read the tree gets its state and attempts, not its target nor its last answer. One for the
+        API and the web view's button, whose own copy answered the delivery whole."""
+        self.need(request, key, Scope.OPERATE)
+        owner = self.coord.owner_of(task_id)
+        done = self.coord.redeliver(task_id, delivery_id, actor=actor_of(request, key, self.via))
+        return self.as_read_by(key, owner, done)
+
     def approvals(self, request: Request, key: Principal, root_id: str | None) -> list[Approval]:
         """The waiting calls `key` may see (of one root's tree, or all): every one with `decide` or `read_all`;
         with `read` alone, those of the trees it created (GET /v1/approvals, and /mcp's list_approvals)."""

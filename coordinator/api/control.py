@@ -108,9 +108,7 @@ def _tree_routes(router: APIRouter, coord: Coordinator, gate: Gate, denied: tupl
         """Its attempts start again from 0 and its bounded time from now; the receiver sees the same
         `webhook-id`. Scope `operate`; on the audit log. A key that may not read the tree is answered the
         delivery's state without its target nor its last answer (`operate` changes any tree, and reads none)."""
-        gate.need(request, key, Scope.OPERATE)
-        owner = coord.owner_of(task_id)
-        return gate.as_read_by(key, owner, coord.redeliver(task_id, delivery_id, actor=actor_of(request, key)))
+        return gate.redeliver(request, key, task_id, delivery_id)
 
 
 def _approval_routes(router: APIRouter, coord: Coordinator, gate: Gate, denied: tuple[int, ...]) -> None:

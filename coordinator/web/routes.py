@@ -316,9 +316,7 @@ def _action_routes(router: APIRouter, web: _Web) -> None:
     def redeliver(
         request: Request, task_id: TaskId, delivery_id: DeliveryId, key: Principal = Depends(web.signed_in)
     ) -> Delivery:
-        gate.need(request, key, Scope.OPERATE)
-        owner = coord.owner_of(task_id)
-        return gate.as_read_by(key, owner, coord.redeliver(task_id, delivery_id, actor=actor_of(request, key, "web")))
+        return gate.redeliver(request, key, task_id, delivery_id)
 
     @router.post("/actions/approvals/{approval_id}", dependencies=[Depends(_json_body)])
     def decide(
