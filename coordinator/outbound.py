@@ -685,6 +685,8 @@ class Deliverer:
         # thread runs, past its attempts' deadlines too, so that later attempts of a host whose name server
         # hangs wait on the same resolution, not one thread each.
         self._resolving: dict[tuple[str, int], list[_Waiting]] = {}
+        # The hosts a resolver thread is looking up now (the rest of `_resolving` waits in the queue for one).
+        self._looking_up: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
         # How long an idle loop waits before it looks again: a worker paces it by its fleet's size
         # (workers/outbound.py), so a fleet of any size looks about every POLL_S.
@@ -941,12 +943,15 @@ class Deliverer:
 
         Whatever the check raises is the attempts' refusal: an exception left in the thread's future, which no
         one reads, would leave their slots taken for good, and each claim of them would take another."""
+        with self._lock:
+            self._looking_up.add(host)
         try:
             address, refusal = self._check(url)
         except Exception as exc:
             log.exception("subq: checking webhook host %r failed", url.hostname)
             address, refusal = "", one_line(f"refused: the host's check failed: {type(exc).__name__}: {exc}")
         with self._lock:
+            self._looking_up.discard(host)
             self._resolved += [(w, address, refusal) for w in self._resolving.pop(host, [])]
         self._connections.wake()
 
@@ -955,11 +960,14 @@ class Deliverer:
         did not answer (its claim ends before its lease, so no other worker sends it meanwhile)."""
         now, expired = time.monotonic(), []
         with self._lock:
-            for waiting in self._resolving.values():
-                expired += [w for w in waiting if w.deadline <= now]
+            for host, waiting in self._resolving.items():
+                expired += [(w, host in self._looking_up) for w in waiting if w.deadline <= now]
                 waiting[:] = [w for w in waiting if w.deadline > now]
-        for w in expired:
-            self._heard(_host_of(w.target.url), answered=False)
+        for w, looked_up in expired:
+            # Held back as silent only when its own lookup ran out of time: one still queued behind other hosts'
+            # lookups (another tree's names whose DNS never answers) says nothing of its receiver.
+            if looked_up:
+                self._heard(_host_of(w.target.url), answered=False)
             self._done(self._settled(w.item, Attempt("retrying", self._unresolved(w.target))))
 
     def _unresolved(self, target: Target) -> str:

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import concurrent.futures
 import ipaddress
 import json
 import re
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 from urllib.parse import urlsplit, urlunsplit
@@ -38,6 +40,7 @@ from pydantic import (
 )
 
 from coordinator.errors import ValidationError
+from coordinator.networks import blocked_address, own_addresses_lately
 from coordinator.text import lone_surrogate
 
 __all__ = [
@@ -53,7 +56,7 @@ __all__ = [
     "UnsafeTarget",
     "Webhook",
     "Webhooks",
-    "check_target",
+    "check_targets",
     "check_webhook_events",
     "check_webhook_secret",
     "check_webhook_url",
@@ -89,6 +92,10 @@ DEFAULT_EVENTS = ("task.*", "approval.*", "budget.*")
 DEFAULT_CALLBACK_QUEUE = "celery"
 # The subscription number of a root's `on_complete` in its hooks hash (its webhooks are 0 to 4).
 CALLBACK_HOOK = "c"
+# How long a submit waits for its webhooks' host names to resolve, all of them together (`check_targets`), and the
+# threads that look them up: a name not answered by then is accepted as one that does not resolve yet.
+CREATE_RESOLVE_WAIT_S = 2.0
+_RESOLVER = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="subq-webhook-dns")
 # The first part of a task name an on_complete may not name: subq's tasks (subq.*) and Celery's (celery.*).
 RESERVED_TASK_PREFIXES = frozenset({"subq", "celery"})
 _TASK_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,199}")
@@ -257,8 +264,11 @@ def _allowed(address: ipaddress.IPv4Address | ipaddress.IPv6Address, allow: Sequ
                 return True
         except ValueError:
             continue  # a host name: matched by name, not here
-    # `is_global` is false for loopback, private, link-local (169.254.169.254, the clouds' metadata
-    # address), shared (100.64/10: Alibaba's metadata), unspecified, reserved and documentation ranges.
+    # The sandbox's ranges and the host's own addresses (coordinator/networks.py): `is_global` alone read the NAT64,
+    # 6to4 and IPv4-compatible forms of a private address (64:ff9b::a00:1 is 10.0.0.1 behind DNS64) as global.
+    # `is_global` after them: documentation ranges and the rest of what IANA holds back.
+    if blocked_address(address, own_addresses_lately()):
+        return False
     return address.is_global and not address.is_multicast
 
 
@@ -275,7 +285,7 @@ def resolve_safe(host: str, port: int, allow: Sequence[str]) -> str:
     if literal is not None:
         if _allowed(literal, allow):
             return str(literal)
-        raise UnsafeTarget(f"{literal} is a loopback, private, link-local or metadata address")
+        raise UnsafeTarget(f"{literal} is a loopback, private, link-local, metadata or this host's own address")
     if problem := _host_name_problem(host):  # a subscription stored before its URL's host was checked at creation
         raise UnsafeTarget(problem)
     try:
@@ -287,25 +297,61 @@ def resolve_safe(host: str, port: int, allow: Sequence[str]) -> str:
         return addresses[0]
     for text in addresses:
         if not _allowed(ipaddress.ip_address(text.split("%")[0]), allow):
-            raise UnsafeTarget(f"{host} resolves to {text}, a loopback, private, link-local or metadata address")
+            # (Not which address: a caller with `submit` would read a private name's answer in the refusal.)
+            raise UnsafeTarget(
+                f"{host} resolves to a loopback, private, link-local, metadata or this host's own address"
+            )
     return addresses[0]
 
 
-def check_target(url: str, allow: Sequence[str], field: str) -> None:
-    """At creation: a URL whose host is, or resolves to, an address no webhook may reach is a 422 naming `field`.
-
-    A host that does not resolve yet is accepted: each attempt checks again, and a name may be
-    the receiver's own to publish later (its attempts retry meanwhile)."""
+def _target_problem(url: str, allow: Sequence[str]) -> str | None:
+    """Why a webhook may not reach `url`'s host (None: it may, or it does not resolve yet)."""
     parts = urlsplit(url)
     try:
         resolve_safe(parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80), allow)
     except UnsafeTarget as exc:
-        if "does not resolve" in str(exc):
-            return
+        return None if "does not resolve" in str(exc) else str(exc)
+    return None
+
+
+def _is_literal(url: str) -> bool:
+    try:
+        ipaddress.ip_address((urlsplit(url).hostname or "").strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def check_targets(urls: Mapping[str, str], allow: Sequence[str]) -> None:
+    """At creation: a URL (by the field that names it) whose host is, or resolves to, an address no webhook may reach
+    is a 422 naming its field.
+
+    A host that does not resolve yet is accepted: each attempt checks again, and a name may be the receiver's own
+    to publish later (its attempts retry meanwhile). So is a name whose DNS has not answered within
+    `CREATE_RESOLVE_WAIT_S` (the request's names looked up together, in a pool of their own): a caller whose names'
+    servers never answer held an API thread for the resolver's whole timeout per name, and forty such requests held
+    every thread the API has. An address written as such is checked here and now, never left to the wait."""
+    pending: dict[str, concurrent.futures.Future[str | None]] = {}
+    for field, url in urls.items():
+        if _is_literal(url):
+            _refuse(field, _target_problem(url, allow))
+        else:
+            pending[field] = _RESOLVER.submit(_target_problem, url, allow)
+    deadline = time.monotonic() + CREATE_RESOLVE_WAIT_S
+    for field, future in pending.items():
+        try:
+            problem = future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            continue  # not answered yet: as a name that does not resolve yet
+        _refuse(field, problem)
+
+
+def _refuse(field: str, problem: str | None) -> None:
+    if problem is not None:
         raise ValidationError(
-            f"{field}: {exc}; a webhook goes to public addresses only (SUBQ_WEBHOOK_ALLOW names exceptions)",
+            f"{field}: {problem}; a webhook goes to public addresses only (SUBQ_WEBHOOK_ALLOW names exceptions)",
             field=field,
-        ) from None
+        )
 
 
 def subscriptions(
@@ -321,8 +367,8 @@ def subscriptions(
     `c`; the operator's SUBQ_NOTIFY sinks (`n0`, ...: each with a url, format, secret and events) and the
     creating API key's webhooks (`k0`, ...) are the operator's own and checked at each connect only."""
     targets: dict[str, tuple[str, str]] = {}
+    check_targets({f"webhooks.{n}.url": hook.url for n, hook in enumerate(webhooks or ())}, allow)
     for n, hook in enumerate(webhooks or ()):
-        check_target(hook.url, allow, f"webhooks.{n}.url")
         secret = hook.secret.get_secret_value() if hook.secret is not None else ""
         target = {"kind": "webhook", "url": hook.url, "secret": secret, "format": "json"}
         targets[str(n)] = (" ".join(hook.events), json.dumps(target))

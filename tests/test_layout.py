@@ -24,6 +24,7 @@ WORKER_SEAMS = {
     "coordinator.outbound",
     "coordinator.tracing",
     "coordinator.loading",  # how a process loads its modules (the collector off), shared with the CLI
+    "coordinator.networks",  # the ranges no connection may reach, a webhook's or a sandbox's (standard library alone)
 }
 # The one module outside the store package that builds a Store.
 STORE_BUILDER = "coordinator/service.py"

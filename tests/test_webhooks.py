@@ -170,6 +170,12 @@ PRIVATE = [
     "http://169.254.169.254/latest/meta-data",
     "http://[::1]/hook",
     "http://localhost:8080/hook",  # a name that resolves to 127.0.0.1
+    # Forms Python's `is_global` reads as global, each carrying a private IPv4 address: NAT64 (10.0.0.1 behind DNS64),
+    # IPv4-compatible, 6to4; and site-local. Each was accepted (coordinator/networks.py).
+    "http://[64:ff9b::a00:1]/hook",
+    "http://[::a00:1]/hook",
+    "http://[2002:a00:1::1]/hook",
+    "http://[fec0::1]/hook",
 ]
 
 
@@ -191,6 +197,7 @@ def test_a_private_target_is_refused_with_422_unless_allowed(idle: Coordinator, 
     with pytest.raises(ValidationError) as refused:
         idle.create_task("x", webhooks=[{"url": url}])
     assert refused.value.field == "webhooks.0.url" and "public addresses only" in str(refused.value)
+    assert "127.0.0.1" not in str(refused.value) or "127.0.0.1" in url, "the refusal never says what a name resolved to"
     assert _nothing_written(idle)
     with ApiServer(create_app(coordinator=idle)) as server, server.client({"authorization": f"Bearer {TOKEN}"}) as http:
         answer = http.post("/v1/tasks", json={"prompt": "x", "webhooks": [{"url": url}]})
@@ -198,13 +205,56 @@ def test_a_private_target_is_refused_with_422_unless_allowed(idle: Coordinator, 
     assert _nothing_written(idle)
     allowed = Coordinator(
         idle.settings.model_copy(
-            update={"webhook_allow": ["127.0.0.0/8", "10.0.0.0/8", "169.254.0.0/16", "::1", "localhost"]}
+            update={
+                "webhook_allow": [
+                    *("127.0.0.0/8", "10.0.0.0/8", "169.254.0.0/16", "::1", "localhost"),
+                    *("64:ff9b::/96", "::/96", "2002::/16", "fec0::/10"),
+                ]
+            }
         )
     )
     try:
         assert allowed.create_task("x", webhooks=[{"url": url}]).id
     finally:
         allowed.close()
+        _clean(idle, "subqwhidle")
+
+
+def test_names_whose_dns_never_answers_hold_a_submit_for_the_wait_alone(
+    idle: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Five webhooks on names whose name servers drop every query: each lookup held the API's thread for the
+    resolver's whole timeout, one after the other, and forty such submits held every thread the API has. A
+    request's names are now looked up together, for CREATE_RESOLVE_WAIT_S at most, then taken as names that do
+    not resolve yet; an address written as such is still checked at once, however busy the lookups are."""
+    import socket
+    import threading
+
+    from coordinator.subscriptions import CREATE_RESOLVE_WAIT_S
+
+    real, release = socket.getaddrinfo, threading.Event()
+
+    def hanging(host: object, *args: Any, **kwargs: Any) -> Any:
+        if str(host).endswith(".hang.example"):
+            release.wait(60)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    hooks = [{"url": f"https://x{n}.hang.example/in"} for n in range(5)]
+    try:
+        started = time.monotonic()
+        root = idle.create_task("x", webhooks=hooks)
+        took_s = time.monotonic() - started
+        # Against the outside: five lookups of 60 s each, one after the other, before.
+        assert took_s < 30, took_s
+        assert took_s >= CREATE_RESOLVE_WAIT_S * 0.9, "it waited for the names, not past them"
+        assert root.id
+        with pytest.raises(ValidationError) as refused:  # the lookups still hang: a literal is checked now
+            idle.create_task("x", webhooks=[*hooks[:4], {"url": "http://10.0.0.1/in"}])
+        assert refused.value.field == "webhooks.4.url"
+    finally:
+        release.set()
         _clean(idle, "subqwhidle")
 
 

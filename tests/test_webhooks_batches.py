@@ -539,6 +539,71 @@ def test_a_host_whose_name_server_hangs_holds_neither_other_hosts_nor_its_claims
         coord.close()
 
 
+def test_a_host_queued_behind_other_hosts_hanging_lookups_is_not_held_back_as_silent(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As many hanging names as the deliverer has resolver threads (another tree's, another tenant's maybe) fill
+    them; a third tree's host waits in the queue behind them until its attempt's timeout. That attempt retries,
+    as it must, but its host was marked as a receiver that did not answer, and its next attempts held back:
+    nothing was ever asked of it."""
+    from coordinator.outbound import RESOLVERS
+
+    receiver = RawReceiver(host=str(socket.getaddrinfo("localhost", None, type=socket.SOCK_STREAM)[0][4][0]))
+    stuck_names = [f"stuck{n}.example" for n in range(RESOLVERS)]
+    own = settings.model_copy(
+        update={
+            "queue": "subq-nobody", "key_prefix": "subqqueued", "webhook_allow": ["localhost", *stuck_names],
+            "webhook_timeout_s": 1.0, "webhook_retry_base_s": 60.0,
+        }
+    )  # fmt: skip
+    coord = Coordinator(own)
+    real, release, asked = socket.getaddrinfo, threading.Event(), []
+
+    def hanging(host: object, *args: Any, **kwargs: Any) -> Any:
+        if host in stuck_names:
+            asked.append(host)
+            release.wait(120)
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    stop = threading.Event()
+    try:
+        stuck = [
+            coord.create_task("Say hello.", webhooks=[{"url": f"http://{name}/in", "events": ["*"]}])
+            for name in stuck_names
+        ]
+        fine = coord.create_task(
+            "Say hello.", webhooks=[{"url": f"http://localhost:{receiver.port}/in", "events": ["*"]}]
+        )
+        monkeypatch.setattr(socket, "getaddrinfo", hanging)
+        for root in stuck:
+            coord.store.outbox.add_event(root.id, root.id, "task.completed", {})
+        deliverer = Deliverer(coord, lambda *_: None)
+        threading.Thread(target=deliverer.run_forever, args=(stop,), daemon=True).start()
+        eventually(lambda: len(asked) == RESOLVERS, "every resolver thread holds a hanging name", 30)
+        coord.store.outbox.add_event(fine.id, fine.id, "task.completed", {})
+        eventually(
+            lambda: [d["state"] for d in coord.store.outbox.deliveries(fine.id)] == ["retrying"],
+            "the queued host's attempt ended at its timeout", 30,
+        )  # fmt: skip
+        assert not receiver.requests
+        assert ("localhost", receiver.port) not in deliverer._silent, "a host never asked is not held back"
+        eventually(
+            lambda: all(
+                [d["state"] for d in coord.store.outbox.deliveries(root.id)] == ["retrying"] for root in stuck
+            ),
+            "each hanging name's attempt ended at its timeout", 30,
+        )  # fmt: skip
+        assert {(name, 80) for name in stuck_names} <= set(deliverer._silent), "a lookup that hung is held back"
+    finally:
+        release.set()
+        stop.set()
+        receiver.stop()
+        for key in coord.client.scan_iter("subqqueued:*"):
+            coord.client.delete(key)
+        coord.close()
+
+
 def test_a_receiver_that_never_answers_holds_one_attempt_a_span_not_every_slot(settings: Settings) -> None:
     """One tree's receiver hangs; its twelve events are due before another tree's one. Before, each claim of the
     hung host's deliveries held a slot for the whole timeout: the other tree's event, another tenant's maybe, waited

@@ -26,7 +26,8 @@ bwrap and gives the sandbox's network namespace of its own one of two ways out:
   turns into a `network_refused` UI line on the task and a metric.
 
 It uses the standard library alone and is started as `python -I -S egress.py`: it starts with
-every sandboxed command, so it imports nothing of subq's. bwrap is started with `--info-fd`
+every sandboxed command, so it imports nothing of subq's but coordinator/networks.py (the ranges no
+connection of subq's may reach, standard library alone too), found beside its own package. bwrap is started with `--info-fd`
 (its child's PID) and `--block-fd` (the command waits until the network is ready). pasta runs
 in the foreground as this program's child, in its process group, and is ended with it: a
 daemonised pasta attached to a PID outlives the namespace's last process.
@@ -59,6 +60,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+if not __package__:  # started as its own program (-I -S, no path but its own folder): the tree it sits in
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from coordinator.networks import BLOCKED_NETWORKS, IpAddress, blocked_address, own_addresses
+
 __all__ = [
     "BLOCKED_NETWORKS",
     "IP",
@@ -79,21 +84,8 @@ IP = "ip"
 NEEDS = "pasta (Debian's passt) and ip (iproute2)"
 # The exit status when the network could not be set up (as `env` says for a command it cannot run).
 SETUP_FAILED = 125
-# Never reached from a sandbox: the host's loopback, the private and shared ranges (RFC 1918, RFC 6598),
-# link-local (the cloud metadata address 169.254.169.254 is in it), "this network", IETF protocol
-# assignments (the namespace's own /30 is more specific: its gateway answers DNS), benchmarking,
-# multicast and reserved; for IPv6 (the proxy's connections) loopback, the IPv4-compatible form (::/96),
-# NAT64 (well-known and local-use, RFC 8215), 6to4 and Teredo (each can carry an IPv4 address of the ranges
-# above), discard-only (RFC 6666), unique-local (AWS's fd00:ec2::254 metadata address is in it), link-local
-# and site-local, multicast, and the IPv4-mapped form of the ranges above.
-BLOCKED_NETWORKS = tuple(
-    ipaddress.ip_network(net)
-    for net in (
-        "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
-        "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4",
-        "::/96", "::1/128", "64:ff9b::/96", "64:ff9b:1::/48", "100::/64", "2001::/32", "2002::/16", "fc00::/7", "fe80::/10", "fec0::/10", "ff00::/8",
-    )
-)  # fmt: skip
+# Never reached from a sandbox: coordinator/networks.py's ranges (a webhook keeps off them too), and the host's
+# own addresses.
 # The namespace's own address and gateway (public): IETF protocol assignments (RFC 6890), where no
 # public host lives, so no destination is hidden behind them. The gateway answers DNS (pasta forwards it).
 NS_ADDRESS, NS_PREFIX, NS_GATEWAY = "192.0.0.2", "30", "192.0.0.1"
@@ -161,37 +153,13 @@ def allowed(host: str, names: Iterable[str]) -> bool:
     return False
 
 
-def own_addresses() -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
-    """Every address of this host's interfaces (a public one reaches services bound to 0.0.0.0)."""
-    found: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
-    with contextlib.suppress(OSError):  # /proc/net/fib_trie: "|-- 192.0.2.2" then "/32 host LOCAL"
-        last = ""
-        for line in Path("/proc/net/fib_trie").read_text().splitlines():
-            text = line.strip()
-            if text.startswith("|--"):
-                last = text[3:].strip()
-            elif text == "/32 host LOCAL" and last:
-                with contextlib.suppress(ValueError):
-                    found.add(ipaddress.ip_address(last))
-    with contextlib.suppress(OSError):  # /proc/net/if_inet6: 32 hex digits, then the interface's fields
-        for line in Path("/proc/net/if_inet6").read_text().splitlines():
-            digits = line.split()[0] if line.split() else ""
-            with contextlib.suppress(ValueError):
-                found.add(ipaddress.ip_address(":".join(digits[i : i + 4] for i in range(0, 32, 4))))
-    return found
-
-
-def blocked(address: str, own: set[ipaddress.IPv4Address | ipaddress.IPv6Address] | None = None) -> bool:
-    """Whether a sandbox may never reach `address` (a range above, or one of the host's own addresses)."""
+def blocked(address: str, own: set[IpAddress] | None = None) -> bool:
+    """Whether a sandbox may never reach `address` (a blocked range, or one of the host's own addresses)."""
     try:
         ip = ipaddress.ip_address(address.split("%", 1)[0])
     except ValueError:
         return True
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    if own is not None and ip in own:
-        return True
-    return any(ip.version == net.version and ip in net for net in BLOCKED_NETWORKS)
+    return blocked_address(ip, own)
 
 
 # -- the proxy (hosts) --------------------------------------------------------------------
