@@ -166,17 +166,23 @@ class Reconciler:
         next_beat = next_tick = clock()
         while True:
             started = clock()
-            try:
-                if started >= next_beat:
+            # The beat and the tick each fail alone (Redis down, a bad record: logged, tried again after an
+            # interval): a beat that failed every time (a tenants table too large for it) stopped every tick.
+            if started >= next_beat:
+                try:
                     self.beat()
                     next_beat = started + beat_every_s
-                if started >= next_tick:
+                except Exception:
+                    log.exception("subq reconciler: a beat failed")
+                    next_beat = started + interval_s
+            if started >= next_tick:
+                try:
                     leads = self.tick() is not None
                     wait_s = interval_s if leads else fleet_paced_s(interval_s, self.lease_s / 2, self.fleet_size)
                     next_tick = started + wait_s
-            except Exception:  # Redis down, a bad record: log it and try both again after an interval
-                log.exception("subq reconciler: a tick failed")
-                next_beat, next_tick = max(next_beat, started + interval_s), started + interval_s
+                except Exception:
+                    log.exception("subq reconciler: a tick failed")
+                    next_tick = started + interval_s
             if clock() - started > interval_s:
                 log.warning("subq reconciler: a tick took %.1f s", clock() - started)
             if stop.wait(max(0.0, min(next_beat, next_tick) - clock())):

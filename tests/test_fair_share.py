@@ -188,6 +188,17 @@ def test_the_capacity_is_the_live_workers_concurrency(fair: Coordinator) -> None
     assert sorted(store.client.hkeys(store.keys.worker_slots())) == ["w1"]
 
 
+def test_a_tenants_table_of_thousands_is_written_whole_by_the_beat(fair: Coordinator) -> None:
+    """A table of one tenant a customer: its 8,000 values and more were unpacked into one HSET, past what Lua
+    unpacks ("too many results to unpack"), and every beat failed."""
+    store = fair.store
+    table = {f"t{i}": (1 + i % 3, i % 5) for i in range(4100)} | {"*": (1, 0)}
+    assert beat(store, table) == SHARES.capacity
+    written = store.client.hgetall(store.keys.fair_policies())
+    assert len(written) == len(table)
+    assert written["t4099"] == f"{1 + 4099 % 3} {4099 % 5}" and written["*"] == "1 0"
+
+
 def test_with_fair_shares_off_nothing_of_them_is_written(fair: Coordinator) -> None:
     store = fair.store
     (one,) = children(fair, "a", 1)

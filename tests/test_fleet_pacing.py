@@ -100,6 +100,13 @@ def test_a_failed_beat_is_tried_again_after_an_interval_not_at_once() -> None:
     assert run_for(Counted(leads=True, fleet_size=1, fail=True), 20).beats == 20
 
 
+def test_a_beat_that_fails_every_time_never_stops_the_ticks() -> None:
+    """The beat ran first in the same `try` as the tick, and a beat that always failed (a tenants table it could
+    not write) put the tick off at every turn: no lost run was published again on any worker."""
+    failing = run_for(Counted(leads=True, fleet_size=1, fail=True), 20)
+    assert failing.ticks == 20 and failing.beats == 20
+
+
 def test_an_idle_stop_watch_keeps_no_timer() -> None:
     """The watch polls on the runs' loop while one is watched; the tick that finds none leaves no timer."""
     from workers.runtime.agent_loop import AgentLoop, StopWatch

@@ -31,7 +31,9 @@ for _, worker in ipairs(redis.call('HKEYS', KEYS[2])) do
 end
 redis.call('SET', KEYS[3], capacity, 'EX', ARGV[4])
 redis.call('DEL', KEYS[4])
-if #ARGV > 4 then
-  redis.call('HSET', KEYS[4], unpack(ARGV, 5))
+-- In slices of 500 tenants: Lua unpacks no more than about 8,000 values, and a table of one tenant a customer holds
+-- thousands (the beat failed, and with it every reconciler tick after it).
+for first = 5, #ARGV, 1000 do
+  redis.call('HSET', KEYS[4], unpack(ARGV, first, math.min(first + 999, #ARGV)))
 end
 return capacity
