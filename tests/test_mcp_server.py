@@ -400,6 +400,16 @@ def test_subq_mcp_needs_an_api(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     }
     assert run_cli(["mcp", "--credentials", str(tmp_path / "missing.env")]) == 1
     assert "cannot read it" in capsys.readouterr().err
+    # A quote left open, or bytes that are not text: one line, not a traceback.
+    for name, content, words in (
+        ("open-quote.env", b"# ok\nexport SUBQ_API_URL='http://127.0.0.1:8000\n", "line 2: No closing quotation"),
+        ("binary.env", b"\xff\xfe\x00export", "not UTF-8 text"),
+    ):
+        bad = tmp_path / name
+        bad.write_bytes(content)
+        assert run_cli(["mcp", "--credentials", str(bad)]) == 1
+        said = capsys.readouterr().err
+        assert said == f"subq: --credentials {bad}: {words}\n", said
 
 
 def test_cancel_and_retry_answer_as_the_api(stack: tuple[Coordinator, ApiServer]) -> None:

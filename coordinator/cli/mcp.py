@@ -41,9 +41,14 @@ def read_credentials(path: Path) -> dict[str, str]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"--credentials {path}: cannot read it: {exc.strerror}", field="credentials") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--credentials {path}: not UTF-8 text", field="credentials") from None
     found: dict[str, str] = {}
-    for line in text.splitlines():
-        words = shlex.split(line, comments=True)
+    for number, line in enumerate(text.splitlines(), start=1):
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError as exc:  # an unbalanced quote: `export X='abc`, or a line with "don't"
+            raise ConfigError(f"--credentials {path}: line {number}: {exc}", field="credentials") from None
         if len(words) == 2 and words[0] == "export" and "=" in words[1]:
             name, _, value = words[1].partition("=")
             if name in WANTED:
