@@ -14,8 +14,9 @@ Every folder name is a task id that came from the reader, and the reader may be
 the CLI's API backend talking to a server nobody vouches for. So the export is
 confined to `<dir>`: the whole subtree is read and checked first (each id is a
 subq task id of the same tree, seen once, and its folder resolves to a direct
-child of `<dir>`), and only then is anything written. A bad id is one
-ValidationError naming it, and nothing is written.
+child of `<dir>`), every file's content with it, and only then is anything
+written. A bad id, or a read that fails, is one error, and nothing is written;
+a write that fails (a full disk) says how many folders it wrote before it.
 """
 
 from __future__ import annotations
@@ -61,31 +62,11 @@ def export_tree(coord: TaskReader, task_id: str, directory: Path) -> list[Path]:
     target = directory.resolve()
     for record in records:
         _check_inside(directory / record.id, target)
+    # Every file's content read before the first is written: a read that fails (a corrupt entry, a task that
+    # expired meanwhile, an API's 5xx) left the folders of the tasks before it on disk, against what the export says.
+    folders = [(directory / record.id, _contents(coord, record)) for record in records]
     written: list[Path] = []
-    for record in records:
-        folder = directory / record.id
-        contents: dict[str, Any] = {
-            "api_conversation_history.json": coord.messages(record.id, kind="api"),
-            "ui_messages.json": coord.messages(record.id, kind="ui"),
-            "history_item.json": HistoryItem.of(record).model_dump(mode="json"),
-            # The plan with each row's child and figures, and the spend no row carries.
-            "todos.json": {
-                "items": [item.model_dump(mode="json") for item in coord.get_todos(record.id)],
-                "unlinked_tokens": record.unlinked_tokens,
-                "unlinked_cost_micros": record.unlinked_cost_micros,
-            },
-            # The marks as stored (coordinator/timeline.py) and what they say, as the API's record has them.
-            "timeline.json": {
-                "marks": record.timeline.model_dump(mode="json"),
-                "times": record.times.model_dump(mode="json"),
-            },
-            # What a program reads of a typed task (docs/agents.md, "Typed results").
-            "output.json": {
-                "output_schema": record.output_schema,
-                "output": record.output,
-                "invalid_outputs": record.invalid_outputs,
-            },
-        }
+    for done, (folder, contents) in enumerate(folders):
         try:
             folder.mkdir(parents=True, exist_ok=True)
             for name in FILE_NAMES:
@@ -93,8 +74,37 @@ def export_tree(coord: TaskReader, task_id: str, directory: Path) -> list[Path]:
                 path.write_text(json.dumps(contents[name], indent=2, ensure_ascii=False), encoding="utf-8")
                 written.append(path)
         except OSError as exc:  # a file where a folder must be, no permission, a full disk: one line, not a traceback
-            raise ValidationError(f"cannot write {exc.filename or folder}: {exc.strerror}", field="directory") from None
+            written_before = f" ({done} of {len(folders)} tasks' folders written before it)" if done else ""
+            raise ValidationError(
+                f"cannot write {exc.filename or folder}: {exc.strerror}{written_before}", field="directory"
+            ) from None
     return written
+
+
+def _contents(coord: TaskReader, record: TaskRecord) -> dict[str, Any]:
+    """A task's files by name, as they are written."""
+    return {
+        "api_conversation_history.json": coord.messages(record.id, kind="api"),
+        "ui_messages.json": coord.messages(record.id, kind="ui"),
+        "history_item.json": HistoryItem.of(record).model_dump(mode="json"),
+        # The plan with each row's child and figures, and the spend no row carries.
+        "todos.json": {
+            "items": [item.model_dump(mode="json") for item in coord.get_todos(record.id)],
+            "unlinked_tokens": record.unlinked_tokens,
+            "unlinked_cost_micros": record.unlinked_cost_micros,
+        },
+        # The marks as stored (coordinator/timeline.py) and what they say, as the API's record has them.
+        "timeline.json": {
+            "marks": record.timeline.model_dump(mode="json"),
+            "times": record.times.model_dump(mode="json"),
+        },
+        # What a program reads of a typed task (docs/agents.md, "Typed results").
+        "output.json": {
+            "output_schema": record.output_schema,
+            "output": record.output,
+            "invalid_outputs": record.invalid_outputs,
+        },
+    }
 
 
 def _read_subtree(coord: TaskReader, task_id: str, root: str) -> list[TaskRecord]:

@@ -62,6 +62,7 @@ __all__ = [
     "MAX_METADATA_VALUE_CHARS",
     "MAX_PAGE",
     "MAX_PROMPT_CHARS",
+    "MAX_SUBTASKS",
     "META_PREFIX",
     "CancelInput",
     "CreateTaskInput",
@@ -393,7 +394,11 @@ Reason = Annotated[
     AfterValidator(lambda reason: text_field(reason, "reason", MAX_REASON_CHARS)),
     WithJsonSchema({"type": "string", "minLength": 1, "maxLength": MAX_REASON_CHARS}),
 ]
-Subtasks = Annotated[list[SubtaskSpec], Field(min_length=1)]
+# At most SUBQ_MAX_FANOUT's own bound, counted before the specs past it are checked: an output schema is checked as
+# its spec is read (RE2 compiles its patterns), so a list of 20,000 was read whole before the service's count refused
+# it. The setting's own limit (256 by default) is the service's check (`check_subtasks`).
+MAX_SUBTASKS = 10_000
+Subtasks = Annotated[list[SubtaskSpec], Field(min_length=1, max_length=MAX_SUBTASKS)]
 
 
 def _metadata_or_none(value: object) -> object:

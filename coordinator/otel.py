@@ -102,9 +102,10 @@ def _exporter(name: str) -> SpanExporter:
     try:
         factory = getattr(importlib.import_module(module_name), attribute)
         made = factory()
-    except (ImportError, AttributeError) as exc:
+    except Exception as exc:  # any failure of the named factory is this setting's: a wrong name, or one that raised
         raise ConfigError(
-            f"Invalid setting SUBQ_TRACES_EXPORTER: cannot load {name!r}: {exc}", field="SUBQ_TRACES_EXPORTER"
+            f"Invalid setting SUBQ_TRACES_EXPORTER: cannot load {name!r}: {type(exc).__name__}: {exc}",
+            field="SUBQ_TRACES_EXPORTER",
         ) from None
     if not isinstance(made, SpanExporter):
         raise ConfigError(

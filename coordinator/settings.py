@@ -7,12 +7,15 @@ turns a validation failure into one `ConfigError` line naming the variable.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import ipaddress
 import json
+import logging
 import os
 import re
 import ssl
+from collections.abc import Mapping
 from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
@@ -38,6 +41,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from coordinator.access import ApiKeySpec, check_distinct, parse_keys, read_keys_file
 from coordinator.config_file import json_value, read_data
 from coordinator.errors import ConfigError, ProfileError
+from coordinator.inputs import MAX_SUBTASKS
+from coordinator.local import MAX_CONCURRENCY
 from coordinator.output_schema import schema_problem
 from coordinator.subscriptions import HOST_NAME_RE, check_webhook_events, check_webhook_secret, check_webhook_url
 from coordinator.tenants import (
@@ -63,7 +68,10 @@ __all__ = [
     "ToolLimit",
     "load_settings",
     "network_label",
+    "unknown_variables",
 ]
+
+log = logging.getLogger(__name__)
 
 # A week: long enough to inspect yesterday's runs, short enough that Redis memory stays bounded.
 DEFAULT_RETENTION_S = 7 * 24 * 3600
@@ -620,7 +628,7 @@ class Settings(BaseSettings):
     queue: str = Field(default="subq", pattern=r"^[A-Za-z0-9_.-]+$")
     result_retention_s: int = Field(default=DEFAULT_RETENTION_S, ge=60)
     worker_pool: str = Field(default=DEFAULT_POOL, pattern=r"^(threads|prefork|solo|gevent|eventlet)$")
-    worker_concurrency: int = Field(default=DEFAULT_CONCURRENCY, ge=1, le=1024)
+    worker_concurrency: int = Field(default=DEFAULT_CONCURRENCY, ge=1, le=MAX_CONCURRENCY)
     task_time_limit_s: int = Field(default=DEFAULT_TASK_TIME_LIMIT_S, ge=1)
     visibility_timeout_s: int = Field(default=DEFAULT_VISIBILITY_TIMEOUT_S, ge=1)
     restore_interval_s: int = Field(default=DEFAULT_RESTORE_INTERVAL_S, ge=1)
@@ -635,7 +643,7 @@ class Settings(BaseSettings):
     traces_exporter: str = DEFAULT_TRACES_EXPORTER
     # Test-only: the named crash point (coordinator/faults.py) at which a process kills itself.
     fault_crash_at: str = ""
-    max_fanout: int = Field(default=DEFAULT_MAX_FANOUT, ge=1, le=10_000)
+    max_fanout: int = Field(default=DEFAULT_MAX_FANOUT, ge=1, le=MAX_SUBTASKS)
     max_depth: int = Field(default=DEFAULT_MAX_DEPTH, ge=0, le=32)
     max_deliveries: int = Field(default=DEFAULT_MAX_DELIVERIES, ge=1, le=100)
     # Admission control; 0 means no limit.
@@ -971,6 +979,11 @@ class Settings(BaseSettings):
                 f"SUBQ_REDIS_TLS_{missing}_FILE: not set; SUBQ_REDIS_TLS_{given}_FILE needs it "
                 "(a client certificate and its private key go together)"
             )
+        self._load_tls_files()
+
+    def _load_tls_files(self) -> None:
+        """Each TLS file loaded as a connection will load it: a file that is no PEM, or one this process may
+        not read (it exists, FilePath says, and a secret's mode keeps it from this user), is one line."""
         context = ssl.create_default_context()
         if self.redis_tls_ca_file is not None:
             try:
@@ -979,6 +992,10 @@ class Settings(BaseSettings):
                 raise ValueError(
                     f"SUBQ_REDIS_TLS_CA_FILE: {self.redis_tls_ca_file} holds no PEM certificate ({exc.reason})"
                 ) from None
+            except OSError as exc:
+                raise ValueError(
+                    f"SUBQ_REDIS_TLS_CA_FILE: {self.redis_tls_ca_file}: cannot read it: {exc.strerror or exc}"
+                ) from None
         if self.redis_tls_cert_file is not None:
             try:
                 context.load_cert_chain(self.redis_tls_cert_file, self.redis_tls_key_file)
@@ -986,6 +1003,11 @@ class Settings(BaseSettings):
                 raise ValueError(
                     f"SUBQ_REDIS_TLS_CERT_FILE: {self.redis_tls_cert_file} with SUBQ_REDIS_TLS_KEY_FILE "
                     f"{self.redis_tls_key_file} is not a PEM certificate and its key ({exc.reason})"
+                ) from None
+            except OSError as exc:
+                raise ValueError(
+                    f"SUBQ_REDIS_TLS_CERT_FILE: {self.redis_tls_cert_file} or SUBQ_REDIS_TLS_KEY_FILE "
+                    f"{self.redis_tls_key_file}: cannot read it: {exc.strerror or exc}"
                 ) from None
 
     @property
@@ -1119,10 +1141,52 @@ def _read_profiles_file(path: Path) -> dict[str, Profile]:
     return _PROFILES.validate_python(raw)
 
 
+# SUBQ_ variables read by something other than the settings: the CLI's Flower options, the deploy files' passwords
+# (a pod's environment holds its Secret's keys), and the README's first command's folder.
+OTHER_SUBQ_VARIABLES = frozenset(
+    {
+        "SUBQ_FLOWER_USER",
+        "SUBQ_FLOWER_PASSWORD",
+        "SUBQ_COMPOSE_REDIS_PASSWORD",
+        "SUBQ_KUBERNETES_REDIS_PASSWORD",
+        "SUBQ_VENV",
+    }
+)
+_warned: set[str] = set()
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One line for each SUBQ_ variable in `environ` that nothing reads (a misspelling: SUBQ_API_KEY_FILE left the
+    scoped keys off without a word), with the setting it is nearest, and for each deprecated name still set."""
+    known = {f"SUBQ_{name.upper()}" for name in Settings.model_fields} | OTHER_SUBQ_VARIABLES
+    lines = []
+    for variable in sorted(environ):
+        name = variable.upper()  # the settings read names in any case
+        if not name.startswith("SUBQ_"):
+            continue
+        if name in RENAMED_SETTINGS.values():
+            new = next(new for new, old in RENAMED_SETTINGS.items() if old == name)
+            lines.append(f"{variable} is deprecated: it is read as {new}; rename it")
+        elif name not in known:
+            near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            lines.append(f"{variable} is not a subq setting and is ignored{hint}; docs/configuration.md lists them")
+    return lines
+
+
+def warn_unknown_variables(environ: Mapping[str, str] | None = None) -> None:
+    """Log `unknown_variables` once each per process (a process loads its settings more than once)."""
+    for line in unknown_variables(os.environ if environ is None else environ):
+        if line not in _warned:
+            _warned.add(line)
+            log.warning("subq: %s", line)
+
+
 def load_settings(**overrides: Any) -> Settings:
-    """Settings from the environment (and overrides), or one clear `ConfigError`."""
+    """Settings from the environment (and overrides), or one clear `ConfigError`; a SUBQ_ variable nothing reads is
+    a warning (`unknown_variables`)."""
     try:
-        return Settings(**overrides)
+        settings = Settings(**overrides)
     except pydantic.ValidationError as exc:
         err = exc.errors()[0]
         loc = [str(p) for p in err["loc"]]
@@ -1135,3 +1199,5 @@ def load_settings(**overrides: Any) -> Settings:
             name, _, msg = msg.partition(": ")
         where = f" ({'.'.join(loc[1:])})" if len(loc) > 1 else ""
         raise ConfigError(f"Invalid setting {name}{where}: {msg}", field=name) from None
+    warn_unknown_variables()
+    return settings

@@ -50,6 +50,7 @@ MAX_TODO_CONTENT_CHARS = 2_000
 # mark (group 1) is a letter or sign, or absent when the box holds only spaces, at least one
 # of them a plain space ("[ ]"; "[]" and "[\t]" are not boxes). The upstream pattern gave
 # the box's spaces back one at a time to its mark: quadratic ("[" + 32k spaces + "x", 1.2 s).
+_LINE_BREAK_RE = re.compile(r"\r\n?|\n")
 LINE_RE = re.compile(r"^(?:-\s*+)?\[(?:\s*+([xX\-~])|(?=\s* )\s*+)\s*+\]\s+(.+)$")
 _MARK_OF_STATUS = {TodoStatus.PENDING: " ", TodoStatus.IN_PROGRESS: "-", TodoStatus.COMPLETED: "x"}
 # Agents also write "[X]" and "[~]"; they are read but never written back.
@@ -108,7 +109,7 @@ def ignored_lines(update: object) -> list[IgnoredLine]:
     if not isinstance(update, str) or _is_json_list(update):
         return []
     found = []
-    for number, line in enumerate(update.split("\n"), start=1):
+    for number, line in enumerate(_markdown_lines(update), start=1):
         stripped = _trimmed(line)
         match = NEAR_MISS_RE.match(stripped) if "[" in stripped else None
         if match is None:
@@ -143,13 +144,17 @@ def todo_id(content: str, occurrence: int) -> str:
     return digest.hexdigest()[:TODO_ID_HEX_CHARS]
 
 
+def _markdown_lines(text: str) -> list[str]:
+    """`text`'s lines, broken at "\r\n", "\n" or a lone "\r" (a producer that joins lines with it: its plan is
+    still one item a line). Not str.splitlines, which also breaks on \x1c, \x85 or \u2028 inside content, so
+    a rendered item would not read back as one item."""
+    return _LINE_BREAK_RE.split(text)
+
+
 def parse_markdown(text: str) -> list[TodoItem]:
     """Items of markdown checkbox lines; other lines are ignored. No item is a TodoError."""
     parsed: list[tuple[str, TodoStatus]] = []
-    # Split on "\n" only and trim each line (which drops a CRLF's "\r"):
-    # str.splitlines would also break on \x1c, \x85 or \u2028 inside content,
-    # so a rendered item would not read back as one item.
-    for number, line in enumerate(text.split("\n"), start=1):
+    for number, line in enumerate(_markdown_lines(text), start=1):
         match = LINE_RE.match(_trimmed(line))
         if match and (content := clean_content(match.group(2))):
             if not visible(content):

@@ -130,3 +130,39 @@ def test_a_redis_url_of_no_redis_scheme_is_one_line_from_every_command(command: 
     expected = "Invalid setting SUBQ_REDIS_URL: Redis URL must specify one of the following schemes"
     assert (proc.returncode, proc.stdout) == (1, ""), proc
     assert proc.stderr.startswith(f"subq: {expected}") and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_a_misspelled_or_deprecated_variable_is_named_at_start_and_changes_nothing(
+    idle_coordinator: Coordinator,
+) -> None:
+    """SUBQ_API_KEY_FILE (for SUBQ_API_KEYS_FILE) left a server's scoped keys off without a word: the settings
+    ignore names they do not know. Each such name is now one warning line, with the setting it is nearest."""
+    env = {
+        "SUBQ_REDIS_URL": idle_coordinator.settings.redis_url or "",
+        "SUBQ_KEY_PREFIX": idle_coordinator.settings.key_prefix,
+        "SUBQ_API_KEY_FILE": "/etc/subq/keys.toml",
+        "subq_max_running_per_roots": "4",  # read in any case, as the settings read theirs
+        "SUBQ_MODEL_RETRY_BASE_S": "0.5",
+        "SUBQ_FLOWER_USER": "ops",  # read by `subq flower`, not a setting: no warning
+    }
+    before = state(idle_coordinator, NO_TREE)
+    proc = script("history", env=env)
+    assert proc.returncode == 0, proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if "subq setting" in line or "deprecated" in line]
+    assert warned == [
+        "subq: SUBQ_API_KEY_FILE is not a subq setting and is ignored (did you mean SUBQ_API_KEYS_FILE?); "
+        "docs/configuration.md lists them",
+        "subq: SUBQ_MODEL_RETRY_BASE_S is deprecated: it is read as SUBQ_MODEL_BACKOFF_BASE_S; rename it",
+        "subq: subq_max_running_per_roots is not a subq setting and is ignored (did you mean "
+        "SUBQ_MAX_RUNNING_PER_ROOT?); docs/configuration.md lists them",
+    ]
+    assert state(idle_coordinator, NO_TREE) == before
+
+
+def test_every_variable_the_docs_and_deploy_files_set_is_known() -> None:
+    """No warning for a name subq reads: every setting, and the few read by the CLI and the deploy files."""
+    from coordinator.settings import OTHER_SUBQ_VARIABLES, unknown_variables
+
+    names = {f"SUBQ_{field.upper()}" for field in Settings.model_fields} | OTHER_SUBQ_VARIABLES
+    assert unknown_variables(dict.fromkeys(names, "x")) == []
+    assert unknown_variables({"PATH": "/bin", "SUBQX": "1"}) == []

@@ -218,6 +218,11 @@ USAGE_ERRORS = [  # click refuses these before any command code runs: exit 2
     (["demo", "--workers", "0"], "subq demo: Invalid value for '--workers'"),
     (["api", "--port", "70000"], "subq api: Invalid value for '--port'"),
     (["worker", "--concurrency", "0"], "subq worker: Invalid value for '--concurrency'"),
+    # Past the setting's own bound: refused here, naming the option (the worker it started refused a variable never set).
+    (
+        ["worker", "--concurrency", "5000"],
+        "subq worker: Invalid value for '--concurrency': Input should be less than or equal to 1024",
+    ),
 ]
 OPERATOR_ERRORS = [  # subq's own validation of an operator command: exit 1, the same over Redis and the API
     (["run", ""], "subq: prompt must be a non-empty string"),
@@ -257,21 +262,25 @@ SUBQ_ERRORS = [  # subq's own validation of the commands that run on this machin
         "subq: Port {busy} on 127.0.0.1 is in use; choose another with --api-port",
     ),
     (["up", "--api-port", "9", "--flower-port", "9"], "subq: --api-port and --flower-port must differ"),
+    (["--redis-url", "nonsense", "status", UNKNOWN], "subq: Invalid setting SUBQ_REDIS_URL: Redis URL must specify"),
+    (["--queue", "a queue", "status", UNKNOWN], "subq: Invalid setting SUBQ_QUEUE: String should match"),
+    (["--key-prefix", "", "history"], "subq: Invalid setting SUBQ_KEY_PREFIX"),
+]
+UNAVAILABLE = [  # subq out of reach: exit 69, not the 1 of a failed root (a script must not start the work again)
     (
         ["--redis-url", "redis://127.0.0.1:1/0", "up", "--no-api", "--flower-port", "{free}"],
         "subq: Redis is unreachable",
     ),
-    (["--redis-url", "nonsense", "status", UNKNOWN], "subq: Invalid setting SUBQ_REDIS_URL: Redis URL must specify"),
     (["--redis-url", "redis://127.0.0.1:1/0", "status", UNKNOWN], "subq: Redis is unreachable"),
-    (["--queue", "a queue", "status", UNKNOWN], "subq: Invalid setting SUBQ_QUEUE: String should match"),
-    (["--key-prefix", "", "history"], "subq: Invalid setting SUBQ_KEY_PREFIX"),
+    (["--redis-url", "redis://127.0.0.1:1/0", "result", UNKNOWN], "subq: Redis is unreachable"),
+    (["--redis-url", "redis://127.0.0.1:1/0", "run", "p", "--follow"], "subq: Redis is unreachable"),
 ]
 
 
 @pytest.mark.parametrize(
     ("args", "message", "code"),
-    [(a, m, 2) for a, m in USAGE_ERRORS] + [(a, m, 1) for a, m in SUBQ_ERRORS],
-    ids=[" ".join(a) or "-" for a, _ in USAGE_ERRORS + SUBQ_ERRORS],
+    [(a, m, 2) for a, m in USAGE_ERRORS] + [(a, m, 1) for a, m in SUBQ_ERRORS] + [(a, m, 69) for a, m in UNAVAILABLE],
+    ids=[" ".join(a) or "-" for a, _ in USAGE_ERRORS + SUBQ_ERRORS + UNAVAILABLE],
 )
 def test_malformed_input_is_one_line_and_changes_nothing(
     idle_coordinator: Coordinator, env: dict[str, str], files: dict[str, str], busy_port: int,
@@ -331,7 +340,6 @@ API_REFUSALS = [  # (arguments, environment, the line on stderr); {api} is the i
     (["--api-url", "{api}", "run", "p"], {}, "subq: Missing bearer token: send 'Authorization: Bearer <token>' (the server's SUBQ_API_TOKEN); set SUBQ_API_TOKEN to the token of the API at {api}"),
     (["--api-url", "{api}", "run", "p"], {"SUBQ_API_TOKEN": "wrong"}, "subq: Invalid bearer token; set SUBQ_API_TOKEN to the token of the API at {api}"),
     (["cancel", UNKNOWN, "--reason", "x"], {"SUBQ_API_URL": "{api}", "SUBQ_API_TOKEN": "wrong"}, "subq: Invalid bearer token; set SUBQ_API_TOKEN"),
-    (["--api-url", "http://127.0.0.1:1", "run", "p"], {"SUBQ_API_TOKEN": TOKEN}, "subq: The subq API at http://127.0.0.1:1 is unreachable: ConnectError"),
     (["--api-url", "{api}", "run", "p"], {"SUBQ_API_TOKEN": "tök\u00a0"}, "subq: The API token (SUBQ_API_TOKEN) must be printable ASCII with no spaces: check it was pasted whole"),
 ]  # fmt: skip
 
@@ -348,6 +356,17 @@ def test_a_bad_api_url_or_token_is_one_line_and_changes_nothing(
     assert proc.stderr.startswith(message.replace("{api}", idle_api)), proc.stderr
     assert proc.stderr.count("\n") == 1
     assert state(idle_coordinator, NO_TREE) == before, "a refused command changed Redis or published a message"
+
+
+@pytest.mark.parametrize("args", [["run", "p"], ["run", "p", "--follow"], ["result", UNKNOWN], ["status", UNKNOWN]])
+def test_an_api_out_of_reach_exits_69_not_as_a_failed_root(idle_coordinator: Coordinator, args: list[str]) -> None:
+    """A follower that lost sight of the API cannot say the tree failed: 69 (EX_UNAVAILABLE), docs/cli.md."""
+    before = state(idle_coordinator, NO_TREE)
+    proc = cli("--api-url", "http://127.0.0.1:1", *args, env={"SUBQ_API_TOKEN": TOKEN})
+    assert (proc.returncode, proc.stdout) == (69, ""), proc.stderr
+    assert proc.stderr.startswith("subq: The subq API at http://127.0.0.1:1 is unreachable: ConnectError")
+    assert proc.stderr.count("\n") == 1
+    assert state(idle_coordinator, NO_TREE) == before
 
 
 def test_an_export_it_cannot_write_is_one_line(idle_coordinator: Coordinator, tmp_path: Path) -> None:

@@ -50,8 +50,9 @@ class FakeApi:
     to write there.
     """
 
-    def __init__(self, tree: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, tree: dict[str, dict[str, Any]], gone: frozenset[str] = frozenset()) -> None:
         self.tree = tree
+        self.gone = gone  # tasks whose messages answer 404, as a task whose retention ran out meanwhile
         self.asked: list[str] = []
         self.app = FastAPI()
         # One route for every task path: the id is read from the raw path, where the
@@ -65,6 +66,8 @@ class FakeApi:
         if what == "todos":
             item = TodoItem(id="t1", content="Collect the figures").model_dump(mode="json")
             return {"task_id": task_id, "todos": [item]}
+        if what == "messages" and task_id in self.gone:
+            return JSONResponse({"code": "not_found", "message": f"Unknown task: {task_id}", "field": None}, 404)
         if what == "messages":
             message = {"ts": 1.0, "type": "say", "text": f"{kind} message of {task_id}"}
             return {"task_id": task_id, "kind": kind, "messages": [message]}
@@ -76,8 +79,8 @@ def serve() -> Iterator[Any]:
     """Starts a FakeApi on a real port; yields a function from a tree to (FakeApi, its SUBQ_ env)."""
     servers: list[ApiServer] = []
 
-    def start(tree: dict[str, dict[str, Any]]) -> tuple[FakeApi, dict[str, str]]:
-        api = FakeApi(tree)
+    def start(tree: dict[str, dict[str, Any]], gone: frozenset[str] = frozenset()) -> tuple[FakeApi, dict[str, str]]:
+        api = FakeApi(tree, gone)
         server = ApiServer(api.app).__enter__()
         servers.append(server)
         return api, {"SUBQ_API_URL": server.url, "SUBQ_API_TOKEN": TOKEN}
@@ -173,6 +176,19 @@ def test_a_well_formed_tree_from_the_same_server_is_exported(serve: Any, tmp_pat
         ui = json.loads((target / task_id / "ui_messages.json").read_text())
         assert item["id"] == task_id and ui[0]["text"] == f"ui message of {task_id}"
     assert {p.parent for p in target.rglob("*.json")} == {target / t for t in tree}
+
+
+def test_a_task_that_cannot_be_read_midway_leaves_nothing_written(serve: Any, tmp_path: Path) -> None:
+    """The last task's messages are gone (its retention ran out during the export): each folder before it was on
+    disk, against what the export says (nothing is written unless the whole subtree was read)."""
+    sibling = f"{ROOT}-0000000000c9"
+    tree = {ROOT: record(ROOT, [CHILD, sibling]), CHILD: record(CHILD, []), sibling: record(sibling, [])}
+    _, env = serve(tree, frozenset({sibling}))
+    target = tmp_path / "export"
+    proc = cli("export", ROOT, str(target), env=env)
+    assert (proc.returncode, proc.stdout) == (1, ""), proc.stderr
+    assert proc.stderr == f"subq: Unknown task: {sibling}\n"
+    assert every_path(tmp_path) == []
 
 
 def test_a_malformed_argument_is_refused_before_any_request(serve: Any, tmp_path: Path) -> None:

@@ -108,3 +108,17 @@ def test_one_malformed_input_gets_one_error_over_the_api_subq_submit_and_the_cli
         assert (proc.returncode, proc.stderr.strip(), proc.stdout) == (1, f"subq: {message}", "")
 
     assert state(coordinator, NO_TREE)[0] == before, "a refused input changed Redis"
+
+
+def test_a_fan_out_past_any_limit_is_refused_before_its_specs_are_read() -> None:
+    """SUBQ_MAX_FANOUT's own bound is counted as the list is read: 20,000 specs, each with an output schema whose
+    patterns RE2 compiles, were all checked before the service's count refused them (`subq.submit` has no body
+    limit)."""
+    from coordinator import ValidationError
+    from coordinator.inputs import MAX_SUBTASKS, SubmitInput
+
+    spec = {"description": "d", "message": "m", "output_schema": {"type": "object", "properties": {}}}
+    with pytest.raises(ValidationError) as refused:
+        SubmitInput.parse({"prompt": "p", "subtasks": [spec] * (2 * MAX_SUBTASKS)})
+    assert refused.value.field == "subtasks"
+    assert f"at most {MAX_SUBTASKS} items" in str(refused.value)

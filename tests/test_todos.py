@@ -157,6 +157,18 @@ def test_markdown_accepts_crlf_and_trims_content() -> None:
     assert [(x.content, x.status) for x in parsed] == [("first", PENDING), ("second", COMPLETED)]
 
 
+def test_markdown_ends_a_line_at_a_lone_cr_too() -> None:
+    """A producer that joins lines with CR alone: its plan was one item, `Collect [ ] Summarise`, and nobody was
+    told. Each line is an item now; a line break inside an item's text (U+2028) is still its text."""
+    parsed = parse_markdown("[ ] Collect figures\r[-] Summarise\r\r[x] Send\u2028it")
+    assert [(x.content, x.status) for x in parsed] == [
+        ("Collect figures", PENDING),
+        ("Summarise", IN_PROGRESS),
+        ("Send\u2028it", COMPLETED),
+    ]
+    assert [line.line for line in todos.ignored_lines("[ ] ok\r* [ ] starred")] == [2]
+
+
 @pytest.mark.parametrize("unseen", ["\ufeff", "\u200b", "\u200b\ufeff ", " \u2060"])
 def test_markdown_reads_a_line_behind_a_byte_order_mark_or_a_zero_width_space(unseen: str) -> None:
     """A file a Windows editor saved starts with a byte-order mark; a pasted line may hold a zero-width space. Not

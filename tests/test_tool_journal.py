@@ -17,10 +17,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 
 from coordinator import Coordinator, Profile, Settings, TaskRecord, TaskStatus
 from coordinator.local.fleet import WorkerFleet
+from coordinator.local.ports import free_port
 from coordinator.models import Approval
 from tests.agents import agent, calls, reply
 from workers.runtime.profile_tools import INTERRUPTED
@@ -29,6 +31,8 @@ JOURNALED = Profile(
     tools=["tests.tool_kit:leave_mark", "tests.tool_kit:journal_kit", "tests.tool_kit:refresh"],
     idempotent_tools=["refresh"],
 )
+# A tool name the model makes up (no profile has it).
+MADE_UP = "zz_made_up_tool"
 # The fault suite's clock: a dead worker's lease lapses in 3 s, the reconciler looks every 0.5 s.
 FAST_CLOCK = {"heartbeat_lapse_s": 3, "reconcile_interval_s": 0.5, "reconcile_grace_s": 3, "queue": "subq-journal"}
 
@@ -50,14 +54,18 @@ def _count(marks: Path, label: str) -> int:
 
 @contextmanager
 def crashing_worker(
-    settings: Settings, tmp_path: Path, **profiles: Profile
+    settings: Settings, tmp_path: Path, metrics_port: int | None = None, **profiles: Profile
 ) -> Iterator[tuple[Coordinator, Callable[[], None]]]:
     """A worker with these profiles on a database of its own, and a function that SIGKILLs it and
-    starts a second, which resumes its runs once the first one's leases lapse."""
+    starts a second, which resumes its runs once the first one's leases lapse (each serving /metrics on
+    `metrics_port`, when given: the second once the first is dead)."""
     assert settings.redis_url
     own = settings.model_copy(
-        update={**FAST_CLOCK, "profiles": profiles, "redis_url": settings.redis_url.rsplit("/", 1)[0] + "/9"}
-    )
+        update={
+            **FAST_CLOCK, "profiles": profiles, "redis_url": settings.redis_url.rsplit("/", 1)[0] + "/9",
+            "worker_metrics_port": metrics_port, "worker_metrics_host": "127.0.0.1",
+        }
+    )  # fmt: skip
     coord = Coordinator(own)
     coord.client.flushdb()
     fleets = [WorkerFleet(own, 1, tmp_path / "victim", name="victim")]
@@ -80,11 +88,14 @@ def crashing_worker(
 def test_a_resumed_run_replays_what_returned_and_reruns_only_the_idempotent(
     settings: Settings, marks: Path, tmp_path: Path
 ) -> None:
-    with crashing_worker(settings, tmp_path, journaled=JOURNALED) as (coord, kill_and_resume):
+    port = free_port()
+    with crashing_worker(settings, tmp_path, port, journaled=JOURNALED) as (coord, kill_and_resume):
         task = coord.create_task(
             agent(
                 calls(
                     ("leave_mark", {"label": "quick"}),
+                    # A tool the task does not have: answered at once, kept, and replayed on resume.
+                    (MADE_UP, {}),
                     ("slow_mark", {"label": "slow", "seconds": 30}),
                     # Long enough that both still run when the worker is killed, on a loaded host too.
                     ("settle", {"label": "idem", "seconds": 10}),
@@ -97,9 +108,9 @@ def test_a_resumed_run_replays_what_returned_and_reruns_only_the_idempotent(
         )
         journal = coord.store.keys.tool_results(task.root_id, task.id)
         deadline = time.monotonic() + 60
-        while not (_count(marks, "quick") and coord.client.hlen(journal)) and time.monotonic() < deadline:
+        while not (_count(marks, "quick") and coord.client.hlen(journal) >= 2) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert _count(marks, "quick") == 1 and coord.client.hlen(journal) == 1, "the quick call returned and was kept"
+        assert _count(marks, "quick") == 1 and coord.client.hlen(journal) == 2, "the quick call returned and was kept"
         assert _count(marks, "slow") == _count(marks, "idem") == _count(marks, "declared") == 0, "the slow calls run"
         kill_and_resume()
         done = coord.wait(task.id, 90)
@@ -117,9 +128,15 @@ def test_a_resumed_run_replays_what_returned_and_reruns_only_the_idempotent(
             for part in json.loads(message).get("parts", [])
             if part.get("part_kind") == "tool-return"
         }
+        assert results.pop(MADE_UP).startswith(f"not run: {MADE_UP} is not a tool of this task")
         assert results == {
             "leave_mark": "marked quick", "slow_mark": INTERRUPTED, "settle": "settled idem", "refresh": "refreshed declared"
         }  # fmt: skip
+        # The rescuer counted the replays by tool: the made-up name as "(unknown)", never a series of its own.
+        scraped = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert 'subq_tool_calls_total{outcome="replayed",tool="leave_mark"} 1.0' in scraped, scraped
+        assert 'subq_tool_calls_total{outcome="replayed",tool="(unknown)"} 1.0' in scraped, scraped
+        assert MADE_UP not in scraped
 
 
 def _approve_both(coord: Coordinator, root_id: str) -> list[Approval]:

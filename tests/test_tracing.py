@@ -94,6 +94,10 @@ def test_a_misconfigured_exporter_is_one_clear_line(redis_url: str) -> None:
         load_settings(redis_url=redis_url, traces_exporter="zipkin")
     with pytest.raises(ConfigError, match=r"SUBQ_TRACES_EXPORTER: cannot load 'tests.nowhere:exporter'"):
         tracing.setup(Settings(redis_url=redis_url, traces_exporter="tests.nowhere:exporter"))
+    # A factory that is not an exporter's and raises when called (a processor named instead): a traceback, and
+    # one that raised ValueError was blamed on SUBQ_REDIS_URL by the CLI.
+    with pytest.raises(ConfigError, match=r"SUBQ_TRACES_EXPORTER: cannot load 'json:loads': TypeError: "):
+        tracing.setup(Settings(redis_url=redis_url, traces_exporter="json:loads"))
     assert not tracing.enabled()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUBQ_")}
     env |= {"SUBQ_REDIS_URL": redis_url, "SUBQ_TRACES_EXPORTER": "jaeger"}

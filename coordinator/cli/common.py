@@ -117,12 +117,15 @@ def connect(ctx: typer.Context) -> Iterator[Operations]:
 
 
 def _coordinator(settings: Settings) -> Operations:
+    from coordinator.redis_clients import redis_client
     from coordinator.service import Coordinator
 
     try:
-        return Coordinator(settings)
+        client = redis_client(settings)
     except ValueError as exc:  # redis-py refuses a malformed URL with a ValueError
         raise ConfigError(f"Invalid setting SUBQ_REDIS_URL: {exc}", field="SUBQ_REDIS_URL") from None
+    # (Built apart: a ValueError of the rest, a trace exporter's say, is not the URL's.)
+    return Coordinator(settings, client=client)
 
 
 def _api_client(settings: Settings) -> Operations:

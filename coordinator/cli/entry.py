@@ -30,6 +30,12 @@ _USAGE_ERROR = _click_class("UsageError")
 
 # A submit a tenant's quota refused (sysexits' EX_TEMPFAIL: a temporary failure, try again later).
 QUOTA_EXIT_CODE = 75
+# subq could not be reached or answered nothing readable: Redis, the broker or the API (sysexits' EX_UNAVAILABLE).
+# Not 1, which `run --follow` and `result` give a root that failed: a script that runs the work again on 1 must not
+# start a second tree (and spend twice) because it lost sight of one that may still be running.
+UNAVAILABLE_EXIT_CODE = 69
+# The errors' codes that say so (a corrupt record is a StoreError too, and not one of them).
+UNAVAILABLE_CODES = frozenset({"store_error", "broker_error", "api_unreachable", "bad_response"})
 
 
 def run_cli(args: Sequence[str]) -> int:
@@ -50,7 +56,7 @@ def run_cli(args: Sequence[str]) -> int:
         # One line, always: an error's message can come from an API server (or a model's text
         # inside it), and a new line or a terminal escape in it must not draw on the terminal.
         typer.echo(f"subq: {_one_line(str(exc))}", err=True)
-        return 1
+        return UNAVAILABLE_EXIT_CODE if exc.code in UNAVAILABLE_CODES else 1
     except ModuleNotFoundError as exc:
         # Typer alone (installed for something else) beside the client-only install: `--help` works,
         # and a command that imports Celery, redis-py or the server says what to install.
@@ -65,7 +71,7 @@ def run_cli(args: Sequence[str]) -> int:
         if not _broker_error(exc):
             raise
         typer.echo(f"subq: the broker is unreachable: {_one_line(str(exc))}", err=True)
-        return 1
+        return UNAVAILABLE_EXIT_CODE
     except KeyboardInterrupt:
         typer.echo("subq: interrupted", err=True)
         return 130

@@ -17,7 +17,7 @@ import typer
 from coordinator.cli.common import Host, Port, loading, settings_of
 from coordinator.errors import ConfigError, ValidationError
 from coordinator.loading import freeze_loaded
-from coordinator.local import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST
+from coordinator.local import DEFAULT_API_PORT, DEFAULT_FLOWER_PORT, DEFAULT_FLOWER_USER, DEFAULT_HOST, MAX_CONCURRENCY
 
 if TYPE_CHECKING:  # (`subq --help` loads no settings library: tests/test_light_imports.py)
     from coordinator.settings import Settings
@@ -60,7 +60,8 @@ def up(
 def worker(
     ctx: typer.Context,
     concurrency: Annotated[
-        int | None, typer.Option(min=1, help="Threads per process (default SUBQ_WORKER_CONCURRENCY).")
+        int | None,
+        typer.Option(min=1, max=MAX_CONCURRENCY, help="Threads per process (default SUBQ_WORKER_CONCURRENCY)."),
     ] = None,
     loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
 ) -> None:

@@ -325,7 +325,7 @@ def export(
     task_id: TaskId,
     directory: Annotated[Path, typer.Argument(help="Folder to write into (created if missing).")],
 ) -> None:
-    """Write a task's subtree as folders of JSON (conversation, UI messages, history item)."""
+    """Write a task's subtree as folders of JSON (conversation, UI messages, history item, todos, timeline, output)."""
     from coordinator.export import export_tree
 
     with connect(ctx) as coord:

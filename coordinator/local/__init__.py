@@ -16,9 +16,11 @@ importing `coordinator.local.up` (and through it Celery and redis-py).
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_API_PORT", "DEFAULT_FLOWER_PORT", "DEFAULT_FLOWER_USER", "DEFAULT_HOST"]
+__all__ = ["DEFAULT_API_PORT", "DEFAULT_FLOWER_PORT", "DEFAULT_FLOWER_USER", "DEFAULT_HOST", "MAX_CONCURRENCY"]
 
 DEFAULT_HOST = "127.0.0.1"  # local only unless asked: the stack prints its credentials
 DEFAULT_API_PORT = 8000
 DEFAULT_FLOWER_PORT = 5555
 DEFAULT_FLOWER_USER = "subq"
+# The most threads a worker process runs: SUBQ_WORKER_CONCURRENCY's bound, and `subq worker --concurrency`'s.
+MAX_CONCURRENCY = 1024

@@ -637,7 +637,10 @@ def _answers(
         if call_id in kept:
             calls[call_id] = kept[call_id]
             run.say("tool_replayed", describe_call(call))
-            observe.tool_call(call.tool_name, "replayed")  # counted on the task once already, as it returned
+            # Counted on the task once already, as it returned. The label is a tool of the task's or "(unknown)": a
+            # kept answer to a tool the model made up would have put its text in a series of its own.
+            tool = call.tool_name if call.tool_name in offered else observe.UNKNOWN_TOOL
+            observe.tool_call(tool, "replayed")
         elif batch is not None and batch.tool_call_id == call_id:
             # The children's combined result (up to 256 KiB): what the parent delegated for, typed outputs
             # among it, so it is cut only where the parent's window asks (`combined_result_chars`); the
