@@ -248,9 +248,10 @@ def test_a_worker_killed_after_parking_a_call_frees_the_slot_its_sibling_waits_f
 def test_a_decision_on_a_call_saved_before_its_worker_died_mid_park_counts(coord: Coordinator, tmp_path: Path) -> None:
     """A run parks two calls for a person; its worker dies once the first is saved (and its `approval.requested`
     sent), before the second. A person approves the first at once: the run resumed elsewhere runs that call,
-    and answers the second, which no person was asked about, as interrupted (as any call cut off by its worker's
-    death). Before, the first was on no task's list: the approval was taken and ignored, and the call answered
-    as interrupted too."""
+    and asks a person about the second, which nobody was asked about and which never ran (the policy decides a
+    call cut off by its worker's death anew). Before, the first was on no task's list: the approval was taken and
+    ignored. And the second was answered as interrupted, though it had never run; had `run_command` been declared
+    idempotent, it ran with the resume's leave and no person's approval."""
     fleet = crashing_worker(coord.settings, tmp_path, "mid-park")
     try:
         parent = coord.create_task("One child", todos="[ ] check")
@@ -265,12 +266,19 @@ def test_a_decision_on_a_call_saved_before_its_worker_died_mid_park_counts(coord
     (first,) = coord.list_approvals(parent.id)
     assert first.args == {"command": "true"}
     assert coord.decide(first.id, "approve").status == "approved"
+    second = eventually(
+        lambda: [a for a in coord.list_approvals(parent.id) if a.args == {"command": "echo two"}],
+        "the second call, never asked about, is asked about now", CONVERGE_S,
+    )  # fmt: skip
+    said = [(m.get("say"), m.get("text")) for m in coord.messages(child_id)]
+    assert ("command", "true") in said and ("command", "echo two") not in said, "nothing ran it unapproved"
+    assert coord.decide(second[0].id, "approve").status == "approved"
     coord.wait(parent.id, CONVERGE_S)
     child = coord.get_task(child_id)
     assert child.summary == "checked"
-    assert child.tool_use["run_command"].outcomes == {"ok": 1, "interrupted": 1}, child.tool_use
+    assert child.tool_use["run_command"].outcomes == {"ok": 2}, child.tool_use
     said = [(m.get("say"), m.get("text")) for m in coord.messages(child_id)]
-    assert ("command", "true") in said and ("tool_interrupted", 'run_command({"command": "echo two"})') in said
+    assert ("command", "echo two") in said and not any(kind == "tool_interrupted" for kind, _ in said)
     assert coord.list_approvals(parent.id) == []
     assert_converged(coord, parent.id)
 

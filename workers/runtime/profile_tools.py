@@ -226,7 +226,11 @@ class PolicyToolset(WrapperToolset[RunState]):
         run, call_id, metadata = ctx.deps.run, ctx.tool_call_id or "", ctx.tool_call_metadata or {}
         cut_off = bool(ctx.tool_call_approved and metadata.get(CUT_OFF))
         asks_policy = not ctx.tool_call_approved or (cut_off and not metadata.get(APPROVED_BY_HUMAN))
-        if asks_policy and name not in SELF_GUARDED and (denied := _policy_denial(ctx, name, tool_args, tool)):
+        # A self-guarded tool applies the policy itself, after its own checks; a call of it cut off with no
+        # person's approval is asked here, as any other: run_command took the resume's approval for a person's, and
+        # an idempotent one ran a command nobody approved (a worker dead before its park saved every approval).
+        guarded_here = name not in SELF_GUARDED or cut_off
+        if asks_policy and guarded_here and (denied := _policy_denial(ctx, name, tool_args, tool)):
             return denied
         safe_twice = idempotent(tool, ctx.deps.profile)
         if cut_off and not safe_twice:
