@@ -290,6 +290,12 @@ GUARDS_ANOTHER_TOOL = Profile(approval_tools=["git_commit"], deny=["run_command:
         ("sh -c '$(printf rm) canary'", "ask"),
         ("sh 'unbalanced", "ask"),  # unreadable, and a deny rule might hide in it
         ("ls -la", "allow"),  # nothing guards run_command here: what no deny rule can touch runs
+        # A quoted `>`/`<` read as a redirection hid the word after it: each ran rm, allowed.
+        ("env -u '>' rm canary", "ask"),
+        ("xargs -d '<' rm canary", "ask"),
+        ('env -u "<" /bin/rm -rf x', "ask"),
+        ("sh -c \"env -u '>' rm x\"", "ask"),
+        ("echo hi > out.txt", "allow"),  # a redirection's file that is no denied program stays a file
     ],
 )
 def test_a_deny_rule_wins_where_approval_tools_does_not_name_the_tool(command: str, expected: str) -> None:

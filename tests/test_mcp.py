@@ -148,6 +148,15 @@ def test_the_servers_hints_decide_where_no_rule_does(tmp_path: Path) -> None:
     # A deny rule wins whatever guards the tool: no approval_tools entry, a read-only hint, an allow rule.
     only_denied = Profile(approval_tools=[], deny=["git_log", "git_commit"], allow=["git_log"])
     assert hinted_verdict(only_denied, "git_log", args, tools["git_log"]) == "deny"
+    # The main argument is the schema's first string (git_commit's `repo_path`), whatever order the model wrote the
+    # arguments in: given the message first, the rule matched the message, and allowed a commit to another repository.
+    assert list(tools["git_commit"].parameters_json_schema["properties"])[:2] == ["repo_path", "message"]
+    scoped = Profile(approval_tools=["git_commit"], allow=[f"git_commit:{repo}"])
+    reordered = {"message": f"{repo} x", "repo_path": "/etc"}
+    assert hinted_verdict(scoped, "git_commit", reordered, tools["git_commit"]) == "ask"
+    assert (
+        hinted_verdict(scoped, "git_commit", {"message": "m", "repo_path": str(repo)}, tools["git_commit"]) == "allow"
+    )
     assert hinted_verdict(only_denied, "git_commit", args, tools["git_commit"]) == "deny"
 
 

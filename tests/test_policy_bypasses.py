@@ -54,6 +54,10 @@ ATTEMPTS = [
     "command rm CANARY",
     "env rm CANARY",
     "xargs rm CANARY",
+    # A quoted `>` or `<`: no shell reads the argv, so env and xargs run rm; read as a shell would, the quote gone,
+    # the word after it was a redirection's file, and an unguarded profile with `deny = ["run_command:rm"]` ran it.
+    "env -u '>' rm CANARY",
+    "xargs -d '<' rm CANARY",
     "sudo rm CANARY",
     "sh -c 'rm CANARY'",
     "bash -c 'rm CANARY'",

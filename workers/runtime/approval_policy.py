@@ -30,7 +30,8 @@ removed, so `'rm'` and `\\rm` are `rm`):
   `echo rm`), or where a shell script hides what it runs (`$x`, globs, a script file),
   the call goes to a human instead: an escape from a deny rule never reaches "allow".
 
-Other tools keep the text rules: `tool:prefix` matches the main (first string) argument
+Other tools keep the text rules: `tool:prefix` matches the main (first string, in the tool's
+schema's order: mcp_servers.in_schema_order) argument
 as whole words; a chained argument (`a && b`, `a; b`, `a || b`, `a | b`, `a & b`, or one
 per line) is allowed only if every part is, and denied if any part is; a part with a
 substitution (`$(...)`, backticks, `<(...)`, `>(...)`) is never allowed by a prefix.
@@ -154,8 +155,10 @@ def _tokens(script: str) -> list[str]:
     return list(lexer)
 
 
-def _simple_commands(tokens: list[str]) -> Iterator[list[str]]:
-    """The simple commands of a token list: split at separators, redirections and their targets dropped."""
+def _simple_commands(tokens: list[str], targets: list[str]) -> Iterator[list[str]]:
+    """The simple commands of a token list: split at separators, redirections dropped, and their targets added to
+    `targets`: the tokens lose their quotes, so a quoted `'>'` reads as an operator, and the word after it (`env -u
+    '>' rm x` runs rm) must still be a word a program may be (`_Reading.words`)."""
     current: list[str] = []
     redirect = False
     for token in tokens:
@@ -169,6 +172,7 @@ def _simple_commands(tokens: list[str]) -> Iterator[list[str]]:
             continue
         if redirect:
             redirect = False
+            targets.append(token)
             continue
         current.append(token)
     if current:
@@ -185,10 +189,13 @@ def _read_script(script: str, reading: _Reading, depth: int, shell: bool) -> Non
     except ValueError:
         reading.opaque = reading.opaque or shell
         return
-    for words in _simple_commands(tokens):
+    targets: list[str] = []
+    for words in _simple_commands(tokens, targets):
         if shell and any(_EXPANSION.search(word) for word in words):
             reading.opaque = True
         _read_command(words, reading, depth, surely_runs=shell)
+    if targets:
+        reading.words.append(targets)
 
 
 def _read_command(words: list[str], reading: _Reading, depth: int, surely_runs: bool) -> None:
@@ -240,15 +247,22 @@ def _read_shell(words: list[str], start: int, reading: _Reading, depth: int) -> 
     return range(0)
 
 
-def _read(command: str) -> _Reading | None:
-    """How a command line runs programs; None when it cannot be read (an unbalanced quote)."""
+def _read(command: str, argv: list[str]) -> _Reading | None:
+    """How a command line runs programs, read as a shell would and as its argv (`argv`: what runs, no shell);
+    None when it cannot be read (an unbalanced quote)."""
     reading = _Reading()
     try:
         tokens = _tokens(command)
     except ValueError:
         return None
-    for words in _simple_commands(tokens):
+    targets: list[str] = []
+    for words in _simple_commands(tokens, targets):
         _read_command(words, reading, 0, surely_runs=True)
+    if targets:
+        reading.words.append(targets)
+    # The argv as it runs: no shell reads its `>` or `;` (a quoted `'>'` too), so a wrapper's program after one
+    # (`env -u '>' rm x`, `xargs -d '<' rm x`) runs where the shell's reading above saw a redirection's target.
+    _read_command(argv, reading, 0, surely_runs=True)
     return reading
 
 
@@ -266,7 +280,7 @@ def _command_verdict(profile: Profile, command: str, guarded: bool) -> Verdict:
         argv = shlex.split(command)
     except ValueError:
         return unreadable
-    reading = _read(command)
+    reading = _read(command, argv)
     if reading is None:
         return unreadable
     if deny:

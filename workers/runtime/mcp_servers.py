@@ -62,6 +62,7 @@ __all__ = [
     "SharedServer",
     "checked_tools",
     "hinted_verdict",
+    "in_schema_order",
     "list_at_once",
     "needs_decision_by_hint",
     "resolve_secrets",
@@ -342,9 +343,19 @@ def hinted_verdict(profile: Profile, tool: str, args: Mapping[str, object], tool
     `approval_tools` named it (an allow rule still allows it, a deny rule denies it); a read-only
     tool that `approval_tools` catches only by a glob is not guarded (a deny rule still denies it)."""
     hint = needs_decision_by_hint(tool_def)
+    args = in_schema_order(args, tool_def)
     if hint is False and tool not in profile.approval_tools:
         return verdict(profile, tool, args, guarded=False)
     return verdict(profile, tool, args, guarded=True if hint is True else None)
+
+
+def in_schema_order(args: Mapping[str, object], tool_def: ToolDefinition) -> dict[str, object]:
+    """`args` in the order of the tool's schema's properties, then the rest as given: the rules match a call's
+    main argument, its first string, and an MCP tool's arguments came in the model's own order (`{"content":
+    "/srv/out x", "path": "/etc/passwd"}` was matched on its content, allowed by `write_file:/srv/out`)."""
+    properties = tool_def.parameters_json_schema.get("properties")
+    order = list(properties) if isinstance(properties, dict) else []
+    return {**{name: args[name] for name in order if name in args}, **args}
 
 
 class SharedServer(AbstractToolset[Any]):
