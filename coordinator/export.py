@@ -14,14 +14,18 @@ Every folder name is a task id that came from the reader, and the reader may be
 the CLI's API backend talking to a server nobody vouches for. So the export is
 confined to `<dir>`: the whole subtree is read and checked first (each id is a
 subq task id of the same tree, seen once, and its folder resolves to a direct
-child of `<dir>`), every file's content with it, and only then is anything
-written. A bad id, or a read that fails, is one error, and nothing is written;
-a write that fails (a full disk) says how many folders it wrote before it.
+child of `<dir>`), and only then is anything written: each task's files into a
+folder of the export's own inside `<dir>`, moved into place once every task was
+read. A bad id, a read that fails or a write that fails is one error, and
+nothing is left behind.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from collections import deque
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -62,23 +66,42 @@ def export_tree(coord: TaskReader, task_id: str, directory: Path) -> list[Path]:
     target = directory.resolve()
     for record in records:
         _check_inside(directory / record.id, target)
-    # Every file's content read before the first is written: a read that fails (a corrupt entry, a task that
-    # expired meanwhile, an API's 5xx) left the folders of the tasks before it on disk, against what the export says.
-    folders = [(directory / record.id, _contents(coord, record)) for record in records]
-    written: list[Path] = []
-    for done, (folder, contents) in enumerate(folders):
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
+    return _write_all(coord, records, directory)
+
+
+def _write_all(coord: TaskReader, records: list[TaskRecord], directory: Path) -> list[Path]:
+    """Each task's files written into a folder of the export's own inside `directory`, and moved into place once
+    every task was read and written: a read that fails (a corrupt entry, a task that expired meanwhile, an API's
+    5xx) leaves nothing behind, and one task's content is held at a time (a tree's conversations are not)."""
+    created = not directory.exists()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".subq-export-", dir=directory))
+    except OSError as exc:
+        raise ValidationError(f"cannot write {exc.filename or directory}: {exc.strerror}", field="directory") from None
+    try:
+        for record in records:
+            _write(staging / record.id, _contents(coord, record))
+        written: list[Path] = []
+        for record in records:
+            folder = directory / record.id
+            folder.mkdir(exist_ok=True)
             for name in FILE_NAMES:
-                path = folder / name
-                path.write_text(json.dumps(contents[name], indent=2, ensure_ascii=False), encoding="utf-8")
-                written.append(path)
-        except OSError as exc:  # a file where a folder must be, no permission, a full disk: one line, not a traceback
-            written_before = f" ({done} of {len(folders)} tasks' folders written before it)" if done else ""
-            raise ValidationError(
-                f"cannot write {exc.filename or folder}: {exc.strerror}{written_before}", field="directory"
-            ) from None
-    return written
+                os.replace(staging / record.id / name, folder / name)
+                written.append(folder / name)
+        return written
+    except OSError as exc:  # a file where a folder must be, no permission, a full disk: one line, not a traceback
+        raise ValidationError(f"cannot write {exc.filename or directory}: {exc.strerror}", field="directory") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created and not any(directory.iterdir()):
+            directory.rmdir()  # made for this export, which wrote nothing
+
+
+def _write(folder: Path, contents: dict[str, Any]) -> None:
+    folder.mkdir()
+    for name in FILE_NAMES:
+        (folder / name).write_text(json.dumps(contents[name], indent=2, ensure_ascii=False), encoding="utf-8")
 
 
 def _contents(coord: TaskReader, record: TaskRecord) -> dict[str, Any]:

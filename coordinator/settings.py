@@ -1152,6 +1152,12 @@ OTHER_SUBQ_VARIABLES = frozenset(
         "SUBQ_VENV",
     }
 )
+# The variables Kubernetes gives every pod for each Service of its namespace (`enableServiceLinks`, on by default):
+# the shipped manifests' Services subq-api, subq-redis, subq-flower make SUBQ_API_SERVICE_HOST, SUBQ_REDIS_PORT,
+# SUBQ_REDIS_PORT_6379_TCP_ADDR, ... No subq setting ends so.
+_SERVICE_LINK = re.compile(
+    r"_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT(_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?)$"
+)
 _warned: set[str] = set()
 
 
@@ -1162,7 +1168,7 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     lines = []
     for variable in sorted(environ):
         name = variable.upper()  # the settings read names in any case
-        if not name.startswith("SUBQ_"):
+        if not name.startswith("SUBQ_") or _SERVICE_LINK.search(name):
             continue
         if name in RENAMED_SETTINGS.values():
             new = next(new for new, old in RENAMED_SETTINGS.items() if old == name)

@@ -22,6 +22,7 @@ import ipaddress
 import json
 import re
 import socket
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
@@ -92,10 +93,13 @@ DEFAULT_EVENTS = ("task.*", "approval.*", "budget.*")
 DEFAULT_CALLBACK_QUEUE = "celery"
 # The subscription number of a root's `on_complete` in its hooks hash (its webhooks are 0 to 4).
 CALLBACK_HOOK = "c"
-# How long a submit waits for its webhooks' host names to resolve, all of them together (`check_targets`), and the
-# threads that look them up: a name not answered by then is accepted as one that does not resolve yet.
+# How long a submit waits for its webhooks' host names to resolve, all of them together (`check_targets`): a name
+# not answered by then is accepted as one that does not resolve yet.
 CREATE_RESOLVE_WAIT_S = 2.0
-_RESOLVER = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="subq-webhook-dns")
+# The most lookups at once, each on a daemon thread of its own (a process's exit waits on none): past it a name is
+# taken as not resolving yet at once, so no backlog builds behind names whose DNS never answers.
+MAX_CREATE_LOOKUPS = 16
+_lookups = threading.BoundedSemaphore(MAX_CREATE_LOOKUPS)
 # The first part of a task name an on_complete may not name: subq's tasks (subq.*) and Celery's (celery.*).
 RESERVED_TASK_PREFIXES = frozenset({"subq", "celery"})
 _TASK_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,199}")
@@ -315,11 +319,35 @@ def _target_problem(url: str, allow: Sequence[str]) -> str | None:
 
 
 def _is_literal(url: str) -> bool:
+    """Whether the URL's host is an address written as such, in any form the resolver reads without DNS: the
+    short and numeric IPv4 forms too (`127.1`, `2130706433`, `0x7f.1`)."""
+    host = (urlsplit(url).hostname or "").strip("[]")
     try:
-        ipaddress.ip_address((urlsplit(url).hostname or "").strip("[]"))
+        ipaddress.ip_address(host)
     except ValueError:
-        return False
+        try:
+            socket.inet_aton(host)
+        except OSError:
+            return False
     return True
+
+
+def _look_up(url: str, allow: Sequence[str]) -> concurrent.futures.Future[str | None] | None:
+    """`_target_problem` of `url` on a thread of its own; None when MAX_CREATE_LOOKUPS are in flight."""
+    if not _lookups.acquire(blocking=False):
+        return None
+    future: concurrent.futures.Future[str | None] = concurrent.futures.Future()
+
+    def look() -> None:
+        try:
+            future.set_result(_target_problem(url, allow))
+        except Exception as exc:
+            future.set_exception(exc)
+        finally:
+            _lookups.release()
+
+    threading.Thread(target=look, name="subq-webhook-dns", daemon=True).start()
+    return future
 
 
 def check_targets(urls: Mapping[str, str], allow: Sequence[str]) -> None:
@@ -328,15 +356,15 @@ def check_targets(urls: Mapping[str, str], allow: Sequence[str]) -> None:
 
     A host that does not resolve yet is accepted: each attempt checks again, and a name may be the receiver's own
     to publish later (its attempts retry meanwhile). So is a name whose DNS has not answered within
-    `CREATE_RESOLVE_WAIT_S` (the request's names looked up together, in a pool of their own): a caller whose names'
-    servers never answer held an API thread for the resolver's whole timeout per name, and forty such requests held
-    every thread the API has. An address written as such is checked here and now, never left to the wait."""
-    pending: dict[str, concurrent.futures.Future[str | None]] = {}
+    `CREATE_RESOLVE_WAIT_S` (the request's names looked up together), or one that finds MAX_CREATE_LOOKUPS lookups in
+    flight: a caller whose names' servers never answer held an API thread for the resolver's whole timeout per name,
+    and forty such requests held every thread the API has. An address written as such is checked here and now,
+    never left to the wait."""
+    names = {field: url for field, url in urls.items() if not _is_literal(url)}
     for field, url in urls.items():
-        if _is_literal(url):
+        if field not in names:
             _refuse(field, _target_problem(url, allow))
-        else:
-            pending[field] = _RESOLVER.submit(_target_problem, url, allow)
+    pending = {field: future for field, url in names.items() if (future := _look_up(url, allow)) is not None}
     deadline = time.monotonic() + CREATE_RESOLVE_WAIT_S
     for field, future in pending.items():
         try:

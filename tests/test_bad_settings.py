@@ -160,9 +160,33 @@ def test_a_misspelled_or_deprecated_variable_is_named_at_start_and_changes_nothi
 
 
 def test_every_variable_the_docs_and_deploy_files_set_is_known() -> None:
-    """No warning for a name subq reads: every setting, and the few read by the CLI and the deploy files."""
-    from coordinator.settings import OTHER_SUBQ_VARIABLES, unknown_variables
+    """No warning for a name the files a user copies set (the deploy files, `.env.example`, the compose file), nor
+    for one the docs name, but the deprecated names and configuration.md's own misspelling; nor for the variables
+    Kubernetes gives a pod for each Service of its namespace (the manifests' subq-api, subq-redis, subq-flower)."""
+    import re
 
-    names = {f"SUBQ_{field.upper()}" for field in Settings.model_fields} | OTHER_SUBQ_VARIABLES
-    assert unknown_variables(dict.fromkeys(names, "x")) == []
-    assert unknown_variables({"PATH": "/bin", "SUBQX": "1"}) == []
+    from coordinator.settings import RENAMED_SETTINGS, unknown_variables
+
+    root = Path(__file__).resolve().parent.parent
+    copied = [*root.joinpath("deploy").rglob("*"), root / ".env.example", root / "docker-compose.yml"]
+    documented = [*root.joinpath("docs").glob("*.md"), root / "README.md"]
+
+    def names(files: list[Path]) -> set[str]:
+        found: set[str] = set()
+        for file in files:
+            if file.is_file():
+                found |= set(re.findall(r"\bSUBQ_[A-Z0-9_]*[A-Z0-9]\b", file.read_text(errors="replace")))
+        return found
+
+    set_by_files = names(copied)
+    assert {"SUBQ_REDIS_URL", "SUBQ_FLOWER_PASSWORD", "SUBQ_KUBERNETES_REDIS_PASSWORD"} <= set_by_files
+    assert unknown_variables(dict.fromkeys(set_by_files, "x")) == []
+    on_purpose = {"SUBQ_API_KEY_FILE", *RENAMED_SETTINGS.values()}
+    assert unknown_variables(dict.fromkeys(names(documented) - on_purpose, "x")) == []
+    links = ["SUBQ_API_SERVICE_HOST", "SUBQ_API_SERVICE_PORT", "SUBQ_API_PORT", "SUBQ_REDIS_PORT_6379_TCP_ADDR"]
+    links += ["SUBQ_REDIS_PORT_6379_TCP_PROTO", "SUBQ_FLOWER_SERVICE_PORT_HTTP", "SUBQ_FLOWER_PORT_5555_TCP"]
+    assert unknown_variables(dict.fromkeys(links, "x")) == []
+    assert unknown_variables({"SUBQ_API_KEY_FILE": "x", "PATH": "/bin", "SUBQX": "1"}) == [
+        "SUBQ_API_KEY_FILE is not a subq setting and is ignored (did you mean SUBQ_API_KEYS_FILE?); "
+        "docs/configuration.md lists them"
+    ]

@@ -22,6 +22,7 @@ from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import NoReturn
 from unittest import mock
+from urllib.parse import urlsplit
 
 import psutil
 import pytest
@@ -369,6 +370,15 @@ def test_an_api_out_of_reach_exits_69_not_as_a_failed_root(idle_coordinator: Coo
     assert state(idle_coordinator, NO_TREE) == before
 
 
+def test_a_redis_that_answers_and_refuses_exits_1_not_69(settings: Settings) -> None:
+    """A wrong password is no outage: a script told to look again later (69) would try it again for good."""
+    url = urlsplit(settings.redis_url or "")
+    wrong = url._replace(netloc=f"subq:wrong-password@{url.hostname}:{url.port}").geturl()
+    proc = cli("--redis-url", wrong, "status", UNKNOWN)
+    assert (proc.returncode, proc.stdout) == (1, ""), proc.stderr
+    assert proc.stderr.startswith("subq: Redis") and proc.stderr.count("\n") == 1, proc.stderr
+
+
 def test_an_export_it_cannot_write_is_one_line(idle_coordinator: Coordinator, tmp_path: Path) -> None:
     """A folder under a file (or a read-only or full disk) is the error's one line, not a traceback."""
     root = idle_coordinator.create_task("Export me", run=False)
@@ -377,7 +387,7 @@ def test_an_export_it_cannot_write_is_one_line(idle_coordinator: Coordinator, tm
     env = {"SUBQ_REDIS_URL": idle_coordinator.settings.redis_url or "", "SUBQ_KEY_PREFIX": "subqidle"}
     proc = cli("export", root.id, str(a_file / "out"), env=env)
     assert (proc.returncode, proc.stdout) == (1, ""), proc.stderr
-    assert proc.stderr == f"subq: cannot write {a_file / 'out' / root.id}: Not a directory\n"
+    assert proc.stderr == f"subq: cannot write {a_file / 'out'}: Not a directory\n"
 
 
 def test_the_api_needs_no_redis_settings(idle_coordinator: Coordinator, idle_api: str) -> None:

@@ -230,7 +230,7 @@ def test_names_whose_dns_never_answers_hold_a_submit_for_the_wait_alone(
     import socket
     import threading
 
-    from coordinator.subscriptions import CREATE_RESOLVE_WAIT_S
+    from coordinator.subscriptions import CREATE_RESOLVE_WAIT_S, MAX_CREATE_LOOKUPS
 
     real, release = socket.getaddrinfo, threading.Event()
 
@@ -250,9 +250,20 @@ def test_names_whose_dns_never_answers_hold_a_submit_for_the_wait_alone(
         assert took_s < 30, took_s
         assert took_s >= CREATE_RESOLVE_WAIT_S * 0.9, "it waited for the names, not past them"
         assert root.id
-        with pytest.raises(ValidationError) as refused:  # the lookups still hang: a literal is checked now
-            idle.create_task("x", webhooks=[*hooks[:4], {"url": "http://10.0.0.1/in"}])
-        assert refused.value.field == "webhooks.4.url"
+        # The lookups still hang: an address is checked now, in any form the resolver reads without DNS.
+        for address in ("10.0.0.1", "127.1", "2130706433", "0x7f.1"):
+            with pytest.raises(ValidationError) as refused:
+                idle.create_task("x", webhooks=[*hooks[:4], {"url": f"http://{address}/in"}])
+            assert refused.value.field == "webhooks.4.url", address
+        # With MAX_CREATE_LOOKUPS in flight, a name is taken as not resolving yet at once: no backlog behind them.
+        free = MAX_CREATE_LOOKUPS - len(hooks)  # the first submit's five still hang
+        while free > 0:
+            more = [{"url": f"https://y{free}-{n}.hang.example/in"} for n in range(min(len(hooks), free))]
+            idle.create_task("x", webhooks=more)
+            free -= len(more)
+        started = time.monotonic()
+        assert idle.create_task("x", webhooks=[{"url": "https://z.hang.example/in"}]).id
+        assert time.monotonic() - started < CREATE_RESOLVE_WAIT_S * 0.9, "it did not wait behind the hanging ones"
     finally:
         release.set()
         _clean(idle, "subqwhidle")

@@ -56,7 +56,7 @@ def run_cli(args: Sequence[str]) -> int:
         # One line, always: an error's message can come from an API server (or a model's text
         # inside it), and a new line or a terminal escape in it must not draw on the terminal.
         typer.echo(f"subq: {_one_line(str(exc))}", err=True)
-        return UNAVAILABLE_EXIT_CODE if exc.code in UNAVAILABLE_CODES else 1
+        return _exit_code(exc)
     except ModuleNotFoundError as exc:
         # Typer alone (installed for something else) beside the client-only install: `--help` works,
         # and a command that imports Celery, redis-py or the server says what to install.
@@ -76,6 +76,18 @@ def run_cli(args: Sequence[str]) -> int:
         typer.echo("subq: interrupted", err=True)
         return 130
     return result if isinstance(result, int) else 0
+
+
+def _exit_code(exc: SubqError) -> int:
+    """UNAVAILABLE_EXIT_CODE for a subq out of reach; 1 for the rest, a Redis that answered and refused among them
+    (a wrong password, an ACL's NOPERM, OOM): trying again later changes nothing there."""
+    if exc.code not in UNAVAILABLE_CODES:
+        return 1
+    redis_errors = sys.modules.get("redis.exceptions")  # (not imported here: a command on the API never loads it)
+    refused = redis_errors is not None and isinstance(
+        exc.__cause__, (redis_errors.ResponseError, redis_errors.AuthenticationError)
+    )
+    return 1 if refused else UNAVAILABLE_EXIT_CODE
 
 
 def _broker_error(exc: Exception) -> bool:
