@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -480,6 +481,22 @@ def test_the_fields_an_end_keeps_are_the_fields_an_event_reads() -> None:
     assert tuple(name.strip().strip("'") for name in block.split(",")) == EVENT_FIELDS
 
 
+def _hanging_dns(names: set[str]) -> tuple[Callable[..., Any], threading.Event, list[object]]:
+    """A stand-in for socket.getaddrinfo that holds back its answer for `names` until the event is set (no real name
+    server can be made to hang here), then says they do not resolve; the names it was asked for, in order."""
+    real, release = socket.getaddrinfo, threading.Event()
+    asked: list[object] = []
+
+    def hanging(host: object, *args: Any, **kwargs: Any) -> Any:
+        if host in names:
+            asked.append(host)
+            release.wait(120)
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    return hanging, release, asked
+
+
 def test_a_host_whose_name_server_hangs_holds_neither_other_hosts_nor_its_claims(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -496,15 +513,7 @@ def test_a_host_whose_name_server_hangs_holds_neither_other_hosts_nor_its_claims
         }
     )  # fmt: skip
     coord = Coordinator(own)
-    real, release, asked = socket.getaddrinfo, threading.Event(), []
-
-    def hanging(host: object, *args: Any, **kwargs: Any) -> Any:
-        if host == "stuck.example":
-            asked.append(host)
-            release.wait(120)
-            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
-        return real(host, *args, **kwargs)  # type: ignore[arg-type]
-
+    hanging, release, asked = _hanging_dns({"stuck.example"})
     stop = threading.Event()
     try:
         stuck = coord.create_task("Say hello.", webhooks=[{"url": "http://stuck.example/in", "events": ["*"]}])
@@ -557,15 +566,7 @@ def test_a_host_queued_behind_other_hosts_hanging_lookups_is_not_held_back_as_si
         }
     )  # fmt: skip
     coord = Coordinator(own)
-    real, release, asked = socket.getaddrinfo, threading.Event(), []
-
-    def hanging(host: object, *args: Any, **kwargs: Any) -> Any:
-        if host in stuck_names:
-            asked.append(host)
-            release.wait(120)
-            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
-        return real(host, *args, **kwargs)  # type: ignore[arg-type]
-
+    hanging, release, asked = _hanging_dns(set(stuck_names))
     stop = threading.Event()
     try:
         stuck = [
