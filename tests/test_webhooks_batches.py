@@ -497,6 +497,17 @@ def _hanging_dns(names: set[str]) -> tuple[Callable[..., Any], threading.Event, 
     return hanging, release, asked
 
 
+def _let_go(coord: Coordinator, release: threading.Event, stop: threading.Event, receiver: RawReceiver) -> None:
+    """A hanging-resolver test's end: the held lookups answered, the deliverer and the receiver stopped, and the
+    coordinator's keys (a prefix of its own) deleted."""
+    release.set()
+    stop.set()
+    receiver.stop()
+    for key in coord.client.scan_iter(f"{coord.settings.key_prefix}:*"):
+        coord.client.delete(key)
+    coord.close()
+
+
 def test_a_host_whose_name_server_hangs_holds_neither_other_hosts_nor_its_claims(
     settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -540,12 +551,7 @@ def test_a_host_whose_name_server_hangs_holds_neither_other_hosts_nor_its_claims
         assert asked == ["stuck.example"], "the attempts of one host wait on one resolution"
         assert deliverer._busy == 0, "every slot given back"
     finally:
-        release.set()
-        stop.set()
-        receiver.stop()
-        for key in coord.client.scan_iter("subqhang:*"):
-            coord.client.delete(key)
-        coord.close()
+        _let_go(coord, release, stop, receiver)
 
 
 def test_a_host_queued_behind_other_hosts_hanging_lookups_is_not_held_back_as_silent(
@@ -597,12 +603,7 @@ def test_a_host_queued_behind_other_hosts_hanging_lookups_is_not_held_back_as_si
         )  # fmt: skip
         assert {(name, 80) for name in stuck_names} <= set(deliverer._silent), "a lookup that hung is held back"
     finally:
-        release.set()
-        stop.set()
-        receiver.stop()
-        for key in coord.client.scan_iter("subqqueued:*"):
-            coord.client.delete(key)
-        coord.close()
+        _let_go(coord, release, stop, receiver)
 
 
 def test_a_receiver_that_never_answers_holds_one_attempt_a_span_not_every_slot(settings: Settings) -> None:
