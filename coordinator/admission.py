@@ -75,6 +75,7 @@ PARKED_FOR = {
     "max_running": "holds its max_running",
     "share": "is at its weighted share while other tenants wait",
     "fleet": "waits for a free slot of the fleet",
+    "order": "gave its slot to its own parked run of a higher priority or an earlier arrival",
 }
 
 

@@ -71,7 +71,7 @@ class StartReply:
     run_seq: int = 0
     exhausted: str | None = None
     delay_ms: int = 0
-    parked_for: str = ""  # 'park': why its tenant's slot was refused ('max_running', 'share', 'fleet')
+    parked_for: str = ""  # 'park': why its tenant's slot was refused ('max_running', 'share', 'fleet', 'order')
     admitted: tuple[str, ...] = ()  # 'park': the parked run given the slot instead (the caller publishes it)
 
 

@@ -381,6 +381,66 @@ def test_a_parked_run_stopped_or_gone_since_it_parked_is_dropped_and_the_slot_go
     assert not fair.client.exists(gone), "no mark was written on the task that is gone"
 
 
+def test_room_made_without_a_release_goes_to_the_tenants_parked_runs_before_a_newcomer(fair: Coordinator) -> None:
+    """A raised `max_running` makes room before the leader's pass: a run of the tenant that reaches a worker then
+    parks behind the tenant's parked runs of a higher priority, or of its own parked earlier, and the first of
+    them is given the slot in its step. Before, the newcomer took it, ahead of a priority-5 run parked for it."""
+    store = fair.store
+    running = children(fair, "a", 2)
+    high = children(fair, "a", 1, priority=5)
+    same = children(fair, "a", 1)
+    late, later = children(fair, "a", 2)
+    assert [start(store, t).verdict for t in (*running, *high, *same)] == ["run", "run", "park", "park"]
+    beat(store, {"a": (3, 4), "b": (1, 0), "*": (1, 0)})  # two more fit now; no run ended
+    first = start(store, late)
+    assert (first.verdict, first.parked_for, first.admitted) == ("park", "order", high), "the priority-5 run first"
+    second = start(store, later)
+    assert (second.verdict, second.admitted) == ("park", same), "then the one of its priority parked before it"
+    assert store.fair.counts("a") == FairCounts(running=4, parked=2, queued=0), store.fair.counts("a")
+    assert [start(store, t).verdict for t in (*high, *same)] == ["run", "run"], "given the slots: their restarts run"
+    from coordinator import admission
+
+    assert first.record is not None
+    admission.must_wait(fair.plane, first.record, 0, first.parked_for, first.admitted)
+    live = fair.snapshot(fair.get_task(late).root_id)[late]
+    assert live.reason == "tenant a gave its slot to its own parked run of a higher priority or an earlier arrival"
+
+
+def test_a_newcomer_of_a_higher_priority_than_the_parked_runs_takes_the_room(fair: Coordinator) -> None:
+    store = fair.store
+    running = children(fair, "a", 2)
+    low = children(fair, "a", 1, priority=1)
+    high = children(fair, "a", 1, priority=5)
+    assert [start(store, t).verdict for t in (*running, *low)] == ["run", "run", "park"]
+    beat(store, {"a": (3, 3), "b": (1, 0), "*": (1, 0)})
+    assert start(store, high[0]).verdict == "run", "nothing parked comes before it"
+    assert store.fair.counts("a") == FairCounts(running=3, parked=1, queued=0), store.fair.counts("a")
+
+
+def test_a_parked_run_whose_tenant_has_parked_runs_ahead_of_it_gives_them_the_room(fair: Coordinator) -> None:
+    """A parked run's message delivered again when room was made keeps its place: the run ahead of it starts."""
+    store = fair.store
+    running = children(fair, "a", 2)
+    ahead, behind = children(fair, "a", 2)
+    assert [start(store, t).verdict for t in (*running, ahead, behind)] == ["run", "run", "park", "park"]
+    beat(store, {"a": (3, 3), "b": (1, 0), "*": (1, 0)})
+    again = start(store, behind)
+    assert (again.verdict, again.admitted) == ("park", [ahead])
+    assert store.client.zrange(store.keys.tenant_parked("a"), 0, -1) == [behind], "it kept its place"
+
+
+def test_a_stopped_parked_run_ahead_of_a_newcomer_is_dropped_and_the_newcomer_runs(fair: Coordinator) -> None:
+    store = fair.store
+    running = children(fair, "a", 2)
+    stopped = children(fair, "a", 1, priority=5)
+    newcomer = children(fair, "a", 1)
+    assert [start(store, t).verdict for t in (*running, *stopped)] == ["run", "run", "park"]
+    fair.cancel(fair.get_task(stopped[0]).root_id, "stop")  # this caller's table has fair shares off: none withdrawn
+    beat(store, {"a": (3, 3), "b": (1, 0), "*": (1, 0)})
+    assert start(store, newcomer[0]).verdict == "run", "the run ahead of it had ended: dropped, not given the slot"
+    assert store.fair.counts("a") == FairCounts(running=3, parked=0, queued=0), store.fair.counts("a")
+
+
 def test_a_raised_max_running_admits_what_now_fits(fair: Coordinator) -> None:
     store = fair.store
     ids = children(fair, "a", 5)

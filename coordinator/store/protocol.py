@@ -878,6 +878,12 @@ class FairTake(
     retention_s: int = arg("retention seconds")
     task_head: str = arg("a task hash key's head (up to the root id)")
     task_middle: str = arg("its middle (between the root id and the task id)")
+    own_tenant: str | None = arg(
+        "take from this tenant's parked runs alone, not the neediest tenant's (fair_admit.lua: an arrival of a"
+        " tenant whose parked runs come before it)",
+        optional=True,
+    )
+    before: float | None = arg("with ARGV[10], only a parked run whose place is before this score", optional=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1417,8 +1423,8 @@ class StartRun(
     "'missing', 'other' (not an agent's, ended or delegated: the caller takes its slow path), 'leased' (another "
     "run holds the lease), 'asked' (a call its run parked still waits for a person's decision), 'wait' (queued "
     "on the admission list for a slot), 'delay' (the counts are {ms to "
-    "wait}) or 'park' (parked for a slot of its tenant; the counts are {0, why: 'max_running', 'share' or "
-    "'fleet', the task id given the slot instead or ''}); a 'delay' or 'park' sent again answers as it did.",
+    "wait}) or 'park' (parked for a slot of its tenant; the counts are {0, why: 'max_running', 'share', "
+    "'fleet' or 'order', the task id given the slot instead or ''}); a 'delay' or 'park' sent again answers as it did.",
 ):
     task: str = key("task hash")
     lease: str = key("lease")

@@ -85,7 +85,7 @@ class Started:
     exhausted: str | None = None
     conversation: list[str] = field(default_factory=list)
     delay_ms: int = 0
-    parked_for: str = ""  # 'park': why its tenant's fleet slot was refused (max_running, share, fleet)
+    parked_for: str = ""  # 'park': why its tenant's fleet slot was refused (max_running, share, fleet, order)
     admitted: list[str] = field(default_factory=list)  # 'park': the parked runs given the slot instead
 
 

@@ -2,7 +2,8 @@
 -- tree's own admission (admit.lua). It runs unless its tenant holds its `max_running` ('max_running'), every
 -- slot of the fleet is promised ('fleet': the runs holding a slot reach the live workers' concurrency), or
 -- another tenant that wants a slot is further below its weighted share than this one would be with it
--- ('share'). A run that may not start is parked in its tenant's sorted set (priority first, then arrival) and
+-- ('share'), or its tenant's parked runs come before it ('order': the first of them is given the slot). A run
+-- that may not start is parked in its tenant's sorted set (priority first, then arrival) and
 -- its worker goes back to the broker's queue at once; for 'share', the slot is given to the neediest tenant's
 -- parked run instead (fair_take.lua: the caller publishes it), so the fleet stays full while shares even out.
 -- KEYS[1] the tenants that want a slot
@@ -64,6 +65,18 @@ else
     end
   end
 end
+local taken = false
+if not reason then
+  -- A slot it may take goes first to its tenant's parked runs that come before it (a higher priority, or the same
+  -- parked earlier): room made without a release (a raised max_running, a grown fleet) reaches them at once, not
+  -- at the heal tick after the runs that came later took it.
+  local place = tonumber(redis.call('ZSCORE', parked, id)) or -tonumber(ARGV[3]) * 1e13 + tonumber(ARGV[4])
+  taken = fair_take({KEYS[1], KEYS[2], KEYS[3]}, {head, ARGV[6], ARGV[7], ARGV[8], ARGV[4], ARGV[9], ARGV[11],
+    ARGV[12], ARGV[13], tenant, place})
+  if taken then
+    reason = 'order'
+  end
+end
 if not reason then
   -- Off its tenant's parked runs, if it was parked (its message delivered again found room): left there, a
   -- release gave it a second slot, held while it waited on a person or its children.
@@ -84,7 +97,6 @@ if last[2] then score = tonumber(last[2]) + 1 end
 redis.call('ZADD', parked, 'NX', score, id)
 redis.call('EXPIRE', parked, ARGV[11])
 rescore(tenant, running, parked, queued)
-local taken = false
 if reason == 'share' then
   taken = fair_take({KEYS[1], KEYS[2], KEYS[3]}, {head, ARGV[6], ARGV[7], ARGV[8], ARGV[4], ARGV[9], ARGV[11],
     ARGV[12], ARGV[13]})

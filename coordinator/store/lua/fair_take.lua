@@ -19,8 +19,44 @@
 -- ARGV[7] int: retention seconds
 -- ARGV[8] str: a task hash key's head (up to the root id)
 -- ARGV[9] str: its middle (between the root id and the task id)
+-- ARGV[10] (optional) str: take from this tenant's parked runs alone, not the neediest tenant's
+--   (fair_admit.lua: an arrival of a tenant whose parked runs come before it)
+-- ARGV[11] (optional) float: with ARGV[10], only a parked run whose place is before this score
 -- Returns the task id given the slot, or false.
 local head = ARGV[1]
+-- The first live parked run of `tenant` before `before` (any, when nil) is given the slot; ended or gone ones met
+-- first are dropped. Returns its id (or false), and how many were dropped.
+local function take_parked(tenant, before)
+  local running, parked, queued = head .. tenant .. ARGV[2], head .. tenant .. ARGV[3], head .. tenant .. ARGV[4]
+  local dropped = 0
+  while true do
+    local first = redis.call('ZRANGE', parked, 0, 0, 'WITHSCORES')
+    if #first == 0 or (before and tonumber(first[2]) >= before) then
+      return false, dropped
+    end
+    redis.call('ZREM', parked, first[1])
+    local key = ARGV[8] .. string.sub(first[1], 1, 16) .. ARGV[9] .. first[1]
+    local status = hash_get(key, 'status', 'timeline')[1]  -- (its timeline, marked below, read with it)
+    if status and not ENDED[status] then
+      redis.call('SADD', running, first[1])
+      redis.call('EXPIRE', running, ARGV[7])
+      redis.call('HSET', KEYS[3], first[1], tenant)
+      fair_score({KEYS[1], KEYS[2], running, parked, queued}, {tenant, ARGV[5], ARGV[6]})
+      -- Its wait for a slot ends now: its run is queued again (the caller publishes it).
+      timeline_mark(key, tonumber(ARGV[5]) / 1000, 'queued')
+      return first[1], dropped
+    end
+    dropped = dropped + 1
+  end
+end
+if ARGV[10] then
+  local id, dropped = take_parked(ARGV[10], tonumber(ARGV[11]))
+  if dropped > 0 and not id then
+    fair_score({KEYS[1], KEYS[2], head .. ARGV[10] .. ARGV[2], head .. ARGV[10] .. ARGV[3],
+      head .. ARGV[10] .. ARGV[4]}, {ARGV[10], ARGV[5], ARGV[6]})
+  end
+  return id
+end
 for _ = 1, 8 do  -- a few tenants found to want nothing any more (or scored stale), then the next
   local top = redis.call('ZRANGE', KEYS[1], 0, 0)
   if #top == 0 then
@@ -34,27 +70,8 @@ for _ = 1, 8 do  -- a few tenants found to want nothing any more (or scored stal
     return false  -- none waits, or every tenant waiting holds its max_running
   end
   if now_top[1] == tenant then
-    local id, key, dropped = nil, nil, 0
-    while not id do
-      local first = redis.call('ZPOPMIN', parked)
-      if #first == 0 then
-        break
-      end
-      key = ARGV[8] .. string.sub(first[1], 1, 16) .. ARGV[9] .. first[1]
-      local status = hash_get(key, 'status', 'timeline')[1]  -- (its timeline, marked below, read with it)
-      if status and not ENDED[status] then
-        id = first[1]
-      else
-        dropped = dropped + 1
-      end
-    end
+    local id, dropped = take_parked(tenant, nil)
     if id then
-      redis.call('SADD', running, id)
-      redis.call('EXPIRE', running, ARGV[7])
-      redis.call('HSET', KEYS[3], id, tenant)
-      fair_score({KEYS[1], KEYS[2], running, parked, queued}, {tenant, ARGV[5], ARGV[6]})
-      -- Its wait for a slot ends now: its run is queued again (the caller publishes it).
-      timeline_mark(key, tonumber(ARGV[5]) / 1000, 'queued')
       return id
     end
     if dropped == 0 then

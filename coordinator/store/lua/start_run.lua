@@ -55,8 +55,8 @@
 --   agent's, ended or delegated: the caller takes its slow path), 'leased' (another run holds the lease),
 --   'asked' (a call its run parked still waits for a person's decision), 'wait' (queued on the admission
 --   list for a slot), 'delay' (the counts are {ms to wait}) or 'park' (parked for a slot of its tenant;
---   the counts are {0, why: 'max_running', 'share' or 'fleet', the task id given the slot instead or ''});
---   a 'delay' or 'park' sent again answers as it did.
+--   the counts are {0, why: 'max_running', 'share', 'fleet' or 'order', the task id given the slot instead
+--   or ''}); a 'delay' or 'park' sent again answers as it did.
 -- Only the fields this step decides on (the record goes to the caller by its own read, see above).
 local task = redis.call('HMGET', KEYS[1], 'id', 'status', 'runner', 'parent_id', 'depth', 'deliveries', 'run_seq',
   'timeline', 'budget_micros', 'total_cost_micros', 'budget_chain', 'ancestors', 'prompt', 'tenant', 'priority',
