@@ -51,7 +51,7 @@ from coordinator.tenants import (
     check_priority,
     check_tenant_name,
 )
-from coordinator.text import lone_surrogate
+from coordinator.text import all_shown, lone_surrogate, shows
 
 __all__ = [
     "DEFAULT_PAGE",
@@ -162,7 +162,8 @@ def one_line(text: str, max_chars: int = MAX_ERROR_CHARS) -> str:
 
 
 def visible_text(text: str) -> str:
-    """`text` as it may be shown: every non-printable character but the new line written as its escape.
+    """`text` as it may be shown: every character but the new line that is not drawn as itself written as its
+    escape.
 
     A model's words (a plan item, an error, a tool call's arguments) reach an
     operator's terminal and browser. On a terminal an ESC starts a sequence (clear
@@ -170,9 +171,13 @@ def visible_text(text: str) -> str:
     overwrites the line; anywhere, a bidi override or a zero-width character makes
     text read as something other than it is. Written as `\\x1b`, `\\r`, `\\u202e`,
     they are only text. (Python's non-printable: Unicode's Other and Separator
-    categories, but the ASCII space.)
+    categories, but the ASCII space.) And the printable characters drawn as
+    nothing: variation selectors after a URL showed an approver the URL alone,
+    while they carried bytes of the model's choosing to the tool.
     """
-    return "".join(ch if ch == "\n" or ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+    if all_shown(text):
+        return text
+    return "".join(ch if ch == "\n" or shows(ch) else ascii(ch)[1:-1] for ch in text)
 
 
 def _shown_key(key: str) -> str:
@@ -190,7 +195,7 @@ def _metadata_value(value: object, field: str) -> str:
         )
     # A tag is shown on terminals and pages and matched exactly by a filter: a control character (an ESC,
     # a new line), a bidi override or a zero-width character would make two tags read alike or break a line.
-    hidden = next((ch for ch in value if not ch.isprintable()), None)
+    hidden = next((ch for ch in value if not shows(ch)), None)
     if hidden is not None:
         raise ValidationError(
             f"{field} holds the non-printable character {hidden!a}: a value is printable text", field=field

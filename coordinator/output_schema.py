@@ -31,7 +31,7 @@ from urllib.parse import unquote
 from pydantic import BeforeValidator, WithJsonSchema
 
 from coordinator.errors import ValidationError as SubqValidationError
-from coordinator.text import ascii_digits
+from coordinator.text import all_shown, ascii_digits
 
 if TYPE_CHECKING:
     from jsonschema.exceptions import SchemaError, ValidationError
@@ -125,7 +125,7 @@ def _path(prefix: str, parts: Iterator[Any] | Any) -> str:
 
 def _part(part: Any) -> str:
     text = str(part)
-    return text if text.isprintable() else json.dumps(text)
+    return text if all_shown(text) else json.dumps(text)
 
 
 def _too_deep(value: Any, limit: int) -> list[Any] | None:

@@ -5,13 +5,17 @@
   writes back.
 - `ascii_digits`: whether a string is a whole number in ASCII digits. `str.isdigit` also takes "²", which `int()`
   refuses, and "٣", which it reads as 3.
+- `shows`, `all_shown`: whether a character (every character of a text) is drawn as itself: printable, and
+  not one of the printable characters Unicode draws as nothing (a variation selector, a Hangul filler).
 - `stream_id`: whether a string is a Redis stream entry's id, `<ms>-<seq>`, each part within 64 bits (a larger
   one matches the pattern and Redis refuses it: "Invalid stream ID").
 """
 
 from __future__ import annotations
 
-__all__ = ["ascii_digits", "lone_surrogate", "stream_id"]
+import re
+
+__all__ = ["all_shown", "ascii_digits", "lone_surrogate", "shows", "stream_id"]
 
 # The largest part of a stream entry id Redis reads (an unsigned 64-bit number).
 MAX_STREAM_ID_PART = 2**64 - 1
@@ -35,3 +39,25 @@ def stream_id(text: str) -> bool:
     """Whether `text` is a Redis stream entry's id as Redis reads one: `<ms>-<seq>`, each within 64 bits."""
     ms, dash, seq = text.partition("-")
     return bool(dash) and ascii_digits(ms) and ascii_digits(seq) and max(int(ms), int(seq)) <= MAX_STREAM_ID_PART
+
+
+# Characters Python counts printable that are drawn as nothing: the Default_Ignorable_Code_Point of Unicode's
+# DerivedCoreProperties (every range, though its format characters are non-printable already): the variation
+# selectors (256 of them, one per byte value: a string of them carries any bytes, unseen), the Hangul fillers, the
+# combining grapheme joiner, Mongolian free variation selectors and Khmer's inherent vowels.
+_DRAWN_AS_NOTHING = re.compile(
+    "[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f\u202a-\u202e\u2060-\u206f"
+    "\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff0-\ufff8\U0001bca0-\U0001bca3\U0001d173-\U0001d17a"
+    "\U000e0000-\U000e0fff]"
+)
+
+
+def shows(ch: str) -> bool:
+    """Whether the character is drawn as itself: printable (Python's: not Unicode's Other nor Separator, but the ASCII
+    space) and not one of the printable characters drawn as nothing (`_DRAWN_AS_NOTHING`)."""
+    return ch.isprintable() and not _DRAWN_AS_NOTHING.match(ch)
+
+
+def all_shown(text: str) -> bool:
+    """Whether every character of `text` is drawn as itself (`shows`), checked in C."""
+    return text.isprintable() and not _DRAWN_AS_NOTHING.search(text)

@@ -27,6 +27,7 @@ from tests.agents import agent, call, reply
 from tests.conftest import dedicated_fleet
 from tests.helpers import assert_worker_refuses, eventually
 from tests.mcp_kit import START_S, server, started
+from workers import observe
 from workers.runtime import mcp_servers
 from workers.runtime.mcp_servers import checked_tools, hinted_verdict, needs_decision_by_hint
 from workers.runtime.profile_tools import check, load_profile
@@ -85,6 +86,33 @@ def test_a_servers_tools_join_the_profile_with_their_source(settings: Settings, 
     assert len(started(pids)) == 2, "each check started the server once (and stopped it)"
     for pid in started(pids):
         eventually(lambda pid=pid: not Path(f"/proc/{pid}").exists(), f"the checked server {pid} stopped", 15)
+
+
+def test_a_servers_stderr_is_logged_as_visible_lines_not_written_to_the_workers(
+    settings: Settings, tmp_path: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server's stderr (an argument a model chose, echoed in an error) went to the worker's own: an escape
+    sequence reached the operator's terminal, and a line of the server's could read as a JSON record of the
+    worker's. Each line is a log record now, shown through the worker's handlers (one visible line, or JSON)."""
+    repo = _repository(tmp_path / "repo")
+    command, args = server(tmp_path / "pids", repo)
+    hostile = r"""printf '\033]0;pwned\007title\n{"level": "INFO", "message": "forged"}\n' >&2"""
+    noisy = McpServer(name="git", command=command, args=["-c", f"{hostile}; {args[1]}"], timeout_s=START_S)
+    caplog.set_level("INFO", logger=mcp_servers.__name__)
+    assert load_profile("noisy", _settings(settings, noisy=Profile(mcp_servers=[noisy]))).sources
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("mcp server stderr: ")]
+
+    eventually(lambda: len(lines()) >= 2, "the server's two lines were logged", 15)
+    assert lines()[:2] == [
+        "mcp server stderr: \x1b]0;pwned\x07title",
+        'mcp server stderr: {"level": "INFO", "message": "forged"}',
+    ], lines()
+    assert "pwned" not in capfd.readouterr().err, "nothing of the server's reached the process's stderr as it is"
+    record = next(r for r in caplog.records if "pwned" in r.getMessage())
+    observe.VisibleLineFilter().filter(record)
+    assert record.getMessage() == "mcp server stderr: \\x1b]0;pwned\\x07title", "the worker's handlers escape it"
 
 
 # How long each server of the next test waits for the other's start before it gives up.

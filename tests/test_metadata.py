@@ -42,6 +42,7 @@ BAD_METADATA: list[tuple[str, Any, str, str]] = [
     ("empty value", {"customer": ""}, "metadata.customer", "metadata.customer is 0 characters"),
     ("control character", {"customer": "acme\x1b[2J"}, "metadata.customer", "non-printable character '\\x1b'"),
     ("bidi override", {"customer": "acme\u202e"}, "metadata.customer", "non-printable character '\\u202e'"),
+    ("variation selector", {"customer": "acme\ufe00"}, "metadata.customer", "non-printable character '\\ufe00'"),
     ("not an object", ["customer=acme"], "metadata", "metadata must be an object of string keys and values"),
 ]  # fmt: skip
 CASES = [case[1:] for case in BAD_METADATA]

@@ -24,7 +24,7 @@ import pytest
 from pydantic import SecretStr
 from rich.console import Console
 
-from coordinator import Coordinator, Settings, budgets, ids
+from coordinator import Coordinator, Settings, budgets, ids, visible_text
 from coordinator.access import ApiKeySpec, Scope, token_sha256
 from coordinator.api import create_app
 from coordinator.api.limits import RateLimiter, is_open_route
@@ -299,6 +299,26 @@ def test_a_call_reads_as_exactly_what_it_is() -> None:
         call_text(_approval(command="echo \u202eplh.exe\u200b")) == 'run_command(command="echo \\u202eplh.exe\\u200b")'
     )
     assert call_text(_approval(path="café", n=3)) == 'run_command(path="café", n=3)'
+    # Printable characters drawn as nothing: 256 variation selectors, one per byte, carry any bytes after a URL
+    # that reads as the URL alone; a Hangul filler reads as a space.
+    hidden = "".join(chr(0xFE00 + b) if b < 16 else chr(0xE0100 + b - 16) for b in b"AWS_KEY=abc")
+    smuggled = call_text(_approval(url=f"https://example.com/{hidden}", path="/tmp/\u3164x"))
+    assert smuggled.startswith('run_command(url="https://example.com/\\U000e0131\\U000e0147'), smuggled
+    assert smuggled.endswith('path="/tmp/\\u3164x")'), smuggled
+
+
+def test_every_character_unicode_draws_as_nothing_is_shown_as_its_escape() -> None:
+    """Unicode's Default_Ignorable_Code_Point (DerivedCoreProperties), each range: none reaches a page, a terminal or
+    a Slack line as itself, whether Python counts it printable (a variation selector) or not (a bidi mark)."""
+    ignorable = [
+        (0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1160), (0x17B4, 0x17B5), (0x180B, 0x180F),
+        (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F), (0x3164, 0x3164), (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF),
+        (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8), (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF),
+    ]  # fmt: skip
+    for first, last in ignorable:
+        for code in range(first, last + 1):
+            assert visible_text(chr(code)) == ascii(chr(code))[1:-1], hex(code)
+    assert visible_text("café ✓ 日本語 👍🏽 e\u0301") == "café ✓ 日本語 👍🏽 e\u0301", "what shows stays as it is"
     long = call_text(_approval(command="x" * 5000))
     assert len(long) < MAX_CALL_CHARS + 60 and long.endswith("more characters not shown)")
     # An MCP tool takes any argument names its model sends: a name that is no identifier is written as JSON too.

@@ -74,6 +74,7 @@ from pythonjsonlogger.json import JsonFormatter
 
 from coordinator import ConfigError, TaskRecord, TaskStatus, current_trace_id, visible_text
 from coordinator.runs import Run, RunHooks
+from coordinator.text import all_shown
 from coordinator.tracing import span
 
 if TYPE_CHECKING:
@@ -192,7 +193,7 @@ class VisibleLineFilter(logging.Filter):
             message = record.getMessage()
         except Exception:  # a call whose arguments do not fit its format: the handler's emit reports it
             return True  # (a filter runs outside the handler's error handling: raising here reached the caller)
-        if not message.isprintable():  # (most are: checked in C, where escaping a 1 KB line costs 40 us)
+        if not all_shown(message):  # (most are: checked in C, where escaping a 1 KB line costs 40 us)
             record.msg, record.args = visible_text(message).replace("\n", "\\n"), None  # args None: `msg` as is
         if record.exc_info and not record.exc_text:
             # Set once here, the formatter shows it as it is (logging.Formatter.format keeps an `exc_text`).

@@ -34,7 +34,6 @@ import concurrent.futures
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -156,16 +155,35 @@ def _build(profile: str, server: McpServer, hidden: Sandbox, refusals: Path | No
     )
 
 
+# A line of a stdio server's stderr longer than this is logged in pieces of it.
+MAX_STDERR_LINE_CHARS = 4000
+_relay_lock = threading.Lock()
+_relay: TextIO | None = None  # the write end of the pipe every stdio server of the process writes its stderr into
+
+
 def _errlog() -> TextIO:
-    """Where a stdio server's stderr goes: the process's own stderr (Celery replaces `sys.stderr`
-    with a logging proxy that has no file descriptor for a child to write to)."""
-    for stream in (sys.__stderr__, sys.stderr):
-        try:
-            if stream is not None and stream.fileno() >= 0:
-                return stream
-        except (AttributeError, OSError, ValueError):
-            continue
-    return open(os.devnull, "w")
+    """Where a stdio server's stderr goes: a pipe whose lines a thread of the process logs (`_relay_lines`).
+
+    Given the process's own stderr, a server wrote to it as it pleased: an argument a model chose that the server
+    echoed in an error reached an operator's terminal as an escape sequence (retitle, write the clipboard) and, with
+    `SUBQ_LOG_FORMAT=json`, a line of the server's could read as one of the worker's own. Logged, each line is one
+    line of visible text, or one JSON record, as every other. (One pipe for the process: its writes of a line are
+    whole up to PIPE_BUF, 4 KB.)"""
+    global _relay
+    with _relay_lock:
+        if _relay is None:
+            read_fd, write_fd = os.pipe()
+            reader = os.fdopen(read_fd, "rb")
+            threading.Thread(target=_relay_lines, args=(reader,), name="subq-mcp-stderr", daemon=True).start()
+            _relay = os.fdopen(write_fd, "w")
+        return _relay
+
+
+def _relay_lines(reader: Any) -> None:
+    for raw in reader:
+        line = raw.decode("utf-8", "replace").rstrip("\r\n")
+        for at in range(0, max(len(line), 1), MAX_STDERR_LINE_CHARS):
+            log.info("mcp server stderr: %s", line[at : at + MAX_STDERR_LINE_CHARS])
 
 
 def _leaf(exc: BaseException) -> BaseException:
