@@ -1200,6 +1200,35 @@ def _stale_after_its_next_step(
     return stale
 
 
+def test_a_run_that_ends_after_committing_a_delegation_stops_its_children_and_a_retry_resumes(
+    coord: Coordinator,
+) -> None:
+    """A run commits a delegation, then ends `failed` rather than release (its time limit ran out in a tool called
+    beside `run_subagents`): the children it committed are stopped with it and its batch closes. Before, they
+    stayed `active`, never published nor watched, and a retry's next delegation waited on a batch that never
+    closed, the task `delegated` for good."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    run = lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    batch, children = run.plan.delegate([SubtaskSpec(description="a", message="work")], "parallel", "call-1")
+    run.end(Ended("failed", error="the task's time limit ran out"))
+    (child,) = coord.store.records.get_records([c.id for c in children])
+    assert child.status.terminal, f"the committed child is stopped with its parent, not {child.status}"
+    assert coord.store.batches.get_batch(batch.id).status == "done", "its batch closed"
+    coord.retry(task.id)
+    again = lifecycle.start(task.id)
+    assert isinstance(again, Run)
+    second, (only,) = again.plan.delegate([SubtaskSpec(description="b", message="work")], "parallel", "call-2")
+    again.end(Released("delegated"))
+    ran = lifecycle.start(only.id)
+    assert isinstance(ran, Run)
+    ran.end(Ended("completed", summary="done"))
+    assert coord.store.batches.get_batch(second.id).status == "done", "the retry's batch closes on its one child's end"
+    assert coord.get_task(task.id).status == TaskStatus.ACTIVE, "and the parent is resumed"
+
+
 def test_a_run_that_lost_its_lease_delegates_nothing_and_leaves_the_plan_alone(
     coord: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

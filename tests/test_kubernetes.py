@@ -779,6 +779,7 @@ def test_a_worker_pod_may_start_the_command_sandbox(rendered: dict[str, list[dic
         "appArmorProfile": {"type": "Unconfined"},
     }
     assert pod["securityContext"]["runAsNonRoot"] is True, "still the image's user"
+    assert pod["automountServiceAccountToken"] is False, "no token of the cluster's API for a command to read"
     assert "bubblewrap" in (ROOT / "deploy" / "Dockerfile").read_text()
     # A profile with the network: pasta's tap device, from the node.
     (tun,) = [volume for volume in pod["volumes"] if volume["name"] == "dev-net-tun"]

@@ -81,6 +81,17 @@ def test_subqs_files_are_hidden(tmp_path: Path, workdir: Path) -> None:
         assert "secret" in _run(f"cat {secret}", workdir, sandbox, sandbox=False).output, "readable unconfined"
 
 
+def test_a_client_tls_key_named_in_the_redis_url_is_hidden(tmp_path: Path, workdir: Path) -> None:
+    """With one Redis, TLS is set in its URL (SUBQ_REDIS_TLS_KEY_FILE is Sentinel's): the key it names is hidden."""
+    key = tmp_path / "client.key"
+    key.write_text("secret-key")
+    for query in (f"ssl_keyfile={key}", f"ssl_certfile={tmp_path / 'client.crt'}&ssl_keyfile={key}&ssl_cert_reqs=none"):
+        sandbox = Sandbox.of(Settings(redis_url=f"rediss://:pw@127.0.0.1:6380/0?{query}"))
+        assert key in sandbox.hidden, query
+        assert "secret" not in _run(f"cat {key}", workdir, sandbox).output, query
+    assert "secret" in _run(f"cat {key}", workdir, Sandbox.of(Settings()), sandbox=False).output, "readable unconfined"
+
+
 def test_subq_ups_embedded_redis_folder_is_hidden_wherever_tmpdir_points(workdir: Path) -> None:
     """`subq up`'s embedded Redis keeps its password (redis.conf) and every tree's state (its append-only file) in
     a folder of its own. Under TMPDIR=/var/tmp (or any folder but /tmp, which the sandbox replaces with its own)

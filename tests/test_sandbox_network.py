@@ -40,6 +40,7 @@ from workers.runtime.sandbox import Sandbox
 
 # The "public host": its address and the host's end of the veth (one of the host's own addresses then).
 PUBLIC, HOST_END = "198.51.100.2", "198.51.100.1"
+PRIVATE, PRIVATE_HOST_END = "10.254.77.2", "10.254.77.1"
 MARKER = "a page from the public host"
 
 needs_root = pytest.mark.skipif(
@@ -50,7 +51,7 @@ needs_root = pytest.mark.skipif(
 # The public host's web server: HTTP/1.1, which keeps a connection open for a next request (as most servers
 # do); `/marker` is MARKER, any other path the Host header and the path it was asked for.
 PUBLIC_SERVER = """
-import http.server, sys
+import http.server, socket, sys, threading
 class Page(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     def do_GET(self):
@@ -62,6 +63,13 @@ class Page(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
     def log_message(self, *args):
         pass
+def echo():  # UDP port 80 answers each datagram with the marker
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind((sys.argv[1], 80))
+    while True:
+        _, sender = udp.recvfrom(512)
+        udp.sendto(sys.argv[2].encode(), sender)
+threading.Thread(target=echo, daemon=True).start()
 http.server.ThreadingHTTPServer((sys.argv[1], 80), Page).serve_forever()
 """
 
@@ -70,9 +78,10 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 
 
-@pytest.fixture(scope="module")
-def public_host() -> Iterator[str]:
-    """A web server at PUBLIC:80 in a network namespace of its own (PUBLIC_SERVER)."""
+@contextlib.contextmanager
+def _host_in_namespace(address: str, host_end: str) -> Iterator[str]:
+    """A web server (and a UDP echo) at `address`:80 in a network namespace of its own (PUBLIC_SERVER), the host's
+    end of its veth at `host_end` (/30)."""
     name = f"subqpub{uuid.uuid4().hex[:6]}"
     outer, inner = f"{name}h", f"{name}p"
     _ip("netns", "add", name)
@@ -80,26 +89,41 @@ def public_host() -> Iterator[str]:
     try:
         _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
         _ip("link", "set", inner, "netns", name)
-        _ip("addr", "add", f"{HOST_END}/30", "dev", outer)
+        _ip("addr", "add", f"{host_end}/30", "dev", outer)
         _ip("link", "set", outer, "up")
         for args in (
-            ("addr", "add", f"{PUBLIC}/30", "dev", inner),
+            ("addr", "add", f"{address}/30", "dev", inner),
             ("link", "set", inner, "up"),
             ("link", "set", "lo", "up"),
         ):
             _ip("netns", "exec", name, "ip", *args)
         server = subprocess.Popen(
-            ["ip", "netns", "exec", name, sys.executable, "-c", PUBLIC_SERVER, PUBLIC, MARKER],
+            ["ip", "netns", "exec", name, sys.executable, "-c", PUBLIC_SERVER, address, MARKER],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        _until_answers(PUBLIC, 80)
-        yield PUBLIC
+        _until_answers(address, 80)
+        yield address
     finally:
         if server is not None:
             server.kill()
             server.wait()
         subprocess.run(["ip", "link", "del", outer], capture_output=True)
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def public_host() -> Iterator[str]:
+    """A web server at PUBLIC:80 in a network namespace of its own (PUBLIC_SERVER)."""
+    with _host_in_namespace(PUBLIC, HOST_END) as address:
+        yield address
+
+
+@pytest.fixture(scope="module")
+def private_host() -> Iterator[str]:
+    """The same server at an address of a private range (10.0.0.0/8) that the host reaches: where a cloud's
+    metadata service, a Compose network's Redis or a cluster's API sit."""
+    with _host_in_namespace(PRIVATE, PRIVATE_HOST_END) as address:
+        yield address
 
 
 def _until_answers(address: str, port: int) -> None:
@@ -198,6 +222,53 @@ def test_public_reaches_a_public_host_and_none_has_no_network(tmp_path: Path, pu
     assert _run(CURL.format(flags="", target=public_host), tmp_path, network=False).exit_code != 0
     # The host's end of the veth is one of the host's own addresses: a service bound to 0.0.0.0 is there.
     assert _run(CURL.format(flags="", target=HOST_END), tmp_path, network=True).exit_code != 0
+
+
+# Ways to the host's network that name the interface, which a failed route lookup then skips (no capability needed):
+# a TCP connect from a socket bound to the device, a UDP datagram whose IP_PKTINFO names its index, and the plain
+# connect beside them. Each prints what it reached, or the error.
+NAMED_INTERFACE = """python3 -c '
+import socket, struct, sys
+host = sys.argv[1]
+dev = [n for _, n in socket.if_nameindex() if n != "lo"][0]
+def tried(label, attempt):
+    try:
+        print(label, attempt())
+    except OSError as exc:
+        print(label, "refused:", exc.strerror)
+def bound():
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, dev.encode())
+    s.settimeout(5)
+    s.connect((host, 80))
+    return "connected"
+def pktinfo():
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    u.settimeout(5)
+    info = struct.pack("I4s4s", socket.if_nametoindex(dev), bytes(4), bytes(4))
+    u.sendmsg([b"x"], [(socket.IPPROTO_IP, 8, info)], 0, (host, 80))  # 8: IP_PKTINFO (linux/in.h)
+    return u.recv(100).decode()
+tried("bound:", bound)
+tried("pktinfo:", pktinfo)
+tried("plain:", lambda: socket.create_connection((host, 80), 5) and "connected")
+' {host}"""
+
+
+@needs_root
+def test_public_reaches_no_private_address_through_a_socket_that_names_its_interface(
+    tmp_path: Path, public_host: str, private_host: str
+) -> None:
+    """The routes that refuse the blocked ranges are skipped by a socket that names its interface: the kernel takes
+    the address as on that link and pasta carried the packet to it. The namespace's netfilter chain refuses them."""
+    reached = _run(NAMED_INTERFACE.format(host=public_host), tmp_path, network=True, timeout_s=60)
+    assert reached.text() == f"exit 0\nbound: connected\npktinfo: {MARKER}\nplain: connected\n", reached.text()
+    tried = _run(NAMED_INTERFACE.format(host=private_host), tmp_path, network=True, timeout_s=60)
+    assert tried.text() == (
+        "exit 0\nbound: refused: Connection refused\npktinfo: refused: Operation not permitted\n"
+        "plain: refused: Permission denied\n"
+    ), tried.text()
+    unconfined = _run(NAMED_INTERFACE.format(host=private_host), tmp_path, sandbox=False, timeout_s=60)
+    assert "plain: connected" in unconfined.text(), "the private host answers the same command outside the sandbox"
 
 
 @needs_root

@@ -80,8 +80,10 @@ __all__ = [
 
 PASTA = "pasta"
 IP = "ip"
+NFT = "nft"
+SYSTEM_FOLDERS = ("/usr/sbin", "/sbin")
 # What a machine needs for a sandbox with the network (the worker's refusal names them; docs/deploy.md).
-NEEDS = "pasta (Debian's passt) and ip (iproute2)"
+NEEDS = "pasta (Debian's passt), ip (iproute2) and nft (nftables)"
 # The exit status when the network could not be set up (as `env` says for a command it cannot run).
 SETUP_FAILED = 125
 # Never reached from a sandbox: coordinator/networks.py's ranges (a webhook keeps off them too), and the host's
@@ -118,12 +120,15 @@ def host_program(name: str) -> str | None:
     relative entry (`::`, `.`, `node_modules/.bin`) names a folder from the current one, which may be a command's
     own, where the model could have written a `pasta` or a `bwrap` that would then run outside the sandbox."""
     folders = [folder for folder in os.environ.get("PATH", os.defpath).split(os.pathsep) if os.path.isabs(folder)]
-    return shutil.which(name, path=os.pathsep.join(folders)) if folders else None
+    # And the system's own folders of administration programs, which a user's PATH often leaves out (`nft` is only
+    # in /usr/sbin on Debian).
+    folders += [folder for folder in SYSTEM_FOLDERS if folder not in folders]
+    return shutil.which(name, path=os.pathsep.join(folders))
 
 
 def missing_programs() -> list[str]:
     """The programs a sandbox with the network needs that are not installed here."""
-    return [program for program in (PASTA, IP) if host_program(program) is None]
+    return [program for program in (PASTA, IP, NFT) if host_program(program) is None]
 
 
 def launcher(
@@ -415,15 +420,44 @@ def _die_with_parent() -> None:
 
 
 def _prohibit(space: Sandboxed) -> None:
-    """Refuse every blocked IPv4 range, and each of the host's own addresses, in the namespace's routing."""
-    nets = {str(net) for net in BLOCKED_NETWORKS if net.version == 4}
-    nets |= {f"{ip}/32" for ip in own_addresses() if ip.version == 4}
-    batch = "".join(f"route add prohibit {net}\n" for net in sorted(nets))
-    done = subprocess.run(
-        [host_program(IP) or IP, "-batch", "-"], input=batch.encode(), capture_output=True, preexec_fn=space.enter
+    """Refuse every blocked IPv4 range, and each of the host's own addresses, in the namespace: in its routing, and
+    in a netfilter output chain.
+
+    The routes alone did not hold: a socket that names its interface (SO_BINDTODEVICE, IP_UNICAST_IF, an
+    IP_PKTINFO message's index; no capability needed) skips a route lookup that fails, the kernel takes the address
+    as on that link, and pasta carries the packet to it: 10.0.0.0/8, the metadata service. The chain sees every
+    packet the namespace sends whatever its socket named, and refuses it at once (a TCP reset, an ICMP refusal)."""
+    nets = {net for net in BLOCKED_NETWORKS if isinstance(net, ipaddress.IPv4Network)}
+    nets |= {ipaddress.IPv4Network(f"{ip}/32") for ip in own_addresses() if ip.version == 4}
+    collapsed = [str(net) for net in ipaddress.collapse_addresses(nets)]  # (an nft set refuses overlapping ranges)
+    for program, text, what in (
+        (IP, "".join(f"route add prohibit {net}\n" for net in collapsed), "routes"),
+        (NFT, _ruleset(collapsed), "netfilter"),
+    ):
+        done = subprocess.run(
+            [host_program(program) or program, *(("-batch", "-") if program == IP else ("-f", "-"))],
+            input=text.encode(),
+            capture_output=True,
+            preexec_fn=space.enter,
+        )
+        if done.returncode != 0:
+            raise SetupFailed(f"{what}: {' '.join(done.stderr.decode(errors='replace').split())[:300]}")
+
+
+def _ruleset(nets: Sequence[str]) -> str:
+    """The namespace's output chain: its own loopback and pasta's DNS forwarder pass; a blocked range is refused."""
+    blocked = ", ".join(nets)
+    return (
+        "table ip subq_sandbox {\n"
+        "  chain out {\n"
+        "    type filter hook output priority 0; policy accept;\n"
+        '    oifname "lo" accept\n'
+        f"    ip daddr {NS_GATEWAY} accept\n"
+        f"    ip daddr {{ {blocked} }} meta l4proto tcp reject with tcp reset\n"
+        f"    ip daddr {{ {blocked} }} reject with icmp type admin-prohibited\n"
+        "  }\n"
+        "}\n"
     )
-    if done.returncode != 0:
-        raise SetupFailed(f"routes: {' '.join(done.stderr.decode(errors='replace').split())[:300]}")
 
 
 def _pasta(space: Sandboxed, public: bool, port: int | None, log: Path) -> subprocess.Popen[bytes]:

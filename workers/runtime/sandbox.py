@@ -45,12 +45,12 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from coordinator import RunCommand, Settings
 from workers.runtime import egress
 
-__all__ = ["BWRAP", "HOST_SOCKETS", "NEEDS", "PRLIMIT", "Sandbox", "SandboxUnavailable", "probe"]
+__all__ = ["BWRAP", "HOST_SECRETS", "HOST_SOCKETS", "NEEDS", "PRLIMIT", "Sandbox", "SandboxUnavailable", "probe"]
 
 BWRAP = "bwrap"
 PRLIMIT = "prlimit"
@@ -65,6 +65,9 @@ HOST_SOCKETS = (
     "/run/k3s/containerd/containerd.sock", "/run/crio/crio.sock", "/run/dbus/system_bus_socket",
     "/var/run/dbus/system_bus_socket", "/run/systemd/private", "/run/user",
 )  # fmt: skip
+# The secrets a container platform mounts, hidden where they exist: Kubernetes' service account token (a pod's
+# credentials for the cluster's API, mode 0644) and Docker's and Compose's secrets.
+HOST_SECRETS = ("/run/secrets", "/var/run/secrets")
 # What a worker's machine or pod must give for the sandbox to start (the refusal's line, docs/deploy.md).
 NEEDS = (
     "bubblewrap (bwrap) and util-linux's prlimit installed, user namespaces allowed and /proc mountable "
@@ -94,7 +97,7 @@ class Sandbox:
     @classmethod
     def of(cls, settings: Settings) -> Sandbox:
         known = (settings.profiles_file, settings.api_keys_file, settings.redis_tls_key_file, _redis_socket(settings))
-        hidden = (*known, *settings.sandbox_hidden_paths, *HOST_SOCKETS)
+        hidden = (*known, *_redis_url_keys(settings), *settings.sandbox_hidden_paths, *HOST_SOCKETS, *HOST_SECRETS)
         paths = [Path(path).absolute() for path in hidden if path is not None]
         secrets = frozenset(
             name for profile in settings.profiles.values() for server in profile.mcp_servers
@@ -198,6 +201,13 @@ def _redis_socket(settings: Settings) -> str | None:
     """The socket file of a `unix://` Redis URL (`unix:///run/redis/redis.sock?db=0`); None for TCP."""
     url = urlsplit(settings.redis_url or "")
     return url.path if url.scheme == "unix" and url.path else None
+
+
+def _redis_url_keys(settings: Settings) -> list[str]:
+    """The client TLS keys a Redis URL names (`rediss://h:6380/0?ssl_keyfile=/etc/subq/client.key`): with one Redis,
+    TLS is set in its URL (redis-py reads its query), not in SUBQ_REDIS_TLS_KEY_FILE, which is Sentinel's."""
+    query = parse_qs(urlsplit(settings.redis_url or "").query)
+    return [value for value in query.get("ssl_keyfile", []) if value]
 
 
 _probed: dict[str, str | None] = {}
