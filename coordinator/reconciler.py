@@ -133,6 +133,7 @@ class Reconciler:
         # The tasks whose run message this process holds, started or not (the worker reads Celery's state).
         self.reserved = reserved
         self._queued: set[str] | None = None
+        self._queue_read = False
         self._later: defaultdict[float, list[str]] = defaultdict(list)  # delay -> tasks to look at again then
         # The worker processes whose reconcilers beat within a lapse, this one included, as of its last beat:
         # the clocks each keeps for the whole fleet run that many times slower (workers/maintenance.py).
@@ -196,7 +197,7 @@ class Reconciler:
         repairs: Counter[str] = Counter()
         self._timers()
         self._fair_shares(repairs)
-        self._queued = None  # the broker's queue is read at most once a tick, and only if needed
+        self._queued, self._queue_read = None, False  # the broker's queue is read at most once a tick, if needed
         self._later = defaultdict(list)
         due = self.plane.store.convergence.due_tasks(TICK_LIMIT)
         for task_id, triaged in zip(due, self.plane.store.convergence.triage(due), strict=True):
@@ -298,10 +299,12 @@ class Reconciler:
     def _waits_to_start(self, task_id: str) -> bool:
         """Its run message is in the broker's queue or held by a live worker, or it waits for a run slot."""
         store = self.plane.store
-        if self._queued is None:
+        if not self._queue_read:
             self._queued = store.convergence.queued_task_ids(self.plane.settings.queue)
+            self._queue_read = True
         return (
-            task_id in self._queued
+            self._queued is None  # a backlog deeper than one look reads: every task counts as queued
+            or task_id in self._queued
             or store.convergence.reserved(task_id)
             or store.convergence.in_admission(task_id)
             or admission.parked(self.plane, task_id)

@@ -41,6 +41,7 @@ from coordinator.replies import Stepped
 from coordinator.runs import Ended, LeaseLost, Run, RunLifecycle
 from coordinator.settings import Settings
 from coordinator.store.approvals import ApprovalStore
+from coordinator.store.convergence import QUEUE_SCAN_LIMIT
 from tests.agents import agent, reply, subtask
 from tests.helpers import delegate_as_its_run, state
 from workers.runtime.context import build_runtime
@@ -96,6 +97,23 @@ def test_a_task_queued_in_the_broker_is_left_alone(coord: Coordinator) -> None:
     assert tick(coord) == {}
     assert queued_ids(coord) == [root.id] and coord.client.llen(QUEUE) == 1, "not published twice"
     assert root.id in coord.store.convergence.watched()
+
+
+def test_a_task_queued_behind_a_backlog_deeper_than_one_look_is_not_taken_for_lost(coord: Coordinator) -> None:
+    """kombu pushes to the list's head and takes from its tail: a look at its first QUEUE_SCAN_LIMIT messages read
+    the newest, and the oldest, those due longest, were taken for lost and published again. Past the limit every
+    task counts as queued."""
+    root = coord.create_task(agent(reply("x")), run=True)  # its message is the oldest
+    filler = json.dumps({"headers": {"id": "not-subqs"}, "body": ""})
+    with coord.client.pipeline(transaction=False) as pipe:
+        for _ in range(QUEUE_SCAN_LIMIT // 1000):
+            pipe.lpush(QUEUE, *[filler] * 1000)
+        pipe.execute()
+    assert coord.client.llen(QUEUE) == QUEUE_SCAN_LIMIT + 1
+    assert tick(coord) == {}, "not published again"
+    assert coord.client.lindex(QUEUE, -1) is not None and coord.client.llen(QUEUE) == QUEUE_SCAN_LIMIT + 1
+    coord.client.ltrim(QUEUE, QUEUE_SCAN_LIMIT, -1)  # the backlog drains but for the oldest: read whole again
+    assert queued_ids(coord) == [root.id] and tick(coord) == {}
 
 
 def test_a_task_the_reconciler_cannot_look_at_is_put_off_and_holds_up_none_due_after_it(

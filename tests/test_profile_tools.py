@@ -134,9 +134,14 @@ def tooled(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iter
     reporting = Profile(
         tools=["tests.tool_kit:paid_search", "tests.tool_kit:confused_bill"], tool_prices={"paid_*": Decimal("0.25")}
     )
+    # Priced calls that do not all run: a denied command, and a tool that asks the model to call again.
+    charged = Profile(
+        run_command=RunCommand(cwd=marks), allow=["run_command:sleep"], deny=["run_command:rm"],
+        tools=["tests.tool_kit:even_only"], tool_prices={"run_command": Decimal("0.01"), "even_only": Decimal("0.25")},
+    )  # fmt: skip
     own = _settings(
         settings, tooled=TOOLED, guarded=GUARDED, commander=commander, fragile=fragile, priced=priced,
-        reporting=reporting, unguarded=unguarded, tally=Profile(tools=["tests.tool_kit:add_numbers", "tests.tool_kit:explode", "tests.tool_kit:charge_card"]),
+        reporting=reporting, unguarded=unguarded, charged=charged, tally=Profile(tools=["tests.tool_kit:add_numbers", "tests.tool_kit:explode", "tests.tool_kit:charge_card"]),
     )  # fmt: skip
     try:
         with dedicated_fleet(own, tmp_path_factory.mktemp("tooled"), 1, queue="subq-tools") as (coord, fleet):
@@ -492,6 +497,23 @@ def test_a_budget_spent_by_tool_calls_stops_the_run_before_its_next_request(tool
     # Two calls at $0.25 cross $0.40 with their results: no third request is made.
     assert done.requests == 2 and done.tool_use["add_numbers"].calls == 2
     assert done.cost_micros == 2 * STEP_COST_MICROS + 2 * 250_000
+
+
+def test_a_priced_call_is_charged_when_it_ran_whatever_its_outcome_and_never_when_it_did_not(tooled: Tooled) -> None:
+    """A command the policy denied never runs and was charged its price all the same (run_command applies the
+    policy itself, after the point the charge was skipped for a denial); a tool that did its work and then asked
+    the model to call again (ModelRetry) ran and was not charged."""
+    coord = tooled.coord
+    calls = [call("run_command", command="rm -rf x"), call("run_command", command="sleep 0"),
+             call("even_only", n=1), call("even_only", n=2)]  # fmt: skip
+    task = coord.create_task(agent(*calls, reply("done")), profile="charged", run=True)
+    done = coord.wait(task.id, 60)
+    assert done.status == TaskStatus.COMPLETED, done
+    assert {tool: dict(u.outcomes) for tool, u in done.tool_use.items()} == {
+        "run_command": {"denied": 1, "ok": 1}, "even_only": {"error": 1, "ok": 1},
+    }, done.tool_use  # fmt: skip
+    ran = 10_000 + 2 * 250_000  # the command that ran, and both calls of even_only
+    assert done.cost_micros == done.requests * STEP_COST_MICROS + ran, (done.cost_micros, done.requests)
 
 
 def test_a_call_naming_no_tool_of_its_task_is_counted_under_one_label_not_the_models_name() -> None:

@@ -41,7 +41,7 @@ from coordinator.store.protocol import (
 __all__ = ["QUEUE_SCAN_LIMIT", "ConvergenceStore", "Triage"]
 
 # How many ready messages one look at the broker's queue reads; a deeper backlog counts
-# every task beyond it as still queued (nothing is published again on a guess).
+# every task as still queued (nothing is published again on a guess) until it drains below.
 QUEUE_SCAN_LIMIT = 20_000
 # A worker's heartbeat entry is dropped after a day without one (the list is for people).
 WORKER_FORGET_S = 24 * 3600
@@ -173,10 +173,19 @@ class ConvergenceStore(Part):
         return self.client.lpos(self.keys.admission(root_of(task_id)), task_id) is not None
 
     @translate_redis_errors
-    def queued_task_ids(self, queue: str) -> set[str]:
-        """Tasks with a run message waiting in the broker's ready list of `queue` (kombu's Redis layout)."""
+    def queued_task_ids(self, queue: str) -> set[str] | None:
+        """Tasks with a run message waiting in the broker's ready list of `queue` (kombu's Redis layout); None when
+        the list holds more than QUEUE_SCAN_LIMIT messages: every task counts as queued then. (Read from its head,
+        the newest, a deep backlog left out its oldest messages, those of the tasks due longest: each was taken
+        for lost and published again, up to the tick's limit, every tick.)"""
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.llen(queue)
+            pipe.lrange(queue, 0, QUEUE_SCAN_LIMIT - 1)
+            depth, messages = pipe.execute()
+        if int(depth) > QUEUE_SCAN_LIMIT:
+            return None
         found: set[str] = set()
-        for raw in _strs(self.client.lrange(queue, 0, QUEUE_SCAN_LIMIT - 1)):
+        for raw in _strs(messages):
             try:
                 celery_id = json.loads(raw)["headers"]["id"]
             except (ValueError, KeyError, TypeError):

@@ -551,12 +551,12 @@ class SharedServer(AbstractToolset[Any]):
             return await toolset.call_tool(original, tool_args, ctx, inner)
         except ToolError as exc:  # the tool failed, the server answered
             text = one_line(str(exc)).removeprefix("Error executing tool ")
-            raise CallFailed(f"Error: {text}") from None
+            raise CallFailed(f"Error: {text}", ran=True) from None
         except Exception as exc:
             if self._lost(toolset, exc):
                 stopped = f"Error: MCP server {self.server.name!r} stopped during the call; it is being restarted"
-                raise CallFailed(stopped) from None
-            raise CallFailed(f"Error: {one_line(str(exc)) or type(exc).__name__}") from None
+                raise CallFailed(stopped, ran=True) from None
+            raise CallFailed(f"Error: {one_line(str(exc)) or type(exc).__name__}", ran=True) from None
         finally:
             report_refused(ctx.deps.run, source_of(self.server), self._new_refusals())
 

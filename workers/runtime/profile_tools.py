@@ -250,8 +250,9 @@ class PolicyToolset(WrapperToolset[RunState]):
         # by the resume, though it had never run: the approved action was never carried out.
         approved = bool(ctx.tool_call_approved and not cut_off)
         outcome, result, started_s = await self._call_within_limits(name, tool_args, ctx, tool, approved=approved)
-        ran_s = time.monotonic() - started_s if started_s and outcome != "denied" else None
-        charge(run, ctx.deps.profile, name, call_id, reported_cost(name, result))
+        ran_s = time.monotonic() - started_s if started_s else None
+        if started_s:  # a call that ran is charged, whatever its outcome; one refused or that never started is not
+            charge(run, ctx.deps.profile, name, call_id, reported_cost(name, result))
         result = capped(result, ctx.deps.profile.max_tool_output_chars, name)
         # A ToolReturn's value is what the model reads: the journal keeps that for a replay.
         _done(ctx, name, outcome, result.return_value if isinstance(result, ToolReturn) else result, ran_s)
@@ -287,10 +288,13 @@ class PolicyToolset(WrapperToolset[RunState]):
             run.say("tool_error", result)
         except CallAnswered as answered:  # the tool decided the outcome itself (a denial, a failure)
             outcome, result = answered.outcome, answered.text
+            started_s = started_s if answered.ran else 0.0  # refused, or it could not start: it never ran
             run.say("tool_denied" if outcome == "denied" else "tool_error", f"{name}: {result}")
         except ModelRetry as retry:  # the tool asks the model to call again: this call failed
             run.say("tool_error", f"{name}: {one_line(str(retry))}")
             ran_s = time.monotonic() - started_s if started_s else None
+            if started_s:  # it ran (and did its work, it may be): its price is charged as any call's that ran
+                charge(run, ctx.deps.profile, name, ctx.tool_call_id or "", None)
             _done(ctx, name, "error", f"Error: {one_line(str(retry))}", ran_s)
             raise
         except (ApprovalRequired, CallDeferred, LeaseLost):

@@ -147,13 +147,16 @@ class RunState:
 
 class CallAnswered(Exception):
     """A tool's call answered without a result of its own: `text` is what the model reads, and the call
-    counts as `outcome` (raised by the tool that decided it; the guarded toolset answers and counts it)."""
+    counts as `outcome` (raised by the tool that decided it; the guarded toolset answers and counts it). `ran`:
+    the call reached what does its work (an MCP server that answered an error) and is charged its price; a call
+    refused or that could not start is not."""
 
     outcome: ClassVar[Literal["denied", "error"]] = "error"
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, *, ran: bool = False) -> None:
         super().__init__(text)
         self.text = text
+        self.ran = ran
 
 
 class CallDenied(CallAnswered):
