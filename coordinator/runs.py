@@ -408,7 +408,10 @@ class Run:
         provider = outcome.state == "waiting_provider"  # its timer publishes it: off the due list with the lease
         if not self._release(reset_deliveries=outcome.state == "waiting_approval", unwatch=provider):
             return self.lost()  # a newer run of the task started since its step: the task is that run's
-        if outcome.state == "delegated":
+        if outcome.state == "delegated" or self.plan.delegation is not None:
+            # A delegation committed in the response that parked calls for a person is published too: its
+            # children waited for the person's decision (the resume it publishes found the batch unpublished),
+            # an hour by default, while the approval of one call was to let the others go on.
             delegation.publish_waiting(plane, plane.store.records.get_task(task_id))
         # Off the due list while a call waits for its person (the decision that ends the wait watches it again).
         # Every call decided while this run held the lease: the last decision published nothing (its delivery

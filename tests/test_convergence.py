@@ -1247,6 +1247,30 @@ def test_a_run_that_ends_after_committing_a_delegation_stops_its_children_and_a_
     assert coord.get_task(task.id).status == TaskStatus.ACTIVE, "and the parent is resumed"
 
 
+def test_a_delegation_beside_a_call_for_a_person_runs_its_children_while_the_call_waits(coord: Coordinator) -> None:
+    """One response commits a delegation and asks a person about another call: the run parks for the decision,
+    and its children run meanwhile. Before, they waited unpublished until the decision (or its expiry, an hour
+    by default). The parent runs once both have come: its children's end and the decision."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    run = lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    batch, (child,) = run.plan.delegate([SubtaskSpec(description="a", message="work")], "parallel", "call-1")
+    (approval,) = park(coord.plane, run.task, [ToolCall("run_command", {"command": "ls"}, "call-2")])
+    run.end(Released("waiting_approval"))
+    assert coord.store.batches.batch_published(batch.id) and queued_ids(coord) == [child.id], "its child runs now"
+    coord.client.delete(QUEUE)
+    ran = lifecycle.start(child.id)
+    assert isinstance(ran, Run)
+    ran.end(Ended("completed", summary="done"))
+    assert coord.store.batches.get_batch(batch.id).status == "done"
+    assert not isinstance(lifecycle.start(task.id), Run), "no run of the parent before the person decides"
+    assert undecided(coord.plane, task.id) == [approval.id]
+    coord.decide(approval.id, "approve")
+    assert isinstance(lifecycle.start(task.id), Run), "the decision resumes it, its children's results in"
+
+
 def test_a_run_that_lost_its_lease_delegates_nothing_and_leaves_the_plan_alone(
     coord: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -24,7 +24,7 @@ from coordinator import ConfigError, Coordinator, Profile, RunCommand, Settings,
 from coordinator.local.fleet import WorkerFleet
 from coordinator.settings import ToolLimit
 from coordinator.tree import render_tree
-from tests.agents import STEP_COST_MICROS, agent, call, reply, subtask
+from tests.agents import STEP_COST_MICROS, agent, call, calls, reply, subtask
 from tests.conftest import dedicated_fleet
 from tests.event_tap import EventTap
 from tests.helpers import HostLag, assert_worker_refuses, eventually, processes_with, subq_tools
@@ -187,6 +187,23 @@ def test_a_call_to_a_tool_the_task_lacks_is_an_error_never_shown_as_run(tooled: 
     ]
     assert _says(coord, task.id, "tool") == []
     assert len(list(marks.iterdir())) == before
+
+
+def test_children_delegated_beside_a_call_for_a_person_run_while_it_waits(tooled: Tooled) -> None:
+    """One response delegates and calls a tool that needs a decision: the child runs and ends before anyone
+    decides (it waited for the decision before), and the parent, resumed by the decision, has both."""
+    coord, marks = tooled.coord, tooled.marks
+    both = calls(("run_subagents", {"tasks": [subtask("A", reply("A done"))]}), ("leave_mark", {"label": "beside"}))
+    task = coord.create_task(agent(both, reply("finished")), profile="guarded", run=True)
+    eventually(lambda: coord.list_approvals(task.root_id) != [], "the call waits for a decision", 60)
+    (child,) = coord.tree(task.id).children
+    assert coord.wait(child.id, 60).status == TaskStatus.COMPLETED, "the child ran while the call waited"
+    assert list(marks.glob("beside.*")) == [], "nothing ran before the decision"
+    (approval,) = coord.list_approvals(task.root_id)
+    coord.decide(approval.id, "approve")
+    done = coord.wait(task.id, 60)
+    assert done.status == TaskStatus.COMPLETED and done.summary == "finished", done
+    assert len(list(marks.glob("beside.*"))) == 1, "the approved call ran once"
 
 
 def test_any_tool_can_need_a_decision_and_runs_once_approved(tooled: Tooled) -> None:
