@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from coordinator import budgets
+from coordinator import budgets, quotas
 from coordinator.models import Spend, TaskRecord, format_usd
 
 if TYPE_CHECKING:
@@ -133,6 +133,10 @@ class LateSpends:
             for item in owed:
                 if refusal is None:
                     try:
+                        # Into its tenant's day first (once per request key, however often it is counted): a run
+                        # whose count Redis refused mid-response left it owed here, and its day fell short of it.
+                        for spend in item.spends:
+                            quotas.count_spend(plane, item.task, spend.request_key, spend.cost_micros)
                         recorded = plane.store.runs.record_late_spend(item.task, item.spends, refused=item.refused)
                     except Exception as exc:  # Redis is still away (or refuses): the next beat tries again
                         refusal = exc

@@ -26,7 +26,7 @@ from coordinator import Coordinator, Settings, TaskStatus, quotas
 from coordinator.access import read_keys_file, token_sha256
 from coordinator.api import create_app
 from coordinator.celery_app import make_app
-from coordinator.errors import ConfigError, QuotaExceeded, ValidationError
+from coordinator.errors import ConfigError, QuotaExceeded, StoreError, ValidationError
 from coordinator.models import Usage
 from coordinator.runs import Ended, Run
 from coordinator.settings import load_settings
@@ -448,6 +448,38 @@ def test_a_run_stops_its_tree_on_its_tenants_day_only_while_the_day_is_still_ove
                 assert coord.get_task(task.id).status == TaskStatus.COMPLETED
             runtime.lifecycle.heartbeat.forget(run)
             coord.client.delete(spend_key)
+
+
+def test_a_response_whose_count_into_the_day_redis_refused_is_counted_when_its_spend_is_recorded(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis refused a response's count into its tenant's day: the run failed outside the agent, and its held
+    spend went to the heartbeat, which recorded it on the task and its tree, never on the day (the quota could be
+    passed by that much). The heartbeat counts it into the day too, once."""
+    with _day_quota(settings) as (coord, runtime, spend_key):
+        task = coord.create_task(agent(reply("x")), run=True, tenant="acme")
+        run = runtime.lifecycle.start(task.id)
+        assert isinstance(run, Run)
+        count = coord.store.quotas.count_spend
+        refused: list[str] = []
+
+        def refused_once(tenant: str, request: str, cost_micros: int, now_ms: int | None = None) -> int:
+            if not refused:
+                refused.append(request)
+                raise StoreError("Redis is unavailable: Connection refused")
+            return count(tenant, request, cost_micros, now_ms)
+
+        monkeypatch.setattr(runtime.lifecycle.plane.store.quotas, "count_spend", refused_once)
+        with pytest.raises(StoreError):
+            run.record_response(
+                1, Usage(tokens_in=10, tokens_out=10), 200_000, "provider", latency_ms=1.0, tool=None, text=""
+            )
+        run.abandon()  # as run_child does on a StoreError
+        runtime.lifecycle.heartbeat.late_spends.record(runtime.lifecycle.plane)
+        runtime.lifecycle.heartbeat.late_spends.record(runtime.lifecycle.plane)  # a second beat counts nothing more
+        assert coord.get_task(task.id).cost_micros == 200_000, "on the task"
+        assert coord.store.quotas.day_spend("acme") == 200_000, "and on its tenant's day, once"
+        runtime.lifecycle.heartbeat.forget(run)
 
 
 def test_a_retry_or_a_run_that_starts_over_the_tenants_day_makes_no_request(settings: Settings) -> None:
