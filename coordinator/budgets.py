@@ -7,8 +7,9 @@
 - A run checks before each model request, and the usage roll-up reports after
   each one, whether a subtree has reached its budget; the task nearest the root
   that has is stopped with its subtree, and the error reports the figures.
-  A request in flight when the budget is crossed still completes (its cost is
-  known only once it ends), so a subtree can overshoot by the requests in flight.
+  A request that answered before its run reads the stop is recorded (late, if the stop landed first), so a
+  subtree can overshoot by the requests in flight; one still unanswered is cut off by the worker's stop watch,
+  and what the provider may bill for it is not known to subq (docs/control.md).
 - Spend recorded late (a response its run held when a stop landed, or one Redis refused, which the worker's
   heartbeat records once it is back: record_late_spend.lua) is spend like any other: whoever records it stops
   the subtree whose budget is reached then, unless that subtree's top has ended already (`stop_late`), not at
