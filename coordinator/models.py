@@ -401,6 +401,9 @@ class HistoryItem(BaseModel):
     # The tree's tenant and priority (TaskRecord's); defaults, so an older server's page still reads.
     tenant: str = DEFAULT_TENANT
     priority: int = DEFAULT_PRIORITY
+    # The subtree's cost exactly (`subtree_cost` is a float of it): `total_cost_micros` is the task's own here, as
+    # Roo-Code's history item's `totalCost` is, where a task record's is its subtree's. None from an older server.
+    subtree_cost_micros: int | None = None
 
     @classmethod
     def of(cls, record: TaskRecord) -> HistoryItem:
@@ -417,6 +420,7 @@ class HistoryItem(BaseModel):
             total_cost_micros=record.cost_micros,
             total_tokens=record.total_tokens,
             subtree_cost=record.total_cost_micros / MICROS_PER_USD,
+            subtree_cost_micros=record.total_cost_micros,
             status=record.status,
             parent_id=record.parent_id,
             root_id=record.root_id,

@@ -66,6 +66,7 @@ def test_an_agent_tree_completes_on_one_worker_slot_with_exact_figures(solo: Coo
         history = solo.history_item(task.id)
         assert history.total_cost_micros == task.cost_micros
         assert history.subtree_cost * 1_000_000 == pytest.approx(task.total_cost_micros)
+        assert history.subtree_cost_micros == task.total_cost_micros, "exactly"
         assert task.status == TaskStatus.COMPLETED
     # No parent was ever resumed twice: one resume per batch it delegated.
     assert solo.store.records.task_field(root.id, "resumes") == "1"

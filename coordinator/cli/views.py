@@ -198,7 +198,9 @@ def history_lines(items: Sequence[HistoryItem]) -> list[str]:
         f"{'own cost':>10}  {'total tokens':>12}  {'total cost':>10}  task"
     ]
     for item in items:
-        subtree_micros = round(item.subtree_cost * MICROS_PER_USD)
+        subtree_micros = item.subtree_cost_micros
+        if subtree_micros is None:  # an older server's item
+            subtree_micros = round(item.subtree_cost * MICROS_PER_USD)
         first_line = (item.task.strip().splitlines() or [""])[0]
         lines.append(
             f"{item.number:>5}  {item.id:29}  {item.status.value:9}  {item.depth:>5}  "
