@@ -213,3 +213,27 @@ def test_a_hostile_servers_error_message_stays_one_plain_line(tmp_path: Path) ->
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert "\x1b" not in proc.stderr and "\r" not in proc.stderr and "\x07" not in proc.stderr
     assert "gone subq: all good, approved \\x1b[2J\\x1b]0;pwned\\x07" in proc.stderr, proc.stderr
+
+
+def test_a_hostile_servers_ids_reach_the_terminal_as_text() -> None:
+    """Ids a server answers with (a retry's, a new task's) were printed as they came: an OSC 52 in one wrote the
+    terminal's clipboard. They are shown as text, as every other server's or model's text is."""
+    evil = "\x1b]52;c;aGk=\x07"
+    app = FastAPI()
+
+    @app.post("/v1/tasks/{task_id}/retry")
+    def retry(task_id: str) -> dict[str, Any]:
+        return {"task": record(ROOT, []), "retried": [f"{ROOT}{evil}"], "reopened": [f"{CHILD}{evil}"], "skipped": []}
+
+    @app.post("/v1/tasks")
+    def create() -> JSONResponse:
+        return JSONResponse(record(f"{ROOT}{evil}", []), status_code=201)
+
+    with ApiServer(app) as server:
+        env = {"SUBQ_API_URL": server.url, "SUBQ_API_TOKEN": TOKEN}
+        retried = cli("retry", ROOT, env=env)
+        ran = cli("run", "hello", env=env)
+    for proc in (retried, ran):
+        assert "\x1b" not in proc.stdout + proc.stderr and "\x07" not in proc.stdout + proc.stderr, proc
+    assert f"Retried {ROOT}\\x1b]52;c;aGk=\\x07: it runs again" in retried.stdout, retried.stdout
+    assert ran.stdout == f"{ROOT}\\x1b]52;c;aGk=\\x07\n", ran.stdout

@@ -124,9 +124,9 @@ def retry(
         say_json(done)
         return
     for retried in done.retried:
-        typer.echo(f"Retried {retried}: it runs again from its conversation.")
+        say(f"Retried {retried}: it runs again from its conversation.")  # (ids a server answered: shown as text)
     for reopened in done.reopened:
-        typer.echo(f"Retried {reopened}: it waits on its retried children and resumes with their new results.")
+        say(f"Retried {reopened}: it waits on its retried children and resumes with their new results.")
     for skipped in done.skipped:
         say(f"Left {skipped.task_id}: {skipped.reason}", err=True)  # stdout lists only what runs again
 
@@ -273,4 +273,4 @@ def audit(
     for line in audit_lines(entries):
         say(line)
     if next_before is not None:
-        typer.echo(f"(older: subq audit --before {next_before})", err=True)
+        say(f"(older: subq audit --before {next_before})", err=True)

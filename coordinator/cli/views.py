@@ -92,7 +92,7 @@ def _follow_on_terminal(coord: Operations, root_id: str, watch: Watch) -> TreeNo
 
     from coordinator.cli.live import tree_view
 
-    footer = f"Ctrl-C stops following; the run goes on (subq tree {root_id})."
+    footer = visible_text(f"Ctrl-C stops following; the run goes on (subq tree {root_id}).")
     # Redrawn when the tree changes, not on a timer: auto_refresh would redraw an unchanged view.
     held = False
     with Live(console=Console(), auto_refresh=False, vertical_overflow="visible") as view:

@@ -124,7 +124,7 @@ def run(
     )  # fmt: skip
     with connect(ctx) as coord:
         record = coord.create_task(**dict(given))
-        typer.echo(record.id)
+        say(record.id)  # a server's answer: shown as text
         _warn_ignored_lines(todo_text)
         if follow:
             from coordinator.cli.views import follow_run
