@@ -106,11 +106,7 @@ def write_back(plane: Plane, batch_id: str, ended: TaskRecord | None = None) -> 
     for index, child in enumerate(children):
         if not child.status.terminal:
             store.batches.apply_children(batch, [c.id for c in children[:index]])
-            store.convergence.watch(
-                [child.id], plane.settings.reconcile_grace_s
-            )  # first: a lost step is published again
-            if store.runs.claim_step_publish(child.id):
-                dispatch.publish_step(plane.app, child)
+            _publish_step(plane, child)
             return False
         if child.status != TaskStatus.COMPLETED:
             reason = f"not run: step {index + 1} of the chain ended {child.status.value}"
@@ -129,6 +125,18 @@ def write_back(plane: Plane, batch_id: str, ended: TaskRecord | None = None) -> 
             break
     store.batches.apply_children(batch, batch.child_ids)
     return close_batch(plane, batch)
+
+
+def _publish_step(plane: Plane, step: TaskRecord) -> None:
+    """Publish the chain's current step, once. One published already was watched by its publisher first: watched
+    again here, a step parked on its provider (off the due list, its timer set) was taken for lost and published
+    while its provider was still down."""
+    store = plane.store
+    if store.runs.step_published(step.id):
+        return
+    store.convergence.watch([step.id], plane.settings.reconcile_grace_s)  # first: a lost step is published again
+    if store.runs.claim_step_publish(step.id):
+        dispatch.publish_step(plane.app, step)
 
 
 def close_batch(plane: Plane, batch: Batch | BatchRef) -> bool:

@@ -587,6 +587,33 @@ def test_a_provider_timer_served_twice_never_restarts_a_run_answered_since(coord
     assert undecided(coord.plane, task.id) == [approval.id], "its approval still waits for its person"
 
 
+def test_a_chain_step_parked_on_its_provider_is_not_taken_for_lost_when_a_later_step_is_stopped(
+    coord: Coordinator,
+) -> None:
+    """A chain's write-back watched its current step again whenever it ran (a later step stopped, a redelivered
+    end): a step parked on its provider, off the due list with its timer set, was then taken for lost and
+    published while its provider was still down. A step already published is left to its publisher's watch."""
+    root = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    steps = [SubtaskSpec(description=f"s{n}", message=agent(reply(f"s{n}"))) for n in range(3)]
+    batch = delegate_as_its_run(coord, root.id, steps, mode="sequential")
+    first, second, third = batch.child_ids
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    for step in (first, second):
+        run = lifecycle.start(step)
+        assert isinstance(run, Run), step
+        if step == first:
+            run.end(Ended("completed", summary="one"))
+    assert isinstance(run, Run)
+    endpoints.park(lifecycle.plane, run.task, "api.example:443", "", time.time() + 600, int(time.time() * 1000))
+    run.end(Released("waiting_provider", wake_at_s=time.time() + 600))
+    assert second not in coord.store.convergence.watched(), "parked: off the due list, its timer set"
+    coord.client.delete(QUEUE)
+    coord.cancel(third, "not needed")  # a later step stopped: the chain's write-back runs
+    assert tick(coord) == {}, "no step published while its provider is down"
+    assert queued_ids(coord) == []
+
+
 def test_a_provider_timer_served_as_its_run_lets_go_leaves_the_task_watched(
     coord: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -254,6 +254,11 @@ class RunStore(Part):
         return self.core.claim_once(self.keys.task(root_of(task_id), task_id), TaskField.PUBLISHED)
 
     @translate_redis_errors
+    def step_published(self, task_id: str) -> bool:
+        """Whether a caller has claimed this chain step's publish (`claim_step_publish`)."""
+        return bool(self.client.hexists(self.keys.task(root_of(task_id), task_id), TaskField.PUBLISHED))
+
+    @translate_redis_errors
     def resume_batch_id(self, task_id: str) -> str | None:
         """The batch whose result a resumed run answers its delegation call with, if any."""
         value = self.client.hget(self.keys.task(root_of(task_id), task_id), TaskField.RESUME_BATCH_ID)
