@@ -95,9 +95,13 @@ POST_LOOK_S = 0.01
 # attempts in flight.
 HELPERS = 2
 # Threads that resolve host names, apart from the helpers: a name server that never answers holds one (the
-# attempts of one host share its resolution), never a Celery callback nor another host's attempts while
-# fewer hosts than this hang. Each attempt waits at most its timeout for its host (`_expire_resolving`).
+# attempts of one host share its resolution), never a Celery callback. RESOLVERS are kept; while every thread is
+# busy, a name to look up starts one more, up to MAX_RESOLVERS, which leaves after RESOLVER_IDLE_S with nothing to
+# do: one tree's hanging names (another tenant's, say) hold other trees' hosts back only past MAX_RESOLVERS of them.
+# Each attempt waits at most its timeout for its host (`_expire_resolving`).
 RESOLVERS = 8
+MAX_RESOLVERS = 64
+RESOLVER_IDLE_S = 30.0
 # Address hosts whose check a deliverer keeps (a host's check is pure): more than any fleet's receivers.
 MOST_LITERALS = 1024
 # Subscriptions whose parsed URL and signer a deliverer keeps (`Target`): as many, for the same reason.
@@ -695,7 +699,8 @@ class Deliverer:
         # (Daemon threads, started at the first name: a process's exit does not wait on a name server that hangs,
         # as it would on an executor's threads.)
         self._to_resolve: queue.SimpleQueue[tuple[tuple[str, int], SplitResult]] = queue.SimpleQueue()
-        self._resolvers: list[threading.Thread] = []
+        self._resolvers = 0  # resolver threads started and not left (under `_lock`)
+        self._idle_resolvers = 0  # of them, those waiting for a name (under `_lock`)
         self._connections = Connections(self.slots)
         self._literals: dict[str, tuple[str, str]] = {}  # an address host's (address, refusal), checked
         # A host (host, port) whose last attempt got no answer within its timeout: when (monotonic s) the next
@@ -928,15 +933,29 @@ class Deliverer:
             others = self._resolving.get(host)
             self._resolving.setdefault(host, []).append(waiting)
         if others is None:
-            self._to_resolve.put((host, url))
-            if len(self._resolvers) < RESOLVERS:
-                thread = threading.Thread(target=self._resolver, name="subq-resolve", daemon=True)
-                self._resolvers.append(thread)
-                thread.start()
+            self._to_resolve.put((host, url))  # (before the count is read: a thread leaving sees it queued)
+            with self._lock:
+                start = self._idle_resolvers == 0 and self._resolvers < MAX_RESOLVERS
+                self._resolvers += start
+            if start:
+                threading.Thread(target=self._resolver, name="subq-resolve", daemon=True).start()
 
     def _resolver(self) -> None:
         while True:
-            self._resolve(*self._to_resolve.get())
+            with self._lock:
+                self._idle_resolvers += 1
+            try:
+                wanted = self._to_resolve.get(timeout=RESOLVER_IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    self._idle_resolvers -= 1
+                    if self._resolvers > RESOLVERS and self._to_resolve.empty():
+                        self._resolvers -= 1
+                        return  # one of the extra threads, idle: it leaves
+                continue
+            with self._lock:
+                self._idle_resolvers -= 1
+            self._resolve(*wanted)
 
     def _resolve(self, host: tuple[str, int], url: SplitResult) -> None:
         """(A resolver thread.) Resolve and check the host, then hand the attempts waiting on it to the loop.
