@@ -406,15 +406,23 @@ def test_room_made_without_a_release_goes_to_the_tenants_parked_runs_before_a_ne
     assert live.reason == "tenant a gave its slot to its own parked run of a higher priority or an earlier arrival"
 
 
-def test_a_newcomer_of_a_higher_priority_than_the_parked_runs_takes_the_room(fair: Coordinator) -> None:
+@pytest.mark.parametrize(("parked_priority", "stopped"), [(1, False), (5, True)], ids=["lower", "stopped"])
+def test_a_newcomer_takes_the_room_when_no_live_parked_run_comes_before_it(
+    fair: Coordinator, parked_priority: int, stopped: bool
+) -> None:
+    """The tenant's parked run is of a lower priority (`lower`), or it comes first but its tree was stopped by a
+    caller whose table has fair shares off (`stopped`: dropped on the way, not given the slot)."""
     store = fair.store
     running = children(fair, "a", 2)
-    low = children(fair, "a", 1, priority=1)
-    high = children(fair, "a", 1, priority=5)
-    assert [start(store, t).verdict for t in (*running, *low)] == ["run", "run", "park"]
+    parked = children(fair, "a", 1, priority=parked_priority)
+    (newcomer,) = children(fair, "a", 1, priority=3)
+    assert [start(store, t).verdict for t in (*running, *parked)] == ["run", "run", "park"]
+    if stopped:
+        fair.cancel(fair.get_task(parked[0]).root_id, "stop")
     beat(store, {"a": (3, 3), "b": (1, 0), "*": (1, 0)})
-    assert start(store, high[0]).verdict == "run", "nothing parked comes before it"
-    assert store.fair.counts("a") == FairCounts(running=3, parked=1, queued=0), store.fair.counts("a")
+    assert start(store, newcomer).verdict == "run", "nothing live parked comes before it"
+    left = 0 if stopped else 1
+    assert store.fair.counts("a") == FairCounts(running=3, parked=left, queued=0), store.fair.counts("a")
 
 
 def test_a_parked_run_whose_tenant_has_parked_runs_ahead_of_it_gives_them_the_room(fair: Coordinator) -> None:
@@ -427,18 +435,6 @@ def test_a_parked_run_whose_tenant_has_parked_runs_ahead_of_it_gives_them_the_ro
     again = start(store, behind)
     assert (again.verdict, again.admitted) == ("park", [ahead])
     assert store.client.zrange(store.keys.tenant_parked("a"), 0, -1) == [behind], "it kept its place"
-
-
-def test_a_stopped_parked_run_ahead_of_a_newcomer_is_dropped_and_the_newcomer_runs(fair: Coordinator) -> None:
-    store = fair.store
-    running = children(fair, "a", 2)
-    stopped = children(fair, "a", 1, priority=5)
-    newcomer = children(fair, "a", 1)
-    assert [start(store, t).verdict for t in (*running, *stopped)] == ["run", "run", "park"]
-    fair.cancel(fair.get_task(stopped[0]).root_id, "stop")  # this caller's table has fair shares off: none withdrawn
-    beat(store, {"a": (3, 3), "b": (1, 0), "*": (1, 0)})
-    assert start(store, newcomer[0]).verdict == "run", "the run ahead of it had ended: dropped, not given the slot"
-    assert store.fair.counts("a") == FairCounts(running=3, parked=0, queued=0), store.fair.counts("a")
 
 
 def test_a_raised_max_running_admits_what_now_fits(fair: Coordinator) -> None:
