@@ -935,7 +935,8 @@ class Deliverer:
         if others is None:
             self._to_resolve.put((host, url))  # (before the count is read: a thread leaving sees it queued)
             with self._lock:
-                start = self._idle_resolvers == 0 and self._resolvers < MAX_RESOLVERS
+                # (More names queued than threads idle: a burst of names while K threads sat idle started none.)
+                start = self._to_resolve.qsize() > self._idle_resolvers and self._resolvers < MAX_RESOLVERS
                 self._resolvers += start
             if start:
                 threading.Thread(target=self._resolver, name="subq-resolve", daemon=True).start()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["all_shown", "ascii_digits", "lone_surrogate", "shows", "stream_id"]
+__all__ = ["all_shown", "ascii_digits", "drawn_as_nothing", "lone_surrogate", "shows", "stream_id"]
 
 # The largest part of a stream entry id Redis reads (an unsigned 64-bit number).
 MAX_STREAM_ID_PART = 2**64 - 1
@@ -52,10 +52,15 @@ _DRAWN_AS_NOTHING = re.compile(
 )
 
 
+def drawn_as_nothing(ch: str) -> bool:
+    """Whether the character is one Unicode draws as nothing (`_DRAWN_AS_NOTHING`), printable to Python or not."""
+    return bool(_DRAWN_AS_NOTHING.match(ch))
+
+
 def shows(ch: str) -> bool:
     """Whether the character is drawn as itself: printable (Python's: not Unicode's Other nor Separator, but the ASCII
     space) and not one of the printable characters drawn as nothing (`_DRAWN_AS_NOTHING`)."""
-    return ch.isprintable() and not _DRAWN_AS_NOTHING.match(ch)
+    return ch.isprintable() and not drawn_as_nothing(ch)
 
 
 def all_shown(text: str) -> bool:

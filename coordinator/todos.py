@@ -23,7 +23,7 @@ import pydantic
 
 from coordinator.errors import CorruptError, TodoError
 from coordinator.models import TodoItem, TodoStatus
-from coordinator.text import shows
+from coordinator.text import drawn_as_nothing
 
 __all__ = [
     "IgnoredLine",
@@ -303,7 +303,10 @@ def visible(content: str) -> bool:
     """Whether an item's content shows anything: a character that is no space, control or format character. A bidi
     override, a zero-width character or a Hangul filler alone made an item no one could read, which a list shown to
     a person must not hold. (A character this Python's Unicode does not know yet, a newer emoji, may show: it counts.)"""
-    return any(not ch.isspace() and unicodedata.category(ch) not in _UNSEEN_CATEGORIES and shows(ch) for ch in content)
+    return any(
+        not ch.isspace() and unicodedata.category(ch) not in _UNSEEN_CATEGORIES and not drawn_as_nothing(ch)
+        for ch in content
+    )
 
 
 def with_ids(parsed: Sequence[tuple[str, TodoStatus]], *, markdown: bool = False) -> list[TodoItem]:

@@ -1274,6 +1274,34 @@ def test_a_run_that_ends_after_committing_a_delegation_stops_its_children_and_a_
     assert coord.get_task(task.id).status == TaskStatus.ACTIVE, "and the parent is resumed"
 
 
+def test_a_run_that_dies_after_ending_with_a_committed_delegation_leaves_its_children_to_the_reconciler(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same end, its process dead right after `end_run.lua` (before it stopped the children): the ended task
+    stays on the due list while its delegation is open, and the reconciler's look stops the children."""
+
+    class Died(BaseException):
+        pass
+
+    def dies(self: Run, ending: object) -> None:
+        raise Died
+
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    run = lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    batch, (child,) = run.plan.delegate([SubtaskSpec(description="a", message="work")], "parallel", "call-1")
+    monkeypatch.setattr(Run, "_after_end", dies)
+    with pytest.raises(Died):
+        run.end(Ended("failed", error="the task's time limit ran out"))
+    assert coord.get_task(child.id).status == TaskStatus.ACTIVE, "the process died before it stopped them"
+    assert task.id in coord.store.convergence.watched(), "the ended task stays due while its delegation is open"
+    tick(coord)
+    assert coord.get_task(child.id).status.terminal and coord.store.batches.get_batch(batch.id).status == "done"
+    assert task.id not in coord.store.convergence.watched(), "and leaves the due list then"
+
+
 def test_a_delegation_beside_a_call_for_a_person_runs_its_children_while_the_call_waits(coord: Coordinator) -> None:
     """One response commits a delegation and asks a person about another call: the run parks for the decision,
     and its children run meanwhile. Before, they waited unpublished until the decision (or its expiry, an hour

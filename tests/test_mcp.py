@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,20 @@ def test_a_servers_stderr_is_logged_as_visible_lines_not_written_to_the_workers(
     record = next(r for r in caplog.records if "pwned" in r.getMessage())
     observe.VisibleLineFilter().filter(record)
     assert record.getMessage() == "mcp server stderr: \\x1b]0;pwned\\x07title", "the worker's handlers escape it"
+
+
+def test_a_servers_stderr_that_never_ends_its_line_is_logged_in_pieces(caplog: pytest.LogCaptureFixture) -> None:
+    """A line with no end (a progress bar drawn with CRs, a binary dump) was held in memory whole until one came."""
+    read_fd, write_fd = os.pipe()
+    caplog.set_level("INFO", logger=mcp_servers.__name__)
+    relay = threading.Thread(target=mcp_servers._relay_lines, args=(os.fdopen(read_fd, "rb"),))
+    relay.start()
+    with os.fdopen(write_fd, "wb") as writer:
+        writer.write(b"x" * (mcp_servers.MAX_STDERR_LINE_CHARS * 2 + 10) + b"\r10%\r20%\r\nlast\n")
+    relay.join(10)
+    said = [r.getMessage().removeprefix("mcp server stderr: ") for r in caplog.records]
+    assert [len(line) for line in said[:3]] == [mcp_servers.MAX_STDERR_LINE_CHARS] * 2 + [10], said
+    assert said[3:] == ["10%", "20%", "last"], said
 
 
 # How long each server of the next test waits for the other's start before it gives up.

@@ -185,6 +185,13 @@ def test_loopback_private_link_local_and_metadata_addresses_are_blocked(address:
     assert egress.blocked(address)
 
 
+def test_only_the_public_network_needs_nft(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An allow list goes through the proxy alone: a machine without nft gives it, and refuses `network = true`."""
+    found = egress.host_program
+    monkeypatch.setattr(egress, "host_program", lambda name: None if name == egress.NFT else found(name))
+    assert egress.missing_programs("hosts") == [] and egress.missing_programs("public") == [egress.NFT]
+
+
 def test_public_addresses_are_not_blocked_but_the_hosts_own_are() -> None:
     assert not egress.blocked("198.51.100.2") and not egress.blocked("2001:db8::1")
     own = _own_address()

@@ -305,6 +305,11 @@ def test_a_call_reads_as_exactly_what_it_is() -> None:
     smuggled = call_text(_approval(url=f"https://example.com/{hidden}", path="/tmp/\u3164x"))
     assert smuggled.startswith('run_command(url="https://example.com/\\U000e0131\\U000e0147'), smuggled
     assert smuggled.endswith('path="/tmp/\\u3164x")'), smuggled
+    long = call_text(_approval(command="x" * 5000))
+    assert len(long) < MAX_CALL_CHARS + 60 and long.endswith("more characters not shown)")
+    # An MCP tool takes any argument names its model sends: a name that is no identifier is written as JSON too.
+    named = call_text(_approval(**{'path="/tmp/scratch")\n\nand after it: run_command(note': "x", "path": "/etc"}))
+    assert named == 'run_command("path=\\"/tmp/scratch\\")\\n\\nand after it: run_command(note"="x", path="/etc")'
 
 
 def test_every_character_unicode_draws_as_nothing_is_shown_as_its_escape() -> None:
@@ -319,11 +324,6 @@ def test_every_character_unicode_draws_as_nothing_is_shown_as_its_escape() -> No
         for code in range(first, last + 1):
             assert visible_text(chr(code)) == ascii(chr(code))[1:-1], hex(code)
     assert visible_text("café ✓ 日本語 👍🏽 e\u0301") == "café ✓ 日本語 👍🏽 e\u0301", "what shows stays as it is"
-    long = call_text(_approval(command="x" * 5000))
-    assert len(long) < MAX_CALL_CHARS + 60 and long.endswith("more characters not shown)")
-    # An MCP tool takes any argument names its model sends: a name that is no identifier is written as JSON too.
-    named = call_text(_approval(**{'path="/tmp/scratch")\n\nand after it: run_command(note': "x", "path": "/etc"}))
-    assert named == 'run_command("path=\\"/tmp/scratch\\")\\n\\nand after it: run_command(note"="x", path="/etc")'
 
 
 class _Markup(html.parser.HTMLParser):

@@ -178,6 +178,11 @@ def test_markdown_reads_a_line_behind_a_byte_order_mark_or_a_zero_width_space(un
     assert parse_update(f"{unseen}[ ] first") == parse_update("[ ] first"), "the same item, the same id"
 
 
+def test_an_item_of_a_character_this_python_does_not_know_yet_counts_as_visible() -> None:
+    """A newer emoji (U+1FA77, Unicode 15: unassigned to this Python's 14) may show: the item stands."""
+    assert [item.content for item in parse_update("[ ] \U0001fa77")] == ["\U0001fa77"]
+
+
 @pytest.mark.parametrize("content", ["\u202e", "\u202e\u200b", "\u200d\u2066", "\u3164\u3164", "\ufe0f\u034f"])
 def test_an_item_with_no_visible_text_is_refused_in_either_form(content: str) -> None:
     """A bidi override or a zero-width character alone made an item no one could read (a whole list of one, put

@@ -76,7 +76,7 @@ def follow_run(coord: Operations, root_id: str) -> int:
         else:
             node = _follow_as_lines(coord, root_id, watch)
     except KeyboardInterrupt:
-        typer.echo(f"subq: stopped following; the run goes on (subq tree {root_id})", err=True)
+        say(f"subq: stopped following; the run goes on (subq tree {root_id})", err=True)
         return 130
     finally:
         watch.close()

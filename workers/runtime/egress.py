@@ -126,9 +126,15 @@ def host_program(name: str) -> str | None:
     return shutil.which(name, path=os.pathsep.join(folders))
 
 
-def missing_programs() -> list[str]:
-    """The programs a sandbox with the network needs that are not installed here."""
-    return [program for program in (PASTA, IP, NFT) if host_program(program) is None]
+def missing_programs(mode: str = "public") -> list[str]:
+    """The programs a sandbox with the network of `mode` needs that are not installed here (an allow list's goes
+    through the proxy alone, and needs no netfilter chain)."""
+    return [program for program in needed_programs(mode) if host_program(program) is None]
+
+
+def needed_programs(mode: str) -> tuple[str, ...]:
+    """The programs a sandbox with the network of `mode` ('public' or 'hosts') runs."""
+    return (PASTA, IP, NFT) if mode == "public" else (PASTA, IP)
 
 
 def launcher(
@@ -596,7 +602,7 @@ class _Network:
 
 
 def run(args: argparse.Namespace, bwrap: list[str]) -> int:
-    if missing := missing_programs():
+    if missing := missing_programs(args.mode):
         raise SetupFailed(f"{', '.join(missing)} not installed (a sandbox with the network needs {NEEDS})")
     # Started by a worker that may die with SIGKILL: this program, and so bwrap (--die-with-parent) and
     # pasta (its own death signal), go with it, rather than leave the command running unwatched.

@@ -155,7 +155,7 @@ def _build(profile: str, server: McpServer, hidden: Sandbox, refusals: Path | No
     )
 
 
-# A line of a stdio server's stderr longer than this is logged in pieces of it.
+# A line of a stdio server's stderr longer than this many bytes is logged in pieces of it.
 MAX_STDERR_LINE_CHARS = 4000
 _relay_lock = threading.Lock()
 _relay: TextIO | None = None  # the write end of the pipe every stdio server of the process writes its stderr into
@@ -180,10 +180,12 @@ def _errlog() -> TextIO:
 
 
 def _relay_lines(reader: Any) -> None:
-    for raw in reader:
-        line = raw.decode("utf-8", "replace").rstrip("\r\n")
-        for at in range(0, max(len(line), 1), MAX_STDERR_LINE_CHARS):
-            log.info("mcp server stderr: %s", line[at : at + MAX_STDERR_LINE_CHARS])
+    # At most MAX_STDERR_LINE_CHARS bytes a read: a server that never ends its line (a progress bar drawn with CRs,
+    # a binary dump) is logged in pieces, not held in memory until a new line comes.
+    for raw in iter(lambda: reader.readline(MAX_STDERR_LINE_CHARS), b""):
+        for piece in raw.decode("utf-8", "replace").replace("\r\n", "\n").replace("\r", "\n").split("\n"):
+            if piece:
+                log.info("mcp server stderr: %s", piece)
 
 
 def _leaf(exc: BaseException) -> BaseException:

@@ -229,7 +229,8 @@ def probe(network: bool | Sequence[str] = False) -> None:
 
 
 def _try(network: bool | Sequence[str]) -> str | None:
-    programs = (BWRAP, PRLIMIT, *((egress.PASTA, egress.IP) if network else ()))
+    mode = "public" if network is True else "hosts"
+    programs = (BWRAP, PRLIMIT, *(egress.needed_programs(mode) if network else ()))
     for program in programs:
         if egress.host_program(program) is None:
             return f"{program} is not installed"

@@ -99,7 +99,7 @@ end
 -- The outcome's fields of the reply, read back from the task.
 local function outcome()
   return hash_get(KEYS[2], 'id', 'status', 'summary', 'error', 'error_class', 'tokens_in',
-    'tokens_out', 'cache_reads', 'cache_writes', 'cost_micros', 'batch_id', 'batch_mode')
+    'tokens_out', 'cache_reads', 'cache_writes', 'cost_micros', 'batch_id', 'batch_mode', 'waiting_batch_id')
 end
 local flushed = flush_run(flush_keys, flush_argv)
 if flushed[1] == 0 then
@@ -156,7 +156,9 @@ if f[11] and f[11] ~= '' then
     closed = 1
   end
 end
-if mode == 'sequential' then
+if mode == 'sequential' or (f[13] or '') ~= '' then
+  -- A chain step stays due until the chain moved on; a task that ended with a delegation it committed and never
+  -- waited on, until its children are stopped (`Run.end`, else the reconciler's `settle_ended`).
   redis.call('ZADD', KEYS[7], tonumber(now) + tonumber(ARGV[9]), f[1])
 else
   redis.call('ZREM', KEYS[7], f[1])
