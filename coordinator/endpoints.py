@@ -90,6 +90,11 @@ def gate(plane: Plane, endpoint: str, model: str, token: str) -> EndpointState:
     return plane.store.endpoints.gate(endpoint, model, token, PROBE_LEASE_MS, PROBE_RECHECK_MS)
 
 
+# The longest wait a provider's Retry-After marks a view down for, fleet-wide. `Retry-After: 1000000000` (or an
+# HTTP date of the year 9999) marked the model down for decades: no request was sent to it again, so no answer
+# could clear it, and every task of it failed at once. Past this, one probe asks again.
+MAX_ASKED_WAIT_S = 3600.0
+
 def failed(plane: Plane, endpoint: str, model: str, error: str, asked_s: float | None) -> EndpointState:
     """Mark a view of `endpoint` down after a transient error: `model`'s, or with "" its host's (`asked_s`:
     the provider's Retry-After); the wait, as endpoint_failed.lua decided it."""
@@ -101,7 +106,7 @@ def failed(plane: Plane, endpoint: str, model: str, error: str, asked_s: float |
         base_ms=max(1, int(settings.model_backoff_base_s * 1000)),
         cap_ms=max(1, int(settings.model_backoff_max_s * 1000)),
         jitter=random.random(),
-        asked_ms=None if asked_s is None else max(0, int(asked_s * 1000)),
+        asked_ms=None if asked_s is None else max(0, int(min(asked_s, MAX_ASKED_WAIT_S) * 1000)),
         keep_ms=KEEP_MS,
     )
 

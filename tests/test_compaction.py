@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import pydantic
 import pytest
 from pydantic_ai import BinaryContent, ImageUrl, ToolReturn
+from pydantic_ai.exceptions import ModelHTTPError
 from pydantic_ai.messages import (
     ModelMessage,
     ModelRequest,
@@ -55,6 +56,7 @@ from workers.runtime.compaction import (
     fingerprint_of,
     fits,
     folded_responses,
+    is_context_overflow,
     load_records,
     message_adapter,
     summary_request,
@@ -749,3 +751,20 @@ def test_a_combined_result_is_cut_at_half_its_parents_window_never_below_the_too
     text = "x" * (limit * 2)
     cut = capped(text, limit, "run_subagents")
     assert isinstance(cut, str) and len(cut) < limit + 200 and "cut here" in cut
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"error": {"code": "context_length_exceeded", "message": "This model's maximum context length is 4096 tokens."}},
+        {"type": "error", "error": {"type": "invalid_request_error", "message": "prompt is too long: 5000 > 4096"}},
+        {"error": {"code": 400, "type": "exceed_context_size_error",
+                   "message": "request (4476 tokens) exceeds the available context size (4096 tokens)"}},
+        {"object": "error", "message": "This model's maximum context length is 4096 tokens.", "code": 400},
+    ],
+    ids=["openai", "anthropic", "llama.cpp", "vllm"],
+)  # fmt: skip
+def test_each_providers_refusal_of_a_prompt_past_the_window_is_read_as_an_overflow(body: dict[str, Any]) -> None:
+    """llama.cpp's server words it its own way, and its refusal was a bad request: the task failed uncompacted."""
+    assert is_context_overflow(ModelHTTPError(400, "some-model", body))
+    assert not is_context_overflow(ModelHTTPError(400, "some-model", {"error": {"message": "unknown parameter"}}))

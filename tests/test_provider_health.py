@@ -210,6 +210,39 @@ def test_a_probe_is_taken_only_by_a_run_that_sends(idle_coordinator: Coordinator
 # -- true counts across parks -------------------------------------------------------------------
 
 
+def test_a_retry_after_of_years_marks_the_model_down_for_an_hour_at_most(settings: Settings, server: ModelServer) -> None:
+    """`Retry-After: 1000000000` (31 years) marked the model down for the whole fleet that long: no request went to
+    it again, so no answer could clear the view, and every task of it failed at once. An hour at most, then one
+    probe asks again."""
+    from coordinator.endpoints import MAX_ASKED_WAIT_S
+
+    local = in_process(settings, {"main": profile(server, PRIMARY_MODEL, model_wait_out_s=120)}, "years")
+    coord = Coordinator(local)
+    coord.client.delete("subq-nobody")
+    server.fail(429, times=1, headers={"Retry-After": "1000000000"})
+    task = coord.create_task("Look and report.", profile="main", run=True)
+    before_ms = time.time() * 1000
+    # A wait past the profile's wait-out time fails the task at once, as before; what changes is the fleet's view.
+    assert run_child(build_runtime(local, make_app(local)), task.id).status == "failed"
+    view = coord.store.endpoints.state(f"127.0.0.1:{server.port}", f"openai:{PRIMARY_MODEL}")
+    down_for_s = (float(view["down_until_ms"]) - before_ms) / 1000
+    assert MAX_ASKED_WAIT_S - 60 < down_for_s <= MAX_ASKED_WAIT_S + 60, view
+
+
+def test_a_timeout_the_provider_answered_marks_its_model_not_its_host(settings: Settings, server: ModelServer) -> None:
+    """An HTTP 408 (OpenRouter's when one upstream model timed out) is an answer of the host: it marked the host down,
+    and every model there waited, a fallback on the same host too."""
+    local = in_process(settings, {"main": profile(server, PRIMARY_MODEL, model_wait_out_s=1)}, "timeout")
+    coord = Coordinator(local)
+    coord.client.delete("subq-nobody")
+    server.fail(408, model=PRIMARY_MODEL)  # for good
+    task = coord.create_task("Look and report.", profile="main", run=True)
+    assert run_child(build_runtime(local, make_app(local)), task.id).status == "failed"
+    endpoint = f"127.0.0.1:{server.port}"
+    assert coord.store.endpoints.state(endpoint) == {}, "the host answered: it is up"
+    assert int(coord.store.endpoints.state(endpoint, f"openai:{PRIMARY_MODEL}")["failures"]) >= 1, "its model is down"
+
+
 def test_transient_errors_and_attempt_numbers_go_on_across_parks(settings: Settings, server: ModelServer) -> None:
     """Each failure asks for a wait longer than a run sleeps inside itself, so the run gives its worker back
     after each; the woken runs go on counting: the record's `transient_errors` is the 503s the provider sent,

@@ -449,6 +449,11 @@ def _turn_starts(messages: Sequence[ModelMessage]) -> list[int]:
     return [i for i in range(1, len(messages)) if isinstance(messages[i], ModelResponse)]
 
 
+# How providers word a refusal for a prompt past the context window: Anthropic's, OpenAI's and vLLM's, and
+# llama.cpp's server (`request (4476 tokens) exceeds the available context size (4096 tokens)`, type
+# `exceed_context_size_error`), whose refusal compacted nothing: the task failed.
+OVERFLOW_WORDS = ("prompt is too long", "maximum context length", "exceeds the available context size")
+
 def is_context_overflow(exc: BaseException) -> bool:
     """Whether a provider refused a request because it passes the model's context window."""
     if isinstance(exc, ModelContextWindowExceededError):
@@ -457,12 +462,12 @@ def is_context_overflow(exc: BaseException) -> bool:
         body: Any = exc.body
         inner = body.get("error", body) if isinstance(body, dict) else body
         if isinstance(inner, dict):
-            if inner.get("code") == "context_length_exceeded":
+            if inner.get("code") == "context_length_exceeded" or inner.get("type") == "exceed_context_size_error":
                 return True
             message = str(inner.get("message") or "").lower()
         else:
             message = str(inner or "").lower()
-        return "prompt is too long" in message or "maximum context length" in message
+        return any(words in message for words in OVERFLOW_WORDS)
     return False
 
 

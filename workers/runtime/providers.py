@@ -329,7 +329,10 @@ def view_of(exc: Exception) -> str:
     """Which view of its endpoint a transient error marks: `HOST` for what the transport says (a refused or
     dropped connection, a timeout: no answer came), `MODEL` for what the provider answered of the model (429,
     5xx, 529 and their Retry-After): one model's outage is not its host's."""
-    return HOST if isinstance(exc, ModelConnectionError) else MODEL
+    # A timeout the provider answered (HTTP 408: OpenRouter's when one upstream model timed out) is an answer of it,
+    # as pydantic-ai raises it (a ModelTimeoutError that is a ModelHTTPError too): the model's, not the host's.
+    answered = isinstance(exc, ModelHTTPError)
+    return HOST if isinstance(exc, ModelConnectionError) and not answered else MODEL
 
 
 class EndpointView(Protocol):
