@@ -63,6 +63,7 @@ if TYPE_CHECKING:
         one_line as one_line,
         visible_text as visible_text,
     )
+    from coordinator.text import all_shown as all_shown
     from coordinator.models import (
         Batch as Batch,
         Retried as Retried,
@@ -140,6 +141,7 @@ _EXPORTS = {
     "error_path": "coordinator.inputs",
     "one_line": "coordinator.inputs",
     "visible_text": "coordinator.inputs",
+    "all_shown": "coordinator.text",
     "Batch": "coordinator.models",
     "Retried": "coordinator.models",
     "RetrySkip": "coordinator.models",

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import pydantic
 
-from coordinator import admission, budgets, control, dispatch, faults, ids, todo_links
+from coordinator import admission, budgets, control, dispatch, faults, ids, todo_links, writeback
 from coordinator import todos as todo_lists
 from coordinator.errors import BrokerError, ConflictError, NotFoundError, StateError, SubqError, ValidationError
 from coordinator.inputs import error_message, error_path, one_line, profile_asked
@@ -255,6 +255,23 @@ def publish_waiting(plane: Plane, record: TaskRecord) -> None:
     elif record.waiting_batch_id:
         batch = plane.store.batches.get_batch(record.waiting_batch_id)
         publish(plane, batch, plane.store.records.get_records(batch.child_ids))
+
+
+def settle_ended(plane: Plane, record: TaskRecord) -> None:
+    """`writeback.settle_ended`, after stopping the children of a delegation the ended task committed and never
+    waited on: its run ended rather than wait (its time limit, a failure beside the delegation) and died before it
+    stopped them itself (`Run.end`). Left, they stayed `active`, never published nor watched."""
+    if record.status.terminal and record.waiting_batch_id and _open(plane, record.waiting_batch_id):
+        publish_waiting(plane, record)
+    writeback.settle_ended(plane, record)
+
+
+def _open(plane: Plane, batch_id: str) -> bool:
+    """Whether the batch is still running (not closed, nor lapsed with its retention)."""
+    try:
+        return plane.store.batches.get_batch(batch_id).status != "done"
+    except NotFoundError:
+        return False
 
 
 def delegate(

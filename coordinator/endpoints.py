@@ -95,6 +95,7 @@ def gate(plane: Plane, endpoint: str, model: str, token: str) -> EndpointState:
 # could clear it, and every task of it failed at once. Past this, one probe asks again.
 MAX_ASKED_WAIT_S = 3600.0
 
+
 def failed(plane: Plane, endpoint: str, model: str, error: str, asked_s: float | None) -> EndpointState:
     """Mark a view of `endpoint` down after a transient error: `model`'s, or with "" its host's (`asked_s`:
     the provider's Retry-After); the wait, as endpoint_failed.lua decided it."""

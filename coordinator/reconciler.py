@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 import redis
 from kombu.exceptions import OperationalError
 
-from coordinator import admission, approvals, delegation, dispatch, endpoints, writeback
+from coordinator import admission, approvals, delegation, dispatch, endpoints
 from coordinator.errors import CorruptError, NotFoundError, StoreError
 from coordinator.keeper import TreeKeeper
 from coordinator.models import TaskStatus
@@ -278,7 +278,7 @@ class Reconciler:
 
     def _ended(self, task_id: str) -> str:
         """An ended task still due: its end was never written back to its parent's batch."""
-        writeback.settle_ended(self.plane, self.plane.store.records.get_task(task_id))
+        delegation.settle_ended(self.plane, self.plane.store.records.get_task(task_id))
         return "ended-not-written-back"
 
     def _delegated(self, task_id: str) -> str | None:

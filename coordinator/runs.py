@@ -622,7 +622,7 @@ class RunLifecycle:
             # reconciler does this once its lease lapses.
             return writeback.result_of(task)
         if task.status.terminal:
-            writeback.settle_ended(plane, task)  # redelivered, duplicated, or its run died after its end
+            delegation.settle_ended(plane, task)  # redelivered, duplicated, or its run died after its end
             return writeback.result_of(task)
         admission.release_delegated(plane, task)  # delegated: a dead run left its slot taken,
         delegation.publish_waiting(plane, task)  # and perhaps its batch unpublished

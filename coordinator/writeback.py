@@ -172,21 +172,7 @@ def settle_ended(plane: Plane, record: TaskRecord) -> None:
     approvals.expire_waited_on(plane, record.id)  # a stop that died before it expired them
     if record.batch_id:
         write_back(plane, record.batch_id, ended=record)
-    if record.waiting_batch_id and _open(plane, record.waiting_batch_id):
-        # It ended with a delegation it committed and never waited on, and its run died before it stopped the
-        # children (`Run.end`): stopped here, they would stay `active`, never published nor watched.
-        from coordinator import delegation  # (delegation reads control, which reads this module)
-
-        delegation.publish_waiting(plane, record)
     plane.store.convergence.unwatch_ended(record)
-
-
-def _open(plane: Plane, batch_id: str) -> bool:
-    """Whether the batch is still running (not closed, nor lapsed with its retention)."""
-    try:
-        return plane.store.batches.get_batch(batch_id).status != "done"
-    except NotFoundError:
-        return False
 
 
 def result_of(record: TaskRecord, pending: str = "delegated") -> SubtaskResult:

@@ -210,7 +210,9 @@ def test_a_probe_is_taken_only_by_a_run_that_sends(idle_coordinator: Coordinator
 # -- true counts across parks -------------------------------------------------------------------
 
 
-def test_a_retry_after_of_years_marks_the_model_down_for_an_hour_at_most(settings: Settings, server: ModelServer) -> None:
+def test_a_retry_after_of_years_marks_the_model_down_for_an_hour_at_most(
+    settings: Settings, server: ModelServer
+) -> None:
     """`Retry-After: 1000000000` (31 years) marked the model down for the whole fleet that long: no request went to
     it again, so no answer could clear the view, and every task of it failed at once. An hour at most, then one
     probe asks again."""

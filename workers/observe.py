@@ -72,9 +72,8 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 from pythonjsonlogger.json import JsonFormatter
 
-from coordinator import ConfigError, TaskRecord, TaskStatus, current_trace_id, visible_text
+from coordinator import ConfigError, TaskRecord, TaskStatus, all_shown, current_trace_id, visible_text
 from coordinator.runs import Run, RunHooks
-from coordinator.text import all_shown
 from coordinator.tracing import span
 
 if TYPE_CHECKING:

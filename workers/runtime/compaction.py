@@ -454,6 +454,7 @@ def _turn_starts(messages: Sequence[ModelMessage]) -> list[int]:
 # `exceed_context_size_error`), whose refusal compacted nothing: the task failed.
 OVERFLOW_WORDS = ("prompt is too long", "maximum context length", "exceeds the available context size")
 
+
 def is_context_overflow(exc: BaseException) -> bool:
     """Whether a provider refused a request because it passes the model's context window."""
     if isinstance(exc, ModelContextWindowExceededError):
