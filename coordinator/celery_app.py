@@ -388,6 +388,10 @@ def make_app(settings: Settings) -> Celery:
         worker_pool=settings.worker_pool,
         worker_concurrency=settings.worker_concurrency,
         broker_connection_retry_on_startup=True,
+        # A worker waits out a broker outage however long it lasts: Celery's 100 tries end a worker for good, and
+        # under Sentinel each sentinel's address is a try of its own (about 30 s with three sentinels), runs in
+        # flight dying unhanded back with it.
+        broker_connection_max_retries=None,
         worker_hijack_root_logger=False,
     )
     tls = celery_tls(settings)

@@ -248,8 +248,15 @@ class FollowingConnection(SentinelManagedConnection):
     def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
         if self._asking_sentinels or self._sock is not None:
             super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
-        else:
-            self.connect()
+            return
+        # A connection closed under a command reconnects as the command is sent again: one try, asking the
+        # sentinels, since the command's own retry is the loop. `connect()` retried too: 35 tries inside each of
+        # the command's 35, and a command through an outage failed after 19 minutes of backoff, not 30 s.
+        self._asking_sentinels = True
+        try:
+            self._connect_retry()
+        finally:
+            self._asking_sentinels = False
 
 
 def _refused(exc: redis.ResponseError, code: str) -> bool:

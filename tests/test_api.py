@@ -1054,6 +1054,29 @@ def test_503_when_redis_is_down(settings: Settings) -> None:
     down.close()
 
 
+def test_a_publish_the_broker_refuses_is_a_503_and_the_task_it_made_is_kept(
+    idle: Coordinator, idle_http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kombu's OperationalError after the store's write (a master that died, a restart past its retries) was a 500
+    `internal_error`, which a script takes for a failure and runs again: a second tree. It is a 503 the client may
+    retry, `broker_error` as the CLI's exit 69 reads it, and the root it made stands, due for the reconciler."""
+    import kombu.exceptions
+
+    from coordinator import dispatch
+
+    def refused(*_args: Any, **_kwargs: Any) -> None:
+        raise kombu.exceptions.OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+    monkeypatch.setattr(dispatch, "publish_run", refused)
+    before = set(idle.client.scan_iter("subqapi:*:task:*"))
+    answer = idle_http.post("/v1/tasks", json={"prompt": "Say hello.", "run": True})
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["code"] == "broker_error" and "the change is kept" in answer.json()["message"]
+    (made,) = set(idle.client.scan_iter("subqapi:*:task:*")) - before
+    task_id = made.rsplit(":", 1)[-1]
+    assert task_id in idle.store.convergence.watched(), "due: the reconciler publishes its run"
+
+
 # -- auth configuration --------------------------------------------------------------------
 
 

@@ -242,3 +242,35 @@ def test_the_map_names_every_module_where_it_is() -> None:
     modules = {_name(path) for path in SOURCE if path.name != "__init__.py"}  # a package is named by its folder
     assert sorted(modules - named) == [], "modules missing from docs/architecture.md's map"
     assert sorted(named - {_name(path) for path in SOURCE}) == [], "the map names modules that are not in the tree"
+
+
+# Public store methods that send no command of their own: pure, or through a method that translates.
+TRANSLATED_THROUGH_ANOTHER = {
+    "coordinator.store.convergence.ConvergenceStore.unwatch_ended",  # unwatch
+    "coordinator.store.outbox.OutboxStore.hooks_mapping",  # pure
+    "coordinator.store.records.RecordStore.ancestors",  # task_field
+}
+
+
+def test_every_public_store_method_turns_redis_errors_into_subqs() -> None:
+    """A Redis error that escapes as redis-py's (unwatch_parked's did) is no StoreError: a worker's task did not
+    retry on it (`autoretry_for=(StoreError,)`), the API answered 500, not 503."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import coordinator.store as store
+
+    bare = []
+    for found in pkgutil.iter_modules(store.__path__):
+        module = importlib.import_module(f"coordinator.store.{found.name}")
+        for name, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ != module.__name__ or not name.endswith("Store"):
+                continue
+            for attr, function in vars(cls).items():
+                qualified = f"{module.__name__}.{name}.{attr}"
+                if attr.startswith("_") or not inspect.isfunction(function) or qualified in TRANSLATED_THROUGH_ANOTHER:
+                    continue
+                if not hasattr(function, "__wrapped__"):  # translate_redis_errors wraps it (functools.wraps)
+                    bare.append(qualified)
+    assert bare == [], f"not wrapped in translate_redis_errors: {bare}"

@@ -295,3 +295,42 @@ def test_a_lost_broker_is_tried_again_at_most_a_second_apart_under_sentinel() ->
 def _asking(transport_options: dict[str, Any]) -> dict[str, Any]:
     """How a transport asks the sentinels (`sentinel_kwargs`), without its Retry object (compared apart)."""
     return {name: value for name, value in transport_options["sentinel_kwargs"].items() if name != "retry"}
+
+
+def test_a_command_through_an_outage_asks_the_sentinels_once_a_retry_not_once_a_retry_of_a_retry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection closed under a command reconnects as the command is sent again, inside the command's retry:
+    it reconnected with a retry of its own there, 35 tries inside each of the command's 35, and a command through
+    an outage failed after 19 minutes of backoff, not 30 s. The reconnect inside a command is one try now; a
+    connection's first connect (outside any command) still retries."""
+    from coordinator.redis_clients import FAILOVER_RETRIES, redis_client
+
+    monkeypatch.setattr("redis.retry.sleep", lambda _s: None)
+    client = redis_client(Settings(redis_sentinels="127.0.0.1:1", redis_sentinel_master="mymaster"))
+    conn = client.connection_pool.make_connection()
+    tries: list[int] = []
+
+    def no_master() -> None:
+        tries.append(1)
+        raise redis.ConnectionError("no sentinel answered")
+
+    monkeypatch.setattr(conn, "_connect_retry", no_master)
+    with pytest.raises(redis.ConnectionError):
+        conn.connect_check_health()  # as send_command does, its socket closed by the command's last failure
+    assert len(tries) == 1, "one try: the command's own retry is the loop"
+    tries.clear()
+    with pytest.raises(redis.ConnectionError):
+        conn.connect()  # a first connect, as the pool makes it
+    assert len(tries) == FAILOVER_RETRIES + 1
+    client.close()
+
+
+def test_a_worker_waits_out_a_broker_outage_however_long() -> None:
+    """Celery's 100 reconnect tries ended a worker for good, and under Sentinel each sentinel's address is a try
+    (about 30 s with three): every run in flight died with it, not handed back."""
+    for settings in (
+        Settings(redis_url="redis://127.0.0.1:1/0"),
+        Settings(redis_sentinels="127.0.0.1:1,127.0.0.1:2", redis_sentinel_master="subq"),
+    ):
+        assert make_app(settings).conf.broker_connection_max_retries is None

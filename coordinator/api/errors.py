@@ -14,6 +14,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import kombu.exceptions
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -21,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator.api.schemas import ErrorBody
 from coordinator.errors import (
+    BrokerError,
     ConfigError,
     ConflictError,
     CorruptError,
@@ -33,7 +35,7 @@ from coordinator.errors import (
     ValidationError,
     WaitTimeout,
 )
-from coordinator.inputs import error_message, error_path, visible_text
+from coordinator.inputs import error_message, error_path, one_line, visible_text
 
 __all__ = [
     "BODY_TOO_LARGE",
@@ -173,6 +175,14 @@ async def _on_starlette_http(request: Request, exc: Exception) -> JSONResponse:
     return error_response(exc.status_code, code, message, None, exc.headers)
 
 
+async def _on_broker_down(request: Request, exc: Exception) -> JSONResponse:
+    # A publish the broker refused after its own retries (kombu's OperationalError: the master died, a restart
+    # outlasted them), after the store's write: a 503 the client may retry (the write is kept, and the reconciler
+    # publishes the run), not a 500 that a script takes for a failure and runs again as a second tree.
+    logger.warning("subq api: the broker refused a publish: %s", exc)
+    return error_response(503, BrokerError.code, f"The broker is unreachable: {one_line(str(exc))}; the change is kept")
+
+
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     # Starlette's ServerErrorMiddleware re-raises after this response, so the
     # server logs the traceback once; the client never sees it.
@@ -184,4 +194,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(HttpError, _on_http_error)
     app.add_exception_handler(RequestValidationError, _on_request_validation)
     app.add_exception_handler(StarletteHTTPException, _on_starlette_http)
+    app.add_exception_handler(kombu.exceptions.OperationalError, _on_broker_down)
     app.add_exception_handler(Exception, _on_unexpected)

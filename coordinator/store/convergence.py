@@ -122,6 +122,7 @@ class ConvergenceStore(Part):
             ]
             self.scripts(Unwatch(due=self.keys.due(), tasks=tasks, while_status=while_status, task_ids=task_ids))
 
+    @translate_redis_errors
     def unwatch_parked(self, task_id: str) -> bool:
         """Take a task parked on approvals off the due list while one of them is still pending, in one
         step (unwatch_parked.lua); True while one is. A task whose approvals were all decided stays on
