@@ -483,10 +483,8 @@ class Run:
             log.warning("subq: handed %s back to the queue", task.id)
         return writeback.result_of(task, pending="queued")
 
-    def abandon(self, *, outage: bool = False) -> None:
-        """The run failed outside the agent (Redis): free the lease and slot if Redis lets us; retried. An
-        `outage` (Redis away, not an entry that does not read) is no loss of the run's worker: its delivery count
-        starts again, as a park's does. Counted, three blips in one long task failed it as lost with its worker.
+    def abandon(self) -> None:
+        """The run failed outside the agent (Redis): free the lease and slot if Redis lets us; retried.
 
         The spend it held for its next step (responses the provider billed) goes to the process's heartbeat,
         which records it once Redis is back: the retried delivery makes those requests again, or finds its task
@@ -494,7 +492,7 @@ class Run:
         ran had recorded it: recorded again by its request key, it is written once."""
         self._owe_held()
         try:
-            self._release(reset_deliveries=outage)
+            self._release()
         except StoreError as exc:  # the lease lapses with its TTL; the original error is what matters
             log.warning("subq: could not release the run of %s: %s", self.task.id, exc)
 

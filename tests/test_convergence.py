@@ -1326,31 +1326,6 @@ def test_a_delegation_beside_a_call_for_a_person_runs_its_children_while_the_cal
     assert isinstance(lifecycle.start(task.id), Run), "the decision resumes it, its children's results in"
 
 
-def test_redis_failing_a_run_again_and_again_is_no_loss_of_its_worker(
-    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A step that Redis fails abandons its run and the delivery is retried: counted as a delivery lost with its
-    worker, the fourth blip in one long task failed it (`WorkerLost`), though no worker died. An outage's abandon
-    starts the count again, as a park's does."""
-    from coordinator.errors import StoreError
-    from workers.runtime import runner
-
-    task = coord.create_task(agent(reply("done")), run=True)
-    coord.client.delete(QUEUE)
-    runtime = build_runtime(coord.settings, make_app(coord.settings))
-
-    def outage(*_args: Any, **_kwargs: Any) -> None:
-        raise StoreError("Redis is unavailable: Connection refused")
-
-    monkeypatch.setattr(runner, "_run", outage)
-    for _ in range(coord.settings.max_deliveries + 1):
-        with pytest.raises(StoreError):
-            run_child(runtime, task.id)
-    monkeypatch.undo()
-    done = run_child(runtime, task.id)
-    assert (done.status, done.error_class) == ("completed", None), done
-
-
 def test_a_run_that_lost_its_lease_delegates_nothing_and_leaves_the_plan_alone(
     coord: Coordinator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

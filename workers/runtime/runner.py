@@ -170,9 +170,8 @@ def run_child(rt: Runtime, task_id: str, progress: Progress | None = None) -> Su
         return run.lost()  # another run owns the task now (this worker was cut off too long)
     except HandBack:
         return hand_back(run)  # the worker is shutting down: another worker goes on from here
-    except BaseException as exc:
-        # Redis failed, not the agent: the delivery is retried (workers.tasks), its count not raised by an outage.
-        run.abandon(outage=isinstance(exc, StoreError) and not isinstance(exc, CorruptError))
+    except BaseException:
+        run.abandon()  # Redis failed, not the agent: the delivery is retried (workers.tasks)
         raise
 
 
