@@ -372,13 +372,16 @@ class Run:
             # Its last response reached a budget: the holder's subtree is stopped, this run with it.
             return self.end(self.stopped(ending.holder))
         self._heartbeat.forget(self)
-        self._after_end(ending)
         if self.plan.delegation is not None:
             # It committed a delegation and ended rather than wait on it (its time limit, a failure in a tool
             # called beside the delegation): the children it committed are stopped and written back, and the
             # batch closes. Left, they stayed `active`, never published nor watched, and a retry of the task
-            # delegated again into a batch that never closed.
-            delegation.publish_waiting(plane, plane.store.records.get_task(task_id))
+            # delegated again into a batch that never closed. Before what the end sends (`_after_end`), which
+            # takes a chain step off the due list: end_run.lua keeps the task due until this is done.
+            ended = plane.store.records.get_task(task_id)
+            delegation.publish_waiting(plane, ended)
+            plane.store.convergence.unwatch_ended(ended)
+        self._after_end(ending)
         result = _result_of(task_id, ending, outcome)
         if late:  # the end's figures were read before the spend was recorded: the record's have it (its status
             # stays the end's: a retry may have run the task again since)

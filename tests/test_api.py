@@ -24,6 +24,7 @@ import anyio
 import httpx
 import httpx2
 import pytest
+import redis
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from prometheus_client import REGISTRY, generate_latest
@@ -1065,7 +1066,8 @@ def test_a_publish_the_broker_refuses_is_a_503_and_the_task_it_made_is_kept(
     from coordinator import dispatch
 
     def refused(*_args: Any, **_kwargs: Any) -> None:
-        raise kombu.exceptions.OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+        lost = redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+        raise kombu.exceptions.OperationalError(str(lost)) from lost  # as kombu re-raises it
 
     monkeypatch.setattr(dispatch, "publish_run", refused)
     before = set(idle.client.scan_iter("subqapi:*:task:*"))
@@ -1075,6 +1077,14 @@ def test_a_publish_the_broker_refuses_is_a_503_and_the_task_it_made_is_kept(
     (made,) = set(idle.client.scan_iter("subqapi:*:task:*")) - before
     task_id = made.rsplit(":", 1)[-1]
     assert task_id in idle.store.convergence.watched(), "due: the reconciler publishes its run"
+
+    def acl(*_args: Any, **_kwargs: Any) -> None:
+        refusal = redis.ResponseError("NOPERM this user has no permissions to run the 'lpush' command")
+        raise kombu.exceptions.OperationalError(str(refusal)) from refusal
+
+    monkeypatch.setattr(dispatch, "publish_run", acl)
+    refused_by_acl = idle_http.post("/v1/tasks", json={"prompt": "Say hello.", "run": True})
+    assert (refused_by_acl.status_code, refused_by_acl.json()["code"]) == (500, "internal_error"), "no outage"
 
 
 # -- auth configuration --------------------------------------------------------------------

@@ -1262,6 +1262,7 @@ def test_a_run_that_ends_after_committing_a_delegation_stops_its_children_and_a_
     (child,) = coord.store.records.get_records([c.id for c in children])
     assert child.status.terminal, f"the committed child is stopped with its parent, not {child.status}"
     assert coord.store.batches.get_batch(batch.id).status == "done", "its batch closed"
+    assert task.id not in coord.store.convergence.watched(), "nothing left for the reconciler to repair"
     coord.retry(task.id)
     again = lifecycle.start(task.id)
     assert isinstance(again, Run)
@@ -1283,7 +1284,7 @@ def test_a_run_that_dies_after_ending_with_a_committed_delegation_leaves_its_chi
     class Died(BaseException):
         pass
 
-    def dies(self: Run, ending: object) -> None:
+    def dies(*_args: object) -> None:
         raise Died
 
     task = coord.create_task(agent(reply("x")), run=True)
@@ -1292,11 +1293,14 @@ def test_a_run_that_dies_after_ending_with_a_committed_delegation_leaves_its_chi
     run = lifecycle.start(task.id)
     assert isinstance(run, Run)
     batch, (child,) = run.plan.delegate([SubtaskSpec(description="a", message="work")], "parallel", "call-1")
-    monkeypatch.setattr(Run, "_after_end", dies)
+    from coordinator import delegation
+
+    monkeypatch.setattr(delegation, "publish_waiting", dies)  # the process dies as it begins to stop them
     with pytest.raises(Died):
         run.end(Ended("failed", error="the task's time limit ran out"))
     assert coord.get_task(child.id).status == TaskStatus.ACTIVE, "the process died before it stopped them"
     assert task.id in coord.store.convergence.watched(), "the ended task stays due while its delegation is open"
+    monkeypatch.undo()
     tick(coord)
     assert coord.get_task(child.id).status.terminal and coord.store.batches.get_batch(batch.id).status == "done"
     assert task.id not in coord.store.convergence.watched(), "and leaves the due list then"

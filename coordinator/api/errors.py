@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import kombu.exceptions
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -175,12 +176,24 @@ async def _on_starlette_http(request: Request, exc: Exception) -> JSONResponse:
     return error_response(exc.status_code, code, message, None, exc.headers)
 
 
-async def _on_broker_down(request: Request, exc: Exception) -> JSONResponse:
-    # A publish the broker refused after its own retries (kombu's OperationalError: the master died, a restart
-    # outlasted them), after the store's write: a 503 the client may retry (the write is kept, and the reconciler
-    # publishes the run), not a 500 that a script takes for a failure and runs again as a second tree.
-    logger.warning("subq api: the broker refused a publish: %s", exc)
+async def _on_broker_error(request: Request, exc: Exception) -> JSONResponse:
+    # A publish that could not reach the broker after its own retries (kombu's OperationalError from a lost
+    # connection: the master died, a restart outlasted them), after the store's write: a 503 the client may retry
+    # (the write is kept, and the reconciler publishes the run), not a 500 that a script takes for a failure and
+    # runs again as a second tree. kombu wraps a broker's refusal (an ACL, OOM, a wrong password) and a TLS file
+    # it cannot read in the same class: those stay a 500, with their traceback in the log.
+    if not _unreachable(exc.__cause__ or exc.__context__):
+        logger.error("subq api: a publish failed", exc_info=exc)
+        return await _on_unexpected(request, exc)
+    logger.warning("subq api: the broker is unreachable: %s", exc)
     return error_response(503, BrokerError.code, f"The broker is unreachable: {one_line(str(exc))}; the change is kept")
+
+
+def _unreachable(cause: BaseException | None) -> bool:
+    """Whether a publish's failure is the broker out of reach: a lost or refused connection, a timeout."""
+    if isinstance(cause, redis.AuthenticationError):
+        return False
+    return isinstance(cause, redis.ConnectionError | redis.TimeoutError | ConnectionError | TimeoutError)
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -194,5 +207,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(HttpError, _on_http_error)
     app.add_exception_handler(RequestValidationError, _on_request_validation)
     app.add_exception_handler(StarletteHTTPException, _on_starlette_http)
-    app.add_exception_handler(kombu.exceptions.OperationalError, _on_broker_down)
+    app.add_exception_handler(kombu.exceptions.OperationalError, _on_broker_error)
     app.add_exception_handler(Exception, _on_unexpected)

@@ -59,7 +59,7 @@
 -- (hashes.lua): the parts read and write them through the cache, written once at the end.
 -- (Not the outcome's fields, which finish_task writes: read only if the task had ended before.)
 local own_fields = fields_and(USAGE_FIELDS, {'batch_id', 'batch_mode', 'todo_id', 'description', 'timeline',
-  'output', 'last_step'})
+  'output', 'last_step', 'waiting_batch_id'})
 -- (The slot's release below checks what it answered before, when it applies: release_slot.)
 if ARGV[11] == '1' then
   own_fields[#own_fields + 1] = 'release_reply'
