@@ -33,7 +33,7 @@ from coordinator.approvals import ToolCall, expiry_timer, undecided
 from coordinator.celery_app import make_app
 from coordinator.errors import FencedError
 from coordinator.local.embedded_redis import local_redis
-from coordinator.models import Approval, SubtaskSpec, TaskRecord, live_status
+from coordinator.models import Approval, Batch, SubtaskSpec, TaskRecord, live_status
 from coordinator.plane import Plane
 from coordinator.ports.steps import Released, RunStopped
 from coordinator.reconciler import Reconciler
@@ -1245,6 +1245,18 @@ def _stale_after_its_next_step(
     return stale
 
 
+def _one_child_committed(coord: Coordinator) -> tuple[TaskRecord, RunLifecycle, Run, Batch, TaskRecord]:
+    """A task's run in this process (its message taken off the queue), which has committed a delegation of one
+    child: the task, the lifecycle that started the run, the run, the batch and the child."""
+    task = coord.create_task(agent(reply("x")), run=True)
+    coord.client.delete(QUEUE)
+    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
+    run = lifecycle.start(task.id)
+    assert isinstance(run, Run)
+    batch, (child,) = run.plan.delegate([SubtaskSpec(description="a", message="work")], "parallel", "call-1")
+    return task, lifecycle, run, batch, child
+
+
 def test_a_run_that_ends_after_committing_a_delegation_stops_its_children_and_a_retry_resumes(
     coord: Coordinator,
 ) -> None:
@@ -1252,14 +1264,9 @@ def test_a_run_that_ends_after_committing_a_delegation_stops_its_children_and_a_
     beside `run_subagents`): the children it committed are stopped with it and its batch closes. Before, they
     stayed `active`, never published nor watched, and a retry's next delegation waited on a batch that never
     closed, the task `delegated` for good."""
-    task = coord.create_task(agent(reply("x")), run=True)
-    coord.client.delete(QUEUE)
-    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
-    run = lifecycle.start(task.id)
-    assert isinstance(run, Run)
-    batch, children = run.plan.delegate([SubtaskSpec(description="a", message="work")], "parallel", "call-1")
+    task, lifecycle, run, batch, committed = _one_child_committed(coord)
     run.end(Ended("failed", error="the task's time limit ran out"))
-    (child,) = coord.store.records.get_records([c.id for c in children])
+    child = coord.get_task(committed.id)
     assert child.status.terminal, f"the committed child is stopped with its parent, not {child.status}"
     assert coord.store.batches.get_batch(batch.id).status == "done", "its batch closed"
     assert task.id not in coord.store.convergence.watched(), "nothing left for the reconciler to repair"
@@ -1287,12 +1294,7 @@ def test_a_run_that_dies_after_ending_with_a_committed_delegation_leaves_its_chi
     def dies(*_args: object) -> None:
         raise Died
 
-    task = coord.create_task(agent(reply("x")), run=True)
-    coord.client.delete(QUEUE)
-    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
-    run = lifecycle.start(task.id)
-    assert isinstance(run, Run)
-    batch, (child,) = run.plan.delegate([SubtaskSpec(description="a", message="work")], "parallel", "call-1")
+    task, lifecycle, run, batch, child = _one_child_committed(coord)
     from coordinator import delegation
 
     monkeypatch.setattr(delegation, "publish_waiting", dies)  # the process dies as it begins to stop them
@@ -1310,12 +1312,7 @@ def test_a_delegation_beside_a_call_for_a_person_runs_its_children_while_the_cal
     """One response commits a delegation and asks a person about another call: the run parks for the decision,
     and its children run meanwhile. Before, they waited unpublished until the decision (or its expiry, an hour
     by default). The parent runs once both have come: its children's end and the decision."""
-    task = coord.create_task(agent(reply("x")), run=True)
-    coord.client.delete(QUEUE)
-    lifecycle = build_runtime(coord.settings, make_app(coord.settings)).lifecycle
-    run = lifecycle.start(task.id)
-    assert isinstance(run, Run)
-    batch, (child,) = run.plan.delegate([SubtaskSpec(description="a", message="work")], "parallel", "call-1")
+    task, lifecycle, run, batch, child = _one_child_committed(coord)
     (approval,) = park(coord.plane, run.task, [ToolCall("run_command", {"command": "ls"}, "call-2")])
     run.end(Released("waiting_approval"))
     assert coord.store.batches.batch_published(batch.id) and queued_ids(coord) == [child.id], "its child runs now"
