@@ -257,12 +257,18 @@ def publish_waiting(plane: Plane, record: TaskRecord) -> None:
         publish(plane, batch, plane.store.records.get_records(batch.child_ids))
 
 
-def settle_ended(plane: Plane, record: TaskRecord) -> None:
-    """`writeback.settle_ended`, after stopping the children of a delegation the ended task committed and never
-    waited on: its run ended rather than wait (its time limit, a failure beside the delegation) and died before it
-    stopped them itself (`Run.end`). Left, they stayed `active`, never published nor watched."""
+def stop_unwaited(plane: Plane, record: TaskRecord) -> None:
+    """Stop the children of a delegation the ended task committed and never waited on (its run ended rather than
+    wait: its time limit, a failure beside the delegation), and close its batch. Left, they stayed `active`, never
+    published nor watched, and a retry of the task delegated again into a batch that never closed."""
     if record.status.terminal and record.waiting_batch_id and _open(plane, record.waiting_batch_id):
         publish_waiting(plane, record)
+
+
+def settle_ended(plane: Plane, record: TaskRecord) -> None:
+    """`writeback.settle_ended`, after `stop_unwaited`: the ended task's run may have died before it stopped them
+    itself (`Run.end`)."""
+    stop_unwaited(plane, record)
     writeback.settle_ended(plane, record)
 
 

@@ -373,13 +373,11 @@ class Run:
             return self.end(self.stopped(ending.holder))
         self._heartbeat.forget(self)
         if self.plan.delegation is not None:
-            # It committed a delegation and ended rather than wait on it (its time limit, a failure in a tool
-            # called beside the delegation): the children it committed are stopped and written back, and the
-            # batch closes. Left, they stayed `active`, never published nor watched, and a retry of the task
-            # delegated again into a batch that never closed. Before what the end sends (`_after_end`), which
-            # takes a chain step off the due list: end_run.lua keeps the task due until this is done.
+            # It committed a delegation and ended rather than wait on it: its children are stopped
+            # (`delegation.stop_unwaited`) before what the end sends (`_after_end`), which takes a chain step off
+            # the due list; end_run.lua keeps the task due until this is done.
             ended = plane.store.records.get_task(task_id)
-            delegation.publish_waiting(plane, ended)
+            delegation.stop_unwaited(plane, ended)
             plane.store.convergence.unwatch_ended(ended)
         self._after_end(ending)
         result = _result_of(task_id, ending, outcome)
