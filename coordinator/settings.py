@@ -175,6 +175,10 @@ DEFAULT_PRICED_AS = "anthropic:claude-sonnet-4-5"
 OFFLINE_PROFILE = "offline"
 # Bounds one agent run so a looping model cannot spend without end.
 DEFAULT_MAX_REQUESTS = 25
+# How often in a row one tool's calls may fail to run (an unknown tool, arguments that do not validate, a
+# `ModelRetry`), each answered with its error for the model to mend, before the task fails `ToolRetries`.
+# pydantic-ai's own default is 1: a real model's second typo of a tool name failed a child's whole run.
+DEFAULT_MAX_TOOL_RETRIES = 3
 # A tool call runs at most this long by default (a profile's `tool_timeout_s` changes it).
 DEFAULT_TOOL_TIMEOUT_S = 300.0
 # One response of a model may call many tools; a run makes at most this many calls at once.
@@ -425,6 +429,7 @@ class Profile(BaseModel):
     # and the last fails the task (`OutputInvalid`).
     max_invalid_outputs: int = Field(default=DEFAULT_MAX_INVALID_OUTPUTS, ge=1, le=100)
     max_requests: int = Field(default=DEFAULT_MAX_REQUESTS, ge=1)
+    max_tool_retries: int = Field(default=DEFAULT_MAX_TOOL_RETRIES, ge=0, le=100)
     # Tools whose calls need a decision, and the policy that decides where it can:
     # a rule is "tool" or "tool:argument prefix" (run_command:npm test allows
     # `npm test -- --watch`); deny wins; a chained command needs every part allowed.

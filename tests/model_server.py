@@ -22,6 +22,13 @@ proxy serves many; a failure given a `model` takes the place of that model's
 answers only (`server.fail(503, model="primary-model")`: the other models of the
 same host and port answer as usual).
 
+A 200 that is no usable answer, as gateways and proxies send them (`body`: bytes sent as they are, or JSON):
+
+    server.fail(200, times=1, body={"choices": []})                         # an empty answer
+    server.fail(200, times=1, body={"error": {"message": "Upstream error", "code": 502}})  # a gateway's error
+    Turn(text="a long report", finish_reason="length")   # an answer the output limit cut
+    Turn(text="done", usage=False)                        # an answer that reports no usage
+
 A context window, as a hosted model has one (tests of compaction, docs/context.md):
 
     ModelServer(turns, max_prompt_tokens=6000, by_call_ids=True, summary="...")
@@ -89,6 +96,8 @@ class Turn:
 
     text: str | None = None
     calls: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None  # None: "tool_calls" for calls, else "stop"
+    usage: bool = True  # False: the answer carries no `usage` object (some servers leave it out)
 
 
 @dataclass
@@ -100,6 +109,7 @@ class Failure:
     times: int | None = None
     headers: dict[str, str] = field(default_factory=dict)
     model: str | None = None  # only the requests for this model name; None: every request
+    body: bytes | None = None  # with status 200: this body is the answer (no turn is answered)
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,7 @@ class Seen:
     body: dict[str, Any]
     prompt_tokens: int = 0  # as the server counted the prompt (`prompt_tokens_of`)
     usage: tuple[int, int] = (0, 0)  # the answer's (prompt, completion) tokens; (0, 0) when not answered
+    turn: bool = True  # answered with a turn (False: an error, or a 200 with a failure's `body`)
 
     @property
     def model(self) -> str:
@@ -200,12 +211,15 @@ class ModelServer:
         times: int | None = None,
         headers: dict[str, str] | None = None,
         model: str | None = None,
+        body: bytes | dict[str, Any] | None = None,
     ) -> None:
         """Answer `status` (0: drop the connection) for `for_s` seconds from now and/or `times` requests;
-        with neither, for good (until `heal`). With `model`, only the requests for that model name."""
+        with neither, for good (until `heal`). With `model`, only the requests for that model name; with
+        `body` (bytes as they are, else JSON), that body instead of the status's error (of a 200: of a turn)."""
         until = None if for_s is None else time.monotonic() + for_s
+        raw = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
         with self._lock:
-            self._failures.append(Failure(status, until, times, dict(headers or {}), model))
+            self._failures.append(Failure(status, until, times, dict(headers or {}), model, raw))
 
     def script(self, statuses: list[int]) -> None:
         """The next requests' statuses in order, one each (200: answered as usual); then as before."""
@@ -232,7 +246,7 @@ class ModelServer:
     def answered(self) -> list[Seen]:
         """The requests answered with a turn (status 200)."""
         with self._lock:
-            return [s for s in self.seen if s.status == 200]
+            return [s for s in self.seen if s.status == 200 and s.turn]
 
     def _failure_now(self, model: str) -> Failure | None:
         with self._lock:
@@ -245,11 +259,11 @@ class ModelServer:
                 return None
             if failure.times is not None:
                 failure.times -= 1
-            return None if failure.status == 200 else failure
+            return None if failure.status == 200 and failure.body is None else failure
 
-    def _record(self, status: int, body: dict[str, Any], usage: tuple[int, int] = (0, 0)) -> None:
+    def _record(self, status: int, body: dict[str, Any], usage: tuple[int, int] = (0, 0), *, turn: bool = True) -> None:
         with self._lock:
-            self.seen.append(Seen(time.monotonic(), time.time(), status, body, prompt_tokens_of(body), usage))
+            self.seen.append(Seen(time.monotonic(), time.time(), status, body, prompt_tokens_of(body), usage, turn))
 
     def _turn_no(self, messages: list[dict[str, Any]]) -> int:
         assistant = [m for m in messages if m.get("role") == "assistant"]
@@ -287,12 +301,17 @@ class ModelServer:
                 for index, c in enumerate(turn.calls)
             ]
         prompt, completion = usage
-        return {
+        finish = turn.finish_reason or ("tool_calls" if turn.calls else "stop")
+        answer = {
             "id": f"chatcmpl-{len(self.seen)}", "object": "chat.completion", "created": int(time.time()),
             "model": body.get("model", ""),
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
-            "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if turn.calls else "stop"}],
-        }, usage  # fmt: skip
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+        }  # fmt: skip
+        if not turn.usage:
+            del answer["usage"]
+            usage = (0, 0)
+        return answer, usage
 
 
 class _Http(ThreadingHTTPServer):
@@ -337,8 +356,12 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)  # no answer at all: a connection error for the client
             return
+        if failure is not None and failure.body is not None:
+            model_server._record(failure.status, body, turn=False)
+            self._reply_raw(failure.status, failure.body, failure.headers)
+            return
         if failure is not None:
-            model_server._record(failure.status, body)
+            model_server._record(failure.status, body, turn=False)
             kind, message = ERRORS.get(failure.status, ("error", f"HTTP {failure.status}"))
             self._reply(failure.status, {"error": {"message": message, "type": kind, "code": kind}}, failure.headers)
             return
@@ -363,7 +386,9 @@ class _Handler(BaseHTTPRequestHandler):
             model_server.stop()
 
     def _reply(self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(payload).encode()
+        self._reply_raw(status, json.dumps(payload).encode(), headers)
+
+    def _reply_raw(self, status: int, data: bytes, headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))

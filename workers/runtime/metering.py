@@ -16,6 +16,10 @@
   fallback chain's failed attempt counts each request it sent that failed
   transiently (`sent_errors`), and a request its gate held back counts none:
   the same requests the task counts as `transient_errors`.
+- A response that reports no usage (`unmeasured_requests`: some OpenAI-compatible servers leave `usage`
+  out) is given subq's own overstated estimate of what was sent and answered
+  (`estimate_tokens`, as compaction counts), still marked unmeasured, so it is priced and counted by every
+  budget and quota instead of passing at $0; the cost source says it was estimated.
 - With a `compactor` (workers/runtime/compaction.py), what is sent is the
   compacted view of the messages, compacted further when the request would
   pass its share of the context window; a provider's refusal of a request as
@@ -34,9 +38,10 @@ from pydantic_ai.messages import ModelMessage, ModelResponse
 from pydantic_ai.models import Model, ModelRequestParameters
 from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.settings import ModelSettings
+from pydantic_ai.usage import RequestUsage
 
 from workers import observe
-from workers.runtime.compaction import Compactor, is_context_overflow
+from workers.runtime.compaction import Compactor, estimate_tokens, is_context_overflow
 from workers.runtime.providers import TRANSIENT_ERRORS, sent_errors
 
 __all__ = ["TRANSIENT_ERRORS", "MeteredModel", "ResponseHook"]
@@ -105,5 +110,10 @@ class MeteredModel(WrapperModel):
                 raise
             latency_s = time.perf_counter() - started
             observe.model_request(*self._labels, "ok", latency_s)
+            if response.usage.unmeasured_requests and not response.usage.total_tokens:
+                response.usage = RequestUsage(
+                    input_tokens=estimate_tokens(sent, model_request_parameters),
+                    output_tokens=estimate_tokens([response]), unmeasured_requests=1,
+                )  # fmt: skip
             self._on_response(sent, response, latency_s * 1000)
             return response

@@ -59,7 +59,9 @@ from pydantic_ai.exceptions import (
     ModelAPIError,
     ModelAuthenticationError,
     ModelConnectionError,
+    ModelEmptyResponseError,
     ModelHTTPError,
+    ModelInvalidResponseError,
     ModelNotFoundError,
     ModelRateLimitError,
     ModelServerError,
@@ -81,6 +83,7 @@ __all__ = [
     "IN_RUN_WAIT_S",
     "OPENAI_BASE_URL",
     "TRANSIENT_ERRORS",
+    "UNREADABLE_ANSWERS",
     "EndpointDown",
     "OneLineErrors",
     "ProviderWait",
@@ -102,8 +105,19 @@ ANTHROPIC_BASE_URL = "https://api.anthropic.com"
 SDK_RETRIES = 0
 # A provider's error message is one line of the task's error; longer ones are cut.
 ERROR_MESSAGE_CHARS = 200
-# ModelTimeoutError is a ModelConnectionError; ModelOverloadedError a ModelUnavailableError.
-TRANSIENT_ERRORS = (ModelRateLimitError, ModelServerError, ModelConnectionError, ModelUnavailableError)
+# ModelTimeoutError is a ModelConnectionError; ModelOverloadedError a ModelUnavailableError. An answer with a 200
+# that holds no response (no choices) or none that can be read (a gateway's error object, a body that is no JSON:
+# `OneLineErrors` makes pydantic-ai's bare ModelAPIError for those a ModelInvalidResponseError) is a provider's
+# glitch as a 5xx is: sent again after a wait, and to the next profile of the chain when it goes on. Failing the
+# run at the first one threw a child's work away on a proxy's blip.
+UNREADABLE_ANSWERS = (ModelEmptyResponseError, ModelInvalidResponseError)
+TRANSIENT_ERRORS = (
+    ModelRateLimitError,
+    ModelServerError,
+    ModelConnectionError,
+    ModelUnavailableError,
+    *UNREADABLE_ANSWERS,
+)
 # A wait up to this long is slept inside the run; a longer one gives the worker back: parking
 # costs a saved step, a timer and a new run (about a reconciler tick late), more than a short wait.
 IN_RUN_WAIT_S = 5.0
@@ -269,8 +283,7 @@ class OneLineErrors(WrapperModel):
         try:
             return await super().request(messages, model_settings, model_request_parameters)
         except ModelAPIError as exc:
-            self._rewrite(exc)
-            raise
+            raise self._rewrite(exc) from exc.__cause__
 
     @asynccontextmanager
     async def request_stream(
@@ -286,15 +299,20 @@ class OneLineErrors(WrapperModel):
             ) as response:
                 yield response
         except ModelAPIError as exc:
-            self._rewrite(exc)
-            raise
+            raise self._rewrite(exc) from exc.__cause__
 
-    def _rewrite(self, exc: ModelAPIError) -> None:
+    def _rewrite(self, exc: ModelAPIError) -> ModelAPIError:
+        """`exc` saying where, once; pydantic-ai's bare ModelAPIError (a 200 whose body is no JSON, or text where
+        JSON was expected) as the ModelInvalidResponseError it is, so it is told apart from a refusal."""
         if getattr(exc, "subq_line", None) is not None:
-            return  # an inner model of the same chain said where already
-        exc.subq_line = error_line(exc)  # type: ignore[attr-defined]  # the line without where, for the fleet's view
-        exc.message = f"{exc.subq_line} ({self.where})"  # type: ignore[attr-defined]
+            return exc  # an inner model of the same chain said where already
+        if type(exc) is ModelAPIError:
+            exc = ModelInvalidResponseError(exc.model_name, exc.message, body=exc.body)
+        line = error_line(exc)
+        exc.subq_line = line  # type: ignore[attr-defined]  # the line without where, for the fleet's view
+        exc.message = f"{line} ({self.where})"
         exc.args = (exc.message,)
+        return exc
 
 
 def error_line(exc: ModelAPIError) -> str:

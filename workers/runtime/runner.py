@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -42,6 +43,7 @@ from pydantic_ai import (
     ToolDenied,
     ToolOutput,
 )
+from pydantic_ai.agent import AgentRetries
 
 try:  # not exported by pydantic-ai: the drain every agent holds unless given one (`_RunChecks` says why)
     from pydantic_ai.capabilities._pending_messages import PendingMessageDrainCapability as _ChecksBase
@@ -96,7 +98,7 @@ from workers.runtime.compaction import (
 )
 from workers.runtime.context import Runtime
 from workers.runtime.metering import MeteredModel
-from workers.runtime.pricing import cost_of, reported_cost_usd
+from workers.runtime.pricing import PROVIDER_REPORTED_SOURCE, cost_of, reported_cost_usd
 from workers.runtime.profile_tools import (
     APPROVED_BY_HUMAN,
     CUT_OFF,
@@ -137,6 +139,22 @@ INTERRUPTED = "Task was interrupted before this tool call could be completed."
 COMPLETION_RETRIES = 100
 # A typed task that fails on its data keeps its last errors in `error`: every one of them, within reason.
 MAX_OUTPUT_ERROR_CHARS = 4000
+# A final answer its provider ended for another reason than the model's own end is no whole answer: the task
+# fails with the class and error given here (the cut text is its record's `summary`), never `completed` with
+# half a report. pydantic-ai ends a run on such text as on any; it refuses only an empty one.
+CUT_ANSWERS = {
+    "length": (
+        "OutputTruncated",
+        "the model's answer was cut at its output token limit (finish_reason 'length'): ask for a shorter "
+        "answer, or use a model with a larger output limit",
+    ),
+    "content_filter": (
+        "ContentFilter",
+        "the provider's content filter cut the model's answer (finish_reason 'content_filter')",
+    ),
+}
+# pydantic-ai's words when a tool's calls failed more often in a row than the run allows (tool_manager.py).
+TOOL_RETRIES_SPENT = re.compile(r"^Tool (?P<tool>'.*') exceeded max retries count of (?P<max>\d+)\.")
 
 Progress = Callable[[dict[str, Any]], None]
 
@@ -294,6 +312,8 @@ class _Drive:
         # Priced at the profile whose model answered, which a fallback names in the source and the UI.
         answered = via.answered
         cost_micros, source = cost_of(usage, answered.profile, reported_cost_usd(response))
+        if usage.unmeasured_requests and source != PROVIDER_REPORTED_SOURCE:
+            source = f"{source} (estimated: the answer reported no usage)"
         if via.fell_back:
             source = f"{source} (fallback: profile {answered.name!r}, {answered.profile.model})"
             self.run.say("fallback", f"answered by profile {answered.name!r} ({answered.profile.model})")
@@ -360,21 +380,27 @@ class _Drive:
         pending = _calls_without_result(history)
         results = _answers(run, self.state, pending, self.offered, chain_window(self.route)[0]) if pending else None
         agent: Agent[RunState, Any] = rt.toolbox.agent(task.profile, plans_offline(profile, task.prompt), build_agent)
+        output_type, output_retries = _typed(schema, profile, self.state)
+        retries: AgentRetries = {"tools": profile.max_tool_retries}
+        if output_retries is not None:
+            retries["output"] = output_retries
         async with agent.iter(
             None if history else task.prompt,
+            output_type=output_type,
             model=model,
             message_history=history or None,
             deferred_tool_results=results,
             deps=self.state,
             usage_limits=UsageLimits(request_limit=profile.max_requests),
-            **_typed(schema, profile, self.state),
+            retries=retries,
         ) as agent_run:
             ended = await self._iterate(agent_run)
             if ended is not None:
                 return ended
             assert agent_run.result is not None
             output = agent_run.result.output
-            invalid = invalid_answers(agent_run.all_messages())
+            messages = agent_run.all_messages()
+            invalid = invalid_answers(messages)
         if self.state.tool_calls and self.unsent is None:
             self.unsent = {
                 "task_id": task.id,
@@ -384,6 +410,9 @@ class _Drive:
                 "latency_ms": 0,
             }
         self.send_progress()  # the run's last figures (sent within LIVE_EVERY_S: a run that answers at once sends one)
+        if isinstance(output, str):
+            last = next(m for m in reversed(messages) if isinstance(m, ModelResponse))
+            return _cut_answer(last) or Ended("completed", summary=output)
         return self._outcome(output, invalid)
 
     async def _iterate(self, agent_run: AgentRun[RunState, Any]) -> Ended | Released | None:
@@ -402,9 +431,18 @@ class _Drive:
                 "failed", error=str(refused)[:MAX_OUTPUT_ERROR_CHARS], error_class="OutputInvalid",
                 invalid_outputs=refused.answers,
             )  # fmt: skip
-        except UnexpectedModelBehavior:
+        except UnexpectedModelBehavior as exc:
             _save_new(self.run, agent_run.all_messages(), self.saved)
-            raise
+            spent = TOOL_RETRIES_SPENT.match(str(exc))
+            if spent is None:
+                raise
+            allowed = int(spent["max"])
+            last = one_line(str(exc.__cause__ or ""))[:500]
+            return Ended(
+                "failed", error_class="ToolRetries",
+                error=f"the model's calls of tool {spent['tool']} failed {allowed + 1} times in a row (the profile's "
+                f"max_tool_retries is {allowed}); the last: {last}",
+            )  # fmt: skip
         _save_new(self.run, agent_run.all_messages(), self.saved)
         return None
 
@@ -420,21 +458,20 @@ class _Drive:
             if run.plan.delegation is None:
                 return Ended("failed", error="the run deferred a call that is not a delegation", error_class="Deferred")
             return Released("delegated")
-        if isinstance(output, TypedResult):
-            return Ended("completed", summary=output.result, output_json=output.data_json, invalid_outputs=invalid)
-        return Ended("completed", summary=str(output))
+        assert isinstance(output, TypedResult), output
+        return Ended("completed", summary=output.result, output_json=output.data_json, invalid_outputs=invalid)
 
 
-def _typed(schema: dict[str, Any] | None, profile: Profile, state: RunState) -> dict[str, Any]:
-    """A task with an output schema (its own, else its profile's) ends only with attempt_completion(result, data),
-    built for this run: no plain text ends it. Its invalid answers are bounded by `bound_invalid_answers`, so
-    pydantic-ai's own retries are set past that bound, "not taken" answers aside (COMPLETION_RETRIES)."""
+def _typed(schema: dict[str, Any] | None, profile: Profile, state: RunState) -> tuple[Any, int | None]:
+    """The run's output type and output retries (None, None: the agent's own). A task with an output schema (its
+    own, else its profile's) ends only with attempt_completion(result, data), built for this run: no plain text ends
+    it. Its invalid answers are bounded by `bound_invalid_answers`, so pydantic-ai's own retries are set past that
+    bound, "not taken" answers aside (COMPLETION_RETRIES)."""
     if schema is None:
-        return {}
+        return None, None
     state.completion_parameters = completion_parameters(schema)
     retries = COMPLETION_RETRIES + profile.max_invalid_outputs
-    completion = typed_completion(schema, retries)
-    return {"output_type": [completion, DeferredToolRequests], "retries": {"output": retries}}
+    return [typed_completion(schema, retries), DeferredToolRequests], retries
 
 
 def _before_request(run: Run, provider: str) -> Callable[[], Awaitable[None]]:
@@ -582,7 +619,7 @@ def _ended_before(run: Run, history: list[ModelMessage], schema: dict[str, Any] 
     last = history[-1]
     assert isinstance(last, ModelResponse)
     if schema is None:
-        return Ended("completed", summary=_text_of(last))
+        return _cut_answer(last) or Ended("completed", summary=_text_of(last))
     calls = [p for p in last.parts if isinstance(p, ToolCallPart) and p.tool_name == "attempt_completion"]
     taken, errors = check_completion(schema, calls[-1].args_as_dict()) if calls else (None, ["no attempt_completion"])
     invalid = invalid_answers(history)
@@ -698,6 +735,15 @@ def _save_new(run: Run, messages: Sequence[ModelMessage], saved: int) -> int:
     adapter = message_adapter()
     run.save([adapter.dump_json(m).decode() for m in messages[saved:]])
     return max(saved, len(messages))
+
+
+def _cut_answer(last: ModelResponse) -> Ended | None:
+    """The failure of a final answer its provider cut (`CUT_ANSWERS`), or None for a whole one."""
+    cut = CUT_ANSWERS.get(last.finish_reason or "")
+    if cut is None:
+        return None
+    error_class, error = cut
+    return Ended("failed", summary=_text_of(last), error=error, error_class=error_class)
 
 
 def _text_of(response: ModelResponse) -> str:
