@@ -358,7 +358,7 @@ def assert_worker_refuses(settings: Settings, log_dir: Path, line: str) -> None:
     from coordinator.local.fleet import WorkerFleet
 
     checked = subq_tools(settings)
-    assert checked.returncode == 2 and checked.stderr == f"subq: {line}\n", checked.stderr
+    assert checked.returncode == 1 and checked.stderr == f"subq: {line}\n", checked.stderr
     fleet = WorkerFleet(settings, 1, log_dir)
     try:
         assert fleet.procs[0].wait(timeout=CHECK_TIMEOUT_S) != 0, "the worker refused to start"

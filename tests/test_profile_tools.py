@@ -106,7 +106,7 @@ def test_subq_tools_lists_each_profiles_tools(settings: Settings) -> None:
     # It names every profile this process knows and where each was read from (a child process is given
     # them all in SUBQ_PROFILES).
     known = ", ".join(sorted(own.all_profiles()))
-    assert unknown.returncode == 2
+    assert unknown.returncode == 1, "a refusal of subq's own (docs/cli.md): 2 is for malformed arguments"
     line = f"subq: Invalid profile: nope (known: {known} (SUBQ_PROFILES); SUBQ_PROFILES_FILE is not set)\n"
     assert unknown.stderr == line
 

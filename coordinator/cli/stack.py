@@ -86,7 +86,7 @@ def tools(
     """Check every profile's tools as a worker does at start, and list each tool with where it comes from.
 
     A bad entry (an import that fails, an attribute that is no tool, two tools of one
-    name) is one line naming the profile and the entry, and the exit status is 2.
+    name) is one line naming the profile and the entry, and the exit status is 1.
     """
     from coordinator.local.fleet import settings_env
 

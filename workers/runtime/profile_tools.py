@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         loaded = {name: load_profile(name, settings) for name in names}
     except (ConfigError, ProfileError) as exc:
         print(f"subq: {exc}", file=sys.stderr)
-        return 2
+        return 1  # a refusal of subq's own, as every subq command's (2 is argparse's, for malformed arguments)
     for line in policy_warnings(settings, names):
         print(f"subq: warning: {line}", file=sys.stderr)
     if args.json:
