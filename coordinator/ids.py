@@ -11,6 +11,7 @@ import re
 import secrets
 
 from coordinator.errors import NotFoundError
+from coordinator.text import shown_value
 
 __all__ = [
     "ROOT_ID_PATTERN",
@@ -31,7 +32,6 @@ TASK_ID_RE = re.compile(rf"^({_ROOT})(?:-[0-9a-f]{{12}})?\Z")
 BATCH_ID_RE = re.compile(rf"^({_ROOT})-b[0-9a-f]{{12}}\Z")
 APPROVAL_ID_RE = re.compile(rf"^({_ROOT})-a[0-9a-f]{{12}}\Z")
 # The most of a refused id an error shows: every id subq makes is shorter.
-SHOWN_ID_CHARS = 80
 # The Celery id of a run: the task id, then `-r<n>` (a resume), `-q<hex>` (a restart after a
 # wait), `-t<n>` (a person's n-th retry of the failed task) or `-x<n>` (a run the reconciler
 # published again); see coordinator/dispatch.py.
@@ -66,8 +66,7 @@ def root_of(any_id: str, field: str = "task_id") -> str:
     """The root id inside a task, batch or approval id; an unknown shape is a NotFoundError naming `field`."""
     match = TASK_ID_RE.match(any_id) or BATCH_ID_RE.match(any_id) or APPROVAL_ID_RE.match(any_id)
     if match is None:
-        shown = any_id if len(any_id) <= SHOWN_ID_CHARS else any_id[:SHOWN_ID_CHARS] + "..."
-        raise NotFoundError(f"Unknown id: {shown!r} is not a subq task or batch id", field=field)
+        raise NotFoundError(f"Unknown id: {shown_value(any_id)} is not a subq task or batch id", field=field)
     return match.group(1)
 
 

@@ -215,7 +215,9 @@ def _target(schema: Mapping[str, Any], ref: str) -> tuple[list[Any], Any] | None
         part = unquote(raw).replace("~1", "/").replace("~0", "~")
         if isinstance(node, Mapping) and part in node:
             node, where = node[part], [*where, part]
-        elif isinstance(node, list) and ascii_digits(part) and int(part) < len(node):
+        elif (
+            isinstance(node, list) and ascii_digits(part) and len(part) <= len(str(len(node))) and int(part) < len(node)
+        ):
             node, where = node[int(part)], [*where, int(part)]
         else:
             return None

@@ -54,7 +54,7 @@ from coordinator.tenants import (
     parse_tenants,
     read_tenants_file,
 )
-from coordinator.text import ascii_digits
+from coordinator.text import ascii_digits, cut_value
 
 __all__ = [
     "DEFAULT_PRICED_AS",
@@ -1080,7 +1080,7 @@ class Settings(BaseSettings):
             by_source.setdefault(source, []).append(known)
         known = "; ".join(f"{', '.join(sorted(names))} ({source})" for source, names in sorted(by_source.items()))
         unread = "" if self.profiles_file is not None else "; SUBQ_PROFILES_FILE is not set"
-        return ProfileError(f"Invalid profile: {name} (known: {known}{unread})", field="profile")
+        return ProfileError(f"Invalid profile: {cut_value(name)} (known: {known}{unread})", field="profile")
 
     def profile(self, name: str | None) -> Profile:
         """The named profile (the default one for None), with its provider's standard key if it names none."""

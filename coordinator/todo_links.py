@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from coordinator.errors import TodoError
 from coordinator.models import TodoItem, TodoStatus
+from coordinator.text import shown_value
 from coordinator.todos import clean_content, normalise, todo_id, with_ids
 
 __all__ = ["Merged", "link_children", "merge"]
@@ -118,9 +119,9 @@ def _named_rows(
         index = index_of.get(wanted)
         field = f"subtasks.{n}.todo_id"
         if index is None:
-            raise TodoError(f"Unknown todo_id {wanted!r}", field=field)
+            raise TodoError(f"Unknown todo_id {shown_value(wanted)}", field=field)
         if index in named:
-            raise TodoError(f"todo_id {wanted!r} is used by two subtasks", field=field)
+            raise TodoError(f"todo_id {shown_value(wanted)} is used by two subtasks", field=field)
         current = items[index].subtask_id
         if current is not None and current in in_flight:
             raise TodoError(

@@ -23,7 +23,7 @@ import pydantic
 
 from coordinator.errors import CorruptError, TodoError
 from coordinator.models import TodoItem, TodoStatus
-from coordinator.text import drawn_as_nothing
+from coordinator.text import drawn_as_nothing, shown_value
 
 __all__ = [
     "IgnoredLine",
@@ -98,7 +98,7 @@ class IgnoredLine(pydantic.BaseModel):
     suggestion: str
 
     def __str__(self) -> str:
-        return f"line {self.line}: {self.text!r} is not a todo item; write {self.suggestion!r}"
+        return f"line {self.line}: {shown_value(self.text)} is not a todo item; write {shown_value(self.suggestion)}"
 
 
 def ignored_lines(update: object) -> list[IgnoredLine]:

@@ -23,7 +23,7 @@ from fastapi_offline import FastAPIOffline
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from coordinator.api.audit import audit_routes
-from coordinator.api.auth import bearer_auth, key_ring
+from coordinator.api.auth import GuardFirst, bearer_auth, key_ring
 from coordinator.api.control import control_routes
 from coordinator.api.errors import install_error_handlers
 from coordinator.api.events import event_routes
@@ -101,6 +101,7 @@ def create_app(settings: Settings | None = None, coordinator: Coordinator | None
     )
     install_error_handlers(app)
     # Added innermost first: each add_middleware wraps the ones before it.
+    app.add_middleware(GuardFirst, guard=guard, auth=auth_on)
     app.add_middleware(BodyLimit, max_body_bytes=settings.api_max_body_bytes)
     app.add_middleware(OpenRouteLimit, limiter=RateLimiter(settings.api_open_requests_per_min))
     app.add_middleware(SecurityHeaders, https=settings.api_https)

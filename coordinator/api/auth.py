@@ -31,17 +31,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Annotated, NoReturn, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import anyio.to_thread
 from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.types import ASGIApp, Receive, Send
+from starlette.types import Scope as ASGIScope
 
 from coordinator.access import OPEN, KeyRing, Principal, Scope, parse_keys
-from coordinator.api.errors import RATE_LIMITED, UNAUTHORIZED, HttpError
+from coordinator.api.errors import RATE_LIMITED, UNAUTHORIZED, HttpError, error_response
 from coordinator.api.limits import RateLimiter, client_address, retry_after
 from coordinator.audit import Actor, RefusalReason, Via
-from coordinator.errors import ConfigError, ForbiddenError, NotFoundError, SubqError
+from coordinator.errors import ConfigError, ForbiddenError, NotFoundError, StoreError, SubqError
 from coordinator.models import Approval, Delivery, Retried, TaskRecord
 from coordinator.service import Coordinator
 from coordinator.settings import GENERATE_HINT, PLACEHOLDER_SECRET, Settings
@@ -53,10 +55,13 @@ __all__ = [
     "AUTH_DISABLED_WARNING",
     "Caller",
     "Gate",
+    "GuardFirst",
     "KeyRevoked",
     "actor_of",
     "bearer_auth",
+    "bearer_credentials",
     "caller",
+    "guarded",
     "key_now",
     "key_ring",
     "too_many_attempts",
@@ -71,6 +76,8 @@ AUTH_DISABLED_WARNING = (
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
 Guard = Callable[..., Awaitable[Principal]]
+# The routes a bearer key guards (/mcp guards its own, as it starts).
+V1_PREFIX = "/v1/"
 
 
 def too_many_attempts(limiter: RateLimiter, wait_s: float) -> HttpError:
@@ -158,12 +165,20 @@ def bearer_auth(settings: Settings, auth_attempts: RateLimiter, coord: Coordinat
         auth_attempts.take(address)
         actor = Actor("", address, "api")
         target = f"{request.method} {request.url.path}"
-        await anyio.to_thread.run_sync(lambda: coord.record(actor, "refused", target, reason=reason))
+        try:
+            await anyio.to_thread.run_sync(lambda: coord.record(actor, "refused", target, reason=reason))
+        except StoreError as exc:
+            # A refusal stays a 401 while Redis is away: an anonymous caller was answered 503 with the store's
+            # address in it, and learnt Redis was down before it had shown a key.
+            logger.warning("subq api: the refusal of %s from %s is not audited: %s", target, address, exc)
         return HttpError(401, UNAUTHORIZED, message, field="Authorization", headers=_CHALLENGE)
 
     # A default, not Annotated: annotations are strings here (PEP 563), and FastAPI
     # resolves them in the module's namespace, where this closure's `scheme` is not.
     async def check(request: Request, credentials: HTTPAuthorizationCredentials | None = Security(scheme)) -> Principal:
+        named = getattr(request.state, "principal", None)
+        if isinstance(named, Principal):
+            return named  # `GuardFirst` named the caller before FastAPI read the body
         address = client_address(request.scope)
         if wait_s := auth_attempts.wait_s(address):
             raise too_many_attempts(auth_attempts, wait_s)
@@ -183,6 +198,44 @@ def bearer_auth(settings: Settings, auth_attempts: RateLimiter, coord: Coordinat
         return principal
 
     return check
+
+
+def bearer_credentials(scope: ASGIScope) -> HTTPAuthorizationCredentials | None:
+    """`Authorization: Bearer <token>` as FastAPI's HTTPBearer reads it; None when there is none."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            kind, _, token = value.decode("latin-1").partition(" ")
+            if kind.lower() == "bearer" and token.strip():
+                return HTTPAuthorizationCredentials(scheme=kind, credentials=token.strip())
+    return None
+
+
+async def guarded(guard: Guard, auth: bool, scope: ASGIScope, receive: Receive, send: Send) -> bool:
+    """Run `guard` on a request from ASGI: True when it named the caller (`request.state.principal`); else the
+    refusal is sent (401, 429) and False."""
+    request = Request(scope, receive)
+    try:
+        await (guard(request, bearer_credentials(scope)) if auth else guard(request))
+    except HttpError as exc:
+        await error_response(exc.status_code, exc.code, exc.message, exc.field, exc.headers)(scope, receive, send)
+        return False
+    return True
+
+
+class GuardFirst:
+    """The /v1 routes' guard run before FastAPI reads the request: FastAPI parses a JSON body before it runs any
+    dependency, so a body that is no JSON was answered 422 to a caller without a token, unaudited, uncounted
+    against SUBQ_API_AUTH_ATTEMPTS_PER_MIN, and to an address locked out too. The routes' own `Depends(guard)`
+    then finds the caller named (a route mounted without this middleware still guards itself)."""
+
+    def __init__(self, app: ASGIApp, guard: Guard, auth: bool) -> None:
+        self.app, self.guard, self.auth = app, guard, auth
+
+    async def __call__(self, scope: ASGIScope, receive: Receive, send: Send) -> None:
+        guards = scope["type"] == "http" and scope["path"].startswith(V1_PREFIX)
+        if guards and not await guarded(self.guard, self.auth, scope, receive, send):
+            return
+        await self.app(scope, receive, send)
 
 
 def caller(request: Request) -> Principal:
@@ -205,6 +258,23 @@ class Gate:
         # A key asking for a tree it may not read is on record as a refusal (`not_found`): a model probing
         # ids is worth an operator's look (issue 41). /mcp records its own, naming the tool.
         self.record_unreadable = record_unreadable
+
+    def needs(self, *scopes: Scope) -> Any:
+        """`need` as a route's dependency: it runs before FastAPI's checks of the body are answered, so a key
+        without the scope is a 403 (on the audit log), never a 422 about a body it may not send at all."""
+
+        def check(request: Request, key: Caller) -> None:
+            self.need(request, key, *scopes)
+
+        return Depends(check)
+
+    def writes(self, others: Scope = Scope.ADMIN) -> Any:
+        """`write_tree` of the path's `task_id` as a route's dependency (as `needs`: before the body's checks)."""
+
+        def check(request: Request, key: Caller, task_id: str) -> None:
+            self.write_tree(request, key, task_id, others)
+
+        return Depends(check)
 
     def need(self, request: Request, key: Principal, *scopes: Scope, why: str = "") -> None:
         """Go on if `key` has one of `scopes` (admin has all); else a 403 naming them, on record."""

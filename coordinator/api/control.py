@@ -53,6 +53,7 @@ def _tree_routes(router: APIRouter, coord: Coordinator, gate: Gate, denied: tupl
         response_model=TaskRecord,
         responses=error_responses(*denied, 404, 409, 413, 422, 503),
         summary="Cancel a task and its whole subtree",
+        dependencies=[gate.writes(Scope.OPERATE)],
     )
     def cancel(request: Request, key: Caller, task_id: TaskId, body: CancelInput) -> TaskRecord:
         """Queued children never start, running ones stop at their next step; finished results are kept.
@@ -65,6 +66,7 @@ def _tree_routes(router: APIRouter, coord: Coordinator, gate: Gate, denied: tupl
         response_model=Retried,
         responses=error_responses(*denied, 404, 409, 413, 422, 503),
         summary="Run a failed task again from its conversation, or every failed task of its tree",
+        dependencies=[gate.writes(Scope.OPERATE)],
     )
     def retry(request: Request, key: Caller, task_id: TaskId, body: RetryInput | None = None) -> Retried:
         """The task goes on from its kept conversation; finished tool calls are not run again; its spend
@@ -133,6 +135,7 @@ def _approval_routes(router: APIRouter, coord: Coordinator, gate: Gate, denied: 
         response_model=Approval,
         responses=error_responses(*denied, 404, 409, 413, 422, 503),
         summary="Approve or deny a waiting tool call; only that task resumes",
+        dependencies=[gate.needs(Scope.DECIDE)],
     )
     def decide(request: Request, key: Caller, approval_id: ApprovalId, body: DecisionInput) -> Approval:
         """A denial's feedback goes back to the task's model; 409 when it was already decided.

@@ -57,6 +57,10 @@ BODY_TOO_LARGE = "body_too_large"
 RATE_LIMITED = "rate_limited"
 INTERNAL_ERROR = "internal_error"
 
+# The most an error's message says: any refusal's cause fits in far less, and a message that quotes what it refused
+# grows with the input (a 1 MB body made a 1.8 MB answer before each quote was cut).
+MAX_MESSAGE_CHARS = 4096
+
 # Most specific class first: CorruptError is a StoreError but not a passing outage.
 _STATUS_OF_ERROR: tuple[tuple[type[SubqError], int], ...] = (
     (NotFoundError, 404),
@@ -117,6 +121,8 @@ def error_response(
 ) -> JSONResponse:
     # A message quotes what was refused, which may hold a lone surrogate (JSON's "\\ud800"): no JSON encoder writes
     # one, so it goes as its escape, as does any other character a terminal would act on.
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[: MAX_MESSAGE_CHARS - 1] + "…"
     body = ErrorBody(code=code, message=visible_text(message), field=visible_text(field) if field else field)
     return JSONResponse(body.model_dump(mode="json"), status_code=status_code, headers=dict(headers or {}))
 

@@ -44,7 +44,15 @@ from coordinator.models import StopHold, TaskStatus
 from coordinator.service import Coordinator
 from coordinator.text import MAX_STREAM_ID_PART, stream_id
 
-__all__ = ["KEEPALIVE_S", "KEY_REVOKED", "READ_SLICE_MS", "StreamThreads", "event_routes", "tree_events"]
+__all__ = [
+    "KEEPALIVE_S",
+    "KEY_REVOKED",
+    "READ_SLICE_MS",
+    "StreamThreads",
+    "check_event_id",
+    "event_routes",
+    "tree_events",
+]
 
 # Proxies commonly close a connection idle for 30-60 s; a comment every 15 s keeps it open.
 KEEPALIVE_S = 15.0
@@ -149,6 +157,16 @@ async def tree_events(
         yield ServerSentEvent(event="error", data=body.model_dump_json())
 
 
+def check_event_id(last_event_id: str | None) -> None:
+    """Refuse (422) a `Last-Event-ID` that is no stream id Redis reads. Checked before a stream's response starts:
+    past what Redis reads, the stream's first event said Redis failed, which a client retries for good."""
+    if last_event_id is not None and not stream_id(last_event_id):
+        raise ValidationError(
+            f"last-event-id must be an event id as <ms>-<n>, each part at most {MAX_STREAM_ID_PART}",
+            field="last-event-id",
+        )
+
+
 def event_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     router = APIRouter(prefix="/v1", tags=["events"])
     denied = (401, 403) if auth else ()
@@ -177,13 +195,7 @@ def event_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
             Header(pattern=STREAM_ID_PATTERN, description="Resume after this event id (sent by EventSource)"),
         ] = None,
     ) -> EventSourceResponse:
-        # Checked before the response starts, so an unknown id is a plain 404, not a broken stream; and an event id
-        # past what Redis reads a 422, not a stream whose first event says Redis failed (a client would retry it).
-        if last_event_id is not None and not stream_id(last_event_id):
-            raise ValidationError(
-                f"last-event-id must be an event id as <ms>-<n>, each part at most {MAX_STREAM_ID_PART}",
-                field="last-event-id",
-            )
+        check_event_id(last_event_id)
         owner = await threads.run(gate.read_tree, request, key, task_id)
         await threads.run(coord.settled, task_id)
         still_allowed = partial(gate.still_reads, request, owner)

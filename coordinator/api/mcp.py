@@ -36,13 +36,12 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.security import HTTPAuthorizationCredentials
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from coordinator.access import Principal
 from coordinator.access import Scope as KeyScope
-from coordinator.api.auth import Gate, KeyRevoked, actor_of, key_now
+from coordinator.api.auth import Gate, KeyRevoked, actor_of, guarded, key_now
 from coordinator.api.errors import HttpError, error_response
 from coordinator.service import Coordinator
 
@@ -169,16 +168,6 @@ if TYPE_CHECKING:
         return ops
 
 
-def _credentials(scope: Scope) -> HTTPAuthorizationCredentials | None:
-    """`Authorization: Bearer <token>` as FastAPI's HTTPBearer reads it; None when there is none."""
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            kind, _, token = value.decode("latin-1").partition(" ")
-            if kind.lower() == "bearer" and token.strip():
-                return HTTPAuthorizationCredentials(scheme=kind, credentials=token.strip())
-    return None
-
-
 class McpEndpoint:
     """The ASGI endpoint of /mcp: the bearer guard, then the MCP SDK's Streamable HTTP transport.
 
@@ -262,14 +251,7 @@ class McpEndpoint:
             await stop.wait()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request = Request(scope, receive)
-        try:
-            if self.auth:
-                await self.guard(request, _credentials(scope))
-            else:
-                await self.guard(request)
-        except HttpError as exc:
-            await error_response(exc.status_code, exc.code, exc.message, exc.field, exc.headers)(scope, receive, send)
+        if not await guarded(self.guard, self.auth, scope, receive, send):
             return
         # Not live: the app's lifespan did not run (a test client without it), or has ended.
         manager = await self._started_manager() if self._live else None

@@ -75,6 +75,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         response_model=CreatedTask,
         responses=error_responses(*denied, 413, 422, 503),
         summary="Create a root task",
+        dependencies=[gate.needs(Scope.SUBMIT)],
     )
     def create_task(request: Request, key: Caller, body: CreateTaskInput) -> CreatedTask:
         """A caller-owned task (`run: false`, you delegate) or an agent on the fleet (`run: true`).
@@ -106,6 +107,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         response_model=DelegationResult,
         responses=error_responses(*denied, 404, 409, 413, 422, 503),
         summary="Delegate subtasks to children",
+        dependencies=[gate.writes()],
     )
     def delegate(request: Request, key: Caller, task_id: TaskId, body: DelegateInput) -> DelegationResult:
         """Validated as a whole, committed atomically, then published; 202: the children run on the fleet."""
@@ -143,6 +145,7 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         response_model=TodosUpdated,
         responses=error_responses(*denied, 404, 409, 413, 422, 503),
         summary="Replace a task's todo list",
+        dependencies=[gate.writes()],
     )
     def update_todos(request: Request, key: Caller, task_id: TaskId, body: TodosInput) -> TodosUpdated:
         """Links and figures of existing items survive the rewrite; an update with no items is refused.

@@ -43,7 +43,7 @@ from coordinator.access import Principal, Scope
 from coordinator.api.auth import Gate, actor_of, too_many_attempts
 from coordinator.api.control import DeliveryId
 from coordinator.api.errors import UNAUTHORIZED, HttpError, status_of
-from coordinator.api.events import KEEPALIVE_S, STREAM_ID_PATTERN, StreamThreads, tree_events
+from coordinator.api.events import KEEPALIVE_S, STREAM_ID_PATTERN, StreamThreads, check_event_id, tree_events
 from coordinator.api.limits import RateLimiter, client_address
 from coordinator.api.routes import TaskId
 from coordinator.api.schemas import CancelInput, DecisionInput, ErrorBody
@@ -285,6 +285,7 @@ def _live_routes(router: APIRouter, web: _Web) -> None:
         key: Principal = Depends(web.signed_in),
     ) -> EventSourceResponse:
         _no_query(request)
+        check_event_id(last_event_id)
         owner = await web.threads.run(gate.read_tree, request, key, task_id)
         await web.threads.run(coord.settled, task_id)  # an unknown id is a plain 404, not a broken stream
         still_allowed = partial(web.still_reads, request, owner)
