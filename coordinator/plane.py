@@ -48,7 +48,7 @@ class Plane:
         """SUBQ_TENANTS over SUBQ_TENANTS_FILE, the file read again whenever it changes (coordinator/tenants.py)."""
         settings = self.settings
         has_default = "*" in settings.tenants
-        return TenantBook(settings.tenants_inline(), settings.tenants_file, has_default)
+        return TenantBook(settings.tenants_inline(), settings.tenants_file, has_default, settings.tenants_at_start())
 
     @property
     def tenants(self) -> Tenants:

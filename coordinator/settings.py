@@ -690,6 +690,9 @@ class Settings(BaseSettings):
     profiles_file: Path | None = None
     # The profiles read from profiles_file (and not replaced by SUBQ_PROFILES): where each came from.
     _from_file: frozenset[str] = PrivateAttr(default=frozenset())
+    # SUBQ_TENANTS_FILE as it was read at start (its path, its table): the table a process keeps until an edit
+    # parses, should the file be broken by its first look after the start (`tenants_at_start`).
+    _tenants_read: tuple[Path, Tenants] | None = PrivateAttr(default=None)
     # Paths no sandboxed command may read, beside those subq knows of itself (the profiles file,
     # the API keys file, the Redis TLS key): absolute, separated by ':' as in PATH. `subq up`
     # adds its log folder, where it writes its credentials file (workers/runtime/sandbox.py).
@@ -780,6 +783,11 @@ class Settings(BaseSettings):
             return check_tenant_name(name, "SUBQ_DEFAULT_TENANT")
         except Exception as exc:  # a ValidationError: pydantic wants a ValueError
             raise ValueError(str(exc).removeprefix("SUBQ_DEFAULT_TENANT: ")) from None
+
+    def tenants_at_start(self) -> Tenants | None:
+        """SUBQ_TENANTS_FILE's table as the start read it (None: no file, or another than these settings name)."""
+        read = self._tenants_read
+        return read[1] if read is not None and read[0] == self.tenants_file else None
 
     def tenants_inline(self) -> Tenants:
         """SUBQ_TENANTS as a table (without the file's)."""
@@ -892,7 +900,7 @@ class Settings(BaseSettings):
         legacy_token = self.api_token.get_secret_value() if self.api_token is not None else None
         check_distinct(self.api_keys, keys_from_file, legacy_token or None)
         if self.tenants_file is not None:  # read at start, so a bad one stops the start (then again on each change)
-            read_tenants_file(self.tenants_file)
+            self._tenants_read = (self.tenants_file, read_tenants_file(self.tenants_file))
         if self.default_profile not in self.all_profiles():
             raise ValueError(f"SUBQ_DEFAULT_PROFILE: {self.default_profile!r} is not a defined profile")
         # Named by where each profile was read from: the file's, unless SUBQ_PROFILES gave one of that name.

@@ -238,7 +238,12 @@ def merged(inline: Tenants, from_file: Tenants, inline_has_default: bool) -> Ten
 class TenantBook:
     """The tenants table of a deployment, SUBQ_TENANTS_FILE read again whenever it changes."""
 
-    def __init__(self, inline: Tenants, file: Path | None, inline_has_default: bool = False) -> None:
+    def __init__(
+        self, inline: Tenants, file: Path | None, inline_has_default: bool = False, at_start: Tenants | None = None
+    ) -> None:
+        """`at_start`: the file's table as the process's start read it (and refused it if broken). It stands while
+        the file is broken at the book's first look: the book is made on first use, maybe hours after the start,
+        and a file botched meanwhile lifted every quota of the file in that process, the log saying it had not."""
         self._inline = inline
         self._inline_has_default = inline_has_default
         self._file: ReloadingFile[Tenants] | None = None
@@ -246,7 +251,7 @@ class TenantBook:
             self._file = ReloadingFile(
                 file,
                 self._read,
-                initial=inline,
+                initial=inline if at_start is None else merged(inline, at_start, inline_has_default),
                 broken=None,  # the last table that parsed: a botched edit must not lift every quota at once
                 logger=logger,
                 broken_means="the tenants table read before stays in force until it is fixed",

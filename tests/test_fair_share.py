@@ -195,7 +195,10 @@ def test_a_tenants_table_of_thousands_is_written_whole_by_the_beat(fair: Coordin
     table = {f"t{i}": (1 + i % 3, i % 5) for i in range(4100)} | {"*": (1, 0)}
     assert beat(store, table) == SHARES.capacity
     written = store.client.hgetall(store.keys.fair_policies())
+    assert written.pop("~changed") == "1", "a new table: the next take scores the wanting tenants again"
     assert len(written) == len(table)
+    assert beat(store, table) == SHARES.capacity
+    assert store.client.hget(store.keys.fair_policies(), "~changed") == "1", "kept until a take has taken it up"
     assert written["t4099"] == f"{1 + 4099 % 3} {4099 % 5}" and written["*"] == "1 0"
 
 
@@ -445,6 +448,24 @@ def test_a_raised_max_running_admits_what_now_fits(fair: Coordinator) -> None:
     started = store.fair.heal(SHARES, 30, 100).started
     assert len(started) == 2 and set(started) < set(ids[2:]), "two more fit"
     assert store.fair.counts("a") == FairCounts(running=4, parked=1, queued=0)
+
+
+def test_a_tenant_whose_max_running_was_raised_is_not_left_behind_a_tenant_with_room(fair: Coordinator) -> None:
+    """Scored +inf while at its max_running, a tenant kept that score after its cap was raised: every slot freed
+    went to the other tenant, however far over its share, for as long as the capped tenant's run ran."""
+    store = fair.store
+    four = FairShares(on=True, capacity=4)
+    beat(store, {"a": (1, 0), "b": (1, 1), "*": (1, 0)}, 4)
+    b, a = children(fair, "b", 3), children(fair, "a", 8)
+    assert start(store, b[0], four).verdict == "run"
+    assert [start(store, t, four).verdict for t in a[:3]] == ["run"] * 3
+    assert [start(store, t, four).verdict for t in b[1:]] == ["park"] * 2, "b holds its max_running of 1"
+    assert [start(store, t, four).verdict for t in a[3:]] == ["park"] * 5, "the fleet is full"
+    beat(store, {"a": (1, 0), "b": (1, 0), "*": (1, 0)}, 4)  # b's cap lifted: b runs 1 against a's 3
+    assert store.fair.release(a[0], four) in ([b[1]], [b[2]]), "the slot freed goes to b, furthest below its share"
+    assert store.fair.counts("b") == FairCounts(running=2, parked=1, queued=0)
+    beat(store, {"a": (1, 0), "b": (1, 0), "*": (1, 0)}, 4)
+    assert store.client.hget(store.keys.fair_policies(), "~changed") is None, "the same table changes nothing"
 
 
 def test_with_fair_shares_off_the_pass_releases_every_parked_run(fair: Coordinator) -> None:

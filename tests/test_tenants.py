@@ -188,6 +188,31 @@ def test_the_tenants_file_is_read_again_when_it_changes_and_a_broken_edit_keeps_
         read_tenants_file(path)
 
 
+def test_a_tenants_file_broken_before_its_first_use_keeps_the_table_the_start_read(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """The table is read at start (a bad one stops it) and again on first use, which can be hours later: a file
+    botched in between made that process use SUBQ_TENANTS alone, every quota of the file lifted."""
+    path = tmp_path / "tenants.toml"
+    path.write_text("[acme]\nmax_running_roots = 1\nmax_cost_usd_per_day = 5\n")
+    started = settings.model_copy(update={"key_prefix": PREFIX, "queue": "subq-tenants-idle"})
+    started = load_settings(
+        **{**started.model_dump(exclude={"openai_api_key", "anthropic_api_key"}), "tenants_file": path}
+    )
+    path.write_text("[acme\nmax_running_roots = 1\n")  # broken after the start read it
+    coordinator = Coordinator(started)
+    try:
+        _clean(coordinator)
+        policy = coordinator.plane.tenants.policy("acme")
+        assert (policy.max_running_roots, policy.max_cost_micros_per_day) == (1, 5_000_000)
+        coordinator.create_task("the first root", tenant="acme")
+        with pytest.raises(QuotaExceeded, match="acme"):
+            coordinator.create_task("a second root, over the quota", tenant="acme")
+    finally:
+        _clean(coordinator)
+        coordinator.close()
+
+
 def test_a_keys_file_may_give_several_keys_one_tenant_and_refuses_a_bad_one(tmp_path: Path) -> None:
     keys = read_keys_file(_keys_file(tmp_path / "keys.json"))
     assert keys["a1"].principal().tenant == keys["a2"].principal().tenant == "acme"

@@ -30,10 +30,34 @@ for _, worker in ipairs(redis.call('HKEYS', KEYS[2])) do
   end
 end
 redis.call('SET', KEYS[3], capacity, 'EX', ARGV[4])
+-- Whether the table differs from the one written before (or a change is still to be taken up): the next take
+-- (fair_take.lua) scores every wanting tenant again.
+local before = redis.call('HGETALL', KEYS[4])
+local changed = #before ~= #ARGV - 4
+for at = 1, #before, 2 do
+  if before[at] == POLICIES_CHANGED then
+    changed = true
+  end
+end
+if not changed then
+  local was = {}
+  for at = 1, #before, 2 do
+    was[before[at]] = before[at + 1]
+  end
+  for at = 5, #ARGV, 2 do
+    if was[ARGV[at]] ~= ARGV[at + 1] then
+      changed = true
+      break
+    end
+  end
+end
 redis.call('DEL', KEYS[4])
 -- In slices of 500 tenants: Lua unpacks no more than about 8,000 values, and a table of one tenant a customer holds
 -- thousands (the beat failed, and with it every reconciler tick after it).
 for first = 5, #ARGV, 1000 do
   redis.call('HSET', KEYS[4], unpack(ARGV, first, math.min(first + 999, #ARGV)))
+end
+if changed then
+  redis.call('HSET', KEYS[4], POLICIES_CHANGED, '1')
 end
 return capacity

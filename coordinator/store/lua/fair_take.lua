@@ -24,6 +24,17 @@
 -- ARGV[11] (optional) float: with ARGV[10], only a parked run whose place is before this score
 -- Returns the task id given the slot, or false.
 local head = ARGV[1]
+-- The policies changed since the last take (fair_beat.lua marks it): every wanting tenant is scored again, at most
+-- RESCORED of them. A score is made again only by its tenant's own steps, and a tenant scored +inf at its
+-- max_running kept it after the cap was raised: every slot freed went to the others, however far over their
+-- share, for as long as its running runs ran.
+local RESCORED = 1000
+if redis.call('HDEL', KEYS[2], POLICIES_CHANGED) == 1 then
+  for _, tenant in ipairs(redis.call('ZRANGE', KEYS[1], 0, RESCORED - 1)) do
+    fair_score({KEYS[1], KEYS[2], head .. tenant .. ARGV[2], head .. tenant .. ARGV[3], head .. tenant .. ARGV[4]},
+      {tenant, ARGV[5], ARGV[6]})
+  end
+end
 -- The first live parked run of `tenant` before `before` (any, when nil) is given the slot; ended or gone ones met
 -- first are dropped. Returns its id (or false), and how many were dropped.
 local function take_parked(tenant, before)

@@ -193,6 +193,9 @@ local TIMELINE_MAX, TIMELINE_FOLD = {MAX_MARKS}, {FOLD_MARKS}
 -- The statuses that end a task (timeline.py's OUTCOMES), as a set: every script asks `ENDED[status]`
 -- (a missing status, false, is not one), the one test of whether a task is over.
 local ENDED = {OUTCOMES}
+-- The field of the tenants' policies hash that fair_beat.lua sets when the table changed, and the next take
+-- (fair_take.lua) takes off as it scores every wanting tenant again; no tenant can be named so.
+local POLICIES_CHANGED = '~changed'
 -- The whole fold: the stored JSON decoded, marked, folded and encoded again.
 local function timeline_fold(text, t_ms, state)
   local tl = (text and text ~= '') and cjson.decode(text) or {}
