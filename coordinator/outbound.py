@@ -309,6 +309,12 @@ class Connections:
                 self._close_idle(selected.data, cast(socket.socket, selected.fileobj))
         now = time.monotonic()
         for exchange in [e for e in self._live.values() if e.deadline <= now]:
+            if exchange.answer.status:
+                # Its head came and its body did not end in time: the receiver answered (a 2xx took the event),
+                # the connection is not used again. Taken for a timeout, the event was sent again until given up,
+                # and the host's every other delivery held back as a silent host's.
+                self._end(exchange, ended, exchange.answer.status, "", keep=False)
+                continue
             phase = {"connect": "Connect", "handshake": "Connect", "send": "Write"}.get(exchange.stage, "Read")
             self._end(exchange, ended, 0, f"{phase}Timeout{TIMED_OUT}", keep=False)
         return ended
@@ -445,15 +451,18 @@ class Connections:
             exchange.heard = True
             try:
                 status, keep = exchange.answer.read(data)
-            except h11.RemoteProtocolError as exc:
-                self._end(exchange, ended, 0, one_line(f"RemoteProtocolError: not an HTTP answer: {exc}"), keep=False)
+            except h11.RemoteProtocolError as exc:  # (a body cut by a close, after a head: that head's answer)
+                status = exchange.answer.status
+                line = "" if status else one_line(f"RemoteProtocolError: not an HTTP answer: {exc}")
+                self._end(exchange, ended, status, line, keep=False)
                 return
             if status:
                 self._end(exchange, ended, status, "", keep=keep)
                 return
-            if not data:
-                line = "RemoteProtocolError: the receiver closed the connection without an answer"
-                self._end(exchange, ended, 0, line, keep=False)
+            if not data:  # closed: within the body of an answer whose head came, that answer; else none
+                status = exchange.answer.status
+                line = "" if status else "RemoteProtocolError: the receiver closed the connection without an answer"
+                self._end(exchange, ended, status, line, keep=False)
                 return
             if time.monotonic() >= exchange.deadline:
                 return  # a receiver that never stops sending: `collect` ends the attempt at its timeout
@@ -573,6 +582,11 @@ class Answer:
         self._status = 0
         self._body_bytes = 0
         self._interim = 0
+
+    @property
+    def status(self) -> int:
+        """The answer's status once its head came (its body may still be coming), else 0."""
+        return self._status
 
     def read(self, data: bytes) -> tuple[int, bool]:
         """Take what came (b'' when the receiver closed): (status, whether the connection serves on) once the

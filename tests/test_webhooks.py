@@ -442,6 +442,25 @@ def stored(settings: Settings) -> Iterator[Coordinator]:
     coord.close()
 
 
+def test_a_cancels_root_end_comes_after_every_childs_end_in_the_listing_and_the_claims(stored: Coordinator) -> None:
+    """A root with twelve children, cancelled: the root's `task.cancelled` was the tree's first event, listed
+    and claimed before any child's end (a receiver that tallies the tree at its end had none of it), and the
+    listing put `_10`-`_13` before `_2`."""
+    coord = stored
+    root = coord.create_task("Plan.", webhooks=[{"url": "http://127.0.0.1:9/hook", "events": ["*"]}])
+    children = coord.delegate(root.id, [{"description": f"c{i}", "message": "Wait."} for i in range(12)]).child_ids
+    coord.cancel(root.id, "no longer needed")
+    listed = coord.store.outbox.deliveries(root.id)
+    assert [d["task_id"] for d in listed][-1] == root.id and {d["task_id"] for d in listed[:-1]} == set(children)
+    numbers = [int(d["event_id"].rpartition("_")[2]) for d in listed]
+    assert numbers == sorted(numbers), "oldest event first, by its number"
+    claims = [m.split(" ")[1] for m in coord.client.zrange(coord.store.keys.outbox_pending(), 0, -1)]
+    mine = [c for c in claims if c.startswith(f"evt_{root.id}_")]
+    assert mine[-1] == listed[-1]["id"], "the root's end is claimed after its children's"
+    statuses = [e["task_id"] for _, e in coord.store.events.read_events(root.id) if e.get("type") == "task_status"]
+    assert statuses[-1] == root.id, "on the tree's stream too"
+
+
 # An entry as no script writes it: not JSON, JSON that is no object, an object that names no subscription.
 UNDECODABLE = {"not JSON": "{not json", "an array": "[1, 2]", "no hook": json.dumps({"task_id": "x", "attempts": 0})}
 

@@ -228,6 +228,36 @@ def test_a_silent_receiver_is_a_read_timeout_and_a_strangers_answer_a_protocol_e
         stranger.stop()
 
 
+@pytest.mark.parametrize("ends", ["trickles past the timeout", "closes mid-body"])
+def test_an_answer_whose_head_came_is_that_answer_though_its_body_never_ends(ends: str) -> None:
+    """A receiver that answers 200 at once and then trickles its body (or drops the connection within it): the
+    attempt was a ReadTimeout (or a protocol error), the event sent again until given up though the receiver had
+    taken it, and its host's other deliveries held back as a silent host's."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nx\r\n")
+            while ends == "trickles past the timeout" and not done.wait(0.2):
+                with contextlib.suppress(OSError):
+                    conn.sendall(b"1\r\nx\r\n")
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        assert _post(Connections(most_idle=2), f"http://127.0.0.1:{listener.getsockname()[1]}/hook", timeout_s=1.0) == (
+            200,
+            "",
+        )
+    finally:
+        done.set()
+        server.join(5)
+        listener.close()
+
+
 def test_a_receiver_that_streams_interim_answers_without_end_fails_its_attempt_alone(receiver: RawReceiver) -> None:
     """A receiver answering with `100 Continue` after `100 Continue`, as fast as it can: each read had data, so the
     attempt's timeout was never looked at and the deliverer's one thread read it for good, every other attempt of

@@ -34,6 +34,7 @@ from coordinator.store.protocol import (
     SettleAndClaim,
     SettleDelivery,
 )
+from coordinator.text import ascii_digits
 
 # Settled: coordinator.models, named here for the store's callers.
 __all__ = ["EVENT_FIELDS", "OutboxStore", "Settled", "event_record"]
@@ -111,7 +112,7 @@ class OutboxStore(Part):
         then. Listing it raw failed the task's page and `subq deliveries` meanwhile."""
         raw = _str_map(self.client.hgetall(self.keys.outbox(root_id)))
         found = [entry for entry in map(_listable, raw.values()) if entry is not None]
-        return sorted(found, key=lambda d: (float(d.get("ts") or 0), str(d.get("id"))))
+        return sorted(found, key=_event_order)
 
     @translate_redis_errors
     def target(self, root_id: str, hook: str) -> tuple[str, dict[str, Any]] | None:
@@ -207,6 +208,17 @@ class OutboxStore(Part):
 
 # What a delivery's listing reads of an entry (coordinator.service.deliveries).
 LISTED_FIELDS = ("id", "event_id", "type", "task_id", "state", "ts", "hook")
+
+
+def _event_order(entry: Mapping[str, Any]) -> tuple[float, int, str]:
+    """A delivery's place in its tree's listing: its event's time, then the event's number in the tree
+    (`evt_<root>_<n>`), then its subscription. By the id's text, the tenth event of a step came before its second."""
+    number = str(entry.get("event_id") or "").rpartition("_")[2]
+    return (
+        float(entry.get("ts") or 0),
+        int(number) if ascii_digits(number) and len(number) < 19 else 0,
+        str(entry.get("id")),
+    )
 
 
 def _listable(stored: str) -> dict[str, Any] | None:

@@ -1487,7 +1487,7 @@ class StopTasks(
     script="stop_tasks",
     uses=("outbox_add",),
     acknowledged=True,
-    returns="the ids of the tasks stopped now (by this very call, when it is sent again).",
+    returns="the ids of the tasks stopped now (by this very call, when it is sent again), the top first.",
 ):
     events: str = key("tree events stream")
     live: str = key("tree live hash")

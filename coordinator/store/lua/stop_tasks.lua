@@ -20,9 +20,13 @@
 -- ARGV[8] int: retention seconds
 -- ARGV[9] int: events max length
 -- ARGV[10] float: when a task stopped now is due (epoch s; 0: not put on the due list)
--- Returns the ids of the tasks stopped now (by this very call, when it is sent again).
+-- Returns the ids of the tasks stopped now (by this very call, when it is sent again), the top first.
+-- The subtree is stopped from its last task to its top, so each end's events (the stream's, the outbox's) come
+-- after its descendants': a receiver that takes the root's `task.cancelled` for the end of the tree has had every
+-- child's end before it. The top's outbox event is a millisecond later too: deliveries due at one time are
+-- claimed by their ids' text, where `_13` comes before `_2`.
 local stopped = {}
-for i = 7, #KEYS do
+for i = #KEYS, 7, -1 do
   local key = KEYS[i]
   local top = (i == 7)
   local was = redis.call('HMGET', key, 'status', 'finished_at', 'error', 'id')
@@ -49,9 +53,13 @@ for i = 7, #KEYS do
     redis.call('HSET', KEYS[2], id, cjson.encode(live))
     event_add(KEYS[1], ARGV[9], ARGV[8], 'type', 'task_status', 'task_id', id, 'status', new_status)
     wake_waiters(KEYS[1], id)
-    outbox_add({KEYS[3], KEYS[4], KEYS[5]}, {id, 'task.' .. new_status, ARGV[7], ARGV[8], '', key})
+    local at = top and tonumber(ARGV[7]) + 0.001 or ARGV[7]
+    outbox_add({KEYS[3], KEYS[4], KEYS[5]}, {id, 'task.' .. new_status, at, ARGV[8], '', key})
     stopped[#stopped + 1] = id
   end
+end
+for i = 1, math.floor(#stopped / 2) do  -- the top first, as the caller reads them
+  stopped[i], stopped[#stopped + 1 - i] = stopped[#stopped + 1 - i], stopped[i]
 end
 if #stopped > 0 then
   -- The live hash this call wrote may be its own making (a root stopped before any run or delegation wrote it):
