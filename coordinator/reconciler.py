@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 import redis
 from kombu.exceptions import OperationalError
 
-from coordinator import admission, approvals, delegation, dispatch, endpoints
+from coordinator import admission, approvals, delegation, dispatch, endpoints, writeback
 from coordinator.errors import CorruptError, NotFoundError, StoreError
 from coordinator.keeper import TreeKeeper
 from coordinator.models import TaskStatus
@@ -282,8 +282,11 @@ class Reconciler:
         return "ended-not-written-back"
 
     def _delegated(self, task_id: str) -> str | None:
-        """A delegated task still due: its batch is published, unless that never happened."""
+        """A delegated task still due: its batch is published, unless that never happened; a submission's root
+        whose batch closed is ended (its closer died before it ended it: `writeback.end_submission`)."""
         store = self.plane.store
+        if writeback.end_submission(self.plane, task_id):
+            return "submission-ended"
         record = store.records.get_task(task_id)
         admission.release_delegated(self.plane, record)  # its run died before its release freed the slot
         try:

@@ -86,6 +86,7 @@ from coordinator.plane import Plane
 from coordinator.redis_clients import redis_client
 from coordinator.settings import Settings, load_settings
 from coordinator.store import LATENCY_BUCKETS_MS, FleetGauges, Keys, ReplicaWait, Store
+from coordinator.store.fields import TaskField
 from coordinator.subscriptions import CeleryCallback, Webhook, shown_target, subscriptions
 from coordinator.tenants import TenantPolicy, TenantState, check_priority, check_tenant_name
 from coordinator.tree import TreeNode, build_tree
@@ -208,8 +209,10 @@ class Coordinator:
         key_webhooks: Sequence[Webhook] = (),
         tenant: str | None = None,
         priority: int | None = None,
+        ends_with_batch: bool = False,
     ) -> tuple[TaskRecord, bool]:
-        """`create_task`, and whether this call created the root (False: the key's first call did)."""
+        """`create_task`, and whether this call created the root (False: the key's first call did). With
+        `ends_with_batch` (a submission's root), the root ends as its batch closes (`writeback.end_submission`)."""
         prompt = text_field(prompt, "prompt", MAX_PROMPT_CHARS)
         tenant_name = check_tenant_name(tenant) if tenant is not None else self.settings.default_tenant
         policy = self.plane.tenants.policy(tenant_name)
@@ -264,7 +267,8 @@ class Coordinator:
         hooks_hash = self.store.outbox.hooks_mapping(
             root_id, targets, settings.webhook_tree_cap, settings.webhook_outbox_cap
         )
-        if not self.store.records.create_root(record, items, hooks_hash):
+        extra = {TaskField.ENDS_WITH_BATCH: "1"} if ends_with_batch else None
+        if not self.store.records.create_root(record, items, hooks_hash, extra):
             return self.store.records.get_task(root_id), False
         if run:
             admission.announce(self.plane, record.tenant, [root_id])  # its tenant's demand (fair shares)
@@ -417,7 +421,7 @@ class Coordinator:
         parent, created = self.create_task_once(
             prompt, todos=todos, profile=profile, run=False, budget_usd=budget_usd, idempotency_key=idempotency_key,
             output_schema=output_schema, metadata=metadata, webhooks=webhooks, on_complete=on_complete,
-            tenant=tenant, priority=priority,
+            tenant=tenant, priority=priority, ends_with_batch=True,
         )  # fmt: skip
         return delegation.submit_to(self.plane, parent, created, checked, checked_mode)
 

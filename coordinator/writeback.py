@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 from coordinator import admission, approvals, dispatch, faults, tracing
 from coordinator.errors import NotFoundError
 from coordinator.models import Batch, BatchRef, SubtaskResult, TaskRecord, TaskStatus
+from coordinator.store.fields import TaskField
 
 if TYPE_CHECKING:
     from coordinator.plane import Plane
@@ -57,6 +58,7 @@ __all__ = [
     "COMBINED_RESULT_BYTES",
     "OUTPUT_IN_LINE_BYTES",
     "close_batch",
+    "end_submission",
     "result_of",
     "resumed",
     "settle_ended",
@@ -147,11 +149,44 @@ def close_batch(plane: Plane, batch: Batch | BatchRef) -> bool:
 
 def resumed(plane: Plane, parent_id: str, resumes: int, resume: bool) -> bool:
     """A batch was closed (the parent's `resumes`-th time): publish its agent parent's resumed run when
-    `resume` (the close put the parent on the due list first); True."""
+    `resume` (the close put the parent on the due list first); else end a submission's root; True."""
     faults.crash_point(plane.settings, "after-close")
     if resume:
         (parent,) = plane.store.records.get_records([parent_id])
         dispatch.publish_run(plane.app, parent, resumes)
+    else:
+        end_submission(plane, parent_id)
+    return True
+
+
+def end_submission(plane: Plane, task_id: str) -> bool:
+    """End a submission's root whose batch has closed (True; False for any other task, which it leaves).
+
+    A submission (`subq.submit` with subtasks) hands its root to nobody: no run resumes it, no caller goes on
+    from it, so it ends as its batch closes, `completed` when every child completed and `failed`
+    (`SubtasksFailed`) when one did not, its summary the combined result. Its `task.*` event and `on_complete`
+    go out from that end: before, the root stood `active` for good and its producer was never called back.
+    It stays `delegated` from the close to this end (finish_batch.lua), so no waiter takes it for settled
+    meanwhile. The close put it on the due list first, so a closer that dies before this leaves it to the
+    reconciler; ending twice changes nothing (`finish_task.lua` keeps the first outcome)."""
+    store = plane.store
+    fields = store.records.task_fields(task_id)
+    if fields.get(TaskField.ENDS_WITH_BATCH) != "1" or fields.get(TaskField.STATUS) != TaskStatus.DELEGATED:
+        return False
+    try:
+        batch = store.batches.get_batch(fields.get(TaskField.WAITING_BATCH_ID) or "")
+    except NotFoundError:
+        return False  # its batch lapsed (open longer than a retention): nothing to end it with
+    if batch.status != "done":
+        return False
+    statuses = [c.status for c in store.records.get_records(batch.child_ids)]
+    missed = sum(status != TaskStatus.COMPLETED for status in statuses)
+    if missed:
+        error = f"{missed} of {len(statuses)} subtasks did not complete (the summary has each one's line)"
+        store.runs.finish_task(task_id, "failed", batch.result, error=error, error_class="SubtasksFailed")
+    else:
+        store.runs.finish_task(task_id, "completed", batch.result)
+    store.convergence.unwatch([task_id])
     return True
 
 

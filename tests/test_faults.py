@@ -160,6 +160,25 @@ def test_a_parent_whose_resume_was_never_published(coord: Coordinator, tmp_path:
     repairs_reach(lambda: repairs_since(coord, before).get("run-lost", 0), 1, "the parent's resume published again")
 
 
+def test_a_submission_whose_closer_died_before_it_ended_the_root(coord: Coordinator, tmp_path: Path) -> None:
+    """A submission's root ends as its batch closes; the worker whose child's end closed it dies between the close
+    and the root's end. The root was put on the due list by the close: the reconciler ends it."""
+    before = coord.store.convergence.repairs()
+    fleet = crashing_worker(coord.settings, tmp_path, "after-close")
+    try:
+        done = coord.submit("Plan", subtasks=[subtask("A", reply("A done"))])
+        assert done.error is None and done.batch is not None
+        died(fleet)
+    finally:
+        fleet.stop()
+    ended = coord.wait(done.task.id, CONVERGE_S)
+    assert ended.status == TaskStatus.COMPLETED and ended.summary.startswith("Subtask results (parallel, 1 of 1")
+    assert_converged(coord, done.task.id)
+    repairs_reach(
+        lambda: repairs_since(coord, before).get("submission-ended", 0), 1, "the root ended by the reconciler"
+    )
+
+
 def test_a_budget_stop_killed_before_it_writes_the_stopped_child_back(coord: Coordinator, tmp_path: Path) -> None:
     """A child with a budget delegates; its grandchild's end crosses the budget, and the worker that stops the
     child's subtree dies once the stop is persisted, before it writes the child back into its parent's batch.

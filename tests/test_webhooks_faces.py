@@ -23,7 +23,7 @@ from coordinator import Coordinator, Settings
 from coordinator.celery_app import describe_kwargs
 from coordinator.local.fleet import WorkerFleet
 from tests.conftest import dedicated_fleet
-from tests.helpers import eventually
+from tests.helpers import eventually, script
 from tests.test_cli import cli
 from tests.test_webhooks import FLEET, PREFIX, QUEUE, SECRET, WAIT_S, _clean
 from tests.webhook_kit import Receiver
@@ -82,6 +82,59 @@ def test_on_complete_sends_the_named_task_of_a_plain_celery_app_the_record_once(
     (delivery,) = coord.store.outbox.deliveries(root.id)
     # The delivery's id is in the task id: a redelivery reaches the receiver with the same one.
     assert got[0]["task_id"] == f"subq-{delivery['id']}"
+    coord.client.delete(APP_LIST)
+
+
+def test_a_submission_with_subtasks_ends_as_its_batch_closes_and_calls_its_producer_back(
+    fleet: tuple[Coordinator, WorkerFleet], plain_app: None, settings: Settings
+) -> None:
+    """`subq.submit` with subtasks (`run: false`, "you plan, subq runs"): nobody holds the root, and it stood
+    `active` for good once its children ended: its `task.*` event and its `on_complete` were never sent. It ends
+    as its batch closes, `completed` with the combined result, or `failed` when a child did not complete."""
+    coord, _ = fleet
+    coord.client.delete(APP_LIST)
+    producer = Celery("any-producer", broker=settings.redis_url, backend=settings.redis_url)
+    plans = {
+        "all done": [{"description": "greet", "message": "Say hello."}, {"description": "wave", "message": "Wave."}],
+        "one fails": [
+            {"description": "greet", "message": "Say hello."},
+            {"description": "break", "message": script({"fail": "the request is refused"})},
+        ],
+    }
+    with Receiver() as receiver:
+        try:
+            sent = {
+                name: producer.send_task(
+                    "subq.submit",
+                    kwargs={
+                        "prompt": f"Plan: {name}.", "run": False, "subtasks": subtasks,
+                        "webhooks": [{"url": receiver.url, "secret": SECRET}],
+                        "on_complete": {"task": "webhookapp.tree_done", "queue": APP_QUEUE},
+                    },
+                    queue=QUEUE,
+                ).get(timeout=WAIT_S)
+                for name, subtasks in plans.items()
+            }  # fmt: skip
+        finally:
+            producer.close()
+        roots = {name: result["task_id"] for name, result in sent.items()}
+        done = {name: coord.wait(root, timeout_s=WAIT_S) for name, root in roots.items()}
+        assert done["all done"].status == "completed", done["all done"]
+        assert done["all done"].summary.startswith("Subtask results (parallel, 2 of 2 completed):")
+        assert done["one fails"].status == "failed" and done["one fails"].error_class == "SubtasksFailed"
+        assert done["one fails"].error == "1 of 2 subtasks did not complete (the summary has each one's line)"
+        ends = eventually(
+            lambda: (got := receiver.of_type("task.completed") + receiver.of_type("task.failed")) and len(got) == 2 and got,
+            "both ends", timeout_s=WAIT_S,
+        )  # fmt: skip
+        told = {Verifier(SECRET).verify(g.body, g.headers)["data"]["task_id"]: g.json["type"] for g in ends}
+        assert told == {roots["all done"]: "task.completed", roots["one fails"]: "task.failed"}
+        eventually(lambda: coord.client.llen(APP_LIST) >= 2, "both callbacks ran", timeout_s=WAIT_S)
+        called = {
+            json.loads(raw)["record"]["id"]: json.loads(raw)["record"]["status"]
+            for raw in coord.client.lrange(APP_LIST, 0, -1)
+        }
+        assert called == {roots["all done"]: "completed", roots["one fails"]: "failed"}
     coord.client.delete(APP_LIST)
 
 

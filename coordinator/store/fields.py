@@ -65,6 +65,8 @@ class TaskField:
     ERROR_DETAIL: Final = "error_detail"  # a failed model request's raw error body (end_run.lua)
     COST_SOURCE: Final = "cost_source"  # where the last request's cost came from (record_usage)
     RUNNER: Final = "runner"  # 'caller' (driven by API calls) or 'agent' (run on the fleet)
+    # '1' on a submission's root (`subq.submit` with subtasks): nobody holds it, it ends as its batch closes.
+    ENDS_WITH_BATCH: Final = "ends_with_batch"
     BUDGET_MICROS: Final = "budget_micros"  # the subtree's cap, micro-USD; 0: none (read by record_usage)
     NUMBER: Final = "number"  # the history number, given at creation
     COMPLETED_BY_CHILD_ID: Final = "completed_by_child_id"  # the child whose end closed its last batch (finish_batch)

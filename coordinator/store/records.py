@@ -267,7 +267,11 @@ class RecordStore(Part):
 
     @translate_redis_errors
     def create_root(
-        self, record: TaskRecord, todos: Sequence[TodoItem], hooks: Mapping[str, str] | None = None
+        self,
+        record: TaskRecord,
+        todos: Sequence[TodoItem],
+        hooks: Mapping[str, str] | None = None,
+        extra: Mapping[str, str] | None = None,
     ) -> bool:
         """Write a new root, or nothing when a task of that id exists (an idempotent retry); True if written
         (by this call: one whose reply was lost after it wrote is True too, known by the record's history number).
@@ -281,6 +285,7 @@ class RecordStore(Part):
                 **stored_fields(record),
                 TaskField.ANCESTORS: [],
                 TaskField.TIMELINE: opening_marks(record),
+                **(extra or {}),
             }
         )
 

@@ -70,8 +70,9 @@ local combined = 'Subtask results (' .. batch[1] .. ', ' .. done .. ' of ' .. #c
   .. table.concat(out, '\n')
 -- Every field of the parent the close reads, here and in finish_batch, in one HMGET: end_run leaves them to
 -- the batch's closer (every other child's end reads only what its write-back needs).
-hash_prefetch(KEYS[2], {'id', 'status', 'runner', 'error_class', 'error', 'waiting_batch_id', 'resumes', 'timeline'})
-local parent = hash_get(KEYS[2], 'id', 'status', 'runner', 'error_class', 'error')
+hash_prefetch(KEYS[2], {'id', 'status', 'runner', 'error_class', 'error', 'waiting_batch_id', 'resumes', 'timeline',
+  'ends_with_batch'})
+local parent = hash_get(KEYS[2], 'id', 'status', 'runner', 'error_class', 'error', 'ends_with_batch')
 if not parent[1] then
   -- The parent's record lapsed before its batch's (a caller's record is refreshed by none of its batch's
   -- steps): no parent to resume, and a close would make its hash again with only the close's fields.
@@ -83,8 +84,10 @@ if ENDED[parent[2]] then
 end
 local ui = cjson.encode({ts = tonumber(ARGV[1]), type = 'say', say = 'subtask_result', text = combined})
 local resume = 0
-if parent[3] == 'agent' and parent[2] == 'delegated' then
-  resume = 1
+if parent[2] == 'delegated' and (parent[3] == 'agent' or parent[6] == '1') then
+  -- Watched first: an agent parent's resume, or the end of a submission's root (writeback.end_submission), lost
+  -- with its caller after the close is the reconciler's to make.
+  resume = parent[3] == 'agent' and 1 or 0
   redis.call('ZADD', KEYS[7], tonumber(ARGV[1]) + tonumber(ARGV[4]), parent[1])
 end
 local resumes = finish_batch({KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]},

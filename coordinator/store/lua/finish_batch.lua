@@ -19,8 +19,12 @@ end
 hash_set(KEYS[1], 'status', 'done', 'result', ARGV[1], 'finished_at', ARGV[3])
 hash_expire_later(KEYS[1], ARGV[4])
 local batch_id = hash_get(KEYS[1], 'id')[1]
-local parent = hash_get(KEYS[2], 'status', 'waiting_batch_id', 'id', 'runner')
-if parent[1] == 'delegated' and parent[2] == batch_id then
+local parent = hash_get(KEYS[2], 'status', 'waiting_batch_id', 'id', 'runner', 'ends_with_batch')
+if parent[1] == 'delegated' and parent[2] == batch_id and parent[5] == '1' then
+  -- A submission's root: nobody goes on from it, it ends now (writeback.end_submission, the caller's next step,
+  -- or the reconciler's: it is due). Delegated until then, so no waiter takes it for settled meanwhile.
+  hash_set(KEYS[2], 'completed_by_child_id', ARGV[6], 'updated_at', ARGV[3])
+elseif parent[1] == 'delegated' and parent[2] == batch_id then
   -- The resumed run answers the delegation call from this batch, and may be
   -- delivered SUBQ_MAX_DELIVERIES times anew.
   hash_set(KEYS[2], 'status', 'active', 'waiting_batch_id', '', 'resume_batch_id', batch_id,
