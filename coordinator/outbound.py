@@ -444,7 +444,8 @@ class Connections:
             except OSError as exc:
                 if not exchange.heard and self._again(exchange, ended):
                     return
-                self._end(exchange, ended, 0, one_line(f"ReadError: {exc}"), keep=False)
+                status = exchange.answer.status  # a reset within the body of an answer whose head came: that one
+                self._end(exchange, ended, status, "" if status else one_line(f"ReadError: {exc}"), keep=False)
                 return
             if not data and not exchange.heard and self._again(exchange, ended):
                 return  # an idle connection the receiver had closed: the POST goes again on a new one

@@ -31,7 +31,7 @@ from urllib.parse import unquote
 from pydantic import BeforeValidator, WithJsonSchema
 
 from coordinator.errors import ValidationError as SubqValidationError
-from coordinator.text import all_shown, ascii_digits
+from coordinator.text import all_shown, ascii_digits, digits_within
 
 if TYPE_CHECKING:
     from jsonschema.exceptions import SchemaError, ValidationError
@@ -216,7 +216,10 @@ def _target(schema: Mapping[str, Any], ref: str) -> tuple[list[Any], Any] | None
         if isinstance(node, Mapping) and part in node:
             node, where = node[part], [*where, part]
         elif (
-            isinstance(node, list) and ascii_digits(part) and len(part) <= len(str(len(node))) and int(part) < len(node)
+            isinstance(node, list)
+            and ascii_digits(part)
+            and digits_within(part, len(str(len(node))))
+            and int(part) < len(node)
         ):
             node, where = node[int(part)], [*where, int(part)]
         else:

@@ -18,6 +18,8 @@ Each tick it
    |-----------------------------------------------|-------------------------------------------|--------------------------|
    | ended                                         | free its slot, write it back, unwatch it  | `ended-not-written-back` |
    |                                               | (`writeback.settle_ended`)                |                          |
+   | delegated, a submission's root whose batch    | end it (`writeback.end_submission`)       | `submission-ended`       |
+   | closed (its closer died first)                |                                           |                          |
    | delegated, its batch not published            | publish it (`delegation.publish`)         | `delegation-unpublished` |
    | active, an agent's, leased by a live run      | nothing; look again next tick             |                          |
    | active, a call still pending for a decision   | free its slots while the call is pending  |                          |

@@ -38,7 +38,7 @@ from pydantic import ValidationError as PydanticError
 
 from coordinator.config_file import ReloadingFile, read_table
 from coordinator.errors import ValidationError
-from coordinator.text import ascii_digits
+from coordinator.text import ascii_digits, digits_within
 
 __all__ = [
     "DEFAULT_POLICY_NAME",
@@ -184,7 +184,7 @@ def check_priority(value: object, field: str = "priority") -> int:
     """A priority (an integer 1 to 5; None: the default, 3), or a ValidationError naming `field`."""
     if value is None:
         return DEFAULT_PRIORITY
-    if isinstance(value, str) and ascii_digits(value.strip()) and len(value.strip()) <= len(str(PRIORITY_MAX)):
+    if isinstance(value, str) and ascii_digits(value.strip()) and digits_within(value.strip(), len(str(PRIORITY_MAX))):
         value = int(value.strip())
     if not isinstance(value, int) or isinstance(value, bool) or not PRIORITY_MIN <= value <= PRIORITY_MAX:
         raise ValidationError(

@@ -170,16 +170,18 @@ def end_submission(plane: Plane, task_id: str) -> bool:
     meanwhile. The close put it on the due list first, so a closer that dies before this leaves it to the
     reconciler; ending twice changes nothing (`finish_task.lua` keeps the first outcome)."""
     store = plane.store
-    fields = store.records.task_fields(task_id)
-    if fields.get(TaskField.ENDS_WITH_BATCH) != "1" or fields.get(TaskField.STATUS) != TaskStatus.DELEGATED:
+    ends, status, batch_id = store.records.fields_of(
+        task_id, TaskField.ENDS_WITH_BATCH, TaskField.STATUS, TaskField.WAITING_BATCH_ID
+    )  # one small read: every caller parent's close asks
+    if ends != "1" or status != TaskStatus.DELEGATED:
         return False
     try:
-        batch = store.batches.get_batch(fields.get(TaskField.WAITING_BATCH_ID) or "")
+        batch = store.batches.get_batch(batch_id or "")
     except NotFoundError:
         return False  # its batch lapsed (open longer than a retention): nothing to end it with
     if batch.status != "done":
         return False
-    statuses = [c.status for c in store.records.get_records(batch.child_ids)]
+    statuses = store.records.statuses_of(batch.child_ids)  # one round trip, statuses alone (a lapsed one: None)
     missed = sum(status != TaskStatus.COMPLETED for status in statuses)
     if missed:
         error = f"{missed} of {len(statuses)} subtasks did not complete (the summary has each one's line)"

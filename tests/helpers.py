@@ -284,6 +284,26 @@ def api_settings(settings: Settings, **update: Any) -> Settings:
     )
 
 
+@contextmanager
+def api_coordinator(settings: Settings, prefix: str, queue: str) -> Iterator[Coordinator]:
+    """A coordinator of the API's test settings on keys of its own (`prefix`) and a queue no worker reads; its keys
+    are removed after."""
+    coord = Coordinator(api_settings(settings, key_prefix=prefix, queue=queue))
+    try:
+        yield coord
+    finally:
+        for key in coord.client.scan_iter(f"{prefix}:*"):
+            coord.client.delete(key)
+        coord.close()
+
+
+def api_server(coord: Coordinator, **update: Any) -> ApiServer:
+    """A real API server of `coord`, its settings changed by `update` (a context manager)."""
+    from coordinator.api import create_app
+
+    return ApiServer(create_app(coord.settings.model_copy(update=update), coordinator=coord))
+
+
 class Transport:
     """How a CLI test reaches subq: straight to Redis, or through a real API server (`subq --api-url`).
 

@@ -11,7 +11,6 @@ with Redis' address in it.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
@@ -19,7 +18,7 @@ import pytest
 from coordinator import Coordinator, Settings
 from coordinator.api import create_app
 from coordinator.local.ports import free_port
-from tests.helpers import AUTH, REQUEST_TIMEOUT_S, ApiServer, api_settings
+from tests.helpers import AUTH, REQUEST_TIMEOUT_S, ApiServer, api_coordinator, api_server, api_settings
 from tests.test_security import bearer, keys_setting, park_approval
 
 PREFIX = "subqrefusals"
@@ -28,15 +27,11 @@ FIVE_THOUSAND_DIGITS = "9" * 5000
 
 @pytest.fixture(scope="module")
 def coord(settings: Settings) -> Iterator[Coordinator]:
-    coord = Coordinator(api_settings(settings, key_prefix=PREFIX, queue="subq-refusals-idle"))
-    yield coord
-    for key in coord.client.scan_iter(f"{PREFIX}:*"):
-        coord.client.delete(key)
-    coord.close()
+    with api_coordinator(settings, PREFIX, "subq-refusals-idle") as coord:
+        yield coord
 
 
-def _server(coord: Coordinator, **update: Any) -> ApiServer:
-    return ApiServer(create_app(coord.settings.model_copy(update=update), coordinator=coord))
+_server = api_server
 
 
 def _keys(coord: Coordinator) -> set[str]:

@@ -450,10 +450,19 @@ def test_a_raised_max_running_admits_what_now_fits(fair: Coordinator) -> None:
     assert store.fair.counts("a") == FairCounts(running=4, parked=1, queued=0)
 
 
-def test_a_tenant_whose_max_running_was_raised_is_not_left_behind_a_tenant_with_room(fair: Coordinator) -> None:
+@pytest.mark.parametrize("others", [0, 150], ids=["two tenants", "past the rescoring bound"])
+def test_a_tenant_whose_max_running_was_raised_is_not_left_behind_a_tenant_with_room(
+    fair: Coordinator, others: int
+) -> None:
     """Scored +inf while at its max_running, a tenant kept that score after its cap was raised: every slot freed
-    went to the other tenant, however far over its share, for as long as the capped tenant's run ran."""
+    went to the other tenant, however far over its share, for as long as the capped tenant's run ran. With more
+    tenants waiting than a take scores again, the capped ones (last in the queue) are scored first."""
     store = fair.store
+    now_ms = int(time.time() * 1000)
+    for n in range(others):  # tenants far over their share (10 running), each with a run in the broker's queue
+        store.client.sadd(store.keys.tenant_running(f"other{n}"), *[f"running{n}-{k}" for k in range(10)])
+        store.client.zadd(store.keys.tenant_queued(f"other{n}"), {f"run{n}": now_ms})
+        store.client.zadd(store.keys.fair_wanting(), {f"other{n}": 11})
     four = FairShares(on=True, capacity=4)
     beat(store, {"a": (1, 0), "b": (1, 1), "*": (1, 0)}, 4)
     b, a = children(fair, "b", 3), children(fair, "a", 8)

@@ -74,7 +74,7 @@ def micros(responses: int) -> int:
             {"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": []},
             "ModelEmptyResponseError",
         ),
-        (GATEWAY_ERROR, "ModelInvalidResponseError"),
+        (GATEWAY_ERROR, "HTTP 502: Upstream error from the provider"),
         (b"<html>502 Bad Gateway</html>", "ModelInvalidResponseError: Failed to decode response as JSON"),
     ],
     ids=["no-choices", "gateway-error", "not-json"],
@@ -107,6 +107,18 @@ def test_a_model_that_keeps_answering_unusable_200s_falls_back_to_the_next_profi
     assert done.status == TaskStatus.COMPLETED and done.summary == "all done", done.error
     assert [s.model for s in server.answered()] == [BACKUP_MODEL]
     assert done.cost_source == f"profile price (fallback: profile 'backup', openai:{BACKUP_MODEL})"
+
+
+def test_a_gateways_refusal_sent_with_a_200_fails_at_once_as_the_4xx_it_is(settings: Settings) -> None:
+    """A gateway's error object with a 4xx `code` (a moderation refusal, a prompt past the window) in a 200: taken
+    for a transient error, it was sent again for the whole wait-out and its model marked down for the fleet."""
+    refusal = {"error": {"message": "Input flagged by moderation", "code": 403, "type": "moderation"}}
+    with ModelServer([Turn(text="all done")]) as server:
+        server.fail(200, body=refusal)  # for good
+        done, waits = run_task(settings, {"main": profile(server, model_wait_out_s=60)}, "refused")
+    assert done.status == TaskStatus.FAILED and done.transient_errors == 0 and waits == [], done
+    assert done.error is not None and done.error.startswith("HTTP 403 moderation: Input flagged by moderation")
+    assert len(server.seen) == 1, "sent once"
 
 
 def test_unusable_200s_past_the_wait_out_fail_with_one_line_that_says_where(settings: Settings) -> None:

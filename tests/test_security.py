@@ -26,7 +26,6 @@ from rich.console import Console
 
 from coordinator import Coordinator, Settings, budgets, ids, visible_text
 from coordinator.access import ApiKeySpec, Scope, token_sha256
-from coordinator.api import create_app
 from coordinator.api.limits import RateLimiter, is_open_route
 from coordinator.api.security import STRICT_CSP, csp_with_inline_scripts
 from coordinator.audit import Actor
@@ -36,7 +35,7 @@ from coordinator.models import Approval, TaskRecord, Usage
 from coordinator.settings import load_settings
 from coordinator.web.auth import COOKIE
 from coordinator.web.views import MAX_CALL_CHARS, call_text
-from tests.helpers import AUTH, REQUEST_TIMEOUT_S, TOKEN, ApiServer, api_settings
+from tests.helpers import AUTH, REQUEST_TIMEOUT_S, TOKEN, api_coordinator, api_server
 
 PREFIX = "subqsec"
 # A client address behind the trusted proxy: documentation range (RFC 5737), never dialled.
@@ -45,15 +44,11 @@ FORWARDED_FOR = "203.0.113.7"
 
 @pytest.fixture(scope="module")
 def sec_coord(settings: Settings) -> Iterator[Coordinator]:
-    coord = Coordinator(api_settings(settings, key_prefix=PREFIX, queue="subq-sec-idle"))
-    yield coord
-    for key in coord.client.scan_iter(f"{PREFIX}:*"):
-        coord.client.delete(key)
-    coord.close()
+    with api_coordinator(settings, PREFIX, "subq-sec-idle") as coord:
+        yield coord
 
 
-def _server(coord: Coordinator, **update: Any) -> ApiServer:
-    return ApiServer(create_app(coord.settings.model_copy(update=update), coordinator=coord))
+_server = api_server
 
 
 def _sign_in(http: httpx.Client, token: str = TOKEN, **headers: str) -> httpx.Response:

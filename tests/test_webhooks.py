@@ -422,6 +422,19 @@ def test_a_410_ends_the_subscription_and_a_dead_receiver_is_given_up_in_bounded_
         counts = coord.delivery_counts()
         assert counts[("task.cancelled", "given_up")] >= 1 and counts[("task.cancelled", "retrying")] >= 1
         assert any(outcome == "gone" for _, outcome in counts)
+        # The receiver is mended: an operator's redeliver sends it (it was settled `gone` again, unsent), and opens
+        # the subscription again for the tree's later events.
+        gone.status = 204
+        (ended,) = to_gone
+        coord.redeliver(root.id, ended.id)
+        eventually(
+            lambda: next(d for d in coord.deliveries(root.id) if d.id == ended.id).state == "delivered",
+            "the redelivery delivered", timeout_s=WAIT_S,
+        )  # fmt: skip
+        assert len(gone.got) == 2
+        hooks = coord.client.hgetall(coord.store.keys.hooks(root.id))
+        hook = ended.id.rpartition(".")[2]  # `<event id>.<subscription>`
+        assert hooks[f"h:{hook}"] == "*" and f"g:{hook}" not in hooks, hooks
         _clean(coord, OWN_PREFIX)
 
 

@@ -260,8 +260,9 @@ class Gate:
         self.record_unreadable = record_unreadable
 
     def needs(self, *scopes: Scope) -> Any:
-        """`need` as a route's dependency: it runs before FastAPI's checks of the body are answered, so a key
-        without the scope is a 403 (on the audit log), never a 422 about a body it may not send at all."""
+        """`need` as a route's dependency: it runs before FastAPI's checks of the body's fields are answered, so a
+        key without the scope is a 403 (on the audit log), not a 422 about a body it may not send at all. (A body
+        that is no JSON at all is refused by FastAPI before any dependency: a 422 to a key that has a token.)"""
 
         def check(request: Request, key: Caller) -> None:
             self.need(request, key, *scopes)
@@ -269,10 +270,11 @@ class Gate:
         return Depends(check)
 
     def writes(self, others: Scope = Scope.ADMIN) -> Any:
-        """`write_tree` of the path's `task_id` as a route's dependency (as `needs`: before the body's checks)."""
+        """`write_tree` of the path's `task_id` as a route's dependency (as `needs`: before the body's checks); it
+        gives the tree's owner to a route that asks for it."""
 
-        def check(request: Request, key: Caller, task_id: str) -> None:
-            self.write_tree(request, key, task_id, others)
+        def check(request: Request, key: Caller, task_id: str) -> str:
+            return self.write_tree(request, key, task_id, others)
 
         return Depends(check)
 

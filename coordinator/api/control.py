@@ -53,12 +53,16 @@ def _tree_routes(router: APIRouter, coord: Coordinator, gate: Gate, denied: tupl
         response_model=TaskRecord,
         responses=error_responses(*denied, 404, 409, 413, 422, 503),
         summary="Cancel a task and its whole subtree",
-        dependencies=[gate.writes(Scope.OPERATE)],
     )
-    def cancel(request: Request, key: Caller, task_id: TaskId, body: CancelInput) -> TaskRecord:
+    def cancel(
+        request: Request,
+        key: Caller,
+        task_id: TaskId,
+        body: CancelInput,
+        owner: str = gate.writes(Scope.OPERATE),  # (a default: annotations are strings here, `gate` is this closure's)
+    ) -> TaskRecord:
         """Queued children never start, running ones stop at their next step; finished results are kept.
         409 when the task has already ended. Scope `operate`, or `submit` in a tree the key created."""
-        owner = gate.write_tree(request, key, task_id, others=Scope.OPERATE)
         return gate.as_read_by(key, owner, coord.cancel(task_id, body.reason, actor=actor_of(request, key)))
 
     @router.post(
@@ -66,14 +70,18 @@ def _tree_routes(router: APIRouter, coord: Coordinator, gate: Gate, denied: tupl
         response_model=Retried,
         responses=error_responses(*denied, 404, 409, 413, 422, 503),
         summary="Run a failed task again from its conversation, or every failed task of its tree",
-        dependencies=[gate.writes(Scope.OPERATE)],
     )
-    def retry(request: Request, key: Caller, task_id: TaskId, body: RetryInput | None = None) -> Retried:
+    def retry(
+        request: Request,
+        key: Caller,
+        task_id: TaskId,
+        body: RetryInput | None = None,
+        owner: str = gate.writes(Scope.OPERATE),  # (as cancel's)
+    ) -> Retried:
         """The task goes on from its kept conversation; finished tool calls are not run again; its spend
         stays and the new spend adds to it. `{"failed": true}`: every failed task of its subtree,
         children before parents. 409 when the task is not failed, failed on its budget, or its parent
         already went on with its result. Scope `operate`, or `submit` in a tree the key created."""
-        owner = gate.write_tree(request, key, task_id, others=Scope.OPERATE)
         failed = body.failed if body is not None else False
         return gate.as_read_by(key, owner, coord.retry(task_id, failed=failed, actor=actor_of(request, key)))
 

@@ -110,8 +110,8 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
         dependencies=[gate.writes()],
     )
     def delegate(request: Request, key: Caller, task_id: TaskId, body: DelegateInput) -> DelegationResult:
-        """Validated as a whole, committed atomically, then published; 202: the children run on the fleet."""
-        gate.write_tree(request, key, task_id)
+        """Validated as a whole, committed atomically, then published; 202: the children run on the fleet.
+        (`gate.writes`, its dependency, checked the key may change the tree.)"""
         batch = coord.delegate(task_id, body.subtasks, body.mode)
         return DelegationResult(
             batch_id=batch.id, parent_id=batch.parent_id, mode=batch.mode, child_ids=batch.child_ids
@@ -150,8 +150,8 @@ def task_routes(coord: Coordinator, *, auth: bool) -> APIRouter:
     def update_todos(request: Request, key: Caller, task_id: TaskId, body: TodosInput) -> TodosUpdated:
         """Links and figures of existing items survive the rewrite; an update with no items is refused.
 
-        `ignored_lines` names the lines that look like items but were not read as any."""
-        gate.write_tree(request, key, task_id)
+        `ignored_lines` names the lines that look like items but were not read as any. (`gate.writes`, its
+        dependency, checked the key may change the tree.)"""
         items = coord.update_todos(task_id, body.todos)
         return TodosUpdated(task_id=task_id, todos=items, ignored_lines=ignored_lines(body.todos))
 

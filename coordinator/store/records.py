@@ -160,6 +160,13 @@ class RecordStore(Part):
             return [None if s is None else str(s) for s in pipe.execute()]
 
     @translate_redis_errors
+    def fields_of(self, task_id: str, *names: str) -> list[str | None]:
+        """Some fields of a task's record in one small read (None for a field it lacks, or an unknown task)."""
+        return [
+            None if v is None else str(v) for v in self.client.hmget(self.keys.task(root_of(task_id), task_id), names)
+        ]
+
+    @translate_redis_errors
     def task_field(self, task_id: str, name: str) -> str | None:
         return cast(str | None, self.client.hget(self.keys.task(root_of(task_id), task_id), name))
 

@@ -20,7 +20,7 @@ from coordinator.inputs import MAX_CURSOR, meta_pairs, visible_text
 from coordinator.models import Approval, Delivery, HistoryItem, LiveState, TaskRecord, TaskStatus, TodoItem
 from coordinator.service import MAX_PAGE, Coordinator
 from coordinator.tenants import check_tenant_name
-from coordinator.text import ascii_digits
+from coordinator.text import ascii_digits, digits_within
 from coordinator.timeline import (
     WAIT_REASONS,
     CriticalStep,
@@ -152,7 +152,7 @@ def _integer(params: Mapping[str, str], name: str, default: int, low: int, high:
     if not value:
         return default
     # The length first: Python refuses to read a number of more than 4,300 digits (a 500 where a 422 was due).
-    if not ascii_digits(value) or len(value) > len(str(high)) or not low <= int(value) <= high:
+    if not ascii_digits(value) or not digits_within(value, len(str(high))) or not low <= int(value) <= high:
         raise ValidationError(f"{name} must be a whole number from {low} to {high}, not {value!r}", field=name)
     return int(value)
 

@@ -64,6 +64,7 @@ from pydantic_ai.exceptions import (
     ModelInvalidResponseError,
     ModelNotFoundError,
     ModelRateLimitError,
+    ModelRequestRejectedError,
     ModelServerError,
     ModelUnavailableError,
 )
@@ -308,11 +309,31 @@ class OneLineErrors(WrapperModel):
             return exc  # an inner model of the same chain said where already
         if type(exc) is ModelAPIError:
             exc = ModelInvalidResponseError(exc.model_name, exc.message, body=exc.body)
+        exc = _as_its_status(exc)
         line = error_line(exc)
         exc.subq_line = line  # type: ignore[attr-defined]  # the line without where, for the fleet's view
         exc.message = f"{line} ({self.where})"
         exc.args = (exc.message,)
         return exc
+
+
+def _as_its_status(exc: ModelAPIError) -> ModelAPIError:
+    """A gateway's error object sent with a 200 (OpenRouter's way), as the HTTP error its `code` says: a 4xx (a
+    prompt past the window, a moderation refusal) is a refusal, compacted or failed as a 400 is; a 429 or 5xx, or no
+    status at all, a transient error of the model. Taken all for transient, a request that can never succeed was
+    sent again for the whole wait-out, and its model marked down for every run of the fleet meanwhile."""
+    body = exc.body if isinstance(exc, ModelInvalidResponseError) else None
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict):
+        return exc
+    code = error.get("code")
+    status = int(code) if isinstance(code, int | str) and str(code).isdigit() and 400 <= int(code) <= 599 else 502
+    category: Any = ModelRequestRejectedError
+    if status == 429:
+        category = ModelRateLimitError
+    elif status >= 500:
+        category = ModelServerError
+    return ModelHTTPError.for_category(category, status_code=status, model_name=exc.model_name, body={"error": error})
 
 
 def error_line(exc: ModelAPIError) -> str:
@@ -325,6 +346,7 @@ def error_line(exc: ModelAPIError) -> str:
     inner = body.get("error", body) if isinstance(body, dict) else body
     if isinstance(inner, dict):
         kind = inner.get("type") or inner.get("code") or exc.provider_error_type
+        kind = None if str(kind) == str(exc.status_code) else kind  # a gateway's `code` is often the status itself
         message = inner.get("message") or ""
     else:
         kind, message = exc.provider_error_type, "" if inner is None else str(inner)

@@ -24,12 +24,18 @@
 -- ARGV[11] (optional) float: with ARGV[10], only a parked run whose place is before this score
 -- Returns the task id given the slot, or false.
 local head = ARGV[1]
--- The policies changed since the last take (fair_beat.lua marks it): every wanting tenant is scored again, at most
--- RESCORED of them. A score is made again only by its tenant's own steps, and a tenant scored +inf at its
--- max_running kept it after the cap was raised: every slot freed went to the others, however far over their
--- share, for as long as its running runs ran.
-local RESCORED = 1000
+-- The policies changed since the last take (fair_beat.lua marks it): the wanting tenants are scored again, those
+-- at +inf (at their max_running when last scored) first, then the lowest, RESCORED of each at most. A score is made
+-- again only by its tenant's own steps, and a tenant scored +inf kept it after its cap was raised: every slot freed
+-- went to the others, however far over their share, for as long as its running runs ran. (A stale finite score
+-- mends itself: its tenant is scored again when it reaches the head.)
+local RESCORED = 100
 if redis.call('HDEL', KEYS[2], POLICIES_CHANGED) == 1 then
+  local capped = redis.call('ZRANGEBYSCORE', KEYS[1], '+inf', '+inf', 'LIMIT', 0, RESCORED)
+  for _, tenant in ipairs(capped) do
+    fair_score({KEYS[1], KEYS[2], head .. tenant .. ARGV[2], head .. tenant .. ARGV[3], head .. tenant .. ARGV[4]},
+      {tenant, ARGV[5], ARGV[6]})
+  end
   for _, tenant in ipairs(redis.call('ZRANGE', KEYS[1], 0, RESCORED - 1)) do
     fair_score({KEYS[1], KEYS[2], head .. tenant .. ARGV[2], head .. tenant .. ARGV[3], head .. tenant .. ARGV[4]},
       {tenant, ARGV[5], ARGV[6]})

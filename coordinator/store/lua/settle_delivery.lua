@@ -52,11 +52,19 @@ local other = state ~= 'pending' and state ~= 'delivered'  -- delivered is recor
 if other and claimed_attempts >= 0 and (tonumber(entry['attempts']) or 0) ~= claimed_attempts then
   return entry['state']
 end
+local patterns = type(entry['hook']) == 'string' and 'h:' .. entry['hook']
 if state == 'pending' then
   entry['attempts'] = 0
   entry['next_at'] = now
   entry['since'] = now  -- a redeliver's bounded time counts from it
   redis.call('ZADD', KEYS[3], math.floor(now * 1000), ARGV[2])
+  -- An operator's redeliver of a subscription a 410 ended opens it again (its receiver was mended): its events
+  -- are written and sent again from now on. Left ended, the redelivery itself was settled `gone` unsent.
+  local ended = patterns and redis.call('HGET', KEYS[1], 'g:' .. entry['hook'])
+  if ended and redis.call('HGET', KEYS[1], patterns) == '' then
+    redis.call('HSET', KEYS[1], patterns, ended)
+    redis.call('HDEL', KEYS[1], 'g:' .. entry['hook'])
+  end
 else
   entry['attempts'] = (tonumber(entry['attempts']) or 0) + 1
   local event_type = type(entry['type']) == 'string' and entry['type'] or 'unknown'  -- not an error
@@ -70,9 +78,10 @@ else
     entry['next_at'] = cjson.null
     redis.call('ZREM', KEYS[3], ARGV[2])
   end
-  local patterns = type(entry['hook']) == 'string' and 'h:' .. entry['hook']
-  if state == 'gone' and patterns and redis.call('HEXISTS', KEYS[1], patterns) == 1 then
-    redis.call('HSET', KEYS[1], patterns, '')
+  local asked = patterns and redis.call('HGET', KEYS[1], patterns)
+  if state == 'gone' and asked and asked ~= '' then
+    -- Its patterns kept (`g:`) for a redeliver that opens it again.
+    redis.call('HSET', KEYS[1], patterns, '', 'g:' .. entry['hook'], asked)
   end
 end
 entry['state'] = state
