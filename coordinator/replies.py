@@ -30,8 +30,11 @@ from dataclasses import dataclass, field
 from coordinator.models import Usage
 
 __all__ = [
+    "END_SUBMISSION",
     "HOST",
     "MODEL",
+    "NO_RESUME",
+    "RESUME_RUN",
     "BatchClosed",
     "ChildSettled",
     "Ending",
@@ -48,6 +51,9 @@ __all__ = [
 # The views of an endpoint an `EndpointState` names (`view`): its host's, or the model's (coordinator/endpoints.py).
 HOST = "host"
 MODEL = "model"
+# What the closer of a batch sends for its parent (`resume` of a close's reply): nothing (a caller's parent),
+# the parent's resumed run (an agent's), or the end of a submission's root (`writeback.end_submission`).
+NO_RESUME, RESUME_RUN, END_SUBMISSION = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,7 @@ class Ending:
     cost_micros: int = 0
     closed: bool = False
     resumes: int = 0
-    resume: bool = False
+    resume: int = NO_RESUME
     batch_mode: str = ""
     admitted: list[str] = field(default_factory=list)  # waiting tasks given the freed slot: publish their runs
     refused_spend: bool = False  # its task had ended before: the run's usage records were not written
@@ -116,11 +122,11 @@ class LateSpendRecorded:
 
 @dataclass(frozen=True)
 class BatchClosed:
-    """close_batch's reply: the parent's resume count when this call closed the batch (else 0), and whether
-    the caller must publish the parent's resumed run."""
+    """close_batch's reply: the parent's resume count when this call closed the batch (else 0), and what the
+    caller sends for the parent (NO_RESUME, RESUME_RUN, END_SUBMISSION)."""
 
     resumes: int
-    resume: bool
+    resume: int
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,7 @@ class ChildSettled:
 
     mode: str
     resumes: int
-    resume: bool
+    resume: int
 
 
 @dataclass(frozen=True)

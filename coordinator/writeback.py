@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 from coordinator import admission, approvals, dispatch, faults, tracing
 from coordinator.errors import NotFoundError
 from coordinator.models import Batch, BatchRef, SubtaskResult, TaskRecord, TaskStatus
-from coordinator.store.fields import TaskField
+from coordinator.replies import END_SUBMISSION, RESUME_RUN
 
 if TYPE_CHECKING:
     from coordinator.plane import Plane
@@ -147,14 +147,14 @@ def close_batch(plane: Plane, batch: Batch | BatchRef) -> bool:
     return bool(closed.resumes) and resumed(plane, batch.parent_id, closed.resumes, closed.resume)
 
 
-def resumed(plane: Plane, parent_id: str, resumes: int, resume: bool) -> bool:
-    """A batch was closed (the parent's `resumes`-th time): publish its agent parent's resumed run when
-    `resume` (the close put the parent on the due list first); else end a submission's root; True."""
+def resumed(plane: Plane, parent_id: str, resumes: int, resume: int) -> bool:
+    """A batch was closed (the parent's `resumes`-th time): publish its agent parent's resumed run (RESUME_RUN),
+    or end a submission's root (END_SUBMISSION); the close put the parent on the due list first. True."""
     faults.crash_point(plane.settings, "after-close")
-    if resume:
+    if resume == RESUME_RUN:
         (parent,) = plane.store.records.get_records([parent_id])
         dispatch.publish_run(plane.app, parent, resumes)
-    else:
+    elif resume == END_SUBMISSION:
         end_submission(plane, parent_id)
     return True
 
@@ -170,13 +170,11 @@ def end_submission(plane: Plane, task_id: str) -> bool:
     meanwhile. The close put it on the due list first, so a closer that dies before this leaves it to the
     reconciler; ending twice changes nothing (`finish_task.lua` keeps the first outcome)."""
     store = plane.store
-    ends, status, batch_id = store.records.fields_of(
-        task_id, TaskField.ENDS_WITH_BATCH, TaskField.STATUS, TaskField.WAITING_BATCH_ID
-    )  # one small read: every caller parent's close asks
-    if ends != "1" or status != TaskStatus.DELEGATED:
+    batch_id = store.records.submission_batch(task_id)
+    if batch_id is None:
         return False
     try:
-        batch = store.batches.get_batch(batch_id or "")
+        batch = store.batches.get_batch(batch_id)
     except NotFoundError:
         return False  # its batch lapsed (open longer than a retention): nothing to end it with
     if batch.status != "done":

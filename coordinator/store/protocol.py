@@ -544,7 +544,7 @@ class CloseBatch(
     uses=("finish_batch",),
     acknowledged=True,
     returns="{resumes, resume}: the parent's resume count when closed now (0: closed before) and 1 when the "
-    "caller must publish the parent's resumed run.",
+    "caller must publish the parent's resumed run, 2 when it must end the parent (a submission's root).",
 ):
     batch: str = key("batch hash")
     parent: str = key("parent hash")
@@ -561,7 +561,7 @@ class CloseBatch(
 
     @classmethod
     def decode(cls, raw: Any) -> BatchClosed:
-        return BatchClosed(resumes=int(raw[0]), resume=bool(raw[1]))
+        return BatchClosed(resumes=int(raw[0]), resume=int(raw[1]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -969,7 +969,7 @@ class EndRun(
     "stops the holder's subtree and ends the run again), or {'ended', status, summary, error, error class, tokens "
     "in, tokens out, cache reads, cache writes, cost micro-USD, closed, resumes, resume, batch mode, admitted "
     "ids, refused}: `closed` 1 when this call closed the batch, `resume` 1 when the caller must publish the "
-    "parent's resume, `batch mode` 'sequential' when the caller must write the chain step back itself, "
+    "parent's resume (2: end the parent, a submission's root), `batch mode` 'sequential' when the caller must write the chain step back itself, "
     "`admitted ids` the waiting tasks given the freed slot, whose runs the caller publishes, `refused` 1 when "
     "the task had ended before and the run's usage records were not written (flush_run's). The same end sent "
     "again after it ran answers as it did, and writes nothing.",
@@ -1038,7 +1038,7 @@ class EndRun(
         return Ending(
             "ended", status=str(status), summary=str(summary), error=str(error), error_class=str(error_class),
             usage=Usage(tokens_in=int(t_in), tokens_out=int(t_out), cache_reads=int(c_reads), cache_writes=int(c_writes)),
-            cost_micros=int(cost), closed=bool(int(closed)), resumes=int(resumes), resume=bool(int(resume)),
+            cost_micros=int(cost), closed=bool(int(closed)), resumes=int(resumes), resume=int(resume),
             batch_mode=str(mode), admitted=_strs(admitted_ids), refused_spend=bool(int(refused)),
         )  # fmt: skip
 
@@ -1390,7 +1390,8 @@ class SettleChild(
     uses=("apply_children", "finish_batch", "close_batch"),
     acknowledged=True,
     returns="{mode, resumes, resume}: `resumes` the parent's resume count when this call closed the batch (0 "
-    "otherwise), `resume` 1 when the caller must publish the parent's resumed run.",
+    "otherwise), `resume` 1 when the caller must publish the parent's resumed run, 2 when it must end the parent "
+    "(a submission's root).",
 ):
     parent: str = key("parent hash")
     todos: str = key("parent todos")
@@ -1410,7 +1411,7 @@ class SettleChild(
 
     @classmethod
     def decode(cls, raw: Any) -> ChildSettled:
-        return ChildSettled(mode=str(raw[0] or ""), resumes=int(raw[1]), resume=bool(int(raw[2])))
+        return ChildSettled(mode=str(raw[0] or ""), resumes=int(raw[1]), resume=int(raw[2]))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,7 @@ from redis.client import Pipeline
 from coordinator import todos as todo_lists
 from coordinator.errors import ConflictError, CorruptError, NotFoundError
 from coordinator.ids import root_of
-from coordinator.models import NewChildren, TaskRecord, TodoItem
+from coordinator.models import NewChildren, TaskRecord, TaskStatus, TodoItem
 from coordinator.output_schema import compact
 from coordinator.store.base import (
     HashMapping,
@@ -160,11 +160,14 @@ class RecordStore(Part):
             return [None if s is None else str(s) for s in pipe.execute()]
 
     @translate_redis_errors
-    def fields_of(self, task_id: str, *names: str) -> list[str | None]:
-        """Some fields of a task's record in one small read (None for a field it lacks, or an unknown task)."""
-        return [
-            None if v is None else str(v) for v in self.client.hmget(self.keys.task(root_of(task_id), task_id), names)
-        ]
+    def submission_batch(self, task_id: str) -> str | None:
+        """The batch a submission's root waits on (`ends_with_batch`, still `delegated`); None for any other task.
+        One small read (writeback.end_submission)."""
+        ends, status, batch_id = self.client.hmget(
+            self.keys.task(root_of(task_id), task_id),
+            [TaskField.ENDS_WITH_BATCH, TaskField.STATUS, TaskField.WAITING_BATCH_ID],
+        )
+        return str(batch_id) if ends == "1" and status == TaskStatus.DELEGATED and batch_id else None
 
     @translate_redis_errors
     def task_field(self, task_id: str, name: str) -> str | None:

@@ -16,7 +16,7 @@
 -- ARGV[3] int: events max length
 -- ARGV[4] float: resume grace seconds
 -- Returns {resumes, resume}: the parent's resume count when closed now (0: closed before) and 1 when the
---   caller must publish the parent's resumed run.
+--   caller must publish the parent's resumed run, 2 when it must end the parent (a submission's root).
 -- What this and finish_batch read of the batch, in one HMGET.
 local head = hash_get(KEYS[1], 'status', 'mode', 'child_ids', 'id', 'close_reply')
 if head[1] == 'done' then
@@ -87,7 +87,7 @@ local resume = 0
 if parent[2] == 'delegated' and (parent[3] == 'agent' or parent[6] == '1') then
   -- Watched first: an agent parent's resume, or the end of a submission's root (writeback.end_submission), lost
   -- with its caller after the close is the reconciler's to make.
-  resume = parent[3] == 'agent' and 1 or 0
+  resume = parent[3] == 'agent' and 1 or 2
   redis.call('ZADD', KEYS[7], tonumber(ARGV[1]) + tonumber(ARGV[4]), parent[1])
 end
 local resumes = finish_batch({KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]},

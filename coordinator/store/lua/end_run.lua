@@ -49,10 +49,11 @@
 --   stops the holder's subtree and ends the run again), or {'ended', status, summary, error, error class,
 --   tokens in, tokens out, cache reads, cache writes, cost micro-USD, closed, resumes, resume, batch mode,
 --   admitted ids, refused}: `closed` 1 when this call closed the batch, `resume` 1 when the caller must
---   publish the parent's resume, `batch mode` 'sequential' when the caller must write the chain step back
---   itself, `admitted ids` the waiting tasks given the freed slot, whose runs the caller publishes,
---   `refused` 1 when the task had ended before and the run's usage records were not written (flush_run's).
---   The same end sent again after it ran answers as it did, and writes nothing.
+--   publish the parent's resume (2: end the parent, a submission's root), `batch mode` 'sequential' when
+--   the caller must write the chain step back itself, `admitted ids` the waiting tasks given the freed
+--   slot, whose runs the caller publishes, `refused` 1 when the task had ended before and the run's usage
+--   records were not written (flush_run's). The same end sent again after it ran answers as it did, and
+--   writes nothing.
 -- (KEYS[8..13] are the task's own hash again when it has no batch, and KEYS[14..16] when
 -- admission does not apply to it.)
 -- Every field of the task and of its parent that any part below reads, in one HMGET each

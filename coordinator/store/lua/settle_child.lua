@@ -20,7 +20,8 @@
 -- ARGV[5] float: resume grace seconds
 -- ARGV[6] str: the batch's mode when the caller knows it ('' if not)
 -- Returns {mode, resumes, resume}: `resumes` the parent's resume count when this call closed the batch (0
---   otherwise), `resume` 1 when the caller must publish the parent's resumed run.
+--   otherwise), `resume` 1 when the caller must publish the parent's resumed run, 2 when it must end the
+--   parent (a submission's root).
 local mode = ARGV[6]
 if mode == '' then
   mode = hash_get(KEYS[7], 'mode')[1] or ''
