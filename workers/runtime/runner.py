@@ -410,10 +410,7 @@ class _Drive:
                 "latency_ms": 0,
             }
         self.send_progress()  # the run's last figures (sent within LIVE_EVERY_S: a run that answers at once sends one)
-        if isinstance(output, str):
-            last = next(m for m in reversed(messages) if isinstance(m, ModelResponse))
-            return _cut_answer(last) or Ended("completed", summary=output)
-        return self._outcome(output, invalid)
+        return self._outcome(output, invalid, messages)
 
     async def _iterate(self, agent_run: AgentRun[RunState, Any]) -> Ended | Released | None:
         """Each node of the agent's run, its messages saved as they come; an outcome when the run ends early."""
@@ -446,7 +443,7 @@ class _Drive:
         _save_new(self.run, agent_run.all_messages(), self.saved)
         return None
 
-    def _outcome(self, output: object, invalid: int) -> Ended | Released:
+    def _outcome(self, output: object, invalid: int, messages: Sequence[ModelMessage]) -> Ended | Released:
         run = self.run
         if isinstance(output, DeferredToolRequests):
             if output.approvals:
@@ -458,8 +455,10 @@ class _Drive:
             if run.plan.delegation is None:
                 return Ended("failed", error="the run deferred a call that is not a delegation", error_class="Deferred")
             return Released("delegated")
-        assert isinstance(output, TypedResult), output
-        return Ended("completed", summary=output.result, output_json=output.data_json, invalid_outputs=invalid)
+        if isinstance(output, TypedResult):
+            return Ended("completed", summary=output.result, output_json=output.data_json, invalid_outputs=invalid)
+        last = next(m for m in reversed(messages) if isinstance(m, ModelResponse))
+        return _cut_answer(last) or Ended("completed", summary=str(output))
 
 
 def _typed(schema: dict[str, Any] | None, profile: Profile, state: RunState) -> tuple[Any, int | None]:
