@@ -409,6 +409,26 @@ def test_room_made_without_a_release_goes_to_the_tenants_parked_runs_before_a_ne
     assert live.reason == "tenant a gave its slot to its own parked run of a higher priority or an earlier arrival"
 
 
+@pytest.mark.parametrize("ahead_ms", [0, 60_000], ids=["same millisecond", "a clock ahead"])
+def test_a_newcomer_comes_after_its_priority_s_parked_run_whatever_its_stamp(fair: Coordinator, ahead_ms: int) -> None:
+    """A run parked in the newcomer's own millisecond (CI's quick host), or stamped by a worker whose clock runs a
+    minute ahead, parked before the newcomer came: it is given the room. Before, a stamp not strictly below the
+    newcomer's `now` let the newcomer take it."""
+    store = fair.store
+    running = children(fair, "a", 2)
+    (parked,) = children(fair, "a", 1)
+    (newcomer,) = children(fair, "a", 1)
+    assert [start(store, t).verdict for t in (*running, parked)] == ["run", "run", "park"]
+    key = store.keys.tenant_parked("a")
+    stamp = store.client.time()
+    now_ms = stamp[0] * 1000 + stamp[1] // 1000
+    store.client.zadd(key, {parked: -3 * 10**13 + now_ms + ahead_ms + 5_000}, xx=True)  # past the start's `now`
+    beat(store, {"a": (3, 3), "b": (1, 0), "*": (1, 0)})
+    came = start(store, newcomer)
+    assert (came.verdict, came.admitted) == ("park", [parked]), came
+    assert store.fair.counts("a") == FairCounts(running=3, parked=1, queued=0), store.fair.counts("a")
+
+
 @pytest.mark.parametrize(("parked_priority", "stopped"), [(1, False), (5, True)], ids=["lower", "stopped"])
 def test_a_newcomer_takes_the_room_when_no_live_parked_run_comes_before_it(
     fair: Coordinator, parked_priority: int, stopped: bool

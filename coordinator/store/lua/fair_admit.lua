@@ -69,8 +69,10 @@ local taken = false
 if not reason then
   -- A slot it may take goes first to its tenant's parked runs that come before it (a higher priority, or the same
   -- parked earlier): room made without a release (a raised max_running, a grown fleet) reaches them at once, not
-  -- at the heal tick after the runs that came later took it.
-  local place = tonumber(redis.call('ZSCORE', parked, id)) or -tonumber(ARGV[3]) * 1e13 + tonumber(ARGV[4])
+  -- at the heal tick after the runs that came later took it. A run not parked comes after every parked run of its
+  -- priority, whatever their stamps: one parked in this very millisecond, or bumped past it by a tie, or stamped
+  -- by a worker whose clock runs ahead, parked before it came (its band's top, not `now`, is its place).
+  local place = tonumber(redis.call('ZSCORE', parked, id)) or -tonumber(ARGV[3]) * 1e13 + 1e13
   taken = fair_take({KEYS[1], KEYS[2], KEYS[3]}, {head, ARGV[6], ARGV[7], ARGV[8], ARGV[4], ARGV[9], ARGV[11],
     ARGV[12], ARGV[13], tenant, place})
   if taken then
