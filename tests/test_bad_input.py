@@ -252,9 +252,10 @@ def test_a_malformed_task_message_changes_nothing(coordinator: Coordinator) -> N
         assert result["error_class"] in ("ValidationError", "NotFoundError")
     after = coordinator.store.metrics.snapshot()
     # Earlier tests' trees on the session's fleet may still settle meanwhile (a stopped run's last UI message, its
-    # live status, the reconciler moving its watch on the shared due list): only their keys, and their tasks' entries
-    # of a shared key, may differ. Any other key new, gone or changed is this message's doing.
-    settling = {_tree_of(key) for key in before} - {None}
+    # live status, the reconciler moving its watch on the shared due list, or dropping the entry of a tree whose keys
+    # a test deleted): only their keys, and their tasks' entries of a shared key, may differ. Any other key new, gone
+    # or changed is this message's doing.
+    settling = ({_tree_of(key) for key in before} | _trees_listed(before)) - {None}
     before, after = _without_trees(before, settling), _without_trees(after, settling)
     assert {key for key in before.keys() | after.keys() if before.get(key) != after.get(key)} == set()
 
@@ -265,22 +266,33 @@ def _tree_of(key: str) -> str | None:
     return tagged[1] if tagged else None
 
 
+def _tree_of_member(member: Any) -> str | None:
+    """The root id of the task a set's or sorted set's member names, or None (a worker's name, say)."""
+    try:
+        return root_of(str(member[0] if isinstance(member, tuple) else member))
+    except NotFoundError:
+        return None
+
+
+def _trees_listed(snapshot: dict[str, Any]) -> set[str | None]:
+    """The trees whose tasks are members of a shared set or sorted set of `snapshot` (the due list's entries)."""
+    return {
+        _tree_of_member(member)
+        for key, (kind, value) in snapshot.items()
+        if _tree_of(key) is None and kind in ("set", "zset")
+        for member in value
+    }
+
+
 def _without_trees(snapshot: dict[str, Any], trees: set[str | None]) -> dict[str, Any]:
     """`snapshot` (Metrics.snapshot's) less the keys of `trees`, and less their tasks' members of a shared set or
     sorted set (the due list holds every tree's running tasks)."""
-
-    def of_trees(member: Any) -> bool:
-        try:
-            return root_of(str(member[0] if isinstance(member, tuple) else member)) in trees
-        except NotFoundError:
-            return False  # not a task's id: a worker's name, say
-
     kept = {}
     for key, (kind, value) in snapshot.items():
         if _tree_of(key) in trees:
             continue
         if kind in ("set", "zset"):
-            value = [member for member in value if not of_trees(member)]
+            value = [member for member in value if _tree_of_member(member) not in trees - {None}]
         kept[key] = (kind, value)
     return kept
 
