@@ -84,6 +84,7 @@ if TYPE_CHECKING:
         output_errors as output_errors,
     )
     from coordinator.redis_clients import (
+        credentials_refused as credentials_refused,
         password_warning as password_warning,
         redis_client as redis_client,
     )
@@ -157,6 +158,7 @@ _EXPORTS = {
     "compact": "coordinator.output_schema",
     "completion_parameters": "coordinator.output_schema",
     "output_errors": "coordinator.output_schema",
+    "credentials_refused": "coordinator.redis_clients",
     "password_warning": "coordinator.redis_clients",
     "redis_client": "coordinator.redis_clients",
     "Coordinator": "coordinator.service",

@@ -376,6 +376,8 @@ def redis_client(
     return cast(redis.Redis, client)
 
 
+# How long a worker's start waits for its Redis to answer the credentials check (`credentials_refused`).
+CREDENTIALS_CHECK_S = 5.0
 # The schemes of one Redis's URL that name a host (unix:// names a socket's path).
 HOST_SCHEMES = ("redis", "rediss")
 # What an operator can do about a password that broke the URL apart.
@@ -453,6 +455,38 @@ def password_warning(settings: Settings) -> str | None:
         f"{given}: anything that can connect to that Redis, a sandboxed command allowed the network "
         'included, can read and change every task (docs/deploy.md, "Redis\'s password")'
     )
+
+
+def credentials_refused(settings: Settings) -> str | None:
+    """What subq's Redis said when it refused these settings' credentials (a wrong password, a password it wants
+    and was not given, an ACL user it does not know), as one line; None when it took them or was not reached.
+
+    A worker asks once at its start: a refusal is no outage to wait out, and Celery would try its broker again
+    forever, one log line a try, running nothing. A Redis out of reach (down, or no sentinel answering) is the
+    outage the worker waits out, so it says nothing here.
+    """
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    client = redis_client(
+        settings,
+        retry=Retry(NoBackoff(), 0),
+        socket_connect_timeout=CREDENTIALS_CHECK_S,
+        socket_timeout=CREDENTIALS_CHECK_S,
+    )
+    try:
+        client.ping()
+    except redis.AuthenticationError as exc:  # (a ConnectionError to redis-py: before those)
+        return f"subq's Redis ({describe(settings)}) refused its credentials: {exc}"
+    except redis.ResponseError as exc:
+        if str(exc).startswith(("NOPERM", "WRONGPASS", "NOAUTH")):
+            return f"subq's Redis ({describe(settings)}) refused its credentials: {exc}"
+        return None
+    except (redis.RedisError, OSError):
+        return None  # out of reach: the outage the worker waits out
+    finally:
+        client.close()
+    return None
 
 
 def _url_password(url: str) -> str | None:

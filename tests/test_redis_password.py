@@ -27,8 +27,8 @@ from coordinator import ConfigError, Settings
 from coordinator.local.embedded_redis import find_redis_server, local_redis
 from coordinator.local.fleet import WorkerFleet, settings_env
 from coordinator.local.ports import free_port
-from coordinator.redis_clients import check_redis_url, password_warning, redis_client
-from tests.helpers import eventually
+from coordinator.redis_clients import check_redis_url, credentials_refused, password_warning, redis_client
+from tests.helpers import CHECK_TIMEOUT_S, eventually
 
 # The warning's own words, as a worker logs it (coordinator/redis_clients.py, password_warning).
 NO_PASSWORD = "carries no password"
@@ -254,3 +254,37 @@ def test_an_api_on_a_redis_without_a_password_warns_in_one_line(tmp_path: Path) 
     assert NO_PASSWORD not in guarded, guarded
     password = urlsplit(guarded_url).password
     assert password is not None and password not in guarded
+
+
+@pytest.mark.parametrize("given", ["a wrong password", "no password"])
+def test_a_worker_whose_redis_refuses_its_credentials_stops_at_start_with_one_line(given: str) -> None:
+    """A wrong password is no outage to wait out: before, Celery tried its broker again forever, one log line a
+    try, and the worker ran nothing. It stops at start, saying so, its password in no line, nothing written."""
+    with local_redis() as url:
+        parts = urlsplit(url)
+        wrong = f"redis://:not-{parts.password}@127.0.0.1:{parts.port}/0"
+        bare = f"redis://127.0.0.1:{parts.port}/0"
+        given_url = wrong if given == "a wrong password" else bare
+        with redis.Redis.from_url(url) as client:
+            keys_before = client.dbsize()
+        env = settings_env(Settings(redis_url=given_url))
+        started = subprocess.run(
+            [sys.executable, "-m", "workers", "--loglevel", "INFO"], env=env, capture_output=True, text=True,
+            timeout=CHECK_TIMEOUT_S, cwd=Path(__file__).resolve().parent.parent,
+        )  # fmt: skip
+        told = started.stdout + started.stderr
+        assert started.returncode != 0, told
+        said = "username-password pair" if given == "a wrong password" else "authenticated"  # Redis' own words
+        lines = [line for line in told.splitlines() if "refused its credentials" in line]
+        assert lines and said in lines[0].lower(), told
+        assert f"subq's Redis (redis://127.0.0.1:{parts.port}/0) refused its credentials" in lines[0], told
+        assert parts.password not in told
+        with redis.Redis.from_url(url) as client:
+            assert client.dbsize() == keys_before, "the refused worker wrote nothing"
+
+
+def test_a_redis_out_of_reach_is_no_refusal() -> None:
+    """A Redis down (or no sentinel answering) is the outage a worker waits out: its start says nothing of it."""
+    assert credentials_refused(Settings(redis_url=f"redis://:secret@127.0.0.1:{free_port()}/0")) is None
+    with local_redis() as url:
+        assert credentials_refused(Settings(redis_url=url)) is None

@@ -10,6 +10,8 @@ A worker whose Redis has no password (SUBQ_REDIS_URL without one, or no
 SUBQ_REDIS_PASSWORD under Sentinel) says so in one warning line at its start
 (`coordinator.password_warning`, issue 39): its runs' commands may
 run unconfined (sandbox = false), and such a Redis takes orders from any local process.
+A worker whose Redis refuses its credentials stops at start with one line saying so
+(`coordinator.credentials_refused`), rather than trying its broker again forever.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 from celery.signals import worker_init
 
-from coordinator import ConfigError, load_settings, password_warning
+from coordinator import ConfigError, credentials_refused, load_settings, password_warning
 from coordinator.celery_app import make_app
 from workers import observe
 
@@ -43,5 +45,16 @@ def _warn_unprotected_redis(**_: Any) -> None:
         log.warning("subq worker: warning: %s", unprotected)
 
 
+def _refuse_refused_credentials(**_: Any) -> None:
+    # A wrong password is no outage: Celery would try its broker again forever (it waits out an outage however
+    # long), one log line a try, and run nothing. The worker stops at start with the one line that says why.
+    # SystemExit, not an exception: Celery logs and ignores a receiver's exceptions.
+    refused = credentials_refused(settings)
+    if refused is not None:
+        log.critical("subq worker: %s", refused)
+        raise SystemExit(f"subq worker: {refused}")
+
+
 # By call, not decorator: Celery's decorators are untyped (mypy --strict); weak=False keeps it alive.
 worker_init.connect(_warn_unprotected_redis, weak=False)
+worker_init.connect(_refuse_refused_credentials, weak=False)
