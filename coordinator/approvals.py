@@ -244,28 +244,36 @@ def _decide(plane: Plane, approval: Approval, status: str, feedback: str, decide
     # decide.lua says whether this decision ended the task's wait (of two made at once, exactly one does), and
     # watches the task in the same step, so a crash before the publish still resumes it (the reconciler).
     grace_s = plane.settings.reconcile_grace_s
-    outcome = plane.store.approvals.decide(approval.id, status, feedback, decided_by, grace_s=grace_s)
-    if outcome == "late":  # an approval at or after the deadline: the call timed out, a denial, made now
+    decided = plane.store.approvals.decide(approval.id, status, feedback, decided_by, grace_s=grace_s)
+    if decided.outcome == "late":  # an approval at or after the deadline: the call timed out, a denial, made now
         expire(plane, approval.id)
         at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(approval.deadline))
         raise StateError(
             f"Approval {approval.id} expired at {at}, before this approval: the call was denied as timed out",
             field="approval_id",
         )
-    if outcome not in ("ok", "resume"):
-        raise StateError(f"Approval {approval.id} was already {outcome}", field="approval_id")
+    if decided.outcome == "stopped":  # its task ended before the stop expired its calls: expired now, by this
+        plane.store.convergence.remove_timers([expiry_timer(approval.id)])
+        raise StateError(f"Approval {approval.id}'s task was stopped: the call expired", field="approval_id")
+    if decided.outcome not in ("ok", "resume"):
+        raise StateError(f"Approval {approval.id} was already {decided.outcome}", field="approval_id")
     plane.store.convergence.remove_timers([expiry_timer(approval.id)])
-    if outcome == "resume":
-        resume(plane, approval.task_id, approval.id)
+    if decided.outcome == "resume":
+        resume(plane, approval.task_id, decided.reason_id)
     return plane.store.approvals.get_approval(approval.id)
 
 
-def resume(plane: Plane, task_id: str, decided_id: str = "") -> None:
+def resume(plane: Plane, task_id: str, reason_id: str = "") -> None:
     """Publish the resume of a task whose approvals are all decided, once per park: the decision that ended the
     wait and the parked run's release (for a decision made while that run held the lease) claim one field,
-    named after the park's first approval (`decided_id`, the decision's own, for an approval its task does
-    not list), so whichever comes second publishes nothing."""
-    waiting = plane.store.runs.waiting_approval_ids(task_id)
-    reason = waiting[0] if waiting else decided_id
-    if reason and (resumes := plane.store.runs.claim_resume(task_id, reason)):
+    named after the park's first approval, so whichever comes second publishes nothing.
+
+    A decision names the park it ended (`reason_id`, read in its own step): read here, the list could be a later
+    park's by now (the release resumed the task meanwhile and its next run parked again), and the stale
+    decision's claim would take that park's field, its own decision then publishing nothing. The release reads
+    the list it parked on, its lease still held."""
+    if not reason_id:
+        waiting = plane.store.runs.waiting_approval_ids(task_id)
+        reason_id = waiting[0] if waiting else ""
+    if reason_id and (resumes := plane.store.runs.claim_resume(task_id, reason_id)):
         dispatch.publish_run(plane.app, plane.store.records.get_task(task_id), resumes)

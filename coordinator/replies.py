@@ -12,6 +12,7 @@ no `decode` returns a tuple, and no code outside protocol.py unpacks a script's 
     UsageRecorded   record_usage: recorded or not, the topmost budget reached
     LateSpendRecorded  record_late_spend: how many records it recorded now, the topmost budget they reached
     BatchClosed     close_batch: the parent's resume count, whether its resume must be published
+    Decided         decide: what the decision did, and the park whose resume it claims when it ended the wait
     ChildSettled    settle_child: the batch's mode, then as BatchClosed
     EndpointState   endpoint_gate (and endpoint_failed, completed by its store part): the wait, the view
     FairHealed      fair_heal: the slots it freed, the parked runs to publish again
@@ -37,6 +38,7 @@ __all__ = [
     "RESUME_RUN",
     "BatchClosed",
     "ChildSettled",
+    "Decided",
     "Ending",
     "EndpointState",
     "FairHealed",
@@ -127,6 +129,16 @@ class BatchClosed:
 
     resumes: int
     resume: int
+
+
+@dataclass(frozen=True)
+class Decided:
+    """decide's reply: 'resume' (the decision ended its task's wait: its caller publishes the resume, claimed for
+    `reason_id`, the first approval of the park it ended), 'ok', 'stopped' (its task had ended: the call expired,
+    the decision refused), 'late', or the approval's status when it was not pending ('missing')."""
+
+    outcome: str
+    reason_id: str = ""
 
 
 @dataclass(frozen=True)

@@ -417,9 +417,9 @@ class Run:
         # Off the due list while a call waits for its person (the decision that ends the wait watches it again).
         # Every call decided while this run held the lease: the last decision published nothing (its delivery
         # would have found the lease held), so the release resumes the task, once per park with a decision made
-        # since the lease was freed (`approvals.resume`).
+        # since the lease was freed (`approvals.resume`), claimed by the park's first call, which this run made.
         elif outcome.state == "waiting_approval" and not plane.store.convergence.unwatch_parked(task_id):
-            approvals.resume(plane, task_id)
+            approvals.resume(plane, task_id, next(iter(self.approvals.parked), ""))
         if provider:
             # To Celery it is queued again, with a delay (the timer publishes it).
             return writeback.result_of(plane.store.records.get_task(task_id), pending="queued")

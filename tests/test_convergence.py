@@ -12,15 +12,18 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from coordinator import (
+    OFFLINE_PROFILE,
     BrokerError,
     Coordinator,
     NotFoundError,
+    StateError,
     TaskStatus,
     admission,
     approvals,
@@ -37,13 +40,14 @@ from coordinator.models import Approval, Batch, SubtaskSpec, TaskRecord, live_st
 from coordinator.plane import Plane
 from coordinator.ports.steps import Released, RunStopped
 from coordinator.reconciler import Reconciler
-from coordinator.replies import Stepped
+from coordinator.replies import Decided, Stepped
 from coordinator.runs import Ended, LeaseLost, Run, RunLifecycle
-from coordinator.settings import Settings
+from coordinator.settings import Profile, RunCommand, Settings
 from coordinator.store.approvals import ApprovalStore
 from coordinator.store.convergence import QUEUE_SCAN_LIMIT
-from tests.agents import agent, reply, subtask
+from tests.agents import agent, call, reply, subtask
 from tests.helpers import delegate_as_its_run, state
+from workers.runtime import metering
 from workers.runtime.context import build_runtime
 from workers.runtime.runner import run_child
 
@@ -811,7 +815,7 @@ def test_two_decisions_made_at_once_publish_one_resume(coord: Coordinator, monke
     store = coord.store.approvals
     decide = store.decide
 
-    def the_other_decided_meanwhile(approval_id: str, *args: object, **kwargs: object) -> str:
+    def the_other_decided_meanwhile(approval_id: str, *args: object, **kwargs: object) -> Decided:
         outcome = decide(approval_id, *args, **kwargs)  # type: ignore[arg-type]
         if approval_id == first:
             monkeypatch.setattr(store, "decide", decide)
@@ -824,6 +828,90 @@ def test_two_decisions_made_at_once_publish_one_resume(coord: Coordinator, monke
     assert queued_ids(coord) == [task_id]
 
 
+def test_a_slow_decision_claims_the_park_it_ended_not_the_next(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decision's step ends park 1's wait; before its process claims the resume, another path (the parked
+    run's release) resumed the task and its next run parked call B. The slow decision claims park 1's field
+    (named in its own step), not B's: before, it took B's, and B's own decision then published nothing, the
+    task waiting a reconcile grace for its resume."""
+    task_id, (first,) = _parked_on(coord, 1)
+    store = coord.store.approvals
+    decide = store.decide
+    runtime = build_runtime(coord.settings, make_app(coord.settings))
+    parked_again: list[Approval] = []
+
+    def the_task_parked_again_meanwhile(approval_id: str, *args: object, **kwargs: object) -> Decided:
+        decided = decide(approval_id, *args, **kwargs)  # type: ignore[arg-type]
+        monkeypatch.setattr(store, "decide", decide)
+        approvals.resume(coord.plane, task_id, first)  # the release's claim of park 1
+        assert queued_ids(coord) == [task_id]
+        coord.client.delete(QUEUE)
+        run = runtime.lifecycle.start(task_id)
+        assert isinstance(run, Run)
+        parked_again.extend(park(coord.plane, run.task, [ToolCall("run_command", {"n": "b"}, "call-b")]))
+        run.end(Released("waiting_approval"))
+        return decided
+
+    monkeypatch.setattr(store, "decide", the_task_parked_again_meanwhile)
+    assert coord.decide(first, "approve").status == "approved"
+    assert queued_ids(coord) == [], "park 1's resume was published once, by the release"
+    (second,) = parked_again
+    assert coord.decide(second.id, "approve").status == "approved"
+    assert queued_ids(coord) == [task_id], "B's decision published its resume"
+
+
+def test_a_decision_on_a_task_stopped_before_its_calls_expired_is_refused(coord: Coordinator) -> None:
+    """A cancel's own step ends the task; its expiry of the tree's calls comes after (a broadcast between). A
+    person's approval in that gap was recorded `approved`, with its event and audit entry, for a call no run
+    would make: the call expires now, and the decision is a 409 naming the stop."""
+    task_id, (approval,) = _parked_on(coord, 1)
+    coord.client.hset(coord.store.keys.task(task_id[:16], task_id), "status", "cancelled")  # the stop's own step
+    with pytest.raises(StateError, match="task was stopped: the call expired"):
+        coord.decide(approval, "approve")
+    record = coord.store.approvals.get_approval(approval)
+    assert (record.status, record.feedback, record.decided_by) == ("expired", "the task was stopped", None), record
+    assert queued_ids(coord) == [] and task_id not in coord.store.convergence.watched()
+    assert not [e for e in coord.audit()[0] if e.target == approval], "no decision on record"
+
+
+def test_a_denial_is_counted_once_however_often_its_run_is_resumed(coord: Coordinator, tmp_path: Path) -> None:
+    """A resumed run answers a denied call, counts it and says so; its worker dies in the model request that
+    carries the answer (before that request was saved), and the next run answers the call again. Before, each
+    such resume counted the denial once more (`tool:run_command:denied` 2) and said it again."""
+    profiles = {OFFLINE_PROFILE: Profile(run_command=RunCommand(cwd=tmp_path))}
+    asker = Coordinator(coord.settings.model_copy(update={"profiles": profiles}))
+    try:
+        runtime = build_runtime(asker.settings, make_app(asker.settings))
+        task = asker.create_task(agent(call("run_command", command="touch made"), reply("done")), run=True)
+        asker.client.delete(QUEUE)
+        assert run_child(runtime, task.id).status == "waiting_approval"
+        (asked,) = asker.list_approvals(task.root_id)
+        asker.decide(asked.id, "deny", "no")
+        asker.client.delete(QUEUE)
+
+        class Died(BaseException):
+            """The worker's death in the resumed run's first model request."""
+
+        async def dies(*_: object, **__: object) -> None:
+            raise Died
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(metering.MeteredModel, "request", dies)
+            with pytest.raises(Died):
+                run_child(runtime, task.id)
+        key = asker.store.keys.task(task.root_id, task.id)
+        assert asker.client.hget(key, "tool:run_command:denied") == "1"
+        asker.client.delete(asker.store.keys.lease(task.root_id, task.id))  # its lease lapses
+        assert run_child(runtime, task.id).status == "completed"
+        assert asker.client.hget(key, "tool:run_command:denied") == "1", "counted once"
+        said = [m for m in asker.messages(task.id) if m.get("say") == "tool_denied"]
+        assert len(said) == 1, said
+        assert not (tmp_path / "made").exists()
+    finally:
+        asker.close()
+
+
 def test_a_decision_whose_publish_never_came_still_resumes(coord: Coordinator, monkeypatch: pytest.MonkeyPatch) -> None:
     """The decision's watch is made in its own step: a release's or the reconciler's look just before it (a
     pending approval: off the due list) cannot take it away, and a process that dies before it publishes the
@@ -831,7 +919,7 @@ def test_a_decision_whose_publish_never_came_still_resumes(coord: Coordinator, m
     task_id, (approval,) = _parked_on(coord, 1)
     decide = coord.store.approvals.decide
 
-    def looked_at_just_before(*args: object, **kwargs: object) -> str:
+    def looked_at_just_before(*args: object, **kwargs: object) -> Decided:
         assert coord.store.convergence.unwatch_parked(task_id), "still pending: taken off"
         return decide(*args, **kwargs)  # type: ignore[arg-type]
 

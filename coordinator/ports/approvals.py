@@ -34,6 +34,8 @@ class ApprovalPort:
     def __init__(self, run: Steps, plane: Plane) -> None:
         self._run = run
         self._plane = plane
+        # The approvals this run parked, first first: its release claims the park's resume by the first.
+        self.parked: list[str] = []
 
     def park(self, calls: Sequence[ToolCall]) -> list[str]:
         """Queue tool calls for a decision; returns the approval ids."""
@@ -45,7 +47,8 @@ class ApprovalPort:
             made = approvals.park(self._plane, run.task, calls, run.token)
         if made is None:  # stopped after that step: as `flush` says of a stop it reads
             raise RunStopped(run.task.id)
-        return [a.id for a in made]
+        self.parked = [a.id for a in made]
+        return self.parked
 
     def answers(self) -> Answers:
         """The batch the run was resumed from (its children's combined result), and the decided approvals."""

@@ -31,6 +31,8 @@ class KeptCalls:
 
     results: dict[str, Any]
     started: set[str]
+    # Calls answered without running (denied, interrupted), counted then: a resume answers them again uncounted.
+    answered: set[str]
 
 
 class ToolJournal:
@@ -78,8 +80,8 @@ class ToolJournal:
     def kept(self, tool_call_ids: Sequence[str]) -> KeptCalls:
         """The kept results of these calls, for those that returned before the run's last worker died; and
         which human-approved calls had started (`mark_started`)."""
-        found, started = self._plane.store.runs.tool_results(self._run.task.id, tool_call_ids)
-        return KeptCalls({call_id: json.loads(value) for call_id, value in found.items()}, started)
+        found, started, answered = self._plane.store.runs.tool_results(self._run.task.id, tool_call_ids)
+        return KeptCalls({call_id: json.loads(value) for call_id, value in found.items()}, started, answered)
 
     def mark_started(self, tool_call_id: str) -> None:
         """A human-approved call starts: a resume after this worker dies must not take the approval as leave

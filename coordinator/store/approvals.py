@@ -11,6 +11,7 @@ from redis.client import Pipeline
 from coordinator.errors import NotFoundError
 from coordinator.ids import root_of
 from coordinator.models import Approval
+from coordinator.replies import Decided
 from coordinator.store.base import (
     EVENTS_MAXLEN,
     Part,
@@ -98,10 +99,12 @@ class ApprovalStore(Part):
         *,
         grace_s: float,
         withdraw: bool = False,
-    ) -> str:
+    ) -> Decided:
         """Decide a pending approval once, naming who decided (decide.lua): 'resume' when the decision ended its
-        task's wait and the caller publishes the resume, 'ok' when decided otherwise, or its status when it was
-        not pending. A decision that ends the wait puts the task on the due list, to look at in `grace_s`.
+        task's wait and the caller publishes the resume (claimed for the park's first approval, `reason_id`),
+        'ok' when decided otherwise, 'stopped' when its task had ended (the call expired instead), or its status
+        when it was not pending. A decision that ends the wait puts the task on the due list, to look at in
+        `grace_s`.
         `withdraw`: the expiry of a call whose run stopped before it asked for all its calls, which ends no
         task's wait ('ok')."""
         root, now = root_of(approval_id), time.time()

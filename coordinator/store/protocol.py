@@ -43,6 +43,7 @@ from coordinator.models import Mark, RetryRefused, Usage
 from coordinator.replies import (
     BatchClosed,
     ChildSettled,
+    Decided,
     Ending,
     EndpointState,
     FairHealed,
@@ -566,14 +567,18 @@ class CloseBatch(
 
 @dataclass(frozen=True, kw_only=True)
 class Decide(
-    Call[str],
+    Call[Decided],
     script="decide",
     uses=("outbox_add",),
     acknowledged=True,
-    returns="'resume' when this decision (or this very decision sent again after it ran) ended its task's "
-    "wait and no run holds the task's lease: its caller publishes the resume; 'ok' when it was decided "
-    "otherwise; 'late', nothing written, for an approval made at or after the approval's deadline (its caller "
-    "expires it); or the approval's status when it was not pending (or 'missing').",
+    returns="{outcome, reason id}: outcome 'resume' when this decision (or this very decision sent again after it "
+    "ran) ended its task's wait and no run holds the task's lease: its caller publishes the resume, claimed for "
+    "the reason id (the first approval of the park this decision ended: read here, as a later park of the task "
+    "may list others by the time the caller claims); 'ok' when it was decided otherwise; 'stopped' for a person's "
+    "decision on a call whose task has ended (a stop whose expiry of its calls has not come yet): the call expires "
+    "now, as the stop's expiry would, and the decision is refused; 'late', nothing written, for an approval made at "
+    "or after the approval's deadline (its caller expires it); or the approval's status when it was not pending "
+    "(or 'missing'). The reason id is '' but for 'resume'.",
 ):
     approval: str = key("the approval hash")
     pending: str = key("the pending-approvals zset")
@@ -601,8 +606,8 @@ class Decide(
     )
 
     @classmethod
-    def decode(cls, raw: Any) -> str:
-        return str(raw)
+    def decode(cls, raw: Any) -> Decided:
+        return Decided(outcome=str(raw[0]), reason_id=str(raw[1]))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -365,18 +365,20 @@ class RunStore(Part):
         )  # fmt: skip
 
     @translate_redis_errors
-    def tool_results(self, task_id: str, tool_call_ids: Sequence[str]) -> tuple[dict[str, str], set[str]]:
-        """The recorded results of these calls (JSON), for those that have one; and which were noted started."""
+    def tool_results(self, task_id: str, tool_call_ids: Sequence[str]) -> tuple[dict[str, str], set[str], set[str]]:
+        """The recorded results of these calls (JSON), for those that have one; which were noted started; and
+        which were answered without running (denied, interrupted: kept empty by record_tool.lua)."""
         if not tool_call_ids:
-            return {}, set()
+            return {}, set(), set()
         ids = list(tool_call_ids)
         found = self.client.hmget(
             self.keys.tool_results(root_of(task_id), task_id), [*ids, *(f"{TOOL_STARTED}{i}" for i in ids)]
         )
-        results = {
-            call_id: str(value) for call_id, value in zip(ids, found[: len(ids)], strict=True) if value is not None
-        }
-        return results, {call_id for call_id, value in zip(ids, found[len(ids) :], strict=True) if value is not None}
+        kept = dict(zip(ids, found[: len(ids)], strict=True))
+        results = {call_id: str(value) for call_id, value in kept.items() if value}
+        answered = {call_id for call_id, value in kept.items() if value == ""}
+        started = {call_id for call_id, value in zip(ids, found[len(ids) :], strict=True) if value is not None}
+        return results, started, answered
 
     @translate_redis_errors
     def finish_task(self, task_id: str, status: str, summary: str = "", error: str = "", error_class: str = "") -> str:

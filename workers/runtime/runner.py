@@ -670,7 +670,15 @@ def _answers(
     kept, started = journal.results, journal.started
     for call in pending:
         call_id = call.tool_call_id
-        if call_id in kept:
+        if call_id in journal.answered:
+            # Answered without running by an earlier run of the task, and counted then (its worker died before the
+            # request carrying the answer was saved): the same answer again, uncounted.
+            denied = call_id in decisions and not decisions[call_id].approved
+            if denied:
+                approvals[call_id] = ToolDenied(message=decisions[call_id].feedback)
+            else:
+                calls[call_id] = INTERRUPTED
+        elif call_id in kept:
             calls[call_id] = kept[call_id]
             run.say("tool_replayed", describe_call(call))
             # Counted on the task once already, as it returned. The label is a tool of the task's or "(unknown)": a

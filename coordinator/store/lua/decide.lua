@@ -19,10 +19,15 @@
 -- ARGV[11] float: when the reconciler looks at the task whose wait this decision ends (epoch s)
 -- ARGV[12] (optional) str: '1': a withdrawal, the expiry of a call whose run stopped before it asked for
 --   all its calls: it ends no task's wait (the task is its newer run's, or the reconciler's)
--- Returns 'resume' when this decision (or this very decision sent again after it ran) ended its task's
---   wait and no run holds the task's lease: its caller publishes the resume; 'ok' when it was decided
---   otherwise; 'late', nothing written, for an approval made at or after the approval's deadline (its
---   caller expires it); or the approval's status when it was not pending (or 'missing').
+-- Returns {outcome, reason id}: outcome 'resume' when this decision (or this very decision sent again
+--   after it ran) ended its task's wait and no run holds the task's lease: its caller publishes the
+--   resume, claimed for the reason id (the first approval of the park this decision ended: read here, as a
+--   later park of the task may list others by the time the caller claims); 'ok' when it was decided
+--   otherwise; 'stopped' for a person's decision on a call whose task has ended (a stop whose expiry of
+--   its calls has not come yet): the call expires now, as the stop's expiry would, and the decision is
+--   refused; 'late', nothing written, for an approval made at or after the approval's deadline (its caller
+--   expires it); or the approval's status when it was not pending (or 'missing'). The reason id is '' but
+--   for 'resume'.
 -- The decision that leaves the task no pending approval ends its wait, decided here and nowhere else:
 -- two decisions made at once each see the other's, so exactly one of them ends it. Its timeline marks
 -- its resume `queued` now (coordinator/timeline.py), and the task goes on the due list in this step:
@@ -33,21 +38,22 @@
 local was = redis.call('HMGET', KEYS[1], 'status', 'decided_at', 'decided_by', 'feedback')
 local status = was[1]
 if not status then
-  return 'missing'
+  return {'missing', ''}
 end
 -- Whether the approvals of `task_id` leave its wait ended: none of those it waits on pending, the task
--- not ended; then 'resume' unless a run holds its lease, else 'ok'. `watch`: put it on the due list too.
+-- not ended; then 'resume' (with the park's first approval) unless a run holds its lease, else 'ok'. `watch`:
+-- put it on the due list too.
 local function ends_wait(task_id, watch)
   if not task_id or ARGV[12] == '1' then
-    return 'ok'
+    return {'ok', ''}
   end
   local task_key = ARGV[6] .. task_id
   local waiting, task_status = unpack(hash_get(task_key, 'waiting_approval_ids', 'status'))
   if not task_status or ENDED[task_status] then
-    return 'ok'
+    return {'ok', ''}
   end
   if approval_pending(waiting, ARGV[7], ARGV[1]) then
-    return 'ok'
+    return {'ok', ''}
   end
   if watch then
     -- Its change time too: a reconciler that read the task before this step looks again later rather
@@ -57,9 +63,10 @@ local function ends_wait(task_id, watch)
     redis.call('ZADD', KEYS[7], ARGV[11], task_id)
   end
   if redis.call('EXISTS', ARGV[10] .. task_id) == 1 then
-    return 'ok'
+    return {'ok', ''}
   end
-  return 'resume'
+  local listed = (waiting and waiting ~= '') and cjson.decode(waiting) or {}
+  return {'resume', listed[1] or ARGV[1]}  -- (an approval its task does not list: its own id, as before)
 end
 if status ~= 'pending' then
   if status == ARGV[2] and was[2] == ARGV[4] and was[3] == (ARGV[8] or '') and was[4] == ARGV[3] then
@@ -67,7 +74,7 @@ if status ~= 'pending' then
     -- answers as it did (its writes were made; the resume's claim keeps a second publish from running).
     return ends_wait(redis.call('HGET', KEYS[1], 'task_id'), false)
   end
-  return status
+  return {status, ''}
 end
 -- A person's approval at or after the deadline is refused, nothing written: the call timed out, which is a
 -- denial (its caller expires it now). Before, it stood while the reconciler had not yet served the expiry's
@@ -75,15 +82,29 @@ end
 -- (A late denial stands: it is what the expiry would do, with the person's words for the model.)
 local deadline = tonumber(redis.call('HGET', KEYS[1], 'deadline') or '')
 if ARGV[2] == 'approved' and deadline and tonumber(ARGV[4]) >= deadline then
-  return 'late'
+  return {'late', ''}
 end
-redis.call('HSET', KEYS[1], 'status', ARGV[2], 'feedback', ARGV[3], 'decided_at', ARGV[4], 'decided_by', ARGV[8] or '')
-redis.call('ZREM', KEYS[2], ARGV[1])
 local task_id = redis.call('HGET', KEYS[1], 'task_id')
+-- A person's decision on a call whose task has ended (a stop between its own step and its expiry of the tree's
+-- calls) expires the call, as that expiry would: before, it stood `approved` (an `approval.decided` event and an
+-- audit entry) for a call no run would make, its task `cancelled`.
+local decided, feedback, by = ARGV[2], ARGV[3], ARGV[8] or ''
+local stopped = false
+if decided ~= 'expired' and task_id then
+  local task_status = hash_get(ARGV[6] .. task_id, 'status')[1]
+  if task_status and ENDED[task_status] then
+    decided, feedback, by, stopped = 'expired', 'the task was stopped', '', true
+  end
+end
+redis.call('HSET', KEYS[1], 'status', decided, 'feedback', feedback, 'decided_at', ARGV[4], 'decided_by', by)
+redis.call('ZREM', KEYS[2], ARGV[1])
 outbox_add({KEYS[4], KEYS[5], KEYS[6]}, {task_id, 'approval.decided', ARGV[4], ARGV[9], cjson.encode({
-  approval_id = ARGV[1], tool = redis.call('HGET', KEYS[1], 'tool'), status = ARGV[2], feedback = ARGV[3],
-  decided_by = ARGV[8]})})
+  approval_id = ARGV[1], tool = redis.call('HGET', KEYS[1], 'tool'), status = decided, feedback = feedback,
+  decided_by = by})})
 -- (The stream may have lapsed while the approval waited: event_add gives the one it makes again its retention.)
 event_add(KEYS[3], ARGV[5], ARGV[9], 'type', 'approval', 'approval_id', ARGV[1], 'task_id', task_id,
-  'status', ARGV[2])
+  'status', decided)
+if stopped then
+  return {'stopped', ''}
+end
 return ends_wait(task_id, true)

@@ -35,15 +35,23 @@ if reply[1] == 0 or resent then
   return reply  -- not this run's; or this very step again, its result and counts written the first time
 end
 hash_set(KEYS[3], 'last_step', step)
+local counted = false
 if ARGV[2] ~= '' then
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-  redis.call('EXPIRE', KEYS[1], flush_argv[2])
+else
+  -- Answered without running (denied, interrupted): kept as an empty answer, so a later resume of the task (its
+  -- worker died before the request that carries the answer was saved) answers it again without counting it: each
+  -- resume had counted the denial once more, and said it again in the task's messages.
+  counted = redis.call('HSETNX', KEYS[1], ARGV[1], '') == 0
 end
--- The counters are fields no script reads through hashes.lua's cache: written directly.
-redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
-local ms = tonumber(ARGV[5])
-if ms > 0 then
-  redis.call('HINCRBY', KEYS[3], ARGV[4], ARGV[5])
+redis.call('EXPIRE', KEYS[1], flush_argv[2])
+if not counted then
+  -- The counters are fields no script reads through hashes.lua's cache: written directly.
+  redis.call('HINCRBY', KEYS[3], ARGV[3], 1)
+  local ms = tonumber(ARGV[5])
+  if ms > 0 then
+    redis.call('HINCRBY', KEYS[3], ARGV[4], ARGV[5])
+  end
 end
 if ran then
   -- Its span ends now (the step's clock): the newest 100 are kept (coordinator/timeline.py,
@@ -51,7 +59,7 @@ if ran then
   local kept = hash_get(KEYS[3], 'tool_calls')[1]
   local calls = (kept and kept ~= '') and cjson.decode(kept) or {}
   local end_ms = math.floor(tonumber(flush_argv[3]) * 1000 + 0.5)
-  calls[#calls + 1] = {end_ms - ms, end_ms, tool, outcome}
+  calls[#calls + 1] = {end_ms - tonumber(ARGV[5]), end_ms, tool, outcome}
   while #calls > 100 do
     table.remove(calls, 1)
   end
