@@ -31,7 +31,7 @@ import pydantic
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, WithJsonSchema
 
 from coordinator import ids
-from coordinator.errors import ProfileError, ValidationError
+from coordinator.errors import NotFoundError, ProfileError, ValidationError
 from coordinator.models import (
     FINISHING_AMONG_MAX,
     MAX_PROMPT_CHARS,
@@ -51,7 +51,7 @@ from coordinator.tenants import (
     check_priority,
     check_tenant_name,
 )
-from coordinator.text import all_shown, lone_surrogate, shows
+from coordinator.text import all_shown, lone_surrogate, shown_value, shows
 
 __all__ = [
     "DEFAULT_PAGE",
@@ -75,9 +75,11 @@ __all__ = [
     "TodoUpdate",
     "TodosInput",
     "check_dead_letter_limit",
+    "check_delivery_id",
     "check_finishing_among",
     "check_history_query",
     "check_metadata",
+    "check_root_id",
     "check_subscriptions",
     "error_message",
     "error_path",
@@ -87,6 +89,7 @@ __all__ = [
     "meta_pairs",
     "one_line",
     "profile_asked",
+    "sendable_profile",
     "text_field",
     "to_micros",
     "visible_text",
@@ -138,6 +141,18 @@ def profile_asked(profile: str | None, field: str = "profile", left_out: str = "
     `field`: it would have read as `left_out`, which the caller did not name."""
     if profile is not None and not profile.strip():
         raise ProfileError(f"{field} must not be empty: leave it out for {left_out}", field=field)
+    return profile
+
+
+def sendable_profile(profile: str | None) -> str | None:
+    """A profile's name as a request body can carry it, or a ProfileError: one with a lone surrogate (a
+    command-line argument that is not UTF-8) was an encoding error in the HTTP client, a traceback from the CLI.
+    (The service names the profiles it knows instead, which a client cannot.)"""
+    if profile is not None and (where := lone_surrogate(profile)) is not None:
+        raise ProfileError(
+            f"Invalid profile: {shown_value(profile)} holds a lone surrogate {where}, which is no character",
+            field="profile",
+        )
     return profile
 
 
@@ -246,6 +261,29 @@ def meta_pairs(words: Iterable[str], option: str) -> dict[str, str]:
     return meta_filter(pairs, option)
 
 
+def check_root_id(root_id: str, field: str = "root_id") -> str:
+    """A root's id as a filter takes it (`--root`, `?root_id=`), or an error naming `field`: a NotFoundError for
+    no id's shape (a lone surrogate among them), a ValidationError for a child's or a batch's id, which matched
+    no root and answered an empty page where the API refused it."""
+    root = ids.root_of(root_id, field=field)
+    if root != root_id:
+        raise ValidationError(f"{field}: {root_id} is not a root task (its root is {root})", field=field)
+    return root_id
+
+
+# A delivery id, `<event id>.<subscription>` (coordinator/store/lua/outbox_add.lua): the API's path takes this
+# shape alone (coordinator/api/control.py, DeliveryId), and the client and the service check it before a request.
+DELIVERY_ID_RE = re.compile(r"evt_[A-Za-z0-9_-]{1,80}_[0-9]{1,12}\.[0-9a-z]{1,4}")
+
+
+def check_delivery_id(task_id: str, delivery_id: str) -> str:
+    """A delivery id of the shape subq gives one, or the NotFoundError of an unknown delivery: checked before a
+    request (".." or "a/b" became another route) or a Redis command (a lone surrogate is no UTF-8) is made of it."""
+    if not DELIVERY_ID_RE.fullmatch(delivery_id):
+        raise NotFoundError(f"Unknown delivery {shown_value(delivery_id)} of task {task_id}", field="delivery_id")
+    return delivery_id
+
+
 def check_history_query(
     status: str | None, root_id: str | None, limit: int, cursor: int, metadata: Mapping[str, str] | None = None
 ) -> None:
@@ -262,7 +300,7 @@ def check_history_query(
     if not 0 <= cursor <= MAX_CURSOR:
         raise ValidationError(f"cursor must be between 0 and {MAX_CURSOR}", field="cursor")
     if root_id is not None:
-        ids.root_of(root_id, field="root_id")
+        check_root_id(root_id)
 
 
 def finishing_among(among: str) -> list[str]:

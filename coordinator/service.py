@@ -51,13 +51,14 @@ from coordinator import retry as retry_room
 from coordinator import todos as todo_lists
 from coordinator.audit import LOCAL, Action, Actor, AuditEntry
 from coordinator.deadletters import DeadLetter, message_digest
-from coordinator.errors import CorruptError, NotFoundError, QuotaExceeded, ValidationError, WaitTimeout
+from coordinator.errors import BrokerError, CorruptError, NotFoundError, QuotaExceeded, ValidationError, WaitTimeout
 from coordinator.export import export_tree
 from coordinator.inputs import (
     DEFAULT_PAGE,
     MAX_PAGE,
     MAX_PROMPT_CHARS,
     check_dead_letter_limit,
+    check_delivery_id,
     check_finishing_among,
     check_history_query,
     check_metadata,
@@ -496,6 +497,8 @@ class Coordinator:
         """Send a delivery of the task's tree again now, whatever its state (a receiver that lost it, one
         given up on): its attempts start again from 0 and its bounded time from now. On record as `actor`'s."""
         root_id = ids.root_of(task_id)
+        # Its shape before Redis is asked, as the client checks it (a lone surrogate was a traceback in hiredis).
+        check_delivery_id(task_id, delivery_id)
         self.store.records.task_fields(task_id)  # NotFoundError for an unknown task
         if self.store.outbox.delivery(root_id, delivery_id) is None:
             raise NotFoundError(f"Unknown delivery {delivery_id!r} of task {task_id}", field="delivery_id")
@@ -516,9 +519,18 @@ class Coordinator:
 
         The approval carries `decided_by` (the actor's name), and the decision is on record."""
         ids.root_of(approval_id, field="approval_id")
-        decided = approvals.decide(self.plane, approval_id, decision, feedback, decided_by=actor.name)
-        self.record(actor, "approve" if decided.status == "approved" else "deny", approval_id, detail=feedback or "")
+        try:
+            decided = approvals.decide(self.plane, approval_id, decision, feedback, decided_by=actor.name)
+        except BrokerError:
+            # The broker refused the resume's publish after the decision's step: the decision stands (that step
+            # put the task on the due list, and the reconciler publishes it), so it is on record all the same.
+            self._record_decision(actor, self.store.approvals.get_approval(approval_id), feedback)
+            raise
+        self._record_decision(actor, decided, feedback)
         return decided
+
+    def _record_decision(self, actor: Actor, decided: Approval, feedback: str | None) -> None:
+        self.record(actor, "approve" if decided.status == "approved" else "deny", decided.id, detail=feedback or "")
 
     def expire_approval(self, approval_id: str) -> bool:
         """Deny an approval whose deadline has passed; False when it was decided or is not due."""
@@ -655,8 +667,9 @@ class Coordinator:
         at most a heartbeat lapse and within `timeout_s`), so the record's figures
         are final.
         """
-        if timeout_s < 0:
-            raise ValidationError("timeout_s must not be negative", field="timeout_s")
+        # `not >=`: NaN compares false with everything, and a NaN deadline never came (inf is a wait without end).
+        if not timeout_s >= 0:
+            raise ValidationError(f"timeout_s must be 0 or more seconds, not {timeout_s!r}", field="timeout_s")
         deadline = time.monotonic() + timeout_s
         hold: StopHold | None = None  # once settled after a stop
         with self.store.events.settle_watch(task_id) as watch:

@@ -243,6 +243,24 @@ def test_bad_create_task(idle_coordinator: Coordinator) -> None:
     )
 
 
+def test_what_redis_cannot_take_is_refused_before_it_is_asked(idle_coordinator: Coordinator, parent: Any) -> None:
+    """A delivery id with a lone surrogate (a command-line argument that is not UTF-8) reached the Redis client,
+    whose encoder raised: a traceback. A child's id as the history's root read no task: an empty page,
+    where the API refused it. Each is refused in one line now, the same words the HTTP client uses."""
+    coord = idle_coordinator
+    for delivery_id in ("\udcff", ".", "..", "", "a/b", f"evt_{parent.id}_1.0\n"):
+        _assert_refused(
+            coord, lambda d=delivery_id: coord.redeliver(parent.id, d), NotFoundError,
+            f"Unknown delivery {delivery_id!r} of task {parent.id}", "delivery_id", parent.id,
+        )  # fmt: skip
+    (child,) = coord.delegate(parent.id, [_ok()]).child_ids
+    _assert_refused(
+        coord, lambda: coord.list_tasks(root_id=child), ValidationError,
+        f"root_id: {child} is not a root task (its root is {parent.id})", "root_id", parent.id,
+    )  # fmt: skip
+    assert {item.id for item in coord.list_tasks(root_id=parent.id)[0]} == {parent.id, child}
+
+
 def test_a_malformed_task_message_changes_nothing(coordinator: Coordinator) -> None:
     """A producer that sends `subq.run_task` with a bad argument gets a failed result, no state."""
     before = coordinator.store.metrics.snapshot()

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -34,7 +35,7 @@ from coordinator.export import FILE_NAMES
 from coordinator.local.demo import DEMO_PLAN
 from coordinator.local.ports import free_port
 from tests.agents import STEP_COST_MICROS, STEP_TOKENS, agent, call, reply, subtask
-from tests.helpers import TOKEN, Transport, script, state, usage_step
+from tests.helpers import TOKEN, Transport, api_coordinator, script, state, usage_step
 from tests.test_bad_input import NO_TREE
 
 COMMANDS = ["up", "worker", "api", "flower", "demo", "run", "status", "todos", "tree", "history", "export"]
@@ -63,12 +64,13 @@ class Terminal(io.StringIO):
 
 
 def cli(
-    *args: str, env: dict[str, str] | None = None, stdin: str | None = None, tty: bool = False
+    *args: str, env: dict[str, str] | None = None, stdin: str | bytes | None = None, tty: bool = False
 ) -> subprocess.CompletedProcess[str]:
     """`subq <args>` run in this process, as `subq()` would run it in another.
 
     The environment holds `env` as its only SUBQ_/FLOWER_ variables while the command
-    runs; stdin reads `stdin` (empty if None); stdout and stderr are captured (stdout
+    runs; stdin reads `stdin` (empty if None; a str as UTF-8), as text or through its
+    bytes (`sys.stdin.buffer`) as a process's stdin; stdout and stderr are captured (stdout
     as a terminal with `tty`); the exit code is the one `main()` would exit with
     (`run_cli`'s result).
     """
@@ -77,12 +79,18 @@ def cli(
         _environment(env or {}),
         mock.patch("os.execve", _refuse_exec),
         mock.patch("uvicorn.run", _refuse_serve),
-        mock.patch.object(sys, "stdin", io.StringIO(stdin or "")),
+        mock.patch.object(sys, "stdin", _stdin(stdin)),
         redirect_stdout(out),
         redirect_stderr(err),
     ):
         code = run_cli(list(args))
     return subprocess.CompletedProcess(["subq", *args], code, out.getvalue(), err.getvalue())
+
+
+def _stdin(given: str | bytes | None) -> io.TextIOWrapper:
+    """A process's stdin holding `given`: text over bytes, decoded as under a UTF-8 locale (surrogateescape)."""
+    data = given.encode() if isinstance(given, str) else given or b""
+    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="surrogateescape")
 
 
 @contextmanager
@@ -246,6 +254,22 @@ OPERATOR_ERRORS = [  # subq's own validation of an operator command: exit 1, the
     (["history", "--root", "nope"], "subq: Unknown id: 'nope'"),
     (["export", UNKNOWN, "{new_dir}"], f"subq: Unknown task: {UNKNOWN}"),
     (["export", "not-an-id", "{new_dir}"], "subq: Unknown id: 'not-an-id'"),
+    # Arguments that are not UTF-8 reached the HTTP client (or hiredis) as lone surrogates: a traceback, not a refusal.
+    (
+        ["run", "p", "--profile", "\udcff"],
+        "subq: Invalid profile: '\\udcff' holds a lone surrogate '\\udcff' at character 1, which is no character",
+    ),
+    (["audit", "--before", "\udcff"], "subq: before must be an entry id as <ms>-<n>, not '\\udcff'"),
+    (["audit", "--before", "x"], "subq: before must be an entry id as <ms>-<n>, not 'x'"),
+    (["approvals", "--root", "\udcff"], "subq: Unknown id: '\\udcff' is not a subq task or batch id"),
+    (["redeliver", UNKNOWN, "\udcff"], f"subq: Unknown delivery '\\udcff' of task {UNKNOWN}"),
+    # ".." became another route over the API (httpx resolves dot segments).
+    (["redeliver", UNKNOWN, ".."], f"subq: Unknown delivery '..' of task {UNKNOWN}"),
+    # The first to read stdin left the second nothing: "--output-schema - is not JSON".
+    (
+        ["run", "p", "--todos", "-", "--output-schema", "-"],
+        "subq: --todos and --output-schema cannot both read stdin ('-'): give one as a file",
+    ),
 ]
 SUBQ_ERRORS = [  # subq's own validation of the commands that run on this machine, and of Redis settings: exit 1
     (["flower"], "subq: Flower needs basic auth: pass --password (or set SUBQ_FLOWER_PASSWORD)"),
@@ -390,6 +414,67 @@ def test_an_export_it_cannot_write_is_one_line(idle_coordinator: Coordinator, tm
     assert proc.stderr == f"subq: cannot write {a_file / 'out'}: Not a directory\n"
 
 
+@pytest.mark.parametrize(
+    ("option", "text"), [("--todos", "[ ] caf\xe9\n"), ("--output-schema", '{"title": "caf\xe9"}')]
+)
+def test_stdin_that_is_not_utf8_is_refused_as_a_file_is(
+    idle_coordinator: Coordinator, transport: Transport, tmp_path: Path, option: str, text: str
+) -> None:
+    """Stdin was read as text, decoded with the locale's encoding and surrogateescape: under LC_ALL=C a Latin-1
+    "café" became "caf\\udce9", stored as "caf?" on Redis (a traceback through the API), where a file of the
+    same bytes was refused. Both are read as UTF-8 now, and refused alike."""
+    data = text.encode("latin-1")
+    with pytest.raises(UnicodeDecodeError) as undecodable:
+        data.decode("utf-8")
+    a_file = tmp_path / "latin-1"
+    a_file.write_bytes(data)
+    env = transport.env(idle_coordinator.settings)
+    before = state(idle_coordinator, NO_TREE)
+    for path, stdin in (("-", data), (str(a_file), None)):
+        proc = cli("run", "p", option, path, env=env, stdin=stdin)
+        assert (proc.returncode, proc.stdout) == (1, ""), proc.stderr
+        assert proc.stderr == f"subq: Cannot read {option} {path}: {undecodable.value}\n"
+    assert state(idle_coordinator, NO_TREE) == before, "a refused command changed Redis or published a message"
+
+
+def test_stdin_in_utf8_is_read_whatever_the_locale(idle_coordinator: Coordinator, transport: Transport) -> None:
+    proc = cli("run", "p", "--todos", "-", env=transport.env(idle_coordinator.settings), stdin="[ ] café\n")
+    assert proc.returncode == 0, proc.stderr
+    assert [item.content for item in idle_coordinator.get_todos(proc.stdout.strip())] == ["café"]
+
+
+def test_history_of_a_childs_id_is_refused_not_an_empty_page(
+    idle_coordinator: Coordinator, transport: Transport
+) -> None:
+    """`--root` with a child's id read no task and printed an empty page on Redis; through the API it was refused.
+    Both refuse it now, as `subq approvals --root` does, and change nothing."""
+    root = idle_coordinator.create_task("a root")
+    (child,) = idle_coordinator.delegate(root.id, [{"description": "c", "message": "m"}]).child_ids
+    before = state(idle_coordinator, root.id)
+    proc = cli("history", "--root", child, env=transport.env(idle_coordinator.settings))
+    assert (proc.returncode, proc.stdout) == (1, ""), proc.stderr
+    assert proc.stderr == f"subq: root_id: {child} is not a root task (its root is {root.id})\n"
+    assert state(idle_coordinator, root.id) == before
+
+
+def test_historys_next_page_hint_keeps_the_filters(settings: Settings, transport: Transport) -> None:
+    """The hint said `subq history --cursor N` alone: followed, it listed every task from there, not the filtered
+    ones. It repeats the filters and the page size now, quoted for a shell (a value with a space)."""
+    tag = f"hint {uuid.uuid4().hex[:8]}"
+    with api_coordinator(settings, f"subqhint{uuid.uuid4().hex[:8]}", "subq-nobody") as coord:
+        roots = [coord.create_task(f"root {n}", metadata={"run": tag}).id for n in range(4)]
+        for root in roots[1::2]:
+            coord.cancel(root, "test")
+        env = transport.env(coord.settings)
+        first = cli("history", "--status", "cancelled", "--meta", f"run={tag}", "--limit", "1", env=env)
+        assert first.returncode == 0 and roots[3] in first.stdout, first.stderr
+        hint = re.fullmatch(r"\(more: (.*)\)\n", first.stderr)
+        assert hint is not None, first.stderr
+        assert hint[1] == f"subq history --status cancelled --meta 'run={tag}' --limit 1 --cursor 1"
+        second = cli(*shlex.split(hint[1])[1:], env=env)
+        assert second.returncode == 0 and roots[1] in second.stdout and roots[2] not in second.stdout, second
+
+
 def test_the_api_needs_no_redis_settings(idle_coordinator: Coordinator, idle_api: str) -> None:
     """With only the API's URL and token, a run starts (and its message waits on the idle queue)."""
     proc = cli("run", "p", env={"SUBQ_API_URL": idle_api, "SUBQ_API_TOKEN": TOKEN})
@@ -487,7 +572,7 @@ def test_run_follow_then_tree_history_and_export(fleet_env: dict[str, str], tmp_
     assert {i["id"] for i in page["items"]} == {root_id, *(c["id"] for c in as_json["children"])}
     table = cli("history", "--root", root_id, "--limit", "1", env=fleet_env)
     assert table.returncode == 0 and len(table.stdout.splitlines()) == 2  # the header and one task
-    assert table.stderr.strip() == "(more: subq history --cursor 1)"
+    assert table.stderr.strip() == f"(more: subq history --root {root_id} --limit 1 --cursor 1)"
 
     out = tmp_path / "export"
     exported = cli("export", root_id, str(out), env=fleet_env)

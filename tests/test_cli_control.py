@@ -132,6 +132,23 @@ def test_approvals_of_a_child_id_is_refused_not_empty(settings: Settings, transp
         coord.close()
 
 
+def test_redeliver_of_a_malformed_delivery_id_is_refused_alike(settings: Settings, transport: Transport) -> None:
+    """On Redis a delivery id that is not UTF-8 (a lone surrogate) was a traceback from hiredis; through the API it
+    was one from httpx, and ".." or "." reached another route. Each is refused as an unknown delivery, either way."""
+    idle = settings.model_copy(update={"queue": "subq-nobody"})
+    coord = Coordinator(idle)
+    try:
+        root = coord.create_task("a root")
+        before = state(coord, root.id)
+        for delivery_id in ("\udcff", "..", ".", "", "a/b"):
+            proc = cli("redeliver", root.id, delivery_id, env=transport.env(idle))
+            assert (proc.returncode, proc.stdout) == (1, ""), proc.stderr
+            assert proc.stderr == f"subq: Unknown delivery {delivery_id!r} of task {root.id}\n"
+        assert state(coord, root.id) == before
+    finally:
+        coord.close()
+
+
 def test_cancel_requires_a_reason(settings: Settings) -> None:
     proc = cli("cancel", "0123456789abcdef", env={"SUBQ_REDIS_URL": settings.redis_url or ""})
     assert proc.returncode == 2 and "Missing option '--reason'" in proc.stderr

@@ -202,6 +202,42 @@ def test_wait_times_out_and_checks_its_argument(idle: Coordinator, subq: SubqCli
     assert subq.wait(idle.create_task("settled").id, timeout_s=0).status == TaskStatus.ACTIVE
 
 
+def _raised_at_once(call: Any) -> BaseException | None:
+    """What `call()` raised, run in a thread given REFUSAL_S: a wait that never ends fails the test, not hangs it."""
+    raised: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            raised.append(None)
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(REFUSAL_S)
+    assert raised, f"still waiting after {REFUSAL_S} s"
+    return raised[0]
+
+
+# Far more than a refusal takes, far less than pytest's timeout.
+REFUSAL_S = 10
+
+
+def test_a_nan_timeout_is_refused_not_a_wait_without_end(
+    idle: Coordinator, subq: SubqClient, parent: TaskRecord
+) -> None:
+    """`nan < 0` is False: wait(timeout_s=nan) passed the check, and a NaN deadline never came. inf still waits
+    without end, and answers a settled task at once."""
+    idle.delegate(parent.id, [spec()])  # nobody runs the child: only a deadline ends a wait on it
+    for wait in (subq.wait, idle.wait):
+        refused = _raised_at_once(lambda wait=wait: wait(parent.id, timeout_s=float("nan")))
+        assert isinstance(refused, ValidationError), refused
+        assert (refused.message, refused.field) == ("timeout_s must be 0 or more seconds, not nan", "timeout_s")
+        settled = idle.create_task("settled").id
+        assert wait(settled, timeout_s=float("inf")).status == TaskStatus.ACTIVE
+
+
 def test_auth_and_transport_errors(idle_url: str) -> None:
     for token in (None, "wrong"):
         with SubqClient(idle_url, token=token) as anonymous, pytest.raises(AuthError) as denied:
@@ -315,6 +351,53 @@ def test_requests_carry_the_token_and_an_id_of_no_tasks_shape_is_sent_nowhere() 
             subq.get_todos("0123456789abcdef")
     assert seen[0].headers["authorization"] == f"Bearer {TOKEN}"
     assert seen[0].url.raw_path == b"/v1/tasks/0123456789abcdef/todos"
+
+
+def test_input_no_request_can_carry_is_refused_before_sending() -> None:
+    """A command-line argument that is not UTF-8 (a lone surrogate) was an encoding error deep in httpx, a
+    traceback from the CLI; a delivery id "..", "." or "a/b" reached another route (httpx resolves dot segments).
+    Each is refused as the service refuses it on Redis, and nothing is sent."""
+    seen: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(404, json={"code": "not_found", "message": "Unknown", "field": "delivery_id"})
+
+    root, child = "0123456789abcdef", "0123456789abcdef-0123456789ab"
+    with SubqClient("http://subq.test", token=TOKEN, transport=httpx.MockTransport(answer)) as subq:
+        refusals: list[tuple[Any, type[SubqError], str, str]] = [
+            (lambda: subq.create_task("ok", profile="\udcff"), ProfileError, "profile",
+             "Invalid profile: '\\udcff' holds a lone surrogate '\\udcff' at character 1, which is no character"),
+            (lambda: subq.audit(before="\udcff"), ValidationError, "before",
+             "before must be an entry id as <ms>-<n>, not '\\udcff'"),
+            (lambda: subq.audit(before="x"), ValidationError, "before", "before must be an entry id as <ms>-<n>, not 'x'"),
+            (lambda: subq.list_approvals("\udcff"), NotFoundError, "root_id",
+             "Unknown id: '\\udcff' is not a subq task or batch id"),
+            (lambda: subq.list_approvals(child), ValidationError, "root_id",
+             f"root_id: {child} is not a root task (its root is {root})"),
+            (lambda: subq.list_tasks(root_id=child), ValidationError, "root_id",
+             f"root_id: {child} is not a root task (its root is {root})"),
+            # Any string of a body, named by its path.
+            (lambda: subq.create_task("ok", todos="[ ] caf\udce9"), ValidationError, "todos",
+             "todos holds a lone surrogate '\\udce9' at character 8, which is no character"),
+            (lambda: subq.update_todos(root, [{"content": "caf\udce9"}]), ValidationError, "todos.0.content",
+             "todos.0.content holds a lone surrogate '\\udce9' at character 4, which is no character"),
+            (lambda: subq.delegate(root, [{"description": "d", "message": "m", "profile": "\udcff"}]), ValidationError,
+             "subtasks.0.profile", "subtasks.0.profile holds a lone surrogate '\\udcff' at character 1, which is no character"),
+        ]  # fmt: skip
+        for delivery_id in ("\udcff", ".", "..", "", "a/b", "evt_x_1.0/..", "evt_x_1.0\n"):
+            refusals.append(
+                (lambda d=delivery_id: subq.redeliver(root, d), NotFoundError, "delivery_id",
+                 f"Unknown delivery {delivery_id!r} of task {root}")
+            )  # fmt: skip
+        for call, error, field, message in refusals:
+            with pytest.raises(error) as refused:
+                call()
+            assert (refused.value.message, refused.value.field) == (message, field)
+        assert seen == [], "no request was sent"
+        with pytest.raises(NotFoundError):  # a delivery id of the shape subq gives one is sent, as it is
+            subq.redeliver(root, f"evt_{root}_12.c")
+    assert seen[0].url.raw_path == f"/v1/tasks/{root}/deliveries/evt_{root}_12.c/redeliver".encode()
 
 
 def test_the_root_filter_is_sent_as_root_id() -> None:

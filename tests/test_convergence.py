@@ -931,6 +931,9 @@ def test_a_decision_whose_publish_never_came_still_resumes(coord: Coordinator, m
     with pytest.raises(BrokerError):
         coord.decide(approval, "approve")
     assert queued_ids(coord) == [] and task_id in coord.store.convergence.watched()
+    assert [(e.action, e.target) for e in coord.audit()[0] if e.target == approval] == [("approve", approval)], (
+        "the decision stands, and is on record"
+    )
     assert tick(coord) == {"run-lost": 1}
     assert queued_ids(coord) == [task_id], "published by the reconciler"
 

@@ -18,7 +18,7 @@ from coordinator.api.errors import error_responses
 from coordinator.api.routes import TaskId
 from coordinator.api.schemas import ApprovalList, DeadLetterList, DeadLettersPurged, DeliveryList, Snapshot
 from coordinator.ids import ROOT_ID_PATTERN
-from coordinator.inputs import CancelInput, DecisionInput, RetryInput
+from coordinator.inputs import DELIVERY_ID_RE, CancelInput, DecisionInput, RetryInput
 from coordinator.models import Approval, Delivery, Retried, TaskRecord
 from coordinator.service import DEFAULT_PAGE, MAX_PAGE, Coordinator
 from coordinator.tenants import TenantList
@@ -28,7 +28,7 @@ __all__ = ["control_routes"]
 DeliveryId = Annotated[
     str,
     Path(
-        pattern=r"^evt_[A-Za-z0-9_-]{1,80}_[0-9]{1,12}\.[0-9a-z]{1,4}$",
+        pattern=f"^{DELIVERY_ID_RE.pattern}$",
         description="A delivery id, `<event id>.<subscription>`, as GET /v1/tasks/{id}/deliveries lists it",
     ),
 ]

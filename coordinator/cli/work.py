@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,6 +19,8 @@ import typer
 from coordinator.cli.common import JsonOption, TaskId, connect, say, say_json
 from coordinator.errors import ValidationError
 
+# A page of `subq history` when --limit is left out.
+HISTORY_PAGE = 20
 # The widths a timeline is drawn at (views.py draws it; the bounds are checked before connecting).
 TIMELINE_MIN_WIDTH = 40
 TIMELINE_MAX_WIDTH = 1000
@@ -107,10 +110,18 @@ def run(
 
     The agent plans with its todo list, delegates to subagents and completes.
     """
-    from coordinator.inputs import CreateTaskInput, meta_pairs  # on use: `subq --help` loads no models
+    # On use: `subq --help` loads no models.
+    from coordinator.inputs import CreateTaskInput, meta_pairs, sendable_profile
 
+    # Checked here as the HTTP client checks it, so the line is the same on Redis and through the API.
+    sendable_profile(profile)
     metadata = meta_pairs(meta, "--meta") if meta else None
     webhooks = _webhooks(webhook or [], webhook_secret_env, webhook_event or [])
+    if str(todos) == str(output_schema) == STDIN:
+        # The first to read stdin would leave the second nothing: refused before either is read.
+        raise ValidationError(
+            "--todos and --output-schema cannot both read stdin ('-'): give one as a file", field="output_schema"
+        )
     todo_text = _read_todos(todos) if todos is not None else None
     schema = _read_schema(output_schema) if output_schema is not None else None
     # The API's model of the operation, so a bad prompt, budget or schema reads the same either
@@ -158,21 +169,31 @@ def _warn_ignored_lines(todo_text: str | None) -> None:
         typer.echo(f"subq: warning: --todos {line}", err=True)
 
 
-def _read_todos(path: Path) -> str:
+# The path that names stdin, for --todos and --output-schema.
+STDIN = "-"
+
+
+def _read_text(path: Path, option: str, field: str) -> str:
+    """The UTF-8 text of the file `option` names ('-': stdin), or one line saying why it cannot be read.
+
+    Stdin is read as bytes and decoded as a file is: its text layer decodes with the locale's encoding and
+    `surrogateescape`, so under LC_ALL=C a byte that is no UTF-8 became a lone surrogate, stored as '?' (or
+    a traceback through the API)."""
     try:
-        return sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+        data = sys.stdin.buffer.read() if str(path) == STDIN else path.read_bytes()
+        return data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ValidationError(f"Cannot read --todos {path}: {reason}", field="todos") from None
+        raise ValidationError(f"Cannot read {option} {path}: {reason}", field=field) from None
+
+
+def _read_todos(path: Path) -> str:
+    return _read_text(path, "--todos", "todos")
 
 
 def _read_schema(path: Path) -> object:
     """The JSON in `--output-schema FILE` ('-': stdin); CreateTaskInput then checks it is a usable schema."""
-    try:
-        text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ValidationError(f"Cannot read --output-schema {path}: {reason}", field="output_schema") from None
+    text = _read_text(path, "--output-schema", "output_schema")
     try:
         return json.loads(text)
     except (json.JSONDecodeError, RecursionError) as exc:
@@ -288,7 +309,7 @@ def history(
         str | None, typer.Option(help="Only tasks in this status (active, delegated, completed, failed, cancelled).")
     ] = None,
     root: Annotated[str | None, typer.Option(help="Only the tasks of this root's tree.")] = None,
-    limit: Annotated[int, typer.Option(help="Most tasks to show (1-500).")] = 20,
+    limit: Annotated[int, typer.Option(help="Most tasks to show (1-500).")] = HISTORY_PAGE,
     cursor: Annotated[int, typer.Option(help="Where to go on from, as the previous page printed.")] = 0,
     meta: Annotated[
         list[str] | None,
@@ -317,7 +338,20 @@ def history(
     for line in history_lines(items):
         say(line)
     if next_cursor is not None:
-        typer.echo(f"(more: subq history --cursor {next_cursor})", err=True)
+        filters = {"--status": status, "--root": root, "--tenant": tenant}
+        typer.echo(f"(more: {_history_command(filters, meta or [], limit, next_cursor)})", err=True)
+
+
+def _history_command(filters: dict[str, str | None], meta: list[str], limit: int, cursor: int) -> str:
+    """The `subq history` that goes on from `cursor` with the same filters and page size, quoted for a shell:
+    the cursor alone went on through every task, not the filtered ones."""
+    words = ["subq", "history"]
+    for option, value in filters.items():
+        words += [option, value] if value is not None else []
+    for pair in meta:
+        words += ["--meta", pair]
+    words += ["--limit", str(limit)] if limit != HISTORY_PAGE else []
+    return shlex.join([*words, "--cursor", str(cursor)])
 
 
 def export(

@@ -48,7 +48,10 @@ from coordinator.inputs import (
     RetryInput,
     TodosInput,
     check_dead_letter_limit,
+    check_delivery_id,
     check_history_query,
+    check_root_id,
+    sendable_profile,
 )
 from coordinator.models import (
     FINISHING_AMONG_MAX,
@@ -66,6 +69,7 @@ from coordinator.models import (
     TodoItem,
 )
 from coordinator.tenants import TenantList, TenantState, check_tenant_name
+from coordinator.text import lone_surrogate, shown_value, stream_id
 from coordinator.tree import TreeNode
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Call", "Sleep"]
@@ -154,6 +158,7 @@ def create_task(
 ) -> Call[TaskRecord]:
     # The body is read with the API's own model before sending: a bad input is refused
     # here in the server's words (the service's, for a blank prompt or a bad budget), and nothing is sent.
+    sendable_profile(profile)
     body = _body(
         CreateTaskInput,
         {
@@ -186,7 +191,11 @@ def deliveries(task_id: str) -> Call[list[Delivery]]:
 
 
 def redeliver(task_id: str, delivery_id: str) -> Call[Delivery]:
-    return Call("POST", task_path(task_id, f"/deliveries/{quote(delivery_id, safe='')}/redeliver"), _DELIVERY)
+    path = task_path(task_id)
+    # As `task_path`: "..", "." and "" became another route (httpx resolves dot segments), and a lone surrogate
+    # no request line can carry; refused as the service refuses an unknown delivery.
+    check_delivery_id(task_id, delivery_id)
+    return Call("POST", f"{path}/deliveries/{quote(delivery_id, safe='')}/redeliver", _DELIVERY)
 
 
 def snapshot(root_id: str) -> Call[dict[str, LiveState]]:
@@ -194,6 +203,8 @@ def snapshot(root_id: str) -> Call[dict[str, LiveState]]:
 
 
 def list_approvals(root_id: str | None) -> Call[list[Approval]]:
+    if root_id is not None:  # as the service checks it (a lone surrogate, a child's id), before a query is made of it
+        check_root_id(root_id)
     params = {"root_id": root_id} if root_id is not None else {}
     return Call("GET", "/v1/approvals", _APPROVALS, unwrap=lambda page: page.approvals, params=params)
 
@@ -225,6 +236,9 @@ def purge_dead_letters() -> Call[int]:
 
 def audit(limit: int, before: str | None) -> Call[tuple[list[AuditEntry], str | None]]:
     check_dead_letter_limit(limit)
+    # The audit store's check, before a query is made of it (a lone surrogate is no UTF-8: a traceback in httpx).
+    if before is not None and not stream_id(before):
+        raise ValidationError(f"before must be an entry id as <ms>-<n>, not {shown_value(before)}", field="before")
     params: dict[str, Any] = {"limit": limit, **({"before": before} if before is not None else {})}
     return Call("GET", "/v1/audit", _AUDIT, unwrap=lambda page: (page.entries, page.next_before), params=params)
 
@@ -301,7 +315,24 @@ def list_tasks(
 def _body(model: type[OperationInput], given: Mapping[str, Any]) -> dict[str, Any]:
     """A request body read with its operation's model (refused as the server would), as JSON; money as decimal strings."""
     body: dict[str, Any] = model.parse(given).model_dump(mode="json", exclude_none=True)
+    _refuse_lone_surrogates(body, "")
     return body
+
+
+def _refuse_lone_surrogates(value: object, path: str) -> None:
+    """A ValidationError naming the first string of a body (a todo list, a subtask's profile) that holds a lone
+    surrogate, which no request body can carry: it was an encoding error deep in httpx, a traceback."""
+    if isinstance(value, str) and (where := lone_surrogate(value)) is not None:
+        raise ValidationError(
+            f"{path or 'body'} holds a lone surrogate {where}, which is no character", field=path or None
+        )
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_lone_surrogates(key, path)
+            _refuse_lone_surrogates(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for n, item in enumerate(value):
+            _refuse_lone_surrogates(item, f"{path}.{n}" if path else str(n))
 
 
 def _settled(record: TaskRecord) -> bool:
@@ -315,8 +346,9 @@ def wait(task_id: str, timeout_s: float) -> Generator[Call[Any] | Sleep, Any, Ta
     After a stop (`TaskStatus.stopped`) it answers once the subtree's stopped runs have recorded their late
     spend (GET .../finishing, alone while it holds), for at most their lapse and within `timeout_s`, so the
     figures are final: the rule of `Coordinator.wait` (`StopHold`)."""
-    if timeout_s < 0:
-        raise ValidationError("timeout_s must not be negative", field="timeout_s")
+    # `not >=`: NaN compares false with everything, and a NaN deadline never came (inf is a wait without end).
+    if not timeout_s >= 0:
+        raise ValidationError(f"timeout_s must be 0 or more seconds, not {timeout_s!r}", field="timeout_s")
     deadline = time.monotonic() + timeout_s
     delay_s = POLL_FIRST_S
     while True:
