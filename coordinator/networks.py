@@ -18,19 +18,22 @@ __all__ = ["BLOCKED_NETWORKS", "IpAddress", "blocked_address", "own_addresses", 
 
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
-# The host's loopback, the private and shared ranges (RFC 1918, RFC 6598), link-local (the cloud metadata address
-# 169.254.169.254 is in it), "this network", IETF protocol assignments (a sandbox's own /30 is more specific: its
-# gateway answers DNS), benchmarking, multicast and reserved; for IPv6 loopback, the IPv4-compatible form (::/96),
-# NAT64 (well-known and local-use, RFC 8215), 6to4 and Teredo (each can carry an IPv4 address of the ranges
-# above), discard-only (RFC 6666), unique-local (AWS's fd00:ec2::254 metadata address is in it), link-local and
-# site-local, multicast, and the IPv4-mapped form of the ranges above (`blocked_address` unpacks it).
+# The host's loopback, the private and shared ranges (RFC 1918; RFC 6598, where Alibaba Cloud's metadata address
+# 100.100.100.200 is), link-local (the metadata address 169.254.169.254 of AWS, GCP's metadata.google.internal,
+# Azure's, Oracle's and most others'), "this network", IETF protocol assignments (Oracle Cloud's metadata address
+# 192.0.0.192 is in it; a sandbox's own /30 is more specific: its gateway answers DNS), Azure's WireServer
+# 168.63.129.16 (a public address, but each Azure VM's own host: it hands the VM its certificates and extensions'
+# settings), benchmarking, multicast and reserved; for IPv6 loopback, the IPv4-compatible form (::/96), NAT64
+# (well-known and local-use, RFC 8215), 6to4 and Teredo (each can carry an IPv4 address of the ranges above),
+# discard-only (RFC 6666), unique-local (AWS's metadata address fd00:ec2::254 and GCP's fd20:ce::254 are in it),
+# link-local and site-local, multicast, and the IPv4-mapped form of the ranges above (`blocked_address` unpacks it).
 # Python's `is_global` is not enough: it reads the NAT64, 6to4, IPv4-compatible and site-local forms of a private
 # address as global (and which it reads so moves between patch releases).
 BLOCKED_NETWORKS = tuple(
     ipaddress.ip_network(net)
     for net in (
-        "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
-        "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4",
+        "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "168.63.129.16/32", "169.254.0.0/16",
+        "172.16.0.0/12", "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4",
         "::/96", "::1/128", "64:ff9b::/96", "64:ff9b:1::/48", "100::/64", "2001::/32", "2002::/16", "fc00::/7", "fe80::/10", "fec0::/10", "ff00::/8",
     )
 )  # fmt: skip

@@ -217,8 +217,11 @@ MAX_COMMAND_PROCESSES = 256
 # its data segment in MiB (RLIMIT_DATA: the memory it writes; unlike RLIMIT_AS it does not
 # count what Node, Go or a JVM merely reserve, which is tens of GiB and would stop them at start),
 COMMAND_MEMORY_MB = 4096
-# and its CPU seconds (a busy loop is stopped even when its wall-clock timeout_s is long).
+# its CPU seconds (a busy loop is stopped even when its wall-clock timeout_s is long),
 COMMAND_CPU_TIME_S = 600
+# and the size in MiB of a file it writes (RLIMIT_FSIZE: a runaway writer's one file does not fill the worker's
+# disk; a model's weights or a large repository's pack still fit). A bound on each file, not on their sum.
+COMMAND_MAX_FILE_MB = 16384
 
 
 # A host a sandboxed command may reach (`network = ["docs.example.org", "*.example.com"]`): a DNS
@@ -266,7 +269,7 @@ class RunCommand(BaseModel):
     stopped after `timeout_s`, and the model reads at most `max_output_chars` of its output.
     It runs in an OS sandbox (`sandbox`, workers/runtime/sandbox.py): the filesystem read-only
     but for `cwd` and a private /tmp, subq's own files hidden, no network unless `network`,
-    and at most `max_processes`, `memory_mb` and `cpu_time_s`.
+    and at most `max_processes`, `memory_mb`, `max_file_mb` and `cpu_time_s`.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -279,6 +282,7 @@ class RunCommand(BaseModel):
     max_processes: int = Field(default=MAX_COMMAND_PROCESSES, ge=1)
     memory_mb: int = Field(default=COMMAND_MEMORY_MB, ge=16)
     cpu_time_s: int = Field(default=COMMAND_CPU_TIME_S, ge=1)
+    max_file_mb: int = Field(default=COMMAND_MAX_FILE_MB, ge=1)
 
 
 # An MCP server's name: its tools' source (`mcp:<name>`) in `subq tools` and in errors.

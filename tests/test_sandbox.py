@@ -200,6 +200,66 @@ def test_tmp_holds_at_most_the_commands_memory(workdir: Path) -> None:
     assert _run(fill, workdir, memory_mb=256).exit_code == 0
 
 
+def test_dev_shm_holds_at_most_the_commands_memory_and_the_rest_of_dev_is_read_only(workdir: Path) -> None:
+    """bwrap's /dev is a tmpfs of its own, /dev/shm in it: a command wrote files there (or in /dev itself) as large
+    as half the host's memory, whatever `memory_mb` said. /dev/shm is a tmpfs of `memory_mb` now, /dev read-only."""
+    fill = "dd if=/dev/zero of=/dev/shm/fill bs=1M count=64"
+    bounded = _run(fill, workdir, memory_mb=16)
+    assert bounded.exit_code != 0 and "No space left" in bounded.output, bounded.text()
+    assert _run(fill, workdir, memory_mb=256).exit_code == 0
+    planted = _run("dd if=/dev/zero of=/dev/planted bs=1M count=1", workdir)
+    assert planted.exit_code != 0 and "Read-only file system" in planted.output, planted.text()
+    # What /dev is for still works: POSIX semaphores in /dev/shm, a pseudo-terminal, writing /dev/null.
+    used = "python3 -c 'import multiprocessing, os; multiprocessing.Lock(); os.openpty(); os.open(os.devnull, os.O_WRONLY)'"
+    assert _run(used, workdir).text() == "exit 0\n"
+
+
+def test_a_file_holds_at_most_max_file_mb(workdir: Path) -> None:
+    """A command's files in its `cwd` are on the worker's disk, and one runaway writer had no bound at all."""
+    big = "dd if=/dev/zero of=big bs=1M count=4"
+    capped = _run(big, workdir, max_file_mb=1)
+    assert capped.status == "killed by SIGXFSZ", capped.text()
+    assert (workdir / "big").stat().st_size <= 1024 * 1024
+    assert _run(big, workdir).exit_code == 0 and (workdir / "big").stat().st_size == 4 * 1024 * 1024
+
+
+@pytest.fixture
+def home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A worker's home outside /tmp (the sandbox's /tmp is its own), holding the usual credentials and a file that
+    is none of them."""
+    base = Path(tempfile.mkdtemp(prefix="subq-home-", dir="/var/tmp"))
+    for name in (".ssh/id_ed25519", ".aws/credentials", ".azure/msal_token_cache.json",
+                 ".config/gcloud/credentials.db", ".kube/config", ".docker/config.json", ".config/gh/hosts.yml",
+                 ".netrc", ".npmrc", ".pypirc", ".git-credentials"):  # fmt: skip
+        (base / name).parent.mkdir(parents=True, exist_ok=True)
+        (base / name).write_text(f"S3CRET {name}\n")
+    (base / ".config" / "tool.toml").write_text("plain setting\n")
+    monkeypatch.setenv("HOME", str(base))
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base)
+
+
+def test_the_machines_credentials_are_hidden_not_the_home(home: Path, workdir: Path) -> None:
+    """The whole filesystem is readable, read-only: a command read the worker's SSH keys and cloud logins (a
+    developer's, under `subq up`) and, as root, the password hashes. They are hidden; the rest of the home is not
+    (the worker's Python may live there)."""
+    sandbox = Sandbox.of(Settings())
+    every = "sh -c 'cat ~/.ssh/* ~/.aws/* ~/.azure/* ~/.config/gcloud/* ~/.kube/* ~/.docker/* ~/.config/gh/* " \
+        "~/.netrc ~/.npmrc ~/.pypirc ~/.git-credentials; cat ~/.config/tool.toml'"  # fmt: skip
+    read = _run(every, workdir, sandbox)
+    assert read.output.count("S3CRET") == 0 and "plain setting" in read.output, read.text()
+    assert _run(every, workdir, sandbox, sandbox=False).output.count("S3CRET") == 11, "readable unconfined"
+    planted = _run("touch ~/.ssh/authorized_keys", workdir, sandbox)
+    assert planted.exit_code != 0, planted.text()
+    if os.access("/etc/shadow", os.R_OK):  # as root, as this suite runs in CI
+        shadow = "cat /etc/shadow /etc/gshadow"
+        hidden = _run(shadow, workdir, sandbox)  # /dev/null in their place, on a mount without devices
+        assert "root:" not in hidden.output and hidden.output.count("Permission denied") == 2, hidden.text()
+        assert "root:" in _run(shadow, workdir, sandbox, sandbox=False).output, "readable unconfined"
+
+
 def test_a_commands_environment_holds_no_secret_of_subqs(tmp_path: Path) -> None:
     """SUBQ_* and the provider keys were left out by their exact names: a setting given in lower case (the settings
     read names in any case), the trace exporter's headers and an MCP server's `${VAR}` token were passed on."""
@@ -378,6 +438,7 @@ def test_a_worker_refuses_a_sandbox_it_cannot_start_unless_the_profile_opts_out(
         ({"memory_mb": 0}, "run_command.memory_mb"),
         ({"max_processes": 0}, "run_command.max_processes"),
         ({"cpu_time_s": -1}, "run_command.cpu_time_s"),
+        ({"max_file_mb": 0}, "run_command.max_file_mb"),
         ({"writable": ["/srv"]}, "run_command.writable"),
     ],
 )

@@ -179,7 +179,8 @@ def test_the_allow_list_matches_names_and_names_under_a_wildcard() -> None:
     "address",
     ["127.0.0.1", "127.1.2.3", "10.0.0.1", "172.16.5.4", "192.168.1.1", "100.64.0.1", "169.254.169.254", "0.0.0.0",
      "::1", "fd00:ec2::254", "fe80::1", "::ffff:127.0.0.1", "::ffff:10.0.0.1", "not an address",
-     "::7f00:1", "::a00:1", "64:ff9b:1::a00:1", "2001:0:4136:e378:8000:63bf:3fff:fdd2", "100::1"],
+     "::7f00:1", "::a00:1", "64:ff9b:1::a00:1", "2001:0:4136:e378:8000:63bf:3fff:fdd2", "100::1",
+     "168.63.129.16", "100.100.100.200", "192.0.0.192", "fd20:ce::254"],
 )  # fmt: skip
 def test_loopback_private_link_local_and_metadata_addresses_are_blocked(address: str) -> None:
     assert egress.blocked(address)
@@ -261,6 +262,13 @@ tried("plain:", lambda: socket.create_connection((host, 80), 5) and "connected")
 ' {host}"""
 
 
+# What NAMED_INTERFACE prints for an address the namespace refuses (its routes and its netfilter chain).
+REFUSED_EVERY_WAY = (
+    "exit 0\nbound: refused: Connection refused\npktinfo: refused: Operation not permitted\n"
+    "plain: refused: Permission denied\n"
+)
+
+
 @needs_root
 def test_public_reaches_no_private_address_through_a_socket_that_names_its_interface(
     tmp_path: Path, public_host: str, private_host: str
@@ -270,12 +278,17 @@ def test_public_reaches_no_private_address_through_a_socket_that_names_its_inter
     reached = _run(NAMED_INTERFACE.format(host=public_host), tmp_path, network=True, timeout_s=60)
     assert reached.text() == f"exit 0\nbound: connected\npktinfo: {MARKER}\nplain: connected\n", reached.text()
     tried = _run(NAMED_INTERFACE.format(host=private_host), tmp_path, network=True, timeout_s=60)
-    assert tried.text() == (
-        "exit 0\nbound: refused: Connection refused\npktinfo: refused: Operation not permitted\n"
-        "plain: refused: Permission denied\n"
-    ), tried.text()
+    assert tried.text() == REFUSED_EVERY_WAY, tried.text()
     unconfined = _run(NAMED_INTERFACE.format(host=private_host), tmp_path, sandbox=False, timeout_s=60)
     assert "plain: connected" in unconfined.text(), "the private host answers the same command outside the sandbox"
+
+
+def test_public_never_reaches_azures_wireserver(tmp_path: Path) -> None:
+    """Azure's WireServer, 168.63.129.16, is a public address that every Azure VM reaches, and it hands the VM its
+    certificates and extensions' settings: no private range holds it, and `network = true` reached it (a timeout
+    here, off Azure). It is refused at once, every way, as the metadata address is."""
+    tried = _run(NAMED_INTERFACE.format(host="168.63.129.16"), tmp_path, network=True, timeout_s=60)
+    assert tried.text() == REFUSED_EVERY_WAY, tried.text()
 
 
 @needs_root

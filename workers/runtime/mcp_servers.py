@@ -130,6 +130,9 @@ def _build(profile: str, server: McpServer, hidden: Sandbox, refusals: Path | No
         # The MCP SDK starts it with PATH, HOME, USER, LOGNAME, SHELL and TERM and these only.
         command, args = server.command, list(server.args)
         if server.sandbox:  # writes only where the entry says (workers/runtime/sandbox.py)
+            # No limits: a server lives as long as the worker, shared by every run, and RLIMIT_CPU counts a
+            # process's whole life (a command's 600 s would kill a server that had worked ten minutes in all).
+            # The container's memory limit bounds it (docs/tools.md).
             cwd = server.cwd or (server.writable[0] if server.writable else Path("/"))
             wrapped = hidden.wrap(
                 [command, *args], cwd, network=server.network, writable=server.writable, refusals=refusals

@@ -6,14 +6,17 @@ hundreds of programs run other programs or write files through their own options
 and no rule over argv can know them all. The sandbox bounds whatever gets past the rules:
 
 - **Files**: the whole filesystem is mounted read-only; only the command's `cwd` (and the
-  folders an MCP entry names) is writable, with a private, empty `/tmp` (memory: at most the
-  command's `memory_mb`). subq's own files are hidden (an empty file or read-only folder in
-  their place; a folder between `cwd` and a path hidden in it is a mount point, which cannot
-  be renamed to move the path out from under its cover): the profiles file, the API
-  keys file, the Redis TLS key, and `SUBQ_SANDBOX_HIDDEN_PATHS` (`subq up` adds the folder of
-  its credentials file). So are the Unix sockets that would let a command past its network
-  namespace: a `unix://` Redis's, and the container engines' (`HOST_SOCKETS`): a read-only
-  mount does not stop `connect()`, and a socket is a file, not the network.
+  folders an MCP entry names) is writable, with a private, empty `/tmp` and `/dev/shm` (memory:
+  each at most the command's `memory_mb`; the rest of `/dev` is read-only). subq's own files
+  are hidden (/dev/null or an empty read-only folder in their place; a folder between `cwd`
+  and a path hidden in it is a mount point, which cannot be renamed to move the path out from
+  under its cover): the profiles file, the API keys file, the Redis TLS key, and
+  `SUBQ_SANDBOX_HIDDEN_PATHS` (`subq up` adds the folder of its credentials file). So are the
+  Unix sockets that would let a command past its network namespace: a `unix://` Redis's, and
+  the container engines' (`HOST_SOCKETS`): a read-only mount does not stop `connect()`, and a
+  socket is a file, not the network. And the machine's usual credentials (`HOST_SECRETS`,
+  `HOST_CREDENTIALS`, `HOME_CREDENTIALS`): the read-only view shows every file the worker's
+  user can read.
 - **Processes**: a PID namespace of its own, with its own `/proc`, so the worker's
   processes, and so their environment (`/proc/<pid>/environ`, with the Redis URL and the
   API token), cannot be read; when the command's first process exits, every process it
@@ -25,8 +28,10 @@ and no rule over argv can know them all. The sandbox bounds whatever gets past t
   filtering proxy that records each refusal (workers/runtime/egress.py, which runs bwrap then).
 - **Limits**: at most `max_processes` processes of the worker's user (RLIMIT_NPROC; the
   kernel does not apply it to root, so a worker run as root, unlike the image's, gets no
-  process cap), `memory_mb` of data (RLIMIT_DATA) and `cpu_time_s` of CPU (RLIMIT_CPU),
-  set by util-linux's `prlimit` inside the sandbox.
+  process cap), `memory_mb` of data (RLIMIT_DATA), `max_file_mb` a file (RLIMIT_FSIZE) and
+  `cpu_time_s` of CPU (RLIMIT_CPU), set by util-linux's `prlimit` inside the sandbox. Each is a
+  process's own: shared memory (MAP_SHARED, memfd, System V) and the sum over processes are
+  bounded only by a cgroup, such as the container's memory limit (docs/tools.md).
 
 It is bubblewrap (`bwrap`, Debian's `bubblewrap`), the sandbox Flatpak and Claude Code use on
 Linux; why bubblewrap and not Landlock is in docs/architecture.md. It needs user namespaces
@@ -38,6 +43,9 @@ with one line saying what the pod needs (docs/deploy.md), unless the profile say
 
 from __future__ import annotations
 
+import contextlib
+import os
+import pwd
 import subprocess
 import sys
 import tempfile
@@ -50,7 +58,10 @@ from urllib.parse import parse_qs, urlsplit
 from coordinator import RunCommand, Settings
 from workers.runtime import egress
 
-__all__ = ["BWRAP", "HOST_SECRETS", "HOST_SOCKETS", "NEEDS", "PRLIMIT", "Sandbox", "SandboxUnavailable", "probe"]
+__all__ = [
+    "BWRAP", "HOME_CREDENTIALS", "HOST_CREDENTIALS", "HOST_SECRETS", "HOST_SOCKETS", "NEEDS", "PRLIMIT", "Sandbox",
+    "SandboxUnavailable", "probe",
+]  # fmt: skip
 
 BWRAP = "bwrap"
 PRLIMIT = "prlimit"
@@ -68,6 +79,16 @@ HOST_SOCKETS = (
 # The secrets a container platform mounts, hidden where they exist: Kubernetes' service account token (a pod's
 # credentials for the cluster's API, mode 0644) and Docker's and Compose's secrets.
 HOST_SECRETS = ("/run/secrets", "/var/run/secrets")
+# The machine's own credentials, hidden where they exist: the read-only view shows every file the worker's user can
+# read. The password hashes (and their backups), which a worker run as root reads.
+HOST_CREDENTIALS = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-")
+# And, in the home of the worker's user (`subq up` runs as a developer), the usual places of SSH keys, the cloud
+# CLIs' and kubectl's credentials, registry logins and package index and git tokens. Not the whole home: the
+# worker's Python, and the programs a command runs, may live there (`~/.pyenv`, `~/.cargo`).
+HOME_CREDENTIALS = (
+    ".ssh", ".aws", ".azure", ".config/gcloud", ".kube", ".docker", ".config/gh", ".netrc", ".npmrc", ".pypirc",
+    ".git-credentials",
+)  # fmt: skip
 # What a worker's machine or pod must give for the sandbox to start (the refusal's line, docs/deploy.md).
 NEEDS = (
     "bubblewrap (bwrap) and util-linux's prlimit installed, user namespaces allowed and /proc mountable "
@@ -97,7 +118,10 @@ class Sandbox:
     @classmethod
     def of(cls, settings: Settings) -> Sandbox:
         known = (settings.profiles_file, settings.api_keys_file, settings.redis_tls_key_file, _redis_socket(settings))
-        hidden = (*known, *_redis_url_keys(settings), *settings.sandbox_hidden_paths, *HOST_SOCKETS, *HOST_SECRETS)
+        hidden = (
+            *known, *_redis_url_keys(settings), *settings.sandbox_hidden_paths, *HOST_SOCKETS, *HOST_SECRETS,
+            *HOST_CREDENTIALS, *_home_credentials(),
+        )  # fmt: skip
         paths = [Path(path).absolute() for path in hidden if path is not None]
         secrets = frozenset(
             name for profile in settings.profiles.values() for server in profile.mcp_servers
@@ -137,9 +161,10 @@ class Sandbox:
         # command root in its namespaces could unmount what hides subq's files and delete its routes.
         wrapped += [bwrap, "--die-with-parent", "--unshare-all", "--cap-drop", "ALL"]
         wrapped += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-        if limits is not None:  # a tmpfs is memory: /tmp holds at most the command's `memory_mb`, as its data does
-            wrapped += ["--size", str(limits.memory_mb * MIB)]
-        wrapped += ["--tmpfs", "/tmp"]
+        # A tmpfs is memory, which no RLIMIT_DATA counts: /tmp, and /dev/shm (POSIX shared memory; --dev's own was
+        # writable and unbounded), each hold at most the command's `memory_mb`, as its data does.
+        size = ["--size", str(limits.memory_mb * MIB)] if limits is not None else []
+        wrapped += [*size, "--tmpfs", "/tmp", *size, "--tmpfs", "/dev/shm"]
         # The worker's own Python stays readable where the private /tmp would hide it (a checkout in
         # /tmp: an MCP server started from its virtual environment exited before it answered).
         for prefix in dict.fromkeys(Path(p).absolute() for p in (sys.prefix, sys.base_prefix)):
@@ -158,12 +183,16 @@ class Sandbox:
         # it needed. Not recursive: a writable folder mounted inside one stays writable.
         for path in dict.fromkeys(path for path in hidden if path.is_dir()):
             wrapped += ["--remount-ro", str(path)]
+        # And --dev's own tmpfs, where a file written was memory no limit bounded. Not recursive: its device nodes,
+        # /dev/pts and /dev/shm are mounts of their own, and stay writable.
+        wrapped += ["--remount-ro", "/dev"]
         wrapped += ["--setenv", "TMPDIR", "/tmp", "--chdir", str(cwd), "--"]
         if limits is not None:
             wrapped += [
                 egress.host_program(PRLIMIT) or PRLIMIT,
                 f"--nproc={limits.max_processes}",
                 f"--data={limits.memory_mb * MIB}",
+                f"--fsize={limits.max_file_mb * MIB}",
                 f"--cpu={limits.cpu_time_s}",
                 "--",
             ]
@@ -195,6 +224,15 @@ def _pinned(hidden: Iterable[Path], writable: Sequence[Path]) -> list[str]:
         if folder.is_dir():
             args += ["--bind", str(folder), str(folder)]
     return args
+
+
+def _home_credentials() -> list[Path]:
+    """HOME_CREDENTIALS in the worker's home: $HOME's, and its user's in the password database where that differs
+    (a service whose HOME points elsewhere still has its keys in its own home)."""
+    homes = [Path(os.path.expanduser("~"))]  # "~" itself when nothing names a home: not absolute, left out
+    with contextlib.suppress(KeyError):  # a uid with no entry (a container run as an arbitrary user)
+        homes.append(Path(pwd.getpwuid(os.getuid()).pw_dir))
+    return [home / name for home in dict.fromkeys(homes) if home.is_absolute() for name in HOME_CREDENTIALS]
 
 
 def _redis_socket(settings: Settings) -> str | None:
