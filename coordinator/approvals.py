@@ -252,9 +252,9 @@ def _decide(plane: Plane, approval: Approval, status: str, feedback: str, decide
             f"Approval {approval.id} expired at {at}, before this approval: the call was denied as timed out",
             field="approval_id",
         )
-    if decided.outcome == "stopped":  # its task ended before the stop expired its calls: expired now, by this
+    if decided.outcome == "stopped":  # its task ended before its calls expired (a stop's expiry comes after)
         plane.store.convergence.remove_timers([expiry_timer(approval.id)])
-        raise StateError(f"Approval {approval.id}'s task was stopped: the call expired", field="approval_id")
+        raise StateError(f"Approval {approval.id}'s task had ended: the call expired", field="approval_id")
     if decided.outcome not in ("ok", "resume"):
         raise StateError(f"Approval {approval.id} was already {decided.outcome}", field="approval_id")
     plane.store.convergence.remove_timers([expiry_timer(approval.id)])

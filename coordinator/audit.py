@@ -23,6 +23,9 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
+from coordinator.errors import ValidationError
+from coordinator.text import shown_value, stream_id
+
 __all__ = [
     "AUDIT_MAX_ENTRIES",
     "ENTRY_ID_PATTERN",
@@ -34,6 +37,7 @@ __all__ = [
     "AuditSink",
     "RefusalReason",
     "Via",
+    "check_before",
     "record",
 ]
 
@@ -111,3 +115,10 @@ def record(sink: AuditSink, actor: Actor, action: Action, target: str, *, reason
     if len(target) > MAX_TARGET_CHARS:
         target = target[:MAX_TARGET_CHARS] + "…"
     sink.add(actor, action, target, reason=reason, detail=detail)
+
+
+def check_before(before: str | None) -> None:
+    """A page's `before` is an entry id (`<ms>-<n>`), or a ValidationError naming it: checked by the store and,
+    before a request is made of it, by the client (a lone surrogate is no UTF-8: a traceback in httpx)."""
+    if before is not None and not stream_id(before):
+        raise ValidationError(f"before must be an entry id as <ms>-<n>, not {shown_value(before)}", field="before")

@@ -81,6 +81,7 @@ __all__ = [
     "check_metadata",
     "check_root_id",
     "check_subscriptions",
+    "check_wait_timeout",
     "error_message",
     "error_path",
     "finishing_among",
@@ -282,6 +283,13 @@ def check_delivery_id(task_id: str, delivery_id: str) -> str:
     if not DELIVERY_ID_RE.fullmatch(delivery_id):
         raise NotFoundError(f"Unknown delivery {shown_value(delivery_id)} of task {task_id}", field="delivery_id")
     return delivery_id
+
+
+def check_wait_timeout(timeout_s: float) -> None:
+    """A wait's bound in seconds, 0 or more (inf: no end), or a ValidationError. `not >=`: NaN compares false with
+    everything, and a NaN deadline never came."""
+    if not timeout_s >= 0:
+        raise ValidationError(f"timeout_s must be 0 or more seconds, not {timeout_s!r}", field="timeout_s")
 
 
 def check_history_query(

@@ -476,14 +476,10 @@ def credentials_refused(settings: Settings) -> str | None:
     )
     try:
         client.ping()
-    except redis.AuthenticationError as exc:  # (a ConnectionError to redis-py: before those)
+    except redis.AuthenticationError as exc:  # WRONGPASS, NOAUTH (a ConnectionError to redis-py: before those)
         return f"subq's Redis ({describe(settings)}) refused its credentials: {exc}"
-    except redis.ResponseError as exc:
-        if str(exc).startswith(("NOPERM", "WRONGPASS", "NOAUTH")):
-            return f"subq's Redis ({describe(settings)}) refused its credentials: {exc}"
-        return None
     except (redis.RedisError, OSError):
-        return None  # out of reach: the outage the worker waits out
+        return None  # out of reach (the outage the worker waits out), or it answered: the credentials were taken
     finally:
         client.close()
     return None

@@ -23,6 +23,7 @@ after the commit does it publish work.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -51,7 +52,15 @@ from coordinator import retry as retry_room
 from coordinator import todos as todo_lists
 from coordinator.audit import LOCAL, Action, Actor, AuditEntry
 from coordinator.deadletters import DeadLetter, message_digest
-from coordinator.errors import BrokerError, CorruptError, NotFoundError, QuotaExceeded, ValidationError, WaitTimeout
+from coordinator.errors import (
+    BrokerError,
+    CorruptError,
+    NotFoundError,
+    QuotaExceeded,
+    SubqError,
+    ValidationError,
+    WaitTimeout,
+)
 from coordinator.export import export_tree
 from coordinator.inputs import (
     DEFAULT_PAGE,
@@ -63,6 +72,7 @@ from coordinator.inputs import (
     check_history_query,
     check_metadata,
     check_subscriptions,
+    check_wait_timeout,
     profile_asked,
     text_field,
 )
@@ -523,8 +533,13 @@ class Coordinator:
             decided = approvals.decide(self.plane, approval_id, decision, feedback, decided_by=actor.name)
         except BrokerError:
             # The broker refused the resume's publish after the decision's step: the decision stands (that step
-            # put the task on the due list, and the reconciler publishes it), so it is on record all the same.
-            self._record_decision(actor, self.store.approvals.get_approval(approval_id), feedback)
+            # put the task on the due list, and the reconciler publishes it), so it is on record all the same. Only
+            # this caller's own: a late approval's publish is its expiry's, which is nobody's decision. (A read that
+            # fails here leaves the broker's error the one told.)
+            with contextlib.suppress(SubqError):
+                decided = self.store.approvals.get_approval(approval_id)
+                if decided.status in ("approved", "denied") and decided.decided_by == actor.name:
+                    self._record_decision(actor, decided, feedback)
             raise
         self._record_decision(actor, decided, feedback)
         return decided
@@ -667,9 +682,7 @@ class Coordinator:
         at most a heartbeat lapse and within `timeout_s`), so the record's figures
         are final.
         """
-        # `not >=`: NaN compares false with everything, and a NaN deadline never came (inf is a wait without end).
-        if not timeout_s >= 0:
-            raise ValidationError(f"timeout_s must be 0 or more seconds, not {timeout_s!r}", field="timeout_s")
+        check_wait_timeout(timeout_s)
         deadline = time.monotonic() + timeout_s
         hold: StopHold | None = None  # once settled after a stop
         with self.store.events.settle_watch(task_id) as watch:

@@ -867,46 +867,61 @@ def test_a_decision_on_a_task_stopped_before_its_calls_expired_is_refused(coord:
     would make: the call expires now, and the decision is a 409 naming the stop."""
     task_id, (approval,) = _parked_on(coord, 1)
     coord.client.hset(coord.store.keys.task(task_id[:16], task_id), "status", "cancelled")  # the stop's own step
-    with pytest.raises(StateError, match="task was stopped: the call expired"):
+    with pytest.raises(StateError, match="task had ended: the call expired"):
         coord.decide(approval, "approve")
     record = coord.store.approvals.get_approval(approval)
-    assert (record.status, record.feedback, record.decided_by) == ("expired", "the task was stopped", None), record
+    assert (record.status, record.feedback, record.decided_by) == ("expired", "its task had ended", None), record
     assert queued_ids(coord) == [] and task_id not in coord.store.convergence.watched()
     assert not [e for e in coord.audit()[0] if e.target == approval], "no decision on record"
 
 
-def test_a_denial_is_counted_once_however_often_its_run_is_resumed(coord: Coordinator, tmp_path: Path) -> None:
+@pytest.mark.parametrize("by", ["a person", "the policy"])
+def test_a_denial_is_counted_once_however_often_its_run_is_resumed(coord: Coordinator, tmp_path: Path, by: str) -> None:
     """A resumed run answers a denied call, counts it and says so; its worker dies in the model request that
-    carries the answer (before that request was saved), and the next run answers the call again. Before, each
-    such resume counted the denial once more (`tool:run_command:denied` 2) and said it again."""
-    profiles = {OFFLINE_PROFILE: Profile(run_command=RunCommand(cwd=tmp_path))}
+    carries the answer (before that request was saved), and the next run answers the call again, the same way.
+    Before, each such resume counted the denial once more (`tool:run_command:denied` 2) and said it again."""
+    policy: dict[str, Any] = {"deny": ["run_command:touch"]} if by == "the policy" else {}
+    profiles = {OFFLINE_PROFILE: Profile(run_command=RunCommand(cwd=tmp_path), **policy)}
     asker = Coordinator(coord.settings.model_copy(update={"profiles": profiles}))
     try:
         runtime = build_runtime(asker.settings, make_app(asker.settings))
         task = asker.create_task(agent(call("run_command", command="touch made"), reply("done")), run=True)
         asker.client.delete(QUEUE)
-        assert run_child(runtime, task.id).status == "waiting_approval"
-        (asked,) = asker.list_approvals(task.root_id)
-        asker.decide(asked.id, "deny", "no")
-        asker.client.delete(QUEUE)
 
         class Died(BaseException):
-            """The worker's death in the resumed run's first model request."""
+            """The worker's death in the model request that carries the denial."""
 
         async def dies(*_: object, **__: object) -> None:
             raise Died
 
+        if by == "a person":
+            assert run_child(runtime, task.id).status == "waiting_approval"
+            (asked,) = asker.list_approvals(task.root_id)
+            asker.decide(asked.id, "deny", "no")
+            asker.client.delete(QUEUE)
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(metering.MeteredModel, "request", dies)
+            calls_made = {"n": 0}
+            request = metering.MeteredModel.request
+
+            async def second_dies(self: Any, *args: Any, **kwargs: Any) -> Any:
+                calls_made["n"] += 1
+                if by == "the policy" and calls_made["n"] == 1:
+                    return await request(self, *args, **kwargs)  # the response that makes the call
+                return await dies()
+
+            patch.setattr(metering.MeteredModel, "request", second_dies)
             with pytest.raises(Died):
                 run_child(runtime, task.id)
         key = asker.store.keys.task(task.root_id, task.id)
         assert asker.client.hget(key, "tool:run_command:denied") == "1"
+        told = [m["text"] for m in asker.messages(task.id) if m.get("say") == "tool_denied"]
         asker.client.delete(asker.store.keys.lease(task.root_id, task.id))  # its lease lapses
         assert run_child(runtime, task.id).status == "completed"
         assert asker.client.hget(key, "tool:run_command:denied") == "1", "counted once"
-        said = [m for m in asker.messages(task.id) if m.get("say") == "tool_denied"]
-        assert len(said) == 1, said
+        said = [m["text"] for m in asker.messages(task.id) if m.get("say") == "tool_denied"]
+        assert said == told and len(said) == 1, said
+        answered = "\n".join(asker.store.records.conversation(task.id))
+        assert "interrupted" not in answered, "answered as denied again, not as interrupted"
         assert not (tmp_path / "made").exists()
     finally:
         asker.close()
@@ -936,6 +951,25 @@ def test_a_decision_whose_publish_never_came_still_resumes(coord: Coordinator, m
     )
     assert tick(coord) == {"run-lost": 1}
     assert queued_ids(coord) == [task_id], "published by the reconciler"
+
+
+def test_a_late_approval_whose_expiry_the_broker_refused_puts_no_decision_on_record(
+    coord: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An approval after the deadline expires the call, and the expiry's resume is published; the broker refuses
+    it. The person decided nothing: no `deny` of theirs on the audit log (the expiry is nobody's decision)."""
+    task_id, (approval,) = _parked_on(coord, 1)
+    coord.client.hset(coord.store.keys.approval(task_id[:16], approval), "deadline", time.time() - 1)
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise BrokerError("the broker refused the publish")
+
+    monkeypatch.setattr("coordinator.dispatch.publish_run", refused)
+    with pytest.raises(BrokerError):
+        coord.decide(approval, "approve")
+    assert coord.store.approvals.get_approval(approval).status == "expired"
+    assert [e for e in coord.audit()[0] if e.target == approval] == []
+    assert task_id in coord.store.convergence.watched(), "the reconciler publishes the resume"
 
 
 def test_a_parked_run_with_a_pending_approval_leaves_the_due_list(coord: Coordinator) -> None:

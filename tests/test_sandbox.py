@@ -251,13 +251,43 @@ def test_the_machines_credentials_are_hidden_not_the_home(home: Path, workdir: P
     read = _run(every, workdir, sandbox)
     assert read.output.count("S3CRET") == 0 and "plain setting" in read.output, read.text()
     assert _run(every, workdir, sandbox, sandbox=False).output.count("S3CRET") == 11, "readable unconfined"
-    planted = _run("touch ~/.ssh/authorized_keys", workdir, sandbox)
-    assert planted.exit_code != 0, planted.text()
+    # An MCP server the operator configured may work with them (a kubeconfig, gh's token): shown to it.
+    argv = sandbox.wrap(["sh", "-c", every.removeprefix("sh -c '").removesuffix("'")], workdir, network=False,
+                        home_credentials=True)  # fmt: skip
+    shown = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert shown.stdout.count("S3CRET") == 11, shown.stdout + shown.stderr
     if os.access("/etc/shadow", os.R_OK):  # as root, as this suite runs in CI
-        shadow = "cat /etc/shadow /etc/gshadow"
+        files = [name for name in ("/etc/shadow", "/etc/gshadow") if os.path.exists(name)]
+        shadow = f"cat {' '.join(files)}"
         hidden = _run(shadow, workdir, sandbox)  # /dev/null in their place, on a mount without devices
-        assert "root:" not in hidden.output and hidden.output.count("Permission denied") == 2, hidden.text()
+        assert "root:" not in hidden.output and hidden.output.count("Permission denied") == len(files), hidden.text()
         assert "root:" in _run(shadow, workdir, sandbox, sandbox=False).output, "readable unconfined"
+
+
+def test_a_home_the_worker_cannot_enter_hides_nothing_and_breaks_no_command(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, workdir: Path
+) -> None:
+    """An inherited HOME in a folder the worker may not enter (`sudo -E`): checking its credentials raised
+    PermissionError, and every sandboxed command failed with a traceback. (Root enters any folder: for root, the
+    stat of a path in it fails as it does for any other user.)"""
+    closed = tmp_path / "closed"
+    (closed / "home").mkdir(parents=True)
+    closed.chmod(0)
+    monkeypatch.setenv("HOME", str(closed / "home"))
+    if os.geteuid() == 0:
+        stat = Path.stat
+
+        def refused(self: Path, *args: Any, **kwargs: Any) -> os.stat_result:
+            if self.is_relative_to(closed) and self != closed:
+                raise PermissionError(13, "Permission denied", str(self))
+            return stat(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "stat", refused)
+    try:
+        said = _run("echo fine", workdir, Sandbox.of(Settings()))
+        assert said.exit_code == 0 and "fine" in said.output, said.text()
+    finally:
+        closed.chmod(0o700)
 
 
 def test_a_commands_environment_holds_no_secret_of_subqs(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ from coordinator.api.schemas import (
     Snapshot,
     TodoList,
 )
-from coordinator.audit import AuditEntry
+from coordinator.audit import AuditEntry, check_before
 from coordinator.client.errors import ApiError, error_of
 from coordinator.client.sse import Event
 from coordinator.deadletters import DeadLetter
@@ -51,6 +51,7 @@ from coordinator.inputs import (
     check_delivery_id,
     check_history_query,
     check_root_id,
+    check_wait_timeout,
     sendable_profile,
 )
 from coordinator.models import (
@@ -69,7 +70,7 @@ from coordinator.models import (
     TodoItem,
 )
 from coordinator.tenants import TenantList, TenantState, check_tenant_name
-from coordinator.text import lone_surrogate, shown_value, stream_id
+from coordinator.text import lone_surrogate
 from coordinator.tree import TreeNode
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Call", "Sleep"]
@@ -236,9 +237,7 @@ def purge_dead_letters() -> Call[int]:
 
 def audit(limit: int, before: str | None) -> Call[tuple[list[AuditEntry], str | None]]:
     check_dead_letter_limit(limit)
-    # The audit store's check, before a query is made of it (a lone surrogate is no UTF-8: a traceback in httpx).
-    if before is not None and not stream_id(before):
-        raise ValidationError(f"before must be an entry id as <ms>-<n>, not {shown_value(before)}", field="before")
+    check_before(before)  # the audit store's check, before a query is made of it
     params: dict[str, Any] = {"limit": limit, **({"before": before} if before is not None else {})}
     return Call("GET", "/v1/audit", _AUDIT, unwrap=lambda page: (page.entries, page.next_before), params=params)
 
@@ -346,9 +345,7 @@ def wait(task_id: str, timeout_s: float) -> Generator[Call[Any] | Sleep, Any, Ta
     After a stop (`TaskStatus.stopped`) it answers once the subtree's stopped runs have recorded their late
     spend (GET .../finishing, alone while it holds), for at most their lapse and within `timeout_s`, so the
     figures are final: the rule of `Coordinator.wait` (`StopHold`)."""
-    # `not >=`: NaN compares false with everything, and a NaN deadline never came (inf is a wait without end).
-    if not timeout_s >= 0:
-        raise ValidationError(f"timeout_s must be 0 or more seconds, not {timeout_s!r}", field="timeout_s")
+    check_wait_timeout(timeout_s)
     deadline = time.monotonic() + timeout_s
     delay_s = POLL_FIRST_S
     while True:

@@ -54,7 +54,7 @@ class ToolJournal:
 
     def record(self, tool_call_id: str, tool: str, outcome: str, result: object = None, ms: int = 0) -> None:
         """A tool call returned (`result`, kept for a resume), or was answered without running (denied,
-        interrupted: nothing kept): keep it now, not at the next step, so a run resumed after this worker
+        interrupted: kept empty, so a resume answers it again uncounted): keep it now, not at the next step, so a run resumed after this worker
         died replays it instead of calling the tool again; count it on the task; and write the run's step
         with it, whose checks serve the next model request (one round trip).
 

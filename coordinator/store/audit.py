@@ -8,11 +8,10 @@ from typing import cast
 
 import pydantic
 
-from coordinator.audit import AUDIT_MAX_ENTRIES, REFUSALS_LOGGED_PER_MIN, Action, Actor, AuditEntry
-from coordinator.errors import CorruptError, ValidationError
+from coordinator.audit import AUDIT_MAX_ENTRIES, REFUSALS_LOGGED_PER_MIN, Action, Actor, AuditEntry, check_before
+from coordinator.errors import CorruptError
 from coordinator.store.base import RESEND_MARK_S, Part, _str_map, translate_redis_errors
 from coordinator.store.protocol import AuditAdd
-from coordinator.text import stream_id
 
 __all__ = ["AuditLog"]
 
@@ -48,8 +47,7 @@ class AuditLog(Part):
     @translate_redis_errors
     def page(self, limit: int, before: str | None = None) -> tuple[list[AuditEntry], str | None]:
         """Up to `limit` entries newest first, older than the entry `before`; and the next page's cursor or None."""
-        if before is not None and not stream_id(before):
-            raise ValidationError(f"before must be an entry id as <ms>-<n>, not {before!r}", field="before")
+        check_before(before)
         if before is not None and _id_value(before) == (0, 0):
             return [], None  # nothing is older than the first id (and Redis refuses the range `(0-0`)
         high = f"({before}" if before is not None else "+"

@@ -20,6 +20,8 @@ whole tree lives in one cluster slot and multi-key Lua stays legal. The prefix
 | `<p>:{root}:tool-results:<id>`        | hash   | tool call id -> its result (JSON), written the     | retention |
 |                                       |        | moment the call returned: a run resumed after its  |          |
 |                                       |        | worker died replays it instead of calling again;   |          |
+|                                       |        | '' for a call answered without running (denied,    |          |
+|                                       |        | interrupted: a resume answers it uncounted);       |          |
 |                                       |        | `started:<call id>` -> 1 as a call a human         |          |
 |                                       |        | approved starts (a resume must not rerun it;       |          |
 |                                       |        | mark_tool_started, while the run holds the lease)  |          |

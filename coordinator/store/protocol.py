@@ -1092,7 +1092,7 @@ class RecordTool(
 ):
     results: str = key("the task's tool-results hash")
     tool_call_id: str = arg("tool call id")
-    result: str = arg("the result (JSON) to keep, or '' to keep none")
+    result: str = arg("the result (JSON) to keep, or '' for a call answered without running (kept empty)")
     outcome_field: str = arg("the counter field of the outcome (`tool:<tool>:<outcome>`)")
     ms_field: str = arg("the time field (`tool:<tool>:ms`)")
     ms: int = arg("the call's ms (0: not added)")

@@ -134,9 +134,11 @@ def _build(profile: str, server: McpServer, hidden: Sandbox, refusals: Path | No
             # process's whole life (a command's 600 s would kill a server that had worked ten minutes in all).
             # The container's memory limit bounds it (docs/tools.md).
             cwd = server.cwd or (server.writable[0] if server.writable else Path("/"))
+            # The home's credentials shown: the operator's server may work with them (a kubeconfig, gh's token).
             wrapped = hidden.wrap(
-                [command, *args], cwd, network=server.network, writable=server.writable, refusals=refusals
-            )
+                [command, *args], cwd, network=server.network, writable=server.writable, refusals=refusals,
+                home_credentials=True,
+            )  # fmt: skip
             command, args = wrapped[0], wrapped[1:]
         transport = StdioTransport(
             command=command,

@@ -234,8 +234,9 @@ class PolicyToolset(WrapperToolset[RunState]):
             return denied
         safe_twice = idempotent(tool, ctx.deps.profile)
         if cut_off and not safe_twice:
-            run.say("tool_interrupted", f"{name}({json.dumps(tool_args)})")
-            _done(ctx, name, "interrupted")
+            if call_id not in ctx.deps.answered:  # (an earlier resume said and counted it already)
+                run.say("tool_interrupted", f"{name}({json.dumps(tool_args)})")
+                _done(ctx, name, "interrupted")
             return INTERRUPTED
         if name in OWN_STATE_TOOLS:
             return await super().call_tool(name, tool_args, ctx, tool)  # their refusals are results already
@@ -314,7 +315,7 @@ def _policy_denial(
     # An MCP tool's hints count where no rule of the profile names it (workers/runtime/mcp_servers.py).
     decided = mcp_servers.hinted_verdict(ctx.deps.profile, name, tool_args, tool.tool_def)
     denied = apply_verdict(name, tool_args, decided)  # raises ApprovalRequired to ask
-    if denied:
+    if denied and (ctx.tool_call_id or "") not in ctx.deps.answered:  # (said and counted by an earlier resume)
         ctx.deps.run.say("tool_denied", f"{name}: {denied}")
         _done(ctx, name, "denied")
     return denied
@@ -374,7 +375,10 @@ def answer_without_running(
 ) -> None:
     """A call answered before its tool could run (its arguments failed validation, it names no tool of the
     task, a human denied it): a UI line of its outcome (`kind`, else `tool_error` or `tool_denied`), and counted on its task as `outcome`. An error's line
-    is kept as its result, so a run resumed before its conversation was saved answers it the same way."""
+    is kept as its result, so a run resumed before its conversation was saved answers it the same way; a denial's
+    answer is kept empty, so that run answers it again without a second line or count (`RunState.answered`)."""
+    if tool_call_id in run_state.answered:
+        return
     run_state.run.say(kind or ("tool_denied" if outcome == "denied" else "tool_error"), line)
     observe.tool_call(tool if known else observe.UNKNOWN_TOOL, outcome, None)  # (`known`: a tool of the task)
     run_state.tool_calls.append({"tool": tool, "outcome": outcome, "ms": 0})

@@ -668,17 +668,12 @@ def _answers(
     batch, decisions = answers.batch, answers.decisions
     journal = run.journal.kept([c.tool_call_id for c in pending if c.tool_name not in OWN_STATE_TOOLS])
     kept, started = journal.results, journal.started
+    # Answered without running by an earlier run of the task (its worker died before the request carrying the
+    # answer was saved): answered the same way again, neither said nor counted again (`answer_without_running`).
+    state.answered = frozenset(journal.answered)
     for call in pending:
         call_id = call.tool_call_id
-        if call_id in journal.answered:
-            # Answered without running by an earlier run of the task, and counted then (its worker died before the
-            # request carrying the answer was saved): the same answer again, uncounted.
-            denied = call_id in decisions and not decisions[call_id].approved
-            if denied:
-                approvals[call_id] = ToolDenied(message=decisions[call_id].feedback)
-            else:
-                calls[call_id] = INTERRUPTED
-        elif call_id in kept:
+        if call_id in kept:
             calls[call_id] = kept[call_id]
             run.say("tool_replayed", describe_call(call))
             # Counted on the task once already, as it returned. The label is a tool of the task's or "(unknown)": a

@@ -114,20 +114,25 @@ class Sandbox:
     # The worker's environment variables a profile's MCP server reads as `${VAR}` (its token, say): secrets a
     # command is never given (commands.command_env), whatever their names.
     secrets: frozenset[str] = frozenset()
+    # The credentials of the worker's home (HOME_CREDENTIALS) that exist: hidden from a model's commands, shown to
+    # an MCP server the operator configured (a cluster's kubeconfig, gh's token may be what it works with).
+    home_credentials: tuple[Path, ...] = ()
 
     @classmethod
     def of(cls, settings: Settings) -> Sandbox:
         known = (settings.profiles_file, settings.api_keys_file, settings.redis_tls_key_file, _redis_socket(settings))
         hidden = (
             *known, *_redis_url_keys(settings), *settings.sandbox_hidden_paths, *HOST_SOCKETS, *HOST_SECRETS,
-            *HOST_CREDENTIALS, *_home_credentials(),
+            *HOST_CREDENTIALS,
         )  # fmt: skip
         paths = [Path(path).absolute() for path in hidden if path is not None]
         secrets = frozenset(
             name for profile in settings.profiles.values() for server in profile.mcp_servers
             for name in server.secret_names()
         )  # fmt: skip
-        return cls(tuple(dict.fromkeys(paths)), tuple(settings.sandbox_resolve.items()), secrets)
+        return cls(
+            tuple(dict.fromkeys(paths)), tuple(settings.sandbox_resolve.items()), secrets, tuple(_home_credentials())
+        )
 
     def wrap(
         self,
@@ -138,17 +143,19 @@ class Sandbox:
         writable: Sequence[Path] | None = None,
         limits: RunCommand | None = None,
         refusals: Path | None = None,
+        home_credentials: bool = False,
     ) -> list[str]:
         """`argv` run by bwrap in `cwd`: read-only but for `writable` (None: `cwd`) and a private /tmp;
-        subq's files hidden; the network as `network` says (egress.py runs bwrap when there is one),
-        each connection the proxy refused a line `host:port` in `refusals`."""
+        subq's files hidden (and the home's credentials, unless `home_credentials`); the network as `network`
+        says (egress.py runs bwrap when there is one), each connection the proxy refused a line `host:port` in
+        `refusals`."""
         # Every path resolved, at each command (a deploy flips its `current` link): bwrap mounts inside the new
         # root, where an absolute symlink's target is not yet ("Can't bind mount"), and a hidden file named
         # through a symlink one way and its folder the other way (`current` -> `releases/42`) was mounted over
         # by the folder's bind and never matched `is_relative_to` to be hidden again.
         cwd = cwd.resolve()
         own = [path.resolve() for path in ([cwd] if writable is None else writable)]
-        hidden = [path.resolve() for path in self.hidden]
+        hidden = [path.resolve() for path in (*self.hidden, *(() if home_credentials else self.home_credentials))]
         bwrap = egress.host_program(BWRAP) or BWRAP
         if network is True:
             wrapped = egress.launcher("public", refusals=refusals)
@@ -227,12 +234,18 @@ def _pinned(hidden: Iterable[Path], writable: Sequence[Path]) -> list[str]:
 
 
 def _home_credentials() -> list[Path]:
-    """HOME_CREDENTIALS in the worker's home: $HOME's, and its user's in the password database where that differs
-    (a service whose HOME points elsewhere still has its keys in its own home)."""
+    """HOME_CREDENTIALS in the worker's home that exist: $HOME's, and its user's in the password database where
+    that differs (a service whose HOME points elsewhere still has its keys in its own home). A home the worker
+    cannot enter (an inherited HOME, `sudo -E`) holds none it could show: left out, as `is_dir` would raise."""
     homes = [Path(os.path.expanduser("~"))]  # "~" itself when nothing names a home: not absolute, left out
     with contextlib.suppress(KeyError):  # a uid with no entry (a container run as an arbitrary user)
         homes.append(Path(pwd.getpwuid(os.getuid()).pw_dir))
-    return [home / name for home in dict.fromkeys(homes) if home.is_absolute() for name in HOME_CREDENTIALS]
+    found = []
+    for path in (home / name for home in dict.fromkeys(homes) if home.is_absolute() for name in HOME_CREDENTIALS):
+        with contextlib.suppress(OSError):
+            if path.exists():
+                found.append(path.absolute())
+    return found
 
 
 def _redis_socket(settings: Settings) -> str | None:

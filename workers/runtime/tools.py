@@ -140,6 +140,9 @@ class RunState:
     # A typed run's attempt_completion parameters (`completion_parameters`): what `typed_parameters` gives
     # the model as the output tool's schema. None: an untyped run.
     completion_parameters: dict[str, Any] | None = None
+    # The calls of the response it resumes that an earlier run answered without running (denied, interrupted),
+    # said and counted then: answered again as before, but not said or counted again.
+    answered: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         self.calls_at_once = asyncio.Semaphore(self.profile.max_tool_calls_at_once)

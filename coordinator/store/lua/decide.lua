@@ -68,11 +68,16 @@ local function ends_wait(task_id, watch)
   local listed = (waiting and waiting ~= '') and cjson.decode(waiting) or {}
   return {'resume', listed[1] or ARGV[1]}  -- (an approval its task does not list: its own id, as before)
 end
+-- The feedback of a call expired because a person's decision found its task ended (below).
+local TASK_ENDED = 'its task had ended'
 if status ~= 'pending' then
   if status == ARGV[2] and was[2] == ARGV[4] and was[3] == (ARGV[8] or '') and was[4] == ARGV[3] then
     -- This very decision again (its reply was lost and the connection sent it again): it stands, and
     -- answers as it did (its writes were made; the resume's claim keeps a second publish from running).
     return ends_wait(redis.call('HGET', KEYS[1], 'task_id'), false)
+  end
+  if status == 'expired' and ARGV[2] ~= 'expired' and was[2] == ARGV[4] and was[4] == TASK_ENDED then
+    return {'stopped', ''}  -- this very decision again, which found its task ended: answered as then
   end
   return {status, ''}
 end
@@ -86,14 +91,14 @@ if ARGV[2] == 'approved' and deadline and tonumber(ARGV[4]) >= deadline then
 end
 local task_id = redis.call('HGET', KEYS[1], 'task_id')
 -- A person's decision on a call whose task has ended (a stop between its own step and its expiry of the tree's
--- calls) expires the call, as that expiry would: before, it stood `approved` (an `approval.decided` event and an
--- audit entry) for a call no run would make, its task `cancelled`.
+-- calls, or a task failed meanwhile) expires the call, as that expiry would: before, it stood `approved` (an
+-- `approval.decided` event and an audit entry) for a call no run would make, its task `cancelled`.
 local decided, feedback, by = ARGV[2], ARGV[3], ARGV[8] or ''
 local stopped = false
 if decided ~= 'expired' and task_id then
   local task_status = hash_get(ARGV[6] .. task_id, 'status')[1]
   if task_status and ENDED[task_status] then
-    decided, feedback, by, stopped = 'expired', 'the task was stopped', '', true
+    decided, feedback, by, stopped = 'expired', TASK_ENDED, '', true
   end
 end
 redis.call('HSET', KEYS[1], 'status', decided, 'feedback', feedback, 'decided_at', ARGV[4], 'decided_by', by)

@@ -7,7 +7,7 @@
 -- KEYS[1] the task's tool-results hash
 -- KEYS[2..] flush_run's KEYS
 -- ARGV[1] str: tool call id
--- ARGV[2] str: the result (JSON) to keep, or '' to keep none
+-- ARGV[2] str: the result (JSON) to keep, or '' for a call answered without running (kept empty)
 -- ARGV[3] str: the counter field of the outcome (`tool:<tool>:<outcome>`)
 -- ARGV[4] str: the time field (`tool:<tool>:ms`)
 -- ARGV[5] int: the call's ms (0: not added)
