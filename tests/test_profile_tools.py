@@ -540,7 +540,7 @@ def test_a_call_naming_no_tool_of_its_task_is_counted_under_one_label_not_the_mo
     run = SimpleNamespace(
         say=lambda kind, line: said.append(line), journal=SimpleNamespace(record=lambda *a: recorded.append(a[1]))
     )
-    state = SimpleNamespace(run=run, tool_calls=[])
+    state = SimpleNamespace(run=run, tool_calls=[], answered=frozenset())
     made_up = f"made_up_{uuid.uuid4().hex}"
     counted = observe.TOOL_CALLS.labels(observe.UNKNOWN_TOOL, "error")
     before = counted._value.get()
