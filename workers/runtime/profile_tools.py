@@ -234,9 +234,8 @@ class PolicyToolset(WrapperToolset[RunState]):
             return denied
         safe_twice = idempotent(tool, ctx.deps.profile)
         if cut_off and not safe_twice:
-            if call_id not in ctx.deps.answered:  # (an earlier resume said and counted it already)
-                run.say("tool_interrupted", f"{name}({json.dumps(tool_args)})")
-                _done(ctx, name, "interrupted")
+            line = f"{name}({json.dumps(tool_args)})"
+            answer_without_running(ctx.deps, call_id, name, "interrupted", line, kind="tool_interrupted")
             return INTERRUPTED
         if name in OWN_STATE_TOOLS:
             return await super().call_tool(name, tool_args, ctx, tool)  # their refusals are results already
@@ -315,9 +314,8 @@ def _policy_denial(
     # An MCP tool's hints count where no rule of the profile names it (workers/runtime/mcp_servers.py).
     decided = mcp_servers.hinted_verdict(ctx.deps.profile, name, tool_args, tool.tool_def)
     denied = apply_verdict(name, tool_args, decided)  # raises ApprovalRequired to ask
-    if denied and (ctx.tool_call_id or "") not in ctx.deps.answered:  # (said and counted by an earlier resume)
-        ctx.deps.run.say("tool_denied", f"{name}: {denied}")
-        _done(ctx, name, "denied")
+    if denied:
+        answer_without_running(ctx.deps, ctx.tool_call_id or "", name, "denied", f"{name}: {denied}")
     return denied
 
 
@@ -382,7 +380,8 @@ def answer_without_running(
     run_state.run.say(kind or ("tool_denied" if outcome == "denied" else "tool_error"), line)
     observe.tool_call(tool if known else observe.UNKNOWN_TOOL, outcome, None)  # (`known`: a tool of the task)
     run_state.tool_calls.append({"tool": tool, "outcome": outcome, "ms": 0})
-    run_state.run.journal.record(tool_call_id, tool, outcome, None if outcome == "denied" else line)
+    kept = None if outcome in ("denied", "interrupted") else line  # (the journal keeps those two empty)
+    run_state.run.journal.record(tool_call_id, tool, outcome, kept)
 
 
 @dataclass(frozen=True)
